@@ -1,0 +1,140 @@
+"""Discovering the checkpoints in a directory and judging each one.
+
+Discovery trusts manifests, never names or modification times: a directory is a checkpoint
+only if its ``manifest.json`` parses, and its order is the manifest's commit sequence number.
+Status of each entry:
+
+- ``valid``: manifest present, every listed file present with the listed size (and, when
+  verified deeply, the listed checksum);
+- ``corrupt``: manifest present but a file is missing, has another size or another checksum, or
+  the manifest itself is unreadable or unsafe;
+- ``incomplete``: a checkpoint-shaped or staging directory without a manifest (being written
+  right now, or left by a crash); never loaded, swept when the next writer starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from .commit import CKPT_RE, STAGING_PREFIX
+from .errors import CheckpointCorruptError
+from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .tensorfile import digest_file
+
+
+class Status(StrEnum):
+    VALID = "valid"
+    CORRUPT = "corrupt"
+    INCOMPLETE = "incomplete"
+
+
+class Depth(StrEnum):
+    NONE = "none"  # manifest only
+    SIZE = "size"  # + every file present with its size
+    FULL = "full"  # + every checksum
+
+
+@dataclass
+class Entry:
+    name: str
+    path: str
+    status: Status
+    manifest: Manifest | None = None
+    problem: str | None = None
+
+    @property
+    def step(self) -> int | None:
+        if self.manifest is not None:
+            return self.manifest.step
+        m = CKPT_RE.match(self.name) or CKPT_RE.match(_strip_staging(self.name))
+        return int(m.group(1)) if m else None
+
+    @property
+    def seq(self) -> int:
+        return self.manifest.seq if self.manifest is not None else -1
+
+
+def _strip_staging(name: str) -> str:
+    if name.startswith(STAGING_PREFIX):
+        rest = name[len(STAGING_PREFIX):]
+        return rest.rsplit("-", 1)[0]
+    return name
+
+
+def verify(path: str, manifest: Manifest, depth: Depth = Depth.FULL,
+           ranks: Iterable[int] | None = None) -> None:
+    """Raise :class:`CheckpointCorruptError` naming the first bad file. ``ranks`` restricts the
+    check to the files those ranks wrote (the shared files are written by rank 0)."""
+    wanted = None if ranks is None else set(ranks)
+    for f in manifest.files:
+        if wanted is not None and f.rank not in wanted:
+            continue
+        full = os.path.join(path, f.path)
+        try:
+            size = os.path.getsize(full)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{full}: listed in the manifest but missing") from None
+        if size != f.size:
+            raise CheckpointCorruptError(
+                f"{full}: size {size} bytes, manifest says {f.size} (truncated or overwritten)"
+            )
+        if depth is Depth.FULL:
+            d = digest_file(full)
+            if d.xxh3_64 != f.xxh3_64:
+                raise CheckpointCorruptError(
+                    f"{full}: checksum mismatch (xxh3_64 {d.xxh3_64}, manifest says {f.xxh3_64})"
+                )
+
+
+def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
+    """Every checkpoint-like entry under ``root``: committed ones ordered by commit sequence
+    (oldest first), then incomplete ones."""
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    committed: list[Entry] = []
+    incomplete: list[Entry] = []
+    for name in names:
+        path = os.path.join(root, name)
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        if name.startswith(STAGING_PREFIX):
+            incomplete.append(Entry(name, path, Status.INCOMPLETE,
+                                    problem="staging directory: being written, or left by a crash"))
+            continue
+        if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+            if CKPT_RE.match(name):
+                incomplete.append(Entry(name, path, Status.INCOMPLETE, problem="no manifest"))
+            continue
+        try:
+            manifest = read_manifest(path)
+        except CheckpointCorruptError as e:
+            committed.append(Entry(name, path, Status.CORRUPT, problem=str(e)))
+            continue
+        entry = Entry(name, path, Status.VALID, manifest)
+        if depth is not Depth.NONE:
+            try:
+                verify(path, manifest, depth)
+            except CheckpointCorruptError as e:
+                entry.status, entry.problem = Status.CORRUPT, str(e)
+        committed.append(entry)
+    committed.sort(key=lambda e: (e.seq, e.step or 0, e.name))
+    return committed + incomplete
+
+
+def committed(entries: Iterable[Entry]) -> list[Entry]:
+    """Entries with a readable manifest (valid or with bad files), oldest first."""
+    return [e for e in entries if e.manifest is not None]
+
+
+def next_seq(root: str) -> int:
+    """One more than the highest commit sequence number in ``root``."""
+    best = 0
+    for e in scan(root, Depth.NONE):
+        if e.manifest is not None:
+            best = max(best, e.manifest.seq)
+    return best + 1

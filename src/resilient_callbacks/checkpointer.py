@@ -1,0 +1,525 @@
+"""The Checkpointer: policy -> encode -> write -> commit -> retention, and restore.
+
+Which ranks call what: every rank constructs a Checkpointer with the same arguments and calls
+``restore``, ``step``, ``save`` and ``close`` at the same points (they run collectives when
+``torch.distributed`` is initialized). Rank 0 is the coordinator: it holds the directory lock,
+creates the staging directory, writes the replicated state, gathers every rank's file list,
+writes the manifest, commits and applies retention. Every rank writes its own ``PerRank`` state
+and RNG states.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import uuid
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from . import catalog, dist, layout, rng, structure
+from .catalog import Depth, Entry, Status
+from .commit import RenameCommit, sweep_staging, write_latest_pointer
+from .config import CheckpointerConfig, ResumeMode
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    ForeignCheckpointsWarning,
+    NoValidCheckpointError,
+    ResumeFallbackWarning,
+    UnsupportedStateError,
+)
+from .lock import DirLock
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest, versions
+from .policy import Clock
+from .retention import Candidate, plan
+from .tensorfile import write_json
+
+log = logging.getLogger("resilient_callbacks")
+
+
+@dataclass
+class SaveStats:
+    step: int
+    path: str
+    bytes: int
+    seconds: float
+    reason: str
+
+
+class Checkpointer:
+    """Atomic, verified, pickle-free checkpoints of a training state, with retention and exact
+    auto-resume. See the module docstring for which ranks call what.
+
+    >>> ckpt = Checkpointer("ckpts/run1", every_n_steps=100, keep_last=3)   # doctest: +SKIP
+    >>> start = ckpt.restore(state)                                         # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str],
+        *,
+        every_n_steps: int | None = None,
+        every_seconds: float | None = None,
+        keep_last: int | None = None,
+        keep_best: int = 0,
+        monitor: str | None = None,
+        mode: str = "min",
+        keep_every_n_steps: int | None = None,
+        resume: str | int | os.PathLike[str] = "auto",
+        capture_rng: bool = True,
+    ) -> None:
+        self.config = CheckpointerConfig(
+            dirpath=dirpath,  # type: ignore[arg-type]
+            every_n_steps=every_n_steps, every_seconds=every_seconds, keep_last=keep_last,
+            keep_best=keep_best, monitor=monitor, mode=mode,
+            keep_every_n_steps=keep_every_n_steps, resume=resume, capture_rng=capture_rng,
+        )
+        self.dirpath: str = self.config.dirpath
+        self.policy = self.config.save_policy()
+        self.retention = self.config.retention_policy()
+        self.rank = dist.rank()
+        self.world_size = dist.world_size()
+        self.is_coordinator = self.rank == 0
+        self.run_id: str | None = None
+        self.last_saved_step: int | None = None
+        self.last_save: SaveStats | None = None
+        self.restored_from: str | None = None
+        self._lock = DirLock(self.dirpath)
+        self._commit = RenameCommit(self.dirpath)
+        self._clock = Clock()
+        self._seq = 0
+        self._closed = False
+        self._warned_no_trigger = False
+        self._reported_foreign = False
+        self._open()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _open(self) -> None:
+        error = None
+        if self.is_coordinator:
+            try:
+                os.makedirs(self.dirpath, exist_ok=True)
+                self._lock.acquire()
+                swept = sweep_staging(self.dirpath)
+                if swept:
+                    log.warning("removed %d staging director%s left by an interrupted save: %s",
+                                len(swept), "y" if len(swept) == 1 else "ies", ", ".join(swept))
+                self._seq = catalog.next_seq(self.dirpath) - 1
+            except CheckpointError as e:
+                error = {"type": type(e).__name__, "msg": str(e)}
+                self._pending_error: BaseException = e
+            except OSError as e:
+                error = {"type": "OSError", "msg": (
+                    f"cannot use {self.dirpath} as a checkpoint directory: {e.strerror or e}. "
+                    "Check that the path is right and writable by this user."
+                )}
+                self._pending_error = CheckpointWriteError(error["msg"])
+                self._pending_error.__cause__ = e
+        error = dist.broadcast_json(error)
+        if error is not None:
+            if self.is_coordinator:
+                raise self._pending_error
+            raise CheckpointWriteError(f"rank 0 could not open the checkpoint directory: {error['msg']}")
+
+    def close(self) -> None:
+        """Release the directory. Saves are synchronous, so nothing is pending."""
+        if self._closed:
+            return
+        self._closed = True
+        self._lock.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self._lock.release()
+        except Exception:
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed; create a new one to save again")
+
+    # ------------------------------------------------------------------ saving
+
+    def step(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> bool:
+        """Call once per training step with the number of completed steps; saves when the
+        policy says so. Returns True if it saved."""
+        self._check_open()
+        reason = self.policy.due_by_step(step)
+        if reason is None and self.policy.every_seconds:
+            due = self._clock.elapsed() >= self.policy.every_seconds
+            if self.world_size > 1 and self.policy.every_seconds:
+                due = bool(dist.broadcast_json(due))  # rank 0's clock decides for everyone
+            if due:
+                reason = f"every_seconds={self.policy.every_seconds:g}"
+        if reason is None:
+            if not self.policy.has_trigger and not self._warned_no_trigger:
+                self._warned_no_trigger = True
+                log.warning("Checkpointer.step() called but no trigger is configured "
+                            "(every_n_steps / every_seconds); only save() will write checkpoints")
+            return False
+        return self._save(step, state, metrics, "periodic", why=reason)
+
+    def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> bool:
+        """Save now. Returns False (and writes nothing) if this run already committed ``step``."""
+        self._check_open()
+        return self._save(step, state, metrics, "forced", why="save() called")
+
+    def _save(self, step: int, state: Any, metrics: Mapping[str, Any] | None, reason: str,
+              why: str) -> bool:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TypeError(f"step must be an int >= 0, got {step!r}")
+        if self.last_saved_step == step:
+            log.debug("step %d is already committed by this run; not saving it twice", step)
+            return False
+        t0 = time.perf_counter()
+        clean_metrics = _clean_metrics(metrics)
+        if self.run_id is None:
+            self.run_id = dist.broadcast_json(uuid.uuid4().hex[:16] if self.is_coordinator else None)
+
+        staging, error = None, None
+        if self.is_coordinator:
+            try:
+                staging = self._commit.begin(step)
+            except OSError as e:
+                error = f"cannot create a staging directory in {self.dirpath}: {e}"
+        staging = dist.broadcast_json({"staging": staging, "error": error})
+        if staging["error"]:
+            raise CheckpointWriteError(
+                f"checkpoint for step {step} was not written: {staging['error']}", (0,)
+            )
+        staging_dir: str = staging["staging"]
+
+        local_exc: BaseException | None = None
+        files: list[dict[str, Any]] = []
+        fingerprint = ""
+        try:
+            shared, local = structure.encode(state, split_per_rank=self.world_size > 1)
+            fingerprint = _fingerprint(state)
+            rng_info, rng_tensors = rng.capture() if self.config.capture_rng else (None, {})
+            entries = layout.write_part(staging_dir, self.rank,
+                                        shared if self.is_coordinator else None,
+                                        local, rng_info, rng_tensors)
+            files = [e.__dict__ for e in entries]
+        except Exception as e:  # reported to every rank below; nothing is committed
+            local_exc = e
+        report = {"rank": self.rank, "files": files,
+                  "error": None if local_exc is None else f"{type(local_exc).__name__}: {local_exc}"}
+        reports = dist.all_gather_json(report)
+        failed = [r for r in reports if r["error"]]
+
+        outcome: dict[str, Any] = {"ok": False, "path": None, "error": None}
+        if self.is_coordinator:
+            if failed:
+                self._commit.abort(staging_dir)
+            else:
+                try:
+                    seq = self._seq + 1
+                    manifest = Manifest(
+                        step=step, run_id=self.run_id, seq=seq, world_size=self.world_size,
+                        files=[FileEntry(**f) for r in reports for f in r["files"]],
+                        metrics=clean_metrics, reason=reason, fingerprint=fingerprint,
+                        retention=self.retention.to_json(), versions=versions(),
+                    )
+                    missing = [f.path for f in manifest.files
+                               if not os.path.exists(os.path.join(staging_dir, f.path))]
+                    if missing:
+                        raise CheckpointWriteError(
+                            f"files written by other ranks are not visible to rank 0: {missing}. "
+                            "With several ranks, dirpath must be on a filesystem all ranks share."
+                        )
+                    write_json(os.path.join(staging_dir, MANIFEST_NAME), manifest.to_json())
+                    final = self._commit.commit(staging_dir, step)
+                    self._seq = seq
+                    try:
+                        write_latest_pointer(self.dirpath, os.path.basename(final))
+                    except OSError as e:
+                        log.warning("could not update the advisory 'latest' pointer: %s", e)
+                    outcome = {"ok": True, "path": final, "error": None}
+                except Exception as e:
+                    self._commit.abort(staging_dir)
+                    local_exc = local_exc or e
+                    outcome = {"ok": False, "path": None, "error": f"{type(e).__name__}: {e}"}
+        outcome = dist.broadcast_json(outcome)
+
+        if not outcome["ok"]:
+            if failed:
+                ranks = tuple(r["rank"] for r in failed)
+                detail = "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed)
+            else:
+                ranks, detail = (0,), f"rank 0 (commit): {outcome['error']}"
+            if isinstance(local_exc, UnsupportedStateError):
+                raise local_exc
+            msg = (f"checkpoint for step {step} was not committed; failed on rank(s) "
+                   f"{', '.join(map(str, ranks))}: {detail}. Nothing was committed and older "
+                   f"checkpoints in {self.dirpath} are intact.")
+            err = CheckpointWriteError(msg, ranks)
+            if isinstance(local_exc, OSError) and local_exc.errno:
+                err.errno = local_exc.errno
+            raise err from local_exc
+
+        self.last_saved_step = step
+        self._clock.reset()
+        elapsed = time.perf_counter() - t0
+        size = sum(f["size"] for r in reports for f in r["files"])
+        self.last_save = SaveStats(step, outcome["path"], size, elapsed, reason)
+        log.info("saved step %d (%s, %.1f MB, %.3f s) -> %s", step, why, size / 1e6, elapsed,
+                 outcome["path"])
+        if self.is_coordinator:
+            self._apply_retention(protect=os.path.basename(outcome["path"]))
+        return True
+
+    # ------------------------------------------------------------------ retention
+
+    def _apply_retention(self, protect: str) -> None:
+        entries = catalog.scan(self.dirpath, Depth.SIZE)
+        cands = [
+            Candidate(e.name, e.manifest.step, e.manifest.seq, e.manifest.run_id,
+                      e.manifest.metrics, e.status is Status.VALID)
+            for e in entries if e.manifest is not None
+        ]
+        self._report_foreign(entries)
+        p = plan(cands, self.retention, self.run_id, protected=[protect])
+        for name in p.delete:
+            path = os.path.join(self.dirpath, name)
+            try:
+                _remove_checkpoint(path)
+                log.info("retention: deleted %s", name)
+            except OSError as e:
+                log.warning("retention: could not delete %s: %s", path, e)
+
+    def _report_foreign(self, entries: list[Entry]) -> None:
+        if self._reported_foreign or self.run_id is None:
+            return
+        foreign = [e for e in entries if e.manifest is not None and e.manifest.run_id != self.run_id]
+        if not foreign:
+            return
+        self._reported_foreign = True
+        runs = sorted({e.manifest.run_id for e in foreign if e.manifest})
+        steps = [e.manifest.step for e in foreign if e.manifest]
+        msg = (f"{self.dirpath} holds {len(foreign)} checkpoint(s) of {len(runs)} other run(s) "
+               f"({', '.join(runs)}; steps {min(steps)}..{max(steps)}). Retention does not count "
+               "or delete them; use a separate dirpath per run, or remove them with "
+               "`resilient-ckpt gc`.")
+        warnings.warn(msg, ForeignCheckpointsWarning, stacklevel=4)
+        log.warning(msg)
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(self, state: Any) -> int:
+        """Load the checkpoint chosen by ``resume`` into ``state`` in place; return its step,
+        or 0 when there is nothing to resume from. Every rank calls it."""
+        self._check_open()
+        cands: list[dict[str, Any]] = []
+        error = None
+        if self.is_coordinator:
+            try:
+                cands = self._candidates()
+            except CheckpointError as e:
+                error = {"type": type(e).__name__, "msg": str(e)}
+                self._pending_error = e
+        msg = dist.broadcast_json({"cands": cands, "error": error})
+        if msg["error"] is not None:
+            if self.is_coordinator:
+                raise self._pending_error
+            raise _error_type(msg["error"]["type"])(msg["error"]["msg"])
+        cands = msg["cands"]
+        explicit = self.config.resume not in (ResumeMode.AUTO, ResumeMode.NEVER)
+        if not cands:
+            self._clock.reset()
+            return 0
+        skipped: list[str] = []
+        for c in cands:
+            if c["problem"]:
+                skipped.append(f"{c['path']}: {c['problem']}")
+                if explicit:
+                    raise CheckpointCorruptError(f"cannot resume from {c['path']}: {c['problem']}")
+                self._warn_fallback(c, c["problem"])
+                continue
+            step = self._try_load(c, state, explicit, skipped)
+            if step is not None:
+                return step
+        raise NoValidCheckpointError(
+            f"{self.dirpath} holds {len(cands)} checkpoint(s) but none can be restored:\n  - "
+            + "\n  - ".join(skipped)
+            + "\nRefusing to start from scratch silently. Repair or remove the bad checkpoints "
+            "(`resilient-ckpt verify`/`gc --remove-corrupt`), pass resume=<path or step> of a "
+            "good one, or resume='never' to start fresh."
+        )
+
+    def _warn_fallback(self, c: dict[str, Any], problem: str) -> None:
+        msg = (f"skipping checkpoint {c['path']} (step {c['step']}): {problem}; "
+               "falling back to an older checkpoint")
+        if self.is_coordinator:
+            warnings.warn(msg, ResumeFallbackWarning, stacklevel=3)
+        log.warning(msg)
+
+    def _try_load(self, c: dict[str, Any], state: Any, explicit: bool,
+                  skipped: list[str]) -> int | None:
+        path = c["path"]
+        part, problem = None, None
+        try:
+            manifest = read_manifest(path)
+            part = layout.read_part(path, manifest, self.rank)
+        except (CheckpointCorruptError, OSError) as e:
+            problem = str(e)
+        problems = [p for p in dist.all_gather_json(problem)]
+        bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+        if bad:
+            why = "; ".join(bad)
+            skipped.append(f"{path}: {why}")
+            if explicit:
+                raise CheckpointCorruptError(f"cannot resume from {path}: {why}")
+            self._warn_fallback(c, why)
+            return None
+        assert part is not None
+        local_exc: BaseException | None = None
+        warns: list[str] = []
+        try:
+            full = structure.inline_per_rank(part.structure, part.per_rank)
+            meta = {k: (str(t.dtype).removeprefix("torch."), list(t.shape))
+                    for k, t in part.tensors.items()}
+            structure.check_fits(state, full, meta)
+            owned = structure.CloneOnRead(part.tensors)
+            structure.apply(state, full, lambda n, borrow: structure.decode(
+                n, part.tensors if borrow else owned))
+            if self.config.capture_rng:
+                if part.rng is not None:
+                    warns = rng.restore(part.rng, part.tensors)
+                else:
+                    warns = [f"rank {self.rank} has no RNG state in this checkpoint (written by "
+                             f"{manifest.world_size} rank(s)); its random streams start fresh"]
+        except Exception as e:
+            local_exc = e
+        errors = dist.all_gather_json(None if local_exc is None else
+                                      f"{type(local_exc).__name__}: {local_exc}")
+        if any(errors):
+            if local_exc is not None:
+                raise local_exc
+            first = next(r for r, e in enumerate(errors) if e)
+            raise CheckpointMismatchError(f"restore failed on rank {first}: {errors[first]}")
+        for w in warns:
+            warnings.warn(w, stacklevel=3)
+        inside = os.path.dirname(os.path.abspath(path)) == self.dirpath
+        self.run_id = manifest.run_id if inside else None
+        self.last_saved_step = manifest.step if inside else None
+        self.restored_from = path
+        self._clock.reset()
+        log.info("restored step %d from %s", manifest.step, path)
+        return manifest.step
+
+    def _candidates(self) -> list[dict[str, Any]]:
+        """Coordinator: the checkpoints to try, best first, each with a size-level problem."""
+        r = self.config.resume
+        if r == ResumeMode.NEVER:
+            return []
+        if isinstance(r, str) and r != ResumeMode.AUTO:
+            path = os.path.abspath(os.path.expanduser(r))
+            if not os.path.exists(path):
+                raise CheckpointNotFoundError(f"resume={r!r}: no such checkpoint directory")
+            if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+                raise CheckpointNotFoundError(
+                    f"resume={r!r}: {path} has no {MANIFEST_NAME}, so it is not a committed "
+                    "checkpoint (pass a step_* directory written by resilient_callbacks)"
+                )
+            m = read_manifest(path)
+            problem = None
+            try:
+                catalog.verify(path, m, Depth.SIZE)
+            except CheckpointCorruptError as e:
+                problem = str(e)
+            return [{"path": path, "step": m.step, "problem": problem}]
+        entries = catalog.committed(catalog.scan(self.dirpath, Depth.SIZE))
+        entries.reverse()  # newest first
+        if isinstance(r, int):
+            chosen = [e for e in entries if e.step == r]
+            if not chosen:
+                have = sorted({e.step for e in entries if e.step is not None})
+                raise CheckpointNotFoundError(
+                    f"resume={r}: no checkpoint of step {r} in {self.dirpath} "
+                    f"(steps present: {have or 'none'})"
+                )
+            entries = chosen[:1]
+        return [{"path": e.path, "step": e.step, "problem": e.problem} for e in entries]
+
+    # ------------------------------------------------------------------ queries
+
+    def checkpoints(self) -> list[Entry]:
+        """Committed checkpoints in dirpath, oldest first (sizes checked, not checksums)."""
+        return catalog.committed(catalog.scan(self.dirpath, Depth.SIZE))
+
+    @property
+    def latest_path(self) -> str | None:
+        valid = [e for e in self.checkpoints() if e.status is Status.VALID]
+        return valid[-1].path if valid else None
+
+
+def _remove_checkpoint(path: str) -> None:
+    """Delete a committed checkpoint: manifest first (so a crash mid-delete leaves an
+    incomplete directory that readers ignore, never a torn 'valid' one), then the rest."""
+    import shutil
+
+    try:
+        os.unlink(os.path.join(path, MANIFEST_NAME))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path)
+
+
+def _clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for k, v in (metrics or {}).items():
+        if isinstance(v, torch.Tensor):
+            v = v.detach().float().item()
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"metric {k!r}={v!r} is not a number") from None
+        out[str(k)] = f if math.isfinite(f) else None
+    return out
+
+
+def _fingerprint(state: Any) -> str:
+    """Hash of the names, shapes and dtypes of every module's tensors: identifies the model."""
+    specs: list[Any] = []
+
+    def rec(obj: Any, path: str) -> None:
+        if isinstance(obj, structure.PerRank):
+            rec(obj.obj, path)
+        elif isinstance(obj, torch.nn.Module):
+            for k, v in obj.state_dict().items():
+                if isinstance(v, torch.Tensor):
+                    specs.append([f"{path}.{k}", list(v.shape), str(v.dtype)])
+        elif isinstance(obj, Mapping):
+            for k, v in obj.items():
+                rec(v, f"{path}.{k}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                rec(v, f"{path}.{i}")
+
+    rec(state, "")
+    return xxhash.xxh3_64_hexdigest(json.dumps(specs).encode()) if specs else ""
+
+
+def _error_type(name: str) -> type[CheckpointError]:
+    from . import errors
+
+    t = getattr(errors, name, CheckpointError)
+    return t if isinstance(t, type) and issubclass(t, CheckpointError) else CheckpointError

@@ -1,0 +1,110 @@
+"""Atomic commit of a checkpoint directory on a POSIX filesystem.
+
+The strategy: every file is written into a hidden staging directory next to the final one;
+files are fsynced as they are written, then the manifest is written last and fsynced, the
+staging directory is fsynced, renamed to its final name, and the parent directory is fsynced.
+A crash at any point leaves either no checkpoint or a complete one; leftovers are hidden
+``.staging-*`` directories that :func:`sweep_staging` removes when the next writer starts.
+
+Which ranks call what: the coordinator (rank 0) calls :meth:`RenameCommit.begin`,
+:meth:`~RenameCommit.commit` and :meth:`~RenameCommit.abort`; every rank writes its own files
+into the staging directory returned by ``begin`` (the directory must be on a filesystem that all
+ranks share).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import uuid
+
+from .errors import CheckpointWriteError
+
+STAGING_PREFIX = ".staging-"
+CKPT_RE = re.compile(r"^step_(\d+)(?:-(\d+))?$")
+
+
+def ckpt_name(step: int, n: int = 0) -> str:
+    return f"step_{step:09d}" + (f"-{n}" if n else "")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems do not support fsync on directories
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+class RenameCommit:
+    """Staging directory + fsync + rename: the commit strategy for local/POSIX directories."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def begin(self, step: int) -> str:
+        """Create and return a fresh staging directory for ``step`` (coordinator only)."""
+        path = os.path.join(self.root, f"{STAGING_PREFIX}{ckpt_name(step)}-{uuid.uuid4().hex[:12]}")
+        os.makedirs(path)
+        return path
+
+    def final_name(self, step: int) -> str:
+        n = 0
+        while os.path.lexists(os.path.join(self.root, ckpt_name(step, n))):
+            n += 1
+        return ckpt_name(step, n)
+
+    def commit(self, staging: str, step: int) -> str:
+        """Make ``staging`` (whose manifest is already written and fsynced) the checkpoint for
+        ``step``; return its final path. Never replaces an existing checkpoint."""
+        fsync_dir(staging)
+        for _ in range(100):
+            final = os.path.join(self.root, self.final_name(step))
+            try:
+                # os.rename onto an existing non-empty directory fails (ENOTEMPTY/EEXIST) rather
+                # than replacing it, so a concurrent name clash cannot destroy a checkpoint.
+                if os.path.lexists(final):
+                    continue
+                os.rename(staging, final)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    continue
+                raise CheckpointWriteError(
+                    f"could not move the staged checkpoint {staging} into place at {final}: {e}"
+                ) from e
+            fsync_dir(self.root)
+            return final
+        raise CheckpointWriteError(f"could not find a free name for step {step} in {self.root}")
+
+    def abort(self, staging: str) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def sweep_staging(root: str) -> list[str]:
+    """Remove leftover staging directories (call only while holding the directory lock)."""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if name.startswith(STAGING_PREFIX):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def write_latest_pointer(root: str, name: str) -> None:
+    """Advisory ``latest`` file naming the newest checkpoint, for humans and shell scripts.
+    Discovery never trusts it: manifests decide."""
+    tmp = os.path.join(root, f".latest.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, "latest"))

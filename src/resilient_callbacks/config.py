@@ -1,0 +1,74 @@
+"""The options of a :class:`~resilient_callbacks.Checkpointer`, validated in one place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from .errors import ConfigError
+from .policy import SavePolicy
+from .retention import Mode, RetentionPolicy
+
+
+class ResumeMode(StrEnum):
+    AUTO = "auto"  # newest valid checkpoint in dirpath, falling back loudly; fresh start if none
+    NEVER = "never"  # start fresh; checkpoints already in dirpath are kept and not counted
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointerConfig:
+    dirpath: str
+    every_n_steps: int | None = None
+    every_seconds: float | None = None
+    keep_last: int | None = None
+    keep_best: int = 0
+    monitor: str | None = None
+    mode: Mode | str = Mode.MIN
+    keep_every_n_steps: int | None = None
+    resume: Any = ResumeMode.AUTO  # "auto" | "never" | int step | path of a checkpoint directory
+    capture_rng: bool = True
+
+    def __post_init__(self) -> None:
+        d = os.fspath(self.dirpath) if isinstance(self.dirpath, os.PathLike) else self.dirpath
+        if not isinstance(d, str) or not d:
+            raise ConfigError(f"dirpath={self.dirpath!r}: must be a non-empty path")
+        if "://" in d:
+            if not d.startswith("file://"):
+                raise ConfigError(
+                    f"dirpath={d!r}: the checkpoint directory must be a local (or shared, "
+                    "mounted) filesystem path; object-store URLs are not supported as dirpath"
+                )
+            d = d[len("file://"):]
+        object.__setattr__(self, "dirpath", os.path.abspath(os.path.expanduser(d)))
+        r = self.resume
+        if isinstance(r, bool):
+            raise ConfigError(f"resume={r!r}: use 'auto', 'never', a step number or a path")
+        if isinstance(r, int):
+            if r < 0:
+                raise ConfigError(f"resume={r}: a step number must be >= 0")
+        elif isinstance(r, os.PathLike):
+            object.__setattr__(self, "resume", os.fspath(r))
+        elif isinstance(r, str):
+            if r in ("auto", "never"):
+                object.__setattr__(self, "resume", ResumeMode(r))
+        else:
+            raise ConfigError(
+                f"resume={r!r}: use 'auto' (default), 'never', a step number or the path of a "
+                "checkpoint directory"
+            )
+        if not isinstance(self.capture_rng, bool):
+            raise ConfigError(f"capture_rng={self.capture_rng!r}: must be True or False")
+        # Constructing these validates the save and retention options with their own messages.
+        self.save_policy()
+        self.retention_policy()
+
+    def save_policy(self) -> SavePolicy:
+        return SavePolicy(every_n_steps=self.every_n_steps, every_seconds=self.every_seconds,
+                          archive_every_n_steps=self.keep_every_n_steps)
+
+    def retention_policy(self) -> RetentionPolicy:
+        return RetentionPolicy(keep_last=self.keep_last, keep_best=self.keep_best,
+                               monitor=self.monitor, mode=Mode(self.mode) if self.mode in ("min", "max") else self.mode,
+                               keep_every_n_steps=self.keep_every_n_steps)

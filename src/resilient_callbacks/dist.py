@@ -1,0 +1,86 @@
+"""The few collectives the core needs, on JSON values, without pickle.
+
+``torch.distributed``'s ``*_object`` collectives pickle their payload; these encode JSON into
+uint8 tensors instead. With no process group initialized every function is the identity for a
+single rank. Every rank must call each function in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+
+def is_initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if is_initialized() else 1
+
+
+def _device() -> torch.device:
+    backend = torch.distributed.get_backend()
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _encode(obj: Any, device: torch.device) -> torch.Tensor:
+    data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def _decode(t: torch.Tensor) -> Any:
+    return json.loads(bytes(t.cpu().numpy().tobytes()).decode("utf-8"))
+
+
+def all_gather_json(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not is_initialized():
+        return [obj]
+    dev = _device()
+    payload = _encode(obj, dev)
+    n = world_size()
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    torch.distributed.all_gather(sizes, size)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    padded[: payload.numel()] = payload
+    bufs = [torch.zeros(longest, dtype=torch.uint8, device=dev) for _ in range(n)]
+    torch.distributed.all_gather(bufs, padded)
+    return [_decode(b[: int(s.item())]) for b, s in zip(bufs, sizes, strict=True)]
+
+
+def broadcast_json(obj: Any, src: int = 0) -> Any:
+    """``obj`` of rank ``src`` on every rank."""
+    if not is_initialized():
+        return obj
+    dev = _device()
+    payload = _encode(obj, dev) if rank() == src else torch.empty(0, dtype=torch.uint8, device=dev)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
+    torch.distributed.broadcast(size, src)
+    buf = payload if rank() == src else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    torch.distributed.broadcast(buf, src)
+    return _decode(buf)
+
+
+def any_true(flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank."""
+    if not is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def barrier() -> None:
+    if is_initialized():
+        torch.distributed.barrier()

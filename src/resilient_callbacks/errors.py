@@ -1,0 +1,80 @@
+"""One exception hierarchy for the whole library.
+
+Every error derives from :class:`CheckpointError` and also from the built-in exception that
+matches it, so callers can catch either (``except FileNotFoundError`` still works for a missing
+checkpoint). Messages say what happened, why, and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by resilient_callbacks."""
+
+
+class ConfigError(CheckpointError, ValueError):
+    """An invalid option or combination of options given to a constructor."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A requested checkpoint (explicit step or path) does not exist."""
+
+
+class CheckpointCorruptError(CheckpointError, OSError):
+    """A checkpoint's files do not match its manifest (missing, wrong size, wrong checksum)."""
+
+
+class UnsafeManifestError(CheckpointCorruptError, ValueError):
+    """A manifest names a file outside its checkpoint directory (``..``, absolute paths)."""
+
+
+class NoValidCheckpointError(CheckpointError, RuntimeError):
+    """Checkpoints exist but none of them can be restored; never a silent fresh start."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A checkpoint does not fit the objects it is loaded into (keys, shapes, dtypes)."""
+
+
+class UnsupportedStateError(CheckpointError, TypeError):
+    """An object in the state cannot be saved without pickle."""
+
+
+class CheckpointLockedError(CheckpointError, BlockingIOError):
+    """Another writer holds the checkpoint directory."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A save failed (on one or more ranks); nothing was committed."""
+
+    def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+
+    def __str__(self) -> str:  # OSError's __str__ would reformat a single-arg message
+        return str(self.args[0]) if self.args else ""
+
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointLockedError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "ConfigError",
+    "NoValidCheckpointError",
+    "UnsafeManifestError",
+    "UnsupportedStateError",
+]
+
+
+class ResumeFallbackWarning(UserWarning):
+    """Restore skipped a corrupt or incomplete checkpoint and used an older one."""
+
+
+class ForeignCheckpointsWarning(UserWarning):
+    """The checkpoint directory holds checkpoints of another run or model."""
+
+
+__all__ += ["ForeignCheckpointsWarning", "ResumeFallbackWarning"]

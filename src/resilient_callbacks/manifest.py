@@ -1,0 +1,137 @@
+"""The manifest: the commit point and the table of contents of one checkpoint.
+
+A checkpoint exists only once ``manifest.json`` is in place; it is written last. It lists every
+file with size and xxh3-64 checksum, and records step, metrics, time, world size, the run the
+checkpoint belongs to and the versions that wrote it. File names in a manifest are validated:
+a manifest naming anything outside its own directory is rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import CheckpointCorruptError, UnsafeManifestError
+from .tensorfile import FileDigest
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_NAME = "resilient_callbacks.checkpoint"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative to the checkpoint directory, '/'-separated
+    size: int
+    xxh3_64: str
+    rank: int = 0
+    kind: str = "tensors"  # "tensors" | "structure"
+
+    @property
+    def digest(self) -> FileDigest:
+        return FileDigest(self.size, self.xxh3_64)
+
+
+@dataclass
+class Manifest:
+    step: int
+    run_id: str
+    seq: int  # commit sequence number within the directory; higher = committed later
+    world_size: int
+    files: list[FileEntry]
+    metrics: dict[str, float] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    reason: str = "periodic"  # periodic | forced | emergency | close
+    fingerprint: str = ""
+    retention: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["format"] = FORMAT_NAME
+        d["format_version"] = FORMAT_VERSION
+        d["created_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str = "manifest") -> Manifest:
+        if d.get("format") != FORMAT_NAME:
+            raise CheckpointCorruptError(f"{where}: not a resilient_callbacks manifest")
+        if int(d.get("format_version", 0)) > FORMAT_VERSION:
+            raise CheckpointCorruptError(
+                f"{where}: format version {d['format_version']} is newer than this library "
+                f"understands ({FORMAT_VERSION}); upgrade resilient-callbacks to read it"
+            )
+        try:
+            files = [FileEntry(**f) for f in d["files"]]
+            for f in files:
+                check_relative(f.path, where)
+            return cls(
+                step=int(d["step"]),
+                run_id=str(d["run_id"]),
+                seq=int(d["seq"]),
+                world_size=int(d["world_size"]),
+                files=files,
+                metrics=dict(d.get("metrics") or {}),
+                created=float(d.get("created", 0.0)),
+                reason=str(d.get("reason", "periodic")),
+                fingerprint=str(d.get("fingerprint", "")),
+                retention=dict(d.get("retention") or {}),
+                versions=dict(d.get("versions") or {}),
+                extra=dict(d.get("extra") or {}),
+            )
+        except UnsafeManifestError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointCorruptError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
+
+
+def check_relative(name: str, where: str = "manifest") -> None:
+    """Reject names that could escape the checkpoint directory."""
+    if (
+        not name
+        or name.startswith(("/", "\\"))
+        or (len(name) > 1 and name[1] == ":")
+        or "\\" in name
+        or "\x00" in name
+        or any(part in ("", ".", "..") for part in name.split("/"))
+    ):
+        raise UnsafeManifestError(
+            f"{where}: names the file {name!r}, which is outside its checkpoint directory; "
+            "refusing to read or delete it (the manifest was tampered with or is corrupt)"
+        )
+
+
+def read_manifest(ckpt_dir: str) -> Manifest:
+    path = os.path.join(ckpt_dir, MANIFEST_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except FileNotFoundError:
+        raise
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"{path}: unreadable manifest ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointCorruptError(f"{path}: manifest is not a JSON object")
+    return Manifest.from_json(data, path)
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    from . import __version__
+
+    return {
+        "resilient_callbacks": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }

@@ -1,0 +1,63 @@
+"""When to save: the fixed triggers shared by every adapter.
+
+``every_n_steps`` saves at multiples of N; ``every_seconds`` saves when that much wall time has
+passed since the last save (or since the run started); archive steps (``keep_every_n_steps``)
+are always saved so that the archive retention has something to keep. With several ranks the
+time-based decision is taken by rank 0 and broadcast, so all ranks save at the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavePolicy:
+    every_n_steps: int | None = None
+    every_seconds: float | None = None
+    archive_every_n_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps is not None and (
+            isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int)
+            or self.every_n_steps < 1
+        ):
+            raise ConfigError(
+                f"every_n_steps={self.every_n_steps!r}: must be an int >= 1, or None to not save "
+                "by step count"
+            )
+        if self.every_seconds is not None and (
+            isinstance(self.every_seconds, bool) or not isinstance(self.every_seconds, (int, float))
+            or not self.every_seconds > 0
+        ):
+            raise ConfigError(
+                f"every_seconds={self.every_seconds!r}: must be a number > 0, or None to not save "
+                "by wall time"
+            )
+
+    @property
+    def has_trigger(self) -> bool:
+        return bool(self.every_n_steps or self.every_seconds or self.archive_every_n_steps)
+
+    def due_by_step(self, step: int) -> str | None:
+        if self.every_n_steps and step % self.every_n_steps == 0:
+            return f"every_n_steps={self.every_n_steps}"
+        if self.archive_every_n_steps and step % self.archive_every_n_steps == 0:
+            return f"archive step (keep_every_n_steps={self.archive_every_n_steps})"
+        return None
+
+
+class Clock:
+    """Tracks the time of the last save for ``every_seconds``."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def reset(self) -> None:
+        self.last = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.last

@@ -1,0 +1,143 @@
+"""Which checkpoints to keep, and why: a pure function, tested with hypothesis.
+
+Pools, each kept independently: the ``keep_last`` most recently committed, the ``keep_best``
+best by a monitored metric, and archive points (``step % keep_every_n_steps == 0``). On top of
+the pools, never deleted: the newest valid checkpoint, anything protected by the caller (being
+written or uploaded), corrupt checkpoints (left for inspection; ``resilient-ckpt gc
+--remove-corrupt`` removes them) and every checkpoint of another run (reported, never counted).
+
+Which ranks call what: only the coordinator plans and deletes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from .errors import ConfigError
+
+
+class Mode(StrEnum):
+    MIN = "min"
+    MAX = "max"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPolicy:
+    keep_last: int | None = None  # None keeps every checkpoint
+    keep_best: int = 0
+    monitor: str | None = None
+    mode: Mode = Mode.MIN
+    keep_every_n_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
+            raise ConfigError(
+                f"keep_last={self.keep_last!r}: must be an int >= 1 (the newest checkpoint is "
+                "always kept), or None to keep every checkpoint"
+            )
+        if not isinstance(self.keep_best, int) or self.keep_best < 0:
+            raise ConfigError(f"keep_best={self.keep_best!r}: must be an int >= 0")
+        if self.keep_best and not self.monitor:
+            raise ConfigError(
+                f"keep_best={self.keep_best} needs a metric to rank checkpoints by: pass "
+                "monitor='val_loss' (a key of the metrics you give to step()/save()) and mode='min' or 'max'"
+            )
+        if self.monitor and not self.keep_best:
+            raise ConfigError(
+                f"monitor={self.monitor!r} has no effect without keep_best: pass keep_best=1 to "
+                "keep the best checkpoint by that metric"
+            )
+        try:
+            object.__setattr__(self, "mode", Mode(self.mode))
+        except ValueError:
+            raise ConfigError(f"mode={self.mode!r}: must be 'min' or 'max'") from None
+        if self.keep_every_n_steps is not None and (
+            not isinstance(self.keep_every_n_steps, int) or self.keep_every_n_steps < 1
+        ):
+            raise ConfigError(
+                f"keep_every_n_steps={self.keep_every_n_steps!r}: must be an int >= 1 or None"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["mode"] = str(self.mode)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RetentionPolicy:
+        return cls(**{k: d[k] for k in ("keep_last", "keep_best", "monitor", "mode",
+                                        "keep_every_n_steps") if k in d})
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    step: int
+    seq: int
+    run_id: str
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    valid: bool = True
+
+
+@dataclass
+class Plan:
+    keep: dict[str, list[str]]  # name -> reasons
+    delete: list[str]  # names, oldest first
+
+
+def plan(
+    candidates: Iterable[Candidate],
+    policy: RetentionPolicy,
+    run_id: str | None,
+    protected: Iterable[str] = (),
+) -> Plan:
+    """Decide what to keep. ``run_id`` is the current run; checkpoints of other runs are kept.
+    With ``run_id=None`` every checkpoint counts as this run's (used by ``gc``)."""
+    cands = sorted(candidates, key=lambda c: (c.seq, c.step, c.name))
+    protected = set(protected)
+    keep: dict[str, list[str]] = {c.name: [] for c in cands}
+
+    def mark(c: Candidate, why: str) -> None:
+        keep[c.name].append(why)
+
+    mine = []
+    for c in cands:
+        if run_id is not None and c.run_id != run_id:
+            mark(c, f"other run {c.run_id}")
+        elif not c.valid:
+            mark(c, "corrupt: not counted; remove with `resilient-ckpt gc --remove-corrupt`")
+        else:
+            mine.append(c)
+        if c.name in protected:
+            mark(c, "in progress")
+    if mine:
+        mark(mine[-1], "newest")
+    if policy.keep_last is None:
+        for c in mine:
+            mark(c, "keep_last=None keeps all")
+    else:
+        for c in mine[-policy.keep_last:]:
+            mark(c, f"last {policy.keep_last}")
+    if policy.keep_best and policy.monitor:
+        scored = [c for c in mine if _finite(c.metrics.get(policy.monitor))]
+        sign = 1.0 if policy.mode is Mode.MIN else -1.0
+        scored.sort(key=lambda c: (sign * float(c.metrics[policy.monitor]), -c.seq))
+        for c in scored[: policy.keep_best]:
+            mark(c, f"best {policy.monitor}={c.metrics[policy.monitor]:.6g}")
+    if policy.keep_every_n_steps:
+        for c in mine:
+            if c.step % policy.keep_every_n_steps == 0:
+                mark(c, f"archive (every {policy.keep_every_n_steps} steps)")
+    delete = [c.name for c in cands if not keep[c.name]]
+    return Plan({k: v for k, v in keep.items() if v}, delete)
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return v is not None and math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False

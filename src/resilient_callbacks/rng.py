@@ -1,0 +1,59 @@
+"""Capture and restore every random number generator a training step can touch, without pickle.
+
+Python's ``random``, NumPy's global legacy generator, torch's CPU generator and, when CUDA is
+initialized, every CUDA device's generator. States become JSON values and uint8 tensors. Each
+rank saves its own generators (they differ between ranks) into its own file.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def capture() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)
+    kind, keys, pos, has_gauss, cached = np_state
+    info: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss},
+        "numpy": {"kind": kind, "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "cuda_devices": 0,
+    }
+    tensors = {
+        "@rng/numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)),
+        "@rng/torch_cpu": torch.get_rng_state().clone(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states = torch.cuda.get_rng_state_all()
+        info["cuda_devices"] = len(states)
+        for i, s in enumerate(states):
+            tensors[f"@rng/cuda_{i}"] = s.cpu().clone()
+    return info, tensors
+
+
+def restore(info: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Restore the generators; returns warnings for states that could not be applied."""
+    warnings: list[str] = []
+    py = info["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    npi = info["numpy"]
+    keys = tensors["@rng/numpy_keys"].numpy().astype(np.uint32)
+    np.random.set_state((npi["kind"], keys, npi["pos"], npi["has_gauss"], npi["cached_gaussian"]))
+    torch.set_rng_state(tensors["@rng/torch_cpu"].to(torch.uint8).clone())
+    n = int(info.get("cuda_devices", 0))
+    if n:
+        if torch.cuda.is_available() and torch.cuda.device_count() == n:
+            torch.cuda.set_rng_state_all([tensors[f"@rng/cuda_{i}"].clone() for i in range(n)])
+        else:
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            warnings.append(
+                f"the checkpoint holds RNG states of {n} CUDA device(s) but {have} are visible; "
+                "CUDA random streams are not restored"
+            )
+    return warnings

@@ -1,0 +1,583 @@
+"""Turning a training state into JSON + named tensors, and back, without pickle.
+
+``encode`` walks a nested state (dicts, lists, tuples, objects with ``state_dict()``, tensors,
+JSON-able values) and returns a JSON-able *structure* in which every tensor is replaced by a
+reference to an entry of a flat ``{name: tensor}`` table. Tensors that are the same view of the
+same storage (tied weights, aliases) are stored once and restored as one object.
+
+``decode`` rebuilds Python values from a structure and a table of loaded tensors;
+``apply`` loads them *in place* into the live objects of a state (``load_state_dict``, ``copy_``,
+container assignment), after ``check_fits`` has listed every key or shape that does not fit.
+
+Tags: a JSON object with the key ``"__rc__"`` is a typed node (tuple, tensor, non-string dict
+keys, non-finite float, ...). Plain dicts whose keys are all strings (and none is ``"__rc__"``)
+stay plain JSON objects so the files remain readable.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CheckpointMismatchError, UnsupportedStateError
+
+TAG = "__rc__"
+
+_JSON_SCALARS = (bool, int, str, type(None))
+
+
+class PerRank:
+    """Marks a part of the state that differs between ranks (a data loader's position, a
+    rank-local generator). It is written by every rank into its own file and restored on the
+    same rank. Everything not marked is treated as replicated and written once, by rank 0."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.obj!r})"
+
+
+def is_stateful(obj: Any) -> bool:
+    return (
+        not isinstance(obj, (torch.Tensor, Mapping, type))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """``('model', 'fc.weight')`` -> ``state['model']['fc.weight']``."""
+    return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+@dataclass
+class Encoded:
+    """The result of encoding: a JSON-able structure plus the tensors it references."""
+
+    structure: Any
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    per_rank: dict[str, Any] = field(default_factory=dict)  # id -> structure (rank-local)
+
+
+class _Encoder:
+    def __init__(self, split_per_rank: bool) -> None:
+        self.split_per_rank = split_per_rank
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._alias: dict[tuple[Any, ...], str] = {}
+        self.rank_tensors: dict[str, torch.Tensor] = {}
+        self._rank_alias: dict[tuple[Any, ...], str] = {}
+        self.per_rank: dict[str, Any] = {}
+        self._in_rank = False
+
+    def tensor_ref(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        if t.is_sparse or t.layout != torch.strided:
+            raise UnsupportedStateError(
+                f"{path_str(path)} is a tensor with layout {t.layout}; only dense (strided) tensors "
+                "can be saved. Convert it with .to_dense() in your state_dict()."
+            )
+        if t.is_quantized:
+            raise UnsupportedStateError(
+                f"{path_str(path)} is a quantized tensor; dequantize it (or save its int_repr() "
+                "and scale) in your state_dict()."
+            )
+        if t.device.type == "meta":
+            raise UnsupportedStateError(
+                f"{path_str(path)} is on the meta device and holds no data; materialize the "
+                "module (e.g. to_empty + init) before saving."
+            )
+        if type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor"):
+            raise UnsupportedStateError(
+                f"{path_str(path)} is a sharded DTensor; Checkpointer saves replicated and "
+                "per-rank tensors only. Gather it to a full tensor in your state_dict(), or use "
+                "torch.distributed.checkpoint for sharded models."
+            )
+        t = t.detach()
+        table, alias = (
+            (self.rank_tensors, self._rank_alias) if self._in_rank else (self.tensors, self._alias)
+        )
+        if t.numel() > 0:
+            ident = (
+                t.device,
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+                tuple(t.shape),
+                tuple(t.stride()),
+                t.dtype,
+            )
+            name = alias.get(ident)
+            if name is not None:
+                return {TAG: "tensor", "key": name}
+        else:
+            ident = None
+        base = "/".join(str(p) for p in path) or "tensor"
+        if self._in_rank:
+            base = "@rank/" + base  # rank-local names never clash with shared ones
+        elif base.startswith("@"):
+            base = "@" + base
+        name = base
+        n = 1
+        while name in table:
+            n += 1
+            name = f"{base}#{n}"
+        table[name] = t
+        if ident is not None:
+            alias[ident] = name
+        return {TAG: "tensor", "key": name}
+
+    def encode(self, obj: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(obj, PerRank):
+            if self._in_rank:
+                raise UnsupportedStateError(f"{path_str(path)}: PerRank cannot be nested")
+            if not self.split_per_rank:
+                return self.encode(obj.obj, path)
+            rid = "/".join(str(p) for p in path) or "root"
+            self._in_rank = True
+            try:
+                self.per_rank[rid] = self.encode(obj.obj, path)
+            finally:
+                self._in_rank = False
+            return {TAG: "per_rank", "id": rid}
+        if isinstance(obj, torch.Tensor):
+            return self.tensor_ref(obj, path)
+        if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+            return obj
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            if math.isfinite(obj):
+                return float(obj)
+            return {TAG: "float", "value": repr(obj)}
+        if isinstance(obj, Mapping):
+            if all(isinstance(k, str) for k in obj) and TAG not in obj:
+                return {k: self.encode(v, (*path, k)) for k, v in obj.items()}
+            return {
+                TAG: "dict",
+                "items": [
+                    [self.encode(k, (*path, "<key>")), self.encode(v, (*path, k))]
+                    for k, v in obj.items()
+                ],
+            }
+        if isinstance(obj, torch.Size):
+            return {TAG: "size", "items": [int(x) for x in obj]}
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return {TAG: "tuple", "items": [self.encode(v, (*path, i)) for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [self.encode(v, (*path, i)) for i, v in enumerate(obj)]
+        if isinstance(obj, (set, frozenset)):
+            items = [self.encode(v, (*path, "<item>")) for v in obj]
+            return {TAG: "frozenset" if isinstance(obj, frozenset) else "set", "items": items}
+        if isinstance(obj, torch.dtype):
+            return {TAG: "dtype", "name": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {TAG: "device", "name": str(obj)}
+        if isinstance(obj, (bytes, bytearray)):
+            return {TAG: "bytes", "b64": base64.b64encode(bytes(obj)).decode("ascii")}
+        if isinstance(obj, np.ndarray):
+            if obj.dtype == object or obj.dtype.kind in "USV":
+                raise UnsupportedStateError(
+                    f"{path_str(path)} is a NumPy array of dtype {obj.dtype}; only numeric arrays "
+                    "can be saved without pickle. Convert it to a list of str/int/float."
+                )
+            ref = self.tensor_ref(torch.from_numpy(np.ascontiguousarray(obj)), path)
+            ref["numpy"] = True
+            return ref
+        if isinstance(obj, np.generic):
+            if obj.dtype.kind in "biuf":
+                return {TAG: "np", "dtype": obj.dtype.str, "value": self.encode(obj.item(), path)}
+            raise UnsupportedStateError(f"{path_str(path)} is a NumPy scalar of dtype {obj.dtype}")
+        if is_stateful(obj):
+            sd = obj.state_dict()
+            return {TAG: "stateful", "type": _qualname(obj), "state": self.encode(sd, path)}
+        raise UnsupportedStateError(
+            f"{path_str(path)} has type {_qualname(obj)}, which cannot be saved without pickle. "
+            "Give it state_dict() and load_state_dict() methods returning/accepting tensors and "
+            "JSON-able values (dict, list, tuple, str, int, float, bool, None), or convert it to "
+            "such values before putting it in the state."
+        )
+
+
+def _qualname(obj: Any) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def encode(state: Any, *, split_per_rank: bool = True) -> tuple[Encoded, Encoded]:
+    """Encode ``state``. Returns ``(shared, rank_local)``: the replicated structure with its
+    tensors, and the ``PerRank`` parts with theirs."""
+    enc = _Encoder(split_per_rank)
+    structure = enc.encode(state, ())
+    shared = Encoded(structure, enc.tensors)
+    local = Encoded(None, enc.rank_tensors, enc.per_rank)
+    return shared, local
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+@dataclass
+class StatefulNode:
+    """A decoded ``state_dict()`` result, to be passed to the live object's ``load_state_dict``."""
+
+    type: str
+    state: Any
+
+
+def decode(
+    node: Any,
+    tensors: Mapping[str, torch.Tensor],
+    per_rank: Mapping[str, Any] | None = None,
+    keep_stateful: bool = False,
+) -> Any:
+    """Rebuild Python values from a structure. With ``keep_stateful`` a stateful node becomes a
+    :class:`StatefulNode`; otherwise it becomes its plain state dict."""
+
+    def rec(n: Any) -> Any:
+        if isinstance(n, list):
+            return [rec(v) for v in n]
+        if not isinstance(n, dict):
+            return n
+        tag = n.get(TAG)
+        if tag is None:
+            return {k: rec(v) for k, v in n.items()}
+        if tag == "tensor":
+            t = tensors[n["key"]]
+            return t.numpy() if n.get("numpy") else t
+        if tag == "dict":
+            return {_hashable(rec(k)): rec(v) for k, v in n["items"]}
+        if tag == "tuple":
+            return tuple(rec(v) for v in n["items"])
+        if tag == "size":
+            return torch.Size(n["items"])
+        if tag == "float":
+            return float(n["value"])
+        if tag == "set":
+            return {_hashable(rec(v)) for v in n["items"]}
+        if tag == "frozenset":
+            return frozenset(_hashable(rec(v)) for v in n["items"])
+        if tag == "dtype":
+            dt = getattr(torch, n["name"], None)
+            if not isinstance(dt, torch.dtype):
+                raise CheckpointMismatchError(f"unknown torch dtype {n['name']!r} in checkpoint")
+            return dt
+        if tag == "device":
+            return torch.device(n["name"])
+        if tag == "bytes":
+            return base64.b64decode(n["b64"])
+        if tag == "np":
+            return np.dtype(n["dtype"]).type(rec(n["value"]))
+        if tag == "stateful":
+            inner = rec(n["state"])
+            return StatefulNode(n["type"], inner) if keep_stateful else inner
+        if tag == "per_rank":
+            if per_rank is None or n["id"] not in per_rank:
+                raise CheckpointMismatchError(
+                    f"per-rank state {n['id']!r} is missing for this rank in the checkpoint"
+                )
+            return rec(per_rank[n["id"]])
+        raise CheckpointMismatchError(f"unknown node type {tag!r} in checkpoint structure")
+
+    return rec(node)
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    return v
+
+
+def inline_per_rank(structure: Any, per_rank: Mapping[str, Any] | None) -> Any:
+    """Replace the ``per_rank`` placeholders of a shared structure with this rank's nodes, so the
+    result describes the whole state as seen by this rank."""
+
+    def rec(n: Any) -> Any:
+        if isinstance(n, list):
+            return [rec(v) for v in n]
+        if not isinstance(n, dict):
+            return n
+        if n.get(TAG) == "per_rank":
+            if per_rank is None or n["id"] not in per_rank:
+                raise CheckpointMismatchError(
+                    f"per-rank state {n['id']!r} is missing for this rank in the checkpoint "
+                    "(was it written with another world size?)"
+                )
+            return per_rank[n["id"]]
+        if n.get(TAG) == "tensor":
+            return n
+        return {k: rec(v) for k, v in n.items()}
+
+    return rec(structure)
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def _tensor_specs(node: Any, tensors_meta: Mapping[str, tuple[str, list[int]]]) -> dict[str, Any]:
+    """Flat ``{dotted key: (dtype, shape)}`` for the tensors under a structure node, plus
+    ``None`` for non-tensor leaves; used to compare a checkpoint with a live module."""
+    out: dict[str, Any] = {}
+
+    def rec(n: Any, prefix: str) -> None:
+        if isinstance(n, dict) and n.get(TAG) == "tensor":
+            out[prefix] = tensors_meta.get(n["key"])
+        elif isinstance(n, dict) and n.get(TAG) is None:
+            for k, v in n.items():
+                rec(v, f"{prefix}.{k}" if prefix else k)
+        else:
+            out[prefix] = None
+
+    rec(node, "")
+    return out
+
+
+def check_fits(
+    state: Any,
+    structure: Any,
+    tensors_meta: Mapping[str, tuple[str, list[int]]],
+) -> None:
+    """Raise :class:`CheckpointMismatchError` listing every key that is missing, unexpected or of
+    another shape/dtype, before anything is loaded. Modules and tensors are compared exactly;
+    other stateful objects (optimizers, schedulers) are checked by their own ``load_state_dict``."""
+    problems: list[str] = []
+
+    def rec(obj: Any, n: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(obj, PerRank):
+            rec(obj.obj, n, path)
+            return
+        if isinstance(obj, torch.nn.Module):
+            if not (isinstance(n, dict) and n.get(TAG) == "stateful"):
+                problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a module")
+                return
+            want = {k: (str(v.dtype).removeprefix("torch."), list(v.shape))
+                    for k, v in obj.state_dict().items() if isinstance(v, torch.Tensor)}
+            have = {k: v for k, v in _tensor_specs(n["state"], tensors_meta).items()
+                    if k in want or v is not None}
+            missing = sorted(set(want) - set(have))
+            unexpected = sorted(set(have) - set(want))
+            if missing:
+                problems.append(f"{path_str(path)}: missing keys in checkpoint: {_short(missing)}")
+            if unexpected:
+                problems.append(f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}")
+            for k in sorted(set(want) & set(have)):
+                if have[k] is not None and list(have[k][1]) != want[k][1]:
+                    problems.append(
+                        f"{path_str(path)}[{k!r}]: shape {list(have[k][1])} in checkpoint, "
+                        f"{want[k][1]} in model"
+                    )
+            return
+        if isinstance(obj, torch.Tensor):
+            if not (isinstance(n, dict) and n.get(TAG) == "tensor"):
+                problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a tensor")
+                return
+            meta = tensors_meta.get(n["key"])
+            if meta is not None and list(meta[1]) != list(obj.shape):
+                problems.append(
+                    f"{path_str(path)}: shape {list(meta[1])} in checkpoint, {list(obj.shape)} here"
+                )
+            return
+        if is_stateful(obj):
+            if not (isinstance(n, dict) and n.get(TAG) == "stateful"):
+                problems.append(
+                    f"{path_str(path)}: checkpoint holds {_describe(n)}, not the state of a "
+                    f"{_qualname(obj)}"
+                )
+            return
+        if isinstance(obj, Mapping):
+            items = _node_items(n)
+            if items is None:
+                problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a dict")
+                return
+            missing = [k for k in obj if k not in items]
+            unexpected = [k for k in items if k not in obj]
+            if missing:
+                problems.append(f"{path_str(path)}: missing keys in checkpoint: {_short(missing)}")
+            if unexpected:
+                problems.append(f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}")
+            for k in obj:
+                if k in items:
+                    rec(obj[k], items[k], (*path, k))
+            return
+        if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+            seq = _node_seq(n)
+            if seq is None:
+                problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a sequence")
+                return
+            if _has_live_objects(obj) and len(seq) != len(obj):
+                problems.append(
+                    f"{path_str(path)}: {len(seq)} items in checkpoint, {len(obj)} here"
+                )
+                return
+            for i, (o, s) in enumerate(zip(obj, seq, strict=False)):
+                rec(o, s, (*path, i))
+
+    rec(state, structure, ())
+    if problems:
+        raise CheckpointMismatchError(
+            "the checkpoint does not fit the objects it is loaded into:\n  - "
+            + "\n  - ".join(problems)
+            + "\nIf this directory belongs to another model or run, use a new dirpath "
+            "(or resume='never' to start fresh and leave those checkpoints alone)."
+        )
+
+
+def _has_live_objects(obj: Any) -> bool:
+    if isinstance(obj, (torch.Tensor, PerRank)) or is_stateful(obj):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_has_live_objects(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_live_objects(v) for v in obj)
+    return False
+
+
+def _node_items(n: Any) -> dict[Any, Any] | None:
+    if isinstance(n, dict) and n.get(TAG) is None:
+        return dict(n)
+    if isinstance(n, dict) and n.get(TAG) == "dict":
+        return {_hashable(decode(k, {})): v for k, v in n["items"]}
+    return None
+
+
+def _node_seq(n: Any) -> list[Any] | None:
+    if isinstance(n, list):
+        return n
+    if isinstance(n, dict) and n.get(TAG) == "tuple":
+        return list(n["items"])
+    return None
+
+
+def _describe(n: Any) -> str:
+    if isinstance(n, dict):
+        return f"a {n.get(TAG, 'dict')}"
+    return f"a {type(n).__name__}"
+
+
+def _short(keys: list[Any], limit: int = 20) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+# --------------------------------------------------------------------------- applying
+
+
+class CloneOnRead(Mapping[str, torch.Tensor]):
+    """A tensor table that hands out private copies (memoized, so aliases stay aliases).
+
+    Loaded tensors view the read buffer of their file; objects that keep what they are given
+    (optimizers keep state tensors of matching dtype/device as they are) get copies, so the
+    buffer can be freed once loading is done."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._src = tensors
+        self._memo: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = self._src[key].clone()
+        return t
+
+    def __iter__(self) -> Any:
+        return iter(self._src)
+
+    def __len__(self) -> int:
+        return len(self._src)
+
+
+def apply(
+    state: Any,
+    structure: Any,
+    resolve: Callable[[Any, bool], Any],
+) -> None:
+    """Load a checkpoint into the live objects of ``state`` in place. ``resolve(node, borrow)``
+    decodes a structure node; with ``borrow`` the tensors may view the read buffers (the caller
+    copies them), without it they must be private copies. Containers are updated, not replaced,
+    so references the training loop holds stay valid."""
+
+    def load_into(obj: Any, n: Any, path: tuple[Any, ...]) -> Any:
+        """Returns the value that should replace ``obj`` in its container (``obj`` itself if it
+        was updated in place)."""
+        if isinstance(obj, PerRank):
+            obj.obj = load_into(obj.obj, n, path)
+            return obj
+        if isinstance(obj, torch.Tensor):
+            value = resolve(n, True)
+            if isinstance(value, np.ndarray):
+                value = torch.from_numpy(value)
+            with torch.no_grad():
+                if obj.shape != value.shape:
+                    raise CheckpointMismatchError(
+                        f"{path_str(path)}: shape {list(value.shape)} in checkpoint, "
+                        f"{list(obj.shape)} here"
+                    )
+                obj.copy_(value)
+            return obj
+        if is_stateful(obj):
+            value = resolve(n, isinstance(obj, torch.nn.Module))
+            try:
+                result = obj.load_state_dict(value)
+            except CheckpointMismatchError:
+                raise
+            except Exception as e:  # the object's own validation: report with its key path
+                raise CheckpointMismatchError(
+                    f"{path_str(path)} ({_qualname(obj)}) rejected the checkpoint: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            _check_load_result(result, path)
+            return obj
+        if isinstance(obj, MutableMapping):
+            items = _node_items(n)
+            assert items is not None  # check_fits ran first
+            for k in list(obj.keys()):
+                if k in items:
+                    new = load_into(obj[k], items[k], (*path, k))
+                    if new is not obj[k]:
+                        obj[k] = new
+            return obj
+        if isinstance(obj, MutableSequence) and _has_live_objects(obj):
+            seq = _node_seq(n)
+            assert seq is not None
+            for i, s in enumerate(seq):
+                new = load_into(obj[i], s, (*path, i))
+                if new is not obj[i]:
+                    obj[i] = new
+            return obj
+        if isinstance(obj, tuple) and _has_live_objects(obj):
+            seq = _node_seq(n)
+            assert seq is not None
+            for i, s in enumerate(seq):
+                new = load_into(obj[i], s, (*path, i))
+                if new is not obj[i] and new != obj[i]:
+                    raise CheckpointMismatchError(
+                        f"{path_str(path + (i,))} is inside a tuple and cannot be restored in "
+                        "place; use a list or a dict for values that change during training"
+                    )
+            return obj
+        value = resolve(n, False)
+        if isinstance(obj, MutableSequence) and isinstance(value, list):
+            obj[:] = value
+            return obj
+        return value
+
+    new_root = load_into(state, structure, ())
+    if new_root is not state and new_root != state:
+        raise CheckpointMismatchError(
+            "the state passed to restore() must be a container (dict/list) or an object with "
+            "load_state_dict(); a bare value cannot be restored in place"
+        )
+
+
+def _check_load_result(result: Any, path: tuple[Any, ...]) -> None:
+    missing = getattr(result, "missing_keys", None)
+    unexpected = getattr(result, "unexpected_keys", None)
+    if missing or unexpected:
+        raise CheckpointMismatchError(
+            f"{path_str(path)}: missing keys {list(missing or [])}, "
+            f"unexpected keys {list(unexpected or [])}"
+        )

@@ -1,0 +1,237 @@
+"""Safetensors files written and read in one pass, with the checksum computed on the way.
+
+The files are standard safetensors (any safetensors reader opens them): an 8-byte little-endian
+header length, a JSON header, then the raw bytes of each tensor, back to back. Writing streams
+each tensor's bytes to the file and into an xxh3-64 hasher, then fsyncs; reading fills one buffer
+while hashing it, verifies size and checksum, and only then builds tensors that view the buffer
+(no second copy). Nothing here uses pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import CheckpointCorruptError, UnsupportedStateError
+
+CHUNK = 16 << 20  # bytes per write/hash call
+
+DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
+    if hasattr(torch, _name):
+        DTYPE_TO_ST[getattr(torch, _name)] = _code
+ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    size: int
+    xxh3_64: str
+
+
+def new_hasher() -> Any:
+    return xxhash.xxh3_64()
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_tensors(
+    path: str,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    fsync: bool = True,
+) -> FileDigest:
+    """Write ``tensors`` as a safetensors file at ``path``; return its size and checksum."""
+    for name, t in tensors.items():
+        if t.dtype not in DTYPE_TO_ST:
+            raise UnsupportedStateError(
+                f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store; convert it "
+                f"(e.g. complex -> torch.view_as_real) in your state_dict(). Supported: "
+                f"{', '.join(str(d).removeprefix('torch.') for d in DTYPE_TO_ST)}"
+            )
+    # Larger element sizes first: with the 8-byte aligned header every tensor starts aligned.
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": DTYPE_TO_ST[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hbytes += b" " * (-len(hbytes) % 8)
+    hasher = new_hasher()
+    size = 0
+    with open(path, "wb", buffering=0) as f:
+        for chunk in (struct.pack("<Q", len(hbytes)), hbytes):
+            f.write(chunk)
+            hasher.update(chunk)
+            size += len(chunk)
+        for name in order:
+            mv = _as_bytes(tensors[name])
+            for start in range(0, len(mv), CHUNK):
+                piece = mv[start : start + CHUNK]
+                _write_all(f, piece)
+                hasher.update(piece)
+            size += len(mv)
+        if fsync:
+            os.fsync(f.fileno())
+    return FileDigest(size, hasher.hexdigest())
+
+
+def _write_all(f: Any, data: memoryview) -> None:
+    while len(data):
+        n = f.write(data)
+        if n is None or n <= 0:  # pragma: no cover - raw files return the count or raise
+            raise OSError("short write")
+        data = data[n:]
+
+
+def write_json(path: str, obj: Any, *, fsync: bool = True) -> FileDigest:
+    data = json.dumps(obj, indent=1, sort_keys=False, allow_nan=False).encode("utf-8")
+    with open(path, "wb", buffering=0) as f:
+        _write_all(f, memoryview(data))
+        if fsync:
+            os.fsync(f.fileno())
+    return FileDigest(len(data), xxhash.xxh3_64_hexdigest(data))
+
+
+def read_verified(path: str, expect: FileDigest | None) -> bytearray:
+    """Read a whole file, checking its size and checksum against ``expect``."""
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{path}: file listed in the manifest is missing") from None
+    if expect is not None and size != expect.size:
+        raise CheckpointCorruptError(
+            f"{path}: size {size} bytes, manifest says {expect.size} (truncated or overwritten)"
+        )
+    buf = bytearray(size)
+    hasher = new_hasher()
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        pos = 0
+        while pos < size:
+            n = f.readinto(view[pos : min(size, pos + CHUNK)])
+            if not n:
+                raise CheckpointCorruptError(f"{path}: file shrank while being read")
+            hasher.update(view[pos : pos + n])
+            pos += n
+    if expect is not None and hasher.hexdigest() != expect.xxh3_64:
+        raise CheckpointCorruptError(
+            f"{path}: checksum mismatch (xxh3_64 {hasher.hexdigest()}, manifest says "
+            f"{expect.xxh3_64}); the file's content changed after it was written"
+        )
+    return buf
+
+
+def digest_file(path: str) -> FileDigest:
+    hasher = new_hasher()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            chunk = f.read(CHUNK)
+            if not chunk:
+                break
+            hasher.update(chunk)
+            size += len(chunk)
+    return FileDigest(size, hasher.hexdigest())
+
+
+def parse_header(buf: bytes | bytearray | memoryview, path: str = "<buffer>") -> tuple[dict[str, Any], int]:
+    if len(buf) < 8:
+        raise CheckpointCorruptError(f"{path}: too short to be a safetensors file")
+    (hlen,) = struct.unpack("<Q", bytes(buf[:8]))
+    if hlen > len(buf) - 8:
+        raise CheckpointCorruptError(f"{path}: header length {hlen} exceeds the file size")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + hlen]))
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{path}: unreadable safetensors header: {e}") from None
+    return header, 8 + hlen
+
+
+def tensors_from_buffer(buf: bytearray, path: str = "<buffer>") -> dict[str, torch.Tensor]:
+    """Tensors viewing ``buf`` (zero-copy), from a safetensors image in memory."""
+    header, data_start = parse_header(buf, path)
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = ST_TO_DTYPE.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointCorruptError(f"{path}: tensor {name!r} has unknown dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        shape = info["shape"]
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if end - start != numel * itemsize or data_start + end > len(buf):
+            raise CheckpointCorruptError(f"{path}: tensor {name!r} has inconsistent offsets")
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        t = torch.frombuffer(buf, dtype=torch.uint8, count=end - start, offset=data_start + start)
+        out[name] = t.view(dtype).reshape(shape)
+    return out
+
+
+def tensor_meta(path_or_buf: str | bytearray) -> dict[str, tuple[str, list[int]]]:
+    """``{name: (dtype, shape)}`` from a safetensors header, reading only the header."""
+    if isinstance(path_or_buf, str):
+        with open(path_or_buf, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointCorruptError(f"{path_or_buf}: too short to be a safetensors file")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > 100 << 20:
+                raise CheckpointCorruptError(f"{path_or_buf}: implausible header length {hlen}")
+            buf = head + f.read(hlen)
+        header, _ = parse_header(buf, path_or_buf)
+    else:
+        header, _ = parse_header(path_or_buf)
+    return {
+        k: (str(ST_TO_DTYPE[v["dtype"]]).removeprefix("torch.") if v["dtype"] in ST_TO_DTYPE
+            else v["dtype"], list(v["shape"]))
+        for k, v in header.items()
+        if k != "__metadata__"
+    }

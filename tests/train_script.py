@@ -1,0 +1,167 @@
+"""A plain PyTorch training loop checkpointed with resilient_callbacks (helper for the tests).
+
+Not a test module. Used by test_exact_resume.py (killed with SIGKILL and resumed) and by
+test_distributed.py (``--distributed``: gloo, one process per rank, reading RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT from the environment).
+
+The loop is written the way a user would write it: restore at start, then ``for batch in
+loader`` over epochs, ``ckpt.step(step + 1, ...)`` after every optimizer step. The model has
+dropout (so the torch RNG matters), AdamW and a StepLR scheduler; the data is a synthetic,
+fixed-seed dataset shuffled by a ResumableSampler through ``DataLoader(num_workers=0)``.
+
+Outputs:
+  --out-jsonl   one line per completed step: {"step", "loss" (float.hex), "epoch", "rank"},
+                flushed and fsynced before the next step starts;
+  --out-params  at the end, a safetensors file with the final model parameters.
+With --distributed each rank appends ``.rank<r>`` to both paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from resilient_callbacks import Checkpointer, PerRank, ResumableSampler
+
+NUM_SAMPLES = 100  # 12 full batches of 8 and one of 4 per epoch (single process)
+IN_DIM, HIDDEN, OUT_DIM = 16, 32, 4
+
+
+def make_dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(NUM_SAMPLES, IN_DIM, generator=g)
+    w = torch.randn(IN_DIM, OUT_DIM, generator=g)
+    y = x @ w + 0.1 * torch.randn(NUM_SAMPLES, OUT_DIM, generator=g)
+    return TensorDataset(x, y)
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(IN_DIM, HIDDEN), nn.ReLU(), nn.Dropout(0.3),
+        nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Dropout(0.3),
+        nn.Linear(HIDDEN, OUT_DIM),
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("ckpt_dir")
+    p.add_argument("--total-steps", type=int, default=60)
+    p.add_argument("--every-n-steps", type=int, default=5)
+    p.add_argument("--keep-last", type=int, default=None)
+    p.add_argument("--resume", default="auto", help="'auto', 'never' or a step number")
+    p.add_argument("--out-jsonl", required=True)
+    p.add_argument("--out-params", required=True)
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
+    p.add_argument("--distributed", action="store_true")
+    return p.parse_args(argv)
+
+
+def fsync_append(f, record: dict) -> None:
+    f.write(json.dumps(record) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world = 0, 1
+    if args.distributed:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=datetime.timedelta(seconds=60),
+        )
+        rank, world = dist.get_rank(), dist.get_world_size()
+    suffix = f".rank{rank}" if args.distributed else ""
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+    # The same initial weights on every rank ...
+    torch.manual_seed(0)
+    model = make_model()
+    # ... and then rank-specific random streams (dropout masks differ between ranks).
+    torch.manual_seed(100 + rank)
+    random.seed(200 + rank)
+    np.random.seed(300 + rank)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.8)
+    sampler = ResumableSampler(NUM_SAMPLES, shuffle=True, seed=42, num_replicas=world, rank=rank)
+    loader = DataLoader(make_dataset(), batch_size=8, sampler=sampler, num_workers=0)
+
+    extra = {"epoch": 0, "samples_seen": 0}
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "sampler": PerRank(sampler) if args.distributed else sampler,
+        "extra": PerRank(extra) if args.distributed else extra,
+    }
+    resume: str | int = int(args.resume) if args.resume.isdigit() else args.resume
+    ckpt = Checkpointer(args.ckpt_dir, every_n_steps=args.every_n_steps,
+                        keep_last=args.keep_last, resume=resume)
+    step = ckpt.restore(state)
+    print(f"[rank {rank}] restored step {step}", file=sys.stderr, flush=True)
+
+    with open(args.out_jsonl + suffix, "a") as log:
+        while step < args.total_steps:
+            for x, y in loader:
+                model.train()
+                # Python and NumPy randomness feed the loss too, so their restore matters.
+                noise = torch.tensor(np.random.normal(size=(1,)).item() * 1e-3
+                                     + random.random() * 1e-3, dtype=torch.float32)
+                out = model(x)
+                loss = nn.functional.mse_loss(out, y) + noise
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if world > 1:
+                    import torch.distributed as dist
+
+                    for p in model.parameters():
+                        dist.all_reduce(p.grad)
+                        p.grad.div_(world)
+                opt.step()
+                sched.step()
+                step += 1
+                extra["samples_seen"] += int(x.shape[0])
+                fsync_append(log, {"step": step, "loss": float(loss.item()).hex(),
+                                   "epoch": sampler.epoch, "rank": rank})
+                ckpt.step(step, state, metrics={"loss": loss.item()})
+                if args.sleep:
+                    time.sleep(args.sleep)
+                if step >= args.total_steps:
+                    break
+            else:
+                extra["epoch"] += 1
+    ckpt.close()
+
+    params = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    tmp = args.out_params + suffix + ".tmp"
+    save_file(params, tmp)
+    os.replace(tmp, args.out_params + suffix)
+    if args.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
