@@ -7,7 +7,10 @@ MASTER_ADDR / MASTER_PORT from the environment).
 The loop is written the way a user would write it: restore at start, then ``for batch in
 loader`` over epochs, ``ckpt.step(step + 1, ...)`` after every optimizer step. The model has
 dropout (so the torch RNG matters), AdamW and a StepLR scheduler; the data is a synthetic,
-fixed-seed dataset shuffled by a ResumableSampler through ``DataLoader(num_workers=0)``.
+fixed-seed dataset shuffled by a ResumableSampler through ``DataLoader(batch_size=8,
+num_workers=0)`` (``--loader plain``, the default) or by the library's ResumableDataLoader
+(``--loader resumable``). Python's and NumPy's global RNGs also feed the loss, so their restore
+matters as well.
 
 Outputs:
   --out-jsonl   one line per completed step: {"step", "loss" (float.hex), "epoch", "rank"},
@@ -32,7 +35,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from resilient_callbacks import Checkpointer, PerRank, ResumableSampler
+from resilient_callbacks import Checkpointer, PerRank, ResumableDataLoader, ResumableSampler
 
 NUM_SAMPLES = 100  # 12 full batches of 8 and one of 4 per epoch (single process)
 IN_DIM, HIDDEN, OUT_DIM = 16, 32, 4
@@ -65,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-params", required=True)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--distributed", action="store_true")
+    p.add_argument("--loader", choices=["plain", "resumable", "plain-global-rng"], default="plain",
+                   help="plain: DataLoader(sampler=ResumableSampler, generator=torch.Generator()); "
+                        "resumable: ResumableDataLoader; plain-global-rng: DataLoader without a "
+                        "generator (documented to diverge after resume)")
     return p.parse_args(argv)
 
 
@@ -103,14 +110,26 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.8)
     sampler = ResumableSampler(NUM_SAMPLES, shuffle=True, seed=42, num_replicas=world, rank=rank)
-    loader = DataLoader(make_dataset(), batch_size=8, sampler=sampler, num_workers=0)
+    if args.loader == "resumable":
+        # The library's loader: position counted in batches handed to the loop, private seed.
+        loader = ResumableDataLoader(make_dataset(), batch_size=8, shuffle=True, seed=42,
+                                     num_replicas=world, rank=rank, num_workers=0)
+        position = loader
+    else:
+        # A plain DataLoader over a ResumableSampler. It gets its own generator, as data.py
+        # documents: a plain DataLoader otherwise draws a seed from the *global* torch RNG every
+        # time an iterator is created, which a resumed run does at a different point.
+        loader = DataLoader(make_dataset(), batch_size=8, sampler=sampler, num_workers=0,
+                            generator=None if args.loader == "plain-global-rng"
+                            else torch.Generator())
+        position = sampler
 
     extra = {"epoch": 0, "samples_seen": 0}
     state = {
         "model": model,
         "optimizer": opt,
         "scheduler": sched,
-        "sampler": PerRank(sampler) if args.distributed else sampler,
+        "data": PerRank(position) if args.distributed else position,
         "extra": PerRank(extra) if args.distributed else extra,
     }
     resume: str | int = int(args.resume) if args.resume.isdigit() else args.resume
@@ -120,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[rank {rank}] restored step {step}", file=sys.stderr, flush=True)
 
     with open(args.out_jsonl + suffix, "a") as log:
+        if log.tell() > 0:
+            with open(args.out_jsonl + suffix, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":  # a previous run was killed mid-line
+                    log.write("\n")
         while step < args.total_steps:
             for x, y in loader:
                 model.train()
@@ -141,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 step += 1
                 extra["samples_seen"] += int(x.shape[0])
                 fsync_append(log, {"step": step, "loss": float(loss.item()).hex(),
-                                   "epoch": sampler.epoch, "rank": rank})
+                                   "epoch": extra["epoch"], "rank": rank})
                 ckpt.step(step, state, metrics={"loss": loss.item()})
                 if args.sleep:
                     time.sleep(args.sleep)

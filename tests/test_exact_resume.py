@@ -1,0 +1,266 @@
+"""Exact resume after SIGKILL: a run killed at random steps and resumed (as often as it takes)
+produces the same per-step losses and the same final parameters, bit for bit, as a run that was
+never interrupted.
+
+The training loop is tests/train_script.py, run as a real subprocess and killed with a real
+``os.kill(pid, SIGKILL)`` while the parent watches its per-step JSONL log. The kill points are
+drawn from a seeded RNG (override the seed with RC_TEST_SEED to explore other points).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from resilient_callbacks import catalog
+
+SCRIPT = Path(__file__).with_name("train_script.py")
+TOTAL = 60
+EVERY = 5
+KEEP_LAST = 3
+SLEEP = 0.03  # per step, so the parent can land a kill between chosen steps
+SEED = int(os.environ.get("RC_TEST_SEED", "20240611"))
+RUN_TIMEOUT = 120
+
+
+def _cmd(workdir: Path, loader: str, sleep: float = 0.0) -> list[str]:
+    cmd = [
+        sys.executable, str(SCRIPT), str(workdir / "ckpt"),
+        "--total-steps", str(TOTAL), "--every-n-steps", str(EVERY),
+        "--keep-last", str(KEEP_LAST), "--loader", loader,
+        "--out-jsonl", str(workdir / "losses.jsonl"),
+        "--out-params", str(workdir / "params.safetensors"),
+    ]
+    if sleep:
+        cmd += ["--sleep", str(sleep)]
+    return cmd
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
+    return env
+
+
+def _run_to_completion(cmd: list[str]) -> str:
+    """Run the script to the end; return its stderr. A failure shows the child's traceback."""
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=_env())
+    assert p.returncode == 0, (
+        f"training script failed (rc={p.returncode})\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}"
+    )
+    return p.stderr
+
+
+def _read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line cut by SIGKILL; the script starts a fresh line after it
+            continue
+    return out
+
+
+def _restored_step(stderr: str) -> int:
+    m = re.search(r"restored step (\d+)", stderr)
+    assert m, f"the script did not report its restored step; stderr:\n{stderr}"
+    return int(m.group(1))
+
+
+def _run_and_kill(cmd: list[str], jsonl: Path, kill_at: int) -> tuple[int, str]:
+    """Start the script, SIGKILL it once it has logged step >= ``kill_at`` in this run; return
+    (last step this run logged, its stderr)."""
+    offset = jsonl.stat().st_size if jsonl.exists() else 0
+    errpath = jsonl.with_name(f"stderr-{time.monotonic_ns()}.txt")
+    with open(errpath, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env())
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT
+        last = None
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(
+                    f"the script exited (rc={proc.returncode}) before step {kill_at} could be "
+                    f"killed; stderr:\n{errpath.read_text()}"
+                )
+            if time.monotonic() > deadline:
+                pytest.fail(f"the script did not reach step {kill_at} in {RUN_TIMEOUT} s")
+            if jsonl.exists():
+                with open(jsonl, "rb") as f:
+                    f.seek(offset)
+                    lines = f.read().split(b"\n")
+                steps = [json.loads(l)["step"] for l in lines[:-1] if l.strip()]
+                if steps and steps[-1] >= kill_at:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+            time.sleep(0.002)
+        proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL, proc.returncode
+        with open(jsonl, "rb") as f:
+            f.seek(offset)
+            lines = f.read().split(b"\n")
+        recs = []
+        for l in lines:
+            try:
+                recs.append(json.loads(l))
+            except ValueError:
+                pass
+        last = recs[-1]["step"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return last, errpath.read_text()
+
+
+def _last_loss_per_step(records: list[dict]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for r in records:
+        out[r["step"]] = r["loss"]  # later records (the resumed run) win
+    return out
+
+
+def _assert_same_params(ref_path: Path, got_path: Path) -> None:
+    ref, got = load_file(str(ref_path)), load_file(str(got_path))
+    assert ref.keys() == got.keys()
+    for k in ref:
+        a, b = ref[k], got[k]
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        same = torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        assert same, f"parameter {k} differs: max abs diff {(a - b).abs().max().item():.3e}"
+    assert ref_path.read_bytes() == got_path.read_bytes()
+
+
+def _assert_same_losses(ref: dict[int, str], got: dict[int, str]) -> None:
+    assert sorted(ref) == list(range(1, TOTAL + 1))
+    assert sorted(got) == list(range(1, TOTAL + 1)), f"steps missing: {set(ref) - set(got)}"
+    diff = [s for s in ref if ref[s] != got[s]]
+    assert not diff, (
+        f"losses differ from the uninterrupted run at {len(diff)} step(s), first at step "
+        f"{diff[0]}: {float.fromhex(ref[diff[0]])!r} uninterrupted vs "
+        f"{float.fromhex(got[diff[0]])!r} resumed"
+    )
+
+
+def _assert_final_dir(ckdir: Path) -> None:
+    entries = catalog.scan(str(ckdir), catalog.Depth.FULL)
+    committed = catalog.committed(entries)
+    assert [e.step for e in committed] == [TOTAL - EVERY * i for i in range(KEEP_LAST)][::-1]
+    assert all(e.status is catalog.Status.VALID for e in committed), [
+        (e.name, e.status, e.problem) for e in committed]
+    # Resumed runs continue the interrupted run (same run id), so retention counts them all.
+    assert len({e.manifest.run_id for e in committed}) == 1
+
+
+LOADERS = ("plain", "resumable")
+
+
+class _Reference:
+    """The uninterrupted run of one loader kind, started in the background (the machine has
+    two cores: it runs while a test drives its interrupted run) and awaited on first use."""
+
+    def __init__(self, workdir: Path, loader: str) -> None:
+        self.workdir = workdir
+        self.cmd = _cmd(workdir, loader)
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=_env())
+        self._result: tuple[dict[int, str], Path] | None = None
+
+    def result(self) -> tuple[dict[int, str], Path]:
+        if self._result is None:
+            try:
+                out, err = self.proc.communicate(timeout=RUN_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, err = self.proc.communicate()
+                pytest.fail(f"the uninterrupted run did not finish in {RUN_TIMEOUT} s:\n{err}")
+            assert self.proc.returncode == 0, (
+                f"uninterrupted run failed (rc={self.proc.returncode})\n{out}\n{err}")
+            assert _restored_step(err) == 0
+            records = _read_records(self.workdir / "losses.jsonl")
+            assert [r["step"] for r in records] == list(range(1, TOTAL + 1))
+            _assert_final_dir(self.workdir / "ckpt")
+            self._result = (_last_loss_per_step(records), self.workdir / "params.safetensors")
+        return self._result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    refs = {loader: _Reference(tmp_path_factory.mktemp(f"reference-{loader}"), loader)
+            for loader in LOADERS}
+    yield lambda loader: refs[loader].result()
+    for r in refs.values():
+        if r.proc.poll() is None:
+            r.proc.kill()
+            r.proc.communicate()
+
+
+def _kill_resume_cycle(tmp_path: Path, loader: str, kill_points: list[int]) -> list[tuple[int, int]]:
+    """Kill at each point in turn (each run after the first resuming the previous one), then run
+    to completion. Returns [(last step logged by a killed run, step the next run restored)]."""
+    jsonl = tmp_path / "losses.jsonl"
+    cmd = _cmd(tmp_path, loader, sleep=SLEEP)
+    killed: list[int] = []
+    restored: list[int] = []
+    for k in kill_points:
+        last, stderr = _run_and_kill(cmd, jsonl, k)
+        assert last >= k
+        killed.append(last)
+        restored.append(_restored_step(stderr))
+    restored.append(_restored_step(_run_to_completion(cmd)))
+    assert restored[0] == 0
+    history = list(zip(killed, restored[1:], strict=True))
+    for k, r in history:
+        # The next run resumes from the newest checkpoint at the kill: the last multiple of
+        # EVERY the killed run logged, or the one it was saving when killed.
+        assert r % EVERY == 0 and 0 < r <= k, history
+        assert k - r <= EVERY, history
+    return history
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_sigkill_once_then_resume_is_bit_exact(tmp_path, reference, loader):
+    ref_losses, ref_params = reference(loader)
+    rng = random.Random(f"{SEED}-once-{loader}")
+    kill_at = rng.randint(13, 50)
+    history = _kill_resume_cycle(tmp_path, loader, [kill_at])
+
+    records = _read_records(tmp_path / "losses.jsonl")
+    # Steps after the restored checkpoint were really trained twice (no skipping, no replay
+    # of anything before the checkpoint).
+    killed, restored = history[0]
+    counts = {s: sum(1 for r in records if r["step"] == s) for s in range(1, TOTAL + 1)}
+    assert all(counts[s] == 2 for s in range(restored + 1, killed + 1)), (history, counts)
+    assert all(counts[s] == 1 for s in range(1, restored + 1)), (history, counts)
+    _assert_same_losses(ref_losses, _last_loss_per_step(records))
+    _assert_same_params(ref_params, tmp_path / "params.safetensors")
+    _assert_final_dir(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("loader", ["plain"])
+def test_sigkill_twice_then_resume_is_bit_exact(tmp_path, reference, loader):
+    ref_losses, ref_params = reference(loader)
+    rng = random.Random(f"{SEED}-twice-{loader}")
+    first = rng.randint(13, 30)
+    second = rng.randint(first + EVERY + 2, 50)
+    _kill_resume_cycle(tmp_path, loader, [first, second])
+
+    records = _read_records(tmp_path / "losses.jsonl")
+    _assert_same_losses(ref_losses, _last_loss_per_step(records))
+    _assert_same_params(ref_params, tmp_path / "params.safetensors")
+    _assert_final_dir(tmp_path / "ckpt")
