@@ -72,8 +72,10 @@ def train(ckpt_dir: str, log_path: str, steps: int, every: int, delay: float) ->
                         break
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              os.path.join(os.path.dirname(log_path), "final_weights.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        os.path.join(os.path.dirname(log_path), "final_weights.safetensors"),
+    )
 
 
 def read_log(path: str) -> tuple[dict[int, float], list[int]]:
@@ -92,8 +94,18 @@ def read_log(path: str) -> tuple[dict[int, float], list[int]]:
 
 
 def run_child(args: argparse.Namespace, run_dir: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", run_dir,
-           "--steps", str(args.steps), "--every", str(args.every), "--delay", str(args.delay)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        run_dir,
+        "--steps",
+        str(args.steps),
+        "--every",
+        str(args.every),
+        "--delay",
+        str(args.delay),
+    ]
     return subprocess.Popen(cmd)
 
 
@@ -107,8 +119,13 @@ def main() -> int:
     ap.add_argument("--child", metavar="RUN_DIR", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        train(os.path.join(args.child, "checkpoints"), os.path.join(args.child, "log.jsonl"),
-              args.steps, args.every, args.delay)
+        train(
+            os.path.join(args.child, "checkpoints"),
+            os.path.join(args.child, "log.jsonl"),
+            args.steps,
+            args.every,
+            args.delay,
+        )
         return 0
 
     out = os.path.abspath(args.out)
@@ -133,8 +150,10 @@ def main() -> int:
         time.sleep(0.005)
     proc.wait()
     killed_losses, killed_saves = read_log(log)
-    print(f"  killed (exit {proc.returncode}) after step {max(killed_losses, default=0)}; "
-          f"last checkpoint committed: step {max(killed_saves, default=0)}")
+    print(
+        f"  killed (exit {proc.returncode}) after step {max(killed_losses, default=0)}; "
+        f"last checkpoint committed: step {max(killed_saves, default=0)}"
+    )
 
     print("[3/3] same command again")
     if run_child(args, crash).wait() != 0:
@@ -153,12 +172,17 @@ def main() -> int:
     same_losses = a == b
     same_weights = wa.keys() == wb.keys() and all(
         wa[k].dtype == wb[k].dtype and wa[k].numpy().tobytes() == wb[k].numpy().tobytes()
-        for k in wa)
+        for k in wa
+    )
     last = max(a)
     print(f"\nfinal loss: uninterrupted {a[last]!r}, killed + resumed {b.get(last)!r}")
-    print(f"per-step losses identical: {same_losses}; final weights bit-for-bit identical: {same_weights}")
-    print(f"checkpoints: {os.path.join(crash, 'checkpoints')} "
-          f"(try: .venv/bin/resilient-ckpt ls {os.path.relpath(os.path.join(crash, 'checkpoints'))})")
+    print(
+        f"per-step losses identical: {same_losses}; final weights bit-for-bit identical: {same_weights}"
+    )
+    print(
+        f"checkpoints: {os.path.join(crash, 'checkpoints')} "
+        f"(try: .venv/bin/resilient-ckpt ls {os.path.relpath(os.path.join(crash, 'checkpoints'))})"
+    )
     return 0 if same_losses and same_weights else 1
 
 

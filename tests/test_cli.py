@@ -32,7 +32,9 @@ def test_real_executable_and_module_entry_points(tmp_path):
     make_run(root)
     exe = os.path.join(os.path.dirname(sys.executable), "resilient-ckpt")
     for cmd in ([exe], [sys.executable, "-m", "resilient_callbacks"]):
-        r = subprocess.run([*cmd, "ls", root, "--json"], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [*cmd, "ls", root, "--json"], capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == 0, r.stderr
         assert [row["step"] for row in json.loads(r.stdout)] == [10, 20, 30]
 
@@ -121,7 +123,9 @@ def test_gc_dry_run_then_delete(tmp_path):
     os.makedirs(os.path.join(root, ".staging-step_000000050-abc"))
     dry = cli("gc", root, "--dry-run", "--keep-last", "2")
     assert dry.returncode == 0
-    assert "would delete step_000000010" in dry.stdout and "would delete step_000000020" in dry.stdout
+    assert (
+        "would delete step_000000010" in dry.stdout and "would delete step_000000020" in dry.stdout
+    )
     assert ".staging-step_000000050-abc" in dry.stdout
     assert len(os.listdir(root)) >= 5  # nothing deleted
     done = cli("gc", root, "--keep-last", "2")

@@ -37,7 +37,9 @@ def stream(loader, n: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("stop", [1, 7, 10, 13])  # 10 batches per epoch: mid-epoch and at boundaries
+@pytest.mark.parametrize(
+    "stop", [1, 7, 10, 13]
+)  # 10 batches per epoch: mid-epoch and at boundaries
 def test_resume_continues_with_the_next_unseen_batch(num_workers, stop):
     ds = TensorDataset(torch.arange(40))
     ref = stream(ResumableDataLoader(ds, batch_size=4, seed=3, num_workers=num_workers), 25)
@@ -49,7 +51,7 @@ def test_resume_continues_with_the_next_unseen_batch(num_workers, stop):
     rest = stream(b, 25 - stop)
     assert first + rest == ref
     # epochs are real permutations of the data, different from each other
-    assert sorted(sum(ref[:10], [])) == list(range(40)) and ref[:10] != ref[10:20]
+    assert sorted(i for b in ref[:10] for i in b) == list(range(40)) and ref[:10] != ref[10:20]
 
 
 def test_creating_iterators_leaves_the_global_rng_alone():
@@ -73,9 +75,13 @@ def test_resume_loads_no_skipped_sample():
 def test_mismatched_checkpoint_is_an_error():
     a = ResumableDataLoader(TensorDataset(torch.arange(40)), batch_size=4)
     with pytest.raises(ValueError, match="batch_size"):
-        ResumableDataLoader(TensorDataset(torch.arange(40)), batch_size=8).load_state_dict(a.state_dict())
+        ResumableDataLoader(TensorDataset(torch.arange(40)), batch_size=8).load_state_dict(
+            a.state_dict()
+        )
     with pytest.raises(ValueError, match="num_samples"):
-        ResumableDataLoader(TensorDataset(torch.arange(41)), batch_size=4).load_state_dict(a.state_dict())
+        ResumableDataLoader(TensorDataset(torch.arange(41)), batch_size=4).load_state_dict(
+            a.state_dict()
+        )
     with pytest.raises(ValueError, match="sampler"):
         ResumableDataLoader(TensorDataset(torch.arange(4)), sampler=[0, 1])
 
@@ -84,7 +90,7 @@ def test_sharding_partitions_each_epoch_across_ranks():
     n, world = 10, 3
     shards = [list(ResumableSampler(n, seed=1, num_replicas=world, rank=r)) for r in range(world)]
     assert all(len(s) == 4 for s in shards)  # padded by wrapping, like DistributedSampler
-    assert set(sum(shards, [])) == set(range(n))
+    assert {i for s in shards for i in s} == set(range(n))
 
 
 def test_sampler_resumes_mid_epoch_with_plain_dataloader():

@@ -91,14 +91,10 @@ def _best_threshold(mine, policy):
     return scored, values[min(policy.keep_best, len(values)) - 1]
 
 
-PROPS = settings(max_examples=150, deadline=None)
 
 
-@PROPS
-@given(scenarios())
-def test_keep_and_delete_partition_all_candidates(sc):
+def check_keep_and_delete_partition_all_candidates(sc, p):
     cands, policy, run_id, protected = sc
-    p = plan(cands, policy, run_id, protected=protected)
     names = {c.name for c in cands}
     kept, deleted = set(p.keep), set(p.delete)
     assert kept.isdisjoint(deleted)
@@ -107,22 +103,16 @@ def test_keep_and_delete_partition_all_candidates(sc):
     assert all(p.keep[n] for n in kept), "every kept checkpoint has a reason"
 
 
-@PROPS
-@given(scenarios())
-def test_newest_valid_of_current_run_is_never_deleted(sc):
+def check_newest_valid_of_current_run_is_never_deleted(sc, p):
     cands, policy, run_id, protected = sc
-    p = plan(cands, policy, run_id, protected=protected)
     mine = _mine(cands, run_id)
     if mine:
         newest = max(mine, key=lambda c: c.seq)
         assert newest.name not in p.delete
 
 
-@PROPS
-@given(scenarios())
-def test_other_runs_corrupt_and_protected_are_never_deleted(sc):
+def check_other_runs_corrupt_and_protected_are_never_deleted(sc, p):
     cands, policy, run_id, protected = sc
-    p = plan(cands, policy, run_id, protected=protected)
     deleted = set(p.delete)
     for c in cands:
         if run_id is not None and c.run_id != run_id:
@@ -133,11 +123,8 @@ def test_other_runs_corrupt_and_protected_are_never_deleted(sc):
             assert c.name not in deleted, f"deleted protected {c.name}"
 
 
-@PROPS
-@given(scenarios())
-def test_best_by_mode_are_kept(sc):
+def check_best_by_mode_are_kept(sc, p):
     cands, policy, run_id, protected = sc
-    p = plan(cands, policy, run_id, protected=protected)
     scored, kth = _best_threshold(_mine(cands, run_id), policy)
     if kth is None:
         return
@@ -152,22 +139,16 @@ def test_best_by_mode_are_kept(sc):
     assert len(good_kept) >= min(policy.keep_best, len(scored))
 
 
-@PROPS
-@given(scenarios())
-def test_archive_steps_are_kept(sc):
+def check_archive_steps_are_kept(sc, p):
     cands, policy, run_id, protected = sc
-    p = plan(cands, policy, run_id, protected=protected)
     if policy.keep_every_n_steps:
         for c in _mine(cands, run_id):
             if c.step % policy.keep_every_n_steps == 0:
                 assert c.name not in p.delete, f"archive step {c.step} deleted"
 
 
-@PROPS
-@given(scenarios())
-def test_keep_last_bounds_the_recent_pool_and_deletes_the_rest(sc):
+def check_keep_last_bounds_the_recent_pool_and_deletes_the_rest(sc, p):
     cands, policy, run_id, protected = sc
-    p = plan(cands, policy, run_id, protected=protected)
     mine = _mine(cands, run_id)
     scored, kth = _best_threshold(mine, policy)
     sign = 1.0 if Mode(policy.mode) is Mode.MIN else -1.0
@@ -192,33 +173,47 @@ def test_keep_last_bounds_the_recent_pool_and_deletes_the_rest(sc):
                 assert c.name in p.delete, f"{c.name} is kept for no reason"
 
 
-@PROPS
-@given(scenarios())
-def test_replanning_on_survivors_deletes_nothing_more(sc):
+def check_replanning_on_survivors_deletes_nothing_more(sc, p):
     cands, policy, run_id, protected = sc
-    p = plan(cands, policy, run_id, protected=protected)
     survivors = [c for c in cands if c.name in p.keep]
     p2 = plan(survivors, policy, run_id, protected=protected)
     assert p2.delete == []
     assert set(p2.keep) == {c.name for c in survivors}
 
 
-@PROPS
-@given(scenarios())
-def test_plan_does_not_depend_on_input_order(sc):
+def check_plan_does_not_depend_on_input_order(sc, p1):
     cands, policy, run_id, protected = sc
-    p1 = plan(cands, policy, run_id, protected=protected)
     p2 = plan(list(reversed(cands)), policy, run_id, protected=protected)
     assert set(p1.keep) == set(p2.keep) and p1.delete == p2.delete
 
 
-@PROPS
-@given(scenarios())
-def test_delete_list_is_oldest_first(sc):
+def check_delete_list_is_oldest_first(sc, p):
     cands, policy, run_id, protected = sc
-    p = plan(cands, policy, run_id, protected=protected)
     seq = {c.name: c.seq for c in cands}
     assert [seq[n] for n in p.delete] == sorted(seq[n] for n in p.delete)
+
+
+CHECKS = [
+    check_keep_and_delete_partition_all_candidates,
+    check_newest_valid_of_current_run_is_never_deleted,
+    check_other_runs_corrupt_and_protected_are_never_deleted,
+    check_best_by_mode_are_kept,
+    check_archive_steps_are_kept,
+    check_keep_last_bounds_the_recent_pool_and_deletes_the_rest,
+    check_replanning_on_survivors_deletes_nothing_more,
+    check_plan_does_not_depend_on_input_order,
+    check_delete_list_is_oldest_first,
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_retention_properties(sc):
+    """All invariants, on the same random scenarios (one generation, many checks)."""
+    cands, policy, run_id, protected = sc
+    p = plan(cands, policy, run_id, protected=protected)
+    for check in CHECKS:
+        check(sc, p)
 
 
 # --------------------------------------------------------------------------- examples

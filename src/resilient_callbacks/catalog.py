@@ -59,13 +59,14 @@ class Entry:
 
 def _strip_staging(name: str) -> str:
     if name.startswith(STAGING_PREFIX):
-        rest = name[len(STAGING_PREFIX):]
+        rest = name[len(STAGING_PREFIX) :]
         return rest.rsplit("-", 1)[0]
     return name
 
 
-def verify(path: str, manifest: Manifest, depth: Depth = Depth.FULL,
-           ranks: Iterable[int] | None = None) -> None:
+def verify(
+    path: str, manifest: Manifest, depth: Depth = Depth.FULL, ranks: Iterable[int] | None = None
+) -> None:
     """Raise :class:`CheckpointCorruptError` naming the first bad file. ``ranks`` restricts the
     check to the files those ranks wrote (the shared files are written by rank 0)."""
     wanted = None if ranks is None else set(ranks)
@@ -103,8 +104,14 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
         if not os.path.isdir(path) or os.path.islink(path):
             continue
         if name.startswith(STAGING_PREFIX):
-            incomplete.append(Entry(name, path, Status.INCOMPLETE,
-                                    problem="staging directory: being written, or left by a crash"))
+            incomplete.append(
+                Entry(
+                    name,
+                    path,
+                    Status.INCOMPLETE,
+                    problem="staging directory: being written, or left by a crash",
+                )
+            )
             continue
         if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
             if CKPT_RE.match(name):

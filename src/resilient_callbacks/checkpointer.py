@@ -10,6 +10,7 @@ and RNG states.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -81,9 +82,15 @@ class Checkpointer:
     ) -> None:
         self.config = CheckpointerConfig(
             dirpath=dirpath,  # type: ignore[arg-type]
-            every_n_steps=every_n_steps, every_seconds=every_seconds, keep_last=keep_last,
-            keep_best=keep_best, monitor=monitor, mode=mode,
-            keep_every_n_steps=keep_every_n_steps, resume=resume, capture_rng=capture_rng,
+            every_n_steps=every_n_steps,
+            every_seconds=every_seconds,
+            keep_last=keep_last,
+            keep_best=keep_best,
+            monitor=monitor,
+            mode=mode,
+            keep_every_n_steps=keep_every_n_steps,
+            resume=resume,
+            capture_rng=capture_rng,
         )
         self.dirpath: str = self.config.dirpath
         self.policy = self.config.save_policy()
@@ -114,24 +121,33 @@ class Checkpointer:
                 self._lock.acquire()
                 swept = sweep_staging(self.dirpath)
                 if swept:
-                    log.warning("removed %d staging director%s left by an interrupted save: %s",
-                                len(swept), "y" if len(swept) == 1 else "ies", ", ".join(swept))
+                    log.warning(
+                        "removed %d staging director%s left by an interrupted save: %s",
+                        len(swept),
+                        "y" if len(swept) == 1 else "ies",
+                        ", ".join(swept),
+                    )
                 self._seq = catalog.next_seq(self.dirpath) - 1
             except CheckpointError as e:
                 error = {"type": type(e).__name__, "msg": str(e)}
                 self._pending_error: BaseException = e
             except OSError as e:
-                error = {"type": "OSError", "msg": (
-                    f"cannot use {self.dirpath} as a checkpoint directory: {e.strerror or e}. "
-                    "Check that the path is right and writable by this user."
-                )}
+                error = {
+                    "type": "OSError",
+                    "msg": (
+                        f"cannot use {self.dirpath} as a checkpoint directory: {e.strerror or e}. "
+                        "Check that the path is right and writable by this user."
+                    ),
+                }
                 self._pending_error = CheckpointWriteError(error["msg"])
                 self._pending_error.__cause__ = e
         error = dist.broadcast_json(error)
         if error is not None:
             if self.is_coordinator:
                 raise self._pending_error
-            raise CheckpointWriteError(f"rank 0 could not open the checkpoint directory: {error['msg']}")
+            raise CheckpointWriteError(
+                f"rank 0 could not open the checkpoint directory: {error['msg']}"
+            )
 
     def close(self) -> None:
         """Release the directory. Saves are synchronous, so nothing is pending."""
@@ -147,10 +163,8 @@ class Checkpointer:
         self.close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
+        with contextlib.suppress(Exception):
             self._lock.release()
-        except Exception:
-            pass
 
     def _check_open(self) -> None:
         if self._closed:
@@ -172,8 +186,10 @@ class Checkpointer:
         if reason is None:
             if not self.policy.has_trigger and not self._warned_no_trigger:
                 self._warned_no_trigger = True
-                log.warning("Checkpointer.step() called but no trigger is configured "
-                            "(every_n_steps / every_seconds); only save() will write checkpoints")
+                log.warning(
+                    "Checkpointer.step() called but no trigger is configured "
+                    "(every_n_steps / every_seconds); only save() will write checkpoints"
+                )
             return False
         return self._save(step, state, metrics, "periodic", why=reason)
 
@@ -182,8 +198,9 @@ class Checkpointer:
         self._check_open()
         return self._save(step, state, metrics, "forced", why="save() called")
 
-    def _save(self, step: int, state: Any, metrics: Mapping[str, Any] | None, reason: str,
-              why: str) -> bool:
+    def _save(
+        self, step: int, state: Any, metrics: Mapping[str, Any] | None, reason: str, why: str
+    ) -> bool:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
         if self.last_saved_step == step:
@@ -192,7 +209,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         clean_metrics = _clean_metrics(metrics)
         if self.run_id is None:
-            self.run_id = dist.broadcast_json(uuid.uuid4().hex[:16] if self.is_coordinator else None)
+            self.run_id = dist.broadcast_json(
+                uuid.uuid4().hex[:16] if self.is_coordinator else None
+            )
 
         staging, error = None, None
         if self.is_coordinator:
@@ -214,14 +233,22 @@ class Checkpointer:
             shared, local = structure.encode(state, split_per_rank=self.world_size > 1)
             fingerprint = _fingerprint(state)
             rng_info, rng_tensors = rng.capture() if self.config.capture_rng else (None, {})
-            entries = layout.write_part(staging_dir, self.rank,
-                                        shared if self.is_coordinator else None,
-                                        local, rng_info, rng_tensors)
+            entries = layout.write_part(
+                staging_dir,
+                self.rank,
+                shared if self.is_coordinator else None,
+                local,
+                rng_info,
+                rng_tensors,
+            )
             files = [e.__dict__ for e in entries]
         except Exception as e:  # reported to every rank below; nothing is committed
             local_exc = e
-        report = {"rank": self.rank, "files": files,
-                  "error": None if local_exc is None else f"{type(local_exc).__name__}: {local_exc}"}
+        report = {
+            "rank": self.rank,
+            "files": files,
+            "error": None if local_exc is None else f"{type(local_exc).__name__}: {local_exc}",
+        }
         reports = dist.all_gather_json(report)
         failed = [r for r in reports if r["error"]]
 
@@ -233,13 +260,22 @@ class Checkpointer:
                 try:
                     seq = self._seq + 1
                     manifest = Manifest(
-                        step=step, run_id=self.run_id, seq=seq, world_size=self.world_size,
+                        step=step,
+                        run_id=self.run_id,
+                        seq=seq,
+                        world_size=self.world_size,
                         files=[FileEntry(**f) for r in reports for f in r["files"]],
-                        metrics=clean_metrics, reason=reason, fingerprint=fingerprint,
-                        retention=self.retention.to_json(), versions=versions(),
+                        metrics=clean_metrics,
+                        reason=reason,
+                        fingerprint=fingerprint,
+                        retention=self.retention.to_json(),
+                        versions=versions(),
                     )
-                    missing = [f.path for f in manifest.files
-                               if not os.path.exists(os.path.join(staging_dir, f.path))]
+                    missing = [
+                        f.path
+                        for f in manifest.files
+                        if not os.path.exists(os.path.join(staging_dir, f.path))
+                    ]
                     if missing:
                         raise CheckpointWriteError(
                             f"files written by other ranks are not visible to rank 0: {missing}. "
@@ -267,9 +303,11 @@ class Checkpointer:
                 ranks, detail = (0,), f"rank 0 (commit): {outcome['error']}"
             if isinstance(local_exc, UnsupportedStateError):
                 raise local_exc
-            msg = (f"checkpoint for step {step} was not committed; failed on rank(s) "
-                   f"{', '.join(map(str, ranks))}: {detail}. Nothing was committed and older "
-                   f"checkpoints in {self.dirpath} are intact.")
+            msg = (
+                f"checkpoint for step {step} was not committed; failed on rank(s) "
+                f"{', '.join(map(str, ranks))}: {detail}. Nothing was committed and older "
+                f"checkpoints in {self.dirpath} are intact."
+            )
             err = CheckpointWriteError(msg, ranks)
             if isinstance(local_exc, OSError) and local_exc.errno:
                 err.errno = local_exc.errno
@@ -280,8 +318,14 @@ class Checkpointer:
         elapsed = time.perf_counter() - t0
         size = sum(f["size"] for r in reports for f in r["files"])
         self.last_save = SaveStats(step, outcome["path"], size, elapsed, reason)
-        log.info("saved step %d (%s, %.1f MB, %.3f s) -> %s", step, why, size / 1e6, elapsed,
-                 outcome["path"])
+        log.info(
+            "saved step %d (%s, %.1f MB, %.3f s) -> %s",
+            step,
+            why,
+            size / 1e6,
+            elapsed,
+            outcome["path"],
+        )
         if self.is_coordinator:
             self._apply_retention(protect=os.path.basename(outcome["path"]))
         return True
@@ -291,9 +335,16 @@ class Checkpointer:
     def _apply_retention(self, protect: str) -> None:
         entries = catalog.scan(self.dirpath, Depth.SIZE)
         cands = [
-            Candidate(e.name, e.manifest.step, e.manifest.seq, e.manifest.run_id,
-                      e.manifest.metrics, e.status is Status.VALID)
-            for e in entries if e.manifest is not None
+            Candidate(
+                e.name,
+                e.manifest.step,
+                e.manifest.seq,
+                e.manifest.run_id,
+                e.manifest.metrics,
+                e.status is Status.VALID,
+            )
+            for e in entries
+            if e.manifest is not None
         ]
         self._report_foreign(entries)
         p = plan(cands, self.retention, self.run_id, protected=[protect])
@@ -308,16 +359,20 @@ class Checkpointer:
     def _report_foreign(self, entries: list[Entry]) -> None:
         if self._reported_foreign or self.run_id is None:
             return
-        foreign = [e for e in entries if e.manifest is not None and e.manifest.run_id != self.run_id]
+        foreign = [
+            e for e in entries if e.manifest is not None and e.manifest.run_id != self.run_id
+        ]
         if not foreign:
             return
         self._reported_foreign = True
         runs = sorted({e.manifest.run_id for e in foreign if e.manifest})
         steps = [e.manifest.step for e in foreign if e.manifest]
-        msg = (f"{self.dirpath} holds {len(foreign)} checkpoint(s) of {len(runs)} other run(s) "
-               f"({', '.join(runs)}; steps {min(steps)}..{max(steps)}). Retention does not count "
-               "or delete them; use a separate dirpath per run, or remove them with "
-               "`resilient-ckpt gc`.")
+        msg = (
+            f"{self.dirpath} holds {len(foreign)} checkpoint(s) of {len(runs)} other run(s) "
+            f"({', '.join(runs)}; steps {min(steps)}..{max(steps)}). Retention does not count "
+            "or delete them; use a separate dirpath per run, or remove them with "
+            "`resilient-ckpt gc`."
+        )
         warnings.warn(msg, ForeignCheckpointsWarning, stacklevel=4)
         log.warning(msg)
 
@@ -365,14 +420,17 @@ class Checkpointer:
         )
 
     def _warn_fallback(self, c: dict[str, Any], problem: str) -> None:
-        msg = (f"skipping checkpoint {c['path']} (step {c['step']}): {problem}; "
-               "falling back to an older checkpoint")
+        msg = (
+            f"skipping checkpoint {c['path']} (step {c['step']}): {problem}; "
+            "falling back to an older checkpoint"
+        )
         if self.is_coordinator:
             warnings.warn(msg, ResumeFallbackWarning, stacklevel=3)
         log.warning(msg)
 
-    def _try_load(self, c: dict[str, Any], state: Any, explicit: bool,
-                  skipped: list[str]) -> int | None:
+    def _try_load(
+        self, c: dict[str, Any], state: Any, explicit: bool, skipped: list[str]
+    ) -> int | None:
         path = c["path"]
         part, problem = None, None
         try:
@@ -394,22 +452,30 @@ class Checkpointer:
         warns: list[str] = []
         try:
             full = structure.inline_per_rank(part.structure, part.per_rank)
-            meta = {k: (str(t.dtype).removeprefix("torch."), list(t.shape))
-                    for k, t in part.tensors.items()}
+            meta = {
+                k: (str(t.dtype).removeprefix("torch."), list(t.shape))
+                for k, t in part.tensors.items()
+            }
             structure.check_fits(state, full, meta)
             owned = structure.CloneOnRead(part.tensors)
-            structure.apply(state, full, lambda n, borrow: structure.decode(
-                n, part.tensors if borrow else owned))
+            structure.apply(
+                state,
+                full,
+                lambda n, borrow: structure.decode(n, part.tensors if borrow else owned),
+            )
             if self.config.capture_rng:
                 if part.rng is not None:
                     warns = rng.restore(part.rng, part.tensors)
                 else:
-                    warns = [f"rank {self.rank} has no RNG state in this checkpoint (written by "
-                             f"{manifest.world_size} rank(s)); its random streams start fresh"]
+                    warns = [
+                        f"rank {self.rank} has no RNG state in this checkpoint (written by "
+                        f"{manifest.world_size} rank(s)); its random streams start fresh"
+                    ]
         except Exception as e:
             local_exc = e
-        errors = dist.all_gather_json(None if local_exc is None else
-                                      f"{type(local_exc).__name__}: {local_exc}")
+        errors = dist.all_gather_json(
+            None if local_exc is None else f"{type(local_exc).__name__}: {local_exc}"
+        )
         if any(errors):
             if local_exc is not None:
                 raise local_exc
@@ -476,10 +542,8 @@ def _remove_checkpoint(path: str) -> None:
     incomplete directory that readers ignore, never a torn 'valid' one), then the rest."""
     import shutil
 
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(path, MANIFEST_NAME))
-    except FileNotFoundError:
-        pass
     shutil.rmtree(path)
 
 

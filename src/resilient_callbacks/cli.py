@@ -49,9 +49,18 @@ def _plan(entries: list[Entry], policy: RetentionPolicy | None = None) -> tuple[
         policy = RetentionPolicy()
         if newest is not None and newest.manifest is not None and newest.manifest.retention:
             policy = RetentionPolicy.from_json(newest.manifest.retention)
-    cands = [Candidate(e.name, e.manifest.step, e.manifest.seq, e.manifest.run_id,
-                       e.manifest.metrics, e.status is Status.VALID)
-             for e in entries if e.manifest is not None]
+    cands = [
+        Candidate(
+            e.name,
+            e.manifest.step,
+            e.manifest.seq,
+            e.manifest.run_id,
+            e.manifest.metrics,
+            e.status is Status.VALID,
+        )
+        for e in entries
+        if e.manifest is not None
+    ]
     return plan(cands, policy, run_id), run_id
 
 
@@ -94,8 +103,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         size = _fmt_size(r["bytes"]) if r["bytes"] is not None else "-"
         note = r["problem"] if r["status"] != "valid" else r["kept"]
-        print(f"{r['step'] if r['step'] is not None else '?':>10}  {r['time'] or '-':19}  "
-              f"{size:>9}  {r['status']:10}  {r['run_id'] or '-':16}  {note}")
+        print(
+            f"{r['step'] if r['step'] is not None else '?':>10}  {r['time'] or '-':19}  "
+            f"{size:>9}  {r['status']:10}  {r['run_id'] or '-':16}  {note}"
+        )
     return 0
 
 
@@ -119,21 +130,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"ok       step {e.step:>10}  {e.name}")
         else:
             bad += 1
-            print(f"CORRUPT  step {e.step if e.step is not None else '?':>10}  {e.name}: {e.problem}")
+            print(
+                f"CORRUPT  step {e.step if e.step is not None else '?':>10}  {e.name}: {e.problem}"
+            )
     if bad:
         print(f"{bad} of {len(chosen)} checkpoint(s) failed verification", file=sys.stderr)
         return 1
     return 0
 
 
-def _walk(node: Any, meta: dict[str, tuple[str, list[int]]], path: str, out: list[dict[str, Any]]) -> None:
+def _walk(
+    node: Any, meta: dict[str, tuple[str, list[int]]], path: str, out: list[dict[str, Any]]
+) -> None:
     if isinstance(node, list):
         for i, v in enumerate(node):
             _walk(v, meta, f"{path}[{i}]", out)
         return
     if not isinstance(node, dict):
         text = repr(node)
-        out.append({"key": path, "kind": "value", "value": text if len(text) < 80 else text[:77] + "..."})
+        out.append(
+            {"key": path, "kind": "value", "value": text if len(text) < 80 else text[:77] + "..."}
+        )
         return
     tag = node.get(TAG)
     if tag is None:
@@ -141,8 +158,15 @@ def _walk(node: Any, meta: dict[str, tuple[str, list[int]]], path: str, out: lis
             _walk(v, meta, f"{path}.{k}" if path else k, out)
     elif tag == "tensor":
         dtype, shape = meta.get(node["key"], ("?", []))
-        out.append({"key": path, "kind": "tensor", "dtype": dtype, "shape": shape,
-                    "stored_as": node["key"]})
+        out.append(
+            {
+                "key": path,
+                "kind": "tensor",
+                "dtype": dtype,
+                "shape": shape,
+                "stored_as": node["key"],
+            }
+        )
     elif tag == "stateful":
         out.append({"key": path, "kind": "object", "type": node["type"]})
         _walk(node["state"], meta, path, out)
@@ -162,7 +186,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     entries = catalog.scan(args.dir, Depth.SIZE)
     chosen = _select(entries, args.step)
     if not chosen:
-        print(f"resilient-ckpt inspect: no checkpoint of step {args.step} in {args.dir}", file=sys.stderr)
+        print(
+            f"resilient-ckpt inspect: no checkpoint of step {args.step} in {args.dir}",
+            file=sys.stderr,
+        )
         return 1
     e = chosen[-1]
     m = e.manifest
@@ -172,15 +199,27 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     meta = tensor_meta(os.path.join(e.path, SHARED_TENSORS))
     keys: list[dict[str, Any]] = []
     _walk(struct, meta, "", keys)
-    info = {"name": e.name, "step": m.step, "status": str(e.status), "problem": e.problem,
-            "run_id": m.run_id, "created": m.created, "world_size": m.world_size,
-            "reason": m.reason, "metrics": m.metrics, "versions": m.versions,
-            "files": [f.__dict__ for f in m.files], "keys": keys}
+    info = {
+        "name": e.name,
+        "step": m.step,
+        "status": str(e.status),
+        "problem": e.problem,
+        "run_id": m.run_id,
+        "created": m.created,
+        "world_size": m.world_size,
+        "reason": m.reason,
+        "metrics": m.metrics,
+        "versions": m.versions,
+        "files": [f.__dict__ for f in m.files],
+        "keys": keys,
+    }
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
-    print(f"{e.name}: step {m.step}, {e.status}, run {m.run_id}, world size {m.world_size}, "
-          f"saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created))} ({m.reason})")
+    print(
+        f"{e.name}: step {m.step}, {e.status}, run {m.run_id}, world size {m.world_size}, "
+        f"saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created))} ({m.reason})"
+    )
     if e.problem:
         print(f"  problem: {e.problem}")
     print(f"  metrics: {json.dumps(m.metrics)}")
@@ -207,19 +246,26 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if not args.dry_run:
         try:
             lock.acquire()
-        except CheckpointError as e:
-            print(f"resilient-ckpt gc: {e}", file=sys.stderr)
+        except CheckpointError as err:
+            print(f"resilient-ckpt gc: {err}", file=sys.stderr)
             return 1
     try:
         entries = catalog.scan(args.dir, Depth.FULL if args.remove_corrupt else Depth.SIZE)
         policy = None
         if args.keep_last is not None:
             newest = _current(entries)
-            base = (RetentionPolicy.from_json(newest.manifest.retention)
-                    if newest and newest.manifest and newest.manifest.retention else RetentionPolicy())
-            policy = RetentionPolicy(keep_last=args.keep_last, keep_best=base.keep_best,
-                                     monitor=base.monitor, mode=base.mode,
-                                     keep_every_n_steps=base.keep_every_n_steps)
+            base = (
+                RetentionPolicy.from_json(newest.manifest.retention)
+                if newest and newest.manifest and newest.manifest.retention
+                else RetentionPolicy()
+            )
+            policy = RetentionPolicy(
+                keep_last=args.keep_last,
+                keep_best=base.keep_best,
+                monitor=base.monitor,
+                mode=base.mode,
+                keep_every_n_steps=base.keep_every_n_steps,
+            )
         p, run_id = _plan(entries, policy)
         doomed: list[tuple[Entry, str]] = []
         for e in entries:
@@ -238,8 +284,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 shutil.rmtree(e.path)
             print(f"{verb} {e.name} (step {e.step}): {why}")
         kept = [e for e in entries if e not in [d for d, _ in doomed]]
-        print(f"{len(doomed)} {'would be deleted' if args.dry_run else 'deleted'}, {len(kept)} kept"
-              + (f" (current run {run_id})" if run_id else ""))
+        print(
+            f"{len(doomed)} {'would be deleted' if args.dry_run else 'deleted'}, {len(kept)} kept"
+            + (f" (current run {run_id})" if run_id else "")
+        )
         return 0
     finally:
         lock.release()

@@ -87,7 +87,7 @@ class RenameCommit:
 
 def sweep_staging(root: str) -> list[str]:
     """Remove leftover staging directories (call only while holding the directory lock)."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(root)
     except FileNotFoundError:

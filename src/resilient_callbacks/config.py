@@ -40,7 +40,7 @@ class CheckpointerConfig:
                     f"dirpath={d!r}: the checkpoint directory must be a local (or shared, "
                     "mounted) filesystem path; object-store URLs are not supported as dirpath"
                 )
-            d = d[len("file://"):]
+            d = d[len("file://") :]
         object.__setattr__(self, "dirpath", os.path.abspath(os.path.expanduser(d)))
         r = self.resume
         if isinstance(r, bool):
@@ -65,10 +65,17 @@ class CheckpointerConfig:
         self.retention_policy()
 
     def save_policy(self) -> SavePolicy:
-        return SavePolicy(every_n_steps=self.every_n_steps, every_seconds=self.every_seconds,
-                          archive_every_n_steps=self.keep_every_n_steps)
+        return SavePolicy(
+            every_n_steps=self.every_n_steps,
+            every_seconds=self.every_seconds,
+            archive_every_n_steps=self.keep_every_n_steps,
+        )
 
     def retention_policy(self) -> RetentionPolicy:
-        return RetentionPolicy(keep_last=self.keep_last, keep_best=self.keep_best,
-                               monitor=self.monitor, mode=Mode(self.mode) if self.mode in ("min", "max") else self.mode,
-                               keep_every_n_steps=self.keep_every_n_steps)
+        return RetentionPolicy(
+            keep_last=self.keep_last,
+            keep_best=self.keep_best,
+            monitor=self.monitor,
+            mode=self.mode,  # type: ignore[arg-type]
+            keep_every_n_steps=self.keep_every_n_steps,
+        )

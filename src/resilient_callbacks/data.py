@@ -31,8 +31,15 @@ class ResumableSampler(Sampler[int]):
     wrap it in :class:`~resilient_callbacks.PerRank` in the checkpointed state.
     """
 
-    def __init__(self, num_samples: int, *, shuffle: bool = True, seed: int = 0,
-                 num_replicas: int = 1, rank: int = 0) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
         if num_samples < 0:
             raise ValueError("num_samples must be >= 0")
         if not 0 <= rank < num_replicas:
@@ -55,7 +62,7 @@ class ResumableSampler(Sampler[int]):
         if self.num_replicas > 1 and order:
             total = -(-len(order) // self.num_replicas) * self.num_replicas
             order = (order * (total // len(order) + 1))[:total]
-            order = order[self.rank:total:self.num_replicas]
+            order = order[self.rank : total : self.num_replicas]
         return order
 
     def __len__(self) -> int:
@@ -82,9 +89,15 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.position = int(epoch), int(consumed)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "num_samples": self.num_samples, "shuffle": self.shuffle,
-                "num_replicas": self.num_replicas, "rank": self.rank}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "shuffle": self.shuffle,
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("num_samples", "shuffle", "seed"):
@@ -97,7 +110,7 @@ class ResumableSampler(Sampler[int]):
         self.position = int(state["position"])
 
 
-class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
+class ResumableDataLoader(DataLoader):
     """A ``DataLoader`` whose position is checkpointable: put it in the state and a resumed run
     continues with the next batch the interrupted run had not yet trained on, mid-epoch, without
     loading any batch twice.
@@ -116,17 +129,33 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
     loader in :class:`~resilient_callbacks.PerRank`).
     """
 
-    def __init__(self, dataset: Any, batch_size: int = 1, *, shuffle: bool = True, seed: int = 0,
-                 num_replicas: int = 1, rank: int = 0, drop_last: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int = 1,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+        **kwargs: Any,
+    ) -> None:
         for bad in ("sampler", "batch_sampler", "generator"):
             if kwargs.get(bad) is not None:
                 raise ValueError(f"ResumableDataLoader makes its own {bad}; do not pass {bad}=")
         self._seed = int(seed)
-        sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed,
-                                   num_replicas=num_replicas, rank=rank)
-        super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
-                         generator=torch.Generator(), **kwargs)
+        sampler = ResumableSampler(
+            len(dataset), shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank
+        )
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=drop_last,
+            generator=torch.Generator(),
+            **kwargs,
+        )
         self.epoch = 0
         self.batches_consumed = 0  # batches handed to the loop in the current epoch
 
@@ -151,9 +180,13 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
 
     def state_dict(self) -> dict[str, Any]:
         assert isinstance(self.sampler, ResumableSampler)
-        return {"epoch": self.epoch, "batches_consumed": self.batches_consumed,
-                "batch_size": self.batch_size, "drop_last": self.drop_last,
-                "sampler": self.sampler.state_dict()}
+        return {
+            "epoch": self.epoch,
+            "batches_consumed": self.batches_consumed,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "sampler": self.sampler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert isinstance(self.sampler, ResumableSampler)

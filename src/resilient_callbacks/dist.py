@@ -34,7 +34,11 @@ def _device() -> torch.device:
 
 def _encode(obj: Any, device: torch.device) -> torch.Tensor:
     data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.empty(0, dtype=torch.uint8, device=device)
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        if data
+        else torch.empty(0, dtype=torch.uint8, device=device)
+    )
 
 
 def _decode(t: torch.Tensor) -> Any:

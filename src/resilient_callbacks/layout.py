@@ -48,20 +48,34 @@ def write_part(
     """Write this rank's files into ``staging``; rank 0 also passes ``shared``."""
     entries: list[FileEntry] = []
     if shared is not None:
-        d = write_tensors(os.path.join(staging, SHARED_TENSORS), shared.tensors,
-                          {"format": "resilient_callbacks", "part": "shared"})
+        d = write_tensors(
+            os.path.join(staging, SHARED_TENSORS),
+            shared.tensors,
+            {"format": "resilient_callbacks", "part": "shared"},
+        )
         entries.append(FileEntry(SHARED_TENSORS, d.size, d.xxh3_64, rank, "tensors"))
-        d = write_json(os.path.join(staging, SHARED_STRUCTURE),
-                       {"layout_version": LAYOUT_VERSION, "structure": shared.structure})
+        d = write_json(
+            os.path.join(staging, SHARED_STRUCTURE),
+            {"layout_version": LAYOUT_VERSION, "structure": shared.structure},
+        )
         entries.append(FileEntry(SHARED_STRUCTURE, d.size, d.xxh3_64, rank, "structure"))
     tensors = dict(local.tensors)
     tensors.update(rng_tensors)
-    d = write_tensors(os.path.join(staging, rank_tensors(rank)), tensors,
-                      {"format": "resilient_callbacks", "part": f"rank {rank}"})
+    d = write_tensors(
+        os.path.join(staging, rank_tensors(rank)),
+        tensors,
+        {"format": "resilient_callbacks", "part": f"rank {rank}"},
+    )
     entries.append(FileEntry(rank_tensors(rank), d.size, d.xxh3_64, rank, "tensors"))
-    d = write_json(os.path.join(staging, rank_structure(rank)),
-                   {"layout_version": LAYOUT_VERSION, "rank": rank, "per_rank": local.per_rank,
-                    "rng": rng_info})
+    d = write_json(
+        os.path.join(staging, rank_structure(rank)),
+        {
+            "layout_version": LAYOUT_VERSION,
+            "rank": rank,
+            "per_rank": local.per_rank,
+            "rng": rng_info,
+        },
+    )
     entries.append(FileEntry(rank_structure(rank), d.size, d.xxh3_64, rank, "structure"))
     return entries
 
@@ -90,7 +104,9 @@ def read_part(path: str, manifest: Manifest, rank: int) -> LoadedPart:
         try:
             return json.loads(bytes(buf))
         except ValueError as e:
-            raise CheckpointCorruptError(f"{os.path.join(path, name)}: unreadable JSON ({e})") from None
+            raise CheckpointCorruptError(
+                f"{os.path.join(path, name)}: unreadable JSON ({e})"
+            ) from None
 
     def load_tensors(name: str) -> dict[str, torch.Tensor]:
         full = os.path.join(path, name)

@@ -43,7 +43,7 @@ class Manifest:
     seq: int  # commit sequence number within the directory; higher = committed later
     world_size: int
     files: list[FileEntry]
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float | None] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     reason: str = "periodic"  # periodic | forced | emergency | close
     fingerprint: str = ""
@@ -92,7 +92,9 @@ class Manifest:
         except UnsafeManifestError:
             raise
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointCorruptError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
+            raise CheckpointCorruptError(
+                f"{where}: malformed manifest ({type(e).__name__}: {e})"
+            ) from None
 
 
 def check_relative(name: str, where: str = "manifest") -> None:

@@ -22,7 +22,8 @@ class SavePolicy:
 
     def __post_init__(self) -> None:
         if self.every_n_steps is not None and (
-            isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int)
+            isinstance(self.every_n_steps, bool)
+            or not isinstance(self.every_n_steps, int)
             or self.every_n_steps < 1
         ):
             raise ConfigError(
@@ -30,7 +31,8 @@ class SavePolicy:
                 "by step count"
             )
         if self.every_seconds is not None and (
-            isinstance(self.every_seconds, bool) or not isinstance(self.every_seconds, (int, float))
+            isinstance(self.every_seconds, bool)
+            or not isinstance(self.every_seconds, (int, float))
             or not self.every_seconds > 0
         ):
             raise ConfigError(

@@ -34,7 +34,9 @@ class RetentionPolicy:
     keep_every_n_steps: int | None = None
 
     def __post_init__(self) -> None:
-        if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
+        if self.keep_last is not None and (
+            not isinstance(self.keep_last, int) or self.keep_last < 1
+        ):
             raise ConfigError(
                 f"keep_last={self.keep_last!r}: must be an int >= 1 (the newest checkpoint is "
                 "always kept), or None to keep every checkpoint"
@@ -69,8 +71,13 @@ class RetentionPolicy:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RetentionPolicy:
-        return cls(**{k: d[k] for k in ("keep_last", "keep_best", "monitor", "mode",
-                                        "keep_every_n_steps") if k in d})
+        return cls(
+            **{
+                k: d[k]
+                for k in ("keep_last", "keep_best", "monitor", "mode", "keep_every_n_steps")
+                if k in d
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ class Candidate:
     step: int
     seq: int
     run_id: str
-    metrics: Mapping[str, float] = field(default_factory=dict)
+    metrics: Mapping[str, float | None] = field(default_factory=dict)
     valid: bool = True
 
 
@@ -120,14 +127,15 @@ def plan(
         for c in mine:
             mark(c, "keep_last=None keeps all")
     else:
-        for c in mine[-policy.keep_last:]:
+        for c in mine[-policy.keep_last :]:
             mark(c, f"last {policy.keep_last}")
     if policy.keep_best and policy.monitor:
-        scored = [c for c in mine if _finite(c.metrics.get(policy.monitor))]
+        key: str = policy.monitor
+        scored = [c for c in mine if _finite(c.metrics.get(key))]
         sign = 1.0 if policy.mode is Mode.MIN else -1.0
-        scored.sort(key=lambda c: (sign * float(c.metrics[policy.monitor]), -c.seq))
+        scored.sort(key=lambda c: (sign * float(c.metrics[key] or 0.0), -c.seq))
         for c in scored[: policy.keep_best]:
-            mark(c, f"best {policy.monitor}={c.metrics[policy.monitor]:.6g}")
+            mark(c, f"best {key}={c.metrics[key]:.6g}")
     if policy.keep_every_n_steps:
         for c in mine:
             if c.step % policy.keep_every_n_steps == 0:

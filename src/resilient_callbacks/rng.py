@@ -21,8 +21,12 @@ def capture() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     kind, keys, pos, has_gauss, cached = np_state
     info: dict[str, Any] = {
         "python": {"version": version, "state": list(internal), "gauss_next": gauss},
-        "numpy": {"kind": kind, "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "cuda_devices": 0,
     }
     tensors = {

@@ -354,16 +354,24 @@ def check_fits(
             if not (isinstance(n, dict) and n.get(TAG) == "stateful"):
                 problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a module")
                 return
-            want = {k: (str(v.dtype).removeprefix("torch."), list(v.shape))
-                    for k, v in obj.state_dict().items() if isinstance(v, torch.Tensor)}
-            have = {k: v for k, v in _tensor_specs(n["state"], tensors_meta).items()
-                    if k in want or v is not None}
+            want = {
+                k: (str(v.dtype).removeprefix("torch."), list(v.shape))
+                for k, v in obj.state_dict().items()
+                if isinstance(v, torch.Tensor)
+            }
+            have = {
+                k: v
+                for k, v in _tensor_specs(n["state"], tensors_meta).items()
+                if k in want or v is not None
+            }
             missing = sorted(set(want) - set(have))
             unexpected = sorted(set(have) - set(want))
             if missing:
                 problems.append(f"{path_str(path)}: missing keys in checkpoint: {_short(missing)}")
             if unexpected:
-                problems.append(f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}")
+                problems.append(
+                    f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}"
+                )
             for k in sorted(set(want) & set(have)):
                 if have[k] is not None and list(have[k][1]) != want[k][1]:
                     problems.append(
@@ -398,7 +406,9 @@ def check_fits(
             if missing:
                 problems.append(f"{path_str(path)}: missing keys in checkpoint: {_short(missing)}")
             if unexpected:
-                problems.append(f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}")
+                problems.append(
+                    f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}"
+                )
             for k in obj:
                 if k in items:
                     rec(obj[k], items[k], (*path, k))
@@ -406,7 +416,9 @@ def check_fits(
         if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
             seq = _node_seq(n)
             if seq is None:
-                problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a sequence")
+                problems.append(
+                    f"{path_str(path)}: checkpoint holds {_describe(n)}, not a sequence"
+                )
                 return
             if _has_live_objects(obj) and len(seq) != len(obj):
                 problems.append(
@@ -555,7 +567,7 @@ def apply(
                 new = load_into(obj[i], s, (*path, i))
                 if new is not obj[i] and new != obj[i]:
                     raise CheckpointMismatchError(
-                        f"{path_str(path + (i,))} is inside a tuple and cannot be restored in "
+                        f"{path_str((*path, i))} is inside a tuple and cannot be restored in "
                         "place; use a list or a dict for values that change during training"
                     )
             return obj

@@ -63,7 +63,7 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def write_tensors(
@@ -176,7 +176,9 @@ def digest_file(path: str) -> FileDigest:
     return FileDigest(size, hasher.hexdigest())
 
 
-def parse_header(buf: bytes | bytearray | memoryview, path: str = "<buffer>") -> tuple[dict[str, Any], int]:
+def parse_header(
+    buf: bytes | bytearray | memoryview, path: str = "<buffer>"
+) -> tuple[dict[str, Any], int]:
     if len(buf) < 8:
         raise CheckpointCorruptError(f"{path}: too short to be a safetensors file")
     (hlen,) = struct.unpack("<Q", bytes(buf[:8]))
@@ -198,7 +200,9 @@ def tensors_from_buffer(buf: bytearray, path: str = "<buffer>") -> dict[str, tor
             continue
         dtype = ST_TO_DTYPE.get(info["dtype"])
         if dtype is None:
-            raise CheckpointCorruptError(f"{path}: tensor {name!r} has unknown dtype {info['dtype']}")
+            raise CheckpointCorruptError(
+                f"{path}: tensor {name!r} has unknown dtype {info['dtype']}"
+            )
         start, end = info["data_offsets"]
         shape = info["shape"]
         numel = 1
@@ -230,8 +234,12 @@ def tensor_meta(path_or_buf: str | bytearray) -> dict[str, tuple[str, list[int]]
     else:
         header, _ = parse_header(path_or_buf)
     return {
-        k: (str(ST_TO_DTYPE[v["dtype"]]).removeprefix("torch.") if v["dtype"] in ST_TO_DTYPE
-            else v["dtype"], list(v["shape"]))
+        k: (
+            str(ST_TO_DTYPE[v["dtype"]]).removeprefix("torch.")
+            if v["dtype"] in ST_TO_DTYPE
+            else v["dtype"],
+            list(v["shape"]),
+        )
         for k, v in header.items()
         if k != "__metadata__"
     }
