@@ -37,6 +37,11 @@ class DirLock:
             except (OSError, ValueError):
                 pass
             os.close(fd)
+            if f"pid {os.getpid()} on {socket.gethostname()}" in holder:
+                raise CheckpointLockedError(
+                    f"this process already has an open Checkpointer on {os.path.dirname(self.path)}"
+                    f"{holder}; close() it (or use `with Checkpointer(...)`) before opening another"
+                ) from None
             raise CheckpointLockedError(
                 f"another process is writing checkpoints to {os.path.dirname(self.path)}{holder}. "
                 "Two runs must not share a checkpoint directory: give this run its own dirpath, "

@@ -45,6 +45,8 @@ class SavePolicy:
         return bool(self.every_n_steps or self.every_seconds or self.archive_every_n_steps)
 
     def due_by_step(self, step: int) -> str | None:
+        if step <= 0:
+            return None  # nothing trained yet: never worth a checkpoint
         if self.every_n_steps and step % self.every_n_steps == 0:
             return f"every_n_steps={self.every_n_steps}"
         if self.archive_every_n_steps and step % self.archive_every_n_steps == 0:
