@@ -124,8 +124,12 @@ def main() -> int:
     def ours() -> None:
         ck.save(next(counter), state)
 
-    for name, fn in [("raw write+fsync", raw), ("torch.save+fsync", tsave),
-                     ("safetensors.save_file+fsync", stsave), ("ours (sync save)", ours)]:
+    for name, fn in [
+        ("raw write+fsync", raw),
+        ("torch.save+fsync", tsave),
+        ("safetensors.save_file+fsync", stsave),
+        ("ours (sync save)", ours),
+    ]:
         fn()  # warm-up: page allocation, first-touch
         results[name] = timeit(fn, args.reps)
         print(f"  {name:32} median {statistics.median(results[name]):.3f} s")
@@ -141,7 +145,10 @@ def main() -> int:
     def ours_restore() -> None:
         restorer.restore(state)
 
-    for name, fn in [("torch.load(mmap)+load_state_dict", tload), ("ours (restore, verified)", ours_restore)]:
+    for name, fn in [
+        ("torch.load(mmap)+load_state_dict", tload),
+        ("ours (restore, verified)", ours_restore),
+    ]:
         fn()
         results[name] = timeit(fn, args.reps)
         print(f"  {name:32} median {statistics.median(results[name]):.3f} s")
@@ -151,21 +158,31 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in results.items()}
     raw_t = med["raw write+fsync"]
     report = {
-        "state_bytes": nbytes, "reps": args.reps, "machine": platform.platform(),
-        "cpus": os.cpu_count(), "torch": torch.__version__,
-        "median_seconds": med, "all_seconds": results,
+        "state_bytes": nbytes,
+        "reps": args.reps,
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "median_seconds": med,
+        "all_seconds": results,
         "ratios": {
             "ours_save / torch.save": med["ours (sync save)"] / med["torch.save+fsync"],
-            "ours_save / safetensors.save_file": med["ours (sync save)"] / med["safetensors.save_file+fsync"],
+            "ours_save / safetensors.save_file": med["ours (sync save)"]
+            / med["safetensors.save_file+fsync"],
             "ours_save / raw write+fsync": med["ours (sync save)"] / raw_t,
-            "ours_restore / torch.load(mmap)": med["ours (restore, verified)"] / med["torch.load(mmap)+load_state_dict"],
+            "ours_restore / torch.load(mmap)": med["ours (restore, verified)"]
+            / med["torch.load(mmap)+load_state_dict"],
         },
     }
     with open(os.path.join(args.out, "bench_core.json"), "w") as f:
         json.dump(report, f, indent=1)
-    lines = [f"State {nbytes / 1e6:.0f} MB (MLP + AdamW), medians of {args.reps}, "
-             f"{os.cpu_count()} CPUs, torch {torch.__version__}", "",
-             "| method | median s | GB/s | vs raw write+fsync |", "|---|---|---|---|"]
+    lines = [
+        f"State {nbytes / 1e6:.0f} MB (MLP + AdamW), medians of {args.reps}, "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}",
+        "",
+        "| method | median s | GB/s | vs raw write+fsync |",
+        "|---|---|---|---|",
+    ]
     for k, v in med.items():
         lines.append(f"| {k} | {v:.3f} | {nbytes / v / 1e9:.2f} | {v / raw_t:.2f}x |")
     lines += ["", "| ratio | value |", "|---|---|"]

@@ -28,8 +28,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # same initial weights on every rank
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.1),
-                                    torch.nn.Linear(32, 1)))
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(1000 + rank)  # different dropout masks per rank, all restored exactly
     g = torch.Generator().manual_seed(0)

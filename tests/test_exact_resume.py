@@ -9,6 +9,7 @@ drawn from a seeded RNG (override the seed with RC_TEST_SEED to explore other po
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -29,18 +30,30 @@ SCRIPT = Path(__file__).with_name("train_script.py")
 TOTAL = 60
 EVERY = 5
 KEEP_LAST = 3
-SLEEP = 0.03  # per step, so the parent can land a kill between chosen steps
+SLEEP = 0.02  # per step, so the parent can land a kill between chosen steps
 SEED = int(os.environ.get("RC_TEST_SEED", "20240611"))
 RUN_TIMEOUT = 120
+
+pytestmark = pytest.mark.timeout(300)
 
 
 def _cmd(workdir: Path, loader: str, sleep: float = 0.0) -> list[str]:
     cmd = [
-        sys.executable, str(SCRIPT), str(workdir / "ckpt"),
-        "--total-steps", str(TOTAL), "--every-n-steps", str(EVERY),
-        "--keep-last", str(KEEP_LAST), "--loader", loader,
-        "--out-jsonl", str(workdir / "losses.jsonl"),
-        "--out-params", str(workdir / "params.safetensors"),
+        sys.executable,
+        str(SCRIPT),
+        str(workdir / "ckpt"),
+        "--total-steps",
+        str(TOTAL),
+        "--every-n-steps",
+        str(EVERY),
+        "--keep-last",
+        str(KEEP_LAST),
+        "--loader",
+        loader,
+        "--out-jsonl",
+        str(workdir / "losses.jsonl"),
+        "--out-params",
+        str(workdir / "params.safetensors"),
     ]
     if sleep:
         cmd += ["--sleep", str(sleep)]
@@ -82,6 +95,20 @@ def _restored_step(stderr: str) -> int:
     return int(m.group(1))
 
 
+def _records_from(jsonl: Path, offset: int) -> list[dict]:
+    """Complete records appended after ``offset`` (a line cut by SIGKILL is skipped)."""
+    if not jsonl.exists():
+        return []
+    with open(jsonl, "rb") as f:
+        f.seek(offset)
+        lines = f.read().split(b"\n")[:-1]  # the last piece may be a line being written
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
 def _run_and_kill(cmd: list[str], jsonl: Path, kill_at: int) -> tuple[int, str]:
     """Start the script, SIGKILL it once it has logged step >= ``kill_at`` in this run; return
     (last step this run logged, its stderr)."""
@@ -91,7 +118,6 @@ def _run_and_kill(cmd: list[str], jsonl: Path, kill_at: int) -> tuple[int, str]:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env())
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
-        last = None
         while True:
             if proc.poll() is not None:
                 pytest.fail(
@@ -100,32 +126,18 @@ def _run_and_kill(cmd: list[str], jsonl: Path, kill_at: int) -> tuple[int, str]:
                 )
             if time.monotonic() > deadline:
                 pytest.fail(f"the script did not reach step {kill_at} in {RUN_TIMEOUT} s")
-            if jsonl.exists():
-                with open(jsonl, "rb") as f:
-                    f.seek(offset)
-                    lines = f.read().split(b"\n")
-                steps = [json.loads(l)["step"] for l in lines[:-1] if l.strip()]
-                if steps and steps[-1] >= kill_at:
-                    os.kill(proc.pid, signal.SIGKILL)
-                    break
+            recs = _records_from(jsonl, offset)
+            if recs and recs[-1]["step"] >= kill_at:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
             time.sleep(0.002)
         proc.wait(timeout=30)
         assert proc.returncode == -signal.SIGKILL, proc.returncode
-        with open(jsonl, "rb") as f:
-            f.seek(offset)
-            lines = f.read().split(b"\n")
-        recs = []
-        for l in lines:
-            try:
-                recs.append(json.loads(l))
-            except ValueError:
-                pass
-        last = recs[-1]["step"]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return last, errpath.read_text()
+    return _records_from(jsonl, offset)[-1]["step"], errpath.read_text()
 
 
 def _last_loss_per_step(records: list[dict]) -> dict[int, str]:
@@ -162,7 +174,8 @@ def _assert_final_dir(ckdir: Path) -> None:
     committed = catalog.committed(entries)
     assert [e.step for e in committed] == [TOTAL - EVERY * i for i in range(KEEP_LAST)][::-1]
     assert all(e.status is catalog.Status.VALID for e in committed), [
-        (e.name, e.status, e.problem) for e in committed]
+        (e.name, e.status, e.problem) for e in committed
+    ]
     # Resumed runs continue the interrupted run (same run id), so retention counts them all.
     assert len({e.manifest.run_id for e in committed}) == 1
 
@@ -177,8 +190,9 @@ class _Reference:
     def __init__(self, workdir: Path, loader: str) -> None:
         self.workdir = workdir
         self.cmd = _cmd(workdir, loader)
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=_env())
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+        )
         self._result: tuple[dict[int, str], Path] | None = None
 
     def result(self) -> tuple[dict[int, str], Path]:
@@ -190,7 +204,8 @@ class _Reference:
                 out, err = self.proc.communicate()
                 pytest.fail(f"the uninterrupted run did not finish in {RUN_TIMEOUT} s:\n{err}")
             assert self.proc.returncode == 0, (
-                f"uninterrupted run failed (rc={self.proc.returncode})\n{out}\n{err}")
+                f"uninterrupted run failed (rc={self.proc.returncode})\n{out}\n{err}"
+            )
             assert _restored_step(err) == 0
             records = _read_records(self.workdir / "losses.jsonl")
             assert [r["step"] for r in records] == list(range(1, TOTAL + 1))
@@ -201,8 +216,10 @@ class _Reference:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    refs = {loader: _Reference(tmp_path_factory.mktemp(f"reference-{loader}"), loader)
-            for loader in LOADERS}
+    refs = {
+        loader: _Reference(tmp_path_factory.mktemp(f"reference-{loader}"), loader)
+        for loader in LOADERS
+    }
     yield lambda loader: refs[loader].result()
     for r in refs.values():
         if r.proc.poll() is None:
@@ -210,7 +227,9 @@ def reference(tmp_path_factory):
             r.proc.communicate()
 
 
-def _kill_resume_cycle(tmp_path: Path, loader: str, kill_points: list[int]) -> list[tuple[int, int]]:
+def _kill_resume_cycle(
+    tmp_path: Path, loader: str, kill_points: list[int]
+) -> list[tuple[int, int]]:
     """Kill at each point in turn (each run after the first resuming the previous one), then run
     to completion. Returns [(last step logged by a killed run, step the next run restored)]."""
     jsonl = tmp_path / "losses.jsonl"
@@ -233,7 +252,9 @@ def _kill_resume_cycle(tmp_path: Path, loader: str, kill_points: list[int]) -> l
     return history
 
 
-@pytest.mark.parametrize("loader", LOADERS)
+# Each run of the script costs ~4 s of CPU (importing torch, and torch._dynamo, which the
+# optimizer pulls in), so each loader kind is exercised by one of the two scenarios.
+@pytest.mark.parametrize("loader", ["plain"])
 def test_sigkill_once_then_resume_is_bit_exact(tmp_path, reference, loader):
     ref_losses, ref_params = reference(loader)
     rng = random.Random(f"{SEED}-once-{loader}")
@@ -252,7 +273,7 @@ def test_sigkill_once_then_resume_is_bit_exact(tmp_path, reference, loader):
     _assert_final_dir(tmp_path / "ckpt")
 
 
-@pytest.mark.parametrize("loader", ["plain"])
+@pytest.mark.parametrize("loader", ["resumable"])
 def test_sigkill_twice_then_resume_is_bit_exact(tmp_path, reference, loader):
     ref_losses, ref_params = reference(loader)
     rng = random.Random(f"{SEED}-twice-{loader}")

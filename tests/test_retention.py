@@ -42,14 +42,16 @@ def candidates(draw):
             metrics["acc"] = draw(st.floats(0, 1))
         if kind == 3:
             metrics = {"acc": 0.5}  # the monitored metric is absent
-        out.append(Candidate(
-            name=f"ckpt_{i}",
-            step=draw(st.integers(0, 60)),
-            seq=seqs[i],
-            run_id=draw(st.sampled_from(RUNS)),
-            metrics=metrics,
-            valid=draw(st.sampled_from([True, True, True, False])),  # mostly valid
-        ))
+        out.append(
+            Candidate(
+                name=f"ckpt_{i}",
+                step=draw(st.integers(0, 60)),
+                seq=seqs[i],
+                run_id=draw(st.sampled_from(RUNS)),
+                metrics=metrics,
+                valid=draw(st.sampled_from([True, True, True, False])),  # mostly valid
+            )
+        )
     return out
 
 
@@ -91,10 +93,8 @@ def _best_threshold(mine, policy):
     return scored, values[min(policy.keep_best, len(values)) - 1]
 
 
-
-
 def check_keep_and_delete_partition_all_candidates(sc, p):
-    cands, policy, run_id, protected = sc
+    cands, _policy, _run_id, _protected = sc
     names = {c.name for c in cands}
     kept, deleted = set(p.keep), set(p.delete)
     assert kept.isdisjoint(deleted)
@@ -104,7 +104,7 @@ def check_keep_and_delete_partition_all_candidates(sc, p):
 
 
 def check_newest_valid_of_current_run_is_never_deleted(sc, p):
-    cands, policy, run_id, protected = sc
+    cands, _policy, run_id, _protected = sc
     mine = _mine(cands, run_id)
     if mine:
         newest = max(mine, key=lambda c: c.seq)
@@ -112,7 +112,7 @@ def check_newest_valid_of_current_run_is_never_deleted(sc, p):
 
 
 def check_other_runs_corrupt_and_protected_are_never_deleted(sc, p):
-    cands, policy, run_id, protected = sc
+    cands, _policy, run_id, protected = sc
     deleted = set(p.delete)
     for c in cands:
         if run_id is not None and c.run_id != run_id:
@@ -124,7 +124,7 @@ def check_other_runs_corrupt_and_protected_are_never_deleted(sc, p):
 
 
 def check_best_by_mode_are_kept(sc, p):
-    cands, policy, run_id, protected = sc
+    cands, policy, run_id, _protected = sc
     scored, kth = _best_threshold(_mine(cands, run_id), policy)
     if kth is None:
         return
@@ -140,7 +140,7 @@ def check_best_by_mode_are_kept(sc, p):
 
 
 def check_archive_steps_are_kept(sc, p):
-    cands, policy, run_id, protected = sc
+    cands, policy, run_id, _protected = sc
     if policy.keep_every_n_steps:
         for c in _mine(cands, run_id):
             if c.step % policy.keep_every_n_steps == 0:
@@ -155,8 +155,11 @@ def check_keep_last_bounds_the_recent_pool_and_deletes_the_rest(sc, p):
     best_like = {c.name for c in scored if kth is not None and sign * c.metrics[MONITOR] <= kth}
 
     def special(c):
-        return (c.name in best_like or c.name in protected
-                or (policy.keep_every_n_steps and c.step % policy.keep_every_n_steps == 0))
+        return (
+            c.name in best_like
+            or c.name in protected
+            or (policy.keep_every_n_steps and c.step % policy.keep_every_n_steps == 0)
+        )
 
     plain_kept = [c for c in mine if c.name in p.keep and not special(c)]
     if policy.keep_last is None:
@@ -165,7 +168,7 @@ def check_keep_last_bounds_the_recent_pool_and_deletes_the_rest(sc, p):
         assert len(plain_kept) <= policy.keep_last
         # the keep_last newest are kept; anything older and not special is deleted
         by_age = sorted(mine, key=lambda c: c.seq)
-        recent = {c.name for c in by_age[-policy.keep_last:]}
+        recent = {c.name for c in by_age[-policy.keep_last :]}
         for c in mine:
             if c.name in recent:
                 assert c.name in p.keep
@@ -188,7 +191,7 @@ def check_plan_does_not_depend_on_input_order(sc, p1):
 
 
 def check_delete_list_is_oldest_first(sc, p):
-    cands, policy, run_id, protected = sc
+    cands, _policy, _run_id, _protected = sc
     seq = {c.name: c.seq for c in cands}
     assert [seq[n] for n in p.delete] == sorted(seq[n] for n in p.delete)
 
@@ -220,8 +223,9 @@ def test_retention_properties(sc):
 
 
 def _c(i, step=None, run="r", loss=None, valid=True):
-    return Candidate(f"c{i}", i if step is None else step, i, run,
-                     {} if loss is None else {MONITOR: loss}, valid)
+    return Candidate(
+        f"c{i}", i if step is None else step, i, run, {} if loss is None else {MONITOR: loss}, valid
+    )
 
 
 def test_example_keep_last_and_best_min():
@@ -232,8 +236,14 @@ def test_example_keep_last_and_best_min():
 
 
 def test_example_keep_best_max_ignores_nan_and_none():
-    cands = [_c(1, loss=float("nan")), _c(2, loss=None), _c(3, loss=2.0), _c(4, loss=float("inf")),
-             _c(5, loss=1.0), _c(6, loss=0.5)]
+    cands = [
+        _c(1, loss=float("nan")),
+        _c(2, loss=None),
+        _c(3, loss=2.0),
+        _c(4, loss=float("inf")),
+        _c(5, loss=1.0),
+        _c(6, loss=0.5),
+    ]
     p = plan(cands, RetentionPolicy(keep_last=1, keep_best=1, monitor=MONITOR, mode="max"), "r")
     assert sorted(p.keep) == ["c3", "c6"]
 
@@ -261,11 +271,18 @@ def test_empty():
     assert p.keep == {} and p.delete == []
 
 
-@pytest.mark.parametrize("kw", [
-    {"keep_last": 0}, {"keep_last": -1}, {"keep_best": 1}, {"monitor": "loss"},
-    {"keep_best": 1, "monitor": "loss", "mode": "avg"}, {"keep_every_n_steps": 0},
-    {"keep_best": -1},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"keep_last": 0},
+        {"keep_last": -1},
+        {"keep_best": 1},
+        {"monitor": "loss"},
+        {"keep_best": 1, "monitor": "loss", "mode": "avg"},
+        {"keep_every_n_steps": 0},
+        {"keep_best": -1},
+    ],
+)
 def test_policy_validation(kw):
     with pytest.raises(ConfigError):
         RetentionPolicy(**kw)

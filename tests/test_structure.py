@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_callbacks import (
-    CheckpointMismatchError,
     Checkpointer,
+    CheckpointMismatchError,
     ResumableSampler,
     UnsupportedStateError,
 )
@@ -29,8 +29,16 @@ from resilient_callbacks import tensorfile as rc_tensorfile
 # --------------------------------------------------------------------------- helpers
 
 ALL_DTYPES = [
-    torch.bfloat16, torch.float16, torch.float32, torch.float64,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
 ]
 
 
@@ -60,7 +68,8 @@ def _same(a, b, path="state"):
         assert a.dtype == b.dtype, f"{path}: dtype {b.dtype} != {a.dtype}"
         assert tuple(a.shape) == tuple(b.shape), f"{path}: shape {b.shape} != {a.shape}"
         assert torch.equal(a.detach().cpu(), b.detach().cpu()) or (
-            a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+            a.is_floating_point()
+            and torch.equal(a.isnan(), b.isnan())
             and torch.equal(a.nan_to_num(), b.nan_to_num())
         ), f"{path}: values differ"
         return
@@ -72,7 +81,9 @@ def _same(a, b, path="state"):
         if math.isnan(a):
             assert math.isnan(b), path
         else:
-            assert a == b and math.copysign(1.0, a) == math.copysign(1.0, b), f"{path}: {b!r} != {a!r}"
+            assert a == b and math.copysign(1.0, a) == math.copysign(1.0, b), (
+                f"{path}: {b!r} != {a!r}"
+            )
     elif isinstance(a, dict):
         assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(b)} != {list(a)}"
         for k in a:
@@ -139,7 +150,9 @@ def test_files_are_standard_safetensors_and_json(tmp_path):
 def _kitchen_sink():
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     return {
-        "dtypes": {str(d).removeprefix("torch."): (torch.arange(-3, 5) % 3).to(d) for d in ALL_DTYPES},
+        "dtypes": {
+            str(d).removeprefix("torch."): (torch.arange(-3, 5) % 3).to(d) for d in ALL_DTYPES
+        },
         "transposed": base.t(),
         "slice": base[1:, ::2],
         "expanded": torch.tensor([1.0, 2.0, 3.0]).expand(4, 3),
@@ -172,7 +185,7 @@ def _kitchen_sink():
         "big_int": 2**70,
         "neg_int": -(2**65),
         "bool": False,
-        "str": "h\u00e9llo \u2603 \"quoted\" \\ back",
+        "str": 'h\u00e9llo \u2603 "quoted" \\ back',
         "set": {1, 2, 3},
         "frozenset": frozenset({"a", "b"}),
     }
@@ -332,8 +345,14 @@ def test_optimizer_scheduler_scaler_sampler_round_trip(tmp_path):
     _train_a_bit(model, opt, sched, scaler)
     it = iter(sampler)
     consumed = [next(it) for _ in range(11)]
-    state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler,
-             "sampler": sampler, "extra": {"epoch": 3, "consumed": consumed}}
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "scaler": scaler,
+        "sampler": sampler,
+        "extra": {"epoch": 3, "consumed": consumed},
+    }
     _save(tmp_path / "ck", state)
     remaining = list(it)  # what the original sampler hands out after the save
 
@@ -341,17 +360,27 @@ def test_optimizer_scheduler_scaler_sampler_round_trip(tmp_path):
     torch.manual_seed(123)
     for p in model2.parameters():  # make sure restore really overwrites
         torch.nn.init.normal_(p)
-    fresh = {"model": model2, "optimizer": opt2, "scheduler": sched2, "scaler": scaler2,
-             "sampler": sampler2, "extra": {"epoch": 0, "consumed": []}}
+    fresh = {
+        "model": model2,
+        "optimizer": opt2,
+        "scheduler": sched2,
+        "scaler": scaler2,
+        "sampler": sampler2,
+        "extra": {"epoch": 0, "consumed": []},
+    }
     params_before = list(model2.parameters())
     assert _restore(tmp_path / "ck", fresh) == 1
 
     # model
-    for (k, a), (k2, b) in zip(model.state_dict().items(), model2.state_dict().items(), strict=True):
+    for (k, a), (k2, b) in zip(
+        model.state_dict().items(), model2.state_dict().items(), strict=True
+    ):
         assert k == k2 and torch.equal(a, b), k
     # parameters were loaded in place: the optimizer still points at the live parameters
     assert list(model2.parameters()) == params_before
-    assert all(p is q for p, q in zip(opt2.param_groups[0]["params"], model2.parameters(), strict=True))
+    assert all(
+        p is q for p, q in zip(opt2.param_groups[0]["params"], model2.parameters(), strict=True)
+    )
     # optimizer
     sd1, sd2 = opt.state_dict(), opt2.state_dict()
     assert sd1["param_groups"] == sd2["param_groups"]
@@ -395,6 +424,7 @@ def test_no_pickle_anywhere_on_save_and_restore(tmp_path, monkeypatch):
     def forbidden(name):
         def f(*a, **k):
             raise AssertionError(f"{name} was called: checkpoints must not use pickle")
+
         return f
 
     for mod, mname in ((pickle, "pickle"), (_pickle, "_pickle")):
@@ -410,14 +440,26 @@ def test_no_pickle_anywhere_on_save_and_restore(tmp_path, monkeypatch):
 
     model, opt, sched, scaler, sampler = _objects(0)
     _train_a_bit(model, opt, sched, scaler)
-    state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler,
-             "sampler": sampler, "extra": _kitchen_sink()}
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "scaler": scaler,
+        "sampler": sampler,
+        "extra": _kitchen_sink(),
+    }
     _PICKLE_WATCH[0] = True
     try:
         _save(tmp_path / "ck", state)
         model2, opt2, sched2, scaler2, sampler2 = _objects(1)
-        fresh = {"model": model2, "optimizer": opt2, "scheduler": sched2, "scaler": scaler2,
-                 "sampler": sampler2, "extra": _placeholder(state["extra"])}
+        fresh = {
+            "model": model2,
+            "optimizer": opt2,
+            "scheduler": sched2,
+            "scaler": scaler2,
+            "sampler": sampler2,
+            "extra": _placeholder(state["extra"]),
+        }
         assert _restore(tmp_path / "ck", fresh) == 1
     finally:
         _PICKLE_WATCH[0] = False
@@ -460,8 +502,61 @@ def test_unsupported_object_names_path_and_type_and_commits_nothing(tmp_path, va
 
 
 def test_unsupported_object_deep_in_a_list(tmp_path):
-    with Checkpointer(tmp_path / "ck") as ck, pytest.raises(UnsupportedStateError, match=r"state\['a'\]\[1\]\[0\]"):
+    with (
+        Checkpointer(tmp_path / "ck") as ck,
+        pytest.raises(UnsupportedStateError, match=r"state\['a'\]\[1\]\[0\]"),
+    ):
         ck.save(1, {"a": [0, [lambda: None]]})
+
+
+@pytest.mark.parametrize(
+    "value, hint",
+    [
+        (torch.eye(3).to_sparse(), "to_dense"),
+        (torch.zeros(2, device="meta"), "meta"),
+        (np.array(["a", "b"]), "NumPy array"),
+        (np.complex64(1 + 2j), "NumPy scalar"),
+    ],
+    ids=["sparse", "meta", "np-str-array", "np-complex-scalar"],
+)
+def test_unsupported_tensors_and_arrays(tmp_path, value, hint):
+    d = tmp_path / "ck"
+    with Checkpointer(d) as ck:
+        with pytest.raises(UnsupportedStateError) as ei:
+            ck.save(1, {"extra": {"x": value}})
+        assert "state['extra']['x']" in str(ei.value) and hint in str(ei.value)
+        assert ck.checkpoints() == []
+    assert not [n for n in os.listdir(d) if n.startswith(("step_", ".staging"))]
+
+
+def test_complex_tensor_is_unsupported_and_commits_nothing(tmp_path):
+    d = tmp_path / "ck"
+    with Checkpointer(d) as ck, pytest.raises(UnsupportedStateError, match="complex"):
+        ck.save(1, {"z": torch.zeros(3, dtype=torch.complex64)})
+    assert not [n for n in os.listdir(d) if n.startswith(("step_", ".staging"))]
+
+
+def test_module_as_the_whole_state_and_per_rank_single_process(tmp_path):
+    from resilient_callbacks import PerRank
+
+    torch.manual_seed(0)
+    m = TinyNet()
+    _save(tmp_path / "a", m)
+    torch.manual_seed(1)
+    m2 = TinyNet()
+    assert _restore(tmp_path / "a", m2) == 1
+    for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+    sampler = ResumableSampler(10, seed=3)
+    it = iter(sampler)
+    [next(it) for _ in range(4)]
+    _save(tmp_path / "b", {"sampler": PerRank(sampler), "rng": PerRank({"pos": 4})})
+    s2 = ResumableSampler(10, seed=3)
+    st = {"sampler": PerRank(s2), "rng": PerRank({"pos": 0})}
+    _restore(tmp_path / "b", st)
+    assert list(iter(s2)) == list(it)
+    assert st["rng"].obj == {"pos": 4}
 
 
 # --------------------------------------------------------------------------- mismatch
@@ -520,16 +615,26 @@ def test_restore_tensor_with_other_shape(tmp_path):
 # --------------------------------------------------------------------------- property: encode/decode
 
 _keys = st.one_of(st.text(max_size=6), st.sampled_from(["__rc__", "a/b", "@x", "__metadata__"]))
-_hkeys = st.one_of(st.integers(-5, 5), st.text(max_size=3), st.tuples(st.integers(0, 3), st.text(max_size=2)))
+_hkeys = st.one_of(
+    st.integers(-5, 5), st.text(max_size=3), st.tuples(st.integers(0, 3), st.text(max_size=2))
+)
 _tensors = st.builds(
-    lambda dt, shape, seed: (torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed)) * 10).to(dt),
+    lambda dt, shape, seed: (
+        torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed)) * 10
+    ).to(dt),
     st.sampled_from(ALL_DTYPES),
     st.lists(st.integers(0, 3), max_size=3),
     st.integers(0, 1000),
 )
 _leaves = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**80), 2**80), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=8), st.binary(max_size=8), _tensors, st.sampled_from(ALL_DTYPES),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**80), 2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    _tensors,
+    st.sampled_from(ALL_DTYPES),
     st.builds(torch.Size, st.lists(st.integers(0, 5), max_size=3)),
 )
 _values = st.recursive(
@@ -557,3 +662,12 @@ def test_property_encode_write_read_decode_round_trip(tmp_path_factory, value):
     assert set(tensors) == set(shared.tensors)
     decoded = rc_structure.decode(structure, tensors)
     _same({"v": value}, decoded)
+    # and loading into a state skeleton (what restore() does) gives the same values
+    target = {"v": _placeholder(value)}
+    meta = {k: (str(t.dtype).removeprefix("torch."), list(t.shape)) for k, t in tensors.items()}
+    rc_structure.check_fits(target, structure, meta)
+    owned = rc_structure.CloneOnRead(tensors)
+    rc_structure.apply(
+        target, structure, lambda n, borrow: rc_structure.decode(n, tensors if borrow else owned)
+    )
+    _same({"v": value}, target)

@@ -51,8 +51,12 @@ def make_dataset() -> TensorDataset:
 
 def make_model() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(IN_DIM, HIDDEN), nn.ReLU(), nn.Dropout(0.3),
-        nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Dropout(0.3),
+        nn.Linear(IN_DIM, HIDDEN),
+        nn.ReLU(),
+        nn.Dropout(0.3),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.ReLU(),
+        nn.Dropout(0.3),
         nn.Linear(HIDDEN, OUT_DIM),
     )
 
@@ -68,10 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-params", required=True)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--distributed", action="store_true")
-    p.add_argument("--loader", choices=["plain", "resumable", "plain-global-rng"], default="plain",
-                   help="plain: DataLoader(sampler=ResumableSampler, generator=torch.Generator()); "
-                        "resumable: ResumableDataLoader; plain-global-rng: DataLoader without a "
-                        "generator (documented to diverge after resume)")
+    p.add_argument(
+        "--loader",
+        choices=["plain", "resumable", "plain-global-rng"],
+        default="plain",
+        help="plain: DataLoader(sampler=ResumableSampler, generator=torch.Generator()); "
+        "resumable: ResumableDataLoader; plain-global-rng: DataLoader without a "
+        "generator (documented to diverge after resume)",
+    )
     return p.parse_args(argv)
 
 
@@ -96,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         rank, world = dist.get_rank(), dist.get_world_size()
     suffix = f".rank{rank}" if args.distributed else ""
 
+    # One intra-op thread: the ops of this tiny model are then deterministic on CPU.
+    # (torch.use_deterministic_algorithms is not called: it imports torch._inductor, ~1 s.)
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
 
     # The same initial weights on every rank ...
     torch.manual_seed(0)
@@ -112,16 +121,27 @@ def main(argv: list[str] | None = None) -> int:
     sampler = ResumableSampler(NUM_SAMPLES, shuffle=True, seed=42, num_replicas=world, rank=rank)
     if args.loader == "resumable":
         # The library's loader: position counted in batches handed to the loop, private seed.
-        loader = ResumableDataLoader(make_dataset(), batch_size=8, shuffle=True, seed=42,
-                                     num_replicas=world, rank=rank, num_workers=0)
+        loader = ResumableDataLoader(
+            make_dataset(),
+            batch_size=8,
+            shuffle=True,
+            seed=42,
+            num_replicas=world,
+            rank=rank,
+            num_workers=0,
+        )
         position = loader
     else:
         # A plain DataLoader over a ResumableSampler. It gets its own generator, as data.py
         # documents: a plain DataLoader otherwise draws a seed from the *global* torch RNG every
         # time an iterator is created, which a resumed run does at a different point.
-        loader = DataLoader(make_dataset(), batch_size=8, sampler=sampler, num_workers=0,
-                            generator=None if args.loader == "plain-global-rng"
-                            else torch.Generator())
+        loader = DataLoader(
+            make_dataset(),
+            batch_size=8,
+            sampler=sampler,
+            num_workers=0,
+            generator=None if args.loader == "plain-global-rng" else torch.Generator(),
+        )
         position = sampler
 
     extra = {"epoch": 0, "samples_seen": 0}
@@ -133,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         "extra": PerRank(extra) if args.distributed else extra,
     }
     resume: str | int = int(args.resume) if args.resume.isdigit() else args.resume
-    ckpt = Checkpointer(args.ckpt_dir, every_n_steps=args.every_n_steps,
-                        keep_last=args.keep_last, resume=resume)
+    ckpt = Checkpointer(
+        args.ckpt_dir, every_n_steps=args.every_n_steps, keep_last=args.keep_last, resume=resume
+    )
     step = ckpt.restore(state)
     print(f"[rank {rank}] restored step {step}", file=sys.stderr, flush=True)
 
@@ -148,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             for x, y in loader:
                 model.train()
                 # Python and NumPy randomness feed the loss too, so their restore matters.
-                noise = torch.tensor(np.random.normal(size=(1,)).item() * 1e-3
-                                     + random.random() * 1e-3, dtype=torch.float32)
+                noise = torch.tensor(
+                    np.random.normal(size=(1,)).item() * 1e-3 + random.random() * 1e-3,
+                    dtype=torch.float32,
+                )
                 out = model(x)
                 loss = nn.functional.mse_loss(out, y) + noise
                 opt.zero_grad(set_to_none=True)
@@ -164,8 +187,15 @@ def main(argv: list[str] | None = None) -> int:
                 sched.step()
                 step += 1
                 extra["samples_seen"] += int(x.shape[0])
-                fsync_append(log, {"step": step, "loss": float(loss.item()).hex(),
-                                   "epoch": extra["epoch"], "rank": rank})
+                fsync_append(
+                    log,
+                    {
+                        "step": step,
+                        "loss": float(loss.item()).hex(),
+                        "epoch": extra["epoch"],
+                        "rank": rank,
+                    },
+                )
                 ckpt.step(step, state, metrics={"loss": loss.item()})
                 if args.sleep:
                     time.sleep(args.sleep)

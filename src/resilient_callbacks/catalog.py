@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from .commit import CKPT_RE, STAGING_PREFIX
+from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX
 from .errors import CheckpointCorruptError
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .tensorfile import digest_file
@@ -103,6 +103,16 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
         path = os.path.join(root, name)
         if not os.path.isdir(path) or os.path.islink(path):
             continue
+        if name.startswith(TRASH_PREFIX):
+            incomplete.append(
+                Entry(
+                    name,
+                    path,
+                    Status.INCOMPLETE,
+                    problem="being deleted, or left by a crash during deletion",
+                )
+            )
+            continue
         if name.startswith(STAGING_PREFIX):
             incomplete.append(
                 Entry(
@@ -134,8 +144,9 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
 
 
 def committed(entries: Iterable[Entry]) -> list[Entry]:
-    """Entries with a readable manifest (valid or with bad files), oldest first."""
-    return [e for e in entries if e.manifest is not None]
+    """Entries that have a manifest (valid, with bad files, or with an unreadable manifest),
+    oldest first; those whose manifest cannot be read come first (no commit number)."""
+    return [e for e in entries if e.status is not Status.INCOMPLETE]
 
 
 def next_seq(root: str) -> int:

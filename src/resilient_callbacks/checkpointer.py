@@ -27,7 +27,7 @@ import xxhash
 
 from . import catalog, dist, layout, rng, structure
 from .catalog import Depth, Entry, Status
-from .commit import RenameCommit, sweep_staging, write_latest_pointer
+from .commit import RenameCommit, remove_checkpoint, sweep_staging, write_latest_pointer
 from .config import CheckpointerConfig, ResumeMode
 from .errors import (
     CheckpointCorruptError,
@@ -122,9 +122,8 @@ class Checkpointer:
                 swept = sweep_staging(self.dirpath)
                 if swept:
                     log.warning(
-                        "removed %d staging director%s left by an interrupted save: %s",
+                        "removed %d leftover(s) of interrupted saves or deletions: %s",
                         len(swept),
-                        "y" if len(swept) == 1 else "ies",
                         ", ".join(swept),
                     )
                 self._seq = catalog.next_seq(self.dirpath) - 1
@@ -194,7 +193,8 @@ class Checkpointer:
         return self._save(step, state, metrics, "periodic", why=reason)
 
     def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> bool:
-        """Save now. Returns False (and writes nothing) if this run already committed ``step``."""
+        """Save now. Returns False (and writes nothing) if the last checkpoint this Checkpointer
+        committed or restored is of this same ``step`` (the same state, saved twice)."""
         self._check_open()
         return self._save(step, state, metrics, "forced", why="save() called")
 
@@ -351,7 +351,7 @@ class Checkpointer:
         for name in p.delete:
             path = os.path.join(self.dirpath, name)
             try:
-                _remove_checkpoint(path)
+                remove_checkpoint(path)
                 log.info("retention: deleted %s", name)
             except OSError as e:
                 log.warning("retention: could not delete %s: %s", path, e)
@@ -466,6 +466,11 @@ class Checkpointer:
             if self.config.capture_rng:
                 if part.rng is not None:
                     warns = rng.restore(part.rng, part.tensors)
+                elif self.rank < manifest.world_size:
+                    warns = [
+                        "the checkpoint was saved without RNG states (capture_rng=False); "
+                        "random streams are not restored"
+                    ]
                 else:
                     warns = [
                         f"rank {self.rank} has no RNG state in this checkpoint (written by "
@@ -512,8 +517,11 @@ class Checkpointer:
             except CheckpointCorruptError as e:
                 problem = str(e)
             return [{"path": path, "step": m.step, "problem": problem}]
-        entries = catalog.committed(catalog.scan(self.dirpath, Depth.SIZE))
-        entries.reverse()  # newest first
+        found = catalog.committed(catalog.scan(self.dirpath, Depth.SIZE))
+        # Checkpoints whose manifest cannot be read have no commit number: they may be the
+        # newest, so they are tried (and reported as skipped) first, never silently ignored.
+        entries = [e for e in found if e.manifest is None]
+        entries += [e for e in reversed(found) if e.manifest is not None]
         if isinstance(r, int):
             chosen = [e for e in entries if e.step == r]
             if not chosen:
@@ -535,16 +543,6 @@ class Checkpointer:
     def latest_path(self) -> str | None:
         valid = [e for e in self.checkpoints() if e.status is Status.VALID]
         return valid[-1].path if valid else None
-
-
-def _remove_checkpoint(path: str) -> None:
-    """Delete a committed checkpoint: manifest first (so a crash mid-delete leaves an
-    incomplete directory that readers ignore, never a torn 'valid' one), then the rest."""
-    import shutil
-
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(path, MANIFEST_NAME))
-    shutil.rmtree(path)
 
 
 def _clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:

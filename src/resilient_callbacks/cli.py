@@ -20,6 +20,7 @@ from typing import Any
 
 from . import catalog
 from .catalog import Depth, Entry, Status
+from .commit import remove_checkpoint
 from .errors import CheckpointError
 from .layout import SHARED_STRUCTURE, SHARED_TENSORS
 from .lock import DirLock
@@ -278,10 +279,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
         verb = "would delete" if args.dry_run else "deleted"
         for e, why in doomed:
             if not args.dry_run:
-                manifest = os.path.join(e.path, "manifest.json")
-                if os.path.exists(manifest):
-                    os.unlink(manifest)
-                shutil.rmtree(e.path)
+                if e.status is Status.INCOMPLETE:
+                    shutil.rmtree(e.path)
+                else:
+                    remove_checkpoint(e.path)
             print(f"{verb} {e.name} (step {e.step}): {why}")
         kept = [e for e in entries if e not in [d for d, _ in doomed]]
         print(

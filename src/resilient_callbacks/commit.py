@@ -14,6 +14,7 @@ ranks share).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -23,6 +24,7 @@ import uuid
 from .errors import CheckpointWriteError
 
 STAGING_PREFIX = ".staging-"
+LATEST_TMP_PREFIX = ".latest."
 CKPT_RE = re.compile(r"^step_(\d+)(?:-(\d+))?$")
 
 
@@ -85,26 +87,57 @@ class RenameCommit:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+TRASH_PREFIX = ".trash-"
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a committed checkpoint so that no crash can leave a torn one: rename it to a hidden
+    trash name first (atomic: it stops being a checkpoint at once), then delete the files. A
+    crash mid-delete leaves a ``.trash-*`` directory that :func:`sweep_staging` removes."""
+    root, name = os.path.split(path.rstrip("/"))
+    trash = os.path.join(root, f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+    if os.path.exists(trash):
+        raise OSError(f"could not delete {trash} completely")
+
+
 def sweep_staging(root: str) -> list[str]:
-    """Remove leftover staging directories (call only while holding the directory lock)."""
+    """Remove what interrupted saves and deletions left: staging and trash directories,
+    checkpoint-named directories without a manifest, temporary ``latest`` files. Call only while
+    holding the directory lock (no save is in progress then)."""
     removed: list[str] = []
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return removed
     for name in names:
-        if name.startswith(STAGING_PREFIX):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        path = os.path.join(root, name)
+        if name.startswith((STAGING_PREFIX, TRASH_PREFIX)) or (
+            CKPT_RE.match(name)
+            and os.path.isdir(path)
+            and not os.path.islink(path)
+            and not os.path.exists(os.path.join(path, "manifest.json"))
+        ):
+            shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
+        elif name.startswith(LATEST_TMP_PREFIX):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(root, name))
     return removed
 
 
 def write_latest_pointer(root: str, name: str) -> None:
     """Advisory ``latest`` file naming the newest checkpoint, for humans and shell scripts.
     Discovery never trusts it: manifests decide."""
-    tmp = os.path.join(root, f".latest.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, "latest"))
+    tmp = os.path.join(root, f"{LATEST_TMP_PREFIX}{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(root, "latest"))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

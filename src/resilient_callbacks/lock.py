@@ -3,20 +3,40 @@
 The coordinator of a run holds an exclusive ``flock`` on ``<dirpath>/.lock`` for the lifetime of
 its :class:`~resilient_callbacks.Checkpointer`. A second writer gets a clear error naming the
 holder instead of interleaving files. The lock dies with its process (SIGKILL included), so a
-crashed run never leaves the directory locked.
+crashed run never leaves the directory locked: the descriptor is close-on-exec, and processes
+forked later (DataLoader workers) close their copy at once, so they cannot keep a dead
+trainer's lock alive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import socket
 import time
+import weakref
 
 from .errors import CheckpointLockedError
 
 LOCK_NAME = ".lock"
+
+_held: weakref.WeakSet[DirLock] = weakref.WeakSet()
+
+
+def _drop_in_child() -> None:
+    # A forked child shares the open file description, and with it the flock: drop our copy so
+    # the lock is released when the parent dies, not when its last worker notices.
+    for lk in list(_held):
+        if lk._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lk._fd)
+            lk._fd = None
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
 
 
 class DirLock:
@@ -55,9 +75,11 @@ class DirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd
+        _held.add(self)
 
     def release(self) -> None:
         if self._fd is not None:
+            _held.discard(self)
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
             finally:

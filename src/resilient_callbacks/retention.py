@@ -35,13 +35,19 @@ class RetentionPolicy:
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and (
-            not isinstance(self.keep_last, int) or self.keep_last < 1
+            isinstance(self.keep_last, bool)
+            or not isinstance(self.keep_last, int)
+            or self.keep_last < 1
         ):
             raise ConfigError(
                 f"keep_last={self.keep_last!r}: must be an int >= 1 (the newest checkpoint is "
                 "always kept), or None to keep every checkpoint"
             )
-        if not isinstance(self.keep_best, int) or self.keep_best < 0:
+        if (
+            isinstance(self.keep_best, bool)
+            or not isinstance(self.keep_best, int)
+            or self.keep_best < 0
+        ):
             raise ConfigError(f"keep_best={self.keep_best!r}: must be an int >= 0")
         if self.keep_best and not self.monitor:
             raise ConfigError(

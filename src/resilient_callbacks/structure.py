@@ -123,7 +123,7 @@ class _Encoder:
             base = "@" + base
         name = base
         n = 1
-        while name in table:
+        while name in table or name == "__metadata__":  # reserved by safetensors
             n += 1
             name = f"{base}#{n}"
         table[name] = t
@@ -146,6 +146,13 @@ class _Encoder:
             return {TAG: "per_rank", "id": rid}
         if isinstance(obj, torch.Tensor):
             return self.tensor_ref(obj, path)
+        if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
+            if obj.dtype.kind in "biuf":
+                return {TAG: "np", "dtype": obj.dtype.str, "value": self.encode(obj.item(), path)}
+            raise UnsupportedStateError(
+                f"{path_str(path)} is a NumPy scalar of dtype {obj.dtype}; convert it to a "
+                "Python int/float/str"
+            )
         if isinstance(obj, bool) or obj is None or isinstance(obj, str):
             return obj
         if isinstance(obj, int):
@@ -185,13 +192,10 @@ class _Encoder:
                     f"{path_str(path)} is a NumPy array of dtype {obj.dtype}; only numeric arrays "
                     "can be saved without pickle. Convert it to a list of str/int/float."
                 )
-            ref = self.tensor_ref(torch.from_numpy(np.ascontiguousarray(obj)), path)
+            arr = obj if obj.flags.c_contiguous and obj.flags.writeable else obj.copy(order="C")
+            ref = self.tensor_ref(torch.from_numpy(arr), path)  # 0-dim arrays stay 0-dim
             ref["numpy"] = True
             return ref
-        if isinstance(obj, np.generic):
-            if obj.dtype.kind in "biuf":
-                return {TAG: "np", "dtype": obj.dtype.str, "value": self.encode(obj.item(), path)}
-            raise UnsupportedStateError(f"{path_str(path)} is a NumPy scalar of dtype {obj.dtype}")
         if is_stateful(obj):
             sd = obj.state_dict()
             return {TAG: "stateful", "type": _qualname(obj), "state": self.encode(sd, path)}
@@ -401,6 +405,8 @@ def check_fits(
             if items is None:
                 problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a dict")
                 return
+            if not _has_live_objects(obj):
+                return  # plain data (counters, histories): replaced wholesale on restore
             missing = [k for k in obj if k not in items]
             unexpected = [k for k in items if k not in obj]
             if missing:
@@ -542,6 +548,11 @@ def apply(
                     f"{type(e).__name__}: {e}"
                 ) from e
             _check_load_result(result, path)
+            return obj
+        if isinstance(obj, MutableMapping) and not _has_live_objects(obj):
+            value = resolve(n, False)
+            obj.clear()
+            obj.update(value)
             return obj
         if isinstance(obj, MutableMapping):
             items = _node_items(n)

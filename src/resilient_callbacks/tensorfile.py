@@ -74,6 +74,8 @@ def write_tensors(
     fsync: bool = True,
 ) -> FileDigest:
     """Write ``tensors`` as a safetensors file at ``path``; return its size and checksum."""
+    if "__metadata__" in tensors:
+        raise ValueError("'__metadata__' is reserved by safetensors and cannot name a tensor")
     for name, t in tensors.items():
         if t.dtype not in DTYPE_TO_ST:
             raise UnsupportedStateError(

@@ -1,0 +1,181 @@
+"""Invalid options, unusable directories and a full disk: clear errors, nothing committed."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+from resilient_callbacks import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    ConfigError,
+)
+
+
+def _state(n: int, v: float = 1.0) -> dict:
+    return {"w": torch.full((n,), v), "extra": {"n": n}}
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "kwargs, hint",
+    [
+        ({"keep_best": 1}, "monitor="),
+        ({"monitor": "loss"}, "keep_best=1"),
+        ({"keep_last": 0}, ">= 1"),
+        ({"keep_last": -2}, ">= 1"),
+        ({"keep_best": 1, "monitor": "loss", "mode": "avg"}, "'min' or 'max'"),
+        ({"every_n_steps": 0}, ">= 1"),
+        ({"every_n_steps": 2.5}, "int"),
+        ({"every_seconds": -1}, "> 0"),
+        ({"every_seconds": 0}, "> 0"),
+        ({"keep_every_n_steps": 0}, ">= 1"),
+        ({"resume": True}, "'auto'"),
+        ({"resume": False}, "'auto'"),
+        ({"resume": -3}, ">= 0"),
+        ({"resume": 1.5}, "'auto'"),
+        ({"capture_rng": "yes"}, "True or False"),
+    ],
+)
+def test_invalid_options_fail_at_construction(tmp_path, kwargs, hint):
+    d = tmp_path / "ck"
+    with pytest.raises(ConfigError) as ei:
+        Checkpointer(d, **kwargs)
+    assert isinstance(ei.value, ValueError) and isinstance(ei.value, CheckpointError)
+    assert hint in str(ei.value), str(ei.value)
+    assert not d.exists(), "a rejected configuration must not create the directory"
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/ckpts", "gs://b/c", "hdfs://x/y"])
+def test_object_store_dirpath_is_rejected(url):
+    with pytest.raises(ConfigError, match="local"):
+        Checkpointer(url)
+
+
+def test_empty_dirpath_is_rejected():
+    with pytest.raises(ConfigError):
+        Checkpointer("")
+
+
+def test_file_url_and_pathlike_dirpath_are_accepted(tmp_path):
+    with Checkpointer(f"file://{tmp_path}/a") as ck:
+        assert ck.dirpath == str(tmp_path / "a")
+    with Checkpointer(tmp_path / "b") as ck:
+        assert ck.dirpath == str(tmp_path / "b")
+
+
+# --------------------------------------------------------------------------- unusable dirs
+
+
+def test_dirpath_under_a_regular_file(tmp_path):
+    f = tmp_path / "not_a_dir"
+    f.write_text("x")
+    with pytest.raises(CheckpointError) as ei:
+        Checkpointer(f / "sub")
+    msg = str(ei.value)
+    assert str(f / "sub") in msg and "Not a directory" in msg
+
+
+def test_dirpath_is_a_regular_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(CheckpointError, match=str(f)):
+        Checkpointer(f)
+    assert f.read_text() == "x"
+
+
+# --------------------------------------------------------------------------- other bad calls
+
+
+@pytest.mark.parametrize("step", [-1, 1.0, "3", True, None])
+def test_bad_step_values(tmp_path, step):
+    with Checkpointer(tmp_path / "ck") as ck, pytest.raises(TypeError):
+        ck.save(step, _state(4))
+    assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith(("step_", ".staging"))]
+
+
+def test_non_numeric_metric_is_rejected_before_writing(tmp_path):
+    with Checkpointer(tmp_path / "ck") as ck, pytest.raises(TypeError, match="loss"):
+        ck.save(1, _state(4), metrics={"loss": "low"})
+    assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith(("step_", ".staging"))]
+
+
+def test_restore_into_a_bare_value_is_rejected(tmp_path):
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, 5)
+    with Checkpointer(tmp_path / "ck") as ck, pytest.raises(CheckpointMismatchError):
+        ck.restore(6)
+
+
+# --------------------------------------------------------------------------- disk full
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs mounted under tmp_path (needs root and mount permission)."""
+    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs to simulate a full disk: {r.stderr.strip() or r.returncode}"
+        )
+    try:
+        yield mnt
+    finally:
+        r = subprocess.run(["umount", str(mnt)], capture_output=True, text=True)
+        if r.returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_disk_full_raises_write_error_and_commits_nothing(small_tmpfs):
+    root = small_tmpfs / "ck"
+    with Checkpointer(root) as ck:
+        assert ck.save(1, _state(1000, 1.0)) is True
+        with pytest.raises(CheckpointWriteError) as ei:
+            ck.save(2, _state(2_000_000, 2.0))  # 8 MB of float32 on a 4 MiB filesystem
+        err = ei.value
+        assert isinstance(err, OSError) and err.errno == errno.ENOSPC, (err.errno, str(err))
+        assert "step 2" in str(err)
+        names = os.listdir(root)
+        assert [n for n in names if n.startswith("step_")] == ["step_000000001"]
+        assert not [n for n in names if n.startswith(".staging")], names
+        assert [e.step for e in ck.checkpoints()] == [1]
+        assert ck.latest_path == os.path.join(str(root), "step_000000001")
+
+        # the older checkpoint is intact and restorable
+        st = _state(1000, 0.0)
+        st["extra"]["n"] = None
+        assert ck.restore(st) == 1
+        assert torch.equal(st["w"], torch.full((1000,), 1.0)) and st["extra"]["n"] == 1000
+
+        # once the state fits again, saving works again (same step number)
+        assert ck.save(2, _state(1000, 3.0)) is True
+    names = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+    assert names == ["step_000000001", "step_000000002"]
+    st = _state(1000, 0.0)
+    with Checkpointer(root) as ck:
+        assert ck.restore(st) == 2
+    assert torch.equal(st["w"], torch.full((1000,), 3.0))
+
+
+def test_disk_full_with_retention_does_not_delete_the_good_checkpoint(small_tmpfs):
+    root = small_tmpfs / "ck"
+    with Checkpointer(root, every_n_steps=1, keep_last=1) as ck:
+        assert ck.step(1, _state(1000)) is True
+        with pytest.raises(CheckpointWriteError):
+            ck.step(2, _state(2_000_000))
+        assert [e.step for e in ck.checkpoints()] == [1]
+        assert ck.step(3, _state(1000)) is True
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000003"]

@@ -1,0 +1,360 @@
+"""Two ranks on gloo (127.0.0.1, a free port), one OS process each.
+
+(a) tests/train_script.py --distributed: a replicated model with gradients all-reduced,
+    rank-specific dropout/Python/NumPy random streams and a per-rank ResumableSampler in
+    ``PerRank``. The run that restores a mid-epoch checkpoint in a new pair of processes
+    continues exactly like the uninterrupted run, bit for bit, on each rank; the checkpoint holds
+    one file pair per rank and the replicated tensors only in shared.safetensors.
+(b) A save whose per-rank part fails on rank 1 only: both ranks raise CheckpointWriteError with
+    ``failed_ranks == (1,)``, nothing is committed for that step, no staging directory remains,
+    and the older checkpoint stays valid and restorable.
+
+Every process is started with subprocess and a deadline: a rank that fails makes the test fail
+with every rank's output, and a hung collective cannot outlive the timeout. This file doubles as
+the worker script for (b): ``python test_distributed.py fail-worker DIR OUT``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from resilient_callbacks import Checkpointer, CheckpointWriteError, PerRank, catalog
+
+SCRIPT = Path(__file__).with_name("train_script.py")
+WORLD = 2
+DEADLINE = 120.0  # seconds for one group of ranks, start to finish
+
+
+# ----------------------------------------------------------------------------- worker for (b)
+
+
+class Bomb:
+    """A per-rank object whose state_dict() raises on the chosen rank once armed."""
+
+    def __init__(self, rank: int, fail_on: int) -> None:
+        self.rank, self.fail_on, self.armed, self.value = rank, fail_on, False, rank * 10
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.armed and self.rank == self.fail_on:
+            raise RuntimeError(f"simulated failure while encoding rank {self.rank}'s state")
+        return {"value": self.value, "rank": self.rank}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        assert sd["rank"] == self.rank, sd
+        self.value = sd["value"]
+
+
+def _fill(model: nn.Module, v: float) -> None:
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) + v + 100 * i)
+
+
+def _matches(model: nn.Module, v: float) -> bool:
+    return all(
+        torch.equal(p, torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) + v + 100 * i)
+        for i, p in enumerate(model.parameters())
+    )
+
+
+def fail_worker(root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    bomb = Bomb(rank, fail_on=1)
+    state = {"model": model, "bomb": PerRank(bomb), "extra": {"note": "replicated"}}
+    res: dict[str, Any] = {"rank": rank}
+
+    ck = Checkpointer(root)
+    res["first_restore"] = ck.restore(state)
+    _fill(model, 5.0)
+    bomb.value = 500 + rank
+    res["save5"] = ck.save(5, state)
+
+    _fill(model, 10.0)
+    bomb.value = 1000 + rank
+    bomb.armed = True
+    try:
+        ck.save(10, state)
+        res["save10"] = "no error"
+    except CheckpointWriteError as e:
+        res["save10"] = {
+            "type": type(e).__name__,
+            "failed_ranks": list(e.failed_ranks),
+            "message": str(e),
+            "cause": repr(e.__cause__),
+        }
+    except Exception as e:  # the wrong exception type: report it
+        res["save10"] = {"type": type(e).__name__, "message": str(e)}
+    dist.barrier()  # every rank has returned from the failed save
+    res["listing_after_failure"] = sorted(os.listdir(root))
+    res["checkpoints_after_failure"] = [
+        (e.name, e.step, str(e.status)) for e in catalog.scan(root, catalog.Depth.FULL)
+    ]
+    ck.close()
+    dist.barrier()
+
+    # The older checkpoint is restorable by a fresh Checkpointer on every rank.
+    torch.manual_seed(1)
+    model2 = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    bomb2 = Bomb(rank, fail_on=1)
+    state2 = {"model": model2, "bomb": PerRank(bomb2), "extra": {"note": ""}}
+    with Checkpointer(root) as ck2:
+        res["restored"] = ck2.restore(state2)
+        res["restored_model_ok"] = _matches(model2, 5.0)
+        res["restored_bomb_value"] = bomb2.value
+        res["restored_extra"] = state2["extra"]
+        # ... and the directory is not wedged: the next save commits.
+        res["save12"] = ck2.save(12, state2)
+    dist.barrier()
+    res["final_checkpoints"] = [
+        (e.name, e.step, str(e.status)) for e in catalog.scan(root, catalog.Depth.FULL)
+    ]
+    Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- launching ranks
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(argv: list[str], workdir: Path, name: str) -> list[str]:
+    """Run ``argv`` as WORLD ranks; fail the test (with every rank's output) if any rank fails
+    or the group misses the deadline. Returns each rank's stderr."""
+    for attempt in range(3):
+        port = _free_port()
+        procs, logs = [], []
+        for rank in range(WORLD):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(WORLD),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                GLOO_SOCKET_IFNAME="lo",
+                OMP_NUM_THREADS="1",
+                MKL_NUM_THREADS="1",
+                PYTHONHASHSEED="0",
+            )
+            log = open(workdir / f"{name}.attempt{attempt}.rank{rank}.log", "w+")  # noqa: SIM115
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env))
+            logs.append(log)
+        deadline = time.monotonic() + DEADLINE
+        failed = None
+        try:
+            while any(p.poll() is None for p in procs):
+                if any(p.poll() not in (None, 0) for p in procs):
+                    failed = "a rank failed"
+                    break
+                if time.monotonic() > deadline:
+                    failed = f"the ranks did not finish within {DEADLINE:.0f} s"
+                    break
+                time.sleep(0.05)
+            if failed is None and any(p.returncode != 0 for p in procs):
+                failed = "a rank failed"
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+        if failed is None:
+            return outputs
+        text = "\n".join(
+            f"--- rank {r} (rc={p.returncode})\n{o}"
+            for r, (p, o) in enumerate(zip(procs, outputs, strict=True))
+        )
+        if "address already in use" in text.lower() and attempt < 2:
+            continue  # the free port was taken in between: try another one
+        raise AssertionError(f"{name}: {failed}\n{text}")
+    raise AssertionError("unreachable")
+
+
+# ----------------------------------------------------------------------------- tests
+
+import pytest  # noqa: E402  (after the worker code, which does not need it)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+TOTAL, EVERY, RESUME_AT = 30, 10, 20
+
+
+def _train_cmd(ckdir: Path, out: Path) -> list[str]:
+    return [
+        sys.executable,
+        str(SCRIPT),
+        str(ckdir),
+        "--distributed",
+        "--total-steps",
+        str(TOTAL),
+        "--every-n-steps",
+        str(EVERY),
+        "--out-jsonl",
+        str(out / "losses.jsonl"),
+        "--out-params",
+        str(out / "params.st"),
+    ]
+
+
+def _losses(path: Path) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def _safetensors_keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
+
+
+def test_two_ranks_save_and_exact_restore(tmp_path):
+    from safetensors.torch import load_file
+
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    full.mkdir()
+    resumed.mkdir()
+    outs = run_ranks(_train_cmd(full / "ckpt", full), tmp_path, "uninterrupted")
+    assert all("restored step 0" in o for o in outs), outs
+
+    # The checkpoint written mid-epoch at RESUME_AT, alone in a new directory.
+    name = f"step_{RESUME_AT:09d}"
+    src = full / "ckpt" / name
+    shutil.copytree(src, resumed / "ckpt" / name)
+    outs = run_ranks(_train_cmd(resumed / "ckpt", resumed), tmp_path, "resumed")
+    assert all(f"restored step {RESUME_AT}" in o for o in outs), outs
+
+    ref = [_losses(full / f"losses.jsonl.rank{r}") for r in range(WORLD)]
+    got = [_losses(resumed / f"losses.jsonl.rank{r}") for r in range(WORLD)]
+    for r in range(WORLD):
+        assert sorted(ref[r]) == list(range(1, TOTAL + 1))
+        assert sorted(got[r]) == list(range(RESUME_AT + 1, TOTAL + 1))
+        diff = [s for s in got[r] if got[r][s] != ref[r][s]]
+        assert not diff, (
+            f"rank {r}: losses after restore differ from the uninterrupted run at steps {diff}: "
+            f"{[(float.fromhex(ref[r][s]), float.fromhex(got[r][s])) for s in diff[:3]]}"
+        )
+    # The ranks really differ (own data shard, own dropout masks) ...
+    assert ref[0] != ref[1]
+    # ... and the model stays replicated: identical final parameters on both ranks, in both runs.
+    params = {
+        (run, r): load_file(str(d / f"params.st.rank{r}"))
+        for run, d in (("full", full), ("resumed", resumed))
+        for r in range(WORLD)
+    }
+    base = params[("full", 0)]
+    for key, p in params.items():
+        assert p.keys() == base.keys()
+        for k in base:
+            assert torch.equal(p[k].view(torch.uint8), base[k].view(torch.uint8)), (key, k)
+
+    # Layout: one file pair per rank, replicated tensors only in shared.safetensors.
+    files = sorted(os.listdir(src))
+    assert files == [
+        "manifest.json",
+        "rank_00000.json",
+        "rank_00000.safetensors",
+        "rank_00001.json",
+        "rank_00001.safetensors",
+        "shared.json",
+        "shared.safetensors",
+    ]
+    manifest = json.loads((src / "manifest.json").read_text())
+    assert manifest["world_size"] == WORLD and manifest["step"] == RESUME_AT
+    by_file = {f["path"]: f["rank"] for f in manifest["files"]}
+    assert by_file == {
+        "shared.json": 0,
+        "shared.safetensors": 0,
+        "rank_00000.json": 0,
+        "rank_00000.safetensors": 0,
+        "rank_00001.json": 1,
+        "rank_00001.safetensors": 1,
+    }
+    shared_keys = _safetensors_keys(src / "shared.safetensors")
+    model_keys = [k for k in shared_keys if k.startswith("model/")]
+    assert len(model_keys) == 6  # 3 Linear layers x (weight, bias)
+    assert any(k.startswith("optimizer/") for k in shared_keys)
+    assert not [k for k in shared_keys if k.startswith(("@rank", "@rng"))]
+    rank_states = []
+    for r in range(WORLD):
+        keys = _safetensors_keys(src / f"rank_{r:05d}.safetensors")
+        assert keys and all(k.startswith(("@rank/", "@rng/")) for k in keys), (r, keys)
+        assert "@rng/torch_cpu" in keys
+        part = json.loads((src / f"rank_{r:05d}.json").read_text())
+        assert part["rank"] == r
+        node = part["per_rank"]["data"]  # the PerRank(ResumableSampler) at state["data"]
+        assert node["__rc__"] == "stateful" and node["type"].endswith("ResumableSampler"), node
+        sampler = node["state"]
+        assert sampler["rank"] == r and sampler["num_replicas"] == WORLD
+        assert (sampler["epoch"], sampler["position"]) == (2, 6 * 8)  # step 20 = 2 x 7 + 6
+        rank_states.append((part["rng"], load_file(str(src / f"rank_{r:05d}.safetensors"))))
+    # Per-rank RNG states really differ between the ranks.
+    assert rank_states[0][0]["python"] != rank_states[1][0]["python"]
+    assert not torch.equal(rank_states[0][1]["@rng/torch_cpu"], rank_states[1][1]["@rng/torch_cpu"])
+
+
+def test_failure_on_one_rank_commits_nothing_and_keeps_older_checkpoint(tmp_path):
+    root = tmp_path / "ckpt"
+    out = tmp_path / "result"
+    run_ranks([sys.executable, __file__, "fail-worker", str(root), str(out)], tmp_path, "fail")
+    results = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(WORLD)]
+    for r, res in enumerate(results):
+        assert res["first_restore"] == 0
+        assert res["save5"] is True
+        err = res["save10"]
+        assert isinstance(err, dict) and err["type"] == "CheckpointWriteError", (r, err)
+        assert err["failed_ranks"] == [1], (r, err)
+        assert "rank 1" in err["message"] and "simulated failure" in err["message"], err
+        # Nothing committed for step 10, no staging directory left, step 5 still valid.
+        listing = res["listing_after_failure"]
+        assert not [n for n in listing if n.startswith(".staging-")], listing
+        assert not [n for n in listing if n.startswith("step_000000010")], listing
+        assert res["checkpoints_after_failure"] == [["step_000000005", 5, "valid"]], res
+        # A fresh Checkpointer restores the older checkpoint on every rank.
+        assert res["restored"] == 5
+        assert res["restored_model_ok"] is True
+        assert res["restored_bomb_value"] == 500 + r
+        assert res["restored_extra"] == {"note": "replicated"}
+        assert res["save12"] is True
+        assert res["final_checkpoints"] == [
+            ["step_000000005", 5, "valid"],
+            ["step_000000012", 12, "valid"],
+        ]
+    assert not [n for n in os.listdir(root) if n.startswith(".staging-")]
+
+
+if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "fail-worker":
+    try:
+        fail_worker(sys.argv[2], sys.argv[3])
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)

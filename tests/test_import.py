@@ -1,0 +1,79 @@
+"""Importing the core package must not pull in any training framework."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+FRAMEWORKS = [
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "transformers",
+    "accelerate",
+    "deepspeed",
+]
+
+CORE_MODULES = [
+    "checkpointer",
+    "structure",
+    "tensorfile",
+    "manifest",
+    "catalog",
+    "retention",
+    "commit",
+    "lock",
+    "config",
+    "policy",
+    "rng",
+    "errors",
+    "data",
+    "layout",
+    "dist",
+]
+
+_PROBE = r"""
+import json, sys
+import resilient_callbacks
+from resilient_callbacks import Checkpointer, ResumableSampler
+for m in %(core)r:
+    __import__("resilient_callbacks." + m)
+print(json.dumps({
+    "loaded": sorted(m for m in sys.modules if m.split(".")[0] in %(fw)r),
+}))
+"""
+
+
+def _run(tmp_path, with_fakes: bool) -> dict:
+    env = dict(os.environ)
+    if with_fakes:
+        # Fake, importable frameworks: if the package imported any of them (even inside a
+        # try/except ImportError), it would show up in sys.modules.
+        fake = tmp_path / "fakes"
+        for name in FRAMEWORKS:
+            (fake / name).mkdir(parents=True)
+            (fake / name / "__init__.py").write_text("IMPORTED = True\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(fake), env.get("PYTHONPATH", "")])
+    code = _PROBE % {"core": CORE_MODULES, "fw": FRAMEWORKS}
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_import_does_not_load_frameworks(tmp_path):
+    out = _run(tmp_path, with_fakes=False)
+    assert out["loaded"] == []
+
+
+def test_import_does_not_load_frameworks_even_when_installed(tmp_path):
+    out = _run(tmp_path, with_fakes=True)
+    assert out["loaded"] == [], f"importing resilient_callbacks imported {out['loaded']}"
