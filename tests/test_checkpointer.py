@@ -601,9 +601,11 @@ def test_foreign_run_is_reported_and_never_deleted(tmp_path):
     runs = {n: _manifest(os.path.join(root, n))["run_id"] for n in present}
     assert runs == {"step_000000003": old_run, "step_000000004": new_run}, runs
     st = _fresh()
-    with Checkpointer(root) as ck:
+    with Checkpointer(root) as ck, pytest.warns(ForeignCheckpointsWarning):
+        # resuming the new run: the old run's checkpoint is reported again, and kept
         assert ck.restore(st) == 4
     assert st["extra"]["tag"] == 104
+    assert "step_000000003" in _steps_present(root)
 
 
 def test_new_run_same_step_as_foreign_does_not_overwrite(tmp_path):

@@ -387,7 +387,7 @@ class Checkpointer:
         if self.is_coordinator:
             try:
                 cands = self._candidates()
-            except CheckpointError as e:
+            except Exception as e:  # reported to every rank, so none is left waiting
                 error = {"type": type(e).__name__, "msg": str(e)}
                 self._pending_error = e
         msg = dist.broadcast_json({"cands": cands, "error": error})
@@ -438,7 +438,9 @@ class Checkpointer:
             part = layout.read_part(path, manifest, self.rank)
         except (CheckpointCorruptError, OSError) as e:
             problem = str(e)
-        problems = [p for p in dist.all_gather_json(problem)]
+        except Exception as e:  # malformed content: as corrupt, and every rank must reach the gather
+            problem = f"unreadable checkpoint ({type(e).__name__}: {e})"
+        problems = dist.all_gather_json(problem)
         bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
         if bad:
             why = "; ".join(bad)
@@ -493,6 +495,10 @@ class Checkpointer:
         self.last_saved_step = manifest.step if inside else None
         self.restored_from = path
         self._clock.reset()
+        if self.is_coordinator and inside and self.config.resume == ResumeMode.AUTO:
+            # Catch up on a retention pass a crash interrupted (killed between commit and
+            # deletion), so repeated crashes cannot pile up checkpoints beyond the limits.
+            self._apply_retention(protect=os.path.basename(path))
         log.info("restored step %d from %s", manifest.step, path)
         return manifest.step
 
