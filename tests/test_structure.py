@@ -657,8 +657,7 @@ def test_property_encode_write_read_decode_round_trip(tmp_path_factory, value):
     structure = json.loads(json.dumps(shared.structure, allow_nan=False))  # pure JSON
     path = str(tmp_path_factory.mktemp("st") / "t.safetensors")
     digest = rc_tensorfile.write_tensors(path, shared.tensors, fsync=False)
-    buf = rc_tensorfile.read_verified(path, digest)
-    tensors = rc_tensorfile.tensors_from_buffer(buf, path)
+    tensors = rc_tensorfile.read_tensors_verified(path, digest)
     assert set(tensors) == set(shared.tensors)
     decoded = rc_structure.decode(structure, tensors)
     _same({"v": value}, decoded)
@@ -666,8 +665,5 @@ def test_property_encode_write_read_decode_round_trip(tmp_path_factory, value):
     target = {"v": _placeholder(value)}
     meta = {k: (str(t.dtype).removeprefix("torch."), list(t.shape)) for k, t in tensors.items()}
     rc_structure.check_fits(target, structure, meta)
-    owned = rc_structure.CloneOnRead(tensors)
-    rc_structure.apply(
-        target, structure, lambda n, borrow: rc_structure.decode(n, tensors if borrow else owned)
-    )
+    rc_structure.apply(target, structure, lambda n: rc_structure.decode(n, tensors))
     _same({"v": value}, target)

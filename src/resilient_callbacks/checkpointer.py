@@ -438,7 +438,9 @@ class Checkpointer:
             part = layout.read_part(path, manifest, self.rank)
         except (CheckpointCorruptError, OSError) as e:
             problem = str(e)
-        except Exception as e:  # malformed content: as corrupt, and every rank must reach the gather
+        except (
+            Exception
+        ) as e:  # malformed content: as corrupt, and every rank must reach the gather
             problem = f"unreadable checkpoint ({type(e).__name__}: {e})"
         problems = dist.all_gather_json(problem)
         bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
@@ -459,12 +461,8 @@ class Checkpointer:
                 for k, t in part.tensors.items()
             }
             structure.check_fits(state, full, meta)
-            owned = structure.CloneOnRead(part.tensors)
-            structure.apply(
-                state,
-                full,
-                lambda n, borrow: structure.decode(n, part.tensors if borrow else owned),
-            )
+            # The loaded tensors are private allocations: objects may keep them (optimizers do).
+            structure.apply(state, full, lambda n: structure.decode(n, part.tensors))
             if self.config.capture_rng:
                 if part.rng is not None:
                     warns = rng.restore(part.rng, part.tensors)

@@ -484,39 +484,14 @@ def _short(keys: list[Any], limit: int = 20) -> str:
 # --------------------------------------------------------------------------- applying
 
 
-class CloneOnRead(Mapping[str, torch.Tensor]):
-    """A tensor table that hands out private copies (memoized, so aliases stay aliases).
-
-    Loaded tensors view the read buffer of their file; objects that keep what they are given
-    (optimizers keep state tensors of matching dtype/device as they are) get copies, so the
-    buffer can be freed once loading is done."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._src = tensors
-        self._memo: dict[str, torch.Tensor] = {}
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        t = self._memo.get(key)
-        if t is None:
-            t = self._memo[key] = self._src[key].clone()
-        return t
-
-    def __iter__(self) -> Any:
-        return iter(self._src)
-
-    def __len__(self) -> int:
-        return len(self._src)
-
-
 def apply(
     state: Any,
     structure: Any,
-    resolve: Callable[[Any, bool], Any],
+    resolve: Callable[[Any], Any],
 ) -> None:
-    """Load a checkpoint into the live objects of ``state`` in place. ``resolve(node, borrow)``
-    decodes a structure node; with ``borrow`` the tensors may view the read buffers (the caller
-    copies them), without it they must be private copies. Containers are updated, not replaced,
-    so references the training loop holds stay valid."""
+    """Load a checkpoint into the live objects of ``state`` in place. ``resolve(node)`` decodes
+    a structure node (tensors already loaded). Containers are updated, not replaced, so
+    references the training loop holds stay valid."""
 
     def load_into(obj: Any, n: Any, path: tuple[Any, ...]) -> Any:
         """Returns the value that should replace ``obj`` in its container (``obj`` itself if it
@@ -525,7 +500,7 @@ def apply(
             obj.obj = load_into(obj.obj, n, path)
             return obj
         if isinstance(obj, torch.Tensor):
-            value = resolve(n, True)
+            value = resolve(n)
             if isinstance(value, np.ndarray):
                 value = torch.from_numpy(value)
             with torch.no_grad():
@@ -537,7 +512,7 @@ def apply(
                 obj.copy_(value)
             return obj
         if is_stateful(obj):
-            value = resolve(n, isinstance(obj, torch.nn.Module))
+            value = resolve(n)
             try:
                 result = obj.load_state_dict(value)
             except CheckpointMismatchError:
@@ -550,7 +525,7 @@ def apply(
             _check_load_result(result, path)
             return obj
         if isinstance(obj, MutableMapping) and not _has_live_objects(obj):
-            value = resolve(n, False)
+            value = resolve(n)
             obj.clear()
             obj.update(value)
             return obj
@@ -582,7 +557,7 @@ def apply(
                         "place; use a list or a dict for values that change during training"
                     )
             return obj
-        value = resolve(n, False)
+        value = resolve(n)
         if isinstance(obj, MutableSequence) and isinstance(value, list):
             obj[:] = value
             return obj

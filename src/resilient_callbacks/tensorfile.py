@@ -2,9 +2,9 @@
 
 The files are standard safetensors (any safetensors reader opens them): an 8-byte little-endian
 header length, a JSON header, then the raw bytes of each tensor, back to back. Writing streams
-each tensor's bytes to the file and into an xxh3-64 hasher, then fsyncs; reading fills one buffer
-while hashing it, verifies size and checksum, and only then builds tensors that view the buffer
-(no second copy). Nothing here uses pickle.
+each tensor's bytes to the file and into an xxh3-64 hasher, then fsyncs; reading reads each
+tensor's bytes straight into a freshly allocated tensor while hashing them, and the caller
+loads nothing until size and checksum matched. Nothing here uses pickle.
 """
 
 from __future__ import annotations
@@ -165,6 +165,70 @@ def read_verified(path: str, expect: FileDigest | None) -> bytearray:
     return buf
 
 
+def read_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torch.Tensor]:
+    """Read a safetensors file straight into one freshly allocated tensor per entry (no
+    intermediate buffer, no later copy), hashing every byte on the way; raise
+    :class:`CheckpointCorruptError` if size or checksum differ from ``expect``. The tensors are
+    private: callers may keep them."""
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{path}: file listed in the manifest is missing") from None
+    if expect is not None and size != expect.size:
+        raise CheckpointCorruptError(
+            f"{path}: size {size} bytes, manifest says {expect.size} (truncated or overwritten)"
+        )
+    hasher = new_hasher()
+    with open(path, "rb", buffering=0) as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointCorruptError(f"{path}: too short to be a safetensors file")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > size - 8:
+            raise CheckpointCorruptError(f"{path}: header length {hlen} exceeds the file size")
+        hbytes = f.read(hlen)
+        hasher.update(head)
+        hasher.update(hbytes)
+        header, data_start = parse_header(head + hbytes, path)
+        entries = sorted(
+            ((k, v) for k, v in header.items() if k != "__metadata__"),
+            key=lambda kv: kv[1]["data_offsets"][0],
+        )
+        out: dict[str, torch.Tensor] = {}
+        pos = 0
+        for name, info in entries:
+            dtype = ST_TO_DTYPE.get(info["dtype"])
+            if dtype is None:
+                raise CheckpointCorruptError(
+                    f"{path}: tensor {name!r} has unknown dtype {info['dtype']}"
+                )
+            start, end = info["data_offsets"]
+            t = torch.empty(info["shape"], dtype=dtype)
+            nbytes = t.numel() * t.element_size()
+            if start != pos or end - start != nbytes or data_start + end > size:
+                raise CheckpointCorruptError(f"{path}: tensor {name!r} has inconsistent offsets")
+            if nbytes:
+                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                for off in range(0, nbytes, CHUNK):
+                    piece = view[off : off + CHUNK]
+                    got = f.readinto(piece)
+                    if got != len(piece):
+                        raise CheckpointCorruptError(f"{path}: file shrank while being read")
+                    hasher.update(piece)
+            out[name] = t
+            pos = end
+        if data_start + pos != size:
+            raise CheckpointCorruptError(
+                f"{path}: {size - data_start - pos} bytes after the last tensor"
+            )
+    if expect is not None and hasher.hexdigest() != expect.xxh3_64:
+        raise CheckpointCorruptError(
+            f"{path}: checksum mismatch (xxh3_64 {hasher.hexdigest()}, manifest says "
+            f"{expect.xxh3_64}); the file's content changed after it was written"
+        )
+    return out
+
+
 def digest_file(path: str) -> FileDigest:
     hasher = new_hasher()
     size = 0
@@ -191,34 +255,6 @@ def parse_header(
     except ValueError as e:
         raise CheckpointCorruptError(f"{path}: unreadable safetensors header: {e}") from None
     return header, 8 + hlen
-
-
-def tensors_from_buffer(buf: bytearray, path: str = "<buffer>") -> dict[str, torch.Tensor]:
-    """Tensors viewing ``buf`` (zero-copy), from a safetensors image in memory."""
-    header, data_start = parse_header(buf, path)
-    out: dict[str, torch.Tensor] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = ST_TO_DTYPE.get(info["dtype"])
-        if dtype is None:
-            raise CheckpointCorruptError(
-                f"{path}: tensor {name!r} has unknown dtype {info['dtype']}"
-            )
-        start, end = info["data_offsets"]
-        shape = info["shape"]
-        numel = 1
-        for d in shape:
-            numel *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - start != numel * itemsize or data_start + end > len(buf):
-            raise CheckpointCorruptError(f"{path}: tensor {name!r} has inconsistent offsets")
-        if numel == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
-            continue
-        t = torch.frombuffer(buf, dtype=torch.uint8, count=end - start, offset=data_start + start)
-        out[name] = t.view(dtype).reshape(shape)
-    return out
 
 
 def tensor_meta(path_or_buf: str | bytearray) -> dict[str, tuple[str, list[int]]]:
