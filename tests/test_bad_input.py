@@ -139,13 +139,26 @@ def small_tmpfs(tmp_path):
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-def test_disk_full_raises_write_error_and_commits_nothing(small_tmpfs):
-    root = small_tmpfs / "ck"
-    with Checkpointer(root) as ck:
-        assert ck.save(1, _state(1000, 1.0)) is True
+def _save_failing(ck, step, state, async_save):
+    """A save that fails: synchronously it raises from save(); in the background it raises
+    from the next flush (or save, or close), never lost."""
+    if async_save:
+        assert ck.save(step, state) is True
         with pytest.raises(CheckpointWriteError) as ei:
-            ck.save(2, _state(2_000_000, 2.0))  # 8 MB of float32 on a 4 MiB filesystem
-        err = ei.value
+            ck.flush()
+    else:
+        with pytest.raises(CheckpointWriteError) as ei:
+            ck.save(step, state)
+    return ei.value
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_disk_full_raises_write_error_and_commits_nothing(small_tmpfs, async_save):
+    root = small_tmpfs / "ck"
+    with Checkpointer(root, async_save=async_save) as ck:
+        assert ck.save(1, _state(1000, 1.0)) is True
+        # 8 MB of float32 on a 4 MiB filesystem
+        err = _save_failing(ck, 2, _state(2_000_000, 2.0), async_save)
         assert isinstance(err, OSError) and err.errno == errno.ENOSPC, (err.errno, str(err))
         assert "step 2" in str(err)
         names = os.listdir(root)
@@ -170,12 +183,18 @@ def test_disk_full_raises_write_error_and_commits_nothing(small_tmpfs):
     assert torch.equal(st["w"], torch.full((1000,), 3.0))
 
 
-def test_disk_full_with_retention_does_not_delete_the_good_checkpoint(small_tmpfs):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_disk_full_with_retention_does_not_delete_the_good_checkpoint(small_tmpfs, async_save):
     root = small_tmpfs / "ck"
-    with Checkpointer(root, every_n_steps=1, keep_last=1) as ck:
+    with Checkpointer(root, every_n_steps=1, keep_last=1, async_save=async_save) as ck:
         assert ck.step(1, _state(1000)) is True
-        with pytest.raises(CheckpointWriteError):
-            ck.step(2, _state(2_000_000))
+        if async_save:
+            assert ck.step(2, _state(2_000_000)) is True
+            with pytest.raises(CheckpointWriteError):
+                ck.step(3, _state(1000))  # the background failure surfaces at the next save
+        else:
+            with pytest.raises(CheckpointWriteError):
+                ck.step(2, _state(2_000_000))
         assert [e.step for e in ck.checkpoints()] == [1]
-        assert ck.step(3, _state(1000)) is True
-    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000003"]
+        assert ck.step(4, _state(1000)) is True
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000004"]

@@ -72,6 +72,7 @@ def test_manifest_lists_every_file_with_size_and_xxh3(tmp_path):
     before = time.time()
     with Checkpointer(root) as ck:
         ck.save(7, _state(7), metrics={"loss": 0.5, "acc": torch.tensor(0.25), "bad": float("nan")})
+        ck.flush()
         path = ck.last_save.path
     assert path == _step_dir(root, 7)
     m = _manifest(path)
@@ -533,6 +534,7 @@ def test_retention_keep_last_and_best_over_twenty_saves(tmp_path):
     ) as ck:
         for s in range(1, 21):
             assert ck.step(s, _state(s), metrics={"loss": losses[s]}) is True
+            ck.flush()
             present = {int(n[5:14]) for n in _steps_present(root)}
             assert s in present
             assert s - 1 in present or s == 1
@@ -572,6 +574,7 @@ def test_retention_never_deletes_a_corrupt_checkpoint(tmp_path):
     with Checkpointer(root, every_n_steps=1, keep_last=1) as ck:
         ck.step(1, _state(1))
         ck.step(2, _state(2))
+        ck.flush()
         _truncate(os.path.join(_step_dir(root, 2), "shared.safetensors"))
         for s in (3, 4):
             ck.step(s, _state(s))
@@ -591,6 +594,7 @@ def test_foreign_run_is_reported_and_never_deleted(tmp_path):
         with pytest.warns(ForeignCheckpointsWarning) as rec:
             assert ck.step(1, _state(101))
         assert old_run in str(rec[0].message)
+        ck.flush()
         # the new run's fresh checkpoint and the old run's checkpoint both survive
         assert _steps_present(root) == ["step_000000001", "step_000000003"]
         for s in (2, 3, 4):

@@ -92,6 +92,9 @@ def fail_worker(root: str, out: str) -> None:
     bomb.armed = True
     try:
         ck.save(10, state)
+        # Saves persist in the background: the failing rank raises at once, the others when
+        # the background commit learns of the failure (here: flush; else the next save/close).
+        ck.flush()
         res["save10"] = "no error"
     except CheckpointWriteError as e:
         res["save10"] = {

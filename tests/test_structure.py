@@ -45,6 +45,7 @@ ALL_DTYPES = [
 def _save(dirpath, state, step=1, **kw):
     with Checkpointer(dirpath, **kw) as ck:
         assert ck.save(step, state) is True
+        ck.flush()  # saves persist in the background; wait for the commit
         return ck.last_save.path
 
 

@@ -10,7 +10,9 @@ and RNG states.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -18,6 +20,8 @@ import os
 import time
 import uuid
 import warnings
+import weakref
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +29,8 @@ from typing import Any
 import torch
 import xxhash
 
-from . import catalog, dist, layout, rng, structure
+from . import catalog, dist, history, layout, rng, structure
+from .background import BackgroundPersister
 from .catalog import Depth, Entry, Status
 from .commit import RenameCommit, remove_checkpoint, sweep_staging, write_latest_pointer
 from .config import CheckpointerConfig, ResumeMode
@@ -44,9 +49,42 @@ from .lock import DirLock
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest, versions
 from .policy import Clock
 from .retention import Candidate, plan
+from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import write_json
 
 log = logging.getLogger("resilient_callbacks")
+
+
+@dataclass
+class _Prepared:
+    shared: structure.Encoded
+    local: structure.Encoded
+    rng_info: dict[str, Any] | None
+    rng_tensors: dict[str, torch.Tensor]
+    fingerprint: str
+    snapshot: Snapshot | None
+
+
+def _prepare_error(exc: BaseException, step: int, rank: int, dirpath: str) -> BaseException:
+    if isinstance(exc, UnsupportedStateError):
+        return exc
+    err = CheckpointWriteError(
+        f"checkpoint for step {step} was not committed; failed on rank(s) {rank}: rank {rank}: "
+        f"{type(exc).__name__}: {exc}. Nothing was committed and older checkpoints in {dirpath} "
+        "are intact.",
+        (rank,),
+    )
+    err.__cause__ = exc
+    return err
+
+
+def _flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
+    ck = ref()
+    if ck is not None and not ck._closed:
+        try:
+            ck.close()
+        except Exception as e:  # at exit there is no caller left to raise to: say it loudly
+            log.error("a checkpoint being written at exit failed: %s", e)
 
 
 @dataclass
@@ -79,6 +117,10 @@ class Checkpointer:
         keep_every_n_steps: int | None = None,
         resume: str | int | os.PathLike[str] = "auto",
         capture_rng: bool = True,
+        async_save: bool = True,
+        max_in_flight: int = 1,
+        if_busy: str = "wait",
+        overlap_snapshot: bool = False,
     ) -> None:
         self.config = CheckpointerConfig(
             dirpath=dirpath,  # type: ignore[arg-type]
@@ -91,6 +133,10 @@ class Checkpointer:
             keep_every_n_steps=keep_every_n_steps,
             resume=resume,
             capture_rng=capture_rng,
+            async_save=async_save,
+            max_in_flight=max_in_flight,
+            if_busy=if_busy,
+            overlap_snapshot=overlap_snapshot,
         )
         self.dirpath: str = self.config.dirpath
         self.policy = self.config.save_policy()
@@ -109,7 +155,22 @@ class Checkpointer:
         self._closed = False
         self._warned_no_trigger = False
         self._reported_foreign = False
+        self._checked_foreign = False
+        self.skipped_saves = 0
+        self.waits_for_previous = 0
+        self.committed_saves = 0
+        self.blocking_seconds: deque[float] = deque(maxlen=100)
+        self._buffers = HostBuffers()
+        self._last_snapshot: Snapshot | None = None
+        self._hooked: dict[int, Any] = {}
+        self._persister: BackgroundPersister | None = None
+        self._group: Any = None
         self._open()
+        if self.config.async_save:
+            self._group = dist.new_cpu_group()
+            self._persister = BackgroundPersister(self.config.max_in_flight)
+            ref = weakref.ref(self)
+            atexit.register(_flush_at_exit, ref)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -148,18 +209,45 @@ class Checkpointer:
                 f"rank 0 could not open the checkpoint directory: {error['msg']}"
             )
 
-    def close(self) -> None:
-        """Release the directory. Saves are synchronous, so nothing is pending."""
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for background saves to commit, then release the directory. Raises the error of
+        a background save that failed (after releasing). ``timeout``: seconds to wait for
+        pending saves; what is still pending then is reported and abandoned (never committed
+        half-way: a save commits atomically or not at all)."""
         if self._closed:
             return
         self._closed = True
-        self._lock.release()
+        try:
+            if self._persister is not None:
+                pending = self._persister.pending
+                if pending:
+                    log.info("waiting for %d checkpoint(s) still being written ...", pending)
+                if not self._persister.wait_all(timeout):
+                    log.warning(
+                        "close(): %d checkpoint(s) were still being written after %s s and were "
+                        "abandoned; the newest committed checkpoint is %s",
+                        self._persister.pending,
+                        timeout,
+                        self.last_save.path if self.last_save else None,
+                    )
+                else:
+                    self._persister.stop()
+                self._persister.raise_error()
+        finally:
+            for handle in self._hooked.values():
+                handle.remove()
+            self._hooked.clear()
+            self._lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def flush(self) -> None:
+        """Block until every background save has committed; raise if one failed."""
+        self._wait_background()
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         with contextlib.suppress(Exception):
@@ -204,131 +292,304 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
         if self.last_saved_step == step:
-            log.debug("step %d is already committed by this run; not saving it twice", step)
+            log.debug("step %d is already saved by this run; not saving it twice", step)
             return False
+        background = self._persister is not None and reason != "emergency"
+        waited = 0.0
+        if self._persister is not None:
+            # every rank reaches this point at the same step, so they skip together
+            if (
+                self.config.if_busy == "skip"
+                and reason == "periodic"
+                and dist.any_true(self._persister.busy)
+            ):
+                self.skipped_saves += 1
+                log.warning(
+                    "skipped the save at step %d: the previous checkpoint is still being "
+                    "written (if_busy='skip'); %d skipped so far",
+                    step,
+                    self.skipped_saves,
+                )
+                return False
+            if not background:
+                waited = self._wait_background()  # emergency: flush, then a synchronous save
+            else:
+                waited = self._persister.wait_for_slot()
+                if waited > 0.001:
+                    self.waits_for_previous += 1
+                    log.warning(
+                        "step %d waited %.3f s for the previous checkpoint to finish writing "
+                        "(saves are due faster than the disk persists them)",
+                        step,
+                        waited,
+                    )
+        self._raise_background_error()  # a failed earlier save surfaces here, never lost
         t0 = time.perf_counter()
         clean_metrics = _clean_metrics(metrics)
         if self.run_id is None:
             self.run_id = dist.broadcast_json(
                 uuid.uuid4().hex[:16] if self.is_coordinator else None
             )
+            if self.is_coordinator:
+                self._record("start", step)
 
+        if self.is_coordinator and not self._checked_foreign:
+            self._checked_foreign = (
+                True  # in the training thread, so the warning reaches the caller
+            )
+            self._report_foreign(catalog.scan(self.dirpath, Depth.NONE))
+        prepared: _Prepared | None = None
+        local_exc: BaseException | None = None
+        try:
+            prepared = self._prepare(state, copy=background)
+        except Exception as e:  # reported to every rank by the persist step
+            local_exc = e
+        job = functools.partial(
+            self._persist, step, prepared, local_exc, clean_metrics, reason, why, t0, background
+        )
+        if background:
+            assert self._persister is not None
+            if local_exc is not None:
+                # This rank failed before anything was written: it raises now; the other ranks
+                # learn it from the persist step's gather (and raise on their next save/close).
+                if self.world_size > 1:
+                    self._persister.submit(functools.partial(job, quiet=True))
+                raise _prepare_error(local_exc, step, self.rank, self.dirpath)
+            self._persister.submit(job)
+            self.last_saved_step = step
+            self._clock.reset()
+            blocking = time.perf_counter() - t0
+            self.blocking_seconds.append(blocking)
+            log.debug("step %d: snapshot took %.3f s; persisting in the background", step, blocking)
+            return True
+        job()
+        return True
+
+    def _record(self, event: str, step: int) -> None:
+        """Append to the directory's run history (coordinator only)."""
+        try:
+            history.append(self.dirpath, event, step, self.run_id, self.world_size)
+        except OSError as e:
+            log.warning("could not record the %s in %s: %s", event, self.dirpath, e)
+
+    def _wait_background(self) -> float:
+        if self._persister is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._persister.wait_all()
+        self._raise_background_error()
+        return time.perf_counter() - t0
+
+    def _raise_background_error(self) -> None:
+        if self._persister is not None:
+            self._persister.raise_error()
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the last save's snapshot copy is complete. With
+        ``overlap_snapshot=True`` call it before anything changes parameters or optimizer state
+        other than the optimizers in the saved state (their ``step()`` calls it automatically)."""
+        snap = self._last_snapshot
+        if snap is not None:
+            snap.wait()
+            self._last_snapshot = None
+
+    def _prepare(self, state: Any, copy: bool) -> _Prepared:
+        """Encode the state (training thread) and, for a background save, copy its tensors into
+        the reused host buffers; only what this rank writes is copied."""
+        shared, local = structure.encode(state, split_per_rank=self.world_size > 1)
+        fingerprint = _fingerprint(state)
+        rng_info, rng_tensors = rng.capture() if self.config.capture_rng else (None, {})
+        snap = None
+        if copy:
+            self.wait_for_snapshot()
+            tensors = dict(local.tensors)
+            if self.is_coordinator:
+                tensors.update(shared.tensors)
+            overlap = None
+            if self.config.overlap_snapshot:
+                overlap = optimizer_step_storages(state)
+                self._hook_optimizers(state)
+            self._buffers.keep_only(tensors)
+            snap = Snapshot(tensors, self._buffers, overlap_storages=overlap)
+            self._last_snapshot = snap if self.config.overlap_snapshot else None
+            copies = snap.copies
+            shared = structure.Encoded(
+                shared.structure, {k: copies[k] for k in shared.tensors if k in copies}
+            )
+            local = structure.Encoded(None, {k: copies[k] for k in local.tensors}, local.per_rank)
+        return _Prepared(shared, local, rng_info, rng_tensors, fingerprint, snap)
+
+    def _hook_optimizers(self, state: Any) -> None:
+        def rec(obj: Any) -> None:
+            if isinstance(obj, structure.PerRank):
+                rec(obj.obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                if id(obj) not in self._hooked:
+                    ref = weakref.ref(self)
+
+                    def pre_step(*_: Any, _ref: Any = ref) -> None:
+                        ck = _ref()
+                        if ck is not None:
+                            ck.wait_for_snapshot()
+
+                    self._hooked[id(obj)] = obj.register_step_pre_hook(pre_step)
+            elif isinstance(obj, Mapping):
+                for v in obj.values():
+                    rec(v)
+            elif isinstance(obj, (list, tuple)):
+                for v in obj:
+                    rec(v)
+
+        rec(state)
+
+    def _persist(
+        self,
+        step: int,
+        prepared: _Prepared | None,
+        local_exc: BaseException | None,
+        clean_metrics: dict[str, float | None],
+        reason: str,
+        why: str,
+        t0: float,
+        background: bool,
+        quiet: bool = False,
+    ) -> None:
+        """Write this rank's files, gather, commit (coordinator), retention. Runs in the
+        background thread for background saves (collectives on the checkpoint's own group)."""
+        group = self._group if background else None
         staging, error = None, None
         if self.is_coordinator:
             try:
                 staging = self._commit.begin(step)
             except OSError as e:
                 error = f"cannot create a staging directory in {self.dirpath}: {e}"
-        staging = dist.broadcast_json({"staging": staging, "error": error})
-        if staging["error"]:
-            raise CheckpointWriteError(
-                f"checkpoint for step {step} was not written: {staging['error']}", (0,)
-            )
-        staging_dir: str = staging["staging"]
+        msg = dist.broadcast_json({"staging": staging, "error": error}, group=group)
+        staging_dir: str | None = msg["staging"]
 
-        local_exc: BaseException | None = None
         files: list[dict[str, Any]] = []
-        fingerprint = ""
-        try:
-            shared, local = structure.encode(state, split_per_rank=self.world_size > 1)
-            fingerprint = _fingerprint(state)
-            rng_info, rng_tensors = rng.capture() if self.config.capture_rng else (None, {})
-            entries = layout.write_part(
-                staging_dir,
-                self.rank,
-                shared if self.is_coordinator else None,
-                local,
-                rng_info,
-                rng_tensors,
-            )
-            files = [e.__dict__ for e in entries]
-        except Exception as e:  # reported to every rank below; nothing is committed
-            local_exc = e
+        if local_exc is None and staging_dir is not None:
+            assert prepared is not None
+            try:
+                if prepared.snapshot is not None:
+                    prepared.snapshot.wait()
+                entries = layout.write_part(
+                    staging_dir,
+                    self.rank,
+                    prepared.shared if self.is_coordinator else None,
+                    prepared.local,
+                    prepared.rng_info,
+                    prepared.rng_tensors,
+                )
+                files = [e.__dict__ for e in entries]
+            except Exception as e:  # reported to every rank below; nothing is committed
+                local_exc = e
         report = {
             "rank": self.rank,
             "files": files,
             "error": None if local_exc is None else f"{type(local_exc).__name__}: {local_exc}",
         }
-        reports = dist.all_gather_json(report)
+        reports = dist.all_gather_json(report, group=group)
         failed = [r for r in reports if r["error"]]
 
-        outcome: dict[str, Any] = {"ok": False, "path": None, "error": None}
-        if self.is_coordinator:
+        outcome: dict[str, Any] = {"ok": False, "path": None, "error": msg["error"]}
+        if self.is_coordinator and staging_dir is not None:
             if failed:
                 self._commit.abort(staging_dir)
             else:
                 try:
-                    seq = self._seq + 1
-                    manifest = Manifest(
-                        step=step,
-                        run_id=self.run_id,
-                        seq=seq,
-                        world_size=self.world_size,
-                        files=[FileEntry(**f) for r in reports for f in r["files"]],
-                        metrics=clean_metrics,
-                        reason=reason,
-                        fingerprint=fingerprint,
-                        retention=self.retention.to_json(),
-                        versions=versions(),
-                    )
-                    missing = [
-                        f.path
-                        for f in manifest.files
-                        if not os.path.exists(os.path.join(staging_dir, f.path))
-                    ]
-                    if missing:
-                        raise CheckpointWriteError(
-                            f"files written by other ranks are not visible to rank 0: {missing}. "
-                            "With several ranks, dirpath must be on a filesystem all ranks share."
-                        )
-                    write_json(os.path.join(staging_dir, MANIFEST_NAME), manifest.to_json())
-                    final = self._commit.commit(staging_dir, step)
-                    self._seq = seq
-                    try:
-                        write_latest_pointer(self.dirpath, os.path.basename(final))
-                    except OSError as e:
-                        log.warning("could not update the advisory 'latest' pointer: %s", e)
-                    outcome = {"ok": True, "path": final, "error": None}
+                    outcome = {
+                        "ok": True,
+                        "path": self._commit_manifest(
+                            staging_dir, step, reports, clean_metrics, reason, prepared
+                        ),
+                        "error": None,
+                    }
                 except Exception as e:
                     self._commit.abort(staging_dir)
                     local_exc = local_exc or e
                     outcome = {"ok": False, "path": None, "error": f"{type(e).__name__}: {e}"}
-        outcome = dist.broadcast_json(outcome)
+        outcome = dist.broadcast_json(outcome, group=group)
 
         if not outcome["ok"]:
+            if quiet:
+                return  # this rank already raised its own error in the training thread
+            if background:
+                self.last_saved_step = None
             if failed:
                 ranks = tuple(r["rank"] for r in failed)
                 detail = "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed)
             else:
                 ranks, detail = (0,), f"rank 0 (commit): {outcome['error']}"
-            if isinstance(local_exc, UnsupportedStateError):
+            if isinstance(local_exc, UnsupportedStateError) and not background:
                 raise local_exc
-            msg = (
+            msg_text = (
                 f"checkpoint for step {step} was not committed; failed on rank(s) "
                 f"{', '.join(map(str, ranks))}: {detail}. Nothing was committed and older "
                 f"checkpoints in {self.dirpath} are intact."
             )
-            err = CheckpointWriteError(msg, ranks)
+            err = CheckpointWriteError(msg_text, ranks)
             if isinstance(local_exc, OSError) and local_exc.errno:
                 err.errno = local_exc.errno
             raise err from local_exc
 
-        self.last_saved_step = step
-        self._clock.reset()
+        if not background:
+            self.last_saved_step = step
+            self._clock.reset()
         elapsed = time.perf_counter() - t0
         size = sum(f["size"] for r in reports for f in r["files"])
         self.last_save = SaveStats(step, outcome["path"], size, elapsed, reason)
+        self.committed_saves += 1
         log.info(
-            "saved step %d (%s, %.1f MB, %.3f s) -> %s",
+            "saved step %d (%s, %.1f MB, %.3f s%s) -> %s",
             step,
             why,
             size / 1e6,
             elapsed,
+            ", in the background" if background else "",
             outcome["path"],
         )
         if self.is_coordinator:
             self._apply_retention(protect=os.path.basename(outcome["path"]))
-        return True
+
+    def _commit_manifest(
+        self,
+        staging_dir: str,
+        step: int,
+        reports: list[dict[str, Any]],
+        clean_metrics: dict[str, float | None],
+        reason: str,
+        prepared: _Prepared | None,
+    ) -> str:
+        seq = self._seq + 1
+        assert self.run_id is not None
+        manifest = Manifest(
+            step=step,
+            run_id=self.run_id,
+            seq=seq,
+            world_size=self.world_size,
+            files=[FileEntry(**f) for r in reports for f in r["files"]],
+            metrics=clean_metrics,
+            reason=reason,
+            fingerprint=prepared.fingerprint if prepared else "",
+            retention=self.retention.to_json(),
+            versions=versions(),
+        )
+        missing = [
+            f.path for f in manifest.files if not os.path.exists(os.path.join(staging_dir, f.path))
+        ]
+        if missing:
+            raise CheckpointWriteError(
+                f"files written by other ranks are not visible to rank 0: {missing}. "
+                "With several ranks, dirpath must be on a filesystem all ranks share."
+            )
+        write_json(os.path.join(staging_dir, MANIFEST_NAME), manifest.to_json())
+        final = self._commit.commit(staging_dir, step)
+        self._seq = seq
+        try:
+            write_latest_pointer(self.dirpath, os.path.basename(final))
+        except OSError as e:
+            log.warning("could not update the advisory 'latest' pointer: %s", e)
+        return final
 
     # ------------------------------------------------------------------ retention
 
@@ -346,7 +607,6 @@ class Checkpointer:
             for e in entries
             if e.manifest is not None
         ]
-        self._report_foreign(entries)
         p = plan(cands, self.retention, self.run_id, protected=[protect])
         for name in p.delete:
             path = os.path.join(self.dirpath, name)
@@ -382,6 +642,7 @@ class Checkpointer:
         """Load the checkpoint chosen by ``resume`` into ``state`` in place; return its step,
         or 0 when there is nothing to resume from. Every rank calls it."""
         self._check_open()
+        self._wait_background()
         cands: list[dict[str, Any]] = []
         error = None
         if self.is_coordinator:
@@ -399,6 +660,12 @@ class Checkpointer:
         explicit = self.config.resume not in (ResumeMode.AUTO, ResumeMode.NEVER)
         if not cands:
             self._clock.reset()
+            if self.run_id is None:
+                self.run_id = dist.broadcast_json(
+                    uuid.uuid4().hex[:16] if self.is_coordinator else None
+                )
+                if self.is_coordinator:
+                    self._record("start", 0)
             return 0
         skipped: list[str] = []
         for c in cands:
@@ -493,6 +760,10 @@ class Checkpointer:
         self.last_saved_step = manifest.step if inside else None
         self.restored_from = path
         self._clock.reset()
+        if self.is_coordinator and inside:
+            self._record("restart", manifest.step)  # a resume means the run stopped early
+            self._checked_foreign = True
+            self._report_foreign(catalog.scan(self.dirpath, Depth.NONE))
         if self.is_coordinator and inside and self.config.resume == ResumeMode.AUTO:
             # Catch up on a retention pass a crash interrupted (killed between commit and
             # deletion), so repeated crashes cannot pile up checkpoints beyond the limits.

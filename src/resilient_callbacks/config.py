@@ -29,6 +29,10 @@ class CheckpointerConfig:
     keep_every_n_steps: int | None = None
     resume: Any = ResumeMode.AUTO  # "auto" | "never" | int step | path of a checkpoint directory
     capture_rng: bool = True
+    async_save: bool = True
+    max_in_flight: int = 1
+    if_busy: str = "wait"  # "wait" | "skip": a periodic save due while max_in_flight are pending
+    overlap_snapshot: bool = False
 
     def __post_init__(self) -> None:
         d = os.fspath(self.dirpath) if isinstance(self.dirpath, os.PathLike) else self.dirpath
@@ -58,8 +62,28 @@ class CheckpointerConfig:
                 f"resume={r!r}: use 'auto' (default), 'never', a step number or the path of a "
                 "checkpoint directory"
             )
-        if not isinstance(self.capture_rng, bool):
-            raise ConfigError(f"capture_rng={self.capture_rng!r}: must be True or False")
+        for flag in ("capture_rng", "async_save", "overlap_snapshot"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag}={getattr(self, flag)!r}: must be True or False")
+        if (
+            isinstance(self.max_in_flight, bool)
+            or not isinstance(self.max_in_flight, int)
+            or self.max_in_flight < 1
+        ):
+            raise ConfigError(
+                f"max_in_flight={self.max_in_flight!r}: must be an int >= 1 (each one in flight "
+                "holds a host copy of the state)"
+            )
+        if self.if_busy not in ("wait", "skip"):
+            raise ConfigError(
+                f"if_busy={self.if_busy!r}: use 'wait' (block until the previous save is "
+                "written) or 'skip' (skip a periodic save that is due meanwhile)"
+            )
+        if self.overlap_snapshot and not self.async_save:
+            raise ConfigError(
+                "overlap_snapshot=True needs async_save=True: the snapshot overlaps training "
+                "only when the write happens in the background"
+            )
         # Constructing these validates the save and retention options with their own messages.
         self.save_policy()
         self.retention_policy()

@@ -25,8 +25,8 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if is_initialized() else 1
 
 
-def _device() -> torch.device:
-    backend = torch.distributed.get_backend()
+def _device(group: Any = None) -> torch.device:
+    backend = torch.distributed.get_backend(group)
     if backend == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -45,34 +45,43 @@ def _decode(t: torch.Tensor) -> Any:
     return json.loads(bytes(t.cpu().numpy().tobytes()).decode("utf-8"))
 
 
-def all_gather_json(obj: Any) -> list[Any]:
+def new_cpu_group() -> Any:
+    """A gloo group over all ranks, for collectives issued from a background thread (they must
+    not interleave with the training loop's collectives on the default group). Every rank must
+    call it, at the same point."""
+    if not is_initialized():
+        return None
+    return torch.distributed.new_group(backend="gloo")
+
+
+def all_gather_json(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank."""
     if not is_initialized():
         return [obj]
-    dev = _device()
+    dev = _device(group)
     payload = _encode(obj, dev)
     n = world_size()
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(size) for _ in range(n)]
-    torch.distributed.all_gather(sizes, size)
+    torch.distributed.all_gather(sizes, size, group=group)
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
     padded[: payload.numel()] = payload
     bufs = [torch.zeros(longest, dtype=torch.uint8, device=dev) for _ in range(n)]
-    torch.distributed.all_gather(bufs, padded)
+    torch.distributed.all_gather(bufs, padded, group=group)
     return [_decode(b[: int(s.item())]) for b, s in zip(bufs, sizes, strict=True)]
 
 
-def broadcast_json(obj: Any, src: int = 0) -> Any:
-    """``obj`` of rank ``src`` on every rank."""
+def broadcast_json(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` of rank ``src`` (global rank) on every rank."""
     if not is_initialized():
         return obj
-    dev = _device()
+    dev = _device(group)
     payload = _encode(obj, dev) if rank() == src else torch.empty(0, dtype=torch.uint8, device=dev)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
-    torch.distributed.broadcast(size, src)
+    torch.distributed.broadcast(size, src, group=group)
     buf = payload if rank() == src else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-    torch.distributed.broadcast(buf, src)
+    torch.distributed.broadcast(buf, src, group=group)
     return _decode(buf)
 
 

@@ -26,6 +26,9 @@ import numpy as np
 import torch
 
 from .errors import CheckpointMismatchError, UnsupportedStateError
+from .tensorfile import DTYPE_TO_ST
+
+SAVEABLE_DTYPES = tuple(DTYPE_TO_ST)
 
 TAG = "__rc__"
 
@@ -97,6 +100,12 @@ class _Encoder:
                 f"{path_str(path)} is a sharded DTensor; Checkpointer saves replicated and "
                 "per-rank tensors only. Gather it to a full tensor in your state_dict(), or use "
                 "torch.distributed.checkpoint for sharded models."
+            )
+        if t.dtype not in SAVEABLE_DTYPES:
+            raise UnsupportedStateError(
+                f"{path_str(path)} is a tensor of dtype {t.dtype}, which safetensors cannot "
+                "store; convert it in your state_dict() (e.g. complex -> torch.view_as_real). "
+                f"Supported: {', '.join(str(d).removeprefix('torch.') for d in SAVEABLE_DTYPES)}"
             )
         t = t.detach()
         table, alias = (

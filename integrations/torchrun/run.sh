@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# run.sh: single-node torchrun with elastic restarts around a resumable training script.
+#
+#   integrations/torchrun/run.sh --ckpt-dir ckpts/run1 --steps 1000 --out out/run1
+#   NPROC=4 MAX_RESTARTS=5 integrations/torchrun/run.sh --ckpt-dir ckpts/run1
+#
+# Arguments go to the training script (TRAIN_SCRIPT, default integrations/train.py). When a
+# worker dies (an exception, OOM, kill -9), torchrun stops every other worker and starts the
+# whole group again, up to MAX_RESTARTS times; each new worker resumes from the newest valid
+# checkpoint, so a restart only repeats the steps since that checkpoint.
+#
+# Environment:
+#   NPROC             workers (one per GPU), default 2
+#   MAX_RESTARTS      group restarts before torchrun gives up, default 3
+#   SHUTDOWN_TIMEOUT  seconds torchrun gives workers between its SIGTERM/SIGUSR1 and SIGKILL,
+#                     default 120: long enough for one emergency checkpoint (torchrun's own
+#                     default, 30 s, can cut a large save short)
+#   TORCHRUN          the torchrun executable, default: torchrun next to PYTHON, else on PATH
+#   TRAIN_SCRIPT      default: ../train.py next to this file
+#
+# Signals: SIGTERM, SIGINT, SIGHUP and SIGUSR1 sent to this script are passed to torchrun, which
+# passes them to every worker (SIGUSR1 included: see --signals-to-handle below) so the
+# Checkpointer can make its emergency checkpoint. torchrun itself exits 1 after such a
+# shutdown; this script then exits 75 (RESUMABLE_EXIT_CODE) so that an outer scheduler
+# requeues the job. Otherwise it exits with torchrun's status: 0 done, non-zero when the
+# restarts ran out.
+set -uo pipefail
+
+readonly RESUMABLE_EXIT_CODE=75
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+NPROC="${NPROC:-2}"
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
+SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-120}"
+TRAIN_SCRIPT="${TRAIN_SCRIPT:-$HERE/../train.py}"
+if [[ -z ${TORCHRUN:-} ]]; then
+    py_dir="$(dirname "$(command -v "${PYTHON:-python3}" 2>/dev/null || echo /nonexistent)")"
+    if [[ -x $py_dir/torchrun ]]; then TORCHRUN="$py_dir/torchrun"; else TORCHRUN=torchrun; fi
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+# torchrun only forwards the signals it handles; add SIGUSR1 (Slurm's and the Checkpointer's
+# "save and stop" signal). Set through the environment so older torchrun versions without
+# --signals-to-handle / --shutdown-timeout still start (they ignore unknown PET_* variables).
+export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
+export TORCHELASTIC_SIGNALS_TO_HANDLE="$PET_SIGNALS_TO_HANDLE"
+export PET_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"
+
+child=""
+signalled=""
+interrupted=0
+on_signal() {
+    signalled="$1"
+    interrupted=1
+    [[ -n $child ]] && kill -s "$1" "$child" 2>/dev/null
+}
+for sig in TERM INT HUP USR1; do
+    # shellcheck disable=SC2064
+    trap "on_signal $sig" "$sig"
+done
+
+# --rdzv-endpoint=localhost:0 (what --standalone uses): a c10d rendezvous on a free port of this
+# host, so several runs on one machine never collide. For several nodes use
+# --nnodes=MIN:MAX --rdzv-endpoint=<host of node 0>:29400 --rdzv-id=<job id> on every node.
+"$TORCHRUN" \
+    --nnodes=1 \
+    --nproc-per-node="$NPROC" \
+    --max-restarts="$MAX_RESTARTS" \
+    --rdzv-backend=c10d \
+    --rdzv-endpoint=localhost:0 \
+    "$TRAIN_SCRIPT" "$@" &
+child=$!
+while :; do
+    interrupted=0
+    wait "$child"
+    rc=$?
+    [[ $interrupted -eq 1 ]] || break # a trap interrupted `wait`: wait for the real status
+done
+
+if [[ -n $signalled && $rc -ne 0 ]]; then
+    echo "[run.sh] stopped by SIG$signalled (torchrun exit $rc): exiting $RESUMABLE_EXIT_CODE," \
+        "re-run the same command to resume" >&2
+    exit "$RESUMABLE_EXIT_CODE"
+fi
+exit "$rc"

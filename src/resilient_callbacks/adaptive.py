@@ -1,0 +1,707 @@
+"""When to save, adaptively: the checkpoint interval that wastes the least wall time.
+
+One job: turn measurements (step time, blocking save cost, background persist time) and the failure
+rate (given, or learned from the run's restart history) into a checkpoint interval, in steps, that
+minimises the expected waste, and say why. It imports no training framework (not even torch).
+
+The model (J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart
+dumps", Future Generation Computer Systems 22, 2006): failures arrive as a Poisson process with mean
+time between failures ``M``; training alternates ``tau`` seconds of compute with a blocking save of
+``C`` seconds; a failure (also one during a save or a restart) loses everything since the last
+completed save, and each restart costs ``R`` seconds. The expected wall time to get ``T_s`` seconds
+of useful compute is then exactly::
+
+    T_w(tau) = M * exp(R / M) * (exp((tau + C) / M) - 1) * T_s / tau
+
+so the expected wasted fraction of wall time is ``1 - T_s / T_w`` (:func:`expected_waste_fraction`).
+:func:`young_interval` is the first-order optimum ``sqrt(2 C M)``, :func:`daly_interval` Daly's
+higher-order one, and :func:`optimal_interval` the exact minimiser found numerically (``R`` does not
+move it). With asynchronous saves ``C`` is the *blocking* part: the background persist time adds a
+constant to the work lost per failure but does not change the optimum.
+
+:class:`AdaptiveSchedule` is the per-run state the Checkpointer keeps. Which ranks call what:
+
+- every rank may call ``observe_step``/``observe_save`` (cheap; only rank 0's values matter);
+- rank 0 calls :meth:`AdaptiveSchedule.interval_steps` at points every rank knows (after each save,
+  at restore, or every K steps) and broadcasts the result; the other ranks call
+  :meth:`AdaptiveSchedule.adopt` with it. Between those points every rank uses the same latched
+  decision (:meth:`AdaptiveSchedule.should_save` on "steps since the last save"), so no collective is
+  needed per step. :attr:`AdaptiveSchedule.version` / :meth:`AdaptiveSchedule.decision_changed` say
+  when the decision changed, so the broadcast can be skipped or piggybacked on the save's own
+  collectives otherwise.
+
+:class:`LossJumpTrigger` is an optional extra trigger: save when the loss jumps or turns non-finite.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+HOUR = 3600.0
+DEFAULT_PRIOR_MTBF_HOURS = 24.0
+DEFAULT_MAX_OVERHEAD = 0.01
+_STATE_FORMAT = 1
+
+# Clamps that raise the interval (converted to steps rounding up) and the one that lowers it.
+_FLOORS = ("max_overhead", "min_interval_s", "persist")
+_CEILING = "max_interval_s"
+
+
+# --------------------------------------------------------------------------- formulas
+
+
+def _check_number(name: str, value: Any, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}={value!r}: must be a number of seconds")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"{name}={value!r}: must be a finite number {bound} (seconds)")
+    return v
+
+
+def young_interval(cost_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum compute time between checkpoints: ``sqrt(2 C M)`` seconds."""
+    c = _check_number("cost_s", cost_s)
+    m = _check_number("mtbf_s", mtbf_s, positive=True)
+    return math.sqrt(2.0 * c * m)
+
+
+def daly_interval(cost_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order estimate of the optimum compute time between checkpoints (FGCS 2006)::
+
+    sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C    if C < 2M
+    M                                                         otherwise
+    """
+    return _daly(_check_number("cost_s", cost_s), _check_number("mtbf_s", mtbf_s, positive=True))
+
+
+def _daly(c: float, m: float) -> float:
+    if c >= 2.0 * m:
+        return m
+    r = c / (2.0 * m)
+    return math.sqrt(2.0 * c * m) * (1.0 + math.sqrt(r) / 3.0 + r / 9.0) - c
+
+
+def expected_waste_fraction(
+    interval_s: float, cost_s: float, mtbf_s: float, restart_s: float = 0.0
+) -> float:
+    """Expected fraction of wall time not spent on useful compute, under Daly's exponential model::
+
+        waste = 1 - tau / (M * exp(R / M) * (exp((tau + C) / M) - 1))
+
+    with ``tau = interval_s`` seconds of compute between blocking saves of ``C = cost_s`` seconds,
+    ``M = mtbf_s`` and a restart cost ``R = restart_s`` after every failure (failures may also hit
+    saves and restarts). It counts save time, lost work and restart time; 1.0 means no progress.
+    """
+    return _waste(
+        _check_number("interval_s", interval_s, positive=True),
+        _check_number("cost_s", cost_s),
+        _check_number("mtbf_s", mtbf_s, positive=True),
+        _check_number("restart_s", restart_s),
+    )
+
+
+def _waste(tau: float, c: float, m: float, r: float = 0.0) -> float:
+    try:
+        wall_per_useful = m * math.exp(r / m) * math.expm1((tau + c) / m) / tau
+    except OverflowError:
+        return 1.0
+    return max(0.0, 1.0 - 1.0 / wall_per_useful)
+
+
+def optimal_interval(cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
+    """The interval minimising :func:`expected_waste_fraction`, found numerically (a reference for
+    :func:`daly_interval`; no scipy). The waste is minimal where the wall time per useful second,
+    ``M exp(R/M) expm1((tau + C)/M) / tau``, is; its derivative vanishes where
+    ``h(tau) = exp((tau + C)/M) (1 - tau/M) - 1 = 0``. ``h`` is strictly decreasing on ``[0, M]``
+    with ``h(0) > 0 > h(M)``, so a bisection on ``[0, M]`` finds the unique optimum to machine
+    precision (a golden-section search on the waste itself only reaches ~1e-8, the square root
+    of it). The restart cost does not move the optimum. Returns 0.0 for ``cost_s == 0`` (free
+    checkpoints: save as often as possible)."""
+    c = _check_number("cost_s", cost_s)
+    m = _check_number("mtbf_s", mtbf_s, positive=True)
+    _check_number("restart_s", restart_s)
+    if c == 0.0:
+        return 0.0
+
+    def h(tau: float) -> float:
+        x = tau / m
+        return math.expm1((tau + c) / m) * (1.0 - x) - x  # = e^{(tau+C)/M} (1 - x) - 1
+
+    lo, hi = 0.0, m
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        if mid in (lo, hi):
+            break
+        if h(mid) > 0.0:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2.0
+
+
+# --------------------------------------------------------------------------- the schedule
+
+
+def _opt_number(name: str, value: Any, *, positive: bool = True, unit: str = "seconds") -> None:
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"{name}={value!r}: must be a finite number {bound} ({unit}), or None")
+
+
+def _opt_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r}: must be an int >= {minimum}")
+
+
+def _median(values: Iterable[float]) -> float | None:
+    vals = list(values)
+    return statistics.median(vals) if vals else None
+
+
+@dataclass(kw_only=True)
+class AdaptiveSchedule:
+    """Chooses how many steps to train between checkpoints, from measurements, and explains it.
+
+    Options (all keyword-only):
+
+    - ``mtbf_hours``: mean time between failures of this job. ``None`` (default) learns it from the
+      restart history (:meth:`set_restart_history`), starting from ``prior_mtbf_hours``.
+    - ``prior_mtbf_hours`` (24): the assumption before any failure is observed; it counts as one
+      pseudo-failure in the estimator, so a few early failures do not swing the estimate wildly.
+    - ``max_overhead`` (0.01): cap on the expected checkpoint overhead ``blocking cost / interval``,
+      i.e. the interval is at least ``cost / max_overhead``. ``None`` disables the cap. Note that
+      the cap *lengthens* the interval beyond the goodput optimum whenever failures are frequent
+      enough that the optimum overhead is larger (``~sqrt(C / 2M)``); see :meth:`explain`.
+    - ``min_interval_s`` / ``max_interval_s``: explicit clamps on the interval (seconds of compute).
+    - ``warmup_steps`` (20): steps to observe before the first decision. Until then, and until one
+      save has been measured, :meth:`interval_steps` returns ``warmup_steps``: the first save comes
+      right after the warm-up, and measures what a save costs.
+    - ``step_window`` (50) / ``save_window`` (9): how many recent step times / saves the running
+      medians use.
+    - ``change_tolerance`` (0.05): a new decision within this relative distance of the current one is
+      not taken (waste is flat near the optimum: 5% off costs ~0.1% more waste), so noise in the
+      medians does not flip the decision and force re-broadcasts.
+
+    Never shorter than the background persist time of recent saves (median), so saves are not
+    scheduled faster than the previous one can persist; this floor beats ``max_interval_s``.
+    """
+
+    mtbf_hours: float | None = None
+    prior_mtbf_hours: float = DEFAULT_PRIOR_MTBF_HOURS
+    max_overhead: float | None = DEFAULT_MAX_OVERHEAD
+    min_interval_s: float | None = None
+    max_interval_s: float | None = None
+    warmup_steps: int = 20
+    step_window: int = 50
+    save_window: int = 9
+    change_tolerance: float = 0.05
+
+    _steps: deque[float] = field(init=False, repr=False, compare=False)
+    _costs: deque[float] = field(init=False, repr=False, compare=False)
+    _persists: deque[float] = field(init=False, repr=False, compare=False)
+    _n_steps: int = field(init=False, repr=False, compare=False, default=0)
+    _n_saves: int = field(init=False, repr=False, compare=False, default=0)
+    _failures: int = field(init=False, repr=False, compare=False, default=0)
+    _exposure_s: float = field(init=False, repr=False, compare=False, default=0.0)
+    _decision: int | None = field(init=False, repr=False, compare=False, default=None)
+    _version: int = field(init=False, repr=False, compare=False, default=0)
+    _seen_version: int = field(init=False, repr=False, compare=False, default=0)
+    _was_adaptive: bool = field(init=False, repr=False, compare=False, default=False)
+
+    def __post_init__(self) -> None:
+        _opt_number("mtbf_hours", self.mtbf_hours, unit="hours")
+        if self.prior_mtbf_hours is None:
+            raise ConfigError(
+                "prior_mtbf_hours=None: the prior is needed until failures are observed; pass a "
+                f"number of hours > 0 (default {DEFAULT_PRIOR_MTBF_HOURS:g}), or set mtbf_hours"
+            )
+        _opt_number("prior_mtbf_hours", self.prior_mtbf_hours, unit="hours")
+        if self.max_overhead is not None and (
+            isinstance(self.max_overhead, bool)
+            or not isinstance(self.max_overhead, (int, float))
+            or not 0 < self.max_overhead < 1
+        ):
+            raise ConfigError(
+                f"max_overhead={self.max_overhead!r}: must be a fraction of training time in "
+                "(0, 1), e.g. 0.01 for at most 1% of the time blocked in saves, or None for no cap"
+            )
+        _opt_number("min_interval_s", self.min_interval_s)
+        _opt_number("max_interval_s", self.max_interval_s)
+        if (
+            self.min_interval_s is not None
+            and self.max_interval_s is not None
+            and self.min_interval_s > self.max_interval_s
+        ):
+            raise ConfigError(
+                f"min_interval_s={self.min_interval_s:g} > max_interval_s={self.max_interval_s:g}: "
+                "no interval satisfies both; swap them or drop one"
+            )
+        _opt_int("warmup_steps", self.warmup_steps, 1)
+        _opt_int("step_window", self.step_window, 1)
+        _opt_int("save_window", self.save_window, 1)
+        if (
+            isinstance(self.change_tolerance, bool)
+            or not isinstance(self.change_tolerance, (int, float))
+            or not 0 <= self.change_tolerance < 1
+        ):
+            raise ConfigError(
+                f"change_tolerance={self.change_tolerance!r}: must be a fraction in [0, 1), "
+                "e.g. 0.05 to keep the current interval while the optimum moves by less than 5%"
+            )
+        self._steps = deque(maxlen=self.step_window)
+        self._costs = deque(maxlen=self.save_window)
+        self._persists = deque(maxlen=self.save_window)
+
+    # ------------------------------------------------------------------ measurements
+
+    def observe_step(self, seconds: float) -> None:
+        """Record one training step's duration (compute only: leave out time blocked in a save)."""
+        self._steps.append(_check_number("seconds", seconds))
+        self._n_steps += 1
+
+    def observe_save(self, blocking_s: float, persist_s: float | None = None) -> None:
+        """Record a save: ``blocking_s`` the training thread was blocked (the snapshot, or the whole
+        save when synchronous), and, when known, ``persist_s`` the background write/commit/upload
+        took after that."""
+        self._costs.append(_check_number("blocking_s", blocking_s))
+        if persist_s is not None:
+            self._persists.append(_check_number("persist_s", persist_s))
+        self._n_saves += 1
+
+    def set_restart_history(
+        self,
+        times: Iterable[float],
+        run_start: float,
+        *,
+        now: float | None = None,
+        exposure_s: float | None = None,
+    ) -> None:
+        """Learn the failure rate from the run's restarts: ``times`` are the wall-clock times
+        (``time.time()``) at which the run was resumed after a failure, each one counting as one
+        failure; ``run_start`` is when the run was first launched. Only unplanned resumes should be
+        listed: a resume after a clean stop (time limit reached, preemption with a final save) is
+        not a failure.
+
+        The exposure (running time observed) is ``now - run_start`` (``now`` defaults to the
+        current time), or ``exposure_s`` when the caller knows it better, e.g. without the time
+        spent waiting in a queue between failure and resume. The estimate is frozen until the next
+        call; call it at each restore, and again whenever you like.
+        """
+        try:
+            ts = [float(t) for t in times]
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"times={times!r:.200}: must be an iterable of timestamps (time.time())"
+            ) from None
+        if not all(map(math.isfinite, ts)):
+            raise ConfigError(f"times={ts!r:.200}: every restart time must be finite")
+        start = _check_time("run_start", run_start)
+        before = [t for t in ts if t < start]
+        if before:
+            raise ConfigError(
+                f"restart time {before[0]!r} is before run_start={run_start!r}: the restart "
+                "history and the run start must be on the same clock (time.time())"
+            )
+        if exposure_s is None:
+            end = time.time() if now is None else _check_time("now", now)
+            if end < max(ts, default=start):
+                raise ConfigError(
+                    f"now={end!r} is before the last restart or the run start; pass the current "
+                    "time.time()"
+                )
+            exposure = end - start
+        else:
+            exposure = _check_number("exposure_s", exposure_s)
+        self._failures = len(ts)
+        self._exposure_s = exposure
+
+    @property
+    def failures_observed(self) -> int:
+        return self._failures
+
+    def learned_mtbf_s(self) -> float:
+        """MTBF estimated from the restart history alone (seconds).
+
+        Estimator: failures are a Poisson process of rate ``1/M``; the prior is a Gamma
+        distribution worth one pseudo-failure observed over ``prior_mtbf_hours``. After ``n``
+        failures in ``E`` seconds of exposure the posterior mean rate is ``(1 + n) / (M0 + E)``,
+        and the estimate is its reciprocal ``(M0 + E) / (1 + n)``: the prior ``M0`` before anything
+        is observed, the plain ``E / n`` once many failures have been.
+        """
+        return (self.prior_mtbf_hours * HOUR + self._exposure_s) / (1 + self._failures)
+
+    def mtbf_estimate(self) -> float:
+        """The MTBF (seconds) the schedule uses: ``mtbf_hours`` when given, else the learned one."""
+        if self.mtbf_hours is not None:
+            return float(self.mtbf_hours) * HOUR
+        return self.learned_mtbf_s()
+
+    def mtbf_source(self) -> str:
+        """``"user"`` (mtbf_hours given), ``"learned"`` (>= 1 failure observed) or ``"prior"``."""
+        if self.mtbf_hours is not None:
+            return "user"
+        return "learned" if self._failures else "prior"
+
+    @property
+    def ready(self) -> bool:
+        """True once ``warmup_steps`` steps and one save have been observed."""
+        return self._n_steps >= self.warmup_steps and self._n_saves >= 1
+
+    # ------------------------------------------------------------------ the decision
+
+    def _compute(self) -> dict[str, Any]:
+        step = _median(self._steps)
+        cost = _median(self._costs)
+        persist = _median(self._persists)
+        mtbf = self.mtbf_estimate()
+        info: dict[str, Any] = {
+            "phase": "adaptive" if self.ready else "warmup",
+            "step_time_s": step,
+            "steps_observed": self._n_steps,
+            "blocking_cost_s": cost,
+            "saves_observed": self._n_saves,
+            "persist_s": persist,
+            "mtbf_s": mtbf,
+            "mtbf_source": self.mtbf_source(),
+            "mtbf_user_s": None if self.mtbf_hours is None else float(self.mtbf_hours) * HOUR,
+            "mtbf_learned_s": self.learned_mtbf_s(),
+            "prior_mtbf_s": self.prior_mtbf_hours * HOUR,
+            "failures_observed": self._failures,
+            "exposure_s": self._exposure_s,
+            "young_interval_s": None,
+            "daly_interval_s": None,
+            "bounds_s": {},
+            "clamps_applied": [],
+            "clamp": None,
+            "interval_s": math.nan,
+            "interval_steps": self.warmup_steps,
+            "expected_overhead": None,
+            "expected_waste_fraction": None,
+        }
+        if not self.ready or cost is None or step is None:
+            if step is not None:
+                info["interval_s"] = self.warmup_steps * step
+            return info
+
+        raw = _daly(cost, mtbf)
+        bounds: dict[str, float] = {}
+        if self.max_overhead is not None:
+            bounds["max_overhead"] = cost / self.max_overhead
+        if self.min_interval_s is not None:
+            bounds["min_interval_s"] = float(self.min_interval_s)
+        if self.max_interval_s is not None:
+            bounds["max_interval_s"] = float(self.max_interval_s)
+        if persist is not None:
+            bounds["persist"] = persist
+
+        interval, clamp, applied = raw, None, []
+        # Floors first, then the user's ceiling, then the persist floor, which nothing overrides.
+        for name in ("max_overhead", "min_interval_s", "max_interval_s", "persist"):
+            if name not in bounds:
+                continue
+            b = bounds[name]
+            if (name == _CEILING and interval > b) or (name != _CEILING and interval < b):
+                interval, clamp = b, name
+                applied.append(name)
+
+        per_step = max(step, 1e-9)
+        x = interval / per_step
+        if clamp in _FLOORS:
+            steps = math.ceil(x * (1 - 1e-12))
+        elif clamp == _CEILING:
+            steps = math.floor(x * (1 + 1e-12))
+        else:
+            steps = round(x)
+        steps = max(1, int(steps))
+
+        info.update(
+            young_interval_s=math.sqrt(2.0 * cost * mtbf),
+            daly_interval_s=raw,
+            bounds_s=bounds,
+            clamps_applied=applied,
+            clamp=clamp,
+            interval_s=interval,
+            interval_steps=steps,
+            expected_overhead=cost / interval if interval > 0 else math.inf,
+            expected_waste_fraction=_waste(interval, cost, mtbf) if interval > 0 else 1.0,
+        )
+        return info
+
+    def interval_seconds(self) -> float:
+        """The interval (seconds of compute between saves) the current measurements call for: the
+        Daly optimum for (median blocking cost, MTBF), then clamped by ``max_overhead``,
+        ``min_interval_s``, ``max_interval_s`` and the persist time, in that order. During warm-up,
+        ``warmup_steps`` times the median step time (NaN before any step is observed)."""
+        return float(self._compute()["interval_s"])
+
+    def _hard_step_bounds(self, info: Mapping[str, Any]) -> tuple[int, int | None]:
+        per_step = max(info["step_time_s"] or 0.0, 1e-9)
+        b = info["bounds_s"]
+        lo_s = max(b.get("persist", 0.0), b.get("min_interval_s", 0.0))
+        lo = max(1, math.ceil(lo_s / per_step * (1 - 1e-12)))
+        hi = None
+        if "max_interval_s" in b:
+            hi = max(1, math.floor(b["max_interval_s"] / per_step * (1 + 1e-12)))
+        return lo, hi
+
+    def interval_steps(self) -> int:
+        """Decide: the number of steps between saves, >= 1 (``round(interval_seconds() / median
+        step time)``, rounding towards the binding clamp). Latches the decision (see
+        :meth:`should_save`), bumping :attr:`version` if it changed; a new value within
+        ``change_tolerance`` of the current one is not taken. On several ranks, rank 0 calls this
+        and broadcasts the result; the others call :meth:`adopt`."""
+        info = self._compute()
+        new = int(info["interval_steps"])
+        cur = self._decision
+        if cur is not None and new != cur and info["phase"] == "adaptive" and self._was_adaptive:
+            lo, hi = self._hard_step_bounds(info)
+            within = abs(new - cur) <= self.change_tolerance * cur
+            if within and cur >= lo and (hi is None or cur <= hi):
+                return cur
+        self._was_adaptive = info["phase"] == "adaptive"
+        self._set_decision(new)
+        return new
+
+    def _set_decision(self, steps: int) -> None:
+        if steps != self._decision:
+            self._decision = steps
+            self._version += 1
+
+    def adopt(self, steps: int) -> None:
+        """Take the decision made on rank 0 (received by broadcast) as this rank's decision."""
+        _opt_int("steps", steps, 1)
+        self._was_adaptive = self.ready
+        self._set_decision(steps)
+
+    @property
+    def current_steps(self) -> int | None:
+        """The latched decision (None before the first :meth:`interval_steps` or :meth:`adopt`)."""
+        return self._decision
+
+    @property
+    def version(self) -> int:
+        """Incremented every time the latched decision changes."""
+        return self._version
+
+    def decision_changed(self) -> bool:
+        """True if the decision changed since the last call of this method (then re-broadcast)."""
+        changed = self._version != self._seen_version
+        self._seen_version = self._version
+        return changed
+
+    def should_save(self, steps_since_save: int) -> bool:
+        """True when ``steps_since_save`` (steps since the last save, or since the start/restore)
+        reaches the latched decision. Deciding first if nothing is latched yet."""
+        n = self._decision if self._decision is not None else self.interval_steps()
+        return steps_since_save >= n
+
+    # ------------------------------------------------------------------ reporting
+
+    def explain(self) -> dict[str, Any]:
+        """Every input and intermediate of the current recommendation: measurements (medians of
+        step time, blocking cost, persist time), MTBF and its source, the Young and raw Daly
+        intervals, each clamp's bound and which applied, the final interval in seconds and steps,
+        and the latched decision with its version."""
+        info = self._compute()
+        info["max_overhead"] = self.max_overhead
+        info["decision_steps"] = self._decision
+        info["version"] = self._version
+        notes = []
+        if info["phase"] == "warmup":
+            notes.append(
+                f"warming up: the first save comes after {self.warmup_steps} steps and measures "
+                "the save cost"
+            )
+        if info["mtbf_source"] == "prior":
+            notes.append(
+                f"no failure observed yet: MTBF is the prior {self.prior_mtbf_hours:g} h "
+                "(plus any failure-free exposure)"
+            )
+        if info["clamp"] == "max_overhead":
+            daly_waste = expected_waste_fraction(
+                max(info["daly_interval_s"], 1e-9), info["blocking_cost_s"], info["mtbf_s"]
+            )
+            notes.append(
+                f"max_overhead={self.max_overhead:g} lengthens the interval beyond the goodput "
+                f"optimum: expected waste {100 * info['expected_waste_fraction']:.2f}% instead of "
+                f"{100 * daly_waste:.2f}% (pass max_overhead=None to optimise goodput only)"
+            )
+        info["notes"] = notes
+        return info
+
+    def describe(self) -> str:
+        """One line for logs."""
+        i = self.explain()
+        if i["phase"] == "warmup":
+            return (
+                f"adaptive checkpointing: warming up ({i['steps_observed']}/{self.warmup_steps} "
+                f"steps, {i['saves_observed']} save(s) measured); saving every "
+                f"{self.warmup_steps} steps until a save has been measured"
+            )
+        src = {
+            "user": "given",
+            "learned": f"learned from {i['failures_observed']} failure(s)",
+            "prior": "prior, no failure observed yet",
+        }[i["mtbf_source"]]
+        clamp = "no clamp" if i["clamp"] is None else f"clamped by {i['clamp']}"
+        persist = "" if i["persist_s"] is None else f", persist {i['persist_s']:.3g} s"
+        return (
+            f"adaptive checkpointing: every {i['interval_steps']} steps ({i['interval_s']:.4g} s) "
+            f"= Daly {i['daly_interval_s']:.4g} s for save cost {i['blocking_cost_s']:.3g} s, "
+            f"MTBF {i['mtbf_s'] / HOUR:.3g} h ({src}), step {i['step_time_s']:.3g} s{persist}; "
+            f"{clamp}; expected overhead {100 * i['expected_overhead']:.2f}%"
+        )
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    # ------------------------------------------------------------------ persistence
+
+    def state_dict(self) -> dict[str, Any]:
+        """The measurements and the decision, JSON-serialisable, to store in a checkpoint so that
+        a resumed run needs no new warm-up and every rank starts from the same decision. The
+        restart history is not included: it lives in the checkpoint directory."""
+        return {
+            "format": _STATE_FORMAT,
+            "steps": list(self._steps),
+            "n_steps": self._n_steps,
+            "costs": list(self._costs),
+            "persists": list(self._persists),
+            "n_saves": self._n_saves,
+            "decision": self._decision,
+            "adaptive": self._was_adaptive,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (windows are truncated to this config's)."""
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            raise ConfigError(
+                f"not an AdaptiveSchedule state (format {_STATE_FORMAT} expected): {state!r:.200}"
+            )
+        try:
+            steps = _durations("steps", state["steps"])
+            costs = _durations("costs", state["costs"])
+            persists = _durations("persists", state["persists"])
+            n_steps, n_saves = int(state["n_steps"]), int(state["n_saves"])
+            decision = state["decision"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"corrupt AdaptiveSchedule state: {e}") from None
+        self._steps = deque(steps, maxlen=self.step_window)
+        self._costs = deque(costs, maxlen=self.save_window)
+        self._persists = deque(persists, maxlen=self.save_window)
+        self._n_steps, self._n_saves = n_steps, n_saves
+        self._was_adaptive = bool(state.get("adaptive", False))
+        if decision is not None:
+            _opt_int("decision", decision, 1)
+            self._set_decision(decision)
+
+
+def _durations(name: str, values: Iterable[Any]) -> list[float]:
+    out = [float(v) for v in values]
+    if not all(map(math.isfinite, out)) or (out and min(out) < 0):
+        raise ConfigError(f"{name}={out!r:.200}: durations must be finite and >= 0")
+    return out
+
+
+def _check_time(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name}={value!r}: must be a finite timestamp (time.time())")
+    return float(value)
+
+
+# --------------------------------------------------------------------------- loss jumps
+
+
+@dataclass(kw_only=True)
+class LossJumpTrigger:
+    """Optional extra trigger: says when to save because the loss jumped or became non-finite.
+
+    :meth:`observe` returns True when a finite loss exceeds the running median of the last
+    ``window`` finite losses by more than ``threshold`` times that median's magnitude
+    (``loss - med > threshold * |med|``), or when the loss is non-finite after finite ones. Nothing
+    triggers before ``min_history`` finite losses have been seen. It triggers once per excursion:
+    it re-arms when a loss within the threshold (for non-finite: any finite loss) comes again. Jumped
+    losses still enter the window, so a lasting new level becomes the new normal.
+    """
+
+    threshold: float
+    window: int = 20
+    min_history: int = 5
+
+    _history: deque[float] = field(init=False, repr=False, compare=False)
+    _armed: bool = field(init=False, repr=False, compare=False, default=True)
+    _nonfinite_armed: bool = field(init=False, repr=False, compare=False, default=True)
+    last_reason: str | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.threshold, bool)
+            or not isinstance(self.threshold, (int, float))
+            or not math.isfinite(self.threshold)
+            or self.threshold <= 0
+        ):
+            raise ConfigError(
+                f"threshold={self.threshold!r}: must be a finite number > 0, the relative jump "
+                "over the running median that triggers a save (e.g. 0.5 for +50%)"
+            )
+        _opt_int("window", self.window, 1)
+        _opt_int("min_history", self.min_history, 1)
+        if self.min_history > self.window:
+            raise ConfigError(
+                f"min_history={self.min_history} > window={self.window}: the window could never "
+                "hold enough losses; lower min_history or raise window"
+            )
+        self._history = deque(maxlen=self.window)
+
+    def observe(self, loss: float) -> bool:
+        """Record one loss (a float, or anything ``float()`` accepts); True means save now, and
+        :attr:`last_reason` says why."""
+        x = float(loss)
+        if not math.isfinite(x):
+            fire = bool(self._history) and self._nonfinite_armed
+            self._nonfinite_armed = False
+            if fire:
+                self.last_reason = f"loss became non-finite ({x}) after finite values"
+            return fire
+        self._nonfinite_armed = True
+        fire = False
+        if len(self._history) >= self.min_history:
+            med = statistics.median(self._history)
+            jumped = x - med > self.threshold * max(abs(med), 1e-12)
+            if jumped and self._armed:
+                fire = True
+                self.last_reason = (
+                    f"loss {x:.6g} jumped above the median {med:.6g} of the last "
+                    f"{len(self._history)} by more than {self.threshold:g}x"
+                )
+            self._armed = not jumped
+        self._history.append(x)
+        return fire
+
+
+__all__ = [
+    "AdaptiveSchedule",
+    "LossJumpTrigger",
+    "daly_interval",
+    "expected_waste_fraction",
+    "optimal_interval",
+    "young_interval",
+]

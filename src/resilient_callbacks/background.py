@@ -1,0 +1,91 @@
+"""Persisting checkpoints in the background, bounded, with no error ever lost.
+
+A single worker thread runs persist jobs (write, checksum, commit, retention) in submission
+order, so commits keep their order and, with several ranks, every rank issues its background
+collectives in the same order. At most ``max_in_flight`` jobs are pending; the caller decides
+what to do when that many are (wait or skip). A job's exception is stored and re-raised by the
+next :meth:`raise_error` (called on the next save and on close). The thread is a daemon so a
+stuck filesystem cannot hang interpreter exit, and the Checkpointer flushes it at exit.
+
+Which ranks call what: every rank has its own persister and submits the same jobs in the same
+order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+Job = Callable[[], None]
+
+
+class BackgroundPersister:
+    def __init__(self, max_in_flight: int = 1) -> None:
+        self.max_in_flight = max_in_flight
+        self._q: queue.Queue[Job | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rc-persist", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException as e:  # kept for the training thread; first error wins
+                with self._cond:
+                    if self._error is None:
+                        self._error = e
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return self._pending
+
+    @property
+    def busy(self) -> bool:
+        return self.pending >= self.max_in_flight
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            self._pending += 1
+        self._q.put(job)
+
+    def wait_for_slot(self) -> float:
+        """Block until fewer than ``max_in_flight`` jobs are pending; return seconds waited."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while self._pending >= self.max_in_flight:
+                self._cond.wait()
+        return time.perf_counter() - t0
+
+    def wait_all(self, timeout: float | None = None) -> bool:
+        """Block until no job is pending; False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def raise_error(self) -> None:
+        with self._cond:
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def stop(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)

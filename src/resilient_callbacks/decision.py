@@ -1,0 +1,65 @@
+"""One decision for all ranks, without a collective at every step.
+
+Some save triggers differ between ranks: a preemption signal reaches ranks at different
+moments, wall clocks and measured step times differ. Ranks must still save at the same step.
+At *decision steps* every rank contributes its flags and integer proposals to one small
+``all_reduce(MAX)``; all ranks then act on the same result. Between decision steps nothing is
+exchanged: a condition raised there waits for the next decision step.
+
+The spacing between decision steps adapts so that the collective costs at most ``budget`` of
+the training time (default 0.1%), capped so that a signal waits at most ``max_delay_s``.
+
+Which ranks call what: every rank calls :meth:`Decider.decide` at every step, with the same
+step numbers. With a single process every step is a decision step and nothing is exchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+
+from . import dist
+
+
+class Decider:
+    def __init__(
+        self, *, budget: float = 1e-3, max_delay_s: float = 1.0, max_every: int = 100
+    ) -> None:
+        self.budget = budget
+        self.max_delay_s = max_delay_s
+        self.max_every = max_every
+        self.every = 1
+        self._next = 0
+        self._collective_s = 0.0
+
+    def is_decision_step(self, step: int) -> bool:
+        return dist.world_size() == 1 or step >= self._next
+
+    def decide(
+        self, step: int, values: Sequence[int], step_time_s: float | None
+    ) -> list[int] | None:
+        """``values``: this rank's non-negative ints (flags as 0/1, proposals). Returns the
+        element-wise maximum over ranks on a decision step, ``None`` otherwise."""
+        if dist.world_size() == 1:
+            return list(values)
+        if step < self._next:
+            return None
+        proposal = self._propose(step_time_s)
+        t0 = time.perf_counter()
+        t = torch.tensor([*values, proposal], dtype=torch.int64, device=dist._device())
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        self._collective_s = time.perf_counter() - t0
+        out = [int(x) for x in t.tolist()]
+        self.every = max(1, out[-1])
+        self._next = step + self.every
+        return out[:-1]
+
+    def _propose(self, step_time_s: float | None) -> int:
+        if not step_time_s or step_time_s <= 0 or not self._collective_s:
+            return 1
+        k = math.ceil(self._collective_s / (self.budget * step_time_s))
+        k = min(k, max(1, int(self.max_delay_s / step_time_s)), self.max_every)
+        return max(1, k)

@@ -1,0 +1,700 @@
+"""Preemption detection: real signals to real processes, and a real HTTP metadata server.
+
+Signals: ``preempt_child.py`` runs a step loop with a watcher; the tests send it SIGTERM,
+SIGUSR1 or SIGINT with os.kill and read what the loop saw at its step boundary. Forked children
+(like DataLoader workers) are checked to still die on SIGTERM. In-process tests use SIGUSR1 on
+the pytest process itself and restore every handler they touch.
+
+Metadata: an ``http.server`` on 127.0.0.1 (random free port) plays the AWS, GCP, Azure and
+custom endpoints; tests switch what it answers and wait, with deadlines, for the poller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import http.server
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from resilient_callbacks.errors import ConfigError
+from resilient_callbacks.preemption import (
+    DEFAULT_GRACE_S,
+    MetadataPoller,
+    PreemptionWatcher,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+CHILD = Path(__file__).with_name("preempt_child.py")
+PREEMPTED_EXIT = 42
+LOGGER = "resilient_callbacks.preemption"
+
+# Calls that must never happen inside the signal handler (compared with the last dotted part).
+FORBIDDEN_IN_HANDLER = {
+    "print",
+    "write",
+    "writelines",
+    "flush",
+    "open",
+    "acquire",
+    "release",
+    "emit",
+    "sleep",
+    "save",
+    "fsync",
+    "kill",
+    "signal",
+    "set",
+    "send",
+    "sendall",
+    "connect",
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def saved_handlers(*signums: int) -> Iterator[None]:
+    before = {s: signal.getsignal(s) for s in signums}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def start_child(*args: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, str(CHILD), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 15.0)
+    line = proc.stdout.readline() if ready else ""
+    if not line.startswith('{"event": "ready"'):
+        proc.kill()
+        raise AssertionError(f"child not ready: {line!r} {proc.communicate()[1]}")
+    return proc
+
+
+def finish_child(proc: subprocess.Popen[str]) -> tuple[int, dict[str, Any] | None, str]:
+    try:
+        code = proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = proc.stdout.read(), proc.stderr.read()
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    return code, (json.loads(lines[-1]) if lines else None), err
+
+
+# ----------------------------------------------------------------------------- real signals
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_is_noticed_at_a_step_boundary(sig: signal.Signals) -> None:
+    proc = start_child()
+    os.kill(proc.pid, sig)
+    code, msg, err = finish_child(proc)
+    assert code == PREEMPTED_EXIT, (code, msg, err)
+    assert msg is not None and msg["event"] == "preempted"
+    assert msg["source"] == sig.name and msg["signum"] == sig.value
+    assert msg["grace_s"] == DEFAULT_GRACE_S[sig.name]
+    assert msg["count"] == 1
+    assert not msg["torch_imported"]  # the module works without torch
+    assert err == "", err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_handler_does_no_io(sig: signal.Signals) -> None:
+    for _attempt in range(3):  # see preempt_child.py: a signal can rarely slip past the trace
+        proc = start_child("--trace-handler")
+        os.kill(proc.pid, sig)
+        code, msg, err = finish_child(proc)
+        assert code == PREEMPTED_EXIT and msg is not None, (code, msg, err)
+        assert msg["source"] == sig.name
+        calls = msg["handler_calls"]
+        if calls:
+            break
+    assert calls and calls[0].endswith("_on_signal"), calls
+    # The handler only recorded: no I/O, logging, locks, saving or sleeping inside it.
+    bad = [c for c in calls if c.rsplit(".", 1)[-1] in FORBIDDEN_IN_HANDLER]
+    assert not bad, f"the signal handler called {bad}; all calls: {calls}"
+
+
+def test_signal_not_in_the_list_keeps_its_default_action() -> None:
+    proc = start_child("--signals", "SIGTERM")
+    os.kill(proc.pid, signal.SIGUSR1)
+    code, msg, _ = finish_child(proc)
+    assert code == -signal.SIGUSR1, (code, msg)
+
+
+def test_sigint_is_not_handled_by_default() -> None:
+    proc = start_child()
+    os.kill(proc.pid, signal.SIGINT)
+    code, msg, err = finish_child(proc)
+    assert code == 130, (code, msg, err)
+    assert msg == {"event": "keyboardinterrupt", "requested": False}
+
+
+def test_sigint_is_handled_when_enabled() -> None:
+    proc = start_child("--handle-sigint")
+    os.kill(proc.pid, signal.SIGINT)
+    code, msg, err = finish_child(proc)
+    assert code == PREEMPTED_EXIT, (code, msg, err)
+    assert msg is not None and msg["source"] == "SIGINT"
+
+
+def test_in_process_signal_second_one_is_counted_not_retriggered() -> None:
+    with saved_handlers(signal.SIGTERM, signal.SIGUSR1), PreemptionWatcher() as w:
+        assert w.installed_signals == ("SIGTERM", "SIGUSR1")
+        assert not w.requested and w.request is None and w.count == 0
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert w.wait(5.0)
+        first = w.request
+        assert first is not None and first.source == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(lambda: w.count == 2, what="second signal counted")
+        assert w.request is first  # the first request stays; nothing re-triggered
+        assert w.trigger("manual", "again") is False
+        assert w.count == 3 and w.request is first
+        w.clear()
+        assert not w.requested and w.count == 0 and w.remaining_grace_s() is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert w.wait(5.0) and w.request is not None and w.request.source == "SIGTERM"
+    assert w.installed_signals == ()
+
+
+def test_uninstall_restores_previous_handlers_and_is_idempotent() -> None:
+    hits: list[int] = []
+
+    def previous(signum: int, frame: object) -> None:
+        hits.append(signum)
+
+    with saved_handlers(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(signal.SIGUSR1, previous)
+        term_before = signal.getsignal(signal.SIGTERM)
+        int_before = signal.getsignal(signal.SIGINT)
+        w = PreemptionWatcher(handle_sigint=True)
+        assert w.install() and w.install()  # a second install is a no-op
+        assert signal.getsignal(signal.SIGUSR1) is not previous
+        assert signal.getsignal(signal.SIGINT) is not int_before
+        w.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is previous
+        assert signal.getsignal(signal.SIGTERM) is term_before
+        assert signal.getsignal(signal.SIGINT) is int_before
+        w.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is previous
+        os.kill(os.getpid(), signal.SIGUSR1)
+        wait_for(lambda: hits == [signal.SIGUSR1], what="the previous handler to run")
+        assert not w.requested
+
+
+def test_out_of_order_uninstall_restores_the_original() -> None:
+    with saved_handlers(signal.SIGTERM, signal.SIGUSR1):
+        original = signal.getsignal(signal.SIGUSR1)
+        a, b = PreemptionWatcher(), PreemptionWatcher()
+        a.install()
+        b.install()
+        a.uninstall()  # b's handler is current: left in place
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert b.wait(5.0) and not a.requested
+        b.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is original
+
+
+def test_install_outside_main_thread_warns_and_installs_nothing() -> None:
+    w = PreemptionWatcher()
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            result["ok"] = w.install()
+            result["warnings"] = [str(r.message) for r in rec]
+
+    before = signal.getsignal(signal.SIGTERM)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert result["ok"] is False
+    assert any("main thread" in m for m in result["warnings"]), result
+    assert signal.getsignal(signal.SIGTERM) is before and w.installed_signals == ()
+    assert w.trigger("manual", "still works") and w.requested
+
+
+def _sleep_forever() -> None:
+    time.sleep(30)
+
+
+def test_forked_worker_dies_on_sigterm_and_leaves_the_parent_alone() -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    with saved_handlers(signal.SIGTERM, signal.SIGUSR1), PreemptionWatcher() as w:
+        p = ctx.Process(target=_sleep_forever, daemon=True)
+        p.start()
+        try:
+            os.kill(p.pid, signal.SIGTERM)
+            p.join(10)
+            assert p.exitcode == -signal.SIGTERM, p.exitcode
+        finally:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        assert not w.requested
+
+
+@pytest.mark.parametrize("previous", ["default", "callable"])
+def test_inherited_handler_in_a_foreign_process_acts_like_the_previous_one(previous: str) -> None:
+    """A child forked without Python's at-fork hooks keeps our handler: it must forward."""
+    with saved_handlers(signal.SIGTERM, signal.SIGUSR1):
+        if previous == "callable":
+            signal.signal(signal.SIGTERM, lambda s, f: os._exit(7))
+        w = PreemptionWatcher()
+        w.install()
+        handler = signal.getsignal(signal.SIGTERM)
+        r, wr = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: never return into pytest
+            try:
+                os.close(r)
+                signal.signal(signal.SIGTERM, handler)  # as if the at-fork hook had not run
+                os.write(wr, b"r")
+                time.sleep(30)
+            finally:
+                os._exit(3)
+        os.close(wr)
+        try:
+            assert select.select([r], [], [], 10)[0] and os.read(r, 1) == b"r"
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while (st := os.waitpid(pid, os.WNOHANG))[0] == 0:
+                assert time.monotonic() < deadline, "forked child survived SIGTERM"
+                time.sleep(0.005)
+            status = st[1]
+        finally:
+            os.close(r)
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        if previous == "default":
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        else:
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 7
+        assert not w.requested
+        w.uninstall()
+
+
+def test_trigger_is_thread_safe_and_first_wins() -> None:
+    w = PreemptionWatcher()  # not installed: trigger() alone
+    firsts: list[bool] = []
+    barrier = threading.Barrier(8)
+
+    def hammer(i: int) -> None:
+        barrier.wait()
+        firsts.extend(w.trigger("manual", f"t{i}") for _ in range(50))
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    assert w.wait(5.0)
+    for t in threads:
+        t.join()
+    assert w.count == 400 and firsts.count(True) == 1
+    assert w.request is not None and w.request.source == "manual"
+
+
+# ----------------------------------------------------------------------------- grace
+
+
+def test_grace_defaults_overrides_and_check() -> None:
+    w = PreemptionWatcher()
+    assert w.remaining_grace_s() is None and w.check_grace(1e6) is None
+    w.trigger("SIGTERM", "by hand")
+    req = w.request
+    assert req is not None and req.grace_s == 30.0
+    assert req.remaining_s(now=req.monotonic + 10) == pytest.approx(20.0)
+    assert req.remaining_s(now=req.monotonic + 99) == 0.0
+    assert w.check_grace(5.0) is None
+    msg = w.check_grace(45.0)
+    assert msg is not None and "SIGTERM" in msg and "45.0 s" in msg and "grace" in msg.lower()
+
+    w = PreemptionWatcher(grace_period_s={"SIGUSR1": 300, "manual": 10})
+    w.trigger("SIGUSR1")
+    assert w.request is not None and w.request.grace_s == 300
+    assert w.check_grace(250) is None
+    w.clear()
+    w.trigger()  # "manual"
+    assert w.request is not None and w.request.grace_s == 10
+    w.clear()
+    w.trigger("metadata:aws", "notice", grace_s=1.0)  # a notice's own deadline wins
+    assert w.check_grace(2.0) is not None
+
+    w = PreemptionWatcher(grace_period_s=5)
+    w.trigger("metadata:gcp")
+    assert w.request is not None and w.request.grace_s == 5
+
+    w = PreemptionWatcher()
+    w.trigger()  # manual: no known deadline
+    assert w.remaining_grace_s() is None and w.check_grace(1e6) is None
+
+
+# ----------------------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"signals": ["SIGKILL"]}, "cannot be caught"),
+        ({"signals": ["SIGNOPE"]}, "not a signal"),
+        ({"signals": "SIGTERM"}, "must be a list"),
+        ({"signals": [99999]}, "not a signal number"),
+        ({"handle_sigint": "yes"}, "True or False"),
+        ({"grace_period_s": -1}, "grace_period_s=-1"),
+        ({"grace_period_s": {"SIGTREM": 5}}, "unknown source 'SIGTREM'"),
+        ({"grace_period_s": {"SIGTERM": 0}}, "> 0"),
+        ({"grace_period_s": {"metadata:oracle": 5}}, "unknown source"),
+    ],
+)
+def test_watcher_config_errors(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        PreemptionWatcher(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"kind": "oracle"}, "'aws', 'gcp', 'azure', 'custom'"),
+        ({"kind": "custom"}, "needs url="),
+        ({"kind": "aws", "url": "ftp://127.0.0.1/x"}, "http:// or https://"),
+        ({"kind": "aws", "interval_s": 0}, "interval_s=0"),
+        ({"kind": "aws", "timeout_s": float("nan")}, "timeout_s=nan"),
+        ({"kind": "aws", "warn_after_failures": 0}, "warn_after_failures=0"),
+        ({"kind": "azure", "azure_event_types": ["Nope"]}, "Preempt, Terminate"),
+        ({"kind": "azure", "azure_event_types": "Preempt"}, "must be a list"),
+        ({"kind": "gcp", "gcp_maintenance": 1}, "True or False"),
+        ({"kind": "azure", "azure_vm_name": ""}, "VM name or None"),
+    ],
+)
+def test_poller_config_errors(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        MetadataPoller(PreemptionWatcher(), **kwargs)
+
+
+def test_other_invalid_arguments() -> None:
+    with pytest.raises(ConfigError, match="must be a PreemptionWatcher"):
+        MetadataPoller(None, kind="aws")  # type: ignore[arg-type]
+    w = PreemptionWatcher()
+    with pytest.raises(ConfigError, match="non-empty string"):
+        w.trigger("")
+    with pytest.raises(ConfigError, match="grace_s=-1"):
+        w.trigger("manual", grace_s=-1)
+    with pytest.raises(ConfigError, match="estimated_save_s"):
+        w.check_grace(-3)
+
+
+# ----------------------------------------------------------------------------- metadata server
+
+Response = tuple[int, bytes]
+
+
+class FakeMetadata:
+    """A metadata endpoint on 127.0.0.1: ``routes[(method, path)]`` is a response or a function
+    of the request headers (names lower-cased) returning one; anything else is a 404."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.routes: dict[tuple[str, str], Response | Callable[[dict[str, str]], Response]] = {}
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _serve(self) -> None:
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                fake.requests.append((self.command, self.path, headers))
+                route = fake.routes.get((self.command, self.path), (404, b""))
+                status, body = route(headers) if callable(route) else route
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_PUT = _serve
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+        self._thread.start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def count(self, method: str = "GET") -> int:
+        return sum(1 for m, _, _ in self.requests if m == method)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server() -> Iterator[FakeMetadata]:
+    s = FakeMetadata()
+    yield s
+    s.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+AWS_PATH = "/latest/meta-data/spot/instance-action"
+GCP_PATH = "/computeMetadata/v1/instance/preempted"
+AZURE_PATH = "/metadata/scheduledevents?api-version=2020-07-01"
+TOKEN = "tok-123"
+
+
+def need_header(name: str, value: str, resp: Response) -> Callable[..., Response]:
+    return lambda h: (
+        resp if h.get(name.lower()) == value else (401 if name.startswith("X-") else 400, b"")
+    )
+
+
+def aws_notice() -> Response:
+    when = (datetime.now(UTC) + timedelta(seconds=120)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return 200, json.dumps({"action": "terminate", "time": when}).encode()
+
+
+def azure_events(*events: dict[str, Any]) -> Response:
+    return 200, json.dumps({"DocumentIncarnation": 1, "Events": list(events)}).encode()
+
+
+def azure_event(kind: str = "Preempt", vm: str = "vm1", in_s: float = 45) -> dict[str, Any]:
+    nb = email.utils.formatdate(time.time() + in_s, usegmt=True)
+    return {
+        "EventId": f"E-{kind}-{vm}",
+        "EventType": kind,
+        "ResourceType": "VirtualMachine",
+        "Resources": [vm],
+        "EventStatus": "Scheduled",
+        "NotBefore": nb,
+    }
+
+
+def aws_token_route(server: FakeMetadata) -> None:
+    ttl = "X-aws-ec2-metadata-token-ttl-seconds"
+    server.routes[("PUT", "/latest/api/token")] = lambda h: (
+        (200, TOKEN.encode()) if h.get(ttl.lower()) else (400, b"")
+    )
+
+
+def route_aws(s: FakeMetadata, notice: bool) -> None:
+    aws_token_route(s)
+    resp = aws_notice() if notice else (404, b"")
+    s.routes[("GET", AWS_PATH)] = need_header("X-aws-ec2-metadata-token", TOKEN, resp)
+
+
+def route_gcp(s: FakeMetadata, notice: bool) -> None:
+    resp = (200, b"TRUE" if notice else b"FALSE")
+    s.routes[("GET", GCP_PATH)] = need_header("Metadata-Flavor", "Google", resp)
+
+
+def route_azure(s: FakeMetadata, notice: bool) -> None:
+    resp = azure_events(azure_event("Preempt")) if notice else azure_events()
+    s.routes[("GET", AZURE_PATH)] = need_header("Metadata", "true", resp)
+
+
+def route_custom(s: FakeMetadata, notice: bool) -> None:
+    s.routes[("GET", "/notice")] = (200, b"drain: node upgrade" if notice else b"  \n")
+
+
+# kind -> (path, set the routes (notice or not), expected detail, expected grace_s range)
+KINDS: dict[str, tuple[str, Callable[[FakeMetadata, bool], None], str, tuple[float, float]]] = {
+    "aws": (AWS_PATH, route_aws, "action=terminate", (100.0, 120.5)),
+    "gcp": (GCP_PATH, route_gcp, "preempted=TRUE", (30.0, 30.0)),
+    "azure": (AZURE_PATH, route_azure, "Preempt Scheduled", (40.0, 45.5)),
+    "custom": ("/notice", route_custom, "drain: node upgrade", (0.0, 0.0)),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_poller_no_notice_then_notice(kind: str, server: FakeMetadata) -> None:
+    path, route, detail, (lo, hi) = KINDS[kind]
+    route(server, False)
+    w = PreemptionWatcher()
+    with MetadataPoller(w, kind=kind, url=server.url(path), interval_s=0.05) as poller:
+        wait_for(lambda: poller.polls >= 3, what="three polls")
+        assert not w.requested
+        assert poller.consecutive_failures == 0, "the quiet answers must not count as failures"
+        route(server, True)
+        t0 = time.monotonic()
+        assert w.wait(5.0), "the notice was not noticed"
+        elapsed = time.monotonic() - t0
+        req = w.request
+        assert req is not None and req.source == f"metadata:{kind}"
+        assert detail in req.detail
+        if kind == "custom":
+            assert req.grace_s is None
+        else:
+            assert req.grace_s is not None and lo <= req.grace_s <= hi, req.grace_s
+        n = poller.polls
+        wait_for(lambda: poller.polls >= n + 3, what="more polls")
+        assert w.count == 1, "a standing notice must trigger once"
+    assert not poller.running
+    # ~2 intervals normally; loose bound for a loaded 2-core machine.
+    assert elapsed < 2.0, elapsed
+
+
+def test_aws_imdsv2_token_is_fetched_once_and_sent(server: FakeMetadata) -> None:
+    route_aws(server, False)
+    w = PreemptionWatcher()
+    with MetadataPoller(w, kind="aws", url=server.url(AWS_PATH), interval_s=0.05) as poller:
+        wait_for(lambda: poller.polls >= 4, what="four polls")
+    puts = [r for r in server.requests if r[0] == "PUT"]
+    gets = [r for r in server.requests if r[0] == "GET"]
+    assert len(puts) == 1 and puts[0][1] == "/latest/api/token"
+    assert puts[0][2]["x-aws-ec2-metadata-token-ttl-seconds"] == "21600"
+    assert gets and all(h.get("x-aws-ec2-metadata-token") == TOKEN for _, _, h in gets)
+    assert poller.consecutive_failures == 0 and not w.requested
+
+
+def test_aws_falls_back_to_imdsv1_when_the_token_put_fails(server: FakeMetadata) -> None:
+    server.routes[("PUT", "/latest/api/token")] = (405, b"")
+    server.routes[("GET", AWS_PATH)] = (404, b"")
+    w = PreemptionWatcher()
+    with MetadataPoller(w, kind="aws", url=server.url(AWS_PATH), interval_s=0.05) as poller:
+        wait_for(lambda: poller.polls >= 2, what="two polls")
+        assert not w.requested and poller.consecutive_failures == 0
+        server.routes[("GET", AWS_PATH)] = aws_notice()
+        assert w.wait(5.0)
+    assert w.request is not None and "action=terminate" in w.request.detail
+    assert all("x-aws-ec2-metadata-token" not in h for m, _, h in server.requests if m == "GET")
+
+
+def test_aws_rejected_token_is_refreshed(server: FakeMetadata) -> None:
+    tokens = iter(["old", TOKEN, TOKEN, TOKEN])
+    server.routes[("PUT", "/latest/api/token")] = lambda h: (200, next(tokens).encode())
+    server.routes[("GET", AWS_PATH)] = need_header("X-aws-ec2-metadata-token", TOKEN, (404, b""))
+    w = PreemptionWatcher()
+    with MetadataPoller(w, kind="aws", url=server.url(AWS_PATH), interval_s=0.05) as poller:
+        wait_for(lambda: poller.polls >= 3, what="three polls")
+        wait_for(lambda: poller.consecutive_failures == 0, what="a good poll")
+    assert server.count("PUT") == 2 and not w.requested
+
+
+def test_gcp_maintenance_event_is_optional(server: FakeMetadata) -> None:
+    route_gcp(server, False)
+    maint = "/computeMetadata/v1/instance/maintenance-event"
+    server.routes[("GET", maint)] = need_header(
+        "Metadata-Flavor", "Google", (200, b"TERMINATE_ON_HOST_MAINTENANCE")
+    )
+    off = PreemptionWatcher()
+    with MetadataPoller(off, kind="gcp", url=server.url(GCP_PATH), interval_s=0.05) as poller:
+        wait_for(lambda: poller.polls >= 3, what="three polls")
+    assert not off.requested and all(p != maint for _, p, _ in server.requests)
+    on = PreemptionWatcher()
+    with MetadataPoller(
+        on, kind="gcp", url=server.url(GCP_PATH), interval_s=0.05, gcp_maintenance=True
+    ):
+        assert on.wait(5.0)
+    assert on.request is not None
+    assert on.request.detail == "maintenance-event=TERMINATE_ON_HOST_MAINTENANCE"
+
+
+def test_azure_ignores_other_event_types_and_other_vms(server: FakeMetadata) -> None:
+    server.routes[("GET", AZURE_PATH)] = azure_events(
+        azure_event("Reboot", "vm1"), azure_event("Preempt", "vm2")
+    )
+    w = PreemptionWatcher()
+    url = server.url(AZURE_PATH)
+    with MetadataPoller(w, kind="azure", url=url, interval_s=0.05, azure_vm_name="vm1") as p:
+        wait_for(lambda: p.polls >= 3, what="three polls")
+        assert not w.requested and p.consecutive_failures == 0
+        server.routes[("GET", AZURE_PATH)] = azure_events(
+            azure_event("Preempt", "vm2"), azure_event("Terminate", "vm1", in_s=300)
+        )
+        assert w.wait(5.0)
+    assert w.request is not None and "Terminate" in w.request.detail
+    assert w.request.grace_s is not None and 290 <= w.request.grace_s <= 300.5
+
+
+def test_server_down_one_warning_then_recovers(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    port = free_port()
+    w = PreemptionWatcher()
+    url = f"http://127.0.0.1:{port}/notice"
+    with MetadataPoller(w, kind="custom", url=url, interval_s=0.05, warn_after_failures=3) as p:
+        wait_for(lambda: p.consecutive_failures >= 8, what="eight failed polls")
+        assert not w.requested
+        warns = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+        assert len(warns) == 1, [r.getMessage() for r in warns]
+        assert "cannot read the custom preemption notice endpoint" in warns[0].getMessage()
+        assert any(r.levelno == logging.DEBUG for r in caplog.records if r.name == LOGGER)
+        s = FakeMetadata(port)  # the endpoint comes back, with a notice
+        try:
+            s.routes[("GET", "/notice")] = (200, b"spot reclaim")
+            assert w.wait(5.0)
+        finally:
+            s.close()
+    assert w.request is not None and w.request.detail == "spot reclaim"
+    assert any("reachable again" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_answers_are_failures_not_notices(server: FakeMetadata) -> None:
+    server.routes[("PUT", "/latest/api/token")] = (200, TOKEN.encode())
+    server.routes[("GET", AWS_PATH)] = (200, b"<html>captive portal</html>")
+    w = PreemptionWatcher()
+    with MetadataPoller(w, kind="aws", url=server.url(AWS_PATH), interval_s=0.05) as p:
+        wait_for(lambda: p.consecutive_failures >= 3, what="three failed polls")
+        server.routes[("GET", AWS_PATH)] = (500, b"")
+        n = p.polls
+        wait_for(lambda: p.polls >= n + 2, what="two more polls")
+        assert p.consecutive_failures >= 5 and p.running
+    assert not w.requested
+
+
+def test_stop_is_prompt_with_a_long_interval(server: FakeMetadata) -> None:
+    server.routes[("GET", "/notice")] = (404, b"")
+    p = MetadataPoller(
+        PreemptionWatcher(), kind="custom", url=server.url("/notice"), interval_s=60
+    ).start()
+    wait_for(lambda: p.polls >= 1, what="the first poll")
+    t0 = time.monotonic()
+    p.stop()
+    assert time.monotonic() - t0 < 1.0 and not p.running
+    p.stop()  # idempotent
