@@ -32,6 +32,12 @@ CORE_MODULES = [
     "data",
     "layout",
     "dist",
+    "snapshot",
+    "background",
+    "decision",
+    "history",
+    "adaptive",
+    "preemption",
 ]
 
 _PROBE = r"""

@@ -45,6 +45,11 @@ export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIG
 export TORCHELASTIC_SIGNALS_TO_HANDLE="$PET_SIGNALS_TO_HANDLE"
 export PET_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"
+# Since torch 2.5 the workers share the agent's rendezvous TCPStore, and it outlives a restart:
+# the restarted workers can read the previous attempt's process-group keys and dial ports of
+# dead workers, so init_process_group hangs until its timeout (seen here in 3 of 6 restarts with
+# torch 2.13; pytorch/pytorch#135712). A store per attempt (the pre-2.5 behaviour) avoids it.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 child=""
 signalled=""

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .checkpointer import Checkpointer, SaveStats
+from .adaptive import AdaptiveSchedule, LossJumpTrigger
+from .checkpointer import RESUMABLE_EXIT_CODE, Checkpointer, SaveStats
 from .data import ResumableDataLoader, ResumableSampler
 from .errors import (
     CheckpointCorruptError,
@@ -35,9 +36,12 @@ from .errors import (
     UnsafeManifestError,
     UnsupportedStateError,
 )
+from .preemption import MetadataPoller, PreemptionRequest, PreemptionWatcher
 from .structure import PerRank
 
 __all__ = [
+    "RESUMABLE_EXIT_CODE",
+    "AdaptiveSchedule",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointLockedError",
@@ -47,8 +51,12 @@ __all__ = [
     "Checkpointer",
     "ConfigError",
     "ForeignCheckpointsWarning",
+    "LossJumpTrigger",
+    "MetadataPoller",
     "NoValidCheckpointError",
     "PerRank",
+    "PreemptionRequest",
+    "PreemptionWatcher",
     "ResumableDataLoader",
     "ResumableSampler",
     "ResumeFallbackWarning",

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 import uuid
 import warnings
@@ -30,10 +31,12 @@ import torch
 import xxhash
 
 from . import catalog, dist, history, layout, rng, structure
+from .adaptive import LossJumpTrigger
 from .background import BackgroundPersister
 from .catalog import Depth, Entry, Status
 from .commit import RenameCommit, remove_checkpoint, sweep_staging, write_latest_pointer
 from .config import CheckpointerConfig, ResumeMode
+from .decision import Decider
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -48,11 +51,14 @@ from .errors import (
 from .lock import DirLock
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest, versions
 from .policy import Clock
+from .preemption import MetadataPoller, PreemptionWatcher
 from .retention import Candidate, plan
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import write_json
 
 log = logging.getLogger("resilient_callbacks")
+
+RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, retry": checkpoint saved, restart me
 
 
 @dataclass
@@ -121,6 +127,20 @@ class Checkpointer:
         max_in_flight: int = 1,
         if_busy: str = "wait",
         overlap_snapshot: bool = False,
+        adaptive: bool = False,
+        mtbf_hours: float | None = None,
+        max_overhead: float | None = 0.01,
+        min_interval: float | None = None,
+        max_interval: float | None = None,
+        loss_jump: float | None = None,
+        loss_key: str = "loss",
+        preemption: bool = True,
+        signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
+        handle_sigint: bool = False,
+        grace_period: float | None = None,
+        exit_on_preemption: bool = True,
+        preemption_exit_code: int = RESUMABLE_EXIT_CODE,
+        metadata_notices: str | Mapping[str, Any] | None = None,
     ) -> None:
         self.config = CheckpointerConfig(
             dirpath=dirpath,  # type: ignore[arg-type]
@@ -137,6 +157,20 @@ class Checkpointer:
             max_in_flight=max_in_flight,
             if_busy=if_busy,
             overlap_snapshot=overlap_snapshot,
+            adaptive=adaptive,
+            mtbf_hours=mtbf_hours,
+            max_overhead=max_overhead,
+            min_interval=min_interval,
+            max_interval=max_interval,
+            loss_jump=loss_jump,
+            loss_key=loss_key,
+            preemption=preemption,
+            signals=tuple(signals),
+            handle_sigint=handle_sigint,
+            grace_period=grace_period,
+            exit_on_preemption=exit_on_preemption,
+            preemption_exit_code=preemption_exit_code,
+            metadata_notices=metadata_notices,
         )
         self.dirpath: str = self.config.dirpath
         self.policy = self.config.save_policy()
@@ -165,7 +199,32 @@ class Checkpointer:
         self._hooked: dict[int, Any] = {}
         self._persister: BackgroundPersister | None = None
         self._group: Any = None
+        self.preempted = False
+        self._decider = Decider()
+        self._pending_jump = False
+        self._last_step_end: float | None = None
+        self._step_seconds: deque[float] = deque(maxlen=50)
+        self._save_seconds: deque[float] = deque(maxlen=9)
+        self._persist_seconds: deque[float] = deque(maxlen=9)
+        self._steps_origin = 0  # step of the last save or restore: adaptive counts from there
+        self.schedule = self.config.adaptive_schedule()
+        self._loss_trigger = (
+            LossJumpTrigger(threshold=self.config.loss_jump) if self.config.loss_jump else None
+        )
+        self.watcher: PreemptionWatcher | None = None
+        self._poller: MetadataPoller | None = None
         self._open()
+        if self.config.preemption:
+            self.watcher = PreemptionWatcher(
+                signals=self.config.signals,
+                handle_sigint=self.config.handle_sigint,
+                grace_period_s=self.config.grace_period,
+            )
+            self.watcher.install()
+            if self.config.metadata_notices is not None:
+                opts = self.config.metadata_notices
+                opts = {"kind": opts} if isinstance(opts, str) else dict(opts)
+                self._poller = MetadataPoller(self.watcher, **opts).start()
         if self.config.async_save:
             self._group = dist.new_cpu_group()
             self._persister = BackgroundPersister(self.config.max_in_flight)
@@ -237,6 +296,10 @@ class Checkpointer:
             for handle in self._hooked.values():
                 handle.remove()
             self._hooked.clear()
+            if self._poller is not None:
+                self._poller.stop()
+            if self.watcher is not None:
+                self.watcher.uninstall()
             self._lock.release()
 
     def __enter__(self) -> Checkpointer:
@@ -261,24 +324,109 @@ class Checkpointer:
 
     def step(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> bool:
         """Call once per training step with the number of completed steps; saves when the
-        policy says so. Returns True if it saved."""
+        policy says so. Returns True if it saved.
+
+        On a preemption request (SIGTERM, SIGUSR1, a cloud notice) it makes an emergency save
+        of this step and, with ``exit_on_preemption`` (default), exits the process with
+        ``preemption_exit_code`` (75); otherwise it returns and sets :attr:`preempted`."""
         self._check_open()
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            compute = now - self._last_step_end  # time outside step(): the training step
+            self._step_seconds.append(compute)
+            if self.schedule is not None:
+                self.schedule.observe_step(compute)
+        try:
+            return self._step(step, state, metrics)
+        finally:
+            self._last_step_end = time.perf_counter()
+
+    def _step(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> bool:
         reason = self.policy.due_by_step(step)
-        if reason is None and self.policy.every_seconds:
-            due = self._clock.elapsed() >= self.policy.every_seconds
-            if self.world_size > 1 and self.policy.every_seconds:
-                due = bool(dist.broadcast_json(due))  # rank 0's clock decides for everyone
-            if due:
-                reason = f"every_seconds={self.policy.every_seconds:g}"
+        preempt = self.watcher is not None and self.watcher.requested
+        time_due = bool(
+            self.policy.every_seconds and self._clock.elapsed() >= self.policy.every_seconds
+        )
+        loss = metrics.get(self.config.loss_key) if metrics else None
+        if (
+            self._loss_trigger is not None
+            and loss is not None
+            and self._loss_trigger.observe(float(loss))
+        ):
+            self._pending_jump = True
+        proposal = self.schedule.interval_steps() if self.schedule is not None else 0
+        step_time = statistics.median(self._step_seconds) if self._step_seconds else None
+        # Conditions that differ between ranks are agreed on at decision steps (one small
+        # all_reduce); between them nothing is exchanged and those conditions wait.
+        decided = self._decider.decide(
+            step, [int(preempt), int(time_due), int(self._pending_jump), proposal], step_time
+        )
+        if decided is None:
+            preempt = time_due = jump = False
+        else:
+            preempt, time_due, jump = bool(decided[0]), bool(decided[1]), bool(decided[2])
+            self._pending_jump = False
+            if self.schedule is not None and self.world_size > 1:
+                self.schedule.adopt(decided[3])
+        if preempt:
+            return self._emergency(step, state, metrics)
+        if reason is None and time_due:
+            reason = f"every_seconds={self.policy.every_seconds:g}"
+        if reason is None and jump:
+            reason = f"loss jump ({self._loss_trigger.last_reason if self._loss_trigger else ''})"
+        if (
+            reason is None
+            and self.schedule is not None
+            and (decided is not None or self.world_size == 1)
+            and self.schedule.should_save(step - self._steps_origin)
+        ):
+            reason = f"adaptive: {self.schedule.describe()}"
         if reason is None:
-            if not self.policy.has_trigger and not self._warned_no_trigger:
+            if (
+                not self.policy.has_trigger
+                and self.schedule is None
+                and not self._warned_no_trigger
+            ):
                 self._warned_no_trigger = True
                 log.warning(
                     "Checkpointer.step() called but no trigger is configured "
-                    "(every_n_steps / every_seconds); only save() will write checkpoints"
+                    "(every_n_steps / every_seconds / adaptive); only save() will write checkpoints"
                 )
             return False
         return self._save(step, state, metrics, "periodic", why=reason)
+
+    def _emergency(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> bool:
+        """Preemption: flush background saves, save this step synchronously, then stop."""
+        req = self.watcher.request if self.watcher is not None else None
+        source = req.source if req is not None else "request"
+        if self.watcher is not None:
+            estimate = max(self._save_seconds, default=0.0)
+            warning = self.watcher.check_grace(estimate) if estimate else None
+            if warning:
+                log.warning(warning)
+        log.warning("preemption (%s): saving step %d before stopping", source, step)
+        self._wait_background()
+        saved = self._save(step, state, metrics, "emergency", why=f"preemption ({source})")
+        self.preempted = True
+        if self.config.exit_on_preemption:
+            log.warning(
+                "checkpoint of step %d committed; exiting with code %d so the scheduler "
+                "restarts the job, which resumes from it",
+                step,
+                self.config.preemption_exit_code,
+            )
+            self.close()
+            raise SystemExit(self.config.preemption_exit_code)
+        return saved
+
+    def emergency_save(
+        self, step: int, state: Any, metrics: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Flush background saves and save ``step`` synchronously (fastest complete path), for
+        callers that detect a failure themselves. Every rank must call it."""
+        self._check_open()
+        self._wait_background()
+        return self._save(step, state, metrics, "emergency", why="emergency_save()")
 
     def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> bool:
         """Save now. Returns False (and writes nothing) if the last checkpoint this Checkpointer
@@ -357,13 +505,23 @@ class Checkpointer:
                 raise _prepare_error(local_exc, step, self.rank, self.dirpath)
             self._persister.submit(job)
             self.last_saved_step = step
+            self._steps_origin = step
             self._clock.reset()
             blocking = time.perf_counter() - t0
             self.blocking_seconds.append(blocking)
+            self._observe_save(blocking)
             log.debug("step %d: snapshot took %.3f s; persisting in the background", step, blocking)
             return True
         job()
+        self._steps_origin = step
+        self._observe_save(time.perf_counter() - t0)
         return True
+
+    def _observe_save(self, blocking: float) -> None:
+        self._save_seconds.append(blocking)
+        if self.schedule is not None:
+            persist = statistics.median(self._persist_seconds) if self._persist_seconds else None
+            self.schedule.observe_save(blocking, persist)
 
     def _record(self, event: str, step: int) -> None:
         """Append to the directory's run history (coordinator only)."""
@@ -536,6 +694,8 @@ class Checkpointer:
             self.last_saved_step = step
             self._clock.reset()
         elapsed = time.perf_counter() - t0
+        if background:
+            self._persist_seconds.append(elapsed)
         size = sum(f["size"] for r in reports for f in r["files"])
         self.last_save = SaveStats(step, outcome["path"], size, elapsed, reason)
         self.committed_saves += 1
@@ -573,6 +733,7 @@ class Checkpointer:
             fingerprint=prepared.fingerprint if prepared else "",
             retention=self.retention.to_json(),
             versions=versions(),
+            extra={"schedule": self.schedule.state_dict()} if self.schedule is not None else {},
         )
         missing = [
             f.path for f in manifest.files if not os.path.exists(os.path.join(staging_dir, f.path))
@@ -760,10 +921,24 @@ class Checkpointer:
         self.last_saved_step = manifest.step if inside else None
         self.restored_from = path
         self._clock.reset()
+        self._steps_origin = manifest.step
+        if self.schedule is not None:
+            saved_schedule = manifest.extra.get("schedule")
+            if inside and isinstance(saved_schedule, dict):
+                try:
+                    self.schedule.load_state_dict(saved_schedule)
+                except Exception as e:  # measurements only: start measuring afresh
+                    log.warning("could not restore the adaptive schedule's measurements: %s", e)
         if self.is_coordinator and inside:
             self._record("restart", manifest.step)  # a resume means the run stopped early
             self._checked_foreign = True
             self._report_foreign(catalog.scan(self.dirpath, Depth.NONE))
+        if self.schedule is not None:
+            events = history.read(self.dirpath) if self.is_coordinator else []
+            start, restarts = history.failures(events, self.run_id)
+            start, restarts = dist.broadcast_json([start, restarts])
+            if start is not None:
+                self.schedule.set_restart_history(restarts, start)
         if self.is_coordinator and inside and self.config.resume == ResumeMode.AUTO:
             # Catch up on a retention pass a crash interrupted (killed between commit and
             # deletion), so repeated crashes cannot pile up checkpoints beyond the limits.

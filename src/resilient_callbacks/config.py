@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from .adaptive import AdaptiveSchedule
 from .errors import ConfigError
 from .policy import SavePolicy
 from .retention import Mode, RetentionPolicy
@@ -33,6 +34,22 @@ class CheckpointerConfig:
     max_in_flight: int = 1
     if_busy: str = "wait"  # "wait" | "skip": a periodic save due while max_in_flight are pending
     overlap_snapshot: bool = False
+    adaptive: bool = False
+    mtbf_hours: float | None = None
+    max_overhead: float | None = 0.01
+    min_interval: float | None = None  # seconds
+    max_interval: float | None = None  # seconds
+    loss_jump: float | None = None
+    loss_key: str = "loss"
+    preemption: bool = True
+    signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    handle_sigint: bool = False
+    grace_period: float | None = None
+    exit_on_preemption: bool = True
+    preemption_exit_code: int = 75
+    metadata_notices: Any = (
+        None  # a kind ("aws", "gcp", "azure", "custom") or MetadataPoller options
+    )
 
     def __post_init__(self) -> None:
         d = os.fspath(self.dirpath) if isinstance(self.dirpath, os.PathLike) else self.dirpath
@@ -62,7 +79,15 @@ class CheckpointerConfig:
                 f"resume={r!r}: use 'auto' (default), 'never', a step number or the path of a "
                 "checkpoint directory"
             )
-        for flag in ("capture_rng", "async_save", "overlap_snapshot"):
+        for flag in (
+            "capture_rng",
+            "async_save",
+            "overlap_snapshot",
+            "adaptive",
+            "preemption",
+            "handle_sigint",
+            "exit_on_preemption",
+        ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag}={getattr(self, flag)!r}: must be True or False")
         if (
@@ -84,15 +109,53 @@ class CheckpointerConfig:
                 "overlap_snapshot=True needs async_save=True: the snapshot overlaps training "
                 "only when the write happens in the background"
             )
-        # Constructing these validates the save and retention options with their own messages.
+        adaptive_opts = ("mtbf_hours", "min_interval", "max_interval")
+        if not self.adaptive and any(getattr(self, k) is not None for k in adaptive_opts):
+            given = [k for k in adaptive_opts if getattr(self, k) is not None]
+            raise ConfigError(
+                f"{', '.join(given)} only apply to the adaptive schedule: pass adaptive=True "
+                "(or drop them)"
+            )
+        if self.loss_jump is not None and not (
+            isinstance(self.loss_jump, (int, float)) and self.loss_jump > 0
+        ):
+            raise ConfigError(
+                f"loss_jump={self.loss_jump!r}: a relative threshold > 0 (e.g. 0.5 saves when "
+                "the loss exceeds its recent median by 50%), or None"
+            )
+        if (
+            isinstance(self.preemption_exit_code, bool)
+            or not isinstance(self.preemption_exit_code, int)
+            or not 0 <= self.preemption_exit_code <= 255
+        ):
+            raise ConfigError(
+                f"preemption_exit_code={self.preemption_exit_code!r}: an exit status 0..255"
+            )
+        if self.metadata_notices is not None and not self.preemption:
+            raise ConfigError(
+                "metadata_notices needs preemption=True: a cloud notice triggers the same "
+                "emergency save as SIGTERM"
+            )
+        # Constructing these validates the options with their own messages.
         self.save_policy()
         self.retention_policy()
+        self.adaptive_schedule()
 
     def save_policy(self) -> SavePolicy:
         return SavePolicy(
             every_n_steps=self.every_n_steps,
             every_seconds=self.every_seconds,
             archive_every_n_steps=self.keep_every_n_steps,
+        )
+
+    def adaptive_schedule(self) -> AdaptiveSchedule | None:
+        if not self.adaptive:
+            return None
+        return AdaptiveSchedule(
+            mtbf_hours=self.mtbf_hours,
+            max_overhead=self.max_overhead,
+            min_interval_s=self.min_interval,
+            max_interval_s=self.max_interval,
         )
 
     def retention_policy(self) -> RetentionPolicy:

@@ -1,0 +1,92 @@
+"""The adaptive schedule wired into the Checkpointer: it measures step time and save cost,
+learns MTBF from the directory's restart history, and saves at the interval it explains."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer, ConfigError, history
+
+
+def _loop(ck: Checkpointer, state: dict, start: int, n: int, step_s: float) -> list[int]:
+    saved = []
+    for s in range(start + 1, start + n + 1):
+        time.sleep(step_s)  # "training"
+        with torch.no_grad():
+            state["w"].add_(1.0)
+        if ck.step(s, state):
+            saved.append(s)
+    return saved
+
+
+def test_adaptive_saves_at_the_interval_it_explains(tmp_path):
+    state = {"w": torch.zeros(1000)}
+    # Daly's interval for a ~1-10 ms save and a 0.001 h (3.6 s) MTBF is ~0.1-0.3 s: tens of steps
+    with Checkpointer(
+        tmp_path / "ck", adaptive=True, mtbf_hours=0.001, max_overhead=None, async_save=False
+    ) as ck:
+        ck.restore(state)
+        saved = _loop(ck, state, 0, 160, 0.005)
+        assert ck.schedule is not None
+        info = ck.schedule.explain()
+        steps = ck.schedule.interval_steps()
+    assert saved, "the adaptive schedule never saved"
+    assert saved[0] <= 25  # first save right after the warm-up, to measure the cost
+    gaps = [b - a for a, b in itertools.pairwise(saved)]
+    assert gaps and max(gaps) <= 3 * steps and min(gaps) >= max(1, steps // 3), (gaps, steps)
+    text = json.dumps(info)
+    for key in ("mtbf", "step", "cost"):
+        assert key in text, info
+    manifest = json.loads((tmp_path / "ck" / f"step_{saved[-1]:09d}" / "manifest.json").read_text())
+    assert "schedule" in manifest["extra"]
+
+
+def test_restarts_are_recorded_and_learned(tmp_path):
+    root = tmp_path / "ck"
+    state = {"w": torch.zeros(10)}
+    with Checkpointer(root, every_n_steps=5) as ck:
+        ck.restore(state)
+        _loop(ck, state, 0, 10, 0.0)
+    for _ in range(2):  # two "crashes" and resumes
+        with Checkpointer(root, every_n_steps=5, adaptive=True) as ck:
+            start = ck.restore(state)
+            assert start == 10
+    events = history.read(str(root))
+    assert [e.event for e in events] == ["start", "restart", "restart"]
+    with Checkpointer(root, adaptive=True) as ck:
+        ck.restore(state)
+        assert ck.schedule is not None
+        assert ck.schedule.failures_observed == 3
+        assert ck.schedule.mtbf_source() == "learned"
+
+
+def test_loss_jump_triggers_an_extra_save(tmp_path, caplog):
+    state = {"w": torch.zeros(4)}
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    with Checkpointer(tmp_path / "ck", every_n_steps=1000, loss_jump=0.5, async_save=False) as ck:
+        saved = [s for s in range(1, 30) if ck.step(s, state, metrics={"loss": 1.0})]
+        assert saved == []
+        assert ck.step(30, state, metrics={"loss": 5.0}) is True
+        assert ck.step(31, state, metrics={"loss": 5.1}) is False  # once per excursion
+    assert any("saved step 30 (loss jump" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"mtbf_hours": 4}, "adaptive=True"),
+        ({"loss_jump": -1}, "loss_jump"),
+        ({"preemption_exit_code": 300}, "exit status"),
+        ({"preemption": False, "metadata_notices": "aws"}, "preemption=True"),
+        ({"adaptive": True, "max_overhead": 2.0}, "max_overhead"),
+    ],
+)
+def test_invalid_policy_options(tmp_path, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        Checkpointer(tmp_path / "ck", **kw)

@@ -1,0 +1,238 @@
+"""Preemption end to end: a real signal to a real training process, an emergency checkpoint at
+the next step boundary, exit code 75, and an exact resume; also cloud notices and two ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from resilient_callbacks import Checkpointer, catalog
+from resilient_callbacks.checkpointer import RESUMABLE_EXIT_CODE
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = str(HERE / "train_script.py")
+STEPS = 40
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra or {})
+    return env
+
+
+def _cmd(ckpt: Path, out: Path, *more: str) -> list[str]:
+    return [
+        sys.executable,
+        SCRIPT,
+        str(ckpt),
+        "--total-steps",
+        str(STEPS),
+        "--every-n-steps",
+        "10",
+        "--out-jsonl",
+        str(out / "log.jsonl"),
+        "--out-params",
+        str(out / "params.safetensors"),
+        *more,
+    ]
+
+
+def _losses(path: Path) -> dict[int, str]:
+    out: dict[int, str] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            out[rec["step"]] = rec["loss"]  # a replayed step overwrites: the last one counts
+    return out
+
+
+def _wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while max(_losses(path), default=0) < step:
+        assert proc.poll() is None, f"the run ended early: {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        time.sleep(0.01)
+
+
+def _same_params(a: Path, b: Path) -> bool:
+    x, y = load_file(str(a)), load_file(str(b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    subprocess.run(_cmd(out / "ckpt", out), check=True, env=_env(), timeout=120)
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_signal_saves_at_next_step_exits_75_and_resume_is_exact(tmp_path, reference, sig):
+    ckpt, out = tmp_path / "ckpt", tmp_path
+    proc = subprocess.Popen(
+        _cmd(ckpt, out, "--sleep", "0.05"), env=_env(), stderr=subprocess.PIPE, text=True
+    )
+    _wait_for_step(out / "log.jsonl", 13, proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == RESUMABLE_EXIT_CODE, err
+    last = max(_losses(out / "log.jsonl"))
+    assert 13 <= last < STEPS
+    committed = [e for e in catalog.scan(str(ckpt), catalog.Depth.FULL) if e.manifest]
+    newest = committed[-1]
+    # the emergency checkpoint is of the very step the run stopped at, not the last periodic one
+    assert newest.step == last and newest.manifest.reason == "emergency", err
+    assert last % 10 != 0 or newest.manifest.reason == "emergency"
+    assert "preemption" in err and f"exiting with code {RESUMABLE_EXIT_CODE}" in err
+
+    again = subprocess.run(_cmd(ckpt, out), env=_env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert f"restored step {last}" in again.stderr
+    assert _losses(out / "log.jsonl") == _losses(reference / "log.jsonl")
+    assert _same_params(out / "params.safetensors", reference / "params.safetensors")
+
+
+def test_exit_on_preemption_false_returns_and_flags(tmp_path):
+    w = torch.zeros(4)
+    with Checkpointer(tmp_path / "ck", every_n_steps=100, exit_on_preemption=False) as ck:
+        assert ck.restore({"w": w}) == 0
+        for s in range(1, 4):
+            assert ck.step(s, {"w": w}) is False
+        os.kill(os.getpid(), signal.SIGUSR1)  # handled as a flag only
+        assert ck.step(4, {"w": w}) is True
+        assert ck.preempted
+        assert ck.last_save is not None and ck.last_save.step == 4
+        assert ck.last_save.reason == "emergency"
+
+
+def test_handlers_are_restored_on_close(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    with Checkpointer(tmp_path / "ck"):
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
+    with Checkpointer(tmp_path / "ck2", preemption=False):
+        assert signal.getsignal(signal.SIGTERM) is before
+
+
+class _Notice(BaseHTTPRequestHandler):
+    notice = False
+
+    def do_GET(self) -> None:
+        body = b"terminate" if type(self).notice else b""
+        self.send_response(200 if type(self).notice else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_cloud_notice_triggers_the_emergency_save(tmp_path):
+    handler = type("Handler", (_Notice,), {"notice": False})
+    server = HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/notice"
+    w = torch.zeros(4)
+    try:
+        with Checkpointer(
+            tmp_path / "ck",
+            every_n_steps=1000,
+            exit_on_preemption=False,
+            metadata_notices={"kind": "custom", "url": url, "interval_s": 0.02},
+        ) as ck:
+            for s in range(1, 6):
+                assert ck.step(s, {"w": w}) is False
+                time.sleep(0.03)
+            handler.notice = True
+            deadline = time.monotonic() + 10
+            s = 6
+            while not ck.preempted:
+                assert time.monotonic() < deadline, "the notice was not noticed"
+                ck.step(s, {"w": w})
+                s += 1
+                time.sleep(0.01)
+            assert ck.watcher is not None and ck.watcher.request.source.startswith("metadata")
+            assert ck.last_save.reason == "emergency"
+    finally:
+        server.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_ranks(ckpt: Path, out: Path, port: int, *more: str) -> list[subprocess.Popen]:
+    procs = []
+    for rank in range(2):
+        env = _env(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
+        procs.append(
+            subprocess.Popen(
+                _cmd(ckpt, out, "--distributed", *more),
+                env=env,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs
+
+
+@pytest.mark.distributed
+def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ref.mkdir()
+    run.mkdir()
+    procs = _launch_ranks(ref / "ckpt", ref, _free_port())
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+
+    procs = _launch_ranks(run / "ckpt", run, _free_port(), "--sleep", "0.05")
+    _wait_for_step(run / "log.jsonl.rank1", 12, procs[1])
+    procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told
+    errs = []
+    for p in procs:
+        _, err = p.communicate(timeout=60)
+        errs.append(err)
+        assert p.returncode == RESUMABLE_EXIT_CODE, err
+    last = [max(_losses(run / f"log.jsonl.rank{r}")) for r in range(2)]
+    assert last[0] == last[1], (last, errs)
+    newest = [e for e in catalog.scan(str(run / "ckpt"), catalog.Depth.FULL) if e.manifest][-1]
+    assert newest.step == last[0] and newest.manifest.reason == "emergency"
+
+    procs = _launch_ranks(run / "ckpt", run, _free_port())
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert f"restored step {last[0]}" in err
+    for r in range(2):
+        assert _losses(run / f"log.jsonl.rank{r}") == _losses(ref / f"log.jsonl.rank{r}")
+        assert _same_params(
+            run / f"params.safetensors.rank{r}", ref / f"params.safetensors.rank{r}"
+        )
