@@ -152,7 +152,7 @@ def main() -> int:
     killed_losses, killed_saves = read_log(log)
     print(
         f"  killed (exit {proc.returncode}) after step {max(killed_losses, default=0)}; "
-        f"last checkpoint committed: step {max(killed_saves, default=0)}"
+        f"last checkpoint taken: step {max(killed_saves, default=0)}"
     )
 
     print("[3/3] same command again")

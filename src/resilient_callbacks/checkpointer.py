@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import functools
 import json
 import logging
@@ -69,6 +70,58 @@ class _Prepared:
     rng_tensors: dict[str, torch.Tensor]
     fingerprint: str
     snapshot: Snapshot | None
+
+
+def _optimizers(state: Any) -> list[torch.optim.Optimizer]:
+    out: list[torch.optim.Optimizer] = []
+
+    def rec(obj: Any) -> None:
+        if isinstance(obj, structure.PerRank):
+            rec(obj.obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            out.append(obj)
+        elif isinstance(obj, Mapping):
+            for v in obj.values():
+                rec(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                rec(v)
+
+    rec(state)
+    return out
+
+
+class _Frozen:
+    """A stateful object's state_dict taken at a step boundary, for save_on_exception."""
+
+    def __init__(self, sd: Any) -> None:
+        self._sd = sd
+
+    def state_dict(self) -> Any:
+        return self._sd
+
+    def load_state_dict(self, sd: Any) -> None:  # pragma: no cover - never restored into
+        raise TypeError("a frozen state cannot be loaded into")
+
+
+def _freeze(state: Any) -> Any:
+    """The state as of now: modules and optimizers by reference (only an optimizer step changes
+    them, which is watched), other objects' state_dicts and tensors copied, containers rebuilt."""
+    if isinstance(state, structure.PerRank):
+        return structure.PerRank(_freeze(state.obj))
+    if isinstance(state, (torch.nn.Module, torch.optim.Optimizer)):
+        return state
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if structure.is_stateful(state):
+        return _Frozen(copy.deepcopy(state.state_dict()))
+    if isinstance(state, Mapping):
+        return {k: _freeze(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_freeze(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(_freeze(v) for v in state)
+    return copy.deepcopy(state)
 
 
 def _prepare_error(exc: BaseException, step: int, rank: int, dirpath: str) -> BaseException:
@@ -141,6 +194,7 @@ class Checkpointer:
         exit_on_preemption: bool = True,
         preemption_exit_code: int = RESUMABLE_EXIT_CODE,
         metadata_notices: str | Mapping[str, Any] | None = None,
+        save_on_exception: bool = False,
     ) -> None:
         self.config = CheckpointerConfig(
             dirpath=dirpath,  # type: ignore[arg-type]
@@ -171,6 +225,7 @@ class Checkpointer:
             exit_on_preemption=exit_on_preemption,
             preemption_exit_code=preemption_exit_code,
             metadata_notices=metadata_notices,
+            save_on_exception=save_on_exception,
         )
         self.dirpath: str = self.config.dirpath
         self.policy = self.config.save_policy()
@@ -200,6 +255,8 @@ class Checkpointer:
         self._persister: BackgroundPersister | None = None
         self._group: Any = None
         self.preempted = False
+        self._consistent_point: Any = None
+        self._step_watch: dict[int, Any] = {}
         self._decider = Decider()
         self._pending_jump = False
         self._last_step_end: float | None = None
@@ -293,9 +350,11 @@ class Checkpointer:
                     self._persister.stop()
                 self._persister.raise_error()
         finally:
-            for handle in self._hooked.values():
+            for handle in [*self._hooked.values(), *self._step_watch.values()]:
                 handle.remove()
             self._hooked.clear()
+            self._step_watch.clear()
+            self._consistent_point = None
             if self._poller is not None:
                 self._poller.stop()
             if self.watcher is not None:
@@ -305,8 +364,61 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc is not None and not self._closed:
+                self._save_on_exception(exc)
+        finally:
+            self.close()
+        # returning None: the exception propagates unchanged
+
+    def _save_on_exception(self, exc: BaseException) -> None:
+        point = self._consistent_point
+        if not self.config.save_on_exception or point is None:
+            return
+        if isinstance(exc, (CheckpointError, SystemExit)):
+            return  # our own failure, or a deliberate exit (preemption already saved)
+        if self.world_size > 1:
+            log.warning(
+                "save_on_exception: not saving after %s with several ranks (the other ranks "
+                "cannot join the save); the newest checkpoint is the last periodic one",
+                type(exc).__name__,
+            )
+            return
+        step, frozen, rng_state, stepped = point
+        if stepped[0]:
+            log.warning(
+                "save_on_exception: %s came after an optimizer step that step() never saw; the "
+                "state matches no step, so nothing is saved",
+                type(exc).__name__,
+            )
+            return
+        log.warning(
+            "%s during training: saving the state of step %d (unchanged since) before it "
+            "propagates",
+            type(exc).__name__,
+            step,
+        )
+        try:
+            self._wait_background()
+            self._save(
+                step,
+                frozen,
+                None,
+                "emergency",
+                why=f"exception {type(exc).__name__}",
+                rng_state=rng_state,
+            )
+        except Exception as e:
+            log.error("save_on_exception: the emergency save failed: %s", e)
+
+    def _mark_consistent(self, step: int, state: Any) -> None:
+        """Remember what step ``step``'s state is, cheaply: modules and optimizers by reference
+        (an optimizer-step hook notices if they change), everything else copied."""
+        stepped = [False]
+        self._watch_optimizers(state, stepped)
+        rng_state = rng.capture() if self.config.capture_rng else (None, {})
+        self._consistent_point = (step, _freeze(state), rng_state, stepped)
 
     def flush(self) -> None:
         """Block until every background save has committed; raise if one failed."""
@@ -339,6 +451,8 @@ class Checkpointer:
         try:
             return self._step(step, state, metrics)
         finally:
+            if self.config.save_on_exception and not self._closed:
+                self._mark_consistent(step, state)
             self._last_step_end = time.perf_counter()
 
     def _step(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> bool:
@@ -435,7 +549,13 @@ class Checkpointer:
         return self._save(step, state, metrics, "forced", why="save() called")
 
     def _save(
-        self, step: int, state: Any, metrics: Mapping[str, Any] | None, reason: str, why: str
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, Any] | None,
+        reason: str,
+        why: str,
+        rng_state: tuple[Any, dict[str, torch.Tensor]] | None = None,
     ) -> bool:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
@@ -489,7 +609,7 @@ class Checkpointer:
         prepared: _Prepared | None = None
         local_exc: BaseException | None = None
         try:
-            prepared = self._prepare(state, copy=background)
+            prepared = self._prepare(state, copy=background, rng_state=rng_state)
         except Exception as e:  # reported to every rank by the persist step
             local_exc = e
         job = functools.partial(
@@ -551,12 +671,20 @@ class Checkpointer:
             snap.wait()
             self._last_snapshot = None
 
-    def _prepare(self, state: Any, copy: bool) -> _Prepared:
+    def _prepare(
+        self,
+        state: Any,
+        copy: bool,
+        rng_state: tuple[Any, dict[str, torch.Tensor]] | None = None,
+    ) -> _Prepared:
         """Encode the state (training thread) and, for a background save, copy its tensors into
         the reused host buffers; only what this rank writes is copied."""
         shared, local = structure.encode(state, split_per_rank=self.world_size > 1)
         fingerprint = _fingerprint(state)
-        rng_info, rng_tensors = rng.capture() if self.config.capture_rng else (None, {})
+        if rng_state is not None:
+            rng_info, rng_tensors = rng_state
+        else:
+            rng_info, rng_tensors = rng.capture() if self.config.capture_rng else (None, {})
         snap = None
         if copy:
             self.wait_for_snapshot()
@@ -576,6 +704,18 @@ class Checkpointer:
             )
             local = structure.Encoded(None, {k: copies[k] for k in local.tensors}, local.per_rank)
         return _Prepared(shared, local, rng_info, rng_tensors, fingerprint, snap)
+
+    def _watch_optimizers(self, state: Any, stepped: list[bool]) -> None:
+        """Flag ``stepped[0]`` when any optimizer in the state steps (save_on_exception)."""
+        for opt in _optimizers(state):
+            old = self._step_watch.pop(id(opt), None)
+            if old is not None:
+                old.remove()
+
+            def post_step(*_: Any, _flag: list[bool] = stepped) -> None:
+                _flag[0] = True
+
+            self._step_watch[id(opt)] = opt.register_step_post_hook(post_step)
 
     def _hook_optimizers(self, state: Any) -> None:
         def rec(obj: Any) -> None:

@@ -50,6 +50,7 @@ class CheckpointerConfig:
     metadata_notices: Any = (
         None  # a kind ("aws", "gcp", "azure", "custom") or MetadataPoller options
     )
+    save_on_exception: bool = False
 
     def __post_init__(self) -> None:
         d = os.fspath(self.dirpath) if isinstance(self.dirpath, os.PathLike) else self.dirpath
@@ -87,6 +88,7 @@ class CheckpointerConfig:
             "preemption",
             "handle_sigint",
             "exit_on_preemption",
+            "save_on_exception",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag}={getattr(self, flag)!r}: must be True or False")

@@ -1,0 +1,79 @@
+"""save_on_exception: an exception in training saves the last consistent state (the step the
+loop last reported), then propagates unchanged; resuming from it is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from resilient_callbacks import Checkpointer, ResumableDataLoader
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def train(ck_dir, total, fail_at=None, fail_where="forward", async_save=True):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g)
+    loader = ResumableDataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, seed=3)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 5, 0.7)
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "data": loader,
+        "extra": {"seen": 0},
+    }
+    losses = {}
+    with Checkpointer(
+        ck_dir, every_n_steps=100, save_on_exception=True, async_save=async_save
+    ) as ck:
+        step = ck.restore(state)
+        while step < total:
+            for xb, yb in loader:
+                loss = torch.nn.functional.mse_loss(model(xb), yb)
+                if step == fail_at and fail_where == "forward":
+                    raise Boom("after the forward pass")
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if step == fail_at and fail_where == "after_optimizer":
+                    raise Boom("after the optimizer step")
+                sched.step()
+                step += 1
+                state["extra"]["seen"] += len(xb)
+                losses[step] = loss.item()
+                ck.step(step, state)
+                if step >= total:
+                    break
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_exception_saves_last_step_and_resume_is_exact(tmp_path, async_save):
+    ref_losses, ref_params = train(tmp_path / "ref", 30)
+    ck = tmp_path / "ck"
+    with pytest.raises(Boom, match="after the forward pass") as ei:
+        train(ck, 30, fail_at=13, async_save=async_save)
+    assert type(ei.value) is Boom  # propagated unchanged
+    names = sorted(p.name for p in ck.iterdir() if p.name.startswith("step_"))
+    assert names == ["step_000000013"]
+    losses, params = train(ck, 30)
+    assert min(losses) == 14  # resumed after step 13
+    assert all(losses[s] == ref_losses[s] for s in losses)
+    assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)
+
+
+def test_exception_after_an_unseen_optimizer_step_saves_nothing(tmp_path, caplog):
+    ck = tmp_path / "ck"
+    with pytest.raises(Boom):
+        train(ck, 30, fail_at=13, fail_where="after_optimizer")
+    assert not [p for p in ck.iterdir() if p.name.startswith("step_")]
+    assert any("matches no step" in r.getMessage() for r in caplog.records)
