@@ -87,7 +87,7 @@ def restore_worker(method: str, work: str, mb: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # empty state, as at a real resume
     t0 = time.perf_counter()
     if method == "ours":
-        with Checkpointer(os.path.join(work, "ours")) as ck:
+        with Checkpointer(os.path.join(work, "ours"), preemption=False) as ck:
             ck.restore({"model": model, "optimizer": opt})
     else:
         sd = torch.load(
@@ -148,7 +148,7 @@ def main() -> int:
 
     state = {"model": model, "optimizer": opt}
     ck_dir = os.path.join(work, "ours")
-    ck = Checkpointer(ck_dir, keep_last=1)
+    ck = Checkpointer(ck_dir, keep_last=1, async_save=False, preemption=False)
     counter = iter(range(1, 10_000))
 
     def ours() -> None:

@@ -22,7 +22,7 @@ import torch
 from .errors import CheckpointCorruptError
 from .manifest import FileEntry, Manifest
 from .structure import Encoded
-from .tensorfile import read_tensors_verified, read_verified, write_json, write_tensors
+from .tensorfile import map_tensors_verified, read_verified, write_json, write_tensors
 
 SHARED_STRUCTURE = "shared.json"
 SHARED_TENSORS = "shared.safetensors"
@@ -110,7 +110,7 @@ def read_part(path: str, manifest: Manifest, rank: int) -> LoadedPart:
 
     def load_tensors(name: str) -> dict[str, torch.Tensor]:
         full = os.path.join(path, name)
-        return read_tensors_verified(full, _entry(manifest, name, path).digest)
+        return map_tensors_verified(full, _entry(manifest, name, path).digest)
 
     shared = load_json(SHARED_STRUCTURE)
     tensors = load_tensors(SHARED_TENSORS)

@@ -10,6 +10,7 @@ loads nothing until size and checksum matched. Nothing here uses pickle.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from collections.abc import Mapping
@@ -225,6 +226,74 @@ def read_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, tor
         raise CheckpointCorruptError(
             f"{path}: checksum mismatch (xxh3_64 {hasher.hexdigest()}, manifest says "
             f"{expect.xxh3_64}); the file's content changed after it was written"
+        )
+    return out
+
+
+def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torch.Tensor]:
+    """Map a safetensors file privately (copy-on-write: the file is never written), hash every
+    byte of the mapping, and return tensors that view it: no read buffer and no copy. Loading
+    into live objects then copies once (``load_state_dict``), and objects that keep the tensors
+    (optimizers) keep mapped pages that are copied only when written.
+
+    Falls back to :func:`read_tensors_verified` where the file cannot be mapped."""
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{path}: file listed in the manifest is missing") from None
+    if expect is not None and size != expect.size:
+        raise CheckpointCorruptError(
+            f"{path}: size {size} bytes, manifest says {expect.size} (truncated or overwritten)"
+        )
+    try:
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError):
+        return read_tensors_verified(path, expect)
+    view = memoryview(mm)
+    try:
+        hasher = new_hasher()
+        for off in range(0, size, CHUNK):
+            hasher.update(view[off : off + CHUNK])
+        if expect is not None and hasher.hexdigest() != expect.xxh3_64:
+            raise CheckpointCorruptError(
+                f"{path}: checksum mismatch (xxh3_64 {hasher.hexdigest()}, manifest says "
+                f"{expect.xxh3_64}); the file's content changed after it was written"
+            )
+        header, data_start = parse_header(view[: min(size, 8 + (100 << 20))], path)
+    finally:
+        view.release()
+    out: dict[str, torch.Tensor] = {}
+    pos = 0
+    entries = sorted(
+        ((k, v) for k, v in header.items() if k != "__metadata__"),
+        key=lambda kv: kv[1]["data_offsets"][0],
+    )
+    for name, info in entries:
+        dtype = ST_TO_DTYPE.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointCorruptError(
+                f"{path}: tensor {name!r} has unknown dtype {info['dtype']}"
+            )
+        start, end = info["data_offsets"]
+        shape = info["shape"]
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if start != pos or end - start != numel * itemsize or data_start + end > size:
+            raise CheckpointCorruptError(f"{path}: tensor {name!r} has inconsistent offsets")
+        pos = end
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=end - start, offset=data_start + start)
+        if (data_start + start) % itemsize:
+            raw = raw.clone()  # unaligned (a file from another writer): one copy for this tensor
+        out[name] = raw.view(dtype).reshape(shape)
+    if data_start + pos != size:
+        raise CheckpointCorruptError(
+            f"{path}: {size - data_start - pos} bytes after the last tensor"
         )
     return out
 

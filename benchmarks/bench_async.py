@@ -1,0 +1,955 @@
+"""Background (async) saving against the incumbents, in one run: blocking time, persist
+throughput, restore, a training loop, and memory across many saves.
+
+    .venv/bin/python benchmarks/bench_async.py [--sizes 256,1536] [--reps 5] \
+        [--out benchmarks/results] [--dir DIR] [--plot] [--quick]
+
+State: an MLP of square ``Linear`` layers plus its AdamW state after one step (parameters +
+``exp_avg`` + ``exp_avg_sq``, fp32), about ``--sizes`` MB each (default ~256 MB and ~1.5 GB).
+Every figure is the median of ``--reps`` repetitions after one warm-up, and every ratio is
+against a baseline measured right beside it, in the same run, on the same disk (see "Performance
+method" in DESIGN.md: absolute times on a shared 2-core machine are noise, ratios are not).
+Written files are deleted between repetitions.
+
+Save, per size (blocking = time until the call returns to the training thread; total = until
+the checkpoint is durable):
+
+- ``raw write+fsync``: the state's bytes written to one file and fsynced (the disk's limit);
+- ``copy_ floor``: ``copy_`` of every state tensor into preallocated host buffers (the
+  snapshot's limit);
+- ``torch.save+fsync``, ``safetensors.save_file+fsync``;
+- ``DCP save``: ``torch.distributed.checkpoint.save`` (single process: torch 2.13 saves without
+  a process group, it only warns), of ``get_state_dict(model, optimizer)``;
+- ``DCP async_save``: the default stager (a fresh CPU copy per save); blocking = until
+  ``async_save`` returns, total = until its future completes;
+- ours: ``Checkpointer(async_save=False).save`` (sync), ``Checkpointer.save`` in the default
+  background mode (blocking and total = ``save`` + ``flush``), and ``overlap_snapshot=True``
+  (blocking and total, no training step in between).
+
+Restore, per size, each repetition in a fresh process (files in the page cache after a discarded
+warm-up; a freshly built model and an optimizer with empty state as targets; timed: load, then
+read one byte per page of every model and optimizer tensor so lazily mapped data is really
+loaded, for every method): ``Checkpointer.restore`` (verifies every checksum),
+``torch.load(mmap=True, weights_only=True)`` + ``load_state_dict``, and DCP ``load`` (with
+``get_state_dict``/``set_state_dict``, DCP's recipe for an optimizer with empty state).
+
+Training loop, at the largest size: forward/backward + AdamW step of the same MLP on a batch
+calibrated so one step takes ~0.5 s, ``--loop-steps`` steps (32) with a checkpoint every
+``--every`` steps (5: saves at 5, 10, ..., 30; the tail steps let the last background save
+overlap training as in a long run), total time including waiting for the last checkpoint to be
+durable; for no checkpointing (run first and last, averaged), ``torch.save``+fsync,
+DCP ``async_save`` (waiting for the previous future before the next save), ours (background),
+and ours (overlapped). Stall per save = the save step's time plus the next step's (where the
+overlapped copy is waited for, in the optimizer pre-step hook) minus two plain steps.
+
+Memory: in a fresh process per method, RSS (psutil) after each of ``--rss-saves`` (30)
+consecutive saves of the smallest state without flushing in between (ours: the bounded queue
+waits for the previous save; DCP: ``.result()`` of the previous future first); growth after the
+first save as a % of the state size.
+
+Goals (from the issue, at the largest size, as ratios in this run) are checked at the end and
+printed with met/missed.
+
+Writes ``bench_async.json`` and ``bench_async.md`` (and with ``--plot``, ``bench_async.png``)
+into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from resilient_callbacks import Checkpointer
+
+warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
+
+PAGE = 4096
+
+
+# --------------------------------------------------------------------------- the state
+
+
+def width_for(mb: int) -> int:
+    return 2048 if mb >= 128 else 512
+
+
+def build_model(mb: int) -> torch.nn.Module:
+    """Square Linear layers holding about ``mb`` MB of state once AdamW has stepped (12 bytes
+    per parameter: the parameter, exp_avg and exp_avg_sq, fp32)."""
+    width = width_for(mb)
+    layers = max(1, mb * 1_000_000 // 12 // (width * width + width))
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+
+def build_state(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build_model(mb)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width_for(mb))).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = list(model.state_dict().values())
+    for s in opt.state.values():
+        out += [v for v in s.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def nbytes_of(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def touch(tensors: list[torch.Tensor]) -> float:
+    """Read one element per page of every tensor (forces lazily mapped pages in)."""
+    acc = 0.0
+    for t in tensors:
+        if t.numel():
+            flat = t.detach().reshape(-1)
+            acc += float(flat[:: max(1, PAGE // t.element_size())].double().sum())
+    return acc
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rm(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def dcp_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def repeat(
+    fn: Callable[[], dict[str, float]], reps: int, setup: Callable[[], Any] | None = None
+) -> dict[str, list[float]]:
+    """One untimed warm-up, then ``reps`` timed runs; ``fn`` returns named seconds."""
+    out: dict[str, list[float]] = {}
+    for i in range(reps + 1):
+        if setup:
+            setup()
+        r = fn()
+        if i:
+            for k, v in r.items():
+                out.setdefault(k, []).append(v)
+    return out
+
+
+# --------------------------------------------------------------------------- save section
+
+
+def bench_saves(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, work: str, reps: int
+) -> dict[str, list[float]]:
+    import torch.distributed.checkpoint as dcp
+
+    tensors = state_tensors(model, opt)
+    state = {"model": model, "optimizer": opt}
+    results: dict[str, list[float]] = {}
+
+    def run(name: str, fn: Callable[[], dict[str, float]], setup: Any = None) -> None:
+        r = repeat(fn, reps, setup)
+        results.update(r)
+        for k, v in r.items():
+            print(f"    {k:40} median {med(v):8.3f} s", flush=True)
+
+    raw_p = os.path.join(work, "raw.bin")
+
+    def raw() -> dict[str, float]:
+        t0 = time.perf_counter()
+        with open(raw_p, "wb", buffering=0) as f:
+            for t in tensors:
+                if not t.numel():
+                    continue
+                mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                for i in range(0, len(mv), 16 << 20):
+                    f.write(mv[i : i + (16 << 20)])
+            os.fsync(f.fileno())
+        return {"raw write+fsync": time.perf_counter() - t0}
+
+    run("raw", raw, lambda: rm(raw_p))
+    rm(raw_p)
+
+    bufs = [torch.empty_like(t) for t in tensors]
+
+    def copy_floor() -> dict[str, float]:
+        t0 = time.perf_counter()
+        for b, t in zip(bufs, tensors, strict=True):
+            b.copy_(t)
+        return {"copy_ floor": time.perf_counter() - t0}
+
+    run("copy", copy_floor)
+    del bufs
+    gc.collect()
+
+    pt = os.path.join(work, "torch.pt")
+
+    def tsave() -> dict[str, float]:
+        t0 = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, pt)
+        fsync_path(pt)
+        return {"torch.save+fsync": time.perf_counter() - t0}
+
+    run("torch.save", tsave, lambda: rm(pt))  # the last one is kept for restore
+
+    st = os.path.join(work, "st.safetensors")
+    flat = {f"m.{k}": v for k, v in model.state_dict().items()}
+    for i, s in opt.state.items():
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor):
+                flat[f"o.{i}.{k}"] = v if v.dim() else v.reshape(1)
+
+    def stsave() -> dict[str, float]:
+        t0 = time.perf_counter()
+        save_file(flat, st)
+        fsync_path(st)
+        return {"safetensors.save_file+fsync": time.perf_counter() - t0}
+
+    run("safetensors", stsave, lambda: rm(st))
+    rm(st)
+    del flat
+
+    dcp_dir = os.path.join(work, "dcp")
+
+    def dsave() -> dict[str, float]:
+        t0 = time.perf_counter()
+        dcp.save(dcp_state(model, opt), checkpoint_id=dcp_dir)
+        return {"DCP save": time.perf_counter() - t0}
+
+    run("dcp", dsave, lambda: rm(dcp_dir))  # the last one is kept for restore
+
+    dcp_async_dir = os.path.join(work, "dcp_async")
+
+    def dasync() -> dict[str, float]:
+        t0 = time.perf_counter()
+        fut = dcp.async_save(dcp_state(model, opt), checkpoint_id=dcp_async_dir)
+        t1 = time.perf_counter()
+        fut.result()
+        t2 = time.perf_counter()
+        return {"DCP async_save (blocking)": t1 - t0, "DCP async_save (total)": t2 - t0}
+
+    run("dcp async", dasync, lambda: rm(dcp_async_dir))
+    rm(dcp_async_dir)
+    gc.collect()
+
+    ours_sync = os.path.join(work, "ours_sync")
+    ck = Checkpointer(ours_sync, keep_last=1, async_save=False, preemption=False)
+    counter = iter(range(1, 1_000_000))
+
+    def sync_save() -> dict[str, float]:
+        t0 = time.perf_counter()
+        ck.save(next(counter), state)
+        return {"ours sync save": time.perf_counter() - t0}
+
+    run("ours sync", sync_save)
+    ck.close()
+    rm(ours_sync)
+
+    for mode, overlap in (("async", False), ("overlapped", True)):
+        d = os.path.join(work, "ours" if mode == "async" else "ours_overlap")
+        ck = Checkpointer(d, keep_last=1, preemption=False, overlap_snapshot=overlap)
+
+        def bg_save(ck: Checkpointer = ck, mode: str = mode) -> dict[str, float]:
+            t0 = time.perf_counter()
+            ck.save(next(counter), state)
+            t1 = time.perf_counter()
+            ck.flush()
+            t2 = time.perf_counter()
+            return {f"ours {mode} save (blocking)": t1 - t0, f"ours {mode} save (total)": t2 - t0}
+
+        run(f"ours {mode}", bg_save)
+        results[f"ours {mode} save (blocking_seconds attr)"] = list(ck.blocking_seconds)[-reps:]
+        ck.close()
+        del ck, bg_save
+        gc.collect()
+        if overlap:
+            rm(d)  # the background-mode checkpoint in "ours" is kept for restore
+    return results
+
+
+# --------------------------------------------------------------------------- restore section
+
+
+def restore_worker(method: str, work: str, mb: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model = build_model(mb)  # same shapes; values are overwritten by the restore
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # empty state, as at a real resume
+    gc.collect()
+    t0 = time.perf_counter()
+    if method == "ours":
+        with Checkpointer(os.path.join(work, "ours"), preemption=False) as ck:
+            step = ck.restore({"model": model, "optimizer": opt})
+        assert step > 0, "nothing restored"
+    elif method == "torch_mmap":
+        sd = torch.load(os.path.join(work, "torch.pt"), mmap=True, weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+    elif method == "dcp":
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        sd = dcp_state(model, opt)  # allocates the optimizer state (a zero-lr step)
+        dcp.load(sd, checkpoint_id=os.path.join(work, "dcp"))
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    else:
+        raise SystemExit(f"unknown restore method {method}")
+    tensors = state_tensors(model, opt)
+    touch(tensors)
+    elapsed = time.perf_counter() - t0
+    if len(opt.state) != len(list(model.parameters())):
+        raise SystemExit(f"{method}: optimizer state not restored")
+    print(json.dumps({"seconds": elapsed, "bytes": nbytes_of(tensors)}))
+
+
+RESTORE_METHODS = [
+    ("ours restore (verified)", "ours"),
+    ("torch.load(mmap)+load_state_dict", "torch_mmap"),
+    ("DCP load (+get/set_state_dict)", "dcp"),
+]
+
+
+def bench_restores(work: str, mb: int, reps: int) -> dict[str, list[float]]:
+    results: dict[str, list[float]] = {}
+    for name, method in RESTORE_METHODS:
+        times = []
+        for _ in range(reps + 1):
+            out = subprocess.run(
+                [sys.executable, __file__, "--worker", "restore", method, work, "--mb", str(mb)],
+                capture_output=True,
+                text=True,
+            )
+            if out.returncode != 0:
+                raise RuntimeError(f"restore worker {method} failed:\n{out.stdout}\n{out.stderr}")
+            times.append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+        results[name] = times[1:]  # the first run warms the page cache
+        print(f"    {name:40} median {med(results[name]):8.3f} s", flush=True)
+    return results
+
+
+# --------------------------------------------------------------------------- training loop
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def calibrate_batch(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, width: int, target: float
+) -> tuple[int, float]:
+    def step_time(b: int) -> float:
+        x = torch.randn(b, width)
+        train_step(model, opt, x)
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            train_step(model, opt, x)
+            ts.append(time.perf_counter() - t0)
+        return med(ts)
+
+    lo, hi = 4, 64
+    t_lo, t_hi = step_time(lo), step_time(hi)
+    per = max((t_hi - t_lo) / (hi - lo), 1e-6)
+    fixed = max(t_lo - per * lo, 0.0)
+    b = int(round((target - fixed) / per)) if target > fixed else 1
+    b = min(max(b, 1), 1024)
+    return b, step_time(b)
+
+
+def run_loop(
+    kind: str,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    n_steps: int,
+    every: int,
+    work: str,
+) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    d = os.path.join(work, "loop_" + kind.replace(" ", "_").replace(".", "_"))
+    os.makedirs(d, exist_ok=True)
+    state = {"model": model, "optimizer": opt}
+    ck = None
+    if kind.startswith("ours"):
+        ck = Checkpointer(
+            os.path.join(d, "ck"),
+            every_n_steps=every,
+            keep_last=2,
+            preemption=False,
+            overlap_snapshot=kind == "ours overlapped",
+        )
+    fut = None
+    blocking: list[float] = []
+    times: list[float] = []
+    saved_at: list[int] = []
+    t_start = time.perf_counter()
+    for step in range(1, n_steps + 1):
+        t0 = time.perf_counter()
+        train_step(model, opt, x)
+        due = step % every == 0
+        if due and kind == "torch.save":
+            tb = time.perf_counter()
+            p = os.path.join(d, f"step{step}.pt")
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, p)
+            fsync_path(p)
+            rm(os.path.join(d, f"step{step - every}.pt"))
+            blocking.append(time.perf_counter() - tb)
+        elif due and kind == "DCP async_save":
+            tb = time.perf_counter()
+            if fut is not None:
+                fut.result()  # at most one in flight, as DCP's docs recommend
+            rm(os.path.join(d, f"step{step - 2 * every}"))
+            fut = dcp.async_save(dcp_state(model, opt), checkpoint_id=os.path.join(d, f"step{step}"))
+            blocking.append(time.perf_counter() - tb)
+        elif ck is not None:
+            ck.step(step, state)
+        if due and kind != "none":
+            saved_at.append(step)
+        times.append(time.perf_counter() - t0)
+    t_end_steps = time.perf_counter()
+    if fut is not None:
+        fut.result()
+    if ck is not None:
+        ck.flush()
+    t_done = time.perf_counter()
+    out: dict[str, Any] = {
+        "total_s": t_done - t_start,
+        "final_wait_s": t_done - t_end_steps,
+        "step_s": times,
+        "saved_at": saved_at,
+    }
+    if ck is not None:
+        out["blocking_s"] = list(ck.blocking_seconds)
+        out["waits_for_previous"] = ck.waits_for_previous
+        out["committed_saves"] = ck.committed_saves
+        ck.close()
+        del ck
+    else:
+        out["blocking_s"] = blocking
+    gc.collect()
+    rm(d)
+    return out
+
+
+LOOP_KINDS = ["none", "torch.save", "DCP async_save", "ours async", "ours overlapped", "none"]
+
+
+def bench_loop(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, mb: int, work: str, args: Any
+) -> dict[str, Any]:
+    width = width_for(mb)
+    batch, step_s = calibrate_batch(model, opt, width, args.step_target)
+    print(f"    batch {batch}: one training step ~{step_s:.3f} s", flush=True)
+    torch.manual_seed(1)
+    x = torch.randn(batch, width)
+    runs: dict[str, Any] = {}
+    none_runs = []
+    for kind in LOOP_KINDS:
+        r = run_loop(kind, model, opt, x, args.loop_steps, args.every, work)
+        if kind == "none":
+            none_runs.append(r)
+        else:
+            runs[kind] = r
+        print(
+            f"    {kind:18} total {r['total_s']:7.2f} s  (final wait {r['final_wait_s']:.2f} s)",
+            flush=True,
+        )
+    base_total = statistics.mean(r["total_s"] for r in none_runs)
+    plain = med([t for r in none_runs for t in r["step_s"]])
+    summary: dict[str, Any] = {}
+    for kind, r in runs.items():
+        st = r["step_s"]
+        stalls = [st[s - 1] + st[s] - 2 * plain for s in r["saved_at"] if s < len(st)]
+        summary[kind] = {
+            "total_s": r["total_s"],
+            "overhead_s": r["total_s"] - base_total,
+            "overhead_pct": 100 * (r["total_s"] - base_total) / base_total,
+            "saves": len(r["saved_at"]),
+            "median_blocking_s": med(r["blocking_s"]),
+            "median_stall_per_save_s": med(stalls),
+            "final_wait_s": r["final_wait_s"],
+        }
+    return {
+        "batch": batch,
+        "calibrated_step_s": step_s,
+        "plain_step_median_s": plain,
+        "steps": args.loop_steps,
+        "every": args.every,
+        "no_checkpoint_total_s": [r["total_s"] for r in none_runs],
+        "summary": summary,
+        "runs": runs,
+    }
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def rss_worker(method: str, work: str, mb: int, n: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = build_state(mb)
+    state_b = nbytes_of(state_tensors(model, opt))
+    gc.collect()
+    base = rss_bytes()
+    series: list[int] = []
+    d = os.path.join(work, f"rss_{method}")
+    t0 = time.perf_counter()
+    if method == "ours":
+        ck = Checkpointer(d, keep_last=2, preemption=False)
+        for i in range(1, n + 1):
+            ck.save(i, {"model": model, "optimizer": opt})  # the bounded queue waits
+            series.append(rss_bytes())
+        ck.flush()
+        final = rss_bytes()
+        ck.close()
+    else:
+        fut = None
+        for i in range(1, n + 1):
+            if fut is not None:
+                fut.result()
+            rm(os.path.join(d, f"step{i - 2}"))
+            fut = dcp.async_save(dcp_state(model, opt), checkpoint_id=os.path.join(d, f"step{i}"))
+            series.append(rss_bytes())
+        assert fut is not None
+        fut.result()
+        final = rss_bytes()
+    elapsed = time.perf_counter() - t0
+    rm(d)
+    print(
+        json.dumps(
+            {
+                "state_bytes": state_b,
+                "baseline_rss": base,
+                "rss_after_each_save": series,
+                "rss_after_flush": final,
+                "seconds": elapsed,
+            }
+        )
+    )
+
+
+def bench_rss(work: str, mb: int, n: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"saves": n, "mb": mb}
+    for name, method in (("ours async", "ours"), ("DCP async_save", "dcp")):
+        p = subprocess.run(
+            [sys.executable, __file__, "--worker", "rss", method, work, "--mb", str(mb),
+             "--rss-saves", str(n)],
+            capture_output=True,
+            text=True,
+        )
+        if p.returncode != 0:
+            raise RuntimeError(f"rss worker {method} failed:\n{p.stdout}\n{p.stderr}")
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        s = r["rss_after_each_save"]
+        r["growth_bytes"] = s[-1] - s[0]
+        r["growth_pct_of_state"] = 100 * (s[-1] - s[0]) / r["state_bytes"]
+        r["first_save_extra_pct_of_state"] = 100 * (s[0] - r["baseline_rss"]) / r["state_bytes"]
+        r["peak_growth_pct_of_state"] = 100 * (max(s) - s[0]) / r["state_bytes"]
+        out[name] = r
+        print(
+            f"    {name:18} RSS after save 1: {s[0] / 1e6:8.0f} MB, after save {n}: "
+            f"{s[-1] / 1e6:8.0f} MB ({r['growth_pct_of_state']:+.1f}% of state; "
+            f"save 1 added {r['first_save_extra_pct_of_state']:.0f}% of state)",
+            flush=True,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
+    big = report["sizes"][str(max(int(k) for k in report["sizes"]))]
+    m = big["median_s"]
+    nb = big["state_bytes"]
+    blocking = m["ours async save (blocking)"]
+    total = m["ours async save (total)"]
+    persist = total - blocking
+    raw = m["raw write+fsync"]
+    rows = []
+
+    def row(name: str, value: float, target: str, met: bool, detail: str) -> None:
+        rows.append(
+            {"goal": name, "value": value, "target": target, "met": bool(met), "detail": detail}
+        )
+
+    r = blocking / m["copy_ floor"]
+    row(
+        "blocking / copy_ floor",
+        r,
+        "<= 1.5",
+        r <= 1.5,
+        f"save() blocks {blocking:.3f} s; copy_ of the same tensors {m['copy_ floor']:.3f} s",
+    )
+    r = blocking / m["torch.save+fsync"]
+    row(
+        "blocking / torch.save+fsync",
+        r,
+        "<= 0.15",
+        r <= 0.15,
+        f"{blocking:.3f} s vs {m['torch.save+fsync']:.3f} s",
+    )
+    r = blocking / m["DCP async_save (blocking)"]
+    row(
+        "blocking / DCP async_save blocking",
+        r,
+        "<= 0.5",
+        r <= 0.5,
+        f"{blocking:.3f} s vs {m['DCP async_save (blocking)']:.3f} s",
+    )
+    r = raw / persist if persist > 0 else float("inf")
+    row(
+        "persist throughput / raw write+fsync",
+        r,
+        ">= 0.8",
+        r >= 0.8,
+        f"background persist {nb / persist / 1e9:.2f} GB/s ({persist:.3f} s = total - blocking) "
+        f"vs raw {nb / raw / 1e9:.2f} GB/s ({raw:.3f} s)",
+    )
+    ro, rt = m["ours restore (verified)"], m["torch.load(mmap)+load_state_dict"]
+    r = ro / rt
+    row(
+        "restore / torch.load(mmap)+load_state_dict",
+        r,
+        "<= 1.2",
+        r <= 1.2,
+        f"{ro:.3f} s vs {rt:.3f} s (data touched; ours verifies checksums); "
+        f"DCP load {m['DCP load (+get/set_state_dict)']:.3f} s",
+    )
+    rss = report["rss"]["ours async"]
+    g = rss["growth_pct_of_state"]
+    row(
+        f"RSS growth save 1 -> {report['rss']['saves']} (% of state, {report['rss']['mb']} MB)",
+        g,
+        "<= 5%",
+        g <= 5,
+        f"ours {rss['growth_bytes'] / 1e6:+.0f} MB; DCP async_save "
+        f"{report['rss']['DCP async_save']['growth_pct_of_state']:+.1f}%",
+    )
+    loop = report["loop"]["summary"]
+    dcp_ov = loop["DCP async_save"]["overhead_pct"]
+    for kind in ("ours async", "ours overlapped"):
+        ov = loop[kind]["overhead_pct"]
+        row(
+            f"training-loop overhead, {kind} (%)",
+            ov,
+            f"<= DCP async_save ({dcp_ov:.1f}%)",
+            ov <= dcp_ov,
+            f"{loop[kind]['overhead_s']:.2f} s vs {loop['DCP async_save']['overhead_s']:.2f} s "
+            f"over {loop[kind]['saves']} saves; stall/save {loop[kind]['median_stall_per_save_s']:.3f}"
+            f" s vs {loop['DCP async_save']['median_stall_per_save_s']:.3f} s",
+        )
+    return rows
+
+
+SAVE_ROWS = [
+    ("raw write+fsync", "raw write+fsync of the same bytes (disk limit)"),
+    ("copy_ floor", "copy_ into preallocated host buffers (snapshot floor)"),
+    ("torch.save+fsync", "torch.save + fsync"),
+    ("safetensors.save_file+fsync", "safetensors.save_file + fsync"),
+    ("DCP save", "DCP save"),
+    ("DCP async_save (blocking)", "DCP async_save: blocking"),
+    ("DCP async_save (total)", "DCP async_save: total"),
+    ("ours sync save", "**ours** sync save (async_save=False)"),
+    ("ours async save (blocking)", "**ours** async save: blocking"),
+    ("ours async save (total)", "**ours** async save: total (save + flush)"),
+    ("ours overlapped save (blocking)", "**ours** overlapped: blocking"),
+    ("ours overlapped save (total)", "**ours** overlapped: total"),
+]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [
+        f"# bench_async: {meta['cpus']} CPUs, torch {meta['torch']}, medians of {meta['reps']} "
+        f"(load average at start {meta['loadavg_start']}, end {meta.get('loadavg_end')})",
+        "",
+    ]
+    for mb, s in report["sizes"].items():
+        m, nb = s["median_s"], s["state_bytes"]
+        ts = m["torch.save+fsync"]
+        lines += [
+            f"## Save, state {nb / 1e9:.2f} GB (--sizes {mb})",
+            "",
+            "| method | median s | GB/s | vs torch.save+fsync | vs raw write+fsync | vs copy_ floor |",
+            "|---|---|---|---|---|---|",
+        ]
+        for key, label in SAVE_ROWS:
+            v = m[key]
+            lines.append(
+                f"| {label} | {v:.3f} | {nb / v / 1e9:.2f} | {v / ts:.2f}x | "
+                f"{v / m['raw write+fsync']:.2f}x | {v / m['copy_ floor']:.2f}x |"
+            )
+        rt = m["torch.load(mmap)+load_state_dict"]
+        lines += [
+            "",
+            f"## Restore, state {nb / 1e9:.2f} GB (fresh process, every page touched)",
+            "",
+            "| method | median s | GB/s | vs torch.load(mmap)+load_state_dict |",
+            "|---|---|---|---|",
+        ]
+        for key, _ in RESTORE_METHODS:
+            v = m[key]
+            lines.append(f"| {key} | {v:.3f} | {nb / v / 1e9:.2f} | {v / rt:.2f}x |")
+        lines.append("")
+    lp = report["loop"]
+    lines += [
+        f"## Training loop, state {lp['state_bytes'] / 1e9:.2f} GB: {lp['steps']} steps, "
+        f"checkpoint every {lp['every']}, batch {lp['batch']}, plain step "
+        f"{lp['plain_step_median_s']:.3f} s; no checkpointing: "
+        + " / ".join(f"{t:.2f}" for t in lp["no_checkpoint_total_s"])
+        + " s (first / last run)",
+        "",
+        "| checkpointing | total s | overhead s | overhead % | vs DCP async_save overhead "
+        "| saves | median blocking s | median stall/save s | final wait s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    dcp_ov = lp["summary"]["DCP async_save"]["overhead_s"]
+    for kind, r in lp["summary"].items():
+        rel = r["overhead_s"] / dcp_ov if dcp_ov > 0 else float("nan")
+        lines.append(
+            f"| {kind} | {r['total_s']:.2f} | {r['overhead_s']:.2f} | {r['overhead_pct']:.1f} | "
+            f"{rel:.2f}x | {r['saves']} | {r['median_blocking_s']:.3f} | "
+            f"{r['median_stall_per_save_s']:.3f} | {r['final_wait_s']:.2f} |"
+        )
+    rs = report["rss"]
+    lines += [
+        "",
+        f"## RSS across {rs['saves']} consecutive background saves, state "
+        f"{rs['ours async']['state_bytes'] / 1e9:.2f} GB",
+        "",
+        "| method | RSS before MB | after save 1 MB | after save "
+        f"{rs['saves']} MB | growth % of state | peak growth % | save 1 added % of state |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in ("ours async", "DCP async_save"):
+        r = rs[name]
+        s = r["rss_after_each_save"]
+        lines.append(
+            f"| {name} | {r['baseline_rss'] / 1e6:.0f} | {s[0] / 1e6:.0f} | {s[-1] / 1e6:.0f} | "
+            f"{r['growth_pct_of_state']:+.1f} | {r['peak_growth_pct_of_state']:+.1f} | "
+            f"{r['first_save_extra_pct_of_state']:.0f} |"
+        )
+    lines += [
+        "",
+        f"## Goals (state {report['goals_state_bytes'] / 1e9:.2f} GB unless noted)",
+        "",
+        "| goal | figure | target | | detail |",
+        "|---|---|---|---|---|",
+    ]
+    for g in report["goals"]:
+        lines.append(
+            f"| {g['goal']} | {g['value']:.2f} | {g['target']} | "
+            f"{'met' if g['met'] else '**missed**'} | {g['detail']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(18, 6))
+    ax = axes[0]
+    keys = [k for k, _ in SAVE_ROWS]
+    sizes = list(report["sizes"])
+    h = 0.8 / len(sizes)
+    for j, mb in enumerate(sizes):
+        m = report["sizes"][mb]["median_s"]
+        vals = [m[k] / m["torch.save+fsync"] for k in keys]
+        ax.barh(
+            [i + j * h for i in range(len(keys))],
+            vals,
+            height=h,
+            label=f"{report['sizes'][mb]['state_bytes'] / 1e9:.2f} GB",
+        )
+    ax.set_yticks([i + h * (len(sizes) - 1) / 2 for i in range(len(keys))])
+    ax.set_yticklabels(keys, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("median time / torch.save+fsync")
+    ax.set_title("save")
+    ax.legend()
+
+    ax = axes[1]
+    lp = report["loop"]["summary"]
+    ax.bar(list(lp), [r["overhead_pct"] for r in lp.values()], color="tab:orange")
+    ax.set_ylabel("training-loop overhead vs no checkpointing (%)")
+    ax.set_title(f"training loop, checkpoint every {report['loop']['every']} steps")
+    ax.tick_params(axis="x", labelrotation=20)
+
+    ax = axes[2]
+    rs = report["rss"]
+    for name in ("ours async", "DCP async_save"):
+        s = rs[name]["rss_after_each_save"]
+        ax.plot(range(1, len(s) + 1), [v / 1e6 for v in s], marker=".", label=name)
+    ax.set_xlabel("save #")
+    ax.set_ylabel("RSS after save() returns (MB)")
+    ax.set_title(f"memory, {rs['ours async']['state_bytes'] / 1e9:.2f} GB state")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", nargs=3, metavar=("KIND", "METHOD", "DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--mb", type=int, default=256, help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", default="256,1536", help="state sizes in MB, comma-separated")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on /tmp)")
+    ap.add_argument("--plot", action="store_true", help="also write bench_async.png")
+    ap.add_argument("--quick", action="store_true", help="small sizes, 2 reps: a smoke test")
+    ap.add_argument("--loop-steps", type=int, default=32)
+    ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--step-target", type=float, default=0.5, help="seconds per training step")
+    ap.add_argument("--rss-saves", type=int, default=30)
+    args = ap.parse_args()
+    torch.set_flush_denormal(True)
+    if args.worker:
+        kind, method, work = args.worker
+        if kind == "restore":
+            restore_worker(method, work, args.mb)
+        else:
+            rss_worker(method, work, args.mb, args.rss_saves)
+        return 0
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        print("bench_async needs psutil: .venv/bin/pip install -e '.[dev]'", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.sizes, args.reps = "16,48", 2
+        args.loop_steps, args.every, args.step_target, args.rss_saves = 6, 2, 0.05, 5
+    sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
+    os.makedirs(args.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="rc-bench-async-", dir=args.dir)
+    need = 4 * max(sizes) * 1_000_000
+    free = shutil.disk_usage(work).free
+    if free < need:
+        shutil.rmtree(work, ignore_errors=True)
+        print(
+            f"refusing to run: {free / 1e9:.1f} GB free under {work}, the benchmark needs at "
+            f"least {need / 1e9:.1f} GB (4x the largest state). Pass --dir on a larger disk or "
+            "smaller --sizes.",
+            file=sys.stderr,
+        )
+        return 2
+    t_start = time.perf_counter()
+    report: dict[str, Any] = {
+        "meta": {
+            "machine": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "reps": args.reps,
+            "sizes_mb": sizes,
+            "quick": args.quick,
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+            "workdir": work,
+        },
+        "sizes": {},
+    }
+    print(f"bench_async: sizes {sizes} MB, {args.reps} reps, writing under {work}", flush=True)
+    try:
+        model = opt = None
+        for mb in sizes:
+            model = opt = None
+            gc.collect()
+            model, opt = build_state(mb)
+            nb = nbytes_of(state_tensors(model, opt))
+            print(f"  state {nb / 1e9:.2f} GB (--sizes {mb}): save", flush=True)
+            times = bench_saves(model, opt, work, args.reps)
+            print("  restore (fresh process each)", flush=True)
+            times.update(bench_restores(work, mb, args.reps))
+            for p in ("torch.pt", "dcp", "ours"):
+                rm(os.path.join(work, p))
+            report["sizes"][str(mb)] = {
+                "state_bytes": nb,
+                "median_s": {k: med(v) for k, v in times.items()},
+                "all_s": times,
+            }
+        assert model is not None and opt is not None
+        print(f"  training loop at the largest state ({sizes[-1]} MB)", flush=True)
+        loop = bench_loop(model, opt, sizes[-1], work, args)
+        loop["state_bytes"] = report["sizes"][str(sizes[-1])]["state_bytes"]
+        report["loop"] = loop
+        model = opt = None
+        gc.collect()
+        print(f"  RSS across {args.rss_saves} saves ({sizes[0]} MB, fresh process each)", flush=True)
+        report["rss"] = bench_rss(work, sizes[0], args.rss_saves)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report["goals_state_bytes"] = report["sizes"][str(sizes[-1])]["state_bytes"]
+    report["goals"] = goals(report)
+    report["meta"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    report["meta"]["runtime_s"] = time.perf_counter() - t_start
+    with open(os.path.join(args.out, "bench_async.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    md = markdown(report)
+    with open(os.path.join(args.out, "bench_async.md"), "w") as f:
+        f.write(md)
+    if args.plot:
+        plot(report, os.path.join(args.out, "bench_async.png"))
+    print()
+    print(md)
+    missed = [g for g in report["goals"] if not g["met"]]
+    for g in missed:
+        print(f"MISSED: {g['goal']}: {g['value']:.2f} (goal {g['target']}): {g['detail']}")
+    print(f"runtime {report['meta']['runtime_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
