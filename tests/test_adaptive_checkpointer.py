@@ -6,12 +6,14 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import statistics
 import time
 
 import pytest
 import torch
 
 from resilient_callbacks import Checkpointer, ConfigError, history
+from resilient_callbacks.adaptive import daly_interval
 
 
 def _loop(ck: Checkpointer, state: dict, start: int, n: int, step_s: float) -> list[int]:
@@ -90,3 +92,24 @@ def test_loss_jump_triggers_an_extra_save(tmp_path, caplog):
 def test_invalid_policy_options(tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):
         Checkpointer(tmp_path / "ck", **kw)
+
+
+def test_live_interval_matches_daly_within_10_percent(tmp_path):
+    """With a measured save cost and a configured MTBF, the interval chosen is Daly's optimum."""
+    state = {"w": torch.zeros(2_000_000)}  # 8 MB: a save costs a few ms, measured for real
+    mtbf_hours = 0.002
+    with Checkpointer(
+        tmp_path / "ck",
+        adaptive=True,
+        mtbf_hours=mtbf_hours,
+        max_overhead=None,
+        async_save=False,
+        preemption=False,
+    ) as ck:
+        ck.restore(state)
+        _loop(ck, state, 0, 120, 0.002)
+        assert ck.schedule is not None
+        cost = statistics.median(ck._save_seconds)  # what the training loop really waited
+        want = daly_interval(cost, mtbf_hours * 3600)
+        got = ck.schedule.interval_seconds()
+    assert abs(got - want) <= 0.10 * want, (got, want, ck.schedule.explain())
