@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(args.sleep)
                 if step >= args.steps:
                     break
+        # The final state too (a no-op when the last step was just saved), so re-running a
+        # finished job only restores and exits.
+        ckpt.save(step, state)
 
     if log_fd is not None:
         os.close(log_fd)

@@ -59,6 +59,7 @@ from .tensorfile import write_json
 
 log = logging.getLogger("resilient_callbacks")
 
+GRACE_ENV = "RESILIENT_GRACE_PERIOD_S"  # default grace period (s) when grace_period is None
 RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, retry": checkpoint saved, restart me
 
 
@@ -272,10 +273,19 @@ class Checkpointer:
         self._poller: MetadataPoller | None = None
         self._open()
         if self.config.preemption:
+            grace = self.config.grace_period
+            if grace is None and os.environ.get(GRACE_ENV):
+                # set by the job recipes from the scheduler's grace period
+                try:
+                    grace = float(os.environ[GRACE_ENV])
+                except ValueError:
+                    log.warning(
+                        "ignoring %s=%r: not a number of seconds", GRACE_ENV, os.environ[GRACE_ENV]
+                    )
             self.watcher = PreemptionWatcher(
                 signals=self.config.signals,
                 handle_sigint=self.config.handle_sigint,
-                grace_period_s=self.config.grace_period,
+                grace_period_s=grace,
             )
             self.watcher.install()
             if self.config.metadata_notices is not None:
