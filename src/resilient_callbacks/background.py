@@ -13,12 +13,15 @@ order.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 
 Job = Callable[[], None]
+BACKGROUND_NICE = 19
 
 
 class BackgroundPersister:
@@ -32,6 +35,10 @@ class BackgroundPersister:
         self._thread.start()
 
     def _run(self) -> None:
+        # Lowest CPU priority for this thread only (Linux applies setpriority to a thread id):
+        # when cores are scarce, the training threads win and the persist takes the slack.
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         while True:
             job = self._q.get()
             if job is None:
