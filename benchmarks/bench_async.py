@@ -6,10 +6,12 @@ throughput, restore, a training loop, and memory across many saves.
 
 State: an MLP of square ``Linear`` layers plus its AdamW state after one step (parameters +
 ``exp_avg`` + ``exp_avg_sq``, fp32), about ``--sizes`` MB each (default ~256 MB and ~1.5 GB).
-Every figure is the median of ``--reps`` repetitions after one warm-up, and every ratio is
-against a baseline measured right beside it, in the same run, on the same disk (see "Performance
-method" in DESIGN.md: absolute times on a shared 2-core machine are noise, ratios are not).
-Written files are deleted between repetitions.
+Every figure is the median of ``--reps`` repetitions after one discarded warm-up round; methods
+run round-robin within each repetition, so slow drift of a shared machine hits them alike; every
+ratio is against a baseline measured right beside it, in the same run, on the same disk (see
+"Performance method" in DESIGN.md: absolute times on a shared 2-core machine are noise, ratios
+are not). Baselines' files are deleted right after each measurement (at most ~4x the largest
+state is on disk at once; the benchmark refuses to start with less free).
 
 Save, per size (blocking = time until the call returns to the training thread; total = until
 the checkpoint is durable):
@@ -20,11 +22,13 @@ the checkpoint is durable):
 - ``torch.save+fsync``, ``safetensors.save_file+fsync``;
 - ``DCP save``: ``torch.distributed.checkpoint.save`` (single process: torch 2.13 saves without
   a process group, it only warns), of ``get_state_dict(model, optimizer)``;
-- ``DCP async_save``: the default stager (a fresh CPU copy per save); blocking = until
-  ``async_save`` returns, total = until its future completes;
+- ``DCP async_save``: the default stager (a fresh CPU copy per save; the cached stager,
+  ``FileSystemWriter(cache_staged_state_dict=True)``, pins memory and fails without a GPU);
+  blocking = until ``async_save`` returns, total = until its future completes;
 - ours: ``Checkpointer(async_save=False).save`` (sync), ``Checkpointer.save`` in the default
   background mode (blocking and total = ``save`` + ``flush``), and ``overlap_snapshot=True``
-  (blocking and total, no training step in between).
+  (blocking and total, no training step in between). Each keeps ``keep_last=1``, so retention
+  deletes the previous checkpoint inside every save, as in steady state.
 
 Restore, per size, each repetition in a fresh process (files in the page cache after a discarded
 warm-up; a freshly built model and an optimizer with empty state as targets; timed: load, then
@@ -33,14 +37,17 @@ loaded, for every method): ``Checkpointer.restore`` (verifies every checksum),
 ``torch.load(mmap=True, weights_only=True)`` + ``load_state_dict``, and DCP ``load`` (with
 ``get_state_dict``/``set_state_dict``, DCP's recipe for an optimizer with empty state).
 
-Training loop, at the largest size: forward/backward + AdamW step of the same MLP on a batch
-calibrated so one step takes ~0.5 s, ``--loop-steps`` steps (32) with a checkpoint every
-``--every`` steps (5: saves at 5, 10, ..., 30; the tail steps let the last background save
-overlap training as in a long run), total time including waiting for the last checkpoint to be
-durable; for no checkpointing (run first and last, averaged), ``torch.save``+fsync,
-DCP ``async_save`` (waiting for the previous future before the next save), ours (background),
-and ours (overlapped). Stall per save = the save step's time plus the next step's (where the
-overlapped copy is waited for, in the optimizer pre-step hook) minus two plain steps.
+Training loop, at the smallest size (``--loop-mb``; at ~1.5 GB one AdamW step alone takes 2-3 s
+on a 2-core machine, far from the 0.3-1 s wanted): forward/backward + AdamW step of the same MLP
+on a batch calibrated so one step takes ~``--step-target`` (0.5 s), ``--loop-steps`` steps (22)
+with a checkpoint every ``--every`` steps (5: saves at 5, 10, 15, 20; the tail steps let the last
+background save overlap training, as in a long run); total time including waiting for the last
+checkpoint to be durable; for no checkpointing, ``torch.save``+fsync, DCP ``async_save``
+(waiting for the previous future before the next save, as its docs recommend), ours (background)
+and ours (overlapped); ``--loop-rounds`` (2) runs of each, interleaved, median. Blocking per save
+= the whole call on a save step (``ck.step``, or the save code of a baseline), including any wait
+for the previous save to finish; stall per save = the save step's time plus the next step's
+(where the overlapped copy is waited for, in the optimizer pre-step hook) minus two plain steps.
 
 Memory: in a fresh process per method, RSS (psutil) after each of ``--rss-saves`` (30)
 consecutive saves of the smallest state without flushing in between (ours: the bounded queue
@@ -149,6 +156,27 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def library_version() -> str:
+    """The commit of the working tree and whether src/ differs from it (results depend on it)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--", "src"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return head + (" (src/ modified)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def rss_bytes() -> int:
     import psutil
 
@@ -162,18 +190,32 @@ def dcp_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, A
     return {"model": msd, "optim": osd}
 
 
-def repeat(
-    fn: Callable[[], dict[str, float]], reps: int, setup: Callable[[], Any] | None = None
-) -> dict[str, list[float]]:
-    """One untimed warm-up, then ``reps`` timed runs; ``fn`` returns named seconds."""
+class Method:
+    """One measured method: ``fn`` returns named seconds; ``setup``/``cleanup`` are untimed."""
+
+    def __init__(
+        self,
+        fn: Callable[[], dict[str, float]],
+        setup: Callable[[], Any] | None = None,
+        cleanup: Callable[[], Any] | None = None,
+    ) -> None:
+        self.fn, self.setup, self.cleanup = fn, setup, cleanup
+
+
+def round_robin(methods: list[Method], reps: int) -> dict[str, list[float]]:
+    """``reps + 1`` rounds; each round runs every method once, in order (so slow drift of a
+    shared machine hits every method alike); the first round is a discarded warm-up."""
     out: dict[str, list[float]] = {}
     for i in range(reps + 1):
-        if setup:
-            setup()
-        r = fn()
-        if i:
-            for k, v in r.items():
-                out.setdefault(k, []).append(v)
+        for m in methods:
+            if m.setup:
+                m.setup()
+            r = m.fn()
+            if m.cleanup:
+                m.cleanup()
+            if i:
+                for k, v in r.items():
+                    out.setdefault(k, []).append(v)
     return out
 
 
@@ -183,17 +225,15 @@ def repeat(
 def bench_saves(
     model: torch.nn.Module, opt: torch.optim.Optimizer, work: str, reps: int
 ) -> dict[str, list[float]]:
+    """Every save method, round-robin. Files of the baselines are deleted right after each
+    measurement; each of our three Checkpointers keeps its newest checkpoint (``keep_last=1``:
+    retention deletes the previous one after each commit, as in steady state), so at most
+    ~4x the state is on disk at once. Leaves ``ours/`` (background mode) for the restores."""
     import torch.distributed.checkpoint as dcp
 
     tensors = state_tensors(model, opt)
     state = {"model": model, "optimizer": opt}
-    results: dict[str, list[float]] = {}
-
-    def run(name: str, fn: Callable[[], dict[str, float]], setup: Any = None) -> None:
-        r = repeat(fn, reps, setup)
-        results.update(r)
-        for k, v in r.items():
-            print(f"    {k:40} median {med(v):8.3f} s", flush=True)
+    methods: list[Method] = []
 
     raw_p = os.path.join(work, "raw.bin")
 
@@ -209,8 +249,7 @@ def bench_saves(
             os.fsync(f.fileno())
         return {"raw write+fsync": time.perf_counter() - t0}
 
-    run("raw", raw, lambda: rm(raw_p))
-    rm(raw_p)
+    methods.append(Method(raw, cleanup=lambda: rm(raw_p)))
 
     bufs = [torch.empty_like(t) for t in tensors]
 
@@ -220,11 +259,7 @@ def bench_saves(
             b.copy_(t)
         return {"copy_ floor": time.perf_counter() - t0}
 
-    run("copy", copy_floor)
-    del bufs
-    gc.collect()
-
-    pt = os.path.join(work, "torch.pt")
+    pt = os.path.join(work, "torch_bench.pt")
 
     def tsave() -> dict[str, float]:
         t0 = time.perf_counter()
@@ -232,7 +267,7 @@ def bench_saves(
         fsync_path(pt)
         return {"torch.save+fsync": time.perf_counter() - t0}
 
-    run("torch.save", tsave, lambda: rm(pt))  # the last one is kept for restore
+    methods.append(Method(tsave, cleanup=lambda: rm(pt)))
 
     st = os.path.join(work, "st.safetensors")
     flat = {f"m.{k}": v for k, v in model.state_dict().items()}
@@ -247,18 +282,16 @@ def bench_saves(
         fsync_path(st)
         return {"safetensors.save_file+fsync": time.perf_counter() - t0}
 
-    run("safetensors", stsave, lambda: rm(st))
-    rm(st)
-    del flat
+    methods.append(Method(stsave, cleanup=lambda: rm(st)))
 
-    dcp_dir = os.path.join(work, "dcp")
+    dcp_dir = os.path.join(work, "dcp_bench")
 
     def dsave() -> dict[str, float]:
         t0 = time.perf_counter()
         dcp.save(dcp_state(model, opt), checkpoint_id=dcp_dir)
         return {"DCP save": time.perf_counter() - t0}
 
-    run("dcp", dsave, lambda: rm(dcp_dir))  # the last one is kept for restore
+    methods.append(Method(dsave, cleanup=lambda: rm(dcp_dir)))
 
     dcp_async_dir = os.path.join(work, "dcp_async")
 
@@ -270,43 +303,62 @@ def bench_saves(
         t2 = time.perf_counter()
         return {"DCP async_save (blocking)": t1 - t0, "DCP async_save (total)": t2 - t0}
 
-    run("dcp async", dasync, lambda: rm(dcp_async_dir))
-    rm(dcp_async_dir)
-    gc.collect()
+    methods.append(Method(dasync, cleanup=lambda: (rm(dcp_async_dir), gc.collect())))
 
-    ours_sync = os.path.join(work, "ours_sync")
-    ck = Checkpointer(ours_sync, keep_last=1, async_save=False, preemption=False)
     counter = iter(range(1, 1_000_000))
+    ck_sync = Checkpointer(
+        os.path.join(work, "ours_sync"), keep_last=1, async_save=False, preemption=False
+    )
 
     def sync_save() -> dict[str, float]:
         t0 = time.perf_counter()
-        ck.save(next(counter), state)
+        ck_sync.save(next(counter), state)
         return {"ours sync save": time.perf_counter() - t0}
 
-    run("ours sync", sync_save)
-    ck.close()
-    rm(ours_sync)
+    methods.append(Method(sync_save))
 
-    for mode, overlap in (("async", False), ("overlapped", True)):
-        d = os.path.join(work, "ours" if mode == "async" else "ours_overlap")
-        ck = Checkpointer(d, keep_last=1, preemption=False, overlap_snapshot=overlap)
+    cks = {
+        "async": Checkpointer(os.path.join(work, "ours"), keep_last=1, preemption=False),
+        "overlapped": Checkpointer(
+            os.path.join(work, "ours_overlap"), keep_last=1, preemption=False, overlap_snapshot=True
+        ),
+    }
 
-        def bg_save(ck: Checkpointer = ck, mode: str = mode) -> dict[str, float]:
-            t0 = time.perf_counter()
-            ck.save(next(counter), state)
-            t1 = time.perf_counter()
-            ck.flush()
-            t2 = time.perf_counter()
-            return {f"ours {mode} save (blocking)": t1 - t0, f"ours {mode} save (total)": t2 - t0}
+    def bg_save(mode: str) -> dict[str, float]:
+        ck = cks[mode]
+        t0 = time.perf_counter()
+        ck.save(next(counter), state)
+        t1 = time.perf_counter()
+        ck.flush()
+        t2 = time.perf_counter()
+        return {f"ours {mode} save (blocking)": t1 - t0, f"ours {mode} save (total)": t2 - t0}
 
-        run(f"ours {mode}", bg_save)
+    # copy_ floor right before our background save: the pair the first goal compares runs
+    # back to back in every round
+    methods.append(Method(lambda: bg_save("overlapped")))
+    methods.append(Method(copy_floor))
+    methods.append(Method(lambda: bg_save("async")))
+
+    results = round_robin(methods, reps)
+    for mode, ck in cks.items():
         results[f"ours {mode} save (blocking_seconds attr)"] = list(ck.blocking_seconds)[-reps:]
         ck.close()
-        del ck, bg_save
-        gc.collect()
-        if overlap:
-            rm(d)  # the background-mode checkpoint in "ours" is kept for restore
+    ck_sync.close()
+    rm(os.path.join(work, "ours_sync"))
+    rm(os.path.join(work, "ours_overlap"))
+    for k, v in results.items():
+        print(f"    {k:46} median {med(v):8.3f} s", flush=True)
     return results
+
+
+def write_restore_sources(model: torch.nn.Module, opt: torch.optim.Optimizer, work: str) -> None:
+    """The torch.save file and the DCP checkpoint the restores read (ours/ is already there)."""
+    import torch.distributed.checkpoint as dcp
+
+    p = os.path.join(work, "torch.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, p)
+    fsync_path(p)
+    dcp.save(dcp_state(model, opt), checkpoint_id=os.path.join(work, "dcp"))
 
 
 # --------------------------------------------------------------------------- restore section
@@ -318,29 +370,45 @@ def restore_worker(method: str, work: str, mb: int) -> None:
     model = build_model(mb)  # same shapes; values are overwritten by the restore
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # empty state, as at a real resume
     gc.collect()
+    parts: dict[str, float] = {}
     t0 = time.perf_counter()
     if method == "ours":
-        with Checkpointer(os.path.join(work, "ours"), preemption=False) as ck:
-            step = ck.restore({"model": model, "optimizer": opt})
+        ck = Checkpointer(os.path.join(work, "ours"), preemption=False)
+        t1 = time.perf_counter()
+        step = ck.restore({"model": model, "optimizer": opt})
+        t2 = time.perf_counter()
+        ck.close()
+        parts = {"open": t1 - t0, "restore": t2 - t1, "close": time.perf_counter() - t2}
         assert step > 0, "nothing restored"
     elif method == "torch_mmap":
         sd = torch.load(os.path.join(work, "torch.pt"), mmap=True, weights_only=True)
+        t1 = time.perf_counter()
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optimizer"])
+        parts = {"torch.load": t1 - t0, "load_state_dict": time.perf_counter() - t1}
     elif method == "dcp":
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        sd = dcp_state(model, opt)  # allocates the optimizer state (a zero-lr step)
+        sd = dcp_state(model, opt)  # allocates the optimizer state (a zero-lr optimizer step)
+        t1 = time.perf_counter()
         dcp.load(sd, checkpoint_id=os.path.join(work, "dcp"))
+        t2 = time.perf_counter()
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        parts = {
+            "get_state_dict (optimizer-state init)": t1 - t0,
+            "dcp.load": t2 - t1,
+            "set_state_dict": time.perf_counter() - t2,
+        }
     else:
         raise SystemExit(f"unknown restore method {method}")
     tensors = state_tensors(model, opt)
+    t3 = time.perf_counter()
     touch(tensors)
-    elapsed = time.perf_counter() - t0
+    end = time.perf_counter()
+    parts["touch one byte per page"] = end - t3
     if len(opt.state) != len(list(model.parameters())):
         raise SystemExit(f"{method}: optimizer state not restored")
-    print(json.dumps({"seconds": elapsed, "bytes": nbytes_of(tensors)}))
+    print(json.dumps({"seconds": end - t0, "parts": parts, "bytes": nbytes_of(tensors)}))
 
 
 RESTORE_METHODS = [
@@ -350,11 +418,15 @@ RESTORE_METHODS = [
 ]
 
 
-def bench_restores(work: str, mb: int, reps: int) -> dict[str, list[float]]:
+def bench_restores(
+    work: str, mb: int, reps: int
+) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """Each repetition in a fresh process; methods round-robin; the first round (which also
+    warms the page cache) is discarded. Returns seconds and the median of each part."""
     results: dict[str, list[float]] = {}
-    for name, method in RESTORE_METHODS:
-        times = []
-        for _ in range(reps + 1):
+    parts: dict[str, dict[str, list[float]]] = {}
+    for i in range(reps + 1):
+        for name, method in RESTORE_METHODS:
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", "restore", method, work, "--mb", str(mb)],
                 capture_output=True,
@@ -362,10 +434,14 @@ def bench_restores(work: str, mb: int, reps: int) -> dict[str, list[float]]:
             )
             if out.returncode != 0:
                 raise RuntimeError(f"restore worker {method} failed:\n{out.stdout}\n{out.stderr}")
-            times.append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
-        results[name] = times[1:]  # the first run warms the page cache
-        print(f"    {name:40} median {med(results[name]):8.3f} s", flush=True)
-    return results
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            if i:
+                results.setdefault(name, []).append(r["seconds"])
+                for k, v in r["parts"].items():
+                    parts.setdefault(name, {}).setdefault(k, []).append(v)
+    for name, _ in RESTORE_METHODS:
+        print(f"    {name:46} median {med(results[name]):8.3f} s", flush=True)
+    return results, {n: {k: med(v) for k, v in p.items()} for n, p in parts.items()}
 
 
 # --------------------------------------------------------------------------- training loop
@@ -394,7 +470,7 @@ def calibrate_batch(
     t_lo, t_hi = step_time(lo), step_time(hi)
     per = max((t_hi - t_lo) / (hi - lo), 1e-6)
     fixed = max(t_lo - per * lo, 0.0)
-    b = int(round((target - fixed) / per)) if target > fixed else 1
+    b = round((target - fixed) / per) if target > fixed else 1
     b = min(max(b, 1), 1024)
     return b, step_time(b)
 
@@ -443,10 +519,16 @@ def run_loop(
             if fut is not None:
                 fut.result()  # at most one in flight, as DCP's docs recommend
             rm(os.path.join(d, f"step{step - 2 * every}"))
-            fut = dcp.async_save(dcp_state(model, opt), checkpoint_id=os.path.join(d, f"step{step}"))
+            fut = dcp.async_save(
+                dcp_state(model, opt), checkpoint_id=os.path.join(d, f"step{step}")
+            )
             blocking.append(time.perf_counter() - tb)
         elif ck is not None:
-            ck.step(step, state)
+            tb = time.perf_counter()
+            if ck.step(step, state):
+                # the training thread's whole wait, including any wait for the previous save
+                # to finish (ck.blocking_seconds counts only the snapshot after that wait)
+                blocking.append(time.perf_counter() - tb)
         if due and kind != "none":
             saved_at.append(step)
         times.append(time.perf_counter() - t0)
@@ -462,64 +544,74 @@ def run_loop(
         "step_s": times,
         "saved_at": saved_at,
     }
+    out["blocking_s"] = blocking
     if ck is not None:
-        out["blocking_s"] = list(ck.blocking_seconds)
+        out["blocking_seconds_attr"] = list(ck.blocking_seconds)
         out["waits_for_previous"] = ck.waits_for_previous
         out["committed_saves"] = ck.committed_saves
         ck.close()
         del ck
-    else:
-        out["blocking_s"] = blocking
     gc.collect()
     rm(d)
     return out
 
 
-LOOP_KINDS = ["none", "torch.save", "DCP async_save", "ours async", "ours overlapped", "none"]
+LOOP_KINDS = ["none", "torch.save", "DCP async_save", "ours async", "ours overlapped"]
 
 
 def bench_loop(
     model: torch.nn.Module, opt: torch.optim.Optimizer, mb: int, work: str, args: Any
 ) -> dict[str, Any]:
+    """``--loop-rounds`` rounds of every kind (order reversed every other round, so drift of a
+    shared machine hits every kind alike); per kind the median total over rounds."""
     width = width_for(mb)
     batch, step_s = calibrate_batch(model, opt, width, args.step_target)
     print(f"    batch {batch}: one training step ~{step_s:.3f} s", flush=True)
     torch.manual_seed(1)
     x = torch.randn(batch, width)
-    runs: dict[str, Any] = {}
-    none_runs = []
-    for kind in LOOP_KINDS:
-        r = run_loop(kind, model, opt, x, args.loop_steps, args.every, work)
-        if kind == "none":
-            none_runs.append(r)
-        else:
-            runs[kind] = r
-        print(
-            f"    {kind:18} total {r['total_s']:7.2f} s  (final wait {r['final_wait_s']:.2f} s)",
-            flush=True,
-        )
-    base_total = statistics.mean(r["total_s"] for r in none_runs)
-    plain = med([t for r in none_runs for t in r["step_s"]])
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in LOOP_KINDS}
+    for rnd in range(args.loop_rounds):
+        for kind in LOOP_KINDS if rnd % 2 == 0 else LOOP_KINDS[::-1]:
+            r = run_loop(kind, model, opt, x, args.loop_steps, args.every, work)
+            runs[kind].append(r)
+            print(
+                f"    round {rnd + 1} {kind:16} total {r['total_s']:7.2f} s  "
+                f"(final wait {r['final_wait_s']:.2f} s)",
+                flush=True,
+            )
+    base_total = med([r["total_s"] for r in runs["none"]])
+    plain = med([t for r in runs["none"] for t in r["step_s"]])
     summary: dict[str, Any] = {}
-    for kind, r in runs.items():
-        st = r["step_s"]
-        stalls = [st[s - 1] + st[s] - 2 * plain for s in r["saved_at"] if s < len(st)]
+    for kind in LOOP_KINDS[1:]:
+        rs = runs[kind]
+        total = med([r["total_s"] for r in rs])
+        stalls = [
+            r["step_s"][s - 1] + r["step_s"][s] - 2 * plain
+            for r in rs
+            for s in r["saved_at"]
+            if s < len(r["step_s"])
+        ]
         summary[kind] = {
-            "total_s": r["total_s"],
-            "overhead_s": r["total_s"] - base_total,
-            "overhead_pct": 100 * (r["total_s"] - base_total) / base_total,
-            "saves": len(r["saved_at"]),
-            "median_blocking_s": med(r["blocking_s"]),
+            "total_s": total,
+            "totals_s": [r["total_s"] for r in rs],
+            "overhead_s": total - base_total,
+            "overhead_pct": 100 * (total - base_total) / base_total,
+            "saves_per_run": len(rs[0]["saved_at"]),
+            "median_blocking_s": med([b for r in rs for b in r["blocking_s"]]),
             "median_stall_per_save_s": med(stalls),
-            "final_wait_s": r["final_wait_s"],
+            "median_final_wait_s": med([r["final_wait_s"] for r in rs]),
+            "waits_for_previous": sum(r.get("waits_for_previous", 0) for r in rs),
         }
     return {
+        "mb": mb,
         "batch": batch,
         "calibrated_step_s": step_s,
         "plain_step_median_s": plain,
         "steps": args.loop_steps,
         "every": args.every,
-        "no_checkpoint_total_s": [r["total_s"] for r in none_runs],
+        "rounds": args.loop_rounds,
+        "no_checkpoint_totals_s": [r["total_s"] for r in runs["none"]],
+        "no_checkpoint_total_s": base_total,
         "summary": summary,
         "runs": runs,
     }
@@ -576,8 +668,18 @@ def bench_rss(work: str, mb: int, n: int) -> dict[str, Any]:
     out: dict[str, Any] = {"saves": n, "mb": mb}
     for name, method in (("ours async", "ours"), ("DCP async_save", "dcp")):
         p = subprocess.run(
-            [sys.executable, __file__, "--worker", "rss", method, work, "--mb", str(mb),
-             "--rss-saves", str(n)],
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "rss",
+                method,
+                work,
+                "--mb",
+                str(mb),
+                "--rss-saves",
+                str(n),
+            ],
             capture_output=True,
             text=True,
         )
@@ -618,12 +720,17 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
         )
 
     r = blocking / m["copy_ floor"]
+    a = big["all_s"]
+    paired = med(
+        [b / c for b, c in zip(a["ours async save (blocking)"], a["copy_ floor"], strict=True)]
+    )
     row(
         "blocking / copy_ floor",
         r,
         "<= 1.5",
         r <= 1.5,
-        f"save() blocks {blocking:.3f} s; copy_ of the same tensors {m['copy_ floor']:.3f} s",
+        f"save() blocks {blocking:.3f} s; copy_ of the same tensors {m['copy_ floor']:.3f} s; "
+        f"median of the per-round ratios (the two run back to back) {paired:.2f}",
     )
     r = blocking / m["torch.save+fsync"]
     row(
@@ -670,18 +777,20 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
         f"ours {rss['growth_bytes'] / 1e6:+.0f} MB; DCP async_save "
         f"{report['rss']['DCP async_save']['growth_pct_of_state']:+.1f}%",
     )
-    loop = report["loop"]["summary"]
+    lp = report["loop"]
+    loop = lp["summary"]
     dcp_ov = loop["DCP async_save"]["overhead_pct"]
     for kind in ("ours async", "ours overlapped"):
         ov = loop[kind]["overhead_pct"]
         row(
-            f"training-loop overhead, {kind} (%)",
+            f"training-loop overhead, {kind} (%, {lp['state_bytes'] / 1e9:.2f} GB state)",
             ov,
             f"<= DCP async_save ({dcp_ov:.1f}%)",
             ov <= dcp_ov,
             f"{loop[kind]['overhead_s']:.2f} s vs {loop['DCP async_save']['overhead_s']:.2f} s "
-            f"over {loop[kind]['saves']} saves; stall/save {loop[kind]['median_stall_per_save_s']:.3f}"
-            f" s vs {loop['DCP async_save']['median_stall_per_save_s']:.3f} s",
+            f"per run of {lp['steps']} steps ({loop[kind]['saves_per_run']} saves); stall/save "
+            f"{loop[kind]['median_stall_per_save_s']:.3f} s vs "
+            f"{loop['DCP async_save']['median_stall_per_save_s']:.3f} s",
         )
     return rows
 
@@ -706,7 +815,8 @@ def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [
         f"# bench_async: {meta['cpus']} CPUs, torch {meta['torch']}, medians of {meta['reps']} "
-        f"(load average at start {meta['loadavg_start']}, end {meta.get('loadavg_end')})",
+        f"(load average at start {meta['loadavg_start']}, end {meta.get('loadavg_end')}), "
+        f"library {meta.get('library')}, runtime {meta.get('runtime_s', 0):.0f} s",
         "",
     ]
     for mb, s in report["sizes"].items():
@@ -715,13 +825,16 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             f"## Save, state {nb / 1e9:.2f} GB (--sizes {mb})",
             "",
-            "| method | median s | GB/s | vs torch.save+fsync | vs raw write+fsync | vs copy_ floor |",
-            "|---|---|---|---|---|---|",
+            "| method | median s | min-max s | GB/s | vs torch.save+fsync | vs raw write+fsync "
+            "| vs copy_ floor |",
+            "|---|---|---|---|---|---|---|",
         ]
         for key, label in SAVE_ROWS:
             v = m[key]
+            xs = s["all_s"][key]
             lines.append(
-                f"| {label} | {v:.3f} | {nb / v / 1e9:.2f} | {v / ts:.2f}x | "
+                f"| {label} | {v:.3f} | {min(xs):.3f}-{max(xs):.3f} | {nb / v / 1e9:.2f} | "
+                f"{v / ts:.2f}x | "
                 f"{v / m['raw write+fsync']:.2f}x | {v / m['copy_ floor']:.2f}x |"
             )
         rt = m["torch.load(mmap)+load_state_dict"]
@@ -729,32 +842,45 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             f"## Restore, state {nb / 1e9:.2f} GB (fresh process, every page touched)",
             "",
-            "| method | median s | GB/s | vs torch.load(mmap)+load_state_dict |",
-            "|---|---|---|---|",
+            "| method | median s | GB/s | vs torch.load(mmap)+load_state_dict | median parts, s |",
+            "|---|---|---|---|---|",
         ]
         for key, _ in RESTORE_METHODS:
             v = m[key]
-            lines.append(f"| {key} | {v:.3f} | {nb / v / 1e9:.2f} | {v / rt:.2f}x |")
+            parts = ", ".join(
+                f"{k} {x:.3f}" for k, x in s.get("restore_parts_median_s", {}).get(key, {}).items()
+            )
+            lines.append(f"| {key} | {v:.3f} | {nb / v / 1e9:.2f} | {v / rt:.2f}x | {parts} |")
         lines.append("")
     lp = report["loop"]
     lines += [
         f"## Training loop, state {lp['state_bytes'] / 1e9:.2f} GB: {lp['steps']} steps, "
         f"checkpoint every {lp['every']}, batch {lp['batch']}, plain step "
-        f"{lp['plain_step_median_s']:.3f} s; no checkpointing: "
-        + " / ".join(f"{t:.2f}" for t in lp["no_checkpoint_total_s"])
-        + " s (first / last run)",
+        f"{lp['plain_step_median_s']:.3f} s, median of {lp['rounds']} runs each; no "
+        f"checkpointing: {lp['no_checkpoint_total_s']:.2f} s ("
+        + " / ".join(f"{t:.2f}" for t in lp["no_checkpoint_totals_s"])
+        + ")",
         "",
-        "| checkpointing | total s | overhead s | overhead % | vs DCP async_save overhead "
-        "| saves | median blocking s | median stall/save s | final wait s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| checkpointing | total s (runs) | overhead s | overhead % | vs DCP async_save overhead "
+        "| saves/run | median blocking s | median stall/save s | final wait s "
+        "| saves that waited for the previous |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     dcp_ov = lp["summary"]["DCP async_save"]["overhead_s"]
     for kind, r in lp["summary"].items():
         rel = r["overhead_s"] / dcp_ov if dcp_ov > 0 else float("nan")
+        runs = " / ".join(f"{t:.2f}" for t in r["totals_s"])
         lines.append(
-            f"| {kind} | {r['total_s']:.2f} | {r['overhead_s']:.2f} | {r['overhead_pct']:.1f} | "
-            f"{rel:.2f}x | {r['saves']} | {r['median_blocking_s']:.3f} | "
-            f"{r['median_stall_per_save_s']:.3f} | {r['final_wait_s']:.2f} |"
+            f"| {kind} | {r['total_s']:.2f} ({runs}) | {r['overhead_s']:.2f} | "
+            f"{r['overhead_pct']:.1f} | {rel:.2f}x | {r['saves_per_run']} | "
+            f"{r['median_blocking_s']:.3f} | {r['median_stall_per_save_s']:.3f} | "
+            f"{r['median_final_wait_s']:.2f} | "
+            + (
+                f"{r['waits_for_previous']} of {r['saves_per_run'] * lp['rounds']}"
+                if kind.startswith("ours")
+                else ""
+            )
+            + " |"
         )
     rs = report["rss"]
     lines += [
@@ -783,7 +909,7 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for g in report["goals"]:
         lines.append(
-            f"| {g['goal']} | {g['value']:.2f} | {g['target']} | "
+            f"| {g['goal']} | {g['value']:.3g} | {g['target']} | "
             f"{'met' if g['met'] else '**missed**'} | {g['detail']} |"
         )
     return "\n".join(lines) + "\n"
@@ -851,7 +977,15 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on /tmp)")
     ap.add_argument("--plot", action="store_true", help="also write bench_async.png")
     ap.add_argument("--quick", action="store_true", help="small sizes, 2 reps: a smoke test")
-    ap.add_argument("--loop-steps", type=int, default=32)
+    ap.add_argument("--loop-steps", type=int, default=22, help="steps per training-loop run")
+    ap.add_argument("--loop-rounds", type=int, default=2, help="runs of each loop kind")
+    ap.add_argument(
+        "--loop-mb",
+        type=int,
+        default=None,
+        help="state size of the training loop (default: the smallest of --sizes; at ~1.5 GB one "
+        "AdamW step alone takes seconds on a 2-core machine)",
+    )
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--step-target", type=float, default=0.5, help="seconds per training step")
     ap.add_argument("--rss-saves", type=int, default=30)
@@ -872,7 +1006,11 @@ def main() -> int:
     if args.quick:
         args.sizes, args.reps = "16,48", 2
         args.loop_steps, args.every, args.step_target, args.rss_saves = 6, 2, 0.05, 5
+        args.loop_mb = None
     sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
+    loop_mb = args.loop_mb if args.loop_mb is not None else sizes[0]
+    if loop_mb not in sizes:
+        sizes = sorted({*sizes, loop_mb})
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="rc-bench-async-", dir=args.dir)
     need = 4 * max(sizes) * 1_000_000
@@ -898,37 +1036,48 @@ def main() -> int:
             "quick": args.quick,
             "loadavg_start": [round(x, 2) for x in os.getloadavg()],
             "workdir": work,
+            "library": library_version(),
         },
         "sizes": {},
     }
     print(f"bench_async: sizes {sizes} MB, {args.reps} reps, writing under {work}", flush=True)
     try:
-        model = opt = None
         for mb in sizes:
-            model = opt = None
             gc.collect()
+            t_size = time.perf_counter()
             model, opt = build_state(mb)
             nb = nbytes_of(state_tensors(model, opt))
-            print(f"  state {nb / 1e9:.2f} GB (--sizes {mb}): save", flush=True)
+            print(f"  state {nb / 1e9:.2f} GB (--sizes {mb}): save, round-robin", flush=True)
             times = bench_saves(model, opt, work, args.reps)
-            print("  restore (fresh process each)", flush=True)
-            times.update(bench_restores(work, mb, args.reps))
+            gc.collect()  # the snapshot and copy buffers of the save section
+            write_restore_sources(model, opt, work)
+            print("  restore (fresh process each, round-robin)", flush=True)
+            rtimes, rparts = bench_restores(work, mb, args.reps)
+            times.update(rtimes)
             for p in ("torch.pt", "dcp", "ours"):
                 rm(os.path.join(work, p))
             report["sizes"][str(mb)] = {
                 "state_bytes": nb,
                 "median_s": {k: med(v) for k, v in times.items()},
                 "all_s": times,
+                "restore_parts_median_s": rparts,
+                "section_s": time.perf_counter() - t_size,
             }
-        assert model is not None and opt is not None
-        print(f"  training loop at the largest state ({sizes[-1]} MB)", flush=True)
-        loop = bench_loop(model, opt, sizes[-1], work, args)
-        loop["state_bytes"] = report["sizes"][str(sizes[-1])]["state_bytes"]
-        report["loop"] = loop
-        model = opt = None
+            if mb == loop_mb:
+                t_loop = time.perf_counter()
+                print(f"  training loop ({mb} MB state, {args.loop_rounds} rounds)", flush=True)
+                loop = bench_loop(model, opt, mb, work, args)
+                loop["state_bytes"] = nb
+                loop["section_s"] = time.perf_counter() - t_loop
+                report["loop"] = loop
+            model = opt = None
         gc.collect()
-        print(f"  RSS across {args.rss_saves} saves ({sizes[0]} MB, fresh process each)", flush=True)
+        t_rss = time.perf_counter()
+        print(
+            f"  RSS across {args.rss_saves} saves ({sizes[0]} MB, fresh process each)", flush=True
+        )
         report["rss"] = bench_rss(work, sizes[0], args.rss_saves)
+        report["rss"]["section_s"] = time.perf_counter() - t_rss
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["goals_state_bytes"] = report["sizes"][str(sizes[-1])]["state_bytes"]
@@ -946,7 +1095,7 @@ def main() -> int:
     print(md)
     missed = [g for g in report["goals"] if not g["met"]]
     for g in missed:
-        print(f"MISSED: {g['goal']}: {g['value']:.2f} (goal {g['target']}): {g['detail']}")
+        print(f"MISSED: {g['goal']}: {g['value']:.3g} (goal {g['target']}): {g['detail']}")
     print(f"runtime {report['meta']['runtime_s']:.0f} s")
     return 0
 
