@@ -637,7 +637,7 @@ class Checkpointer:
             self.last_saved_step = step
             self._steps_origin = step
             self._clock.reset()
-            blocking = time.perf_counter() - t0
+            blocking = time.perf_counter() - t0 + waited  # what the training loop waited, in all
             self.blocking_seconds.append(blocking)
             self._observe_save(blocking)
             log.debug("step %d: snapshot took %.3f s; persisting in the background", step, blocking)
