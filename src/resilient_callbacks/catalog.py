@@ -22,6 +22,7 @@ from enum import StrEnum
 from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX
 from .errors import CheckpointCorruptError
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .retention import Candidate
 from .tensorfile import digest_file
 
 
@@ -147,6 +148,22 @@ def committed(entries: Iterable[Entry]) -> list[Entry]:
     """Entries that have a manifest (valid, with bad files, or with an unreadable manifest),
     oldest first; those whose manifest cannot be read come first (no commit number)."""
     return [e for e in entries if e.status is not Status.INCOMPLETE]
+
+
+def retention_candidates(entries: Iterable[Entry]) -> list[Candidate]:
+    """The entries retention decides about: those with a readable manifest."""
+    return [
+        Candidate(
+            e.name,
+            e.manifest.step,
+            e.manifest.seq,
+            e.manifest.run_id,
+            e.manifest.metrics,
+            e.status is Status.VALID,
+        )
+        for e in entries
+        if e.manifest is not None
+    ]
 
 
 def next_seq(root: str) -> int:

@@ -53,7 +53,7 @@ from .lock import DirLock
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest, versions
 from .policy import Clock
 from .preemption import MetadataPoller, PreemptionWatcher
-from .retention import Candidate, plan
+from .retention import plan
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import write_json
 
@@ -479,7 +479,11 @@ class Checkpointer:
         ):
             self._pending_jump = True
         proposal = self.schedule.interval_steps() if self.schedule is not None else 0
-        step_time = statistics.median(self._step_seconds) if self._step_seconds else None
+        step_time = (
+            statistics.median(self._step_seconds)
+            if self.world_size > 1 and self._step_seconds
+            else None
+        )
         # Conditions that differ between ranks are agreed on at decision steps (one small
         # all_reduce); between them nothing is exchanged and those conditions wait.
         decided = self._decider.decide(
@@ -728,27 +732,17 @@ class Checkpointer:
             self._step_watch[id(opt)] = opt.register_step_post_hook(post_step)
 
     def _hook_optimizers(self, state: Any) -> None:
-        def rec(obj: Any) -> None:
-            if isinstance(obj, structure.PerRank):
-                rec(obj.obj)
-            elif isinstance(obj, torch.optim.Optimizer):
-                if id(obj) not in self._hooked:
-                    ref = weakref.ref(self)
+        """Make each optimizer's step() wait for the overlapped snapshot copy."""
+        ref = weakref.ref(self)
 
-                    def pre_step(*_: Any, _ref: Any = ref) -> None:
-                        ck = _ref()
-                        if ck is not None:
-                            ck.wait_for_snapshot()
+        def pre_step(*_: Any) -> None:
+            ck = ref()
+            if ck is not None:
+                ck.wait_for_snapshot()
 
-                    self._hooked[id(obj)] = obj.register_step_pre_hook(pre_step)
-            elif isinstance(obj, Mapping):
-                for v in obj.values():
-                    rec(v)
-            elif isinstance(obj, (list, tuple)):
-                for v in obj:
-                    rec(v)
-
-        rec(state)
+        for opt in _optimizers(state):
+            if id(opt) not in self._hooked:
+                self._hooked[id(opt)] = opt.register_step_pre_hook(pre_step)
 
     def _persist(
         self,
@@ -906,18 +900,7 @@ class Checkpointer:
 
     def _apply_retention(self, protect: str) -> None:
         entries = catalog.scan(self.dirpath, Depth.SIZE)
-        cands = [
-            Candidate(
-                e.name,
-                e.manifest.step,
-                e.manifest.seq,
-                e.manifest.run_id,
-                e.manifest.metrics,
-                e.status is Status.VALID,
-            )
-            for e in entries
-            if e.manifest is not None
-        ]
+        cands = catalog.retention_candidates(entries)
         p = plan(cands, self.retention, self.run_id, protected=[protect])
         for name in p.delete:
             path = os.path.join(self.dirpath, name)

@@ -24,7 +24,7 @@ from .commit import remove_checkpoint
 from .errors import CheckpointError
 from .layout import SHARED_STRUCTURE, SHARED_TENSORS
 from .lock import DirLock
-from .retention import Candidate, Plan, RetentionPolicy, plan
+from .retention import Plan, RetentionPolicy, plan
 from .structure import TAG
 from .tensorfile import tensor_meta
 
@@ -50,18 +50,7 @@ def _plan(entries: list[Entry], policy: RetentionPolicy | None = None) -> tuple[
         policy = RetentionPolicy()
         if newest is not None and newest.manifest is not None and newest.manifest.retention:
             policy = RetentionPolicy.from_json(newest.manifest.retention)
-    cands = [
-        Candidate(
-            e.name,
-            e.manifest.step,
-            e.manifest.seq,
-            e.manifest.run_id,
-            e.manifest.metrics,
-            e.status is Status.VALID,
-        )
-        for e in entries
-        if e.manifest is not None
-    ]
+    cands = catalog.retention_candidates(entries)
     return plan(cands, policy, run_id), run_id
 
 

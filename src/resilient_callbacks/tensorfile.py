@@ -137,8 +137,7 @@ def write_json(path: str, obj: Any, *, fsync: bool = True) -> FileDigest:
     return FileDigest(len(data), xxhash.xxh3_64_hexdigest(data))
 
 
-def read_verified(path: str, expect: FileDigest | None) -> bytearray:
-    """Read a whole file, checking its size and checksum against ``expect``."""
+def _checked_size(path: str, expect: FileDigest | None) -> int:
     try:
         size = os.path.getsize(path)
     except FileNotFoundError:
@@ -147,123 +146,23 @@ def read_verified(path: str, expect: FileDigest | None) -> bytearray:
         raise CheckpointCorruptError(
             f"{path}: size {size} bytes, manifest says {expect.size} (truncated or overwritten)"
         )
-    buf = bytearray(size)
-    hasher = new_hasher()
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        pos = 0
-        while pos < size:
-            n = f.readinto(view[pos : min(size, pos + CHUNK)])
-            if not n:
-                raise CheckpointCorruptError(f"{path}: file shrank while being read")
-            hasher.update(view[pos : pos + n])
-            pos += n
+    return size
+
+
+def _check_digest(path: str, hasher: Any, expect: FileDigest | None) -> None:
     if expect is not None and hasher.hexdigest() != expect.xxh3_64:
         raise CheckpointCorruptError(
             f"{path}: checksum mismatch (xxh3_64 {hasher.hexdigest()}, manifest says "
             f"{expect.xxh3_64}); the file's content changed after it was written"
         )
-    return buf
 
 
-def read_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torch.Tensor]:
-    """Read a safetensors file straight into one freshly allocated tensor per entry (no
-    intermediate buffer, no later copy), hashing every byte on the way; raise
-    :class:`CheckpointCorruptError` if size or checksum differ from ``expect``. The tensors are
-    private: callers may keep them."""
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{path}: file listed in the manifest is missing") from None
-    if expect is not None and size != expect.size:
-        raise CheckpointCorruptError(
-            f"{path}: size {size} bytes, manifest says {expect.size} (truncated or overwritten)"
-        )
-    hasher = new_hasher()
-    with open(path, "rb", buffering=0) as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointCorruptError(f"{path}: too short to be a safetensors file")
-        (hlen,) = struct.unpack("<Q", head)
-        if hlen > size - 8:
-            raise CheckpointCorruptError(f"{path}: header length {hlen} exceeds the file size")
-        hbytes = f.read(hlen)
-        hasher.update(head)
-        hasher.update(hbytes)
-        header, data_start = parse_header(head + hbytes, path)
-        entries = sorted(
-            ((k, v) for k, v in header.items() if k != "__metadata__"),
-            key=lambda kv: kv[1]["data_offsets"][0],
-        )
-        out: dict[str, torch.Tensor] = {}
-        pos = 0
-        for name, info in entries:
-            dtype = ST_TO_DTYPE.get(info["dtype"])
-            if dtype is None:
-                raise CheckpointCorruptError(
-                    f"{path}: tensor {name!r} has unknown dtype {info['dtype']}"
-                )
-            start, end = info["data_offsets"]
-            t = torch.empty(info["shape"], dtype=dtype)
-            nbytes = t.numel() * t.element_size()
-            if start != pos or end - start != nbytes or data_start + end > size:
-                raise CheckpointCorruptError(f"{path}: tensor {name!r} has inconsistent offsets")
-            if nbytes:
-                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-                for off in range(0, nbytes, CHUNK):
-                    piece = view[off : off + CHUNK]
-                    got = f.readinto(piece)
-                    if got != len(piece):
-                        raise CheckpointCorruptError(f"{path}: file shrank while being read")
-                    hasher.update(piece)
-            out[name] = t
-            pos = end
-        if data_start + pos != size:
-            raise CheckpointCorruptError(
-                f"{path}: {size - data_start - pos} bytes after the last tensor"
-            )
-    if expect is not None and hasher.hexdigest() != expect.xxh3_64:
-        raise CheckpointCorruptError(
-            f"{path}: checksum mismatch (xxh3_64 {hasher.hexdigest()}, manifest says "
-            f"{expect.xxh3_64}); the file's content changed after it was written"
-        )
-    return out
-
-
-def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torch.Tensor]:
-    """Map a safetensors file privately (copy-on-write: the file is never written), hash every
-    byte of the mapping, and return tensors that view it: no read buffer and no copy. Loading
-    into live objects then copies once (``load_state_dict``), and objects that keep the tensors
-    (optimizers) keep mapped pages that are copied only when written.
-
-    Falls back to :func:`read_tensors_verified` where the file cannot be mapped."""
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{path}: file listed in the manifest is missing") from None
-    if expect is not None and size != expect.size:
-        raise CheckpointCorruptError(
-            f"{path}: size {size} bytes, manifest says {expect.size} (truncated or overwritten)"
-        )
-    try:
-        with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    except (OSError, ValueError):
-        return read_tensors_verified(path, expect)
-    view = memoryview(mm)
-    try:
-        hasher = new_hasher()
-        for off in range(0, size, CHUNK):
-            hasher.update(view[off : off + CHUNK])
-        if expect is not None and hasher.hexdigest() != expect.xxh3_64:
-            raise CheckpointCorruptError(
-                f"{path}: checksum mismatch (xxh3_64 {hasher.hexdigest()}, manifest says "
-                f"{expect.xxh3_64}); the file's content changed after it was written"
-            )
-        header, data_start = parse_header(view[: min(size, 8 + (100 << 20))], path)
-    finally:
-        view.release()
-    out: dict[str, torch.Tensor] = {}
+def _layout(
+    header: dict[str, Any], data_start: int, size: int, path: str
+) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+    """The tensors of a safetensors header in file order, validated: known dtypes, offsets that
+    match the shapes and cover the data region exactly, with no gap and nothing after."""
+    out = []
     pos = 0
     entries = sorted(
         ((k, v) for k, v in header.items() if k != "__metadata__"),
@@ -276,25 +175,105 @@ def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torc
                 f"{path}: tensor {name!r} has unknown dtype {info['dtype']}"
             )
         start, end = info["data_offsets"]
-        shape = info["shape"]
+        shape = list(info["shape"])
         numel = 1
         for d in shape:
             numel *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if start != pos or end - start != numel * itemsize or data_start + end > size:
+        if start != pos or end - start != numel * dtype.itemsize or data_start + end > size:
             raise CheckpointCorruptError(f"{path}: tensor {name!r} has inconsistent offsets")
+        out.append((name, dtype, shape, start, end))
         pos = end
-        if numel == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
-            continue
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=end - start, offset=data_start + start)
-        if (data_start + start) % itemsize:
-            raw = raw.clone()  # unaligned (a file from another writer): one copy for this tensor
-        out[name] = raw.view(dtype).reshape(shape)
     if data_start + pos != size:
         raise CheckpointCorruptError(
             f"{path}: {size - data_start - pos} bytes after the last tensor"
         )
+    return out
+
+
+def read_verified(path: str, expect: FileDigest | None) -> bytearray:
+    """Read a whole file, checking its size and checksum against ``expect``."""
+    size = _checked_size(path, expect)
+    buf = bytearray(size)
+    hasher = new_hasher()
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        pos = 0
+        while pos < size:
+            n = f.readinto(view[pos : min(size, pos + CHUNK)])
+            if not n:
+                raise CheckpointCorruptError(f"{path}: file shrank while being read")
+            hasher.update(view[pos : pos + n])
+            pos += n
+    _check_digest(path, hasher, expect)
+    return buf
+
+
+def read_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torch.Tensor]:
+    """Read a safetensors file straight into one freshly allocated tensor per entry (no
+    intermediate buffer, no later copy), hashing every byte on the way; raise
+    :class:`CheckpointCorruptError` if size or checksum differ from ``expect``. The tensors are
+    private: callers may keep them."""
+    size = _checked_size(path, expect)
+    hasher = new_hasher()
+    with open(path, "rb", buffering=0) as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointCorruptError(f"{path}: too short to be a safetensors file")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > size - 8:
+            raise CheckpointCorruptError(f"{path}: header length {hlen} exceeds the file size")
+        hbytes = f.read(hlen)
+        hasher.update(head)
+        hasher.update(hbytes)
+        header, data_start = parse_header(head + hbytes, path)
+        out: dict[str, torch.Tensor] = {}
+        for name, dtype, shape, start, end in _layout(header, data_start, size, path):
+            t = torch.empty(shape, dtype=dtype)
+            nbytes = end - start
+            if nbytes:
+                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                for off in range(0, nbytes, CHUNK):
+                    piece = view[off : off + CHUNK]
+                    got = f.readinto(piece)
+                    if got != len(piece):
+                        raise CheckpointCorruptError(f"{path}: file shrank while being read")
+                    hasher.update(piece)
+            out[name] = t
+    _check_digest(path, hasher, expect)
+    return out
+
+
+def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torch.Tensor]:
+    """Map a safetensors file privately (copy-on-write: the file is never written), hash every
+    byte of the mapping, and return tensors that view it: no read buffer and no copy. Loading
+    into live objects then copies once (``load_state_dict``), and objects that keep the tensors
+    (optimizers) keep mapped pages that are copied only when written.
+
+    Falls back to :func:`read_tensors_verified` where the file cannot be mapped."""
+    size = _checked_size(path, expect)
+    try:
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError):
+        return read_tensors_verified(path, expect)
+    view = memoryview(mm)
+    try:
+        hasher = new_hasher()
+        for off in range(0, size, CHUNK):
+            hasher.update(view[off : off + CHUNK])
+        _check_digest(path, hasher, expect)
+        header, data_start = parse_header(view[: min(size, 8 + (100 << 20))], path)
+    finally:
+        view.release()
+    out: dict[str, torch.Tensor] = {}
+    for name, dtype, shape, start, end in _layout(header, data_start, size, path):
+        if end == start:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=end - start, offset=data_start + start)
+        if (data_start + start) % dtype.itemsize:
+            raw = raw.clone()  # unaligned (a file from another writer): one copy for this tensor
+        out[name] = raw.view(dtype).reshape(shape)
     return out
 
 
