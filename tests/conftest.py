@@ -1,0 +1,98 @@
+"""Shared fixtures: a real S3 API server (moto's ThreadedMotoServer) on 127.0.0.1.
+
+``s3_server`` is one server per test session; it can be stopped and started again on the same
+port (moto keeps its buckets in-process, so the data survives a restart, like a store that was
+unreachable for a while). ``s3_remote`` gives each test its own bucket and returns the
+``(url, remote_options)`` pair to pass as ``Checkpointer(remote=url, remote_options=options)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class S3Server:
+    host: str
+    port: int
+    _server: Any = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """fsspec/s3fs options that reach this server (pass as ``remote_options``)."""
+        return {
+            "endpoint_url": self.endpoint,
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        if self._server is None:
+            self._server = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
+            self._server.start()
+            self.host, self.port = self._server.get_host_and_port()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def create_bucket(self, name: str | None = None) -> str:
+        import boto3
+
+        name = name or f"rc-{uuid.uuid4().hex[:12]}"
+        boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        ).create_bucket(Bucket=name)
+        return name
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    for var, value in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ):
+        os.environ.setdefault(var, value)
+    server = S3Server(host="127.0.0.1", port=0)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_remote(s3_server: S3Server) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A fresh bucket on the session's S3 server: ``(url, remote_options)``. Restarts the
+    server first if an earlier test left it stopped."""
+    s3_server.start()
+    bucket = s3_server.create_bucket()
+    yield f"s3://{bucket}/run", s3_server.options
+    s3_server.start()
