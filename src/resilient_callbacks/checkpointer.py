@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import statistics
+import threading
 import time
 import uuid
 import warnings
@@ -26,7 +27,7 @@ import weakref
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
@@ -35,7 +36,13 @@ from . import catalog, dist, history, layout, rng, structure
 from .adaptive import LossJumpTrigger
 from .background import BackgroundPersister
 from .catalog import Depth, Entry, Status
-from .commit import RenameCommit, remove_checkpoint, sweep_staging, write_latest_pointer
+from .commit import (
+    RenameCommit,
+    fsync_dir,
+    remove_checkpoint,
+    sweep_staging,
+    write_latest_pointer,
+)
 from .config import CheckpointerConfig, ResumeMode
 from .decision import Decider
 from .errors import (
@@ -53,9 +60,13 @@ from .lock import DirLock
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest, versions
 from .policy import Clock
 from .preemption import MetadataPoller, PreemptionWatcher
-from .retention import plan
+from .retention import Candidate, plan
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import write_json
+
+if TYPE_CHECKING:
+    from .remote import RemoteStore
+    from .sync import RemoteSync, SyncStatus
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -196,6 +207,11 @@ class Checkpointer:
         preemption_exit_code: int = RESUMABLE_EXIT_CODE,
         metadata_notices: str | Mapping[str, Any] | None = None,
         save_on_exception: bool = False,
+        remote: str | os.PathLike[str] | None = None,
+        remote_options: Mapping[str, Any] | None = None,
+        remote_keep_last: int | str | None = None,
+        remote_keep_best: int | None = None,
+        remote_timeout: float = 30.0,
     ) -> None:
         self.config = CheckpointerConfig(
             dirpath=dirpath,  # type: ignore[arg-type]
@@ -227,10 +243,15 @@ class Checkpointer:
             preemption_exit_code=preemption_exit_code,
             metadata_notices=metadata_notices,
             save_on_exception=save_on_exception,
+            remote=remote,  # type: ignore[arg-type]
+            remote_options=dict(remote_options) if remote_options is not None else None,
+            remote_keep_last=remote_keep_last,
+            remote_keep_best=remote_keep_best,
+            remote_timeout=remote_timeout,
         )
         self.dirpath: str = self.config.dirpath
         self.policy = self.config.save_policy()
-        self.retention = self.config.retention_policy()
+        self.retention = self.config.local_retention_policy()
         self.rank = dist.rank()
         self.world_size = dist.world_size()
         self.is_coordinator = self.rank == 0
@@ -271,6 +292,9 @@ class Checkpointer:
         )
         self.watcher: PreemptionWatcher | None = None
         self._poller: MetadataPoller | None = None
+        self.remote: RemoteStore | None = None
+        self._sync: RemoteSync | None = None
+        self._retention_lock = threading.Lock()
         self._open()
         if self.config.preemption:
             grace = self.config.grace_period
@@ -314,6 +338,8 @@ class Checkpointer:
                         ", ".join(swept),
                     )
                 self._seq = catalog.next_seq(self.dirpath) - 1
+                if self.config.remote is not None:
+                    self._open_remote()
             except CheckpointError as e:
                 error = {"type": type(e).__name__, "msg": str(e)}
                 self._pending_error: BaseException = e
@@ -330,10 +356,36 @@ class Checkpointer:
         error = dist.broadcast_json(error)
         if error is not None:
             if self.is_coordinator:
+                if self._sync is not None:
+                    self._sync.stop()
+                self._lock.release()
                 raise self._pending_error
-            raise CheckpointWriteError(
-                f"rank 0 could not open the checkpoint directory: {error['msg']}"
-            )
+            if error["type"] == "OSError":
+                raise CheckpointWriteError(
+                    f"rank 0 could not open the checkpoint directory: {error['msg']}"
+                )
+            raise _error_type(error["type"])(f"on rank 0: {error['msg']}")
+
+    def _open_remote(self) -> None:
+        """Coordinator: connect to the remote tier and prove it usable (a clear error now, not
+        after hours of training), then start the uploader."""
+        from .remote import RemoteStore
+        from .sync import RemoteSync
+
+        assert self.config.remote is not None
+        self.remote = RemoteStore(self.config.remote, self.config.remote_options)
+        self.remote.preflight(timeout=self.config.remote_timeout)
+        self._sync = RemoteSync(
+            self.remote,
+            self.dirpath,
+            self.config.remote_retention_policy(),
+            after_upload=self._retention_after_upload,
+        )
+        self._sync.refresh()
+
+    def _retention_after_upload(self) -> None:
+        if self.run_id is not None:
+            self._apply_retention(protect=None)
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for background saves to commit, then release the directory. Raises the error of
@@ -343,6 +395,7 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             if self._persister is not None:
                 pending = self._persister.pending
@@ -358,8 +411,14 @@ class Checkpointer:
                     )
                 else:
                     self._persister.stop()
+            if self._sync is not None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._finish_uploads(left)
+            if self._persister is not None:
                 self._persister.raise_error()
         finally:
+            if self._sync is not None:
+                self._sync.stop()
             for handle in [*self._hooked.values(), *self._step_watch.values()]:
                 handle.remove()
             self._hooked.clear()
@@ -370,6 +429,43 @@ class Checkpointer:
             if self.watcher is not None:
                 self.watcher.uninstall()
             self._lock.release()
+
+    def _finish_uploads(self, timeout: float | None) -> None:
+        """close(): wait for the uploads (a progress bar on a terminal), then say what, if
+        anything, is still only local."""
+        assert self._sync is not None and self.remote is not None
+        status = self._sync.status()
+        if status.pending:
+            log.warning(
+                "waiting for %d checkpoint(s) to upload to %s: %s%s",
+                len(status.pending),
+                self.remote.url,
+                ", ".join(status.pending),
+                "" if timeout is None else f" (at most {timeout:.0f} s)",
+            )
+            self._sync.show_progress = True
+        if self._sync.wait(timeout):
+            if status.pending:
+                log.warning("all checkpoints are uploaded to %s", self.remote.url)
+            return
+        status = self._sync.status()
+        log.warning(
+            "close(): %d checkpoint(s) are still only local in %s, not in %s: %s (last error: "
+            "%s). They are kept locally; the next run with the same dirpath and remote uploads "
+            "them, or run `resilient-ckpt push %s %s`.",
+            len(status.pending),
+            self.dirpath,
+            self.remote.url,
+            ", ".join(status.pending),
+            status.last_error or "none, still uploading",
+            self.dirpath,
+            self.remote.url,
+        )
+
+    def remote_status(self) -> SyncStatus | None:
+        """The upload backlog and counters (coordinator; None without ``remote`` or on other
+        ranks)."""
+        return self._sync.status() if self._sync is not None else None
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -543,7 +639,9 @@ class Checkpointer:
                 step,
                 self.config.preemption_exit_code,
             )
-            self.close()
+            left = self.watcher.remaining_grace_s() if self.watcher is not None else None
+            # uploads may use what is left of the grace period, keeping a margin to exit
+            self.close(timeout=None if left is None else max(0.0, left - 5.0))
             raise SystemExit(self.config.preemption_exit_code)
         return saved
 
@@ -853,7 +951,10 @@ class Checkpointer:
             outcome["path"],
         )
         if self.is_coordinator:
-            self._apply_retention(protect=os.path.basename(outcome["path"]))
+            name = os.path.basename(outcome["path"])
+            if self._sync is not None:
+                self._sync.enqueue(name)
+            self._apply_retention(protect=name)
 
     def _commit_manifest(
         self,
@@ -898,17 +999,27 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ retention
 
-    def _apply_retention(self, protect: str) -> None:
-        entries = catalog.scan(self.dirpath, Depth.SIZE)
-        cands = catalog.retention_candidates(entries)
-        p = plan(cands, self.retention, self.run_id, protected=[protect])
-        for name in p.delete:
-            path = os.path.join(self.dirpath, name)
-            try:
-                remove_checkpoint(path)
-                log.info("retention: deleted %s", name)
-            except OSError as e:
-                log.warning("retention: could not delete %s: %s", path, e)
+    def _apply_retention(self, protect: str | None) -> None:
+        """Coordinator: apply the local retention policy. With a remote tier, a checkpoint
+        whose remote copy is not committed yet is never deleted (it is the only copy)."""
+        with self._retention_lock:  # the persist and the upload threads both call this
+            entries = catalog.scan(self.dirpath, Depth.SIZE)
+            cands = catalog.retention_candidates(entries)
+            protected = [protect] if protect else []
+            if self._sync is not None:
+                protected += [
+                    e.name
+                    for e in entries
+                    if e.manifest is not None and not self._sync.is_uploaded(e.manifest)
+                ]
+            p = plan(cands, self.retention, self.run_id, protected=protected)
+            for name in p.delete:
+                path = os.path.join(self.dirpath, name)
+                try:
+                    remove_checkpoint(path)
+                    log.info("retention: deleted %s", name)
+                except OSError as e:
+                    log.warning("retention: could not delete %s: %s", path, e)
 
     def _report_foreign(self, entries: list[Entry]) -> None:
         if self._reported_foreign or self.run_id is None:
@@ -963,6 +1074,8 @@ class Checkpointer:
             return 0
         skipped: list[str] = []
         for c in cands:
+            if c.get("remote") and not c["problem"]:
+                c = self._fetch_remote(c)
             if c["problem"]:
                 skipped.append(f"{c['path']}: {c['problem']}")
                 if explicit:
@@ -1072,6 +1185,8 @@ class Checkpointer:
             start, restarts = dist.broadcast_json([start, restarts])
             if start is not None:
                 self.schedule.set_restart_history(restarts, start)
+        if self.is_coordinator and inside and self._sync is not None:
+            self._reconcile_uploads()
         if self.is_coordinator and inside and self.config.resume == ResumeMode.AUTO:
             # Catch up on a retention pass a crash interrupted (killed between commit and
             # deletion), so repeated crashes cannot pile up checkpoints beyond the limits.
@@ -1103,18 +1218,155 @@ class Checkpointer:
         found = catalog.committed(catalog.scan(self.dirpath, Depth.SIZE))
         # Checkpoints whose manifest cannot be read have no commit number: they may be the
         # newest, so they are tried (and reported as skipped) first, never silently ignored.
-        entries = [e for e in found if e.manifest is None]
-        entries += [e for e in reversed(found) if e.manifest is not None]
+        cands = [
+            {"path": e.path, "step": e.step, "problem": e.problem}
+            for e in found
+            if e.manifest is None
+        ]
+        cands += self._merge_tiers([e for e in found if e.manifest is not None])
         if isinstance(r, int):
-            chosen = [e for e in entries if e.step == r]
+            chosen = [c for c in cands if c["step"] == r]
             if not chosen:
-                have = sorted({e.step for e in entries if e.step is not None})
+                have = sorted({c["step"] for c in cands if c["step"] is not None})
+                where = self.dirpath + (f" or {self.remote.url}" if self.remote else "")
                 raise CheckpointNotFoundError(
-                    f"resume={r}: no checkpoint of step {r} in {self.dirpath} "
+                    f"resume={r}: no checkpoint of step {r} in {where} "
                     f"(steps present: {have or 'none'})"
                 )
-            entries = chosen[:1]
-        return [{"path": e.path, "step": e.step, "problem": e.problem} for e in entries]
+            # the newest checkpoint of that step, and its other copy if it has one
+            key = chosen[0].get("key")
+            cands = [c for c in chosen if key is not None and c.get("key") == key] or chosen[:1]
+        return cands
+
+    def _merge_tiers(self, local: list[Entry]) -> list[dict[str, Any]]:
+        """Committed checkpoints of both tiers, newest first; where one exists in both, the
+        local copy comes first and the remote copy right after it (used if the local one
+        turns out damaged)."""
+        by_key: dict[tuple[str, int], dict[str, Any]] = {}
+        for e in local:
+            assert e.manifest is not None
+            key = (e.manifest.run_id, e.manifest.seq)
+            by_key[key] = {"local": e, "step": e.manifest.step, "seq": e.manifest.seq}
+        if self._sync is not None and self.remote is not None:
+            try:
+                remote_entries = self._sync.refresh()
+            except Exception as e:
+                log.warning(
+                    "could not list the remote checkpoints in %s (%s: %s); resuming from the "
+                    "local ones only",
+                    self.remote.url,
+                    type(e).__name__,
+                    e,
+                )
+                remote_entries = []
+            for re_ in remote_entries:
+                if re_.manifest is None:
+                    continue
+                key = (re_.manifest.run_id, re_.manifest.seq)
+                item = by_key.setdefault(key, {"step": re_.manifest.step, "seq": re_.manifest.seq})
+                item["remote"] = re_
+                # new saves must number after everything either tier holds
+                self._seq = max(self._seq, re_.manifest.seq)
+        out: list[dict[str, Any]] = []
+        for key, item in sorted(by_key.items(), key=lambda kv: (kv[1]["seq"], kv[1]["step"])):
+            pair: list[dict[str, Any]] = []
+            if "local" in item:
+                le = item["local"]
+                pair.append({"path": le.path, "step": le.step, "problem": le.problem, "key": key})
+            if "remote" in item:
+                re_ = item["remote"]
+                pair.append(
+                    {
+                        "path": None,
+                        "step": item["step"],
+                        "problem": re_.problem,
+                        "key": key,
+                        "remote": re_.name,
+                    }
+                )
+            out[:0] = pair  # newest first
+        return out
+
+    def _fetch_remote(self, c: dict[str, Any]) -> dict[str, Any]:
+        """Every rank: the coordinator downloads and verifies a remote checkpoint into
+        dirpath; all ranks get its local path, or the problem."""
+        result: dict[str, Any] = {"path": None, "problem": None}
+        if self.is_coordinator:
+            assert self._sync is not None and self.remote is not None
+            url = f"{self.remote.url}/{c['remote']}"
+            try:
+                entries = {e.name: e for e in self.remote.scan()}
+                entry = entries.get(c["remote"])
+                if entry is None or entry.manifest is None:
+                    raise CheckpointNotFoundError(f"{url} is gone")
+                log.warning("restoring from the remote copy %s", url)
+                staging, name = self.remote.download(entry, self.dirpath)
+                result["path"] = self._install(staging, name, entry.manifest)
+            except Exception as e:
+                result["problem"] = f"remote copy {url}: {type(e).__name__}: {e}"
+        msg = dist.broadcast_json(result)
+        return {**c, "path": msg["path"] or c.get("remote"), "problem": msg["problem"]}
+
+    def _install(self, staging: str, name: str, manifest: Manifest) -> str:
+        """Move a downloaded checkpoint into dirpath under its own name, replacing a damaged
+        local copy of the same checkpoint; another checkpoint of that name is never touched."""
+        final = os.path.join(self.dirpath, name)
+        if os.path.lexists(final):
+            try:
+                m = read_manifest(final)
+                same = (m.run_id, m.seq) == (manifest.run_id, manifest.seq)
+            except Exception:
+                same = True  # unreadable manifest: a damaged copy
+            if not same:
+                return self._commit.commit(staging, manifest.step)
+            remove_checkpoint(final)
+        os.rename(staging, final)
+        fsync_dir(self.dirpath)
+        return final
+
+    def _reconcile_uploads(self) -> None:
+        """Coordinator, after a restore: queue this run's local checkpoints whose upload a
+        crash interrupted, if the remote retention policy would keep them."""
+        assert self._sync is not None
+        try:
+            remote_entries = self._sync.refresh()
+        except Exception as e:
+            log.warning("could not list %s to find missing uploads: %s", self.config.remote, e)
+            return
+        local = [
+            e
+            for e in catalog.committed(catalog.scan(self.dirpath, Depth.SIZE))
+            if e.manifest is not None
+            and e.status is Status.VALID
+            and e.manifest.run_id == self.run_id
+            and not self._sync.is_uploaded(e.manifest)
+        ]
+        if not local:
+            return
+        cands = catalog.retention_candidates(local) + [
+            Candidate(
+                f"remote:{e.name}",
+                e.manifest.step,
+                e.manifest.seq,
+                e.manifest.run_id,
+                e.manifest.metrics,
+                e.problem is None,
+            )
+            for e in remote_entries
+            if e.manifest is not None
+        ]
+        keep = plan(cands, self._sync.policy, self.run_id).keep
+        missing = [e.name for e in local if e.name in keep]
+        if missing:
+            log.warning(
+                "%d checkpoint(s) of this run were not uploaded to %s before the last run "
+                "stopped; uploading them now: %s",
+                len(missing),
+                self.config.remote,
+                ", ".join(missing),
+            )
+        for name in missing:
+            self._sync.enqueue(name)
 
     # ------------------------------------------------------------------ queries
 

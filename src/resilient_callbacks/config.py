@@ -51,6 +51,11 @@ class CheckpointerConfig:
         None  # a kind ("aws", "gcp", "azure", "custom") or MetadataPoller options
     )
     save_on_exception: bool = False
+    remote: str | None = None  # fsspec URL of the durable tier
+    remote_options: Any = None  # passed to fsspec (endpoint_url, key, secret, ...)
+    remote_keep_last: int | str | None = None  # None: as keep_last; "all": keep every one
+    remote_keep_best: int | None = None  # None: as keep_best
+    remote_timeout: float = 30.0  # seconds the construction-time preflight may take
 
     def __post_init__(self) -> None:
         d = os.fspath(self.dirpath) if isinstance(self.dirpath, os.PathLike) else self.dirpath
@@ -138,10 +143,92 @@ class CheckpointerConfig:
                 "metadata_notices needs preemption=True: a cloud notice triggers the same "
                 "emergency save as SIGTERM"
             )
+        self._check_remote()
         # Constructing these validates the options with their own messages.
         self.save_policy()
         self.retention_policy()
         self.adaptive_schedule()
+        if self.remote is not None:
+            self.remote_retention_policy()
+
+    def _check_remote(self) -> None:
+        r = self.remote
+        if r is None:
+            given = [
+                k
+                for k in ("remote_options", "remote_keep_last", "remote_keep_best")
+                if getattr(self, k) is not None
+            ]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} only apply with remote=<URL>: pass remote (or drop them)"
+                )
+            return
+        if isinstance(r, os.PathLike):
+            r = os.fspath(r)
+        if not isinstance(r, str) or not r:
+            raise ConfigError(
+                f"remote={self.remote!r}: an fsspec URL such as 's3://bucket/prefix', "
+                "'gs://bucket/prefix' or 'file:///mnt/durable/run1'"
+            )
+        if "://" not in r:
+            r = "file://" + os.path.abspath(os.path.expanduser(r))
+        object.__setattr__(self, "remote", r.rstrip("/"))
+        if r.startswith("file://"):
+            target = os.path.abspath(r[len("file://") :])
+            if target == self.dirpath or target.startswith(self.dirpath + os.sep):
+                raise ConfigError(
+                    f"remote={r!r} is inside dirpath={self.dirpath!r}: the durable copy must be "
+                    "somewhere else (another disk, a mounted share, an object store)"
+                )
+        if self.remote_options is not None and not isinstance(self.remote_options, dict):
+            raise ConfigError(
+                f"remote_options={self.remote_options!r}: a dict of fsspec options, e.g. "
+                "{'endpoint_url': ..., 'key': ..., 'secret': ...}"
+            )
+        k = self.remote_keep_last
+        if (
+            k is not None
+            and k != "all"
+            and (isinstance(k, bool) or not isinstance(k, int) or k < 1)
+        ):
+            raise ConfigError(
+                f"remote_keep_last={k!r}: an int >= 1, 'all' to keep every remote checkpoint, "
+                "or None (default) for the same limit as keep_last"
+            )
+        b = self.remote_keep_best
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
+            raise ConfigError(f"remote_keep_best={b!r}: an int >= 0, or None (as keep_best)")
+        if b and not self.monitor:
+            raise ConfigError(
+                f"remote_keep_best={b} needs monitor='<metric>' to rank checkpoints by"
+            )
+        if not (isinstance(self.remote_timeout, (int, float)) and self.remote_timeout > 0):
+            raise ConfigError(f"remote_timeout={self.remote_timeout!r}: seconds > 0")
+
+    def local_retention_policy(self) -> RetentionPolicy:
+        """With a remote tier, the local disk keeps only the ``keep_last`` newest (plus what is
+        not uploaded yet); best and archive checkpoints are kept remotely."""
+        if self.remote is None:
+            return self.retention_policy()
+        return RetentionPolicy(keep_last=self.keep_last)
+
+    def remote_retention_policy(self) -> RetentionPolicy:
+        keep_last: int | None
+        if self.remote_keep_last is None:
+            keep_last = self.keep_last
+        elif self.remote_keep_last == "all":
+            keep_last = None
+        else:
+            keep_last = int(self.remote_keep_last)
+        keep_best = self.keep_best if self.remote_keep_best is None else self.remote_keep_best
+        return RetentionPolicy(
+            keep_last=keep_last,
+            keep_best=keep_best,
+            monitor=self.monitor if keep_best else None,
+            mode=self.mode,  # type: ignore[arg-type]
+            keep_every_n_steps=self.keep_every_n_steps,
+        )
 
     def save_policy(self) -> SavePolicy:
         return SavePolicy(

@@ -55,6 +55,11 @@ class CheckpointWriteError(CheckpointError, OSError):
         return str(self.args[0]) if self.args else ""
 
 
+class RemoteUnavailableError(CheckpointError, ConnectionError):
+    """The remote store (``remote=`` URL) cannot be reached, or the bucket, path or
+    credentials are wrong."""
+
+
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
@@ -64,6 +69,7 @@ __all__ = [
     "CheckpointWriteError",
     "ConfigError",
     "NoValidCheckpointError",
+    "RemoteUnavailableError",
     "UnsafeManifestError",
     "UnsupportedStateError",
 ]

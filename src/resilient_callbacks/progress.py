@@ -1,0 +1,103 @@
+"""Progress of long transfers (uploads, downloads, waiting for them): a bar on a terminal, a log
+line every few seconds otherwise (batch jobs' logs stay readable)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+from fsspec.callbacks import Callback
+
+log = logging.getLogger("resilient_callbacks")
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+class Progress:
+    """Thread-safe byte counter with a display. ``bar=None`` shows a bar only when stderr is a
+    terminal and tqdm is installed."""
+
+    def __init__(
+        self, total: int, desc: str, *, bar: bool | None = None, log_every_s: float = 10.0
+    ) -> None:
+        self.total = total
+        self.desc = desc
+        self.done = 0
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+        self._last_log = self._t0
+        self._log_every = log_every_s
+        self._bar: Any = None
+        if bar is None:
+            bar = sys.stderr.isatty()
+        if bar:
+            try:
+                from tqdm.auto import tqdm
+
+                self._bar = tqdm(
+                    total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024
+                )
+            except ImportError:
+                self._bar = None
+
+    def update(self, n: int) -> None:
+        if n <= 0:
+            return
+        with self._lock:
+            self.done += n
+            if self._bar is not None:
+                self._bar.update(n)
+                return
+            now = time.monotonic()
+            if now - self._last_log >= self._log_every:
+                self._last_log = now
+                rate = self.done / max(now - self._t0, 1e-9)
+                log.info(
+                    "%s: %s of %s (%.0f MB/s)",
+                    self.desc,
+                    _mb(self.done),
+                    _mb(self.total),
+                    rate / 1e6,
+                )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def callback(self) -> Callback:
+        """An fsspec callback for one file's ``put_file``/``get_file``: counts its bytes."""
+        return _Forward(self)
+
+    def multi_callback(self) -> Callback:
+        """An fsspec callback for a multi-file ``put``/``get``: the bytes of each file's
+        transfer are counted (the per-file completions the parent sees are not bytes)."""
+        return _Forward(self, count=False)
+
+
+class _Forward(Callback):
+    def __init__(self, progress: Progress, count: bool = True) -> None:
+        super().__init__()
+        self._progress = progress
+        self._count = count
+        self._seen = 0
+
+    def relative_update(self, inc: int = 1) -> None:
+        if self._count:
+            self._progress.update(inc)
+
+    def absolute_update(self, value: int) -> None:
+        inc, self._seen = value - self._seen, value
+        if self._count:
+            self._progress.update(inc)
+
+    def set_size(self, size: int) -> None:
+        pass
+
+    def branched(self, path_1: Any, path_2: Any, **kwargs: Any) -> Callback:
+        return _Forward(self._progress)

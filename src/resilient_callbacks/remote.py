@@ -1,0 +1,312 @@
+"""The durable tier: committed checkpoints mirrored to any fsspec URL (``s3://``, ``gs://``,
+``az://``, ``memory://``, ``file://``, ...).
+
+Layout: ``<url>/<checkpoint name>/<files>``, the same files as the local checkpoint. The remote
+commit point is the manifest, uploaded **after** every file it lists is uploaded and checked
+(size, and the MD5 ETag where the store gives one for a single-part object); object stores
+have no rename, so this ordering is what makes a remote checkpoint atomic. A listing shows a
+checkpoint only when its manifest is there; deletion removes the manifest first, so an
+interrupted deletion leaves an invisible, incomplete directory, never a committed one with
+files missing. Files are uploaded concurrently, large ones in parallel multipart parts (the
+filesystem's own ``put``).
+
+Which ranks call what: only the coordinator talks to the remote store.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from .catalog import Depth, verify
+from .commit import STAGING_PREFIX, fsync_dir
+from .errors import CheckpointCorruptError, RemoteUnavailableError
+from .manifest import MANIFEST_NAME, Manifest
+from .progress import Progress
+
+log = logging.getLogger("resilient_callbacks")
+
+PROBE_PREFIX = ".resilient-probe-"
+ETAG_CHECK_MAX = 64 << 20  # MD5-compare single-part objects up to this size
+
+
+@dataclass
+class RemoteEntry:
+    name: str
+    manifest: Manifest | None  # None: files without a manifest (being uploaded, or torn)
+    sizes: dict[str, int]  # relative path -> size, as listed
+    problem: str | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None
+
+    @property
+    def key(self) -> tuple[str, int] | None:
+        return (self.manifest.run_id, self.manifest.seq) if self.manifest else None
+
+
+def _redact(options: Mapping[str, Any]) -> str:
+    secret = ("key", "secret", "token", "password", "credential", "account_key", "sas")
+    shown = {k: ("***" if any(s in k.lower() for s in secret) else v) for k, v in options.items()}
+    return json.dumps(shown, default=str, sort_keys=True)
+
+
+class RemoteStore:
+    """Checkpoint directories under one fsspec URL."""
+
+    def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"remote={url!r}: an fsspec URL such as 's3://bucket/prefix'")
+        self.url = url.rstrip("/")
+        self.options = dict(options or {})
+        try:
+            self.fs, root = fsspec.core.url_to_fs(self.url, **self.options)
+        except ImportError as e:
+            raise RemoteUnavailableError(
+                f"remote={url!r}: the filesystem for this URL is not installed ({e}). For "
+                "s3:// install `resilient-callbacks[s3]` (s3fs); for gs:// gcsfs; for az:// adlfs."
+            ) from e
+        except (TypeError, ValueError) as e:
+            raise RemoteUnavailableError(
+                f"remote={url!r} with remote_options {_redact(self.options)}: {e}"
+            ) from e
+        self.root = root.rstrip("/")
+        proto = self.fs.protocol
+        self.protocol = proto if isinstance(proto, str) else proto[0]
+        self.is_local = self.protocol in ("file", "local")
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({self.url!r})"
+
+    def _path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    # ------------------------------------------------------------------ preflight
+
+    def preflight(self, timeout: float = 30.0) -> None:
+        """Prove the store is reachable and writable: write, read back and delete a small
+        probe object. Raises :class:`RemoteUnavailableError` within ``timeout`` seconds."""
+        probe = self._path(f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}")
+
+        def run() -> None:
+            if self.is_local:
+                self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.pipe_file(probe, b"resilient_callbacks preflight")
+            try:
+                if self.fs.cat_file(probe) != b"resilient_callbacks preflight":
+                    raise OSError("the probe object read back different bytes")
+            finally:
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(probe)
+
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rc-preflight")
+        try:
+            pool.submit(run).result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise RemoteUnavailableError(
+                f"remote {self.url}: no answer within {timeout:g} s (endpoint unreachable or "
+                f"very slow). remote_options: {_redact(self.options)}"
+            ) from None
+        except Exception as e:
+            raise RemoteUnavailableError(
+                f"remote {self.url} is not usable: {type(e).__name__}: {e}. Check the bucket "
+                "name, the endpoint and the credentials (remote_options: "
+                f"{_redact(self.options)})."
+            ) from e
+        finally:
+            pool.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ listing
+
+    def scan(self) -> list[RemoteEntry]:
+        """Every checkpoint-like directory under the URL: committed ones (manifest present)
+        ordered by commit sequence, oldest first, then those without a manifest."""
+        try:
+            listing = self.fs.find(self.root, maxdepth=2, detail=True)
+        except FileNotFoundError:
+            return []
+        groups: dict[str, dict[str, int]] = {}
+        prefix = self.root + "/" if self.root else ""
+        for path, info in listing.items():
+            p = path.rstrip("/")
+            if self.root and not p.startswith(prefix):
+                p = self.fs._strip_protocol(p)
+            rel = p[len(prefix) :] if p.startswith(prefix) else p
+            if "/" not in rel or info.get("type") == "directory":
+                continue
+            name, file = rel.split("/", 1)
+            if name.startswith("."):
+                continue
+            groups.setdefault(name, {})[file] = int(info.get("size") or 0)
+        entries: list[RemoteEntry] = []
+        for name, sizes in sorted(groups.items()):
+            if MANIFEST_NAME not in sizes:
+                entries.append(RemoteEntry(name, None, sizes, "no manifest (incomplete)"))
+                continue
+            try:
+                m = self.read_manifest(name)
+            except Exception as e:
+                entries.append(RemoteEntry(name, None, sizes, f"unreadable manifest: {e}"))
+                continue
+            problem = None
+            for f in m.files:
+                if f.path not in sizes:
+                    problem = f"{f.path} is listed in the manifest but missing remotely"
+                    break
+                if sizes[f.path] != f.size:
+                    problem = f"{f.path}: {sizes[f.path]} bytes remotely, manifest says {f.size}"
+                    break
+            entries.append(RemoteEntry(name, m, sizes, problem))
+        entries.sort(key=lambda e: (e.manifest is None, e.manifest.seq if e.manifest else 0))
+        return entries
+
+    def read_manifest(self, name: str) -> Manifest:
+        where = f"{self.url}/{name}/{MANIFEST_NAME}"
+        data = json.loads(self.fs.cat_file(self._path(name, MANIFEST_NAME)))
+        if not isinstance(data, dict):
+            raise CheckpointCorruptError(f"{where}: manifest is not a JSON object")
+        return Manifest.from_json(data, where)
+
+    # ------------------------------------------------------------------ upload
+
+    def upload(
+        self,
+        local_dir: str,
+        manifest: Manifest,
+        name: str,
+        progress: Progress | None = None,
+    ) -> None:
+        """Upload one committed local checkpoint as ``name``; the manifest goes last, after
+        every file is checked. Raises on any failure (nothing is committed remotely then)."""
+        existing = self._manifest_bytes(name)
+        with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as fh:
+            manifest_bytes = fh.read()
+        if existing == manifest_bytes:
+            return  # already committed there (an earlier run uploaded it)
+        if existing is not None:
+            # Another checkpoint committed under this name: uncommit it before overwriting.
+            self.fs.rm_file(self._path(name, MANIFEST_NAME))
+        lpaths = [os.path.join(local_dir, f.path) for f in manifest.files]
+        rpaths = [self._path(name, f.path) for f in manifest.files]
+        if self.is_local:
+            self.fs.makedirs(self._path(name), exist_ok=True)
+            for entry in manifest.files:
+                if "/" in entry.path:
+                    parent = posixpath.dirname(self._path(name, entry.path))
+                    self.fs.makedirs(parent, exist_ok=True)
+        cb = progress.multi_callback() if progress is not None else None
+        kwargs: dict[str, Any] = {"callback": cb} if cb is not None else {}
+        self.fs.put(lpaths, rpaths, **kwargs)
+        self._check_uploaded(local_dir, manifest, name)
+        if self.is_local:
+            self._fsync_local(rpaths)
+        self.fs.pipe_file(self._path(name, MANIFEST_NAME), manifest_bytes)
+        if self.is_local:
+            self._fsync_local([self._path(name, MANIFEST_NAME)])
+        if progress is not None:
+            progress.update(len(manifest_bytes))
+
+    def _manifest_bytes(self, name: str) -> bytes | None:
+        try:
+            data: bytes = self.fs.cat_file(self._path(name, MANIFEST_NAME))
+            return data
+        except FileNotFoundError:
+            return None
+
+    def _check_uploaded(self, local_dir: str, manifest: Manifest, name: str) -> None:
+        listing = self.fs.find(self._path(name), detail=True)
+        by_rel = {
+            self.fs._strip_protocol(p)[len(self._path(name)) + 1 :]: info
+            for p, info in listing.items()
+        }
+        for f in manifest.files:
+            info = by_rel.get(f.path)
+            where = f"{self.url}/{name}/{f.path}"
+            if info is None:
+                raise OSError(f"{where}: not visible after upload")
+            if int(info.get("size") or 0) != f.size:
+                raise OSError(f"{where}: {info.get('size')} bytes after upload, expected {f.size}")
+            etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+            if etag and "-" not in etag and len(etag) == 32 and f.size <= ETAG_CHECK_MAX:
+                md5 = _md5(os.path.join(local_dir, f.path))
+                if md5 != etag:
+                    raise OSError(f"{where}: ETag {etag} does not match the local MD5 {md5}")
+
+    def _fsync_local(self, paths: list[str]) -> None:
+        dirs = set()
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dirs.add(os.path.dirname(p))
+        for d in dirs:
+            fsync_dir(d)
+
+    # ------------------------------------------------------------------ download
+
+    def download(
+        self, entry: RemoteEntry, local_root: str, progress: bool | None = None
+    ) -> tuple[str, str]:
+        """Download a committed remote checkpoint into a staging directory under
+        ``local_root`` and verify every checksum. Returns ``(staging_dir, name)``; the caller
+        moves it into place. Raises :class:`CheckpointCorruptError` or ``OSError``."""
+        assert entry.manifest is not None
+        m = entry.manifest
+        staging = os.path.join(local_root, f"{STAGING_PREFIX}{entry.name}-{uuid.uuid4().hex[:12]}")
+        os.makedirs(staging)
+        try:
+            for f in m.files:
+                if "/" in f.path:
+                    os.makedirs(os.path.dirname(os.path.join(staging, f.path)), exist_ok=True)
+            bar = Progress(m.total_bytes, f"downloading {entry.name} from {self.url}", bar=progress)
+            try:
+                self.fs.get(
+                    [self._path(entry.name, f.path) for f in m.files],
+                    [os.path.join(staging, f.path) for f in m.files],
+                    callback=bar.multi_callback(),
+                )
+            finally:
+                bar.close()
+            with open(os.path.join(staging, MANIFEST_NAME), "wb") as fh:
+                fh.write(self.fs.cat_file(self._path(entry.name, MANIFEST_NAME)))
+            for f in m.files:
+                with open(os.path.join(staging, f.path), "rb+") as fh:
+                    os.fsync(fh.fileno())
+            verify(staging, m, Depth.FULL)
+            fsync_dir(staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return staging, entry.name
+
+    # ------------------------------------------------------------------ delete
+
+    def delete(self, name: str) -> None:
+        """Uncommit (manifest first), then remove the files."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(name, MANIFEST_NAME))
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._path(name), recursive=True)
+
+
+def _md5(path: str) -> str:
+    h = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,279 @@
+"""Background upload of committed local checkpoints to the remote store, with retries.
+
+One thread uploads the queued checkpoints in commit order. A failed upload is retried with
+exponential backoff and full jitter (``retry_base_s`` doubling up to ``retry_max_s``) for as long
+as it takes: an outage of the store is reported (a warning with the backlog, repeated at most
+every ``warn_every_s``) while training goes on, and the backlog uploads when the store returns.
+After each upload the remote retention policy runs, then ``after_upload`` (the Checkpointer's
+local retention: a local checkpoint is deletable only once its remote copy is committed).
+
+Which ranks call what: only the coordinator has a RemoteSync.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .catalog import Depth, verify
+from .errors import CheckpointCorruptError
+from .manifest import Manifest, read_manifest
+from .progress import Progress
+from .remote import RemoteEntry, RemoteStore
+from .retention import Candidate, RetentionPolicy, plan
+
+log = logging.getLogger("resilient_callbacks")
+
+
+@dataclass
+class SyncStatus:
+    pending: list[str]  # local checkpoint names not yet committed remotely, oldest first
+    uploading: str | None
+    failures: int  # consecutive failed attempts (0 when the store answers)
+    last_error: str | None
+    uploaded: int  # checkpoints uploaded by this process
+    uploaded_bytes: int
+    upload_seconds: float
+
+
+class RemoteSync:
+    def __init__(
+        self,
+        store: RemoteStore,
+        local_root: str,
+        policy: RetentionPolicy,
+        after_upload: Callable[[], None] | None = None,
+        *,
+        retry_base_s: float = 1.0,
+        retry_max_s: float = 60.0,
+        warn_every_s: float = 60.0,
+    ) -> None:
+        self.store = store
+        self.local_root = local_root
+        self.policy = policy
+        self.after_upload = after_upload
+        self.retry_base_s = retry_base_s
+        self.retry_max_s = retry_max_s
+        self.warn_every_s = warn_every_s
+        self.index: dict[tuple[str, int], str] = {}  # (run_id, seq) -> remote name
+        self.show_progress = False
+        self._queue: list[str] = []
+        self._current: str | None = None
+        self._cond = threading.Condition()
+        self._stop = False
+        self._failures = 0
+        self._last_error: str | None = None
+        self._last_warn = 0.0
+        self._uploaded = 0
+        self._uploaded_bytes = 0
+        self._upload_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="rc-upload", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ queries
+
+    def refresh(self) -> list[RemoteEntry]:
+        """List the remote store and rebuild the index of committed remote checkpoints."""
+        entries = self.store.scan()
+        found = {e.key: e.name for e in entries if e.key is not None and e.problem is None}
+        with self._cond:
+            self.index = found
+        return entries
+
+    def is_uploaded(self, manifest: Manifest) -> bool:
+        with self._cond:
+            return (manifest.run_id, manifest.seq) in self.index
+
+    def status(self) -> SyncStatus:
+        with self._cond:
+            return SyncStatus(
+                pending=list(self._queue),
+                uploading=self._current,
+                failures=self._failures,
+                last_error=self._last_error,
+                uploaded=self._uploaded,
+                uploaded_bytes=self._uploaded_bytes,
+                upload_seconds=self._upload_seconds,
+            )
+
+    # ------------------------------------------------------------------ control
+
+    def enqueue(self, name: str) -> None:
+        with self._cond:
+            if name not in self._queue:
+                self._queue.append(name)
+                self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the queue is empty; False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def stop(self) -> None:
+        """Stop after the current attempt; what is queued stays only local."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=1.0)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                name = self._queue[0]
+                self._current = name
+            done = self._attempt(name)
+            with self._cond:
+                self._current = None
+                if done:
+                    if name in self._queue:
+                        self._queue.remove(name)
+                    self._cond.notify_all()
+                    continue
+                delay = min(self.retry_max_s, self.retry_base_s * 2 ** (self._failures - 1))
+                delay *= random.uniform(0.5, 1.0)
+                deadline = time.monotonic() + delay
+                while not self._stop and (left := deadline - time.monotonic()) > 0:
+                    self._cond.wait(left)
+
+    def _attempt(self, name: str) -> bool:
+        """One try at uploading ``name``: True when it is done (uploaded, or dropped because
+        the local copy is gone or bad), False to retry later."""
+        path = f"{self.local_root}/{name}"
+        try:
+            manifest = read_manifest(path)
+            verify(path, manifest, Depth.SIZE)
+        except FileNotFoundError:
+            log.warning("remote: %s was removed locally before it was uploaded; skipping it", name)
+            return True
+        except CheckpointCorruptError as e:
+            log.warning("remote: not uploading %s, its local copy is damaged: %s", name, e)
+            return True
+        if self.is_uploaded(manifest):
+            return True
+        remote_name = self._free_name(name, manifest)
+        t0 = time.perf_counter()
+        progress = Progress(
+            manifest.total_bytes,
+            f"uploading {name} to {self.store.url}",
+            bar=None if self.show_progress else False,
+            log_every_s=30.0,
+        )
+        try:
+            self.store.upload(path, manifest, remote_name, progress)
+        except Exception as e:
+            self._failed(name, e)
+            return False
+        finally:
+            progress.close()
+        elapsed = time.perf_counter() - t0
+        with self._cond:
+            recovered = self._failures
+            self.index[(manifest.run_id, manifest.seq)] = remote_name
+            self._failures = 0
+            self._last_error = None
+            self._uploaded += 1
+            self._uploaded_bytes += manifest.total_bytes
+            self._upload_seconds += elapsed
+            backlog = len(self._queue) - 1
+        if recovered:
+            log.warning(
+                "remote %s is reachable again after %d failed attempt(s); uploaded %s, "
+                "%d more to upload",
+                self.store.url,
+                recovered,
+                name,
+                backlog,
+            )
+        log.info(
+            "uploaded %s to %s/%s (%.1f MB, %.2f s)",
+            name,
+            self.store.url,
+            remote_name,
+            manifest.total_bytes / 1e6,
+            elapsed,
+        )
+        self._remote_retention(manifest, remote_name)
+        if self.after_upload is not None:
+            try:
+                self.after_upload()
+            except Exception as e:  # retention must never stop uploads
+                log.warning("local retention after upload failed: %s", e)
+        return True
+
+    def _free_name(self, name: str, manifest: Manifest) -> str:
+        """``name``, unless another committed remote checkpoint has it (another run writing
+        to the same URL): then ``name-rN``."""
+        with self._cond:
+            taken = {v: k for k, v in self.index.items()}
+        key = (manifest.run_id, manifest.seq)
+        candidate, n = name, 0
+        while candidate in taken and taken[candidate] != key:
+            n += 1
+            candidate = f"{name}-r{n}"
+        return candidate
+
+    def _failed(self, name: str, e: BaseException) -> None:
+        now = time.monotonic()
+        with self._cond:
+            self._failures += 1
+            self._last_error = f"{type(e).__name__}: {e}"
+            failures, backlog = self._failures, list(self._queue)
+            warn = failures == 1 or now - self._last_warn >= self.warn_every_s
+            if warn:
+                self._last_warn = now
+        if warn:
+            log.warning(
+                "remote %s: uploading %s failed (%d attempt(s) so far): %s. Training goes on; "
+                "%d checkpoint(s) are only local (%s) and are kept until they are uploaded; "
+                "retrying with backoff",
+                self.store.url,
+                name,
+                failures,
+                self._last_error,
+                len(backlog),
+                ", ".join(backlog),
+            )
+
+    def _remote_retention(self, manifest: Manifest, protect: str) -> None:
+        try:
+            entries = self.refresh()
+            cands = [
+                Candidate(
+                    e.name,
+                    e.manifest.step,
+                    e.manifest.seq,
+                    e.manifest.run_id,
+                    e.manifest.metrics,
+                    e.problem is None,
+                )
+                for e in entries
+                if e.manifest is not None
+            ]
+            p = plan(cands, self.policy, manifest.run_id, protected=[protect])
+            for name in p.delete:
+                self.store.delete(name)
+                with self._cond:
+                    self.index = {k: v for k, v in self.index.items() if v != name}
+                log.info("remote retention: deleted %s/%s", self.store.url, name)
+        except Exception as e:
+            log.warning(
+                "remote retention on %s failed (retried after the next upload): %s",
+                self.store.url,
+                e,
+            )
