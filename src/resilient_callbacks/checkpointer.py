@@ -1007,11 +1007,7 @@ class Checkpointer:
             cands = catalog.retention_candidates(entries)
             protected = [protect] if protect else []
             if self._sync is not None:
-                protected += [
-                    e.name
-                    for e in entries
-                    if e.manifest is not None and not self._sync.is_uploaded(e.manifest)
-                ]
+                protected += self._sync.pending()
             p = plan(cands, self.retention, self.run_id, protected=protected)
             for name in p.delete:
                 path = os.path.join(self.dirpath, name)

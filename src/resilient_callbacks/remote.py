@@ -134,6 +134,9 @@ class RemoteStore:
     def scan(self) -> list[RemoteEntry]:
         """Every checkpoint-like directory under the URL: committed ones (manifest present)
         ordered by commit sequence, oldest first, then those without a manifest."""
+        # Other processes write here too: list afresh (s3fs caches listings per directory, and
+        # invalidating a path does not invalidate the paths below it).
+        self.fs.invalidate_cache()
         try:
             listing = self.fs.find(self.root, maxdepth=2, detail=True)
         except FileNotFoundError:
@@ -227,6 +230,7 @@ class RemoteStore:
             return None
 
     def _check_uploaded(self, local_dir: str, manifest: Manifest, name: str) -> None:
+        self.fs.invalidate_cache()
         listing = self.fs.find(self._path(name), detail=True)
         by_rel = {
             self.fs._strip_protocol(p)[len(self._path(name)) + 1 :]: info

@@ -88,6 +88,11 @@ class RemoteSync:
         with self._cond:
             return (manifest.run_id, manifest.seq) in self.index
 
+    def pending(self) -> set[str]:
+        """Local names queued for upload (including the one being uploaded)."""
+        with self._cond:
+            return set(self._queue)
+
     def status(self) -> SyncStatus:
         with self._cond:
             return SyncStatus(

@@ -1,0 +1,318 @@
+"""The remote tier, as a user sees it, against three stores with one conformance suite:
+``memory://``, ``file://`` and a real S3 API server on 127.0.0.1 (moto) through s3fs.
+
+Checked: what is uploaded and when it counts as committed, resume from remote when the local
+directory is gone or damaged, tier-aware retention, the preflight errors; and for S3, a server
+outage mid-training and a SIGKILL mid-upload."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer, ConfigError, ResumeFallbackWarning
+from resilient_callbacks.errors import RemoteUnavailableError
+from resilient_callbacks.remote import RemoteStore
+
+
+def _state(v: float, n: int = 256) -> dict:
+    return {"w": torch.full((n,), float(v)), "b": torch.arange(n) * v, "meta": {"v": v}}
+
+
+def _fresh(n: int = 256) -> dict:
+    return {"w": torch.zeros(n), "b": torch.zeros(n), "meta": {"v": None}}
+
+
+@pytest.fixture(params=["memory", "file", "s3"])
+def remote(request, tmp_path):
+    """(url, remote_options) of an empty location on each kind of store."""
+    if request.param == "memory":
+        yield f"memory://rc-{uuid.uuid4().hex[:10]}/run", None
+    elif request.param == "file":
+        yield f"file://{tmp_path}/durable/run", None
+    else:
+        yield request.getfixturevalue("s3_remote")
+
+
+def _committed(url, options) -> dict[str, int]:
+    """name -> step of the committed remote checkpoints; asserts none is torn."""
+    out = {}
+    for e in RemoteStore(url, options).scan():
+        if e.manifest is not None:
+            assert e.problem is None, f"committed remote checkpoint is incomplete: {e}"
+            out[e.name] = e.manifest.step
+    return out
+
+
+def test_uploads_and_resumes_from_remote_when_local_is_gone(remote, tmp_path):
+    url, opts = remote
+    local = tmp_path / "local"
+    with Checkpointer(local, remote=url, remote_options=opts, keep_last=2) as ck:
+        assert ck.restore(_fresh()) == 0
+        for s in (10, 20, 30):
+            ck.save(s, _state(s))
+    assert sorted(_committed(url, opts).values()) == [20, 30]
+    # every remote file is byte-identical to the local one
+    store = RemoteStore(url, opts)
+    for name in os.listdir(local):
+        if name.startswith("step_"):
+            for f in os.listdir(local / name):
+                remote_bytes = store.fs.cat_file(f"{store.root}/{name}/{f}")
+                assert remote_bytes == (local / name / f).read_bytes()
+
+    shutil.rmtree(local)  # the machine died with its disk
+    state = _fresh()
+    with Checkpointer(local, remote=url, remote_options=opts, keep_last=2) as ck:
+        assert ck.restore(state) == 30
+        assert ck.restored_from == str(local / "step_000000030")
+        ck.save(40, _state(40))
+    assert torch.equal(state["w"], _state(30)["w"]) and torch.equal(state["b"], _state(30)["b"])
+    assert state["meta"] == {"v": 30}
+    # the run continues its numbering after the remote checkpoints and keeps uploading
+    assert sorted(_committed(url, opts).values()) == [30, 40]
+
+
+def test_damaged_local_copy_falls_back_to_its_remote_copy(remote, tmp_path):
+    url, opts = remote
+    local = tmp_path / "local"
+    with Checkpointer(local, remote=url, remote_options=opts, keep_last=3) as ck:
+        for s in (10, 20):
+            ck.save(s, _state(s))
+    f = local / "step_000000020" / "shared.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF  # same size, wrong checksum: found only when loading
+    f.write_bytes(bytes(data))
+    state = _fresh()
+    with (
+        pytest.warns(ResumeFallbackWarning, match="checksum"),
+        Checkpointer(local, remote=url, remote_options=opts, keep_last=3) as ck,
+    ):
+        assert ck.restore(state) == 20  # not 10: the remote copy of step 20 is good
+    assert torch.equal(state["w"], _state(20)["w"])
+    # and the local copy was replaced by the verified download
+    assert (local / "step_000000020" / "shared.safetensors").read_bytes() != bytes(data)
+
+
+def test_tier_retention_keeps_best_and_more_remotely(remote, tmp_path):
+    url, opts = remote
+    local = tmp_path / "local"
+    losses = {10: 0.5, 20: 0.1, 30: 0.7, 40: 0.9, 50: 0.8}
+    with Checkpointer(
+        local,
+        remote=url,
+        remote_options=opts,
+        keep_last=1,
+        remote_keep_last=2,
+        keep_best=1,
+        monitor="loss",
+    ) as ck:
+        for s, loss in losses.items():
+            ck.save(s, _state(s), metrics={"loss": loss})
+    assert sorted(n for n in os.listdir(local) if n.startswith("step_")) == ["step_000000050"]
+    assert sorted(_committed(url, opts).values()) == [20, 40, 50]  # best + last 2
+
+
+def test_resume_by_step_downloads_an_older_remote_checkpoint(remote, tmp_path):
+    url, opts = remote
+    local = tmp_path / "local"
+    with Checkpointer(
+        local, remote=url, remote_options=opts, keep_last=1, remote_keep_last="all"
+    ) as ck:
+        for s in (10, 20, 30):
+            ck.save(s, _state(s))
+    assert sorted(os.listdir(local)) == ["latest", "run_history.jsonl", "step_000000030"] or (
+        [n for n in os.listdir(local) if n.startswith("step_")] == ["step_000000030"]
+    )
+    state = _fresh()
+    with Checkpointer(local, remote=url, remote_options=opts, resume=10) as ck:
+        assert ck.restore(state) == 10
+    assert torch.equal(state["w"], _state(10)["w"])
+
+
+def test_remote_only_checkpoint_without_manifest_is_invisible_and_reuploaded(remote, tmp_path):
+    url, opts = remote
+    local = tmp_path / "local"
+    with Checkpointer(local, remote=url, remote_options=opts, keep_last=3) as ck:
+        ck.save(10, _state(10))
+        ck.save(20, _state(20))
+    store = RemoteStore(url, opts)
+    # as if the upload of step 20 was cut off before its manifest
+    store.fs.rm_file(f"{store.root}/step_000000020/manifest.json")
+    assert sorted(_committed(url, opts).values()) == [10]
+    state = _fresh()
+    with Checkpointer(local, remote=url, remote_options=opts, keep_last=3) as ck:
+        assert ck.restore(state) == 20  # from the local copy
+    assert sorted(_committed(url, opts).values()) == [10, 20]  # re-uploaded on restart
+
+
+# ---------------------------------------------------------------------- preflight
+
+
+def test_missing_bucket_is_a_clear_error_at_construction(s3_server, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(RemoteUnavailableError, match="bucket") as info:
+        Checkpointer(
+            tmp_path / "l", remote="s3://no-such-bucket-rc/run", remote_options=s3_server.options
+        )
+    assert time.monotonic() - t0 < 10
+    assert "testing" not in str(info.value)  # credentials are not echoed
+    # the directory is usable again right away (the lock was released)
+    Checkpointer(tmp_path / "l").close()
+
+
+def test_unreachable_endpoint_is_a_clear_error_within_seconds(tmp_path):
+    pytest.importorskip("s3fs")
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(RemoteUnavailableError, match=r"not usable|no answer"):
+        Checkpointer(
+            tmp_path / "l",
+            remote="s3://bucket/run",
+            remote_options={"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"},
+            remote_timeout=15,
+        )
+    assert time.monotonic() - t0 < 20
+
+
+def test_remote_option_errors(tmp_path):
+    d = tmp_path / "l"
+    with pytest.raises(ConfigError, match="only apply with remote"):
+        Checkpointer(d, remote_keep_last=3)
+    with pytest.raises(ConfigError, match="remote_keep_last"):
+        Checkpointer(d, remote="memory://x", remote_keep_last=0)
+    with pytest.raises(ConfigError, match="inside dirpath"):
+        Checkpointer(d, remote=str(d / "durable"))
+    with pytest.raises(RemoteUnavailableError, match="Protocol not known: nosuchproto"):
+        Checkpointer(d, remote="nosuchproto://bucket/x")
+    Checkpointer(d).close()  # no lock left behind by the failed constructions
+
+
+# ---------------------------------------------------------------------- S3 outages and kills
+
+
+def test_s3_outage_mid_training_never_blocks_and_backlog_uploads(
+    s3_server, s3_remote, tmp_path, caplog
+):
+    url, opts = s3_remote
+    opts = {**opts, "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+    local = tmp_path / "local"
+    seen_torn = []
+    stop_watch = threading.Event()
+
+    def watch():  # a reader polling the bucket never sees a committed-but-incomplete checkpoint
+        while not stop_watch.is_set():
+            if s3_server.running:
+                try:
+                    for e in RemoteStore(url, s3_server.options).scan():
+                        if e.manifest is not None and e.problem:
+                            seen_torn.append(e)
+                except Exception:
+                    pass
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    caplog.set_level(logging.WARNING, "resilient_callbacks")
+    ck = Checkpointer(local, remote=url, remote_options=opts, keep_last=1)
+    ck._sync.retry_base_s = 0.2
+    ck._sync.retry_max_s = 1.0
+    ck.save(10, _state(10, 1 << 18))
+    ck.flush()
+    assert ck._sync.wait(30)
+    s3_server.stop()  # the store goes away
+    try:
+        t0 = time.monotonic()
+        for s in (20, 30, 40):
+            ck.save(s, _state(s, 1 << 18))
+            ck.flush()  # local commit done; uploads are failing in the background
+        assert time.monotonic() - t0 < 10  # training was not held up by the outage
+        deadline = time.monotonic() + 30
+        while ck.remote_status().failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status = ck.remote_status()
+        assert status.failures >= 1 and status.pending, status
+        # nothing that is only local was deleted, although keep_last=1
+        names = sorted(n for n in os.listdir(local) if n.startswith("step_"))
+        assert names == ["step_000000020", "step_000000030", "step_000000040"]
+        assert any("only local" in r.message for r in caplog.records)
+    finally:
+        s3_server.start()  # the store comes back
+    ck.close(timeout=60)
+    stop_watch.set()
+    watcher.join()
+    assert ck.remote_status().pending == []
+    assert sorted(_committed(url, s3_server.options).values()) == [40]
+    assert [n for n in os.listdir(local) if n.startswith("step_")] == ["step_000000040"]
+    assert not seen_torn
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, os, sys, time, torch
+    from resilient_callbacks import Checkpointer
+    local, url, opts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    ck = Checkpointer(local, remote=url, remote_options=opts, keep_last=5, async_save=False)
+    step = ck.restore({"w": torch.zeros(1 << 22)})
+    orig = ck.remote.upload
+    def slow_upload(*a, **k):
+        print("UPLOADING", a[2], flush=True)
+        time.sleep(0.5)
+        return orig(*a, **k)
+    ck.remote.upload = slow_upload
+    for s in range(step + 10, step + 1000, 10):
+        ck.save(s, {"w": torch.full((1 << 22,), float(s))})
+        time.sleep(0.05)
+    """
+)
+
+
+def test_s3_sigkill_mid_upload_leaves_only_complete_checkpoints(s3_server, s3_remote, tmp_path):
+    url, opts = s3_remote
+    local = tmp_path / "local"
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(local), url, json.dumps(opts)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    uploads = 0
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("UPLOADING"):
+            uploads += 1
+            if uploads == 3:
+                time.sleep(0.7)  # inside the third upload (16 MB through multipart)
+                break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    committed = _committed(url, opts)  # asserts that every committed one is complete
+    local_steps = sorted(
+        int(n.split("_")[1]) for n in os.listdir(local) if n.startswith("step_") and "-" not in n
+    )
+    assert local_steps and max(local_steps) > max(committed.values(), default=0)
+    # the next run re-uploads what was missing
+    with Checkpointer(local, remote=url, remote_options=opts, keep_last=5) as ck:
+        assert ck.restore({"w": torch.zeros(1 << 22)}) == max(local_steps)
+    after = _committed(url, opts)
+    assert max(after.values()) == max(local_steps)
+    assert set(after.values()) >= set(local_steps[-5:]) & set(local_steps)
