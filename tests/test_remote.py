@@ -22,7 +22,12 @@ import uuid
 import pytest
 import torch
 
-from resilient_callbacks import Checkpointer, ConfigError, ResumeFallbackWarning
+from resilient_callbacks import (
+    Checkpointer,
+    ConfigError,
+    ForeignCheckpointsWarning,
+    ResumeFallbackWarning,
+)
 from resilient_callbacks.errors import RemoteUnavailableError
 from resilient_callbacks.remote import RemoteStore
 
@@ -35,15 +40,25 @@ def _fresh(n: int = 256) -> dict:
     return {"w": torch.zeros(n), "b": torch.zeros(n), "meta": {"v": None}}
 
 
-@pytest.fixture(params=["memory", "file", "s3"])
-def remote(request, tmp_path):
-    """(url, remote_options) of an empty location on each kind of store."""
-    if request.param == "memory":
+def _location(kind, request, tmp_path):
+    if kind == "memory":
         yield f"memory://rc-{uuid.uuid4().hex[:10]}/run", None
     elif request.param == "file":
         yield f"file://{tmp_path}/durable/run", None
     else:
         yield request.getfixturevalue("s3_remote")
+
+
+@pytest.fixture(params=["memory", "file", "s3"])
+def remote(request, tmp_path):
+    """(url, remote_options) of an empty location on each kind of store."""
+    yield from _location(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=["file", "s3"])
+def shared_remote(request, tmp_path):
+    """As ``remote``, for stores another process can see (not memory://)."""
+    yield from _location(request.param, request, tmp_path)
 
 
 def _committed(url, options) -> dict[str, int]:
@@ -316,3 +331,57 @@ def test_s3_sigkill_mid_upload_leaves_only_complete_checkpoints(s3_server, s3_re
     after = _committed(url, opts)
     assert max(after.values()) == max(local_steps)
     assert set(after.values()) >= set(local_steps[-5:]) & set(local_steps)
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "resilient_callbacks", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _opts_args(opts) -> list[str]:
+    return [a for k, v in (opts or {}).items() for a in ("-o", f"{k}={json.dumps(v)}")]
+
+
+def test_cli_ls_pull_push_across_tiers(shared_remote, tmp_path):
+    url, opts = shared_remote
+    local = tmp_path / "local"
+    with Checkpointer(
+        local, remote=url, remote_options=opts, keep_last=1, remote_keep_last=2
+    ) as ck:
+        for s in (10, 20):
+            ck.save(s, _state(s))
+    with (
+        pytest.warns(ForeignCheckpointsWarning),  # local-only, of another run
+        Checkpointer(local, keep_last=None, resume="never") as ck,
+    ):
+        ck.save(30, _state(30))
+    out = _cli("ls", str(local), "--remote", url, *_opts_args(opts), "--json")
+    assert out.returncode == 0, out.stderr
+    tiers = {r["step"]: r["tier"] for r in json.loads(out.stdout)}
+    assert tiers == {10: "remote", 20: "both", 30: "local-only"}
+    text = _cli("ls", str(local), "--remote", url, *_opts_args(opts))
+    assert "TIER" in text.stdout and "remote only" in text.stdout
+
+    pulled = tmp_path / "pulled"
+    out = _cli("pull", url, str(pulled), "--step", "10", *_opts_args(opts))
+    assert out.returncode == 0, out.stderr
+    assert "verified" in out.stdout
+    state = _fresh()
+    with Checkpointer(pulled) as ck:
+        assert ck.restore(state) == 10
+    assert torch.equal(state["w"], _state(10)["w"])
+
+    out = _cli("push", str(local), url, *_opts_args(opts))
+    assert out.returncode == 0, out.stderr
+    assert "pushed step_000000030" in out.stdout and "already in" in out.stdout
+    assert sorted(_committed(url, opts).values()) == [10, 20, 30]
+
+    out = _cli("pull", url, str(tmp_path / "x"), "--step", "99", *_opts_args(opts))
+    assert out.returncode == 1 and "no checkpoint of step 99" in out.stderr

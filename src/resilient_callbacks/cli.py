@@ -1,9 +1,14 @@
 """``resilient-ckpt``: look at, verify and clean a checkpoint directory.
 
-    resilient-ckpt ls DIR [--json] [--fast]
+    resilient-ckpt ls DIR [--json] [--fast] [--remote URL [-o KEY=VALUE ...]]
     resilient-ckpt verify DIR [--step N]
     resilient-ckpt inspect DIR --step N [--json]
     resilient-ckpt gc DIR [--dry-run] [--remove-corrupt] [--keep-last N]
+    resilient-ckpt pull URL DIR [--step N] [-o KEY=VALUE ...]
+    resilient-ckpt push DIR URL [--step N] [-o KEY=VALUE ...]
+
+``-o`` passes an fsspec option for the remote store (``-o endpoint_url=http://...``; a value
+that parses as JSON is used as JSON: ``-o 'client_kwargs={"region_name": "eu-west-1"}'``).
 
 Exit codes: 0 success; 1 a checkpoint is bad (verify) or the command failed; 2 bad usage.
 """
@@ -24,6 +29,7 @@ from .commit import remove_checkpoint
 from .errors import CheckpointError
 from .layout import SHARED_STRUCTURE, SHARED_TENSORS
 from .lock import DirLock
+from .manifest import read_manifest
 from .retention import Plan, RetentionPolicy, plan
 from .structure import TAG
 from .tensorfile import tensor_meta
@@ -76,28 +82,188 @@ def _row(e: Entry, p: Plan) -> dict[str, Any]:
     }
 
 
+def _remote_options(pairs: list[str] | None) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CheckpointError(f"-o {pair!r}: expected KEY=VALUE")
+        try:
+            opts[key] = json.loads(value)
+        except ValueError:
+            opts[key] = value
+    return opts
+
+
+def _store(url: str, pairs: list[str] | None) -> Any:
+    from .remote import RemoteStore
+
+    return RemoteStore(url, _remote_options(pairs))
+
+
+def _tiers(entries: list[Entry], rows: list[dict[str, Any]], store: Any) -> None:
+    """Add a ``tier`` to each row (local-only, uploading, both) and rows for remote-only
+    checkpoints."""
+    remote = store.scan()
+    by_key = {e.key: e for e in remote if e.key is not None and e.problem is None}
+    torn = {e.name for e in remote if e.manifest is None}
+    seen = set()
+    for e, r in zip(entries, rows, strict=True):
+        key = (e.manifest.run_id, e.manifest.seq) if e.manifest else None
+        if key in by_key:
+            r["tier"] = "both"
+            seen.add(key)
+        elif e.name in torn:
+            r["tier"] = "uploading"  # or an upload a crash cut off: re-sent by the next run
+        else:
+            r["tier"] = "local-only"
+    for k, re_ in by_key.items():
+        if k in seen:
+            continue
+        m = re_.manifest
+        rows.append(
+            {
+                "name": re_.name,
+                "step": m.step,
+                "status": "valid",
+                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created)),
+                "bytes": m.total_bytes,
+                "run_id": m.run_id,
+                "metrics": m.metrics,
+                "kept": f"remote only: {store.url}/{re_.name}",
+                "problem": None,
+                "path": f"{store.url}/{re_.name}",
+                "tier": "remote",
+            }
+        )
+    rows.sort(key=lambda r: r["step"] if r["step"] is not None else -1)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.dir):
+    if not os.path.isdir(args.dir) and not args.remote:
         print(f"resilient-ckpt: {args.dir}: no such directory", file=sys.stderr)
         return 1
     entries = catalog.scan(args.dir, Depth.SIZE if args.fast else Depth.FULL)
     p, _ = _plan(entries)
     rows = [_row(e, p) for e in entries]
+    if args.remote:
+        _tiers(entries, rows, _store(args.remote, args.option))
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     if not rows:
-        print(f"no checkpoints in {args.dir}")
+        print(f"no checkpoints in {args.dir}" + (f" or {args.remote}" if args.remote else ""))
         return 0
-    print(f"{'STEP':>10}  {'TIME':19}  {'SIZE':>9}  {'STATUS':10}  {'RUN':16}  KEPT / PROBLEM")
+    tier = f"{'TIER':10}  " if args.remote else ""
+    print(
+        f"{'STEP':>10}  {'TIME':19}  {'SIZE':>9}  {'STATUS':10}  {tier}{'RUN':16}  KEPT / PROBLEM"
+    )
     for r in rows:
         size = _fmt_size(r["bytes"]) if r["bytes"] is not None else "-"
         note = r["problem"] if r["status"] != "valid" else r["kept"]
+        t = f"{r.get('tier', '-'):10}  " if args.remote else ""
         print(
             f"{r['step'] if r['step'] is not None else '?':>10}  {r['time'] or '-':19}  "
-            f"{size:>9}  {r['status']:10}  {r['run_id'] or '-':16}  {note}"
+            f"{size:>9}  {r['status']:10}  {t}{r['run_id'] or '-':16}  {note}"
         )
     return 0
+
+
+def _locked(path: str, what: str) -> DirLock | None:
+    os.makedirs(path, exist_ok=True)
+    lock = DirLock(path)
+    try:
+        lock.acquire()
+    except CheckpointError as err:
+        print(
+            f"resilient-ckpt {what}: {err} (a running trainer syncs this directory itself)",
+            file=sys.stderr,
+        )
+        return None
+    return lock
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from .commit import fsync_dir
+
+    store = _store(args.url, args.option)
+    remote = [e for e in store.scan() if e.manifest is not None]
+    if args.step is not None:
+        remote = [e for e in remote if e.manifest.step == args.step]
+    usable = [e for e in remote if e.problem is None]
+    if not usable:
+        what = f"no checkpoint of step {args.step}" if args.step is not None else "no checkpoints"
+        print(f"resilient-ckpt pull: {what} in {args.url}", file=sys.stderr)
+        return 1
+    entry = usable[-1]
+    lock = _locked(args.dir, "pull")
+    if lock is None:
+        return 1
+    try:
+        final = os.path.join(args.dir, entry.name)
+        if os.path.exists(os.path.join(final, "manifest.json")):
+            m = read_manifest(final)
+            if (m.run_id, m.seq) == entry.key:
+                try:
+                    catalog.verify(final, m, Depth.FULL)
+                    print(f"{entry.name} (step {m.step}) is already in {args.dir}, verified")
+                    return 0
+                except CheckpointError:
+                    remove_checkpoint(final)
+            else:
+                print(
+                    f"resilient-ckpt pull: {final} holds another checkpoint; refusing to "
+                    "overwrite it (pull into an empty directory)",
+                    file=sys.stderr,
+                )
+                return 1
+        staging, name = store.download(entry, args.dir, progress=None)
+        os.rename(staging, final)
+        fsync_dir(args.dir)
+        print(
+            f"pulled {store.url}/{name} (step {entry.manifest.step}, "
+            f"{_fmt_size(entry.manifest.total_bytes)}) -> {final}, every checksum verified"
+        )
+        return 0
+    finally:
+        lock.release()
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from .progress import Progress
+
+    store = _store(args.url, args.option)
+    lock = _locked(args.dir, "push")
+    if lock is None:
+        return 1
+    try:
+        local = [
+            e
+            for e in catalog.committed(catalog.scan(args.dir, Depth.FULL))
+            if args.step is None or e.step == args.step
+        ]
+        if not local:
+            print(f"resilient-ckpt push: no checkpoints to push in {args.dir}", file=sys.stderr)
+            return 1
+        remote = {e.key for e in store.scan() if e.key is not None and e.problem is None}
+        failed = 0
+        for e in local:
+            if e.status is not Status.VALID or e.manifest is None:
+                print(f"skipped {e.name}: {e.problem}")
+                failed += 1
+                continue
+            if (e.manifest.run_id, e.manifest.seq) in remote:
+                print(f"{e.name} (step {e.step}) is already in {store.url}")
+                continue
+            bar = Progress(e.manifest.total_bytes, f"pushing {e.name}")
+            try:
+                store.upload(e.path, e.manifest, e.name, bar)
+            finally:
+                bar.close()
+            print(f"pushed {e.name} (step {e.step}, {_fmt_size(e.manifest.total_bytes)})")
+        return 1 if failed else 0
+    finally:
+        lock.release()
 
 
 def _select(entries: list[Entry], step: int | None) -> list[Entry]:
@@ -290,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--fast", action="store_true", help="check sizes only, not checksums")
+    p.add_argument("--remote", help="also list this remote tier (fsspec URL)")
+    p.add_argument("-o", "--option", action="append", help="remote option KEY=VALUE")
     p.set_defaults(fn=cmd_ls)
     p = sub.add_parser("verify", help="check every file's size and checksum")
     p.add_argument("dir")
@@ -306,6 +474,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remove-corrupt", action="store_true", help="also delete corrupt checkpoints")
     p.add_argument("--keep-last", type=int, help="override the keep_last recorded in the manifests")
     p.set_defaults(fn=cmd_gc)
+    p = sub.add_parser("pull", help="download a remote checkpoint (newest, or --step), verified")
+    p.add_argument("url")
+    p.add_argument("dir")
+    p.add_argument("--step", type=int)
+    p.add_argument("-o", "--option", action="append", help="remote option KEY=VALUE")
+    p.set_defaults(fn=cmd_pull)
+    p = sub.add_parser("push", help="upload the local checkpoints the remote does not have")
+    p.add_argument("dir")
+    p.add_argument("url")
+    p.add_argument("--step", type=int)
+    p.add_argument("-o", "--option", action="append", help="remote option KEY=VALUE")
+    p.set_defaults(fn=cmd_push)
     return ap
 
 
@@ -318,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # e.g. piped into head
         return 0
+    except OSError as e:  # the remote store failed (unreachable, missing bucket, ...)
+        print(f"resilient-ckpt: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover
