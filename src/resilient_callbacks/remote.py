@@ -39,7 +39,8 @@ from .progress import Progress
 log = logging.getLogger("resilient_callbacks")
 
 PROBE_PREFIX = ".resilient-probe-"
-ETAG_CHECK_MAX = 64 << 20  # MD5-compare single-part objects up to this size
+ETAG_CHECK_MAX = 8 << 20  # MD5-compare single-part objects up to this size (bigger ones: the
+# store validates the CRC32 checksum botocore sends with every PUT and part)
 
 
 @dataclass
