@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -286,3 +287,28 @@ def test_sigkill_twice_then_resume_is_bit_exact(tmp_path, reference, loader):
     _assert_same_losses(ref_losses, _last_loss_per_step(records))
     _assert_same_params(ref_params, tmp_path / "params.safetensors")
     _assert_final_dir(tmp_path / "ckpt")
+
+
+def test_sigkill_then_lost_disk_resumes_from_s3_bit_exact(tmp_path, reference, s3_remote):
+    """The machine dies with its disk: SIGKILL, delete the local checkpoints, re-run with the
+    same remote: the run continues from the newest uploaded checkpoint, bit-exact."""
+    url, opts = s3_remote
+    ref_losses, ref_params = reference("plain")
+    kill_at = random.Random(f"{SEED}-remote").randint(20, 45)
+    jsonl = tmp_path / "losses.jsonl"
+    cmd = [
+        *_cmd(tmp_path, "plain", sleep=SLEEP),
+        "--remote",
+        url,
+        "--remote-options",
+        json.dumps(opts),
+    ]
+    last, _ = _run_and_kill(cmd, jsonl, kill_at)
+    shutil.rmtree(tmp_path / "ckpt")
+    stderr = _run_to_completion(cmd)
+    restored = _restored_step(stderr)
+    assert 0 < restored <= last and restored % EVERY == 0
+    # (how far behind the upload was depends on the store's speed, not on the library)
+    assert "restoring from the remote copy" in stderr
+    _assert_same_losses(ref_losses, _last_loss_per_step(_read_records(jsonl)))
+    _assert_same_params(ref_params, tmp_path / "params.safetensors")

@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-params", required=True)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--distributed", action="store_true")
+    p.add_argument("--remote", default=None, help="fsspec URL of the remote tier")
+    p.add_argument("--remote-options", default=None, help="JSON dict of fsspec options")
     p.add_argument(
         "--loader",
         choices=["plain", "resumable", "plain-global-rng"],
@@ -153,8 +155,18 @@ def main(argv: list[str] | None = None) -> int:
         "extra": PerRank(extra) if args.distributed else extra,
     }
     resume: str | int = int(args.resume) if args.resume.isdigit() else args.resume
+    remote_kw = {}
+    if args.remote:
+        remote_kw = {
+            "remote": args.remote,
+            "remote_options": json.loads(args.remote_options or "{}"),
+        }
     ckpt = Checkpointer(
-        args.ckpt_dir, every_n_steps=args.every_n_steps, keep_last=args.keep_last, resume=resume
+        args.ckpt_dir,
+        every_n_steps=args.every_n_steps,
+        keep_last=args.keep_last,
+        resume=resume,
+        **remote_kw,
     )
     step = ckpt.restore(state)
     print(f"[rank {rank}] restored step {step}", file=sys.stderr, flush=True)

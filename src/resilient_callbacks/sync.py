@@ -62,6 +62,7 @@ class RemoteSync:
         self.index: dict[tuple[str, int], str] = {}  # (run_id, seq) -> remote name
         self.show_progress = False
         self._queue: list[str] = []
+        self._remote_entries: list[RemoteEntry] = []
         self._current: str | None = None
         self._cond = threading.Condition()
         self._stop = False
@@ -82,6 +83,7 @@ class RemoteSync:
         found = {e.key: e.name for e in entries if e.key is not None and e.problem is None}
         with self._cond:
             self.index = found
+            self._remote_entries = entries
         return entries
 
     def is_uploaded(self, manifest: Manifest) -> bool:
@@ -140,6 +142,10 @@ class RemoteSync:
                     self._cond.wait()
                 if self._stop:
                     return
+            self._coalesce()
+            with self._cond:
+                if not self._queue:
+                    continue
                 name = self._queue[0]
                 self._current = name
             done = self._attempt(name)
@@ -155,6 +161,52 @@ class RemoteSync:
                 deadline = time.monotonic() + delay
                 while not self._stop and (left := deadline - time.monotonic()) > 0:
                     self._cond.wait(left)
+
+    def _coalesce(self) -> None:
+        """When uploads fall behind saves, skip the queued checkpoints that the remote
+        retention would delete as soon as the newer ones arrive: the uploader always works
+        toward the newest state. Skipped ones stay local (and local retention may then
+        delete them like any uploaded one)."""
+        with self._cond:
+            queued = list(self._queue)
+            remote = list(self._remote_entries)
+        if len(queued) < 2 or self.policy.keep_last is None:
+            return
+        local: dict[str, Manifest] = {}
+        for name in queued:
+            try:
+                local[name] = read_manifest(f"{self.local_root}/{name}")
+            except Exception:
+                return  # let _attempt report the problem
+        newest = local[queued[-1]]
+        cands = [
+            Candidate(
+                e.name,
+                e.manifest.step,
+                e.manifest.seq,
+                e.manifest.run_id,
+                e.manifest.metrics,
+                e.problem is None,
+            )
+            for e in remote
+            if e.manifest is not None
+        ] + [
+            Candidate(f"\0local/{n}", m.step, m.seq, m.run_id, m.metrics, True)
+            for n, m in local.items()
+        ]
+        keep = plan(cands, self.policy, newest.run_id).keep
+        skip = [n for n in queued if f"\0local/{n}" not in keep]
+        if not skip:
+            return
+        with self._cond:
+            self._queue = [n for n in self._queue if n not in skip]
+            self._cond.notify_all()
+        log.info(
+            "remote: uploads are behind; skipping %s (the remote retention would delete %s "
+            "once the newer checkpoints are uploaded)",
+            ", ".join(skip),
+            "it" if len(skip) == 1 else "them",
+        )
 
     def _attempt(self, name: str) -> bool:
         """One try at uploading ``name``: True when it is done (uploaded, or dropped because
