@@ -325,6 +325,27 @@ def test_two_ranks_save_and_exact_restore(tmp_path):
     assert not torch.equal(rank_states[0][1]["@rng/torch_cpu"], rank_states[1][1]["@rng/torch_cpu"])
 
 
+def test_two_ranks_resume_from_the_remote_tier_into_an_empty_directory(tmp_path):
+    """Two ranks upload through rank 0; a new run with an empty local directory restores step
+    20 from the remote (rank 0 downloads, both ranks load) and continues exactly."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    full.mkdir()
+    resumed.mkdir()
+    remote = ["--remote", f"file://{tmp_path}/durable"]
+    run_ranks([*_train_cmd(full / "ckpt", full), *remote], tmp_path, "uninterrupted+remote")
+    assert sorted(os.listdir(tmp_path / "durable")) == [
+        f"step_{s:09d}" for s in range(EVERY, TOTAL + 1, EVERY)
+    ]
+    cmd = [*_train_cmd(resumed / "ckpt", resumed), *remote, "--resume", str(RESUME_AT)]
+    outs = run_ranks(cmd, tmp_path, "resumed-from-remote")
+    assert all(f"restored step {RESUME_AT}" in o for o in outs), outs
+    for r in range(WORLD):
+        ref = _losses(full / f"losses.jsonl.rank{r}")
+        got = _losses(resumed / f"losses.jsonl.rank{r}")
+        assert sorted(got) == list(range(RESUME_AT + 1, TOTAL + 1))
+        assert all(got[s] == ref[s] for s in got), r
+
+
 def test_failure_on_one_rank_commits_nothing_and_keeps_older_checkpoint(tmp_path):
     root = tmp_path / "ckpt"
     out = tmp_path / "result"
