@@ -200,6 +200,32 @@ def test_slow_uploads_skip_checkpoints_retention_would_delete(tmp_path, caplog):
     ]
 
 
+def test_close_gives_up_on_a_long_outage_and_names_what_is_only_local(
+    tmp_path, caplog, monkeypatch
+):
+    from resilient_callbacks import checkpointer as ckmod
+
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.5)
+    url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
+    ck = Checkpointer(tmp_path / "l", remote=url, keep_last=1)
+    ck._sync.retry_base_s = ck._sync.retry_max_s = 0.2
+
+    def down(*a, **k):
+        raise ConnectionError("the store is down")
+
+    ck.remote.upload = down
+    caplog.set_level(logging.WARNING, "resilient_callbacks")
+    ck.save(10, _state(10))
+    t0 = time.monotonic()
+    ck.close()
+    assert time.monotonic() - t0 < 15
+    assert any(
+        "still only local" in r.message and "step_000000010" in r.message for r in caplog.records
+    )
+    assert (tmp_path / "l" / "step_000000010" / "manifest.json").exists()
+    assert _committed(url, None) == {}
+
+
 # ---------------------------------------------------------------------- preflight
 
 

@@ -70,6 +70,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("resilient_callbacks")
 
+# close() without a timeout waits for uploads while the store answers, and gives up after this
+# many seconds of failing attempts (what is left stays local and is named).
+CLOSE_OUTAGE_S = 300.0
+
 GRACE_ENV = "RESILIENT_GRACE_PERIOD_S"  # default grace period (s) when grace_period is None
 RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, retry": checkpoint saved, restart me
 
@@ -444,7 +448,7 @@ class Checkpointer:
                 "" if timeout is None else f" (at most {timeout:.0f} s)",
             )
             self._sync.show_progress = True
-        if self._sync.wait(timeout):
+        if self._wait_uploads(timeout):
             if status.pending:
                 log.warning("all checkpoints are uploaded to %s", self.remote.url)
             return
@@ -461,6 +465,26 @@ class Checkpointer:
             self.dirpath,
             self.remote.url,
         )
+
+    def _wait_uploads(self, timeout: float | None) -> bool:
+        """Wait for the upload queue to drain: up to ``timeout``, and without a timeout for
+        as long as the store answers; after CLOSE_OUTAGE_S of failing attempts, give up (a
+        job must not hang at exit through a long outage; what is left stays local)."""
+        assert self._sync is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        outage_since: float | None = None
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return self._sync.wait(0)
+            if self._sync.wait(1.0 if left is None else min(left, 1.0)):
+                return True
+            if self._sync.status().failures:
+                outage_since = outage_since or time.monotonic()
+                if timeout is None and time.monotonic() - outage_since > CLOSE_OUTAGE_S:
+                    return False
+            else:
+                outage_since = None
 
     def remote_status(self) -> SyncStatus | None:
         """The upload backlog and counters (coordinator; None without ``remote`` or on other
