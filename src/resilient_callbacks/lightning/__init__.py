@@ -1,0 +1,28 @@
+"""PyTorch Lightning adapter: fault tolerance for a ``Trainer`` with one callback.
+
+::
+
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    trainer = L.Trainer(max_steps=10_000, callbacks=[ResilientCheckpoint(
+        dirpath="ckpts/run1", every_n_steps=500, keep_last=3)])
+    trainer.fit(model, datamodule=dm)   # re-running this script continues where it stopped
+
+Requires ``lightning`` (``pip install 'resilient-callbacks[lightning]'``). The core package never
+imports this module. See ``docs/lightning.md``.
+"""
+
+from __future__ import annotations
+
+try:
+    import lightning.pytorch  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised only without the extra installed
+    raise ImportError(
+        "resilient_callbacks.lightning needs PyTorch Lightning 2.x (the `lightning` package): "
+        "pip install 'resilient-callbacks[lightning]'"
+    ) from e
+
+from .callback import ResilientCheckpoint
+from .loaders import make_resumable
+
+__all__ = ["ResilientCheckpoint", "make_resumable"]

@@ -1,0 +1,646 @@
+"""``ResilientCheckpoint``: the Lightning callback. Each hook is a guard plus a core call.
+
+Which ranks call what: Lightning runs every hook on every rank, at the same points, so every
+rank constructs the ``Checkpointer`` (at ``fit``'s checkpoint-restore point) and calls
+``restore``, ``step`` and ``close`` together, as the core requires.
+
+How it plugs into ``Trainer.fit`` (Lightning 2.x):
+
+- ``setup``: checks the strategy (single device or DDP), and wraps two trainer internals for this
+  ``fit``: ``_checkpoint_connector.resume_start`` (where Lightning loads ``ckpt_path``) and
+  ``fit_loop._load_combined_loader_states`` (where it restores the train dataloaders, after it
+  built them and before it iterates them). ``teardown`` unwraps them.
+- ``resume_start``: constructs the ``Checkpointer``. Without ``ckpt_path`` it restores the newest
+  valid checkpoint (falling back loudly) and hands Lightning's checkpoint dictionary to the
+  connector, which restores model, datamodule, callbacks, loops, optimizers, schedulers and
+  precision plugin exactly as for ``fit(ckpt_path=...)``. An explicit ``ckpt_path`` wins.
+- train dataloaders: plain shuffled ``DataLoader``\\ s become ``ResumableDataLoader``\\ s
+  (``loaders.py``), so their position is part of the checkpoint.
+- ``on_train_start``: puts the restored RNG states back right before the first batch (creating
+  dataloader iterators and the sanity check draw from them in between) and takes SIGTERM /
+  SIGUSR1 back from Lightning's signal connector.
+- step boundary: ``on_train_batch_end`` after an optimizer step, or ``on_validation_end`` when
+  validation runs right after that batch, so a checkpoint never sits between a step and its
+  validation; there ``Checkpointer.step`` decides and saves (and handles preemption).
+- ``on_before_optimizer_step``: waits for the overlapped snapshot copy of the previous save.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import os
+import signal
+import threading
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.seed import isolate_rng
+
+from .. import rng
+from ..checkpointer import Checkpointer
+from ..config import CheckpointerConfig
+from ..errors import CheckpointError, ConfigError
+from ..manifest import MANIFEST_NAME
+from . import state as st
+from .loaders import ResumableDataLoader, follow_lightning_epochs, make_resumable
+
+log = logging.getLogger("resilient_callbacks.lightning")
+
+_CHECKPOINTER_PARAMS = frozenset(inspect.signature(Checkpointer).parameters) - {"dirpath"}
+_ADAPTER_OWNED = frozenset({"save_on_exception"})  # handled here, not by the core
+
+
+@dataclass
+class _Boundary:
+    """What the exception path needs to save the state of the last completed step."""
+
+    step: int
+    fit_loop: dict[str, Any]
+    rng_state: tuple[dict[str, Any], dict[str, torch.Tensor]]
+    buffers: dict[str, torch.Tensor]
+
+
+class ResilientCheckpoint(Checkpoint):
+    """Fault-tolerant checkpoints and exact auto-resume for ``Trainer.fit``.
+
+    Args:
+        dirpath: checkpoint directory (local or a shared mount). Default:
+            ``<trainer.default_root_dir>/resilient_checkpoints``, the same on every run, so
+            re-running the script resumes.
+        make_dataloaders_resumable: rebuild plain ``DataLoader``\\ s (random, sequential or
+            distributed sampler) as ``ResumableDataLoader``\\ s for exact mid-epoch resume.
+        data_seed: shuffle seed of rebuilt random-sampler loaders (default: the seed of
+            ``seed_everything``, else 0). DDP's ``DistributedSampler`` keeps its own seed.
+        save_on_exception: when training raises, save the last completed step before the
+            exception propagates (single process; nothing is saved if an optimizer step ran
+            since that step).
+        log_stats: log save timings and sizes through the trainer's loggers.
+        **checkpointer_kwargs: passed to :class:`~resilient_callbacks.Checkpointer`:
+            ``every_n_steps``, ``every_seconds``, ``adaptive``/``mtbf_hours``, ``keep_last``,
+            ``keep_best``/``monitor``/``mode`` (``monitor`` names a key of
+            ``trainer.callback_metrics``), ``async_save``, ``overlap_snapshot`` (default True
+            here), ``remote``/``remote_options``, ``preemption``, ``signals``, ``resume``, ...
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        make_dataloaders_resumable: bool = True,
+        data_seed: int | None = None,
+        save_on_exception: bool = False,
+        log_stats: bool = True,
+        **checkpointer_kwargs: Any,
+    ) -> None:
+        unknown = sorted(set(checkpointer_kwargs) - _CHECKPOINTER_PARAMS)
+        if unknown:
+            raise TypeError(
+                f"ResilientCheckpoint got unexpected argument(s) {', '.join(unknown)}; it takes "
+                "dirpath, make_dataloaders_resumable, data_seed, save_on_exception, log_stats and "
+                f"the Checkpointer options: {', '.join(sorted(_CHECKPOINTER_PARAMS))}"
+            )
+        for name, value in (
+            ("make_dataloaders_resumable", make_dataloaders_resumable),
+            ("save_on_exception", save_on_exception),
+            ("log_stats", log_stats),
+        ):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r}: must be True or False")
+        if data_seed is not None and (
+            isinstance(data_seed, bool) or not isinstance(data_seed, int)
+        ):
+            raise ConfigError(f"data_seed={data_seed!r}: must be an int or None")
+        kwargs = dict(checkpointer_kwargs)
+        kwargs.setdefault("overlap_snapshot", bool(kwargs.get("async_save", True)))
+        _validate(dirpath, kwargs)
+        self.dirpath = os.fspath(dirpath) if dirpath is not None else None
+        self.make_dataloaders_resumable = make_dataloaders_resumable
+        self.data_seed = data_seed
+        self.save_on_exception = save_on_exception
+        self.log_stats = log_stats
+        self._kwargs = kwargs
+        self.checkpointer: Checkpointer | None = None
+        self.restored_step: int | None = None
+        self.preempted = False
+        self._converter = st.Converter()
+        self._unpatch: list[Any] = []
+        self._reset_fit_state()
+
+    def _reset_fit_state(self) -> None:
+        self._ctx: st.SaveContext | None = None
+        self._state: dict[str, Any] | None = None
+        self._resume_rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
+        self._last_step: int | None = None
+        self._pending: tuple[int, Any] | None = None
+        self._our_handlers: dict[int, Any] = {}
+        self._boundary_info: _Boundary | None = None
+        self._stepped = False
+        self._step_hooks: list[Any] = []
+        self._logged_save: Any = None
+        self._unresumable: list[str] = []
+
+    # ------------------------------------------------------------------ Lightning API
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=self.dirpath)
+
+    @property
+    def best_model_path(self) -> str:
+        """The best ``.ckpt`` of a ``ModelCheckpoint`` in the same trainer, else ``""``: so
+        ``trainer.test(ckpt_path="best")`` behaves as without this callback (this callback's
+        checkpoints are directories in its own format)."""
+        trainer = getattr(self, "_trainer", None)
+        for cb in _callbacks(trainer):
+            if isinstance(cb, ModelCheckpoint):
+                return cb.best_model_path
+        return ""
+
+    # ------------------------------------------------------------------ setup / teardown
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != TrainerFn.FITTING.value:
+            return
+        _check_strategy(trainer)
+        mine = [cb for cb in _callbacks(trainer) if isinstance(cb, ResilientCheckpoint)]
+        if len(mine) > 1:
+            raise ConfigError(
+                "the Trainer has several ResilientCheckpoint callbacks; use one (a checkpoint "
+                "directory has one writer)"
+            )
+        self._trainer = trainer
+        self._reset_fit_state()
+        self.restored_step = None
+        self.preempted = False
+        self._patch(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != TrainerFn.FITTING.value:
+            return
+        try:
+            self._close(raise_errors=True)
+        finally:
+            self._unpatch_all()
+
+    def _patch(self, trainer: pl.Trainer) -> None:
+        self._unpatch_all()
+        conn = trainer._checkpoint_connector
+        original_resume = conn.resume_start
+
+        def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
+            self._resume_start(trainer, original_resume, checkpoint_path, weights_only)
+
+        conn.resume_start = resume_start  # type: ignore[method-assign]
+        self._unpatch.append(lambda: _restore_attr(conn, "resume_start", resume_start))
+
+        fit_loop = trainer.fit_loop
+        original_load = fit_loop._load_combined_loader_states
+
+        def load_loader_states() -> None:
+            self._prepare_loaders(trainer)
+            original_load()
+
+        fit_loop._load_combined_loader_states = load_loader_states  # type: ignore[method-assign]
+        self._unpatch.append(
+            lambda: _restore_attr(fit_loop, "_load_combined_loader_states", load_loader_states)
+        )
+
+        # On a restart Lightning may fast-forward the validation progress of the step it
+        # resumes at; doing so creates a val dataloader iterator, which draws a seed from the
+        # global RNG where the uninterrupted run drew none. Keep the random streams out of it.
+        val_loop = fit_loop.epoch_loop.val_loop
+        original_ff = val_loop.increment_progress_to_evaluation_end
+
+        def fast_forward() -> None:
+            with isolate_rng():
+                original_ff()
+
+        val_loop.increment_progress_to_evaluation_end = fast_forward  # type: ignore[method-assign]
+        self._unpatch.append(
+            lambda: _restore_attr(val_loop, "increment_progress_to_evaluation_end", fast_forward)
+        )
+
+    def _unpatch_all(self) -> None:
+        while self._unpatch:
+            self._unpatch.pop()()
+
+    # ------------------------------------------------------------------ resume
+
+    def _resume_start(
+        self, trainer: pl.Trainer, original: Any, checkpoint_path: Any, weights_only: Any
+    ) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            original(checkpoint_path, weights_only)
+            return
+        resume = self._kwargs.get("resume", "auto")
+        lightning_ckpt = None
+        if checkpoint_path:
+            path = os.fspath(checkpoint_path)
+            if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST_NAME)):
+                resume = path  # one of ours, given explicitly
+            else:
+                lightning_ckpt, resume = checkpoint_path, "never"
+        self._open(trainer, resume)
+        ckpt = self.checkpointer
+        assert ckpt is not None
+        if lightning_ckpt is not None:
+            log.info(
+                "fit(ckpt_path=%s) given: resuming from it, not from %s; new checkpoints go to %s",
+                lightning_ckpt,
+                ckpt.dirpath,
+                ckpt.dirpath,
+            )
+            original(checkpoint_path, weights_only)
+            return
+        holder = st.receivers()
+        step = ckpt.restore(holder)
+        if ckpt.restored_from is None:
+            log.info("no checkpoint in %s: starting fresh", ckpt.dirpath)
+            original(None, weights_only)
+            return
+        checkpoint = st.assemble(holder)
+        checkpoint = _migrate(checkpoint, ckpt.restored_from)
+        conn = trainer._checkpoint_connector
+        conn._ckpt_path = ckpt.restored_from
+        conn._loaded_checkpoint = checkpoint
+        self.restored_step = step
+        self._resume_rng = rng.capture()  # restored by the core; re-applied at on_train_start
+        if trainer.is_global_zero:
+            log.info("resuming from %s (step %d)", ckpt.restored_from, step)
+
+    def _open(self, trainer: pl.Trainer, resume: Any) -> None:
+        self._close(raise_errors=False)
+        kwargs = dict(self._kwargs)
+        kwargs["resume"] = resume
+        if "signals" not in kwargs:
+            kwargs["signals"] = _signals(trainer)
+        dirpath = self.dirpath or os.path.join(trainer.default_root_dir, "resilient_checkpoints")
+        self.checkpointer = Checkpointer(dirpath, **kwargs)
+        watcher = self.checkpointer.watcher
+        if watcher is not None and threading.current_thread() is threading.main_thread():
+            for name in watcher.installed_signals:
+                signum = getattr(signal, name)
+                self._our_handlers[signum] = signal.getsignal(signum)
+
+    # ------------------------------------------------------------------ dataloaders
+
+    def _prepare_loaders(self, trainer: pl.Trainer) -> None:
+        combined = trainer.fit_loop._combined_loader
+        if combined is None:
+            return
+        loaders = list(combined.flattened)
+        changed = False
+        for i, dl in enumerate(loaders):
+            if isinstance(dl, ResumableDataLoader):
+                follow_lightning_epochs(dl)
+                continue
+            if not self.make_dataloaders_resumable:
+                continue
+            new, reason = make_resumable(dl, self.data_seed)
+            if new is not dl:
+                loaders[i], changed = new, True
+            elif reason is not None:
+                self._unresumable.append(reason)
+                if trainer.is_global_zero:
+                    log.warning(
+                        "the train dataloader cannot be made resumable automatically (%s): a "
+                        "resume in the middle of an epoch restarts that epoch's data. Use "
+                        "resilient_callbacks.ResumableDataLoader or torchdata's "
+                        "StatefulDataLoader for an exact resume.",
+                        reason,
+                    )
+        if changed:
+            combined.flattened = loaders
+
+    # ------------------------------------------------------------------ training
+
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reclaim_signals()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.checkpointer is None:
+            return
+        self._reclaim_signals()
+        lossy = frozenset(
+            getattr(obj, attr)
+            for obj in (pl_module, getattr(trainer, "datamodule", None))
+            if obj is not None
+            for attr in (
+                "CHECKPOINT_HYPER_PARAMS_KEY",
+                "CHECKPOINT_HYPER_PARAMS_NAME",
+                "CHECKPOINT_HYPER_PARAMS_TYPE",
+            )
+            if isinstance(getattr(obj, attr, None), str)
+        )
+        conn = trainer._checkpoint_connector
+        self._ctx = st.SaveContext(
+            lambda: conn.dump_checkpoint(weights_only=False), lossy, self._converter
+        )
+        self._state = st.saved_state(self._ctx, pl_module, trainer.optimizers, self._converter)
+        # Preflight: a value that cannot be saved fails now, not at the first save.
+        self._ctx.rest()
+        self._ctx.reset()
+        if self.save_on_exception:
+
+            def stepped(*_: Any) -> None:
+                self._stepped = True
+
+            self._step_hooks = [o.register_step_post_hook(stepped) for o in trainer.optimizers]
+        self._last_step = trainer.global_step
+        if self._resume_rng is not None:
+            # Between restore and here, Lightning created dataloader iterators (a seed draw
+            # each) and ran the sanity check; the interrupted run did neither at this point.
+            rng.restore(*self._resume_rng)
+            self._resume_rng = None
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._pending is not None:
+            log.debug(
+                "validation expected after step %d did not run; that step was not considered "
+                "for a checkpoint",
+                self._pending[0],
+            )
+            self._pending = None
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self._state is None:
+            return
+        step = trainer.global_step
+        if step == self._last_step:
+            return  # accumulating gradients: no optimizer step in this batch
+        self._last_step = step
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if _validation_follows(trainer):
+            self._pending = (step, loss)  # saved in on_validation_end, after that validation
+            return
+        self._boundary(trainer, step, loss)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or self._pending is None:
+            return
+        step, loss = self._pending
+        self._pending = None
+        self._boundary(trainer, step, loss)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        # After forward/backward (the closure), before the update: the previous save's
+        # parameter and optimizer-state copy must be complete.
+        if self.checkpointer is not None:
+            self.checkpointer.wait_for_snapshot()
+
+    def _boundary(self, trainer: pl.Trainer, step: int, loss: Any) -> None:
+        ckpt, ctx, state = self.checkpointer, self._ctx, self._state
+        assert ckpt is not None and ctx is not None and state is not None
+        ctx.reset()
+        metrics = st.finite_metrics(trainer.callback_metrics)
+        loss_key = self._kwargs.get("loss_key", "loss")
+        if self._kwargs.get("loss_jump") and loss_key not in metrics and loss is not None:
+            metrics[loss_key] = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        saved = ckpt.step(step, state, metrics)  # SystemExit(75) after a preemption save
+        if ckpt.preempted:
+            self.preempted = True
+            trainer.should_stop = True  # exit_on_preemption=False: stop after this step
+        elif not saved and _is_final(trainer):
+            saved = ckpt.save(step, state, metrics)
+        if self.save_on_exception and ckpt.world_size == 1:
+            self._remember_boundary(trainer, step)
+        if self.log_stats:
+            self._log_stats(trainer, saved)
+
+    # ------------------------------------------------------------------ logging
+
+    def _log_stats(self, trainer: pl.Trainer, saved: bool) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None or not trainer.loggers or not trainer.is_global_zero:
+            return
+        out: dict[str, float] = {}
+        if saved and ckpt.config.async_save and ckpt.blocking_seconds:
+            out["resilient/blocking_s"] = ckpt.blocking_seconds[-1]
+        last = ckpt.last_save
+        if last is not None and last is not self._logged_save:
+            self._logged_save = last
+            out["resilient/save_s"] = last.seconds
+            out["resilient/save_mb"] = last.bytes / 1e6
+            out["resilient/saved_step"] = float(last.step)
+            if not ckpt.config.async_save:
+                out["resilient/blocking_s"] = last.seconds
+        if out:
+            for logger in trainer.loggers:
+                logger.log_metrics(out, step=trainer.global_step)
+
+    # ------------------------------------------------------------------ failures
+
+    def _remember_boundary(self, trainer: pl.Trainer, step: int) -> None:
+        module = trainer.lightning_module
+        self._boundary_info = _Boundary(
+            step=step,
+            fit_loop=copy.deepcopy(trainer.fit_loop.state_dict()),
+            rng_state=rng.capture(),
+            buffers={name: b.detach().clone() for name, b in module.named_buffers()},
+        )
+        self._stepped = False
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        try:
+            if self.save_on_exception and not isinstance(exception, (SystemExit, CheckpointError)):
+                self._save_on_exception(trainer, exception)
+        except Exception as e:  # never mask the original exception
+            log.error("save_on_exception: the emergency save failed: %s", e)
+        finally:
+            self._close(raise_errors=False)
+            self._unpatch_all()
+
+    def _save_on_exception(self, trainer: pl.Trainer, exception: BaseException) -> None:
+        ckpt, ctx, b = self.checkpointer, self._ctx, self._boundary_info
+        if ckpt is None or ctx is None or self._state is None or ckpt._closed:
+            return
+        if ckpt.world_size > 1:
+            log.warning(
+                "save_on_exception: not saving after %s with several ranks (the other ranks "
+                "cannot join the save); the newest checkpoint is the last periodic one",
+                type(exception).__name__,
+            )
+            return
+        if b is None:
+            return
+        if self._stepped:
+            log.warning(
+                "save_on_exception: %s came after an optimizer step of a step that did not "
+                "finish; the state matches no step, so nothing is saved",
+                type(exception).__name__,
+            )
+            return
+        log.warning(
+            "%s during training: saving the state of step %d before it propagates",
+            type(exception).__name__,
+            b.step,
+        )
+        ctx.reset()
+        ctx.fit_loop_override = b.fit_loop
+        ctx.buffer_override = b.buffers
+        rng.restore(*b.rng_state)  # the random streams as they were after step b.step
+        ckpt.emergency_save(b.step, self._state, st.finite_metrics(trainer.callback_metrics))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _reclaim_signals(self) -> None:
+        """Lightning's signal connector registers its SIGTERM handler (and, under Slurm, a
+        requeue handler) after the Checkpointer installed its own; SIGTERM then would both stop
+        Lightning (``SIGTERMException``) and run a collective inside the handler. Put ours back:
+        the Checkpointer saves at the next step boundary and exits (code 75)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in self._our_handlers.items():
+            if signal.getsignal(signum) is not handler:
+                signal.signal(signum, handler)
+
+    def _close(self, raise_errors: bool) -> None:
+        for h in self._step_hooks:
+            h.remove()
+        self._step_hooks = []
+        ckpt, self.checkpointer = self.checkpointer, None
+        self._state = None
+        self._ctx = None
+        if ckpt is None:
+            return
+        if ckpt.preempted:
+            self.preempted = True
+        try:
+            ckpt.close()
+        except Exception as e:
+            if raise_errors:
+                raise
+            log.error("closing the checkpointer: %s", e)
+
+
+# ----------------------------------------------------------------------------- functions
+
+
+def _validate(dirpath: Any, kwargs: dict[str, Any]) -> None:
+    """Validate the Checkpointer options now, so a typo fails before training starts."""
+    config_fields = {f.name for f in fields(CheckpointerConfig)}
+    opts = {k: v for k, v in kwargs.items() if k in config_fields and k not in _ADAPTER_OWNED}
+    if "signals" in opts:
+        opts["signals"] = tuple(opts["signals"])
+    try:
+        CheckpointerConfig(dirpath=os.fspath(dirpath) if dirpath else ".", **opts)
+    except ConfigError:
+        raise
+    except Exception:  # anything else is checked again by the Checkpointer itself
+        pass
+
+
+def _check_strategy(trainer: pl.Trainer) -> None:
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    strategy = trainer.strategy
+    unsupported = []
+    try:
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+        unsupported += [FSDPStrategy, DeepSpeedStrategy]
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        unsupported.append(ModelParallelStrategy)
+    except ImportError:  # pragma: no cover
+        pass
+    ok = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(
+        strategy, tuple(unsupported)
+    )
+    if not ok:
+        raise ConfigError(
+            f"ResilientCheckpoint does not support {type(strategy).__name__} yet: it saves "
+            "replicated state (single device or DDP). Sharded strategies (FSDP, DeepSpeed, "
+            "model parallel) need the torch.distributed.checkpoint path, which is not "
+            "implemented yet. Use strategy='ddp' or one device, or Lightning's ModelCheckpoint "
+            "for this strategy."
+        )
+
+
+def _signals(trainer: pl.Trainer) -> tuple[str, ...]:
+    """The core's default signals, plus Slurm's requeue signal when Lightning's
+    ``SLURMEnvironment`` would handle one (we handle it instead: no second save)."""
+    sigs = ["SIGTERM", "SIGUSR1"]
+    try:
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        env = trainer._accelerator_connector.cluster_environment
+        if isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal:
+            name = signal.Signals(env.requeue_signal).name
+            if name not in sigs:
+                sigs.append(name)
+    except Exception:  # pragma: no cover - defensive: fall back to the defaults
+        pass
+    return tuple(sigs)
+
+
+def _validation_follows(trainer: pl.Trainer) -> bool:
+    """Whether Lightning runs validation right after this training batch."""
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return False  # decided by wall time after this hook: cannot be predicted
+    epoch_loop = trainer.fit_loop.epoch_loop
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None:
+        return False
+    try:
+        if not epoch_loop._should_check_val_fx(fetcher):
+            return False
+    except Exception:
+        return False
+    max_batches = epoch_loop.val_loop._max_batches
+    return not max_batches or sum(max_batches) > 0
+
+
+def _is_final(trainer: pl.Trainer) -> bool:
+    """Whether training ends after this step (so it is saved whatever the schedule says)."""
+    if trainer.should_stop:
+        return True
+    if trainer.max_steps not in (-1, None) and trainer.global_step >= trainer.max_steps:
+        return True
+    max_epochs = trainer.max_epochs
+    if max_epochs is not None and max_epochs != -1 and trainer.is_last_batch:
+        return trainer.current_epoch + 1 >= max_epochs
+    return False
+
+
+def _migrate(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
+    """Lightning's own upgrade of checkpoints written by older Lightning versions."""
+    try:
+        from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+    except ImportError:  # pragma: no cover
+        return checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _pl_migrate_checkpoint(checkpoint, path)
+
+
+def _callbacks(trainer: Any) -> list[Any]:
+    return list(getattr(trainer, "callbacks", None) or [])
+
+
+def _restore_attr(obj: Any, name: str, ours: Any) -> None:
+    if obj.__dict__.get(name) is ours:
+        del obj.__dict__[name]

@@ -1,0 +1,132 @@
+"""Train dataloaders that resume mid-epoch: plain shuffled ``DataLoader``s become
+:class:`~resilient_callbacks.ResumableDataLoader`\\ s.
+
+Lightning saves and restores the state of every train dataloader that has ``state_dict()`` /
+``load_state_dict()`` (torchdata's ``StatefulDataLoader``, the library's
+``ResumableDataLoader``); a plain ``DataLoader`` has none, so a mid-epoch resume restarts its
+epoch (and Lightning warns that the result is unreliable). :func:`make_resumable` rebuilds a plain
+``DataLoader`` over a map-style dataset, with a ``RandomSampler``, ``SequentialSampler`` or the
+``DistributedSampler`` Lightning injects for DDP, as a ``ResumableDataLoader`` with the same
+dataset, batch size and worker settings. Its epoch order is a permutation drawn from
+``seed + epoch`` (for a ``DistributedSampler`` exactly the order it would have produced) and its
+position is part of Lightning's checkpoint, so a resumed run continues with the next batch
+without loading the skipped ones.
+
+Lightning announces a new epoch through ``dataloader.sampler.set_epoch(epoch)`` and never lets a
+loader's iterator run out (it stops at the known length), so :func:`follow_lightning_epochs`
+makes a ``ResumableDataLoader`` follow those calls.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from ..data import ResumableDataLoader, ResumableSampler
+
+# DataLoader settings carried over to the rebuilt loader
+_CARRIED = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+def default_seed() -> int:
+    """The seed ``lightning.seed_everything`` recorded, else 0 (Lightning's DDP default)."""
+    try:
+        return int(os.environ.get("PL_GLOBAL_SEED", "0"))
+    except ValueError:
+        return 0
+
+
+def make_resumable(loader: Any, seed: int | None = None) -> tuple[Any, str | None]:
+    """Return ``(resumable loader, None)``, or ``(loader, reason)`` when it cannot be rebuilt.
+
+    Loaders that already have ``state_dict``/``load_state_dict`` are returned unchanged with no
+    reason. ``seed``: the shuffle seed for a ``RandomSampler`` (default: the seed recorded by
+    ``seed_everything``, else 0); a ``DistributedSampler`` keeps its own."""
+    if _is_stateful(loader):
+        return loader, None
+    if type(loader) is not DataLoader:
+        return loader, f"{type(loader).__qualname__} is not a plain torch DataLoader"
+    if isinstance(loader.dataset, IterableDataset):
+        return loader, "it reads an IterableDataset (no indices to resume from)"
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        return loader, "it uses a custom batch_sampler"
+    sampler = loader.sampler
+    n = len(loader.dataset)  # type: ignore[arg-type]
+    kw: dict[str, Any] = {k: getattr(loader, k) for k in _CARRIED if hasattr(loader, k)}
+    if loader.num_workers > 0:
+        kw["prefetch_factor"] = loader.prefetch_factor
+    if type(sampler) is RandomSampler:
+        if sampler.replacement or sampler._num_samples is not None:
+            return loader, "its RandomSampler draws with replacement or a custom num_samples"
+        shuffle, replicas, rank = True, 1, 0
+        seed = default_seed() if seed is None else seed
+    elif type(sampler) is SequentialSampler:
+        shuffle, replicas, rank, seed = False, 1, 0, 0 if seed is None else seed
+    elif type(sampler) is DistributedSampler:
+        if sampler.drop_last:
+            return loader, "its DistributedSampler drops the tail (drop_last=True)"
+        shuffle, replicas, rank, seed = (
+            sampler.shuffle,
+            sampler.num_replicas,
+            sampler.rank,
+            sampler.seed,
+        )
+        if len(sampler.dataset) != n:  # type: ignore[arg-type]
+            return loader, "its DistributedSampler covers another dataset"
+    else:
+        return loader, f"its sampler is a {type(sampler).__qualname__}"
+    new = ResumableDataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        num_replicas=replicas,
+        rank=rank,
+        drop_last=loader.drop_last,
+        **kw,
+    )
+    if type(sampler) is DistributedSampler:
+        new.set_epoch(sampler.epoch)
+    return follow_lightning_epochs(new), None
+
+
+def follow_lightning_epochs(loader: ResumableDataLoader) -> ResumableDataLoader:
+    """Make ``loader.sampler.set_epoch(e)`` (how Lightning starts epoch ``e``) move the loader
+    to the start of epoch ``e``; the same epoch keeps the position (a mid-epoch resume)."""
+    sampler = loader.sampler
+    assert isinstance(sampler, ResumableSampler)
+    if getattr(sampler, "_rc_follows_lightning", False):
+        return loader
+
+    def set_epoch(epoch: int) -> None:
+        loader.set_epoch(epoch)
+        ResumableSampler.set_epoch(sampler, epoch)
+
+    sampler.set_epoch = set_epoch  # type: ignore[method-assign]
+    sampler._rc_follows_lightning = True  # type: ignore[attr-defined]
+    return loader
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )

@@ -1,0 +1,241 @@
+"""A Lightning training script checkpointed with ResilientCheckpoint (helper for the tests).
+
+Not a test module. tests/test_lightning.py runs it as a real subprocess (killed with SIGKILL,
+sent SIGTERM/SIGUSR1, re-run), with ``--devices 2`` as DDP on two CPU processes (Lightning's own
+launcher re-runs this script for rank 1), and in-process through :func:`main`.
+
+What makes resuming it exactly non-trivial:
+
+- dropout (the torch RNG), plus Python's and NumPy's global RNGs feed the loss;
+- a shuffled train ``DataLoader`` (plain: ``DataLoader(shuffle=True)``, which the callback turns
+  into a ResumableDataLoader; or torchdata's ``StatefulDataLoader``), 100 samples in batches of
+  8: 13 batches per epoch, the last one of 4, so steps cross epoch boundaries mid-schedule;
+- validation every ``--val-every`` batches through a plain val ``DataLoader`` (creating its
+  iterator draws from the global torch RNG) and a sanity check at start;
+- AdamW with a per-step StepLR schedule.
+
+Outputs: ``--out-jsonl``: one line per trained step, written in ``training_step`` before the
+optimizer step, ``{"step", "loss" (float.hex), "epoch", "batch", "rank"}``, fsynced; ``--out-
+params``: the final weights (safetensors). With two devices each rank appends ``.rank<r>``.
+stderr gets ``[rank r] restored step N`` when training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import warnings
+
+import lightning as L
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from resilient_callbacks.lightning import ResilientCheckpoint
+
+NUM_SAMPLES, NUM_VAL = 100, 16
+IN_DIM, HIDDEN, OUT_DIM = 16, 32, 4
+
+
+def make_dataset(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN_DIM, generator=g)
+    w = torch.randn(IN_DIM, OUT_DIM, generator=torch.Generator().manual_seed(99))
+    y = x @ w + 0.1 * torch.randn(n, OUT_DIM, generator=g)
+    return TensorDataset(x, y)
+
+
+class Data(L.LightningDataModule):
+    def __init__(self, loader: str) -> None:
+        super().__init__()
+        self.loader = loader
+        self.train_set = make_dataset(NUM_SAMPLES, 1234)
+        self.val_set = make_dataset(NUM_VAL, 4321)
+
+    def train_dataloader(self):
+        if self.loader == "stateful":
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(self.train_set, batch_size=8, shuffle=True)
+        return DataLoader(self.train_set, batch_size=8, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=8)
+
+
+class Net(L.LightningModule):
+    def __init__(self, out_jsonl: str, fail_at: int = 0, sleep: float = 0.0) -> None:
+        super().__init__()
+        self.save_hyperparameters({"lr": 1e-2, "hidden": HIDDEN})
+        self.net = nn.Sequential(
+            nn.Linear(IN_DIM, HIDDEN),
+            nn.ReLU(),
+            nn.Dropout(0.3),
+            nn.Linear(HIDDEN, HIDDEN),
+            nn.ReLU(),
+            nn.Dropout(0.3),
+            nn.Linear(HIDDEN, OUT_DIM),
+        )
+        self.out_jsonl = out_jsonl
+        self.fail_at = fail_at
+        self.sleep = sleep
+        self._log = None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        step = self.global_step + 1
+        if self.fail_at and step == self.fail_at:
+            raise RuntimeError(f"simulated failure in step {step}")
+        noise = np.random.normal(size=(1,)).item() * 1e-3 + random.random() * 1e-3
+        loss = nn.functional.mse_loss(self.net(x), y) + noise
+        if self._log is None:
+            self._log = open(self.out_jsonl, "a")  # noqa: SIM115 - closed in on_fit_end
+            if self._log.tell() > 0:
+                with open(self.out_jsonl, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":  # a previous run was killed mid-line
+                        self._log.write("\n")
+        rec = {
+            "step": step,
+            "loss": float(loss.item()).hex(),
+            "epoch": self.current_epoch,
+            "batch": batch_idx,
+            "rank": self.global_rank,
+        }
+        self._log.write(json.dumps(rec) + "\n")
+        self._log.flush()
+        os.fsync(self._log.fileno())
+        self.log("train_loss", loss)
+        if self.sleep:
+            time.sleep(self.sleep)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.8)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_fit_end(self):
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class ReportRestore(L.Callback):
+    def __init__(self, rc: ResilientCheckpoint) -> None:
+        self.rc = rc
+
+    def on_train_start(self, trainer, pl_module):
+        step = self.rc.restored_step or 0
+        env = type(trainer._accelerator_connector.cluster_environment).__name__
+        print(
+            f"[rank {trainer.global_rank}] restored step {step} ({env})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("ckpt_dir")
+    p.add_argument("--max-steps", type=int, default=60)
+    p.add_argument("--every-n-steps", type=int, default=4)
+    p.add_argument("--keep-last", type=int, default=None)
+    p.add_argument("--loader", choices=["plain", "stateful"], default="plain")
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--val-every", type=int, default=6, help="0: at the end of each epoch")
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--fail-at", type=int, default=0)
+    p.add_argument("--save-on-exception", action="store_true")
+    p.add_argument(
+        "--no-resumable-loaders", action="store_true", help="make_dataloaders_resumable=False"
+    )
+    p.add_argument("--sync", action="store_true", help="async_save=False")
+    p.add_argument("--remote", default=None)
+    p.add_argument("--remote-options", default=None, help="JSON")
+    p.add_argument("--root", default=None, help="Trainer default_root_dir")
+    p.add_argument("--ckpt-path", default=None, help="fit(ckpt_path=...)")
+    p.add_argument("--model-checkpoint", action="store_true", help="add a ModelCheckpoint too")
+    p.add_argument("--csv-logs", default=None, help="a CSVLogger directory")
+    p.add_argument("--out-jsonl", required=True)
+    p.add_argument("--out-params", required=True)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> ResilientCheckpoint:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # One intra-op thread: the ops of this tiny model are then deterministic on CPU.
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # the same initial weights on every rank ...
+    model = Net(
+        args.out_jsonl + (f".rank{rank}" if args.devices > 1 else ""),
+        fail_at=args.fail_at,
+        sleep=args.sleep,
+    )
+    # ... then rank-specific random streams
+    torch.manual_seed(100 + rank)
+    random.seed(200 + rank)
+    np.random.seed(300 + rank)
+
+    kwargs: dict = {}
+    if args.remote:
+        kwargs["remote"] = args.remote
+        kwargs["remote_options"] = json.loads(args.remote_options or "{}")
+    rc = ResilientCheckpoint(
+        args.ckpt_dir,
+        every_n_steps=args.every_n_steps,
+        keep_last=args.keep_last,
+        save_on_exception=args.save_on_exception,
+        make_dataloaders_resumable=not args.no_resumable_loaders,
+        async_save=not args.sync,
+        **kwargs,
+    )
+    callbacks: list = [rc, ReportRestore(rc)]
+    if args.model_checkpoint:
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=os.path.join(args.root or ".", "mc"), monitor="val_loss", save_top_k=1
+            )
+        )
+    logger = False
+    if args.csv_logs:
+        logger = L.pytorch.loggers.CSVLogger(args.csv_logs, name="", version="")
+    trainer = L.Trainer(
+        max_steps=args.max_steps,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        callbacks=callbacks,
+        logger=logger,
+        log_every_n_steps=1,
+        val_check_interval=args.val_every or 1.0,
+        num_sanity_val_steps=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.root,
+    )
+    trainer.fit(model, datamodule=Data(args.loader), ckpt_path=args.ckpt_path)
+
+    suffix = f".rank{trainer.global_rank}" if args.devices > 1 else ""
+    params = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    tmp = args.out_params + suffix + ".tmp"
+    save_file(params, tmp)
+    os.replace(tmp, args.out_params + suffix)
+    return rc
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,622 @@
+"""The Lightning adapter end to end, with a real ``Trainer`` on a tiny model (CPU).
+
+The training script is tests/lightning_train.py: dropout, Python/NumPy randomness in the loss, a
+shuffled train loader (plain ``DataLoader`` or torchdata's ``StatefulDataLoader``), validation
+every 6 batches, a sanity check, AdamW with a per-step schedule; 13 batches per epoch, a
+checkpoint every 4 steps, 60 steps. Its uninterrupted run is the reference; every interrupted
+and resumed run must match it bit for bit: the loss of every step and the final weights.
+
+- In-process: resume from a chosen step of each kind (right after a validation, at an epoch end,
+  mid-epoch), without Lightning's "unreliable mid-epoch resume" warning; the same without our
+  loader conversion is *not* exact and does warn (the control that shows the check can fail);
+  an exception, a corrupt newest checkpoint, the remote tier, ``ckpt_path``, ModelCheckpoint
+  next to ours, unsaveable values, loggers, FSDP.
+- Subprocesses: a real SIGKILL mid-epoch, then SIGTERM (exit 75, emergency checkpoint), then a
+  run to the end; the same with ``StatefulDataLoader`` and SIGUSR1 under Slurm; DDP with two
+  CPU processes (gloo) killed together and re-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import enum
+import inspect
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+import warnings
+from collections import namedtuple
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from resilient_callbacks import (
+    Checkpointer,
+    ConfigError,
+    NoValidCheckpointError,
+    ResumeFallbackWarning,
+    UnsupportedStateError,
+    catalog,
+)
+from resilient_callbacks.checkpointer import RESUMABLE_EXIT_CODE
+from resilient_callbacks.lightning import ResilientCheckpoint
+from resilient_callbacks.lightning.state import Converter, HparamsConversionWarning
+
+sys.path.insert(0, str(Path(__file__).parent))
+import lightning_train
+
+SCRIPT = Path(__file__).with_name("lightning_train.py")
+TOTAL = 60
+EVERY = 4
+SEED = int(os.environ.get("RC_TEST_SEED", "20240611"))
+RUN_TIMEOUT = 180
+UNRELIABLE = "not resumable"  # from Lightning's "unreliable results" mid-epoch warning
+
+pytestmark = pytest.mark.timeout(600)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _argv(workdir: Path, *more: str, loader: str = "plain") -> list[str]:
+    return [
+        str(workdir / "ckpt"),
+        "--loader",
+        loader,
+        "--every-n-steps",
+        str(EVERY),
+        "--out-jsonl",
+        str(workdir / "losses.jsonl"),
+        "--out-params",
+        str(workdir / "params.safetensors"),
+        "--root",
+        str(workdir),
+        *more,
+    ]
+
+
+def _run_inprocess(argv: list[str]) -> tuple[ResilientCheckpoint, list[str]]:
+    """Run the script in this process; return the callback and the warnings raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc = lightning_train.main(argv)
+    return rc, [str(w.message) for w in caught]
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))  # a line cut by SIGKILL is skipped
+    return out
+
+
+def _losses(path: Path) -> dict[int, str]:
+    return {r["step"]: r["loss"] for r in _records(path)}  # a re-trained step: the last wins
+
+
+def _assert_same_run(ref: Path, got: Path, suffix: str = "") -> None:
+    a, b = _losses(ref / f"losses.jsonl{suffix}"), _losses(got / f"losses.jsonl{suffix}")
+    assert sorted(a) == list(range(1, TOTAL + 1))
+    assert sorted(b) == list(range(1, TOTAL + 1)), f"steps missing: {set(a) - set(b)}"
+    diff = [s for s in a if a[s] != b[s]]
+    assert not diff, (
+        f"losses differ from the uninterrupted run at {len(diff)} step(s), first at step "
+        f"{diff[0]}: {float.fromhex(a[diff[0]])!r} vs {float.fromhex(b[diff[0]])!r}"
+    )
+    pa = load_file(str(ref / f"params.safetensors{suffix}"))
+    pb = load_file(str(got / f"params.safetensors{suffix}"))
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k].view(torch.uint8), pb[k].view(torch.uint8)), f"weight {k}"
+
+
+def _committed(ckdir: Path) -> list[catalog.Entry]:
+    return [e for e in catalog.scan(str(ckdir), catalog.Depth.FULL) if e.manifest is not None]
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
+    for k in [k for k in env if k.startswith("SLURM_")]:
+        del env[k]
+    env.update(extra or {})
+    return env
+
+
+def _start(argv: list[str], errpath: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    with open(errpath, "w") as err:
+        return subprocess.Popen(
+            [sys.executable, str(SCRIPT), *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env or _env(),
+            start_new_session=True,  # rank 0 and the rank it launches share a process group
+        )
+
+
+def _wait_for_step(jsonl: Path, offset: int, step: int, proc: subprocess.Popen, err: Path) -> int:
+    """Wait until this run logged step >= ``step`` (in training_step); return that step."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the run exited (rc={proc.returncode}) early:\n{err.read_text()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"the run did not reach step {step} in {RUN_TIMEOUT} s")
+        if jsonl.exists():
+            with open(jsonl, "rb") as f:
+                f.seek(offset)
+                lines = f.read().split(b"\n")[:-1]
+            steps = []
+            for line in lines:
+                with contextlib.suppress(ValueError):
+                    steps.append(json.loads(line)["step"])
+            if steps and steps[-1] >= step:
+                return steps[-1]
+        time.sleep(0.005)
+
+
+def _finish(proc: subprocess.Popen, err: Path, expect: int = 0) -> str:
+    try:
+        proc.wait(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"the run hung:\n{err.read_text()}")
+    text = err.read_text()
+    assert proc.returncode == expect, f"rc={proc.returncode}, expected {expect}:\n{text}"
+    return text
+
+
+def _restored(stderr: str, rank: int = 0) -> int:
+    for line in stderr.splitlines():
+        if line.startswith(f"[rank {rank}] restored step "):
+            return int(line.split()[4])
+    raise AssertionError(f"no 'restored step' line for rank {rank}:\n{stderr}")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole job: rank 0 and the rank it launched
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs, in this process (bit-identical to a subprocess run: same seeds, one
+    intra-op thread), one per loader kind."""
+    done: dict[str, Path] = {}
+
+    def get(loader: str) -> Path:
+        if loader not in done:
+            work = tmp_path_factory.mktemp(f"reference-{loader}")
+            rc, _ = _run_inprocess(_argv(work, loader=loader))
+            assert rc.restored_step is None
+            assert [r["step"] for r in _records(work / "losses.jsonl")] == list(range(1, TOTAL + 1))
+            done[loader] = work
+        return done[loader]
+
+    return get
+
+
+# ----------------------------------------------------------------------------- in-process
+
+
+@pytest.mark.parametrize("loader", ["plain", "stateful"])
+def test_resume_from_each_kind_of_step_is_bit_exact(tmp_path, reference, loader):
+    """Stop at step K (max_steps=K saves it), re-run to the end: identical to the reference.
+    K=6: validation runs right after it; K=13: the last batch of epoch 0; K=18: mid-epoch."""
+    ref = reference(loader)
+    for k in (6, 13, 18):
+        work = tmp_path / f"k{k}"
+        rc, _ = _run_inprocess(_argv(work, "--max-steps", str(k), loader=loader))
+        assert rc.restored_step is None
+        assert [e.step for e in _committed(work / "ckpt")][-1] == k
+        rc, caught = _run_inprocess(_argv(work, loader=loader))
+        assert rc.restored_step == k
+        assert not [w for w in caught if UNRELIABLE in w], caught
+        _assert_same_run(ref, work)
+
+
+def test_control_without_resumable_loader_warns_and_diverges(tmp_path, reference):
+    """The check above can fail: a plain DataLoader left as it is restarts its epoch on resume;
+    Lightning warns, and the run is not the reference run."""
+    work = tmp_path / "run"
+    _run_inprocess(_argv(work, "--max-steps", "18", "--no-resumable-loaders"))
+    rc, caught = _run_inprocess(_argv(work, "--no-resumable-loaders"))
+    assert rc.restored_step == 18
+    assert [w for w in caught if UNRELIABLE in w]
+    assert _losses(work / "losses.jsonl") != _losses(reference("plain") / "losses.jsonl")
+
+
+def test_exception_saves_the_last_step_and_the_rerun_is_exact(tmp_path, reference):
+    work = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="simulated failure in step 15"):
+        _run_inprocess(_argv(work, "--fail-at", "15", "--save-on-exception"))
+    newest = _committed(work / "ckpt")[-1]
+    assert newest.step == 14 and newest.manifest.reason == "emergency"
+    rc, _ = _run_inprocess(_argv(work))
+    assert rc.restored_step == 14
+    _assert_same_run(reference("plain"), work)
+
+
+def test_exception_without_save_on_exception_keeps_the_periodic_checkpoint(tmp_path):
+    work = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        _run_inprocess(_argv(work, "--fail-at", "15"))
+    assert [e.step for e in _committed(work / "ckpt")] == [4, 8, 12]
+
+
+def _flip_byte(ckpt_dir: Path) -> Path:
+    target = max(ckpt_dir.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    return target
+
+
+def test_corrupt_newest_checkpoint_falls_back_loudly(tmp_path, reference):
+    work = tmp_path / "run"
+    _run_inprocess(_argv(work, "--max-steps", "22"))  # saves 4, 8, ..., 20 and 22 (final)
+    newest = _committed(work / "ckpt")[-1]
+    assert newest.step == 22
+    _flip_byte(Path(newest.path))
+    rc, caught = _run_inprocess(_argv(work))
+    assert rc.restored_step == 20
+    assert [w for w in caught if "step_000000022" in w and "skipping" in w], caught
+    _assert_same_run(reference("plain"), work)
+
+
+def test_no_valid_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    work = tmp_path / "run"
+    _run_inprocess(_argv(work, "--max-steps", "4"))
+    _flip_byte(Path(_committed(work / "ckpt")[-1].path))
+    with pytest.raises(NoValidCheckpointError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResumeFallbackWarning)
+        lightning_train.main(_argv(work))
+
+
+def test_remote_delete_local_then_rerun_resumes(tmp_path, reference, s3_remote):
+    if "remote" not in inspect.signature(Checkpointer).parameters:
+        pytest.skip("the core Checkpointer has no remote tier yet")
+    url, options = s3_remote
+    work = tmp_path / "run"
+    remote = ["--remote", url, "--remote-options", json.dumps(options)]
+    _run_inprocess(_argv(work, "--max-steps", "22", *remote))  # close() waits for uploads
+    shutil.rmtree(work / "ckpt")
+    rc, _ = _run_inprocess(_argv(work, *remote))
+    assert rc.restored_step == 22
+    _assert_same_run(reference("plain"), work)
+
+
+def test_explicit_ckpt_path_wins(tmp_path):
+    work = tmp_path / "run"
+    _run_inprocess(_argv(work, "--max-steps", "20", "--model-checkpoint"))
+    (best,) = (work / "mc").glob("*.ckpt")  # ModelCheckpoint's best: a validation step
+    best_step = torch.load(best, weights_only=True, map_location="cpu")["global_step"]
+    assert best_step in (6, 12, 19)  # validation: batches 6 and 12 of each 13-batch epoch
+    offset = len(_records(work / "losses.jsonl"))
+    rc, _ = _run_inprocess(_argv(work, "--max-steps", "24", "--ckpt-path", str(best)))
+    assert rc.restored_step is None  # ours (step 20) was not used
+    assert _records(work / "losses.jsonl")[offset]["step"] == best_step + 1
+
+    # one of our checkpoint directories given explicitly: that one, not the newest
+    ours = next(e.path for e in _committed(work / "ckpt") if e.step == 8)
+    offset = len(_records(work / "losses.jsonl"))
+    rc, _ = _run_inprocess(_argv(work, "--max-steps", "10", "--ckpt-path", ours))
+    assert rc.restored_step == 8
+    assert _records(work / "losses.jsonl")[offset]["step"] == 9
+
+
+def test_coexists_with_model_checkpoint(tmp_path):
+    work = tmp_path / "run"
+    rc, _ = _run_inprocess(_argv(work, "--max-steps", "13", "--model-checkpoint"))
+    # no default ModelCheckpoint is added next to ours (no duplicate .ckpt every epoch) ...
+    trainer = L.Trainer(callbacks=[ResilientCheckpoint(tmp_path / "x")], logger=False)
+    assert [type(c).__name__ for c in trainer.checkpoint_callbacks] == ["ResilientCheckpoint"]
+    # ... but one the user adds works as usual, and its state survives our resume
+    (best,) = (work / "mc").glob("*.ckpt")
+    rc, _ = _run_inprocess(_argv(work, "--max-steps", "16", "--model-checkpoint"))
+    assert rc.restored_step == 13
+    mc = next(
+        c
+        for c in rc._trainer.callbacks
+        if isinstance(c, L.pytorch.callbacks.ModelCheckpoint)  # type: ignore[attr-defined]
+    )
+    assert mc.best_model_path == str(best)
+    assert rc.best_model_path == str(best)  # so trainer.test(ckpt_path="best") finds it
+
+
+def test_save_timings_and_sizes_go_to_the_loggers(tmp_path):
+    work = tmp_path / "run"
+    _run_inprocess(_argv(work, "--max-steps", "12", "--csv-logs", str(work / "logs")))
+    import csv
+
+    with open(work / "logs" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    saved = [r for r in rows if r.get("resilient/save_mb")]
+    assert saved, rows[0].keys()
+    assert all(float(r["resilient/save_mb"]) > 0 for r in saved)
+    assert {int(float(r["resilient/saved_step"])) for r in saved} >= {4, 8}
+    assert any(r.get("resilient/blocking_s") for r in rows)
+
+
+# ----------------------------------------------------------------------------- unsaveable values
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+@dataclass
+class Opt:
+    lr: float
+    path: Path
+
+
+Pair = namedtuple("Pair", "a b")
+
+
+def _convert_sample(conv: Converter) -> dict:
+    return conv.convert(
+        {
+            "hyper_parameters": {
+                "path": Path("/data"),
+                "color": Color.RED,
+                "ns": argparse.Namespace(a=1),
+                "opt": Opt(0.1, Path("/x")),
+                "pair": Pair(1, 2),
+                "cls": torch.nn.Linear,
+                "fn": lambda x: x,
+            },
+            "extra": {"dir": Path("/y"), "t": torch.ones(2)},
+        },
+        lossy_keys=frozenset({"hyper_parameters"}),
+    )
+
+
+def test_converter_converts_what_it_can():
+    conv = Converter()
+    with pytest.warns(HparamsConversionWarning, match=r"'fn'.*builtins\.function"):
+        out = _convert_sample(conv)
+    hp = out["hyper_parameters"]
+    assert hp["path"] == "/data" and hp["color"] == "red" and hp["ns"] == {"a": 1}
+    assert hp["opt"] == {"lr": 0.1, "path": "/x"} and hp["pair"] == {"a": 1, "b": 2}
+    assert hp["cls"] == "torch.nn.modules.linear.Linear"
+    assert hp["fn"].startswith("<function")  # stored as its repr, with the warning
+    assert out["extra"]["dir"] == "/y" and torch.equal(out["extra"]["t"], torch.ones(2))
+    with pytest.raises(UnsupportedStateError, match=r"checkpoint\['extra'\]\['fn'\]"):
+        conv.convert({"extra": {"fn": lambda x: x}})
+
+
+class _Opaque:
+    """Picklable (so Lightning keeps it in hparams) but not JSON-able."""
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self, **hparams):
+        super().__init__()
+        self.save_hyperparameters(hparams)
+        self.lin = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _tiny_fit(tmp_path: Path, module: L.LightningModule, *callbacks, max_steps: int = 4):
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 4))
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        callbacks=list(callbacks),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True))
+    return trainer
+
+
+def test_hparams_are_converted_or_reported_and_resume_works(tmp_path):
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)
+    with pytest.warns(HparamsConversionWarning, match=r"'thing'.*_Opaque.*repr"):
+        _tiny_fit(tmp_path, _Tiny(data=Path("/d"), thing=_Opaque()), rc)
+    saved = json.loads((Path(_committed(tmp_path / "ck")[-1].path) / "shared.json").read_text())
+    assert "/d" in json.dumps(saved) and "_Opaque object at" in json.dumps(saved)
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)
+    with pytest.warns(HparamsConversionWarning):
+        trainer = _tiny_fit(tmp_path, _Tiny(data=Path("/d"), thing=_Opaque()), rc, max_steps=6)
+    assert rc.restored_step == 4 and trainer.global_step == 6
+
+
+class _BadCallback(L.Callback):
+    def state_dict(self):
+        return {"thing": _Opaque()}
+
+
+def test_unsaveable_callback_state_fails_before_training(tmp_path):
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)
+    module = _Tiny()
+    with pytest.raises(UnsupportedStateError, match=r"_BadCallback.*_Opaque"):
+        _tiny_fit(tmp_path, module, _BadCallback(), rc)
+    assert module.global_step == 0  # not a single step was trained
+    assert not _committed(tmp_path / "ck")
+
+
+def test_fsdp_is_not_supported_yet(tmp_path):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    rc = ResilientCheckpoint(tmp_path / "ck")
+    fake = types.SimpleNamespace(strategy=FSDPStrategy(), callbacks=[rc])
+    with pytest.raises(ConfigError, match="does not support FSDPStrategy yet"):
+        rc.setup(fake, None, "fit")  # type: ignore[arg-type]
+
+
+def test_options_are_checked_at_construction(tmp_path):
+    with pytest.raises(TypeError, match="every_n_step"):
+        ResilientCheckpoint(tmp_path, every_n_step=5)
+    with pytest.raises(ConfigError, match="keep_last"):
+        ResilientCheckpoint(tmp_path, keep_last=0)
+    with pytest.raises(ConfigError, match="data_seed"):
+        ResilientCheckpoint(tmp_path, data_seed="1")
+
+
+# ----------------------------------------------------------------------------- real processes
+
+
+def test_sigkill_then_sigterm_then_rerun_is_bit_exact(tmp_path, reference):
+    """Run 1 (a process) is SIGKILLed mid-epoch; run 2 (a process) resumes and gets SIGTERM:
+    it saves the step it is in and exits 75; run 3 (in this process, to save a start-up)
+    resumes there and finishes. Together: the reference run."""
+    ref = reference("plain")
+    rng = random.Random(f"{SEED}-plain")
+    kill_at = rng.randint(14, 30)
+    term_at = rng.randint(kill_at + 8, 50)
+    jsonl = tmp_path / "losses.jsonl"
+    argv = _argv(tmp_path, "--sleep", "0.02")
+
+    p = _start(argv, tmp_path / "err1.txt")
+    killed = _wait_for_step(jsonl, 0, kill_at, p, tmp_path / "err1.txt")
+    _kill(p)
+
+    offset = jsonl.stat().st_size
+    p = _start(argv, tmp_path / "err2.txt")
+    _wait_for_step(jsonl, offset, term_at, p, tmp_path / "err2.txt")
+    p.send_signal(signal.SIGTERM)
+    err2 = _finish(p, tmp_path / "err2.txt", expect=RESUMABLE_EXIT_CODE)
+    resumed = _restored(err2)
+    assert 0 < resumed <= killed and killed - resumed < 2 * EVERY, (killed, resumed)
+    last = _records(jsonl)[-1]["step"]
+    newest = _committed(tmp_path / "ckpt")[-1]
+    assert newest.step == last and newest.manifest.reason == "emergency", err2
+    assert UNRELIABLE not in err2
+
+    rc, caught = _run_inprocess(_argv(tmp_path))  # the same script, to the end
+    assert rc.restored_step == last
+    assert not [w for w in caught if UNRELIABLE in w]
+    counts = {s: sum(1 for r in _records(jsonl) if r["step"] == s) for s in range(1, TOTAL + 1)}
+    assert all(counts[s] == 1 for s in range(1, resumed + 1)), counts  # nothing replayed ...
+    assert all(counts[s] >= 2 for s in range(resumed + 1, killed + 1)), counts  # ... or skipped
+    _assert_same_run(ref, tmp_path)
+
+
+def test_stateful_dataloader_sigkill_then_slurm_sigusr1_then_rerun_is_bit_exact(
+    tmp_path, reference
+):
+    """With torchdata's StatefulDataLoader, and run 2 under Slurm (Lightning's SLURMEnvironment
+    with auto-requeue): SIGUSR1 gives one emergency checkpoint by us, exit 75, and no HPC
+    checkpoint or requeue attempt by Lightning."""
+    ref = reference("stateful")
+    rng = random.Random(f"{SEED}-stateful")
+    kill_at = rng.randint(14, 30)
+    usr1_at = rng.randint(kill_at + 8, 50)
+    jsonl = tmp_path / "losses.jsonl"
+    argv = _argv(tmp_path, "--sleep", "0.02", loader="stateful")
+
+    p = _start(argv, tmp_path / "err1.txt")
+    killed = _wait_for_step(jsonl, 0, kill_at, p, tmp_path / "err1.txt")
+    _kill(p)
+
+    slurm = {
+        "SLURM_NTASKS": "1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "localhost",
+    }
+    offset = jsonl.stat().st_size
+    p = _start(argv, tmp_path / "err2.txt", env=_env(slurm))
+    _wait_for_step(jsonl, offset, usr1_at, p, tmp_path / "err2.txt")
+    p.send_signal(signal.SIGUSR1)
+    err2 = _finish(p, tmp_path / "err2.txt", expect=RESUMABLE_EXIT_CODE)
+    assert "(SLURMEnvironment)" in err2  # Lightning did see a Slurm job
+    resumed = _restored(err2)
+    assert 0 < resumed <= killed and killed - resumed < 2 * EVERY, (killed, resumed)
+    last = _records(jsonl)[-1]["step"]
+    emergencies = [e for e in _committed(tmp_path / "ckpt") if e.manifest.reason == "emergency"]
+    assert [e.step for e in emergencies] == [last], err2
+    assert not list(tmp_path.rglob("hpc_ckpt_*.ckpt"))
+    assert "Handling auto-requeue signal" not in err2  # Lightning's SIGUSR1 handler never ran
+
+    rc, caught = _run_inprocess(_argv(tmp_path, loader="stateful"))  # to the end
+    assert rc.restored_step == last
+    assert UNRELIABLE not in err2 and not [w for w in caught if UNRELIABLE in w]
+    _assert_same_run(ref, tmp_path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Job:
+    """Two ranks of one DDP run, started like torchrun does (LOCAL_RANK, WORLD_SIZE, MASTER_*
+    in the environment; Lightning then launches nothing itself), both at once."""
+
+    def __init__(self, work: Path, name: str, *more: str) -> None:
+        port = str(_free_port())
+        self.errs = [work / f"{name}.rank{r}.txt" for r in (0, 1)]
+        self.procs = []
+        for r in (0, 1):
+            env = _env(
+                {
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                    "WORLD_SIZE": "2",
+                    "NODE_RANK": "0",
+                    "LOCAL_RANK": str(r),
+                }
+            )
+            argv = _argv(work, "--devices", "2", *more)
+            self.procs.append(_start(argv, self.errs[r], env=env))
+
+    def kill(self) -> None:
+        for p in self.procs:
+            _kill(p)
+
+    def finish(self) -> list[str]:
+        return [_finish(p, e) for p, e in zip(self.procs, self.errs, strict=True)]
+
+
+@pytest.mark.distributed
+def test_ddp_two_processes_sigkill_then_rerun_is_bit_exact(tmp_path):
+    """strategy='ddp' on 2 CPU processes (gloo). The reference and the run to be killed run
+    side by side; both ranks are SIGKILLed mid-epoch, and the same command started again
+    continues exactly, on each rank."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ref.mkdir()
+    run.mkdir()
+    reference = _Job(ref, "err")
+    kill_at = random.Random(f"{SEED}-ddp").randint(10, 20)  # 7 batches per epoch and rank
+    first = _Job(run, "err1", "--sleep", "0.02")
+    killed = _wait_for_step(run / "losses.jsonl.rank0", 0, kill_at, first.procs[0], first.errs[0])
+    first.kill()
+    reference.finish()
+
+    errs = _Job(run, "err2").finish()
+    resumed = [_restored(e, r) for r, e in enumerate(errs)]
+    assert resumed[0] == resumed[1] and 0 < resumed[0] <= killed, (resumed, killed)
+    assert killed - resumed[0] < 2 * EVERY, (resumed, killed)
+    assert not [e for e in errs if UNRELIABLE in e]
+    assert {e.manifest.world_size for e in _committed(run / "ckpt")} == {2}
+    for r in (0, 1):
+        _assert_same_run(ref, run, suffix=f".rank{r}")
