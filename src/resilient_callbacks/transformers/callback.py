@@ -1,0 +1,664 @@
+"""``ResilientCheckpoint``: fault tolerance for a ``transformers.Trainer`` with one callback.
+
+Which ranks call what: the Trainer fires every event on every rank, and every rank runs the same
+code here; ``Checkpointer.restore``/``step``/``save``/``close`` are called by all ranks at the
+same points (they run collectives when ``torch.distributed`` is initialized).
+
+What happens when, in ``trainer.train()``:
+
+- ``on_train_begin`` (the first event of ``train()``; the model, optimizer, scheduler and data
+  loader exist by then): find the Trainer, refuse what is not supported (DeepSpeed, FSDP,
+  iterable datasets), open the :class:`~resilient_callbacks.Checkpointer`, make the data
+  loader's batch sampler resumable, restore the newest valid checkpoint into the live objects and
+  the ``TrainerState``, and wrap ``_run_epoch``/``_maybe_log_save_evaluate`` on this Trainer
+  instance (see :mod:`.hooks` for why a callback alone cannot do it).
+- after each optimizer step, once its logging, evaluation and best-metric tracking are done:
+  ``Checkpointer.step()`` (saves when due; handles preemption). For the last step of an epoch
+  this happens after the epoch-end logging/evaluation, so the checkpoint is at the epoch boundary.
+- ``on_train_end``: wait for background saves, close, unwrap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+import transformers
+from accelerate.data_loader import DataLoaderDispatcher
+from accelerate.optimizer import AcceleratedOptimizer
+from torch.utils.data import BatchSampler, RandomSampler
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_pt_utils import nested_gather
+
+from .. import dist
+from ..checkpointer import Checkpointer
+from ..config import CheckpointerConfig
+from ..errors import CheckpointMismatchError, ConfigError
+from ..structure import PerRank
+from . import hooks
+from .data import ResumableBatches, make_resumable
+
+log = logging.getLogger("resilient_callbacks")
+
+FORMAT = "resilient_callbacks.transformers/1"
+# TrainerState fields that describe progress (restored); the others follow the current arguments.
+STATE_FIELDS = (
+    "epoch",
+    "global_step",
+    "num_input_tokens_seen",
+    "total_flos",
+    "log_history",
+    "best_metric",
+    "best_global_step",
+    "best_model_checkpoint",
+)
+_TRIGGERS = ("every_n_steps", "every_seconds", "adaptive", "keep_every_n_steps")
+_OWN_OPTIONS = (
+    "dirpath",
+    "save_on_evaluate",
+    "save_on_train_end",
+    "trainer_checkpoints",
+    "log_save_metrics",
+)
+_RNG_BYTES = torch.get_rng_state().numel()
+METRIC_PREFIX = "resilient/"
+
+
+class ResilientCheckpoint(TrainerCallback):
+    """Atomic, verified, pickle-free checkpoints of a ``transformers.Trainer`` run, with retention
+    and exact auto-resume: re-running the same script continues from the newest valid checkpoint.
+
+    >>> trainer.add_callback(ResilientCheckpoint("ckpts/run1", every_n_steps=200, keep_last=3))  # doctest: +SKIP
+    >>> trainer.train()                                                                          # doctest: +SKIP
+
+    ``dirpath``: local (or shared, mounted) directory of the checkpoints; default
+    ``<output_dir>/resilient``. ``every_n_steps``, ``keep_last``, ``keep_best``, ``monitor``,
+    ``mode`` and every other keyword are options of :class:`~resilient_callbacks.Checkpointer`
+    (``every_seconds``, ``async_save``, ``adaptive``, ``remote``, ``preemption``, ``resume``, ...),
+    passed through unchanged. Without a save trigger, the Trainer's ``save_steps`` (or, with
+    ``save_strategy="epoch"``, every epoch end) is used.
+
+    Adapter options:
+
+    - ``save_on_evaluate`` (default: ``monitor is not None``): also save after every evaluation
+      that reports ``monitor``, so each evaluated state can be kept as a best checkpoint.
+    - ``save_on_train_end`` (default ``True``): save the final step.
+    - ``trainer_checkpoints`` (default ``False``): the Trainer's own ``checkpoint-N`` saves
+      (``save_strategy="steps"``/``"epoch"``) are switched off, since this callback replaces
+      them; ``True`` keeps them.
+    - ``log_save_metrics`` (default ``True``): after each save, log its timings to the Trainer's
+      log (``resilient/save_blocking_s``, ``resilient/last_committed_s``, ...).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        every_n_steps: int | None = None,
+        keep_last: int | None = None,
+        keep_best: int = 0,
+        monitor: str | None = None,
+        mode: str = "min",
+        save_on_evaluate: bool | None = None,
+        save_on_train_end: bool = True,
+        trainer_checkpoints: bool = False,
+        log_save_metrics: bool = True,
+        **checkpointer_options: Any,
+    ) -> None:
+        known = set(inspect.signature(Checkpointer).parameters) - {"dirpath"}
+        unknown = sorted(set(checkpointer_options) - known)
+        if unknown:
+            raise ConfigError(
+                f"ResilientCheckpoint got unknown option(s) {unknown}. It takes "
+                f"{', '.join(_OWN_OPTIONS)} and the options of Checkpointer: "
+                f"{', '.join(sorted(known))}."
+            )
+        self.dirpath = os.fspath(dirpath) if dirpath is not None else None
+        self.options: dict[str, Any] = {
+            "every_n_steps": every_n_steps,
+            "keep_last": keep_last,
+            "keep_best": keep_best,
+            "monitor": monitor,
+            "mode": mode,
+            **checkpointer_options,
+        }
+        fields = {f.name for f in dataclasses.fields(CheckpointerConfig)}
+        # Validate values now (a bad option fails at construction, not after the model loads).
+        CheckpointerConfig(
+            dirpath=self.dirpath or os.getcwd(),
+            **{k: v for k, v in self.options.items() if k in fields},
+        )
+        self.monitor = monitor
+        self.save_on_evaluate = (
+            monitor is not None if save_on_evaluate is None else save_on_evaluate
+        )
+        self.save_on_train_end = save_on_train_end
+        self.trainer_checkpoints = trainer_checkpoints
+        self.log_save_metrics = log_save_metrics
+
+        self.checkpointer: Checkpointer | None = None
+        self.restored_step: int | None = None  # step restored by the latest train(), 0 if none
+        self._attached: Any = None  # a Trainer given to attach()
+        self._trainer: Any = None  # the Trainer whose train() is running
+        self._loader: Any = None
+        self._batches: ResumableBatches | None = None
+        self._generator = torch.Generator()
+        self._seed = 0
+        self._values: dict[str, Any] = {}
+        self._rank_values: dict[str, Any] = {}
+        self._tree: dict[str, Any] = {}
+        self._epoch_rng = torch.zeros(_RNG_BYTES, dtype=torch.uint8)
+        self._model_info: dict[str, Any] = {}
+        self._signature: dict[str, int] = {}
+        self._save_every_epoch = False
+        self._resume: tuple[int, int, torch.Tensor] | None = None
+        self._epoch_calls = 0
+        self._epoch_offset = 0
+        self._epoch = 0
+        self._updates = 0
+        self._steps_in_epoch = 0
+        self._updates_per_epoch = 0
+        self._pending: int | None = None
+        self._epoch_ended = False
+        self._step_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ public
+
+    def attach(self, trainer: Any) -> ResilientCheckpoint:
+        """Name the Trainer explicitly. Only needed when the callback events are not fired by a
+        ``transformers.Trainer`` method (the callback finds its Trainer on the call stack)."""
+        self._attached = trainer
+        return self
+
+    # ------------------------------------------------------------------ events
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._attached if self._attached is not None else hooks.find_trainer(self)
+        self._begin(trainer, args, state, kwargs.get("train_dataloader"))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._trainer is None:
+            return
+        if not self.trainer_checkpoints:
+            control.should_save = False
+        self._updates += 1
+        batches = min(self._updates * args.gradient_accumulation_steps, self._steps_in_epoch)
+        # What the Trainer computes from its own batch counter; after a resume mid-epoch that
+        # counter starts at the resume point, so set the epoch-relative value.
+        state.epoch = self._epoch + batches / self._steps_in_epoch
+        self._pending = state.global_step
+        self._step_metrics = {}
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._trainer is None:
+            return
+        if not self.trainer_checkpoints:
+            control.should_save = False
+        self._epoch_ended = True
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        self._record(logs)
+
+    def on_evaluate(
+        self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any
+    ) -> None:
+        self._record(metrics)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._finish()
+
+    # ------------------------------------------------------------------ begin
+
+    def _begin(self, trainer: Any, args: Any, state: Any, loader: Any) -> None:
+        self._finish()  # a previous train() that raised may have left things open
+        self._check(trainer, args, state, loader)
+        hooks.check_supported(trainer)
+        options = self._resolved_options(args, state)
+        self._warn_about_trainer_saves(args)
+        dirpath = self.dirpath or os.path.join(args.output_dir, "resilient")
+
+        self._loader = loader
+        self._batches = make_resumable(loader.batch_sampler)
+        # The DataLoader draws a base seed each time an iterator is created; from the global
+        # RNG that draw would happen again, at another point, in a resumed run. A private
+        # generator, seeded per epoch, makes it independent of the global RNG.
+        getattr(loader, "base_dataloader", loader).generator = self._generator
+        self._seed = args.data_seed if args.data_seed is not None else args.seed
+        self._signature = {
+            "steps_in_epoch": len(loader),
+            "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+            "per_device_batch_size": int(trainer._train_batch_size),
+            "world_size": int(args.world_size),
+            "num_samples": len(loader.dataset),
+        }
+        self._model_info = _model_info(trainer.model)
+        self._epoch_calls = self._epoch_offset = 0
+        self._pending, self._epoch_ended, self._resume = None, False, None
+        self.restored_step = 0
+
+        ckpt = Checkpointer(dirpath, **options)
+        self.checkpointer = ckpt
+        self._trainer = trainer
+        try:
+            self._tree = self._build_tree(trainer)
+            if state.global_step > 0:
+                log.info(
+                    "train(resume_from_checkpoint=...) restored step %d: ResilientCheckpoint "
+                    "does not auto-resume this run and saves into %s from here on",
+                    state.global_step,
+                    dirpath,
+                )
+            else:
+                step = ckpt.restore(self._tree)
+                if step:
+                    self._apply_restored(trainer, args, state, step)
+            hooks.wrap(trainer, "_run_epoch", self._run_epoch)
+            hooks.wrap(trainer, "_maybe_log_save_evaluate", self._after_step)
+        except BaseException:
+            self._trainer = None
+            ckpt.close()
+            raise
+
+    def _check(self, trainer: Any, args: Any, state: Any, loader: Any) -> None:
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            raise ConfigError(
+                "ResilientCheckpoint does not support Trainer + DeepSpeed yet: the DeepSpeed "
+                "engine owns the (ZeRO-partitioned) optimizer state and saves it in its own "
+                "format, which this adapter neither writes nor reads, and the DeepSpeed "
+                "integration of resilient_callbacks has not landed. Remove the callback and use "
+                "the Trainer's save_steps with DeepSpeed, or train without DeepSpeed."
+            )
+        if getattr(trainer, "is_fsdp_enabled", False) or getattr(
+            trainer, "is_fsdp_xla_enabled", False
+        ):
+            raise ConfigError(
+                "ResilientCheckpoint does not support FSDP: its parameters and optimizer state "
+                "are sharded, and the Checkpointer saves replicated and per-rank state only. "
+                "Use DDP, or torch.distributed.checkpoint for sharded models."
+            )
+        if state.is_hyper_param_search or getattr(trainer, "_trial", None) is not None:
+            raise ConfigError(
+                "ResilientCheckpoint does not support hyperparameter search: every trial would "
+                "resume from the same directory."
+            )
+        dataset = getattr(loader, "dataset", None)
+        if (
+            loader is None
+            or isinstance(dataset, torch.utils.data.IterableDataset)
+            or getattr(loader, "batch_sampler", None) is None
+        ):
+            raise ConfigError(
+                "ResilientCheckpoint needs a map-style train_dataset (one with __len__ and "
+                "__getitem__): its position inside an epoch is a batch index. An IterableDataset "
+                "has no such index; it cannot be resumed exactly mid-epoch."
+            )
+        if isinstance(loader, DataLoaderDispatcher) or isinstance(loader.sampler, BatchSampler):
+            raise ConfigError(
+                "ResilientCheckpoint does not support this data loader layout "
+                f"({type(loader).__name__} with sampler {type(loader.sampler).__name__}); use "
+                "the Trainer's default training data loader (accelerator_config "
+                "dispatch_batches=False)."
+            )
+        sampler = _index_sampler(loader.batch_sampler)
+        if type(sampler) is RandomSampler and sampler.generator is not None:
+            raise ConfigError(
+                "the training data is shuffled by a RandomSampler with its own generator, whose "
+                "order for an epoch cannot be recomputed on resume. Keep the Trainer's default "
+                "accelerator_config use_seedable_sampler=True (the order then depends on the "
+                "seed and the epoch only), or give your sampler set_epoch()."
+            )
+
+    def _resolved_options(self, args: Any, state: Any) -> dict[str, Any]:
+        options = dict(self.options)
+        self._save_every_epoch = False
+        if not any(options.get(k) for k in _TRIGGERS):
+            strategy = _value(args.save_strategy)
+            if strategy == "steps" and state.save_steps and state.save_steps > 0:
+                options["every_n_steps"] = int(state.save_steps)
+                log.info(
+                    "ResilientCheckpoint: no save trigger given; saving every %d steps "
+                    "(the Trainer's save_steps)",
+                    options["every_n_steps"],
+                )
+            elif strategy == "epoch":
+                self._save_every_epoch = True
+                log.info("ResilientCheckpoint: no save trigger given; saving at every epoch end")
+            else:
+                log.warning(
+                    "ResilientCheckpoint: no save trigger (every_n_steps, every_seconds, "
+                    "adaptive=True, ...) and save_strategy=%r; only the final step and "
+                    "emergency (preemption) saves are written",
+                    strategy,
+                )
+        return options
+
+    def _warn_about_trainer_saves(self, args: Any) -> None:
+        strategy = _value(args.save_strategy)
+        if self.trainer_checkpoints or strategy == "no":
+            return
+        if strategy == "best":
+            log.warning(
+                "save_strategy='best': the Trainer still writes its own checkpoint-N directories "
+                "when the metric improves (that decision is made after every callback event); "
+                "set save_strategy='no' and use keep_best/monitor instead"
+            )
+        else:
+            log.info(
+                "ResilientCheckpoint replaces the Trainer's own checkpoints (save_strategy=%r): "
+                "no checkpoint-N directories are written. Pass trainer_checkpoints=True to keep "
+                "them.",
+                strategy,
+            )
+        if args.load_best_model_at_end:
+            msg = (
+                "load_best_model_at_end=True loads one of the Trainer's own checkpoint-N "
+                "directories, which ResilientCheckpoint switches off: no best model will be loaded "
+                "at the end. Keep the best checkpoint with keep_best/monitor (and export it with "
+                "resilient_callbacks.transformers.export_pretrained), or pass "
+                "trainer_checkpoints=True."
+            )
+            warnings.warn(msg, UserWarning, stacklevel=4)
+            log.warning(msg)
+
+    def _build_tree(self, trainer: Any) -> dict[str, Any]:
+        opt = trainer.optimizer
+        if isinstance(opt, AcceleratedOptimizer):
+            opt = opt.optimizer  # the torch optimizer itself (its step hooks fire)
+        self._rank_values = {
+            "tr_loss": trainer._tr_loss,
+            "current_flos": float(trainer.current_flos),
+            "epoch_rng": self._epoch_rng,
+        }
+        tree: dict[str, Any] = {
+            "model": trainer.model,
+            "optimizer": opt,
+            "scheduler": trainer.lr_scheduler,
+            "trainer": self._values,
+            "rank": PerRank(self._rank_values) if dist.world_size() > 1 else self._rank_values,
+        }
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        if scaler is not None:
+            tree["scaler"] = scaler
+        self._values.clear()
+        self._refresh(trainer, (0, 0))
+        return tree
+
+    # ------------------------------------------------------------------ restore
+
+    def _apply_restored(self, trainer: Any, args: Any, state: Any, step: int) -> None:
+        v = self._values
+        if v.get("format") != FORMAT:
+            raise CheckpointMismatchError(
+                f"the checkpoint of step {step} was not written by the Transformers adapter "
+                f"(format {v.get('format')!r}, expected {FORMAT!r}); use another dirpath"
+            )
+        saved, here = v["data"], self._signature
+        diff = [
+            f"{k}: {saved.get(k)} in the checkpoint, {here[k]} here"
+            for k in here
+            if saved.get(k) != here[k]
+        ]
+        if diff:
+            raise CheckpointMismatchError(
+                f"the checkpoint of step {step} was written with other data settings, so its "
+                "position in the epoch (a batch index) means something else here: "
+                + "; ".join(diff)
+                + ". Resume with the same dataset, per_device_train_batch_size, "
+                "gradient_accumulation_steps and number of processes, or start a new run "
+                "(another dirpath, or resume='never')."
+            )
+        for name, value in v["state"].items():
+            setattr(state, name, value)
+        self._restore_callbacks(trainer, v["callbacks"])
+        loop = v["loop"]
+        trainer._globalstep_last_logged = int(loop["globalstep_last_logged"])
+        # The summary metrics of train() (train_loss, throughput) cover this call's steps, as
+        # with the Trainer's own resume; the loss already accumulated since the last log entry is
+        # restored (so the next logged loss matches the uninterrupted run) and left out of them.
+        trainer._initial_global_step = state.global_step
+        trainer._initial_num_input_tokens_seen = state.num_input_tokens_seen
+        pending = nested_gather(trainer._tr_loss, args.parallel_mode).mean().item()
+        trainer._total_loss_scalar = -pending
+        trainer.current_flos = float(self._rank_values["current_flos"])
+        self._resume = (int(loop["epoch"]), int(loop["updates"]), self._epoch_rng.clone())
+        self.restored_step = step
+        log.info(
+            "ResilientCheckpoint: resumed at step %d (epoch %d, %d optimizer step(s) into it)",
+            step,
+            loop["epoch"],
+            loop["updates"],
+        )
+
+    def _restore_callbacks(self, trainer: Any, saved: dict[str, list[Any]]) -> None:
+        for name, states in saved.items():
+            live = [
+                cb
+                for cb in trainer.callback_handler.callbacks
+                if cb is not self and isinstance(cb, ExportableState) and type(cb).__name__ == name
+            ]
+            for cb, st in zip(live, states, strict=False):
+                for attr, value in (st.get("attributes") or {}).items():
+                    setattr(cb, attr, value)
+
+    # ------------------------------------------------------------------ the Trainer's loop
+
+    def _run_epoch(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        trainer = self._trainer
+        bound = hooks.bind_arguments(original, args, kwargs)
+        a = bound.arguments
+        targs = trainer.args
+        gas = int(targs.gradient_accumulation_steps)
+        epoch = int(a["epoch"])
+        steps_in_epoch = int(a["steps_in_epoch"])
+        updates_per_epoch = int(a["num_update_steps_per_epoch"])
+        first = self._epoch_calls == 0
+        self._epoch_calls += 1
+        start = 0
+        if self._resume is not None:
+            r_epoch, r_updates, r_rng = self._resume
+            if first:
+                self._epoch_offset = r_epoch - epoch
+            epoch += self._epoch_offset
+            state = trainer.state
+            if state.global_step >= state.max_steps or epoch >= state.num_train_epochs:
+                trainer.control.should_training_stop = True
+                return None
+            a["epoch"] = a["epochs_trained"] = epoch
+            a["resume_from_checkpoint"] = None
+            a["steps_trained_in_current_epoch"] = 0
+            if first and r_updates > 0 and not targs.ignore_data_skip:
+                start = r_updates
+                # The rest of the epoch: the Trainer's batch counter, accumulation boundaries
+                # and the short last accumulation group line up with the uninterrupted run.
+                a["steps_in_epoch"] = steps_in_epoch - start * gas
+                a["num_update_steps_per_epoch"] = updates_per_epoch - start
+                assert self._batches is not None
+                self._batches.resume_at(start * gas, r_rng)
+        elif a["resume_from_checkpoint"] is not None and epoch == a["epochs_trained"]:
+            start = int(a["steps_trained_in_current_epoch"]) // gas  # the Trainer's own resume
+        self._epoch, self._updates = epoch, start
+        self._steps_in_epoch, self._updates_per_epoch = steps_in_epoch, updates_per_epoch
+        self._epoch_ended = False
+        self._generator.manual_seed((self._seed * 1_000_003 + epoch) % (2**63))
+        try:
+            return original(*bound.args, **bound.kwargs)
+        except BaseException as e:
+            self._abort(e)
+            raise
+
+    def _after_step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if self._trainer is None or self._pending is None:
+            self._epoch_ended = False
+            return result
+        control = self._trainer.control
+        if self._epoch_ended:
+            self._epoch_ended = False
+            self._complete(epoch_end=True)
+        elif not (
+            self._updates >= self._updates_per_epoch
+            or control.should_epoch_stop
+            or control.should_training_stop
+        ):
+            self._complete(epoch_end=False)
+        # else: the epoch ends after this step; its end-of-epoch logging and evaluation belong
+        # to this step's state, so the checkpoint waits for them.
+        return result
+
+    def _complete(self, epoch_end: bool) -> None:
+        """Step ``self._pending`` is complete: hand it to the Checkpointer."""
+        trainer, ckpt = self._trainer, self.checkpointer
+        assert ckpt is not None and self._pending is not None
+        state, control = trainer.state, trainer.control
+        step, self._pending = self._pending, None
+        epoch_done = self._updates >= self._updates_per_epoch or (
+            control.should_epoch_stop and not control.should_training_stop
+        )
+        position = (
+            (self._epoch + 1, 0) if epoch_end and epoch_done else (self._epoch, self._updates)
+        )
+        self._refresh(trainer, position)
+        metrics, self._step_metrics = self._step_metrics, {}
+        saved = ckpt.step(step, self._tree, metrics)
+        final = control.should_training_stop or state.global_step >= state.max_steps
+        force = (
+            (self.save_on_evaluate and self.monitor is not None and self.monitor in metrics)
+            or (epoch_end and self._save_every_epoch)
+            or (final and self.save_on_train_end)
+        )
+        if force and not saved:
+            saved = ckpt.save(step, self._tree, metrics)
+        if saved and self.log_save_metrics:
+            self._log_save(trainer)
+
+    def _refresh(self, trainer: Any, position: tuple[int, int]) -> None:
+        """Point the plain part of the saved state at the Trainer's current values (cheap: the
+        log history is referenced, not copied; it is encoded only when a save happens)."""
+        st = trainer.state
+        self._values.update(
+            {
+                "format": FORMAT,
+                "state": {k: getattr(st, k) for k in STATE_FIELDS},
+                "callbacks": self._callback_states(trainer),
+                "loop": {
+                    "globalstep_last_logged": int(trainer._globalstep_last_logged),
+                    "epoch": int(position[0]),
+                    "updates": int(position[1]),
+                },
+                "data": dict(self._signature),
+                "model": self._model_info,
+            }
+        )
+        self._rank_values["tr_loss"] = trainer._tr_loss
+        self._rank_values["current_flos"] = float(trainer.current_flos)
+        rng = self._batches.epoch_rng if self._batches is not None else None
+        if rng is not None:
+            self._epoch_rng.copy_(rng)
+
+    def _callback_states(self, trainer: Any) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for cb in trainer.callback_handler.callbacks:
+            if cb is not self and isinstance(cb, ExportableState):
+                out.setdefault(type(cb).__name__, []).append(cb.state())
+        return out
+
+    def _record(self, values: Any) -> None:
+        if self._trainer is None or not values:
+            return
+        for k, v in values.items():
+            if str(k).startswith(METRIC_PREFIX) or isinstance(v, bool):
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, (int, float)):
+                self._step_metrics[str(k)] = float(v)
+
+    def _log_save(self, trainer: Any) -> None:
+        ckpt = self.checkpointer
+        assert ckpt is not None
+        logs: dict[str, float] = {}
+        last = ckpt.last_save
+        if ckpt.config.async_save and ckpt.blocking_seconds:
+            logs[METRIC_PREFIX + "save_blocking_s"] = round(ckpt.blocking_seconds[-1], 6)
+        elif last is not None:
+            logs[METRIC_PREFIX + "save_blocking_s"] = round(last.seconds, 6)
+        if last is not None:
+            logs[METRIC_PREFIX + "last_committed_step"] = last.step
+            logs[METRIC_PREFIX + "last_committed_s"] = round(last.seconds, 6)
+            logs[METRIC_PREFIX + "last_committed_mb"] = round(last.bytes / 1e6, 3)
+        if logs:
+            trainer.log(logs)
+
+    # ------------------------------------------------------------------ end
+
+    def _abort(self, exc: BaseException) -> None:
+        """``train()`` is leaving with an exception: save it if configured
+        (``save_on_exception``), then close and unwrap."""
+        trainer, ckpt = self._trainer, self.checkpointer
+        self._trainer = None
+        if trainer is not None:
+            for name in hooks.WRAPPED:
+                hooks.unwrap(trainer, name)
+        if ckpt is not None:
+            try:
+                ckpt.__exit__(type(exc), exc, exc.__traceback__)
+            except Exception as e:  # the training error propagates; this one is reported
+                log.error("closing the checkpointer after %s failed: %s", type(exc).__name__, e)
+            finally:
+                _release_group(ckpt)
+
+    def _finish(self) -> None:
+        trainer, ckpt = self._trainer, self.checkpointer
+        self._trainer = None
+        if trainer is not None:
+            for name in hooks.WRAPPED:
+                hooks.unwrap(trainer, name)
+        if ckpt is not None:
+            try:
+                ckpt.close()
+            finally:
+                _release_group(ckpt)
+
+
+def _release_group(ckpt: Checkpointer) -> None:
+    """Destroy the gloo group a closed Checkpointer made for its background saves.
+
+    Workaround: ``Checkpointer.close()`` keeps it, and a Trainer script never calls
+    ``destroy_process_group()``, so at interpreter exit gloo's threads are torn down while still
+    joinable and the process aborts ("terminate called without an active exception")."""
+    group = getattr(ckpt, "_group", None)
+    if group is not None and getattr(ckpt, "_closed", False):
+        ckpt._group = None
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group(group)
+
+
+def _value(option: Any) -> str:
+    """The string of a TrainingArguments enum option (``SaveStrategy.STEPS`` -> ``"steps"``)."""
+    return str(getattr(option, "value", option))
+
+
+def _index_sampler(batch_sampler: Any) -> Any:
+    inner = getattr(batch_sampler, "batch_sampler", None)
+    if inner is not None and hasattr(inner, "sampler"):
+        return inner.sampler
+    return getattr(batch_sampler, "sampler", None)
+
+
+def _model_info(model: Any) -> dict[str, Any]:
+    """What export needs to rebuild the model: its class and configuration (JSON text)."""
+    config = getattr(model, "config", None)
+    gen = getattr(model, "generation_config", None)
+    return {
+        "class": type(model).__name__,
+        "module": type(model).__module__,
+        "config": config.to_json_string(use_diff=False) if config is not None else None,
+        "generation_config": gen.to_json_string(use_diff=False) if gen is not None else None,
+        "transformers": transformers.__version__,
+    }

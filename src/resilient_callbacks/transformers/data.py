@@ -1,0 +1,213 @@
+"""Start the Trainer's training data at a batch inside an epoch, without replaying the batches
+before it.
+
+The Trainer resumes mid-epoch with accelerate's ``skip_first_batches``: it iterates the epoch
+from its start and throws the first batches away (older versions loaded each skipped batch, which
+took hours on large datasets). Here the *batch sampler* of the Trainer's own data loader learns to
+start at local batch ``c`` of an epoch: it computes the epoch's index order once (what the start of
+any epoch costs) and yields batch ``c`` onwards by slicing that order. No skipped batch is built,
+loaded or collated, and the work does not depend on ``c``.
+
+The order must be the one the interrupted run used. Samplers whose order is a function of the
+epoch (accelerate's ``SeedableRandomSampler``, the default; ``SequentialSampler``;
+``DistributedSampler``) are recomputed as they are. Samplers that draw from the global torch RNG
+(a plain ``RandomSampler``, ``LengthGroupedSampler``) are recomputed with the torch RNG state they
+saw when the epoch began, which is saved with every checkpoint.
+
+How: the class of the data loader's batch sampler object is swapped for a subclass that adds this
+ability (:func:`make_resumable`), so the Trainer, accelerate and every other reference keep using
+the same object; without a pending start position it iterates exactly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler
+
+
+class _ListBatches:
+    """A batch sampler over a list of batches (feeds accelerate's sharding logic a few batches)."""
+
+    def __init__(self, batches: list[list[int]], batch_size: int | None, drop_last: bool) -> None:
+        self.batches = batches
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _with_rng(fn: Callable[[], Any], rng_state: torch.Tensor | None) -> Any:
+    """Run ``fn`` with the global torch RNG set to ``rng_state``; the RNG is left unchanged."""
+    saved = torch.get_rng_state()
+    if rng_state is not None:
+        torch.set_rng_state(rng_state)
+    try:
+        return fn()
+    finally:
+        torch.set_rng_state(saved)
+
+
+class ResumableBatches:
+    """The methods added to the class of a batch sampler by :func:`make_resumable`.
+
+    ``resume_at(c, rng_state)`` makes the next iteration yield from local batch ``c`` of the
+    epoch. Every iteration records the torch RNG state at its start (``epoch_rng``), which is
+    what a later resume of this epoch needs to recompute the order.
+
+    (Not a mixin base: CPython refuses ``__class__`` assignment to a class with an extra base,
+    so each resumable class is the original class plus these methods, see :func:`_subclass`.)
+    """
+
+    _rc_base: Any
+    _rc_skip: int
+    _rc_replay_rng: torch.Tensor | None
+    epoch_rng: torch.Tensor | None
+    fast_forwards: int  # how many resumed iterations used direct slicing (not materializing)
+
+    def resume_at(self, batches: int, rng_state: torch.Tensor | None) -> None:
+        self._rc_skip = int(batches)
+        self._rc_replay_rng = rng_state
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, replay = self._rc_skip, self._rc_replay_rng
+        self._rc_skip, self._rc_replay_rng = 0, None
+        if skip <= 0:
+            # The body of this generator runs at the loader's first request for a batch, right
+            # before the sampler draws its order: that is the state a resume must replay.
+            self.epoch_rng = torch.get_rng_state()
+            yield from self._rc_base.__iter__(self)
+            return
+        self.epoch_rng = replay.clone() if replay is not None else torch.get_rng_state()
+        yield from self._batches_from(skip, replay)
+
+    def _batches_from(self, skip: int, rng: torch.Tensor | None) -> Iterator[Any]:
+        base = self._rc_base
+        if base is BatchSampler or (base is BatchSamplerShard and self._plain_shard()):
+            self.fast_forwards += 1
+            if base is BatchSampler:
+                order = _with_rng(lambda: list(self.sampler), rng)  # type: ignore[attr-defined]
+                yield from _plain_batches(order, self.batch_size, self.drop_last, skip)  # type: ignore[attr-defined]
+            else:
+                yield from self._shard_batches(skip, rng)
+            return
+        # Any other batch sampler: build the epoch's batches (indices only; no sample is loaded)
+        # and start at the position.
+        batches = _with_rng(lambda: list(base.__iter__(self)), rng)
+        yield from batches[skip:]
+
+    # -- accelerate's BatchSamplerShard(BatchSampler(sampler)), split_batches=False ------------
+
+    def _plain_shard(self) -> bool:
+        inner = getattr(self, "batch_sampler", None)
+        return (
+            not getattr(self, "split_batches", True)
+            and type(inner) is BatchSampler
+            and inner.batch_size is not None
+        )
+
+    def _shard_batches(self, skip: int, rng: torch.Tensor | None) -> Iterator[list[int]]:
+        """The batches ``BatchSamplerShard`` yields for this process, from the ``skip``-th on.
+
+        Global batch ``i`` is ``order[i*bs:(i+1)*bs]``; rounds of ``P`` global batches whose last
+        batch is full give local batch ``j = round`` to process ``rank``. Only the end of the
+        epoch (an incomplete last round, padding from the first round) needs accelerate's own
+        logic: it is run on the first round plus the last one, which reproduces it exactly."""
+        inner: BatchSampler = self.batch_sampler  # type: ignore[attr-defined]
+        procs: int = self.num_processes  # type: ignore[attr-defined]
+        rank: int = self.process_index  # type: ignore[attr-defined]
+        even: bool = self.even_batches  # type: ignore[attr-defined]
+        bs = int(inner.batch_size)
+        order = _with_rng(lambda: list(inner.sampler), rng)
+        n = len(order)
+        total = n // bs if inner.drop_last else -(-n // bs)
+
+        def batch(i: int) -> list[int]:
+            return order[i * bs : (i + 1) * bs]
+
+        last_full = total > 0 and len(batch(total - 1)) == bs
+        rounds = total // procs
+        if total % procs == 0 and not last_full:
+            rounds -= 1
+        rounds = max(rounds, 0)
+
+        def shard(batches: list[list[int]]) -> list[list[int]]:
+            return list(
+                BatchSamplerShard(
+                    _ListBatches(batches, bs, inner.drop_last),
+                    num_processes=procs,
+                    process_index=rank,
+                    split_batches=False,
+                    even_batches=even,
+                )
+            )
+
+        if rounds == 0:  # fewer than two rounds in the epoch: small, run accelerate's logic
+            yield from shard([batch(i) for i in range(total)])[skip:]
+            return
+        for j in range(skip, rounds):
+            yield batch(j * procs + rank)
+        first_round = [batch(i) for i in range(procs)]
+        last_round = [batch(i) for i in range(rounds * procs, total)]
+        tail = shard(first_round + last_round)[1:]  # [0] is the first round's batch
+        yield from tail[max(0, skip - rounds) :]
+
+
+def _plain_batches(
+    order: list[int], batch_size: int, drop_last: bool, skip: int
+) -> Iterator[list[int]]:
+    n = len(order)
+    total = n // batch_size if drop_last else -(-n // batch_size)
+    for j in range(skip, total):
+        yield order[j * batch_size : (j + 1) * batch_size]
+
+
+_METHODS = ("resume_at", "__iter__", "_batches_from", "_plain_shard", "_shard_batches")
+
+
+def _subclass(base: type, name: str | None = None) -> type:
+    ns: dict[str, Any] = {m: ResumableBatches.__dict__[m] for m in _METHODS}
+    ns["_rc_base"] = base
+    ns["__module__"] = __name__
+    ns["__doc__"] = (
+        f"{base.__name__} that can start an epoch at a given batch (see ResumableBatches)."
+    )
+    cls = type(name or f"Resumable{base.__name__}", (base,), ns)
+    cls.__qualname__ = cls.__name__
+    return cls
+
+
+ResumableBatchSampler = _subclass(BatchSampler, "ResumableBatchSampler")
+ResumableBatchSamplerShard = _subclass(BatchSamplerShard, "ResumableBatchSamplerShard")
+
+_CLASSES: dict[type, type] = {
+    BatchSampler: ResumableBatchSampler,
+    BatchSamplerShard: ResumableBatchSamplerShard,
+}
+
+
+def is_resumable(batch_sampler: Any) -> bool:
+    return "_rc_base" in type(batch_sampler).__dict__
+
+
+def make_resumable(batch_sampler: Any) -> Any:
+    """Give ``batch_sampler`` (in place) the ability to start an epoch at a given batch."""
+    if is_resumable(batch_sampler):
+        return batch_sampler
+    base = type(batch_sampler)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = _subclass(base)
+    batch_sampler.__class__ = cls
+    batch_sampler._rc_skip = 0
+    batch_sampler._rc_replay_rng = None
+    batch_sampler.epoch_rng = None
+    batch_sampler.fast_forwards = 0
+    return batch_sampler

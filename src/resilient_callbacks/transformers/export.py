@@ -1,0 +1,169 @@
+"""Turn a checkpoint written by ``ResilientCheckpoint`` into a Hugging Face model directory
+(``config.json``, ``model.safetensors``, ``generation_config.json``) that
+``AutoModel.from_pretrained`` and friends load.
+
+The checkpoint is verified (sizes and checksums) before anything is written; a corrupt newest
+checkpoint is skipped with a :class:`~resilient_callbacks.ResumeFallbackWarning`, as on resume.
+The model class is taken from the ``transformers`` namespace by the name recorded at save time
+(no module named by a checkpoint is ever imported); pass ``model_class`` for your own classes.
+The directory is written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+import warnings
+
+import transformers
+
+from .. import catalog, layout, structure
+from ..catalog import Depth
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    ConfigError,
+    NoValidCheckpointError,
+    ResumeFallbackWarning,
+)
+from ..manifest import MANIFEST_NAME, read_manifest
+
+
+def export_pretrained(
+    source: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+    model_class: type | None = None,
+) -> str:
+    """Write the model of a checkpoint as a ``from_pretrained`` directory; return its path.
+
+    ``source``: a ResilientCheckpoint directory (its newest valid checkpoint is used, or the one
+    of ``step``) or one checkpoint directory (``.../step_000000200``). ``output_dir`` must not
+    exist unless ``overwrite=True``."""
+    return _export(source, output_dir, step, overwrite, model_class)[0]
+
+
+def _export(
+    source: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    step: int | None,
+    overwrite: bool,
+    model_class: type | None,
+) -> tuple[str, str]:
+    src, out = os.fspath(source), os.path.abspath(os.fspath(output_dir))
+    if os.path.exists(out) and not overwrite:
+        raise ConfigError(f"{out} already exists; pass overwrite=True (--force) to replace it")
+    path, part = _read_checkpoint(src, step)
+    full = structure.inline_per_rank(part.structure, part.per_rank)
+    if not isinstance(full, dict) or "model" not in full or "trainer" not in full:
+        raise CheckpointMismatchError(
+            f"{path} was not written by resilient_callbacks.transformers.ResilientCheckpoint "
+            "(no 'model'/'trainer' entries); export needs the model class and config it records"
+        )
+    values = structure.decode(full["trainer"], part.tensors)
+    info = values.get("model") if isinstance(values, dict) else None
+    if not isinstance(info, dict) or not info.get("config"):
+        raise CheckpointMismatchError(f"{path} records no model configuration to export")
+    cls = model_class or getattr(transformers, str(info["class"]), None)
+    if not isinstance(cls, type):
+        raise ConfigError(
+            f"the checkpoint's model class {info['module']}.{info['class']} is not part of "
+            "transformers; pass model_class=<the class> to export it"
+        )
+    state_dict = structure.decode(full["model"], part.tensors)
+    config = cls.config_class.from_dict(json.loads(info["config"]))  # type: ignore[attr-defined]
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = cls(config)
+    try:
+        model.load_state_dict(state_dict, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointMismatchError(
+            f"the weights in {path} do not fit {cls.__name__}: {e}"
+        ) from None
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    if info.get("generation_config") and getattr(model, "generation_config", None) is not None:
+        model.generation_config = transformers.GenerationConfig.from_dict(
+            json.loads(info["generation_config"])
+        )
+
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        old = None
+        if os.path.exists(out):
+            old = os.path.join(parent, f".{os.path.basename(out)}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(out, old)
+        os.rename(staging, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out, path
+
+
+def _read_checkpoint(source: str, step: int | None) -> tuple[str, layout.LoadedPart]:
+    """The chosen checkpoint's path and its rank-0 part, verified while read."""
+    if os.path.exists(os.path.join(source, MANIFEST_NAME)):
+        path = os.path.abspath(source)
+        return path, layout.read_part(path, read_manifest(path), 0)
+    if not os.path.isdir(source):
+        raise CheckpointNotFoundError(f"{source}: no such checkpoint directory")
+    entries = catalog.committed(catalog.scan(source, Depth.SIZE))
+    if step is not None:
+        entries = [e for e in entries if e.step == step]
+        if not entries:
+            raise CheckpointNotFoundError(f"no checkpoint of step {step} in {source}")
+    if not entries:
+        raise CheckpointNotFoundError(f"no checkpoints in {source}")
+    skipped: list[str] = []
+    for e in reversed(entries):  # newest committed first
+        problem = e.problem
+        if problem is None and e.manifest is not None:
+            try:
+                return e.path, layout.read_part(e.path, e.manifest, 0)
+            except (CheckpointCorruptError, OSError) as err:
+                problem = str(err)
+        if step is not None:
+            raise CheckpointCorruptError(f"cannot export {e.path}: {problem}")
+        skipped.append(f"{e.path}: {problem}")
+        warnings.warn(
+            f"skipping checkpoint {e.path}: {problem}; falling back to an older checkpoint",
+            ResumeFallbackWarning,
+            stacklevel=3,
+        )
+    raise NoValidCheckpointError(
+        f"{source} holds {len(entries)} checkpoint(s) but none can be read:\n  - "
+        + "\n  - ".join(skipped)
+    )
+
+
+def cli_export(args: argparse.Namespace) -> int:
+    """``resilient-ckpt export DIR OUT [--step N] [--force]`` (see docs/transformers.md)."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResumeFallbackWarning)
+            out, path = _export(
+                args.dir, args.out, args.step, bool(getattr(args, "force", False)), None
+            )
+        for w in caught:
+            print(f"resilient-ckpt export: warning: {w.message}", file=sys.stderr)
+    except CheckpointError as e:
+        print(f"resilient-ckpt export: {e}", file=sys.stderr)
+        return 1
+    print(f"exported {path} (step {read_manifest(path).step}) to {out}")
+    return 0

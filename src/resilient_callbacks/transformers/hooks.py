@@ -1,0 +1,115 @@
+"""Where a callback cannot reach: finding the Trainer, and wrapping two of its methods.
+
+A ``TrainerCallback`` receives the model, optimizer, scheduler and data loader, but not the
+Trainer, and the Trainer decides a few things a resume must change in local variables of
+``_inner_training_loop`` before the first event (``on_train_begin``) fires: the epoch to start
+from and the position inside it. Two of its methods are looked up on the instance at every call,
+so the adapter wraps them on this one Trainer instance while ``train()`` runs and unwraps them
+afterwards:
+
+- ``_run_epoch``: called once per epoch with the epoch number and the epoch's length. After a
+  resume the first call gets the checkpoint's epoch and the *rest* of that epoch (the remaining
+  batches and optimizer steps), so the Trainer's own gradient-accumulation bookkeeping lines up
+  with the uninterrupted run; later calls get their epoch numbers shifted accordingly.
+- ``_maybe_log_save_evaluate``: called after every optimizer step and at the end of every epoch,
+  and the last thing that happens for a step (logging, evaluation, best-metric tracking). The
+  checkpoint of a step is taken right after it, so it holds the state the next step starts from.
+
+Both are private methods of the Trainer (transformers 5.x); :func:`check_supported` refuses, with
+a clear error, a Trainer that does not have them with the expected parameters.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import transformers
+
+from ..errors import ConfigError
+
+RUN_EPOCH_PARAMS = frozenset(
+    {
+        "epoch",
+        "train_dataloader",
+        "steps_in_epoch",
+        "num_update_steps_per_epoch",
+        "resume_from_checkpoint",
+        "epochs_trained",
+        "steps_trained_in_current_epoch",
+    }
+)
+WRAPPED = ("_run_epoch", "_maybe_log_save_evaluate")
+
+
+def find_trainer(callback: Any) -> Any:
+    """The ``transformers.Trainer`` whose callback event is running now and that holds
+    ``callback``: the nearest caller frame whose ``self`` is such a Trainer."""
+    frame = sys._getframe(1)
+    try:
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, transformers.Trainer):
+                handler = getattr(obj, "callback_handler", None)
+                if handler is not None and any(cb is callback for cb in handler.callbacks):
+                    return obj
+            frame = frame.f_back  # type: ignore[assignment]
+    finally:
+        del frame
+    raise ConfigError(
+        "ResilientCheckpoint could not find the transformers.Trainer it belongs to (no Trainer "
+        "holding this callback is on the call stack). Add it with trainer.add_callback(cb) or "
+        "Trainer(callbacks=[cb]); if your code calls the callback events itself, call "
+        "cb.attach(trainer) before training."
+    )
+
+
+def check_supported(trainer: Any) -> None:
+    for name in WRAPPED:
+        if not callable(getattr(trainer, name, None)):
+            _unsupported(trainer, f"it has no method {name}()")
+    params = set(inspect.signature(trainer._run_epoch).parameters)
+    missing = RUN_EPOCH_PARAMS - params
+    if missing:
+        _unsupported(trainer, f"its _run_epoch() lacks the parameters {sorted(missing)}")
+
+
+def _unsupported(trainer: Any, why: str) -> None:
+    raise ConfigError(
+        f"ResilientCheckpoint cannot drive this {type(trainer).__name__} (transformers "
+        f"{transformers.__version__}): {why}. The adapter needs the Trainer's per-epoch loop "
+        "(Trainer._run_epoch) of transformers 5.x; install a 5.x release of transformers."
+    )
+
+
+def wrap(trainer: Any, name: str, wrapper: Callable[..., Any]) -> None:
+    """Make ``trainer.<name>(*a, **kw)`` call ``wrapper(original, *a, **kw)`` on this instance."""
+    unwrap(trainer, name)
+    had_own = name in trainer.__dict__
+    original = getattr(trainer, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(original, *args, **kwargs)
+
+    wrapped._rc_original = original  # type: ignore[attr-defined]
+    wrapped._rc_had_own = had_own  # type: ignore[attr-defined]
+    trainer.__dict__[name] = wrapped
+
+
+def unwrap(trainer: Any, name: str) -> None:
+    current = trainer.__dict__.get(name)
+    if current is None or not hasattr(current, "_rc_original"):
+        return
+    if current._rc_had_own:
+        trainer.__dict__[name] = current._rc_original
+    else:
+        del trainer.__dict__[name]
+
+
+def bind_arguments(
+    original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Bind a call's arguments to ``original``'s signature (for reading and changing them)."""
+    return inspect.signature(original).bind(*args, **kwargs)

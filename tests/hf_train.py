@@ -1,0 +1,226 @@
+"""A Hugging Face Trainer script with ResilientCheckpoint added (helper for the tests).
+
+Not a test module. Run as a real subprocess by test_transformers.py (killed with SIGKILL or
+SIGTERM and re-run) and, under torchrun (``--ddp``: 2 CPU processes, gloo), by
+test_transformers_ddp.py.
+
+The script is written the way a user writes one: build a model and a Trainer, add the callback,
+call ``trainer.train()``; re-running it continues from the newest valid checkpoint. The model is a
+2-layer GPT-2 built from a config (dropout on, so the torch RNG matters), trained on synthetic
+tokens with AdamW, a warmup + linear schedule, weight decay, gradient accumulation 3 (an epoch of
+13 batches: 5 optimizer steps, the last one over a single batch), an evaluation every 4 steps and
+the best eval_loss tracked. The loss gets a tiny term from Python's and NumPy's global RNGs, so
+their restore matters too.
+
+Outputs (with ``--ddp`` each rank appends ``.rank<r>``):
+  --out-jsonl   one line per logged training step: {"step", "loss", "grad_norm",
+                "learning_rate", "epoch"} (floats as float.hex), flushed and fsynced;
+  --out-final   at the end: final parameters (safetensors) at PATH and, at PATH + ".json", the
+                log history (without timings) and the best metric.
+stderr gets ``restored step N`` when training begins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from resilient_callbacks.transformers import ResilientCheckpoint
+
+NUM_SAMPLES = 50  # 13 batches of 4 per epoch (the last one of 2)
+SEQ = 16
+VOCAB = 64
+TIMING_KEYS = ("runtime", "per_second")
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Deterministic synthetic tokens; remembers which indices were read."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        self.reads: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.reads.append(int(i))
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+class NoisyTrainer(Trainer):
+    """The loss gets a tiny term from Python's and NumPy's global RNGs."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[no-untyped-def]
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        noise = 1e-4 * (float(np.random.rand()) + random.random())
+        if return_outputs:
+            return loss[0] + noise, loss[1]
+        return loss + noise
+
+
+def build_model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def training_args(outdir: str, max_steps: int, ddp: bool = False, **overrides) -> TrainingArguments:
+    options = dict(
+        output_dir=outdir,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=3,
+        max_steps=max_steps,
+        learning_rate=5e-3,
+        warmup_steps=2,
+        weight_decay=0.01,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=4,
+        metric_for_best_model="eval_loss",
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=7,
+        ddp_backend="gloo" if ddp else None,
+        dataloader_num_workers=0,
+    )
+    options.update(overrides)
+    return TrainingArguments(**options)
+
+
+def build_trainer(
+    outdir: str,
+    max_steps: int = 14,
+    *,
+    ddp: bool = False,
+    callbacks: list | None = None,
+    train_dataset: torch.utils.data.Dataset | None = None,
+    **overrides,
+) -> NoisyTrainer:
+    """The Trainer of this script (a fresh model, same seeds), for in-process tests too."""
+    return NoisyTrainer(
+        model=build_model(),
+        args=training_args(outdir, max_steps, ddp, **overrides),
+        train_dataset=train_dataset if train_dataset is not None else TokenDataset(NUM_SAMPLES, 1),
+        eval_dataset=TokenDataset(8, seed=2),
+        callbacks=callbacks,
+    )
+
+
+class Recorder(TrainerCallback):
+    """Writes each logged training step, fsynced; reports the restored step; sleeps per step."""
+
+    def __init__(self, ckpt: ResilientCheckpoint, path: str, rank: int, sleep: float) -> None:
+        self.ckpt, self.path, self.rank, self.sleep = ckpt, path, rank, sleep
+        self.f = open(path, "a")  # noqa: SIM115 - kept open for the whole run
+        if self.f.tell() > 0:
+            with open(path, "rb") as g:
+                g.seek(-1, os.SEEK_END)
+                if g.read(1) != b"\n":  # a previous run was killed mid-line
+                    self.f.write("\n")
+
+    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        print(f"[rank {self.rank}] restored step {self.ckpt.restored_step}", file=sys.stderr)
+        sys.stderr.flush()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+        if logs and "loss" in logs:
+            rec = {"step": state.global_step}
+            for k in ("loss", "grad_norm", "learning_rate", "epoch"):
+                rec[k] = float(logs[k]).hex()
+            self.f.write(json.dumps(rec) + "\n")
+            self.f.flush()
+            os.fsync(self.f.fileno())
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self.sleep:
+            time.sleep(self.sleep)
+
+
+def clean_history(history: list[dict]) -> list[dict]:
+    """The log history without wall-clock values (timings differ between runs)."""
+    out = []
+    for entry in history:
+        if any(k.startswith("resilient/") or k.startswith("train_") for k in entry):
+            continue  # save timings, and the end-of-train() summary
+        out.append({k: v for k, v in entry.items() if not any(t in k for t in TIMING_KEYS)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("outdir")
+    p.add_argument("--max-steps", type=int, default=14)
+    p.add_argument("--every-n-steps", type=int, default=2)
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--ddp", action="store_true")
+    p.add_argument("--out-jsonl", required=True)
+    p.add_argument("--out-final", required=True)
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    rank = int(os.environ.get("RANK", "0")) if args.ddp else 0
+    suffix = f".rank{rank}" if args.ddp else ""
+
+    trainer = build_trainer(args.outdir, args.max_steps, ddp=args.ddp)
+    model = trainer.model
+    ckpt = ResilientCheckpoint(
+        os.path.join(args.outdir, "ckpt"),
+        every_n_steps=args.every_n_steps,
+        keep_last=args.keep_last,
+    )
+    trainer.add_callback(ckpt)
+    trainer.add_callback(Recorder(ckpt, args.out_jsonl + suffix, rank, args.sleep))
+    trainer.train()
+
+    params = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    final = args.out_final + suffix
+    save_file(params, final + ".tmp")
+    os.replace(final + ".tmp", final)
+    with open(final + ".json", "w") as f:
+        json.dump(
+            {
+                "log_history": clean_history(trainer.state.log_history),
+                "best_metric": trainer.state.best_metric,
+                "global_step": trainer.state.global_step,
+            },
+            f,
+        )
+    if args.ddp:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,566 @@
+"""The Hugging Face Trainer adapter: ``trainer.add_callback(ResilientCheckpoint(...))`` and
+``trainer.train()`` resumes exactly.
+
+Crash tests run tests/hf_train.py (a tiny GPT-2 Trainer with gradient accumulation 3, dropout,
+evaluation and best-metric tracking) as a real subprocess, stop it with a real SIGKILL or
+SIGTERM while the parent watches its per-step JSONL log, and run the same command again: the
+per-step losses, gradient norms, learning rates and epochs, the final weights and the Trainer's
+log history match an uninterrupted run bit for bit. The other tests build the same Trainer in
+this process (``hf_train.build_trainer``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+from transformers import AutoModel, AutoModelForCausalLM, TrainerCallback
+
+import hf_train
+from resilient_callbacks import (
+    Checkpointer,
+    ConfigError,
+    ForeignCheckpointsWarning,
+    ResumeFallbackWarning,
+    catalog,
+)
+from resilient_callbacks.transformers import ResilientCheckpoint, export_pretrained
+from resilient_callbacks.transformers.data import make_resumable
+from resilient_callbacks.transformers.export import cli_export
+
+SCRIPT = Path(__file__).with_name("hf_train.py")
+TOTAL = 14  # optimizer steps; an epoch is 5 of them (13 batches, accumulation 3)
+UPDATES_PER_EPOCH = 5
+EVERY = 2
+SLEEP = 0.15  # per step in runs that get a signal, so the parent lands it between steps
+RUN_TIMEOUT = 240
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The in-process Trainers use one intra-op thread, like the subprocess runs (the machine
+    is small and shared; more threads only contend)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONHASHSEED="0",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+    )
+    return env
+
+
+def _cmd(workdir: Path, sleep: float = 0.0) -> list[str]:
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        str(workdir / "out"),
+        "--max-steps",
+        str(TOTAL),
+        "--every-n-steps",
+        str(EVERY),
+        "--out-jsonl",
+        str(workdir / "steps.jsonl"),
+        "--out-final",
+        str(workdir / "final.safetensors"),
+    ]
+    return [*cmd, "--sleep", str(sleep)] if sleep else cmd
+
+
+def _run(cmd: list[str]) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=_env())
+    assert p.returncode == 0, (
+        f"run failed (rc={p.returncode})\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    )
+    return p.stderr
+
+
+def _restored(stderr: str) -> int:
+    m = re.search(r"restored step (\d+)", stderr)
+    assert m, f"the script did not report its restored step:\n{stderr[-4000:]}"
+    return int(m.group(1))
+
+
+def _records_from(path: Path, offset: int = 0) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        f.seek(offset)
+        lines = f.read().split(b"\n")[:-1]  # the last piece may be a line being written
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line cut by SIGKILL
+            continue
+    return out
+
+
+def _per_step(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in _records_from(path)}  # a resumed run's records win
+
+
+def _run_and_signal(cmd: list[str], workdir: Path, at_step: int, sig: int) -> tuple[int, int, str]:
+    """Start ``cmd``; once it has logged step ``at_step``, send ``sig``. Returns (exit code,
+    last step it logged, its stderr)."""
+    jsonl = workdir / "steps.jsonl"
+    offset = jsonl.stat().st_size if jsonl.exists() else 0
+    errpath = workdir / f"stderr-{int(time.time() * 1e6)}.txt"
+    with open(errpath, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env())
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT
+            while True:
+                recs = _records_from(jsonl, offset)
+                if recs and recs[-1]["step"] >= at_step:
+                    os.kill(proc.pid, sig)
+                    break
+                if proc.poll() is not None:
+                    pytest.fail(f"the run ended before step {at_step}:\n{errpath.read_text()}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"no step {at_step} within {RUN_TIMEOUT} s:\n{errpath.read_text()}")
+                time.sleep(0.05)
+            rc = proc.wait(timeout=RUN_TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return rc, _records_from(jsonl, offset)[-1]["step"], errpath.read_text()
+
+
+def _assert_same_run(ref: Path, got: Path, suffix: str = "") -> None:
+    """Per-step records, final weights and log history identical, bit for bit."""
+    ref_steps, got_steps = (
+        _per_step(ref / f"steps.jsonl{suffix}"),
+        _per_step(got / f"steps.jsonl{suffix}"),
+    )
+    assert sorted(ref_steps) == list(range(1, TOTAL + 1))
+    assert sorted(got_steps) == list(range(1, TOTAL + 1)), "steps missing"
+    diff = [s for s in ref_steps if ref_steps[s] != got_steps[s]]
+    assert not diff, (
+        f"{len(diff)} step(s) differ from the uninterrupted run, first {diff[0]}:\n"
+        f"  uninterrupted {ref_steps[diff[0]]}\n  resumed       {got_steps[diff[0]]}"
+    )
+    a = load_file(str(ref / f"final.safetensors{suffix}"))
+    b = load_file(str(got / f"final.safetensors{suffix}"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"parameter {k} differs"
+    ref_final = json.loads((ref / f"final.safetensors{suffix}.json").read_text())
+    got_final = json.loads((got / f"final.safetensors{suffix}.json").read_text())
+    assert got_final == ref_final  # log history (loss, eval_loss, epoch, ...) and best metric
+
+
+def _committed(d: Path) -> list[catalog.Entry]:
+    return catalog.committed(catalog.scan(str(d), catalog.Depth.FULL))
+
+
+class _Reference:
+    """The uninterrupted run, started in the background (the machine has two cores: it runs
+    while a test drives its interrupted run) and awaited on first use."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.proc = subprocess.Popen(
+            _cmd(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+        )
+        self.done = False
+
+    def result(self) -> Path:
+        if not self.done:
+            try:
+                out, err = self.proc.communicate(timeout=RUN_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, err = self.proc.communicate()
+                pytest.fail(f"the uninterrupted run did not finish:\n{err[-4000:]}")
+            assert self.proc.returncode == 0, f"uninterrupted run failed:\n{out}\n{err[-6000:]}"
+            assert _restored(err) == 0
+            self.done = True
+        return self.workdir
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ref = _Reference(tmp_path_factory.mktemp("hf-reference"))
+    yield ref.result
+    if ref.proc.poll() is None:
+        ref.proc.kill()
+        ref.proc.communicate()
+
+
+# ---------------------------------------------------------------------------- crash tests
+
+
+def test_sigkill_mid_epoch_then_sigterm_then_rerun_is_bit_exact(tmp_path, reference):
+    """Run 1 is killed with SIGKILL mid-epoch; run 2 (the same command) resumes and gets SIGTERM,
+    saves an emergency checkpoint and exits 75; run 3 resumes at that step and finishes. The
+    result equals the uninterrupted run, bit for bit."""
+    cmd = _cmd(tmp_path, sleep=SLEEP)
+    ckdir = tmp_path / "out" / "ckpt"
+
+    rc, killed_at, err = _run_and_signal(cmd, tmp_path, 7, signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    assert _restored(err) == 0
+
+    rc, stopped_at, err = _run_and_signal(cmd, tmp_path, 10, signal.SIGTERM)
+    restored = _restored(err)
+    # The newest checkpoint committed before the kill: a multiple of EVERY, inside an epoch
+    # (so the resume starts mid-epoch, mid accumulation schedule), at most 2 intervals lost.
+    assert restored % EVERY == 0 and 0 < restored <= killed_at and killed_at - restored < 2 * EVERY
+    assert restored % UPDATES_PER_EPOCH != 0, "the kill landed on an epoch boundary"
+    assert rc == 75  # SIGTERM: checkpoint saved, "restart me"
+    newest = _committed(ckdir)[-1]
+    assert newest.status is catalog.Status.VALID and newest.manifest.reason == "emergency"
+    assert newest.step == stopped_at  # the step the run had completed when it stopped
+
+    assert _restored(_run(_cmd(tmp_path))) == stopped_at
+    _assert_same_run(reference(), tmp_path)
+    # Nothing of the Trainer's own checkpointing was written; ours kept keep_last=3.
+    assert not any(p.name.startswith("checkpoint-") for p in (tmp_path / "out").iterdir())
+    assert [e.step for e in _committed(ckdir)][-1] == TOTAL
+    assert len(_committed(ckdir)) == 3
+
+
+# ---------------------------------------------------------------------------- in-process
+
+
+def _train(
+    outdir: Path,
+    ckpt: ResilientCheckpoint | None,
+    max_steps: int,
+    *,
+    callbacks: list | None = None,
+    resume_from_checkpoint: str | None = None,
+    **overrides,
+):
+    trainer = hf_train.build_trainer(str(outdir), max_steps, callbacks=callbacks, **overrides)
+    if ckpt is not None:
+        trainer.add_callback(ckpt)
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    return trainer
+
+
+class _CountingSampler:
+    """Wraps the Trainer's index sampler and counts the indices it hands out."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.drawn = inner, 0
+
+    def __iter__(self):
+        for i in self.inner:
+            self.drawn += 1
+            yield i
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+
+class _CountDraws(TrainerCallback):
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        batch_sampler = train_dataloader.batch_sampler
+        self.sampler = batch_sampler.sampler = _CountingSampler(batch_sampler.sampler)
+
+
+class _ProbeDataset(hf_train.TokenDataset):
+    """Records, at its first read, how many indices the sampler had handed out."""
+
+    counter: _CountDraws | None = None
+    drawn_at_first_read: int | None = None
+
+    def __getitem__(self, i):
+        if self.drawn_at_first_read is None and self.counter is not None:
+            self.drawn_at_first_read = self.counter.sampler.drawn
+        return super().__getitem__(i)
+
+
+def test_resume_reads_no_batch_before_the_position(tmp_path):
+    """No replay: a resumed run reads exactly the samples the uninterrupted run read after the
+    checkpoint, and reaches its position with the same sampler work wherever it is."""
+    ck = tmp_path / "ck"
+    ref_data = hf_train.TokenDataset(hf_train.NUM_SAMPLES, 1)
+    epoch = UPDATES_PER_EPOCH
+    _train(
+        tmp_path / "ref", ResilientCheckpoint(ck, every_n_steps=1), epoch, train_dataset=ref_data
+    )
+    assert sorted(ref_data.reads) == list(range(hf_train.NUM_SAMPLES))  # one epoch, read once
+    drawn = []
+    for step in (1, 4):  # 3 and 12 batches into the epoch
+        data = _ProbeDataset(hf_train.NUM_SAMPLES, 1)
+        data.counter = counter = _CountDraws()
+        cb = ResilientCheckpoint(ck, resume=step, every_n_steps=100, save_on_train_end=False)
+        _train(tmp_path / f"from{step}", cb, epoch, train_dataset=data, callbacks=[counter])
+        assert cb.restored_step == step
+        batches_done = step * 3
+        assert data.reads == ref_data.reads[batches_done * 4 :]  # batch size 4: nothing more
+        assert cb._batches is not None and cb._batches.fast_forwards == 1
+        drawn.append(data.drawn_at_first_read)
+    # Reaching batch 3 or batch 12 of the epoch costs the same: one epoch order, nothing else.
+    assert drawn == [hf_train.NUM_SAMPLES, hf_train.NUM_SAMPLES]
+
+
+def test_corrupt_newest_checkpoint_falls_back_loudly(tmp_path):
+    ck = tmp_path / "ck"
+    _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 4)
+    newest = _committed(ck)[-1]
+    assert newest.step == 4
+    target = Path(newest.path) / "shared.safetensors"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    cb = ResilientCheckpoint(ck, every_n_steps=2)
+    with pytest.warns(ResumeFallbackWarning, match="step_000000004"):
+        trainer = _train(tmp_path, cb, 5)
+    assert cb.restored_step == 2
+    assert trainer.state.global_step == 5
+
+
+def test_remote_copy_resumes_when_the_local_directory_is_gone(tmp_path, s3_remote):
+    if "remote" not in inspect.signature(Checkpointer).parameters:
+        pytest.skip("the Checkpointer has no remote tier yet")
+    url, options = s3_remote
+    local = tmp_path / "ck"
+    first = _train(
+        tmp_path / "a",
+        ResilientCheckpoint(local, every_n_steps=2, remote=url, remote_options=options),
+        4,
+    )
+    shutil.rmtree(local)  # the machine died with its disk
+    cb = ResilientCheckpoint(local, every_n_steps=2, remote=url, remote_options=options)
+    trainer = _train(tmp_path / "b", cb, 5)
+    assert cb.restored_step == 4
+    assert trainer.state.global_step == 5
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == list(range(1, 6))
+    assert first.state.log_history[:4] == trainer.state.log_history[:4]
+
+
+def test_callbacks_argument_first_run_then_rerun(tmp_path):
+    """Trainer(callbacks=[...]) works like add_callback; a first run just starts; the Trainer's
+    own save_steps checkpoints are replaced; save timings reach the Trainer's log."""
+    out = tmp_path / "out"
+    cb = ResilientCheckpoint(every_n_steps=3)  # dirpath defaults to <output_dir>/resilient
+    first = hf_train.build_trainer(str(out), 4, callbacks=[cb], save_strategy="steps", save_steps=2)
+    first.train()
+    assert cb.restored_step == 0
+    assert not any(p.name.startswith("checkpoint-") for p in out.iterdir())
+    assert [e.step for e in _committed(out / "resilient")] == [3, 4]
+    saves = [e for e in first.state.log_history if "resilient/save_blocking_s" in e]
+    assert [e["step"] for e in saves] == [3, 4]
+    assert all(e["resilient/save_blocking_s"] >= 0 for e in saves)
+
+    cb2 = ResilientCheckpoint(every_n_steps=3)
+    second = hf_train.build_trainer(str(out), 5, callbacks=[cb2])
+    second.train()
+    assert cb2.restored_step == 4
+    assert [e["step"] for e in second.state.log_history if "loss" in e] == list(range(1, 6))
+
+
+def test_explicit_resume_from_checkpoint_wins(tmp_path):
+    out = tmp_path / "out"
+    cb = ResilientCheckpoint(every_n_steps=2, trainer_checkpoints=True)
+    hf_train.build_trainer(str(out), 4, callbacks=[cb], save_strategy="steps", save_steps=2).train()
+    assert (out / "checkpoint-2").is_dir() and (out / "checkpoint-4").is_dir()
+    assert [e.step for e in _committed(out / "resilient")] == [2, 4]
+
+    cb2 = ResilientCheckpoint(every_n_steps=2)
+    trainer = hf_train.build_trainer(str(out), 5, callbacks=[cb2])
+    with pytest.warns(ForeignCheckpointsWarning):  # the new run leaves the old one alone
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert cb2.restored_step == 0  # the Trainer restored step 2 itself, not step 4
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == list(range(1, 6))
+    ours = _committed(out / "resilient")
+    assert sorted(e.step for e in ours) == [2, 4, 4, 5]
+    assert len({e.manifest.run_id for e in ours}) == 2
+
+
+def test_retention_keeps_best_and_newest_and_leaves_an_older_run_alone(tmp_path):
+    ck = tmp_path / "ck"
+    _train(tmp_path / "old", ResilientCheckpoint(ck, every_n_steps=1), 1)  # an older run
+    (old,) = _committed(ck)
+    # On these random tokens the eval loss rises after step 2: the best is not the newest.
+    cb = ResilientCheckpoint(
+        ck,
+        every_n_steps=2,
+        keep_last=1,
+        keep_best=1,
+        monitor="eval_loss",
+        mode="min",
+        resume="never",
+    )
+    with pytest.warns(ForeignCheckpointsWarning):
+        trainer = _train(tmp_path / "new", cb, 6, eval_steps=2)
+    evals = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
+    best = min(evals, key=evals.__getitem__)
+    assert best != 6
+    entries = _committed(ck)
+    assert all(e.status is catalog.Status.VALID for e in entries)
+    mine = {e.step: e for e in entries if e.manifest.run_id != old.manifest.run_id}
+    assert set(mine) == {best, 6}
+    assert mine[best].manifest.metrics["eval_loss"] == pytest.approx(evals[best])
+    assert os.path.isdir(old.path)  # the older run's checkpoint is neither counted nor deleted
+
+
+def test_export_newest_checkpoint_loads_with_from_pretrained(tmp_path):
+    ck = tmp_path / "ck"
+    trainer = _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 4)
+    out = export_pretrained(ck, tmp_path / "hf")
+    live = trainer.model.state_dict()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, live[k]), k
+    base = AutoModel.from_pretrained(out)
+    assert torch.equal(base.wte.weight, live["transformer.wte.weight"])
+    assert not any(p.name.startswith(".hf.") for p in tmp_path.iterdir())  # no staging left
+
+    # The CLI entry point: refuses to overwrite, exports an older step with --force.
+    ns = argparse.Namespace(dir=str(ck), out=out, step=2, force=False)
+    assert cli_export(ns) == 1
+    ns.force = True
+    assert cli_export(ns) == 0
+    older = AutoModelForCausalLM.from_pretrained(out)
+    assert not torch.equal(older.transformer.wte.weight, live["transformer.wte.weight"])
+
+
+def test_resilient_ckpt_export_subcommand(tmp_path, capsys):
+    from resilient_callbacks import cli
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    if "export" not in sub.choices:
+        pytest.skip("cli.py does not register the export subcommand yet")
+    ck = tmp_path / "ck"
+    _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 2)
+    assert cli.main(["export", str(ck), str(tmp_path / "hf")]) == 0
+    assert "step 2" in capsys.readouterr().out
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+def test_deepspeed_and_unsupported_setups_give_clear_errors(tmp_path):
+    trainer = hf_train.build_trainer(str(tmp_path), 2)
+    trainer.is_deepspeed_enabled = True  # as the Trainer sets it for a DeepSpeed config
+    cb = ResilientCheckpoint(tmp_path / "ck").attach(trainer)
+    loader = trainer.get_train_dataloader()
+    with pytest.raises(ConfigError, match="DeepSpeed"):
+        cb.on_train_begin(trainer.args, trainer.state, trainer.control, train_dataloader=loader)
+    assert not (tmp_path / "ck").exists()  # nothing was opened
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(hf_train.TokenDataset(hf_train.NUM_SAMPLES, 1)[i] for i in range(50))
+
+    with pytest.raises(ConfigError, match="map-style"):
+        _train(tmp_path / "s", ResilientCheckpoint(tmp_path / "ck2"), 2, train_dataset=Stream())
+    with pytest.raises(ConfigError, match="unknown option"):
+        ResilientCheckpoint(tmp_path / "ck", every_n_step=5)
+    with pytest.raises(ConfigError, match="keep_last"):
+        ResilientCheckpoint(tmp_path / "ck", keep_last=0)
+
+
+# ---------------------------------------------------------------------------- data fast-forward
+
+
+def _shards(n: int, bs: int, drop_last: bool, procs: int, rank: int, even: bool, seed: int):
+    from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler
+
+    sampler = (
+        SeedableRandomSampler(range(n), data_seed=seed) if seed else SequentialSampler(range(n))
+    )
+    batches = BatchSampler(sampler, bs, drop_last)
+    if procs == 1:
+        return batches
+    return BatchSamplerShard(batches, procs, rank, split_batches=False, even_batches=even)
+
+
+def test_fast_forward_matches_accelerate_batches_exactly():
+    """Starting at batch c yields exactly what a full iteration yields from c on, for the
+    Trainer's batch samplers (accelerate's sharding with its end-of-epoch padding included)."""
+    cases = 0
+    for n in (1, 3, 7, 8, 13, 50):
+        for bs in (1, 3, 4):
+            for drop_last in (False, True):
+                for procs, even in ((1, True), (2, True), (2, False), (3, True), (3, False)):
+                    for rank in range(procs):
+                        for seed in (0, 5):
+                            ref = list(_shards(n, bs, drop_last, procs, rank, even, seed))
+                            for skip in range(len(ref) + 1):
+                                bs_obj = make_resumable(
+                                    _shards(n, bs, drop_last, procs, rank, even, seed)
+                                )
+                                bs_obj.resume_at(skip, None)
+                                assert list(bs_obj) == ref[skip:], (
+                                    n,
+                                    bs,
+                                    drop_last,
+                                    procs,
+                                    rank,
+                                    even,
+                                    skip,
+                                )
+                                assert bs_obj.fast_forwards == (1 if skip else 0)
+                                cases += 1
+    assert cases > 1000
+
+
+def test_fast_forward_replays_an_order_drawn_from_the_global_rng():
+    """A sampler that draws its order from the global torch RNG (a plain RandomSampler) gets the
+    same order on resume, from the RNG state saved at the epoch start, and the global RNG is
+    left as it was."""
+    torch.manual_seed(3)
+    batches = make_resumable(BatchSampler(RandomSampler(range(20)), 3, False))
+    ref = list(batches)
+    saved = batches.epoch_rng
+    torch.manual_seed(99)  # the resumed process is elsewhere in its random stream
+    before = torch.get_rng_state()
+    again = make_resumable(BatchSampler(RandomSampler(range(20)), 3, False))
+    again.resume_at(4, saved)
+    assert list(again) == ref[4:]
+    assert torch.equal(torch.get_rng_state(), before)
+
+    # Any other batch sampler: its batches are built (indices only) and sliced.
+    from accelerate.data_loader import BatchSamplerShard
+
+    split = BatchSamplerShard(
+        BatchSampler(SequentialSampler(range(24)), 4, False), 2, 1, split_batches=True
+    )
+    ref = list(split)
+    other = make_resumable(
+        BatchSamplerShard(
+            BatchSampler(SequentialSampler(range(24)), 4, False), 2, 1, split_batches=True
+        )
+    )
+    other.resume_at(2, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(other) == ref[2:]
+    assert other.fast_forwards == 0

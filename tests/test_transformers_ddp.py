@@ -1,0 +1,124 @@
+"""The Hugging Face Trainer adapter on 2 DDP processes (torchrun, gloo, CPU): a run killed with
+SIGKILL mid-epoch and re-run gives every rank the same per-step losses, final weights and log
+history as an uninterrupted run, bit for bit.
+
+Both runs are ``torchrun --nproc_per_node 2 tests/hf_train.py --ddp``; the kill goes to torchrun
+and both ranks at once, as a lost node would (torchrun starts each rank in its own session, so
+they are found as its child processes).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import contextlib
+
+from test_transformers import (
+    EVERY,
+    RUN_TIMEOUT,
+    UPDATES_PER_EPOCH,
+    _assert_same_run,
+    _cmd,
+    _committed,
+    _env,
+    _records_from,
+    _restored,
+)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ddp_cmd(workdir: Path, sleep: float = 0.0) -> list[str]:
+    script_and_args = _cmd(workdir, sleep)[1:]  # drop sys.executable
+    return [
+        *TORCHRUN,
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        *script_and_args,
+        "--ddp",
+    ]
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        procs = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+
+
+def _run(cmd: list[str]) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=_env())
+    assert p.returncode == 0, (
+        f"run failed (rc={p.returncode})\n{p.stdout[-3000:]}\n{p.stderr[-8000:]}"
+    )
+    return p.stderr
+
+
+def test_ddp_sigkill_mid_epoch_then_rerun_is_bit_exact(tmp_path):
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    err = _run(_ddp_cmd(ref))
+    assert "[rank 0] restored step 0" in err and "[rank 1] restored step 0" in err
+
+    work = tmp_path / "interrupted"
+    work.mkdir()
+    jsonl = work / "steps.jsonl.rank0"
+    with open(work / "stderr.txt", "w") as errf:
+        proc = subprocess.Popen(
+            _ddp_cmd(work, sleep=0.15),
+            stdout=subprocess.DEVNULL,
+            stderr=errf,
+            env=_env(),
+        )
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT
+            while True:
+                recs = _records_from(jsonl)
+                if recs and recs[-1]["step"] >= 7:
+                    _kill_tree(proc.pid)
+                    break
+                assert proc.poll() is None, (work / "stderr.txt").read_text()
+                assert time.monotonic() < deadline, "no step 7 in time"
+                time.sleep(0.05)
+            proc.wait(timeout=RUN_TIMEOUT)
+        finally:
+            _kill_tree(proc.pid)
+            proc.wait()
+    killed_at = _records_from(jsonl)[-1]["step"]
+
+    err = _run(_ddp_cmd(work))
+    restored = _restored(err)
+    assert f"[rank 1] restored step {restored}" in err
+    assert restored % EVERY == 0 and 0 < restored <= killed_at and killed_at - restored < 2 * EVERY
+    assert restored % UPDATES_PER_EPOCH != 0, "the kill landed on an epoch boundary"
+    for rank in (0, 1):
+        _assert_same_run(ref, work, suffix=f".rank{rank}")
+    entries = _committed(work / "out" / "ckpt")
+    assert all(
+        len([f for f in e.manifest.files if f.path.startswith("rank_")]) == 4 for e in entries
+    )
