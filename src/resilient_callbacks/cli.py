@@ -6,6 +6,7 @@
     resilient-ckpt gc DIR [--dry-run] [--remove-corrupt] [--keep-last N]
     resilient-ckpt pull URL DIR [--step N] [-o KEY=VALUE ...]
     resilient-ckpt push DIR URL [--step N] [-o KEY=VALUE ...]
+    resilient-ckpt export DIR OUT [--step N] [--force]   (Hugging Face from_pretrained dir)
 
 ``-o`` passes an fsspec option for the remote store (``-o endpoint_url=http://...``; a value
 that parses as JSON is used as JSON: ``-o 'client_kwargs={"region_name": "eu-west-1"}'``).
@@ -449,6 +450,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
         lock.release()
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    try:
+        from .transformers.export import cli_export
+    except ImportError as e:
+        print(
+            f"resilient-ckpt export: needs transformers ({e}); "
+            "pip install 'resilient-callbacks[transformers]'",
+            file=sys.stderr,
+        )
+        return 1
+    return int(cli_export(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="resilient-ckpt", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -486,6 +500,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int)
     p.add_argument("-o", "--option", action="append", help="remote option KEY=VALUE")
     p.set_defaults(fn=cmd_push)
+    p = sub.add_parser(
+        "export", help="write a Transformers checkpoint as a from_pretrained directory"
+    )
+    p.add_argument("dir", help="a ResilientCheckpoint directory, or one checkpoint in it")
+    p.add_argument("out", help="the directory to write (must not exist, unless --force)")
+    p.add_argument("--step", type=int, help="export this step (default: the newest valid one)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(fn=cmd_export)
     return ap
 
 
