@@ -326,7 +326,12 @@ class ResilientCheckpoint(Checkpoint):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.checkpointer is None:
-            return
+            raise RuntimeError(
+                "ResilientCheckpoint could not hook into Trainer.fit's checkpoint loading "
+                f"(lightning {pl.__version__}: _checkpoint_connector.resume_start was not "
+                "called), so it would neither resume nor save. This Lightning version is not "
+                "supported; please report it."
+            )
         self._reclaim_signals()
         lossy = frozenset(
             getattr(obj, attr)

@@ -1,0 +1,173 @@
+"""Lightning example: a ``Trainer`` run is killed with SIGKILL mid-epoch, re-run, and continues
+exactly where it stopped.
+
+    .venv/bin/python examples/lightning_resume.py        # CPU, well under a minute
+
+The training (``train()`` below) is an ordinary Lightning script: a LightningModule with dropout,
+AdamW and an LR schedule, a plain shuffled ``DataLoader``, validation. The only addition is one
+callback::
+
+    L.Trainer(..., callbacks=[ResilientCheckpoint(dirpath, every_n_steps=10, keep_last=3)])
+
+and no ``ckpt_path``: ``fit`` resumes from the newest valid checkpoint by itself. The script runs
+that training three times, each in its own process, under ./demo_output/lightning/:
+
+1. uninterrupted, for reference;
+2. the same command, killed with SIGKILL at a step between two checkpoints, mid-epoch;
+3. the same command again: it resumes by itself.
+
+Then it checks that the per-step losses and the final weights of the interrupted-and-resumed run
+are bit-for-bit those of the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(os.getcwd(), "demo_output", "lightning")
+STEPS, EVERY = 60, 10
+
+
+def train(workdir: str, delay: float) -> None:
+    import lightning as L
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    torch.set_num_threads(1)  # deterministic kernels for this tiny model on CPU
+    L.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(480, 16, generator=g)
+    y = (x[:, :4].sum(dim=1, keepdim=True) > 0).float()
+    train_set, val_set = TensorDataset(x[:400], y[:400]), TensorDataset(x[400:], y[400:])
+    log_path = os.path.join(workdir, "losses.jsonl")
+
+    class Classifier(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.save_hyperparameters({"lr": 3e-3, "hidden": 64})
+            self.net = nn.Sequential(
+                nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 1)
+            )
+
+        def training_step(self, batch, batch_idx):
+            xb, yb = batch
+            loss = nn.functional.binary_cross_entropy_with_logits(self.net(xb), yb)
+            with open(log_path, "a") as f:  # the loss of every step, for the comparison
+                f.write(json.dumps({"step": self.global_step + 1, "loss": loss.item().hex()}))
+                f.write("\n")
+            time.sleep(delay)  # slow enough for the demo to kill it mid-epoch
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            xb, yb = batch
+            self.log("val_loss", nn.functional.binary_cross_entropy_with_logits(self.net(xb), yb))
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    model = Classifier()
+    callback = ResilientCheckpoint(os.path.join(workdir, "ckpts"), every_n_steps=EVERY, keep_last=3)
+    trainer = L.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        val_check_interval=0.5,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    trainer.fit(
+        model,
+        DataLoader(train_set, batch_size=32, shuffle=True),  # made resumable by the callback
+        DataLoader(val_set, batch_size=40),
+    )
+    torch.save(model.state_dict(), os.path.join(workdir, "weights.pt"))
+    start = callback.restored_step
+    print(
+        f"  trained to step {STEPS}, " + (f"resumed at step {start}" if start else "from scratch")
+    )
+
+
+def losses(workdir: str) -> dict[int, str]:
+    out: dict[int, str] = {}
+    with open(os.path.join(workdir, "losses.jsonl")) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut by SIGKILL
+            out[rec["step"]] = rec["loss"]  # a step trained again after the resume: last wins
+    return out
+
+
+def run(workdir: str, delay: float, kill_after: int | None = None) -> None:
+    cmd = [sys.executable, os.path.abspath(__file__), "--train", workdir, "--delay", str(delay)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if kill_after is None:
+        out, err = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            sys.exit(f"training failed:\n{err.decode()}")
+        print(out.decode().rstrip())
+        return
+    log = os.path.join(workdir, "losses.jsonl")
+    while not (os.path.exists(log) and max(losses(workdir), default=0) >= kill_after):
+        if proc.poll() is not None:
+            sys.exit(f"training ended before step {kill_after}:\n{proc.stderr.read().decode()}")
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    print(f"  killed with SIGKILL during step {max(losses(workdir))}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--train", metavar="WORKDIR", help=argparse.SUPPRESS)
+    p.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.train:
+        train(args.train, args.delay)
+        return 0
+
+    import torch
+
+    shutil.rmtree(OUT, ignore_errors=True)
+    ref, run_dir = os.path.join(OUT, "uninterrupted"), os.path.join(OUT, "interrupted")
+    os.makedirs(ref)
+    os.makedirs(run_dir)
+    print("1. uninterrupted run")
+    run(ref, 0.0)
+    print("2. the same command, killed mid-epoch (13 batches per epoch)")
+    run(run_dir, 0.05, kill_after=27)
+    print("3. the same command again: it resumes from the newest valid checkpoint")
+    run(run_dir, 0.0)
+
+    a, b = losses(ref), losses(run_dir)
+    print("\n step  uninterrupted      interrupted+resumed")
+    for s in range(15, 36):
+        print(f" {s:4d}  {float.fromhex(a[s]):.15f}  {float.fromhex(b[s]):.15f}")
+    wa = torch.load(os.path.join(ref, "weights.pt"), weights_only=True)
+    wb = torch.load(os.path.join(run_dir, "weights.pt"), weights_only=True)
+    same_losses = a == b and sorted(a) == list(range(1, STEPS + 1))
+    same_weights = all(torch.equal(wa[k], wb[k]) for k in wa)
+    print(f"\nall {STEPS} per-step losses identical: {same_losses}")
+    print(f"final weights identical: {same_weights}")
+    print(f"checkpoints: {os.path.join(run_dir, 'ckpts')} (try: resilient-ckpt ls on it)")
+    return 0 if same_losses and same_weights else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
