@@ -9,11 +9,14 @@ and resumed run must match it bit for bit: the loss of every step and the final 
 - In-process: resume from a chosen step of each kind (right after a validation, at an epoch end,
   mid-epoch), without Lightning's "unreliable mid-epoch resume" warning; the same without our
   loader conversion is *not* exact and does warn (the control that shows the check can fail);
-  an exception, a corrupt newest checkpoint, the remote tier, ``ckpt_path``, ModelCheckpoint
-  next to ours, unsaveable values, loggers, FSDP.
-- Subprocesses: a real SIGKILL mid-epoch, then SIGTERM (exit 75, emergency checkpoint), then a
-  run to the end; the same with ``StatefulDataLoader`` and SIGUSR1 under Slurm; DDP with two
-  CPU processes (gloo) killed together and re-run.
+  an exception, a corrupt newest checkpoint, the remote tier (moto S3 server), ``ckpt_path``,
+  ModelCheckpoint next to ours, the AMP GradScaler, the overlapped snapshot being awaited before
+  the next optimizer step, unsaveable values, loggers, FSDP.
+- Real processes: a real SIGKILL mid-epoch, then SIGTERM (exit 75, emergency checkpoint), then
+  the same script to the end (in this process, which saves a start-up); the same with
+  ``StatefulDataLoader`` and SIGUSR1 under Slurm; DDP with two CPU processes (gloo) both
+  SIGKILLed and started again. The references run in this process (same seeds, one intra-op
+  thread: bit-identical to a subprocess run), except DDP's.
 """
 
 from __future__ import annotations
@@ -457,6 +460,78 @@ def test_unsaveable_callback_state_fails_before_training(tmp_path):
         _tiny_fit(tmp_path, module, _BadCallback(), rc)
     assert module.global_step == 0  # not a single step was trained
     assert not _committed(tmp_path / "ck")
+
+
+class _ScaleAtStart(L.Callback):
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler, self.scale = scaler, None
+
+    def on_train_start(self, trainer, pl_module):
+        self.scale = self.scaler.get_scale()
+
+
+def test_amp_grad_scaler_state_is_restored(tmp_path):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def fit(steps: int) -> tuple[ResilientCheckpoint, _ScaleAtStart, torch.amp.GradScaler]:
+        # the scale doubles after every step (growth_interval=1): 1024 * 2**steps
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+        rc, probe = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2), _ScaleAtStart(scaler)
+        ds = torch.utils.data.TensorDataset(torch.randn(32, 4))
+        L.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+            callbacks=[rc, probe],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(_Tiny(), torch.utils.data.DataLoader(ds, batch_size=4))
+        return rc, probe, scaler
+
+    _, _, scaler = fit(4)
+    assert scaler.get_scale() == 1024.0 * 2**4
+    rc, probe, scaler = fit(6)
+    assert rc.restored_step == 4
+    assert probe.scale == 1024.0 * 2**4  # restored before the first step ...
+    assert scaler.get_scale() == 1024.0 * 2**6  # ... and continued
+
+
+class _Weights(L.Callback):
+    """Copies of the weights after each optimizer step."""
+
+    def __init__(self) -> None:
+        self.after: dict[int, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after[trainer.global_step] = pl_module.lin.weight.detach().clone()
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["awaited", "control-not-awaited"])
+def test_overlapped_snapshot_is_awaited_before_the_next_optimizer_step(tmp_path, monkeypatch, wait):
+    """The copy of parameters runs in the background while the next forward/backward runs; made
+    slow here, it must still hold the weights of the saved step: the callback waits for it in
+    on_before_optimizer_step. The control skips that wait and gets the next step's weights."""
+    from resilient_callbacks import snapshot
+
+    copy_later = snapshot.Snapshot._copy_later
+
+    def slow(self, items, stream):
+        time.sleep(0.3)
+        copy_later(self, items, stream)
+
+    monkeypatch.setattr(snapshot.Snapshot, "_copy_later", slow)
+    rc, weights = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2), _Weights()
+    if not wait:
+        monkeypatch.setattr(rc, "on_before_optimizer_step", lambda *a: None)
+    _tiny_fit(tmp_path, _Tiny(), rc, weights, max_steps=4)
+    step2 = next(e for e in _committed(tmp_path / "ck") if e.step == 2)
+    saved = load_file(str(Path(step2.path) / "shared.safetensors"))
+    (key,) = [k for k in saved if k.endswith("lin.weight")]
+    assert not torch.equal(weights.after[2], weights.after[3])
+    assert torch.equal(saved[key], weights.after[2]) is wait
+    if not wait:  # a later step's weights
+        assert any(torch.equal(saved[key], w) for s, w in weights.after.items() if s > 2)
 
 
 def test_fsdp_is_not_supported_yet(tmp_path):
