@@ -60,7 +60,7 @@ from .lock import DirLock
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest, versions
 from .policy import Clock
 from .preemption import MetadataPoller, PreemptionWatcher
-from .retention import Candidate, plan
+from .retention import plan
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import write_json
 
@@ -1363,18 +1363,11 @@ class Checkpointer:
         ]
         if not local:
             return
-        cands = catalog.retention_candidates(local) + [
-            Candidate(
-                f"remote:{e.name}",
-                e.manifest.step,
-                e.manifest.seq,
-                e.manifest.run_id,
-                e.manifest.metrics,
-                e.problem is None,
-            )
-            for e in remote_entries
-            if e.manifest is not None
-        ]
+        from .remote import retention_candidates
+
+        cands = catalog.retention_candidates(local) + retention_candidates(
+            remote_entries, prefix="\0remote/"
+        )
         keep = plan(cands, self._sync.policy, self.run_id).keep
         missing = [e.name for e in local if e.name in keep]
         if missing:

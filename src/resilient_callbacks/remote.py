@@ -35,6 +35,7 @@ from .commit import STAGING_PREFIX, fsync_dir
 from .errors import CheckpointCorruptError, RemoteUnavailableError
 from .manifest import MANIFEST_NAME, Manifest
 from .progress import Progress
+from .retention import Candidate
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -57,6 +58,23 @@ class RemoteEntry:
     @property
     def key(self) -> tuple[str, int] | None:
         return (self.manifest.run_id, self.manifest.seq) if self.manifest else None
+
+
+def retention_candidates(entries: list[RemoteEntry], prefix: str = "") -> list[Candidate]:
+    """The committed remote entries as retention candidates (names prefixed by ``prefix``,
+    to plan them together with local ones)."""
+    return [
+        Candidate(
+            prefix + e.name,
+            e.manifest.step,
+            e.manifest.seq,
+            e.manifest.run_id,
+            e.manifest.metrics,
+            e.problem is None,
+        )
+        for e in entries
+        if e.manifest is not None
+    ]
 
 
 def _redact(options: Mapping[str, Any]) -> str:

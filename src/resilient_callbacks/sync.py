@@ -23,7 +23,7 @@ from .catalog import Depth, verify
 from .errors import CheckpointCorruptError
 from .manifest import Manifest, read_manifest
 from .progress import Progress
-from .remote import RemoteEntry, RemoteStore
+from .remote import RemoteEntry, RemoteStore, retention_candidates
 from .retention import Candidate, RetentionPolicy, plan
 
 log = logging.getLogger("resilient_callbacks")
@@ -179,18 +179,7 @@ class RemoteSync:
             except Exception:
                 return  # let _attempt report the problem
         newest = local[queued[-1]]
-        cands = [
-            Candidate(
-                e.name,
-                e.manifest.step,
-                e.manifest.seq,
-                e.manifest.run_id,
-                e.manifest.metrics,
-                e.problem is None,
-            )
-            for e in remote
-            if e.manifest is not None
-        ] + [
+        cands = retention_candidates(remote) + [
             Candidate(f"\0local/{n}", m.step, m.seq, m.run_id, m.metrics, True)
             for n, m in local.items()
         ]
@@ -310,19 +299,9 @@ class RemoteSync:
     def _remote_retention(self, manifest: Manifest, protect: str) -> None:
         try:
             entries = self.refresh()
-            cands = [
-                Candidate(
-                    e.name,
-                    e.manifest.step,
-                    e.manifest.seq,
-                    e.manifest.run_id,
-                    e.manifest.metrics,
-                    e.problem is None,
-                )
-                for e in entries
-                if e.manifest is not None
-            ]
-            p = plan(cands, self.policy, manifest.run_id, protected=[protect])
+            p = plan(
+                retention_candidates(entries), self.policy, manifest.run_id, protected=[protect]
+            )
             for name in p.delete:
                 self.store.delete(name)
                 with self._cond:
