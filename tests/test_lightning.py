@@ -47,6 +47,7 @@ from safetensors.torch import load_file
 
 from resilient_callbacks import (
     Checkpointer,
+    CheckpointMismatchError,
     ConfigError,
     NoValidCheckpointError,
     ResumeFallbackWarning,
@@ -532,6 +533,22 @@ def test_overlapped_snapshot_is_awaited_before_the_next_optimizer_step(tmp_path,
     assert torch.equal(saved[key], weights.after[2]) is wait
     if not wait:  # a later step's weights
         assert any(torch.equal(saved[key], w) for s, w in weights.after.items() if s > 2)
+
+
+class _Wider(_Tiny):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+        self.extra = torch.nn.Linear(2, 2)
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    _tiny_fit(tmp_path, _Tiny(), ResilientCheckpoint(tmp_path / "ck", every_n_steps=2))
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"(?s)missing in the checkpoint: extra.bias.*lin.weight: \[1, 4\] in the checkpoint",
+    ):
+        _tiny_fit(tmp_path, _Wider(), ResilientCheckpoint(tmp_path / "ck", every_n_steps=2))
 
 
 def test_fsdp_is_not_supported_yet(tmp_path):

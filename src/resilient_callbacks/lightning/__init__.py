@@ -24,5 +24,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra 
 
 from .callback import ResilientCheckpoint
 from .loaders import make_resumable
+from .state import HparamsConversionWarning
 
-__all__ = ["ResilientCheckpoint", "make_resumable"]
+__all__ = ["HparamsConversionWarning", "ResilientCheckpoint", "make_resumable"]

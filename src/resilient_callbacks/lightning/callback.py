@@ -46,7 +46,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from .. import rng
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, CheckpointMismatchError, ConfigError
 from ..manifest import MANIFEST_NAME
 from . import state as st
 from .loaders import ResumableDataLoader, follow_lightning_epochs, make_resumable
@@ -266,6 +266,7 @@ class ResilientCheckpoint(Checkpoint):
             original(None, weights_only)
             return
         checkpoint = st.assemble(holder)
+        _check_model_fits(trainer.lightning_module, checkpoint["state_dict"], ckpt.restored_from)
         checkpoint = _migrate(checkpoint, ckpt.restored_from)
         conn = trainer._checkpoint_connector
         conn._ckpt_path = ckpt.restored_from
@@ -629,6 +630,33 @@ def _is_final(trainer: pl.Trainer) -> bool:
     if max_epochs is not None and max_epochs != -1 and trainer.is_last_batch:
         return trainer.current_epoch + 1 >= max_epochs
     return False
+
+
+def _check_model_fits(module: Any, saved: dict[str, Any], path: str) -> None:
+    """A checkpoint of another model fails here, naming every key that does not fit, rather
+    than deep inside ``load_state_dict``. Skipped for ``strict_loading=False`` modules."""
+    if module is None or not getattr(module, "strict_loading", True):
+        return
+    live = {k: tuple(v.shape) for k, v in module.state_dict().items() if torch.is_tensor(v)}
+    have = {k: tuple(v.shape) for k, v in saved.items() if torch.is_tensor(v)}
+    problems = []
+    missing, unexpected = sorted(set(live) - set(have)), sorted(set(have) - set(live))
+    if missing:
+        problems.append(f"missing in the checkpoint: {', '.join(missing[:20])}")
+    if unexpected:
+        problems.append(f"not in the model: {', '.join(unexpected[:20])}")
+    problems += [
+        f"{k}: {list(have[k])} in the checkpoint, {list(live[k])} in the model"
+        for k in sorted(set(live) & set(have))
+        if live[k] != have[k]
+    ][:20]
+    if problems:
+        raise CheckpointMismatchError(
+            f"the checkpoint {path} does not fit this model:\n  - "
+            + "\n  - ".join(problems)
+            + "\nIf the directory belongs to another model or run, use a new dirpath (or "
+            "resume='never' to start fresh and leave those checkpoints alone)."
+        )
 
 
 def _migrate(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
