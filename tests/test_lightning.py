@@ -551,6 +551,41 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
         _tiny_fit(tmp_path, _Wider(), ResilientCheckpoint(tmp_path / "ck", every_n_steps=2))
 
 
+class _Handlers(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.during = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)]
+
+
+def test_sigterm_is_ours_during_fit_and_handlers_are_restored_after(tmp_path):
+    """Lightning's signal connector registers its SIGTERM handler when training starts; during
+    training the Checkpointer's handler is in place instead, and after fit the handlers from
+    before fit are back."""
+    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)]
+    probe = _Handlers()
+    _tiny_fit(tmp_path, _Tiny(), ResilientCheckpoint(tmp_path / "ck", every_n_steps=2), probe)
+    assert [getattr(h, "__qualname__", h) for h in probe.during] == [
+        "PreemptionWatcher._on_signal"
+    ] * 2
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)] == before
+
+
+class _SignalAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:  # during step self.step + 1
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_preemption_without_exit_stops_fit_after_the_emergency_save(tmp_path):
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=100, exit_on_preemption=False)
+    trainer = _tiny_fit(tmp_path, _Tiny(), rc, _SignalAt(2), max_steps=20)
+    assert rc.preempted and trainer.global_step == 3
+    (only,) = _committed(tmp_path / "ck")
+    assert only.step == 3 and only.manifest.reason == "emergency"
+
+
 def test_fsdp_is_not_supported_yet(tmp_path):
     from lightning.pytorch.strategies import FSDPStrategy
 
