@@ -146,7 +146,7 @@ class Recorder(TrainerCallback):
                     self.f.write("\n")
 
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        print(f"[rank {self.rank}] restored step {self.ckpt.restored_step}", file=sys.stderr)
+        print(f"[rank {self.rank}] restored step {self.ckpt.restored_step or 0}", file=sys.stderr)
         sys.stderr.flush()
 
     def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]

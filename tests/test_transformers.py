@@ -36,6 +36,7 @@ from transformers import AutoModel, AutoModelForCausalLM, TrainerCallback
 import hf_train
 from resilient_callbacks import (
     Checkpointer,
+    CheckpointMismatchError,
     ConfigError,
     ForeignCheckpointsWarning,
     ResumeFallbackWarning,
@@ -365,16 +366,48 @@ def test_remote_copy_resumes_when_the_local_directory_is_gone(tmp_path, s3_remot
     assert first.state.log_history[:4] == trainer.state.log_history[:4]
 
 
+def test_resume_restores_callback_state_and_a_finished_run_stays_finished(tmp_path):
+    from transformers import EarlyStoppingCallback
+
+    ck = tmp_path / "ck"
+    stop = EarlyStoppingCallback(early_stopping_patience=100)
+    _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 6, callbacks=[stop], eval_steps=2)
+    counter = stop.early_stopping_patience_counter
+    assert counter > 0  # eval_loss did not improve at every evaluation
+
+    stop2 = EarlyStoppingCallback(early_stopping_patience=100)
+    cb = ResilientCheckpoint(ck, every_n_steps=2)
+    trainer = _train(tmp_path, cb, 6, callbacks=[stop2], eval_steps=2)
+    assert cb.restored_step == 6
+    assert stop2.early_stopping_patience_counter == counter  # restored, not reset
+    assert trainer.state.global_step == 6  # nothing left to train
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == list(range(1, 7))
+
+
+def test_changed_data_settings_are_refused(tmp_path):
+    ck = tmp_path / "ck"
+    _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 2)
+    cb = ResilientCheckpoint(ck, every_n_steps=2)
+    with pytest.raises(
+        CheckpointMismatchError, match="per_device_batch_size: 4 in the checkpoint, 2"
+    ):
+        _train(tmp_path, cb, 4, per_device_train_batch_size=2)
+    assert [e.step for e in _committed(ck)] == [2]  # nothing lost
+    cb = ResilientCheckpoint(ck, every_n_steps=2)
+    _train(tmp_path, cb, 4)  # the same settings resume
+    assert cb.restored_step == 2
+
+
 def test_callbacks_argument_first_run_then_rerun(tmp_path):
     """Trainer(callbacks=[...]) works like add_callback; a first run just starts; the Trainer's
     own save_steps checkpoints are replaced; save timings reach the Trainer's log."""
     out = tmp_path / "out"
-    cb = ResilientCheckpoint(every_n_steps=3)  # dirpath defaults to <output_dir>/resilient
+    cb = ResilientCheckpoint(every_n_steps=3)  # dirpath: <output_dir>/resilient_checkpoints
     first = hf_train.build_trainer(str(out), 4, callbacks=[cb], save_strategy="steps", save_steps=2)
     first.train()
-    assert cb.restored_step == 0
+    assert cb.restored_step is None
     assert not any(p.name.startswith("checkpoint-") for p in out.iterdir())
-    assert [e.step for e in _committed(out / "resilient")] == [3, 4]
+    assert [e.step for e in _committed(out / "resilient_checkpoints")] == [3, 4]
     saves = [e for e in first.state.log_history if "resilient/save_blocking_s" in e]
     assert [e["step"] for e in saves] == [3, 4]
     assert all(e["resilient/save_blocking_s"] >= 0 for e in saves)
@@ -391,15 +424,15 @@ def test_explicit_resume_from_checkpoint_wins(tmp_path):
     cb = ResilientCheckpoint(every_n_steps=2, trainer_checkpoints=True)
     hf_train.build_trainer(str(out), 4, callbacks=[cb], save_strategy="steps", save_steps=2).train()
     assert (out / "checkpoint-2").is_dir() and (out / "checkpoint-4").is_dir()
-    assert [e.step for e in _committed(out / "resilient")] == [2, 4]
+    assert [e.step for e in _committed(out / "resilient_checkpoints")] == [2, 4]
 
     cb2 = ResilientCheckpoint(every_n_steps=2)
     trainer = hf_train.build_trainer(str(out), 5, callbacks=[cb2])
     with pytest.warns(ForeignCheckpointsWarning):  # the new run leaves the old one alone
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
-    assert cb2.restored_step == 0  # the Trainer restored step 2 itself, not step 4
+    assert cb2.restored_step is None  # the Trainer restored step 2 itself, not step 4
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == list(range(1, 6))
-    ours = _committed(out / "resilient")
+    ours = _committed(out / "resilient_checkpoints")
     assert sorted(e.step for e in ours) == [2, 4, 4, 5]
     assert len({e.manifest.run_id for e in ours}) == 2
 
@@ -564,3 +597,28 @@ def test_fast_forward_replays_an_order_drawn_from_the_global_rng():
         warnings.simplefilter("error")
         assert list(other) == ref[2:]
     assert other.fast_forwards == 0
+
+
+# ---------------------------------------------------------------------------- benchmark
+
+
+@pytest.mark.benchmark
+def test_bench_transformers_quick(tmp_path):
+    """benchmarks/bench_transformers.py --quick runs end to end and reports every mode.
+    Deselected by default (``-m benchmark``); the full run is
+    ``python benchmarks/bench_transformers.py`` (about 10 minutes on 2 cores)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_transformers.py"
+    cmd = [sys.executable, str(script), "--quick", "--out", str(tmp_path), "--dir", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_transformers.json").read_text())
+    assert set(report["summary"]) == {"none", "trainer", "ours", "ours_overlap"}
+    for mode in ("trainer", "ours", "ours_overlap"):
+        s = report["summary"][mode]
+        assert s["saves_per_run"] == report["meta"]["steps"] // report["meta"]["every"]
+        assert s["blocking_per_save_s"] > 0
+    assert (
+        report["summary"]["ours"]["blocking_per_save_s"]
+        < report["summary"]["trainer"]["blocking_per_save_s"]
+    )
+    assert (tmp_path / "bench_transformers.md").read_text().startswith("# bench_transformers")

@@ -78,7 +78,7 @@ class ResilientCheckpoint(TrainerCallback):
     >>> trainer.train()                                                                          # doctest: +SKIP
 
     ``dirpath``: local (or shared, mounted) directory of the checkpoints; default
-    ``<output_dir>/resilient``. ``every_n_steps``, ``keep_last``, ``keep_best``, ``monitor``,
+    ``<output_dir>/resilient_checkpoints``. ``every_n_steps``, ``keep_last``, ``keep_best``, ``monitor``,
     ``mode`` and every other keyword are options of :class:`~resilient_callbacks.Checkpointer`
     (``every_seconds``, ``async_save``, ``adaptive``, ``remote``, ``preemption``, ``resume``, ...),
     passed through unchanged. Without a save trigger, the Trainer's ``save_steps`` (or, with
@@ -143,7 +143,7 @@ class ResilientCheckpoint(TrainerCallback):
         self.log_save_metrics = log_save_metrics
 
         self.checkpointer: Checkpointer | None = None
-        self.restored_step: int | None = None  # step restored by the latest train(), 0 if none
+        self.restored_step: int | None = None  # step the latest train() resumed from; None: fresh
         self._attached: Any = None  # a Trainer given to attach()
         self._trainer: Any = None  # the Trainer whose train() is running
         self._loader: Any = None
@@ -221,7 +221,7 @@ class ResilientCheckpoint(TrainerCallback):
         hooks.check_supported(trainer)
         options = self._resolved_options(args, state)
         self._warn_about_trainer_saves(args)
-        dirpath = self.dirpath or os.path.join(args.output_dir, "resilient")
+        dirpath = self.dirpath or os.path.join(args.output_dir, "resilient_checkpoints")
 
         self._loader = loader
         self._batches = make_resumable(loader.batch_sampler)
@@ -240,7 +240,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._model_info = _model_info(trainer.model)
         self._epoch_calls = self._epoch_offset = 0
         self._pending, self._epoch_ended, self._resume = None, False, None
-        self.restored_step = 0
+        self.restored_step = None
 
         ckpt = Checkpointer(dirpath, **options)
         self.checkpointer = ckpt

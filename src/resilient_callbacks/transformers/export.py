@@ -153,7 +153,8 @@ def _read_checkpoint(source: str, step: int | None) -> tuple[str, layout.LoadedP
 
 
 def cli_export(args: argparse.Namespace) -> int:
-    """``resilient-ckpt export DIR OUT [--step N] [--force]`` (see docs/transformers.md)."""
+    """The ``export`` command (``python -m resilient_callbacks.transformers export DIR OUT
+    [--step N] [--force]``): prints what it wrote; returns the exit code."""
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ResumeFallbackWarning)

@@ -1,0 +1,28 @@
+"""``python -m resilient_callbacks.transformers export DIR OUT [--step N] [--force]``: write a
+checkpoint written by ResilientCheckpoint as a Hugging Face ``from_pretrained`` directory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .export import cli_export
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="a ResilientCheckpoint directory, or one checkpoint in it")
+    p.add_argument("out", help="the directory to write (must not exist, unless --force)")
+    p.add_argument("--step", type=int, help="export this step (default: the newest valid one)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m resilient_callbacks.transformers")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("export", help="write a checkpoint as a from_pretrained directory")
+    add_export_arguments(p)
+    return cli_export(ap.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
