@@ -423,6 +423,7 @@ class Checkpointer:
         finally:
             if self._sync is not None:
                 self._sync.stop()
+            self._release_group()
             for handle in [*self._hooked.values(), *self._step_watch.values()]:
                 handle.remove()
             self._hooked.clear()
@@ -433,6 +434,21 @@ class Checkpointer:
             if self.watcher is not None:
                 self.watcher.uninstall()
             self._lock.release()
+
+    def _release_group(self) -> None:
+        """Destroy the gloo group made for background saves. Scripts that never call
+        ``destroy_process_group()`` (a Trainer under torchrun) would otherwise abort at exit:
+        gloo's threads are torn down while still joinable ("terminate called without an active
+        exception")."""
+        group, self._group = self._group, None
+        if group is None or not dist.is_initialized():
+            return
+        if self._persister is not None and self._persister.pending:
+            return  # a job abandoned by close(timeout) may still use it; leave it to exit
+        try:
+            torch.distributed.destroy_process_group(group)
+        except Exception as e:  # best effort: the checkpoints are committed either way
+            log.debug("could not destroy the background checkpoint group: %s", e)
 
     def _finish_uploads(self, timeout: float | None) -> None:
         """close(): wait for the uploads (a progress bar on a terminal), then say what, if

@@ -610,8 +610,6 @@ class ResilientCheckpoint(TrainerCallback):
                 ckpt.__exit__(type(exc), exc, exc.__traceback__)
             except Exception as e:  # the training error propagates; this one is reported
                 log.error("closing the checkpointer after %s failed: %s", type(exc).__name__, e)
-            finally:
-                _release_group(ckpt)
 
     def _finish(self) -> None:
         trainer, ckpt = self._trainer, self.checkpointer
@@ -620,23 +618,7 @@ class ResilientCheckpoint(TrainerCallback):
             for name in hooks.WRAPPED:
                 hooks.unwrap(trainer, name)
         if ckpt is not None:
-            try:
-                ckpt.close()
-            finally:
-                _release_group(ckpt)
-
-
-def _release_group(ckpt: Checkpointer) -> None:
-    """Destroy the gloo group a closed Checkpointer made for its background saves.
-
-    Workaround: ``Checkpointer.close()`` keeps it, and a Trainer script never calls
-    ``destroy_process_group()``, so at interpreter exit gloo's threads are torn down while still
-    joinable and the process aborts ("terminate called without an active exception")."""
-    group = getattr(ckpt, "_group", None)
-    if group is not None and getattr(ckpt, "_closed", False):
-        ckpt._group = None
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group(group)
+            ckpt.close()  # also destroys its background gloo group (needed under torchrun)
 
 
 def _value(option: Any) -> str:
