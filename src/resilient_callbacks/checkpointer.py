@@ -919,6 +919,7 @@ class Checkpointer:
                     prepared.local,
                     prepared.rng_info,
                     prepared.rng_tensors,
+                    direct=background,  # no page-cache copy competing with training
                 )
                 files = [e.__dict__ for e in entries]
             except Exception as e:  # reported to every rank below; nothing is committed

@@ -44,14 +44,17 @@ def write_part(
     local: Encoded,
     rng_info: dict[str, Any] | None,
     rng_tensors: dict[str, torch.Tensor],
+    direct: bool = False,
 ) -> list[FileEntry]:
-    """Write this rank's files into ``staging``; rank 0 also passes ``shared``."""
+    """Write this rank's files into ``staging``; rank 0 also passes ``shared``. ``direct``:
+    write the tensor files with O_DIRECT where possible (background saves)."""
     entries: list[FileEntry] = []
     if shared is not None:
         d = write_tensors(
             os.path.join(staging, SHARED_TENSORS),
             shared.tensors,
             {"format": "resilient_callbacks", "part": "shared"},
+            direct=direct,
         )
         entries.append(FileEntry(SHARED_TENSORS, d.size, d.xxh3_64, rank, "tensors"))
         d = write_json(
@@ -65,6 +68,7 @@ def write_part(
         os.path.join(staging, rank_tensors(rank)),
         tensors,
         {"format": "resilient_callbacks", "part": f"rank {rank}"},
+        direct=direct,
     )
     entries.append(FileEntry(rank_tensors(rank), d.size, d.xxh3_64, rank, "tensors"))
     d = write_json(
