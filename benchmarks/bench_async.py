@@ -69,7 +69,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,6 +78,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from common import fsync_path, library_version, med
 from safetensors.torch import save_file
 
 from resilient_callbacks import Checkpointer
@@ -137,44 +137,11 @@ def touch(tensors: list[torch.Tensor]) -> float:
 # --------------------------------------------------------------------------- helpers
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def rm(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.exists(path):
         os.remove(path)
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def library_version() -> str:
-    """The commit of the working tree and whether src/ differs from it (results depend on it)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(
-            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", root, "status", "--porcelain", "--", "src"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return head + (" (src/ modified)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def rss_bytes() -> int:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from common import fsync_path
 from safetensors.torch import save_file
 
 from resilient_callbacks import Checkpointer
@@ -61,14 +62,6 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     for s in opt.state.values():
         n += sum(v.numel() * v.element_size() for v in s.values() if isinstance(v, torch.Tensor))
     return n
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def timeit(fn: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = None) -> list[float]:

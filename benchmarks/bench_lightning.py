@@ -47,7 +47,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 import warnings
@@ -55,6 +54,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from common import library_version
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from resilient_callbacks.lightning import ResilientCheckpoint
@@ -204,26 +204,6 @@ def scale_baselines(mb: float, work: str) -> dict[str, float]:
 
 CONFIGS = ["none", "ModelCheckpoint", "ResilientCheckpoint"]
 VARIANTS = ["ResilientCheckpoint (no overlap)", "ResilientCheckpoint (sync)"]
-
-
-def library_version() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(
-            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", root, "status", "--porcelain", "--", "src"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return head + (" (src/ modified)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> int:

@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,15 +45,12 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from bench_async import build_state, calibrate_batch, library_version, train_step
+from bench_async import build_state, calibrate_batch, train_step
+from common import library_version, med
 
 from resilient_callbacks import Checkpointer
 from resilient_callbacks.manifest import read_manifest
 from resilient_callbacks.remote import RemoteStore
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def free_port() -> int:

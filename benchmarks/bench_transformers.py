@@ -40,7 +40,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +52,7 @@ import itertools
 
 import torch
 import transformers
+from common import library_version, med
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -302,30 +302,6 @@ def interference(a: argparse.Namespace, nbytes: int) -> dict[str, float]:
         if os.path.exists(path):
             os.remove(path)
     return {k: med(v) for k, v in out.items()}
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def library_version() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(
-            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", root, "status", "--porcelain", "--", "src"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return head + (" (src/ modified)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def markdown(r: dict[str, Any]) -> str:
