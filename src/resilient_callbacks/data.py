@@ -16,7 +16,7 @@ an iterator is created, which a resumed run does at a different point: pass
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ class ResumableSampler(Sampler[int]):
         self.rank = rank
         self.epoch = 0
         self.position = 0  # indices yielded so far in this epoch
+        self._on_set_epoch: Callable[[int], None] | None = None  # the owning loader's set_epoch
 
     def _order(self) -> list[int]:
         if self.shuffle:
@@ -80,7 +81,11 @@ class ResumableSampler(Sampler[int]):
         self.position = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning (the ``DistributedSampler`` convention)."""
+        """Start ``epoch`` from its beginning (the ``DistributedSampler`` convention). Inside a
+        :class:`ResumableDataLoader` this moves the loader too (frameworks such as Lightning
+        announce epochs through ``loader.sampler.set_epoch``)."""
+        if self._on_set_epoch is not None:
+            self._on_set_epoch(epoch)
         if epoch != self.epoch:
             self.epoch, self.position = int(epoch), 0
 
@@ -158,6 +163,7 @@ class ResumableDataLoader(DataLoader):
         )
         self.epoch = 0
         self.batches_consumed = 0  # batches handed to the loop in the current epoch
+        sampler._on_set_epoch = self.set_epoch
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.sampler

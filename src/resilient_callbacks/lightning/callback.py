@@ -49,7 +49,7 @@ from ..config import CheckpointerConfig
 from ..errors import CheckpointError, CheckpointMismatchError, ConfigError
 from ..manifest import MANIFEST_NAME
 from . import state as st
-from .loaders import ResumableDataLoader, follow_lightning_epochs, make_resumable
+from .loaders import ResumableDataLoader, make_resumable
 
 log = logging.getLogger("resilient_callbacks.lightning")
 
@@ -300,8 +300,7 @@ class ResilientCheckpoint(Checkpoint):
         changed = False
         for i, dl in enumerate(loaders):
             if isinstance(dl, ResumableDataLoader):
-                follow_lightning_epochs(dl)
-                continue
+                continue  # its sampler follows Lightning's set_epoch calls by itself
             if not self.make_dataloaders_resumable:
                 continue
             new, reason = make_resumable(dl, self.data_seed)

@@ -13,8 +13,8 @@ position is part of Lightning's checkpoint, so a resumed run continues with the 
 without loading the skipped ones.
 
 Lightning announces a new epoch through ``dataloader.sampler.set_epoch(epoch)`` and never lets a
-loader's iterator run out (it stops at the known length), so :func:`follow_lightning_epochs`
-makes a ``ResumableDataLoader`` follow those calls.
+loader's iterator run out (it stops at the known length); a ``ResumableSampler`` passes that
+call on to its ``ResumableDataLoader``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from ..data import ResumableDataLoader, ResumableSampler
+from ..data import ResumableDataLoader
 
 # DataLoader settings carried over to the rebuilt loader
 _CARRIED = (
@@ -106,24 +106,7 @@ def make_resumable(loader: Any, seed: int | None = None) -> tuple[Any, str | Non
     )
     if type(sampler) is DistributedSampler:
         new.set_epoch(sampler.epoch)
-    return follow_lightning_epochs(new), None
-
-
-def follow_lightning_epochs(loader: ResumableDataLoader) -> ResumableDataLoader:
-    """Make ``loader.sampler.set_epoch(e)`` (how Lightning starts epoch ``e``) move the loader
-    to the start of epoch ``e``; the same epoch keeps the position (a mid-epoch resume)."""
-    sampler = loader.sampler
-    assert isinstance(sampler, ResumableSampler)
-    if getattr(sampler, "_rc_follows_lightning", False):
-        return loader
-
-    def set_epoch(epoch: int) -> None:
-        loader.set_epoch(epoch)
-        ResumableSampler.set_epoch(sampler, epoch)
-
-    sampler.set_epoch = set_epoch  # type: ignore[method-assign]
-    sampler._rc_follows_lightning = True  # type: ignore[attr-defined]
-    return loader
+    return new, None
 
 
 def _is_stateful(obj: Any) -> bool:
