@@ -1332,8 +1332,8 @@ class Checkpointer:
             assert self._sync is not None and self.remote is not None
             url = f"{self.remote.url}/{c['remote']}"
             try:
-                entries = {e.name: e for e in self.remote.scan()}
-                entry = entries.get(c["remote"])
+                # the entry listed by _merge_tiers moments ago (its manifest is read already)
+                entry = next((e for e in self._sync.entries() if e.name == c["remote"]), None)
                 if entry is None or entry.manifest is None:
                     raise CheckpointNotFoundError(f"{url} is gone")
                 log.warning("restoring from the remote copy %s", url)
@@ -1365,11 +1365,7 @@ class Checkpointer:
         """Coordinator, after a restore: queue this run's local checkpoints whose upload a
         crash interrupted, if the remote retention policy would keep them."""
         assert self._sync is not None
-        try:
-            remote_entries = self._sync.refresh()
-        except Exception as e:
-            log.warning("could not list %s to find missing uploads: %s", self.config.remote, e)
-            return
+        remote_entries = self._sync.entries()  # listed by this restore's _merge_tiers
         local = [
             e
             for e in catalog.committed(catalog.scan(self.dirpath, Depth.SIZE))

@@ -86,6 +86,11 @@ class RemoteSync:
             self._remote_entries = entries
         return entries
 
+    def entries(self) -> list[RemoteEntry]:
+        """The remote entries of the last :meth:`refresh` (no I/O)."""
+        with self._cond:
+            return list(self._remote_entries)
+
     def is_uploaded(self, manifest: Manifest) -> bool:
         with self._cond:
             return (manifest.run_id, manifest.seq) in self.index
@@ -169,7 +174,7 @@ class RemoteSync:
         delete them like any uploaded one)."""
         with self._cond:
             queued = list(self._queue)
-            remote = list(self._remote_entries)
+        remote = self.entries()
         if len(queued) < 2 or self.policy.keep_last is None:
             return
         local: dict[str, Manifest] = {}
