@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from .tensorfile import map_tensors_verified, read_verified, write_json, write_t
 SHARED_STRUCTURE = "shared.json"
 SHARED_TENSORS = "shared.safetensors"
 LAYOUT_VERSION = 1
+PARALLEL_MIN = 64 << 20  # both tensor files at least this big: read them in parallel
 
 
 def rank_structure(rank: int) -> str:
@@ -117,11 +119,20 @@ def read_part(path: str, manifest: Manifest, rank: int) -> LoadedPart:
         return map_tensors_verified(full, _entry(manifest, name, path).digest)
 
     shared = load_json(SHARED_STRUCTURE)
-    tensors = load_tensors(SHARED_TENSORS)
     if rank < manifest.world_size:
         local = load_json(rank_structure(rank))
-        tensors.update(load_tensors(rank_tensors(rank)))
+        names = [SHARED_TENSORS, rank_tensors(rank)]
+        sizes = [_entry(manifest, n, path).size for n in names]
+        if min(sizes) >= PARALLEL_MIN:
+            # two big files: read (and hash) them at once; each read releases the GIL
+            with ThreadPoolExecutor(2, thread_name_prefix="rc-read") as pool:
+                parts = list(pool.map(load_tensors, names))
+        else:
+            parts = [load_tensors(n) for n in names]
+        tensors = parts[0]
+        tensors.update(parts[1])
         per_rank, rng = local.get("per_rank") or {}, local.get("rng")
     else:
+        tensors = load_tensors(SHARED_TENSORS)
         per_rank, rng = {}, None
     return LoadedPart(shared["structure"], per_rank, rng, tensors)

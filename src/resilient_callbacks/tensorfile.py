@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from .errors import CheckpointCorruptError, UnsupportedStateError
+from .readahead import MappedPrefetch, Readahead
 
 CHUNK = 16 << 20  # bytes per write/hash call
 
@@ -280,29 +281,42 @@ def read_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, tor
     size = _checked_size(path, expect)
     hasher = new_hasher()
     with open(path, "rb", buffering=0) as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointCorruptError(f"{path}: too short to be a safetensors file")
-        (hlen,) = struct.unpack("<Q", head)
-        if hlen > size - 8:
-            raise CheckpointCorruptError(f"{path}: header length {hlen} exceeds the file size")
-        hbytes = f.read(hlen)
-        hasher.update(head)
-        hasher.update(hbytes)
-        header, data_start = parse_header(head + hbytes, path)
-        out: dict[str, torch.Tensor] = {}
-        for name, dtype, shape, start, end in _layout(header, data_start, size, path):
-            t = torch.empty(shape, dtype=dtype)
-            nbytes = end - start
-            if nbytes:
-                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-                for off in range(0, nbytes, CHUNK):
-                    piece = view[off : off + CHUNK]
-                    got = f.readinto(piece)
-                    if got != len(piece):
-                        raise CheckpointCorruptError(f"{path}: file shrank while being read")
-                    hasher.update(piece)
-            out[name] = t
+        ahead = Readahead(f.fileno(), size)
+        try:
+            return _read_tensors(f, path, size, hasher, ahead, expect)
+        finally:
+            ahead.close()
+
+
+def _read_tensors(
+    f: Any, path: str, size: int, hasher: Any, ahead: Readahead, expect: FileDigest | None
+) -> dict[str, torch.Tensor]:
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointCorruptError(f"{path}: too short to be a safetensors file")
+    (hlen,) = struct.unpack("<Q", head)
+    if hlen > size - 8:
+        raise CheckpointCorruptError(f"{path}: header length {hlen} exceeds the file size")
+    hbytes = f.read(hlen)
+    hasher.update(head)
+    hasher.update(hbytes)
+    header, data_start = parse_header(head + hbytes, path)
+    out: dict[str, torch.Tensor] = {}
+    pos = data_start
+    for name, dtype, shape, start, end in _layout(header, data_start, size, path):
+        t = torch.empty(shape, dtype=dtype)
+        nbytes = end - start
+        if nbytes:
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+            for off in range(0, nbytes, CHUNK):
+                ahead.advance(pos)
+                piece = view[off : off + CHUNK]
+                got = f.readinto(piece)
+                if got != len(piece):
+                    raise CheckpointCorruptError(f"{path}: file shrank while being read")
+                hasher.update(piece)
+                pos += got
+        out[name] = t
     _check_digest(path, hasher, expect)
     return out
 
@@ -315,20 +329,26 @@ def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torc
 
     Falls back to :func:`read_tensors_verified` where the file cannot be mapped."""
     size = _checked_size(path, expect)
-    try:
-        with open(path, "rb") as f:
+    with open(path, "rb") as f:
+        try:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    except (OSError, ValueError):
+        except (OSError, ValueError):  # a file that cannot be mapped (or is empty)
+            mm = None
+        if mm is not None:
+            view = memoryview(mm)
+            ahead = MappedPrefetch(mm, size)  # a cold file is read at the disk's speed
+            try:
+                hasher = new_hasher()
+                for off in range(0, size, CHUNK):
+                    ahead.advance(off)
+                    hasher.update(view[off : off + CHUNK])
+                _check_digest(path, hasher, expect)
+                header, data_start = parse_header(view[: min(size, 8 + (100 << 20))], path)
+            finally:
+                ahead.close()
+                view.release()
+    if mm is None:
         return read_tensors_verified(path, expect)
-    view = memoryview(mm)
-    try:
-        hasher = new_hasher()
-        for off in range(0, size, CHUNK):
-            hasher.update(view[off : off + CHUNK])
-        _check_digest(path, hasher, expect)
-        header, data_start = parse_header(view[: min(size, 8 + (100 << 20))], path)
-    finally:
-        view.release()
     out: dict[str, torch.Tensor] = {}
     for name, dtype, shape, start, end in _layout(header, data_start, size, path):
         if end == start:
@@ -345,12 +365,17 @@ def digest_file(path: str) -> FileDigest:
     hasher = new_hasher()
     size = 0
     with open(path, "rb", buffering=0) as f:
-        while True:
-            chunk = f.read(CHUNK)
-            if not chunk:
-                break
-            hasher.update(chunk)
-            size += len(chunk)
+        ahead = Readahead(f.fileno(), os.fstat(f.fileno()).st_size)
+        try:
+            while True:
+                ahead.advance(size)
+                chunk = f.read(CHUNK)
+                if not chunk:
+                    break
+                hasher.update(chunk)
+                size += len(chunk)
+        finally:
+            ahead.close()
     return FileDigest(size, hasher.hexdigest())
 
 
