@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -99,7 +100,7 @@ def test_readahead_requests_a_sliding_bounded_window(tmp_path, monkeypatch):
     needs = sorted((o, n) for o, n, a in calls if a == os.POSIX_FADV_WILLNEED)
     # the windows tile the file: no gap, no overlap, up to the end
     assert needs[0][0] == 0
-    for (o1, n1), (o2, _) in zip(needs, needs[1:], strict=False):
+    for (o1, n1), (o2, _) in itertools.pairwise(needs):
         assert o1 + n1 == o2
     assert needs[-1][0] + needs[-1][1] == size
 

@@ -62,7 +62,7 @@ from .policy import Clock
 from .preemption import MetadataPoller, PreemptionWatcher
 from .retention import plan
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
-from .tensorfile import write_json
+from .tensorfile import DirectBuffer, write_json
 
 if TYPE_CHECKING:
     from .remote import RemoteStore
@@ -276,6 +276,7 @@ class Checkpointer:
         self.committed_saves = 0
         self.blocking_seconds: deque[float] = deque(maxlen=100)
         self._buffers = HostBuffers()
+        self._bounce: DirectBuffer | None = None  # O_DIRECT writes of background saves
         self._last_snapshot: Snapshot | None = None
         self._hooked: dict[int, Any] = {}
         self._persister: BackgroundPersister | None = None
@@ -848,6 +849,8 @@ class Checkpointer:
                 overlap = optimizer_step_storages(state)
                 self._hook_optimizers(state)
             self._buffers.keep_only(tensors)
+            if self._bounce is None:  # with the host buffers: later saves allocate nothing
+                self._bounce = DirectBuffer()
             snap = Snapshot(tensors, self._buffers, overlap_storages=overlap)
             self._last_snapshot = snap if self.config.overlap_snapshot else None
             copies = snap.copies
@@ -920,6 +923,7 @@ class Checkpointer:
                     prepared.rng_info,
                     prepared.rng_tensors,
                     direct=background,  # no page-cache copy competing with training
+                    bounce=self._bounce if background else None,
                 )
                 files = [e.__dict__ for e in entries]
             except Exception as e:  # reported to every rank below; nothing is committed

@@ -23,7 +23,13 @@ import torch
 from .errors import CheckpointCorruptError
 from .manifest import FileEntry, Manifest
 from .structure import Encoded
-from .tensorfile import map_tensors_verified, read_verified, write_json, write_tensors
+from .tensorfile import (
+    DirectBuffer,
+    map_tensors_verified,
+    read_verified,
+    write_json,
+    write_tensors,
+)
 
 SHARED_STRUCTURE = "shared.json"
 SHARED_TENSORS = "shared.safetensors"
@@ -47,9 +53,11 @@ def write_part(
     rng_info: dict[str, Any] | None,
     rng_tensors: dict[str, torch.Tensor],
     direct: bool = False,
+    bounce: DirectBuffer | None = None,
 ) -> list[FileEntry]:
     """Write this rank's files into ``staging``; rank 0 also passes ``shared``. ``direct``:
-    write the tensor files with O_DIRECT where possible (background saves)."""
+    write the tensor files with O_DIRECT where possible (background saves), through
+    ``bounce`` if given."""
     entries: list[FileEntry] = []
     if shared is not None:
         d = write_tensors(
@@ -57,6 +65,7 @@ def write_part(
             shared.tensors,
             {"format": "resilient_callbacks", "part": "shared"},
             direct=direct,
+            bounce=bounce,
         )
         entries.append(FileEntry(SHARED_TENSORS, d.size, d.xxh3_64, rank, "tensors"))
         d = write_json(
@@ -71,6 +80,7 @@ def write_part(
         tensors,
         {"format": "resilient_callbacks", "part": f"rank {rank}"},
         direct=direct,
+        bounce=bounce,
     )
     entries.append(FileEntry(rank_tensors(rank), d.size, d.xxh3_64, rank, "tensors"))
     d = write_json(

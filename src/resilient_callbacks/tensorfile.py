@@ -75,12 +75,14 @@ def write_tensors(
     *,
     fsync: bool = True,
     direct: bool = False,
+    bounce: DirectBuffer | None = None,
 ) -> FileDigest:
     """Write ``tensors`` as a safetensors file at ``path``; return its size and checksum.
 
     ``direct=True`` writes with ``O_DIRECT`` where the filesystem allows it (bypassing the page
     cache: no kernel copy, no dirty-page writeback competing with training for the CPUs; used
-    by background saves), else as usual."""
+    by background saves), else as usual. The bytes pass through ``bounce`` (one
+    :class:`DirectBuffer` reused by every save) or, without one, a buffer made for this call."""
     if "__metadata__" in tensors:
         raise ValueError("'__metadata__' is reserved by safetensors and cannot name a tensor")
     for name, t in tensors.items():
@@ -111,7 +113,8 @@ def write_tensors(
     if direct and offset >= DIRECT_MIN:
         fd = _open_direct(path)
         if fd is not None:
-            return _write_direct(fd, pieces, [_as_bytes(tensors[n]) for n in order], fsync)
+            bodies = [_as_bytes(tensors[n]) for n in order]
+            return _write_direct(fd, pieces, bodies, fsync, bounce or DirectBuffer())
     hasher = new_hasher()
     size = 0
     with open(path, "wb", buffering=0) as f:
@@ -145,12 +148,24 @@ def _open_direct(path: str) -> int | None:
         return None
 
 
-def _write_direct(fd: int, head: list[bytes], bodies: list[memoryview], fsync: bool) -> FileDigest:
-    """Stream ``head`` then ``bodies`` through a page-aligned bounce buffer with O_DIRECT
+class DirectBuffer:
+    """The page-aligned bounce buffer O_DIRECT writes go through, allocated and touched once:
+    a Checkpointer keeps one for all its background saves (one persist runs at a time), so
+    saves after the first allocate no memory."""
+
+    def __init__(self, size: int = CHUNK) -> None:
+        self.mm = mmap.mmap(-1, size)  # anonymous mappings are page aligned
+        for off in range(0, size, mmap.PAGESIZE):
+            self.mm[off] = 0  # fault every page in now, not during the first write
+
+
+def _write_direct(
+    fd: int, head: list[bytes], bodies: list[memoryview], fsync: bool, bounce: DirectBuffer
+) -> FileDigest:
+    """Stream ``head`` then ``bodies`` through the page-aligned ``bounce`` buffer with O_DIRECT
     writes of whole aligned blocks; the padded tail is truncated away at the end."""
     hasher = new_hasher()
-    bounce = mmap.mmap(-1, CHUNK)  # anonymous mappings are page aligned
-    view = memoryview(bounce)
+    view = memoryview(bounce.mm)[:CHUNK]
     fill = size = 0
     try:
 
@@ -180,7 +195,6 @@ def _write_direct(fd: int, head: list[bytes], bodies: list[memoryview], fsync: b
             os.fsync(fd)  # the truncation's metadata, and the file's
     finally:
         view.release()
-        bounce.close()
         os.close(fd)
     return FileDigest(size, hasher.hexdigest())
 
