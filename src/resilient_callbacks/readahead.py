@@ -22,9 +22,12 @@ Measured by ``benchmarks/bench_async.py`` (restore from a cold page cache).
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import threading
 from typing import Any
+
+import torch
 
 AHEAD = 1 << 30  # bytes requested beyond the reader's position
 STEP = 64 << 20  # the window slides in steps of this many bytes
@@ -42,8 +45,8 @@ def _willneed(fd: int, offset: int, length: int) -> None:
 class Readahead:
     """Keep the kernel reading ``ahead`` bytes beyond a sequential reader of ``fd``.
 
-    Call :meth:`advance` with the reader's position as it goes, and :meth:`close` before the
-    file descriptor is closed."""
+    Call :meth:`advance` with the reader's position as it goes; use it as a context manager
+    (or call :meth:`close`) inside the file descriptor's lifetime."""
 
     def __init__(self, fd: int, size: int, *, ahead: int = AHEAD) -> None:
         self._fd, self._size, self._ahead = fd, size, ahead
@@ -72,6 +75,12 @@ class Readahead:
             self._thread.join()
             self._thread = None
 
+    def __enter__(self) -> Readahead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class MappedPrefetch:
     """Fault ``mapping`` in ahead of a thread reading it front to back.
@@ -79,8 +88,8 @@ class MappedPrefetch:
     ``workers`` threads each touch one byte per page of successive ``STEP``-byte windows (the
     fault also makes the kernel read ahead), never more than ``ahead`` bytes beyond the position
     passed to :meth:`advance`. Touching releases the GIL (a torch reduction), so the faults of
-    the helpers and the reader's own work overlap. Call :meth:`close` before the mapping is
-    released."""
+    the helpers and the reader's own work overlap. Use it as a context manager (or call
+    :meth:`close`) inside the mapping's lifetime."""
 
     def __init__(self, mapping: Any, size: int, *, workers: int = 2, ahead: int = 512 << 20):
         self._size, self._ahead = size, ahead
@@ -92,8 +101,6 @@ class MappedPrefetch:
         self._bytes: Any = None
         if size < 2 * STEP:
             return  # small: the reader's own faults are enough
-        import torch
-
         self._bytes = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
         for i in range(workers):
             t = threading.Thread(target=self._run, name=f"rc-prefetch-{i}", daemon=True)
@@ -101,7 +108,6 @@ class MappedPrefetch:
             self._threads.append(t)
 
     def _run(self) -> None:
-        page = 4096
         while True:
             with self._cond:
                 while not self._stop and self._next > self._pos + self._ahead:
@@ -111,7 +117,7 @@ class MappedPrefetch:
                 lo = self._next
                 self._next += STEP
             try:
-                self._bytes[lo : min(lo + STEP, self._size) : page].sum()
+                self._bytes[lo : min(lo + STEP, self._size) : mmap.PAGESIZE].sum()
             except Exception:  # prefetching is only an optimisation; the reader faults itself
                 return
 
@@ -128,3 +134,9 @@ class MappedPrefetch:
             t.join()
         self._threads = []
         self._bytes = None
+
+    def __enter__(self) -> MappedPrefetch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

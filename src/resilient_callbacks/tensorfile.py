@@ -294,43 +294,33 @@ def read_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, tor
     private: callers may keep them."""
     size = _checked_size(path, expect)
     hasher = new_hasher()
-    with open(path, "rb", buffering=0) as f:
-        ahead = Readahead(f.fileno(), size)
-        try:
-            return _read_tensors(f, path, size, hasher, ahead, expect)
-        finally:
-            ahead.close()
-
-
-def _read_tensors(
-    f: Any, path: str, size: int, hasher: Any, ahead: Readahead, expect: FileDigest | None
-) -> dict[str, torch.Tensor]:
-    head = f.read(8)
-    if len(head) < 8:
-        raise CheckpointCorruptError(f"{path}: too short to be a safetensors file")
-    (hlen,) = struct.unpack("<Q", head)
-    if hlen > size - 8:
-        raise CheckpointCorruptError(f"{path}: header length {hlen} exceeds the file size")
-    hbytes = f.read(hlen)
-    hasher.update(head)
-    hasher.update(hbytes)
-    header, data_start = parse_header(head + hbytes, path)
-    out: dict[str, torch.Tensor] = {}
-    pos = data_start
-    for name, dtype, shape, start, end in _layout(header, data_start, size, path):
-        t = torch.empty(shape, dtype=dtype)
-        nbytes = end - start
-        if nbytes:
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-            for off in range(0, nbytes, CHUNK):
-                ahead.advance(pos)
-                piece = view[off : off + CHUNK]
-                got = f.readinto(piece)
-                if got != len(piece):
-                    raise CheckpointCorruptError(f"{path}: file shrank while being read")
-                hasher.update(piece)
-                pos += got
-        out[name] = t
+    with open(path, "rb", buffering=0) as f, Readahead(f.fileno(), size) as ahead:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointCorruptError(f"{path}: too short to be a safetensors file")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > size - 8:
+            raise CheckpointCorruptError(f"{path}: header length {hlen} exceeds the file size")
+        hbytes = f.read(hlen)
+        hasher.update(head)
+        hasher.update(hbytes)
+        header, data_start = parse_header(head + hbytes, path)
+        out: dict[str, torch.Tensor] = {}
+        pos = data_start
+        for name, dtype, shape, start, end in _layout(header, data_start, size, path):
+            t = torch.empty(shape, dtype=dtype)
+            nbytes = end - start
+            if nbytes:
+                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                for off in range(0, nbytes, CHUNK):
+                    ahead.advance(pos)
+                    piece = view[off : off + CHUNK]
+                    got = f.readinto(piece)
+                    if got != len(piece):
+                        raise CheckpointCorruptError(f"{path}: file shrank while being read")
+                    hasher.update(piece)
+                    pos += got
+            out[name] = t
     _check_digest(path, hasher, expect)
     return out
 
@@ -347,22 +337,15 @@ def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torc
         try:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError):  # a file that cannot be mapped (or is empty)
-            mm = None
-        if mm is not None:
-            view = memoryview(mm)
-            ahead = MappedPrefetch(mm, size)  # a cold file is read at the disk's speed
-            try:
-                hasher = new_hasher()
-                for off in range(0, size, CHUNK):
-                    ahead.advance(off)
-                    hasher.update(view[off : off + CHUNK])
-                _check_digest(path, hasher, expect)
-                header, data_start = parse_header(view[: min(size, 8 + (100 << 20))], path)
-            finally:
-                ahead.close()
-                view.release()
-    if mm is None:
-        return read_tensors_verified(path, expect)
+            return read_tensors_verified(path, expect)
+    # helper threads fault the mapping in ahead of the hash: a cold file is read at disk speed
+    with memoryview(mm) as view, MappedPrefetch(mm, size) as ahead:
+        hasher = new_hasher()
+        for off in range(0, size, CHUNK):
+            ahead.advance(off)
+            hasher.update(view[off : off + CHUNK])
+        _check_digest(path, hasher, expect)
+        header, data_start = parse_header(view[: min(size, 8 + (100 << 20))], path)
     out: dict[str, torch.Tensor] = {}
     for name, dtype, shape, start, end in _layout(header, data_start, size, path):
         if end == start:
@@ -378,18 +361,17 @@ def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torc
 def digest_file(path: str) -> FileDigest:
     hasher = new_hasher()
     size = 0
-    with open(path, "rb", buffering=0) as f:
-        ahead = Readahead(f.fileno(), os.fstat(f.fileno()).st_size)
-        try:
-            while True:
-                ahead.advance(size)
-                chunk = f.read(CHUNK)
-                if not chunk:
-                    break
-                hasher.update(chunk)
-                size += len(chunk)
-        finally:
-            ahead.close()
+    with (
+        open(path, "rb", buffering=0) as f,
+        Readahead(f.fileno(), os.fstat(f.fileno()).st_size) as ahead,
+    ):
+        while True:
+            ahead.advance(size)
+            chunk = f.read(CHUNK)
+            if not chunk:
+                break
+            hasher.update(chunk)
+            size += len(chunk)
     return FileDigest(size, hasher.hexdigest())
 
 
