@@ -450,6 +450,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
         lock.release()
 
 
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``export`` command's arguments (also ``python -m resilient_callbacks.transformers``)."""
+    p.add_argument("dir", help="a ResilientCheckpoint directory, or one checkpoint in it")
+    p.add_argument("out", help="the directory to write (must not exist, unless --force)")
+    p.add_argument("--step", type=int, help="export this step (default: the newest valid one)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     try:
         from .transformers.export import cli_export
@@ -503,10 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "export", help="write a Transformers checkpoint as a from_pretrained directory"
     )
-    p.add_argument("dir", help="a ResilientCheckpoint directory, or one checkpoint in it")
-    p.add_argument("out", help="the directory to write (must not exist, unless --force)")
-    p.add_argument("--step", type=int, help="export this step (default: the newest valid one)")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    add_export_arguments(p)
     p.set_defaults(fn=cmd_export)
     return ap
 

@@ -6,14 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli import add_export_arguments
 from .export import cli_export
-
-
-def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", help="a ResilientCheckpoint directory, or one checkpoint in it")
-    p.add_argument("out", help="the directory to write (must not exist, unless --force)")
-    p.add_argument("--step", type=int, help="export this step (default: the newest valid one)")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
 
 def main(argv: list[str] | None = None) -> int:
