@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -349,6 +349,22 @@ def _tensor_specs(node: Any, tensors_meta: Mapping[str, tuple[str, list[int]]]) 
     return out
 
 
+def key_differences(
+    want: Mapping[str, Sequence[int]], have: Mapping[str, Sequence[int] | None]
+) -> tuple[list[str], list[str], list[str]]:
+    """Compare a model's tensor shapes (``want``) with a checkpoint's (``have``; ``None``: shape
+    unknown): the keys missing from the checkpoint, those the model lacks, and those of another
+    shape, each sorted."""
+    missing = sorted(set(want) - set(have))
+    unexpected = sorted(set(have) - set(want))
+    reshaped = [
+        k
+        for k in sorted(set(want) & set(have))
+        if (shape := have[k]) is not None and list(shape) != list(want[k])
+    ]
+    return missing, unexpected, reshaped
+
+
 def check_fits(
     state: Any,
     structure: Any,
@@ -377,20 +393,21 @@ def check_fits(
                 for k, v in _tensor_specs(n["state"], tensors_meta).items()
                 if k in want or v is not None
             }
-            missing = sorted(set(want) - set(have))
-            unexpected = sorted(set(have) - set(want))
+            missing, unexpected, reshaped = key_differences(
+                {k: v[1] for k, v in want.items()},
+                {k: None if v is None else v[1] for k, v in have.items()},
+            )
             if missing:
                 problems.append(f"{path_str(path)}: missing keys in checkpoint: {_short(missing)}")
             if unexpected:
                 problems.append(
                     f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}"
                 )
-            for k in sorted(set(want) & set(have)):
-                if have[k] is not None and list(have[k][1]) != want[k][1]:
-                    problems.append(
-                        f"{path_str(path)}[{k!r}]: shape {list(have[k][1])} in checkpoint, "
-                        f"{want[k][1]} in model"
-                    )
+            for k in reshaped:
+                problems.append(
+                    f"{path_str(path)}[{k!r}]: shape {list(have[k][1])} in checkpoint, "
+                    f"{want[k][1]} in model"
+                )
             return
         if isinstance(obj, torch.Tensor):
             if not (isinstance(n, dict) and n.get(TAG) == "tensor"):

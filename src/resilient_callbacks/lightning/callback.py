@@ -48,6 +48,7 @@ from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
 from ..errors import CheckpointError, CheckpointMismatchError, ConfigError
 from ..manifest import MANIFEST_NAME
+from ..structure import key_differences
 from . import state as st
 from .loaders import ResumableDataLoader, make_resumable
 
@@ -636,19 +637,15 @@ def _check_model_fits(module: Any, saved: dict[str, Any], path: str) -> None:
     than deep inside ``load_state_dict``. Skipped for ``strict_loading=False`` modules."""
     if module is None or not getattr(module, "strict_loading", True):
         return
-    live = {k: tuple(v.shape) for k, v in module.state_dict().items() if torch.is_tensor(v)}
-    have = {k: tuple(v.shape) for k, v in saved.items() if torch.is_tensor(v)}
+    live = {k: list(v.shape) for k, v in module.state_dict().items() if torch.is_tensor(v)}
+    have = {k: list(v.shape) for k, v in saved.items() if torch.is_tensor(v)}
+    missing, unexpected, reshaped = key_differences(live, have)
     problems = []
-    missing, unexpected = sorted(set(live) - set(have)), sorted(set(have) - set(live))
     if missing:
         problems.append(f"missing in the checkpoint: {', '.join(missing[:20])}")
     if unexpected:
         problems.append(f"not in the model: {', '.join(unexpected[:20])}")
-    problems += [
-        f"{k}: {list(have[k])} in the checkpoint, {list(live[k])} in the model"
-        for k in sorted(set(live) & set(have))
-        if live[k] != have[k]
-    ][:20]
+    problems += [f"{k}: {have[k]} in the checkpoint, {live[k]} in the model" for k in reshaped[:20]]
     if problems:
         raise CheckpointMismatchError(
             f"the checkpoint {path} does not fit this model:\n  - "
