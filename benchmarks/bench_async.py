@@ -84,7 +84,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import fsync_path, library_version, med
+from common import fsync_path, library_version, med, write_results
 from safetensors.torch import save_file
 
 from resilient_callbacks import Checkpointer
@@ -1072,7 +1072,6 @@ def main() -> int:
     loop_mb = args.loop_mb if args.loop_mb is not None else sizes[0]
     if loop_mb not in sizes:
         sizes = sorted({*sizes, loop_mb})
-    os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="rc-bench-async-", dir=args.dir)
     need = 4 * max(sizes) * 1_000_000
     free = shutil.disk_usage(work).free
@@ -1153,11 +1152,8 @@ def main() -> int:
     report["goals"] = goals(report)
     report["meta"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     report["meta"]["runtime_s"] = time.perf_counter() - t_start
-    with open(os.path.join(args.out, "bench_async.json"), "w") as f:
-        json.dump(report, f, indent=1)
     md = markdown(report)
-    with open(os.path.join(args.out, "bench_async.md"), "w") as f:
-        f.write(md)
+    write_results(args.out, "bench_async", report, md)
     if args.plot:
         plot(report, os.path.join(args.out, "bench_async.png"))
     print()

@@ -25,7 +25,6 @@ Writes ``bench_core.json`` and ``bench_core.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -38,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import fsync_path
+from common import fsync_path, write_results
 from safetensors.torch import save_file
 
 from resilient_callbacks import Checkpointer
@@ -107,7 +106,6 @@ def main() -> int:
     if args.restore_worker:
         restore_worker(args.restore_worker[0], args.restore_worker[1], args.mb)
         return 0
-    os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="rc-bench-", dir=args.dir)
     model, opt = build_state(args.mb)
     nbytes = state_bytes(model, opt)
@@ -200,8 +198,6 @@ def main() -> int:
             / med["torch.load+load_state_dict"],
         },
     }
-    with open(os.path.join(args.out, "bench_core.json"), "w") as f:
-        json.dump(report, f, indent=1)
     lines = [
         f"State {nbytes / 1e6:.0f} MB (MLP + AdamW), medians of {args.reps}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}",
@@ -214,8 +210,7 @@ def main() -> int:
     lines += ["", "| ratio | value |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in report["ratios"].items()]
     md = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "bench_core.md"), "w") as f:
-        f.write(md)
+    write_results(args.out, "bench_core", report, md)
     print()
     print(md)
     return 0

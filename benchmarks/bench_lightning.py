@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import platform
@@ -54,7 +53,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import library_version
+from common import library_version, write_results
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from resilient_callbacks.lightning import ResilientCheckpoint
@@ -309,12 +308,8 @@ def main() -> int:
         "state_ge_256MB": state_bytes >= 256e6,
     }
 
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_lightning.json"), "w") as f:
-        json.dump(report, f, indent=2)
     md = render(report)
-    with open(os.path.join(args.out, "bench_lightning.md"), "w") as f:
-        f.write(md)
+    write_results(args.out, "bench_lightning", report, md)
     print(md)
     return 0
 

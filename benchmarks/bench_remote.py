@@ -32,7 +32,6 @@ Writes ``bench_remote.json`` and ``bench_remote.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket
@@ -46,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 from bench_async import build_state, calibrate_batch, train_step
-from common import library_version, med
+from common import library_version, med, write_results
 
 from resilient_callbacks import Checkpointer
 from resilient_callbacks.manifest import read_manifest
@@ -236,7 +235,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.mb, args.reps, args.loop_rounds, args.loop_steps = 64, 2, 1, 12
-    os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     server = MotoProcess()
     work = tempfile.mkdtemp(prefix="bench_remote_")
@@ -266,8 +264,6 @@ def main() -> None:
         "loop": loop,
         "goals": [{"what": g[0], "ratio": g[1], "goal": g[2], "met": g[3]} for g in goals],
     }
-    with open(os.path.join(args.out, "bench_remote.json"), "w") as f:
-        json.dump(result, f, indent=1)
     s = loop["summary"]
     lines = [
         f"# bench_remote ({args.mb} MB state, {os.cpu_count()} CPUs, {library_version()})",
@@ -289,8 +285,7 @@ def main() -> None:
     lines += ["", "| goal | ratio | target | |", "|---|---:|---|---|"]
     lines += [f"| {g[0]} | {g[1]:.2f} | {g[2]} | {'met' if g[3] else 'MISSED'} |" for g in goals]
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "bench_remote.md"), "w") as f:
-        f.write(text)
+    write_results(args.out, "bench_remote", result, text)
     print()
     print(text)
 

@@ -35,7 +35,6 @@ Writes ``bench_transformers.json`` and ``bench_transformers.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -52,7 +51,7 @@ import itertools
 
 import torch
 import transformers
-from common import library_version, med
+from common import library_version, med, write_results
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -492,12 +491,8 @@ def main() -> int:
             },
         ],
     }
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "bench_transformers.json"), "w") as f:
-        json.dump(report, f, indent=1)
     md = markdown(report)
-    with open(os.path.join(a.out, "bench_transformers.md"), "w") as f:
-        f.write(md)
+    write_results(a.out, "bench_transformers", report, md)
     print(md)
     return 0
 

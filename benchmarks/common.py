@@ -3,9 +3,11 @@ this directory on ``sys.path``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
+from typing import Any
 
 
 def med(xs: list[float]) -> float:
@@ -18,6 +20,15 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_results(out: str, name: str, report: Any, md: str) -> None:
+    """``<out>/<name>.json`` (the figures) and ``<out>/<name>.md`` (the tables)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(md)
 
 
 def library_version() -> str:

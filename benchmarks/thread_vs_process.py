@@ -17,7 +17,6 @@ throughput in each case. Writes ``thread_vs_process.json`` / ``.md`` to ``--out`
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -27,6 +26,7 @@ import time
 from typing import Any
 
 import torch
+from common import write_results
 
 from resilient_callbacks.tensorfile import write_tensors
 
@@ -93,7 +93,6 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     tensors = make_state(args.mb)
     for t in tensors.values():
         t.share_memory_()
@@ -117,10 +116,8 @@ def main() -> int:
             f"| {m} | {r['median_step_s']:.4f} | {r['median_step_s'] / base:.2f}x | {gbps} |"
         )
     md = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "thread_vs_process.json"), "w") as f:
-        json.dump({"median": med, "runs": results, "cpus": os.cpu_count()}, f, indent=1)
-    with open(os.path.join(args.out, "thread_vs_process.md"), "w") as f:
-        f.write(md)
+    report = {"median": med, "runs": results, "cpus": os.cpu_count()}
+    write_results(args.out, "thread_vs_process", report, md)
     print(md)
     return 0
 

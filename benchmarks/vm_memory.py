@@ -13,19 +13,18 @@ No library code runs here; it measures the machine:
    benchmarks that touch a buffer once a round see the machine's memory, not the code under
    test.
 
-Prints a Markdown table and writes ``vm_memory.json`` into ``--out``.
+Prints a Markdown table and writes ``vm_memory.{json,md}`` into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
 
 import torch
-from common import med
+from common import med, write_results
 
 
 def timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
@@ -75,19 +74,22 @@ def main() -> int:
         "after_churn_busy_buffer_s": busy_t,
         "after_churn_idle_buffer_s": idle_t,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "vm_memory.json"), "w") as f:
-        json.dump(report, f, indent=1)
 
     def fmt(xs: list[float]) -> str:
         return f"{med(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
 
-    print(f"| copy of {args.mb} MB into | median s (min-max) |")
-    print("|---|---|")
-    print(f"| a fresh buffer (first write) | {fmt(first)} |")
-    print(f"| the same buffers again | {fmt(again)} |")
-    print(f"| a buffer also rewritten before each churn round | {fmt(busy_t)} |")
-    print(f"| a buffer untouched since (idle through the churn) | {fmt(idle_t)} |")
+    md = "\n".join(
+        [
+            f"| copy of {args.mb} MB into | median s (min-max) |",
+            "|---|---|",
+            f"| a fresh buffer (first write) | {fmt(first)} |",
+            f"| the same buffers again | {fmt(again)} |",
+            f"| a buffer also rewritten before each churn round | {fmt(busy_t)} |",
+            f"| a buffer untouched since (idle through the churn) | {fmt(idle_t)} |",
+        ]
+    )
+    write_results(args.out, "vm_memory", report, md + "\n")
+    print(md)
     return 0
 
 
