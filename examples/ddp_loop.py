@@ -1,7 +1,15 @@
 """Several ranks: DDP on CPU with gloo, resumable with one Checkpointer.
 
     .venv/bin/torchrun --nproc_per_node=2 examples/ddp_loop.py --dir demo_output/ddp
-    # kill it (Ctrl-C or kill -9), run the same command again: it resumes
+
+Stop it partway, then run the same command again: it resumes from the newest checkpoint.
+
+- Ctrl-C in its terminal: torchrun passes the signal on to both workers and waits for them.
+- A crash, as a node failure would be: ``pkill -9 -f examples/ddp_loop.py`` kills the launcher
+  and both workers at once.
+- Not ``kill -9`` of the torchrun process alone: a SIGKILL of the launcher does not reach its
+  workers, which keep training and keep the checkpoint directory locked, so the re-run is
+  (rightly) refused with ``CheckpointLockedError`` until they exit.
 
 Rank 0 writes the replicated model/optimizer once; every rank writes its own RNG states and its
 data position (the loader is wrapped in PerRank).
@@ -50,7 +58,8 @@ def main() -> None:
                 loss.backward()
                 opt.step()
                 step += 1
-                ckpt.step(step, state, metrics={"loss": loss.item()})
+                # final=True on the last step: a re-run of the finished job trains nothing
+                ckpt.step(step, state, metrics={"loss": loss.item()}, final=step == args.steps)
                 if rank == 0 and step % 10 == 0:
                     print(f"step {step} loss {loss.item():.5f}", flush=True)
                 if step >= args.steps:

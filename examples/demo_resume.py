@@ -3,7 +3,7 @@
     python examples/demo_resume.py              # or: bash scripts/demo.sh
 
 It trains a small MLP (dropout, AdamW, LR schedule, shuffled mini-batches) three times, all under
-./demo_output/:
+./demo_output/plain/:
 
 1. uninterrupted, for reference;
 2. the same command, killed with SIGKILL at a step between two checkpoints;
@@ -28,7 +28,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 
 
 def train(ckpt_dir: str, log_path: str, steps: int, every: int, delay: float) -> None:
@@ -63,7 +62,8 @@ def train(ckpt_dir: str, log_path: str, steps: int, every: int, delay: float) ->
                     step += 1
                     log.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
                     log.flush()
-                    saved = ckpt.step(step, state)  # (3) saves every `every` steps
+                    # (3) saves every `every` steps, and the last step (final=True)
+                    saved = ckpt.step(step, state, final=step == steps)
                     if saved:
                         log.write(json.dumps({"saved": step}) + "\n")
                         log.flush()
@@ -111,8 +111,12 @@ def run_child(args: argparse.Namespace, run_dir: str) -> subprocess.Popen[bytes]
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(REPO, "demo_output"))
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument(
+        "--out",
+        default=os.path.join(os.getcwd(), "demo_output", "plain"),
+        help="where the three runs write (default: ./demo_output/plain); emptied first",
+    )
+    ap.add_argument("--steps", type=int, default=60, help="training steps of each run")
     ap.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     ap.add_argument("--kill-at", type=int, default=37, help="SIGKILL the second run at this step")
     ap.add_argument("--delay", type=float, default=0.02, help="seconds of 'work' per step")
@@ -179,10 +183,9 @@ def main() -> int:
     print(
         f"per-step losses identical: {same_losses}; final weights bit-for-bit identical: {same_weights}"
     )
-    print(
-        f"checkpoints: {os.path.join(crash, 'checkpoints')} "
-        f"(try: .venv/bin/resilient-ckpt ls {os.path.relpath(os.path.join(crash, 'checkpoints'))})"
-    )
+    cli = os.path.join(os.path.dirname(sys.executable), "resilient-ckpt")
+    ckpts = os.path.relpath(os.path.join(crash, "checkpoints"))
+    print(f"checkpoints: {ckpts}\n  try: {os.path.relpath(cli)} ls {ckpts}")
     return 0 if same_losses and same_weights else 1
 
 

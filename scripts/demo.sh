@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set up, then run the demo: a training run is killed with SIGKILL partway, re-run, and shown to
-# continue exactly where it stopped. Everything it writes goes to ./demo_output/.
+# Set up what the demo needs (the core: torch and four small packages), then run it: a training
+# run is killed with SIGKILL partway, re-run, and shown to continue exactly where it stopped.
+# Everything it writes goes to ./demo_output/ (under the current directory).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-exec .venv/bin/python examples/demo_resume.py "$@"
+here="$(cd "$(dirname "$0")/.." && pwd)"
+bash "$here/scripts/setup.sh" core
+exec "${RESILIENT_VENV:-$here/.venv}/bin/python" "$here/examples/demo_resume.py" "$@"

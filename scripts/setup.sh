@@ -1,20 +1,94 @@
 #!/usr/bin/env bash
-# Create .venv (Python 3.11) with a CPU build of torch and this package with its dev extras.
-# Idempotent: re-running it with nothing changed takes a second.
+# Create .venv (Python 3.11) with torch and this package, at the exact versions of
+# scripts/constraints.txt (pip never has to search for a working set).
+#
+#   bash scripts/setup.sh core   # what the demo needs: torch, safetensors, fsspec, xxhash, numpy, tqdm
+#   bash scripts/setup.sh dev    # everything the test suite needs (Lightning, Transformers, s3fs, moto, ...)
+#
+# Idempotent: re-running it with nothing changed takes a second. Environment:
+#   PYTHON                  the interpreter for .venv (default: python3.11, else python3)
+#   RESILIENT_TORCH         the torch to install: a requirement or a wheel file (default torch==2.13.0)
+#   RESILIENT_TORCH_INDEX   a package index URL for torch alone, e.g. PyTorch's CPU-only wheel index,
+#                           so an ordinary Linux machine does not download the multi-GB CUDA build
+#   RESILIENT_VENV          where to create the environment (default .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+profile="${1:-dev}"
+case "$profile" in
+    core | dev) ;;
+    *) echo "usage: bash scripts/setup.sh [core|dev]" >&2; exit 2 ;;
+esac
 PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
-if [ ! -x .venv/bin/python ]; then
-    echo "[setup] creating .venv with $PY" >&2
-    "$PY" -m venv .venv
+VENV="${RESILIENT_VENV:-.venv}"
+TORCH="${RESILIENT_TORCH:-torch==2.13.0}"
+TORCH_INDEX="${RESILIENT_TORCH_INDEX:-}"
+t0=$SECONDS
+
+say() { echo "[setup $(( SECONDS - t0 ))s] $*" >&2; }
+
+# pip's own lines that show progress (what it collects and downloads, what it installed);
+# the rest (already satisfied, index warnings) is dropped. pip's exit status is kept.
+pip_install() {
+    local status
+    set +e
+    "$VENV/bin/python" -m pip install --progress-bar off "$@" 2>&1 \
+        | grep --line-buffered -E '^(Collecting|Downloading|Installing|Successfully|ERROR|error|  error)' \
+        | sed -u 's/^/    /' >&2
+    status=("${PIPESTATUS[@]}")
+    set -e
+    if [ "${status[0]}" -ne 0 ]; then
+        say "pip failed (exit ${status[0]}); run it without the filter to see everything:"
+        say "  $VENV/bin/python -m pip install $*"
+        return "${status[0]}"
+    fi
+}
+
+key="$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt | sha1sum | cut -c1-12)"
+key="$key-$(echo "$TORCH $TORCH_INDEX" | sha1sum | cut -c1-8)"
+done_core="$VENV/.resilient-setup-core-$key"
+done_dev="$VENV/.resilient-setup-dev-$key"
+if [ -f "$done_dev" ] || { [ "$profile" = core ] && [ -f "$done_core" ]; }; then
+    exit 0
 fi
-stamp=".venv/.resilient-setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
-if [ ! -f "$stamp" ]; then
-    echo "[setup] installing torch==2.13.0 (CPU) and resilient-callbacks[dev] into .venv" >&2
-    .venv/bin/python -m pip install -q --upgrade pip
-    # Pinned here (not in pyproject, which says torch>=2.4): an unpinned torch pulls CUDA wheels.
-    .venv/bin/python -m pip install -q "torch==2.13.0"
-    .venv/bin/python -m pip install -q -e ".[dev]"
-    rm -f .venv/.resilient-setup-*
-    touch "$stamp"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV with $PY ($("$PY" --version 2>&1))"
+    "$PY" -m venv "$VENV"
 fi
+if ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "[setup] $VENV uses Python $("$VENV/bin/python" --version 2>&1); 3.11 or newer is needed." \
+        "Remove $VENV and set PYTHON to a Python 3.11 interpreter." >&2
+    exit 1
+fi
+
+if "$VENV/bin/python" - "$TORCH" <<'EOF' 2>/dev/null; then
+import sys
+from importlib.metadata import version
+want = sys.argv[1]
+# an exact pin that is already installed (a local "+cpu" build counts) needs nothing
+ok = want.startswith("torch==") and version("torch").split("+")[0] == want.split("==")[1]
+sys.exit(0 if ok else 1)
+EOF
+    say "[1/2] $TORCH is already installed"
+else
+    if [ -n "$TORCH_INDEX" ]; then
+        say "[1/2] installing $TORCH from $TORCH_INDEX (about 200 MB for a CPU build; a minute)"
+        pip_install "$TORCH" --index-url "$TORCH_INDEX" -c scripts/constraints.txt
+    else
+        say "[1/2] installing $TORCH (a CPU build where the machine provides one; a minute)"
+        pip_install "$TORCH" -c scripts/constraints.txt
+    fi
+fi
+
+if [ "$profile" = core ]; then
+    say "[2/2] installing resilient-callbacks and its core dependencies (pinned)"
+    pip_install -c scripts/constraints.txt -e .
+    rm -f "$VENV"/.resilient-setup-*
+    touch "$done_core"
+else
+    say "[2/2] installing resilient-callbacks[dev]: Lightning, Transformers, s3fs, moto, pytest, ... (pinned; about a minute)"
+    pip_install -c scripts/constraints.txt -e ".[dev]"
+    rm -f "$VENV"/.resilient-setup-*
+    touch "$done_core" "$done_dev"
+fi
+say "done: $VENV is ready ($profile)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite (slow and benchmark tests are deselected by default; pass
-# `-m slow` or `-m benchmark` to run those).
+# Set up everything the tests need, then run the test suite. Slow, benchmark and GPU tests are
+# deselected by default; pass `-m slow`, `-m benchmark` or `-m gpu` to run those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+bash scripts/setup.sh dev
+exec "${RESILIENT_VENV:-.venv}/bin/python" -m pytest "$@"
