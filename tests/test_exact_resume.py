@@ -247,10 +247,14 @@ def _kill_resume_cycle(
     history = list(zip(killed, restored[1:], strict=True))
     for k, r in history:
         # The next run resumes from the newest checkpoint committed at the kill. Saves persist
-        # in the background with at most one in flight, so the save before the last one taken
-        # has always committed: at most 2 * EVERY steps are lost.
+        # in the background with at most one in flight: save s waits for save s - EVERY to
+        # commit before it snapshots. The script logs step s before calling ckpt.step(s), so a
+        # kill can land after step s is logged while save s still waits for save s - EVERY;
+        # then only save s - 2 * EVERY is committed. The contract is therefore: at most
+        # 2 * EVERY steps are lost, whatever the machine's load (timing decides only where in
+        # that window a kill lands).
         assert r % EVERY == 0 and 0 < r <= k, history
-        assert k - r < 2 * EVERY, history
+        assert k - r <= 2 * EVERY, history
     return history
 
 

@@ -45,7 +45,7 @@ class Manifest:
     files: list[FileEntry]
     metrics: dict[str, float | None] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
-    reason: str = "periodic"  # periodic | forced | emergency | close
+    reason: str = "periodic"  # periodic | final | forced | emergency | close
     fingerprint: str = ""
     retention: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
