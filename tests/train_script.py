@@ -72,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-params", required=True)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--distributed", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (deterministic algorithms on)")
+    p.add_argument(
+        "--overlap-snapshot", action="store_true", help="Checkpointer(overlap_snapshot=True)"
+    )
     p.add_argument("--remote", default=None, help="fsspec URL of the remote tier")
     p.add_argument("--remote-options", default=None, help="JSON dict of fsspec options")
     p.add_argument(
@@ -110,9 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     # (torch.use_deterministic_algorithms is not called: it imports torch._inductor, ~1 s.)
     torch.set_num_threads(1)
 
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        # cuBLAS needs a fixed workspace to be deterministic; dropout draws from the CUDA RNG,
+        # which the checkpoint restores.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
     # The same initial weights on every rank ...
     torch.manual_seed(0)
-    model = make_model()
+    model = make_model().to(device)
     # ... and then rank-specific random streams (dropout masks differ between ranks).
     torch.manual_seed(100 + rank)
     random.seed(200 + rank)
@@ -166,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         every_n_steps=args.every_n_steps,
         keep_last=args.keep_last,
         resume=resume,
+        overlap_snapshot=args.overlap_snapshot,
         **remote_kw,
     )
     step = ckpt.restore(state)
@@ -179,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
                     log.write("\n")
         while step < args.total_steps:
             for x, y in loader:
+                x, y = x.to(device), y.to(device)
                 model.train()
                 # Python and NumPy randomness feed the loss too, so their restore matters.
                 noise = torch.tensor(
                     np.random.normal(size=(1,)).item() * 1e-3 + random.random() * 1e-3,
                     dtype=torch.float32,
+                    device=device,
                 )
                 out = model(x)
                 loss = nn.functional.mse_loss(out, y) + noise
@@ -217,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra["epoch"] += 1
     ckpt.close()
 
-    params = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    params = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     tmp = args.out_params + suffix + ".tmp"
     save_file(params, tmp)
     os.replace(tmp, args.out_params + suffix)

@@ -63,6 +63,7 @@ from .preemption import MetadataPoller, PreemptionWatcher
 from .retention import plan
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import DirectBuffer, write_json
+from .waits import SaveWaits
 
 if TYPE_CHECKING:
     from .remote import RemoteStore
@@ -272,7 +273,7 @@ class Checkpointer:
         self._reported_foreign = False
         self._checked_foreign = False
         self.skipped_saves = 0
-        self.waits_for_previous = 0
+        self.save_waits = SaveWaits(speak=self.is_coordinator)
         self.committed_saves = 0
         self.blocking_seconds: deque[float] = deque(maxlen=100)
         self._buffers = HostBuffers()
@@ -420,6 +421,7 @@ class Checkpointer:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 self._finish_uploads(left)
             if self._persister is not None:
+                self.save_waits.log_summary()
                 self._persister.raise_error()
         finally:
             if self._sync is not None:
@@ -435,6 +437,11 @@ class Checkpointer:
             if self.watcher is not None:
                 self.watcher.uninstall()
             self._lock.release()
+
+    @property
+    def waits_for_previous(self) -> int:
+        """How many background saves of this rank waited for the previous one to be written."""
+        return self.save_waits.waits
 
     def _release_group(self) -> None:
         """Destroy the gloo group made for background saves. Scripts that never call
@@ -581,9 +588,20 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
 
-    def step(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> bool:
+    def step(
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        final: bool = False,
+    ) -> bool:
         """Call once per training step with the number of completed steps; saves when the
         policy says so. Returns True if it saved.
+
+        ``final=True`` marks the last step of the run: it is saved whatever the schedule (unless
+        that step is already saved), so re-running a finished job restores the end and trains
+        nothing. Every rank passes the same ``final``.
 
         On a preemption request (SIGTERM, SIGUSR1, a cloud notice) it makes an emergency save
         of this step and, with ``exit_on_preemption`` (default), exits the process with
@@ -596,13 +614,13 @@ class Checkpointer:
             if self.schedule is not None:
                 self.schedule.observe_step(compute)
         try:
-            return self._step(step, state, metrics)
+            return self._step(step, state, metrics, final)
         finally:
             if self.config.save_on_exception and not self._closed:
                 self._mark_consistent(step, state)
             self._last_step_end = time.perf_counter()
 
-    def _step(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> bool:
+    def _step(self, step: int, state: Any, metrics: Mapping[str, Any] | None, final: bool) -> bool:
         reason = self.policy.due_by_step(step)
         preempt = self.watcher is not None and self.watcher.requested
         time_due = bool(
@@ -646,6 +664,9 @@ class Checkpointer:
             and self.schedule.should_save(step - self._steps_origin)
         ):
             reason = f"adaptive: {self.schedule.describe()}"
+        if final:
+            # never skipped for a busy disk (if_busy applies to periodic saves only)
+            return self._save(step, state, metrics, "final", why=reason or "final step")
         if reason is None:
             if (
                 not self.policy.has_trigger
@@ -736,14 +757,7 @@ class Checkpointer:
                 waited = self._wait_background()  # emergency: flush, then a synchronous save
             else:
                 waited = self._persister.wait_for_slot()
-                if waited > 0.001:
-                    self.waits_for_previous += 1
-                    log.warning(
-                        "step %d waited %.3f s for the previous checkpoint to finish writing "
-                        "(saves are due faster than the disk persists them)",
-                        step,
-                        waited,
-                    )
+                self.save_waits.observe(step, waited, self._clock.elapsed())
         self._raise_background_error()  # a failed earlier save surfaces here, never lost
         t0 = time.perf_counter()
         clean_metrics = _clean_metrics(metrics)
@@ -816,12 +830,14 @@ class Checkpointer:
             self._persister.raise_error()
 
     def wait_for_snapshot(self) -> None:
-        """Block until the last save's snapshot copy is complete. With
+        """Order what comes next after the last save's overlapped snapshot copy. With
         ``overlap_snapshot=True`` call it before anything changes parameters or optimizer state
-        other than the optimizers in the saved state (their ``step()`` calls it automatically)."""
+        other than the optimizers in the saved state (their ``step()`` calls it automatically).
+        CPU copies are waited for; on a GPU the current stream waits for the copy on the GPU, so
+        kernels launched afterwards run after it while the CPU goes on."""
         snap = self._last_snapshot
         if snap is not None:
-            snap.wait()
+            snap.wait_device()
             self._last_snapshot = None
 
     def _prepare(
@@ -914,7 +930,7 @@ class Checkpointer:
             assert prepared is not None
             try:
                 if prepared.snapshot is not None:
-                    prepared.snapshot.wait()
+                    prepared.snapshot.wait_host()
                 entries = layout.write_part(
                     staging_dir,
                     self.rank,

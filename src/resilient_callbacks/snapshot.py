@@ -3,19 +3,38 @@
 The training thread blocks only while tensors are copied into host memory; writing, checksums
 and commit then run in the background on the copies, while training changes the originals.
 Buffers are allocated once per tensor (by name, shape and dtype) and reused by every later
-save, so memory does not grow from save to save. Tensors on a GPU are copied into pinned
-buffers with non-blocking copies on a side stream; :meth:`Snapshot.wait` synchronizes before
-anything reads them.
+save, so memory does not grow from save to save.
+
+Tensors on a GPU are copied into pinned buffers by non-blocking copies on a side stream (one per
+device), so the CPU does not wait for the copy engine. The cut is consistent all the same:
+
+- the side stream first waits for the current stream, so the copies read what every kernel
+  launched before the save has written;
+- the current stream then waits (on the GPU, not the CPU) for an event recorded after the
+  copies, so every kernel launched after ``save`` returns -- the optimizer step, ``zero_()``, an
+  in-place ``add_``, ``load_state_dict`` -- runs after the copies have read the saved tensors;
+- each saved tensor is marked used by the side stream (``record_stream``), so a tensor freed
+  right after the save is not handed to a new allocation until the copy has read it;
+- the background writer waits for the copies on the host (:meth:`Snapshot.wait_host`) before it
+  reads a buffer.
+
+Work that writes a saved tensor on *another* stream must be ordered after the current stream
+(``other.wait_stream(torch.cuda.current_stream())`` after the save), as CUDA requires of any
+cross-stream use; collectives launched after the save (DDP's buffer broadcast, FSDP) do that.
 
 Overlapped mode: parameters and optimizer state change only at the optimizer step, so their
 copy may run in the background while the next forward/backward runs; the training loop waits
-only right before the next optimizer step (``Checkpointer.wait_for_snapshot()``). Everything
-else (buffers such as BatchNorm statistics, which forward passes change, RNG states, small
-values) is copied before ``save`` returns.
+only right before the next optimizer step (``Checkpointer.wait_for_snapshot()``, which the
+optimizers in the state call from a step pre-hook). On a GPU that wait is again a GPU-side wait:
+the optimizer's kernels are ordered after the copy and the CPU does not block. Everything else
+(buffers such as BatchNorm statistics, which forward passes change, RNG states, small values) is
+copied, or ordered before every later kernel, before ``save`` returns. On the CPU the deferred
+copies run in a helper thread that the optimizer step joins.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -79,8 +98,38 @@ def optimizer_step_storages(state: Any) -> set[int]:
     return out
 
 
+_SIDE_STREAMS: dict[int, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """One copy stream per CUDA device, reused by every save (streams are never freed)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def _mark_used_by(t: torch.Tensor, stream: Any) -> None:
+    """Keep ``t``'s memory from reuse until ``stream``'s queued work is done."""
+    # memory not from the caching allocator (RuntimeError) is not recycled by it either
+    with contextlib.suppress(RuntimeError):
+        t.record_stream(stream)
+
+
+def _order_after(stream: Any, event: Any) -> None:
+    """Make work queued on ``stream`` from now on wait (on the GPU) for ``event``."""
+    stream.wait_event(event)
+
+
 class Snapshot:
-    """Copies of a set of tensors, taken now (``overlap=False``) or partly in the background."""
+    """Copies of a set of tensors, taken now (``overlap_storages=None``) or partly in the
+    background (tensors whose storage is in ``overlap_storages``).
+
+    Thread contract: the training thread constructs it and calls :meth:`wait_device` (the
+    ordering the next optimizer step needs); the background writer calls :meth:`wait_host`
+    before it reads :attr:`copies`. Both may be called any number of times, from either thread.
+    """
 
     def __init__(
         self,
@@ -92,12 +141,10 @@ class Snapshot:
         self.copies: dict[str, torch.Tensor] = {}
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._event: Any = None
-        later: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        cuda = [t for t in tensors.values() if t.device.type == "cuda"]
-        stream = torch.cuda.Stream() if cuda else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
+        self._host_events: list[Any] = []  # the host waits for these before reading copies
+        self._device_waits: list[tuple[torch.device, Any]] = []  # deferred GPU copies
+        cpu_later: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        gpu: dict[torch.device, tuple[list[Any], list[Any]]] = {}  # device -> (now, later)
         for name, t in tensors.items():
             buf = buffers.get(name, t)
             self.copies[name] = buf
@@ -106,46 +153,78 @@ class Snapshot:
                 and t.numel() > 0
                 and t.untyped_storage().data_ptr() in overlap_storages
             )
-            if deferred:
-                later.append((name, t, buf))
-            elif t.device.type == "cuda" and stream is not None:
-                with torch.cuda.stream(stream):
-                    buf.copy_(t.detach(), non_blocking=True)
+            if t.device.type == "cuda":
+                now, later = gpu.setdefault(t.device, ([], []))
+                (later if deferred else now).append((t, buf))
+            elif deferred:
+                cpu_later.append((name, t, buf))
             else:
                 buf.copy_(t.detach())
-        if stream is not None:
-            self._event = torch.cuda.Event()
-            self._event.record(stream)
-        if later:
+        for device, (now, later) in gpu.items():
+            self._copy_on_side_stream(device, now, later)
+        if cpu_later:
             self._thread = threading.Thread(
-                target=self._copy_later, args=(later, stream), name="rc-snapshot", daemon=True
+                target=self._copy_later, args=(cpu_later, None), name="rc-snapshot", daemon=True
             )
             self._thread.start()
 
+    def _copy_on_side_stream(
+        self,
+        device: torch.device,
+        now: list[tuple[torch.Tensor, torch.Tensor]],
+        later: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Enqueue one device's copies; order the current stream after the ``now`` ones."""
+        with torch.cuda.device(device):
+            main = torch.cuda.current_stream(device)
+            side = _side_stream(device)
+            side.wait_stream(main)  # copy what every kernel launched so far has written
+            with torch.cuda.stream(side):
+                for t, buf in now:
+                    buf.copy_(t.detach(), non_blocking=True)
+                    _mark_used_by(t, side)
+                if now:
+                    copied = torch.cuda.Event()
+                    copied.record(side)
+                    _order_after(main, copied)  # later kernels on the training stream run after
+                for t, buf in later:
+                    buf.copy_(t.detach(), non_blocking=True)
+                    _mark_used_by(t, side)
+                done = torch.cuda.Event()
+                done.record(side)
+        self._host_events.append(done)
+        if later:
+            self._device_waits.append((device, done))
+
     def _copy_later(self, items: list[tuple[str, torch.Tensor, torch.Tensor]], stream: Any) -> None:
+        """The deferred copies of CPU tensors (helper thread)."""
         try:
             for _, t, buf in items:
-                if t.device.type == "cuda" and stream is not None:
-                    with torch.cuda.stream(stream):
-                        buf.copy_(t.detach(), non_blocking=True)
-                else:
-                    buf.copy_(t.detach())
-            if stream is not None:
-                stream.synchronize()
-        except BaseException as e:  # re-raised by wait()
+                buf.copy_(t.detach())
+        except BaseException as e:  # re-raised by wait_device() / wait_host()
             self._error = e
 
-    def wait(self) -> None:
-        """Block until every copy is complete (and raise if one failed)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
+    def _join(self) -> None:
+        thread = self._thread
+        if thread is not None:
+            thread.join()
         if self._error is not None:
             raise self._error
 
-    @property
-    def done(self) -> bool:
-        return self._thread is None and self._event is None
+    def wait_device(self) -> None:
+        """Order what comes next after the deferred copies: the training stream of each GPU waits
+        for them on the GPU (the CPU does not block); deferred CPU copies are joined."""
+        for device, event in self._device_waits:
+            _order_after(torch.cuda.current_stream(device), event)
+        self._join()
+
+    def wait_host(self) -> None:
+        """Block until every copy is complete in host memory (and raise if one failed)."""
+        self._join()
+        for event in self._host_events:
+            event.synchronize()
+
+    def wait(self) -> None:
+        """Both waits: the copies are complete and later GPU work is ordered after them."""
+        self.wait_device()
+        self.wait_host()

@@ -1,0 +1,243 @@
+"""Saving from GPU memory: consistency, and blocking against the pinned device-to-host floor.
+
+    python benchmarks/bench_gpu.py [--sizes 1600,6400] [--reps 5] [--out benchmarks/results]
+
+Needs CUDA (exits with a clear message without it). State: a stack of ``Linear(4096, 4096)``
+layers on the GPU with AdamW state after one step (fp32: 12 bytes per parameter), about
+``--sizes`` MB each. Per size, after one discarded warm-up save (buffers allocated), medians of
+``--reps``, all methods round-robin in each repetition:
+
+- ``D2H floor``: ``copy_(non_blocking=True)`` of every state tensor into preallocated pinned
+  buffers, then ``torch.cuda.synchronize()`` -- the snapshot's limit;
+- ours, default (``async_save=True``) and ``overlap_snapshot=True``: *cpu* = until ``save``
+  returns; *stream* = until a kernel launched on the training stream right after ``save`` has
+  run (the training stream's wait, which is what the optimizer step that follows pays); for the
+  overlapped mode, until a kernel launched after ``wait_for_snapshot()`` (the optimizer pre-step
+  hook) has run; *total* = until the checkpoint is durable (``flush``);
+- ``torch.save+fsync`` of the state dicts (torch copies device tensors to host synchronously);
+- ``DCP async_save`` (default stager): blocking = until it returns, total = its future.
+
+Consistency, per mode: a save followed at once by the optimizer step and an in-place ``add_``
+(no compute between them to hide the copy), then restore and count tensors that differ from the
+state at save time (goal: 0).
+
+Goal (issue 13): default-mode blocking (the larger of *cpu* and *stream*) <= 1.2x the floor +
+50 ms. Writes ``bench_gpu.json`` and ``bench_gpu.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+from common import fsync_path, library_version, med, write_results
+
+from resilient_callbacks import Checkpointer
+
+WIDTH = 4096
+
+
+def build(mb: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    layers = max(1, mb * 1_000_000 // 12 // (WIDTH * WIDTH))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)]
+    ).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    torch.cuda.synchronize()
+    return model, opt
+
+
+def tensors_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"m.{k}": v for k, v in model.state_dict().items()}
+    for i, s in enumerate(opt.state.values()):
+        out.update({f"o.{i}.{k}": v for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
+    return out
+
+
+def stream_done(t0: float) -> float:
+    """Seconds from ``t0`` until a kernel launched now on the current stream has run."""
+    marker = torch.empty(1, device="cuda")
+    marker.zero_()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def torn_count(work: str, mb: int, overlap: bool) -> tuple[int, int]:
+    model, opt = build(mb)
+    state = {"model": model, "optimizer": opt}
+    d = os.path.join(work, f"torn-{int(overlap)}")
+    with Checkpointer(d, keep_last=2, overlap_snapshot=overlap) as ck:
+        ck.save(1, state)
+        ck.flush()
+        torch.cuda.synchronize()
+        want = {k: v.clone() for k, v in tensors_of(model, opt).items()}
+        torch.cuda.synchronize()
+        ck.save(2, state)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        opt.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1)
+        ck.flush()
+    del model, opt
+    fresh, fresh_opt = build(mb, seed=1)
+    with Checkpointer(d) as ck:
+        ck.restore({"model": fresh, "optimizer": fresh_opt})
+    got = tensors_of(fresh, fresh_opt)
+    differ = sum(not torch.equal(got[k], want[k]) for k in want)
+    shutil.rmtree(d, ignore_errors=True)
+    return differ, len(want)
+
+
+def bench_size(work: str, mb: int, reps: int) -> dict[str, Any]:
+    model, opt = build(mb)
+    state = {"model": model, "optimizer": opt}
+    tensors = list(tensors_of(model, opt).values())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    ours = {
+        "default": Checkpointer(os.path.join(work, "default"), keep_last=1),
+        "overlapped": Checkpointer(
+            os.path.join(work, "overlapped"), keep_last=1, overlap_snapshot=True
+        ),
+    }
+    out: dict[str, list[float]] = {}
+
+    def add(key: str, v: float) -> None:
+        out.setdefault(key, []).append(v)
+
+    step = 0
+    for rep in range(reps + 1):
+        record = rep > 0
+        # floor
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for b, t in zip(pinned, tensors, strict=True):
+            b.copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+        if record:
+            add("floor", time.perf_counter() - t0)
+        # ours
+        for mode, ck in ours.items():
+            step += 1
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ck.save(step, state)
+            cpu = time.perf_counter() - t0
+            if mode == "overlapped":
+                ck.wait_for_snapshot()
+            stream = stream_done(t0)
+            ck.flush()
+            total = time.perf_counter() - t0
+            if record:
+                add(f"{mode}.cpu", cpu)
+                add(f"{mode}.stream", stream)
+                add(f"{mode}.total", total)
+        # torch.save + fsync
+        path = os.path.join(work, "torch.pt")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        fsync_path(path)
+        if record:
+            add("torch.save", time.perf_counter() - t0)
+        os.remove(path)
+        # DCP async_save
+        try:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            msd, osd = get_state_dict(model, opt)
+            d = os.path.join(work, "dcp")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=d)
+            blocking = time.perf_counter() - t0
+            fut.result()
+            if record:
+                add("dcp_async.blocking", blocking)
+                add("dcp_async.total", time.perf_counter() - t0)
+            shutil.rmtree(d, ignore_errors=True)
+        except Exception as e:  # reported, not fatal: DCP's API moves between torch versions
+            out["dcp_async.error"] = [str(e)]  # type: ignore[list-item]
+    for ck in ours.values():
+        ck.close()
+    del pinned
+    res: dict[str, Any] = {"mb": mb, "bytes": nbytes, "raw": out}
+    res["median"] = {k: med(v) for k, v in out.items() if not k.endswith("error")}
+    m = res["median"]
+    blocking = max(m["default.cpu"], m["default.stream"])
+    res["goal_blocking_limit"] = 1.2 * m["floor"] + 0.05
+    res["goal_blocking"] = blocking
+    res["goal_met"] = blocking <= res["goal_blocking_limit"]
+    res["torn"] = {
+        mode: torn_count(work, mb, overlap)
+        for mode, overlap in (("default", False), ("overlapped", True))
+    }
+    return res
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"# bench_gpu ({report['gpu']}, torch {report['torch']}, {report['date']}, "
+        f"library {report['library']})",
+        "",
+        "| MB | D2H floor | ours cpu | ours stream | ours total | overlapped cpu | overlapped stream "
+        "| torch.save+fsync | DCP async blocking | torn default | torn overlapped | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["sizes"]:
+        m = r["median"]
+        dcp = f"{m['dcp_async.blocking']:.3f}" if "dcp_async.blocking" in m else "n/a"
+        lines.append(
+            f"| {r['bytes'] / 1e6:.0f} | {m['floor']:.3f} | {m['default.cpu']:.3f} | "
+            f"{m['default.stream']:.3f} | {m['default.total']:.3f} | {m['overlapped.cpu']:.3f} | "
+            f"{m['overlapped.stream']:.3f} | {m['torch.save']:.3f} | {dcp} | "
+            f"{r['torn']['default'][0]}/{r['torn']['default'][1]} | "
+            f"{r['torn']['overlapped'][0]}/{r['torn']['overlapped'][1]} | "
+            f"{'met' if r['goal_met'] else 'missed'} ({r['goal_blocking']:.3f} <= "
+            f"{r['goal_blocking_limit']:.3f}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="1600,6400", help="state sizes in MB, comma-separated")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_gpu.py needs CUDA: torch.cuda.is_available() is False here", file=sys.stderr)
+        return 2
+    work = tempfile.mkdtemp(prefix="bench_gpu-", dir=args.dir)
+    try:
+        report: dict[str, Any] = {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            "library": library_version(),
+            "sizes": [bench_size(work, int(mb), args.reps) for mb in args.sizes.split(",")],
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    md = markdown(report)
+    write_results(args.out, "bench_gpu", report, md)
+    print(md)
+    return 0 if all(r["goal_met"] and not r["torn"]["default"][0] for r in report["sizes"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

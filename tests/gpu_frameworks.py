@@ -1,0 +1,176 @@
+"""Lightning and Transformers training on CUDA with our callback (helper for tests/test_gpu.py).
+
+Not a test module. ``python tests/gpu_frameworks.py {lightning,transformers} CKPT_DIR --out-jsonl
+F --out-params P [--overlap] [--sleep S]`` trains a small model with dropout on one GPU with
+deterministic algorithms, writes one fsynced line per optimizer step ({"step", "loss" as
+float.hex}) and at the end the final parameters (safetensors). Re-running it after a SIGKILL
+resumes from the newest checkpoint; stderr says ``restored step N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch
+from safetensors.torch import save_file
+
+
+def _append(f, record: dict) -> None:
+    f.write(json.dumps(record) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _save_params(model: torch.nn.Module, path: str) -> None:
+    params = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(params, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def run_lightning(args: argparse.Namespace) -> None:
+    import lightning as L
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    L.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(400, 64, generator=g)
+    y = x[:, :8].sum(1, keepdim=True)
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(
+                nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.2), nn.Linear(256, 1)
+            )
+
+        def training_step(self, batch, _idx):
+            xb, yb = batch
+            return nn.functional.mse_loss(self.net(xb), yb)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    log = open(args.out_jsonl, "a")  # noqa: SIM115 (closed at exit)
+
+    class Record(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            print(f"restored step {trainer.global_step}", file=sys.stderr, flush=True)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            _append(log, {"step": trainer.global_step, "loss": float(outputs["loss"]).hex()})
+            if args.sleep:
+                time.sleep(args.sleep)
+
+    model = Net()
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=args.steps,
+        deterministic=True,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            ResilientCheckpoint(
+                args.ckpt_dir, every_n_steps=5, keep_last=2, overlap_snapshot=args.overlap
+            ),
+            Record(),
+        ],
+    )
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
+    _save_params(model, args.out_params)
+
+
+def run_transformers(args: argparse.Namespace) -> None:
+    import transformers
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from resilient_callbacks.transformers import ResilientCheckpoint
+
+    transformers.logging.set_verbosity_error()
+    transformers.set_seed(0)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.x = torch.randint(0, 128, (96, 32), generator=torch.Generator().manual_seed(1))
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.x[i], "labels": self.x[i]}
+
+    log = open(args.out_jsonl, "a")  # noqa: SIM115 (closed at exit)
+
+    class Record(TrainerCallback):
+        def on_train_begin(self, a, state, control, **kw):
+            print(f"restored step {state.global_step}", file=sys.stderr, flush=True)
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                _append(log, {"step": state.global_step, "loss": float(logs["loss"]).hex()})
+                if args.sleep:
+                    time.sleep(args.sleep)
+
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2)
+    )
+    targs = TrainingArguments(
+        output_dir=os.path.join(os.path.dirname(args.ckpt_dir), "hf_out"),
+        max_steps=args.steps,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        full_determinism=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=targs, train_dataset=Tokens())
+    trainer.add_callback(
+        ResilientCheckpoint(
+            args.ckpt_dir, every_n_steps=5, keep_last=2, overlap_snapshot=args.overlap
+        )
+    )
+    trainer.add_callback(Record())
+    trainer.train()
+    _save_params(trainer.model, args.out_params)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("framework", choices=["lightning", "transformers"])
+    p.add_argument("ckpt_dir")
+    p.add_argument("--out-jsonl", required=True)
+    p.add_argument("--out-params", required=True)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--overlap", action="store_true", help="overlap_snapshot=True")
+    p.add_argument("--sleep", type=float, default=0.0)
+    args = p.parse_args()
+    torch.use_deterministic_algorithms(True)
+    (run_lightning if args.framework == "lightning" else run_transformers)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
