@@ -277,6 +277,8 @@ class Checkpointer:
         self.committed_saves = 0
         self.blocking_seconds: deque[float] = deque(maxlen=100)
         self._buffers = HostBuffers()
+        self._allocated_ahead = False
+        self.close_wait_seconds = 0.0  # how long close() waited for pending saves
         self._bounce: DirectBuffer | None = None  # O_DIRECT writes of background saves
         self._last_snapshot: Snapshot | None = None
         self._hooked: dict[int, Any] = {}
@@ -407,7 +409,17 @@ class Checkpointer:
                 pending = self._persister.pending
                 if pending:
                     log.info("waiting for %d checkpoint(s) still being written ...", pending)
-                if not self._persister.wait_all(timeout):
+                t_wait = time.perf_counter()
+                finished = self._persister.wait_all(timeout)
+                self.close_wait_seconds = time.perf_counter() - t_wait
+                if pending and finished:
+                    # the end of training waits for the last checkpoint to be durable: say how long
+                    log.info(
+                        "close(): the last checkpoint (%s) became durable after a %.2f s wait",
+                        self.last_save.path if self.last_save else None,
+                        self.close_wait_seconds,
+                    )
+                if not finished:
                     log.warning(
                         "close(): %d checkpoint(s) were still being written after %s s and were "
                         "abandoned; the newest committed checkpoint is %s",
@@ -614,7 +626,10 @@ class Checkpointer:
             if self.schedule is not None:
                 self.schedule.observe_step(compute)
         try:
-            return self._step(step, state, metrics, final)
+            saved = self._step(step, state, metrics, final)
+            if not saved and not self._allocated_ahead:
+                self._allocate_ahead(state)
+            return saved
         finally:
             if self.config.save_on_exception and not self._closed:
                 self._mark_consistent(step, state)
@@ -857,9 +872,7 @@ class Checkpointer:
         snap = None
         if copy:
             self.wait_for_snapshot()
-            tensors = dict(local.tensors)
-            if self.is_coordinator:
-                tensors.update(shared.tensors)
+            tensors = self._tensors_to_copy(shared, local)
             overlap = None
             if self.config.overlap_snapshot:
                 overlap = optimizer_step_storages(state)
@@ -875,6 +888,30 @@ class Checkpointer:
             )
             local = structure.Encoded(None, {k: copies[k] for k in local.tensors}, local.per_rank)
         return _Prepared(shared, local, rng_info, rng_tensors, fingerprint, snap)
+
+    def _tensors_to_copy(
+        self, shared: structure.Encoded, local: structure.Encoded
+    ) -> dict[str, torch.Tensor]:
+        """The tensors this rank writes: its own, and the shared ones on the coordinator."""
+        tensors = dict(local.tensors)
+        if self.is_coordinator:
+            tensors.update(shared.tensors)
+        return tensors
+
+    def _allocate_ahead(self, state: Any) -> None:
+        """Once, at the first step that does not save: start allocating the host buffers of a
+        background save in a helper thread, so the first save does not pay for them on the
+        training thread (seconds for a few GB). Optimizer state exists by then (step() follows an
+        optimizer step)."""
+        self._allocated_ahead = True
+        if self._persister is None:
+            return
+        try:
+            shared, local = structure.encode(state, split_per_rank=self.world_size > 1)
+        except Exception as e:  # the save itself reports what is wrong with the state
+            log.debug("not allocating host buffers ahead: %s", e)
+            return
+        self._buffers.allocate_in_background(self._tensors_to_copy(shared, local))
 
     def _watch_optimizers(self, state: Any, stepped: list[bool]) -> None:
         """Flag ``stepped[0]`` when any optimizer in the state steps (save_on_exception)."""

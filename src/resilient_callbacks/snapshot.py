@@ -45,12 +45,52 @@ from .structure import PerRank, is_stateful
 
 
 class HostBuffers:
-    """Host copies of tensors, allocated once per name and reused while shape/dtype match."""
+    """Host copies of tensors, allocated once per name and reused while shape/dtype match.
+
+    The first save would otherwise pay for allocating (and faulting in) a host copy of the whole
+    state on the training thread: seconds for a few GB. :meth:`allocate_in_background` does it in
+    a helper thread from the tensors' shapes, before the first save is due; :meth:`get` waits
+    for that thread, so a save never sees a half-made set.
+    """
 
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
+        self._filler: threading.Thread | None = None
+        self._filler_error: BaseException | None = None
+
+    def allocate_in_background(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Start allocating a buffer for each tensor (no-op if buffers exist or are coming)."""
+        if self._bufs or self._filler is not None or not tensors:
+            return
+        specs = [(name, t.shape, t.dtype, t.device.type == "cuda") for name, t in tensors.items()]
+        self._filler = threading.Thread(
+            target=self._allocate, args=(specs,), name="rc-host-buffers", daemon=True
+        )
+        self._filler.start()
+
+    def _allocate(self, specs: list[tuple[str, torch.Size, torch.dtype, bool]]) -> None:
+        made: dict[str, torch.Tensor] = {}
+        try:
+            for name, shape, dtype, cuda in specs:
+                pin = cuda and torch.cuda.is_available()
+                b = torch.empty(shape, dtype=dtype, pin_memory=pin)
+                if not pin and b.numel():
+                    # one byte per page: the kernel maps each page now, not during the first copy
+                    b.reshape(-1).view(torch.uint8).numpy()[::4096] = 0
+                made[name] = b
+        except BaseException as e:  # e.g. out of memory: the save allocates (and reports) itself
+            self._filler_error = e
+        self._bufs = made
+
+    def wait_allocated(self) -> None:
+        """Wait for a background allocation to finish (a failed one is dropped, not raised)."""
+        filler = self._filler
+        if filler is not None:
+            filler.join()
+            self._filler = None
 
     def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        self.wait_allocated()
         b = self._bufs.get(name)
         if b is None or b.shape != like.shape or b.dtype != like.dtype:
             pin = like.device.type == "cuda" and torch.cuda.is_available()
@@ -60,12 +100,14 @@ class HostBuffers:
 
     def keep_only(self, names: Iterable[str]) -> None:
         """Free buffers of tensors that are no longer in the state."""
+        self.wait_allocated()
         wanted = set(names)
         for k in [k for k in self._bufs if k not in wanted]:
             del self._bufs[k]
 
     @property
     def nbytes(self) -> int:
+        self.wait_allocated()
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
 
