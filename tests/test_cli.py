@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib.metadata
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+import resilient_callbacks
 from resilient_callbacks import Checkpointer
-from resilient_callbacks.cli import main
+from resilient_callbacks.cli import build_parser, main, package_version
+
+ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00$")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -66,8 +72,13 @@ def test_ls_json_lists_steps_status_and_reasons(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert [row["step"] for row in rows] == [20, 30]
-    assert all(row["status"] == "valid" for row in rows)
-    assert "newest" in rows[-1]["kept"] and "last 2" in rows[0]["kept"]
+    assert all(row["status"] == "valid" and row["checked"] == "checksums" for row in rows)
+    assert rows[-1]["kept"] is True and "newest" in rows[-1]["kept_by"]
+    assert "last 2" in rows[0]["kept_by"]
+    # typed values: numbers as numbers, ISO-8601 times with a zone
+    assert isinstance(rows[0]["bytes"], int) and isinstance(rows[0]["seq"], int)
+    assert rows[0]["metrics"] == {"loss": 0.05}
+    assert all(ISO.match(row["time"]) for row in rows)
     human = cli("ls", root)
     assert human.returncode == 0 and "STATUS" in human.stdout and "newest" in human.stdout
 
@@ -82,20 +93,25 @@ def test_ls_shows_corrupt_and_incomplete(tmp_path):
     assert "checksum" in rows["step_000000020"]["problem"]
     assert rows["step_000000040"]["status"] == "incomplete"
     assert rows["step_000000010"]["status"] == rows["step_000000030"]["status"] == "valid"
-    # --fast checks sizes only: the flipped byte is not seen, a truncation is
+    # --fast checks sizes only: the flipped byte is not seen, so nothing is called valid
     fast = {row["name"]: row for row in json.loads(cli("ls", root, "--json", "--fast").stdout)}
-    assert fast["step_000000020"]["status"] == "valid"
+    assert fast["step_000000020"]["status"] == "unverified"
+    assert fast["step_000000020"]["checked"] == "sizes"
+    assert all(row["status"] != "valid" for row in fast.values())
+    text = cli("ls", root, "--fast").stdout
+    assert "sizes ok, not verified" in text and not re.search(r"\bvalid\b", text)
 
 
 def test_verify_exit_codes_name_the_bad_file(tmp_path):
     root = str(tmp_path / "ck")
     make_run(root)
-    ok = cli("verify", root)
-    assert ok.returncode == 0 and ok.stdout.count("ok") == 3
+    ok = cli("verify", root, "--all")
+    assert ok.returncode == 0 and ok.stdout.count("ok ") == 3
     flip_byte(os.path.join(root, "step_000000030", "rank_00000.safetensors"))
     bad = cli("verify", root)
     assert bad.returncode == 1
     assert "rank_00000.safetensors" in bad.stdout and "step_000000030" in bad.stdout
+    assert cli("verify", root, "--all").returncode == 1
     assert cli("verify", root, "--step", "20").returncode == 0
     assert cli("verify", root, "--step", "30").returncode == 1
     missing = cli("verify", root, "--step", "99")
@@ -148,6 +164,238 @@ def test_gc_keeps_corrupt_unless_asked_and_refuses_beside_a_writer(tmp_path):
         assert locked.returncode == 1 and "open Checkpointer" in locked.stderr
 
 
-@pytest.mark.parametrize("args", [["ls"], ["frobnicate", "x"], ["inspect", "x"]])
+@pytest.mark.parametrize(
+    "args",
+    [["ls"], ["frobnicate", "x"], ["inspect"], ["verify", "x", "--all", "--step", "1"]],
+)
 def test_usage_errors_exit_2(args):
     assert cli(*args).returncode == 2
+
+
+# ---------------------------------------------------------------------- defaults
+
+
+def test_verify_and_inspect_default_to_the_newest_checkpoint(tmp_path):
+    root = str(tmp_path / "ck")
+    make_run(root)
+    flip_byte(os.path.join(root, "step_000000010", "shared.safetensors"))  # an old one
+    r = cli("verify", root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step_000000030" in r.stdout and "step_000000010" not in r.stdout
+    assert "--all" in r.stdout  # says that only the newest was verified
+    every = cli("verify", root, "--all", "--json")
+    assert every.returncode == 1
+    res = json.loads(every.stdout)
+    assert res["scope"] == "all" and res["ok"] is False and res["failed"] == 1
+    assert [c["status"] for c in res["checkpoints"]] == ["corrupt", "valid", "valid"]
+    one = json.loads(cli("verify", root, "--json").stdout)
+    assert one["scope"] == "newest" and one["ok"] is True and one["verified"] == 1
+    assert one["checkpoints"][0]["step"] == 30 and ISO.match(one["checkpoints"][0]["time"])
+
+    shown = cli("inspect", root)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("step_000000030: step 30, valid")
+    assert shown.stderr == ""  # nothing newer was skipped
+
+
+def test_inspect_json_is_typed(tmp_path):
+    root = str(tmp_path / "ck")
+    torch.manual_seed(0)
+    state = {
+        "model": torch.nn.Linear(2, 2),
+        "extra": {"epoch": 3, "lr": 0.5, "done": True, "name": "run", "none": None},
+        "limits": {"top": float("inf")},
+    }
+    with Checkpointer(root) as ck:
+        ck.save(7, state, metrics={"loss": 0.25})
+    r = cli("inspect", root, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout, parse_constant=pytest.fail)  # strict JSON: no NaN/Infinity
+    assert info["step"] == 7 and info["world_size"] == 1 and isinstance(info["bytes"], int)
+    assert info["status"] == "valid" and info["checked"] == "checksums"
+    assert info["metrics"] == {"loss": 0.25}
+    assert ISO.match(info["time"]) and "created" not in info
+    values = {k["key"]: k for k in info["keys"] if k["kind"] == "value"}
+    assert values["extra.epoch"]["value"] == 3 and values["extra.epoch"]["type"] == "int"
+    assert values["extra.lr"]["value"] == 0.5
+    assert values["extra.done"]["value"] is True and values["extra.done"]["type"] == "bool"
+    assert values["extra.name"]["value"] == "run"
+    assert values["extra.none"]["value"] is None
+    # JSON has no infinity: a non-finite float is the string "inf", typed float
+    assert values["limits.top"] == {
+        "key": "limits.top",
+        "kind": "value",
+        "type": "float",
+        "value": "inf",
+    }
+    assert all(isinstance(f["size"], int) and isinstance(f["rank"], int) for f in info["files"])
+    text = cli("inspect", root).stdout
+    # a readable local time, not an epoch number
+    assert re.search(r"saved: +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", text)
+    assert "loss=0.25" in text
+
+
+def test_dir_may_be_one_checkpoint_for_verify_and_inspect(tmp_path):
+    root = str(tmp_path / "ck")
+    make_run(root)
+    one = os.path.join(root, "step_000000020")
+    v = cli("verify", one, "--json")
+    assert v.returncode == 0 and [c["step"] for c in json.loads(v.stdout)["checkpoints"]] == [20]
+    assert cli("inspect", one).stdout.startswith("step_000000020: step 20, valid")
+    g = cli("gc", one)
+    assert g.returncode == 1 and "give its parent directory" in g.stderr
+
+
+@pytest.mark.parametrize("command", ["ls", "verify", "inspect", "gc", "push", "export"])
+def test_a_parent_directory_points_at_the_subdirectories_that_hold_checkpoints(tmp_path, command):
+    parent = tmp_path / "demo_output"
+    make_run(str(parent / "a"), steps=(1, 2, 3))
+    make_run(str(parent / "b" / "checkpoints"), steps=(1, 2))
+    (parent / "empty").mkdir()
+    extra = {"push": ["memory://nowhere"], "export": [str(tmp_path / "hf")]}
+    args = [command, str(parent), *extra.get(command, [])]
+    r = cli(*args)
+    assert r.returncode == (0 if command in ("ls", "gc") else 1)
+    said = r.stdout + r.stderr
+    assert f"no checkpoints in {parent}" in said or f"no checkpoints to push in {parent}" in said
+    assert "these subdirectories hold checkpoints: a (3), b/checkpoints (2)" in said
+    assert not os.path.exists(parent / ".lock")  # gc did not lock a directory it does not own
+
+
+# ---------------------------------------------------------------------- JSON everywhere
+
+
+def test_gc_dry_run_json_says_what_would_be_deleted(tmp_path):
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20, 30), keep_last=None)
+    r = cli("gc", root, "--dry-run", "--keep-last", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["dry_run"] is True
+    assert [d["step"] for d in res["delete"]] == [10, 20]
+    assert all(d["why"] == "not kept by retention" for d in res["delete"])
+    assert [(k["step"], k["status"], k["kept"]) for k in res["keep"]] == [(30, "valid", True)]
+    assert all(ISO.match(x["time"]) for x in res["delete"] + res["keep"])
+    assert len([n for n in os.listdir(root) if n.startswith("step_")]) == 3
+
+
+def test_push_and_pull_json_summaries(tmp_path):
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20))
+    url = (tmp_path / "remote").as_uri()
+    pushed = cli("push", root, url, "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    res = json.loads(pushed.stdout)
+    assert [p["step"] for p in res["pushed"]] == [10, 20] and res["skipped"] == []
+    again = json.loads(cli("push", root, url, "--json").stdout)
+    assert again["pushed"] == [] and [p["step"] for p in again["present"]] == [10, 20]
+    rows = json.loads(cli("ls", root, "--remote", url, "--json").stdout)
+    assert {r["tier"] for r in rows} == {"both"}
+    pulled = cli("pull", url, str(tmp_path / "copy"), "--step", "10", "--json")
+    assert pulled.returncode == 0, pulled.stderr
+    got = json.loads(pulled.stdout)
+    assert got["step"] == 10 and got["pulled"] is True and isinstance(got["bytes"], int)
+    assert ISO.match(got["time"])
+    only_remote = json.loads(cli("ls", str(tmp_path / "copy"), "--remote", url, "--json").stdout)
+    remote_row = next(r for r in only_remote if r["step"] == 20)
+    # the remote listing checks sizes only: not called valid
+    assert remote_row["tier"] == "remote" and remote_row["status"] == "unverified"
+
+
+# ---------------------------------------------------------------------- help, version
+
+
+def _parsers():
+    ap = build_parser()
+    yield "resilient-ckpt", ap
+    for action in ap._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices.items()
+
+
+def test_every_argument_and_option_has_help():
+    seen = 0
+    for name, parser in _parsers():
+        assert parser.description, f"{name}: no description"
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for choice in action._choices_actions:
+                    assert choice.help, f"{name} {choice.dest}: no help"
+                continue
+            what = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help and action.help != argparse.SUPPRESS, f"{what}: no help text"
+            seen += 1
+    assert seen > 30  # every subcommand was looked at
+
+
+def test_help_is_plain_text_with_examples():
+    r = cli("--help")
+    assert r.returncode == 0
+    assert "``" not in r.stdout and "examples:" in r.stdout
+    assert "resilient-ckpt verify" in r.stdout and "Exit codes" in r.stdout
+
+
+def test_version():
+    r = cli("--version")
+    assert r.returncode == 0
+    assert r.stdout.strip() == f"resilient-ckpt {importlib.metadata.version('resilient-callbacks')}"
+    assert r.stdout.strip() == f"resilient-ckpt {resilient_callbacks.__version__}"
+
+
+def test_version_falls_back_to_the_package_attribute(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    monkeypatch.setattr(resilient_callbacks, "__version__", "9.9.9-test")
+    assert package_version() == "9.9.9-test"
+
+
+def test_no_command_prints_help_and_a_hint():
+    r = cli()
+    assert r.returncode == 2
+    assert "usage: resilient-ckpt" in r.stderr and "commands:" in r.stderr
+    assert "no command given" in r.stderr and "required" not in r.stderr
+
+
+# ---------------------------------------------------------------------- no torch for --help
+
+_NO_TORCH = """
+import contextlib, io, sys, types
+if sys.argv[1] == "stub":  # the CLI module alone, without the package's __init__
+    pkg = types.ModuleType("resilient_callbacks")
+    pkg.__path__ = [sys.argv[2]]
+    sys.modules["resilient_callbacks"] = pkg
+from resilient_callbacks import cli
+for argv in (["--help"], ["--version"], ["ls"], ["verify", "x", "--bogus"], [], ["gc", "-h"]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            cli.main(argv)
+        except SystemExit:
+            pass
+heavy = sorted(m for m in ("torch", "numpy", "fsspec", "safetensors") if m in sys.modules)
+print(",".join(heavy))
+"""
+
+
+def test_help_version_and_usage_errors_do_not_import_torch():
+    """The CLI module imports its commands (and so torch) only when one runs."""
+    src = os.path.dirname(resilient_callbacks.__file__)
+    r = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, "stub", src], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "", f"imported by --help/--version: {r.stdout}"
+
+
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_module_entry_point_help_does_not_import_torch(flag):
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "resilient_callbacks", flag],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "resilient-ckpt" in r.stdout
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .adaptive import AdaptiveSchedule, LossJumpTrigger
-from .checkpointer import RESUMABLE_EXIT_CODE, Checkpointer, SaveStats
-from .data import ResumableDataLoader, ResumableSampler
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -36,8 +35,45 @@ from .errors import (
     UnsafeManifestError,
     UnsupportedStateError,
 )
-from .preemption import MetadataPoller, PreemptionRequest, PreemptionWatcher
-from .structure import PerRank
+
+# The rest imports torch: loaded on first use (PEP 562), so `resilient-ckpt --help`, the errors
+# and the version cost no torch import.
+_LAZY = {
+    "AdaptiveSchedule": "adaptive",
+    "LossJumpTrigger": "adaptive",
+    "RESUMABLE_EXIT_CODE": "checkpointer",
+    "Checkpointer": "checkpointer",
+    "SaveStats": "checkpointer",
+    "ResumableDataLoader": "data",
+    "ResumableSampler": "data",
+    "MetadataPoller": "preemption",
+    "PreemptionRequest": "preemption",
+    "PreemptionWatcher": "preemption",
+    "PerRank": "structure",
+}
+
+if TYPE_CHECKING:
+    from .adaptive import AdaptiveSchedule, LossJumpTrigger
+    from .checkpointer import RESUMABLE_EXIT_CODE, Checkpointer, SaveStats
+    from .data import ResumableDataLoader, ResumableSampler
+    from .preemption import MetadataPoller, PreemptionRequest, PreemptionWatcher
+    from .structure import PerRank
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resilient_callbacks' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "RESUMABLE_EXIT_CODE",

@@ -1,5 +1,8 @@
+"""``python -m resilient_callbacks``: the ``resilient-ckpt`` command line (see docs/cli.md)."""
+
 import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""How ``resilient-ckpt`` shows things: sizes, times, checkpoint states and JSON.
+
+Standard library only, so that ``--help``, ``--version`` and usage errors never import torch.
+
+States, the same words everywhere (``status`` in JSON, the STATUS column in text):
+
+========== ============================= ====================================================
+JSON       text                          meaning
+========== ============================= ====================================================
+valid      ``valid``                     every listed file present with its size and checksum
+unverified ``sizes ok, not verified``    sizes match, checksums not read (``--fast``, remote)
+unverified ``not verified``              only the manifest was read
+corrupt    ``CORRUPT``                   a file is missing, or its size or checksum is wrong,
+                                         or the manifest cannot be read
+incomplete ``incomplete``                no manifest: being written, or left by a crash
+========== ============================= ====================================================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+VALID = "valid"
+UNVERIFIED = "unverified"
+CORRUPT = "corrupt"
+INCOMPLETE = "incomplete"
+
+# what was compared with the manifest to reach a status
+CHECKSUMS = "checksums"
+SIZES = "sizes"
+MANIFEST = "manifest"
+
+
+def status_text(status: str, checked: str | None) -> str:
+    """The text form of a JSON ``status``: never says "valid" unless checksums were read."""
+    if status == VALID:
+        return VALID if checked == CHECKSUMS else "sizes ok, not verified"
+    if status == UNVERIFIED:
+        return "sizes ok, not verified" if checked == SIZES else "not verified"
+    if status == CORRUPT:
+        return "CORRUPT"
+    return status
+
+
+def fmt_size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"  # pragma: no cover
+
+
+def iso_time(t: float | None) -> str | None:
+    """ISO-8601 with a time zone (UTC): ``2026-11-23T06:50:34+00:00``; JSON output."""
+    if t is None:
+        return None
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds")
+
+
+def local_time(t: float | None) -> str:
+    """Local time with the zone's name, ``2026-11-23 07:50:34 CET``; text output."""
+    if t is None:
+        return "-"
+    return datetime.fromtimestamp(t).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def fmt_metrics(metrics: dict[str, Any]) -> str:
+    if not metrics:
+        return "-"
+    return ", ".join(
+        f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+    )
+
+
+def jsonable(x: Any) -> Any:
+    """``x`` with the values strict JSON cannot hold replaced: a NaN or infinite float becomes
+    the string ``"nan"``, ``"inf"`` or ``"-inf"``; tuples become lists; keys become strings."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(jsonable(obj), indent=2, allow_nan=False))
+
+
+def table(header: list[str], rows: list[list[str]], right: frozenset[int] = frozenset()) -> str:
+    """Columns padded to their widest cell; the last column is not padded."""
+    widths = [max([len(header[i])] + [len(r[i]) for r in rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        out = []
+        for i, c in enumerate(cells):
+            if i == len(cells) - 1:
+                out.append(c)
+            else:
+                out.append(c.rjust(widths[i]) if i in right else c.ljust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(header)] + [line(r) for r in rows])

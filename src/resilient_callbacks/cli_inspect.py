@@ -1,0 +1,190 @@
+"""``resilient-ckpt inspect``: one checkpoint's manifest and every key with its shape and
+dtype. The checkpoint shown is verified first (every checksum; ``--fast``: sizes only, and the
+output says so). Without ``--step`` it is the newest valid checkpoint, and a newer one skipped
+as corrupt is named on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from . import catalog
+from .catalog import Depth, Entry, Status
+from .cli_format import (
+    CORRUPT,
+    fmt_metrics,
+    fmt_size,
+    local_time,
+    print_json,
+    status_text,
+)
+from .cli_scan import by_commit, check, describe, no_checkpoints, public, resolve, row, unordered
+from .errors import CheckpointError, CheckpointNotFoundError, NoValidCheckpointError
+from .layout import SHARED_STRUCTURE, SHARED_TENSORS
+from .structure import TAG
+from .tensorfile import tensor_meta
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _value(path: str, v: Any, type_: str | None = None) -> dict[str, Any]:
+    """A plain value, typed: JSON numbers, booleans, strings and null stay what they are."""
+    t = type_ or ("null" if v is None else type(v).__name__)
+    return {"key": path, "kind": "value", "type": t, "value": v}
+
+
+def walk(node: Any, meta: dict[str, tuple[str, list[int]]], path: str, out: list[dict]) -> None:
+    """Flatten an encoded structure (see :mod:`.structure`) into one entry per key."""
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            walk(v, meta, f"{path}[{i}]", out)
+        return
+    if not isinstance(node, dict):
+        out.append(_value(path, node if isinstance(node, _SCALARS) else repr(node)))
+        return
+    tag = node.get(TAG)
+    if tag is None:
+        for k, v in node.items():
+            walk(v, meta, f"{path}.{k}" if path else k, out)
+    elif tag == "tensor":
+        dtype, shape = meta.get(node["key"], (None, None))
+        out.append(
+            {
+                "key": path,
+                "kind": "tensor",
+                "dtype": dtype,
+                "shape": shape,
+                "stored_as": node["key"],
+            }
+        )
+    elif tag == "stateful":
+        out.append({"key": path, "kind": "object", "type": node["type"]})
+        walk(node["state"], meta, path, out)
+    elif tag in ("tuple", "set", "frozenset", "size"):
+        for i, v in enumerate(node["items"]):
+            walk(v, meta, f"{path}[{i}]", out)
+    elif tag == "dict":
+        for k, v in node["items"]:
+            walk(v, meta, f"{path}[{k!r}]", out)
+    elif tag == "float":  # non-finite: kept as its repr ("nan", "inf", "-inf")
+        out.append(_value(path, node["value"], "float"))
+    elif tag == "np":
+        inner = node["value"]
+        out.append(_value(path, inner if isinstance(inner, _SCALARS) else repr(inner)))
+        out[-1]["type"] = f"numpy {node.get('dtype', '?')}"
+    elif tag in ("dtype", "device"):
+        out.append(_value(path, node.get("name"), tag))
+    elif tag == "bytes":
+        out.append(_value(path, f"<{len(node.get('b64', '')) * 3 // 4} bytes>", "bytes"))
+    elif tag == "per_rank":
+        out.append({"key": path, "kind": "per-rank", "value": "stored in rank_*.json"})
+    else:
+        out.append({"key": path, "kind": str(tag), "value": json.dumps(node)[:80]})
+
+
+def _keys(e: Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """The keys of a checkpoint, or why they cannot be read."""
+    try:
+        with open(os.path.join(e.path, SHARED_STRUCTURE), "rb") as f:
+            struct = json.loads(f.read())["structure"]
+        meta = tensor_meta(os.path.join(e.path, SHARED_TENSORS))
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError) as err:
+        return None, f"cannot read the keys ({type(err).__name__}: {err})"
+    keys: list[dict[str, Any]] = []
+    walk(struct, meta, "", keys)
+    return keys, None
+
+
+def _choose(args: argparse.Namespace, depth: Depth) -> tuple[Entry, list[Entry]]:
+    """The checkpoint to show, and the newer ones skipped because they are corrupt."""
+    target = resolve(args.dir)
+    entries = catalog.committed(catalog.scan(target.root, Depth.SIZE))
+    if target.only is not None:
+        entries = [e for e in entries if e.name == target.only]
+    if not entries:
+        raise no_checkpoints(target.root)
+    if target.only is not None or args.step is not None:
+        chosen = [e for e in entries if args.step is None or e.step == args.step]
+        if not chosen:
+            steps = sorted({e.step for e in entries if e.step is not None})
+            raise CheckpointNotFoundError(
+                f"no checkpoint of step {args.step} in {target.root} (its steps: "
+                f"{', '.join(map(str, steps))})"
+            )
+        ordered = by_commit(chosen)
+        e = ordered[0] if ordered else chosen[-1]
+        return (check(e) if depth is Depth.FULL else e), []
+    skipped: list[Entry] = []
+    for e in by_commit(entries):
+        if depth is Depth.FULL:
+            check(e)
+        if e.status is Status.VALID:
+            return e, skipped + unordered(entries, e.step)
+        skipped.append(e)
+    skipped += unordered(entries, None)
+    raise NoValidCheckpointError(
+        f"no valid checkpoint in {target.root}: all {len(entries)} are corrupt:\n  - "
+        + "\n  - ".join(f"{describe(s)}: {s.problem}" for s in skipped)
+    )
+
+
+def inspect(args: argparse.Namespace) -> int:
+    depth = Depth.SIZE if args.fast else Depth.FULL
+    e, skipped = _choose(args, depth)
+    for s in skipped:
+        print(
+            f"resilient-ckpt inspect: skipped {describe(s)}: corrupt: {s.problem}", file=sys.stderr
+        )
+    if skipped:
+        print(
+            f"resilient-ckpt inspect: showing {describe(e)}, the newest "
+            f"{'valid' if depth is Depth.FULL else 'size-checked'} checkpoint",
+            file=sys.stderr,
+        )
+    m = e.manifest
+    info = public(row(e, depth))
+    keys, keys_problem = _keys(e) if m is not None else (None, None)
+    info |= {
+        "world_size": m.world_size if m else None,
+        "versions": dict(m.versions) if m else {},
+        "files": [dict(f.__dict__) for f in m.files] if m else [],
+        "keys": keys,
+        "keys_problem": keys_problem,
+    }
+    code = 1 if info["status"] == CORRUPT else 0
+    if args.json:
+        print_json(info)
+        return code
+    state = status_text(info["status"], info["checked"])
+    if info["status"] == CORRUPT:
+        state = f"{state}: {e.problem}"
+    elif info["checked"] != "checksums":
+        state += " (--fast: checksums not read)"
+    print(f"{e.name}: step {info['step']}, {state}")
+    if m is None:
+        return code
+    print(f"  run:       {m.run_id}, world size {m.world_size}, commit #{m.seq}")
+    print(f"  saved:     {local_time(m.created)} ({m.reason})")
+    print(f"  metrics:   {fmt_metrics(m.metrics)}")
+    print(f"  versions:  {', '.join(f'{k} {v}' for k, v in m.versions.items()) or '-'}")
+    print(f"  files:     {len(m.files)}, {fmt_size(m.total_bytes)}")
+    for fe in m.files:
+        print(f"    {fe.path:28} {fmt_size(fe.size):>9}  xxh3_64 {fe.xxh3_64}  (rank {fe.rank})")
+    if keys is None:
+        print(f"  keys:      {keys_problem}")
+        return code
+    print(f"  keys:      {len(keys)}")
+    width = max([len(k["key"]) for k in keys] + [20])
+    for k in keys:
+        if k["kind"] == "tensor":
+            shape = k["shape"] if k["shape"] is not None else "?"
+            print(f"    {k['key']:{width}}  {k['dtype'] or '?':9} {shape}")
+        elif k["kind"] == "object":
+            print(f"    {k['key']:{width}}  <{k['type']}>")
+        else:
+            text = json.dumps(k.get("value")) if k["kind"] == "value" else str(k.get("value"))
+            print(f"    {k['key']:{width}}  {text if len(text) < 80 else text[:77] + '...'}")
+    return code

@@ -1,0 +1,301 @@
+"""``resilient-ckpt ls``, ``verify`` and ``gc``: the commands that judge a local checkpoint
+directory. Imported only when one of them runs (it imports torch through the catalog)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from typing import Any
+
+from . import catalog
+from .catalog import Depth, Entry, Status
+from .cli_format import (
+    CORRUPT,
+    INCOMPLETE,
+    UNVERIFIED,
+    fmt_size,
+    local_time,
+    print_json,
+    status_text,
+    table,
+)
+from .cli_scan import (
+    by_commit,
+    check,
+    no_checkpoints,
+    public,
+    resolve,
+    row,
+    scan,
+    unordered,
+)
+from .commit import remove_checkpoint
+from .errors import CheckpointError, CheckpointNotFoundError
+from .lock import DirLock
+from .retention import Plan, RetentionPolicy, plan
+
+INCOMPLETE_NOTE = "not kept: removed when the next writer opens the directory, or by gc"
+
+
+def _policy(entries: list[Entry], keep_last: int | None) -> RetentionPolicy:
+    """The retention recorded in the newest valid manifest, ``keep_last`` overriding it."""
+    newest = next((e for e in by_commit(entries) if e.status is Status.VALID), None)
+    base = RetentionPolicy()
+    if newest is not None and newest.manifest is not None and newest.manifest.retention:
+        base = RetentionPolicy.from_json(newest.manifest.retention)
+    if keep_last is None:
+        return base
+    return RetentionPolicy(
+        keep_last=keep_last,
+        keep_best=base.keep_best,
+        monitor=base.monitor,
+        mode=base.mode,
+        keep_every_n_steps=base.keep_every_n_steps,
+    )
+
+
+def _plan(entries: list[Entry], keep_last: int | None = None) -> tuple[Plan, str | None]:
+    newest = next((e for e in by_commit(entries) if e.status is Status.VALID), None)
+    run_id = newest.manifest.run_id if newest is not None and newest.manifest else None
+    cands = catalog.retention_candidates(entries)
+    return plan(cands, _policy(entries, keep_last), run_id), run_id
+
+
+def _kept(e: Entry, p: Plan) -> dict[str, Any]:
+    if e.status is not Status.INCOMPLETE and e.name in p.keep:
+        return {"kept": True, "kept_by": list(p.keep[e.name])}
+    return {"kept": False, "kept_by": []}
+
+
+def _note(r: dict[str, Any]) -> str:
+    if r["status"] == INCOMPLETE:
+        return f"{r['problem']}; {INCOMPLETE_NOTE}"
+    if r["status"] == CORRUPT:
+        return r["problem"] or "-"
+    if r.get("tier") == "remote":
+        return f"remote only: {r['path']}"
+    return "; ".join(r["kept_by"]) if r["kept"] else "not kept: gc would delete it"
+
+
+# ---------------------------------------------------------------------- ls
+
+
+def ls(args: argparse.Namespace) -> int:
+    depth = Depth.SIZE if args.fast else Depth.FULL
+    rows: list[dict[str, Any]] = []
+    entries: list[Entry] = []
+    root = args.dir
+    if not (args.remote and not os.path.exists(args.dir)):
+        target = resolve(args.dir)
+        root = target.root
+        # DIR is one checkpoint: the others are only needed for the retention plan (sizes)
+        everything = catalog.scan(target.root, depth if target.only is None else Depth.SIZE)
+        entries = [e for e in everything if target.only is None or e.name == target.only]
+        if target.only is not None and depth is Depth.FULL:
+            entries = [check(e) for e in entries]
+        p, _ = _plan(everything)
+        rows = [row(e, depth) | _kept(e, p) for e in entries]
+    if args.remote:
+        from .cli_remote import add_tiers
+
+        add_tiers(entries, rows, args.remote, args.option)
+    if args.json:
+        print_json([public(r) for r in rows])
+        if not rows:
+            print(f"resilient-ckpt ls: {_nothing(root, args.remote)}", file=sys.stderr)
+        return 0
+    if not rows:
+        print(_nothing(root, args.remote))
+        return 0
+    header = ["STEP", "TIME", "SIZE", "STATUS", "RUN", "KEPT / PROBLEM"]
+    if args.remote:
+        header.insert(4, "TIER")
+    cells = []
+    for r in rows:
+        line = [
+            str(r["step"]) if r["step"] is not None else "?",
+            local_time(r["created"]),
+            fmt_size(r["bytes"]),
+            status_text(r["status"], r["checked"]),
+            r["run_id"] or "-",
+            _note(r),
+        ]
+        if args.remote:
+            line.insert(4, r.get("tier", "-"))
+        cells.append(line)
+    print(table(header, cells, right=frozenset({0, 2})))
+    unverified = [r for r in rows if r["status"] == UNVERIFIED]
+    if any(r.get("tier") != "remote" for r in unverified):
+        print(
+            "\nnot verified: sizes were checked, checksums not read (--fast); "
+            f"`resilient-ckpt verify {args.dir} --all` reads them"
+        )
+    if any(r.get("tier") == "remote" for r in unverified):
+        print(
+            "\nremote only, not verified: the sizes the store lists were checked, checksums "
+            "not read; `resilient-ckpt pull` verifies every checksum of what it downloads"
+        )
+    return 0
+
+
+def _nothing(root: str, remote: str | None) -> str:
+    if remote:
+        return f"no checkpoints in {root} or {remote}"
+    return str(no_checkpoints(root)) if os.path.isdir(root) else f"no checkpoints in {root}"
+
+
+# ---------------------------------------------------------------------- verify
+
+
+def verify(args: argparse.Namespace) -> int:
+    target = resolve(args.dir)
+    committed = catalog.committed(scan(target, Depth.NONE))
+    if not committed:
+        raise no_checkpoints(target.root)
+    if target.only is not None:
+        scope, chosen = "checkpoint", committed
+    elif args.step is not None:
+        scope = "step"
+        chosen = [e for e in committed if e.step == args.step]
+        if not chosen:
+            steps = sorted({e.step for e in committed if e.step is not None})
+            raise CheckpointNotFoundError(
+                f"no checkpoint of step {args.step} in {target.root} (its steps: "
+                f"{', '.join(map(str, steps)) or 'none readable'})"
+            )
+    elif args.all:
+        scope, chosen = "all", committed
+    else:
+        scope = "newest"
+        newest = by_commit(committed)[:1]
+        chosen = newest + unordered(committed, newest[0].step if newest else None)
+    for e in chosen:
+        check(e)
+    rows = [row(e, Depth.FULL) for e in chosen]
+    bad = [r for r in rows if r["status"] != "valid"]
+    if args.json:
+        print_json(
+            {
+                "dir": target.root,
+                "scope": scope,
+                "ok": not bad,
+                "verified": len(rows),
+                "failed": len(bad),
+                "checkpoints": [public(r) for r in rows],
+            }
+        )
+        return 1 if bad else 0
+    for r in rows:
+        step = r["step"] if r["step"] is not None else "?"
+        if r["status"] == "valid":
+            print(f"ok       step {step:>10}  {r['name']}")
+        else:
+            print(f"CORRUPT  step {step:>10}  {r['name']}: {r['problem']}")
+    older = len(committed) - len(chosen)
+    if bad:
+        print(f"{len(bad)} of {len(rows)} checkpoint(s) failed verification", file=sys.stderr)
+        if scope == "newest":
+            print(
+                f"the newest checkpoint is corrupt; `resilient-ckpt inspect {args.dir}` shows "
+                f"the newest valid one, `resilient-ckpt verify {args.dir} --all` checks all "
+                f"{len(committed)}",
+                file=sys.stderr,
+            )
+        return 1
+    what = "every checksum matches"
+    if scope == "newest" and older:
+        what += f" (the newest of {len(committed)}; --all verifies every one)"
+    print(f"{len(rows)} checkpoint(s) verified: {what}")
+    return 0
+
+
+# ---------------------------------------------------------------------- gc
+
+
+def gc(args: argparse.Namespace) -> int:
+    target = resolve(args.dir, single_ok=False)
+    root = target.root
+    if not catalog.scan(root, Depth.NONE):
+        print(f"nothing to delete: {no_checkpoints(root)}")
+        return 0
+    lock = DirLock(root)
+    if not args.dry_run:
+        try:
+            lock.acquire()
+        except CheckpointError as err:
+            print(f"resilient-ckpt gc: {err}", file=sys.stderr)
+            return 1
+    try:
+        return _gc(args, root)
+    finally:
+        lock.release()
+
+
+def _gc(args: argparse.Namespace, root: str) -> int:
+    entries = catalog.scan(root, Depth.SIZE)
+    verified: set[str] = set()
+    if args.remove_corrupt:
+        for e in entries:
+            check(e)
+            verified.add(e.name)
+    # Verify every checkpoint retention would keep before trusting the plan: one whose sizes
+    # match but whose checksum does not would otherwise count as the newest valid checkpoint,
+    # and the good one before it could be deleted.
+    while True:
+        p, run_id = _plan(entries, args.keep_last)
+        todo = [
+            e
+            for e in entries
+            if e.name in p.keep and e.status is Status.VALID and e.name not in verified
+        ]
+        if not todo:
+            break
+        for e in todo:
+            check(e)
+            verified.add(e.name)
+    doomed: list[tuple[Entry, str]] = []
+    for e in entries:
+        if e.status is Status.INCOMPLETE:
+            doomed.append((e, f"incomplete ({e.problem})"))
+        elif e.name in p.delete:
+            doomed.append((e, "not kept by retention"))
+        elif args.remove_corrupt and e.status is Status.CORRUPT:
+            doomed.append((e, f"corrupt: {e.problem}"))
+    gone = {e.name for e, _ in doomed}
+
+    def facts(e: Entry) -> dict[str, Any]:
+        return public(row(e, Depth.FULL if e.name in verified else Depth.SIZE))
+
+    delete = [facts(e) | {"why": why} for e, why in doomed]
+    keep = [facts(e) | _kept(e, p) for e in entries if e.name not in gone]
+    for e, _ in doomed:
+        if not args.dry_run:
+            if e.status is Status.INCOMPLETE:
+                shutil.rmtree(e.path)
+            else:
+                remove_checkpoint(e.path)
+    if args.json:
+        print_json(
+            {"dir": root, "dry_run": args.dry_run, "run_id": run_id, "delete": delete, "keep": keep}
+        )
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    for d in delete:
+        print(f"{verb} {_label(d)}: {d['why']}")
+    for k in keep:
+        why = "; ".join(k["kept_by"])
+        if k["status"] == CORRUPT:
+            why = f"{k['problem']} ({why})" if why else str(k["problem"])
+        print(f"keep {_label(k)}: {why}")
+    print(
+        f"{len(delete)} {'would be deleted' if args.dry_run else 'deleted'}, {len(keep)} kept"
+        + (f" (current run {run_id})" if run_id else "")
+    )
+    return 0
+
+
+def _label(r: dict[str, Any]) -> str:
+    step = r["step"] if r["step"] is not None else "?"
+    return f"{r['name']} (step {step}, {status_text(r['status'], r['checked'])})"

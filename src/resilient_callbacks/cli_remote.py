@@ -1,0 +1,208 @@
+"""``resilient-ckpt pull``, ``push`` and ``ls --remote``: the commands that talk to a remote
+store (any fsspec URL). Imported only when one of them runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from . import catalog
+from .catalog import Depth, Entry, Status
+from .cli_format import CORRUPT, SIZES, UNVERIFIED, fmt_size, iso_time, print_json
+from .cli_scan import no_checkpoints, resolve
+from .commit import fsync_dir, remove_checkpoint
+from .errors import CheckpointError, CheckpointNotFoundError
+from .lock import DirLock
+from .manifest import read_manifest
+from .remote import RemoteStore
+
+
+def remote_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``-o KEY=VALUE`` pairs as fsspec options; a value that parses as JSON is used as JSON."""
+    opts: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CheckpointError(
+                f"-o {pair!r}: expected KEY=VALUE (e.g. -o endpoint_url=http://127.0.0.1:9000)"
+            )
+        try:
+            opts[key] = json.loads(value)
+        except ValueError:
+            opts[key] = value
+    return opts
+
+
+def store(url: str, pairs: list[str] | None) -> RemoteStore:
+    return RemoteStore(url, remote_options(pairs))
+
+
+def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs: Any) -> None:
+    """Add a ``tier`` to each local row (``local-only``, ``uploading``, ``both``) and a row for
+    each checkpoint that is only in the remote store (``remote``; its sizes checked against
+    its manifest, its checksums not read)."""
+    st = store(url, pairs)
+    remote = st.scan()
+    good = {e.key: e for e in remote if e.key is not None and e.problem is None}
+    torn = {e.name for e in remote if e.manifest is None}
+    local_keys = set()
+    for e, r in zip(entries, rows, strict=True):
+        key = (e.manifest.run_id, e.manifest.seq) if e.manifest else None
+        local_keys.add(key)
+        if key in good:
+            r["tier"] = "both"
+        elif e.name in torn:
+            r["tier"] = "uploading"  # or an upload a crash cut off: re-sent by the next run
+        else:
+            r["tier"] = "local-only"
+    for re_ in remote:
+        m = re_.manifest
+        if m is None or re_.key in local_keys:
+            continue
+        rows.append(
+            {
+                "name": re_.name,
+                "step": m.step,
+                "seq": m.seq,
+                "status": UNVERIFIED if re_.problem is None else CORRUPT,
+                "checked": SIZES,
+                "time": iso_time(m.created),
+                "created": m.created,
+                "bytes": m.total_bytes,
+                "run_id": m.run_id,
+                "reason": m.reason,
+                "metrics": dict(m.metrics),
+                "problem": re_.problem,
+                "path": f"{st.url}/{re_.name}",
+                "kept": None,  # local retention does not decide about it
+                "kept_by": [],
+                "tier": "remote",
+            }
+        )
+    rows.sort(key=lambda r: r["step"] if r["step"] is not None else -1)
+
+
+def _locked(path: str, what: str) -> DirLock | None:
+    os.makedirs(path, exist_ok=True)
+    lock = DirLock(path)
+    try:
+        lock.acquire()
+    except CheckpointError as err:
+        print(
+            f"resilient-ckpt {what}: {err} (a running trainer syncs this directory itself)",
+            file=sys.stderr,
+        )
+        return None
+    return lock
+
+
+def pull(args: argparse.Namespace) -> int:
+    st = store(args.url, args.option)
+    remote = [e for e in st.scan() if e.manifest is not None]
+    if args.step is not None:
+        remote = [e for e in remote if e.manifest is not None and e.manifest.step == args.step]
+    usable = [e for e in remote if e.problem is None]
+    if not usable:
+        what = f"no checkpoint of step {args.step}" if args.step is not None else "no checkpoints"
+        bad = "" if not remote else f" ({len(remote)} with files missing or of the wrong size)"
+        raise CheckpointNotFoundError(f"{what} in {args.url}{bad}")
+    entry = usable[-1]
+    m = entry.manifest
+    assert m is not None
+    lock = _locked(args.dir, "pull")
+    if lock is None:
+        return 1
+    final = os.path.join(args.dir, entry.name)
+    summary = {
+        "name": entry.name,
+        "step": m.step,
+        "time": iso_time(m.created),
+        "bytes": m.total_bytes,
+        "from": f"{st.url}/{entry.name}",
+        "path": final,
+        "pulled": True,
+        "status": "valid",
+        "checked": "checksums",
+    }
+    try:
+        if os.path.exists(os.path.join(final, "manifest.json")):
+            here = read_manifest(final)
+            if (here.run_id, here.seq) != entry.key:
+                raise CheckpointError(
+                    f"{final} holds another checkpoint; refusing to overwrite it (pull into an "
+                    "empty directory)"
+                )
+            try:
+                catalog.verify(final, here, Depth.FULL)
+            except CheckpointError:
+                remove_checkpoint(final)
+            else:
+                summary["pulled"] = False
+        if summary["pulled"]:
+            staging, _ = st.download(entry, args.dir, progress=None)
+            os.rename(staging, final)
+            fsync_dir(args.dir)
+    finally:
+        lock.release()
+    if args.json:
+        print_json(summary)
+    elif summary["pulled"]:
+        print(
+            f"pulled {summary['from']} (step {m.step}, {fmt_size(m.total_bytes)}) -> {final}, "
+            "every checksum verified"
+        )
+    else:
+        print(f"{entry.name} (step {m.step}) is already in {args.dir}, verified")
+    return 0
+
+
+def push(args: argparse.Namespace) -> int:
+    from .progress import Progress
+
+    target = resolve(args.dir, single_ok=False)
+    if not catalog.committed(catalog.scan(target.root, Depth.NONE)):
+        raise no_checkpoints(target.root, "checkpoints to push")
+    st = store(args.url, args.option)
+    lock = _locked(target.root, "push")
+    if lock is None:
+        return 1
+    done: dict[str, list[dict[str, Any]]] = {"pushed": [], "present": [], "skipped": []}
+    try:
+        local = [
+            e
+            for e in catalog.committed(catalog.scan(target.root, Depth.FULL))
+            if args.step is None or e.step == args.step
+        ]
+        if not local:
+            raise CheckpointNotFoundError(f"no checkpoint of step {args.step} in {args.dir}")
+        remote = {e.key for e in st.scan() if e.key is not None and e.problem is None}
+        for e in local:
+            item = {"name": e.name, "step": e.step, "path": e.path}
+            if e.status is not Status.VALID or e.manifest is None:
+                done["skipped"].append(item | {"problem": e.problem})
+                if not args.json:
+                    print(f"skipped {e.name}: {e.problem}")
+                continue
+            item["bytes"] = e.manifest.total_bytes
+            item["url"] = f"{st.url}/{e.name}"
+            if (e.manifest.run_id, e.manifest.seq) in remote:
+                done["present"].append(item)
+                if not args.json:
+                    print(f"{e.name} (step {e.step}) is already in {st.url}")
+                continue
+            bar = Progress(e.manifest.total_bytes, f"pushing {e.name}")
+            try:
+                st.upload(e.path, e.manifest, e.name, bar)
+            finally:
+                bar.close()
+            done["pushed"].append(item)
+            if not args.json:
+                print(f"pushed {e.name} (step {e.step}, {fmt_size(e.manifest.total_bytes)})")
+    finally:
+        lock.release()
+    if args.json:
+        print_json({"url": st.url, **done})
+    return 1 if done["skipped"] else 0

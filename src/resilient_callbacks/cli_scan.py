@@ -1,0 +1,171 @@
+"""What the ``resilient-ckpt`` commands share: finding the checkpoint directory a user meant,
+judging its checkpoints, picking the newest, and one row of facts per checkpoint.
+
+A status is only ``valid`` when every checksum was read; a check of sizes alone gives
+``unverified`` (see :mod:`.cli_format`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from . import catalog
+from .catalog import Depth, Entry, Status
+from .cli_format import CHECKSUMS, CORRUPT, INCOMPLETE, MANIFEST, SIZES, UNVERIFIED, VALID, iso_time
+from .errors import CheckpointCorruptError, CheckpointNotFoundError
+from .manifest import MANIFEST_NAME
+
+CHECKED = {Depth.FULL: CHECKSUMS, Depth.SIZE: SIZES, Depth.NONE: MANIFEST}
+_HINT_MAX_DIRS = 500  # directories looked into for the "these subdirectories hold ..." hint
+
+
+@dataclass
+class Target:
+    root: str  # the checkpoint directory (what Checkpointer(...) was given)
+    only: str | None = None  # one checkpoint's name, when DIR was that checkpoint
+
+
+def resolve(path: str, *, single_ok: bool = True) -> Target:
+    """The checkpoint directory ``path`` names. ``path`` may also be one checkpoint in it (a
+    directory holding ``manifest.json``) where ``single_ok``."""
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(
+            f"{path}: no such directory (give the directory the checkpoints were saved to, the "
+            "one passed to Checkpointer(...) or ResilientCheckpoint(...))"
+        )
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"{path}: not a directory; give a checkpoint directory")
+    if os.path.exists(os.path.join(path, MANIFEST_NAME)):
+        parent = os.path.dirname(os.path.abspath(path))
+        if not single_ok:
+            raise CheckpointNotFoundError(
+                f"{path} is one checkpoint, not a directory of checkpoints; give its parent "
+                f"directory {parent}"
+            )
+        return Target(parent, os.path.basename(os.path.abspath(path)))
+    return Target(path)
+
+
+def scan(target: Target, depth: Depth) -> list[Entry]:
+    entries = catalog.scan(target.root, depth)
+    if target.only is not None:
+        entries = [e for e in entries if e.name == target.only]
+    return entries
+
+
+def holders(path: str) -> list[tuple[str, int]]:
+    """``(relative path, number of checkpoints)`` of the subdirectories of ``path`` (two
+    levels down at most) that hold checkpoints."""
+    found: list[tuple[str, int]] = []
+    looked = 0
+
+    def visit(rel: str, level: int) -> None:
+        nonlocal looked
+        try:
+            names = sorted(os.listdir(os.path.join(path, rel)))
+        except OSError:
+            return
+        for name in names:
+            sub = os.path.join(rel, name) if rel else name
+            full = os.path.join(path, sub)
+            if name.startswith(".") or not os.path.isdir(full) or looked >= _HINT_MAX_DIRS:
+                continue
+            if os.path.exists(os.path.join(full, MANIFEST_NAME)):
+                continue  # a checkpoint itself: its parent is the holder
+            looked += 1
+            n = len(catalog.committed(catalog.scan(full, Depth.NONE)))
+            if n:
+                found.append((sub, n))
+            elif level < 2:
+                visit(sub, level + 1)
+
+    visit("", 1)
+    return found
+
+
+def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundError:
+    """The error for a directory without checkpoints, naming the subdirectories that hold some
+    (``ls demo_output`` where the checkpoints are in ``demo_output/run1/checkpoints``)."""
+    subs = holders(path)
+    if not subs:
+        return CheckpointNotFoundError(f"no {what} in {path}")
+    listed = ", ".join(f"{sub} ({n})" for sub, n in subs)
+    first = os.path.join(path, subs[0][0])
+    return CheckpointNotFoundError(
+        f"no {what} in {path}; these subdirectories hold checkpoints: {listed} "
+        f"(give one of them, e.g. {first})"
+    )
+
+
+def check(e: Entry) -> Entry:
+    """Verify every checksum of ``e`` (in place) unless it is already known to be bad."""
+    if e.status is Status.VALID and e.manifest is not None:
+        try:
+            catalog.verify(e.path, e.manifest, Depth.FULL)
+        except CheckpointCorruptError as err:
+            e.status, e.problem = Status.CORRUPT, str(err)
+        except OSError as err:  # unreadable: permissions, a directory where a file should be
+            e.status, e.problem = Status.CORRUPT, f"cannot read it ({type(err).__name__}: {err})"
+    return e
+
+
+def state(e: Entry, depth: Depth) -> tuple[str, str | None]:
+    """``(status, checked)`` of an entry scanned (or checked) at ``depth``."""
+    if e.status is Status.INCOMPLETE:
+        return INCOMPLETE, None
+    if e.status is Status.CORRUPT:
+        return CORRUPT, CHECKED[depth] if e.manifest is not None else MANIFEST
+    return (VALID if depth is Depth.FULL else UNVERIFIED), CHECKED[depth]
+
+
+def row(e: Entry, depth: Depth) -> dict[str, Any]:
+    """The facts about one checkpoint, typed for JSON (the text output formats them)."""
+    m = e.manifest
+    status, checked = state(e, depth)
+    return {
+        "name": e.name,
+        "step": e.step,
+        "seq": m.seq if m else None,
+        "status": status,
+        "checked": checked,
+        "time": iso_time(m.created) if m else None,
+        "created": m.created if m else None,  # epoch seconds, for the text output; not in JSON
+        "bytes": m.total_bytes if m else None,
+        "run_id": m.run_id if m else None,
+        "reason": m.reason if m else None,
+        "metrics": dict(m.metrics) if m else {},
+        "problem": e.problem,
+        "path": e.path,
+    }
+
+
+def public(r: dict[str, Any]) -> dict[str, Any]:
+    """A row as written to JSON."""
+    return {k: v for k, v in r.items() if k != "created"}
+
+
+def by_commit(entries: list[Entry]) -> list[Entry]:
+    """Entries with a readable manifest, newest commit first (the order restore tries them)."""
+    return sorted(
+        (e for e in entries if e.manifest is not None),
+        key=lambda e: (e.seq, e.step or 0, e.name),
+        reverse=True,
+    )
+
+
+def unordered(entries: list[Entry], not_older_than: int | None) -> list[Entry]:
+    """Committed entries whose manifest cannot be read (their commit order is unknown) and
+    whose name's step is at least ``not_older_than``: they may be newer than the newest."""
+    return [
+        e
+        for e in entries
+        if e.status is Status.CORRUPT
+        and e.manifest is None
+        and (not_older_than is None or (e.step is not None and e.step >= not_older_than))
+    ]
+
+
+def describe(e: Entry) -> str:
+    return f"{e.name} (step {e.step if e.step is not None else '?'})"

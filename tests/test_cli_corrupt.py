@@ -1,0 +1,252 @@
+"""Every resilient-ckpt command that shows a checkpoint's state, run over a copy of a real
+checkpoint directory whose newest checkpoint was damaged: none may call it valid.
+
+The directory holds steps 10, 20 and 30 written by the real Checkpointer; step 30 is damaged
+one way per test (a byte flipped in a tensor file's data, a truncated file, a missing file, a
+manifest with an edited checksum or size, a manifest that no longer parses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer
+from resilient_callbacks.cli_format import status_text
+from test_cli import cli
+
+DAMAGED, DAMAGED_STEP = "step_000000030", "30"
+VALID_WORD = re.compile(r"\bvalid\b", re.IGNORECASE)
+# damages a check of sizes alone (ls --fast, inspect --fast) finds; the others need checksums
+SEEN_BY_SIZES = {"truncated", "missing", "manifest-size", "manifest-garbled"}
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("pristine") / "ck")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    state = {"model": model, "extra": {"epoch": 1, "name": "run"}}
+    with Checkpointer(root, keep_last=None) as ck:
+        for s in (10, 20, 30):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            ck.save(s, state, metrics={"loss": 1.0 / s})
+    return root
+
+
+def _flip_in_data_region(path: str) -> None:
+    """Flip one byte of the tensor data, after the safetensors header."""
+    with open(path, "r+b") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        offset = 8 + header_len + 4
+        assert offset < os.path.getsize(path)
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def _edit_manifest(ckpt: str, edit) -> None:
+    path = os.path.join(ckpt, "manifest.json")
+    with open(path) as f:
+        m = json.load(f)
+    edit(next(e for e in m["files"] if e["path"] == "shared.safetensors"))
+    with open(path, "w") as f:
+        json.dump(m, f)
+
+
+def _damage(ckpt: str, how: str) -> None:
+    tensors = os.path.join(ckpt, "shared.safetensors")
+    if how == "flipped":
+        _flip_in_data_region(tensors)
+    elif how == "truncated":
+        os.truncate(tensors, os.path.getsize(tensors) // 2)
+    elif how == "missing":
+        os.remove(tensors)
+    elif how == "manifest-checksum":
+        _edit_manifest(ckpt, lambda e: e.update(xxh3_64="0123456789abcdef"))
+    elif how == "manifest-size":
+        _edit_manifest(ckpt, lambda e: e.update(size=e["size"] + 1))
+    elif how == "manifest-garbled":
+        with open(os.path.join(ckpt, "manifest.json"), "r+b") as f:
+            f.seek(0)
+            f.write(b"#")  # no longer JSON
+    else:  # pragma: no cover
+        raise AssertionError(how)
+
+
+DAMAGES = [
+    "flipped",
+    "truncated",
+    "missing",
+    "manifest-checksum",
+    "manifest-size",
+    "manifest-garbled",
+]
+
+
+@pytest.fixture(params=DAMAGES)
+def damaged(request, pristine, tmp_path) -> tuple[str, str]:
+    root = str(tmp_path / "ck")
+    shutil.copytree(pristine, root)
+    before = cli("verify", root, "--all")
+    assert before.returncode == 0, before.stdout + before.stderr  # the copy was good
+    _damage(os.path.join(root, DAMAGED), request.param)
+    return root, request.param
+
+
+def _row(table: str, step: str) -> str:
+    """The line of an ``ls`` table about ``step``."""
+    rows = [line for line in table.splitlines() if line.split()[:1] == [step]]
+    assert len(rows) == 1, table
+    return rows[0]
+
+
+def _lines_about(text: str, name: str) -> list[str]:
+    lines = [line for line in text.splitlines() if name in line]
+    assert lines, text
+    return lines
+
+
+def test_ls(damaged):
+    root, _ = damaged
+    r = cli("ls", root)
+    assert r.returncode == 0, r.stderr
+    row = _row(r.stdout, DAMAGED_STEP)
+    assert not VALID_WORD.search(row) and "CORRUPT" in row
+    assert VALID_WORD.search(_row(r.stdout, "20"))  # the good ones still are
+    assert "not verified" not in r.stdout  # every checksum was read
+
+    rows = {x["name"]: x for x in json.loads(cli("ls", root, "--json").stdout)}
+    assert rows[DAMAGED]["status"] == "corrupt" and rows[DAMAGED]["problem"]
+    assert rows["step_000000020"]["status"] == "valid"
+
+
+def test_ls_fast_never_says_valid(damaged):
+    root, how = damaged
+    r = cli("ls", root, "--fast")
+    assert r.returncode == 0, r.stderr
+    row = _row(r.stdout, DAMAGED_STEP)
+    assert not VALID_WORD.search(row)
+    expected = "CORRUPT" if how in SEEN_BY_SIZES else "sizes ok, not verified"
+    assert expected in row
+    for step in ("10", "20"):  # sizes only: nothing is verified, so nothing is valid
+        assert "sizes ok, not verified" in _row(r.stdout, step)
+
+    rows = {x["name"]: x for x in json.loads(cli("ls", root, "--fast", "--json").stdout)}
+    assert rows[DAMAGED]["status"] == ("corrupt" if how in SEEN_BY_SIZES else "unverified")
+    assert all(x["status"] != "valid" for x in rows.values())
+
+
+def test_verify_fails_on_the_damaged_newest(damaged):
+    root, _ = damaged
+    r = cli("verify", root)
+    assert r.returncode == 1
+    line = _lines_about(r.stdout, DAMAGED)
+    assert all(x.startswith("CORRUPT") and not VALID_WORD.search(x) for x in line)
+    assert "failed verification" in r.stderr
+
+    j = cli("verify", root, "--json")
+    assert j.returncode == 1
+    res = json.loads(j.stdout)
+    assert res["ok"] is False and res["failed"] >= 1
+    bad = [c for c in res["checkpoints"] if c["name"] == DAMAGED]
+    assert len(bad) == 1 and bad[0]["status"] == "corrupt" and bad[0]["problem"]
+
+    every = cli("verify", root, "--all")
+    assert every.returncode == 1
+    assert {x.split()[-1] for x in every.stdout.splitlines() if x.startswith("ok ")} == {
+        "step_000000010",
+        "step_000000020",
+    }
+
+
+def test_inspect_skips_the_damaged_newest_and_says_so(damaged):
+    root, _ = damaged
+    r = cli("inspect", root)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("step_000000020: step 20, valid")
+    assert f"skipped {DAMAGED} (step 30): corrupt: " in r.stderr
+    assert "showing step_000000020 (step 20), the newest valid checkpoint" in r.stderr
+
+    j = cli("inspect", root, "--json")
+    info = json.loads(j.stdout)
+    assert j.returncode == 0 and info["name"] == "step_000000020" and info["status"] == "valid"
+    assert DAMAGED in j.stderr
+
+
+def test_inspect_of_the_damaged_checkpoint_says_corrupt(damaged):
+    root, _ = damaged
+    r = cli("inspect", root, "--step", DAMAGED_STEP)
+    assert r.returncode == 1
+    assert r.stdout.startswith(f"{DAMAGED}: step 30, CORRUPT: ")
+    assert not VALID_WORD.search(r.stdout)
+
+    j = cli("inspect", root, "--step", DAMAGED_STEP, "--json")
+    assert j.returncode == 1
+    info = json.loads(j.stdout)
+    assert info["name"] == DAMAGED and info["status"] == "corrupt" and info["problem"]
+
+    one = cli("inspect", os.path.join(root, DAMAGED))  # DIR may be the checkpoint itself
+    assert one.returncode == 1 and not VALID_WORD.search(one.stdout)
+
+
+def test_inspect_fast_never_says_valid(damaged):
+    root, how = damaged
+    r = cli("inspect", root, "--step", DAMAGED_STEP, "--fast")
+    first = r.stdout.splitlines()[0]
+    assert not VALID_WORD.search(first)
+    if how in SEEN_BY_SIZES:
+        assert r.returncode == 1 and "CORRUPT" in first
+    else:
+        assert r.returncode == 0 and "sizes ok, not verified" in first
+
+
+def test_gc_dry_run(damaged):
+    root, _ = damaged
+    r = cli("gc", root, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    for line in _lines_about(r.stdout, DAMAGED):
+        assert not VALID_WORD.search(line) and "CORRUPT" in line
+    j = json.loads(cli("gc", root, "--dry-run", "--json").stdout)
+    assert [k["status"] for k in j["keep"] if k["name"] == DAMAGED] == ["corrupt"]
+
+
+def test_gc_never_deletes_the_newest_valid_checkpoint(damaged):
+    """A damaged newest checkpoint whose sizes still match must not count as the one to keep:
+    keep_last=1 keeps step 20, the newest valid one."""
+    root, _ = damaged
+    j = json.loads(cli("gc", root, "--dry-run", "--keep-last", "1", "--json").stdout)
+    assert [d["step"] for d in j["delete"]] == [10]
+    assert {k["name"]: k["status"] for k in j["keep"]} == {
+        "step_000000020": "valid",
+        DAMAGED: "corrupt",
+    }
+    done = cli("gc", root, "--keep-last", "1")
+    assert done.returncode == 0, done.stderr
+    assert cli("verify", root, "--step", "20").returncode == 0
+
+
+def test_the_real_executable(damaged):
+    """The same, as a user runs it: a fresh interpreter, the module entry point."""
+    root, _ = damaged
+    run = [sys.executable, "-m", "resilient_callbacks"]
+    v = subprocess.run([*run, "verify", root], capture_output=True, text=True, timeout=120)
+    assert v.returncode == 1 and DAMAGED in v.stdout
+    assert all(x.startswith("CORRUPT") for x in _lines_about(v.stdout, DAMAGED))
+
+
+@pytest.mark.parametrize("checked", ["sizes", "manifest"])
+def test_a_status_that_is_not_verified_never_reads_valid(checked):
+    assert not VALID_WORD.search(status_text("unverified", checked))
+    assert not VALID_WORD.search(status_text("valid", checked))  # valid needs checksums
+    assert status_text("valid", "checksums") == "valid"
