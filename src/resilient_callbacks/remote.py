@@ -30,6 +30,7 @@ from typing import Any
 
 import fsspec
 
+from . import rng
 from .catalog import Depth, verify
 from .commit import STAGING_PREFIX, fsync_dir
 from .errors import CheckpointCorruptError, RemoteUnavailableError
@@ -92,7 +93,9 @@ class RemoteStore:
         self.url = url.rstrip("/")
         self.options = dict(options or {})
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, **self.options)
+            # importing the backend may draw from the global RNGs (see rng.preserved)
+            with rng.preserved():
+                self.fs, root = fsspec.core.url_to_fs(self.url, **self.options)
         except ImportError as e:
             raise RemoteUnavailableError(
                 f"remote={url!r}: the filesystem for this URL is not installed ({e}). For "

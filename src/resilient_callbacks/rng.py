@@ -7,7 +7,9 @@ rank saves its own generators (they differ between ranks) into its own file.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -61,3 +63,23 @@ def restore(info: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[str]
                 "CUDA random streams are not restored"
             )
     return warnings
+
+
+@contextlib.contextmanager
+def preserved() -> Iterator[None]:
+    """Leave the global generators of Python, NumPy and torch (CPU) as they were on entry.
+
+    For work the library does on the training thread that may draw from them as a side effect
+    (importing an fsspec backend: aiobotocore imports httpx, which imports rich, which calls
+    ``random.getrandbits`` at import). Adding the library must not change the user's random
+    streams.
+    """
+    py = random.getstate()
+    npy = np.random.get_state(legacy=True)
+    cpu = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)

@@ -27,6 +27,9 @@ from .remote import RemoteEntry, RemoteStore, retention_candidates
 from .retention import Candidate, RetentionPolicy, plan
 
 log = logging.getLogger("resilient_callbacks")
+# Retry jitter draws from its own generator: the upload thread must never draw from the
+# global one, which the training loop uses (and the checkpoint restores).
+_JITTER = random.Random()
 
 
 @dataclass
@@ -162,7 +165,7 @@ class RemoteSync:
                     self._cond.notify_all()
                     continue
                 delay = min(self.retry_max_s, self.retry_base_s * 2 ** (self._failures - 1))
-                delay *= random.uniform(0.5, 1.0)
+                delay *= _JITTER.uniform(0.5, 1.0)
                 deadline = time.monotonic() + delay
                 while not self._stop and (left := deadline - time.monotonic()) > 0:
                     self._cond.wait(left)
