@@ -16,8 +16,9 @@ Outputs (with ``--ddp`` each rank appends ``.rank<r>``):
   --out-jsonl   one line per logged training step: {"step", "loss", "grad_norm",
                 "learning_rate", "epoch"} (floats as float.hex), flushed and fsynced;
   --out-final   at the end: final parameters (safetensors) at PATH and, at PATH + ".json", the
-                log history (without timings) and the best metric.
-stderr gets ``restored step N`` when training begins.
+                log history and train()'s metrics (both without timings) and the best metric.
+stderr gets ``restored step N`` when training begins. ``--default-logging`` leaves the logging
+of transformers as a script that does not configure it gets it (otherwise: errors only).
 """
 
 from __future__ import annotations
@@ -163,13 +164,17 @@ class Recorder(TrainerCallback):
             time.sleep(self.sleep)
 
 
+def without_timings(values: dict) -> dict:
+    return {k: v for k, v in values.items() if not any(t in k for t in TIMING_KEYS)}
+
+
 def clean_history(history: list[dict]) -> list[dict]:
     """The log history without wall-clock values (timings differ between runs)."""
     out = []
     for entry in history:
-        if any(k.startswith("resilient/") or k.startswith("train_") for k in entry):
-            continue  # save timings, and the end-of-train() summary
-        out.append({k: v for k, v in entry.items() if not any(t in k for t in TIMING_KEYS)})
+        if any(k.startswith("resilient/") for k in entry):
+            continue  # save timings
+        out.append(without_timings(entry))  # the end-of-train() summary keeps train_loss
     return out
 
 
@@ -181,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--ddp", action="store_true")
+    p.add_argument("--default-logging", action="store_true")
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-final", required=True)
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
+    if not args.default_logging:
+        transformers.logging.set_verbosity_error()
     rank = int(os.environ.get("RANK", "0")) if args.ddp else 0
     suffix = f".rank{rank}" if args.ddp else ""
 
@@ -199,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     trainer.add_callback(ckpt)
     trainer.add_callback(Recorder(ckpt, args.out_jsonl + suffix, rank, args.sleep))
-    trainer.train()
+    result = trainer.train()
 
     params = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     final = args.out_final + suffix
@@ -210,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "log_history": clean_history(trainer.state.log_history),
                 "best_metric": trainer.state.best_metric,
+                "metrics": without_timings(result.metrics),
                 "global_step": trainer.state.global_step,
             },
             f,

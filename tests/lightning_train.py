@@ -17,7 +17,8 @@ What makes resuming it exactly non-trivial:
 Outputs: ``--out-jsonl``: one line per trained step, written in ``training_step`` before the
 optimizer step, ``{"step", "loss" (float.hex), "epoch", "batch", "rank"}``, fsynced; ``--out-
 params``: the final weights (safetensors). With two devices each rank appends ``.rank<r>``.
-stderr gets ``[rank r] restored step N`` when training starts.
+stderr gets ``[rank r] restored step N`` when training starts. ``--no-callback`` runs the same
+script without ResilientCheckpoint (the baseline it must not change).
 """
 
 from __future__ import annotations
@@ -167,12 +168,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-path", default=None, help="fit(ckpt_path=...)")
     p.add_argument("--model-checkpoint", action="store_true", help="add a ModelCheckpoint too")
     p.add_argument("--csv-logs", default=None, help="a CSVLogger directory")
+    p.add_argument("--no-callback", action="store_true", help="the same run without ours")
+    p.add_argument("--data-seed", type=int, default=None, help="ResilientCheckpoint(data_seed=)")
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-params", required=True)
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> ResilientCheckpoint:
+def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -200,9 +203,10 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint:
         save_on_exception=args.save_on_exception,
         make_dataloaders_resumable=not args.no_resumable_loaders,
         async_save=not args.sync,
+        data_seed=args.data_seed,
         **kwargs,
     )
-    callbacks: list = [rc, ReportRestore(rc)]
+    callbacks: list = [] if args.no_callback else [rc, ReportRestore(rc)]
     if args.model_checkpoint:
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint:
     tmp = args.out_params + suffix + ".tmp"
     save_file(params, tmp)
     os.replace(tmp, args.out_params + suffix)
-    return rc
+    return None if args.no_callback else rc
 
 
 if __name__ == "__main__":

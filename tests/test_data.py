@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from resilient_callbacks import ResumableDataLoader, ResumableSampler
 
@@ -54,13 +54,25 @@ def test_resume_continues_with_the_next_unseen_batch(num_workers, stop):
     assert sorted(i for b in ref[:10] for i in b) == list(range(40)) and ref[:10] != ref[10:20]
 
 
-def test_creating_iterators_leaves_the_global_rng_alone():
-    loader = ResumableDataLoader(TensorDataset(torch.arange(10)), batch_size=3)
+def test_creating_iterators_draws_as_the_stock_loader():
+    """seed=s: the global RNG is left alone (like DataLoader(generator=...)); no seed: the global
+    RNG advances exactly as under DataLoader(shuffle=True)."""
+    ds = TensorDataset(torch.arange(10))
+    loader = ResumableDataLoader(ds, batch_size=3, seed=1)
     before = torch.get_rng_state().clone()
     for _ in range(3):
         for _b in loader:
             pass
     assert torch.equal(before, torch.get_rng_state())
+    states = []
+    for make in (lambda: DataLoader(ds, 3, shuffle=True), lambda: ResumableDataLoader(ds, 3)):
+        torch.manual_seed(0)
+        loader = make()
+        for _ in range(3):
+            for _b in loader:
+                pass
+        states.append(torch.get_rng_state())
+    assert torch.equal(states[0], states[1]) and not torch.equal(states[0], before)
 
 
 def test_resume_loads_no_skipped_sample():

@@ -402,12 +402,12 @@ def test_callbacks_argument_first_run_then_rerun(tmp_path):
     """Trainer(callbacks=[...]) works like add_callback; a first run just starts; the Trainer's
     own save_steps checkpoints are replaced; save timings reach the Trainer's log."""
     out = tmp_path / "out"
-    cb = ResilientCheckpoint(every_n_steps=3)  # dirpath: <output_dir>/resilient_checkpoints
+    cb = ResilientCheckpoint(every_n_steps=3)  # dirpath: <output_dir>/_resilient_checkpoints
     first = hf_train.build_trainer(str(out), 4, callbacks=[cb], save_strategy="steps", save_steps=2)
     first.train()
     assert cb.restored_step is None
     assert not any(p.name.startswith("checkpoint-") for p in out.iterdir())
-    assert [e.step for e in _committed(out / "resilient_checkpoints")] == [3, 4]
+    assert [e.step for e in _committed(out / "_resilient_checkpoints")] == [3, 4]
     saves = [e for e in first.state.log_history if "resilient/save_blocking_s" in e]
     assert [e["step"] for e in saves] == [3, 4]
     assert all(e["resilient/save_blocking_s"] >= 0 for e in saves)
@@ -424,7 +424,7 @@ def test_explicit_resume_from_checkpoint_wins(tmp_path):
     cb = ResilientCheckpoint(every_n_steps=2, trainer_checkpoints=True)
     hf_train.build_trainer(str(out), 4, callbacks=[cb], save_strategy="steps", save_steps=2).train()
     assert (out / "checkpoint-2").is_dir() and (out / "checkpoint-4").is_dir()
-    assert [e.step for e in _committed(out / "resilient_checkpoints")] == [2, 4]
+    assert [e.step for e in _committed(out / "_resilient_checkpoints")] == [2, 4]
 
     cb2 = ResilientCheckpoint(every_n_steps=2)
     trainer = hf_train.build_trainer(str(out), 5, callbacks=[cb2])
@@ -432,7 +432,7 @@ def test_explicit_resume_from_checkpoint_wins(tmp_path):
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert cb2.restored_step is None  # the Trainer restored step 2 itself, not step 4
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == list(range(1, 6))
-    ours = _committed(out / "resilient_checkpoints")
+    ours = _committed(out / "_resilient_checkpoints")
     assert sorted(e.step for e in ours) == [2, 4, 4, 5]
     assert len({e.manifest.run_id for e in ours}) == 2
 

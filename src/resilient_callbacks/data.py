@@ -1,34 +1,67 @@
-"""A sampler whose position is part of the checkpoint, so resume continues mid-epoch without
-replaying batches.
+"""A sampler and a data loader whose position is part of the checkpoint, so resume continues
+mid-epoch without replaying batches, and that draw exactly what the stock ones draw.
 
-The order of epoch ``e`` is a permutation drawn from ``seed + e`` alone, so it does not depend on
-the global RNG and can be recomputed in O(len) on resume; the position is the number of indices
-handed out in the current epoch. ``load_state_dict`` jumps straight there: no batch is loaded
-twice, however far into the epoch the run stopped.
+Transparency: swapping a stock ``DataLoader`` for :class:`ResumableDataLoader` (same dataset,
+batch size and shuffling) changes nothing in an uninterrupted run: the same batches in the same
+order, and the same draws from the global torch RNG and from any generator, at the same moments,
+so dropout and every other random stream see the same numbers. Which stock loader it replaces:
 
-Prefer :class:`ResumableDataLoader`, which wraps the sampler and avoids two traps of a
-hand-built loop. With a plain ``DataLoader`` and :class:`ResumableSampler`, the sampler's
-position counts indices it has *yielded*: exact with ``num_workers=0``, ahead of the loop with
-worker prefetching. And a plain ``DataLoader`` draws a seed from the global torch RNG each time
-an iterator is created, which a resumed run does at a different point: pass
-``generator=torch.Generator()`` to it, or dropout and other random streams diverge after resume.
+- ``ResumableDataLoader(ds, bs)`` (``shuffle=True``, no seed):
+  ``DataLoader(ds, bs, shuffle=True)``, shuffled from the global torch RNG;
+- ``ResumableDataLoader(ds, bs, seed=s)``:
+  ``DataLoader(ds, bs, shuffle=True, generator=torch.Generator().manual_seed(s))``
+  (``generator=g``: ``DataLoader(..., generator=g)``);
+- ``ResumableDataLoader(ds, bs, shuffle=False)``: ``DataLoader(ds, bs)``;
+- ``ResumableDataLoader(ds, bs, num_replicas=W, rank=r, seed=s)``:
+  ``DataLoader(ds, bs, sampler=DistributedSampler(ds, W, r, seed=s))`` with ``set_epoch(e)``
+  every epoch (``seed`` defaults to 0; ``generator=g`` is the ``DataLoader``'s).
+
+Resume: the state records what the epoch drew (the shuffle seed taken from the global RNG, or
+the generator's state) and the RNG state the epoch's iterator was created from, so a resumed
+run recomputes the epoch's order in O(len) and continues with the next batch, without loading
+a skipped batch and without drawing anything the uninterrupted run did not draw at that point.
+The global RNG itself is restored by the :class:`~resilient_callbacks.Checkpointer` (it captures
+every RNG by default); put the loader in the same state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
 
-class ResumableSampler(Sampler[int]):
-    """Shuffled (or sequential) indices over ``num_samples`` items, resumable mid-epoch.
+def _draw_seed(generator: torch.Generator | None = None) -> int:
+    """The int64 draw ``RandomSampler`` and the ``DataLoader`` iterator make (global if None)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
-    With ``num_replicas``/``rank`` it shards each epoch's order like ``DistributedSampler``
-    (padding by wrapping around so every rank gets the same count); its state is then per-rank:
-    wrap it in :class:`~resilient_callbacks.PerRank` in the checkpointed state.
+
+def _source_state(generator: torch.Generator | None) -> torch.Tensor:
+    return (generator.get_state() if generator is not None else torch.get_rng_state()).clone()
+
+
+class ResumableSampler(Sampler[int]):
+    """Indices over ``num_samples`` items, resumable mid-epoch, drawn as the stock sampler
+    draws them:
+
+    - ``shuffle=True`` and no ``seed``/``generator``: ``RandomSampler(data)``: at its first index
+      each epoch it draws a seed from the global torch RNG; the seed is recorded in the state.
+    - ``seed=s`` or ``generator=g``: ``RandomSampler(data, generator=g)`` with
+      ``g = torch.Generator().manual_seed(s)``: the permutation comes from ``g``, which advances
+      from epoch to epoch; its states are recorded.
+    - ``num_replicas=W`` (even 1), ``rank=r``: ``DistributedSampler(data, W, r, shuffle, seed)``
+      (``drop_last=False``): epoch ``e``'s order is drawn from ``seed + e`` alone; the state is
+      per-rank: wrap it in :class:`~resilient_callbacks.PerRank` in the checkpointed state.
+    - ``shuffle=False``: ``SequentialSampler`` (sharded like ``DistributedSampler`` with
+      ``num_replicas``).
+
+    ``position`` counts the indices handed out in the current epoch. Used alone under a stock
+    ``DataLoader``, that is exact with ``num_workers=0`` only, and the ``DataLoader`` itself
+    draws a seed from the global RNG whenever an iterator is created (again, at another point,
+    in a resumed run): prefer :class:`ResumableDataLoader`.
     """
 
     def __init__(
@@ -36,47 +69,101 @@ class ResumableSampler(Sampler[int]):
         num_samples: int,
         *,
         shuffle: bool = True,
-        seed: int = 0,
-        num_replicas: int = 1,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        num_replicas: int | None = None,
         rank: int = 0,
     ) -> None:
         if num_samples < 0:
             raise ValueError("num_samples must be >= 0")
-        if not 0 <= rank < num_replicas:
+        if num_replicas is None:
+            if rank != 0:
+                raise ValueError(f"rank={rank} needs num_replicas")
+        elif not 0 <= rank < num_replicas:
             raise ValueError(f"rank={rank} must be in [0, num_replicas={num_replicas})")
+        if seed is not None and generator is not None:
+            raise ValueError("pass seed= or generator=, not both")
+        if num_replicas is not None and generator is not None:
+            raise ValueError(
+                "with num_replicas the order is DistributedSampler's, drawn from seed + epoch: "
+                "pass seed=, not generator="
+            )
         self.num_samples = int(num_samples)
         self.shuffle = shuffle
-        self.seed = int(seed)
         self.num_replicas = num_replicas
         self.rank = rank
+        self.generator: torch.Generator | None = None
+        if not shuffle:
+            self.order = "sequential"
+        elif num_replicas is not None:
+            self.order = "distributed"
+        elif seed is not None or generator is not None:
+            self.order = "generator"
+            self.generator = (
+                generator if generator is not None else torch.Generator().manual_seed(int(seed))  # type: ignore[arg-type]
+            )
+        else:
+            self.order = "global"
+        self.seed = int(seed) if seed is not None else (0 if num_replicas is not None else None)
         self.epoch = 0
         self.position = 0  # indices yielded so far in this epoch
+        self._drawn: int | None = None  # the epoch whose order was drawn
+        self._epoch_seed: int | None = None  # global: the seed that epoch drew
+        self._epoch_state: torch.Tensor | None = None  # generator: its state before the draw
+        self._tail: int | None = None  # generator: the epoch whose trailing draw was made
         self._on_set_epoch: Callable[[int], None] | None = None  # the owning loader's set_epoch
 
-    def _order(self) -> list[int]:
-        if self.shuffle:
+    def _indices(self) -> list[int]:
+        """This epoch's order. Its first call in an epoch draws as the stock sampler does at its
+        first index; later calls (a resumed or re-entered epoch) recompute it, drawing nothing."""
+        n = self.num_samples
+        if self.order in ("sequential", "distributed"):
+            if self.order == "sequential":
+                order = list(range(n))
+            else:
+                g = torch.Generator()
+                g.manual_seed(int(self.seed) + self.epoch)  # type: ignore[arg-type]
+                order = torch.randperm(n, generator=g).tolist()
+            if self.num_replicas is not None and order:
+                total = -(-n // self.num_replicas) * self.num_replicas
+                order = (order * (total // n + 1))[:total]
+                order = order[self.rank : total : self.num_replicas]
+            return order
+        if n == 0:
+            return []
+        fresh = self._drawn != self.epoch
+        self._drawn = self.epoch
+        if self.order == "global":
+            if fresh:
+                self._epoch_seed = _draw_seed()
             g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=g).tolist()
-        else:
-            order = list(range(self.num_samples))
-        if self.num_replicas > 1 and order:
-            total = -(-len(order) // self.num_replicas) * self.num_replicas
-            order = (order * (total // len(order) + 1))[:total]
-            order = order[self.rank : total : self.num_replicas]
-        return order
+            g.manual_seed(int(self._epoch_seed))  # type: ignore[arg-type]
+            return torch.randperm(n, generator=g).tolist()
+        assert self.generator is not None
+        if fresh:
+            self._epoch_state = self.generator.get_state()
+            return torch.randperm(n, generator=self.generator).tolist()
+        g = torch.Generator()
+        g.set_state(self._epoch_state)  # type: ignore[arg-type]
+        return torch.randperm(n, generator=g).tolist()
 
     def __len__(self) -> int:
-        if self.num_replicas > 1:
+        if self.num_replicas is not None:
             return -(-self.num_samples // self.num_replicas)
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
-        order = self._order()
+        order = self._indices()
+        epoch = self.epoch
         while self.position < len(order):
             i = order[self.position]
             self.position += 1
             yield i
+        if self.order == "generator" and self._tail != epoch and self.num_samples:
+            # RandomSampler draws one more permutation (of length 0 after slicing) when asked for
+            # an index past its last: the generator advances by it too.
+            torch.randperm(self.num_samples, generator=self.generator)
+            self._tail = epoch
         self.epoch += 1
         self.position = 0
 
@@ -89,49 +176,102 @@ class ResumableSampler(Sampler[int]):
         if epoch != self.epoch:
             self.epoch, self.position = int(epoch), 0
 
-    def set_position(self, epoch: int, consumed: int) -> None:
-        """Record that ``consumed`` samples of ``epoch`` were really used (for prefetching loaders)."""
+    def set_position(self, epoch: int, consumed: int, *, fresh: bool = False) -> None:
+        """Record that ``consumed`` samples of ``epoch`` were really used (for prefetching
+        loaders). ``fresh``: the epoch starts anew, so its order is drawn again."""
         self.epoch, self.position = int(epoch), int(consumed)
+        if fresh:
+            if self._drawn == self.epoch:
+                self._drawn = None
+            if self._tail == self.epoch:
+                self._tail = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
+        return self.state_at(self.epoch, self.position)
+
+    def state_at(self, epoch: int, position: int) -> dict[str, Any]:
+        """The state as of ``position`` indices into ``epoch`` (a loader's view of its sampler,
+        which prefetching workers may have run ahead)."""
+        state: dict[str, Any] = {
+            "order": self.order,
+            "epoch": int(epoch),
+            "position": int(position),
             "seed": self.seed,
             "num_samples": self.num_samples,
             "shuffle": self.shuffle,
             "num_replicas": self.num_replicas,
             "rank": self.rank,
+            "drawn": self._drawn == epoch,
         }
+        if self.order == "global":
+            state["epoch_seed"] = self._epoch_seed if self._drawn == epoch else None
+        elif self.order == "generator":
+            assert self.generator is not None
+            current = self.generator.get_state()
+            drawn = self._drawn == epoch and self._epoch_state is not None
+            state["epoch_rng"] = self._epoch_state.clone() if drawn else current  # type: ignore[union-attr]
+            state["rng"] = current
+            state["tail_drawn"] = self._tail == epoch
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        order = state.get("order", "distributed" if state.get("shuffle") else "sequential")
+        if order != self.order:
+            raise ValueError(
+                f"ResumableSampler orders its data by {self.order!r} here but the checkpoint was "
+                f"written with {order!r} ({_ORDER_HINT.get(order, '')}); construct it as the "
+                "interrupted run did (seed/generator/num_replicas)"
+            )
         for key in ("num_samples", "shuffle", "seed"):
-            if state[key] != getattr(self, key):
+            if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"ResumableSampler {key}={getattr(self, key)!r} here but {state[key]!r} in "
                     "the checkpoint: the data changed, so the saved position means nothing"
                 )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        drawn = bool(state.get("drawn", False))
+        self._drawn = self.epoch if drawn else None
+        if self.order == "global":
+            self._epoch_seed = state.get("epoch_seed")
+            if drawn and self._epoch_seed is None:
+                self._drawn = None
+        elif self.order == "generator":
+            assert self.generator is not None
+            self._epoch_state = state["epoch_rng"].clone()
+            self.generator.set_state(state["rng"].clone())
+            self._tail = self.epoch if state.get("tail_drawn") else None
+
+
+_ORDER_HINT = {
+    "sequential": "shuffle=False",
+    "global": "shuffle=True, no seed: the global torch RNG",
+    "generator": "shuffle=True with seed= or generator=",
+    "distributed": "num_replicas=..., seed + epoch",
+}
 
 
 class ResumableDataLoader(DataLoader):
     """A ``DataLoader`` whose position is checkpointable: put it in the state and a resumed run
     continues with the next batch the interrupted run had not yet trained on, mid-epoch, without
-    loading any batch twice.
+    loading any batch twice. An uninterrupted run is the stock ``DataLoader``'s run, draw for
+    draw (see :mod:`resilient_callbacks.data`):
 
-    It fixes the two traps that make a hand-built resumable loop silently inexact:
+    - ``shuffle=True`` (default) without ``seed``: ``DataLoader(dataset, batch_size,
+      shuffle=True)``; the order comes from the global torch RNG (``torch.manual_seed`` before
+      makes it reproducible);
+    - ``seed=s`` / ``generator=g``: ``DataLoader(..., shuffle=True, generator=...)``: order and
+      worker base seeds come from that generator, the global RNG is not touched;
+    - ``num_replicas=W, rank=r``: each rank gets its shard, as with ``DistributedSampler(seed=s)``
+      (``seed`` defaults to 0); wrap the loader in :class:`~resilient_callbacks.PerRank`.
 
-    - position is counted in batches *handed to the training loop*, not indices drawn by the
-      sampler, so worker prefetching (``num_workers > 0``) does not skip samples on resume;
-    - every ``DataLoader`` draws a base seed when an iterator is created (at each epoch start and,
-      on resume, once more); a plain ``DataLoader`` draws it from the global torch RNG, which
-      shifts dropout and every other random stream of the resumed run. This loader draws it from
-      a private generator seeded from ``(seed, epoch)``, so worker seeds are reproducible too.
+    Resume is exact, including the traps of a hand-built resumable loop: the position counts
+    batches *handed to the training loop* (worker prefetching does not skip samples), and the
+    iterator a resumed run creates mid-epoch takes its base seed from the recorded state, not
+    from the global RNG, which therefore sees exactly the draws of the uninterrupted run.
 
-    Order: epoch ``e`` is a permutation drawn from ``seed + e`` (see :class:`ResumableSampler`);
-    with ``num_replicas``/``rank`` each rank gets its shard and the state is per-rank (wrap the
-    loader in :class:`~resilient_callbacks.PerRank`).
+    Iterating again after breaking out of an epoch continues that epoch (a stock ``DataLoader``
+    would start a new one): that is what makes the position resumable.
     """
 
     def __init__(
@@ -140,38 +280,82 @@ class ResumableDataLoader(DataLoader):
         batch_size: int = 1,
         *,
         shuffle: bool = True,
-        seed: int = 0,
-        num_replicas: int = 1,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        num_replicas: int | None = None,
         rank: int = 0,
         drop_last: bool = False,
         **kwargs: Any,
     ) -> None:
-        for bad in ("sampler", "batch_sampler", "generator"):
+        for bad in ("sampler", "batch_sampler"):
             if kwargs.get(bad) is not None:
                 raise ValueError(f"ResumableDataLoader makes its own {bad}; do not pass {bad}=")
-        self._seed = int(seed)
+        if num_replicas is None and seed is not None and generator is not None:
+            raise ValueError("pass seed= or generator=, not both")
+        if num_replicas is None and seed is not None:
+            generator = torch.Generator().manual_seed(int(seed))
+            seed = None
         sampler = ResumableSampler(
-            len(dataset), shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank
+            len(dataset),
+            shuffle=shuffle,
+            seed=seed,
+            generator=generator if shuffle and num_replicas is None else None,
+            num_replicas=num_replicas,
+            rank=rank,
         )
         super().__init__(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
             drop_last=drop_last,
-            generator=torch.Generator(),
+            generator=generator,
             **kwargs,
         )
         self.epoch = 0
         self.batches_consumed = 0  # batches handed to the loop in the current epoch
+        self._started = False  # an iterator was created for the current epoch
+        self._epoch_rng = _source_state(generator)  # base-seed source state at that creation
+        self._restored_persistent = False  # a persistent worker iterator existed when saved
         sampler._on_set_epoch = self.set_epoch
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
-        sampler.set_position(self.epoch, self.batches_consumed * self.batch_size)
-        assert self.generator is not None
-        self.generator.manual_seed((self._seed * 1_000_003 + self.epoch) % (2**63))
-        return self._iterate(super().__iter__())
+        fresh = not self._started and self.batches_consumed == 0
+        if fresh:
+            self._started = True
+            self._epoch_rng = _source_state(self.generator)
+            sampler.set_position(self.epoch, 0, fresh=True)
+        elif self.batches_consumed >= len(self):
+            # The epoch is over though its iterator had not run out when the state was saved:
+            # asking for the next batch makes the sampler finish (RandomSampler's trailing
+            # draw, if it has not happened) and ends the epoch; no iterator, no base seed.
+            sampler.set_position(self.epoch, len(sampler))
+            for _ in sampler:
+                pass
+            return self._iterate(iter(()))
+        else:
+            sampler.set_position(self.epoch, self.batches_consumed * self.batch_size)
+        persistent = self.persistent_workers and self.num_workers > 0
+        if fresh and not (persistent and self._restored_persistent and self._iterator is None):
+            return self._iterate(super().__iter__())
+        # Continuing an epoch: the uninterrupted run created this epoch's iterator before the
+        # checkpoint; this one takes the same base seed without drawing from the global RNG.
+        with self._base_seed_from(self._epoch_rng):
+            it = super().__iter__()
+        self._restored_persistent = False
+        return self._iterate(it)
+
+    @contextmanager
+    def _base_seed_from(self, state: torch.Tensor) -> Iterator[None]:
+        g = torch.Generator()
+        g.set_state(state.clone())
+        own = self.generator
+        self.generator = g
+        try:
+            yield
+        finally:
+            self.generator = own
 
     def _iterate(self, it: Iterator[Any]) -> Iterator[Any]:
         for batch in it:
@@ -179,28 +363,52 @@ class ResumableDataLoader(DataLoader):
             yield batch
         self.epoch += 1
         self.batches_consumed = 0
+        self._started = False
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.epoch, self.batches_consumed = int(epoch), 0
+            self.epoch, self.batches_consumed, self._started = int(epoch), 0, False
 
     def state_dict(self) -> dict[str, Any]:
-        assert isinstance(self.sampler, ResumableSampler)
-        return {
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
+        position = min(self.batches_consumed * self.batch_size, len(sampler))
+        state: dict[str, Any] = {
             "epoch": self.epoch,
             "batches_consumed": self.batches_consumed,
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
-            "sampler": self.sampler.state_dict(),
+            "started": self._started,
+            "epoch_rng": self._epoch_rng,
+            "persistent_iterator": self._iterator is not None,
+            "sampler": sampler.state_at(self.epoch, position),
         }
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        assert isinstance(self.sampler, ResumableSampler)
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler)
         if state["batch_size"] != self.batch_size:
             raise ValueError(
                 f"ResumableDataLoader batch_size={self.batch_size} here but {state['batch_size']} "
                 "in the checkpoint; the saved position counts batches of the old size"
             )
-        self.sampler.load_state_dict(state["sampler"])
+        if ("generator" in state) != (self.generator is not None):
+            raise ValueError(
+                "ResumableDataLoader: the checkpoint was written by a loader "
+                + ("with" if "generator" in state else "without")
+                + " its own generator (seed=/generator=) and this one is "
+                + ("not" if self.generator is None else "")
+                + "; construct it as the interrupted run did"
+            )
+        sampler.load_state_dict(state["sampler"])
         self.epoch = int(state["epoch"])
         self.batches_consumed = int(state["batches_consumed"])
+        self._started = bool(state.get("started", self.batches_consumed > 0))
+        if "epoch_rng" in state:
+            self._epoch_rng = state["epoch_rng"].clone()
+        if self.generator is not None:
+            self.generator.set_state(state["generator"].clone())
+        self._restored_persistent = bool(state.get("persistent_iterator", False))

@@ -33,29 +33,27 @@ import logging
 import os
 import signal
 import threading
-import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from .. import rng
 from ..checkpointer import Checkpointer
-from ..config import CheckpointerConfig
-from ..errors import CheckpointError, CheckpointMismatchError, ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME
-from ..structure import key_differences
+from . import checks, report
 from . import state as st
 from .loaders import ResumableDataLoader, make_resumable
 
 log = logging.getLogger("resilient_callbacks.lightning")
 
 _CHECKPOINTER_PARAMS = frozenset(inspect.signature(Checkpointer).parameters) - {"dirpath"}
-_ADAPTER_OWNED = frozenset({"save_on_exception"})  # handled here, not by the core
 
 
 @dataclass
@@ -77,8 +75,13 @@ class ResilientCheckpoint(Checkpoint):
             re-running the script resumes.
         make_dataloaders_resumable: rebuild plain ``DataLoader``\\ s (random, sequential or
             distributed sampler) as ``ResumableDataLoader``\\ s for exact mid-epoch resume.
-        data_seed: shuffle seed of rebuilt random-sampler loaders (default: the seed of
-            ``seed_everything``, else 0). DDP's ``DistributedSampler`` keeps its own seed.
+            They draw exactly as the loaders they replace, so an uninterrupted run is the run
+            without this callback.
+        data_seed: ``None`` (default): a rebuilt random-sampler loader shuffles as the original
+            (from the global torch RNG, which ``seed_everything`` seeds). An int: it shuffles
+            from ``torch.Generator().manual_seed(data_seed)`` instead, independent of the global
+            RNG (a different order than the original loader's). DDP's ``DistributedSampler``
+            keeps its own seed.
         save_on_exception: when training raises, save the last completed step before the
             exception propagates (single process; nothing is saved if an optimizer step ran
             since that step).
@@ -120,7 +123,7 @@ class ResilientCheckpoint(Checkpoint):
             raise ConfigError(f"data_seed={data_seed!r}: must be an int or None")
         kwargs = dict(checkpointer_kwargs)
         kwargs.setdefault("overlap_snapshot", bool(kwargs.get("async_save", True)))
-        _validate(dirpath, kwargs)
+        checks.validate(dirpath, kwargs)
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
         self.make_dataloaders_resumable = make_dataloaders_resumable
         self.data_seed = data_seed
@@ -159,7 +162,7 @@ class ResilientCheckpoint(Checkpoint):
         ``trainer.test(ckpt_path="best")`` behaves as without this callback (this callback's
         checkpoints are directories in its own format)."""
         trainer = getattr(self, "_trainer", None)
-        for cb in _callbacks(trainer):
+        for cb in checks.callbacks(trainer):
             if isinstance(cb, ModelCheckpoint):
                 return cb.best_model_path
         return ""
@@ -169,8 +172,8 @@ class ResilientCheckpoint(Checkpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != TrainerFn.FITTING.value:
             return
-        _check_strategy(trainer)
-        mine = [cb for cb in _callbacks(trainer) if isinstance(cb, ResilientCheckpoint)]
+        checks.check_strategy(trainer)
+        mine = [cb for cb in checks.callbacks(trainer) if isinstance(cb, ResilientCheckpoint)]
         if len(mine) > 1:
             raise ConfigError(
                 "the Trainer has several ResilientCheckpoint callbacks; use one (a checkpoint "
@@ -199,7 +202,7 @@ class ResilientCheckpoint(Checkpoint):
             self._resume_start(trainer, original_resume, checkpoint_path, weights_only)
 
         conn.resume_start = resume_start  # type: ignore[method-assign]
-        self._unpatch.append(lambda: _restore_attr(conn, "resume_start", resume_start))
+        self._unpatch.append(lambda: checks.restore_attr(conn, "resume_start", resume_start))
 
         fit_loop = trainer.fit_loop
         original_load = fit_loop._load_combined_loader_states
@@ -210,7 +213,9 @@ class ResilientCheckpoint(Checkpoint):
 
         fit_loop._load_combined_loader_states = load_loader_states  # type: ignore[method-assign]
         self._unpatch.append(
-            lambda: _restore_attr(fit_loop, "_load_combined_loader_states", load_loader_states)
+            lambda: checks.restore_attr(
+                fit_loop, "_load_combined_loader_states", load_loader_states
+            )
         )
 
         # On a restart Lightning may fast-forward the validation progress of the step it
@@ -225,7 +230,9 @@ class ResilientCheckpoint(Checkpoint):
 
         val_loop.increment_progress_to_evaluation_end = fast_forward  # type: ignore[method-assign]
         self._unpatch.append(
-            lambda: _restore_attr(val_loop, "increment_progress_to_evaluation_end", fast_forward)
+            lambda: checks.restore_attr(
+                val_loop, "increment_progress_to_evaluation_end", fast_forward
+            )
         )
 
     def _unpatch_all(self) -> None:
@@ -261,28 +268,33 @@ class ResilientCheckpoint(Checkpoint):
             original(checkpoint_path, weights_only)
             return
         holder = st.receivers()
-        step = ckpt.restore(holder)
+        with report.RestoreWatch() as watch:
+            step = ckpt.restore(holder)
         if ckpt.restored_from is None:
             log.info("no checkpoint in %s: starting fresh", ckpt.dirpath)
             original(None, weights_only)
             return
         checkpoint = st.assemble(holder)
-        _check_model_fits(trainer.lightning_module, checkpoint["state_dict"], ckpt.restored_from)
-        checkpoint = _migrate(checkpoint, ckpt.restored_from)
+        checks.check_model_fits(
+            trainer.lightning_module, checkpoint["state_dict"], ckpt.restored_from
+        )
+        checkpoint = checks.migrate(checkpoint, ckpt.restored_from)
         conn = trainer._checkpoint_connector
         conn._ckpt_path = ckpt.restored_from
         conn._loaded_checkpoint = checkpoint
         self.restored_step = step
         self._resume_rng = rng.capture()  # restored by the core; re-applied at on_train_start
-        if trainer.is_global_zero:
-            log.info("resuming from %s (step %d)", ckpt.restored_from, step)
+        loops = checkpoint.get("loops", {}).get("fit_loop", {})
+        batch = loops.get("epoch_loop.batch_progress", {}).get("current", {}).get("processed", "?")
+        where = f"epoch {checkpoint.get('epoch', '?')}, {batch} batch(es) into it"
+        rank_zero_info(report.resumed(ckpt.restored_from, step, where, watch))
 
     def _open(self, trainer: pl.Trainer, resume: Any) -> None:
         self._close(raise_errors=False)
         kwargs = dict(self._kwargs)
         kwargs["resume"] = resume
         if "signals" not in kwargs:
-            kwargs["signals"] = _signals(trainer)
+            kwargs["signals"] = checks.signals(trainer)
         dirpath = self.dirpath or os.path.join(trainer.default_root_dir, "resilient_checkpoints")
         self.checkpointer = Checkpointer(dirpath, **kwargs)
         watcher = self.checkpointer.watcher
@@ -392,7 +404,7 @@ class ResilientCheckpoint(Checkpoint):
             return  # accumulating gradients: no optimizer step in this batch
         self._last_step = step
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if _validation_follows(trainer):
+        if checks.validation_follows(trainer):
             self._pending = (step, loss)  # saved in on_validation_end, after that validation
             return
         self._boundary(trainer, step, loss)
@@ -424,7 +436,7 @@ class ResilientCheckpoint(Checkpoint):
         if ckpt.preempted:
             self.preempted = True
             trainer.should_stop = True  # exit_on_preemption=False: stop after this step
-        elif not saved and _is_final(trainer):
+        elif not saved and checks.is_final(trainer):
             saved = ckpt.save(step, state, metrics)
         if self.save_on_exception and ckpt.world_size == 1:
             self._remember_boundary(trainer, step)
@@ -537,139 +549,3 @@ class ResilientCheckpoint(Checkpoint):
             if raise_errors:
                 raise
             log.error("closing the checkpointer: %s", e)
-
-
-# ----------------------------------------------------------------------------- functions
-
-
-def _validate(dirpath: Any, kwargs: dict[str, Any]) -> None:
-    """Validate the Checkpointer options now, so a typo fails before training starts."""
-    config_fields = {f.name for f in fields(CheckpointerConfig)}
-    opts = {k: v for k, v in kwargs.items() if k in config_fields and k not in _ADAPTER_OWNED}
-    if "signals" in opts:
-        opts["signals"] = tuple(opts["signals"])
-    try:
-        CheckpointerConfig(dirpath=os.fspath(dirpath) if dirpath else ".", **opts)
-    except ConfigError:
-        raise
-    except Exception:  # anything else is checked again by the Checkpointer itself
-        pass
-
-
-def _check_strategy(trainer: pl.Trainer) -> None:
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
-    strategy = trainer.strategy
-    unsupported = []
-    try:
-        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
-
-        unsupported += [FSDPStrategy, DeepSpeedStrategy]
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        unsupported.append(ModelParallelStrategy)
-    except ImportError:  # pragma: no cover
-        pass
-    ok = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(
-        strategy, tuple(unsupported)
-    )
-    if not ok:
-        raise ConfigError(
-            f"ResilientCheckpoint does not support {type(strategy).__name__} yet: it saves "
-            "replicated state (single device or DDP). Sharded strategies (FSDP, DeepSpeed, "
-            "model parallel) need the torch.distributed.checkpoint path, which is not "
-            "implemented yet. Use strategy='ddp' or one device, or Lightning's ModelCheckpoint "
-            "for this strategy."
-        )
-
-
-def _signals(trainer: pl.Trainer) -> tuple[str, ...]:
-    """The core's default signals, plus Slurm's requeue signal when Lightning's
-    ``SLURMEnvironment`` would handle one (we handle it instead: no second save)."""
-    sigs = ["SIGTERM", "SIGUSR1"]
-    try:
-        from lightning.fabric.plugins.environments import SLURMEnvironment
-
-        env = trainer._accelerator_connector.cluster_environment
-        if isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal:
-            name = signal.Signals(env.requeue_signal).name
-            if name not in sigs:
-                sigs.append(name)
-    except Exception:  # pragma: no cover - defensive: fall back to the defaults
-        pass
-    return tuple(sigs)
-
-
-def _validation_follows(trainer: pl.Trainer) -> bool:
-    """Whether Lightning runs validation right after this training batch."""
-    if getattr(trainer, "_val_check_time_interval", None) is not None:
-        return False  # decided by wall time after this hook: cannot be predicted
-    epoch_loop = trainer.fit_loop.epoch_loop
-    fetcher = trainer.fit_loop._data_fetcher
-    if fetcher is None:
-        return False
-    try:
-        if not epoch_loop._should_check_val_fx(fetcher):
-            return False
-    except Exception:
-        return False
-    max_batches = epoch_loop.val_loop._max_batches
-    return not max_batches or sum(max_batches) > 0
-
-
-def _is_final(trainer: pl.Trainer) -> bool:
-    """Whether training ends after this step (so it is saved whatever the schedule says)."""
-    if trainer.should_stop:
-        return True
-    if trainer.max_steps not in (-1, None) and trainer.global_step >= trainer.max_steps:
-        return True
-    max_epochs = trainer.max_epochs
-    if max_epochs is not None and max_epochs != -1 and trainer.is_last_batch:
-        return trainer.current_epoch + 1 >= max_epochs
-    return False
-
-
-def _check_model_fits(module: Any, saved: dict[str, Any], path: str) -> None:
-    """A checkpoint of another model fails here, naming every key that does not fit, rather
-    than deep inside ``load_state_dict``. Skipped for ``strict_loading=False`` modules."""
-    if module is None or not getattr(module, "strict_loading", True):
-        return
-    live = {k: list(v.shape) for k, v in module.state_dict().items() if torch.is_tensor(v)}
-    have = {k: list(v.shape) for k, v in saved.items() if torch.is_tensor(v)}
-    missing, unexpected, reshaped = key_differences(live, have)
-    problems = []
-    if missing:
-        problems.append(f"missing in the checkpoint: {', '.join(missing[:20])}")
-    if unexpected:
-        problems.append(f"not in the model: {', '.join(unexpected[:20])}")
-    problems += [f"{k}: {have[k]} in the checkpoint, {live[k]} in the model" for k in reshaped[:20]]
-    if problems:
-        raise CheckpointMismatchError(
-            f"the checkpoint {path} does not fit this model:\n  - "
-            + "\n  - ".join(problems)
-            + "\nIf the directory belongs to another model or run, use a new dirpath (or "
-            "resume='never' to start fresh and leave those checkpoints alone)."
-        )
-
-
-def _migrate(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
-    """Lightning's own upgrade of checkpoints written by older Lightning versions."""
-    try:
-        from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
-    except ImportError:  # pragma: no cover
-        return checkpoint
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return _pl_migrate_checkpoint(checkpoint, path)
-
-
-def _callbacks(trainer: Any) -> list[Any]:
-    return list(getattr(trainer, "callbacks", None) or [])
-
-
-def _restore_attr(obj: Any, name: str, ours: Any) -> None:
-    if obj.__dict__.get(name) is ours:
-        del obj.__dict__[name]

@@ -1,5 +1,5 @@
-"""Train dataloaders that resume mid-epoch: plain shuffled ``DataLoader``s become
-:class:`~resilient_callbacks.ResumableDataLoader`\\ s.
+"""Train dataloaders that resume mid-epoch: plain ``DataLoader``\\ s become
+:class:`~resilient_callbacks.ResumableDataLoader`\\ s that draw exactly what they drew.
 
 Lightning saves and restores the state of every train dataloader that has ``state_dict()`` /
 ``load_state_dict()`` (torchdata's ``StatefulDataLoader``, the library's
@@ -7,10 +7,13 @@ Lightning saves and restores the state of every train dataloader that has ``stat
 epoch (and Lightning warns that the result is unreliable). :func:`make_resumable` rebuilds a plain
 ``DataLoader`` over a map-style dataset, with a ``RandomSampler``, ``SequentialSampler`` or the
 ``DistributedSampler`` Lightning injects for DDP, as a ``ResumableDataLoader`` with the same
-dataset, batch size and worker settings. Its epoch order is a permutation drawn from
-``seed + epoch`` (for a ``DistributedSampler`` exactly the order it would have produced) and its
+dataset, batch size, worker settings and generator, which draws exactly as the original would:
+a ``RandomSampler`` shuffles from the global torch RNG (or the loader's generator), a
+``DistributedSampler`` from ``seed + epoch``, and every iterator's base seed comes from where the
+original took it. An uninterrupted run is therefore the run without the callback; and the
 position is part of Lightning's checkpoint, so a resumed run continues with the next batch
-without loading the skipped ones.
+without loading the skipped ones. (``data_seed=`` replaces a ``RandomSampler``'s randomness by
+``torch.Generator().manual_seed(data_seed)``: a different order than the original loader's.)
 
 Lightning announces a new epoch through ``dataloader.sampler.set_epoch(epoch)`` and never lets a
 loader's iterator run out (it stops at the known length); a ``ResumableSampler`` passes that
@@ -19,7 +22,6 @@ call on to its ``ResumableDataLoader``.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from torch.utils.data import (
@@ -47,20 +49,13 @@ _CARRIED = (
 )
 
 
-def default_seed() -> int:
-    """The seed ``lightning.seed_everything`` recorded, else 0 (Lightning's DDP default)."""
-    try:
-        return int(os.environ.get("PL_GLOBAL_SEED", "0"))
-    except ValueError:
-        return 0
-
-
 def make_resumable(loader: Any, seed: int | None = None) -> tuple[Any, str | None]:
     """Return ``(resumable loader, None)``, or ``(loader, reason)`` when it cannot be rebuilt.
 
     Loaders that already have ``state_dict``/``load_state_dict`` are returned unchanged with no
-    reason. ``seed``: the shuffle seed for a ``RandomSampler`` (default: the seed recorded by
-    ``seed_everything``, else 0); a ``DistributedSampler`` keeps its own."""
+    reason. ``seed``: ``None`` (default) keeps the original randomness; an int shuffles a
+    ``RandomSampler``'s loader from ``torch.Generator().manual_seed(seed)`` instead (a
+    ``DistributedSampler`` keeps its own seed)."""
     if _is_stateful(loader):
         return loader, None
     if type(loader) is not DataLoader:
@@ -74,34 +69,34 @@ def make_resumable(loader: Any, seed: int | None = None) -> tuple[Any, str | Non
     kw: dict[str, Any] = {k: getattr(loader, k) for k in _CARRIED if hasattr(loader, k)}
     if loader.num_workers > 0:
         kw["prefetch_factor"] = loader.prefetch_factor
+    order: dict[str, Any] = {"generator": loader.generator}
     if type(sampler) is RandomSampler:
         if sampler.replacement or sampler._num_samples is not None:
             return loader, "its RandomSampler draws with replacement or a custom num_samples"
-        shuffle, replicas, rank = True, 1, 0
-        seed = default_seed() if seed is None else seed
+        if sampler.generator is not loader.generator:
+            return loader, "its RandomSampler has a generator other than the DataLoader's"
+        if seed is not None:
+            order = {"seed": seed}
     elif type(sampler) is SequentialSampler:
-        shuffle, replicas, rank, seed = False, 1, 0, 0 if seed is None else seed
+        order["shuffle"] = False
     elif type(sampler) is DistributedSampler:
         if sampler.drop_last:
             return loader, "its DistributedSampler drops the tail (drop_last=True)"
-        shuffle, replicas, rank, seed = (
-            sampler.shuffle,
-            sampler.num_replicas,
-            sampler.rank,
-            sampler.seed,
-        )
         if len(sampler.dataset) != n:  # type: ignore[arg-type]
             return loader, "its DistributedSampler covers another dataset"
+        order.update(
+            shuffle=sampler.shuffle,
+            num_replicas=sampler.num_replicas,
+            rank=sampler.rank,
+            seed=sampler.seed,
+        )
     else:
         return loader, f"its sampler is a {type(sampler).__qualname__}"
     new = ResumableDataLoader(
         loader.dataset,
         batch_size=loader.batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        num_replicas=replicas,
-        rank=rank,
         drop_last=loader.drop_last,
+        **order,
         **kw,
     )
     if type(sampler) is DistributedSampler:

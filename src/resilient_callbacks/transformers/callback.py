@@ -6,16 +6,24 @@ same points (they run collectives when ``torch.distributed`` is initialized).
 
 What happens when, in ``trainer.train()``:
 
+- ``on_init_end`` (only for ``Trainer(callbacks=[...])``): refuse an ``IterableDataset`` at once.
 - ``on_train_begin`` (the first event of ``train()``; the model, optimizer, scheduler and data
-  loader exist by then): find the Trainer, refuse what is not supported (DeepSpeed, FSDP,
-  iterable datasets), open the :class:`~resilient_callbacks.Checkpointer`, make the data
+  loader exist by then, nothing was iterated or computed): find the Trainer, refuse what is not
+  supported (:mod:`.checks`), open the :class:`~resilient_callbacks.Checkpointer`, make the data
   loader's batch sampler resumable, restore the newest valid checkpoint into the live objects and
-  the ``TrainerState``, and wrap ``_run_epoch``/``_maybe_log_save_evaluate`` on this Trainer
-  instance (see :mod:`.hooks` for why a callback alone cannot do it).
+  the ``TrainerState`` (saying so through the Trainer's logger, :mod:`.report`), and wrap
+  ``_run_epoch``/``_maybe_log_save_evaluate`` on this Trainer instance (see :mod:`.hooks` for
+  why a callback alone cannot do it).
 - after each optimizer step, once its logging, evaluation and best-metric tracking are done:
   ``Checkpointer.step()`` (saves when due; handles preemption). For the last step of an epoch
   this happens after the epoch-end logging/evaluation, so the checkpoint is at the epoch boundary.
 - ``on_train_end``: wait for background saves, close, unwrap.
+
+Transparency: none of this draws from a random stream or changes a batch, so an uninterrupted
+run with the callback is the run without it, bit for bit (only ``resilient/*`` save timings are
+added to the log). On a resume, the one draw a resumed run would make that the interrupted run
+did not (the data loader's base seed, drawn from the global torch RNG whenever an iterator is
+created) is taken from the RNG state recorded at that epoch's start instead.
 """
 
 from __future__ import annotations
@@ -24,29 +32,24 @@ import dataclasses
 import inspect
 import logging
 import os
-import warnings
 from typing import Any
 
 import torch
-import transformers
-from accelerate.data_loader import DataLoaderDispatcher
 from accelerate.optimizer import AcceleratedOptimizer
-from torch.utils.data import BatchSampler, RandomSampler
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_pt_utils import nested_gather
 
 from .. import dist
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
 from ..errors import CheckpointMismatchError, ConfigError
 from ..structure import PerRank
-from . import hooks
+from . import checks, hooks, report
 from .data import ResumableBatches, make_resumable
 
 log = logging.getLogger("resilient_callbacks")
 
-FORMAT = "resilient_callbacks.transformers/1"
+FORMAT = "resilient_callbacks.transformers/2"
 # TrainerState fields that describe progress (restored); the others follow the current arguments.
 STATE_FIELDS = (
     "epoch",
@@ -58,7 +61,6 @@ STATE_FIELDS = (
     "best_global_step",
     "best_model_checkpoint",
 )
-_TRIGGERS = ("every_n_steps", "every_seconds", "adaptive", "keep_every_n_steps")
 _OWN_OPTIONS = (
     "dirpath",
     "save_on_evaluate",
@@ -78,7 +80,7 @@ class ResilientCheckpoint(TrainerCallback):
     >>> trainer.train()                                                                          # doctest: +SKIP
 
     ``dirpath``: local (or shared, mounted) directory of the checkpoints; default
-    ``<output_dir>/resilient_checkpoints``. ``every_n_steps``, ``keep_last``, ``keep_best``, ``monitor``,
+    ``<output_dir>/_resilient_checkpoints`` (``push_to_hub`` skips names starting with ``_``). ``every_n_steps``, ``keep_last``, ``keep_best``, ``monitor``,
     ``mode`` and every other keyword are options of :class:`~resilient_callbacks.Checkpointer`
     (``every_seconds``, ``async_save``, ``adaptive``, ``remote``, ``preemption``, ``resume``, ...),
     passed through unchanged. Without a save trigger, the Trainer's ``save_steps`` (or, with
@@ -94,6 +96,11 @@ class ResilientCheckpoint(TrainerCallback):
       them; ``True`` keeps them.
     - ``log_save_metrics`` (default ``True``): after each save, log its timings to the Trainer's
       log (``resilient/save_blocking_s``, ``resilient/last_committed_s``, ...).
+
+    Adding it does not change the run: an uninterrupted ``train()`` draws the same random numbers
+    and trains on the same batches as without it. A resume is announced at WARNING through the
+    ``transformers.trainer`` logger (shown by default), and ``train()`` returns the metrics of the
+    uninterrupted run (``train_loss`` included), also when re-run after the run finished.
     """
 
     def __init__(
@@ -148,16 +155,18 @@ class ResilientCheckpoint(TrainerCallback):
         self._trainer: Any = None  # the Trainer whose train() is running
         self._loader: Any = None
         self._batches: ResumableBatches | None = None
-        self._generator = torch.Generator()
-        self._seed = 0
+        self._base: Any = None  # the torch DataLoader inside the Trainer's loader
+        self._own_generator: torch.Generator | None = None  # its generator (None: global RNG)
         self._values: dict[str, Any] = {}
         self._rank_values: dict[str, Any] = {}
         self._tree: dict[str, Any] = {}
-        self._epoch_rng = torch.zeros(_RNG_BYTES, dtype=torch.uint8)
+        self._epoch_rng = torch.zeros(_RNG_BYTES, dtype=torch.uint8)  # when the order was drawn
+        self._epoch_start = torch.zeros(_RNG_BYTES, dtype=torch.uint8)  # when the epoch began
+        self._epoch_start_live: torch.Tensor | None = None
         self._model_info: dict[str, Any] = {}
         self._signature: dict[str, int] = {}
         self._save_every_epoch = False
-        self._resume: tuple[int, int, torch.Tensor] | None = None
+        self._resume: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
         self._epoch_calls = 0
         self._epoch_offset = 0
         self._epoch = 0
@@ -177,6 +186,13 @@ class ResilientCheckpoint(TrainerCallback):
         return self
 
     # ------------------------------------------------------------------ events
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Fired by Trainer.__init__ for Trainer(callbacks=[...]): the earliest point that sees
+        # the training data (add_callback after construction fires nothing; on_train_begin checks).
+        trainer = self._attached or hooks.find_trainer(self, required=False)
+        if trainer is not None:
+            checks.check_train_dataset(getattr(trainer, "train_dataset", None))
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._attached if self._attached is not None else hooks.find_trainer(self)
@@ -217,19 +233,16 @@ class ResilientCheckpoint(TrainerCallback):
 
     def _begin(self, trainer: Any, args: Any, state: Any, loader: Any) -> None:
         self._finish()  # a previous train() that raised may have left things open
-        self._check(trainer, args, state, loader)
+        checks.check_setup(trainer, state, loader)
         hooks.check_supported(trainer)
-        options = self._resolved_options(args, state)
-        self._warn_about_trainer_saves(args)
-        dirpath = self.dirpath or os.path.join(args.output_dir, "resilient_checkpoints")
+        options, self._save_every_epoch = checks.resolved_options(self.options, args, state)
+        checks.warn_about_trainer_saves(args, self.trainer_checkpoints)
+        dirpath = checks.checkpoint_dir(self.dirpath, args)
 
         self._loader = loader
         self._batches = make_resumable(loader.batch_sampler)
-        # The DataLoader draws a base seed each time an iterator is created; from the global
-        # RNG that draw would happen again, at another point, in a resumed run. A private
-        # generator, seeded per epoch, makes it independent of the global RNG.
-        getattr(loader, "base_dataloader", loader).generator = self._generator
-        self._seed = args.data_seed if args.data_seed is not None else args.seed
+        self._base = getattr(loader, "base_dataloader", loader)
+        self._own_generator = self._base.generator
         self._signature = {
             "steps_in_epoch": len(loader),
             "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
@@ -237,7 +250,7 @@ class ResilientCheckpoint(TrainerCallback):
             "world_size": int(args.world_size),
             "num_samples": len(loader.dataset),
         }
-        self._model_info = _model_info(trainer.model)
+        self._model_info = checks.model_info(trainer.model)
         self._epoch_calls = self._epoch_offset = 0
         self._pending, self._epoch_ended, self._resume = None, False, None
         self.restored_step = None
@@ -255,116 +268,16 @@ class ResilientCheckpoint(TrainerCallback):
                     dirpath,
                 )
             else:
-                step = ckpt.restore(self._tree)
+                with report.RestoreWatch() as watch:
+                    step = ckpt.restore(self._tree)
                 if step:
-                    self._apply_restored(trainer, args, state, step)
+                    self._apply_restored(trainer, state, step, watch)
             hooks.wrap(trainer, "_run_epoch", self._run_epoch)
             hooks.wrap(trainer, "_maybe_log_save_evaluate", self._after_step)
         except BaseException:
             self._trainer = None
             ckpt.close()
             raise
-
-    def _check(self, trainer: Any, args: Any, state: Any, loader: Any) -> None:
-        if getattr(trainer, "is_deepspeed_enabled", False):
-            raise ConfigError(
-                "ResilientCheckpoint does not support Trainer + DeepSpeed yet: the DeepSpeed "
-                "engine owns the (ZeRO-partitioned) optimizer state and saves it in its own "
-                "format, which this adapter neither writes nor reads, and the DeepSpeed "
-                "integration of resilient_callbacks has not landed. Remove the callback and use "
-                "the Trainer's save_steps with DeepSpeed, or train without DeepSpeed."
-            )
-        if getattr(trainer, "is_fsdp_enabled", False) or getattr(
-            trainer, "is_fsdp_xla_enabled", False
-        ):
-            raise ConfigError(
-                "ResilientCheckpoint does not support FSDP: its parameters and optimizer state "
-                "are sharded, and the Checkpointer saves replicated and per-rank state only. "
-                "Use DDP, or torch.distributed.checkpoint for sharded models."
-            )
-        if state.is_hyper_param_search or getattr(trainer, "_trial", None) is not None:
-            raise ConfigError(
-                "ResilientCheckpoint does not support hyperparameter search: every trial would "
-                "resume from the same directory."
-            )
-        dataset = getattr(loader, "dataset", None)
-        if (
-            loader is None
-            or isinstance(dataset, torch.utils.data.IterableDataset)
-            or getattr(loader, "batch_sampler", None) is None
-        ):
-            raise ConfigError(
-                "ResilientCheckpoint needs a map-style train_dataset (one with __len__ and "
-                "__getitem__): its position inside an epoch is a batch index. An IterableDataset "
-                "has no such index; it cannot be resumed exactly mid-epoch."
-            )
-        if isinstance(loader, DataLoaderDispatcher) or isinstance(loader.sampler, BatchSampler):
-            raise ConfigError(
-                "ResilientCheckpoint does not support this data loader layout "
-                f"({type(loader).__name__} with sampler {type(loader.sampler).__name__}); use "
-                "the Trainer's default training data loader (accelerator_config "
-                "dispatch_batches=False)."
-            )
-        sampler = _index_sampler(loader.batch_sampler)
-        if type(sampler) is RandomSampler and sampler.generator is not None:
-            raise ConfigError(
-                "the training data is shuffled by a RandomSampler with its own generator, whose "
-                "order for an epoch cannot be recomputed on resume. Keep the Trainer's default "
-                "accelerator_config use_seedable_sampler=True (the order then depends on the "
-                "seed and the epoch only), or give your sampler set_epoch()."
-            )
-
-    def _resolved_options(self, args: Any, state: Any) -> dict[str, Any]:
-        options = dict(self.options)
-        self._save_every_epoch = False
-        if not any(options.get(k) for k in _TRIGGERS):
-            strategy = _value(args.save_strategy)
-            if strategy == "steps" and state.save_steps and state.save_steps > 0:
-                options["every_n_steps"] = int(state.save_steps)
-                log.info(
-                    "ResilientCheckpoint: no save trigger given; saving every %d steps "
-                    "(the Trainer's save_steps)",
-                    options["every_n_steps"],
-                )
-            elif strategy == "epoch":
-                self._save_every_epoch = True
-                log.info("ResilientCheckpoint: no save trigger given; saving at every epoch end")
-            else:
-                log.warning(
-                    "ResilientCheckpoint: no save trigger (every_n_steps, every_seconds, "
-                    "adaptive=True, ...) and save_strategy=%r; only the final step and "
-                    "emergency (preemption) saves are written",
-                    strategy,
-                )
-        return options
-
-    def _warn_about_trainer_saves(self, args: Any) -> None:
-        strategy = _value(args.save_strategy)
-        if self.trainer_checkpoints or strategy == "no":
-            return
-        if strategy == "best":
-            log.warning(
-                "save_strategy='best': the Trainer still writes its own checkpoint-N directories "
-                "when the metric improves (that decision is made after every callback event); "
-                "set save_strategy='no' and use keep_best/monitor instead"
-            )
-        else:
-            log.info(
-                "ResilientCheckpoint replaces the Trainer's own checkpoints (save_strategy=%r): "
-                "no checkpoint-N directories are written. Pass trainer_checkpoints=True to keep "
-                "them.",
-                strategy,
-            )
-        if args.load_best_model_at_end:
-            msg = (
-                "load_best_model_at_end=True loads one of the Trainer's own checkpoint-N "
-                "directories, which ResilientCheckpoint switches off: no best model will be loaded "
-                "at the end. Keep the best checkpoint with keep_best/monitor (and export it with "
-                "resilient_callbacks.transformers.export_pretrained), or pass "
-                "trainer_checkpoints=True."
-            )
-            warnings.warn(msg, UserWarning, stacklevel=4)
-            log.warning(msg)
 
     def _build_tree(self, trainer: Any) -> dict[str, Any]:
         opt = trainer.optimizer
@@ -374,6 +287,7 @@ class ResilientCheckpoint(TrainerCallback):
             "tr_loss": trainer._tr_loss,
             "current_flos": float(trainer.current_flos),
             "epoch_rng": self._epoch_rng,
+            "epoch_start_rng": self._epoch_start,
         }
         tree: dict[str, Any] = {
             "model": trainer.model,
@@ -391,7 +305,9 @@ class ResilientCheckpoint(TrainerCallback):
 
     # ------------------------------------------------------------------ restore
 
-    def _apply_restored(self, trainer: Any, args: Any, state: Any, step: int) -> None:
+    def _apply_restored(
+        self, trainer: Any, state: Any, step: int, watch: report.RestoreWatch
+    ) -> None:
         v = self._values
         if v.get("format") != FORMAT:
             raise CheckpointMismatchError(
@@ -418,22 +334,28 @@ class ResilientCheckpoint(TrainerCallback):
         self._restore_callbacks(trainer, v["callbacks"])
         loop = v["loop"]
         trainer._globalstep_last_logged = int(loop["globalstep_last_logged"])
-        # The summary metrics of train() (train_loss, throughput) cover this call's steps, as
-        # with the Trainer's own resume; the loss already accumulated since the last log entry is
-        # restored (so the next logged loss matches the uninterrupted run) and left out of them.
-        trainer._initial_global_step = state.global_step
+        # The running loss total (what train_loss averages) and, per rank, the loss not yet
+        # logged: the final train_loss is the uninterrupted run's, also for a finished run.
+        trainer._total_loss_scalar = float(loop["total_loss"])
         trainer._initial_num_input_tokens_seen = state.num_input_tokens_seen
-        pending = nested_gather(trainer._tr_loss, args.parallel_mode).mean().item()
-        trainer._total_loss_scalar = -pending
         trainer.current_flos = float(self._rank_values["current_flos"])
-        self._resume = (int(loop["epoch"]), int(loop["updates"]), self._epoch_rng.clone())
-        self.restored_step = step
-        log.info(
-            "ResilientCheckpoint: resumed at step %d (epoch %d, %d optimizer step(s) into it)",
-            step,
-            loop["epoch"],
-            loop["updates"],
+        self._resume = (
+            int(loop["epoch"]),
+            int(loop["updates"]),
+            self._epoch_rng.clone(),
+            self._epoch_start.clone(),
         )
+        self.restored_step = step
+        if trainer.is_world_process_zero():
+            where = f"epoch {loop['epoch']}, {loop['updates']} optimizer step(s) into it"
+            extra = ""
+            if state.global_step >= state.max_steps:
+                extra = (
+                    f"; the run had finished (max_steps={state.max_steps}): nothing to train, "
+                    "its final metrics are restored"
+                )
+            path = self.checkpointer.restored_from if self.checkpointer else None
+            report.trainer_log.warning(report.resumed(str(path), step, where, watch, extra))
 
     def _restore_callbacks(self, trainer: Any, saved: dict[str, list[Any]]) -> None:
         for name, states in saved.items():
@@ -460,8 +382,11 @@ class ResilientCheckpoint(TrainerCallback):
         first = self._epoch_calls == 0
         self._epoch_calls += 1
         start = 0
+        base = self._base
+        base.generator = self._own_generator  # a resumed epoch's one-off generator goes
+        epoch_start: torch.Tensor | None = None
         if self._resume is not None:
-            r_epoch, r_updates, r_rng = self._resume
+            r_epoch, r_updates, r_rng, r_start = self._resume
             if first:
                 self._epoch_offset = r_epoch - epoch
             epoch += self._epoch_offset
@@ -480,12 +405,21 @@ class ResilientCheckpoint(TrainerCallback):
                 a["num_update_steps_per_epoch"] = updates_per_epoch - start
                 assert self._batches is not None
                 self._batches.resume_at(start * gas, r_rng)
+                # The iterator this epoch creates draws its base seed as the interrupted run's
+                # did at the epoch start, from that RNG state, not from the global RNG now.
+                epoch_start = r_start
+                g = torch.Generator()
+                g.set_state(r_start.clone())
+                base.generator = g
         elif a["resume_from_checkpoint"] is not None and epoch == a["epochs_trained"]:
             start = int(a["steps_trained_in_current_epoch"]) // gas  # the Trainer's own resume
         self._epoch, self._updates = epoch, start
         self._steps_in_epoch, self._updates_per_epoch = steps_in_epoch, updates_per_epoch
         self._epoch_ended = False
-        self._generator.manual_seed((self._seed * 1_000_003 + epoch) % (2**63))
+        if epoch_start is None:  # what the iterator created in this epoch will draw from
+            own = self._own_generator
+            epoch_start = (own.get_state() if own is not None else torch.get_rng_state()).clone()
+        self._epoch_start_live = epoch_start
         try:
             return original(*bound.args, **bound.kwargs)
         except BaseException as e:
@@ -548,6 +482,7 @@ class ResilientCheckpoint(TrainerCallback):
                 "callbacks": self._callback_states(trainer),
                 "loop": {
                     "globalstep_last_logged": int(trainer._globalstep_last_logged),
+                    "total_loss": float(trainer._total_loss_scalar),
                     "epoch": int(position[0]),
                     "updates": int(position[1]),
                 },
@@ -560,6 +495,8 @@ class ResilientCheckpoint(TrainerCallback):
         rng = self._batches.epoch_rng if self._batches is not None else None
         if rng is not None:
             self._epoch_rng.copy_(rng)
+        if self._epoch_start_live is not None:
+            self._epoch_start.copy_(self._epoch_start_live)
 
     def _callback_states(self, trainer: Any) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {}
@@ -602,9 +539,7 @@ class ResilientCheckpoint(TrainerCallback):
         (``save_on_exception``), then close and unwrap."""
         trainer, ckpt = self._trainer, self.checkpointer
         self._trainer = None
-        if trainer is not None:
-            for name in hooks.WRAPPED:
-                hooks.unwrap(trainer, name)
+        self._release(trainer)
         if ckpt is not None:
             try:
                 ckpt.__exit__(type(exc), exc, exc.__traceback__)
@@ -614,33 +549,15 @@ class ResilientCheckpoint(TrainerCallback):
     def _finish(self) -> None:
         trainer, ckpt = self._trainer, self.checkpointer
         self._trainer = None
-        if trainer is not None:
-            for name in hooks.WRAPPED:
-                hooks.unwrap(trainer, name)
+        self._release(trainer)
         if ckpt is not None:
             ckpt.close()  # also destroys its background gloo group (needed under torchrun)
 
-
-def _value(option: Any) -> str:
-    """The string of a TrainingArguments enum option (``SaveStrategy.STEPS`` -> ``"steps"``)."""
-    return str(getattr(option, "value", option))
-
-
-def _index_sampler(batch_sampler: Any) -> Any:
-    inner = getattr(batch_sampler, "batch_sampler", None)
-    if inner is not None and hasattr(inner, "sampler"):
-        return inner.sampler
-    return getattr(batch_sampler, "sampler", None)
-
-
-def _model_info(model: Any) -> dict[str, Any]:
-    """What export needs to rebuild the model: its class and configuration (JSON text)."""
-    config = getattr(model, "config", None)
-    gen = getattr(model, "generation_config", None)
-    return {
-        "class": type(model).__name__,
-        "module": type(model).__module__,
-        "config": config.to_json_string(use_diff=False) if config is not None else None,
-        "generation_config": gen.to_json_string(use_diff=False) if gen is not None else None,
-        "transformers": transformers.__version__,
-    }
+    def _release(self, trainer: Any) -> None:
+        """Unwrap the Trainer's methods; give the data loader back its own generator."""
+        if trainer is not None:
+            for name in hooks.WRAPPED:
+                hooks.unwrap(trainer, name)
+        if self._base is not None:
+            self._base.generator = self._own_generator
+            self._base = None

@@ -44,9 +44,10 @@ RUN_EPOCH_PARAMS = frozenset(
 WRAPPED = ("_run_epoch", "_maybe_log_save_evaluate")
 
 
-def find_trainer(callback: Any) -> Any:
+def find_trainer(callback: Any, *, required: bool = True) -> Any:
     """The ``transformers.Trainer`` whose callback event is running now and that holds
-    ``callback``: the nearest caller frame whose ``self`` is such a Trainer."""
+    ``callback``: the nearest caller frame whose ``self`` is such a Trainer (``None`` when there
+    is none and not ``required``)."""
     frame = sys._getframe(1)
     try:
         while frame is not None:
@@ -58,6 +59,8 @@ def find_trainer(callback: Any) -> Any:
             frame = frame.f_back  # type: ignore[assignment]
     finally:
         del frame
+    if not required:
+        return None
     raise ConfigError(
         "ResilientCheckpoint could not find the transformers.Trainer it belongs to (no Trainer "
         "holding this callback is on the call stack). Add it with trainer.add_callback(cb) or "

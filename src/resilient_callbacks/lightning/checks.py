@@ -1,0 +1,152 @@
+"""Checks and small decisions of the Lightning adapter: options, strategy, signals, when a step
+is final or followed by validation, whether a checkpoint fits the model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+from dataclasses import fields
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ..config import CheckpointerConfig
+from ..errors import CheckpointMismatchError, ConfigError
+from ..structure import key_differences
+
+ADAPTER_OWNED = frozenset({"save_on_exception"})  # handled by the adapter, not by the core
+
+
+def validate(dirpath: Any, kwargs: dict[str, Any]) -> None:
+    """Validate the Checkpointer options now, so a typo fails before training starts."""
+    config_fields = {f.name for f in fields(CheckpointerConfig)}
+    opts = {k: v for k, v in kwargs.items() if k in config_fields and k not in ADAPTER_OWNED}
+    if "signals" in opts:
+        opts["signals"] = tuple(opts["signals"])
+    try:
+        CheckpointerConfig(dirpath=os.fspath(dirpath) if dirpath else ".", **opts)
+    except ConfigError:
+        raise
+    except Exception:  # anything else is checked again by the Checkpointer itself
+        pass
+
+
+def check_strategy(trainer: pl.Trainer) -> None:
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    strategy = trainer.strategy
+    unsupported = []
+    try:
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+        unsupported += [FSDPStrategy, DeepSpeedStrategy]
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        unsupported.append(ModelParallelStrategy)
+    except ImportError:  # pragma: no cover
+        pass
+    ok = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(
+        strategy, tuple(unsupported)
+    )
+    if not ok:
+        raise ConfigError(
+            f"ResilientCheckpoint does not support {type(strategy).__name__} yet: it saves "
+            "replicated state (single device or DDP). Sharded strategies (FSDP, DeepSpeed, "
+            "model parallel) need the torch.distributed.checkpoint path, which is not "
+            "implemented yet. Use strategy='ddp' or one device, or Lightning's ModelCheckpoint "
+            "for this strategy."
+        )
+
+
+def signals(trainer: pl.Trainer) -> tuple[str, ...]:
+    """The core's default signals, plus Slurm's requeue signal when Lightning's
+    ``SLURMEnvironment`` would handle one (we handle it instead: no second save)."""
+    sigs = ["SIGTERM", "SIGUSR1"]
+    try:
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        env = trainer._accelerator_connector.cluster_environment
+        if isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal:
+            name = signal.Signals(env.requeue_signal).name
+            if name not in sigs:
+                sigs.append(name)
+    except Exception:  # pragma: no cover - defensive: fall back to the defaults
+        pass
+    return tuple(sigs)
+
+
+def validation_follows(trainer: pl.Trainer) -> bool:
+    """Whether Lightning runs validation right after this training batch."""
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return False  # decided by wall time after this hook: cannot be predicted
+    epoch_loop = trainer.fit_loop.epoch_loop
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None:
+        return False
+    try:
+        if not epoch_loop._should_check_val_fx(fetcher):
+            return False
+    except Exception:
+        return False
+    max_batches = epoch_loop.val_loop._max_batches
+    return not max_batches or sum(max_batches) > 0
+
+
+def is_final(trainer: pl.Trainer) -> bool:
+    """Whether training ends after this step (so it is saved whatever the schedule says)."""
+    if trainer.should_stop:
+        return True
+    if trainer.max_steps not in (-1, None) and trainer.global_step >= trainer.max_steps:
+        return True
+    max_epochs = trainer.max_epochs
+    if max_epochs is not None and max_epochs != -1 and trainer.is_last_batch:
+        return trainer.current_epoch + 1 >= max_epochs
+    return False
+
+
+def check_model_fits(module: Any, saved: dict[str, Any], path: str) -> None:
+    """A checkpoint of another model fails here, naming every key that does not fit, rather
+    than deep inside ``load_state_dict``. Skipped for ``strict_loading=False`` modules."""
+    if module is None or not getattr(module, "strict_loading", True):
+        return
+    live = {k: list(v.shape) for k, v in module.state_dict().items() if torch.is_tensor(v)}
+    have = {k: list(v.shape) for k, v in saved.items() if torch.is_tensor(v)}
+    missing, unexpected, reshaped = key_differences(live, have)
+    problems = []
+    if missing:
+        problems.append(f"missing in the checkpoint: {', '.join(missing[:20])}")
+    if unexpected:
+        problems.append(f"not in the model: {', '.join(unexpected[:20])}")
+    problems += [f"{k}: {have[k]} in the checkpoint, {live[k]} in the model" for k in reshaped[:20]]
+    if problems:
+        raise CheckpointMismatchError(
+            f"the checkpoint {path} does not fit this model:\n  - "
+            + "\n  - ".join(problems)
+            + "\nIf the directory belongs to another model or run, use a new dirpath (or "
+            "resume='never' to start fresh and leave those checkpoints alone)."
+        )
+
+
+def migrate(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
+    """Lightning's own upgrade of checkpoints written by older Lightning versions."""
+    try:
+        from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+    except ImportError:  # pragma: no cover
+        return checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _pl_migrate_checkpoint(checkpoint, path)
+
+
+def callbacks(trainer: Any) -> list[Any]:
+    return list(getattr(trainer, "callbacks", None) or [])
+
+
+def restore_attr(obj: Any, name: str, ours: Any) -> None:
+    if obj.__dict__.get(name) is ours:
+        del obj.__dict__[name]

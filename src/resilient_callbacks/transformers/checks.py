@@ -1,0 +1,210 @@
+"""What ``ResilientCheckpoint`` decides before training: which setups it refuses (and how early),
+which save trigger it uses, and where its checkpoints go.
+
+Refusals name the way forward. The training dataset is checked as soon as the callback sees the
+Trainer: at ``Trainer(callbacks=[...])`` construction (``on_init_end``), and otherwise, for
+``trainer.add_callback(cb)`` (a Trainer calls no event of a callback added after its
+construction), at the start of ``train()``, before the data loader is iterated, before any
+forward pass or optimizer step, and before any checkpoint is opened.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+import transformers
+from accelerate.data_loader import DataLoaderDispatcher
+from torch.utils.data import BatchSampler, RandomSampler
+
+from ..errors import ConfigError
+
+log = logging.getLogger("resilient_callbacks")
+
+TRIGGERS = ("every_n_steps", "every_seconds", "adaptive", "keep_every_n_steps")
+# A directory name push_to_hub skips (Trainer.push_to_hub and its per-save pushes upload
+# output_dir with ignore_patterns=["_*", "checkpoint-*"]).
+DEFAULT_DIRNAME = "_resilient_checkpoints"
+LEGACY_DIRNAME = "resilient_checkpoints"  # the default before 2026-12; uploaded by push_to_hub
+HUB_IGNORED = ("_*", "checkpoint-*")
+
+
+def value(option: Any) -> str:
+    """The string of a TrainingArguments enum option (``SaveStrategy.STEPS`` -> ``"steps"``)."""
+    return str(getattr(option, "value", option))
+
+
+def check_train_dataset(dataset: Any) -> None:
+    """Refuse a training dataset without batch indices (an ``IterableDataset``)."""
+    if not isinstance(dataset, torch.utils.data.IterableDataset):
+        return
+    raise ConfigError(
+        f"ResilientCheckpoint needs a map-style train_dataset (with __len__ and __getitem__), "
+        f"not a {type(dataset).__name__} (an IterableDataset): the position it saves and resumes "
+        "inside an epoch is a batch index, which a stream does not have. Ways forward: use a "
+        "map-style dataset (with Hugging Face datasets, load without streaming=True, or "
+        "materialize the stream: datasets.Dataset.from_generator(...) or "
+        "Dataset.from_list(list(stream.take(n)))); or train this dataset without "
+        "ResilientCheckpoint, with the Trainer's own save_steps (its resume re-reads the "
+        "skipped part of the stream). Nothing was trained or saved."
+    )
+
+
+def check_setup(trainer: Any, state: Any, loader: Any) -> None:
+    """Refuse setups the adapter cannot save or resume exactly (at ``on_train_begin``: nothing
+    was iterated, computed or opened yet)."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ConfigError(
+            "ResilientCheckpoint does not support Trainer + DeepSpeed yet: the DeepSpeed "
+            "engine owns the (ZeRO-partitioned) optimizer state and saves it in its own "
+            "format, which this adapter neither writes nor reads, and the DeepSpeed "
+            "integration of resilient_callbacks has not landed. Remove the callback and use "
+            "the Trainer's save_steps with DeepSpeed, or train without DeepSpeed."
+        )
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
+        raise ConfigError(
+            "ResilientCheckpoint does not support FSDP: its parameters and optimizer state "
+            "are sharded, and the Checkpointer saves replicated and per-rank state only. "
+            "Use DDP, or torch.distributed.checkpoint for sharded models."
+        )
+    if state.is_hyper_param_search or getattr(trainer, "_trial", None) is not None:
+        raise ConfigError(
+            "ResilientCheckpoint does not support hyperparameter search: every trial would "
+            "resume from the same directory."
+        )
+    check_train_dataset(getattr(trainer, "train_dataset", None))
+    dataset = getattr(loader, "dataset", None)
+    check_train_dataset(dataset)
+    if loader is None or getattr(loader, "batch_sampler", None) is None:
+        raise ConfigError(
+            "ResilientCheckpoint needs a map-style train_dataset (with __len__ and "
+            "__getitem__) and the Trainer's batched training data loader: its position inside "
+            "an epoch is a batch index."
+        )
+    if isinstance(loader, DataLoaderDispatcher) or isinstance(loader.sampler, BatchSampler):
+        raise ConfigError(
+            "ResilientCheckpoint does not support this data loader layout "
+            f"({type(loader).__name__} with sampler {type(loader.sampler).__name__}); use "
+            "the Trainer's default training data loader (accelerator_config "
+            "dispatch_batches=False)."
+        )
+    sampler = index_sampler(loader.batch_sampler)
+    if type(sampler) is RandomSampler and sampler.generator is not None:
+        raise ConfigError(
+            "the training data is shuffled by a RandomSampler with its own generator, whose "
+            "order for an epoch cannot be recomputed on resume. Keep the Trainer's default "
+            "accelerator_config use_seedable_sampler=True (the order then depends on the "
+            "seed and the epoch only), or give your sampler set_epoch()."
+        )
+
+
+def index_sampler(batch_sampler: Any) -> Any:
+    inner = getattr(batch_sampler, "batch_sampler", None)
+    if inner is not None and hasattr(inner, "sampler"):
+        return inner.sampler
+    return getattr(batch_sampler, "sampler", None)
+
+
+def resolved_options(options: dict[str, Any], args: Any, state: Any) -> tuple[dict[str, Any], bool]:
+    """The Checkpointer options, with the Trainer's save schedule when no trigger was given;
+    and whether to save at every epoch end."""
+    options = dict(options)
+    if any(options.get(k) for k in TRIGGERS):
+        return options, False
+    strategy = value(args.save_strategy)
+    if strategy == "steps" and state.save_steps and state.save_steps > 0:
+        options["every_n_steps"] = int(state.save_steps)
+        log.info(
+            "ResilientCheckpoint: no save trigger given; saving every %d steps "
+            "(the Trainer's save_steps)",
+            options["every_n_steps"],
+        )
+        return options, False
+    if strategy == "epoch":
+        log.info("ResilientCheckpoint: no save trigger given; saving at every epoch end")
+        return options, True
+    log.warning(
+        "ResilientCheckpoint: no save trigger (every_n_steps, every_seconds, "
+        "adaptive=True, ...) and save_strategy=%r; only the final step and "
+        "emergency (preemption) saves are written",
+        strategy,
+    )
+    return options, False
+
+
+def warn_about_trainer_saves(args: Any, trainer_checkpoints: bool) -> None:
+    strategy = value(args.save_strategy)
+    if trainer_checkpoints or strategy == "no":
+        return
+    if strategy == "best":
+        log.warning(
+            "save_strategy='best': the Trainer still writes its own checkpoint-N directories "
+            "when the metric improves (that decision is made after every callback event); "
+            "set save_strategy='no' and use keep_best/monitor instead"
+        )
+    else:
+        log.info(
+            "ResilientCheckpoint replaces the Trainer's own checkpoints (save_strategy=%r): "
+            "no checkpoint-N directories are written. Pass trainer_checkpoints=True to keep "
+            "them.",
+            strategy,
+        )
+    if args.load_best_model_at_end:
+        msg = (
+            "load_best_model_at_end=True loads one of the Trainer's own checkpoint-N "
+            "directories, which ResilientCheckpoint switches off: no best model will be loaded "
+            "at the end. Keep the best checkpoint with keep_best/monitor (and export it with "
+            "resilient_callbacks.transformers.export_pretrained), or pass "
+            "trainer_checkpoints=True."
+        )
+        warnings.warn(msg, UserWarning, stacklevel=5)
+        log.warning(msg)
+
+
+def checkpoint_dir(dirpath: str | None, args: Any) -> str:
+    """Where the checkpoints go: ``dirpath``, else ``<output_dir>/_resilient_checkpoints`` (a
+    name ``push_to_hub`` does not upload). A run that began under the old default name keeps
+    using it (with a warning), so upgrading never starts a run afresh."""
+    if dirpath is None:
+        dirpath = os.path.join(args.output_dir, DEFAULT_DIRNAME)
+        legacy = os.path.join(args.output_dir, LEGACY_DIRNAME)
+        if not os.path.isdir(dirpath) and os.path.isdir(legacy) and os.listdir(legacy):
+            log.warning(
+                "ResilientCheckpoint: using the checkpoints in %s (the default directory of "
+                "earlier versions); push_to_hub uploads that directory. Move it to %s, or pass "
+                "dirpath=, to keep checkpoints out of the Hub upload.",
+                legacy,
+                dirpath,
+            )
+            dirpath = legacy
+    if getattr(args, "push_to_hub", False):
+        rel = os.path.relpath(os.path.abspath(dirpath), os.path.abspath(args.output_dir))
+        inside = not (rel == os.pardir or rel.startswith(os.pardir + os.sep))
+        if inside and not any(fnmatch.fnmatchcase(rel, p) for p in HUB_IGNORED):
+            msg = (
+                f"ResilientCheckpoint writes its checkpoints to {dirpath}, inside output_dir, and "
+                "push_to_hub=True uploads output_dir except names matching "
+                f"{list(HUB_IGNORED)}: the checkpoints would be uploaded. Use a dirpath outside "
+                f"output_dir or whose first component starts with '_' (the default, "
+                f"<output_dir>/{DEFAULT_DIRNAME}, is skipped)."
+            )
+            warnings.warn(msg, UserWarning, stacklevel=5)
+            log.warning(msg)
+    return dirpath
+
+
+def model_info(model: Any) -> dict[str, Any]:
+    """What export needs to rebuild the model: its class and configuration (JSON text)."""
+    config = getattr(model, "config", None)
+    gen = getattr(model, "generation_config", None)
+    return {
+        "class": type(model).__name__,
+        "module": type(model).__module__,
+        "config": config.to_json_string(use_diff=False) if config is not None else None,
+        "generation_config": gen.to_json_string(use_diff=False) if gen is not None else None,
+        "transformers": transformers.__version__,
+    }

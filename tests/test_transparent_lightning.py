@@ -1,0 +1,94 @@
+"""Adding the Lightning ``ResilientCheckpoint`` changes nothing in the run, and a resume is
+announced in ``fit()``'s default output.
+
+The script is tests/lightning_train.py: dropout, Python/NumPy noise in the loss, a shuffled
+train ``DataLoader`` (which the callback rebuilds as a ``ResumableDataLoader``) of 13 batches
+per epoch, validation every 6 batches and a sanity check (their iterators draw from the global
+torch RNG), AdamW with a per-step schedule.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+import lightning_train
+from resilient_callbacks import catalog
+from test_lightning import _argv, _losses
+
+SCRIPT = Path(__file__).with_name("lightning_train.py")
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(work: Path, *more: str, loader: str = "plain"):
+    work.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lightning_train.main(_argv(work, *more, loader=loader))
+
+
+def _assert_same(a: Path, b: Path) -> None:
+    la, lb = _losses(a / "losses.jsonl"), _losses(b / "losses.jsonl")
+    assert la and la == lb
+    pa, pb = load_file(str(a / "params.safetensors")), load_file(str(b / "params.safetensors"))
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+
+
+@pytest.mark.parametrize("loader", ["plain", "stateful"])
+def test_adding_the_callback_changes_nothing(tmp_path, loader):
+    """30 steps (two epoch boundaries, validations between steps), a checkpoint every 4 steps:
+    per-step losses and final weights equal the run without the callback, bit for bit."""
+    _run(tmp_path / "without", "--max-steps", "30", "--no-callback", loader=loader)
+    rc = _run(tmp_path / "with", "--max-steps", "30", loader=loader)
+    assert rc is not None and rc.restored_step is None
+    assert [e.step for e in catalog.committed(catalog.scan(str(tmp_path / "with" / "ckpt")))]
+    _assert_same(tmp_path / "without", tmp_path / "with")
+
+
+def test_data_seed_changes_the_order_on_purpose(tmp_path):
+    """data_seed= replaces the loader's randomness (documented): the control that shows the
+    comparison above can fail."""
+    _run(tmp_path / "without", "--max-steps", "8", "--no-callback")
+    _run(tmp_path / "with", "--max-steps", "8", "--data-seed", "3")
+    assert _losses(tmp_path / "without" / "losses.jsonl") != _losses(
+        tmp_path / "with" / "losses.jsonl"
+    )
+
+
+@pytest.mark.parametrize(
+    "stop, where",
+    [(13, "epoch 0, 13 batch(es) into it"), (18, "epoch 1, 5 batch(es) into it")],
+    ids=["epoch-end", "mid-epoch"],
+)
+def test_resumed_run_equals_the_run_without_the_callback(tmp_path, caplog, stop, where):
+    _run(tmp_path / "without", "--max-steps", "30", "--no-callback")
+    work = tmp_path / "with"
+    _run(work, "--max-steps", str(stop))
+    with caplog.at_level("INFO"):
+        rc = _run(work, "--max-steps", "30")
+    assert rc is not None and rc.restored_step == stop
+    assert f"ResilientCheckpoint: resumed at step {stop} ({where})" in caplog.text
+    _assert_same(tmp_path / "without", work)
+
+
+def test_the_resume_is_announced_in_the_default_output(tmp_path):
+    work = tmp_path / "run"
+    _run(work, "--max-steps", "6")
+    cmd = [sys.executable, str(SCRIPT), *_argv(work, "--max-steps", "7")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode == 0, p.stderr[-4000:]
+    text = p.stdout + p.stderr
+    line = next((x for x in text.splitlines() if "ResilientCheckpoint: resumed" in x), None)
+    assert line is not None, text[-4000:]
+    assert "resumed at step 6 (epoch 0, 6 batch(es) into it)" in line, line
+    assert "step_000000006" in line and "(local copy)" in line
