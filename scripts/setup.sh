@@ -3,7 +3,8 @@
 # scripts/constraints.txt (pip never has to search for a working set).
 #
 #   bash scripts/setup.sh core   # what the demo needs: torch, safetensors, fsspec, xxhash, numpy, tqdm
-#   bash scripts/setup.sh dev    # everything the test suite needs (Lightning, Transformers, s3fs, moto, ...)
+#   bash scripts/setup.sh test   # + what the test suite needs (Lightning, Transformers, s3fs, moto, ...)
+#   bash scripts/setup.sh dev    # + ruff, mypy, matplotlib (lint, type checks, benchmark plots)
 #
 # Idempotent: re-running it with nothing changed takes a second. Environment:
 #   PYTHON                  the interpreter for .venv (default: python3.11, else python3)
@@ -15,8 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 profile="${1:-dev}"
 case "$profile" in
-    core | dev) ;;
-    *) echo "usage: bash scripts/setup.sh [core|dev]" >&2; exit 2 ;;
+    core | test | dev) ;;
+    *) echo "usage: bash scripts/setup.sh [core|test|dev]" >&2; exit 2 ;;
 esac
 PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 VENV="${RESILIENT_VENV:-.venv}"
@@ -45,11 +46,18 @@ pip_install() {
 
 key="$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt | sha1sum | cut -c1-12)"
 key="$key-$(echo "$TORCH $TORCH_INDEX" | sha1sum | cut -c1-8)"
+# a profile includes the ones before it: core < test < dev
 done_core="$VENV/.resilient-setup-core-$key"
+done_test="$VENV/.resilient-setup-test-$key"
 done_dev="$VENV/.resilient-setup-dev-$key"
-if [ -f "$done_dev" ] || { [ "$profile" = core ] && [ -f "$done_core" ]; }; then
-    exit 0
-fi
+case "$profile" in
+    core) satisfied="$done_core $done_test $done_dev" ;;
+    test) satisfied="$done_test $done_dev" ;;
+    dev) satisfied="$done_dev" ;;
+esac
+for mark in $satisfied; do
+    if [ -f "$mark" ]; then exit 0; fi
+done
 
 if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV with $PY ($("$PY" --version 2>&1))"
@@ -80,15 +88,21 @@ else
     fi
 fi
 
-if [ "$profile" = core ]; then
-    say "[2/2] installing resilient-callbacks and its core dependencies (pinned)"
-    pip_install -c scripts/constraints.txt -e .
-    rm -f "$VENV"/.resilient-setup-*
-    touch "$done_core"
-else
-    say "[2/2] installing resilient-callbacks[dev]: Lightning, Transformers, s3fs, moto, pytest, ... (pinned; about a minute)"
-    pip_install -c scripts/constraints.txt -e ".[dev]"
-    rm -f "$VENV"/.resilient-setup-*
-    touch "$done_core" "$done_dev"
-fi
+case "$profile" in
+    core)
+        say "[2/2] installing resilient-callbacks and its core dependencies (pinned)"
+        pip_install -c scripts/constraints.txt -e .
+        marks="$done_core" ;;
+    test)
+        say "[2/2] installing resilient-callbacks[test]: Lightning, Transformers, s3fs, moto, pytest, ... (pinned; about a minute)"
+        pip_install -c scripts/constraints.txt -e ".[test]"
+        marks="$done_core $done_test" ;;
+    dev)
+        say "[2/2] installing resilient-callbacks[dev]: the test dependencies, ruff, mypy, matplotlib (pinned; about a minute)"
+        pip_install -c scripts/constraints.txt -e ".[dev]"
+        marks="$done_core $done_test $done_dev" ;;
+esac
+rm -f "$VENV"/.resilient-setup-*
+# shellcheck disable=SC2086
+touch $marks
 say "done: $VENV is ready ($profile)"

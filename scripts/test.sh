@@ -3,5 +3,5 @@
 # deselected by default; pass `-m slow`, `-m benchmark` or `-m gpu` to run those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev
+bash scripts/setup.sh test
 exec "${RESILIENT_VENV:-.venv}/bin/python" -m pytest "$@"

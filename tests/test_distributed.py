@@ -325,6 +325,7 @@ def test_two_ranks_save_and_exact_restore(tmp_path):
     assert not torch.equal(rank_states[0][1]["@rng/torch_cpu"], rank_states[1][1]["@rng/torch_cpu"])
 
 
+@pytest.mark.slow  # the single-rank lost-disk test (test_exact_resume) covers it by default
 def test_two_ranks_resume_from_the_remote_tier_into_an_empty_directory(tmp_path):
     """Two ranks upload through rank 0; a new run with an empty local directory restores step
     20 from the remote (rank 0 downloads, both ranks load) and continues exactly."""

@@ -646,6 +646,7 @@ def test_sigkill_then_sigterm_then_rerun_is_bit_exact(tmp_path, reference):
     _assert_same_run(ref, tmp_path)
 
 
+@pytest.mark.slow  # StatefulDataLoader and SIGUSR1 are each covered by faster default tests
 def test_stateful_dataloader_sigkill_then_slurm_sigusr1_then_rerun_is_bit_exact(
     tmp_path, reference
 ):

@@ -391,12 +391,20 @@ def test_s3_sigkill_mid_upload_leaves_only_complete_checkpoints(s3_server, s3_re
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "resilient_callbacks", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    """Run ``resilient-ckpt ARGS`` in this process (a subprocess would import torch and s3fs
+    again for each call; tests/test_cli.py runs the real executable)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from resilient_callbacks import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            rc = cli.main(list(args))
+        except SystemExit as e:  # argparse errors
+            rc = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(list(args), rc, out.getvalue(), err.getvalue())
 
 
 def _opts_args(opts) -> list[str]:

@@ -34,7 +34,9 @@ from test_transformers import (
     _restored,
 )
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+# slow (about a minute of CPU): run with -m slow. The default suite covers DDP exactness with the
+# Lightning DDP test and the core's two-rank tests, and the Transformers adapter single-process.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 
