@@ -251,6 +251,7 @@ def test_a_parent_directory_points_at_the_subdirectories_that_hold_checkpoints(t
     parent = tmp_path / "demo_output"
     make_run(str(parent / "a"), steps=(1, 2, 3))
     make_run(str(parent / "b" / "checkpoints"), steps=(1, 2))
+    make_run(str(parent / "c" / "run" / "x" / "checkpoints"), steps=(1,))  # the demo's depth
     (parent / "empty").mkdir()
     extra = {"push": ["memory://nowhere"], "export": [str(tmp_path / "hf")]}
     args = [command, str(parent), *extra.get(command, [])]
@@ -258,7 +259,10 @@ def test_a_parent_directory_points_at_the_subdirectories_that_hold_checkpoints(t
     assert r.returncode == (0 if command in ("ls", "gc") else 1)
     said = r.stdout + r.stderr
     assert f"no checkpoints in {parent}" in said or f"no checkpoints to push in {parent}" in said
-    assert "these subdirectories hold checkpoints: a (3), b/checkpoints (2)" in said
+    assert (
+        "these subdirectories hold checkpoints: a (3), b/checkpoints (2), c/run/x/checkpoints (1)"
+        in said
+    )
     assert not os.path.exists(parent / ".lock")  # gc did not lock a directory it does not own
 
 

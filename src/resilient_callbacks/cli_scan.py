@@ -56,8 +56,8 @@ def scan(target: Target, depth: Depth) -> list[Entry]:
 
 
 def holders(path: str) -> list[tuple[str, int]]:
-    """``(relative path, number of checkpoints)`` of the subdirectories of ``path`` (two
-    levels down at most) that hold checkpoints."""
+    """``(relative path, number of checkpoints)`` of the subdirectories of ``path`` (four
+    levels down at most, ``_HINT_MAX_DIRS`` directories looked at) that hold checkpoints."""
     found: list[tuple[str, int]] = []
     looked = 0
 
@@ -78,7 +78,7 @@ def holders(path: str) -> list[tuple[str, int]]:
             n = len(catalog.committed(catalog.scan(full, Depth.NONE)))
             if n:
                 found.append((sub, n))
-            elif level < 2:
+            elif level < 4:  # demo_output/plain/interrupted/checkpoints
                 visit(sub, level + 1)
 
     visit("", 1)
