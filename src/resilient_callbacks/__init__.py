@@ -17,10 +17,9 @@ This package imports no training framework; adapters live in their own modules.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,

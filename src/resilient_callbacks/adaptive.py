@@ -627,79 +627,17 @@ def _check_time(name: str, value: Any) -> float:
     return float(value)
 
 
-# --------------------------------------------------------------------------- loss jumps
+def __getattr__(name: str) -> Any:
+    """``LossJumpTrigger`` moved to :mod:`.trigger`; the old import path keeps working."""
+    if name == "LossJumpTrigger":
+        from .trigger import LossJumpTrigger
 
-
-@dataclass(kw_only=True)
-class LossJumpTrigger:
-    """Optional extra trigger: says when to save because the loss jumped or became non-finite.
-
-    :meth:`observe` returns True when a finite loss exceeds the running median of the last
-    ``window`` finite losses by more than ``threshold`` times that median's magnitude
-    (``loss - med > threshold * |med|``), or when the loss is non-finite after finite ones. Nothing
-    triggers before ``min_history`` finite losses have been seen. It triggers once per excursion:
-    it re-arms when a loss within the threshold (for non-finite: any finite loss) comes again. Jumped
-    losses still enter the window, so a lasting new level becomes the new normal.
-    """
-
-    threshold: float
-    window: int = 20
-    min_history: int = 5
-
-    _history: deque[float] = field(init=False, repr=False, compare=False)
-    _armed: bool = field(init=False, repr=False, compare=False, default=True)
-    _nonfinite_armed: bool = field(init=False, repr=False, compare=False, default=True)
-    last_reason: str | None = field(init=False, repr=False, compare=False, default=None)
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.threshold, bool)
-            or not isinstance(self.threshold, (int, float))
-            or not math.isfinite(self.threshold)
-            or self.threshold <= 0
-        ):
-            raise ConfigError(
-                f"threshold={self.threshold!r}: must be a finite number > 0, the relative jump "
-                "over the running median that triggers a save (e.g. 0.5 for +50%)"
-            )
-        _opt_int("window", self.window, 1)
-        _opt_int("min_history", self.min_history, 1)
-        if self.min_history > self.window:
-            raise ConfigError(
-                f"min_history={self.min_history} > window={self.window}: the window could never "
-                "hold enough losses; lower min_history or raise window"
-            )
-        self._history = deque(maxlen=self.window)
-
-    def observe(self, loss: float) -> bool:
-        """Record one loss (a float, or anything ``float()`` accepts); True means save now, and
-        :attr:`last_reason` says why."""
-        x = float(loss)
-        if not math.isfinite(x):
-            fire = bool(self._history) and self._nonfinite_armed
-            self._nonfinite_armed = False
-            if fire:
-                self.last_reason = f"loss became non-finite ({x}) after finite values"
-            return fire
-        self._nonfinite_armed = True
-        fire = False
-        if len(self._history) >= self.min_history:
-            med = statistics.median(self._history)
-            jumped = x - med > self.threshold * max(abs(med), 1e-12)
-            if jumped and self._armed:
-                fire = True
-                self.last_reason = (
-                    f"loss {x:.6g} jumped above the median {med:.6g} of the last "
-                    f"{len(self._history)} by more than {self.threshold:g}x"
-                )
-            self._armed = not jumped
-        self._history.append(x)
-        return fire
+        return LossJumpTrigger
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "AdaptiveSchedule",
-    "LossJumpTrigger",
     "daly_interval",
     "expected_waste_fraction",
     "optimal_interval",

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import uuid
+from typing import Protocol
 
 from .errors import CheckpointWriteError
 
@@ -41,6 +42,24 @@ def fsync_dir(path: str) -> None:
             raise
     finally:
         os.close(fd)
+
+
+class CommitStrategy(Protocol):
+    """How a set of files becomes one checkpoint atomically. Rank 0 calls all three methods;
+    every rank writes its files into the staging location ``begin`` returned, and the caller
+    writes the manifest into it last, before ``commit``."""
+
+    def begin(self, step: int) -> str:
+        """Create and return a fresh staging location for ``step``."""
+        ...
+
+    def commit(self, staging: str, step: int) -> str:
+        """Make ``staging`` (manifest written) the checkpoint for ``step``; return its path."""
+        ...
+
+    def abort(self, staging: str) -> None:
+        """Remove ``staging``; nothing becomes visible."""
+        ...
 
 
 class RenameCommit:

@@ -130,7 +130,7 @@ def read_manifest(ckpt_dir: str) -> Manifest:
 def versions() -> dict[str, str]:
     import torch
 
-    from . import __version__
+    from ._version import __version__
 
     return {
         "resilient_callbacks": __version__,

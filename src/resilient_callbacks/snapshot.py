@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .structure import PerRank, is_stateful
+from . import statetree
 
 
 class HostBuffers:
@@ -115,11 +115,8 @@ def optimizer_step_storages(state: Any) -> set[int]:
     """Storage addresses of tensors that only an optimizer step changes: the parameters of the
     modules in ``state`` and the state tensors of its optimizers."""
     out: set[int] = set()
-
-    def rec(obj: Any) -> None:
-        if isinstance(obj, PerRank):
-            rec(obj.obj)
-        elif isinstance(obj, torch.nn.Module):
+    for _, obj in statetree.leaves(state):
+        if isinstance(obj, torch.nn.Module):
             for p in obj.parameters():
                 out.add(p.untyped_storage().data_ptr())
         elif isinstance(obj, torch.optim.Optimizer):
@@ -127,16 +124,6 @@ def optimizer_step_storages(state: Any) -> set[int]:
                 for v in s.values():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
                         out.add(v.untyped_storage().data_ptr())
-        elif isinstance(obj, Mapping):
-            for v in obj.values():
-                rec(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                rec(v)
-        elif is_stateful(obj):
-            return
-
-    rec(state)
     return out
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointMismatchError, UnsupportedStateError
+from .filepart import FilePart
 from .tensorfile import DTYPE_TO_ST
 
 SAVEABLE_DTYPES = tuple(DTYPE_TO_ST)
@@ -153,6 +154,8 @@ class _Encoder:
             finally:
                 self._in_rank = False
             return {TAG: "per_rank", "id": rid}
+        if isinstance(obj, FilePart):  # it writes its own files (see filepart.py)
+            return {TAG: "filepart", "id": part_id(path)}
         if isinstance(obj, torch.Tensor):
             return self.tensor_ref(obj, path)
         if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
@@ -214,6 +217,11 @@ class _Encoder:
             "JSON-able values (dict, list, tuple, str, int, float, bool, None), or convert it to "
             "such values before putting it in the state."
         )
+
+
+def part_id(path: tuple[Any, ...]) -> str:
+    """The id of the FilePart at ``path`` in a state: its folder under ``parts/``."""
+    return "/".join(str(p) for p in path) or "root"
 
 
 def _qualname(obj: Any) -> str:
@@ -294,6 +302,8 @@ def decode(
                     f"per-rank state {n['id']!r} is missing for this rank in the checkpoint"
                 )
             return rec(per_rank[n["id"]])
+        if tag == "filepart":  # its files are read by the part itself
+            return dict(n)
         raise CheckpointMismatchError(f"unknown node type {tag!r} in checkpoint structure")
 
     return rec(node)
@@ -378,6 +388,10 @@ def check_fits(
     def rec(obj: Any, n: Any, path: tuple[Any, ...]) -> None:
         if isinstance(obj, PerRank):
             rec(obj.obj, n, path)
+            return
+        if isinstance(obj, FilePart):
+            if not (isinstance(n, dict) and n.get(TAG) == "filepart"):
+                problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a part")
             return
         if isinstance(obj, torch.nn.Module):
             if not (isinstance(n, dict) and n.get(TAG) == "stateful"):
@@ -471,7 +485,7 @@ def check_fits(
 
 
 def _has_live_objects(obj: Any) -> bool:
-    if isinstance(obj, (torch.Tensor, PerRank)) or is_stateful(obj):
+    if isinstance(obj, (torch.Tensor, PerRank, FilePart)) or is_stateful(obj):
         return True
     if isinstance(obj, Mapping):
         return any(_has_live_objects(v) for v in obj.values())
@@ -525,6 +539,8 @@ def apply(
         if isinstance(obj, PerRank):
             obj.obj = load_into(obj.obj, n, path)
             return obj
+        if isinstance(obj, FilePart):
+            return obj  # loaded from its own verified files (see restoring.py)
         if isinstance(obj, torch.Tensor):
             value = resolve(n)
             if isinstance(value, np.ndarray):

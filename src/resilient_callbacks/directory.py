@@ -1,0 +1,275 @@
+"""The checkpoint directory as its one writer sees it: lock, sweep, commit sequence, retention,
+run history, checkpoints of other runs, and the remote tier attached to it.
+
+Which ranks call what: every rank constructs a :class:`Directory` and calls :meth:`~Directory.open`
+(a collective: rank 0's failure is raised on every rank). Everything else is for the coordinator
+(rank 0) only: it holds the lock, numbers the commits, deletes, records history and owns the
+uploader. Other ranks never touch the directory except to write their files into a staging
+directory the coordinator made (see :mod:`.session`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from . import catalog, dist, history
+from .catalog import Depth, Entry, Status
+from .commit import RenameCommit, remove_checkpoint, sweep_staging
+from .errors import CheckpointError, CheckpointWriteError, ForeignCheckpointsWarning
+from .lock import DirLock
+from .retention import RetentionPolicy, plan
+
+if TYPE_CHECKING:
+    from .config import CheckpointerConfig
+    from .remote import RemoteStore
+    from .session import Committed
+    from .sync import RemoteSync
+
+log = logging.getLogger("resilient_callbacks")
+
+
+def error_type(name: str) -> type[CheckpointError]:
+    """The :class:`CheckpointError` subclass called ``name`` (an error rank 0 relayed by name)."""
+    from . import errors
+
+    t = getattr(errors, name, CheckpointError)
+    return t if isinstance(t, type) and issubclass(t, CheckpointError) else CheckpointError
+
+
+def apply_retention(
+    root: str,
+    policy: RetentionPolicy,
+    run_id: str | None,
+    protected: Iterable[str] = (),
+) -> None:
+    """Coordinator: delete what ``policy`` does not keep among the committed checkpoints of
+    ``root``. Never deletes a ``protected`` name, the newest valid checkpoint, or another run's."""
+    cands = catalog.retention_candidates(catalog.scan(root, Depth.SIZE))
+    p = plan(cands, policy, run_id, protected=list(protected))
+    for name in p.delete:
+        path = os.path.join(root, name)
+        try:
+            remove_checkpoint(path)
+            log.info("retention: deleted %s", name)
+        except OSError as e:
+            log.warning("retention: could not delete %s: %s", path, e)
+
+
+class Directory:
+    """One checkpoint directory and, optionally, its remote tier. Its one job: the directory's
+    lifecycle as rank 0 sees it (see the module docstring for the rank contract)."""
+
+    def __init__(self, dirpath: str, retention: RetentionPolicy, world_size: int) -> None:
+        self.dirpath = dirpath
+        self.retention = retention
+        self.world_size = world_size
+        self.is_coordinator = dist.rank() == 0
+        self.lock = DirLock(dirpath)
+        self.commit = RenameCommit(dirpath)
+        self.seq = 0  # commit number of the newest checkpoint either tier holds
+        self.run_id: str | None = None
+        self.remote: RemoteStore | None = None
+        self.sync: RemoteSync | None = None
+        self._retention_lock = threading.Lock()
+        self._reported_foreign = False
+        self.checked_foreign = False
+
+    # ------------------------------------------------------------------ opening
+
+    def open(self, config: CheckpointerConfig) -> None:
+        """Every rank: rank 0 creates the directory, takes the lock, sweeps what interrupted
+        saves left, reads the commit sequence and connects the remote tier; a failure there is
+        raised on every rank."""
+        error = None
+        pending: BaseException | None = None
+        if self.is_coordinator:
+            try:
+                os.makedirs(self.dirpath, exist_ok=True)
+                self.lock.acquire()
+                swept = sweep_staging(self.dirpath)
+                if swept:
+                    log.warning(
+                        "removed %d leftover(s) of interrupted saves or deletions: %s",
+                        len(swept),
+                        ", ".join(swept),
+                    )
+                self.seq = catalog.next_seq(self.dirpath) - 1
+                if config.remote is not None:
+                    self._open_remote(config)
+            except CheckpointError as e:
+                error = {"type": type(e).__name__, "msg": str(e)}
+                pending = e
+            except OSError as e:
+                error = {
+                    "type": "OSError",
+                    "msg": (
+                        f"cannot use {self.dirpath} as a checkpoint directory: {e.strerror or e}. "
+                        "Check that the path is right and writable by this user."
+                    ),
+                }
+                pending = CheckpointWriteError(error["msg"])
+                pending.__cause__ = e
+        error = dist.broadcast_json(error)
+        if error is not None:
+            if self.is_coordinator:
+                if self.sync is not None:
+                    self.sync.stop()
+                self.lock.release()
+                assert pending is not None
+                raise pending
+            if error["type"] == "OSError":
+                raise CheckpointWriteError(
+                    f"rank 0 could not open the checkpoint directory: {error['msg']}"
+                )
+            raise error_type(error["type"])(f"on rank 0: {error['msg']}")
+
+    def _open_remote(self, config: CheckpointerConfig) -> None:
+        """Coordinator: connect to the remote tier and prove it usable (a clear error now, not
+        after hours of training), then start the uploader."""
+        from .remote import RemoteStore
+        from .sync import RemoteSync
+
+        assert config.remote is not None
+        self.remote = RemoteStore(config.remote, config.remote_options)
+        self.remote.preflight(timeout=config.remote_timeout)
+        self.sync = RemoteSync(
+            self.remote,
+            self.dirpath,
+            config.remote_retention_policy(),
+            after_upload=self._retention_after_upload,
+        )
+        self.sync.refresh()
+
+    def release(self) -> None:
+        """Stop the uploader and release the lock (idempotent)."""
+        if self.sync is not None:
+            self.sync.stop()
+        self.lock.release()
+
+    # ------------------------------------------------------------------ after a commit
+
+    def after_commit(self, committed: Committed) -> None:
+        """Coordinator, once a checkpoint is committed: number it, queue its upload, apply
+        retention (never to the checkpoint just committed)."""
+        self.seq = max(self.seq, committed.seq)
+        name = os.path.basename(committed.path)
+        if self.sync is not None:
+            self.sync.enqueue(name)
+        self.apply_retention(protect=name)
+
+    def _retention_after_upload(self) -> None:
+        if self.run_id is not None:
+            self.apply_retention(protect=None)
+
+    def apply_retention(self, protect: str | None) -> None:
+        """Coordinator: apply the local retention policy. With a remote tier, a checkpoint
+        whose remote copy is not committed yet is never deleted (it is the only copy)."""
+        with self._retention_lock:  # the persist and the upload threads both call this
+            protected = [protect] if protect else []
+            if self.sync is not None:
+                protected += self.sync.pending()
+            apply_retention(self.dirpath, self.retention, self.run_id, protected)
+
+    # ------------------------------------------------------------------ history, other runs
+
+    def record(self, event: str, step: int) -> None:
+        """Append to the directory's run history (coordinator only)."""
+        try:
+            history.append(self.dirpath, event, step, self.run_id, self.world_size)
+        except OSError as e:
+            log.warning("could not record the %s in %s: %s", event, self.dirpath, e)
+
+    def check_foreign(self, stacklevel: int) -> None:
+        """Coordinator, once per run: warn about checkpoints of other runs in the directory."""
+        self.checked_foreign = True
+        self.report_foreign(catalog.scan(self.dirpath, Depth.NONE), stacklevel + 1)
+
+    def report_foreign(self, entries: list[Entry], stacklevel: int) -> None:
+        if self._reported_foreign or self.run_id is None:
+            return
+        foreign = [
+            e for e in entries if e.manifest is not None and e.manifest.run_id != self.run_id
+        ]
+        if not foreign:
+            return
+        self._reported_foreign = True
+        runs = sorted({e.manifest.run_id for e in foreign if e.manifest})
+        steps = [e.manifest.step for e in foreign if e.manifest]
+        msg = (
+            f"{self.dirpath} holds {len(foreign)} checkpoint(s) of {len(runs)} other run(s) "
+            f"({', '.join(runs)}; steps {min(steps)}..{max(steps)}). Retention does not count "
+            "or delete them; use a separate dirpath per run, or remove them with "
+            "`resilient-ckpt gc`."
+        )
+        warnings.warn(msg, ForeignCheckpointsWarning, stacklevel=stacklevel + 1)
+        log.warning(msg)
+
+    # ------------------------------------------------------------------ queries
+
+    def checkpoints(self) -> list[Entry]:
+        """Committed checkpoints in the directory, oldest first (sizes checked, not checksums)."""
+        return catalog.committed(catalog.scan(self.dirpath, Depth.SIZE))
+
+    def latest_valid(self) -> str | None:
+        valid = [e for e in self.checkpoints() if e.status is Status.VALID]
+        return valid[-1].path if valid else None
+
+    # ------------------------------------------------------------------ uploads at close
+
+    def finish_uploads(self, timeout: float | None, outage_s: float) -> None:
+        """close(): wait for the uploads (a progress bar on a terminal), then say what, if
+        anything, is still only local."""
+        assert self.sync is not None and self.remote is not None
+        status = self.sync.status()
+        if status.pending:
+            log.warning(
+                "waiting for %d checkpoint(s) to upload to %s: %s%s",
+                len(status.pending),
+                self.remote.url,
+                ", ".join(status.pending),
+                "" if timeout is None else f" (at most {timeout:.0f} s)",
+            )
+            self.sync.show_progress = True
+        if self._wait_uploads(timeout, outage_s):
+            if status.pending:
+                log.warning("all checkpoints are uploaded to %s", self.remote.url)
+            return
+        status = self.sync.status()
+        log.warning(
+            "close(): %d checkpoint(s) are still only local in %s, not in %s: %s (last error: "
+            "%s). They are kept locally; the next run with the same dirpath and remote uploads "
+            "them, or run `resilient-ckpt push %s %s`.",
+            len(status.pending),
+            self.dirpath,
+            self.remote.url,
+            ", ".join(status.pending),
+            status.last_error or "none, still uploading",
+            self.dirpath,
+            self.remote.url,
+        )
+
+    def _wait_uploads(self, timeout: float | None, outage_s: float) -> bool:
+        """Wait for the upload queue to drain: up to ``timeout``, and without a timeout for
+        as long as the store answers; after ``outage_s`` of failing attempts, give up (a job
+        must not hang at exit through a long outage; what is left stays local)."""
+        assert self.sync is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        outage_since: float | None = None
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return self.sync.wait(0)
+            if self.sync.wait(1.0 if left is None else min(left, 1.0)):
+                return True
+            if self.sync.status().failures:
+                outage_since = outage_since or time.monotonic()
+                if timeout is None and time.monotonic() - outage_since > outage_s:
+                    return False
+            else:
+                outage_since = None

@@ -1,0 +1,193 @@
+"""Emergency saves: on a preemption request, and of the last consistent step when training
+fails with an exception (``save_on_exception``). One implementation for every adapter: they
+call :meth:`Checkpointer.abort` (exception) or let :meth:`Checkpointer.step` see the request.
+
+Which ranks call what: a preemption request is agreed on by every rank at a decision step
+(:meth:`Checkpointer.step`), so every rank makes the emergency save together. An exception is
+local to one rank, so the exception save is made only with a single rank (with several, the
+others could not join its collectives; the newest checkpoint is then the last periodic one).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import rng, statetree, structure
+from .errors import CheckpointError
+from .filepart import FilePart
+from .preemption import MetadataPoller, PreemptionWatcher
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+    from .config import CheckpointerConfig
+
+log = logging.getLogger("resilient_callbacks")
+
+GRACE_ENV = "RESILIENT_GRACE_PERIOD_S"  # default grace period (s) when grace_period is None
+
+
+class _Frozen:
+    """A stateful object's state_dict taken at a step boundary, for save_on_exception."""
+
+    def __init__(self, sd: Any) -> None:
+        self._sd = sd
+
+    def state_dict(self) -> Any:
+        return self._sd
+
+    def load_state_dict(self, sd: Any) -> None:  # pragma: no cover - never restored into
+        raise TypeError("a frozen state cannot be loaded into")
+
+
+def freeze(state: Any) -> Any:
+    """The state as of now: modules and optimizers by reference (only an optimizer step changes
+    them, which is watched), other objects' state_dicts and tensors copied, containers rebuilt."""
+    if isinstance(state, structure.PerRank):
+        return structure.PerRank(freeze(state.obj))
+    if isinstance(state, (torch.nn.Module, torch.optim.Optimizer, FilePart)):
+        return state
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if structure.is_stateful(state):
+        return _Frozen(copy.deepcopy(state.state_dict()))
+    if isinstance(state, Mapping):
+        return {k: freeze(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [freeze(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(freeze(v) for v in state)
+    return copy.deepcopy(state)
+
+
+def start_watcher(config: CheckpointerConfig) -> tuple[PreemptionWatcher, MetadataPoller | None]:
+    """Install the signal handlers (and start the cloud notice poller) of ``config``."""
+    grace = config.grace_period
+    if grace is None and os.environ.get(GRACE_ENV):
+        # set by the job recipes from the scheduler's grace period
+        try:
+            grace = float(os.environ[GRACE_ENV])
+        except ValueError:
+            log.warning("ignoring %s=%r: not a number of seconds", GRACE_ENV, os.environ[GRACE_ENV])
+    watcher = PreemptionWatcher(
+        signals=config.signals, handle_sigint=config.handle_sigint, grace_period_s=grace
+    )
+    watcher.install()
+    poller = None
+    if config.metadata_notices is not None:
+        opts = config.metadata_notices
+        opts = {"kind": opts} if isinstance(opts, str) else dict(opts)
+        poller = MetadataPoller(watcher, **opts).start()
+    return watcher, poller
+
+
+class Emergency:
+    """The emergency saves of one Checkpointer: preemption and save_on_exception."""
+
+    def __init__(self, ck: Checkpointer) -> None:
+        self._ck = ck
+        self._consistent_point: Any = None
+        self._step_watch: dict[int, Any] = {}
+
+    def mark_consistent(self, step: int, state: Any) -> None:
+        """Remember what step ``step``'s state is, cheaply: modules and optimizers by reference
+        (an optimizer-step hook notices if they change), everything else copied."""
+        stepped = [False]
+        self._watch_optimizers(state, stepped)
+        rng_state = rng.capture() if self._ck.config.capture_rng else (None, {})
+        self._consistent_point = (step, freeze(state), rng_state, stepped)
+
+    def _watch_optimizers(self, state: Any, stepped: list[bool]) -> None:
+        """Flag ``stepped[0]`` when any optimizer in the state steps (save_on_exception)."""
+        for opt in statetree.optimizers(state):
+            old = self._step_watch.pop(id(opt), None)
+            if old is not None:
+                old.remove()
+
+            def post_step(*_: Any, _flag: list[bool] = stepped) -> None:
+                _flag[0] = True
+
+            self._step_watch[id(opt)] = opt.register_step_post_hook(post_step)
+
+    def release(self) -> None:
+        """Remove the optimizer hooks and forget the consistent point (close)."""
+        for handle in self._step_watch.values():
+            handle.remove()
+        self._step_watch.clear()
+        self._consistent_point = None
+
+    def save_on_exception(self, exc: BaseException) -> None:
+        """Save the last consistent step before ``exc`` propagates, if configured and safe."""
+        ck = self._ck
+        point = self._consistent_point
+        if not ck.config.save_on_exception or point is None:
+            return
+        if isinstance(exc, (CheckpointError, SystemExit)):
+            return  # our own failure, or a deliberate exit (preemption already saved)
+        if ck.world_size > 1:
+            log.warning(
+                "save_on_exception: not saving after %s with several ranks (the other ranks "
+                "cannot join the save); the newest checkpoint is the last periodic one",
+                type(exc).__name__,
+            )
+            return
+        step, frozen, rng_state, stepped = point
+        if stepped[0]:
+            log.warning(
+                "save_on_exception: %s came after an optimizer step that step() never saw; the "
+                "state matches no step, so nothing is saved",
+                type(exc).__name__,
+            )
+            return
+        log.warning(
+            "%s during training: saving the state of step %d (unchanged since) before it "
+            "propagates",
+            type(exc).__name__,
+            step,
+        )
+        try:
+            ck._wait_background()
+            ck._saver.save(
+                step,
+                frozen,
+                None,
+                "emergency",
+                why=f"exception {type(exc).__name__}",
+                rng_state=rng_state,
+            )
+        except Exception as e:
+            log.error("save_on_exception: the emergency save failed: %s", e)
+
+    def preemption(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> bool:
+        """Every rank: flush background saves, save this step synchronously, then stop (exit
+        with ``preemption_exit_code`` if ``exit_on_preemption``)."""
+        ck = self._ck
+        watcher = ck.watcher
+        req = watcher.request if watcher is not None else None
+        source = req.source if req is not None else "request"
+        if watcher is not None:
+            estimate = max(ck._save_seconds, default=0.0)
+            warning = watcher.check_grace(estimate) if estimate else None
+            if warning:
+                log.warning(warning)
+        log.warning("preemption (%s): saving step %d before stopping", source, step)
+        ck._wait_background()
+        saved = ck._saver.save(step, state, metrics, "emergency", why=f"preemption ({source})")
+        ck.preempted = True
+        if ck.config.exit_on_preemption:
+            log.warning(
+                "checkpoint of step %d committed; exiting with code %d so the scheduler "
+                "restarts the job, which resumes from it",
+                step,
+                ck.config.preemption_exit_code,
+            )
+            left = watcher.remaining_grace_s() if watcher is not None else None
+            # uploads may use what is left of the grace period, keeping a margin to exit
+            ck.close(timeout=None if left is None else max(0.0, left - 5.0))
+            raise SystemExit(ck.config.preemption_exit_code)
+        return saved

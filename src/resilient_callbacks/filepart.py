@@ -1,0 +1,197 @@
+"""FilePart: a piece of training state that owns its files (DeepSpeed ZeRO partitions, DCP
+shards), put anywhere in a Checkpointer's state (in a dict, a list, a tuple).
+
+The core stays in charge of everything that makes a checkpoint trustworthy; the part only says
+what its files hold. At a save the part is recorded in the structure as a ``filepart`` node,
+and its files live under ``parts/<id>/`` of the checkpoint (``id``: its place in the state, as
+``"engine"`` or ``"models/0"``), listed in the manifest like every other file.
+
+Which ranks call what (every rank holds the part at the same place in its state):
+
+- :meth:`FilePart.capture` -- every rank, on the training thread, at every save: copy what this
+  rank writes into ``buffers`` (host buffers the core keeps for this part and reuses between
+  saves: ``buffers.get(name, like)``) and return what :meth:`write` needs. The training loop may
+  change the live tensors as soon as it returns.
+- :meth:`FilePart.write` -- every rank, in the background writer (or on the training thread for
+  a synchronous save): write the captured copies only through ``writer`` (the core's hashing
+  writers, into the part's own sub-folder). Each rank writes its own files; names must differ
+  between ranks (put the rank in them). A failure is reported like any rank's failure: no
+  commit, the error names the rank.
+- :meth:`FilePart.files_to_read` -- every rank, at restore: the names (in the part's folder)
+  this rank needs, given what the checkpoint lists and who wrote it; raise
+  :class:`~.errors.CheckpointMismatchError` to refuse a checkpoint early (e.g. another world
+  size). The core verifies each file (size and checksum) before anything is loaded: a missing
+  or corrupt file makes restore fall back, loudly, to the previous checkpoint.
+- :meth:`FilePart.load` -- every rank, once every rank has read and verified its files: restore
+  from the verified contents in ``reader``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import CheckpointCorruptError, UnsupportedStateError
+from .manifest import FileEntry, Manifest
+from .tensorfile import DirectBuffer, map_tensors_verified, read_verified, write_json, write_tensors
+
+if TYPE_CHECKING:
+    from .snapshot import HostBuffers
+
+PARTS_DIR = "parts"
+
+
+def part_dir(part_id: str) -> str:
+    """The folder (relative to the checkpoint) of the part at ``part_id``."""
+    return f"{PARTS_DIR}/{part_id}"
+
+
+def _check_name(name: str) -> str:
+    if not name or "/" in name or "\\" in name or name in (".", "..") or name == "manifest.json":
+        raise UnsupportedStateError(
+            f"a FilePart file name must be a plain name inside its folder, got {name!r}"
+        )
+    return name
+
+
+@dataclass
+class PartInfo:
+    """What a part is told at restore: its id, this rank, the world size now and when saved,
+    and the names the checkpoint lists in the part's folder, with the rank that wrote each."""
+
+    part_id: str
+    rank: int
+    world_size: int
+    saved_world_size: int
+    listed: dict[str, int]
+
+
+class PartWriter:
+    """Writes one part's files of one rank into a staging directory, through the core's hashing
+    writers; the entries it made go into the manifest."""
+
+    def __init__(
+        self,
+        staging: str,
+        part_id: str,
+        rank: int,
+        *,
+        direct: bool = False,
+        bounce: DirectBuffer | None = None,
+    ) -> None:
+        self.folder = part_dir(part_id)
+        self._root = os.path.join(staging, *self.folder.split("/"))
+        self.rank = rank
+        self._direct, self._bounce = direct, bounce
+        self.entries: list[FileEntry] = []
+        os.makedirs(self._root, exist_ok=True)
+
+    def tensors(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write ``tensors`` as one safetensors file ``name``."""
+        d = write_tensors(
+            os.path.join(self._root, _check_name(name)),
+            dict(tensors),
+            {"format": "resilient_callbacks", "part": self.folder},
+            direct=self._direct,
+            bounce=self._bounce,
+        )
+        self.entries.append(FileEntry(f"{self.folder}/{name}", d.size, d.xxh3_64, self.rank))
+
+    def json(self, name: str, obj: Any) -> None:
+        """Write a JSON-able ``obj`` as file ``name``."""
+        d = write_json(os.path.join(self._root, _check_name(name)), obj)
+        entry = FileEntry(f"{self.folder}/{name}", d.size, d.xxh3_64, self.rank, "structure")
+        self.entries.append(entry)
+
+
+@dataclass
+class PartReader:
+    """The verified contents of the files one rank of one part asked for."""
+
+    info: PartInfo
+    _tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    _json: dict[str, Any] = field(default_factory=dict)
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"{name!r} was not asked for by files_to_read()") from None
+
+    def json(self, name: str) -> Any:
+        try:
+            return self._json[name]
+        except KeyError:
+            raise KeyError(f"{name!r} was not asked for by files_to_read()") from None
+
+
+def read_part_files(path: str, manifest: Manifest, part: FilePart, info: PartInfo) -> PartReader:
+    """Read and verify the files ``part`` says this rank needs. Raises
+    :class:`CheckpointCorruptError` naming a file that is not listed, missing or damaged."""
+    folder = part_dir(info.part_id)
+    entries = {f.path: f for f in manifest.files}
+    reader = PartReader(info)
+    for name in part.files_to_read(info):
+        rel = f"{folder}/{_check_name(name)}"
+        entry = entries.get(rel)
+        if entry is None:
+            raise CheckpointCorruptError(f"{path}: the manifest does not list {rel}")
+        full = os.path.join(path, *rel.split("/"))
+        if entry.kind == "structure":
+            buf = read_verified(full, entry.digest)
+            try:
+                reader._json[name] = json.loads(bytes(buf))
+            except ValueError as e:
+                raise CheckpointCorruptError(f"{full}: unreadable JSON ({e})") from None
+        else:
+            reader._tensors[name] = map_tensors_verified(full, entry.digest)
+    return reader
+
+
+def part_info(part_id: str, manifest: Manifest, rank: int, world_size: int) -> PartInfo:
+    prefix = part_dir(part_id) + "/"
+    listed = {f.path[len(prefix) :]: f.rank for f in manifest.files if f.path.startswith(prefix)}
+    return PartInfo(part_id, rank, world_size, manifest.world_size, listed)
+
+
+class FilePart(ABC):
+    """A piece of state that owns its files. See the module docstring for the rank contract."""
+
+    @abstractmethod
+    def capture(self, buffers: HostBuffers) -> Any:
+        """Training thread: copy this rank's state into ``buffers``; return it for write()."""
+
+    @abstractmethod
+    def write(self, captured: Any, writer: PartWriter) -> None:
+        """Background: write ``captured`` through ``writer`` only."""
+
+    @abstractmethod
+    def files_to_read(self, info: PartInfo) -> list[str]:
+        """Restore: the names in this part's folder that this rank reads."""
+
+    @abstractmethod
+    def load(self, reader: PartReader) -> None:
+        """Restore from the verified files in ``reader``."""
+
+
+class CapturedParts:
+    """The parts of one save, captured on the training thread, for the writer to write."""
+
+    def __init__(self, parts: dict[str, tuple[FilePart, Any]]) -> None:
+        self.parts = parts
+
+    def write(
+        self, staging: str, rank: int, *, direct: bool, bounce: DirectBuffer | None
+    ) -> list[FileEntry]:
+        out: list[FileEntry] = []
+        for part_id, (part, captured) in self.parts.items():
+            writer = PartWriter(staging, part_id, rank, direct=direct, bounce=bounce)
+            part.write(captured, writer)
+            out += writer.entries
+        return out

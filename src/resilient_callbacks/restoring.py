@@ -1,0 +1,399 @@
+"""Restore: the candidates across the local and the remote tier, best first, and loading the
+first one every rank can read, falling back loudly past damaged ones.
+
+Which ranks call what: every rank calls :meth:`Restorer.restore`. Rank 0 lists the candidates
+(it alone reads the directory and the remote tier) and broadcasts them; a remote candidate is
+downloaded and verified by rank 0 into the directory. Every rank reads and verifies the files
+*it* needs, and the ranks agree (one gather) before anything is loaded: a problem on any rank
+skips the candidate on every rank, with a :class:`~.errors.ResumeFallbackWarning` naming what was
+skipped and why. No valid checkpoint where some exist is an error, never a silent fresh start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import catalog, dist, history, layout, rng, statetree, structure
+from .catalog import Depth, Entry, Status
+from .commit import fsync_dir, remove_checkpoint
+from .config import ResumeMode
+from .directory import error_type
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    NoValidCheckpointError,
+    ResumeFallbackWarning,
+)
+from .filepart import PartReader, part_info, read_part_files
+from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .retention import plan
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+
+log = logging.getLogger("resilient_callbacks")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint restore may try: a local directory (``path``) or a remote copy (``remote``,
+    its name in the remote tier; ``path`` is set once it is downloaded). ``key`` identifies a
+    checkpoint across tiers: (run id, commit number). ``problem``: why it cannot be used, as far
+    as rank 0 could tell from the manifest and the file sizes."""
+
+    path: str | None
+    step: int | None
+    problem: str | None = None
+    key: tuple[str, int] | None = None
+    remote: str | None = None
+
+    @property
+    def where(self) -> str | None:
+        return self.path if self.path is not None else self.remote
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Candidate:
+        key = d.get("key")
+        return cls(
+            d["path"],
+            d["step"],
+            d.get("problem"),
+            (str(key[0]), int(key[1])) if key is not None else None,
+            d.get("remote"),
+        )
+
+
+class Restorer:
+    """The restore path of one Checkpointer."""
+
+    def __init__(self, ck: Checkpointer) -> None:
+        self._ck = ck
+
+    def restore(self, state: Any) -> int:
+        """Every rank: load the checkpoint chosen by ``resume`` into ``state``; return its step
+        (0: nothing to resume from)."""
+        ck = self._ck
+        cands: list[Candidate] = []
+        error = None
+        pending: BaseException | None = None
+        if ck.is_coordinator:
+            try:
+                cands = self.candidates()
+            except Exception as e:  # reported to every rank, so none is left waiting
+                error = {"type": type(e).__name__, "msg": str(e)}
+                pending = e
+        msg = dist.broadcast_json({"cands": [c.to_json() for c in cands], "error": error})
+        if msg["error"] is not None:
+            if pending is not None:
+                raise pending
+            raise error_type(msg["error"]["type"])(msg["error"]["msg"])
+        cands = [Candidate.from_json(c) for c in msg["cands"]]
+        explicit = ck.config.resume not in (ResumeMode.AUTO, ResumeMode.NEVER)
+        if not cands:
+            ck._trigger.clock.reset()
+            ck._start_run(0)
+            return 0
+        skipped: list[str] = []
+        for c in cands:
+            if c.remote and not c.problem:
+                c = self._fetch_remote(c)
+            if c.problem:
+                skipped.append(f"{c.where}: {c.problem}")
+                if explicit:
+                    raise CheckpointCorruptError(f"cannot resume from {c.where}: {c.problem}")
+                self._warn_fallback(c, c.problem)
+                continue
+            step = self._try_load(c, state, explicit, skipped)
+            if step is not None:
+                return step
+        raise NoValidCheckpointError(
+            f"{ck.dirpath} holds {len(cands)} checkpoint(s) but none can be restored:\n  - "
+            + "\n  - ".join(skipped)
+            + "\nRefusing to start from scratch silently. Repair or remove the bad checkpoints "
+            "(`resilient-ckpt verify`/`gc --remove-corrupt`), pass resume=<path or step> of a "
+            "good one, or resume='never' to start fresh."
+        )
+
+    def _warn_fallback(self, c: Candidate, problem: str) -> None:
+        msg = (
+            f"skipping checkpoint {c.where} (step {c.step}): {problem}; "
+            "falling back to an older checkpoint"
+        )
+        if self._ck.is_coordinator:
+            warnings.warn(msg, ResumeFallbackWarning, stacklevel=4)
+        log.warning(msg)
+
+    def _try_load(self, c: Candidate, state: Any, explicit: bool, skipped: list[str]) -> int | None:
+        ck = self._ck
+        path = c.path
+        assert path is not None
+        part, problem = None, None
+        fileparts = statetree.fileparts(state)
+        readers: dict[str, PartReader] = {}
+        try:
+            manifest = read_manifest(path)
+            part = layout.read_part(path, manifest, ck.rank)
+            for pid, fp in fileparts.items():  # each part's files, verified before any load
+                info = part_info(pid, manifest, ck.rank, ck.world_size)
+                if info.listed:  # none: a checkpoint without this part (check_fits says so)
+                    readers[pid] = read_part_files(path, manifest, fp, info)
+        except (CheckpointCorruptError, OSError) as e:
+            problem = str(e)
+        except Exception as e:  # malformed content: as corrupt; every rank must reach the gather
+            problem = f"unreadable checkpoint ({type(e).__name__}: {e})"
+        problems = dist.all_gather_json(problem)
+        bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+        if bad:
+            why = "; ".join(bad)
+            skipped.append(f"{path}: {why}")
+            if explicit:
+                raise CheckpointCorruptError(f"cannot resume from {path}: {why}")
+            self._warn_fallback(c, why)
+            return None
+        assert part is not None
+        local_exc: BaseException | None = None
+        warns: list[str] = []
+        try:
+            full = structure.inline_per_rank(part.structure, part.per_rank)
+            meta = {
+                k: (str(t.dtype).removeprefix("torch."), list(t.shape))
+                for k, t in part.tensors.items()
+            }
+            structure.check_fits(state, full, meta)
+            # The loaded tensors are private allocations: objects may keep them (optimizers do).
+            structure.apply(state, full, lambda n: structure.decode(n, part.tensors))
+            for pid, fp in fileparts.items():
+                if pid not in readers:
+                    raise CheckpointMismatchError(f"the checkpoint holds no files of part {pid!r}")
+                fp.load(readers[pid])
+            if ck.config.capture_rng:
+                if part.rng is not None:
+                    warns = rng.restore(part.rng, part.tensors)
+                elif ck.rank < manifest.world_size:
+                    warns = [
+                        "the checkpoint was saved without RNG states (capture_rng=False); "
+                        "random streams are not restored"
+                    ]
+                else:
+                    warns = [
+                        f"rank {ck.rank} has no RNG state in this checkpoint (written by "
+                        f"{manifest.world_size} rank(s)); its random streams start fresh"
+                    ]
+        except Exception as e:
+            local_exc = e
+        errors = dist.all_gather_json(
+            None if local_exc is None else f"{type(local_exc).__name__}: {local_exc}"
+        )
+        if any(errors):
+            if local_exc is not None:
+                raise local_exc
+            first = next(r for r, e in enumerate(errors) if e)
+            raise CheckpointMismatchError(f"restore failed on rank {first}: {errors[first]}")
+        for w in warns:
+            warnings.warn(w, stacklevel=4)
+        self._restored(path, manifest)
+        return manifest.step
+
+    def _restored(self, path: str, manifest: Manifest) -> None:
+        """Every rank, once ``path`` is loaded: carry on the run it belongs to (if it is in the
+        directory), its schedule's measurements and the retention a crash interrupted."""
+        ck, d = self._ck, self._ck._dir
+        inside = os.path.dirname(os.path.abspath(path)) == ck.dirpath
+        d.run_id = manifest.run_id if inside else None
+        ck.last_saved_step = manifest.step if inside else None
+        ck.restored_from = path
+        ck._trigger.mark(manifest.step)
+        schedule = ck.schedule
+        if schedule is not None:
+            saved_schedule = manifest.extra.get("schedule")
+            if inside and isinstance(saved_schedule, dict):
+                try:
+                    schedule.load_state_dict(saved_schedule)
+                except Exception as e:  # measurements only: start measuring afresh
+                    log.warning("could not restore the adaptive schedule's measurements: %s", e)
+        if ck.is_coordinator and inside:
+            d.record("restart", manifest.step)  # a resume means the run stopped early
+            d.check_foreign(stacklevel=5)  # the caller of Checkpointer.restore
+        if schedule is not None:
+            events = history.read(ck.dirpath) if ck.is_coordinator else []
+            start, restarts = history.failures(events, d.run_id)
+            start, restarts = dist.broadcast_json([start, restarts])
+            if start is not None:
+                schedule.set_restart_history(restarts, start)
+        if ck.is_coordinator and inside and d.sync is not None:
+            self._reconcile_uploads()
+        if ck.is_coordinator and inside and ck.config.resume == ResumeMode.AUTO:
+            # Catch up on a retention pass a crash interrupted (killed between commit and
+            # deletion), so repeated crashes cannot pile up checkpoints beyond the limits.
+            d.apply_retention(protect=os.path.basename(path))
+        log.info("restored step %d from %s", manifest.step, path)
+
+    # ------------------------------------------------------------------ candidates (rank 0)
+
+    def candidates(self) -> list[Candidate]:
+        """Coordinator: the checkpoints to try, best first, each with a size-level problem."""
+        ck = self._ck
+        r = ck.config.resume
+        if r == ResumeMode.NEVER:
+            return []
+        if isinstance(r, str) and r != ResumeMode.AUTO:
+            path = os.path.abspath(os.path.expanduser(r))
+            if not os.path.exists(path):
+                raise CheckpointNotFoundError(f"resume={r!r}: no such checkpoint directory")
+            if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+                raise CheckpointNotFoundError(
+                    f"resume={r!r}: {path} has no {MANIFEST_NAME}, so it is not a committed "
+                    "checkpoint (pass a step_* directory written by resilient_callbacks)"
+                )
+            m = read_manifest(path)
+            problem = None
+            try:
+                catalog.verify(path, m, Depth.SIZE)
+            except CheckpointCorruptError as e:
+                problem = str(e)
+            return [Candidate(path, m.step, problem)]
+        found = catalog.committed(catalog.scan(ck.dirpath, Depth.SIZE))
+        # Checkpoints whose manifest cannot be read have no commit number: they may be the
+        # newest, so they are tried (and reported as skipped) first, never silently ignored.
+        cands = [Candidate(e.path, e.step, e.problem) for e in found if e.manifest is None]
+        cands += self._merge_tiers([e for e in found if e.manifest is not None])
+        if isinstance(r, int):
+            chosen = [c for c in cands if c.step == r]
+            if not chosen:
+                have = sorted({c.step for c in cands if c.step is not None})
+                d = ck._dir
+                where = ck.dirpath + (f" or {d.remote.url}" if d.remote else "")
+                raise CheckpointNotFoundError(
+                    f"resume={r}: no checkpoint of step {r} in {where} "
+                    f"(steps present: {have or 'none'})"
+                )
+            # the newest checkpoint of that step, and its other copy if it has one
+            key = chosen[0].key
+            cands = [c for c in chosen if key is not None and c.key == key] or chosen[:1]
+        return cands
+
+    def _merge_tiers(self, local: list[Entry]) -> list[Candidate]:
+        """Committed checkpoints of both tiers, newest first; where one exists in both, the
+        local copy comes first and the remote copy right after it (used if the local one
+        turns out damaged)."""
+        d = self._ck._dir
+        by_key: dict[tuple[str, int], dict[str, Any]] = {}
+        for e in local:
+            assert e.manifest is not None
+            key = (e.manifest.run_id, e.manifest.seq)
+            by_key[key] = {"local": e, "step": e.manifest.step, "seq": e.manifest.seq}
+        if d.sync is not None and d.remote is not None:
+            try:
+                remote_entries = d.sync.refresh()
+            except Exception as e:
+                log.warning(
+                    "could not list the remote checkpoints in %s (%s: %s); resuming from the "
+                    "local ones only",
+                    d.remote.url,
+                    type(e).__name__,
+                    e,
+                )
+                remote_entries = []
+            for re_ in remote_entries:
+                if re_.manifest is None:
+                    continue
+                key = (re_.manifest.run_id, re_.manifest.seq)
+                item = by_key.setdefault(key, {"step": re_.manifest.step, "seq": re_.manifest.seq})
+                item["remote"] = re_
+                # new saves must number after everything either tier holds
+                d.seq = max(d.seq, re_.manifest.seq)
+        out: list[Candidate] = []
+        for key, item in sorted(by_key.items(), key=lambda kv: (kv[1]["seq"], kv[1]["step"])):
+            pair: list[Candidate] = []
+            if "local" in item:
+                le = item["local"]
+                pair.append(Candidate(le.path, le.step, le.problem, key))
+            if "remote" in item:
+                re_ = item["remote"]
+                pair.append(Candidate(None, item["step"], re_.problem, key, re_.name))
+            out[:0] = pair  # newest first
+        return out
+
+    # ------------------------------------------------------------------ the remote tier
+
+    def _fetch_remote(self, c: Candidate) -> Candidate:
+        """Every rank: the coordinator downloads and verifies a remote checkpoint into
+        dirpath; all ranks get its local path, or the problem."""
+        ck, d = self._ck, self._ck._dir
+        result: dict[str, Any] = {"path": None, "problem": None}
+        if ck.is_coordinator:
+            assert d.sync is not None and d.remote is not None
+            url = f"{d.remote.url}/{c.remote}"
+            try:
+                # the entry listed by _merge_tiers moments ago (its manifest is read already)
+                entry = next((e for e in d.sync.entries() if e.name == c.remote), None)
+                if entry is None or entry.manifest is None:
+                    raise CheckpointNotFoundError(f"{url} is gone")
+                log.warning("restoring from the remote copy %s", url)
+                staging, name = d.remote.download(entry, ck.dirpath)
+                result["path"] = self._install(staging, name, entry.manifest)
+            except Exception as e:
+                result["problem"] = f"remote copy {url}: {type(e).__name__}: {e}"
+        msg = dist.broadcast_json(result)
+        return dataclasses.replace(c, path=msg["path"] or c.remote, problem=msg["problem"])
+
+    def _install(self, staging: str, name: str, manifest: Manifest) -> str:
+        """Move a downloaded checkpoint into dirpath under its own name, replacing a damaged
+        local copy of the same checkpoint; another checkpoint of that name is never touched."""
+        d = self._ck._dir
+        final = os.path.join(d.dirpath, name)
+        if os.path.lexists(final):
+            try:
+                m = read_manifest(final)
+                same = (m.run_id, m.seq) == (manifest.run_id, manifest.seq)
+            except Exception:
+                same = True  # unreadable manifest: a damaged copy
+            if not same:
+                return d.commit.commit(staging, manifest.step)
+            remove_checkpoint(final)
+        os.rename(staging, final)
+        fsync_dir(d.dirpath)
+        return final
+
+    def _reconcile_uploads(self) -> None:
+        """Coordinator, after a restore: queue this run's local checkpoints whose upload a
+        crash interrupted, if the remote retention policy would keep them."""
+        ck, d = self._ck, self._ck._dir
+        assert d.sync is not None
+        remote_entries = d.sync.entries()  # listed by this restore's _merge_tiers
+        local = [
+            e
+            for e in d.checkpoints()
+            if e.manifest is not None
+            and e.status is Status.VALID
+            and e.manifest.run_id == d.run_id
+            and not d.sync.is_uploaded(e.manifest)
+        ]
+        if not local:
+            return
+        from .remote import retention_candidates
+
+        cands = catalog.retention_candidates(local) + retention_candidates(
+            remote_entries, prefix="\0remote/"
+        )
+        keep = plan(cands, d.sync.policy, d.run_id).keep
+        missing = [e.name for e in local if e.name in keep]
+        if missing:
+            log.warning(
+                "%d checkpoint(s) of this run were not uploaded to %s before the last run "
+                "stopped; uploading them now: %s",
+                len(missing),
+                ck.config.remote,
+                ", ".join(missing),
+            )
+        for name in missing:
+            d.sync.enqueue(name)

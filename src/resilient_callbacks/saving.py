@@ -1,0 +1,429 @@
+"""One save: prepare (encode, snapshot into reused host buffers) -> write each rank's part ->
+gather -> manifest -> commit -> ``latest`` -> retention -> queue the upload.
+
+Which ranks call what: every rank calls :meth:`Saver.save` at the same step (a Checkpointer's
+``step``/``save``/``emergency_save``). The training thread only prepares: it encodes the state
+and, for a background save, copies this rank's tensors into the host buffers (the coordinator
+also copies the replicated ones). The rest runs in :meth:`Saver.persist`, in the background
+thread for a background save: every rank writes its own part into the staging directory and the
+:class:`~.session.CommitSession` gathers, commits on rank 0 and raises on every rank if any
+failed. A background failure is raised on the next save or on close, never lost.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import statistics
+import time
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import dist, layout, rng, statetree, structure
+from .background import BackgroundPersister
+from .errors import CheckpointWriteError, UnsupportedStateError
+from .filepart import CapturedParts, FilePart
+from .session import CommitSession
+from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
+from .tensorfile import DirectBuffer
+from .waits import SaveWaits
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+
+log = logging.getLogger("resilient_callbacks")
+
+
+@dataclass
+class SaveStats:
+    step: int
+    path: str
+    bytes: int
+    seconds: float
+    reason: str
+
+
+@dataclass
+class _Prepared:
+    shared: structure.Encoded
+    local: structure.Encoded
+    rng_info: dict[str, Any] | None
+    rng_tensors: dict[str, torch.Tensor]
+    fingerprint: str
+    snapshot: Snapshot | None
+    parts: CapturedParts | None = None
+
+
+def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
+    """Metrics as JSON numbers (tensors read, non-finite values as None)."""
+    out: dict[str, float | None] = {}
+    for k, v in (metrics or {}).items():
+        if isinstance(v, torch.Tensor):
+            v = v.detach().float().item()
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"metric {k!r}={v!r} is not a number") from None
+        out[str(k)] = f if math.isfinite(f) else None
+    return out
+
+
+def _prepare_error(exc: BaseException, step: int, rank: int, dirpath: str) -> BaseException:
+    if isinstance(exc, UnsupportedStateError):
+        return exc
+    err = CheckpointWriteError(
+        f"checkpoint for step {step} was not committed; failed on rank(s) {rank}: rank {rank}: "
+        f"{type(exc).__name__}: {exc}. Nothing was committed and older checkpoints in {dirpath} "
+        "are intact.",
+        (rank,),
+    )
+    err.__cause__ = exc
+    return err
+
+
+class PartBuffers:
+    """The reused host buffers of each FilePart of the state, by part id."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, HostBuffers] = {}
+
+    def capture(self, parts: Mapping[str, FilePart]) -> CapturedParts:
+        """Training thread: let each part copy its state into its own buffers."""
+        for gone in [k for k in self._by_id if k not in parts]:
+            del self._by_id[gone]
+        return CapturedParts(
+            {
+                part_id: (part, part.capture(self._by_id.setdefault(part_id, HostBuffers())))
+                for part_id, part in parts.items()
+            }
+        )
+
+
+class Saver:
+    """The save pipeline of one Checkpointer and what it reuses between saves: the background
+    writer, its process group, the host buffers and the O_DIRECT bounce buffer."""
+
+    def __init__(self, ck: Checkpointer) -> None:
+        self._ck = ck
+        self.persister: BackgroundPersister | None = None
+        self.group: Any = None
+        if ck.config.async_save:
+            self.group = dist.new_cpu_group()
+            self.persister = BackgroundPersister(ck.config.max_in_flight)
+        self.buffers = HostBuffers()
+        self.part_buffers = PartBuffers()
+        self.allocated_ahead = False
+        self.bounce: DirectBuffer | None = None  # O_DIRECT writes of background saves
+        self.last_snapshot: Snapshot | None = None
+        self._hooked: dict[int, Any] = {}
+        self.skipped_saves = 0
+        self.committed_saves = 0
+        self.save_waits = SaveWaits(speak=ck.is_coordinator)
+        self.blocking_seconds: deque[float] = deque(maxlen=100)
+        self.save_seconds: deque[float] = deque(maxlen=9)
+        self.persist_seconds: deque[float] = deque(maxlen=9)
+
+    # ------------------------------------------------------------------ training thread
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, Any] | None,
+        reason: str,
+        why: str,
+        rng_state: tuple[Any, dict[str, torch.Tensor]] | None = None,
+    ) -> bool:
+        """Every rank. Returns False if ``step`` is the one saved (or restored) last, or if a
+        periodic save is skipped because the previous one is still being written."""
+        ck = self._ck
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TypeError(f"step must be an int >= 0, got {step!r}")
+        if ck.last_saved_step == step:
+            log.debug("step %d is already saved by this run; not saving it twice", step)
+            return False
+        background = self.persister is not None and reason != "emergency"
+        waited = 0.0
+        if self.persister is not None:
+            # every rank reaches this point at the same step, so they skip together
+            if (
+                ck.config.if_busy == "skip"
+                and reason == "periodic"
+                and dist.any_true(self.persister.busy)
+            ):
+                self.skipped_saves += 1
+                log.warning(
+                    "skipped the save at step %d: the previous checkpoint is still being "
+                    "written (if_busy='skip'); %d skipped so far",
+                    step,
+                    self.skipped_saves,
+                )
+                return False
+            if not background:
+                waited = self.wait_background()  # emergency: flush, then a synchronous save
+            else:
+                waited = self.persister.wait_for_slot()
+                self.save_waits.observe(step, waited, ck._trigger.clock.elapsed())
+        self.raise_background_error()  # a failed earlier save surfaces here, never lost
+        t0 = time.perf_counter()
+        metrics_json = clean_metrics(metrics)
+        ck._start_run(step)
+        d = ck._dir
+        if ck.is_coordinator and not d.checked_foreign:
+            d.check_foreign(stacklevel=3)  # in the training thread: the warning reaches the caller
+        prepared: _Prepared | None = None
+        local_exc: BaseException | None = None
+        try:
+            prepared = self.prepare(state, copy=background, rng_state=rng_state)
+        except Exception as e:  # reported to every rank by the persist step
+            local_exc = e
+        job = functools.partial(
+            self.persist, step, prepared, local_exc, metrics_json, reason, why, t0, background
+        )
+        if background:
+            assert self.persister is not None
+            if local_exc is not None:
+                # This rank failed before anything was written: it raises now; the other ranks
+                # learn it from the persist step's gather (and raise on their next save/close).
+                if ck.world_size > 1:
+                    self.persister.submit(functools.partial(job, quiet=True))
+                raise _prepare_error(local_exc, step, ck.rank, ck.dirpath)
+            self.persister.submit(job)
+            ck.last_saved_step = step
+            ck._trigger.mark(step)
+            blocking = time.perf_counter() - t0 + waited  # what the training loop waited, in all
+            self.blocking_seconds.append(blocking)
+            self._observe_save(blocking)
+            log.debug("step %d: snapshot took %.3f s; persisting in the background", step, blocking)
+            return True
+        job()
+        ck._trigger.steps_origin = step
+        self._observe_save(time.perf_counter() - t0)
+        return True
+
+    def _observe_save(self, blocking: float) -> None:
+        self.save_seconds.append(blocking)
+        schedule = self._ck.schedule
+        if schedule is not None:
+            persist = statistics.median(self.persist_seconds) if self.persist_seconds else None
+            schedule.observe_save(blocking, persist)
+
+    def wait_background(self) -> float:
+        """Block until every background save has committed; raise if one failed."""
+        if self.persister is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.persister.wait_all()
+        self.raise_background_error()
+        return time.perf_counter() - t0
+
+    def raise_background_error(self) -> None:
+        if self.persister is not None:
+            self.persister.raise_error()
+
+    def wait_for_snapshot(self) -> None:
+        """Order what comes next after the last save's overlapped snapshot copy."""
+        snap = self.last_snapshot
+        if snap is not None:
+            snap.wait_device()
+            self.last_snapshot = None
+
+    def prepare(
+        self,
+        state: Any,
+        copy: bool,
+        rng_state: tuple[Any, dict[str, torch.Tensor]] | None = None,
+    ) -> _Prepared:
+        """Encode the state (training thread) and, for a background save, copy its tensors into
+        the reused host buffers; only what this rank writes is copied."""
+        ck = self._ck
+        shared, local = structure.encode(state, split_per_rank=ck.world_size > 1)
+        fingerprint = statetree.fingerprint(state)
+        fileparts = statetree.fileparts(state)
+        parts = self.part_buffers.capture(fileparts) if fileparts else None
+        if rng_state is not None:
+            rng_info, rng_tensors = rng_state
+        else:
+            rng_info, rng_tensors = rng.capture() if ck.config.capture_rng else (None, {})
+        snap = None
+        if copy:
+            self.wait_for_snapshot()
+            tensors = self._tensors_to_copy(shared, local)
+            overlap = None
+            if ck.config.overlap_snapshot:
+                overlap = optimizer_step_storages(state)
+                self._hook_optimizers(state)
+            self.buffers.keep_only(tensors)
+            if self.bounce is None:  # with the host buffers: later saves allocate nothing
+                self.bounce = DirectBuffer()
+            snap = Snapshot(tensors, self.buffers, overlap_storages=overlap)
+            self.last_snapshot = snap if ck.config.overlap_snapshot else None
+            copies = snap.copies
+            shared = structure.Encoded(
+                shared.structure, {k: copies[k] for k in shared.tensors if k in copies}
+            )
+            local = structure.Encoded(None, {k: copies[k] for k in local.tensors}, local.per_rank)
+        return _Prepared(shared, local, rng_info, rng_tensors, fingerprint, snap, parts)
+
+    def _tensors_to_copy(
+        self, shared: structure.Encoded, local: structure.Encoded
+    ) -> dict[str, torch.Tensor]:
+        """The tensors this rank writes: its own, and the shared ones on the coordinator."""
+        tensors = dict(local.tensors)
+        if self._ck.is_coordinator:
+            tensors.update(shared.tensors)
+        return tensors
+
+    def allocate_ahead(self, state: Any) -> None:
+        """Once, at the first step that does not save: start allocating the host buffers of a
+        background save in a helper thread, so the first save does not pay for them on the
+        training thread (seconds for a few GB). Optimizer state exists by then (step() follows an
+        optimizer step)."""
+        self.allocated_ahead = True
+        if self.persister is None:
+            return
+        try:
+            shared, local = structure.encode(state, split_per_rank=self._ck.world_size > 1)
+        except Exception as e:  # the save itself reports what is wrong with the state
+            log.debug("not allocating host buffers ahead: %s", e)
+            return
+        self.buffers.allocate_in_background(self._tensors_to_copy(shared, local))
+
+    def _hook_optimizers(self, state: Any) -> None:
+        """Make each optimizer's step() wait for the overlapped snapshot copy."""
+        ref = weakref.ref(self)
+
+        def pre_step(*_: Any) -> None:
+            saver = ref()
+            if saver is not None:
+                saver.wait_for_snapshot()
+
+        for opt in statetree.optimizers(state):
+            if id(opt) not in self._hooked:
+                self._hooked[id(opt)] = opt.register_step_pre_hook(pre_step)
+
+    def release(self) -> None:
+        """close(): remove the optimizer hooks and destroy the background group."""
+        for handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+        self._release_group()
+
+    def _release_group(self) -> None:
+        """Destroy the gloo group made for background saves. Scripts that never call
+        ``destroy_process_group()`` (a Trainer under torchrun) would otherwise abort at exit:
+        gloo's threads are torn down while still joinable ("terminate called without an active
+        exception")."""
+        group, self.group = self.group, None
+        if group is None or not dist.is_initialized():
+            return
+        if self.persister is not None and self.persister.pending:
+            return  # a job abandoned by close(timeout) may still use it; leave it to exit
+        try:
+            torch.distributed.destroy_process_group(group)
+        except Exception as e:  # best effort: the checkpoints are committed either way
+            log.debug("could not destroy the background checkpoint group: %s", e)
+
+    # ------------------------------------------------------------------ persist (background)
+
+    def persist(
+        self,
+        step: int,
+        prepared: _Prepared | None,
+        local_exc: BaseException | None,
+        metrics: dict[str, float | None],
+        reason: str,
+        why: str,
+        t0: float,
+        background: bool,
+        quiet: bool = False,
+    ) -> None:
+        """Every rank: write this rank's files, then commit through a CommitSession. Runs in the
+        background thread for background saves (collectives on the checkpoint's own group)."""
+        ck, d = self._ck, self._ck._dir
+        assert d.run_id is not None
+        session = CommitSession(
+            ck.dirpath,
+            step,
+            run_id=d.run_id,
+            group=self.group if background else None,
+            strategy=d.commit,
+            seq=d.seq + 1,
+            retention=ck.retention,
+            after_commit=d.after_commit,
+        )
+        staging_dir = session.begin()
+        if local_exc is None and staging_dir is not None:
+            assert prepared is not None
+            try:
+                if prepared.snapshot is not None:
+                    prepared.snapshot.wait_host()
+                session.add(
+                    layout.write_part(
+                        staging_dir,
+                        ck.rank,
+                        prepared.shared if ck.is_coordinator else None,
+                        prepared.local,
+                        prepared.rng_info,
+                        prepared.rng_tensors,
+                        direct=background,  # no page-cache copy competing with training
+                        bounce=self.bounce if background else None,
+                    )
+                )
+                if prepared.parts is not None:  # the FileParts' own files, under parts/<id>/
+                    session.add(
+                        prepared.parts.write(
+                            staging_dir,
+                            ck.rank,
+                            direct=background,
+                            bounce=self.bounce if background else None,
+                        )
+                    )
+            except Exception as e:  # reported to every rank by the commit; nothing is committed
+                local_exc = e
+        schedule = ck.schedule
+        try:
+            done = session.commit(
+                local_exc,
+                metrics=metrics,
+                reason=reason,
+                fingerprint=prepared.fingerprint if prepared else "",
+                extra={"schedule": schedule.state_dict()} if schedule is not None else {},
+            )
+        except CheckpointWriteError:
+            if quiet:
+                return  # this rank already raised its own error in the training thread
+            if background:
+                ck.last_saved_step = None
+            if isinstance(local_exc, UnsupportedStateError) and not background:
+                raise local_exc from None
+            raise
+        if not background:
+            ck.last_saved_step = step
+            ck._trigger.clock.reset()
+        elapsed = time.perf_counter() - t0
+        if background:
+            self.persist_seconds.append(elapsed)
+        ck.last_save = SaveStats(step, done.path, done.bytes, elapsed, reason)
+        self.committed_saves += 1
+        log.info(
+            "saved step %d (%s, %.1f MB, %.3f s%s) -> %s",
+            step,
+            why,
+            done.bytes / 1e6,
+            elapsed,
+            ", in the background" if background else "",
+            done.path,
+        )
+
+
+def new_run_id() -> str:
+    """Every rank: one run id, chosen by rank 0."""
+    return str(dist.broadcast_json(uuid.uuid4().hex[:16] if dist.rank() == 0 else None))

@@ -1,0 +1,236 @@
+"""CommitSession: the commit of one checkpoint by every rank, usable without a Checkpointer.
+
+The sequence, and which ranks call what (every call below is made by *every* rank, in this
+order, for the same step; each one marked *collective* runs collectives on ``group``)::
+
+    session = CommitSession(dirpath, step, run_id=run_id)
+    staging = session.begin()        # collective: rank 0 makes the staging directory
+    if staging is not None:
+        session.add(layout.write_part(staging, rank, ...))   # each rank writes its own files
+    path = session.commit()          # collective: gather reports; rank 0 writes the manifest
+                                     # last, renames, points `latest`; then (rank 0 only)
+                                     # the after-commit step: queue the upload, retention
+
+- ``begin``: the coordinator (rank 0) creates a hidden staging directory and every rank gets its
+  path (``None`` when rank 0 could not create it: ``commit`` then raises on every rank).
+- Between ``begin`` and ``commit`` each rank writes only its own files, through the core's hashing
+  writers (:func:`.tensorfile.write_tensors`, :func:`.tensorfile.write_json` or
+  :func:`.layout.write_part`), and hands their :class:`~.manifest.FileEntry` list to :meth:`add`;
+  a rank that failed passes its exception to ``commit(error=...)`` instead of raising, so that no
+  rank is left waiting in the gather.
+- ``commit``: every rank's report is gathered; if any rank failed, rank 0 removes the staging
+  directory and *every* rank raises one :class:`~.errors.CheckpointWriteError` naming the failed
+  rank(s). Otherwise rank 0 checks that every listed file is visible to it (the directory must be
+  shared), writes ``manifest.json`` last (the commit point), fsyncs and renames the staging
+  directory into place and updates the advisory ``latest`` pointer; every rank gets the final
+  path. Only then does rank 0 run ``after_commit`` (upload queue, retention): deletion happens
+  after the newer checkpoint is durable, by one process.
+
+A process killed before the manifest is written leaves only a ``.staging-*`` directory: no
+reader counts it, and the next writer to open the directory sweeps it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import catalog, dist
+from .commit import CommitStrategy, RenameCommit, write_latest_pointer
+from .directory import apply_retention
+from .errors import CheckpointWriteError
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, versions
+from .retention import RetentionPolicy
+from .tensorfile import write_json
+
+log = logging.getLogger("resilient_callbacks")
+
+
+@dataclass
+class RankReport:
+    """What one rank wrote for a checkpoint, or why it could not."""
+
+    rank: int
+    files: list[FileEntry] = field(default_factory=list)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "files": [f.__dict__ for f in self.files], "error": self.error}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RankReport:
+        return cls(int(d["rank"]), [FileEntry(**f) for f in d["files"]], d["error"])
+
+
+@dataclass
+class Committed:
+    """A committed checkpoint, as every rank learns it."""
+
+    path: str
+    step: int
+    seq: int
+    bytes: int  # the size of every file of every rank
+
+
+class CommitSession:
+    """Commit one checkpoint: begin -> each rank's files -> manifest last -> rename -> ``latest``
+    -> (rank 0) upload queue and retention. See the module docstring for the rank contract.
+
+    ``strategy``: how a staging directory becomes a checkpoint (default: :class:`RenameCommit`
+    on ``dirpath``). ``seq``: the commit number (default: one more than the newest in
+    ``dirpath``, read by rank 0 at commit time). ``after_commit``: what rank 0 does once the
+    checkpoint is committed; by default, apply ``retention`` (if given) and queue the upload on
+    ``sync`` (if given). ``group``: the process group of the collectives (default: the world).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str],
+        step: int,
+        *,
+        run_id: str,
+        group: Any = None,
+        strategy: CommitStrategy | None = None,
+        seq: int | None = None,
+        retention: RetentionPolicy | None = None,
+        sync: Any = None,
+        after_commit: Callable[[Committed], None] | None = None,
+    ) -> None:
+        self.dirpath = os.path.abspath(os.fspath(dirpath))
+        self.step = step
+        self.run_id = run_id
+        self.group = group
+        self.strategy: CommitStrategy = strategy or RenameCommit(self.dirpath)
+        self.seq = seq
+        self.retention = retention
+        self.sync = sync
+        self.after_commit = after_commit or self._default_after_commit
+        self.rank = dist.rank()
+        self.world_size = dist.world_size()
+        self.is_coordinator = self.rank == 0
+        self.staging: str | None = None
+        self.files: list[FileEntry] = []
+        self._begin_error: str | None = None
+
+    def begin(self) -> str | None:
+        """Collective. Rank 0 creates the staging directory; every rank returns its path, or
+        ``None`` if rank 0 could not create it (then write nothing and call :meth:`commit`)."""
+        staging, error = None, None
+        if self.is_coordinator:
+            try:
+                staging = self.strategy.begin(self.step)
+            except OSError as e:
+                error = f"cannot create a staging directory in {self.dirpath}: {e}"
+        msg = dist.broadcast_json({"staging": staging, "error": error}, group=self.group)
+        self.staging, self._begin_error = msg["staging"], msg["error"]
+        return self.staging
+
+    def add(self, files: Iterable[FileEntry]) -> None:
+        """This rank wrote ``files`` into the staging directory (paths relative to it)."""
+        self.files.extend(files)
+
+    def commit(
+        self,
+        error: BaseException | None = None,
+        *,
+        metrics: Mapping[str, float | None] | None = None,
+        reason: str = "forced",
+        fingerprint: str = "",
+        extra: Mapping[str, Any] | None = None,
+    ) -> Committed:
+        """Collective. Gather every rank's report (``error``: this rank's failure), commit on
+        rank 0 if every rank succeeded, and return the committed checkpoint on every rank; raise
+        :class:`CheckpointWriteError` naming the failed rank(s) on every rank otherwise (nothing
+        is committed then, older checkpoints are intact)."""
+        report = RankReport(
+            self.rank,
+            self.files if error is None else [],
+            None if error is None else f"{type(error).__name__}: {error}",
+        )
+        gathered = dist.all_gather_json(report.to_json(), group=self.group)
+        reports = [RankReport.from_json(r) for r in gathered]
+        failed = [r for r in reports if r.error]
+        outcome: dict[str, Any] = {"path": None, "seq": None, "error": self._begin_error}
+        if self.is_coordinator and self.staging is not None:
+            if failed:
+                self.strategy.abort(self.staging)
+            else:
+                try:
+                    path, seq = self._commit(reports, metrics, reason, fingerprint, extra)
+                    outcome = {"path": path, "seq": seq, "error": None}
+                except Exception as e:
+                    self.strategy.abort(self.staging)
+                    error = error or e
+                    outcome["error"] = f"{type(e).__name__}: {e}"
+        outcome = dist.broadcast_json(outcome, group=self.group)
+        if outcome["path"] is None:
+            if failed:
+                ranks = tuple(r.rank for r in failed)
+                detail = "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
+            else:
+                ranks, detail = (0,), f"rank 0 (commit): {outcome['error']}"
+            err = CheckpointWriteError(
+                f"checkpoint for step {self.step} was not committed; failed on rank(s) "
+                f"{', '.join(map(str, ranks))}: {detail}. Nothing was committed and older "
+                f"checkpoints in {self.dirpath} are intact.",
+                ranks,
+            )
+            if isinstance(error, OSError) and error.errno:
+                err.errno = error.errno
+            raise err from error
+        size = sum(f.size for r in reports for f in r.files)
+        done = Committed(outcome["path"], self.step, outcome["seq"], size)
+        if self.is_coordinator:
+            self.after_commit(done)
+        return done
+
+    def _commit(
+        self,
+        reports: list[RankReport],
+        metrics: Mapping[str, float | None] | None,
+        reason: str,
+        fingerprint: str,
+        extra: Mapping[str, Any] | None,
+    ) -> tuple[str, int]:
+        """Rank 0: manifest last, then rename and ``latest``."""
+        assert self.staging is not None
+        seq = self.seq if self.seq is not None else catalog.next_seq(self.dirpath)
+        manifest = Manifest(
+            step=self.step,
+            run_id=self.run_id,
+            seq=seq,
+            world_size=self.world_size,
+            files=[f for r in reports for f in r.files],
+            metrics=dict(metrics or {}),
+            reason=reason,
+            fingerprint=fingerprint,
+            retention=self.retention.to_json() if self.retention is not None else {},
+            versions=versions(),
+            extra=dict(extra or {}),
+        )
+        missing = [
+            f.path for f in manifest.files if not os.path.exists(os.path.join(self.staging, f.path))
+        ]
+        if missing:
+            raise CheckpointWriteError(
+                f"files written by other ranks are not visible to rank 0: {missing}. "
+                "With several ranks, dirpath must be on a filesystem all ranks share."
+            )
+        write_json(os.path.join(self.staging, MANIFEST_NAME), manifest.to_json())
+        final = self.strategy.commit(self.staging, self.step)
+        try:
+            write_latest_pointer(self.dirpath, os.path.basename(final))
+        except OSError as e:
+            log.warning("could not update the advisory 'latest' pointer: %s", e)
+        return final, seq
+
+    def _default_after_commit(self, committed: Committed) -> None:
+        name = os.path.basename(committed.path)
+        if self.sync is not None:
+            self.sync.enqueue(name)
+        if self.retention is not None:
+            protected = {name, *(self.sync.pending() if self.sync is not None else ())}
+            apply_retention(self.dirpath, self.retention, self.run_id, protected)

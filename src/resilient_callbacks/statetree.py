@@ -1,0 +1,53 @@
+"""One walker of a training state tree: containers (mappings, lists, tuples, ``PerRank``) are
+descended into, everything else is a leaf. Used on the training thread by whoever needs the
+modules or optimizers of a state (hooks, fingerprint, snapshot ordering); it never copies."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import xxhash
+
+from .filepart import FilePart
+from .structure import PerRank, part_id
+
+
+def leaves(state: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """``(path, leaf)`` for every leaf of ``state``, depth first in container order. A path is
+    the tuple of mapping keys and list indices that leads to the leaf; a ``PerRank`` wrapper
+    adds nothing to it."""
+    if isinstance(state, PerRank):
+        yield from leaves(state.obj, path)
+    elif isinstance(state, Mapping):
+        for k, v in state.items():
+            yield from leaves(v, (*path, k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from leaves(v, (*path, i))
+    else:
+        yield path, state
+
+
+def optimizers(state: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in ``state``."""
+    return [v for _, v in leaves(state) if isinstance(v, torch.optim.Optimizer)]
+
+
+def fileparts(state: Any) -> dict[str, FilePart]:
+    """The FileParts in ``state``, by id (their folder under ``parts/``)."""
+    return {part_id(p): v for p, v in leaves(state) if isinstance(v, FilePart)}
+
+
+def fingerprint(state: Any) -> str:
+    """Hash of the names, shapes and dtypes of every module's tensors: identifies the model."""
+    specs: list[Any] = []
+    for path, obj in leaves(state):
+        if isinstance(obj, torch.nn.Module):
+            dotted = "".join(f".{p}" for p in path)
+            for k, v in obj.state_dict().items():
+                if isinstance(v, torch.Tensor):
+                    specs.append([f"{dotted}.{k}", list(v.shape), str(v.dtype)])
+    return xxhash.xxh3_64_hexdigest(json.dumps(specs).encode()) if specs else ""

@@ -1,0 +1,194 @@
+"""When to save, decided once per training step: the fixed triggers (``every_n_steps``,
+archive steps, ``every_seconds``), a loss jump (:class:`LossJumpTrigger`), the adaptive
+schedule, the last step of a run, and a preemption request.
+
+Which ranks call what: every rank calls :meth:`Trigger.decide` at every step with the same step
+numbers. Conditions that differ between ranks (a signal, wall time, a loss jump, the adaptive
+proposal) are agreed on at decision steps (one small all-reduce, see :mod:`.decision`); between
+them nothing is exchanged and those conditions wait. Every rank gets the same answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import dist
+from .adaptive import AdaptiveSchedule, _opt_int
+from .config import CheckpointerConfig
+from .decision import Decider
+from .errors import ConfigError
+from .policy import Clock
+
+log = logging.getLogger("resilient_callbacks")
+
+
+@dataclass(kw_only=True)
+class LossJumpTrigger:
+    """Optional extra trigger: says when to save because the loss jumped or became non-finite.
+
+    :meth:`observe` returns True when a finite loss exceeds the running median of the last
+    ``window`` finite losses by more than ``threshold`` times that median's magnitude
+    (``loss - med > threshold * |med|``), or when the loss is non-finite after finite ones. Nothing
+    triggers before ``min_history`` finite losses have been seen. It triggers once per excursion:
+    it re-arms when a loss within the threshold (for non-finite: any finite loss) comes again. Jumped
+    losses still enter the window, so a lasting new level becomes the new normal.
+    """
+
+    threshold: float
+    window: int = 20
+    min_history: int = 5
+
+    _history: deque[float] = field(init=False, repr=False, compare=False)
+    _armed: bool = field(init=False, repr=False, compare=False, default=True)
+    _nonfinite_armed: bool = field(init=False, repr=False, compare=False, default=True)
+    last_reason: str | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.threshold, bool)
+            or not isinstance(self.threshold, (int, float))
+            or not math.isfinite(self.threshold)
+            or self.threshold <= 0
+        ):
+            raise ConfigError(
+                f"threshold={self.threshold!r}: must be a finite number > 0, the relative jump "
+                "over the running median that triggers a save (e.g. 0.5 for +50%)"
+            )
+        _opt_int("window", self.window, 1)
+        _opt_int("min_history", self.min_history, 1)
+        if self.min_history > self.window:
+            raise ConfigError(
+                f"min_history={self.min_history} > window={self.window}: the window could never "
+                "hold enough losses; lower min_history or raise window"
+            )
+        self._history = deque(maxlen=self.window)
+
+    def observe(self, loss: float) -> bool:
+        """Record one loss (a float, or anything ``float()`` accepts); True means save now, and
+        :attr:`last_reason` says why."""
+        x = float(loss)
+        if not math.isfinite(x):
+            fire = bool(self._history) and self._nonfinite_armed
+            self._nonfinite_armed = False
+            if fire:
+                self.last_reason = f"loss became non-finite ({x}) after finite values"
+            return fire
+        self._nonfinite_armed = True
+        fire = False
+        if len(self._history) >= self.min_history:
+            med = statistics.median(self._history)
+            jumped = x - med > self.threshold * max(abs(med), 1e-12)
+            if jumped and self._armed:
+                fire = True
+                self.last_reason = (
+                    f"loss {x:.6g} jumped above the median {med:.6g} of the last "
+                    f"{len(self._history)} by more than {self.threshold:g}x"
+                )
+            self._armed = not jumped
+        self._history.append(x)
+        return fire
+
+
+class Trigger:
+    """The save decision of one Checkpointer, and what it measures to make it."""
+
+    def __init__(self, config: CheckpointerConfig, schedule: AdaptiveSchedule | None) -> None:
+        self.config = config
+        self.policy = config.save_policy()
+        self.schedule = schedule
+        self.world_size = dist.world_size()
+        self.clock = Clock()  # time since the last save or restore, for every_seconds
+        self.steps_origin = 0  # step of the last save or restore: adaptive counts from there
+        self._decider = Decider()
+        self._loss_trigger = (
+            LossJumpTrigger(threshold=config.loss_jump) if config.loss_jump else None
+        )
+        self._pending_jump = False
+        self._warned_no_trigger = False
+        self._last_step_end: float | None = None
+        self._step_seconds: deque[float] = deque(maxlen=50)
+
+    def step_started(self) -> None:
+        """At the start of step(): the time since the last step() is the training step's."""
+        if self._last_step_end is not None:
+            compute = time.perf_counter() - self._last_step_end
+            self._step_seconds.append(compute)
+            if self.schedule is not None:
+                self.schedule.observe_step(compute)
+
+    def step_ended(self) -> None:
+        self._last_step_end = time.perf_counter()
+
+    def mark(self, step: int) -> None:
+        """A save or restore of ``step``: the schedules count from here."""
+        self.steps_origin = step
+        self.clock.reset()
+
+    def decide(
+        self, step: int, metrics: Mapping[str, Any] | None, final: bool, preempt: bool
+    ) -> tuple[str, str] | None:
+        """Every rank: ``(kind, why)`` if this step is saved, else None. ``kind`` is
+        ``"preemption"``, ``"final"`` or ``"periodic"``; ``preempt``: this rank saw a request."""
+        reason = self.policy.due_by_step(step)
+        time_due = bool(
+            self.policy.every_seconds and self.clock.elapsed() >= self.policy.every_seconds
+        )
+        loss = metrics.get(self.config.loss_key) if metrics else None
+        if (
+            self._loss_trigger is not None
+            and loss is not None
+            and self._loss_trigger.observe(float(loss))
+        ):
+            self._pending_jump = True
+        proposal = self.schedule.interval_steps() if self.schedule is not None else 0
+        step_time = (
+            statistics.median(self._step_seconds)
+            if self.world_size > 1 and self._step_seconds
+            else None
+        )
+        decided = self._decider.decide(
+            step, [int(preempt), int(time_due), int(self._pending_jump), proposal], step_time
+        )
+        if decided is None:
+            preempt = time_due = jump = False
+        else:
+            preempt, time_due, jump = bool(decided[0]), bool(decided[1]), bool(decided[2])
+            self._pending_jump = False
+            if self.schedule is not None and self.world_size > 1:
+                self.schedule.adopt(decided[3])
+        if preempt:
+            return "preemption", "preemption"
+        if reason is None and time_due:
+            reason = f"every_seconds={self.policy.every_seconds:g}"
+        if reason is None and jump:
+            reason = f"loss jump ({self._loss_trigger.last_reason if self._loss_trigger else ''})"
+        if (
+            reason is None
+            and self.schedule is not None
+            and (decided is not None or self.world_size == 1)
+            and self.schedule.should_save(step - self.steps_origin)
+        ):
+            reason = f"adaptive: {self.schedule.describe()}"
+        if final:
+            # never skipped for a busy disk (if_busy applies to periodic saves only)
+            return "final", reason or "final step"
+        if reason is None:
+            if (
+                not self.policy.has_trigger
+                and self.schedule is None
+                and not self._warned_no_trigger
+            ):
+                self._warned_no_trigger = True
+                log.warning(
+                    "Checkpointer.step() called but no trigger is configured "
+                    "(every_n_steps / every_seconds / adaptive); only save() will write checkpoints"
+                )
+            return None
+        return "periodic", reason

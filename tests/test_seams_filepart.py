@@ -1,0 +1,198 @@
+"""The FilePart seam with a toy part that owns its files (as a DeepSpeed engine owns its ZeRO
+partitions): captured into reused host buffers on the training thread, written through the
+core's hashing writers under ``parts/<id>/``, listed and verified like every file, restored
+from verified files only; a corrupt file of the newest checkpoint makes restore fall back, loudly,
+to the previous one. One rank."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from resilient_callbacks import Checkpointer, catalog
+from resilient_callbacks.errors import CheckpointMismatchError, ResumeFallbackWarning
+from resilient_callbacks.filepart import FilePart, PartInfo, PartReader, PartWriter
+from resilient_callbacks.snapshot import HostBuffers
+
+
+class ToyShards(FilePart):
+    """One tensor per rank in its own safetensors file, and a JSON file of metadata."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.weight = torch.zeros(n)
+        self.note = "fresh"
+        self.buffer_ptrs: list[int] = []
+        self.loaded: list[str] | None = None
+
+    def capture(self, buffers: HostBuffers) -> dict[str, Any]:
+        buf = buffers.get("weight", self.weight)
+        buf.copy_(self.weight)
+        self.buffer_ptrs.append(buf.data_ptr())
+        return {"weight": buf, "meta": {"note": self.note, "n": self.weight.numel()}}
+
+    def write(self, captured: dict[str, Any], writer: PartWriter) -> None:
+        writer.tensors(f"shard_{writer.rank:05d}.safetensors", {"weight": captured["weight"]})
+        writer.json(f"meta_{writer.rank:05d}.json", captured["meta"])
+
+    def files_to_read(self, info: PartInfo) -> list[str]:
+        if info.saved_world_size != info.world_size:
+            raise CheckpointMismatchError("saved with another world size")
+        return [f"shard_{info.rank:05d}.safetensors", f"meta_{info.rank:05d}.json"]
+
+    def load(self, reader: PartReader) -> None:
+        rank = reader.info.rank
+        self.weight.copy_(reader.tensors(f"shard_{rank:05d}.safetensors")["weight"])
+        self.note = reader.json(f"meta_{rank:05d}.json")["note"]
+        self.loaded = sorted(n for n, r in reader.info.listed.items() if r == rank)
+
+
+def _state(part: ToyShards) -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {"model": nn.Linear(4, 2), "engine": {"shards": part}, "step": 0}
+
+
+def _save_two(root: str) -> ToyShards:
+    part = ToyShards()
+    state = _state(part)
+    with Checkpointer(root, keep_last=5, preemption=False) as ck:
+        for step in (5, 10):
+            part.weight.fill_(step)
+            part.note = f"step {step}"
+            assert ck.save(step, state)
+            part.weight.fill_(-1)  # after the capture: must not reach the checkpoint
+    return part
+
+
+def worker(phase: str, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank = dist.get_rank()
+    res: dict[str, Any] = {"rank": rank}
+    if phase == "save":
+        part = ToyShards()
+        state = _state(part)
+        with Checkpointer(root, preemption=False) as ck:
+            for step in (5, 10):
+                part.weight.fill_(step * 100 + rank)
+                part.note = f"rank {rank} step {step}"
+                ck.save(step, state)
+    else:
+        import warnings
+
+        fresh = ToyShards()
+        with warnings.catch_warnings(record=True) as caught, Checkpointer(root) as ck:
+            warnings.simplefilter("always")
+            res["restored"] = ck.restore(_state(fresh))
+        res["weight"] = fresh.weight[0].item()
+        res["note"] = fresh.note
+        res["fallback_warnings"] = [
+            str(w.message) for w in caught if issubclass(w.category, ResumeFallbackWarning)
+        ]
+    Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def test_a_filepart_is_written_verified_and_restored(tmp_path):
+    root = str(tmp_path / "ck")
+    part = _save_two(root)
+    assert len(set(part.buffer_ptrs)) == 1  # the same host buffer, reused by both saves
+
+    newest = os.path.join(root, "step_000000010")
+    with open(os.path.join(newest, "manifest.json")) as f:
+        manifest = json.load(f)
+    listed = {f["path"]: f for f in manifest["files"]}
+    for name in ("shard_00000.safetensors", "meta_00000.json"):
+        entry = listed[f"parts/engine/shards/{name}"]
+        assert entry["rank"] == 0 and entry["size"] == os.path.getsize(
+            os.path.join(newest, "parts", "engine", "shards", name)
+        )
+    entries = catalog.scan(root, catalog.Depth.FULL)  # every checksum, the part's files too
+    assert [(e.name, str(e.status)) for e in entries] == [
+        ("step_000000005", "valid"),
+        ("step_000000010", "valid"),
+    ]
+
+    fresh = ToyShards()
+    with Checkpointer(root, preemption=False) as ck:
+        assert ck.restore(_state(fresh)) == 10
+    assert torch.equal(fresh.weight, torch.full((64,), 10.0))
+    assert fresh.note == "step 10"
+    assert fresh.loaded == ["meta_00000.json", "shard_00000.safetensors"]
+
+
+def test_a_corrupt_filepart_file_falls_back_loudly_to_the_previous_checkpoint(tmp_path):
+    root = str(tmp_path / "ck")
+    _save_two(root)
+    shard = os.path.join(
+        root, "step_000000010", "parts", "engine", "shards", "shard_00000.safetensors"
+    )
+    with open(shard, "r+b") as f:  # same size, other bytes: only the checksum can tell
+        f.seek(-8, os.SEEK_END)
+        f.write(b"\xff" * 8)
+
+    fresh = ToyShards()
+    with (
+        Checkpointer(root, preemption=False) as ck,
+        pytest.warns(ResumeFallbackWarning, match="shard_00000.safetensors"),
+    ):
+        assert ck.restore(_state(fresh)) == 5
+    assert torch.equal(fresh.weight, torch.full((64,), 5.0))
+    assert fresh.note == "step 5"
+
+
+def test_a_checkpoint_without_the_part_does_not_fit_a_state_with_it(tmp_path):
+    root = str(tmp_path / "ck")
+    with Checkpointer(root, preemption=False) as ck:
+        ck.save(3, {"model": nn.Linear(4, 2), "engine": {"shards": 0}, "step": 0})
+    with (
+        Checkpointer(root, preemption=False) as ck,
+        pytest.raises(CheckpointMismatchError, match="not a part"),
+    ):
+        ck.restore(_state(ToyShards()))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_two_ranks_each_write_and_verify_their_own_files_and_fall_back_together(tmp_path):
+    from test_distributed import run_ranks
+
+    root, out = tmp_path / "ck", tmp_path / "out"
+
+    def run(phase: str) -> list[dict[str, Any]]:
+        run_ranks([sys.executable, __file__, phase, str(root), str(out)], tmp_path, phase)
+        return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+
+    run("save")
+    folder = root / "step_000000010" / "parts" / "engine" / "shards"
+    assert sorted(os.listdir(folder)) == [
+        "meta_00000.json",
+        "meta_00001.json",
+        "shard_00000.safetensors",
+        "shard_00001.safetensors",
+    ]
+    with open(root / "step_000000010" / "manifest.json") as f:
+        ranks = {e["path"]: e["rank"] for e in json.load(f)["files"] if "/" in e["path"]}
+    assert ranks["parts/engine/shards/shard_00001.safetensors"] == 1
+
+    # Corrupt only rank 1's shard: rank 0 could load step 10, but the ranks agree to fall back.
+    with open(folder / "shard_00001.safetensors", "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        f.write(b"\xff" * 8)
+    res = run("restore")
+    for r in range(2):
+        assert res[r]["restored"] == 5
+        assert res[r]["weight"] == 500 + r and res[r]["note"] == f"rank {r} step 5"
+    assert any("rank 1" in w and "shard_00001" in w for w in res[0]["fallback_warnings"])
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2], sys.argv[3])
