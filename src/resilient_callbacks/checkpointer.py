@@ -32,7 +32,7 @@ from .directory import Directory
 from .emergency import GRACE_ENV, Emergency, start_watcher
 from .errors import CheckpointError
 from .preemption import MetadataPoller, PreemptionWatcher
-from .restoring import Restorer
+from .restoring import Restorer, RestoreReport
 from .saving import Saver, SaveStats, new_run_id
 from .trigger import Trigger
 
@@ -140,6 +140,7 @@ class Checkpointer:
         self.last_saved_step: int | None = None
         self.last_save: SaveStats | None = None
         self.restored_from: str | None = None
+        self.last_restore: RestoreReport | None = None  # what restore() loaded, and skipped
         self.preempted = False
         self.close_wait_seconds = 0.0  # how long close() waited for pending saves
         self._closed = False

@@ -72,6 +72,29 @@ class Candidate:
         )
 
 
+@dataclass(frozen=True)
+class RestoreReport:
+    """What the last ``restore()`` loaded, for the adapters' resume message: the checkpoint
+    (``path``, ``step``), its tier (``"local"``, or ``"remote"`` when it was downloaded from
+    ``remote_url``), and each newer checkpoint skipped on the way, with why."""
+
+    path: str
+    step: int
+    tier: str
+    remote_url: str | None = None
+    skipped: tuple[str, ...] = ()
+
+    def describe(self, where: str) -> str:
+        """``resumed at step N (where) from PATH (local copy)[; skipped newer ...]``"""
+        tier = (
+            f"remote copy {self.remote_url}, downloaded" if self.tier == "remote" else "local copy"
+        )
+        msg = f"resumed at step {self.step} ({where}) from {self.path} ({tier})"
+        if self.skipped:
+            msg += "; skipped newer checkpoint(s): " + "; ".join(self.skipped)
+        return msg
+
+
 class Restorer:
     """The restore path of one Checkpointer."""
 
@@ -104,16 +127,22 @@ class Restorer:
             return 0
         skipped: list[str] = []
         for c in cands:
+            remote_url = None
             if c.remote and not c.problem:
+                remote_url = self._remote_url(c)
                 c = self._fetch_remote(c)
             if c.problem:
-                skipped.append(f"{c.where}: {c.problem}")
+                skipped.append(f"{c.where} (step {c.step}): {c.problem}")
                 if explicit:
                     raise CheckpointCorruptError(f"cannot resume from {c.where}: {c.problem}")
                 self._warn_fallback(c, c.problem)
                 continue
             step = self._try_load(c, state, explicit, skipped)
             if step is not None:
+                assert c.path is not None
+                ck.last_restore = RestoreReport(
+                    c.path, step, "remote" if remote_url else "local", remote_url, tuple(skipped)
+                )
                 return step
         raise NoValidCheckpointError(
             f"{ck.dirpath} holds {len(cands)} checkpoint(s) but none can be restored:\n  - "
@@ -154,7 +183,7 @@ class Restorer:
         bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
         if bad:
             why = "; ".join(bad)
-            skipped.append(f"{path}: {why}")
+            skipped.append(f"{path} (step {c.step}): {why}")
             if explicit:
                 raise CheckpointCorruptError(f"cannot resume from {path}: {why}")
             self._warn_fallback(c, why)
@@ -324,6 +353,10 @@ class Restorer:
         return out
 
     # ------------------------------------------------------------------ the remote tier
+
+    def _remote_url(self, c: Candidate) -> str:
+        remote = self._ck._dir.remote
+        return f"{remote.url}/{c.remote}" if remote is not None else str(c.remote)
 
     def _fetch_remote(self, c: Candidate) -> Candidate:
         """Every rank: the coordinator downloads and verifies a remote checkpoint into

@@ -47,7 +47,7 @@ from .. import rng
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME
-from . import checks, report
+from . import checks
 from . import state as st
 from .loaders import ResumableDataLoader, make_resumable
 
@@ -268,8 +268,7 @@ class ResilientCheckpoint(Checkpoint):
             original(checkpoint_path, weights_only)
             return
         holder = st.receivers()
-        with report.RestoreWatch() as watch:
-            step = ckpt.restore(holder)
+        step = ckpt.restore(holder)
         if ckpt.restored_from is None:
             log.info("no checkpoint in %s: starting fresh", ckpt.dirpath)
             original(None, weights_only)
@@ -287,7 +286,10 @@ class ResilientCheckpoint(Checkpoint):
         loops = checkpoint.get("loops", {}).get("fit_loop", {})
         batch = loops.get("epoch_loop.batch_progress", {}).get("current", {}).get("processed", "?")
         where = f"epoch {checkpoint.get('epoch', '?')}, {batch} batch(es) into it"
-        rank_zero_info(report.resumed(ckpt.restored_from, step, where, watch))
+        if ckpt.last_restore is not None:
+            # said as Lightning says its own restore (rank_zero_info: shown by default), with the
+            # tier and every newer checkpoint skipped
+            rank_zero_info(f"ResilientCheckpoint: {ckpt.last_restore.describe(where)}")
 
     def _open(self, trainer: pl.Trainer, resume: Any) -> None:
         self._close(raise_errors=False)

@@ -11,7 +11,7 @@ What happens when, in ``trainer.train()``:
   loader exist by then, nothing was iterated or computed): find the Trainer, refuse what is not
   supported (:mod:`.checks`), open the :class:`~resilient_callbacks.Checkpointer`, make the data
   loader's batch sampler resumable, restore the newest valid checkpoint into the live objects and
-  the ``TrainerState`` (saying so through the Trainer's logger, :mod:`.report`), and wrap
+  the ``TrainerState`` (saying so through the Trainer's logger, ``transformers.trainer``), and wrap
   ``_run_epoch``/``_maybe_log_save_evaluate`` on this Trainer instance (see :mod:`.hooks` for
   why a callback alone cannot do it).
 - after each optimizer step, once its logging, evaluation and best-metric tracking are done:
@@ -38,16 +38,18 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
+from transformers.utils import logging as hf_logging
 
 from .. import dist
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
 from ..errors import CheckpointMismatchError, ConfigError
 from ..structure import PerRank
-from . import checks, hooks, report
+from . import checks, hooks
 from .data import ResumableBatches, make_resumable
 
 log = logging.getLogger("resilient_callbacks")
+trainer_log = hf_logging.get_logger("transformers.trainer")  # where the resume is announced
 
 FORMAT = "resilient_callbacks.transformers/2"
 # TrainerState fields that describe progress (restored); the others follow the current arguments.
@@ -268,10 +270,9 @@ class ResilientCheckpoint(TrainerCallback):
                     dirpath,
                 )
             else:
-                with report.RestoreWatch() as watch:
-                    step = ckpt.restore(self._tree)
+                step = ckpt.restore(self._tree)
                 if step:
-                    self._apply_restored(trainer, state, step, watch)
+                    self._apply_restored(trainer, state, step)
             hooks.wrap(trainer, "_run_epoch", self._run_epoch)
             hooks.wrap(trainer, "_maybe_log_save_evaluate", self._after_step)
         except BaseException:
@@ -305,9 +306,7 @@ class ResilientCheckpoint(TrainerCallback):
 
     # ------------------------------------------------------------------ restore
 
-    def _apply_restored(
-        self, trainer: Any, state: Any, step: int, watch: report.RestoreWatch
-    ) -> None:
+    def _apply_restored(self, trainer: Any, state: Any, step: int) -> None:
         v = self._values
         if v.get("format") != FORMAT:
             raise CheckpointMismatchError(
@@ -354,8 +353,11 @@ class ResilientCheckpoint(TrainerCallback):
                     f"; the run had finished (max_steps={state.max_steps}): nothing to train, "
                     "its final metrics are restored"
                 )
-            path = self.checkpointer.restored_from if self.checkpointer else None
-            report.trainer_log.warning(report.resumed(str(path), step, where, watch, extra))
+            restored = self.checkpointer.last_restore if self.checkpointer else None
+            if restored is not None:
+                # WARNING through transformers.trainer: the Trainer's logging tree shows WARNING
+                # by default, while its own "Continuing training from checkpoint" (INFO) is hidden
+                trainer_log.warning(f"ResilientCheckpoint: {restored.describe(where)}{extra}")
 
     def _restore_callbacks(self, trainer: Any, saved: dict[str, list[Any]]) -> None:
         for name, states in saved.items():
