@@ -298,6 +298,11 @@ class Checkpointer:
         finally:
             self.close()
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` (or :meth:`abort`) has run: nothing more is saved."""
+        return self._closed
+
     def remote_status(self) -> SyncStatus | None:
         """The upload backlog and counters (coordinator; None without ``remote`` or on other
         ranks)."""

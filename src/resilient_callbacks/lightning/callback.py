@@ -492,7 +492,7 @@ class ResilientCheckpoint(Checkpoint):
 
     def _save_on_exception(self, trainer: pl.Trainer, exception: BaseException) -> None:
         ckpt, ctx, b = self.checkpointer, self._ctx, self._boundary_info
-        if ckpt is None or ctx is None or self._state is None or ckpt._closed:
+        if ckpt is None or ctx is None or self._state is None or ckpt.closed:
             return
         if ckpt.world_size > 1:
             log.warning(

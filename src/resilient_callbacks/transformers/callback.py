@@ -544,7 +544,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._release(trainer)
         if ckpt is not None:
             try:
-                ckpt.__exit__(type(exc), exc, exc.__traceback__)
+                ckpt.abort(exc)
             except Exception as e:  # the training error propagates; this one is reported
                 log.error("closing the checkpointer after %s failed: %s", type(exc).__name__, e)
 
