@@ -31,6 +31,7 @@ from .errors import (
     ForeignCheckpointsWarning,
     NoValidCheckpointError,
     ResumeFallbackWarning,
+    UnknownOptionError,
     UnsafeManifestError,
     UnsupportedStateError,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "ResumableSampler",
     "ResumeFallbackWarning",
     "SaveStats",
+    "UnknownOptionError",
     "UnsafeManifestError",
     "UnsupportedStateError",
     "__version__",

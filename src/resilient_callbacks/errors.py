@@ -16,6 +16,10 @@ class ConfigError(CheckpointError, ValueError):
     """An invalid option or combination of options given to a constructor."""
 
 
+class UnknownOptionError(ConfigError, TypeError):
+    """An adapter was given a keyword option that neither it nor the Checkpointer takes."""
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A requested checkpoint (explicit step or path) does not exist."""
 

@@ -28,7 +28,6 @@ How it plugs into ``Trainer.fit`` (Lightning 2.x):
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import os
 import signal
@@ -44,6 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from .. import rng
+from ..adapter import check_options
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME
@@ -52,8 +52,6 @@ from . import state as st
 from .loaders import ResumableDataLoader, make_resumable
 
 log = logging.getLogger("resilient_callbacks.lightning")
-
-_CHECKPOINTER_PARAMS = frozenset(inspect.signature(Checkpointer).parameters) - {"dirpath"}
 
 
 @dataclass
@@ -103,13 +101,17 @@ class ResilientCheckpoint(Checkpoint):
         log_stats: bool = True,
         **checkpointer_kwargs: Any,
     ) -> None:
-        unknown = sorted(set(checkpointer_kwargs) - _CHECKPOINTER_PARAMS)
-        if unknown:
-            raise TypeError(
-                f"ResilientCheckpoint got unexpected argument(s) {', '.join(unknown)}; it takes "
-                "dirpath, make_dataloaders_resumable, data_seed, save_on_exception, log_stats and "
-                f"the Checkpointer options: {', '.join(sorted(_CHECKPOINTER_PARAMS))}"
-            )
+        check_options(
+            "ResilientCheckpoint (Lightning)",
+            checkpointer_kwargs,
+            (
+                "dirpath",
+                "make_dataloaders_resumable",
+                "data_seed",
+                "save_on_exception",
+                "log_stats",
+            ),
+        )
         for name, value in (
             ("make_dataloaders_resumable", make_dataloaders_resumable),
             ("save_on_exception", save_on_exception),

@@ -29,7 +29,6 @@ created) is taken from the RNG state recorded at that epoch's start instead.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import os
 from typing import Any
@@ -41,9 +40,10 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import logging as hf_logging
 
 from .. import dist
+from ..adapter import check_options
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
-from ..errors import CheckpointMismatchError, ConfigError
+from ..errors import CheckpointMismatchError
 from ..structure import PerRank
 from . import checks, hooks
 from .data import ResumableBatches, make_resumable
@@ -120,14 +120,7 @@ class ResilientCheckpoint(TrainerCallback):
         log_save_metrics: bool = True,
         **checkpointer_options: Any,
     ) -> None:
-        known = set(inspect.signature(Checkpointer).parameters) - {"dirpath"}
-        unknown = sorted(set(checkpointer_options) - known)
-        if unknown:
-            raise ConfigError(
-                f"ResilientCheckpoint got unknown option(s) {unknown}. It takes "
-                f"{', '.join(_OWN_OPTIONS)} and the options of Checkpointer: "
-                f"{', '.join(sorted(known))}."
-            )
+        check_options("ResilientCheckpoint (Transformers)", checkpointer_options, _OWN_OPTIONS)
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
         self.options: dict[str, Any] = {
             "every_n_steps": every_n_steps,

@@ -1,0 +1,43 @@
+"""What every framework adapter shares: one check of the options it passes to the Checkpointer.
+
+Imports no framework. An adapter takes its own options plus any :class:`~.Checkpointer` option
+as keyword arguments; a misspelt or unknown one is one error type everywhere
+(:class:`~.errors.UnknownOptionError`, a ``ConfigError`` and a ``TypeError``, as Python raises
+for an unexpected keyword argument), naming the closest option.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Iterable
+
+from .errors import UnknownOptionError
+
+
+def checkpointer_options() -> frozenset[str]:
+    """The keyword options of ``Checkpointer`` (``dirpath`` aside)."""
+    from .checkpointer import Checkpointer
+
+    return frozenset(inspect.signature(Checkpointer).parameters) - {"dirpath"}
+
+
+def check_options(adapter: str, given: Iterable[str], own: Iterable[str]) -> None:
+    """Raise :class:`UnknownOptionError` if ``given`` holds a name that is neither one of the
+    adapter's ``own`` options nor a Checkpointer option."""
+    known = checkpointer_options()
+    own = list(own)
+    unknown = sorted(set(given) - known - set(own))
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, [*own, *known], n=1)
+        if close:
+            hints.append(f"{name} (did you mean {close[0]}?)")
+        else:
+            hints.append(name)
+    raise UnknownOptionError(
+        f"{adapter} got unknown option(s): {', '.join(hints)}. It takes {', '.join(own)} and "
+        f"the Checkpointer options: {', '.join(sorted(known))}."
+    )
