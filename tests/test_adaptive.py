@@ -156,7 +156,7 @@ def test_max_overhead_clamp():
     e = _sched(cost=1.0, mtbf_hours=24, max_overhead=0.01).explain()
     assert e["clamp"] is None and e["interval_s"] == e["daly_interval_s"]
     assert e["bounds_s"]["max_overhead"] == pytest.approx(100.0)
-    assert AdaptiveSchedule().max_overhead == 0.01  # the documented default
+    assert AdaptiveSchedule().max_overhead is None  # the documented default: no cap (opt-in)
 
 
 def test_min_and_max_interval_clamps():

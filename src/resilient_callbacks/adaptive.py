@@ -47,7 +47,7 @@ from .errors import ConfigError
 
 HOUR = 3600.0
 DEFAULT_PRIOR_MTBF_HOURS = 24.0
-DEFAULT_MAX_OVERHEAD = 0.01
+DEFAULT_MAX_OVERHEAD: float | None = None  # opt-in: the cap can cost more than it saves
 _STATE_FORMAT = 1
 
 # Clamps that raise the interval (converted to steps rounding up) and the one that lowers it.
@@ -186,8 +186,8 @@ class AdaptiveSchedule:
       restart history (:meth:`set_restart_history`), starting from ``prior_mtbf_hours``.
     - ``prior_mtbf_hours`` (24): the assumption before any failure is observed; it counts as one
       pseudo-failure in the estimator, so a few early failures do not swing the estimate wildly.
-    - ``max_overhead`` (0.01): cap on the expected checkpoint overhead ``blocking cost / interval``,
-      i.e. the interval is at least ``cost / max_overhead``. ``None`` disables the cap. Note that
+    - ``max_overhead`` (``None``: no cap): an opt-in cap on the expected checkpoint overhead
+      ``blocking cost / interval``, i.e. the interval is at least ``cost / max_overhead``. Note that
       the cap *lengthens* the interval beyond the goodput optimum whenever failures are frequent
       enough that the optimum overhead is larger (``~sqrt(C / 2M)``); see :meth:`explain`.
     - ``min_interval_s`` / ``max_interval_s``: explicit clamps on the interval (seconds of compute).

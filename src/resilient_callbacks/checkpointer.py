@@ -109,7 +109,7 @@ class Checkpointer:
         overlap_snapshot: bool = False,
         adaptive: bool = False,
         mtbf_hours: float | None = None,
-        max_overhead: float | None = 0.01,
+        max_overhead: float | None = None,
         min_interval: float | None = None,
         max_interval: float | None = None,
         loss_jump: float | None = None,

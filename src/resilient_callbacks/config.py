@@ -36,7 +36,7 @@ class CheckpointerConfig:
     overlap_snapshot: bool = False
     adaptive: bool = False
     mtbf_hours: float | None = None
-    max_overhead: float | None = 0.01
+    max_overhead: float | None = None
     min_interval: float | None = None  # seconds
     max_interval: float | None = None  # seconds
     loss_jump: float | None = None
