@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import catalog, dist, history, layout, rng, statetree, structure
+from . import catalog, dist, fit, history, layout, rng, statetree, structure
 from .catalog import Depth, Entry, Status
 from .commit import fsync_dir, remove_checkpoint
 from .config import ResumeMode
@@ -197,7 +197,7 @@ class Restorer:
                 k: (str(t.dtype).removeprefix("torch."), list(t.shape))
                 for k, t in part.tensors.items()
             }
-            structure.check_fits(state, full, meta)
+            fit.check_fits(state, full, meta)
             # The loaded tensors are private allocations: objects may keep them (optimizers do).
             structure.apply(state, full, lambda n: structure.decode(n, part.tensors))
             for pid, fp in fileparts.items():

@@ -14,7 +14,7 @@ import torch
 
 from ..config import CheckpointerConfig
 from ..errors import CheckpointMismatchError, ConfigError
-from ..structure import key_differences
+from ..fit import key_differences
 
 ADAPTER_OWNED = frozenset({"save_on_exception"})  # handled by the adapter, not by the core
 

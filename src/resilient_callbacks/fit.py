@@ -1,0 +1,168 @@
+"""Does a checkpoint fit the live state? Every key and shape that does not, listed before
+anything is loaded (``check_fits``), so a checkpoint of another model is one clear error instead
+of a half-loaded state."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import CheckpointMismatchError
+from .filepart import FilePart
+from .structure import (
+    TAG,
+    PerRank,
+    _describe,
+    _has_live_objects,
+    _node_items,
+    _node_seq,
+    _qualname,
+    _short,
+    is_stateful,
+    path_str,
+)
+
+
+def _tensor_specs(node: Any, tensors_meta: Mapping[str, tuple[str, list[int]]]) -> dict[str, Any]:
+    """Flat ``{dotted key: (dtype, shape)}`` for the tensors under a structure node, plus
+    ``None`` for non-tensor leaves; used to compare a checkpoint with a live module."""
+    out: dict[str, Any] = {}
+
+    def rec(n: Any, prefix: str) -> None:
+        if isinstance(n, dict) and n.get(TAG) == "tensor":
+            out[prefix] = tensors_meta.get(n["key"])
+        elif isinstance(n, dict) and n.get(TAG) is None:
+            for k, v in n.items():
+                rec(v, f"{prefix}.{k}" if prefix else k)
+        else:
+            out[prefix] = None
+
+    rec(node, "")
+    return out
+
+
+def key_differences(
+    want: Mapping[str, Sequence[int]], have: Mapping[str, Sequence[int] | None]
+) -> tuple[list[str], list[str], list[str]]:
+    """Compare a model's tensor shapes (``want``) with a checkpoint's (``have``; ``None``: shape
+    unknown): the keys missing from the checkpoint, those the model lacks, and those of another
+    shape, each sorted."""
+    missing = sorted(set(want) - set(have))
+    unexpected = sorted(set(have) - set(want))
+    reshaped = [
+        k
+        for k in sorted(set(want) & set(have))
+        if (shape := have[k]) is not None and list(shape) != list(want[k])
+    ]
+    return missing, unexpected, reshaped
+
+
+def check_fits(
+    state: Any,
+    structure: Any,
+    tensors_meta: Mapping[str, tuple[str, list[int]]],
+) -> None:
+    """Raise :class:`CheckpointMismatchError` listing every key that is missing, unexpected or of
+    another shape/dtype, before anything is loaded. Modules and tensors are compared exactly;
+    other stateful objects (optimizers, schedulers) are checked by their own ``load_state_dict``."""
+    problems: list[str] = []
+
+    def rec(obj: Any, n: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(obj, PerRank):
+            rec(obj.obj, n, path)
+            return
+        if isinstance(obj, FilePart):
+            if not (isinstance(n, dict) and n.get(TAG) == "filepart"):
+                problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a part")
+            return
+        if isinstance(obj, torch.nn.Module):
+            if not (isinstance(n, dict) and n.get(TAG) == "stateful"):
+                problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a module")
+                return
+            want = {
+                k: (str(v.dtype).removeprefix("torch."), list(v.shape))
+                for k, v in obj.state_dict().items()
+                if isinstance(v, torch.Tensor)
+            }
+            have = {
+                k: v
+                for k, v in _tensor_specs(n["state"], tensors_meta).items()
+                if k in want or v is not None
+            }
+            missing, unexpected, reshaped = key_differences(
+                {k: v[1] for k, v in want.items()},
+                {k: None if v is None else v[1] for k, v in have.items()},
+            )
+            if missing:
+                problems.append(f"{path_str(path)}: missing keys in checkpoint: {_short(missing)}")
+            if unexpected:
+                problems.append(
+                    f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}"
+                )
+            for k in reshaped:
+                problems.append(
+                    f"{path_str(path)}[{k!r}]: shape {list(have[k][1])} in checkpoint, "
+                    f"{want[k][1]} in model"
+                )
+            return
+        if isinstance(obj, torch.Tensor):
+            if not (isinstance(n, dict) and n.get(TAG) == "tensor"):
+                problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a tensor")
+                return
+            meta = tensors_meta.get(n["key"])
+            if meta is not None and list(meta[1]) != list(obj.shape):
+                problems.append(
+                    f"{path_str(path)}: shape {list(meta[1])} in checkpoint, {list(obj.shape)} here"
+                )
+            return
+        if is_stateful(obj):
+            if not (isinstance(n, dict) and n.get(TAG) == "stateful"):
+                problems.append(
+                    f"{path_str(path)}: checkpoint holds {_describe(n)}, not the state of a "
+                    f"{_qualname(obj)}"
+                )
+            return
+        if isinstance(obj, Mapping):
+            items = _node_items(n)
+            if items is None:
+                problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a dict")
+                return
+            if not _has_live_objects(obj):
+                return  # plain data (counters, histories): replaced wholesale on restore
+            missing = [k for k in obj if k not in items]
+            unexpected = [k for k in items if k not in obj]
+            if missing:
+                problems.append(f"{path_str(path)}: missing keys in checkpoint: {_short(missing)}")
+            if unexpected:
+                problems.append(
+                    f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}"
+                )
+            for k in obj:
+                if k in items:
+                    rec(obj[k], items[k], (*path, k))
+            return
+        if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+            seq = _node_seq(n)
+            if seq is None:
+                problems.append(
+                    f"{path_str(path)}: checkpoint holds {_describe(n)}, not a sequence"
+                )
+                return
+            if _has_live_objects(obj) and len(seq) != len(obj):
+                problems.append(
+                    f"{path_str(path)}: {len(seq)} items in checkpoint, {len(obj)} here"
+                )
+                return
+            for i, (o, s) in enumerate(zip(obj, seq, strict=False)):
+                rec(o, s, (*path, i))
+
+    rec(state, structure, ())
+    if problems:
+        raise CheckpointMismatchError(
+            "the checkpoint does not fit the objects it is loaded into:\n  - "
+            + "\n  - ".join(problems)
+            + "\nIf this directory belongs to another model or run, use a new dirpath "
+            "(or resume='never' to start fresh and leave those checkpoints alone)."
+        )
