@@ -11,8 +11,8 @@ import os
 import sys
 from typing import Any
 
-from . import catalog
-from .catalog import Depth, Entry, Status
+from . import reader
+from .catalog import Depth, Entry
 from .cli_format import (
     CORRUPT,
     fmt_metrics,
@@ -21,9 +21,10 @@ from .cli_format import (
     print_json,
     status_text,
 )
-from .cli_scan import by_commit, check, describe, no_checkpoints, public, resolve, row, unordered
-from .errors import CheckpointError, CheckpointNotFoundError, NoValidCheckpointError
+from .cli_scan import no_checkpoints, public, resolve, row
+from .errors import CheckpointError
 from .layout import SHARED_STRUCTURE, SHARED_TENSORS
+from .reader import describe
 from .structure import TAG
 from .tensorfile import tensor_meta
 
@@ -101,34 +102,16 @@ def _keys(e: Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
 def _choose(args: argparse.Namespace, depth: Depth) -> tuple[Entry, list[Entry]]:
     """The checkpoint to show, and the newer ones skipped because they are corrupt."""
     target = resolve(args.dir)
-    entries = catalog.committed(catalog.scan(target.root, Depth.SIZE))
+    entries = reader.committed(target.root)
     if target.only is not None:
         entries = [e for e in entries if e.name == target.only]
     if not entries:
         raise no_checkpoints(target.root)
     if target.only is not None or args.step is not None:
-        chosen = [e for e in entries if args.step is None or e.step == args.step]
-        if not chosen:
-            steps = sorted({e.step for e in entries if e.step is not None})
-            raise CheckpointNotFoundError(
-                f"no checkpoint of step {args.step} in {target.root} (its steps: "
-                f"{', '.join(map(str, steps))})"
-            )
-        ordered = by_commit(chosen)
-        e = ordered[0] if ordered else chosen[-1]
-        return (check(e) if depth is Depth.FULL else e), []
-    skipped: list[Entry] = []
-    for e in by_commit(entries):
-        if depth is Depth.FULL:
-            check(e)
-        if e.status is Status.VALID:
-            return e, skipped + unordered(entries, e.step)
-        skipped.append(e)
-    skipped += unordered(entries, None)
-    raise NoValidCheckpointError(
-        f"no valid checkpoint in {target.root}: all {len(entries)} are corrupt:\n  - "
-        + "\n  - ".join(f"{describe(s)}: {s.problem}" for s in skipped)
-    )
+        # A named checkpoint is shown as it is, corrupt or not (the exit code says which).
+        return reader.check(reader.find(entries, target.root, args.step), depth), []
+    sel = reader.newest_valid(entries, target.root, depth)
+    return sel.entry, list(sel.skipped)
 
 
 def inspect(args: argparse.Namespace) -> int:

@@ -21,19 +21,11 @@ from .cli_format import (
     status_text,
     table,
 )
-from .cli_scan import (
-    by_commit,
-    check,
-    no_checkpoints,
-    public,
-    resolve,
-    row,
-    scan,
-    unordered,
-)
+from .cli_scan import no_checkpoints, public, resolve, row, scan
 from .commit import remove_checkpoint
 from .errors import CheckpointError, CheckpointNotFoundError
 from .lock import DirLock
+from .reader import by_commit, check, unordered
 from .retention import Plan, RetentionPolicy, plan
 
 INCOMPLETE_NOTE = "not kept: removed when the next writer opens the directory, or by gc"

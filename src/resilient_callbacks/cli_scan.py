@@ -1,5 +1,6 @@
 """What the ``resilient-ckpt`` commands share: finding the checkpoint directory a user meant,
-judging its checkpoints, picking the newest, and one row of facts per checkpoint.
+judging its checkpoints, and one row of facts per checkpoint. Picking the newest valid one is
+:mod:`.reader`'s.
 
 A status is only ``valid`` when every checksum was read; a check of sizes alone gives
 ``unverified`` (see :mod:`.cli_format`).
@@ -14,7 +15,7 @@ from typing import Any
 from . import catalog
 from .catalog import Depth, Entry, Status
 from .cli_format import CHECKSUMS, CORRUPT, INCOMPLETE, MANIFEST, SIZES, UNVERIFIED, VALID, iso_time
-from .errors import CheckpointCorruptError, CheckpointNotFoundError
+from .errors import CheckpointNotFoundError
 from .manifest import MANIFEST_NAME
 
 CHECKED = {Depth.FULL: CHECKSUMS, Depth.SIZE: SIZES, Depth.NONE: MANIFEST}
@@ -99,18 +100,6 @@ def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundEr
     )
 
 
-def check(e: Entry) -> Entry:
-    """Verify every checksum of ``e`` (in place) unless it is already known to be bad."""
-    if e.status is Status.VALID and e.manifest is not None:
-        try:
-            catalog.verify(e.path, e.manifest, Depth.FULL)
-        except CheckpointCorruptError as err:
-            e.status, e.problem = Status.CORRUPT, str(err)
-        except OSError as err:  # unreadable: permissions, a directory where a file should be
-            e.status, e.problem = Status.CORRUPT, f"cannot read it ({type(err).__name__}: {err})"
-    return e
-
-
 def state(e: Entry, depth: Depth) -> tuple[str, str | None]:
     """``(status, checked)`` of an entry scanned (or checked) at ``depth``."""
     if e.status is Status.INCOMPLETE:
@@ -144,28 +133,3 @@ def row(e: Entry, depth: Depth) -> dict[str, Any]:
 def public(r: dict[str, Any]) -> dict[str, Any]:
     """A row as written to JSON."""
     return {k: v for k, v in r.items() if k != "created"}
-
-
-def by_commit(entries: list[Entry]) -> list[Entry]:
-    """Entries with a readable manifest, newest commit first (the order restore tries them)."""
-    return sorted(
-        (e for e in entries if e.manifest is not None),
-        key=lambda e: (e.seq, e.step or 0, e.name),
-        reverse=True,
-    )
-
-
-def unordered(entries: list[Entry], not_older_than: int | None) -> list[Entry]:
-    """Committed entries whose manifest cannot be read (their commit order is unknown) and
-    whose name's step is at least ``not_older_than``: they may be newer than the newest."""
-    return [
-        e
-        for e in entries
-        if e.status is Status.CORRUPT
-        and e.manifest is None
-        and (not_older_than is None or (e.step is not None and e.step >= not_older_than))
-    ]
-
-
-def describe(e: Entry) -> str:
-    return f"{e.name} (step {e.step if e.step is not None else '?'})"

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import catalog, dist, fit, history, layout, rng, statetree, structure
+from . import catalog, dist, fit, history, layout, reader, rng, statetree, structure
 from .catalog import Depth, Entry, Status
 from .commit import fsync_dir, remove_checkpoint
 from .config import ResumeMode
@@ -290,7 +290,7 @@ class Restorer:
             except CheckpointCorruptError as e:
                 problem = str(e)
             return [Candidate(path, m.step, problem)]
-        found = catalog.committed(catalog.scan(ck.dirpath, Depth.SIZE))
+        found = reader.committed(ck.dirpath)  # the listing `resilient-ckpt inspect` reads
         # Checkpoints whose manifest cannot be read have no commit number: they may be the
         # newest, so they are tried (and reported as skipped) first, never silently ignored.
         cands = [Candidate(e.path, e.step, e.problem) for e in found if e.manifest is None]

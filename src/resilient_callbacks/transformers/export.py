@@ -22,18 +22,14 @@ import warnings
 
 import transformers
 
-from .. import catalog, layout, structure
-from ..catalog import Depth
+from .. import layout, reader, structure
 from ..errors import (
-    CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
-    CheckpointNotFoundError,
     ConfigError,
-    NoValidCheckpointError,
     ResumeFallbackWarning,
 )
-from ..manifest import MANIFEST_NAME, read_manifest
+from ..manifest import read_manifest
 
 
 def export_pretrained(
@@ -117,39 +113,16 @@ def _export(
 
 
 def _read_checkpoint(source: str, step: int | None) -> tuple[str, layout.LoadedPart]:
-    """The chosen checkpoint's path and its rank-0 part, verified while read."""
-    if os.path.exists(os.path.join(source, MANIFEST_NAME)):
-        path = os.path.abspath(source)
-        return path, layout.read_part(path, read_manifest(path), 0)
-    if not os.path.isdir(source):
-        raise CheckpointNotFoundError(f"{source}: no such checkpoint directory")
-    entries = catalog.committed(catalog.scan(source, Depth.SIZE))
-    if step is not None:
-        entries = [e for e in entries if e.step == step]
-        if not entries:
-            raise CheckpointNotFoundError(f"no checkpoint of step {step} in {source}")
-    if not entries:
-        raise CheckpointNotFoundError(f"no checkpoints in {source}")
-    skipped: list[str] = []
-    for e in reversed(entries):  # newest committed first
-        problem = e.problem
-        if problem is None and e.manifest is not None:
-            try:
-                return e.path, layout.read_part(e.path, e.manifest, 0)
-            except (CheckpointCorruptError, OSError) as err:
-                problem = str(err)
-        if step is not None:
-            raise CheckpointCorruptError(f"cannot export {e.path}: {problem}")
-        skipped.append(f"{e.path}: {problem}")
+    """The chosen checkpoint's path and its rank-0 part, verified (:func:`..reader.select`:
+    the newest valid one, or the one of ``step``; each newer one skipped is warned about)."""
+    sel = reader.select(source, step)
+    for e in sel.skipped:
         warnings.warn(
-            f"skipping checkpoint {e.path}: {problem}; falling back to an older checkpoint",
+            f"skipping checkpoint {e.path}: {e.problem}; falling back to an older checkpoint",
             ResumeFallbackWarning,
             stacklevel=3,
         )
-    raise NoValidCheckpointError(
-        f"{source} holds {len(entries)} checkpoint(s) but none can be read:\n  - "
-        + "\n  - ".join(skipped)
-    )
+    return sel.path, reader.open_checkpoint(sel.path).part
 
 
 def cli_export(args: argparse.Namespace) -> int:

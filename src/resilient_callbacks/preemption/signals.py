@@ -1,0 +1,366 @@
+"""Signal handling: :class:`PreemptionWatcher` records SIGTERM/SIGUSR1/SIGINT as a request.
+
+The handler only *records* the request: no I/O, no lock, no logging. Forked children (DataLoader
+workers) get the previous handlers back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import signal
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import FrameType, MappingProxyType
+from typing import Any
+
+from ..errors import ConfigError
+from .request import (
+    DEFAULT_GRACE_S,
+    DEFAULT_SIGNALS,
+    MetadataKind,
+    PreemptionRequest,
+    _check_seconds,
+)
+
+_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+
+
+def _signal_name(s: Any) -> str:
+    if isinstance(s, signal.Signals) or (isinstance(s, int) and not isinstance(s, bool)):
+        try:
+            return signal.Signals(s).name
+        except ValueError:
+            raise ConfigError(f"signals: {s!r} is not a signal number on this platform") from None
+    if isinstance(s, str):
+        name = s.strip().upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        if isinstance(getattr(signal, name, None), signal.Signals):
+            return name
+    raise ConfigError(
+        f"signals: {s!r} is not a signal; use names like 'SIGTERM' or 'USR1', or signal numbers"
+    )
+
+
+def _valid_source_key(key: str) -> bool:
+    if key == "manual":
+        return True
+    if key.startswith("metadata:"):
+        return key[len("metadata:") :] in set(MetadataKind)
+    return key.startswith("SIG") and isinstance(getattr(signal, key, None), signal.Signals)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatcherConfig:
+    """Options of a :class:`PreemptionWatcher`; ``signals`` is normalised to names."""
+
+    signals: tuple[str, ...] | Iterable[str | int] = DEFAULT_SIGNALS
+    handle_sigint: bool = False
+    grace_period_s: float | Mapping[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.signals, (str, int)) or not isinstance(self.signals, Iterable):
+            raise ConfigError(
+                f"signals={self.signals!r}: must be a list of signals, e.g. ['SIGTERM', 'SIGUSR1']"
+            )
+        if not isinstance(self.handle_sigint, bool):
+            raise ConfigError(f"handle_sigint={self.handle_sigint!r}: must be True or False")
+        names = [_signal_name(s) for s in self.signals]
+        if self.handle_sigint:
+            names.append("SIGINT")
+        for n in names:
+            if n in _UNCATCHABLE:
+                raise ConfigError(f"signals: {n} cannot be caught by any process; remove it")
+        object.__setattr__(self, "signals", tuple(dict.fromkeys(names)))
+        g = self.grace_period_s
+        if isinstance(g, Mapping):
+            for key, value in g.items():
+                if not isinstance(key, str) or not _valid_source_key(key):
+                    raise ConfigError(
+                        f"grace_period_s: unknown source {key!r}; keys are signal names "
+                        "('SIGTERM', 'SIGUSR1', ...), 'metadata:aws', 'metadata:gcp', "
+                        "'metadata:azure', 'metadata:custom' or 'manual'"
+                    )
+                _check_seconds(f"grace_period_s[{key!r}]", value)
+            object.__setattr__(self, "grace_period_s", MappingProxyType(dict(g)))
+        elif g is not None:
+            _check_seconds("grace_period_s", g)
+
+    def grace_for(self, source: str) -> float | None:
+        """The grace period of a request from ``source``: configured, else the default."""
+        g = self.grace_period_s
+        if isinstance(g, Mapping):
+            if source in g:
+                return float(g[source])
+        elif g is not None:
+            return float(g)
+        return DEFAULT_GRACE_S.get(source)
+
+
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+_installed: weakref.WeakSet[PreemptionWatcher] = weakref.WeakSet()
+_install_order = itertools.count()
+
+
+_masks_before_fork: dict[int, Iterable[int]] = {}
+
+
+def _block_before_fork() -> None:
+    # Block our signals across fork(). A SIGTERM reaching the child before _restore_in_child
+    # would be lost (Python clears pending signals at fork, and skips one whose handler is
+    # SIG_DFL by the time it looks), and a DataLoader worker would outlive its trainer.
+    pid = os.getpid()
+    sigs = {s for w in list(_installed) if w._active and w._pid == pid for s in w._signums}
+    if sigs:
+        _masks_before_fork[threading.get_ident()] = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+
+
+def _unblock_after_fork() -> None:
+    mask = _masks_before_fork.pop(threading.get_ident(), None)
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _restore_in_child() -> None:
+    # A forked child (a DataLoader worker) must die on SIGTERM like before: give it back the
+    # handlers that were there before ours, newest watcher first, then unblock (a SIGTERM that
+    # arrived meanwhile now takes effect). The pid check in the handler covers children forked
+    # without running this hook.
+    for w in sorted(_installed, key=lambda w: w._order, reverse=True):
+        w._active = False
+        for signum, prev in w._previous.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(signum, signal.SIG_DFL if prev is None else prev)
+    _installed.clear()
+    _unblock_after_fork()
+    _masks_before_fork.clear()
+
+
+os.register_at_fork(
+    before=_block_before_fork,
+    after_in_parent=_unblock_after_fork,
+    after_in_child=_restore_in_child,
+)
+
+
+class PreemptionWatcher:
+    """Records preemption requests (signals, cloud notices, manual) in a flag; nothing more.
+
+    Which process/thread calls what: the training process installs it from its *main thread*
+    (Python only runs signal handlers there), on every rank, since a scheduler may signal any
+    process. From another thread :meth:`install` warns and installs nothing (``trigger`` still
+    works). The training loop reads :attr:`requested` at step boundaries; any thread may call
+    :meth:`trigger` (the :class:`MetadataPoller` does). Processes forked from the installing one
+    (DataLoader workers) get the previous handlers back, so SIGTERM still kills them.
+
+    The first request wins; later ones are counted (:attr:`count`) but do not replace it.
+    """
+
+    def __init__(
+        self,
+        *,
+        signals: Iterable[str | int] = DEFAULT_SIGNALS,
+        handle_sigint: bool = False,
+        grace_period_s: float | Mapping[str, float] | None = None,
+    ) -> None:
+        self.config = WatcherConfig(
+            signals=signals, handle_sigint=handle_sigint, grace_period_s=grace_period_s
+        )
+        names = [str(n) for n in self.config.signals]
+        self._signums: dict[int, str] = {getattr(signal, n).value: n for n in names}
+        self._grace = {n: self.config.grace_for(n) for n in names}
+        # Appends and clears of a list are atomic (GIL, and Python runs signal handlers between
+        # bytecodes), so the handler and trigger() record without any lock.
+        self._events: list[PreemptionRequest] = []
+        self._previous: dict[int, _Handler] = {}
+        self._pid = -1
+        self._active = False
+        self._order = 0
+        self._handler = self._on_signal  # one bound-method object, so `is` finds it later
+
+    # -------------------------------------------------------------- install / uninstall
+
+    def install(self) -> bool:
+        """Install the handlers; False (with a warning) when not called from the main thread."""
+        if self._active and self._pid == os.getpid():
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn(
+                "PreemptionWatcher.install() was called outside the main thread, where Python "
+                "cannot install signal handlers: SIGTERM/SIGUSR1 will not be noticed (trigger() "
+                "and MetadataPoller still work). Create the watcher in the main thread.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return False
+        self._previous = {}
+        self._pid = os.getpid()
+        self._order = next(_install_order)
+        self._active = True
+        try:
+            for signum in self._signums:
+                self._previous[signum] = signal.getsignal(signum)
+                signal.signal(signum, self._handler)
+        except (OSError, ValueError) as e:
+            self.uninstall()
+            names = ", ".join(self._signums.values())
+            raise ConfigError(f"cannot install signal handlers for {names}: {e}") from e
+        _installed.add(self)
+        return True
+
+    def uninstall(self) -> None:
+        """Restore the previous handlers (idempotent). From another thread, or where a handler
+        installed after ours is current, ours is left in place but forwards to the previous one."""
+        if not self._active:
+            return
+        self._active = False
+        _installed.discard(self)
+        if self._pid != os.getpid():
+            return
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn(
+                "PreemptionWatcher.uninstall() outside the main thread cannot restore the "
+                "previous signal handlers; the watcher's handlers now forward to them instead.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        for signum, prev in self._previous.items():
+            if signal.getsignal(signum) is self._handler:
+                prev = _unwrap(signum, prev)
+                signal.signal(signum, signal.SIG_DFL if prev is None else prev)
+
+    def __enter__(self) -> PreemptionWatcher:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    @property
+    def installed_signals(self) -> tuple[str, ...]:
+        """Names of the signals this watcher handles now (empty when not installed)."""
+        if not (self._active and self._pid == os.getpid()):
+            return ()
+        return tuple(self._signums.values())
+
+    # -------------------------------------------------------------- recording
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Runs in the main thread between two bytecodes of whatever it was doing: no I/O, no
+        # logging, no locks, no saving here -- the interrupted code may hold what those need.
+        if not self._active or os.getpid() != self._pid:
+            _previous_action(signum, frame, self._previous.get(signum))
+            return
+        name = self._signums[signum]
+        self._events.append(
+            PreemptionRequest(
+                source=name,
+                wall_time=time.time(),
+                monotonic=time.monotonic(),
+                detail=f"{name} received by pid {self._pid}",
+                grace_s=self._grace[name],
+                signum=signum,
+            )
+        )
+
+    def trigger(
+        self, source: str = "manual", detail: str = "", *, grace_s: float | None = None
+    ) -> bool:
+        """Record a request from code (any thread). ``grace_s``, when given (a cloud notice's own
+        deadline), wins over the configured grace period. True when this call made the request,
+        False when one was already pending (this one is only counted)."""
+        if not isinstance(source, str) or not source:
+            raise ConfigError(f"source={source!r}: must be a non-empty string, e.g. 'manual'")
+        if grace_s is not None:
+            grace_s = _check_seconds("grace_s", grace_s, allow_zero=True)
+        req = PreemptionRequest(
+            source=source,
+            wall_time=time.time(),
+            monotonic=time.monotonic(),
+            detail=str(detail),
+            grace_s=self.config.grace_for(source) if grace_s is None else grace_s,
+        )
+        self._events.append(req)
+        return self.request is req
+
+    def clear(self) -> None:
+        """Forget the pending request (and the count)."""
+        self._events.clear()
+
+    # -------------------------------------------------------------- reading
+
+    @property
+    def requested(self) -> bool:
+        return bool(self._events)
+
+    @property
+    def request(self) -> PreemptionRequest | None:
+        """The first pending request, or None."""
+        try:
+            return self._events[0]
+        except IndexError:
+            return None
+
+    @property
+    def count(self) -> int:
+        """How many requests were recorded since the last :meth:`clear` (the first included)."""
+        return len(self._events)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a request is pending or ``timeout`` seconds passed; returns
+        :attr:`requested`. Polls (a signal handler must not set a threading.Event)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._events:
+            left = math.inf if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.005, left))
+        return True
+
+    def remaining_grace_s(self) -> float | None:
+        """Seconds left before the hard kill for the pending request (>= 0); None when nothing
+        is pending or its deadline is unknown."""
+        req = self.request
+        return None if req is None else req.remaining_s()
+
+    def check_grace(self, estimated_save_s: float) -> str | None:
+        """A warning message when a save estimated to take ``estimated_save_s`` would not finish
+        within the remaining grace period; None when it fits or nothing is known."""
+        est = _check_seconds("estimated_save_s", estimated_save_s, allow_zero=True)
+        req = self.request
+        left = None if req is None else req.remaining_s()
+        if req is None or left is None or est <= left:
+            return None
+        return (
+            f"preemption ({req.source}) leaves {left:.1f} s before the process is killed, but a "
+            f"save is estimated to take {est:.1f} s: the emergency checkpoint may not finish. "
+            "Give the job more time (Kubernetes terminationGracePeriodSeconds, Slurm "
+            "--signal=USR1@<seconds>), or save more often so less work is at risk."
+        )
+
+
+def _unwrap(signum: int, prev: _Handler) -> _Handler:
+    """Skip handlers of watchers uninstalled out of order, so they are not restored."""
+    while isinstance(getattr(prev, "__self__", None), PreemptionWatcher):
+        w: PreemptionWatcher = prev.__self__  # type: ignore[union-attr]
+        if w._active or prev is not w._handler:
+            break
+        prev = w._previous.get(signum)
+    return prev
+
+
+def _previous_action(signum: int, frame: FrameType | None, prev: _Handler) -> None:
+    """What the process would have done without the watcher (used in forked children)."""
+    if callable(prev):
+        prev(signum, frame)
+    elif prev != signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)  # default action: for SIGTERM, die by the signal
+        os.kill(os.getpid(), signum)
