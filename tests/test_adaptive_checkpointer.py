@@ -29,12 +29,18 @@ def _loop(ck: Checkpointer, state: dict, start: int, n: int, step_s: float) -> l
 
 def test_adaptive_saves_at_the_interval_it_explains(tmp_path):
     state = {"w": torch.zeros(1000)}
-    # Daly's interval for a ~1-10 ms save and a 0.001 h (3.6 s) MTBF is ~0.1-0.3 s: tens of steps
+    # Daly's interval never exceeds about the MTBF: with 0.0001 h (0.36 s) it is at most ~70 steps
+    # of 5 ms however slow a save is on a loaded machine (a 1-10 ms save gives ~20-50 steps). The
+    # loop runs until four saves, so the number of saves does not depend on the machine's speed.
     with Checkpointer(
-        tmp_path / "ck", adaptive=True, mtbf_hours=0.001, max_overhead=None, async_save=False
+        tmp_path / "ck", adaptive=True, mtbf_hours=0.0001, max_overhead=None, async_save=False
     ) as ck:
         ck.restore(state)
-        saved = _loop(ck, state, 0, 160, 0.005)
+        saved: list[int] = []
+        done = 0
+        while len(saved) < 4 and done < 2000:
+            saved += _loop(ck, state, done, 40, 0.005)
+            done += 40
         assert ck.schedule is not None
         info = ck.schedule.explain()
         steps = ck.schedule.interval_steps()
