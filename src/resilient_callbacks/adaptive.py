@@ -26,7 +26,6 @@ does not change the optimum.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -35,7 +34,6 @@ from typing import Any
 
 from .errors import ConfigError
 from .interval import (
-    _check_number,
     _daly,
     _waste,
     daly_interval,
@@ -43,6 +41,7 @@ from .interval import (
     optimal_interval,
     young_interval,
 )
+from .numbers_check import check_number, check_time, durations, median, opt_int, opt_number
 
 HOUR = 3600.0
 DEFAULT_PRIOR_MTBF_HOURS = 24.0
@@ -55,30 +54,6 @@ _CEILING = "max_interval_s"
 
 
 # --------------------------------------------------------------------------- the schedule
-
-
-def _opt_number(name: str, value: Any, *, positive: bool = True, unit: str = "seconds") -> None:
-    if value is None:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-        or (positive and value == 0)
-    ):
-        bound = "> 0" if positive else ">= 0"
-        raise ConfigError(f"{name}={value!r}: must be a finite number {bound} ({unit}), or None")
-
-
-def _opt_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r}: must be an int >= {minimum}")
-
-
-def _median(values: Iterable[float]) -> float | None:
-    vals = list(values)
-    return statistics.median(vals) if vals else None
 
 
 @dataclass(kw_only=True)
@@ -132,13 +107,13 @@ class AdaptiveSchedule:
     _was_adaptive: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
-        _opt_number("mtbf_hours", self.mtbf_hours, unit="hours")
+        opt_number("mtbf_hours", self.mtbf_hours, unit="hours")
         if self.prior_mtbf_hours is None:
             raise ConfigError(
                 "prior_mtbf_hours=None: the prior is needed until failures are observed; pass a "
                 f"number of hours > 0 (default {DEFAULT_PRIOR_MTBF_HOURS:g}), or set mtbf_hours"
             )
-        _opt_number("prior_mtbf_hours", self.prior_mtbf_hours, unit="hours")
+        opt_number("prior_mtbf_hours", self.prior_mtbf_hours, unit="hours")
         if self.max_overhead is not None and (
             isinstance(self.max_overhead, bool)
             or not isinstance(self.max_overhead, (int, float))
@@ -148,8 +123,8 @@ class AdaptiveSchedule:
                 f"max_overhead={self.max_overhead!r}: must be a fraction of training time in "
                 "(0, 1), e.g. 0.01 for at most 1% of the time blocked in saves, or None for no cap"
             )
-        _opt_number("min_interval_s", self.min_interval_s)
-        _opt_number("max_interval_s", self.max_interval_s)
+        opt_number("min_interval_s", self.min_interval_s)
+        opt_number("max_interval_s", self.max_interval_s)
         if (
             self.min_interval_s is not None
             and self.max_interval_s is not None
@@ -159,9 +134,9 @@ class AdaptiveSchedule:
                 f"min_interval_s={self.min_interval_s:g} > max_interval_s={self.max_interval_s:g}: "
                 "no interval satisfies both; swap them or drop one"
             )
-        _opt_int("warmup_steps", self.warmup_steps, 1)
-        _opt_int("step_window", self.step_window, 1)
-        _opt_int("save_window", self.save_window, 1)
+        opt_int("warmup_steps", self.warmup_steps, 1)
+        opt_int("step_window", self.step_window, 1)
+        opt_int("save_window", self.save_window, 1)
         if (
             isinstance(self.change_tolerance, bool)
             or not isinstance(self.change_tolerance, (int, float))
@@ -179,16 +154,16 @@ class AdaptiveSchedule:
 
     def observe_step(self, seconds: float) -> None:
         """Record one training step's duration (compute only: leave out time blocked in a save)."""
-        self._steps.append(_check_number("seconds", seconds))
+        self._steps.append(check_number("seconds", seconds))
         self._n_steps += 1
 
     def observe_save(self, blocking_s: float, persist_s: float | None = None) -> None:
         """Record a save: ``blocking_s`` the training thread was blocked (the snapshot, or the whole
         save when synchronous), and, when known, ``persist_s`` the background write/commit/upload
         took after that."""
-        self._costs.append(_check_number("blocking_s", blocking_s))
+        self._costs.append(check_number("blocking_s", blocking_s))
         if persist_s is not None:
-            self._persists.append(_check_number("persist_s", persist_s))
+            self._persists.append(check_number("persist_s", persist_s))
         self._n_saves += 1
 
     def set_restart_history(
@@ -218,7 +193,7 @@ class AdaptiveSchedule:
             ) from None
         if not all(map(math.isfinite, ts)):
             raise ConfigError(f"times={ts!r:.200}: every restart time must be finite")
-        start = _check_time("run_start", run_start)
+        start = check_time("run_start", run_start)
         before = [t for t in ts if t < start]
         if before:
             raise ConfigError(
@@ -226,7 +201,7 @@ class AdaptiveSchedule:
                 "history and the run start must be on the same clock (time.time())"
             )
         if exposure_s is None:
-            end = time.time() if now is None else _check_time("now", now)
+            end = time.time() if now is None else check_time("now", now)
             if end < max(ts, default=start):
                 raise ConfigError(
                     f"now={end!r} is before the last restart or the run start; pass the current "
@@ -234,7 +209,7 @@ class AdaptiveSchedule:
                 )
             exposure = end - start
         else:
-            exposure = _check_number("exposure_s", exposure_s)
+            exposure = check_number("exposure_s", exposure_s)
         self._failures = len(ts)
         self._exposure_s = exposure
 
@@ -273,9 +248,9 @@ class AdaptiveSchedule:
     # ------------------------------------------------------------------ the decision
 
     def _compute(self) -> dict[str, Any]:
-        step = _median(self._steps)
-        cost = _median(self._costs)
-        persist = _median(self._persists)
+        step = median(self._steps)
+        cost = median(self._costs)
+        persist = median(self._persists)
         mtbf = self.mtbf_estimate()
         info: dict[str, Any] = {
             "phase": "adaptive" if self.ready else "warmup",
@@ -392,7 +367,7 @@ class AdaptiveSchedule:
 
     def adopt(self, steps: int) -> None:
         """Take the decision made on rank 0 (received by broadcast) as this rank's decision."""
-        _opt_int("steps", steps, 1)
+        opt_int("steps", steps, 1)
         self._was_adaptive = self.ready
         self._set_decision(steps)
 
@@ -502,9 +477,9 @@ class AdaptiveSchedule:
                 f"not an AdaptiveSchedule state (format {_STATE_FORMAT} expected): {state!r:.200}"
             )
         try:
-            steps = _durations("steps", state["steps"])
-            costs = _durations("costs", state["costs"])
-            persists = _durations("persists", state["persists"])
+            steps = durations("steps", state["steps"])
+            costs = durations("costs", state["costs"])
+            persists = durations("persists", state["persists"])
             n_steps, n_saves = int(state["n_steps"]), int(state["n_saves"])
             decision = state["decision"]
         except (KeyError, TypeError, ValueError) as e:
@@ -515,21 +490,8 @@ class AdaptiveSchedule:
         self._n_steps, self._n_saves = n_steps, n_saves
         self._was_adaptive = bool(state.get("adaptive", False))
         if decision is not None:
-            _opt_int("decision", decision, 1)
+            opt_int("decision", decision, 1)
             self._set_decision(decision)
-
-
-def _durations(name: str, values: Iterable[Any]) -> list[float]:
-    out = [float(v) for v in values]
-    if not all(map(math.isfinite, out)) or (out and min(out) < 0):
-        raise ConfigError(f"{name}={out!r:.200}: durations must be finite and >= 0")
-    return out
-
-
-def _check_time(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{name}={value!r}: must be a finite timestamp (time.time())")
-    return float(value)
 
 
 def __getattr__(name: str) -> Any:

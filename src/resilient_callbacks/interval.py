@@ -18,25 +18,14 @@ move it). Pure functions of numbers; :mod:`.adaptive` builds the schedule on the
 from __future__ import annotations
 
 import math
-from typing import Any
 
-from .errors import ConfigError
-
-
-def _check_number(name: str, value: Any, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name}={value!r}: must be a number of seconds")
-    v = float(value)
-    if not math.isfinite(v) or v < 0 or (positive and v == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ConfigError(f"{name}={value!r}: must be a finite number {bound} (seconds)")
-    return v
+from .numbers_check import check_number
 
 
 def young_interval(cost_s: float, mtbf_s: float) -> float:
     """Young's first-order optimum compute time between checkpoints: ``sqrt(2 C M)`` seconds."""
-    c = _check_number("cost_s", cost_s)
-    m = _check_number("mtbf_s", mtbf_s, positive=True)
+    c = check_number("cost_s", cost_s)
+    m = check_number("mtbf_s", mtbf_s, positive=True)
     return math.sqrt(2.0 * c * m)
 
 
@@ -46,7 +35,7 @@ def daly_interval(cost_s: float, mtbf_s: float) -> float:
     sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C    if C < 2M
     M                                                         otherwise
     """
-    return _daly(_check_number("cost_s", cost_s), _check_number("mtbf_s", mtbf_s, positive=True))
+    return _daly(check_number("cost_s", cost_s), check_number("mtbf_s", mtbf_s, positive=True))
 
 
 def _daly(c: float, m: float) -> float:
@@ -68,10 +57,10 @@ def expected_waste_fraction(
     saves and restarts). It counts save time, lost work and restart time; 1.0 means no progress.
     """
     return _waste(
-        _check_number("interval_s", interval_s, positive=True),
-        _check_number("cost_s", cost_s),
-        _check_number("mtbf_s", mtbf_s, positive=True),
-        _check_number("restart_s", restart_s),
+        check_number("interval_s", interval_s, positive=True),
+        check_number("cost_s", cost_s),
+        check_number("mtbf_s", mtbf_s, positive=True),
+        check_number("restart_s", restart_s),
     )
 
 
@@ -92,9 +81,9 @@ def optimal_interval(cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> fl
     precision (a golden-section search on the waste itself only reaches ~1e-8, the square root
     of it). The restart cost does not move the optimum. Returns 0.0 for ``cost_s == 0`` (free
     checkpoints: save as often as possible)."""
-    c = _check_number("cost_s", cost_s)
-    m = _check_number("mtbf_s", mtbf_s, positive=True)
-    _check_number("restart_s", restart_s)
+    c = check_number("cost_s", cost_s)
+    m = check_number("mtbf_s", mtbf_s, positive=True)
+    check_number("restart_s", restart_s)
     if c == 0.0:
         return 0.0
 

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dist
-from .adaptive import AdaptiveSchedule, _opt_int
+from .adaptive import AdaptiveSchedule
 from .config import CheckpointerConfig
 from .decision import Decider
 from .errors import ConfigError
+from .numbers_check import opt_int
 from .policy import Clock
 
 log = logging.getLogger("resilient_callbacks")
@@ -61,8 +62,8 @@ class LossJumpTrigger:
                 f"threshold={self.threshold!r}: must be a finite number > 0, the relative jump "
                 "over the running median that triggers a save (e.g. 0.5 for +50%)"
             )
-        _opt_int("window", self.window, 1)
-        _opt_int("min_history", self.min_history, 1)
+        opt_int("window", self.window, 1)
+        opt_int("min_history", self.min_history, 1)
         if self.min_history > self.window:
             raise ConfigError(
                 f"min_history={self.min_history} > window={self.window}: the window could never "
