@@ -33,6 +33,9 @@ shared 2-core machine are noise, ratios measured side by side are not. For scale
 ``torch.save`` of the state, a raw write+fsync of its bytes (the disk's limit) and a ``copy_``
 into preallocated buffers (the snapshot's limit).
 
+On a GPU (issue 13), ``--device cuda --mb 1600 --batch 8192``: the model trains on the GPU, the
+snapshot's limit is the device-to-host copy into pinned buffers, and the goal is 0.1x.
+
 Goal (issue 6): overhead of ResilientCheckpoint <= 0.5x the overhead of ModelCheckpoint, state
 >= 256 MB. Writes ``bench_lightning.json`` and ``bench_lightning.md`` into ``--out``.
 """
@@ -46,6 +49,7 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -59,7 +63,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from resilient_callbacks.lightning import ResilientCheckpoint
 
 WIDTH = 2048
-GOAL = 0.5
+GOAL = {"cpu": 0.5, "cuda": 0.1}  # issue 6 (CPU), issue 13 (GPU, state >= 1.5 GB)
 
 warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
@@ -88,6 +92,7 @@ class Clock(L.Callback):
 
     def __init__(self) -> None:
         self.t_start = 0.0
+        self.last_batch_end = 0.0
         self.cpu_start = 0.0
         self.blocking: list[float] = []
         self.state_bytes = 0
@@ -95,6 +100,9 @@ class Clock(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.t_start = time.perf_counter()
         self.cpu_start = time.process_time()
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.last_batch_end = time.perf_counter()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         opt = trainer.optimizers[0]
@@ -145,7 +153,7 @@ def run_config(name: str, args: argparse.Namespace, work: str) -> dict[str, Any]
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=True)
     trainer = L.Trainer(
         max_steps=args.steps,
-        accelerator="cpu",
+        accelerator="gpu" if args.device == "cuda" else "cpu",
         devices=1,
         callbacks=callbacks,
         enable_checkpointing=enable_ckpt,
@@ -157,10 +165,18 @@ def run_config(name: str, args: argparse.Namespace, work: str) -> dict[str, Any]
     )
     gc.collect()
     trainer.fit(model, loader)
-    total = time.perf_counter() - clock.t_start
+    end = time.perf_counter()
+    total = end - clock.t_start
     cpu = time.process_time() - clock.cpu_start
     shutil.rmtree(d, ignore_errors=True)
-    out: dict[str, Any] = {"total_s": total, "cpu_s": cpu, "state_bytes": clock.state_bytes}
+    out: dict[str, Any] = {
+        "total_s": total,
+        # after the last batch until fit() returns: for ours, the wait for the last
+        # checkpoint to become durable
+        "tail_s": end - clock.last_batch_end,
+        "cpu_s": cpu,
+        "state_bytes": clock.state_bytes,
+    }
     if saves:
         out["save_s"] = saves
     if clock.blocking:
@@ -170,15 +186,17 @@ def run_config(name: str, args: argparse.Namespace, work: str) -> dict[str, Any]
     return out
 
 
-def scale_baselines(mb: float, work: str) -> dict[str, float]:
-    """torch.save, raw write+fsync and copy_ of a state of the same size (median of 3)."""
-    model = Net(layers_for(mb), WIDTH)
+def scale_baselines(mb: float, work: str, device: str = "cpu") -> dict[str, float]:
+    """torch.save, raw write+fsync and copy_ of a state of the same size (median of 3); on CUDA,
+    copy_ is the device-to-host copy into pinned buffers (the snapshot's floor)."""
+    cuda = device == "cuda"
+    model = Net(layers_for(mb), WIDTH).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model.net(torch.randn(2, WIDTH)).square().mean().backward()
+    model.net(torch.randn(2, WIDTH, device=device)).square().mean().backward()
     opt.step()
     tensors = list(model.state_dict().values())
     tensors += [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
-    bufs = [torch.empty_like(t) for t in tensors]
+    bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
     path = os.path.join(work, "baseline.bin")
     res: dict[str, list[float]] = {"torch.save": [], "raw write+fsync": [], "copy_": []}
     for _ in range(3):
@@ -188,15 +206,19 @@ def scale_baselines(mb: float, work: str) -> dict[str, float]:
         os.remove(path)
         t0 = time.perf_counter()
         with open(path, "wb") as f:
-            for t in tensors:
+            for t in bufs:
                 f.write(memoryview(t.detach().contiguous().view(torch.uint8).numpy()))
             f.flush()
             os.fsync(f.fileno())
         res["raw write+fsync"].append(time.perf_counter() - t0)
         os.remove(path)
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         for b, t in zip(bufs, tensors, strict=True):
-            b.copy_(t)
+            b.copy_(t, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         res["copy_"].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in res.items()}
 
@@ -219,6 +241,12 @@ def main() -> int:
         help="torch intra-op threads for training (default 1: a core stays free for background "
         "work, as on a GPU node whose training loop mostly waits for the GPU)",
     )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="train on the CPU (default) or the GPU (goal 0.1x at >= 1.5 GB, issue 13)",
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument(
@@ -228,6 +256,9 @@ def main() -> int:
     )
     p.add_argument("--quick", action="store_true", help="small state, 1 repetition (smoke)")
     args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch.cuda.is_available() is False here", file=sys.stderr)
+        return 2
     if args.quick:
         args.mb, args.steps, args.every, args.reps, args.batch = 24, 12, 4, 1, 16
     configs = CONFIGS + (VARIANTS if args.variants else [])
@@ -236,6 +267,7 @@ def main() -> int:
     t_begin = time.time()
     meta: dict[str, Any] = {
         "cpus": os.cpu_count(),
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU",
         "torch": torch.__version__,
         "lightning": L.__version__,
         "python": platform.python_version(),
@@ -251,13 +283,14 @@ def main() -> int:
                 print(f"rep {rep} {c}: {r['total_s']:.2f} s", flush=True)
                 if rep > 0:
                     runs[c].append(r)
-        scale = scale_baselines(args.mb, work)
+        scale = scale_baselines(args.mb, work, args.device)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     meta["runtime_s"] = round(time.time() - t_begin, 1)
 
     base = [r["total_s"] for r in runs["none"]]
+    base_tail = [r["tail_s"] for r in runs["none"]]
     base_cpu = [r["cpu_s"] for r in runs["none"]]
     report: dict[str, Any] = {"meta": meta, "configs": {}, "scale": scale}
     for c in configs:
@@ -274,6 +307,16 @@ def main() -> int:
             "overhead_min_s": min(totals) - min(base),
             "cpu_overhead_s": statistics.median(
                 [x - b for x, b in zip(cpus, base_cpu, strict=True)]
+            ),
+            # split: inside the training loop, and the wait at the end of fit()
+            "loop_overhead_s": statistics.median(
+                [
+                    (r["total_s"] - r["tail_s"]) - (b - bt)
+                    for r, b, bt in zip(runs[c], base, base_tail, strict=True)
+                ]
+            ),
+            "end_wait_s": statistics.median(
+                [r["tail_s"] - bt for r, bt in zip(runs[c], base_tail, strict=True)]
             ),
             "totals_s": totals,
             "cpu_s": cpus,
@@ -301,10 +344,12 @@ def main() -> int:
     report["step_s"] = statistics.median(base) / args.steps
     report["goal"] = {
         "ratio": ratio,
+        # per save inside the loop (the end-of-training wait for durability is reported apart)
+        "ratio_loop": ours_e["loop_overhead_s"] / theirs_e["overhead_s"],
         "ratio_min": rel("overhead_min_s"),
         "ratio_cpu": rel("cpu_overhead_s"),
-        "target": GOAL,
-        "met": bool(ratio <= GOAL and state_bytes >= 256e6),
+        "target": GOAL[args.device],
+        "met": bool(ratio <= GOAL[args.device] and state_bytes >= 256e6),
         "state_ge_256MB": state_bytes >= 256e6,
     }
 
@@ -317,7 +362,7 @@ def main() -> int:
 def render(report: dict[str, Any]) -> str:
     meta, args = report["meta"], report["meta"]["args"]
     lines = [
-        f"# bench_lightning: {meta['cpus']} CPUs, torch {meta['torch']}, lightning "
+        f"# bench_lightning: {meta.get('device_name', 'CPU')}, {meta['cpus']} CPUs, torch {meta['torch']}, lightning "
         f"{meta['lightning']}, medians of {args['reps']} (load average at start "
         f"{meta['loadavg_start']}, end {meta['loadavg_end']}), library {meta['library']}, "
         f"runtime {meta['runtime_s']} s",
@@ -366,6 +411,15 @@ def render(report: dict[str, Any]) -> str:
         f"{s['raw write+fsync']:.3f} s (disk limit), copy_ into preallocated buffers "
         f"{s['copy_']:.3f} s (snapshot limit). CPU overhead: process CPU time (all threads) "
         "minus that of the run without checkpointing; other work on the machine barely moves it.",
+        "",
+        "In-loop overhead / end wait (s): "
+        + ", ".join(
+            f"{c} {e['loop_overhead_s']:+.3f} / {e['end_wait_s']:+.3f}"
+            for c, e in report["configs"].items()
+            if c != "none"
+        )
+        + f"; ours in the loop / ModelCheckpoint's overhead: {g['ratio_loop']:.3f}x (the end "
+        "wait is the last checkpoint becoming durable, once per run).",
         "",
         f"Goal: overhead of ResilientCheckpoint <= {g['target']}x that of ModelCheckpoint at the "
         f"same interval, state >= 256 MB: **{g['ratio']:.2f}x (paired medians), "

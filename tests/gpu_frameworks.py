@@ -79,7 +79,6 @@ def run_lightning(args: argparse.Namespace) -> None:
         max_steps=args.steps,
         deterministic=True,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[

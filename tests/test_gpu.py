@@ -126,41 +126,55 @@ def test_saved_tensor_freed_right_after_the_save_is_not_reused_before_the_copy(t
 
 
 def test_restore_lands_in_cuda_tensors_with_bf16_and_amp_state(tmp_path):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(64, 64).cuda().to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cuda")
-    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = model(x).float().pow(2).mean()
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
+    """fp32 master weights trained under fp16 autocast with a GradScaler (AMP), a bf16 module
+    beside them (e.g. an EMA copy) and loose fp16 tensors all restore into CUDA tensors of their
+    dtypes, bit-exact, with the scaler's state."""
+
+    def build(seed: int, init_scale: float = 2.0**16):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(64, 64).cuda()
+        ema = torch.nn.Linear(64, 64).cuda().to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, ema, opt, torch.amp.GradScaler("cuda", init_scale=init_scale)
+
+    model, ema, opt, scaler = build(0)
+    x = torch.randn(8, 64, device="cuda")
+    for _ in range(3):
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
     extra = {"t": torch.arange(10, device="cuda", dtype=torch.float16)}
-    state = {"model": model, "optimizer": opt, "scaler": scaler, "extra": extra}
+    state = {"model": model, "ema": ema, "optimizer": opt, "scaler": scaler, "extra": extra}
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, state)
-    want_model = {k: v.clone() for k, v in model.state_dict().items()}
-    want_scale = scaler.get_scale()
+    want = {
+        **{f"m.{k}": v.clone() for k, v in model.state_dict().items()},
+        **{f"e.{k}": v.clone() for k, v in ema.state_dict().items()},
+    }
+    want_scaler = scaler.state_dict()
 
-    torch.manual_seed(1)
-    model2 = torch.nn.Linear(64, 64).cuda().to(torch.bfloat16)
-    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
-    scaler2 = torch.amp.GradScaler("cuda", init_scale=4.0)
+    model2, ema2, opt2, scaler2 = build(1, init_scale=4.0)
     extra2 = {"t": torch.zeros(10, device="cuda", dtype=torch.float16)}
+    state2 = {"model": model2, "ema": ema2, "optimizer": opt2, "scaler": scaler2, "extra": extra2}
     with Checkpointer(tmp_path / "ck") as ck:
-        assert (
-            ck.restore({"model": model2, "optimizer": opt2, "scaler": scaler2, "extra": extra2})
-            == 1
-        )
-    for k, v in model2.state_dict().items():
-        assert v.device.type == "cuda" and v.dtype == torch.bfloat16
-        assert torch.equal(v, want_model[k]), k
+        assert ck.restore(state2) == 1
+    got = {
+        **{f"m.{k}": v for k, v in model2.state_dict().items()},
+        **{f"e.{k}": v for k, v in ema2.state_dict().items()},
+    }
+    for k, v in got.items():
+        assert v.device.type == "cuda" and v.dtype == want[k].dtype, k
+        assert torch.equal(v, want[k]), k
+    assert ema2.weight.dtype == torch.bfloat16
+    assert len(opt2.state) == 2
     for s in opt2.state.values():
         for v in s.values():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 assert v.device.type == "cuda"
-    assert scaler2.get_scale() == want_scale
+    assert scaler2.state_dict() == want_scaler
     assert extra2["t"].device.type == "cuda" and torch.equal(extra2["t"], extra["t"])
 
 
