@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,11 @@ import torch
 from torch import nn
 
 from resilient_callbacks import Checkpointer, catalog
-from resilient_callbacks.errors import CheckpointMismatchError, ResumeFallbackWarning
+from resilient_callbacks.errors import (
+    CheckpointMismatchError,
+    ResumeFallbackWarning,
+    UnsupportedStateError,
+)
 from resilient_callbacks.filepart import FilePart, PartInfo, PartReader, PartWriter
 from resilient_callbacks.snapshot import HostBuffers
 
@@ -42,9 +47,17 @@ class ToyShards(FilePart):
         writer.tensors(f"shard_{writer.rank:05d}.safetensors", {"weight": captured["weight"]})
         writer.json(f"meta_{writer.rank:05d}.json", captured["meta"])
 
+    def describe(self) -> dict[str, Any]:
+        return {"n": self.weight.numel(), "layout": "one shard per rank"}
+
     def files_to_read(self, info: PartInfo) -> list[str]:
         if info.saved_world_size != info.world_size:
             raise CheckpointMismatchError("saved with another world size")
+        if info.saved.get("n") != self.weight.numel():
+            raise CheckpointMismatchError(
+                f"shards of {info.saved.get('n')} elements saved, this part has "
+                f"{self.weight.numel()}"
+            )
         return [f"shard_{info.rank:05d}.safetensors", f"meta_{info.rank:05d}.json"]
 
     def load(self, reader: PartReader) -> None:
@@ -115,6 +128,10 @@ def test_a_filepart_is_written_verified_and_restored(tmp_path):
         assert entry["rank"] == 0 and entry["size"] == os.path.getsize(
             os.path.join(newest, "parts", "engine", "shards", name)
         )
+    # what the part's describe() said is in the manifest, by part id
+    assert manifest["extra"]["parts"] == {
+        "engine/shards": {"n": 64, "layout": "one shard per rank"}
+    }
     entries = catalog.scan(root, catalog.Depth.FULL)  # every checksum, the part's files too
     assert [(e.name, str(e.status)) for e in entries] == [
         ("step_000000005", "valid"),
@@ -147,6 +164,45 @@ def test_a_corrupt_filepart_file_falls_back_loudly_to_the_previous_checkpoint(tm
         assert ck.restore(_state(fresh)) == 5
     assert torch.equal(fresh.weight, torch.full((64,), 5.0))
     assert fresh.note == "step 5"
+
+
+def test_a_part_refuses_a_checkpoint_it_cannot_load_early_without_falling_back(tmp_path):
+    """files_to_read() compares what describe() recorded with the live part: a mismatch is
+    raised (not a silent fallback to an older checkpoint, which would not fit either) before
+    anything of the state is loaded."""
+    root = str(tmp_path / "ck")
+    _save_two(root)
+    smaller = ToyShards(n=32)
+    state = _state(smaller)
+    torch.manual_seed(1)
+    state["model"] = nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    with (
+        Checkpointer(root, preemption=False) as ck,
+        warnings.catch_warnings(record=True) as caught,
+        pytest.raises(
+            CheckpointMismatchError, match="shards of 64 elements saved, this part has 32"
+        ),
+    ):
+        warnings.simplefilter("always")
+        ck.restore(state)
+    assert not [w for w in caught if issubclass(w.category, ResumeFallbackWarning)]
+    for k, v in state["model"].state_dict().items():  # nothing of the state was loaded
+        assert torch.equal(v, before[k]), k
+    assert smaller.loaded is None and smaller.note == "fresh"
+
+
+def test_a_part_that_describes_itself_with_non_json_values_fails_the_save_clearly(tmp_path):
+    class Odd(ToyShards):
+        def describe(self) -> dict[str, Any]:
+            return {"dtype": torch.float32}
+
+    with (
+        Checkpointer(str(tmp_path / "ck"), preemption=False, async_save=False) as ck,
+        pytest.raises(UnsupportedStateError, match=r"describe\(\) must return JSON-able values"),
+    ):
+        ck.save(1, _state(Odd()))
+    assert not any(n.startswith("step_") for n in os.listdir(tmp_path / "ck"))
 
 
 def test_a_checkpoint_without_the_part_does_not_fit_a_state_with_it(tmp_path):
@@ -192,6 +248,14 @@ def test_two_ranks_each_write_and_verify_their_own_files_and_fall_back_together(
         assert res[r]["restored"] == 5
         assert res[r]["weight"] == 500 + r and res[r]["note"] == f"rank {r} step 5"
     assert any("rank 1" in w and "shard_00001" in w for w in res[0]["fallback_warnings"])
+
+    # The same checkpoints on one rank: the part refuses them (saved by 2 ranks), agreed and
+    # early, and restore raises instead of falling back through every older checkpoint.
+    with (
+        Checkpointer(str(root), preemption=False) as ck,
+        pytest.raises(CheckpointMismatchError, match="saved with another world size"),
+    ):
+        ck.restore(_state(ToyShards()))
 
 
 if __name__ == "__main__":

@@ -17,10 +17,15 @@ Which ranks call what (every rank holds the part at the same place in its state)
   writers, into the part's own sub-folder). Each rank writes its own files; names must differ
   between ranks (put the rank in them). A failure is reported like any rank's failure: no
   commit, the error names the rank.
+- :meth:`FilePart.describe` -- every rank, on the training thread, at every save (optional):
+  JSON-able facts about how the part is laid out (a ZeRO stage, a data-parallel degree, a device
+  mesh). The coordinator's are recorded in the manifest (``extra["parts"][id]``) and given back
+  at restore as ``info.saved``.
 - :meth:`FilePart.files_to_read` -- every rank, at restore: the names (in the part's folder)
-  this rank needs, given what the checkpoint lists and who wrote it; raise
+  this rank needs, given what the checkpoint lists, who wrote it and ``info.saved``; raise
   :class:`~.errors.CheckpointMismatchError` to refuse a checkpoint early (e.g. another world
-  size). The core verifies each file (size and checksum) before anything is loaded: a missing
+  size, another ZeRO stage): the refusal is agreed across ranks and restore raises it on every
+  rank, before anything is loaded (an older checkpoint of the same run would not fit either). The core verifies each file (size and checksum) before anything is loaded: a missing
   or corrupt file makes restore fall back, loudly, to the previous checkpoint.
 - :meth:`FilePart.load` -- every rank, once every rank has read and verified its files: restore
   from the verified contents in ``reader``.
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
     from .snapshot import HostBuffers
 
 PARTS_DIR = "parts"
+PARTS_EXTRA = "parts"  # the manifest's ``extra`` key for what each part's describe() said
 
 
 def part_dir(part_id: str) -> str:
@@ -63,13 +69,15 @@ def _check_name(name: str) -> str:
 @dataclass
 class PartInfo:
     """What a part is told at restore: its id, this rank, the world size now and when saved,
-    and the names the checkpoint lists in the part's folder, with the rank that wrote each."""
+    the names the checkpoint lists in the part's folder with the rank that wrote each, and what
+    the part's :meth:`FilePart.describe` said at the save (``{}`` if nothing)."""
 
     part_id: str
     rank: int
     world_size: int
     saved_world_size: int
     listed: dict[str, int]
+    saved: dict[str, Any] = field(default_factory=dict)
 
 
 class PartWriter:
@@ -157,7 +165,16 @@ def read_part_files(path: str, manifest: Manifest, part: FilePart, info: PartInf
 def part_info(part_id: str, manifest: Manifest, rank: int, world_size: int) -> PartInfo:
     prefix = part_dir(part_id) + "/"
     listed = {f.path[len(prefix) :]: f.rank for f in manifest.files if f.path.startswith(prefix)}
-    return PartInfo(part_id, rank, world_size, manifest.world_size, listed)
+    described = manifest.extra.get(PARTS_EXTRA)
+    saved = described.get(part_id) if isinstance(described, dict) else None
+    return PartInfo(
+        part_id,
+        rank,
+        world_size,
+        manifest.world_size,
+        listed,
+        dict(saved) if isinstance(saved, dict) else {},
+    )
 
 
 class FilePart(ABC):
@@ -171,6 +188,11 @@ class FilePart(ABC):
     def write(self, captured: Any, writer: PartWriter) -> None:
         """Background: write ``captured`` through ``writer`` only."""
 
+    def describe(self) -> Mapping[str, Any]:
+        """Training thread, at each save: JSON-able facts about this part's layout, recorded in
+        the manifest and given back at restore as ``info.saved``. Default: nothing."""
+        return {}
+
     @abstractmethod
     def files_to_read(self, info: PartInfo) -> list[str]:
         """Restore: the names in this part's folder that this rank reads."""
@@ -183,8 +205,18 @@ class FilePart(ABC):
 class CapturedParts:
     """The parts of one save, captured on the training thread, for the writer to write."""
 
-    def __init__(self, parts: dict[str, tuple[FilePart, Any]]) -> None:
+    def __init__(
+        self,
+        parts: dict[str, tuple[FilePart, Any]],
+        described: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
         self.parts = parts
+        self.described = described or {}
+
+    def manifest_extra(self) -> dict[str, Any]:
+        """What the manifest records of the parts (``extra["parts"]``), if any said anything."""
+        said = {pid: d for pid, d in self.described.items() if d}
+        return {PARTS_EXTRA: said} if said else {}
 
     def write(
         self, staging: str, rank: int, *, direct: bool, bounce: DirectBuffer | None

@@ -165,7 +165,7 @@ class Restorer:
         ck = self._ck
         path = c.path
         assert path is not None
-        part, problem = None, None
+        part, problem, refusal = None, None, None
         fileparts = statetree.fileparts(state)
         readers: dict[str, PartReader] = {}
         try:
@@ -175,11 +175,19 @@ class Restorer:
                 info = part_info(pid, manifest, ck.rank, ck.world_size)
                 if info.listed:  # none: a checkpoint without this part (check_fits says so)
                     readers[pid] = read_part_files(path, manifest, fp, info)
+        except CheckpointMismatchError as e:  # a part refuses this checkpoint: no fallback
+            refusal = str(e)
         except (CheckpointCorruptError, OSError) as e:
             problem = str(e)
         except Exception as e:  # malformed content: as corrupt; every rank must reach the gather
             problem = f"unreadable checkpoint ({type(e).__name__}: {e})"
-        problems = dist.all_gather_json(problem)
+        gathered = dist.all_gather_json([problem, refusal])
+        refused = [f"rank {r}: {x}" for r, (_, x) in enumerate(gathered) if x]
+        if refused:  # agreed: every rank raises, nothing was loaded
+            raise CheckpointMismatchError(
+                f"cannot resume from {path} (step {c.step}): {'; '.join(refused)}"
+            )
+        problems = [p for p, _ in gathered]
         bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
         if bad:
             why = "; ".join(bad)

@@ -13,6 +13,7 @@ failed. A background failure is raised on the next save or on close, never lost.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import statistics
@@ -88,6 +89,16 @@ def _prepare_error(exc: BaseException, step: int, rank: int, dirpath: str) -> Ba
     return err
 
 
+def _manifest_extra(prepared: _Prepared | None, schedule: Any) -> dict[str, Any]:
+    """The manifest's ``extra``: the adaptive schedule's state, what the FileParts described."""
+    extra: dict[str, Any] = {}
+    if schedule is not None:
+        extra["schedule"] = schedule.state_dict()
+    if prepared is not None and prepared.parts is not None:
+        extra.update(prepared.parts.manifest_extra())
+    return extra
+
+
 class PartBuffers:
     """The reused host buffers of each FilePart of the state, by part id."""
 
@@ -98,11 +109,22 @@ class PartBuffers:
         """Training thread: let each part copy its state into its own buffers."""
         for gone in [k for k in self._by_id if k not in parts]:
             del self._by_id[gone]
+        described = {}
+        for part_id, part in parts.items():
+            said = dict(part.describe())
+            try:
+                json.dumps(said)
+            except (TypeError, ValueError) as e:
+                raise UnsupportedStateError(
+                    f"FilePart {part_id!r}: describe() must return JSON-able values ({e})"
+                ) from None
+            described[part_id] = said
         return CapturedParts(
             {
                 part_id: (part, part.capture(self._by_id.setdefault(part_id, HostBuffers())))
                 for part_id, part in parts.items()
-            }
+            },
+            described,
         )
 
 
@@ -395,7 +417,7 @@ class Saver:
                 metrics=metrics,
                 reason=reason,
                 fingerprint=prepared.fingerprint if prepared else "",
-                extra={"schedule": schedule.state_dict()} if schedule is not None else {},
+                extra=_manifest_extra(prepared, schedule),
             )
         except CheckpointWriteError:
             if quiet:
