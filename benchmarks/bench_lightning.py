@@ -49,7 +49,6 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -57,7 +56,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import library_version, write_results
+from common import add_device_option, device_missing, host_copies, library_version, write_results
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from resilient_callbacks.lightning import ResilientCheckpoint
@@ -196,7 +195,7 @@ def scale_baselines(mb: float, work: str, device: str = "cpu") -> dict[str, floa
     opt.step()
     tensors = list(model.state_dict().values())
     tensors += [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
-    bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
+    bufs, _ = host_copies(tensors, reps=1)
     path = os.path.join(work, "baseline.bin")
     res: dict[str, list[float]] = {"torch.save": [], "raw write+fsync": [], "copy_": []}
     for _ in range(3):
@@ -241,12 +240,7 @@ def main() -> int:
         help="torch intra-op threads for training (default 1: a core stays free for background "
         "work, as on a GPU node whose training loop mostly waits for the GPU)",
     )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="train on the CPU (default) or the GPU (goal 0.1x at >= 1.5 GB, issue 13)",
-    )
+    add_device_option(p)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument(
@@ -256,8 +250,7 @@ def main() -> int:
     )
     p.add_argument("--quick", action="store_true", help="small state, 1 repetition (smoke)")
     args = p.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: torch.cuda.is_available() is False here", file=sys.stderr)
+    if device_missing(args.device):
         return 2
     if args.quick:
         args.mb, args.steps, args.every, args.reps, args.batch = 24, 12, 4, 1, 16

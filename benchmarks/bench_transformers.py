@@ -55,7 +55,14 @@ import itertools
 
 import torch
 import transformers
-from common import library_version, med, write_results
+from common import (
+    add_device_option,
+    device_missing,
+    host_copies,
+    library_version,
+    med,
+    write_results,
+)
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -219,19 +226,7 @@ def state_bytes(a: argparse.Namespace) -> tuple[int, int, float, float]:
         tensors += [v for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     del model
     total = sum(t.numel() * t.element_size() for t in tensors)
-    cuda = a.device == "cuda"
-    bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
-    copy_s = float("inf")
-    for _ in range(3):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for b, t in zip(bufs, tensors, strict=True):
-            b.copy_(t, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize()
-        copy_s = min(copy_s, time.perf_counter() - t0)
-    tensors = bufs
+    tensors, copy_s = host_copies(tensors)
     fd, path = tempfile.mkstemp(dir=a.dir)
     try:
         t0 = time.perf_counter()
@@ -403,13 +398,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="train on the CPU (default) or the GPU; on cuda the snapshot's floor is the "
-        "device-to-host copy into pinned buffers and the goal is 0.1x (issue 13)",
-    )
+    add_device_option(ap)
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--n-embd", type=int, default=768)
     ap.add_argument("--n-layer", type=int, default=4)
@@ -427,8 +416,7 @@ def main() -> int:
     )
     ap.add_argument("--quick", action="store_true", help="small model, 1 repetition (smoke test)")
     a = ap.parse_args()
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: torch.cuda.is_available() is False here", file=sys.stderr)
+    if device_missing(a.device):
         return 2
     if a.quick:
         a.steps, a.every, a.reps, a.vocab, a.n_embd, a.n_layer = 8, 4, 1, 8000, 256, 2

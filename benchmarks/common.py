@@ -50,3 +50,49 @@ def library_version() -> str:
         return head + (" (src/ modified)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def add_device_option(parser: Any) -> None:
+    """``--device cpu|cuda``: where the model trains (issue 13's GPU mode)."""
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="train on the CPU (default) or the GPU; on cuda the snapshot's limit is the "
+        "device-to-host copy into pinned buffers, and the goal is 0.1x (issue 13)",
+    )
+
+
+def device_missing(device: str) -> bool:
+    """True (after saying so on stderr) when ``device`` is cuda and CUDA is not available."""
+    import sys
+
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch.cuda.is_available() is False here", file=sys.stderr)
+        return True
+    return False
+
+
+def host_copies(tensors: list[Any], reps: int = 3) -> tuple[list[Any], float]:
+    """Copies of ``tensors`` in host memory (pinned for CUDA tensors), and the fastest of
+    ``reps`` copies into them: ``copy_``, or for CUDA tensors non-blocking device-to-host
+    copies and a synchronize (the snapshot's limit)."""
+    import time
+
+    import torch
+
+    cuda = any(t.is_cuda for t in tensors)
+    bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
+    best = float("inf")
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for b, t in zip(bufs, tensors, strict=True):
+            b.copy_(t, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return bufs, best

@@ -27,12 +27,10 @@ How it plugs into ``Trainer.fit`` (Lightning 2.x):
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -50,18 +48,9 @@ from ..manifest import MANIFEST_NAME
 from . import checks
 from . import state as st
 from .loaders import ResumableDataLoader, make_resumable
+from .on_exception import ExceptionSave
 
 log = logging.getLogger("resilient_callbacks.lightning")
-
-
-@dataclass
-class _Boundary:
-    """What the exception path needs to save the state of the last completed step."""
-
-    step: int
-    fit_loop: dict[str, Any]
-    rng_state: tuple[dict[str, Any], dict[str, torch.Tensor]]
-    buffers: dict[str, torch.Tensor]
 
 
 class ResilientCheckpoint(Checkpoint):
@@ -146,8 +135,7 @@ class ResilientCheckpoint(Checkpoint):
         self._last_step: int | None = None
         self._pending: tuple[int, Any] | None = None
         self._our_handlers: dict[int, Any] = {}
-        self._boundary_info: _Boundary | None = None
-        self._stepped = False
+        self._on_exception = ExceptionSave()
         self._step_hooks: list[Any] = []
         self._logged_save: Any = None
         self._unresumable: list[str] = []
@@ -370,11 +358,7 @@ class ResilientCheckpoint(Checkpoint):
         self._ctx.rest()
         self._ctx.reset()
         if self.save_on_exception:
-
-            def stepped(*_: Any) -> None:
-                self._stepped = True
-
-            self._step_hooks = [o.register_step_post_hook(stepped) for o in trainer.optimizers]
+            self._step_hooks = self._on_exception.hook_optimizers(trainer.optimizers)
         self._last_step = trainer.global_step
         if self._resume_rng is not None:
             # Between restore and here, Lightning created dataloader iterators (a seed draw
@@ -443,7 +427,7 @@ class ResilientCheckpoint(Checkpoint):
         elif not saved and checks.is_final(trainer):
             saved = ckpt.save(step, state, metrics)
         if self.save_on_exception and ckpt.world_size == 1:
-            self._remember_boundary(trainer, step)
+            self._on_exception.remember(trainer, step)
         if self.log_stats:
             self._log_stats(trainer, saved)
 
@@ -470,58 +454,19 @@ class ResilientCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------------ failures
 
-    def _remember_boundary(self, trainer: pl.Trainer, step: int) -> None:
-        module = trainer.lightning_module
-        self._boundary_info = _Boundary(
-            step=step,
-            fit_loop=copy.deepcopy(trainer.fit_loop.state_dict()),
-            rng_state=rng.capture(),
-            buffers={name: b.detach().clone() for name, b in module.named_buffers()},
-        )
-        self._stepped = False
-
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         try:
             if self.save_on_exception and not isinstance(exception, (SystemExit, CheckpointError)):
-                self._save_on_exception(trainer, exception)
+                self._on_exception.save(
+                    self.checkpointer, self._ctx, self._state, trainer, exception
+                )
         except Exception as e:  # never mask the original exception
             log.error("save_on_exception: the emergency save failed: %s", e)
         finally:
             self._close(raise_errors=False)
             self._unpatch_all()
-
-    def _save_on_exception(self, trainer: pl.Trainer, exception: BaseException) -> None:
-        ckpt, ctx, b = self.checkpointer, self._ctx, self._boundary_info
-        if ckpt is None or ctx is None or self._state is None or ckpt.closed:
-            return
-        if ckpt.world_size > 1:
-            log.warning(
-                "save_on_exception: not saving after %s with several ranks (the other ranks "
-                "cannot join the save); the newest checkpoint is the last periodic one",
-                type(exception).__name__,
-            )
-            return
-        if b is None:
-            return
-        if self._stepped:
-            log.warning(
-                "save_on_exception: %s came after an optimizer step of a step that did not "
-                "finish; the state matches no step, so nothing is saved",
-                type(exception).__name__,
-            )
-            return
-        log.warning(
-            "%s during training: saving the state of step %d before it propagates",
-            type(exception).__name__,
-            b.step,
-        )
-        ctx.reset()
-        ctx.fit_loop_override = b.fit_loop
-        ctx.buffer_override = b.buffers
-        rng.restore(*b.rng_state)  # the random streams as they were after step b.step
-        ckpt.emergency_save(b.step, self._state, st.finite_metrics(trainer.callback_metrics))
 
     # ------------------------------------------------------------------ helpers
 

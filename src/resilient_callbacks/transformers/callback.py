@@ -36,22 +36,20 @@ from typing import Any
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
 from transformers.utils import logging as hf_logging
 
 from .. import dist
 from ..adapter import check_options
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
-from ..errors import CheckpointMismatchError
 from ..structure import PerRank
-from . import checks, hooks
+from . import checks, hooks, trainer_state
 from .data import ResumableBatches, make_resumable
+from .trainer_state import FORMAT, METRIC_PREFIX  # noqa: F401 (their old home)
 
 log = logging.getLogger("resilient_callbacks")
 trainer_log = hf_logging.get_logger("transformers.trainer")  # where the resume is announced
 
-FORMAT = "resilient_callbacks.transformers/2"
 # TrainerState fields that describe progress (restored); the others follow the current arguments.
 STATE_FIELDS = (
     "epoch",
@@ -71,7 +69,6 @@ _OWN_OPTIONS = (
     "log_save_metrics",
 )
 _RNG_BYTES = torch.get_rng_state().numel()
-METRIC_PREFIX = "resilient/"
 
 
 class ResilientCheckpoint(TrainerCallback):
@@ -301,29 +298,10 @@ class ResilientCheckpoint(TrainerCallback):
 
     def _apply_restored(self, trainer: Any, state: Any, step: int) -> None:
         v = self._values
-        if v.get("format") != FORMAT:
-            raise CheckpointMismatchError(
-                f"the checkpoint of step {step} was not written by the Transformers adapter "
-                f"(format {v.get('format')!r}, expected {FORMAT!r}); use another dirpath"
-            )
-        saved, here = v["data"], self._signature
-        diff = [
-            f"{k}: {saved.get(k)} in the checkpoint, {here[k]} here"
-            for k in here
-            if saved.get(k) != here[k]
-        ]
-        if diff:
-            raise CheckpointMismatchError(
-                f"the checkpoint of step {step} was written with other data settings, so its "
-                "position in the epoch (a batch index) means something else here: "
-                + "; ".join(diff)
-                + ". Resume with the same dataset, per_device_train_batch_size, "
-                "gradient_accumulation_steps and number of processes, or start a new run "
-                "(another dirpath, or resume='never')."
-            )
+        trainer_state.check_compatible(v, self._signature, step)
         for name, value in v["state"].items():
             setattr(state, name, value)
-        self._restore_callbacks(trainer, v["callbacks"])
+        trainer_state.restore_callback_states(trainer, v["callbacks"], exclude=self)
         loop = v["loop"]
         trainer._globalstep_last_logged = int(loop["globalstep_last_logged"])
         # The running loss total (what train_loss averages) and, per rank, the loss not yet
@@ -351,17 +329,6 @@ class ResilientCheckpoint(TrainerCallback):
                 # WARNING through transformers.trainer: the Trainer's logging tree shows WARNING
                 # by default, while its own "Continuing training from checkpoint" (INFO) is hidden
                 trainer_log.warning(f"ResilientCheckpoint: {restored.describe(where)}{extra}")
-
-    def _restore_callbacks(self, trainer: Any, saved: dict[str, list[Any]]) -> None:
-        for name, states in saved.items():
-            live = [
-                cb
-                for cb in trainer.callback_handler.callbacks
-                if cb is not self and isinstance(cb, ExportableState) and type(cb).__name__ == name
-            ]
-            for cb, st in zip(live, states, strict=False):
-                for attr, value in (st.get("attributes") or {}).items():
-                    setattr(cb, attr, value)
 
     # ------------------------------------------------------------------ the Trainer's loop
 
@@ -464,7 +431,9 @@ class ResilientCheckpoint(TrainerCallback):
         if force and not saved:
             saved = ckpt.save(step, self._tree, metrics)
         if saved and self.log_save_metrics:
-            self._log_save(trainer)
+            logs = trainer_state.save_logs(ckpt)
+            if logs:
+                trainer.log(logs)
 
     def _refresh(self, trainer: Any, position: tuple[int, int]) -> None:
         """Point the plain part of the saved state at the Trainer's current values (cheap: the
@@ -474,7 +443,7 @@ class ResilientCheckpoint(TrainerCallback):
             {
                 "format": FORMAT,
                 "state": {k: getattr(st, k) for k in STATE_FIELDS},
-                "callbacks": self._callback_states(trainer),
+                "callbacks": trainer_state.callback_states(trainer, exclude=self),
                 "loop": {
                     "globalstep_last_logged": int(trainer._globalstep_last_logged),
                     "total_loss": float(trainer._total_loss_scalar),
@@ -493,39 +462,9 @@ class ResilientCheckpoint(TrainerCallback):
         if self._epoch_start_live is not None:
             self._epoch_start.copy_(self._epoch_start_live)
 
-    def _callback_states(self, trainer: Any) -> dict[str, list[Any]]:
-        out: dict[str, list[Any]] = {}
-        for cb in trainer.callback_handler.callbacks:
-            if cb is not self and isinstance(cb, ExportableState):
-                out.setdefault(type(cb).__name__, []).append(cb.state())
-        return out
-
     def _record(self, values: Any) -> None:
-        if self._trainer is None or not values:
-            return
-        for k, v in values.items():
-            if str(k).startswith(METRIC_PREFIX) or isinstance(v, bool):
-                continue
-            if isinstance(v, torch.Tensor) and v.numel() == 1:
-                v = v.item()
-            if isinstance(v, (int, float)):
-                self._step_metrics[str(k)] = float(v)
-
-    def _log_save(self, trainer: Any) -> None:
-        ckpt = self.checkpointer
-        assert ckpt is not None
-        logs: dict[str, float] = {}
-        last = ckpt.last_save
-        if ckpt.config.async_save and ckpt.blocking_seconds:
-            logs[METRIC_PREFIX + "save_blocking_s"] = round(ckpt.blocking_seconds[-1], 6)
-        elif last is not None:
-            logs[METRIC_PREFIX + "save_blocking_s"] = round(last.seconds, 6)
-        if last is not None:
-            logs[METRIC_PREFIX + "last_committed_step"] = last.step
-            logs[METRIC_PREFIX + "last_committed_s"] = round(last.seconds, 6)
-            logs[METRIC_PREFIX + "last_committed_mb"] = round(last.bytes / 1e6, 3)
-        if logs:
-            trainer.log(logs)
+        if self._trainer is not None:
+            self._step_metrics.update(trainer_state.scalar_metrics(values))
 
     # ------------------------------------------------------------------ end
 

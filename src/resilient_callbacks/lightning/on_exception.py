@@ -1,0 +1,103 @@
+"""``save_on_exception`` for the Lightning callback: save the state of the last *completed* step
+when ``fit()`` leaves with an exception.
+
+An exception can come in the middle of a step: after the optimizer changed the weights but
+before the step's bookkeeping ran, the live state matches no step. So at the end of every
+completed step (one rank only; with several ranks the others could not join the save) the
+callback remembers what changes *within* a step and cannot be recovered from the live objects:
+the fit loop's progress, the random streams and the module's buffers. At the exception it saves
+the live weights and optimizer with those, unless an optimizer step ran since (then the weights
+are already those of a step that did not finish, and nothing is saved: say so).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from .. import rng
+from ..checkpointer import Checkpointer
+from . import state as st
+
+log = logging.getLogger("resilient_callbacks")
+
+
+@dataclass
+class _Boundary:
+    """What the exception path needs to save the state of the last completed step."""
+
+    step: int
+    fit_loop: dict[str, Any]
+    rng_state: tuple[dict[str, Any], dict[str, torch.Tensor]]
+    buffers: dict[str, torch.Tensor]
+
+
+class ExceptionSave:
+    """The last completed step's boundary, and the save of it at an exception."""
+
+    def __init__(self) -> None:
+        self._boundary: _Boundary | None = None
+        self.stepped = False  # an optimizer step ran after the boundary
+
+    def hook_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
+        """Notice optimizer steps after the boundary; returns the hook handles to remove."""
+
+        def stepped(*_: Any) -> None:
+            self.stepped = True
+
+        return [o.register_step_post_hook(stepped) for o in optimizers]
+
+    def remember(self, trainer: pl.Trainer, step: int) -> None:
+        """End of a completed step (one rank): what a save of this step needs later."""
+        module = trainer.lightning_module
+        self._boundary = _Boundary(
+            step=step,
+            fit_loop=copy.deepcopy(trainer.fit_loop.state_dict()),
+            rng_state=rng.capture(),
+            buffers={name: b.detach().clone() for name, b in module.named_buffers()},
+        )
+        self.stepped = False
+
+    def save(
+        self,
+        ckpt: Checkpointer | None,
+        ctx: st.SaveContext | None,
+        state: dict[str, Any] | None,
+        trainer: pl.Trainer,
+        exception: BaseException,
+    ) -> None:
+        """Save the last completed step's state, or say why not."""
+        b = self._boundary
+        if ckpt is None or ctx is None or state is None or ckpt.closed:
+            return
+        if ckpt.world_size > 1:
+            log.warning(
+                "save_on_exception: not saving after %s with several ranks (the other ranks "
+                "cannot join the save); the newest checkpoint is the last periodic one",
+                type(exception).__name__,
+            )
+            return
+        if b is None:
+            return
+        if self.stepped:
+            log.warning(
+                "save_on_exception: %s came after an optimizer step of a step that did not "
+                "finish; the state matches no step, so nothing is saved",
+                type(exception).__name__,
+            )
+            return
+        log.warning(
+            "%s during training: saving the state of step %d before it propagates",
+            type(exception).__name__,
+            b.step,
+        )
+        ctx.reset()
+        ctx.fit_loop_override = b.fit_loop
+        ctx.buffer_override = b.buffers
+        rng.restore(*b.rng_state)  # the random streams as they were after step b.step
+        ckpt.emergency_save(b.step, state, st.finite_metrics(trainer.callback_metrics))
