@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -23,6 +24,8 @@ import uuid
 from typing import Protocol
 
 from .errors import CheckpointWriteError
+from .manifest import MANIFEST_NAME
+from .tensorfile import write_bytes
 
 STAGING_PREFIX = ".staging-"
 LATEST_TMP_PREFIX = ".latest."
@@ -45,16 +48,22 @@ def fsync_dir(path: str) -> None:
 
 
 class CommitStrategy(Protocol):
-    """How a set of files becomes one checkpoint atomically. Rank 0 calls all three methods;
-    every rank writes its files into the staging location ``begin`` returned, and the caller
-    writes the manifest into it last, before ``commit``."""
+    """How a set of files becomes one checkpoint atomically; one protocol for a POSIX directory
+    (:class:`RenameCommit`) and an object store (:class:`~.remote.ManifestLastCommit`).
+
+    Which ranks call what: rank 0 (or the one process that uploads) calls all three methods.
+    Every writer puts its files into the staging location ``begin`` returned; ``commit`` writes
+    the manifest last and makes the checkpoint visible in one step -- before it returns, no
+    reader sees the checkpoint; after it, readers see every file the manifest lists."""
 
     def begin(self, step: int) -> str:
         """Create and return a fresh staging location for ``step``."""
         ...
 
-    def commit(self, staging: str, step: int) -> str:
-        """Make ``staging`` (manifest written) the checkpoint for ``step``; return its path."""
+    def commit(self, staging: str, step: int, manifest: bytes) -> str:
+        """Write ``manifest`` (the manifest file's bytes) last and make ``staging`` the
+        checkpoint for ``step``; return where it now is. Raises if it could not: then nothing
+        is visible."""
         ...
 
     def abort(self, staging: str) -> None:
@@ -80,9 +89,20 @@ class RenameCommit:
             n += 1
         return ckpt_name(step, n)
 
-    def commit(self, staging: str, step: int) -> str:
-        """Make ``staging`` (whose manifest is already written and fsynced) the checkpoint for
-        ``step``; return its final path. Never replaces an existing checkpoint."""
+    def commit(self, staging: str, step: int, manifest: bytes) -> str:
+        """Write the manifest into ``staging`` (fsynced), then rename ``staging`` to the
+        checkpoint's name for ``step``; return its final path. Never replaces an existing
+        checkpoint. Raises :class:`CheckpointWriteError` if a file the manifest lists is not in
+        ``staging`` (nothing is committed then)."""
+        files = json.loads(manifest).get("files") or []
+        missing = [f["path"] for f in files if not os.path.exists(os.path.join(staging, f["path"]))]
+        if missing:
+            raise CheckpointWriteError(
+                f"files listed in the manifest are not in the staging directory {staging}: "
+                f"{missing}. With several ranks, files written by other ranks are not visible "
+                "to rank 0: dirpath must be on a filesystem all ranks share."
+            )
+        write_bytes(os.path.join(staging, MANIFEST_NAME), manifest)
         fsync_dir(staging)
         for _ in range(100):
             final = os.path.join(self.root, self.final_name(step))

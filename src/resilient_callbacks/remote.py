@@ -221,13 +221,11 @@ class RemoteStore:
             manifest_bytes = fh.read()
         if existing == manifest_bytes:
             return  # already committed there (an earlier run uploaded it)
-        if existing is not None:
-            # Another checkpoint committed under this name: uncommit it before overwriting.
-            self.fs.rm_file(self._path(name, MANIFEST_NAME))
+        commit = ManifestLastCommit(self, name, local_dir)
+        commit.begin(manifest.step)  # uncommits another checkpoint of this name first
         lpaths = [os.path.join(local_dir, f.path) for f in manifest.files]
         rpaths = [self._path(name, f.path) for f in manifest.files]
         if self.is_local:
-            self.fs.makedirs(self._path(name), exist_ok=True)
             for entry in manifest.files:
                 if "/" in entry.path:
                     parent = posixpath.dirname(self._path(name, entry.path))
@@ -235,12 +233,7 @@ class RemoteStore:
         cb = progress.multi_callback() if progress is not None else None
         kwargs: dict[str, Any] = {"callback": cb} if cb is not None else {}
         self.fs.put(lpaths, rpaths, **kwargs)
-        self._check_uploaded(local_dir, manifest, name)
-        if self.is_local:
-            self._fsync_local(rpaths)
-        self.fs.pipe_file(self._path(name, MANIFEST_NAME), manifest_bytes)
-        if self.is_local:
-            self._fsync_local([self._path(name, MANIFEST_NAME)])
+        commit.commit(name, manifest.step, manifest_bytes)
         if progress is not None:
             progress.update(len(manifest_bytes))
 
@@ -336,3 +329,46 @@ def _md5(path: str) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+class ManifestLastCommit:
+    """The :class:`~.commit.CommitStrategy` of an object store, which has no rename and no
+    atomic directory: the files go under the checkpoint's final name, and the manifest goes
+    last, once every file it lists is visible there with its size (and its MD5, where the
+    store's ETag is one). A remote checkpoint exists only when its manifest does
+    (:meth:`RemoteStore.scan`), so a crash before the manifest leaves an invisible, incomplete
+    folder that ``gc`` removes. ``local_dir`` holds the files being uploaded (for the MD5
+    check); the staging location is the checkpoint's name under the store's URL.
+
+    Which ranks call what: the one process that uploads (the coordinator) calls all three."""
+
+    def __init__(self, store: RemoteStore, name: str, local_dir: str) -> None:
+        self.store, self.name, self.local_dir = store, name, local_dir
+
+    def begin(self, step: int) -> str:
+        """Uncommit whatever checkpoint had this name (its manifest first, so it is never seen
+        with files missing) and return the name to put the files under."""
+        st = self.store
+        with contextlib.suppress(FileNotFoundError):
+            st.fs.rm_file(st._path(self.name, MANIFEST_NAME))
+        if st.is_local:
+            st.fs.makedirs(st._path(self.name), exist_ok=True)
+        return self.name
+
+    def commit(self, staging: str, step: int, manifest: bytes) -> str:
+        """Check every listed file, then put the manifest: the checkpoint exists from then on.
+        Raises ``OSError`` naming a file that is missing or differs (nothing is committed)."""
+        st = self.store
+        where = f"{st.url}/{staging}/{MANIFEST_NAME}"
+        m = Manifest.from_json(json.loads(manifest), where)
+        st._check_uploaded(self.local_dir, m, staging)
+        if st.is_local:
+            st._fsync_local([st._path(staging, f.path) for f in m.files])
+        st.fs.pipe_file(st._path(staging, MANIFEST_NAME), manifest)
+        if st.is_local:
+            st._fsync_local([st._path(staging, MANIFEST_NAME)])
+        return f"{st.url}/{staging}"
+
+    def abort(self, staging: str) -> None:
+        """Remove what was put under ``staging`` (no manifest was written)."""
+        self.store.delete(staging)

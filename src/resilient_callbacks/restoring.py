@@ -398,8 +398,9 @@ class Restorer:
                 same = (m.run_id, m.seq) == (manifest.run_id, manifest.seq)
             except Exception:
                 same = True  # unreadable manifest: a damaged copy
-            if not same:
-                return d.commit.commit(staging, manifest.step)
+            if not same:  # under the next free name; the downloaded manifest stays as it is
+                with open(os.path.join(staging, MANIFEST_NAME), "rb") as f:
+                    return d.commit.commit(staging, manifest.step, f.read())
             remove_checkpoint(final)
         os.rename(staging, final)
         fsync_dir(d.dirpath)

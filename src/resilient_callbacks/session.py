@@ -42,9 +42,9 @@ from . import catalog, dist
 from .commit import CommitStrategy, RenameCommit, write_latest_pointer
 from .directory import apply_retention
 from .errors import CheckpointWriteError
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, versions
+from .manifest import FileEntry, Manifest, versions
 from .retention import RetentionPolicy
-from .tensorfile import write_json
+from .tensorfile import encode_json
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -211,16 +211,7 @@ class CommitSession:
             versions=versions(),
             extra=dict(extra or {}),
         )
-        missing = [
-            f.path for f in manifest.files if not os.path.exists(os.path.join(self.staging, f.path))
-        ]
-        if missing:
-            raise CheckpointWriteError(
-                f"files written by other ranks are not visible to rank 0: {missing}. "
-                "With several ranks, dirpath must be on a filesystem all ranks share."
-            )
-        write_json(os.path.join(self.staging, MANIFEST_NAME), manifest.to_json())
-        final = self.strategy.commit(self.staging, self.step)
+        final = self.strategy.commit(self.staging, self.step, encode_json(manifest.to_json()))
         try:
             write_latest_pointer(self.dirpath, os.path.basename(final))
         except OSError as e:

@@ -207,8 +207,17 @@ def _write_all(f: Any, data: memoryview) -> None:
         data = data[n:]
 
 
+def encode_json(obj: Any) -> bytes:
+    """The bytes :func:`write_json` writes for ``obj``."""
+    return json.dumps(obj, indent=1, sort_keys=False, allow_nan=False).encode("utf-8")
+
+
 def write_json(path: str, obj: Any, *, fsync: bool = True) -> FileDigest:
-    data = json.dumps(obj, indent=1, sort_keys=False, allow_nan=False).encode("utf-8")
+    return write_bytes(path, encode_json(obj), fsync=fsync)
+
+
+def write_bytes(path: str, data: bytes, *, fsync: bool = True) -> FileDigest:
+    """Write ``data`` as the whole file ``path`` (fsynced unless ``fsync=False``)."""
     with open(path, "wb", buffering=0) as f:
         _write_all(f, memoryview(data))
         if fsync:
