@@ -48,21 +48,23 @@ class _Frozen:
 def freeze(state: Any) -> Any:
     """The state as of now: modules and optimizers by reference (only an optimizer step changes
     them, which is watched), other objects' state_dicts and tensors copied, containers rebuilt."""
-    if isinstance(state, structure.PerRank):
-        return structure.PerRank(freeze(state.obj))
-    if isinstance(state, (torch.nn.Module, torch.optim.Optimizer, FilePart)):
-        return state
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if structure.is_stateful(state):
-        return _Frozen(copy.deepcopy(state.state_dict()))
-    if isinstance(state, Mapping):
-        return {k: freeze(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [freeze(v) for v in state]
-    if isinstance(state, tuple):
-        return tuple(freeze(v) for v in state)
-    return copy.deepcopy(state)
+    return statetree.rebuild(state, _freeze_leaf, _frozen_whole)
+
+
+def _frozen_whole(obj: Any) -> bool:
+    return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, FilePart, torch.Tensor)) or (
+        structure.is_stateful(obj)
+    )
+
+
+def _freeze_leaf(obj: Any) -> Any:
+    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, FilePart)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if structure.is_stateful(obj):
+        return _Frozen(copy.deepcopy(obj.state_dict()))
+    return copy.deepcopy(obj)
 
 
 def start_watcher(config: CheckpointerConfig) -> tuple[PreemptionWatcher, MetadataPoller | None]:

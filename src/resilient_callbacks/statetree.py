@@ -1,11 +1,12 @@
 """One walker of a training state tree: containers (mappings, lists, tuples, ``PerRank``) are
 descended into, everything else is a leaf. Used on the training thread by whoever needs the
-modules or optimizers of a state (hooks, fingerprint, snapshot ordering); it never copies."""
+modules or optimizers of a state (hooks, fingerprint, snapshot ordering); it never copies.
+:func:`rebuild` maps a tree to a new one of the same shape (the emergency save's frozen copy)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -29,6 +30,23 @@ def leaves(state: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, 
             yield from leaves(v, (*path, i))
     else:
         yield path, state
+
+
+def rebuild(state: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> Any:
+    """The same tree with every leaf replaced by ``fn(leaf)``: containers rebuilt (mappings as
+    dicts, lists, tuples, ``PerRank`` kept); ``is_leaf`` stops the descent early (an object
+    that is a container but has its own state)."""
+    if is_leaf(state):
+        return fn(state)
+    if isinstance(state, PerRank):
+        return PerRank(rebuild(state.obj, fn, is_leaf))
+    if isinstance(state, Mapping):
+        return {k: rebuild(v, fn, is_leaf) for k, v in state.items()}
+    if isinstance(state, list):
+        return [rebuild(v, fn, is_leaf) for v in state]
+    if isinstance(state, tuple):
+        return tuple(rebuild(v, fn, is_leaf) for v in state)
+    return fn(state)
 
 
 def optimizers(state: Any) -> list[torch.optim.Optimizer]:
