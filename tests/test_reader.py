@@ -14,6 +14,7 @@ from resilient_callbacks.errors import (
     CheckpointNotFoundError,
     NoValidCheckpointError,
 )
+from test_cli import flip_byte
 
 
 def make_run(root: str, steps=(10, 20, 30)) -> dict[int, torch.Tensor]:
@@ -32,15 +33,6 @@ def make_run(root: str, steps=(10, 20, 30)) -> dict[int, torch.Tensor]:
 
 def ckpt(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:09d}")
-
-
-def flip_byte(path: str, offset: int = -5) -> None:
-    """Change one byte without changing the size: only a checksum sees it."""
-    with open(path, "r+b") as f:
-        f.seek(offset, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def shared_tensors(root: str, step: int) -> str:

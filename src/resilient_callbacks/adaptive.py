@@ -20,7 +20,7 @@ does not change the optimum.
   when the decision changed, so the broadcast can be skipped or piggybacked on the save's own
   collectives otherwise.
 
-:class:`LossJumpTrigger` is an optional extra trigger: save when the loss jumps or turns non-finite.
+The schedule's explanations in words (log lines, notes) are in :mod:`.schedule_text`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import schedule_text
 from .errors import ConfigError
 from .interval import (
     _daly,
@@ -404,51 +405,12 @@ class AdaptiveSchedule:
         info["max_overhead"] = self.max_overhead
         info["decision_steps"] = self._decision
         info["version"] = self._version
-        notes = []
-        if info["phase"] == "warmup":
-            notes.append(
-                f"warming up: the first save comes after {self.warmup_steps} steps and measures "
-                "the save cost"
-            )
-        if info["mtbf_source"] == "prior":
-            notes.append(
-                f"no failure observed yet: MTBF is the prior {self.prior_mtbf_hours:g} h "
-                "(plus any failure-free exposure)"
-            )
-        if info["clamp"] == "max_overhead":
-            daly_waste = expected_waste_fraction(
-                max(info["daly_interval_s"], 1e-9), info["blocking_cost_s"], info["mtbf_s"]
-            )
-            notes.append(
-                f"max_overhead={self.max_overhead:g} lengthens the interval beyond the goodput "
-                f"optimum: expected waste {100 * info['expected_waste_fraction']:.2f}% instead of "
-                f"{100 * daly_waste:.2f}% (pass max_overhead=None to optimise goodput only)"
-            )
-        info["notes"] = notes
+        info["notes"] = schedule_text.notes(info, self.warmup_steps, self.prior_mtbf_hours)
         return info
 
     def describe(self) -> str:
         """One line for logs."""
-        i = self.explain()
-        if i["phase"] == "warmup":
-            return (
-                f"adaptive checkpointing: warming up ({i['steps_observed']}/{self.warmup_steps} "
-                f"steps, {i['saves_observed']} save(s) measured); saving every "
-                f"{self.warmup_steps} steps until a save has been measured"
-            )
-        src = {
-            "user": "given",
-            "learned": f"learned from {i['failures_observed']} failure(s)",
-            "prior": "prior, no failure observed yet",
-        }[i["mtbf_source"]]
-        clamp = "no clamp" if i["clamp"] is None else f"clamped by {i['clamp']}"
-        persist = "" if i["persist_s"] is None else f", persist {i['persist_s']:.3g} s"
-        return (
-            f"adaptive checkpointing: every {i['interval_steps']} steps ({i['interval_s']:.4g} s) "
-            f"= Daly {i['daly_interval_s']:.4g} s for save cost {i['blocking_cost_s']:.3g} s, "
-            f"MTBF {i['mtbf_s'] / HOUR:.3g} h ({src}), step {i['step_time_s']:.3g} s{persist}; "
-            f"{clamp}; expected overhead {100 * i['expected_overhead']:.2f}%"
-        )
+        return schedule_text.one_line(self.explain(), self.warmup_steps)
 
     def __str__(self) -> str:
         return self.describe()

@@ -95,12 +95,7 @@ def check_fits(
                 {k: v[1] for k, v in want.items()},
                 {k: None if v is None else v[1] for k, v in have.items()},
             )
-            if missing:
-                problems.append(f"{path_str(path)}: missing keys in checkpoint: {_short(missing)}")
-            if unexpected:
-                problems.append(
-                    f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}"
-                )
+            problems.extend(_key_problems(path, missing, unexpected))
             for k in reshaped:
                 problems.append(
                     f"{path_str(path)}[{k!r}]: shape {list(have[k][1])} in checkpoint, "
@@ -133,12 +128,7 @@ def check_fits(
                 return  # plain data (counters, histories): replaced wholesale on restore
             missing = [k for k in obj if k not in items]
             unexpected = [k for k in items if k not in obj]
-            if missing:
-                problems.append(f"{path_str(path)}: missing keys in checkpoint: {_short(missing)}")
-            if unexpected:
-                problems.append(
-                    f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}"
-                )
+            problems.extend(_key_problems(path, missing, unexpected))
             for k in obj:
                 if k in items:
                     rec(obj[k], items[k], (*path, k))
@@ -166,3 +156,12 @@ def check_fits(
             + "\nIf this directory belongs to another model or run, use a new dirpath "
             "(or resume='never' to start fresh and leave those checkpoints alone)."
         )
+
+
+def _key_problems(path: tuple[Any, ...], missing: list[Any], unexpected: list[Any]) -> list[str]:
+    out = []
+    if missing:
+        out.append(f"{path_str(path)}: missing keys in checkpoint: {_short(missing)}")
+    if unexpected:
+        out.append(f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}")
+    return out
