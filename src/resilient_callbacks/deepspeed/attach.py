@@ -1,0 +1,179 @@
+"""``initialize`` and ``attach``: a DeepSpeed engine that checkpoints itself.
+
+::
+
+    import resilient_callbacks.deepspeed as rcds
+    engine, optimizer, loader, scheduler = rcds.initialize(
+        model=model, model_parameters=model.parameters(), training_data=ds, config="ds.json")
+    for batch in loader:                # continues mid-epoch after a resume
+        loss = engine(batch); engine.backward(loss); engine.step()   # saves when due
+
+Every rank calls these at the same point (they restore, and ``engine.step`` saves, with
+collectives). After each ``engine.step()`` that completes an optimizer step (the end of a
+gradient-accumulation cycle), the Checkpointer is told ``engine.global_steps`` and saves when its
+schedule says so, answers a preemption signal (emergency save, exit 75) and keeps the retention
+limits. :func:`initialize` restores the newest valid checkpoint into the engine before it
+returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+from typing import Any
+
+import torch
+
+from ..checkpointer import Checkpointer
+from ..data import ResumableDataLoader
+from ..errors import ConfigError
+from ..structure import PerRank
+from . import section
+from .engine_state import engine_state
+
+log = logging.getLogger("resilient_callbacks")
+
+
+class DeepSpeedCheckpoint:
+    """The checkpointing of one engine: its state, its :class:`Checkpointer`, and the wrapped
+    ``engine.step``. Made by :func:`attach` (and :func:`initialize`); reachable as
+    ``engine.resilient_checkpoint``."""
+
+    def __init__(self, engine: Any, state: Any = None, **options: Any) -> None:
+        self.engine = engine
+        self.state: dict[str, Any] = {"engine": engine_state(engine)}
+        if state is not None:
+            self.state["user"] = state
+        self.checkpointer = Checkpointer(**options)
+        self.restored_step: int | None = None
+        self._engine_step = engine.step
+        engine.step = self._step  # an instance attribute: shadows DeepSpeedEngine.step
+        engine.resilient_checkpoint = self
+
+    def restore(self) -> int:
+        """Collective. Load the checkpoint chosen by ``resume`` into the engine (and the extra
+        state); return ``engine.global_steps`` after it (0 for a fresh start)."""
+        self.restored_step = self.checkpointer.restore(self.state)
+        return self.restored_step
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        out = self._engine_step(*args, **kwargs)
+        if boundary:
+            self.checkpointer.step(int(self.engine.global_steps), self.state)
+        return out
+
+    def save(self) -> bool:
+        """Collective. Save now (e.g. at the end of training)."""
+        return self.checkpointer.save(int(self.engine.global_steps), self.state)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush pending saves and uploads; give ``engine.step`` back."""
+        self.checkpointer.close(timeout)
+        if self.engine.__dict__.get("step") == self._step:
+            del self.engine.step
+
+    def __enter__(self) -> DeepSpeedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def attach(
+    engine: Any, state: Any = None, *, restore: bool = True, **options: Any
+) -> DeepSpeedCheckpoint:
+    """Checkpoint an engine made elsewhere: ``options`` are :class:`Checkpointer` options
+    (``dirpath`` required), ``state`` extra state saved beside the engine's (a data loader in
+    :class:`~resilient_callbacks.PerRank`, user values). With ``restore`` (default), the newest
+    valid checkpoint is loaded before it returns (``.restored_step`` says which step)."""
+    if not options.get("dirpath"):
+        raise ConfigError("attach() needs dirpath=: where to write checkpoints")
+    section.validate(options, "attach()")
+    handle = DeepSpeedCheckpoint(engine, state, **options)
+    if restore:
+        handle.restore()
+    return handle
+
+
+def _resumable_loader(engine: Any, dataset: Any, collate_fn: Any) -> ResumableDataLoader:
+    """A loader sharded and batched like DeepSpeed's own (``DistributedSampler(seed=0)``, the
+    micro-batch size, its drop_last), whose position is saved: a resumed run goes on mid-epoch."""
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return ResumableDataLoader(
+        dataset,
+        batch_size=engine.train_micro_batch_size_per_gpu(),
+        seed=0,
+        num_replicas=world,
+        rank=rank,
+        drop_last=bool(engine.dataloader_drop_last()),
+        collate_fn=collate_fn,
+    )
+
+
+def initialize(
+    args: Any = None,
+    model: Any = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    *,
+    config: Any = None,
+    collate_fn: Any = None,
+    checkpoint: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """``deepspeed.initialize`` with checkpointing from the config's ``"resilient_checkpoint"``
+    section (or ``checkpoint=``, a dict of the same options, which wins key by key). Same
+    arguments and return value; the engine is restored from the newest valid checkpoint before
+    it returns, and the data loader (from ``training_data``) continues mid-epoch.
+
+    Without a section and without ``checkpoint=``, this is ``deepspeed.initialize`` unchanged.
+    """
+    import deepspeed
+
+    from .launch import original_initialize
+
+    ds_initialize = original_initialize() or deepspeed.initialize
+    if config is None and getattr(args, "deepspeed_config", None) is not None:
+        config = args.deepspeed_config
+        args = copy.copy(args) if isinstance(args, argparse.Namespace) else args
+        args.deepspeed_config = None  # DeepSpeed refuses a config given twice
+    clean, options = section.split(config) if config is not None else (None, None)
+    if checkpoint is not None:
+        options = {**(options or {}), **checkpoint}
+        section.validate(options, "checkpoint=")
+    if options is None:
+        return ds_initialize(  # type: ignore[no-any-return]
+            args=args,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            config=config,
+            collate_fn=collate_fn,
+            **kwargs,
+        )
+    engine, opt, _, sched = ds_initialize(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=None,  # ours below: its position is part of the checkpoint
+        lr_scheduler=lr_scheduler,
+        config=clean,
+        **kwargs,
+    )
+    loader = None
+    extra: dict[str, Any] = {}
+    if training_data is not None:
+        loader = _resumable_loader(engine, training_data, collate_fn)
+        extra["data"] = PerRank(loader)
+    handle = DeepSpeedCheckpoint(engine, extra or None, **options)
+    handle.restore()
+    return engine, opt, loader, sched

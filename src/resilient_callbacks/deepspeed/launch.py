@@ -1,0 +1,43 @@
+"""Checkpointing with no code change: run a script with ``deepspeed.initialize`` patched.
+
+::
+
+    python -m resilient_callbacks.deepspeed.run train.py --deepspeed_config ds.json ...
+    deepspeed --module resilient_callbacks.deepspeed.run train.py --deepspeed_config ds.json
+
+In that process ``deepspeed.initialize`` behaves as :func:`resilient_callbacks.deepspeed.initialize`:
+a config with a ``"resilient_checkpoint"`` section gets an engine that restores the newest valid
+checkpoint and saves on schedule (like ``opentelemetry-instrument`` for tracing). A config
+without the section gets plain DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ORIGINAL: list[Any] = []  # deepspeed.initialize before patch(), once patched
+
+
+def original_initialize() -> Any:
+    """DeepSpeed's own ``initialize`` if :func:`patch` replaced it, else None."""
+    return _ORIGINAL[0] if _ORIGINAL else None
+
+
+def patch() -> None:
+    """Make ``deepspeed.initialize`` (and ``from deepspeed import initialize`` after this call)
+    resilient_callbacks' ``initialize``. Idempotent."""
+    import deepspeed
+
+    from .attach import initialize
+
+    if _ORIGINAL:
+        return
+    _ORIGINAL.append(deepspeed.initialize)
+    deepspeed.initialize = initialize
+
+
+def unpatch() -> None:
+    import deepspeed
+
+    if _ORIGINAL:
+        deepspeed.initialize = _ORIGINAL.pop()

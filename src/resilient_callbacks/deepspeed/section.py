@@ -1,0 +1,78 @@
+"""The ``"resilient_checkpoint"`` section of a DeepSpeed JSON config: read, validated, removed.
+
+The section holds :class:`~resilient_callbacks.Checkpointer` options (``dirpath`` required)::
+
+    "resilient_checkpoint": {"dirpath": "/shared/ckpt/run1", "adaptive": true,
+                             "mtbf_hours": 12, "keep_last": 3, "remote": "s3://bucket/run1"}
+
+It is removed before DeepSpeed sees the config: DeepSpeed writes its config into every
+checkpoint it saves and logs it, and remote options (credentials) must not end up there.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ConfigError
+
+SECTION = "resilient_checkpoint"
+
+
+def checkpointer_options() -> list[str]:
+    """The option names a section may hold: the Checkpointer's keyword arguments."""
+    from ..checkpointer import Checkpointer
+
+    params = inspect.signature(Checkpointer.__init__).parameters
+    return [n for n in params if n != "self"]
+
+
+def validate(section: Any, where: str = "the DeepSpeed config") -> dict[str, Any]:
+    """The section's options, checked: a JSON object with known keys and a ``dirpath``."""
+    if not isinstance(section, Mapping):
+        raise ConfigError(
+            f'"{SECTION}" in {where} must be a JSON object of Checkpointer options, got '
+            f"{type(section).__name__}"
+        )
+    valid = checkpointer_options()
+    unknown = sorted(k for k in section if k not in valid)
+    if unknown:
+        raise ConfigError(
+            f'"{SECTION}" in {where}: unknown option(s) {", ".join(map(repr, unknown))}; valid '
+            f"options are: {', '.join(valid)}"
+        )
+    if not section.get("dirpath"):
+        raise ConfigError(f'"{SECTION}" in {where} needs "dirpath": where to write checkpoints')
+    options = dict(section)
+    if isinstance(options.get("signals"), list):
+        options["signals"] = tuple(options["signals"])
+    return options
+
+
+def load_config(config: Any) -> tuple[Any, str]:
+    """``config`` as DeepSpeed takes it (a dict, or the path of a JSON file) as a dict, and a
+    description of where it came from. Anything else is returned as is."""
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config)), "the DeepSpeed config"
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f), path
+        except ValueError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return config, "the DeepSpeed config"
+
+
+def split(config: Any) -> tuple[Any, dict[str, Any] | None]:
+    """``(config without the section, the section's validated options or None)``. A config
+    that is not a dict or a JSON file is returned unchanged, with no section."""
+    loaded, where = load_config(config)
+    if not isinstance(loaded, dict) or SECTION not in loaded:
+        return (loaded if isinstance(loaded, dict) else config), None
+    options = validate(loaded.pop(SECTION), where)
+    return loaded, options

@@ -1,0 +1,291 @@
+"""Per-parameter views of a ZeRO optimizer's partitions: the one layout every stage shares.
+
+Whatever the stage, each rank of a ZeRO 1, 2 or 3 engine holds, for every trainable parameter,
+one contiguous range ``[start, start + numel)`` of the *flattened* parameter (possibly empty), in
+fp32 (the master weights) and in each optimizer moment (``exp_avg``, ``exp_avg_sq``, ...). A
+checkpoint stores exactly those ranges, named by parameter, so that a rank of *another* world
+size, or another stage, finds the bytes it needs by overlapping ranges: the layout of
+DeepSpeed's "universal" checkpoint, without gathering at save time and without its offline
+conversion.
+
+A view translates between that layout and the optimizer's own flat buffers:
+
+- :meth:`ZeroView.fragments` -- this rank's ranges, as live tensors (views into the flat fp32
+  partition and the optimizer state), for the capture;
+- :meth:`ZeroView.set_fragment` -- copy a restored range into the live buffers;
+- :meth:`ZeroView.finish_load` -- *collective* (every rank of the data-parallel group): refresh
+  the low-precision parameters from the restored fp32 masters, as DeepSpeed does after a step.
+
+The few DeepSpeed objects involved (fragment addresses, the loss scaler) are read attribute by
+attribute into JSON values, never pickled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedStateError
+
+FP32 = "fp32"  # the key of the master weights beside the optimizer's own state keys
+
+# The loss scaler's attributes that make up its state (DeepSpeed's LossScaler and
+# DynamicLossScaler). Read and written one by one: the object itself is never serialized.
+SCALER_FIELDS = (
+    "cur_scale",
+    "cur_iter",
+    "last_overflow_iter",
+    "cur_hysteresis",
+    "scale_factor",
+    "scale_window",
+    "min_scale",
+    "delayed_shift",
+    "consecutive_hysteresis",
+    "dynamic",
+)
+
+
+@dataclass
+class Fragment:
+    """One parameter's range on this rank: ``start``/``numel`` in the flattened parameter,
+    ``tensors`` the live fp32 and moment tensors of that range (1-D, ``numel`` long)."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    numel: int
+    tensors: dict[str, torch.Tensor]
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value of an optimizer hyper-parameter (tuples as lists, tensors as numbers)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise UnsupportedStateError(
+        f"an optimizer hyper-parameter of type {type(value).__name__} cannot be saved as JSON"
+    )
+
+
+def _restore_like(old: Any, new: Any) -> Any:
+    """``new`` (from JSON) in the type of the value it replaces (betas stay a tuple)."""
+    if isinstance(old, tuple) and isinstance(new, list):
+        return tuple(new)
+    if isinstance(old, torch.Tensor):
+        return torch.tensor(new, dtype=old.dtype, device=old.device)
+    return new
+
+
+class ZeroView:
+    """Base of the stage-specific views. ``optimizer`` is the engine's ZeRO optimizer."""
+
+    stage: int
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.optimizer = engine.optimizer
+        self.names: dict[int, str] = {id(p): n for n, p in engine.module.named_parameters()}
+
+    # -- what the subclasses provide
+    def fragments(self) -> Iterator[Fragment]:
+        raise NotImplementedError
+
+    def set_fragment(self, name: str, key: str, value: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def finish_load(self) -> None:
+        raise NotImplementedError
+
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    # -- shared
+    def needed(self) -> dict[str, tuple[tuple[int, ...], int, int]]:
+        """Every parameter this rank holds: name -> (shape, start, numel)."""
+        return {f.name: (f.shape, f.start, f.numel) for f in self.fragments()}
+
+    def moment_keys(self) -> list[str]:
+        keys: set[str] = set()
+        for flat in self._flat_partitions():
+            for k, v in self.optimizer.optimizer.state.get(flat, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == flat.shape and v.dim() == 1:
+                    keys.add(k)
+        return sorted(keys)
+
+    def ensure_moments(self, keys: list[str]) -> None:
+        """Create the optimizer's moment tensors where it has none yet (torch optimizers make
+        them at their first step; a restore comes before it)."""
+        state = self.optimizer.optimizer.state
+        for flat in self._flat_partitions():
+            st = state.setdefault(flat, {})
+            for k in keys:
+                if k != FP32 and k not in st:
+                    st[k] = torch.zeros_like(flat, memory_format=torch.contiguous_format)
+
+    def scalars(self) -> dict[str, Any]:
+        """The optimizer's step counts and hyper-parameters, and the loss scaler's state."""
+        inner = self.optimizer.optimizer
+        steps = []
+        for flat in self._flat_partitions():
+            s = inner.state.get(flat, {}).get("step")
+            dtype = str(s.dtype).replace("torch.", "") if isinstance(s, torch.Tensor) else None
+            steps.append(None if s is None else {"value": _plain(s), "tensor_dtype": dtype})
+        groups = [
+            {k: _plain(v) for k, v in g.items() if k != "params"} for g in inner.param_groups
+        ]
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        scaler_state = {
+            k: _plain(getattr(scaler, k)) for k in SCALER_FIELDS if hasattr(scaler, k)
+        }
+        return {"steps": steps, "param_groups": groups, "loss_scaler": scaler_state}
+
+    def load_scalars(self, saved: dict[str, Any]) -> None:
+        inner = self.optimizer.optimizer
+        flats = self._flat_partitions()
+        steps = [s for s in saved.get("steps", []) if s is not None]
+        if steps and any(s != steps[0] for s in steps):
+            raise UnsupportedStateError(f"the saved optimizer step counts differ: {steps}")
+        for flat in flats:
+            st = inner.state.setdefault(flat, {})
+            if steps:
+                value, dtype = steps[0]["value"], steps[0]["tensor_dtype"]
+                st["step"] = (
+                    torch.tensor(value, dtype=getattr(torch, dtype)) if dtype is not None else value
+                )
+        groups = saved.get("param_groups", [])
+        if len(groups) != len(inner.param_groups):
+            raise UnsupportedStateError(
+                f"the checkpoint has {len(groups)} optimizer parameter groups, the engine "
+                f"{len(inner.param_groups)}"
+            )
+        for live, g in zip(inner.param_groups, groups, strict=True):
+            for k, v in g.items():
+                live[k] = _restore_like(live.get(k), v)
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        for k, v in saved.get("loss_scaler", {}).items():
+            if scaler is not None and k in SCALER_FIELDS and hasattr(scaler, k):
+                setattr(scaler, k, _restore_like(getattr(scaler, k), v))
+
+
+class Zero12View(ZeroView):
+    """ZeRO stages 1 and 2 (``DeepSpeedZeroOptimizer``): each trainable parameter's
+    ``_hp_mapping`` says which range of it this rank's flat fp32 partition holds, and where."""
+
+    def __init__(self, engine: Any, stage: int) -> None:
+        super().__init__(engine)
+        self.stage = stage
+        self._by_name: dict[str, tuple[torch.nn.Parameter, int]] = {}
+        for gi, group in enumerate(self.optimizer.bit16_groups):
+            for p in group:
+                self._by_name[self.names[id(p)]] = (p, gi)
+
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        return list(self.optimizer.single_partition_of_fp32_groups)
+
+    def fragments(self) -> Iterator[Fragment]:
+        flats = self._flat_partitions()
+        state = self.optimizer.optimizer.state
+        keys = self.moment_keys()
+        for name, (p, gi) in self._by_name.items():
+            hm = p._hp_mapping
+            if hm is None:  # no part of this parameter is on this rank
+                yield Fragment(name, tuple(p.shape), 0, 0, {})
+                continue
+            lp, hp = hm.lp_fragment_address, hm.hp_fragment_address
+            tensors = {FP32: flats[gi].narrow(0, hp.start, hp.numel)}
+            for k in keys:
+                tensors[k] = state[flats[gi]][k].narrow(0, hp.start, hp.numel)
+            yield Fragment(name, tuple(p.shape), lp.start, lp.numel, tensors)
+
+    def set_fragment(self, name: str, key: str, value: torch.Tensor) -> None:
+        p, gi = self._by_name[name]
+        hp = p._hp_mapping.hp_fragment_address
+        flat = self._flat_partitions()[gi]
+        target = flat if key == FP32 else self.optimizer.optimizer.state[flat][key]
+        target.narrow(0, hp.start, hp.numel).copy_(value)
+
+    def finish_load(self) -> None:
+        self.optimizer.update_lp_params()  # collective: all-gathers the bit16 partitions
+
+
+class Zero3View(ZeroView):
+    """ZeRO stage 3 (``DeepSpeedZeroOptimizer_Stage3``): every parameter is partitioned evenly
+    (``ds_tensor``, padded); rank ``r`` holds ``[r * part, (r + 1) * part)`` of it."""
+
+    stage = 3
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self._by_name: dict[str, torch.nn.Parameter] = {}
+        for group in self.optimizer.fp16_groups:
+            for p in group:
+                self._by_name[self.names[id(p)]] = p
+        group = self.optimizer.dp_process_group
+        self.dp_rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        return list(self.optimizer.fp32_partitioned_groups_flat)
+
+    def _range(self, p: torch.nn.Parameter) -> tuple[int, int]:
+        part = p.ds_tensor.ds_numel
+        start = min(self.dp_rank * part, p.ds_numel)
+        return start, max(0, min(part, p.ds_numel - start))
+
+    def fragments(self) -> Iterator[Fragment]:
+        keys = self.moment_keys()
+        for name, p in self._by_name.items():
+            start, numel = self._range(p)
+            tensors = {FP32: self.optimizer.get_local_fp32_param(p)[:numel]}
+            for k in keys:
+                tensors[k] = self.optimizer.get_local_fp32_param(p, k)[:numel]
+            yield Fragment(name, tuple(p.ds_shape), start, numel, tensors)
+
+    def set_fragment(self, name: str, key: str, value: torch.Tensor) -> None:
+        p = self._by_name[name]
+        padded = torch.zeros(p.ds_tensor.ds_numel, dtype=torch.float32)
+        padded[: value.numel()].copy_(value)
+        self.optimizer.set_local_hp_param(padded, p, None if key == FP32 else key)
+
+    def finish_load(self) -> None:
+        opt = self.optimizer
+        for fp32, lp in zip(
+            opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat, strict=True
+        ):
+            if fp32.numel() > 0:
+                lp.data.copy_(fp32.data)
+        for sub, flat in enumerate(opt.fp16_partitioned_groups_flat):
+            parts = opt.fp16_partitioned_groups[sub]
+            for partitioned, q in zip(parts, opt.unflatten(flat, parts), strict=True):
+                partitioned.data = q.data
+
+
+def view_of(engine: Any) -> ZeroView:
+    """The view of ``engine``'s ZeRO optimizer, or a clear error for what is not supported."""
+    stage = int(engine.zero_optimization_stage())
+    if stage in (1, 2):
+        if not hasattr(engine.optimizer, "single_partition_of_fp32_groups"):
+            raise UnsupportedStateError(
+                f"ZeRO stage {stage}: the engine's optimizer is {type(engine.optimizer).__name__}, "
+                "not DeepSpeed's ZeRO optimizer"
+            )
+        return Zero12View(engine, stage)
+    if stage == 3:
+        return Zero3View(engine)
+    raise UnsupportedStateError(f"ZeRO stage {stage} has no partitions to view")
+
+
+def overlap(a_start: int, a_numel: int, b_start: int, b_numel: int) -> tuple[int, int]:
+    """The overlap of two ranges as (start, numel); numel 0 if they do not overlap."""
+    lo, hi = max(a_start, b_start), min(a_start + a_numel, b_start + b_numel)
+    return lo, max(0, hi - lo)
+
+
+def numel_of(shape: tuple[int, ...] | list[int]) -> int:
+    return math.prod(shape) if shape else 1

@@ -1,0 +1,161 @@
+"""ZeroPart: a ZeRO 1-3 engine's partitioned optimizer state as a :class:`~..filepart.FilePart`.
+
+Each rank writes its own ranges of every trainable parameter (see :mod:`.views`):
+``rank_NNNNN.safetensors`` holds ``fp32/<name>`` and ``<moment>/<name>`` for each parameter
+it holds a piece of, ``rank_NNNNN.json`` the ranges (start and length in the flattened
+parameter, its shape), the optimizer's step counts and hyper-parameters, and the loss scaler's
+state. Nothing is pickled and nothing is gathered at save time.
+
+Restore on the same data-parallel size reads only the rank's own two files. On another size
+(2 -> 1, 1 -> 2), or another ZeRO stage, each rank reads the files of every saved rank and copies
+the overlap of each saved range with each range it now holds: no offline conversion.
+
+Which ranks call what follows :class:`~..filepart.FilePart`; :meth:`ZeroPart.load` is
+collective (it refreshes the low-precision parameters with an all-gather), as every rank loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from ..filepart import FilePart, PartInfo, PartReader, PartWriter
+from .views import FP32, ZeroView, overlap, view_of
+
+if TYPE_CHECKING:
+    from ..snapshot import HostBuffers
+
+FORMAT = "zero-fragments/1"
+
+
+def _files(rank: int) -> tuple[str, str]:
+    return f"rank_{rank:05d}.safetensors", f"rank_{rank:05d}.json"
+
+
+class ZeroPart(FilePart):
+    """The partitioned state of a ZeRO stage 1, 2 or 3 ``DeepSpeedEngine``: fp32 master weights
+    and optimizer moments by parameter range, step counts, hyper-parameters, loss scale."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.view: ZeroView = view_of(engine)
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.world_size = (
+            torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        )
+
+    # ------------------------------------------------------------------ save
+
+    @torch.no_grad()
+    def capture(self, buffers: HostBuffers) -> Any:
+        tensors: dict[str, torch.Tensor] = {}
+        ranges: dict[str, dict[str, Any]] = {}
+        for f in self.view.fragments():
+            ranges[f.name] = {"shape": list(f.shape), "start": f.start, "numel": f.numel}
+            for key, live in f.tensors.items():
+                name = f"{key}/{f.name}"
+                buf = buffers.get(name, live)
+                buf.copy_(live)  # synchronous: the step may change `live` once we return
+                tensors[name] = buf
+        index = {
+            "format": FORMAT,
+            "rank": self.rank,
+            "zero_stage": self.view.stage,
+            "keys": [FP32, *self.view.moment_keys()],
+            "params": ranges,
+            **self.view.scalars(),
+        }
+        return tensors, index
+
+    def write(self, captured: Any, writer: PartWriter) -> None:
+        tensors, index = captured
+        st, js = _files(self.rank)
+        writer.tensors(st, tensors)
+        writer.json(js, index)
+
+    def describe(self) -> Mapping[str, Any]:
+        return {
+            "format": FORMAT,
+            "zero_stage": self.view.stage,
+            "dp_world_size": self.world_size,
+            "dtype": str(next(self.engine.module.parameters()).dtype).replace("torch.", ""),
+        }
+
+    # ------------------------------------------------------------------ restore
+
+    def files_to_read(self, info: PartInfo) -> list[str]:
+        saved = info.saved
+        if saved.get("format") not in (None, FORMAT):
+            raise CheckpointMismatchError(
+                f"part {info.part_id!r} was written in format {saved.get('format')!r}; this "
+                f"version reads {FORMAT!r}"
+            )
+        return [name for r in self._ranks_to_read(info) for name in _files(r)]
+
+    def _ranks_to_read(self, info: PartInfo) -> list[int]:
+        ranks = sorted({r for name, r in info.listed.items() if name.startswith("rank_")})
+        family = {1: "1-2", 2: "1-2", 3: "3"}
+        same = (
+            info.saved.get("dp_world_size") == self.world_size
+            and family.get(info.saved.get("zero_stage", -1)) == family[self.view.stage]
+        )
+        if same and self.rank in ranks:
+            return [self.rank]  # the same partitioning: this rank's own files hold its ranges
+        return ranks
+
+    @torch.no_grad()
+    def load(self, reader: PartReader) -> None:
+        saved_ranks = self._ranks_to_read(reader.info)
+        if not saved_ranks:
+            raise CheckpointCorruptError(f"part {reader.info.part_id!r} lists no rank files")
+        indexes = {r: reader.json(_files(r)[1]) for r in saved_ranks}
+        tensors = {r: reader.tensors(_files(r)[0]) for r in saved_ranks}
+        first = indexes[saved_ranks[0]]
+        keys = list(first["keys"])
+        missing_keys = set(self.view.moment_keys()) - set(keys)
+        if missing_keys:
+            raise CheckpointMismatchError(
+                f"the checkpoint holds no optimizer state {sorted(missing_keys)} (saved: "
+                f"{first['keys']}): was it written with another optimizer?"
+            )
+        self.view.ensure_moments(keys)
+        needed = self.view.needed()
+        known = set(first["params"])
+        absent = sorted(set(needed) - known)
+        extra = sorted(known - set(needed))
+        if absent or extra:
+            raise CheckpointMismatchError(
+                "the checkpoint's parameters differ from the engine's: "
+                + (f"missing from the checkpoint: {absent[:5]} " if absent else "")
+                + (f"not in the model: {extra[:5]}" if extra else "")
+            )
+        for name, (shape, start, numel) in needed.items():
+            if list(shape) != first["params"][name]["shape"]:
+                raise CheckpointMismatchError(
+                    f"parameter {name!r}: shape {list(shape)} in the model, "
+                    f"{first['params'][name]['shape']} in the checkpoint"
+                )
+            if numel == 0:
+                continue
+            for key in keys:
+                out = torch.empty(numel, dtype=torch.float32)
+                covered = 0
+                for r in saved_ranks:
+                    rng = indexes[r]["params"][name]
+                    lo, n = overlap(start, numel, rng["start"], rng["numel"])
+                    if n == 0:
+                        continue
+                    src = tensors[r][f"{key}/{name}"]
+                    out.narrow(0, lo - start, n).copy_(src.narrow(0, lo - rng["start"], n))
+                    covered += n
+                if covered != numel:
+                    raise CheckpointCorruptError(
+                        f"parameter {name!r} ({key}): the checkpoint's ranks cover {covered} of "
+                        f"the {numel} values this rank needs"
+                    )
+                self.view.set_fragment(name, key, out)
+        self.view.load_scalars(first)
+        self.view.finish_load()

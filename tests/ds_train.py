@@ -1,0 +1,135 @@
+"""A DeepSpeed training script for the tests: tiny model with dropout, gradient accumulation, a
+warm-up LR scheduler, AdamW, our resumable loader; optionally SIGKILLs itself mid-run.
+
+    python ds_train.py --dir D --out O --stage S [--dtype bf16] [--steps N] [--every K]
+                       [--die-at STEP] [--launcher]
+
+Run once per rank (RANK/WORLD_SIZE/MASTER_* in the environment; gloo on CPU). Appends one line
+per micro-step to ``O.rank<r>.losses`` (micro-step, loss as float.hex) and, at the end, writes
+``O.rank0.final.json``: every full fp32 parameter and Adam moment (gathered), as hex floats.
+With ``--launcher`` the script calls plain ``deepspeed.initialize`` with the section in its
+config: run it through ``python -m resilient_callbacks.deepspeed.run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch
+from torch import nn
+
+
+def build(stage: int, dtype: str, dirpath: str, every: int, extra: dict | None) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+        "gradient_clipping": 1.0,
+        "resilient_checkpoint": {
+            "dirpath": dirpath,
+            "every_n_steps": every,
+            "keep_last": 2,
+            **(extra or {}),
+        },
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def full_state(engine, stage: int) -> dict[str, list[str]]:
+    """Every full fp32 master weight and Adam moment, gathered (a collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict[str, list[str]] = {}
+    for name, p in engine.module.named_parameters():
+        if stage == 0:
+            out[f"param/{name}"] = [float(v).hex() for v in p.detach().float().flatten()]
+            continue
+        out[f"fp32/{name}"] = [float(v).hex() for v in safe_get_full_fp32_param(p).flatten()]
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = safe_get_full_optimizer_state(p, key)
+            out[f"{key}/{name}"] = [float(v).hex() for v in t.flatten()]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--every", type=int, default=3)
+    ap.add_argument("--die-at", type=int, default=None)
+    ap.add_argument("--term-at", type=int, default=None)
+    ap.add_argument("--launcher", action="store_true")
+    ap.add_argument("--no-pickle", action="store_true")
+    ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher adds it
+    args = ap.parse_args()
+
+    if args.no_pickle:  # restore must never unpickle
+        import pickle
+
+        def refuse(*a, **k):
+            raise AssertionError("pickle/torch.load called during a resilient_callbacks restore")
+
+        pickle.load = pickle.loads = torch.load = refuse  # type: ignore[assignment]
+
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(1234)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.ReLU(), nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(7)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g))
+    cfg = build(args.stage, args.dtype, args.dir, args.every, None)
+    torch.manual_seed(100 + rank)  # per-rank dropout streams, restored on resume
+    if args.launcher:
+        engine, _, loader, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), training_data=data, config=cfg
+        )
+        assert hasattr(engine, "resilient_checkpoint"), "not run through the launcher"
+    else:
+        import resilient_callbacks.deepspeed as rcds
+
+        engine, _, loader, _ = rcds.initialize(
+            model=model, model_parameters=model.parameters(), training_data=data, config=cfg
+        )
+    assert "resilient_checkpoint" not in engine.config, "the section reached DeepSpeed"
+    dtype = next(engine.module.parameters()).dtype
+    log = open(f"{args.out}.rank{rank}.losses", "a")  # noqa: SIM115
+    while engine.global_steps < args.steps:
+        for x, y in loader:
+            micro = engine.micro_steps
+            loss = nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+            engine.backward(loss)
+            engine.step()
+            log.write(f"{micro} {float(loss).hex()}\n")
+            log.flush()
+            if args.die_at is not None and engine.global_steps == args.die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.term_at is not None and engine.global_steps == args.term_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # the next engine.step() saves and exits 75
+            if engine.global_steps >= args.steps:
+                break
+    state = full_state(engine, args.stage)
+    engine.resilient_checkpoint.close()
+    if rank == 0:
+        with open(f"{args.out}.rank0.final.json", "w") as f:
+            json.dump(state, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

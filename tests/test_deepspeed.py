@@ -1,0 +1,254 @@
+"""DeepSpeed on CPU (DS_ACCELERATOR=cpu, gloo), real engines, one OS process per rank.
+
+Every scenario runs tests/ds_train.py: a tiny model with dropout, gradient accumulation (2), a
+warm-up LR scheduler and AdamW, checkpointed through the ``"resilient_checkpoint"`` section of
+its DeepSpeed config. "Exact" means: the per-micro-step losses of every rank and every full
+(gathered) fp32 master weight and Adam moment at the end are bit-identical (float.hex) to those
+of an uninterrupted run.
+
+- kill/resume: the ranks SIGKILL themselves at a step between two saves; the same command run
+  again continues from the newest checkpoint, for ZeRO 0-3 x 1-2 ranks, fp32 and bf16 (a
+  subset by default, every combination with ``-m slow``);
+- 2 -> 1 and 1 -> 2 ranks, ZeRO 2 and 3: every gathered weight and moment after the restore
+  equals what was saved, and training goes on;
+- restore with ``pickle.load``/``pickle.loads``/``torch.load`` patched to raise;
+- a byte flipped in rank 1's partition file: both ranks fall back to the previous checkpoint,
+  loudly, and the run still ends bit-identical;
+- SIGTERM -> emergency save -> exit 75 -> resume, exact;
+- no code change: ``python -m resilient_callbacks.deepspeed.run`` makes plain
+  ``deepspeed.initialize`` resilient;
+- the section is validated, and removed before DeepSpeed sees the config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from resilient_callbacks import catalog  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("ds_train.py")
+DEADLINE = 300.0  # seconds for one group of ranks
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(
+    args: list[str], world: int, workdir: Path, name: str, *, expect: int = 0, module: bool = False
+) -> list[str]:
+    """Run ds_train.py with ``args`` as ``world`` ranks. ``expect``: the exit status every rank
+    must end with (-9 for a run that kills itself: once one rank is gone, the others are
+    killed too, as a failed node takes its job down). Returns each rank's output."""
+    argv = [sys.executable, "-m", "resilient_callbacks.deepspeed.run"] if module else [
+        sys.executable
+    ]
+    argv = [*argv, str(SCRIPT), *args]
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME="lo",
+            DS_ACCELERATOR="cpu",
+            OMP_NUM_THREADS="1",
+            PYTHONHASHSEED="0",
+        )
+        log = open(workdir / f"{name}.rank{rank}.log", "w+")  # noqa: SIM115
+        procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env))
+        logs.append(log)
+    deadline = time.monotonic() + DEADLINE
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if expect == -9 and any(p.poll() == -9 for p in procs):
+                time.sleep(2.0)  # the others reach the same step and kill themselves
+                break
+            if expect == 0 and any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    codes = [p.returncode for p in procs]
+    ok = all(c == -9 for c in codes) if expect == -9 else all(c == expect for c in codes)
+    if not ok:
+        text = "\n".join(f"--- rank {r} (rc={c})\n{o[-6000:]}" for r, (c, o) in enumerate(zip(codes, outputs, strict=True)))
+        raise AssertionError(f"{name}: exit codes {codes}, expected {expect}\n{text}")
+    return outputs
+
+
+def losses(prefix: Path, rank: int) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for line in Path(f"{prefix}.rank{rank}.losses").read_text().splitlines():
+        micro, loss = line.split()
+        out[int(micro)] = loss  # a re-trained micro-step overwrites the killed run's value
+    return out
+
+
+def final(prefix: Path) -> dict[str, list[str]]:
+    return json.loads(Path(f"{prefix}.rank0.final.json").read_text())
+
+
+def assert_same_run(a: Path, b: Path, world: int) -> None:
+    for r in range(world):
+        la, lb = losses(a, r), losses(b, r)
+        assert la == lb, f"rank {r}: per-step losses differ at micro-steps " + str(
+            [k for k in la if la[k] != lb.get(k)][:5]
+        )
+    fa, fb = final(a), final(b)
+    assert fa.keys() == fb.keys()
+    differ = [k for k in fa if fa[k] != fb[k]]
+    assert not differ, f"final state differs: {differ[:5]}"
+
+
+def _opts(stage: int, dtype: str, steps: int = 10, every: int = 3) -> list[str]:
+    return ["--stage", str(stage), "--dtype", dtype, "--steps", str(steps), "--every", str(every)]
+
+
+CASES = [
+    pytest.param(2, 2, "fp32", id="zero2-2ranks-fp32"),
+    pytest.param(3, 2, "bf16", id="zero3-2ranks-bf16"),
+    pytest.param(0, 1, "bf16", id="zero0-1rank-bf16"),
+    pytest.param(1, 1, "bf16", id="zero1-1rank-bf16"),
+]
+SLOW_CASES = [
+    pytest.param(s, w, d, id=f"zero{s}-{w}ranks-{d}", marks=pytest.mark.slow)
+    for s in (0, 1, 2, 3)
+    for w in (1, 2)
+    for d in ("fp32", "bf16")
+    if (s, w, d) not in {(2, 2, "fp32"), (3, 2, "bf16"), (0, 1, "bf16"), (1, 1, "bf16")}
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("stage", "world", "dtype"), CASES + SLOW_CASES)
+def test_sigkill_then_rerun_is_exact(tmp_path: Path, stage: int, world: int, dtype: str) -> None:
+    opts = _opts(stage, dtype)
+    run_group(["--dir", str(tmp_path / "a"), "--out", str(tmp_path / "full"), *opts], world, tmp_path, "full")
+    killed = ["--dir", str(tmp_path / "b"), "--out", str(tmp_path / "kill"), *opts]
+    run_group([*killed, "--die-at", "7"], world, tmp_path, "die", expect=-9)
+    steps = [e.step for e in catalog.scan(str(tmp_path / "b"), catalog.Depth.FULL)]
+    assert steps and max(steps) < 7, steps  # the kill came between two saves (6 and 9)
+    run_group(killed, world, tmp_path, "resume")
+    assert_same_run(tmp_path / "full", tmp_path / "kill", world)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("stage", "dtype", "before", "after"),
+    [
+        pytest.param(2, "fp32", 2, 1, id="zero2-2to1"),
+        pytest.param(3, "bf16", 1, 2, id="zero3-1to2"),
+        pytest.param(2, "bf16", 1, 2, id="zero2-1to2", marks=pytest.mark.slow),
+        pytest.param(3, "fp32", 2, 1, id="zero3-2to1", marks=pytest.mark.slow),
+        pytest.param(1, "fp32", 2, 1, id="zero1-2to1", marks=pytest.mark.slow),
+    ],
+)
+def test_resume_on_another_number_of_ranks(
+    tmp_path: Path, stage: int, dtype: str, before: int, after: int
+) -> None:
+    ck = str(tmp_path / "ck")
+    run_group(["--dir", ck, "--out", str(tmp_path / "saved"), *_opts(stage, dtype, 6)], before, tmp_path, "save")
+    # Restore on the other size and train nothing: the gathered state is what was saved.
+    out = run_group(["--dir", ck, "--out", str(tmp_path / "restored"), *_opts(stage, dtype, 6)], after, tmp_path, "restore")
+    saved, restored = final(tmp_path / "saved"), final(tmp_path / "restored")
+    assert saved.keys() == restored.keys()
+    assert [k for k in saved if saved[k] != restored[k]] == []
+    assert "restored step 6" in out[0] or "step_000000006" in out[0], out[0][-3000:]
+    # ... and training goes on from there.
+    run_group(["--dir", ck, "--out", str(tmp_path / "more"), *_opts(stage, dtype, 9)], after, tmp_path, "more")
+    assert max(e.step for e in catalog.scan(ck, catalog.Depth.FULL)) == 9
+
+
+@pytest.mark.distributed
+def test_restore_never_unpickles(tmp_path: Path) -> None:
+    ck = str(tmp_path / "ck")
+    run_group(["--dir", ck, "--out", str(tmp_path / "a"), *_opts(3, "bf16", 6)], 1, tmp_path, "save")
+    out = run_group(["--dir", ck, "--out", str(tmp_path / "b"), "--no-pickle", *_opts(3, "bf16", 9)], 1, tmp_path, "restore")
+    assert "step_000000006" in out[0]
+    assert max(e.step for e in catalog.scan(ck, catalog.Depth.FULL)) == 9
+
+
+@pytest.mark.distributed
+def test_flipped_byte_in_rank1_partition_falls_back_on_both_ranks(tmp_path: Path) -> None:
+    opts = _opts(2, "fp32", 8, 3)
+    run_group(["--dir", str(tmp_path / "a"), "--out", str(tmp_path / "full"), *opts], 2, tmp_path, "full")
+    ck = tmp_path / "b"
+    run_group(["--dir", str(ck), "--out", str(tmp_path / "kill"), *opts, "--die-at", "7"], 2, tmp_path, "die", expect=-9)
+    newest = max(catalog.scan(str(ck), catalog.Depth.FULL), key=lambda e: e.step)
+    assert newest.step == 6
+    victim = Path(newest.path) / "parts" / "engine" / "zero" / "rank_00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    out = run_group(["--dir", str(ck), "--out", str(tmp_path / "kill"), *opts], 2, tmp_path, "resume")
+    for r in (0, 1):
+        assert "step_000000006" in out[r] and "rank_00001.safetensors" in out[r], out[r][-3000:]
+        assert "step_000000003" in out[r]
+    assert_same_run(tmp_path / "full", tmp_path / "kill", 2)
+
+
+@pytest.mark.distributed
+def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path: Path) -> None:
+    opts = _opts(2, "bf16", 10, 4)
+    run_group(["--dir", str(tmp_path / "a"), "--out", str(tmp_path / "full"), *opts], 1, tmp_path, "full")
+    run = ["--dir", str(tmp_path / "b"), "--out", str(tmp_path / "term"), *opts]
+    run_group([*run, "--term-at", "5"], 1, tmp_path, "term", expect=75)
+    steps = [e.step for e in catalog.scan(str(tmp_path / "b"), catalog.Depth.FULL)]
+    assert 5 <= max(steps) <= 6, steps  # the emergency save, not the last periodic one (4)
+    run_group(run, 1, tmp_path, "resume")
+    assert_same_run(tmp_path / "full", tmp_path / "term", 1)
+
+
+@pytest.mark.distributed
+def test_no_code_change_through_the_launcher(tmp_path: Path) -> None:
+    opts = _opts(2, "fp32")
+    run_group(["--dir", str(tmp_path / "a"), "--out", str(tmp_path / "full"), *opts], 1, tmp_path, "full")
+    run = ["--dir", str(tmp_path / "b"), "--out", str(tmp_path / "kill"), "--launcher", *opts]
+    run_group([*run, "--die-at", "7"], 1, tmp_path, "die", expect=-9, module=True)
+    run_group(run, 1, tmp_path, "resume", module=True)
+    assert_same_run(tmp_path / "full", tmp_path / "kill", 1)
+
+
+def test_section_is_validated_and_removed(tmp_path: Path) -> None:
+    from resilient_callbacks.deepspeed import section
+    from resilient_callbacks.errors import ConfigError
+
+    cfg = {"train_batch_size": 8, "resilient_checkpoint": {"dirpath": "x", "keep_lats": 3}}
+    with pytest.raises(ConfigError, match=r"'keep_lats'.*valid options are: dirpath, every_n_steps"):
+        section.split(cfg)
+    with pytest.raises(ConfigError, match="needs \"dirpath\""):
+        section.split({"resilient_checkpoint": {"keep_last": 3}})
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "resilient_checkpoint": {"dirpath": "x", "remote": "s3://b/r", "remote_options": {"secret": "s"}}}))
+    clean, options = section.split(str(path))
+    assert clean == {"train_batch_size": 8}
+    assert options is not None and options["remote_options"] == {"secret": "s"}
+    assert section.split({"train_batch_size": 8}) == ({"train_batch_size": 8}, None)
+    assert json.loads(path.read_text())["resilient_checkpoint"]["dirpath"] == "x"  # file untouched
