@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--term-at", type=int, default=None)
     ap.add_argument("--launcher", action="store_true")
     ap.add_argument("--no-pickle", action="store_true")
+    ap.add_argument("--sync", action="store_true")  # async_save=False
+    ap.add_argument("--dump-restored", action="store_true")  # the gathered state after restore
     ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher adds it
     args = ap.parse_args()
 
@@ -91,8 +93,12 @@ def main() -> None:
     torch.manual_seed(1234)
     model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.ReLU(), nn.Linear(16, 1))
     g = torch.Generator().manual_seed(7)
-    data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g))
-    cfg = build(args.stage, args.dtype, args.dir, args.every, None)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g)
+    )
+    cfg = build(
+        args.stage, args.dtype, args.dir, args.every, {"async_save": False} if args.sync else None
+    )
     torch.manual_seed(100 + rank)  # per-rank dropout streams, restored on resume
     if args.launcher:
         engine, _, loader, _ = deepspeed.initialize(
@@ -106,6 +112,17 @@ def main() -> None:
             model=model, model_parameters=model.parameters(), training_data=data, config=cfg
         )
     assert "resilient_checkpoint" not in engine.config, "the section reached DeepSpeed"
+    handle = engine.resilient_checkpoint
+    with open(f"{args.out}.rank{rank}.restored", "a") as f:
+        f.write(
+            json.dumps({"step": handle.restored_step, "path": handle.checkpointer.restored_from})
+            + "\n"
+        )
+    if args.dump_restored:
+        restored_state = full_state(engine, args.stage)
+        if rank == 0:
+            with open(f"{args.out}.rank0.restored_state.json", "w") as f:
+                json.dump(restored_state, f)
     dtype = next(engine.module.parameters()).dtype
     log = open(f"{args.out}.rank{rank}.losses", "a")  # noqa: SIM115
     while engine.global_steps < args.steps:
@@ -113,9 +130,9 @@ def main() -> None:
             micro = engine.micro_steps
             loss = nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
             engine.backward(loss)
-            engine.step()
-            log.write(f"{micro} {float(loss).hex()}\n")
+            log.write(f"{micro} {float(loss.detach()).hex()}\n")  # before step(): it may exit 75
             log.flush()
+            engine.step()
             if args.die_at is not None and engine.global_steps == args.die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.term_at is not None and engine.global_steps == args.term_at:

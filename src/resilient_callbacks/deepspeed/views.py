@@ -137,13 +137,9 @@ class ZeroView:
             s = inner.state.get(flat, {}).get("step")
             dtype = str(s.dtype).replace("torch.", "") if isinstance(s, torch.Tensor) else None
             steps.append(None if s is None else {"value": _plain(s), "tensor_dtype": dtype})
-        groups = [
-            {k: _plain(v) for k, v in g.items() if k != "params"} for g in inner.param_groups
-        ]
+        groups = [{k: _plain(v) for k, v in g.items() if k != "params"} for g in inner.param_groups]
         scaler = getattr(self.optimizer, "loss_scaler", None)
-        scaler_state = {
-            k: _plain(getattr(scaler, k)) for k in SCALER_FIELDS if hasattr(scaler, k)
-        }
+        scaler_state = {k: _plain(getattr(scaler, k)) for k in SCALER_FIELDS if hasattr(scaler, k)}
         return {"steps": steps, "param_groups": groups, "loss_scaler": scaler_state}
 
     def load_scalars(self, saved: dict[str, Any]) -> None:
@@ -213,6 +209,9 @@ class Zero12View(ZeroView):
 
     def finish_load(self) -> None:
         self.optimizer.update_lp_params()  # collective: all-gathers the bit16 partitions
+        link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # what the first step does: DeepSpeed's safe_get_* APIs need it
+            link()
 
 
 class Zero3View(ZeroView):
@@ -228,7 +227,9 @@ class Zero3View(ZeroView):
             for p in group:
                 self._by_name[self.names[id(p)]] = p
         group = self.optimizer.dp_process_group
-        self.dp_rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+        self.dp_rank = (
+            torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+        )
 
     def _flat_partitions(self) -> list[torch.Tensor]:
         return list(self.optimizer.fp32_partitioned_groups_flat)
