@@ -219,6 +219,17 @@ def test_resume_on_another_number_of_ranks(
         tmp_path,
         "save",
     )
+    saved = final(tmp_path / "saved")
+    # The CLI's export consolidates the ranks' ranges into full fp32 weights, without DeepSpeed.
+    out = tmp_path / "export"
+    cli = [sys.executable, "-m", "resilient_callbacks", "export", ck, str(out), "--step", "6"]
+    subprocess.run(cli, check=True, capture_output=True, text=True)
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "model.safetensors")
+    assert {f"fp32/{k}" for k in weights} == {k for k in saved if k.startswith("fp32/")}
+    for k, t in weights.items():
+        assert [float(v).hex() for v in t.flatten()] == saved[f"fp32/{k}"], k
     # Restore on the other size: the gathered state is what was saved; then train on.
     more = [
         "--dir",
@@ -230,7 +241,6 @@ def test_resume_on_another_number_of_ranks(
     ]
     run_group(more, after, tmp_path, "more")
     assert all(restored(tmp_path / "more", r)["step"] == 6 for r in range(after))
-    saved = final(tmp_path / "saved")
     loaded = json.loads(Path(f"{tmp_path / 'more'}.rank0.restored_state.json").read_text())
     assert saved.keys() == loaded.keys()
     assert [k for k in saved if saved[k] != loaded[k]] == []

@@ -33,7 +33,8 @@ examples:
   resilient-ckpt inspect ckpts/run1 --step 20 --json
   resilient-ckpt gc ckpts/run1 --dry-run      what gc would delete, and why
   resilient-ckpt push ckpts/run1 s3://bucket/run1 -o endpoint_url=http://127.0.0.1:9000
-  resilient-ckpt export ckpts/run1 hf_model   a from_pretrained directory (Transformers runs)
+  resilient-ckpt export ckpts/run1 hf_model   a from_pretrained directory (Transformers runs),
+                                              or consolidated fp32 weights (DeepSpeed runs)
 
 ls, verify, inspect, gc, pull and push take --json (typed values, ISO-8601 times).
 Exit codes: 0 success; 1 a checkpoint is bad, or the command failed; 2 bad usage.
@@ -127,6 +128,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         if not catalog.committed(catalog.scan(args.dir, catalog.Depth.NONE)):
             raise no_checkpoints(args.dir)
+    done = _export_deepspeed(args)
+    if done is not None:
+        return done
     try:
         from .transformers.export import cli_export
     except ImportError as e:
@@ -137,6 +141,32 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
         return 1
     return int(cli_export(args))
+
+
+def _export_deepspeed(args: argparse.Namespace) -> int | None:
+    """``export`` of a checkpoint written by resilient_callbacks.deepspeed: consolidated weights
+    (fp32 at ZeRO 1-3) as OUT/model.safetensors. None if the checkpoint is not one of those."""
+    import warnings
+
+    from . import consolidate, reader
+    from .errors import CheckpointError
+    from .manifest import read_manifest
+
+    try:
+        sel = reader.select(args.dir, args.step)
+        if not consolidate.is_deepspeed(read_manifest(sel.path), sel.path):
+            return None
+        for e in sel.skipped:
+            msg = f"skipping checkpoint {e.path}: {e.problem}; falling back to an older one"
+            print(f"{PROG} export: warning: {msg}", file=sys.stderr)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # safetensors' non-writable buffer note
+            out = consolidate.export_weights(sel.path, args.out, overwrite=bool(args.force))
+    except CheckpointError as e:
+        print(f"{PROG} export: {e}", file=sys.stderr)
+        return 1
+    print(f"exported {sel.path} (step {read_manifest(sel.path).step}) to {out}/model.safetensors")
+    return 0
 
 
 def _json(p: argparse.ArgumentParser, what: str) -> None:
@@ -256,7 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     _json(p, "what was pushed, already there, or skipped")
     p.set_defaults(fn=cmd_push)
 
-    p = _sub(sub, "export", "write a Transformers checkpoint as a from_pretrained directory")
+    p = _sub(
+        sub,
+        "export",
+        "write a Transformers checkpoint as a from_pretrained directory, or a DeepSpeed one as "
+        "consolidated fp32 safetensors",
+    )
     add_export_arguments(p)
     p.set_defaults(fn=cmd_export)
     return ap

@@ -1,0 +1,141 @@
+"""Consolidated fp32 weights from a DeepSpeed checkpoint, without DeepSpeed (and without
+``zero_to_fp32.py``): ``resilient-ckpt export DIR OUT`` on a checkpoint written by
+:mod:`resilient_callbacks.deepspeed`.
+
+At ZeRO stages 1-3 every rank saved its ranges of each flattened parameter in fp32 (see
+``deepspeed/views.py``); here the ranges of all ranks are read, verified, and laid side by side
+into full tensors, each range checked to cover its parameter exactly once. At stage 0 the
+module was saved whole, as trained (its dtype is kept). The result is one
+``model.safetensors`` (names as in ``engine.module.named_parameters()``) and an
+``export.json`` saying where it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from . import reader, structure
+from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
+from .filepart import PARTS_EXTRA, part_dir
+from .manifest import Manifest, read_manifest
+from .tensorfile import map_tensors_verified, read_verified
+
+ZERO_FORMAT = "zero-fragments/1"
+
+
+def zero_part_ids(manifest: Manifest) -> list[str]:
+    """The parts of a checkpoint written by the DeepSpeed adapter's ZeroPart."""
+    described = manifest.extra.get(PARTS_EXTRA)
+    if not isinstance(described, dict):
+        return []
+    return [
+        pid
+        for pid, d in described.items()
+        if isinstance(d, dict) and d.get("format") == ZERO_FORMAT
+    ]
+
+
+def is_deepspeed(manifest: Manifest, path: str) -> bool:
+    """Whether the checkpoint at ``path`` was written by ``resilient_callbacks.deepspeed``."""
+    if zero_part_ids(manifest):
+        return True
+    full = reader.open_checkpoint(path).part.structure
+    engine = full.get("engine") if isinstance(full, dict) else None
+    return isinstance(engine, dict) and "counters" in engine and "module" in engine
+
+
+def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters from every rank's ranges of ZeroPart ``part_id``, verified."""
+    folder = part_dir(part_id)
+    entries = {f.path: f for f in manifest.files}
+    index_names = sorted(
+        p for p in entries if p.startswith(folder + "/rank_") and p.endswith(".json")
+    )
+    if not index_names:
+        raise CheckpointCorruptError(f"{path}: part {part_id!r} lists no rank files")
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}
+    for rel in index_names:
+        index = json.loads(bytes(read_verified(os.path.join(path, rel), entries[rel].digest)))
+        st_rel = rel[: -len(".json")] + ".safetensors"
+        if st_rel not in entries:
+            raise CheckpointCorruptError(f"{path}: the manifest does not list {st_rel}")
+        tensors = map_tensors_verified(os.path.join(path, st_rel), entries[st_rel].digest)
+        for name, rng in index["params"].items():
+            shape = [int(d) for d in rng["shape"]]
+            full = out.setdefault(name, torch.zeros(math.prod(shape), dtype=torch.float32))
+            if rng["numel"]:
+                src = tensors[f"fp32/{name}"]
+                full.narrow(0, int(rng["start"]), int(rng["numel"])).copy_(src)
+                filled[name] = filled.get(name, 0) + int(rng["numel"])
+            out[name] = full
+            out[f"__shape__/{name}"] = torch.tensor(shape, dtype=torch.int64)
+    result: dict[str, torch.Tensor] = {}
+    for name, flat in out.items():
+        if name.startswith("__shape__/"):
+            continue
+        shape = [int(d) for d in out[f"__shape__/{name}"].tolist()]
+        if filled.get(name, 0) != flat.numel():
+            raise CheckpointCorruptError(
+                f"{path}: parameter {name!r}: the ranks' ranges cover {filled.get(name, 0)} of "
+                f"its {flat.numel()} values"
+            )
+        result[name] = flat.reshape(shape)
+    return result
+
+
+def consolidated(path: str) -> dict[str, torch.Tensor]:
+    """The model weights of the DeepSpeed checkpoint at ``path`` (fp32 at ZeRO 1-3)."""
+    manifest = read_manifest(path)
+    parts = zero_part_ids(manifest)
+    if parts:
+        return consolidate_zero(path, manifest, parts[0])
+    opened = reader.open_checkpoint(path)
+    full = structure.inline_per_rank(opened.part.structure, opened.part.per_rank)
+    engine = full.get("engine") if isinstance(full, dict) else None
+    if not isinstance(engine, dict) or "module" not in engine:
+        raise CheckpointMismatchError(
+            f"{path} was not written by resilient_callbacks.deepspeed (no engine state)"
+        )
+    module = structure.decode(engine["module"], opened.part.tensors)
+    return {k: v.clone() for k, v in module.items() if isinstance(v, torch.Tensor)}
+
+
+def export_weights(path: str, out: str, *, overwrite: bool = False) -> str:
+    """Write ``model.safetensors`` and ``export.json`` of the checkpoint at ``path`` into the
+    directory ``out`` (written under a temporary name, renamed into place)."""
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not overwrite:
+        raise ConfigError(f"{out} already exists; pass --force to replace it")
+    weights = consolidated(path)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
+    try:
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()},
+            os.path.join(staging, "model.safetensors"),
+        )
+        info: dict[str, Any] = {
+            "source": path,
+            "step": read_manifest(path).step,
+            "parameters": len(weights),
+            "dtypes": sorted({str(v.dtype).removeprefix("torch.") for v in weights.values()}),
+        }
+        with open(os.path.join(staging, "export.json"), "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=1)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
