@@ -333,3 +333,26 @@ def test_section_is_validated_and_removed(tmp_path: Path) -> None:
     assert options is not None and options["remote_options"] == {"secret": "s"}
     assert section.split({"train_batch_size": 8}) == ({"train_batch_size": 8}, None)
     assert json.loads(path.read_text())["resilient_checkpoint"]["dirpath"] == "x"  # file untouched
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_stage0_checkpoint_does_not_load_into_zero2(tmp_path: Path) -> None:
+    ck = str(tmp_path / "ck")
+    run_group(["--dir", ck, "--out", str(tmp_path / "a"), *_opts(0, "fp32", 3)], 1, tmp_path, "z0")
+    with pytest.raises(AssertionError, match="CheckpointMismatchError"):
+        run_group(
+            ["--dir", ck, "--out", str(tmp_path / "b"), *_opts(2, "fp32", 6)], 1, tmp_path, "z2"
+        )
+
+
+def test_integration_configs_are_valid() -> None:
+    from resilient_callbacks.deepspeed import section
+
+    root = Path(__file__).resolve().parent.parent / "integrations" / "deepspeed"
+    configs = sorted(root.glob("*.json"))
+    assert configs
+    for path in configs:
+        clean, options = section.split(str(path))
+        assert options is not None and options["dirpath"], path
+        assert "resilient_checkpoint" not in clean

@@ -60,10 +60,11 @@ def check_setup(trainer: Any, state: Any, loader: Any) -> None:
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ConfigError(
             "ResilientCheckpoint does not support Trainer + DeepSpeed yet: the DeepSpeed "
-            "engine owns the (ZeRO-partitioned) optimizer state and saves it in its own "
-            "format, which this adapter neither writes nor reads, and the DeepSpeed "
-            "integration of resilient_callbacks has not landed. Remove the callback and use "
-            "the Trainer's save_steps with DeepSpeed, or train without DeepSpeed."
+            "engine owns the (ZeRO-partitioned) optimizer state, and this callback does not "
+            "reach it through the Trainer yet. For a DeepSpeed training script, "
+            "resilient_callbacks.deepspeed checkpoints the engine itself (docs/deepspeed.md); "
+            "with the Trainer, use its save_steps with DeepSpeed meanwhile, or train without "
+            "DeepSpeed."
         )
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
         raise ConfigError(
