@@ -178,6 +178,36 @@ def clean_history(history: list[dict]) -> list[dict]:
     return out
 
 
+def deepspeed_config(args: argparse.Namespace) -> dict:
+    """A ZeRO config of "auto" values (the Trainer fills them in) with our section."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for k, v in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }.items():
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": args.deepspeed},
+        "resilient_checkpoint": {
+            "dirpath": os.path.join(args.outdir, "ckpt"),
+            "every_n_steps": args.every_n_steps,
+            "keep_last": args.keep_last,
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("outdir")
@@ -187,6 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--ddp", action="store_true")
     p.add_argument("--default-logging", action="store_true")
+    p.add_argument(
+        "--deepspeed",
+        type=int,
+        default=None,
+        metavar="STAGE",
+        help="train under DeepSpeed ZeRO STAGE (CPU), the callback's options in the config's "
+        "resilient_checkpoint section",
+    )
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-final", required=True)
     args = p.parse_args(argv)
@@ -197,18 +235,34 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0")) if args.ddp else 0
     suffix = f".rank{rank}" if args.ddp else ""
 
-    trainer = build_trainer(args.outdir, args.max_steps, ddp=args.ddp)
+    overrides = {}
+    if args.deepspeed is not None:
+        overrides["deepspeed"] = deepspeed_config(args)
+    trainer = build_trainer(args.outdir, args.max_steps, ddp=args.ddp, **overrides)
     model = trainer.model
-    ckpt = ResilientCheckpoint(
-        os.path.join(args.outdir, "ckpt"),
-        every_n_steps=args.every_n_steps,
-        keep_last=args.keep_last,
-    )
+    if args.deepspeed is not None:
+        ckpt = ResilientCheckpoint()  # its options come from the DeepSpeed config
+    else:
+        ckpt = ResilientCheckpoint(
+            os.path.join(args.outdir, "ckpt"),
+            every_n_steps=args.every_n_steps,
+            keep_last=args.keep_last,
+        )
     trainer.add_callback(ckpt)
     trainer.add_callback(Recorder(ckpt, args.out_jsonl + suffix, rank, args.sleep))
     result = trainer.train()
 
-    params = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if args.deepspeed is not None:
+        engine = trainer.model_wrapped
+        assert "resilient_checkpoint" not in engine.config, "the section reached DeepSpeed"
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        params = {
+            k: safe_get_full_fp32_param(p).detach().clone().contiguous()
+            for k, p in engine.module.named_parameters()
+        }
+    else:
+        params = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     final = args.out_final + suffix
     save_file(params, final + ".tmp")
     os.replace(final + ".tmp", final)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -356,3 +357,28 @@ def test_integration_configs_are_valid() -> None:
         clean, options = section.split(str(path))
         assert options is not None and options["dirpath"], path
         assert "resilient_checkpoint" not in clean
+
+
+@pytest.mark.distributed
+def test_hf_trainer_with_deepspeed_zero2_kill_resume_exact(tmp_path: Path) -> None:
+    """The Transformers callback under ``TrainingArguments(deepspeed=...)`` (ZeRO-2, CPU), its
+    options in the config's section: SIGKILL mid-run, re-run, bit-identical per-step records,
+    final fp32 weights and log history; DeepSpeed never sees the section."""
+    import test_transformers as tt
+
+    def cmd(d: Path) -> list[str]:
+        return [
+            sys.executable, str(Path(__file__).with_name("hf_train.py")), str(d),
+            "--deepspeed", "2",
+            "--out-jsonl", str(d / "steps.jsonl"), "--out-final", str(d / "final.safetensors"),
+        ]  # fmt: skip
+
+    ref, got = tmp_path / "ref", tmp_path / "got"
+    ref.mkdir()
+    got.mkdir()
+    tt._run(cmd(ref))
+    rc, killed_at, _ = tt._run_and_signal(cmd(got), got, 7, signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    resumed = tt._restored(tt._run(cmd(got)))
+    assert 0 < resumed <= killed_at
+    tt._assert_same_run(ref, got)

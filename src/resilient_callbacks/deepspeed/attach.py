@@ -148,7 +148,7 @@ def initialize(
         options = {**(options or {}), **checkpoint}
         section.validate(options, "checkpoint=")
     if options is None:
-        return ds_initialize(  # type: ignore[no-any-return]
+        return ds_initialize(
             args=args,
             model=model,
             optimizer=optimizer,

@@ -177,7 +177,7 @@ class Zero12View(ZeroView):
     def __init__(self, engine: Any, stage: int) -> None:
         super().__init__(engine)
         self.stage = stage
-        self._by_name: dict[str, tuple[torch.nn.Parameter, int]] = {}
+        self._by_name: dict[str, tuple[Any, int]] = {}
         for gi, group in enumerate(self.optimizer.bit16_groups):
             for p in group:
                 self._by_name[self.names[id(p)]] = (p, gi)
@@ -222,7 +222,7 @@ class Zero3View(ZeroView):
 
     def __init__(self, engine: Any) -> None:
         super().__init__(engine)
-        self._by_name: dict[str, torch.nn.Parameter] = {}
+        self._by_name: dict[str, Any] = {}
         for group in self.optimizer.fp16_groups:
             for p in group:
                 self._by_name[self.names[id(p)]] = p
@@ -234,7 +234,7 @@ class Zero3View(ZeroView):
     def _flat_partitions(self) -> list[torch.Tensor]:
         return list(self.optimizer.fp32_partitioned_groups_flat)
 
-    def _range(self, p: torch.nn.Parameter) -> tuple[int, int]:
+    def _range(self, p: Any) -> tuple[int, int]:
         part = p.ds_tensor.ds_numel
         start = min(self.dp_rank * part, p.ds_numel)
         return start, max(0, min(part, p.ds_numel - start))

@@ -57,15 +57,6 @@ def check_train_dataset(dataset: Any) -> None:
 def check_setup(trainer: Any, state: Any, loader: Any) -> None:
     """Refuse setups the adapter cannot save or resume exactly (at ``on_train_begin``: nothing
     was iterated, computed or opened yet)."""
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        raise ConfigError(
-            "ResilientCheckpoint does not support Trainer + DeepSpeed yet: the DeepSpeed "
-            "engine owns the (ZeRO-partitioned) optimizer state, and this callback does not "
-            "reach it through the Trainer yet. For a DeepSpeed training script, "
-            "resilient_callbacks.deepspeed checkpoints the engine itself (docs/deepspeed.md); "
-            "with the Trainer, use its save_steps with DeepSpeed meanwhile, or train without "
-            "DeepSpeed."
-        )
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
         raise ConfigError(
             "ResilientCheckpoint does not support FSDP: its parameters and optimizer state "
@@ -164,6 +155,44 @@ def warn_about_trainer_saves(args: Any, trainer_checkpoints: bool) -> None:
         )
         warnings.warn(msg, UserWarning, stacklevel=5)
         log.warning(msg)
+
+
+def deepspeed_section(trainer: Any, args: Any) -> dict[str, Any] | None:
+    """Under DeepSpeed: the ``"resilient_checkpoint"`` section of the Trainer's DeepSpeed config
+    (validated), removed from every copy of the config DeepSpeed keeps, so that DeepSpeed never
+    writes it into a checkpoint of its own. None without DeepSpeed or without a section."""
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return None
+    from ..deepspeed.section import SECTION, validate
+
+    found = None
+    hf_config = getattr(args, "hf_deepspeed_config", None)
+    engine = getattr(trainer, "model_wrapped", None)
+    holders = [
+        getattr(hf_config, "config", None),
+        getattr(engine, "config", None),
+        getattr(getattr(engine, "_config", None), "_param_dict", None),
+    ]
+    for holder in holders:
+        if isinstance(holder, dict) and SECTION in holder:
+            found = holder.pop(SECTION)
+    if found is None:
+        return None
+    options = validate(found, "the Trainer's DeepSpeed config")
+    return options
+
+
+def with_section(
+    dirpath: str | None, options: dict[str, Any], section: dict[str, Any] | None
+) -> tuple[str | None, dict[str, Any]]:
+    """The callback's own options, completed by the DeepSpeed section's where not given."""
+    if not section:
+        return dirpath, options
+    merged = dict(options)
+    for k, v in section.items():
+        if k != "dirpath" and merged.get(k) is None:
+            merged[k] = v
+    return dirpath or section.get("dirpath"), merged
 
 
 def checkpoint_dir(dirpath: str | None, args: Any) -> str:
