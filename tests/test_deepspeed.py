@@ -382,3 +382,34 @@ def test_hf_trainer_with_deepspeed_zero2_kill_resume_exact(tmp_path: Path) -> No
     resumed = tt._restored(tt._run(cmd(got)))
     assert 0 < resumed <= killed_at
     tt._assert_same_run(ref, got)
+
+
+OFFLOAD_SCRIPT = """
+import torch, deepspeed
+import resilient_callbacks.deepspeed as rcds
+deepspeed.init_distributed(dist_backend="gloo")
+model = torch.nn.Linear(4, 4)
+cfg = {"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False,
+       "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+       "resilient_checkpoint": {"dirpath": DIRPATH}}
+rcds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+"""
+
+
+@pytest.mark.distributed
+def test_offload_is_refused_clearly_at_initialize(tmp_path: Path) -> None:
+    script = tmp_path / "offload.py"
+    script.write_text(OFFLOAD_SCRIPT.replace("DIRPATH", repr(str(tmp_path / "ck"))))
+    env = dict(
+        os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu",
+    )  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=DEADLINE
+    )
+    assert p.returncode != 0
+    assert "UnsupportedStateError" in p.stderr and "offload is not supported yet" in p.stderr, (
+        p.stderr[-3000:]
+    )
+    assert not committed(tmp_path / "ck")
