@@ -87,7 +87,9 @@ def main() -> None:
         pickle.load = pickle.loads = torch.load = refuse  # type: ignore[assignment]
 
     import deepspeed
+    from ds_noshm import skip_shm_op
 
+    skip_shm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(1234)

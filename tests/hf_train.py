@@ -181,6 +181,9 @@ def clean_history(history: list[dict]) -> list[dict]:
 def deepspeed_config(args: argparse.Namespace) -> dict:
     """A ZeRO config of "auto" values (the Trainer fills them in) with our section."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from ds_noshm import skip_shm_op
+
+    skip_shm_op()
     for k, v in {
         "RANK": "0",
         "LOCAL_RANK": "0",

@@ -301,7 +301,7 @@ def test_no_code_change_through_the_launcher(tmp_path: Path, reference) -> None:
     ]
     run_group([*run, "--die-at", "7"], 1, tmp_path, "die", expect=-9, module=True)
     run_group(run, 1, tmp_path, "resume", module=True)
-    assert restored(tmp_path / "kill")["step"] == 6
+    assert restored(tmp_path / "kill")["step"] in (3, 6)  # 6 unless its background save was cut
     assert_same_run(full, tmp_path / "kill", 1)
 
 
@@ -387,6 +387,8 @@ def test_hf_trainer_with_deepspeed_zero2_kill_resume_exact(tmp_path: Path) -> No
 OFFLOAD_SCRIPT = """
 import torch, deepspeed
 import resilient_callbacks.deepspeed as rcds
+from ds_noshm import skip_shm_op
+skip_shm_op()
 deepspeed.init_distributed(dist_backend="gloo")
 model = torch.nn.Linear(4, 4)
 cfg = {"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False,
@@ -404,6 +406,7 @@ def test_offload_is_refused_clearly_at_initialize(tmp_path: Path) -> None:
     env = dict(
         os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
     )  # fmt: skip
     p = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=DEADLINE
