@@ -5,7 +5,9 @@ world size), write the full tensors right after the restore to ``OUT.restored.sa
 (rank 0), train up to step TOTAL saving every EVERY steps (``Sharded`` + ``PerRank``), append
 each step's loss to ``OUT.rank<r>.jsonl``, and write the final full tensors to
 ``OUT.final.safetensors`` (rank 0). With CRASH_AT, every rank SIGKILLs itself right after
-``ck.step(CRASH_AT)`` returns (a background save may be in flight).
+``ck.step(CRASH_AT)`` returns (a background save may be in flight). With the environment
+variable ``RC_FORBID_PICKLE`` set, ``pickle.load``/``loads``/``Unpickler`` and ``torch.load`` raise
+during the restore.
 """
 
 from __future__ import annotations
@@ -20,12 +22,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from dcp_helpers import build, full_tensors, train_step  # noqa: E402
-
-from resilient_callbacks import Checkpointer, PerRank  # noqa: E402
-from resilient_callbacks.dcp import Sharded  # noqa: E402
+from dcp_helpers import build, full_tensors, train_step
+from resilient_callbacks import Checkpointer, PerRank
+from resilient_callbacks.dcp import Sharded
 
 
 class Position:
@@ -41,6 +40,31 @@ class Position:
         self.seen = sd["seen"]
 
 
+def forbid_unpickling() -> dict[str, object]:
+    """Make every way to unpickle raise: a restore that needed pickle would fail loudly.
+    Returns the originals, for :func:`allow_unpickling`."""
+    import pickle
+
+    saved = {"load": pickle.load, "loads": pickle.loads, "Unpickler": pickle.Unpickler}
+    saved["torch.load"] = torch.load
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("restore tried to unpickle")
+
+    pickle.load = pickle.loads = refuse  # type: ignore[assignment]
+    pickle.Unpickler = refuse  # type: ignore[assignment,misc]
+    torch.load = refuse  # type: ignore[assignment]
+    return saved
+
+
+def allow_unpickling(saved: dict[str, object]) -> None:
+    import pickle
+
+    pickle.load, pickle.loads = saved["load"], saved["loads"]  # type: ignore[assignment]
+    pickle.Unpickler = saved["Unpickler"]  # type: ignore[assignment,misc]
+    torch.load = saved["torch.load"]  # type: ignore[assignment]
+
+
 def main() -> None:
     root, out, total, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     crash_at = int(sys.argv[5]) if len(sys.argv) > 5 else None
@@ -51,12 +75,17 @@ def main() -> None:
     pos = Position()
     state = {"train": Sharded(model, opt), "data": PerRank(pos)}
     with Checkpointer(root, every_n_steps=every, keep_last=3, preemption=False) as ck:
+        forbidden = forbid_unpickling() if os.environ.get("RC_FORBID_PICKLE") else None
         start = ck.restore(state)
+        if forbidden is not None:
+            allow_unpickling(forbidden)
         if start:
             assert pos.seen == start * 8, (pos.seen, start)
         restored = full_tensors(model, opt)
         if rank == 0:
-            save_file({k: v.contiguous() for k, v in restored.items()}, f"{out}.restored.safetensors")
+            save_file(
+                {k: v.contiguous() for k, v in restored.items()}, f"{out}.restored.safetensors"
+            )
             with open(f"{out}.start", "w") as f:
                 f.write(str(start))
         with open(f"{out}.rank{rank}.jsonl", "a") as log:

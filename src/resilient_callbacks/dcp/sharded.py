@@ -267,9 +267,7 @@ class Sharded(FilePart):
         if problems:
             more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
             raise CheckpointMismatchError(
-                f"part {info.part_id!r} does not fit this model: "
-                + "; ".join(problems[:10])
-                + more
+                f"part {info.part_id!r} does not fit this model: " + "; ".join(problems[:10]) + more
             )
         self._load = {
             "home": home,
