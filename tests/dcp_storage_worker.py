@@ -42,7 +42,7 @@ def main() -> None:
     torch.manual_seed(7 + rank)
     res: dict[str, object] = {"rank": rank}
     if mode in ("save", "async", "crash"):
-        options = {"endpoint_url": os.environ["RC_S3_ENDPOINT"]} if remote else None
+        options = json.loads(os.environ["RC_REMOTE_OPTIONS"]) if remote else None
         with ResilientStorageWriter(
             root, keep_last=2, remote=remote, remote_options=options
         ) as writer:

@@ -90,10 +90,10 @@ class ResilientStorageReader(StorageReader):
             return [find(entries, root, self.step).path]
         return [e.path for e in by_commit(entries)]
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Every rank: choose the checkpoint (verified, agreed) and read its metadata."""
-        if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata: not ours
-            raise CheckpointNotFoundError("ResilientStorageReader has no per-rank metadata")
+    def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]
+        """Every rank: choose the checkpoint (verified, agreed) and read its metadata. (No
+        ``**kwargs``: DCP then does not retry with per-rank metadata, which this format has
+        not.)"""
         listing: dict[str, Any] = {"paths": [], "error": None}
         if dist.rank() == 0:
             try:

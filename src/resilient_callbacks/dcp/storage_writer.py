@@ -309,7 +309,11 @@ class ResilientStorageWriter(StorageWriter):
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Wait for pending uploads (rank 0) and release the directory lock."""
+        """Remove the staging directory of a save that failed before ``finish`` (rank 0), wait
+        for pending uploads and release the directory lock."""
+        session, self._session = self._session, None
+        if session is not None and session.staging is not None:
+            session.strategy.abort(session.staging)
         d, self._dir = self._dir, None
         if d is not None:
             try:
