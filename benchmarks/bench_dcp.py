@@ -16,7 +16,8 @@ machine hits every method alike):
   ``async_save`` returns, total = until its future completes;
 - ``ours``: ``Checkpointer.save(step, {"train": Sharded(model, opt)})`` in the default
   background mode; blocking = until ``save`` returns, total = ``save`` + ``flush`` (committed,
-  manifest written);
+  manifest written); no retention inside the timing (every method's older checkpoints are
+  deleted between measurements, outside the timing: DCP has no retention);
 - ``ours drop-in``: ``dcp.async_save(..., storage_writer=ResilientStorageWriter(...))`` (this
   writer is also the stager: reused host buffers).
 
@@ -108,8 +109,16 @@ def worker(args: argparse.Namespace) -> None:
         return
     state = {"train": Sharded(model, opt)}
     ours_dir, dropin_dir = os.path.join(work, "ours"), os.path.join(work, "dropin")
-    ck = Checkpointer(ours_dir, keep_last=1, preemption=False, capture_rng=False)
-    writer = ResilientStorageWriter(dropin_dir, keep_last=1)
+    # No retention inside the timed saves: every method's older checkpoints are deleted
+    # outside the timing (DCP has no retention; deleting is not part of persisting).
+    ck = Checkpointer(ours_dir, preemption=False, capture_rng=False)
+    writer = ResilientStorageWriter(dropin_dir)
+
+    def prune(root: str) -> None:
+        if rank == 0:
+            for name in sorted(n for n in os.listdir(root) if n.startswith("step_"))[:-1]:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
     step = [0]
 
     def dcp_save() -> tuple[float, float]:
@@ -141,7 +150,10 @@ def worker(args: argparse.Namespace) -> None:
         ck.save(step[0], state)
         blocking = time.perf_counter() - t0
         ck.flush()
-        return blocking, time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        tdist.barrier()
+        prune(ours_dir)
+        return blocking, total
 
     def dropin() -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -150,7 +162,10 @@ def worker(args: argparse.Namespace) -> None:
         fut = dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer)
         blocking = time.perf_counter() - t0
         fut.result()
-        return blocking, time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        tdist.barrier()
+        prune(dropin_dir)
+        return blocking, total
 
     methods = {
         "dcp.save": dcp_save,
