@@ -179,3 +179,17 @@ def test_sigkill_mid_run_then_rerun_is_bit_identical_and_a_flipped_byte_falls_ba
     assert (tmp_path / "f.start").read_text() == "6"
     logs = "".join(p.read_text() for p in tmp_path.glob("f-2.attempt*.rank0.log"))
     assert "rank_00001.safetensors" in logs and "falling back" in logs
+
+
+def test_the_core_does_not_import_the_dcp_subpackage():
+    import subprocess
+
+    code = (
+        "import sys, resilient_callbacks\n"
+        "from resilient_callbacks import Checkpointer, checkpointer, session, restoring, saving\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('resilient_callbacks.dcp', "
+        "'torch.distributed.checkpoint'))))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"

@@ -121,12 +121,30 @@ class Sharded(FilePart):
         self.model = model
         self.optimizers = optims
         self._pending: _Pending | None = None
+        self._boxes: dict[tuple[Any, ...], Box] = {}  # DTensor layout -> this rank's box
         self._load: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return f"Sharded({type(self.model).__name__}, {len(self.optimizers)} optimizer(s))"
 
     # ------------------------------------------------------------------ the state dict
+
+    def _box(self, name: str, t: DTensor) -> Box:
+        """This rank's box of ``t``, cached by layout (computing it costs more than the rest of
+        describe() together: DTensor's __create_chunk_list__ recomputes the shard sizes)."""
+        mesh = t.device_mesh
+        coordinate = mesh.get_coordinate()
+        key: tuple[Any, ...] = (
+            tuple(t.shape),
+            tuple(t.placements),
+            id(mesh),
+            tuple(mesh.shape),
+            tuple(coordinate) if coordinate is not None else None,
+        )
+        box = self._boxes.get(key)
+        if box is None:
+            box = self._boxes[key] = chunk_of(name, t)
+        return box
 
     def _has_optim_state(self) -> bool:
         return any(o.state for o in self.optimizers)
@@ -151,7 +169,7 @@ class Sharded(FilePart):
         mesh: dict[str, Any] | None = None
         for name, t in tensors.items():
             if isinstance(t, DTensor):
-                box = chunk_of(name, t)
+                box = self._box(name, t)
                 mine[name] = [
                     _dtype_code(name, t),
                     list(t.shape),
@@ -258,7 +276,7 @@ class Sharded(FilePart):
                     f"this model has {DTYPE_TO_ST.get(t.dtype, t.dtype)} {list(t.shape)}"
                 )
                 continue
-            need = needs[name] = chunk_of(name, t)
+            need = needs[name] = self._box(name, t)
             for r, offsets, sizes in entry["chunks"]:
                 if need.intersect(Box.of(offsets, sizes)) is not None and need.numel:
                     ranks.add(int(r))

@@ -90,7 +90,7 @@ class ResilientStorageReader(StorageReader):
             return [find(entries, root, self.step).path]
         return [e.path for e in by_commit(entries)]
 
-    def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]
+    def read_metadata(self, *args: Any) -> Metadata:
         """Every rank: choose the checkpoint (verified, agreed) and read its metadata. (No
         ``**kwargs``: DCP then does not retry with per-rank metadata, which this format has
         not.)"""
