@@ -35,6 +35,7 @@ from resilient_callbacks import catalog
 from resilient_callbacks.dcp import ResilientStorageReader, ResilientStorageWriter, plain_dcp_reader
 from resilient_callbacks.errors import (
     CheckpointWriteError,
+    ConfigError,
     ResumeFallbackWarning,
     UnsupportedStateError,
 )
@@ -157,7 +158,12 @@ def test_a_failed_write_commits_nothing_and_non_json_objects_are_refused(tmp_pat
     ]  # no staging directory left behind, nothing committed for step 2
     with ResilientStorageWriter(root) as again:  # the next save numbers on
         dcp.save(_state(5), storage_writer=again)
-    assert (root / "step_000000002" / "manifest.json").exists()
+        dcp.save(_state(6), storage_writer=again, checkpoint_id=10)  # the step of this save
+        dcp.save(_state(7), storage_writer=again)
+        with pytest.raises(ConfigError, match="checkpoint_id is the step to save"):
+            dcp.save(_state(8), storage_writer=again, checkpoint_id="elsewhere")
+    steps = [e.step for e in catalog.committed(catalog.scan(str(root)))]
+    assert steps == [1, 2, 10, 11]
 
 
 def test_commit_here_refuses_a_failed_rank_and_removes_the_staging(tmp_path):

@@ -66,7 +66,7 @@ class ResilientStorageWriter(StorageWriter):
     """Write ``dcp.save``/``dcp.async_save`` checkpoints into ``dirpath`` as committed,
     verified, pickle-free checkpoints (``step_NNNNNNNNN`` directories).
 
-    ``step``: the step of the next save (set ``writer.step = n`` before each save, or pass
+    ``step``: the step of the next save only (set ``writer.step = n`` before each save, or pass
     ``checkpoint_id=n`` to ``dcp.save``); when ``None``, one more than the newest step in
     ``dirpath``. ``keep_last``, ``keep_every_n_steps``, ``remote``, ``remote_options``,
     ``remote_keep_last``: as for :class:`~resilient_callbacks.Checkpointer`. ``run_id``: the run
@@ -111,12 +111,14 @@ class ResilientStorageWriter(StorageWriter):
 
     # ------------------------------------------------------------------ DCP's sequence
 
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
+        """``checkpoint_id`` (from ``dcp.save(..., checkpoint_id=...)``): the step to save."""
         if checkpoint_id is None:
             return
         try:
-            self.step = int(os.fspath(checkpoint_id))
-        except ValueError:
+            value = checkpoint_id if isinstance(checkpoint_id, int) else os.fspath(checkpoint_id)
+            self.step = int(value)
+        except (TypeError, ValueError):
             raise ConfigError(
                 f"checkpoint_id={checkpoint_id!r}: with ResilientStorageWriter, checkpoint_id is "
                 "the step to save (an int); the directory is the writer's dirpath"
@@ -147,7 +149,7 @@ class ResilientStorageWriter(StorageWriter):
         d = self._dir
         if self._session is not None and self._session.staging is not None:
             self._session.strategy.abort(self._session.staging)  # a save that never finished
-        step = self.step
+        step, self.step = self.step, None  # used by this save only
         if step is None:
             steps = [e.step for e in committed(self.dirpath) if e.step is not None]
             step = max(steps, default=0) + 1
