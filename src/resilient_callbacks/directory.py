@@ -90,18 +90,7 @@ class Directory:
         pending: BaseException | None = None
         if self.is_coordinator:
             try:
-                os.makedirs(self.dirpath, exist_ok=True)
-                self.lock.acquire()
-                swept = sweep_staging(self.dirpath)
-                if swept:
-                    log.warning(
-                        "removed %d leftover(s) of interrupted saves or deletions: %s",
-                        len(swept),
-                        ", ".join(swept),
-                    )
-                self.seq = catalog.next_seq(self.dirpath) - 1
-                if config.remote is not None:
-                    self._open_remote(config)
+                self.open_here(config)
             except CheckpointError as e:
                 error = {"type": type(e).__name__, "msg": str(e)}
                 pending = e
@@ -128,6 +117,23 @@ class Directory:
                     f"rank 0 could not open the checkpoint directory: {error['msg']}"
                 )
             raise error_type(error["type"])(f"on rank 0: {error['msg']}")
+
+    def open_here(self, config: CheckpointerConfig) -> None:
+        """Coordinator only, no collective: what :meth:`open` does on rank 0 (create the
+        directory, take the lock, sweep leftovers, read the commit sequence, connect the remote
+        tier). For callers that must not run collectives (a DCP ``StorageWriter``)."""
+        os.makedirs(self.dirpath, exist_ok=True)
+        self.lock.acquire()
+        swept = sweep_staging(self.dirpath)
+        if swept:
+            log.warning(
+                "removed %d leftover(s) of interrupted saves or deletions: %s",
+                len(swept),
+                ", ".join(swept),
+            )
+        self.seq = catalog.next_seq(self.dirpath) - 1
+        if config.remote is not None:
+            self._open_remote(config)
 
     def _open_remote(self, config: CheckpointerConfig) -> None:
         """Coordinator: connect to the remote tier and prove it usable (a clear error now, not

@@ -160,7 +160,8 @@ class RemoteStore:
         # invalidating a path does not invalidate the paths below it).
         self.fs.invalidate_cache()
         try:
-            listing = self.fs.find(self.root, maxdepth=2, detail=True)
+            # every depth: a FilePart's files (parts/<id>/...) and dcp/ live in sub-folders
+            listing = self.fs.find(self.root, detail=True)
         except FileNotFoundError:
             return []
         groups: dict[str, dict[str, int]] = {}

@@ -128,6 +128,62 @@ class CommitSession:
         self.staging, self._begin_error = msg["staging"], msg["error"]
         return self.staging
 
+    def begin_here(self) -> str:
+        """Coordinator only, no collective: create the staging directory and return its path
+        (raises :class:`CheckpointWriteError` if it cannot). For callers whose framework moves
+        the path to the other ranks itself (a DCP ``StorageWriter`` puts it into the global
+        plan that DCP scatters)."""
+        try:
+            self.staging = self.strategy.begin(self.step)
+        except OSError as e:
+            raise CheckpointWriteError(
+                f"cannot create a staging directory in {self.dirpath}: {e}"
+            ) from e
+        return self.staging
+
+    def commit_here(
+        self,
+        reports: Iterable[RankReport],
+        *,
+        metrics: Mapping[str, float | None] | None = None,
+        reason: str = "forced",
+        fingerprint: str = "",
+        extra: Mapping[str, Any] | None = None,
+    ) -> Committed:
+        """Coordinator only, no collective: commit the staging directory from every rank's
+        report, gathered by the caller (DCP calls ``StorageWriter.finish()`` on the coordinator
+        only, after gathering the ranks' write results itself): manifest last, rename,
+        ``latest``, then ``after_commit``. If a report names an error or the commit fails, the
+        staging directory is removed and :class:`CheckpointWriteError` names the rank(s)."""
+        assert self.staging is not None, "commit_here() without begin_here()"
+        reports = list(reports)
+        failed = [r for r in reports if r.error]
+        try:
+            if failed:
+                raise CheckpointWriteError(
+                    f"checkpoint for step {self.step} was not committed; failed on rank(s) "
+                    f"{', '.join(str(r.rank) for r in failed)}: "
+                    + "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
+                    + f". Nothing was committed and older checkpoints in {self.dirpath} are "
+                    "intact.",
+                    tuple(r.rank for r in failed),
+                )
+            path, seq = self._commit(reports, metrics, reason, fingerprint, extra)
+        except CheckpointWriteError:
+            self.strategy.abort(self.staging)
+            raise
+        except Exception as e:
+            self.strategy.abort(self.staging)
+            raise CheckpointWriteError(
+                f"checkpoint for step {self.step} was not committed; failed on rank(s) 0: rank 0 "
+                f"(commit): {type(e).__name__}: {e}. Nothing was committed and older "
+                f"checkpoints in {self.dirpath} are intact.",
+                (0,),
+            ) from e
+        done = Committed(path, self.step, seq, sum(f.size for r in reports for f in r.files))
+        self.after_commit(done)
+        return done
+
     def add(self, files: Iterable[FileEntry]) -> None:
         """This rank wrote ``files`` into the staging directory (paths relative to it)."""
         self.files.extend(files)

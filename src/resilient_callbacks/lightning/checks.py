@@ -57,9 +57,9 @@ def check_strategy(trainer: pl.Trainer) -> None:
         raise ConfigError(
             f"ResilientCheckpoint does not support {type(strategy).__name__} yet: it saves "
             "replicated state (single device or DDP). Sharded strategies (FSDP, DeepSpeed, "
-            "model parallel) need the torch.distributed.checkpoint path, which is not "
-            "implemented yet. Use strategy='ddp' or one device, or Lightning's ModelCheckpoint "
-            "for this strategy."
+            "model parallel) are not supported by this callback yet. Use strategy='ddp' or one "
+            "device, Lightning's ModelCheckpoint for this strategy, or (FSDP) a plain loop "
+            "with resilient_callbacks.dcp.Sharded (docs/fsdp.md)."
         )
 
 

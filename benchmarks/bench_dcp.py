@@ -1,0 +1,414 @@
+"""Sharded (FSDP2) checkpoints against ``torch.distributed.checkpoint``, in one run, on the same
+state: blocking time, persist throughput, restore, and memory over many saves.
+
+    .venv/bin/python benchmarks/bench_dcp.py [--mb 256] [--reps 5] [--rss-saves 20] \
+        [--nproc 2] [--out benchmarks/results] [--dir DIR]
+
+The script starts ``--nproc`` gloo ranks on this machine (CPU); each builds the same MLP of
+square ``Linear`` layers (about ``--mb`` MB of state in all once AdamW has stepped: parameters,
+``exp_avg``, ``exp_avg_sq``, fp32), shards it with ``fully_shard`` and measures, round-robin in
+each of ``--reps`` repetitions after one discarded warm-up round (so slow drift of the shared
+machine hits every method alike):
+
+- ``dcp.save``: ``dcp.save(get_state_dict(model, opt))`` with DCP's ``FileSystemWriter``
+  (blocking = total);
+- ``dcp.async_save``: its default stager (a fresh CPU copy per save); blocking = until
+  ``async_save`` returns, total = until its future completes;
+- ``ours``: ``Checkpointer.save(step, {"train": Sharded(model, opt)})`` in the default
+  background mode; blocking = until ``save`` returns, total = ``save`` + ``flush`` (committed,
+  manifest written); no retention inside the timing (every method's older checkpoints are
+  deleted between measurements, outside the timing: DCP has no retention);
+- ``ours drop-in``: ``dcp.async_save(..., storage_writer=ResilientStorageWriter(...))`` (this
+  writer is also the stager: reused host buffers).
+
+Each time is the slowest rank's (the ranks wait for each other at every collective). Restore:
+``ck.restore(state)`` into the live model and optimizer against ``dcp.load`` +
+``set_state_dict`` of the same state, both from the page cache (after a discarded warm-up).
+Memory: RSS (psutil) of rank 0 after each of ``--rss-saves`` consecutive saves (waiting for the
+previous one first), for ours and for ``dcp.async_save``, each in a fresh group of processes;
+growth after the first save as a % of the rank's share of the state.
+
+Goals (issue 16, as ratios in this run): blocking <= 0.3x ``dcp.async_save``'s; persist
+throughput >= 1.0x ``dcp.save``'s (``dcp.save`` time / our total); restore <= 1.2x
+``dcp.load``; RSS flat over the saves (growth < 10% of the rank's state).
+
+Writes ``bench_dcp.json`` and ``bench_dcp.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import library_version, med, write_results
+
+WIDTH = 1024
+
+
+def build(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    layers = max(2, mb * 1_000_000 // 12 // (WIDTH * WIDTH + WIDTH))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, WIDTH)).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    n = sum(p.to_local().numel() * 4 for p in model.parameters())  # type: ignore[operator]
+    return 3 * n
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def slowest(seconds: float) -> float:
+    from resilient_callbacks import dist
+
+    return max(dist.all_gather_json(seconds))
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as tdist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.dcp import ResilientStorageWriter, Sharded
+
+    tdist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank = tdist.get_rank()
+    model, opt = build(args.mb)
+    work = args.dir
+    if args.phase == "rss":
+        rss_phase(args, model, opt, work)
+        tdist.destroy_process_group()
+        return
+    state = {"train": Sharded(model, opt)}
+    ours_dir, dropin_dir = os.path.join(work, "ours"), os.path.join(work, "dropin")
+    # No retention inside the timed saves: every method's older checkpoints are deleted
+    # outside the timing (DCP has no retention; deleting is not part of persisting).
+    ck = Checkpointer(ours_dir, preemption=False, capture_rng=False)
+    writer = ResilientStorageWriter(dropin_dir)
+
+    def prune(root: str) -> None:
+        if rank == 0:
+            for name in sorted(n for n in os.listdir(root) if n.startswith("step_"))[:-1]:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+    step = [0]
+
+    def dcp_save() -> tuple[float, float]:
+        path = os.path.join(work, f"dcp_{step[0]}")
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        t = time.perf_counter() - t0
+        tdist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        return t, t
+
+    def dcp_async() -> tuple[float, float]:
+        path = os.path.join(work, f"dcpa_{step[0]}")
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path)
+        blocking = time.perf_counter() - t0
+        fut.result()
+        total = time.perf_counter() - t0
+        tdist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        return blocking, total
+
+    def ours() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        ck.save(step[0], state)
+        blocking = time.perf_counter() - t0
+        ck.flush()
+        total = time.perf_counter() - t0
+        tdist.barrier()
+        prune(ours_dir)
+        return blocking, total
+
+    def dropin() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        writer.step = step[0]
+        fut = dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer)
+        blocking = time.perf_counter() - t0
+        fut.result()
+        total = time.perf_counter() - t0
+        tdist.barrier()
+        prune(dropin_dir)
+        return blocking, total
+
+    methods = {
+        "dcp.save": dcp_save,
+        "dcp.async_save": dcp_async,
+        "ours": ours,
+        "ours drop-in": dropin,
+    }
+    times: dict[str, dict[str, list[float]]] = {m: {"blocking": [], "total": []} for m in methods}
+    for rep in range(args.reps + 1):
+        for name, fn in methods.items():
+            step[0] += 1
+            gc.collect()
+            tdist.barrier()
+            blocking, total = fn()
+            blocking, total = slowest(blocking), slowest(total)
+            if rep:  # the first round is a warm-up
+                times[name]["blocking"].append(blocking)
+                times[name]["total"].append(total)
+
+    # restore: ours (newest checkpoint of ck) against dcp.load of the same state
+    path = os.path.join(work, "dcp_restore")
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    ck.close()
+    writer.close()
+    restore: dict[str, list[float]] = {"ours": [], "dcp.load": []}
+    for rep in range(args.reps + 1):
+        gc.collect()
+        tdist.barrier()
+        t0 = time.perf_counter()
+        with Checkpointer(ours_dir, preemption=False, capture_rng=False) as again:
+            again.restore(state)
+        t_ours = slowest(time.perf_counter() - t0)
+        gc.collect()
+        tdist.barrier()
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        t_dcp = slowest(time.perf_counter() - t0)
+        if rep:
+            restore["ours"].append(t_ours)
+            restore["dcp.load"].append(t_dcp)
+    if rank == 0:
+        with open(os.path.join(work, "times.json"), "w") as f:
+            json.dump(
+                {"save": times, "restore": restore, "local_bytes": local_bytes(model, opt)}, f
+            )
+    tdist.destroy_process_group()
+
+
+def rss_phase(args: argparse.Namespace, model: Any, opt: Any, work: str) -> None:
+    import torch.distributed as tdist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.dcp import Sharded
+
+    rss: list[int] = []
+    root = os.path.join(work, f"rss_{args.method}")
+    if args.method == "ours":
+        state = {"train": Sharded(model, opt)}
+        with Checkpointer(root, keep_last=1, preemption=False, capture_rng=False) as ck:
+            for i in range(1, args.rss_saves + 1):
+                ck.save(i, state)
+                ck.flush()
+                gc.collect()
+                rss.append(rss_bytes())
+    else:
+        fut = None
+        for i in range(1, args.rss_saves + 1):
+            if fut is not None:
+                fut.result()
+                if tdist.get_rank() == 0:
+                    shutil.rmtree(f"{root}_{i - 1}", ignore_errors=True)
+            msd, osd = get_state_dict(model, opt)
+            fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=f"{root}_{i}")
+            fut.result()
+            gc.collect()
+            rss.append(rss_bytes())
+    if tdist.get_rank() == 0:
+        with open(os.path.join(work, f"rss_{args.method}.json"), "w") as f:
+            json.dump({"rss": rss, "local_bytes": local_bytes(model, opt)}, f)
+
+
+def spawn(args: argparse.Namespace, extra: list[str]) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(args.nproc):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(args.nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME="lo",
+            OMP_NUM_THREADS="1",
+        )
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", *extra]
+        procs.append(subprocess.Popen(cmd, env=env))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"a rank failed: {codes}")
+
+
+def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
+    s, r = report["save"], report["restore"]
+    rss = report["rss"]
+    out = [
+        {
+            "goal": "blocking <= 0.3x dcp.async_save",
+            "ratio": s["ours"]["blocking"] / s["dcp.async_save"]["blocking"],
+            "limit": 0.3,
+            "le": True,
+        },
+        {
+            "goal": "persist throughput >= 1.0x dcp.save",
+            "ratio": s["dcp.save"]["total"] / s["ours"]["total"],
+            "limit": 1.0,
+            "le": False,
+        },
+        {
+            "goal": "restore <= 1.2x dcp.load",
+            "ratio": r["ours"] / r["dcp.load"],
+            "limit": 1.2,
+            "le": True,
+        },
+        {
+            "goal": "RSS flat over the saves (growth < 10% of the rank's state)",
+            "ratio": rss["ours"]["growth_pct"] / 100,
+            "limit": 0.10,
+            "le": True,
+        },
+    ]
+    for g in out:
+        g["met"] = g["ratio"] <= g["limit"] if g["le"] else g["ratio"] >= g["limit"]
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"# bench_dcp ({report['nproc']} gloo ranks, CPU, ~{report['mb']} MB of FSDP2 state, "
+        f"{report['reps']} reps, medians of the slowest rank)",
+        "",
+        f"library {report['library']}, torch {report['torch']}, {report['machine']}",
+        "",
+        "| method | blocking s | total s | blocking vs dcp.async_save | total vs dcp.save |",
+        "|---|---|---|---|---|",
+    ]
+    s = report["save"]
+    for name, v in s.items():
+        lines.append(
+            f"| {name} | {v['blocking']:.3f} | {v['total']:.3f} | "
+            f"{v['blocking'] / s['dcp.async_save']['blocking']:.2f}x | "
+            f"{v['total'] / s['dcp.save']['total']:.2f}x |"
+        )
+    r = report["restore"]
+    lines += [
+        "",
+        f"Restore (page cache): ours {r['ours']:.3f} s, dcp.load + set_state_dict "
+        f"{r['dcp.load']:.3f} s ({r['ours'] / r['dcp.load']:.2f}x).",
+        "",
+        "RSS of rank 0 after each save (MB): "
+        + "; ".join(
+            f"{m}: first {v['first_mb']:.0f}, last {v['last_mb']:.0f} "
+            f"(growth {v['growth_pct']:.1f}% of the rank's state)"
+            for m, v in report["rss"].items()
+        ),
+        "",
+        "| goal | ratio | met |",
+        "|---|---|---|",
+    ]
+    for g in report["goals"]:
+        lines.append(f"| {g['goal']} | {g['ratio']:.2f} | {'met' if g['met'] else 'MISSED'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mb", type=int, default=256)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rss-saves", type=int, default=20)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--dir", default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--phase", default="save", help=argparse.SUPPRESS)
+    p.add_argument("--method", default="ours", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    work = args.dir or tempfile.mkdtemp(prefix="bench_dcp_")
+    os.makedirs(work, exist_ok=True)
+    common = ["--mb", str(args.mb), "--reps", str(args.reps), "--dir", work]
+    common += ["--rss-saves", str(args.rss_saves)]
+    try:
+        spawn(args, [*common, "--phase", "save"])
+        with open(os.path.join(work, "times.json")) as f:
+            raw = json.load(f)
+        rss: dict[str, Any] = {}
+        for method in ("ours", "dcp.async_save"):
+            spawn(args, [*common, "--phase", "rss", "--method", method])
+            with open(os.path.join(work, f"rss_{method}.json")) as f:
+                r = json.load(f)
+            growth = (r["rss"][-1] - r["rss"][0]) / r["local_bytes"] * 100
+            rss[method] = {
+                "mb": [x / 1e6 for x in r["rss"]],
+                "first_mb": r["rss"][0] / 1e6,
+                "last_mb": r["rss"][-1] / 1e6,
+                "growth_pct": growth,
+            }
+    finally:
+        if args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    report: dict[str, Any] = {
+        "mb": args.mb,
+        "nproc": args.nproc,
+        "reps": args.reps,
+        "library": library_version(),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "save": {
+            m: {"blocking": med(v["blocking"]), "total": med(v["total"]), "raw": v}
+            for m, v in raw["save"].items()
+        },
+        "restore": {m: med(v) for m, v in raw["restore"].items()},
+        "restore_raw": raw["restore"],
+        "rss": rss,
+    }
+    report["goals"] = goals(report)
+    md = markdown(report)
+    write_results(args.out, "bench_dcp", report, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

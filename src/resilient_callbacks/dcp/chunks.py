@@ -1,0 +1,141 @@
+"""A sharded state dict as JSON + named tensors, and boxes of a global tensor.
+
+:func:`split` turns a nested state dict (what ``get_state_dict`` returns: dicts keyed by FQN,
+lists of ``param_groups``, tuples, numbers, tensors, DTensors) into a JSON-able *skeleton* in
+which every tensor is replaced by a reference to its name, plus a flat ``{name: tensor}``
+table; :func:`join` rebuilds the state dict from a skeleton and a function giving each named
+tensor. A tensor's name is its path in the state dict (``model/0.weight``,
+``optim/state/0.weight/exp_avg``), so names are the same whatever the number of ranks.
+
+A :class:`Box` is a piece of a global tensor: its offsets and sizes in every dimension (DCP's
+``ChunkStorageMetadata``). :func:`copy_overlap` copies what two boxes share, which is how a
+rank assembles the local shard it needs from the chunks other ranks saved (resharding).
+
+Nothing here unpickles: the only non-tensor values kept are JSON ones (and tuples, non-finite
+floats and integer dict keys, tagged); anything else is refused with
+:class:`~resilient_callbacks.errors.UnsupportedStateError` naming where it is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointCorruptError, UnsupportedStateError
+
+TAG = "__rc__"
+
+
+def _escape(key: str) -> str:
+    return key.replace("%", "%25").replace("/", "%2F")
+
+
+def split(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``(skeleton, tensors)`` of a nested state dict; see the module docstring."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            name = "/".join(path)
+            tensors[name] = obj
+            return {TAG: "tensor", "name": name}
+        if isinstance(obj, Mapping):
+            if all(isinstance(k, str) for k in obj) and TAG not in obj:
+                return {k: walk(v, (*path, _escape(k))) for k, v in obj.items()}
+            items = []
+            for k, v in obj.items():
+                if isinstance(k, bool) or not isinstance(k, (str, int)):
+                    raise UnsupportedStateError(
+                        f"state dict key {k!r} at {'/'.join(path) or '<root>'} is not a str or "
+                        "an int; it cannot be written as JSON"
+                    )
+                items.append([k, walk(v, (*path, _escape(str(k))))])
+            return {TAG: "dict", "items": items}
+        if isinstance(obj, tuple):
+            return {TAG: "tuple", "items": [walk(v, (*path, str(i))) for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [walk(v, (*path, str(i))) for i, v in enumerate(obj)]
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return {TAG: "float", "value": repr(obj)}
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        raise UnsupportedStateError(
+            f"{'/'.join(path) or '<root>'}: a {type(obj).__qualname__} cannot be written as "
+            "JSON (only tensors, DTensors, numbers, strings, None, lists, tuples and dicts are "
+            "saved; nothing is pickled)"
+        )
+
+    return walk(state, ()), tensors
+
+
+def join(skeleton: Any, tensor: Callable[[str], Any]) -> Any:
+    """The state dict of ``skeleton``, each tensor reference replaced by ``tensor(name)``."""
+    if isinstance(skeleton, list):
+        return [join(v, tensor) for v in skeleton]
+    if isinstance(skeleton, dict):
+        tag = skeleton.get(TAG)
+        if tag is None:
+            return {k: join(v, tensor) for k, v in skeleton.items()}
+        if tag == "tensor":
+            return tensor(skeleton["name"])
+        if tag == "tuple":
+            return tuple(join(v, tensor) for v in skeleton["items"])
+        if tag == "dict":
+            return {k: join(v, tensor) for k, v in skeleton["items"]}
+        if tag == "float":
+            return float(skeleton["value"])
+        raise CheckpointCorruptError(f"unknown tag {tag!r} in a sharded state's JSON")
+    return skeleton
+
+
+@dataclass(frozen=True)
+class Box:
+    """A piece of a global tensor: where it starts (``offsets``) and how big it is (``sizes``)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, offsets: Sequence[int], sizes: Sequence[int]) -> Box:
+        return cls(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def intersect(self, other: Box) -> Box | None:
+        """The box both share, or ``None`` when they share no element."""
+        if len(self.sizes) != len(other.sizes):
+            return None
+        lo = [max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True)]
+        hi = [
+            min(a + s, b + t)
+            for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=True)
+        ]
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
+            return None if self.sizes else Box((), ())  # a 0-d tensor: one shared element
+        return Box(tuple(lo), tuple(h - low for low, h in zip(lo, hi, strict=True)))
+
+
+def _narrow(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
+    for dim, (o, s, base) in enumerate(zip(box.offsets, box.sizes, origin.offsets, strict=True)):
+        t = t.narrow(dim, o - base, s)
+    return t
+
+
+def copy_overlap(dst: torch.Tensor, dst_box: Box, src: torch.Tensor, src_box: Box) -> int:
+    """Copy the elements ``src`` (holding ``src_box``) shares with ``dst`` (holding
+    ``dst_box``) into ``dst``; return how many."""
+    common = dst_box.intersect(src_box)
+    if common is None:
+        return 0
+    if tuple(src.shape) != src_box.sizes:
+        raise CheckpointCorruptError(
+            f"a saved chunk has shape {list(src.shape)}, its index says {list(src_box.sizes)}"
+        )
+    _narrow(dst, common, dst_box).copy_(_narrow(src, common, src_box))
+    return common.numel

@@ -1,0 +1,359 @@
+"""``Sharded(model, optimizer)``: the sharded state of FSDP2 (``fully_shard``), FSDP1 or tensor
+parallelism (DTensors) as a :class:`~resilient_callbacks.filepart.FilePart`, saved by every rank
+into its own files and restored on any number of ranks (resharding).
+
+Files, under ``parts/<id>/`` of a checkpoint:
+
+- ``rank_NNNNN.safetensors`` (each rank): the local chunks of the DTensors this rank owns (a
+  chunk several ranks hold, as with a replicated placement, is written once, by the lowest rank
+  holding it), and every plain tensor of the state dict (optimizer ``step`` counters).
+- ``rank_NNNNN.json`` (each rank): the state dict's non-tensor values (``param_groups``
+  hyper-parameters) with references to the tensors.
+
+The chunk index (for every tensor: dtype, global shape, and which rank saved which box of it) is
+gathered from every rank with the core's JSON collectives at each save and recorded in the
+manifest through :meth:`describe`; at restore it tells each rank which files hold the boxes its
+local shards need, so a rank reads only those (verified), and nothing is unpickled.
+
+Which ranks call what: as every FilePart (see :mod:`resilient_callbacks.filepart`); every rank
+holds a ``Sharded`` of the same model at the same place of its state. :meth:`describe` runs one
+all-gather (JSON in uint8 tensors) on the default group, on the training thread, at each save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from .. import dist
+from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsupportedStateError
+from ..filepart import FilePart, PartInfo, PartReader, PartWriter
+from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
+from .chunks import Box, copy_overlap, join, split
+
+if TYPE_CHECKING:
+    from ..snapshot import HostBuffers
+
+FORMAT = "resilient_callbacks.dcp.sharded/1"
+
+
+def tensor_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def json_file(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+def chunk_of(name: str, t: DTensor) -> Box:
+    """The box of the global tensor that this rank's local shard of ``t`` holds."""
+    chunks = t.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise UnsupportedStateError(
+            f"{name}: a DTensor whose local shard is {len(chunks)} pieces of the global tensor "
+            "is not supported (one piece per rank is: Shard and Replicate placements)"
+        )
+    return Box.of(chunks[0].offsets, chunks[0].sizes)
+
+
+def _dtype_code(name: str, t: torch.Tensor) -> str:
+    try:
+        return DTYPE_TO_ST[t.dtype]
+    except KeyError:
+        raise UnsupportedStateError(f"{name}: dtype {t.dtype} cannot be saved") from None
+
+
+@dataclass
+class _Pending:
+    """One save's view of the state, from describe() to capture() on the training thread."""
+
+    skeleton: Any
+    tensors: dict[str, torch.Tensor]
+    owned: set[str]  # the DTensor chunks this rank writes
+    said: dict[str, Any]
+
+
+class Sharded(FilePart):
+    """The sharded state of ``model`` and its ``optimizer`` (one, several, or ``None``), as
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives it: saved per rank,
+    restored with ``set_state_dict`` on the current mesh, whatever number of ranks wrote it.
+
+    ``options``: ``StateDictOptions`` for ``get_state_dict``/``set_state_dict`` (e.g.
+    ``strict=False``); ``full_state_dict`` and ``cpu_offload`` are not supported (this part
+    writes each rank's shards).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+        *,
+        options: StateDictOptions | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"Sharded(model, ...): model must be an nn.Module, got {model!r}")
+        if optimizer is None:
+            optims: tuple[torch.optim.Optimizer, ...] = ()
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            optims = (optimizer,)
+        else:
+            optims = tuple(optimizer)
+        for o in optims:
+            if not isinstance(o, torch.optim.Optimizer):
+                raise TypeError(f"Sharded(model, optimizer): not an optimizer: {o!r}")
+        self.options = options or StateDictOptions()
+        if self.options.full_state_dict or self.options.cpu_offload:
+            raise UnsupportedStateError(
+                "Sharded(options=...): full_state_dict/cpu_offload gather whole tensors; "
+                "Sharded saves each rank's shards (leave both False)"
+            )
+        self.model = model
+        self.optimizers = optims
+        self._pending: _Pending | None = None
+        self._boxes: dict[tuple[Any, ...], Box] = {}  # DTensor layout -> this rank's box
+        self._load: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"Sharded({type(self.model).__name__}, {len(self.optimizers)} optimizer(s))"
+
+    # ------------------------------------------------------------------ the state dict
+
+    def _box(self, name: str, t: DTensor) -> Box:
+        """This rank's box of ``t``, cached by layout (computing it costs more than the rest of
+        describe() together: DTensor's __create_chunk_list__ recomputes the shard sizes)."""
+        mesh = t.device_mesh
+        coordinate = mesh.get_coordinate()
+        key: tuple[Any, ...] = (
+            tuple(t.shape),
+            tuple(t.placements),
+            id(mesh),
+            tuple(mesh.shape),
+            tuple(coordinate) if coordinate is not None else None,
+        )
+        box = self._boxes.get(key)
+        if box is None:
+            box = self._boxes[key] = chunk_of(name, t)
+        return box
+
+    def _has_optim_state(self) -> bool:
+        return any(o.state for o in self.optimizers)
+
+    def _state_dict(self, with_optim: bool) -> dict[str, Any]:
+        sd: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self.options)}
+        if with_optim:
+            # An optimizer without state would be initialised by a zero step here (DCP's
+            # _init_optim_state): only asked for when it has state, or a checkpoint has it.
+            sd["optim"] = get_optimizer_state_dict(
+                self.model, self.optimizers, options=self.options
+            )
+        return sd
+
+    # ------------------------------------------------------------------ save
+
+    def describe(self) -> dict[str, Any]:
+        """Every rank, training thread: the chunk index of every rank (one JSON all-gather)."""
+        sd = self._state_dict(with_optim=self._has_optim_state())
+        skeleton, tensors = split(sd)
+        mine: dict[str, list[Any]] = {}
+        mesh: dict[str, Any] | None = None
+        for name, t in tensors.items():
+            if isinstance(t, DTensor):
+                box = self._box(name, t)
+                mine[name] = [
+                    _dtype_code(name, t),
+                    list(t.shape),
+                    list(box.offsets),
+                    list(box.sizes),
+                ]
+                if mesh is None:
+                    mesh = {
+                        "shape": list(t.device_mesh.shape),
+                        "dim_names": list(t.device_mesh.mesh_dim_names or ()),
+                        "placements": [str(p) for p in t.placements],
+                    }
+            else:
+                _dtype_code(name, t)
+        index: dict[str, dict[str, Any]] = {}
+        owned: set[str] = set()
+        rank = dist.rank()
+        for r, theirs in enumerate(dist.all_gather_json(mine)):
+            for name, (dtype, shape, offsets, sizes) in theirs.items():
+                entry = index.setdefault(name, {"dtype": dtype, "shape": shape, "chunks": []})
+                if entry["dtype"] != dtype or entry["shape"] != shape:
+                    raise UnsupportedStateError(
+                        f"{name}: rank {r} holds a {dtype} {shape} tensor, a lower rank a "
+                        f"{entry['dtype']} {entry['shape']} one"
+                    )
+                if Box.of(offsets, sizes).numel == 0:
+                    continue
+                if any(c[1] == offsets and c[2] == sizes for c in entry["chunks"]):
+                    continue  # a replica of a chunk a lower rank writes
+                entry["chunks"].append([r, offsets, sizes])
+                if r == rank:
+                    owned.add(name)
+        said = {
+            "format": FORMAT,
+            "world_size": dist.world_size(),
+            "mesh": mesh,
+            "optim": "optim" in sd,
+            "tensors": index,
+        }
+        self._pending = _Pending(skeleton, tensors, owned, said)
+        return said
+
+    def capture(self, buffers: HostBuffers) -> dict[str, Any]:
+        """Every rank, training thread: copy this rank's chunks and plain tensors into the
+        reused host buffers."""
+        pending, self._pending = self._pending, None
+        if pending is None:  # not driven by the core (which calls describe() first)
+            self.describe()
+            pending, self._pending = self._pending, None
+            assert pending is not None
+        out: dict[str, torch.Tensor] = {}
+        on_gpu = False
+        for name, t in pending.tensors.items():
+            if isinstance(t, DTensor):
+                if name not in pending.owned:
+                    continue
+                t = t.to_local()
+            t = t.detach()
+            buf = buffers.get(name, t)
+            on_gpu = on_gpu or t.device.type == "cuda"
+            buf.copy_(t, non_blocking=t.device.type == "cuda")
+            out[name] = buf
+        if on_gpu:
+            torch.cuda.synchronize()
+        return {"tensors": out, "json": {"format": FORMAT, "skeleton": pending.skeleton}}
+
+    def write(self, captured: dict[str, Any], writer: PartWriter) -> None:
+        writer.tensors(tensor_file(writer.rank), captured["tensors"])
+        writer.json(json_file(writer.rank), captured["json"])
+
+    # ------------------------------------------------------------------ restore
+
+    def files_to_read(self, info: PartInfo) -> list[str]:
+        """The home JSON (this rank's, or rank 0's for a rank the save did not have) and the
+        tensor files holding a box that overlaps a local shard this rank needs."""
+        saved = info.saved
+        if saved.get("format") != FORMAT or not isinstance(saved.get("tensors"), dict):
+            raise CheckpointMismatchError(
+                f"part {info.part_id!r} was not written by resilient_callbacks.dcp.Sharded "
+                f"(its manifest records {sorted(saved) or 'nothing'})"
+            )
+        if saved.get("optim") and not self.optimizers:
+            raise CheckpointMismatchError(
+                f"part {info.part_id!r} holds optimizer state, but this Sharded has no optimizer"
+            )
+        with_optim = bool(saved.get("optim")) and bool(self.optimizers)
+        target = self._state_dict(with_optim)
+        _, tensors = split(target)
+        index: dict[str, Any] = saved["tensors"]
+        home = info.rank if info.rank < info.saved_world_size else 0
+        ranks = {home}
+        needs: dict[str, Box] = {}
+        problems: list[str] = []
+        for name, t in tensors.items():
+            if not isinstance(t, DTensor):
+                continue
+            entry = index.get(name)
+            if entry is None:
+                problems.append(f"{name}: not in the checkpoint")
+                continue
+            if list(t.shape) != list(entry["shape"]) or _dtype_code(name, t) != entry["dtype"]:
+                problems.append(
+                    f"{name}: saved {entry['dtype']} {entry['shape']}, "
+                    f"this model has {DTYPE_TO_ST.get(t.dtype, t.dtype)} {list(t.shape)}"
+                )
+                continue
+            need = needs[name] = self._box(name, t)
+            for r, offsets, sizes in entry["chunks"]:
+                if need.intersect(Box.of(offsets, sizes)) is not None and need.numel:
+                    ranks.add(int(r))
+        unexpected = sorted(set(index) - {n for n, t in tensors.items() if isinstance(t, DTensor)})
+        problems += [f"{n}: in the checkpoint, not in this model/optimizer" for n in unexpected]
+        if problems:
+            more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+            raise CheckpointMismatchError(
+                f"part {info.part_id!r} does not fit this model: " + "; ".join(problems[:10]) + more
+            )
+        self._load = {
+            "home": home,
+            "ranks": sorted(ranks),
+            "tensors": tensors,
+            "needs": needs,
+            "index": index,
+            "with_optim": with_optim,
+        }
+        return [json_file(home)] + [tensor_file(r) for r in sorted(ranks)]
+
+    def load(self, reader: PartReader) -> None:
+        plan, self._load = self._load, None
+        if plan is None:
+            raise RuntimeError("Sharded.load() without files_to_read() first")
+        home = plan["home"]
+        meta = reader.json(json_file(home))
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CheckpointCorruptError(f"{json_file(home)}: not a Sharded part's JSON")
+        files = {r: reader.tensors(tensor_file(r)) for r in plan["ranks"]}
+        targets: dict[str, torch.Tensor] = plan["tensors"]
+
+        def value(name: str) -> Any:
+            target = targets.get(name)
+            if isinstance(target, DTensor):
+                return self._assemble(name, target, plan["needs"][name], plan["index"], files)
+            saved = files[home].get(name)
+            if saved is None:
+                raise CheckpointCorruptError(
+                    f"{tensor_file(home)} does not hold {name}, which its JSON refers to"
+                )
+            device = target.device if isinstance(target, torch.Tensor) else "cpu"
+            return saved.to(device, copy=True)
+
+        sd = join(meta["skeleton"], value)
+        set_model_state_dict(self.model, sd["model"], options=self.options)
+        if plan["with_optim"]:
+            set_optimizer_state_dict(self.model, self.optimizers, sd["optim"], options=self.options)
+
+    @staticmethod
+    def _assemble(
+        name: str,
+        target: DTensor,
+        need: Box,
+        index: Mapping[str, Any],
+        files: Mapping[int, Mapping[str, torch.Tensor]],
+    ) -> DTensor:
+        entry = index[name]
+        local = torch.empty(need.sizes, dtype=ST_TO_DTYPE[entry["dtype"]])
+        filled = 0
+        for r, offsets, sizes in entry["chunks"]:
+            box = Box.of(offsets, sizes)
+            if need.numel == 0 or need.intersect(box) is None:
+                continue
+            src = files[int(r)].get(name)
+            if src is None:
+                raise CheckpointCorruptError(f"{tensor_file(int(r))} does not hold {name}")
+            filled += copy_overlap(local, need, src, box)
+        if filled != need.numel:
+            raise CheckpointCorruptError(
+                f"{name}: the saved chunks cover {filled} of the {need.numel} elements this "
+                "rank needs"
+            )
+        return DTensor.from_local(
+            local.to(target.device),
+            target.device_mesh,
+            target.placements,
+            run_check=False,
+            shape=target.shape,
+            stride=target.stride(),
+        )

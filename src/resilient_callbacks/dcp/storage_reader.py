@@ -1,0 +1,243 @@
+"""``ResilientStorageReader``: a drop-in ``StorageReader`` for ``dcp.load`` that reads the newest
+valid checkpoint a :class:`~.storage_writer.ResilientStorageWriter` committed -- verified before
+anything is loaded, falling back loudly (and on every rank together) past a damaged one, and
+never unpickling.
+
+Which ranks call what (DCP's sequence, see ``torch.distributed.checkpoint.StorageReader``):
+every rank calls ``read_metadata`` -- rank 0 lists the committed checkpoints, every rank
+checks the checksums of a share of the newest one's files (the files of the ranks ``r`` with
+``r % world_size == rank``), and the ranks agree (the core's JSON collectives, no pickle)
+before moving to an older one -- then ``set_up_storage_reader``, ``prepare_local_plan`` and
+``read_data``; the coordinator also calls ``prepare_global_plan``.
+
+``read_data`` reads only the chunks this rank's plan asks for (DCP's planner computes the
+overlaps when the number of ranks changed): tensors from the safetensors files, objects from
+JSON, set into the state dict directly (DCP's ``DefaultLoadPlanner.load_bytes`` would
+``torch.load(..., weights_only=False)`` them).
+
+:func:`plain_dcp_reader` opens a checkpoint written by plain ``dcp.save`` (to migrate): opt-in,
+because DCP's format unpickles.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from typing import Any
+
+from safetensors import safe_open
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .. import catalog, dist
+from ..catalog import Depth
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    NoValidCheckpointError,
+    ResumeFallbackWarning,
+    UnsupportedStateError,
+)
+from ..manifest import MANIFEST_NAME, read_manifest
+from ..reader import by_commit, committed, find
+from ..tensorfile import read_verified
+from .chunks import join
+from .metadata_json import METADATA_NAME, from_json
+
+log = logging.getLogger("resilient_callbacks")
+
+
+class ResilientStorageReader(StorageReader):
+    """Read, for ``dcp.load``, the newest valid checkpoint in ``dirpath`` (a directory of
+    ``step_*`` checkpoints, or one of them), or the one of ``step``. Every rank constructs it
+    with the same arguments. After ``read_metadata``, :attr:`path` and :attr:`step` say which
+    checkpoint was chosen and :attr:`skipped` the newer ones that could not be used, and why."""
+
+    def __init__(self, dirpath: str | os.PathLike[str], *, step: int | None = None) -> None:
+        super().__init__()
+        self.dirpath = os.path.abspath(os.fspath(dirpath))
+        self.step = step
+        self.path: str | None = None
+        self.loaded_step: int | None = None
+        self.skipped: list[str] = []
+        self.storage: dict[MetadataIndex, dict[str, Any]] = {}
+        self.rank = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.dirpath = os.path.abspath(os.fspath(checkpoint_id))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # never chosen automatically: pass storage_reader=ResilientStorageReader(...)
+
+    # ------------------------------------------------------------------ choosing (every rank)
+
+    def _candidates(self) -> list[str]:
+        """Rank 0: the checkpoints to try, best first."""
+        root = self.dirpath
+        if os.path.exists(os.path.join(root, MANIFEST_NAME)):
+            return [root]
+        if not os.path.isdir(root):
+            raise CheckpointNotFoundError(f"{root}: no such checkpoint directory")
+        entries = committed(root)
+        if self.step is not None:
+            return [find(entries, root, self.step).path]
+        return [e.path for e in by_commit(entries)]
+
+    def read_metadata(self, *args: Any) -> Metadata:
+        """Every rank: choose the checkpoint (verified, agreed) and read its metadata. (No
+        ``**kwargs``: DCP then does not retry with per-rank metadata, which this format has
+        not.)"""
+        listing: dict[str, Any] = {"paths": [], "error": None}
+        if dist.rank() == 0:
+            try:
+                listing["paths"] = self._candidates()
+            except Exception as e:
+                listing["error"] = f"{type(e).__name__}: {e}"
+        listing = dist.broadcast_json(listing)
+        if listing["error"] is not None:
+            raise CheckpointNotFoundError(f"on rank 0: {listing['error']}")
+        if not listing["paths"]:
+            raise CheckpointNotFoundError(f"no checkpoints in {self.dirpath}")
+        rank, world = dist.rank(), dist.world_size()
+        self.skipped = []
+        for path in listing["paths"]:
+            result: dict[str, Any] = {"problem": None, "meta": None}
+            try:
+                manifest = read_manifest(path)
+                entry = next((f for f in manifest.files if f.path == METADATA_NAME), None)
+                if entry is None:
+                    raise CheckpointCorruptError(
+                        f"{path}: not written by ResilientStorageWriter (no {METADATA_NAME})"
+                    )
+                mine = [r for r in range(manifest.world_size) if r % world == rank]
+                catalog.verify(path, manifest, Depth.FULL, ranks=mine)
+                raw = read_verified(os.path.join(path, METADATA_NAME), entry.digest)
+                result["meta"] = json.loads(bytes(raw))
+            except (CheckpointCorruptError, OSError, ValueError) as e:
+                result["problem"] = str(e)
+            problems = [p for p in dist.all_gather_json(result["problem"]) if p]
+            if not problems:
+                meta, self.storage = from_json(result["meta"])
+                self.path, self.loaded_step = path, manifest.step
+                if self.skipped:
+                    log.warning("dcp.load: restored %s after skipping %s", path, self.skipped)
+                return meta
+            why = "; ".join(problems)
+            self.skipped.append(f"{path}: {why}")
+            if self.step is not None or len(listing["paths"]) == 1:
+                raise CheckpointCorruptError(f"cannot load {path}: {why}")
+            msg = f"skipping checkpoint {path}: {why}; falling back to an older checkpoint"
+            if rank == 0:
+                warnings.warn(msg, ResumeFallbackWarning, stacklevel=2)
+            log.warning(msg)
+        raise NoValidCheckpointError(
+            f"{self.dirpath} holds {len(listing['paths'])} checkpoint(s) but none can be loaded:"
+            "\n  - " + "\n  - ".join(self.skipped)
+        )
+
+    # ------------------------------------------------------------------ DCP's sequence
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.rank = int(kwargs.get("rank", dist.rank()))
+        if not self.storage and isinstance(metadata.storage_data, dict):
+            self.storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Every rank: read the items of this rank's plan, grouped by file."""
+        assert self.path is not None, "read_data() before read_metadata()"
+        by_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage[item.storage_index]["file"], []).append(item)
+        for name, items in sorted(by_file.items()):
+            full = os.path.join(self.path, *name.split("/"))
+            if name.endswith(".json"):
+                with open(full, "rb") as f:
+                    objects = json.loads(f.read())
+                for item in items:
+                    obj = join(objects[self.storage[item.storage_index]["key"]], _no_tensor)
+                    _set_object(planner, item, obj)
+                continue
+            with safe_open(full, framework="pt") as f:
+                for item in items:
+                    key = self.storage[item.storage_index]["key"]
+                    if len(item.lengths) == 0:
+                        src = f.get_tensor(key)
+                    else:
+                        src = f.get_slice(key)[
+                            tuple(
+                                slice(o, o + n)
+                                for o, n in zip(item.storage_offsets, item.lengths, strict=True)
+                            )
+                        ]
+                    target = planner.resolve_tensor(item).detach()
+                    if target.shape != src.shape:
+                        raise CheckpointCorruptError(
+                            f"{full}: {key} gives {list(src.shape)}, the plan needs "
+                            f"{list(target.shape)}"
+                        )
+                    target.copy_(src)
+                    planner.commit_tensor(item, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _no_tensor(name: str) -> Any:
+    raise CheckpointCorruptError(f"an object in {METADATA_NAME} refers to a tensor ({name})")
+
+
+def _set_object(planner: LoadPlanner, item: ReadItem, obj: Any) -> None:
+    """What ``DefaultLoadPlanner.load_bytes`` does, with a JSON value instead of unpickling."""
+    if item.type != LoadItemType.BYTE_IO:
+        raise CheckpointCorruptError(f"{item.dest_index.fqn}: a tensor stored as JSON")
+    if not isinstance(planner, DefaultLoadPlanner):
+        raise UnsupportedStateError(
+            f"{item.dest_index.fqn}: loading objects needs DefaultLoadPlanner (another planner's "
+            f"load_bytes may unpickle); got {type(planner).__name__}"
+        )
+    if planner.flatten_state_dict:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        set_element(planner.original_state_dict, planner.mappings[item.dest_index.fqn], obj)
+    else:
+        planner.state_dict[item.dest_index.fqn] = obj
+
+
+def plain_dcp_reader(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> StorageReader:
+    """A reader for a checkpoint written by plain ``dcp.save`` (``.metadata`` + ``*.distcp``),
+    to migrate it: load it with ``dcp.load(sd, storage_reader=plain_dcp_reader(p,
+    allow_pickle=True))`` and save it again with :class:`ResilientStorageWriter`.
+
+    DCP's format **unpickles**: its ``.metadata`` is a pickle, and its non-tensor items are
+    loaded with ``torch.load(weights_only=False)``; a tampered checkpoint runs code. Hence the
+    opt-in: without ``allow_pickle=True`` this raises :class:`UnsupportedStateError`. Read only
+    checkpoints you trust."""
+    if not allow_pickle:
+        raise UnsupportedStateError(
+            f"{os.fspath(path)}: a plain dcp.save checkpoint is read by unpickling its .metadata "
+            "and objects (a tampered file runs code); pass allow_pickle=True only for a "
+            "checkpoint you trust"
+        )
+    from torch.distributed.checkpoint import FileSystemReader
+
+    warnings.warn(
+        f"reading the plain DCP checkpoint {os.fspath(path)} unpickles its metadata and objects",
+        UserWarning,
+        stacklevel=2,
+    )
+    return FileSystemReader(os.fspath(path))

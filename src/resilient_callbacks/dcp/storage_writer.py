@@ -1,0 +1,331 @@
+"""``ResilientStorageWriter``: a drop-in ``StorageWriter`` for ``dcp.save`` / ``dcp.async_save``
+that commits through the core: staging directory, every rank's files hashed as written, the
+manifest last, rename, ``latest``, retention, upload to a remote tier -- and no pickle.
+
+Which ranks call what (DCP's own sequence, see ``torch.distributed.checkpoint.StorageWriter``):
+
+- every rank: ``set_up_storage_writer``, ``prepare_local_plan``, ``write_data``;
+- the coordinator (rank 0 of DCP's group) only: ``prepare_global_plan`` -- opens the directory
+  the first time (lock, sweep of leftovers, remote tier), creates the staging directory and puts
+  its path into every rank's plan -- and ``finish`` -- writes ``dcp_metadata.json``, then the
+  manifest last, renames, points ``latest``, applies retention and queues the upload.
+
+This writer runs no collective of its own: DCP gathers the plans and the write results (with
+its own *pickled* object collectives: that is DCP's code path, not this library's; the
+``Checkpointer`` + :class:`~.sharded.Sharded` path uses the core's JSON collectives instead).
+
+Files of a checkpoint: ``dcp/rank_NNNNN.safetensors`` (each rank's tensor chunks),
+``dcp/rank_NNNNN.json`` (each rank's non-tensor items, as JSON), ``dcp_metadata.json`` and
+``manifest.json``. A process killed between ``write_data`` and ``finish`` leaves only a hidden
+``.staging-*`` directory: no reader counts it, and the next writer to open the directory sweeps
+it.
+
+With ``dcp.async_save`` this writer is also the stager: the state is copied into host buffers
+that are reused from one save to the next (no new allocation per save). As with DCP's own
+stager, wait for a save's future before the next ``async_save``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from .. import dist
+from ..config import CheckpointerConfig
+from ..directory import Directory
+from ..errors import CheckpointWriteError, ConfigError, UnsupportedStateError
+from ..manifest import FileEntry
+from ..reader import by_commit, committed
+from ..session import CommitSession, RankReport
+from ..snapshot import HostBuffers
+from ..tensorfile import write_json, write_tensors
+from .chunks import split
+from .metadata_json import METADATA_NAME, index_key, to_json
+
+log = logging.getLogger("resilient_callbacks")
+
+DCP_DIR = "dcp"
+
+
+def _rank_files(rank: int) -> tuple[str, str]:
+    return f"{DCP_DIR}/rank_{rank:05d}.safetensors", f"{DCP_DIR}/rank_{rank:05d}.json"
+
+
+class ResilientStorageWriter(StorageWriter):
+    """Write ``dcp.save``/``dcp.async_save`` checkpoints into ``dirpath`` as committed,
+    verified, pickle-free checkpoints (``step_NNNNNNNNN`` directories).
+
+    ``step``: the step of the next save only (set ``writer.step = n`` before each save, or pass
+    ``checkpoint_id=n`` to ``dcp.save``); when ``None``, one more than the newest step in
+    ``dirpath``. ``keep_last``, ``keep_every_n_steps``, ``remote``, ``remote_options``,
+    ``remote_keep_last``: as for :class:`~resilient_callbacks.Checkpointer`. ``run_id``: the run
+    the checkpoints belong to (retention counts only its own run's); default: the run of the
+    newest checkpoint in ``dirpath``, or a new one. Every rank constructs it with the same
+    arguments. Call :meth:`close` (or use ``with``) at the end: it waits for uploads and
+    releases the directory lock.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        keep_last: int | None = None,
+        keep_every_n_steps: int | None = None,
+        remote: str | None = None,
+        remote_options: dict[str, Any] | None = None,
+        remote_keep_last: int | str | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = CheckpointerConfig(
+            dirpath=os.path.abspath(os.fspath(dirpath)),
+            keep_last=keep_last,
+            keep_every_n_steps=keep_every_n_steps,
+            remote=remote,
+            remote_options=remote_options,
+            remote_keep_last=remote_keep_last,
+        )
+        self.dirpath = self.config.dirpath
+        self.step = step
+        self.run_id = run_id
+        self.rank = 0
+        self.is_coordinator = True
+        self.last_committed: str | None = None
+        self._dir: Directory | None = None
+        self._session: CommitSession | None = None
+        self._buffers = HostBuffers()
+        self._staged_unwritten = False
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ DCP's sequence
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
+        """``checkpoint_id`` (from ``dcp.save(..., checkpoint_id=...)``): the step to save."""
+        if checkpoint_id is None:
+            return
+        try:
+            value = checkpoint_id if isinstance(checkpoint_id, int) else os.fspath(checkpoint_id)
+            self.step = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"checkpoint_id={checkpoint_id!r}: with ResilientStorageWriter, checkpoint_id is "
+                "the step to save (an int); the directory is the writer's dirpath"
+            ) from None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # never chosen automatically: pass storage_writer=ResilientStorageWriter(...)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", dist.rank()))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: open the directory (first time), create the staging directory."""
+        if self._dir is None:
+            d = Directory(self.dirpath, self.config.local_retention_policy(), len(plans))
+            d.open_here(self.config)
+            if self.run_id is None:  # carry on the run of the newest checkpoint, if any
+                newest = by_commit(committed(self.dirpath))
+                manifest = newest[0].manifest if newest else None
+                self.run_id = manifest.run_id if manifest is not None else uuid.uuid4().hex[:16]
+            d.run_id = self.run_id
+            self._dir = d
+        d = self._dir
+        if self._session is not None and self._session.staging is not None:
+            self._session.strategy.abort(self._session.staging)  # a save that never finished
+        step, self.step = self.step, None  # used by this save only
+        if step is None:
+            steps = [e.step for e in committed(self.dirpath) if e.step is not None]
+            step = max(steps, default=0) + 1
+        assert self.run_id is not None
+        session = CommitSession(
+            self.dirpath,
+            step,
+            run_id=self.run_id,
+            strategy=d.commit,
+            seq=d.seq + 1,
+            after_commit=d.after_commit,
+        )
+        staging = session.begin_here()
+        self._session = session
+        return [
+            dataclasses.replace(p, storage_data={"staging": staging, "rank": i})
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Every rank: write this rank's tensors (one safetensors file) and objects (one JSON
+        file) into the staging directory through the core's hashing writers."""
+        try:
+            results = self._write(plan, planner)
+        finally:
+            self._staged_unwritten = False
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        where = plan.storage_data
+        staging, rank = where["staging"], int(where["rank"])
+        tensor_name, json_name = _rank_files(rank)
+        tensors: dict[str, torch.Tensor] = {}
+        objects: dict[str, Any] = {}
+        results: list[WriteResult] = []
+        for item in plan.items:
+            key = index_key(item.index)
+            if item.type == WriteItemType.BYTE_IO:
+                lookup = getattr(planner, "lookup_object", None)
+                if lookup is None:
+                    raise UnsupportedStateError(
+                        f"{item.index.fqn}: the planner {type(planner).__name__} has no "
+                        "lookup_object(); its objects would be pickled (use DefaultSavePlanner)"
+                    )
+                skeleton, inner = split(lookup(item.index))
+                if inner:
+                    raise UnsupportedStateError(f"{item.index.fqn}: an object holding tensors")
+                objects[key] = skeleton
+                results.append(WriteResult(item.index, 0, {"file": json_name, "key": key}))
+            else:
+                t = planner.resolve_data(item)
+                assert isinstance(t, torch.Tensor)
+                t = t.detach()
+                if t.device.type != "cpu":
+                    t = t.to("cpu")
+                tensors[key] = t.contiguous()
+                nbytes = t.numel() * t.element_size()
+                results.append(WriteResult(item.index, nbytes, {"file": tensor_name, "key": key}))
+        files: list[FileEntry] = []
+        os.makedirs(os.path.join(staging, DCP_DIR), exist_ok=True)
+        if tensors:
+            d = write_tensors(
+                os.path.join(staging, tensor_name), tensors, {"format": "resilient_callbacks"}
+            )
+            files.append(FileEntry(tensor_name, d.size, d.xxh3_64, rank))
+        if objects:
+            d = write_json(os.path.join(staging, json_name), objects)
+            files.append(FileEntry(json_name, d.size, d.xxh3_64, rank, "structure"))
+        if results:  # this rank's files reach finish() with its first result
+            first = results[0]
+            data = {**first.storage_data, "files": [dataclasses.asdict(f) for f in files]}
+            results[0] = dataclasses.replace(first, storage_data=data)
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: ``dcp_metadata.json``, then the manifest last, rename, ``latest``,
+        retention, upload queue."""
+        session = self._session
+        if session is None or session.staging is None:
+            raise CheckpointWriteError("finish() without prepare_global_plan() on this rank")
+        self._session = None
+        storage: dict[MetadataIndex, dict[str, Any]] = {}
+        reports: list[RankReport] = []
+        for rank, rank_results in enumerate(results):
+            report = RankReport(rank)
+            for r in rank_results:
+                where = dict(r.storage_data)
+                report.files += [FileEntry(**f) for f in where.pop("files", [])]
+                storage[r.index] = where
+            reports.append(report)
+        try:
+            d = write_json(os.path.join(session.staging, METADATA_NAME), to_json(metadata, storage))
+        except Exception as e:
+            session.strategy.abort(session.staging)
+            raise CheckpointWriteError(f"could not write {METADATA_NAME}: {e}") from e
+        reports[0].files.append(FileEntry(METADATA_NAME, d.size, d.xxh3_64, 0, "structure"))
+        committed = session.commit_here(reports, reason="dcp")
+        self.last_committed = committed.path
+        log.info("committed %s", committed.path)
+
+    # ------------------------------------------------------------------ async_save staging
+
+    _synchronize_after_execute = False  # DCP's AsyncStager protocol
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``: copy the state into this writer's reused host buffers."""
+        with self._lock:
+            if self._staged_unwritten:
+                self._staged_unwritten = False
+                raise CheckpointWriteError(
+                    "the previous dcp.async_save has not written its state yet: wait for its "
+                    "future (.result()) before the next async_save (the host buffers are reused)"
+                )
+            self._staged_unwritten = True
+        on_gpu = False
+
+        def copy(obj: Any, path: str) -> Any:
+            nonlocal on_gpu
+            if isinstance(obj, DTensor):
+                local = obj.to_local()
+                buf = self._buffers.get(path, local)
+                on_gpu = on_gpu or local.device.type == "cuda"
+                buf.copy_(local.detach(), non_blocking=True)
+                return DTensor.from_local(
+                    buf,
+                    obj.device_mesh,
+                    obj.placements,
+                    run_check=False,
+                    shape=obj.shape,
+                    stride=obj.stride(),
+                )
+            if isinstance(obj, torch.Tensor):
+                buf = self._buffers.get(path, obj)
+                on_gpu = on_gpu or obj.device.type == "cuda"
+                buf.copy_(obj.detach(), non_blocking=True)
+                return buf
+            if isinstance(obj, dict):
+                return {k: copy(v, f"{path}/{k}") for k, v in obj.items()}
+            if isinstance(obj, list):
+                return [copy(v, f"{path}/{i}") for i, v in enumerate(obj)]
+            if isinstance(obj, tuple):
+                return tuple(copy(v, f"{path}/{i}") for i, v in enumerate(obj))
+            return obj
+
+        staged = copy(state_dict, "")
+        if on_gpu:
+            torch.cuda.synchronize()
+        return staged
+
+    def synchronize_staging(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Remove the staging directory of a save that failed before ``finish`` (rank 0), wait
+        for pending uploads and release the directory lock."""
+        session, self._session = self._session, None
+        if session is not None and session.staging is not None:
+            session.strategy.abort(session.staging)
+        d, self._dir = self._dir, None
+        if d is not None:
+            try:
+                if d.sync is not None:
+                    d.sync.wait()
+            finally:
+                d.release()
+
+    def __enter__(self) -> ResilientStorageWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

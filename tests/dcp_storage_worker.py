@@ -1,0 +1,89 @@
+"""Worker script of the drop-in DCP writer/reader tests: one rank (FSDP2 on gloo, CPU).
+
+``python dcp_storage_worker.py MODE ROOT OUT [REMOTE_URL]``:
+
+- ``save``: 3 training steps, ``dcp.save`` after each through one ``ResilientStorageWriter``
+  (``keep_last=2``, the remote tier if given); the full tensors of the last save go to
+  ``OUT.saved.safetensors``.
+- ``async``: the same with ``dcp.async_save`` (each future waited for before the next).
+- ``load``: a fresh model; ``dcp.load`` through ``ResilientStorageReader`` with ``pickle`` and
+  ``torch.load`` patched to raise; the full tensors go to ``OUT.loaded.safetensors`` and the
+  chosen step and the extra objects to ``OUT.rank<r>.json``.
+- ``crash``: ``dcp.save`` whose ``finish`` (rank 0) SIGKILLs the process: every rank's files
+  are written, the manifest is not.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from dcp_helpers import build, full_tensors, train_step
+from dcp_train import allow_unpickling, forbid_unpickling
+from resilient_callbacks.dcp import ResilientStorageReader, ResilientStorageWriter
+
+
+def main() -> None:
+    mode, root, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    remote = sys.argv[4] if len(sys.argv) > 4 else None
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    model, opt = build()
+    torch.manual_seed(7 + rank)
+    res: dict[str, object] = {"rank": rank}
+    if mode in ("save", "async", "crash"):
+        options = json.loads(os.environ["RC_REMOTE_OPTIONS"]) if remote else None
+        with ResilientStorageWriter(
+            root, keep_last=2, remote=remote, remote_options=options
+        ) as writer:
+            for step in (1, 2, 3):
+                train_step(model, opt)
+                msd, osd = get_state_dict(model, opt)
+                sd = {"model": msd, "optim": osd, "extra": {"epoch": step, "tag": (1, "a")}}
+                writer.step = step
+                if mode == "crash" and step == 3 and rank == 0:
+                    writer.finish = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
+                if mode == "async":
+                    dcp.async_save(sd, storage_writer=writer).result()
+                else:
+                    dcp.save(sd, storage_writer=writer)
+        full = full_tensors(model, opt)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in full.items()}, f"{out}.saved.safetensors")
+    elif mode == "load":
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd, "extra": {"epoch": 0, "tag": None}}
+        reader = ResilientStorageReader(root)
+        forbidden = forbid_unpickling()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dcp.load(sd, storage_reader=reader)
+        allow_unpickling(forbidden)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        full = full_tensors(model, opt)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in full.items()}, f"{out}.loaded.safetensors")
+        res.update(
+            step=reader.loaded_step,
+            extra=sd["extra"],
+            tag_is_tuple=isinstance(sd["extra"]["tag"], tuple),
+            warnings=[str(w.message) for w in caught],
+        )
+        train_step(model, opt)  # and training goes on
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Worker script of the Sharded (FSDP2 on gloo, CPU) tests: one rank of a training run.
+
+``python dcp_train.py ROOT OUT TOTAL EVERY [CRASH_AT]``: restore from ROOT (resharding to this
+world size), write the full tensors right after the restore to ``OUT.restored.safetensors``
+(rank 0), train up to step TOTAL saving every EVERY steps (``Sharded`` + ``PerRank``), append
+each step's loss to ``OUT.rank<r>.jsonl``, and write the final full tensors to
+``OUT.final.safetensors`` (rank 0). With CRASH_AT, every rank SIGKILLs itself right after
+``ck.step(CRASH_AT)`` returns (a background save may be in flight). With the environment
+variable ``RC_FORBID_PICKLE`` set, ``pickle.load``/``loads``/``Unpickler`` and ``torch.load`` raise
+during the restore.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from dcp_helpers import build, full_tensors, train_step
+from resilient_callbacks import Checkpointer, PerRank
+from resilient_callbacks.dcp import Sharded
+
+
+class Position:
+    """A per-rank counter standing in for a data loader's position."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.seen = sd["seen"]
+
+
+def forbid_unpickling() -> dict[str, object]:
+    """Make every way to unpickle raise: a restore that needed pickle would fail loudly.
+    Returns the originals, for :func:`allow_unpickling`."""
+    import pickle
+
+    saved = {"load": pickle.load, "loads": pickle.loads, "Unpickler": pickle.Unpickler}
+    saved["torch.load"] = torch.load
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("restore tried to unpickle")
+
+    pickle.load = pickle.loads = refuse  # type: ignore[assignment]
+    pickle.Unpickler = refuse  # type: ignore[assignment,misc]
+    torch.load = refuse  # type: ignore[assignment]
+    return saved
+
+
+def allow_unpickling(saved: dict[str, object]) -> None:
+    import pickle
+
+    pickle.load, pickle.loads = saved["load"], saved["loads"]  # type: ignore[assignment]
+    pickle.Unpickler = saved["Unpickler"]  # type: ignore[assignment,misc]
+    torch.load = saved["torch.load"]  # type: ignore[assignment]
+
+
+def main() -> None:
+    root, out, total, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    crash_at = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    model, opt = build()
+    torch.manual_seed(1000 + rank)  # each rank its own data stream
+    pos = Position()
+    state = {"train": Sharded(model, opt), "data": PerRank(pos)}
+    with Checkpointer(root, every_n_steps=every, keep_last=3, preemption=False) as ck:
+        forbidden = forbid_unpickling() if os.environ.get("RC_FORBID_PICKLE") else None
+        start = ck.restore(state)
+        if forbidden is not None:
+            allow_unpickling(forbidden)
+        if start:
+            assert pos.seen == start * 8, (pos.seen, start)
+        restored = full_tensors(model, opt)
+        if rank == 0:
+            save_file(
+                {k: v.contiguous() for k, v in restored.items()}, f"{out}.restored.safetensors"
+            )
+            with open(f"{out}.start", "w") as f:
+                f.write(str(start))
+        with open(f"{out}.rank{rank}.jsonl", "a") as log:
+            for step in range(start + 1, total + 1):
+                loss = train_step(model, opt)
+                pos.seen += 8
+                log.write(json.dumps({"step": step, "loss": loss}) + "\n")
+                log.flush()
+                ck.step(step, state, {"loss": loss}, final=step == total)
+                if step == crash_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+    final = full_tensors(model, opt)
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in final.items()}, f"{out}.final.safetensors")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

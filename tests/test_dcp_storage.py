@@ -1,0 +1,278 @@
+"""The drop-in ``ResilientStorageWriter`` / ``ResilientStorageReader`` for ``dcp.save``,
+``dcp.async_save`` and ``dcp.load``.
+
+One process (no process group; DCP runs without collectives):
+(a) save -> load round trip of model, optimizer and objects (a tuple, an int), as committed
+    ``step_*`` checkpoints with JSON metadata, retention (``keep_last``) and ``latest``; with
+    ``pickle``/``torch.load`` patched to raise during the load.
+(b) a flipped byte in the newest checkpoint: the load falls back loudly to the previous one;
+    a named step that is damaged is an error, never a fallback.
+(c) a rank's failure to write commits nothing (the staging directory is removed at the next
+    save or at close); objects that are
+    not JSON are refused clearly; a plain ``dcp.save`` checkpoint is read only with
+    ``allow_pickle=True``.
+
+Two gloo ranks, FSDP2 (``tests/dcp_storage_worker.py``):
+(d) ``dcp.save`` on 2 ranks, ``dcp.load`` on 1: every full tensor equal, pickle forbidden.
+(e) slow: ``dcp.async_save`` then ``dcp.load`` on 2; SIGKILL in ``finish`` leaves nothing
+    visible and the next writer sweeps it; the remote tier on a moto S3 server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from resilient_callbacks import catalog
+from resilient_callbacks.dcp import ResilientStorageReader, ResilientStorageWriter, plain_dcp_reader
+from resilient_callbacks.errors import (
+    CheckpointWriteError,
+    ConfigError,
+    ResumeFallbackWarning,
+    UnsupportedStateError,
+)
+
+WORKER = str(Path(__file__).with_name("dcp_storage_worker.py"))
+
+
+def _state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Linear(5, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "extra": {"epoch": seed, "pair": (seed, "x")},
+    }
+
+
+def _assert_equal(a, b, path="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            _assert_equal(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_equal(x, y, f"{path}/{i}")
+    else:
+        assert a == b, path
+
+
+def _save_steps(root: Path, steps=(1, 2, 3), **kw) -> dict[int, dict]:
+    saved = {}
+    with ResilientStorageWriter(root, keep_last=2, **kw) as writer:
+        for step in steps:
+            sd = _state(step)
+            writer.step = step
+            dcp.save(sd, storage_writer=writer)
+            saved[step] = sd
+    return saved
+
+
+def _fresh() -> dict:
+    sd = _state(99)
+    sd["extra"] = {"epoch": -1, "pair": None}
+    return sd
+
+
+def test_save_load_round_trip_is_committed_retained_and_never_unpickles(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    saved = _save_steps(root)
+    names = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+    assert names == ["step_000000002", "step_000000003"]  # keep_last=2
+    assert (root / "latest").read_text().strip() == "step_000000003"
+    newest = root / "step_000000003"
+    assert not list(newest.rglob("*.metadata")) and not list(newest.rglob("*.distcp"))
+    meta = json.loads((newest / "dcp_metadata.json").read_text())
+    assert meta["state_dict"]["model.weight"]["kind"] == "tensor"
+    assert [e.status for e in catalog.scan(str(root), catalog.Depth.FULL)] == ["valid", "valid"]
+
+    def refuse(*a, **k):
+        raise AssertionError("unpickled during a load")
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    sd = _fresh()
+    reader = ResilientStorageReader(root)
+    dcp.load(sd, storage_reader=reader)
+    assert reader.loaded_step == 3 and reader.path == str(newest)
+    _assert_equal(saved[3], sd)
+    assert sd["extra"]["pair"] == (3, "x")  # a tuple stays a tuple
+
+    older = _fresh()
+    dcp.load(older, storage_reader=ResilientStorageReader(root, step=2))
+    _assert_equal(saved[2], older)
+
+
+def test_a_flipped_byte_falls_back_loudly_and_a_named_damaged_step_is_an_error(tmp_path):
+    root = tmp_path / "ck"
+    saved = _save_steps(root)
+    shard = root / "step_000000003" / "dcp" / "rank_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    sd = _fresh()
+    reader = ResilientStorageReader(root)
+    with pytest.warns(ResumeFallbackWarning, match=r"rank_00000.safetensors: checksum mismatch"):
+        dcp.load(sd, storage_reader=reader)
+    assert reader.loaded_step == 2 and "step_000000003" in reader.skipped[0]
+    _assert_equal(saved[2], sd)
+    # DCP wraps a rank's error in its CheckpointException (a BaseException)
+    with pytest.raises(BaseException, match=r"cannot load .*step_000000003.*checksum mismatch"):
+        dcp.load(_fresh(), storage_reader=ResilientStorageReader(root, step=3))
+
+
+def test_a_failed_write_commits_nothing_and_non_json_objects_are_refused(tmp_path):
+    root = tmp_path / "ck"
+    _save_steps(root, steps=(1,))
+    writer = ResilientStorageWriter(root)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    original = writer._write
+    writer.step = 2
+    writer._write = lambda plan, planner: (_ for _ in ()).throw(OSError("disk full"))  # type: ignore[method-assign]
+    with pytest.raises(BaseException, match="disk full"):
+        dcp.save(_state(2), storage_writer=writer)
+    writer._write = original  # type: ignore[method-assign]
+    with pytest.raises(BaseException, match="cannot be written as JSON"):
+        dcp.save({"x": torch.zeros(2), "fn": {"f": boom}}, storage_writer=writer)
+    writer.close()
+    assert sorted(n for n in os.listdir(root) if not n.startswith((".lock", "latest"))) == [
+        "step_000000001"
+    ]  # no staging directory left behind, nothing committed for step 2
+    with ResilientStorageWriter(root) as again:  # the next save numbers on
+        dcp.save(_state(5), storage_writer=again)
+        dcp.save(_state(6), storage_writer=again, checkpoint_id=10)  # the step of this save
+        dcp.save(_state(7), storage_writer=again)
+        with pytest.raises(ConfigError, match="checkpoint_id is the step to save"):
+            dcp.save(_state(8), storage_writer=again, checkpoint_id="elsewhere")
+    steps = [e.step for e in catalog.committed(catalog.scan(str(root)))]
+    assert steps == [1, 2, 10, 11]
+
+
+def test_commit_here_refuses_a_failed_rank_and_removes_the_staging(tmp_path):
+    from resilient_callbacks.session import CommitSession, RankReport
+
+    session = CommitSession(tmp_path, 4, run_id="r" * 16)
+    staging = session.begin_here()
+    with pytest.raises(CheckpointWriteError, match="rank 1: OSError: no space") as info:
+        session.commit_here([RankReport(0), RankReport(1, error="OSError: no space")])
+    assert info.value.failed_ranks == (1,)
+    assert not os.path.exists(staging)
+
+
+def test_a_plain_dcp_checkpoint_is_read_only_when_unpickling_is_allowed(tmp_path):
+    plain = tmp_path / "plain"
+    sd = _state(4)
+    dcp.save(sd, checkpoint_id=str(plain))
+    with pytest.raises(UnsupportedStateError, match="allow_pickle=True"):
+        plain_dcp_reader(plain)
+    back = _fresh()
+    with pytest.warns(UserWarning, match="unpickles"):
+        reader = plain_dcp_reader(plain, allow_pickle=True)
+    dcp.load(back, storage_reader=reader)
+    _assert_equal(sd, back)
+    # migrate: save it again, pickle-free
+    with ResilientStorageWriter(tmp_path / "ck", step=4) as writer:
+        dcp.save(back, storage_writer=writer)
+    again = _fresh()
+    dcp.load(again, storage_reader=ResilientStorageReader(tmp_path / "ck"))
+    _assert_equal(sd, again)
+
+
+# ----------------------------------------------------------------------------- two ranks
+
+
+def _spawn(tmp: Path, n: int, *args: str, ok: bool = True, env=None) -> list[int]:
+    from dcp_helpers import spawn
+
+    return spawn([sys.executable, WORKER, *args], n, tmp, f"{args[0]}-{n}", expect_ok=ok, env=env)
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_dcp_save_on_two_ranks_load_on_one_without_unpickling(tmp_path):
+    root = tmp_path / "ck"
+    _spawn(tmp_path, 2, "save", str(root), str(tmp_path / "s"))
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == [
+        "step_000000002",
+        "step_000000003",
+    ]
+    _spawn(tmp_path, 1, "load", str(root), str(tmp_path / "l"))
+    res = json.loads((tmp_path / "l.rank0.json").read_text())
+    assert res["step"] == 3 and res["extra"] == {"epoch": 3, "tag": [1, "a"]}
+    assert res["tag_is_tuple"]
+    saved, loaded = (
+        _tensors(tmp_path / "s.saved.safetensors"),
+        _tensors(tmp_path / "l.loaded.safetensors"),
+    )
+    assert sorted(saved) == sorted(loaded)
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_async_save_and_a_sigkill_between_write_and_finish(tmp_path):
+    root = tmp_path / "ck"
+    _spawn(tmp_path, 2, "async", str(root), str(tmp_path / "a"))
+    _spawn(tmp_path, 2, "load", str(root), str(tmp_path / "l"))
+    saved, loaded = (
+        _tensors(tmp_path / "a.saved.safetensors"),
+        _tensors(tmp_path / "l.loaded.safetensors"),
+    )
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
+    assert json.loads((tmp_path / "l.rank1.json").read_text())["step"] == 3
+
+    crashed = tmp_path / "crashed"
+    codes = _spawn(tmp_path, 2, "crash", str(crashed), str(tmp_path / "c"), ok=False)
+    assert -9 in codes
+    assert [n for n in os.listdir(crashed) if n.startswith(".staging-")]  # written, not committed
+    assert [e.name for e in catalog.committed(catalog.scan(str(crashed)))] == [
+        "step_000000001",
+        "step_000000002",
+    ]
+    _spawn(tmp_path, 2, "load", str(crashed), str(tmp_path / "m"))
+    assert json.loads((tmp_path / "m.rank0.json").read_text())["step"] == 2
+    with ResilientStorageWriter(crashed) as writer:  # the next writer sweeps the leftover
+        dcp.save({"x": torch.ones(2)}, storage_writer=writer)
+    assert not [n for n in os.listdir(crashed) if n.startswith(".staging-")]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_remote_tier_on_an_s3_server(tmp_path, s3_remote):
+    url, options = s3_remote
+    root = tmp_path / "ck"
+    env = {"RC_REMOTE_OPTIONS": json.dumps(options)}
+    _spawn(tmp_path, 2, "save", str(root), str(tmp_path / "s"), url, env=env)
+    from resilient_callbacks.remote import RemoteStore
+
+    remote = {e.name: e for e in RemoteStore(url, options).scan() if e.manifest is not None}
+    assert sorted(remote) == ["step_000000002", "step_000000003"]  # keep_last=2 there too
+    assert all(e.problem is None for e in remote.values())
