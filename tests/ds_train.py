@@ -87,6 +87,7 @@ def main() -> None:
         pickle.load = pickle.loads = torch.load = refuse  # type: ignore[assignment]
 
     import deepspeed
+
     from ds_noshm import skip_shm_op
 
     skip_shm_op()
