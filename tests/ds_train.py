@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--launcher", action="store_true")
     ap.add_argument("--no-pickle", action="store_true")
     ap.add_argument("--sync", action="store_true")  # async_save=False
+    ap.add_argument("--remote", default=None)  # the remote tier's URL
     ap.add_argument("--dump-restored", action="store_true")  # the gathered state after restore
     ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher adds it
     args = ap.parse_args()
@@ -99,9 +100,10 @@ def main() -> None:
     data = torch.utils.data.TensorDataset(
         torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g)
     )
-    cfg = build(
-        args.stage, args.dtype, args.dir, args.every, {"async_save": False} if args.sync else None
-    )
+    extra: dict = {"async_save": False} if args.sync else {}
+    if args.remote:
+        extra["remote"] = args.remote
+    cfg = build(args.stage, args.dtype, args.dir, args.every, extra)
     torch.manual_seed(100 + rank)  # per-rank dropout streams, restored on resume
     if args.launcher:
         engine, _, loader, _ = deepspeed.initialize(
