@@ -400,6 +400,7 @@ rcds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_offload_is_refused_clearly_at_initialize(tmp_path: Path) -> None:
     script = tmp_path / "offload.py"
     script.write_text(OFFLOAD_SCRIPT.replace("DIRPATH", repr(str(tmp_path / "ck"))))
