@@ -147,28 +147,16 @@ def initialize(
     if checkpoint is not None:
         options = {**(options or {}), **checkpoint}
         section.validate(options, "checkpoint=")
+    common = dict(
+        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler, **kwargs,
+    )  # fmt: skip
     if options is None:
         return ds_initialize(
-            args=args,
-            model=model,
-            optimizer=optimizer,
-            model_parameters=model_parameters,
-            training_data=training_data,
-            lr_scheduler=lr_scheduler,
-            config=config,
-            collate_fn=collate_fn,
-            **kwargs,
+            training_data=training_data, config=config, collate_fn=collate_fn, **common
         )
-    engine, opt, _, sched = ds_initialize(
-        args=args,
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        training_data=None,  # ours below: its position is part of the checkpoint
-        lr_scheduler=lr_scheduler,
-        config=clean,
-        **kwargs,
-    )
+    # training_data: ours below, whose position is part of the checkpoint
+    engine, opt, _, sched = ds_initialize(training_data=None, config=clean, **common)
     loader = None
     extra: dict[str, Any] = {}
     if training_data is not None:

@@ -43,7 +43,7 @@ from ..adapter import check_options
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
 from ..structure import PerRank
-from . import checks, hooks, trainer_state
+from . import checks, hooks, trainer_state, under_deepspeed
 from .data import ResumableBatches, make_resumable
 from .trainer_state import FORMAT, METRIC_PREFIX  # noqa: F401 (their old home)
 
@@ -227,8 +227,8 @@ class ResilientCheckpoint(TrainerCallback):
         self._finish()  # a previous train() that raised may have left things open
         checks.check_setup(trainer, state, loader)
         hooks.check_supported(trainer)
-        section = checks.deepspeed_section(trainer, args)
-        own_dir, own = checks.with_section(self.dirpath, self.options, section)
+        section = under_deepspeed.take_section(trainer, args)
+        own_dir, own = under_deepspeed.with_section(self.dirpath, self.options, section)
         options, self._save_every_epoch = checks.resolved_options(own, args, state)
         checks.warn_about_trainer_saves(args, self.trainer_checkpoints)
         dirpath = checks.checkpoint_dir(own_dir, args)
@@ -290,19 +290,7 @@ class ResilientCheckpoint(TrainerCallback):
             "rank": PerRank(self._rank_values) if dist.world_size() > 1 else self._rank_values,
         }
         if getattr(trainer, "is_deepspeed_enabled", False):
-            # The engine owns the (ZeRO-partitioned) model and optimizer state, and the
-            # scheduler the Trainer made (it steps it): saved as resilient_callbacks.deepspeed
-            # saves an engine (docs/deepspeed.md).
-            from ..deepspeed.engine_state import engine_state
-
-            engine = trainer.model_wrapped
-            del tree["model"], tree["optimizer"], tree["scheduler"]
-            tree["engine"] = engine_state(engine)
-            # The Trainer's scheduler, unless DeepSpeed holds it already (it is in the engine's
-            # state then); accelerate wraps it in a DeepSpeedSchedulerWrapper.
-            sched = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
-            if sched is not None and sched is not getattr(engine, "lr_scheduler", None):
-                tree["scheduler"] = sched
+            tree = under_deepspeed.engine_tree(trainer, tree)
         scaler = getattr(trainer.accelerator, "scaler", None)
         if scaler is not None:
             tree["scaler"] = scaler

@@ -157,44 +157,6 @@ def warn_about_trainer_saves(args: Any, trainer_checkpoints: bool) -> None:
         log.warning(msg)
 
 
-def deepspeed_section(trainer: Any, args: Any) -> dict[str, Any] | None:
-    """Under DeepSpeed: the ``"resilient_checkpoint"`` section of the Trainer's DeepSpeed config
-    (validated), removed from every copy of the config DeepSpeed keeps, so that DeepSpeed never
-    writes it into a checkpoint of its own. None without DeepSpeed or without a section."""
-    if not getattr(trainer, "is_deepspeed_enabled", False):
-        return None
-    from ..deepspeed.section import SECTION, validate
-
-    found = None
-    hf_config = getattr(args, "hf_deepspeed_config", None)
-    engine = getattr(trainer, "model_wrapped", None)
-    holders = [
-        getattr(hf_config, "config", None),
-        getattr(engine, "config", None),
-        getattr(getattr(engine, "_config", None), "_param_dict", None),
-    ]
-    for holder in holders:
-        if isinstance(holder, dict) and SECTION in holder:
-            found = holder.pop(SECTION)
-    if found is None:
-        return None
-    options = validate(found, "the Trainer's DeepSpeed config")
-    return options
-
-
-def with_section(
-    dirpath: str | None, options: dict[str, Any], section: dict[str, Any] | None
-) -> tuple[str | None, dict[str, Any]]:
-    """The callback's own options, completed by the DeepSpeed section's where not given."""
-    if not section:
-        return dirpath, options
-    merged = dict(options)
-    for k, v in section.items():
-        if k != "dirpath" and merged.get(k) is None:
-            merged[k] = v
-    return dirpath or section.get("dirpath"), merged
-
-
 def checkpoint_dir(dirpath: str | None, args: Any) -> str:
     """Where the checkpoints go: ``dirpath``, else ``<output_dir>/_resilient_checkpoints`` (a
     name ``push_to_hub`` does not upload). A run that began under the old default name keeps

@@ -1,0 +1,60 @@
+"""The Transformers callback under ``TrainingArguments(deepspeed=...)``: the engine's state in
+the checkpoint tree, and the options of the DeepSpeed config's ``"resilient_checkpoint"``
+section (see docs/deepspeed.md). Imports DeepSpeed-side modules only when DeepSpeed is on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def take_section(trainer: Any, args: Any) -> dict[str, Any] | None:
+    """Under DeepSpeed: the ``"resilient_checkpoint"`` section of the Trainer's DeepSpeed config
+    (validated), removed from every copy of the config DeepSpeed keeps, so that DeepSpeed never
+    writes it into a checkpoint of its own. None without DeepSpeed or without a section."""
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return None
+    from ..deepspeed.section import SECTION, validate
+
+    found = None
+    hf_config = getattr(args, "hf_deepspeed_config", None)
+    engine = getattr(trainer, "model_wrapped", None)
+    holders = [
+        getattr(hf_config, "config", None),
+        getattr(engine, "config", None),
+        getattr(getattr(engine, "_config", None), "_param_dict", None),
+    ]
+    for holder in holders:
+        if isinstance(holder, dict) and SECTION in holder:
+            found = holder.pop(SECTION)
+    if found is None:
+        return None
+    options = validate(found, "the Trainer's DeepSpeed config")
+    return options
+
+
+def with_section(
+    dirpath: str | None, options: dict[str, Any], section: dict[str, Any] | None
+) -> tuple[str | None, dict[str, Any]]:
+    """The callback's own options, completed by the DeepSpeed section's where not given."""
+    if not section:
+        return dirpath, options
+    merged = dict(options)
+    for k, v in section.items():
+        if k != "dirpath" and merged.get(k) is None:
+            merged[k] = v
+    return dirpath or section.get("dirpath"), merged
+
+
+def engine_tree(trainer: Any, tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` with the engine's state in place of the model, optimizer and scheduler: the
+    engine owns the (ZeRO-partitioned) model and optimizer state, and holds the scheduler the
+    Trainer made unless accelerate kept it outside (in a DeepSpeedSchedulerWrapper)."""
+    from ..deepspeed.engine_state import engine_state
+
+    engine = trainer.model_wrapped
+    out = {k: v for k, v in tree.items() if k not in ("model", "optimizer", "scheduler")}
+    out["engine"] = engine_state(engine)
+    sched = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
+    if sched is not None and sched is not getattr(engine, "lr_scheduler", None):
+        out["scheduler"] = sched
+    return out
