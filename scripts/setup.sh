@@ -44,7 +44,7 @@ pip_install() {
     fi
 }
 
-key="$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt | sha1sum | cut -c1-12)"
+key="$(cat pyproject.toml setup.py scripts/setup.sh scripts/constraints.txt | sha1sum | cut -c1-12)"
 key="$key-$(echo "$TORCH $TORCH_INDEX" | sha1sum | cut -c1-8)"
 # a profile includes the ones before it: core < test < dev
 done_core="$VENV/.resilient-setup-core-$key"

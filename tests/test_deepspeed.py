@@ -300,7 +300,8 @@ def test_no_code_change_through_the_launcher(tmp_path: Path, reference) -> None:
         *_opts(2, "fp32"),
     ]
     run_group([*run, "--die-at", "7"], 1, tmp_path, "die", expect=-9, module=True)
-    run_group(run, 1, tmp_path, "resume", module=True)
+    (out,) = run_group(run, 1, tmp_path, "resume", module=True)
+    assert "nothing is being checkpointed" not in out  # the guard sees no section
     assert restored(tmp_path / "kill")["step"] in (3, 6)  # 6 unless its background save was cut
     assert_same_run(full, tmp_path / "kill", 1)
 
@@ -379,8 +380,10 @@ def test_hf_trainer_with_deepspeed_zero2_kill_resume_exact(tmp_path: Path) -> No
     tt._run(cmd(ref))
     rc, killed_at, _ = tt._run_and_signal(cmd(got), got, 7, signal.SIGKILL)
     assert rc == -signal.SIGKILL
-    resumed = tt._restored(tt._run(cmd(got)))
+    log = tt._run(cmd(got))
+    resumed = tt._restored(log)
     assert 0 < resumed <= killed_at
+    assert "nothing is being checkpointed" not in log  # the section never reached DeepSpeed
     tt._assert_same_run(ref, got)
 
 
@@ -436,3 +439,105 @@ def test_remote_tier_holds_the_partitions_and_restores_them(tmp_path: Path, refe
     run_group([*common, *_opts(2, "fp32")], 1, tmp_path, "resume")
     assert restored(tmp_path / "kill")["step"] == 6
     assert_same_run(full, tmp_path / "kill", 1)
+
+
+GUARD_SCRIPT = """
+import site, sys, warnings
+site.addsitedir(sys.argv[1])  # processes resilient_callbacks_ds_guard.pth as an install does
+assert "torch" not in sys.modules and "resilient_callbacks" not in sys.modules, sorted(sys.modules)
+sys.path.insert(0, sys.argv[2])
+import torch, deepspeed
+from ds_noshm import skip_shm_op
+skip_shm_op()
+assert "resilient_callbacks" not in sys.modules
+config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+if sys.argv[3] == "section":
+    config["resilient_checkpoint"] = {"dirpath": sys.argv[4]}
+model = torch.nn.Linear(2, 2)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+print("WARNINGS:", [type(w.message).__name__ for w in caught if "resilient" in str(w.message)])
+"""
+
+
+@pytest.mark.parametrize(
+    "with_section",
+    [True, pytest.param(False, marks=pytest.mark.slow)],
+    ids=["section", "no-section"],
+)
+def test_section_reaching_plain_deepspeed_initialize_warns(tmp_path: Path, with_section) -> None:
+    """Installed, the package's .pth makes plain ``deepspeed.initialize`` warn when the config
+    holds the section (nothing would be checkpointed), without importing anything at start-up
+    and without the user's script importing resilient_callbacks."""
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = dict(
+        os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu",
+        GLOO_SOCKET_IFNAME="lo",
+    )  # fmt: skip
+    env.pop("RESILIENT_CALLBACKS_NO_DS_GUARD", None)
+    arg = "section" if with_section else "plain"
+    argv = [sys.executable, "-c", GUARD_SCRIPT, str(src), str(SCRIPT.parent), arg, str(tmp_path)]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=DEADLINE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    if with_section:
+        assert "WARNINGS: ['SectionIgnoredWarning']" in out.stdout
+        assert "nothing is being checkpointed by resilient_callbacks" in out.stderr
+    else:
+        assert "WARNINGS: []" in out.stdout
+        assert "nothing is being checkpointed" not in out.stderr
+    assert not (tmp_path / "resilient").exists()
+
+
+def test_no_guard_warning_through_our_initialize_and_launcher(tmp_path: Path) -> None:
+    """Our own paths hand DeepSpeed a config without the section: the guard stays quiet."""
+    import warnings
+
+    import resilient_callbacks_ds_guard as guard
+
+    seen: list[object] = []
+
+    def initialize(*a: object, **kw: object) -> str:
+        seen.append((a, kw))
+        return "engine"
+
+    wrapped = guard.guard(initialize)
+    assert guard.guard(wrapped) is wrapped  # wrapping twice is once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert wrapped(model=None, config={"train_batch_size": 8}) == "engine"
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps({"train_batch_size": 8}))
+        assert wrapped(None, config=str(path)) == "engine"
+    path.write_text(json.dumps({"train_batch_size": 8, "resilient_checkpoint": {"dirpath": "x"}}))
+
+    class Args:
+        deepspeed_config = str(path)
+
+    with pytest.warns(guard.SectionIgnoredWarning, match="resilient_callbacks.deepspeed.run"):
+        wrapped(Args(), model=None)
+    assert len(seen) == 3
+
+
+def test_claimed_section_is_removed_before_deepspeed_sees_it() -> None:
+    """With the Transformers callback in the process (it reads the section after
+    ``deepspeed.initialize``), a section in a config dict is taken out before DeepSpeed sees it,
+    kept for the callback, and no warning is given."""
+    import warnings
+
+    import resilient_callbacks_ds_guard as guard
+
+    seen: list[dict] = []
+    wrapped = guard.guard(lambda **kw: seen.append(dict(kw["config_params"])))
+    config = {"train_batch_size": 8, "resilient_checkpoint": {"dirpath": "x"}}
+    claims = list(guard._claims)
+    guard.claim("test")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            wrapped(model=None, config_params=config)
+    finally:
+        guard._claims[:] = claims
+    assert seen == [{"train_batch_size": 8}] and config == {"train_batch_size": 8}
+    assert guard.take() == {"dirpath": "x"} and guard.take() is None

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 FRAMEWORKS = [
     "lightning",
     "pytorch_lightning",
@@ -83,3 +85,21 @@ def test_import_does_not_load_frameworks(tmp_path):
 def test_import_does_not_load_frameworks_even_when_installed(tmp_path):
     out = _run(tmp_path, with_fakes=True)
     assert out["loaded"] == [], f"importing resilient_callbacks imported {out['loaded']}"
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_deepspeed_guard_pth(tmp_path) -> None:
+    """A built wheel puts resilient_callbacks_ds_guard.pth (and its module) at the top of
+    site-packages, where the interpreter runs it at start-up."""
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run([*cmd, "-w", str(tmp_path), str(root)], check=True, timeout=300)
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "resilient_callbacks_ds_guard.pth" in names
+    assert "resilient_callbacks_ds_guard.py" in names
+    pth = zipfile.ZipFile(wheel).read("resilient_callbacks_ds_guard.pth").decode()
+    assert pth.strip() == "import resilient_callbacks_ds_guard"

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import resilient_callbacks_ds_guard  # noqa: F401  (stdlib only; see that module)
+
 from ._version import __version__
 from .errors import (
     CheckpointCorruptError,

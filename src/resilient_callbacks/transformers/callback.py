@@ -38,6 +38,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
 
+import resilient_callbacks_ds_guard
+
 from .. import dist
 from ..adapter import check_options
 from ..checkpointer import Checkpointer
@@ -140,6 +142,8 @@ class ResilientCheckpoint(TrainerCallback):
         self.save_on_train_end = save_on_train_end
         self.trainer_checkpoints = trainer_checkpoints
         self.log_save_metrics = log_save_metrics
+        # a DeepSpeed config's section is read at on_train_begin, after deepspeed.initialize
+        resilient_callbacks_ds_guard.claim("transformers.ResilientCheckpoint")
 
         self.checkpointer: Checkpointer | None = None
         self.restored_step: int | None = None  # step the latest train() resumed from; None: fresh
