@@ -30,6 +30,7 @@ import random
 import sys
 import time
 import warnings
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -87,6 +88,8 @@ class Net(L.LightningModule):
         self.fail_at = fail_at
         self.sleep = sleep
         self._log = None
+        self.fsdp2 = False
+        self._sharded = False
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -121,6 +124,17 @@ class Net(L.LightningModule):
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
 
+    def configure_model(self):
+        if self.fsdp2 and not self._sharded:  # ModelParallelStrategy: FSDP2 over the DP ranks
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+            self._sharded = True
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.8)
@@ -146,6 +160,13 @@ class ReportRestore(L.Callback):
         )
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a DTensor is gathered: every rank calls this)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("ckpt_dir")
@@ -154,6 +175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-last", type=int, default=None)
     p.add_argument("--loader", choices=["plain", "stateful"], default="plain")
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument(
+        "--fsdp2", action="store_true", help="ModelParallelStrategy with fully_shard (FSDP2)"
+    )
     p.add_argument("--val-every", type=int, default=6, help="0: at the end of each epoch")
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--fail-at", type=int, default=0)
@@ -187,6 +211,7 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
         fail_at=args.fail_at,
         sleep=args.sleep,
     )
+    model.fsdp2 = args.fsdp2
     # ... then rank-specific random streams
     torch.manual_seed(100 + rank)
     random.seed(200 + rank)
@@ -216,11 +241,16 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
     logger = False
     if args.csv_logs:
         logger = L.pytorch.loggers.CSVLogger(args.csv_logs, name="", version="")
+    strategy: Any = "ddp" if args.devices > 1 else "auto"
+    if args.fsdp2:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     trainer = L.Trainer(
         max_steps=args.max_steps,
         accelerator="cpu",
         devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
+        strategy=strategy,
         callbacks=callbacks,
         logger=logger,
         log_every_n_steps=1,
@@ -233,7 +263,7 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
     trainer.fit(model, datamodule=Data(args.loader), ckpt_path=args.ckpt_path)
 
     suffix = f".rank{trainer.global_rank}" if args.devices > 1 else ""
-    params = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    params = {k: _full(v).detach().clone().contiguous() for k, v in model.state_dict().items()}
     tmp = args.out_params + suffix + ".tmp"
     save_file(params, tmp)
     os.replace(tmp, args.out_params + suffix)

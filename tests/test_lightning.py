@@ -589,12 +589,12 @@ def test_preemption_without_exit_stops_fit_after_the_emergency_save(tmp_path):
     assert only.step == 3 and only.manifest.reason == "emergency"
 
 
-def test_fsdp_is_not_supported_yet(tmp_path):
+def test_fsdp1_strategy_is_not_supported_yet(tmp_path):
     from lightning.pytorch.strategies import FSDPStrategy
 
     rc = ResilientCheckpoint(tmp_path / "ck")
     fake = types.SimpleNamespace(strategy=FSDPStrategy(), callbacks=[rc])
-    with pytest.raises(ConfigError, match="does not support FSDPStrategy yet"):
+    with pytest.raises(ConfigError, match="does not support FSDPStrategy yet.*ModelParallel"):
         rc.setup(fake, None, "fit")  # type: ignore[arg-type]
 
 
@@ -729,25 +729,32 @@ class _Job:
 
 
 @pytest.mark.distributed
-def test_ddp_two_processes_sigkill_then_rerun_is_bit_exact(tmp_path):
-    """strategy='ddp' on 2 CPU processes (gloo). The reference and the run to be killed run
-    side by side; both ranks are SIGKILLed mid-epoch, and the same command started again
-    continues exactly, on each rank."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_sigkill_then_rerun_is_bit_exact(tmp_path, strategy):
+    """strategy='ddp', and ModelParallelStrategy with FSDP2 ``fully_shard`` (sharded
+    checkpoints: each rank writes its own shards), on 2 CPU processes (gloo). The reference and
+    the run to be killed run side by side; both ranks are SIGKILLed mid-epoch, and the same
+    command started again continues exactly, on each rank."""
+    more = ["--fsdp2"] if strategy == "fsdp2" else []
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()
     run.mkdir()
-    reference = _Job(ref, "err")
+    reference = _Job(ref, "err", *more)
     kill_at = random.Random(f"{SEED}-ddp").randint(10, 20)  # 7 batches per epoch and rank
-    first = _Job(run, "err1", "--sleep", "0.02")
+    first = _Job(run, "err1", "--sleep", "0.02", *more)
     killed = _wait_for_step(run / "losses.jsonl.rank0", 0, kill_at, first.procs[0], first.errs[0])
     first.kill()
     reference.finish()
 
-    errs = _Job(run, "err2").finish()
+    errs = _Job(run, "err2", *more).finish()
     resumed = [_restored(e, r) for r, e in enumerate(errs)]
     assert resumed[0] == resumed[1] and 0 < resumed[0] <= killed, (resumed, killed)
     assert killed - resumed[0] < 2 * EVERY, (resumed, killed)
     assert not [e for e in errs if UNRELIABLE in e]
     assert {e.manifest.world_size for e in _committed(run / "ckpt")} == {2}
+    if strategy == "fsdp2":  # the weights and Adam moments are in each rank's shard files
+        newest = _committed(run / "ckpt")[-1].path
+        shards = sorted(p.name for p in (Path(newest) / "parts" / "sharded").iterdir())
+        assert shards == [f"rank_0000{r}.{x}" for r in (0, 1) for x in ("json", "safetensors")]
     for r in (0, 1):
         _assert_same_run(ref, run, suffix=f".rank{r}")

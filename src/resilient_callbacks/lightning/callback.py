@@ -45,7 +45,7 @@ from ..adapter import check_options
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME
-from . import checks
+from . import checks, sharded
 from . import state as st
 from .loaders import ResumableDataLoader, make_resumable
 from .on_exception import ExceptionSave
@@ -257,16 +257,20 @@ class ResilientCheckpoint(Checkpoint):
             )
             original(checkpoint_path, weights_only)
             return
-        holder = st.receivers()
+        is_sharded = sharded.is_sharded(trainer)
+        holder = sharded.receivers(trainer) if is_sharded else st.receivers()
         step = ckpt.restore(holder)
         if ckpt.restored_from is None:
             log.info("no checkpoint in %s: starting fresh", ckpt.dirpath)
             original(None, weights_only)
             return
-        checkpoint = st.assemble(holder)
-        checks.check_model_fits(
-            trainer.lightning_module, checkpoint["state_dict"], ckpt.restored_from
-        )
+        if is_sharded:  # weights and optimizer states are loaded: the part checked they fit
+            checkpoint = sharded.assemble(holder)
+        else:
+            checkpoint = st.assemble(holder)
+            checks.check_model_fits(
+                trainer.lightning_module, checkpoint["state_dict"], ckpt.restored_from
+            )
         checkpoint = checks.migrate(checkpoint, ckpt.restored_from)
         conn = trainer._checkpoint_connector
         conn._ckpt_path = ckpt.restored_from
@@ -350,10 +354,14 @@ class ResilientCheckpoint(Checkpoint):
             if isinstance(getattr(obj, attr, None), str)
         )
         conn = trainer._checkpoint_connector
-        self._ctx = st.SaveContext(
-            lambda: conn.dump_checkpoint(weights_only=False), lossy, self._converter
-        )
-        self._state = st.saved_state(self._ctx, pl_module, trainer.optimizers, self._converter)
+        if sharded.is_sharded(trainer):
+            self._ctx = st.SaveContext(sharded.dump_fn(trainer), lossy, self._converter)
+            self._state = sharded.saved_state(self._ctx, trainer, self._converter)
+        else:
+            self._ctx = st.SaveContext(
+                lambda: conn.dump_checkpoint(weights_only=False), lossy, self._converter
+            )
+            self._state = st.saved_state(self._ctx, pl_module, trainer.optimizers, self._converter)
         # Preflight: a value that cannot be saved fails now, not at the first save.
         self._ctx.rest()
         self._ctx.reset()

@@ -44,22 +44,21 @@ def check_strategy(trainer: pl.Trainer) -> None:
         unsupported += [FSDPStrategy, DeepSpeedStrategy]
     except ImportError:  # pragma: no cover
         pass
+    supported: list[type] = [SingleDeviceStrategy, DDPStrategy]
     try:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        unsupported.append(ModelParallelStrategy)
+        supported.append(ModelParallelStrategy)  # sharded state through dcp.Sharded
     except ImportError:  # pragma: no cover
         pass
-    ok = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(
-        strategy, tuple(unsupported)
-    )
+    ok = isinstance(strategy, tuple(supported)) and not isinstance(strategy, tuple(unsupported))
     if not ok:
         raise ConfigError(
-            f"ResilientCheckpoint does not support {type(strategy).__name__} yet: it saves "
-            "replicated state (single device or DDP). Sharded strategies (FSDP, DeepSpeed, "
-            "model parallel) are not supported by this callback yet. Use strategy='ddp' or one "
-            "device, Lightning's ModelCheckpoint for this strategy, or (FSDP) a plain loop "
-            "with resilient_callbacks.dcp.Sharded (docs/fsdp.md)."
+            f"ResilientCheckpoint does not support {type(strategy).__name__} yet. Supported: "
+            "one device, DDP, and ModelParallelStrategy (FSDP2 fully_shard / tensor parallel, "
+            "sharded checkpoints). For FSDP use ModelParallelStrategy with fully_shard in "
+            "configure_model (docs/lightning.md); FSDPStrategy (FSDP1) and DeepSpeedStrategy "
+            "are not supported by this callback yet (for DeepSpeed see docs/deepspeed.md)."
         )
 
 

@@ -1,0 +1,104 @@
+"""Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallelism): the
+callback's state with the weights and optimizer states as a :class:`~resilient_callbacks.dcp.Sharded`
+part instead of Lightning's dumped dictionaries.
+
+Under this strategy each rank holds DTensor shards. Lightning's own ``dump_checkpoint`` would
+gather them (``get_model_state_dict(..., cpu_offload=True)``) on every save; here it is called
+with the strategy's ``lightning_module_state_dict``/``optimizer_state`` answering empty, and the
+shards are saved by every rank into its own files (:class:`Sharded`), restored on any number of
+ranks. The strategy restores checkpoints after its setup (the model is sharded and the
+optimizers exist when ``resume_start`` runs) and leaves loading the weights and optimizer states
+to whoever read the checkpoint: that is :meth:`Sharded.load`, inside the core's restore.
+
+What a user's ``on_save_checkpoint(checkpoint)`` hook sees differs in one way: its
+``checkpoint["state_dict"]`` and ``["optimizer_states"]`` are empty (they are saved apart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ..structure import PerRank
+from . import state as st
+
+KEYS = ("lightning", "sharded", "data")
+
+
+def strategy_class() -> type | None:
+    try:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+    except ImportError:  # pragma: no cover - Lightning < 2.4
+        return None
+    return ModelParallelStrategy
+
+
+def is_sharded(trainer: pl.Trainer) -> bool:
+    """Whether the trainer's strategy keeps sharded (DTensor) state that :class:`Sharded` saves."""
+    cls = strategy_class()
+    return cls is not None and isinstance(trainer.strategy, cls)
+
+
+@contextlib.contextmanager
+def _weights_left_out(strategy: Any) -> Iterator[None]:
+    """``dump_checkpoint`` without gathering the weights and optimizer states."""
+    strategy.lightning_module_state_dict = dict
+    strategy.optimizer_state = lambda optimizer: {}
+    try:
+        yield
+    finally:
+        del strategy.lightning_module_state_dict
+        del strategy.optimizer_state
+
+
+def dump_fn(trainer: pl.Trainer) -> Callable[[], dict[str, Any]]:
+    conn = trainer._checkpoint_connector
+
+    def dump() -> dict[str, Any]:
+        with _weights_left_out(trainer.strategy):
+            return conn.dump_checkpoint(weights_only=False)
+
+    return dump
+
+
+def _part(trainer: pl.Trainer) -> Any:
+    from ..dcp import Sharded
+
+    model = trainer.strategy.model
+    assert isinstance(model, torch.nn.Module), "the strategy has no model yet"
+    return Sharded(model, list(trainer.strategy.optimizers))
+
+
+def saved_state(
+    ctx: st.SaveContext, trainer: pl.Trainer, converter: st.Converter
+) -> dict[str, Any]:
+    """The state handed to ``Checkpointer.step``/``save`` under a sharded strategy."""
+    return {
+        "lightning": st.LightningState(ctx),
+        "sharded": _part(trainer),
+        "data": PerRank(st.LoaderStates(ctx, converter)),
+    }
+
+
+def receivers(trainer: pl.Trainer) -> dict[str, Any]:
+    """The restore target: the sharded part loads into the model and optimizers in place."""
+    return {
+        "lightning": st.Receiver(),
+        "sharded": _part(trainer),
+        "data": PerRank(st.Receiver()),
+    }
+
+
+def assemble(holder: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's checkpoint dictionary, weights and optimizer states left empty: the strategy's
+    ``load_model_state_dict``/``load_optimizer_state_dict`` do nothing, the part loaded them."""
+    rest = {k: v for k, v in holder.items() if k != "sharded"}
+    rest["state_dict"] = st.Receiver()
+    rest["state_dict"].value = {}
+    rest["optimizer_states"] = st.Receiver()
+    rest["optimizer_states"].value = {"optimizers": []}
+    return st.assemble(rest)
