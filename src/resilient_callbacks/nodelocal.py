@@ -166,9 +166,9 @@ def detect(dirpath: str, shared: bool | None) -> Topology:
     topo = Topology(r, n, nodes)
     import torch.distributed as tdist
 
-    for ranks in nodes:  # every rank creates every group, in the same order
-        g = tdist.new_group(list(ranks), backend="gloo")
-        if r in ranks:
+    for node_ranks in nodes:  # every rank creates every group, in the same order
+        g = tdist.new_group(list(node_ranks), backend="gloo")
+        if r in node_ranks:
             topo.node_group = g
     topo.leaders_group = tdist.new_group(topo.leaders, backend="gloo")
     topo.cpu_group = tdist.new_group(backend="gloo")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
-from .remote import RemoteStore, retention_candidates
+from .remote import ETAG_CHECK_MAX, RemoteStore, _md5, retention_candidates
 from .retention import RetentionPolicy, plan
 
 log = logging.getLogger("resilient_callbacks")
@@ -143,6 +143,23 @@ class NodeUploader:
                     self._queue.remove(job)
                 self._cond.notify_all()
 
+    def _check(self, local: str, job: UploadJob, rpaths: list[str]) -> None:
+        """Each uploaded object of this node: its size, and its MD5 ETag where the store gives
+        one (single-part objects up to 8 MiB). One HEAD per object: O(own files) requests per
+        node, never a listing of the whole checkpoint (which would be O(N) per node)."""
+        st = self.store
+        for f, rpath in zip(job.files, rpaths, strict=True):
+            st.fs.invalidate_cache(rpath)
+            info = st.fs.info(rpath)
+            where = f"{st.url}/{job.remote_name}/{f.path}"
+            if int(info.get("size") or 0) != f.size:
+                raise OSError(f"{where}: {info.get('size')} bytes after upload, expected {f.size}")
+            etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+            if etag and "-" not in etag and len(etag) == 32 and f.size <= ETAG_CHECK_MAX:
+                md5 = _md5(os.path.join(local, f.path))
+                if md5 != etag:
+                    raise OSError(f"{where}: ETag {etag} does not match the local MD5 {md5}")
+
     def _upload(self, job: UploadJob) -> None:
         local = os.path.join(self.local_root, job.local_name)
         if not os.path.isdir(local):
@@ -159,8 +176,7 @@ class NodeUploader:
             for p in {posixpath.dirname(x) for x in rpaths}:
                 st.fs.makedirs(p, exist_ok=True)
         st.fs.put([os.path.join(local, f.path) for f in job.files], rpaths)
-        check = Manifest(step=0, run_id=job.key[0], seq=job.key[1], world_size=0, files=job.files)
-        st._check_uploaded(local, check, job.remote_name)
+        self._check(local, job, rpaths)
         if st.is_local:
             st._fsync_local(rpaths)
         with self._cond:
