@@ -148,8 +148,8 @@ class NodeUploader:
         one (single-part objects up to 8 MiB). One HEAD per object: O(own files) requests per
         node, never a listing of the whole checkpoint (which would be O(N) per node)."""
         st = self.store
+        st.fs.invalidate_cache()  # s3fs answers info() from a cached listing of the parent
         for f, rpath in zip(job.files, rpaths, strict=True):
-            st.fs.invalidate_cache(rpath)
             info = st.fs.info(rpath)
             where = f"{st.url}/{job.remote_name}/{f.path}"
             if int(info.get("size") or 0) != f.size:
