@@ -64,7 +64,16 @@ def make_model() -> nn.Module:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Resumable example training loop.")
-    p.add_argument("--ckpt-dir", required=True, help="checkpoint directory (shared by all ranks)")
+    p.add_argument(
+        "--ckpt-dir",
+        required=True,
+        help="checkpoint directory: shared by all ranks, or node-local with --remote",
+    )
+    p.add_argument("--remote", default=None, help="durable tier, e.g. s3://bucket/run1")
+    p.add_argument(
+        "--remote-every-n-saves", type=int, default=None, help="upload every Nth checkpoint"
+    )
+    p.add_argument("--replicas", type=int, default=0, help="node-local: copies on peer nodes")
     p.add_argument("--steps", type=int, default=200, help="total optimizer steps")
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     p.add_argument("--keep-last", type=int, default=3, help="keep the N newest checkpoints")
@@ -118,7 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         log_path = os.path.join(args.out, f"losses.rank{rank}.jsonl")
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    with Checkpointer(args.ckpt_dir, every_n_steps=args.every, keep_last=args.keep_last) as ckpt:
+    tiers: dict = {}
+    if args.remote:
+        tiers = {"remote": args.remote, "remote_every_n_saves": args.remote_every_n_saves}
+        if os.environ.get("AWS_ENDPOINT_URL"):  # MinIO, Ceph, ...
+            tiers["remote_options"] = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
+    if args.replicas:
+        tiers["replicas"] = args.replicas
+    with Checkpointer(
+        args.ckpt_dir, every_n_steps=args.every, keep_last=args.keep_last, **tiers
+    ) as ckpt:
         step = ckpt.restore(state)  # newest valid checkpoint, 0 if none
         how = "resumed" if step else "fresh start"
         print(f"[rank {rank}/{world}] starting at step {step} ({how})", file=sys.stderr, flush=True)

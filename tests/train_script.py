@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--remote", default=None, help="fsspec URL of the remote tier")
     p.add_argument("--remote-options", default=None, help="JSON dict of fsspec options")
+    p.add_argument("--shared-dirpath", choices=["auto", "yes", "no"], default="auto")
+    p.add_argument("--replicas", type=int, default=0)
+    p.add_argument("--remote-every-n-saves", type=int, default=None)
     p.add_argument(
         "--loader",
         choices=["plain", "resumable", "plain-global-rng"],
@@ -95,8 +98,23 @@ def fsync_append(f, record: dict) -> None:
     os.fsync(f.fileno())
 
 
+def _mark(what: str) -> None:
+    if os.environ.get("RC_LOG"):
+        print(
+            f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} {what}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if os.environ.get("RC_LOG"):
+        import logging
+
+        logging.basicConfig(
+            level=os.environ["RC_LOG"], format="%(asctime)s %(threadName)s %(message)s"
+        )
     rank, world = 0, 1
     if args.distributed:
         import torch.distributed as dist
@@ -172,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
             "remote": args.remote,
             "remote_options": json.loads(args.remote_options or "{}"),
         }
+        if args.remote_every_n_saves:
+            remote_kw["remote_every_n_saves"] = args.remote_every_n_saves
+    if args.shared_dirpath != "auto":
+        remote_kw["shared_dirpath"] = args.shared_dirpath == "yes"
+    if args.replicas:
+        remote_kw["replicas"] = args.replicas
     ckpt = Checkpointer(
         args.ckpt_dir,
         every_n_steps=args.every_n_steps,
@@ -180,8 +204,26 @@ def main(argv: list[str] | None = None) -> int:
         overlap_snapshot=args.overlap_snapshot,
         **remote_kw,
     )
+    _mark("constructed")
     step = ckpt.restore(state)
+    _mark("restored")
     print(f"[rank {rank}] restored step {step}", file=sys.stderr, flush=True)
+    rep = ckpt.last_restore
+    if rep is not None:  # machine-readable, for the tests
+        print(
+            "RESTORE "
+            + json.dumps(
+                {
+                    "rank": rank,
+                    "step": rep.step,
+                    "tier": rep.tier,
+                    "downloaded_files": rep.downloaded_files,
+                    "path": rep.path,
+                }
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
 
     with open(args.out_jsonl + suffix, "a") as log:
         if log.tell() > 0:
@@ -229,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                     break
             else:
                 extra["epoch"] += 1
+    _mark("training done")
     ckpt.close()
+    _mark("closed")
 
     params = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     tmp = args.out_params + suffix + ".tmp"
@@ -240,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
         dist.barrier()
         dist.destroy_process_group()
+        _mark("destroyed")
     return 0
 
 

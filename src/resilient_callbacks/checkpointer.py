@@ -25,12 +25,14 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import dist
+from . import dist, nodelocal
 from .catalog import Entry
 from .config import CheckpointerConfig
 from .directory import Directory
 from .emergency import GRACE_ENV, Emergency, start_watcher
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
+from .node_restore import NodeRestorer
+from .nodelocal import NodeDirectory
 from .preemption import MetadataPoller, PreemptionWatcher
 from .restoring import Restorer, RestoreReport
 from .saving import Saver, SaveStats, new_run_id
@@ -88,6 +90,11 @@ class Checkpointer:
     - ``save_on_exception``: save the last consistent step on an exception (:meth:`abort`).
     - ``remote``, ``remote_options``, ``remote_keep_last``, ``remote_keep_best``,
       ``remote_timeout``: upload to any fsspec URL in the background and resume from it.
+    - ``remote_every_n_saves``: upload only every Nth checkpoint (local ones protect against
+      process crashes, remote ones against losing a node).
+    - ``shared_dirpath``, ``replicas``: several nodes without a shared filesystem
+      (docs/multinode.md): detected at construction; ``replicas=1`` keeps each node's files on
+      another node too.
     """
 
     def __init__(
@@ -127,6 +134,9 @@ class Checkpointer:
         remote_keep_last: int | str | None = None,
         remote_keep_best: int | None = None,
         remote_timeout: float = 30.0,
+        remote_every_n_saves: int | None = None,
+        shared_dirpath: bool | None = None,
+        replicas: int = 0,
     ) -> None:
         options = {k: v for k, v in locals().items() if k != "self"}
         options["signals"] = tuple(signals)
@@ -150,10 +160,32 @@ class Checkpointer:
         self.watcher: PreemptionWatcher | None = None
         self._poller: MetadataPoller | None = None
         # the parts
-        self._dir = Directory(self.dirpath, self.retention, self.world_size)
+        self.topology = nodelocal.detect(self.dirpath, self.config.shared_dirpath)
+        self._writes_shared = self.topology.is_leader  # rank 0, or each node's first rank
+        self._dir: Directory
+        if self.topology.node_local:
+            if self.config.remote is None:
+                raise ConfigError(
+                    f"dirpath={self.dirpath!r} is node-local ({len(self.topology.nodes)} nodes "
+                    "each see their own directory): node-local mode needs a durable remote tier "
+                    "that every node reaches, remote='s3://bucket/prefix' (or any fsspec URL); "
+                    "or put dirpath on a filesystem every node shares (docs/multinode.md)"
+                )
+            self._dir = NodeDirectory(
+                self.dirpath, self.retention, self.world_size, self.topology, self.config
+            )
+        else:
+            if self.config.replicas:
+                raise ConfigError(
+                    "replicas=1 applies when each node has its own dirpath (node-local mode); "
+                    f"every rank sees the same {self.dirpath!r}"
+                )
+            self._dir = Directory(self.dirpath, self.retention, self.world_size)
         self._dir.open(self.config)
         self._emergency = Emergency(self)
-        self._restorer = Restorer(self)
+        self._restorer: Restorer = (
+            NodeRestorer(self) if self.topology.node_local else Restorer(self)
+        )
         if self.config.preemption:
             self.watcher, self._poller = start_watcher(self.config)
         self._saver = Saver(self)
@@ -273,12 +305,17 @@ class Checkpointer:
             if self._dir.sync is not None:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 self._dir.finish_uploads(left, CLOSE_OUTAGE_S)
+            if isinstance(self._dir, NodeDirectory):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._dir.finish_nodes(left)
             if persister is not None:
                 self.save_waits.log_summary()
                 persister.raise_error()
         finally:
             if self._dir.sync is not None:
                 self._dir.sync.stop()
+            if isinstance(self._dir, NodeDirectory):
+                self._dir.release()
             self._saver.release()
             self._emergency.release()
             if self._poller is not None:

@@ -56,6 +56,9 @@ class CheckpointerConfig:
     remote_keep_last: int | str | None = None  # None: as keep_last; "all": keep every one
     remote_keep_best: int | None = None  # None: as keep_best
     remote_timeout: float = 30.0  # seconds the construction-time preflight may take
+    remote_every_n_saves: int | None = None  # upload every Nth commit (None: every one)
+    shared_dirpath: bool | None = None  # None: detect; False: node-local disks (docs/multinode.md)
+    replicas: int = 0  # node-local mode: copies of each node's files kept on other nodes (0 or 1)
 
     def __post_init__(self) -> None:
         d = os.fspath(self.dirpath) if isinstance(self.dirpath, os.PathLike) else self.dirpath
@@ -144,6 +147,7 @@ class CheckpointerConfig:
                 "emergency save as SIGTERM"
             )
         self._check_remote()
+        self._check_nodes()
         # Constructing these validates the options with their own messages.
         self.save_policy()
         self.retention_policy()
@@ -205,6 +209,41 @@ class CheckpointerConfig:
             )
         if not (isinstance(self.remote_timeout, (int, float)) and self.remote_timeout > 0):
             raise ConfigError(f"remote_timeout={self.remote_timeout!r}: seconds > 0")
+
+    def _check_nodes(self) -> None:
+        if self.shared_dirpath not in (None, True, False):
+            raise ConfigError(
+                f"shared_dirpath={self.shared_dirpath!r}: None (default: detect whether every "
+                "rank sees the same dirpath), True (a shared filesystem) or False (node-local "
+                "disks, see docs/multinode.md)"
+            )
+        if self.replicas not in (0, 1) or isinstance(self.replicas, bool):
+            raise ConfigError(
+                f"replicas={self.replicas!r}: 0 (default) or 1 (each node also keeps a copy of "
+                "another node's files, so a replaced node restores from its peer)"
+            )
+        if self.replicas and self.shared_dirpath is True:
+            raise ConfigError(
+                "replicas=1 applies to node-local disks only (shared_dirpath=True was given): "
+                "on a shared filesystem every node already reads every file"
+            )
+        k = self.remote_every_n_saves
+        if k is not None:
+            if self.remote is None:
+                raise ConfigError(
+                    "remote_every_n_saves only applies with remote=<URL>: pass remote (or drop it)"
+                )
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ConfigError(
+                    f"remote_every_n_saves={k!r}: an int >= 1 (e.g. 10: every checkpoint is "
+                    "committed locally, every 10th is also uploaded), or None for every one"
+                )
+
+    def remote_due(self, seq: int, reason: str) -> bool:
+        """Is the checkpoint of commit number ``seq`` uploaded? Every ``remote_every_n_saves``-th
+        one, and always a final, emergency or exception save (the last state of a run)."""
+        k = self.remote_every_n_saves
+        return k is None or seq % k == 0 or reason in ("final", "emergency", "close", "exception")
 
     def local_retention_policy(self) -> RetentionPolicy:
         """With a remote tier, the local disk keeps only the ``keep_last`` newest (plus what is

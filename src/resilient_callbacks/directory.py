@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from . import catalog, dist, history
@@ -76,6 +76,7 @@ class Directory:
         self.run_id: str | None = None
         self.remote: RemoteStore | None = None
         self.sync: RemoteSync | None = None
+        self.remote_due: Callable[[int, str], bool] | None = None  # remote_every_n_saves
         self._retention_lock = threading.Lock()
         self._reported_foreign = False
         self.checked_foreign = False
@@ -144,6 +145,7 @@ class Directory:
         assert config.remote is not None
         self.remote = RemoteStore(config.remote, config.remote_options)
         self.remote.preflight(timeout=config.remote_timeout)
+        self.remote_due = config.remote_due
         self.sync = RemoteSync(
             self.remote,
             self.dirpath,
@@ -165,7 +167,8 @@ class Directory:
         retention (never to the checkpoint just committed)."""
         self.seq = max(self.seq, committed.seq)
         name = os.path.basename(committed.path)
-        if self.sync is not None:
+        due = self.remote_due is None or self.remote_due(committed.seq, committed.reason)
+        if self.sync is not None and due:
             self.sync.enqueue(name)
         self.apply_retention(protect=name)
 

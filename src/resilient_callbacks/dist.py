@@ -72,6 +72,36 @@ def all_gather_json(obj: Any, group: Any = None) -> list[Any]:
     return [_decode(b[: int(s.item())]) for b, s in zip(bufs, sizes, strict=True)]
 
 
+def gather_json(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
+    """Every rank's ``obj`` of ``group``, in group order, on rank ``dst`` (a global rank);
+    ``None`` on the others. Each rank sends one message; only ``dst`` receives them all (what
+    a coordinator needs, without the O(N) payload per rank of :func:`all_gather_json`)."""
+    if not is_initialized():
+        return [obj]
+    dev = _device(group)
+    payload = _encode(obj, dev)
+    longest = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
+    torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX, group=group)
+    n = int(longest.item())
+    padded = torch.zeros(n + 8, dtype=torch.uint8, device=dev)
+    padded[:8] = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8).to(dev)
+    padded[8 : 8 + payload.numel()] = payload
+    me = rank() == dst
+    bufs = (
+        [torch.zeros_like(padded) for _ in range(torch.distributed.get_world_size(group))]
+        if me
+        else None
+    )
+    torch.distributed.gather(padded, bufs, dst=dst, group=group)
+    if bufs is None:
+        return None
+    out = []
+    for b in bufs:
+        size = int(b[:8].cpu().view(torch.int64).item())
+        out.append(_decode(b[8 : 8 + size]))
+    return out
+
+
 def broadcast_json(obj: Any, src: int = 0, group: Any = None) -> Any:
     """``obj`` of rank ``src`` (global rank) on every rank."""
     if not is_initialized():

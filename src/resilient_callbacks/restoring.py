@@ -83,12 +83,15 @@ class RestoreReport:
     tier: str
     remote_url: str | None = None
     skipped: tuple[str, ...] = ()
+    downloaded_files: int = 0  # node-local mode: files this node fetched (remote or peer)
+    downloaded_bytes: int = 0
 
     def describe(self, where: str) -> str:
         """``resumed at step N (where) from PATH (local copy)[; skipped newer ...]``"""
-        tier = (
-            f"remote copy {self.remote_url}, downloaded" if self.tier == "remote" else "local copy"
-        )
+        tier = {
+            "remote": f"remote copy {self.remote_url}, downloaded",
+            "peer": "this node's replica on a peer node, copied",
+        }.get(self.tier, "local copy")
         msg = f"resumed at step {self.step} ({where}) from {self.path} ({tier})"
         if self.skipped:
             msg += "; skipped newer checkpoint(s): " + "; ".join(self.skipped)
@@ -419,6 +422,7 @@ class Restorer:
             and e.status is Status.VALID
             and e.manifest.run_id == d.run_id
             and not d.sync.is_uploaded(e.manifest)
+            and (d.remote_due is None or d.remote_due(e.manifest.seq, e.manifest.reason))
         ]
         if not local:
             return

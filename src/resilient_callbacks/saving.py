@@ -31,6 +31,7 @@ from . import dist, layout, rng, statetree, structure
 from .background import BackgroundPersister
 from .errors import CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts, FilePart
+from .nodelocal import NodeDirectory, NodeLocalSession
 from .session import CommitSession
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import DirectBuffer
@@ -299,7 +300,7 @@ class Saver:
     ) -> dict[str, torch.Tensor]:
         """The tensors this rank writes: its own, and the shared ones on the coordinator."""
         tensors = dict(local.tensors)
-        if self._ck.is_coordinator:
+        if self._ck._writes_shared:
             tensors.update(shared.tensors)
         return tensors
 
@@ -371,16 +372,22 @@ class Saver:
         background thread for background saves (collectives on the checkpoint's own group)."""
         ck, d = self._ck, self._ck._dir
         assert d.run_id is not None
-        session = CommitSession(
-            ck.dirpath,
-            step,
-            run_id=d.run_id,
-            group=self.group if background else None,
-            strategy=d.commit,
-            seq=d.seq + 1,
-            retention=ck.retention,
-            after_commit=d.after_commit,
-        )
+        session: CommitSession | NodeLocalSession
+        if isinstance(d, NodeDirectory):  # several nodes, each with its own disk
+            session = NodeLocalSession(
+                d, step, run_id=d.run_id, group=self.group if background else None
+            )
+        else:
+            session = CommitSession(
+                ck.dirpath,
+                step,
+                run_id=d.run_id,
+                group=self.group if background else None,
+                strategy=d.commit,
+                seq=d.seq + 1,
+                retention=ck.retention,
+                after_commit=d.after_commit,
+            )
         staging_dir = session.begin()
         if local_exc is None and staging_dir is not None:
             assert prepared is not None
@@ -391,7 +398,7 @@ class Saver:
                     layout.write_part(
                         staging_dir,
                         ck.rank,
-                        prepared.shared if ck.is_coordinator else None,
+                        prepared.shared if ck._writes_shared else None,
                         prepared.local,
                         prepared.rng_info,
                         prepared.rng_tensors,

@@ -73,6 +73,7 @@ class Committed:
     step: int
     seq: int
     bytes: int  # the size of every file of every rank
+    reason: str = "forced"  # periodic | final | forced | emergency | close
 
 
 class CommitSession:
@@ -180,7 +181,9 @@ class CommitSession:
                 f"checkpoints in {self.dirpath} are intact.",
                 (0,),
             ) from e
-        done = Committed(path, self.step, seq, sum(f.size for r in reports for f in r.files))
+        done = Committed(
+            path, self.step, seq, sum(f.size for r in reports for f in r.files), reason
+        )
         self.after_commit(done)
         return done
 
@@ -238,7 +241,7 @@ class CommitSession:
                 err.errno = error.errno
             raise err from error
         size = sum(f.size for r in reports for f in r.files)
-        done = Committed(outcome["path"], self.step, outcome["seq"], size)
+        done = Committed(outcome["path"], self.step, outcome["seq"], size, reason)
         if self.is_coordinator:
             self.after_commit(done)
         return done

@@ -1,0 +1,318 @@
+"""Restore in node-local mode: the newest checkpoint every node can load, from local disks when
+they all hold it (NVRx's rule), else with the missing nodes' files fetched from a peer's replica
+or the remote -- each node fetching only its own ranks' files (and the replicated ``shared.*``).
+
+Which ranks call what (every rank calls :meth:`NodeRestorer.restore`):
+
+1. each leader lists what its disk holds (committed checkpoints, sizes checked, and the
+   replicas it keeps for its predecessor) and sends it to the coordinator (leaders group);
+2. the coordinator lists the remote tier once and plans the candidates, newest commit first,
+   each with a source per node: ``local``, ``peer`` (the successor's replica) or ``remote``;
+   a commit no source covers for some node is not a candidate. It broadcasts the plan;
+3. for each candidate in turn: the leaders fetch what their node lacks (a replica travels
+   point-to-point from its holder), every rank learns its node's path, and the ranks load and
+   verify as in :class:`~.restoring.Restorer` -- a problem anywhere skips the candidate on
+   every rank, loudly;
+4. after the load: the leaders queue the uploads a crash interrupted; the coordinator picks up
+   the global manifests of those checkpoints, so their remote commit completes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from . import catalog, dist, peers
+from .catalog import Depth, Status
+from .commit import STAGING_PREFIX
+from .config import ResumeMode
+from .directory import error_type
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, NoValidCheckpointError
+from .manifest import Manifest, read_manifest
+from .nodelocal import REMOTE_MANIFEST, SHARED_PATHS, NodeDirectory, Topology
+from .restoring import Candidate, Restorer, RestoreReport
+from .tensorfile import encode_json
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger("resilient_callbacks")
+MAX_CANDIDATES = 8
+
+
+class NodeRestorer(Restorer):
+    """The restore path of a Checkpointer in node-local mode (see the module docstring)."""
+
+    @property
+    def _d(self) -> NodeDirectory:
+        d = self._ck._dir
+        assert isinstance(d, NodeDirectory)
+        return d
+
+    def restore(self, state: Any) -> int:
+        ck, d = self._ck, self._d
+        topo = d.topology
+        r = ck.config.resume
+        if r == ResumeMode.NEVER:
+            ck._trigger.clock.reset()
+            ck._start_run(0)
+            return 0
+        if isinstance(r, str) and r != ResumeMode.AUTO:
+            return super().restore(state)  # a checkpoint folder every node sees
+        got = None
+        if topo.is_leader:
+            got = dist.gather_json(self._holdings(), dst=0, group=topo.leaders_group)
+        msg: dict[str, Any] | None = None
+        if ck.rank == 0:
+            try:
+                cands, remote_keys = self._plan(got or [])
+                msg = {"cands": cands, "remote_keys": remote_keys, "seq": d.seq, "error": None}
+            except Exception as e:
+                msg = {"cands": [], "error": [type(e).__name__, str(e)]}
+        msg = dist.broadcast_json(msg, group=topo.cpu_group)
+        assert msg is not None
+        if msg["error"] is not None:
+            raise error_type(msg["error"][0])(msg["error"][1])
+        d.seq = max(d.seq, int(msg["seq"]))
+        if not msg["cands"]:
+            ck._trigger.clock.reset()
+            ck._start_run(0)
+            return 0
+        explicit = isinstance(r, int)
+        skipped: list[str] = []
+        for c in msg["cands"]:
+            mine, problems = self._obtain(c)
+            key = (str(c["key"][0]), int(c["key"][1]))
+            where = f"step {c['step']} (commit {key[1]})"
+            if problems:
+                why = "; ".join(problems)
+                skipped.append(f"{where}: {why}")
+                if explicit:
+                    raise CheckpointCorruptError(f"cannot resume from {where}: {why}")
+                self._warn_fallback(Candidate(mine.get("path"), c["step"], why, key), why)
+                continue
+            cand = Candidate(mine["path"], int(c["step"]), None, key)
+            step = self._try_load(cand, state, explicit, skipped)
+            if step is not None:
+                tier = mine["tier"]
+                url = d.remote.url if d.remote is not None else ck.config.remote
+                ck.last_restore = RestoreReport(
+                    mine["path"],
+                    step,
+                    tier,
+                    f"{url}/{c['src'][str(topo.node)][1]}" if tier == "remote" else None,
+                    tuple(skipped),
+                    int(mine.get("files", 0)),
+                    int(mine.get("bytes", 0)),
+                )
+                self._recover({(str(k[0]), int(k[1])) for k in msg["remote_keys"]})
+                return step
+        raise NoValidCheckpointError(
+            f"{ck.dirpath} (on {len(topo.nodes)} nodes) holds checkpoints but none can be "
+            "restored:\n  - " + "\n  - ".join(skipped) + "\nRefusing to start from scratch "
+            "silently; pass resume='never' to start fresh."
+        )
+
+    # ------------------------------------------------------------------ leaders, coordinator
+
+    def _holdings(self) -> dict[str, Any]:
+        """Leader: the committed checkpoints on this node's disk and the replicas it keeps."""
+        d = self._d
+        local = []
+        for e in catalog.scan(d.dirpath, Depth.SIZE):
+            if e.manifest is not None and e.status is Status.VALID:
+                m = e.manifest
+                ranks = sorted({f.rank for f in m.files})
+                local.append([m.run_id, m.seq, m.step, e.name, ranks])
+        replicas = [
+            [label, m.run_id, m.seq, m.step, path]
+            for label, items in peers.list_replicas(d.dirpath).items()
+            for path, m in items
+        ]
+        return {"local": local, "replicas": replicas}
+
+    def _plan(self, got: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+        """Coordinator: the candidates, newest first, each with a source for every node."""
+        d, topo = self._d, self._d.topology
+        remote: dict[tuple[str, int], str] = {}
+        steps: dict[tuple[str, int], int] = {}
+        if d.remote is not None:
+            try:
+                for e in d.remote.scan():
+                    if e.manifest is not None and e.problem is None and e.key is not None:
+                        remote[e.key] = e.name
+                        steps[e.key] = e.manifest.step
+                if d.committer is not None:
+                    d.committer.index = dict(remote)
+            except Exception as e:
+                log.warning("could not list the remote checkpoints (%s); local ones only", e)
+        local: list[dict[tuple[str, int], tuple[str, set[int]]]] = []
+        for holding in got:
+            mine = {}
+            for run_id, seq, step, name, ranks in holding["local"]:
+                mine[(run_id, seq)] = (name, set(ranks))
+                steps[(run_id, seq)] = step
+            local.append(mine)
+        held: dict[tuple[int, str, tuple[str, int]], str] = {}
+        for node, holding in enumerate(got):
+            for label, run_id, seq, step, path in holding["replicas"]:
+                held[(node, label, (run_id, seq))] = path
+                steps[(run_id, seq)] = step
+        d.seq = max([d.seq, *(k[1] for k in steps)])
+        cands = []
+        for key in sorted(steps, key=lambda k: (k[1], steps[k]), reverse=True):
+            src: dict[str, list[Any]] = {}
+            for k, ranks in enumerate(topo.nodes):
+                have = local[k].get(key) if k < len(local) else None
+                holder = topo.successor(k)
+                replica = held.get((holder, Topology.label(ranks), key))
+                if have is not None and set(ranks) <= have[1]:
+                    src[str(k)] = ["local", have[0]]
+                elif replica is not None:
+                    src[str(k)] = ["peer", holder, replica]
+                elif key in remote:
+                    src[str(k)] = ["remote", remote[key]]
+                else:
+                    break
+            else:
+                cands.append({"key": list(key), "step": steps[key], "src": src})
+                if key in remote and any(v[0] != "remote" for v in src.values()):
+                    # if a local copy turns out damaged: the same commit from the remote
+                    every = {str(k): ["remote", remote[key]] for k in range(len(topo.nodes))}
+                    cands.append({"key": list(key), "step": steps[key], "src": every})
+        r = self._ck.config.resume
+        if isinstance(r, int):
+            cands = [c for c in cands if c["step"] == r]
+            if not cands:
+                raise CheckpointNotFoundError(
+                    f"resume={r}: no checkpoint of step {r} that every node can load "
+                    f"(steps present: {sorted(set(steps.values())) or 'none'})"
+                )
+        run_ids = {k[0] for k in remote}
+        return cands[:MAX_CANDIDATES], [list(k) for k in remote if k[0] in run_ids]
+
+    # ------------------------------------------------------------------ fetching (collective)
+
+    def _obtain(self, c: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """Every rank: each leader makes its node hold candidate ``c`` (fetching from a peer or
+        the remote if needed); every rank gets its node's result and every node's problem."""
+        d, topo = self._d, self._d.topology
+        src = c["src"]
+        mine_src = src[str(topo.node)]
+        result: dict[str, Any] = {"path": None, "problem": None, "tier": mine_src[0]}
+        if topo.is_leader and mine_src[0] == "local":
+            result["path"] = os.path.join(d.dirpath, mine_src[1])
+        elif topo.is_leader and mine_src[0] == "remote":
+            try:
+                result["path"], result["files"], result["bytes"] = self._download(mine_src[1], c)
+            except Exception as e:
+                result["problem"] = f"remote copy {mine_src[1]}: {type(e).__name__}: {e}"
+        for j in sorted(src, key=int):  # replicas, pair by pair, in the same order everywhere
+            s = src[j]
+            if s[0] != "peer" or not topo.is_leader:
+                continue
+            holder, receiver = int(s[1]), int(j)
+            try:
+                if topo.node == holder:
+                    peers.exchange(s[2], topo.nodes[receiver][0], None, None, topo.cpu_group)
+                elif topo.node == receiver:
+                    path = peers.exchange(
+                        None, None, topo.nodes[holder][0], d.dirpath, topo.cpu_group
+                    )
+                    assert path is not None
+                    m = read_manifest(path)
+                    result["path"] = path
+                    result["files"] = len(m.files)
+                    result["bytes"] = m.total_bytes
+                    log.warning(
+                        "restored this node's files of step %s from the replica on node %d",
+                        c["step"],
+                        holder,
+                    )
+            except Exception as e:
+                if topo.node == receiver:
+                    result["problem"] = f"replica on node {holder}: {type(e).__name__}: {e}"
+        everyone = dist.all_gather_json(result if topo.is_leader else None, group=topo.cpu_group)
+        problems = [
+            f"node {topo.node_of(r)} (rank {r}): {x['problem']}"
+            for r, x in enumerate(everyone)
+            if x is not None and x["problem"]
+        ]
+        mine = everyone[topo.leader] or {}
+        return mine, problems
+
+    def _download(self, name: str, c: dict[str, Any]) -> tuple[str, int, int]:
+        """Leader: fetch this node's ranks' files (and the replicated ones) of the remote
+        checkpoint ``name``, verify every checksum, and commit them as a local checkpoint."""
+        d, topo = self._d, self._d.topology
+        assert d.remote is not None
+        st = d.remote
+        m = st.read_manifest(name)
+        if [m.run_id, m.seq] != list(c["key"]):
+            raise CheckpointCorruptError(f"{st.url}/{name} is another checkpoint now")
+        ranks = set(topo.node_ranks)
+        need = [f for f in m.files if f.rank in ranks or f.path in SHARED_PATHS]
+        staging = os.path.join(d.dirpath, f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:12]}")
+        os.makedirs(staging)
+        try:
+            for f in need:
+                os.makedirs(os.path.dirname(os.path.join(staging, f.path)), exist_ok=True)
+            log.warning(
+                "restoring this node's %d file(s) of step %d from the remote copy %s/%s",
+                len(need),
+                m.step,
+                st.url,
+                name,
+            )
+            st.fs.get(
+                [f"{st.root}/{name}/{f.path}" for f in need],
+                [os.path.join(staging, f.path) for f in need],
+            )
+            node_m = Manifest.from_json(json.loads(encode_json(m.to_json())))
+            node_m.files = need
+            node_m.extra = dict(m.extra)
+            node_m.extra["node"] = {
+                "ranks": sorted(ranks),
+                "nodes": len(topo.nodes),
+                "remote_name": name,
+            }
+            catalog.verify(staging, node_m, Depth.FULL)
+            final = d.commit.commit(staging, m.step, encode_json(node_m.to_json()))
+        except BaseException:
+            d.commit.abort(staging)
+            raise
+        return final, len(need), sum(f.size for f in need)
+
+    # ------------------------------------------------------------------ after the load
+
+    def _recover(self, remote_keys: set[tuple[str, int]]) -> None:
+        """Leaders: queue this run's local checkpoints newer than its newest remote commit
+        (their upload a crash cut off); coordinator: expect their remote commit."""
+        d = self._d
+        if not d.topology.is_leader or d.run_id is None:
+            return
+        newest_remote = max((k[1] for k in remote_keys if k[0] == d.run_id), default=0)
+        for e in catalog.scan(d.dirpath, Depth.SIZE):
+            m = e.manifest
+            if m is None or e.status is not Status.VALID or m.run_id != d.run_id:
+                continue
+            key = (m.run_id, m.seq)
+            node = m.extra.get("node") or {}
+            name = node.get("remote_name")
+            if key in remote_keys or m.seq <= newest_remote or not name:
+                continue
+            if not d.config.remote_due(m.seq, m.reason):
+                continue
+            if d.committer is not None:
+                try:
+                    with open(os.path.join(e.path, REMOTE_MANIFEST), "rb") as fh:
+                        d.committer.expect(key, name, fh.read())
+                except OSError:
+                    pass
+            if d.uploader is not None:
+                mine = [f for f in m.files if not (f.path in SHARED_PATHS and f.rank != 0)]
+                log.warning("uploading %s, which a stop cut off", e.name)
+                d.uploader.enqueue(e.name, name, key, mine)

@@ -1,0 +1,367 @@
+"""The remote commit of a checkpoint written by several nodes (node-local mode).
+
+Each node uploads only its own files (:class:`NodeUploader`, one thread per node leader, retried
+with backoff like :class:`~.sync.RemoteSync`), checks them (size, and the MD5 ETag of objects up
+to 8 MiB) and reports ``{"key", "name"}``. The reports reach the coordinator through the gather
+of the next save (or of close); the coordinator's :class:`RemoteCommitter` writes the global
+manifest -- last, after listing every object it names with its size -- only once every node
+reported, then applies the remote retention. So a remote manifest never names an object that is
+missing or that a node has not verified; a crash at any point leaves at most uncommitted objects
+under a name without a manifest (invisible to every reader, removed by ``gc``).
+
+Which ranks call what: a :class:`NodeUploader` on every node leader, the :class:`RemoteCommitter`
+on the coordinator only. Neither runs a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .manifest import MANIFEST_NAME, FileEntry, Manifest
+from .remote import ETAG_CHECK_MAX, RemoteStore, _md5, retention_candidates
+from .retention import RetentionPolicy, plan
+
+log = logging.getLogger("resilient_callbacks")
+_JITTER = random.Random()  # never the global generator: the training loop owns it
+
+
+@dataclass
+class UploadJob:
+    local_name: str  # the checkpoint in this node's dirpath
+    remote_name: str  # its name under the remote URL (the same on every node)
+    key: tuple[str, int]  # (run id, commit number)
+    files: list[FileEntry]  # what this node uploads
+
+
+@dataclass
+class UploadCounters:
+    files: int = 0
+    bytes: int = 0
+    checkpoints: int = 0
+    failures: int = 0
+    last_error: str | None = None
+
+
+class NodeUploader:
+    """A node leader's background uploads of its node's files; finished ones are reported
+    through :meth:`take_reports`."""
+
+    def __init__(
+        self,
+        store: RemoteStore,
+        local_root: str,
+        node: int,
+        *,
+        retry_base_s: float = 1.0,
+        retry_max_s: float = 60.0,
+    ) -> None:
+        self.store, self.local_root, self.node = store, local_root, node
+        self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
+        self.counters = UploadCounters()
+        self._queue: list[UploadJob] = []
+        self._reports: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="rc-node-upload", daemon=True)
+        self._thread.start()
+
+    def enqueue(
+        self, local_name: str, remote_name: str, key: tuple[str, int], files: list[FileEntry]
+    ) -> None:
+        with self._cond:
+            if all(j.key != key for j in self._queue):
+                self._queue.append(UploadJob(local_name, remote_name, key, files))
+                self._cond.notify_all()
+
+    def pending(self) -> list[str]:
+        with self._cond:
+            return [j.local_name for j in self._queue]
+
+    def take_reports(self) -> list[dict[str, Any]]:
+        """The uploads finished since the last call (for the coordinator)."""
+        with self._cond:
+            out, self._reports = self._reports, []
+        return out
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left if left is not None else 1.0)
+        return True
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=1.0)
+
+    def _run(self) -> None:
+        failures = 0
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                job = self._queue[0]
+            try:
+                self._upload(job)
+            except Exception as e:
+                failures += 1
+                self.counters.failures += 1
+                self.counters.last_error = f"{type(e).__name__}: {e}"
+                if failures == 1 or failures % 10 == 0:
+                    log.warning(
+                        "remote %s: uploading this node's part of %s failed (%d attempt(s)): "
+                        "%s; kept locally, retrying with backoff",
+                        self.store.url,
+                        job.local_name,
+                        failures,
+                        self.counters.last_error,
+                    )
+                delay = min(self.retry_max_s, self.retry_base_s * 2 ** (failures - 1))
+                delay *= _JITTER.uniform(0.5, 1.0)
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stop, timeout=delay)
+                continue
+            failures = 0
+            with self._cond:
+                if job in self._queue:
+                    self._queue.remove(job)
+                self._cond.notify_all()
+
+    def _check(self, local: str, job: UploadJob, rpaths: list[str]) -> None:
+        """Each uploaded object of this node: its size, and its MD5 ETag where the store gives
+        one (single-part objects up to 8 MiB). One HEAD per object: O(own files) requests per
+        node, never a listing of the whole checkpoint (which would be O(N) per node)."""
+        st = self.store
+        st.fs.invalidate_cache()  # s3fs answers info() from a cached listing of the parent
+        for f, rpath in zip(job.files, rpaths, strict=True):
+            info = st.fs.info(rpath)
+            where = f"{st.url}/{job.remote_name}/{f.path}"
+            if int(info.get("size") or 0) != f.size:
+                raise OSError(f"{where}: {info.get('size')} bytes after upload, expected {f.size}")
+            etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+            if etag and "-" not in etag and len(etag) == 32 and f.size <= ETAG_CHECK_MAX:
+                md5 = _md5(os.path.join(local, f.path))
+                if md5 != etag:
+                    raise OSError(f"{where}: ETag {etag} does not match the local MD5 {md5}")
+
+    def _upload(self, job: UploadJob) -> None:
+        local = os.path.join(self.local_root, job.local_name)
+        if not os.path.isdir(local):
+            log.warning("remote: %s was removed locally before it was uploaded", job.local_name)
+            return
+        for f in job.files:
+            size = os.path.getsize(os.path.join(local, f.path))
+            if size != f.size:
+                log.warning("remote: not uploading %s: %s has changed", job.local_name, f.path)
+                return
+        st = self.store
+        rpaths = [posixpath.join(st.root, job.remote_name, f.path) for f in job.files]
+        if st.is_local:
+            for p in {posixpath.dirname(x) for x in rpaths}:
+                st.fs.makedirs(p, exist_ok=True)
+        st.fs.put([os.path.join(local, f.path) for f in job.files], rpaths)
+        self._check(local, job, rpaths)
+        if st.is_local:
+            st._fsync_local(rpaths)
+        with self._cond:
+            self._reports.append({"key": list(job.key), "name": job.remote_name})
+            self.counters.files += len(job.files)
+            self.counters.bytes += sum(f.size for f in job.files)
+            self.counters.checkpoints += 1
+        log.info("uploaded node %d's part of %s to %s", self.node, job.local_name, st.url)
+
+
+@dataclass
+class PendingCommit:
+    name: str
+    manifest: bytes
+    done: set[int] = field(default_factory=set)
+
+
+class RemoteCommitter:
+    """The coordinator's table of checkpoints waiting for their nodes' uploads, and the thread
+    that commits them remotely (manifest last) and applies the remote retention."""
+
+    def __init__(
+        self,
+        store: RemoteStore,
+        nodes: int,
+        policy: RetentionPolicy,
+        *,
+        max_attempts: int = 5,
+        retry_base_s: float = 1.0,
+    ) -> None:
+        self.store, self.nodes, self.policy = store, nodes, policy
+        self.max_attempts, self.retry_base_s = max_attempts, retry_base_s
+        self.index: dict[tuple[str, int], str] = {}  # committed remotely: key -> name
+        self.committed = 0
+        self._pending: dict[tuple[str, int], PendingCommit] = {}
+        self._ready: list[tuple[str, int]] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="rc-remote-commit", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the table
+
+    def refresh_max_seq(self) -> int:
+        """List the store (once, at open): the committed checkpoints, and the highest commit
+        number there (new commits number after it)."""
+        entries = self.store.scan()
+        with self._cond:
+            self.index = {e.key: e.name for e in entries if e.key is not None}
+        return max((k[1] for k in self.index), default=0)
+
+    def free_name(self, name: str) -> str:
+        """``name`` unless a committed or pending remote checkpoint has it: then ``name-rN``."""
+        with self._cond:
+            taken = set(self.index.values()) | {p.name for p in self._pending.values()}
+        candidate, n = name, 0
+        while candidate in taken:
+            n += 1
+            candidate = f"{name}-r{n}"
+        return candidate
+
+    def expect(self, key: tuple[str, int], name: str, manifest: bytes) -> None:
+        """A checkpoint committed on every node: commit it remotely once each node's part is
+        uploaded."""
+        with self._cond:
+            if key not in self.index:
+                self._pending.setdefault(key, PendingCommit(name, manifest))
+
+    def report(self, node: int, rep: dict[str, Any]) -> None:
+        """Node ``node`` uploaded its part of ``rep['key']`` under ``rep['name']``."""
+        key = (str(rep["key"][0]), int(rep["key"][1]))
+        with self._cond:
+            p = self._pending.get(key)
+            if p is None or p.name != rep["name"]:
+                return  # not ours to commit (an earlier run's), or renamed since
+            p.done.add(node)
+            if len(p.done) == self.nodes and key not in self._ready:
+                self._ready.append(key)
+                self._cond.notify_all()
+
+    def waiting(self) -> list[str]:
+        with self._cond:
+            return [p.name for p in self._pending.values()]
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until every checkpoint whose parts all arrived is committed; True if nothing is left
+        waiting (for a node's part, either)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._ready or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left if left is not None else 1.0)
+            return not self._pending
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=1.0)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._ready and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                key = self._ready[0]
+                p = self._pending[key]
+                self._busy = True
+            ok = False
+            for attempt in range(self.max_attempts):
+                try:
+                    self.commit_one(p)
+                    ok = True
+                    break
+                except Exception as e:
+                    log.warning(
+                        "remote commit of %s failed (attempt %d of %d): %s: %s",
+                        p.name,
+                        attempt + 1,
+                        self.max_attempts,
+                        type(e).__name__,
+                        e,
+                    )
+                    with self._cond:
+                        if self._cond.wait_for(
+                            lambda: self._stop, timeout=self.retry_base_s * 2**attempt
+                        ):
+                            break
+            with self._cond:
+                self._ready.remove(key)
+                self._pending.pop(key, None)
+                if ok:
+                    self.index[key] = p.name
+                    self.committed += 1
+                self._busy = False
+                self._cond.notify_all()
+            if ok:
+                self._retention(p.name)
+
+    def commit_one(self, p: PendingCommit) -> None:
+        """List the objects under the name; every file of the manifest must be there with its
+        size; then put the manifest (the commit point)."""
+        st = self.store
+        m = Manifest.from_json(json.loads(p.manifest), f"{st.url}/{p.name}")
+        st.fs.invalidate_cache()
+        base = posixpath.join(st.root, p.name)
+        listing = st.fs.find(base, detail=True)
+        sizes = {
+            st.fs._strip_protocol(k)[len(st.fs._strip_protocol(base)) + 1 :]: int(
+                v.get("size") or 0
+            )
+            for k, v in listing.items()
+        }
+        for f in m.files:
+            if sizes.get(f.path) != f.size:
+                raise OSError(
+                    f"{st.url}/{p.name}/{f.path}: {sizes.get(f.path)} bytes remotely, the "
+                    f"manifest says {f.size}; not committing"
+                )
+        st.fs.pipe_file(posixpath.join(base, MANIFEST_NAME), p.manifest)
+        if st.is_local:
+            st._fsync_local([posixpath.join(base, MANIFEST_NAME)])
+        log.info("committed %s/%s remotely (%d nodes' parts)", st.url, p.name, self.nodes)
+
+    def _retention(self, protect: str) -> None:
+        try:
+            entries = self.store.scan()
+            with self._cond:
+                self.index = {e.key: e.name for e in entries if e.key is not None}
+                names_pending = {x.name for x in self._pending.values()}
+            newest = max((e.manifest for e in entries if e.manifest), key=lambda m: m.seq)
+            p = plan(retention_candidates(entries), self.policy, newest.run_id, protected=[protect])
+            for name in p.delete:
+                if name in names_pending:
+                    continue
+                self.store.delete(name)
+                with self._cond:
+                    self.index = {k: v for k, v in self.index.items() if v != name}
+                log.info("remote retention: deleted %s/%s", self.store.url, name)
+        except Exception as e:
+            log.warning("remote retention on %s failed: %s", self.store.url, e)

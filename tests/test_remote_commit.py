@@ -1,0 +1,145 @@
+"""The node-local remote commit protocol in one process (remote_commit.py): the coordinator's
+committer writes a remote manifest only once every node reported its part uploaded, and never
+when an object it names is missing or has another size; the options of node-local mode; and
+``remote_every_n_saves`` on one node."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer, ConfigError
+from resilient_callbacks.manifest import FileEntry, Manifest
+from resilient_callbacks.remote import RemoteStore
+from resilient_callbacks.remote_commit import NodeUploader, RemoteCommitter
+from resilient_callbacks.retention import RetentionPolicy
+from resilient_callbacks.tensorfile import encode_json, write_bytes
+
+
+def _node_dir(root, name: str, rank: int, data: bytes) -> FileEntry:
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    d = write_bytes(str(path / f"rank_{rank:05d}.bin"), data)
+    return FileEntry(f"rank_{rank:05d}.bin", d.size, d.xxh3_64, rank, "tensors")
+
+
+def _setup(tmp_path):
+    store = RemoteStore(f"file://{tmp_path}/remote")
+    store.preflight()
+    files = [
+        _node_dir(tmp_path / f"node{r}", "step_000000002", r, bytes([r]) * (100 + r))
+        for r in (0, 1)
+    ]
+    key = ("run1", 1)
+    m = Manifest(step=2, run_id="run1", seq=1, world_size=2, files=files)
+    committer = RemoteCommitter(
+        store, 2, RetentionPolicy(keep_last=None), max_attempts=1, retry_base_s=0.01
+    )
+    uploaders = [NodeUploader(store, str(tmp_path / f"node{r}"), r) for r in (0, 1)]
+    return store, files, key, m, committer, uploaders
+
+
+def _committed(store):
+    return {e.name: e.problem for e in store.scan() if e.manifest is not None}
+
+
+def test_remote_manifest_only_after_every_node_reported(tmp_path):
+    store, files, key, m, committer, up = _setup(tmp_path)
+    try:
+        committer.expect(key, "step_000000002", encode_json(m.to_json()))
+        up[0].enqueue("step_000000002", "step_000000002", key, [files[0]])
+        assert up[0].wait(30)
+        for rep in up[0].take_reports():
+            committer.report(0, rep)
+        assert committer.wait(5) is False  # node 1's part is still missing
+        assert _committed(store) == {}
+        up[1].enqueue("step_000000002", "step_000000002", key, [files[1]])
+        assert up[1].wait(30)
+        reports = up[1].take_reports()
+        assert reports == [{"key": ["run1", 1], "name": "step_000000002"}]
+        committer.report(1, {"key": ["other-run", 1], "name": "step_000000002"})  # not ours
+        assert committer.wait(5) is False
+        committer.report(1, reports[0])
+        assert committer.wait(30) is True
+        assert _committed(store) == {"step_000000002": None}
+        assert up[0].counters.files == 1 and up[1].counters.bytes == 101
+    finally:
+        committer.stop()
+        for u in up:
+            u.stop()
+
+
+def test_no_remote_manifest_when_an_object_is_missing_or_changed(tmp_path):
+    store, files, key, m, committer, up = _setup(tmp_path)
+    try:
+        committer.expect(key, "step_000000002", encode_json(m.to_json()))
+        for r in (0, 1):
+            up[r].enqueue("step_000000002", "step_000000002", key, [files[r]])
+            assert up[r].wait(30)
+        os.truncate(tmp_path / "remote" / "step_000000002" / "rank_00001.bin", 7)  # changed
+        for r in (0, 1):
+            for rep in up[r].take_reports():
+                committer.report(r, rep)
+        assert committer.wait(30) is True  # given up: nothing is waiting any more
+        assert _committed(store) == {}
+        assert not (tmp_path / "remote" / "step_000000002" / "manifest.json").exists()
+    finally:
+        committer.stop()
+        for u in up:
+            u.stop()
+
+
+def test_free_name_never_reuses_a_committed_or_pending_name(tmp_path):
+    _store, _files, key, m, committer, up = _setup(tmp_path)
+    try:
+        committer.index[("old", 3)] = "step_000000002"
+        assert committer.free_name("step_000000002") == "step_000000002-r1"
+        committer.expect(key, "step_000000002-r1", encode_json(m.to_json()))
+        assert committer.free_name("step_000000002") == "step_000000002-r2"
+    finally:
+        committer.stop()
+        for u in up:
+            u.stop()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"replicas": 2}, "replicas=2"),
+        ({"shared_dirpath": "yes"}, "shared_dirpath='yes'"),
+        ({"replicas": 1, "shared_dirpath": True}, "node-local disks only"),
+        ({"remote_every_n_saves": 2}, "only applies with remote"),
+        ({"remote": "memory://x/y", "remote_every_n_saves": 0}, "an int >= 1"),
+    ],
+)
+def test_node_options_are_checked_early(tmp_path, kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        Checkpointer(tmp_path / "ck", **kwargs)
+
+
+def test_replicas_need_node_local_disks(tmp_path):
+    with pytest.raises(ConfigError, match="node-local mode"):
+        Checkpointer(tmp_path / "ck", replicas=1)
+
+
+def test_remote_every_n_saves_uploads_every_nth_commit_and_the_final_one(tmp_path):
+    url = f"file://{tmp_path}/remote"
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(
+        tmp_path / "ck",
+        remote=url,
+        remote_every_n_saves=3,
+        keep_last=2,
+        remote_keep_last="all",
+        every_n_steps=1,
+        async_save=False,
+    ) as ck:
+        for step in range(1, 8):
+            state["w"] += 1
+            ck.step(step, state, final=step == 7)
+    remote = sorted(e.manifest.step for e in RemoteStore(url).scan() if e.manifest)
+    assert remote == [3, 6, 7]  # every 3rd commit, and the final save
+    local = sorted(e.step for e in ck.checkpoints())
+    assert local == [6, 7]  # the local tier keeps its own keep_last
