@@ -11,6 +11,8 @@ from .adaptive import AdaptiveSchedule
 from .errors import ConfigError
 from .policy import SavePolicy
 from .retention import Mode, RetentionPolicy
+from .sinks import SinkSpec
+from .sinks import parse as parse_sinks
 
 
 class ResumeMode(StrEnum):
@@ -56,6 +58,11 @@ class CheckpointerConfig:
     remote_keep_last: int | str | None = None  # None: as keep_last; "all": keep every one
     remote_keep_best: int | None = None  # None: as keep_best
     remote_timeout: float = 30.0  # seconds the construction-time preflight may take
+    telemetry: Any = None  # metrics sinks (sinks.parse): a spec, a dict, a callable, a list
+
+    def sinks(self) -> tuple[SinkSpec, ...]:
+        """The metrics sinks ``telemetry`` names, validated (no extra imported)."""
+        return parse_sinks(self.telemetry)
 
     def __post_init__(self) -> None:
         d = os.fspath(self.dirpath) if isinstance(self.dirpath, os.PathLike) else self.dirpath
@@ -144,6 +151,7 @@ class CheckpointerConfig:
                 "emergency save as SIGTERM"
             )
         self._check_remote()
+        self.sinks()
         # Constructing these validates the options with their own messages.
         self.save_policy()
         self.retention_policy()
