@@ -164,6 +164,8 @@ class Checkpointer:
         options["remote_options"] = dict(remote_options) if remote_options is not None else None
         self.config = CheckpointerConfig(**options)
         self._sink_specs = self.config.sinks()
+        #: the kinds of sink ``telemetry`` names ("logger": the adapters log to the framework)
+        self.telemetry_kinds = frozenset(s.kind for s in self._sink_specs)
         self.dirpath: str = self.config.dirpath
         self.retention = self.config.local_retention_policy()
         self.rank = dist.rank()
