@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,7 @@ def killed_run(tmp_path_factory) -> Path:
     return run_killed_twice(tmp_path_factory.mktemp("report"))
 
 
+@pytest.mark.slow
 def test_history_records_what_the_report_needs(killed_run: Path):
     recs = history.records(str(killed_run))
     kinds = [r["event"] for r in recs]
@@ -61,6 +63,7 @@ def test_history_records_what_the_report_needs(killed_run: Path):
     assert [e.event for e in history.read(str(killed_run))] == ["start", "restart", "restart"]
 
 
+@pytest.mark.slow
 def test_report_html_png_json(killed_run: Path, tmp_path: Path, capsys):
     pytest.importorskip("matplotlib")
     html_path, png, js = tmp_path / "r.html", tmp_path / "r.png", tmp_path / "r.json"
@@ -89,6 +92,7 @@ def test_report_html_png_json(killed_run: Path, tmp_path: Path, capsys):
         assert title in page
 
 
+@pytest.mark.slow
 def test_report_json_without_matplotlib_and_errors(killed_run: Path, tmp_path: Path, capsys):
     js = tmp_path / "r.json"
     assert cli(["report", str(killed_run), "--json", str(js)]) == 0
@@ -98,6 +102,32 @@ def test_report_json_without_matplotlib_and_errors(killed_run: Path, tmp_path: P
     (tmp_path / "empty").mkdir()
     assert cli(["report", str(tmp_path / "empty")]) == 1
     assert "history.jsonl" in capsys.readouterr().err
+
+
+def test_report_of_an_in_process_run(tmp_path: Path, capsys):
+    """Default suite (no subprocess): two processes' worth of a run in this one (closed, then
+    resumed), and the HTML, PNG and JSON report of it."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    state = {"w": torch.zeros(64)}
+    d = tmp_path / "ck"
+    for life in range(2):
+        with Checkpointer(d, every_n_steps=3, async_save=life == 0) as ck:
+            start = ck.restore(state)
+            for step in range(start + 1, start + 7):
+                state["w"] += 1
+                time.sleep(0.01)  # the "training" between steps: useful time
+                ck.step(step, state)
+    html_path, png, js = tmp_path / "r.html", tmp_path / "r.png", tmp_path / "r.json"
+    assert cli(["report", str(d), "-o", str(html_path), "--png", str(png), "--json", str(js)]) == 0
+    s = json.loads(js.read_text())["summary"]
+    assert s["lives"] == 2 and s["failures"] == 0 and s["clean_restarts"] == 1
+    assert s["saves"] == 4 and s["final_step"] == 12 and 0 < s["goodput"] <= 1
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    imgs = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", html_path.read_text())
+    assert len(imgs) == 6
 
 
 @pytest.mark.slow
