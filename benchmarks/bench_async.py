@@ -534,6 +534,9 @@ def run_loop(
             keep_last=2,
             preemption=False,
             overlap_snapshot=kind == "ours overlapped",
+            # metrics on: every metric kept current and handed to a sink (a callable: what
+            # every sink costs the training thread; the sink itself runs in its own thread)
+            telemetry=(lambda values: None) if kind == "ours async +metrics" else None,
         )
     fut = None
     blocking: list[float] = []
@@ -593,7 +596,14 @@ def run_loop(
     return out
 
 
-LOOP_KINDS = ["none", "torch.save", "DCP async_save", "ours async", "ours overlapped"]
+LOOP_KINDS = [
+    "none",
+    "torch.save",
+    "DCP async_save",
+    "ours async",
+    "ours async +metrics",
+    "ours overlapped",
+]
 
 
 def bench_loop(
@@ -639,7 +649,14 @@ def bench_loop(
             "median_final_wait_s": med([r["final_wait_s"] for r in rs]),
             "waits_for_previous": sum(r.get("waits_for_previous", 0) for r in rs),
         }
+    on = [r["total_s"] for r in runs["ours async +metrics"]]
+    off = [r["total_s"] for r in runs["ours async"]]
+    metrics = {  # metrics on vs off: the same loop, every metric kept current and sent to a sink
+        "total_ratio": med(on) / med(off),
+        "per_round_ratios": [a / b for a, b in zip(on, off, strict=True)],
+    }
     return {
+        "metrics_on_off": metrics,
         "mb": mb,
         "batch": batch,
         "calibrated_step_s": step_s,
@@ -939,6 +956,15 @@ def markdown(report: dict[str, Any]) -> str:
             )
             + " |"
         )
+    mo = lp.get("metrics_on_off")
+    if mo:
+        lines += [
+            "",
+            f"Metrics on/off (`telemetry=` a sink vs none, same loop): total time ratio "
+            f"{mo['total_ratio']:.3f} (per round: "
+            + ", ".join(f"{x:.3f}" for x in mo["per_round_ratios"])
+            + ")",
+        ]
     rs = report["rss"]
     lines += [
         "",

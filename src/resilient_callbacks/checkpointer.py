@@ -25,15 +25,17 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import dist, nodelocal
+from . import dist, nodelocal, sinks
 from .catalog import Entry
 from .config import CheckpointerConfig
 from .directory import Directory
 from .emergency import GRACE_ENV, Emergency, start_watcher
 from .errors import CheckpointError, ConfigError
+from .metrics import Telemetry
 from .node_restore import NodeRestorer
 from .nodelocal import NodeDirectory
 from .preemption import MetadataPoller, PreemptionWatcher
+from .recorder import Recorder
 from .restoring import Restorer, RestoreReport
 from .saving import Saver, SaveStats, new_run_id
 from .trigger import Trigger
@@ -54,6 +56,31 @@ log = logging.getLogger("resilient_callbacks")
 CLOSE_OUTAGE_S = 300.0
 
 RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, retry": checkpoint saved, restart me
+
+
+class _Context(Mapping[str, Any]):
+    """What a sink may ask of its Checkpointer (live: ``run_id`` is known after the first save
+    or restore): ``dirpath``, ``run_id``, ``monitor``, ``mode``."""
+
+    def __init__(self, ck: Checkpointer) -> None:
+        self._ref = weakref.ref(ck)
+        self._keys = ("dirpath", "run_id", "monitor", "mode")
+
+    def __getitem__(self, key: str) -> Any:
+        ck = self._ref()
+        if ck is None or key not in self._keys:
+            raise KeyError(key)
+        if key == "run_id":
+            return ck._dir.run_id
+        if key == "dirpath":
+            return ck.dirpath
+        return str(getattr(ck.config, key)) if getattr(ck.config, key) is not None else None
+
+    def __iter__(self) -> Any:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
@@ -95,6 +122,9 @@ class Checkpointer:
     - ``shared_dirpath``, ``replicas``: several nodes without a shared filesystem
       (docs/multinode.md): detected at construction; ``replicas=1`` keeps each node's files on
       another node too.
+    - ``telemetry``: where the checkpoint metrics go: ``"prometheus:9464"``,
+      ``"textfile:PATH.prom"``, ``"pushgateway:URL"``, ``"mlflow"``, a callable, or a list of
+      these (docs/monitoring.md). :meth:`metrics` reads them without any sink.
     """
 
     def __init__(
@@ -137,11 +167,15 @@ class Checkpointer:
         remote_every_n_saves: int | None = None,
         shared_dirpath: bool | None = None,
         replicas: int = 0,
+        telemetry: Any = None,
     ) -> None:
         options = {k: v for k, v in locals().items() if k != "self"}
         options["signals"] = tuple(signals)
         options["remote_options"] = dict(remote_options) if remote_options is not None else None
         self.config = CheckpointerConfig(**options)
+        self._sink_specs = self.config.sinks()
+        #: the kinds of sink ``telemetry`` names ("logger": the adapters log to the framework)
+        self.telemetry_kinds = frozenset(s.kind for s in self._sink_specs)
         self.dirpath: str = self.config.dirpath
         self.retention = self.config.local_retention_policy()
         self.rank = dist.rank()
@@ -159,6 +193,11 @@ class Checkpointer:
         self.policy = self._trigger.policy
         self.watcher: PreemptionWatcher | None = None
         self._poller: MetadataPoller | None = None
+        # the sinks are built (their extras imported) first, started last
+        sink_objects = sinks.build(
+            [s for s in self._sink_specs if self.is_coordinator or s.options.get("per_rank")],
+            _Context(self),
+        )
         # the parts
         self.topology = nodelocal.detect(self.dirpath, self.config.shared_dirpath)
         self._writes_shared = self.topology.is_leader  # rank 0, or each node's first rank
@@ -189,7 +228,9 @@ class Checkpointer:
         if self.config.preemption:
             self.watcher, self._poller = start_watcher(self.config)
         self._saver = Saver(self)
-        if self.config.async_save:
+        self.telemetry = Telemetry(sink_objects, rank=self.rank)
+        self._recorder = Recorder(self, self.telemetry)
+        if self.config.async_save or self.telemetry.active:
             atexit.register(_flush_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ the parts' state
@@ -262,6 +303,7 @@ class Checkpointer:
         """Every rank: give this run an id (rank 0 chooses it and records the start)."""
         if self._dir.run_id is None:
             self._dir.run_id = new_run_id()
+            self._recorder.started(step)
             if self.is_coordinator:
                 self._dir.record("start", step)
 
@@ -312,6 +354,7 @@ class Checkpointer:
                 self.save_waits.log_summary()
                 persister.raise_error()
         finally:
+            self._recorder.closed()
             if self._dir.sync is not None:
                 self._dir.sync.stop()
             if isinstance(self._dir, NodeDirectory):
@@ -400,6 +443,7 @@ class Checkpointer:
         ``preemption_exit_code`` (75); otherwise it returns and sets :attr:`preempted`."""
         self._check_open()
         self._trigger.step_started()
+        self._recorder.tick(step)
         try:
             saved = self._step(step, state, metrics, final)
             if not saved and not self._saver.allocated_ahead:
@@ -445,6 +489,12 @@ class Checkpointer:
         return self._restorer.restore(state)
 
     # ------------------------------------------------------------------ queries
+
+    def metrics(self) -> dict[str, float]:
+        """The checkpoint metrics now (docs/monitoring.md has the names and units), as
+        ``{name: value}``; a labelled metric also as ``name/label value``."""
+        self._recorder.refresh()
+        return self.telemetry.values()
 
     def checkpoints(self) -> list[Entry]:
         """Committed checkpoints in dirpath, oldest first (sizes checked, not checksums)."""

@@ -35,6 +35,7 @@ examples:
   resilient-ckpt push ckpts/run1 s3://bucket/run1 -o endpoint_url=http://127.0.0.1:9000
   resilient-ckpt export ckpts/run1 hf_model   a from_pretrained directory (Transformers runs),
                                               or consolidated fp32 weights (DeepSpeed runs)
+  resilient-ckpt report ckpts/run1 -o report.html   goodput, failures, saves: plots (--png, --json)
 
 ls, verify, inspect, gc, pull and push take --json (typed values, ISO-8601 times).
 Exit codes: 0 success; 1 a checkpoint is bad, or the command failed; 2 bad usage.
@@ -108,6 +109,12 @@ def cmd_push(args: argparse.Namespace) -> int:
     from .cli_remote import push
 
     return push(args)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .cli_report import report
+
+    return report(args)
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
@@ -294,6 +301,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_export_arguments(p)
     p.set_defaults(fn=cmd_export)
+
+    p = _sub(
+        sub,
+        "report",
+        "a goodput report of a run: one HTML page with plots (--png, --json)",
+        "From DIR's run history and checkpoints: a timeline of runs, saves, failures and\n"
+        "restarts, the work lost per failure, time spent saving, goodput over time, the interval\n"
+        "used beside Daly's optimum, and the checkpoints by tier, as one self-contained HTML page\n"
+        "(plots need matplotlib: pip install 'resilient-callbacks[report]'). docs/monitoring.md.",
+    )
+    p.add_argument("dir", metavar="DIR", help=DIR_HELP)
+    p.add_argument("-o", "--output", metavar="FILE", help="the HTML page (default report.html)")
+    p.add_argument("--png", metavar="FILE", help="also (or only) every plot in one PNG")
+    p.add_argument("--json", metavar="FILE", help="the report's numbers as JSON")
+    p.add_argument("--run", metavar="RUN_ID", help="the run to report (default: the newest)")
+    p.add_argument("--remote", metavar="URL", help="also list this remote tier (fsspec URL)")
+    p.add_argument(
+        "--option",
+        metavar="KEY=VALUE",
+        action="append",
+        help=OPTION_HELP.replace("-o ", "--option "),
+    )
+    p.set_defaults(fn=cmd_report)
     return ap
 
 

@@ -11,6 +11,8 @@ from .adaptive import AdaptiveSchedule
 from .errors import ConfigError
 from .policy import SavePolicy
 from .retention import Mode, RetentionPolicy
+from .sinks import SinkSpec
+from .sinks import parse as parse_sinks
 
 
 class ResumeMode(StrEnum):
@@ -59,6 +61,11 @@ class CheckpointerConfig:
     remote_every_n_saves: int | None = None  # upload every Nth commit (None: every one)
     shared_dirpath: bool | None = None  # None: detect; False: node-local disks (docs/multinode.md)
     replicas: int = 0  # node-local mode: copies of each node's files kept on other nodes (0 or 1)
+    telemetry: Any = None  # metrics sinks (sinks.parse): a spec, a dict, a callable, a list
+
+    def sinks(self) -> tuple[SinkSpec, ...]:
+        """The metrics sinks ``telemetry`` names, validated (no extra imported)."""
+        return parse_sinks(self.telemetry)
 
     def __post_init__(self) -> None:
         d = os.fspath(self.dirpath) if isinstance(self.dirpath, os.PathLike) else self.dirpath
@@ -148,6 +155,7 @@ class CheckpointerConfig:
             )
         self._check_remote()
         self._check_nodes()
+        self.sinks()
         # Constructing these validates the options with their own messages.
         self.save_policy()
         self.retention_policy()

@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist, history
 from .catalog import Depth, Entry, Status
@@ -187,11 +187,14 @@ class Directory:
 
     # ------------------------------------------------------------------ history, other runs
 
-    def record(self, event: str, step: int) -> None:
-        """Append to the directory's run history (coordinator only)."""
+    def record(self, event: str, step: int, *, sync: bool = True, **fields: Any) -> None:
+        """Append to the directory's run history (coordinator only). Never raises: the
+        history is a record, never a reason for a save or a restore to fail."""
         try:
-            history.append(self.dirpath, event, step, self.run_id, self.world_size)
-        except OSError as e:
+            history.append(
+                self.dirpath, event, step, self.run_id, self.world_size, sync=sync, **fields
+            )
+        except Exception as e:
             log.warning("could not record the %s in %s: %s", event, self.dirpath, e)
 
     def check_foreign(self, stacklevel: int) -> None:

@@ -178,6 +178,7 @@ class Emergency:
             if warning:
                 log.warning(warning)
         log.warning("preemption (%s): saving step %d before stopping", source, step)
+        ck._recorder.preemption(step, source)
         ck._wait_background()
         saved = ck._saver.save(step, state, metrics, "emergency", why=f"preemption ({source})")
         ck.preempted = True

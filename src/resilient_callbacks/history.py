@@ -5,17 +5,27 @@ finished); the adaptive save policy learns the mean time between failures from t
 ``<dirpath>/history.jsonl`` holds one JSON object per line, appended by the coordinator only:
 ``{"event": "start" | "restart", "time": <unix seconds>, "step": N, "run_id": "...",
 "world_size": W}``. A torn last line (a crash while appending) is ignored.
+
+Besides those two (the lifecycle :func:`read` returns and the failure rate is learned from),
+the coordinator appends what ``resilient-ckpt report`` plots, each with more fields (see
+docs/monitoring.md): ``save`` (a committed checkpoint: bytes, blocking and persist seconds,
+reason, the interval and the schedule's inputs), ``progress`` (a heartbeat about once a minute:
+the step and the useful compute so far), ``restore`` (seconds, tier, fallbacks), ``fallback``,
+``preemption``, ``save_failed`` and ``end`` (a clean close). Recording is best effort: a record
+that cannot be written is logged, never a reason for a save to fail.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 HISTORY_NAME = "history.jsonl"
+LIFECYCLE = ("start", "restart")
 
 
 @dataclass(frozen=True)
@@ -27,21 +37,48 @@ class Event:
     world_size: int
 
 
-def append(root: str, event: str, step: int, run_id: str | None, world_size: int) -> None:
+def append(
+    root: str,
+    event: str,
+    step: int,
+    run_id: str | None,
+    world_size: int,
+    *,
+    sync: bool = True,
+    **fields: Any,
+) -> None:
+    """Append one record (one ``write`` of one line, so concurrent appends by the training and
+    the background threads never interleave). ``sync=False`` skips the fsync (heartbeats)."""
     rec = {
         "event": event,
         "time": time.time(),
         "step": step,
         "run_id": run_id,
         "world_size": world_size,
+        **{k: _finite(v) for k, v in fields.items()},
     }
-    with open(os.path.join(root, HISTORY_NAME), "a") as f:
-        f.write(json.dumps(rec) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    line = json.dumps(rec, allow_nan=False, default=str) + "\n"
+    fd = os.open(os.path.join(root, HISTORY_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def read(root: str) -> list[Event]:
+def _finite(v: Any) -> Any:
+    """Non-finite floats as None (the file stays strict JSON)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    return v
+
+
+def records(root: str) -> list[dict[str, Any]]:
+    """Every record of the history as written (all kinds), oldest first; torn or foreign lines
+    are skipped."""
     try:
         with open(os.path.join(root, HISTORY_NAME)) as f:
             lines = f.read().splitlines()
@@ -50,7 +87,21 @@ def read(root: str) -> list[Event]:
     out = []
     for line in lines:
         try:
-            d: dict[str, Any] = json.loads(line)
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(d, dict) and isinstance(d.get("event"), str) and "time" in d:
+            out.append(d)
+    return out
+
+
+def read(root: str, kinds: tuple[str, ...] | None = LIFECYCLE) -> list[Event]:
+    """The run's lifecycle (``start`` and ``restart`` records; ``kinds=None``: every kind)."""
+    out = []
+    for d in records(root):
+        if kinds is not None and d["event"] not in kinds:
+            continue
+        try:
             out.append(
                 Event(
                     str(d["event"]),
@@ -61,7 +112,7 @@ def read(root: str) -> list[Event]:
                 )
             )
         except (ValueError, KeyError, TypeError):
-            continue  # torn or foreign line
+            continue  # a foreign line
     return out
 
 

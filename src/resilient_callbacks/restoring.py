@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -103,11 +104,17 @@ class Restorer:
 
     def __init__(self, ck: Checkpointer) -> None:
         self._ck = ck
+        self._t0 = 0.0  # the restore being made: its start, tier, checkpoints skipped
+        self._tier = "local"
+        self._skipped = 0
 
     def restore(self, state: Any) -> int:
         """Every rank: load the checkpoint chosen by ``resume`` into ``state``; return its step
         (0: nothing to resume from)."""
         ck = self._ck
+        self._t0 = time.perf_counter()
+        self._tier = "local"
+        self._skipped = 0
         cands: list[Candidate] = []
         error = None
         pending: BaseException | None = None
@@ -140,6 +147,8 @@ class Restorer:
                     raise CheckpointCorruptError(f"cannot resume from {c.where}: {c.problem}")
                 self._warn_fallback(c, c.problem)
                 continue
+            self._tier = "remote" if remote_url else "local"
+            self._skipped = len(skipped)
             step = self._try_load(c, state, explicit, skipped)
             if step is not None:
                 assert c.path is not None
@@ -156,6 +165,7 @@ class Restorer:
         )
 
     def _warn_fallback(self, c: Candidate, problem: str) -> None:
+        self._ck._recorder.fallback(c.step, c.where, problem)
         msg = (
             f"skipping checkpoint {c.where} (step {c.step}): {problem}; "
             "falling back to an older checkpoint"
@@ -260,8 +270,11 @@ class Restorer:
                     schedule.load_state_dict(saved_schedule)
                 except Exception as e:  # measurements only: start measuring afresh
                     log.warning("could not restore the adaptive schedule's measurements: %s", e)
+        fields = ck._recorder.restored(
+            manifest, inside, time.perf_counter() - self._t0, self._tier, self._skipped
+        )
         if ck.is_coordinator and inside:
-            d.record("restart", manifest.step)  # a resume means the run stopped early
+            d.record("restart", manifest.step, **fields)  # a resume: the run stopped early
             d.check_foreign(stacklevel=5)  # the caller of Checkpointer.restore
         if schedule is not None:
             events = history.read(ck.dirpath) if ck.is_coordinator else []

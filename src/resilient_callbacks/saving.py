@@ -90,9 +90,14 @@ def _prepare_error(exc: BaseException, step: int, rank: int, dirpath: str) -> Ba
     return err
 
 
-def _manifest_extra(prepared: _Prepared | None, schedule: Any) -> dict[str, Any]:
-    """The manifest's ``extra``: the adaptive schedule's state, what the FileParts described."""
+def _manifest_extra(
+    prepared: _Prepared | None, schedule: Any, progress: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The manifest's ``extra``: the adaptive schedule's state, what the FileParts described,
+    the run's useful training time up to this step (``progress``, see :mod:`.recorder`)."""
     extra: dict[str, Any] = {}
+    if progress:
+        extra["progress"] = progress
     if schedule is not None:
         extra["schedule"] = schedule.state_dict()
     if prepared is not None and prepared.parts is not None:
@@ -182,6 +187,7 @@ class Saver:
                 and dist.any_true(self.persister.busy)
             ):
                 self.skipped_saves += 1
+                ck._recorder.skipped()
                 log.warning(
                     "skipped the save at step %d: the previous checkpoint is still being "
                     "written (if_busy='skip'); %d skipped so far",
@@ -207,8 +213,21 @@ class Saver:
             prepared = self.prepare(state, copy=background, rng_state=rng_state)
         except Exception as e:  # reported to every rank by the persist step
             local_exc = e
+        progress = ck._recorder.progress_extra()  # useful time at this step, for the manifest
+        # what the training loop waited, in all (measured before the job can finish)
+        blocking = time.perf_counter() - t0 + waited
         job = functools.partial(
-            self.persist, step, prepared, local_exc, metrics_json, reason, why, t0, background
+            self.persist,
+            step,
+            prepared,
+            local_exc,
+            metrics_json,
+            reason,
+            why,
+            t0,
+            background,
+            progress=progress,
+            blocking=blocking,
         )
         if background:
             assert self.persister is not None
@@ -217,18 +236,21 @@ class Saver:
                 # learn it from the persist step's gather (and raise on their next save/close).
                 if ck.world_size > 1:
                     self.persister.submit(functools.partial(job, quiet=True))
+                ck._recorder.save_failed(step, local_exc)
                 raise _prepare_error(local_exc, step, ck.rank, ck.dirpath)
             self.persister.submit(job)
             ck.last_saved_step = step
             ck._trigger.mark(step)
-            blocking = time.perf_counter() - t0 + waited  # what the training loop waited, in all
             self.blocking_seconds.append(blocking)
+            ck._recorder.save_blocked(blocking)
             self._observe_save(blocking)
             log.debug("step %d: snapshot took %.3f s; persisting in the background", step, blocking)
             return True
         job()
         ck._trigger.steps_origin = step
-        self._observe_save(time.perf_counter() - t0)
+        blocking = time.perf_counter() - t0
+        ck._recorder.save_blocked(blocking)
+        self._observe_save(blocking)
         return True
 
     def _observe_save(self, blocking: float) -> None:
@@ -367,6 +389,8 @@ class Saver:
         t0: float,
         background: bool,
         quiet: bool = False,
+        progress: dict[str, Any] | None = None,
+        blocking: float | None = None,
     ) -> None:
         """Every rank: write this rank's files, then commit through a CommitSession. Runs in the
         background thread for background saves (collectives on the checkpoint's own group)."""
@@ -424,11 +448,12 @@ class Saver:
                 metrics=metrics,
                 reason=reason,
                 fingerprint=prepared.fingerprint if prepared else "",
-                extra=_manifest_extra(prepared, schedule),
+                extra=_manifest_extra(prepared, schedule, progress),
             )
-        except CheckpointWriteError:
+        except CheckpointWriteError as e:
             if quiet:
                 return  # this rank already raised its own error in the training thread
+            ck._recorder.save_failed(step, e)
             if background:
                 ck.last_saved_step = None
             if isinstance(local_exc, UnsupportedStateError) and not background:
@@ -442,6 +467,15 @@ class Saver:
             self.persist_seconds.append(elapsed)
         ck.last_save = SaveStats(step, done.path, done.bytes, elapsed, reason)
         self.committed_saves += 1
+        ck._recorder.committed(
+            step,
+            done.path,
+            done.bytes,
+            elapsed,
+            elapsed if not background or blocking is None else blocking,
+            reason,
+            (progress or {}).get("useful_s", 0.0),
+        )
         log.info(
             "saved step %d (%s, %.1f MB, %.3f s%s) -> %s",
             step,

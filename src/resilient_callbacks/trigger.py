@@ -115,14 +115,21 @@ class Trigger:
         self._warned_no_trigger = False
         self._last_step_end: float | None = None
         self._step_seconds: deque[float] = deque(maxlen=50)
+        self.compute_s = 0.0  # training compute seen by this process (between step() calls)
 
     def step_started(self) -> None:
         """At the start of step(): the time since the last step() is the training step's."""
         if self._last_step_end is not None:
             compute = time.perf_counter() - self._last_step_end
             self._step_seconds.append(compute)
+            self.compute_s += compute
             if self.schedule is not None:
                 self.schedule.observe_step(compute)
+
+    @property
+    def step_seconds(self) -> deque[float]:
+        """Compute time of the recent training steps (seconds)."""
+        return self._step_seconds
 
     def step_ended(self) -> None:
         self._last_step_end = time.perf_counter()

@@ -438,6 +438,8 @@ class ResilientCheckpoint(Checkpoint):
             self._on_exception.remember(trainer, step)
         if self.log_stats:
             self._log_stats(trainer, saved)
+        if saved and "logger" in ckpt.telemetry_kinds:
+            self._log_telemetry(trainer)
 
     # ------------------------------------------------------------------ logging
 
@@ -459,6 +461,16 @@ class ResilientCheckpoint(Checkpoint):
         if out:
             for logger in trainer.loggers:
                 logger.log_metrics(out, step=trainer.global_step)
+
+    def _log_telemetry(self, trainer: pl.Trainer) -> None:
+        """``telemetry="logger"``: every checkpoint metric (docs/monitoring.md) to the trainer's
+        loggers after each save (TensorBoard, CSV, MLflow, W&B: whatever is configured)."""
+        ckpt = self.checkpointer
+        if ckpt is None or not trainer.loggers or not trainer.is_global_zero:
+            return
+        values = ckpt.metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
 
     # ------------------------------------------------------------------ failures
 

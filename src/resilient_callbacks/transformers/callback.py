@@ -442,6 +442,10 @@ class ResilientCheckpoint(TrainerCallback):
             logs = trainer_state.save_logs(ckpt)
             if logs:
                 trainer.log(logs)
+        if saved and "logger" in ckpt.telemetry_kinds:
+            # telemetry="logger": every checkpoint metric through the Trainer's log, so every
+            # report_to integration (TensorBoard, MLflow, W&B) receives them
+            trainer.log(ckpt.metrics())
 
     def _refresh(self, trainer: Any, position: tuple[int, int]) -> None:
         """Point the plain part of the saved state at the Trainer's current values (cheap: the

@@ -1,0 +1,70 @@
+"""``resilient-ckpt report DIR [--remote URL] -o report.html [--png FILE] [--json FILE]``: the
+goodput report of a run from its history and checkpoints (see :mod:`.report`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .errors import CheckpointNotFoundError
+
+
+def report(args: argparse.Namespace) -> int:
+    from . import report as rep
+
+    root = os.path.abspath(args.dir)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"{args.dir}: no such checkpoint directory")
+    if not rep.history_exists(root):
+        raise CheckpointNotFoundError(
+            f"{args.dir} has no history.jsonl: it is not a directory a Checkpointer wrote "
+            "(or its runs predate the history)"
+        )
+    remote = None
+    if args.remote:
+        from .cli_remote import store
+
+        remote = store(args.remote, args.option)
+    data = rep.analyse(
+        root,
+        run_id=args.run,
+        checkpoints=rep.checkpoint_rows(root, remote),
+        now=time.time(),
+    )
+    wrote = []
+    if args.json:
+        _write(args.json, json.dumps(data, indent=1, default=str).encode())
+        wrote.append(args.json)
+    if args.output or args.png or not args.json:
+        from . import report_html
+
+        if args.png:
+            _write(args.png, report_html.overview_png(data))
+            wrote.append(args.png)
+        if args.output or not args.png:
+            out = args.output or "report.html"
+            page = report_html.render_html(data, report_html.figure_pngs(data))
+            _write(out, page.encode())
+            wrote.append(out)
+    s = data["summary"]
+    if s:
+        print(
+            f"run {data['run_id']}: goodput {s['goodput']:.1%}, {s['failures']} failure(s), "
+            f"{s['saves']} save(s), {s['saving_blocked_s']:.2f} s blocked saving, "
+            f">= {s['work_lost_s_at_least']:.1f} s of work lost",
+            file=sys.stderr,
+        )
+    print("wrote " + ", ".join(wrote), file=sys.stderr)
+    return 0
+
+
+def _write(path: str, data: bytes) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

@@ -1,0 +1,414 @@
+"""The checkpoint metrics: one documented set of names and units, and the collector that holds them.
+
+Every sink (Prometheus, MLflow, the frameworks' loggers, a plain callable; :mod:`.sinks`) sees the
+same names. They follow Prometheus' conventions so a Grafana panel needs no renaming: a
+``resilient_ckpt_`` prefix, base units in the name (``_seconds``, ``_bytes``, ``_ratio``), and
+``_total`` on counters. docs/monitoring.md has the table; :data:`METRICS` is its source.
+
+Which ranks call what: every rank owns a :class:`Telemetry` (recording is a few dict writes under a
+lock, so the training thread pays next to nothing); the sinks run on the coordinator only, unless
+a sink asks for every rank (``per_rank``), each in its own daemon thread, so a slow or failing
+sink never blocks or stops training: it is warned about once and switched off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+log = logging.getLogger("resilient_callbacks")
+
+PREFIX = "resilient_ckpt_"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric: its full name, ``kind`` (``"gauge"`` or ``"counter"``), unit, meaning and
+    label names (the ``rank`` label a per-rank Prometheus exporter adds is not listed)."""
+
+    name: str
+    kind: str
+    unit: str
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+def _m(name: str, kind: str, unit: str, help: str, labels: tuple[str, ...] = ()) -> Metric:
+    return Metric(PREFIX + name, kind, unit, help, labels)
+
+
+METRICS: tuple[Metric, ...] = (
+    # saving
+    _m("save_blocking_seconds", "gauge", "seconds", "time the last save blocked the training loop"),
+    _m(
+        "save_blocking_seconds_total",
+        "counter",
+        "seconds",
+        "time saves blocked the training loop in all (this process)",
+    ),
+    _m(
+        "save_persist_seconds",
+        "gauge",
+        "seconds",
+        "time from the last save's start until it was committed (background write and commit)",
+    ),
+    _m("save_bytes", "gauge", "bytes", "size of the last committed checkpoint"),
+    _m(
+        "save_throughput_bytes_per_second",
+        "gauge",
+        "bytes/second",
+        "the last committed checkpoint's size over its persist time",
+    ),
+    _m(
+        "saves_total",
+        "counter",
+        "checkpoints",
+        "checkpoints committed, by reason (periodic, final, forced, emergency)",
+        ("reason",),
+    ),
+    _m(
+        "saves_skipped_total",
+        "counter",
+        "saves",
+        "periodic saves skipped because the previous one was still being written (if_busy='skip')",
+    ),
+    _m(
+        "saves_waited_total",
+        "counter",
+        "saves",
+        "saves that waited for the previous background save to finish",
+    ),
+    _m(
+        "save_wait_seconds_total",
+        "counter",
+        "seconds",
+        "time saves waited for the previous background save",
+    ),
+    _m("save_failures_total", "counter", "saves", "saves that failed (nothing was committed)"),
+    _m("last_saved_step", "gauge", "step", "training step of the newest committed checkpoint"),
+    _m(
+        "last_save_timestamp_seconds",
+        "gauge",
+        "unix seconds",
+        "when the newest checkpoint was committed (time() - this: age of the newest checkpoint)",
+    ),
+    # the remote tier
+    _m(
+        "upload_backlog_checkpoints",
+        "gauge",
+        "checkpoints",
+        "committed checkpoints only local: not yet uploaded to the remote tier",
+    ),
+    _m("upload_backlog_bytes", "gauge", "bytes", "bytes of the checkpoints only local"),
+    _m(
+        "upload_lag_seconds",
+        "gauge",
+        "seconds",
+        "age of the oldest checkpoint not yet uploaded (0 when none is waiting)",
+    ),
+    _m("uploads_total", "counter", "checkpoints", "checkpoints uploaded by this process"),
+    _m("upload_bytes_total", "counter", "bytes", "bytes uploaded by this process"),
+    _m(
+        "upload_consecutive_failures",
+        "gauge",
+        "attempts",
+        "failed upload attempts in a row (0 while the remote store answers)",
+    ),
+    # restore
+    _m("restore_seconds", "gauge", "seconds", "time the last restore took (verify and load)"),
+    _m("restored_step", "gauge", "step", "training step the last restore resumed at"),
+    _m(
+        "restores_total",
+        "counter",
+        "restores",
+        "restores from a checkpoint, by the tier it came from (local, remote)",
+        ("tier",),
+    ),
+    _m(
+        "restore_fallbacks_total",
+        "counter",
+        "checkpoints",
+        "newer checkpoints restore skipped, by reason (corrupt, incomplete, remote, unreadable)",
+        ("reason",),
+    ),
+    # preemption
+    _m("preemptions_total", "counter", "preemptions", "preemption notices acted on"),
+    _m(
+        "emergency_saves_total",
+        "counter",
+        "checkpoints",
+        "emergency saves committed (preemption, exception, emergency_save())",
+    ),
+    # the schedule
+    _m("step", "gauge", "step", "the training step last passed to step()"),
+    _m("step_seconds", "gauge", "seconds", "median compute time of a training step (recent)"),
+    _m(
+        "interval_steps",
+        "gauge",
+        "steps",
+        "steps between periodic saves the policy uses now (adaptive decision or every_n_steps)",
+    ),
+    _m(
+        "interval_seconds",
+        "gauge",
+        "seconds",
+        "compute time between periodic saves the policy uses now (interval_steps x step time)",
+    ),
+    _m(
+        "save_cost_seconds",
+        "gauge",
+        "seconds",
+        "median blocking time of recent saves: the cost C in Young's and Daly's formulas",
+    ),
+    _m(
+        "mtbf_seconds",
+        "gauge",
+        "seconds",
+        "estimated mean time between failures (given, or learned from the restart history)",
+    ),
+    _m(
+        "optimal_interval_seconds",
+        "gauge",
+        "seconds",
+        "Daly's optimum interval for the measured save cost and the estimated MTBF",
+    ),
+    _m(
+        "restarts_total",
+        "counter",
+        "restarts",
+        "resumes of this run from its checkpoints (the MTBF estimate counts each as a failure)",
+    ),
+    # goodput
+    _m(
+        "useful_seconds_total",
+        "counter",
+        "seconds",
+        "training compute that counts: steps not lost to a failure, since the run's start",
+    ),
+    _m(
+        "wall_seconds_total",
+        "counter",
+        "seconds",
+        "wall time since the run's first start, restarts and time down included",
+    ),
+    _m(
+        "goodput_ratio",
+        "gauge",
+        "ratio",
+        "useful_seconds_total / wall_seconds_total: 1 means no time lost to checkpoints, "
+        "failures or restarts",
+    ),
+)
+BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
+
+# label values are a small fixed set (Prometheus: bounded cardinality)
+FALLBACK_REASONS = ("corrupt", "incomplete", "remote", "unreadable")
+
+
+def fallback_reason(problem: str) -> str:
+    """The label of a restore fallback, from the problem restore reported."""
+    p = problem.lower()
+    if p.startswith("remote copy"):
+        return "remote"
+    if "missing" in p or "incomplete" in p or "no such file" in p or "size" in p:
+        return "incomplete"
+    if "checksum" in p or "corrupt" in p or "mismatch" in p:
+        return "corrupt"
+    return "unreadable"
+
+
+def flat_key(name: str, labels: tuple[str, ...]) -> str:
+    """The key of a sample in a flat dict: ``name``, or ``name/value`` per label value."""
+    return "/".join((name, *labels))
+
+
+class Sink(Protocol):
+    """Where metrics go. ``start`` (once) and ``emit`` run in the sink's own thread (never the
+    training thread); ``emit`` gets every metric's current value (``flat`` keys, see
+    :func:`flat_key`; ``samples`` for sinks that keep labels), the events since the last call and
+    the step, when something changed (at most every ``period_s``) and at close; ``close`` once
+    at the end. ``per_rank``: run on every rank, not only on rank 0."""
+
+    name: str
+    per_rank: bool
+
+    def start(self, telemetry: Telemetry) -> None: ...
+
+    def emit(
+        self,
+        flat: Mapping[str, float],
+        samples: Sequence[tuple[Metric, tuple[str, ...], float]],
+        events: Sequence[Mapping[str, Any]],
+        step: int,
+    ) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Telemetry:
+    """The current value of every metric of one Checkpointer, and the sinks fed from it."""
+
+    def __init__(self, sinks: Iterable[Sink] = (), *, rank: int = 0, period_s: float = 5.0) -> None:
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._values: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._events: deque[dict[str, Any]] = deque(maxlen=1000)
+        self._n_events = 0
+        self.step = 0
+        self._runners = [
+            _Runner(s, self, period_s) for s in sinks if rank == 0 or getattr(s, "per_rank", False)
+        ]
+        for r in self._runners:
+            r.start()
+
+    @property
+    def active(self) -> bool:
+        """True when a sink is attached (on this rank)."""
+        return bool(self._runners)
+
+    # ------------------------------------------------------------------ recording (cheap)
+
+    def set(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        with self._lock:
+            self._values[(name, labels)] = float(value)
+
+    def inc(self, name: str, by: float = 1.0, labels: tuple[str, ...] = ()) -> None:
+        with self._lock:
+            key = (name, labels)
+            self._values[key] = self._values.get(key, 0.0) + by
+
+    def get(self, name: str, labels: tuple[str, ...] = ()) -> float | None:
+        with self._lock:
+            return self._values.get((name, labels))
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """A checkpoint event (a save, a restore, a fallback, a preemption) for sinks that
+        record events (MLflow tags)."""
+        rec = {"event": kind, "time": time.time(), **fields}
+        with self._lock:
+            self._events.append(rec)
+            self._n_events += 1
+        self.notify()
+
+    def notify(self) -> None:
+        """Tell the sinks there is something new (they send it from their own threads)."""
+        for r in self._runners:
+            r.wake()
+
+    # ------------------------------------------------------------------ reading
+
+    def samples(self) -> list[tuple[Metric, tuple[str, ...], float]]:
+        with self._lock:
+            items = list(self._values.items())
+        return [(BY_NAME[n], labels, v) for (n, labels), v in sorted(items)]
+
+    def values(self) -> dict[str, float]:
+        """Every metric set so far, as ``{flat key: value}`` (labelled counters also summed
+        under their plain name)."""
+        out: dict[str, float] = {}
+        for m, labels, v in self.samples():
+            if labels:
+                out[m.name] = out.get(m.name, 0.0) + v
+            out[flat_key(m.name, labels)] = v
+        return out
+
+    def events_since(self, seen: int) -> tuple[list[dict[str, Any]], int]:
+        with self._lock:
+            n = self._n_events
+            new = min(n - seen, len(self._events))
+            return (list(self._events)[len(self._events) - new :] if new > 0 else []), n
+
+    # ------------------------------------------------------------------ the end
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what is left and stop (each sink gets ``timeout`` seconds, or its own
+        ``close_timeout_s``)."""
+        for r in self._runners:
+            r.stop()
+        for r in self._runners:
+            r.join(getattr(r.sink, "close_timeout_s", timeout))
+            if r.is_alive():
+                log.warning(
+                    "metrics sink %s did not finish sending within %.0f s; not waiting for it",
+                    getattr(r.sink, "name", "?"),
+                    getattr(r.sink, "close_timeout_s", timeout),
+                )
+        self._runners = []
+
+
+class _Runner(threading.Thread):
+    """One sink's thread: sends the values when told something changed, at most every
+    ``period_s`` (and at close). A sink that raises is warned about once and switched off."""
+
+    def __init__(self, sink: Sink, telemetry: Telemetry, period_s: float) -> None:
+        super().__init__(name=f"rc-metrics-{getattr(sink, 'name', 'sink')}", daemon=True)
+        self.sink = sink
+        self._t = telemetry
+        self._period = period_s
+        self._cond = threading.Condition()
+        self._dirty = True
+        self._halt = False
+        self._seen = 0
+        self.failed = False
+
+    def wake(self) -> None:
+        with self._cond:
+            self._dirty = True
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._halt = True
+            self._cond.notify()
+
+    def run(self) -> None:
+        if not self._call(lambda: self.sink.start(self._t)):
+            return
+        last = 0.0
+        while True:
+            with self._cond:
+                while not self._halt and not self._dirty:
+                    self._cond.wait()
+                stopping = self._halt
+            if not stopping:  # at most one send every period
+                wait = last + self._period - time.monotonic()
+                if wait > 0:
+                    with self._cond:
+                        self._cond.wait_for(lambda: self._halt, wait)
+                        stopping = self._halt
+            with self._cond:
+                self._dirty = False
+            last = time.monotonic()
+            if not self._send():
+                return
+            if stopping:
+                self._call(self.sink.close)
+                return
+
+    def _send(self) -> bool:
+        t = self._t
+        events, self._seen = t.events_since(self._seen)
+        return self._call(lambda: self.sink.emit(t.values(), t.samples(), events, t.step))
+
+    def _call(self, fn: Any) -> bool:
+        try:
+            fn()
+            return True
+        except Exception as e:
+            self.failed = True
+            log.warning(
+                "metrics sink %s failed and is switched off for the rest of this run (training "
+                "goes on): %s: %s",
+                getattr(self.sink, "name", type(self.sink).__name__),
+                type(e).__name__,
+                e,
+            )
+            with contextlib.suppress(Exception):  # already reported as failed
+                self.sink.close()
+            return False

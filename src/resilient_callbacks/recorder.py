@@ -1,0 +1,289 @@
+"""What a Checkpointer reports about itself: the metrics (:mod:`.metrics`) and the run history
+records ``resilient-ckpt report`` plots (:mod:`.history`).
+
+One job: turn the Checkpointer's events (a save blocked, committed, failed or was skipped; a
+restore, a fallback, a preemption; a training step) into metric values and history records.
+On the training thread it only does arithmetic and dict writes, plus, about once a second while
+a sink is attached, a refresh of the derived values (medians, the goodput), and a heartbeat
+record (no fsync) about once a minute. Recording never raises: a history record that cannot be
+written is logged.
+
+Which ranks call what: every rank records its own metrics; only the coordinator writes history.
+
+Useful time (the goodput's numerator) is the compute between ``step()`` calls (time blocked in a
+save excluded), summed since the run's first start and carried across restarts in each
+checkpoint's manifest (``extra["progress"]``), so work lost to a failure drops out of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import history
+from .adaptive import DEFAULT_PRIOR_MTBF_HOURS, HOUR
+from .interval import _daly
+from .metrics import PREFIX, Telemetry, fallback_reason
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+    from .manifest import Manifest
+
+log = logging.getLogger("resilient_callbacks")
+
+PROGRESS_ENV = "RESILIENT_PROGRESS_EVERY_S"  # heartbeat period of the history (default 60 s)
+REFRESH_S = 1.0  # derived metrics, while a sink is attached
+
+
+def _median(xs: Any) -> float | None:
+    try:
+        vals = list(xs)
+    except RuntimeError:  # mutated while copied (another thread): next time
+        return None
+    return statistics.median(vals) if vals else None
+
+
+class Recorder:
+    def __init__(self, ck: Checkpointer, telemetry: Telemetry) -> None:
+        self._ck = ck
+        self.t = telemetry
+        self.base_useful_s = 0.0  # useful time of the checkpoint restored (0 on a fresh start)
+        self.run_start: float | None = None  # wall-clock start of the run (lineage)
+        self.failures = 0
+        self._compute_at_base = 0.0
+        self._next_refresh = 0.0
+        self._committed: dict[str, tuple[int, float]] = {}  # name -> (bytes, commit time)
+        try:
+            self._beat_s = float(os.environ.get(PROGRESS_ENV, "60"))
+        except ValueError:
+            self._beat_s = 60.0
+        self._next_beat = time.monotonic() + self._beat_s
+
+    # ------------------------------------------------------------------ derived values
+
+    def useful_s(self) -> float:
+        """Training compute that counts so far (see the module docstring)."""
+        return self.base_useful_s + self._ck._trigger.compute_s - self._compute_at_base
+
+    def schedule_inputs(self) -> dict[str, Any]:
+        """What the interval decision is made of: step time, save cost, MTBF, the interval in
+        use and Daly's optimum for them."""
+        ck = self._ck
+        step_s = _median(ck._trigger.step_seconds)
+        cost = _median(ck._saver.save_seconds)
+        sched = ck.schedule
+        if sched is not None:
+            mtbf, source = sched.mtbf_estimate(), sched.mtbf_source()
+            steps = sched.current_steps
+        else:
+            exposure = time.time() - self.run_start if self.run_start is not None else 0.0
+            mtbf = (DEFAULT_PRIOR_MTBF_HOURS * HOUR + exposure) / (1 + self.failures)
+            source = "learned" if self.failures else "prior"
+            steps = ck.policy.every_n_steps
+        out: dict[str, Any] = {
+            "step_s": step_s,
+            "cost_s": cost,
+            "mtbf_s": mtbf,
+            "mtbf_source": source,
+            "interval_steps": steps,
+            "interval_s": steps * step_s if steps and step_s is not None else None,
+            "optimal_interval_s": _daly(cost, mtbf) if cost is not None else None,
+        }
+        return out
+
+    def refresh(self) -> None:
+        """Set the derived metrics (training thread, about once a second with a sink)."""
+        ck, t = self._ck, self.t
+        t.set(PREFIX + "step", t.step)
+        s = self.schedule_inputs()
+        for key, name in (
+            ("step_s", "step_seconds"),
+            ("cost_s", "save_cost_seconds"),
+            ("mtbf_s", "mtbf_seconds"),
+            ("interval_steps", "interval_steps"),
+            ("interval_s", "interval_seconds"),
+            ("optimal_interval_s", "optimal_interval_seconds"),
+        ):
+            if s[key] is not None:
+                t.set(PREFIX + name, s[key])
+        t.set(PREFIX + "restarts_total", self.failures)
+        useful = self.useful_s()
+        t.set(PREFIX + "useful_seconds_total", useful)
+        if self.run_start is not None:
+            wall = max(time.time() - self.run_start, 1e-9)
+            t.set(PREFIX + "wall_seconds_total", wall)
+            t.set(PREFIX + "goodput_ratio", min(1.0, useful / wall))
+        waits = ck._saver.save_waits
+        t.set(PREFIX + "saves_waited_total", waits.waits)
+        t.set(PREFIX + "save_wait_seconds_total", waits.total_seconds)
+        self._upload_status()
+
+    def _upload_status(self) -> None:
+        sync = self._ck._dir.sync
+        if sync is None:
+            return
+        st = sync.status()
+        t = self.t
+        t.set(PREFIX + "upload_backlog_checkpoints", len(st.pending))
+        t.set(PREFIX + "uploads_total", st.uploaded)
+        t.set(PREFIX + "upload_bytes_total", st.uploaded_bytes)
+        t.set(PREFIX + "upload_consecutive_failures", st.failures)
+        pending_bytes, oldest = 0, None
+        for name in st.pending:
+            info = self._committed.get(name)
+            if info is not None:
+                pending_bytes += info[0]
+                oldest = info[1] if oldest is None else min(oldest, info[1])
+        t.set(PREFIX + "upload_backlog_bytes", pending_bytes)
+        t.set(PREFIX + "upload_lag_seconds", time.time() - oldest if oldest is not None else 0.0)
+
+    # ------------------------------------------------------------------ events
+
+    def tick(self, step: int) -> None:
+        """Training thread, every step(): cheap unless a refresh or a heartbeat is due."""
+        self.t.step = step
+        now = time.monotonic()
+        if self.t.active and now >= self._next_refresh:
+            self._next_refresh = now + REFRESH_S
+            self.refresh()
+            self.t.notify()
+        if now >= self._next_beat:
+            self._next_beat = now + self._beat_s
+            self._record("progress", step, sync=False, useful_s=round(self.useful_s(), 3))
+
+    def started(self, step: int) -> None:
+        """A new run (no checkpoint restored): its clock starts now."""
+        self.run_start = time.time()
+
+    def save_blocked(self, blocking_s: float) -> None:
+        self.t.set(PREFIX + "save_blocking_seconds", blocking_s)
+        self.t.inc(PREFIX + "save_blocking_seconds_total", blocking_s)
+
+    def skipped(self) -> None:
+        self.t.inc(PREFIX + "saves_skipped_total")
+        self.t.notify()
+
+    def committed(
+        self,
+        step: int,
+        path: str,
+        nbytes: int,
+        persist_s: float,
+        blocking_s: float,
+        reason: str,
+        useful_s: float,
+    ) -> None:
+        """Any thread (the background one for background saves), once ``step`` is committed."""
+        t = self.t
+        name = os.path.basename(path)
+        self._committed[name] = (nbytes, time.time())
+        if len(self._committed) > 1000:
+            self._committed.pop(next(iter(self._committed)))
+        t.set(PREFIX + "save_persist_seconds", persist_s)
+        t.set(PREFIX + "save_bytes", nbytes)
+        if persist_s > 0:
+            t.set(PREFIX + "save_throughput_bytes_per_second", nbytes / persist_s)
+        t.inc(PREFIX + "saves_total", labels=(reason,))
+        if reason == "emergency":
+            t.inc(PREFIX + "emergency_saves_total")
+        t.set(PREFIX + "last_saved_step", step)
+        t.set(PREFIX + "last_save_timestamp_seconds", time.time())
+        s = self.schedule_inputs()
+        fields: dict[str, Any] = {
+            "name": name,
+            "reason": reason,
+            "bytes": nbytes,
+            "blocking_s": round(blocking_s, 6),
+            "persist_s": round(persist_s, 6),
+            "useful_s": round(useful_s, 3),
+            **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in s.items()},
+        }
+        t.event("save", step=step, **fields)
+        self._record("save", step, fields=fields)
+
+    def save_failed(self, step: int, error: BaseException) -> None:
+        self.t.inc(PREFIX + "save_failures_total")
+        msg = f"{type(error).__name__}: {error}"[:500]
+        self.t.event("save_failed", step=step, error=msg)
+        self._record("save_failed", step, error=msg)
+
+    def fallback(self, step: int | None, where: str | None, problem: str) -> None:
+        reason = fallback_reason(problem)
+        self.t.inc(PREFIX + "restore_fallbacks_total", labels=(reason,))
+        self.t.event("fallback", step=step, checkpoint=where, reason=reason, problem=problem[:500])
+        self._record(
+            "fallback",
+            step or 0,
+            fields={"checkpoint": where, "reason": reason, "problem": problem[:500]},
+        )
+
+    def restored(
+        self, manifest: Manifest, inside: bool, seconds: float, tier: str, skipped: int
+    ) -> dict[str, Any]:
+        """Every rank, once a checkpoint is loaded: carry its useful time on; returns the
+        fields of the ``restart`` history record."""
+        t = self.t
+        progress = manifest.extra.get("progress") if inside else None
+        useful = 0.0
+        if isinstance(progress, dict):
+            try:
+                useful = float(progress.get("useful_s", 0.0))
+            except (TypeError, ValueError):
+                useful = 0.0
+        self.base_useful_s = useful if math.isfinite(useful) else 0.0
+        self._compute_at_base = self._ck._trigger.compute_s
+        if self._ck.is_coordinator and inside:
+            events = history.read(self._ck.dirpath)
+            start, restarts = history.failures(events, manifest.run_id)
+            self.run_start = start
+            self.failures = len(restarts) + 1  # this restart is recorded right after
+        if self.run_start is None:
+            self.run_start = time.time()
+        t.set(PREFIX + "restore_seconds", seconds)
+        t.set(PREFIX + "restored_step", manifest.step)
+        t.inc(PREFIX + "restores_total", labels=(tier,))
+        fields = {
+            "seconds": round(seconds, 6),
+            "tier": tier,
+            "fallbacks": skipped,
+            "useful_s": round(self.base_useful_s, 3),
+        }
+        t.event("restore", step=manifest.step, **fields)
+        return fields
+
+    def preemption(self, step: int, source: str) -> None:
+        self.t.inc(PREFIX + "preemptions_total")
+        self.t.event("preemption", step=step, source=source)
+        self._record("preemption", step, source=source)
+
+    def progress_extra(self) -> dict[str, Any]:
+        """The manifest's ``extra["progress"]``, taken on the training thread at the save."""
+        return {"useful_s": round(self.useful_s(), 6)}
+
+    def closed(self) -> None:
+        """close(): the last values, an ``end`` record, then the sinks flush and stop."""
+        try:
+            self.refresh()
+        except Exception as e:  # metrics never stop a close
+            log.debug("metrics refresh at close failed: %s", e)
+        if self._ck._dir.run_id is not None:
+            self._record("end", self.t.step, useful_s=round(self.useful_s(), 3))
+        self.t.close()
+
+    def _record(
+        self,
+        event: str,
+        step: int,
+        *,
+        sync: bool = True,
+        fields: dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> None:
+        ck = self._ck
+        if not ck.is_coordinator or ck._dir.run_id is None:
+            return
+        ck._dir.record(event, step, sync=sync, **(fields or {}), **kw)

@@ -1,0 +1,288 @@
+"""The goodput report of a run, computed from its history (``history.jsonl``) and checkpoints.
+
+One job: the numbers ``resilient-ckpt report`` shows and plots (:mod:`.report_html`), as plain
+JSON-able data. No plotting library is needed here.
+
+A run's history is cut into *lives*: one process (or job) from its ``start`` or ``restart``
+record to the next. A life that wrote an ``end`` record stopped cleanly (finished, or saved and
+exited on a preemption); one that did not was killed: a failure. For a failure:
+
+- *work lost* is the useful compute the dead life had done past the checkpoint the next life
+  restored, as far as its last record shows (``progress`` heartbeats about once a minute, and
+  saves): a lower bound;
+- the rest of the time from that last record to the restart is *unaccounted*: more lost work,
+  the time the job was down, and the restart itself (they cannot be told apart).
+
+Goodput is useful compute (see :mod:`.recorder`) over wall time since the run's first start.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import history
+from .adaptive import DEFAULT_PRIOR_MTBF_HOURS, HOUR
+from .interval import _daly
+
+
+@dataclass
+class Life:
+    """One process of the run: from its start/restart record to the next."""
+
+    index: int
+    begin: float
+    begin_step: int
+    begin_useful_s: float
+    how: str  # "start" | "restart"
+    records: list[dict[str, Any]] = field(default_factory=list)
+    restore: dict[str, Any] | None = None
+
+    @property
+    def ended_cleanly(self) -> bool:
+        return any(r["event"] == "end" for r in self.records)
+
+    @property
+    def preempted(self) -> bool:
+        return any(r["event"] == "preemption" for r in self.records)
+
+    @property
+    def last_time(self) -> float:
+        return max([self.begin, *(r["time"] for r in self.records)])
+
+    @property
+    def last_step(self) -> int:
+        return max([self.begin_step, *(int(r.get("step") or 0) for r in self.records)])
+
+    @property
+    def last_useful_s(self) -> float:
+        vals = [_num(r.get("useful_s")) for r in self.records]
+        return max([self.begin_useful_s, *(v for v in vals if v is not None)])
+
+    def saves(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["event"] == "save"]
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def choose_run(records: list[dict[str, Any]], run_id: str | None = None) -> str | None:
+    """``run_id``, or the run of the newest start/restart record."""
+    if run_id is not None:
+        return run_id
+    for r in reversed(records):
+        if r["event"] in history.LIFECYCLE:
+            return r.get("run_id")
+    return None
+
+
+def lives(records: list[dict[str, Any]]) -> list[Life]:
+    out: list[Life] = []
+    for r in records:
+        if r["event"] in history.LIFECYCLE:
+            useful = _num(r.get("useful_s")) or 0.0
+            out.append(
+                Life(
+                    len(out),
+                    float(r["time"]),
+                    int(r.get("step") or 0),
+                    useful,
+                    r["event"],
+                    restore=r if r["event"] == "restart" else None,
+                )
+            )
+        elif out:
+            out[-1].records.append(r)
+    return out
+
+
+def analyse(
+    root: str,
+    *,
+    run_id: str | None = None,
+    checkpoints: list[dict[str, Any]] | None = None,
+    now: float | None = None,
+) -> dict[str, Any]:
+    """Everything the report shows, as JSON-able data. ``checkpoints``: rows of the
+    checkpoints-by-tier table (see :func:`checkpoint_rows`)."""
+    recs = history.records(root)
+    run = choose_run(recs, run_id)
+    mine = [r for r in recs if r.get("run_id") == run]
+    ls = lives(mine)
+    if not ls:
+        return {
+            "dir": root,
+            "run_id": run,
+            "lives": [],
+            "summary": {},
+            "failures": [],
+            "saves": [],
+            "goodput": [],
+            "checkpoints": checkpoints or [],
+            "missing": "no history records of a run in this directory (history.jsonl)",
+        }
+    t0 = ls[0].begin
+    end_t = max(lf.last_time for lf in ls)
+    saves: list[dict[str, Any]] = []
+    goodput: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
+    for lf in ls:
+        prev_useful = lf.begin_useful_s
+        goodput.append({"t": lf.begin - t0, "useful_s": lf.begin_useful_s, "life": lf.index})
+        for r in lf.records:
+            u = _num(r.get("useful_s"))
+            if u is not None and r["event"] in ("save", "progress", "end"):
+                goodput.append({"t": r["time"] - t0, "useful_s": u, "life": lf.index})
+            if r["event"] != "save":
+                continue
+            interval = None if u is None else u - prev_useful
+            if u is not None:
+                prev_useful = u
+            saves.append(
+                {
+                    "t": r["time"] - t0,
+                    "life": lf.index,
+                    "step": r.get("step"),
+                    "name": r.get("name"),
+                    "reason": r.get("reason"),
+                    "bytes": r.get("bytes"),
+                    "blocking_s": _num(r.get("blocking_s")),
+                    "persist_s": _num(r.get("persist_s")),
+                    "interval_used_s": interval,
+                    "cost_s": _num(r.get("cost_s")),
+                    "mtbf_s": _num(r.get("mtbf_s")),
+                    "optimal_interval_s": _num(r.get("optimal_interval_s")),
+                    "interval_steps": r.get("interval_steps"),
+                }
+            )
+    for g in goodput:
+        g["goodput"] = g["useful_s"] / g["t"] if g["t"] > 0 else None
+    for prev, nxt in itertools.pairwise(ls):
+        if prev.ended_cleanly:
+            continue
+        restored_useful = nxt.begin_useful_s
+        lost = max(0.0, prev.last_useful_s - restored_useful)
+        failures.append(
+            {
+                "life": prev.index,
+                "last_seen_t": prev.last_time - t0,
+                "last_seen_step": prev.last_step,
+                "restored_step": nxt.begin_step,
+                "restart_t": nxt.begin - t0,
+                "lost_steps_at_least": max(0, prev.last_step - nxt.begin_step),
+                "lost_work_s_at_least": lost,
+                "unaccounted_s": max(0.0, nxt.begin - prev.last_time),
+                "restore_s": _num((nxt.restore or {}).get("seconds")),
+                "tier": (nxt.restore or {}).get("tier"),
+                "fallbacks": (nxt.restore or {}).get("fallbacks"),
+            }
+        )
+    wall = max(end_t - t0, 1e-9)
+    useful = ls[-1].last_useful_s
+    blocking = [s["blocking_s"] for s in saves if s["blocking_s"] is not None]
+    persist = [s["persist_s"] for s in saves if s["persist_s"] is not None]
+    exposure = wall
+    n_fail = len(failures)
+    mtbf_obs = exposure / n_fail if n_fail else None
+    cost = statistics.median(blocking) if blocking else None
+    mtbf_est = (DEFAULT_PRIOR_MTBF_HOURS * HOUR + exposure) / (1 + len(ls) - 1)
+    used = [s["interval_used_s"] for s in saves if s["interval_used_s"]]
+    summary = {
+        "run_id": run,
+        "wall_s": wall,
+        "useful_s": useful,
+        "goodput": min(1.0, useful / wall),
+        "lives": len(ls),
+        "failures": n_fail,
+        "clean_restarts": sum(1 for lf in ls[:-1] if lf.ended_cleanly),
+        "preemptions": sum(1 for lf in ls if lf.preempted),
+        "saves": len(saves),
+        "saving_blocked_s": sum(blocking),
+        "median_blocking_s": cost,
+        "median_persist_s": statistics.median(persist) if persist else None,
+        "work_lost_s_at_least": sum(f["lost_work_s_at_least"] for f in failures),
+        "unaccounted_s": sum(f["unaccounted_s"] for f in failures),
+        "restore_s": sum(f["restore_s"] or 0.0 for f in failures),
+        "final_step": ls[-1].last_step,
+        "finished_cleanly": ls[-1].ended_cleanly,
+        "mtbf_observed_s": mtbf_obs,
+        "mtbf_estimate_s": mtbf_est,
+        "daly_interval_observed_s": _daly(cost, mtbf_obs) if cost and mtbf_obs else None,
+        "daly_interval_estimate_s": _daly(cost, mtbf_est) if cost else None,
+        "median_interval_used_s": statistics.median(used) if used else None,
+    }
+    return {
+        "dir": root,
+        "run_id": run,
+        "generated": now,
+        "summary": summary,
+        "lives": [
+            {
+                "index": lf.index,
+                "how": lf.how,
+                "begin_t": lf.begin - t0,
+                "end_t": lf.last_time - t0,
+                "begin_step": lf.begin_step,
+                "last_step": lf.last_step,
+                "ended": "clean" if lf.ended_cleanly else "killed",
+                "preempted": lf.preempted,
+            }
+            for lf in ls
+        ],
+        "failures": failures,
+        "saves": saves,
+        "goodput": goodput,
+        "checkpoints": checkpoints or [],
+        "other_runs": sorted({str(r.get("run_id")) for r in recs} - {str(run)}),
+    }
+
+
+def checkpoint_rows(root: str, remote: Any = None) -> list[dict[str, Any]]:
+    """The checkpoints of ``root`` (sizes checked) and, with ``remote`` (a RemoteStore), of the
+    remote tier: one row per checkpoint and tier."""
+    from .catalog import Depth, scan
+
+    rows = []
+    for e in scan(root, Depth.SIZE):
+        m = e.manifest
+        rows.append(
+            {
+                "tier": "local",
+                "name": e.name,
+                "step": e.step,
+                "status": str(e.status),
+                "bytes": m.total_bytes if m else None,
+                "created": m.created if m else None,
+                "run_id": m.run_id if m else None,
+                "reason": m.reason if m else None,
+            }
+        )
+    if remote is not None:
+        for r in remote.scan():
+            m = r.manifest
+            rows.append(
+                {
+                    "tier": "remote",
+                    "name": r.name,
+                    "step": m.step if m else None,
+                    "status": "committed" if m and not r.problem else (r.problem or "incomplete"),
+                    "bytes": m.total_bytes if m else None,
+                    "created": m.created if m else None,
+                    "run_id": m.run_id if m else None,
+                    "reason": m.reason if m else None,
+                }
+            )
+    return rows
+
+
+def history_exists(root: str) -> bool:
+    return os.path.exists(os.path.join(root, history.HISTORY_NAME))

