@@ -212,3 +212,66 @@ def test_a_hanging_sink_does_not_block_training(tmp_path: Path):
         assert time.perf_counter() - t0 < 20  # ten steps, while the sink is stuck
         assert [e.step for e in ck.checkpoints()][-1] == 10
         release.set()
+
+
+def test_pushgateway_receives_the_metrics_over_http(tmp_path: Path):
+    """A batch job's metrics are PUT to a Pushgateway URL (here an HTTP server on 127.0.0.1
+    that keeps what it is sent, as the Pushgateway's API receives it) under the job and this
+    host; the body parses with prometheus_client's parser."""
+    import http.server
+
+    received: list[tuple[str, str, bytes]] = []
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def _keep(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            received.append((self.command, self.path, body))
+            self.send_response(200)
+            self.end_headers()
+
+        do_PUT = do_POST = _keep
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        state = _state()
+        with Checkpointer(
+            tmp_path / "ck", every_n_steps=3, async_save=False, telemetry=f"pushgateway:{url}"
+        ) as ck:
+            ck.restore(state)
+            _train(ck, range(1, 7), state)
+    finally:
+        server.shutdown()
+    assert received, "nothing was pushed"
+    method, path, body = received[-1]  # the push at close holds every save
+    assert method == "PUT" and path.startswith("/metrics/job/resilient_ckpt/instance/")
+    fams = {f.name: f for f in prom_parser.text_string_to_metric_families(body.decode())}
+    assert sum(s.value for s in fams[PREFIX + "saves"].samples) == 2
+    assert fams[PREFIX + "last_saved_step"].samples[0].value == 6
+
+
+@pytest.mark.slow
+def test_transformers_logger_telemetry_reaches_the_trainers_log(tmp_path: Path):
+    """``telemetry="logger"`` on the Trainer callback: after each save every checkpoint metric
+    goes through ``Trainer.log`` (so to every ``report_to`` integration) and into the log
+    history."""
+    pytest.importorskip("transformers")
+    import hf_train
+    from resilient_callbacks.transformers import ResilientCheckpoint
+
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2, telemetry="logger")
+    trainer = hf_train.build_trainer(
+        str(tmp_path / "out"), max_steps=4, callbacks=[rc], eval_strategy="no",
+        metric_for_best_model=None,
+    )  # fmt: skip
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if PREFIX + "saves_total" in e]
+    # after each save, the metrics as they are then (a background save is counted once it
+    # committed), and once more at the end of training, with every save in
+    assert [e[PREFIX + "saves_total"] for e in logged][-1] == 2
+    assert logged[-1][PREFIX + "last_saved_step"] == 4
+    assert all(e[PREFIX + "save_bytes"] > 0 for e in logged)

@@ -223,6 +223,10 @@ class ResilientCheckpoint(TrainerCallback):
         self._record(metrics)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        ckpt, trainer = self.checkpointer, self._trainer
+        if ckpt is not None and trainer is not None and "logger" in ckpt.telemetry_kinds:
+            ckpt.flush()  # the last saves commit in the background: log them once they did
+            trainer.log(ckpt.metrics())
         self._finish()
 
     # ------------------------------------------------------------------ begin
