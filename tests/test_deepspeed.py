@@ -169,7 +169,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-DEFAULT_CASES = {(2, 2, "fp32"), (3, 2, "bf16")}
+DEFAULT_CASES = {(2, 2, "fp32"), (3, 1, "bf16")}  # the rest: -m slow (suite time budget)
 CASES = [
     pytest.param(
         s,
@@ -249,6 +249,7 @@ def test_resume_on_another_number_of_ranks(
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the same fallback for any FilePart: test_seams_filepart (default suite)
 def test_flipped_byte_in_rank1_partition_falls_back_on_both_ranks(
     tmp_path: Path, reference
 ) -> None:
@@ -289,6 +290,7 @@ def test_sigterm_exits_75_and_resumes_exactly_without_unpickling(tmp_path: Path,
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_no_code_change_through_the_launcher(tmp_path: Path, reference) -> None:
     full = reference(2, 1, "fp32")
     run = [
