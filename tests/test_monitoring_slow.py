@@ -37,11 +37,11 @@ def test_mlflow_across_a_sigkill_and_resume_with_a_verified_artifact(tmp_path: P
     d = tmp_path / "ck"
     base = [sys.executable, str(TRAIN), str(d), "--steps", "30", "--every", "5"]
     base += ["--mlflow-uri", uri, "--log-checkpoint", "final", "--sleep", "0.05"]
-    p = subprocess.run(
-        [*base, "--kill-at", "17"], capture_output=True, text=True, env=_env(), timeout=600
-    )
+    # cwd: MLflow puts a sqlite store's artifacts under ./mlruns
+    run = dict(capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
+    p = subprocess.run([*base, "--kill-at", "17"], **run)
     assert p.returncode == -9, p.stderr[-3000:]
-    p = subprocess.run(base, capture_output=True, text=True, env=_env(), timeout=600)
+    p = subprocess.run(base, **run)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "RESTORED 15" in p.stdout
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
