@@ -88,6 +88,10 @@ class Checkpointer:
     - ``save_on_exception``: save the last consistent step on an exception (:meth:`abort`).
     - ``remote``, ``remote_options``, ``remote_keep_last``, ``remote_keep_best``,
       ``remote_timeout``: upload to any fsspec URL in the background and resume from it.
+    - ``incremental``: a replicated tensor whose bytes an earlier committed checkpoint of the
+      run stored already is not written again (docs/incremental.md).
+    - ``compression`` (``"none"``, ``"zstd"``, ``"auto"``), ``compression_level``,
+      ``compression_shuffle``: zstd-compress the tensor files (the ``zstd`` extra).
     """
 
     def __init__(
@@ -127,6 +131,10 @@ class Checkpointer:
         remote_keep_last: int | str | None = None,
         remote_keep_best: int | None = None,
         remote_timeout: float = 30.0,
+        incremental: bool | str = False,
+        compression: str = "none",
+        compression_level: int = 3,
+        compression_shuffle: bool = True,
     ) -> None:
         options = {k: v for k, v in locals().items() if k != "self"}
         options["signals"] = tuple(signals)

@@ -56,6 +56,10 @@ class CheckpointerConfig:
     remote_keep_last: int | str | None = None  # None: as keep_last; "all": keep every one
     remote_keep_best: int | None = None  # None: as keep_best
     remote_timeout: float = 30.0  # seconds the construction-time preflight may take
+    incremental: bool | str = False  # True | "hash": store unchanged tensors once
+    compression: str = "none"  # "none" | "zstd" | "auto"
+    compression_level: int = 3
+    compression_shuffle: bool = True  # byte-shuffle multi-byte dtypes before zstd
 
     def __post_init__(self) -> None:
         d = os.fspath(self.dirpath) if isinstance(self.dirpath, os.PathLike) else self.dirpath
@@ -144,6 +148,14 @@ class CheckpointerConfig:
                 "emergency save as SIGTERM"
             )
         self._check_remote()
+        if not (isinstance(self.incremental, bool) or self.incremental == "hash"):
+            raise ConfigError(
+                f"incremental={self.incremental!r}: True (tensors known unchanged are neither "
+                "copied nor hashed), 'hash' (every tensor hashed at every save) or False"
+            )
+        from .compression import check_options
+
+        check_options(self.compression, self.compression_level, self.compression_shuffle)
         # Constructing these validates the options with their own messages.
         self.save_policy()
         self.retention_policy()
