@@ -256,13 +256,11 @@ class BlobStore:
                 if key in pinned:
                     continue
                 if not dry_run:
-                    try:
+                    with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(self.dir, name))
-                    except FileNotFoundError:
-                        pass
-                    if self._index is not None and key in self._index:
-                        if self._index[key].path == name:
-                            del self._index[key]
+                    indexed = self._index.get(key) if self._index is not None else None
+                    if indexed is not None and indexed.path == name:
+                        del self._index[key]  # type: ignore[union-attr]
                 removed.append(name)
             if removed and not dry_run:
                 fsync_dir(self.dir)

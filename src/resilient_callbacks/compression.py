@@ -103,7 +103,7 @@ def shuffle(mv: memoryview, itemsize: int) -> memoryview:
     for start in range(0, len(src), SHUFFLE_BLOCK):
         block = src[start : start + SHUFFLE_BLOCK]
         out[start : start + len(block)] = block.reshape(-1, itemsize).T.reshape(-1)
-    return memoryview(out)
+    return memoryview(out)  # type: ignore[arg-type]
 
 
 def unshuffle_(buf: np.ndarray, itemsize: int) -> None:
@@ -208,7 +208,7 @@ def read_tensors_compressed(
             raise CheckpointCorruptError(f"{path}: the zstd frame does not record its size")
         out = np.empty(size, dtype=np.uint8)
         reader = z.ZstdDecompressor().stream_reader(memoryview(stored))
-        view = memoryview(out)
+        view = memoryview(out)  # type: ignore[arg-type]
         pos = 0
         while pos < size:
             n = reader.readinto(view[pos : min(size, pos + CHUNK)])
@@ -218,7 +218,12 @@ def read_tensors_compressed(
     except z.ZstdError as e:
         raise CheckpointCorruptError(f"{path}: cannot decompress ({e})") from None
     del stored
-    header, data_start = parse_header(memoryview(out)[: min(size, 8 + (100 << 20))], path)
+    header, data_start = parse_header(
+        memoryview(out)[  # type: ignore[arg-type]
+            : min(size, 8 + (100 << 20))
+        ],
+        path,
+    )
     result: dict[str, torch.Tensor] = {}
     for name, dtype, shape, start, end in _layout(header, data_start, size, path):
         region = out[data_start + start : data_start + end]

@@ -84,13 +84,16 @@ def write_part(
         from .compression import SUFFIX, write_tensors_compressed
 
         d, codec = write_tensors_compressed(
-            os.path.join(staging, name + SUFFIX), tensors, meta, level=compress[0],
+            os.path.join(staging, name + SUFFIX),
+            tensors,
+            meta,
+            level=compress[0],
             with_shuffle=compress[1],
         )
         entries.append(FileEntry(name + SUFFIX, d.size, d.xxh3_64, rank, "tensors", codec))
 
     if shared is not None:
-        inline, refs = dict(shared.tensors), {}
+        inline, refs = dict(shared.tensors), dict[str, str]()
         if blobs is not None:
             inline, refs, blob_entries = blobs.split(shared.tensors)
             entries.extend(blob_entries)
