@@ -66,7 +66,7 @@ def _ckpt_bytes(root) -> int:
     )
 
 
-@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_frozen_model_ten_saves_store_changed_bytes_and_restore_exactly(tmp_path, async_save):
     state = _state(_model())
     saved: dict[int, dict[str, torch.Tensor]] = {}
@@ -296,9 +296,11 @@ def _restored(root, step: int) -> dict:
 def test_a_blob_reference_outside_the_store_is_refused(tmp_path):
     paths = _two_saves(tmp_path)
     mpath = os.path.join(paths[1], "manifest.json")
-    raw = json.loads(open(mpath).read())
+    with open(mpath) as f:
+        raw = json.load(f)
     raw["blobs"][0]["path"] = "../step_000000001/shared.safetensors"
-    open(mpath, "w").write(json.dumps(raw))
+    with open(mpath, "w") as f:
+        json.dump(raw, f)
     with pytest.raises(UnsafeManifestError):
         read_manifest(paths[1])
 

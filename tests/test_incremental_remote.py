@@ -51,15 +51,15 @@ def test_blobs_are_uploaded_once_and_resume_from_remote_is_exact(s3_remote, tmp_
 
         fs.put = counting_put
         try:
-            for step in range(1, 6):
+            for step in range(1, 5):
                 _train(state, step)
                 ck.save(step, state)
                 ck._dir.sync.wait(60)
         finally:
             del fs.put
         want = {k: v.clone() for k, v in state["model"].state_dict().items()}
-        want_opt = {k: v["momentum_buffer"].clone() for k, v in state["opt"].state.items()}
-    frozen = "blobs/"  # the frozen layer's weight: one blob, put once in five uploads
+        want_opt = state["opt"].state_dict()["state"]
+    frozen = "blobs/"  # the frozen layer's weight: one blob, put once in four uploads
     blob_puts = [p for p in puts if frozen in p]
     per_name: dict[str, int] = {}
     for p in blob_puts:
@@ -67,7 +67,7 @@ def test_blobs_are_uploaded_once_and_resume_from_remote_is_exact(s3_remote, tmp_
     assert max(per_name.values()) == 1, per_name  # no blob was ever uploaded twice
     store = RemoteStore(url, opts)
     entries = [e for e in store.scan() if e.manifest is not None]
-    assert [e.manifest.step for e in entries] == [4, 5]
+    assert [e.manifest.step for e in entries] == [3, 4]
     assert all(e.problem is None for e in entries)
     live = {b.path for e in entries for b in e.manifest.blobs}
     remote_blobs = {n for n in listing(store) if not n.startswith(".")}
@@ -83,9 +83,11 @@ def test_blobs_are_uploaded_once_and_resume_from_remote_is_exact(s3_remote, tmp_
     with Checkpointer(
         tmp_path / "local", incremental=True, remote=url, remote_options=opts, async_save=False
     ) as ck:
-        assert ck.restore(fresh) == 5
+        assert ck.restore(fresh) == 4
         assert ck.last_restore is not None and ck.last_restore.tier == "remote"
     for k, v in fresh["model"].state_dict().items():
         assert torch.equal(v, want[k]), k
-    for k, v in fresh["opt"].state.items():
-        assert torch.equal(v["momentum_buffer"], want_opt[k])
+    got_opt = fresh["opt"].state_dict()["state"]
+    assert got_opt.keys() == want_opt.keys()
+    for k, v in got_opt.items():
+        assert torch.equal(v["momentum_buffer"], want_opt[k]["momentum_buffer"])
