@@ -52,7 +52,7 @@ from .tensorfile import DirectBuffer, _as_bytes, digest_file, write_tensors
 log = logging.getLogger("resilient_callbacks")
 
 BLOBS_DIR = "blobs"
-BLOB_MIN = 64 << 10  # smaller tensors stay in the checkpoint's own files
+BLOB_MIN = 16 << 10  # smaller tensors stay in the checkpoint's own files
 TMP_PREFIX = ".tmp-"
 NAME_RE = BLOB_NAME_RE
 

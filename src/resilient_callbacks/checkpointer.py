@@ -133,7 +133,7 @@ class Checkpointer:
         remote_timeout: float = 30.0,
         incremental: bool | str = False,
         compression: str = "none",
-        compression_level: int = 3,
+        compression_level: int = 1,
         compression_shuffle: bool = True,
     ) -> None:
         options = {k: v for k, v in locals().items() if k != "self"}

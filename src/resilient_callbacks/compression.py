@@ -45,7 +45,7 @@ from .tensorfile import (
 )
 
 SUFFIX = ".zst"
-SHUFFLE_BLOCK = 1 << 20  # a multiple of every element size
+SHUFFLE_BLOCK = 16 << 20  # a multiple of every element size (and the write chunk)
 CODECS = ("zstd", "zstd+shuffle")
 MODES = ("none", "zstd", "auto")
 SAMPLE_BYTES = 32 << 20  # what "auto" compresses to measure throughput and ratio

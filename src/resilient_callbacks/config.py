@@ -58,7 +58,7 @@ class CheckpointerConfig:
     remote_timeout: float = 30.0  # seconds the construction-time preflight may take
     incremental: bool | str = False  # True | "hash": store unchanged tensors once
     compression: str = "none"  # "none" | "zstd" | "auto"
-    compression_level: int = 3
+    compression_level: int = 1
     compression_shuffle: bool = True  # byte-shuffle multi-byte dtypes before zstd
 
     def __post_init__(self) -> None:
