@@ -82,14 +82,16 @@ def main() -> None:
                     os.fsync(f.fileno())
 
             t_disk = timed(disk, args.reps)
-            t_raw = timed(lambda: write_tensors(path, tensors), args.reps)
+            t_raw = timed(lambda p=path, t=tensors: write_tensors(p, t), args.reps)
             res = {"kind": kind, "mb": args.mb, "disk_s": t_disk, "raw_s": t_raw}
             for shuffle in (False, True):
                 sizes = []
 
-                def z(shuffle: bool = shuffle, sizes: list = sizes) -> None:
+                def z(
+                    shuffle: bool = shuffle, sizes: list = sizes, p: str = path, t: dict = tensors
+                ) -> None:
                     d, _ = write_tensors_compressed(
-                        path + ".zst", tensors, level=args.level, with_shuffle=shuffle
+                        p + ".zst", t, level=args.level, with_shuffle=shuffle
                     )
                     sizes.append(d.size)
 
@@ -99,7 +101,6 @@ def main() -> None:
                 res[f"{tag}_ratio"] = sizes[-1] / nbytes
             fsync_path(root)
             # auto: measured raw disk, then the sample; the simulated link adds B / rate
-            disk_bps = nbytes / t_raw
             best_z = "zstd_shuffle" if res["zstd_shuffle_s"] <= res["zstd_s"] else "zstd"
             shuffle_best = best_z == "zstd_shuffle"
             for where, sinks_rate in (("disk", None), ("link", link)):
@@ -108,7 +109,10 @@ def main() -> None:
                     res[f"{best_z}_ratio"] * nbytes / sinks_rate if sinks_rate else 0.0
                 )
                 c = Chooser(
-                    "auto", args.level, shuffle_best, (lambda r=sinks_rate: r) if sinks_rate else None
+                    "auto",
+                    args.level,
+                    shuffle_best,
+                    (lambda r=sinks_rate: r) if sinks_rate else None,
                 )
                 c.observe_raw_write(nbytes, t_raw)
                 chose = c.compress_now(tensors)

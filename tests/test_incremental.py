@@ -312,3 +312,31 @@ def test_options_are_validated():
         Checkpointer("/tmp/x-never-created", compression="lz4")
     with pytest.raises(ConfigError, match="compression_level"):
         Checkpointer("/tmp/x-never-created", compression="zstd", compression_level=99)
+
+
+def test_the_options_are_deepspeed_section_keys(tmp_path):
+    from resilient_callbacks.deepspeed.section import validate
+
+    opts = {"incremental": True, "compression": "none", "compression_level": 2}
+    got = validate({"dirpath": str(tmp_path), **opts})
+    assert {k: got[k] for k in opts} == opts
+    with Checkpointer(**got) as ck:
+        assert ck.config.incremental is True and ck.config.compression_level == 2
+
+
+@pytest.mark.slow  # imports lightning and transformers
+def test_the_options_pass_through_the_lightning_and_transformers_callbacks(tmp_path):
+    """Both callbacks take (and validate at construction) the options like any Checkpointer
+    option."""
+    pytest.importorskip("zstandard")
+    opts = {"incremental": True, "compression": "zstd", "compression_level": 2}
+    lightning = pytest.importorskip("resilient_callbacks.lightning")
+    cb = lightning.ResilientCheckpoint(tmp_path, **opts)
+    assert {k: cb._kwargs[k] for k in opts} == opts
+    with pytest.raises(ConfigError, match="incremental"):
+        lightning.ResilientCheckpoint(tmp_path, incremental="sometimes")
+    hf = pytest.importorskip("resilient_callbacks.transformers")
+    cb2 = hf.ResilientCheckpoint(tmp_path, **opts)
+    assert {k: cb2.options[k] for k in opts} == opts
+    with pytest.raises(ConfigError, match="compression_level"):
+        hf.ResilientCheckpoint(tmp_path, compression="zstd", compression_level=100)
