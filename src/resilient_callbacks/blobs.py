@@ -159,6 +159,13 @@ class BlobStore:
             if self._index is None:
                 self._index = self._load_index()
             entry = self._index.get(key)
+            if entry is None and any(
+                os.path.exists(os.path.join(self.dir, blob_name(key, z))) for z in (False, True)
+            ):
+                # on disk but not indexed: a checkpoint committed since the index was built
+                # (downloaded from the remote tier) may name it; never write over it blindly
+                self._index = self._load_index()
+                entry = self._index.get(key)
             if entry is None:
                 return None
             path = os.path.join(self.dir, entry.path)

@@ -36,7 +36,7 @@ from .filepart import CapturedParts, FilePart
 from .session import CommitSession
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import DirectBuffer
-from .unchanged import UnchangedTracker
+from .unchanged import UnchangedTracker, begin_incremental
 from .waits import SaveWaits
 
 if TYPE_CHECKING:
@@ -292,48 +292,39 @@ class Saver:
             rng_info, rng_tensors = rng_state
         else:
             rng_info, rng_tensors = rng.capture() if ck.config.capture_rng else (None, {})
-        blobs, watch = self._incremental(shared, state)
-        snap = None
-        if copy:
-            self.wait_for_snapshot()
-            tensors = self._tensors_to_copy(shared, local)
-            for name in blobs.hints if blobs is not None else ():
-                tensors.pop(name, None)  # known unchanged and stored: not copied
-            overlap = None
-            if ck.config.overlap_snapshot:
-                overlap = optimizer_step_storages(state)
-                self._hook_optimizers(state)
-            self.buffers.keep_only(tensors)
-            if self.bounce is None:  # with the host buffers: later saves allocate nothing
-                self.bounce = DirectBuffer()
-            snap = Snapshot(tensors, self.buffers, overlap_storages=overlap)
-            self.last_snapshot = snap if ck.config.overlap_snapshot else None
-            copies = snap.copies
-            shared = structure.Encoded(
-                shared.structure, {k: copies[k] for k in shared.tensors if k in copies}
-            )
-            local = structure.Encoded(None, {k: copies[k] for k in local.tensors}, local.per_rank)
+        blobs, watch = None, None
+        if ck.config.incremental and ck.is_coordinator:
+            blobs, watch = begin_incremental(ck._dir.blobs, self.tracker, shared.tensors, state)
+        try:
+            snap = None
+            if copy:
+                self.wait_for_snapshot()
+                tensors = self._tensors_to_copy(shared, local)
+                for name in blobs.hints if blobs is not None else ():
+                    tensors.pop(name, None)  # known unchanged and stored: not copied
+                overlap = None
+                if ck.config.overlap_snapshot:
+                    overlap = optimizer_step_storages(state)
+                    self._hook_optimizers(state)
+                self.buffers.keep_only(tensors)
+                if self.bounce is None:  # with the host buffers: later saves allocate nothing
+                    self.bounce = DirectBuffer()
+                snap = Snapshot(tensors, self.buffers, overlap_storages=overlap)
+                self.last_snapshot = snap if ck.config.overlap_snapshot else None
+                copies = snap.copies
+                shared = structure.Encoded(
+                    shared.structure, {k: copies[k] for k in shared.tensors if k in copies}
+                )
+                local = structure.Encoded(
+                    None, {k: copies[k] for k in local.tensors}, local.per_rank
+                )
+        except BaseException:
+            if blobs is not None:
+                blobs.end()  # this save will not commit: unpin what it pinned
+            raise
         return _Prepared(
             shared, local, rng_info, rng_tensors, fingerprint, snap, parts, blobs, watch
         )
-
-    def _incremental(
-        self, shared: structure.Encoded, state: Any
-    ) -> tuple[BlobSession | None, dict[str, Any] | None]:
-        """Coordinator, ``incremental``: this save's use of the blob store, with the tensors
-        known unchanged since the last committed save (pinned, so they stay stored)."""
-        ck = self._ck
-        if not ck.config.incremental or not ck.is_coordinator:
-            return None, None
-        store = ck._dir.blobs
-        session = BlobSession(store)
-        if self.tracker is None:
-            return session, None
-        hints, watch = self.tracker.observe(shared.tensors, state)
-        store.pin(hints.values())
-        session._pinned.extend(hints.values())
-        session.hints = {k: v for k, v in hints.items() if store.lookup(v) is not None}
-        return session, watch
 
     def _tensors_to_copy(
         self, shared: structure.Encoded, local: structure.Encoded

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from . import statetree
-from .blobs import BLOB_MIN
+from .blobs import BLOB_MIN, BlobSession, BlobStore
 
 
 @dataclass(frozen=True)
@@ -117,3 +117,22 @@ class UnchangedTracker:
 
     def forget(self) -> None:
         self._seen = {}
+
+
+def begin_incremental(
+    store: BlobStore,
+    tracker: UnchangedTracker | None,
+    tensors: Mapping[str, torch.Tensor],
+    state: Any,
+) -> tuple[BlobSession, dict[str, tuple[torch.Tensor, tuple[Any, ...], int]] | None]:
+    """Coordinator, training thread, at an incremental save: the save's use of the blob store,
+    with the tensors known unchanged (pinned, so they stay stored, and checked present), and
+    what the tracker must record once the save committed (None with ``incremental="hash"``)."""
+    session = BlobSession(store)
+    if tracker is None:
+        return session, None
+    hints, watch = tracker.observe(tensors, state)
+    store.pin(hints.values())
+    session._pinned.extend(hints.values())
+    session.hints = {k: v for k, v in hints.items() if store.lookup(v) is not None}
+    return session, watch
