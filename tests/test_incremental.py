@@ -314,22 +314,27 @@ def test_options_are_validated():
         Checkpointer("/tmp/x-never-created", compression="zstd", compression_level=99)
 
 
-def test_the_options_are_deepspeed_section_keys(tmp_path):
-    from resilient_callbacks.deepspeed.section import validate
+def test_the_options_are_adapter_options(tmp_path):
+    """Every adapter takes the Checkpointer's keyword options (the Lightning and Transformers
+    callbacks through adapter.check_options, the DeepSpeed section through the same signature;
+    the slow test below constructs each)."""
+    from resilient_callbacks.adapter import checkpointer_options
 
     opts = {"incremental": True, "compression": "none", "compression_level": 2}
-    got = validate({"dirpath": str(tmp_path), **opts})
-    assert {k: got[k] for k in opts} == opts
-    with Checkpointer(**got) as ck:
+    assert set(opts) | {"compression_shuffle"} <= checkpointer_options()
+    with Checkpointer(tmp_path, **opts) as ck:
         assert ck.config.incremental is True and ck.config.compression_level == 2
 
 
-@pytest.mark.slow  # imports lightning and transformers
-def test_the_options_pass_through_the_lightning_and_transformers_callbacks(tmp_path):
-    """Both callbacks take (and validate at construction) the options like any Checkpointer
-    option."""
+@pytest.mark.slow  # imports lightning, transformers and deepspeed
+def test_the_options_pass_through_every_adapter(tmp_path):
+    """The Lightning and Transformers callbacks take (and validate at construction) the options
+    like any Checkpointer option; the DeepSpeed JSON section accepts them as keys."""
     pytest.importorskip("zstandard")
     opts = {"incremental": True, "compression": "zstd", "compression_level": 2}
+    section = pytest.importorskip("resilient_callbacks.deepspeed.section")
+    got = section.validate({"dirpath": str(tmp_path), **opts})
+    assert {k: got[k] for k in opts} == opts
     lightning = pytest.importorskip("resilient_callbacks.lightning")
     cb = lightning.ResilientCheckpoint(tmp_path, **opts)
     assert {k: cb._kwargs[k] for k in opts} == opts
