@@ -270,8 +270,8 @@ def torture(tmp_path: Path, trials: int) -> dict[str, int]:
 
 
 def test_sigkill_during_incremental_saves_and_gc_short(tmp_path):
-    kills = torture(tmp_path, 5)
-    assert kills["save"] + kills["async"] + kills["gc"] == 5
+    kills = torture(tmp_path, 8)
+    assert kills["save"] + kills["async"] + kills["gc"] == 8
 
 
 @pytest.mark.slow
