@@ -129,3 +129,20 @@ def test_missing_zstandard_is_a_clear_config_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "zstandard", None)
     with pytest.raises(ConfigError, match=r"resilient-callbacks\[zstd\]"):
         Checkpointer(tmp_path, compression="zstd")
+
+
+def test_blob_names_carry_the_codec_and_a_new_level_reuses_stored_blobs(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    state = {"model": model}
+    with Checkpointer(tmp_path, incremental=True, compression="zstd", compression_level=1) as ck:
+        ck.save(1, state)
+    first = sorted(os.listdir(tmp_path / "blobs"))
+    assert first and all(".zs1.safetensors.zst" in n for n in first)
+    with Checkpointer(
+        tmp_path, incremental=True, compression="zstd", compression_level=5, async_save=False
+    ) as ck:
+        ck.restore({"model": torch.nn.Linear(256, 256)})
+        ck.save(2, state)  # the same bytes: the level-1 blob is referenced, none written
+        assert sorted(os.listdir(tmp_path / "blobs")) == first
+    assert [e.status for e in catalog.scan(str(tmp_path), Depth.FULL)] == [Status.VALID] * 2

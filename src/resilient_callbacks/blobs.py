@@ -6,7 +6,7 @@
     ckpts/run1/
       blobs/
         3f2a...9c.safetensors       one tensor, named by the xxh3-128 of its dtype, shape and bytes
-        77b0...e1.safetensors.zst   the same, compressed (see :mod:`.compression`)
+        77b0...e1.zs1.safetensors.zst  compressed: zstd level 1, shuffled (see :mod:`.compression`)
         .tmp-<key>-<random>         a blob being written (or left by a crash)
       step_000000060/
         manifest.json               "blobs": [{"path": "3f2a...9c.safetensors", "size", "xxh3_64"}]
@@ -65,8 +65,13 @@ def content_key(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def blob_name(key: str, compressed: bool) -> str:
-    return f"{key}.safetensors" + (".zst" if compressed else "")
+def blob_name(key: str, compress: tuple[int, bool] | None = None) -> str:
+    """The file name of blob ``key``: the codec's parameters are part of it, so that one name
+    always means the same stored bytes (zstd is deterministic for given parameters)."""
+    if compress is None:
+        return f"{key}.safetensors"
+    level, shuffle = compress
+    return f"{key}.z{'s' if shuffle else ''}{level}.safetensors.zst"
 
 
 def key_of(name: str) -> str:
@@ -151,17 +156,16 @@ class BlobStore:
                     index.setdefault(key_of(b.path), b)
         return index
 
-    def lookup(self, key: str) -> FileEntry | None:
+    def lookup(self, key: str, name: str | None = None) -> FileEntry | None:
         """The entry of a stored blob of ``key`` that a committed manifest names (its checksum
-        verified once per process), or one this process wrote; None if there is none. Call
-        with ``key`` pinned."""
+        verified once per process), or one this process wrote; None if there is none. ``name``:
+        the file a write would create (if it exists unindexed, the index is re-read first).
+        Call with ``key`` pinned."""
         with self._lock:
             if self._index is None:
                 self._index = self._load_index()
             entry = self._index.get(key)
-            if entry is None and any(
-                os.path.exists(os.path.join(self.dir, blob_name(key, z))) for z in (False, True)
-            ):
+            if entry is None and name is not None and os.path.exists(os.path.join(self.dir, name)):
                 # on disk but not indexed: a checkpoint committed since the index was built
                 # (downloaded from the remote tier) may name it; never write over it blindly
                 self._index = self._load_index()
@@ -213,8 +217,9 @@ class BlobStore:
             else:
                 d = write_tensors(tmp, {"tensor": t}, meta, direct=direct, bounce=bounce)
                 codec = ""
-            name = blob_name(key, compress is not None)
-            os.replace(tmp, os.path.join(self.dir, name))  # never over a referenced blob
+            name = blob_name(key, compress)
+            # over an unreferenced leftover at most: lookup() re-read the manifests first
+            os.replace(tmp, os.path.join(self.dir, name))
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -310,7 +315,7 @@ class BlobSession:
                 key = content_key(t)
                 self.store.pin([key])
                 self._pinned.append(key)
-            entry = self.store.lookup(key)
+            entry = self.store.lookup(key, blob_name(key, self.compress))
             if entry is None:
                 if name in self.hints:  # pinned and checked by prepare: it cannot vanish
                     raise CheckpointCorruptError(f"the stored copy of {name!r} disappeared")

@@ -26,7 +26,9 @@ FORMAT_VERSION = 2  # the newest this library reads; it writes 1 unless a featur
 # compressed files. A checkpoint using neither is written as version 1, readable by older
 # versions of the library.
 BLOB_KIND = "blob"
-BLOB_NAME_RE = re.compile(r"^[0-9a-f]{32}\.safetensors(\.zst)?$")
+# <xxh3-128>.safetensors, or compressed <xxh3-128>.z[s]<level>.safetensors.zst (s: shuffled):
+# one name per stored byte sequence, so a blob is never replaced by other bytes of its name
+BLOB_NAME_RE = re.compile(r"^[0-9a-f]{32}(\.zs?-?[0-9]{1,2}\.safetensors\.zst|\.safetensors)$")
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ def check_blob_name(name: str, where: str = "manifest") -> None:
     if not BLOB_NAME_RE.match(name):
         raise UnsafeManifestError(
             f"{where}: names the blob {name!r}, which is not a blob name (32 hex digits + "
-            "'.safetensors'); refusing to read or delete it (tampered or corrupt manifest)"
+            "'.safetensors' or '.z<level>.safetensors.zst'); refusing to read or delete it (tampered or corrupt manifest)"
         )
 
 

@@ -73,7 +73,14 @@ def upload(store: RemoteStore, local_dir: str, manifest: Manifest) -> str | None
     store.fs.pipe_file(marker, json.dumps(body).encode())
     try:
         have = listing(store)
-        todo = [b for b in manifest.blobs if have.get(b.path) != b.size]
+        clash = [b.path for b in manifest.blobs if b.path in have and have[b.path] != b.size]
+        if clash:  # never replace a blob remote checkpoints may name with other bytes
+            raise OSError(
+                f"{store.url}/{BLOBS_DIR} holds {', '.join(clash)} with another size than "
+                f"{local_dir} has; not replacing it. Remove the remote checkpoints that name it "
+                "or upload to another URL."
+            )
+        todo = [b for b in manifest.blobs if b.path not in have]
         if todo:
             store.fs.put(
                 [blob_path(local_dir, b.path) for b in todo],
