@@ -21,7 +21,7 @@ from enum import StrEnum
 
 from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX
 from .errors import CheckpointCorruptError
-from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .manifest import BLOB_KIND, MANIFEST_NAME, Manifest, read_manifest
 from .retention import Candidate
 from .tensorfile import digest_file
 
@@ -68,13 +68,16 @@ def _strip_staging(name: str) -> str:
 def verify(
     path: str, manifest: Manifest, depth: Depth = Depth.FULL, ranks: Iterable[int] | None = None
 ) -> None:
-    """Raise :class:`CheckpointCorruptError` naming the first bad file. ``ranks`` restricts the
-    check to the files those ranks wrote (the shared files are written by rank 0)."""
+    """Raise :class:`CheckpointCorruptError` naming the first bad file, or the first blob it
+    refers to that is missing or bad. ``ranks`` restricts the check to the files those ranks
+    wrote (the shared files and the blobs are written by rank 0)."""
     wanted = None if ranks is None else set(ranks)
-    for f in manifest.files:
+    from .blobs import blob_path
+
+    for f in [*manifest.files, *manifest.blobs]:
         if wanted is not None and f.rank not in wanted:
             continue
-        full = os.path.join(path, f.path)
+        full = blob_path(path, f.path) if f.kind == BLOB_KIND else os.path.join(path, f.path)
         try:
             size = os.path.getsize(full)
         except FileNotFoundError:

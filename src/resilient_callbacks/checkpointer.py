@@ -125,6 +125,10 @@ class Checkpointer:
     - ``telemetry``: where the checkpoint metrics go: ``"prometheus:9464"``,
       ``"textfile:PATH.prom"``, ``"pushgateway:URL"``, ``"mlflow"``, a callable, or a list of
       these (docs/monitoring.md). :meth:`metrics` reads them without any sink.
+    - ``incremental``: a replicated tensor whose bytes an earlier committed checkpoint of the
+      run stored already is not written again (docs/incremental.md).
+    - ``compression`` (``"none"``, ``"zstd"``, ``"auto"``), ``compression_level``,
+      ``compression_shuffle``: zstd-compress the tensor files (the ``zstd`` extra).
     """
 
     def __init__(
@@ -168,6 +172,10 @@ class Checkpointer:
         shared_dirpath: bool | None = None,
         replicas: int = 0,
         telemetry: Any = None,
+        incremental: bool | str = False,
+        compression: str = "none",
+        compression_level: int = 1,
+        compression_shuffle: bool = True,
     ) -> None:
         options = {k: v for k, v in locals().items() if k != "self"}
         options["signals"] = tuple(signals)
@@ -209,6 +217,13 @@ class Checkpointer:
                     "each see their own directory): node-local mode needs a durable remote tier "
                     "that every node reaches, remote='s3://bucket/prefix' (or any fsspec URL); "
                     "or put dirpath on a filesystem every node shares (docs/multinode.md)"
+                )
+            if self.config.incremental:
+                raise ConfigError(
+                    "incremental=True is not supported yet in node-local mode (each node its own "
+                    "dirpath): a node's uploads do not carry the run's shared blob store. Use "
+                    "incremental=False there, or a dirpath every node shares "
+                    "(docs/multinode.md, docs/incremental.md)"
                 )
             self._dir = NodeDirectory(
                 self.dirpath, self.retention, self.world_size, self.topology, self.config

@@ -134,6 +134,7 @@ def inspect(args: argparse.Namespace) -> int:
         "world_size": m.world_size if m else None,
         "versions": dict(m.versions) if m else {},
         "files": [dict(f.__dict__) for f in m.files] if m else [],
+        "blobs": [dict(b.__dict__) for b in m.blobs] if m else [],
         "keys": keys,
         "keys_problem": keys_problem,
     }
@@ -156,6 +157,11 @@ def inspect(args: argparse.Namespace) -> int:
     print(f"  files:     {len(m.files)}, {fmt_size(m.total_bytes)}")
     for fe in m.files:
         print(f"    {fe.path:28} {fmt_size(fe.size):>9}  xxh3_64 {fe.xxh3_64}  (rank {fe.rank})")
+    if m.blobs:
+        print(
+            f"  blobs:     {len(m.blobs)}, {fmt_size(m.blob_bytes)} shared with other "
+            "checkpoints of the run (incremental)"
+        )
     if keys is None:
         print(f"  keys:      {keys_problem}")
         return code

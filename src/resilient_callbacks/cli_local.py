@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from . import catalog
+from .blobs import BlobStore
 from .catalog import Depth, Entry, Status
 from .cli_format import (
     CORRUPT,
@@ -209,7 +210,7 @@ def verify(args: argparse.Namespace) -> int:
 def gc(args: argparse.Namespace) -> int:
     target = resolve(args.dir, single_ok=False)
     root = target.root
-    if not catalog.scan(root, Depth.NONE):
+    if not catalog.scan(root, Depth.NONE) and not os.path.isdir(os.path.join(root, "blobs")):
         print(f"nothing to delete: {no_checkpoints(root)}")
         return 0
     lock = DirLock(root)
@@ -268,9 +269,19 @@ def _gc(args: argparse.Namespace, root: str) -> int:
                 shutil.rmtree(e.path)
             else:
                 remove_checkpoint(e.path)
+    # blobs (incremental checkpoints) that no remaining checkpoint refers to; the lock is held,
+    # so no save is in flight. A dry run counts what the remaining manifests would not name.
+    blobs = _unused_blobs(root, gone) if args.dry_run else BlobStore(root).collect()
     if args.json:
         print_json(
-            {"dir": root, "dry_run": args.dry_run, "run_id": run_id, "delete": delete, "keep": keep}
+            {
+                "dir": root,
+                "dry_run": args.dry_run,
+                "run_id": run_id,
+                "delete": delete,
+                "keep": keep,
+                "blobs_deleted": blobs,
+            }
         )
         return 0
     verb = "would delete" if args.dry_run else "deleted"
@@ -281,11 +292,33 @@ def _gc(args: argparse.Namespace, root: str) -> int:
         if k["status"] == CORRUPT:
             why = f"{k['problem']} ({why})" if why else str(k["problem"])
         print(f"keep {_label(k)}: {why}")
+    if blobs:
+        print(f"{verb} {len(blobs)} blob(s) no remaining checkpoint refers to")
     print(
         f"{len(delete)} {'would be deleted' if args.dry_run else 'deleted'}, {len(keep)} kept"
         + (f" (current run {run_id})" if run_id else "")
     )
     return 0
+
+
+def _unused_blobs(root: str, gone: set[str]) -> list[str]:
+    """The blobs ``gc`` would delete once the checkpoints ``gone`` are deleted."""
+    from .blobs import NAME_RE, TMP_PREFIX, store_dir
+
+    try:
+        names = os.listdir(store_dir(root))
+    except FileNotFoundError:
+        return []
+    live: set[str] = set()
+    for e in catalog.scan(root, Depth.NONE):
+        if e.status is Status.INCOMPLETE or e.name in gone:
+            continue
+        if e.manifest is None:
+            return []  # its references are unknown: nothing would be deleted
+        live.update(b.path for b in e.manifest.blobs)
+    return sorted(
+        n for n in names if n.startswith(TMP_PREFIX) or (NAME_RE.match(n) and n not in live)
+    )
 
 
 def _label(r: dict[str, Any]) -> str:

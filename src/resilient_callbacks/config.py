@@ -67,6 +67,11 @@ class CheckpointerConfig:
         """The metrics sinks ``telemetry`` names, validated (no extra imported)."""
         return parse_sinks(self.telemetry)
 
+    incremental: bool | str = False  # True | "hash": store unchanged tensors once
+    compression: str = "none"  # "none" | "zstd" | "auto"
+    compression_level: int = 1
+    compression_shuffle: bool = True  # byte-shuffle multi-byte dtypes before zstd
+
     def __post_init__(self) -> None:
         d = os.fspath(self.dirpath) if isinstance(self.dirpath, os.PathLike) else self.dirpath
         if not isinstance(d, str) or not d:
@@ -156,6 +161,14 @@ class CheckpointerConfig:
         self._check_remote()
         self._check_nodes()
         self.sinks()
+        if not (isinstance(self.incremental, bool) or self.incremental == "hash"):
+            raise ConfigError(
+                f"incremental={self.incremental!r}: True (tensors known unchanged are neither "
+                "copied nor hashed), 'hash' (every tensor hashed at every save) or False"
+            )
+        from .compression import check_options
+
+        check_options(self.compression, self.compression_level, self.compression_shuffle)
         # Constructing these validates the options with their own messages.
         self.save_policy()
         self.retention_policy()

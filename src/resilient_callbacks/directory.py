@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist, history
+from .blobs import BlobStore
 from .catalog import Depth, Entry, Status
 from .commit import RenameCommit, remove_checkpoint, sweep_staging
 from .errors import CheckpointError, CheckpointWriteError, ForeignCheckpointsWarning
@@ -47,9 +48,12 @@ def apply_retention(
     policy: RetentionPolicy,
     run_id: str | None,
     protected: Iterable[str] = (),
+    blobs: BlobStore | None = None,
 ) -> None:
     """Coordinator: delete what ``policy`` does not keep among the committed checkpoints of
-    ``root``. Never deletes a ``protected`` name, the newest valid checkpoint, or another run's."""
+    ``root``. Never deletes a ``protected`` name, the newest valid checkpoint, or another run's.
+    With ``blobs`` (the store of the directory's writer, which knows the saves in flight), the
+    blobs no remaining checkpoint refers to are deleted after the checkpoints."""
     cands = catalog.retention_candidates(catalog.scan(root, Depth.SIZE))
     p = plan(cands, policy, run_id, protected=list(protected))
     for name in p.delete:
@@ -59,6 +63,19 @@ def apply_retention(
             log.info("retention: deleted %s", name)
         except OSError as e:
             log.warning("retention: could not delete %s: %s", path, e)
+    if p.delete and blobs is not None:
+        collect_blobs(blobs)
+
+
+def collect_blobs(blobs: BlobStore) -> None:
+    """Delete the blobs no committed checkpoint refers to (never one a save in flight uses)."""
+    try:
+        gone = blobs.collect()
+    except OSError as e:
+        log.warning("could not delete unused blobs in %s: %s", blobs.dir, e)
+        return
+    if gone:
+        log.info("deleted %d unused blob(s) in %s", len(gone), blobs.dir)
 
 
 class Directory:
@@ -72,6 +89,7 @@ class Directory:
         self.is_coordinator = dist.rank() == 0
         self.lock = DirLock(dirpath)
         self.commit = RenameCommit(dirpath)
+        self.blobs = BlobStore(dirpath)  # incremental checkpoints' shared tensors
         self.seq = 0  # commit number of the newest checkpoint either tier holds
         self.run_id: str | None = None
         self.remote: RemoteStore | None = None
@@ -133,6 +151,7 @@ class Directory:
                 ", ".join(swept),
             )
         self.seq = catalog.next_seq(self.dirpath) - 1
+        collect_blobs(self.blobs)  # what crashed saves or deletions left (nothing in flight)
         if config.remote is not None:
             self._open_remote(config)
 
@@ -183,7 +202,7 @@ class Directory:
             protected = [protect] if protect else []
             if self.sync is not None:
                 protected += self.sync.pending()
-            apply_retention(self.dirpath, self.retention, self.run_id, protected)
+            apply_retention(self.dirpath, self.retention, self.run_id, protected, self.blobs)
 
     # ------------------------------------------------------------------ history, other runs
 

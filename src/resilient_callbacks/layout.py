@@ -9,6 +9,11 @@
         rank_00000.json          this rank's PerRank parts and RNG states
         rank_00000.safetensors   their tensors
         rank_00001.json ...      one pair per rank
+
+With ``incremental=True`` the replicated tensors of at least ``blobs.BLOB_MIN`` bytes are not
+in ``shared.safetensors`` but in the run's blob store; ``shared.json`` maps each to its blob
+(``"blobs": {name: blob}``) and the manifest lists the blobs. With compression a tensor file is
+``<name>.safetensors.zst`` (see :mod:`.compression`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,15 +30,19 @@ from .manifest import FileEntry, Manifest
 from .structure import Encoded
 from .tensorfile import (
     DirectBuffer,
+    FileDigest,
     map_tensors_verified,
     read_verified,
     write_json,
     write_tensors,
 )
 
+if TYPE_CHECKING:
+    from .blobs import BlobSession
+
 SHARED_STRUCTURE = "shared.json"
 SHARED_TENSORS = "shared.safetensors"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 1  # 2: shared.json maps tensors to blobs ("blobs")
 PARALLEL_MIN = 64 << 20  # both tensor files at least this big: read them in parallel
 
 
@@ -54,35 +63,50 @@ def write_part(
     rng_tensors: dict[str, torch.Tensor],
     direct: bool = False,
     bounce: DirectBuffer | None = None,
+    blobs: BlobSession | None = None,
+    compress: tuple[int, bool] | None = None,
 ) -> list[FileEntry]:
     """Write this rank's files into ``staging``; rank 0 also passes ``shared``. ``direct``:
     write the tensor files with O_DIRECT where possible (background saves), through
-    ``bounce`` if given."""
+    ``bounce`` if given. ``blobs`` (rank 0, ``incremental=True``): the large replicated
+    tensors go to the run's blob store (their entries, kind ``"blob"``, are returned too).
+    ``compress``: ``(zstd level, byte-shuffle)`` to compress the tensor files."""
     entries: list[FileEntry] = []
+
+    def tensor_file(name: str, tensors: dict[str, torch.Tensor], part: str) -> None:
+        meta = {"format": "resilient_callbacks", "part": part}
+        if compress is None:
+            d: FileDigest = write_tensors(
+                os.path.join(staging, name), tensors, meta, direct=direct, bounce=bounce
+            )
+            entries.append(FileEntry(name, d.size, d.xxh3_64, rank, "tensors"))
+            return
+        from .compression import SUFFIX, write_tensors_compressed
+
+        d, codec = write_tensors_compressed(
+            os.path.join(staging, name + SUFFIX),
+            tensors,
+            meta,
+            level=compress[0],
+            with_shuffle=compress[1],
+        )
+        entries.append(FileEntry(name + SUFFIX, d.size, d.xxh3_64, rank, "tensors", codec))
+
     if shared is not None:
-        d = write_tensors(
-            os.path.join(staging, SHARED_TENSORS),
-            shared.tensors,
-            {"format": "resilient_callbacks", "part": "shared"},
-            direct=direct,
-            bounce=bounce,
-        )
-        entries.append(FileEntry(SHARED_TENSORS, d.size, d.xxh3_64, rank, "tensors"))
-        d = write_json(
-            os.path.join(staging, SHARED_STRUCTURE),
-            {"layout_version": LAYOUT_VERSION, "structure": shared.structure},
-        )
+        inline, refs = dict(shared.tensors), dict[str, str]()
+        if blobs is not None:
+            inline, refs, blob_entries = blobs.split(shared.tensors)
+            entries.extend(blob_entries)
+        tensor_file(SHARED_TENSORS, inline, "shared")
+        doc: dict[str, Any] = {"layout_version": LAYOUT_VERSION, "structure": shared.structure}
+        if refs:
+            doc["layout_version"] = 2
+            doc["blobs"] = refs
+        d = write_json(os.path.join(staging, SHARED_STRUCTURE), doc)
         entries.append(FileEntry(SHARED_STRUCTURE, d.size, d.xxh3_64, rank, "structure"))
     tensors = dict(local.tensors)
     tensors.update(rng_tensors)
-    d = write_tensors(
-        os.path.join(staging, rank_tensors(rank)),
-        tensors,
-        {"format": "resilient_callbacks", "part": f"rank {rank}"},
-        direct=direct,
-        bounce=bounce,
-    )
-    entries.append(FileEntry(rank_tensors(rank), d.size, d.xxh3_64, rank, "tensors"))
+    tensor_file(rank_tensors(rank), tensors, f"rank {rank}")
     d = write_json(
         os.path.join(staging, rank_structure(rank)),
         {
@@ -105,10 +129,43 @@ class LoadedPart:
 
 
 def _entry(manifest: Manifest, name: str, where: str) -> FileEntry:
+    """The manifest's entry of ``name``, or of its compressed form ``name.zst``."""
     for f in manifest.files:
-        if f.path == name:
+        if f.path == name or (f.codec and f.path == name + ".zst"):
             return f
     raise CheckpointCorruptError(f"{where}: the manifest does not list {name}")
+
+
+def load_tensor_file(path: str, entry: FileEntry) -> dict[str, torch.Tensor]:
+    """Read one tensor file (or blob) of a checkpoint, verified against its entry."""
+    if entry.codec:
+        from .compression import read_tensors_compressed
+
+        return read_tensors_compressed(path, entry.digest, entry.codec)
+    return map_tensors_verified(path, entry.digest)
+
+
+def load_blobs(path: str, manifest: Manifest, refs: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors ``refs`` (tensor name -> blob name) maps to, each blob verified."""
+    from .blobs import blob_path
+
+    by_name = {b.path: b for b in manifest.blobs}
+    loaded: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for tname, bname in refs.items():
+        entry = by_name.get(bname)
+        if entry is None:
+            raise CheckpointCorruptError(
+                f"{path}: {SHARED_STRUCTURE} refers to the blob {bname}, which the manifest "
+                "does not list"
+            )
+        if bname not in loaded:
+            got = load_tensor_file(blob_path(path, bname), entry)
+            if len(got) != 1:
+                raise CheckpointCorruptError(f"{blob_path(path, bname)}: not a blob")
+            loaded[bname] = next(iter(got.values()))
+        out[tname] = loaded[bname]
+    return out
 
 
 def read_part(path: str, manifest: Manifest, rank: int) -> LoadedPart:
@@ -125,8 +182,8 @@ def read_part(path: str, manifest: Manifest, rank: int) -> LoadedPart:
             ) from None
 
     def load_tensors(name: str) -> dict[str, torch.Tensor]:
-        full = os.path.join(path, name)
-        return map_tensors_verified(full, _entry(manifest, name, path).digest)
+        entry = _entry(manifest, name, path)
+        return load_tensor_file(os.path.join(path, entry.path), entry)
 
     shared = load_json(SHARED_STRUCTURE)
     if rank < manifest.world_size:
@@ -145,4 +202,9 @@ def read_part(path: str, manifest: Manifest, rank: int) -> LoadedPart:
     else:
         tensors = load_tensors(SHARED_TENSORS)
         per_rank, rng = {}, None
+    refs = shared.get("blobs") or {}
+    if refs:
+        if not isinstance(refs, dict):
+            raise CheckpointCorruptError(f"{path}: malformed blob references")
+        tensors.update(load_blobs(path, manifest, refs))
     return LoadedPart(shared["structure"], per_rank, rng, tensors)

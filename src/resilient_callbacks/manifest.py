@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,7 +21,14 @@ from .tensorfile import FileDigest
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "resilient_callbacks.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this library reads; it writes 1 unless a feature needs 2
+# version 2: "blobs" (tensors shared with other checkpoints, incremental=True) and a "codec" on
+# compressed files. A checkpoint using neither is written as version 1, readable by older
+# versions of the library.
+BLOB_KIND = "blob"
+# <xxh3-128>.safetensors, or compressed <xxh3-128>.z[s]<level>.safetensors.zst (s: shuffled):
+# one name per stored byte sequence, so a blob is never replaced by other bytes of its name
+BLOB_NAME_RE = re.compile(r"^[0-9a-f]{32}(\.zs?-?[0-9]{1,2}\.safetensors\.zst|\.safetensors)$")
 
 
 @dataclass(frozen=True)
@@ -29,7 +37,14 @@ class FileEntry:
     size: int
     xxh3_64: str
     rank: int = 0
-    kind: str = "tensors"  # "tensors" | "structure"
+    kind: str = "tensors"  # "tensors" | "structure" | "blob" (in Manifest.blobs)
+    codec: str = ""  # "" (stored as is) | "zstd" | "zstd+shuffle" (see compression.py)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        if not self.codec:
+            del d["codec"]  # version 1 entries stay as they were
+        return d
 
     @property
     def digest(self) -> FileDigest:
@@ -50,15 +65,42 @@ class Manifest:
     retention: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    # blobs of the run's store this checkpoint refers to (incremental=True); their ``path`` is
+    # the blob's name, resolved by blobs.blob_path. Writers may pass them in ``files`` with
+    # kind "blob": they are moved here.
+    blobs: list[FileEntry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if any(f.kind == BLOB_KIND for f in self.files):
+            seen = {b.path for b in self.blobs}
+            for f in self.files:
+                if f.kind == BLOB_KIND and f.path not in seen:
+                    self.blobs.append(f)
+                    seen.add(f.path)
+            self.files = [f for f in self.files if f.kind != BLOB_KIND]
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of the checkpoint's own files (the blobs it shares are not counted)."""
         return sum(f.size for f in self.files)
+
+    @property
+    def blob_bytes(self) -> int:
+        return sum(b.size for b in self.blobs)
+
+    @property
+    def format_version(self) -> int:
+        return 2 if self.blobs or any(f.codec for f in self.files) else 1
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        d["files"] = [f.to_json() for f in self.files]
+        if self.blobs:
+            d["blobs"] = [b.to_json() for b in self.blobs]
+        else:
+            del d["blobs"]
         d["format"] = FORMAT_NAME
-        d["format_version"] = FORMAT_VERSION
+        d["format_version"] = self.format_version
         d["created_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
         return d
 
@@ -75,6 +117,9 @@ class Manifest:
             files = [FileEntry(**f) for f in d["files"]]
             for f in files:
                 check_relative(f.path, where)
+            blobs = [FileEntry(**b) for b in d.get("blobs") or []]
+            for b in blobs:
+                check_blob_name(b.path, where)
             return cls(
                 step=int(d["step"]),
                 run_id=str(d["run_id"]),
@@ -88,6 +133,7 @@ class Manifest:
                 retention=dict(d.get("retention") or {}),
                 versions=dict(d.get("versions") or {}),
                 extra=dict(d.get("extra") or {}),
+                blobs=blobs,
             )
         except UnsafeManifestError:
             raise
@@ -110,6 +156,15 @@ def check_relative(name: str, where: str = "manifest") -> None:
         raise UnsafeManifestError(
             f"{where}: names the file {name!r}, which is outside its checkpoint directory; "
             "refusing to read or delete it (the manifest was tampered with or is corrupt)"
+        )
+
+
+def check_blob_name(name: str, where: str = "manifest") -> None:
+    """Reject a blob reference that is not a plain blob name (nothing outside the store)."""
+    if not BLOB_NAME_RE.match(name):
+        raise UnsafeManifestError(
+            f"{where}: names the blob {name!r}, which is not a blob name (32 hex digits + "
+            "'.safetensors' or '.z<level>.safetensors.zst'); refusing to read or delete it (tampered or corrupt manifest)"
         )
 
 

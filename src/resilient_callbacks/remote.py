@@ -1,7 +1,8 @@
 """The durable tier: committed checkpoints mirrored to any fsspec URL (``s3://``, ``gs://``,
 ``az://``, ``memory://``, ``file://``, ...).
 
-Layout: ``<url>/<checkpoint name>/<files>``, the same files as the local checkpoint. The remote
+Layout: ``<url>/<checkpoint name>/<files>``, the same files as the local checkpoint, and
+``<url>/blobs/`` for the tensors incremental checkpoints share (:mod:`.remote_blobs`). The remote
 commit point is the manifest, uploaded **after** every file it lists is uploaded and checked
 (size, and the MD5 ETag where the store gives one for a single-part object); object stores
 have no rename, so this ordering is what makes a remote checkpoint atomic. A listing shows a
@@ -30,7 +31,8 @@ from typing import Any
 
 import fsspec
 
-from . import rng
+from . import remote_blobs, rng
+from .blobs import BLOBS_DIR
 from .catalog import Depth, verify
 from .commit import STAGING_PREFIX, fsync_dir
 from .errors import CheckpointCorruptError, RemoteUnavailableError
@@ -177,6 +179,7 @@ class RemoteStore:
             if name.startswith("."):
                 continue
             groups.setdefault(name, {})[file] = int(info.get("size") or 0)
+        blob_sizes = groups.pop(BLOBS_DIR, {})
         entries: list[RemoteEntry] = []
         for name, sizes in sorted(groups.items()):
             if MANIFEST_NAME not in sizes:
@@ -194,6 +197,10 @@ class RemoteStore:
                     break
                 if sizes[f.path] != f.size:
                     problem = f"{f.path}: {sizes[f.path]} bytes remotely, manifest says {f.size}"
+                    break
+            for b in [] if problem else m.blobs:
+                if blob_sizes.get(b.path) != b.size:
+                    problem = f"the blob {BLOBS_DIR}/{b.path} it refers to is missing or torn"
                     break
             entries.append(RemoteEntry(name, m, sizes, problem))
         entries.sort(key=lambda e: (e.manifest is None, e.manifest.seq if e.manifest else 0))
@@ -233,8 +240,12 @@ class RemoteStore:
                     self.fs.makedirs(parent, exist_ok=True)
         cb = progress.multi_callback() if progress is not None else None
         kwargs: dict[str, Any] = {"callback": cb} if cb is not None else {}
-        self.fs.put(lpaths, rpaths, **kwargs)
-        commit.commit(name, manifest.step, manifest_bytes)
+        marker = remote_blobs.upload(self, local_dir, manifest)  # those not there yet
+        try:
+            self.fs.put(lpaths, rpaths, **kwargs)
+            commit.commit(name, manifest.step, manifest_bytes)
+        finally:
+            remote_blobs.end_upload(self, marker)
         if progress is not None:
             progress.update(len(manifest_bytes))
 
@@ -293,6 +304,7 @@ class RemoteStore:
             for f in m.files:
                 if "/" in f.path:
                     os.makedirs(os.path.dirname(os.path.join(staging, f.path)), exist_ok=True)
+            remote_blobs.download(self, m, local_root, staging)  # verified, before the manifest
             bar = Progress(m.total_bytes, f"downloading {entry.name} from {self.url}", bar=progress)
             try:
                 self.fs.get(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist, fit, history, layout, reader, rng, statetree, structure
+from .blobs import key_of
 from .catalog import Depth, Entry, Status
 from .commit import fsync_dir, remove_checkpoint
 from .config import ResumeMode
@@ -396,8 +397,10 @@ class Restorer:
                 if entry is None or entry.manifest is None:
                     raise CheckpointNotFoundError(f"{url} is gone")
                 log.warning("restoring from the remote copy %s", url)
-                staging, name = d.remote.download(entry, ck.dirpath)
-                result["path"] = self._install(staging, name, entry.manifest)
+                keys = [key_of(b.path) for b in entry.manifest.blobs]
+                with d.blobs.pinned(keys):  # no collection between download and install
+                    staging, name = d.remote.download(entry, ck.dirpath)
+                    result["path"] = self._install(staging, name, entry.manifest)
             except Exception as e:
                 result["problem"] = f"remote copy {url}: {type(e).__name__}: {e}"
         msg = dist.broadcast_json(result)

@@ -29,12 +29,15 @@ import torch
 
 from . import dist, layout, rng, statetree, structure
 from .background import BackgroundPersister
+from .blobs import BlobSession
+from .compression import Chooser
 from .errors import CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts, FilePart
 from .nodelocal import NodeDirectory, NodeLocalSession
 from .session import CommitSession
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import DirectBuffer
+from .unchanged import UnchangedTracker, begin_incremental
 from .waits import SaveWaits
 
 if TYPE_CHECKING:
@@ -50,6 +53,7 @@ class SaveStats:
     bytes: int
     seconds: float
     reason: str
+    written: int = -1  # bytes this save wrote (shared blobs it reused not counted); -1: unknown
 
 
 @dataclass
@@ -61,6 +65,8 @@ class _Prepared:
     fingerprint: str
     snapshot: Snapshot | None
     parts: CapturedParts | None = None
+    blobs: BlobSession | None = None  # incremental=True, coordinator
+    watch: dict[str, Any] | None = None  # frozen tensors to remember once committed
 
 
 def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
@@ -154,6 +160,11 @@ class Saver:
         self.skipped_saves = 0
         self.committed_saves = 0
         self.save_waits = SaveWaits(speak=ck.is_coordinator)
+        cfg = ck.config
+        self.tracker = UnchangedTracker() if cfg.incremental is True else None
+        self.codec = Chooser(
+            cfg.compression, cfg.compression_level, cfg.compression_shuffle, self._upload_bps
+        )
         self.blocking_seconds: deque[float] = deque(maxlen=100)
         self.save_seconds: deque[float] = deque(maxlen=9)
         self.persist_seconds: deque[float] = deque(maxlen=9)
@@ -253,6 +264,13 @@ class Saver:
         self._observe_save(blocking)
         return True
 
+    def _upload_bps(self) -> float | None:
+        sync = self._ck._dir.sync
+        if sync is None:
+            return None
+        st = sync.status()
+        return st.uploaded_bytes / st.upload_seconds if st.upload_seconds > 0 else None
+
     def _observe_save(self, blocking: float) -> None:
         self.save_seconds.append(blocking)
         schedule = self._ck.schedule
@@ -297,25 +315,39 @@ class Saver:
             rng_info, rng_tensors = rng_state
         else:
             rng_info, rng_tensors = rng.capture() if ck.config.capture_rng else (None, {})
-        snap = None
-        if copy:
-            self.wait_for_snapshot()
-            tensors = self._tensors_to_copy(shared, local)
-            overlap = None
-            if ck.config.overlap_snapshot:
-                overlap = optimizer_step_storages(state)
-                self._hook_optimizers(state)
-            self.buffers.keep_only(tensors)
-            if self.bounce is None:  # with the host buffers: later saves allocate nothing
-                self.bounce = DirectBuffer()
-            snap = Snapshot(tensors, self.buffers, overlap_storages=overlap)
-            self.last_snapshot = snap if ck.config.overlap_snapshot else None
-            copies = snap.copies
-            shared = structure.Encoded(
-                shared.structure, {k: copies[k] for k in shared.tensors if k in copies}
-            )
-            local = structure.Encoded(None, {k: copies[k] for k in local.tensors}, local.per_rank)
-        return _Prepared(shared, local, rng_info, rng_tensors, fingerprint, snap, parts)
+        blobs, watch = None, None
+        if ck.config.incremental and ck.is_coordinator:
+            blobs, watch = begin_incremental(ck._dir.blobs, self.tracker, shared.tensors, state)
+        try:
+            snap = None
+            if copy:
+                self.wait_for_snapshot()
+                tensors = self._tensors_to_copy(shared, local)
+                for name in blobs.hints if blobs is not None else ():
+                    tensors.pop(name, None)  # known unchanged and stored: not copied
+                overlap = None
+                if ck.config.overlap_snapshot:
+                    overlap = optimizer_step_storages(state)
+                    self._hook_optimizers(state)
+                self.buffers.keep_only(tensors)
+                if self.bounce is None:  # with the host buffers: later saves allocate nothing
+                    self.bounce = DirectBuffer()
+                snap = Snapshot(tensors, self.buffers, overlap_storages=overlap)
+                self.last_snapshot = snap if ck.config.overlap_snapshot else None
+                copies = snap.copies
+                shared = structure.Encoded(
+                    shared.structure, {k: copies[k] for k in shared.tensors if k in copies}
+                )
+                local = structure.Encoded(
+                    None, {k: copies[k] for k in local.tensors}, local.per_rank
+                )
+        except BaseException:
+            if blobs is not None:
+                blobs.end()  # this save will not commit: unpin what it pinned
+            raise
+        return _Prepared(
+            shared, local, rng_info, rng_tensors, fingerprint, snap, parts, blobs, watch
+        )
 
     def _tensors_to_copy(
         self, shared: structure.Encoded, local: structure.Encoded
@@ -412,24 +444,65 @@ class Saver:
                 retention=ck.retention,
                 after_commit=d.after_commit,
             )
+        blobs = prepared.blobs if prepared is not None else None
+        try:
+            self._persist(
+                step, prepared, local_exc, metrics, reason, why, t0, background, quiet, session,
+                progress, blocking,
+            )  # fmt: skip
+        finally:
+            if blobs is not None:
+                blobs.end()  # committed (the manifest names them) or failed: unpin
+
+    def _persist(
+        self,
+        step: int,
+        prepared: _Prepared | None,
+        local_exc: BaseException | None,
+        metrics: dict[str, float | None],
+        reason: str,
+        why: str,
+        t0: float,
+        background: bool,
+        quiet: bool,
+        session: CommitSession | NodeLocalSession,
+        progress: dict[str, Any] | None,
+        blocking: float | None,
+    ) -> None:
+        ck = self._ck
         staging_dir = session.begin()
+        written = 0
         if local_exc is None and staging_dir is not None:
             assert prepared is not None
             try:
                 if prepared.snapshot is not None:
                     prepared.snapshot.wait_host()
-                session.add(
-                    layout.write_part(
-                        staging_dir,
-                        ck.rank,
-                        prepared.shared if ck._writes_shared else None,
-                        prepared.local,
-                        prepared.rng_info,
-                        prepared.rng_tensors,
-                        direct=background,  # no page-cache copy competing with training
-                        bounce=self.bounce if background else None,
-                    )
+                compress = None
+                if self.codec.enabled and self.codec.compress_now(prepared.shared.tensors):
+                    compress = (self.codec.level, self.codec.with_shuffle)
+                if prepared.blobs is not None:
+                    prepared.blobs.compress = compress
+                    prepared.blobs.direct = background
+                    prepared.blobs.bounce = self.bounce if background else None
+                w0 = time.perf_counter()
+                files = layout.write_part(
+                    staging_dir,
+                    ck.rank,
+                    prepared.shared if ck._writes_shared else None,
+                    prepared.local,
+                    prepared.rng_info,
+                    prepared.rng_tensors,
+                    direct=background,  # no page-cache copy competing with training
+                    bounce=self.bounce if background else None,
+                    blobs=prepared.blobs,
+                    compress=compress,
                 )
+                written = sum(f.size for f in files if f.kind != "blob")
+                if prepared.blobs is not None:
+                    written += prepared.blobs.written
+                if compress is None:
+                    self.codec.observe_raw_write(written, time.perf_counter() - w0)
+                session.add(files)
                 if prepared.parts is not None:  # the FileParts' own files, under parts/<id>/
                     session.add(
                         prepared.parts.write(
@@ -462,10 +535,13 @@ class Saver:
         if not background:
             ck.last_saved_step = step
             ck._trigger.clock.reset()
+        if self.tracker is not None and prepared is not None and prepared.watch is not None:
+            assert prepared.blobs is not None
+            self.tracker.record(prepared.watch, prepared.blobs.keys)
         elapsed = time.perf_counter() - t0
         if background:
             self.persist_seconds.append(elapsed)
-        ck.last_save = SaveStats(step, done.path, done.bytes, elapsed, reason)
+        ck.last_save = SaveStats(step, done.path, done.bytes, elapsed, reason, written)
         self.committed_saves += 1
         ck._recorder.committed(
             step,

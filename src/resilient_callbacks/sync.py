@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import remote_blobs
 from .catalog import Depth, verify
 from .errors import CheckpointCorruptError
 from .manifest import Manifest, read_manifest
@@ -315,6 +316,8 @@ class RemoteSync:
                 with self._cond:
                     self.index = {k: v for k, v in self.index.items() if v != name}
                 log.info("remote retention: deleted %s/%s", self.store.url, name)
+            if p.delete:  # then the blobs no remaining remote checkpoint refers to
+                remote_blobs.collect(self.store, self.store.scan())
         except Exception as e:
             log.warning(
                 "remote retention on %s failed (retried after the next upload): %s",

@@ -1,0 +1,337 @@
+"""Optional zstd compression of tensor files, with a byte-shuffle for multi-byte dtypes, and the
+``"auto"`` choice that turns it on only where it pays.
+
+A compressed tensor file is one zstd frame (content size and zstd's own checksum included) of
+the safetensors bytes the uncompressed writer would write, except that with the shuffle each
+tensor's data is byte-shuffled in blocks of :data:`SHUFFLE_BLOCK` bytes: the first byte of
+every element, then every second byte, ... (bf16/fp16/fp32 exponents line up and compress).
+Its name ends in ``.zst`` and its manifest entry has ``"codec": "zstd"`` or
+``"zstd+shuffle"``; the manifest's size and xxh3-64 are those of the compressed file on disk,
+so integrity checks read the stored bytes exactly as for an uncompressed file.
+
+``zstandard`` is an optional extra (``pip install 'resilient-callbacks[zstd]'``), imported only
+when compression is used; without it a clear :class:`~.errors.ConfigError` names the extra.
+
+The ``"auto"`` rule (:func:`worth_compressing`): compressing wins when the time to compress
+plus the time to move the smaller bytes through every sink (the local disk, and the upload
+where there is a remote tier) is below the time to move the raw bytes: ``1/C + r * sum(1/S) <
+margin * sum(1/S)`` for compression throughput ``C``, ratio ``r`` (stored/raw) and sink
+throughputs ``S``. No overlap of compression and writing is assumed (conservative).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CheckpointCorruptError, ConfigError, UnsupportedStateError
+from .tensorfile import (
+    CHUNK,
+    DTYPE_TO_ST,
+    FileDigest,
+    _as_bytes,
+    _layout,
+    new_hasher,
+    parse_header,
+    read_verified,
+)
+
+SUFFIX = ".zst"
+SHUFFLE_BLOCK = 16 << 20  # a multiple of every element size (and the write chunk)
+CODECS = ("zstd", "zstd+shuffle")
+MODES = ("none", "zstd", "auto")
+SAMPLE_BYTES = 32 << 20  # what "auto" compresses to measure throughput and ratio
+
+
+def zstd() -> Any:
+    """The ``zstandard`` module, or a :class:`ConfigError` naming the extra to install."""
+    try:
+        import zstandard
+    except ImportError:
+        raise ConfigError(
+            "compression='zstd'/'auto' needs the zstandard package, which is not installed: "
+            "pip install 'resilient-callbacks[zstd]' (or compression='none')"
+        ) from None
+    return zstandard
+
+
+def check_options(mode: Any, level: Any, shuffle: Any) -> None:
+    """Validate ``compression``, ``compression_level`` and ``compression_shuffle``."""
+    if mode not in MODES:
+        raise ConfigError(
+            f"compression={mode!r}: use 'none' (default), 'zstd', or 'auto' (zstd only where "
+            "the measured compression throughput beats the disk/upload throughput)"
+        )
+    if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22:
+        raise ConfigError(
+            f"compression_level={level!r}: a zstd level, an int from -7 (fastest) to 22 "
+            "(smallest); 1..3 suit checkpoints"
+        )
+    if not isinstance(shuffle, bool):
+        raise ConfigError(f"compression_shuffle={shuffle!r}: must be True or False")
+    if mode != "none":
+        zstd()
+
+
+def _threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+
+
+def compressor(level: int) -> Any:
+    return zstd().ZstdCompressor(
+        level=level, threads=_threads(), write_checksum=True, write_content_size=True
+    )
+
+
+# ------------------------------------------------------------------------------ shuffle
+
+
+def shuffle(mv: memoryview, itemsize: int) -> memoryview:
+    """The bytes of ``mv`` byte-shuffled block by block (a new buffer; ``mv`` is untouched)."""
+    if itemsize == 1 or not len(mv):
+        return mv
+    src = np.frombuffer(mv, dtype=np.uint8)
+    out = np.empty_like(src)
+    for start in range(0, len(src), SHUFFLE_BLOCK):
+        block = src[start : start + SHUFFLE_BLOCK]
+        out[start : start + len(block)] = block.reshape(-1, itemsize).T.reshape(-1)
+    return memoryview(out)  # type: ignore[arg-type]
+
+
+def unshuffle_(buf: np.ndarray, itemsize: int) -> None:
+    """Undo :func:`shuffle` in place on ``buf`` (a uint8 array)."""
+    if itemsize == 1:
+        return
+    for start in range(0, len(buf), SHUFFLE_BLOCK):
+        block = buf[start : start + SHUFFLE_BLOCK]
+        block[:] = block.copy().reshape(itemsize, -1).T.reshape(-1)
+
+
+# ------------------------------------------------------------------------------ write / read
+
+
+class _HashingWriter:
+    """A file object that hashes what goes to disk (the compressed bytes)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.hasher, self.size = f, new_hasher(), 0
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data)
+        while len(mv):
+            n = self.f.write(mv)
+            if n is None or n <= 0:  # pragma: no cover - raw files return the count or raise
+                raise OSError("short write")
+            self.hasher.update(mv[:n])
+            self.size += n
+            mv = mv[n:]
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def write_tensors_compressed(
+    path: str,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    level: int = 3,
+    with_shuffle: bool = True,
+    fsync: bool = True,
+) -> tuple[FileDigest, str]:
+    """Write ``tensors`` as a zstd-compressed safetensors file at ``path`` (multithreaded);
+    return the stored file's size and checksum, and its codec."""
+    for name, t in tensors.items():
+        if t.dtype not in DTYPE_TO_ST:
+            raise UnsupportedStateError(f"tensor {name!r} has dtype {t.dtype}, not storable")
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": DTYPE_TO_ST[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hbytes += b" " * (-len(hbytes) % 8)
+    total = 8 + len(hbytes) + offset
+    with open(path, "wb", buffering=0) as f:
+        sink = _HashingWriter(f)
+        with compressor(level).stream_writer(sink, size=total, closefd=False) as z:
+            z.write(struct.pack("<Q", len(hbytes)))
+            z.write(hbytes)
+            for name in order:
+                t = tensors[name]
+                mv = _as_bytes(t)
+                for start in range(0, len(mv), CHUNK):
+                    piece = mv[start : start + CHUNK]
+                    z.write(shuffle(piece, t.element_size()) if with_shuffle else piece)
+        if fsync:
+            os.fsync(f.fileno())
+    return FileDigest(sink.size, sink.hasher.hexdigest()), codec_name(with_shuffle)
+
+
+def codec_name(with_shuffle: bool) -> str:
+    return "zstd+shuffle" if with_shuffle else "zstd"
+
+
+def read_tensors_compressed(
+    path: str, expect: FileDigest | None, codec: str
+) -> dict[str, torch.Tensor]:
+    """Read a compressed tensor file: the stored bytes are checked against ``expect`` (size and
+    xxh3-64) before anything is decompressed; zstd checks its own checksum while decoding."""
+    if codec not in CODECS:
+        raise CheckpointCorruptError(
+            f"{path}: codec {codec!r} is unknown to this version of resilient-callbacks; "
+            "upgrade it to read this checkpoint"
+        )
+    stored = read_verified(path, expect)
+    z = zstd()
+    try:
+        size = z.frame_content_size(bytes(stored[:18]))
+        if size < 0:
+            raise CheckpointCorruptError(f"{path}: the zstd frame does not record its size")
+        out = np.empty(size, dtype=np.uint8)
+        reader = z.ZstdDecompressor().stream_reader(memoryview(stored))
+        view = memoryview(out)  # type: ignore[arg-type]
+        pos = 0
+        while pos < size:
+            n = reader.readinto(view[pos : min(size, pos + CHUNK)])
+            if not n:
+                raise CheckpointCorruptError(f"{path}: the zstd frame ended early")
+            pos += n
+    except z.ZstdError as e:
+        raise CheckpointCorruptError(f"{path}: cannot decompress ({e})") from None
+    del stored
+    header, data_start = parse_header(
+        memoryview(out)[  # type: ignore[arg-type]
+            : min(size, 8 + (100 << 20))
+        ],
+        path,
+    )
+    result: dict[str, torch.Tensor] = {}
+    for name, dtype, shape, start, end in _layout(header, data_start, size, path):
+        region = out[data_start + start : data_start + end]
+        if codec == "zstd+shuffle":
+            unshuffle_(region, dtype.itemsize)
+        if end == start:
+            result[name] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.from_numpy(region)
+        if (data_start + start) % dtype.itemsize:
+            raw = raw.clone()
+        result[name] = raw.view(dtype).reshape(shape)
+    return result
+
+
+# ------------------------------------------------------------------------------ auto
+
+
+def worth_compressing(
+    ratio: float, compress_bps: float, sink_bps: list[float], margin: float = 0.9
+) -> bool:
+    """True when compressing at ``compress_bps`` (raw bytes/s) to ``ratio`` (stored/raw) and
+    then moving the stored bytes through every sink is faster than moving the raw bytes:
+    ``1/C + r * sum(1/S) < margin * sum(1/S)``."""
+    sinks = [s for s in sink_bps if s > 0]
+    if not sinks or compress_bps <= 0:
+        return False
+    per_byte = sum(1.0 / s for s in sinks)
+    return 1.0 / compress_bps + ratio * per_byte < margin * per_byte
+
+
+@dataclass
+class Sample:
+    ratio: float  # stored / raw
+    compress_bps: float  # raw bytes per second
+
+
+def measure(
+    tensors: Mapping[str, torch.Tensor],
+    level: int,
+    with_shuffle: bool,
+    limit: int = SAMPLE_BYTES,
+) -> Sample:
+    """Compress up to ``limit`` bytes drawn from the largest ``tensors`` (as a save would) and
+    time it."""
+    pieces: list[memoryview] = []
+    taken = 0
+    for t in sorted(tensors.values(), key=lambda t: -t.numel() * t.element_size()):
+        if taken >= limit:
+            break
+        mv = _as_bytes(t)[: limit - taken]
+        mv = mv[: len(mv) - len(mv) % t.element_size()]
+        pieces.append(shuffle(mv, t.element_size()) if with_shuffle else mv)
+        taken += len(mv)
+    if not taken:
+        return Sample(1.0, 0.0)
+    data = b"".join(bytes(p) for p in pieces)
+    cctx = compressor(level)
+    t0 = time.perf_counter()
+    out = cctx.compress(data)
+    dt = max(time.perf_counter() - t0, 1e-9)
+    return Sample(len(out) / len(data), len(data) / dt)
+
+
+class Chooser:
+    """The codec of each save: ``"none"``, always zstd, or ``"auto"``: the first save is written
+    raw (it measures the disk), compression is measured on the state, and later saves are
+    compressed only if :func:`worth_compressing` says so for the disk and, with a remote tier,
+    the measured upload throughput."""
+
+    def __init__(
+        self,
+        mode: str,
+        level: int,
+        with_shuffle: bool,
+        upload_bps: Callable[[], float | None] | None = None,
+    ) -> None:
+        self.mode, self.level, self.with_shuffle = mode, level, with_shuffle
+        self.upload_bps = upload_bps
+        self.disk_bps: float | None = None
+        self.sample: Sample | None = None
+        self.decision: bool | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def compress_now(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether this save compresses (``tensors``: what it writes, to sample from)."""
+        if self.mode == "none":
+            return False
+        if self.mode == "zstd":
+            return True
+        if self.disk_bps is None:
+            return False  # measure the raw disk first
+        if self.sample is None and tensors:
+            self.sample = measure(tensors, self.level, self.with_shuffle)
+        if self.sample is None:
+            return False
+        sinks = [self.disk_bps]
+        up = self.upload_bps() if self.upload_bps is not None else None
+        if up:
+            sinks.append(up)
+        self.decision = worth_compressing(self.sample.ratio, self.sample.compress_bps, sinks)
+        return self.decision
+
+    def observe_raw_write(self, nbytes: int, seconds: float) -> None:
+        """A raw (uncompressed) write of ``nbytes`` took ``seconds`` (write + fsync)."""
+        if nbytes >= 1 << 20 and seconds > 0:
+            bps = nbytes / seconds
+            self.disk_bps = bps if self.disk_bps is None else 0.5 * (self.disk_bps + bps)

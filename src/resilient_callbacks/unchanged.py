@@ -1,0 +1,138 @@
+"""Which replicated tensors cannot have changed since the last committed save of this process,
+so that an incremental save neither copies nor hashes them.
+
+A tensor qualifies only when all of these hold:
+
+- it is not a parameter that requires grad, nor any tensor an optimizer holds (parameters and
+  optimizer state): those change at every step by design;
+- it is the same storage at the same place (data pointer, offset, shape, strides, dtype,
+  device) as at the last committed save, and its autograd version counter, which every
+  in-place operation bumps (``copy_``, ``add_``, an optimizer step, ``load_state_dict``), has
+  not moved since that save snapshotted it;
+- that save stored its bytes as a blob (its content key is known).
+
+The tracker keeps a reference to each tensor it records, so its storage cannot be freed and
+its address handed to another tensor (which would start with a fresh version counter). The
+record lives in this process only: a new process hashes everything once.
+
+What the version counter cannot see: writes through ``tensor.data`` (a separate counter) or
+through another library's view of the memory (NumPy, DLPack, a kernel writing a raw pointer).
+A run that changes frozen tensors that way passes ``incremental="hash"``: every tensor is then
+hashed at every save (still written only when its bytes changed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import statetree
+from .blobs import BLOB_MIN, BlobSession, BlobStore
+
+
+@dataclass(frozen=True)
+class _Seen:
+    tensor: torch.Tensor  # held: keeps the storage (and so its address) alive
+    where: tuple[Any, ...]
+    version: int
+    key: str
+
+
+def _where(t: torch.Tensor) -> tuple[Any, ...]:
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+        t.device,
+    )
+
+
+def trained_storages(state: Any) -> set[int]:
+    """Data pointers of the storages that training changes: parameters that require grad and
+    every tensor of every optimizer (its parameters and its state)."""
+    ptrs: set[int] = set()
+    for _, obj in statetree.leaves(state):
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                if p.requires_grad:
+                    ptrs.add(p.untyped_storage().data_ptr())
+    for opt in statetree.optimizers(state):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                ptrs.add(p.untyped_storage().data_ptr())
+        for st in opt.state.values():
+            for v in st.values() if isinstance(st, Mapping) else ():
+                if isinstance(v, torch.Tensor):
+                    ptrs.add(v.untyped_storage().data_ptr())
+    return ptrs
+
+
+class UnchangedTracker:
+    """Per Checkpointer (coordinator): the frozen tensors of the last committed save."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, _Seen] = {}
+
+    def observe(
+        self, tensors: Mapping[str, torch.Tensor], state: Any
+    ) -> tuple[dict[str, str], dict[str, tuple[torch.Tensor, tuple[Any, ...], int]]]:
+        """Training thread, at a save: ``(hints, watch)``. ``hints``: tensor name -> content key
+        of the tensors that cannot have changed since the last committed save; ``watch``: the
+        frozen tensors of this save as they are now, to :meth:`record` once it committed."""
+        trained = trained_storages(state)
+        hints: dict[str, str] = {}
+        watch: dict[str, tuple[torch.Tensor, tuple[Any, ...], int]] = {}
+        for name, t in tensors.items():
+            if t.numel() * t.element_size() < BLOB_MIN or t.is_sparse:
+                continue
+            try:
+                version = t._version
+                where = _where(t)
+            except (RuntimeError, NotImplementedError):  # inference tensors have no counter
+                continue
+            if where[0] in trained:
+                continue
+            watch[name] = (t, where, version)
+            seen = self._seen.get(name)
+            if seen is not None and seen.where == where and seen.version == version:
+                hints[name] = seen.key
+        return hints, watch
+
+    def record(
+        self,
+        watch: Mapping[str, tuple[torch.Tensor, tuple[Any, ...], int]],
+        keys: Mapping[str, str],
+    ) -> None:
+        """A save committed: remember the content keys of its frozen tensors."""
+        self._seen = {
+            name: _Seen(t, where, version, keys[name])
+            for name, (t, where, version) in watch.items()
+            if name in keys
+        }
+
+    def forget(self) -> None:
+        self._seen = {}
+
+
+def begin_incremental(
+    store: BlobStore,
+    tracker: UnchangedTracker | None,
+    tensors: Mapping[str, torch.Tensor],
+    state: Any,
+) -> tuple[BlobSession, dict[str, tuple[torch.Tensor, tuple[Any, ...], int]] | None]:
+    """Coordinator, training thread, at an incremental save: the save's use of the blob store,
+    with the tensors known unchanged (pinned, so they stay stored, and checked present), and
+    what the tracker must record once the save committed (None with ``incremental="hash"``)."""
+    session = BlobSession(store)
+    if tracker is None:
+        return session, None
+    hints, watch = tracker.observe(tensors, state)
+    store.pin(hints.values())
+    session._pinned.extend(hints.values())
+    session.hints = {k: v for k, v in hints.items() if store.lookup(v) is not None}
+    return session, watch

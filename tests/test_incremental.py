@@ -1,0 +1,347 @@
+"""Incremental checkpoints (``incremental=True``): unchanged tensors are stored once in the run's
+blob store, retention and ``gc`` never delete a blob a committed checkpoint refers to, every
+reference is verified, and older checkpoints still load."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from resilient_callbacks import Checkpointer, catalog
+from resilient_callbacks.blobs import BLOB_MIN, BlobStore, content_key, live_blobs
+from resilient_callbacks.catalog import Depth, Status
+from resilient_callbacks.errors import ConfigError, UnsafeManifestError
+from resilient_callbacks.manifest import read_manifest
+
+
+def _model(seed: int = 0) -> nn.Module:
+    """~90% of the parameters frozen: a big frozen trunk and a small trained head."""
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512), nn.Linear(512, 64))
+    for p in [*m[0].parameters(), *m[1].parameters()]:
+        p.requires_grad_(False)
+    return m
+
+
+def _state(m: nn.Module) -> dict:
+    trained = [p for p in m.parameters() if p.requires_grad]
+    return {"model": m, "opt": torch.optim.Adam(trained, lr=1e-2), "extra": {"step": 0}}
+
+
+def _train_step(state: dict, step: int) -> None:
+    torch.manual_seed(1000 + step)
+    loss = state["model"](torch.randn(4, 512)).square().mean()
+    loss.backward()
+    state["opt"].step()
+    state["opt"].zero_grad()
+    state["extra"]["step"] = step
+
+
+def _tensors(state: dict) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.clone() for k, v in state["model"].state_dict().items()}
+    for i, st in state["opt"].state.items():
+        for k, v in st.items():
+            out[f"opt.{i}.{k}"] = v.clone()
+    return out
+
+
+def _disk_bytes(root) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        total += sum(os.path.getsize(os.path.join(dirpath, n)) for n in names)
+    return total
+
+
+def _ckpt_bytes(root) -> int:
+    """Bytes of the checkpoints and the blob store (not the lock, history, ``latest``)."""
+    return sum(
+        _disk_bytes(os.path.join(root, n))
+        for n in os.listdir(root)
+        if n == "blobs" or n.startswith("step_")
+    )
+
+
+@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_frozen_model_ten_saves_store_changed_bytes_and_restore_exactly(tmp_path, async_save):
+    state = _state(_model())
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    written: list[int] = []
+    changed: list[int] = []
+    with Checkpointer(tmp_path / "inc", incremental=True, async_save=async_save) as ck:
+        prev = None
+        for step in range(1, 11):
+            _train_step(state, step)
+            ck.save(step, state)
+            ck._saver.wait_background()
+            assert ck.last_save is not None
+            written.append(ck.last_save.written)
+            now = _tensors(state)
+            saved[step] = now
+            if prev is not None:
+                changed.append(
+                    sum(
+                        t.numel() * t.element_size()
+                        for k, t in now.items()
+                        if k not in prev or not torch.equal(prev[k], t)
+                    )
+                )
+            prev = now
+    # the size of one full (non-incremental) save of the same state
+    with Checkpointer(tmp_path / "full", async_save=False) as full:
+        full.save(10, state)
+    full_bytes = _ckpt_bytes(tmp_path / "full")
+    total = _ckpt_bytes(tmp_path / "inc")
+    frozen_share = 1 - max(changed) / sum(t.numel() * t.element_size() for t in prev.values())
+    assert frozen_share > 0.85  # the model is mostly frozen (Adam state counts as changing)
+    bound = full_bytes + sum(changed[:9])
+    assert total <= 1.1 * bound, (total, full_bytes, changed)
+    # each later save writes only what changed: a small fraction of the first
+    assert all(w < 0.35 * written[0] for w in written[1:]), written
+    # every kept checkpoint restores bit-exactly
+    for step in range(1, 11):
+        fresh = _state(_model(seed=99))
+        with Checkpointer(tmp_path / "inc", resume=step, async_save=False) as ck2:
+            assert ck2.restore(fresh) == step
+        got = _tensors(fresh)
+        assert got.keys() == saved[step].keys()
+        for k, t in saved[step].items():
+            assert torch.equal(got[k], t), (step, k)
+    entries = catalog.scan(str(tmp_path / "inc"), Depth.FULL)
+    assert [e.status for e in entries] == [Status.VALID] * 10
+    assert read_manifest(entries[-1].path).to_json()["format_version"] == 2
+
+
+def test_unchanged_tensors_are_neither_copied_nor_hashed(tmp_path, monkeypatch):
+    """After the first save, only tensors that can have changed are hashed (a counting wrapper
+    around the real content_key); an in-place change of a frozen tensor is seen."""
+    import resilient_callbacks.blobs as blobs_mod
+
+    hashed: list[tuple[int, ...]] = []
+    real = blobs_mod.content_key
+
+    def counting(t: torch.Tensor) -> str:
+        hashed.append(tuple(t.shape))
+        return real(t)
+
+    monkeypatch.setattr(blobs_mod, "content_key", counting)
+    m = _model()
+    state = _state(m)
+    with Checkpointer(tmp_path, incremental=True, async_save=True) as ck:
+        _train_step(state, 1)
+        ck.save(1, state)
+        ck._saver.wait_background()
+        first = list(hashed)
+        hashed.clear()
+        _train_step(state, 2)
+        ck.save(2, state)
+        ck._saver.wait_background()
+        # the frozen trunk's weights (the big ones) were not hashed again, nor copied
+        assert (1024, 512) in first and (512, 1024) in first
+        assert (1024, 512) not in hashed and (512, 1024) not in hashed
+        assert (64, 512) in hashed  # the trained head was
+        assert all(tuple(t.shape) != (1024, 512) for t in ck._saver.buffers._bufs.values())
+        # an in-place change of a frozen tensor bumps its version counter: hashed, stored anew
+        with torch.no_grad():
+            m[0].weight.add_(1.0)
+        hashed.clear()
+        ck.save(3, state)
+        ck._saver.wait_background()
+        assert (1024, 512) in hashed
+        want = m[0].weight.clone()
+    fresh = _state(_model(seed=5))
+    with Checkpointer(tmp_path, async_save=False) as ck2:
+        assert ck2.restore(fresh) == 3
+    assert torch.equal(fresh["model"][0].weight, want)
+
+
+def test_hash_mode_sees_writes_through_data(tmp_path):
+    """``.data`` writes bypass the version counter; incremental='hash' hashes every tensor."""
+    m = _model()
+    state = _state(m)
+    with Checkpointer(tmp_path, incremental="hash", async_save=False) as ck:
+        ck.save(1, state)
+        m[0].weight.data.mul_(2.0)  # invisible to the version counter
+        ck.save(2, state)
+        want = m[0].weight.clone()
+    fresh = _state(_model(seed=5))
+    with Checkpointer(tmp_path, async_save=False) as ck2:
+        assert ck2.restore(fresh) == 2
+    assert torch.equal(fresh["model"][0].weight, want)
+
+
+def test_retention_keeps_every_referenced_blob_and_deletes_the_rest(tmp_path):
+    state = _state(_model())
+    with Checkpointer(tmp_path, incremental=True, keep_last=2, async_save=True) as ck:
+        for step in range(1, 8):
+            _train_step(state, step)
+            ck.save(step, state)
+    names = set(os.listdir(tmp_path / "blobs"))
+    assert names == live_blobs(str(tmp_path))  # nothing unreferenced left, nothing missing
+    entries = catalog.scan(str(tmp_path), Depth.FULL)
+    assert [e.manifest.step for e in entries] == [6, 7]
+    assert all(e.status is Status.VALID for e in entries)
+    # the frozen trunk was stored once and is shared by both
+    a, b = (set(x.path for x in e.manifest.blobs) for e in entries)
+    assert len(a & b) == 2
+
+
+def test_collect_never_deletes_a_pinned_blob(tmp_path):
+    """A blob a save in flight wrote (or reuses) survives a collection until it is unpinned."""
+    store = BlobStore(str(tmp_path))
+    t = torch.arange(BLOB_MIN, dtype=torch.float32)
+    key = content_key(t)
+    with store.pinned([key]):
+        entry = store.write(key, t)
+        assert store.collect() == []
+        assert os.path.exists(os.path.join(store.dir, entry.path))
+    assert store.collect() == [entry.path]  # no manifest refers to it
+    assert os.listdir(store.dir) == []
+
+
+def _two_saves(root) -> list[str]:
+    state = _state(_model())
+    with Checkpointer(root, incremental=True, async_save=False) as ck:
+        for step in (1, 2):
+            _train_step(state, step)
+            ck.save(step, state)
+    return [e.path for e in catalog.scan(str(root), Depth.NONE)]
+
+
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    """Run ``resilient-ckpt ARGS`` in this process: (exit status, stdout)."""
+    from resilient_callbacks.cli import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    return rc, capsys.readouterr().out
+
+
+def test_verify_checks_every_reference_and_restore_falls_back(tmp_path, capsys):
+    paths = _two_saves(tmp_path)
+    newest = read_manifest(paths[1])
+    older = {b.path for b in read_manifest(paths[0]).blobs}
+    only_newest = [b.path for b in newest.blobs if b.path not in older]
+    assert only_newest
+    with open(tmp_path / "blobs" / only_newest[0], "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    rc, out = _cli(capsys, "verify", str(tmp_path), "--all")
+    assert rc == 1
+    assert only_newest[0] in out and "checksum mismatch" in out
+    assert "ok       step          1" in out
+    fresh = _state(_model(seed=3))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with Checkpointer(tmp_path, async_save=False) as ck:
+            assert ck.restore(fresh) == 1  # loudly, from the older one
+    assert any(only_newest[0] in str(x.message) for x in w)
+    # a missing shared blob: both checkpoints refer to it, both are reported
+    os.unlink(tmp_path / "blobs" / sorted(older & {b.path for b in newest.blobs})[0])
+    rc, out = _cli(capsys, "verify", str(tmp_path), "--all")
+    assert rc == 1 and out.count("missing") == 2
+
+
+def test_gc_reclaims_what_crashes_left_and_keeps_what_is_referenced(tmp_path, capsys):
+    _two_saves(tmp_path)
+    live = live_blobs(str(tmp_path))
+    orphan = tmp_path / "blobs" / ("ab" * 16 + ".safetensors")
+    orphan.write_bytes(b"x" * 10)
+    tmp = tmp_path / "blobs" / (".tmp-" + "cd" * 16 + "-1234abcd")
+    tmp.write_bytes(b"y")
+    rc, out = _cli(capsys, "gc", str(tmp_path), "--dry-run", "--json")
+    assert rc == 0
+    assert sorted(json.loads(out)["blobs_deleted"]) == sorted([orphan.name, tmp.name])
+    assert orphan.exists()
+    rc, out = _cli(capsys, "gc", str(tmp_path), "--keep-last", "1")
+    assert rc == 0
+    assert "blob(s) no remaining checkpoint refers to" in out
+    left = set(os.listdir(tmp_path / "blobs"))
+    assert left == live_blobs(str(tmp_path)) and left < live
+    assert [e.status for e in catalog.scan(str(tmp_path), Depth.FULL)] == [Status.VALID]
+
+
+def test_non_incremental_checkpoints_stay_version_1_and_load_into_incremental_runs(tmp_path):
+    state = _state(_model())
+    _train_step(state, 1)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(1, state)
+    raw = json.loads((tmp_path / "step_000000001" / "manifest.json").read_text())
+    assert raw["format_version"] == 1 and "blobs" not in raw
+    assert all("codec" not in f for f in raw["files"])
+    want = _tensors(state)
+    fresh = _state(_model(seed=4))
+    with Checkpointer(tmp_path, incremental=True, async_save=False) as ck:
+        assert ck.restore(fresh) == 1
+        _train_step(fresh, 2)
+        ck.save(2, fresh)
+    got = _tensors(_restored(tmp_path, 1))
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert read_manifest(str(tmp_path / "step_000000002")).blobs
+
+
+def _restored(root, step: int) -> dict:
+    fresh = _state(_model(seed=7))
+    with Checkpointer(root, resume=step, async_save=False) as ck:
+        ck.restore(fresh)
+    return fresh
+
+
+def test_a_blob_reference_outside_the_store_is_refused(tmp_path):
+    paths = _two_saves(tmp_path)
+    mpath = os.path.join(paths[1], "manifest.json")
+    with open(mpath) as f:
+        raw = json.load(f)
+    raw["blobs"][0]["path"] = "../step_000000001/shared.safetensors"
+    with open(mpath, "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(UnsafeManifestError):
+        read_manifest(paths[1])
+
+
+def test_options_are_validated():
+    with pytest.raises(ConfigError, match="incremental"):
+        Checkpointer("/tmp/x-never-created", incremental="yes")
+    with pytest.raises(ConfigError, match="compression="):
+        Checkpointer("/tmp/x-never-created", compression="lz4")
+    with pytest.raises(ConfigError, match="compression_level"):
+        Checkpointer("/tmp/x-never-created", compression="zstd", compression_level=99)
+
+
+def test_the_options_are_adapter_options(tmp_path):
+    """Every adapter takes the Checkpointer's keyword options (the Lightning and Transformers
+    callbacks through adapter.check_options, the DeepSpeed section through the same signature;
+    the slow test below constructs each)."""
+    from resilient_callbacks.adapter import checkpointer_options
+
+    opts = {"incremental": True, "compression": "none", "compression_level": 2}
+    assert set(opts) | {"compression_shuffle"} <= checkpointer_options()
+    with Checkpointer(tmp_path, **opts) as ck:
+        assert ck.config.incremental is True and ck.config.compression_level == 2
+
+
+@pytest.mark.slow  # imports lightning, transformers and deepspeed
+def test_the_options_pass_through_every_adapter(tmp_path):
+    """The Lightning and Transformers callbacks take (and validate at construction) the options
+    like any Checkpointer option; the DeepSpeed JSON section accepts them as keys."""
+    pytest.importorskip("zstandard")
+    opts = {"incremental": True, "compression": "zstd", "compression_level": 2}
+    section = pytest.importorskip("resilient_callbacks.deepspeed.section")
+    got = section.validate({"dirpath": str(tmp_path), **opts})
+    assert {k: got[k] for k in opts} == opts
+    lightning = pytest.importorskip("resilient_callbacks.lightning")
+    cb = lightning.ResilientCheckpoint(tmp_path, **opts)
+    assert {k: cb._kwargs[k] for k in opts} == opts
+    with pytest.raises(ConfigError, match="incremental"):
+        lightning.ResilientCheckpoint(tmp_path, incremental="sometimes")
+    hf = pytest.importorskip("resilient_callbacks.transformers")
+    cb2 = hf.ResilientCheckpoint(tmp_path, **opts)
+    assert {k: cb2.options[k] for k in opts} == opts
+    with pytest.raises(ConfigError, match="compression_level"):
+        hf.ResilientCheckpoint(tmp_path, compression="zstd", compression_level=100)
