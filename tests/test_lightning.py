@@ -594,7 +594,7 @@ def test_fsdp1_strategy_is_not_supported_yet(tmp_path):
 
     rc = ResilientCheckpoint(tmp_path / "ck")
     fake = types.SimpleNamespace(strategy=FSDPStrategy(), callbacks=[rc])
-    with pytest.raises(ConfigError, match="does not support FSDPStrategy yet.*ModelParallel"):
+    with pytest.raises(ConfigError, match=r"does not support FSDPStrategy yet.*ModelParallel"):
         rc.setup(fake, None, "fit")  # type: ignore[arg-type]
 
 

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import dist, nodelocal
+from . import dist, topology
 from .catalog import Entry
 from .config import CheckpointerConfig
 from .directory import Directory
@@ -160,7 +160,7 @@ class Checkpointer:
         self.watcher: PreemptionWatcher | None = None
         self._poller: MetadataPoller | None = None
         # the parts
-        self.topology = nodelocal.detect(self.dirpath, self.config.shared_dirpath)
+        self.topology = topology.detect(self.dirpath, self.config.shared_dirpath)
         self._writes_shared = self.topology.is_leader  # rank 0, or each node's first rank
         self._dir: Directory
         if self.topology.node_local:

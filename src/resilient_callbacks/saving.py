@@ -31,7 +31,8 @@ from . import dist, layout, rng, statetree, structure
 from .background import BackgroundPersister
 from .errors import CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts, FilePart
-from .nodelocal import NodeDirectory, NodeLocalSession
+from .node_session import NodeLocalSession
+from .nodelocal import NodeDirectory
 from .session import CommitSession
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import DirectBuffer
