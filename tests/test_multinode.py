@@ -1,12 +1,14 @@
-"""Several nodes without a shared filesystem (docs/multinode.md), on one machine: two torchrun
-launchers (``--nnodes=2 --node_rank=0/1``, a rendezvous on 127.0.0.1), each node with its own
-checkpoint directory that the other cannot see, the remote tier on the moto S3 server.
+"""Several nodes without a shared filesystem (docs/multinode.md), on one machine: two "nodes", each
+with its own checkpoint directory that the other cannot see, the remote tier on the moto S3
+server. A node is a torchrun launcher (``--nnodes=2 --node_rank=0/1``, a rendezvous on
+127.0.0.1), or the process torchrun would start, forked from a pre-started zygote
+(tests/node_zygote.py) that paid the imports once.
 
 Checked: a SIGKILL of both nodes resumes bit-exactly from the local copies without any download;
 a wiped node fetches only its own ranks' files (and the replicated ``shared.*``) while the other
 downloads nothing; with ``replicas=1`` a wiped node restores from its peer with its remote objects
 deleted; random kills in every phase never leave a remote manifest naming a missing or wrong
-object; detection and configuration errors."""
+object. (Option errors: tests/test_remote_commit.py.)"""
 
 from __future__ import annotations
 
@@ -502,6 +504,7 @@ def _kill_point(nodes: Nodes, procs: list, rnd: random.Random) -> tuple[str, boo
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 100 kill cycles of several seconds each on a loaded machine
 def test_random_kills_never_leave_a_torn_remote_checkpoint(tmp_path, s3_remote, s3_server, zygotes):
     """>= 100 SIGKILLs (``RC_TORTURE_KILLS``) of both nodes, a random 0-0.1 s apart, at random
     points of the run's own progress after its restore: after k more steps (local writes), just
