@@ -61,12 +61,15 @@ class Zygotes:
             )
             for _ in range(2)
         ]
-        for p in self.procs:
-            assert p.stdout is not None
-            line = p.stdout.readline().strip()
-            assert line == "ready", f"node zygote did not start: {line!r}"
+        self.ready = False  # they import while the test sets up the rest (the S3 server)
 
     def spawn(self, node: int, env: dict[str, str], argv: list[str], log: Path) -> Forked:
+        if not self.ready:
+            for z in self.procs:
+                assert z.stdout is not None
+                line = z.stdout.readline().strip()
+                assert line == "ready", f"node zygote did not start: {line!r}"
+            self.ready = True
         p = self.procs[node]
         assert p.stdin is not None and p.stdout is not None
         p.stdin.write(json.dumps({"env": env, "argv": argv, "log": str(log)}) + "\n")
@@ -77,6 +80,7 @@ class Zygotes:
         for p in self.procs:
             assert p.stdin is not None
             p.stdin.close()
+        for p in self.procs:
             p.wait(timeout=30)
 
 
@@ -361,7 +365,7 @@ def _wait_until(cond, procs, timeout: float) -> bool:
 
 
 def test_two_nodes_kill_resume_locally_then_a_wiped_node_fetches_only_its_files(
-    tmp_path, s3_remote, s3_server, zygotes
+    zygotes, tmp_path, s3_remote, s3_server
 ):
     """The default suite's two-node check: two processes as torchrun starts them (forked by
     pre-started zygotes), each node with its own directory, the remote on moto S3. SIGKILL of
@@ -505,7 +509,7 @@ def _kill_point(nodes: Nodes, procs: list, rnd: random.Random) -> tuple[str, boo
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # 100 kill cycles of several seconds each on a loaded machine
-def test_random_kills_never_leave_a_torn_remote_checkpoint(tmp_path, s3_remote, s3_server, zygotes):
+def test_random_kills_never_leave_a_torn_remote_checkpoint(zygotes, tmp_path, s3_remote, s3_server):
     """>= 100 SIGKILLs (``RC_TORTURE_KILLS``) of both nodes, a random 0-0.1 s apart, at random
     points of the run's own progress after its restore: after k more steps (local writes), just
     after a node's log says an upload began, or just after rank 0's log says a remote commit
