@@ -1,12 +1,14 @@
-"""Several nodes without a shared filesystem (docs/multinode.md), on one machine: two torchrun
-launchers (``--nnodes=2 --node_rank=0/1``, a rendezvous on 127.0.0.1), each node with its own
-checkpoint directory that the other cannot see, the remote tier on the moto S3 server.
+"""Several nodes without a shared filesystem (docs/multinode.md), on one machine: two "nodes", each
+with its own checkpoint directory that the other cannot see, the remote tier on the moto S3
+server. A node is a torchrun launcher (``--nnodes=2 --node_rank=0/1``, a rendezvous on
+127.0.0.1), or the process torchrun would start, forked from a pre-started zygote
+(tests/node_zygote.py) that paid the imports once.
 
 Checked: a SIGKILL of both nodes resumes bit-exactly from the local copies without any download;
 a wiped node fetches only its own ranks' files (and the replicated ``shared.*``) while the other
 downloads nothing; with ``replicas=1`` a wiped node restores from its peer with its remote objects
 deleted; random kills in every phase never leave a remote manifest naming a missing or wrong
-object; detection and configuration errors."""
+object. (Option errors: tests/test_remote_commit.py.)"""
 
 from __future__ import annotations
 
@@ -14,22 +16,25 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from resilient_callbacks.catalog import Depth, verify
+from resilient_callbacks.commit import STAGING_PREFIX
 from resilient_callbacks.remote import RemoteStore
 
 SCRIPT = Path(__file__).with_name("train_script.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 SRC = Path(__file__).resolve().parents[1] / "src"
+ZYGOTE = Path(__file__).with_name("node_zygote.py")
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -40,59 +45,134 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class Zygotes:
+    """One pre-started process per node (tests/node_zygote.py) that forks each run's training
+    process: the imports are paid once per test module instead of twice per run."""
+
+    def __init__(self) -> None:
+        env = _node_env()
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, str(ZYGOTE)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                text=True,
+            )
+            for _ in range(2)
+        ]
+        self.ready = False  # they import while the test sets up the rest (the S3 server)
+
+    def spawn(self, node: int, env: dict[str, str], argv: list[str], log: Path) -> Forked:
+        if not self.ready:
+            for z in self.procs:
+                assert z.stdout is not None
+                line = z.stdout.readline().strip()
+                assert line == "ready", f"node zygote did not start: {line!r}"
+            self.ready = True
+        p = self.procs[node]
+        assert p.stdin is not None and p.stdout is not None
+        p.stdin.write(json.dumps({"env": env, "argv": argv, "log": str(log)}) + "\n")
+        p.stdin.flush()
+        return Forked(int(p.stdout.readline()), log)
+
+    def close(self) -> None:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.close()
+        for p in self.procs:
+            p.wait(timeout=30)
+
+
+class Forked:
+    """A training process forked by a zygote: finished when it wrote ``<log>.rc``; gone
+    without it when killed."""
+
+    def __init__(self, pid: int, log: Path) -> None:
+        self.pid, self.rc_file = pid, Path(f"{log}.rc")
+        self.returncode: int | None = None
+
+    def _alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self.rc_file.exists():
+                text = self.rc_file.read_text().strip()
+                if text:
+                    self.returncode = int(text)
+            elif not self._alive():
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while self._alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self.poll()
+
+
+def _node_env() -> dict[str, str]:
+    return dict(
+        os.environ,
+        PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONHASHSEED="0",
+        TORCHELASTIC_ERROR_FILE="",
+    )
+
+
+@pytest.fixture(scope="module")
+def zygotes():
+    z = Zygotes()
+    try:
+        yield z
+    finally:
+        z.close()
+
+
 class Nodes:
-    """Two torchrun launchers, one per simulated node."""
+    """Two simulated nodes: two torchrun launchers (``zygotes=None``), or the two processes
+    torchrun would start, forked by :class:`Zygotes`."""
 
     def __init__(
-        self, tmp: Path, remote: tuple[str, dict], tag: str = "", torchrun: bool = True
+        self,
+        tmp: Path,
+        remote: tuple[str, dict],
+        tag: str = "",
+        zygotes: Zygotes | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.tmp, (self.url, self.opts) = tmp, remote
-        self.torchrun = torchrun
+        self.zygotes = zygotes
+        self.env = env or {}
         self.dirs = [tmp / f"node{i}{tag}" / "ckpt" for i in range(2)]
         self.out = tmp / f"out{tag}"
         self.out.mkdir(exist_ok=True)
         self.runs = 0
 
-    def start(self, total: int, *extra: str, sleep: float = 0.0) -> list[subprocess.Popen]:
+    def start(
+        self, total: int, *extra: str, sleep: float = 0.0, every: int = 2
+    ) -> list[subprocess.Popen | Forked]:
         port = _free_port()
         self.runs += 1
-        procs = []
+        procs: list[subprocess.Popen | Forked] = []
         for i in range(2):
-            env = dict(
-                os.environ,
-                PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                OMP_NUM_THREADS="1",
-                GLOO_SOCKET_IFNAME="lo",
-                PYTHONHASHSEED="0",
-                TORCHELASTIC_ERROR_FILE="",
-            )
-            launcher = [
-                str(TORCHRUN),
-                "--nnodes=2",
-                f"--node_rank={i}",
-                "--nproc_per_node=1",
-                "--master_addr=127.0.0.1",
-                f"--master_port={port}",
-                "--max_restarts=0",
-            ]
-            if not self.torchrun:  # the processes torchrun would start, without the launcher
-                launcher = [sys.executable]
-                env.update(
-                    RANK=str(i),
-                    LOCAL_RANK="0",
-                    WORLD_SIZE="2",
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port),
-                )
+            env = dict(_node_env(), **self.env)
             argv = [
-                *launcher,
-                str(SCRIPT),
                 str(self.dirs[i]),
                 "--distributed",
                 "--total-steps",
                 str(total),
                 "--every-n-steps",
-                "2",
+                str(every),
                 "--keep-last",
                 "2",
                 "--remote",
@@ -107,25 +187,58 @@ class Nodes:
                 str(sleep),
                 *extra,
             ]
-            log = open(self.out / f"run{self.runs}.node{i}.log", "w")  # noqa: SIM115
+            log_path = self.log_path(i)
+            if self.zygotes is not None:  # the processes torchrun would start
+                env.update(
+                    RANK=str(i),
+                    LOCAL_RANK="0",
+                    WORLD_SIZE="2",
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                )
+                procs.append(self.zygotes.spawn(i, env, argv, log_path))
+                continue
+            launcher = [
+                str(TORCHRUN),
+                "--nnodes=2",
+                f"--node_rank={i}",
+                "--nproc_per_node=1",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                "--max_restarts=0",
+            ]
+            log = open(log_path, "w")  # noqa: SIM115
             procs.append(
                 subprocess.Popen(
-                    argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                    [*launcher, str(SCRIPT), *argv],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
                 )
             )
             log.close()
         return procs
 
-    def logs(self) -> list[str]:
-        return [(self.out / f"run{self.runs}.node{i}.log").read_text() for i in range(2)]
+    def log_path(self, node: int) -> Path:
+        return self.out / f"run{self.runs}.node{node}.log"
 
-    def run(self, total: int, *extra: str, timeout: float = 120) -> list[dict]:
-        procs = self.start(total, *extra)
+    def logs(self) -> list[str]:
+        out = []
+        for i in range(2):
+            try:
+                out.append(self.log_path(i).read_text())
+            except FileNotFoundError:
+                out.append("")
+        return out
+
+    def run(self, total: int, *extra: str, timeout: float = 120, every: int = 2) -> list[dict]:
+        procs = self.start(total, *extra, every=every)
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.poll() not in (None, 0) for p in procs):
                 break
-            time.sleep(0.05)
+            time.sleep(0.02)
         failed = [p.poll() for p in procs]
         if failed != [0, 0]:
             for p in procs:
@@ -146,9 +259,17 @@ class Nodes:
         path = self.out / f"losses.jsonl.rank{rank}"
         for line in path.read_text().splitlines():
             if line.strip():
-                rec = json.loads(line)
-                out[rec["step"]] = rec["loss"]  # a resumed step overwrites the killed run's
+                with contextlib.suppress(ValueError):  # a line a kill cut short
+                    rec = json.loads(line)
+                    out[rec["step"]] = rec["loss"]  # a resumed step overwrites the killed run's
         return out
+
+    def lines(self, rank: int) -> int:
+        """Steps logged so far by ``rank`` (every run)."""
+        try:
+            return (self.out / f"losses.jsonl.rank{rank}").read_bytes().count(b"\n")
+        except FileNotFoundError:
+            return 0
 
     def params(self, rank: int) -> bytes:
         return (self.out / f"params.st.rank{rank}").read_bytes()
@@ -173,8 +294,11 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _kill(p: subprocess.Popen) -> None:
+def _kill(p: subprocess.Popen | Forked) -> None:
     """SIGKILL a node: its launcher and every worker at once."""
+    if isinstance(p, Forked):
+        p.kill()
+        return
     for pid in [*_descendants(p.pid), p.pid]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -190,30 +314,32 @@ def _last_step(nodes: Nodes) -> int:
 
 def remote_is_sound(url: str, opts: dict) -> list[str]:
     """Names of the committed remote checkpoints; asserts every file each manifest names is
-    there with its size and checksum (downloaded and hashed)."""
+    there with its size and checksum (the library's download: every file fetched and verified
+    against the manifest's size and xxh3 checksum)."""
     store = RemoteStore(url, opts)
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"rc-verify-{os.getpid()}"
+    tmp.mkdir(exist_ok=True)
     names = []
-    for e in store.scan():
-        if e.manifest is None:
-            continue
-        assert e.problem is None, f"remote manifest names a missing object: {e.name}: {e.problem}"
-        tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"rc-verify-{os.getpid()}"
+    try:
+        for e in store.scan():
+            if e.manifest is None:
+                continue
+            assert e.problem is None, (
+                f"remote manifest names a missing object: {e.name}: {e.problem}"
+            )
+            staging, _ = store.download(e, str(tmp), progress=False)  # raises if anything is off
+            shutil.rmtree(staging)
+            names.append(e.name)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            for f in e.manifest.files:
-                (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
-                (tmp / f.path).write_bytes(store.fs.cat_file(f"{store.root}/{e.name}/{f.path}"))
-            verify(str(tmp), e.manifest, Depth.FULL)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        names.append(e.name)
     return names
 
 
-def _reference(tmp: Path, s3_server, total: int, *extra: str, torchrun: bool = True) -> Nodes:
+def _reference(
+    tmp: Path, s3_server, total: int, *extra: str, zygotes: Zygotes | None = None
+) -> Nodes:
     bucket = s3_server.create_bucket()
-    ref = Nodes(tmp, (f"s3://{bucket}/ref", s3_server.options), tag="-ref", torchrun=torchrun)
+    ref = Nodes(tmp, (f"s3://{bucket}/ref", s3_server.options), tag="-ref", zygotes=zygotes)
     ref.run(total, *extra)
     return ref
 
@@ -227,10 +353,62 @@ def _assert_same(run: Nodes, ref: Nodes) -> None:
         assert run.params(rank) == ref.params(rank)
 
 
-@pytest.mark.slow
+def _wait_until(cond, procs, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        if any(p.poll() is not None for p in procs):
+            return False
+        time.sleep(0.005)
+    return False
+
+
 def test_two_nodes_kill_resume_locally_then_a_wiped_node_fetches_only_its_files(
+    zygotes, tmp_path, s3_remote, s3_server
+):
+    """The default suite's two-node check: two processes as torchrun starts them (forked by
+    pre-started zygotes), each node with its own directory, the remote on moto S3. SIGKILL of
+    both once step 2 is committed on both disks: the re-run resumes from the local copies,
+    nothing downloaded; node 1's disk wiped: it fetches rank 1's and the replicated files only,
+    node 0 nothing; losses and weights bit-identical to an uninterrupted run."""
+    ref = _reference(tmp_path, s3_server, 10, zygotes=zygotes)
+    nodes = Nodes(tmp_path, s3_remote, zygotes=zygotes, env={"RC_LOG": "INFO"})
+    procs = nodes.start(10**6, sleep=0.05)
+    saved = _wait_until(lambda: all("saved step 2 " in t for t in nodes.logs()), procs, 120)
+    for p in procs:
+        _kill(p)
+    assert saved, "\n".join(nodes.logs())
+    remote_is_sound(nodes.url, nodes.opts)
+    # the re-run resumes from both local disks, without a download
+    restores = nodes.run(8)
+    assert [r["tier"] for r in restores] == ["local", "local"], restores
+    assert [r["downloaded_files"] for r in restores] == [0, 0]
+    assert restores[0]["step"] == restores[1]["step"] >= 2
+    assert len(remote_is_sound(nodes.url, nodes.opts)) == 2  # keep_last=2: steps 6 and 8
+    # node 1 loses its disk: it fetches rank 1's files and shared.* only; node 0 nothing
+    shutil.rmtree(nodes.dirs[1])
+    restores = nodes.run(10)
+    assert [r["step"] for r in restores] == [8, 8]
+    assert (restores[0]["tier"], restores[0]["downloaded_files"]) == ("local", 0), restores
+    assert (restores[1]["tier"], restores[1]["downloaded_files"]) == ("remote", 4), restores
+    names = sorted(p.name for p in (nodes.dirs[1] / "step_000000008").iterdir())
+    assert names == [
+        "manifest.json",
+        "rank_00001.json",
+        "rank_00001.safetensors",
+        "shared.json",
+        "shared.safetensors",
+    ]
+    _assert_same(nodes, ref)
+    assert len(remote_is_sound(nodes.url, nodes.opts)) == 2
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_kill_resume_locally_then_a_wiped_node_fetches_only_its_files(
     tmp_path, s3_remote, s3_server
 ):
+    """The same with two real torchrun launchers (``--nnodes=2 --node_rank=0/1``)."""
     total = 16
     ref = _reference(tmp_path, s3_server, total)
     nodes = Nodes(tmp_path, s3_remote)
@@ -265,31 +443,6 @@ def test_two_nodes_kill_resume_locally_then_a_wiped_node_fetches_only_its_files(
 
 
 @pytest.mark.slow
-def test_two_nodes_a_wiped_node_fetches_only_its_own_files(tmp_path, s3_remote):
-    """The default suite's two-node check (two processes, each with its own directory, as
-    torchrun starts them): a complete run, node 1's disk lost, the re-run resumes with node 1
-    fetching rank 1's and the replicated files only, node 0 nothing."""
-    nodes = Nodes(tmp_path, s3_remote, torchrun=False)
-    assert nodes.run(4) == []  # nothing to restore
-    assert len(remote_is_sound(nodes.url, nodes.opts)) == 2  # keep_last=2: steps 2 and 4
-    shutil.rmtree(nodes.dirs[1])
-    restores = nodes.run(6)
-    assert [r["step"] for r in restores] == [4, 4]
-    assert (restores[0]["tier"], restores[0]["downloaded_files"]) == ("local", 0), restores
-    assert (restores[1]["tier"], restores[1]["downloaded_files"]) == ("remote", 4), restores
-    # node 1's disk holds rank 1's files and the replicated ones, never rank 0's
-    names = sorted(p.name for p in (nodes.dirs[1] / "step_000000004").iterdir())
-    assert names == [
-        "manifest.json",
-        "rank_00001.json",
-        "rank_00001.safetensors",
-        "shared.json",
-        "shared.safetensors",
-    ]
-    assert len(remote_is_sound(nodes.url, nodes.opts)) == 2
-
-
-@pytest.mark.slow
 def test_two_nodes_replica_restores_a_wiped_node_without_the_remote(tmp_path, s3_remote, s3_server):
     ref = _reference(tmp_path, s3_server, 12, "--replicas", "1")
     nodes = Nodes(tmp_path, s3_remote)
@@ -309,29 +462,98 @@ def test_two_nodes_replica_restores_a_wiped_node_without_the_remote(tmp_path, s3
     _assert_same(nodes, ref)
 
 
+def _count(text: str, pattern: str) -> Counter[str]:
+    return Counter(re.findall(pattern, text))
+
+
+def _interrupted(nodes: Nodes) -> set[str]:
+    """The phases a kill interrupted, from what the run left: a staging folder on a node's
+    disk (a local write), an upload a node's log began but did not finish, a remote commit
+    rank 0's log began but did not finish, a remote checkpoint with one node's objects only."""
+    hit = set()
+    for d in nodes.dirs:
+        if d.is_dir() and any(n.startswith(STAGING_PREFIX) for n in os.listdir(d)):
+            hit.add("local write")
+    logs = nodes.logs()
+    for i, text in enumerate(logs):
+        up = _count(text, r"uploading node \d+'s part of (\S+) ")
+        if up - _count(text, r"uploaded node \d+'s part of (\S+) "):
+            hit.add(f"upload (node {i})")
+    if _count(logs[0], r"committing \S+/(\S+) remotely") - _count(
+        logs[0], r"committed \S+/(\S+) remotely"
+    ):
+        hit.add("remote commit")
+    for e in RemoteStore(nodes.url, nodes.opts).scan():
+        ranks = {f.split(".")[0] for f in e.sizes if f.startswith("rank_")}
+        if e.manifest is None and len(ranks) == 1:
+            hit.add("one node uploaded")
+    return hit
+
+
+def _kill_point(nodes: Nodes, procs: list, rnd: random.Random) -> tuple[str, bool]:
+    """Wait for a random point of the run's own progress: k more steps logged (local writes
+    under way), a node's log saying its n-th upload began, or rank 0's log saying its n-th
+    remote commit began. Returns the trigger and whether it fired."""
+    trigger = rnd.choice(["steps", "upload", "commit"])
+    if trigger == "steps":
+        target = nodes.lines(0) + rnd.randint(1, 6)
+        return trigger, _wait_until(lambda: nodes.lines(0) >= target, procs, 60)
+    if trigger == "upload":
+        node, n = rnd.randint(0, 1), rnd.randint(1, 3)
+        return trigger, _wait_until(
+            lambda: nodes.logs()[node].count("uploading node") >= n, procs, 60
+        )
+    n = rnd.randint(1, 2)
+    return trigger, _wait_until(lambda: nodes.logs()[0].count("committing ") >= n, procs, 60)
+
+
 @pytest.mark.slow
-def test_random_kills_never_leave_a_torn_remote_checkpoint(tmp_path, s3_remote, s3_server):
-    """>= 100 SIGKILLs of both nodes at random moments (local write, one node's upload, the
-    remote commit, retention), the nodes killed a random 0-0.3 s apart; after each one every
-    remote manifest names only present objects with the right checksum. Then the run finishes
-    and matches an uninterrupted one bit for bit."""
+@pytest.mark.timeout(3600)  # 100 kill cycles of several seconds each on a loaded machine
+def test_random_kills_never_leave_a_torn_remote_checkpoint(zygotes, tmp_path, s3_remote, s3_server):
+    """>= 100 SIGKILLs (``RC_TORTURE_KILLS``) of both nodes, a random 0-0.1 s apart, at random
+    points of the run's own progress after its restore: after k more steps (local writes), just
+    after a node's log says an upload began, or just after rank 0's log says a remote commit
+    began. After each kill every committed remote checkpoint is downloaded and verified (a
+    manifest naming a missing or wrong object fails), and the phases the kill interrupted are
+    counted from what it left (each must have been hit). Then the run finishes and matches an
+    uninterrupted one bit for bit."""
     kills = int(os.environ.get("RC_TORTURE_KILLS", "100"))
-    total = 400
-    rnd = random.Random(int(os.environ.get("RC_TORTURE_SEED", str(time.time_ns()))))
-    nodes = Nodes(tmp_path, s3_remote, torchrun=False)
-    done = 0
-    while done < kills:
-        procs = nodes.start(total, sleep=0.01)
-        time.sleep(rnd.uniform(0.5, 8.0))
-        order = rnd.sample(procs, 2)
-        _kill(order[0])
-        time.sleep(rnd.uniform(0.0, 0.3))
-        _kill(order[1])
-        if any(p.returncode == 0 for p in procs):
-            break  # finished before the kill
-        done += 1
+    seed = int(os.environ.get("RC_TORTURE_SEED", str(time.time_ns() % 2**32)))
+    rnd = random.Random(seed)
+    nodes = Nodes(tmp_path, s3_remote, zygotes=zygotes, env={"RC_LOG": "INFO"})
+    hits: Counter[str] = Counter()
+    triggers: Counter[str] = Counter()
+    t0 = time.monotonic()
+    for _ in range(kills):
+        procs = nodes.start(10**6, sleep=0.01)
+        started = _wait_until(lambda: all("restored" in t for t in nodes.logs()), procs, 120)
+        assert started, f"a node failed to start (seed {seed}):\n" + "\n".join(nodes.logs())
+        trigger, fired = _kill_point(nodes, procs, rnd)
+        time.sleep(rnd.uniform(0.0, 0.03))
+        first, second = rnd.sample(procs, 2)
+        _kill(first)
+        time.sleep(rnd.uniform(0.0, 0.1))
+        _kill(second)
+        assert fired, f"trigger {trigger} never fired (seed {seed}):\n" + "\n".join(nodes.logs())
+        triggers[trigger] += 1
+        hits.update(_interrupted(nodes))
         remote_is_sound(nodes.url, nodes.opts)
-    nodes.run(total, timeout=600)
-    assert remote_is_sound(nodes.url, nodes.opts)
-    ref = _reference(tmp_path, s3_server, total, torchrun=False)
+    elapsed = time.monotonic() - t0
+    # the final run: a few steps past the furthest any run got, then close (uploads, commit)
+    total = max(_last_step(nodes), 1) + 4
+    restores = nodes.run(total, timeout=600)
+    committed = remote_is_sound(nodes.url, nodes.opts)
+    summary = (
+        f"{kills} kills in {elapsed:.0f} s (seed {seed}); triggers {dict(triggers)}; "
+        f"interrupted {dict(hits)}; final run restored step {restores[0]['step']} "
+        f"({restores[0]['tier']}), ran to {total}; remote holds {committed}"
+    )
+    print(summary)
+    (tmp_path.parent / "torture-summary.txt").write_text(summary + "\n")
+    assert committed
+    assert restores[0]["step"] > 0
+    if kills >= 50:  # the kills reached every phase
+        for phase in ("local write", "upload (node 0)", "upload (node 1)", "remote commit"):
+            assert hits[phase] > 0, summary
+    ref = _reference(tmp_path, s3_server, total, zygotes=zygotes)
     _assert_same(nodes, ref)

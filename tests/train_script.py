@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(
             level=os.environ["RC_LOG"], format="%(asctime)s %(threadName)s %(message)s"
         )
+    _mark("started")
     rank, world = 0, 1
     if args.distributed:
         import torch.distributed as dist
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout=datetime.timedelta(seconds=60),
         )
         rank, world = dist.get_rank(), dist.get_world_size()
+        _mark("process group")
     suffix = f".rank{rank}" if args.distributed else ""
 
     # One intra-op thread: the ops of this tiny model are then deterministic on CPU.

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import dist, nodelocal, sinks
+from . import dist, sinks, topology
 from .catalog import Entry
 from .config import CheckpointerConfig
 from .directory import Directory
@@ -207,7 +207,7 @@ class Checkpointer:
             _Context(self),
         )
         # the parts
-        self.topology = nodelocal.detect(self.dirpath, self.config.shared_dirpath)
+        self.topology = topology.detect(self.dirpath, self.config.shared_dirpath)
         self._writes_shared = self.topology.is_leader  # rank 0, or each node's first rank
         self._dir: Directory
         if self.topology.node_local:

@@ -32,9 +32,10 @@ from .config import ResumeMode
 from .directory import error_type
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, NoValidCheckpointError
 from .manifest import Manifest, read_manifest
-from .nodelocal import REMOTE_MANIFEST, SHARED_PATHS, NodeDirectory, Topology
+from .nodelocal import REMOTE_MANIFEST, SHARED_PATHS, NodeDirectory
 from .restoring import Candidate, Restorer, RestoreReport
 from .tensorfile import encode_json
+from .topology import Topology
 
 if TYPE_CHECKING:
     pass

@@ -171,6 +171,13 @@ class NodeUploader:
                 log.warning("remote: not uploading %s: %s has changed", job.local_name, f.path)
                 return
         st = self.store
+        log.info(
+            "uploading node %d's part of %s (%d files) to %s",
+            self.node,
+            job.local_name,
+            len(job.files),
+            st.url,
+        )
         rpaths = [posixpath.join(st.root, job.remote_name, f.path) for f in job.files]
         if st.is_local:
             for p in {posixpath.dirname(x) for x in rpaths}:
@@ -328,6 +335,7 @@ class RemoteCommitter:
         size; then put the manifest (the commit point)."""
         st = self.store
         m = Manifest.from_json(json.loads(p.manifest), f"{st.url}/{p.name}")
+        log.info("committing %s/%s remotely: checking its %d objects", st.url, p.name, len(m.files))
         st.fs.invalidate_cache()
         base = posixpath.join(st.root, p.name)
         listing = st.fs.find(base, detail=True)

@@ -33,7 +33,8 @@ from .blobs import BlobSession
 from .compression import Chooser
 from .errors import CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts, FilePart
-from .nodelocal import NodeDirectory, NodeLocalSession
+from .node_session import NodeLocalSession
+from .nodelocal import NodeDirectory
 from .session import CommitSession
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import DirectBuffer

@@ -1,0 +1,241 @@
+"""The commit of one checkpoint in node-local mode (:class:`NodeLocalSession`, the same calls as
+:class:`~.session.CommitSession`); the rank contract is in :mod:`.nodelocal`'s docstring: rank 0
+numbers and names the commit, every rank writes into its node's staging folder, each node's
+leader commits the node's part locally, the coordinator decides and broadcasts the outcome and
+hands the global manifest to the remote committer; each leader then queues its node's upload and
+replicates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import dist
+from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint
+from .errors import CheckpointWriteError
+from .manifest import FileEntry, Manifest, versions
+from .nodelocal import REMOTE_MANIFEST, SHARED_PATHS, NodeDirectory, global_files
+from .session import Committed, RankReport
+from .tensorfile import encode_json, write_bytes
+from .topology import Topology
+
+log = logging.getLogger("resilient_callbacks")
+
+
+@dataclass
+class _Outcome:
+    ok: bool
+    seq: int
+    name: str
+    error: str | None = None
+    ranks: tuple[int, ...] = ()
+    renamed: dict[str, str] = field(default_factory=dict)
+
+
+class NodeLocalSession:
+    """The commit of one checkpoint in node-local mode (same calls as
+    :class:`~.session.CommitSession`: ``begin``, ``add``, ``commit``); see the module docstring
+    for which ranks do what."""
+
+    def __init__(
+        self, directory: NodeDirectory, step: int, *, run_id: str, group: Any = None
+    ) -> None:
+        self.d = directory
+        self.topo = directory.topology
+        self.step = step
+        self.run_id = run_id
+        self.group = group
+        self.files: list[FileEntry] = []
+        self.staging: str | None = None
+        self.seq = 0
+        self.name = ckpt_name(step)
+        self._begin_error: BaseException | None = None
+
+    def begin(self) -> str | None:
+        """Collective: rank 0 numbers the commit and names it remotely; every rank makes its
+        node's staging directory (the same name on every node) and returns it."""
+        d = self.d
+        msg = None
+        if self.topo.rank == 0:
+            name = d.committer.free_name(self.name) if d.committer else self.name
+            msg = {"seq": d.seq + 1, "name": name, "token": uuid.uuid4().hex[:12]}
+        msg = dist.broadcast_json(msg, group=self.group)
+        self.seq, self.name = int(msg["seq"]), str(msg["name"])
+        self.staging = os.path.join(
+            d.dirpath, f"{STAGING_PREFIX}{ckpt_name(self.step)}-{msg['token']}"
+        )
+        try:
+            os.makedirs(self.staging, exist_ok=True)
+        except OSError as e:
+            self._begin_error = e
+            return None
+        return self.staging
+
+    def add(self, files: list[FileEntry]) -> None:
+        self.files.extend(files)
+
+    def _manifest(self, files: list[FileEntry], metrics: Any, reason: str, fp: str, extra: Any):
+        return Manifest(
+            step=self.step,
+            run_id=self.run_id,
+            seq=self.seq,
+            world_size=self.topo.world_size,
+            files=files,
+            metrics=dict(metrics or {}),
+            reason=reason,
+            fingerprint=fp,
+            retention=self.d.retention.to_json(),
+            versions=versions(),
+            extra=dict(extra or {}),
+        )
+
+    def commit(
+        self,
+        error: BaseException | None = None,
+        *,
+        metrics: Any = None,
+        reason: str = "forced",
+        fingerprint: str = "",
+        extra: Any = None,
+    ) -> Committed:
+        """Collective: gather to the leaders, commit each node locally, gather to the
+        coordinator, broadcast the outcome; raise :class:`CheckpointWriteError` on every rank
+        if any rank or node failed (nothing stays committed then)."""
+        d, topo = self.d, self.topo
+        error = error or self._begin_error
+        report = RankReport(
+            topo.rank,
+            self.files if error is None else [],
+            None if error is None else f"{type(error).__name__}: {error}",
+        )
+        node_reports = dist.gather_json(report.to_json(), dst=topo.leader, group=topo.node_group)
+        node_msg: dict[str, Any] = {}
+        local_path = None
+        if node_reports is not None:  # this node's leader
+            reps = [RankReport.from_json(x) for x in node_reports]
+            failed = [r for r in reps if r.error]
+            files = [f for r in reps for f in r.files]
+            node_msg = {"failed": [[r.rank, r.error] for r in failed], "files": None}
+            if not failed:
+                try:
+                    node_extra = dict(extra or {})
+                    node_extra["node"] = {
+                        "ranks": list(topo.node_ranks),
+                        "nodes": len(topo.nodes),
+                        "remote_name": self.name,
+                    }
+                    m = self._manifest(files, metrics, reason, fingerprint, node_extra)
+                    assert self.staging is not None
+                    local_path = d.commit.commit(self.staging, self.step, encode_json(m.to_json()))
+                    node_msg["files"] = [f.__dict__ for f in files]
+                    node_msg["path"] = os.path.basename(local_path)
+                except Exception as e:
+                    node_msg["failed"] = [[topo.rank, f"local commit: {type(e).__name__}: {e}"]]
+            if local_path is None and self.staging is not None:
+                d.commit.abort(self.staging)
+            node_msg["uploads"] = d.uploader.take_reports() if d.uploader else []
+        gathered = None
+        if topo.is_leader:
+            gathered = dist.gather_json(node_msg, dst=0, group=topo.leaders_group)
+        outcome = None
+        if gathered is not None:  # the coordinator
+            outcome = self._decide(gathered, metrics, reason, fingerprint, extra, local_path)
+        out = _Outcome(**dist.broadcast_json(outcome, group=self.group))
+        out.ranks = tuple(out.ranks)
+        if not out.ok:
+            if local_path is not None:
+                with contextlib.suppress(OSError):
+                    remove_checkpoint(local_path)
+            raise CheckpointWriteError(
+                f"checkpoint for step {self.step} was not committed; failed on rank(s) "
+                f"{', '.join(map(str, out.ranks))}: {out.error}. Nothing was committed and older "
+                f"checkpoints on every node are intact.",
+                out.ranks,
+            )
+        d.seq = max(d.seq, out.seq)
+        local_name = out.renamed.get(str(topo.node), ckpt_name(self.step))
+        path = local_path or os.path.join(d.dirpath, local_name)
+        if topo.is_leader and local_path is not None:
+            self._after_local_commit(local_path, reason)
+        return Committed(path, self.step, out.seq, sum(f.size for f in self.files))
+
+    def _decide(
+        self,
+        gathered: list[dict[str, Any]],
+        metrics: Any,
+        reason: str,
+        fingerprint: str,
+        extra: Any,
+        local_path: str | None,
+    ) -> dict[str, Any]:
+        """Coordinator: the outcome from every node's result; the global manifest of a
+        committed checkpoint goes to the remote committer (and next to node 0's copy)."""
+        d = self.d
+        failed = [tuple(x) for g in gathered for x in g.get("failed") or []]
+        for node, g in enumerate(gathered):  # upload reports of earlier checkpoints
+            for rep in g.get("uploads") or []:
+                if d.committer is not None:
+                    d.committer.report(node, rep)
+        if failed:
+            return {
+                "ok": False,
+                "seq": self.seq,
+                "name": self.name,
+                "error": "; ".join(f"rank {r}: {e}" for r, e in failed),
+                "ranks": sorted({int(r) for r, _ in failed}),
+            }
+        renamed = {
+            str(i): g["path"] for i, g in enumerate(gathered) if g["path"] != ckpt_name(self.step)
+        }
+        files = global_files([FileEntry(**f) for g in gathered for f in g["files"]])
+        gextra = dict(extra or {})
+        gextra["nodes"] = [list(x) for x in self.topo.nodes]
+        m = self._manifest(files, metrics, reason, fingerprint, gextra)
+        data = encode_json(m.to_json())
+        if local_path is not None:
+            try:
+                write_bytes(os.path.join(local_path, REMOTE_MANIFEST), data)
+            except OSError as e:
+                log.warning("could not keep the global manifest next to %s: %s", local_path, e)
+        if d.committer is not None and d.config.remote_due(self.seq, reason):
+            d.committer.expect((self.run_id, self.seq), self.name, data)
+        return {"ok": True, "seq": self.seq, "name": self.name, "renamed": renamed}
+
+    def _after_local_commit(self, local_path: str, reason: str) -> None:
+        """Leader: queue this node's part for upload (if due), replicate, apply retention."""
+        d = self.d
+        name = os.path.basename(local_path)
+        if d.uploader is not None and d.config.remote_due(self.seq, reason):
+            from .manifest import read_manifest
+
+            m = read_manifest(local_path)
+            mine = [f for f in m.files if not (f.path in SHARED_PATHS and f.rank != 0)]
+            d.uploader.enqueue(name, self.name, (self.run_id, self.seq), mine)
+        if d.config.replicas:
+            self._replicate(local_path)
+        d.apply_retention(protect=name)
+
+    def _replicate(self, local_path: str) -> None:
+        """Leader: send this node's files to the next node, keep the previous node's."""
+        from . import peers
+
+        topo = self.topo
+        pred = topo.predecessor(topo.node)
+        root = peers.replica_root(self.d.dirpath, Topology.label(topo.nodes[pred]))
+        group = self.group if self.group is not None else topo.cpu_group
+        try:
+            peers.exchange(
+                local_path,
+                topo.nodes[topo.successor(topo.node)][0],
+                topo.nodes[pred][0],
+                root,
+                group,
+            )
+            peers.prune(root, keep=max(2, self.d.config.keep_last or 2))
+        except Exception as e:  # the local and remote tiers still hold the checkpoint
+            log.warning("replicating %s to the next node failed: %s", local_path, e)
