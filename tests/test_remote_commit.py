@@ -143,3 +143,15 @@ def test_remote_every_n_saves_uploads_every_nth_commit_and_the_final_one(tmp_pat
     assert remote == [3, 6, 7]  # every 3rd commit, and the final save
     local = sorted(e.step for e in ck.checkpoints())
     assert local == [6, 7]  # the local tier keeps its own keep_last
+
+
+def test_incremental_is_refused_in_node_local_mode(tmp_path, monkeypatch):
+    """Node-local mode does not carry the run's blob store in a node's uploads yet: asking for
+    both is a ConfigError at construction, not checkpoints that miss their blobs remotely.
+    (Detection answers as it would for two single-rank nodes; the check comes before any
+    collective of node-local mode.)"""
+    from resilient_callbacks import topology
+
+    monkeypatch.setattr(topology, "detect", lambda d, s: topology.Topology(0, 2, ((0,), (1,))))
+    with pytest.raises(ConfigError, match="incremental=True is not supported yet in node-local"):
+        Checkpointer(tmp_path / "ck", remote=f"file://{tmp_path}/remote", incremental=True)
