@@ -13,7 +13,7 @@ import torch
 from resilient_callbacks import Checkpointer, ConfigError
 from resilient_callbacks.manifest import FileEntry, Manifest
 from resilient_callbacks.remote import RemoteStore
-from resilient_callbacks.remote_commit import NodeUploader, RemoteCommitter
+from resilient_callbacks.remote_commit import NodeUploader, RemoteCommitter, UploadJob
 from resilient_callbacks.retention import RetentionPolicy
 from resilient_callbacks.tensorfile import encode_json, write_bytes
 
@@ -89,6 +89,31 @@ def test_no_remote_manifest_when_an_object_is_missing_or_changed(tmp_path):
         committer.stop()
         for u in up:
             u.stop()
+
+
+def test_upload_check_asks_s3_not_a_listing_taken_mid_upload(tmp_path, s3_remote):
+    """On the coordinator's node the committer thread lists the store with the same s3fs object
+    as the node's uploader, at any moment, also while the uploader checks its objects. The check
+    must never answer from a cached listing: one taken mid-upload made it report the node's own
+    objects missing (spurious failures and retries, seen in the kill torture's logs). Here the
+    stale listing is cached before the check; the race itself is not reproduced."""
+    url, opts = s3_remote
+    store = RemoteStore(url, opts)
+    store.preflight()
+    name = "step_000000002"
+    f = _node_dir(tmp_path / "node0", name, 0, b"x" * 100)
+    base = f"{store.root}/{name}"
+    store.fs.pipe_file(f"{base}/shared.json", b"{}")  # uploaded first
+    store.fs.find(base)  # the committer's listing: shared.json only, now in the cache
+    other = RemoteStore(url, dict(opts, skip_instance_cache=True))
+    assert other.fs is not store.fs
+    other.fs.put_file(str(tmp_path / "node0" / name / f.path), f"{base}/{f.path}")
+    up = NodeUploader(store, str(tmp_path / "node0"), 0)
+    try:
+        job = UploadJob(name, name, ("run1", 1), [f])
+        up._check(str(tmp_path / "node0" / name), job, [f"{base}/{f.path}"])  # no raise
+    finally:
+        up.stop()
 
 
 def test_free_name_never_reuses_a_committed_or_pending_name(tmp_path):

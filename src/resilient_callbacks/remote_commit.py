@@ -148,9 +148,11 @@ class NodeUploader:
         one (single-part objects up to 8 MiB). One HEAD per object: O(own files) requests per
         node, never a listing of the whole checkpoint (which would be O(N) per node)."""
         st = self.store
-        st.fs.invalidate_cache()  # s3fs answers info() from a cached listing of the parent
         for f, rpath in zip(job.files, rpaths, strict=True):
-            info = st.fs.info(rpath)
+            # refresh: s3fs would answer from a cached listing of the parent, which the
+            # coordinator's committer thread (the same filesystem object) may have taken
+            # while this node's files were still being uploaded: a spurious "not found"
+            info = st.fs.info(rpath, refresh=True)
             where = f"{st.url}/{job.remote_name}/{f.path}"
             if int(info.get("size") or 0) != f.size:
                 raise OSError(f"{where}: {info.get('size')} bytes after upload, expected {f.size}")
