@@ -105,9 +105,11 @@ def detect(dirpath: str, shared: bool | None) -> Topology:
         raise CheckpointWriteError("; ".join(errors) + ". Check the path and its permissions.")
     dist.barrier()
     seen: set[int] = set()
-    for attempt in range(2):  # a second look: network filesystems may list a new file late
+    for attempt in range(2):
         if attempt:
-            time.sleep(0.2)
+            if len(seen) == n:
+                break  # every rank's probe is here: one shared directory, nothing to wait for
+            time.sleep(0.2)  # a second look: network filesystems may list a new file late
         for name in os.listdir(dirpath):
             if name.startswith(prefix):
                 with contextlib.suppress(ValueError):
