@@ -227,3 +227,38 @@ class CapturedParts:
             part.write(captured, writer)
             out += writer.entries
         return out
+
+
+class PartBuffers:
+    """The reused host buffers of each FilePart of the state, by part id."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, HostBuffers] = {}
+
+    def capture(self, parts: Mapping[str, FilePart]) -> CapturedParts:
+        """Training thread: let each part copy its state into its own buffers."""
+        for gone in [k for k in self._by_id if k not in parts]:
+            del self._by_id[gone]
+        described = {}
+        for part_id, part in parts.items():
+            said = dict(part.describe())
+            try:
+                json.dumps(said)
+            except (TypeError, ValueError) as e:
+                raise UnsupportedStateError(
+                    f"FilePart {part_id!r}: describe() must return JSON-able values ({e})"
+                ) from None
+            described[part_id] = said
+        return CapturedParts(
+            {
+                part_id: (part, part.capture(self._by_id.setdefault(part_id, _host_buffers())))
+                for part_id, part in parts.items()
+            },
+            described,
+        )
+
+
+def _host_buffers() -> HostBuffers:
+    from .snapshot import HostBuffers
+
+    return HostBuffers()

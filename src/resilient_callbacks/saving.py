@@ -13,7 +13,6 @@ failed. A background failure is raised on the next save or on close, never lost.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import statistics
@@ -32,7 +31,7 @@ from .background import BackgroundPersister
 from .blobs import BlobSession
 from .compression import Chooser
 from .errors import CheckpointWriteError, UnsupportedStateError
-from .filepart import CapturedParts, FilePart
+from .filepart import CapturedParts, PartBuffers
 from .node_session import NodeLocalSession
 from .nodelocal import NodeDirectory
 from .session import CommitSession
@@ -110,35 +109,6 @@ def _manifest_extra(
     if prepared is not None and prepared.parts is not None:
         extra.update(prepared.parts.manifest_extra())
     return extra
-
-
-class PartBuffers:
-    """The reused host buffers of each FilePart of the state, by part id."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[str, HostBuffers] = {}
-
-    def capture(self, parts: Mapping[str, FilePart]) -> CapturedParts:
-        """Training thread: let each part copy its state into its own buffers."""
-        for gone in [k for k in self._by_id if k not in parts]:
-            del self._by_id[gone]
-        described = {}
-        for part_id, part in parts.items():
-            said = dict(part.describe())
-            try:
-                json.dumps(said)
-            except (TypeError, ValueError) as e:
-                raise UnsupportedStateError(
-                    f"FilePart {part_id!r}: describe() must return JSON-able values ({e})"
-                ) from None
-            described[part_id] = said
-        return CapturedParts(
-            {
-                part_id: (part, part.capture(self._by_id.setdefault(part_id, HostBuffers())))
-                for part_id, part in parts.items()
-            },
-            described,
-        )
 
 
 class Saver:

@@ -353,15 +353,9 @@ class ResilientCheckpoint(Checkpoint):
             )
             if isinstance(getattr(obj, attr, None), str)
         )
-        conn = trainer._checkpoint_connector
-        if sharded.is_sharded(trainer):
-            self._ctx = st.SaveContext(sharded.dump_fn(trainer), lossy, self._converter)
-            self._state = sharded.saved_state(self._ctx, trainer, self._converter)
-        else:
-            self._ctx = st.SaveContext(
-                lambda: conn.dump_checkpoint(weights_only=False), lossy, self._converter
-            )
-            self._state = st.saved_state(self._ctx, pl_module, trainer.optimizers, self._converter)
+        self._ctx, self._state = sharded.save_context_and_state(
+            trainer, pl_module, lossy, self._converter
+        )
         # Preflight: a value that cannot be saved fails now, not at the first save.
         self._ctx.rest()
         self._ctx.reset()

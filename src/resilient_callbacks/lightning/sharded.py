@@ -102,3 +102,16 @@ def assemble(holder: dict[str, Any]) -> dict[str, Any]:
     rest["optimizer_states"] = st.Receiver()
     rest["optimizer_states"].value = {"optimizers": []}
     return st.assemble(rest)
+
+
+def save_context_and_state(
+    trainer: pl.Trainer, pl_module: Any, lossy: frozenset[str], converter: st.Converter
+) -> tuple[st.SaveContext, dict[str, Any]]:
+    """The callback's :class:`SaveContext` and saved state for this trainer's strategy: the
+    sharded form under ``ModelParallelStrategy``, Lightning's dumped dictionaries otherwise."""
+    if is_sharded(trainer):
+        ctx = st.SaveContext(dump_fn(trainer), lossy, converter)
+        return ctx, saved_state(ctx, trainer, converter)
+    conn = trainer._checkpoint_connector
+    ctx = st.SaveContext(lambda: conn.dump_checkpoint(weights_only=False), lossy, converter)
+    return ctx, st.saved_state(ctx, pl_module, trainer.optimizers, converter)
