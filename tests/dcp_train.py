@@ -7,7 +7,10 @@ each step's loss to ``OUT.rank<r>.jsonl``, and write the final full tensors to
 ``OUT.final.safetensors`` (rank 0). With CRASH_AT, every rank SIGKILLs itself right after
 ``ck.step(CRASH_AT)`` returns (a background save may be in flight). With the environment
 variable ``RC_FORBID_PICKLE`` set, ``pickle.load``/``loads``/``Unpickler`` and ``torch.load`` raise
-during the restore.
+during the restore. ``RC_OVERLAP=1``: ``Checkpointer(overlap_snapshot=True)``; with
+``RC_SLOW_DEFERRED_COPY=1`` as well, every deferred (background) snapshot copy first sleeps
+0.5 s and then appends a line to ``OUT.deferred`` -- an optimizer step that did not wait for the
+copy would change the parameters before they are copied, and the checkpoint would be torn.
 """
 
 from __future__ import annotations
@@ -65,6 +68,23 @@ def allow_unpickling(saved: dict[str, object]) -> None:
     torch.load = saved["torch.load"]  # type: ignore[assignment]
 
 
+def slow_deferred_copies(out: str) -> None:
+    """Delay every deferred snapshot copy (see the module docstring)."""
+    import time
+
+    from resilient_callbacks import snapshot
+
+    real = snapshot.Snapshot._copy_later
+
+    def slow(self: snapshot.Snapshot, items: list, stream: object) -> None:  # type: ignore[type-arg]
+        time.sleep(0.5)
+        real(self, items, stream)
+        with open(f"{out}.deferred", "a") as f:
+            f.write(f"{len(items)}\n")
+
+    snapshot.Snapshot._copy_later = slow  # type: ignore[method-assign]
+
+
 def main() -> None:
     root, out, total, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     crash_at = int(sys.argv[5]) if len(sys.argv) > 5 else None
@@ -74,7 +94,12 @@ def main() -> None:
     torch.manual_seed(1000 + rank)  # each rank its own data stream
     pos = Position()
     state = {"train": Sharded(model, opt), "data": PerRank(pos)}
-    with Checkpointer(root, every_n_steps=every, keep_last=3, preemption=False) as ck:
+    overlap = os.environ.get("RC_OVERLAP") == "1"
+    if overlap and os.environ.get("RC_SLOW_DEFERRED_COPY") == "1":
+        slow_deferred_copies(out)
+    with Checkpointer(
+        root, every_n_steps=every, keep_last=3, preemption=False, overlap_snapshot=overlap
+    ) as ck:
         forbidden = forbid_unpickling() if os.environ.get("RC_FORBID_PICKLE") else None
         start = ck.restore(state)
         if forbidden is not None:

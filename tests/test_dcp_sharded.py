@@ -134,6 +134,29 @@ def test_save_on_two_ranks_resume_on_one_without_unpickling(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_overlapped_capture_is_consistent_when_the_step_follows_at_once(tmp_path):
+    """overlap_snapshot=True: the shards are copied in the background while the next
+    forward/backward runs, and the optimizer step waits. The deferred copies are slowed by 0.5 s:
+    a step that did not wait would change the parameters first, the checkpoint of step 2 (or 4)
+    would hold step 3's (or 5's) values, and the run resumed from it would diverge."""
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    _run(tmp_path, 2, clean, "u", 6)
+    slow = {"RC_OVERLAP": "1", "RC_SLOW_DEFERRED_COPY": "1"}
+    codes = _run(tmp_path, 2, crashed, "k", 6, "5", **slow)
+    assert -9 in codes
+    deferred = (tmp_path / "k.deferred").read_text().split()
+    assert deferred and all(int(n) > 0 for n in deferred)  # the copies were deferred
+    _run(tmp_path, 2, crashed, "k", 6, **slow)
+    assert (tmp_path / "k.start").read_text() in ("2", "4")  # 4 unless the kill beat its commit
+    for rank in (0, 1):
+        assert _losses(tmp_path, "k", rank) == _losses(tmp_path, "u", rank)
+    _assert_same(
+        _tensors(tmp_path / "u.final.safetensors"), _tensors(tmp_path / "k.final.safetensors")
+    )
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_to_one_to_two_ranks_keeps_every_full_tensor(tmp_path):

@@ -24,8 +24,7 @@ from resilient_callbacks.errors import (
     ResumeFallbackWarning,
     UnsupportedStateError,
 )
-from resilient_callbacks.filepart import FilePart, PartInfo, PartReader, PartWriter
-from resilient_callbacks.snapshot import HostBuffers
+from resilient_callbacks.filepart import CaptureBuffers, FilePart, PartInfo, PartReader, PartWriter
 
 
 class ToyShards(FilePart):
@@ -37,7 +36,7 @@ class ToyShards(FilePart):
         self.buffer_ptrs: list[int] = []
         self.loaded: list[str] | None = None
 
-    def capture(self, buffers: HostBuffers) -> dict[str, Any]:
+    def capture(self, buffers: CaptureBuffers) -> dict[str, Any]:
         buf = buffers.get("weight", self.weight)
         buf.copy_(self.weight)
         self.buffer_ptrs.append(buf.data_ptr())

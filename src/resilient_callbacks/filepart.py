@@ -9,9 +9,15 @@ and its files live under ``parts/<id>/`` of the checkpoint (``id``: its place in
 Which ranks call what (every rank holds the part at the same place in its state):
 
 - :meth:`FilePart.capture` -- every rank, on the training thread, at every save: copy what this
-  rank writes into ``buffers`` (host buffers the core keeps for this part and reuses between
-  saves: ``buffers.get(name, like)``) and return what :meth:`write` needs. The training loop may
-  change the live tensors as soon as it returns.
+  rank writes into ``buffers`` (a :class:`CaptureBuffers`: host buffers the core keeps for this
+  part and reuses between saves) and return what :meth:`write` needs. Either
+  ``buffers.get(name, like)`` and a copy by the part (complete when ``capture`` returns), or
+  ``buffers.copy(tensors, step_only=...)``, which copies GPU tensors on a side stream (ordered as
+  :mod:`.snapshot` describes) and, with ``overlap_snapshot=True``, copies the tensors that only
+  an optimizer step changes in the background: the optimizers :meth:`FilePart.stepped_by` names
+  wait for that copy at their next ``step()``. The training loop may change the live tensors as
+  soon as ``capture`` returns, except that the optimizers' step waits; the core waits for every
+  copy before :meth:`write` runs.
 - :meth:`FilePart.write` -- every rank, in the background writer (or on the training thread for
   a synchronous save): write the captured copies only through ``writer`` (the core's hashing
   writers, into the part's own sub-folder). Each rank writes its own files; names must differ
@@ -33,6 +39,7 @@ Which ranks call what (every rank holds the part at the same place in its state)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from abc import ABC, abstractmethod
@@ -47,7 +54,7 @@ from .manifest import FileEntry, Manifest
 from .tensorfile import DirectBuffer, map_tensors_verified, read_verified, write_json, write_tensors
 
 if TYPE_CHECKING:
-    from .snapshot import HostBuffers
+    from .snapshot import HostBuffers, Snapshot
 
 PARTS_DIR = "parts"
 PARTS_EXTRA = "parts"  # the manifest's ``extra`` key for what each part's describe() said
@@ -181,12 +188,18 @@ class FilePart(ABC):
     """A piece of state that owns its files. See the module docstring for the rank contract."""
 
     @abstractmethod
-    def capture(self, buffers: HostBuffers) -> Any:
+    def capture(self, buffers: CaptureBuffers) -> Any:
         """Training thread: copy this rank's state into ``buffers``; return it for write()."""
 
     @abstractmethod
     def write(self, captured: Any, writer: PartWriter) -> None:
         """Background: write ``captured`` through ``writer`` only."""
+
+    def stepped_by(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The optimizers whose ``step()`` changes the tensors this part passes to
+        ``buffers.copy(..., step_only=...)``: in overlapped mode their next step waits for the
+        copy. Default: none (nothing may be deferred)."""
+        return ()
 
     def describe(self) -> Mapping[str, Any]:
         """Training thread, at each save: JSON-able facts about this part's layout, recorded in
@@ -202,6 +215,39 @@ class FilePart(ABC):
         """Restore from the verified files in ``reader``."""
 
 
+class CaptureBuffers:
+    """What :meth:`FilePart.capture` gets: the part's reused host buffers (:meth:`get`) and a
+    copy into them that the core may finish later (:meth:`copy`)."""
+
+    def __init__(self, buffers: HostBuffers, overlap: bool) -> None:
+        self._buffers = buffers
+        self._overlap = overlap
+        self.snapshots: list[Snapshot] = []
+
+    def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The host buffer for ``name`` (allocated once, reused while shape and dtype match)."""
+        return self._buffers.get(name, like)
+
+    def copy(
+        self, tensors: Mapping[str, torch.Tensor], *, step_only: set[int] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Copy ``tensors`` into this part's buffers and return the copies, by name (for
+        :meth:`FilePart.write`; the core waits for the copies before it calls write).
+
+        ``step_only``: storage addresses (``t.untyped_storage().data_ptr()``) of tensors that
+        only an optimizer step of :meth:`FilePart.stepped_by` changes. With
+        ``overlap_snapshot=True`` those are copied in the background (a helper thread on the CPU,
+        the side stream on a GPU) and the next optimizer step waits for the copy; every other
+        tensor is copied (or, on a GPU, ordered before later kernels) before this returns."""
+        from .snapshot import Snapshot
+
+        snap = Snapshot(
+            tensors, self._buffers, overlap_storages=step_only if self._overlap else None
+        )
+        self.snapshots.append(snap)
+        return snap.copies
+
+
 class CapturedParts:
     """The parts of one save, captured on the training thread, for the writer to write."""
 
@@ -209,9 +255,25 @@ class CapturedParts:
         self,
         parts: dict[str, tuple[FilePart, Any]],
         described: dict[str, dict[str, Any]] | None = None,
+        snapshots: list[Snapshot] | None = None,
     ) -> None:
         self.parts = parts
         self.described = described or {}
+        self.snapshots = snapshots or []
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers whose step must wait for the parts' deferred copies."""
+        return [o for part, _ in self.parts.values() for o in part.stepped_by()]
+
+    def wait_device(self) -> None:
+        """Order what comes next (the optimizer step) after the deferred copies."""
+        for snap in self.snapshots:
+            snap.wait_device()
+
+    def wait_host(self) -> None:
+        """Block until every copy is in host memory (the writer, before write())."""
+        for snap in self.snapshots:
+            snap.wait_host()
 
     def manifest_extra(self) -> dict[str, Any]:
         """What the manifest records of the parts (``extra["parts"]``), if any said anything."""
@@ -235,8 +297,10 @@ class PartBuffers:
     def __init__(self) -> None:
         self._by_id: dict[str, HostBuffers] = {}
 
-    def capture(self, parts: Mapping[str, FilePart]) -> CapturedParts:
-        """Training thread: let each part copy its state into its own buffers."""
+    def capture(self, parts: Mapping[str, FilePart], *, overlap: bool = False) -> CapturedParts:
+        """Training thread: let each part copy its state into its own buffers (``overlap``:
+        what a part marks as changed only by an optimizer step may be copied in the
+        background)."""
         for gone in [k for k in self._by_id if k not in parts]:
             del self._by_id[gone]
         described = {}
@@ -249,13 +313,19 @@ class PartBuffers:
                     f"FilePart {part_id!r}: describe() must return JSON-able values ({e})"
                 ) from None
             described[part_id] = said
-        return CapturedParts(
-            {
-                part_id: (part, part.capture(self._by_id.setdefault(part_id, _host_buffers())))
-                for part_id, part in parts.items()
-            },
-            described,
-        )
+        captured: dict[str, tuple[FilePart, Any]] = {}
+        snapshots: list[Snapshot] = []
+        for part_id, part in parts.items():
+            buffers = CaptureBuffers(self._by_id.setdefault(part_id, _host_buffers()), overlap)
+            try:
+                captured[part_id] = (part, part.capture(buffers))
+            except BaseException:
+                for snap in snapshots + buffers.snapshots:  # no copy outlives the failed save
+                    with contextlib.suppress(BaseException):
+                        snap.wait_host()
+                raise
+            snapshots += buffers.snapshots
+        return CapturedParts(captured, described, snapshots)
 
 
 def _host_buffers() -> HostBuffers:

@@ -126,7 +126,7 @@ class Saver:
         self.part_buffers = PartBuffers()
         self.allocated_ahead = False
         self.bounce: DirectBuffer | None = None  # O_DIRECT writes of background saves
-        self.last_snapshot: Snapshot | None = None
+        self.last_snapshots: list[Snapshot] = []  # overlapped copies the next step waits for
         self._hooked: dict[int, Any] = {}
         self.skipped_saves = 0
         self.committed_saves = 0
@@ -263,11 +263,11 @@ class Saver:
             self.persister.raise_error()
 
     def wait_for_snapshot(self) -> None:
-        """Order what comes next after the last save's overlapped snapshot copy."""
-        snap = self.last_snapshot
-        if snap is not None:
+        """Order what comes next after the last save's overlapped snapshot copies (the core's
+        and the FileParts')."""
+        snaps, self.last_snapshots = self.last_snapshots, []
+        for snap in snaps:
             snap.wait_device()
-            self.last_snapshot = None
 
     def prepare(
         self,
@@ -281,7 +281,9 @@ class Saver:
         shared, local = structure.encode(state, split_per_rank=ck.world_size > 1)
         fingerprint = statetree.fingerprint(state)
         fileparts = statetree.fileparts(state)
-        parts = self.part_buffers.capture(fileparts) if fileparts else None
+        overlapped = copy and ck.config.overlap_snapshot
+        self.wait_for_snapshot()  # the last save's deferred copies, before the buffers are reused
+        parts = self.part_buffers.capture(fileparts, overlap=overlapped) if fileparts else None
         if rng_state is not None:
             rng_info, rng_tensors = rng_state
         else:
@@ -291,20 +293,21 @@ class Saver:
             blobs, watch = begin_incremental(ck._dir.blobs, self.tracker, shared.tensors, state)
         try:
             snap = None
+            if overlapped:
+                self._hook_optimizers(state, parts)
+                if parts is not None:
+                    self.last_snapshots += parts.snapshots
             if copy:
-                self.wait_for_snapshot()
                 tensors = self._tensors_to_copy(shared, local)
                 for name in blobs.hints if blobs is not None else ():
                     tensors.pop(name, None)  # known unchanged and stored: not copied
-                overlap = None
-                if ck.config.overlap_snapshot:
-                    overlap = optimizer_step_storages(state)
-                    self._hook_optimizers(state)
+                overlap = optimizer_step_storages(state) if overlapped else None
                 self.buffers.keep_only(tensors)
                 if self.bounce is None:  # with the host buffers: later saves allocate nothing
                     self.bounce = DirectBuffer()
                 snap = Snapshot(tensors, self.buffers, overlap_storages=overlap)
-                self.last_snapshot = snap if ck.config.overlap_snapshot else None
+                if overlapped:
+                    self.last_snapshots.append(snap)
                 copies = snap.copies
                 shared = structure.Encoded(
                     shared.structure, {k: copies[k] for k in shared.tensors if k in copies}
@@ -344,8 +347,9 @@ class Saver:
             return
         self.buffers.allocate_in_background(self._tensors_to_copy(shared, local))
 
-    def _hook_optimizers(self, state: Any) -> None:
-        """Make each optimizer's step() wait for the overlapped snapshot copy."""
+    def _hook_optimizers(self, state: Any, parts: CapturedParts | None) -> None:
+        """Make each optimizer's step() wait for the overlapped snapshot copies: those in the
+        state and those the FileParts name (:meth:`FilePart.stepped_by`)."""
         ref = weakref.ref(self)
 
         def pre_step(*_: Any) -> None:
@@ -353,7 +357,8 @@ class Saver:
             if saver is not None:
                 saver.wait_for_snapshot()
 
-        for opt in statetree.optimizers(state):
+        optimizers = statetree.optimizers(state) + (parts.optimizers() if parts else [])
+        for opt in optimizers:
             if id(opt) not in self._hooked:
                 self._hooked[id(opt)] = opt.register_step_pre_hook(pre_step)
 
@@ -475,6 +480,7 @@ class Saver:
                     self.codec.observe_raw_write(written, time.perf_counter() - w0)
                 session.add(files)
                 if prepared.parts is not None:  # the FileParts' own files, under parts/<id>/
+                    prepared.parts.wait_host()
                     session.add(
                         prepared.parts.write(
                             staging_dir,

@@ -43,7 +43,7 @@ from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from .chunks import Box, copy_overlap, join, split
 
 if TYPE_CHECKING:
-    from ..snapshot import HostBuffers
+    from ..filepart import CaptureBuffers
 
 FORMAT = "resilient_callbacks.dcp.sharded/1"
 
@@ -65,6 +65,10 @@ def chunk_of(name: str, t: DTensor) -> Box:
             "is not supported (one piece per rank is: Shard and Replicate placements)"
         )
     return Box.of(chunks[0].offsets, chunks[0].sizes)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _dtype_code(name: str, t: torch.Tensor) -> str:
@@ -212,29 +216,42 @@ class Sharded(FilePart):
         self._pending = _Pending(skeleton, tensors, owned, said)
         return said
 
-    def capture(self, buffers: HostBuffers) -> dict[str, Any]:
+    def capture(self, buffers: CaptureBuffers) -> dict[str, Any]:
         """Every rank, training thread: copy this rank's chunks and plain tensors into the
-        reused host buffers."""
+        reused host buffers. Parameters and optimizer state change only at an optimizer step:
+        with ``overlap_snapshot=True`` they are copied while the next forward/backward runs, and
+        the optimizers' next ``step()`` waits for the copy."""
         pending, self._pending = self._pending, None
         if pending is None:  # not driven by the core (which calls describe() first)
             self.describe()
             pending, self._pending = self._pending, None
             assert pending is not None
-        out: dict[str, torch.Tensor] = {}
-        on_gpu = False
+        local: dict[str, torch.Tensor] = {}
         for name, t in pending.tensors.items():
             if isinstance(t, DTensor):
                 if name not in pending.owned:
                     continue
                 t = t.to_local()
-            t = t.detach()
-            buf = buffers.get(name, t)
-            on_gpu = on_gpu or t.device.type == "cuda"
-            buf.copy_(t, non_blocking=t.device.type == "cuda")
-            out[name] = buf
-        if on_gpu:
-            torch.cuda.synchronize()
-        return {"tensors": out, "json": {"format": FORMAT, "skeleton": pending.skeleton}}
+            local[name] = t.detach()
+        copies = buffers.copy(local, step_only=self._step_storages())
+        return {"tensors": copies, "json": {"format": FORMAT, "skeleton": pending.skeleton}}
+
+    def stepped_by(self) -> tuple[torch.optim.Optimizer, ...]:
+        return self.optimizers
+
+    def _step_storages(self) -> set[int]:
+        """Storages of the local shards that only an optimizer step changes: the parameters and
+        the optimizers' state tensors (not buffers such as BatchNorm statistics, which forward
+        passes change, nor 0-d values such as ``step``, copied at once)."""
+        out: set[int] = set()
+        for p in self.model.parameters():
+            out.add(_local(p).untyped_storage().data_ptr())
+        for o in self.optimizers:
+            for s in o.state.values():
+                for v in s.values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        out.add(_local(v).untyped_storage().data_ptr())
+        return out
 
     def write(self, captured: dict[str, Any], writer: PartWriter) -> None:
         writer.tensors(tensor_file(writer.rank), captured["tensors"])

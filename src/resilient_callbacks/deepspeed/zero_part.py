@@ -26,7 +26,7 @@ from ..filepart import FilePart, PartInfo, PartReader, PartWriter
 from .views import FP32, ZeroView, overlap, view_of
 
 if TYPE_CHECKING:
-    from ..snapshot import HostBuffers
+    from ..filepart import CaptureBuffers
 
 FORMAT = "zero-fragments/1"
 
@@ -50,7 +50,7 @@ class ZeroPart(FilePart):
     # ------------------------------------------------------------------ save
 
     @torch.no_grad()
-    def capture(self, buffers: HostBuffers) -> Any:
+    def capture(self, buffers: CaptureBuffers) -> Any:
         tensors: dict[str, torch.Tensor] = {}
         ranges: dict[str, dict[str, Any]] = {}
         for f in self.view.fragments():
