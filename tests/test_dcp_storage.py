@@ -118,6 +118,49 @@ def test_save_load_round_trip_is_committed_retained_and_never_unpickles(tmp_path
     _assert_equal(saved[2], older)
 
 
+def test_async_staging_copies_in_the_background_and_commits_the_state_at_the_save(
+    tmp_path, monkeypatch
+):
+    """``async_staging=True``: ``dcp.async_save`` returns before the copy (slowed here by 0.3 s)
+    and hands back DCP's ``AsyncSaveResponse``; once ``staging_completion`` is done the state may
+    change, and the checkpoint holds the state as it was at the save."""
+    import time
+
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    from resilient_callbacks import snapshot
+
+    real = snapshot.Snapshot._copy_later
+    copied: list[int] = []
+
+    def slow(self, items, stream):
+        time.sleep(0.3)
+        real(self, items, stream)
+        copied.append(len(items))
+
+    monkeypatch.setattr(snapshot.Snapshot, "_copy_later", slow)
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    expected = {"model": {k: v.clone() for k, v in sd["model"].items()}}
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root, step=1, async_staging=True) as writer:
+        response = dcp.async_save(sd, storage_writer=writer)
+        assert isinstance(response, AsyncSaveResponse)
+        response.staging_completion.result()
+        assert copied and copied[0] > 0  # the tensors were copied by the helper thread
+        with torch.no_grad():  # training goes on: the saved tensors change
+            for p in model.parameters():
+                p.add_(1.0)
+        response.upload_completion.result()
+    got = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+    dcp.load(got, storage_reader=ResilientStorageReader(root))
+    _assert_equal(expected, got)
+
+
 def test_a_flipped_byte_falls_back_loudly_and_a_named_damaged_step_is_an_error(tmp_path):
     root = tmp_path / "ck"
     saved = _save_steps(root)

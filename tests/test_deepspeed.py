@@ -279,6 +279,7 @@ def test_flipped_byte_in_rank1_partition_falls_back_on_both_ranks(
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # keeps the default suite near its budget; run with -m slow
 def test_sigterm_exits_75_and_resumes_exactly_without_unpickling(tmp_path: Path, reference) -> None:
     full = reference(2, 1, "fp32")
     run = ["--dir", str(tmp_path / "b"), "--out", str(tmp_path / "term"), *_opts(2, "fp32")]
@@ -363,6 +364,7 @@ def test_integration_configs_are_valid() -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # keeps the default suite near its budget; run with -m slow
 def test_hf_trainer_with_deepspeed_zero2_kill_resume_exact(tmp_path: Path) -> None:
     """The Transformers callback under ``TrainingArguments(deepspeed=...)`` (ZeRO-2, CPU), its
     options in the config's section: SIGKILL mid-run, re-run, bit-identical per-step records,
@@ -425,6 +427,7 @@ def test_offload_is_refused_clearly_at_initialize(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # keeps the default suite near its budget; run with -m slow
 def test_remote_tier_holds_the_partitions_and_restores_them(tmp_path: Path, reference) -> None:
     """ZeRO-2 with ``"remote"`` in the section: every checkpoint, ``parts/engine/zero/*``
     included, is uploaded (the run ends by waiting for its uploads); with the local directory

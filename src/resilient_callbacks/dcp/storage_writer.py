@@ -22,11 +22,15 @@ it.
 
 With ``dcp.async_save`` this writer is also the stager: the state is copied into host buffers
 that are reused from one save to the next (no new allocation per save). As with DCP's own
-stager, wait for a save's future before the next ``async_save``.
+stager, wait for a save's future before the next ``async_save``. With ``async_staging=True``
+the copy itself runs in the background (a helper thread; on a GPU, a side stream) and
+``dcp.async_save`` returns an ``AsyncSaveResponse``: wait for ``staging_completion`` before
+anything changes the state.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -48,7 +52,7 @@ from ..errors import CheckpointWriteError, ConfigError, UnsupportedStateError
 from ..manifest import FileEntry
 from ..reader import by_commit, committed
 from ..session import CommitSession, RankReport
-from ..snapshot import HostBuffers
+from ..snapshot import HostBuffers, Snapshot
 from ..tensorfile import write_json, write_tensors
 from .chunks import split
 from .metadata_json import METADATA_NAME, index_key, to_json
@@ -71,8 +75,11 @@ class ResilientStorageWriter(StorageWriter):
     ``dirpath``. ``keep_last``, ``keep_every_n_steps``, ``remote``, ``remote_options``,
     ``remote_keep_last``: as for :class:`~resilient_callbacks.Checkpointer`. ``run_id``: the run
     the checkpoints belong to (retention counts only its own run's); default: the run of the
-    newest checkpoint in ``dirpath``, or a new one. Every rank constructs it with the same
-    arguments. Call :meth:`close` (or use ``with``) at the end: it waits for uploads and
+    newest checkpoint in ``dirpath``, or a new one. ``async_staging``: with ``dcp.async_save``,
+    copy the state into the host buffers in the background too; ``async_save`` then returns an
+    ``AsyncSaveResponse`` whose ``staging_completion`` you wait for before the state changes
+    (the next optimizer step), as with DCP's own ``StagingOptions(use_async_staging=True)``.
+    Every rank constructs it with the same arguments. Call :meth:`close` (or use ``with``) at the end: it waits for uploads and
     releases the directory lock.
     """
 
@@ -87,6 +94,7 @@ class ResilientStorageWriter(StorageWriter):
         remote_options: dict[str, Any] | None = None,
         remote_keep_last: int | str | None = None,
         run_id: str | None = None,
+        async_staging: bool = False,
     ) -> None:
         super().__init__()
         self.config = CheckpointerConfig(
@@ -108,6 +116,7 @@ class ResilientStorageWriter(StorageWriter):
         self._buffers = HostBuffers()
         self._staged_unwritten = False
         self._lock = threading.Lock()
+        self._async = bool(async_staging)
 
     # ------------------------------------------------------------------ DCP's sequence
 
@@ -260,8 +269,13 @@ class ResilientStorageWriter(StorageWriter):
     def should_synchronize_after_execute(self) -> bool:
         return False
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``dcp.async_save``: copy the state into this writer's reused host buffers."""
+    def stage(
+        self, state_dict: dict[str, Any]
+    ) -> dict[str, Any] | concurrent.futures.Future[dict[str, Any]]:
+        """``dcp.async_save``: copy the state into this writer's reused host buffers. With
+        ``async_staging=True`` the copy runs in the background and this returns a future (DCP
+        then returns an ``AsyncSaveResponse``: wait for its ``staging_completion`` before the
+        state changes, e.g. before the next optimizer step)."""
         with self._lock:
             if self._staged_unwritten:
                 self._staged_unwritten = False
@@ -270,17 +284,24 @@ class ResilientStorageWriter(StorageWriter):
                     "future (.result()) before the next async_save (the host buffers are reused)"
                 )
             self._staged_unwritten = True
-        on_gpu = False
+        tensors: dict[str, torch.Tensor] = {}
 
-        def copy(obj: Any, path: str) -> Any:
-            nonlocal on_gpu
+        def collect(obj: Any, path: str) -> None:
             if isinstance(obj, DTensor):
-                local = obj.to_local()
-                buf = self._buffers.get(path, local)
-                on_gpu = on_gpu or local.device.type == "cuda"
-                buf.copy_(local.detach(), non_blocking=True)
+                tensors[path] = obj.to_local().detach()
+            elif isinstance(obj, torch.Tensor):
+                tensors[path] = obj.detach()
+            elif isinstance(obj, dict):
+                for k, v in obj.items():
+                    collect(v, f"{path}/{k}")
+            elif isinstance(obj, (list, tuple)):
+                for i, v in enumerate(obj):
+                    collect(v, f"{path}/{i}")
+
+        def rebuild(obj: Any, path: str, copies: dict[str, torch.Tensor]) -> Any:
+            if isinstance(obj, DTensor):
                 return DTensor.from_local(
-                    buf,
+                    copies[path],
                     obj.device_mesh,
                     obj.placements,
                     run_check=False,
@@ -288,22 +309,36 @@ class ResilientStorageWriter(StorageWriter):
                     stride=obj.stride(),
                 )
             if isinstance(obj, torch.Tensor):
-                buf = self._buffers.get(path, obj)
-                on_gpu = on_gpu or obj.device.type == "cuda"
-                buf.copy_(obj.detach(), non_blocking=True)
-                return buf
+                return copies[path]
             if isinstance(obj, dict):
-                return {k: copy(v, f"{path}/{k}") for k, v in obj.items()}
+                return {k: rebuild(v, f"{path}/{k}", copies) for k, v in obj.items()}
             if isinstance(obj, list):
-                return [copy(v, f"{path}/{i}") for i, v in enumerate(obj)]
+                return [rebuild(v, f"{path}/{i}", copies) for i, v in enumerate(obj)]
             if isinstance(obj, tuple):
-                return tuple(copy(v, f"{path}/{i}") for i, v in enumerate(obj))
+                return tuple(rebuild(v, f"{path}/{i}", copies) for i, v in enumerate(obj))
             return obj
 
-        staged = copy(state_dict, "")
-        if on_gpu:
-            torch.cuda.synchronize()
-        return staged
+        collect(state_dict, "")
+        every = {t.untyped_storage().data_ptr() for t in tensors.values() if t.numel()}
+        snap = Snapshot(tensors, self._buffers, overlap_storages=every if self._async else None)
+        staged = rebuild(state_dict, "", snap.copies)
+        if not self._async:
+            snap.wait_host()  # GPU copies are in host memory before write_data reads them
+            return staged
+        done: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+
+        def complete() -> None:
+            try:
+                snap.wait_host()
+            except BaseException as e:
+                with self._lock:
+                    self._staged_unwritten = False  # nothing will be written from it
+                done.set_exception(e)
+            else:
+                done.set_result(staged)
+
+        threading.Thread(target=complete, name="rc-dcp-staging", daemon=True).start()
+        return done
 
     def synchronize_staging(self) -> None:
         return None
