@@ -70,7 +70,8 @@ def make_engine(mb: int, stage: int, dtype: str, decoupled: bool) -> Any:
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if decoupled:
-        cfg["checkpoint"] = {"writer": {"decoupled": True}}
+        # "data_parallel" set: without it DeepSpeed 0.19 reads a dp_rank its parallel info lacks
+        cfg["checkpoint"] = {"writer": {"decoupled": True, "data_parallel": "socket"}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine, sum(p.numel() for p in model.parameters())
 
