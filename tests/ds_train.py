@@ -42,14 +42,42 @@ def build(stage: int, dtype: str, dirpath: str, every: int, extra: dict | None) 
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        # dynamic loss scaling that overflows now and then: skipped steps, a scale that halves
+        # and grows again (window 3), so a resume must restore the scaler's whole state
+        cfg["fp16"] = {
+            "enabled": True,
+            "initial_scale_power": 18,
+            "loss_scale_window": 3,
+            "hysteresis": 1,
+            "min_loss_scale": 1,
+        }
     return cfg
 
 
+def allow_fp16_on_cpu() -> None:
+    """DeepSpeed's CPU accelerator says fp16 is unsupported unless oneDNN has fp16 kernels for
+    this CPU (it refuses fp16 at initialize). torch computes fp16 on any CPU, more slowly: the
+    tests tell the accelerator so, and DeepSpeed's fp16 paths (ZeRO's loss scaler, overflow
+    checks, skipped steps) run unchanged."""
+    from deepspeed.accelerator import get_accelerator
+
+    type(get_accelerator()).is_fp16_supported = lambda self: True  # type: ignore[method-assign]
+
+
 def full_state(engine, stage: int) -> dict[str, list[str]]:
-    """Every full fp32 master weight and Adam moment, gathered (a collective)."""
+    """Every full fp32 master weight and Adam moment, gathered (a collective), the skipped-step
+    count and, with fp16, the loss scaler's state."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    out: dict[str, list[str]] = {}
+    out: dict[str, list[str]] = {"meta/skipped_steps": [str(engine.skipped_steps)]}
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if engine.fp16_enabled():
+        for key in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"):
+            value = getattr(scaler, key, None) if scaler is not None else None
+            if value is None:  # ZeRO 0's FP16_Optimizer keeps them on itself
+                value = getattr(engine.optimizer, key, None)
+            out[f"meta/loss_scaler/{key}"] = [repr(value)]
     for name, p in engine.module.named_parameters():
         if stage == 0:
             out[f"param/{name}"] = [float(v).hex() for v in p.detach().float().flatten()]
@@ -92,6 +120,8 @@ def main() -> None:
     from ds_noshm import skip_shm_op
 
     skip_shm_op()
+    if args.dtype == "fp16":
+        allow_fp16_on_cpu()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(1234)

@@ -169,7 +169,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-DEFAULT_CASES = {(2, 2, "fp32"), (3, 1, "bf16")}  # the rest: -m slow (suite time budget)
+# the rest: -m slow (suite time budget). fp16 runs on the CPU with DeepSpeed's accelerator told
+# that it may (tests/ds_train.py: allow_fp16_on_cpu), with a dynamic loss scale that overflows
+# and skips steps, so the scaler's whole state must come back.
+DEFAULT_CASES = {(2, 2, "fp32"), (3, 1, "bf16"), (2, 1, "fp16")}
 CASES = [
     pytest.param(
         s,
@@ -180,7 +183,7 @@ CASES = [
     )
     for s in (0, 1, 2, 3)
     for w in (1, 2)
-    for d in ("fp32", "bf16")
+    for d in ("fp32", "bf16", "fp16")
 ]
 
 
@@ -208,6 +211,7 @@ def test_sigkill_then_rerun_is_exact(
         pytest.param(3, "fp32", 2, 1, id="zero3-2to1", marks=pytest.mark.slow),
         pytest.param(1, "fp32", 2, 1, id="zero1-2to1", marks=pytest.mark.slow),
         pytest.param(2, "fp32", 1, 3, id="zero2-1to3", marks=pytest.mark.slow),
+        pytest.param(2, "fp16", 2, 1, id="zero2-fp16-2to1", marks=pytest.mark.slow),
     ],
 )
 def test_resume_on_another_number_of_ranks(
