@@ -167,6 +167,38 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def cpu_deepspeed_strategy(stage: int, ckpt_dir: str) -> Any:
+    """Lightning's DeepSpeedStrategy on the CPU, with a DeepSpeed config that holds our section.
+
+    Lightning refuses DeepSpeed on anything but a CUDA accelerator, in ``setup_environment``,
+    and takes each rank's device index for the rank's GPU (a CPU device has none). DeepSpeed
+    itself runs on the CPU (``DS_ACCELERATOR=cpu``, gloo). The subclass numbers the CPU devices
+    by local rank (``cpu:0``, ``cpu:1``: still the CPU) and skips the CUDA check: every other
+    step of the strategy (engine creation from the config, ZeRO partitioning, its
+    restore-after-setup, its do-nothing weight loading) is Lightning's own."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+    from ds_noshm import skip_shm_op
+
+    skip_shm_op()
+
+    class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+        def setup_environment(self) -> None:
+            assert self.parallel_devices is not None
+            self.parallel_devices = [
+                torch.device("cpu", i) for i in range(len(self.parallel_devices))
+            ]
+            DDPStrategy.setup_environment(self)  # without the CUDA check
+
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "zero_optimization": {"stage": stage},
+        "resilient_checkpoint": {"dirpath": ckpt_dir, "keep_last": 3},
+    }
+    return CPUDeepSpeedStrategy(config=config, process_group_backend="gloo")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("ckpt_dir")
@@ -177,6 +209,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=1)
     p.add_argument(
         "--fsdp2", action="store_true", help="ModelParallelStrategy with fully_shard (FSDP2)"
+    )
+    p.add_argument(
+        "--deepspeed",
+        type=int,
+        default=None,
+        help="DeepSpeedStrategy with this ZeRO stage (CPU: see cpu_deepspeed_strategy)",
     )
     p.add_argument("--val-every", type=int, default=6, help="0: at the end of each epoch")
     p.add_argument("--sleep", type=float, default=0.0)
@@ -246,6 +284,8 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    if args.deepspeed is not None:
+        strategy = cpu_deepspeed_strategy(args.deepspeed, args.ckpt_dir)
     trainer = L.Trainer(
         max_steps=args.max_steps,
         accelerator="cpu",

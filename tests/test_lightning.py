@@ -589,13 +589,46 @@ def test_preemption_without_exit_stops_fit_after_the_emergency_save(tmp_path):
     assert only.step == 3 and only.manifest.reason == "emergency"
 
 
-def test_fsdp1_strategy_is_not_supported_yet(tmp_path):
+def test_fsdp1_strategy_is_not_supported_yet(tmp_path):  # DeepSpeedStrategy is: below
     from lightning.pytorch.strategies import FSDPStrategy
 
     rc = ResilientCheckpoint(tmp_path / "ck")
     fake = types.SimpleNamespace(strategy=FSDPStrategy(), callbacks=[rc])
     with pytest.raises(ConfigError, match=r"does not support FSDPStrategy yet.*ModelParallel"):
         rc.setup(fake, None, "fit")  # type: ignore[arg-type]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "stage", [3, pytest.param(2, marks=pytest.mark.slow), pytest.param(0, marks=pytest.mark.slow)]
+)
+def test_deepspeed_strategy_sigkill_then_rerun_is_bit_exact(tmp_path, stage):
+    """Lightning's DeepSpeedStrategy (on the CPU: lightning_train.cpu_deepspeed_strategy skips
+    Lightning's CUDA check only), with our section in its DeepSpeed config: SIGKILL mid-epoch,
+    the same command again continues exactly. The ZeRO partitions are in our files, the
+    section's keep_last applied, and the section never reached DeepSpeed (no warning)."""
+    more = ["--deepspeed", str(stage)]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ref.mkdir()
+    run.mkdir()
+    reference = _start(_argv(ref, *more), ref / "err.txt")
+    kill_at = random.Random(f"{SEED}-deepspeed").randint(10, 20)
+    first = _start(_argv(run, "--sleep", "0.02", *more), run / "err1.txt")
+    killed = _wait_for_step(run / "losses.jsonl", 0, kill_at, first, run / "err1.txt")
+    _kill(first)
+    _finish(reference, ref / "err.txt")
+
+    err = _finish(_start(_argv(run, *more), run / "err2.txt"), run / "err2.txt")
+    resumed = _restored(err)
+    assert 0 < resumed <= killed and killed - resumed < 2 * EVERY, (resumed, killed)
+    assert "nothing is being checkpointed" not in err and UNRELIABLE not in err
+    committed = _committed(run / "ckpt")
+    assert len(committed) == 3  # keep_last=3, from the DeepSpeed config's section
+    files = {f.path for f in committed[-1].manifest.files}
+    if stage:
+        assert "parts/engine/zero/rank_00000.safetensors" in files
+    assert not list((run / "ckpt").rglob("*.pt"))  # nothing of DeepSpeed's own pickles
+    _assert_same_run(ref, run)
 
 
 def test_options_are_checked_at_construction(tmp_path):

@@ -1,4 +1,6 @@
-"""What every framework adapter shares: one check of the options it passes to the Checkpointer.
+"""What every framework adapter shares: one check of the options it passes to the Checkpointer,
+and how a callback's options are completed by a DeepSpeed config's ``"resilient_checkpoint"``
+section.
 
 Imports no framework. An adapter takes its own options plus any :class:`~.Checkpointer` option
 as keyword arguments; a misspelt or unknown one is one error type everywhere
@@ -11,6 +13,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Iterable
+from typing import Any
 
 from .errors import UnknownOptionError
 
@@ -41,3 +44,17 @@ def check_options(adapter: str, given: Iterable[str], own: Iterable[str]) -> Non
         f"{adapter} got unknown option(s): {', '.join(hints)}. It takes {', '.join(own)} and "
         f"the Checkpointer options: {', '.join(sorted(known))}."
     )
+
+
+def with_section(
+    dirpath: str | None, options: dict[str, Any], section: dict[str, Any] | None
+) -> tuple[str | None, dict[str, Any]]:
+    """A callback's own ``dirpath`` and options, completed by the DeepSpeed section's where not
+    given: the callback's arguments win over the section."""
+    if not section:
+        return dirpath, options
+    merged = dict(options)
+    for k, v in section.items():
+        if k != "dirpath" and merged.get(k) is None:
+            merged[k] = v
+    return dirpath or section.get("dirpath"), merged

@@ -41,11 +41,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from .. import rng
-from ..adapter import check_options
+from ..adapter import check_options, with_section
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME
-from . import checks, sharded
+from . import checks, deepspeed, sharded
 from . import state as st
 from .loaders import ResumableDataLoader, make_resumable
 from .on_exception import ExceptionSave
@@ -121,6 +121,7 @@ class ResilientCheckpoint(Checkpoint):
         self.save_on_exception = save_on_exception
         self.log_stats = log_stats
         self._kwargs = kwargs
+        self._section: dict[str, Any] | None = None  # DeepSpeedStrategy's config section
         self.checkpointer: Checkpointer | None = None
         self.restored_step: int | None = None
         self.preempted = False
@@ -163,6 +164,11 @@ class ResilientCheckpoint(Checkpoint):
         if stage != TrainerFn.FITTING.value:
             return
         checks.check_strategy(trainer)
+        if deepspeed.is_deepspeed(trainer):
+            deepspeed.check(trainer)
+            section = deepspeed.take_section(trainer)  # before the strategy's deepspeed.initialize
+            if section is not None:
+                self._section = section
         mine = [cb for cb in checks.callbacks(trainer) if isinstance(cb, ResilientCheckpoint)]
         if len(mine) > 1:
             raise ConfigError(
@@ -287,11 +293,11 @@ class ResilientCheckpoint(Checkpoint):
 
     def _open(self, trainer: pl.Trainer, resume: Any) -> None:
         self._close(raise_errors=False)
-        kwargs = dict(self._kwargs)
+        own_dir, kwargs = with_section(self.dirpath, dict(self._kwargs), self._section)
         kwargs["resume"] = resume
         if "signals" not in kwargs:
             kwargs["signals"] = checks.signals(trainer)
-        dirpath = self.dirpath or os.path.join(trainer.default_root_dir, "resilient_checkpoints")
+        dirpath = own_dir or os.path.join(trainer.default_root_dir, "resilient_checkpoints")
         self.checkpointer = Checkpointer(dirpath, **kwargs)
         watcher = self.checkpointer.watcher
         if watcher is not None and threading.current_thread() is threading.main_thread():

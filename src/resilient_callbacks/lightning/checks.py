@@ -39,12 +39,18 @@ def check_strategy(trainer: pl.Trainer) -> None:
     strategy = trainer.strategy
     unsupported = []
     try:
-        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+        from lightning.pytorch.strategies import FSDPStrategy
 
-        unsupported += [FSDPStrategy, DeepSpeedStrategy]
+        unsupported.append(FSDPStrategy)
     except ImportError:  # pragma: no cover
         pass
     supported: list[type] = [SingleDeviceStrategy, DDPStrategy]
+    try:
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        supported.append(DeepSpeedStrategy)  # the engine's state, as the DeepSpeed adapter's
+    except ImportError:  # pragma: no cover
+        pass
     try:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -55,10 +61,10 @@ def check_strategy(trainer: pl.Trainer) -> None:
     if not ok:
         raise ConfigError(
             f"ResilientCheckpoint does not support {type(strategy).__name__} yet. Supported: "
-            "one device, DDP, and ModelParallelStrategy (FSDP2 fully_shard / tensor parallel, "
-            "sharded checkpoints). For FSDP use ModelParallelStrategy with fully_shard in "
-            "configure_model (docs/lightning.md); FSDPStrategy (FSDP1) and DeepSpeedStrategy "
-            "are not supported by this callback yet (for DeepSpeed see docs/deepspeed.md)."
+            "one device, DDP, ModelParallelStrategy (FSDP2 fully_shard / tensor parallel, "
+            "sharded checkpoints) and DeepSpeedStrategy (ZeRO 0-3). For FSDP use "
+            "ModelParallelStrategy with fully_shard in configure_model (docs/lightning.md); "
+            "FSDPStrategy (FSDP1) is not supported by this callback yet."
         )
 
 

@@ -1,6 +1,7 @@
 """Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallelism): the
 callback's state with the weights and optimizer states as a :class:`~resilient_callbacks.dcp.Sharded`
-part instead of Lightning's dumped dictionaries.
+part instead of Lightning's dumped dictionaries. ``DeepSpeedStrategy`` takes the same path with
+the DeepSpeed engine's state in place of the ``Sharded`` part (see :mod:`.deepspeed`).
 
 Under this strategy each rank holds DTensor shards. Lightning's own ``dump_checkpoint`` would
 gather them (``get_model_state_dict(..., cpu_offload=True)``) on every save; here it is called
@@ -24,9 +25,10 @@ import lightning.pytorch as pl
 import torch
 
 from ..structure import PerRank
+from . import deepspeed as ds
 from . import state as st
 
-KEYS = ("lightning", "sharded", "data")
+PART_KEYS = ("sharded", "engine")  # ModelParallelStrategy's Sharded part; DeepSpeed's engine
 
 
 def strategy_class() -> type | None:
@@ -38,9 +40,10 @@ def strategy_class() -> type | None:
 
 
 def is_sharded(trainer: pl.Trainer) -> bool:
-    """Whether the trainer's strategy keeps sharded (DTensor) state that :class:`Sharded` saves."""
+    """Whether the trainer's strategy keeps sharded state that a part saves: DTensors
+    (:class:`Sharded`) or a DeepSpeed engine's ZeRO partitions."""
     cls = strategy_class()
-    return cls is not None and isinstance(trainer.strategy, cls)
+    return (cls is not None and isinstance(trainer.strategy, cls)) or ds.is_deepspeed(trainer)
 
 
 @contextlib.contextmanager
@@ -65,30 +68,35 @@ def dump_fn(trainer: pl.Trainer) -> Callable[[], dict[str, Any]]:
     return dump
 
 
-def _part(trainer: pl.Trainer) -> Any:
+def _part(trainer: pl.Trainer) -> tuple[str, Any]:
+    """The state's key and the part saving the weights and optimizer states."""
+    if ds.is_deepspeed(trainer):
+        return "engine", ds.engine_part(trainer)
     from ..dcp import Sharded
 
     model = trainer.strategy.model
     assert isinstance(model, torch.nn.Module), "the strategy has no model yet"
-    return Sharded(model, list(trainer.strategy.optimizers))
+    return "sharded", Sharded(model, list(trainer.strategy.optimizers))
 
 
 def saved_state(
     ctx: st.SaveContext, trainer: pl.Trainer, converter: st.Converter
 ) -> dict[str, Any]:
     """The state handed to ``Checkpointer.step``/``save`` under a sharded strategy."""
+    key, part = _part(trainer)
     return {
         "lightning": st.LightningState(ctx),
-        "sharded": _part(trainer),
+        key: part,
         "data": PerRank(st.LoaderStates(ctx, converter)),
     }
 
 
 def receivers(trainer: pl.Trainer) -> dict[str, Any]:
     """The restore target: the sharded part loads into the model and optimizers in place."""
+    key, part = _part(trainer)
     return {
         "lightning": st.Receiver(),
-        "sharded": _part(trainer),
+        key: part,
         "data": PerRank(st.Receiver()),
     }
 
@@ -96,7 +104,7 @@ def receivers(trainer: pl.Trainer) -> dict[str, Any]:
 def assemble(holder: dict[str, Any]) -> dict[str, Any]:
     """Lightning's checkpoint dictionary, weights and optimizer states left empty: the strategy's
     ``load_model_state_dict``/``load_optimizer_state_dict`` do nothing, the part loaded them."""
-    rest = {k: v for k, v in holder.items() if k != "sharded"}
+    rest = {k: v for k, v in holder.items() if k not in PART_KEYS}
     rest["state_dict"] = st.Receiver()
     rest["state_dict"].value = {}
     rest["optimizer_states"] = st.Receiver()

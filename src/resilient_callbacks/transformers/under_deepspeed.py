@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..adapter import with_section
+
+__all__ = ["engine_tree", "take_section", "with_section"]
+
 
 def take_section(trainer: Any, args: Any) -> dict[str, Any] | None:
     """Under DeepSpeed: the ``"resilient_checkpoint"`` section of the Trainer's DeepSpeed config
@@ -34,19 +38,6 @@ def take_section(trainer: Any, args: Any) -> dict[str, Any] | None:
         return None
     options = validate(found, "the Trainer's DeepSpeed config")
     return options
-
-
-def with_section(
-    dirpath: str | None, options: dict[str, Any], section: dict[str, Any] | None
-) -> tuple[str | None, dict[str, Any]]:
-    """The callback's own options, completed by the DeepSpeed section's where not given."""
-    if not section:
-        return dirpath, options
-    merged = dict(options)
-    for k, v in section.items():
-        if k != "dirpath" and merged.get(k) is None:
-            merged[k] = v
-    return dirpath or section.get("dirpath"), merged
 
 
 def engine_tree(trainer: Any, tree: dict[str, Any]) -> dict[str, Any]:
