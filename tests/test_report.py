@@ -5,10 +5,10 @@ what the run did. The headless-browser screenshot is slow-marked (needs Chromium
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -130,33 +130,55 @@ def test_report_of_an_in_process_run(tmp_path: Path, capsys):
     assert len(imgs) == 6
 
 
+def _screenshot_tool():
+    spec = importlib.util.spec_from_file_location(
+        "screenshot_report", ROOT / "scripts" / "screenshot_report.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def coloured_cells(png: Path, rows: int = 3, cols: int = 2) -> tuple[list[list[int]], int]:
+    """Pixels of plot colour (saturated: not the page's black, grey and white) in each cell of
+    a ``rows`` x ``cols`` grid over their bounding box, and the number of distinct such
+    colours (quantised to 16 levels a channel)."""
+    from PIL import Image
+
+    img = Image.open(png).convert("RGB")
+    w, h = img.size
+    px = img.load()
+    hits = [
+        (x, y) for y in range(0, h, 2) for x in range(0, w, 2) if max(px[x, y]) - min(px[x, y]) > 60
+    ]
+    if not hits:
+        return [[0] * cols for _ in range(rows)], 0
+    x0, x1 = min(x for x, _ in hits), max(x for x, _ in hits) + 1
+    y0, y1 = min(y for _, y in hits), max(y for _, y in hits) + 1
+    cells = [[0] * cols for _ in range(rows)]
+    for x, y in hits:
+        cells[(y - y0) * rows // (y1 - y0)][(x - x0) * cols // (x1 - x0)] += 1
+    distinct = {tuple(c // 16 for c in px[x, y]) for x, y in hits}
+    return cells, len(distinct)
+
+
 @pytest.mark.slow
 def test_report_opens_in_a_headless_browser(killed_run: Path, tmp_path: Path):
-    """Chromium renders the page and its screenshot shows the plots (pixels of the plot
-    colours). Skipped where no Chromium is installed."""
+    """The report of a run SIGKILLed twice and resumed, rendered by headless Chromium
+    (scripts/screenshot_report.py): the screenshot is the whole page, and each of the six plots
+    of its 3 x 2 grid shows plot colours (a broken or missing image shows none). Skipped where
+    no Chromium is installed (apt-get install chromium)."""
     pytest.importorskip("matplotlib")
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser is None:
-        pytest.skip("no chromium binary (apt-get install chromium)")
+    tool = _screenshot_tool()
+    if tool.find_browser() is None:
+        pytest.skip("no Chromium to render the page: apt-get install chromium")
     page = tmp_path / "r.html"
     assert cli(["report", str(killed_run), "-o", str(page)]) == 0
     shot = tmp_path / "shot.png"
-    subprocess.run(
-        [
-            browser,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            f"--screenshot={shot}",
-            "--window-size=1400,2400",
-            page.as_uri(),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    from PIL import Image
-
-    img = Image.open(shot).convert("RGB")
-    colours = set(img.getdata())
-    assert (31, 119, 180) in colours  # matplotlib's tab:blue: a plot line is on screen
+    w, h = tool.screenshot(page, shot, width=1400)
+    assert shot.read_bytes().startswith(PNG_MAGIC)
+    assert w == 1400 and 1500 < h < 6000  # the plots and tables, cropped below the page
+    cells, distinct = coloured_cells(shot)
+    assert all(n > 50 for row in cells for n in row), cells  # every plot drawn
+    assert distinct >= 6, distinct  # lines, markers, bars of several colours
