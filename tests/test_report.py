@@ -140,27 +140,44 @@ def _screenshot_tool():
     return mod
 
 
-def coloured_cells(png: Path, rows: int = 3, cols: int = 2) -> tuple[list[list[int]], int]:
-    """Pixels of plot colour (saturated: not the page's black, grey and white) in each cell of
-    a ``rows`` x ``cols`` grid over their bounding box, and the number of distinct such
-    colours (quantised to 16 levels a channel)."""
+def plot_boxes(png: Path) -> list[tuple[int, int, int, int]]:
+    """The plot images of a screenshot of the report: the page draws each in a 1 px #eee
+    border, so the boxes are where that border's vertical lines run (left, top, right, bottom)."""
+    import numpy as np
     from PIL import Image
 
-    img = Image.open(png).convert("RGB")
-    w, h = img.size
-    px = img.load()
-    hits = [
-        (x, y) for y in range(0, h, 2) for x in range(0, w, 2) if max(px[x, y]) - min(px[x, y]) > 60
-    ]
-    if not hits:
-        return [[0] * cols for _ in range(rows)], 0
-    x0, x1 = min(x for x, _ in hits), max(x for x, _ in hits) + 1
-    y0, y1 = min(y for _, y in hits), max(y for _, y in hits) + 1
-    cells = [[0] * cols for _ in range(rows)]
-    for x, y in hits:
-        cells[(y - y0) * rows // (y1 - y0)][(x - x0) * cols // (x1 - x0)] += 1
-    distinct = {tuple(c // 16 for c in px[x, y]) for x, y in hits}
-    return cells, len(distinct)
+    a = np.asarray(Image.open(png).convert("RGB"))
+    border = (a == 238).all(axis=2)
+    xs = [int(x) for x in np.nonzero(border.sum(axis=0) > 100)[0]]
+    edges = [x for k, x in enumerate(xs) if k == 0 or x != xs[k - 1] + 1]  # each line once
+    boxes = []
+    for left, right in zip(edges[::2], edges[1::2], strict=False):
+        col = border[:, left]
+        y = 0
+        while y < len(col):
+            if col[y]:
+                top = y
+                while y < len(col) and col[y]:
+                    y += 1
+                if y - top > 100:
+                    boxes.append((left, top, right, y))
+            y += 1
+    return sorted(boxes, key=lambda b: (b[1], b[0]))
+
+
+def ink_and_colour(png: Path, box: tuple[int, int, int, int]) -> tuple[float, int, set]:
+    """Within ``box``: the fraction of pixels drawn (not near white), the number of plot-colour
+    pixels (saturated: not black, grey or white) and those colours (16 levels a channel)."""
+    import numpy as np
+    from PIL import Image
+
+    left, top, right, bottom = box
+    a = np.asarray(Image.open(png).convert("RGB"))[top + 1 : bottom - 1, left + 1 : right - 1]
+    a = a.astype(int)
+    ink = float((a.min(axis=2) < 200).mean())
+    sat = (a.max(axis=2) - a.min(axis=2)) > 60
+    colours = {tuple(int(c) // 16 for c in p) for p in a[sat]}
+    return ink, int(sat.sum()), colours
 
 
 @pytest.mark.slow
@@ -179,6 +196,12 @@ def test_report_opens_in_a_headless_browser(killed_run: Path, tmp_path: Path):
     w, h = tool.screenshot(page, shot, width=1400)
     assert shot.read_bytes().startswith(PNG_MAGIC)
     assert w == 1400 and 1500 < h < 6000  # the plots and tables, cropped below the page
-    cells, distinct = coloured_cells(shot)
-    assert all(n > 50 for row in cells for n in row), cells  # every plot drawn
-    assert distinct >= 6, distinct  # lines, markers, bars of several colours
+    boxes = plot_boxes(shot)
+    assert len(boxes) == 6, boxes  # the 3 x 2 grid of plots, each drawn
+    assert len({b[0] for b in boxes}) == 2 and all(b[2] - b[0] > 600 for b in boxes), boxes
+    seen = [ink_and_colour(shot, b) for b in boxes]
+    assert all(ink > 0.01 for ink, _, _ in seen), seen  # none blank: axes, text, lines
+    coloured = [n for _, n, _ in seen]
+    # the five charts draw in colour (the sixth, checkpoints by tier, is a table)
+    assert sum(n > 100 for n in coloured) >= 5, coloured
+    assert len(set().union(*(c for _, _, c in seen))) >= 6  # of several colours

@@ -89,6 +89,7 @@ class MLflowSink:
         self._client: Any = None
         self._pending: list[Mapping[str, Any]] = []
         self._last_step = 0
+        self._closed = False
 
     # ------------------------------------------------------------------ the sink
 
@@ -120,8 +121,9 @@ class MLflowSink:
         self._pending = []
 
     def close(self) -> None:
-        if self._client is None or self.run_id is None:
+        if self._client is None or self.run_id is None or self._closed:
             return
+        self._closed = True  # once: the runner calls close() again after a close that raised
         if self.log_checkpoint:
             logged = self._log_checkpoint()
             if logged is not None and self.register_model:
