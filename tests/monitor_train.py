@@ -2,7 +2,7 @@
 restore, train, save every ``--every`` steps, and optionally SIGKILL itself at ``--kill-at``.
 
     python tests/monitor_train.py DIR --steps 40 --every 5 [--kill-at 23] [--telemetry SPEC ...]
-        [--sleep 0.02] [--mlflow-uri URI] [--log-checkpoint final]
+        [--sleep 0.02] [--mlflow-uri URI] [--log-checkpoint final] [--register-model NAME]
 
 Prints ``RESTORED <step>`` and ``DONE <step>``; writes ``<DIR>/../metrics_<pid>.json`` (the last
 ``Checkpointer.metrics()``) when it finishes.
@@ -32,6 +32,7 @@ def main() -> int:
     ap.add_argument("--sleep", type=float, default=0.02)
     ap.add_argument("--mlflow-uri", default=None)
     ap.add_argument("--log-checkpoint", default=None)
+    ap.add_argument("--register-model", default=None)
     ap.add_argument("--width", type=int, default=64)
     args = ap.parse_args()
     sinks: list = list(args.telemetry)
@@ -42,6 +43,7 @@ def main() -> int:
                 "tracking_uri": args.mlflow_uri,
                 "experiment": "monitoring-test",
                 "log_checkpoint": args.log_checkpoint,
+                "register_model": args.register_model,
             }
         )
     torch.manual_seed(0)

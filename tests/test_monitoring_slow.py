@@ -37,6 +37,7 @@ def test_mlflow_across_a_sigkill_and_resume_with_a_verified_artifact(tmp_path: P
     d = tmp_path / "ck"
     base = [sys.executable, str(TRAIN), str(d), "--steps", "30", "--every", "5"]
     base += ["--mlflow-uri", uri, "--log-checkpoint", "final", "--sleep", "0.05"]
+    base += ["--register-model", "monitored"]
     # cwd: MLflow puts a sqlite store's artifacts under ./mlruns
     run = dict(capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
     p = subprocess.run([*base, "--kill-at", "17"], **run)
@@ -62,6 +63,11 @@ def test_mlflow_across_a_sigkill_and_resume_with_a_verified_artifact(tmp_path: P
     assert art == {"name": "step_000000030", "step": 30, "verified": True}
     files = [f.path for f in client.list_artifacts(run.info.run_id, "checkpoints/step_000000030")]
     assert any(f.endswith("manifest.json") for f in files)
+    # registered once: by the process that finished (the killed one never reached close)
+    (mv,) = client.search_model_versions("name = 'monitored'")
+    assert int(mv.version) == 1 and mv.run_id == run.info.run_id
+    assert mv.source.endswith("/checkpoints/step_000000030")
+    assert mv.tags["resilient_ckpt.step"] == "30"
 
 
 @pytest.mark.slow

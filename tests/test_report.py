@@ -5,10 +5,10 @@ what the run did. The headless-browser screenshot is slow-marked (needs Chromium
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -130,33 +130,78 @@ def test_report_of_an_in_process_run(tmp_path: Path, capsys):
     assert len(imgs) == 6
 
 
+def _screenshot_tool():
+    spec = importlib.util.spec_from_file_location(
+        "screenshot_report", ROOT / "scripts" / "screenshot_report.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def plot_boxes(png: Path) -> list[tuple[int, int, int, int]]:
+    """The plot images of a screenshot of the report: the page draws each in a 1 px #eee
+    border, so the boxes are where that border's vertical lines run (left, top, right, bottom)."""
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(Image.open(png).convert("RGB"))
+    border = (a == 238).all(axis=2)
+    xs = [int(x) for x in np.nonzero(border.sum(axis=0) > 100)[0]]
+    edges = [x for k, x in enumerate(xs) if k == 0 or x != xs[k - 1] + 1]  # each line once
+    boxes = []
+    for left, right in zip(edges[::2], edges[1::2], strict=False):
+        col = border[:, left]
+        y = 0
+        while y < len(col):
+            if col[y]:
+                top = y
+                while y < len(col) and col[y]:
+                    y += 1
+                if y - top > 100:
+                    boxes.append((left, top, right, y))
+            y += 1
+    return sorted(boxes, key=lambda b: (b[1], b[0]))
+
+
+def ink_and_colour(png: Path, box: tuple[int, int, int, int]) -> tuple[float, int, set]:
+    """Within ``box``: the fraction of pixels drawn (not near white), the number of plot-colour
+    pixels (saturated: not black, grey or white) and those colours (16 levels a channel)."""
+    import numpy as np
+    from PIL import Image
+
+    left, top, right, bottom = box
+    a = np.asarray(Image.open(png).convert("RGB"))[top + 1 : bottom - 1, left + 1 : right - 1]
+    a = a.astype(int)
+    ink = float((a.min(axis=2) < 200).mean())
+    sat = (a.max(axis=2) - a.min(axis=2)) > 60
+    colours = {tuple(int(c) // 16 for c in p) for p in a[sat]}
+    return ink, int(sat.sum()), colours
+
+
 @pytest.mark.slow
 def test_report_opens_in_a_headless_browser(killed_run: Path, tmp_path: Path):
-    """Chromium renders the page and its screenshot shows the plots (pixels of the plot
-    colours). Skipped where no Chromium is installed."""
+    """The report of a run SIGKILLed twice and resumed, rendered by headless Chromium
+    (scripts/screenshot_report.py): the screenshot is the whole page, and each of the six plots
+    of its 3 x 2 grid shows plot colours (a broken or missing image shows none). Skipped where
+    no Chromium is installed (apt-get install chromium)."""
     pytest.importorskip("matplotlib")
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser is None:
-        pytest.skip("no chromium binary (apt-get install chromium)")
+    tool = _screenshot_tool()
+    if tool.find_browser() is None:
+        pytest.skip("no Chromium to render the page: apt-get install chromium")
     page = tmp_path / "r.html"
     assert cli(["report", str(killed_run), "-o", str(page)]) == 0
     shot = tmp_path / "shot.png"
-    subprocess.run(
-        [
-            browser,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            f"--screenshot={shot}",
-            "--window-size=1400,2400",
-            page.as_uri(),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    from PIL import Image
-
-    img = Image.open(shot).convert("RGB")
-    colours = set(img.getdata())
-    assert (31, 119, 180) in colours  # matplotlib's tab:blue: a plot line is on screen
+    w, h = tool.screenshot(page, shot, width=1400)
+    assert shot.read_bytes().startswith(PNG_MAGIC)
+    assert w == 1400 and 1500 < h < 6000  # the plots and tables, cropped below the page
+    boxes = plot_boxes(shot)
+    assert len(boxes) == 6, boxes  # the 3 x 2 grid of plots, each drawn
+    assert len({b[0] for b in boxes}) == 2 and all(b[2] - b[0] > 600 for b in boxes), boxes
+    seen = [ink_and_colour(shot, b) for b in boxes]
+    assert all(ink > 0.01 for ink, _, _ in seen), seen  # none blank: axes, text, lines
+    coloured = [n for _, n, _ in seen]
+    # the five charts draw in colour (the sixth, checkpoints by tier, is a table)
+    assert sum(n > 100 for n in coloured) >= 5, coloured
+    assert len(set().union(*(c for _, _, c in seen))) >= 6  # of several colours

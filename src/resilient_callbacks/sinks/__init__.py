@@ -33,7 +33,15 @@ _OPTIONS: dict[str, tuple[str, ...]] = {
     "prometheus": ("port", "addr", "per_rank"),
     "textfile": ("path", "per_rank"),
     "pushgateway": ("url", "job", "per_rank", "timeout"),
-    "mlflow": ("tracking_uri", "experiment", "run_id", "run_name", "log_checkpoint"),
+    "mlflow": (
+        "tracking_uri",
+        "experiment",
+        "run_id",
+        "run_name",
+        "log_checkpoint",
+        "register_model",
+        "registry_uri",
+    ),
     "logger": (),
 }
 
@@ -144,6 +152,18 @@ def _check(kind: str, opts: dict[str, Any], given: str) -> SinkSpec:
                 f"telemetry={given}: log_checkpoint={lc!r}: use 'final' (the newest valid "
                 "checkpoint at close), 'best' (the best by monitor) or None"
             )
+        rm = opts.get("register_model")
+        if rm is not None:
+            if not lc:
+                raise ConfigError(
+                    f"telemetry={given}: register_model={rm!r} registers the checkpoint the sink "
+                    "logs as an artifact, and none is logged: add log_checkpoint='final' or 'best'"
+                )
+            if not isinstance(rm, str) or not rm.strip() or any(c in rm for c in "/:"):
+                raise ConfigError(
+                    f"telemetry={given}: register_model={rm!r}: give the registered model's "
+                    "name, a non-empty string without '/' or ':' (MLflow's rule)"
+                )
     for flag in ("per_rank",):
         if flag in opts and not isinstance(opts[flag], bool):
             raise ConfigError(f"telemetry={given}: {flag} must be true or false")

@@ -10,14 +10,27 @@ created. Metrics go in with the training step; each event becomes a tag
 
 ``log_checkpoint="final"`` (the newest valid checkpoint at close) or ``"best"`` (the best by
 ``monitor``): every checksum is verified, then the checkpoint directory is logged as the artifact
-``checkpoints/<name>`` and the tag ``resilient_ckpt.checkpoint_artifact`` names it.
+``checkpoints/<name>`` and the tag ``resilient_ckpt.checkpoint_artifact`` names it (with
+``incremental=True``, the blobs it shares with other checkpoints go into its ``blobs/``, where
+restore looks first: the artifact is a checkpoint on its own).
+
+``register_model="NAME"`` (with ``log_checkpoint``): then that artifact becomes a version of the
+registered model ``NAME`` (created when missing) in the registry (``registry_uri``, else the
+tracking store): source the artifact's URI, run the MLflow run, tags naming the checkpoint, its
+step and the SHA-256 of its manifest (which lists every file's checksum). A checkpoint already
+registered under ``NAME`` by this run (same manifest) is not registered again, so a job that
+resumes and closes without a new checkpoint adds no version. A failed registration is warned
+about; the artifact stays logged and training is not affected.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import os
+import posixpath
 import socket
 import time
 import urllib.parse
@@ -31,11 +44,16 @@ try:
     import mlflow
     from mlflow.entities import Metric as MLMetric
     from mlflow.entities import RunTag
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
+    from mlflow.utils.uri import append_to_uri_path
 except ImportError as e:  # pragma: no cover - exercised only without the extra installed
     raise missing_extra("mlflow", "mlflow (or mlflow-skinny)") from e
 
 RUN_TAG = "resilient_ckpt.run_id"
+MANIFEST_TAG = "resilient_ckpt.manifest_sha256"
+
+log = logging.getLogger("resilient_callbacks")
 
 
 class MLflowSink:
@@ -50,12 +68,16 @@ class MLflowSink:
         run_id: str | None = None,
         run_name: str | None = None,
         log_checkpoint: str | None = None,
+        register_model: str | None = None,
+        registry_uri: str | None = None,
     ) -> None:
         self.context = context  # the Checkpointer's dirpath, monitor, mode, run_id (live)
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
         self.experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
         self.run_name = run_name
         self.log_checkpoint = log_checkpoint
+        self.register_model = register_model
+        self.registry_uri = registry_uri
         self.close_timeout_s = 600.0 if log_checkpoint else 30.0
         self.own_run = False
         if run_id is None and tracking_uri is None:
@@ -67,12 +89,13 @@ class MLflowSink:
         self._client: Any = None
         self._pending: list[Mapping[str, Any]] = []
         self._last_step = 0
+        self._closed = False
 
     # ------------------------------------------------------------------ the sink
 
     def start(self, telemetry: Telemetry) -> None:
         _preflight(self.tracking_uri)
-        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.registry_uri)
 
     def emit(
         self,
@@ -98,10 +121,26 @@ class MLflowSink:
         self._pending = []
 
     def close(self) -> None:
-        if self._client is None or self.run_id is None:
+        if self._client is None or self.run_id is None or self._closed:
             return
+        self._closed = True  # once: the runner calls close() again after a close that raised
         if self.log_checkpoint:
-            self._log_checkpoint()
+            logged = self._log_checkpoint()
+            if logged is not None and self.register_model:
+                try:
+                    self._register(logged)
+                except Exception as e:  # the artifact is logged; say so, and go on
+                    log.warning(
+                        "metrics sink %s: registering checkpoint %s as a version of model %r "
+                        "failed (the artifact checkpoints/%s is logged; training is not "
+                        "affected): %s: %s",
+                        self.name,
+                        logged.name,
+                        self.register_model,
+                        logged.name,
+                        type(e).__name__,
+                        e,
+                    )
         if self.own_run:
             self._client.set_terminated(self.run_id)
 
@@ -131,12 +170,14 @@ class MLflowSink:
         self.own_run = True
         return True
 
-    def _log_checkpoint(self) -> None:
+    def _log_checkpoint(self) -> Any:
+        """Log the chosen checkpoint, verified; return its catalog entry (None: none logged)."""
+        from ..blobs import BLOBS_DIR, blob_path
         from ..catalog import Depth, Status, scan, verify
 
         dirpath = self.context.get("dirpath")
         if not dirpath:
-            return
+            return None
         valid = [e for e in scan(dirpath, Depth.SIZE) if e.status is Status.VALID and e.manifest]
         monitor = self.context.get("monitor")
         if self.log_checkpoint == "best" and monitor:
@@ -153,13 +194,64 @@ class MLflowSink:
                 verify(e.path, e.manifest, Depth.FULL)
             except Exception:
                 continue
-            self._client.log_artifacts(self.run_id, e.path, artifact_path=f"checkpoints/{e.name}")
+            art = f"checkpoints/{e.name}"
+            self._client.log_artifacts(self.run_id, e.path, artifact_path=art)
+            for b in e.manifest.blobs:  # incremental: the shared blobs go in, self-contained
+                src = blob_path(e.path, b.path)
+                if not src.startswith(os.path.join(e.path, "")):
+                    dest = posixpath.join(art, BLOBS_DIR, posixpath.dirname(b.path)).rstrip("/")
+                    self._client.log_artifact(self.run_id, src, artifact_path=dest)
             self._client.set_tag(
                 self.run_id,
                 "resilient_ckpt.checkpoint_artifact",
                 json.dumps({"name": e.name, "step": e.manifest.step, "verified": True}),
             )
-            return
+            return e
+        return None
+
+    def _register(self, e: Any) -> None:
+        """``e`` (logged as ``checkpoints/<name>``) as a new version of ``register_model``."""
+        from ..manifest import MANIFEST_NAME
+
+        c, name = self._client, self.register_model
+        assert name is not None and self.run_id is not None
+        with open(os.path.join(e.path, MANIFEST_NAME), "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        # by run_id: the one filter both the sqlite and the file registry take
+        for mv in c.search_model_versions(f"run_id = '{self.run_id}'"):
+            if mv.name == name and mv.tags.get(MANIFEST_TAG) == digest:
+                return  # this checkpoint is this model's version already
+        try:
+            c.get_registered_model(name)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            try:
+                c.create_registered_model(
+                    name, description="checkpoints registered by resilient_callbacks"
+                )
+            except MlflowException as err2:  # created meanwhile by another job
+                if err2.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+        run = c.get_run(self.run_id)
+        mv = c.create_model_version(
+            name,
+            append_to_uri_path(run.info.artifact_uri, f"checkpoints/{e.name}"),
+            run_id=self.run_id,
+            tags={
+                "resilient_ckpt.checkpoint": e.name,
+                "resilient_ckpt.step": str(e.manifest.step),
+                MANIFEST_TAG: digest,
+                RUN_TAG: str(self.context.get("run_id")),
+                "resilient_ckpt.verified": "true",
+            },
+            await_creation_for=0,
+        )
+        c.set_tag(
+            self.run_id,
+            "resilient_ckpt.registered_model",
+            json.dumps({"name": name, "version": int(mv.version), "step": e.manifest.step}),
+        )
 
 
 def _event_tag(e: Mapping[str, Any]) -> tuple[str, str]:
