@@ -113,7 +113,9 @@ def plot_lost(ax: Any, data: dict[str, Any]) -> None:
     ax.set_xlabel("failure")
     ax.set_ylabel("seconds")
     ax.set_title("Work lost per failure")
-    ax.legend(fontsize=7)
+    top = max(a + b for a, b in zip(lost, gap, strict=True))
+    ax.set_ylim(0, top * 1.35 if top > 0 else 1)  # room above the bars for the legend
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
 
 
 def plot_saving(ax: Any, data: dict[str, Any]) -> None:
