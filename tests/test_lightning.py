@@ -762,13 +762,16 @@ class _Job:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize(
+    "strategy", ["ddp", "fsdp2", pytest.param("deepspeed", marks=pytest.mark.slow)]
+)
 def test_two_processes_sigkill_then_rerun_is_bit_exact(tmp_path, strategy):
-    """strategy='ddp', and ModelParallelStrategy with FSDP2 ``fully_shard`` (sharded
-    checkpoints: each rank writes its own shards), on 2 CPU processes (gloo). The reference and
-    the run to be killed run side by side; both ranks are SIGKILLed mid-epoch, and the same
-    command started again continues exactly, on each rank."""
-    more = ["--fsdp2"] if strategy == "fsdp2" else []
+    """strategy='ddp', ModelParallelStrategy with FSDP2 ``fully_shard`` (sharded checkpoints:
+    each rank writes its own shards), and DeepSpeedStrategy with ZeRO 2 (each rank its
+    partitions; on the CPU as in lightning_train.cpu_deepspeed_strategy), on 2 CPU processes
+    (gloo). The reference and the run to be killed run side by side; both ranks are SIGKILLed
+    mid-epoch, and the same command started again continues exactly, on each rank."""
+    more = {"ddp": [], "fsdp2": ["--fsdp2"], "deepspeed": ["--deepspeed", "2"]}[strategy]
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()
     run.mkdir()
@@ -785,9 +788,10 @@ def test_two_processes_sigkill_then_rerun_is_bit_exact(tmp_path, strategy):
     assert killed - resumed[0] < 2 * EVERY, (resumed, killed)
     assert not [e for e in errs if UNRELIABLE in e]
     assert {e.manifest.world_size for e in _committed(run / "ckpt")} == {2}
-    if strategy == "fsdp2":  # the weights and Adam moments are in each rank's shard files
+    if strategy != "ddp":  # the weights and Adam moments are in each rank's own files
         newest = _committed(run / "ckpt")[-1].path
-        shards = sorted(p.name for p in (Path(newest) / "parts" / "sharded").iterdir())
+        folder = {"fsdp2": ("sharded",), "deepspeed": ("engine", "zero")}[strategy]
+        shards = sorted(p.name for p in Path(newest, "parts", *folder).iterdir())
         assert shards == [f"rank_0000{r}.{x}" for r in (0, 1) for x in ("json", "safetensors")]
     for r in (0, 1):
         _assert_same_run(ref, run, suffix=f".rank{r}")
