@@ -19,18 +19,17 @@ import json
 import logging
 import os
 import posixpath
-import random
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .backoff import backoff_s
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
 from .remote import ETAG_CHECK_MAX, RemoteStore, _md5, retention_candidates
 from .retention import RetentionPolicy, plan
 
 log = logging.getLogger("resilient_callbacks")
-_JITTER = random.Random()  # never the global generator: the training loop owns it
 
 
 @dataclass
@@ -132,8 +131,7 @@ class NodeUploader:
                         failures,
                         self.counters.last_error,
                     )
-                delay = min(self.retry_max_s, self.retry_base_s * 2 ** (failures - 1))
-                delay *= _JITTER.uniform(0.5, 1.0)
+                delay = backoff_s(failures, self.retry_base_s, self.retry_max_s)
                 with self._cond:
                     self._cond.wait_for(lambda: self._stop, timeout=delay)
                 continue
@@ -317,9 +315,8 @@ class RemoteCommitter:
                         e,
                     )
                     with self._cond:
-                        if self._cond.wait_for(
-                            lambda: self._stop, timeout=self.retry_base_s * 2**attempt
-                        ):
+                        delay = backoff_s(attempt + 1, self.retry_base_s, jitter=False)
+                        if self._cond.wait_for(lambda: self._stop, timeout=delay):
                             break
             with self._cond:
                 self._ready.remove(key)

@@ -13,13 +13,13 @@ Which ranks call what: only the coordinator has a RemoteSync.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import remote_blobs
+from .backoff import backoff_s
 from .catalog import Depth, verify
 from .errors import CheckpointCorruptError
 from .manifest import Manifest, read_manifest
@@ -28,9 +28,6 @@ from .remote import RemoteEntry, RemoteStore, retention_candidates
 from .retention import Candidate, RetentionPolicy, plan
 
 log = logging.getLogger("resilient_callbacks")
-# Retry jitter draws from its own generator: the upload thread must never draw from the
-# global one, which the training loop uses (and the checkpoint restores).
-_JITTER = random.Random()
 
 
 @dataclass
@@ -165,11 +162,8 @@ class RemoteSync:
                         self._queue.remove(name)
                     self._cond.notify_all()
                     continue
-                delay = min(self.retry_max_s, self.retry_base_s * 2 ** (self._failures - 1))
-                delay *= _JITTER.uniform(0.5, 1.0)
-                deadline = time.monotonic() + delay
-                while not self._stop and (left := deadline - time.monotonic()) > 0:
-                    self._cond.wait(left)
+                delay = backoff_s(self._failures, self.retry_base_s, self.retry_max_s)
+                self._cond.wait_for(lambda: self._stop, timeout=delay)
 
     def _coalesce(self) -> None:
         """When uploads fall behind saves, skip the queued checkpoints that the remote
