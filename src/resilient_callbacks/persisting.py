@@ -27,7 +27,7 @@ from .errors import CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts
 from .node_session import NodeLocalSession
 from .nodelocal import NodeDirectory
-from .session import CommitSession
+from .session import CommitSession, Committed
 from .snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -91,119 +91,125 @@ def persist(
     blocking: float | None = None,
 ) -> None:
     """Every rank: write this rank's files, then commit through a CommitSession. Runs in the
-    background thread for background saves (collectives on the checkpoint's own group)."""
+    background thread for background saves (collectives on the checkpoint's own group). A
+    failure to write is reported through the commit, never raised alone; ``quiet``: this rank
+    raised its own error in the training thread already."""
+    ck = saver.ck
+    session = _session(saver, step, background)
+    try:
+        staging_dir = session.begin()
+        written = 0
+        if local_exc is None and staging_dir is not None:
+            assert prepared is not None
+            try:
+                written = _write(saver, session, staging_dir, prepared, background)
+            except Exception as e:  # reported to every rank by the commit; nothing is committed
+                local_exc = e
+        try:
+            done = session.commit(
+                local_exc,
+                metrics=metrics,
+                reason=reason,
+                fingerprint=prepared.fingerprint if prepared else "",
+                extra=manifest_extra(prepared, ck.schedule, progress),
+            )
+        except CheckpointWriteError as e:
+            if quiet:
+                return  # this rank already raised its own error in the training thread
+            ck._recorder.save_failed(step, e)
+            if background:
+                ck.last_saved_step = None
+            if isinstance(local_exc, UnsupportedStateError) and not background:
+                raise local_exc from None
+            raise
+        _record(
+            saver, step, prepared, done, reason, why, t0, background, written, progress, blocking
+        )
+    finally:
+        if prepared is not None and prepared.blobs is not None:
+            prepared.blobs.end()  # committed (the manifest names them) or failed: unpin
+
+
+def _session(saver: Saver, step: int, background: bool) -> CommitSession | NodeLocalSession:
+    """The commit of this save: a CommitSession, or in node-local mode a NodeLocalSession."""
     ck, d = saver.ck, saver.ck._dir
     assert d.run_id is not None
-    session: CommitSession | NodeLocalSession
+    group = saver.group if background else None
     if isinstance(d, NodeDirectory):  # several nodes, each with its own disk
-        session = NodeLocalSession(
-            d, step, run_id=d.run_id, group=saver.group if background else None
-        )
-    else:
-        session = CommitSession(
-            ck.dirpath,
-            step,
-            run_id=d.run_id,
-            group=saver.group if background else None,
-            strategy=d.commit,
-            seq=d.seq + 1,
-            retention=ck.retention,
-            after_commit=d.after_commit,
-        )
-    blobs = prepared.blobs if prepared is not None else None
-    try:
-        _write_and_commit(
-            saver,
-            step, prepared, local_exc, metrics, reason, why, t0, background, quiet, session,
-            progress, blocking,
-        )  # fmt: skip
-    finally:
-        if blobs is not None:
-            blobs.end()  # committed (the manifest names them) or failed: unpin
+        return NodeLocalSession(d, step, run_id=d.run_id, group=group)
+    return CommitSession(
+        ck.dirpath,
+        step,
+        run_id=d.run_id,
+        group=group,
+        strategy=d.commit,
+        seq=d.seq + 1,
+        retention=ck.retention,
+        after_commit=d.after_commit,
+    )
 
 
-def _write_and_commit(
+def _write(
+    saver: Saver,
+    session: CommitSession | NodeLocalSession,
+    staging_dir: str,
+    prepared: Prepared,
+    background: bool,
+) -> int:
+    """Write this rank's part and its FileParts' files into ``staging_dir`` and add them to
+    ``session``; return the bytes written (shared blobs reused not counted)."""
+    ck = saver.ck
+    if prepared.snapshot is not None:
+        prepared.snapshot.wait_host()
+    compress = None
+    if saver.codec.enabled and saver.codec.compress_now(prepared.shared.tensors):
+        compress = (saver.codec.level, saver.codec.with_shuffle)
+    bounce = saver.bounce if background else None
+    if prepared.blobs is not None:
+        prepared.blobs.compress = compress
+        prepared.blobs.direct = background
+        prepared.blobs.bounce = bounce
+    w0 = time.perf_counter()
+    files = layout.write_part(
+        staging_dir,
+        ck.rank,
+        prepared.shared if ck._writes_shared else None,
+        prepared.local,
+        prepared.rng_info,
+        prepared.rng_tensors,
+        direct=background,  # no page-cache copy competing with training
+        bounce=bounce,
+        blobs=prepared.blobs,
+        compress=compress,
+    )
+    written = sum(f.size for f in files if f.kind != "blob")
+    if prepared.blobs is not None:
+        written += prepared.blobs.written
+    if compress is None:
+        saver.codec.observe_raw_write(written, time.perf_counter() - w0)
+    session.add(files)
+    if prepared.parts is not None:  # the FileParts' own files, under parts/<id>/
+        prepared.parts.wait_host()
+        session.add(prepared.parts.write(staging_dir, ck.rank, direct=background, bounce=bounce))
+    return written
+
+
+def _record(
     saver: Saver,
     step: int,
     prepared: Prepared | None,
-    local_exc: BaseException | None,
-    metrics: dict[str, float | None],
+    done: Committed,
     reason: str,
     why: str,
     t0: float,
     background: bool,
-    quiet: bool,
-    session: CommitSession | NodeLocalSession,
+    written: int,
     progress: dict[str, Any] | None,
     blocking: float | None,
 ) -> None:
-    """Every rank: write this rank's part and its FileParts' files into the staging directory
-    (a failure here is reported through the commit, never raised alone), then commit; on
-    success record the save (``ck.last_save``, the recorder, the log)."""
+    """Every rank, once ``done`` is committed: the Checkpointer's and the recorder's account of
+    the save, the unchanged-tensor tracker, the log line."""
     ck = saver.ck
-    staging_dir = session.begin()
-    written = 0
-    if local_exc is None and staging_dir is not None:
-        assert prepared is not None
-        try:
-            if prepared.snapshot is not None:
-                prepared.snapshot.wait_host()
-            compress = None
-            if saver.codec.enabled and saver.codec.compress_now(prepared.shared.tensors):
-                compress = (saver.codec.level, saver.codec.with_shuffle)
-            if prepared.blobs is not None:
-                prepared.blobs.compress = compress
-                prepared.blobs.direct = background
-                prepared.blobs.bounce = saver.bounce if background else None
-            w0 = time.perf_counter()
-            files = layout.write_part(
-                staging_dir,
-                ck.rank,
-                prepared.shared if ck._writes_shared else None,
-                prepared.local,
-                prepared.rng_info,
-                prepared.rng_tensors,
-                direct=background,  # no page-cache copy competing with training
-                bounce=saver.bounce if background else None,
-                blobs=prepared.blobs,
-                compress=compress,
-            )
-            written = sum(f.size for f in files if f.kind != "blob")
-            if prepared.blobs is not None:
-                written += prepared.blobs.written
-            if compress is None:
-                saver.codec.observe_raw_write(written, time.perf_counter() - w0)
-            session.add(files)
-            if prepared.parts is not None:  # the FileParts' own files, under parts/<id>/
-                prepared.parts.wait_host()
-                session.add(
-                    prepared.parts.write(
-                        staging_dir,
-                        ck.rank,
-                        direct=background,
-                        bounce=saver.bounce if background else None,
-                    )
-                )
-        except Exception as e:  # reported to every rank by the commit; nothing is committed
-            local_exc = e
-    schedule = ck.schedule
-    try:
-        done = session.commit(
-            local_exc,
-            metrics=metrics,
-            reason=reason,
-            fingerprint=prepared.fingerprint if prepared else "",
-            extra=manifest_extra(prepared, schedule, progress),
-        )
-    except CheckpointWriteError as e:
-        if quiet:
-            return  # this rank already raised its own error in the training thread
-        ck._recorder.save_failed(step, e)
-        if background:
-            ck.last_saved_step = None
-        if isinstance(local_exc, UnsupportedStateError) and not background:
-            raise local_exc from None
-        raise
     if not background:
         ck.last_saved_step = step
         ck._trigger.clock.reset()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from resilient_callbacks.backoff import backoff_s
+from resilient_callbacks.upload_thread import backoff_s
 
 
 def test_the_delay_doubles_up_to_the_cap() -> None:
