@@ -3,20 +3,12 @@ model they train. Worker scripts import the model part; the tests import :func:`
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
+import spawn_ranks
+
 DEADLINE = 150.0  # seconds for one group of ranks, start to finish
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def spawn(
@@ -32,61 +24,10 @@ def spawn(
     (with every rank's output) if any rank fails or the group misses the deadline; otherwise a
     rank that dies makes the others be killed (as a launcher would) and the codes are returned.
     """
-    for attempt in range(3):
-        port = _free_port()
-        procs, logs = [], []
-        for rank in range(nprocs):
-            e = dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(nprocs),
-                LOCAL_WORLD_SIZE=str(nprocs),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                GLOO_SOCKET_IFNAME="lo",
-                OMP_NUM_THREADS="1",
-                MKL_NUM_THREADS="1",
-                PYTHONHASHSEED="0",
-                **(env or {}),
-            )
-            log = open(workdir / f"{name}.attempt{attempt}.rank{rank}.log", "w+")  # noqa: SIM115
-            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=e))
-            logs.append(log)
-        deadline = time.monotonic() + DEADLINE
-        failed = None
-        try:
-            while any(p.poll() is None for p in procs):
-                if any(p.poll() not in (None, 0) for p in procs):
-                    failed = "a rank failed"
-                    break
-                if time.monotonic() > deadline:
-                    failed = f"the ranks did not finish within {DEADLINE:.0f} s"
-                    break
-                time.sleep(0.05)
-            if failed is None and any(p.returncode != 0 for p in procs):
-                failed = "a rank failed"
-        finally:
-            codes = [p.poll() for p in procs]  # before the survivors are killed
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-            log.close()
-        text = "\n".join(
-            f"--- rank {r} (rc={p.returncode})\n{o}"
-            for r, (p, o) in enumerate(zip(procs, outputs, strict=True))
-        )
-        if failed is not None and "address already in use" in text.lower() and attempt < 2:
-            continue  # the free port was taken in between: try another one
-        if failed is not None and (expect_ok or "within" in failed):
-            raise AssertionError(f"{name}: {failed}\n{text}")
-        return [c if c is not None else p.returncode for c, p in zip(codes, procs, strict=True)]
-    raise AssertionError("unreachable")
+    expect = 0 if expect_ok else None
+    return spawn_ranks.run(
+        argv, nprocs, workdir, name, expect=expect, env=env, deadline=DEADLINE
+    ).codes
 
 
 # ----------------------------------------------------------------------------- the model

@@ -25,26 +25,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("deepspeed")
 
+import spawn_ranks
 from resilient_callbacks import catalog
 
 SCRIPT = Path(__file__).with_name("ds_train.py")
 DEADLINE = 300.0  # seconds for one group of ranks
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_group(
@@ -56,54 +49,17 @@ def run_group(
     argv = (
         [sys.executable, "-m", "resilient_callbacks.deepspeed.run"] if module else [sys.executable]
     )
-    argv = [*argv, str(SCRIPT), *args]
-    port = _free_port()
-    procs, logs = [], []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            GLOO_SOCKET_IFNAME="lo",
-            DS_ACCELERATOR="cpu",
-            OMP_NUM_THREADS="1",
-            PYTHONHASHSEED="0",
-        )
-        log = open(workdir / f"{name}.rank{rank}.log", "w+")  # noqa: SIM115
-        procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env))
-        logs.append(log)
-    deadline = time.monotonic() + DEADLINE
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if expect == -9 and any(p.poll() == -9 for p in procs):
-                time.sleep(2.0)  # the others reach the same step and kill themselves
-                break
-            if expect == 0 and any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
-    codes = [p.returncode for p in procs]
-    ok = all(c == -9 for c in codes) if expect == -9 else all(c == expect for c in codes)
-    if not ok:
-        text = "\n".join(
-            f"--- rank {r} (rc={c})\n{o[-6000:]}"
-            for r, (c, o) in enumerate(zip(codes, outputs, strict=True))
-        )
-        raise AssertionError(f"{name}: exit codes {codes}, expected {expect}\n{text}")
-    return outputs
+    return spawn_ranks.run(
+        [*argv, str(SCRIPT), *args],
+        world,
+        workdir,
+        name,
+        expect=expect,
+        env={"DS_ACCELERATOR": "cpu"},
+        deadline=DEADLINE,
+        log_name="{name}.rank{rank}.log",
+        tail=6000,
+    ).outputs
 
 
 def committed(dirpath: Path | str) -> list[catalog.Entry]:
@@ -418,7 +374,7 @@ def test_offload_is_refused_clearly_at_initialize(tmp_path: Path) -> None:
     script.write_text(OFFLOAD_SCRIPT.replace("DIRPATH", repr(str(tmp_path / "ck"))))
     env = dict(
         os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu",
+        MASTER_PORT=str(spawn_ranks.free_port()), DS_ACCELERATOR="cpu",
         PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
     )  # fmt: skip
     p = subprocess.run(
@@ -483,7 +439,7 @@ def test_section_reaching_plain_deepspeed_initialize_warns(tmp_path: Path, with_
     src = Path(__file__).resolve().parents[1] / "src"
     env = dict(
         os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spawn_ranks.free_port()), DS_ACCELERATOR="cpu",
         GLOO_SOCKET_IFNAME="lo",
     )  # fmt: skip
     env.pop("RESILIENT_CALLBACKS_NO_DS_GUARD", None)

@@ -20,10 +20,7 @@ import datetime
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import spawn_ranks
 from resilient_callbacks import Checkpointer, CheckpointWriteError, PerRank, catalog
 
 SCRIPT = Path(__file__).with_name("train_script.py")
@@ -136,67 +134,10 @@ def fail_worker(root: str, out: str) -> None:
 # ----------------------------------------------------------------------------- launching ranks
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(argv: list[str], workdir: Path, name: str) -> list[str]:
     """Run ``argv`` as WORLD ranks; fail the test (with every rank's output) if any rank fails
-    or the group misses the deadline. Returns each rank's stderr."""
-    for attempt in range(3):
-        port = _free_port()
-        procs, logs = [], []
-        for rank in range(WORLD):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(WORLD),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                GLOO_SOCKET_IFNAME="lo",
-                OMP_NUM_THREADS="1",
-                MKL_NUM_THREADS="1",
-                PYTHONHASHSEED="0",
-            )
-            log = open(workdir / f"{name}.attempt{attempt}.rank{rank}.log", "w+")  # noqa: SIM115
-            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env))
-            logs.append(log)
-        deadline = time.monotonic() + DEADLINE
-        failed = None
-        try:
-            while any(p.poll() is None for p in procs):
-                if any(p.poll() not in (None, 0) for p in procs):
-                    failed = "a rank failed"
-                    break
-                if time.monotonic() > deadline:
-                    failed = f"the ranks did not finish within {DEADLINE:.0f} s"
-                    break
-                time.sleep(0.05)
-            if failed is None and any(p.returncode != 0 for p in procs):
-                failed = "a rank failed"
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-            log.close()
-        if failed is None:
-            return outputs
-        text = "\n".join(
-            f"--- rank {r} (rc={p.returncode})\n{o}"
-            for r, (p, o) in enumerate(zip(procs, outputs, strict=True))
-        )
-        if "address already in use" in text.lower() and attempt < 2:
-            continue  # the free port was taken in between: try another one
-        raise AssertionError(f"{name}: {failed}\n{text}")
-    raise AssertionError("unreachable")
+    or the group misses the deadline. Returns each rank's output."""
+    return spawn_ranks.run(argv, WORLD, workdir, name, deadline=DEADLINE).outputs
 
 
 # ----------------------------------------------------------------------------- tests

@@ -121,7 +121,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_sees_the_core_modules():
     graph = import_graph()
     assert f"{PKG}.checkpointer" in graph
-    assert f"{PKG}.session" in graph[f"{PKG}.saving"]
+    assert f"{PKG}.persisting" in graph[f"{PKG}.saving"]
+    assert f"{PKG}.session" in graph[f"{PKG}.persisting"]
     assert f"{PKG}.directory" in graph[f"{PKG}.checkpointer"]
 
 

@@ -30,7 +30,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,6 +56,7 @@ from resilient_callbacks import (
 from resilient_callbacks.checkpointer import RESUMABLE_EXIT_CODE
 from resilient_callbacks.lightning import ResilientCheckpoint
 from resilient_callbacks.lightning.state import Converter, HparamsConversionWarning
+from spawn_ranks import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lightning_train
@@ -726,18 +726,12 @@ def test_stateful_dataloader_sigkill_then_slurm_sigusr1_then_rerun_is_bit_exact(
     _assert_same_run(ref, tmp_path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Job:
     """Two ranks of one DDP run, started like torchrun does (LOCAL_RANK, WORLD_SIZE, MASTER_*
     in the environment; Lightning then launches nothing itself), both at once."""
 
     def __init__(self, work: Path, name: str, *more: str) -> None:
-        port = str(_free_port())
+        port = str(free_port())
         self.errs = [work / f"{name}.rank{r}.txt" for r in (0, 1)]
         self.procs = []
         for r in (0, 1):

@@ -19,7 +19,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import pytest
 
 from resilient_callbacks.commit import STAGING_PREFIX
 from resilient_callbacks.remote import RemoteStore
+from spawn_ranks import free_port
 
 SCRIPT = Path(__file__).with_name("train_script.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -37,12 +37,6 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 ZYGOTE = Path(__file__).with_name("node_zygote.py")
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Zygotes:
@@ -161,7 +155,7 @@ class Nodes:
     def start(
         self, total: int, *extra: str, sleep: float = 0.0, every: int = 2
     ) -> list[subprocess.Popen | Forked]:
-        port = _free_port()
+        port = free_port()
         self.runs += 1
         procs: list[subprocess.Popen | Forked] = []
         for i in range(2):

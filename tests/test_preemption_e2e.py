@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from safetensors.torch import load_file
 
 from resilient_callbacks import Checkpointer, catalog
 from resilient_callbacks.checkpointer import RESUMABLE_EXIT_CODE
+from spawn_ranks import free_port
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "train_script.py")
@@ -182,12 +182,6 @@ def test_cloud_notice_triggers_the_emergency_save(tmp_path):
         server.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch_ranks(ckpt: Path, out: Path, port: int, *more: str) -> list[subprocess.Popen]:
     procs = []
     for rank in range(2):
@@ -215,12 +209,12 @@ def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()
     run.mkdir()
-    procs = _launch_ranks(ref / "ckpt", ref, _free_port())
+    procs = _launch_ranks(ref / "ckpt", ref, free_port())
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
 
-    procs = _launch_ranks(run / "ckpt", run, _free_port(), "--sleep", "0.05")
+    procs = _launch_ranks(run / "ckpt", run, free_port(), "--sleep", "0.05")
     _wait_for_step(run / "log.jsonl.rank1", 12, procs[1])
     procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told
     errs = []
@@ -233,7 +227,7 @@ def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
     newest = [e for e in catalog.scan(str(run / "ckpt"), catalog.Depth.FULL) if e.manifest][-1]
     assert newest.step == last[0] and newest.manifest.reason == "emergency"
 
-    procs = _launch_ranks(run / "ckpt", run, _free_port())
+    procs = _launch_ranks(run / "ckpt", run, free_port())
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err

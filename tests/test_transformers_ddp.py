@@ -10,13 +10,14 @@ they are found as its child processes).
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from spawn_ranks import free_port
 
 pytest.importorskip("transformers")
 
@@ -41,12 +42,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _ddp_cmd(workdir: Path, sleep: float = 0.0) -> list[str]:
     script_and_args = _cmd(workdir, sleep)[1:]  # drop sys.executable
     return [
@@ -54,7 +49,7 @@ def _ddp_cmd(workdir: Path, sleep: float = 0.0) -> list[str]:
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         *script_and_args,
         "--ddp",
     ]

@@ -8,9 +8,11 @@ file list, writes the manifest, commits and applies retention. Every rank writes
 ``PerRank`` state and RNG states.
 
 The parts, each in its own module: :mod:`.directory` (the directory as its one writer sees it),
-:mod:`.saving` (one save), :mod:`.session` (the commit, usable without a Checkpointer),
-:mod:`.restoring` (candidates across tiers, loud fallback) and :mod:`.emergency` (preemption and
-exception saves). This class decides *when* to save (:meth:`step`) and holds them together.
+:mod:`.saving` (one save; its background half in :mod:`.persisting`), :mod:`.session` (the
+commit, usable without a Checkpointer), :mod:`.restoring` (candidates across tiers, loud
+fallback), :mod:`.emergency` (preemption and exception saves) and :mod:`.closing` (waiting for
+saves and uploads, releasing). This class decides *when* to save (:meth:`step`) and holds them
+together.
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ import atexit
 import contextlib
 import logging
 import os
-import time
 import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import dist, sinks, topology
+from . import closing, dist, sinks, topology
 from .catalog import Entry
 from .config import CheckpointerConfig
 from .directory import Directory
@@ -34,10 +35,11 @@ from .errors import CheckpointError, ConfigError
 from .metrics import Telemetry
 from .node_restore import NodeRestorer
 from .nodelocal import NodeDirectory
+from .persisting import SaveStats
 from .preemption import MetadataPoller, PreemptionWatcher
 from .recorder import Recorder
 from .restoring import Restorer, RestoreReport
-from .saving import Saver, SaveStats, new_run_id
+from .saving import Saver, new_run_id
 from .trigger import Trigger
 
 if TYPE_CHECKING:
@@ -81,15 +83,6 @@ class _Context(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self._keys)
-
-
-def _flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
-    ck = ref()
-    if ck is not None and not ck._closed:
-        try:
-            ck.close()
-        except Exception as e:  # at exit there is no caller left to raise to: say it loudly
-            log.error("a checkpoint being written at exit failed: %s", e)
 
 
 class Checkpointer:
@@ -246,7 +239,7 @@ class Checkpointer:
         self.telemetry = Telemetry(sink_objects, rank=self.rank)
         self._recorder = Recorder(self, self.telemetry)
         if self.config.async_save or self.telemetry.active:
-            atexit.register(_flush_at_exit, weakref.ref(self))
+            atexit.register(closing.flush_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ the parts' state
 
@@ -328,59 +321,11 @@ class Checkpointer:
         """Wait for background saves to commit, then release the directory. Raises the error of
         a background save that failed (after releasing). ``timeout``: seconds to wait for
         pending saves; what is still pending then is reported and abandoned (never committed
-        half-way: a save commits atomically or not at all)."""
+        half-way: a save commits atomically or not at all). See :mod:`.closing`."""
         if self._closed:
             return
         self._closed = True
-        deadline = None if timeout is None else time.monotonic() + timeout
-        persister = self._saver.persister
-        try:
-            if persister is not None:
-                pending = persister.pending
-                if pending:
-                    log.info("waiting for %d checkpoint(s) still being written ...", pending)
-                t_wait = time.perf_counter()
-                finished = persister.wait_all(timeout)
-                self.close_wait_seconds = time.perf_counter() - t_wait
-                if pending and finished:
-                    # the end of training waits for the last checkpoint to be durable: say how long
-                    log.info(
-                        "close(): the last checkpoint (%s) became durable after a %.2f s wait",
-                        self.last_save.path if self.last_save else None,
-                        self.close_wait_seconds,
-                    )
-                if not finished:
-                    log.warning(
-                        "close(): %d checkpoint(s) were still being written after %s s and were "
-                        "abandoned; the newest committed checkpoint is %s",
-                        persister.pending,
-                        timeout,
-                        self.last_save.path if self.last_save else None,
-                    )
-                else:
-                    persister.stop()
-            if self._dir.sync is not None:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                self._dir.finish_uploads(left, CLOSE_OUTAGE_S)
-            if isinstance(self._dir, NodeDirectory):
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                self._dir.finish_nodes(left)
-            if persister is not None:
-                self.save_waits.log_summary()
-                persister.raise_error()
-        finally:
-            self._recorder.closed()
-            if self._dir.sync is not None:
-                self._dir.sync.stop()
-            if isinstance(self._dir, NodeDirectory):
-                self._dir.release()
-            self._saver.release()
-            self._emergency.release()
-            if self._poller is not None:
-                self._poller.stop()
-            if self.watcher is not None:
-                self.watcher.uninstall()
-            self._dir.lock.release()
+        closing.close(self, timeout, CLOSE_OUTAGE_S)
 
     def abort(self, exc: BaseException) -> None:
         """Training failed with ``exc``: with ``save_on_exception``, save the last step that

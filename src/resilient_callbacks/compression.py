@@ -21,9 +21,7 @@ throughputs ``S``. No overlap of compression and writing is assumed (conservativ
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,13 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CheckpointCorruptError, ConfigError, UnsupportedStateError
+from .errors import CheckpointCorruptError, ConfigError
 from .tensorfile import (
     CHUNK,
-    DTYPE_TO_ST,
     FileDigest,
     _as_bytes,
     _layout,
+    lay_out,
     new_hasher,
     parse_header,
     read_verified,
@@ -150,31 +148,12 @@ def write_tensors_compressed(
 ) -> tuple[FileDigest, str]:
     """Write ``tensors`` as a zstd-compressed safetensors file at ``path`` (multithreaded);
     return the stored file's size and checksum, and its codec."""
-    for name, t in tensors.items():
-        if t.dtype not in DTYPE_TO_ST:
-            raise UnsupportedStateError(f"tensor {name!r} has dtype {t.dtype}, not storable")
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": DTYPE_TO_ST[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hbytes += b" " * (-len(hbytes) % 8)
-    total = 8 + len(hbytes) + offset
+    order, head, data_size = lay_out(tensors, metadata)
+    total = len(head) + data_size
     with open(path, "wb", buffering=0) as f:
         sink = _HashingWriter(f)
         with compressor(level).stream_writer(sink, size=total, closefd=False) as z:
-            z.write(struct.pack("<Q", len(hbytes)))
-            z.write(hbytes)
+            z.write(head)
             for name in order:
                 t = tensors[name]
                 mv = _as_bytes(t)

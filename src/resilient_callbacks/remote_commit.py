@@ -19,18 +19,15 @@ import json
 import logging
 import os
 import posixpath
-import random
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
 from .remote import ETAG_CHECK_MAX, RemoteStore, _md5, retention_candidates
 from .retention import RetentionPolicy, plan
+from .upload_thread import UploadThread, backoff_s
 
 log = logging.getLogger("resilient_callbacks")
-_JITTER = random.Random()  # never the global generator: the training loop owns it
 
 
 @dataclass
@@ -50,7 +47,7 @@ class UploadCounters:
     last_error: str | None = None
 
 
-class NodeUploader:
+class NodeUploader(UploadThread):
     """A node leader's background uploads of its node's files; finished ones are reported
     through :meth:`take_reports`."""
 
@@ -63,16 +60,13 @@ class NodeUploader:
         retry_base_s: float = 1.0,
         retry_max_s: float = 60.0,
     ) -> None:
+        super().__init__("rc-node-upload")
         self.store, self.local_root, self.node = store, local_root, node
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
         self.counters = UploadCounters()
         self._queue: list[UploadJob] = []
         self._reports: list[dict[str, Any]] = []
-        self._cond = threading.Condition()
-        self._stop = False
-        self._busy = False
-        self._thread = threading.Thread(target=self._run, name="rc-node-upload", daemon=True)
-        self._thread.start()
+        self._start()
 
     def enqueue(
         self, local_name: str, remote_name: str, key: tuple[str, int], files: list[FileEntry]
@@ -93,28 +87,15 @@ class NodeUploader:
         return out
 
     def wait(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Block until every queued upload is done; False if ``timeout`` passed first."""
         with self._cond:
-            while self._queue:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left if left is not None else 1.0)
-        return True
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join(timeout=1.0)
+            return self._cond.wait_for(lambda: not self._queue, timeout)
 
     def _run(self) -> None:
         failures = 0
         while True:
             with self._cond:
-                while not self._queue and not self._stop:
-                    self._cond.wait()
-                if self._stop:
+                if not self._wait_for_work(lambda: self._queue):
                     return
                 job = self._queue[0]
             try:
@@ -132,10 +113,8 @@ class NodeUploader:
                         failures,
                         self.counters.last_error,
                     )
-                delay = min(self.retry_max_s, self.retry_base_s * 2 ** (failures - 1))
-                delay *= _JITTER.uniform(0.5, 1.0)
                 with self._cond:
-                    self._cond.wait_for(lambda: self._stop, timeout=delay)
+                    self._pause(backoff_s(failures, self.retry_base_s, self.retry_max_s))
                 continue
             failures = 0
             with self._cond:
@@ -203,7 +182,7 @@ class PendingCommit:
     done: set[int] = field(default_factory=set)
 
 
-class RemoteCommitter:
+class RemoteCommitter(UploadThread):
     """The coordinator's table of checkpoints waiting for their nodes' uploads, and the thread
     that commits them remotely (manifest last) and applies the remote retention."""
 
@@ -216,17 +195,15 @@ class RemoteCommitter:
         max_attempts: int = 5,
         retry_base_s: float = 1.0,
     ) -> None:
+        super().__init__("rc-remote-commit")
         self.store, self.nodes, self.policy = store, nodes, policy
         self.max_attempts, self.retry_base_s = max_attempts, retry_base_s
         self.index: dict[tuple[str, int], str] = {}  # committed remotely: key -> name
         self.committed = 0
         self._pending: dict[tuple[str, int], PendingCommit] = {}
         self._ready: list[tuple[str, int]] = []
-        self._cond = threading.Condition()
-        self._stop = False
         self._busy = False
-        self._thread = threading.Thread(target=self._run, name="rc-remote-commit", daemon=True)
-        self._thread.start()
+        self._start()
 
     # ------------------------------------------------------------------ the table
 
@@ -274,29 +251,17 @@ class RemoteCommitter:
     def wait(self, timeout: float | None = None) -> bool:
         """Until every checkpoint whose parts all arrived is committed; True if nothing is left
         waiting (for a node's part, either)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._ready or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left if left is not None else 1.0)
+            if not self._cond.wait_for(lambda: not self._ready and not self._busy, timeout):
+                return False
             return not self._pending
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join(timeout=1.0)
 
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._ready and not self._stop:
-                    self._cond.wait()
-                if self._stop:
+                if not self._wait_for_work(lambda: self._ready):
                     return
                 key = self._ready[0]
                 p = self._pending[key]
@@ -317,9 +282,7 @@ class RemoteCommitter:
                         e,
                     )
                     with self._cond:
-                        if self._cond.wait_for(
-                            lambda: self._stop, timeout=self.retry_base_s * 2**attempt
-                        ):
+                        if self._pause(backoff_s(attempt + 1, self.retry_base_s, jitter=False)):
                             break
             with self._cond:
                 self._ready.remove(key)

@@ -4,10 +4,11 @@ gather -> manifest -> commit -> ``latest`` -> retention -> queue the upload.
 Which ranks call what: every rank calls :meth:`Saver.save` at the same step (a Checkpointer's
 ``step``/``save``/``emergency_save``). The training thread only prepares: it encodes the state
 and, for a background save, copies this rank's tensors into the host buffers (the coordinator
-also copies the replicated ones). The rest runs in :meth:`Saver.persist`, in the background
-thread for a background save: every rank writes its own part into the staging directory and the
-:class:`~.session.CommitSession` gathers, commits on rank 0 and raises on every rank if any
-failed. A background failure is raised on the next save or on close, never lost.
+also copies the replicated ones). The rest runs in :func:`.persisting.persist`, in the
+background thread for a background save: every rank writes its own part into the staging
+directory and the :class:`~.session.CommitSession` gathers, commits on rank 0 and raises on
+every rank if any failed. A background failure is raised on the next save or on close, never
+lost.
 """
 
 from __future__ import annotations
@@ -21,20 +22,16 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import dist, layout, rng, statetree, structure
+from . import dist, rng, statetree, structure
 from .background import BackgroundPersister
-from .blobs import BlobSession
 from .compression import Chooser
 from .errors import CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts, PartBuffers
-from .node_session import NodeLocalSession
-from .nodelocal import NodeDirectory
-from .session import CommitSession
+from .persisting import Prepared, persist
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import DirectBuffer
 from .unchanged import UnchangedTracker, begin_incremental
@@ -44,29 +41,6 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer
 
 log = logging.getLogger("resilient_callbacks")
-
-
-@dataclass
-class SaveStats:
-    step: int
-    path: str
-    bytes: int
-    seconds: float
-    reason: str
-    written: int = -1  # bytes this save wrote (shared blobs it reused not counted); -1: unknown
-
-
-@dataclass
-class _Prepared:
-    shared: structure.Encoded
-    local: structure.Encoded
-    rng_info: dict[str, Any] | None
-    rng_tensors: dict[str, torch.Tensor]
-    fingerprint: str
-    snapshot: Snapshot | None
-    parts: CapturedParts | None = None
-    blobs: BlobSession | None = None  # incremental=True, coordinator
-    watch: dict[str, Any] | None = None  # frozen tensors to remember once committed
 
 
 def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
@@ -96,27 +70,12 @@ def _prepare_error(exc: BaseException, step: int, rank: int, dirpath: str) -> Ba
     return err
 
 
-def _manifest_extra(
-    prepared: _Prepared | None, schedule: Any, progress: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """The manifest's ``extra``: the adaptive schedule's state, what the FileParts described,
-    the run's useful training time up to this step (``progress``, see :mod:`.recorder`)."""
-    extra: dict[str, Any] = {}
-    if progress:
-        extra["progress"] = progress
-    if schedule is not None:
-        extra["schedule"] = schedule.state_dict()
-    if prepared is not None and prepared.parts is not None:
-        extra.update(prepared.parts.manifest_extra())
-    return extra
-
-
 class Saver:
     """The save pipeline of one Checkpointer and what it reuses between saves: the background
     writer, its process group, the host buffers and the O_DIRECT bounce buffer."""
 
     def __init__(self, ck: Checkpointer) -> None:
-        self._ck = ck
+        self.ck = ck
         self.persister: BackgroundPersister | None = None
         self.group: Any = None
         if ck.config.async_save:
@@ -153,7 +112,7 @@ class Saver:
     ) -> bool:
         """Every rank. Returns False if ``step`` is the one saved (or restored) last, or if a
         periodic save is skipped because the previous one is still being written."""
-        ck = self._ck
+        ck = self.ck
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
         if ck.last_saved_step == step:
@@ -189,7 +148,7 @@ class Saver:
         d = ck._dir
         if ck.is_coordinator and not d.checked_foreign:
             d.check_foreign(stacklevel=3)  # in the training thread: the warning reaches the caller
-        prepared: _Prepared | None = None
+        prepared: Prepared | None = None
         local_exc: BaseException | None = None
         try:
             prepared = self.prepare(state, copy=background, rng_state=rng_state)
@@ -199,7 +158,8 @@ class Saver:
         # what the training loop waited, in all (measured before the job can finish)
         blocking = time.perf_counter() - t0 + waited
         job = functools.partial(
-            self.persist,
+            persist,
+            self,
             step,
             prepared,
             local_exc,
@@ -236,7 +196,7 @@ class Saver:
         return True
 
     def _upload_bps(self) -> float | None:
-        sync = self._ck._dir.sync
+        sync = self.ck._dir.sync
         if sync is None:
             return None
         st = sync.status()
@@ -244,7 +204,7 @@ class Saver:
 
     def _observe_save(self, blocking: float) -> None:
         self.save_seconds.append(blocking)
-        schedule = self._ck.schedule
+        schedule = self.ck.schedule
         if schedule is not None:
             persist = statistics.median(self.persist_seconds) if self.persist_seconds else None
             schedule.observe_save(blocking, persist)
@@ -274,10 +234,10 @@ class Saver:
         state: Any,
         copy: bool,
         rng_state: tuple[Any, dict[str, torch.Tensor]] | None = None,
-    ) -> _Prepared:
+    ) -> Prepared:
         """Encode the state (training thread) and, for a background save, copy its tensors into
         the reused host buffers; only what this rank writes is copied."""
-        ck = self._ck
+        ck = self.ck
         shared, local = structure.encode(state, split_per_rank=ck.world_size > 1)
         fingerprint = statetree.fingerprint(state)
         fileparts = statetree.fileparts(state)
@@ -319,7 +279,7 @@ class Saver:
             if blobs is not None:
                 blobs.end()  # this save will not commit: unpin what it pinned
             raise
-        return _Prepared(
+        return Prepared(
             shared, local, rng_info, rng_tensors, fingerprint, snap, parts, blobs, watch
         )
 
@@ -328,7 +288,7 @@ class Saver:
     ) -> dict[str, torch.Tensor]:
         """The tensors this rank writes: its own, and the shared ones on the coordinator."""
         tensors = dict(local.tensors)
-        if self._ck._writes_shared:
+        if self.ck._writes_shared:
             tensors.update(shared.tensors)
         return tensors
 
@@ -341,7 +301,7 @@ class Saver:
         if self.persister is None:
             return
         try:
-            shared, local = structure.encode(state, split_per_rank=self._ck.world_size > 1)
+            shared, local = structure.encode(state, split_per_rank=self.ck.world_size > 1)
         except Exception as e:  # the save itself reports what is wrong with the state
             log.debug("not allocating host buffers ahead: %s", e)
             return
@@ -383,161 +343,6 @@ class Saver:
             torch.distributed.destroy_process_group(group)
         except Exception as e:  # best effort: the checkpoints are committed either way
             log.debug("could not destroy the background checkpoint group: %s", e)
-
-    # ------------------------------------------------------------------ persist (background)
-
-    def persist(
-        self,
-        step: int,
-        prepared: _Prepared | None,
-        local_exc: BaseException | None,
-        metrics: dict[str, float | None],
-        reason: str,
-        why: str,
-        t0: float,
-        background: bool,
-        quiet: bool = False,
-        progress: dict[str, Any] | None = None,
-        blocking: float | None = None,
-    ) -> None:
-        """Every rank: write this rank's files, then commit through a CommitSession. Runs in the
-        background thread for background saves (collectives on the checkpoint's own group)."""
-        ck, d = self._ck, self._ck._dir
-        assert d.run_id is not None
-        session: CommitSession | NodeLocalSession
-        if isinstance(d, NodeDirectory):  # several nodes, each with its own disk
-            session = NodeLocalSession(
-                d, step, run_id=d.run_id, group=self.group if background else None
-            )
-        else:
-            session = CommitSession(
-                ck.dirpath,
-                step,
-                run_id=d.run_id,
-                group=self.group if background else None,
-                strategy=d.commit,
-                seq=d.seq + 1,
-                retention=ck.retention,
-                after_commit=d.after_commit,
-            )
-        blobs = prepared.blobs if prepared is not None else None
-        try:
-            self._persist(
-                step, prepared, local_exc, metrics, reason, why, t0, background, quiet, session,
-                progress, blocking,
-            )  # fmt: skip
-        finally:
-            if blobs is not None:
-                blobs.end()  # committed (the manifest names them) or failed: unpin
-
-    def _persist(
-        self,
-        step: int,
-        prepared: _Prepared | None,
-        local_exc: BaseException | None,
-        metrics: dict[str, float | None],
-        reason: str,
-        why: str,
-        t0: float,
-        background: bool,
-        quiet: bool,
-        session: CommitSession | NodeLocalSession,
-        progress: dict[str, Any] | None,
-        blocking: float | None,
-    ) -> None:
-        ck = self._ck
-        staging_dir = session.begin()
-        written = 0
-        if local_exc is None and staging_dir is not None:
-            assert prepared is not None
-            try:
-                if prepared.snapshot is not None:
-                    prepared.snapshot.wait_host()
-                compress = None
-                if self.codec.enabled and self.codec.compress_now(prepared.shared.tensors):
-                    compress = (self.codec.level, self.codec.with_shuffle)
-                if prepared.blobs is not None:
-                    prepared.blobs.compress = compress
-                    prepared.blobs.direct = background
-                    prepared.blobs.bounce = self.bounce if background else None
-                w0 = time.perf_counter()
-                files = layout.write_part(
-                    staging_dir,
-                    ck.rank,
-                    prepared.shared if ck._writes_shared else None,
-                    prepared.local,
-                    prepared.rng_info,
-                    prepared.rng_tensors,
-                    direct=background,  # no page-cache copy competing with training
-                    bounce=self.bounce if background else None,
-                    blobs=prepared.blobs,
-                    compress=compress,
-                )
-                written = sum(f.size for f in files if f.kind != "blob")
-                if prepared.blobs is not None:
-                    written += prepared.blobs.written
-                if compress is None:
-                    self.codec.observe_raw_write(written, time.perf_counter() - w0)
-                session.add(files)
-                if prepared.parts is not None:  # the FileParts' own files, under parts/<id>/
-                    prepared.parts.wait_host()
-                    session.add(
-                        prepared.parts.write(
-                            staging_dir,
-                            ck.rank,
-                            direct=background,
-                            bounce=self.bounce if background else None,
-                        )
-                    )
-            except Exception as e:  # reported to every rank by the commit; nothing is committed
-                local_exc = e
-        schedule = ck.schedule
-        try:
-            done = session.commit(
-                local_exc,
-                metrics=metrics,
-                reason=reason,
-                fingerprint=prepared.fingerprint if prepared else "",
-                extra=_manifest_extra(prepared, schedule, progress),
-            )
-        except CheckpointWriteError as e:
-            if quiet:
-                return  # this rank already raised its own error in the training thread
-            ck._recorder.save_failed(step, e)
-            if background:
-                ck.last_saved_step = None
-            if isinstance(local_exc, UnsupportedStateError) and not background:
-                raise local_exc from None
-            raise
-        if not background:
-            ck.last_saved_step = step
-            ck._trigger.clock.reset()
-        if self.tracker is not None and prepared is not None and prepared.watch is not None:
-            assert prepared.blobs is not None
-            self.tracker.record(prepared.watch, prepared.blobs.keys)
-        elapsed = time.perf_counter() - t0
-        if background:
-            self.persist_seconds.append(elapsed)
-        ck.last_save = SaveStats(step, done.path, done.bytes, elapsed, reason, written)
-        self.committed_saves += 1
-        ck._recorder.committed(
-            step,
-            done.path,
-            done.bytes,
-            elapsed,
-            elapsed if not background or blocking is None else blocking,
-            reason,
-            (progress or {}).get("useful_s", 0.0),
-        )
-        log.info(
-            "saved step %d (%s, %.1f MB, %.3f s%s) -> %s",
-            step,
-            why,
-            done.bytes / 1e6,
-            elapsed,
-            ", in the background" if background else "",
-            done.path,
-        )
 
 
 def new_run_id() -> str:

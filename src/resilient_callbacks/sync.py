@@ -13,8 +13,6 @@ Which ranks call what: only the coordinator has a RemoteSync.
 from __future__ import annotations
 
 import logging
-import random
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,11 +24,9 @@ from .manifest import Manifest, read_manifest
 from .progress import Progress
 from .remote import RemoteEntry, RemoteStore, retention_candidates
 from .retention import Candidate, RetentionPolicy, plan
+from .upload_thread import UploadThread, backoff_s
 
 log = logging.getLogger("resilient_callbacks")
-# Retry jitter draws from its own generator: the upload thread must never draw from the
-# global one, which the training loop uses (and the checkpoint restores).
-_JITTER = random.Random()
 
 
 @dataclass
@@ -44,7 +40,7 @@ class SyncStatus:
     upload_seconds: float
 
 
-class RemoteSync:
+class RemoteSync(UploadThread):
     def __init__(
         self,
         store: RemoteStore,
@@ -56,6 +52,7 @@ class RemoteSync:
         retry_max_s: float = 60.0,
         warn_every_s: float = 60.0,
     ) -> None:
+        super().__init__("rc-upload")
         self.store = store
         self.local_root = local_root
         self.policy = policy
@@ -68,16 +65,13 @@ class RemoteSync:
         self._queue: list[str] = []
         self._remote_entries: list[RemoteEntry] = []
         self._current: str | None = None
-        self._cond = threading.Condition()
-        self._stop = False
         self._failures = 0
         self._last_error: str | None = None
         self._last_warn = 0.0
         self._uploaded = 0
         self._uploaded_bytes = 0
         self._upload_seconds = 0.0
-        self._thread = threading.Thread(target=self._run, name="rc-upload", daemon=True)
-        self._thread.start()
+        self._start()
 
     # ------------------------------------------------------------------ queries
 
@@ -126,30 +120,15 @@ class RemoteSync:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the queue is empty; False if ``timeout`` passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
-
-    def stop(self) -> None:
-        """Stop after the current attempt; what is queued stays only local."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join(timeout=1.0)
+            return self._cond.wait_for(lambda: not self._queue, timeout)
 
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stop:
-                    self._cond.wait()
-                if self._stop:
+                if not self._wait_for_work(lambda: self._queue):
                     return
             self._coalesce()
             with self._cond:
@@ -165,11 +144,7 @@ class RemoteSync:
                         self._queue.remove(name)
                     self._cond.notify_all()
                     continue
-                delay = min(self.retry_max_s, self.retry_base_s * 2 ** (self._failures - 1))
-                delay *= _JITTER.uniform(0.5, 1.0)
-                deadline = time.monotonic() + delay
-                while not self._stop and (left := deadline - time.monotonic()) > 0:
-                    self._cond.wait(left)
+                self._pause(backoff_s(self._failures, self.retry_base_s, self.retry_max_s))
 
     def _coalesce(self) -> None:
         """When uploads fall behind saves, skip the queued checkpoints that the remote

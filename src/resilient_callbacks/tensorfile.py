@@ -68,21 +68,14 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def write_tensors(
-    path: str,
-    tensors: Mapping[str, torch.Tensor],
-    metadata: Mapping[str, str] | None = None,
-    *,
-    fsync: bool = True,
-    direct: bool = False,
-    bounce: DirectBuffer | None = None,
-) -> FileDigest:
-    """Write ``tensors`` as a safetensors file at ``path``; return its size and checksum.
-
-    ``direct=True`` writes with ``O_DIRECT`` where the filesystem allows it (bypassing the page
-    cache: no kernel copy, no dirty-page writeback competing with training for the CPUs; used
-    by background saves), else as usual. The bytes pass through ``bounce`` (one
-    :class:`DirectBuffer` reused by every save) or, without one, a buffer made for this call."""
+def lay_out(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[list[str], bytes, int]:
+    """The layout of a safetensors file of ``tensors``: the names in file order, the file's head
+    (the 8-byte header length and the JSON header, padded with spaces to a multiple of 8) and
+    the number of data bytes after it. Larger element sizes come first: with the 8-byte aligned
+    head every tensor starts aligned. Raises :class:`UnsupportedStateError` for a dtype
+    safetensors cannot store."""
     if "__metadata__" in tensors:
         raise ValueError("'__metadata__' is reserved by safetensors and cannot name a tensor")
     for name, t in tensors.items():
@@ -92,7 +85,6 @@ def write_tensors(
                 f"(e.g. complex -> torch.view_as_real) in your state_dict(). Supported: "
                 f"{', '.join(str(d).removeprefix('torch.') for d in DTYPE_TO_ST)}"
             )
-    # Larger element sizes first: with the 8-byte aligned header every tensor starts aligned.
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header: dict[str, Any] = {}
     if metadata:
@@ -109,19 +101,36 @@ def write_tensors(
         offset += nbytes
     hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
     hbytes += b" " * (-len(hbytes) % 8)
-    pieces = [struct.pack("<Q", len(hbytes)), hbytes]
-    if direct and offset >= DIRECT_MIN:
+    return order, struct.pack("<Q", len(hbytes)) + hbytes, offset
+
+
+def write_tensors(
+    path: str,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    fsync: bool = True,
+    direct: bool = False,
+    bounce: DirectBuffer | None = None,
+) -> FileDigest:
+    """Write ``tensors`` as a safetensors file at ``path``; return its size and checksum.
+
+    ``direct=True`` writes with ``O_DIRECT`` where the filesystem allows it (bypassing the page
+    cache: no kernel copy, no dirty-page writeback competing with training for the CPUs; used
+    by background saves), else as usual. The bytes pass through ``bounce`` (one
+    :class:`DirectBuffer` reused by every save) or, without one, a buffer made for this call."""
+    order, head, data_size = lay_out(tensors, metadata)
+    if direct and data_size >= DIRECT_MIN:
         fd = _open_direct(path)
         if fd is not None:
             bodies = [_as_bytes(tensors[n]) for n in order]
-            return _write_direct(fd, pieces, bodies, fsync, bounce or DirectBuffer())
+            return _write_direct(fd, [head], bodies, fsync, bounce or DirectBuffer())
     hasher = new_hasher()
     size = 0
     with open(path, "wb", buffering=0) as f:
-        for chunk in (struct.pack("<Q", len(hbytes)), hbytes):
-            f.write(chunk)
-            hasher.update(chunk)
-            size += len(chunk)
+        _write_all(f, memoryview(head))
+        hasher.update(head)
+        size += len(head)
         for name in order:
             mv = _as_bytes(tensors[name])
             for start in range(0, len(mv), CHUNK):

@@ -6,10 +6,10 @@ rank constructs the ``Checkpointer`` (at ``fit``'s checkpoint-restore point) and
 
 How it plugs into ``Trainer.fit`` (Lightning 2.x):
 
-- ``setup``: checks the strategy (single device or DDP), and wraps two trainer internals for this
-  ``fit``: ``_checkpoint_connector.resume_start`` (where Lightning loads ``ckpt_path``) and
-  ``fit_loop._load_combined_loader_states`` (where it restores the train dataloaders, after it
-  built them and before it iterates them). ``teardown`` unwraps them.
+- ``setup``: checks the strategy (single device or DDP), and wraps trainer internals for this
+  ``fit`` (:mod:`.patches`): ``_checkpoint_connector.resume_start`` (where Lightning loads
+  ``ckpt_path``) and ``fit_loop._load_combined_loader_states`` (where it restores the train
+  dataloaders, after it built them and before it iterates them). ``teardown`` unwraps them.
 - ``resume_start``: constructs the ``Checkpointer``. Without ``ckpt_path`` it restores the newest
   valid checkpoint (falling back loudly) and hands Lightning's checkpoint dictionary to the
   connector, which restores model, datamodule, callbacks, loops, optimizers, schedulers and
@@ -27,6 +27,7 @@ How it plugs into ``Trainer.fit`` (Lightning 2.x):
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -38,14 +39,13 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.seed import isolate_rng
 
 from .. import rng
 from ..adapter import check_options, with_section
-from ..checkpointer import Checkpointer
+from ..checkpointer import Checkpointer, SaveStats
 from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME
-from . import checks, deepspeed, sharded
+from . import checks, deepspeed, patches, save_logs, sharded
 from . import state as st
 from .loaders import ResumableDataLoader, make_resumable
 from .on_exception import ExceptionSave
@@ -138,7 +138,7 @@ class ResilientCheckpoint(Checkpoint):
         self._our_handlers: dict[int, Any] = {}
         self._on_exception = ExceptionSave()
         self._step_hooks: list[Any] = []
-        self._logged_save: Any = None
+        self._logged_save: SaveStats | None = None
         self._unresumable: list[str] = []
 
     # ------------------------------------------------------------------ Lightning API
@@ -191,44 +191,10 @@ class ResilientCheckpoint(Checkpoint):
 
     def _patch(self, trainer: pl.Trainer) -> None:
         self._unpatch_all()
-        conn = trainer._checkpoint_connector
-        original_resume = conn.resume_start
-
-        def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
-            self._resume_start(trainer, original_resume, checkpoint_path, weights_only)
-
-        conn.resume_start = resume_start  # type: ignore[method-assign]
-        self._unpatch.append(lambda: checks.restore_attr(conn, "resume_start", resume_start))
-
-        fit_loop = trainer.fit_loop
-        original_load = fit_loop._load_combined_loader_states
-
-        def load_loader_states() -> None:
-            self._prepare_loaders(trainer)
-            original_load()
-
-        fit_loop._load_combined_loader_states = load_loader_states  # type: ignore[method-assign]
-        self._unpatch.append(
-            lambda: checks.restore_attr(
-                fit_loop, "_load_combined_loader_states", load_loader_states
-            )
-        )
-
-        # On a restart Lightning may fast-forward the validation progress of the step it
-        # resumes at; doing so creates a val dataloader iterator, which draws a seed from the
-        # global RNG where the uninterrupted run drew none. Keep the random streams out of it.
-        val_loop = fit_loop.epoch_loop.val_loop
-        original_ff = val_loop.increment_progress_to_evaluation_end
-
-        def fast_forward() -> None:
-            with isolate_rng():
-                original_ff()
-
-        val_loop.increment_progress_to_evaluation_end = fast_forward  # type: ignore[method-assign]
-        self._unpatch.append(
-            lambda: checks.restore_attr(
-                val_loop, "increment_progress_to_evaluation_end", fast_forward
-            )
+        self._unpatch = patches.wrap_fit(
+            trainer,
+            functools.partial(self._resume_start, trainer),
+            functools.partial(self._prepare_loaders, trainer),
         )
 
     def _unpatch_all(self) -> None:
@@ -436,41 +402,9 @@ class ResilientCheckpoint(Checkpoint):
             saved = ckpt.save(step, state, metrics)
         if self.save_on_exception and ckpt.world_size == 1:
             self._on_exception.remember(trainer, step)
-        if self.log_stats:
-            self._log_stats(trainer, saved)
-        if saved and "logger" in ckpt.telemetry_kinds:
-            self._log_telemetry(trainer)
-
-    # ------------------------------------------------------------------ logging
-
-    def _log_stats(self, trainer: pl.Trainer, saved: bool) -> None:
-        ckpt = self.checkpointer
-        if ckpt is None or not trainer.loggers or not trainer.is_global_zero:
-            return
-        out: dict[str, float] = {}
-        if saved and ckpt.config.async_save and ckpt.blocking_seconds:
-            out["resilient/blocking_s"] = ckpt.blocking_seconds[-1]
-        last = ckpt.last_save
-        if last is not None and last is not self._logged_save:
-            self._logged_save = last
-            out["resilient/save_s"] = last.seconds
-            out["resilient/save_mb"] = last.bytes / 1e6
-            out["resilient/saved_step"] = float(last.step)
-            if not ckpt.config.async_save:
-                out["resilient/blocking_s"] = last.seconds
-        if out:
-            for logger in trainer.loggers:
-                logger.log_metrics(out, step=trainer.global_step)
-
-    def _log_telemetry(self, trainer: pl.Trainer) -> None:
-        """``telemetry="logger"``: every checkpoint metric (docs/monitoring.md) to the trainer's
-        loggers after each save (TensorBoard, CSV, MLflow, W&B: whatever is configured)."""
-        ckpt = self.checkpointer
-        if ckpt is None or not trainer.loggers or not trainer.is_global_zero:
-            return
-        values = ckpt.metrics()
-        for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
+        self._logged_save = save_logs.after_step(
+            trainer, ckpt, saved, self.log_stats, self._logged_save
+        )
 
     # ------------------------------------------------------------------ failures
 

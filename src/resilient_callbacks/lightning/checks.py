@@ -150,8 +150,3 @@ def migrate(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
 
 def callbacks(trainer: Any) -> list[Any]:
     return list(getattr(trainer, "callbacks", None) or [])
-
-
-def restore_attr(obj: Any, name: str, ours: Any) -> None:
-    if obj.__dict__.get(name) is ours:
-        del obj.__dict__[name]

@@ -34,35 +34,21 @@ import os
 from typing import Any
 
 import torch
-from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
 
 import resilient_callbacks_ds_guard
 
-from .. import dist
 from ..adapter import check_options
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
-from ..structure import PerRank
 from . import checks, hooks, trainer_state, under_deepspeed
 from .data import ResumableBatches, make_resumable
-from .trainer_state import FORMAT, METRIC_PREFIX  # noqa: F401 (their old home)
+from .trainer_state import FORMAT, METRIC_PREFIX, STATE_FIELDS  # noqa: F401 (their old home)
 
 log = logging.getLogger("resilient_callbacks")
 trainer_log = hf_logging.get_logger("transformers.trainer")  # where the resume is announced
 
-# TrainerState fields that describe progress (restored); the others follow the current arguments.
-STATE_FIELDS = (
-    "epoch",
-    "global_step",
-    "num_input_tokens_seen",
-    "total_flos",
-    "log_history",
-    "best_metric",
-    "best_global_step",
-    "best_model_checkpoint",
-)
 _OWN_OPTIONS = (
     "dirpath",
     "save_on_evaluate",
@@ -70,7 +56,6 @@ _OWN_OPTIONS = (
     "trainer_checkpoints",
     "log_save_metrics",
 )
-_RNG_BYTES = torch.get_rng_state().numel()
 
 
 class ResilientCheckpoint(TrainerCallback):
@@ -153,14 +138,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._batches: ResumableBatches | None = None
         self._base: Any = None  # the torch DataLoader inside the Trainer's loader
         self._own_generator: torch.Generator | None = None  # its generator (None: global RNG)
-        self._values: dict[str, Any] = {}
-        self._rank_values: dict[str, Any] = {}
-        self._tree: dict[str, Any] = {}
-        self._epoch_rng = torch.zeros(_RNG_BYTES, dtype=torch.uint8)  # when the order was drawn
-        self._epoch_start = torch.zeros(_RNG_BYTES, dtype=torch.uint8)  # when the epoch began
-        self._epoch_start_live: torch.Tensor | None = None
-        self._model_info: dict[str, Any] = {}
-        self._signature: dict[str, int] = {}
+        self._saved = trainer_state.SavedState(exclude=self)  # what is saved of the Trainer
         self._save_every_epoch = False
         self._resume: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
         self._epoch_calls = 0
@@ -245,14 +223,14 @@ class ResilientCheckpoint(TrainerCallback):
         self._batches = make_resumable(loader.batch_sampler)
         self._base = getattr(loader, "base_dataloader", loader)
         self._own_generator = self._base.generator
-        self._signature = {
+        self._saved.signature = {
             "steps_in_epoch": len(loader),
             "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
             "per_device_batch_size": int(trainer._train_batch_size),
             "world_size": int(args.world_size),
             "num_samples": len(loader.dataset),
         }
-        self._model_info = checks.model_info(trainer.model)
+        self._saved.model_info = checks.model_info(trainer.model)
         self._epoch_calls = self._epoch_offset = 0
         self._pending, self._epoch_ended, self._resume = None, False, None
         self.restored_step = None
@@ -261,7 +239,8 @@ class ResilientCheckpoint(TrainerCallback):
         self.checkpointer = ckpt
         self._trainer = trainer
         try:
-            self._tree = self._build_tree(trainer)
+            rng = self._batches.epoch_rng if self._batches is not None else None
+            self._saved.build(trainer, rng)
             if state.global_step > 0:
                 log.info(
                     "train(resume_from_checkpoint=...) restored step %d: ResilientCheckpoint "
@@ -270,7 +249,7 @@ class ResilientCheckpoint(TrainerCallback):
                     dirpath,
                 )
             else:
-                step = ckpt.restore(self._tree)
+                step = ckpt.restore(self._saved.tree)
                 if step:
                     self._apply_restored(trainer, state, step)
             hooks.wrap(trainer, "_run_epoch", self._run_epoch)
@@ -280,53 +259,11 @@ class ResilientCheckpoint(TrainerCallback):
             ckpt.close()
             raise
 
-    def _build_tree(self, trainer: Any) -> dict[str, Any]:
-        opt = trainer.optimizer
-        if isinstance(opt, AcceleratedOptimizer):
-            opt = opt.optimizer  # the torch optimizer itself (its step hooks fire)
-        self._rank_values = {
-            "tr_loss": trainer._tr_loss,
-            "current_flos": float(trainer.current_flos),
-            "epoch_rng": self._epoch_rng,
-            "epoch_start_rng": self._epoch_start,
-        }
-        tree: dict[str, Any] = {
-            "model": trainer.model,
-            "optimizer": opt,
-            "scheduler": trainer.lr_scheduler,
-            "trainer": self._values,
-            "rank": PerRank(self._rank_values) if dist.world_size() > 1 else self._rank_values,
-        }
-        if getattr(trainer, "is_deepspeed_enabled", False):
-            tree = under_deepspeed.engine_tree(trainer, tree)
-        scaler = getattr(trainer.accelerator, "scaler", None)
-        if scaler is not None:
-            tree["scaler"] = scaler
-        self._values.clear()
-        self._refresh(trainer, (0, 0))
-        return tree
-
     # ------------------------------------------------------------------ restore
 
     def _apply_restored(self, trainer: Any, state: Any, step: int) -> None:
-        v = self._values
-        trainer_state.check_compatible(v, self._signature, step)
-        for name, value in v["state"].items():
-            setattr(state, name, value)
-        trainer_state.restore_callback_states(trainer, v["callbacks"], exclude=self)
-        loop = v["loop"]
-        trainer._globalstep_last_logged = int(loop["globalstep_last_logged"])
-        # The running loss total (what train_loss averages) and, per rank, the loss not yet
-        # logged: the final train_loss is the uninterrupted run's, also for a finished run.
-        trainer._total_loss_scalar = float(loop["total_loss"])
-        trainer._initial_num_input_tokens_seen = state.num_input_tokens_seen
-        trainer.current_flos = float(self._rank_values["current_flos"])
-        self._resume = (
-            int(loop["epoch"]),
-            int(loop["updates"]),
-            self._epoch_rng.clone(),
-            self._epoch_start.clone(),
-        )
+        self._resume = self._saved.apply(trainer, state, step)
+        loop = self._saved.values["loop"]
         self.restored_step = step
         if trainer.is_world_process_zero():
             where = f"epoch {loop['epoch']}, {loop['updates']} optimizer step(s) into it"
@@ -393,7 +330,7 @@ class ResilientCheckpoint(TrainerCallback):
         if epoch_start is None:  # what the iterator created in this epoch will draw from
             own = self._own_generator
             epoch_start = (own.get_state() if own is not None else torch.get_rng_state()).clone()
-        self._epoch_start_live = epoch_start
+        self._saved.epoch_start_live = epoch_start
         try:
             return original(*bound.args, **bound.kwargs)
         except BaseException as e:
@@ -431,9 +368,10 @@ class ResilientCheckpoint(TrainerCallback):
         position = (
             (self._epoch + 1, 0) if epoch_end and epoch_done else (self._epoch, self._updates)
         )
-        self._refresh(trainer, position)
+        rng = self._batches.epoch_rng if self._batches is not None else None
+        self._saved.refresh(trainer, position, rng)
         metrics, self._step_metrics = self._step_metrics, {}
-        saved = ckpt.step(step, self._tree, metrics)
+        saved = ckpt.step(step, self._saved.tree, metrics)
         final = control.should_training_stop or state.global_step >= state.max_steps
         force = (
             (self.save_on_evaluate and self.monitor is not None and self.monitor in metrics)
@@ -441,7 +379,7 @@ class ResilientCheckpoint(TrainerCallback):
             or (final and self.save_on_train_end)
         )
         if force and not saved:
-            saved = ckpt.save(step, self._tree, metrics)
+            saved = ckpt.save(step, self._saved.tree, metrics)
         if saved and self.log_save_metrics:
             logs = trainer_state.save_logs(ckpt)
             if logs:
@@ -450,33 +388,6 @@ class ResilientCheckpoint(TrainerCallback):
             # telemetry="logger": every checkpoint metric through the Trainer's log, so every
             # report_to integration (TensorBoard, MLflow, W&B) receives them
             trainer.log(ckpt.metrics())
-
-    def _refresh(self, trainer: Any, position: tuple[int, int]) -> None:
-        """Point the plain part of the saved state at the Trainer's current values (cheap: the
-        log history is referenced, not copied; it is encoded only when a save happens)."""
-        st = trainer.state
-        self._values.update(
-            {
-                "format": FORMAT,
-                "state": {k: getattr(st, k) for k in STATE_FIELDS},
-                "callbacks": trainer_state.callback_states(trainer, exclude=self),
-                "loop": {
-                    "globalstep_last_logged": int(trainer._globalstep_last_logged),
-                    "total_loss": float(trainer._total_loss_scalar),
-                    "epoch": int(position[0]),
-                    "updates": int(position[1]),
-                },
-                "data": dict(self._signature),
-                "model": self._model_info,
-            }
-        )
-        self._rank_values["tr_loss"] = trainer._tr_loss
-        self._rank_values["current_flos"] = float(trainer.current_flos)
-        rng = self._batches.epoch_rng if self._batches is not None else None
-        if rng is not None:
-            self._epoch_rng.copy_(rng)
-        if self._epoch_start_live is not None:
-            self._epoch_start.copy_(self._epoch_start_live)
 
     def _record(self, values: Any) -> None:
         if self._trainer is not None:

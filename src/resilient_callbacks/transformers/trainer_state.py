@@ -1,7 +1,9 @@
 """What the Transformers adapter records of a Trainer besides the model, optimizer and scheduler,
-and how it checks and gives it back: the checkpoint's format and data settings, the callbacks'
-exportable states, and the ``resilient/*`` values it adds to the Trainer's log. Functions of
-plain values; every rank calls them alike."""
+and how it checks and gives it back: :class:`SavedState` (the tree handed to the Checkpointer
+and the plain values it points at: the ``TrainerState`` progress fields, the loop's counters,
+the callbacks' exportable states, the data settings, per-rank RNG states), the checkpoint's
+format check, and the ``resilient/*`` values it adds to the Trainer's log. Every rank calls
+them alike."""
 
 from __future__ import annotations
 
@@ -9,13 +11,133 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
 from transformers.trainer_callback import ExportableState
 
+from .. import dist
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointMismatchError
+from ..structure import PerRank
+from . import under_deepspeed
 
 FORMAT = "resilient_callbacks.transformers/2"
 METRIC_PREFIX = "resilient/"
+# TrainerState fields that describe progress (restored); the others follow the current arguments.
+STATE_FIELDS = (
+    "epoch",
+    "global_step",
+    "num_input_tokens_seen",
+    "total_flos",
+    "log_history",
+    "best_metric",
+    "best_global_step",
+    "best_model_checkpoint",
+)
+_RNG_BYTES = torch.get_rng_state().numel()
+
+
+class SavedState:
+    """The state one callback saves of its Trainer: :attr:`tree` is what the Checkpointer saves
+    and restores (model, optimizer, scheduler, scaler or DeepSpeed engine, the plain
+    :attr:`values` and the per-rank :attr:`rank_values`). Built at each ``train()``'s start,
+    refreshed before every step is handed to the Checkpointer, given back after a restore.
+    ``exclude``: the callback itself (its own state is not one of the callbacks' states)."""
+
+    def __init__(self, exclude: Any) -> None:
+        self.exclude = exclude
+        self.values: dict[str, Any] = {}
+        self.rank_values: dict[str, Any] = {}
+        self.tree: dict[str, Any] = {}
+        self.epoch_rng = torch.zeros(_RNG_BYTES, dtype=torch.uint8)  # when the order was drawn
+        self.epoch_start = torch.zeros(_RNG_BYTES, dtype=torch.uint8)  # when the epoch began
+        self.epoch_start_live: torch.Tensor | None = None  # this epoch's, set by the loop
+        self.model_info: dict[str, Any] = {}
+        self.signature: dict[str, int] = {}  # the data settings a position in an epoch needs
+
+    def build(self, trainer: Any, epoch_rng: torch.Tensor | None) -> dict[str, Any]:
+        """Every rank, at ``train()``'s start (the objects exist): the tree, pointing at the
+        Trainer's live objects (``epoch_rng``: as for :meth:`refresh`)."""
+        opt = trainer.optimizer
+        if isinstance(opt, AcceleratedOptimizer):
+            opt = opt.optimizer  # the torch optimizer itself (its step hooks fire)
+        self.rank_values = {
+            "tr_loss": trainer._tr_loss,
+            "current_flos": float(trainer.current_flos),
+            "epoch_rng": self.epoch_rng,
+            "epoch_start_rng": self.epoch_start,
+        }
+        tree: dict[str, Any] = {
+            "model": trainer.model,
+            "optimizer": opt,
+            "scheduler": trainer.lr_scheduler,
+            "trainer": self.values,
+            "rank": PerRank(self.rank_values) if dist.world_size() > 1 else self.rank_values,
+        }
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            tree = under_deepspeed.engine_tree(trainer, tree)
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        if scaler is not None:
+            tree["scaler"] = scaler
+        self.values.clear()
+        self.refresh(trainer, (0, 0), epoch_rng)
+        self.tree = tree
+        return tree
+
+    def refresh(
+        self, trainer: Any, position: tuple[int, int], epoch_rng: torch.Tensor | None
+    ) -> None:
+        """Point the plain part of the saved state at the Trainer's current values (cheap: the
+        log history is referenced, not copied; it is encoded only when a save happens).
+        ``position``: (epoch, optimizer steps into it); ``epoch_rng``: the RNG state the
+        epoch's order was drawn from, if known."""
+        st = trainer.state
+        self.values.update(
+            {
+                "format": FORMAT,
+                "state": {k: getattr(st, k) for k in STATE_FIELDS},
+                "callbacks": callback_states(trainer, exclude=self.exclude),
+                "loop": {
+                    "globalstep_last_logged": int(trainer._globalstep_last_logged),
+                    "total_loss": float(trainer._total_loss_scalar),
+                    "epoch": int(position[0]),
+                    "updates": int(position[1]),
+                },
+                "data": dict(self.signature),
+                "model": self.model_info,
+            }
+        )
+        self.rank_values["tr_loss"] = trainer._tr_loss
+        self.rank_values["current_flos"] = float(trainer.current_flos)
+        if epoch_rng is not None:
+            self.epoch_rng.copy_(epoch_rng)
+        if self.epoch_start_live is not None:
+            self.epoch_start.copy_(self.epoch_start_live)
+
+    def apply(
+        self, trainer: Any, state: Any, step: int
+    ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """Every rank, after the Checkpointer restored ``step`` into :attr:`tree`: refuse a
+        checkpoint of another adapter or other data settings, then give the ``TrainerState``
+        fields, the callbacks' states and the loop's counters back. Returns where to resume:
+        (epoch, optimizer steps into it, the RNG state of its order, of its start)."""
+        v = self.values
+        check_compatible(v, self.signature, step)
+        for name, value in v["state"].items():
+            setattr(state, name, value)
+        restore_callback_states(trainer, v["callbacks"], exclude=self.exclude)
+        loop = v["loop"]
+        trainer._globalstep_last_logged = int(loop["globalstep_last_logged"])
+        # The running loss total (what train_loss averages) and, per rank, the loss not yet
+        # logged: the final train_loss is the uninterrupted run's, also for a finished run.
+        trainer._total_loss_scalar = float(loop["total_loss"])
+        trainer._initial_num_input_tokens_seen = state.num_input_tokens_seen
+        trainer.current_flos = float(self.rank_values["current_flos"])
+        return (
+            int(loop["epoch"]),
+            int(loop["updates"]),
+            self.epoch_rng.clone(),
+            self.epoch_start.clone(),
+        )
 
 
 def check_compatible(values: Mapping[str, Any], signature: Mapping[str, Any], step: int) -> None:

@@ -1,0 +1,93 @@
+"""Closing a Checkpointer: wait for its background saves (or abandon them after a timeout),
+finish the uploads and the node-local work, then release everything it holds; and the exit
+hook that closes a Checkpointer the script forgot.
+
+Which ranks call what: every rank calls :func:`close` (through ``Checkpointer.close``) at the
+same point. Every rank waits for its own background saves and raises a background failure;
+rank 0 (the coordinator, the only one with a remote tier) waits for the uploads; in node-local
+mode each node's leader finishes its node's uploads and reports; rank 0 releases the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+from .nodelocal import NodeDirectory
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+
+log = logging.getLogger("resilient_callbacks")
+
+
+def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
+    """Wait for background saves to commit, then release the directory (see
+    ``Checkpointer.close``). ``outage_s``: without a timeout, how long uploads may keep
+    failing before close gives up on them (what is left stays local and is named)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    persister = ck._saver.persister
+    try:
+        if persister is not None:
+            pending = persister.pending
+            if pending:
+                log.info("waiting for %d checkpoint(s) still being written ...", pending)
+            t_wait = time.perf_counter()
+            finished = persister.wait_all(timeout)
+            ck.close_wait_seconds = time.perf_counter() - t_wait
+            if pending and finished:
+                # the end of training waits for the last checkpoint to be durable: say how long
+                log.info(
+                    "close(): the last checkpoint (%s) became durable after a %.2f s wait",
+                    ck.last_save.path if ck.last_save else None,
+                    ck.close_wait_seconds,
+                )
+            if not finished:
+                log.warning(
+                    "close(): %d checkpoint(s) were still being written after %s s and were "
+                    "abandoned; the newest committed checkpoint is %s",
+                    persister.pending,
+                    timeout,
+                    ck.last_save.path if ck.last_save else None,
+                )
+            else:
+                persister.stop()
+        if ck._dir.sync is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ck._dir.finish_uploads(left, outage_s)
+        if isinstance(ck._dir, NodeDirectory):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ck._dir.finish_nodes(left)
+        if persister is not None:
+            ck.save_waits.log_summary()
+            persister.raise_error()
+    finally:
+        _release(ck)
+
+
+def _release(ck: Checkpointer) -> None:
+    """Stop every thread and hook the Checkpointer started, and release the lock."""
+    ck._recorder.closed()
+    if ck._dir.sync is not None:
+        ck._dir.sync.stop()
+    if isinstance(ck._dir, NodeDirectory):
+        ck._dir.release()
+    ck._saver.release()
+    ck._emergency.release()
+    if ck._poller is not None:
+        ck._poller.stop()
+    if ck.watcher is not None:
+        ck.watcher.uninstall()
+    ck._dir.lock.release()
+
+
+def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
+    """``atexit`` hook: close a Checkpointer still open at exit, so pending saves commit."""
+    ck = ref()
+    if ck is not None and not ck._closed:
+        try:
+            ck.close()
+        except Exception as e:  # at exit there is no caller left to raise to: say it loudly
+            log.error("a checkpoint being written at exit failed: %s", e)

@@ -1,0 +1,73 @@
+"""The trainer internals the Lightning callback wraps for one ``fit`` (Lightning 2.x), on the
+trainer instance, and their unwrapping at ``teardown``:
+
+- ``_checkpoint_connector.resume_start`` (where Lightning loads ``ckpt_path``): the callback
+  constructs its ``Checkpointer`` and restores there;
+- ``fit_loop._load_combined_loader_states`` (where Lightning restores the train dataloaders,
+  after it built them and before it iterates them): the callback makes them resumable first;
+- ``fit_loop.epoch_loop.val_loop.increment_progress_to_evaluation_end``: run with the random
+  streams isolated (see :func:`wrap_fit`).
+
+Which ranks call what: every rank wraps its own trainer in ``setup`` (Lightning runs every hook
+on every rank); nothing here runs a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.seed import isolate_rng
+
+
+def wrap_fit(
+    trainer: pl.Trainer,
+    on_resume_start: Callable[[Any, Any, Any], None],
+    before_loader_states: Callable[[], None],
+) -> list[Callable[[], None]]:
+    """Wrap the three internals of ``trainer``. ``on_resume_start(original, checkpoint_path,
+    weights_only)`` replaces ``resume_start`` (``original`` is Lightning's, to call for what the
+    callback does not handle); ``before_loader_states()`` runs before Lightning restores the
+    train dataloaders' states. Returns the functions that unwrap them (each removes only its
+    own wrapper), in the order they were wrapped."""
+    unwrap: list[Callable[[], None]] = []
+    conn = trainer._checkpoint_connector
+    original_resume = conn.resume_start
+
+    def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
+        on_resume_start(original_resume, checkpoint_path, weights_only)
+
+    conn.resume_start = resume_start  # type: ignore[method-assign]
+    unwrap.append(lambda: _unwrap(conn, "resume_start", resume_start))
+
+    fit_loop = trainer.fit_loop
+    original_load = fit_loop._load_combined_loader_states
+
+    def load_loader_states() -> None:
+        before_loader_states()
+        original_load()
+
+    fit_loop._load_combined_loader_states = load_loader_states  # type: ignore[method-assign]
+    unwrap.append(lambda: _unwrap(fit_loop, "_load_combined_loader_states", load_loader_states))
+
+    # On a restart Lightning may fast-forward the validation progress of the step it
+    # resumes at; doing so creates a val dataloader iterator, which draws a seed from the
+    # global RNG where the uninterrupted run drew none. Keep the random streams out of it.
+    val_loop = fit_loop.epoch_loop.val_loop
+    original_ff = val_loop.increment_progress_to_evaluation_end
+
+    def fast_forward() -> None:
+        with isolate_rng():
+            original_ff()
+
+    val_loop.increment_progress_to_evaluation_end = fast_forward  # type: ignore[method-assign]
+    unwrap.append(lambda: _unwrap(val_loop, "increment_progress_to_evaluation_end", fast_forward))
+    return unwrap
+
+
+def _unwrap(obj: Any, name: str, ours: Any) -> None:
+    """Remove our wrapper ``ours`` of ``obj.name`` (the class's method shows again), unless
+    something replaced it since."""
+    if obj.__dict__.get(name) is ours:
+        del obj.__dict__[name]

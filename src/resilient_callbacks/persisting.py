@@ -1,0 +1,241 @@
+"""The background half of one save: write this rank's part into the staging directory, commit it
+through a :class:`~.session.CommitSession` (a :class:`~.node_session.NodeLocalSession` in
+node-local mode), then record what was committed.
+
+Which ranks call what: every rank runs :func:`persist` for every save, at the same step: in the
+:class:`~.saving.Saver`'s background thread for a background save (collectives on the
+checkpoint's own gloo group), on the training thread for a synchronous one. Every rank writes
+its own part (the coordinator, or each node's leader, also the replicated ``shared.*`` files)
+and its FileParts' files; the session gathers every rank's report, commits on rank 0 and raises
+:class:`~.errors.CheckpointWriteError` on every rank if any failed. A rank whose prepare step
+failed takes part all the same (``local_exc``), so every rank learns of it and nothing is
+committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import layout, structure
+from .blobs import BlobSession
+from .errors import CheckpointWriteError, UnsupportedStateError
+from .filepart import CapturedParts
+from .node_session import NodeLocalSession
+from .nodelocal import NodeDirectory
+from .session import CommitSession, Committed
+from .snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from .saving import Saver
+
+log = logging.getLogger("resilient_callbacks")
+
+
+@dataclass
+class SaveStats:
+    step: int
+    path: str
+    bytes: int
+    seconds: float
+    reason: str
+    written: int = -1  # bytes this save wrote (shared blobs it reused not counted); -1: unknown
+
+
+@dataclass
+class Prepared:
+    """What the training thread prepared for one save (:meth:`~.saving.Saver.prepare`)."""
+
+    shared: structure.Encoded
+    local: structure.Encoded
+    rng_info: dict[str, Any] | None
+    rng_tensors: dict[str, torch.Tensor]
+    fingerprint: str
+    snapshot: Snapshot | None
+    parts: CapturedParts | None = None
+    blobs: BlobSession | None = None  # incremental=True, coordinator
+    watch: dict[str, Any] | None = None  # frozen tensors to remember once committed
+
+
+def manifest_extra(
+    prepared: Prepared | None, schedule: Any, progress: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The manifest's ``extra``: the adaptive schedule's state, what the FileParts described,
+    the run's useful training time up to this step (``progress``, see :mod:`.recorder`)."""
+    extra: dict[str, Any] = {}
+    if progress:
+        extra["progress"] = progress
+    if schedule is not None:
+        extra["schedule"] = schedule.state_dict()
+    if prepared is not None and prepared.parts is not None:
+        extra.update(prepared.parts.manifest_extra())
+    return extra
+
+
+def persist(
+    saver: Saver,
+    step: int,
+    prepared: Prepared | None,
+    local_exc: BaseException | None,
+    metrics: dict[str, float | None],
+    reason: str,
+    why: str,
+    t0: float,
+    background: bool,
+    quiet: bool = False,
+    progress: dict[str, Any] | None = None,
+    blocking: float | None = None,
+) -> None:
+    """Every rank: write this rank's files, then commit through a CommitSession. Runs in the
+    background thread for background saves (collectives on the checkpoint's own group). A
+    failure to write is reported through the commit, never raised alone; ``quiet``: this rank
+    raised its own error in the training thread already."""
+    ck = saver.ck
+    session = _session(saver, step, background)
+    try:
+        staging_dir = session.begin()
+        written = 0
+        if local_exc is None and staging_dir is not None:
+            assert prepared is not None
+            try:
+                written = _write(saver, session, staging_dir, prepared, background)
+            except Exception as e:  # reported to every rank by the commit; nothing is committed
+                local_exc = e
+        try:
+            done = session.commit(
+                local_exc,
+                metrics=metrics,
+                reason=reason,
+                fingerprint=prepared.fingerprint if prepared else "",
+                extra=manifest_extra(prepared, ck.schedule, progress),
+            )
+        except CheckpointWriteError as e:
+            if quiet:
+                return  # this rank already raised its own error in the training thread
+            ck._recorder.save_failed(step, e)
+            if background:
+                ck.last_saved_step = None
+            if isinstance(local_exc, UnsupportedStateError) and not background:
+                raise local_exc from None
+            raise
+        _record(
+            saver, step, prepared, done, reason, why, t0, background, written, progress, blocking
+        )
+    finally:
+        if prepared is not None and prepared.blobs is not None:
+            prepared.blobs.end()  # committed (the manifest names them) or failed: unpin
+
+
+def _session(saver: Saver, step: int, background: bool) -> CommitSession | NodeLocalSession:
+    """The commit of this save: a CommitSession, or in node-local mode a NodeLocalSession."""
+    ck, d = saver.ck, saver.ck._dir
+    assert d.run_id is not None
+    group = saver.group if background else None
+    if isinstance(d, NodeDirectory):  # several nodes, each with its own disk
+        return NodeLocalSession(d, step, run_id=d.run_id, group=group)
+    return CommitSession(
+        ck.dirpath,
+        step,
+        run_id=d.run_id,
+        group=group,
+        strategy=d.commit,
+        seq=d.seq + 1,
+        retention=ck.retention,
+        after_commit=d.after_commit,
+    )
+
+
+def _write(
+    saver: Saver,
+    session: CommitSession | NodeLocalSession,
+    staging_dir: str,
+    prepared: Prepared,
+    background: bool,
+) -> int:
+    """Write this rank's part and its FileParts' files into ``staging_dir`` and add them to
+    ``session``; return the bytes written (shared blobs reused not counted)."""
+    ck = saver.ck
+    if prepared.snapshot is not None:
+        prepared.snapshot.wait_host()
+    compress = None
+    if saver.codec.enabled and saver.codec.compress_now(prepared.shared.tensors):
+        compress = (saver.codec.level, saver.codec.with_shuffle)
+    bounce = saver.bounce if background else None
+    if prepared.blobs is not None:
+        prepared.blobs.compress = compress
+        prepared.blobs.direct = background
+        prepared.blobs.bounce = bounce
+    w0 = time.perf_counter()
+    files = layout.write_part(
+        staging_dir,
+        ck.rank,
+        prepared.shared if ck._writes_shared else None,
+        prepared.local,
+        prepared.rng_info,
+        prepared.rng_tensors,
+        direct=background,  # no page-cache copy competing with training
+        bounce=bounce,
+        blobs=prepared.blobs,
+        compress=compress,
+    )
+    written = sum(f.size for f in files if f.kind != "blob")
+    if prepared.blobs is not None:
+        written += prepared.blobs.written
+    if compress is None:
+        saver.codec.observe_raw_write(written, time.perf_counter() - w0)
+    session.add(files)
+    if prepared.parts is not None:  # the FileParts' own files, under parts/<id>/
+        prepared.parts.wait_host()
+        session.add(prepared.parts.write(staging_dir, ck.rank, direct=background, bounce=bounce))
+    return written
+
+
+def _record(
+    saver: Saver,
+    step: int,
+    prepared: Prepared | None,
+    done: Committed,
+    reason: str,
+    why: str,
+    t0: float,
+    background: bool,
+    written: int,
+    progress: dict[str, Any] | None,
+    blocking: float | None,
+) -> None:
+    """Every rank, once ``done`` is committed: the Checkpointer's and the recorder's account of
+    the save, the unchanged-tensor tracker, the log line."""
+    ck = saver.ck
+    if not background:
+        ck.last_saved_step = step
+        ck._trigger.clock.reset()
+    if saver.tracker is not None and prepared is not None and prepared.watch is not None:
+        assert prepared.blobs is not None
+        saver.tracker.record(prepared.watch, prepared.blobs.keys)
+    elapsed = time.perf_counter() - t0
+    if background:
+        saver.persist_seconds.append(elapsed)
+    ck.last_save = SaveStats(step, done.path, done.bytes, elapsed, reason, written)
+    saver.committed_saves += 1
+    ck._recorder.committed(
+        step,
+        done.path,
+        done.bytes,
+        elapsed,
+        elapsed if not background or blocking is None else blocking,
+        reason,
+        (progress or {}).get("useful_s", 0.0),
+    )
+    log.info(
+        "saved step %d (%s, %.1f MB, %.3f s%s) -> %s",
+        step,
+        why,
+        done.bytes / 1e6,
+        elapsed,
+        ", in the background" if background else "",
+        done.path,
+    )

@@ -1,0 +1,61 @@
+"""What the remote tier's upload threads share (:class:`~.sync.RemoteSync`,
+:class:`~.remote_commit.NodeUploader`, :class:`~.remote_commit.RemoteCommitter`): one daemon
+thread working under one condition variable, stopped by :meth:`UploadThread.stop`, and the
+retry delay after a failed attempt, exponential backoff with jitter (:func:`backoff_s`).
+
+The jitter draws from its own generator: an upload thread must never draw from the global one,
+which the training loop uses (and the checkpoint restores). Which ranks call what: the rank that
+owns the thread (the coordinator, or a node's leader); nothing here is collective.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from collections.abc import Callable
+
+_JITTER = random.Random()
+
+
+def backoff_s(failures: int, base_s: float, max_s: float = math.inf, jitter: bool = True) -> float:
+    """Seconds to wait after the ``failures``-th consecutive failure (1, 2, ...): ``base_s``
+    doubling with each failure, at most ``max_s``; with ``jitter``, a random 50 to 100 % of
+    that, so that writers that failed together do not retry together."""
+    delay = min(max_s, base_s * 2 ** (failures - 1))
+    return delay * _JITTER.uniform(0.5, 1.0) if jitter else delay
+
+
+class UploadThread:
+    """A daemon thread (:meth:`_run`, given by the subclass) and the condition variable that
+    guards the subclass's queue. The subclass calls ``super().__init__(name)`` first and
+    :meth:`_start` once its own attributes exist."""
+
+    def __init__(self, name: str) -> None:
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop after the current attempt; what is still queued is not uploaded."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=1.0)
+
+    def _wait_for_work(self, has_work: Callable[[], object]) -> bool:
+        """The thread, holding the lock: block until ``has_work()`` or :meth:`stop`; False once
+        stopped."""
+        self._cond.wait_for(lambda: has_work() or self._stop)
+        return not self._stop
+
+    def _pause(self, seconds: float) -> bool:
+        """The thread, holding the lock, after a failed attempt: wait ``seconds``, or less if
+        :meth:`stop` is called; True once stopped."""
+        return self._cond.wait_for(lambda: self._stop, timeout=seconds)

@@ -1,0 +1,126 @@
+"""Run a command as N ranks, one OS process each, rendezvousing over gloo on 127.0.0.1: the one
+launcher of the multi-process tests (``test_distributed.run_ranks``, ``dcp_helpers.spawn``,
+``test_deepspeed.run_group`` are its callers' shorthands).
+
+Each rank gets ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/
+``MASTER_PORT`` (a free port), one OpenMP/MKL thread and ``PYTHONHASHSEED=0``, its output in
+``workdir``, and a deadline: a hung collective cannot outlive it. When the free port was taken
+in between ("address already in use"), the group is started again on another port.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LINGER_S = 2.0  # after one rank killed itself: time for the others to reach the same step
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Ranks:
+    codes: list[int]  # each rank's exit status (-9: killed)
+    outputs: list[str]  # each rank's stdout and stderr
+
+
+def run(
+    argv: list[str],
+    nprocs: int,
+    workdir: Path,
+    name: str,
+    *,
+    expect: int | None = 0,
+    env: dict[str, str] | None = None,
+    deadline: float = 150.0,
+    log_name: str = "{name}.attempt{attempt}.rank{rank}.log",
+    tail: int | None = None,
+) -> Ranks:
+    """Run ``argv`` as ``nprocs`` ranks (``env`` added to each one's environment).
+
+    ``expect``: the exit status every rank must end with, else the test fails with every rank's
+    output (the last ``tail`` characters of each). A rank that ends otherwise makes the others be
+    killed at once. ``-9``: the ranks kill themselves; once one is gone the others get
+    :data:`LINGER_S` to do so, then are killed, as a failed node takes its job down. ``None``:
+    any status is accepted; a rank that fails makes the others be killed (as a launcher would)
+    and ``codes`` holds the status each had when that happened. Missing the ``deadline``
+    (seconds for the whole group) always fails. Logs: ``log_name`` in ``workdir``."""
+    ok_code = 0 if expect is None else expect
+    for attempt in range(3):
+        port = free_port()
+        procs, logs = [], []
+        for rank in range(nprocs):
+            e = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nprocs),
+                LOCAL_WORLD_SIZE=str(nprocs),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                GLOO_SOCKET_IFNAME="lo",
+                OMP_NUM_THREADS="1",
+                MKL_NUM_THREADS="1",
+                PYTHONHASHSEED="0",
+                **(env or {}),
+            )
+            path = workdir / log_name.format(name=name, attempt=attempt, rank=rank)
+            log = open(path, "w+")  # noqa: SIM115
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=e))
+            logs.append(log)
+        failed = None
+        try:
+            failed = _watch(procs, ok_code, deadline)
+        finally:
+            codes = [p.poll() for p in procs]  # before the survivors are killed
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        if failed is None and expect is not None and any(p.returncode != expect for p in procs):
+            failed = "a rank failed"
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+        text = "\n".join(
+            f"--- rank {r} (rc={p.returncode})\n{o[-tail:] if tail else o}"
+            for r, (p, o) in enumerate(zip(procs, outputs, strict=True))
+        )
+        if failed is not None and "address already in use" in text.lower() and attempt < 2:
+            continue  # the free port was taken in between: try another one
+        if failed is not None and (expect is not None or "within" in failed):
+            finals = [p.returncode for p in procs]
+            raise AssertionError(
+                f"{name}: {failed} (exit codes {finals}, expected {expect})\n{text}"
+            )
+        return Ranks(
+            [c if c is not None else p.returncode for c, p in zip(codes, procs, strict=True)],
+            outputs,
+        )
+    raise AssertionError("unreachable")
+
+
+def _watch(procs: list[subprocess.Popen[bytes]], ok_code: int, deadline: float) -> str | None:
+    """Wait for the ranks; say why the group failed, or None."""
+    until = time.monotonic() + deadline
+    while any(p.poll() is None for p in procs):
+        ended = [p.returncode for p in procs if p.returncode is not None]
+        if any(c != ok_code for c in ended):
+            return "a rank failed"
+        if ok_code == -9 and ended:
+            time.sleep(LINGER_S)  # the others reach the same step and kill themselves
+            return None
+        if time.monotonic() > until:
+            return f"the ranks did not finish within {deadline:.0f} s"
+        time.sleep(0.05)
+    return None
