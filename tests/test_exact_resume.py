@@ -293,6 +293,7 @@ def test_sigkill_twice_then_resume_is_bit_exact(tmp_path, reference, loader):
     _assert_final_dir(tmp_path / "ckpt")
 
 
+@pytest.mark.slow  # suite budget; restore from the remote tier: test_remote.py, test_lightning.py
 def test_sigkill_then_lost_disk_resumes_from_s3_bit_exact(tmp_path, reference, s3_remote):
     """The machine dies with its disk: SIGKILL, delete the local checkpoints, re-run with the
     same remote: the run continues from the newest uploaded checkpoint, bit-exact."""

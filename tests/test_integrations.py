@@ -643,6 +643,7 @@ def _library_handles_preemption() -> bool:
     return getattr(resilient_callbacks, "RESUMABLE_EXIT_CODE", None) == RESUMABLE_EXIT_CODE
 
 
+@pytest.mark.slow  # suite budget; the sbatch and launcher tests stay in the default run
 def test_restart_loop_kill_and_preempt_exact_resume(tmp_path: Path, procs: list[_Proc]) -> None:
     """While restart_loop.sh re-launches the training process, SIGKILL it 3 times at seeded
     random moments (two at random steps, one at a random time after a re-launch) and, where

@@ -757,7 +757,14 @@ class _Job:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "strategy", ["ddp", "fsdp2", pytest.param("deepspeed", marks=pytest.mark.slow)]
+    "strategy",
+    [
+        "ddp",
+        # suite budget: lightning/sharded.py runs by default through DeepSpeedStrategy (ZeRO 3),
+        # Sharded on 2 FSDP2 ranks through test_dcp_sharded.py
+        pytest.param("fsdp2", marks=pytest.mark.slow),
+        pytest.param("deepspeed", marks=pytest.mark.slow),
+    ],
 )
 def test_two_processes_sigkill_then_rerun_is_bit_exact(tmp_path, strategy):
     """strategy='ddp', ModelParallelStrategy with FSDP2 ``fully_shard`` (sharded checkpoints:
