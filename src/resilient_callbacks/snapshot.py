@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -111,20 +111,34 @@ class HostBuffers:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
 
-def optimizer_step_storages(state: Any) -> set[int]:
-    """Storage addresses of tensors that only an optimizer step changes: the parameters of the
-    modules in ``state`` and the state tensors of its optimizers."""
+def step_storages(
+    modules: Iterable[torch.nn.Module],
+    optimizers: Iterable[torch.optim.Optimizer],
+    local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> set[int]:
+    """Storage addresses of tensors that only an optimizer step changes: the parameters of
+    ``modules`` and the state tensors of ``optimizers`` (not buffers, which forward passes
+    change, nor 0-d values such as ``step``, copied at once). ``local`` maps a tensor to the one
+    whose storage is copied (a DTensor to its local shard)."""
     out: set[int] = set()
-    for _, obj in statetree.leaves(state):
-        if isinstance(obj, torch.nn.Module):
-            for p in obj.parameters():
-                out.add(p.untyped_storage().data_ptr())
-        elif isinstance(obj, torch.optim.Optimizer):
-            for s in obj.state.values():
-                for v in s.values():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        out.add(v.untyped_storage().data_ptr())
+    for m in modules:
+        for p in m.parameters():
+            out.add(local(p).untyped_storage().data_ptr())
+    for o in optimizers:
+        for s in o.state.values():
+            for v in s.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    out.add(local(v).untyped_storage().data_ptr())
     return out
+
+
+def optimizer_step_storages(state: Any) -> set[int]:
+    """:func:`step_storages` of the modules and optimizers in ``state``."""
+    objs = [obj for _, obj in statetree.leaves(state)]
+    return step_storages(
+        (o for o in objs if isinstance(o, torch.nn.Module)),
+        (o for o in objs if isinstance(o, torch.optim.Optimizer)),
+    )
 
 
 _SIDE_STREAMS: dict[int, Any] = {}

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from .. import dist
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsupportedStateError
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
+from ..snapshot import step_storages
 from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from .chunks import Box, copy_overlap, join, split
 
@@ -246,18 +247,8 @@ class Sharded(FilePart):
         return self.optimizers
 
     def _step_storages(self) -> set[int]:
-        """Storages of the local shards that only an optimizer step changes: the parameters and
-        the optimizers' state tensors (not buffers such as BatchNorm statistics, which forward
-        passes change, nor 0-d values such as ``step``, copied at once)."""
-        out: set[int] = set()
-        for p in self.model.parameters():
-            out.add(_local(p).untyped_storage().data_ptr())
-        for o in self.optimizers:
-            for s in o.state.values():
-                for v in s.values():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        out.add(_local(v).untyped_storage().data_ptr())
-        return out
+        """Storages of the local shards that only an optimizer step changes."""
+        return step_storages([self.model], self.optimizers, local=_local)
 
     def write(self, captured: dict[str, Any], writer: PartWriter) -> None:
         writer.tensors(tensor_file(writer.rank), captured["tensors"])
