@@ -402,8 +402,12 @@ def restore_worker(method: str, work: str, mb: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # empty state, as at a real resume
     gc.collect()
     parts: dict[str, float] = {}
+    if method == "ours_1thread":  # the control: checksums verified by one thread, as before
+        import resilient_callbacks.checksum
+
+        resilient_callbacks.checksum.MAX_THREADS = 1
     t0 = time.perf_counter()
-    if method == "ours":
+    if method in ("ours", "ours_1thread"):
         ck = Checkpointer(os.path.join(work, "ours"), preemption=False)
         t1 = time.perf_counter()
         step = ck.restore({"model": model, "optimizer": opt})
@@ -451,16 +455,21 @@ RESTORE_METHODS = [
 
 
 def bench_restores(
-    work: str, mb: int, reps: int, cold: bool = False
+    work: str,
+    mb: int,
+    reps: int,
+    cold: bool = False,
+    methods: list[tuple[str, str]] = RESTORE_METHODS,
 ) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
-    """Each repetition in a fresh process; methods round-robin; the first round (which also
-    warms the page cache) is discarded. ``cold``: every file is dropped from the page cache
+    """Each repetition in a fresh process; methods round-robin, the order rotated each round;
+    the first round (which also warms the page cache) is discarded. ``cold``: every file is dropped from the page cache
     before each restore. Returns seconds and the median of each part."""
     results: dict[str, list[float]] = {}
     parts: dict[str, dict[str, list[float]]] = {}
     suffix = COLD if cold else ""
     for i in range(reps + 1):
-        for label, method in RESTORE_METHODS:
+        k = i % len(methods)  # each method goes first in turn: no method always follows another
+        for label, method in methods[k:] + methods[:k]:
             name = label + suffix
             if cold:
                 evict(work)
@@ -476,7 +485,7 @@ def bench_restores(
                 results.setdefault(name, []).append(r["seconds"])
                 for k, v in r["parts"].items():
                     parts.setdefault(name, {}).setdefault(k, []).append(v)
-    for label, _ in RESTORE_METHODS:
+    for label, _ in methods:
         print(f"    {label + suffix:46} median {med(results[label + suffix]):8.3f} s", flush=True)
     return results, {n: {k: med(v) for k, v in p.items()} for n, p in parts.items()}
 

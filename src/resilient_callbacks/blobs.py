@@ -176,7 +176,7 @@ class BlobStore:
             try:
                 ok = os.path.getsize(path) == entry.size
                 if ok and entry.path not in self._checked:
-                    ok = digest_file(path).xxh3_64 == entry.xxh3_64
+                    ok = digest_file(path, like=entry.xxh3_64).xxh3_64 == entry.xxh3_64
             except OSError:
                 ok = False
             if not ok:

@@ -87,7 +87,7 @@ def verify(
                 f"{full}: size {size} bytes, manifest says {f.size} (truncated or overwritten)"
             )
         if depth is Depth.FULL:
-            d = digest_file(full)
+            d = digest_file(full, like=f.xxh3_64)
             if d.xxh3_64 != f.xxh3_64:
                 raise CheckpointCorruptError(
                     f"{full}: checksum mismatch (xxh3_64 {d.xxh3_64}, manifest says {f.xxh3_64})"

@@ -16,15 +16,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .checksum import is_segmented
 from .errors import CheckpointCorruptError, UnsafeManifestError
 from .tensorfile import FileDigest
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "resilient_callbacks.checkpoint"
-FORMAT_VERSION = 2  # the newest this library reads; it writes 1 unless a feature needs 2
+FORMAT_VERSION = 3  # the newest this library reads; it writes the oldest its features allow
 # version 2: "blobs" (tensors shared with other checkpoints, incremental=True) and a "codec" on
-# compressed files. A checkpoint using neither is written as version 1, readable by older
-# versions of the library.
+# compressed files. Version 3: segmented checksums ("seg26:...", checksum.py), which files
+# larger than one segment get. A checkpoint using none of these is written as version 1,
+# readable by every version of the library.
 BLOB_KIND = "blob"
 # <xxh3-128>.safetensors, or compressed <xxh3-128>.z[s]<level>.safetensors.zst (s: shuffled):
 # one name per stored byte sequence, so a blob is never replaced by other bytes of its name
@@ -90,6 +92,8 @@ class Manifest:
 
     @property
     def format_version(self) -> int:
+        if any(is_segmented(f.xxh3_64) for f in (*self.files, *self.blobs)):
+            return 3
         return 2 if self.blobs or any(f.codec for f in self.files) else 1
 
     def to_json(self) -> dict[str, Any]:

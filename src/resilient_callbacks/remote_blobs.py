@@ -161,7 +161,7 @@ def download(store: RemoteStore, manifest: Manifest, local_root: str, staging: s
         target = shared
         dest = os.path.join(target, b.path)
         if os.path.exists(dest):
-            d = digest_file(dest)
+            d = digest_file(dest, like=b.xxh3_64)
             if (d.size, d.xxh3_64) == (b.size, b.xxh3_64):
                 continue
             target = store_dir(staging)
@@ -170,7 +170,7 @@ def download(store: RemoteStore, manifest: Manifest, local_root: str, staging: s
         tmp = os.path.join(target, f"{TMP_PREFIX}{key_of(b.path)}-{uuid.uuid4().hex[:8]}")
         try:
             store.fs.get(posixpath.join(_dir(store), b.path), tmp)
-            d = digest_file(tmp)
+            d = digest_file(tmp, like=b.xxh3_64)
             if (d.size, d.xxh3_64) != (b.size, b.xxh3_64):
                 raise CheckpointCorruptError(
                     f"{store.url}/{BLOBS_DIR}/{b.path}: downloaded {d.size} bytes with xxh3_64 "

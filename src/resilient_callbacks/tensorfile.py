@@ -2,9 +2,10 @@
 
 The files are standard safetensors (any safetensors reader opens them): an 8-byte little-endian
 header length, a JSON header, then the raw bytes of each tensor, back to back. Writing streams
-each tensor's bytes to the file and into an xxh3-64 hasher, then fsyncs; reading reads each
-tensor's bytes straight into a freshly allocated tensor while hashing them, and the caller
-loads nothing until size and checksum matched. Nothing here uses pickle.
+each tensor's bytes to the file and into the file's checksum (:mod:`.checksum`), then fsyncs;
+reading either maps the file and verifies the mapping (several threads, one per segment), or
+reads each tensor's bytes straight into a freshly allocated tensor while hashing them; the
+caller loads nothing until size and checksum matched. Nothing here uses pickle.
 """
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
 
+from .checksum import (
+    WRITTEN,
+    FileHasher,
+    digest_path,
+    digest_view,
+    hasher_for,
+    in_page_cache,
+    segment_size,
+)
 from .errors import CheckpointCorruptError, UnsupportedStateError
 from .readahead import MappedPrefetch, Readahead
 
@@ -55,8 +64,9 @@ class FileDigest:
     xxh3_64: str
 
 
-def new_hasher() -> Any:
-    return xxhash.xxh3_64()
+def new_hasher() -> FileHasher:
+    """The hasher of files being written (see :mod:`.checksum`)."""
+    return FileHasher()
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -231,7 +241,9 @@ def write_bytes(path: str, data: bytes, *, fsync: bool = True) -> FileDigest:
         _write_all(f, memoryview(data))
         if fsync:
             os.fsync(f.fileno())
-    return FileDigest(len(data), xxhash.xxh3_64_hexdigest(data))
+    h = new_hasher()
+    h.update(data)
+    return FileDigest(len(data), h.hexdigest())
 
 
 def _checked_size(path: str, expect: FileDigest | None) -> int:
@@ -246,10 +258,25 @@ def _checked_size(path: str, expect: FileDigest | None) -> int:
     return size
 
 
-def _check_digest(path: str, hasher: Any, expect: FileDigest | None) -> None:
-    if expect is not None and hasher.hexdigest() != expect.xxh3_64:
+def _scheme(path: str, expect: FileDigest | None) -> str:
+    """The checksum ``expect`` holds (the scheme to verify in), or the writers' scheme."""
+    if expect is None:
+        return WRITTEN
+    try:
+        segment_size(expect.xxh3_64)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{path}: {e} in the manifest") from None
+    return expect.xxh3_64
+
+
+def _hasher(path: str, expect: FileDigest | None) -> FileHasher:
+    return hasher_for(_scheme(path, expect))
+
+
+def _check_digest(path: str, got: str, expect: FileDigest | None) -> None:
+    if expect is not None and got != expect.xxh3_64:
         raise CheckpointCorruptError(
-            f"{path}: checksum mismatch (xxh3_64 {hasher.hexdigest()}, manifest says "
+            f"{path}: checksum mismatch (xxh3_64 {got}, manifest says "
             f"{expect.xxh3_64}); the file's content changed after it was written"
         )
 
@@ -261,25 +288,30 @@ def _layout(
     match the shapes and cover the data region exactly, with no gap and nothing after."""
     out = []
     pos = 0
-    entries = sorted(
-        ((k, v) for k, v in header.items() if k != "__metadata__"),
-        key=lambda kv: kv[1]["data_offsets"][0],
-    )
-    for name, info in entries:
-        dtype = ST_TO_DTYPE.get(info["dtype"])
-        if dtype is None:
-            raise CheckpointCorruptError(
-                f"{path}: tensor {name!r} has unknown dtype {info['dtype']}"
-            )
-        start, end = info["data_offsets"]
-        shape = list(info["shape"])
-        numel = 1
-        for d in shape:
-            numel *= d
-        if start != pos or end - start != numel * dtype.itemsize or data_start + end > size:
-            raise CheckpointCorruptError(f"{path}: tensor {name!r} has inconsistent offsets")
-        out.append((name, dtype, shape, start, end))
-        pos = end
+    try:
+        entries = sorted(
+            ((k, v) for k, v in header.items() if k != "__metadata__"),
+            key=lambda kv: int(kv[1]["data_offsets"][0]),
+        )
+        for name, info in entries:
+            dtype = ST_TO_DTYPE.get(info["dtype"])
+            if dtype is None:
+                raise CheckpointCorruptError(
+                    f"{path}: tensor {name!r} has unknown dtype {info['dtype']}"
+                )
+            start, end = (int(x) for x in info["data_offsets"])
+            shape = [int(d) for d in info["shape"]]
+            numel = 1
+            for d in shape:
+                numel *= d
+            if start != pos or end - start != numel * dtype.itemsize or data_start + end > size:
+                raise CheckpointCorruptError(f"{path}: tensor {name!r} has inconsistent offsets")
+            out.append((name, dtype, shape, start, end))
+            pos = end
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointCorruptError(
+            f"{path}: malformed safetensors header ({type(e).__name__}: {e})"
+        ) from None
     if data_start + pos != size:
         raise CheckpointCorruptError(
             f"{path}: {size - data_start - pos} bytes after the last tensor"
@@ -291,7 +323,7 @@ def read_verified(path: str, expect: FileDigest | None) -> bytearray:
     """Read a whole file, checking its size and checksum against ``expect``."""
     size = _checked_size(path, expect)
     buf = bytearray(size)
-    hasher = new_hasher()
+    hasher = _hasher(path, expect)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         pos = 0
@@ -301,7 +333,7 @@ def read_verified(path: str, expect: FileDigest | None) -> bytearray:
                 raise CheckpointCorruptError(f"{path}: file shrank while being read")
             hasher.update(view[pos : pos + n])
             pos += n
-    _check_digest(path, hasher, expect)
+    _check_digest(path, hasher.hexdigest(), expect)
     return buf
 
 
@@ -311,7 +343,7 @@ def read_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, tor
     :class:`CheckpointCorruptError` if size or checksum differ from ``expect``. The tensors are
     private: callers may keep them."""
     size = _checked_size(path, expect)
-    hasher = new_hasher()
+    hasher = _hasher(path, expect)
     with open(path, "rb", buffering=0) as f, Readahead(f.fileno(), size) as ahead:
         head = f.read(8)
         if len(head) < 8:
@@ -339,7 +371,7 @@ def read_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, tor
                     hasher.update(piece)
                     pos += got
             out[name] = t
-    _check_digest(path, hasher, expect)
+    _check_digest(path, hasher.hexdigest(), expect)
     return out
 
 
@@ -356,13 +388,13 @@ def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torc
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError):  # a file that cannot be mapped (or is empty)
             return read_tensors_verified(path, expect)
-    # helper threads fault the mapping in ahead of the hash: a cold file is read at disk speed
-    with memoryview(mm) as view, MappedPrefetch(mm, size) as ahead:
-        hasher = new_hasher()
-        for off in range(0, size, CHUNK):
-            ahead.advance(off)
-            hasher.update(view[off : off + CHUNK])
-        _check_digest(path, hasher, expect)
+        cached = in_page_cache(f.fileno(), size)
+    # A file in the page cache: its segments are hashed by several threads (checksum.py). One
+    # coming from the disk: one thread hashes, helper threads fault the mapping in ahead of it.
+    scheme = _scheme(path, expect)
+    with memoryview(mm) as view, MappedPrefetch(mm, 0 if cached else size) as ahead:
+        got = digest_view(view, scheme, parallel=cached, progress=ahead.advance)
+        _check_digest(path, got, expect)
         header, data_start = parse_header(view[: min(size, 8 + (100 << 20))], path)
     out: dict[str, torch.Tensor] = {}
     for name, dtype, shape, start, end in _layout(header, data_start, size, path):
@@ -376,21 +408,14 @@ def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torc
     return out
 
 
-def digest_file(path: str) -> FileDigest:
-    hasher = new_hasher()
-    size = 0
-    with (
-        open(path, "rb", buffering=0) as f,
-        Readahead(f.fileno(), os.fstat(f.fileno()).st_size) as ahead,
-    ):
-        while True:
-            ahead.advance(size)
-            chunk = f.read(CHUNK)
-            if not chunk:
-                break
-            hasher.update(chunk)
-            size += len(chunk)
-    return FileDigest(size, hasher.hexdigest())
+def digest_file(path: str, like: str | None = None) -> FileDigest:
+    """Size and checksum of the file at ``path``, in the scheme of the checksum ``like`` (a
+    manifest's, to compare with it), else in the scheme files are written in."""
+    try:
+        size, digest = digest_path(path, like)
+    except ValueError as e:  # a scheme this version does not know
+        raise CheckpointCorruptError(f"{path}: {e} in the manifest") from None
+    return FileDigest(size, digest)
 
 
 def parse_header(
