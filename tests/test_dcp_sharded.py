@@ -204,6 +204,29 @@ def test_sigkill_mid_run_then_rerun_is_bit_identical_and_a_flipped_byte_falls_ba
     assert "rank_00001.safetensors" in logs and "falling back" in logs
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_the_chunk_index_is_gathered_again_only_when_a_rank_layout_changed(tmp_path):
+    from dcp_helpers import spawn
+
+    root = tmp_path / "ck"
+    worker = str(Path(__file__).with_name("dcp_index_worker.py"))
+    spawn([sys.executable, worker, str(root), str(tmp_path / "idx")], 2, tmp_path, "idx")
+    for rank in (0, 1):  # saves 1 and 2 gather, 3 reuses, 4 gathers on both, 5 reuses
+        assert json.loads((tmp_path / f"idx.rank{rank}.json").read_text()) == [1, 2, 2, 3, 3]
+    saved = {
+        step: json.loads((root / f"step_{step:09d}" / "manifest.json").read_text())["extra"][
+            "parts"
+        ]["train"]
+        for step in (1, 2, 3, 4, 5)
+    }
+    assert not saved[1]["optim"] and saved[2]["optim"]
+    assert not any(k.startswith("optim/") for k in saved[1]["tensors"])
+    assert any(k.startswith("optim/") for k in saved[2]["tensors"])
+    for step in (3, 4, 5):  # the reused index is the one gathered
+        assert saved[step]["tensors"] == saved[2]["tensors"]
+
+
 def test_the_core_does_not_import_the_dcp_subpackage():
     import subprocess
 

@@ -11,22 +11,25 @@ Files, under ``parts/<id>/`` of a checkpoint:
   hyper-parameters) with references to the tensors.
 
 The chunk index (for every tensor: dtype, global shape, and which rank saved which box of it) is
-gathered from every rank with the core's JSON collectives at each save and recorded in the
-manifest through :meth:`describe`; at restore it tells each rank which files hold the boxes its
+gathered from every rank with the core's JSON collectives (again only when some rank's layout
+changed since the last save) and recorded in the manifest through :meth:`describe`; at restore it tells each rank which files hold the boxes its
 local shards need, so a rank reads only those (verified), and nothing is unpickled.
 
 Which ranks call what: as every FilePart (see :mod:`resilient_callbacks.filepart`); every rank
-holds a ``Sharded`` of the same model at the same place of its state. :meth:`describe` runs one
-all-gather (JSON in uint8 tensors) on the default group, on the training thread, at each save.
+holds a ``Sharded`` of the same model at the same place of its state. :meth:`describe` runs, on
+the default group and the training thread at each save, one 1-integer all-reduce, and one
+all-gather (JSON in uint8 tensors) when the layout changed.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -133,6 +136,8 @@ class Sharded(FilePart):
         self.optimizers = optims
         self._pending: _Pending | None = None
         self._boxes: dict[tuple[Any, ...], Box] = {}  # DTensor layout -> this rank's box
+        # the last gathered chunk index: (fingerprint of this rank's chunks, index, owned)
+        self._index: tuple[int, dict[str, Any], set[str]] | None = None
         self._load: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
@@ -173,7 +178,7 @@ class Sharded(FilePart):
     # ------------------------------------------------------------------ save
 
     def describe(self) -> dict[str, Any]:
-        """Every rank, training thread: the chunk index of every rank (one JSON all-gather)."""
+        """Every rank, training thread: the chunk index of every rank (:meth:`_index_of`)."""
         sd = self._state_dict(with_optim=self._has_optim_state())
         skeleton, tensors = split(sd)
         mine: dict[str, list[Any]] = {}
@@ -195,6 +200,36 @@ class Sharded(FilePart):
                     }
             else:
                 _dtype_code(name, t)
+        index, owned = self._index_of(mine)
+        said = {
+            "format": FORMAT,
+            "world_size": dist.world_size(),
+            "mesh": mesh,
+            "optim": "optim" in sd,
+            "tensors": index,
+        }
+        self._pending = _Pending(skeleton, tensors, owned, said)
+        return said
+
+    def _index_of(self, mine: dict[str, list[Any]]) -> tuple[dict[str, Any], set[str]]:
+        """Every rank, training thread (collective): the chunk index of every rank, and the
+        tensors whose chunk this rank writes.
+
+        Gathering every rank's chunks is a JSON all-gather of O(ranks x tensors) bytes. The
+        layout changes only when the model is resharded or the optimizer gains state, so it is
+        gathered again only when some rank's own layout differs from its last save's: one
+        1-integer all-reduce agrees on that (every rank takes the same branch), and otherwise
+        the last index is reused."""
+        fingerprint = xxhash.xxh3_64_intdigest(json.dumps(mine, sort_keys=True).encode())
+        last = self._index
+        if not dist.any_true(last is None or last[0] != fingerprint):
+            assert last is not None
+            return last[1], last[2]
+        index, owned = self._gather_index(mine)
+        self._index = (fingerprint, index, owned)
+        return index, owned
+
+    def _gather_index(self, mine: dict[str, list[Any]]) -> tuple[dict[str, Any], set[str]]:
         index: dict[str, dict[str, Any]] = {}
         owned: set[str] = set()
         rank = dist.rank()
@@ -213,15 +248,7 @@ class Sharded(FilePart):
                 entry["chunks"].append([r, offsets, sizes])
                 if r == rank:
                     owned.add(name)
-        said = {
-            "format": FORMAT,
-            "world_size": dist.world_size(),
-            "mesh": mesh,
-            "optim": "optim" in sd,
-            "tensors": index,
-        }
-        self._pending = _Pending(skeleton, tensors, owned, said)
-        return said
+        return index, owned
 
     def capture(self, buffers: CaptureBuffers) -> dict[str, Any]:
         """Every rank, training thread: copy this rank's chunks and plain tensors into the
