@@ -178,6 +178,7 @@ def digest_path(path: str, expect: str | None = None) -> tuple[int, str]:
         with Readahead(fd, size) as ahead:
             if (
                 segment is None
+                or not hasattr(os, "preadv")  # (Windows) one sequential reader
                 or size <= segment
                 or threads_for(size, segment) == 1
                 or not in_page_cache(fd, size)
