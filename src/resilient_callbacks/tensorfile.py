@@ -383,6 +383,7 @@ def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torc
 
     Falls back to :func:`read_tensors_verified` where the file cannot be mapped."""
     size = _checked_size(path, expect)
+    scheme = _scheme(path, expect)
     with open(path, "rb") as f:
         try:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -391,7 +392,6 @@ def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torc
         cached = in_page_cache(f.fileno(), size)
     # A file in the page cache: its segments are hashed by several threads (checksum.py). One
     # coming from the disk: one thread hashes, helper threads fault the mapping in ahead of it.
-    scheme = _scheme(path, expect)
     with memoryview(mm) as view, MappedPrefetch(mm, 0 if cached else size) as ahead:
         got = digest_view(view, scheme, parallel=cached, progress=ahead.advance)
         _check_digest(path, got, expect)
