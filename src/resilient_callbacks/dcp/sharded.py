@@ -12,8 +12,9 @@ Files, under ``parts/<id>/`` of a checkpoint:
 
 The chunk index (for every tensor: dtype, global shape, and which rank saved which box of it) is
 gathered from every rank with the core's JSON collectives (again only when some rank's layout
-changed since the last save) and recorded in the manifest through :meth:`describe`; at restore it tells each rank which files hold the boxes its
-local shards need, so a rank reads only those (verified), and nothing is unpickled.
+changed since the last save) and recorded in the manifest through :meth:`describe`; at restore
+it tells each rank which files hold the boxes its local shards need, so a rank reads only those
+(verified), and nothing is unpickled.
 
 Which ranks call what: as every FilePart (see :mod:`resilient_callbacks.filepart`); every rank
 holds a ``Sharded`` of the same model at the same place of its state. :meth:`describe` runs, on
