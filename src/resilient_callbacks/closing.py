@@ -60,11 +60,33 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
         if isinstance(ck._dir, NodeDirectory):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ck._dir.finish_nodes(left)
+        _empty_trash(ck, None if deadline is None else max(0.0, deadline - time.monotonic()))
         if persister is not None:
             ck.save_waits.log_summary()
             persister.raise_error()
     finally:
         _release(ck)
+
+
+def _empty_trash(ck: Checkpointer, timeout: float | None) -> None:
+    """Wait for the files of checkpoints retention removed to be deleted (see
+    :mod:`.trash`), so a run that ends leaves no hidden copies; say so when it takes long."""
+    trash = ck._dir.trash
+    if not trash.pending:
+        return
+    t0 = time.perf_counter()
+    done = trash.wait(timeout)
+    waited = time.perf_counter() - t0
+    if not done:
+        log.warning(
+            "close(): the files of %d checkpoint(s) retention removed were still being deleted "
+            "after %.1f s; the next writer of %s removes what is left (.trash-*)",
+            trash.pending,
+            waited,
+            ck.dirpath,
+        )
+    elif waited >= 0.5:
+        log.info("close(): deleting the files of older checkpoints took %.2f s more", waited)
 
 
 def _release(ck: Checkpointer) -> None:
@@ -75,6 +97,7 @@ def _release(ck: Checkpointer) -> None:
     if isinstance(ck._dir, NodeDirectory):
         ck._dir.release()
     ck._saver.release()
+    ck._dir.trash.stop()
     ck._emergency.release()
     if ck._poller is not None:
         ck._poller.stop()

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from typing import Protocol
 
 from .errors import CheckpointWriteError
@@ -129,13 +130,17 @@ class RenameCommit:
 TRASH_PREFIX = ".trash-"
 
 
-def remove_checkpoint(path: str) -> None:
+def remove_checkpoint(path: str, discard: Callable[[str], None] | None = None) -> None:
     """Delete a committed checkpoint so that no crash can leave a torn one: rename it to a hidden
-    trash name first (atomic: it stops being a checkpoint at once), then delete the files. A
+    trash name first (atomic: it stops being a checkpoint at once), then delete the files, here
+    or, with ``discard``, by handing the trash directory to it (a :class:`~.trash.TrashBin`). A
     crash mid-delete leaves a ``.trash-*`` directory that :func:`sweep_staging` removes."""
     root, name = os.path.split(path.rstrip("/"))
     trash = os.path.join(root, f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
+    if discard is not None:
+        discard(trash)
+        return
     shutil.rmtree(trash, ignore_errors=True)
     if os.path.exists(trash):
         raise OSError(f"could not delete {trash} completely")

@@ -25,6 +25,7 @@ from .commit import RenameCommit, remove_checkpoint, sweep_staging
 from .errors import CheckpointError, CheckpointWriteError, ForeignCheckpointsWarning
 from .lock import DirLock
 from .retention import RetentionPolicy, plan
+from .trash import TrashBin
 
 if TYPE_CHECKING:
     from .config import CheckpointerConfig
@@ -49,17 +50,20 @@ def apply_retention(
     run_id: str | None,
     protected: Iterable[str] = (),
     blobs: BlobStore | None = None,
+    discard: Callable[[str], None] | None = None,
 ) -> None:
     """Coordinator: delete what ``policy`` does not keep among the committed checkpoints of
     ``root``. Never deletes a ``protected`` name, the newest valid checkpoint, or another run's.
     With ``blobs`` (the store of the directory's writer, which knows the saves in flight), the
-    blobs no remaining checkpoint refers to are deleted after the checkpoints."""
+    blobs no remaining checkpoint refers to are deleted after the checkpoints. ``discard``: who
+    deletes the files of a checkpoint once it is renamed out of sight (a
+    :class:`~.trash.TrashBin`, in the background); here, without one."""
     cands = catalog.retention_candidates(catalog.scan(root, Depth.SIZE))
     p = plan(cands, policy, run_id, protected=list(protected))
     for name in p.delete:
         path = os.path.join(root, name)
         try:
-            remove_checkpoint(path)
+            remove_checkpoint(path, discard)
             log.info("retention: deleted %s", name)
         except OSError as e:
             log.warning("retention: could not delete %s: %s", path, e)
@@ -96,6 +100,7 @@ class Directory:
         self.sync: RemoteSync | None = None
         self.remote_due: Callable[[int, str], bool] | None = None  # remote_every_n_saves
         self._retention_lock = threading.Lock()
+        self.trash = TrashBin()  # deletes what retention removed, off the persist path
         self._reported_foreign = False
         self.checked_foreign = False
 
@@ -202,7 +207,9 @@ class Directory:
             protected = [protect] if protect else []
             if self.sync is not None:
                 protected += self.sync.pending()
-            apply_retention(self.dirpath, self.retention, self.run_id, protected, self.blobs)
+            apply_retention(
+                self.dirpath, self.retention, self.run_id, protected, self.blobs, self.trash.put
+            )
 
     # ------------------------------------------------------------------ history, other runs
 

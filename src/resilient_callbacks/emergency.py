@@ -190,7 +190,9 @@ class Emergency:
                 ck.config.preemption_exit_code,
             )
             left = watcher.remaining_grace_s() if watcher is not None else None
-            # uploads may use what is left of the grace period, keeping a margin to exit
+            # uploads may use what is left of the grace period, keeping a margin to exit;
+            # freeing older checkpoints' space may not (the next writer sweeps what is left)
+            ck._dir.trash.abandon()
             ck.close(timeout=None if left is None else max(0.0, left - 5.0))
             raise SystemExit(ck.config.preemption_exit_code)
         return saved

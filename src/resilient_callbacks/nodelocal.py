@@ -135,7 +135,9 @@ class NodeDirectory(Directory):
             protected = [protect] if protect else []
             if self.uploader is not None:
                 protected += self.uploader.pending()
-            apply_retention(self.dirpath, self.retention, self.run_id, protected)
+            apply_retention(
+                self.dirpath, self.retention, self.run_id, protected, discard=self.trash.put
+            )
 
     def exchange_reports(self, group_fallback: Any = None) -> None:
         """Leaders (a collective on the leaders group): the uploads each node finished reach
