@@ -179,9 +179,10 @@ class Directory:
         self.sync.refresh()
 
     def release(self) -> None:
-        """Stop the uploader and release the lock (idempotent)."""
+        """Stop the uploader and the trash bin's thread, and release the lock (idempotent)."""
         if self.sync is not None:
             self.sync.stop()
+        self.trash.stop()
         self.lock.release()
 
     # ------------------------------------------------------------------ after a commit

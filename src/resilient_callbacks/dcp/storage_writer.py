@@ -347,7 +347,7 @@ class ResilientStorageWriter(StorageWriter):
 
     def close(self) -> None:
         """Remove the staging directory of a save that failed before ``finish`` (rank 0), wait
-        for pending uploads and release the directory lock."""
+        for pending uploads and for retention's deletions, and release the directory lock."""
         session, self._session = self._session, None
         if session is not None and session.staging is not None:
             session.strategy.abort(session.staging)
@@ -356,6 +356,7 @@ class ResilientStorageWriter(StorageWriter):
             try:
                 if d.sync is not None:
                     d.sync.wait()
+                d.trash.wait()  # the files of checkpoints retention removed (trash.py)
             finally:
                 d.release()
 
