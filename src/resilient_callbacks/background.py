@@ -22,13 +22,13 @@ Job = Callable[[], None]
 
 
 class BackgroundPersister:
-    def __init__(self, max_in_flight: int = 1) -> None:
+    def __init__(self, max_in_flight: int = 1, name: str = "rc-persist") -> None:
         self.max_in_flight = max_in_flight
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending = 0
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="rc-persist", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -91,6 +91,7 @@ class BackgroundPersister:
         if err is not None:
             raise err
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 5.0) -> None:
         self._q.put(None)
-        self._thread.join(timeout=5)
+        if join_s > 0:
+            self._thread.join(timeout=join_s)
