@@ -52,6 +52,7 @@ def main() -> None:
             after.append(gathers[0])
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(after, f)
+    dist.barrier()  # no rank tears gloo down while a peer is still in a collective
     dist.destroy_process_group()
 
 

@@ -82,6 +82,7 @@ def main() -> None:
         train_step(model, opt)  # and training goes on
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(res, f)
+    dist.barrier()  # no rank tears gloo down while a peer is still in a collective
     dist.destroy_process_group()
 
 

@@ -125,6 +125,7 @@ def main() -> None:
     final = full_tensors(model, opt)
     if rank == 0:
         save_file({k: v.contiguous() for k, v in final.items()}, f"{out}.final.safetensors")
+    dist.barrier()  # no rank tears gloo down while a peer is still in a collective
     dist.destroy_process_group()
 
 

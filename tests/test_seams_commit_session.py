@@ -122,6 +122,7 @@ def worker(mode: str, root: str, out: str) -> None:
         dist.barrier()
         res["listing"] = sorted(os.listdir(root))
     Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+    dist.barrier()  # no rank tears gloo down while a peer is still in a collective
     dist.destroy_process_group()
 
 

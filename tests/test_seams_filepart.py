@@ -110,6 +110,7 @@ def worker(phase: str, root: str, out: str) -> None:
             str(w.message) for w in caught if issubclass(w.category, ResumeFallbackWarning)
         ]
     Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+    dist.barrier()  # no rank tears gloo down while a peer is still in a collective
     dist.destroy_process_group()
 
 
