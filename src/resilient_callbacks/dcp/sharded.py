@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -167,10 +168,14 @@ class Sharded(FilePart):
         return any(o.state for o in self.optimizers)
 
     def _state_dict(self, with_optim: bool) -> dict[str, Any]:
+        # An optimizer without state would be initialised by a zero step here (DCP's
+        # _init_optim_state): only asked for when it has state, or a checkpoint has it.
+        if with_optim and self.optimizers:
+            # one call: DCP checks the options and maps the parameters' names once for both
+            msd, osd = get_state_dict(self.model, self.optimizers, options=self.options)
+            return {"model": msd, "optim": osd}
         sd: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self.options)}
         if with_optim:
-            # An optimizer without state would be initialised by a zero step here (DCP's
-            # _init_optim_state): only asked for when it has state, or a checkpoint has it.
             sd["optim"] = get_optimizer_state_dict(
                 self.model, self.optimizers, options=self.options
             )
