@@ -576,8 +576,9 @@ def test_poller_no_notice_then_notice(kind: str, server: FakeMetadata) -> None:
         wait_for(lambda: poller.polls >= n + 3, what="more polls")
         assert w.count == 1, "a standing notice must trigger once"
     assert not poller.running
-    # ~2 intervals normally; loose bound for a loaded 2-core machine.
-    assert elapsed < 2.0, elapsed
+    # ~2 intervals (0.1 s) normally; the bound only has to tell "noticed by polling" from
+    # "not noticed" on a loaded 2-core machine, where a thread can wait seconds for a core.
+    assert elapsed < 4.0, elapsed
 
 
 def test_aws_imdsv2_token_is_fetched_once_and_sent(server: FakeMetadata) -> None:
@@ -696,5 +697,6 @@ def test_stop_is_prompt_with_a_long_interval(server: FakeMetadata) -> None:
     wait_for(lambda: p.polls >= 1, what="the first poll")
     t0 = time.monotonic()
     p.stop()
-    assert time.monotonic() - t0 < 1.0 and not p.running
+    # far below the 60 s interval: stop() does not wait it out (loose for a loaded machine)
+    assert time.monotonic() - t0 < 10.0 and not p.running
     p.stop()  # idempotent
