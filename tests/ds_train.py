@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--launcher", action="store_true")
     ap.add_argument("--no-pickle", action="store_true")
     ap.add_argument("--sync", action="store_true")  # async_save=False
+    ap.add_argument("--offload", action="store_true")  # offload_optimizer (+ param at stage 3)
     ap.add_argument("--remote", default=None)  # the remote tier's URL
     ap.add_argument("--dump-restored", action="store_true")  # the gathered state after restore
     ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher adds it
@@ -134,6 +135,11 @@ def main() -> None:
     if args.remote:
         extra["remote"] = args.remote
     cfg = build(args.stage, args.dtype, args.dir, args.every, extra)
+    if args.offload:  # ZeRO-Offload: fp32 masters and moments in host memory, torch's AdamW
+        cfg["zero_force_ds_cpu_optimizer"] = False
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if args.stage == 3:
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     torch.manual_seed(100 + rank)  # per-rank dropout streams, restored on resume
     if args.launcher:
         engine, _, loader, _ = deepspeed.initialize(
@@ -147,6 +153,11 @@ def main() -> None:
             model=model, model_parameters=model.parameters(), training_data=data, config=cfg
         )
     assert "resilient_checkpoint" not in engine.config, "the section reached DeepSpeed"
+    if args.offload:  # the engine really offloads (its optimizer takes the offload code paths)
+        assert engine.zero_cpu_offload(), "offload_optimizer did not reach the engine"
+        assert getattr(engine.optimizer, "cpu_offload", None) or getattr(
+            engine.optimizer, "offload_optimizer", None
+        ), type(engine.optimizer).__name__
     handle = engine.resilient_checkpoint
     with open(f"{args.out}.rank{rank}.restored", "a") as f:
         f.write(

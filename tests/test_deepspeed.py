@@ -160,23 +160,28 @@ def test_sigkill_then_rerun_is_exact(
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("stage", "dtype", "before", "after"),
+    ("stage", "dtype", "before", "after", "offload"),
     [
-        pytest.param(2, "fp32", 2, 1, id="zero2-2to1"),
-        pytest.param(3, "bf16", 1, 2, id="zero3-1to2", marks=pytest.mark.slow),
-        pytest.param(2, "bf16", 1, 2, id="zero2-1to2", marks=pytest.mark.slow),
-        pytest.param(3, "fp32", 2, 1, id="zero3-2to1", marks=pytest.mark.slow),
-        pytest.param(1, "fp32", 2, 1, id="zero1-2to1", marks=pytest.mark.slow),
-        pytest.param(2, "fp32", 1, 3, id="zero2-1to3", marks=pytest.mark.slow),
-        pytest.param(2, "fp16", 2, 1, id="zero2-fp16-2to1", marks=pytest.mark.slow),
+        pytest.param(2, "fp32", 2, 1, "", id="zero2-2to1"),
+        pytest.param(3, "bf16", 1, 2, "", id="zero3-1to2", marks=pytest.mark.slow),
+        pytest.param(2, "bf16", 1, 2, "", id="zero2-1to2", marks=pytest.mark.slow),
+        pytest.param(3, "fp32", 2, 1, "", id="zero3-2to1", marks=pytest.mark.slow),
+        pytest.param(1, "fp32", 2, 1, "", id="zero1-2to1", marks=pytest.mark.slow),
+        pytest.param(2, "fp32", 1, 3, "", id="zero2-1to3", marks=pytest.mark.slow),
+        pytest.param(2, "fp16", 2, 1, "", id="zero2-fp16-2to1", marks=pytest.mark.slow),
+        # saved with ZeRO-Offload, resumed without it, and the other way round
+        pytest.param(2, "fp32", 2, 1, "save", id="zero2-offloaded-2to1", marks=pytest.mark.slow),
+        pytest.param(3, "fp32", 1, 2, "resume", id="zero3-1to2-offloaded", marks=pytest.mark.slow),
     ],
 )
 def test_resume_on_another_number_of_ranks(
-    tmp_path: Path, stage: int, dtype: str, before: int, after: int
+    tmp_path: Path, stage: int, dtype: str, before: int, after: int, offload: str
 ) -> None:
     ck = str(tmp_path / "ck")
+    save_extra = ["--offload"] if offload == "save" else []
+    resume_extra = ["--offload"] if offload == "resume" else []
     run_group(
-        ["--dir", ck, "--out", str(tmp_path / "saved"), *_opts(stage, dtype, 6)],
+        ["--dir", ck, "--out", str(tmp_path / "saved"), *_opts(stage, dtype, 6), *save_extra],
         before,
         tmp_path,
         "save",
@@ -200,6 +205,7 @@ def test_resume_on_another_number_of_ranks(
         str(tmp_path / "more"),
         "--dump-restored",
         *_opts(stage, dtype, 9),
+        *resume_extra,
     ]
     run_group(more, after, tmp_path, "more")
     assert all(restored(tmp_path / "more", r)["step"] == 6 for r in range(after))
@@ -352,6 +358,24 @@ def test_hf_trainer_with_deepspeed_zero2_kill_resume_exact(tmp_path: Path) -> No
     tt._assert_same_run(ref, got)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "world"), [(1, 2), (2, 1), (2, 2), (3, 2)], ids=lambda v: str(v))
+def test_offload_to_cpu_sigkill_then_rerun_is_exact(tmp_path: Path, stage: int, world: int) -> None:
+    """ZeRO-Offload (``offload_optimizer`` to the CPU, and ``offload_param`` at stage 3): the
+    fp32 masters and moments live in host memory; killed between two saves and re-run, the
+    losses and final state equal those of an uninterrupted offloaded run."""
+    opts = [*_opts(stage, "fp32"), "--offload"]
+    full = ["--dir", str(tmp_path / "a"), "--out", str(tmp_path / "full"), *opts]
+    run_group(full, world, tmp_path, "full")
+    killed = ["--dir", str(tmp_path / "b"), "--out", str(tmp_path / "kill"), *opts]
+    run_group([*killed, "--die-at", "7"], world, tmp_path, "die", expect=-9)
+    steps = [e.step for e in committed(tmp_path / "b")]
+    assert steps and max(steps) < 7, steps
+    run_group(killed, world, tmp_path, "resume")
+    assert_same_run(tmp_path / "full", tmp_path / "kill", world)
+
+
 OFFLOAD_SCRIPT = """
 import torch, deepspeed
 import resilient_callbacks.deepspeed as rcds
@@ -360,7 +384,8 @@ skip_shm_op()
 deepspeed.init_distributed(dist_backend="gloo")
 model = torch.nn.Linear(4, 4)
 cfg = {"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False,
-       "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+       "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme",
+                                                              "nvme_path": DIRPATH}},
        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
        "resilient_checkpoint": {"dirpath": DIRPATH}}
 rcds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -369,7 +394,7 @@ rcds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_offload_is_refused_clearly_at_initialize(tmp_path: Path) -> None:
+def test_nvme_offload_is_refused_clearly_at_initialize(tmp_path: Path) -> None:
     script = tmp_path / "offload.py"
     script.write_text(OFFLOAD_SCRIPT.replace("DIRPATH", repr(str(tmp_path / "ck"))))
     env = dict(
@@ -381,9 +406,9 @@ def test_offload_is_refused_clearly_at_initialize(tmp_path: Path) -> None:
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=DEADLINE
     )
     assert p.returncode != 0
-    assert "UnsupportedStateError" in p.stderr and "offload is not supported yet" in p.stderr, (
-        p.stderr[-3000:]
-    )
+    assert "UnsupportedStateError" in p.stderr, p.stderr[-3000:]
+    assert "NVMe offload (offload_optimizer to nvme) is not supported yet" in p.stderr
+    assert '("device": "cpu") is supported' in p.stderr
     assert not committed(tmp_path / "ck")
 
 

@@ -30,7 +30,7 @@ from ..data import ResumableDataLoader
 from ..errors import ConfigError
 from ..structure import PerRank
 from . import section
-from .engine_state import engine_state
+from .engine_state import check_config, engine_state
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -155,6 +155,7 @@ def initialize(
         return ds_initialize(
             training_data=training_data, config=config, collate_fn=collate_fn, **common
         )
+    check_config(clean)
     # training_data: ours below, whose position is part of the checkpoint
     engine, opt, _, sched = ds_initialize(training_data=None, config=clean, **common)
     loader = None

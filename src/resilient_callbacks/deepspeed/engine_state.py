@@ -47,11 +47,9 @@ def _unsupported(engine: Any) -> str | None:
     if type(engine).__name__ == "PipelineEngine":
         return "DeepSpeed's PipelineEngine is not supported yet"
     zero = engine.zero_optimization_stage()
-    if zero and (engine.zero_cpu_offload() or _offload_param(engine)):
-        return (
-            "ZeRO CPU/NVMe offload is not supported yet (the optimizer state then lives in "
-            "DeepSpeed's swap buffers); remove offload_optimizer/offload_param from the config"
-        )
+    problem = _offload_problem(zero, _offload_devices(engine), _partial_offload(engine))
+    if problem is not None:
+        return problem
     if engine.optimizer is None:
         return "the engine has no optimizer (an inference-only engine has nothing to resume)"
     if zero == 3 and any(not p.requires_grad for p in engine.module.parameters()):
@@ -62,11 +60,66 @@ def _unsupported(engine: Any) -> str | None:
     return None
 
 
-def _offload_param(engine: Any) -> bool:
-    try:
-        return bool(engine.zero_offload_param())
-    except AttributeError:
-        return False
+def _offload_problem(stage: int, devices: dict[str, str], partial: bool) -> str | None:
+    """Why this ZeRO offload setting cannot be checkpointed by us, or None. Offload to the CPU
+    is supported: the fp32 masters and moments are then ordinary host tensors."""
+    if not stage or not devices:
+        return None
+    if "nvme" in devices.values():
+        where = ", ".join(f"{k} to {v}" for k, v in devices.items())
+        return (
+            f"ZeRO NVMe offload ({where}) is not supported yet: the optimizer state or the "
+            "parameters then live in DeepSpeed's swap files. Offload to the CPU "
+            '("device": "cpu") is supported'
+        )
+    if partial:
+        return (
+            "partial ZeRO offload (offload_optimizer.ratio < 1, or super_offload) is not "
+            'supported yet; offload all of the optimizer state ("ratio": 1.0) or none of it'
+        )
+    return None
+
+
+def check_config(config: Any) -> None:
+    """Refuse, before DeepSpeed builds anything, a config whose ZeRO offload we cannot
+    checkpoint (:func:`engine_state` checks the engine again, for engines made elsewhere)."""
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    if not isinstance(zero, dict):
+        return
+    devices: dict[str, str] = {}
+    for key in ("offload_optimizer", "offload_param"):
+        sub = zero.get(key)
+        name = str(sub.get("device", "none")).lower() if isinstance(sub, dict) else "none"
+        if name not in ("none", ""):
+            devices[key] = name
+    opt = zero.get("offload_optimizer")
+    partial = isinstance(opt, dict) and (
+        float(opt.get("ratio", 1.0)) < 1.0 or bool(opt.get("super_offload", False))
+    )
+    problem = _offload_problem(int(zero.get("stage", 0)), devices, partial)
+    if problem is not None:
+        raise UnsupportedStateError(f"resilient_callbacks.deepspeed: {problem}")
+
+
+def _offload_devices(engine: Any) -> dict[str, str]:
+    """Where ZeRO offloads to, by config key (``{"offload_optimizer": "cpu"}``); empty without
+    offload. ``device: none`` counts as no offload."""
+    out: dict[str, str] = {}
+    for key, getter in (
+        ("offload_optimizer", "zero_offload_optimizer"),
+        ("offload_param", "zero_offload_param"),
+    ):
+        cfg = getattr(engine, getter, lambda: None)()
+        device = getattr(cfg, "device", None)
+        name = str(getattr(device, "value", device)).lower()
+        if cfg is not None and name not in ("none", ""):
+            out[key] = name
+    return out
+
+
+def _partial_offload(engine: Any) -> bool:
+    ratio = getattr(engine, "zero_partial_offload", lambda: 1.0)()
+    return float(ratio) < 1.0 or bool(getattr(engine, "super_offload", lambda: False)())
 
 
 def module_extras(engine: Any) -> dict[str, torch.Tensor]:
