@@ -392,6 +392,36 @@ rcds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 """
 
 
+@pytest.mark.parametrize(
+    ("offload", "says"),
+    [
+        (
+            {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}},
+            r"NVMe offload \(offload_param",
+        ),
+        ({"offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "partial ZeRO offload"),
+    ],
+    ids=["nvme-param", "partial"],
+)
+def test_offload_we_cannot_save_is_refused_before_deepspeed_builds_anything(
+    tmp_path: Path, offload: dict, says: str
+) -> None:
+    import torch
+
+    import resilient_callbacks.deepspeed as rcds
+    from resilient_callbacks.errors import UnsupportedStateError
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3, **offload},
+        "resilient_checkpoint": {"dirpath": str(tmp_path / "ck")},
+    }
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(UnsupportedStateError, match=says):
+        rcds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    assert not (tmp_path / "ck").exists()
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_nvme_offload_is_refused_clearly_at_initialize(tmp_path: Path) -> None:

@@ -93,10 +93,14 @@ def check_config(config: Any) -> None:
         if name not in ("none", ""):
             devices[key] = name
     opt = zero.get("offload_optimizer")
-    partial = isinstance(opt, dict) and (
-        float(opt.get("ratio", 1.0)) < 1.0 or bool(opt.get("super_offload", False))
-    )
-    problem = _offload_problem(int(zero.get("stage", 0)), devices, partial)
+    try:  # values DeepSpeed itself would reject, or "auto": left to the engine check
+        stage = int(zero.get("stage", 0))
+        partial = isinstance(opt, dict) and (
+            float(opt.get("ratio", 1.0)) < 1.0 or bool(opt.get("super_offload", False))
+        )
+    except (TypeError, ValueError):
+        return
+    problem = _offload_problem(stage, devices, partial)
     if problem is not None:
         raise UnsupportedStateError(f"resilient_callbacks.deepspeed: {problem}")
 
