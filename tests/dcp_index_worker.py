@@ -21,6 +21,7 @@ import sys
 
 import torch.distributed as dist
 
+import spawn_ranks
 from dcp_helpers import build, train_step
 from resilient_callbacks import Checkpointer
 from resilient_callbacks.dcp import Sharded
@@ -52,8 +53,7 @@ def main() -> None:
             after.append(gathers[0])
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(after, f)
-    dist.barrier()  # no rank tears gloo down while a peer is still in a collective
-    dist.destroy_process_group()
+    spawn_ranks.leave_group()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+import spawn_ranks
 from dcp_helpers import build, full_tensors, train_step
 from dcp_train import allow_unpickling, forbid_unpickling
 from resilient_callbacks.dcp import ResilientStorageReader, ResilientStorageWriter
@@ -82,8 +83,7 @@ def main() -> None:
         train_step(model, opt)  # and training goes on
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(res, f)
-    dist.barrier()  # no rank tears gloo down while a peer is still in a collective
-    dist.destroy_process_group()
+    spawn_ranks.leave_group()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+import spawn_ranks
 from dcp_helpers import build, full_tensors, train_step
 from resilient_callbacks import Checkpointer, PerRank
 from resilient_callbacks.dcp import Sharded
@@ -125,8 +126,7 @@ def main() -> None:
     final = full_tensors(model, opt)
     if rank == 0:
         save_file({k: v.contiguous() for k, v in final.items()}, f"{out}.final.safetensors")
-    dist.barrier()  # no rank tears gloo down while a peer is still in a collective
-    dist.destroy_process_group()
+    spawn_ranks.leave_group()
 
 
 if __name__ == "__main__":

@@ -124,3 +124,14 @@ def _watch(procs: list[subprocess.Popen[bytes]], ok_code: int, deadline: float) 
             return f"the ranks did not finish within {deadline:.0f} s"
         time.sleep(0.05)
     return None
+
+
+def leave_group() -> None:
+    """The end of a rank's work (called by the worker scripts): meet the other ranks, then
+    destroy the process group. Without the barrier a rank that finished first tore gloo down
+    while a peer was still in the last collective, and under load the peer aborted in gloo's
+    teardown ("terminate called without an active exception") after all its work."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import spawn_ranks
 from resilient_callbacks import (
     Checkpointer,
     CheckpointWriteError,
@@ -122,8 +123,7 @@ def worker(mode: str, root: str, out: str) -> None:
         dist.barrier()
         res["listing"] = sorted(os.listdir(root))
     Path(f"{out}.rank{rank}").write_text(json.dumps(res))
-    dist.barrier()  # no rank tears gloo down while a peer is still in a collective
-    dist.destroy_process_group()
+    spawn_ranks.leave_group()
 
 
 def _run(mode: str, tmp: Path) -> list[dict[str, Any]]:
