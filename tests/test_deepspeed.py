@@ -562,3 +562,45 @@ def test_claimed_section_is_removed_before_deepspeed_sees_it() -> None:
         guard._claims[:] = claims
     assert seen == [{"train_batch_size": 8}] and config == {"train_batch_size": 8}
     assert guard.take() == {"dirpath": "x"} and guard.take() is None
+
+
+def test_launcher_module_takes_the_local_rank_the_deepspeed_launcher_puts_first() -> None:
+    # `deepspeed --module M script.py a b` runs `python -u -m M --local_rank=0 script.py a b`
+    from resilient_callbacks.deepspeed.run import split_argv
+
+    assert split_argv(["--local_rank=1", "t.py", "--x", "2"]) == (
+        "t.py",
+        ["t.py", "--local_rank=1", "--x", "2"],
+    )
+    assert split_argv(["--local_rank", "0", "t.py"]) == ("t.py", ["t.py", "--local_rank", "0"])
+    assert split_argv(["t.py", "--local_rank=3"]) == ("t.py", ["t.py", "--local_rank=3"])
+    with pytest.raises(SystemExit):
+        split_argv(["--local_rank=0"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_deepspeed_launcher_with_our_module_trains_and_checkpoints(tmp_path: Path) -> None:
+    """The documented `deepspeed --module resilient_callbacks.deepspeed.run script ...`, through
+    DeepSpeed's own launcher (which adds --local_rank before the script)."""
+    ck = tmp_path / "b"
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        "1",
+        "--master_port",
+        str(spawn_ranks.free_port()),
+        "--module",
+        "resilient_callbacks.deepspeed.run",
+        str(SCRIPT),
+        "--dir",
+        str(ck),
+        "--out",
+        str(tmp_path / "run"),
+        "--launcher",
+        *_opts(2, "fp32", steps=6),
+    ]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(SCRIPT.parent)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DEADLINE)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert max(e.step for e in committed(ck)) == 6
