@@ -106,6 +106,7 @@ def main() -> None:
     ap.add_argument("--remote", default=None)  # the remote tier's URL
     ap.add_argument("--dump-restored", action="store_true")  # the gathered state after restore
     ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher adds it
+    ap.add_argument("--no-close", action="store_true")  # leave the end to the launcher
     args = ap.parse_args()
 
     if args.no_pickle:  # restore must never unpickle
@@ -186,7 +187,8 @@ def main() -> None:
             if engine.global_steps >= args.steps:
                 break
     state = full_state(engine, args.stage)
-    engine.resilient_checkpoint.close()
+    if not args.no_close:
+        engine.resilient_checkpoint.close()
     if rank == 0:
         with open(f"{args.out}.rank0.final.json", "w") as f:
             json.dump(state, f)

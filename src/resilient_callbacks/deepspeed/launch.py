@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 _ORIGINAL: list[Any] = []  # deepspeed.initialize before patch(), once patched
+_HANDLES: list[Any] = []  # the checkpointed engines the patched initialize made
 
 
 def original_initialize() -> Any:
@@ -32,8 +33,22 @@ def patch() -> None:
 
     if _ORIGINAL:
         return
+
+    def resilient_initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+        out = initialize(*args, **kwargs)
+        handle = getattr(out[0], "resilient_checkpoint", None)
+        if handle is not None:
+            _HANDLES.append(handle)
+        return out
+
+    resilient_initialize.__doc__ = initialize.__doc__
     _ORIGINAL.append(deepspeed.initialize)
-    deepspeed.initialize = initialize
+    deepspeed.initialize = resilient_initialize
+
+
+def handles() -> list[Any]:
+    """The ``DeepSpeedCheckpoint`` of every engine the patched ``initialize`` made."""
+    return list(_HANDLES)
 
 
 def unpatch() -> None:

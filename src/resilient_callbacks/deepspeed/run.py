@@ -3,13 +3,20 @@ with ``deepspeed.initialize`` made resilient (see :mod:`.launch`). Works as
 ``deepspeed --module resilient_callbacks.deepspeed.run SCRIPT ...`` and under ``torchrun``.
 
 The ``deepspeed`` launcher puts ``--local_rank=N`` before the module's arguments, that is before
-SCRIPT: it is handed to SCRIPT first among its arguments, as ``deepspeed SCRIPT ...`` would."""
+SCRIPT: it is handed to SCRIPT first among its arguments, as ``deepspeed SCRIPT ...`` would.
+
+When SCRIPT ends normally (returns, or exits with status 0), each engine's last step is saved (unless it already is) and its
+pending saves are committed: re-running a finished job then restores its end and trains
+nothing, and ``resilient-ckpt export`` exports the final weights."""
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import sys
+
+log = logging.getLogger("resilient_callbacks")
 
 
 def split_argv(argv: list[str]) -> tuple[str, list[str]]:
@@ -45,7 +52,38 @@ def main(argv: list[str] | None = None) -> None:
     patch()
     sys.argv = script_argv
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):  # a failure (or a preemption's 75) is not the end
+            raise
+        finish()
+        raise
+    finish()
+
+
+def finish() -> None:
+    """Every rank, after SCRIPT returned: save each engine's last step, then close."""
+    import torch.distributed as tdist
+
+    from .launch import handles
+
+    for handle in handles():
+        ckpt = handle.checkpointer
+        if ckpt.closed:
+            continue
+        try:
+            if tdist.is_available() and not tdist.is_initialized() and ckpt.world_size > 1:
+                log.warning(
+                    "the script destroyed the process group before it ended: step %d is not "
+                    "saved at the end (the newest checkpoint is %s)",
+                    handle.engine.global_steps,
+                    ckpt.latest_path,
+                )
+            else:
+                handle.save()  # nothing new if this step is saved already
+        finally:
+            handle.close()
 
 
 if __name__ == "__main__":
