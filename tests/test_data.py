@@ -113,3 +113,72 @@ def test_sampler_resumes_mid_epoch_with_plain_dataloader():
     t.load_state_dict(s.state_dict())
     ref = list(ResumableSampler(20, seed=5))
     assert head + list(t) == ref
+
+
+def _taken(loaders: list[ResumableDataLoader], batches: int) -> list[int]:
+    """Each rank takes ``batches`` batches in lockstep (data-parallel training); the samples."""
+    its = [iter(ld) for ld in loaders]
+    out: list[int] = []
+    for _ in range(batches):
+        for it in its:
+            out += next(it)[0].tolist()
+    return out
+
+
+@pytest.mark.parametrize("world, batch", [(1, 8), (3, 2), (2, 4)])
+def test_an_epoch_saved_on_other_ranks_or_batch_size_goes_on_without_repeating_a_sample(
+    world, batch
+):
+    ds = TensorDataset(torch.arange(50))
+    saved = [ResumableDataLoader(ds, 4, seed=0, num_replicas=2, rank=r) for r in range(2)]
+    for ld in saved:  # epoch 0 whole, then 3 batches of epoch 1 on each rank
+        list(ld)
+    first = _taken(saved, 3)
+    state = saved[0].state_dict()  # every rank holds the same position: rank 0's is enough
+    if (world, batch) == (2, 4):  # unchanged sharding: its own state, as before
+        state = saved[1].state_dict()
+        resumed = [ResumableDataLoader(ds, 4, seed=0, num_replicas=2, rank=1)]
+    else:
+        resumed = [
+            ResumableDataLoader(ds, batch, seed=0, num_replicas=world, rank=r) for r in range(world)
+        ]
+    for ld in resumed:
+        ld.load_state_dict(state)
+    rest = [x for ld in resumed for b in ld for x in b[0].tolist()]
+    if (world, batch) == (2, 4):
+        assert rest == [x for b in saved[1] for x in b[0].tolist()]
+        return
+    assert sorted(set(first) | set(rest)) == list(range(50))  # nothing of epoch 1 left out
+    assert not set(first) & set(rest)  # nothing trained twice
+    assert len(rest) <= 50 - len(first) + world  # only DistributedSampler's padding added
+    # the next epoch is the plain sharding of this number of ranks
+    fresh = [
+        ResumableDataLoader(ds, batch, seed=0, num_replicas=world, rank=r) for r in range(world)
+    ]
+    for ld in fresh:
+        ld.set_epoch(2)
+    assert [[b[0].tolist() for b in ld] for ld in resumed] == [
+        [b[0].tolist() for b in ld] for ld in fresh
+    ]
+
+
+def test_a_resharded_epoch_saved_again_resumes_where_it_was():
+    ds = TensorDataset(torch.arange(50))
+    saved = [ResumableDataLoader(ds, 4, seed=0, num_replicas=2, rank=r) for r in range(2)]
+    first = _taken(saved, 2)
+    one = ResumableDataLoader(ds, 8, seed=0, num_replicas=1, rank=0)
+    one.load_state_dict(saved[0].state_dict())
+    second = _taken([one], 1)
+    again = ResumableDataLoader(ds, 8, seed=0, num_replicas=1, rank=0)
+    again.load_state_dict(one.state_dict())  # same sharding now: continues the re-sharded order
+    rest = [x for b in again for x in b[0].tolist()]
+    assert rest == [x for b in one for x in b[0].tolist()]
+    assert sorted(first + second + rest) == list(range(50))
+
+
+def test_the_sampler_alone_refuses_a_position_of_another_sharding():
+    s2 = ResumableSampler(20, num_replicas=2, rank=0)
+    it = iter(s2)
+    next(it)
+    with pytest.raises(ValueError, match="num_replicas=1 here but 2 in the checkpoint"):
+        ResumableSampler(20, num_replicas=1, rank=0).load_state_dict(s2.state_dict())

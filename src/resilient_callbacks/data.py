@@ -26,12 +26,15 @@ every RNG by default); put the loader in the same state.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
+
+log = logging.getLogger("resilient_callbacks")
 
 
 def _draw_seed(generator: torch.Generator | None = None) -> int:
@@ -112,6 +115,11 @@ class ResumableSampler(Sampler[int]):
         self._epoch_state: torch.Tensor | None = None  # generator: its state before the draw
         self._tail: int | None = None  # generator: the epoch whose trailing draw was made
         self._on_set_epoch: Callable[[int], None] | None = None  # the owning loader's set_epoch
+        # an epoch resumed on another number of ranks or batch size: its rest, re-sharded
+        # (see load_resharded); [num_replicas, samples consumed] per re-sharding
+        self._reshards: list[list[int]] = []
+        self._reshard_epoch: int | None = None
+        self._reshard_len = 0
 
     def _indices(self) -> list[int]:
         """This epoch's order. Its first call in an epoch draws as the stock sampler does at its
@@ -124,10 +132,11 @@ class ResumableSampler(Sampler[int]):
                 g = torch.Generator()
                 g.manual_seed(int(self.seed) + self.epoch)  # type: ignore[arg-type]
                 order = torch.randperm(n, generator=g).tolist()
-            if self.num_replicas is not None and order:
-                total = -(-n // self.num_replicas) * self.num_replicas
-                order = (order * (total // n + 1))[:total]
-                order = order[self.rank : total : self.num_replicas]
+            if self._reshard_epoch == self.epoch:
+                for replicas, consumed in self._reshards:
+                    order = _padded(order, replicas)[consumed:]
+            if self.num_replicas is not None:
+                order = _padded(order, self.num_replicas)[self.rank :: self.num_replicas]
             return order
         if n == 0:
             return []
@@ -148,6 +157,8 @@ class ResumableSampler(Sampler[int]):
         return torch.randperm(n, generator=g).tolist()
 
     def __len__(self) -> int:
+        if self._reshard_epoch == self.epoch:
+            return self._reshard_len
         if self.num_replicas is not None:
             return -(-self.num_samples // self.num_replicas)
         return self.num_samples
@@ -203,6 +214,8 @@ class ResumableSampler(Sampler[int]):
             "rank": self.rank,
             "drawn": self._drawn == epoch,
         }
+        if self._reshards and self._reshard_epoch == epoch:
+            state["reshards"] = [list(r) for r in self._reshards]
         if self.order == "global":
             state["epoch_seed"] = self._epoch_seed if self._drawn == epoch else None
         elif self.order == "generator":
@@ -228,8 +241,15 @@ class ResumableSampler(Sampler[int]):
                     f"ResumableSampler {key}={getattr(self, key)!r} here but {state[key]!r} in "
                     "the checkpoint: the data changed, so the saved position means nothing"
                 )
+        if state.get("num_replicas") != self.num_replicas:
+            raise ValueError(
+                f"ResumableSampler num_replicas={self.num_replicas} here but "
+                f"{state.get('num_replicas')} in the checkpoint: its position is one rank's "
+                "share of another sharding (ResumableDataLoader re-shards the rest of the epoch)"
+            )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        self._set_reshards(state.get("reshards") or [])
         drawn = bool(state.get("drawn", False))
         self._drawn = self.epoch if drawn else None
         if self.order == "global":
@@ -241,6 +261,39 @@ class ResumableSampler(Sampler[int]):
             self._epoch_state = state["epoch_rng"].clone()
             self.generator.set_state(state["rng"].clone())
             self._tail = self.epoch if state.get("tail_drawn") else None
+
+    def load_resharded(self, state: dict[str, Any], consumed: int) -> int:
+        """Continue ``state``'s epoch, saved by ``state['num_replicas']`` ranks that together had
+        taken its first ``consumed`` samples, on this sampler's ranks: the rest of the epoch's
+        order is sharded as ``DistributedSampler`` shards a whole one. Returns the number of
+        samples left in the epoch (0: it was over)."""
+        self.epoch = int(state["epoch"])
+        self.position = 0
+        self._drawn = None
+        reshards = [*(state.get("reshards") or []), [int(state["num_replicas"]), int(consumed)]]
+        self._set_reshards(reshards)
+        return len(self._global_rest())
+
+    def _set_reshards(self, reshards: list[list[int]]) -> None:
+        self._reshards = [[int(w), int(c)] for w, c in reshards]
+        self._reshard_epoch = self.epoch if self._reshards else None
+        self._reshard_len = len(self._indices()) if self._reshards else 0
+
+    def _global_rest(self) -> list[int]:
+        """The part of this epoch's order not taken yet, before this sampler's sharding."""
+        keep, self.num_replicas = self.num_replicas, None
+        try:
+            return self._indices()
+        finally:
+            self.num_replicas = keep
+
+
+def _padded(order: list[int], replicas: int) -> list[int]:
+    """``order`` repeated to a multiple of ``replicas`` items, as ``DistributedSampler`` pads."""
+    if not order:
+        return order
+    total = -(-len(order) // replicas) * replicas
+    return (order * (total // len(order) + 1))[:total]
 
 
 _ORDER_HINT = {
@@ -390,6 +443,14 @@ class ResumableDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler)
+        saved = state["sampler"]
+        sharded = sampler.num_replicas is not None and saved.get("num_replicas") is not None
+        if sharded and (saved["num_replicas"], state["batch_size"]) != (
+            sampler.num_replicas,
+            self.batch_size,
+        ):
+            self._load_resharded(state)
+            return
         if state["batch_size"] != self.batch_size:
             raise ValueError(
                 f"ResumableDataLoader batch_size={self.batch_size} here but {state['batch_size']} "
@@ -412,3 +473,38 @@ class ResumableDataLoader(DataLoader):
         if self.generator is not None:
             self.generator.set_state(state["generator"].clone())
         self._restored_persistent = bool(state.get("persistent_iterator", False))
+
+    def _load_resharded(self, state: dict[str, Any]) -> None:
+        """A state saved on another number of ranks or with another batch size: the ranks went
+        through the epoch in step, so together they took the first ``position x num_replicas``
+        samples of its (padded) order; the rest of it is sharded over the ranks here. Every rank
+        loads the state of rank 0 (or its own): they all hold the same position."""
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
+        saved = state["sampler"]
+        for key in ("order", "num_samples", "shuffle", "seed"):
+            if saved.get(key) != getattr(sampler, key):
+                sampler.load_state_dict(saved)  # raises the mismatch, with its explanation
+        consumed = int(saved["position"]) * int(saved["num_replicas"])
+        left = sampler.load_resharded(saved, consumed)
+        self.epoch = int(state["epoch"])
+        self.batches_consumed = 0
+        self._started = bool(state.get("started", False))
+        if "epoch_rng" in state:
+            self._epoch_rng = state["epoch_rng"].clone()
+        if ("generator" in state) and self.generator is not None:
+            self.generator.set_state(state["generator"].clone())
+        self._restored_persistent = False
+        if sampler.rank == 0:
+            log.warning(
+                "data loader: the checkpoint was saved on %d rank(s) with batch size %d, this run "
+                "has %d with batch size %d: the rest of epoch %d (%d of its samples, %d already "
+                "trained) is sharded over this run's ranks, and later epochs as usual",
+                saved["num_replicas"],
+                state["batch_size"],
+                sampler.num_replicas,
+                self.batch_size,
+                self.epoch,
+                left,
+                consumed,
+            )
