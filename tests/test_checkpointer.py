@@ -737,3 +737,44 @@ def test_every_seconds_real_time(tmp_path):
         time.sleep(0.35)
         assert ck.step(2, _state(2)) is True
         assert ck.step(3, _state(3)) is False
+
+
+# --------------------------------------------------------------------------- adapters' seams
+
+
+def test_continued_from_records_the_start_there_and_names_a_newer_checkpoint_it_skips(tmp_path):
+    from resilient_callbacks import history
+
+    _make_run(tmp_path, steps=(10, 20, 30))
+    with Checkpointer(tmp_path, resume="never") as ck:
+        with pytest.warns(UserWarning, match=r"continues this run from step 20.*step_000000030"):
+            ck.continued_from(20, "train(resume_from_checkpoint=...)")
+        with pytest.warns(ForeignCheckpointsWarning):  # the older run's, under a new run id
+            ck.save(25, _state(25))
+    starts = [r for r in history.records(str(tmp_path)) if r["event"] == "start"]
+    assert starts[-1]["step"] == 20  # not 25, the first save of the run
+    assert starts[-1]["source"] == "train(resume_from_checkpoint=...)"
+    with Checkpointer(tmp_path / "other", resume="never") as ck, warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing newer: nothing to say
+        ck.continued_from(5, "fit(ckpt_path='x.ckpt')")
+
+
+def test_keep_best_on_a_metric_no_save_reported_is_said_at_close(tmp_path, caplog):
+    with (
+        caplog.at_level("WARNING", logger="resilient_callbacks"),
+        Checkpointer(tmp_path / "a", keep_best=1, monitor="eval_loss") as ck,
+    ):
+        ck.save(1, _state(1), metrics={"loss": 1.0})
+        ck.save(2, _state(2), metrics={"loss": 0.5})
+    said = [r.getMessage() for r in caplog.records if "monitor='eval_loss'" in r.getMessage()]
+    assert said and "none was kept as the best" in said[0] and "loss" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="resilient_callbacks"):
+        with Checkpointer(tmp_path / "b", keep_best=1, monitor="eval_loss") as ck:
+            ck.save(1, _state(1), metrics={"loss": 1.0, "eval_loss": 2.0})
+            ck.save(2, _state(2), metrics={"loss": 0.5})
+        # a later process of the same run whose saves carry no evaluation: the run's do
+        with Checkpointer(tmp_path / "b", keep_best=1, monitor="eval_loss") as ck:
+            ck.restore(_fresh())
+            ck.save(3, _state(3), metrics={"loss": 0.4})
+    assert not [r for r in caplog.records if "monitor='eval_loss'" in r.getMessage()]

@@ -41,6 +41,7 @@ from resilient_callbacks import (
     ForeignCheckpointsWarning,
     ResumeFallbackWarning,
     catalog,
+    history,
 )
 from resilient_callbacks.transformers import ResilientCheckpoint, export_pretrained
 from resilient_callbacks.transformers.data import make_resumable
@@ -428,10 +429,18 @@ def test_explicit_resume_from_checkpoint_wins(tmp_path):
 
     cb2 = ResilientCheckpoint(every_n_steps=2)
     trainer = hf_train.build_trainer(str(out), 5, callbacks=[cb2])
-    with pytest.warns(ForeignCheckpointsWarning):  # the new run leaves the old one alone
+    with (
+        pytest.warns(ForeignCheckpointsWarning),  # the new run leaves the old one alone
+        pytest.warns(UserWarning, match=r"from step 2, but .*step_000000004 \(step 4\)"),
+    ):
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert cb2.restored_step is None  # the Trainer restored step 2 itself, not step 4
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == list(range(1, 6))
+    # the run's start is recorded where it started; the last commit is logged once it is
+    starts = history.records(str(out / "_resilient_checkpoints"))
+    assert [r["step"] for r in starts if r["event"] == "start"][-1] == 2
+    committed = [e for e in trainer.state.log_history if "resilient/last_committed_step" in e]
+    assert committed[-1]["resilient/last_committed_step"] == 5
     ours = _committed(out / "_resilient_checkpoints")
     assert sorted(e.step for e in ours) == [2, 4, 4, 5]
     assert len({e.manifest.run_id for e in ours}) == 2
@@ -615,3 +624,9 @@ def test_bench_transformers_quick(tmp_path):
         < report["summary"]["trainer"]["blocking_per_save_s"]
     )
     assert (tmp_path / "bench_transformers.md").read_text().startswith("# bench_transformers")
+
+
+def test_keep_best_on_an_eval_metric_without_evaluation_during_training_is_warned(tmp_path):
+    cb = ResilientCheckpoint(every_n_steps=2, keep_best=1, monitor="eval_loss")
+    with pytest.warns(UserWarning, match="eval_strategy='no'.*none is kept as the best"):
+        _train(tmp_path / "out", cb, 2, eval_strategy="no")

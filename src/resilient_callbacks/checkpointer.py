@@ -307,13 +307,14 @@ class Checkpointer:
         """How many background saves of this rank waited for the previous one to be written."""
         return self._saver.save_waits.waits
 
-    def _start_run(self, step: int) -> None:
-        """Every rank: give this run an id (rank 0 chooses it and records the start)."""
+    def _start_run(self, step: int, **fields: Any) -> None:
+        """Every rank: give this run an id (rank 0 chooses it and records the start, with
+        ``fields``)."""
         if self._dir.run_id is None:
             self._dir.run_id = new_run_id()
             self._recorder.started(step)
             if self.is_coordinator:
-                self._dir.record("start", step)
+                self._dir.record("start", step, **fields)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -447,6 +448,15 @@ class Checkpointer:
         self._check_open()
         self._wait_background()
         return self._restorer.restore(state)
+
+    def continued_from(self, step: int, source: str) -> None:
+        """Every rank, instead of :meth:`restore`: this run goes on from step ``step`` of a
+        checkpoint this Checkpointer did not load (``source``: e.g. the framework's own
+        checkpoint, passed explicitly). Records the run's start at ``step``, from ``source``;
+        the coordinator warns when ``dirpath`` holds a newer checkpoint, whose steps the
+        explicit choice trains again."""
+        self._check_open()
+        self._restorer.continued_from(step, source)
 
     # ------------------------------------------------------------------ queries
 

@@ -15,6 +15,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from . import catalog
+from .catalog import Depth
 from .nodelocal import NodeDirectory
 
 if TYPE_CHECKING:
@@ -61,6 +63,7 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ck._dir.finish_nodes(left)
         _empty_trash(ck, None if deadline is None else max(0.0, deadline - time.monotonic()))
+        _warn_unmonitored(ck)
         if persister is not None:
             ck.save_waits.log_summary()
             persister.raise_error()
@@ -87,6 +90,38 @@ def _empty_trash(ck: Checkpointer, timeout: float | None) -> None:
         )
     elif waited >= 0.5:
         log.info("close(): deleting the files of older checkpoints took %.2f s more", waited)
+
+
+def _warn_unmonitored(ck: Checkpointer) -> None:
+    """Coordinator: keep_best asked for a metric that no save of this run reported."""
+    cfg, saver = ck.config, ck._saver
+    monitor = cfg.monitor
+    if not (ck.is_coordinator and cfg.keep_best and monitor and saver.committed_saves):
+        return
+    if monitor in saver.metric_names:
+        return
+    try:  # a process resumed late in the run may not reach the next evaluation: look further
+        mine = [
+            e.manifest
+            for e in catalog.scan(ck.dirpath, Depth.NONE)
+            if e.manifest is not None and e.manifest.run_id == ck._dir.run_id
+        ]
+    except OSError:
+        return
+    if any(m.metrics.get(monitor) is not None for m in mine):
+        return
+    log.warning(
+        "keep_best=%d, monitor=%r: none of this run's %d checkpoint(s) in %s reported %r "
+        "(the metrics saved: %s), so none was kept as the best. Pass it with the saves "
+        "(metrics={%r: ...}); with a framework, log it before the save that should carry it.",
+        cfg.keep_best,
+        monitor,
+        len(mine),
+        ck.dirpath,
+        monitor,
+        ", ".join(sorted(saver.metric_names)) or "none",
+        monitor,
+    )
 
 
 def _release(ck: Checkpointer) -> None:

@@ -165,6 +165,31 @@ class Restorer:
             "good one, or resume='never' to start fresh."
         )
 
+    def continued_from(self, step: int, source: str) -> None:
+        """Every rank (see ``Checkpointer.continued_from``): start this run at ``step`` of a
+        checkpoint loaded elsewhere; the coordinator names a newer valid one it skips."""
+        ck = self._ck
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TypeError(f"step must be an int >= 0, got {step!r}")
+        if ck.is_coordinator:
+            newer = [
+                e
+                for e in ck._dir.checkpoints()
+                if e.status is Status.VALID and e.step is not None and e.step > step
+            ]
+            if newer:
+                last = newer[-1]
+                msg = (
+                    f"{source} continues this run from step {step}, but {ck.dirpath} holds a "
+                    f"newer checkpoint, {last.path} (step {last.step}): the explicit choice "
+                    f"wins and steps {step + 1}-{last.step} are trained again. Leave it out to "
+                    "resume from the newest checkpoint."
+                )
+                warnings.warn(msg, UserWarning, stacklevel=4)
+                log.warning(msg)
+        ck._trigger.clock.reset()
+        ck._start_run(step, source=source)
+
     def _warn_fallback(self, c: Candidate, problem: str) -> None:
         self._ck._recorder.fallback(c.step, c.where, problem)
         msg = (

@@ -89,6 +89,7 @@ class Saver:
         self._hooked: dict[int, Any] = {}
         self.skipped_saves = 0
         self.committed_saves = 0
+        self.metric_names: set[str] = set()  # reported (finite) with this run's saves
         self.save_waits = SaveWaits(speak=ck.is_coordinator)
         cfg = ck.config
         self.tracker = UnchangedTracker() if cfg.incremental is True else None
@@ -144,6 +145,7 @@ class Saver:
         self.raise_background_error()  # a failed earlier save surfaces here, never lost
         t0 = time.perf_counter()
         metrics_json = clean_metrics(metrics)
+        self.metric_names.update(k for k, v in metrics_json.items() if v is not None)
         ck._start_run(step)
         d = ck._dir
         if ck.is_coordinator and not d.checked_foreign:

@@ -228,6 +228,10 @@ class ResilientCheckpoint(Checkpoint):
                 ckpt.dirpath,
             )
             original(checkpoint_path, weights_only)
+            loaded = trainer._checkpoint_connector._loaded_checkpoint or {}
+            step = loaded.get("global_step")
+            if isinstance(step, int):
+                ckpt.continued_from(step, f"fit(ckpt_path={os.fspath(lightning_ckpt)!r})")
             return
         is_sharded = sharded.is_sharded(trainer)
         holder = sharded.receivers(trainer) if is_sharded else st.receivers()

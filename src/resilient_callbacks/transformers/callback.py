@@ -150,6 +150,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._pending: int | None = None
         self._epoch_ended = False
         self._step_metrics: dict[str, float] = {}
+        self._logged_commit: int | None = None  # the committed step the last save log named
 
     # ------------------------------------------------------------------ public
 
@@ -202,9 +203,13 @@ class ResilientCheckpoint(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         ckpt, trainer = self.checkpointer, self._trainer
-        if ckpt is not None and trainer is not None and "logger" in ckpt.telemetry_kinds:
+        if ckpt is not None and trainer is not None:
             ckpt.flush()  # the last saves commit in the background: log them once they did
-            trainer.log(ckpt.metrics())
+            last = ckpt.last_save
+            if self.log_save_metrics and last is not None and last.step != self._logged_commit:
+                trainer.log(trainer_state.save_logs(ckpt, committed_only=True))
+            if "logger" in ckpt.telemetry_kinds:
+                trainer.log(ckpt.metrics())
         self._finish()
 
     # ------------------------------------------------------------------ begin
@@ -217,6 +222,7 @@ class ResilientCheckpoint(TrainerCallback):
         own_dir, own = under_deepspeed.with_section(self.dirpath, self.options, section)
         options, self._save_every_epoch = checks.resolved_options(own, args, state)
         checks.warn_about_trainer_saves(args, self.trainer_checkpoints)
+        checks.warn_about_monitor(options, args)
         dirpath = checks.checkpoint_dir(own_dir, args)
 
         self._loader = loader
@@ -233,6 +239,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._saved.model_info = checks.model_info(trainer.model)
         self._epoch_calls = self._epoch_offset = 0
         self._pending, self._epoch_ended, self._resume = None, False, None
+        self._logged_commit = None
         self.restored_step = None
 
         ckpt = Checkpointer(dirpath, **options)
@@ -248,6 +255,7 @@ class ResilientCheckpoint(TrainerCallback):
                     state.global_step,
                     dirpath,
                 )
+                ckpt.continued_from(state.global_step, "train(resume_from_checkpoint=...)")
             else:
                 step = ckpt.restore(self._saved.tree)
                 if step:
@@ -384,6 +392,7 @@ class ResilientCheckpoint(TrainerCallback):
             logs = trainer_state.save_logs(ckpt)
             if logs:
                 trainer.log(logs)
+                self._logged_commit = ckpt.last_save.step if ckpt.last_save else None
         if saved and "logger" in ckpt.telemetry_kinds:
             # telemetry="logger": every checkpoint metric through the Trainer's log, so every
             # report_to integration (TensorBoard, MLflow, W&B) receives them

@@ -157,6 +157,23 @@ def warn_about_trainer_saves(args: Any, trainer_checkpoints: bool) -> None:
         log.warning(msg)
 
 
+def warn_about_monitor(options: dict[str, Any], args: Any) -> None:
+    """keep_best on an evaluation metric while the Trainer never evaluates during training:
+    no checkpoint will carry the metric, so none is kept as the best."""
+    monitor = options.get("monitor")
+    if not options.get("keep_best") or not monitor or not str(monitor).startswith("eval_"):
+        return
+    if value(getattr(args, "eval_strategy", "no")) == "no":
+        msg = (
+            f"ResilientCheckpoint(keep_best={options['keep_best']}, monitor={monitor!r}): "
+            "eval_strategy='no', so the Trainer does not evaluate during training and no "
+            f"checkpoint will carry {monitor!r}: none is kept as the best. Set "
+            "eval_strategy='steps' (with eval_steps) or 'epoch'."
+        )
+        warnings.warn(msg, UserWarning, stacklevel=5)
+        log.warning(msg)
+
+
 def checkpoint_dir(dirpath: str | None, args: Any) -> str:
     """Where the checkpoints go: ``dirpath``, else ``<output_dir>/_resilient_checkpoints`` (a
     name ``push_to_hub`` does not upload). A run that began under the old default name keeps

@@ -200,12 +200,14 @@ def scalar_metrics(values: Mapping[Any, Any] | None) -> dict[str, float]:
     return out
 
 
-def save_logs(ckpt: Checkpointer) -> dict[str, float]:
-    """The ``resilient/*`` values logged after a save: what the loop waited, and the newest
-    committed checkpoint's step, seconds and size."""
+def save_logs(ckpt: Checkpointer, *, committed_only: bool = False) -> dict[str, float]:
+    """The ``resilient/*`` values logged after a save: what the loop waited (not with
+    ``committed_only``), and the newest committed checkpoint's step, seconds and size."""
     logs: dict[str, float] = {}
     last = ckpt.last_save
-    if ckpt.config.async_save and ckpt.blocking_seconds:
+    if committed_only:
+        pass
+    elif ckpt.config.async_save and ckpt.blocking_seconds:
         logs[METRIC_PREFIX + "save_blocking_s"] = round(ckpt.blocking_seconds[-1], 6)
     elif last is not None:
         logs[METRIC_PREFIX + "save_blocking_s"] = round(last.seconds, 6)
