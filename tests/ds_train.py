@@ -107,6 +107,9 @@ def main() -> None:
     ap.add_argument("--dump-restored", action="store_true")  # the gathered state after restore
     ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher adds it
     ap.add_argument("--no-close", action="store_true")  # leave the end to the launcher
+    # a loop unaware of resuming: `for epoch in range(N): for batch in loader` (no step bound)
+    ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--plain", action="store_true")  # no section: DeepSpeed's own loader
     args = ap.parse_args()
 
     if args.no_pickle:  # restore must never unpickle
@@ -142,7 +145,13 @@ def main() -> None:
         if args.stage == 3:
             cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     torch.manual_seed(100 + rank)  # per-rank dropout streams, restored on resume
-    if args.launcher:
+    if args.plain:  # DeepSpeed alone: its own DeepSpeedDataLoader, no checkpoints
+        del cfg["resilient_checkpoint"]
+        engine, _, loader, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), training_data=data, config=cfg
+        )
+        assert not hasattr(engine, "resilient_checkpoint")
+    elif args.launcher:
         engine, _, loader, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), training_data=data, config=cfg
         )
@@ -159,10 +168,15 @@ def main() -> None:
         assert getattr(engine.optimizer, "cpu_offload", None) or getattr(
             engine.optimizer, "offload_optimizer", None
         ), type(engine.optimizer).__name__
-    handle = engine.resilient_checkpoint
+    handle = getattr(engine, "resilient_checkpoint", None)
     with open(f"{args.out}.rank{rank}.restored", "a") as f:
         f.write(
-            json.dumps({"step": handle.restored_step, "path": handle.checkpointer.restored_from})
+            json.dumps(
+                {
+                    "step": handle and handle.restored_step,
+                    "path": handle and handle.checkpointer.restored_from,
+                }
+            )
             + "\n"
         )
     if args.dump_restored:
@@ -172,7 +186,15 @@ def main() -> None:
                 json.dump(restored_state, f)
     dtype = next(engine.module.parameters()).dtype
     log = open(f"{args.out}.rank{rank}.losses", "a")  # noqa: SIM115
-    while engine.global_steps < args.steps:
+
+    def passes():
+        if args.epochs is not None:
+            yield from range(args.epochs)
+        else:
+            while engine.global_steps < args.steps:
+                yield None
+
+    for _ in passes():
         for x, y in loader:
             micro = engine.micro_steps
             loss = nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
@@ -184,11 +206,11 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.term_at is not None and engine.global_steps == args.term_at:
                 os.kill(os.getpid(), signal.SIGTERM)  # the next engine.step() saves and exits 75
-            if engine.global_steps >= args.steps:
+            if args.epochs is None and engine.global_steps >= args.steps:
                 break
     state = full_state(engine, args.stage)
-    if not args.no_close:
-        engine.resilient_checkpoint.close()
+    if handle is not None and not args.no_close:
+        handle.close()
     if rank == 0:
         with open(f"{args.out}.rank0.final.json", "w") as f:
             json.dump(state, f)

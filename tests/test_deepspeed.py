@@ -606,3 +606,26 @@ def test_the_deepspeed_launcher_with_our_module_trains_and_checkpoints(tmp_path:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DEADLINE)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert sorted(e.step for e in committed(ck)) == [3, 5]
+
+
+@pytest.mark.distributed
+def test_the_launchers_loader_is_deepspeeds_and_an_epoch_loop_resumes_exactly(tmp_path: Path):
+    """A script that loops `for epoch in range(3): for batch in loader` (no step bound, unaware
+    of resuming), on 2 ranks: through the launcher, an uninterrupted run trains on the batches
+    of DeepSpeed's own loader (every epoch in the same order, 2 workers), loss for loss; killed
+    in its second epoch and run again, it ends bit-identical (the loop starts at epoch 0 again;
+    the passes the run had trained answer nothing)."""
+    loop = ["--epochs", "3", *_opts(2, "fp32", every=4)]
+    plain = ["--dir", str(tmp_path / "p"), "--out", str(tmp_path / "plain"), "--plain", *loop]
+    run_group(plain, 2, tmp_path, "plain")
+    full = ["--dir", str(tmp_path / "f"), "--out", str(tmp_path / "full"), "--launcher", *loop]
+    run_group(full, 2, tmp_path, "full", module=True)
+    for r in (0, 1):
+        assert losses(tmp_path / "plain", r) == losses(tmp_path / "full", r)
+    assert len(losses(tmp_path / "full", 0)) == 3 * 6  # 24 samples per rank, micro-batch 4
+    kill = ["--dir", str(tmp_path / "k"), "--out", str(tmp_path / "kill"), "--launcher", *loop]
+    kill.append("--sync")  # step 4 is committed before training goes on: the kill cannot beat it
+    run_group([*kill, "--die-at", "6"], 2, tmp_path, "die", expect=-9, module=True)
+    run_group(kill, 2, tmp_path, "resume", module=True)
+    assert restored(tmp_path / "kill")["step"] == 4  # epoch 1 (0-based), one step into it
+    assert_same_run(tmp_path / "full", tmp_path / "kill", 2)

@@ -14,7 +14,9 @@ so dropout and every other random stream see the same numbers. Which stock loade
 - ``ResumableDataLoader(ds, bs, shuffle=False)``: ``DataLoader(ds, bs)``;
 - ``ResumableDataLoader(ds, bs, num_replicas=W, rank=r, seed=s)``:
   ``DataLoader(ds, bs, sampler=DistributedSampler(ds, W, r, seed=s))`` with ``set_epoch(e)``
-  every epoch (``seed`` defaults to 0; ``generator=g`` is the ``DataLoader``'s).
+  every epoch (``seed`` defaults to 0; ``generator=g`` is the ``DataLoader``'s); with
+  ``reshuffle=False``, the same without ``set_epoch``: every epoch in epoch 0's order (as
+  DeepSpeed's own loader).
 
 Resume: the state records what the epoch drew (the shuffle seed taken from the global RNG, or
 the generator's state) and the RNG state the epoch's iterator was created from, so a resumed
@@ -56,7 +58,8 @@ class ResumableSampler(Sampler[int]):
       ``g = torch.Generator().manual_seed(s)``: the permutation comes from ``g``, which advances
       from epoch to epoch; its states are recorded.
     - ``num_replicas=W`` (even 1), ``rank=r``: ``DistributedSampler(data, W, r, shuffle, seed)``
-      (``drop_last=False``): epoch ``e``'s order is drawn from ``seed + e`` alone; the state is
+      (``drop_last=False``): epoch ``e``'s order is drawn from ``seed + e`` alone (from ``seed``
+      in every epoch with ``reshuffle=False``: ``set_epoch`` never called); the state is
       per-rank: wrap it in :class:`~resilient_callbacks.PerRank` in the checkpointed state.
     - ``shuffle=False``: ``SequentialSampler`` (sharded like ``DistributedSampler`` with
       ``num_replicas``).
@@ -76,6 +79,7 @@ class ResumableSampler(Sampler[int]):
         generator: torch.Generator | None = None,
         num_replicas: int | None = None,
         rank: int = 0,
+        reshuffle: bool = True,
     ) -> None:
         if num_samples < 0:
             raise ValueError("num_samples must be >= 0")
@@ -91,8 +95,11 @@ class ResumableSampler(Sampler[int]):
                 "with num_replicas the order is DistributedSampler's, drawn from seed + epoch: "
                 "pass seed=, not generator="
             )
+        if not reshuffle and num_replicas is None:
+            raise ValueError("reshuffle=False is DistributedSampler's order: it needs num_replicas")
         self.num_samples = int(num_samples)
         self.shuffle = shuffle
+        self.reshuffle = reshuffle
         self.num_replicas = num_replicas
         self.rank = rank
         self.generator: torch.Generator | None = None
@@ -130,7 +137,7 @@ class ResumableSampler(Sampler[int]):
                 order = list(range(n))
             else:
                 g = torch.Generator()
-                g.manual_seed(int(self.seed) + self.epoch)  # type: ignore[arg-type]
+                g.manual_seed(int(self.seed) + (self.epoch if self.reshuffle else 0))  # type: ignore[arg-type]
                 order = torch.randperm(n, generator=g).tolist()
             if self._reshard_epoch == self.epoch:
                 for replicas, consumed in self._reshards:
@@ -214,6 +221,8 @@ class ResumableSampler(Sampler[int]):
             "rank": self.rank,
             "drawn": self._drawn == epoch,
         }
+        if not self.reshuffle:
+            state["reshuffle"] = False
         if self._reshards and self._reshard_epoch == epoch:
             state["reshards"] = [list(r) for r in self._reshards]
         if self.order == "global":
@@ -234,6 +243,12 @@ class ResumableSampler(Sampler[int]):
                 f"ResumableSampler orders its data by {self.order!r} here but the checkpoint was "
                 f"written with {order!r} ({_ORDER_HINT.get(order, '')}); construct it as the "
                 "interrupted run did (seed/generator/num_replicas)"
+            )
+        if state.get("reshuffle", True) != self.reshuffle:
+            raise ValueError(
+                f"ResumableSampler reshuffle={self.reshuffle} here but "
+                f"{state.get('reshuffle', True)} in the checkpoint: epochs after the first would "
+                "come in another order; construct it as the interrupted run did"
             )
         for key in ("num_samples", "shuffle", "seed"):
             if key in state and state[key] != getattr(self, key):
@@ -316,7 +331,9 @@ class ResumableDataLoader(DataLoader):
     - ``seed=s`` / ``generator=g``: ``DataLoader(..., shuffle=True, generator=...)``: order and
       worker base seeds come from that generator, the global RNG is not touched;
     - ``num_replicas=W, rank=r``: each rank gets its shard, as with ``DistributedSampler(seed=s)``
-      (``seed`` defaults to 0); wrap the loader in :class:`~resilient_callbacks.PerRank`.
+      (``seed`` defaults to 0) and ``set_epoch(e)`` every epoch (``reshuffle=False``: never, so
+      every epoch comes in epoch 0's order, as from DeepSpeed's loader); wrap the loader in
+      :class:`~resilient_callbacks.PerRank`.
 
     Resume is exact, including the traps of a hand-built resumable loop: the position counts
     batches *handed to the training loop* (worker prefetching does not skip samples), and the
@@ -325,6 +342,12 @@ class ResumableDataLoader(DataLoader):
 
     Iterating again after breaking out of an epoch continues that epoch (a stock ``DataLoader``
     would start a new one): that is what makes the position resumable.
+
+    ``passes_are_epochs=True`` is for a loop that does not know about resuming (``for epoch in
+    range(E): for batch in loader``, which starts at 0 again after a restart): the process's
+    k-th pass over the loader is epoch k, so after a resume into epoch ``e`` the first ``e``
+    passes yield nothing and pass ``e`` continues epoch ``e``. (Code run once per epoch still
+    runs for those passes.) A loop that starts at the saved epoch itself leaves it False.
     """
 
     def __init__(
@@ -338,6 +361,8 @@ class ResumableDataLoader(DataLoader):
         num_replicas: int | None = None,
         rank: int = 0,
         drop_last: bool = False,
+        reshuffle: bool = True,
+        passes_are_epochs: bool = False,
         **kwargs: Any,
     ) -> None:
         for bad in ("sampler", "batch_sampler"):
@@ -355,6 +380,7 @@ class ResumableDataLoader(DataLoader):
             generator=generator if shuffle and num_replicas is None else None,
             num_replicas=num_replicas,
             rank=rank,
+            reshuffle=reshuffle,
         )
         super().__init__(
             dataset,
@@ -370,10 +396,17 @@ class ResumableDataLoader(DataLoader):
         self._epoch_rng = _source_state(generator)  # base-seed source state at that creation
         self._restored_persistent = False  # a persistent worker iterator existed when saved
         sampler._on_set_epoch = self.set_epoch
+        self.passes_are_epochs = passes_are_epochs
+        self._passes = 0  # passes begun in this process
+        self._skip_passes = 0  # passes still to answer empty (passes_are_epochs)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
+        self._passes += 1
+        if self._skip_passes:  # an epoch the run had trained before it was resumed
+            self._skip_passes -= 1
+            return iter(())
         fresh = not self._started and self.batches_consumed == 0
         if fresh:
             self._started = True
@@ -473,6 +506,13 @@ class ResumableDataLoader(DataLoader):
         if self.generator is not None:
             self.generator.set_state(state["generator"].clone())
         self._restored_persistent = bool(state.get("persistent_iterator", False))
+        self._line_up()
+
+    def _line_up(self) -> None:
+        """passes_are_epochs: this process's pass k is epoch k, so the passes before the
+        restored epoch answer nothing."""
+        if self.passes_are_epochs:
+            self._skip_passes = max(0, self.epoch - self._passes)
 
     def _load_resharded(self, state: dict[str, Any]) -> None:
         """A state saved on another number of ranks or with another batch size: the ranks went
@@ -482,8 +522,8 @@ class ResumableDataLoader(DataLoader):
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
         saved = state["sampler"]
-        for key in ("order", "num_samples", "shuffle", "seed"):
-            if saved.get(key) != getattr(sampler, key):
+        for key in ("order", "num_samples", "shuffle", "seed", "reshuffle"):
+            if saved.get(key, key == "reshuffle") != getattr(sampler, key):
                 sampler.load_state_dict(saved)  # raises the mismatch, with its explanation
         consumed = int(saved["position"]) * int(saved["num_replicas"])
         left = sampler.load_resharded(saved, consumed)
@@ -495,6 +535,7 @@ class ResumableDataLoader(DataLoader):
         if ("generator" in state) and self.generator is not None:
             self.generator.set_state(state["generator"].clone())
         self._restored_persistent = False
+        self._line_up()
         if sampler.rank == 0:
             log.warning(
                 "data loader: the checkpoint was saved on %d rank(s) with batch size %d, this run "

@@ -31,8 +31,12 @@ from ..errors import ConfigError
 from ..structure import PerRank
 from . import section
 from .engine_state import check_config, engine_state
+from .launch import launched
 
 log = logging.getLogger("resilient_callbacks")
+
+# DeepSpeedDataLoader's worker processes per rank under a process group (2 x one device)
+DS_LOADER_WORKERS = 2
 
 
 class DeepSpeedCheckpoint:
@@ -98,8 +102,12 @@ def attach(
 
 
 def _resumable_loader(engine: Any, dataset: Any, collate_fn: Any) -> ResumableDataLoader:
-    """A loader sharded and batched like DeepSpeed's own (``DistributedSampler(seed=0)``, the
-    micro-batch size, its drop_last), whose position is saved: a resumed run goes on mid-epoch."""
+    """The loader DeepSpeed's own would be (``DeepSpeedDataLoader`` under a process group:
+    ``DistributedSampler(seed=0)`` whose ``set_epoch`` is never called, so every epoch comes in
+    the same order; the micro-batch size; its drop_last; 2 worker processes; pinned memory),
+    whose position is saved: a resumed run goes on mid-epoch. Under the launcher the script's
+    own epoch loop starts at 0 again after a restart: the loader's passes are lined up with
+    epochs (``passes_are_epochs``)."""
     dist = torch.distributed
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -111,6 +119,10 @@ def _resumable_loader(engine: Any, dataset: Any, collate_fn: Any) -> ResumableDa
         rank=rank,
         drop_last=bool(engine.dataloader_drop_last()),
         collate_fn=collate_fn,
+        reshuffle=False,
+        num_workers=DS_LOADER_WORKERS,
+        pin_memory=True,
+        passes_are_epochs=launched(),
     )
 
 

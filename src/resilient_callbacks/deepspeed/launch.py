@@ -19,6 +19,11 @@ _ORIGINAL: list[Any] = []  # deepspeed.initialize before patch(), once patched
 _HANDLES: list[Any] = []  # the checkpointed engines the patched initialize made
 
 
+def launched() -> bool:
+    """Whether this process runs under the launcher (``deepspeed.initialize`` patched)."""
+    return bool(_ORIGINAL)
+
+
 def original_initialize() -> Any:
     """DeepSpeed's own ``initialize`` if :func:`patch` replaced it, else None."""
     return _ORIGINAL[0] if _ORIGINAL else None
