@@ -193,7 +193,7 @@ def test_a_failed_write_commits_nothing_and_non_json_objects_are_refused(tmp_pat
     with pytest.raises(BaseException, match="disk full"):
         dcp.save(_state(2), storage_writer=writer)
     writer._write = original  # type: ignore[method-assign]
-    with pytest.raises(BaseException, match="cannot be written as JSON"):
+    with pytest.raises(BaseException, match=r"fn\.f: a function cannot be written as JSON"):
         dcp.save({"x": torch.zeros(2), "fn": {"f": boom}}, storage_writer=writer)
     writer.close()
     assert sorted(n for n in os.listdir(root) if not n.startswith((".lock", "latest"))) == [
@@ -319,3 +319,15 @@ def test_the_remote_tier_on_an_s3_server(tmp_path, s3_remote):
     remote = {e.name: e for e in RemoteStore(url, options).scan() if e.manifest is not None}
     assert sorted(remote) == ["step_000000002", "step_000000003"]  # keep_last=2 there too
     assert all(e.problem is None for e in remote.values())
+
+
+def test_a_writer_made_for_each_save_and_never_closed_as_with_filesystemwriter(tmp_path):
+    # the FileSystemWriter habit: a new writer per dcp.save, dropped without close()
+    root = tmp_path / "ck"
+    for step in (1, 2):
+        dcp.save(_state(step), storage_writer=ResilientStorageWriter(root))
+    assert [e.step for e in catalog.committed(catalog.scan(str(root)))] == [1, 2]
+    with ResilientStorageWriter(root) as open_one:
+        dcp.save(_state(3), storage_writer=open_one)
+        with pytest.raises(BaseException, match=r"already has a writer open on .*close"):
+            dcp.save(_state(4), storage_writer=ResilientStorageWriter(root))

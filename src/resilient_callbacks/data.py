@@ -221,8 +221,8 @@ class ResumableSampler(Sampler[int]):
             "rank": self.rank,
             "drawn": self._drawn == epoch,
         }
-        if not self.reshuffle:
-            state["reshuffle"] = False
+        if self.order == "distributed":
+            state["reshuffle"] = self.reshuffle
         if self._reshards and self._reshard_epoch == epoch:
             state["reshards"] = [list(r) for r in self._reshards]
         if self.order == "global":
@@ -237,25 +237,7 @@ class ResumableSampler(Sampler[int]):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        order = state.get("order", "distributed" if state.get("shuffle") else "sequential")
-        if order != self.order:
-            raise ValueError(
-                f"ResumableSampler orders its data by {self.order!r} here but the checkpoint was "
-                f"written with {order!r} ({_ORDER_HINT.get(order, '')}); construct it as the "
-                "interrupted run did (seed/generator/num_replicas)"
-            )
-        if state.get("reshuffle", True) != self.reshuffle:
-            raise ValueError(
-                f"ResumableSampler reshuffle={self.reshuffle} here but "
-                f"{state.get('reshuffle', True)} in the checkpoint: epochs after the first would "
-                "come in another order; construct it as the interrupted run did"
-            )
-        for key in ("num_samples", "shuffle", "seed"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(
-                    f"ResumableSampler {key}={getattr(self, key)!r} here but {state[key]!r} in "
-                    "the checkpoint: the data changed, so the saved position means nothing"
-                )
+        self.check_compatible(state)
         if state.get("num_replicas") != self.num_replicas:
             raise ValueError(
                 f"ResumableSampler num_replicas={self.num_replicas} here but "
@@ -276,6 +258,33 @@ class ResumableSampler(Sampler[int]):
             self._epoch_state = state["epoch_rng"].clone()
             self.generator.set_state(state["rng"].clone())
             self._tail = self.epoch if state.get("tail_drawn") else None
+
+    def check_compatible(self, state: dict[str, Any]) -> None:
+        """Raise ValueError unless ``state`` orders the same data the same way (any sharding)."""
+        order = state.get("order", "distributed" if state.get("shuffle") else "sequential")
+        if order != self.order:
+            raise ValueError(
+                f"ResumableSampler orders its data by {self.order!r} here but the checkpoint was "
+                f"written with {order!r} ({_ORDER_HINT.get(order, '')}); construct it as the "
+                "interrupted run did (seed/generator/num_replicas)"
+            )
+        if order == "distributed" and "reshuffle" not in state and not self.reshuffle:
+            # written before reshuffle existed, when every epoch was reshuffled: keep the order
+            # the run began with (a DeepSpeed run that upgraded mid-way)
+            log.info("ResumableSampler: the checkpoint reshuffled every epoch; so does this run")
+            self.reshuffle = True
+        if order == "distributed" and state.get("reshuffle", True) != self.reshuffle:
+            raise ValueError(
+                f"ResumableSampler reshuffle={self.reshuffle} here but "
+                f"{state.get('reshuffle', True)} in the checkpoint: epochs after the first would "
+                "come in another order; construct it as the interrupted run did"
+            )
+        for key in ("num_samples", "shuffle", "seed"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"ResumableSampler {key}={getattr(self, key)!r} here but {state[key]!r} in "
+                    "the checkpoint: the data changed, so the saved position means nothing"
+                )
 
     def load_resharded(self, state: dict[str, Any], consumed: int) -> int:
         """Continue ``state``'s epoch, saved by ``state['num_replicas']`` ranks that together had
@@ -522,9 +531,7 @@ class ResumableDataLoader(DataLoader):
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
         saved = state["sampler"]
-        for key in ("order", "num_samples", "shuffle", "seed", "reshuffle"):
-            if saved.get(key, key == "reshuffle") != getattr(sampler, key):
-                sampler.load_state_dict(saved)  # raises the mismatch, with its explanation
+        sampler.check_compatible(saved)
         consumed = int(saved["position"]) * int(saved["num_replicas"])
         left = sampler.load_resharded(saved, consumed)
         self.epoch = int(state["epoch"])

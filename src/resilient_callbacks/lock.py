@@ -59,8 +59,10 @@ class DirLock:
             os.close(fd)
             if f"pid {os.getpid()} on {socket.gethostname()}" in holder:
                 raise CheckpointLockedError(
-                    f"this process already has an open Checkpointer on {os.path.dirname(self.path)}"
-                    f"{holder}; close() it (or use `with Checkpointer(...)`) before opening another"
+                    "this process already has a writer open on "
+                    f"{os.path.dirname(self.path)}{holder} (a Checkpointer or "
+                    "ResilientStorageWriter): close() it (or use it in a `with` block) before "
+                    "opening another"
                 ) from None
             raise CheckpointLockedError(
                 f"another process is writing checkpoints to {os.path.dirname(self.path)}{holder}. "
@@ -85,6 +87,10 @@ class DirLock:
             finally:
                 os.close(self._fd)
                 self._fd = None
+
+    def __del__(self) -> None:  # a writer dropped without close(): its lock goes with it
+        with contextlib.suppress(Exception):
+            self.release()
 
     @property
     def held(self) -> bool:

@@ -34,8 +34,9 @@ def _escape(key: str) -> str:
     return key.replace("%", "%25").replace("/", "%2F")
 
 
-def split(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """``(skeleton, tensors)`` of a nested state dict; see the module docstring."""
+def split(state: Any, where: str | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``(skeleton, tensors)`` of a nested state dict; see the module docstring. ``where``: the
+    name of ``state`` itself in errors (a key of the caller's state dict)."""
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(obj: Any, path: tuple[str, ...]) -> Any:
@@ -69,7 +70,7 @@ def split(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             "saved; nothing is pickled)"
         )
 
-    return walk(state, ()), tensors
+    return walk(state, (where,) if where else ()), tensors
 
 
 def join(skeleton: Any, tensor: Callable[[str], Any]) -> Any:

@@ -205,7 +205,7 @@ class ResilientStorageWriter(StorageWriter):
                         f"{item.index.fqn}: the planner {type(planner).__name__} has no "
                         "lookup_object(); its objects would be pickled (use DefaultSavePlanner)"
                     )
-                skeleton, inner = split(lookup(item.index))
+                skeleton, inner = split(lookup(item.index), where=item.index.fqn)
                 if inner:
                     raise UnsupportedStateError(f"{item.index.fqn}: an object holding tensors")
                 objects[key] = skeleton
