@@ -182,3 +182,18 @@ def test_the_sampler_alone_refuses_a_position_of_another_sharding():
     next(it)
     with pytest.raises(ValueError, match="num_replicas=1 here but 2 in the checkpoint"):
         ResumableSampler(20, num_replicas=1, rank=0).load_state_dict(s2.state_dict())
+
+
+def test_a_sharded_position_written_before_reshuffle_existed_keeps_its_order():
+    old = ResumableSampler(20, num_replicas=2, rank=0)
+    it = iter(old)
+    next(it)
+    state = old.state_dict()
+    del state["reshuffle"]  # as versions before it wrote the state
+    s = ResumableSampler(20, num_replicas=2, rank=0, reshuffle=False)
+    s.load_state_dict(state)
+    assert s.reshuffle is True  # the run goes on in the order it began with
+    with pytest.raises(ValueError, match="reshuffle=False here but True"):
+        ResumableSampler(20, num_replicas=2, rank=0, reshuffle=False).load_state_dict(
+            old.state_dict()
+        )
