@@ -161,7 +161,7 @@ def test_gc_keeps_corrupt_unless_asked_and_refuses_beside_a_writer(tmp_path):
     assert not os.path.exists(os.path.join(root, "step_000000010"))
     with Checkpointer(root):
         locked = cli("gc", root)
-        assert locked.returncode == 1 and "open Checkpointer" in locked.stderr
+        assert locked.returncode == 1 and "writer open on" in locked.stderr
 
 
 @pytest.mark.parametrize(
