@@ -626,6 +626,7 @@ def test_the_launchers_loader_is_deepspeeds_and_an_epoch_loop_resumes_exactly(tm
     kill = ["--dir", str(tmp_path / "k"), "--out", str(tmp_path / "kill"), "--launcher", *loop]
     kill.append("--sync")  # step 4 is committed before training goes on: the kill cannot beat it
     run_group([*kill, "--die-at", "6"], 2, tmp_path, "die", expect=-9, module=True)
-    run_group(kill, 2, tmp_path, "resume", module=True)
+    out = run_group(kill, 2, tmp_path, "resume", module=True)
     assert restored(tmp_path / "kill")["step"] == 4  # epoch 1 (0-based), one step into it
+    assert "resilient_callbacks: resumed at step 4" in out[0]  # through DeepSpeed's logger
     assert_same_run(tmp_path / "full", tmp_path / "kill", 2)

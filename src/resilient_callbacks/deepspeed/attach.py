@@ -59,6 +59,16 @@ class DeepSpeedCheckpoint:
         """Collective. Load the checkpoint chosen by ``resume`` into the engine (and the extra
         state); return ``engine.global_steps`` after it (0 for a fresh start)."""
         self.restored_step = self.checkpointer.restore(self.state)
+        report = self.checkpointer.last_restore
+        if report is not None:
+            # through DeepSpeed's logger, as a WARNING: the level its logger shows by default
+            # (a resume must be visible, as with the Trainer's and Lightning's adapters)
+            from deepspeed.utils import log_dist
+
+            where = f"global_steps {self.engine.global_steps}"
+            log_dist(
+                f"resilient_callbacks: {report.describe(where)}", ranks=[0], level=logging.WARNING
+            )
         return self.restored_step
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
