@@ -36,11 +36,16 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from .sampler import ResumableSampler, _source_state
+from .sampler import ResumableSampler
 
 __all__ = ["ResumableDataLoader", "ResumableSampler"]
 
 log = logging.getLogger("resilient_callbacks")
+
+
+def _source_state(generator: torch.Generator | None) -> torch.Tensor:
+    """The state the loader's iterator draws its base seed from (the global RNG if None)."""
+    return (generator.get_state() if generator is not None else torch.get_rng_state()).clone()
 
 
 class ResumableDataLoader(DataLoader):

@@ -22,10 +22,6 @@ def _draw_seed(generator: torch.Generator | None = None) -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
-def _source_state(generator: torch.Generator | None) -> torch.Tensor:
-    return (generator.get_state() if generator is not None else torch.get_rng_state()).clone()
-
-
 class ResumableSampler(Sampler[int]):
     """Indices over ``num_samples`` items, resumable mid-epoch, drawn as the stock sampler
     draws them:

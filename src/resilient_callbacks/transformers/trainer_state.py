@@ -205,12 +205,11 @@ def save_logs(ckpt: Checkpointer, *, committed_only: bool = False) -> dict[str, 
     ``committed_only``), and the newest committed checkpoint's step, seconds and size."""
     logs: dict[str, float] = {}
     last = ckpt.last_save
-    if committed_only:
-        pass
-    elif ckpt.config.async_save and ckpt.blocking_seconds:
-        logs[METRIC_PREFIX + "save_blocking_s"] = round(ckpt.blocking_seconds[-1], 6)
-    elif last is not None:
-        logs[METRIC_PREFIX + "save_blocking_s"] = round(last.seconds, 6)
+    if not committed_only:
+        if ckpt.config.async_save and ckpt.blocking_seconds:
+            logs[METRIC_PREFIX + "save_blocking_s"] = round(ckpt.blocking_seconds[-1], 6)
+        elif last is not None:
+            logs[METRIC_PREFIX + "save_blocking_s"] = round(last.seconds, 6)
     if last is not None:
         logs[METRIC_PREFIX + "last_committed_step"] = last.step
         logs[METRIC_PREFIX + "last_committed_s"] = round(last.seconds, 6)
