@@ -331,3 +331,13 @@ def test_a_writer_made_for_each_save_and_never_closed_as_with_filesystemwriter(t
         dcp.save(_state(3), storage_writer=open_one)
         with pytest.raises(BaseException, match=r"already has a writer open on .*close"):
             dcp.save(_state(4), storage_writer=ResilientStorageWriter(root))
+
+
+def test_the_writer_says_it_cannot_go_to_another_process(tmp_path):
+    import pickle
+
+    with (
+        ResilientStorageWriter(tmp_path / "ck") as writer,
+        pytest.raises(TypeError, match=r"AsyncCheckpointerType\.THREAD"),
+    ):
+        pickle.dumps(writer)

@@ -360,6 +360,14 @@ class ResilientStorageWriter(StorageWriter):
             finally:
                 d.release()
 
+    def __reduce__(self) -> Any:
+        # dcp.async_save(async_checkpointer_type=PROCESS) sends the writer to another process
+        raise TypeError(
+            "ResilientStorageWriter cannot be sent to another process: it holds the directory's "
+            "lock, its host buffers and its upload thread. Use dcp.async_save with the default "
+            "AsyncCheckpointerType.THREAD (the writing runs in the background either way)."
+        )
+
     def __enter__(self) -> ResilientStorageWriter:
         return self
 
