@@ -197,3 +197,33 @@ def test_a_sharded_position_written_before_reshuffle_existed_keeps_its_order():
         ResumableSampler(20, num_replicas=2, rank=0, reshuffle=False).load_state_dict(
             old.state_dict()
         )
+
+
+@pytest.mark.distributed
+def test_a_loader_saved_on_two_ranks_goes_on_over_three(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    import spawn_ranks
+
+    worker = str(Path(__file__).with_name("loader_ranks_worker.py"))
+    root, out = str(tmp_path / "ck"), str(tmp_path / "out")
+
+    def run(args: list[str], world: int, name: str, expect: int | None = 0) -> list[str]:
+        argv = [sys.executable, worker, *args]
+        return spawn_ranks.run(argv, world, tmp_path, name, expect=expect, deadline=150).outputs
+
+    def read(name: str) -> list[int]:
+        return json.loads(Path(name).read_text())
+
+    run(["save", root, out], 2, "save")
+    run(["resume", root, out], 3, "resume")  # rank 2 wrote nothing: it takes rank 0's state
+    taken = read(f"{out}.taken.rank0.json") + read(f"{out}.taken.rank1.json")
+    rest = [x for r in (0, 1, 2) for x in read(f"{out}.rank{r}.json")]
+    assert len(taken) == 24 and not set(taken) & set(rest)  # nothing of the epoch twice
+    assert set(taken) | set(rest) == set(range(50))  # nothing left out
+    assert len(rest) == 27  # the 26 left, padded to 3 equal shares as DistributedSampler pads
+    # with new_ranks="refuse" (the default) rank 2 has no state: the resume is refused
+    refused = run(["resume", root, out + "x", "refuse"], 3, "refuse", expect=None)
+    assert any("missing for this rank" in o for o in refused), refused

@@ -19,8 +19,9 @@ in ``shared.safetensors`` but in the run's blob store; ``shared.json`` maps each
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -126,6 +127,7 @@ class LoadedPart:
     per_rank: dict[str, Any]
     rng: dict[str, Any] | None
     tensors: dict[str, torch.Tensor]
+    borrowed: dict[str, Any] = field(default_factory=dict)  # rank 0's, for a new rank
 
 
 def _entry(manifest: Manifest, name: str, where: str) -> FileEntry:
@@ -168,8 +170,10 @@ def load_blobs(path: str, manifest: Manifest, refs: dict[str, str]) -> dict[str,
     return out
 
 
-def read_part(path: str, manifest: Manifest, rank: int) -> LoadedPart:
-    """Read and verify (size + checksum) the files this rank needs; tensors view the buffers."""
+def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] = ()) -> LoadedPart:
+    """Read and verify (size + checksum) the files this rank needs; tensors view the buffers.
+    ``borrow``: the ids of the per-rank states a rank the checkpoint has no files of takes from
+    rank 0 (``PerRank(new_ranks="rank0")``)."""
     import json
 
     def load_json(name: str) -> Any:
@@ -186,6 +190,7 @@ def read_part(path: str, manifest: Manifest, rank: int) -> LoadedPart:
         return load_tensor_file(os.path.join(path, entry.path), entry)
 
     shared = load_json(SHARED_STRUCTURE)
+    borrowed: dict[str, Any] = {}
     if rank < manifest.world_size:
         local = load_json(rank_structure(rank))
         names = [SHARED_TENSORS, rank_tensors(rank)]
@@ -202,9 +207,13 @@ def read_part(path: str, manifest: Manifest, rank: int) -> LoadedPart:
     else:
         tensors = load_tensors(SHARED_TENSORS)
         per_rank, rng = {}, None
+        if borrow:
+            first = load_json(rank_structure(0)).get("per_rank") or {}
+            borrowed = {k: v for k, v in first.items() if k in borrow}
+            tensors.update(load_tensors(rank_tensors(0)))  # "@rank/" names: no clash
     refs = shared.get("blobs") or {}
     if refs:
         if not isinstance(refs, dict):
             raise CheckpointCorruptError(f"{path}: malformed blob references")
         tensors.update(load_blobs(path, manifest, refs))
-    return LoadedPart(shared["structure"], per_rank, rng, tensors)
+    return LoadedPart(shared["structure"], per_rank, rng, tensors, borrowed)

@@ -209,7 +209,7 @@ class Restorer:
         readers: dict[str, PartReader] = {}
         try:
             manifest = read_manifest(path)
-            part = layout.read_part(path, manifest, ck.rank)
+            part = layout.read_part(path, manifest, ck.rank, statetree.rank0_for_new_ranks(state))
             for pid, fp in fileparts.items():  # each part's files, verified before any load
                 info = part_info(pid, manifest, ck.rank, ck.world_size)
                 if info.listed:  # none: a checkpoint without this part (check_fits says so)
@@ -239,7 +239,7 @@ class Restorer:
         local_exc: BaseException | None = None
         warns: list[str] = []
         try:
-            full = structure.inline_per_rank(part.structure, part.per_rank)
+            full = structure.inline_per_rank(part.structure, part.per_rank, part.borrowed)
             meta = {
                 k: (str(t.dtype).removeprefix("torch."), list(t.shape))
                 for k, t in part.tensors.items()

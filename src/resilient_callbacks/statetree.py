@@ -13,7 +13,7 @@ import torch
 import xxhash
 
 from .filepart import FilePart
-from .structure import PerRank, part_id
+from .structure import PerRank, part_id, per_rank_id
 
 
 def leaves(state: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -39,7 +39,7 @@ def rebuild(state: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]
     if is_leaf(state):
         return fn(state)
     if isinstance(state, PerRank):
-        return PerRank(rebuild(state.obj, fn, is_leaf))
+        return PerRank(rebuild(state.obj, fn, is_leaf), new_ranks=state.new_ranks)
     if isinstance(state, Mapping):
         return {k: rebuild(v, fn, is_leaf) for k, v in state.items()}
     if isinstance(state, list):
@@ -52,6 +52,20 @@ def rebuild(state: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]
 def optimizers(state: Any) -> list[torch.optim.Optimizer]:
     """The optimizers in ``state``."""
     return [v for _, v in leaves(state) if isinstance(v, torch.optim.Optimizer)]
+
+
+def rank0_for_new_ranks(state: Any, path: tuple[Any, ...] = ()) -> set[str]:
+    """The ids of the ``PerRank(..., new_ranks="rank0")`` in ``state``."""
+    if isinstance(state, PerRank):
+        return {per_rank_id(path)} if state.new_ranks == "rank0" else set()
+    out: set[str] = set()
+    if isinstance(state, Mapping):
+        for k, v in state.items():
+            out |= rank0_for_new_ranks(v, (*path, k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out |= rank0_for_new_ranks(v, (*path, i))
+    return out
 
 
 def fileparts(state: Any) -> dict[str, FilePart]:

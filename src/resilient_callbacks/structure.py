@@ -39,13 +39,26 @@ _JSON_SCALARS = (bool, int, str, type(None))
 class PerRank:
     """Marks a part of the state that differs between ranks (a data loader's position, a
     rank-local generator). It is written by every rank into its own file and restored on the
-    same rank. Everything not marked is treated as replicated and written once, by rank 0."""
+    same rank. Everything not marked is treated as replicated and written once, by rank 0.
 
-    def __init__(self, obj: Any) -> None:
+    ``new_ranks``: what a rank that did not exist when the checkpoint was written (a resume on
+    more ranks) loads: ``"refuse"`` (default: the resume is refused, nothing is loaded) or
+    ``"rank0"`` (rank 0's state, for an object that can work out its own share from it, such
+    as a sharded :class:`~resilient_callbacks.ResumableDataLoader`)."""
+
+    def __init__(self, obj: Any, *, new_ranks: str = "refuse") -> None:
+        if new_ranks not in ("refuse", "rank0"):
+            raise ValueError(f"PerRank(new_ranks={new_ranks!r}): 'refuse' or 'rank0'")
         self.obj = obj
+        self.new_ranks = new_ranks
 
     def __repr__(self) -> str:
         return f"PerRank({self.obj!r})"
+
+
+def per_rank_id(path: tuple[Any, ...]) -> str:
+    """The id of the PerRank at ``path`` in a state (its key in each rank's structure)."""
+    return "/".join(str(p) for p in path) or "root"
 
 
 def is_stateful(obj: Any) -> bool:
@@ -147,7 +160,7 @@ class _Encoder:
                 raise UnsupportedStateError(f"{path_str(path)}: PerRank cannot be nested")
             if not self.split_per_rank:
                 return self.encode(obj.obj, path)
-            rid = "/".join(str(p) for p in path) or "root"
+            rid = per_rank_id(path)
             self._in_rank = True
             try:
                 self.per_rank[rid] = self.encode(obj.obj, path)
@@ -315,9 +328,14 @@ def _hashable(v: Any) -> Any:
     return v
 
 
-def inline_per_rank(structure: Any, per_rank: Mapping[str, Any] | None) -> Any:
+def inline_per_rank(
+    structure: Any,
+    per_rank: Mapping[str, Any] | None,
+    borrowed: Mapping[str, Any] | None = None,
+) -> Any:
     """Replace the ``per_rank`` placeholders of a shared structure with this rank's nodes, so the
-    result describes the whole state as seen by this rank."""
+    result describes the whole state as seen by this rank. ``borrowed``: rank 0's nodes of the
+    PerRanks a rank that did not write the checkpoint may load (``new_ranks="rank0"``)."""
 
     def rec(n: Any) -> Any:
         if isinstance(n, list):
@@ -325,6 +343,8 @@ def inline_per_rank(structure: Any, per_rank: Mapping[str, Any] | None) -> Any:
         if not isinstance(n, dict):
             return n
         if n.get(TAG) == "per_rank":
+            if (per_rank is None or n["id"] not in per_rank) and borrowed and n["id"] in borrowed:
+                return borrowed[n["id"]]
             if per_rank is None or n["id"] not in per_rank:
                 raise CheckpointMismatchError(
                     f"per-rank state {n['id']!r} is missing for this rank in the checkpoint "

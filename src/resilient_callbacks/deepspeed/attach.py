@@ -184,7 +184,8 @@ def initialize(
     extra: dict[str, Any] = {}
     if training_data is not None:
         loader = _resumable_loader(engine, training_data, collate_fn)
-        extra["data"] = PerRank(loader)
+        # on more ranks than wrote the checkpoint, new ranks re-shard from rank 0's position
+        extra["data"] = PerRank(loader, new_ranks="rank0")
     handle = DeepSpeedCheckpoint(engine, extra or None, **options)
     handle.restore()
     return engine, opt, loader, sched
