@@ -203,67 +203,53 @@ class ResumableDataLoader(DataLoader):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        sampler = self.sampler
-        assert isinstance(sampler, ResumableSampler)
-        saved = state["sampler"]
-        sharded = sampler.num_replicas is not None and saved.get("num_replicas") is not None
-        if sharded and (saved["num_replicas"], state["batch_size"]) != (
-            sampler.num_replicas,
-            self.batch_size,
-        ):
-            self._load_resharded(state)
-            return
-        if state["batch_size"] != self.batch_size:
-            raise ValueError(
-                f"ResumableDataLoader batch_size={self.batch_size} here but {state['batch_size']} "
-                "in the checkpoint; the saved position counts batches of the old size"
-            )
-        if ("generator" in state) != (self.generator is not None):
-            raise ValueError(
-                "ResumableDataLoader: the checkpoint was written by a loader "
-                + ("with" if "generator" in state else "without")
-                + " its own generator (seed=/generator=) and this one is "
-                + ("not" if self.generator is None else "")
-                + "; construct it as the interrupted run did"
-            )
-        sampler.load_state_dict(state["sampler"])
-        self.epoch = int(state["epoch"])
-        self.batches_consumed = int(state["batches_consumed"])
-        self._started = bool(state.get("started", self.batches_consumed > 0))
-        if "epoch_rng" in state:
-            self._epoch_rng = state["epoch_rng"].clone()
-        if self.generator is not None:
-            self.generator.set_state(state["generator"].clone())
-        self._restored_persistent = bool(state.get("persistent_iterator", False))
-        self._line_up()
-
-    def _line_up(self) -> None:
-        """passes_are_epochs: this process's pass k is epoch k, so the passes before the
-        restored epoch answer nothing."""
-        if self.passes_are_epochs:
-            self._skip_passes = max(0, self.epoch - self._passes)
-
-    def _load_resharded(self, state: dict[str, Any]) -> None:
-        """A state saved on another number of ranks or with another batch size: the ranks went
-        through the epoch in step, so together they took the first ``position x num_replicas``
-        samples of its (padded) order; the rest of it is sharded over the ranks here. Every rank
-        loads the state of rank 0 (or its own): they all hold the same position."""
+        """Load a saved position. A state saved on another number of ranks or with another
+        batch size (sharded loaders): the ranks went through the epoch in step, so together
+        they took the first ``position x num_replicas`` samples of its (padded) order; the rest
+        of it is sharded over the ranks here. Every rank loads the state of rank 0 (or its
+        own): they all hold the same position."""
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
         saved = state["sampler"]
-        sampler.check_compatible(saved)
-        consumed = int(saved["position"]) * int(saved["num_replicas"])
-        left = sampler.load_resharded(saved, consumed)
+        sharded = sampler.num_replicas is not None and saved.get("num_replicas") is not None
+        resharded = sharded and (saved["num_replicas"], state["batch_size"]) != (
+            sampler.num_replicas,
+            self.batch_size,
+        )
+        if resharded:
+            sampler.check_compatible(saved)
+            consumed = int(saved["position"]) * int(saved["num_replicas"])
+            left = sampler.load_resharded(saved, consumed)
+            batches, persistent = 0, False
+        else:
+            if state["batch_size"] != self.batch_size:
+                raise ValueError(
+                    f"ResumableDataLoader batch_size={self.batch_size} here but "
+                    f"{state['batch_size']} in the checkpoint; the saved position counts "
+                    "batches of the old size"
+                )
+            if ("generator" in state) != (self.generator is not None):
+                raise ValueError(
+                    "ResumableDataLoader: the checkpoint was written by a loader "
+                    + ("with" if "generator" in state else "without")
+                    + " its own generator (seed=/generator=) and this one is "
+                    + ("not" if self.generator is None else "")
+                    + "; construct it as the interrupted run did"
+                )
+            sampler.load_state_dict(saved)
+            batches = int(state["batches_consumed"])
+            persistent = bool(state.get("persistent_iterator", False))
         self.epoch = int(state["epoch"])
-        self.batches_consumed = 0
-        self._started = bool(state.get("started", False))
+        self.batches_consumed = batches
+        self._started = bool(state.get("started", batches > 0))
         if "epoch_rng" in state:
             self._epoch_rng = state["epoch_rng"].clone()
-        if ("generator" in state) and self.generator is not None:
+        if "generator" in state and self.generator is not None:
             self.generator.set_state(state["generator"].clone())
-        self._restored_persistent = False
-        self._line_up()
-        if sampler.rank == 0:
+        self._restored_persistent = persistent
+        if self.passes_are_epochs:  # this process's pass k is epoch k: skip the ones before
+            self._skip_passes = max(0, self.epoch - self._passes)
+        if resharded and sampler.rank == 0:
             log.warning(
                 "data loader: the checkpoint was saved on %d rank(s) with batch size %d, this run "
                 "has %d with batch size %d: the rest of epoch %d (%d of its samples, %d already "

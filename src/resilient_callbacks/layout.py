@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,7 +127,6 @@ class LoadedPart:
     per_rank: dict[str, Any]
     rng: dict[str, Any] | None
     tensors: dict[str, torch.Tensor]
-    borrowed: dict[str, Any] = field(default_factory=dict)  # rank 0's, for a new rank
 
 
 def _entry(manifest: Manifest, name: str, where: str) -> FileEntry:
@@ -190,7 +189,6 @@ def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] 
         return load_tensor_file(os.path.join(path, entry.path), entry)
 
     shared = load_json(SHARED_STRUCTURE)
-    borrowed: dict[str, Any] = {}
     if rank < manifest.world_size:
         local = load_json(rank_structure(rank))
         names = [SHARED_TENSORS, rank_tensors(rank)]
@@ -207,13 +205,13 @@ def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] 
     else:
         tensors = load_tensors(SHARED_TENSORS)
         per_rank, rng = {}, None
-        if borrow:
+        if borrow:  # a rank the checkpoint has no files of: rank 0's, of these states
             first = load_json(rank_structure(0)).get("per_rank") or {}
-            borrowed = {k: v for k, v in first.items() if k in borrow}
+            per_rank = {k: v for k, v in first.items() if k in borrow}
             tensors.update(load_tensors(rank_tensors(0)))  # "@rank/" names: no clash
     refs = shared.get("blobs") or {}
     if refs:
         if not isinstance(refs, dict):
             raise CheckpointCorruptError(f"{path}: malformed blob references")
         tensors.update(load_blobs(path, manifest, refs))
-    return LoadedPart(shared["structure"], per_rank, rng, tensors, borrowed)
+    return LoadedPart(shared["structure"], per_rank, rng, tensors)

@@ -239,7 +239,7 @@ class Restorer:
         local_exc: BaseException | None = None
         warns: list[str] = []
         try:
-            full = structure.inline_per_rank(part.structure, part.per_rank, part.borrowed)
+            full = structure.inline_per_rank(part.structure, part.per_rank)
             meta = {
                 k: (str(t.dtype).removeprefix("torch."), list(t.shape))
                 for k, t in part.tensors.items()

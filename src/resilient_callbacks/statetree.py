@@ -13,7 +13,7 @@ import torch
 import xxhash
 
 from .filepart import FilePart
-from .structure import PerRank, part_id, per_rank_id
+from .structure import PerRank, part_id
 
 
 def leaves(state: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -57,7 +57,7 @@ def optimizers(state: Any) -> list[torch.optim.Optimizer]:
 def rank0_for_new_ranks(state: Any, path: tuple[Any, ...] = ()) -> set[str]:
     """The ids of the ``PerRank(..., new_ranks="rank0")`` in ``state``."""
     if isinstance(state, PerRank):
-        return {per_rank_id(path)} if state.new_ranks == "rank0" else set()
+        return {part_id(path)} if state.new_ranks == "rank0" else set()
     out: set[str] = set()
     if isinstance(state, Mapping):
         for k, v in state.items():

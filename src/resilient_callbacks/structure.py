@@ -56,11 +56,6 @@ class PerRank:
         return f"PerRank({self.obj!r})"
 
 
-def per_rank_id(path: tuple[Any, ...]) -> str:
-    """The id of the PerRank at ``path`` in a state (its key in each rank's structure)."""
-    return "/".join(str(p) for p in path) or "root"
-
-
 def is_stateful(obj: Any) -> bool:
     return (
         not isinstance(obj, (torch.Tensor, Mapping, type))
@@ -160,7 +155,7 @@ class _Encoder:
                 raise UnsupportedStateError(f"{path_str(path)}: PerRank cannot be nested")
             if not self.split_per_rank:
                 return self.encode(obj.obj, path)
-            rid = per_rank_id(path)
+            rid = part_id(path)
             self._in_rank = True
             try:
                 self.per_rank[rid] = self.encode(obj.obj, path)
@@ -233,7 +228,8 @@ class _Encoder:
 
 
 def part_id(path: tuple[Any, ...]) -> str:
-    """The id of the FilePart at ``path`` in a state: its folder under ``parts/``."""
+    """The id of the FilePart or PerRank at ``path`` in a state: a FilePart's folder under
+    ``parts/``, a PerRank's key in each rank's structure."""
     return "/".join(str(p) for p in path) or "root"
 
 
@@ -328,14 +324,9 @@ def _hashable(v: Any) -> Any:
     return v
 
 
-def inline_per_rank(
-    structure: Any,
-    per_rank: Mapping[str, Any] | None,
-    borrowed: Mapping[str, Any] | None = None,
-) -> Any:
+def inline_per_rank(structure: Any, per_rank: Mapping[str, Any] | None) -> Any:
     """Replace the ``per_rank`` placeholders of a shared structure with this rank's nodes, so the
-    result describes the whole state as seen by this rank. ``borrowed``: rank 0's nodes of the
-    PerRanks a rank that did not write the checkpoint may load (``new_ranks="rank0"``)."""
+    result describes the whole state as seen by this rank."""
 
     def rec(n: Any) -> Any:
         if isinstance(n, list):
@@ -343,8 +334,6 @@ def inline_per_rank(
         if not isinstance(n, dict):
             return n
         if n.get(TAG) == "per_rank":
-            if (per_rank is None or n["id"] not in per_rank) and borrowed and n["id"] in borrowed:
-                return borrowed[n["id"]]
             if per_rank is None or n["id"] not in per_rank:
                 raise CheckpointMismatchError(
                     f"per-rank state {n['id']!r} is missing for this rank in the checkpoint "

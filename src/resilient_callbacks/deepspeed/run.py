@@ -5,9 +5,9 @@ with ``deepspeed.initialize`` made resilient (see :mod:`.launch`). Works as
 The ``deepspeed`` launcher puts ``--local_rank=N`` before the module's arguments, that is before
 SCRIPT: it is handed to SCRIPT first among its arguments, as ``deepspeed SCRIPT ...`` would.
 
-When SCRIPT ends normally (returns, or exits with status 0), each engine's last step is saved (unless it already is) and its
-pending saves are committed: re-running a finished job then restores its end and trains
-nothing, and ``resilient-ckpt export`` exports the final weights."""
+When SCRIPT ends normally (returns, or exits with status 0), each engine's last step is saved
+(unless it already is) and its pending saves are committed: re-running a finished job then
+restores its end and trains nothing, and ``resilient-ckpt export`` exports the final weights."""
 
 from __future__ import annotations
 
