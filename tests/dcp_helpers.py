@@ -34,18 +34,45 @@ def spawn(
 
 
 def build(seed: int = 0) -> tuple[Any, Any]:
-    """A tiny MLP sharded with FSDP2 (each Linear, then the root) and its AdamW, on CPU. Odd
-    sizes make the shards uneven (7 rows on 2 ranks: 4 + 3)."""
+    """A tiny MLP sharded on CPU and its AdamW. Odd sizes make the shards uneven (7 rows on 2
+    ranks: 4 + 3). ``RC_SHARDING`` picks how: ``fsdp2`` (default: ``fully_shard`` each Linear,
+    then the root; DTensor state), ``fsdp1`` (``FullyShardedDataParallel`` around each Linear,
+    ``use_orig_params=True`` as Lightning and accelerate set it; ShardedTensor state, a rank may
+    hold no piece of a small tensor) or ``fsdp1-mesh`` (the same given a device mesh: DTensor
+    state)."""
+    import os
+
     import torch
     from torch import nn
-    from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 1))
+    how = os.environ.get("RC_SHARDING", "fsdp2")
+    if how == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    elif how in ("fsdp1", "fsdp1-mesh"):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        mesh = None
+        if how == "fsdp1-mesh":
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        model = FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            device_id=torch.device("cpu"),
+            device_mesh=mesh,
+            use_orig_params=True,
+        )
+    else:
+        raise ValueError(f"RC_SHARDING={how!r}")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     return model, opt
 
@@ -55,7 +82,7 @@ def train_step(model: Any, opt: Any) -> float:
     import torch
 
     x = torch.randn(8, 6)
-    y = torch.randn(8, 3)
+    y = torch.randn(8, 1)
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -64,16 +91,13 @@ def train_step(model: Any, opt: Any) -> float:
 
 
 def full_tensors(model: Any, opt: Any) -> dict[str, Any]:
-    """Every model and optimizer tensor as a full (unsharded) CPU tensor; collective."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.tensor import DTensor
+    """Every model and optimizer tensor as a full (unsharded) CPU tensor, whatever the sharding;
+    collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    msd, osd = get_state_dict(model, opt)
-    out = {}
-    for k, v in msd.items():
-        out[f"model/{k}"] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out = {f"model/{k}": v.detach().clone() for k, v in msd.items()}
     for fqn, st in osd["state"].items():
         for k, v in st.items():
-            t = v.full_tensor() if isinstance(v, DTensor) else v
-            out[f"optim/{fqn}/{k}"] = t.detach().clone().reshape(t.shape)
+            out[f"optim/{fqn}/{k}"] = v.detach().clone()
     return out

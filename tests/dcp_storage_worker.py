@@ -1,4 +1,5 @@
-"""Worker script of the drop-in DCP writer/reader tests: one rank (FSDP2 on gloo, CPU).
+"""Worker script of the drop-in DCP writer/reader tests: one rank (FSDP2 on gloo, CPU; FSDP1 with
+``RC_SHARDING=fsdp1``, see ``dcp_helpers.build``).
 
 ``python dcp_storage_worker.py MODE ROOT OUT [REMOTE_URL]``:
 
@@ -33,6 +34,10 @@ from dcp_helpers import build, full_tensors, train_step
 from dcp_train import allow_unpickling, forbid_unpickling
 from resilient_callbacks.dcp import ResilientStorageReader, ResilientStorageWriter
 
+# DCP cannot load a nested dict of plain values beside ShardedTensors (FSDP1 without a device
+# mesh): "Missing key in checkpoint state_dict: extra", with its own FileSystemWriter/Reader too.
+EXTRA = os.environ.get("RC_SHARDING", "fsdp2") != "fsdp1"
+
 
 def main() -> None:
     mode, root, out = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -50,7 +55,9 @@ def main() -> None:
             for step in (1, 2, 3):
                 train_step(model, opt)
                 msd, osd = get_state_dict(model, opt)
-                sd = {"model": msd, "optim": osd, "extra": {"epoch": step, "tag": (1, "a")}}
+                sd = {"model": msd, "optim": osd}
+                if EXTRA:
+                    sd["extra"] = {"epoch": step, "tag": (1, "a")}
                 writer.step = step
                 if mode == "crash" and step == 3 and rank == 0:
                     writer.finish = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
@@ -63,7 +70,9 @@ def main() -> None:
             save_file({k: v.contiguous() for k, v in full.items()}, f"{out}.saved.safetensors")
     elif mode == "load":
         msd, osd = get_state_dict(model, opt)
-        sd = {"model": msd, "optim": osd, "extra": {"epoch": 0, "tag": None}}
+        sd = {"model": msd, "optim": osd}
+        if EXTRA:
+            sd["extra"] = {"epoch": 0, "tag": None}
         reader = ResilientStorageReader(root)
         forbidden = forbid_unpickling()
         with warnings.catch_warnings(record=True) as caught:
@@ -76,8 +85,8 @@ def main() -> None:
             save_file({k: v.contiguous() for k, v in full.items()}, f"{out}.loaded.safetensors")
         res.update(
             step=reader.loaded_step,
-            extra=sd["extra"],
-            tag_is_tuple=isinstance(sd["extra"]["tag"], tuple),
+            extra=sd.get("extra"),
+            tag_is_tuple=isinstance(sd.get("extra", {}).get("tag"), tuple),
             warnings=[str(w.message) for w in caught],
         )
         train_step(model, opt)  # and training goes on

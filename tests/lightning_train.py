@@ -89,6 +89,7 @@ class Net(L.LightningModule):
         self.sleep = sleep
         self._log = None
         self.fsdp2 = False
+        self.fsdp1 = False
         self._sharded = False
 
     def training_step(self, batch, batch_idx):
@@ -134,6 +135,17 @@ class Net(L.LightningModule):
                     fully_shard(layer, mesh=mesh)
             fully_shard(self.net, mesh=mesh)
             self._sharded = True
+        if self.fsdp1 and not self._sharded:  # FSDPStrategy on CPU: see cpu_fsdp1_strategy
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            self.net = FSDP(
+                self.net,
+                auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                device_id=torch.device("cpu"),
+                use_orig_params=True,
+            )
+            self._sharded = True
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
@@ -165,6 +177,20 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def cpu_fsdp1_strategy() -> Any:
+    """Lightning's ``FSDPStrategy`` on CPU ranks (gloo). Lightning refuses it without a GPU by
+    checking its exact type (a subclass passes), and wraps the model without a ``device_id``,
+    which FSDP1 refuses on a CPU; so the model wraps itself in ``configure_model`` (with
+    ``device_id=cpu``), and Lightning leaves a model that holds FSDP modules as it is. Everything
+    else -- setup, precision plugin, the strategy's checkpoint hooks -- is FSDPStrategy's own."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        pass
+
+    return CPUFSDPStrategy()
 
 
 def cpu_deepspeed_strategy(stage: int, ckpt_dir: str) -> Any:
@@ -210,6 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fsdp2", action="store_true", help="ModelParallelStrategy with fully_shard (FSDP2)"
     )
+    p.add_argument("--fsdp1", action="store_true", help="FSDPStrategy (see cpu_fsdp1_strategy)")
     p.add_argument(
         "--deepspeed",
         type=int,
@@ -250,6 +277,7 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
         sleep=args.sleep,
     )
     model.fsdp2 = args.fsdp2
+    model.fsdp1 = args.fsdp1
     # ... then rank-specific random streams
     torch.manual_seed(100 + rank)
     random.seed(200 + rank)
@@ -284,6 +312,8 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    if args.fsdp1:
+        strategy = cpu_fsdp1_strategy()
     if args.deepspeed is not None:
         strategy = cpu_deepspeed_strategy(args.deepspeed, args.ckpt_dir)
     trainer = L.Trainer(

@@ -1,5 +1,5 @@
-"""``Sharded(model, optimizer)``: FSDP2 (``fully_shard``) state on CPU, 2 gloo ranks, through a
-Checkpointer.
+"""``Sharded(model, optimizer)``: FSDP2 (``fully_shard``) and FSDP1 state on CPU, 2 gloo ranks,
+through a Checkpointer.
 
 (a) Chunk arithmetic and the JSON skeleton (one process, no torch.distributed).
 (b) Save on 2 ranks, resume on 1, with ``pickle``/``torch.load`` patched to raise during the
@@ -9,7 +9,9 @@ Checkpointer.
 (d) slow: SIGKILL mid-run (a background save may be in flight), re-run the same command: the
     per-step losses of every rank and the final full tensors are bit-identical to an
     uninterrupted run; a flipped byte in the newest checkpoint's shard makes the restore fall
-    back, loudly, to the previous one.
+    back, loudly, to the previous one. The same under FSDP1.
+(e) FSDP1's ShardedTensors 2 -> 1 -> 2 ranks; slow: one checkpoint through FSDP2, FSDP1 on one
+    rank, FSDP1 with a device mesh and without one.
 
 The ranks run ``tests/dcp_train.py``.
 """
@@ -177,13 +179,16 @@ def test_two_to_one_to_two_ranks_keeps_every_full_tensor(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigkill_mid_run_then_rerun_is_bit_identical_and_a_flipped_byte_falls_back(tmp_path):
+@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
+def test_sigkill_mid_run_then_rerun_is_bit_identical_and_a_flipped_byte_falls_back(
+    tmp_path, sharding
+):
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
-    _run(tmp_path, 2, clean, "u", 8)
-    codes = _run(tmp_path, 2, crashed, "k", 8, "5")
+    _run(tmp_path, 2, clean, "u", 8, RC_SHARDING=sharding)
+    codes = _run(tmp_path, 2, crashed, "k", 8, "5", RC_SHARDING=sharding)
     assert -9 in codes  # killed, not finished
     assert not (tmp_path / "k.final.safetensors").exists()
-    _run(tmp_path, 2, crashed, "k", 8)  # the same command again
+    _run(tmp_path, 2, crashed, "k", 8, RC_SHARDING=sharding)  # the same command again
     assert int((tmp_path / "k.start").read_text()) in (4, 2)
     for rank in (0, 1):
         assert _losses(tmp_path, "k", rank) == _losses(tmp_path, "u", rank)
@@ -198,10 +203,61 @@ def test_sigkill_mid_run_then_rerun_is_bit_identical_and_a_flipped_byte_falls_ba
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0xFF
     shard.write_bytes(bytes(data))
-    _run(tmp_path, 2, flipped, "f", 8)
+    _run(tmp_path, 2, flipped, "f", 8, RC_SHARDING=sharding)
     assert (tmp_path / "f.start").read_text() == "6"
     logs = "".join(p.read_text() for p in tmp_path.glob("f-2.attempt*.rank0.log"))
     assert "rank_00001.safetensors" in logs and "falling back" in logs
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_fsdp1_sharded_tensors_go_from_two_ranks_to_one_and_back(tmp_path):
+    """FSDP1 without a device mesh (as Lightning's FSDPStrategy and accelerate set it up) gives
+    ShardedTensors, chunked along the first dimension; the 1-element bias of the last layer has
+    no piece on rank 1. On one rank FSDP1 is NO_SHARD and its state dict holds whole tensors:
+    the resume on one rank assembles them from both ranks' chunks, and the resume on two ranks
+    after it cuts each rank's piece from the whole tensors."""
+    root = tmp_path / "ck"
+    fsdp1 = {"RC_SHARDING": "fsdp1"}
+    _run(tmp_path, 2, root, "a", 4, **fsdp1)
+    saved = json.loads((root / "step_000000004" / "manifest.json").read_text())["extra"]
+    tensors = saved["parts"]["train"]["tensors"]
+    assert tensors["model/0.weight"]["chunks"] == [[0, [0, 0], [4, 6]], [1, [4, 0], [3, 6]]]
+    assert tensors["model/4.bias"]["chunks"] == [[0, [0], [1]]]  # rank 1 holds no piece
+    assert tensors["optim/state/4.bias/exp_avg"]["chunks"] == [[0, [0], [1]]]
+
+    _run(tmp_path, 1, root, "b", 6, RC_FORBID_PICKLE="1", **fsdp1)
+    _run(tmp_path, 2, root, "c", 8, RC_FORBID_PICKLE="1", **fsdp1)
+    _assert_same(
+        _tensors(tmp_path / "a.final.safetensors"), _tensors(tmp_path / "b.restored.safetensors")
+    )
+    _assert_same(
+        _tensors(tmp_path / "b.final.safetensors"), _tensors(tmp_path / "c.restored.safetensors")
+    )
+    assert (tmp_path / "c.start").read_text() == "6"
+    assert sorted(_losses(tmp_path, "c", 1)) == [7, 8]
+    logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
+    assert "deprecating ShardedTensor" not in logs  # our reads of them are quiet
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_checkpoint_moves_between_fsdp2_and_fsdp1(tmp_path):
+    """The same model saved under FSDP2 (DTensors), resumed under FSDP1 on one rank (whole
+    tensors), then under FSDP1 with a device mesh on two (DTensors again), then FSDP1 without
+    one (ShardedTensors): each restore equals what the run before saved."""
+    root = tmp_path / "ck"
+    _run(tmp_path, 2, root, "a", 2, RC_SHARDING="fsdp2")
+    _run(tmp_path, 1, root, "b", 4, RC_SHARDING="fsdp1")
+    _run(tmp_path, 2, root, "c", 6, RC_SHARDING="fsdp1-mesh")
+    _run(tmp_path, 2, root, "d", 8, RC_SHARDING="fsdp1")
+    for before, after in (("a", "b"), ("b", "c"), ("c", "d")):
+        _assert_same(
+            _tensors(tmp_path / f"{before}.final.safetensors"),
+            _tensors(tmp_path / f"{after}.restored.safetensors"),
+        )
+    assert (tmp_path / "d.start").read_text() == "6"
 
 
 @pytest.mark.distributed

@@ -277,6 +277,25 @@ def test_dcp_save_on_two_ranks_load_on_one_without_unpickling(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_async_save_of_fsdp1_sharded_tensors_loads_on_one_rank(tmp_path):
+    """FSDP1 without a device mesh: the state dict holds ShardedTensors, which the writer's
+    staging for ``dcp.async_save`` copies as this rank's piece and rebuilds around the copy (it
+    failed on them before: ``torch function 'numel' ... ShardedTensor``)."""
+    root, env = tmp_path / "ck", {"RC_SHARDING": "fsdp1"}
+    _spawn(tmp_path, 2, "async", str(root), str(tmp_path / "a"), env=env)
+    _spawn(tmp_path, 1, "load", str(root), str(tmp_path / "l"), env=env)
+    saved, loaded = (
+        _tensors(tmp_path / "a.saved.safetensors"),
+        _tensors(tmp_path / "l.loaded.safetensors"),
+    )
+    assert sorted(saved) == sorted(loaded)
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
+    assert json.loads((tmp_path / "l.rank0.json").read_text())["step"] == 3
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_async_save_and_a_sigkill_between_write_and_finish(tmp_path):

@@ -589,12 +589,13 @@ def test_preemption_without_exit_stops_fit_after_the_emergency_save(tmp_path):
     assert only.step == 3 and only.manifest.reason == "emergency"
 
 
-def test_fsdp1_strategy_is_not_supported_yet(tmp_path):  # DeepSpeedStrategy is: below
-    from lightning.pytorch.strategies import FSDPStrategy
+def test_an_unsupported_strategy_is_refused_before_training(tmp_path):
+    class HomeMadeStrategy:  # a strategy of none of the supported kinds
+        pass
 
     rc = ResilientCheckpoint(tmp_path / "ck")
-    fake = types.SimpleNamespace(strategy=FSDPStrategy(), callbacks=[rc])
-    with pytest.raises(ConfigError, match=r"does not support FSDPStrategy yet.*ModelParallel"):
+    fake = types.SimpleNamespace(strategy=HomeMadeStrategy(), callbacks=[rc])
+    with pytest.raises(ConfigError, match=r"does not support HomeMadeStrategy yet.*FSDPStrategy"):
         rc.setup(fake, None, "fit")  # type: ignore[arg-type]
 
 
@@ -763,16 +764,22 @@ class _Job:
         # suite budget: lightning/sharded.py runs by default through DeepSpeedStrategy (ZeRO 3),
         # Sharded on 2 FSDP2 ranks through test_dcp_sharded.py
         pytest.param("fsdp2", marks=pytest.mark.slow),
+        pytest.param("fsdp1", marks=pytest.mark.slow),
         pytest.param("deepspeed", marks=pytest.mark.slow),
     ],
 )
 def test_two_processes_sigkill_then_rerun_is_bit_exact(tmp_path, strategy):
-    """strategy='ddp', ModelParallelStrategy with FSDP2 ``fully_shard`` (sharded checkpoints:
-    each rank writes its own shards), and DeepSpeedStrategy with ZeRO 2 (each rank its
+    """strategy='ddp', ModelParallelStrategy with FSDP2 ``fully_shard`` and FSDPStrategy (FSDP1)
+    (sharded checkpoints: each rank writes its own shards), and DeepSpeedStrategy with ZeRO 2 (each rank its
     partitions; on the CPU as in lightning_train.cpu_deepspeed_strategy), on 2 CPU processes
     (gloo). The reference and the run to be killed run side by side; both ranks are SIGKILLed
     mid-epoch, and the same command started again continues exactly, on each rank."""
-    more = {"ddp": [], "fsdp2": ["--fsdp2"], "deepspeed": ["--deepspeed", "2"]}[strategy]
+    more = {
+        "ddp": [],
+        "fsdp2": ["--fsdp2"],
+        "fsdp1": ["--fsdp1"],
+        "deepspeed": ["--deepspeed", "2"],
+    }[strategy]
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()
     run.mkdir()
@@ -791,7 +798,9 @@ def test_two_processes_sigkill_then_rerun_is_bit_exact(tmp_path, strategy):
     assert {e.manifest.world_size for e in _committed(run / "ckpt")} == {2}
     if strategy != "ddp":  # the weights and Adam moments are in each rank's own files
         newest = _committed(run / "ckpt")[-1].path
-        folder = {"fsdp2": ("sharded",), "deepspeed": ("engine", "zero")}[strategy]
+        folder = {"fsdp2": ("sharded",), "fsdp1": ("sharded",), "deepspeed": ("engine", "zero")}[
+            strategy
+        ]
         shards = sorted(p.name for p in Path(newest, "parts", *folder).iterdir())
         assert shards == [f"rank_0000{r}.{x}" for r in (0, 1) for x in ("json", "safetensors")]
     for r in (0, 1):

@@ -1,5 +1,5 @@
-"""Sharded checkpoints for FSDP2 (``fully_shard``), FSDP1 and tensor parallelism (DTensor
-state) through the core: pickle-free, verified, resharded on load.
+"""Sharded checkpoints for FSDP2 (``fully_shard``), FSDP1 and tensor parallelism (DTensor and
+FSDP1's ShardedTensor state) through the core: pickle-free, verified, resharded on load.
 
 - :class:`Sharded` -- put ``Sharded(model, optimizer)`` in a :class:`~resilient_callbacks.Checkpointer`
   state: each rank saves its own shards in the background, restore reshards to the current

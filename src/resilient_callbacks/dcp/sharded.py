@@ -1,12 +1,14 @@
 """``Sharded(model, optimizer)``: the sharded state of FSDP2 (``fully_shard``), FSDP1 or tensor
-parallelism (DTensors) as a :class:`~resilient_callbacks.filepart.FilePart`, saved by every rank
-into its own files and restored on any number of ranks (resharding).
+parallelism (DTensors, or FSDP1's ShardedTensors: :mod:`.shards`) as a
+:class:`~resilient_callbacks.filepart.FilePart`, saved by every rank into its own files and
+restored on any number of ranks (resharding).
 
 Files, under ``parts/<id>/`` of a checkpoint:
 
-- ``rank_NNNNN.safetensors`` (each rank): the local chunks of the DTensors this rank owns (a
-  chunk several ranks hold, as with a replicated placement, is written once, by the lowest rank
-  holding it), and every plain tensor of the state dict (optimizer ``step`` counters).
+- ``rank_NNNNN.safetensors`` (each rank): the local chunks of the sharded tensors this rank
+  owns (a chunk several ranks hold, as with a replicated placement, is written once, by the
+  lowest rank holding it), and every plain tensor of the state dict (optimizer ``step``
+  counters).
 - ``rank_NNNNN.json`` (each rank): the state dict's non-tensor values (``param_groups``
   hyper-parameters) with references to the tensors.
 
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -46,6 +49,7 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError, Unsupporte
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
 from ..snapshot import step_storages
 from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
+from . import shards
 from .chunks import Box, copy_overlap, join, split
 
 if TYPE_CHECKING:
@@ -62,27 +66,6 @@ def json_file(rank: int) -> str:
     return f"rank_{rank:05d}.json"
 
 
-def chunk_of(name: str, t: DTensor) -> Box:
-    """The box of the global tensor that this rank's local shard of ``t`` holds."""
-    chunks = t.__create_chunk_list__()
-    if len(chunks) != 1:
-        raise UnsupportedStateError(
-            f"{name}: a DTensor whose local shard is {len(chunks)} pieces of the global tensor "
-            "is not supported (one piece per rank is: Shard and Replicate placements)"
-        )
-    return Box.of(chunks[0].offsets, chunks[0].sizes)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (``t`` itself otherwise). Reads the DTensor's local tensor
-    directly: ``to_local()`` is an autograd function, about 35 us a call, paid for every tensor
-    twice at every save (a quarter of what a save blocks for at 120 tensors)."""
-    if not isinstance(t, DTensor):
-        return t
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t.to_local()
-
-
 def _dtype_code(name: str, t: torch.Tensor) -> str:
     try:
         return DTYPE_TO_ST[t.dtype]
@@ -96,7 +79,7 @@ class _Pending:
 
     skeleton: Any
     tensors: dict[str, torch.Tensor]
-    owned: set[str]  # the DTensor chunks this rank writes
+    owned: set[str]  # the sharded tensors' chunks this rank writes
     said: dict[str, Any]
 
 
@@ -147,9 +130,12 @@ class Sharded(FilePart):
 
     # ------------------------------------------------------------------ the state dict
 
-    def _box(self, name: str, t: DTensor) -> Box:
-        """This rank's box of ``t``, cached by layout (computing it costs more than the rest of
-        describe() together: DTensor's __create_chunk_list__ recomputes the shard sizes)."""
+    def _box(self, name: str, t: DTensor | ShardedTensor) -> Box:
+        """This rank's box of ``t``; a DTensor's cached by layout (computing it costs more than
+        the rest of describe() together: DTensor's __create_chunk_list__ recomputes the shard
+        sizes; a ShardedTensor carries its box)."""
+        if not isinstance(t, DTensor):
+            return shards.box_of(name, t)
         mesh = t.device_mesh
         coordinate = mesh.get_coordinate()
         key: tuple[Any, ...] = (
@@ -161,7 +147,7 @@ class Sharded(FilePart):
         )
         box = self._boxes.get(key)
         if box is None:
-            box = self._boxes[key] = chunk_of(name, t)
+            box = self._boxes[key] = shards.box_of(name, t)
         return box
 
     def _has_optim_state(self) -> bool:
@@ -183,6 +169,7 @@ class Sharded(FilePart):
 
     # ------------------------------------------------------------------ save
 
+    @shards.quiet
     def describe(self) -> dict[str, Any]:
         """Every rank, training thread: the chunk index of every rank (:meth:`_index_of`)."""
         sd = self._state_dict(with_optim=self._has_optim_state())
@@ -190,7 +177,7 @@ class Sharded(FilePart):
         mine: dict[str, list[Any]] = {}
         mesh: dict[str, Any] | None = None
         for name, t in tensors.items():
-            if isinstance(t, DTensor):
+            if shards.is_sharded(t):
                 box = self._box(name, t)
                 mine[name] = [
                     _dtype_code(name, t),
@@ -199,11 +186,7 @@ class Sharded(FilePart):
                     list(box.sizes),
                 ]
                 if mesh is None:
-                    mesh = {
-                        "shape": list(t.device_mesh.shape),
-                        "dim_names": list(t.device_mesh.mesh_dim_names or ()),
-                        "placements": [str(p) for p in t.placements],
-                    }
+                    mesh = shards.layout(t)
             else:
                 _dtype_code(name, t)
         index, owned = self._index_of(mine)
@@ -256,6 +239,7 @@ class Sharded(FilePart):
                     owned.add(name)
         return index, owned
 
+    @shards.quiet
     def capture(self, buffers: CaptureBuffers) -> dict[str, Any]:
         """Every rank, training thread: copy this rank's chunks and plain tensors into the
         reused host buffers. Parameters and optimizer state change only at an optimizer step:
@@ -268,10 +252,10 @@ class Sharded(FilePart):
             assert pending is not None
         local: dict[str, torch.Tensor] = {}
         for name, t in pending.tensors.items():
-            if isinstance(t, DTensor):
+            if shards.is_sharded(t):
                 if name not in pending.owned:
                     continue
-                t = _local(t)
+                t = shards.local(t)
             local[name] = t.detach()
         copies = buffers.copy(local, step_only=self._step_storages())
         return {"tensors": copies, "json": {"format": FORMAT, "skeleton": pending.skeleton}}
@@ -281,7 +265,7 @@ class Sharded(FilePart):
 
     def _step_storages(self) -> set[int]:
         """Storages of the local shards that only an optimizer step changes."""
-        return step_storages([self.model], self.optimizers, local=_local)
+        return step_storages([self.model], self.optimizers, local=shards.local)
 
     def write(self, captured: dict[str, Any], writer: PartWriter) -> None:
         writer.tensors(tensor_file(writer.rank), captured["tensors"])
@@ -289,6 +273,7 @@ class Sharded(FilePart):
 
     # ------------------------------------------------------------------ restore
 
+    @shards.quiet
     def files_to_read(self, info: PartInfo) -> list[str]:
         """The home JSON (this rank's, or rank 0's for a rank the save did not have) and the
         tensor files holding a box that overlaps a local shard this rank needs."""
@@ -310,24 +295,27 @@ class Sharded(FilePart):
         ranks = {home}
         needs: dict[str, Box] = {}
         problems: list[str] = []
+        entries: dict[str, Any] = {}  # the index entries of the tensors assembled from boxes
         for name, t in tensors.items():
-            if not isinstance(t, DTensor):
-                continue
             entry = index.get(name)
             if entry is None:
-                problems.append(f"{name}: not in the checkpoint")
-                continue
+                if shards.is_sharded(t):  # saved whole (FSDP1 on one rank is NO_SHARD)
+                    needs[name] = self._box(name, t)
+                    entries[name] = _whole(name, t, home)
+                continue  # a plain tensor: the home file's
             if list(t.shape) != list(entry["shape"]) or _dtype_code(name, t) != entry["dtype"]:
                 problems.append(
                     f"{name}: saved {entry['dtype']} {entry['shape']}, "
                     f"this model has {DTYPE_TO_ST.get(t.dtype, t.dtype)} {list(t.shape)}"
                 )
                 continue
-            need = needs[name] = self._box(name, t)
+            # a plain tensor here that was saved sharded (resumed on one FSDP1 rank) is whole
+            need = needs[name] = self._box(name, t) if shards.is_sharded(t) else _full_box(t)
+            entries[name] = entry
             for r, offsets, sizes in entry["chunks"]:
                 if need.intersect(Box.of(offsets, sizes)) is not None and need.numel:
                     ranks.add(int(r))
-        unexpected = sorted(set(index) - {n for n, t in tensors.items() if isinstance(t, DTensor)})
+        unexpected = sorted(set(index) - set(tensors))
         problems += [f"{n}: in the checkpoint, not in this model/optimizer" for n in unexpected]
         if problems:
             more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
@@ -339,11 +327,12 @@ class Sharded(FilePart):
             "ranks": sorted(ranks),
             "tensors": tensors,
             "needs": needs,
-            "index": index,
+            "entries": entries,
             "with_optim": with_optim,
         }
         return [json_file(home)] + [tensor_file(r) for r in sorted(ranks)]
 
+    @shards.quiet
     def load(self, reader: PartReader) -> None:
         plan, self._load = self._load, None
         if plan is None:
@@ -357,8 +346,12 @@ class Sharded(FilePart):
 
         def value(name: str) -> Any:
             target = targets.get(name)
-            if isinstance(target, DTensor):
-                return self._assemble(name, target, plan["needs"][name], plan["index"], files)
+            need = plan["needs"].get(name)
+            if need is not None and target is not None:
+                piece = self._assemble(name, need, plan["entries"][name], files)
+                if shards.is_sharded(target):
+                    return shards.rebuild(target, piece.to(shards.local(target).device))
+                return piece.to(target.device)
             saved = files[home].get(name)
             if saved is None:
                 raise CheckpointCorruptError(
@@ -375,12 +368,12 @@ class Sharded(FilePart):
     @staticmethod
     def _assemble(
         name: str,
-        target: DTensor,
         need: Box,
-        index: Mapping[str, Any],
+        entry: Mapping[str, Any],
         files: Mapping[int, Mapping[str, torch.Tensor]],
-    ) -> DTensor:
-        entry = index[name]
+    ) -> torch.Tensor:
+        """This rank's piece ``need`` of tensor ``name``, copied from the saved chunks that
+        overlap it."""
         local = torch.empty(need.sizes, dtype=ST_TO_DTYPE[entry["dtype"]])
         filled = 0
         for r, offsets, sizes in entry["chunks"]:
@@ -389,18 +382,34 @@ class Sharded(FilePart):
                 continue
             src = files[int(r)].get(name)
             if src is None:
+                if entry.get("whole"):
+                    raise CheckpointMismatchError(
+                        f"{name}: not in the checkpoint (this model or optimizer has it)"
+                    )
                 raise CheckpointCorruptError(f"{tensor_file(int(r))} does not hold {name}")
+            if entry.get("whole") and (src.dtype != local.dtype or tuple(src.shape) != box.sizes):
+                raise CheckpointMismatchError(
+                    f"{name}: saved {DTYPE_TO_ST.get(src.dtype, src.dtype)} {list(src.shape)}, "
+                    f"this model has {entry['dtype']} {list(box.sizes)}"
+                )
             filled += copy_overlap(local, need, src, box)
         if filled != need.numel:
             raise CheckpointCorruptError(
                 f"{name}: the saved chunks cover {filled} of the {need.numel} elements this "
                 "rank needs"
             )
-        return DTensor.from_local(
-            local.to(target.device),
-            target.device_mesh,
-            target.placements,
-            run_check=False,
-            shape=target.shape,
-            stride=target.stride(),
-        )
+        return local
+
+
+def _full_box(t: torch.Tensor) -> Box:
+    return Box.of([0] * t.dim(), list(t.shape))
+
+
+def _whole(name: str, t: torch.Tensor, home: int) -> dict[str, Any]:
+    """The index entry of a tensor saved whole, as a plain tensor, into rank ``home``'s file."""
+    return {
+        "dtype": _dtype_code(name, t),
+        "shape": list(t.shape),
+        "chunks": [[home, [0] * t.dim(), list(t.shape)]],
+        "whole": True,
+    }

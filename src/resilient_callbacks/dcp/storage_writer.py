@@ -42,7 +42,6 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
-from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from .. import dist
@@ -54,6 +53,7 @@ from ..reader import by_commit, committed
 from ..session import CommitSession, RankReport
 from ..snapshot import HostBuffers, Snapshot
 from ..tensorfile import write_json, write_tensors
+from . import shards
 from .chunks import split
 from .metadata_json import METADATA_NAME, index_key, to_json
 
@@ -287,8 +287,8 @@ class ResilientStorageWriter(StorageWriter):
         tensors: dict[str, torch.Tensor] = {}
 
         def collect(obj: Any, path: str) -> None:
-            if isinstance(obj, DTensor):
-                tensors[path] = obj.to_local().detach()
+            if shards.is_sharded(obj):
+                tensors[path] = shards.local(obj).detach()
             elif isinstance(obj, torch.Tensor):
                 tensors[path] = obj.detach()
             elif isinstance(obj, dict):
@@ -299,15 +299,8 @@ class ResilientStorageWriter(StorageWriter):
                     collect(v, f"{path}/{i}")
 
         def rebuild(obj: Any, path: str, copies: dict[str, torch.Tensor]) -> Any:
-            if isinstance(obj, DTensor):
-                return DTensor.from_local(
-                    copies[path],
-                    obj.device_mesh,
-                    obj.placements,
-                    run_check=False,
-                    shape=obj.shape,
-                    stride=obj.stride(),
-                )
+            if shards.is_sharded(obj):
+                return shards.rebuild(obj, copies[path])
             if isinstance(obj, torch.Tensor):
                 return copies[path]
             if isinstance(obj, dict):

@@ -37,13 +37,6 @@ def check_strategy(trainer: pl.Trainer) -> None:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
     strategy = trainer.strategy
-    unsupported = []
-    try:
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        unsupported.append(FSDPStrategy)
-    except ImportError:  # pragma: no cover
-        pass
     supported: list[type] = [SingleDeviceStrategy, DDPStrategy]
     try:
         from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -51,20 +44,15 @@ def check_strategy(trainer: pl.Trainer) -> None:
         supported.append(DeepSpeedStrategy)  # the engine's state, as the DeepSpeed adapter's
     except ImportError:  # pragma: no cover
         pass
-    try:
-        from lightning.pytorch.strategies import ModelParallelStrategy
+    from .sharded import strategy_classes
 
-        supported.append(ModelParallelStrategy)  # sharded state through dcp.Sharded
-    except ImportError:  # pragma: no cover
-        pass
-    ok = isinstance(strategy, tuple(supported)) and not isinstance(strategy, tuple(unsupported))
-    if not ok:
+    supported += strategy_classes()  # sharded state through dcp.Sharded
+    if not isinstance(strategy, tuple(supported)):
         raise ConfigError(
             f"ResilientCheckpoint does not support {type(strategy).__name__} yet. Supported: "
-            "one device, DDP, ModelParallelStrategy (FSDP2 fully_shard / tensor parallel, "
-            "sharded checkpoints) and DeepSpeedStrategy (ZeRO 0-3). For FSDP use "
-            "ModelParallelStrategy with fully_shard in configure_model (docs/lightning.md); "
-            "FSDPStrategy (FSDP1) is not supported by this callback yet."
+            "one device, DDP, FSDPStrategy (FSDP1) and ModelParallelStrategy (FSDP2 "
+            "fully_shard / tensor parallel): sharded checkpoints, and DeepSpeedStrategy "
+            "(ZeRO 0-3)."
         )
 
 

@@ -1,14 +1,16 @@
-"""Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallelism): the
-callback's state with the weights and optimizer states as a :class:`~resilient_callbacks.dcp.Sharded`
-part instead of Lightning's dumped dictionaries. ``DeepSpeedStrategy`` takes the same path with
-the DeepSpeed engine's state in place of the ``Sharded`` part (see :mod:`.deepspeed`).
+"""Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallelism) and
+``FSDPStrategy`` (FSDP1): the callback's state with the weights and optimizer states as a
+:class:`~resilient_callbacks.dcp.Sharded` part instead of Lightning's dumped dictionaries.
+``DeepSpeedStrategy`` takes the same path with the DeepSpeed engine's state in place of the
+``Sharded`` part (see :mod:`.deepspeed`).
 
-Under this strategy each rank holds DTensor shards. Lightning's own ``dump_checkpoint`` would
-gather them (``get_model_state_dict(..., cpu_offload=True)``) on every save; here it is called
-with the strategy's ``lightning_module_state_dict``/``optimizer_state`` answering empty, and the
+Under these strategies each rank holds shards. Lightning's own ``dump_checkpoint`` would gather
+them on every save (``get_model_state_dict(..., cpu_offload=True)``, FSDP1's full state dict) or
+write DCP's pickled format (``FSDPStrategy(state_dict_type="sharded")``); here it is called with
+the strategy's ``lightning_module_state_dict``/``optimizer_state`` answering empty, and the
 shards are saved by every rank into its own files (:class:`Sharded`), restored on any number of
-ranks. The strategy restores checkpoints after its setup (the model is sharded and the
-optimizers exist when ``resume_start`` runs) and leaves loading the weights and optimizer states
+ranks. These strategies restore checkpoints after their setup (the model is sharded and the
+optimizers exist when ``resume_start`` runs) and leave loading the weights and optimizer states
 to whoever read the checkpoint: that is :meth:`Sharded.load`, inside the core's restore.
 
 What a user's ``on_save_checkpoint(checkpoint)`` hook sees differs in one way: its
@@ -28,22 +30,30 @@ from ..structure import PerRank
 from . import deepspeed as ds
 from . import state as st
 
-PART_KEYS = ("sharded", "engine")  # ModelParallelStrategy's Sharded part; DeepSpeed's engine
+PART_KEYS = ("sharded", "engine")  # the FSDP/tensor-parallel Sharded part; DeepSpeed's engine
 
 
-def strategy_class() -> type | None:
+def strategy_classes() -> tuple[type, ...]:
+    """The strategies whose weights and optimizer states a :class:`Sharded` part saves:
+    ``ModelParallelStrategy`` (FSDP2, tensor parallelism: DTensors) and ``FSDPStrategy`` (FSDP1:
+    ShardedTensors, or DTensors given a device mesh)."""
+    out: list[type] = []
     try:
         from lightning.pytorch.strategies import ModelParallelStrategy
+
+        out.append(ModelParallelStrategy)
     except ImportError:  # pragma: no cover - Lightning < 2.4
-        return None
-    return ModelParallelStrategy
+        pass
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    out.append(FSDPStrategy)
+    return tuple(out)
 
 
 def is_sharded(trainer: pl.Trainer) -> bool:
-    """Whether the trainer's strategy keeps sharded state that a part saves: DTensors
-    (:class:`Sharded`) or a DeepSpeed engine's ZeRO partitions."""
-    cls = strategy_class()
-    return (cls is not None and isinstance(trainer.strategy, cls)) or ds.is_deepspeed(trainer)
+    """Whether the trainer's strategy keeps sharded state that a part saves: FSDP's or tensor
+    parallelism's (:class:`Sharded`) or a DeepSpeed engine's ZeRO partitions."""
+    return isinstance(trainer.strategy, strategy_classes()) or ds.is_deepspeed(trainer)
 
 
 @contextlib.contextmanager
@@ -116,7 +126,8 @@ def save_context_and_state(
     trainer: pl.Trainer, pl_module: Any, lossy: frozenset[str], converter: st.Converter
 ) -> tuple[st.SaveContext, dict[str, Any]]:
     """The callback's :class:`SaveContext` and saved state for this trainer's strategy: the
-    sharded form under ``ModelParallelStrategy``, Lightning's dumped dictionaries otherwise."""
+    sharded form under FSDP, tensor parallelism and DeepSpeed, Lightning's dumped dictionaries
+    otherwise."""
     if is_sharded(trainer):
         ctx = st.SaveContext(dump_fn(trainer), lossy, converter)
         return ctx, saved_state(ctx, trainer, converter)
