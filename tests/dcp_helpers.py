@@ -38,8 +38,10 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     ranks: 4 + 3). ``RC_SHARDING`` picks how: ``fsdp2`` (default: ``fully_shard`` each Linear,
     then the root; DTensor state), ``fsdp1`` (``FullyShardedDataParallel`` around each Linear,
     ``use_orig_params=True`` as Lightning and accelerate set it; ShardedTensor state, a rank may
-    hold no piece of a small tensor) or ``fsdp1-mesh`` (the same given a device mesh: DTensor
-    state)."""
+    hold no piece of a small tensor), ``fsdp1-mesh`` (the same given a device mesh: DTensor
+    state) or ``tp`` (tensor parallelism: the first Linear column-wise, the second row-wise --
+    shards along dimension 0 and 1 -- the last one plain and replicated; each rank computes on
+    its own batch, which makes no sense as training and is as deterministic)."""
     import os
 
     import torch
@@ -71,6 +73,21 @@ def build(seed: int = 0) -> tuple[Any, Any]:
             device_mesh=mesh,
             use_orig_params=True,
         )
+    elif how == "tp":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        # even hidden width: TP hands the column shards to the row-wise layer as local tensors
+        model = nn.Sequential(
+            nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 1)
+        )
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     else:
         raise ValueError(f"RC_SHARDING={how!r}")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)

@@ -12,6 +12,7 @@ through a Checkpointer.
     back, loudly, to the previous one. The same under FSDP1.
 (e) FSDP1's ShardedTensors 2 -> 1 -> 2 ranks; slow: one checkpoint through FSDP2, FSDP1 on one
     rank, FSDP1 with a device mesh and without one.
+(f) Tensor parallelism (shards along dims 0 and 1, a replicated bias) 2 -> 1 ranks.
 
 The ranks run ``tests/dcp_train.py``.
 """
@@ -238,6 +239,26 @@ def test_fsdp1_sharded_tensors_go_from_two_ranks_to_one_and_back(tmp_path):
     assert sorted(_losses(tmp_path, "c", 1)) == [7, 8]
     logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
     assert "deprecating ShardedTensor" not in logs  # our reads of them are quiet
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_tensor_parallel_shards_and_replicas_go_from_two_ranks_to_one(tmp_path):
+    """Tensor parallelism: a column-wise Linear (weight sharded along dim 0), a row-wise one
+    (along dim 1, its bias replicated on both ranks: written once, by rank 0) and a plain
+    Linear. The resume on one rank gets every tensor whole."""
+    root = tmp_path / "ck"
+    _run(tmp_path, 2, root, "a", 4, RC_SHARDING="tp")
+    saved = json.loads((root / "step_000000004" / "manifest.json").read_text())["extra"]
+    tensors = saved["parts"]["train"]["tensors"]
+    assert tensors["model/2.weight"]["chunks"] == [[0, [0, 0], [5, 4]], [1, [0, 4], [5, 4]]]
+    assert tensors["model/2.bias"]["chunks"] == [[0, [0], [5]]]  # a replica: written once
+    assert "model/4.weight" not in tensors  # a plain tensor: in each rank's own file
+    _run(tmp_path, 1, root, "b", 6, RC_SHARDING="tp", RC_FORBID_PICKLE="1")
+    _assert_same(
+        _tensors(tmp_path / "a.final.safetensors"), _tensors(tmp_path / "b.restored.safetensors")
+    )
+    assert sorted(_losses(tmp_path, "b", 0)) == [5, 6]
 
 
 @pytest.mark.distributed
