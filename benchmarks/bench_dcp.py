@@ -1,12 +1,14 @@
-"""Sharded (FSDP2) checkpoints against ``torch.distributed.checkpoint``, in one run, on the same
-state: blocking time, persist throughput, restore, and memory over many saves.
+"""Sharded (FSDP2, or FSDP1) checkpoints against ``torch.distributed.checkpoint``, in one run, on
+the same state: blocking time, persist throughput, restore, and memory over many saves.
 
     .venv/bin/python benchmarks/bench_dcp.py [--mb 256] [--reps 5] [--rss-saves 20] \
-        [--nproc 2] [--out benchmarks/results] [--dir DIR]
+        [--nproc 2] [--sharding fsdp2|fsdp1] [--out benchmarks/results] [--dir DIR]
 
 The script starts ``--nproc`` gloo ranks on this machine (CPU); each builds the same MLP of
 square ``Linear`` layers (about ``--mb`` MB of state in all once AdamW has stepped: parameters,
-``exp_avg``, ``exp_avg_sq``, fp32), shards it with ``fully_shard`` and measures, round-robin in
+``exp_avg``, ``exp_avg_sq``, fp32), shards it with ``fully_shard`` (``--sharding fsdp1``:
+``FullyShardedDataParallel`` around each layer, ``use_orig_params=True``, whose state dicts hold
+ShardedTensors; results then go to ``bench_dcp_fsdp1.*``) and measures, round-robin in
 each of ``--reps`` repetitions after one discarded warm-up round (so slow drift of the shared
 machine hits every method alike):
 
@@ -72,15 +74,26 @@ from common import library_version, med, write_results
 WIDTH = 1024
 
 
-def build(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
-
+def build(mb: int, sharding: str = "fsdp2") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     layers = max(2, mb * 1_000_000 // 12 // (WIDTH * WIDTH + WIDTH))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+    if sharding == "fsdp1":  # as Lightning's FSDPStrategy and accelerate wrap (ShardedTensors)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, WIDTH)).square().mean().backward()
     opt.step()
@@ -89,7 +102,9 @@ def build(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    n = sum(p.to_local().numel() * 4 for p in model.parameters())  # type: ignore[operator]
+    """This rank's bytes of parameters, exp_avg and exp_avg_sq (FSDP1's original parameters
+    are views of the rank's flat shard)."""
+    n = sum(getattr(p, "to_local", lambda p=p: p)().numel() * 4 for p in model.parameters())
     return 3 * n
 
 
@@ -115,7 +130,7 @@ def worker(args: argparse.Namespace) -> None:
 
     tdist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank = tdist.get_rank()
-    model, opt = build(args.mb)
+    model, opt = build(args.mb, args.sharding)
     work = args.dir
     if args.phase == "rss":
         rss_phase(args, model, opt, work)
@@ -496,7 +511,8 @@ def _loop_report(raw: dict[str, list[float]]) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        f"# bench_dcp ({report['nproc']} gloo ranks, CPU, ~{report['mb']} MB of FSDP2 state, "
+        f"# bench_dcp ({report['nproc']} gloo ranks, CPU, ~{report['mb']} MB of "
+        f"{report.get('sharding', 'fsdp2').upper()} state, "
         f"{report['reps']} reps, medians of the slowest rank)",
         "",
         f"library {report['library']}, torch {report['torch']}, {report['machine']}",
@@ -556,6 +572,12 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rss-saves", type=int, default=20)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--sharding",
+        choices=["fsdp2", "fsdp1"],
+        default="fsdp2",
+        help="fully_shard (DTensors) or FullyShardedDataParallel (ShardedTensors)",
+    )
     p.add_argument("--loop-steps", type=int, default=20, help="0: no training-loop phase")
     p.add_argument("--loop-every", type=int, default=5)
     p.add_argument("--batch", type=int, default=256)
@@ -571,6 +593,7 @@ def main() -> int:
     work = args.dir or tempfile.mkdtemp(prefix="bench_dcp_")
     os.makedirs(work, exist_ok=True)
     common = ["--mb", str(args.mb), "--reps", str(args.reps), "--dir", work]
+    common += ["--sharding", args.sharding]
     common += ["--rss-saves", str(args.rss_saves), "--loop-steps", str(args.loop_steps)]
     common += ["--loop-every", str(args.loop_every), "--batch", str(args.batch)]
     try:
@@ -595,6 +618,7 @@ def main() -> int:
     report: dict[str, Any] = {
         "mb": args.mb,
         "nproc": args.nproc,
+        "sharding": args.sharding,
         "reps": args.reps,
         "library": library_version(),
         "torch": torch.__version__,
@@ -615,7 +639,8 @@ def main() -> int:
     }
     report["goals"] = goals(report)
     md = markdown(report)
-    write_results(args.out, "bench_dcp", report, md)
+    name = "bench_dcp" if args.sharding == "fsdp2" else f"bench_dcp_{args.sharding}"
+    write_results(args.out, name, report, md)
     print(md)
     return 0
 

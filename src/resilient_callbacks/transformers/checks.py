@@ -59,9 +59,12 @@ def check_setup(trainer: Any, state: Any, loader: Any) -> None:
     was iterated, computed or opened yet)."""
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
         raise ConfigError(
-            "ResilientCheckpoint does not support FSDP: its parameters and optimizer state "
-            "are sharded, and the Checkpointer saves replicated and per-rank state only. "
-            "Use DDP, or torch.distributed.checkpoint for sharded models."
+            "ResilientCheckpoint does not support the Trainer's FSDP yet (accelerate runs FSDP "
+            "only on GPUs, where this adapter has not been tested). Nothing was trained or "
+            "saved. Ways forward: DDP; or a training loop of your own with "
+            "resilient_callbacks.dcp.Sharded(model, optimizer) in a Checkpointer, or your own "
+            "dcp.save calls with ResilientStorageWriter (docs/fsdp.md); or Lightning's "
+            "FSDPStrategy/ModelParallelStrategy with the Lightning ResilientCheckpoint."
         )
     if state.is_hyper_param_search or getattr(trainer, "_trial", None) is not None:
         raise ConfigError(
