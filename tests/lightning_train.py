@@ -257,7 +257,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-path", default=None, help="fit(ckpt_path=...)")
     p.add_argument("--model-checkpoint", action="store_true", help="add a ModelCheckpoint too")
     p.add_argument("--csv-logs", default=None, help="a CSVLogger directory")
-    p.add_argument("--no-callback", action="store_true", help="the same run without ours")
+    p.add_argument(
+        "--no-callback",
+        action="store_true",
+        help="the same run without ours, and without Lightning's default ModelCheckpoint",
+    )
     p.add_argument("--data-seed", type=int, default=None, help="ResilientCheckpoint(data_seed=)")
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-params", required=True)
@@ -329,6 +333,10 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=args.root,
+        # Without ours, no checkpointing at all: the run to compare with. (Lightning's default
+        # ModelCheckpoint under FSDPStrategy on CPU segfaults in FSDP1's full state dict hook,
+        # torch 2.13: a path Lightning supports only on GPUs.)
+        enable_checkpointing=not args.no_callback or args.model_checkpoint,
     )
     trainer.fit(model, datamodule=Data(args.loader), ckpt_path=args.ckpt_path)
 
@@ -340,6 +348,21 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
     return None if args.no_callback else rc
 
 
+def exit_now() -> None:
+    """End a rank's process without interpreter teardown: there torch's gloo threads at times
+    abort the process ("terminate called without an active exception", SIGABRT) after all its
+    work was done -- seen with 2 DDP ranks without our callback as with it, as in plain FSDP2
+    scripts (see ``spawn_ranks.leave_group``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no rank tears gloo down while a peer is still in the last collective
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
-    sys.exit(0)
+    exit_now()

@@ -165,8 +165,14 @@ def test_overlapped_capture_is_consistent_when_the_step_follows_at_once(tmp_path
 def test_two_to_one_to_two_ranks_keeps_every_full_tensor(tmp_path):
     root = tmp_path / "ck"
     _run(tmp_path, 2, root, "a", 4)
-    _run(tmp_path, 1, root, "b", 6)
-    _run(tmp_path, 2, root, "c", 8, RC_FORBID_PICKLE="1")
+    _then_one_then_two_ranks(tmp_path, root)
+
+
+def _then_one_then_two_ranks(tmp_path: Path, root: Path, **env: str) -> None:
+    """After run "a" (2 ranks, to step 4): run "b" on 1 rank to step 6, then "c" on 2 to step
+    8, restores checked against what the run before saved."""
+    _run(tmp_path, 1, root, "b", 6, RC_FORBID_PICKLE="1", **env)
+    _run(tmp_path, 2, root, "c", 8, RC_FORBID_PICKLE="1", **env)
     _assert_same(
         _tensors(tmp_path / "a.final.safetensors"), _tensors(tmp_path / "b.restored.safetensors")
     )
@@ -227,16 +233,7 @@ def test_fsdp1_sharded_tensors_go_from_two_ranks_to_one_and_back(tmp_path):
     assert tensors["model/4.bias"]["chunks"] == [[0, [0], [1]]]  # rank 1 holds no piece
     assert tensors["optim/state/4.bias/exp_avg"]["chunks"] == [[0, [0], [1]]]
 
-    _run(tmp_path, 1, root, "b", 6, RC_FORBID_PICKLE="1", **fsdp1)
-    _run(tmp_path, 2, root, "c", 8, RC_FORBID_PICKLE="1", **fsdp1)
-    _assert_same(
-        _tensors(tmp_path / "a.final.safetensors"), _tensors(tmp_path / "b.restored.safetensors")
-    )
-    _assert_same(
-        _tensors(tmp_path / "b.final.safetensors"), _tensors(tmp_path / "c.restored.safetensors")
-    )
-    assert (tmp_path / "c.start").read_text() == "6"
-    assert sorted(_losses(tmp_path, "c", 1)) == [7, 8]
+    _then_one_then_two_ranks(tmp_path, root, **fsdp1)
     logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
     assert "deprecating ShardedTensor" not in logs  # our reads of them are quiet
 

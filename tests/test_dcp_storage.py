@@ -242,6 +242,13 @@ def test_a_plain_dcp_checkpoint_is_read_only_when_unpickling_is_allowed(tmp_path
 # ----------------------------------------------------------------------------- two ranks
 
 
+def _assert_same_files(a: Path, b: Path) -> None:
+    saved, loaded = _tensors(a), _tensors(b)
+    assert sorted(saved) == sorted(loaded)
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
+
+
 def _spawn(tmp: Path, n: int, *args: str, ok: bool = True, env=None) -> list[int]:
     from dcp_helpers import spawn
 
@@ -267,13 +274,7 @@ def test_dcp_save_on_two_ranks_load_on_one_without_unpickling(tmp_path):
     res = json.loads((tmp_path / "l.rank0.json").read_text())
     assert res["step"] == 3 and res["extra"] == {"epoch": 3, "tag": [1, "a"]}
     assert res["tag_is_tuple"]
-    saved, loaded = (
-        _tensors(tmp_path / "s.saved.safetensors"),
-        _tensors(tmp_path / "l.loaded.safetensors"),
-    )
-    assert sorted(saved) == sorted(loaded)
-    for k in saved:
-        assert torch.equal(saved[k], loaded[k]), k
+    _assert_same_files(tmp_path / "s.saved.safetensors", tmp_path / "l.loaded.safetensors")
 
 
 @pytest.mark.distributed
@@ -285,13 +286,7 @@ def test_async_save_of_fsdp1_sharded_tensors_loads_on_one_rank(tmp_path):
     root, env = tmp_path / "ck", {"RC_SHARDING": "fsdp1"}
     _spawn(tmp_path, 2, "async", str(root), str(tmp_path / "a"), env=env)
     _spawn(tmp_path, 1, "load", str(root), str(tmp_path / "l"), env=env)
-    saved, loaded = (
-        _tensors(tmp_path / "a.saved.safetensors"),
-        _tensors(tmp_path / "l.loaded.safetensors"),
-    )
-    assert sorted(saved) == sorted(loaded)
-    for k in saved:
-        assert torch.equal(saved[k], loaded[k]), k
+    _assert_same_files(tmp_path / "a.saved.safetensors", tmp_path / "l.loaded.safetensors")
     assert json.loads((tmp_path / "l.rank0.json").read_text())["step"] == 3
 
 
