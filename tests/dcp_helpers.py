@@ -41,7 +41,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     hold no piece of a small tensor), ``fsdp1-mesh`` (the same given a device mesh: DTensor
     state) or ``tp`` (tensor parallelism: the first Linear column-wise, the second row-wise --
     shards along dimension 0 and 1 -- the last one plain and replicated; each rank computes on
-    its own batch, which makes no sense as training and is as deterministic)."""
+    its own batch, which makes no sense as training and is as deterministic).
+    ``RC_EXTRA_LAYER=1`` appends a layer: a model the checkpoints do not fit."""
     import os
 
     import torch
@@ -49,6 +50,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
 
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 1))
+    if os.environ.get("RC_EXTRA_LAYER"):  # another model: one more layer than was saved
+        model.append(nn.Linear(1, 1))
     how = os.environ.get("RC_SHARDING", "fsdp2")
     if how == "fsdp2":
         from torch.distributed.fsdp import fully_shard

@@ -240,6 +240,26 @@ def test_fsdp1_sharded_tensors_go_from_two_ranks_to_one_and_back(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("nprocs", [2, 1])
+def test_a_model_the_checkpoint_does_not_fit_is_refused_by_name(tmp_path, nprocs):
+    """One more layer than was saved: refused before anything is loaded, naming the tensors the
+    checkpoint lacks, on 2 ranks (sharded here as when saved) and on 1 (FSDP1 on one rank holds
+    whole tensors; a sharded tensor missing from the chunk index might have been saved whole)."""
+    from dcp_helpers import spawn
+
+    root = tmp_path / "ck"
+    _run(tmp_path, 2, root, "a", 2, RC_SHARDING="fsdp1")
+    sharding = "fsdp1" if nprocs == 1 else "fsdp2"
+    argv = [sys.executable, SCRIPT, str(root), str(tmp_path / "b"), "4", "2"]
+    env = {"RC_SHARDING": sharding, "RC_EXTRA_LAYER": "1"}
+    codes = spawn(argv, nprocs, tmp_path, "b", expect_ok=False, env=env)
+    assert all(c != 0 for c in codes)
+    logs = "".join(p.read_text() for p in tmp_path.glob("b.attempt*.rank0.log"))
+    assert "CheckpointMismatchError" in logs and "model/5.weight: not in the checkpoint" in logs
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
 def test_tensor_parallel_shards_and_replicas_go_from_two_ranks_to_one(tmp_path):
     """Tensor parallelism: a column-wise Linear (weight sharded along dim 0), a row-wise one
     (along dim 1, its bias replicated on both ranks: written once, by rank 0) and a plain

@@ -344,7 +344,10 @@ class Sharded(FilePart):
         files = {r: reader.tensors(tensor_file(r)) for r in plan["ranks"]}
         targets: dict[str, torch.Tensor] = plan["tensors"]
 
+        asked: set[str] = set()
+
         def value(name: str) -> Any:
+            asked.add(name)
             target = targets.get(name)
             need = plan["needs"].get(name)
             if need is not None and target is not None:
@@ -361,6 +364,14 @@ class Sharded(FilePart):
             return saved.to(device, copy=True)
 
         sd = join(meta["skeleton"], value)
+        missing = sorted(set(targets) - asked)
+        if missing:  # neither in the chunk index nor among the tensors saved whole
+            more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
+            raise CheckpointMismatchError(
+                "the checkpoint does not fit this model: "
+                + "; ".join(f"{n}: not in the checkpoint" for n in missing[:10])
+                + more
+            )
         set_model_state_dict(self.model, sd["model"], options=self.options)
         if plan["with_optim"]:
             set_optimizer_state_dict(self.model, self.optimizers, sd["optim"], options=self.options)
