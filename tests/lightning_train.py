@@ -352,9 +352,13 @@ def exit_now() -> None:
     """End a rank's process without interpreter teardown: there torch's gloo threads at times
     abort the process ("terminate called without an active exception", SIGABRT) after all its
     work was done -- seen with 2 DDP ranks without our callback as with it, as in plain FSDP2
-    scripts (see ``spawn_ranks.leave_group``)."""
+    scripts (see ``spawn_ranks.leave_group``). What an ordinary exit runs first still runs:
+    the ``atexit`` handlers (a Checkpointer left open flushes), while the process group is up."""
+    import atexit
+
     import torch.distributed as dist
 
+    atexit._run_exitfuncs()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # no rank tears gloo down while a peer is still in the last collective
         dist.destroy_process_group()
