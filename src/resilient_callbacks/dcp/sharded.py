@@ -384,8 +384,14 @@ class Sharded(FilePart):
         files: Mapping[int, Mapping[str, torch.Tensor]],
     ) -> torch.Tensor:
         """This rank's piece ``need`` of tensor ``name``, copied from the saved chunks that
-        overlap it."""
-        local = torch.empty(need.sizes, dtype=ST_TO_DTYPE[entry["dtype"]])
+        overlap it; the saved chunk itself (a view of the verified, privately mapped file: no
+        copy) when it is exactly that piece, as on a resume with the layout that saved it."""
+        dtype = ST_TO_DTYPE[entry["dtype"]]
+        for r, offsets, sizes in entry["chunks"]:
+            src = files[int(r)].get(name) if Box.of(offsets, sizes) == need else None
+            if src is not None and tuple(src.shape) == need.sizes and src.dtype == dtype:
+                return src
+        local = torch.empty(need.sizes, dtype=dtype)
         filled = 0
         for r, offsets, sizes in entry["chunks"]:
             box = Box.of(offsets, sizes)
