@@ -269,6 +269,7 @@ class ResilientStorageWriter(StorageWriter):
     def should_synchronize_after_execute(self) -> bool:
         return False
 
+    @shards.quiet
     def stage(
         self, state_dict: dict[str, Any]
     ) -> dict[str, Any] | concurrent.futures.Future[dict[str, Any]]:
