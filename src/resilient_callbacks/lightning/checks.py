@@ -37,16 +37,14 @@ def check_strategy(trainer: pl.Trainer) -> None:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
     strategy = trainer.strategy
-    supported: list[type] = [SingleDeviceStrategy, DDPStrategy]
-    try:
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
-        supported.append(DeepSpeedStrategy)  # the engine's state, as the DeepSpeed adapter's
-    except ImportError:  # pragma: no cover
-        pass
+    from . import deepspeed
     from .sharded import strategy_classes
 
+    supported: list[type] = [SingleDeviceStrategy, DDPStrategy]
     supported += strategy_classes()  # sharded state through dcp.Sharded
+    ds = deepspeed.strategy_class()  # the engine's state, as the DeepSpeed adapter's
+    if ds is not None:
+        supported.append(ds)
     if not isinstance(strategy, tuple(supported)):
         raise ConfigError(
             f"ResilientCheckpoint does not support {type(strategy).__name__} yet. Supported: "
