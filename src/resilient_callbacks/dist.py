@@ -54,22 +54,44 @@ def new_cpu_group() -> Any:
     return torch.distributed.new_group(backend="gloo")
 
 
+# Bytes of the first (and, for most payloads, the only) round of all_gather_json and
+# broadcast_json: an 8-byte length, then the payload when it fits. Agreements, outcomes and
+# timings fit, so they cost one collective, not two (a size round, then a payload round);
+# longer payloads (a chunk index) take a second round sized to the longest.
+INLINE = 1024
+
+
+def _framed(payload: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    frame = torch.zeros(INLINE, dtype=torch.uint8, device=dev)
+    n = payload.numel()
+    frame[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8).to(dev)
+    if n <= INLINE - 8:
+        frame[8 : 8 + n] = payload
+    return frame
+
+
+def _length(frame: torch.Tensor) -> int:
+    return int(frame[:8].cpu().view(torch.int64).item())
+
+
 def all_gather_json(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank."""
     if not is_initialized():
         return [obj]
     dev = _device(group)
     payload = _encode(obj, dev)
-    n = world_size()
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros_like(size) for _ in range(n)]
-    torch.distributed.all_gather(sizes, size, group=group)
-    longest = int(max(s.item() for s in sizes))
+    n = torch.distributed.get_world_size(group)
+    frames = [torch.empty(INLINE, dtype=torch.uint8, device=dev) for _ in range(n)]
+    torch.distributed.all_gather(frames, _framed(payload, dev), group=group)
+    sizes = [_length(f) for f in frames]
+    longest = max(sizes)
+    if longest <= INLINE - 8:
+        return [_decode(f[8 : 8 + s]) for f, s in zip(frames, sizes, strict=True)]
     padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
     padded[: payload.numel()] = payload
-    bufs = [torch.zeros(longest, dtype=torch.uint8, device=dev) for _ in range(n)]
+    bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(n)]
     torch.distributed.all_gather(bufs, padded, group=group)
-    return [_decode(b[: int(s.item())]) for b, s in zip(bufs, sizes, strict=True)]
+    return [_decode(b[:s]) for b, s in zip(bufs, sizes, strict=True)]
 
 
 def gather_json(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
@@ -107,10 +129,14 @@ def broadcast_json(obj: Any, src: int = 0, group: Any = None) -> Any:
     if not is_initialized():
         return obj
     dev = _device(group)
-    payload = _encode(obj, dev) if rank() == src else torch.empty(0, dtype=torch.uint8, device=dev)
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
-    torch.distributed.broadcast(size, src, group=group)
-    buf = payload if rank() == src else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    mine = rank() == src
+    payload = _encode(obj, dev) if mine else torch.empty(0, dtype=torch.uint8, device=dev)
+    frame = _framed(payload, dev)
+    torch.distributed.broadcast(frame, src, group=group)
+    size = _length(frame)
+    if size <= INLINE - 8:
+        return _decode(frame[8 : 8 + size])  # on src too: every rank sees the JSON form
+    buf = payload if mine else torch.empty(size, dtype=torch.uint8, device=dev)
     torch.distributed.broadcast(buf, src, group=group)
     return _decode(buf)
 
