@@ -77,9 +77,11 @@ class Saver:
     def __init__(self, ck: Checkpointer) -> None:
         self.ck = ck
         self.persister: BackgroundPersister | None = None
+        # the gloo group of background saves' collectives, made at the first background save
+        # (a Checkpointer that only restores -- an evaluation, an export -- makes none)
         self.group: Any = None
+        self._group_made = False
         if ck.config.async_save:
-            self.group = dist.new_cpu_group()
             self.persister = BackgroundPersister(ck.config.max_in_flight)
         self.buffers = HostBuffers()
         self.part_buffers = PartBuffers()
@@ -142,6 +144,8 @@ class Saver:
             else:
                 waited = self.persister.wait_for_slot()
                 self.save_waits.observe(step, waited, ck._trigger.clock.elapsed())
+                if not self._group_made:  # every rank, at the same save (see new_cpu_group)
+                    self.group, self._group_made = dist.new_cpu_group(), True
         self.raise_background_error()  # a failed earlier save surfaces here, never lost
         t0 = time.perf_counter()
         metrics_json = clean_metrics(metrics)
