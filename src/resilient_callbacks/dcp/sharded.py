@@ -351,7 +351,14 @@ class Sharded(FilePart):
             target = targets.get(name)
             need = plan["needs"].get(name)
             if need is not None and target is not None:
-                piece = self._assemble(name, need, plan["entries"][name], files)
+                entry = plan["entries"][name]
+                dest = shards.local(target) if shards.is_sharded(target) else target
+                if tuple(dest.shape) == need.sizes and dest.dtype == ST_TO_DTYPE[entry["dtype"]]:
+                    # into the live tensor (its local piece), as dcp.load reads into it: one
+                    # copy, and pages the training run already owns
+                    self._assemble(name, need, entry, files, out=dest)
+                    return target
+                piece = self._assemble(name, need, entry, files)
                 if shards.is_sharded(target):
                     return shards.rebuild(target, piece.to(shards.local(target).device))
                 return piece.to(target.device)
@@ -382,16 +389,21 @@ class Sharded(FilePart):
         need: Box,
         entry: Mapping[str, Any],
         files: Mapping[int, Mapping[str, torch.Tensor]],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This rank's piece ``need`` of tensor ``name``, copied from the saved chunks that
-        overlap it; the saved chunk itself (a view of the verified, privately mapped file: no
-        copy) when it is exactly that piece, as on a resume with the layout that saved it."""
+        overlap it into ``out`` (a live tensor of that shape and dtype, written in place), or
+        without ``out`` into a fresh tensor -- or then the saved chunk itself (a view of the
+        verified, privately mapped file: no copy) when it is exactly that piece."""
         dtype = ST_TO_DTYPE[entry["dtype"]]
         for r, offsets, sizes in entry["chunks"]:
             src = files[int(r)].get(name) if Box.of(offsets, sizes) == need else None
             if src is not None and tuple(src.shape) == need.sizes and src.dtype == dtype:
-                return src
-        local = torch.empty(need.sizes, dtype=dtype)
+                if out is None:
+                    return src
+                with torch.no_grad():
+                    return out.copy_(src)
+        local = torch.empty(need.sizes, dtype=dtype) if out is None else out
         filled = 0
         for r, offsets, sizes in entry["chunks"]:
             box = Box.of(offsets, sizes)
@@ -405,7 +417,8 @@ class Sharded(FilePart):
                     f"{name}: saved {DTYPE_TO_ST.get(src.dtype, src.dtype)} {list(src.shape)}, "
                     f"this model has {entry['dtype']} {list(box.sizes)}"
                 )
-            filled += copy_overlap(local, need, src, box)
+            with torch.no_grad():
+                filled += copy_overlap(local, need, src, box)
         if filled != need.numel:
             raise CheckpointCorruptError(
                 f"{name}: the saved chunks cover {filled} of the {need.numel} elements this "
