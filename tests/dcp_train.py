@@ -4,7 +4,8 @@
 world size), write the full tensors right after the restore to ``OUT.restored.safetensors``
 (rank 0), train up to step TOTAL saving every EVERY steps (``Sharded`` + ``PerRank``), append
 each step's loss to ``OUT.rank<r>.jsonl``, and write the final full tensors to
-``OUT.final.safetensors`` (rank 0). With CRASH_AT, every rank SIGKILLs itself right after
+``OUT.final.safetensors`` (rank 0); after a restore, ``OUT.rank<r>.mapped``: how many of its
+tensors view a mapped checkpoint file (:func:`viewing_files_under`). With CRASH_AT, every rank SIGKILLs itself right after
 ``ck.step(CRASH_AT)`` returns (a background save may be in flight). With the environment
 variable ``RC_FORBID_PICKLE`` set, ``pickle.load``/``loads``/``Unpickler`` and ``torch.load`` raise
 during the restore. ``RC_OVERLAP=1``: ``Checkpointer(overlap_snapshot=True)``; with
@@ -104,6 +105,25 @@ def slow_deferred_copies(out: str) -> None:
     snapshot.Snapshot._copy_later = slow  # type: ignore[method-assign]
 
 
+def viewing_files_under(root: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """How many of this rank's parameters and optimizer-state tensors (their local pieces)
+    point into a memory mapping of a file under ``root`` (``/proc/self/maps``): a restore
+    that hands over views of its mapped checkpoint files, not the live tensors written in
+    place, leaves some."""
+    where = os.path.realpath(root)
+    spans = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip().startswith(where):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((lo, hi))
+    tensors = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    for st in opt.state.values():
+        tensors += [getattr(v, "_local_tensor", v) for v in st.values() if torch.is_tensor(v)]
+    return sum(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in tensors if t.numel())
+
+
 def main() -> None:
     root, out, total, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     crash_at = int(sys.argv[5]) if len(sys.argv) > 5 else None
@@ -125,6 +145,8 @@ def main() -> None:
             allow_unpickling(forbidden)
         if start:
             assert pos.seen == start * 8, (pos.seen, start)
+            with open(f"{out}.rank{rank}.mapped", "w") as f:
+                f.write(str(viewing_files_under(root, model, opt)))
         restored = full_tensors(model, opt)
         if rank == 0:
             save_file(

@@ -154,6 +154,9 @@ def test_overlapped_capture_is_consistent_when_the_step_follows_at_once(tmp_path
     assert (tmp_path / "k.start").read_text() in ("2", "4")  # 4 unless the kill beat its commit
     for rank in (0, 1):
         assert _losses(tmp_path, "k", rank) == _losses(tmp_path, "u", rank)
+        # the same layout: every saved chunk is a whole local piece, copied into the live
+        # tensors, none left viewing the mapped file (its pages would be copied at the next step)
+        assert (tmp_path / f"k.rank{rank}.mapped").read_text() == "0"
     _assert_same(
         _tensors(tmp_path / "u.final.safetensors"), _tensors(tmp_path / "k.final.safetensors")
     )

@@ -1,5 +1,6 @@
-"""The core's JSON collectives (``resilient_callbacks.dist``) on 2 real gloo ranks: results,
-and how many collectives each issues (one for payloads that fit the first round's frame)."""
+"""The core's collectives on 2 real gloo ranks: the JSON collectives (``resilient_callbacks.dist``),
+their results and how many collectives each issues (one for payloads that fit the first round's
+frame); and when a Checkpointer makes the process group of its background saves."""
 
 from __future__ import annotations
 
@@ -36,3 +37,17 @@ def test_json_collectives_on_two_ranks(tmp_path: Path) -> None:
         ]
         # a payload that fits: one collective; one that does not (on any rank): two
         assert collectives == [1, 2, 2, 1, 1, 2, 1, 2]
+
+
+def test_the_background_group_is_made_at_the_first_background_save(tmp_path: Path) -> None:
+    """A Checkpointer that only restores makes no process group (nor tears one down at close);
+    background saves make one, once, at the first of them."""
+    worker = str(Path(__file__).with_name("group_worker.py"))
+    spawn_ranks.run(
+        [sys.executable, worker, str(tmp_path / "ck"), str(tmp_path / "out")], 2, tmp_path, "g"
+    )
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
+        # [what the use returned, groups made in all]: restore 0 -> 0 groups; saves 1-3 -> 1
+        # group, made by the first save (1 already when it returned); restore 3 -> 0; sync -> 0
+        assert counts == [[0, 0], [1, 1], [3, 0], [0, 0]]
