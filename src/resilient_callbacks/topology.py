@@ -1,7 +1,8 @@
 """Which ranks share a disk: detection at construction (node-local mode, docs/multinode.md).
 
-Each rank writes a probe file named after a token rank 0 chose; after a barrier every rank lists
-``dirpath`` and learns which ranks' probes it sees. The ranks that see each other's probes share
+Each rank writes a probe file named after a token rank 0 chose; once every rank has written its
+probe (an all-gather of the write errors) every rank lists ``dirpath`` and learns which ranks'
+probes it sees. The ranks that see each other's probes share
 a disk: a *node* (a storage domain). One node holding every rank is the shared mode of before
 (nothing changes); several nodes are node-local mode (:mod:`.nodelocal`), for which
 :func:`detect` also creates the gloo groups the protocol uses (each node, the node leaders, all
@@ -100,10 +101,10 @@ def detect(dirpath: str, shared: bool | None) -> Topology:
         write_bytes(probe, b"")
     except OSError as e:
         error = f"rank {r}: cannot write into {dirpath}: {e}"
+    # an all-gather returns on a rank only once every rank entered it: every probe is written
     errors = [e for e in dist.all_gather_json(error) if e]
     if errors:
         raise CheckpointWriteError("; ".join(errors) + ". Check the path and its permissions.")
-    dist.barrier()
     seen: set[int] = set()
     for attempt in range(2):
         if attempt:
@@ -115,8 +116,7 @@ def detect(dirpath: str, shared: bool | None) -> Topology:
                 with contextlib.suppress(ValueError):
                     seen.add(int(name[len(prefix) :]))
     view = [min(seen), len(seen), hash(tuple(sorted(seen))) & 0xFFFFFFFF]
-    views = dist.all_gather_json(view)
-    dist.barrier()
+    views = dist.all_gather_json(view)  # (every rank has listed: the probes may go)
     with contextlib.suppress(OSError):
         os.unlink(probe)
     groups: dict[int, list[int]] = {}
