@@ -124,12 +124,28 @@ def viewing_files_under(root: str, model: torch.nn.Module, opt: torch.optim.Opti
     return sum(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in tensors if t.numel())
 
 
+def flat_layout_refused(rank: int) -> None:
+    """``RC_FLAT_REFUSED=none@R``: rank R cannot read FSDP1's layout directly;
+    ``RC_FLAT_REFUSED=differs@R``: on rank R, what it reads differs from FSDP1's state dict.
+    Either way every rank must save through DCP's state dict."""
+    how, _, where = os.environ.get("RC_FLAT_REFUSED", "").partition("@")
+    if not how or int(where) != rank:
+        return
+    from resilient_callbacks.dcp import sharded
+
+    if how == "none":
+        sharded.FlatLayout.of = classmethod(lambda cls, model: None)  # type: ignore[assignment]
+    else:
+        sharded.differences = lambda *a: "made to differ by the test"  # type: ignore[assignment]
+
+
 def main() -> None:
     root, out, total, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     crash_at = int(sys.argv[5]) if len(sys.argv) > 5 else None
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     model, opt = build()
+    flat_layout_refused(rank)
     torch.manual_seed(1000 + rank)  # each rank its own data stream
     pos = Position()
     state = {"train": Sharded(model, opt), "data": PerRank(pos)}

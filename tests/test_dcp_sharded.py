@@ -73,6 +73,30 @@ def test_boxes_intersect_and_copy_the_overlap():
     assert torch.equal(dst, full[2:5])
 
 
+@pytest.mark.parametrize("shape", [(7,), (7, 6), (3, 4, 5), (1, 5), (4, 1, 3), ()])
+def test_a_range_of_a_flattened_tensor_is_a_few_boxes_in_order(shape):
+    """Every range [start, stop) of the flattened tensor: the boxes hold exactly its elements,
+    in row-major order, and there are at most 2 * ndim - 1 of them (FSDP1's pieces)."""
+    from resilient_callbacks.dcp.flat import Piece, boxes_of_range
+
+    full = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    n = full.numel()
+    for start in range(n + 1):
+        for stop in range(start, n + 1):
+            boxes = boxes_of_range(shape, start, stop)
+            assert len(boxes) <= max(1, 2 * len(shape) - 1)
+            got = [full[_slices(b)].reshape(-1) for b in boxes]
+            expect = full.reshape(-1)[start:stop]
+            assert torch.equal(torch.cat(got) if got else expect[:0], expect)
+            piece = Piece("w", tuple(shape), start, stop)
+            for box, run in piece.chunks(expect.clone()):  # the rank's 1-D piece, cut in runs
+                assert torch.equal(run, full[_slices(box)])
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))
+
+
 # ----------------------------------------------------------------------------- ranks
 
 
@@ -222,23 +246,60 @@ def test_sigkill_mid_run_then_rerun_is_bit_identical_and_a_flipped_byte_falls_ba
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_fsdp1_sharded_tensors_go_from_two_ranks_to_one_and_back(tmp_path):
-    """FSDP1 without a device mesh (as Lightning's FSDPStrategy and accelerate set it up) gives
-    ShardedTensors, chunked along the first dimension; the 1-element bias of the last layer has
-    no piece on rank 1. On one rank FSDP1 is NO_SHARD and its state dict holds whole tensors:
-    the resume on one rank assembles them from both ranks' chunks, and the resume on two ranks
-    after it cuts each rank's piece from the whole tensors."""
+    """FSDP1 without a device mesh (as Lightning's FSDPStrategy and accelerate set it up) keeps
+    each rank's even slice of every layer's flattened parameters; the save reads those pieces
+    where they lie (not through FSDP1's sharded state dict): 0.weight (7 x 6, 42 elements, with
+    its 7-element bias in a 50-element flat parameter, 25 a rank) is elements 0-25 on rank 0 --
+    rows 0-3 and the start of row 4 -- and 26-41 on rank 1; the last layer's bias lies on rank 1
+    alone, as does its step counter (rank 0 steps no piece of it). On one rank FSDP1 is NO_SHARD
+    and its state dict holds whole tensors: the resume on one rank assembles them from both
+    ranks' boxes, and the resume on two ranks after it cuts each rank's piece from the whole
+    tensors. Every restore equals what the run before saved."""
     root = tmp_path / "ck"
     fsdp1 = {"RC_SHARDING": "fsdp1"}
     _run(tmp_path, 2, root, "a", 4, **fsdp1)
     saved = json.loads((root / "step_000000004" / "manifest.json").read_text())["extra"]
-    tensors = saved["parts"]["train"]["tensors"]
-    assert tensors["model/0.weight"]["chunks"] == [[0, [0, 0], [4, 6]], [1, [4, 0], [3, 6]]]
-    assert tensors["model/4.bias"]["chunks"] == [[0, [0], [1]]]  # rank 1 holds no piece
-    assert tensors["optim/state/4.bias/exp_avg"]["chunks"] == [[0, [0], [1]]]
+    train = saved["parts"]["train"]
+    assert train["mesh"] == {"layout": "FSDP1 flat parameters, read directly"}
+    tensors = train["tensors"]
+    assert tensors["model/0.weight"]["chunks"] == [
+        [0, [0, 0], [4, 6], "model/0.weight#0"],
+        [0, [4, 0], [1, 2], "model/0.weight#1"],
+        [1, [4, 2], [1, 4], "model/0.weight#0"],
+        [1, [5, 0], [2, 6], "model/0.weight#1"],
+    ]
+    assert tensors["model/4.bias"]["chunks"] == [[1, [0], [1]]]  # rank 0 holds no piece
+    assert tensors["optim/state/4.bias/exp_avg"]["chunks"] == [[1, [0], [1]]]
+    assert tensors["optim/state/4.bias/step"] == {
+        "dtype": "F32",
+        "shape": [],
+        "chunks": [[1, [], []]],
+    }
 
     _then_one_then_two_ranks(tmp_path, root, **fsdp1)
     logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
     assert "deprecating ShardedTensor" not in logs  # our reads of them are quiet
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("refused", ["none@1", "differs@1"])
+def test_fsdp1_saves_through_its_state_dict_when_a_rank_cannot_read_the_layout(tmp_path, refused):
+    """One rank cannot read FSDP1's layout directly (``none``), or finds it differs from FSDP1's
+    own state dict (``differs``): every rank saves through FSDP1's state dict instead (one
+    layout for the checkpoint, no collective left unmatched), and the next run, which reads the
+    layout directly, restores what was saved."""
+    root = tmp_path / "ck"
+    _run(tmp_path, 2, root, "a", 4, RC_SHARDING="fsdp1", RC_FLAT_REFUSED=refused)
+    for step in (2, 4):
+        saved = json.loads((root / f"step_{step:09d}" / "manifest.json").read_text())["extra"]
+        assert saved["parts"]["train"]["mesh"]["placements"] == ["ShardedTensor"]
+    _run(tmp_path, 2, root, "b", 6, RC_SHARDING="fsdp1")
+    _assert_same(
+        _tensors(tmp_path / "a.final.safetensors"), _tensors(tmp_path / "b.restored.safetensors")
+    )
+    saved = json.loads((root / "step_000000006" / "manifest.json").read_text())["extra"]
+    assert saved["parts"]["train"]["mesh"] == {"layout": "FSDP1 flat parameters, read directly"}
 
 
 @pytest.mark.distributed

@@ -143,11 +143,16 @@ def broadcast_json(obj: Any, src: int = 0, group: Any = None) -> Any:
 
 def any_true(flag: bool) -> bool:
     """True on every rank if ``flag`` is true on any rank."""
+    return any_each([flag])[0]
+
+
+def any_each(flags: list[bool]) -> list[bool]:
+    """For each flag, true on every rank if it is true on any rank (one all-reduce)."""
     if not is_initialized():
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_device())
+        return list(flags)
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 def barrier() -> None:

@@ -27,6 +27,7 @@ all-gather (JSON in uint8 tensors) when the layout changed.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,11 +52,15 @@ from ..snapshot import step_storages
 from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from . import shards
 from .chunks import Box, copy_overlap, join, split
+from .flat import FlatLayout, flat_state
+from .views import View, complete_skeleton, differences, dtype_code, view_of
 
 if TYPE_CHECKING:
     from ..filepart import CaptureBuffers
 
 FORMAT = "resilient_callbacks.dcp.sharded/1"
+
+log = logging.getLogger("resilient_callbacks")
 
 
 def tensor_file(rank: int) -> str:
@@ -66,20 +71,12 @@ def json_file(rank: int) -> str:
     return f"rank_{rank:05d}.json"
 
 
-def _dtype_code(name: str, t: torch.Tensor) -> str:
-    try:
-        return DTYPE_TO_ST[t.dtype]
-    except KeyError:
-        raise UnsupportedStateError(f"{name}: dtype {t.dtype} cannot be saved") from None
-
-
 @dataclass
 class _Pending:
     """One save's view of the state, from describe() to capture() on the training thread."""
 
     skeleton: Any
-    tensors: dict[str, torch.Tensor]
-    owned: set[str]  # the sharded tensors' chunks this rank writes
+    local: dict[str, torch.Tensor]  # what this rank writes: its chunks (by key), plain tensors
     said: dict[str, Any]
 
 
@@ -123,6 +120,7 @@ class Sharded(FilePart):
         self._boxes: dict[tuple[Any, ...], Box] = {}  # DTensor layout -> this rank's box
         # the last gathered chunk index: (fingerprint of this rank's chunks, index, owned)
         self._index: tuple[int, dict[str, Any], set[str]] | None = None
+        self._flat_on = True  # read FSDP1's layout directly where it can (see describe())
         self._load: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
@@ -171,72 +169,103 @@ class Sharded(FilePart):
 
     @shards.quiet
     def describe(self) -> dict[str, Any]:
-        """Every rank, training thread: the chunk index of every rank (:meth:`_index_of`)."""
-        sd = self._state_dict(with_optim=self._has_optim_state())
-        skeleton, tensors = split(sd)
-        mine: dict[str, list[Any]] = {}
-        mesh: dict[str, Any] | None = None
-        for name, t in tensors.items():
-            if shards.is_sharded(t):
-                box = self._box(name, t)
-                mine[name] = [
-                    _dtype_code(name, t),
-                    list(t.shape),
-                    list(box.offsets),
-                    list(box.sizes),
-                ]
-                if mesh is None:
-                    mesh = shards.layout(t)
-            else:
-                _dtype_code(name, t)
-        index, owned = self._index_of(mine)
+        """Every rank, training thread: the chunk index of every rank (:meth:`_index_of`).
+
+        Under FSDP1 the pieces are read where FSDP1 keeps them (:mod:`.flat`), not through its
+        sharded state dict, when every rank can (agreed in the all-reduce that agrees on the
+        layout); whenever the layout changes they are compared with FSDP1's own state dict
+        (:func:`.views.differences`), and a difference on any rank turns this off for good.
+        Otherwise, and for FSDP2 and tensor parallelism, DCP's state dict is read."""
+        with_optim = self._has_optim_state()
+        if self._flat_on and FlatLayout.in_model(self.model):  # the same on every rank
+            layout = FlatLayout.of(self.model)
+            state = flat_state(layout, self.model, self.optimizers, with_optim) if layout else None
+            view = view_of(state.sd, state.pieces) if state else None
+            fingerprint, changed = self._changed(view.mine if view else {})
+            refused, changed = dist.any_each([view is None, view is not None and changed])
+            if not refused:
+                assert view is not None
+                index, owned, gathered = self._index_of(view.mine, fingerprint, changed)
+                complete_skeleton(view.skeleton, index)
+                if not gathered or not self._differs(view, index, with_optim):
+                    return self._pend(view, index, owned, with_optim)
+        view = self._dcp_view(with_optim)
+        fingerprint, changed = self._changed(view.mine)
+        index, owned, _ = self._index_of(view.mine, fingerprint, dist.any_true(changed))
+        return self._pend(view, index, owned, with_optim)
+
+    def _differs(self, view: View, index: dict[str, Any], with_optim: bool) -> bool:
+        """Every rank (collective): whether the state read from FSDP1's layout differs, on
+        any rank, from FSDP1's own state dict; if so, it is not read directly again."""
+        problem = differences(view, self._dcp_view(with_optim), index)
+        if problem is not None:
+            log.info("Sharded: FSDP1's layout is not read directly on this rank: %s", problem)
+        if dist.any_true(problem is not None):
+            self._flat_on = False
+            return True
+        return False
+
+    def _pend(
+        self, view: View, index: dict[str, Any], owned: set[str], with_optim: bool
+    ) -> dict[str, Any]:
         said = {
             "format": FORMAT,
             "world_size": dist.world_size(),
-            "mesh": mesh,
-            "optim": "optim" in sd,
+            "mesh": view.mesh,
+            "optim": with_optim,
             "tensors": index,
         }
-        self._pending = _Pending(skeleton, tensors, owned, said)
+        local = {k: t for k, t in view.local.items() if k in owned or k in view.plain}
+        self._pending = _Pending(view.skeleton, local, said)
         return said
 
-    def _index_of(self, mine: dict[str, list[Any]]) -> tuple[dict[str, Any], set[str]]:
-        """Every rank, training thread (collective): the chunk index of every rank, and the
-        tensors whose chunk this rank writes.
+    def _dcp_view(self, with_optim: bool) -> View:
+        return view_of(self._state_dict(with_optim), {}, box=self._box)
+
+    def _changed(self, mine: dict[str, list[Any]]) -> tuple[int, bool]:
+        """The fingerprint of this rank's layout, and whether it differs from the last save's."""
+        fingerprint = xxhash.xxh3_64_intdigest(json.dumps(mine, sort_keys=True).encode())
+        return fingerprint, self._index is None or self._index[0] != fingerprint
+
+    def _index_of(
+        self, mine: dict[str, list[Any]], fingerprint: int, changed: bool
+    ) -> tuple[dict[str, Any], set[str], bool]:
+        """Every rank, training thread (collective when ``changed``, which every rank agreed
+        on): the chunk index of every rank, the keys of the chunks this rank writes, and
+        whether the index was gathered at this save.
 
         Gathering every rank's chunks is a JSON all-gather of O(ranks x tensors) bytes. The
         layout changes only when the model is resharded or the optimizer gains state, so it is
-        gathered again only when some rank's own layout differs from its last save's: one
-        1-integer all-reduce agrees on that (every rank takes the same branch), and otherwise
-        the last index is reused."""
-        fingerprint = xxhash.xxh3_64_intdigest(json.dumps(mine, sort_keys=True).encode())
-        last = self._index
-        if not dist.any_true(last is None or last[0] != fingerprint):
-            assert last is not None
-            return last[1], last[2]
+        gathered again only when some rank's own layout differs from its last save's (one
+        all-reduce agrees on that, every rank taking the same branch), and otherwise the last
+        index is reused."""
+        if not changed:
+            assert self._index is not None
+            return self._index[1], self._index[2], False
         index, owned = self._gather_index(mine)
         self._index = (fingerprint, index, owned)
-        return index, owned
+        return index, owned, True
 
     def _gather_index(self, mine: dict[str, list[Any]]) -> tuple[dict[str, Any], set[str]]:
         index: dict[str, dict[str, Any]] = {}
         owned: set[str] = set()
         rank = dist.rank()
         for r, theirs in enumerate(dist.all_gather_json(mine)):
-            for name, (dtype, shape, offsets, sizes) in theirs.items():
+            for name, (dtype, shape, chunks) in theirs.items():
                 entry = index.setdefault(name, {"dtype": dtype, "shape": shape, "chunks": []})
                 if entry["dtype"] != dtype or entry["shape"] != shape:
                     raise UnsupportedStateError(
                         f"{name}: rank {r} holds a {dtype} {shape} tensor, a lower rank a "
                         f"{entry['dtype']} {entry['shape']} one"
                     )
-                if Box.of(offsets, sizes).numel == 0:
-                    continue
-                if any(c[1] == offsets and c[2] == sizes for c in entry["chunks"]):
-                    continue  # a replica of a chunk a lower rank writes
-                entry["chunks"].append([r, offsets, sizes])
-                if r == rank:
-                    owned.add(name)
+                for offsets, sizes, key in chunks:
+                    if Box.of(offsets, sizes).numel == 0:
+                        continue
+                    if any(c[1] == offsets and c[2] == sizes for c in entry["chunks"]):
+                        continue  # a replica of a chunk a lower rank writes
+                    entry["chunks"].append([r, offsets, sizes] + ([key] if key != name else []))
+                    if r == rank:
+                        owned.add(key)
         return index, owned
 
     @shards.quiet
@@ -250,14 +279,7 @@ class Sharded(FilePart):
             self.describe()
             pending, self._pending = self._pending, None
             assert pending is not None
-        local: dict[str, torch.Tensor] = {}
-        for name, t in pending.tensors.items():
-            if shards.is_sharded(t):
-                if name not in pending.owned:
-                    continue
-                t = shards.local(t)
-            local[name] = t.detach()
-        copies = buffers.copy(local, step_only=self._step_storages())
+        copies = buffers.copy(pending.local, step_only=self._step_storages())
         return {"tensors": copies, "json": {"format": FORMAT, "skeleton": pending.skeleton}}
 
     def stepped_by(self) -> tuple[torch.optim.Optimizer, ...]:
@@ -303,7 +325,7 @@ class Sharded(FilePart):
                     needs[name] = self._box(name, t)
                     entries[name] = _whole(name, t, home)
                 continue  # a plain tensor: the home file's
-            if list(t.shape) != list(entry["shape"]) or _dtype_code(name, t) != entry["dtype"]:
+            if list(t.shape) != list(entry["shape"]) or dtype_code(name, t) != entry["dtype"]:
                 problems.append(
                     f"{name}: saved {entry['dtype']} {entry['shape']}, "
                     f"this model has {DTYPE_TO_ST.get(t.dtype, t.dtype)} {list(t.shape)}"
@@ -312,7 +334,7 @@ class Sharded(FilePart):
             # a plain tensor here that was saved sharded (resumed on one FSDP1 rank) is whole
             need = needs[name] = self._box(name, t) if shards.is_sharded(t) else _full_box(t)
             entries[name] = entry
-            for r, offsets, sizes in entry["chunks"]:
+            for r, offsets, sizes, *_ in entry["chunks"]:
                 if need.intersect(Box.of(offsets, sizes)) is not None and need.numel:
                     ranks.add(int(r))
         unexpected = sorted(set(index) - set(tensors))
@@ -396,8 +418,12 @@ class Sharded(FilePart):
         without ``out`` into a fresh tensor -- or then the saved chunk itself (a view of the
         verified, privately mapped file: no copy) when it is exactly that piece."""
         dtype = ST_TO_DTYPE[entry["dtype"]]
-        for r, offsets, sizes in entry["chunks"]:
-            src = files[int(r)].get(name) if Box.of(offsets, sizes) == need else None
+        for r, offsets, sizes, *key in entry["chunks"]:
+            src = (
+                files[int(r)].get(key[0] if key else name)
+                if Box.of(offsets, sizes) == need
+                else None
+            )
             if src is not None and tuple(src.shape) == need.sizes and src.dtype == dtype:
                 if out is None:
                     return src
@@ -405,11 +431,11 @@ class Sharded(FilePart):
                     return out.copy_(src)
         local = torch.empty(need.sizes, dtype=dtype) if out is None else out
         filled = 0
-        for r, offsets, sizes in entry["chunks"]:
+        for r, offsets, sizes, *key in entry["chunks"]:
             box = Box.of(offsets, sizes)
             if need.numel == 0 or need.intersect(box) is None:
                 continue
-            src = files[int(r)].get(name)
+            src = files[int(r)].get(key[0] if key else name)
             if src is None:  # (load() refuses tensors the checkpoint lacks before asking)
                 raise CheckpointCorruptError(f"{tensor_file(int(r))} does not hold {name}")
             if entry.get("whole") and (src.dtype != local.dtype or tuple(src.shape) != box.sizes):
@@ -434,7 +460,7 @@ def _full_box(t: torch.Tensor) -> Box:
 def _whole(name: str, t: torch.Tensor, home: int) -> dict[str, Any]:
     """The index entry of a tensor saved whole, as a plain tensor, into rank ``home``'s file."""
     return {
-        "dtype": _dtype_code(name, t),
+        "dtype": dtype_code(name, t),
         "shape": list(t.shape),
         "chunks": [[home, [0] * t.dim(), list(t.shape)]],
         "whole": True,
