@@ -42,7 +42,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     state) or ``tp`` (tensor parallelism: the first Linear column-wise, the second row-wise --
     shards along dimension 0 and 1 -- the last one plain and replicated; each rank computes on
     its own batch, which makes no sense as training and is as deterministic).
-    ``RC_EXTRA_LAYER=1`` appends a layer: a model the checkpoints do not fit."""
+    ``RC_EXTRA_LAYER=1`` appends a layer: a model the checkpoints do not fit. ``RC_DEVICE=cuda``
+    puts it on the rank's GPU (the process group must then be NCCL: :func:`backend`)."""
     import os
 
     import torch
@@ -52,6 +53,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 1))
     if os.environ.get("RC_EXTRA_LAYER"):  # another model: one more layer than was saved
         model.append(nn.Linear(1, 1))
+    device = _device()
+    model = model.to(device)
     how = os.environ.get("RC_SHARDING", "fsdp2")
     if how == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -68,11 +71,11 @@ def build(seed: int = 0) -> tuple[Any, Any]:
 
         mesh = None
         if how == "fsdp1-mesh":
-            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         model = FSDP(
             model,
             auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-            device_id=torch.device("cpu"),
+            device_id=device,
             device_mesh=mesh,
             use_orig_params=True,
         )
@@ -88,8 +91,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
         # even hidden width: TP hands the column shards to the row-wise layer as local tensors
         model = nn.Sequential(
             nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 1)
-        )
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        ).to(device)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     else:
         raise ValueError(f"RC_SHARDING={how!r}")
@@ -97,12 +100,38 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     return model, opt
 
 
-def train_step(model: Any, opt: Any) -> float:
-    """One step on a batch drawn from the global torch RNG (restored per rank on resume)."""
+def _device() -> Any:
+    """``RC_DEVICE``: ``cpu`` (default) or ``cuda`` (this rank's GPU, ``LOCAL_RANK``)."""
+    import os
+
     import torch
 
-    x = torch.randn(8, 6)
-    y = torch.randn(8, 1)
+    if os.environ.get("RC_DEVICE", "cpu") == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    """The process group's backend for ``RC_DEVICE`` (NCCL for GPUs, gloo otherwise); sets the
+    rank's GPU as the current device."""
+    import torch
+
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.use_deterministic_algorithms(True)  # (with CUBLAS_WORKSPACE_CONFIG set)
+        return "nccl"
+    return "gloo"
+
+
+def train_step(model: Any, opt: Any) -> float:
+    """One step on a batch drawn from the global (CPU) torch RNG, restored per rank on resume,
+    on the model's device."""
+    import torch
+
+    device = _device()
+    x = torch.randn(8, 6).to(device)
+    y = torch.randn(8, 1).to(device)
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -116,8 +145,8 @@ def full_tensors(model: Any, opt: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    out = {f"model/{k}": v.detach().clone() for k, v in msd.items()}
+    out = {f"model/{k}": v.detach().cpu().clone() for k, v in msd.items()}
     for fqn, st in osd["state"].items():
         for k, v in st.items():
-            out[f"optim/{fqn}/{k}"] = v.detach().clone()
+            out[f"optim/{fqn}/{k}"] = v.detach().cpu().clone()
     return out

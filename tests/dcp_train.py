@@ -27,7 +27,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import spawn_ranks
-from dcp_helpers import build, full_tensors, train_step
+from dcp_helpers import backend, build, full_tensors, train_step
 from resilient_callbacks import Checkpointer, PerRank
 from resilient_callbacks.dcp import Sharded
 
@@ -142,7 +142,7 @@ def flat_layout_refused(rank: int) -> None:
 def main() -> None:
     root, out, total, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     crash_at = int(sys.argv[5]) if len(sys.argv) > 5 else None
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     model, opt = build()
     flat_layout_refused(rank)
