@@ -63,6 +63,25 @@ def _in_row(row: int, box: Box) -> Box:
     return Box((row, *box.offsets), (1, *box.sizes))
 
 
+class Names:
+    """The names ``get_state_dict`` gives the parameters and buffers of ``model`` (FSDP1's
+    wrapper modules left out), by their ``named_parameters``/``named_buffers`` names, computed
+    once each: a model's structure does not change between saves."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._known: dict[str, str | None] = {}
+
+    def __call__(self, name: str) -> str | None:
+        """The one FQN of ``name``, or ``None`` when it has several (a flat parameter)."""
+        if name not in self._known:
+            from torch.distributed.checkpoint.state_dict import _get_fqns
+
+            fqns = _get_fqns(self.model, name)
+            self._known[name] = next(iter(fqns)) if len(fqns) == 1 else None
+        return self._known[name]
+
+
 @dataclass(frozen=True)
 class Piece:
     """One original parameter on this rank: its name (as ``get_state_dict`` names it), global
@@ -100,8 +119,7 @@ class FlatLayout:
         return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> FlatLayout | None:
-        from torch.distributed.checkpoint.state_dict import _get_fqns
+    def of(cls, model: torch.nn.Module, fqn: Names) -> FlatLayout | None:
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp._common_utils import HandleTrainingState
 
@@ -130,12 +148,10 @@ class FlatLayout:
                     if first is None or last is None:
                         return None
                     start, stop = first, last + 1
-                if id(param) not in names:
+                name = fqn(names[id(param)]) if id(param) in names else None
+                if name is None or param.dim() != 1 or param.numel() != stop - start:
                     return None
-                fqns = _get_fqns(model, names[id(param)])
-                if param.dim() != 1 or param.numel() != stop - start or len(fqns) != 1:
-                    return None
-                pieces[id(param)] = (param, Piece(next(iter(fqns)), tuple(shape), start, stop))
+                pieces[id(param)] = (param, Piece(name, tuple(shape), start, stop))
         if not pieces or len(pieces) != len(names):
             return None  # no FSDP1 unit, or parameters outside them
         return cls(pieces)
@@ -184,14 +200,13 @@ class FlatState:
 
 def flat_state(
     layout: FlatLayout,
+    names: Names,
     model: torch.nn.Module,
     optimizers: tuple[torch.optim.Optimizer, ...],
     with_optim: bool,
 ) -> FlatState | None:
     """The state of ``model`` and ``optimizers`` (one at most) from ``layout``, or ``None``
     where it does not describe them (see :meth:`FlatLayout.optimizer_state`)."""
-    from torch.distributed.checkpoint.state_dict import _get_fqns
-
     pieces: dict[str, Piece] = {}
     msd: dict[str, torch.Tensor] = {}
     for param, piece in layout.pieces.values():
@@ -203,10 +218,10 @@ def flat_state(
             if buf is None or name in module._non_persistent_buffers_set or id(buf) in seen:
                 continue
             seen.add(id(buf))
-            fqns = _get_fqns(model, f"{where}.{name}" if where else name)
-            if len(fqns) != 1:
+            buffer_fqn = names(f"{where}.{name}" if where else name)
+            if buffer_fqn is None:
                 return None
-            msd[next(iter(fqns))] = buf.detach()
+            msd[buffer_fqn] = buf.detach()
     sd: dict[str, Any] = {"model": msd}
     if not with_optim:
         return FlatState(sd, pieces)

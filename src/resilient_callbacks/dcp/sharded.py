@@ -52,8 +52,15 @@ from ..snapshot import step_storages
 from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from . import shards
 from .chunks import Box, copy_overlap, join, split
-from .flat import FlatLayout, flat_state
-from .views import View, complete_skeleton, differences, dtype_code, view_of
+from .flat import FlatLayout, Names, flat_state
+from .views import (
+    View,
+    complete_skeleton,
+    differences,
+    dtype_code,
+    optim_state_names,
+    view_of,
+)
 
 if TYPE_CHECKING:
     from ..filepart import CaptureBuffers
@@ -121,6 +128,8 @@ class Sharded(FilePart):
         # the last gathered chunk index: (fingerprint of this rank's chunks, index, owned)
         self._index: tuple[int, dict[str, Any], set[str]] | None = None
         self._flat_on = True  # read FSDP1's layout directly where it can (see describe())
+        self._fqn = Names(model)
+        self._optim_names: list[tuple[str, str, str]] | None = None  # of the last index
         self._load: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
@@ -178,15 +187,21 @@ class Sharded(FilePart):
         Otherwise, and for FSDP2 and tensor parallelism, DCP's state dict is read."""
         with_optim = self._has_optim_state()
         if self._flat_on and FlatLayout.in_model(self.model):  # the same on every rank
-            layout = FlatLayout.of(self.model)
-            state = flat_state(layout, self.model, self.optimizers, with_optim) if layout else None
+            layout = FlatLayout.of(self.model, self._fqn)
+            state = (
+                flat_state(layout, self._fqn, self.model, self.optimizers, with_optim)
+                if layout
+                else None
+            )
             view = view_of(state.sd, state.pieces) if state else None
             fingerprint, changed = self._changed(view.mine if view else {})
             refused, changed = dist.any_each([view is None, view is not None and changed])
             if not refused:
                 assert view is not None
                 index, owned, gathered = self._index_of(view.mine, fingerprint, changed)
-                complete_skeleton(view.skeleton, index)
+                if gathered or self._optim_names is None:
+                    self._optim_names = optim_state_names(index)
+                complete_skeleton(view.skeleton, self._optim_names)
                 if not gathered or not self._differs(view, index, with_optim):
                     return self._pend(view, index, owned, with_optim)
         view = self._dcp_view(with_optim)

@@ -91,22 +91,32 @@ def _unescape(part: str) -> str:
     return part.replace("%2F", "/").replace("%25", "%")
 
 
-def complete_skeleton(skeleton: Any, index: Mapping[str, Any]) -> None:
-    """Add to ``skeleton`` a reference to every optimizer state in the chunk ``index`` that it
-    lacks: a rank that holds no piece of a parameter has no optimizer state for it, while
-    FSDP1's state dict lists it on every rank."""
+def optim_state_names(index: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """``(fqn, key, name)`` of every optimizer state in the chunk ``index``."""
+    out = []
+    for name in index:
+        if name.startswith(OPTIM_STATE):
+            parts = name[len(OPTIM_STATE) :].split("/")
+            if len(parts) == 2:
+                out.append((_unescape(parts[0]), _unescape(parts[1]), name))
+    return out
+
+
+def complete_skeleton(skeleton: Any, names: list[tuple[str, str, str]]) -> None:
+    """Add to ``skeleton`` a reference to every optimizer state of ``names``
+    (:func:`optim_state_names` of the chunk index) that it lacks: a rank that holds no piece of
+    a parameter has no optimizer state for it, while FSDP1's state dict lists it on every
+    rank."""
     optim = skeleton.get("optim") if isinstance(skeleton, dict) else None
     state = optim.get("state") if isinstance(optim, dict) else None
     if not isinstance(state, dict):
         return
-    for name in index:
-        if not name.startswith(OPTIM_STATE):
-            continue
-        parts = name[len(OPTIM_STATE) :].split("/")
-        if len(parts) != 2:
-            continue
-        fqn, key = (_unescape(p) for p in parts)
-        state.setdefault(fqn, {}).setdefault(key, {TAG: "tensor", "name": name})
+    for fqn, key, name in names:
+        slot = state.get(fqn)
+        if slot is None:
+            slot = state[fqn] = {}
+        if key not in slot:
+            slot[key] = {TAG: "tensor", "name": name}
 
 
 def differences(flat: View, dcp: View, index: Mapping[str, Any]) -> str | None:
