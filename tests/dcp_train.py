@@ -125,8 +125,8 @@ def viewing_files_under(root: str, model: torch.nn.Module, opt: torch.optim.Opti
 
 
 def flat_layout_refused(rank: int) -> None:
-    """``RC_FLAT_REFUSED=none@R``: rank R cannot read FSDP1's layout directly;
-    ``RC_FLAT_REFUSED=differs@R``: on rank R, what it reads differs from FSDP1's state dict.
+    """``RC_FLAT_REFUSED=none@R``: rank R cannot read FSDP1's layout directly; ``raises@R``:
+    reading it raises there; ``RC_FLAT_REFUSED=differs@R``: on rank R, what it reads differs from FSDP1's state dict.
     Either way every rank must save through DCP's state dict."""
     how, _, where = os.environ.get("RC_FLAT_REFUSED", "").partition("@")
     if not how or int(where) != rank:
@@ -134,7 +134,13 @@ def flat_layout_refused(rank: int) -> None:
     from resilient_callbacks.dcp import sharded
 
     if how == "none":
-        sharded.FlatLayout.of = classmethod(lambda cls, model: None)  # type: ignore[assignment]
+        sharded.FlatLayout.of = classmethod(lambda cls, *a: None)  # type: ignore[assignment]
+    elif how == "raises":
+
+        def fail(cls: object, *a: object) -> None:
+            raise RuntimeError("made to fail by the test")
+
+        sharded.FlatLayout.of = classmethod(fail)  # type: ignore[assignment]
     else:
         sharded.differences = lambda *a: "made to differ by the test"  # type: ignore[assignment]
 

@@ -309,10 +309,10 @@ def test_fsdp1_sharded_tensors_go_from_two_ranks_to_one_and_back(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("refused", ["none@1", "differs@1"])
+@pytest.mark.parametrize("refused", ["none@1", "raises@1", "differs@1"])
 def test_fsdp1_saves_through_its_state_dict_when_a_rank_cannot_read_the_layout(tmp_path, refused):
-    """One rank cannot read FSDP1's layout directly (``none``), or finds it differs from FSDP1's
-    own state dict (``differs``): every rank saves through FSDP1's state dict instead (one
+    """One rank cannot read FSDP1's layout directly (``none``), fails to (``raises``), or finds
+    it differs from FSDP1's own state dict (``differs``): every rank saves through FSDP1's state dict instead (one
     layout for the checkpoint, no collective left unmatched), and the next run, which reads the
     layout directly, restores what was saved."""
     root = tmp_path / "ck"

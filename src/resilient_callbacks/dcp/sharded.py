@@ -187,13 +187,7 @@ class Sharded(FilePart):
         Otherwise, and for FSDP2 and tensor parallelism, DCP's state dict is read."""
         with_optim = self._has_optim_state()
         if self._flat_on and FlatLayout.in_model(self.model):  # the same on every rank
-            layout = FlatLayout.of(self.model, self._fqn)
-            state = (
-                flat_state(layout, self._fqn, self.model, self.optimizers, with_optim)
-                if layout
-                else None
-            )
-            view = view_of(state.sd, state.pieces) if state else None
+            view = self._flat_view(with_optim)
             fingerprint, changed = self._changed(view.mine if view else {})
             refused, changed = dist.any_each([view is None, view is not None and changed])
             if not refused:
@@ -208,6 +202,19 @@ class Sharded(FilePart):
         fingerprint, changed = self._changed(view.mine)
         index, owned, _ = self._index_of(view.mine, fingerprint, dist.any_true(changed))
         return self._pend(view, index, owned, with_optim)
+
+    def _flat_view(self, with_optim: bool) -> View | None:
+        """This rank's view read from FSDP1's layout, or ``None`` where it cannot be (no
+        collective: every rank reaches the agreement after it, whatever happens here)."""
+        try:
+            layout = FlatLayout.of(self.model, self._fqn)
+            if layout is None:
+                return None
+            state = flat_state(layout, self._fqn, self.model, self.optimizers, with_optim)
+            return view_of(state.sd, state.pieces) if state else None
+        except Exception as e:  # the state dict's way then reports it, on every rank alike
+            log.info("Sharded: FSDP1's layout cannot be read directly: %r", e)
+            return None
 
     def _differs(self, view: View, index: dict[str, Any], with_optim: bool) -> bool:
         """Every rank (collective): whether the state read from FSDP1's layout differs, on
