@@ -175,11 +175,18 @@ def test_overlapped_capture_is_consistent_when_the_step_follows_at_once(tmp_path
     deferred = (tmp_path / "k.deferred").read_text().split()
     assert deferred and all(int(n) > 0 for n in deferred)  # the copies were deferred
     _run(tmp_path, 2, crashed, "k", 6, **slow)
-    assert (tmp_path / "k.start").read_text() in ("2", "4")  # 4 unless the kill beat its commit
-    for rank in (0, 1):
+    _assert_resumed_as_uninterrupted(tmp_path, 2)
+
+
+def _assert_resumed_as_uninterrupted(tmp_path: Path, nprocs: int) -> None:
+    """Run "k" (killed after step 5, then run again to step 6) against run "u" (not killed):
+    resumed from step 4 (2 if the kill beat its commit), the same losses on every rank and
+    the same final tensors; and, the layout being the same, every saved chunk a whole local
+    piece copied into the live tensors, none left viewing the mapped file (its pages would be
+    copied at the next step)."""
+    assert (tmp_path / "k.start").read_text() in ("2", "4")
+    for rank in range(nprocs):
         assert _losses(tmp_path, "k", rank) == _losses(tmp_path, "u", rank)
-        # the same layout: every saved chunk is a whole local piece, copied into the live
-        # tensors, none left viewing the mapped file (its pages would be copied at the next step)
         assert (tmp_path / f"k.rank{rank}.mapped").read_text() == "0"
     _assert_same(
         _tensors(tmp_path / "u.final.safetensors"), _tensors(tmp_path / "k.final.safetensors")
@@ -203,13 +210,7 @@ def test_fsdp2_on_gpus_sigkill_then_rerun_is_bit_identical(tmp_path, overlap):
     _run(tmp_path, n, clean, "u", 6, **env)
     assert -9 in _run(tmp_path, n, crashed, "k", 6, "5", **env)
     _run(tmp_path, n, crashed, "k", 6, **env)
-    assert (tmp_path / "k.start").read_text() in ("2", "4")
-    for rank in range(n):
-        assert _losses(tmp_path, "k", rank) == _losses(tmp_path, "u", rank)
-        assert (tmp_path / f"k.rank{rank}.mapped").read_text() == "0"
-    _assert_same(
-        _tensors(tmp_path / "u.final.safetensors"), _tensors(tmp_path / "k.final.safetensors")
-    )
+    _assert_resumed_as_uninterrupted(tmp_path, n)
 
 
 @pytest.mark.distributed
