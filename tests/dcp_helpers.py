@@ -41,7 +41,9 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     hold no piece of a small tensor), ``fsdp1-mesh`` (the same given a device mesh: DTensor
     state) or ``tp`` (tensor parallelism: the first Linear column-wise, the second row-wise --
     shards along dimension 0 and 1 -- the last one plain and replicated; each rank computes on
-    its own batch, which makes no sense as training and is as deterministic).
+    its own batch, which makes no sense as training and is as deterministic), ``hsdp`` (FSDP2
+    on a 2-D mesh: replicated across pairs of ranks, sharded within each; 4 ranks) or
+    ``fsdp1-hybrid`` (FSDP1's ``HYBRID_SHARD``, the same layout).
     ``RC_EXTRA_LAYER=1`` appends a layer: a model the checkpoints do not fit. ``RC_DEVICE=cuda``
     puts it on the rank's GPU (the process group must then be NCCL: :func:`backend`)."""
     import os
@@ -56,13 +58,35 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     device = _device()
     model = model.to(device)
     how = os.environ.get("RC_SHARDING", "fsdp2")
-    if how == "fsdp2":
+    if how in ("fsdp2", "hsdp"):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        hsdp = None
+        if how == "hsdp":  # replicated across pairs of ranks, sharded within each pair
+            n = dist.get_world_size()
+            hsdp = init_device_mesh(device.type, (n // 2, 2), mesh_dim_names=("rep", "shard"))
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, mesh=hsdp)
+        fully_shard(model, mesh=hsdp)
+    elif how == "fsdp1-hybrid":  # FSDP1's HYBRID_SHARD: the same replication and sharding
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        n = dist.get_world_size()
+        model = FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            device_id=device,
+            device_mesh=init_device_mesh(device.type, (n // 2, 2)),
+            sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+            use_orig_params=True,
+        )
     elif how in ("fsdp1", "fsdp1-mesh"):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh

@@ -372,6 +372,26 @@ def test_tensor_parallel_shards_and_replicas_go_from_two_ranks_to_one(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("sharding", ["hsdp", "fsdp1-hybrid"])
+def test_hybrid_sharding_on_four_ranks_resumes_on_two(tmp_path, sharding):
+    """Hybrid sharding on 4 ranks (two replicas of a 2-rank sharding): each replicated chunk is
+    written once, by the lowest rank holding it (ranks 0 and 1), and the checkpoint resumes
+    under FSDP2 on 2 ranks with every full tensor as saved."""
+    root = tmp_path / "ck"
+    _run(tmp_path, 4, root, "a", 4, RC_SHARDING=sharding)
+    saved = json.loads((root / "step_000000004" / "manifest.json").read_text())["extra"]
+    chunks = [c for entry in saved["parts"]["train"]["tensors"].values() for c in entry["chunks"]]
+    assert chunks and {c[0] for c in chunks} <= {0, 1}  # ranks 2 and 3 hold replicas
+    _run(tmp_path, 2, root, "b", 6, RC_SHARDING="fsdp2", RC_FORBID_PICKLE="1")
+    _assert_same(
+        _tensors(tmp_path / "a.final.safetensors"), _tensors(tmp_path / "b.restored.safetensors")
+    )
+    assert sorted(_losses(tmp_path, "b", 1)) == [5, 6]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_checkpoint_moves_between_fsdp2_and_fsdp1(tmp_path):
     """The same model saved under FSDP2 (DTensors), resumed under FSDP1 on one rank (whole
     tensors), then under FSDP1 with a device mesh on two (DTensors again), then FSDP1 without
