@@ -1,27 +1,32 @@
 """``Sharded(model, optimizer)``: the sharded state of FSDP2 (``fully_shard``), FSDP1 or tensor
-parallelism (DTensors, or FSDP1's ShardedTensors: :mod:`.shards`) as a
+parallelism (DTensors, or FSDP1's ShardedTensors: :mod:`.shards`; under FSDP1 the flat
+parameters' pieces read where they lie: :mod:`.flat`) as a
 :class:`~resilient_callbacks.filepart.FilePart`, saved by every rank into its own files and
-restored on any number of ranks (resharding).
+restored on any number of ranks (resharding), into the live tensors.
 
 Files, under ``parts/<id>/`` of a checkpoint:
 
 - ``rank_NNNNN.safetensors`` (each rank): the local chunks of the sharded tensors this rank
   owns (a chunk several ranks hold, as with a replicated placement, is written once, by the
-  lowest rank holding it), and every plain tensor of the state dict (optimizer ``step``
-  counters).
+  lowest rank holding it; a rank holding several boxes of one tensor writes them as
+  ``name#0``, ``name#1``, ...), and every plain tensor of the state dict (optimizer ``step``
+  counters; read from FSDP1's layout, those are 0-d chunks of the ranks that step them).
 - ``rank_NNNNN.json`` (each rank): the state dict's non-tensor values (``param_groups``
   hyper-parameters) with references to the tensors.
 
-The chunk index (for every tensor: dtype, global shape, and which rank saved which box of it) is
-gathered from every rank with the core's JSON collectives (again only when some rank's layout
-changed since the last save) and recorded in the manifest through :meth:`describe`; at restore
-it tells each rank which files hold the boxes its local shards need, so a rank reads only those
-(verified), and nothing is unpickled.
+The chunk index (for every tensor: dtype, global shape, and which rank saved which box of it,
+under which key) is gathered from every rank with the core's JSON collectives (again only when
+some rank's layout changed since the last save) and recorded in the manifest through
+:meth:`describe`; at restore it tells each rank which files hold the boxes its local shards
+need, so a rank reads only those (verified), and nothing is unpickled.
 
 Which ranks call what: as every FilePart (see :mod:`resilient_callbacks.filepart`); every rank
 holds a ``Sharded`` of the same model at the same place of its state. :meth:`describe` runs, on
-the default group and the training thread at each save, one 1-integer all-reduce, and one
-all-gather (JSON in uint8 tensors) when the layout changed.
+the default group and the training thread at each save, one all-reduce (under FSDP1 it also
+agrees on reading the layout directly), one all-gather (JSON in uint8 tensors) when the layout
+changed, and under FSDP1 at such a change FSDP1's state dict and one more all-reduce (the
+comparison). Reading FSDP1's layout is not collective, so every rank reaches the all-reduce
+that agrees on it, whatever happened on another.
 """
 
 from __future__ import annotations
