@@ -46,37 +46,21 @@ class Position:
 
 
 def forbid_unpickling() -> dict[str, object]:
-    """Make every way to unpickle raise: a restore that needed pickle would fail loudly.
-    Returns the originals, for :func:`allow_unpickling`.
-
-    One exception: torch.distributed's object collectives (``all_gather_object``), with which
-    FSDP1's optimizer state dict exchanges its ranks' own parameter info at every save and
-    restore. What they unpickle was pickled by this job's ranks a moment before, not read from
-    the checkpoint; FSDP2 and a single FSDP1 rank make no such calls."""
-    import inspect
+    """Make every way to unpickle raise: a restore that needed pickle would fail loudly, even
+    through torch.distributed's object collectives (``all_gather_object``, which FSDP1's own
+    optimizer state dict uses; a Sharded restore into FSDP1 does not call it). Returns the
+    originals, for :func:`allow_unpickling`."""
     import pickle
 
     saved = {"load": pickle.load, "loads": pickle.loads, "Unpickler": pickle.Unpickler}
     saved["torch.load"] = torch.load
-    real_load = torch.load
 
     def refuse(*_: object, **__: object) -> None:
         raise AssertionError("restore tried to unpickle")
 
-    def load(*args: object, **kwargs: object) -> object:
-        if not any(f.function == "_tensor_to_object" for f in inspect.stack()[1:6]):
-            return refuse()
-        pickle.load, pickle.loads = saved["load"], saved["loads"]  # type: ignore[assignment]
-        pickle.Unpickler = saved["Unpickler"]  # type: ignore[assignment,misc]
-        try:
-            return real_load(*args, **kwargs)  # type: ignore[arg-type]
-        finally:
-            pickle.load = pickle.loads = refuse  # type: ignore[assignment]
-            pickle.Unpickler = refuse  # type: ignore[assignment,misc]
-
     pickle.load = pickle.loads = refuse  # type: ignore[assignment]
     pickle.Unpickler = refuse  # type: ignore[assignment,misc]
-    torch.load = load  # type: ignore[assignment]
+    torch.load = refuse  # type: ignore[assignment]
     return saved
 
 

@@ -331,16 +331,16 @@ def test_fsdp1_saves_through_its_state_dict_when_a_rank_cannot_read_the_layout(t
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("nprocs", [2, 1])
-def test_a_model_the_checkpoint_does_not_fit_is_refused_by_name(tmp_path, nprocs):
+@pytest.mark.parametrize(("sharding", "nprocs"), [("fsdp2", 2), ("fsdp1", 2), ("fsdp1", 1)])
+def test_a_model_the_checkpoint_does_not_fit_is_refused_by_name(tmp_path, sharding, nprocs):
     """One more layer than was saved: refused before anything is loaded, naming the tensors the
-    checkpoint lacks, on 2 ranks (sharded here as when saved) and on 1 (FSDP1 on one rank holds
-    whole tensors; a sharded tensor missing from the chunk index might have been saved whole)."""
+    checkpoint lacks, under FSDP2 on 2 ranks, FSDP1 on 2 (its pieces written in place) and on
+    1 (FSDP1 on one rank holds whole tensors; a sharded tensor missing from the chunk index
+    might have been saved whole)."""
     from dcp_helpers import spawn
 
     root = tmp_path / "ck"
     _run(tmp_path, 2, root, "a", 2, RC_SHARDING="fsdp1")
-    sharding = "fsdp1" if nprocs == 1 else "fsdp2"
     argv = [sys.executable, SCRIPT, str(root), str(tmp_path / "b"), "4", "2"]
     env = {"RC_SHARDING": sharding, "RC_EXTRA_LAYER": "1"}
     codes = spawn(argv, nprocs, tmp_path, "b", expect_ok=False, env=env)
@@ -376,9 +376,11 @@ def test_tensor_parallel_shards_and_replicas_go_from_two_ranks_to_one(tmp_path):
 def test_hybrid_sharding_on_four_ranks_resumes_on_two(tmp_path, sharding):
     """Hybrid sharding on 4 ranks (two replicas of a 2-rank sharding): each replicated chunk is
     written once, by the lowest rank holding it (ranks 0 and 1), and the checkpoint resumes
-    under FSDP2 on 2 ranks with every full tensor as saved."""
-    root = tmp_path / "ck"
+    under FSDP2 on 2 ranks with every full tensor as saved, and (a copy of it) on the same 4
+    hybrid ranks."""
+    root, again = tmp_path / "ck", tmp_path / "again"
     _run(tmp_path, 4, root, "a", 4, RC_SHARDING=sharding)
+    shutil.copytree(root, again)
     saved = json.loads((root / "step_000000004" / "manifest.json").read_text())["extra"]
     chunks = [c for entry in saved["parts"]["train"]["tensors"].values() for c in entry["chunks"]]
     assert chunks and {c[0] for c in chunks} <= {0, 1}  # ranks 2 and 3 hold replicas
@@ -387,6 +389,10 @@ def test_hybrid_sharding_on_four_ranks_resumes_on_two(tmp_path, sharding):
         _tensors(tmp_path / "a.final.safetensors"), _tensors(tmp_path / "b.restored.safetensors")
     )
     assert sorted(_losses(tmp_path, "b", 1)) == [5, 6]
+    _run(tmp_path, 4, again, "c", 6, RC_SHARDING=sharding, RC_FORBID_PICKLE="1")
+    _assert_same(
+        _tensors(tmp_path / "a.final.safetensors"), _tensors(tmp_path / "c.restored.safetensors")
+    )
 
 
 @pytest.mark.distributed

@@ -30,8 +30,14 @@ from ..errors import CheckpointCorruptError, UnsupportedStateError
 TAG = "__rc__"
 
 
-def _escape(key: str) -> str:
+def escape(key: str) -> str:
+    """A state dict key as one part of a tensor name (``/`` separates the parts)."""
     return key.replace("%", "%25").replace("/", "%2F")
+
+
+def unescape(part: str) -> str:
+    """The key of one part of a tensor name (:func:`escape` undone)."""
+    return part.replace("%2F", "/").replace("%25", "%")
 
 
 def split(state: Any, where: str | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -46,7 +52,7 @@ def split(state: Any, where: str | None = None) -> tuple[Any, dict[str, torch.Te
             return {TAG: "tensor", "name": name}
         if isinstance(obj, Mapping):
             if all(isinstance(k, str) for k in obj) and TAG not in obj:
-                return {k: walk(v, (*path, _escape(k))) for k, v in obj.items()}
+                return {k: walk(v, (*path, escape(k))) for k, v in obj.items()}
             items = []
             for k, v in obj.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
@@ -54,7 +60,7 @@ def split(state: Any, where: str | None = None) -> tuple[Any, dict[str, torch.Te
                         f"state dict key {k!r} at {'/'.join(path) or '<root>'} is not a str or "
                         "an int; it cannot be written as JSON"
                     )
-                items.append([k, walk(v, (*path, _escape(str(k))))])
+                items.append([k, walk(v, (*path, escape(str(k))))])
             return {TAG: "dict", "items": items}
         if isinstance(obj, tuple):
             return {TAG: "tuple", "items": [walk(v, (*path, str(i))) for i, v in enumerate(obj)]}
@@ -122,7 +128,7 @@ class Box:
         return Box(tuple(lo), tuple(h - low for low, h in zip(lo, hi, strict=True)))
 
 
-def _narrow(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
+def narrow(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
     for dim, (o, s, base) in enumerate(zip(box.offsets, box.sizes, origin.offsets, strict=True)):
         t = t.narrow(dim, o - base, s)
     return t
@@ -138,5 +144,5 @@ def copy_overlap(dst: torch.Tensor, dst_box: Box, src: torch.Tensor, src_box: Bo
         raise CheckpointCorruptError(
             f"a saved chunk has shape {list(src.shape)}, its index says {list(src_box.sizes)}"
         )
-    _narrow(dst, common, dst_box).copy_(_narrow(src, common, src_box))
+    narrow(dst, common, dst_box).copy_(narrow(src, common, src_box))
     return common.numel

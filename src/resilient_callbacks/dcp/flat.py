@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from .chunks import Box
-from .chunks import _escape as escape
+from .chunks import Box, escape
 
 
 def boxes_of_range(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
@@ -101,6 +100,14 @@ class Piece:
             at += box.numel
 
 
+def _unsharded(flat: Any) -> bool:
+    """Whether an FSDP1 flat parameter holds the whole parameters now (inside forward or
+    backward, or summoned). Before its first forward FSDP1 has no ``_local_shard`` yet: the
+    flat parameter is the local shard it cut at construction."""
+    shard = getattr(flat, "_local_shard", None)
+    return shard is not None and flat.data_ptr() != shard.data_ptr()
+
+
 class FlatLayout:
     """Where each original parameter of an FSDP1 model lies on this rank (see the module
     docstring). :meth:`of` returns ``None`` for a model it does not describe: no FSDP1 unit, an
@@ -117,6 +124,26 @@ class FlatLayout:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+    @staticmethod
+    def sharded_flat(model: torch.nn.Module) -> bool:
+        """Whether every FSDP1 unit of ``model`` (it has some) keeps the original parameters
+        (``use_orig_params``), shards them and shares none: what the model is, not the moment,
+        so the same answer on every rank."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        handles = [
+            m._handle
+            for m in model.modules()
+            if isinstance(m, FullyShardedDataParallel) and m._handle is not None
+        ]
+        return bool(handles) and all(
+            h._use_orig_params
+            and h.uses_sharded_strategy
+            and h.flat_param._params is not None
+            and not h.flat_param._shared_param_infos
+            for h in handles
+        )
 
     @classmethod
     def of(cls, model: torch.nn.Module, fqn: Names) -> FlatLayout | None:
@@ -136,7 +163,7 @@ class FlatLayout:
                 or handle._training_state != HandleTrainingState.IDLE
                 or flat._params is None
                 or flat._shared_param_infos
-                or flat.data_ptr() != flat._local_shard.data_ptr()  # unsharded now
+                or _unsharded(flat)
             ):
                 return None
             for info, param, shape in zip(

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,8 +55,9 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError, Unsupporte
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
 from ..snapshot import step_storages
 from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
-from . import shards
-from .chunks import Box, copy_overlap, join, split
+from . import flat_restore, shards
+from .assemble import assemble, full_box, json_file, tensor_file, whole_entry
+from .chunks import Box, join, split
 from .flat import FlatLayout, Names, flat_state
 from .views import (
     View,
@@ -73,14 +74,6 @@ if TYPE_CHECKING:
 FORMAT = "resilient_callbacks.dcp.sharded/1"
 
 log = logging.getLogger("resilient_callbacks")
-
-
-def tensor_file(rank: int) -> str:
-    return f"rank_{rank:05d}.safetensors"
-
-
-def json_file(rank: int) -> str:
-    return f"rank_{rank:05d}.json"
 
 
 @dataclass
@@ -135,7 +128,7 @@ class Sharded(FilePart):
         self._flat_on = True  # read FSDP1's layout directly where it can (see describe())
         self._fqn = Names(model)
         self._optim_names: list[tuple[str, str, str]] | None = None  # of the last index
-        self._load: dict[str, Any] | None = None
+        self._load: Any = None  # files_to_read()'s plan for load()
 
     def __repr__(self) -> str:
         return f"Sharded({type(self.model).__name__}, {len(self.optimizers)} optimizer(s))"
@@ -337,10 +330,21 @@ class Sharded(FilePart):
                 f"part {info.part_id!r} holds optimizer state, but this Sharded has no optimizer"
             )
         with_optim = bool(saved.get("optim")) and bool(self.optimizers)
-        target = self._state_dict(with_optim)
-        _, tensors = split(target)
         index: dict[str, Any] = saved["tensors"]
         home = info.rank if info.rank < info.saved_world_size else 0
+        if self._restores_flat():
+            layout = FlatLayout.of(self.model, self._fqn)
+            if layout is None:
+                raise RuntimeError(
+                    "Sharded.restore: FSDP1's parameters are not sharded at the moment (inside "
+                    "forward/backward, or summoned); restore between training steps"
+                )
+            direct = self._load = flat_restore.plan(
+                layout, self._fqn, self.model, index, home, with_optim
+            )
+            return [json_file(home)] + [tensor_file(r) for r in sorted(direct.ranks)]
+        target = self._state_dict(with_optim)
+        _, tensors = split(target)
         ranks = {home}
         needs: dict[str, Box] = {}
         problems: list[str] = []
@@ -350,7 +354,7 @@ class Sharded(FilePart):
             if entry is None:
                 if shards.is_sharded(t):  # saved whole (FSDP1 on one rank is NO_SHARD)
                     needs[name] = self._box(name, t)
-                    entries[name] = _whole(name, t, home)
+                    entries[name] = whole_entry(name, t, home)
                 continue  # a plain tensor: the home file's
             if list(t.shape) != list(entry["shape"]) or dtype_code(name, t) != entry["dtype"]:
                 problems.append(
@@ -359,7 +363,7 @@ class Sharded(FilePart):
                 )
                 continue
             # a plain tensor here that was saved sharded (resumed on one FSDP1 rank) is whole
-            need = needs[name] = self._box(name, t) if shards.is_sharded(t) else _full_box(t)
+            need = needs[name] = self._box(name, t) if shards.is_sharded(t) else full_box(t)
             entries[name] = entry
             for r, offsets, sizes, *_ in entry["chunks"]:
                 if need.intersect(Box.of(offsets, sizes)) is not None and need.numel:
@@ -381,15 +385,29 @@ class Sharded(FilePart):
         }
         return [json_file(home)] + [tensor_file(r) for r in sorted(ranks)]
 
+    def _restores_flat(self) -> bool:
+        """Whether a restore writes FSDP1's pieces in place (:mod:`.flat_restore`): the same
+        answer on every rank (what the model and its optimizers are, not the moment)."""
+        return (
+            len(self.optimizers) <= 1
+            and self.options == StateDictOptions()
+            and FlatLayout.sharded_flat(self.model)
+        )
+
     @shards.quiet
     def load(self, reader: PartReader) -> None:
         plan, self._load = self._load, None
         if plan is None:
             raise RuntimeError("Sharded.load() without files_to_read() first")
-        home = plan["home"]
+        home = plan.home if isinstance(plan, flat_restore.DirectPlan) else plan["home"]
         meta = reader.json(json_file(home))
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointCorruptError(f"{json_file(home)}: not a Sharded part's JSON")
+        if isinstance(plan, flat_restore.DirectPlan):
+            files = {r: reader.tensors(tensor_file(r)) for r in sorted(plan.ranks)}
+            optimizer = self.optimizers[0] if self.optimizers else None
+            flat_restore.load(plan, files, meta["skeleton"], optimizer)
+            return
         files = {r: reader.tensors(tensor_file(r)) for r in plan["ranks"]}
         targets: dict[str, torch.Tensor] = plan["tensors"]
 
@@ -405,9 +423,9 @@ class Sharded(FilePart):
                 if tuple(dest.shape) == need.sizes and dest.dtype == ST_TO_DTYPE[entry["dtype"]]:
                     # into the live tensor (its local piece), as dcp.load reads into it: one
                     # copy, and pages the training run already owns
-                    self._assemble(name, need, entry, files, out=dest)
+                    assemble(name, need, entry, files, out=dest)
                     return target
-                piece = self._assemble(name, need, entry, files)
+                piece = assemble(name, need, entry, files)
                 if shards.is_sharded(target):
                     return shards.rebuild(target, piece.to(shards.local(target).device))
                 return piece.to(target.device)
@@ -431,64 +449,3 @@ class Sharded(FilePart):
         set_model_state_dict(self.model, sd["model"], options=self.options)
         if plan["with_optim"]:
             set_optimizer_state_dict(self.model, self.optimizers, sd["optim"], options=self.options)
-
-    @staticmethod
-    def _assemble(
-        name: str,
-        need: Box,
-        entry: Mapping[str, Any],
-        files: Mapping[int, Mapping[str, torch.Tensor]],
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """This rank's piece ``need`` of tensor ``name``, copied from the saved chunks that
-        overlap it into ``out`` (a live tensor of that shape and dtype, written in place), or
-        without ``out`` into a fresh tensor -- or then the saved chunk itself (a view of the
-        verified, privately mapped file: no copy) when it is exactly that piece."""
-        dtype = ST_TO_DTYPE[entry["dtype"]]
-        for r, offsets, sizes, *key in entry["chunks"]:
-            src = (
-                files[int(r)].get(key[0] if key else name)
-                if Box.of(offsets, sizes) == need
-                else None
-            )
-            if src is not None and tuple(src.shape) == need.sizes and src.dtype == dtype:
-                if out is None:
-                    return src
-                with torch.no_grad():
-                    return out.copy_(src)
-        local = torch.empty(need.sizes, dtype=dtype) if out is None else out
-        filled = 0
-        for r, offsets, sizes, *key in entry["chunks"]:
-            box = Box.of(offsets, sizes)
-            if need.numel == 0 or need.intersect(box) is None:
-                continue
-            src = files[int(r)].get(key[0] if key else name)
-            if src is None:  # (load() refuses tensors the checkpoint lacks before asking)
-                raise CheckpointCorruptError(f"{tensor_file(int(r))} does not hold {name}")
-            if entry.get("whole") and (src.dtype != local.dtype or tuple(src.shape) != box.sizes):
-                raise CheckpointMismatchError(
-                    f"{name}: saved {DTYPE_TO_ST.get(src.dtype, src.dtype)} {list(src.shape)}, "
-                    f"this model has {entry['dtype']} {list(box.sizes)}"
-                )
-            with torch.no_grad():
-                filled += copy_overlap(local, need, src, box)
-        if filled != need.numel:
-            raise CheckpointCorruptError(
-                f"{name}: the saved chunks cover {filled} of the {need.numel} elements this "
-                "rank needs"
-            )
-        return local
-
-
-def _full_box(t: torch.Tensor) -> Box:
-    return Box.of([0] * t.dim(), list(t.shape))
-
-
-def _whole(name: str, t: torch.Tensor, home: int) -> dict[str, Any]:
-    """The index entry of a tensor saved whole, as a plain tensor, into rank ``home``'s file."""
-    return {
-        "dtype": dtype_code(name, t),
-        "shape": list(t.shape),
-        "chunks": [[home, [0] * t.dim(), list(t.shape)]],
-        "whole": True,
-    }

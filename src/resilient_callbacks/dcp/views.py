@@ -20,8 +20,7 @@ import torch
 from ..errors import UnsupportedStateError
 from ..tensorfile import DTYPE_TO_ST
 from . import shards
-from .chunks import TAG, Box, split
-from .chunks import _narrow as narrow
+from .chunks import TAG, Box, narrow, split, unescape
 from .flat import Piece
 
 OPTIM_STATE = "optim/state/"
@@ -87,19 +86,17 @@ def view_of(
     return view
 
 
-def _unescape(part: str) -> str:
-    return part.replace("%2F", "/").replace("%25", "%")
+def state_of(name: str) -> tuple[str, str] | None:
+    """``(parameter name, state key)`` of an optimizer state's tensor name, else ``None``."""
+    if not name.startswith(OPTIM_STATE):
+        return None
+    parts = name[len(OPTIM_STATE) :].split("/")
+    return (unescape(parts[0]), unescape(parts[1])) if len(parts) == 2 else None
 
 
 def optim_state_names(index: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     """``(fqn, key, name)`` of every optimizer state in the chunk ``index``."""
-    out = []
-    for name in index:
-        if name.startswith(OPTIM_STATE):
-            parts = name[len(OPTIM_STATE) :].split("/")
-            if len(parts) == 2:
-                out.append((_unescape(parts[0]), _unescape(parts[1]), name))
-    return out
+    return [(*of, name) for name in index if (of := state_of(name)) is not None]
 
 
 def complete_skeleton(skeleton: Any, names: list[tuple[str, str, str]]) -> None:

@@ -1,0 +1,228 @@
+"""A restore into FSDP1's own layout: each parameter's piece on this rank (a range of the
+flattened parameter, :mod:`.flat`) is assembled in place from the saved boxes that overlap it,
+and the optimizer gets its state for those pieces through its own ``load_state_dict``.
+
+FSDP1's ``set_state_dict`` is not called: it all-gathers every flat parameter, and its
+optimizer state dict code exchanges the ranks' parameter information with
+``all_gather_object`` (pickle). This path has no collective at all and unpickles nothing; the
+checkpoint may come from any layout (FSDP1 or FSDP2 on any number of ranks, one process).
+
+Which ranks call what: every rank of an FSDP1 model (:meth:`.flat.FlatLayout.sharded_flat`, the
+same answer on every rank) plans and loads its own pieces; nothing here is collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
+from .assemble import assemble
+from .chunks import Box, escape, join
+from .flat import FlatLayout, Names, Piece
+from .views import state_of
+
+
+@dataclass
+class DirectPlan:
+    """What :func:`plan` found: the files to read and where each tensor goes."""
+
+    home: int
+    index: dict[str, Any]
+    with_optim: bool
+    params: list[tuple[str, Piece, torch.Tensor]]  # name, where it lies, this rank's 1-D piece
+    buffers: dict[str, torch.Tensor]  # name -> the live buffer (read whole from the home file)
+    entries: dict[str, Any]  # name -> index entry (or one saying "whole, in the home file")
+    by_fqn: dict[str, tuple[Piece, torch.Tensor]] = field(default_factory=dict)
+    fqn_of: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name
+    ranks: set[int] = field(default_factory=set)
+
+
+def plan(
+    layout: FlatLayout,
+    names: Names,
+    model: torch.nn.Module,
+    index: dict[str, Any],
+    home: int,
+    with_optim: bool,
+) -> DirectPlan:
+    """The boxes this rank needs and the saved files holding them; a checkpoint that does not
+    fit the model (a tensor missing or extra, another shape or dtype) is refused with the
+    names (:class:`CheckpointMismatchError`)."""
+    out = DirectPlan(home, index, with_optim, [], {}, {}, ranks={home})
+    problems: list[str] = []
+    known: set[str] = set()
+    for param, piece in layout.pieces.values():
+        name = f"model/{escape(piece.fqn)}"
+        known.add(name)
+        local = param.detach()
+        out.params.append((name, piece, local))
+        out.by_fqn[piece.fqn] = (piece, local)
+        out.fqn_of[id(param)] = piece.fqn
+        code = DTYPE_TO_ST.get(param.dtype, str(param.dtype))
+        entry = index.get(name)
+        if entry is None:  # saved whole, as by one process (FSDP1 on one rank is NO_SHARD)
+            entry = {"dtype": code, "shape": list(piece.shape), "whole": True}
+            entry["chunks"] = [[home, [0] * len(piece.shape), list(piece.shape)]]
+        elif entry["shape"] != list(piece.shape) or entry["dtype"] != code:
+            problems.append(
+                f"{name}: saved {entry['dtype']} {entry['shape']}, "
+                f"this model has {code} {list(piece.shape)}"
+            )
+            continue
+        out.entries[name] = entry
+        _need(out, entry, boxes=[b for b, _ in piece.chunks(local)])
+    seen: set[int] = set()
+    for where, module in model.named_modules():
+        for bname, buf in module._buffers.items():
+            if buf is None or bname in module._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            fqn = names(f"{where}.{bname}" if where else bname)
+            if fqn is not None:
+                out.buffers[f"model/{escape(fqn)}"] = buf
+                known.add(f"model/{escape(fqn)}")
+    for name, entry in index.items():
+        if name in known:
+            continue
+        fqn_key = state_of(name)
+        if fqn_key is None or fqn_key[0] not in out.by_fqn or not with_optim:
+            problems.append(f"{name}: in the checkpoint, not in this model/optimizer")
+            continue
+        piece, local = out.by_fqn[fqn_key[0]]
+        if entry["shape"] == []:
+            _need(out, entry, boxes=[Box((), ())] if piece.stop > piece.start else [])
+        elif entry["shape"] == list(piece.shape):
+            _need(out, entry, boxes=[b for b, _ in piece.chunks(local)])
+        else:
+            problems.append(f"{name}: saved {entry['shape']}, the parameter is {list(piece.shape)}")
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise CheckpointMismatchError(
+            "the checkpoint does not fit this model: " + "; ".join(problems[:10]) + more
+        )
+    return out
+
+
+def _need(out: DirectPlan, entry: Mapping[str, Any], boxes: list[Box]) -> None:
+    for r, offsets, sizes, *_ in entry["chunks"]:
+        saved = Box.of(offsets, sizes)
+        if any(b.intersect(saved) is not None and b.numel for b in boxes):
+            out.ranks.add(int(r))
+
+
+def load(
+    p: DirectPlan,
+    files: Mapping[int, Mapping[str, torch.Tensor]],
+    skeleton: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """Write every piece, buffer and optimizer state of the plan into the live model and
+    optimizer. Nothing is written when a tensor the model has is not in the checkpoint (or
+    not as the model has it)."""
+    home = files[p.home]
+    problems = []
+    for name, piece, local in p.params:
+        if p.entries[name].get("whole"):
+            problems += _whole_problem(name, home.get(name), list(piece.shape), local.dtype)
+    for name, buf in p.buffers.items():
+        problems += _whole_problem(name, home.get(name), list(buf.shape), buf.dtype)
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise CheckpointMismatchError(
+            "the checkpoint does not fit this model: " + "; ".join(problems[:10]) + more
+        )
+    with torch.no_grad():
+        for name, piece, local in p.params:
+            for box, view in piece.chunks(local):
+                assemble(name, box, p.entries[name], files, out=view)
+        for name, buf in p.buffers.items():
+            buf.copy_(home[name])
+    if p.with_optim and optimizer is not None:
+        optimizer.load_state_dict(_optimizer_state(p, files, skeleton, optimizer))
+
+
+def _whole_problem(
+    name: str, saved: torch.Tensor | None, shape: list[int], dtype: torch.dtype
+) -> list[str]:
+    if saved is None:
+        return [f"{name}: not in the checkpoint"]
+    if list(saved.shape) != shape or saved.dtype != dtype:
+        return [f"{name}: saved {saved.dtype} {list(saved.shape)}, this model has {dtype} {shape}"]
+    return []
+
+
+def _optimizer_state(
+    p: DirectPlan,
+    files: Mapping[int, Mapping[str, torch.Tensor]],
+    skeleton: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer,
+) -> dict[str, Any]:
+    """``optimizer``'s own state dict (parameters by position) for this rank's pieces, from
+    the saved one (parameters by name)."""
+    saved = skeleton.get("optim")
+    if not isinstance(saved, dict):
+        raise CheckpointCorruptError("the home JSON holds no optimizer state")
+    groups = join(saved.get("param_groups"), _no_tensor)
+    mine = [[p.fqn_of.get(id(q)) for q in g["params"]] for g in optimizer.param_groups]
+    if [g.get("params") for g in groups] != mine:
+        raise CheckpointMismatchError(
+            "the optimizer's parameter groups differ from the saved ones "
+            f"(saved {[len(g.get('params', [])) for g in groups]} parameters by group, "
+            f"this optimizer {[len(m) for m in mine]})"
+        )
+    position = {fqn: i for i, fqn in enumerate(f for m in mine for f in m)}
+    state: dict[int, Any] = {}
+    for fqn, values in saved.get("state", {}).items():
+        piece_local = p.by_fqn.get(fqn)
+        if piece_local is None or fqn not in position:
+            raise CheckpointMismatchError(f"optim/state/{fqn}: not a parameter of this optimizer")
+        piece, local = piece_local
+        if piece.stop > piece.start:  # a rank without a piece of it never steps it
+
+            def tensor(name: str, piece: Piece = piece, local: torch.Tensor = local) -> Any:
+                return _state_tensor(p, files, name, piece, local)
+
+            state[position[fqn]] = join(values, tensor)
+    return {
+        "state": state,
+        "param_groups": [{**g, "params": [position[f] for f in g["params"]]} for g in groups],
+    }
+
+
+def _state_tensor(
+    p: DirectPlan,
+    files: Mapping[int, Mapping[str, torch.Tensor]],
+    name: str,
+    piece: Piece,
+    local: torch.Tensor,
+) -> torch.Tensor:
+    entry = p.index.get(name)
+    if entry is None:  # saved whole, in the home file
+        whole = files[p.home].get(name)
+        if whole is None:
+            raise CheckpointCorruptError(f"{name}: neither in the chunk index nor in the home file")
+        if whole.dim() == 0:
+            return whole.clone()
+        if list(whole.shape) != list(piece.shape):
+            raise CheckpointMismatchError(
+                f"{name}: saved {list(whole.shape)}, the parameter is {list(piece.shape)}"
+            )
+        return whole.reshape(-1)[piece.start : piece.stop].to(local.device, copy=True)
+    dtype = ST_TO_DTYPE[entry["dtype"]]
+    if entry["shape"] == []:
+        out = torch.empty((), dtype=dtype)
+        assemble(name, Box((), ()), entry, files, out=out)
+        return out
+    out = torch.empty(local.shape, dtype=dtype, device=local.device)
+    for box, view in piece.chunks(out):
+        assemble(name, box, entry, files, out=view)
+    return out
+
+
+def _no_tensor(name: str) -> Any:
+    raise CheckpointCorruptError(f"{name}: a tensor among the optimizer's parameter groups")
