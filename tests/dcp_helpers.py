@@ -120,7 +120,9 @@ def build(seed: int = 0) -> tuple[Any, Any]:
         parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     else:
         raise ValueError(f"RC_SHARDING={how!r}")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    # RC_TENSOR_LR=1: the learning rate as a tensor (a tensor among the param_groups)
+    lr: Any = torch.tensor(1e-2) if os.environ.get("RC_TENSOR_LR") else 1e-2
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     return model, opt
 
 

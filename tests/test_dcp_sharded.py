@@ -283,7 +283,7 @@ def test_fsdp1_sharded_tensors_go_from_two_ranks_to_one_and_back(tmp_path):
     ranks' boxes, and the resume on two ranks after it cuts each rank's piece from the whole
     tensors. Every restore equals what the run before saved."""
     root = tmp_path / "ck"
-    fsdp1 = {"RC_SHARDING": "fsdp1"}
+    fsdp1 = {"RC_SHARDING": "fsdp1", "RC_TENSOR_LR": "1"}  # and a tensor learning rate
     _run(tmp_path, 2, root, "a", 4, **fsdp1)
     saved = json.loads((root / "step_000000004" / "manifest.json").read_text())["extra"]
     train = saved["parts"]["train"]

@@ -83,9 +83,11 @@ def plan(
                 continue
             seen.add(id(buf))
             fqn = names(f"{where}.{bname}" if where else bname)
-            if fqn is not None:
-                out.buffers[f"model/{escape(fqn)}"] = buf
-                known.add(f"model/{escape(fqn)}")
+            if fqn is None:
+                problems.append(f"{where}.{bname}: a buffer without one state dict name")
+                continue
+            out.buffers[f"model/{escape(fqn)}"] = buf
+            known.add(f"model/{escape(fqn)}")
     for name, entry in index.items():
         if name in known:
             continue
@@ -167,7 +169,7 @@ def _optimizer_state(
     saved = skeleton.get("optim")
     if not isinstance(saved, dict):
         raise CheckpointCorruptError("the home JSON holds no optimizer state")
-    groups = join(saved.get("param_groups"), _no_tensor)
+    groups = join(saved.get("param_groups"), lambda name: _home_tensor(p, files, name))
     mine = [[p.fqn_of.get(id(q)) for q in g["params"]] for g in optimizer.param_groups]
     if [g.get("params") for g in groups] != mine:
         raise CheckpointMismatchError(
@@ -224,5 +226,11 @@ def _state_tensor(
     return out
 
 
-def _no_tensor(name: str) -> Any:
-    raise CheckpointCorruptError(f"{name}: a tensor among the optimizer's parameter groups")
+def _home_tensor(
+    p: DirectPlan, files: Mapping[int, Mapping[str, torch.Tensor]], name: str
+) -> torch.Tensor:
+    """A tensor among the optimizer's hyper-parameters (a tensor learning rate), saved whole."""
+    saved = files[p.home].get(name)
+    if saved is None:
+        raise CheckpointCorruptError(f"{name}: not in the home file its JSON refers to")
+    return saved.clone()
