@@ -12,17 +12,14 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from ..layout import rank_structure, rank_tensors
 from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from .chunks import Box, copy_overlap
 from .views import dtype_code
 
-
-def tensor_file(rank: int) -> str:
-    return f"rank_{rank:05d}.safetensors"
-
-
-def json_file(rank: int) -> str:
-    return f"rank_{rank:05d}.json"
+# a Sharded part's files are named as the core's own files of each rank
+tensor_file = rank_tensors
+json_file = rank_structure
 
 
 def assemble(

@@ -214,6 +214,19 @@ class FlatLayout:
         return groups, state
 
 
+def buffers(model: torch.nn.Module, names: Names) -> Iterator[tuple[str, str | None, torch.Tensor]]:
+    """The persistent buffers of ``model`` (those its state dict holds), each once: its
+    module path, its state dict name (``None`` when it has several) and the buffer."""
+    seen: set[int] = set()
+    for where, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is None or name in module._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            path = f"{where}.{name}" if where else name
+            yield path, names(path), buf
+
+
 @dataclass
 class FlatState:
     """A state dict as ``get_state_dict`` names and nests it, read from the FSDP1 layout:
@@ -239,16 +252,10 @@ def flat_state(
     for param, piece in layout.pieces.values():
         msd[piece.fqn] = param.detach()
         pieces[f"model/{escape(piece.fqn)}"] = piece
-    seen: set[int] = set()
-    for where, module in model.named_modules():
-        for name, buf in module._buffers.items():
-            if buf is None or name in module._non_persistent_buffers_set or id(buf) in seen:
-                continue
-            seen.add(id(buf))
-            buffer_fqn = names(f"{where}.{name}" if where else name)
-            if buffer_fqn is None:
-                return None
-            msd[buffer_fqn] = buf.detach()
+    for _, buffer_fqn, buf in buffers(model, names):
+        if buffer_fqn is None:
+            return None
+        msd[buffer_fqn] = buf.detach()
     sd: dict[str, Any] = {"model": msd}
     if not with_optim:
         return FlatState(sd, pieces)

@@ -23,7 +23,7 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from .assemble import assemble
 from .chunks import Box, escape, join
-from .flat import FlatLayout, Names, Piece
+from .flat import FlatLayout, Names, Piece, buffers
 from .views import state_of
 
 
@@ -76,18 +76,12 @@ def plan(
             continue
         out.entries[name] = entry
         _need(out, entry, boxes=[b for b, _ in piece.chunks(local)])
-    seen: set[int] = set()
-    for where, module in model.named_modules():
-        for bname, buf in module._buffers.items():
-            if buf is None or bname in module._non_persistent_buffers_set or id(buf) in seen:
-                continue
-            seen.add(id(buf))
-            fqn = names(f"{where}.{bname}" if where else bname)
-            if fqn is None:
-                problems.append(f"{where}.{bname}: a buffer without one state dict name")
-                continue
-            out.buffers[f"model/{escape(fqn)}"] = buf
-            known.add(f"model/{escape(fqn)}")
+    for path, fqn, buf in buffers(model, names):
+        if fqn is None:
+            problems.append(f"{path}: a buffer without one state dict name")
+            continue
+        out.buffers[f"model/{escape(fqn)}"] = buf
+        known.add(f"model/{escape(fqn)}")
     for name, entry in index.items():
         if name in known:
             continue
