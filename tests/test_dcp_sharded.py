@@ -162,14 +162,16 @@ def test_save_on_two_ranks_resume_on_one_without_unpickling(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_overlapped_capture_is_consistent_when_the_step_follows_at_once(tmp_path):
+@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
+def test_overlapped_capture_is_consistent_when_the_step_follows_at_once(tmp_path, sharding):
     """overlap_snapshot=True: the shards are copied in the background while the next
     forward/backward runs, and the optimizer step waits. The deferred copies are slowed by 0.5 s:
     a step that did not wait would change the parameters first, the checkpoint of step 2 (or 4)
-    would hold step 3's (or 5's) values, and the run resumed from it would diverge."""
+    would hold step 3's (or 5's) values, and the run resumed from it would diverge. Under FSDP1
+    the copies are of the pieces read from its flat parameters, the restore in place."""
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
-    _run(tmp_path, 2, clean, "u", 6)
-    slow = {"RC_OVERLAP": "1", "RC_SLOW_DEFERRED_COPY": "1"}
+    _run(tmp_path, 2, clean, "u", 6, RC_SHARDING=sharding)
+    slow = {"RC_OVERLAP": "1", "RC_SLOW_DEFERRED_COPY": "1", "RC_SHARDING": sharding}
     codes = _run(tmp_path, 2, crashed, "k", 6, "5", **slow)
     assert -9 in codes
     deferred = (tmp_path / "k.deferred").read_text().split()
