@@ -200,14 +200,17 @@ def _assert_resumed_as_uninterrupted(tmp_path: Path, nprocs: int) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("overlap", ["0", "1"])
-def test_fsdp2_on_gpus_sigkill_then_rerun_is_bit_identical(tmp_path, overlap):
-    """FSDP2 on CUDA (NCCL; 2 ranks where 2 GPUs are, else 1), deterministic algorithms: the
-    shards are copied to pinned host buffers (the training stream ordered after the copy, or
-    the optimizer step waiting for it with ``overlap_snapshot``), and the restore copies each
-    piece into the live CUDA tensors. Killed after step 5 and run again: the same losses and
-    final tensors as the run that was not killed, no tensor left viewing a mapped file."""
+@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
+def test_sharded_on_gpus_sigkill_then_rerun_is_bit_identical(tmp_path, overlap, sharding):
+    """FSDP2 or FSDP1 on CUDA (NCCL; 2 ranks where 2 GPUs are, else 1 -- FSDP1 then does not
+    shard), deterministic algorithms: the shards are copied to pinned host buffers (the
+    training stream ordered after the copy, or the optimizer step waiting for it with
+    ``overlap_snapshot``), and the restore copies each piece into the live CUDA tensors. Killed
+    after step 5 and run again: the same losses and final tensors as the run that was not
+    killed, no tensor left viewing a mapped file."""
     n = min(2, torch.cuda.device_count())
     env = {"RC_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "RC_OVERLAP": overlap}
+    env["RC_SHARDING"] = sharding
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
     _run(tmp_path, n, clean, "u", 6, **env)
     assert -9 in _run(tmp_path, n, crashed, "k", 6, "5", **env)
