@@ -44,7 +44,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     its own batch, which makes no sense as training and is as deterministic), ``hsdp`` (FSDP2
     on a 2-D mesh: replicated across pairs of ranks, sharded within each; 4 ranks) or
     ``fsdp1-hybrid`` (FSDP1's ``HYBRID_SHARD``, the same layout).
-    ``RC_EXTRA_LAYER=1`` appends a layer: a model the checkpoints do not fit. ``RC_DEVICE=cuda``
+    ``RC_EXTRA_LAYER=1`` appends a layer: a model the checkpoints do not fit;
+    ``RC_FREEZE_FIRST=1`` freezes the first Linear (the optimizer gets the others). ``RC_DEVICE=cuda``
     puts it on the rank's GPU (the process group must then be NCCL: :func:`backend`)."""
     import os
 
@@ -55,6 +56,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 1))
     if os.environ.get("RC_EXTRA_LAYER"):  # another model: one more layer than was saved
         model.append(nn.Linear(1, 1))
+    if os.environ.get("RC_FREEZE_FIRST"):  # a frozen layer, as PEFT/LoRA fine-tuning leaves them
+        model[0].requires_grad_(False)
     device = _device()
     model = model.to(device)
     how = os.environ.get("RC_SHARDING", "fsdp2")
@@ -122,7 +125,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
         raise ValueError(f"RC_SHARDING={how!r}")
     # RC_TENSOR_LR=1: the learning rate as a tensor (a tensor among the param_groups)
     lr: Any = torch.tensor(1e-2) if os.environ.get("RC_TENSOR_LR") else 1e-2
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.01)
     return model, opt
 
 
