@@ -45,7 +45,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     on a 2-D mesh: replicated across pairs of ranks, sharded within each; 4 ranks) or
     ``fsdp1-hybrid`` (FSDP1's ``HYBRID_SHARD``, the same layout).
     ``RC_EXTRA_LAYER=1`` appends a layer: a model the checkpoints do not fit;
-    ``RC_FREEZE_FIRST=1`` freezes the first Linear (the optimizer gets the others). ``RC_DEVICE=cuda``
+    ``RC_FREEZE_FIRST=1`` freezes the first Linear (the optimizer gets the others);
+    ``RC_FSDP1_BF16=1`` gives FSDP1 bf16 mixed precision. ``RC_DEVICE=cuda``
     puts it on the rank's GPU (the process group must then be NCCL: :func:`backend`)."""
     import os
 
@@ -99,12 +100,18 @@ def build(seed: int = 0) -> tuple[Any, Any]:
         mesh = None
         if how == "fsdp1-mesh":
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mixed = None
+        if os.environ.get("RC_FSDP1_BF16"):  # compute in bf16, keep fp32 shards (FSDP1's AMP)
+            from torch.distributed.fsdp import MixedPrecision
+
+            mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         model = FSDP(
             model,
             auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
             device_id=device,
             device_mesh=mesh,
             use_orig_params=True,
+            mixed_precision=mixed,
         )
     elif how == "tp":
         import torch.distributed as dist

@@ -315,17 +315,18 @@ def test_fsdp1_sharded_tensors_go_from_two_ranks_to_one_and_back(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_fsdp1_with_a_frozen_layer_goes_from_two_ranks_to_one_and_back(tmp_path):
+def test_fsdp1_with_a_frozen_layer_and_bf16_goes_from_two_ranks_to_one_and_back(tmp_path):
     """FSDP1 with its first layer frozen (as PEFT/LoRA fine-tuning leaves a model; the optimizer
-    holds the other layers): saved from its flat layout, the frozen weights without optimizer
-    state, and restored 2 -> 1 -> 2 ranks with every tensor as saved."""
+    holds the other layers) and bf16 mixed precision: saved from its flat layout -- the fp32
+    shards, not the bf16 compute copies; the frozen weights without optimizer state -- and
+    restored 2 -> 1 -> 2 ranks with every tensor as saved."""
     root = tmp_path / "ck"
-    env = {"RC_SHARDING": "fsdp1", "RC_FREEZE_FIRST": "1"}
+    env = {"RC_SHARDING": "fsdp1", "RC_FREEZE_FIRST": "1", "RC_FSDP1_BF16": "1"}
     _run(tmp_path, 2, root, "a", 4, **env)
     saved = json.loads((root / "step_000000004" / "manifest.json").read_text())["extra"]
     train = saved["parts"]["train"]
     assert train["mesh"] == {"layout": "FSDP1 flat parameters, read directly"}
-    assert "model/0.weight" in train["tensors"]
+    assert train["tensors"]["model/0.weight"]["dtype"] == "F32"
     assert not any(n.startswith("optim/state/0.") for n in train["tensors"])
     assert any(n.startswith("optim/state/2.") for n in train["tensors"])
     _then_one_then_two_ranks(tmp_path, root, **env)
