@@ -332,13 +332,9 @@ class Sharded(FilePart):
         with_optim = bool(saved.get("optim")) and bool(self.optimizers)
         index: dict[str, Any] = saved["tensors"]
         home = info.rank if info.rank < info.saved_world_size else 0
-        if self._restores_flat():
-            layout = FlatLayout.of(self.model, self._fqn)
-            if layout is None:
-                raise RuntimeError(
-                    "Sharded.restore: FSDP1's parameters are not sharded at the moment (inside "
-                    "forward/backward, or summoned); restore between training steps"
-                )
+        # FSDP1 whose parameters are sharded now (between steps: on every rank alike)
+        layout = FlatLayout.of(self.model, self._fqn) if self._restores_flat() else None
+        if layout is not None:
             direct = self._load = flat_restore.plan(
                 layout, self._fqn, self.model, index, home, with_optim
             )
