@@ -100,6 +100,29 @@ class Piece:
             at += box.numel
 
 
+def _handles(model: torch.nn.Module) -> list[Any]:
+    """The flat-parameter handles of ``model``'s FSDP1 units."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return [
+        m._handle
+        for m in model.modules()
+        if isinstance(m, FullyShardedDataParallel) and m._handle is not None
+    ]
+
+
+def _readable(handle: Any) -> bool:
+    """Whether an FSDP1 unit is one whose layout is read directly: original parameters kept,
+    sharded, none shared."""
+    flat = handle.flat_param
+    return bool(
+        handle._use_orig_params
+        and handle.uses_sharded_strategy
+        and flat._params is not None
+        and not flat._shared_param_infos
+    )
+
+
 def _unsharded(flat: Any) -> bool:
     """Whether an FSDP1 flat parameter holds the whole parameters now (inside forward or
     backward, or summoned). Before its first forward FSDP1 has no ``_local_shard`` yet: the
@@ -119,50 +142,24 @@ class FlatLayout:
         self.pieces = pieces  # id(parameter) -> (parameter, where it lies)
 
     @staticmethod
-    def in_model(model: torch.nn.Module) -> bool:
-        """Whether ``model`` has FSDP1 units (the same answer on every rank)."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
-
-    @staticmethod
     def sharded_flat(model: torch.nn.Module) -> bool:
-        """Whether every FSDP1 unit of ``model`` (it has some) keeps the original parameters
+        """Whether ``model`` has FSDP1 units and every one keeps the original parameters
         (``use_orig_params``), shards them and shares none: what the model is, not the moment,
         so the same answer on every rank."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        handles = [
-            m._handle
-            for m in model.modules()
-            if isinstance(m, FullyShardedDataParallel) and m._handle is not None
-        ]
-        return bool(handles) and all(
-            h._use_orig_params
-            and h.uses_sharded_strategy
-            and h.flat_param._params is not None
-            and not h.flat_param._shared_param_infos
-            for h in handles
-        )
+        handles = _handles(model)
+        return bool(handles) and all(_readable(h) for h in handles)
 
     @classmethod
     def of(cls, model: torch.nn.Module, fqn: Names) -> FlatLayout | None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp._common_utils import HandleTrainingState
 
         names = {id(p): n for n, p in model.named_parameters()}
         pieces: dict[int, tuple[torch.nn.Parameter, Piece]] = {}
-        for module in model.modules():
-            if not isinstance(module, FullyShardedDataParallel) or module._handle is None:
-                continue
-            handle = module._handle
+        for handle in _handles(model):
             flat = handle.flat_param
             if (
-                not handle._use_orig_params
-                or not handle.uses_sharded_strategy
+                not _readable(handle)
                 or handle._training_state != HandleTrainingState.IDLE
-                or flat._params is None
-                or flat._shared_param_infos
                 or _unsharded(flat)
             ):
                 return None

@@ -126,6 +126,7 @@ class Sharded(FilePart):
         # the last gathered chunk index: (fingerprint of this rank's chunks, index, owned)
         self._index: tuple[int, dict[str, Any], set[str]] | None = None
         self._flat_on = True  # read FSDP1's layout directly where it can (see describe())
+        self._flat_kind: bool | None = None  # _flat_model(), once known
         self._fqn = Names(model)
         self._optim_names: list[tuple[str, str, str]] | None = None  # of the last index
         self._load: Any = None  # files_to_read()'s plan for load()
@@ -184,22 +185,34 @@ class Sharded(FilePart):
         (:func:`.views.differences`), and a difference on any rank turns this off for good.
         Otherwise, and for FSDP2 and tensor parallelism, DCP's state dict is read."""
         with_optim = self._has_optim_state()
-        if self._flat_on and FlatLayout.in_model(self.model):  # the same on every rank
-            view = self._flat_view(with_optim)
-            fingerprint, changed = self._changed(view.mine if view else {})
-            refused, changed = dist.any_each([view is None, view is not None and changed])
-            if not refused:
-                assert view is not None
-                index, owned, gathered = self._index_of(view.mine, fingerprint, changed)
-                if gathered or self._optim_names is None:
-                    self._optim_names = optim_state_names(index)
-                complete_skeleton(view.skeleton, self._optim_names)
-                if not gathered or not self._differs(view, index, with_optim):
-                    return self._pend(view, index, owned, with_optim)
-        view = self._dcp_view(with_optim)
+        view = None
+        if self._flat_on and self._flat_model():  # the same on every rank
+            said, view = self._describe_flat(with_optim)
+            if said is not None:
+                return said
+        view = view or self._dcp_view(with_optim)
         fingerprint, changed = self._changed(view.mine)
         index, owned, _ = self._index_of(view.mine, fingerprint, dist.any_true(changed))
         return self._pend(view, index, owned, with_optim)
+
+    def _describe_flat(self, with_optim: bool) -> tuple[dict[str, Any] | None, View | None]:
+        """Every rank (collective): describe() from FSDP1's layout -- ``(said, None)``; or
+        ``(None, None)`` when some rank cannot read it; or ``(None, view of FSDP1's own state
+        dict)`` when, at a layout change, what was read differs from it on some rank."""
+        view = self._flat_view(with_optim)
+        fingerprint, changed = self._changed(view.mine if view else {})
+        refused, changed = dist.any_each([view is None, view is not None and changed])
+        if refused:
+            return None, None
+        assert view is not None
+        index, owned, gathered = self._index_of(view.mine, fingerprint, changed)
+        if gathered or self._optim_names is None:
+            self._optim_names = optim_state_names(index)
+        complete_skeleton(view.skeleton, self._optim_names)
+        dcp_view = self._differs(view, index, with_optim) if gathered else None
+        if dcp_view is not None:
+            return None, dcp_view
+        return self._pend(view, index, owned, with_optim), None
 
     def _flat_view(self, with_optim: bool) -> View | None:
         """This rank's view read from FSDP1's layout, or ``None`` where it cannot be (no
@@ -214,16 +227,18 @@ class Sharded(FilePart):
             log.info("Sharded: FSDP1's layout cannot be read directly: %r", e)
             return None
 
-    def _differs(self, view: View, index: dict[str, Any], with_optim: bool) -> bool:
-        """Every rank (collective): whether the state read from FSDP1's layout differs, on
-        any rank, from FSDP1's own state dict; if so, it is not read directly again."""
-        problem = differences(view, self._dcp_view(with_optim), index)
+    def _differs(self, view: View, index: dict[str, Any], with_optim: bool) -> View | None:
+        """Every rank (collective): the view of FSDP1's own state dict when the state read
+        from FSDP1's layout differs from it on any rank (it is then not read directly again),
+        else ``None``."""
+        dcp_view = self._dcp_view(with_optim)
+        problem = differences(view, dcp_view, index)
         if problem is not None:
             log.info("Sharded: FSDP1's layout is not read directly on this rank: %s", problem)
         if dist.any_true(problem is not None):
             self._flat_on = False
-            return True
-        return False
+            return dcp_view
+        return None
 
     def _pend(
         self, view: View, index: dict[str, Any], owned: set[str], with_optim: bool
@@ -333,7 +348,7 @@ class Sharded(FilePart):
         index: dict[str, Any] = saved["tensors"]
         home = info.rank if info.rank < info.saved_world_size else 0
         # FSDP1 whose parameters are sharded now (between steps: on every rank alike)
-        layout = FlatLayout.of(self.model, self._fqn) if self._restores_flat() else None
+        layout = FlatLayout.of(self.model, self._fqn) if self._flat_model() else None
         if layout is not None:
             direct = self._load = flat_restore.plan(
                 layout, self._fqn, self.model, index, home, with_optim
@@ -381,14 +396,18 @@ class Sharded(FilePart):
         }
         return [json_file(home)] + [tensor_file(r) for r in sorted(ranks)]
 
-    def _restores_flat(self) -> bool:
-        """Whether a restore writes FSDP1's pieces in place (:mod:`.flat_restore`): the same
-        answer on every rank (what the model and its optimizers are, not the moment)."""
-        return (
-            len(self.optimizers) <= 1
-            and self.options == StateDictOptions()
-            and FlatLayout.sharded_flat(self.model)
-        )
+    def _flat_model(self) -> bool:
+        """Whether saves read FSDP1's layout directly and restores write its pieces in place
+        (:mod:`.flat`, :mod:`.flat_restore`), as far as what the model and its optimizers are
+        tells (not the moment): the same answer on every rank, found once (not at every save:
+        it walks the modules)."""
+        if self._flat_kind is None:
+            self._flat_kind = (
+                len(self.optimizers) <= 1
+                and self.options == StateDictOptions()
+                and FlatLayout.sharded_flat(self.model)
+            )
+        return self._flat_kind
 
     @shards.quiet
     def load(self, reader: PartReader) -> None:
