@@ -1,7 +1,7 @@
 """Lightning and Transformers training on CUDA with our callback (helper for tests/test_gpu.py).
 
 Not a test module. ``python tests/gpu_frameworks.py {lightning,transformers} CKPT_DIR --out-jsonl
-F --out-params P [--overlap] [--sleep S]`` trains a small model with dropout on one GPU with
+F --out-params P [--overlap] [--sleep S] [--fsdp {1,2}]`` trains a small model with dropout on one GPU with
 deterministic algorithms, writes one fsynced line per optimizer step ({"step", "loss" as
 float.hex}) and at the end the final parameters (safetensors). Re-running it after a SIGKILL
 resumes from the newest checkpoint; stderr says ``restored step N``.
@@ -30,7 +30,15 @@ def _append(f, record: dict) -> None:
 
 
 def _save_params(model: torch.nn.Module, path: str) -> None:
-    params = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # FSDP: the full tensors, gathered
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    else:
+        sd = model.state_dict()
+    params = {k: v.detach().cpu().clone().contiguous() for k, v in sd.items()}
     save_file(params, path + ".tmp")
     os.replace(path + ".tmp", path)
 
@@ -144,6 +152,7 @@ def run_transformers(args: argparse.Namespace) -> None:
         full_determinism=True,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        **fsdp_arguments(args.fsdp),
     )
     trainer = Trainer(model=model, args=targs, train_dataset=Tokens())
     trainer.add_callback(
@@ -156,6 +165,18 @@ def run_transformers(args: argparse.Namespace) -> None:
     _save_params(trainer.model, args.out_params)
 
 
+def fsdp_arguments(version: int) -> dict:
+    """The Trainer's FSDP (``version`` 1 or 2; 0: none) on this one GPU: accelerate enables FSDP
+    in a distributed run only, so this process is one of a world of one."""
+    if not version:
+        return {}
+    from spawn_ranks import world_of_one
+
+    world_of_one()
+    layer = {"transformer_layer_cls_to_wrap": ["GPT2Block"]}
+    return {"fsdp": True, "fsdp_config": {"version": version, **layer}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("framework", choices=["lightning", "transformers"])
@@ -165,6 +186,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--overlap", action="store_true", help="overlap_snapshot=True")
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--fsdp", type=int, default=0, choices=[0, 1, 2], help="transformers: FSDP")
     args = p.parse_args()
     torch.use_deterministic_algorithms(True)
     (run_lightning if args.framework == "lightning" else run_transformers)(args)

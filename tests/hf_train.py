@@ -184,19 +184,9 @@ def deepspeed_config(args: argparse.Namespace) -> dict:
     from ds_noshm import skip_shm_op
 
     skip_shm_op()
-    for k, v in {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-    }.items():
-        os.environ.setdefault(k, v)
-    if "MASTER_PORT" not in os.environ:
-        import socket
+    from spawn_ranks import world_of_one
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    world_of_one()
     return {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -209,6 +199,26 @@ def deepspeed_config(args: argparse.Namespace) -> dict:
             "keep_last": args.keep_last,
         },
     }
+
+
+def fsdp_options() -> dict:
+    """The Trainer's FSDP2, every GPT-2 block a unit of its own (on CPU: see
+    accelerate_fsdp_cpu)."""
+    if not torch.cuda.is_available():
+        import accelerate_fsdp_cpu
+
+        accelerate_fsdp_cpu.allow()
+    return {
+        "fsdp": True,
+        "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+    }
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A whole tensor (a DTensor's gathered), detached and contiguous."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().clone().contiguous()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         help="train under DeepSpeed ZeRO STAGE (CPU), the callback's options in the config's "
         "resilient_checkpoint section",
     )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="train under the Trainer's FSDP2 (fully_shard through accelerate; with --ddp)",
+    )
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-final", required=True)
     args = p.parse_args(argv)
@@ -241,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {}
     if args.deepspeed is not None:
         overrides["deepspeed"] = deepspeed_config(args)
+    if args.fsdp:
+        overrides.update(fsdp_options())
     trainer = build_trainer(args.outdir, args.max_steps, ddp=args.ddp, **overrides)
     model = trainer.model
     if args.deepspeed is not None:
@@ -265,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             for k, p in engine.module.named_parameters()
         }
     else:
-        params = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+        params = {k: full(v) for k, v in model.state_dict().items()}
     final = args.out_final + suffix
     save_file(params, final + ".tmp")
     os.replace(final + ".tmp", final)

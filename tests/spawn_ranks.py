@@ -32,6 +32,16 @@ class Ranks:
     outputs: list[str]  # each rank's stdout and stderr
 
 
+def world_of_one() -> None:
+    """The environment of rank 0 of a world of one (a free port on 127.0.0.1), where the
+    caller has not set it: for frameworks that take a distributed setup from it."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
 def run(
     argv: list[str],
     nprocs: int,

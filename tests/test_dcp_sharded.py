@@ -126,6 +126,27 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         assert torch.equal(a[k], b[k]), k
 
 
+def _assert_exports(tmp: Path, checkpoint: Path, final: Path) -> None:
+    """``resilient-ckpt export`` of a Sharded checkpoint writes the whole model tensors, equal
+    to the run's full tensors at that step."""
+    from resilient_callbacks.cli import main
+
+    out = tmp / f"export-{checkpoint.name}"
+    assert main(["export", str(checkpoint), str(out)]) == 0
+    want = {k[len("model/") :]: v for k, v in _tensors(final).items() if k.startswith("model/")}
+    _assert_same(_tensors(out / "model.safetensors"), want)
+
+    # a flipped byte in rank 1's shards: refused, nothing written
+    bad = tmp / f"flipped-{checkpoint.name}"
+    shutil.copytree(checkpoint, bad)
+    f = bad / "parts" / "train" / "rank_00001.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert main(["export", str(bad), str(tmp / "export-flipped")]) == 1
+    assert not (tmp / "export-flipped").exists()
+
+
 def _losses(tmp: Path, out: str, rank: int) -> dict[int, float]:
     lines = (tmp / f"{out}.rank{rank}.jsonl").read_text().splitlines()
     return {json.loads(x)["step"]: json.loads(x)["loss"] for x in lines}  # the last per step
@@ -150,6 +171,7 @@ def test_save_on_two_ranks_resume_on_one_without_unpickling(tmp_path):
         "shape": [7, 6],
         "chunks": [[0, [0, 0], [4, 6]], [1, [4, 0], [3, 6]]],
     }
+    _assert_exports(tmp_path, root / "step_000000004", tmp_path / "a.final.safetensors")
 
     _run(tmp_path, 1, root, "b", 6, RC_FORBID_PICKLE="1")
     assert (tmp_path / "b.start").read_text() == "4"
@@ -307,6 +329,7 @@ def test_fsdp1_sharded_tensors_go_from_two_ranks_to_one_and_back(tmp_path):
         "shape": [],
         "chunks": [[1, [], []]],
     }
+    _assert_exports(tmp_path, root / "step_000000004", tmp_path / "a.final.safetensors")
 
     _then_one_then_two_ranks(tmp_path, root, **fsdp1)
     logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))

@@ -219,9 +219,12 @@ def test_plain_loop_sigkill_resume_on_cuda_is_bit_exact(tmp_path, overlap):
     _same_params(ref / "params.safetensors", run / "params.safetensors")
 
 
-@pytest.mark.parametrize("framework", ["lightning", "transformers"])
+@pytest.mark.parametrize(
+    "framework", ["lightning", "transformers", "transformers-fsdp1", "transformers-fsdp2"]
+)
 @pytest.mark.parametrize("overlap", [False, True], ids=["default", "overlapped"])
 def test_framework_sigkill_resume_on_cuda_is_bit_exact(tmp_path, framework, overlap):
+    framework, _, fsdp = framework.partition("-fsdp")
     pytest.importorskip(framework)
 
     def cmd(workdir: Path, sleep: float) -> list[str]:
@@ -237,6 +240,7 @@ def test_framework_sigkill_resume_on_cuda_is_bit_exact(tmp_path, framework, over
             "--sleep",
             str(sleep),
         ]
+        c += ["--fsdp", fsdp] if fsdp else []
         return c + (["--overlap"] if overlap else [])
 
     ref, run = tmp_path / "ref", tmp_path / "run"

@@ -399,15 +399,15 @@ def test_changed_data_settings_are_refused(tmp_path):
     assert cb.restored_step == 2
 
 
-def test_the_trainers_fsdp_is_refused_with_the_ways_forward(tmp_path):
-    """accelerate runs FSDP only on GPUs; the Trainer says it is on with ``is_fsdp_enabled``
-    (set here on a real Trainer, as accelerate's FSDP plugin would make it). The adapter's check
-    at ``on_train_begin`` refuses it, naming what works instead."""
+def test_the_trainers_fsdp_on_xla_is_refused(tmp_path):
+    """The Trainer's FSDP through accelerate is supported (tests/test_transformers_fsdp.py); its
+    XLA FSDP (TPUs) is not: the Trainer says it is on with ``is_fsdp_xla_enabled`` (set here on
+    a real Trainer), and the adapter's check at ``on_train_begin`` refuses it."""
     from resilient_callbacks.transformers.checks import check_setup
 
     trainer = hf_train.build_trainer(str(tmp_path / "out"), 4)
-    trainer.is_fsdp_enabled = True
-    with pytest.raises(ConfigError, match=r"does not support the Trainer's FSDP.*Sharded"):
+    trainer.is_fsdp_xla_enabled = True
+    with pytest.raises(ConfigError, match=r"does not support the Trainer's FSDP on XLA"):
         check_setup(trainer, trainer.state, trainer.get_train_dataloader())
 
 

@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 
 
-def _ddp_cmd(workdir: Path, sleep: float = 0.0) -> list[str]:
+def _ddp_cmd(workdir: Path, sleep: float = 0.0, extra: tuple[str, ...] = ()) -> list[str]:
     script_and_args = _cmd(workdir, sleep)[1:]  # drop sys.executable
     return [
         *TORCHRUN,
@@ -52,6 +52,7 @@ def _ddp_cmd(workdir: Path, sleep: float = 0.0) -> list[str]:
         str(free_port()),
         *script_and_args,
         "--ddp",
+        *extra,
     ]
 
 
@@ -76,10 +77,13 @@ def _run(cmd: list[str]) -> str:
     return p.stderr
 
 
-def test_ddp_sigkill_mid_epoch_then_rerun_is_bit_exact(tmp_path):
+def kill_and_rerun(tmp_path: Path, extra: tuple[str, ...] = ()) -> Path:
+    """An uninterrupted 2-rank run, and one killed (SIGKILL to torchrun and both ranks) after
+    step 7 and re-run: both ranks' per-step records, final weights and log history are the
+    same, bit for bit. Returns the interrupted run's directory."""
     ref = tmp_path / "reference"
     ref.mkdir()
-    err = _run(_ddp_cmd(ref))
+    err = _run(_ddp_cmd(ref, extra=extra))
     assert "[rank 0] restored step 0" in err and "[rank 1] restored step 0" in err
 
     work = tmp_path / "interrupted"
@@ -87,7 +91,7 @@ def test_ddp_sigkill_mid_epoch_then_rerun_is_bit_exact(tmp_path):
     jsonl = work / "steps.jsonl.rank0"
     with open(work / "stderr.txt", "w") as errf:
         proc = subprocess.Popen(
-            _ddp_cmd(work, sleep=0.15),
+            _ddp_cmd(work, sleep=0.15, extra=extra),
             stdout=subprocess.DEVNULL,
             stderr=errf,
             env=_env(),
@@ -108,13 +112,18 @@ def test_ddp_sigkill_mid_epoch_then_rerun_is_bit_exact(tmp_path):
             proc.wait()
     killed_at = _records_from(jsonl)[-1]["step"]
 
-    err = _run(_ddp_cmd(work))
+    err = _run(_ddp_cmd(work, extra=extra))
     restored = _restored(err)
     assert f"[rank 1] restored step {restored}" in err
     assert restored % EVERY == 0 and 0 < restored <= killed_at and killed_at - restored < 2 * EVERY
     assert restored % UPDATES_PER_EPOCH != 0, "the kill landed on an epoch boundary"
     for rank in (0, 1):
         _assert_same_run(ref, work, suffix=f".rank{rank}")
+    return work
+
+
+def test_ddp_sigkill_mid_epoch_then_rerun_is_bit_exact(tmp_path):
+    work = kill_and_rerun(tmp_path)
     entries = _committed(work / "out" / "ckpt")
     assert all(
         len([f for f in e.manifest.files if f.path.startswith("rank_")]) == 4 for e in entries

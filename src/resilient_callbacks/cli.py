@@ -34,7 +34,7 @@ examples:
   resilient-ckpt gc ckpts/run1 --dry-run      what gc would delete, and why
   resilient-ckpt push ckpts/run1 s3://bucket/run1 -o endpoint_url=http://127.0.0.1:9000
   resilient-ckpt export ckpts/run1 hf_model   a from_pretrained directory (Transformers runs),
-                                              or consolidated fp32 weights (DeepSpeed runs)
+                                              or consolidated weights (DeepSpeed, FSDP runs)
   resilient-ckpt report ckpts/run1 -o report.html   goodput, failures, saves: plots (--png, --json)
 
 ls, verify, inspect, gc, pull and push take --json (typed values, ISO-8601 times).
@@ -151,8 +151,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _export_deepspeed(args: argparse.Namespace) -> int | None:
-    """``export`` of a checkpoint written by resilient_callbacks.deepspeed: consolidated weights
-    (fp32 at ZeRO 1-3) as OUT/model.safetensors. None if the checkpoint is not one of those."""
+    """``export`` of a checkpoint written by resilient_callbacks.deepspeed, or holding a
+    ``dcp.Sharded`` part outside a Trainer run: consolidated weights (fp32 at ZeRO 1-3, as saved
+    for Sharded) as OUT/model.safetensors. None if the checkpoint is not one of those."""
     import warnings
 
     from . import consolidate, reader
@@ -161,7 +162,7 @@ def _export_deepspeed(args: argparse.Namespace) -> int | None:
 
     try:
         sel = reader.select(args.dir, args.step)
-        if not consolidate.is_deepspeed(read_manifest(sel.path), sel.path):
+        if not consolidate.exports_weights(read_manifest(sel.path), sel.path):
             return None
         for e in sel.skipped:
             msg = f"skipping checkpoint {e.path}: {e.problem}; falling back to an older one"
@@ -296,8 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(
         sub,
         "export",
-        "write a Transformers checkpoint as a from_pretrained directory, or a DeepSpeed one as "
-        "consolidated fp32 safetensors",
+        "write a Transformers checkpoint as a from_pretrained directory, or a DeepSpeed or "
+        "sharded (FSDP, tensor-parallel) one as consolidated safetensors",
     )
     add_export_arguments(p)
     p.set_defaults(fn=cmd_export)

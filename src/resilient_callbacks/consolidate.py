@@ -1,6 +1,7 @@
 """Consolidated fp32 weights from a DeepSpeed checkpoint, without DeepSpeed (and without
 ``zero_to_fp32.py``): ``resilient-ckpt export DIR OUT`` on a checkpoint written by
-:mod:`resilient_callbacks.deepspeed`.
+:mod:`resilient_callbacks.deepspeed` (and, through :mod:`.dcp.whole`, the whole model tensors
+of a ``dcp.Sharded`` part).
 
 At ZeRO stages 1-3 every rank saved its ranges of each flattened parameter in fp32 (see
 ``deepspeed/views.py``); here the ranges of all ranks are read, verified, and laid side by side
@@ -24,7 +25,7 @@ from safetensors.torch import save_file
 
 from . import reader, structure
 from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
-from .filepart import PARTS_EXTRA, part_dir
+from .filepart import part_dir, parts_of_format
 from .manifest import Manifest, read_manifest
 from .tensorfile import map_tensors_verified, read_verified
 
@@ -33,14 +34,7 @@ ZERO_FORMAT = "zero-fragments/1"
 
 def zero_part_ids(manifest: Manifest) -> list[str]:
     """The parts of a checkpoint written by the DeepSpeed adapter's ZeroPart."""
-    described = manifest.extra.get(PARTS_EXTRA)
-    if not isinstance(described, dict):
-        return []
-    return [
-        pid
-        for pid, d in described.items()
-        if isinstance(d, dict) and d.get("format") == ZERO_FORMAT
-    ]
+    return parts_of_format(manifest, ZERO_FORMAT)
 
 
 def is_deepspeed(manifest: Manifest, path: str) -> bool:
@@ -50,6 +44,21 @@ def is_deepspeed(manifest: Manifest, path: str) -> bool:
     full = reader.open_checkpoint(path).part.structure
     engine = full.get("engine") if isinstance(full, dict) else None
     return isinstance(engine, dict) and "counters" in engine and "module" in engine
+
+
+def exports_weights(manifest: Manifest, path: str) -> bool:
+    """Whether ``export`` writes consolidated weights of the checkpoint at ``path``: one of
+    ``resilient_callbacks.deepspeed``, or one holding a ``dcp.Sharded`` part (FSDP, tensor
+    parallelism) outside a Transformers Trainer run (those export as a ``from_pretrained``
+    directory)."""
+    if is_deepspeed(manifest, path):
+        return True
+    from .dcp.whole import sharded_part_ids
+
+    if not sharded_part_ids(manifest):
+        return False
+    full = reader.open_checkpoint(path).part.structure
+    return not (isinstance(full, dict) and "trainer" in full)
 
 
 def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, torch.Tensor]:
@@ -93,11 +102,17 @@ def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, t
 
 
 def consolidated(path: str) -> dict[str, torch.Tensor]:
-    """The model weights of the DeepSpeed checkpoint at ``path`` (fp32 at ZeRO 1-3)."""
+    """The model weights of the checkpoint at ``path``: a DeepSpeed one's (fp32 at ZeRO 1-3), or
+    a ``dcp.Sharded`` part's whole model tensors (as saved)."""
     manifest = read_manifest(path)
     parts = zero_part_ids(manifest)
     if parts:
         return consolidate_zero(path, manifest, parts[0])
+    from .dcp.whole import model_tensors, sharded_part_ids
+
+    sharded = sharded_part_ids(manifest)
+    if sharded:
+        return model_tensors(path, manifest, sharded[0])
     opened = reader.open_checkpoint(path)
     full = structure.inline_per_rank(opened.part.structure, opened.part.per_rank)
     engine = full.get("engine") if isinstance(full, dict) else None

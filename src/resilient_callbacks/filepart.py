@@ -65,6 +65,14 @@ def part_dir(part_id: str) -> str:
     return f"{PARTS_DIR}/{part_id}"
 
 
+def parts_of_format(manifest: Manifest, fmt: str) -> list[str]:
+    """The ids of the parts whose describe() recorded ``"format": fmt`` in ``manifest``."""
+    described = manifest.extra.get(PARTS_EXTRA)
+    if not isinstance(described, dict):
+        return []
+    return [pid for pid, d in described.items() if isinstance(d, dict) and d.get("format") == fmt]
+
+
 def _check_name(name: str) -> str:
     if not name or "/" in name or "\\" in name or name in (".", "..") or name == "manifest.json":
         raise UnsupportedStateError(

@@ -22,6 +22,7 @@ from accelerate.data_loader import DataLoaderDispatcher
 from torch.utils.data import BatchSampler, RandomSampler
 
 from ..errors import ConfigError
+from .under_fsdp import plain_class
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -57,14 +58,11 @@ def check_train_dataset(dataset: Any) -> None:
 def check_setup(trainer: Any, state: Any, loader: Any) -> None:
     """Refuse setups the adapter cannot save or resume exactly (at ``on_train_begin``: nothing
     was iterated, computed or opened yet)."""
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
+    if getattr(trainer, "is_fsdp_xla_enabled", False):
         raise ConfigError(
-            "ResilientCheckpoint does not support the Trainer's FSDP yet (accelerate runs FSDP "
-            "only on GPUs, where this adapter has not been tested). Nothing was trained or "
-            "saved. Ways forward: DDP; or a training loop of your own with "
-            "resilient_callbacks.dcp.Sharded(model, optimizer) in a Checkpointer, or your own "
-            "dcp.save calls with ResilientStorageWriter (docs/fsdp.md); or Lightning's "
-            "FSDPStrategy/ModelParallelStrategy with the Lightning ResilientCheckpoint."
+            "ResilientCheckpoint does not support the Trainer's FSDP on XLA (TPUs); the Trainer's "
+            "FSDP through accelerate (FSDP2 or FSDP1, fsdp=True) is supported. Nothing was "
+            "trained or saved."
         )
     if state.is_hyper_param_search or getattr(trainer, "_trial", None) is not None:
         raise ConfigError(
@@ -211,11 +209,12 @@ def checkpoint_dir(dirpath: str | None, args: Any) -> str:
 
 def model_info(model: Any) -> dict[str, Any]:
     """What export needs to rebuild the model: its class and configuration (JSON text)."""
+    model, cls = plain_class(model)  # the class under FSDP's wrapping
     config = getattr(model, "config", None)
     gen = getattr(model, "generation_config", None)
     return {
-        "class": type(model).__name__,
-        "module": type(model).__module__,
+        "class": cls.__name__,
+        "module": cls.__module__,
         "config": config.to_json_string(use_diff=False) if config is not None else None,
         "generation_config": gen.to_json_string(use_diff=False) if gen is not None else None,
         "transformers": transformers.__version__,

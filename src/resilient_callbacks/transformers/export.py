@@ -60,7 +60,11 @@ def _export(
         raise ConfigError(f"{out} already exists; pass overwrite=True (--force) to replace it")
     path, part = _read_checkpoint(src, step)
     full = structure.inline_per_rank(part.structure, part.per_rank)
-    if not isinstance(full, dict) or "model" not in full or "trainer" not in full:
+    if (
+        not isinstance(full, dict)
+        or "trainer" not in full
+        or not ("model" in full or "sharded" in full)
+    ):
         raise CheckpointMismatchError(
             f"{path} was not written by resilient_callbacks.transformers.ResilientCheckpoint "
             "(no 'model'/'trainer' entries); export needs the model class and config it records"
@@ -75,7 +79,12 @@ def _export(
             f"the checkpoint's model class {info['module']}.{info['class']} is not part of "
             "transformers; pass model_class=<the class> to export it"
         )
-    state_dict = structure.decode(full["model"], part.tensors)
+    if "model" in full:
+        state_dict = structure.decode(full["model"], part.tensors)
+    else:  # under the Trainer's FSDP: every rank's shards, laid together
+        from ..dcp.whole import model_tensors
+
+        state_dict = model_tensors(path, read_manifest(path), "sharded")
     config = cls.config_class.from_dict(json.loads(info["config"]))  # type: ignore[attr-defined]
     from accelerate import init_empty_weights
 

@@ -18,7 +18,7 @@ from .. import dist
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointMismatchError
 from ..structure import PerRank
-from . import under_deepspeed
+from . import under_deepspeed, under_fsdp
 
 FORMAT = "resilient_callbacks.transformers/2"
 METRIC_PREFIX = "resilient/"
@@ -75,6 +75,8 @@ class SavedState:
         }
         if getattr(trainer, "is_deepspeed_enabled", False):
             tree = under_deepspeed.engine_tree(trainer, tree)
+        elif getattr(trainer, "is_fsdp_enabled", False):
+            tree = under_fsdp.sharded_tree(trainer, tree)
         scaler = getattr(trainer.accelerator, "scaler", None)
         if scaler is not None:
             tree["scaler"] = scaler

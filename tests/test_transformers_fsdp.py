@@ -1,0 +1,53 @@
+"""The Hugging Face Trainer adapter under the Trainer's FSDP2 (``fsdp=True``; accelerate's
+``fully_shard``) on 2 CPU processes (torchrun, gloo): every rank saves its own shards of the
+model and the optimizer state; a run killed with SIGKILL mid-epoch and re-run gives both ranks
+the same per-step losses, final weights and log history as an uninterrupted run, bit for bit;
+and ``export`` lays the shards together into a ``from_pretrained`` directory.
+
+accelerate turns FSDP on only where it finds an accelerator; tests/accelerate_fsdp_cpu.py makes
+that one decision for CPU processes, the rest is accelerate's and the Trainer's own FSDP code.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from resilient_callbacks.transformers import export_pretrained
+from test_transformers import _committed
+from test_transformers_ddp import kill_and_rerun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+
+def test_fsdp2_sigkill_mid_epoch_then_rerun_is_bit_exact_and_exports(tmp_path):
+    work = kill_and_rerun(tmp_path, extra=("--fsdp",))
+    entries = _committed(work / "out" / "ckpt")
+    assert entries
+    for e in entries:
+        paths = {f.path for f in e.manifest.files}
+        # each rank wrote its own shards of the model and of the optimizer state
+        assert {
+            "parts/sharded/rank_00000.safetensors",
+            "parts/sharded/rank_00001.safetensors",
+        } <= paths
+        described = e.manifest.extra["parts"]["sharded"]
+        assert described["world_size"] == 2 and described["optim"] is True
+        wte = described["tensors"]["model/transformer.wte.weight"]
+        assert [c[0] for c in wte["chunks"]] == [0, 1], wte  # a piece per rank, not gathered
+
+    # the last checkpoint holds the final weights; export names the model's own class (not
+    # FSDP2's FSDPGPT2LMHeadModel) and from_pretrained loads them
+    out = export_pretrained(work / "out" / "ckpt", tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    final = load_file(str(work / "final.safetensors.rank0"))
+    got = model.state_dict()
+    assert sorted(got) == sorted(final)
+    for k, v in final.items():
+        assert torch.equal(got[k], v), k
