@@ -66,6 +66,15 @@ def run_lightning(args: argparse.Namespace) -> None:
             xb, yb = batch
             return nn.functional.mse_loss(self.net(xb), yb)
 
+        def configure_model(self):
+            if args.fsdp == 2:  # ModelParallelStrategy: the module shards itself
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for layer in (self.net[0], self.net[3]):
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)
+
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
@@ -81,9 +90,19 @@ def run_lightning(args: argparse.Namespace) -> None:
                 time.sleep(args.sleep)
 
     model = Net()
+    strategy: object = "auto"
+    if args.fsdp == 1:
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        strategy = FSDPStrategy(auto_wrap_policy={nn.Linear})
+    elif args.fsdp == 2:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy()
     trainer = L.Trainer(
         accelerator="gpu",
         devices=1,
+        strategy=strategy,
         max_steps=args.steps,
         deterministic=True,
         logger=False,
@@ -186,7 +205,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--overlap", action="store_true", help="overlap_snapshot=True")
     p.add_argument("--sleep", type=float, default=0.0)
-    p.add_argument("--fsdp", type=int, default=0, choices=[0, 1, 2], help="transformers: FSDP")
+    p.add_argument(
+        "--fsdp",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="FSDP1 or FSDP2: Lightning's FSDPStrategy / ModelParallelStrategy, the Trainer's fsdp",
+    )
     args = p.parse_args()
     torch.use_deterministic_algorithms(True)
     (run_lightning if args.framework == "lightning" else run_transformers)(args)

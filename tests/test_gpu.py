@@ -220,7 +220,15 @@ def test_plain_loop_sigkill_resume_on_cuda_is_bit_exact(tmp_path, overlap):
 
 
 @pytest.mark.parametrize(
-    "framework", ["lightning", "transformers", "transformers-fsdp1", "transformers-fsdp2"]
+    "framework",
+    [
+        "lightning",
+        "lightning-fsdp1",
+        "lightning-fsdp2",
+        "transformers",
+        "transformers-fsdp1",
+        "transformers-fsdp2",
+    ],
 )
 @pytest.mark.parametrize("overlap", [False, True], ids=["default", "overlapped"])
 def test_framework_sigkill_resume_on_cuda_is_bit_exact(tmp_path, framework, overlap):
