@@ -56,7 +56,7 @@ LABELS = {
     "trainer": "Trainer save_steps=K (FSDP SHARDED_STATE_DICT)",
     "ours": "ResilientCheckpoint every_n_steps=K",
 }
-GOAL = 0.3  # ours / the Trainer's, overhead in the loop
+GOAL = {"cpu": 0.5, "cuda": 0.1}  # ours / the Trainer's, in the loop (as bench_transformers.py)
 
 
 def worker(a: argparse.Namespace) -> int:
@@ -274,6 +274,7 @@ def main() -> int:
             "saves_per_run": len(blocking) / max(1, len(runs[mode])),
         }
     ratio = summary["ours"]["in_loop_vs_trainer"]
+    goal = GOAL["cuda" if torch.cuda.is_available() else "cpu"]
     report: dict[str, Any] = {
         "meta": {
             "cpus": os.cpu_count(),
@@ -297,8 +298,8 @@ def main() -> int:
             {
                 "name": "overhead in the loop, ResilientCheckpoint / Trainer save_steps",
                 "value": ratio,
-                "target": f"<= {GOAL}",
-                "met": ratio <= GOAL,
+                "target": f"<= {goal}",
+                "met": ratio <= goal,
             }
         ],
     }

@@ -135,7 +135,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         if not catalog.committed(catalog.scan(args.dir, catalog.Depth.NONE)):
             raise no_checkpoints(args.dir)
-    done = _export_deepspeed(args)
+    done = _export_weights(args)
     if done is not None:
         return done
     try:
@@ -150,7 +150,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return int(cli_export(args))
 
 
-def _export_deepspeed(args: argparse.Namespace) -> int | None:
+def _export_weights(args: argparse.Namespace) -> int | None:
     """``export`` of a checkpoint written by resilient_callbacks.deepspeed, or holding a
     ``dcp.Sharded`` part outside a Trainer run: consolidated weights (fp32 at ZeRO 1-3, as saved
     for Sharded) as OUT/model.safetensors. None if the checkpoint is not one of those."""
