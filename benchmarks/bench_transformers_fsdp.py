@@ -17,7 +17,11 @@ FSDP units. Modes run round-robin within each repetition, medians over ``--reps`
   ``fsdp_config["state_dict_type"] = "SHARDED_STATE_DICT"`` (DCP's format, each rank its shards,
   synchronously). Its default, ``FULL_STATE_DICT``, failed on these gloo processes (a collective
   mismatch inside ``save_pretrained``), so the sharded form is the one measured;
-- ``ResilientCheckpoint every_n_steps=K``: defaults (background saving, ``keep_last=2``).
+- ``ResilientCheckpoint every_n_steps=K``: defaults (background saving, ``keep_last=2``);
+- control, ``hold``: no checkpointing, but at step K each rank allocates, fills and keeps as
+  many bytes as its shards of the model and optimizer state take: the host memory our reused
+  buffers hold, without anything else a save does. On a VM, memory a process touches for the
+  first time can be slow to fault in; this shows what holding it costs the training steps.
 
 Time of a mode = wall time of rank 0's ``trainer.train()`` (ours includes waiting at the end
 until the last checkpoint is durable). Overhead = time - the time without checkpointing in the
@@ -50,9 +54,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODES = ("none", "trainer", "ours")
+MODES = ("none", "hold", "trainer", "ours")
 LABELS = {
     "none": "no checkpointing",
+    "hold": "no checkpointing, host memory of one save held (control)",
     "trainer": "Trainer save_steps=K (FSDP SHARDED_STATE_DICT)",
     "ours": "ResilientCheckpoint every_n_steps=K",
 }
@@ -69,6 +74,7 @@ def worker(a: argparse.Namespace) -> int:
 
     from resilient_callbacks.transformers import ResilientCheckpoint
 
+    Hold = _hold_callback()
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -110,6 +116,8 @@ def worker(a: argparse.Namespace) -> int:
     clock = StepClock()
     trainer.callback_handler.callbacks.insert(0, clock)
     times = SaveTimes()
+    if mode == "hold":
+        trainer.add_callback(Hold(a.every))
     if mode == "ours":
         cb = ResilientCheckpoint(
             os.path.join(out, "ckpt"), every_n_steps=a.every, keep_last=2, preemption=False
@@ -135,6 +143,45 @@ def worker(a: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def local_state_bytes(model: Any, optimizer: Any) -> int:
+    """Bytes of this rank's shards of the model and optimizer state (what a save copies)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    msd, osd = get_state_dict(model, optimizer)
+
+    def local(t: Any) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return int(t.numel() * t.element_size())
+
+    n = sum(local(v) for v in msd.values())
+    for st in osd["state"].values():
+        n += sum(local(v) for v in st.values() if hasattr(v, "numel"))
+    return n
+
+
+def _hold_callback() -> Any:
+    from transformers import TrainerCallback
+
+    class Hold(TrainerCallback):
+        """At step ``at``: allocate, fill and keep this rank's state bytes of host memory."""
+
+        def __init__(self, at: int) -> None:
+            self.at = at
+            self.kept: Any = None
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == self.at and self.kept is None:
+                import torch
+
+                opt = getattr(kw["optimizer"], "optimizer", kw["optimizer"])
+                n = local_state_bytes(kw["model"], opt)
+                self.kept = torch.empty(n, dtype=torch.uint8)
+                self.kept.fill_(1)
+
+    return Hold
 
 
 def run(mode: str, a: argparse.Namespace, rep: int) -> dict[str, Any]:
@@ -198,6 +245,11 @@ def markdown(r: dict[str, Any]) -> str:
             f"{x['in_loop_s']:.2f} | {x['blocking_per_save_s']:.3f} | "
             f"{x['in_loop_vs_trainer']:.2f}x |"
         )
+    beyond = r["beyond_hold"]
+    lines.append(
+        f"\nOurs in the loop less the control's (holding the host memory alone): "
+        f"{beyond['in_loop_s']:.2f} s, {beyond['vs_trainer']:.2f}x the Trainer's."
+    )
     for g in r["goals"]:
         lines.append(
             f"\n{g['name']}: {g['value']:.2f} (goal {g['target']}: "
@@ -294,6 +346,11 @@ def main() -> int:
         },
         "runs": runs,
         "summary": summary,
+        "beyond_hold": {
+            "in_loop_s": med([x - h for x, h in zip(loop["ours"], loop["hold"], strict=True)]),
+            "vs_trainer": med([x - h for x, h in zip(loop["ours"], loop["hold"], strict=True)])
+            / med(loop["trainer"]),
+        },
         "goals": [
             {
                 "name": "overhead in the loop, ResilientCheckpoint / Trainer save_steps",
