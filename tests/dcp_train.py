@@ -4,7 +4,8 @@
 world size), write the full tensors right after the restore to ``OUT.restored.safetensors``
 (rank 0), train up to step TOTAL saving every EVERY steps (``Sharded`` + ``PerRank``), append
 each step's loss to ``OUT.rank<r>.jsonl``, and write the final full tensors to
-``OUT.final.safetensors`` (rank 0); after a restore, ``OUT.rank<r>.mapped``: how many of its
+``OUT.final.safetensors`` (rank 0); after every step, ``OUT.rank<r>.buffers.jsonl``: the host
+buffers of the Sharded part (:func:`record_buffers`); after a restore, ``OUT.rank<r>.mapped``: how many of its
 tensors view a mapped checkpoint file (:func:`viewing_files_under`). With CRASH_AT, every rank SIGKILLs itself right after
 ``ck.step(CRASH_AT)`` returns (a background save may be in flight). With the environment
 variable ``RC_FORBID_PICKLE`` set, ``pickle.load``/``loads``/``Unpickler`` and ``torch.load`` raise
@@ -129,6 +130,17 @@ def flat_layout_refused(rank: int) -> None:
         sharded.differences = lambda *a: "made to differ by the test"  # type: ignore[assignment]
 
 
+def record_buffers(ck: Checkpointer, path: str, step: int, saved: bool) -> None:
+    """Append the host buffers the Sharded part's saves copy into (name -> [address, number
+    of elements]), once allocated: those made ahead of the first save must be the ones it uses."""
+    bufs = ck._saver.part_buffers._by_id.get("train")
+    if bufs is not None:
+        bufs.wait_allocated()
+    ptrs = {k: [b.data_ptr(), b.numel()] for k, b in bufs._bufs.items()} if bufs else {}
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "saved": saved, "buffers": ptrs}) + "\n")
+
+
 def main() -> None:
     root, out, total, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     crash_at = int(sys.argv[5]) if len(sys.argv) > 5 else None
@@ -166,7 +178,8 @@ def main() -> None:
                 pos.seen += 8
                 log.write(json.dumps({"step": step, "loss": loss}) + "\n")
                 log.flush()
-                ck.step(step, state, {"loss": loss}, final=step == total)
+                saved = ck.step(step, state, {"loss": loss}, final=step == total)
+                record_buffers(ck, f"{out}.rank{rank}.buffers.jsonl", step, saved)
                 if step == crash_at:
                     os.kill(os.getpid(), signal.SIGKILL)
     final = full_tensors(model, opt)

@@ -147,6 +147,23 @@ def _assert_exports(tmp: Path, checkpoint: Path, final: Path) -> None:
     assert not (tmp / "export-flipped").exists()
 
 
+def _assert_buffers_made_ahead(tmp: Path, out: str) -> None:
+    """The first step() that did not save started the Sharded part's host buffers, from
+    host_tensors(); the first save copied into those (the same addresses), on every rank, and
+    the buffers it did not use were freed after it."""
+    for rank in (0, 1):
+        lines = (tmp / f"{out}.rank{rank}.buffers.jsonl").read_text().splitlines()
+        records = [json.loads(x) for x in lines]
+        first, save = records[0], records[1]
+        assert first["step"] == 1 and not first["saved"] and first["buffers"], first
+        # every buffer the save copied into was made ahead; the ahead set may hold a few more
+        # of at most one element (the empty pieces of a rank holding none of a tensor, step
+        # counters another rank writes), freed after the save
+        assert save["saved"] and save["buffers"].items() <= first["buffers"].items(), (first, save)
+        extra = set(first["buffers"]) - set(save["buffers"])
+        assert all(first["buffers"][k][1] <= 1 for k in extra), extra
+
+
 def _losses(tmp: Path, out: str, rank: int) -> dict[int, float]:
     lines = (tmp / f"{out}.rank{rank}.jsonl").read_text().splitlines()
     return {json.loads(x)["step"]: json.loads(x)["loss"] for x in lines}  # the last per step
@@ -172,6 +189,7 @@ def test_save_on_two_ranks_resume_on_one_without_unpickling(tmp_path):
         "chunks": [[0, [0, 0], [4, 6]], [1, [4, 0], [3, 6]]],
     }
     _assert_exports(tmp_path, root / "step_000000004", tmp_path / "a.final.safetensors")
+    _assert_buffers_made_ahead(tmp_path, "a")
 
     _run(tmp_path, 1, root, "b", 6, RC_FORBID_PICKLE="1")
     assert (tmp_path / "b.start").read_text() == "4"
@@ -330,6 +348,7 @@ def test_fsdp1_sharded_tensors_go_from_two_ranks_to_one_and_back(tmp_path):
         "chunks": [[1, [], []]],
     }
     _assert_exports(tmp_path, root / "step_000000004", tmp_path / "a.final.safetensors")
+    _assert_buffers_made_ahead(tmp_path, "a")
 
     _then_one_then_two_ranks(tmp_path, root, **fsdp1)
     logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))

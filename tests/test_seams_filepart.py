@@ -260,3 +260,38 @@ def test_two_ranks_each_write_and_verify_their_own_files_and_fall_back_together(
 
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2], sys.argv[3])
+
+
+class ToyAhead(ToyShards):
+    """ToyShards that says ahead what it copies, and one buffer more that it never uses."""
+
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight, "unused": torch.zeros(1000)}
+
+
+def test_a_parts_host_buffers_are_made_ahead_and_the_unused_freed(tmp_path):
+    """The first step() that does not save starts the part's host buffers from host_tensors()
+    in a helper thread; the first save copies into them, and the one it did not use is freed
+    after it. A part without host_tensors() gets its buffers at the first save, as before."""
+    part = ToyAhead()
+    state = _state(part)
+    with Checkpointer(tmp_path / "ck", every_n_steps=2, preemption=False) as ck:
+        assert ck.step(1, state) is False
+        ahead = ck._saver.part_buffers._by_id["engine/shards"]
+        ahead.wait_allocated()
+        made = {k: b.data_ptr() for k, b in ahead._bufs.items()}
+        assert sorted(made) == ["unused", "weight"]
+        part.weight.fill_(2.0)
+        assert ck.step(2, state) is True
+        ck.flush()
+        assert part.buffer_ptrs == [made["weight"]]  # the save copied into the one made ahead
+        assert sorted(ahead._bufs) == ["weight"]  # the unused one is gone
+    part2 = ToyShards()
+    with Checkpointer(tmp_path / "ck") as ck:
+        assert ck.restore(_state(part2)) == 2
+    assert torch.equal(part2.weight, torch.full((64,), 2.0))
+
+    plain = ToyShards()
+    with Checkpointer(tmp_path / "ck2", every_n_steps=2, preemption=False) as ck:
+        ck.step(1, _state(plain))
+        assert "engine/shards" not in ck._saver.part_buffers._by_id

@@ -27,6 +27,11 @@ Which ranks call what (every rank holds the part at the same place in its state)
   JSON-able facts about how the part is laid out (a ZeRO stage, a data-parallel degree, a device
   mesh). The coordinator's are recorded in the manifest (``extra["parts"][id]``) and given back
   at restore as ``info.saved``.
+- :meth:`FilePart.host_tensors` -- every rank, on the training thread, once, at the first
+  ``step()`` that does not save (optional; no collective: ranks may differ in what they have):
+  the tensors ``capture`` is expected to copy, under the names it gives ``buffers``, so that
+  the core allocates their host buffers in a helper thread before the first save is due (as it
+  does for the rest of the state). A buffer the first save does not use is freed after it.
 - :meth:`FilePart.files_to_read` -- every rank, at restore: the names (in the part's folder)
   this rank needs, given what the checkpoint lists, who wrote it and ``info.saved``; raise
   :class:`~.errors.CheckpointMismatchError` to refuse a checkpoint early (e.g. another world
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -57,6 +63,8 @@ if TYPE_CHECKING:
     from .snapshot import HostBuffers, Snapshot
 
 PARTS_DIR = "parts"
+log = logging.getLogger("resilient_callbacks")
+
 PARTS_EXTRA = "parts"  # the manifest's ``extra`` key for what each part's describe() said
 
 
@@ -214,6 +222,12 @@ class FilePart(ABC):
         the manifest and given back at restore as ``info.saved``. Default: nothing."""
         return {}
 
+    def host_tensors(self) -> Mapping[str, torch.Tensor]:
+        """Training thread, once before the first save, no collective: the tensors
+        :meth:`capture` is expected to copy, by the names it gives ``buffers``, for allocating
+        their host buffers ahead. Default: none (the first save allocates them)."""
+        return {}
+
     @abstractmethod
     def files_to_read(self, info: PartInfo) -> list[str]:
         """Restore: the names in this part's folder that this rank reads."""
@@ -231,9 +245,11 @@ class CaptureBuffers:
         self._buffers = buffers
         self._overlap = overlap
         self.snapshots: list[Snapshot] = []
+        self.names: set[str] = set()  # the buffers this capture used
 
     def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The host buffer for ``name`` (allocated once, reused while shape and dtype match)."""
+        self.names.add(name)
         return self._buffers.get(name, like)
 
     def copy(
@@ -249,6 +265,7 @@ class CaptureBuffers:
         tensor is copied (or, on a GPU, ordered before later kernels) before this returns."""
         from .snapshot import Snapshot
 
+        self.names.update(tensors)
         snap = Snapshot(
             tensors, self._buffers, overlap_storages=step_only if self._overlap else None
         )
@@ -324,7 +341,8 @@ class PartBuffers:
         captured: dict[str, tuple[FilePart, Any]] = {}
         snapshots: list[Snapshot] = []
         for part_id, part in parts.items():
-            buffers = CaptureBuffers(self._by_id.setdefault(part_id, _host_buffers()), overlap)
+            host = self._by_id.setdefault(part_id, _host_buffers())
+            buffers = CaptureBuffers(host, overlap)
             try:
                 captured[part_id] = (part, part.capture(buffers))
             except BaseException:
@@ -333,7 +351,20 @@ class PartBuffers:
                         snap.wait_host()
                 raise
             snapshots += buffers.snapshots
+            host.keep_only(buffers.names)  # e.g. made ahead for what this save did not copy
         return CapturedParts(captured, described, snapshots)
+
+    def allocate_ahead(self, parts: Mapping[str, FilePart]) -> None:
+        """Training thread, once before the first save: start allocating each part's host
+        buffers in a helper thread, from what :meth:`FilePart.host_tensors` says."""
+        for part_id, part in parts.items():
+            try:
+                tensors = dict(part.host_tensors())
+            except Exception as e:  # the save itself reports what is wrong with the part
+                log.debug("not allocating host buffers ahead for part %r: %r", part_id, e)
+                continue
+            if tensors:
+                self._by_id.setdefault(part_id, _host_buffers()).allocate_in_background(tensors)
 
 
 def _host_buffers() -> HostBuffers:

@@ -145,7 +145,9 @@ class Saver:
                 waited = self.persister.wait_for_slot()
                 self.save_waits.observe(step, waited, ck._trigger.clock.elapsed())
                 if not self._group_made:  # every rank, at the same save (see new_cpu_group)
+                    made = time.perf_counter()
                     self.group, self._group_made = dist.new_cpu_group(), True
+                    waited += time.perf_counter() - made  # the loop waited for it too
         self.raise_background_error()  # a failed earlier save surfaces here, never lost
         t0 = time.perf_counter()
         metrics_json = clean_metrics(metrics)
@@ -312,6 +314,9 @@ class Saver:
             log.debug("not allocating host buffers ahead: %s", e)
             return
         self.buffers.allocate_in_background(self._tensors_to_copy(shared, local))
+        fileparts = statetree.fileparts(state)
+        if fileparts:
+            self.part_buffers.allocate_ahead(fileparts)
 
     def _hook_optimizers(self, state: Any, parts: CapturedParts | None) -> None:
         """Make each optimizer's step() wait for the overlapped snapshot copies: those in the

@@ -111,6 +111,11 @@ def _handles(model: torch.nn.Module) -> list[Any]:
     ]
 
 
+def is_fsdp1(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has FSDP1 units (with parameters)."""
+    return bool(_handles(model))
+
+
 def _readable(handle: Any) -> bool:
     """Whether an FSDP1 unit is one whose layout is read directly: original parameters kept,
     sharded, none shared."""

@@ -58,7 +58,7 @@ from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from . import flat_restore, shards
 from .assemble import assemble, full_box, json_file, tensor_file, whole_entry
 from .chunks import Box, join, split
-from .flat import FlatLayout, Names, flat_state
+from .flat import FlatLayout, Names, flat_state, is_fsdp1
 from .views import (
     View,
     complete_skeleton,
@@ -319,6 +319,19 @@ class Sharded(FilePart):
 
     def stepped_by(self) -> tuple[torch.optim.Optimizer, ...]:
         return self.optimizers
+
+    @shards.quiet
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's pieces as describe() reads them, without its collectives (for the host
+        buffers made ahead of the first save): FSDP1's layout, or DCP's state dict of DTensors.
+        Nothing for FSDP1 read through its own state dict, which is collective."""
+        with_optim = self._has_optim_state()
+        if self._flat_on and self._flat_model():
+            view = self._flat_view(with_optim)
+            return dict(view.local) if view is not None else {}
+        if is_fsdp1(self.model):
+            return {}
+        return dict(self._dcp_view(with_optim).local)
 
     def _step_storages(self) -> set[int]:
         """Storages of the local shards that only an optimizer step changes."""

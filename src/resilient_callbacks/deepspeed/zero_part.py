@@ -70,6 +70,14 @@ class ZeroPart(FilePart):
         }
         return tensors, index
 
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors capture() copies, by its buffer names (for buffers made ahead)."""
+        return {
+            f"{key}/{f.name}": live
+            for f in self.view.fragments()
+            for key, live in f.tensors.items()
+        }
+
     def write(self, captured: Any, writer: PartWriter) -> None:
         tensors, index = captured
         st, js = _files(self.rank)
