@@ -171,7 +171,7 @@ def _losses(tmp: Path, out: str, rank: int) -> dict[int, float]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_save_on_two_ranks_resume_on_one_without_unpickling(tmp_path):
+def test_save_on_two_ranks_resume_on_one_without_unpickling(tmp_path, capsys):
     root = tmp_path / "ck"
     _run(tmp_path, 2, root, "a", 4)
     part = root / "step_000000004" / "parts" / "train"
@@ -190,6 +190,21 @@ def test_save_on_two_ranks_resume_on_one_without_unpickling(tmp_path):
     }
     _assert_exports(tmp_path, root / "step_000000004", tmp_path / "a.final.safetensors")
     _assert_buffers_made_ahead(tmp_path, "a")
+    # inspect lists the part's tensors whole, with the number of chunks the ranks wrote
+    from resilient_callbacks.cli import main
+
+    capsys.readouterr()
+    assert main(["inspect", str(root), "--step", "4", "--json"]) == 0
+    keys = {k["key"]: k for k in json.loads(capsys.readouterr().out)["keys"]}
+    assert keys["train.model/0.weight"] == {
+        "key": "train.model/0.weight",
+        "kind": "tensor",
+        "dtype": "F32",
+        "shape": [7, 6],
+        "stored_as": "parts/train",
+        "chunks": 2,
+    }
+    assert "train.optim/state/0.weight/exp_avg" in keys
 
     _run(tmp_path, 1, root, "b", 6, RC_FORBID_PICKLE="1")
     assert (tmp_path / "b.start").read_text() == "4"

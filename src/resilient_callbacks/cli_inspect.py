@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from . import reader
@@ -23,6 +24,7 @@ from .cli_format import (
 )
 from .cli_scan import no_checkpoints, public, resolve, row
 from .errors import CheckpointError
+from .filepart import PARTS_EXTRA
 from .layout import SHARED_STRUCTURE, SHARED_TENSORS
 from .reader import describe
 from .structure import TAG
@@ -37,11 +39,18 @@ def _value(path: str, v: Any, type_: str | None = None) -> dict[str, Any]:
     return {"key": path, "kind": "value", "type": t, "value": v}
 
 
-def walk(node: Any, meta: dict[str, tuple[str, list[int]]], path: str, out: list[dict]) -> None:
-    """Flatten an encoded structure (see :mod:`.structure`) into one entry per key."""
+def walk(
+    node: Any,
+    meta: dict[str, tuple[str, list[int]]],
+    path: str,
+    out: list[dict],
+    parts: Mapping[str, Any] | None = None,
+) -> None:
+    """Flatten an encoded structure (see :mod:`.structure`) into one entry per key; a FilePart
+    by what its ``describe()`` recorded in the manifest (``parts``)."""
     if isinstance(node, list):
         for i, v in enumerate(node):
-            walk(v, meta, f"{path}[{i}]", out)
+            walk(v, meta, f"{path}[{i}]", out, parts)
         return
     if not isinstance(node, dict):
         out.append(_value(path, node if isinstance(node, _SCALARS) else repr(node)))
@@ -49,7 +58,7 @@ def walk(node: Any, meta: dict[str, tuple[str, list[int]]], path: str, out: list
     tag = node.get(TAG)
     if tag is None:
         for k, v in node.items():
-            walk(v, meta, f"{path}.{k}" if path else k, out)
+            walk(v, meta, f"{path}.{k}" if path else k, out, parts)
     elif tag == "tensor":
         dtype, shape = meta.get(node["key"], (None, None))
         out.append(
@@ -63,13 +72,13 @@ def walk(node: Any, meta: dict[str, tuple[str, list[int]]], path: str, out: list
         )
     elif tag == "stateful":
         out.append({"key": path, "kind": "object", "type": node["type"]})
-        walk(node["state"], meta, path, out)
+        walk(node["state"], meta, path, out, parts)
     elif tag in ("tuple", "set", "frozenset", "size"):
         for i, v in enumerate(node["items"]):
-            walk(v, meta, f"{path}[{i}]", out)
+            walk(v, meta, f"{path}[{i}]", out, parts)
     elif tag == "dict":
         for k, v in node["items"]:
-            walk(v, meta, f"{path}[{k!r}]", out)
+            walk(v, meta, f"{path}[{k!r}]", out, parts)
     elif tag == "float":  # non-finite: kept as its repr ("nan", "inf", "-inf")
         out.append(_value(path, node["value"], "float"))
     elif tag == "np":
@@ -80,10 +89,37 @@ def walk(node: Any, meta: dict[str, tuple[str, list[int]]], path: str, out: list
         out.append(_value(path, node.get("name"), tag))
     elif tag == "bytes":
         out.append(_value(path, f"<{len(node.get('b64', '')) * 3 // 4} bytes>", "bytes"))
+    elif tag == "filepart":
+        _part(node["id"], (parts or {}).get(node["id"]), path, out)
     elif tag == "per_rank":
         out.append({"key": path, "kind": "per-rank", "value": "stored in rank_*.json"})
     else:
         out.append({"key": path, "kind": str(tag), "value": json.dumps(node)[:80]})
+
+
+def _part(part_id: str, described: Any, path: str, out: list[dict]) -> None:
+    """A FilePart's entries: one per tensor when its describe() recorded an index of them
+    (``{"tensors": {name: {"dtype", "shape", "chunks"}}}``, as ``dcp.Sharded`` does; the
+    whole tensor's shape, and in how many rank-written chunks it is stored), else one line."""
+    described = described if isinstance(described, dict) else {}
+    tensors = described.get("tensors")
+    if not isinstance(tensors, dict):
+        fmt = described.get("format", "?")
+        out.append({"key": path, "kind": "part", "value": f"part {part_id!r} ({fmt})"})
+        return
+    for name, t in tensors.items():
+        t = t if isinstance(t, dict) else {}
+        chunks = t.get("chunks")
+        out.append(
+            {
+                "key": f"{path}.{name}",
+                "kind": "tensor",
+                "dtype": t.get("dtype"),
+                "shape": t.get("shape"),
+                "stored_as": f"parts/{part_id}",
+                "chunks": len(chunks) if isinstance(chunks, list) else None,
+            }
+        )
 
 
 def _keys(e: Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
@@ -95,7 +131,8 @@ def _keys(e: Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
     except (OSError, ValueError, KeyError, TypeError, CheckpointError) as err:
         return None, f"cannot read the keys ({type(err).__name__}: {err})"
     keys: list[dict[str, Any]] = []
-    walk(struct, meta, "", keys)
+    parts = e.manifest.extra.get(PARTS_EXTRA) if e.manifest is not None else None
+    walk(struct, meta, "", keys, parts if isinstance(parts, dict) else None)
     return keys, None
 
 
@@ -170,7 +207,8 @@ def inspect(args: argparse.Namespace) -> int:
     for k in keys:
         if k["kind"] == "tensor":
             shape = k["shape"] if k["shape"] is not None else "?"
-            print(f"    {k['key']:{width}}  {k['dtype'] or '?':9} {shape}")
+            chunks = f"  ({k['chunks']} chunks)" if k.get("chunks", 1) not in (None, 1) else ""
+            print(f"    {k['key']:{width}}  {k['dtype'] or '?':9} {shape}{chunks}")
         elif k["kind"] == "object":
             print(f"    {k['key']:{width}}  <{k['type']}>")
         else:
