@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="train under the Trainer's FSDP2 (fully_shard through accelerate; with --ddp)",
     )
+    p.add_argument("--overlap", action="store_true", help="overlap_snapshot=True")
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-final", required=True)
     args = p.parse_args(argv)
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             os.path.join(args.outdir, "ckpt"),
             every_n_steps=args.every_n_steps,
             keep_last=args.keep_last,
+            overlap_snapshot=args.overlap,
         )
     trainer.add_callback(ckpt)
     trainer.add_callback(Recorder(ckpt, args.out_jsonl + suffix, rank, args.sleep))

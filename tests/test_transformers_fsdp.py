@@ -51,3 +51,11 @@ def test_fsdp2_sigkill_mid_epoch_then_rerun_is_bit_exact_and_exports(tmp_path):
     assert sorted(got) == sorted(final)
     for k, v in final.items():
         assert torch.equal(got[k], v), k
+
+
+@pytest.mark.slow
+def test_fsdp2_overlapped_snapshot_sigkill_then_rerun_is_bit_exact(tmp_path):
+    """The same with ``overlap_snapshot=True``: the shards are copied while the next
+    forward/backward runs, and the optimizer's step (the torch optimizer inside accelerate's
+    wrapper) waits for the copy."""
+    kill_and_rerun(tmp_path, extra=("--fsdp", "--overlap"))
