@@ -62,9 +62,9 @@ from .tensorfile import DirectBuffer, map_tensors_verified, read_verified, write
 if TYPE_CHECKING:
     from .snapshot import HostBuffers, Snapshot
 
-PARTS_DIR = "parts"
 log = logging.getLogger("resilient_callbacks")
 
+PARTS_DIR = "parts"
 PARTS_EXTRA = "parts"  # the manifest's ``extra`` key for what each part's describe() said
 
 
