@@ -6,7 +6,8 @@ warm-up LR scheduler, AdamW, our resumable loader; optionally SIGKILLs itself mi
 
 Run once per rank (RANK/WORLD_SIZE/MASTER_* in the environment; gloo on CPU). Appends one line
 per micro-step to ``O.rank<r>.losses`` (micro-step, loss as float.hex) and, at the end, writes
-``O.rank0.final.json``: every full fp32 parameter and Adam moment (gathered), as hex floats.
+``O.rank0.final.json``: every full fp32 parameter and Adam moment (gathered), as hex floats;
+after each optimizer step, ``O.rank<r>.buffers.jsonl``: the ZeRO part's host buffers.
 With ``--launcher`` the script calls plain ``deepspeed.initialize`` with the section in its
 config: run it through ``python -m resilient_callbacks.deepspeed.run``.
 """
@@ -87,6 +88,17 @@ def full_state(engine, stage: int) -> dict[str, list[str]]:
             t = safe_get_full_optimizer_state(p, key)
             out[f"{key}/{name}"] = [float(v).hex() for v in t.flatten()]
     return out
+
+
+def record_buffers(ck, path: str, engine) -> None:
+    """Append the ZeRO part's host buffers (name -> address) after an optimizer step: those
+    made ahead of the first save must be the ones it copies into."""
+    bufs = ck._saver.part_buffers._by_id.get("engine/zero")
+    if bufs is not None:
+        bufs.wait_allocated()
+    ptrs = {k: b.data_ptr() for k, b in bufs._bufs.items()} if bufs is not None else {}
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": engine.global_steps, "buffers": ptrs}) + "\n")
 
 
 def main() -> None:
@@ -202,6 +214,8 @@ def main() -> None:
             log.write(f"{micro} {float(loss.detach()).hex()}\n")  # before step(): it may exit 75
             log.flush()
             engine.step()
+            if handle is not None and micro % 2 == 1:  # an optimizer step (accumulation 2)
+                record_buffers(handle.checkpointer, f"{args.out}.rank{rank}.buffers.jsonl", engine)
             if args.die_at is not None and engine.global_steps == args.die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.term_at is not None and engine.global_steps == args.term_at:
