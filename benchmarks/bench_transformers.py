@@ -131,6 +131,18 @@ class StepClock(TrainerCallback):
         self.ends.append(time.perf_counter())
 
 
+def add_run_arguments(ap: argparse.ArgumentParser, steps: int) -> None:
+    """The run's and the model's options (shared with bench_transformers_fsdp.py)."""
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--every", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--n-embd", type=int, default=768)
+    ap.add_argument("--n-layer", type=int, default=4)
+
+
 def build_model(a: argparse.Namespace) -> GPT2LMHeadModel:
     torch.manual_seed(0)
     cfg = GPT2Config(
@@ -393,15 +405,8 @@ def markdown(r: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=36)
-    ap.add_argument("--every", type=int, default=6)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--seq", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=1)
+    add_run_arguments(ap, steps=36)
     add_device_option(ap)
-    ap.add_argument("--vocab", type=int, default=50257)
-    ap.add_argument("--n-embd", type=int, default=768)
-    ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument(
         "--threads",
         type=int,

@@ -53,6 +53,9 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from bench_transformers import add_run_arguments
+from common import med
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("none", "hold", "trainer", "ours")
 LABELS = {
@@ -141,8 +144,12 @@ def worker(a: argparse.Namespace) -> int:
                 f,
             )
     dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    # Leave without tearing the process groups down: at exit, gloo sometimes aborts ("terminate
+    # called without an active exception") in every mode, the no-checkpoint ones included; the
+    # figures are written by then.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def local_state_bytes(model: Any, optimizer: Any) -> int:
@@ -214,12 +221,6 @@ def run(mode: str, a: argparse.Namespace, rep: int) -> dict[str, Any]:
     return res
 
 
-def med(xs: list[float]) -> float:
-    from common import med as m
-
-    return m(xs)
-
-
 def in_loop(run_: dict[str, Any], none_tail: float) -> float:
     steps = run_["steps_s"]
     return sum(steps) + run_["tail_s"] - len(steps) * med(steps) - none_tail
@@ -260,14 +261,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--every", type=int, default=6)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--seq", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--vocab", type=int, default=50257)
-    ap.add_argument("--n-embd", type=int, default=768)
-    ap.add_argument("--n-layer", type=int, default=4)
+    add_run_arguments(ap, steps=24)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="small model, 1 repetition (smoke test)")
