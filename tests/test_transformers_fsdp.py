@@ -59,3 +59,30 @@ def test_fsdp2_overlapped_snapshot_sigkill_then_rerun_is_bit_exact(tmp_path):
     forward/backward runs, and the optimizer's step (the torch optimizer inside accelerate's
     wrapper) waits for the copy."""
     kill_and_rerun(tmp_path, extra=("--fsdp", "--overlap"))
+
+
+@pytest.mark.benchmark
+def test_bench_transformers_fsdp_quick(tmp_path):
+    """benchmarks/bench_transformers_fsdp.py --quick runs end to end (every mode a 2-rank
+    torchrun) and reports every mode. Deselected by default (``-m benchmark``); the full run
+    takes about 9 minutes on 2 cores."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_transformers import _env
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_transformers_fsdp.py"
+    cmd = [sys.executable, str(script), "--quick", "--out", str(tmp_path), "--dir", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_transformers_fsdp.json").read_text())
+    assert set(report["summary"]) == {"none", "hold", "trainer", "ours"}
+    saves = report["meta"]["steps"] // report["meta"]["every"]
+    for mode in ("trainer", "ours"):
+        assert report["summary"][mode]["saves_per_run"] == saves
+        assert report["summary"][mode]["blocking_per_save_s"] > 0
+    assert report["summary"]["hold"]["saves_per_run"] == 0
+    md = (tmp_path / "bench_transformers_fsdp.md").read_text()
+    assert md.startswith("# Trainer under FSDP2")
