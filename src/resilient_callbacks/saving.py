@@ -81,6 +81,7 @@ class Saver:
         # (a Checkpointer that only restores -- an evaluation, an export -- makes none)
         self.group: Any = None
         self._group_made = False
+        self._told_parts_full = False  # incremental=... with FileParts: said once
         if ck.config.async_save:
             self.persister = BackgroundPersister(ck.config.max_in_flight)
         self.buffers = HostBuffers()
@@ -257,6 +258,16 @@ class Saver:
         else:
             rng_info, rng_tensors = rng.capture() if ck.config.capture_rng else (None, {})
         blobs, watch = None, None
+        if ck.config.incremental and fileparts and not self._told_parts_full:
+            self._told_parts_full = True
+            if ck.is_coordinator:
+                log.warning(
+                    "incremental=%r does not apply to the files of %s (%s): they are written "
+                    "in full at every save; the rest of the state is saved incrementally",
+                    ck.config.incremental,
+                    ", ".join(sorted(fileparts)),
+                    ", ".join(sorted({type(p).__name__ for p in fileparts.values()})),
+                )
         if ck.config.incremental and ck.is_coordinator:
             blobs, watch = begin_incremental(ck._dir.blobs, self.tracker, shared.tensors, state)
         try:
