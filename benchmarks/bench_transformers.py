@@ -61,6 +61,7 @@ from common import (
     host_copies,
     library_version,
     med,
+    round_robin,
     write_results,
 )
 from transformers import (
@@ -434,14 +435,8 @@ def main() -> int:
     try:
         model_bytes, total_bytes, raw_s, copy_s = state_bytes(a)
         bg = interference(a, total_bytes)
-        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
         run_mode("none", a, base)  # warm-up (imports, allocator), discarded
-        for rep in range(a.reps):
-            order = MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]
-            for mode in order:
-                res = run_mode(mode, a, base)
-                runs[mode].append(res)
-                print(f"rep {rep} {mode:13s} {res['seconds']:.2f} s", flush=True)
+        runs = round_robin(MODES, a.reps, lambda mode, _rep: run_mode(mode, a, base))
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

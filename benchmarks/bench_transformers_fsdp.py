@@ -53,8 +53,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from bench_transformers import add_run_arguments
-from common import med
+from bench_transformers import add_run_arguments, in_run_overhead
+from common import med, round_robin
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("none", "hold", "trainer", "ours")
@@ -221,11 +221,6 @@ def run(mode: str, a: argparse.Namespace, rep: int) -> dict[str, Any]:
     return res
 
 
-def in_loop(run_: dict[str, Any], none_tail: float) -> float:
-    steps = run_["steps_s"]
-    return sum(steps) + run_["tail_s"] - len(steps) * med(steps) - none_tail
-
-
 def markdown(r: dict[str, Any]) -> str:
     m, s = r["meta"], r["summary"]
     lines = [
@@ -285,23 +280,19 @@ def main() -> int:
         "--batch", str(a.batch), "--vocab", str(a.vocab), "--n-embd", str(a.n_embd),
         "--n-layer", str(a.n_layer), "--dir", base,
     ]  # fmt: skip
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     try:
         run("none", a, -1)  # warm-up (page cache of the imports), discarded
-        for rep in range(a.reps):
-            order = MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]
-            for mode in order:
-                res = run(mode, a, rep)
-                runs[mode].append(res)
-                print(f"rep {rep} {mode:8s} {res['seconds']:.2f} s", flush=True)
+        runs = round_robin(MODES, a.reps, lambda mode, rep: run(mode, a, rep), width=8)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     summary: dict[str, dict[str, float]] = {}
     # in the loop: the steps' and the tail's time beyond the run's median step, less the same
     # excess of the run without checkpoints in that repetition (its step-time noise)
-    noise = [in_loop(runs["none"][i], runs["none"][i]["tail_s"]) for i in range(a.reps)]
+    noise = [in_run_overhead(runs["none"][i], runs["none"][i]["tail_s"]) for i in range(a.reps)]
     loop = {
-        m: [in_loop(runs[m][i], runs["none"][i]["tail_s"]) - noise[i] for i in range(a.reps)]
+        m: [
+            in_run_overhead(runs[m][i], runs["none"][i]["tail_s"]) - noise[i] for i in range(a.reps)
+        ]
         for m in MODES
     }
     diff = {

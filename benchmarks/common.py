@@ -14,6 +14,21 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def round_robin(
+    modes: tuple[str, ...], reps: int, run: Any, width: int = 13
+) -> dict[str, list[dict[str, Any]]]:
+    """``run(mode, rep)`` for every mode in every repetition, the order rotated by one each
+    repetition (so slow drift of a shared machine hits the modes alike); the results by mode.
+    Each result has ``"seconds"``, printed as it comes."""
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for rep in range(reps):
+        for mode in modes[rep % len(modes) :] + modes[: rep % len(modes)]:
+            res = run(mode, rep)
+            runs[mode].append(res)
+            print(f"rep {rep} {mode:{width}s} {res['seconds']:.2f} s", flush=True)
+    return runs
+
+
 def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -41,8 +41,12 @@ def is_deepspeed(manifest: Manifest, path: str) -> bool:
     """Whether the checkpoint at ``path`` was written by ``resilient_callbacks.deepspeed``."""
     if zero_part_ids(manifest):
         return True
-    full = reader.open_checkpoint(path).part.structure
-    engine = full.get("engine") if isinstance(full, dict) else None
+    return _holds_engine(reader.open_checkpoint(path).part.structure)
+
+
+def _holds_engine(structure_: Any) -> bool:
+    """Whether a checkpoint's structure holds a stage-0 DeepSpeed engine's state."""
+    engine = structure_.get("engine") if isinstance(structure_, dict) else None
     return isinstance(engine, dict) and "counters" in engine and "module" in engine
 
 
@@ -51,14 +55,14 @@ def exports_weights(manifest: Manifest, path: str) -> bool:
     ``resilient_callbacks.deepspeed``, or one holding a ``dcp.Sharded`` part (FSDP, tensor
     parallelism) outside a Transformers Trainer run (those export as a ``from_pretrained``
     directory)."""
-    if is_deepspeed(manifest, path):
+    if zero_part_ids(manifest):
         return True
     from .dcp.whole import sharded_part_ids
 
-    if not sharded_part_ids(manifest):
-        return False
-    full = reader.open_checkpoint(path).part.structure
-    return not (isinstance(full, dict) and "trainer" in full)
+    full = reader.open_checkpoint(path).part.structure  # opened once for both questions
+    if _holds_engine(full):
+        return True
+    return bool(sharded_part_ids(manifest)) and not (isinstance(full, dict) and "trainer" in full)
 
 
 def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, torch.Tensor]:
