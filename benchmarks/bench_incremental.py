@@ -6,7 +6,11 @@ The model: a frozen trunk (90% of the parameters, ``requires_grad=False``) and a
 with Adam. Each save follows an optimizer step. Synchronous saves (``async_save=False``) time
 the whole save; background saves time what the training loop waits for (the snapshot).
 
-    python benchmarks/bench_incremental.py --mb 256
+``--sharded``: the same model under FSDP2 (``fully_shard`` of every Linear, a gloo world of one
+process) saved as ``Sharded(model, optimizer)``, whose shards are a FilePart: the frozen trunk's
+shards become blobs of the part (``part_blobs.py``). Results go to ``bench_incremental_sharded``.
+
+    python benchmarks/bench_incremental.py --mb 256 [--sharded]
 """
 
 from __future__ import annotations
@@ -37,6 +41,45 @@ def make(mb: int) -> dict:
     return {"trunk": trunk, "head": head, "opt": opt}
 
 
+def sharded(plain: dict) -> dict:
+    """``plain``'s trunk and head under FSDP2 in a gloo world of one, as one Sharded part, with
+    a fresh Adam on the head (the module keys stay for :func:`train_step`)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from resilient_callbacks.dcp import Sharded
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    model = nn.Sequential(plain["trunk"], plain["head"])
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.Adam(model[1].parameters(), lr=1e-3)
+    return {
+        "train": Sharded(model, opt),
+        "trunk": model[0],
+        "head": model[1],
+        "opt": opt,
+    }
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def checkpointed(state: dict) -> dict:
+    """What goes into the Checkpointer: the Sharded part, or the plain modules and optimizer."""
+    return {"train": state["train"]} if "train" in state else state
+
+
 def train_step(state: dict) -> None:
     x = torch.randn(8, 1024)
     with torch.no_grad():
@@ -46,11 +89,15 @@ def train_step(state: dict) -> None:
     state["opt"].zero_grad()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)
+
+
 def state_bytes(state: dict) -> int:
-    n = sum(t.numel() * t.element_size() for t in state["trunk"].state_dict().values())
-    n += sum(t.numel() * t.element_size() for t in state["head"].state_dict().values())
+    n = sum(_local(t).numel() * t.element_size() for t in state["trunk"].state_dict().values())
+    n += sum(_local(t).numel() * t.element_size() for t in state["head"].state_dict().values())
     for st in state["opt"].state.values():
-        n += sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t))
+        n += sum(_local(t).numel() * t.element_size() for t in st.values() if torch.is_tensor(t))
     return n
 
 
@@ -69,7 +116,7 @@ def run(root: str, state: dict, incremental: bool, async_save: bool, saves: int)
         for step in range(1, saves + 1):
             train_step(state)
             t0 = time.perf_counter()
-            ck.save(step, state)
+            ck.save(step, checkpointed(state))
             times.append(time.perf_counter() - t0)
             ck._saver.wait_background()
             written.append(ck.last_save.written if ck.last_save else -1)
@@ -82,12 +129,15 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=10)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--sharded", action="store_true", help="FSDP2 + Sharded (a FilePart)")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench-inc-", dir=args.dir)
     state = make(args.mb)
+    if args.sharded:
+        state = sharded(state)
     train_step(state)
     total = state_bytes(state)
-    report: dict = {"state_bytes": total}
+    report: dict = {"state_bytes": total, "sharded": args.sharded}
     try:
         blob = os.urandom(1 << 20) * (total >> 20)
         t0 = time.perf_counter()
@@ -114,7 +164,8 @@ def main() -> None:
     bound = inc["written"][0] + (args.saves - 1) * changed
     lines = [
         f"Machine: {platform.node()}, {os.cpu_count()} CPUs; library {library_version()}; "
-        f"state {total / 2**20:.0f} MiB (90% frozen), {args.saves} saves.",
+        f"state {total / 2**20:.0f} MiB (90% frozen), {args.saves} saves"
+        + (", FSDP2 + Sharded (gloo, one process)." if args.sharded else "."),
         "",
         "| | full saves | incremental | incremental / full |",
         "|---|---|---|---|",
@@ -136,7 +187,8 @@ def main() -> None:
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    write_results(args.out, "bench_incremental", report, text)
+    name = "bench_incremental_sharded" if args.sharded else "bench_incremental"
+    write_results(args.out, name, report, text)
 
 
 if __name__ == "__main__":

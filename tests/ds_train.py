@@ -122,6 +122,8 @@ def main() -> None:
     # a loop unaware of resuming: `for epoch in range(N): for batch in loader` (no step bound)
     ap.add_argument("--epochs", type=int, default=None)
     ap.add_argument("--plain", action="store_true")  # no section: DeepSpeed's own loader
+    # incremental=True, and a layer wide enough that each rank's ranges are blobs (>= 16 KiB)
+    ap.add_argument("--incremental", action="store_true")
     args = ap.parse_args()
 
     if args.no_pickle:  # restore must never unpickle
@@ -142,7 +144,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(1234)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.ReLU(), nn.Linear(16, 1))
+    width = 4096 if args.incremental else 16
+    model = nn.Sequential(nn.Linear(6, width), nn.Dropout(0.2), nn.ReLU(), nn.Linear(width, 1))
     g = torch.Generator().manual_seed(7)
     data = torch.utils.data.TensorDataset(
         torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g)
@@ -150,6 +153,8 @@ def main() -> None:
     extra: dict = {"async_save": False} if args.sync else {}
     if args.remote:
         extra["remote"] = args.remote
+    if args.incremental:
+        extra["incremental"] = True
     cfg = build(args.stage, args.dtype, args.dir, args.every, extra)
     if args.offload:  # ZeRO-Offload: fp32 masters and moments in host memory, torch's AdamW
         cfg["zero_force_ds_cpu_optimizer"] = False

@@ -255,6 +255,27 @@ def test_flipped_byte_in_rank1_partition_falls_back_on_both_ranks(
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the same part blobs for any FilePart: test_part_blobs (default suite)
+def test_incremental_zero2_partitions_are_blobs_and_a_kill_resumes_exactly(tmp_path: Path) -> None:
+    """incremental=True at ZeRO 2 on 2 ranks: each rank's fp32 and moment ranges (>= 16 KiB)
+    are blobs the rank writes, listed with its rank; killed and re-run, bit-identical."""
+    opts = [*_opts(2, "fp32"), "--incremental"]
+    run_group(
+        ["--dir", str(tmp_path / "a"), "--out", str(tmp_path / "full"), *opts], 2, tmp_path, "full"
+    )
+    ck = tmp_path / "b"
+    killed = ["--dir", str(ck), "--out", str(tmp_path / "kill"), *opts]
+    run_group([*killed, "--die-at", "7"], 2, tmp_path, "die", expect=-9)
+    run_group(killed, 2, tmp_path, "resume")
+    assert_same_run(tmp_path / "full", tmp_path / "kill", 2)
+    newest = max(committed(ck), key=lambda e: e.step)
+    assert newest.manifest is not None
+    assert {b.rank for b in newest.manifest.blobs} == {0, 1}
+    part_file = Path(newest.path) / "parts" / "engine" / "zero" / "rank_00001.safetensors"
+    assert part_file.stat().st_size < 16 << 10  # its large ranges are in the blobs
+
+
+@pytest.mark.distributed
 @pytest.mark.slow  # keeps the default suite near its budget; run with -m slow
 def test_sigterm_exits_75_and_resumes_exactly_without_unpickling(tmp_path: Path, reference) -> None:
     full = reference(2, 1, "fp32")

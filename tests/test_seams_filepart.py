@@ -295,22 +295,3 @@ def test_a_parts_host_buffers_are_made_ahead_and_the_unused_freed(tmp_path):
     with Checkpointer(tmp_path / "ck2", every_n_steps=2, preemption=False) as ck:
         ck.step(1, _state(plain))
         assert "engine/shards" not in ck._saver.part_buffers._by_id
-
-
-def test_incremental_says_once_that_a_parts_files_are_written_in_full(tmp_path, caplog):
-    """incremental=True stores unchanged replicated tensors once; a FilePart's files (Sharded
-    shards, ZeRO partitions) are still written in full at every save. The first save says so
-    (a warning naming the part), not every save."""
-    import logging
-
-    part = ToyShards()
-    state = _state(part)
-    with (
-        caplog.at_level(logging.WARNING, logger="resilient_callbacks"),
-        Checkpointer(tmp_path / "ck", incremental=True, preemption=False) as ck,
-    ):
-        ck.save(1, state)
-        ck.save(2, state)
-    said = [r.getMessage() for r in caplog.records if "written in full" in r.getMessage()]
-    assert len(said) == 1, said
-    assert "engine/shards" in said[0] and "ToyShards" in said[0]

@@ -112,6 +112,42 @@ def live_blobs(root: str) -> set[str] | None:
     return live
 
 
+def write_blob(
+    folder: str,
+    key: str,
+    t: torch.Tensor,
+    *,
+    compress: tuple[int, bool] | None = None,
+    direct: bool = False,
+    bounce: DirectBuffer | None = None,
+    rank: int = 0,
+) -> FileEntry:
+    """Write blob ``key`` (``t``'s bytes) into ``folder`` atomically: a temporary name, fsync,
+    rename (over an unreferenced leftover at most). The caller fsyncs ``folder`` before a
+    manifest names the blob."""
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f"{TMP_PREFIX}{key}-{uuid.uuid4().hex[:8]}")
+    meta = {"format": "resilient_callbacks", "part": "blob"}
+    try:
+        if compress is not None:
+            from .compression import write_tensors_compressed
+
+            level, with_shuffle = compress
+            d, codec = write_tensors_compressed(
+                tmp, {"tensor": t}, meta, level=level, with_shuffle=with_shuffle
+            )
+        else:
+            d = write_tensors(tmp, {"tensor": t}, meta, direct=direct, bounce=bounce)
+            codec = ""
+        name = blob_name(key, compress)
+        os.replace(tmp, os.path.join(folder, name))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return FileEntry(name, d.size, d.xxh3_64, rank, BLOB_KIND, codec)
+
+
 class BlobStore:
     """The blob store of one checkpoint directory, as its one writer uses it: what exists (an
     index built from the manifests), pins held by saves in flight, writing and collecting."""
@@ -200,35 +236,14 @@ class BlobStore:
         direct: bool = False,
         bounce: DirectBuffer | None = None,
     ) -> FileEntry:
-        """Write blob ``key`` (``t``'s bytes) atomically: temporary name, fsync, rename. The
-        caller fsyncs the store folder (:meth:`sync`) before a manifest names it. Call with
+        """Write blob ``key`` (``t``'s bytes) atomically into the store (:func:`write_blob`).
+        The caller fsyncs the store folder (:meth:`sync`) before a manifest names it. Call with
         ``key`` pinned."""
-        os.makedirs(self.dir, exist_ok=True)
-        tmp = os.path.join(self.dir, f"{TMP_PREFIX}{key}-{uuid.uuid4().hex[:8]}")
-        meta = {"format": "resilient_callbacks", "part": "blob"}
-        try:
-            if compress is not None:
-                from .compression import write_tensors_compressed
-
-                level, with_shuffle = compress
-                d, codec = write_tensors_compressed(
-                    tmp, {"tensor": t}, meta, level=level, with_shuffle=with_shuffle
-                )
-            else:
-                d = write_tensors(tmp, {"tensor": t}, meta, direct=direct, bounce=bounce)
-                codec = ""
-            name = blob_name(key, compress)
-            # over an unreferenced leftover at most: lookup() re-read the manifests first
-            os.replace(tmp, os.path.join(self.dir, name))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        entry = FileEntry(name, d.size, d.xxh3_64, 0, BLOB_KIND, codec)
+        entry = write_blob(self.dir, key, t, compress=compress, direct=direct, bounce=bounce)
         with self._lock:
             if self._index is not None:
                 self._index[key] = entry
-            self._checked.add(name)
+            self._checked.add(entry.path)
         return entry
 
     def sync(self) -> None:

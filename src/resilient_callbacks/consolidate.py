@@ -25,9 +25,9 @@ from safetensors.torch import save_file
 
 from . import reader, structure
 from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
-from .filepart import part_dir, parts_of_format
+from .filepart import part_dir, parts_of_format, read_part_tensors
 from .manifest import Manifest, read_manifest
-from .tensorfile import map_tensors_verified, read_verified
+from .tensorfile import read_verified
 
 ZERO_FORMAT = "zero-fragments/1"
 
@@ -81,7 +81,7 @@ def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, t
         st_rel = rel[: -len(".json")] + ".safetensors"
         if st_rel not in entries:
             raise CheckpointCorruptError(f"{path}: the manifest does not list {st_rel}")
-        tensors = map_tensors_verified(os.path.join(path, st_rel), entries[st_rel].digest)
+        tensors = read_part_tensors(path, manifest, entries[st_rel])
         for name, rng in index["params"].items():
             shape = [int(d) for d in rng["shape"]]
             full = out.setdefault(name, torch.zeros(math.prod(shape), dtype=torch.float32))

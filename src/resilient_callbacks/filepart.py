@@ -60,6 +60,7 @@ from .manifest import FileEntry, Manifest
 from .tensorfile import DirectBuffer, map_tensors_verified, read_verified, write_json, write_tensors
 
 if TYPE_CHECKING:
+    from .part_blobs import PartBlobSession
     from .snapshot import HostBuffers, Snapshot
 
 log = logging.getLogger("resilient_callbacks")
@@ -105,7 +106,9 @@ class PartInfo:
 
 class PartWriter:
     """Writes one part's files of one rank into a staging directory, through the core's hashing
-    writers; the entries it made go into the manifest."""
+    writers; the entries it made go into the manifest. With ``blobs`` (``incremental=True``),
+    the tensors of at least :data:`~.blobs.BLOB_MIN` bytes are stored as blobs, written only
+    when no earlier save stored their bytes (:mod:`.part_blobs`)."""
 
     def __init__(
         self,
@@ -115,24 +118,34 @@ class PartWriter:
         *,
         direct: bool = False,
         bounce: DirectBuffer | None = None,
+        blobs: PartBlobSession | None = None,
     ) -> None:
         self.folder = part_dir(part_id)
         self._root = os.path.join(staging, *self.folder.split("/"))
         self.rank = rank
         self._direct, self._bounce = direct, bounce
+        self._blobs = blobs
         self.entries: list[FileEntry] = []
         os.makedirs(self._root, exist_ok=True)
 
     def tensors(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Write ``tensors`` as one safetensors file ``name``."""
+        from .part_blobs import refs_metadata
+
+        inline: dict[str, torch.Tensor] = dict(tensors)
+        refs: dict[str, str] = {}
+        if self._blobs is not None:
+            inline, refs = self._blobs.split(tensors)
         d = write_tensors(
             os.path.join(self._root, _check_name(name)),
-            dict(tensors),
-            {"format": "resilient_callbacks", "part": self.folder},
+            inline,
+            {"format": "resilient_callbacks", "part": self.folder, **refs_metadata(refs)},
             direct=self._direct,
             bounce=self._bounce,
         )
         self.entries.append(FileEntry(f"{self.folder}/{name}", d.size, d.xxh3_64, self.rank))
+        if self._blobs is not None:
+            self.entries += [self._blobs.entries[b] for b in sorted(set(refs.values()))]
 
     def json(self, name: str, obj: Any) -> None:
         """Write a JSON-able ``obj`` as file ``name``."""
@@ -181,8 +194,23 @@ def read_part_files(path: str, manifest: Manifest, part: FilePart, info: PartInf
             except ValueError as e:
                 raise CheckpointCorruptError(f"{full}: unreadable JSON ({e})") from None
         else:
-            reader._tensors[name] = map_tensors_verified(full, entry.digest)
+            reader._tensors[name] = read_part_tensors(path, manifest, entry)
     return reader
+
+
+def read_part_tensors(path: str, manifest: Manifest, entry: FileEntry) -> dict[str, torch.Tensor]:
+    """The tensors of the part file ``entry`` of the checkpoint at ``path``, verified, with
+    those it stores as blobs (``incremental=True``) read from them, each verified too."""
+    from .layout import load_blobs
+    from .part_blobs import parse_refs
+
+    full = os.path.join(path, *entry.path.split("/"))
+    meta: dict[str, str] = {}
+    tensors = map_tensors_verified(full, entry.digest, meta)
+    refs = parse_refs(meta, full)
+    if refs:
+        tensors.update(load_blobs(path, manifest, refs, entry.path))
+    return tensors
 
 
 def part_info(part_id: str, manifest: Manifest, rank: int, world_size: int) -> PartInfo:
@@ -306,11 +334,17 @@ class CapturedParts:
         return {PARTS_EXTRA: said} if said else {}
 
     def write(
-        self, staging: str, rank: int, *, direct: bool, bounce: DirectBuffer | None
+        self,
+        staging: str,
+        rank: int,
+        *,
+        direct: bool,
+        bounce: DirectBuffer | None,
+        blobs: PartBlobSession | None = None,
     ) -> list[FileEntry]:
         out: list[FileEntry] = []
         for part_id, (part, captured) in self.parts.items():
-            writer = PartWriter(staging, part_id, rank, direct=direct, bounce=bounce)
+            writer = PartWriter(staging, part_id, rank, direct=direct, bounce=bounce, blobs=blobs)
             part.write(captured, writer)
             out += writer.entries
         return out

@@ -146,8 +146,11 @@ def load_tensor_file(path: str, entry: FileEntry) -> dict[str, torch.Tensor]:
     return map_tensors_verified(path, entry.digest)
 
 
-def load_blobs(path: str, manifest: Manifest, refs: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The tensors ``refs`` (tensor name -> blob name) maps to, each blob verified."""
+def load_blobs(
+    path: str, manifest: Manifest, refs: dict[str, str], referrer: str = SHARED_STRUCTURE
+) -> dict[str, torch.Tensor]:
+    """The tensors ``refs`` (tensor name -> blob name; read from the checkpoint's file
+    ``referrer``) maps to, each blob verified."""
     from .blobs import blob_path
 
     by_name = {b.path: b for b in manifest.blobs}
@@ -157,8 +160,7 @@ def load_blobs(path: str, manifest: Manifest, refs: dict[str, str]) -> dict[str,
         entry = by_name.get(bname)
         if entry is None:
             raise CheckpointCorruptError(
-                f"{path}: {SHARED_STRUCTURE} refers to the blob {bname}, which the manifest "
-                "does not list"
+                f"{path}: {referrer} refers to the blob {bname}, which the manifest does not list"
             )
         if bname not in loaded:
             got = load_tensor_file(blob_path(path, bname), entry)

@@ -27,6 +27,7 @@ from .errors import CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts
 from .node_session import NodeLocalSession
 from .nodelocal import NodeDirectory
+from .part_blobs import PartBlobSession
 from .session import CommitSession, Committed
 from .snapshot import Snapshot
 
@@ -59,6 +60,7 @@ class Prepared:
     parts: CapturedParts | None = None
     blobs: BlobSession | None = None  # incremental=True, coordinator
     watch: dict[str, Any] | None = None  # frozen tensors to remember once committed
+    part_blobs: PartBlobSession | None = None  # incremental=True with FileParts, every rank
 
 
 def manifest_extra(
@@ -190,7 +192,17 @@ def _write(
     session.add(files)
     if prepared.parts is not None:  # the FileParts' own files, under parts/<id>/
         prepared.parts.wait_host()
-        session.add(prepared.parts.write(staging_dir, ck.rank, direct=background, bounce=bounce))
+        if saver.part_blobs is not None:
+            prepared.part_blobs = saver.part_blobs.session(
+                staging_dir, ck.rank, compress=compress, direct=background, bounce=bounce
+            )
+        part_files = prepared.parts.write(
+            staging_dir, ck.rank, direct=background, bounce=bounce, blobs=prepared.part_blobs
+        )
+        session.add(part_files)
+        written += sum(f.size for f in part_files if f.kind != "blob")
+        if prepared.part_blobs is not None:
+            written += prepared.part_blobs.written
     return written
 
 
@@ -216,6 +228,8 @@ def _record(
     if saver.tracker is not None and prepared is not None and prepared.watch is not None:
         assert prepared.blobs is not None
         saver.tracker.record(prepared.watch, prepared.blobs.keys)
+    if saver.part_blobs is not None and prepared is not None and prepared.part_blobs is not None:
+        saver.part_blobs.committed(prepared.part_blobs)
     elapsed = time.perf_counter() - t0
     if background:
         saver.persist_seconds.append(elapsed)

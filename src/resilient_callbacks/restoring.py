@@ -288,6 +288,8 @@ class Restorer:
         ck.last_saved_step = manifest.step if inside else None
         ck.restored_from = path
         ck._trigger.mark(manifest.step)
+        if inside and ck._saver.part_blobs is not None:
+            ck._saver.part_blobs.restored(manifest)  # its blobs stay until the next commit
         schedule = ck.schedule
         if schedule is not None:
             saved_schedule = manifest.extra.get("schedule")

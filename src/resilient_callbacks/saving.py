@@ -31,6 +31,7 @@ from .background import BackgroundPersister
 from .compression import Chooser
 from .errors import CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts, PartBuffers
+from .part_blobs import PartBlobs
 from .persisting import Prepared, persist
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import DirectBuffer
@@ -81,7 +82,6 @@ class Saver:
         # (a Checkpointer that only restores -- an evaluation, an export -- makes none)
         self.group: Any = None
         self._group_made = False
-        self._told_parts_full = False  # incremental=... with FileParts: said once
         if ck.config.async_save:
             self.persister = BackgroundPersister(ck.config.max_in_flight)
         self.buffers = HostBuffers()
@@ -96,6 +96,7 @@ class Saver:
         self.save_waits = SaveWaits(speak=ck.is_coordinator)
         cfg = ck.config
         self.tracker = UnchangedTracker() if cfg.incremental is True else None
+        self.part_blobs = PartBlobs(ck.dirpath) if cfg.incremental else None  # FileParts'
         self.codec = Chooser(
             cfg.compression, cfg.compression_level, cfg.compression_shuffle, self._upload_bps
         )
@@ -258,16 +259,6 @@ class Saver:
         else:
             rng_info, rng_tensors = rng.capture() if ck.config.capture_rng else (None, {})
         blobs, watch = None, None
-        if ck.config.incremental and fileparts and not self._told_parts_full:
-            self._told_parts_full = True
-            if ck.is_coordinator:
-                log.warning(
-                    "incremental=%r does not apply to the files of %s (%s): they are written "
-                    "in full at every save; the rest of the state is saved incrementally",
-                    ck.config.incremental,
-                    ", ".join(sorted(fileparts)),
-                    ", ".join(sorted({type(p).__name__ for p in fileparts.values()})),
-                )
         if ck.config.incremental and ck.is_coordinator:
             blobs, watch = begin_incremental(ck._dir.blobs, self.tracker, shared.tensors, state)
         try:

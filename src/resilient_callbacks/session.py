@@ -43,6 +43,7 @@ from .commit import CommitStrategy, RenameCommit, write_latest_pointer
 from .directory import apply_retention
 from .errors import CheckpointWriteError
 from .manifest import FileEntry, Manifest, versions
+from .part_blobs import promote_staged
 from .retention import RetentionPolicy
 from .tensorfile import encode_json
 
@@ -270,6 +271,7 @@ class CommitSession:
             versions=versions(),
             extra=dict(extra or {}),
         )
+        promote_staged(self.staging, self.dirpath, manifest)  # FileParts' new blobs
         final = self.strategy.commit(self.staging, self.step, encode_json(manifest.to_json()))
         try:
             write_latest_pointer(self.dirpath, os.path.basename(final))

@@ -337,11 +337,13 @@ def read_verified(path: str, expect: FileDigest | None) -> bytearray:
     return buf
 
 
-def read_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torch.Tensor]:
+def read_tensors_verified(
+    path: str, expect: FileDigest | None, metadata: dict[str, str] | None = None
+) -> dict[str, torch.Tensor]:
     """Read a safetensors file straight into one freshly allocated tensor per entry (no
     intermediate buffer, no later copy), hashing every byte on the way; raise
     :class:`CheckpointCorruptError` if size or checksum differ from ``expect``. The tensors are
-    private: callers may keep them."""
+    private: callers may keep them. ``metadata``: filled with the header's ``__metadata__``."""
     size = _checked_size(path, expect)
     hasher = _hasher(path, expect)
     with open(path, "rb", buffering=0) as f, Readahead(f.fileno(), size) as ahead:
@@ -372,23 +374,27 @@ def read_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, tor
                     pos += got
             out[name] = t
     _check_digest(path, hasher.hexdigest(), expect)
+    _fill_metadata(header, metadata, path)
     return out
 
 
-def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torch.Tensor]:
+def map_tensors_verified(
+    path: str, expect: FileDigest | None, metadata: dict[str, str] | None = None
+) -> dict[str, torch.Tensor]:
     """Map a safetensors file privately (copy-on-write: the file is never written), hash every
     byte of the mapping, and return tensors that view it: no read buffer and no copy. Loading
     into live objects then copies once (``load_state_dict``), and objects that keep the tensors
     (optimizers) keep mapped pages that are copied only when written.
 
-    Falls back to :func:`read_tensors_verified` where the file cannot be mapped."""
+    Falls back to :func:`read_tensors_verified` where the file cannot be mapped. ``metadata``:
+    filled with the header's ``__metadata__``."""
     size = _checked_size(path, expect)
     scheme = _scheme(path, expect)
     with open(path, "rb") as f:
         try:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError):  # a file that cannot be mapped (or is empty)
-            return read_tensors_verified(path, expect)
+            return read_tensors_verified(path, expect, metadata)
         cached = in_page_cache(f.fileno(), size)
     # A file in the page cache: its segments are hashed by several threads (checksum.py). One
     # coming from the disk: one thread hashes, helper threads fault the mapping in ahead of it.
@@ -396,6 +402,7 @@ def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torc
         got = digest_view(view, scheme, parallel=cached, progress=ahead.advance)
         _check_digest(path, got, expect)
         header, data_start = parse_header(view[: min(size, 8 + (100 << 20))], path)
+    _fill_metadata(header, metadata, path)
     out: dict[str, torch.Tensor] = {}
     for name, dtype, shape, start, end in _layout(header, data_start, size, path):
         if end == start:
@@ -406,6 +413,15 @@ def map_tensors_verified(path: str, expect: FileDigest | None) -> dict[str, torc
             raw = raw.clone()  # unaligned (a file from another writer): one copy for this tensor
         out[name] = raw.view(dtype).reshape(shape)
     return out
+
+
+def _fill_metadata(header: dict[str, Any], out: dict[str, str] | None, path: str) -> None:
+    if out is None:
+        return
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise CheckpointCorruptError(f"{path}: malformed safetensors metadata")
+    out.update({str(k): str(v) for k, v in meta.items()})
 
 
 def digest_file(path: str, like: str | None = None) -> FileDigest:

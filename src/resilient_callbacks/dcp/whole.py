@@ -8,14 +8,11 @@ Which ranks call what: one process, any number of ranks saved it; nothing here i
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..errors import CheckpointCorruptError
-from ..filepart import PARTS_EXTRA, part_dir, parts_of_format
+from ..filepart import PARTS_EXTRA, part_dir, parts_of_format, read_part_tensors
 from ..manifest import Manifest
-from ..tensorfile import map_tensors_verified
 from .assemble import assemble, tensor_file
 from .chunks import Box, unescape
 from .sharded import FORMAT
@@ -48,7 +45,7 @@ def model_tensors(path: str, manifest: Manifest, part_id: str) -> dict[str, torc
             rel = f"{part_dir(part_id)}/{tensor_file(r)}"
             if rel not in entries:
                 raise CheckpointCorruptError(f"{path}: the manifest does not list {rel}")
-            files[r] = map_tensors_verified(os.path.join(path, rel), entries[rel].digest)
+            files[r] = read_part_tensors(path, manifest, entries[rel])
     mapped = {id(v) for f in files.values() for v in f.values()}
     out: dict[str, torch.Tensor] = {}
     for name in names:

@@ -1,0 +1,273 @@
+"""``incremental=True`` with FileParts (DCP shards, ZeRO partitions): each rank's part tensors of
+at least 16 KiB are blobs, so a frozen base model under FSDP (LoRA) is written once per run,
+not at every save. One rank with a toy part, then FSDP2 on 2 gloo ranks (frozen first layer,
+trained head): what each save writes, exact restore on 2 ranks and resharded onto 1, reuse
+after a restart, collection by retention, a damaged blob."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import spawn_ranks
+from resilient_callbacks import Checkpointer, catalog
+from resilient_callbacks.errors import ResumeFallbackWarning
+from resilient_callbacks.filepart import CaptureBuffers, FilePart, PartInfo, PartReader, PartWriter
+
+FROZEN = 64 * 1024  # elements: 256 KiB of fp32, a blob
+TRAINED = 8 * 1024  # 32 KiB, a blob that changes at every save
+
+
+class FrozenAndTrained(FilePart):
+    """One rank's file of a frozen tensor, a trained one and a small one (stays in the file)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.frozen = torch.randn(FROZEN, generator=g)
+        self.trained = torch.zeros(TRAINED)
+        self.small = torch.zeros(16)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"frozen": self.frozen, "trained": self.trained, "small": self.small}
+
+    def capture(self, buffers: CaptureBuffers) -> dict[str, torch.Tensor]:
+        return buffers.copy(self.tensors())
+
+    def write(self, captured: dict[str, torch.Tensor], writer: PartWriter) -> None:
+        writer.tensors(f"rank_{writer.rank:05d}.safetensors", captured)
+
+    def files_to_read(self, info: PartInfo) -> list[str]:
+        return [f"rank_{info.rank:05d}.safetensors"]
+
+    def load(self, reader: PartReader) -> None:
+        got = reader.tensors(f"rank_{reader.info.rank:05d}.safetensors")
+        for name, live in self.tensors().items():
+            live.copy_(got[name])
+
+
+def _train(part: FrozenAndTrained, step: int) -> None:
+    part.trained.fill_(float(step))
+    part.small.fill_(-float(step))
+
+
+def _blobs(root: Path) -> list[str]:
+    d = root / "blobs"
+    return sorted(os.listdir(d)) if d.is_dir() else []
+
+
+def _manifest(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / "manifest.json").read_text())
+
+
+def test_a_frozen_part_tensor_is_written_once_and_every_checkpoint_restores(tmp_path):
+    root = tmp_path / "ck"
+    part = FrozenAndTrained()
+    written = []
+    with Checkpointer(root, keep_last=2, incremental=True, preemption=False) as ck:
+        for step in (1, 2, 3, 4):
+            _train(part, step)
+            ck.save(step, {"engine": part})
+            ck.flush()
+            written.append(ck.last_save.written)
+    # the first save writes everything; later ones all but the frozen tensor (the trained one,
+    # the part's small file, the RNG states and the structure)
+    assert written[0] > FROZEN * 4
+    assert all(TRAINED * 4 <= w <= written[0] - FROZEN * 4 for w in written[1:]), written
+    # two checkpoints kept; the trained tensors of the deleted ones were collected
+    assert [e.name for e in catalog.scan(str(root), catalog.Depth.FULL)] == [
+        "step_000000003",
+        "step_000000004",
+    ]
+    assert len(_blobs(root)) == 3  # frozen + the trained tensor of steps 3 and 4
+    newest = root / "step_000000004"
+    m = _manifest(newest)
+    assert len(m["blobs"]) == 2 and not (newest / "blobs").exists()
+    part_file = newest / "parts" / "engine" / "rank_00000.safetensors"
+    assert os.path.getsize(part_file) < 4096  # only the small tensor is inside
+    assert not [n for n in os.listdir(root) if n.startswith(".staging")]
+
+    for step in (3, 4):  # each kept checkpoint, restored on its own
+        fresh = FrozenAndTrained()
+        fresh.frozen.zero_()
+        with Checkpointer(root, resume=str(root / f"step_{step:09d}"), preemption=False) as ck:
+            assert ck.restore({"engine": fresh}) == step
+        assert torch.equal(fresh.frozen, part.frozen)
+        assert torch.equal(fresh.trained, torch.full((TRAINED,), float(step)))
+        assert torch.equal(fresh.small, torch.full((16,), -float(step)))
+
+
+def test_after_a_restart_the_first_save_reuses_the_restored_blobs(tmp_path):
+    root = tmp_path / "ck"
+    part = FrozenAndTrained()
+    with Checkpointer(root, incremental=True, preemption=False) as ck:
+        _train(part, 1)
+        ck.save(1, {"engine": part})
+    before = set(_blobs(root))
+
+    again = FrozenAndTrained()
+    with Checkpointer(root, incremental=True, preemption=False) as ck:
+        assert ck.restore({"engine": again}) == 1
+        _train(again, 2)
+        ck.save(2, {"engine": again})
+        ck.flush()
+        assert ck.last_save.written < FROZEN * 4 // 2  # the frozen tensor: not again
+    assert len(set(_blobs(root)) - before) == 1  # the new trained tensor only
+
+
+def test_a_damaged_part_blob_makes_restore_fall_back_loudly(tmp_path):
+    root = tmp_path / "ck"
+    part = FrozenAndTrained()
+    with Checkpointer(root, incremental=True, preemption=False) as ck:
+        for step in (1, 2):
+            _train(part, step)
+            ck.save(step, {"engine": part})
+    # the trained tensor of step 2 exists only in the newest checkpoint: flip a byte of it
+    m1, m2 = _manifest(root / "step_000000001"), _manifest(root / "step_000000002")
+    (only_newest,) = {b["path"] for b in m2["blobs"]} - {b["path"] for b in m1["blobs"]}
+    with open(root / "blobs" / only_newest, "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\x00\x01\x02\x03")
+    fresh = FrozenAndTrained()
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        Checkpointer(root, incremental=True, preemption=False) as ck,
+    ):
+        warnings.simplefilter("always")
+        assert ck.restore({"engine": fresh}) == 1
+        _train(fresh, 3)  # and the run goes on: the next save refers to no damaged file
+        ck.save(3, {"engine": fresh})
+    assert any(issubclass(w.category, ResumeFallbackWarning) for w in caught)
+    assert torch.equal(fresh.trained, torch.full((TRAINED,), 3.0))
+    statuses = {e.name: str(e.status) for e in catalog.scan(str(root), catalog.Depth.FULL)}
+    assert statuses["step_000000003"] == "valid" and statuses["step_000000001"] == "valid"
+
+
+def test_part_blobs_are_compressed_with_the_save_and_restore_exactly(tmp_path):
+    pytest.importorskip("zstandard")
+    root = tmp_path / "ck"
+    part = FrozenAndTrained()
+    with Checkpointer(root, incremental=True, compression="zstd", preemption=False) as ck:
+        for step in (1, 2):
+            _train(part, step)
+            ck.save(step, {"engine": part})
+    assert _blobs(root) and all(n.endswith(".safetensors.zst") for n in _blobs(root))
+    fresh = FrozenAndTrained()
+    fresh.frozen.zero_()
+    with Checkpointer(root, preemption=False) as ck:
+        assert ck.restore({"engine": fresh}) == 2
+    assert torch.equal(fresh.frozen, part.frozen) and torch.equal(fresh.trained, part.trained)
+
+
+def test_without_incremental_a_parts_file_holds_every_tensor(tmp_path):
+    root = tmp_path / "ck"
+    part = FrozenAndTrained()
+    with Checkpointer(root, preemption=False) as ck:
+        ck.save(1, {"engine": part})
+    assert not _blobs(root)
+    size = os.path.getsize(root / "step_000000001" / "parts" / "engine" / "rank_00000.safetensors")
+    assert size > (FROZEN + TRAINED) * 4
+
+
+# ----------------------------------------------------------------------------- FSDP2, 2 ranks
+
+
+def fsdp_worker(root: str, out: str, total: int) -> None:
+    """One rank: an MLP whose first layer (128 x 256, fp32: 64 KiB per rank) is frozen, as a
+    base model under LoRA; ``fully_shard`` on gloo; AdamW on the rest. Restore, train up to
+    ``total`` saving every step, record what each save wrote, the full tensors after the
+    restore and at the end."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from dcp_helpers import full_tensors
+    from resilient_callbacks.dcp import Sharded
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 1))
+    model[0].requires_grad_(False)
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    state = {"train": Sharded(model, opt)}
+    res: dict[str, Any] = {"written": []}
+    with Checkpointer(root, every_n_steps=1, keep_last=2, incremental=True) as ck:
+        start = res["start"] = ck.restore(state)
+        restored = full_tensors(model, opt)
+        torch.manual_seed(100 + start)
+        for step in range(start + 1, total + 1):
+            x, y = torch.randn(4, 128), torch.randn(4, 1)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if ck.step(step, state, final=step == total):
+                ck.flush()
+                res["written"].append(ck.last_save.written)
+    final = full_tensors(model, opt)
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in restored.items()}, f"{out}.restored.{world}")
+        save_file({k: v.contiguous() for k, v in final.items()}, f"{out}.final.{world}")
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(res))
+    spawn_ranks.leave_group()
+
+
+def test_fsdp2_with_a_frozen_layer_writes_it_once_and_restores_exactly_on_2_and_1_ranks(
+    tmp_path,
+):
+    from safetensors.torch import load_file
+
+    root, out = tmp_path / "ck", tmp_path / "out"
+
+    def run(total: int, nprocs: int, name: str) -> list[dict[str, Any]]:
+        argv = [sys.executable, __file__, str(root), str(out), str(total)]
+        spawn_ranks.run(argv, nprocs, tmp_path, name)
+        return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(nprocs)]
+
+    first = run(3, 2, "first")
+    frozen_shard = 128 * 256 * 4 // 2
+    for r in range(2):
+        w = first[r]["written"]
+        assert len(w) == 3 and w[0] > frozen_shard, w
+        assert all(x <= w[0] - frozen_shard for x in w[1:]), w  # the frozen shard: not again
+    blobs = _blobs(root)
+    newest = root / "step_000000003"
+    m = _manifest(newest)
+    assert {b["rank"] for b in m["blobs"]} == {0, 1}  # each rank's frozen shard
+    assert not (newest / "blobs").exists()
+    final3 = load_file(f"{out}.final.2")
+
+    # a restart on 2 ranks: exact, and its first save reuses the frozen shards
+    second = run(5, 2, "second")
+    assert [s["start"] for s in second] == [3, 3]
+    assert load_file(f"{out}.restored.2").keys() == final3.keys()
+    for k, v in load_file(f"{out}.restored.2").items():
+        assert torch.equal(v, final3[k]), k
+    for r in range(2):
+        w0 = first[r]["written"][0]
+        assert all(x <= w0 - frozen_shard for x in second[r]["written"]), second[r]["written"]
+    assert set(blobs) & set(_blobs(root))  # the frozen shards are still the same blobs
+    final5 = load_file(f"{out}.final.2")
+
+    # resharded onto one rank: every full tensor equal to what was saved
+    one = run(5, 1, "one")
+    assert one[0]["start"] == 5
+    for k, v in load_file(f"{out}.restored.1").items():
+        assert torch.equal(v, final5[k]), k
+    for e in catalog.scan(str(root), catalog.Depth.FULL):
+        assert str(e.status) == "valid", (e.name, e.problem)
+
+
+if __name__ == "__main__":
+    fsdp_worker(sys.argv[1], sys.argv[2], int(sys.argv[3]))
