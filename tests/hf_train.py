@@ -75,18 +75,25 @@ class NoisyTrainer(Trainer):
         return loss + noise
 
 
-def build_model() -> GPT2LMHeadModel:
+def build_model(frozen_base: bool = False) -> GPT2LMHeadModel:
+    """The tiny GPT-2 of these tests. ``frozen_base``: wider (each block's weights 64-256 KiB,
+    sharded pieces above the 16 KiB of a blob), and only the last block's MLP trained, as an
+    adapter fine-tune leaves a base model."""
     torch.manual_seed(0)
     cfg = GPT2Config(
         vocab_size=VOCAB,
         n_positions=SEQ,
-        n_embd=32,
+        n_embd=128 if frozen_base else 32,
         n_layer=2,
         n_head=2,
         bos_token_id=0,
         eos_token_id=0,
     )
-    return GPT2LMHeadModel(cfg)
+    model = GPT2LMHeadModel(cfg)
+    if frozen_base:
+        model.requires_grad_(False)
+        model.transformer.h[-1].mlp.requires_grad_(True)
+    return model
 
 
 def training_args(outdir: str, max_steps: int, ddp: bool = False, **overrides) -> TrainingArguments:
@@ -122,11 +129,12 @@ def build_trainer(
     ddp: bool = False,
     callbacks: list | None = None,
     train_dataset: torch.utils.data.Dataset | None = None,
+    frozen_base: bool = False,
     **overrides,
 ) -> NoisyTrainer:
     """The Trainer of this script (a fresh model, same seeds), for in-process tests too."""
     return NoisyTrainer(
-        model=build_model(),
+        model=build_model(frozen_base),
         args=training_args(outdir, max_steps, ddp, **overrides),
         train_dataset=train_dataset if train_dataset is not None else TokenDataset(NUM_SAMPLES, 1),
         eval_dataset=TokenDataset(8, seed=2),
@@ -244,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         help="train under the Trainer's FSDP2 (fully_shard through accelerate; with --ddp)",
     )
     p.add_argument("--overlap", action="store_true", help="overlap_snapshot=True")
+    p.add_argument(
+        "--frozen-base",
+        action="store_true",
+        help="a wider model with only the last block's MLP trained, saved with incremental=True",
+    )
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-final", required=True)
     args = p.parse_args(argv)
@@ -259,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides["deepspeed"] = deepspeed_config(args)
     if args.fsdp:
         overrides.update(fsdp_options())
-    trainer = build_trainer(args.outdir, args.max_steps, ddp=args.ddp, **overrides)
+    trainer = build_trainer(
+        args.outdir, args.max_steps, ddp=args.ddp, frozen_base=args.frozen_base, **overrides
+    )
     model = trainer.model
     if args.deepspeed is not None:
         ckpt = ResilientCheckpoint()  # its options come from the DeepSpeed config
@@ -269,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             every_n_steps=args.every_n_steps,
             keep_last=args.keep_last,
             overlap_snapshot=args.overlap,
+            incremental=args.frozen_base,
         )
     trainer.add_callback(ckpt)
     trainer.add_callback(Recorder(ckpt, args.out_jsonl + suffix, rank, args.sleep))

@@ -150,6 +150,105 @@ def test_a_damaged_part_blob_makes_restore_fall_back_loudly(tmp_path):
     assert statuses["step_000000003"] == "valid" and statuses["step_000000001"] == "valid"
 
 
+class WithOptimizer(FrozenAndTrained):
+    """The same part with an optimizer on the trained tensor, which it names (stepped_by): the
+    core then knows which of its tensors training changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trained.requires_grad_(True)
+        self.opt = torch.optim.SGD([self.trained], lr=1.0)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"frozen": self.frozen, "trained": self.trained.detach(), "small": self.small}
+
+    def stepped_by(self) -> tuple[torch.optim.Optimizer, ...]:
+        return (self.opt,)
+
+    def load(self, reader: PartReader) -> None:
+        with torch.no_grad():
+            super().load(reader)
+
+
+def _copied_names(monkeypatch) -> list[list[str]]:
+    """The names each Snapshot of the run copies (one list per Snapshot made)."""
+    from resilient_callbacks import snapshot
+
+    seen: list[list[str]] = []
+    real = snapshot.Snapshot.__init__
+
+    def init(self, tensors, buffers, **kw):
+        seen.append(sorted(tensors))
+        real(self, tensors, buffers, **kw)
+
+    monkeypatch.setattr(snapshot.Snapshot, "__init__", init)
+    return seen
+
+
+def test_an_unchanged_frozen_tensor_is_not_copied_again_and_a_changed_one_is(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    part = WithOptimizer()
+    copied = _copied_names(monkeypatch)
+    with Checkpointer(root, incremental=True, preemption=False) as ck:
+        for step in (1, 2, 3, 4):
+            part.trained.grad = torch.ones(TRAINED)
+            if step < 4:
+                part.opt.step()  # the trained tensor changes at every step
+            else:  # changed where no version counter sees it: an optimizer's tensors are
+                part.trained.data.fill_(-4.0)  # copied at every save all the same
+            if step == 3:
+                part.frozen.add_(1.0)  # an in-place change: its version counter moves
+            ck.save(step, {"engine": part})
+            ck.flush()
+    part_copies = [names for names in copied if "trained" in names]
+    assert part_copies == [
+        ["frozen", "small", "trained"],  # the first save copies everything
+        ["small", "trained"],  # the frozen tensor's buffer still holds its bytes
+        ["frozen", "small", "trained"],  # changed in place: copied again
+        ["small", "trained"],
+    ]
+    for step, frozen_offset in ((2, 0.0), (4, 1.0)):  # what each checkpoint holds is exact
+        fresh = WithOptimizer()
+        with Checkpointer(root, resume=str(root / f"step_{step:09d}"), preemption=False) as ck:
+            assert ck.restore({"engine": fresh}) == step
+        assert torch.equal(fresh.frozen, FrozenAndTrained().frozen + frozen_offset)
+        assert torch.equal(fresh.trained.detach(), torch.full((TRAINED,), -float(step)))
+
+    # incremental="hash": every tensor is copied and hashed at every save
+    copied.clear()
+    with Checkpointer(tmp_path / "h", incremental="hash", preemption=False) as ck:
+        for step in (1, 2):
+            ck.save(step, {"engine": part})
+    assert [n for n in copied if "trained" in n] == [["frozen", "small", "trained"]] * 2
+
+
+class Optional(WithOptimizer):
+    """Leaves its frozen tensor out of some saves (its host buffer is then freed)."""
+
+    include_frozen = True
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = super().tensors()
+        return out if self.include_frozen else {k: v for k, v in out.items() if k != "frozen"}
+
+
+def test_a_frozen_tensor_whose_buffer_was_freed_is_copied_again(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    part = Optional()
+    copied = _copied_names(monkeypatch)
+    with Checkpointer(root, incremental=True, preemption=False) as ck:
+        for step, include in ((1, True), (2, False), (3, True)):
+            part.include_frozen = include
+            ck.save(step, {"engine": part})
+            ck.flush()
+    assert [n for n in copied if "trained" in n][2] == ["frozen", "small", "trained"]
+    fresh = WithOptimizer()
+    fresh.frozen.zero_()
+    with Checkpointer(root, preemption=False) as ck:
+        assert ck.restore({"engine": fresh}) == 3
+    assert torch.equal(fresh.frozen, part.frozen)
+
+
 def test_part_blobs_are_compressed_with_the_save_and_restore_exactly(tmp_path):
     pytest.importorskip("zstandard")
     root = tmp_path / "ck"
@@ -202,7 +301,16 @@ def fsdp_worker(root: str, out: str, total: int) -> None:
     fully_shard(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     state = {"train": Sharded(model, opt)}
-    res: dict[str, Any] = {"written": []}
+    res: dict[str, Any] = {"written": [], "copied": []}
+    from resilient_callbacks import snapshot
+
+    real = snapshot.Snapshot.__init__
+
+    def counting(self, tensors, buffers, **kw):  # elements each save copies from the part
+        res["copied"].append(sum(t.numel() for t in tensors.values()))
+        real(self, tensors, buffers, **kw)
+
+    snapshot.Snapshot.__init__ = counting
     with Checkpointer(root, every_n_steps=1, keep_last=2, incremental=True) as ck:
         start = res["start"] = ck.restore(state)
         restored = full_tensors(model, opt)
@@ -241,6 +349,9 @@ def test_fsdp2_with_a_frozen_layer_writes_it_once_and_restores_exactly_on_2_and_
         w = first[r]["written"]
         assert len(w) == 3 and w[0] > frozen_shard, w
         assert all(x <= w[0] - frozen_shard for x in w[1:]), w  # the frozen shard: not again
+        c = [x for x in first[r]["copied"] if x]  # the part's copies (the rest copies nothing)
+        # nor copied (nor hashed): it is unchanged, and its host buffer still holds it
+        assert len(c) == 3 and all(x <= c[0] - frozen_shard // 4 for x in c[1:]), c
     blobs = _blobs(root)
     newest = root / "step_000000003"
     m = _manifest(newest)

@@ -61,6 +61,32 @@ def test_fsdp2_overlapped_snapshot_sigkill_then_rerun_is_bit_exact(tmp_path):
     kill_and_rerun(tmp_path, extra=("--fsdp", "--overlap"))
 
 
+@pytest.mark.slow
+def test_fsdp2_frozen_base_incremental_sigkill_then_rerun_is_bit_exact(tmp_path):
+    """An adapter-style fine-tune (only the last block's MLP trained) with ``incremental=True``:
+    each rank's shards of the frozen base are blobs written by the first save only; a kill and
+    re-run is bit-exact, and export lays the blobs' shards together like any others."""
+    work = kill_and_rerun(tmp_path, extra=("--fsdp", "--frozen-base"))
+    entries = _committed(work / "out" / "ckpt")
+    first, newest = entries[0].manifest, entries[-1].manifest
+    assert {b.rank for b in newest.blobs} == {0, 1}
+    shared = {b.path for b in first.blobs} & {b.path for b in newest.blobs}
+    kept_bytes = sum(b.size for b in newest.blobs if b.path in shared)
+    # the frozen weights (those whose shards are blobs) are the very blobs the first save
+    # wrote; the trained ones are new
+    from hf_train import build_model
+
+    frozen = [p for p in build_model(frozen_base=True).parameters() if not p.requires_grad]
+    big = sum(p.numel() * 4 for p in frozen if p.numel() * 4 // 2 >= 16 << 10)
+    assert big <= kept_bytes < big + (64 << 10), (big, kept_bytes)
+    assert {b.path for b in newest.blobs} - shared
+    out = export_pretrained(work / "out" / "ckpt", tmp_path / "hf")
+    final = load_file(str(work / "final.safetensors.rank0"))
+    got = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for k, v in final.items():
+        assert torch.equal(got[k], v), k
+
+
 @pytest.mark.benchmark
 def test_bench_transformers_fsdp_quick(tmp_path):
     """benchmarks/bench_transformers_fsdp.py --quick runs end to end (every mode a 2-rank

@@ -62,6 +62,7 @@ from .tensorfile import DirectBuffer, map_tensors_verified, read_verified, write
 if TYPE_CHECKING:
     from .part_blobs import PartBlobSession
     from .snapshot import HostBuffers, Snapshot
+    from .unchanged import PartTracker, Sig
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -269,11 +270,21 @@ class CaptureBuffers:
     """What :meth:`FilePart.capture` gets: the part's reused host buffers (:meth:`get`) and a
     copy into them that the core may finish later (:meth:`copy`)."""
 
-    def __init__(self, buffers: HostBuffers, overlap: bool) -> None:
+    def __init__(
+        self,
+        buffers: HostBuffers,
+        overlap: bool,
+        tracker: PartTracker | None = None,
+        trained: set[int] | None = None,
+    ) -> None:
         self._buffers = buffers
         self._overlap = overlap
+        self._tracker = tracker  # incremental=True: what need not be copied again
+        self._trained = trained  # what the part's optimizers change; None: unknown
         self.snapshots: list[Snapshot] = []
         self.names: set[str] = set()  # the buffers this capture used
+        self.hints: dict[Sig, str] = {}  # host copy -> content key, known unchanged
+        self.watched: dict[str, tuple[torch.Tensor, tuple[Any, ...], int, torch.Tensor]] = {}
 
     def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The host buffer for ``name`` (allocated once, reused while shape and dtype match)."""
@@ -290,15 +301,37 @@ class CaptureBuffers:
         only an optimizer step of :meth:`FilePart.stepped_by` changes. With
         ``overlap_snapshot=True`` those are copied in the background (a helper thread on the CPU,
         the side stream on a GPU) and the next optimizer step waits for the copy; every other
-        tensor is copied (or, on a GPU, ordered before later kernels) before this returns."""
+        tensor is copied (or, on a GPU, ordered before later kernels) before this returns.
+
+        With ``incremental=True``, a tensor known unchanged since the last committed save
+        (:class:`~.unchanged.PartTracker`) is not copied: its buffer holds its bytes already."""
         from .snapshot import Snapshot
+        from .unchanged import buffer_sig
 
         self.names.update(tensors)
+        kept: dict[str, torch.Tensor] = {}
+        watch: dict[str, tuple[torch.Tensor, tuple[Any, ...], int]] = {}
+        if self._tracker is not None and self._trained is not None:
+            for name, t in tensors.items():
+                w = self._tracker.watch(name, t, self._trained)
+                if w is None:
+                    continue
+                watch[name] = w
+                buf = self._buffers.existing(name)
+                key = self._tracker.unchanged(name, w, buf)
+                if key is not None and buf is not None:
+                    kept[name] = buf
+                    self.hints[buffer_sig(buf)] = key
         snap = Snapshot(
-            tensors, self._buffers, overlap_storages=step_only if self._overlap else None
+            {k: t for k, t in tensors.items() if k not in kept},
+            self._buffers,
+            overlap_storages=step_only if self._overlap else None,
         )
         self.snapshots.append(snap)
-        return snap.copies
+        copies = {k: kept[k] if k in kept else snap.copies[k] for k in tensors}
+        for name, (t, where, version) in watch.items():
+            self.watched[name] = (t, where, version, copies[name])
+        return copies
 
 
 class CapturedParts:
@@ -313,6 +346,8 @@ class CapturedParts:
         self.parts = parts
         self.described = described or {}
         self.snapshots = snapshots or []
+        self.hints: dict[Sig, str] = {}  # incremental: host copies known unchanged -> key
+        self.watched: dict[str, dict[str, Any]] = {}  # part id -> CaptureBuffers.watched
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers whose step must wait for the parts' deferred copies."""
@@ -353,8 +388,10 @@ class CapturedParts:
 class PartBuffers:
     """The reused host buffers of each FilePart of the state, by part id."""
 
-    def __init__(self) -> None:
+    def __init__(self, track: bool = False) -> None:
         self._by_id: dict[str, HostBuffers] = {}
+        self._track = track  # incremental=True: copy no tensor known unchanged
+        self._trackers: dict[str, PartTracker] = {}
 
     def capture(self, parts: Mapping[str, FilePart], *, overlap: bool = False) -> CapturedParts:
         """Training thread: let each part copy its state into its own buffers (``overlap``:
@@ -362,6 +399,8 @@ class PartBuffers:
         background)."""
         for gone in [k for k in self._by_id if k not in parts]:
             del self._by_id[gone]
+        for gone in [k for k in self._trackers if k not in parts]:
+            del self._trackers[gone]
         described = {}
         for part_id, part in parts.items():
             said = dict(part.describe())
@@ -374,9 +413,11 @@ class PartBuffers:
             described[part_id] = said
         captured: dict[str, tuple[FilePart, Any]] = {}
         snapshots: list[Snapshot] = []
+        hints: dict[Sig, str] = {}
+        watched: dict[str, dict[str, Any]] = {}
         for part_id, part in parts.items():
             host = self._by_id.setdefault(part_id, _host_buffers())
-            buffers = CaptureBuffers(host, overlap)
+            buffers = CaptureBuffers(host, overlap, *self._tracking(part_id, part))
             try:
                 captured[part_id] = (part, part.capture(buffers))
             except BaseException:
@@ -386,7 +427,29 @@ class PartBuffers:
                 raise
             snapshots += buffers.snapshots
             host.keep_only(buffers.names)  # e.g. made ahead for what this save did not copy
-        return CapturedParts(captured, described, snapshots)
+            hints.update(buffers.hints)
+            if buffers.watched:
+                watched[part_id] = buffers.watched
+        out = CapturedParts(captured, described, snapshots)
+        out.hints, out.watched = hints, watched
+        return out
+
+    def _tracking(self, part_id: str, part: FilePart) -> tuple[PartTracker | None, set[int] | None]:
+        """The part's tracker and what its optimizers change (None: it names none, so nothing
+        is known unchanged), with ``incremental=True``."""
+        if not self._track:
+            return None, None
+        from .unchanged import PartTracker, part_trained_storages
+
+        tracker = self._trackers.setdefault(part_id, PartTracker())
+        optimizers = part.stepped_by()
+        return tracker, part_trained_storages(optimizers) if optimizers else None
+
+    def committed(self, captured: CapturedParts, keys: Mapping[Sig, str]) -> None:
+        """The save of ``captured`` committed, storing the host copies ``keys`` names as blobs:
+        each part's tracker remembers its unchanged tensors."""
+        for part_id, tracker in self._trackers.items():
+            tracker.record(captured.watched.get(part_id, {}), keys)
 
     def allocate_ahead(self, parts: Mapping[str, FilePart]) -> None:
         """Training thread, once before the first save: start allocating each part's host

@@ -17,6 +17,10 @@ held a moment ago:
   the store is collected only after a commit or at that restore). Its size in the store is
   checked at every reuse, and its checksum once per process unless this process wrote it.
 
+With ``incremental=True`` a tensor the part's tracker knows unchanged
+(:class:`~.unchanged.PartTracker`) is not copied: its host buffer still holds its bytes, and
+its content key comes with it (``hints``), so it is not hashed either.
+
 A part's tensor file holds its small tensors; its safetensors metadata maps each tensor stored
 as a blob to the blob's name (``"blobs"``, JSON), covered by the file's checksum.
 :func:`read_part_tensors` resolves them through the manifest's list of blobs, each verified.
@@ -42,6 +46,7 @@ from .commit import fsync_dir
 from .errors import CheckpointCorruptError, CheckpointWriteError
 from .manifest import FileEntry, Manifest
 from .tensorfile import DirectBuffer, digest_file
+from .unchanged import Sig, buffer_sig
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -64,8 +69,9 @@ class PartBlobs:
         compress: tuple[int, bool] | None = None,
         direct: bool = False,
         bounce: DirectBuffer | None = None,
+        hints: Mapping[Sig, str] | None = None,
     ) -> PartBlobSession:
-        return PartBlobSession(self, staging, rank, compress, direct, bounce)
+        return PartBlobSession(self, staging, rank, compress, direct, bounce, dict(hints or {}))
 
     def committed(self, session: PartBlobSession) -> None:
         """This rank's save through ``session`` is committed: it is now the newest checkpoint,
@@ -107,6 +113,8 @@ class PartBlobSession:
     compress: tuple[int, bool] | None = None
     direct: bool = False
     bounce: DirectBuffer | None = None
+    hints: dict[Sig, str] = field(default_factory=dict)  # host copies known unchanged -> key
+    keys: dict[Sig, str] = field(default_factory=dict)  # every host copy stored as a blob -> key
     entries: dict[str, FileEntry] = field(default_factory=dict)  # blob name -> entry
     written_names: set[str] = field(default_factory=set)
     written: int = 0  # bytes of the blobs this save wrote
@@ -125,7 +133,9 @@ class PartBlobSession:
             if t.numel() * t.element_size() < BLOB_MIN:
                 inline[name] = t
                 continue
-            key = content_key(t)
+            sig = buffer_sig(t)
+            key = self.hints.get(sig) or content_key(t)  # a hint: its bytes are not hashed
+            self.keys[sig] = key
             bname = blob_name(key, self.compress)
             entry = self.entries.get(bname) or self.blobs.reusable(key, bname)
             if entry is None:

@@ -194,7 +194,12 @@ def _write(
         prepared.parts.wait_host()
         if saver.part_blobs is not None:
             prepared.part_blobs = saver.part_blobs.session(
-                staging_dir, ck.rank, compress=compress, direct=background, bounce=bounce
+                staging_dir,
+                ck.rank,
+                compress=compress,
+                direct=background,
+                bounce=bounce,
+                hints=prepared.parts.hints,
             )
         part_files = prepared.parts.write(
             staging_dir, ck.rank, direct=background, bounce=bounce, blobs=prepared.part_blobs
@@ -230,6 +235,8 @@ def _record(
         saver.tracker.record(prepared.watch, prepared.blobs.keys)
     if saver.part_blobs is not None and prepared is not None and prepared.part_blobs is not None:
         saver.part_blobs.committed(prepared.part_blobs)
+        if prepared.parts is not None:
+            saver.part_buffers.committed(prepared.parts, prepared.part_blobs.keys)
     elapsed = time.perf_counter() - t0
     if background:
         saver.persist_seconds.append(elapsed)

@@ -85,7 +85,7 @@ class Saver:
         if ck.config.async_save:
             self.persister = BackgroundPersister(ck.config.max_in_flight)
         self.buffers = HostBuffers()
-        self.part_buffers = PartBuffers()
+        self.part_buffers = PartBuffers(track=ck.config.incremental is True)
         self.allocated_ahead = False
         self.bounce: DirectBuffer | None = None  # O_DIRECT writes of background saves
         self.last_snapshots: list[Snapshot] = []  # overlapped copies the next step waits for

@@ -98,6 +98,11 @@ class HostBuffers:
             self._bufs[name] = b
         return b
 
+    def existing(self, name: str) -> torch.Tensor | None:
+        """The buffer of ``name`` as it is (None if there is none), without allocating."""
+        self.wait_allocated()
+        return self._bufs.get(name)
+
     def keep_only(self, names: Iterable[str]) -> None:
         """Free buffers of tensors that are no longer in the state."""
         self.wait_allocated()

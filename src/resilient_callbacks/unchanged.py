@@ -136,3 +136,96 @@ def begin_incremental(
     session._pinned.extend(hints.values())
     session.hints = {k: v for k, v in hints.items() if store.lookup(v) is not None}
     return session, watch
+
+
+# ----------------------------------------------------------------------------- FileParts
+
+
+@dataclass(frozen=True)
+class _Kept:
+    tensor: torch.Tensor  # the live tensor, held (see the module docstring)
+    where: tuple[Any, ...]
+    version: int
+    buffer: torch.Tensor  # the host buffer its bytes were copied into at that save
+    key: str
+
+
+Sig = tuple[int, torch.dtype, tuple[int, ...]]
+
+
+def buffer_sig(t: torch.Tensor) -> Sig:
+    """A host copy's identity within one save: its address, dtype and shape."""
+    return t.data_ptr(), t.dtype, tuple(t.shape)
+
+
+def part_trained_storages(optimizers: Any) -> set[int]:
+    """Storage addresses of what the given optimizers change (their parameters and state),
+    taking a DTensor's local shard."""
+    ptrs: set[int] = set()
+
+    def add(t: torch.Tensor) -> None:
+        local = getattr(t, "_local_tensor", t)
+        ptrs.add(local.untyped_storage().data_ptr())
+
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                add(p)
+        for st in opt.state.values():
+            for v in st.values() if isinstance(st, Mapping) else ():
+                if isinstance(v, torch.Tensor):
+                    add(v)
+    return ptrs
+
+
+class PartTracker:
+    """Per FilePart, every rank (``incremental=True``): which tensors the part passes to
+    ``CaptureBuffers.copy`` cannot have changed since the last committed save *and* still have
+    their bytes in the same host buffer, so that the save neither copies nor hashes them.
+
+    A tensor qualifies only when the part names its optimizers (:meth:`FilePart.stepped_by`;
+    otherwise what training changes is unknown) and, besides the conditions of the module
+    docstring, the host buffer of its name is the very one its bytes were copied into at that
+    save (a buffer freed and made again holds nothing)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, _Kept] = {}
+
+    def watch(
+        self, name: str, t: torch.Tensor, trained: set[int]
+    ) -> tuple[torch.Tensor, tuple[Any, ...], int] | None:
+        """What to remember of ``t`` if the save commits; None if it cannot qualify."""
+        if t.numel() * t.element_size() < BLOB_MIN or t.is_sparse:
+            return None
+        try:
+            version = t._version
+            where = _where(t)
+        except (RuntimeError, NotImplementedError):  # inference tensors have no counter
+            return None
+        return None if where[0] in trained else (t, where, version)
+
+    def unchanged(
+        self,
+        name: str,
+        watched: tuple[torch.Tensor, tuple[Any, ...], int],
+        buffer: torch.Tensor | None,
+    ) -> str | None:
+        """The content key of ``name`` if it is unchanged and ``buffer`` still holds it."""
+        seen = self._seen.get(name)
+        if seen is None or buffer is None or buffer is not seen.buffer:
+            return None
+        _, where, version = watched
+        return seen.key if (seen.where, seen.version) == (where, version) else None
+
+    def record(
+        self,
+        watched: Mapping[str, tuple[torch.Tensor, tuple[Any, ...], int, torch.Tensor]],
+        keys: Mapping[Sig, str],
+    ) -> None:
+        """A save committed: remember its watched tensors that it stored as blobs (``keys``:
+        :func:`buffer_sig` of a host copy -> its content key)."""
+        self._seen = {}
+        for name, (t, where, version, buf) in watched.items():
+            key = keys.get(buffer_sig(buf))
+            if key is not None:
+                self._seen[name] = _Kept(t, where, version, buf, key)
