@@ -148,6 +148,24 @@ def write_blob(
     return FileEntry(name, d.size, d.xxh3_64, rank, BLOB_KIND, codec)
 
 
+def stored_intact(folder: str, entry: FileEntry, checked: set[str]) -> bool:
+    """Whether blob ``entry`` is in ``folder`` with its size, and its checksum unless its name is
+    in ``checked`` (the blobs this process wrote or verified already; it is added there). Says
+    so when it is not: the caller writes it again."""
+    path = os.path.join(folder, entry.path)
+    try:
+        ok = os.path.getsize(path) == entry.size
+        if ok and entry.path not in checked:
+            ok = digest_file(path, like=entry.xxh3_64).xxh3_64 == entry.xxh3_64
+    except OSError:
+        ok = False
+    if ok:
+        checked.add(entry.path)
+    else:
+        log.warning("blob %s is missing or damaged; writing it again", path)
+    return ok
+
+
 class BlobStore:
     """The blob store of one checkpoint directory, as its one writer uses it: what exists (an
     index built from the manifests), pins held by saves in flight, writing and collecting."""
@@ -208,18 +226,9 @@ class BlobStore:
                 entry = self._index.get(key)
             if entry is None:
                 return None
-            path = os.path.join(self.dir, entry.path)
-            try:
-                ok = os.path.getsize(path) == entry.size
-                if ok and entry.path not in self._checked:
-                    ok = digest_file(path, like=entry.xxh3_64).xxh3_64 == entry.xxh3_64
-            except OSError:
-                ok = False
-            if not ok:
-                log.warning("blob %s is missing or damaged; writing it again", path)
+            if not stored_intact(self.dir, entry, self._checked):
                 del self._index[key]
                 return None
-            self._checked.add(entry.path)
             return entry
 
     def has_all(self, keys: Iterable[str]) -> bool:

@@ -34,21 +34,27 @@ coordinator inside the commit.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from .blobs import BLOB_MIN, BLOBS_DIR, TMP_PREFIX, blob_name, content_key, key_of, write_blob
+from .blobs import (
+    BLOB_MIN,
+    BLOBS_DIR,
+    TMP_PREFIX,
+    blob_name,
+    content_key,
+    key_of,
+    stored_intact,
+    write_blob,
+)
 from .commit import fsync_dir
 from .errors import CheckpointCorruptError, CheckpointWriteError
 from .manifest import FileEntry, Manifest
-from .tensorfile import DirectBuffer, digest_file
+from .tensorfile import DirectBuffer
 from .unchanged import Sig, buffer_sig
-
-log = logging.getLogger("resilient_callbacks")
 
 REFS_KEY = "blobs"  # a part file's safetensors metadata: {tensor name: blob name}, as JSON
 
@@ -88,18 +94,9 @@ class PartBlobs:
         entry = self._known.get(key)
         if entry is None or entry.path != name:
             return None
-        path = os.path.join(self.store, name)
-        try:
-            ok = os.path.getsize(path) == entry.size
-            if ok and name not in self._checked:
-                ok = digest_file(path, like=entry.xxh3_64).xxh3_64 == entry.xxh3_64
-        except OSError:
-            ok = False
-        if not ok:
-            log.warning("blob %s is missing or damaged; writing it again", path)
+        if not stored_intact(self.store, entry, self._checked):
             del self._known[key]
             return None
-        self._checked.add(name)
         return entry
 
 
