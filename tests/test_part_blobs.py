@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -263,6 +264,44 @@ def test_part_blobs_are_compressed_with_the_save_and_restore_exactly(tmp_path):
     with Checkpointer(root, preemption=False) as ck:
         assert ck.restore({"engine": fresh}) == 2
     assert torch.equal(fresh.frozen, part.frozen) and torch.equal(fresh.trained, part.trained)
+
+
+def test_part_blobs_go_to_the_remote_tier_once_and_a_run_resumes_from_it(s3_remote, tmp_path):
+    """On the moto S3 server: the frozen tensor's blob is uploaded once for every checkpoint;
+    with the local directory gone, the run resumes from the remote copy exactly, and
+    ``verify`` of a ``pull``ed copy checks the part blobs too."""
+    from resilient_callbacks.cli import main
+    from resilient_callbacks.remote import RemoteStore
+    from resilient_callbacks.remote_blobs import listing
+
+    url, opts = s3_remote
+    part = FrozenAndTrained()
+    local = tmp_path / "local"
+    options = dict(incremental=True, remote=url, remote_options=opts, async_save=False)
+    with Checkpointer(local, keep_last=1, remote_keep_last=2, **options) as ck:
+        for step in (1, 2, 3):
+            _train(part, step)
+            ck.save(step, {"engine": part})
+            ck._dir.sync.wait(60)
+    store = RemoteStore(url, opts)
+    entries = [e for e in store.scan() if e.manifest is not None]
+    assert [e.manifest.step for e in entries] == [2, 3]
+    live = {b.path for e in entries for b in e.manifest.blobs}
+    assert {n for n in listing(store) if not n.startswith(".")} == live  # the frozen + 2 trained
+    assert len(live) == 3
+
+    shutil.rmtree(local)
+    fresh = FrozenAndTrained()
+    fresh.frozen.zero_()
+    with Checkpointer(local, **options) as ck:
+        assert ck.restore({"engine": fresh}) == 3
+        assert ck.last_restore is not None and ck.last_restore.tier == "remote"
+    assert torch.equal(fresh.frozen, part.frozen) and torch.equal(fresh.trained, part.trained)
+
+    copy = tmp_path / "copy"
+    flags = [a for k, v in opts.items() for a in ("-o", f"{k}={json.dumps(v)}")]
+    assert main(["pull", url, str(copy), *flags]) == 0
+    assert main(["verify", str(copy), "--all"]) == 0
 
 
 def test_without_incremental_a_parts_file_holds_every_tensor(tmp_path):
