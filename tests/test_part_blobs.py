@@ -327,13 +327,14 @@ def fsdp_worker(root: str, out: str, total: int) -> None:
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    from dcp_helpers import full_tensors
+    from dcp_helpers import _device, backend, full_tensors
     from resilient_callbacks.dcp import Sharded
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device()  # RC_DEVICE=cuda: this rank's GPU (NCCL)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 1))
+    model = nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 1)).to(device)
     model[0].requires_grad_(False)
     for layer in (model[0], model[2]):
         fully_shard(layer)
@@ -355,7 +356,7 @@ def fsdp_worker(root: str, out: str, total: int) -> None:
         restored = full_tensors(model, opt)
         torch.manual_seed(100 + start)
         for step in range(start + 1, total + 1):
-            x, y = torch.randn(4, 128), torch.randn(4, 1)
+            x, y = torch.randn(4, 128).to(device), torch.randn(4, 1).to(device)
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
@@ -417,6 +418,34 @@ def test_fsdp2_with_a_frozen_layer_writes_it_once_and_restores_exactly_on_2_and_
         assert torch.equal(v, final5[k]), k
     for e in catalog.scan(str(root), catalog.Depth.FULL):
         assert str(e.status) == "valid", (e.name, e.problem)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fsdp2_frozen_layer_on_cuda_is_neither_copied_nor_written_again(tmp_path):
+    """The same on this machine's GPU (one rank, NCCL): the frozen shard is copied to the host
+    and written by the first save only, and a restart restores every tensor exactly."""
+    from safetensors.torch import load_file
+
+    root, out = tmp_path / "ck", tmp_path / "out"
+    env = {"RC_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+    def run(total: int) -> dict[str, Any]:
+        argv = [sys.executable, __file__, str(root), str(out), str(total)]
+        spawn_ranks.run(argv, 1, tmp_path, f"cuda{total}", env=env)
+        return json.loads(Path(f"{out}.rank0.json").read_text())
+
+    first = run(3)
+    frozen = 128 * 256 * 4
+    w, c = first["written"], [x for x in first["copied"] if x]
+    assert len(w) == 3 and all(x <= w[0] - frozen for x in w[1:]), w
+    assert len(c) == 3 and all(x <= c[0] - frozen // 4 for x in c[1:]), c
+    final = load_file(f"{out}.final.1")
+    second = run(4)
+    assert second["start"] == 3
+    for k, v in load_file(f"{out}.restored.1").items():
+        assert torch.equal(v, final[k]), k
 
 
 if __name__ == "__main__":
