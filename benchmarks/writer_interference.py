@@ -15,6 +15,11 @@ pure-Python loop (standing in for a framework's Python per step, which needs the
   one buffer and fsyncs it, no library code (what any durable write of these bytes costs the
   machine).
 
+``--nice 0,10,19``: also, for each value, the 2-thread matmul's rate over the *whole* persist
+(from ``save`` returning until the checkpoint is durable) with the background writer thread at
+that nice value, and the probe's lost work (``(1 - rate / idle) * persist seconds``): whether a
+lower-priority writer takes less from training, or only spreads the same over a longer time.
+
 It also reports the CPU time of the whole process (user and system, ``getrusage``) spent in
 each persist while the main thread only waits: the writer's own work. Time the kernel and the
 hypervisor spend on the I/O outside this process is not in it, and shows only as the slowdown
@@ -54,6 +59,35 @@ def python_rate(seconds: float) -> float:
     return n / seconds
 
 
+def matmul_until(done: threading.Event) -> tuple[float, float]:
+    """The 2-thread matmul's rate while ``done`` is not set, and for how long it ran."""
+    a = torch.randn(512, 512)
+    n, t0 = 0, time.perf_counter()
+    while not done.is_set():
+        a @ a
+        n += 1
+    seconds = time.perf_counter() - t0
+    return n / seconds, seconds
+
+
+def renice_writer(value: int) -> None:
+    """Set the nice value of the background writer thread(s) of this process."""
+    for t in threading.enumerate():
+        if t.name.startswith("rc-persist") and t.native_id is not None:
+            os.setpriority(os.PRIO_PROCESS, t.native_id, value)
+
+
+def whole_persist(ck: Any, step: int, state: dict) -> tuple[float, float]:
+    """Save, then probe until the checkpoint is durable: (matmul rate, persist seconds)."""
+    ck.save(step, state)
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (ck.flush(), done.set()))
+    waiter.start()
+    rate = matmul_until(done)
+    waiter.join()
+    return rate
+
+
 def cpu_seconds() -> tuple[float, float]:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime, r.ru_stime
@@ -77,6 +111,7 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
+    ap.add_argument("--nice", default="", help="writer nice values to compare, e.g. 0,10,19")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
 
@@ -91,6 +126,8 @@ def main() -> int:
         k: {"matmul": [], "python": []} for k in ("idle", "ours persisting", "raw write")
     }
     writer_cpu: list[tuple[float, float]] = []
+    nices = [int(v) for v in args.nice.split(",") if v.strip()]
+    niced: dict[int, list[tuple[float, float]]] = {v: [] for v in nices}
     try:
         with Checkpointer(
             os.path.join(work, "ck"), keep_last=1, preemption=False, capture_rng=False
@@ -114,6 +151,13 @@ def main() -> int:
                 u1, s1 = cpu_seconds()
                 writer_cpu.append((u1 - u0, s1 - s0))
 
+                for i, value in enumerate(nices):
+                    renice_writer(value)
+                    for t in state["w"]:
+                        t.add_(1.0)
+                    niced[value].append(whole_persist(ck, 1000 * r + i, state))
+                renice_writer(0)
+
                 th = threading.Thread(target=raw_write, args=(os.path.join(work, "raw"), raw))
                 th.start()
                 probes["raw write"]["matmul"].append(matmul_rate(1.0))
@@ -134,6 +178,14 @@ def main() -> int:
         },
         "save_cpu_user_s": med([u for u, _ in writer_cpu]),
         "save_cpu_sys_s": med([s for _, s in writer_cpu]),
+        "niced": {
+            str(v): {
+                "matmul": med([rate / idle["matmul"] for rate, _ in got]),
+                "persist_s": med([sec for _, sec in got]),
+                "lost_s": med([(1 - rate / idle["matmul"]) * sec for rate, sec in got]),
+            }
+            for v, got in niced.items()
+        },
     }
     lines = [
         f"# writer_interference ({args.mb} MB, {args.rounds} rounds, medians; library "
@@ -149,6 +201,18 @@ def main() -> int:
         f"CPU time of one whole save (snapshot + persist, main thread waiting): user "
         f"{report['save_cpu_user_s']:.3f} s, system {report['save_cpu_sys_s']:.3f} s.",
     ]
+    if nices:
+        lines += [
+            "",
+            "Over the whole persist, the writer thread at each nice value:",
+            "",
+            "| writer nice | 2-thread matmul rate | persist s | matmul work lost, s |",
+            "|---:|---:|---:|---:|",
+        ]
+        for v, got in report["niced"].items():
+            lines.append(
+                f"| {v} | {got['matmul']:.2f}x | {got['persist_s']:.2f} | {got['lost_s']:.3f} |"
+            )
     md = "\n".join(lines) + "\n"
     write_results(args.out, "writer_interference", report, md)
     print(md)
