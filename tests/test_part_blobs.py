@@ -450,3 +450,17 @@ def test_fsdp2_frozen_layer_on_cuda_is_neither_copied_nor_written_again(tmp_path
 
 if __name__ == "__main__":
     fsdp_worker(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+
+
+@pytest.mark.benchmark
+def test_bench_incremental_sharded_quick(tmp_path):
+    """benchmarks/bench_incremental.py --sharded runs end to end at a toy size: a later
+    incremental save writes about the trained tenth of what a full one writes."""
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_incremental.py"
+    cmd = [sys.executable, str(bench), "--mb", "16", "--saves", "3", "--sharded"]
+    subprocess.run([*cmd, "--out", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    report = json.loads((tmp_path / "bench_incremental_sharded.json").read_text())
+    full, inc = report["full_sync"]["written"], report["incremental_sync"]["written"]
+    assert report["sharded"] and inc[1] < 0.2 * full[1], (full, inc)
