@@ -80,6 +80,12 @@ def full_state(engine, stage: int) -> dict[str, list[str]]:
                 value = getattr(engine.optimizer, key, None)
             out[f"meta/loss_scaler/{key}"] = [repr(value)]
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:  # frozen (--freeze-first): as it is, in no optimizer
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p], enabled=stage == 3):
+                out[f"frozen/{name}"] = [float(v).hex() for v in p.detach().float().flatten()]
+            continue
         if stage == 0:
             out[f"param/{name}"] = [float(v).hex() for v in p.detach().float().flatten()]
             continue
@@ -124,6 +130,11 @@ def main() -> None:
     ap.add_argument("--plain", action="store_true")  # no section: DeepSpeed's own loader
     # incremental=True, and a layer wide enough that each rank's ranges are blobs (>= 16 KiB)
     ap.add_argument("--incremental", action="store_true")
+    # the first layer frozen (as a base model under LoRA), the optimizer given the rest
+    ap.add_argument("--freeze-first", action="store_true")
+    # with --freeze-first: the frozen layer starts from other values (a restore must bring back
+    # the saved ones; without one the run differs)
+    ap.add_argument("--scramble-frozen", action="store_true")
     args = ap.parse_args()
 
     if args.no_pickle:  # restore must never unpickle
@@ -146,6 +157,12 @@ def main() -> None:
     torch.manual_seed(1234)
     width = 4096 if args.incremental else 16
     model = nn.Sequential(nn.Linear(6, width), nn.Dropout(0.2), nn.ReLU(), nn.Linear(width, 1))
+    if args.freeze_first:
+        model[0].requires_grad_(False)
+        if args.scramble_frozen:
+            with torch.no_grad():
+                model[0].weight.normal_(generator=torch.Generator().manual_seed(99))
+    trainable = [p for p in model.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(7)
     data = torch.utils.data.TensorDataset(
         torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g)
@@ -165,19 +182,19 @@ def main() -> None:
     if args.plain:  # DeepSpeed alone: its own DeepSpeedDataLoader, no checkpoints
         del cfg["resilient_checkpoint"]
         engine, _, loader, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), training_data=data, config=cfg
+            model=model, model_parameters=trainable, training_data=data, config=cfg
         )
         assert not hasattr(engine, "resilient_checkpoint")
     elif args.launcher:
         engine, _, loader, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), training_data=data, config=cfg
+            model=model, model_parameters=trainable, training_data=data, config=cfg
         )
         assert hasattr(engine, "resilient_checkpoint"), "not run through the launcher"
     else:
         import resilient_callbacks.deepspeed as rcds
 
         engine, _, loader, _ = rcds.initialize(
-            model=model, model_parameters=model.parameters(), training_data=data, config=cfg
+            model=model, model_parameters=trainable, training_data=data, config=cfg
         )
     assert "resilient_checkpoint" not in engine.config, "the section reached DeepSpeed"
     if args.offload:  # the engine really offloads (its optimizer takes the offload code paths)

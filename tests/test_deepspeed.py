@@ -389,6 +389,101 @@ def test_hf_trainer_with_deepspeed_zero2_kill_resume_exact(tmp_path: Path) -> No
 
 
 @pytest.mark.distributed
+def test_export_holds_the_frozen_parameters_too(tmp_path: Path) -> None:
+    """ZeRO 2 with a frozen layer (in no optimizer; saved once, replicated): ``export`` writes
+    it beside the trained fp32 masters, so the exported model is whole."""
+    from safetensors.torch import load_file
+
+    ck = str(tmp_path / "ck")
+    opts = ["--dir", ck, "--out", str(tmp_path / "run"), *_opts(2, "fp32", 6), "--freeze-first"]
+    run_group(opts, 1, tmp_path, "run")
+    saved = final(tmp_path / "run")
+    out = tmp_path / "export"
+    cli = [sys.executable, "-m", "resilient_callbacks", "export", ck, str(out)]
+    subprocess.run(cli, check=True, capture_output=True, text=True)
+    weights = load_file(out / "model.safetensors")
+    want = {k.split("/", 1)[1]: v for k, v in saved.items() if k.startswith(("fp32/", "frozen/"))}
+    assert {"0.weight", "0.bias"} <= {k[len("frozen/") :] for k in saved if "frozen/" in k}
+    assert sorted(weights) == sorted(want)
+    for k, t in weights.items():
+        assert [float(v).hex() for v in t.float().flatten()] == want[k], k
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # ZeRO 3's frozen partitions on 2 ranks: three group runs
+def test_zero3_with_frozen_parameters_kill_resume_is_exact_and_exports_them(
+    tmp_path: Path,
+) -> None:
+    """ZeRO 3 partitions frozen parameters too (outside the optimizer): each rank saves its
+    partition of them; killed and re-run on 2 ranks, bit-identical (the frozen values
+    included); resumed on 1 rank, the frozen values laid together as saved; export writes them
+    whole."""
+    from safetensors.torch import load_file
+
+    opts = [*_opts(3, "fp32"), "--freeze-first"]
+    full_run = tmp_path / "full"
+    run_group(["--dir", str(tmp_path / "a"), "--out", str(full_run), *opts], 2, tmp_path, "full")
+    ck = tmp_path / "b"
+    killed = ["--dir", str(ck), "--out", str(tmp_path / "kill"), *opts]
+    run_group([*killed, "--die-at", "7"], 2, tmp_path, "die", expect=-9)
+    # the re-run's frozen layer starts from other values: only the restore brings them back
+    run_group([*killed, "--scramble-frozen"], 2, tmp_path, "resume")
+    assert_same_run(full_run, tmp_path / "kill", 2)
+    ref = final(full_run)
+    assert {"frozen/0.weight", "frozen/0.bias"} <= set(ref)
+
+    out = tmp_path / "export"
+    cli = [sys.executable, "-m", "resilient_callbacks", "export", str(ck), str(out)]
+    subprocess.run(cli, check=True, capture_output=True, text=True)
+    weights = load_file(out / "model.safetensors")
+    want = {k.split("/", 1)[1]: v for k, v in ref.items() if k.startswith(("fp32/", "frozen/"))}
+    assert sorted(weights) == sorted(want)
+    for k in ("0.weight", "0.bias"):  # frozen: the same at every step (the newest saved is 9)
+        assert [float(v).hex() for v in weights[k].float().flatten()] == want[k], k
+
+    more = [
+        "--dir", str(ck), "--out", str(tmp_path / "one"), "--dump-restored", *opts,
+        "--scramble-frozen",
+    ]  # fmt: skip
+    run_group(more, 1, tmp_path, "one")  # 2 -> 1 rank: the frozen partitions laid together
+    loaded = json.loads(Path(f"{tmp_path / 'one'}.rank0.restored_state.json").read_text())
+    frozen = [k for k in ref if k.startswith("frozen/")]
+    assert frozen and [k for k in frozen if loaded[k] != ref[k]] == []  # never trained: as saved
+
+
+@pytest.mark.distributed
+def test_hf_trainer_with_deepspeed_exports_a_from_pretrained_directory(tmp_path: Path) -> None:
+    """``resilient-ckpt export`` of a Trainer run under DeepSpeed ZeRO-2: a ``from_pretrained``
+    directory (the model's class and config, as the Trainer recorded them) whose weights are the
+    engine's fp32 masters at the end of training -- not a bare weights file, and not a refusal."""
+    pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import test_transformers as tt
+
+    d = tmp_path / "run"
+    d.mkdir()
+    tt._run([
+        sys.executable, str(Path(__file__).with_name("hf_train.py")), str(d), "--deepspeed", "2",
+        "--max-steps", "4", "--out-jsonl", str(d / "steps.jsonl"),
+        "--out-final", str(d / "final.safetensors"),
+    ])  # fmt: skip
+    out = tmp_path / "hf"
+    cli = [sys.executable, "-m", "resilient_callbacks", "export", str(d / "ckpt"), str(out)]
+    done = subprocess.run(cli, capture_output=True, text=True, env=tt._env())
+    assert done.returncode == 0, done.stderr
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    got = model.state_dict()
+    final = load_file(d / "final.safetensors")  # every parameter, full fp32, gathered
+    for k, v in final.items():
+        assert torch.equal(got[k], v), k
+    assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"])  # tied again
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(("stage", "world"), [(1, 2), (2, 1), (2, 2), (3, 2)], ids=lambda v: str(v))
 def test_offload_to_cpu_sigkill_then_rerun_is_exact(tmp_path: Path, stage: int, world: int) -> None:

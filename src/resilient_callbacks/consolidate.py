@@ -53,20 +53,19 @@ def _holds_engine(structure_: Any) -> bool:
 def exports_weights(manifest: Manifest, path: str) -> bool:
     """Whether ``export`` writes consolidated weights of the checkpoint at ``path``: one of
     ``resilient_callbacks.deepspeed``, or one holding a ``dcp.Sharded`` part (FSDP, tensor
-    parallelism) outside a Transformers Trainer run (those export as a ``from_pretrained``
-    directory)."""
-    if zero_part_ids(manifest):
-        return True
+    parallelism), outside a Transformers Trainer run (a Trainer's checkpoint, under DeepSpeed or
+    FSDP too, exports as a ``from_pretrained`` directory)."""
     from .dcp.whole import sharded_part_ids
 
-    full = reader.open_checkpoint(path).part.structure  # opened once for both questions
-    if _holds_engine(full):
-        return True
-    return bool(sharded_part_ids(manifest)) and not (isinstance(full, dict) and "trainer" in full)
+    full = reader.open_checkpoint(path).part.structure  # opened once for every question
+    if isinstance(full, dict) and "trainer" in full:
+        return False  # a Trainer run (under DeepSpeed or FSDP too): a from_pretrained directory
+    return bool(zero_part_ids(manifest)) or _holds_engine(full) or bool(sharded_part_ids(manifest))
 
 
 def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, torch.Tensor]:
-    """Full fp32 parameters from every rank's ranges of ZeroPart ``part_id``, verified."""
+    """Full parameters from every rank's ranges of ZeroPart ``part_id``, verified: the trained
+    ones' fp32 masters and, at ZeRO 3, the frozen ones as saved."""
     folder = part_dir(part_id)
     entries = {f.path: f for f in manifest.files}
     index_names = sorted(
@@ -74,7 +73,8 @@ def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, t
     )
     if not index_names:
         raise CheckpointCorruptError(f"{path}: part {part_id!r} lists no rank files")
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}  # name -> the flattened parameter being filled
+    shapes: dict[str, list[int]] = {}
     filled: dict[str, int] = {}
     for rel in index_names:
         index = json.loads(bytes(read_verified(os.path.join(path, rel), entries[rel].digest)))
@@ -82,20 +82,19 @@ def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, t
         if st_rel not in entries:
             raise CheckpointCorruptError(f"{path}: the manifest does not list {st_rel}")
         tensors = read_part_tensors(path, manifest, entries[st_rel])
-        for name, rng in index["params"].items():
-            shape = [int(d) for d in rng["shape"]]
-            full = out.setdefault(name, torch.zeros(math.prod(shape), dtype=torch.float32))
-            if rng["numel"]:
-                src = tensors[f"fp32/{name}"]
+        # the trained parameters' fp32 masters, and at ZeRO 3 the frozen ones' partitions
+        for section, key in (("params", "fp32"), ("frozen", "frozen")):
+            for name, rng in (index.get(section) or {}).items():
+                shapes[name] = [int(d) for d in rng["shape"]]
+                if not rng["numel"]:
+                    continue
+                src = tensors[f"{key}/{name}"]
+                full = out.setdefault(name, torch.zeros(math.prod(shapes[name]), dtype=src.dtype))
                 full.narrow(0, int(rng["start"]), int(rng["numel"])).copy_(src)
                 filled[name] = filled.get(name, 0) + int(rng["numel"])
-            out[name] = full
-            out[f"__shape__/{name}"] = torch.tensor(shape, dtype=torch.int64)
     result: dict[str, torch.Tensor] = {}
-    for name, flat in out.items():
-        if name.startswith("__shape__/"):
-            continue
-        shape = [int(d) for d in out[f"__shape__/{name}"].tolist()]
+    for name, shape in shapes.items():
+        flat = out.get(name, torch.zeros(math.prod(shape), dtype=torch.float32))
         if filled.get(name, 0) != flat.numel():
             raise CheckpointCorruptError(
                 f"{path}: parameter {name!r}: the ranks' ranges cover {filled.get(name, 0)} of "
@@ -106,12 +105,15 @@ def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, t
 
 
 def consolidated(path: str) -> dict[str, torch.Tensor]:
-    """The model weights of the checkpoint at ``path``: a DeepSpeed one's (fp32 at ZeRO 1-3), or
-    a ``dcp.Sharded`` part's whole model tensors (as saved)."""
+    """The model weights of the checkpoint at ``path``: a DeepSpeed one's (the trained parameters
+    in fp32 at ZeRO 1-3, with the frozen parameters and persistent buffers as saved), or a
+    ``dcp.Sharded`` part's whole model tensors (as saved)."""
     manifest = read_manifest(path)
     parts = zero_part_ids(manifest)
     if parts:
-        return consolidate_zero(path, manifest, parts[0])
+        weights = consolidate_zero(path, manifest, parts[0])
+        weights.update(_module_extras(path))
+        return weights
     from .dcp.whole import model_tensors, sharded_part_ids
 
     sharded = sharded_part_ids(manifest)
@@ -119,13 +121,36 @@ def consolidated(path: str) -> dict[str, torch.Tensor]:
         return model_tensors(path, manifest, sharded[0])
     opened = reader.open_checkpoint(path)
     full = structure.inline_per_rank(opened.part.structure, opened.part.per_rank)
-    engine = full.get("engine") if isinstance(full, dict) else None
-    if not isinstance(engine, dict) or "module" not in engine:
+    engine = _find_engine(full)
+    if engine is None or "module" not in engine:
         raise CheckpointMismatchError(
             f"{path} was not written by resilient_callbacks.deepspeed (no engine state)"
         )
     module = structure.decode(engine["module"], opened.part.tensors)
     return {k: v.clone() for k, v in module.items() if isinstance(v, torch.Tensor)}
+
+
+def _module_extras(path: str) -> dict[str, torch.Tensor]:
+    """The ZeRO 1-3 engine's replicated module tensors, by their state-dict names: its frozen
+    parameters (at ZeRO 1-2) and persistent buffers, as saved (``engine_state.module_extras``)."""
+    opened = reader.open_checkpoint(path)
+    full = structure.inline_per_rank(opened.part.structure, opened.part.per_rank)
+    engine = _find_engine(full)
+    if engine is None or "module_extras" not in engine:
+        return {}
+    extras = structure.decode(engine["module_extras"], opened.part.tensors)
+    return {
+        k.split("/", 1)[1]: v.clone()
+        for k, v in extras.items()
+        if isinstance(v, torch.Tensor) and k.startswith(("frozen/", "buffer/"))
+    }
+
+
+def _find_engine(full: Any) -> dict[str, Any] | None:
+    """The DeepSpeed engine's state in a checkpoint's tree: under ``"engine"`` (the DeepSpeed
+    adapter, the Trainer under DeepSpeed)."""
+    engine = full.get("engine") if isinstance(full, dict) else None
+    return engine if isinstance(engine, dict) else None
 
 
 def export_weights(path: str, out: str, *, overwrite: bool = False) -> str:

@@ -4,8 +4,9 @@
   optimizer, or DeepSpeed's bf16/fp16 wrapper whose ``state_dict`` holds only tensors and
   numbers: fp32 master copies, moments, loss scale) are written once, by rank 0.
 - ZeRO stages 1-3: the partitioned fp32 masters and moments are a :class:`~.zero_part.ZeroPart`
-  (each rank writes its own ranges); the module's persistent buffers and, at stages 1-2, its
-  frozen parameters (replicated) are written once.
+  (each rank writes its own ranges), and so, at stage 3, are the frozen parameters' partitions;
+  the module's persistent buffers and, at stages 1-2, its frozen parameters (replicated) are
+  written once.
 - Always: the engine's counters (optimizer steps, samples, micro-steps, skipped steps) and its
   learning-rate scheduler, if any.
 """
@@ -52,11 +53,6 @@ def _unsupported(engine: Any) -> str | None:
         return problem
     if engine.optimizer is None:
         return "the engine has no optimizer (an inference-only engine has nothing to resume)"
-    if zero == 3 and any(not p.requires_grad for p in engine.module.parameters()):
-        return (
-            "ZeRO stage 3 with frozen parameters is not supported yet (they are partitioned "
-            "outside the optimizer)"
-        )
     return None
 
 
@@ -135,9 +131,10 @@ def module_extras(engine: Any) -> dict[str, torch.Tensor]:
         sub = module.get_submodule(owner) if owner else module
         if buf is not None and leaf not in sub._non_persistent_buffers_set:
             out[f"buffer/{name}"] = buf
-    for name, p in module.named_parameters():
-        if not p.requires_grad:
-            out[f"frozen/{name}"] = p.data
+    if engine.zero_optimization_stage() < 3:  # at ZeRO 3 they are partitioned: the ZeroPart's
+        for name, p in module.named_parameters():
+            if not p.requires_grad:
+                out[f"frozen/{name}"] = p.data
     return out
 
 

@@ -32,6 +32,7 @@ import torch
 from ..errors import UnsupportedStateError
 
 FP32 = "fp32"  # the key of the master weights beside the optimizer's own state keys
+FROZEN = "frozen"  # the key of a ZeRO-3 frozen parameter's range (in no optimizer)
 
 # The loss scaler's attributes that make up its state (DeepSpeed's LossScaler and
 # DynamicLossScaler). Read and written one by one: the object itself is never serialized.
@@ -104,6 +105,14 @@ class ZeroView:
         raise NotImplementedError
 
     def _flat_partitions(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def frozen_fragments(self) -> Iterator[Fragment]:
+        """This rank's ranges of the frozen parameters where ZeRO partitions them (stage 3;
+        at stages 1-2 they are replicated and saved with the module), under :data:`FROZEN`."""
+        return iter(())
+
+    def set_frozen(self, name: str, value: torch.Tensor) -> None:
         raise NotImplementedError
 
     # -- shared
@@ -247,6 +256,28 @@ class Zero3View(ZeroView):
             for k in keys:
                 tensors[k] = self.optimizer.get_local_fp32_param(p, k)[:numel]
             yield Fragment(name, tuple(p.ds_shape), start, numel, tensors)
+
+    def _frozen(self) -> dict[str, Any]:
+        return {
+            n: p
+            for n, p in self.engine.module.named_parameters()
+            if not p.requires_grad and getattr(p, "ds_tensor", None) is not None
+        }
+
+    def frozen_fragments(self) -> Iterator[Fragment]:
+        for name, p in self._frozen().items():
+            start, numel = self._range(p)
+            yield Fragment(name, tuple(p.ds_shape), start, numel, {FROZEN: p.ds_tensor[:numel]})
+
+    def set_frozen(self, name: str, value: torch.Tensor) -> None:
+        p = self._frozen()[name]
+        if p.data.numel():  # gathered now: its full copy would not see the partition change
+            raise UnsupportedStateError(
+                f"frozen parameter {name!r} is gathered (inside a forward pass?): restore a "
+                "ZeRO-3 engine between steps"
+            )
+        _, numel = self._range(p)
+        p.ds_tensor.data[:numel].copy_(value)
 
     def set_fragment(self, name: str, key: str, value: torch.Tensor) -> None:
         p = self._by_name[name]

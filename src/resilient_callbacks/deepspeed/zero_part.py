@@ -23,7 +23,7 @@ import torch
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
-from .views import FP32, ZeroView, overlap, view_of
+from .views import FP32, FROZEN, Fragment, ZeroView, overlap, view_of
 
 if TYPE_CHECKING:
     from ..filepart import CaptureBuffers
@@ -51,32 +51,27 @@ class ZeroPart(FilePart):
 
     @torch.no_grad()
     def capture(self, buffers: CaptureBuffers) -> Any:
+        trained, frozen = list(self.view.fragments()), list(self.view.frozen_fragments())
         tensors: dict[str, torch.Tensor] = {}
-        ranges: dict[str, dict[str, Any]] = {}
-        for f in self.view.fragments():
-            ranges[f.name] = {"shape": list(f.shape), "start": f.start, "numel": f.numel}
-            for key, live in f.tensors.items():
-                name = f"{key}/{f.name}"
-                buf = buffers.get(name, live)
-                buf.copy_(live)  # synchronous: the step may change `live` once we return
-                tensors[name] = buf
+        for name, live in _live(trained + frozen).items():
+            buf = buffers.get(name, live)
+            buf.copy_(live)  # synchronous: the step may change `live` once we return
+            tensors[name] = buf
         index = {
             "format": FORMAT,
             "rank": self.rank,
             "zero_stage": self.view.stage,
             "keys": [FP32, *self.view.moment_keys()],
-            "params": ranges,
+            "params": _ranges(trained),
+            **({"frozen": _ranges(frozen)} if frozen else {}),
             **self.view.scalars(),
         }
         return tensors, index
 
     def host_tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors capture() copies, by its buffer names (for buffers made ahead)."""
-        return {
-            f"{key}/{f.name}": live
-            for f in self.view.fragments()
-            for key, live in f.tensors.items()
-        }
+        """The tensors capture() copies, by its buffer names (for buffers made ahead): each
+        trained parameter's ranges (fp32 and moments) and, at ZeRO 3, each frozen one's."""
+        return _live([*self.view.fragments(), *self.view.frozen_fragments()])
 
     def write(self, captured: Any, writer: PartWriter) -> None:
         tensors, index = captured
@@ -149,21 +144,77 @@ class ZeroPart(FilePart):
             if numel == 0:
                 continue
             for key in keys:
-                out = torch.empty(numel, dtype=torch.float32)
-                covered = 0
-                for r in saved_ranks:
-                    rng = indexes[r]["params"][name]
-                    lo, n = overlap(start, numel, rng["start"], rng["numel"])
-                    if n == 0:
-                        continue
-                    src = tensors[r][f"{key}/{name}"]
-                    out.narrow(0, lo - start, n).copy_(src.narrow(0, lo - rng["start"], n))
-                    covered += n
-                if covered != numel:
-                    raise CheckpointCorruptError(
-                        f"parameter {name!r} ({key}): the checkpoint's ranks cover {covered} of "
-                        f"the {numel} values this rank needs"
-                    )
+                out = _assemble(name, key, "params", start, numel, saved_ranks, indexes, tensors)
                 self.view.set_fragment(name, key, out)
+        self._load_frozen(saved_ranks, indexes, tensors)
         self.view.load_scalars(first)
         self.view.finish_load()
+
+    def _load_frozen(
+        self,
+        saved_ranks: list[int],
+        indexes: dict[int, Any],
+        tensors: dict[int, dict[str, torch.Tensor]],
+    ) -> None:
+        """ZeRO 3: each frozen parameter's range, from the saved ranks' ranges of it."""
+        here = {f.name: f for f in self.view.frozen_fragments()}
+        saved = indexes[saved_ranks[0]].get("frozen", {})
+        if set(here) != set(saved):
+            raise CheckpointMismatchError(
+                "the checkpoint's frozen ZeRO-3 parameters differ from the engine's: "
+                f"saved {sorted(saved)[:5]}, the engine's {sorted(here)[:5]}"
+            )
+        for name, f in here.items():
+            if list(f.shape) != saved[name]["shape"]:
+                raise CheckpointMismatchError(
+                    f"frozen parameter {name!r}: shape {list(f.shape)} in the model, "
+                    f"{saved[name]['shape']} in the checkpoint"
+                )
+            if f.numel:
+                out = _assemble(
+                    name, FROZEN, "frozen", f.start, f.numel, saved_ranks, indexes, tensors
+                )
+                self.view.set_frozen(name, out)
+
+
+def _live(fragments: list[Fragment]) -> dict[str, torch.Tensor]:
+    """The live tensors of ``fragments`` by the names the part's file gives them."""
+    return {f"{key}/{f.name}": live for f in fragments for key, live in f.tensors.items()}
+
+
+def _ranges(fragments: list[Fragment]) -> dict[str, dict[str, Any]]:
+    """The index entry of each fragment: the parameter's shape and this rank's range of it."""
+    return {f.name: {"shape": list(f.shape), "start": f.start, "numel": f.numel} for f in fragments}
+
+
+def _assemble(
+    name: str,
+    key: str,
+    section: str,
+    start: int,
+    numel: int,
+    saved_ranks: list[int],
+    indexes: dict[int, Any],
+    tensors: dict[int, dict[str, torch.Tensor]],
+) -> torch.Tensor:
+    """The range ``[start, start + numel)`` of parameter ``name``'s ``key`` tensor, laid
+    together from the overlapping ranges the saved ranks recorded under ``section`` of their
+    indexes (in the saved dtype); every value must be covered."""
+    out: torch.Tensor | None = None
+    covered = 0
+    for r in saved_ranks:
+        rng = indexes[r][section][name]
+        lo, n = overlap(start, numel, rng["start"], rng["numel"])
+        if n == 0:
+            continue
+        src = tensors[r][f"{key}/{name}"]
+        if out is None:
+            out = torch.empty(numel, dtype=src.dtype)
+        out.narrow(0, lo - start, n).copy_(src.narrow(0, lo - rng["start"], n))
+        covered += n
+    if out is None or covered != numel:
+        raise CheckpointCorruptError(
+            f"parameter {name!r} ({key}): the checkpoint's ranks cover {covered} of the {numel} "
+            "values this rank needs"
+        )
+    return out

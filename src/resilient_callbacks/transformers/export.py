@@ -63,7 +63,7 @@ def _export(
     if (
         not isinstance(full, dict)
         or "trainer" not in full
-        or not ("model" in full or "sharded" in full)
+        or not ("model" in full or "sharded" in full or "engine" in full)
     ):
         raise CheckpointMismatchError(
             f"{path} was not written by resilient_callbacks.transformers.ResilientCheckpoint "
@@ -81,23 +81,34 @@ def _export(
         )
     if "model" in full:
         state_dict = structure.decode(full["model"], part.tensors)
-    else:  # under the Trainer's FSDP: every rank's shards, laid together
+    elif "sharded" in full:  # under the Trainer's FSDP: every rank's shards, laid together
         from ..dcp.whole import model_tensors
 
         state_dict = model_tensors(path, read_manifest(path), "sharded")
+    else:  # under DeepSpeed: the engine's weights (fp32 masters at ZeRO 1-3), consolidated
+        from ..consolidate import consolidated
+
+        state_dict = consolidated(path)
     config = cls.config_class.from_dict(json.loads(info["config"]))  # type: ignore[attr-defined]
     from accelerate import init_empty_weights
 
     with init_empty_weights():
         model = cls(config)
     try:
-        model.load_state_dict(state_dict, strict=True, assign=True)
+        result = model.load_state_dict(state_dict, strict=False, assign=True)
     except RuntimeError as e:
         raise CheckpointMismatchError(
             f"the weights in {path} do not fit {cls.__name__}: {e}"
         ) from None
     if hasattr(model, "tie_weights"):
-        model.tie_weights()
+        model.tie_weights()  # a tied weight (saved once, under its owner's name) is set here
+    unset = [k for k, v in model.state_dict().items() if v.is_meta]
+    if result.unexpected_keys or unset:
+        raise CheckpointMismatchError(
+            f"the weights in {path} do not fit {cls.__name__}: "
+            + (f"not in the model: {result.unexpected_keys[:5]} " if result.unexpected_keys else "")
+            + (f"missing from the checkpoint: {unset[:5]}" if unset else "")
+        )
     if info.get("generation_config") and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_dict(
             json.loads(info["generation_config"])
