@@ -21,7 +21,9 @@ order, for the same step; each one marked *collective* runs collectives on ``gro
 - ``commit``: every rank's report is gathered; if any rank failed, rank 0 removes the staging
   directory and *every* rank raises one :class:`~.errors.CheckpointWriteError` naming the failed
   rank(s). Otherwise rank 0 checks that every listed file is visible to it (the directory must be
-  shared), writes ``manifest.json`` last (the commit point), fsyncs and renames the staging
+  shared), moves the blobs ranks wrote into ``<staging>/blobs/`` into the run's store
+  (``incremental=True`` with FileParts, :mod:`.part_blobs`), writes ``manifest.json`` last (the
+  commit point), fsyncs and renames the staging
   directory into place and updates the advisory ``latest`` pointer; every rank gets the final
   path. Only then does rank 0 run ``after_commit`` (upload queue, retention): deletion happens
   after the newer checkpoint is durable, by one process.
