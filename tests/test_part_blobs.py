@@ -250,6 +250,42 @@ def test_a_frozen_tensor_whose_buffer_was_freed_is_copied_again(tmp_path, monkey
     assert torch.equal(fresh.frozen, part.frozen)
 
 
+class LoadsThroughData(WithOptimizer):
+    """Restores its tensors through ``.data`` (as some libraries do): no version counter moves."""
+
+    def load(self, reader: PartReader) -> None:
+        got = reader.tensors(f"rank_{reader.info.rank:05d}.safetensors")
+        for name, live in self.tensors().items():
+            live.data.copy_(got[name])
+
+
+def test_a_restore_in_the_same_process_forgets_what_was_unchanged(tmp_path):
+    """A run that restores mid-way (a rollback after a loss spike) and lands on an older
+    checkpoint (the newest is damaged), then saves again: the frozen tensor the restore wrote
+    is copied anew, although the restore wrote it where no version counter sees."""
+    root = tmp_path / "ck"
+    part = LoadsThroughData()
+    original = part.frozen.clone()
+    with Checkpointer(root, incremental=True, preemption=False) as ck:
+        ck.save(1, {"engine": part})  # the frozen tensor as it was
+        part.frozen.add_(1.0)  # changed (seen): step 2 copies and stores it
+        ck.save(2, {"engine": part})
+        ck.flush()
+        damaged = root / "step_000000002" / "parts" / "engine" / "rank_00000.safetensors"
+        data = bytearray(damaged.read_bytes())
+        data[-1] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResumeFallbackWarning)
+            assert ck.restore({"engine": part}) == 1  # back to step 1's values
+        ck.save(3, {"engine": part})
+    fresh = WithOptimizer()
+    fresh.frozen.zero_()
+    with Checkpointer(root, preemption=False) as ck:
+        assert ck.restore({"engine": fresh}) == 3
+    assert torch.equal(fresh.frozen, original)
+
+
 def test_part_blobs_are_compressed_with_the_save_and_restore_exactly(tmp_path):
     pytest.importorskip("zstandard")
     root = tmp_path / "ck"

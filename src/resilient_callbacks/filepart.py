@@ -445,6 +445,11 @@ class PartBuffers:
         optimizers = part.stepped_by()
         return tracker, part_trained_storages(optimizers) if optimizers else None
 
+    def forget(self) -> None:
+        """After a restore: nothing is known unchanged any more (the restore wrote the live
+        tensors, perhaps in ways no version counter sees)."""
+        self._trackers.clear()
+
     def committed(self, captured: CapturedParts, keys: Mapping[Sig, str]) -> None:
         """The save of ``captured`` committed, storing the host copies ``keys`` names as blobs:
         each part's tracker remembers its unchanged tensors."""

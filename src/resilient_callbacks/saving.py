@@ -104,6 +104,12 @@ class Saver:
         self.save_seconds: deque[float] = deque(maxlen=9)
         self.persist_seconds: deque[float] = deque(maxlen=9)
 
+    def forget_unchanged(self) -> None:
+        """After a restore: no tensor is known unchanged since a save any more (incremental)."""
+        if self.tracker is not None:
+            self.tracker.forget()
+        self.part_buffers.forget()
+
     # ------------------------------------------------------------------ training thread
 
     def save(
