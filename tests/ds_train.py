@@ -137,6 +137,18 @@ def main() -> None:
     ap.add_argument("--scramble-frozen", action="store_true")
     args = ap.parse_args()
 
+    if os.environ.get("RC_COUNT_COPIES"):  # the names each snapshot copies, one line each
+        from resilient_callbacks import snapshot
+
+        real_init = snapshot.Snapshot.__init__
+
+        def counting(self, tensors, buffers, **kw):
+            with open(f"{args.out}.rank{os.environ.get('RANK', '0')}.copies.jsonl", "a") as f:
+                f.write(json.dumps(sorted(tensors)) + "\n")
+            real_init(self, tensors, buffers, **kw)
+
+        snapshot.Snapshot.__init__ = counting
+
     if args.no_pickle:  # restore must never unpickle
         import pickle
 

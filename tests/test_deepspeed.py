@@ -452,6 +452,32 @@ def test_zero3_with_frozen_parameters_kill_resume_is_exact_and_exports_them(
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_frozen_partitions_are_copied_once_with_incremental(tmp_path: Path) -> None:
+    """ZeRO 3, 2 ranks, incremental=True: each rank's partition of the frozen weight is copied
+    to the host (and written) by the first save only; later saves know it unchanged."""
+    opts = [*_opts(3, "fp32"), "--freeze-first", "--incremental"]
+    out = tmp_path / "run"
+    spawn_ranks.run(
+        [sys.executable, str(SCRIPT), "--dir", str(tmp_path / "ck"), "--out", str(out), *opts],
+        2,
+        tmp_path,
+        "run",
+        env={"DS_ACCELERATOR": "cpu", "RC_COUNT_COPIES": "1"},
+        deadline=DEADLINE,
+    )
+    for r in range(2):
+        lines = Path(f"{out}.rank{r}.copies.jsonl").read_text().splitlines()
+        copied = [set(n) for n in map(json.loads, lines)]
+        # the weight's partition (48 KiB, a blob): at the first save only (steps 3, 6, 9); the
+        # bias's (8 KiB, kept in the part's file) at every save
+        assert sum("frozen/0.weight" in n for n in copied) == 1, lines
+        assert sum("frozen/0.bias" in n for n in copied) == 3, lines
+    newest = max(committed(tmp_path / "ck"), key=lambda e: e.step)
+    assert newest.manifest is not None and {b.rank for b in newest.manifest.blobs} == {0, 1}
+
+
+@pytest.mark.distributed
 def test_hf_trainer_with_deepspeed_exports_a_from_pretrained_directory(tmp_path: Path) -> None:
     """``resilient-ckpt export`` of a Trainer run under DeepSpeed ZeRO-2: a ``from_pretrained``
     directory (the model's class and config, as the Trainer recorded them) whose weights are the

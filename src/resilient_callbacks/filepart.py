@@ -292,7 +292,11 @@ class CaptureBuffers:
         return self._buffers.get(name, like)
 
     def copy(
-        self, tensors: Mapping[str, torch.Tensor], *, step_only: set[int] | None = None
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        step_only: set[int] | None = None,
+        frozen: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` into this part's buffers and return the copies, by name (for
         :meth:`FilePart.write`; the core waits for the copies before it calls write).
@@ -304,16 +308,19 @@ class CaptureBuffers:
         tensor is copied (or, on a GPU, ordered before later kernels) before this returns.
 
         With ``incremental=True``, a tensor known unchanged since the last committed save
-        (:class:`~.unchanged.PartTracker`) is not copied: its buffer holds its bytes already."""
+        (:class:`~.unchanged.PartTracker`) is not copied: its buffer holds its bytes already.
+        ``frozen=True``: the part vouches that no optimizer changes ``tensors`` (frozen
+        parameters), so they may be known unchanged even if the part names no optimizer."""
         from .snapshot import Snapshot
         from .unchanged import buffer_sig
 
         self.names.update(tensors)
         kept: dict[str, torch.Tensor] = {}
         watch: dict[str, tuple[torch.Tensor, tuple[Any, ...], int]] = {}
-        if self._tracker is not None and self._trained is not None:
+        trained = set() if frozen else self._trained
+        if self._tracker is not None and trained is not None:
             for name, t in tensors.items():
-                w = self._tracker.watch(name, t, self._trained)
+                w = self._tracker.watch(name, t, trained)
                 if w is None:
                     continue
                 watch[name] = w

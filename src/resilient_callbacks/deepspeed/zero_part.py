@@ -53,10 +53,14 @@ class ZeroPart(FilePart):
     def capture(self, buffers: CaptureBuffers) -> Any:
         trained, frozen = list(self.view.fragments()), list(self.view.frozen_fragments())
         tensors: dict[str, torch.Tensor] = {}
-        for name, live in _live(trained + frozen).items():
+        for name, live in _live(trained).items():
             buf = buffers.get(name, live)
             buf.copy_(live)  # synchronous: the step may change `live` once we return
             tensors[name] = buf
+        # ZeRO 3's frozen partitions: in no optimizer, so with incremental=True a partition
+        # known unchanged since the last committed save is not copied again
+        if frozen:
+            tensors.update(buffers.copy(_live(frozen), frozen=True))
         index = {
             "format": FORMAT,
             "rank": self.rank,
