@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from . import reader, structure
 from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from .filepart import part_dir, parts_of_format, read_part_tensors
+from .layout import LoadedPart
 from .manifest import Manifest, read_manifest
 from .tensorfile import read_verified
 
@@ -104,41 +105,42 @@ def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, t
     return result
 
 
-def consolidated(path: str) -> dict[str, torch.Tensor]:
+def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.Tensor]:
     """The model weights of the checkpoint at ``path``: a DeepSpeed one's (the trained parameters
     in fp32 at ZeRO 1-3, with the frozen parameters and persistent buffers as saved), or a
-    ``dcp.Sharded`` part's whole model tensors (as saved)."""
+    ``dcp.Sharded`` part's whole model tensors (as saved). ``part``: its rank-0 part, if the
+    caller opened it already (read and verified once, not twice)."""
     manifest = read_manifest(path)
     parts = zero_part_ids(manifest)
     if parts:
         weights = consolidate_zero(path, manifest, parts[0])
-        weights.update(_module_extras(path))
+        weights.update(_module_extras(part or reader.open_checkpoint(path).part))
         return weights
     from .dcp.whole import model_tensors, sharded_part_ids
 
     sharded = sharded_part_ids(manifest)
     if sharded:
         return model_tensors(path, manifest, sharded[0])
-    opened = reader.open_checkpoint(path)
-    full = structure.inline_per_rank(opened.part.structure, opened.part.per_rank)
+    part = part or reader.open_checkpoint(path).part
+    full = structure.inline_per_rank(part.structure, part.per_rank)
     engine = _find_engine(full)
     if engine is None or "module" not in engine:
         raise CheckpointMismatchError(
             f"{path} was not written by resilient_callbacks.deepspeed (no engine state)"
         )
-    module = structure.decode(engine["module"], opened.part.tensors)
+    module = structure.decode(engine["module"], part.tensors)
     return {k: v.clone() for k, v in module.items() if isinstance(v, torch.Tensor)}
 
 
-def _module_extras(path: str) -> dict[str, torch.Tensor]:
-    """The ZeRO 1-3 engine's replicated module tensors, by their state-dict names: its frozen
-    parameters (at ZeRO 1-2) and persistent buffers, as saved (``engine_state.module_extras``)."""
-    opened = reader.open_checkpoint(path)
-    full = structure.inline_per_rank(opened.part.structure, opened.part.per_rank)
+def _module_extras(part: LoadedPart) -> dict[str, torch.Tensor]:
+    """The ZeRO 1-3 engine's replicated module tensors in a checkpoint's rank-0 ``part``, by
+    their state-dict names: its frozen parameters (at ZeRO 1-2) and persistent buffers, as saved
+    (``engine_state.module_extras``)."""
+    full = structure.inline_per_rank(part.structure, part.per_rank)
     engine = _find_engine(full)
     if engine is None or "module_extras" not in engine:
         return {}
-    extras = structure.decode(engine["module_extras"], opened.part.tensors)
+    extras = structure.decode(engine["module_extras"], part.tensors)
     return {
         k.split("/", 1)[1]: v.clone()
         for k, v in extras.items()

@@ -312,7 +312,7 @@ class CaptureBuffers:
         ``frozen=True``: the part vouches that no optimizer changes ``tensors`` (frozen
         parameters), so they may be known unchanged even if the part names no optimizer."""
         from .snapshot import Snapshot
-        from .unchanged import buffer_sig
+        from .unchanged import buffer_sig, watchable
 
         self.names.update(tensors)
         kept: dict[str, torch.Tensor] = {}
@@ -320,7 +320,7 @@ class CaptureBuffers:
         trained = set() if frozen else self._trained
         if self._tracker is not None and trained is not None:
             for name, t in tensors.items():
-                w = self._tracker.watch(name, t, trained)
+                w = watchable(t, trained)
                 if w is None:
                     continue
                 watch[name] = w
@@ -446,11 +446,11 @@ class PartBuffers:
         is known unchanged), with ``incremental=True``."""
         if not self._track:
             return None, None
-        from .unchanged import PartTracker, part_trained_storages
+        from .unchanged import PartTracker, optimizer_storages
 
         tracker = self._trackers.setdefault(part_id, PartTracker())
         optimizers = part.stepped_by()
-        return tracker, part_trained_storages(optimizers) if optimizers else None
+        return tracker, optimizer_storages(optimizers) if optimizers else None
 
     def forget(self) -> None:
         """After a restore: nothing is known unchanged any more (the restore wrote the live

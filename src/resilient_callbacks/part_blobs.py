@@ -115,7 +115,6 @@ class PartBlobSession:
     entries: dict[str, FileEntry] = field(default_factory=dict)  # blob name -> entry
     written_names: set[str] = field(default_factory=set)
     written: int = 0  # bytes of the blobs this save wrote
-    reused: int = 0  # tensors referenced without writing
 
     def split(
         self, tensors: Mapping[str, torch.Tensor]
@@ -148,8 +147,6 @@ class PartBlobSession:
                 self.written += entry.size
                 self.written_names.add(bname)
                 staged = True
-            else:
-                self.reused += 1
             self.entries[bname] = entry
             refs[name] = bname
         if staged:

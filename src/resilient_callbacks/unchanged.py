@@ -55,21 +55,47 @@ def _where(t: torch.Tensor) -> tuple[Any, ...]:
 def trained_storages(state: Any) -> set[int]:
     """Data pointers of the storages that training changes: parameters that require grad and
     every tensor of every optimizer (its parameters and its state)."""
-    ptrs: set[int] = set()
+    ptrs = optimizer_storages(statetree.optimizers(state))
     for _, obj in statetree.leaves(state):
         if isinstance(obj, torch.nn.Module):
             for p in obj.parameters():
                 if p.requires_grad:
                     ptrs.add(p.untyped_storage().data_ptr())
-    for opt in statetree.optimizers(state):
+    return ptrs
+
+
+def optimizer_storages(optimizers: Any) -> set[int]:
+    """Storage addresses of what ``optimizers`` change (their parameters and state), taking a
+    DTensor's local shard."""
+    ptrs: set[int] = set()
+
+    def add(t: torch.Tensor) -> None:
+        ptrs.add(getattr(t, "_local_tensor", t).untyped_storage().data_ptr())
+
+    for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                ptrs.add(p.untyped_storage().data_ptr())
+                add(p)
         for st in opt.state.values():
             for v in st.values() if isinstance(st, Mapping) else ():
                 if isinstance(v, torch.Tensor):
-                    ptrs.add(v.untyped_storage().data_ptr())
+                    add(v)
     return ptrs
+
+
+def watchable(
+    t: torch.Tensor, trained: set[int]
+) -> tuple[torch.Tensor, tuple[Any, ...], int] | None:
+    """``(t, where, version)`` for a tensor an incremental save may come to know unchanged: a
+    blob-sized, dense tensor with a version counter, not in a ``trained`` storage; else None."""
+    if t.numel() * t.element_size() < BLOB_MIN or t.is_sparse:
+        return None
+    try:
+        version = t._version
+        where = _where(t)
+    except (RuntimeError, NotImplementedError):  # inference tensors have no counter
+        return None
+    return None if where[0] in trained else (t, where, version)
 
 
 class UnchangedTracker:
@@ -88,16 +114,11 @@ class UnchangedTracker:
         hints: dict[str, str] = {}
         watch: dict[str, tuple[torch.Tensor, tuple[Any, ...], int]] = {}
         for name, t in tensors.items():
-            if t.numel() * t.element_size() < BLOB_MIN or t.is_sparse:
+            w = watchable(t, trained)
+            if w is None:
                 continue
-            try:
-                version = t._version
-                where = _where(t)
-            except (RuntimeError, NotImplementedError):  # inference tensors have no counter
-                continue
-            if where[0] in trained:
-                continue
-            watch[name] = (t, where, version)
+            watch[name] = w
+            _, where, version = w
             seen = self._seen.get(name)
             if seen is not None and seen.where == where and seen.version == version:
                 hints[name] = seen.key
@@ -158,51 +179,19 @@ def buffer_sig(t: torch.Tensor) -> Sig:
     return t.data_ptr(), t.dtype, tuple(t.shape)
 
 
-def part_trained_storages(optimizers: Any) -> set[int]:
-    """Storage addresses of what the given optimizers change (their parameters and state),
-    taking a DTensor's local shard."""
-    ptrs: set[int] = set()
-
-    def add(t: torch.Tensor) -> None:
-        local = getattr(t, "_local_tensor", t)
-        ptrs.add(local.untyped_storage().data_ptr())
-
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                add(p)
-        for st in opt.state.values():
-            for v in st.values() if isinstance(st, Mapping) else ():
-                if isinstance(v, torch.Tensor):
-                    add(v)
-    return ptrs
-
-
 class PartTracker:
     """Per FilePart, every rank (``incremental=True``): which tensors the part passes to
     ``CaptureBuffers.copy`` cannot have changed since the last committed save *and* still have
     their bytes in the same host buffer, so that the save neither copies nor hashes them.
 
     A tensor qualifies only when the part names its optimizers (:meth:`FilePart.stepped_by`;
-    otherwise what training changes is unknown) and, besides the conditions of the module
+    otherwise what training changes is unknown) or vouches for it (``copy(frozen=True)``), and,
+    besides the conditions of the module
     docstring, the host buffer of its name is the very one its bytes were copied into at that
     save (a buffer freed and made again holds nothing)."""
 
     def __init__(self) -> None:
         self._seen: dict[str, _Kept] = {}
-
-    def watch(
-        self, name: str, t: torch.Tensor, trained: set[int]
-    ) -> tuple[torch.Tensor, tuple[Any, ...], int] | None:
-        """What to remember of ``t`` if the save commits; None if it cannot qualify."""
-        if t.numel() * t.element_size() < BLOB_MIN or t.is_sparse:
-            return None
-        try:
-            version = t._version
-            where = _where(t)
-        except (RuntimeError, NotImplementedError):  # inference tensors have no counter
-            return None
-        return None if where[0] in trained else (t, where, version)
 
     def unchanged(
         self,
@@ -210,7 +199,8 @@ class PartTracker:
         watched: tuple[torch.Tensor, tuple[Any, ...], int],
         buffer: torch.Tensor | None,
     ) -> str | None:
-        """The content key of ``name`` if it is unchanged and ``buffer`` still holds it."""
+        """The content key of ``name`` (``watched``: :func:`watchable`'s answer now) if it is
+        unchanged and ``buffer`` still holds it."""
         seen = self._seen.get(name)
         if seen is None or buffer is None or buffer is not seen.buffer:
             return None

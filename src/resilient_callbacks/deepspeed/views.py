@@ -235,6 +235,12 @@ class Zero3View(ZeroView):
         for group in self.optimizer.fp16_groups:
             for p in group:
                 self._by_name[self.names[id(p)]] = p
+        # the frozen parameters, partitioned too but in no optimizer group
+        self._frozen: dict[str, Any] = {
+            n: p
+            for n, p in engine.module.named_parameters()
+            if not p.requires_grad and getattr(p, "ds_tensor", None) is not None
+        }
         group = self.optimizer.dp_process_group
         self.dp_rank = (
             torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
@@ -257,20 +263,13 @@ class Zero3View(ZeroView):
                 tensors[k] = self.optimizer.get_local_fp32_param(p, k)[:numel]
             yield Fragment(name, tuple(p.ds_shape), start, numel, tensors)
 
-    def _frozen(self) -> dict[str, Any]:
-        return {
-            n: p
-            for n, p in self.engine.module.named_parameters()
-            if not p.requires_grad and getattr(p, "ds_tensor", None) is not None
-        }
-
     def frozen_fragments(self) -> Iterator[Fragment]:
-        for name, p in self._frozen().items():
+        for name, p in self._frozen.items():
             start, numel = self._range(p)
             yield Fragment(name, tuple(p.ds_shape), start, numel, {FROZEN: p.ds_tensor[:numel]})
 
     def set_frozen(self, name: str, value: torch.Tensor) -> None:
-        p = self._frozen()[name]
+        p = self._frozen[name]
         if p.data.numel():  # gathered now: its full copy would not see the partition change
             raise UnsupportedStateError(
                 f"frozen parameter {name!r} is gathered (inside a forward pass?): restore a "

@@ -88,7 +88,7 @@ def _export(
     else:  # under DeepSpeed: the engine's weights (fp32 masters at ZeRO 1-3), consolidated
         from ..consolidate import consolidated
 
-        state_dict = consolidated(path)
+        state_dict = consolidated(path, part)
     config = cls.config_class.from_dict(json.loads(info["config"]))  # type: ignore[attr-defined]
     from accelerate import init_empty_weights
 
