@@ -372,9 +372,14 @@ def fsdp_worker(root: str, out: str, total: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 1)).to(device)
     model[0].requires_grad_(False)
-    for layer in (model[0], model[2]):
-        fully_shard(layer)
-    fully_shard(model)
+    if os.environ.get("RC_PART_FSDP1"):  # FSDP1, the whole model one flat parameter
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model = FSDP(model, device_id=device, use_orig_params=True)
+    else:
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     state = {"train": Sharded(model, opt)}
     res: dict[str, Any] = {"written": [], "copied": []}
@@ -389,10 +394,12 @@ def fsdp_worker(root: str, out: str, total: int) -> None:
     snapshot.Snapshot.__init__ = counting
     with Checkpointer(root, every_n_steps=1, keep_last=2, incremental=True) as ck:
         start = res["start"] = ck.restore(state)
-        restored = full_tensors(model, opt)
-        torch.manual_seed(100 + start)
+        # only after a restore: DCP's full state dict gives an optimizer without state some
+        restored = full_tensors(model, opt) if start else {}
         for step in range(start + 1, total + 1):
-            x, y = torch.randn(4, 128).to(device), torch.randn(4, 1).to(device)
+            g = torch.Generator().manual_seed(100 + step)  # a step's batch: the same after a resume
+            x, y = torch.randn(4, 128, generator=g), torch.randn(4, 1, generator=g)
+            x, y = x.to(device), y.to(device)
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
@@ -401,7 +408,8 @@ def fsdp_worker(root: str, out: str, total: int) -> None:
                 res["written"].append(ck.last_save.written)
     final = full_tensors(model, opt)
     if rank == 0:
-        save_file({k: v.contiguous() for k, v in restored.items()}, f"{out}.restored.{world}")
+        if start:
+            save_file({k: v.contiguous() for k, v in restored.items()}, f"{out}.restored.{world}")
         save_file({k: v.contiguous() for k, v in final.items()}, f"{out}.final.{world}")
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(res))
     spawn_ranks.leave_group()
@@ -454,6 +462,53 @@ def test_fsdp2_with_a_frozen_layer_writes_it_once_and_restores_exactly_on_2_and_
         assert torch.equal(v, final5[k]), k
     for e in catalog.scan(str(root), catalog.Depth.FULL):
         assert str(e.status) == "valid", (e.name, e.problem)
+
+
+def test_fsdp1_one_flat_parameter_whose_first_rank_holds_only_frozen_weights(tmp_path):
+    """FSDP1 (``use_orig_params=True``) with the whole model one flat parameter: rank 0's even
+    slice holds only the frozen layer, so its optimizer has no state while rank 1's has. The
+    ranks agree that the optimizer's state is saved (each deciding alone, they took different
+    collectives and hung until the timeout); the frozen ranges are written by the first save
+    only; a restart on 2 ranks restores every full tensor as saved and ends where a run that
+    was not stopped ends; a restart on 1 rank restores every full tensor as saved."""
+    from safetensors.torch import load_file
+
+    root, out = tmp_path / "ck", tmp_path / "out"
+    env = {"RC_PART_FSDP1": "1"}
+
+    def run(total: int, nprocs: int, name: str, where: Path = root) -> list[dict[str, Any]]:
+        argv = [sys.executable, __file__, str(where), str(out), str(total)]
+        spawn_ranks.run(argv, nprocs, tmp_path, name, env=env)
+        return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(nprocs)]
+
+    run(5, 2, "uninterrupted", tmp_path / "other")
+    uninterrupted = load_file(f"{out}.final.2")
+    first = run(3, 2, "first")
+    frozen_range = 64000  # bytes of frozen weight each rank holds in one box, at least
+    for r in range(2):
+        w = first[r]["written"]
+        assert len(w) == 3 and w[0] > frozen_range, w
+        assert all(x <= w[0] - frozen_range for x in w[1:]), w
+    final3 = load_file(f"{out}.final.2")
+    assert any(k.startswith("optim/") for k in final3)
+
+    second = run(5, 2, "second")
+    assert [s["start"] for s in second] == [3, 3]
+    restored = load_file(f"{out}.restored.2")
+    assert restored.keys() == final3.keys()
+    for k, v in restored.items():
+        assert torch.equal(v, final3[k]), k
+    final5 = load_file(f"{out}.final.2")
+    assert final5.keys() == uninterrupted.keys()
+    for k, v in final5.items():  # killed or not, the same run
+        assert torch.equal(v, uninterrupted[k]), k
+
+    one = run(5, 1, "one")
+    assert one[0]["start"] == 5
+    restored = load_file(f"{out}.restored.1")
+    assert restored.keys() == final5.keys()
+    for k, v in restored.items():
+        assert torch.equal(v, final5[k]), k
 
 
 @pytest.mark.gpu

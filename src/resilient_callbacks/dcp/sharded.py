@@ -126,6 +126,7 @@ class Sharded(FilePart):
         # the last gathered chunk index: (fingerprint of this rank's chunks, index, owned)
         self._index: tuple[int, dict[str, Any], set[str]] | None = None
         self._flat_on = True  # read FSDP1's layout directly where it can (see describe())
+        self._optim_saved = False  # some rank's optimizer had state (see _with_optim())
         self._flat_kind: bool | None = None  # _flat_model(), once known
         self._fqn = Names(model)
         self._optim_names: list[tuple[str, str, str]] | None = None  # of the last index
@@ -159,6 +160,15 @@ class Sharded(FilePart):
     def _has_optim_state(self) -> bool:
         return any(o.state for o in self.optimizers)
 
+    def _with_optim(self) -> bool:
+        """Every rank (collective until it is true): whether this save holds the optimizers'
+        state. Agreed, because a rank can lack state that another has: under FSDP1 a rank whose
+        range of a flat parameter holds only frozen parameters gives its optimizer nothing to
+        step. Once true it stays true (an optimizer does not lose its state)."""
+        if not self._optim_saved:
+            self._optim_saved = dist.any_true(self._has_optim_state())
+        return self._optim_saved
+
     def _state_dict(self, with_optim: bool) -> dict[str, Any]:
         # An optimizer without state would be initialised by a zero step here (DCP's
         # _init_optim_state): only asked for when it has state, or a checkpoint has it.
@@ -184,7 +194,7 @@ class Sharded(FilePart):
         layout); whenever the layout changes they are compared with FSDP1's own state dict
         (:func:`.views.differences`), and a difference on any rank turns this off for good.
         Otherwise, and for FSDP2 and tensor parallelism, DCP's state dict is read."""
-        with_optim = self._has_optim_state()
+        with_optim = self._with_optim()
         view = None
         if self._flat_on and self._flat_model():  # the same on every rank
             said, view = self._describe_flat(with_optim)
