@@ -46,7 +46,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     ``fsdp1-hybrid`` (FSDP1's ``HYBRID_SHARD``, the same layout).
     ``RC_EXTRA_LAYER=1`` appends a layer: a model the checkpoints do not fit;
     ``RC_FREEZE_FIRST=1`` freezes the first Linear (the optimizer gets the others);
-    ``RC_FSDP1_BF16=1`` gives FSDP1 bf16 mixed precision. ``RC_DEVICE=cuda``
+    ``RC_FSDP1_BF16=1`` gives FSDP1 bf16 mixed precision; ``RC_OPTIM=sgd`` plain SGD (no
+    momentum: an optimizer without state) in place of AdamW. ``RC_DEVICE=cuda``
     puts it on the rank's GPU (the process group must then be NCCL: :func:`backend`)."""
     import os
 
@@ -133,6 +134,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     # RC_TENSOR_LR=1: the learning rate as a tensor (a tensor among the param_groups)
     lr: Any = torch.tensor(1e-2) if os.environ.get("RC_TENSOR_LR") else 1e-2
     trainable = [p for p in model.parameters() if p.requires_grad]
+    if os.environ.get("RC_OPTIM") == "sgd":  # an optimizer that never has state
+        return model, torch.optim.SGD(trainable, lr=0.1)
     opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.01)
     return model, opt
 

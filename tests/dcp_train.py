@@ -9,7 +9,8 @@ buffers of the Sharded part (:func:`record_buffers`); after a restore, ``OUT.ran
 tensors view a mapped checkpoint file (:func:`viewing_files_under`). With CRASH_AT, every rank SIGKILLs itself right after
 ``ck.step(CRASH_AT)`` returns (a background save may be in flight). With the environment
 variable ``RC_FORBID_PICKLE`` set, ``pickle.load``/``loads``/``Unpickler`` and ``torch.load`` raise
-during the restore. ``RC_OVERLAP=1``: ``Checkpointer(overlap_snapshot=True)``; with
+during the restore. ``RC_OVERLAP=1``: ``Checkpointer(overlap_snapshot=True)``; ``RC_OPTIM=sgd``: SGD with a
+``StepLR`` schedule (saved too) in place of AdamW; with
 ``RC_SLOW_DEFERRED_COPY=1`` as well, every deferred (background) snapshot copy first sleeps
 0.5 s and then appends a line to ``OUT.deferred`` -- an optimizer step that did not wait for the
 copy would change the parameters before they are copied, and the checkpoint would be torn.
@@ -150,7 +151,10 @@ def main() -> None:
     flat_layout_refused(rank)
     torch.manual_seed(1000 + rank)  # each rank its own data stream
     pos = Position()
-    state = {"train": Sharded(model, opt), "data": PerRank(pos)}
+    state: dict[str, object] = {"train": Sharded(model, opt), "data": PerRank(pos)}
+    sched = None
+    if os.environ.get("RC_OPTIM") == "sgd":  # a chainable scheduler: it scales the group's lr
+        sched = state["sched"] = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     overlap = os.environ.get("RC_OVERLAP") == "1"
     if overlap and os.environ.get("RC_SLOW_DEFERRED_COPY") == "1":
         slow_deferred_copies(out)
@@ -175,6 +179,8 @@ def main() -> None:
         with open(f"{out}.rank{rank}.jsonl", "a") as log:
             for step in range(start + 1, total + 1):
                 loss = train_step(model, opt)
+                if sched is not None:
+                    sched.step()
                 pos.seen += 8
                 log.write(json.dumps({"step": step, "loss": loss}) + "\n")
                 log.flush()

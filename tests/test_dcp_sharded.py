@@ -60,6 +60,33 @@ def test_split_refuses_what_json_cannot_hold():
         split({"optim": {"fn": lambda: 0}})
 
 
+def test_the_groups_of_an_optimizer_without_state_round_trip_as_json():
+    """What Sharded keeps of optimizers saved without state: every group value but the
+    parameters, a tensor learning rate written back in place, tuples as tuples; a different
+    number of groups is refused by name."""
+    from resilient_callbacks.dcp.groups import hyperparameters, restore_hyperparameters
+    from resilient_callbacks.errors import CheckpointMismatchError
+
+    def build() -> torch.optim.Optimizer:
+        a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+        return torch.optim.Adam([{"params": [a]}, {"params": [b], "lr": 0.5}], lr=torch.tensor(0.1))
+
+    saved = build()
+    saved.param_groups[0]["lr"].fill_(0.25)
+    saved.param_groups[1].update(lr=0.125, betas=(0.5, 0.75), initial_lr=0.5)
+    on_disk = json.loads(json.dumps(hyperparameters([saved])))
+    fresh = build()
+    lr = fresh.param_groups[0]["lr"]
+    restore_hyperparameters([fresh], on_disk, "rank_00000.json")
+    assert fresh.param_groups[0]["lr"] is lr and lr.item() == 0.25
+    g = fresh.param_groups[1]
+    assert (g["lr"], g["betas"], g["initial_lr"]) == (0.125, (0.5, 0.75), 0.5)
+    assert all(len(g["params"]) for g in fresh.param_groups)
+    one_group = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+    with pytest.raises(CheckpointMismatchError, match="saved with 2 parameter group"):
+        restore_hyperparameters([one_group], on_disk, "rank_00000.json")
+
+
 def test_boxes_intersect_and_copy_the_overlap():
     need = Box.of([2, 0], [3, 4])  # rows 2..4 of a 7x4 tensor
     saved = Box.of([0, 0], [4, 4])  # rows 0..3
@@ -408,6 +435,28 @@ def test_fsdp1_saves_through_its_state_dict_when_a_rank_cannot_read_the_layout(t
     )
     saved = json.loads((root / "step_000000006" / "manifest.json").read_text())["extra"]
     assert saved["parts"]["train"]["mesh"] == {"layout": "FSDP1 flat parameters, read directly"}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
+def test_an_optimizer_without_state_resumes_with_the_learning_rate_it_had(tmp_path, sharding):
+    """SGD without momentum never has state, so no optimizer state is saved; its param_groups
+    are, and a StepLR schedule (which scales the group's current rate) goes on from the rate
+    the run had reached: killed after step 5 and run again, the losses and final weights are
+    those of a run that was not stopped. (Its groups were lost: the resumed run went on at the
+    initial rate.)"""
+    env = {"RC_SHARDING": sharding, "RC_OPTIM": "sgd"}
+    _run(tmp_path, 2, tmp_path / "clean", "u", 8, **env)
+    codes = _run(tmp_path, 2, tmp_path / "crashed", "k", 8, "5", **env)
+    assert -9 in codes
+    _run(tmp_path, 2, tmp_path / "crashed", "k", 8, **env)
+    assert int((tmp_path / "k.start").read_text()) in (4, 2)
+    for rank in (0, 1):
+        assert _losses(tmp_path, "k", rank) == _losses(tmp_path, "u", rank)
+    _assert_same(
+        _tensors(tmp_path / "u.final.safetensors"), _tensors(tmp_path / "k.final.safetensors")
+    )
 
 
 @pytest.mark.distributed

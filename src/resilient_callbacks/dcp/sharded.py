@@ -59,6 +59,7 @@ from . import flat_restore, shards
 from .assemble import assemble, full_box, json_file, tensor_file, whole_entry
 from .chunks import Box, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
+from .groups import hyperparameters, restore_hyperparameters
 from .views import (
     View,
     complete_skeleton,
@@ -325,7 +326,10 @@ class Sharded(FilePart):
             pending, self._pending = self._pending, None
             assert pending is not None
         copies = buffers.copy(pending.local, step_only=self._step_storages())
-        return {"tensors": copies, "json": {"format": FORMAT, "skeleton": pending.skeleton}}
+        said: dict[str, Any] = {"format": FORMAT, "skeleton": pending.skeleton}
+        if self.optimizers and not pending.said["optim"]:  # no state, but a learning rate
+            said["groups"] = hyperparameters(self.optimizers)
+        return {"tensors": copies, "json": said}
 
     def stepped_by(self) -> tuple[torch.optim.Optimizer, ...]:
         return self.optimizers
@@ -445,6 +449,7 @@ class Sharded(FilePart):
             files = {r: reader.tensors(tensor_file(r)) for r in sorted(plan.ranks)}
             optimizer = self.optimizers[0] if self.optimizers else None
             flat_restore.load(plan, files, meta["skeleton"], optimizer)
+            self._restore_groups(meta, plan.with_optim, json_file(home))
             return
         files = {r: reader.tensors(tensor_file(r)) for r in plan["ranks"]}
         targets: dict[str, torch.Tensor] = plan["tensors"]
@@ -487,3 +492,9 @@ class Sharded(FilePart):
         set_model_state_dict(self.model, sd["model"], options=self.options)
         if plan["with_optim"]:
             set_optimizer_state_dict(self.model, self.optimizers, sd["optim"], options=self.options)
+        self._restore_groups(meta, plan["with_optim"], json_file(home))
+
+    def _restore_groups(self, meta: dict[str, Any], with_optim: bool, where: str) -> None:
+        """The hyperparameters of optimizers saved without state (:mod:`.groups`)."""
+        if not with_optim and self.optimizers and "groups" in meta:
+            restore_hyperparameters(self.optimizers, meta["groups"], where)

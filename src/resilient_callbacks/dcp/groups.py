@@ -1,0 +1,77 @@
+"""The hyperparameters of optimizers that have no state, saved and restored without DCP.
+
+``Sharded`` saves the optimizers' state through DCP's optimizer state dict, which carries the
+``param_groups`` too. When no rank's optimizer has state, it saves none (DCP would give the
+optimizers state with a zero step, and a tool must not change the run): an optimizer that
+never has state -- SGD without momentum -- then lost its ``param_groups``, and a resumed run
+went on with the learning rate it was built with, not the one its scheduler had reached (a
+chainable scheduler such as ``StepLR`` multiplies the group's current rate, so the rest of the
+run was off too). These functions keep each group's values but its parameters, as JSON.
+
+Every rank, training thread; nothing here is collective. The groups are matched by position,
+as ``torch.optim.Optimizer.load_state_dict`` matches them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from .chunks import join, split
+
+_NOT_SAVED = ("params", "param_names")  # which parameters a group holds: the optimizer's own
+
+
+def hyperparameters(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[Any]]:
+    """Each optimizer's ``param_groups`` without their parameters, as JSON (:func:`.split`'s
+    skeleton; a tensor value, such as a learning rate kept on the device, as its numbers)."""
+    out = []
+    for opt in optimizers:
+        groups = []
+        for g in opt.param_groups:
+            values = {
+                k: v.tolist() if isinstance(v, torch.Tensor) else v
+                for k, v in g.items()
+                if k not in _NOT_SAVED
+            }
+            skeleton, _ = split(values, "param_groups")
+            groups.append(skeleton)
+        out.append(groups)
+    return out
+
+
+def restore_hyperparameters(
+    optimizers: Sequence[torch.optim.Optimizer], saved: Any, where: str
+) -> None:
+    """Set each group's values from ``saved`` (:func:`hyperparameters`' answer); a tensor
+    value is written in place. Raises :class:`CheckpointMismatchError` when the number of
+    optimizers or of their groups differs from what was saved."""
+    if not isinstance(saved, list) or not all(isinstance(s, list) for s in saved):
+        raise CheckpointCorruptError(f"{where}: the optimizers' groups are not a list of lists")
+    if len(saved) != len(optimizers):
+        raise CheckpointMismatchError(
+            f"{where}: saved with {len(saved)} optimizer(s), restored into {len(optimizers)}"
+        )
+    for i, (opt, groups) in enumerate(zip(optimizers, saved, strict=True)):
+        if len(groups) != len(opt.param_groups):
+            raise CheckpointMismatchError(
+                f"{where}: optimizer {i} was saved with {len(groups)} parameter group(s), this "
+                f"one has {len(opt.param_groups)}"
+            )
+        for group, skeleton in zip(opt.param_groups, groups, strict=True):
+            values = join(skeleton, _no_tensor)
+            if not isinstance(values, dict):
+                raise CheckpointCorruptError(f"{where}: a parameter group is not a dict")
+            for k, v in values.items():
+                current = group.get(k)
+                if isinstance(current, torch.Tensor):
+                    current.copy_(torch.as_tensor(v, dtype=current.dtype))
+                else:
+                    group[k] = v
+
+
+def _no_tensor(name: str) -> Any:
+    raise CheckpointCorruptError(f"a parameter group refers to a tensor ({name})")
