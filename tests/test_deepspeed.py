@@ -206,6 +206,16 @@ def test_resume_on_another_number_of_ranks(
     assert {f"fp32/{k}" for k in weights} == {k for k in saved if k.startswith("fp32/")}
     for k, t in weights.items():
         assert [float(v).hex() for v in t.flatten()] == saved[f"fp32/{k}"], k
+    # inspect lists each parameter's master and moments whole, with the ranks' ranges of it
+    show = [sys.executable, "-m", "resilient_callbacks", "inspect", ck, "--step", "6", "--json"]
+    keys = json.loads(subprocess.run(show, check=True, capture_output=True, text=True).stdout)
+    listed = {k["key"].removeprefix("engine.zero."): k for k in keys["keys"]}
+    for name, t in weights.items():
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            entry = listed[f"{key}/{name}"]
+            assert (entry["dtype"], entry["shape"]) == ("F32", list(t.shape)), entry
+            assert 1 <= entry["chunks"] <= before, entry
+    assert before == 1 or any(listed[f"fp32/{n}"]["chunks"] == 2 for n in weights)
     # Restore on the other size: the gathered state is what was saved; then train on.
     more = [
         "--dir",

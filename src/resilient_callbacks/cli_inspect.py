@@ -23,6 +23,7 @@ from .cli_format import (
     status_text,
 )
 from .cli_scan import no_checkpoints, public, resolve, row
+from .consolidate import zero_part_ids, zero_tensors
 from .errors import CheckpointError
 from .filepart import PARTS_EXTRA
 from .layout import SHARED_STRUCTURE, SHARED_TENSORS
@@ -99,8 +100,9 @@ def walk(
 
 def _part(part_id: str, described: Any, path: str, out: list[dict]) -> None:
     """A FilePart's entries: one per tensor when its describe() recorded an index of them
-    (``{"tensors": {name: {"dtype", "shape", "chunks"}}}``, as ``dcp.Sharded`` does; the
-    whole tensor's shape, and in how many rank-written chunks it is stored), else one line."""
+    (``{"tensors": {name: {"dtype", "shape", "chunks"}}}``, as ``dcp.Sharded`` does, and as
+    :func:`_keys` adds for a DeepSpeed ZeroPart from its ranks' indexes; the whole tensor's
+    shape, and in how many rank-written chunks it is stored), else one line."""
     described = described if isinstance(described, dict) else {}
     tensors = described.get("tensors")
     if not isinstance(tensors, dict):
@@ -132,7 +134,15 @@ def _keys(e: Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
         return None, f"cannot read the keys ({type(err).__name__}: {err})"
     keys: list[dict[str, Any]] = []
     parts = e.manifest.extra.get(PARTS_EXTRA) if e.manifest is not None else None
-    walk(struct, meta, "", keys, parts if isinstance(parts, dict) else None)
+    parts = dict(parts) if isinstance(parts, dict) else None
+    if parts and e.manifest is not None:
+        try:  # a ZeroPart's tensors are listed in its ranks' indexes, not in the manifest
+            for part_id in zero_part_ids(e.manifest):
+                tensors = zero_tensors(e.path, e.manifest, part_id, parts[part_id])
+                parts[part_id] = {**parts[part_id], "tensors": tensors}
+        except (OSError, ValueError, KeyError, TypeError, CheckpointError) as err:
+            return None, f"cannot read the ZeRO ranges ({type(err).__name__}: {err})"
+    walk(struct, meta, "", keys, parts)
     return keys, None
 
 

@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from .filepart import part_dir, parts_of_format, read_part_tensors
 from .layout import LoadedPart
 from .manifest import Manifest, read_manifest
-from .tensorfile import read_verified
+from .tensorfile import DTYPE_TO_ST, read_verified
 
 ZERO_FORMAT = "zero-fragments/1"
 
@@ -64,9 +65,8 @@ def exports_weights(manifest: Manifest, path: str) -> bool:
     return bool(zero_part_ids(manifest)) or _holds_engine(full) or bool(sharded_part_ids(manifest))
 
 
-def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, torch.Tensor]:
-    """Full parameters from every rank's ranges of ZeroPart ``part_id``, verified: the trained
-    ones' fp32 masters and, at ZeRO 3, the frozen ones as saved."""
+def _zero_indexes(path: str, manifest: Manifest, part_id: str) -> Iterator[tuple[str, Any]]:
+    """``(file, index)`` of each rank's JSON index of ZeroPart ``part_id``, verified."""
     folder = part_dir(part_id)
     entries = {f.path: f for f in manifest.files}
     index_names = sorted(
@@ -74,11 +74,44 @@ def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, t
     )
     if not index_names:
         raise CheckpointCorruptError(f"{path}: part {part_id!r} lists no rank files")
+    for rel in index_names:
+        yield rel, json.loads(bytes(read_verified(os.path.join(path, rel), entries[rel].digest)))
+
+
+def zero_tensors(
+    path: str, manifest: Manifest, part_id: str, described: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """What ZeroPart ``part_id`` stores, for ``resilient-ckpt inspect``, as a ``dcp.Sharded``
+    part describes its tensors: ``{name: {"dtype", "shape", "chunks"}}``, the whole tensor's
+    shape and one chunk per rank holding a range of it. Each trained parameter's fp32 master
+    (``fp32/NAME``) and optimizer moments (``exp_avg/NAME``, ...: fp32, as ZeRO keeps them
+    beside the masters), and at ZeRO 3 each frozen parameter (``frozen/NAME``, the module's
+    dtype, ``described["dtype"]``)."""
+    module_dtype = getattr(torch, str(described.get("dtype")), None)
+    frozen_code = DTYPE_TO_ST.get(module_dtype) if isinstance(module_dtype, torch.dtype) else None
+    out: dict[str, dict[str, Any]] = {}
+    for _, index in _zero_indexes(path, manifest, part_id):
+        rank = index.get("rank")
+        sections = (("params", index.get("keys") or [], "F32"), ("frozen", ["frozen"], frozen_code))
+        for section, keys, code in sections:
+            for name, rng in (index.get(section) or {}).items():
+                for key in keys:
+                    entry = out.setdefault(
+                        f"{key}/{name}", {"dtype": code, "shape": rng["shape"], "chunks": []}
+                    )
+                    if rng["numel"]:
+                        entry["chunks"].append([rank, int(rng["start"]), int(rng["numel"])])
+    return out
+
+
+def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, torch.Tensor]:
+    """Full parameters from every rank's ranges of ZeroPart ``part_id``, verified: the trained
+    ones' fp32 masters and, at ZeRO 3, the frozen ones as saved."""
+    entries = {f.path: f for f in manifest.files}
     out: dict[str, torch.Tensor] = {}  # name -> the flattened parameter being filled
     shapes: dict[str, list[int]] = {}
     filled: dict[str, int] = {}
-    for rel in index_names:
-        index = json.loads(bytes(read_verified(os.path.join(path, rel), entries[rel].digest)))
+    for rel, index in _zero_indexes(path, manifest, part_id):
         st_rel = rel[: -len(".json")] + ".safetensors"
         if st_rel not in entries:
             raise CheckpointCorruptError(f"{path}: the manifest does not list {st_rel}")
