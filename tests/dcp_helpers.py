@@ -46,6 +46,7 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     ``fsdp1-hybrid`` (FSDP1's ``HYBRID_SHARD``, the same layout).
     ``RC_EXTRA_LAYER=1`` appends a layer: a model the checkpoints do not fit;
     ``RC_FREEZE_FIRST=1`` freezes the first Linear (the optimizer gets the others);
+    ``RC_UNUSED_PARAM=1`` gives the second Linear a parameter its forward does not use;
     ``RC_FSDP1_BF16=1`` gives FSDP1 bf16 mixed precision; ``RC_OPTIM=sgd`` plain SGD (no
     momentum: an optimizer without state) in place of AdamW. ``RC_DEVICE=cuda``
     puts it on the rank's GPU (the process group must then be NCCL: :func:`backend`)."""
@@ -60,6 +61,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
         model.append(nn.Linear(1, 1))
     if os.environ.get("RC_FREEZE_FIRST"):  # a frozen layer, as PEFT/LoRA fine-tuning leaves them
         model[0].requires_grad_(False)
+    if os.environ.get("RC_UNUSED_PARAM"):  # trained, but no forward uses it: no optimizer state
+        model[2].register_parameter("spare", torch.nn.Parameter(torch.randn(4, 3)))
     device = _device()
     model = model.to(device)
     how = os.environ.get("RC_SHARDING", "fsdp2")

@@ -1,7 +1,7 @@
 """Worker script of the Sharded (FSDP2 on gloo, CPU) tests: one rank of a training run.
 
 ``python dcp_train.py ROOT OUT TOTAL EVERY [CRASH_AT]``: restore from ROOT (resharding to this
-world size), write the full tensors right after the restore to ``OUT.restored.safetensors``
+world size), write the full tensors right after a restore to ``OUT.restored.safetensors``
 (rank 0), train up to step TOTAL saving every EVERY steps (``Sharded`` + ``PerRank``), append
 each step's loss to ``OUT.rank<r>.jsonl``, and write the final full tensors to
 ``OUT.final.safetensors`` (rank 0); after every step, ``OUT.rank<r>.buffers.jsonl``: the host
@@ -169,11 +169,15 @@ def main() -> None:
             assert pos.seen == start * 8, (pos.seen, start)
             with open(f"{out}.rank{rank}.mapped", "w") as f:
                 f.write(str(viewing_files_under(root, model, opt)))
-        restored = full_tensors(model, opt)
+        # after a restore only: DCP's state dict gives an optimizer without state some (a zero
+        # step), which would hide what a run whose optimizer has none yet does
+        restored = full_tensors(model, opt) if start else None
         if rank == 0:
-            save_file(
-                {k: v.contiguous() for k, v in restored.items()}, f"{out}.restored.safetensors"
-            )
+            if restored is not None:
+                save_file(
+                    {k: v.contiguous() for k, v in restored.items()},
+                    f"{out}.restored.safetensors",
+                )
             with open(f"{out}.start", "w") as f:
                 f.write(str(start))
         with open(f"{out}.rank{rank}.jsonl", "a") as log:

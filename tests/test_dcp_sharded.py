@@ -64,7 +64,7 @@ def test_the_groups_of_an_optimizer_without_state_round_trip_as_json():
     """What Sharded keeps of optimizers saved without state: every group value but the
     parameters, a tensor learning rate written back in place, tuples as tuples; a different
     number of groups is refused by name."""
-    from resilient_callbacks.dcp.groups import hyperparameters, restore_hyperparameters
+    from resilient_callbacks.dcp.stateless import hyperparameters, restore_hyperparameters
     from resilient_callbacks.errors import CheckpointMismatchError
 
     def build() -> torch.optim.Optimizer:
@@ -457,6 +457,29 @@ def test_an_optimizer_without_state_resumes_with_the_learning_rate_it_had(tmp_pa
     _assert_same(
         _tensors(tmp_path / "u.final.safetensors"), _tensors(tmp_path / "k.final.safetensors")
     )
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_parameter_without_optimizer_state_resumes_without_it(tmp_path):
+    """A trained parameter no forward pass uses has no gradient, so AdamW holds no state for
+    it when the run is saved (an unused head, an expert no token was routed to yet). Killed and
+    run again: the restore does not refuse the checkpoint for lacking that state (it did: the
+    state dict it loads into has state for every parameter), and the parameter still has none
+    -- the final optimizer state has the same keys as a run that was not stopped."""
+    env = {"RC_SHARDING": "fsdp2", "RC_UNUSED_PARAM": "1"}  # (FSDP1 gives it a zero gradient)
+    _run(tmp_path, 2, tmp_path / "clean", "u", 8, **env)
+    codes = _run(tmp_path, 2, tmp_path / "crashed", "k", 8, "5", **env)
+    assert -9 in codes
+    _run(tmp_path, 2, tmp_path / "crashed", "k", 8, **env)
+    assert int((tmp_path / "k.start").read_text()) in (4, 2)
+    for rank in (0, 1):
+        assert _losses(tmp_path, "k", rank) == _losses(tmp_path, "u", rank)
+    _assert_same(
+        _tensors(tmp_path / "u.final.safetensors"), _tensors(tmp_path / "k.final.safetensors")
+    )
+    _run(tmp_path, 1, tmp_path / "crashed", "one", 8, **env)  # resharded onto one rank
+    assert (tmp_path / "one.start").read_text() == "8"
 
 
 @pytest.mark.distributed

@@ -12,7 +12,8 @@ Files, under ``parts/<id>/`` of a checkpoint:
   ``name#0``, ``name#1``, ...), and every plain tensor of the state dict (optimizer ``step``
   counters; read from FSDP1's layout, those are 0-d chunks of the ranks that step them).
 - ``rank_NNNNN.json`` (each rank): the state dict's non-tensor values (``param_groups``
-  hyper-parameters) with references to the tensors.
+  hyper-parameters) with references to the tensors; for optimizers saved without state, their
+  ``param_groups`` (:mod:`.stateless`).
 
 The chunk index (for every tensor: dtype, global shape, and which rank saved which box of it,
 under which key) is gathered from every rank with the core's JSON collectives (again only when
@@ -23,7 +24,8 @@ need, so a rank reads only those (verified), and nothing is unpickled.
 Which ranks call what: as every FilePart (see :mod:`resilient_callbacks.filepart`); every rank
 holds a ``Sharded`` of the same model at the same place of its state. :meth:`describe` runs, on
 the default group and the training thread at each save, one all-reduce (under FSDP1 it also
-agrees on reading the layout directly), one all-gather (JSON in uint8 tensors) when the layout
+agrees on reading the layout directly; until some rank's optimizer has state, one more agrees
+on saving it), one all-gather (JSON in uint8 tensors) when the layout
 changed, and under FSDP1 at such a change FSDP1's state dict and one more all-reduce (the
 comparison). Reading FSDP1's layout is not collective, so every rank reaches the all-reduce
 that agrees on it, whatever happened on another.
@@ -34,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,7 +61,7 @@ from . import flat_restore, shards
 from .assemble import assemble, full_box, json_file, tensor_file, whole_entry
 from .chunks import Box, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
-from .groups import hyperparameters, restore_hyperparameters
+from .stateless import hyperparameters, restore_hyperparameters, without_saved_state
 from .views import (
     View,
     complete_skeleton,
@@ -481,7 +483,8 @@ class Sharded(FilePart):
             return saved.to(device, copy=True)
 
         sd = join(meta["skeleton"], value)
-        missing = sorted(set(targets) - asked)
+        unsaved = without_saved_state(set(targets) - asked, sd) if plan["with_optim"] else set()
+        missing = sorted(set(targets) - asked - unsaved)
         if missing:  # neither in the chunk index nor among the tensors saved whole
             more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
             raise CheckpointMismatchError(
@@ -491,10 +494,13 @@ class Sharded(FilePart):
             )
         set_model_state_dict(self.model, sd["model"], options=self.options)
         if plan["with_optim"]:
-            set_optimizer_state_dict(self.model, self.optimizers, sd["optim"], options=self.options)
+            # parameters that had no optimizer state when saved get none (DCP's strict
+            # loading refuses them; the optimizer's load_state_dict leaves them without)
+            options = replace(self.options, strict=False) if unsaved else self.options
+            set_optimizer_state_dict(self.model, self.optimizers, sd["optim"], options=options)
         self._restore_groups(meta, plan["with_optim"], json_file(home))
 
     def _restore_groups(self, meta: dict[str, Any], with_optim: bool, where: str) -> None:
-        """The hyperparameters of optimizers saved without state (:mod:`.groups`)."""
+        """The hyperparameters of optimizers saved without state (:mod:`.stateless`)."""
         if not with_optim and self.optimizers and "groups" in meta:
             restore_hyperparameters(self.optimizers, meta["groups"], where)

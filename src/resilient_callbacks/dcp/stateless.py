@@ -1,4 +1,4 @@
-"""The hyperparameters of optimizers that have no state, saved and restored without DCP.
+"""Optimizer state that is not there: optimizers without any, parameters without any.
 
 ``Sharded`` saves the optimizers' state through DCP's optimizer state dict, which carries the
 ``param_groups`` too. When no rank's optimizer has state, it saves none (DCP would give the
@@ -6,7 +6,12 @@ optimizers state with a zero step, and a tool must not change the run): an optim
 never has state -- SGD without momentum -- then lost its ``param_groups``, and a resumed run
 went on with the learning rate it was built with, not the one its scheduler had reached (a
 chainable scheduler such as ``StepLR`` multiplies the group's current rate, so the rest of the
-run was off too). These functions keep each group's values but its parameters, as JSON.
+run was off too). :func:`hyperparameters` keeps each group's values but its parameters, as JSON.
+
+A parameter without a gradient yet (unused by the forward pass, an expert no token was routed
+to) has no state in an optimizer that has state for the others; a restore, whose target state
+dict DCP initialises for every parameter, must not refuse the checkpoint for lacking it
+(:func:`without_saved_state`), and leaves the parameter without state, as it was.
 
 Every rank, training thread; nothing here is collective. The groups are matched by position,
 as ``torch.optim.Optimizer.load_state_dict`` matches them.
@@ -20,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
-from .chunks import join, split
+from .chunks import join, split, unescape
 
 _NOT_SAVED = ("params", "param_names")  # which parameters a group holds: the optimizer's own
 
@@ -75,3 +80,15 @@ def restore_hyperparameters(
 
 def _no_tensor(name: str) -> Any:
     raise CheckpointCorruptError(f"a parameter group refers to a tensor ({name})")
+
+
+def without_saved_state(names: set[str], sd: dict[str, Any]) -> set[str]:
+    """Of ``names`` (flattened state-dict names, ``optim/state/FQN/KEY``), those of parameters
+    that have no optimizer state in the checkpoint's state dict ``sd``."""
+    saved = (sd.get("optim") or {}).get("state") or {}
+    out = set()
+    for name in names:
+        parts = name.split("/")
+        if len(parts) == 4 and parts[:2] == ["optim", "state"] and unescape(parts[2]) not in saved:
+            out.add(name)
+    return out
