@@ -54,6 +54,33 @@ def test_resume_continues_with_the_next_unseen_batch(num_workers, stop):
     assert sorted(i for b in ref[:10] for i in b) == list(range(40)) and ref[:10] != ref[10:20]
 
 
+def test_restored_at_an_epochs_end_the_next_pass_is_empty_unless_set_epoch_moved_on():
+    """Saved after the last batch of epoch 0 (its iterator not run out yet). A plain loop's next
+    pass ends epoch 0 (empty) and the one after is epoch 1. Lightning creates the iterator and
+    then announces epoch 1 (``set_epoch``) before asking for a batch: that iterator must give
+    epoch 1's batches -- an empty pass there made Lightning count it as epoch 1 and lose it."""
+    ds = TensorDataset(torch.arange(40))
+    ref = ResumableDataLoader(ds, batch_size=4, seed=3)
+    epochs = [[ids(b) for b in ref] for _ in range(2)]
+
+    def at_epoch_end() -> ResumableDataLoader:
+        a = ResumableDataLoader(ds, batch_size=4, seed=3)
+        it = iter(a)
+        assert [ids(next(it)) for _ in range(10)] == epochs[0]
+        b = ResumableDataLoader(ds, batch_size=4, seed=3)
+        b.load_state_dict(a.state_dict())
+        return b
+
+    plain = at_epoch_end()
+    assert [ids(b) for b in plain] == []
+    assert [ids(b) for b in plain] == epochs[1]
+    lightning = at_epoch_end()
+    it = iter(lightning)
+    lightning.set_epoch(1)
+    assert [ids(b) for b in it] == epochs[1]
+    assert lightning.epoch == 2
+
+
 def test_creating_iterators_draws_as_the_stock_loader():
     """seed=s: the global RNG is left alone (like DataLoader(generator=...)); no seed: the global
     RNG advances exactly as under DataLoader(shuffle=True)."""

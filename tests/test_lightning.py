@@ -113,7 +113,11 @@ def _losses(path: Path) -> dict[int, str]:
     return {r["step"]: r["loss"] for r in _records(path)}  # a re-trained step: the last wins
 
 
-def _assert_same_run(ref: Path, got: Path, suffix: str = "") -> None:
+def _places(path: Path) -> dict[int, tuple[int, int]]:
+    return {r["step"]: (r["epoch"], r["batch"]) for r in _records(path)}
+
+
+def _assert_same_run(ref: Path, got: Path, suffix: str = "", places: bool = True) -> None:
     a, b = _losses(ref / f"losses.jsonl{suffix}"), _losses(got / f"losses.jsonl{suffix}")
     assert sorted(a) == list(range(1, TOTAL + 1))
     assert sorted(b) == list(range(1, TOTAL + 1)), f"steps missing: {set(a) - set(b)}"
@@ -127,6 +131,12 @@ def _assert_same_run(ref: Path, got: Path, suffix: str = "") -> None:
     assert pa.keys() == pb.keys()
     for k in pa:
         assert torch.equal(pa[k].view(torch.uint8), pb[k].view(torch.uint8)), f"weight {k}"
+    if not places:
+        return
+    # and each step in the same epoch, at the same batch of it
+    ea, eb = _places(ref / f"losses.jsonl{suffix}"), _places(got / f"losses.jsonl{suffix}")
+    diff = [s for s in ea if ea[s] != eb[s]]
+    assert not diff, f"step {diff[0]}: (epoch, batch) {ea[diff[0]]} vs {eb[diff[0]]}"
 
 
 def _committed(ckdir: Path) -> list[catalog.Entry]:
@@ -231,7 +241,9 @@ def test_resume_from_each_kind_of_step_is_bit_exact(tmp_path, reference, loader)
         rc, caught = _run_inprocess(_argv(work, loader=loader))
         assert rc.restored_step == k
         assert not [w for w in caught if UNRELIABLE in w], caught
-        _assert_same_run(ref, work)
+        # torchdata's loader, restored at an epoch's end, gives Lightning an empty pass that it
+        # counts as the next epoch (docs/lightning.md): the same steps one epoch ahead
+        _assert_same_run(ref, work, places=loader == "plain" or k != 13)
 
 
 def test_control_without_resumable_loader_warns_and_diverges(tmp_path, reference):

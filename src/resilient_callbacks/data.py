@@ -130,12 +130,15 @@ class ResumableDataLoader(DataLoader):
         self._skip_passes = 0  # passes still to answer empty (passes_are_epochs)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        sampler = self.sampler
-        assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
         self._passes += 1
         if self._skip_passes:  # an epoch the run had trained before it was resumed
             self._skip_passes -= 1
             return iter(())
+        return self._pass()
+
+    def _pass(self) -> Iterator[Any]:
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
         fresh = not self._started and self.batches_consumed == 0
         if fresh:
             self._started = True
@@ -148,7 +151,7 @@ class ResumableDataLoader(DataLoader):
             sampler.set_position(self.epoch, len(sampler))
             for _ in sampler:
                 pass
-            return self._iterate(iter(()))
+            return self._epoch_over(self.epoch)
         else:
             sampler.set_position(self.epoch, self.batches_consumed * self.batch_size)
         persistent = self.persistent_workers and self.num_workers > 0
@@ -160,6 +163,17 @@ class ResumableDataLoader(DataLoader):
             it = super().__iter__()
         self._restored_persistent = False
         return self._iterate(it)
+
+    def _epoch_over(self, epoch: int) -> Iterator[Any]:
+        """The pass of ``epoch``, whose batches were all handed out: it ends the epoch -- unless
+        the loader was moved to a new epoch (:meth:`set_epoch`) before the first batch was
+        asked for; then it is that epoch's pass. Lightning, resumed from a checkpoint of an
+        epoch's last batch, creates the iterator first and announces the next epoch after: an
+        empty pass would make it count that epoch as trained."""
+        if self.epoch != epoch:
+            yield from self._pass()
+            return
+        yield from self._iterate(iter(()))
 
     @contextmanager
     def _base_seed_from(self, state: torch.Tensor) -> Iterator[None]:
