@@ -256,6 +256,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--root", default=None, help="Trainer default_root_dir")
     p.add_argument("--ckpt-path", default=None, help="fit(ckpt_path=...)")
     p.add_argument("--model-checkpoint", action="store_true", help="add a ModelCheckpoint too")
+    p.add_argument(
+        "--early-stop", action="store_true", help="EarlyStopping: stops at the 2nd validation"
+    )
     p.add_argument("--csv-logs", default=None, help="a CSVLogger directory")
     p.add_argument(
         "--no-callback",
@@ -308,6 +311,9 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
                 dirpath=os.path.join(args.root or ".", "mc"), monitor="val_loss", save_top_k=1
             )
         )
+    if args.early_stop:  # val_loss never improves by 10: stops at the second validation
+        stop = L.pytorch.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0)
+        callbacks.append(stop)
     logger = False
     if args.csv_logs:
         logger = L.pytorch.loggers.CSVLogger(args.csv_logs, name="", version="")

@@ -246,6 +246,19 @@ def test_resume_from_each_kind_of_step_is_bit_exact(tmp_path, reference, loader)
         _assert_same_run(ref, work, places=loader == "plain" or k != 13)
 
 
+def test_a_run_stopped_by_early_stopping_is_not_trained_further_when_re_run(tmp_path):
+    """EarlyStopping stops fit at step 12 (the second validation); that step is saved. The same
+    script run again restores step 12 and trains nothing (it trained on: Lightning's
+    checkpoint does not hold trainer.should_stop)."""
+    rc, _ = _run_inprocess(_argv(tmp_path, "--early-stop"))
+    steps = [r["step"] for r in _records(tmp_path / "losses.jsonl")]
+    assert steps[-1] == 12 and [e.step for e in _committed(tmp_path / "ckpt")][-1] == 12
+    rc, _ = _run_inprocess(_argv(tmp_path, "--early-stop"))
+    assert rc.restored_step == 12
+    assert [r["step"] for r in _records(tmp_path / "losses.jsonl")] == steps  # nothing trained
+    assert [e.step for e in _committed(tmp_path / "ckpt")][-1] == 12
+
+
 def test_control_without_resumable_loader_warns_and_diverges(tmp_path, reference):
     """The check above can fail: a plain DataLoader left as it is restarts its epoch on resume;
     Lightning warns, and the run is not the reference run."""

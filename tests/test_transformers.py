@@ -23,6 +23,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -383,6 +384,28 @@ def test_resume_restores_callback_state_and_a_finished_run_stays_finished(tmp_pa
     assert stop2.early_stopping_patience_counter == counter  # restored, not reset
     assert trainer.state.global_step == 6  # nothing left to train
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == list(range(1, 7))
+
+
+def test_a_run_stopped_early_is_not_trained_further_when_re_run(tmp_path):
+    """EarlyStoppingCallback ends train() at step 4 of 10 (eval_loss never improves by 100);
+    that step is saved. The same script run again restores step 4 and trains nothing: the same
+    final train_loss (it trained on to step 6: nothing recorded that the run had stopped)."""
+    from transformers import EarlyStoppingCallback
+
+    ck = tmp_path / "ck"
+
+    def run() -> tuple[ResilientCheckpoint, Any]:
+        stop = EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=100.0)
+        cb = ResilientCheckpoint(ck, every_n_steps=3)
+        trainer = _train(tmp_path, cb, 10, callbacks=[stop], eval_steps=2)
+        return cb, trainer
+
+    _, first = run()
+    assert first.state.global_step == 4 and _committed(ck)[-1].step == 4
+    cb, again = run()
+    assert cb.restored_step == 4 and again.state.global_step == 4
+    loss = [e["train_loss"] for e in again.state.log_history if "train_loss" in e]
+    assert loss[-1] == [e["train_loss"] for e in first.state.log_history if "train_loss" in e][-1]
 
 
 def test_changed_data_settings_are_refused(tmp_path):

@@ -133,6 +133,7 @@ class ResilientCheckpoint(Checkpoint):
         self._ctx: st.SaveContext | None = None
         self._state: dict[str, Any] | None = None
         self._resume_rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
+        self._resumed_stopped = False  # the checkpoint restored is the step a run stopped at
         self._last_step: int | None = None
         self._pending: tuple[int, Any] | None = None
         self._our_handlers: dict[int, Any] = {}
@@ -253,6 +254,7 @@ class ResilientCheckpoint(Checkpoint):
         conn._loaded_checkpoint = checkpoint
         self.restored_step = step
         self._resume_rng = rng.capture()  # restored by the core; re-applied at on_train_start
+        self._resumed_stopped = bool(checkpoint.pop(st.STOPPED_KEY, False))
         loops = checkpoint.get("loops", {}).get("fit_loop", {})
         batch = loops.get("epoch_loop.batch_progress", {}).get("current", {}).get("processed", "?")
         where = f"epoch {checkpoint.get('epoch', '?')}, {batch} batch(es) into it"
@@ -343,6 +345,14 @@ class ResilientCheckpoint(Checkpoint):
             # each) and ran the sanity check; the interrupted run did neither at this point.
             rng.restore(*self._resume_rng)
             self._resume_rng = None
+        if self._resumed_stopped:
+            # the run stopped at the restored step (early stopping, max_time, should_stop set by
+            # the user's code): re-running the finished script trains nothing, as for max_steps
+            trainer.should_stop = True
+            rank_zero_info(
+                f"ResilientCheckpoint: the run stopped at step {self.restored_step} "
+                "(trainer.should_stop) and that is its last checkpoint: nothing to train"
+            )
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -393,7 +403,7 @@ class ResilientCheckpoint(Checkpoint):
     def _boundary(self, trainer: pl.Trainer, step: int, loss: Any) -> None:
         ckpt, ctx, state = self.checkpointer, self._ctx, self._state
         assert ckpt is not None and ctx is not None and state is not None
-        ctx.reset()
+        ctx.reset(stopped=bool(trainer.should_stop))
         metrics = st.finite_metrics(trainer.callback_metrics)
         loss_key = self._kwargs.get("loss_key", "loss")
         if self._kwargs.get("loss_jump") and loss_key not in metrics and loss is not None:

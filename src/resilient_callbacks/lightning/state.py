@@ -48,6 +48,9 @@ KEYS = ("lightning", "state_dict", "optimizer_states", "data")
 
 # where Lightning keeps the train dataloaders' states in its checkpoint
 _LOADER_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
+# in Lightning's checkpoint dictionary as we save it: the run stopped after this step before its
+# end (trainer.should_stop: early stopping, max_time, the user's code), so a re-run trains nothing
+STOPPED_KEY = "resilient_callbacks_stopped"
 
 
 class HparamsConversionWarning(UserWarning):
@@ -213,13 +216,16 @@ class SaveContext:
         self._rest: dict[str, Any] | None = None
         self.fit_loop_override: dict[str, Any] | None = None
         self.buffer_override: dict[str, torch.Tensor] | None = None
+        self.stopped = False
 
-    def reset(self) -> None:
-        """Forget the previous dump (called at every step boundary)."""
+    def reset(self, stopped: bool = False) -> None:
+        """Forget the previous dump (called at every step boundary). ``stopped``: the run
+        stops after this step (:data:`STOPPED_KEY`)."""
         self._dump = None
         self._rest = None
         self.fit_loop_override = None
         self.buffer_override = None
+        self.stopped = stopped
 
     def dump(self) -> dict[str, Any]:
         if self._dump is None:
@@ -232,6 +238,8 @@ class SaveContext:
                     if k in sd:
                         sd[k] = v
                 d["state_dict"] = sd
+            if self.stopped:
+                d[STOPPED_KEY] = True
             self._dump = d
         return self._dump
 

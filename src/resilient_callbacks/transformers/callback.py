@@ -140,7 +140,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._own_generator: torch.Generator | None = None  # its generator (None: global RNG)
         self._saved = trainer_state.SavedState(exclude=self)  # what is saved of the Trainer
         self._save_every_epoch = False
-        self._resume: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
+        self._resume: tuple[int, int, torch.Tensor, torch.Tensor, bool] | None = None
         self._epoch_calls = 0
         self._epoch_offset = 0
         self._epoch = 0
@@ -281,6 +281,11 @@ class ResilientCheckpoint(TrainerCallback):
                     f"; the run had finished (max_steps={state.max_steps}): nothing to train, "
                     "its final metrics are restored"
                 )
+            elif self._resume[4]:
+                extra = (
+                    "; the run had stopped there (should_training_stop: early stopping): "
+                    "nothing to train, its final metrics are restored"
+                )
             restored = self.checkpointer.last_restore if self.checkpointer else None
             if restored is not None:
                 # WARNING through transformers.trainer: the Trainer's logging tree shows WARNING
@@ -305,12 +310,13 @@ class ResilientCheckpoint(TrainerCallback):
         base.generator = self._own_generator  # a resumed epoch's one-off generator goes
         epoch_start: torch.Tensor | None = None
         if self._resume is not None:
-            r_epoch, r_updates, r_rng, r_start = self._resume
+            r_epoch, r_updates, r_rng, r_start, r_stopped = self._resume
             if first:
                 self._epoch_offset = r_epoch - epoch
             epoch += self._epoch_offset
             state = trainer.state
-            if state.global_step >= state.max_steps or epoch >= state.num_train_epochs:
+            done = state.global_step >= state.max_steps or epoch >= state.num_train_epochs
+            if done or (first and r_stopped):
                 trainer.control.should_training_stop = True
                 return None
             a["epoch"] = a["epochs_trained"] = epoch

@@ -103,6 +103,10 @@ class SavedState:
                     "total_loss": float(trainer._total_loss_scalar),
                     "epoch": int(position[0]),
                     "updates": int(position[1]),
+                    # stopped after this step before the planned end (EarlyStoppingCallback,
+                    # should_training_stop set by other code): a re-run trains nothing
+                    "stopped": bool(trainer.control.should_training_stop)
+                    and st.global_step < st.max_steps,
                 },
                 "data": dict(self.signature),
                 "model": self.model_info,
@@ -117,11 +121,12 @@ class SavedState:
 
     def apply(
         self, trainer: Any, state: Any, step: int
-    ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    ) -> tuple[int, int, torch.Tensor, torch.Tensor, bool]:
         """Every rank, after the Checkpointer restored ``step`` into :attr:`tree`: refuse a
         checkpoint of another adapter or other data settings, then give the ``TrainerState``
         fields, the callbacks' states and the loop's counters back. Returns where to resume:
-        (epoch, optimizer steps into it, the RNG state of its order, of its start)."""
+        (epoch, optimizer steps into it, the RNG state of its order, of its start, whether the
+        run had stopped there before its planned end)."""
         v = self.values
         check_compatible(v, self.signature, step)
         for name, value in v["state"].items():
@@ -139,6 +144,7 @@ class SavedState:
             int(loop["updates"]),
             self.epoch_rng.clone(),
             self.epoch_start.clone(),
+            bool(loop.get("stopped", False)),
         )
 
 
