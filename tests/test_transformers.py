@@ -408,6 +408,30 @@ def test_a_run_stopped_early_is_not_trained_further_when_re_run(tmp_path):
     assert loss[-1] == [e["train_loss"] for e in first.state.log_history if "train_loss" in e][-1]
 
 
+def test_eval_on_start_does_not_evaluate_again_in_a_resumed_run(tmp_path):
+    """eval_on_start=True: the run evaluates before its first step. A run resumed at step 4
+    does not evaluate again (the Trainer would, adding a log entry and drawing from the restored
+    RNGs, which changed every later step): log history and weights equal the run not stopped."""
+    ck = tmp_path / "ck"
+    ref = _train(tmp_path / "a", ResilientCheckpoint(ck, every_n_steps=4), 8, eval_on_start=True)
+    cb = ResilientCheckpoint(ck, every_n_steps=4, resume=4)  # as a re-run after a kill at 5
+    got = _train(tmp_path / "b", cb, 8, eval_on_start=True)
+    assert cb.restored_step == 4 and got.args.eval_on_start  # given back after train()
+
+    def history(t: Any) -> list[dict]:  # without timings and the saves' own log entries
+        out = []
+        for e in t.state.log_history:
+            if not any(k.startswith("resilient/") for k in e):
+                out.append(
+                    {k: v for k, v in e.items() if "runtime" not in k and "per_sec" not in k}
+                )
+        return out
+
+    assert history(got) == history(ref)
+    a, b = ref.model.state_dict(), got.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_changed_data_settings_are_refused(tmp_path):
     ck = tmp_path / "ck"
     _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 2)

@@ -141,6 +141,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._saved = trainer_state.SavedState(exclude=self)  # what is saved of the Trainer
         self._save_every_epoch = False
         self._resume: tuple[int, int, torch.Tensor, torch.Tensor, bool] | None = None
+        self._eval_on_start = False  # turned off for a resumed run; given back at its end
         self._epoch_calls = 0
         self._epoch_offset = 0
         self._epoch = 0
@@ -271,6 +272,11 @@ class ResilientCheckpoint(TrainerCallback):
 
     def _apply_restored(self, trainer: Any, state: Any, step: int) -> None:
         self._resume = self._saved.apply(trainer, state, step)
+        if getattr(trainer.args, "eval_on_start", False):
+            # the run evaluated at its start; a resumed one must not again (a second eval entry
+            # in the log history, and its draws from the restored RNGs change every later step)
+            trainer.args.eval_on_start = False
+            self._eval_on_start = True
         loop = self._saved.values["loop"]
         self.restored_step = step
         if trainer.is_world_process_zero():
@@ -430,10 +436,13 @@ class ResilientCheckpoint(TrainerCallback):
             ckpt.close()  # also destroys its background gloo group (needed under torchrun)
 
     def _release(self, trainer: Any) -> None:
-        """Unwrap the Trainer's methods; give the data loader back its own generator."""
+        """Unwrap the Trainer's methods; give the data loader back its own generator and the
+        arguments their ``eval_on_start``."""
         if trainer is not None:
             for name in hooks.WRAPPED:
                 hooks.unwrap(trainer, name)
+            if self._eval_on_start:
+                trainer.args.eval_on_start, self._eval_on_start = True, False
         if self._base is not None:
             self._base.generator = self._own_generator
             self._base = None
