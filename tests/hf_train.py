@@ -253,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--overlap", action="store_true", help="overlap_snapshot=True")
     p.add_argument(
+        "--persistent-workers",
+        action="store_true",
+        help="dataloader_num_workers=2, dataloader_persistent_workers=True",
+    )
+    p.add_argument(
         "--frozen-base",
         action="store_true",
         help="a wider model with only the last block's MLP trained, saved with incremental=True",
@@ -272,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides["deepspeed"] = deepspeed_config(args)
     if args.fsdp:
         overrides.update(fsdp_options())
+    if args.persistent_workers:
+        overrides.update(dataloader_num_workers=2, dataloader_persistent_workers=True)
     trainer = build_trainer(
         args.outdir, args.max_steps, ddp=args.ddp, frozen_base=args.frozen_base, **overrides
     )

@@ -432,6 +432,34 @@ def test_eval_on_start_does_not_evaluate_again_in_a_resumed_run(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_persistent_workers_sigkill_after_an_epoch_boundary_then_rerun_is_exact(tmp_path):
+    """dataloader_persistent_workers=True, 2 workers: the uninterrupted run makes its one
+    iterator in epoch 0 and resets it later without drawing; a run resumed at the end of epoch 0
+    makes a new one, which drew its base seed from the restored global RNG -- every later
+    dropout mask differed. Saved at step 10 (an epoch is 5 optimizer steps), killed after step
+    12, re-run: the same losses and weights as the run not stopped."""
+    ref, got = tmp_path / "ref", tmp_path / "got"
+
+    def cmd(d: Path) -> list[str]:
+        return [
+            sys.executable, str(SCRIPT), str(d / "out"), "--max-steps", "14",
+            "--every-n-steps", "5", "--persistent-workers", "--sleep", str(SLEEP),
+            "--out-jsonl", str(d / "steps.jsonl"), "--out-final", str(d / "final.safetensors"),
+        ]  # fmt: skip
+
+    ref.mkdir()
+    got.mkdir()
+    _run(cmd(ref))
+    rc, killed_at, _ = _run_and_signal(cmd(got), got, 12, signal.SIGKILL)
+    assert rc == -signal.SIGKILL and killed_at < 14
+    assert _restored(_run(cmd(got))) == 10
+    a, b = _per_step(ref / "steps.jsonl"), _per_step(got / "steps.jsonl")
+    assert sorted(a) == sorted(b) == list(range(1, 15))
+    assert [s for s in a if a[s] != b[s]] == []
+    wa, wb = load_file(str(ref / "final.safetensors")), load_file(str(got / "final.safetensors"))
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
+
+
 def test_changed_data_settings_are_refused(tmp_path):
     ck = tmp_path / "ck"
     _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 2)

@@ -272,6 +272,13 @@ class ResilientCheckpoint(TrainerCallback):
 
     def _apply_restored(self, trainer: Any, state: Any, step: int) -> None:
         self._resume = self._saved.apply(trainer, state, step)
+        if _persistent(trainer.args) and any(
+            k.startswith("eval_") for e in state.log_history for k in e
+        ):
+            # The uninterrupted run made its evaluation loader's one iterator at its first
+            # evaluation and reset it later without a draw; so must this run's first one not
+            # draw from the global RNG (its base seed from a throwaway generator)
+            hooks.wrap(trainer, "get_eval_dataloader", _eval_loader_without_draw)
         if getattr(trainer.args, "eval_on_start", False):
             # the run evaluated at its start; a resumed one must not again (a second eval entry
             # in the log history, and its draws from the restored RNGs change every later step)
@@ -339,6 +346,13 @@ class ResilientCheckpoint(TrainerCallback):
                 # The iterator this epoch creates draws its base seed as the interrupted run's
                 # did at the epoch start, from that RNG state, not from the global RNG now.
                 epoch_start = r_start
+                g = torch.Generator()
+                g.set_state(r_start.clone())
+                base.generator = g
+            elif first and _persistent(targs):
+                # Persistent workers: the uninterrupted run made its one iterator in its first
+                # epoch, and later epochs reset it without a draw; the iterator this run makes
+                # must not draw from the global RNG either (its base seed from a throwaway one).
                 g = torch.Generator()
                 g.set_state(r_start.clone())
                 base.generator = g
@@ -446,3 +460,19 @@ class ResilientCheckpoint(TrainerCallback):
         if self._base is not None:
             self._base.generator = self._own_generator
             self._base = None
+
+
+def _persistent(args: Any) -> bool:
+    """Whether the Trainer's loaders keep their workers (one iterator for the whole run)."""
+    return bool(args.dataloader_persistent_workers) and int(args.dataloader_num_workers) > 0
+
+
+def _eval_loader_without_draw(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Trainer.get_eval_dataloader`` of a resumed run with persistent workers: a loader that
+    has made no iterator yet takes its base seed from a throwaway generator (an evaluation
+    loader's order is sequential: the generator serves nothing else)."""
+    loader = original(*args, **kwargs)
+    base = getattr(loader, "base_dataloader", loader)  # accelerate's wrapper iterates this one
+    if getattr(base, "_iterator", False) is None and getattr(base, "generator", 0) is None:
+        base.generator = torch.Generator().manual_seed(0)
+    return loader

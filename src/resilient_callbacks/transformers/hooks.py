@@ -41,7 +41,7 @@ RUN_EPOCH_PARAMS = frozenset(
         "steps_trained_in_current_epoch",
     }
 )
-WRAPPED = ("_run_epoch", "_maybe_log_save_evaluate")
+WRAPPED = ("_run_epoch", "_maybe_log_save_evaluate", "get_eval_dataloader")
 
 
 def find_trainer(callback: Any, *, required: bool = True) -> Any:
