@@ -537,6 +537,77 @@ def test_offload_to_cpu_sigkill_then_rerun_is_exact(tmp_path: Path, stage: int, 
     assert_same_run(tmp_path / "full", tmp_path / "kill", world)
 
 
+UNMANAGED_SCRIPT = """
+import json, sys, torch, deepspeed
+import resilient_callbacks.deepspeed as rcds
+from ds_noshm import skip_shm_op
+skip_shm_op()
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+       "managed_gradient_accumulation": False, "zero_optimization": {"stage": 1},
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+       "resilient_checkpoint": {"dirpath": DIRPATH, "every_n_steps": 2}}
+# config_params=: deepspeed.initialize's other name for config=
+engine, *_ = rcds.initialize(model=model, model_parameters=model.parameters(), config_params=cfg)
+assert "resilient_checkpoint" not in engine.config, "the section reached DeepSpeed"
+start = engine.global_steps
+g = torch.Generator().manual_seed(1)
+batches = [torch.randn(4, 6, generator=g) for _ in range(12)]
+for step in range(start, 6):
+    for micro in range(2):  # the caller's own accumulation: two backward() calls, one step()
+        engine.backward(engine(batches[2 * step + micro]).pow(2).mean())
+    engine.step()
+    if step + 1 == DIE_AT:
+        engine.resilient_checkpoint.checkpointer.flush()
+        import os, signal; os.kill(os.getpid(), signal.SIGKILL)
+engine.resilient_checkpoint.close()
+print(json.dumps({"start": start, "weights": [p.detach().flatten().tolist()
+                  for p in engine.module.parameters()]}))
+"""
+
+
+@pytest.mark.distributed
+def test_unmanaged_gradient_accumulation_and_config_params_checkpoint_and_resume(
+    tmp_path: Path,
+) -> None:
+    """``"managed_gradient_accumulation": false`` (the caller runs several backward() calls,
+    then one step()) with the config given as ``config_params=``. Saves came only at steps
+    DeepSpeed's is_gradient_accumulation_boundary() called boundaries, which in this mode it
+    never does outside step(): nothing was checkpointed (and SIGTERM went unanswered); and
+    config_params= bypassed us entirely, the section (remote URL included) reaching DeepSpeed.
+    Now: checkpoints at steps 2 and 4, killed after 4, re-run: resumes at 4, ends with the
+    weights of a run not stopped."""
+    env = dict(
+        os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    )  # fmt: skip
+
+    def run(dirpath: Path, die_at: int) -> subprocess.CompletedProcess:
+        script = tmp_path / f"unmanaged-{dirpath.name}-{die_at}.py"
+        code = UNMANAGED_SCRIPT.replace("DIRPATH", repr(str(dirpath)))
+        script.write_text(code.replace("DIE_AT", str(die_at)))
+        run_env = dict(env, MASTER_PORT=str(spawn_ranks.free_port()))
+        return subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, env=run_env,
+            timeout=DEADLINE,
+        )  # fmt: skip
+
+    whole = run(tmp_path / "a", 0)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert [e.step for e in committed(tmp_path / "a")] == [2, 4, 6]
+    killed = run(tmp_path / "b", 4)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert [e.step for e in committed(tmp_path / "b")] == [2, 4]
+    again = run(tmp_path / "b", 0)
+    assert again.returncode == 0, again.stderr[-3000:]
+    a, b = json.loads(whole.stdout.splitlines()[-1]), json.loads(again.stdout.splitlines()[-1])
+    assert (a["start"], b["start"]) == (0, 4)
+    assert a["weights"] == b["weights"]
+
+
 OFFLOAD_SCRIPT = """
 import torch, deepspeed
 import resilient_callbacks.deepspeed as rcds

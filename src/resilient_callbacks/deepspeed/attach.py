@@ -72,9 +72,13 @@ class DeepSpeedCheckpoint:
         return self.restored_step
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
-        boundary = self.engine.is_gradient_accumulation_boundary()
+        # An optimizer step happened when global_steps moved: under DeepSpeed's own gradient
+        # accumulation that is at its boundaries; with "managed_gradient_accumulation": false
+        # at every step() (is_gradient_accumulation_boundary() says so only inside step()).
+        # A step the fp16 loss scaler skipped still advances global_steps.
+        before = self.engine.global_steps
         out = self._engine_step(*args, **kwargs)
-        if boundary:
+        if self.engine.global_steps != before:
             self.checkpointer.step(int(self.engine.global_steps), self.state)
         return out
 
@@ -161,6 +165,10 @@ def initialize(
     from .launch import original_initialize
 
     ds_initialize = original_initialize() or deepspeed.initialize
+    if "config_params" in kwargs:  # deepspeed.initialize's other name for config
+        if config is not None:
+            raise ValueError("pass config= or config_params=, not both")
+        config = kwargs.pop("config_params")
     if config is None and getattr(args, "deepspeed_config", None) is not None:
         config = args.deepspeed_config
         args = copy.copy(args) if isinstance(args, argparse.Namespace) else args
