@@ -66,6 +66,21 @@ def allow_fp16_on_cpu() -> None:
     type(get_accelerator()).is_fp16_supported = lambda self: True  # type: ignore[method-assign]
 
 
+class RunningNorm(nn.Module):
+    """Subtracts a running mean of its input: a buffer updated in training from each rank's
+    own batches (DeepSpeed, unlike DDP, does not make the ranks' buffers equal again)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.float().mean(0))
+        return x - self.mean.to(x.dtype)
+
+
 def full_state(engine, stage: int) -> dict[str, list[str]]:
     """Every full fp32 master weight and Adam moment, gathered (a collective), the skipped-step
     count and, with fp16, the loss scaler's state."""
@@ -132,6 +147,8 @@ def main() -> None:
     ap.add_argument("--incremental", action="store_true")
     # the first layer frozen (as a base model under LoRA), the optimizer given the rest
     ap.add_argument("--freeze-first", action="store_true")
+    # a running normaliser in front: a buffer each rank updates from its own data
+    ap.add_argument("--running-norm", action="store_true")
     # with --freeze-first: the frozen layer starts from other values (a restore must bring back
     # the saved ones; without one the run differs)
     ap.add_argument("--scramble-frozen", action="store_true")
@@ -169,6 +186,8 @@ def main() -> None:
     torch.manual_seed(1234)
     width = 4096 if args.incremental else 16
     model = nn.Sequential(nn.Linear(6, width), nn.Dropout(0.2), nn.ReLU(), nn.Linear(width, 1))
+    if args.running_norm:
+        model = nn.Sequential(RunningNorm(6), *model)
     if args.freeze_first:
         model[0].requires_grad_(False)
         if args.scramble_frozen:

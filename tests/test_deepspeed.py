@@ -166,6 +166,33 @@ def test_sigkill_then_rerun_is_exact(
 
 
 @pytest.mark.distributed
+def test_each_ranks_buffers_come_back_to_it(tmp_path: Path) -> None:
+    """A running normaliser updated from each rank's own batches: DeepSpeed does not make the
+    ranks' buffers equal again, so they differ. They were saved once, by rank 0, and every rank
+    got rank 0's back (rank 1's losses then differed); now each rank's own, bit-identical."""
+    opts = [*_opts(2, "fp32"), "--running-norm"]
+    run_group(["--dir", str(tmp_path / "a"), "--out", str(tmp_path / "full"), *opts], 2,
+              tmp_path, "full")  # fmt: skip
+    killed = ["--dir", str(tmp_path / "b"), "--out", str(tmp_path / "kill"), *opts]
+    run_group([*killed, "--die-at", "7"], 2, tmp_path, "die", expect=-9)
+    run_group(killed, 2, tmp_path, "resume")
+    assert_same_run(tmp_path / "full", tmp_path / "kill", 2)
+    # export: the model whole, rank 0's buffer with it
+    from safetensors.torch import load_file
+
+    cli = [
+        sys.executable,
+        "-m",
+        "resilient_callbacks",
+        "export",
+        str(tmp_path / "b"),
+        str(tmp_path / "x"),
+    ]
+    subprocess.run(cli, check=True, capture_output=True, text=True)
+    assert "0.mean" in load_file(tmp_path / "x" / "model.safetensors")
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("stage", "dtype", "before", "after", "offload"),
     [

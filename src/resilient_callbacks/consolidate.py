@@ -166,19 +166,23 @@ def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.T
 
 
 def _module_extras(part: LoadedPart) -> dict[str, torch.Tensor]:
-    """The ZeRO 1-3 engine's replicated module tensors in a checkpoint's rank-0 ``part``, by
-    their state-dict names: its frozen parameters (at ZeRO 1-2) and persistent buffers, as saved
-    (``engine_state.module_extras``)."""
+    """The ZeRO 1-3 engine's module tensors besides its partitions in a checkpoint's rank-0
+    ``part``, by their state-dict names: its frozen parameters (at ZeRO 1-2,
+    ``engine_state.module_extras``) and rank 0's persistent buffers (``RankBuffers``)."""
     full = structure.inline_per_rank(part.structure, part.per_rank)
     engine = _find_engine(full)
-    if engine is None or "module_extras" not in engine:
+    if engine is None:
         return {}
-    extras = structure.decode(engine["module_extras"], part.tensors)
-    return {
-        k.split("/", 1)[1]: v.clone()
-        for k, v in extras.items()
-        if isinstance(v, torch.Tensor) and k.startswith(("frozen/", "buffer/"))
-    }
+    out: dict[str, torch.Tensor] = {}
+    if "module_extras" in engine:  # (older checkpoints hold the buffers here too: "buffer/")
+        extras = structure.decode(engine["module_extras"], part.tensors)
+        for k, v in extras.items():
+            if isinstance(v, torch.Tensor) and k.startswith(("frozen/", "buffer/")):
+                out[k.split("/", 1)[1]] = v.clone()
+    if "buffers" in engine:  # each rank's own persistent buffers: rank 0's
+        buffers = structure.decode(engine["buffers"], part.tensors)
+        out.update({k: v.clone() for k, v in buffers.items() if isinstance(v, torch.Tensor)})
+    return out
 
 
 def _find_engine(full: Any) -> dict[str, Any] | None:

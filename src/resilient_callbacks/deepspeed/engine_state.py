@@ -5,8 +5,10 @@
   numbers: fp32 master copies, moments, loss scale) are written once, by rank 0.
 - ZeRO stages 1-3: the partitioned fp32 masters and moments are a :class:`~.zero_part.ZeroPart`
   (each rank writes its own ranges), and so, at stage 3, are the frozen parameters' partitions;
-  the module's persistent buffers and, at stages 1-2, its frozen parameters (replicated) are
-  written once.
+  at stages 1-2 the frozen parameters (replicated) are written once.
+- Always: the module's persistent buffers, by every rank (:class:`RankBuffers`): unlike DDP,
+  DeepSpeed does not broadcast buffers after it starts, so a BatchNorm's running statistics or
+  a running normaliser differ between ranks, and each rank must get its own back.
 - Always: the engine's counters (optimizer steps, samples, micro-steps, skipped steps) and its
   learning-rate scheduler, if any.
 """
@@ -17,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedStateError
+from ..errors import CheckpointMismatchError, UnsupportedStateError
+from ..structure import PerRank
 from .zero_part import ZeroPart
 
 COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
@@ -122,16 +125,45 @@ def _partial_offload(engine: Any) -> bool:
     return float(ratio) < 1.0 or bool(getattr(engine, "super_offload", lambda: False)())
 
 
-def module_extras(engine: Any) -> dict[str, torch.Tensor]:
-    """The persistent buffers and (stages 1-2) frozen parameters: replicated, not partitioned."""
-    module = engine.module
+class RankBuffers:
+    """This rank's persistent module buffers (each rank's own: see the module docstring); a
+    rank the checkpoint did not have takes rank 0's."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return persistent_buffers(self.engine.module)
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        live = persistent_buffers(self.engine.module)
+        if set(state) != set(live):
+            raise CheckpointMismatchError(
+                f"the module's buffers differ from the checkpoint's: missing "
+                f"{sorted(set(live) - set(state))[:10]}, unexpected {sorted(set(state) - set(live))[:10]}"
+            )
+        for name, t in state.items():
+            live[name].copy_(t)
+
+
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's persistent buffers, by their state-dict names."""
     out: dict[str, torch.Tensor] = {}
     for name, buf in module.named_buffers():
         owner, _, leaf = name.rpartition(".")
         sub = module.get_submodule(owner) if owner else module
         if buf is not None and leaf not in sub._non_persistent_buffers_set:
-            out[f"buffer/{name}"] = buf
-    if engine.zero_optimization_stage() < 3:  # at ZeRO 3 they are partitioned: the ZeroPart's
+            out[name] = buf
+    return out
+
+
+def module_extras(engine: Any) -> dict[str, torch.Tensor]:
+    """The frozen parameters at stages 1-2: replicated, not partitioned (at ZeRO 3 they are
+    the ZeroPart's)."""
+    module = engine.module
+    out: dict[str, torch.Tensor] = {}
+    if engine.zero_optimization_stage() < 3:
         for name, p in module.named_parameters():
             if not p.requires_grad:
                 out[f"frozen/{name}"] = p.data
@@ -153,6 +185,8 @@ def engine_state(engine: Any) -> dict[str, Any]:
         extras = module_extras(engine)
         if extras:
             state["module_extras"] = extras
+    if persistent_buffers(engine.module):  # after "module": each rank's own wins over rank 0's
+        state["buffers"] = PerRank(RankBuffers(engine), new_ranks="rank0")
     if engine.lr_scheduler is not None:
         state["lr_scheduler"] = engine.lr_scheduler
     return state
