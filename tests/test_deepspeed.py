@@ -681,6 +681,20 @@ def test_offload_we_cannot_save_is_refused_before_deepspeed_builds_anything(
     assert not (tmp_path / "ck").exists()
 
 
+def test_zero1_bf16_with_fp32_gradient_accumulation_is_refused_before_the_engine() -> None:
+    """DeepSpeed trains ZeRO 1 + bf16 + fp32 gradient accumulation with its BF16_Optimizer,
+    which we do not read yet: refused from the config, naming what works (it failed only after
+    DeepSpeed had built the engine); ZeRO 2 with the same settings passes."""
+    from resilient_callbacks.deepspeed.engine_state import check_config
+    from resilient_callbacks.errors import UnsupportedStateError
+
+    cfg = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+    with pytest.raises(UnsupportedStateError, match="BF16_Optimizer.*ZeRO stage 2"):
+        check_config({**cfg, "zero_optimization": {"stage": 1}})
+    check_config({**cfg, "zero_optimization": {"stage": 2}})
+    check_config({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}})
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_nvme_offload_is_refused_clearly_at_initialize(tmp_path: Path) -> None:

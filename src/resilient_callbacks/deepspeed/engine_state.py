@@ -99,9 +99,32 @@ def check_config(config: Any) -> None:
         )
     except (TypeError, ValueError):
         return
-    problem = _offload_problem(stage, devices, partial)
+    problem = _offload_problem(stage, devices, partial) or _bf16_optimizer_problem(
+        config, stage, bool(devices)
+    )
     if problem is not None:
         raise UnsupportedStateError(f"resilient_callbacks.deepspeed: {problem}")
+
+
+def _bf16_optimizer_problem(config: dict[str, Any], stage: int, offload: bool) -> str | None:
+    """ZeRO 1 with bf16 weights and fp32 gradient accumulation: DeepSpeed then trains with its
+    BF16_Optimizer (not its ZeRO optimizer), whose state we do not read yet."""
+    bf16 = config.get("bf16") or config.get("bfloat16")
+    types = config.get("data_types")
+    accum = types.get("grad_accum_dtype") if isinstance(types, dict) else None
+    if (
+        stage == 1
+        and not offload
+        and isinstance(bf16, dict)
+        and bf16.get("enabled") is True
+        and str(accum).lower() in ("fp32", "float32", "float", "torch.float32")
+    ):
+        return (
+            'ZeRO stage 1 with bf16 and "data_types": {"grad_accum_dtype": "fp32"} (DeepSpeed\'s '
+            "BF16_Optimizer) is not supported yet. ZeRO stage 2 with the same settings, or stage "
+            "1 without grad_accum_dtype, is"
+        )
+    return None
 
 
 def _offload_devices(engine: Any) -> dict[str, str]:
