@@ -689,7 +689,7 @@ def test_zero1_bf16_with_fp32_gradient_accumulation_is_refused_before_the_engine
     from resilient_callbacks.errors import UnsupportedStateError
 
     cfg = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
-    with pytest.raises(UnsupportedStateError, match="BF16_Optimizer.*ZeRO stage 2"):
+    with pytest.raises(UnsupportedStateError, match=r"BF16_Optimizer.*ZeRO stage 2"):
         check_config({**cfg, "zero_optimization": {"stage": 1}})
     check_config({**cfg, "zero_optimization": {"stage": 2}})
     check_config({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}})

@@ -92,3 +92,61 @@ def test_the_resume_is_announced_in_the_default_output(tmp_path):
     assert line is not None, text[-4000:]
     assert "resumed at step 6 (epoch 0, 6 batch(es) into it)" in line, line
     assert "step_000000006" in line and "(local copy)" in line
+
+
+def test_a_dict_of_train_loaders_of_different_lengths_is_unchanged(tmp_path):
+    """Two train loaders of 4 and 7 batches: Lightning's CombinedLoader ("max_size_cycle")
+    restarts the shorter one within each epoch. Rebuilt as a ResumableDataLoader it numbered
+    those restarts as epochs of its own and, from the second epoch on, gave other samples and
+    skipped the global-RNG draws of the original; it is now left as it is (with a warning):
+    the run with the callback is the run without it, batch for batch."""
+    import lightning as L
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    class Idx(Dataset):
+        def __len__(self) -> int:
+            return self.n
+
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.tensor([float(i)])
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.seen = nn.Linear(1, 1), []
+
+        def training_step(self, batch, i):  # type: ignore[no-untyped-def]
+            a, b = batch["a"].flatten().tolist(), batch["b"].flatten().tolist()
+            self.seen.append((self.current_epoch, i, a, b, torch.rand(()).item()))
+            return self.lin(batch["a"]).mean() + self.lin(batch["b"]).mean()
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):  # type: ignore[no-untyped-def]
+            return {
+                "a": DataLoader(Idx(32), batch_size=8, shuffle=True),  # 4 batches: cycled
+                "b": DataLoader(Idx(28), batch_size=4, shuffle=True),  # 7 batches
+            }
+
+    def fit(callbacks: list) -> list:
+        L.seed_everything(0, verbose=False)
+        model = Model()
+        trainer = L.Trainer(
+            max_epochs=3, callbacks=callbacks, logger=False, enable_checkpointing=bool(callbacks),
+            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model)
+        return model.seen
+
+    without = fit([])
+    with_cb = fit([ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)])
+    assert len(without) == 21 and with_cb == without

@@ -108,3 +108,27 @@ def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
+
+
+CYCLED = (
+    "Lightning's CombinedLoader (mode 'max_size_cycle') restarts this shorter loader within an "
+    "epoch; rebuilt, it would number those restarts as epochs of its own and no longer draw "
+    "what the original draws, so it is left as it is"
+)
+
+
+def cycled_loaders(combined: Any) -> set[int]:
+    """Indices of the train loaders a ``CombinedLoader`` in its default ``max_size_cycle`` mode
+    restarts within an epoch: those shorter than the longest (with a known length)."""
+    if getattr(combined, "_mode", None) != "max_size_cycle":
+        return set()
+    lengths: dict[int, int] = {}
+    for i, dl in enumerate(combined.flattened):
+        try:
+            lengths[i] = len(dl)
+        except TypeError:  # no length: an iterable dataset, left alone anyway
+            continue
+    if len(lengths) < 2:
+        return set()
+    longest = max(lengths.values())
+    return {i for i, n in lengths.items() if n < longest}
