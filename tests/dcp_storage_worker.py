@@ -12,6 +12,7 @@
   chosen step and the extra objects to ``OUT.rank<r>.json``.
 - ``crash``: ``dcp.save`` whose ``finish`` (rank 0) SIGKILLs the process: every rank's files
   are written, the manifest is not.
+- ``groups``: process groups and ``no_dist`` (see :func:`groups`).
 """
 
 from __future__ import annotations
@@ -90,9 +91,38 @@ def main() -> None:
             warnings=[str(w.message) for w in caught],
         )
         train_step(model, opt)  # and training goes on
+    elif mode == "groups":
+        res.update(groups(root, rank))
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(res, f)
     spawn_ranks.leave_group()
+
+
+def groups(root: str, rank: int) -> dict[str, object]:
+    """Each rank in a group of its own (2 ranks): ``dcp.save`` and ``dcp.load`` with
+    ``process_group=``, each group in its own directory, the reader given the group; then rank
+    0 alone loads with ``no_dist=True`` (rank 1 waits); then a ``use_collectives=False`` save,
+    which the writer refuses."""
+    mine = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    where = os.path.join(root, f"group{rank}")
+    sd = {"t": torch.full((4,), float(rank + 1))}
+    dcp.save(sd, storage_writer=ResilientStorageWriter(where), process_group=mine)
+    back = {"t": torch.zeros(4)}
+    reader = ResilientStorageReader(where, process_group=mine)
+    dcp.load(back, storage_reader=reader, process_group=mine)
+    out: dict[str, object] = {"group_loaded": back["t"].tolist()}
+    dist.barrier()
+    if rank == 0:  # one process of the job loads alone
+        alone = {"t": torch.zeros(4)}
+        dcp.load(alone, storage_reader=ResilientStorageReader(where, no_dist=True), no_dist=True)
+        out["alone_loaded"] = alone["t"].tolist()
+    dist.barrier()
+    try:
+        dcp.save(sd, storage_writer=ResilientStorageWriter(where), use_collectives=False)
+        out["rank_local_save"] = "saved"
+    except Exception as e:  # the error itself is what the test checks
+        out["rank_local_save"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 if __name__ == "__main__":

@@ -321,6 +321,24 @@ def test_async_save_and_a_sigkill_between_write_and_finish(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_the_reader_agrees_within_dcp_loads_process_group_or_alone(tmp_path):
+    """Two ranks, each in a group of its own, each group's checkpoint in its own directory:
+    with dcp.load's process_group= given to the reader each rank loads its own tensor (the
+    reader agreed over the whole job: rank 1 got group 0's checkpoint, silently). A process
+    loading alone (no_dist=True) in a job of two loads (it waited for the other rank in a
+    collective until the timeout). A rank-local save (use_collectives=False) is refused by name
+    (it failed with a lock error about "another process")."""
+    _spawn(tmp_path, 2, "groups", str(tmp_path / "ck"), str(tmp_path / "g"))
+    r0, r1 = (json.loads((tmp_path / f"g.rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["group_loaded"] == [1.0] * 4 and r1["group_loaded"] == [2.0] * 4
+    assert r0["alone_loaded"] == [1.0] * 4
+    for r in (r0, r1):
+        assert r["rank_local_save"].startswith("UnsupportedStateError"), r
+        assert "use_collectives=False" in r["rank_local_save"]
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_remote_tier_on_an_s3_server(tmp_path, s3_remote):

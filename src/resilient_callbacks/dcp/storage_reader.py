@@ -56,12 +56,26 @@ class ResilientStorageReader(StorageReader):
     """Read, for ``dcp.load``, the newest valid checkpoint in ``dirpath`` (a directory of
     ``step_*`` checkpoints, or one of them), or the one of ``step``. Every rank constructs it
     with the same arguments. After ``read_metadata``, :attr:`path` and :attr:`step` say which
-    checkpoint was chosen and :attr:`skipped` the newer ones that could not be used, and why."""
+    checkpoint was chosen and :attr:`skipped` the newer ones that could not be used, and why.
 
-    def __init__(self, dirpath: str | os.PathLike[str], *, step: int | None = None) -> None:
+    The ranks agree on the checkpoint with collectives of their own, which DCP does not tell
+    the group of: give the reader what ``dcp.load`` gets -- ``process_group=`` (the ranks
+    loading this checkpoint) or ``no_dist=True`` (one process loading alone in a job of
+    several)."""
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        process_group: Any = None,
+        no_dist: bool = False,
+    ) -> None:
         super().__init__()
         self.dirpath = os.path.abspath(os.fspath(dirpath))
         self.step = step
+        self.process_group = process_group
+        self.no_dist = no_dist
         self.path: str | None = None
         self.loaded_step: int | None = None
         self.skipped: list[str] = []
@@ -94,18 +108,28 @@ class ResilientStorageReader(StorageReader):
         """Every rank: choose the checkpoint (verified, agreed) and read its metadata. (No
         ``**kwargs``: DCP then does not retry with per-rank metadata, which this format has
         not.)"""
+        group = self.process_group
+        together = dist.is_initialized() and not self.no_dist
+        rank, world = (_group_rank(group), _group_size(group)) if together else (0, 1)
         listing: dict[str, Any] = {"paths": [], "error": None}
-        if dist.rank() == 0:
+        if rank == 0:
             try:
                 listing["paths"] = self._candidates()
             except Exception as e:
                 listing["error"] = f"{type(e).__name__}: {e}"
-        listing = dist.broadcast_json(listing)
+        if together:
+            listing = dist.broadcast_json(listing, src=_global_rank(group, 0), group=group)
         if listing["error"] is not None:
             raise CheckpointNotFoundError(f"on rank 0: {listing['error']}")
         if not listing["paths"]:
             raise CheckpointNotFoundError(f"no checkpoints in {self.dirpath}")
-        rank, world = dist.rank(), dist.world_size()
+        foreign = [p for p in listing["paths"] if not _within(p, self.dirpath)]
+        if foreign:  # rank 0 read another directory: another group's reader, or other args
+            raise CheckpointNotFoundError(
+                f"rank 0 of the group chose {foreign[0]}, which is not in this rank's "
+                f"{self.dirpath}: every rank of a dcp.load must construct the reader with the "
+                "same dirpath, and with dcp.load's process_group= (or no_dist=True)"
+            )
         self.skipped = []
         for path in listing["paths"]:
             result: dict[str, Any] = {"problem": None, "meta": None}
@@ -122,7 +146,10 @@ class ResilientStorageReader(StorageReader):
                 result["meta"] = json.loads(bytes(raw))
             except (CheckpointCorruptError, OSError, ValueError) as e:
                 result["problem"] = str(e)
-            problems = [p for p in dist.all_gather_json(result["problem"]) if p]
+            said = (
+                dist.all_gather_json(result["problem"], group) if together else [result["problem"]]
+            )
+            problems = [p for p in said if p]
             if not problems:
                 meta, self.storage = from_json(result["meta"])
                 self.path, self.loaded_step = path, manifest.step
@@ -195,6 +222,28 @@ class ResilientStorageReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+def _group_rank(group: Any) -> int:
+    import torch.distributed as tdist
+
+    return int(tdist.get_rank(group))
+
+
+def _group_size(group: Any) -> int:
+    import torch.distributed as tdist
+
+    return int(tdist.get_world_size(group))
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    import torch.distributed as tdist
+
+    return rank if group is None else int(tdist.get_global_rank(group, rank))
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def _no_tensor(name: str) -> Any:

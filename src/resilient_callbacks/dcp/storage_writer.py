@@ -138,6 +138,13 @@ class ResilientStorageWriter(StorageWriter):
         return False  # never chosen automatically: pass storage_writer=ResilientStorageWriter(...)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives") is False:
+            raise UnsupportedStateError(
+                "dcp.save(..., use_collectives=False) (each rank commits its own metadata) is "
+                "not supported by ResilientStorageWriter: its checkpoint is committed once, by "
+                "the coordinator, after every rank wrote its files. Save with collectives, or "
+                "with no_dist=True from a single process"
+            )
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", dist.rank()))
 
