@@ -146,3 +146,30 @@ def copy_overlap(dst: torch.Tensor, dst_box: Box, src: torch.Tensor, src_box: Bo
         )
     narrow(dst, common, dst_box).copy_(narrow(src, common, src_box))
     return common.numel
+
+
+def index_of_ranks(
+    per_rank: Sequence[Mapping[str, Any]], rank: int
+) -> tuple[dict[str, Any], set[str]]:
+    """The chunk index of every rank (``per_rank[r]``: rank r's ``{name: (dtype, shape,
+    chunks)}``), and the keys of the chunks ``rank`` writes: a chunk several ranks hold (a
+    replicated placement) is written by the lowest of them; empty chunks by none."""
+    index: dict[str, dict[str, Any]] = {}
+    owned: set[str] = set()
+    for r, theirs in enumerate(per_rank):
+        for name, (dtype, shape, chunks) in theirs.items():
+            entry = index.setdefault(name, {"dtype": dtype, "shape": shape, "chunks": []})
+            if entry["dtype"] != dtype or entry["shape"] != shape:
+                raise UnsupportedStateError(
+                    f"{name}: rank {r} holds a {dtype} {shape} tensor, a lower rank a "
+                    f"{entry['dtype']} {entry['shape']} one"
+                )
+            for offsets, sizes, key in chunks:
+                if Box.of(offsets, sizes).numel == 0:
+                    continue
+                if any(c[1] == offsets and c[2] == sizes for c in entry["chunks"]):
+                    continue  # a replica of a chunk a lower rank writes
+                entry["chunks"].append([r, offsets, sizes] + ([key] if key != name else []))
+                if r == rank:
+                    owned.add(key)
+    return index, owned

@@ -45,7 +45,6 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -59,9 +58,15 @@ from ..snapshot import step_storages
 from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from . import flat_restore, shards
 from .assemble import assemble, full_box, json_file, tensor_file, whole_entry
-from .chunks import Box, join, split
+from .chunks import Box, index_of_ranks, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
-from .stateless import hyperparameters, restore_hyperparameters, without_saved_state
+from .stateless import (
+    hyperparameters,
+    optimizers_of,
+    restore_hyperparameters,
+    saved_indices,
+    without_saved_state,
+)
 from .views import (
     View,
     complete_skeleton,
@@ -129,7 +134,7 @@ class Sharded(FilePart):
         # the last gathered chunk index: (fingerprint of this rank's chunks, index, owned)
         self._index: tuple[int, dict[str, Any], set[str]] | None = None
         self._flat_on = True  # read FSDP1's layout directly where it can (see describe())
-        self._optim_saved = False  # some rank's optimizer had state (see _with_optim())
+        self._stepped: tuple[int, ...] = ()  # optimizers with state on some rank (_saved_optims)
         self._flat_kind: bool | None = None  # _flat_model(), once known
         self._fqn = Names(model)
         self._optim_names: list[tuple[str, str, str]] | None = None  # of the last index
@@ -160,31 +165,27 @@ class Sharded(FilePart):
             box = self._boxes[key] = shards.box_of(name, t)
         return box
 
-    def _has_optim_state(self) -> bool:
-        return any(o.state for o in self.optimizers)
+    def _saved_optims(self) -> tuple[torch.optim.Optimizer, ...]:
+        """Every rank (collective until every optimizer has state): the optimizers whose state
+        this save holds, those with state on some rank; the others' ``param_groups`` only
+        (:mod:`.stateless`). Agreed, because a rank can lack state that another has (under
+        FSDP1 a rank whose range of a flat parameter holds only frozen parameters gives its
+        optimizer nothing to step); per optimizer, because a second optimizer may start
+        stepping later. An optimizer does not lose its state: the set only grows."""
+        if len(self._stepped) < len(self.optimizers):
+            flags = dist.any_each([bool(o.state) for o in self.optimizers])
+            self._stepped = tuple(i for i, f in enumerate(flags) if f)
+        return tuple(self.optimizers[i] for i in self._stepped)
 
-    def _with_optim(self) -> bool:
-        """Every rank (collective until it is true): whether this save holds the optimizers'
-        state. Agreed, because a rank can lack state that another has: under FSDP1 a rank whose
-        range of a flat parameter holds only frozen parameters gives its optimizer nothing to
-        step. Once true it stays true (an optimizer does not lose its state)."""
-        if not self._optim_saved:
-            self._optim_saved = dist.any_true(self._has_optim_state())
-        return self._optim_saved
-
-    def _state_dict(self, with_optim: bool) -> dict[str, Any]:
+    def _state_dict(self, optims: tuple[torch.optim.Optimizer, ...]) -> dict[str, Any]:
         # An optimizer without state would be initialised by a zero step here (DCP's
-        # _init_optim_state): only asked for when it has state, or a checkpoint has it.
-        if with_optim and self.optimizers:
+        # _init_optim_state), which changes its step count: only those with state, or whose
+        # state a checkpoint holds, are asked for.
+        if optims:
             # one call: DCP checks the options and maps the parameters' names once for both
-            msd, osd = get_state_dict(self.model, self.optimizers, options=self.options)
+            msd, osd = get_state_dict(self.model, optims, options=self.options)
             return {"model": msd, "optim": osd}
-        sd: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self.options)}
-        if with_optim:
-            sd["optim"] = get_optimizer_state_dict(
-                self.model, self.optimizers, options=self.options
-            )
-        return sd
+        return {"model": get_model_state_dict(self.model, options=self.options)}
 
     # ------------------------------------------------------------------ save
 
@@ -197,22 +198,24 @@ class Sharded(FilePart):
         layout); whenever the layout changes they are compared with FSDP1's own state dict
         (:func:`.views.differences`), and a difference on any rank turns this off for good.
         Otherwise, and for FSDP2 and tensor parallelism, DCP's state dict is read."""
-        with_optim = self._with_optim()
+        optims = self._saved_optims()
         view = None
         if self._flat_on and self._flat_model():  # the same on every rank
-            said, view = self._describe_flat(with_optim)
+            said, view = self._describe_flat(optims)
             if said is not None:
                 return said
-        view = view or self._dcp_view(with_optim)
+        view = view or self._dcp_view(optims)
         fingerprint, changed = self._changed(view.mine)
         index, owned, _ = self._index_of(view.mine, fingerprint, dist.any_true(changed))
-        return self._pend(view, index, owned, with_optim)
+        return self._pend(view, index, owned, optims)
 
-    def _describe_flat(self, with_optim: bool) -> tuple[dict[str, Any] | None, View | None]:
+    def _describe_flat(
+        self, optims: tuple[torch.optim.Optimizer, ...]
+    ) -> tuple[dict[str, Any] | None, View | None]:
         """Every rank (collective): describe() from FSDP1's layout -- ``(said, None)``; or
         ``(None, None)`` when some rank cannot read it; or ``(None, view of FSDP1's own state
         dict)`` when, at a layout change, what was read differs from it on some rank."""
-        view = self._flat_view(with_optim)
+        view = self._flat_view(bool(optims))
         fingerprint, changed = self._changed(view.mine if view else {})
         refused, changed = dist.any_each([view is None, view is not None and changed])
         if refused:
@@ -222,10 +225,10 @@ class Sharded(FilePart):
         if gathered or self._optim_names is None:
             self._optim_names = optim_state_names(index)
         complete_skeleton(view.skeleton, self._optim_names)
-        dcp_view = self._differs(view, index, with_optim) if gathered else None
+        dcp_view = self._differs(view, index, optims) if gathered else None
         if dcp_view is not None:
             return None, dcp_view
-        return self._pend(view, index, owned, with_optim), None
+        return self._pend(view, index, owned, optims), None
 
     def _flat_view(self, with_optim: bool) -> View | None:
         """This rank's view read from FSDP1's layout, or ``None`` where it cannot be (no
@@ -240,11 +243,13 @@ class Sharded(FilePart):
             log.info("Sharded: FSDP1's layout cannot be read directly: %r", e)
             return None
 
-    def _differs(self, view: View, index: dict[str, Any], with_optim: bool) -> View | None:
+    def _differs(
+        self, view: View, index: dict[str, Any], optims: tuple[torch.optim.Optimizer, ...]
+    ) -> View | None:
         """Every rank (collective): the view of FSDP1's own state dict when the state read
         from FSDP1's layout differs from it on any rank (it is then not read directly again),
         else ``None``."""
-        dcp_view = self._dcp_view(with_optim)
+        dcp_view = self._dcp_view(optims)
         problem = differences(view, dcp_view, index)
         if problem is not None:
             log.info("Sharded: FSDP1's layout is not read directly on this rank: %s", problem)
@@ -254,21 +259,26 @@ class Sharded(FilePart):
         return None
 
     def _pend(
-        self, view: View, index: dict[str, Any], owned: set[str], with_optim: bool
+        self,
+        view: View,
+        index: dict[str, Any],
+        owned: set[str],
+        optims: tuple[torch.optim.Optimizer, ...],
     ) -> dict[str, Any]:
         said = {
             "format": FORMAT,
             "world_size": dist.world_size(),
             "mesh": view.mesh,
-            "optim": with_optim,
+            "optim": bool(optims),
+            "optimizers": list(self._stepped) if optims else [],  # which ones hold state
             "tensors": index,
         }
         local = {k: t for k, t in view.local.items() if k in owned or k in view.plain}
         self._pending = _Pending(view.skeleton, local, said)
         return said
 
-    def _dcp_view(self, with_optim: bool) -> View:
-        return view_of(self._state_dict(with_optim), {}, box=self._box)
+    def _dcp_view(self, optims: tuple[torch.optim.Optimizer, ...]) -> View:
+        return view_of(self._state_dict(optims), {}, box=self._box)
 
     def _changed(self, mine: dict[str, list[Any]]) -> tuple[int, bool]:
         """The fingerprint of this rank's layout, and whether it differs from the last save's."""
@@ -290,31 +300,9 @@ class Sharded(FilePart):
         if not changed:
             assert self._index is not None
             return self._index[1], self._index[2], False
-        index, owned = self._gather_index(mine)
+        index, owned = index_of_ranks(dist.all_gather_json(mine), dist.rank())
         self._index = (fingerprint, index, owned)
         return index, owned, True
-
-    def _gather_index(self, mine: dict[str, list[Any]]) -> tuple[dict[str, Any], set[str]]:
-        index: dict[str, dict[str, Any]] = {}
-        owned: set[str] = set()
-        rank = dist.rank()
-        for r, theirs in enumerate(dist.all_gather_json(mine)):
-            for name, (dtype, shape, chunks) in theirs.items():
-                entry = index.setdefault(name, {"dtype": dtype, "shape": shape, "chunks": []})
-                if entry["dtype"] != dtype or entry["shape"] != shape:
-                    raise UnsupportedStateError(
-                        f"{name}: rank {r} holds a {dtype} {shape} tensor, a lower rank a "
-                        f"{entry['dtype']} {entry['shape']} one"
-                    )
-                for offsets, sizes, key in chunks:
-                    if Box.of(offsets, sizes).numel == 0:
-                        continue
-                    if any(c[1] == offsets and c[2] == sizes for c in entry["chunks"]):
-                        continue  # a replica of a chunk a lower rank writes
-                    entry["chunks"].append([r, offsets, sizes] + ([key] if key != name else []))
-                    if r == rank:
-                        owned.add(key)
-        return index, owned
 
     @shards.quiet
     def capture(self, buffers: CaptureBuffers) -> dict[str, Any]:
@@ -329,7 +317,7 @@ class Sharded(FilePart):
             assert pending is not None
         copies = buffers.copy(pending.local, step_only=self._step_storages())
         said: dict[str, Any] = {"format": FORMAT, "skeleton": pending.skeleton}
-        if self.optimizers and not pending.said["optim"]:  # no state, but a learning rate
+        if len(pending.said["optimizers"]) < len(self.optimizers):  # no state: a learning rate
             said["groups"] = hyperparameters(self.optimizers)
         return {"tensors": copies, "json": said}
 
@@ -341,13 +329,13 @@ class Sharded(FilePart):
         """This rank's pieces as describe() reads them, without its collectives (for the host
         buffers made ahead of the first save): FSDP1's layout, or DCP's state dict of DTensors.
         Nothing for FSDP1 read through its own state dict, which is collective."""
-        with_optim = self._has_optim_state()
+        optims = tuple(o for o in self.optimizers if o.state)
         if self._flat_on and self._flat_model():
-            view = self._flat_view(with_optim)
+            view = self._flat_view(bool(optims))
             return dict(view.local) if view is not None else {}
         if is_fsdp1(self.model):
             return {}
-        return dict(self._dcp_view(with_optim).local)
+        return dict(self._dcp_view(optims).local)
 
     def _step_storages(self) -> set[int]:
         """Storages of the local shards that only an optimizer step changes."""
@@ -373,7 +361,8 @@ class Sharded(FilePart):
             raise CheckpointMismatchError(
                 f"part {info.part_id!r} holds optimizer state, but this Sharded has no optimizer"
             )
-        with_optim = bool(saved.get("optim")) and bool(self.optimizers)
+        optims = optimizers_of(saved, self.optimizers)
+        with_optim = bool(optims)
         index: dict[str, Any] = saved["tensors"]
         home = info.rank if info.rank < info.saved_world_size else 0
         # FSDP1 whose parameters are sharded now (between steps: on every rank alike)
@@ -383,7 +372,7 @@ class Sharded(FilePart):
                 layout, self._fqn, self.model, index, home, with_optim
             )
             return [json_file(home)] + [tensor_file(r) for r in sorted(direct.ranks)]
-        target = self._state_dict(with_optim)
+        target = self._state_dict(optims)
         _, tensors = split(target)
         ranks = {home}
         needs: dict[str, Box] = {}
@@ -422,6 +411,7 @@ class Sharded(FilePart):
             "needs": needs,
             "entries": entries,
             "with_optim": with_optim,
+            "optims": optims,
         }
         return [json_file(home)] + [tensor_file(r) for r in sorted(ranks)]
 
@@ -451,7 +441,9 @@ class Sharded(FilePart):
             files = {r: reader.tensors(tensor_file(r)) for r in sorted(plan.ranks)}
             optimizer = self.optimizers[0] if self.optimizers else None
             flat_restore.load(plan, files, meta["skeleton"], optimizer)
-            self._restore_groups(meta, plan.with_optim, json_file(home))
+            self._restore_groups(
+                meta, saved_indices(reader.info.saved, len(self.optimizers)), json_file(home)
+            )
             return
         files = {r: reader.tensors(tensor_file(r)) for r in plan["ranks"]}
         targets: dict[str, torch.Tensor] = plan["tensors"]
@@ -497,10 +489,12 @@ class Sharded(FilePart):
             # parameters that had no optimizer state when saved get none (DCP's strict
             # loading refuses them; the optimizer's load_state_dict leaves them without)
             options = replace(self.options, strict=False) if unsaved else self.options
-            set_optimizer_state_dict(self.model, self.optimizers, sd["optim"], options=options)
-        self._restore_groups(meta, plan["with_optim"], json_file(home))
+            set_optimizer_state_dict(self.model, plan["optims"], sd["optim"], options=options)
+        self._restore_groups(
+            meta, saved_indices(reader.info.saved, len(self.optimizers)), json_file(home)
+        )
 
-    def _restore_groups(self, meta: dict[str, Any], with_optim: bool, where: str) -> None:
+    def _restore_groups(self, meta: dict[str, Any], stepped: tuple[int, ...], where: str) -> None:
         """The hyperparameters of optimizers saved without state (:mod:`.stateless`)."""
-        if not with_optim and self.optimizers and "groups" in meta:
-            restore_hyperparameters(self.optimizers, meta["groups"], where)
+        if len(stepped) < len(self.optimizers) and "groups" in meta:
+            restore_hyperparameters(self.optimizers, meta["groups"], where, skip=set(stepped))

@@ -8,6 +8,10 @@ went on with the learning rate it was built with, not the one its scheduler had 
 chainable scheduler such as ``StepLR`` multiplies the group's current rate, so the rest of the
 run was off too). :func:`hyperparameters` keeps each group's values but its parameters, as JSON.
 
+Of several optimizers, those that have state on some rank are saved with it and the others by
+their groups (:func:`saved_indices`): a second optimizer that starts stepping later must not
+be given state by DCP's zero step either.
+
 A parameter without a gradient yet (unused by the forward pass, an expert no token was routed
 to) has no state in an optimizer that has state for the others; a restore, whose target state
 dict DCP initialises for every parameter, must not refuse the checkpoint for lacking it
@@ -19,7 +23,7 @@ as ``torch.optim.Optimizer.load_state_dict`` matches them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,11 +53,15 @@ def hyperparameters(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[An
 
 
 def restore_hyperparameters(
-    optimizers: Sequence[torch.optim.Optimizer], saved: Any, where: str
+    optimizers: Sequence[torch.optim.Optimizer],
+    saved: Any,
+    where: str,
+    skip: Collection[int] = (),
 ) -> None:
-    """Set each group's values from ``saved`` (:func:`hyperparameters`' answer); a tensor
-    value is written in place. Raises :class:`CheckpointMismatchError` when the number of
-    optimizers or of their groups differs from what was saved."""
+    """Set each group's values from ``saved`` (:func:`hyperparameters`' answer), but those
+    of the optimizers in ``skip`` (their state, groups included, came back with DCP's); a
+    tensor value is written in place. Raises :class:`CheckpointMismatchError` when the number
+    of optimizers or of their groups differs from what was saved."""
     if not isinstance(saved, list) or not all(isinstance(s, list) for s in saved):
         raise CheckpointCorruptError(f"{where}: the optimizers' groups are not a list of lists")
     if len(saved) != len(optimizers):
@@ -61,6 +69,8 @@ def restore_hyperparameters(
             f"{where}: saved with {len(saved)} optimizer(s), restored into {len(optimizers)}"
         )
     for i, (opt, groups) in enumerate(zip(optimizers, saved, strict=True)):
+        if i in skip:
+            continue
         if len(groups) != len(opt.param_groups):
             raise CheckpointMismatchError(
                 f"{where}: optimizer {i} was saved with {len(groups)} parameter group(s), this "
@@ -92,3 +102,28 @@ def without_saved_state(names: set[str], sd: dict[str, Any]) -> set[str]:
         if len(parts) == 4 and parts[:2] == ["optim", "state"] and unescape(parts[2]) not in saved:
             out.add(name)
     return out
+
+
+def saved_indices(saved: Mapping[str, Any], count: int) -> tuple[int, ...]:
+    """Which of ``count`` optimizers a ``Sharded`` checkpoint (its manifest record ``saved``)
+    holds the state of: all of them when it does not say (written before it could hold some
+    only)."""
+    if not saved.get("optim"):
+        return ()
+    listed = saved.get("optimizers")
+    if listed is None:
+        return tuple(range(count))
+    return tuple(int(i) for i in listed)
+
+
+def optimizers_of(
+    saved: Mapping[str, Any], optimizers: Sequence[torch.optim.Optimizer]
+) -> tuple[torch.optim.Optimizer, ...]:
+    """The optimizers whose state the checkpoint ``saved`` holds."""
+    indices = saved_indices(saved, len(optimizers))
+    if any(i >= len(optimizers) for i in indices):
+        raise CheckpointMismatchError(
+            f"the checkpoint holds the state of optimizer(s) {list(indices)}; this Sharded has "
+            f"{len(optimizers)}"
+        )
+    return tuple(optimizers[i] for i in indices)
