@@ -44,6 +44,9 @@ def _state(n: int, v: float = 1.0) -> dict:
         ({"resume": -3}, ">= 0"),
         ({"resume": 1.5}, "'auto'"),
         ({"capture_rng": "yes"}, "True or False"),
+        # saves in flight would share one set of host buffers: torn checkpoints that verify
+        ({"max_in_flight": 2}, "if_busy='skip'"),
+        ({"max_in_flight": 0}, "one save is written at a time"),
     ],
 )
 def test_invalid_options_fail_at_construction(tmp_path, kwargs, hint):

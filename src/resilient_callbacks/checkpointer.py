@@ -100,8 +100,9 @@ class Checkpointer:
       (the N newest, the K best by a metric, archive steps kept forever and always saved).
     - ``resume``: ``"auto"`` (newest valid, falling back loudly), ``"never"``, a step or a path.
     - ``capture_rng``: save and restore every RNG state.
-    - ``async_save``, ``max_in_flight``, ``if_busy`` (``"wait"``/``"skip"``),
-      ``overlap_snapshot``: write in the background; block only for the snapshot.
+    - ``async_save``, ``if_busy`` (``"wait"``/``"skip"``), ``overlap_snapshot``: write in
+      the background, one save at a time (``max_in_flight`` must be 1); block only for the
+      snapshot.
     - ``adaptive``, ``mtbf_hours``, ``max_overhead``, ``min_interval``, ``max_interval``: an
       interval that adapts to the measured save cost and failure rate (docs/policy.md).
     - ``loss_jump``, ``loss_key``: an extra save when the loss jumps.

@@ -112,14 +112,14 @@ class CheckpointerConfig:
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag}={getattr(self, flag)!r}: must be True or False")
-        if (
-            isinstance(self.max_in_flight, bool)
-            or not isinstance(self.max_in_flight, int)
-            or self.max_in_flight < 1
-        ):
+        if isinstance(self.max_in_flight, bool) or self.max_in_flight != 1:
+            # Saves in flight share one set of host buffers: a second save would copy into
+            # them while the first still writes (and hashes) them, committing torn checkpoints.
             raise ConfigError(
-                f"max_in_flight={self.max_in_flight!r}: must be an int >= 1 (each one in flight "
-                "holds a host copy of the state)"
+                f"max_in_flight={self.max_in_flight!r}: one save is written at a time (1, the "
+                "default); more in flight is not supported yet. To keep training from waiting "
+                "for a slow save, pass if_busy='skip' (a periodic save due while one is being "
+                "written is skipped)"
             )
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(
