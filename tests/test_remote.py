@@ -351,6 +351,33 @@ CHILD = textwrap.dedent(
 )
 
 
+def test_an_outage_at_restore_with_no_local_checkpoint_is_an_error_not_a_fresh_start(
+    s3_server, s3_remote, tmp_path
+):
+    """The local directory is gone and the store cannot be listed when restore() runs: that
+    is an error naming both, not "nothing to resume from" (restore returned 0 and the run
+    started from scratch, with only a log line). Once the store is back, the same resumes."""
+    from resilient_callbacks.errors import RemoteUnavailableError
+
+    url, opts = s3_remote
+    opts = {**opts, "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+    local = tmp_path / "local"
+    with Checkpointer(local, remote=url, remote_options=opts) as ck:
+        for s in (10, 20):
+            ck.save(s, _state(s))
+    shutil.rmtree(local)
+    ck = Checkpointer(local, remote=url, remote_options=opts)  # the store answers here...
+    try:
+        s3_server.stop()  # ... and is gone when the restore lists it
+        with pytest.raises(RemoteUnavailableError, match="holds no checkpoint"):
+            ck.restore(_fresh())
+    finally:
+        s3_server.start()
+        ck.close()
+    with Checkpointer(local, remote=url, remote_options=opts) as ck:
+        assert ck.restore(_fresh()) == 20
+
+
 def test_s3_sigkill_mid_upload_leaves_only_complete_checkpoints(s3_server, s3_remote, tmp_path):
     url, opts = s3_remote
     local = tmp_path / "local"

@@ -30,6 +30,7 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     NoValidCheckpointError,
+    RemoteUnavailableError,
     ResumeFallbackWarning,
 )
 from .filepart import PartReader, part_info, read_part_files
@@ -377,13 +378,16 @@ class Restorer:
             try:
                 remote_entries = d.sync.refresh()
             except Exception as e:
-                log.warning(
-                    "could not list the remote checkpoints in %s (%s: %s); resuming from the "
-                    "local ones only",
-                    d.remote.url,
-                    type(e).__name__,
-                    e,
-                )
+                why = f"could not list the remote checkpoints in {d.remote.url} ({type(e).__name__}: {e})"
+                if not local:  # not "nothing to resume from": the store may hold the run
+                    raise RemoteUnavailableError(
+                        f"{why}, and {d.dirpath} holds no checkpoint: not starting from scratch. "
+                        "Retry when the store is reachable, or pass resume='never' to start "
+                        "a new run"
+                    ) from e
+                msg = f"{why}; resuming from the local ones only (the remote may hold newer)"
+                warnings.warn(msg, ResumeFallbackWarning, stacklevel=2)
+                log.warning(msg)
                 remote_entries = []
             for re_ in remote_entries:
                 if re_.manifest is None:
