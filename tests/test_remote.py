@@ -27,6 +27,7 @@ from resilient_callbacks import (
     ConfigError,
     ForeignCheckpointsWarning,
     ResumeFallbackWarning,
+    catalog,
 )
 from resilient_callbacks.errors import RemoteUnavailableError
 from resilient_callbacks.remote import RemoteStore
@@ -349,6 +350,23 @@ CHILD = textwrap.dedent(
         time.sleep(0.05)
     """
 )
+
+
+def test_with_remote_every_n_saves_best_and_archive_checkpoints_stay_somewhere(tmp_path):
+    """Only every third checkpoint is uploaded, and the local disk kept only keep_last=1 (best
+    and archive ones being "kept remotely"): archive steps and the best checkpoint that were
+    not uploaded were deleted from both tiers. Now the local disk keeps them."""
+    local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
+    val = {10: 0.1, 40: 0.4}
+    with Checkpointer(
+        local, remote=url, every_n_steps=5, keep_last=1, keep_every_n_steps=10, keep_best=1,
+        monitor="val", remote_every_n_saves=3,
+    ) as ck:  # fmt: skip
+        for s in range(1, 41):
+            ck.step(s, _state(s), metrics={"val": val.get(s, 1.0)})
+    kept = {e.step for e in catalog.committed(catalog.scan(str(local)))}
+    kept |= set(_committed(url, None).values())
+    assert {10, 20, 30, 40} <= kept  # the archive steps; 10 is also the best
 
 
 def test_an_outage_at_restore_with_no_local_checkpoint_is_an_error_not_a_fresh_start(

@@ -268,8 +268,10 @@ class CheckpointerConfig:
 
     def local_retention_policy(self) -> RetentionPolicy:
         """With a remote tier, the local disk keeps only the ``keep_last`` newest (plus what is
-        not uploaded yet); best and archive checkpoints are kept remotely."""
-        if self.remote is None:
+        not uploaded yet); best and archive checkpoints are kept remotely. Unless only every
+        ``remote_every_n_saves``-th is uploaded: a best or archive checkpoint may then never
+        reach the remote, so the local disk keeps them too."""
+        if self.remote is None or self.remote_every_n_saves not in (None, 1):
             return self.retention_policy()
         return RetentionPolicy(keep_last=self.keep_last)
 
