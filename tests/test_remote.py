@@ -369,6 +369,27 @@ def test_with_remote_every_n_saves_best_and_archive_checkpoints_stay_somewhere(t
     assert {10, 20, 30, 40} <= kept  # the archive steps; 10 is also the best
 
 
+def test_a_new_run_started_with_resume_never_numbers_its_commits_after_the_remote(tmp_path):
+    """A run started on purpose with resume="never" in a directory whose checkpoints live only
+    remotely: its commits are numbered after the remote's (they were numbered from the local
+    directory, so a later resume, which takes the highest commit number, went back to the
+    older run)."""
+    local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
+    with Checkpointer(local, remote=url, keep_last=5) as ck:
+        for s in (10, 20, 30):
+            ck.save(s, _state(s))
+    shutil.rmtree(local)
+    with Checkpointer(local, remote=url, keep_last=5, resume="never") as ck:
+        assert ck.restore(_fresh()) == 0
+        for s in (1, 2):
+            ck.save(s, _state(s))
+    shutil.rmtree(local)
+    state = _fresh()
+    with Checkpointer(local, remote=url, keep_last=5) as ck:
+        assert ck.restore(state) == 2  # the run that committed last
+    assert state["meta"] == {"v": 2}
+
+
 def test_an_outage_at_restore_with_no_local_checkpoint_is_an_error_not_a_fresh_start(
     s3_server, s3_remote, tmp_path
 ):

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist, fit, history, layout, reader, rng, statetree, structure
 from .blobs import key_of
-from .catalog import Depth, Entry, Status
+from .candidates import Candidate, merge_tiers, number_after_remote
+from .catalog import Depth, Status
 from .commit import fsync_dir, remove_checkpoint
 from .config import ResumeMode
 from .directory import error_type
@@ -30,7 +31,6 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     NoValidCheckpointError,
-    RemoteUnavailableError,
     ResumeFallbackWarning,
 )
 from .filepart import PartReader, part_info, read_part_files
@@ -41,38 +41,6 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer
 
 log = logging.getLogger("resilient_callbacks")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A checkpoint restore may try: a local directory (``path``) or a remote copy (``remote``,
-    its name in the remote tier; ``path`` is set once it is downloaded). ``key`` identifies a
-    checkpoint across tiers: (run id, commit number). ``problem``: why it cannot be used, as far
-    as rank 0 could tell from the manifest and the file sizes."""
-
-    path: str | None
-    step: int | None
-    problem: str | None = None
-    key: tuple[str, int] | None = None
-    remote: str | None = None
-
-    @property
-    def where(self) -> str | None:
-        return self.path if self.path is not None else self.remote
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Candidate:
-        key = d.get("key")
-        return cls(
-            d["path"],
-            d["step"],
-            d.get("problem"),
-            (str(key[0]), int(key[1])) if key is not None else None,
-            d.get("remote"),
-        )
 
 
 @dataclass(frozen=True)
@@ -327,8 +295,10 @@ class Restorer:
         ck = self._ck
         r = ck.config.resume
         if r == ResumeMode.NEVER:
+            number_after_remote(self._ck._dir)
             return []
         if isinstance(r, str) and r != ResumeMode.AUTO:
+            number_after_remote(self._ck._dir)
             path = os.path.abspath(os.path.expanduser(r))
             if not os.path.exists(path):
                 raise CheckpointNotFoundError(f"resume={r!r}: no such checkpoint directory")
@@ -348,7 +318,7 @@ class Restorer:
         # Checkpoints whose manifest cannot be read have no commit number: they may be the
         # newest, so they are tried (and reported as skipped) first, never silently ignored.
         cands = [Candidate(e.path, e.step, e.problem) for e in found if e.manifest is None]
-        cands += self._merge_tiers([e for e in found if e.manifest is not None])
+        cands += merge_tiers(self._ck._dir, [e for e in found if e.manifest is not None])
         if isinstance(r, int):
             chosen = [c for c in cands if c.step == r]
             if not chosen:
@@ -363,51 +333,6 @@ class Restorer:
             key = chosen[0].key
             cands = [c for c in chosen if key is not None and c.key == key] or chosen[:1]
         return cands
-
-    def _merge_tiers(self, local: list[Entry]) -> list[Candidate]:
-        """Committed checkpoints of both tiers, newest first; where one exists in both, the
-        local copy comes first and the remote copy right after it (used if the local one
-        turns out damaged)."""
-        d = self._ck._dir
-        by_key: dict[tuple[str, int], dict[str, Any]] = {}
-        for e in local:
-            assert e.manifest is not None
-            key = (e.manifest.run_id, e.manifest.seq)
-            by_key[key] = {"local": e, "step": e.manifest.step, "seq": e.manifest.seq}
-        if d.sync is not None and d.remote is not None:
-            try:
-                remote_entries = d.sync.refresh()
-            except Exception as e:
-                why = f"could not list the remote checkpoints in {d.remote.url} ({type(e).__name__}: {e})"
-                if not local:  # not "nothing to resume from": the store may hold the run
-                    raise RemoteUnavailableError(
-                        f"{why}, and {d.dirpath} holds no checkpoint: not starting from scratch. "
-                        "Retry when the store is reachable, or pass resume='never' to start "
-                        "a new run"
-                    ) from e
-                msg = f"{why}; resuming from the local ones only (the remote may hold newer)"
-                warnings.warn(msg, ResumeFallbackWarning, stacklevel=2)
-                log.warning(msg)
-                remote_entries = []
-            for re_ in remote_entries:
-                if re_.manifest is None:
-                    continue
-                key = (re_.manifest.run_id, re_.manifest.seq)
-                item = by_key.setdefault(key, {"step": re_.manifest.step, "seq": re_.manifest.seq})
-                item["remote"] = re_
-                # new saves must number after everything either tier holds
-                d.seq = max(d.seq, re_.manifest.seq)
-        out: list[Candidate] = []
-        for key, item in sorted(by_key.items(), key=lambda kv: (kv[1]["seq"], kv[1]["step"])):
-            pair: list[Candidate] = []
-            if "local" in item:
-                le = item["local"]
-                pair.append(Candidate(le.path, le.step, le.problem, key))
-            if "remote" in item:
-                re_ = item["remote"]
-                pair.append(Candidate(None, item["step"], re_.problem, key, re_.name))
-            out[:0] = pair  # newest first
-        return out
 
     # ------------------------------------------------------------------ the remote tier
 

@@ -1,0 +1,119 @@
+"""The checkpoints a restore may try (:class:`Candidate`), and how the coordinator merges the
+local and the remote tier's into one list, newest first (by commit number)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import RemoteUnavailableError, ResumeFallbackWarning
+
+if TYPE_CHECKING:
+    from .catalog import Entry
+    from .directory import Directory
+
+log = logging.getLogger("resilient_callbacks")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint restore may try: a local directory (``path``) or a remote copy (``remote``,
+    its name in the remote tier; ``path`` is set once it is downloaded). ``key`` identifies a
+    checkpoint across tiers: (run id, commit number). ``problem``: why it cannot be used, as far
+    as rank 0 could tell from the manifest and the file sizes."""
+
+    path: str | None
+    step: int | None
+    problem: str | None = None
+    key: tuple[str, int] | None = None
+    remote: str | None = None
+
+    @property
+    def where(self) -> str | None:
+        return self.path if self.path is not None else self.remote
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Candidate:
+        key = d.get("key")
+        return cls(
+            d["path"],
+            d["step"],
+            d.get("problem"),
+            (str(key[0]), int(key[1])) if key is not None else None,
+            d.get("remote"),
+        )
+
+
+def number_after_remote(d: Directory) -> None:
+    """Coordinator, for a restore that does not list the tiers (``resume="never"``, a
+    path): new commits still number after the remote's, or a later resume (which takes the
+    highest commit number) would prefer an older run's checkpoint to this run's."""
+    if d.sync is None or d.remote is None:
+        return
+    try:
+        entries = d.sync.refresh()
+    except Exception as e:
+        log.warning(
+            "could not list the remote checkpoints in %s (%s: %s): this run's checkpoints "
+            "are numbered after the local ones only",
+            d.remote.url,
+            type(e).__name__,
+            e,
+        )
+        return
+    for re_ in entries:
+        if re_.manifest is not None:
+            d.seq = max(d.seq, re_.manifest.seq)
+
+
+def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
+    """Coordinator: the committed checkpoints of both tiers, newest first; where one exists
+    in both, the local copy comes first and the remote copy right after it (used if the
+    local one turns out damaged). Numbers this run's commits after the remote's."""
+    by_key: dict[tuple[str, int], dict[str, Any]] = {}
+    for e in local:
+        assert e.manifest is not None
+        key = (e.manifest.run_id, e.manifest.seq)
+        by_key[key] = {"local": e, "step": e.manifest.step, "seq": e.manifest.seq}
+    if d.sync is not None and d.remote is not None:
+        try:
+            remote_entries = d.sync.refresh()
+        except Exception as e:
+            why = (
+                f"could not list the remote checkpoints in {d.remote.url} ({type(e).__name__}: {e})"
+            )
+            if not local:  # not "nothing to resume from": the store may hold the run
+                raise RemoteUnavailableError(
+                    f"{why}, and {d.dirpath} holds no checkpoint: not starting from scratch. "
+                    "Retry when the store is reachable, or pass resume='never' to start "
+                    "a new run"
+                ) from e
+            msg = f"{why}; resuming from the local ones only (the remote may hold newer)"
+            warnings.warn(msg, ResumeFallbackWarning, stacklevel=2)
+            log.warning(msg)
+            remote_entries = []
+        for re_ in remote_entries:
+            if re_.manifest is None:
+                continue
+            key = (re_.manifest.run_id, re_.manifest.seq)
+            item = by_key.setdefault(key, {"step": re_.manifest.step, "seq": re_.manifest.seq})
+            item["remote"] = re_
+            # new saves must number after everything either tier holds
+            d.seq = max(d.seq, re_.manifest.seq)
+    out: list[Candidate] = []
+    for key, item in sorted(by_key.items(), key=lambda kv: (kv[1]["seq"], kv[1]["step"])):
+        pair: list[Candidate] = []
+        if "local" in item:
+            le = item["local"]
+            pair.append(Candidate(le.path, le.step, le.problem, key))
+        if "remote" in item:
+            re_ = item["remote"]
+            pair.append(Candidate(None, item["step"], re_.problem, key, re_.name))
+        out[:0] = pair  # newest first
+    return out
