@@ -403,3 +403,29 @@ def test_module_entry_point_help_does_not_import_torch(flag):
     assert r.returncode == 0 and "resilient-ckpt" in r.stdout
     imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if "|" in line}
     assert "torch" not in imported
+
+
+def test_a_checkpoint_deleted_while_it_is_read_is_not_reported_corrupt(tmp_path, monkeypatch):
+    """A run writing beside the CLI deletes its old checkpoints (retention renames each out of
+    sight, then deletes it). One that goes while ls/verify reads it is gone, not corrupt: they
+    reported "CORRUPT ... listed in the manifest but missing", or crashed on the vanished
+    manifest. Here the newest goes while its files are hashed: verify checks the next."""
+    from resilient_callbacks import catalog
+
+    root = tmp_path / "ck"
+    with Checkpointer(root, async_save=False) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"w": torch.full((4,), float(step))})
+    real = catalog.digest_file
+    newest = str(root / "step_000000003")
+
+    def deleting(path, like=None):  # retention of the writing run, at the worst moment
+        if path.startswith(newest + os.sep) and os.path.isdir(newest):
+            os.rename(newest, str(root / ".trash-step_000000003"))
+        return real(path, like=like)
+
+    monkeypatch.setattr(catalog, "digest_file", deleting)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["verify", str(root)]) == 0
+    assert "CORRUPT" not in out.getvalue() and "step          2" in out.getvalue()

@@ -87,7 +87,12 @@ def verify(
                 f"{full}: size {size} bytes, manifest says {f.size} (truncated or overwritten)"
             )
         if depth is Depth.FULL:
-            d = digest_file(full, like=f.xxh3_64)
+            try:
+                d = digest_file(full, like=f.xxh3_64)
+            except FileNotFoundError:
+                raise CheckpointCorruptError(
+                    f"{full}: listed in the manifest but missing"
+                ) from None
             if d.xxh3_64 != f.xxh3_64:
                 raise CheckpointCorruptError(
                     f"{full}: checksum mismatch (xxh3_64 {d.xxh3_64}, manifest says {f.xxh3_64})"
@@ -133,7 +138,9 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
             continue
         try:
             manifest = read_manifest(path)
-        except CheckpointCorruptError as e:
+        except (CheckpointCorruptError, FileNotFoundError) as e:
+            if gone(path):
+                continue
             committed.append(Entry(name, path, Status.CORRUPT, problem=str(e)))
             continue
         entry = Entry(name, path, Status.VALID, manifest)
@@ -141,10 +148,19 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
             try:
                 verify(path, manifest, depth)
             except CheckpointCorruptError as e:
+                if gone(path):
+                    continue
                 entry.status, entry.problem = Status.CORRUPT, str(e)
         committed.append(entry)
     committed.sort(key=lambda e: (e.seq, e.step or 0, e.name))
     return committed + incomplete
+
+
+def gone(path: str) -> bool:
+    """Whether the checkpoint at ``path`` went away while it was read: retention of a run
+    writing beside the reader renamed it out of sight to delete it. Not a corrupt checkpoint,
+    no checkpoint at all."""
+    return not os.path.isdir(path)
 
 
 def committed(entries: Iterable[Entry]) -> list[Entry]:

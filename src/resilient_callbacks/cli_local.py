@@ -144,6 +144,18 @@ def _nothing(root: str, remote: str | None) -> str:
 
 def verify(args: argparse.Namespace) -> int:
     target = resolve(args.dir)
+    for _ in range(5):  # a run writing here may delete a checkpoint while it is verified
+        scope, chosen, committed = _to_verify(target, args)
+        for e in chosen:
+            check(e)
+        if all(e.status is not Status.INCOMPLETE for e in chosen):
+            break
+    chosen = [e for e in chosen if e.status is not Status.INCOMPLETE]  # deleted meanwhile
+    return _report_verified(args, target, scope, chosen, committed)
+
+
+def _to_verify(target: Any, args: argparse.Namespace) -> tuple[str, list[Entry], list[Entry]]:
+    """``(scope, the entries to verify, every committed entry)`` of ``verify``'s arguments."""
     committed = catalog.committed(scan(target, Depth.NONE))
     if not committed:
         raise no_checkpoints(target.root)
@@ -164,8 +176,12 @@ def verify(args: argparse.Namespace) -> int:
         scope = "newest"
         newest = by_commit(committed)[:1]
         chosen = newest + unordered(committed, newest[0].step if newest else None)
-    for e in chosen:
-        check(e)
+    return scope, chosen, committed
+
+
+def _report_verified(
+    args: argparse.Namespace, target: Any, scope: str, chosen: list[Entry], committed: list[Entry]
+) -> int:
     rows = [row(e, Depth.FULL) for e in chosen]
     bad = [r for r in rows if r["status"] != "valid"]
     if args.json:

@@ -93,7 +93,10 @@ def check(e: Entry, depth: Depth = Depth.FULL) -> Entry:
         try:
             catalog.verify(e.path, e.manifest, Depth.FULL)
         except CheckpointCorruptError as err:
-            e.status, e.problem = Status.CORRUPT, str(err)
+            if catalog.gone(e.path):  # retention of a run writing here deleted it meanwhile
+                e.status, e.problem = Status.INCOMPLETE, "deleted while it was being read"
+            else:
+                e.status, e.problem = Status.CORRUPT, str(err)
         except OSError as err:  # unreadable: permissions, a directory where a file should be
             e.status, e.problem = Status.CORRUPT, f"cannot read it ({type(err).__name__}: {err})"
     return e
