@@ -34,13 +34,15 @@ def main() -> None:
     model, opt = build()
     sharded = Sharded(model, opt)
     gathers = [0]
-    inner = sharded._gather_index
+    from resilient_callbacks.dcp import sharded as sharded_module
 
-    def counted(mine):  # type: ignore[no-untyped-def]
+    inner = sharded_module.index_of_ranks
+
+    def counted(per_rank, r):  # type: ignore[no-untyped-def]
         gathers[0] += 1
-        return inner(mine)
+        return inner(per_rank, r)
 
-    sharded._gather_index = counted  # type: ignore[method-assign]
+    sharded_module.index_of_ranks = counted  # type: ignore[assignment]
     after: list[int] = []
     with Checkpointer(root, preemption=False, async_save=False) as ck:
         ck.save(1, {"train": sharded})
