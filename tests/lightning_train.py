@@ -54,9 +54,10 @@ def make_dataset(n: int, seed: int) -> TensorDataset:
 
 
 class Data(L.LightningDataModule):
-    def __init__(self, loader: str) -> None:
+    def __init__(self, loader: str, val_persistent: bool = False) -> None:
         super().__init__()
         self.loader = loader
+        self.val_persistent = val_persistent
         self.train_set = make_dataset(NUM_SAMPLES, 1234)
         self.val_set = make_dataset(NUM_VAL, 4321)
 
@@ -68,6 +69,8 @@ class Data(L.LightningDataModule):
         return DataLoader(self.train_set, batch_size=8, shuffle=True)
 
     def val_dataloader(self):
+        if self.val_persistent:  # one iterator for the whole fit, made by its first validation
+            return DataLoader(self.val_set, batch_size=8, num_workers=2, persistent_workers=True)
         return DataLoader(self.val_set, batch_size=8)
 
 
@@ -259,6 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--early-stop", action="store_true", help="EarlyStopping: stops at the 2nd validation"
     )
+    p.add_argument("--val-persistent", action="store_true", help="val loader: 2 kept workers")
+    p.add_argument("--no-sanity", action="store_true", help="num_sanity_val_steps=0")
     p.add_argument("--csv-logs", default=None, help="a CSVLogger directory")
     p.add_argument(
         "--no-callback",
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
         logger=logger,
         log_every_n_steps=1,
         val_check_interval=args.val_every or 1.0,
-        num_sanity_val_steps=2,
+        num_sanity_val_steps=0 if args.no_sanity else 2,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=args.root,
@@ -344,7 +349,8 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
         # torch 2.13: a path Lightning supports only on GPUs.)
         enable_checkpointing=not args.no_callback or args.model_checkpoint,
     )
-    trainer.fit(model, datamodule=Data(args.loader), ckpt_path=args.ckpt_path)
+    data = Data(args.loader, val_persistent=args.val_persistent)
+    trainer.fit(model, datamodule=data, ckpt_path=args.ckpt_path)
 
     suffix = f".rank{trainer.global_rank}" if args.devices > 1 else ""
     params = {k: _full(v).detach().clone().contiguous() for k, v in model.state_dict().items()}

@@ -246,6 +246,23 @@ def test_resume_from_each_kind_of_step_is_bit_exact(tmp_path, reference, loader)
         _assert_same_run(ref, work, places=loader == "plain" or k != 13)
 
 
+def test_a_persistent_validation_loader_resumes_exactly(tmp_path, reference):
+    """The val loader keeps 2 workers (persistent_workers=True), no sanity check: the
+    uninterrupted run makes its iterator at its first validation (end of epoch 0, step 13) and
+    resets it at each later one without a draw from the global RNG. A run resumed at step 20
+    made a new one at its first validation, drawing a base seed the uninterrupted run did not,
+    and every later step differed. Stopped at 20 and re-run: the same as the uninterrupted
+    run."""
+    opts = ("--val-persistent", "--no-sanity", "--val-every", "0")  # at each epoch's end
+    ref = tmp_path / "ref"
+    _run_inprocess(_argv(ref, *opts))
+    work = tmp_path / "k20"
+    _run_inprocess(_argv(work, "--max-steps", "20", *opts))
+    rc, _ = _run_inprocess(_argv(work, *opts))
+    assert rc.restored_step == 20
+    _assert_same_run(ref, work)
+
+
 def test_a_run_stopped_by_early_stopping_is_not_trained_further_when_re_run(tmp_path):
     """EarlyStopping stops fit at step 12 (the second validation); that step is saved. The same
     script run again restores step 12 and trains nothing (it trained on: Lightning's

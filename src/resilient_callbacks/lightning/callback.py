@@ -134,6 +134,7 @@ class ResilientCheckpoint(Checkpoint):
         self._state: dict[str, Any] | None = None
         self._resume_rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._resumed_stopped = False  # the checkpoint restored is the step a run stopped at
+        self._val_iterators_made = False  # ... and the run's persistent val iterators existed
         self._last_step: int | None = None
         self._pending: tuple[int, Any] | None = None
         self._our_handlers: dict[int, Any] = {}
@@ -196,6 +197,7 @@ class ResilientCheckpoint(Checkpoint):
             trainer,
             functools.partial(self._resume_start, trainer),
             functools.partial(self._prepare_loaders, trainer),
+            functools.partial(self._val_loaders_ready, trainer),
         )
 
     def _unpatch_all(self) -> None:
@@ -255,6 +257,7 @@ class ResilientCheckpoint(Checkpoint):
         self.restored_step = step
         self._resume_rng = rng.capture()  # restored by the core; re-applied at on_train_start
         self._resumed_stopped = bool(checkpoint.pop(st.STOPPED_KEY, False))
+        self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
         loops = checkpoint.get("loops", {}).get("fit_loop", {})
         batch = loops.get("epoch_loop.batch_progress", {}).get("current", {}).get("processed", "?")
         where = f"epoch {checkpoint.get('epoch', '?')}, {batch} batch(es) into it"
@@ -318,6 +321,19 @@ class ResilientCheckpoint(Checkpoint):
                     )
         if changed:
             combined.flattened = loaders
+
+    def _val_loaders_ready(self, trainer: pl.Trainer) -> None:
+        """The validation loop built its loaders. In a run resumed at a step where the
+        uninterrupted run's persistent validation iterators existed already (made by the sanity
+        check or an earlier validation, and only reset since, without a draw), the first ones
+        this run makes take their base seeds from a throwaway generator, not from the global
+        RNG: that draw would shift every later random number."""
+        if not self._val_iterators_made:
+            return
+        self._val_iterators_made = False
+        for dl in patches.persistent_val_loaders(trainer):
+            if dl._iterator is None and dl.generator is None:
+                dl.generator = torch.Generator().manual_seed(0)
 
     # ------------------------------------------------------------------ training
 
@@ -416,7 +432,8 @@ class ResilientCheckpoint(Checkpoint):
     def _boundary(self, trainer: pl.Trainer, step: int, loss: Any) -> None:
         ckpt, ctx, state = self.checkpointer, self._ctx, self._state
         assert ckpt is not None and ctx is not None and state is not None
-        ctx.reset(stopped=bool(trainer.should_stop))
+        made = any(dl._iterator is not None for dl in patches.persistent_val_loaders(trainer))
+        ctx.reset(stopped=bool(trainer.should_stop), val_iterators=made)
         metrics = st.finite_metrics(trainer.callback_metrics)
         loss_key = self._kwargs.get("loss_key", "loss")
         if self._kwargs.get("loss_jump") and loss_key not in metrics and loss is not None:

@@ -6,7 +6,9 @@ trainer instance, and their unwrapping at ``teardown``:
 - ``fit_loop._load_combined_loader_states`` (where Lightning restores the train dataloaders,
   after it built them and before it iterates them): the callback makes them resumable first;
 - ``fit_loop.epoch_loop.val_loop.increment_progress_to_evaluation_end``: run with the random
-  streams isolated (see :func:`wrap_fit`).
+  streams isolated (see :func:`wrap_fit`);
+- ``fit_loop.epoch_loop.val_loop.setup_data`` (before each validation creates its loaders'
+  iterators): the callback gets to adjust the val loaders it built.
 
 Which ranks call what: every rank wraps its own trainer in ``setup`` (Lightning runs every hook
 on every rank); nothing here runs a collective.
@@ -25,12 +27,14 @@ def wrap_fit(
     trainer: pl.Trainer,
     on_resume_start: Callable[[Any, Any, Any], None],
     before_loader_states: Callable[[], None],
+    after_val_setup: Callable[[], None],
 ) -> list[Callable[[], None]]:
-    """Wrap the three internals of ``trainer``. ``on_resume_start(original, checkpoint_path,
+    """Wrap the four internals of ``trainer``. ``on_resume_start(original, checkpoint_path,
     weights_only)`` replaces ``resume_start`` (``original`` is Lightning's, to call for what the
     callback does not handle); ``before_loader_states()`` runs before Lightning restores the
-    train dataloaders' states. Returns the functions that unwrap them (each removes only its
-    own wrapper), in the order they were wrapped."""
+    train dataloaders' states; ``after_val_setup()`` after the validation loop set up its
+    dataloaders. Returns the functions that unwrap them (each removes only its own wrapper),
+    in the order they were wrapped."""
     unwrap: list[Callable[[], None]] = []
     conn = trainer._checkpoint_connector
     original_resume = conn.resume_start
@@ -63,7 +67,28 @@ def wrap_fit(
 
     val_loop.increment_progress_to_evaluation_end = fast_forward  # type: ignore[method-assign]
     unwrap.append(lambda: _unwrap(val_loop, "increment_progress_to_evaluation_end", fast_forward))
+
+    original_setup = val_loop.setup_data
+
+    def setup_data() -> None:
+        original_setup()
+        after_val_setup()
+
+    val_loop.setup_data = setup_data  # type: ignore[method-assign]
+    unwrap.append(lambda: _unwrap(val_loop, "setup_data", setup_data))
     return unwrap
+
+
+def persistent_val_loaders(trainer: pl.Trainer) -> list[Any]:
+    """The validation dataloaders of the fit that keep their workers (one iterator for the
+    whole fit), as far as they are built."""
+    combined = trainer.fit_loop.epoch_loop.val_loop._combined_loader
+    loaders = list(combined.flattened) if combined is not None else []
+    return [
+        dl
+        for dl in loaders
+        if getattr(dl, "persistent_workers", False) and getattr(dl, "num_workers", 0) > 0
+    ]
 
 
 def _unwrap(obj: Any, name: str, ours: Any) -> None:

@@ -51,6 +51,9 @@ _LOADER_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
 # in Lightning's checkpoint dictionary as we save it: the run stopped after this step before its
 # end (trainer.should_stop: early stopping, max_time, the user's code), so a re-run trains nothing
 STOPPED_KEY = "resilient_callbacks_stopped"
+# ... and the validation loaders' persistent worker iterators existed at this step (so the
+# resumed run's first validation must not draw their base seed from the global RNG)
+VAL_ITERATORS_KEY = "resilient_callbacks_val_iterators"
 
 
 class HparamsConversionWarning(UserWarning):
@@ -217,15 +220,18 @@ class SaveContext:
         self.fit_loop_override: dict[str, Any] | None = None
         self.buffer_override: dict[str, torch.Tensor] | None = None
         self.stopped = False
+        self.val_iterators = False
 
-    def reset(self, stopped: bool = False) -> None:
+    def reset(self, stopped: bool = False, val_iterators: bool = False) -> None:
         """Forget the previous dump (called at every step boundary). ``stopped``: the run
-        stops after this step (:data:`STOPPED_KEY`)."""
+        stops after this step (:data:`STOPPED_KEY`); ``val_iterators``: see
+        :data:`VAL_ITERATORS_KEY`."""
         self._dump = None
         self._rest = None
         self.fit_loop_override = None
         self.buffer_override = None
         self.stopped = stopped
+        self.val_iterators = val_iterators
 
     def dump(self) -> dict[str, Any]:
         if self._dump is None:
@@ -240,6 +246,8 @@ class SaveContext:
                 d["state_dict"] = sd
             if self.stopped:
                 d[STOPPED_KEY] = True
+            if self.val_iterators:
+                d[VAL_ITERATORS_KEY] = True
             self._dump = d
         return self._dump
 
