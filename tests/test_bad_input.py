@@ -201,3 +201,29 @@ def test_disk_full_with_retention_does_not_delete_the_good_checkpoint(small_tmpf
         assert [e.step for e in ck.checkpoints()] == [1]
         assert ck.step(4, _state(1000)) is True
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000004"]
+
+
+@pytest.mark.parametrize("change", ["groups", "class"])
+def test_an_optimizer_that_does_not_fit_is_refused_before_the_model_is_loaded(tmp_path, change):
+    """The optimizer has another number of parameter groups, or is of another class, than the
+    one saved: refused by name before anything is loaded (the model was loaded first, then the
+    optimizer's own load_state_dict raised, leaving the model with the checkpoint's weights)."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, {"model": model, "opt": opt})
+    fresh = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    if change == "groups":
+        other = torch.optim.SGD(
+            [{"params": [fresh.weight]}, {"params": [fresh.bias]}], lr=0.1, momentum=0.9
+        )
+        says = r"parameter groups of \[2\] parameter\(s\) in the checkpoint, of \[1, 1\]"
+    else:
+        other = torch.optim.Adam(fresh.parameters())
+        says = "a torch.optim.sgd.SGD in the checkpoint, a torch.optim.adam.Adam here"
+    with Checkpointer(tmp_path / "ck") as ck, pytest.raises(CheckpointMismatchError, match=says):
+        ck.restore({"model": fresh, "opt": other})
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())

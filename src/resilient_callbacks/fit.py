@@ -118,6 +118,8 @@ def check_fits(
                     f"{path_str(path)}: checkpoint holds {_describe(n)}, not the state of a "
                     f"{_qualname(obj)}"
                 )
+            elif isinstance(obj, torch.optim.Optimizer):
+                problems.extend(_optimizer_problems(obj, n, path))
             return
         if isinstance(obj, Mapping):
             items = _node_items(n)
@@ -156,6 +158,27 @@ def check_fits(
             + "\nIf this directory belongs to another model or run, use a new dirpath "
             "(or resume='never' to start fresh and leave those checkpoints alone)."
         )
+
+
+def _optimizer_problems(
+    opt: torch.optim.Optimizer, n: dict[str, Any], path: tuple[Any, ...]
+) -> list[str]:
+    """Why the saved optimizer state ``n`` would not load into ``opt``, checked before anything
+    is loaded (its own ``load_state_dict`` raises only after the model was loaded): another
+    optimizer class, or other parameter groups (their number, or the parameters in each)."""
+    if n.get("type") != _qualname(opt) and isinstance(n.get("type"), str):
+        return [f"{path_str(path)}: a {n['type']} in the checkpoint, a {_qualname(opt)} here"]
+    groups = _node_seq((_node_items(n.get("state")) or {}).get("param_groups"))
+    if groups is None:
+        return []
+    saved = [len(_node_seq((_node_items(g) or {}).get("params")) or []) for g in groups]
+    live = [len(g["params"]) for g in opt.param_groups]
+    if saved != live:
+        return [
+            f"{path_str(path)}: parameter groups of {saved} parameter(s) in the checkpoint, "
+            f"of {live} here"
+        ]
+    return []
 
 
 def _key_problems(path: tuple[Any, ...], missing: list[Any], unexpected: list[Any]) -> list[str]:

@@ -425,7 +425,8 @@ def apply(
             except Exception as e:  # the object's own validation: report with its key path
                 raise CheckpointMismatchError(
                     f"{path_str(path)} ({_qualname(obj)}) rejected the checkpoint: "
-                    f"{type(e).__name__}: {e}"
+                    f"{type(e).__name__}: {e}. Objects of the state restored before it hold "
+                    "the checkpoint's values now: build them afresh before training from scratch"
                 ) from e
             _check_load_result(result, path)
             return obj
