@@ -171,8 +171,11 @@ def _optimizer_problems(
     groups = _node_seq((_node_items(n.get("state")) or {}).get("param_groups"))
     if groups is None:
         return []
+    live_groups = getattr(opt, "param_groups", None)  # (a wrapper may not have its own)
+    if not isinstance(live_groups, list):
+        return []
     saved = [len(_node_seq((_node_items(g) or {}).get("params")) or []) for g in groups]
-    live = [len(g["params"]) for g in opt.param_groups]
+    live = [len(g.get("params", ())) for g in live_groups if isinstance(g, dict)]
     if saved != live:
         return [
             f"{path_str(path)}: parameter groups of {saved} parameter(s) in the checkpoint, "
