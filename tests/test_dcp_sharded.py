@@ -437,16 +437,9 @@ def test_fsdp1_saves_through_its_state_dict_when_a_rank_cannot_read_the_layout(t
     assert saved["parts"]["train"]["mesh"] == {"layout": "FSDP1 flat parameters, read directly"}
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
-def test_an_optimizer_without_state_resumes_with_the_learning_rate_it_had(tmp_path, sharding):
-    """SGD without momentum never has state, so no optimizer state is saved; its param_groups
-    are, and a StepLR schedule (which scales the group's current rate) goes on from the rate
-    the run had reached: killed after step 5 and run again, the losses and final weights are
-    those of a run that was not stopped. (Its groups were lost: the resumed run went on at the
-    initial rate.)"""
-    env = {"RC_SHARDING": sharding, "RC_OPTIM": "sgd"}
+def _assert_killed_and_rerun_is_exact(tmp_path: Path, **env: str) -> None:
+    """Run "u" to step 8; run "k" killed after step 5, then the same command again: resumed at
+    step 4 (2 if the kill beat its commit), the same losses on both ranks, the same tensors."""
     _run(tmp_path, 2, tmp_path / "clean", "u", 8, **env)
     codes = _run(tmp_path, 2, tmp_path / "crashed", "k", 8, "5", **env)
     assert -9 in codes
@@ -457,6 +450,19 @@ def test_an_optimizer_without_state_resumes_with_the_learning_rate_it_had(tmp_pa
     _assert_same(
         _tensors(tmp_path / "u.final.safetensors"), _tensors(tmp_path / "k.final.safetensors")
     )
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
+def test_an_optimizer_without_state_resumes_with_the_learning_rate_it_had(tmp_path, sharding):
+    """SGD without momentum never has state, so no optimizer state is saved; its param_groups
+    are, and a StepLR schedule (which scales the group's current rate) goes on from the rate
+    the run had reached: killed after step 5 and run again, the losses and final weights are
+    those of a run that was not stopped. (Its groups were lost: the resumed run went on at the
+    initial rate.)"""
+    env = {"RC_SHARDING": sharding, "RC_OPTIM": "sgd"}
+    _assert_killed_and_rerun_is_exact(tmp_path, **env)
 
 
 @pytest.mark.distributed
@@ -468,16 +474,7 @@ def test_a_parameter_without_optimizer_state_resumes_without_it(tmp_path):
     state dict it loads into has state for every parameter), and the parameter still has none
     -- the final optimizer state has the same keys as a run that was not stopped."""
     env = {"RC_SHARDING": "fsdp2", "RC_UNUSED_PARAM": "1"}  # (FSDP1 gives it a zero gradient)
-    _run(tmp_path, 2, tmp_path / "clean", "u", 8, **env)
-    codes = _run(tmp_path, 2, tmp_path / "crashed", "k", 8, "5", **env)
-    assert -9 in codes
-    _run(tmp_path, 2, tmp_path / "crashed", "k", 8, **env)
-    assert int((tmp_path / "k.start").read_text()) in (4, 2)
-    for rank in (0, 1):
-        assert _losses(tmp_path, "k", rank) == _losses(tmp_path, "u", rank)
-    _assert_same(
-        _tensors(tmp_path / "u.final.safetensors"), _tensors(tmp_path / "k.final.safetensors")
-    )
+    _assert_killed_and_rerun_is_exact(tmp_path, **env)
     _run(tmp_path, 1, tmp_path / "crashed", "one", 8, **env)  # resharded onto one rank
     assert (tmp_path / "one.start").read_text() == "8"
 

@@ -46,14 +46,7 @@ def wrap_fit(
     unwrap.append(lambda: _unwrap(conn, "resume_start", resume_start))
 
     fit_loop = trainer.fit_loop
-    original_load = fit_loop._load_combined_loader_states
-
-    def load_loader_states() -> None:
-        before_loader_states()
-        original_load()
-
-    fit_loop._load_combined_loader_states = load_loader_states  # type: ignore[method-assign]
-    unwrap.append(lambda: _unwrap(fit_loop, "_load_combined_loader_states", load_loader_states))
+    unwrap.append(_around(fit_loop, "_load_combined_loader_states", before=before_loader_states))
 
     # On a restart Lightning may fast-forward the validation progress of the step it
     # resumes at; doing so creates a val dataloader iterator, which draws a seed from the
@@ -68,15 +61,29 @@ def wrap_fit(
     val_loop.increment_progress_to_evaluation_end = fast_forward  # type: ignore[method-assign]
     unwrap.append(lambda: _unwrap(val_loop, "increment_progress_to_evaluation_end", fast_forward))
 
-    original_setup = val_loop.setup_data
-
-    def setup_data() -> None:
-        original_setup()
-        after_val_setup()
-
-    val_loop.setup_data = setup_data  # type: ignore[method-assign]
-    unwrap.append(lambda: _unwrap(val_loop, "setup_data", setup_data))
+    unwrap.append(_around(val_loop, "setup_data", after=after_val_setup))
     return unwrap
+
+
+def _around(
+    obj: Any,
+    name: str,
+    before: Callable[[], None] | None = None,
+    after: Callable[[], None] | None = None,
+) -> Callable[[], None]:
+    """Wrap ``obj.name()`` (no arguments) to call ``before()`` first and ``after()`` last;
+    return what unwraps it."""
+    original = getattr(obj, name)
+
+    def wrapped() -> None:
+        if before is not None:
+            before()
+        original()
+        if after is not None:
+            after()
+
+    setattr(obj, name, wrapped)
+    return lambda: _unwrap(obj, name, wrapped)
 
 
 def persistent_val_loaders(trainer: pl.Trainer) -> list[Any]:
