@@ -454,7 +454,9 @@ def _assert_killed_and_rerun_is_exact(tmp_path: Path, **env: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
+@pytest.mark.parametrize(  # FSDP1's layout read directly: -m slow (suite time budget)
+    "sharding", ["fsdp2", pytest.param("fsdp1", marks=pytest.mark.slow)]
+)
 def test_an_optimizer_without_state_resumes_with_the_learning_rate_it_had(tmp_path, sharding):
     """SGD without momentum never has state, so no optimizer state is saved; its param_groups
     are, and a StepLR schedule (which scales the group's current rate) goes on from the rate

@@ -166,6 +166,7 @@ def test_sigkill_then_rerun_is_exact(
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # three group runs; keeps the default suite near its budget
 def test_each_ranks_buffers_come_back_to_it(tmp_path: Path) -> None:
     """A running normaliser updated from each rank's own batches: DeepSpeed does not make the
     ranks' buffers equal again, so they differ. They were saved once, by rank 0, and every rank
@@ -596,6 +597,7 @@ print(json.dumps({"start": start, "weights": [p.detach().flatten().tolist()
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # three DeepSpeed start-ups; keeps the default suite near its budget
 def test_unmanaged_gradient_accumulation_and_config_params_checkpoint_and_resume(
     tmp_path: Path,
 ) -> None:

@@ -432,6 +432,7 @@ def test_eval_on_start_does_not_evaluate_again_in_a_resumed_run(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # three processes with workers; keeps the default suite near its budget
 def test_persistent_workers_sigkill_after_an_epoch_boundary_then_rerun_is_exact(tmp_path):
     """dataloader_persistent_workers=True, 2 workers: the uninterrupted run makes its one
     iterator in epoch 0 and resets it later without drawing; a run resumed at the end of epoch 0
