@@ -766,7 +766,9 @@ def test_stateful_dataloader_sigkill_then_slurm_sigusr1_then_rerun_is_bit_exact(
     rc, caught = _run_inprocess(_argv(tmp_path, loader="stateful"))  # to the end
     assert rc.restored_step == last
     assert UNRELIABLE not in err2 and not [w for w in caught if UNRELIABLE in w]
-    _assert_same_run(ref, tmp_path)
+    # torchdata's loader resumed at an epoch's last batch (13 per epoch) puts Lightning one
+    # epoch ahead (docs/lightning.md): the same losses and weights, other epoch numbers
+    _assert_same_run(ref, tmp_path, places=all(s % 13 for s in (resumed, last)))
 
 
 class _Job:

@@ -346,16 +346,12 @@ class ResilientCheckpoint(TrainerCallback):
                 # The iterator this epoch creates draws its base seed as the interrupted run's
                 # did at the epoch start, from that RNG state, not from the global RNG now.
                 epoch_start = r_start
-                g = torch.Generator()
-                g.set_state(r_start.clone())
-                base.generator = g
+                base.generator = _generator_at(r_start)
             elif first and _persistent(targs):
                 # Persistent workers: the uninterrupted run made its one iterator in its first
                 # epoch, and later epochs reset it without a draw; the iterator this run makes
                 # must not draw from the global RNG either (its base seed from a throwaway one).
-                g = torch.Generator()
-                g.set_state(r_start.clone())
-                base.generator = g
+                base.generator = _generator_at(r_start)
         elif a["resume_from_checkpoint"] is not None and epoch == a["epochs_trained"]:
             start = int(a["steps_trained_in_current_epoch"]) // gas  # the Trainer's own resume
         self._epoch, self._updates = epoch, start
@@ -460,6 +456,12 @@ class ResilientCheckpoint(TrainerCallback):
         if self._base is not None:
             self._base.generator = self._own_generator
             self._base = None
+
+
+def _generator_at(state: torch.Tensor) -> torch.Generator:
+    g = torch.Generator()
+    g.set_state(state.clone())
+    return g
 
 
 def _persistent(args: Any) -> bool:
