@@ -322,6 +322,13 @@ class ResilientCheckpoint(Checkpoint):
         if changed:
             combined.flattened = loaders
 
+    @staticmethod
+    def _marks(trainer: pl.Trainer) -> dict[str, bool]:
+        """What a save at this step boundary records besides Lightning's dictionary (asked
+        only when a save happens, before a preemption sets ``should_stop``)."""
+        made = any(dl._iterator is not None for dl in patches.persistent_val_loaders(trainer))
+        return {st.STOPPED_KEY: bool(trainer.should_stop), st.VAL_ITERATORS_KEY: made}
+
     def _val_loaders_ready(self, trainer: pl.Trainer) -> None:
         """The validation loop built its loaders. In a run resumed at a step where the
         uninterrupted run's persistent validation iterators existed already (made by the sanity
@@ -432,8 +439,7 @@ class ResilientCheckpoint(Checkpoint):
     def _boundary(self, trainer: pl.Trainer, step: int, loss: Any) -> None:
         ckpt, ctx, state = self.checkpointer, self._ctx, self._state
         assert ckpt is not None and ctx is not None and state is not None
-        made = any(dl._iterator is not None for dl in patches.persistent_val_loaders(trainer))
-        ctx.reset(stopped=bool(trainer.should_stop), val_iterators=made)
+        ctx.reset(marks=functools.partial(self._marks, trainer))
         metrics = st.finite_metrics(trainer.callback_metrics)
         loss_key = self._kwargs.get("loss_key", "loss")
         if self._kwargs.get("loss_jump") and loss_key not in metrics and loss is not None:

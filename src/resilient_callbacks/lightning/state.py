@@ -219,19 +219,17 @@ class SaveContext:
         self._rest: dict[str, Any] | None = None
         self.fit_loop_override: dict[str, Any] | None = None
         self.buffer_override: dict[str, torch.Tensor] | None = None
-        self.stopped = False
-        self.val_iterators = False
+        self._marks: Callable[[], dict[str, bool]] | None = None
 
-    def reset(self, stopped: bool = False, val_iterators: bool = False) -> None:
-        """Forget the previous dump (called at every step boundary). ``stopped``: the run
-        stops after this step (:data:`STOPPED_KEY`); ``val_iterators``: see
-        :data:`VAL_ITERATORS_KEY`."""
+    def reset(self, marks: Callable[[], dict[str, bool]] | None = None) -> None:
+        """Forget the previous dump (called at every step boundary). ``marks()``: asked only
+        when a save dumps, flags to record with it (:data:`STOPPED_KEY`,
+        :data:`VAL_ITERATORS_KEY`); a true one is added to the dictionary."""
         self._dump = None
         self._rest = None
         self.fit_loop_override = None
         self.buffer_override = None
-        self.stopped = stopped
-        self.val_iterators = val_iterators
+        self._marks = marks
 
     def dump(self) -> dict[str, Any]:
         if self._dump is None:
@@ -244,10 +242,8 @@ class SaveContext:
                     if k in sd:
                         sd[k] = v
                 d["state_dict"] = sd
-            if self.stopped:
-                d[STOPPED_KEY] = True
-            if self.val_iterators:
-                d[VAL_ITERATORS_KEY] = True
+            if self._marks is not None:
+                d.update({k: True for k, on in self._marks().items() if on})
             self._dump = d
         return self._dump
 
