@@ -293,6 +293,11 @@ class Checkpointer:
         """What each recent background save blocked the training loop, in seconds."""
         return self._saver.blocking_seconds
 
+    def saves_on_caller_schedule(self, description: str) -> None:
+        """Say that the caller saves with :meth:`save` on a schedule of its own (an adapter at
+        every epoch end): :meth:`step` then no longer warns that no trigger is configured."""
+        self._trigger.caller_schedule = description
+
     @property
     def skipped_saves(self) -> int:
         """Periodic saves skipped with ``if_busy='skip'``."""

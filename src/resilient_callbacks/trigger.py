@@ -113,6 +113,7 @@ class Trigger:
         )
         self._pending_jump = False
         self._warned_no_trigger = False
+        self.caller_schedule: str | None = None  # the caller saves on its own schedule
         self._last_step_end: float | None = None
         self._step_seconds: deque[float] = deque(maxlen=50)
         self.compute_s = 0.0  # training compute seen by this process (between step() calls)
@@ -191,6 +192,7 @@ class Trigger:
             if (
                 not self.policy.has_trigger
                 and self.schedule is None
+                and self.caller_schedule is None
                 and not self._warned_no_trigger
             ):
                 self._warned_no_trigger = True

@@ -244,6 +244,8 @@ class ResilientCheckpoint(TrainerCallback):
         self.restored_step = None
 
         ckpt = Checkpointer(dirpath, **options)
+        if self._save_every_epoch:
+            ckpt.saves_on_caller_schedule("every epoch end (save_strategy='epoch')")
         self.checkpointer = ckpt
         self._trainer = trainer
         try:
