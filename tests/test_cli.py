@@ -164,6 +164,28 @@ def test_gc_keeps_corrupt_unless_asked_and_refuses_beside_a_writer(tmp_path):
         assert locked.returncode == 1 and "writer open on" in locked.stderr
 
 
+def test_gc_other_runs_deletes_what_the_foreign_warning_names(tmp_path):
+    """A directory reused by a new run (resume="never"): the writer's warning names the gc
+    command that deletes the old run's checkpoints; plain gc keeps them, --other-runs deletes
+    them and nothing of the current run."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20), keep_last=None)
+    with pytest.warns(resilient_callbacks.ForeignCheckpointsWarning) as rec:
+        make_run(root, steps=(1, 2), keep_last=None, resume="never")
+    message = str(rec[0].message)
+    assert f"resilient-ckpt gc {root} --other-runs" in message
+    assert cli("gc", root).returncode == 0
+    assert len([n for n in os.listdir(root) if n.startswith("step_")]) == 4
+    dry = cli("gc", root, "--other-runs", "--dry-run", "--json")
+    assert sorted(d["step"] for d in json.loads(dry.stdout)["delete"]) == [10, 20]
+    done = cli(*message.split("`")[1].split()[1:])  # the command as the warning names it
+    assert done.returncode == 0, done.stderr
+    assert "checkpoint of another run" in done.stdout
+    left = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+    assert left == ["step_000000001", "step_000000002"]
+    assert [r["step"] for r in json.loads(cli("ls", root, "--json").stdout)] == [1, 2]
+
+
 @pytest.mark.parametrize(
     "args",
     [["ls"], ["frobnicate", "x"], ["inspect"], ["verify", "x", "--all", "--step", "1"]],

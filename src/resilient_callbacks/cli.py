@@ -32,6 +32,7 @@ examples:
   resilient-ckpt inspect ckpts/run1           keys, shapes and metrics of the newest valid one
   resilient-ckpt inspect ckpts/run1 --step 20 --json
   resilient-ckpt gc ckpts/run1 --dry-run      what gc would delete, and why
+  resilient-ckpt gc ckpts/run1 --other-runs   also delete other runs' checkpoints
   resilient-ckpt push ckpts/run1 s3://bucket/run1 -o endpoint_url=http://127.0.0.1:9000
   resilient-ckpt export ckpts/run1 hf_model   a from_pretrained directory (Transformers runs),
                                               or consolidated weights (DeepSpeed, FSDP runs)
@@ -265,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help=DIR_HELP)
     p.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     p.add_argument("--remove-corrupt", action="store_true", help="also delete corrupt checkpoints")
+    p.add_argument(
+        "--other-runs",
+        action="store_true",
+        help="also delete the checkpoints of runs other than the newest valid checkpoint's",
+    )
     p.add_argument(
         "--keep-last",
         type=int,

@@ -270,6 +270,9 @@ def _gc(args: argparse.Namespace, root: str) -> int:
             doomed.append((e, f"incomplete ({e.problem})"))
         elif e.name in p.delete:
             doomed.append((e, "not kept by retention"))
+        elif args.other_runs and _other_run(e, run_id):
+            assert e.manifest is not None
+            doomed.append((e, f"checkpoint of another run ({e.manifest.run_id})"))
         elif args.remove_corrupt and e.status is Status.CORRUPT:
             doomed.append((e, f"corrupt: {e.problem}"))
     gone = {e.name for e, _ in doomed}
@@ -315,6 +318,11 @@ def _gc(args: argparse.Namespace, root: str) -> int:
         + (f" (current run {run_id})" if run_id else "")
     )
     return 0
+
+
+def _other_run(e: Entry, run_id: str | None) -> bool:
+    """``e`` belongs to a run other than ``run_id`` (the run of the newest valid checkpoint)."""
+    return run_id is not None and e.manifest is not None and e.manifest.run_id != run_id
 
 
 def _unused_blobs(root: str, gone: set[str]) -> list[str]:

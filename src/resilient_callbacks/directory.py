@@ -244,7 +244,8 @@ class Directory:
             f"{self.dirpath} holds {len(foreign)} checkpoint(s) of {len(runs)} other run(s) "
             f"({', '.join(runs)}; steps {min(steps)}..{max(steps)}). Retention does not count "
             "or delete them; use a separate dirpath per run, or remove them with "
-            "`resilient-ckpt gc`."
+            f"`resilient-ckpt gc {self.dirpath} --other-runs` (after this run has saved; "
+            "`--dry-run` first shows what it would delete)."
         )
         warnings.warn(msg, ForeignCheckpointsWarning, stacklevel=stacklevel + 1)
         log.warning(msg)
