@@ -345,3 +345,25 @@ def test_the_options_pass_through_every_adapter(tmp_path):
     assert {k: cb2.options[k] for k in opts} == opts
     with pytest.raises(ConfigError, match="compression_level"):
         hf.ResilientCheckpoint(tmp_path, compression="zstd", compression_level=100)
+
+
+def test_part_tracker_trusts_only_the_buffer_it_recorded():
+    """A FilePart tensor is known unchanged only while the very host buffer its bytes were
+    copied into at the committed save is still its buffer: a buffer made again (freed when a
+    save did not capture the tensor, or remade for another shape) holds nothing of it, even
+    though the tensor's place and version counter are unchanged."""
+    from resilient_callbacks.unchanged import PartTracker, buffer_sig, watchable
+
+    frozen = torch.arange(BLOB_MIN, dtype=torch.float32)
+    watched = watchable(frozen, trained=set())
+    assert watched is not None
+    buf = frozen.clone()
+    tracker = PartTracker()
+    tracker.record({"w": (*watched, buf)}, {buffer_sig(buf): "key-of-w"})
+    assert tracker.unchanged("w", watched, buf) == "key-of-w"
+    assert tracker.unchanged("w", watched, None) is None  # freed
+    assert tracker.unchanged("w", watched, torch.empty_like(buf)) is None  # made again
+    assert tracker.unchanged("w", watchable(frozen, set()), buf) == "key-of-w"
+    with torch.no_grad():
+        frozen.add_(1)  # an in-place write bumps the version counter
+    assert tracker.unchanged("w", watchable(frozen, set()), buf) is None
