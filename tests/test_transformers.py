@@ -31,6 +31,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+import transformers
 from safetensors.torch import load_file
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from transformers import AutoModel, AutoModelForCausalLM, TrainerCallback
@@ -608,6 +609,47 @@ def test_resilient_ckpt_export_subcommand(tmp_path, capsys):
     assert cli.main(["export", str(ck), str(tmp_path / "hf")]) == 0
     assert "step 2" in capsys.readouterr().out
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+def test_export_of_a_peft_lora_run_adapters_and_merged(tmp_path):
+    """A PEFT LoRA model trained under the Trainer: export writes its adapters as PEFT's
+    save_pretrained does (loaded onto the base model by PeftModel.from_pretrained) and, with
+    --merged, the base model with the adapters merged in, for from_pretrained; both equal the
+    trained model."""
+    peft = pytest.importorskip("peft")
+    from resilient_callbacks import cli
+
+    def lora_model():
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], task_type="CAUSAL_LM")
+        return peft.get_peft_model(hf_train.build_model(), lora)
+
+    model, ck = lora_model(), tmp_path / "ck"
+    trainer = transformers.Trainer(
+        model=model,
+        args=hf_train.training_args(str(tmp_path / "out"), 4, eval_strategy="no"),
+        train_dataset=hf_train.TokenDataset(hf_train.NUM_SAMPLES, 1),
+        callbacks=[ResilientCheckpoint(ck, every_n_steps=2)],
+    )
+    trainer.train()
+    assert cli.main(["export", str(ck), str(tmp_path / "adapters")]) == 0
+    assert (tmp_path / "adapters" / "adapter_config.json").is_file()
+    loaded = peft.PeftModel.from_pretrained(hf_train.build_model(), tmp_path / "adapters")
+    trained = model.state_dict()
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, trained[k]), k
+    assert any(v.abs().sum() > 0 for k, v in trained.items() if "lora_B" in k)  # trained
+
+    assert cli.main(["export", str(ck), str(tmp_path / "merged"), "--merged"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in k for k in merged.state_dict())
+    ids = torch.arange(8).reshape(1, 8)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, model(input_ids=ids).logits)
+    # --merged of a model without adapters is refused by name
+    plain = tmp_path / "plain"
+    _train(tmp_path, ResilientCheckpoint(plain, every_n_steps=2), 2)
+    assert cli.main(["export", str(plain), str(tmp_path / "x"), "--merged"]) == 1
 
 
 def test_unsupported_setups_give_clear_errors(tmp_path):

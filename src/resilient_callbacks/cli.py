@@ -124,6 +124,11 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="the directory to write (must not exist, unless --force)")
     p.add_argument("--step", type=int, help="export this step (default: the newest valid one)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--merged",
+        action="store_true",
+        help="a PEFT model: its base model with the adapters merged in (default: the adapters)",
+    )
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -165,6 +170,13 @@ def _export_weights(args: argparse.Namespace) -> int | None:
         sel = reader.select(args.dir, args.step)
         if not consolidate.exports_weights(read_manifest(sel.path), sel.path):
             return None
+        if getattr(args, "merged", False):
+            print(
+                f"{PROG} export: --merged merges a PEFT model's adapters (a Trainer run's "
+                f"checkpoint); {sel.path} holds consolidated weights: export it without",
+                file=sys.stderr,
+            )
+            return 2
         for e in sel.skipped:
             msg = f"skipping checkpoint {e.path}: {e.problem}; falling back to an older one"
             print(f"{PROG} export: warning: {msg}", file=sys.stderr)

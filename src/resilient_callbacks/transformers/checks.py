@@ -22,6 +22,7 @@ from accelerate.data_loader import DataLoaderDispatcher
 from torch.utils.data import BatchSampler, RandomSampler
 
 from ..errors import ConfigError
+from .peft_export import peft_info
 from .under_fsdp import plain_class
 
 log = logging.getLogger("resilient_callbacks")
@@ -218,4 +219,4 @@ def model_info(model: Any) -> dict[str, Any]:
         "config": config.to_json_string(use_diff=False) if config is not None else None,
         "generation_config": gen.to_json_string(use_diff=False) if gen is not None else None,
         "transformers": transformers.__version__,
-    }
+    } | peft_info(model)

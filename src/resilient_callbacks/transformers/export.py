@@ -19,6 +19,7 @@ import sys
 import tempfile
 import uuid
 import warnings
+from typing import Any
 
 import transformers
 
@@ -39,13 +40,19 @@ def export_pretrained(
     step: int | None = None,
     overwrite: bool = False,
     model_class: type | None = None,
+    merged: bool = False,
 ) -> str:
     """Write the model of a checkpoint as a ``from_pretrained`` directory; return its path.
 
     ``source``: a ResilientCheckpoint directory (its newest valid checkpoint is used, or the one
     of ``step``) or one checkpoint directory (``.../step_000000200``). ``output_dir`` must not
-    exist unless ``overwrite=True``."""
-    return _export(source, output_dir, step, overwrite, model_class)[0]
+    exist unless ``overwrite=True``.
+
+    A PEFT model (a LoRA fine-tune) is written as ``PeftModel.save_pretrained`` writes it (the
+    adapters: ``adapter_config.json``, ``adapter_model.safetensors``), or with ``merged=True``
+    as its base model with the adapters merged in, for ``from_pretrained``; ``model_class``
+    then names the base model's class."""
+    return _export(source, output_dir, step, overwrite, model_class, merged)[0]
 
 
 def _export(
@@ -54,6 +61,7 @@ def _export(
     step: int | None,
     overwrite: bool,
     model_class: type | None,
+    merged: bool = False,
 ) -> tuple[str, str]:
     src, out = os.fspath(source), os.path.abspath(os.fspath(output_dir))
     if os.path.exists(out) and not overwrite:
@@ -73,12 +81,19 @@ def _export(
     info = values.get("model") if isinstance(values, dict) else None
     if not isinstance(info, dict) or not info.get("config"):
         raise CheckpointMismatchError(f"{path} records no model configuration to export")
-    cls = model_class or getattr(transformers, str(info["class"]), None)
-    if not isinstance(cls, type):
+    if merged and not info.get("peft"):
         raise ConfigError(
-            f"the checkpoint's model class {info['module']}.{info['class']} is not part of "
-            "transformers; pass model_class=<the class> to export it"
+            f"{path} holds no PEFT model ({info['class']}): merged=True (--merged) merges a "
+            "PEFT model's adapters into its base model; export it without"
         )
+    cls = None
+    if not info.get("peft"):
+        cls = model_class or getattr(transformers, str(info["class"]), None)
+        if not isinstance(cls, type):
+            raise ConfigError(
+                f"the checkpoint's model class {info['module']}.{info['class']} is not part of "
+                "transformers; pass model_class=<the class> to export it"
+            )
     if "model" in full:
         state_dict = structure.decode(full["model"], part.tensors)
     elif "sharded" in full:  # under the Trainer's FSDP: every rank's shards, laid together
@@ -89,17 +104,15 @@ def _export(
         from ..consolidate import consolidated
 
         state_dict = consolidated(path, part)
-    config = cls.config_class.from_dict(json.loads(info["config"]))  # type: ignore[attr-defined]
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        model = cls(config)
+    model = _empty_model(info, cls, model_class)
     try:
         result = model.load_state_dict(state_dict, strict=False, assign=True)
     except RuntimeError as e:
         raise CheckpointMismatchError(
             f"the weights in {path} do not fit {cls.__name__}: {e}"
         ) from None
+    if info.get("peft") and merged:
+        model = model.merge_and_unload()  # the base model, each adapter's update added in
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # a tied weight (saved once, under its owner's name) is set here
     unset = [k for k, v in model.state_dict().items() if v.is_meta]
@@ -109,7 +122,11 @@ def _export(
             + (f"not in the model: {result.unexpected_keys[:5]} " if result.unexpected_keys else "")
             + (f"missing from the checkpoint: {unset[:5]}" if unset else "")
         )
-    if info.get("generation_config") and getattr(model, "generation_config", None) is not None:
+    if (
+        info.get("generation_config")
+        and isinstance(model, transformers.PreTrainedModel)
+        and model.generation_config is not None
+    ):
         model.generation_config = transformers.GenerationConfig.from_dict(
             json.loads(info["generation_config"])
         )
@@ -132,6 +149,22 @@ def _export(
     return out, path
 
 
+def _empty_model(info: dict[str, Any], cls: type | None, model_class: type | None) -> Any:
+    """The recorded model, built on the meta device (the checkpoint's weights are assigned)."""
+    if info.get("peft"):
+        from .peft_export import empty_peft_model, peft_base_class
+
+        base = model_class or peft_base_class(info)
+        config = base.config_class.from_dict(json.loads(info["config"]))  # type: ignore[attr-defined]
+        return empty_peft_model(info, config, base)
+    assert cls is not None
+    config = cls.config_class.from_dict(json.loads(info["config"]))  # type: ignore[attr-defined]
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return cls(config)
+
+
 def _read_checkpoint(source: str, step: int | None) -> tuple[str, layout.LoadedPart]:
     """The chosen checkpoint's path and its rank-0 part, verified (:func:`..reader.select`:
     the newest valid one, or the one of ``step``; each newer one skipped is warned about)."""
@@ -152,7 +185,12 @@ def cli_export(args: argparse.Namespace) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ResumeFallbackWarning)
             out, path = _export(
-                args.dir, args.out, args.step, bool(getattr(args, "force", False)), None
+                args.dir,
+                args.out,
+                args.step,
+                bool(getattr(args, "force", False)),
+                None,
+                bool(getattr(args, "merged", False)),
             )
         for w in caught:
             print(f"resilient-ckpt export: warning: {w.message}", file=sys.stderr)
