@@ -105,11 +105,12 @@ def _export(
 
         state_dict = consolidated(path, part)
     model = _empty_model(info, cls, model_class)
+    name = type(model).__name__
     try:
         result = model.load_state_dict(state_dict, strict=False, assign=True)
     except RuntimeError as e:
         raise CheckpointMismatchError(
-            f"the weights in {path} do not fit {cls.__name__}: {e}"
+            f"the weights in {path} do not fit {name}: {e}"
         ) from None
     if info.get("peft") and merged:
         model = model.merge_and_unload()  # the base model, each adapter's update added in
@@ -118,7 +119,7 @@ def _export(
     unset = [k for k, v in model.state_dict().items() if v.is_meta]
     if result.unexpected_keys or unset:
         raise CheckpointMismatchError(
-            f"the weights in {path} do not fit {cls.__name__}: "
+            f"the weights in {path} do not fit {name}: "
             + (f"not in the model: {result.unexpected_keys[:5]} " if result.unexpected_keys else "")
             + (f"missing from the checkpoint: {unset[:5]}" if unset else "")
         )
