@@ -513,3 +513,60 @@ def test_cli_ls_pull_push_across_tiers(shared_remote, tmp_path):
 
     out = _cli("pull", url, str(tmp_path / "x"), "--step", "99", *_opts_args(opts))
     assert out.returncode == 1 and "no checkpoint of step 99" in out.stderr
+
+
+def test_cli_gc_remote_applies_the_recorded_remote_retention(shared_remote, tmp_path, monkeypatch):
+    """`gc DIR --remote URL`: the remote retention recorded in the newest manifest
+    (remote_keep_last="all": nothing deleted), --keep-last overriding it, then the blobs no
+    remaining remote checkpoint names; an upload without a manifest is kept while it may be
+    live and deleted once old; the local directory is cleaned as before."""
+    from resilient_callbacks import cli_remote
+
+    url, opts = shared_remote
+    local = tmp_path / "local"
+    with Checkpointer(
+        local,
+        remote=url,
+        remote_options=opts,
+        keep_last=1,
+        remote_keep_last="all",
+        incremental=True,
+    ) as ck:
+        for s in (10, 20, 30, 40):
+            ck.save(s, _state(s, n=8192))  # 32 KiB tensors, each save's its own blobs
+    st = RemoteStore(url, opts)
+    st.fs.makedirs(f"{st.root}/step_000000050", exist_ok=True)
+    st.fs.pipe_file(f"{st.root}/step_000000050/shared.safetensors", b"cut off")
+    o = _opts_args(opts)
+
+    kept = json.loads(_cli("gc", str(local), "--remote", url, *o, "--json").stdout)
+    assert kept["remote"]["retention"]["keep_last"] is None and kept["remote"]["delete"] == []
+    assert sorted(_committed(url, opts).values()) == [10, 20, 30, 40]
+
+    dry = json.loads(
+        _cli(
+            "gc", str(local), "--remote", url, *o, "--keep-last", "2", "--dry-run", "--json"
+        ).stdout
+    )
+    assert sorted(d["step"] for d in dry["remote"]["delete"]) == [10, 20]
+    assert len(dry["remote"]["blobs_deleted"]) == 4
+    assert sorted(_committed(url, opts).values()) == [10, 20, 30, 40]  # a dry run
+
+    out = _cli("gc", str(local), "--remote", url, *o, "--keep-last", "2")
+    assert out.returncode == 0, out.stderr
+    assert "not kept by the remote retention" in out.stdout
+    assert "may be an upload in progress" in out.stdout  # step_000000050, written just now
+    assert sorted(_committed(url, opts).values()) == [30, 40]
+    named = {b.path for e in st.scan() if e.manifest for b in e.manifest.blobs}
+    listed = {p.rsplit("/", 1)[-1] for p in st.fs.ls(f"{st.root}/blobs", detail=False)}
+    assert {n for n in listed if not n.startswith(".")} == named and len(named) == 4
+    state = _fresh(8192)
+    with Checkpointer(tmp_path / "fresh", remote=url, remote_options=opts) as ck:
+        assert ck.restore(state) == 40
+    assert torch.equal(state["w"], _state(40, n=8192)["w"])
+
+    monkeypatch.setattr(cli_remote, "INCOMPLETE_AGE_S", -1.0)  # as if a day had passed
+    out = _cli("gc", str(tmp_path / "nowhere"), "--remote", url, *o, "--keep-last", "2")
+    assert out.returncode == 0, out.stderr
+    assert "upload without a manifest" in out.stdout
+    assert not any(e.name == "step_000000050" for e in st.scan())

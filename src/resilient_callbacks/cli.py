@@ -33,6 +33,7 @@ examples:
   resilient-ckpt inspect ckpts/run1 --step 20 --json
   resilient-ckpt gc ckpts/run1 --dry-run      what gc would delete, and why
   resilient-ckpt gc ckpts/run1 --other-runs   also delete other runs' checkpoints
+  resilient-ckpt gc ckpts/run1 --remote s3://bucket/run1 --dry-run   the remote store too
   resilient-ckpt push ckpts/run1 s3://bucket/run1 -o endpoint_url=http://127.0.0.1:9000
   resilient-ckpt export ckpts/run1 hf_model   a from_pretrained directory (Transformers runs),
                                               or consolidated weights (DeepSpeed, FSDP runs)
@@ -283,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also delete the checkpoints of runs other than the newest valid checkpoint's",
     )
+    p.add_argument(
+        "--remote",
+        metavar="URL",
+        help="also clean this remote store (fsspec URL) by its recorded remote retention",
+    )
+    p.add_argument("-o", "--option", metavar="KEY=VALUE", action="append", help=OPTION_HELP)
     p.add_argument(
         "--keep-last",
         type=int,

@@ -224,25 +224,44 @@ def _report_verified(
 
 
 def gc(args: argparse.Namespace) -> int:
-    target = resolve(args.dir, single_ok=False)
-    root = target.root
-    if not catalog.scan(root, Depth.NONE) and not os.path.isdir(os.path.join(root, "blobs")):
-        print(f"nothing to delete: {no_checkpoints(root)}")
-        return 0
-    lock = DirLock(root)
-    if not args.dry_run:
-        try:
-            lock.acquire()
-        except CheckpointError as err:
-            print(f"resilient-ckpt gc: {err}", file=sys.stderr)
-            return 1
+    """``gc DIR``, and with ``--remote URL`` the remote store too (only it if DIR does not
+    exist); DIR's lock is held throughout, so neither runs beside a live writer of DIR."""
+    remote = getattr(args, "remote", None)
+    result: dict[str, Any] = {}
+    lock: DirLock | None = None
+    root: str | None = None
+    if not (remote and not os.path.exists(args.dir)):
+        root = resolve(args.dir, single_ok=False).root
+        if not catalog.scan(root, Depth.NONE) and not os.path.isdir(os.path.join(root, "blobs")):
+            if not remote:
+                print(f"nothing to delete: {no_checkpoints(root)}")
+                return 0
+            root = None
+        lock = DirLock(args.dir)
+        if not args.dry_run:
+            try:
+                lock.acquire()
+            except CheckpointError as err:
+                print(f"resilient-ckpt gc: {err}", file=sys.stderr)
+                return 1
     try:
-        return _gc(args, root)
+        if root is not None:
+            result = _gc(args, root)
+        if remote:
+            from .cli_remote import gc_remote, print_gc_remote
+
+            result["remote"] = gc_remote(args)
+            if not args.json:
+                print_gc_remote(result["remote"], args.dry_run)
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
+    if args.json:
+        print_json(result)
+    return 0
 
 
-def _gc(args: argparse.Namespace, root: str) -> int:
+def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     entries = catalog.scan(root, Depth.SIZE)
     verified: set[str] = set()
     if args.remove_corrupt:
@@ -291,18 +310,16 @@ def _gc(args: argparse.Namespace, root: str) -> int:
     # blobs (incremental checkpoints) that no remaining checkpoint refers to; the lock is held,
     # so no save is in flight. A dry run counts what the remaining manifests would not name.
     blobs = _unused_blobs(root, gone) if args.dry_run else BlobStore(root).collect()
+    result = {
+        "dir": root,
+        "dry_run": args.dry_run,
+        "run_id": run_id,
+        "delete": delete,
+        "keep": keep,
+        "blobs_deleted": blobs,
+    }
     if args.json:
-        print_json(
-            {
-                "dir": root,
-                "dry_run": args.dry_run,
-                "run_id": run_id,
-                "delete": delete,
-                "keep": keep,
-                "blobs_deleted": blobs,
-            }
-        )
-        return 0
+        return result
     verb = "would delete" if args.dry_run else "deleted"
     for d in delete:
         print(f"{verb} {_label(d)}: {d['why']}")
@@ -317,7 +334,7 @@ def _gc(args: argparse.Namespace, root: str) -> int:
         f"{len(delete)} {'would be deleted' if args.dry_run else 'deleted'}, {len(keep)} kept"
         + (f" (current run {run_id})" if run_id else "")
     )
-    return 0
+    return result
 
 
 def _other_run(e: Entry, run_id: str | None) -> bool:

@@ -1,5 +1,5 @@
-"""``resilient-ckpt pull``, ``push`` and ``ls --remote``: the commands that talk to a remote
-store (any fsspec URL). Imported only when one of them runs."""
+"""``resilient-ckpt pull``, ``push``, ``ls --remote`` and ``gc --remote``: the commands that
+talk to a remote store (any fsspec URL). Imported only when one of them runs."""
 
 from __future__ import annotations
 
@@ -206,3 +206,97 @@ def push(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"url": st.url, **done})
     return 1 if done["skipped"] else 0
+
+
+# ---------------------------------------------------------------------- gc --remote
+
+INCOMPLETE_AGE_S = 24 * 3600.0  # an upload without a manifest younger than this may be live
+
+
+def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
+    """``gc DIR --remote URL``: delete what the remote retention recorded in the newest remote
+    manifest does not keep (``--keep-last`` overriding it), with ``--other-runs`` and
+    ``--remove-corrupt`` as for the local directory, uploads a crash left without a manifest
+    once nothing was written to them for a day, then the blobs nothing refers to any more.
+    Checks sizes, not checksums (nothing is downloaded). Returns what was (or would be)
+    deleted and kept."""
+    import time
+
+    from . import remote_blobs
+    from .remote import retention_candidates
+    from .retention import RetentionPolicy, plan
+
+    st = store(args.remote, args.option)
+    entries = st.scan()
+    committed = [e for e in entries if e.manifest is not None]
+    newest = next((e for e in reversed(committed) if e.problem is None), None)
+    run_id = newest.manifest.run_id if newest is not None and newest.manifest else None
+    recorded = newest.manifest.remote_retention if newest and newest.manifest else {}
+    if not recorded and args.keep_last is None and committed:
+        raise CheckpointError(
+            f"{st.url}: its newest checkpoint records no remote retention (written by an "
+            "older version, or pushed with `resilient-ckpt push`); pass --keep-last N"
+        )
+    policy = RetentionPolicy.from_json(recorded)
+    if args.keep_last is not None:
+        policy = RetentionPolicy.from_json(policy.to_json() | {"keep_last": args.keep_last})
+    p = plan(retention_candidates(committed), policy, run_id)
+    now = time.time()
+    doomed: list[tuple[Any, str]] = []
+    kept: list[tuple[Any, str]] = []
+    for e in entries:
+        m = e.manifest
+        if m is None:
+            age = -1.0 if e.modified is None else now - e.modified  # -1: time unknown
+            torn = bool(e.problem and e.problem.startswith("no manifest"))
+            if torn and age >= 0 and age > INCOMPLETE_AGE_S:
+                doomed.append((e, f"upload without a manifest, untouched for {age / 3600:.0f} h"))
+            else:
+                kept.append((e, f"{e.problem}; may be an upload in progress"))
+        elif e.name in p.delete:
+            doomed.append((e, "not kept by the remote retention"))
+        elif args.other_runs and run_id is not None and m.run_id != run_id:
+            doomed.append((e, f"checkpoint of another run ({m.run_id})"))
+        elif args.remove_corrupt and e.problem is not None:
+            doomed.append((e, f"corrupt: {e.problem}"))
+        else:
+            kept.append((e, "; ".join(p.keep.get(e.name, []))))
+    gone = {e.name for e, _ in doomed}
+    for e, _ in [] if args.dry_run else doomed:
+        st.delete(e.name)
+    after = [e for e in entries if e.name not in gone] if args.dry_run else st.scan()
+    blobs = remote_blobs.collect(st, after, dry_run=args.dry_run) if doomed or args.dry_run else []
+
+    def facts(e: Any, why: str) -> dict[str, Any]:
+        m = e.manifest
+        return {
+            "name": e.name,
+            "step": m.step if m else None,
+            "run_id": m.run_id if m else None,
+            "path": f"{st.url}/{e.name}",
+            "problem": e.problem,
+            "why": why,
+        }
+
+    return {
+        "url": st.url,
+        "run_id": run_id,
+        "retention": policy.to_json(),
+        "delete": [facts(e, why) for e, why in doomed],
+        "keep": [facts(e, why) for e, why in kept],
+        "blobs_deleted": blobs,
+    }
+
+
+def print_gc_remote(result: dict[str, Any], dry_run: bool) -> None:
+    verb = "would delete" if dry_run else "deleted"
+    for d in result["delete"]:
+        print(
+            f"{verb} {d['path']} (step {d['step'] if d['step'] is not None else '?'}): {d['why']}"
+        )
+    for k in result["keep"]:
+        print(f"keep {k['path']} (step {k['step'] if k['step'] is not None else '?'}): {k['why']}")
+    if result["blobs_deleted"]:
+        print(f"{verb} {len(result['blobs_deleted'])} remote blob(s) no checkpoint refers to")
+    n, kept = len(result["delete"]), len(result["keep"])
+    print(f"{result['url']}: {n} {'would be deleted' if dry_run else 'deleted'}, {kept} kept")

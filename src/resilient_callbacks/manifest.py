@@ -65,6 +65,8 @@ class Manifest:
     reason: str = "periodic"  # periodic | final | forced | emergency | close
     fingerprint: str = ""
     retention: dict[str, Any] = field(default_factory=dict)
+    # what the remote tier keeps (RetentionPolicy.to_json), for `gc --remote`; {}: no remote
+    remote_retention: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     # blobs of the run's store this checkpoint refers to (incremental=True); their ``path`` is
@@ -103,6 +105,8 @@ class Manifest:
             d["blobs"] = [b.to_json() for b in self.blobs]
         else:
             del d["blobs"]
+        if not self.remote_retention:
+            del d["remote_retention"]
         d["format"] = FORMAT_NAME
         d["format_version"] = self.format_version
         d["created_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
@@ -135,6 +139,7 @@ class Manifest:
                 reason=str(d.get("reason", "periodic")),
                 fingerprint=str(d.get("fingerprint", "")),
                 retention=dict(d.get("retention") or {}),
+                remote_retention=dict(d.get("remote_retention") or {}),
                 versions=dict(d.get("versions") or {}),
                 extra=dict(d.get("extra") or {}),
                 blobs=blobs,

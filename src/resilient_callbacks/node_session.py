@@ -90,6 +90,7 @@ class NodeLocalSession:
             reason=reason,
             fingerprint=fp,
             retention=self.d.retention.to_json(),
+            remote_retention=self.d.config.remote_retention_policy().to_json(),
             versions=versions(),
             extra=dict(extra or {}),
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import datetime
 import hashlib
 import json
 import logging
@@ -53,6 +54,7 @@ class RemoteEntry:
     manifest: Manifest | None  # None: files without a manifest (being uploaded, or torn)
     sizes: dict[str, int]  # relative path -> size, as listed
     problem: str | None = None
+    modified: float | None = None  # newest object's modification time (None: not listed)
 
     @property
     def committed(self) -> bool:
@@ -167,6 +169,7 @@ class RemoteStore:
         except FileNotFoundError:
             return []
         groups: dict[str, dict[str, int]] = {}
+        modified: dict[str, float] = {}
         prefix = self.root + "/" if self.root else ""
         for path, info in listing.items():
             p = path.rstrip("/")
@@ -179,16 +182,22 @@ class RemoteStore:
             if name.startswith("."):
                 continue
             groups.setdefault(name, {})[file] = int(info.get("size") or 0)
+            t = _modified(info)
+            if t is not None:
+                modified[name] = max(t, modified.get(name, t))
         blob_sizes = groups.pop(BLOBS_DIR, {})
         entries: list[RemoteEntry] = []
         for name, sizes in sorted(groups.items()):
             if MANIFEST_NAME not in sizes:
-                entries.append(RemoteEntry(name, None, sizes, "no manifest (incomplete)"))
+                entries.append(
+                    RemoteEntry(name, None, sizes, "no manifest (incomplete)", modified.get(name))
+                )
                 continue
             try:
                 m = self.read_manifest(name)
             except Exception as e:
-                entries.append(RemoteEntry(name, None, sizes, f"unreadable manifest: {e}"))
+                bad = f"unreadable manifest: {e}"
+                entries.append(RemoteEntry(name, None, sizes, bad, modified.get(name)))
                 continue
             problem = None
             for f in m.files:
@@ -202,7 +211,7 @@ class RemoteStore:
                 if blob_sizes.get(b.path) != b.size:
                     problem = f"the blob {BLOBS_DIR}/{b.path} it refers to is missing or torn"
                     break
-            entries.append(RemoteEntry(name, m, sizes, problem))
+            entries.append(RemoteEntry(name, m, sizes, problem, modified.get(name)))
         entries.sort(key=lambda e: (e.manifest is None, e.manifest.seq if e.manifest else 0))
         return entries
 
@@ -334,6 +343,23 @@ class RemoteStore:
             self.fs.rm_file(self._path(name, MANIFEST_NAME))
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._path(name), recursive=True)
+
+
+def _modified(info: Mapping[str, Any]) -> float | None:
+    """An object's modification time from an fsspec listing (local: ``mtime``; S3:
+    ``LastModified``; GCS: ``updated``), as a POSIX time; None if the listing has none."""
+    for key in ("mtime", "LastModified", "updated", "last_modified"):
+        t = info.get(key)
+        if isinstance(t, (int, float)):
+            return float(t)
+        if isinstance(t, datetime.datetime):
+            return t.timestamp()
+        if isinstance(t, str) and t:
+            try:
+                return datetime.datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
 
 
 def _md5(path: str) -> str:

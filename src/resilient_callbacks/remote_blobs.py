@@ -107,9 +107,10 @@ def end_upload(store: RemoteStore, marker: str | None) -> None:
             store.fs.rm_file(marker)
 
 
-def collect(store: RemoteStore, entries: list[RemoteEntry]) -> list[str]:
+def collect(store: RemoteStore, entries: list[RemoteEntry], dry_run: bool = False) -> list[str]:
     """Delete the remote blobs no committed remote checkpoint and no fresh in-flight marker
-    names; ``entries``: a scan made after the deletions. Returns the names deleted."""
+    names; ``entries``: a scan made after the deletions. Returns the names deleted (with
+    ``dry_run``, those it would delete, deleting nothing)."""
     live: set[str] = set()
     for e in entries:
         if e.manifest is not None:
@@ -135,11 +136,11 @@ def collect(store: RemoteStore, entries: list[RemoteEntry]) -> list[str]:
             fresh, blobs = False, []
         if fresh:
             live.update(blobs)
-        else:
+        elif not dry_run:
             with contextlib.suppress(Exception):
                 store.fs.rm_file(path)
     doomed = sorted(n for n in names if NAME_RE.match(n) and n not in live)
-    for name in doomed:
+    for name in [] if dry_run else doomed:
         with contextlib.suppress(FileNotFoundError):
             store.fs.rm_file(posixpath.join(_dir(store), name))
     if doomed:

@@ -7,7 +7,8 @@ of the next save (or of close); the coordinator's :class:`RemoteCommitter` write
 manifest -- last, after listing every object it names with its size -- only once every node
 reported, then applies the remote retention. So a remote manifest never names an object that is
 missing or that a node has not verified; a crash at any point leaves at most uncommitted objects
-under a name without a manifest (invisible to every reader, removed by ``gc``).
+under a name without a manifest (invisible to every reader, removed by ``gc --remote`` once a
+day old).
 
 Which ranks call what: a :class:`NodeUploader` on every node leader, the :class:`RemoteCommitter`
 on the coordinator only. Neither runs a collective.

@@ -100,6 +100,7 @@ class CommitSession:
         strategy: CommitStrategy | None = None,
         seq: int | None = None,
         retention: RetentionPolicy | None = None,
+        remote_retention: RetentionPolicy | None = None,
         sync: Any = None,
         after_commit: Callable[[Committed], None] | None = None,
     ) -> None:
@@ -110,6 +111,7 @@ class CommitSession:
         self.strategy: CommitStrategy = strategy or RenameCommit(self.dirpath)
         self.seq = seq
         self.retention = retention
+        self.remote_retention = remote_retention
         self.sync = sync
         self.after_commit = after_commit or self._default_after_commit
         self.rank = dist.rank()
@@ -270,6 +272,9 @@ class CommitSession:
             reason=reason,
             fingerprint=fingerprint,
             retention=self.retention.to_json() if self.retention is not None else {},
+            remote_retention=(
+                self.remote_retention.to_json() if self.remote_retention is not None else {}
+            ),
             versions=versions(),
             extra=dict(extra or {}),
         )

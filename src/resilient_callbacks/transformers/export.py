@@ -109,9 +109,7 @@ def _export(
     try:
         result = model.load_state_dict(state_dict, strict=False, assign=True)
     except RuntimeError as e:
-        raise CheckpointMismatchError(
-            f"the weights in {path} do not fit {name}: {e}"
-        ) from None
+        raise CheckpointMismatchError(f"the weights in {path} do not fit {name}: {e}") from None
     if info.get("peft") and merged:
         model = model.merge_and_unload()  # the base model, each adapter's update added in
     if hasattr(model, "tie_weights"):
