@@ -7,6 +7,10 @@ what to do when that many are (wait or skip). A job's exception is stored and re
 next :meth:`raise_error` (called on the next save and on close). The thread is a daemon so a
 stuck filesystem cannot hang interpreter exit, and the Checkpointer flushes it at exit.
 
+:meth:`abandon` (``close(timeout)`` ran out): queued jobs are dropped, the running one sees
+:attr:`abandoned` before it commits, and only jobs submitted with ``always=True`` (releasing
+the directory lock) still run, after it.
+
 Which ranks call what: every rank has its own persister and submits the same jobs in the same
 order.
 """
@@ -24,10 +28,11 @@ Job = Callable[[], None]
 class BackgroundPersister:
     def __init__(self, max_in_flight: int = 1, name: str = "rc-persist") -> None:
         self.max_in_flight = max_in_flight
-        self._q: queue.Queue[Job | None] = queue.Queue()
+        self._q: queue.Queue[tuple[Job, bool] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending = 0
         self._error: BaseException | None = None
+        self.abandoned = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -36,11 +41,13 @@ class BackgroundPersister:
         # starved this thread, saves piled up and the loop then waited for them (measured by
         # benchmarks/bench_async.py: loop overhead 30%+ at nice 19, on par with DCP at nice 0).
         while True:
-            job = self._q.get()
-            if job is None:
+            item = self._q.get()
+            if item is None:
                 return
+            job, always = item
             try:
-                job()
+                if always or not self.abandoned:
+                    job()
             except BaseException as e:  # kept for the training thread; first error wins
                 with self._cond:
                     if self._error is None:
@@ -59,10 +66,14 @@ class BackgroundPersister:
     def busy(self) -> bool:
         return self.pending >= self.max_in_flight
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job, always: bool = False) -> None:
         with self._cond:
             self._pending += 1
-        self._q.put(job)
+        self._q.put((job, always))
+
+    def abandon(self) -> None:
+        """Drop the queued jobs; the running one commits nothing (see the module docstring)."""
+        self.abandoned = True
 
     def wait_for_slot(self) -> float:
         """Block until fewer than ``max_in_flight`` jobs are pending; return seconds waited."""

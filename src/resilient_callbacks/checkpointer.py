@@ -327,8 +327,9 @@ class Checkpointer:
     def close(self, timeout: float | None = None) -> None:
         """Wait for background saves to commit, then release the directory. Raises the error of
         a background save that failed (after releasing). ``timeout``: seconds to wait for
-        pending saves; what is still pending then is reported and abandoned (never committed
-        half-way: a save commits atomically or not at all). See :mod:`.closing`."""
+        pending saves; what is still pending then is reported and abandoned: none of it is
+        committed, and the directory stays locked until the save being written has stopped.
+        See :mod:`.closing`."""
         if self._closed:
             return
         self._closed = True
@@ -343,7 +344,10 @@ class Checkpointer:
             if not self._closed:
                 self._emergency.save_on_exception(exc)
         finally:
-            self.close()
+            try:
+                self.close()
+            except Exception as e:  # exc propagates, unchanged: this failure is logged
+                log.error("closing the Checkpointer after %s failed: %s", type(exc).__name__, e)
 
     @property
     def closed(self) -> bool:
@@ -429,6 +433,8 @@ class Checkpointer:
         kind, why = decision
         if kind == "preemption":
             return self._emergency.preemption(step, state, metrics)
+        if kind == "required":  # an archive step or a loss jump: never skipped when busy
+            return self._saver.save(step, state, metrics, "periodic", why=why, skippable=False)
         return self._saver.save(step, state, metrics, kind, why=why)
 
     def emergency_save(
@@ -437,7 +443,6 @@ class Checkpointer:
         """Flush background saves and save ``step`` synchronously (fastest complete path), for
         callers that detect a failure themselves. Every rank must call it."""
         self._check_open()
-        self._wait_background()
         return self._saver.save(step, state, metrics, "emergency", why="emergency_save()")
 
     def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> bool:

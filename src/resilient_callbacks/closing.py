@@ -47,6 +47,7 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
                     ck.close_wait_seconds,
                 )
             if not finished:
+                persister.abandon()
                 log.warning(
                     "close(): %d checkpoint(s) were still being written after %s s and were "
                     "abandoned; the newest committed checkpoint is %s",
@@ -138,7 +139,13 @@ def _release(ck: Checkpointer) -> None:
         ck._poller.stop()
     if ck.watcher is not None:
         ck.watcher.uninstall()
-    ck._dir.lock.release()
+    persister = ck._saver.persister
+    if persister is not None and persister.abandoned and persister.pending:
+        # the abandoned save still running commits nothing; the directory stays locked until
+        # it has stopped, so no new writer sweeps its staging directory under it
+        persister.submit(ck._dir.lock.release, always=True)
+    else:
+        ck._dir.lock.release()
 
 
 def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:

@@ -131,7 +131,12 @@ class CheckpointerConfig:
                 "overlap_snapshot=True needs async_save=True: the snapshot overlaps training "
                 "only when the write happens in the background"
             )
-        adaptive_opts = ("mtbf_hours", "min_interval", "max_interval")
+        if self.if_busy == "skip" and not self.async_save:
+            raise ConfigError(
+                "if_busy='skip' needs async_save=True: a synchronous save is written before "
+                "step() returns, so no save is ever being written when the next is due"
+            )
+        adaptive_opts = ("mtbf_hours", "max_overhead", "min_interval", "max_interval")
         if not self.adaptive and any(getattr(self, k) is not None for k in adaptive_opts):
             given = [k for k in adaptive_opts if getattr(self, k) is not None]
             raise ConfigError(

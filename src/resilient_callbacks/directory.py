@@ -10,6 +10,7 @@ directory the coordinator made (see :mod:`.session`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -51,14 +52,20 @@ def apply_retention(
     protected: Iterable[str] = (),
     blobs: BlobStore | None = None,
     discard: Callable[[str], None] | None = None,
+    corrupt: Iterable[str] = (),
 ) -> None:
     """Coordinator: delete what ``policy`` does not keep among the committed checkpoints of
     ``root``. Never deletes a ``protected`` name, the newest valid checkpoint, or another run's.
     With ``blobs`` (the store of the directory's writer, which knows the saves in flight), the
     blobs no remaining checkpoint refers to are deleted after the checkpoints. ``discard``: who
     deletes the files of a checkpoint once it is renamed out of sight (a
-    :class:`~.trash.TrashBin`, in the background); here, without one."""
-    cands = catalog.retention_candidates(catalog.scan(root, Depth.SIZE))
+    :class:`~.trash.TrashBin`, in the background); here, without one. ``corrupt``: names
+    known corrupt though their sizes are right (a restore read them): kept, as corrupt."""
+    found = set(corrupt)
+    cands = [
+        dataclasses.replace(c, valid=False) if c.name in found else c
+        for c in catalog.retention_candidates(catalog.scan(root, Depth.SIZE))
+    ]
     p = plan(cands, policy, run_id, protected=list(protected))
     for name in p.delete:
         path = os.path.join(root, name)
@@ -103,6 +110,8 @@ class Directory:
         self.trash = TrashBin()  # deletes what retention removed, off the persist path
         self._reported_foreign = False
         self.checked_foreign = False
+        # checkpoints a restore found corrupt (checksums): retention keeps them for inspection
+        self.found_corrupt: set[str] = set()
 
     # ------------------------------------------------------------------ opening
 
@@ -209,7 +218,13 @@ class Directory:
             if self.sync is not None:
                 protected += self.sync.pending()
             apply_retention(
-                self.dirpath, self.retention, self.run_id, protected, self.blobs, self.trash.put
+                self.dirpath,
+                self.retention,
+                self.run_id,
+                protected,
+                self.blobs,
+                self.trash.put,
+                self.found_corrupt,
             )
 
     # ------------------------------------------------------------------ history, other runs

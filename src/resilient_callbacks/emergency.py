@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -67,15 +68,51 @@ def _freeze_leaf(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+def module_buffers(state: Any) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """The saved buffers of the state's modules, with a copy of each as it is now: a forward
+    pass in train mode changes some in place (BatchNorm's running statistics), without even
+    bumping their version counters."""
+    out: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+    for _, obj in statetree.leaves(state):
+        if isinstance(obj, torch.nn.Module):
+            for mod in obj.modules():
+                skip = mod._non_persistent_buffers_set
+                for name, b in mod._buffers.items():
+                    if b is not None and name not in skip:
+                        out.append((mod, name, b.detach().clone()))
+    return out
+
+
+def _put_back(buffers: list[tuple[torch.nn.Module, str, torch.Tensor]]) -> bool:
+    """Set the buffers back to their copies; False (nothing changed) if one was replaced by
+    another tensor or changed its shape since."""
+    live = [mod._buffers.get(name) for mod, name, _ in buffers]
+    if any(b is None or b.shape != c.shape for b, (_, _, c) in zip(live, buffers, strict=True)):
+        return False
+    with torch.no_grad():
+        for b, (_, _, c) in zip(live, buffers, strict=True):
+            assert b is not None
+            b.copy_(c)
+    return True
+
+
 def start_watcher(config: CheckpointerConfig) -> tuple[PreemptionWatcher, MetadataPoller | None]:
     """Install the signal handlers (and start the cloud notice poller) of ``config``."""
     grace = config.grace_period
     if grace is None and os.environ.get(GRACE_ENV):
-        # set by the job recipes from the scheduler's grace period
+        # set by the job recipes from the scheduler's grace period (which may be 0: no time)
         try:
             grace = float(os.environ[GRACE_ENV])
         except ValueError:
-            log.warning("ignoring %s=%r: not a number of seconds", GRACE_ENV, os.environ[GRACE_ENV])
+            grace = None
+        if grace is None or not math.isfinite(grace) or grace <= 0:
+            log.warning(
+                "ignoring %s=%r: not a positive number of seconds (the deadline of a "
+                "preemption is then unknown)",
+                GRACE_ENV,
+                os.environ[GRACE_ENV],
+            )
+            grace = None
     watcher = PreemptionWatcher(
         signals=config.signals, handle_sigint=config.handle_sigint, grace_period_s=grace
     )
@@ -98,11 +135,13 @@ class Emergency:
 
     def mark_consistent(self, step: int, state: Any) -> None:
         """Remember what step ``step``'s state is, cheaply: modules and optimizers by reference
-        (an optimizer-step hook notices if they change), everything else copied."""
+        (an optimizer-step hook notices a step), the modules' buffers and everything else
+        copied."""
         stepped = [False]
         self._watch_optimizers(state, stepped)
         rng_state = rng.capture() if self._ck.config.capture_rng else (None, {})
-        self._consistent_point = (step, freeze(state), rng_state, stepped)
+        frozen = freeze(state)
+        self._consistent_point = (step, frozen, rng_state, stepped, module_buffers(frozen))
 
     def _watch_optimizers(self, state: Any, stepped: list[bool]) -> None:
         """Flag ``stepped[0]`` when any optimizer in the state steps (save_on_exception)."""
@@ -138,12 +177,22 @@ class Emergency:
                 type(exc).__name__,
             )
             return
-        step, frozen, rng_state, stepped = point
+        step, frozen, rng_state, stepped, buffers = point
         if stepped[0]:
             log.warning(
                 "save_on_exception: %s came after an optimizer step that step() never saw; the "
                 "state matches no step, so nothing is saved",
                 type(exc).__name__,
+            )
+            return
+        # a forward pass since may have changed buffers (BatchNorm's running statistics): they
+        # are set back to the step's values, as consistent with the step's weights
+        if not _put_back(buffers):
+            log.warning(
+                "save_on_exception: %s came after a module's buffer was replaced since step "
+                "%d; the state matches no step, so nothing is saved",
+                type(exc).__name__,
+                step,
             )
             return
         log.warning(
@@ -153,7 +202,6 @@ class Emergency:
             step,
         )
         try:
-            ck._wait_background()
             ck._saver.save(
                 step,
                 frozen,
@@ -173,13 +221,16 @@ class Emergency:
         req = watcher.request if watcher is not None else None
         source = req.source if req is not None else "request"
         if watcher is not None:
-            estimate = max(ck._save_seconds, default=0.0)
+            # a synchronous save: what a save blocked, plus its background write if it had one
+            saver = ck._saver
+            estimate = max(saver.save_seconds, default=0.0) + max(
+                saver.persist_seconds, default=0.0
+            )
             warning = watcher.check_grace(estimate) if estimate else None
             if warning:
                 log.warning(warning)
         log.warning("preemption (%s): saving step %d before stopping", source, step)
         ck._recorder.preemption(step, source)
-        ck._wait_background()
         saved = ck._saver.save(step, state, metrics, "emergency", why=f"preemption ({source})")
         ck.preempted = True
         if ck.config.exit_on_preemption:
@@ -195,4 +246,6 @@ class Emergency:
             ck._dir.trash.abandon()
             ck.close(timeout=None if left is None else max(0.0, left - 5.0))
             raise SystemExit(ck.config.preemption_exit_code)
+        if watcher is not None:
+            watcher.clear()  # answered: the steps after this one do not save again
         return saved

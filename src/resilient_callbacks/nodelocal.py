@@ -136,7 +136,12 @@ class NodeDirectory(Directory):
             if self.uploader is not None:
                 protected += self.uploader.pending()
             apply_retention(
-                self.dirpath, self.retention, self.run_id, protected, discard=self.trash.put
+                self.dirpath,
+                self.retention,
+                self.run_id,
+                protected,
+                discard=self.trash.put,
+                corrupt=self.found_corrupt,
             )
 
     def exchange_reports(self, group_fallback: Any = None) -> None:

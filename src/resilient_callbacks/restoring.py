@@ -160,6 +160,8 @@ class Restorer:
         ck._start_run(step, source=source)
 
     def _warn_fallback(self, c: Candidate, problem: str) -> None:
+        if c.remote is None and c.path is not None:  # kept by retention, for inspection
+            self._ck._dir.found_corrupt.add(os.path.basename(c.path))
         self._ck._recorder.fallback(c.step, c.where, problem)
         msg = (
             f"skipping checkpoint {c.where} (step {c.step}): {problem}; "

@@ -64,7 +64,9 @@ class RetentionPolicy:
         except ValueError:
             raise ConfigError(f"mode={self.mode!r}: must be 'min' or 'max'") from None
         if self.keep_every_n_steps is not None and (
-            not isinstance(self.keep_every_n_steps, int) or self.keep_every_n_steps < 1
+            isinstance(self.keep_every_n_steps, bool)
+            or not isinstance(self.keep_every_n_steps, int)
+            or self.keep_every_n_steps < 1
         ):
             raise ConfigError(
                 f"keep_every_n_steps={self.keep_every_n_steps!r}: must be an int >= 1 or None"

@@ -120,9 +120,13 @@ class Saver:
         reason: str,
         why: str,
         rng_state: tuple[Any, dict[str, torch.Tensor]] | None = None,
+        skippable: bool | None = None,
     ) -> bool:
         """Every rank. Returns False if ``step`` is the one saved (or restored) last, or if a
-        periodic save is skipped because the previous one is still being written."""
+        periodic save is skipped because the previous one is still being written
+        (``skippable``: by default, a periodic save; never an archive step or a loss jump).
+        An emergency save flushes the background saves first and goes on even if one of them
+        failed (that failure is logged: the state this save writes is newer)."""
         ck = self.ck
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
@@ -135,10 +139,11 @@ class Saver:
             # every rank reaches this point at the same step, so they skip together
             if (
                 ck.config.if_busy == "skip"
-                and reason == "periodic"
+                and (reason == "periodic" if skippable is None else skippable)
                 and dist.any_true(self.persister.busy)
             ):
                 self.skipped_saves += 1
+                ck._trigger.mark(step)  # skipped: every_seconds and adaptive count from here
                 ck._recorder.skipped()
                 log.warning(
                     "skipped the save at step %d: the previous checkpoint is still being "
@@ -148,7 +153,7 @@ class Saver:
                 )
                 return False
             if not background:
-                waited = self.wait_background()  # emergency: flush, then a synchronous save
+                waited = self.settle_background()  # emergency: flush, then a synchronous save
             else:
                 waited = self.persister.wait_for_slot()
                 self.save_waits.observe(step, waited, ck._trigger.clock.elapsed())
@@ -232,6 +237,19 @@ class Saver:
         t0 = time.perf_counter()
         self.persister.wait_all()
         self.raise_background_error()
+        return time.perf_counter() - t0
+
+    def settle_background(self) -> float:
+        """Block until every background save is done; a failure among them is logged, not
+        raised (before an emergency save, which is of a newer state)."""
+        if self.persister is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.persister.wait_all()
+        try:
+            self.persister.raise_error()
+        except Exception as e:
+            log.error("an earlier background save failed (%s); the emergency save goes on", e)
         return time.perf_counter() - t0
 
     def raise_background_error(self) -> None:

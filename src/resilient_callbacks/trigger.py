@@ -144,7 +144,9 @@ class Trigger:
         self, step: int, metrics: Mapping[str, Any] | None, final: bool, preempt: bool
     ) -> tuple[str, str] | None:
         """Every rank: ``(kind, why)`` if this step is saved, else None. ``kind`` is
-        ``"preemption"``, ``"final"`` or ``"periodic"``; ``preempt``: this rank saw a request."""
+        ``"preemption"``, ``"final"``, ``"required"`` (an archive step or a loss jump: a
+        periodic save that ``if_busy='skip'`` never skips) or ``"periodic"``; ``preempt``: this
+        rank saw a request."""
         reason = self.policy.due_by_step(step)
         time_due = bool(
             self.policy.every_seconds and self.clock.elapsed() >= self.policy.every_seconds
@@ -192,13 +194,18 @@ class Trigger:
             if (
                 not self.policy.has_trigger
                 and self.schedule is None
+                and self._loss_trigger is None
                 and self.caller_schedule is None
                 and not self._warned_no_trigger
             ):
                 self._warned_no_trigger = True
                 log.warning(
                     "Checkpointer.step() called but no trigger is configured "
-                    "(every_n_steps / every_seconds / adaptive); only save() will write checkpoints"
+                    "(every_n_steps / every_seconds / adaptive / loss_jump); only save() will "
+                    "write checkpoints"
                 )
             return None
+        archive = self.policy.archive_every_n_steps
+        if jump or (archive and step % archive == 0):
+            return "required", reason
         return "periodic", reason

@@ -270,6 +270,12 @@ class PreemptionWatcher:
                 signum=signum,
             )
         )
+        # another watcher installed before this one (a second Checkpointer in this process)
+        # learns of the signal too; any other previous handler (the default: exit) does not
+        prev = self._previous.get(signum)
+        owner = getattr(prev, "__self__", None)
+        if isinstance(owner, PreemptionWatcher) and owner._active and prev is owner._handler:
+            owner._on_signal(signum, frame)
 
     def trigger(
         self, source: str = "manual", detail: str = "", *, grace_s: float | None = None

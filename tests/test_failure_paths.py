@@ -1,0 +1,282 @@
+"""The paths a run takes when things go wrong at once: a preemption or an exception after a
+background save failed, a busy disk at an archive step, two Checkpointers in one process, a
+close that times out, a checkpoint a restore found corrupt. Each test fails without its fix;
+none asserts on time (slow writes are gated by events, clocks faked)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from resilient_callbacks import (
+    Checkpointer,
+    CheckpointLockedError,
+    ConfigError,
+    catalog,
+    persisting,
+    policy,
+)
+from resilient_callbacks.catalog import Depth
+from resilient_callbacks.lock import DirLock
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    return {"model": m, "optimizer": torch.optim.SGD(m.parameters(), lr=0.1), "extra": {"n": 0}}
+
+
+def _train(state) -> None:
+    m, opt = state["model"], state["optimizer"]
+    opt.zero_grad()
+    m(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+
+
+def _steps(root) -> list[tuple[int, str]]:
+    return [
+        (e.manifest.step, e.manifest.reason)
+        for e in catalog.committed(catalog.scan(str(root), Depth.NONE))
+        if e.manifest is not None
+    ]
+
+
+@pytest.fixture
+def failing_write(monkeypatch):
+    """``fail(n)``: the n-th write of a checkpoint part (1-based) raises an I/O error."""
+    orig = persisting.layout.write_part
+    calls, failing = [0], set()
+
+    def flaky(*a, **k):
+        calls[0] += 1
+        if calls[0] in failing:
+            raise OSError(5, "transient I/O error")
+        return orig(*a, **k)
+
+    monkeypatch.setattr(persisting.layout, "write_part", flaky)
+    return failing.add
+
+
+@pytest.fixture
+def gated_write(monkeypatch):
+    """Background writes wait for the returned event (a disk as slow as the test wants)."""
+    orig = persisting.layout.write_part
+    gate = threading.Event()
+
+    def slow(*a, **k):
+        if threading.current_thread() is not threading.main_thread():
+            assert gate.wait(60)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(persisting.layout, "write_part", slow)
+    yield gate
+    gate.set()
+
+
+def test_preemption_after_a_failed_background_save_still_saves_and_exits_75(
+    tmp_path, failing_write, caplog
+):
+    failing_write(2)  # the save of step 10
+    state = _state()
+    ck = Checkpointer(tmp_path, every_n_steps=5)
+    with pytest.raises(SystemExit) as exit_:
+        for s in range(1, 20):
+            _train(state)
+            if s == 12:
+                os.kill(os.getpid(), signal.SIGTERM)
+            ck.step(s, state)
+    assert exit_.value.code == 75
+    assert _steps(tmp_path) == [(5, "periodic"), (12, "emergency")]
+    assert "an earlier background save failed" in caplog.text
+
+
+def test_exception_save_after_a_failed_background_save(tmp_path, failing_write):
+    failing_write(2)
+    state = _state()
+    with (
+        pytest.raises(ValueError, match="user bug"),  # the user's error, not ours
+        Checkpointer(tmp_path, every_n_steps=5, save_on_exception=True) as ck,
+    ):
+        for s in range(1, 20):
+            _train(state)
+            ck.step(s, state)
+            if s == 12:
+                raise ValueError("user bug")
+    assert _steps(tmp_path) == [(5, "periodic"), (12, "emergency")]
+
+
+def test_leaving_the_with_block_raises_the_users_exception_not_a_save_failure(
+    tmp_path, failing_write, caplog
+):
+    failing_write(1)
+    state = _state()
+    with pytest.raises(ValueError) as err, Checkpointer(tmp_path, every_n_steps=1) as ck:
+        ck.step(1, state)  # fails in the background
+        raise ValueError("user bug")
+    assert err.value.__context__ is None
+    assert "closing the Checkpointer after ValueError failed" in caplog.text
+
+
+def test_preemption_without_exit_saves_once(tmp_path):
+    state = _state()
+    with Checkpointer(tmp_path, every_n_steps=100, exit_on_preemption=False) as ck:
+        saved = []
+        for s in range(1, 8):
+            if s == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            saved.append(ck.step(s, state))
+            assert ck.preempted == (s >= 3)
+    assert saved == [False, False, True, False, False, False, False]
+    assert _steps(tmp_path) == [(3, "emergency")]
+
+
+def test_save_on_exception_after_a_forward_pass_saves_the_steps_batchnorm_statistics(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    state = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    with (
+        pytest.raises(RuntimeError, match="out of memory"),
+        Checkpointer(tmp_path, every_n_steps=100, save_on_exception=True) as ck,
+    ):
+        for s in range(1, 4):
+            model(torch.randn(16, 4)).sum().backward()
+            state["optimizer"].step()
+            ck.step(s, state)
+        at_step = {k: v.clone() for k, v in model.state_dict().items()}
+        model(torch.randn(16, 4))  # step 4's forward updates the running statistics ...
+        assert not torch.equal(model[1].running_mean, at_step["1.running_mean"])
+        raise RuntimeError("CUDA out of memory")  # ... then it fails
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore({"model": fresh, "optimizer": torch.optim.SGD(fresh.parameters())}) == 3
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, at_step[k]), k
+    assert int(fresh[1].num_batches_tracked) == 3
+
+
+def test_if_busy_skip_never_skips_an_archive_step(tmp_path, gated_write):
+    state = _state()
+    ck = Checkpointer(tmp_path, every_n_steps=3, keep_every_n_steps=10, if_busy="skip")
+    saved = {s: ck.step(s, state) for s in range(1, 10)}  # step 3's write is held
+    assert saved[3] and not saved[6] and not saved[9]  # periodic: skipped while busy
+    threading.Timer(0.5, gated_write.set).start()  # the disk frees up while step 10 waits
+    assert ck.step(10, state)  # the archive step waits for the disk instead of skipping
+    ck.close()
+    assert [s for s, _ in _steps(tmp_path)] == [3, 10]
+
+
+def test_if_busy_skip_with_every_seconds_skips_a_due_save_once(tmp_path, gated_write, monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(policy.time, "monotonic", lambda: now[0])
+    state = _state()
+    ck = Checkpointer(tmp_path, every_seconds=1.0, if_busy="skip")
+    results = []
+    for s, t in enumerate([1001.0, 1002.0, 1002.5, 1002.6, 1003.1], start=1):
+        now[0] = t
+        results.append(ck.step(s, state))
+    assert results == [True, False, False, False, False]
+    assert ck.skipped_saves == 2  # due at 1002.0 and again at 1003.1, not at every step
+    gated_write.set()
+    ck.close()
+
+
+def test_two_checkpointers_in_one_process_both_see_sigterm(tmp_path):
+    a = Checkpointer(tmp_path / "a", every_n_steps=100, exit_on_preemption=False)
+    b = Checkpointer(tmp_path / "b", every_n_steps=100, exit_on_preemption=False)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert a.step(1, _state()) and b.step(1, _state())
+        assert a.preempted and b.preempted
+    finally:
+        b.close()
+        a.close()
+
+
+def test_grace_warning_counts_the_background_write(tmp_path, monkeypatch, caplog):
+    """The emergency save is synchronous: its estimate is a background save's blocking time
+    plus its write, not the blocking time alone."""
+    orig = persisting.layout.write_part
+    monkeypatch.setattr(
+        persisting.layout,
+        "write_part",
+        lambda *a, **k: (threading.Event().wait(0.3), orig(*a, **k))[1],
+    )
+    state = _state()
+    with Checkpointer(tmp_path, every_n_steps=2, grace_period=0.1, exit_on_preemption=False) as ck:
+        for s in range(1, 3):  # one background save (step 2), which waits for nothing
+            ck.step(s, state)
+        ck.flush()
+        os.kill(os.getpid(), signal.SIGTERM)
+        ck.step(3, state)
+    assert "a save is estimated to take" in caplog.text
+
+
+def test_a_zero_grace_period_from_the_environment_is_ignored_with_a_warning(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setenv("RESILIENT_GRACE_PERIOD_S", "0")  # terminationGracePeriodSeconds: 0
+    with Checkpointer(tmp_path) as ck:
+        assert ck.watcher is not None
+    assert "ignoring RESILIENT_GRACE_PERIOD_S='0'" in caplog.text
+
+
+def test_loss_jump_alone_is_a_trigger(tmp_path, caplog):
+    with Checkpointer(tmp_path, loss_jump=0.5) as ck:
+        for s in range(1, 12):
+            ck.step(s, _state(), {"loss": 1.0})
+        assert ck.step(12, _state(), {"loss": 5.0})
+    assert "no trigger is configured" not in caplog.text
+
+
+def test_close_timeout_abandons_the_save_and_keeps_the_directory_locked_until_it_stops(
+    tmp_path, gated_write
+):
+    ck = Checkpointer(tmp_path, every_n_steps=1)
+    ck.step(1, _state())
+    ck.close(timeout=0.05)
+    with pytest.raises(CheckpointLockedError):
+        DirLock(str(tmp_path)).acquire()  # the abandoned save still runs: still locked
+    gated_write.set()
+    persister = ck._saver.persister
+    assert persister is not None and persister.wait_all(60)
+    lock = DirLock(str(tmp_path))
+    lock.acquire()  # released once it stopped
+    lock.release()
+    assert _steps(tmp_path) == []  # abandoned: never committed
+
+
+def test_retention_keeps_a_checkpoint_a_restore_found_corrupt(tmp_path):
+    state = _state()
+    with Checkpointer(tmp_path, keep_last=2) as ck:
+        for s in (10, 20):
+            ck.save(s, state)
+    shard = next(p for p in (tmp_path / "step_000000020").iterdir() if p.suffix == ".safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # same size: only a checksum tells
+    shard.write_bytes(bytes(data))
+    with (
+        pytest.warns(UserWarning, match="skipping checkpoint"),
+        Checkpointer(tmp_path, keep_last=1) as ck,
+    ):
+        assert ck.restore(_state()) == 10
+        for s in (11, 12, 13):
+            ck.save(s, state)
+    names = sorted(n for n in os.listdir(tmp_path) if n.startswith("step_"))
+    assert names == ["step_000000013", "step_000000020"]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"if_busy": "skip", "async_save": False}, "needs async_save=True"),
+        ({"max_overhead": 0.01}, "adaptive=True"),
+        ({"keep_every_n_steps": True}, "keep_every_n_steps=True"),
+    ],
+)
+def test_options_that_would_do_nothing_are_refused(tmp_path, options, message):
+    with pytest.raises(ConfigError, match=message):
+        Checkpointer(tmp_path, **options)
