@@ -451,3 +451,16 @@ def test_a_checkpoint_deleted_while_it_is_read_is_not_reported_corrupt(tmp_path,
     with contextlib.redirect_stdout(out):
         assert main(["verify", str(root)]) == 0
     assert "CORRUPT" not in out.getvalue() and "step          2" in out.getvalue()
+
+
+def test_inspect_lists_shapes_of_compressed_and_blob_stored_tensors(tmp_path):
+    pytest.importorskip("zstandard")
+    for options in ({"compression": "zstd"}, {"incremental": True}):
+        root = str(tmp_path / next(iter(options)))
+        with Checkpointer(root, **options) as ck:
+            ck.save(1, {"w": torch.ones(64, 64), "b": torch.zeros(10), "n": 3})
+        r = cli("inspect", root, "--json")
+        assert r.returncode == 0, r.stderr
+        keys = {k["key"]: k for k in json.loads(r.stdout)["keys"]}
+        assert (keys["w"]["dtype"], keys["w"]["shape"]) == ("float32", [64, 64]), options
+        assert (keys["b"]["dtype"], keys["b"]["shape"]) == ("float32", [10]), options

@@ -8,6 +8,7 @@ import json
 import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -355,7 +356,7 @@ def test_part_tracker_trusts_only_the_buffer_it_recorded():
     from resilient_callbacks.unchanged import PartTracker, buffer_sig, watchable
 
     frozen = torch.arange(BLOB_MIN, dtype=torch.float32)
-    watched = watchable(frozen, trained=set())
+    watched = watchable(frozen, None)
     assert watched is not None
     buf = frozen.clone()
     tracker = PartTracker()
@@ -363,7 +364,51 @@ def test_part_tracker_trusts_only_the_buffer_it_recorded():
     assert tracker.unchanged("w", watched, buf) == "key-of-w"
     assert tracker.unchanged("w", watched, None) is None  # freed
     assert tracker.unchanged("w", watched, torch.empty_like(buf)) is None  # made again
-    assert tracker.unchanged("w", watchable(frozen, set()), buf) == "key-of-w"
+    assert tracker.unchanged("w", watchable(frozen, None), buf) == "key-of-w"
     with torch.no_grad():
         frozen.add_(1)  # an in-place write bumps the version counter
-    assert tracker.unchanged("w", watchable(frozen, set()), buf) is None
+    assert tracker.unchanged("w", watchable(frozen, None), buf) is None
+
+
+def test_batchnorm_statistics_and_a_fused_optimizers_weights_are_never_taken_as_unchanged(
+    tmp_path,
+):
+    """Only frozen parameters are ever known unchanged: BatchNorm's running statistics and a
+    fused optimizer's step (``model.state_dict()`` in the state, where nothing says which
+    tensors train) change tensors in place without moving their version counters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 4096), nn.BatchNorm1d(4096), nn.Linear(4096, 1))
+    fused = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    for background in (False, True):
+        root = tmp_path / f"bg{background}"
+        with Checkpointer(root, incremental=True, async_save=background) as ck:
+            for step in (1, 2, 3):
+                model(torch.randn(32, 16) + step).square().mean().backward()
+                fused.step()
+                fused.zero_grad()
+                ck.save(step, {"plain": model.state_dict(), "module": model})
+        live = {k: v.clone() for k, v in model.state_dict().items()}
+        got = {"plain": {k: torch.zeros_like(v) for k, v in live.items()}, "module": None}
+        with Checkpointer(root) as ck:
+            assert ck.restore(got) == 3
+        for k, v in live.items():
+            assert torch.equal(got["plain"][k], v), k
+            assert torch.equal(got["module"][k], v), k
+
+
+def test_distinct_tensors_of_equal_bytes_are_restored_as_distinct_tensors(tmp_path):
+    """Equal bytes share a blob; restored, each tensor is its own (an optimizer keeps the
+    tensors it is given: Adam's two zero moments of a parameter no gradient reached yet must
+    not become one)."""
+    zeros = {"exp_avg": torch.zeros(8192), "exp_avg_sq": torch.zeros(8192)}
+    with Checkpointer(tmp_path, incremental=True) as ck:
+        ck.save(1, {"moments": zeros, "arrays": {"a": np.zeros(8192), "b": np.zeros(8192)}})
+    got = {"moments": {"exp_avg": None, "exp_avg_sq": None}, "arrays": {"a": None, "b": None}}
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore(got) == 1
+    m, a = got["moments"], got["arrays"]
+    assert m["exp_avg"].data_ptr() != m["exp_avg_sq"].data_ptr()
+    m["exp_avg"].add_(1)
+    assert torch.equal(m["exp_avg_sq"], torch.zeros(8192))
+    a["a"] += 1
+    assert not a["b"].any()

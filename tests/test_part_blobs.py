@@ -152,8 +152,9 @@ def test_a_damaged_part_blob_makes_restore_fall_back_loudly(tmp_path):
 
 
 class WithOptimizer(FrozenAndTrained):
-    """The same part with an optimizer on the trained tensor, which it names (stepped_by): the
-    core then knows which of its tensors training changes."""
+    """The same part with an optimizer on the trained tensor, which it names (stepped_by), and
+    its frozen tensor vouched for (``copy(frozen=True)``): only that one may be known
+    unchanged."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -166,23 +167,38 @@ class WithOptimizer(FrozenAndTrained):
     def stepped_by(self) -> tuple[torch.optim.Optimizer, ...]:
         return (self.opt,)
 
+    def capture(self, buffers: CaptureBuffers) -> dict[str, torch.Tensor]:
+        live = self.tensors()
+        out = buffers.copy({k: v for k, v in live.items() if k != "frozen"})
+        out.update(buffers.copy({k: v for k, v in live.items() if k == "frozen"}, frozen=True))
+        return out
+
     def load(self, reader: PartReader) -> None:
         with torch.no_grad():
             super().load(reader)
 
 
 def _copied_names(monkeypatch) -> list[list[str]]:
-    """The names each Snapshot of the run copies (one list per Snapshot made)."""
+    """The names of the part's tensors each save copies (one list per save: the names its
+    Snapshots copy, bar the core's own, which copy none of the part's)."""
     from resilient_callbacks import snapshot
+    from resilient_callbacks.saving import Saver
 
     seen: list[list[str]] = []
-    real = snapshot.Snapshot.__init__
+    real, save = snapshot.Snapshot.__init__, Saver.save
 
     def init(self, tensors, buffers, **kw):
-        seen.append(sorted(tensors))
+        names = [n for n in tensors if n in ("frozen", "trained", "small")]
+        if seen and names:
+            seen[-1] = sorted(seen[-1] + names)
         real(self, tensors, buffers, **kw)
 
+    def saving(self, *a, **kw):
+        seen.append([])
+        return save(self, *a, **kw)
+
     monkeypatch.setattr(snapshot.Snapshot, "__init__", init)
+    monkeypatch.setattr(Saver, "save", saving)
     return seen
 
 
@@ -433,9 +449,13 @@ def test_fsdp2_with_a_frozen_layer_writes_it_once_and_restores_exactly_on_2_and_
         w = first[r]["written"]
         assert len(w) == 3 and w[0] > frozen_shard, w
         assert all(x <= w[0] - frozen_shard for x in w[1:]), w  # the frozen shard: not again
-        c = [x for x in first[r]["copied"] if x]  # the part's copies (the rest copies nothing)
-        # nor copied (nor hashed): it is unchanged, and its host buffer still holds it
-        assert len(c) == 3 and all(x <= c[0] - frozen_shard // 4 for x in c[1:]), c
+        # the part's copies: of the trained pieces, then of the frozen ones (the core's own
+        # copies nothing); the frozen shard is not copied again (nor hashed): it is
+        # unchanged, and its host buffer still holds it
+        c = [x for x in first[r]["copied"] if x]
+        assert len(c) == 6, c
+        c = [a + b for a, b in zip(c[::2], c[1::2], strict=True)]
+        assert all(x <= c[0] - frozen_shard // 4 for x in c[1:]), c
     blobs = _blobs(root)
     newest = root / "step_000000003"
     m = _manifest(newest)
@@ -531,7 +551,9 @@ def test_fsdp2_frozen_layer_on_cuda_is_neither_copied_nor_written_again(tmp_path
     frozen = 128 * 256 * 4
     w, c = first["written"], [x for x in first["copied"] if x]
     assert len(w) == 3 and all(x <= w[0] - frozen for x in w[1:]), w
-    assert len(c) == 3 and all(x <= c[0] - frozen // 4 for x in c[1:]), c
+    assert len(c) == 6, c  # the trained pieces, then the frozen ones, at each save
+    c = [a + b for a, b in zip(c[::2], c[1::2], strict=True)]
+    assert all(x <= c[0] - frozen // 4 for x in c[1:]), c
     final = load_file(f"{out}.final.1")
     second = run(4)
     assert second["start"] == 3
@@ -539,8 +561,68 @@ def test_fsdp2_frozen_layer_on_cuda_is_neither_copied_nor_written_again(tmp_path
         assert torch.equal(v, final[k]), k
 
 
+def batchnorm_worker(root: str, out: str) -> None:
+    """One rank: FSDP2 over a model with a BatchNorm1d(4096), whose running statistics (16 KiB
+    each, blob-sized) the batch_norm kernel updates in place without bumping their version
+    counters; three incremental saves, then the restored statistics against the live ones."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from resilient_callbacks.dcp import Sharded
+
+    dist.init_process_group("gloo")
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 4096), nn.BatchNorm1d(4096), nn.Linear(4096, 1))
+        for layer in (m[0], m[2]):
+            fully_shard(layer)
+        fully_shard(m)
+        return m, torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    model, opt = build()
+    with Checkpointer(root, incremental=True) as ck:
+        for step in (1, 2, 3):
+            model(torch.randn(32, 16) + step).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ck.save(step, {"train": Sharded(model, opt)})
+    fresh, fresh_opt = build()
+    with Checkpointer(root) as ck:
+        assert ck.restore({"train": Sharded(fresh, fresh_opt)}) == 3
+
+    def stats(m: nn.Module) -> dict[str, torch.Tensor]:
+        bn = m[1]
+        return {
+            k: getattr(v, "full_tensor", lambda v=v: v)().clone()
+            for k, v in (("mean", bn.running_mean), ("var", bn.running_var))
+        }
+
+    save_file({f"live.{k}": v for k, v in stats(model).items()}, f"{out}.live")
+    save_file({f"restored.{k}": v for k, v in stats(fresh).items()}, f"{out}.restored")
+    dist.destroy_process_group()
+
+
+def test_fsdp2_batchnorm_statistics_are_saved_at_every_incremental_save(tmp_path):
+    """A buffer is never known unchanged (only frozen parameters are): BatchNorm's update of
+    its running statistics does not move their version counters."""
+    from safetensors.torch import load_file
+
+    root, out = tmp_path / "ck", tmp_path / "out"
+    argv = [sys.executable, __file__, "batchnorm", str(root), str(out)]
+    spawn_ranks.run(argv, 1, tmp_path, "bn")
+    live, restored = load_file(f"{out}.live"), load_file(f"{out}.restored")
+    for k in ("mean", "var"):
+        assert torch.equal(restored[f"restored.{k}"], live[f"live.{k}"]), k
+
+
 if __name__ == "__main__":
-    fsdp_worker(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    if sys.argv[1] == "batchnorm":
+        batchnorm_worker(sys.argv[2], sys.argv[3])
+    else:
+        fsdp_worker(sys.argv[1], sys.argv[2], int(sys.argv[3]))
 
 
 @pytest.mark.benchmark

@@ -26,10 +26,9 @@ from .cli_scan import no_checkpoints, public, resolve, row
 from .consolidate import zero_part_ids, zero_tensors
 from .errors import CheckpointError
 from .filepart import PARTS_EXTRA
-from .layout import SHARED_STRUCTURE, SHARED_TENSORS
+from .layout import SHARED_STRUCTURE, shared_meta
 from .reader import describe
 from .structure import TAG
-from .tensorfile import tensor_meta
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -128,8 +127,11 @@ def _keys(e: Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
     """The keys of a checkpoint, or why they cannot be read."""
     try:
         with open(os.path.join(e.path, SHARED_STRUCTURE), "rb") as f:
-            struct = json.loads(f.read())["structure"]
-        meta = tensor_meta(os.path.join(e.path, SHARED_TENSORS))
+            doc = json.loads(f.read())
+        struct = doc["structure"]
+        if e.manifest is None:
+            return None, "cannot read the keys (no manifest)"
+        meta = shared_meta(e.path, e.manifest, dict(doc.get("blobs") or {}))
     except (OSError, ValueError, KeyError, TypeError, CheckpointError) as err:
         return None, f"cannot read the keys ({type(err).__name__}: {err})"
     keys: list[dict[str, Any]] = []

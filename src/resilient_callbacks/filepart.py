@@ -275,12 +275,10 @@ class CaptureBuffers:
         buffers: HostBuffers,
         overlap: bool,
         tracker: PartTracker | None = None,
-        trained: set[int] | None = None,
     ) -> None:
         self._buffers = buffers
         self._overlap = overlap
         self._tracker = tracker  # incremental=True: what need not be copied again
-        self._trained = trained  # what the part's optimizers change; None: unknown
         self.snapshots: list[Snapshot] = []
         self.names: set[str] = set()  # the buffers this capture used
         self.hints: dict[Sig, str] = {}  # host copy -> content key, known unchanged
@@ -307,20 +305,21 @@ class CaptureBuffers:
         the side stream on a GPU) and the next optimizer step waits for the copy; every other
         tensor is copied (or, on a GPU, ordered before later kernels) before this returns.
 
-        With ``incremental=True``, a tensor known unchanged since the last committed save
+        ``frozen=True``: the part vouches that nothing but in-place writes that bump the
+        version counter changes ``tensors`` (frozen parameters: no optimizer holds them, no
+        kernel updates them as BatchNorm updates its running statistics). With
+        ``incremental=True`` such a tensor known unchanged since the last committed save
         (:class:`~.unchanged.PartTracker`) is not copied: its buffer holds its bytes already.
-        ``frozen=True``: the part vouches that no optimizer changes ``tensors`` (frozen
-        parameters), so they may be known unchanged even if the part names no optimizer."""
+        Every other tensor is copied (and hashed) at every save."""
         from .snapshot import Snapshot
         from .unchanged import buffer_sig, watchable
 
         self.names.update(tensors)
         kept: dict[str, torch.Tensor] = {}
         watch: dict[str, tuple[torch.Tensor, tuple[Any, ...], int]] = {}
-        trained = set() if frozen else self._trained
-        if self._tracker is not None and trained is not None:
+        if self._tracker is not None and frozen:
             for name, t in tensors.items():
-                w = watchable(t, trained)
+                w = watchable(t, None)
                 if w is None:
                     continue
                 watch[name] = w
@@ -424,7 +423,7 @@ class PartBuffers:
         watched: dict[str, dict[str, Any]] = {}
         for part_id, part in parts.items():
             host = self._by_id.setdefault(part_id, _host_buffers())
-            buffers = CaptureBuffers(host, overlap, *self._tracking(part_id, part))
+            buffers = CaptureBuffers(host, overlap, self._tracking(part_id))
             try:
                 captured[part_id] = (part, part.capture(buffers))
             except BaseException:
@@ -441,16 +440,13 @@ class PartBuffers:
         out.hints, out.watched = hints, watched
         return out
 
-    def _tracking(self, part_id: str, part: FilePart) -> tuple[PartTracker | None, set[int] | None]:
-        """The part's tracker and what its optimizers change (None: it names none, so nothing
-        is known unchanged), with ``incremental=True``."""
+    def _tracking(self, part_id: str) -> PartTracker | None:
+        """The part's tracker, with ``incremental=True``."""
         if not self._track:
-            return None, None
-        from .unchanged import PartTracker, optimizer_storages
+            return None
+        from .unchanged import PartTracker
 
-        tracker = self._trackers.setdefault(part_id, PartTracker())
-        optimizers = part.stepped_by()
-        return tracker, optimizer_storages(optimizers) if optimizers else None
+        return self._trackers.setdefault(part_id, PartTracker())
 
     def forget(self) -> None:
         """After a restore: nothing is known unchanged any more (the restore wrote the live

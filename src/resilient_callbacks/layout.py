@@ -19,7 +19,7 @@ in ``shared.safetensors`` but in the run's blob store; ``shared.json`` maps each
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,6 +34,7 @@ from .tensorfile import (
     FileDigest,
     map_tensors_verified,
     read_verified,
+    tensor_meta,
     write_json,
     write_tensors,
 )
@@ -137,6 +138,31 @@ def _entry(manifest: Manifest, name: str, where: str) -> FileEntry:
     raise CheckpointCorruptError(f"{where}: the manifest does not list {name}")
 
 
+def file_meta(path: str, entry: FileEntry) -> dict[str, tuple[str, list[int]]]:
+    """``{name: (dtype, shape)}`` of one tensor file (or blob), reading only its header."""
+    if entry.codec:
+        from .compression import compressed_meta
+
+        return compressed_meta(path)
+    return tensor_meta(path)
+
+
+def shared_meta(path: str, manifest: Manifest, refs: Mapping[str, str]) -> dict[str, Any]:
+    """``{name: (dtype, shape)}`` of a checkpoint's replicated tensors, compressed or not, those
+    stored as blobs (``refs``: tensor name -> blob name) included; headers only."""
+    from .blobs import blob_path
+
+    entry = _entry(manifest, SHARED_TENSORS, path)
+    meta: dict[str, Any] = file_meta(os.path.join(path, entry.path), entry)
+    by_name = {b.path: b for b in manifest.blobs}
+    for tname, bname in refs.items():
+        b = by_name.get(bname)
+        got = file_meta(blob_path(path, bname), b) if b is not None else {}
+        if len(got) == 1:
+            meta[tname] = next(iter(got.values()))
+    return meta
+
+
 def load_tensor_file(path: str, entry: FileEntry) -> dict[str, torch.Tensor]:
     """Read one tensor file (or blob) of a checkpoint, verified against its entry."""
     if entry.codec:
@@ -150,7 +176,8 @@ def load_blobs(
     path: str, manifest: Manifest, refs: dict[str, str], referrer: str = SHARED_STRUCTURE
 ) -> dict[str, torch.Tensor]:
     """The tensors ``refs`` (tensor name -> blob name; read from the checkpoint's file
-    ``referrer``) maps to, each blob verified."""
+    ``referrer``) maps to, each blob verified. Distinct tensors whose bytes were equal share a
+    blob; each gets its own copy (aliases of one tensor are one name: :mod:`.structure`)."""
     from .blobs import blob_path
 
     by_name = {b.path: b for b in manifest.blobs}
@@ -166,8 +193,9 @@ def load_blobs(
             got = load_tensor_file(blob_path(path, bname), entry)
             if len(got) != 1:
                 raise CheckpointCorruptError(f"{blob_path(path, bname)}: not a blob")
-            loaded[bname] = next(iter(got.values()))
-        out[tname] = loaded[bname]
+            loaded[bname] = out[tname] = next(iter(got.values()))
+        else:  # another tensor of the same bytes: not the same tensor
+            out[tname] = loaded[bname].clone()
     return out
 
 

@@ -3,8 +3,11 @@ so that an incremental save neither copies nor hashes them.
 
 A tensor qualifies only when all of these hold:
 
-- it is not a parameter that requires grad, nor any tensor an optimizer holds (parameters and
-  optimizer state): those change at every step by design;
+- it is a frozen parameter (``requires_grad=False``) of a module in the state, and no optimizer
+  holds it. Nothing else is trusted: parameters and optimizer state change at every step by
+  design, and some kernels write in place without bumping the version counter below (a
+  fused optimizer's step; BatchNorm's update of its running statistics), so buffers and plain
+  tensors (a ``state_dict()`` put in the state) are hashed at every save;
 - it is the same storage at the same place (data pointer, offset, shape, strides, dtype,
   device) as at the last committed save, and its autograd version counter, which every
   in-place operation bumps (``copy_``, ``add_``, an optimizer step, ``load_state_dict``), has
@@ -52,16 +55,16 @@ def _where(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
-def trained_storages(state: Any) -> set[int]:
-    """Data pointers of the storages that training changes: parameters that require grad and
-    every tensor of every optimizer (its parameters and its state)."""
-    ptrs = optimizer_storages(statetree.optimizers(state))
+def frozen_storages(state: Any) -> set[int]:
+    """Data pointers of the storages of the frozen parameters (``requires_grad=False``) of the
+    state's modules that no optimizer holds: the only tensors a save may know unchanged."""
+    frozen: set[int] = set()
     for _, obj in statetree.leaves(state):
         if isinstance(obj, torch.nn.Module):
             for p in obj.parameters():
-                if p.requires_grad:
-                    ptrs.add(p.untyped_storage().data_ptr())
-    return ptrs
+                if not p.requires_grad:
+                    frozen.add(getattr(p, "_local_tensor", p).untyped_storage().data_ptr())
+    return frozen - optimizer_storages(statetree.optimizers(state))
 
 
 def optimizer_storages(optimizers: Any) -> set[int]:
@@ -84,10 +87,11 @@ def optimizer_storages(optimizers: Any) -> set[int]:
 
 
 def watchable(
-    t: torch.Tensor, trained: set[int]
+    t: torch.Tensor, trusted: set[int] | None
 ) -> tuple[torch.Tensor, tuple[Any, ...], int] | None:
     """``(t, where, version)`` for a tensor an incremental save may come to know unchanged: a
-    blob-sized, dense tensor with a version counter, not in a ``trained`` storage; else None."""
+    blob-sized, dense tensor with a version counter in a ``trusted`` storage (None: its caller
+    vouches for it); else None."""
     if t.numel() * t.element_size() < BLOB_MIN or t.is_sparse:
         return None
     try:
@@ -95,7 +99,7 @@ def watchable(
         where = _where(t)
     except (RuntimeError, NotImplementedError):  # inference tensors have no counter
         return None
-    return None if where[0] in trained else (t, where, version)
+    return (t, where, version) if trusted is None or where[0] in trusted else None
 
 
 class UnchangedTracker:
@@ -110,11 +114,11 @@ class UnchangedTracker:
         """Training thread, at a save: ``(hints, watch)``. ``hints``: tensor name -> content key
         of the tensors that cannot have changed since the last committed save; ``watch``: the
         frozen tensors of this save as they are now, to :meth:`record` once it committed."""
-        trained = trained_storages(state)
+        trusted = frozen_storages(state)
         hints: dict[str, str] = {}
         watch: dict[str, tuple[torch.Tensor, tuple[Any, ...], int]] = {}
         for name, t in tensors.items():
-            w = watchable(t, trained)
+            w = watchable(t, trusted)
             if w is None:
                 continue
             watch[name] = w
@@ -184,11 +188,10 @@ class PartTracker:
     ``CaptureBuffers.copy`` cannot have changed since the last committed save *and* still have
     their bytes in the same host buffer, so that the save neither copies nor hashes them.
 
-    A tensor qualifies only when the part names its optimizers (:meth:`FilePart.stepped_by`;
-    otherwise what training changes is unknown) or vouches for it (``copy(frozen=True)``), and,
-    besides the conditions of the module
-    docstring, the host buffer of its name is the very one its bytes were copied into at that
-    save (a buffer freed and made again holds nothing)."""
+    A tensor qualifies only when the part vouches for it (``copy(frozen=True)``: a frozen
+    parameter), its place and version counter are those of that save, and the host buffer of
+    its name is the very one its bytes were copied into at that save (a buffer freed and made
+    again holds nothing)."""
 
     def __init__(self) -> None:
         self._seen: dict[str, _Kept] = {}

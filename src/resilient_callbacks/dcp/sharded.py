@@ -56,6 +56,7 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError, Unsupporte
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
 from ..snapshot import step_storages
 from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
+from ..unchanged import frozen_storages
 from . import flat_restore, shards
 from .assemble import assemble, full_box, json_file, tensor_file, whole_entry
 from .chunks import Box, index_of_ranks, join, split
@@ -315,7 +316,14 @@ class Sharded(FilePart):
             self.describe()
             pending, self._pending = self._pending, None
             assert pending is not None
-        copies = buffers.copy(pending.local, step_only=self._step_storages())
+        # frozen parameters in no optimizer: the only pieces a save may know unchanged
+        frozen = frozen_storages({"model": self.model, "optimizers": list(self.optimizers)})
+        vouched = {
+            k: t for k, t in pending.local.items() if t.untyped_storage().data_ptr() in frozen
+        }
+        rest = {k: t for k, t in pending.local.items() if k not in vouched}
+        copies = buffers.copy(rest, step_only=self._step_storages())
+        copies.update(buffers.copy(vouched, frozen=True))
         said: dict[str, Any] = {"format": FORMAT, "skeleton": pending.skeleton}
         if len(pending.said["optimizers"]) < len(self.optimizers):  # no state: a learning rate
             said["groups"] = hyperparameters(self.optimizers)
