@@ -280,3 +280,21 @@ def test_retention_keeps_a_checkpoint_a_restore_found_corrupt(tmp_path):
 def test_options_that_would_do_nothing_are_refused(tmp_path, options, message):
     with pytest.raises(ConfigError, match=message):
         Checkpointer(tmp_path, **options)
+
+
+def test_time_blocked_in_save_outside_step_is_not_useful_compute(tmp_path, monkeypatch):
+    """save() between two step() calls (a framework's final or forced save) blocks the loop:
+    that time is not training compute (it used to be counted, inflating goodput)."""
+    orig = persisting.layout.write_part
+    monkeypatch.setattr(
+        persisting.layout,
+        "write_part",
+        lambda *a, **k: (threading.Event().wait(0.5), orig(*a, **k))[1],
+    )
+    state = _state()
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.step(1, state)
+        ck.save(1, state)  # blocks at least 0.5 s
+        ck.step(2, state)
+        useful = ck.metrics()["resilient_ckpt_useful_seconds_total"]
+    assert useful < 0.5, useful

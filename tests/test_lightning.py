@@ -395,7 +395,8 @@ def test_save_timings_and_sizes_go_to_the_loggers(tmp_path):
     saved = [r for r in rows if r.get("resilient/save_mb")]
     assert saved, rows[0].keys()
     assert all(float(r["resilient/save_mb"]) > 0 for r in saved)
-    assert {int(float(r["resilient/saved_step"])) for r in saved} >= {4, 8}
+    # the final save commits in the background: logged at the end of training
+    assert {int(float(r["resilient/saved_step"])) for r in saved} == {4, 8, 12}
     assert any(r.get("resilient/blocking_s") for r in rows)
 
 

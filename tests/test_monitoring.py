@@ -36,6 +36,20 @@ def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     return out
 
 
+def scrape_openmetrics(port: int) -> list:
+    """A scrape as Prometheus makes it by default (OpenMetrics first in its Accept header),
+    parsed by prometheus_client's strict OpenMetrics parser."""
+    from prometheus_client.openmetrics import parser
+
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/metrics",
+        headers={"Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert "openmetrics" in r.headers["Content-Type"]
+        return list(parser.text_string_to_metric_families(r.read().decode()))
+
+
 def wait_scrape(port: int, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -68,6 +82,9 @@ def _state() -> dict:
 def test_metric_names_follow_prometheus_conventions():
     names = [m.name for m in METRICS]
     assert len(names) == len(set(names))
+    # OpenMetrics names a counter's family without "_total": families must be unique too
+    families = [m.name.removesuffix("_total") if m.kind == "counter" else m.name for m in METRICS]
+    assert len(families) == len(set(families)), sorted(families)
     for m in METRICS:
         assert m.name.startswith(PREFIX)
         assert (m.kind == "counter") == m.name.endswith("_total"), m.name
@@ -87,6 +104,7 @@ def test_prometheus_exporter_scraped_during_a_plain_loop(tmp_path: Path):
             time.sleep(1.2)  # past the exporter's refresh of the derived values
             ck.step(step, state)  # (already saved: a no-op that refreshes)
             scrapes.append(wait_scrape(port))
+            assert scrape_openmetrics(port)  # valid: no two families of one name
 
     with Checkpointer(
         tmp_path / "ck", every_n_steps=5, keep_last=2, telemetry=f"prometheus:127.0.0.1:{port}"
@@ -98,8 +116,8 @@ def test_prometheus_exporter_scraped_during_a_plain_loop(tmp_path: Path):
     assert g(last, "saves_total", (("reason", "periodic"),)) == 6
     assert g(first, "saves_total", (("reason", "periodic"),)) >= 1
     assert g(last, "last_saved_step") in (25.0, 30.0)
-    assert 0 < g(last, "save_blocking_seconds") < 30
-    assert g(last, "save_blocking_seconds_total") >= g(last, "save_blocking_seconds")
+    assert 0 < g(last, "last_save_blocking_seconds") < 30
+    assert g(last, "save_blocking_seconds_total") >= g(last, "last_save_blocking_seconds")
     size = sum(t.numel() * t.element_size() for t in state["model"].state_dict().values())
     assert size < g(last, "save_bytes") < size + 200_000  # tensors plus metadata
     assert g(last, "save_throughput_bytes_per_second") > 0

@@ -140,4 +140,4 @@ def test_prometheus_scraped_during_lightning_fit(tmp_path: Path):
     assert 0 < s[PREFIX + "goodput_ratio"][()] <= 1
     # "logger": the metrics went through the trainer's logger too
     text = next((tmp_path / "logs").rglob("metrics.csv")).read_text()
-    assert PREFIX + "save_blocking_seconds" in text
+    assert PREFIX + "last_save_blocking_seconds" in text

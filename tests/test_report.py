@@ -205,3 +205,48 @@ def test_report_opens_in_a_headless_browser(killed_run: Path, tmp_path: Path):
     # the five charts draw in colour (the sixth, checkpoints by tier, is a table)
     assert sum(n > 100 for n in coloured) >= 5, coloured
     assert len(set().union(*(c for _, _, c in seen))) >= 6  # of several colours
+
+
+def test_history_survives_a_torn_line_and_skips_malformed_records(tmp_path: Path, capsys):
+    """A crash mid-append leaves a torn last line: the next record starts a line of its own
+    (it used to be glued to the torn one and lost). Records whose time or step is not a number
+    are skipped, as foreign lines are, and the report still renders."""
+    root = str(tmp_path)
+    history.append(root, "start", 0, "r1", 1)
+    with open(os.path.join(root, history.HISTORY_NAME), "a") as f:
+        f.write('{"event": "save", "time": 17')  # torn by a crash
+        f.write('\n{"event": "save", "time": "soon", "step": 3}\n')
+        f.write(
+            '{"event": "save", "time": null, "step": 3}\n{"event": "save", "time": 5, "step": "x"}\n'
+        )
+    history.append(root, "restart", 5, "r1", 1)
+    assert [r["event"] for r in history.records(root)] == ["start", "restart"]
+    js = tmp_path / "r.json"
+    assert cli(["report", root, "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["summary"]["failures"] == 1
+
+
+def test_an_exception_is_recorded_as_a_failure_not_a_clean_end(tmp_path: Path):
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    state = {"w": torch.zeros(8)}
+    with pytest.raises(RuntimeError), Checkpointer(tmp_path, every_n_steps=2) as ck:
+        for step in range(1, 6):
+            ck.step(step, state)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore(state) == 4
+    events = [(r["event"], r.get("error")) for r in history.records(str(tmp_path))]
+    assert ("failed", "RuntimeError") in events and ("end", None) in events
+    js = tmp_path / "r.json"
+    assert cli(["report", str(tmp_path), "--json", str(js)]) == 0
+    s = json.loads(js.read_text())["summary"]
+    assert s["lives"] == 2 and s["failures"] == 1 and s["clean_restarts"] == 0
+
+
+def test_report_of_a_history_without_a_run_start_exits_1(tmp_path: Path, capsys):
+    (tmp_path / history.HISTORY_NAME).write_text("")
+    assert cli(["report", str(tmp_path)]) == 1
+    assert "no history records of a run" in capsys.readouterr().err

@@ -21,6 +21,7 @@ import atexit
 import contextlib
 import logging
 import os
+import time
 import weakref
 from collections import deque
 from collections.abc import Mapping
@@ -62,11 +63,12 @@ RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, retry": checkpoint 
 
 class _Context(Mapping[str, Any]):
     """What a sink may ask of its Checkpointer (live: ``run_id`` is known after the first save
-    or restore): ``dirpath``, ``run_id``, ``monitor``, ``mode``."""
+    or restore): ``dirpath``, ``run_id``, ``monitor``, ``mode``; ``failed``: the name of the
+    exception the run failed with (:meth:`Checkpointer.abort`), else None."""
 
     def __init__(self, ck: Checkpointer) -> None:
         self._ref = weakref.ref(ck)
-        self._keys = ("dirpath", "run_id", "monitor", "mode")
+        self._keys = ("dirpath", "run_id", "monitor", "mode", "failed")
 
     def __getitem__(self, key: str) -> Any:
         ck = self._ref()
@@ -76,6 +78,8 @@ class _Context(Mapping[str, Any]):
             return ck._dir.run_id
         if key == "dirpath":
             return ck.dirpath
+        if key == "failed":
+            return ck.failed_with
         return str(getattr(ck.config, key)) if getattr(ck.config, key) is not None else None
 
     def __iter__(self) -> Any:
@@ -189,6 +193,7 @@ class Checkpointer:
         self.last_restore: RestoreReport | None = None  # what restore() loaded, and skipped
         self.preempted = False
         self.close_wait_seconds = 0.0  # how long close() waited for pending saves
+        self.failed_with: str | None = None  # abort(): the exception training failed with
         self._closed = False
         self.schedule = self.config.adaptive_schedule()
         self._trigger = Trigger(self.config, self.schedule)  # when to save
@@ -340,6 +345,8 @@ class Checkpointer:
         :meth:`step` saw (if the state is still that step's, and with a single rank), then close.
         Does not raise ``exc``: the caller lets it propagate. Adapters call this from their
         exception hook; ``with Checkpointer(...)`` calls it on an exception."""
+        if not self._closed and not isinstance(exc, SystemExit):
+            self.failed_with = type(exc).__name__  # the history records a failure, not an end
         try:
             if not self._closed:
                 self._emergency.save_on_exception(exc)
@@ -443,13 +450,21 @@ class Checkpointer:
         """Flush background saves and save ``step`` synchronously (fastest complete path), for
         callers that detect a failure themselves. Every rank must call it."""
         self._check_open()
-        return self._saver.save(step, state, metrics, "emergency", why="emergency_save()")
+        t0 = time.perf_counter()
+        try:
+            return self._saver.save(step, state, metrics, "emergency", why="emergency_save()")
+        finally:
+            self._trigger.exclude(time.perf_counter() - t0)  # not training compute
 
     def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> bool:
         """Save now. Returns False (and writes nothing) if the last checkpoint this Checkpointer
         committed or restored is of this same ``step`` (the same state, saved twice)."""
         self._check_open()
-        return self._saver.save(step, state, metrics, "forced", why="save() called")
+        t0 = time.perf_counter()
+        try:
+            return self._saver.save(step, state, metrics, "forced", why="save() called")
+        finally:
+            self._trigger.exclude(time.perf_counter() - t0)  # not training compute
 
     # ------------------------------------------------------------------ restoring
 

@@ -34,6 +34,8 @@ def report(args: argparse.Namespace) -> int:
         checkpoints=rep.checkpoint_rows(root, remote),
         now=time.time(),
     )
+    if data.get("missing"):  # a history file without one start of a run: nothing to plot
+        raise CheckpointNotFoundError(f"{args.dir}: {data['missing']}")
     wrote = []
     if args.json:
         _write(args.json, json.dumps(data, indent=1, default=str).encode())

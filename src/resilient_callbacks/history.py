@@ -11,7 +11,8 @@ the coordinator appends what ``resilient-ckpt report`` plots, each with more fie
 docs/monitoring.md): ``save`` (a committed checkpoint: bytes, blocking and persist seconds,
 reason, the interval and the schedule's inputs), ``progress`` (a heartbeat about once a minute:
 the step and the useful compute so far), ``restore`` (seconds, tier, fallbacks), ``fallback``,
-``preemption``, ``save_failed`` and ``end`` (a clean close). Recording is best effort: a record
+``preemption``, ``save_failed``, ``end`` (a clean close) and ``failed`` (the training the
+Checkpointer served left with an exception). Recording is best effort: a record
 that cannot be written is logged, never a reason for a save to fail.
 """
 
@@ -57,10 +58,14 @@ def append(
         "world_size": world_size,
         **{k: _finite(v) for k, v in fields.items()},
     }
-    line = json.dumps(rec, allow_nan=False, default=str) + "\n"
-    fd = os.open(os.path.join(root, HISTORY_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    data = (json.dumps(rec, allow_nan=False, default=str) + "\n").encode()
+    fd = os.open(os.path.join(root, HISTORY_NAME), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode())
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data  # a crash tore the last line: this record starts its own
+        while data:
+            data = data[os.write(fd, data) :]
         if sync:
             os.fsync(fd)
     finally:
@@ -90,7 +95,14 @@ def records(root: str) -> list[dict[str, Any]]:
             d = json.loads(line)
         except ValueError:
             continue
-        if isinstance(d, dict) and isinstance(d.get("event"), str) and "time" in d:
+        if (
+            isinstance(d, dict)
+            and isinstance(d.get("event"), str)
+            and isinstance(d.get("time"), (int, float))
+            and not isinstance(d.get("time"), bool)
+            and math.isfinite(d["time"])
+            and (d.get("step") is None or type(d.get("step")) is int)
+        ):
             out.append(d)
     return out
 

@@ -45,7 +45,12 @@ def _m(name: str, kind: str, unit: str, help: str, labels: tuple[str, ...] = ())
 
 METRICS: tuple[Metric, ...] = (
     # saving
-    _m("save_blocking_seconds", "gauge", "seconds", "time the last save blocked the training loop"),
+    _m(
+        "last_save_blocking_seconds",
+        "gauge",
+        "seconds",
+        "time the last save blocked the training loop",
+    ),
     _m(
         "save_blocking_seconds_total",
         "counter",

@@ -160,7 +160,7 @@ class Recorder:
         self.run_start = time.time()
 
     def save_blocked(self, blocking_s: float) -> None:
-        self.t.set(PREFIX + "save_blocking_seconds", blocking_s)
+        self.t.set(PREFIX + "last_save_blocking_seconds", blocking_s)
         self.t.inc(PREFIX + "save_blocking_seconds_total", blocking_s)
 
     def skipped(self) -> None:
@@ -265,13 +265,17 @@ class Recorder:
         return {"useful_s": round(self.useful_s(), 6)}
 
     def closed(self) -> None:
-        """close(): the last values, an ``end`` record, then the sinks flush and stop."""
+        """close(): the last values, an ``end`` record (``failed``, with the exception's name,
+        when training failed: :meth:`Checkpointer.abort`), then the sinks flush and stop."""
         try:
             self.refresh()
         except Exception as e:  # metrics never stop a close
             log.debug("metrics refresh at close failed: %s", e)
         if self._ck._dir.run_id is not None:
-            self._record("end", self.t.step, useful_s=round(self.useful_s(), 3))
+            failed = self._ck.failed_with
+            event = "failed" if failed else "end"
+            extra = {"error": failed} if failed else {}
+            self._record(event, self.t.step, useful_s=round(self.useful_s(), 3), **extra)
         self.t.close()
 
     def _record(

@@ -140,7 +140,7 @@ def analyse(
         goodput.append({"t": lf.begin - t0, "useful_s": lf.begin_useful_s, "life": lf.index})
         for r in lf.records:
             u = _num(r.get("useful_s"))
-            if u is not None and r["event"] in ("save", "progress", "end"):
+            if u is not None and r["event"] in ("save", "progress", "end", "failed"):
                 goodput.append({"t": r["time"] - t0, "useful_s": u, "life": lf.index})
             if r["event"] != "save":
                 continue

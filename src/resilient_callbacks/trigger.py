@@ -127,6 +127,12 @@ class Trigger:
             if self.schedule is not None:
                 self.schedule.observe_step(compute)
 
+    def exclude(self, seconds: float) -> None:
+        """Time spent in a save outside step() (``save()``, ``emergency_save()``): not
+        training compute, so the next step's measured compute leaves it out."""
+        if self._last_step_end is not None:
+            self._last_step_end = min(time.perf_counter(), self._last_step_end + seconds)
+
     @property
     def step_seconds(self) -> deque[float]:
         """Compute time of the recent training steps (seconds)."""

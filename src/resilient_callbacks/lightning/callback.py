@@ -183,6 +183,12 @@ class ResilientCheckpoint(Checkpoint):
         self.preempted = False
         self._patch(trainer)
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the last saves commit in the background: the loggers get them once they did
+        ckpt = self.checkpointer
+        if ckpt is not None and not ckpt.closed:
+            self._logged_save = save_logs.at_end(trainer, ckpt, self.log_stats, self._logged_save)
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != TrainerFn.FITTING.value:
             return

@@ -3,7 +3,8 @@ W&B: whatever is configured) after a step boundary: with ``log_stats``, the save
 size (``resilient/blocking_s``, ``save_s``, ``save_mb``, ``saved_step``); with
 ``telemetry="logger"``, every checkpoint metric (docs/monitoring.md) after each save.
 
-Which ranks call what: every rank calls :func:`after_step`; only global rank zero logs.
+Which ranks call what: every rank calls :func:`after_step` and :func:`at_end` (which waits
+for the background saves); only global rank zero logs.
 """
 
 from __future__ import annotations
@@ -41,6 +42,34 @@ def after_step(
     if out:
         _log(trainer, out)
     if saved and "logger" in ckpt.telemetry_kinds:
+        _log(trainer, ckpt.metrics())
+    return logged
+
+
+def at_end(
+    trainer: pl.Trainer, ckpt: Checkpointer, log_stats: bool, logged: SaveStats | None
+) -> SaveStats | None:
+    """The end of training (every rank): wait for the background saves, then log the last
+    committed save's stats if not logged yet and, with ``telemetry="logger"``, the metrics as
+    they are once everything committed (after each save they describe the one before)."""
+    wanted = log_stats or "logger" in ckpt.telemetry_kinds
+    if not wanted:
+        return logged
+    ckpt.flush()
+    if not trainer.loggers or not trainer.is_global_zero:
+        return logged
+    last = ckpt.last_save
+    if log_stats and last is not None and last is not logged:
+        logged = last
+        _log(
+            trainer,
+            {
+                "resilient/save_s": last.seconds,
+                "resilient/save_mb": last.bytes / 1e6,
+                "resilient/saved_step": float(last.step),
+            },
+        )
+    if "logger" in ckpt.telemetry_kinds:
         _log(trainer, ckpt.metrics())
     return logged
 

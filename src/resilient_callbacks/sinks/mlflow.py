@@ -124,9 +124,19 @@ class MLflowSink:
         if self._client is None or self.run_id is None or self._closed:
             return
         self._closed = True  # once: the runner calls close() again after a close that raised
+        failed = self.context.get("failed")
         if self.log_checkpoint:
             logged = self._log_checkpoint()
-            if logged is not None and self.register_model:
+            if logged is not None and self.register_model and failed:
+                log.warning(
+                    "metrics sink %s: training failed (%s): checkpoint %s is logged as an "
+                    "artifact but not registered as a version of model %r",
+                    self.name,
+                    failed,
+                    logged.name,
+                    self.register_model,
+                )
+            elif logged is not None and self.register_model:
                 try:
                     self._register(logged)
                 except Exception as e:  # the artifact is logged; say so, and go on
@@ -142,7 +152,7 @@ class MLflowSink:
                         e,
                     )
         if self.own_run:
-            self._client.set_terminated(self.run_id)
+            self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
     # ------------------------------------------------------------------ the run
 
