@@ -296,3 +296,63 @@ def test_transformers_logger_telemetry_reaches_the_trainers_log(tmp_path: Path):
     assert [e[PREFIX + "saves_total"] for e in logged][-1] == 2
     assert logged[-1][PREFIX + "last_saved_step"] == 4
     assert all(e[PREFIX + "save_bytes"] > 0 for e in logged)
+
+
+def test_restore_fallbacks_reach_the_history(tmp_path: Path):
+    """A fallback happens before the restore tells the run's id: it is recorded right after
+    the restart it belongs to (it used to be dropped)."""
+    from resilient_callbacks import history
+
+    state = _state()
+    with Checkpointer(tmp_path, every_n_steps=1) as ck:
+        _train(ck, range(1, 3), state)
+    shard = next((tmp_path / "step_000000002").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="skipping"), Checkpointer(tmp_path) as ck:
+        assert ck.restore(_state()) == 1
+    events = [r["event"] for r in history.records(str(tmp_path))]
+    assert events[events.index("restart") + 1] == "fallback", events
+
+
+def test_upload_backlog_after_a_restart_counts_the_earlier_processes_checkpoints(
+    tmp_path: Path, monkeypatch
+):
+    from resilient_callbacks import sync
+
+    state = _state()
+    with Checkpointer(tmp_path / "ck", every_n_steps=1, keep_last=5) as ck:  # no remote yet
+        _train(ck, range(1, 4), state)
+    monkeypatch.setattr(
+        sync.RemoteSync, "_attempt", lambda self, name: self._failed(name, OSError("down"))
+    )
+    ck = Checkpointer(tmp_path / "ck", remote=f"file://{tmp_path}/remote", remote_timeout=1)
+    try:
+        assert ck.restore(_state()) == 3
+        m = ck.metrics()
+        assert m[PREFIX + "upload_backlog_checkpoints"] == 3
+        assert m[PREFIX + "upload_backlog_bytes"] > 3 * 32 * 32 * 4
+        assert m[PREFIX + "upload_lag_seconds"] > 0
+    finally:
+        ck.close(timeout=1)
+
+
+def test_wall_time_counts_from_the_runs_start_after_a_restore_on_a_new_machine(tmp_path: Path):
+    """The local directory (and its history) is lost; the run resumes from the remote tier:
+    its wall time still counts from the run's first start, recorded in the checkpoint."""
+    import shutil
+
+    state, remote = _state(), f"file://{tmp_path}/remote"
+    with Checkpointer(tmp_path / "ck", every_n_steps=4, remote=remote) as ck:
+        assert ck.restore(state) == 0  # the run starts here
+        for step in range(1, 9):
+            time.sleep(0.05)  # 0.4 s of "training": useful time
+            ck.step(step, state)
+    shutil.rmtree(tmp_path / "ck")
+    with Checkpointer(tmp_path / "ck", remote=remote) as ck:
+        assert ck.restore(_state()) == 8
+        m = ck.metrics()
+    assert m[PREFIX + "useful_seconds_total"] >= 0.3  # 7 of the 8 sleeps: between step()s
+    assert m[PREFIX + "wall_seconds_total"] >= m[PREFIX + "useful_seconds_total"]
+    assert m[PREFIX + "restarts_total"] == 1

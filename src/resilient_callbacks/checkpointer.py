@@ -326,6 +326,7 @@ class Checkpointer:
             self._recorder.started(step)
             if self.is_coordinator:
                 self._dir.record("start", step, **fields)
+                self._recorder.record_deferred()
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import history
+from . import dist, history
 from .adaptive import DEFAULT_PRIOR_MTBF_HOURS, HOUR
 from .interval import _daly
 from .metrics import PREFIX, Telemetry, fallback_reason
@@ -57,6 +57,8 @@ class Recorder:
         self._compute_at_base = 0.0
         self._next_refresh = 0.0
         self._committed: dict[str, tuple[int, float]] = {}  # name -> (bytes, commit time)
+        # fallbacks come before the restore that tells the run's id: recorded after its record
+        self._deferred: list[tuple[str, int, dict[str, Any]]] = []
         try:
             self._beat_s = float(os.environ.get(PROGRESS_ENV, "60"))
         except ValueError:
@@ -134,12 +136,24 @@ class Recorder:
         t.set(PREFIX + "upload_consecutive_failures", st.failures)
         pending_bytes, oldest = 0, None
         for name in st.pending:
-            info = self._committed.get(name)
+            info = self._committed.get(name) or self._from_manifest(name)
             if info is not None:
                 pending_bytes += info[0]
                 oldest = info[1] if oldest is None else min(oldest, info[1])
         t.set(PREFIX + "upload_backlog_bytes", pending_bytes)
         t.set(PREFIX + "upload_lag_seconds", time.time() - oldest if oldest is not None else 0.0)
+
+    def _from_manifest(self, name: str) -> tuple[int, float] | None:
+        """(bytes, commit time) of a checkpoint an earlier process committed, from its manifest
+        (read once: the upload backlog after a restart)."""
+        from .manifest import read_manifest
+
+        try:
+            m = read_manifest(os.path.join(self._ck.dirpath, name))
+        except Exception:  # deleted meanwhile, or unreadable: left out of the backlog figures
+            return None
+        self._committed[name] = (m.total_bytes, m.created)
+        return self._committed[name]
 
     # ------------------------------------------------------------------ events
 
@@ -236,11 +250,19 @@ class Recorder:
                 useful = 0.0
         self.base_useful_s = useful if math.isfinite(useful) else 0.0
         self._compute_at_base = self._ck._trigger.compute_s
+        start, failures = None, 0
         if self._ck.is_coordinator and inside:
             events = history.read(self._ck.dirpath)
             start, restarts = history.failures(events, manifest.run_id)
-            self.run_start = start
-            self.failures = len(restarts) + 1  # this restart is recorded right after
+            failures = len(restarts) + 1  # this restart is recorded right after
+        # every rank reports the same run (start, restarts); a directory without the run's
+        # history (restored from the remote tier on a new machine) has the start the
+        # checkpoint recorded
+        start, failures = dist.broadcast_json([start, failures])
+        saved_start = progress.get("run_start") if isinstance(progress, dict) else None
+        if isinstance(saved_start, (int, float)) and math.isfinite(saved_start):
+            start = saved_start if start is None else min(start, saved_start)
+        self.run_start, self.failures = start, max(failures, 1 if inside else 0)
         if self.run_start is None:
             self.run_start = time.time()
         t.set(PREFIX + "restore_seconds", seconds)
@@ -262,7 +284,10 @@ class Recorder:
 
     def progress_extra(self) -> dict[str, Any]:
         """The manifest's ``extra["progress"]``, taken on the training thread at the save."""
-        return {"useful_s": round(self.useful_s(), 6)}
+        out: dict[str, Any] = {"useful_s": round(self.useful_s(), 6)}
+        if self.run_start is not None:
+            out["run_start"] = round(self.run_start, 3)  # wall time counts from here
+        return out
 
     def closed(self) -> None:
         """close(): the last values, an ``end`` record (``failed``, with the exception's name,
@@ -274,8 +299,10 @@ class Recorder:
         if self._ck._dir.run_id is not None:
             failed = self._ck.failed_with
             event = "failed" if failed else "end"
-            extra = {"error": failed} if failed else {}
-            self._record(event, self.t.step, useful_s=round(self.useful_s(), 3), **extra)
+            fields: dict[str, Any] = {"useful_s": round(self.useful_s(), 3)}
+            if failed:
+                fields["error"] = failed
+            self._record(event, self.t.step, fields=fields)
         self.t.close()
 
     def _record(
@@ -288,6 +315,17 @@ class Recorder:
         **kw: Any,
     ) -> None:
         ck = self._ck
-        if not ck.is_coordinator or ck._dir.run_id is None:
+        if not ck.is_coordinator:
+            return
+        if ck._dir.run_id is None:
+            if event == "fallback":
+                self._deferred.append((event, step, {**(fields or {}), **kw}))
             return
         ck._dir.record(event, step, sync=sync, **(fields or {}), **kw)
+
+    def record_deferred(self) -> None:
+        """Coordinator, once the run's start or restart is recorded: the records made before
+        its id was known (the fallbacks of the restore)."""
+        deferred, self._deferred = self._deferred, []
+        for event, step, fields in deferred:
+            self._record(event, step, fields=fields)

@@ -275,6 +275,7 @@ class Restorer:
         )
         if ck.is_coordinator and inside:
             d.record("restart", manifest.step, **fields)  # a resume: the run stopped early
+            ck._recorder.record_deferred()  # the fallbacks on the way to this checkpoint
             d.check_foreign(stacklevel=5)  # the caller of Checkpointer.restore
         if schedule is not None:
             events = history.read(ck.dirpath) if ck.is_coordinator else []
