@@ -181,10 +181,16 @@ def push(args: argparse.Namespace) -> int:
         remote = {e.key for e in st.scan() if e.key is not None and e.problem is None}
         for e in local:
             item = {"name": e.name, "step": e.step, "path": e.path}
-            if e.status is not Status.VALID or e.manifest is None:
-                done["skipped"].append(item | {"problem": e.problem})
+            problem = e.problem
+            if e.manifest is not None and e.status is Status.VALID and e.manifest.extra.get("node"):
+                problem = (
+                    "one node's part of a node-local checkpoint (its ranks' files only); the "
+                    "run's own uploads commit it remotely once every node's part is there"
+                )
+            if problem is not None or e.status is not Status.VALID or e.manifest is None:
+                done["skipped"].append(item | {"problem": problem})
                 if not args.json:
-                    print(f"skipped {e.name}: {e.problem}")
+                    print(f"skipped {e.name}: {problem}")
                 continue
             item["bytes"] = e.manifest.total_bytes
             item["url"] = f"{st.url}/{e.name}"

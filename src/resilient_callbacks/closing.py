@@ -62,7 +62,7 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
             ck._dir.finish_uploads(left, outage_s)
         if isinstance(ck._dir, NodeDirectory):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ck._dir.finish_nodes(left)
+            ck._dir.finish_nodes(left, outage_s)
         _empty_trash(ck, None if deadline is None else max(0.0, deadline - time.monotonic()))
         _warn_unmonitored(ck)
         if persister is not None:

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist, peers
@@ -30,7 +31,13 @@ from .catalog import Depth, Status
 from .commit import STAGING_PREFIX
 from .config import ResumeMode
 from .directory import error_type
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, NoValidCheckpointError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    NoValidCheckpointError,
+    RemoteUnavailableError,
+    ResumeFallbackWarning,
+)
 from .manifest import Manifest, read_manifest
 from .nodelocal import REMOTE_MANIFEST, SHARED_PATHS, NodeDirectory
 from .restoring import Candidate, Restorer, RestoreReport
@@ -42,6 +49,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("resilient_callbacks")
 MAX_CANDIDATES = 8
+
+
+def needed(ranks: Any, world_size: int | None) -> set[int]:
+    """The ranks whose files a node running ``ranks`` needs of a checkpoint saved by
+    ``world_size`` ranks: its own, and rank 0's for a rank the checkpoint has none of (a
+    ``PerRank(..., new_ranks="rank0")`` state is read from rank 0's files)."""
+    ranks = set(ranks)
+    if world_size is None:
+        return ranks
+    mine = {r for r in ranks if r < world_size}
+    return mine | {0} if len(mine) < len(ranks) else mine
 
 
 class NodeRestorer(Restorer):
@@ -69,8 +87,14 @@ class NodeRestorer(Restorer):
         msg: dict[str, Any] | None = None
         if ck.rank == 0:
             try:
-                cands, remote_keys = self._plan(got or [])
-                msg = {"cands": cands, "remote_keys": remote_keys, "seq": d.seq, "error": None}
+                cands, remote_keys, unusable = self._plan(got or [])
+                msg = {
+                    "cands": cands,
+                    "remote_keys": remote_keys,
+                    "unusable": unusable,
+                    "seq": d.seq,
+                    "error": None,
+                }
             except Exception as e:
                 msg = {"cands": [], "error": [type(e).__name__, str(e)]}
         msg = dist.broadcast_json(msg, group=topo.cpu_group)
@@ -78,12 +102,23 @@ class NodeRestorer(Restorer):
         if msg["error"] is not None:
             raise error_type(msg["error"][0])(msg["error"][1])
         d.seq = max(d.seq, int(msg["seq"]))
+        unusable = [str(u) for u in msg.get("unusable") or []]
+        if not msg["cands"] and unusable:
+            raise NoValidCheckpointError(
+                f"{ck.dirpath} (on {len(topo.nodes)} nodes) holds checkpoints, but for none of "
+                "them does every node have its files (on its disk, in a peer's replica or in "
+                "the remote tier):\n  - " + "\n  - ".join(unusable) + "\nRefusing to start "
+                "from scratch silently; pass resume='never' to start fresh."
+            )
         if not msg["cands"]:
             ck._trigger.clock.reset()
             ck._start_run(0)
             return 0
         explicit = isinstance(r, int)
         skipped: list[str] = []
+        for why in unusable:  # newer than every candidate: skipped, loudly
+            skipped.append(why)
+            self._warn_unusable(why)
         for c in msg["cands"]:
             mine, problems = self._obtain(c)
             key = (str(c["key"][0]), int(c["key"][1]))
@@ -117,6 +152,12 @@ class NodeRestorer(Restorer):
             "silently; pass resume='never' to start fresh."
         )
 
+    def _warn_unusable(self, why: str) -> None:
+        msg = f"skipping {why}; falling back to an older checkpoint"
+        if self._ck.is_coordinator:
+            warnings.warn(msg, ResumeFallbackWarning, stacklevel=4)
+        log.warning(msg)
+
     # ------------------------------------------------------------------ leaders, coordinator
 
     def _holdings(self) -> dict[str, Any]:
@@ -127,7 +168,7 @@ class NodeRestorer(Restorer):
             if e.manifest is not None and e.status is Status.VALID:
                 m = e.manifest
                 ranks = sorted({f.rank for f in m.files})
-                local.append([m.run_id, m.seq, m.step, e.name, ranks])
+                local.append([m.run_id, m.seq, m.step, e.name, ranks, m.world_size])
         replicas = [
             [label, m.run_id, m.seq, m.step, path]
             for label, items in peers.list_replicas(d.dirpath).items()
@@ -135,27 +176,35 @@ class NodeRestorer(Restorer):
         ]
         return {"local": local, "replicas": replicas}
 
-    def _plan(self, got: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
-        """Coordinator: the candidates, newest first, each with a source for every node."""
+    def _plan(self, got: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any], list[str]]:
+        """Coordinator: the candidates, newest first, each with a source for every node; and
+        the commits newer than every candidate that some node has no source for."""
         d, topo = self._d, self._d.topology
         remote: dict[tuple[str, int], str] = {}
         steps: dict[tuple[str, int], int] = {}
+        remote_worlds: dict[tuple[str, int], int] = {}
+        unlisted: str | None = None
         if d.remote is not None:
             try:
                 for e in d.remote.scan():
                     if e.manifest is not None and e.problem is None and e.key is not None:
                         remote[e.key] = e.name
                         steps[e.key] = e.manifest.step
+                        remote_worlds[e.key] = e.manifest.world_size
                 if d.committer is not None:
                     d.committer.index = dict(remote)
             except Exception as e:
-                log.warning("could not list the remote checkpoints (%s); local ones only", e)
+                unlisted = f"{type(e).__name__}: {e}"
         local: list[dict[tuple[str, int], tuple[str, set[int]]]] = []
+        worlds: dict[tuple[str, int], int] = dict(remote_worlds)
         for holding in got:
-            mine = {}
-            for run_id, seq, step, name, ranks in holding["local"]:
-                mine[(run_id, seq)] = (name, set(ranks))
+            mine: dict[tuple[str, int], tuple[str, set[int]]] = {}
+            for run_id, seq, step, name, ranks, world in holding["local"]:
+                known = mine.get((run_id, seq))
+                if known is None or len(ranks) > len(known[1]):  # the fullest copy on the disk
+                    mine[(run_id, seq)] = (name, set(ranks))
                 steps[(run_id, seq)] = step
+                worlds[(run_id, seq)] = world
             local.append(mine)
         held: dict[tuple[int, str, tuple[str, int]], str] = {}
         for node, holding in enumerate(got):
@@ -163,20 +212,40 @@ class NodeRestorer(Restorer):
                 held[(node, label, (run_id, seq))] = path
                 steps[(run_id, seq)] = step
         d.seq = max([d.seq, *(k[1] for k in steps)])
-        cands = []
+        if unlisted is not None:
+            if not steps:  # nothing on any disk either: never a silent fresh start
+                raise RemoteUnavailableError(
+                    f"the remote tier {d.remote.url if d.remote else ''} cannot be listed "
+                    f"({unlisted}) and no node's disk holds a checkpoint: refusing to start from "
+                    "scratch while the remote may hold the run; retry when it is reachable, or "
+                    "pass resume='never' to start fresh"
+                )
+            msg = (
+                f"the remote tier cannot be listed ({unlisted}): restoring from the nodes' "
+                "disks only; the remote may hold a newer checkpoint"
+            )
+            warnings.warn(msg, ResumeFallbackWarning, stacklevel=4)
+            log.warning(msg)
+        cands: list[dict[str, Any]] = []
+        unusable: list[str] = []
         for key in sorted(steps, key=lambda k: (k[1], steps[k]), reverse=True):
             src: dict[str, list[Any]] = {}
             for k, ranks in enumerate(topo.nodes):
                 have = local[k].get(key) if k < len(local) else None
                 holder = topo.successor(k)
                 replica = held.get((holder, Topology.label(ranks), key))
-                if have is not None and set(ranks) <= have[1]:
+                if have is not None and needed(ranks, worlds.get(key)) <= have[1]:
                     src[str(k)] = ["local", have[0]]
                 elif replica is not None:
                     src[str(k)] = ["peer", holder, replica]
                 elif key in remote:
                     src[str(k)] = ["remote", remote[key]]
                 else:
+                    if not cands:  # newer than every candidate: the restore says it skipped it
+                        unusable.append(
+                            f"step {steps[key]} (commit {key[1]}): node {k} has no copy of its "
+                            "files (not on its disk, in a peer's replica, nor in the remote tier)"
+                        )
                     break
             else:
                 cands.append({"key": list(key), "step": steps[key], "src": src})
@@ -192,8 +261,9 @@ class NodeRestorer(Restorer):
                     f"resume={r}: no checkpoint of step {r} that every node can load "
                     f"(steps present: {sorted(set(steps.values())) or 'none'})"
                 )
+            unusable = []  # the step asked for, not the newest: nothing newer is skipped
         run_ids = {k[0] for k in remote}
-        return cands[:MAX_CANDIDATES], [list(k) for k in remote if k[0] in run_ids]
+        return cands[:MAX_CANDIDATES], [list(k) for k in remote if k[0] in run_ids], unusable
 
     # ------------------------------------------------------------------ fetching (collective)
 
@@ -254,7 +324,7 @@ class NodeRestorer(Restorer):
         m = st.read_manifest(name)
         if [m.run_id, m.seq] != list(c["key"]):
             raise CheckpointCorruptError(f"{st.url}/{name} is another checkpoint now")
-        ranks = set(topo.node_ranks)
+        ranks = needed(topo.node_ranks, m.world_size)
         need = [f for f in m.files if f.rank in ranks or f.path in SHARED_PATHS]
         staging = os.path.join(d.dirpath, f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:12]}")
         os.makedirs(staging)

@@ -156,13 +156,14 @@ class NodeDirectory(Directory):
                 for rep in reports:
                     self.committer.report(node, rep)
 
-    def finish_nodes(self, timeout: float | None) -> None:
-        """close(), every rank: each leader waits for its uploads, the last reports reach the
+    def finish_nodes(self, timeout: float | None, outage_s: float | None = None) -> None:
+        """close(), every rank: each leader waits for its uploads (up to ``timeout``; without
+        one, until they have failed for ``outage_s`` in a row), the last reports reach the
         coordinator, which waits for the remote commits (what is left stays local, named)."""
         if not self.topology.is_leader:
             return
         t0 = time.monotonic()
-        if self.uploader is not None and not self.uploader.wait(timeout):
+        if self.uploader is not None and not self.uploader.wait(timeout, outage_s):
             log.warning(
                 "close(): this node's part of %s is not uploaded yet; it stays local in %s",
                 ", ".join(sorted(self.uploader.pending())),

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import posixpath
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,7 @@ class NodeUploader(UploadThread):
         self.counters = UploadCounters()
         self._queue: list[UploadJob] = []
         self._reports: list[dict[str, Any]] = []
+        self.failing_since: float | None = None  # monotonic time of the first failure in a row
         self._start()
 
     def enqueue(
@@ -87,10 +89,20 @@ class NodeUploader(UploadThread):
             out, self._reports = self._reports, []
         return out
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until every queued upload is done; False if ``timeout`` passed first."""
+    def wait(self, timeout: float | None = None, outage_s: float | None = None) -> bool:
+        """Block until every queued upload is done; False if ``timeout`` passed first, or once
+        uploads have failed for ``outage_s`` seconds in a row (close gives up on an outage)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue, timeout)
+            while self._queue:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                since = self.failing_since
+                if outage_s is not None and since is not None and now - since > outage_s:
+                    return False
+                self._cond.wait(1.0 if deadline is None else min(1.0, deadline - now))
+            return True
 
     def _run(self) -> None:
         failures = 0
@@ -103,6 +115,7 @@ class NodeUploader(UploadThread):
                 self._upload(job)
             except Exception as e:
                 failures += 1
+                self.failing_since = self.failing_since or time.monotonic()
                 self.counters.failures += 1
                 self.counters.last_error = f"{type(e).__name__}: {e}"
                 if failures == 1 or failures % 10 == 0:
@@ -118,6 +131,7 @@ class NodeUploader(UploadThread):
                     self._pause(backoff_s(failures, self.retry_base_s, self.retry_max_s))
                 continue
             failures = 0
+            self.failing_since = None
             with self._cond:
                 if job in self._queue:
                     self._queue.remove(job)

@@ -1,0 +1,163 @@
+"""Node-local mode when a node's disk or the remote tier fails (docs/multinode.md): two ranks on
+this machine, each "node" with its own checkpoint directory (``<base>/node<N>``), the remote a
+``file://`` directory. A restart never starts from scratch silently where the run has
+checkpoints; close does not hang through an outage; adding ranks per node resumes a
+``PerRank(..., new_ranks="rank0")`` state; ``push`` refuses one node's part. (The S3 and
+torchrun variants: tests/test_multinode.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+import spawn_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+
+def _run(tmp: Path, name: str, nprocs: int, *args: str, expect=0, per_node: int = 1, **env):
+    argv = [sys.executable, __file__, str(tmp), *args]
+    env = {"RC_PER_NODE": str(per_node), **{k: str(v) for k, v in env.items()}}
+    ranks = spawn_ranks.run(argv, nprocs, tmp, name, expect=expect, env=env)
+    return [
+        [json.loads(line[4:]) for line in out.splitlines() if line.startswith("OUT ")]
+        for out in ranks.outputs
+    ]
+
+
+def test_a_node_replaced_before_any_remote_commit_refuses_to_start_from_scratch(tmp_path):
+    """Both nodes killed before any remote commit (remote_every_n_saves=10), node 1's disk lost:
+    node 0 still holds the run's checkpoints, which node 1 cannot load. That is an error, not a
+    fresh start (which would also have called node 0's checkpoints another run's)."""
+    _run(tmp_path, "first", 2, "--steps", "6", "--remote-every", "10", "--kill-at", "6", expect=-9)
+    shutil.rmtree(tmp_path / "node1")
+    out = _run(tmp_path, "second", 2, "--steps", "8", "--remote-every", "10", expect=4)
+    for rank in out:
+        assert rank[-1]["error"] == "NoValidCheckpointError", rank
+        assert "node 1 has no copy of its files" in rank[-1]["msg"]
+
+
+def test_remote_unlistable_and_empty_disks_is_an_error_not_a_fresh_start(tmp_path):
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    shutil.rmtree(tmp_path / "node0")
+    shutil.rmtree(tmp_path / "node1")
+    out = _run(tmp_path, "second", 2, "--steps", "6", expect=4, RC_SCAN_FAILS_AFTER=1)
+    for rank in out:
+        assert rank[-1]["error"] == "RemoteUnavailableError", rank
+
+
+@pytest.mark.slow
+def test_close_gives_up_on_an_outage_in_node_local_mode(tmp_path):
+    """Every upload fails: close() returns once the (lowered) outage limit passed, the parts
+    stay local, as in shared mode; it used to wait forever."""
+    out = _run(tmp_path, "outage", 2, "--steps", "4", RC_UPLOADS_FAIL=1, RC_OUTAGE_S=2)
+    for rank in out:
+        assert rank[-1]["event"] == "closed", rank
+    assert any(n.startswith("step_") for n in os.listdir(tmp_path / "node0"))
+
+
+@pytest.mark.slow
+def test_more_ranks_per_node_resume_a_rank0_per_rank_state(tmp_path):
+    """Saved by 2 ranks (one per node), resumed by 4 (two per node): ranks 2 and 3 have no
+    files in the checkpoint and read rank 0's PerRank state, which each node now fetches."""
+    _run(tmp_path, "first", 2, "--steps", "4")
+    out = _run(tmp_path, "grown", 4, "--steps", "6", per_node=2)
+    assert [rank[0]["restored"] for rank in out] == [4, 4, 4, 4]
+    assert [rank[0]["counter_rank"] for rank in out] == [0, 1, 0, 0]
+
+
+@pytest.mark.slow
+def test_push_refuses_one_nodes_part_of_a_node_local_checkpoint(tmp_path, capsys):
+    from resilient_callbacks.cli import main
+
+    _run(tmp_path, "first", 2, "--steps", "4")
+    other = tmp_path / "other"
+    assert main(["push", str(tmp_path / "node0"), f"file://{other}", "--json"]) == 1
+    done = json.loads(capsys.readouterr().out)
+    assert done["pushed"] == [] and len(done["skipped"]) >= 1
+    assert "one node's part" in done["skipped"][0]["problem"]
+
+
+# ---------------------------------------------------------------------------- one rank
+
+
+def worker(base: str, argv: list[str]) -> None:
+    import argparse
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from resilient_callbacks import Checkpointer, PerRank, checkpointer, remote
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int)
+    p.add_argument("--remote-every", type=int)
+    p.add_argument("--kill-at", type=int)
+    a = p.parse_args(argv)
+    if os.environ.get("RC_SCAN_FAILS_AFTER"):  # the store stops answering after the preflight
+        real, calls = remote.RemoteStore.scan, [0]
+
+        def scan(self):
+            calls[0] += 1
+            if calls[0] > int(os.environ["RC_SCAN_FAILS_AFTER"]):
+                raise ConnectionError("the store does not answer")
+            return real(self)
+
+        remote.RemoteStore.scan = scan  # type: ignore[method-assign]
+    if os.environ.get("RC_OUTAGE_S"):
+        checkpointer.CLOSE_OUTAGE_S = float(os.environ["RC_OUTAGE_S"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    node = rank // int(os.environ["RC_PER_NODE"])
+
+    def out(**kw) -> None:
+        print("OUT " + json.dumps(kw), flush=True)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    counter = {"rank": rank, "n": 0}
+    state = {"model": model, "c": PerRank(counter, new_ranks="rank0")}
+    kw = {"remote_every_n_saves": a.remote_every} if a.remote_every else {}
+    ck = Checkpointer(
+        os.path.join(base, f"node{node}"),
+        every_n_steps=2,
+        keep_last=3,
+        remote=f"file://{base}/remote",
+        remote_timeout=5,
+        **kw,
+    )
+    if os.environ.get("RC_UPLOADS_FAIL"):
+
+        def put(*a, **k):
+            raise ConnectionError("endpoint unreachable")
+
+        ck._dir.remote.fs.put = put  # type: ignore[union-attr]
+    try:
+        start = ck.restore(state)
+    except Exception as e:
+        out(error=type(e).__name__, msg=str(e))
+        dist.destroy_process_group()
+        sys.exit(4)
+    out(restored=start, counter_rank=counter["rank"])
+    for step in range(start + 1, a.steps + 1):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        counter["n"] += 1
+        ck.step(step, state)
+        if step == a.kill_at:
+            ck.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    ck.close()
+    out(event="closed")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2:])
