@@ -373,3 +373,40 @@ def test_the_writer_says_it_cannot_go_to_another_process(tmp_path):
         pytest.raises(TypeError, match=r"AsyncCheckpointerType\.THREAD"),
     ):
         pickle.dumps(writer)
+
+
+def test_async_save_guard_holds_after_a_refusal_and_clears_after_a_failure(tmp_path):
+    """A second async_save while the first has not written is refused, and so is a third (the
+    refusal used to disarm the guard: the third overwrote the first's buffers and step 1 was
+    lost); an async_save that failed before writing (the directory locked) does not leave the
+    guard armed for the next one."""
+    import threading
+
+    sd = {"w": torch.ones(4)}
+    gate = threading.Event()
+    writer = ResilientStorageWriter(tmp_path / "a")
+    real = writer._write
+
+    def held(*a, **k):
+        assert gate.wait(60)
+        return real(*a, **k)
+
+    writer._write = held
+    first = dcp.async_save(sd, storage_writer=writer, checkpoint_id=1)
+    for step in (2, 3):
+        with pytest.raises(CheckpointWriteError, match="has not written its state yet"):
+            dcp.async_save({"w": torch.full((4,), float(step))}, storage_writer=writer)
+    gate.set()
+    first.result()
+    writer.close()
+    done = catalog.committed(catalog.scan(str(tmp_path / "a"), catalog.Depth.NONE))
+    assert [e.step for e in done] == [1]
+
+    holder = ResilientStorageWriter(tmp_path / "b")
+    dcp.save(sd, storage_writer=holder)  # holds the directory's lock
+    other = ResilientStorageWriter(tmp_path / "b")
+    with pytest.raises(BaseException, match="already has a writer open"):  # DCP's wrapping
+        dcp.async_save(sd, storage_writer=other).result()
+    holder.close()
+    dcp.async_save(sd, storage_writer=other).result()  # not refused as "in flight"
+    other.close()

@@ -298,3 +298,26 @@ def test_time_blocked_in_save_outside_step_is_not_useful_compute(tmp_path, monke
         ck.step(2, state)
         useful = ck.metrics()["resilient_ckpt_useful_seconds_total"]
     assert useful < 0.5, useful
+
+
+def test_overlap_snapshot_with_accelerates_optimizer_wrapper(tmp_path):
+    """accelerate.prepare() returns an AcceleratedOptimizer, an Optimizer that never ran
+    Optimizer.__init__: the step hooks go on the optimizer it steps (every save failed)."""
+    accelerate = pytest.importorskip("accelerate")
+    acc = accelerate.Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 1)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert not hasattr(opt, "_optimizer_step_pre_hooks")
+    with Checkpointer(
+        tmp_path, every_n_steps=1, overlap_snapshot=True, save_on_exception=True
+    ) as ck:
+        for step in (1, 2, 3):
+            acc.backward(model(torch.randn(8, 4)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+            ck.step(step, {"model": model, "optimizer": opt})
+        live = model.weight.detach().clone()
+    fresh = torch.nn.Linear(4, 1)
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore({"model": fresh, "optimizer": torch.optim.AdamW(fresh.parameters())}) == 3
+    assert torch.equal(fresh.weight, live)

@@ -121,6 +121,18 @@ def _part(part_id: str, described: Any, path: str, out: list[dict]) -> None:
                 "chunks": len(chunks) if isinstance(chunks, list) else None,
             }
         )
+    plain = described.get("plain")  # dcp.Sharded: tensors not sharded, in every rank's file
+    for name, (dtype, shape) in sorted(plain.items()) if isinstance(plain, dict) else ():
+        out.append(
+            {
+                "key": f"{path}.{name}",
+                "kind": "tensor",
+                "dtype": dtype,
+                "shape": shape,
+                "stored_as": f"parts/{part_id} (every rank)",
+                "chunks": None,
+            }
+        )
 
 
 def _keys(e: Entry) -> tuple[list[dict[str, Any]] | None, str | None]:

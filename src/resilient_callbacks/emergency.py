@@ -153,7 +153,7 @@ class Emergency:
             def post_step(*_: Any, _flag: list[bool] = stepped) -> None:
                 _flag[0] = True
 
-            self._step_watch[id(opt)] = opt.register_step_post_hook(post_step)
+            self._step_watch[id(opt)] = structure.hookable(opt).register_step_post_hook(post_step)
 
     def release(self) -> None:
         """Remove the optimizer hooks and forget the consistent point (close)."""

@@ -20,6 +20,7 @@ from .structure import (
     _node_seq,
     _qualname,
     _short,
+    hookable,
     is_stateful,
     path_str,
 )
@@ -166,8 +167,11 @@ def _optimizer_problems(
     """Why the saved optimizer state ``n`` would not load into ``opt``, checked before anything
     is loaded (its own ``load_state_dict`` raises only after the model was loaded): another
     optimizer class, or other parameter groups (their number, or the parameters in each)."""
-    if n.get("type") != _qualname(opt) and isinstance(n.get("type"), str):
-        return [f"{path_str(path)}: a {n['type']} in the checkpoint, a {_qualname(opt)} here"]
+    here = {_qualname(opt), _qualname(hookable(opt))}  # a wrapper, or what it steps
+    if n.get("type") not in here and isinstance(n.get("type"), str):
+        return [
+            f"{path_str(path)}: a {n['type']} in the checkpoint, a {_qualname(hookable(opt))} here"
+        ]
     groups = _node_seq((_node_items(n.get("state")) or {}).get("param_groups"))
     if groups is None:
         return []

@@ -357,7 +357,7 @@ class Saver:
         optimizers = statetree.optimizers(state) + (parts.optimizers() if parts else [])
         for opt in optimizers:
             if id(opt) not in self._hooked:
-                self._hooked[id(opt)] = opt.register_step_pre_hook(pre_step)
+                self._hooked[id(opt)] = structure.hookable(opt).register_step_pre_hook(pre_step)
 
     def release(self) -> None:
         """close(): remove the optimizer hooks and destroy the background group."""

@@ -64,6 +64,20 @@ def is_stateful(obj: Any) -> bool:
     )
 
 
+def hookable(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose step hooks fire when ``opt`` steps: ``opt`` itself, or the one a
+    wrapper that never ran ``Optimizer.__init__`` steps (accelerate's ``AcceleratedOptimizer``,
+    ``.optimizer``)."""
+    for _ in range(4):
+        inner = getattr(opt, "optimizer", None)
+        if hasattr(opt, "_optimizer_step_pre_hooks") or not isinstance(
+            inner, torch.optim.Optimizer
+        ):
+            break
+        opt = inner
+    return opt
+
+
 def path_str(path: tuple[Any, ...]) -> str:
     """``('model', 'fc.weight')`` -> ``state['model']['fc.weight']``."""
     return "state" + "".join(f"[{p!r}]" for p in path)
@@ -218,7 +232,9 @@ class _Encoder:
             return ref
         if is_stateful(obj):
             sd = obj.state_dict()
-            return {TAG: "stateful", "type": _qualname(obj), "state": self.encode(sd, path)}
+            # an optimizer wrapper (accelerate's) is recorded as the optimizer it steps
+            kind = hookable(obj) if isinstance(obj, torch.optim.Optimizer) else obj
+            return {TAG: "stateful", "type": _qualname(kind), "state": self.encode(sd, path)}
         raise UnsupportedStateError(
             f"{path_str(path)} has type {_qualname(obj)}, which cannot be saved without pickle. "
             "Give it state_dict() and load_state_dict() methods returning/accepting tensors and "

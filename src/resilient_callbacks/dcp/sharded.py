@@ -69,6 +69,7 @@ from .stateless import (
     without_saved_state,
 )
 from .views import (
+    MODEL,
     View,
     complete_skeleton,
     differences,
@@ -273,6 +274,12 @@ class Sharded(FilePart):
             "optim": bool(optims),
             "optimizers": list(self._stepped) if optims else [],  # which ones hold state
             "tensors": index,
+            # tensors not sharded (buffers, a TP plan's replicated layers, DDP): in every
+            # rank's file; named here for inspect and export
+            "plain": {
+                k: [DTYPE_TO_ST[view.local[k].dtype], list(view.local[k].shape)]
+                for k in sorted(view.plain)
+            },
         }
         local = {k: t for k, t in view.local.items() if k in owned or k in view.plain}
         self._pending = _Pending(view.skeleton, local, said)
@@ -386,10 +393,15 @@ class Sharded(FilePart):
         needs: dict[str, Box] = {}
         problems: list[str] = []
         entries: dict[str, Any] = {}  # the index entries of the tensors assembled from boxes
+        plain = saved.get("plain")  # None: a checkpoint that predates the record
+        strict = self.options.strict
         for name, t in tensors.items():
             entry = index.get(name)
             if entry is None:
-                if shards.is_sharded(t):  # saved whole (FSDP1 on one rank is NO_SHARD)
+                if isinstance(plain, dict) and name not in plain and name.startswith(MODEL):
+                    if strict:  # neither sharded nor whole: refused before anything loads
+                        problems.append(f"{name}: not in the checkpoint")
+                elif shards.is_sharded(t):  # saved whole (FSDP1 on one rank is NO_SHARD)
                     needs[name] = self._box(name, t)
                     entries[name] = whole_entry(name, t, home)
                 continue  # a plain tensor: the home file's
@@ -405,7 +417,9 @@ class Sharded(FilePart):
             for r, offsets, sizes, *_ in entry["chunks"]:
                 if need.intersect(Box.of(offsets, sizes)) is not None and need.numel:
                     ranks.add(int(r))
-        unexpected = sorted(set(index) - set(tensors))
+        unexpected = sorted(
+            n for n in set(index) - set(tensors) if strict or not n.startswith(MODEL)
+        )
         problems += [f"{n}: in the checkpoint, not in this model/optimizer" for n in unexpected]
         if problems:
             more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
@@ -475,6 +489,8 @@ class Sharded(FilePart):
                     return shards.rebuild(target, piece.to(shards.local(target).device))
                 return piece.to(target.device)
             saved = files[home].get(name)
+            if saved is None and target is None and not self.options.strict:
+                return None  # strict=False: a saved tensor this model does not have
             if saved is None:
                 raise CheckpointCorruptError(
                     f"{tensor_file(home)} does not hold {name}, which its JSON refers to"
@@ -484,7 +500,11 @@ class Sharded(FilePart):
 
         sd = join(meta["skeleton"], value)
         unsaved = without_saved_state(set(targets) - asked, sd) if plan["with_optim"] else set()
-        missing = sorted(set(targets) - asked - unsaved)
+        missing = sorted(
+            n
+            for n in set(targets) - asked - unsaved
+            if self.options.strict or not n.startswith(MODEL)
+        )
         if missing:  # neither in the chunk index nor among the tensors saved whole
             more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
             raise CheckpointMismatchError(

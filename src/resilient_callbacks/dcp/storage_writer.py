@@ -137,7 +137,20 @@ class ResilientStorageWriter(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # never chosen automatically: pass storage_writer=ResilientStorageWriter(...)
 
+    def _failed(self) -> None:
+        """A step of a save failed before write_data: nothing will be written from what
+        :meth:`stage` staged, so the next async_save may stage again."""
+        with self._lock:
+            self._staged_unwritten = False
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        try:
+            self._set_up(is_coordinator, **kwargs)
+        except BaseException:
+            self._failed()
+            raise
+
+    def _set_up(self, is_coordinator: bool, **kwargs: Any) -> None:
         if kwargs.get("use_collectives") is False:
             raise UnsupportedStateError(
                 "dcp.save(..., use_collectives=False) (each rank commits its own metadata) is "
@@ -153,6 +166,13 @@ class ResilientStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: open the directory (first time), create the staging directory."""
+        try:
+            return self._global_plan(plans)
+        except BaseException:
+            self._failed()
+            raise
+
+    def _global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self._dir is None:
             d = Directory(self.dirpath, self.config.local_retention_policy(), len(plans))
             d.open_here(self.config)
@@ -285,8 +305,7 @@ class ResilientStorageWriter(StorageWriter):
         then returns an ``AsyncSaveResponse``: wait for its ``staging_completion`` before the
         state changes, e.g. before the next optimizer step)."""
         with self._lock:
-            if self._staged_unwritten:
-                self._staged_unwritten = False
+            if self._staged_unwritten:  # refused: the save in flight keeps its buffers
                 raise CheckpointWriteError(
                     "the previous dcp.async_save has not written its state yet: wait for its "
                     "future (.result()) before the next async_save (the host buffers are reused)"

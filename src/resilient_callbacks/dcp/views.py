@@ -24,6 +24,7 @@ from .chunks import TAG, Box, narrow, split, unescape
 from .flat import Piece
 
 OPTIM_STATE = "optim/state/"
+MODEL = "model/"  # the names of the model's tensors in a Sharded part's index
 
 
 def dtype_code(name: str, t: torch.Tensor) -> str:

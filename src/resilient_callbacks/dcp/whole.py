@@ -16,8 +16,7 @@ from ..manifest import Manifest
 from .assemble import assemble, tensor_file
 from .chunks import Box, unescape
 from .sharded import FORMAT
-
-MODEL = "model/"  # the names of the model's tensors in a Sharded part's index
+from .views import MODEL
 
 
 def sharded_part_ids(manifest: Manifest) -> list[str]:
@@ -27,27 +26,36 @@ def sharded_part_ids(manifest: Manifest) -> list[str]:
 
 def model_tensors(path: str, manifest: Manifest, part_id: str) -> dict[str, torch.Tensor]:
     """The model's whole tensors (state dict keys as ``get_model_state_dict`` gives them, dtypes
-    as saved) from every rank's boxes of part ``part_id`` of the checkpoint at ``path``; each
-    rank file read is verified first, and a tensor the boxes do not cover exactly is an error."""
+    as saved) from every rank's boxes of part ``part_id`` of the checkpoint at ``path``, and
+    the tensors that were not sharded (buffers, a tensor-parallel plan's replicated layers,
+    DDP) from rank 0's file; each rank file read is verified first, and a tensor the boxes do
+    not cover exactly is an error."""
     index = manifest.extra[PARTS_EXTRA][part_id].get("tensors")
     if not isinstance(index, dict):
         raise CheckpointCorruptError(f"{path}: part {part_id!r} records no tensor index")
     names = sorted(n for n in index if n.startswith(MODEL))
-    if not names:
-        raise CheckpointCorruptError(f"{path}: part {part_id!r} holds no model tensors")
     entries = {f.path: f for f in manifest.files}
     files: dict[int, dict[str, torch.Tensor]] = {}
-    for name in names:
-        for r, *_ in index[name]["chunks"]:
-            r = int(r)
-            if r in files:
-                continue
+
+    def read(r: int) -> dict[str, torch.Tensor]:
+        if r not in files:
             rel = f"{part_dir(part_id)}/{tensor_file(r)}"
             if rel not in entries:
                 raise CheckpointCorruptError(f"{path}: the manifest does not list {rel}")
             files[r] = read_part_tensors(path, manifest, entries[rel])
+        return files[r]
+
+    for name in names:
+        for r, *_ in index[name]["chunks"]:
+            read(int(r))
+    chunk_keys = {str(c[2]) for n in index.values() for c in n.get("chunks", [])}
+    plain = sorted(k for k in read(0) if k.startswith(MODEL) and k not in chunk_keys)
+    if not names and not plain:
+        raise CheckpointCorruptError(f"{path}: part {part_id!r} holds no model tensors")
     mapped = {id(v) for f in files.values() for v in f.values()}
     out: dict[str, torch.Tensor] = {}
+    for name in plain:  # the same on every rank (or rank 0's, as a DDP export takes it)
+        out[unescape(name[len(MODEL) :])] = files[0][name].clone()
     for name in names:
         entry = index[name]
         whole = Box.of([0] * len(entry["shape"]), [int(d) for d in entry["shape"]])

@@ -1,0 +1,97 @@
+"""``dcp.Sharded`` at its edges (2 gloo ranks, FSDP2 on CPU): tensors that are not sharded
+(BatchNorm's buffers) reach the export and inspect; a checkpoint that does not fit is refused
+before anything is loaded, and ``StateDictOptions(strict=False)`` loads what fits. (Kill and
+resume, resharding: tests/test_dcp_sharded.py.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import spawn_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+
+def test_unsharded_buffers_are_exported_and_a_misfit_is_refused_before_loading(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from resilient_callbacks.cli import main
+
+    root = tmp_path / "ck"
+    spawn_ranks.run([sys.executable, __file__, "save", str(root)], 2, tmp_path, "save")
+    saved = json.loads((tmp_path / "saved.json").read_text())
+
+    assert main(["export", str(root), str(tmp_path / "out")]) == 0
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(got) == saved["keys"]  # BatchNorm's buffers included
+    assert got["1.running_mean"].tolist() == saved["running_mean"]
+    assert int(got["1.num_batches_tracked"]) == 2
+    capsys.readouterr()
+    assert main(["inspect", str(root), "--json"]) == 0
+    keys = {k["key"] for k in json.loads(capsys.readouterr().out)["keys"]}
+    assert "train.model/1.running_mean" in keys, sorted(keys)
+
+    spawn_ranks.run([sys.executable, __file__, "extra", str(root)], 2, tmp_path, "extra")
+    for r in range(2):
+        res = json.loads((tmp_path / f"extra.{r}.json").read_text())
+        assert "model/3.weight: not in the checkpoint" in res["refused"]
+        assert res["changed"] == []  # refused before anything was loaded
+        assert res["lenient"] == 2  # strict=False: the layers that fit are loaded
+
+
+def worker(phase: str, root: str) -> None:
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.dcp import Sharded
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0 if phase == "save" else 123)
+    m = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    if phase == "extra":
+        m.append(nn.Linear(1, 1))  # a layer the checkpoint lacks
+    fully_shard(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    out = Path(root).parent
+    if phase == "save":
+        with Checkpointer(root, every_n_steps=1) as ck:
+            for step in (1, 2):
+                torch.manual_seed(step)
+                m(torch.randn(8, 6)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                ck.step(step, {"train": Sharded(m, opt)})
+        full = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+        if rank == 0:
+            (out / "saved.json").write_text(
+                json.dumps({"keys": sorted(full), "running_mean": full["1.running_mean"].tolist()})
+            )
+    else:
+        before = {n: p.full_tensor().clone() for n, p in m.named_parameters()}
+        res: dict = {}
+        with Checkpointer(root) as ck:
+            try:
+                ck.restore({"train": Sharded(m, opt)})
+            except Exception as e:
+                res["refused"] = str(e)
+        res["changed"] = [
+            n for n, p in m.named_parameters() if not p.full_tensor().equal(before[n])
+        ]
+        lenient = Sharded(m, opt, options=StateDictOptions(strict=False))
+        with Checkpointer(root) as ck:
+            res["lenient"] = ck.restore({"train": lenient})
+        (out / f"extra.{rank}.json").write_text(json.dumps(res))
+    spawn_ranks.leave_group()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2])
