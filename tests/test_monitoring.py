@@ -356,3 +356,21 @@ def test_wall_time_counts_from_the_runs_start_after_a_restore_on_a_new_machine(t
     assert m[PREFIX + "useful_seconds_total"] >= 0.3  # 7 of the 8 sleeps: between step()s
     assert m[PREFIX + "wall_seconds_total"] >= m[PREFIX + "useful_seconds_total"]
     assert m[PREFIX + "restarts_total"] == 1
+
+
+def test_sink_options_are_checked_when_the_checkpointer_is_built(tmp_path: Path):
+    for spec, needle in (
+        ({"kind": "prometheus", "port": 9464.9}, "port"),
+        ({"kind": "pushgateway", "url": "http://127.0.0.1:1", "timeout": "soon"}, "timeout"),
+        ({"kind": "mlflow", "experiment": 5}, "experiment"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            Checkpointer(tmp_path / "a", telemetry=spec)
+    port = free_port()
+    with Checkpointer(tmp_path / "b", telemetry=f"prometheus:[::1]:{port}") as ck:
+        assert ck.telemetry_kinds == {"prometheus"}
+    with (
+        pytest.warns(UserWarning, match="telemetry='logger' sends the metrics through"),
+        Checkpointer(tmp_path / "c", every_n_steps=1, telemetry="logger") as ck,
+    ):
+        ck.step(1, _state())

@@ -61,34 +61,6 @@ CLOSE_OUTAGE_S = 300.0
 RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, retry": checkpoint saved, restart me
 
 
-class _Context(Mapping[str, Any]):
-    """What a sink may ask of its Checkpointer (live: ``run_id`` is known after the first save
-    or restore): ``dirpath``, ``run_id``, ``monitor``, ``mode``; ``failed``: the name of the
-    exception the run failed with (:meth:`Checkpointer.abort`), else None."""
-
-    def __init__(self, ck: Checkpointer) -> None:
-        self._ref = weakref.ref(ck)
-        self._keys = ("dirpath", "run_id", "monitor", "mode", "failed")
-
-    def __getitem__(self, key: str) -> Any:
-        ck = self._ref()
-        if ck is None or key not in self._keys:
-            raise KeyError(key)
-        if key == "run_id":
-            return ck._dir.run_id
-        if key == "dirpath":
-            return ck.dirpath
-        if key == "failed":
-            return ck.failed_with
-        return str(getattr(ck.config, key)) if getattr(ck.config, key) is not None else None
-
-    def __iter__(self) -> Any:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-
 class Checkpointer:
     """Atomic, verified, pickle-free checkpoints of a training state, with retention and exact
     auto-resume. See the module docstring for which ranks call what.
@@ -182,6 +154,8 @@ class Checkpointer:
         self._sink_specs = self.config.sinks()
         #: the kinds of sink ``telemetry`` names ("logger": the adapters log to the framework)
         self.telemetry_kinds = frozenset(s.kind for s in self._sink_specs)
+        # telemetry="logger" goes through a framework's loggers: the callbacks set this
+        self.logs_through_framework = False
         self.dirpath: str = self.config.dirpath
         self.retention = self.config.local_retention_policy()
         self.rank = dist.rank()
@@ -203,7 +177,7 @@ class Checkpointer:
         # the sinks are built (their extras imported) first, started last
         sink_objects = sinks.build(
             [s for s in self._sink_specs if self.is_coordinator or s.options.get("per_rank")],
-            _Context(self),
+            sinks.CheckpointerContext(self),
         )
         # the parts
         self.topology = topology.detect(self.dirpath, self.config.shared_dirpath)
@@ -297,6 +271,11 @@ class Checkpointer:
     def blocking_seconds(self) -> deque[float]:
         """What each recent background save blocked the training loop, in seconds."""
         return self._saver.blocking_seconds
+
+    def _check_logger_sink(self) -> None:
+        if "logger" in self.telemetry_kinds and not self.logs_through_framework:
+            self.telemetry_kinds = self.telemetry_kinds - {"logger"}  # said once
+            sinks.warn_logger_without_framework()
 
     def saves_on_caller_schedule(self, description: str) -> None:
         """Say that the caller saves with :meth:`save` on a schedule of its own (an adapter at
@@ -421,6 +400,7 @@ class Checkpointer:
         of this step and, with ``exit_on_preemption`` (default), exits the process with
         ``preemption_exit_code`` (75); otherwise it returns and sets :attr:`preempted`."""
         self._check_open()
+        self._check_logger_sink()
         self._trigger.step_started()
         self._recorder.tick(step)
         try:
@@ -461,6 +441,7 @@ class Checkpointer:
         """Save now. Returns False (and writes nothing) if the last checkpoint this Checkpointer
         committed or restored is of this same ``step`` (the same state, saved twice)."""
         self._check_open()
+        self._check_logger_sink()
         t0 = time.perf_counter()
         try:
             return self._saver.save(step, state, metrics, "forced", why="save() called")

@@ -280,6 +280,7 @@ class ResilientCheckpoint(Checkpoint):
             kwargs["signals"] = checks.signals(trainer)
         dirpath = own_dir or os.path.join(trainer.default_root_dir, "resilient_checkpoints")
         self.checkpointer = Checkpointer(dirpath, **kwargs)
+        self.checkpointer.logs_through_framework = True
         watcher = self.checkpointer.watcher
         if watcher is not None and threading.current_thread() is threading.main_thread():
             for name in watcher.installed_signals:

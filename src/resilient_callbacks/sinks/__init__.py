@@ -19,6 +19,8 @@ when the Checkpointer is, and a missing extra is a :class:`~.errors.ConfigError`
 from __future__ import annotations
 
 import os
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,7 +92,7 @@ def _parse_str(s: str) -> SinkSpec:
         host, _, port = rest.rpartition(":")
         opts["port"] = port
         if host:
-            opts["addr"] = host
+            opts["addr"] = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     elif kind == "textfile":
         opts["path"] = rest
     elif kind == "pushgateway":
@@ -120,12 +122,15 @@ def _parse_dict(d: Mapping[str, Any]) -> SinkSpec:
 
 def _check(kind: str, opts: dict[str, Any], given: str) -> SinkSpec:
     if kind == "prometheus":
-        port = opts.get("port", DEFAULT_PORT)
+        given_port = opts.get("port", DEFAULT_PORT)
         try:
-            port = int(port)
+            port = int(given_port)
         except (TypeError, ValueError):
             port = -1
-        if isinstance(opts.get("port"), bool) or not 0 <= port <= 65535:
+        whole = isinstance(given_port, str) or (
+            isinstance(given_port, (int, float)) and float(given_port).is_integer()
+        )
+        if isinstance(given_port, bool) or not whole or not 0 <= port <= 65535:
             raise ConfigError(
                 f"telemetry={given}: the port must be a number 0..65535 (0: any free)"
             )
@@ -145,6 +150,14 @@ def _check(kind: str, opts: dict[str, Any], given: str) -> SinkSpec:
             f"telemetry={given}: 'pushgateway' needs the gateway's URL, e.g. "
             "'pushgateway:http://gateway:9091'"
         )
+    timeout = opts.get("timeout", 10)
+    if kind == "pushgateway" and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+    ):
+        raise ConfigError(f"telemetry={given}: timeout={timeout!r}: seconds, a number > 0")
+    for name in ("experiment", "run_id", "run_name", "tracking_uri", "registry_uri", "job"):
+        if opts.get(name) is not None and not isinstance(opts[name], str):
+            raise ConfigError(f"telemetry={given}: {name}={opts[name]!r}: a string")
     if kind == "mlflow":
         lc = opts.get("log_checkpoint")
         if lc not in (None, "final", "best"):
@@ -168,6 +181,45 @@ def _check(kind: str, opts: dict[str, Any], given: str) -> SinkSpec:
         if flag in opts and not isinstance(opts[flag], bool):
             raise ConfigError(f"telemetry={given}: {flag} must be true or false")
     return SinkSpec(kind, opts)
+
+
+class CheckpointerContext(Mapping[str, Any]):
+    """What a sink may ask of its Checkpointer (live: ``run_id`` is known after the first save
+    or restore): ``dirpath``, ``run_id``, ``monitor``, ``mode``; ``failed``: the name of the
+    exception the run failed with (:meth:`Checkpointer.abort`), else None."""
+
+    def __init__(self, ck: Any) -> None:
+        self._ref = weakref.ref(ck)
+        self._keys = ("dirpath", "run_id", "monitor", "mode", "failed")
+
+    def __getitem__(self, key: str) -> Any:
+        ck = self._ref()
+        if ck is None or key not in self._keys:
+            raise KeyError(key)
+        if key == "run_id":
+            return ck._dir.run_id
+        if key == "dirpath":
+            return ck.dirpath
+        if key == "failed":
+            return ck.failed_with
+        return str(getattr(ck.config, key)) if getattr(ck.config, key) is not None else None
+
+    def __iter__(self) -> Any:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def warn_logger_without_framework() -> None:
+    """``telemetry="logger"`` on a Checkpointer no framework's callback drives."""
+    warnings.warn(
+        "telemetry='logger' sends the metrics through a framework's loggers (the Lightning and "
+        "Transformers callbacks); this Checkpointer has none, so that sink does nothing. Pass "
+        "a callable (telemetry=fn) to get the metrics here.",
+        UserWarning,
+        stacklevel=5,
+    )
 
 
 def kinds(specs: Sequence[SinkSpec]) -> set[str]:

@@ -244,6 +244,7 @@ class ResilientCheckpoint(TrainerCallback):
         self.restored_step = None
 
         ckpt = Checkpointer(dirpath, **options)
+        ckpt.logs_through_framework = True
         if self._save_every_epoch:
             ckpt.saves_on_caller_schedule("every epoch end (save_strategy='epoch')")
         self.checkpointer = ckpt
