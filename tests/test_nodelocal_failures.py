@@ -59,6 +59,7 @@ def test_close_gives_up_on_an_outage_in_node_local_mode(tmp_path):
     out = _run(tmp_path, "outage", 2, "--steps", "4", RC_UPLOADS_FAIL=1, RC_OUTAGE_S=2)
     for rank in out:
         assert rank[-1]["event"] == "closed", rank
+        assert rank[-2]["status"]["pending"] >= 1 and rank[-2]["status"]["uploaded"] == 0
     assert any(n.startswith("step_") for n in os.listdir(tmp_path / "node0"))
 
 
@@ -154,6 +155,9 @@ def worker(base: str, argv: list[str]) -> None:
         if step == a.kill_at:
             ck.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+    ck.flush()
+    st = ck.remote_status()  # this node's uploads (each rank leads its node here)
+    out(status=None if st is None else {"pending": len(st.pending), "uploaded": st.uploaded})
     ck.close()
     out(event="closed")
     dist.destroy_process_group()

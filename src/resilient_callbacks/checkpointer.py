@@ -342,9 +342,13 @@ class Checkpointer:
         return self._closed
 
     def remote_status(self) -> SyncStatus | None:
-        """The upload backlog and counters (coordinator; None without ``remote`` or on other
-        ranks)."""
-        return self._dir.sync.status() if self._dir.sync is not None else None
+        """The upload backlog and counters (coordinator; in node-local mode each node leader,
+        of its node's uploads; None without ``remote`` or on other ranks)."""
+        if self._dir.sync is not None:
+            return self._dir.sync.status()
+        if isinstance(self._dir, NodeDirectory):
+            return self._dir.upload_status()
+        return None
 
     def __enter__(self) -> Checkpointer:
         return self

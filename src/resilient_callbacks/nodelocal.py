@@ -37,6 +37,7 @@ from .commit import sweep_staging
 from .directory import Directory, apply_retention
 from .errors import CheckpointError, CheckpointWriteError
 from .manifest import FileEntry
+from .sync import SyncStatus
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -155,6 +156,23 @@ class NodeDirectory(Directory):
             for node, reports in enumerate(got):
                 for rep in reports:
                     self.committer.report(node, rep)
+
+    def upload_status(self) -> SyncStatus | None:
+        """This node's uploads (its leader; None on the other ranks), as ``remote_status()``
+        gives them in shared mode."""
+        u = self.uploader
+        if u is None:
+            return None
+        pending, c = u.pending(), u.counters
+        return SyncStatus(
+            pending=pending,
+            uploading=pending[0] if pending else None,
+            failures=u.failures_in_a_row,
+            last_error=c.last_error,
+            uploaded=c.checkpoints,
+            uploaded_bytes=c.bytes,
+            upload_seconds=c.seconds,
+        )
 
     def finish_nodes(self, timeout: float | None, outage_s: float | None = None) -> None:
         """close(), every rank: each leader waits for its uploads (up to ``timeout``; without

@@ -125,10 +125,9 @@ class Recorder:
         self._upload_status()
 
     def _upload_status(self) -> None:
-        sync = self._ck._dir.sync
-        if sync is None:
+        st = self._ck.remote_status()
+        if st is None:
             return
-        st = sync.status()
         t = self.t
         t.set(PREFIX + "upload_backlog_checkpoints", len(st.pending))
         t.set(PREFIX + "uploads_total", st.uploaded)

@@ -45,6 +45,7 @@ class UploadCounters:
     files: int = 0
     bytes: int = 0
     checkpoints: int = 0
+    seconds: float = 0.0  # spent in successful uploads
     failures: int = 0
     last_error: str | None = None
 
@@ -69,6 +70,7 @@ class NodeUploader(UploadThread):
         self._queue: list[UploadJob] = []
         self._reports: list[dict[str, Any]] = []
         self.failing_since: float | None = None  # monotonic time of the first failure in a row
+        self.failures_in_a_row = 0
         self._start()
 
     def enqueue(
@@ -115,6 +117,7 @@ class NodeUploader(UploadThread):
                 self._upload(job)
             except Exception as e:
                 failures += 1
+                self.failures_in_a_row = failures
                 self.failing_since = self.failing_since or time.monotonic()
                 self.counters.failures += 1
                 self.counters.last_error = f"{type(e).__name__}: {e}"
@@ -130,7 +133,7 @@ class NodeUploader(UploadThread):
                 with self._cond:
                     self._pause(backoff_s(failures, self.retry_base_s, self.retry_max_s))
                 continue
-            failures = 0
+            failures = self.failures_in_a_row = 0
             self.failing_since = None
             with self._cond:
                 if job in self._queue:
@@ -167,6 +170,7 @@ class NodeUploader(UploadThread):
                 log.warning("remote: not uploading %s: %s has changed", job.local_name, f.path)
                 return
         st = self.store
+        t0 = time.perf_counter()
         log.info(
             "uploading node %d's part of %s (%d files) to %s",
             self.node,
@@ -187,6 +191,7 @@ class NodeUploader(UploadThread):
             self.counters.files += len(job.files)
             self.counters.bytes += sum(f.size for f in job.files)
             self.counters.checkpoints += 1
+            self.counters.seconds += time.perf_counter() - t0
         log.info("uploaded node %d's part of %s to %s", self.node, job.local_name, st.url)
 
 
