@@ -78,6 +78,8 @@ def test_push_refuses_one_nodes_part_of_a_node_local_checkpoint(tmp_path, capsys
     from resilient_callbacks.cli import main
 
     _run(tmp_path, "first", 2, "--steps", "4")
+    for node in (0, 1):  # each node's advisory pointer names its newest checkpoint
+        assert (tmp_path / f"node{node}" / "latest").read_text().strip() == "step_000000004"
     other = tmp_path / "other"
     assert main(["push", str(tmp_path / "node0"), f"file://{other}", "--json"]) == 1
     done = json.loads(capsys.readouterr().out)

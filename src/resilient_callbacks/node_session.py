@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dist
-from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint
+from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint, write_latest_pointer
 from .errors import CheckpointWriteError
 from .manifest import FileEntry, Manifest, versions
 from .nodelocal import REMOTE_MANIFEST, SHARED_PATHS, NodeDirectory, global_files
@@ -135,6 +135,8 @@ class NodeLocalSession:
                     local_path = d.commit.commit(self.staging, self.step, encode_json(m.to_json()))
                     node_msg["files"] = [f.__dict__ for f in files]
                     node_msg["path"] = os.path.basename(local_path)
+                    with contextlib.suppress(OSError):  # advisory, as in shared mode
+                        write_latest_pointer(d.dirpath, node_msg["path"])
                 except Exception as e:
                     node_msg["failed"] = [[topo.rank, f"local commit: {type(e).__name__}: {e}"]]
             if local_path is None and self.staging is not None:
