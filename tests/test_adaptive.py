@@ -259,6 +259,8 @@ def test_decision_latch_version_and_hysteresis():
     s.observe_step(1.04)  # median 1.02 s -> 407 steps
     assert s.interval_steps() == 415 and not s.decision_changed()
     assert not s.should_save(414) and s.should_save(415)
+    # the log line names the decision in force, and the optimum it kept it against
+    assert "every 415 steps (kept: 407 now, within the change tolerance)" in s.describe()
     # a large one changes it
     for _ in range(3):
         s.observe_step(2.0)

@@ -53,8 +53,14 @@ def one_line(i: Mapping[str, Any], warmup_steps: int) -> str:
     }[i["mtbf_source"]]
     clamp = "no clamp" if i["clamp"] is None else f"clamped by {i['clamp']}"
     persist = "" if i["persist_s"] is None else f", persist {i['persist_s']:.3g} s"
+    steps = i.get("decision_steps") or i["interval_steps"]  # the decision in force
+    kept = (
+        ""
+        if steps == i["interval_steps"]
+        else f" (kept: {i['interval_steps']} now, within the change tolerance)"
+    )
     return (
-        f"adaptive checkpointing: every {i['interval_steps']} steps ({i['interval_s']:.4g} s) "
+        f"adaptive checkpointing: every {steps} steps{kept} ({i['interval_s']:.4g} s) "
         f"= Daly {i['daly_interval_s']:.4g} s for save cost {i['blocking_cost_s']:.3g} s, "
         f"MTBF {i['mtbf_s'] / HOUR:.3g} h ({src}), step {i['step_time_s']:.3g} s{persist}; "
         f"{clamp}; expected overhead {100 * i['expected_overhead']:.2f}%"
