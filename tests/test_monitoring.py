@@ -354,6 +354,9 @@ def test_wall_time_counts_from_the_runs_start_after_a_restore_on_a_new_machine(t
         assert ck.restore(_state()) == 8
         m = ck.metrics()
     assert m[PREFIX + "useful_seconds_total"] >= 0.3  # 7 of the 8 sleeps: between step()s
+    # before this process saves anything: the newest checkpoint is the one restored
+    assert m[PREFIX + "last_saved_step"] == 8 and m[PREFIX + "step"] == 8
+    assert 0 < time.time() - m[PREFIX + "last_save_timestamp_seconds"] < 600
     assert m[PREFIX + "wall_seconds_total"] >= m[PREFIX + "useful_seconds_total"]
     assert m[PREFIX + "restarts_total"] == 1
 

@@ -266,6 +266,10 @@ class Recorder:
             self.run_start = time.time()
         t.set(PREFIX + "restore_seconds", seconds)
         t.set(PREFIX + "restored_step", manifest.step)
+        t.step = manifest.step  # the run is at that step until the next step() says otherwise
+        if inside:  # the newest checkpoint of the run is that one until the next save
+            t.set(PREFIX + "last_saved_step", manifest.step)
+            t.set(PREFIX + "last_save_timestamp_seconds", manifest.created)
         t.inc(PREFIX + "restores_total", labels=(tier,))
         fields = {
             "seconds": round(seconds, 6),
