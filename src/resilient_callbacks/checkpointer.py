@@ -418,7 +418,8 @@ class Checkpointer:
             self._trigger.step_ended()
 
     def _step(self, step: int, state: Any, metrics: Mapping[str, Any] | None, final: bool) -> bool:
-        preempt = self.watcher is not None and self.watcher.requested
+        # answered once: with exit_on_preemption=False the steps after it do not save again
+        preempt = self.watcher is not None and self.watcher.requested and not self.preempted
         decision = self._trigger.decide(step, metrics, final, preempt)
         if decision is None:
             return False

@@ -246,6 +246,4 @@ class Emergency:
             ck._dir.trash.abandon()
             ck.close(timeout=None if left is None else max(0.0, left - 5.0))
             raise SystemExit(ck.config.preemption_exit_code)
-        if watcher is not None:
-            watcher.clear()  # answered: the steps after this one do not save again
         return saved

@@ -48,7 +48,7 @@ def model_tensors(path: str, manifest: Manifest, part_id: str) -> dict[str, torc
     for name in names:
         for r, *_ in index[name]["chunks"]:
             read(int(r))
-    chunk_keys = {str(c[2]) for n in index.values() for c in n.get("chunks", [])}
+    chunk_keys = {str(c[-1]) for n in index.values() for c in n.get("chunks", [])}
     plain = sorted(k for k in read(0) if k.startswith(MODEL) and k not in chunk_keys)
     if not names and not plain:
         raise CheckpointCorruptError(f"{path}: part {part_id!r} holds no model tensors")
