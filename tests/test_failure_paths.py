@@ -61,6 +61,16 @@ def failing_write(monkeypatch):
     return failing.add
 
 
+def _slow_writes(monkeypatch, seconds: float) -> None:
+    """Every write of a checkpoint part takes at least ``seconds`` more."""
+    orig = persisting.layout.write_part
+    monkeypatch.setattr(
+        persisting.layout,
+        "write_part",
+        lambda *a, **k: (threading.Event().wait(seconds), orig(*a, **k))[1],
+    )
+
+
 @pytest.fixture
 def gated_write(monkeypatch):
     """Background writes wait for the returned event (a disk as slow as the test wants)."""
@@ -199,12 +209,7 @@ def test_two_checkpointers_in_one_process_both_see_sigterm(tmp_path):
 def test_grace_warning_counts_the_background_write(tmp_path, monkeypatch, caplog):
     """The emergency save is synchronous: its estimate is a background save's blocking time
     plus its write, not the blocking time alone."""
-    orig = persisting.layout.write_part
-    monkeypatch.setattr(
-        persisting.layout,
-        "write_part",
-        lambda *a, **k: (threading.Event().wait(0.3), orig(*a, **k))[1],
-    )
+    _slow_writes(monkeypatch, 0.3)
     state = _state()
     with Checkpointer(tmp_path, every_n_steps=2, grace_period=0.1, exit_on_preemption=False) as ck:
         for s in range(1, 3):  # one background save (step 2), which waits for nothing
@@ -285,12 +290,7 @@ def test_options_that_would_do_nothing_are_refused(tmp_path, options, message):
 def test_time_blocked_in_save_outside_step_is_not_useful_compute(tmp_path, monkeypatch):
     """save() between two step() calls (a framework's final or forced save) blocks the loop:
     that time is not training compute (it used to be counted, inflating goodput)."""
-    orig = persisting.layout.write_part
-    monkeypatch.setattr(
-        persisting.layout,
-        "write_part",
-        lambda *a, **k: (threading.Event().wait(0.5), orig(*a, **k))[1],
-    )
+    _slow_writes(monkeypatch, 0.5)
     state = _state()
     with Checkpointer(tmp_path, async_save=False) as ck:
         ck.step(1, state)

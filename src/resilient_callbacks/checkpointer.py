@@ -436,20 +436,21 @@ class Checkpointer:
         """Flush background saves and save ``step`` synchronously (fastest complete path), for
         callers that detect a failure themselves. Every rank must call it."""
         self._check_open()
-        t0 = time.perf_counter()
-        try:
-            return self._saver.save(step, state, metrics, "emergency", why="emergency_save()")
-        finally:
-            self._trigger.exclude(time.perf_counter() - t0)  # not training compute
+        return self._save_outside_step(step, state, metrics, "emergency", "emergency_save()")
 
     def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> bool:
         """Save now. Returns False (and writes nothing) if the last checkpoint this Checkpointer
         committed or restored is of this same ``step`` (the same state, saved twice)."""
         self._check_open()
         self._check_logger_sink()
+        return self._save_outside_step(step, state, metrics, "forced", "save() called")
+
+    def _save_outside_step(
+        self, step: int, state: Any, metrics: Mapping[str, Any] | None, reason: str, why: str
+    ) -> bool:
         t0 = time.perf_counter()
         try:
-            return self._saver.save(step, state, metrics, "forced", why="save() called")
+            return self._saver.save(step, state, metrics, reason, why=why)
         finally:
             self._trigger.exclude(time.perf_counter() - t0)  # not training compute
 

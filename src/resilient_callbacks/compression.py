@@ -171,18 +171,10 @@ def codec_name(with_shuffle: bool) -> str:
 
 def compressed_meta(path: str) -> dict[str, tuple[str, list[int]]]:
     """``{name: (dtype, shape)}`` of a compressed tensor file, decompressing only its header."""
-    import struct
-
-    from .tensorfile import tensor_meta
+    from .tensorfile import header_bytes, tensor_meta
 
     with open(path, "rb") as f, zstd().ZstdDecompressor().stream_reader(f) as r:
-        head = r.read(8)
-        if len(head) < 8:
-            raise CheckpointCorruptError(f"{path}: too short to be a tensor file")
-        (hlen,) = struct.unpack("<Q", head)
-        if hlen > 100 << 20:
-            raise CheckpointCorruptError(f"{path}: implausible header length {hlen}")
-        return tensor_meta(bytearray(head + r.read(hlen)))
+        return tensor_meta(header_bytes(r, path))
 
 
 def read_tensors_compressed(

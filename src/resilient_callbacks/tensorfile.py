@@ -449,17 +449,23 @@ def parse_header(
     return header, 8 + hlen
 
 
+def header_bytes(f: Any, where: str) -> bytearray:
+    """The length prefix and JSON header of a safetensors stream ``f`` (a file, or a
+    decompressing reader), read from its start and nothing more."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointCorruptError(f"{where}: too short to be a safetensors file")
+    (hlen,) = struct.unpack("<Q", head)
+    if hlen > 100 << 20:
+        raise CheckpointCorruptError(f"{where}: implausible header length {hlen}")
+    return bytearray(head + f.read(hlen))
+
+
 def tensor_meta(path_or_buf: str | bytearray) -> dict[str, tuple[str, list[int]]]:
     """``{name: (dtype, shape)}`` from a safetensors header, reading only the header."""
     if isinstance(path_or_buf, str):
         with open(path_or_buf, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointCorruptError(f"{path_or_buf}: too short to be a safetensors file")
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen > 100 << 20:
-                raise CheckpointCorruptError(f"{path_or_buf}: implausible header length {hlen}")
-            buf = head + f.read(hlen)
+            buf = header_bytes(f, path_or_buf)
         header, _ = parse_header(buf, path_or_buf)
     else:
         header, _ = parse_header(path_or_buf)
