@@ -11,16 +11,21 @@
 #
 # Environment:
 #   NPROC             workers (one per GPU), default 2
+#   NNODES            nodes, default 1; above 1 (a static rendezvous, ranks stay on their node)
+#                     also NODE_RANK (this node, 0..NNODES-1) and MASTER_ADDR/MASTER_PORT (node
+#                     0's address, default port 29500); MAX_RESTARTS then restarts this node's
+#                     group only when every node does (torchrun's rule)
 #   MAX_RESTARTS      group restarts before torchrun gives up, default 3
 #   SHUTDOWN_TIMEOUT  seconds torchrun gives workers between its SIGTERM/SIGUSR1 and SIGKILL,
 #                     default 120: long enough for one emergency checkpoint (torchrun's own
 #                     default, 30 s, can cut a large save short)
+#   PYTHON            the Python whose torchrun to use, default python3 on PATH (e.g. .venv/bin/python)
 #   TORCHRUN          the torchrun executable, default: torchrun next to PYTHON, else on PATH
 #   TRAIN_SCRIPT      default: ../train.py next to this file
 #
-# Signals: SIGTERM, SIGINT, SIGHUP and SIGUSR1 sent to this script are passed to torchrun, which
-# passes them to every worker (SIGUSR1 included: see --signals-to-handle below) so the
-# Checkpointer can make its emergency checkpoint. torchrun itself exits 1 after such a
+# Signals: SIGTERM, SIGINT, SIGHUP and SIGUSR1 sent to this script are passed to torchrun (SIGINT
+# and SIGHUP as SIGTERM), which passes them to every worker (SIGUSR1 included: see
+# --signals-to-handle below) so the Checkpointer can make its emergency checkpoint. torchrun itself exits 1 after such a
 # shutdown; this script then exits 75 (RESUMABLE_EXIT_CODE) so that an outer scheduler
 # requeues the job. Otherwise it exits with torchrun's status: 0 done, non-zero when the
 # restarts ran out.
@@ -57,22 +62,32 @@ interrupted=0
 on_signal() {
     signalled="$1"
     interrupted=1
-    [[ -n $child ]] && kill -s "$1" "$child" 2>/dev/null
+    # SIGINT (Ctrl-C) and SIGHUP (the terminal closed) reach the workers as SIGTERM, the
+    # signal the Checkpointer answers with an emergency checkpoint by default
+    local forward="$1"
+    [[ $forward == INT || $forward == HUP ]] && forward=TERM
+    [[ -n $child ]] && kill -s "$forward" "$child" 2>/dev/null
 }
 for sig in TERM INT HUP USR1; do
     # shellcheck disable=SC2064
     trap "on_signal $sig" "$sig"
 done
 
-# --rdzv-endpoint=localhost:0 (what --standalone uses): a c10d rendezvous on a free port of this
-# host, so several runs on one machine never collide. For several nodes use
-# --nnodes=MIN:MAX --rdzv-endpoint=<host of node 0>:29400 --rdzv-id=<job id> on every node.
+# One node: --rdzv-endpoint=localhost:0 (what --standalone uses), a c10d rendezvous on a free
+# port of this host, so several runs on one machine never collide. Several nodes: torchrun's
+# static rendezvous, so a node's ranks stay on it after a restart (its disk holds their files).
+NNODES="${NNODES:-1}"
+if [[ $NNODES -gt 1 ]]; then
+    rendezvous=(--nnodes="$NNODES" --node-rank="${NODE_RANK:?set NODE_RANK (0..NNODES-1)}"
+        --master-addr="${MASTER_ADDR:?set MASTER_ADDR (node 0)}"
+        --master-port="${MASTER_PORT:-29500}")
+else
+    rendezvous=(--nnodes=1 --rdzv-backend=c10d --rdzv-endpoint=localhost:0)
+fi
 "$TORCHRUN" \
-    --nnodes=1 \
+    "${rendezvous[@]}" \
     --nproc-per-node="$NPROC" \
     --max-restarts="$MAX_RESTARTS" \
-    --rdzv-backend=c10d \
-    --rdzv-endpoint=localhost:0 \
     "$TRAIN_SCRIPT" "$@" &
 child=$!
 while :; do
