@@ -5,4 +5,6 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 bash "$here/scripts/setup.sh" core
-exec "${RESILIENT_VENV:-$here/.venv}/bin/python" "$here/examples/demo_resume.py" "$@"
+venv="${RESILIENT_VENV:-.venv}"
+[[ $venv == /* ]] || venv="$here/$venv" # setup.sh makes a relative one in the repository root
+exec "$venv/bin/python" "$here/examples/demo_resume.py" "$@"

@@ -161,7 +161,7 @@ def test_gc_keeps_corrupt_unless_asked_and_refuses_beside_a_writer(tmp_path):
     assert not os.path.exists(os.path.join(root, "step_000000010"))
     with Checkpointer(root):
         locked = cli("gc", root)
-        assert locked.returncode == 1 and "writer open on" in locked.stderr
+        assert locked.returncode == 1 and "a writer is open on" in locked.stderr
 
 
 def test_gc_other_runs_deletes_what_the_foreign_warning_names(tmp_path):
@@ -464,3 +464,34 @@ def test_inspect_lists_shapes_of_compressed_and_blob_stored_tensors(tmp_path):
         keys = {k["key"]: k for k in json.loads(r.stdout)["keys"]}
         assert (keys["w"]["dtype"], keys["w"]["shape"]) == ("float32", [64, 64]), options
         assert (keys["b"]["dtype"], keys["b"]["shape"]) == ("float32", [10]), options
+
+
+def test_exit_status_survives_a_reader_that_goes_away(tmp_path):
+    """`resilient-ckpt inspect DIR --step N | head -1` on a corrupt checkpoint: the status is
+    still 1 (a closed pipe used to turn every command into a success)."""
+    root = str(tmp_path / "ck")
+    with Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.ones(8), "meta": {str(i): i for i in range(3000)}})
+    flip_byte(os.path.join(root, "step_000000001", "shared.safetensors"))
+    exe = os.path.join(os.path.dirname(sys.executable), "resilient-ckpt")
+    p = subprocess.Popen([exe, "inspect", root, "--step", "1"], stdout=subprocess.PIPE)
+    assert p.stdout is not None
+    p.stdout.readline()
+    p.stdout.close()  # as `head -1` does
+    assert p.wait(timeout=120) == 1
+
+
+def test_export_of_a_plain_checkpoint_says_there_is_no_model(tmp_path, capsys):
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(1,))
+    assert main(["export", root, str(tmp_path / "out")]) == 1
+    assert "there is no model to export" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["gc", "x", "--keep-last", "0"], ["ls", "x", "-o", "endpoint_url=http://h"]],
+)
+def test_more_usage_errors_exit_2(args):
+    assert cli(*args).returncode == 2

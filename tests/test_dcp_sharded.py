@@ -244,7 +244,10 @@ def test_save_on_two_ranks_resume_on_one_without_unpickling(tmp_path, capsys):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
+@pytest.mark.parametrize(
+    "sharding",
+    ["fsdp2", pytest.param("fsdp1", marks=pytest.mark.slow)],  # suite time budget
+)
 def test_overlapped_capture_is_consistent_when_the_step_follows_at_once(tmp_path, sharding):
     """overlap_snapshot=True: the shards are copied in the background while the next
     forward/backward runs, and the optimizer step waits. The deferred copies are slowed by 0.5 s:
@@ -483,7 +486,10 @@ def test_a_parameter_without_optimizer_state_resumes_without_it(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("sharding", "nprocs"), [("fsdp2", 2), ("fsdp1", 2), ("fsdp1", 1)])
+@pytest.mark.parametrize(
+    ("sharding", "nprocs"),
+    [("fsdp2", 2), pytest.param("fsdp1", 2, marks=pytest.mark.slow), ("fsdp1", 1)],
+)
 def test_a_model_the_checkpoint_does_not_fit_is_refused_by_name(tmp_path, sharding, nprocs):
     """One more layer than was saved: refused before anything is loaded, naming the tensors the
     checkpoint lacks, under FSDP2 on 2 ranks, FSDP1 on 2 (its pieces written in place) and on

@@ -884,6 +884,7 @@ def test_the_deepspeed_launcher_with_our_module_trains_and_checkpoints(tmp_path:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the launcher itself: tests/test_deepspeed.py's other launcher tests, default
 def test_the_launchers_loader_is_deepspeeds_and_an_epoch_loop_resumes_exactly(tmp_path: Path):
     """A script that loops `for epoch in range(3): for batch in loader` (no step bound, unaware
     of resuming), on 2 ranks: through the launcher, an uninterrupted run trains on the batches

@@ -52,6 +52,10 @@ if ! [[ $max_restarts =~ ^[0-9]+$ ]]; then
     echo "restart_loop.sh: --max-restarts must be a whole number, got '$max_restarts'" >&2
     exit 2
 fi
+if ! [[ $delay =~ ^[0-9]+([.][0-9]+)?$ ]]; then
+    echo "restart_loop.sh: --delay must be a number of seconds, got '$delay'" >&2
+    exit 2
+fi
 
 log() { printf '[restart_loop %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 

@@ -119,6 +119,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     return report(args)
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number >= 1")
+    return n
+
+
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
     """The ``export`` command's arguments (also ``python -m resilient_callbacks.transformers``)."""
     p.add_argument("dir", help="a ResilientCheckpoint directory, or one checkpoint in it")
@@ -145,16 +155,45 @@ def cmd_export(args: argparse.Namespace) -> int:
     done = _export_weights(args)
     if done is not None:
         return done
+    path = _not_exportable(args)
+    if path is not None:
+        print(
+            f"{PROG} export: {path} is not a checkpoint of a Hugging Face Trainer run, a "
+            "DeepSpeed run or a dcp.Sharded state: there is no model to export (its keys: "
+            f"`{PROG} inspect`)",
+            file=sys.stderr,
+        )
+        return 1
     try:
         from .transformers.export import cli_export
     except ImportError as e:
+        hint = (
+            "" if "pip install" in str(e) else "; pip install 'resilient-callbacks[transformers]'"
+        )
         print(
-            f"{PROG} export: needs transformers ({e}); "
-            "pip install 'resilient-callbacks[transformers]'",
+            f"{PROG} export: a Trainer run's checkpoint needs transformers ({e}){hint}",
             file=sys.stderr,
         )
         return 1
     return int(cli_export(args))
+
+
+def _not_exportable(args: argparse.Namespace) -> str | None:
+    """The path of the checkpoint ``export`` would read when it was not written by the
+    Transformers callback (nothing to export), else None."""
+    import json
+    import os
+
+    from . import reader
+    from .layout import SHARED_STRUCTURE
+
+    sel = reader.select(args.dir, args.step)
+    try:
+        with open(os.path.join(sel.path, SHARED_STRUCTURE), "rb") as f:
+            structure = json.loads(f.read()).get("structure")
+    except (OSError, ValueError):
+        return None  # unreadable: the export's own checks say so
+    return None if isinstance(structure, dict) and "trainer" in structure else sel.path
 
 
 def _export_weights(args: argparse.Namespace) -> int | None:
@@ -292,9 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--option", metavar="KEY=VALUE", action="append", help=OPTION_HELP)
     p.add_argument(
         "--keep-last",
-        type=int,
+        type=_at_least_one,
         metavar="N",
-        help="keep the newest N (overrides the keep_last recorded in the manifests)",
+        help="keep the newest N, N >= 1 (overrides the keep_last recorded in the manifests)",
     )
     _json(p, "what is (or would be) deleted and what is kept")
     p.set_defaults(fn=cmd_gc)
@@ -353,6 +392,41 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _PipeSafe:
+    """stdout for a command piped into ``head``: once the reader has gone, the rest of the
+    output goes to /dev/null and the command runs to its end, so its exit status is its own
+    (``verify ... | head`` still says 1 for a corrupt checkpoint)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._gone = False
+
+    def _guard(self, fn: Any, *a: Any) -> Any:
+        if self._gone:
+            return None
+        try:
+            return fn(*a)
+        except BrokenPipeError:
+            self._gone = True
+            import contextlib
+            import os
+
+            # later flushes (at exit too) go nowhere instead of failing
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+            return None
+
+    def write(self, s: str) -> int:
+        self._guard(self._stream.write, s)
+        return len(s)
+
+    def flush(self) -> None:
+        self._guard(self._stream.flush)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -363,16 +437,23 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if getattr(args, "option", None) and hasattr(args, "remote") and not args.remote:
+        parser.error(
+            f"{args.cmd}: -o/--option sets an option of the remote store: give --remote URL"
+        )
+    stdout, sys.stdout = sys.stdout, _PipeSafe(sys.stdout)
     try:
         return int(args.fn(args))
     except CheckpointError as e:
         print(f"{PROG} {args.cmd}: {e}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # e.g. piped into head
-        return 0
+    except BrokenPipeError:  # from a stream other than stdout (see _PipeSafe)
+        return 1
     except OSError as e:  # the remote store failed (unreachable, missing bucket, ...)
         print(f"{PROG} {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -241,8 +241,13 @@ def gc(args: argparse.Namespace) -> int:
         if not args.dry_run:
             try:
                 lock.acquire()
-            except CheckpointError as err:
-                print(f"resilient-ckpt gc: {err}", file=sys.stderr)
+            except CheckpointError:
+                print(
+                    f"resilient-ckpt gc: a writer is open on {args.dir} (a training run, or "
+                    "another command): gc deletes nothing beside it; run it once that has "
+                    "stopped, or see what it would delete with --dry-run",
+                    file=sys.stderr,
+                )
                 return 1
     try:
         if root is not None:
