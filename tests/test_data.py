@@ -254,3 +254,107 @@ def test_a_loader_saved_on_two_ranks_goes_on_over_three(tmp_path):
     # with new_ranks="refuse" (the default) rank 2 has no state: the resume is refused
     refused = run(["resume", root, out + "x", "refuse"], 3, "refuse", expect=None)
     assert any("missing for this rank" in o for o in refused), refused
+
+
+# ---------------------------------------------------------------------------- loops users write
+
+
+def _epochs_loop(loader, epochs: int, *, start_step: int = 0, stop: int | None = None):
+    """``for epoch in range(start, E): loader.sampler.set_epoch(epoch); for batch in loader``,
+    as DDP and Lightning code announce epochs; the batches (and the state at ``stop``)."""
+    seen, step = [], start_step
+    first = start_step // len(loader) if not loader.passes_are_epochs else 0
+    for epoch in range(first, epochs):
+        loader.sampler.set_epoch(epoch)
+        for (b,) in loader:
+            step += 1
+            seen.append(b.tolist())
+            if step == stop:
+                return seen, loader.state_dict()
+    return seen, None
+
+
+@pytest.mark.parametrize("stop", [6, 9])  # an epoch's last batch; mid-epoch
+@pytest.mark.parametrize("passes", [False, True])
+def test_set_epoch_every_epoch_resumes_exactly(stop, passes):
+    """``set_epoch`` for an epoch the resumed run skips (``passes_are_epochs``) keeps the
+    restored position (it replayed the epoch); after a checkpoint at an epoch's last batch,
+    ``set_epoch`` of the next one first finishes the sampler as the uninterrupted loop's
+    iterator did (RandomSampler's trailing draw: every later epoch came in another order)."""
+    ds = TensorDataset(torch.arange(24))
+
+    def make():
+        return ResumableDataLoader(ds, 4, seed=5, passes_are_epochs=passes)
+
+    ref, _ = _epochs_loop(make(), 3)
+    head, state = _epochs_loop(make(), 3, stop=stop)
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest, _ = _epochs_loop(resumed, 3, start_step=stop)
+    assert head + rest == ref
+
+
+def test_options_a_resume_cannot_honour_are_refused():
+    ds = TensorDataset(torch.arange(24))
+    with pytest.raises(ValueError, match="in_order=True"):
+        ResumableDataLoader(ds, 4, num_workers=2, in_order=False)
+    with pytest.raises(ValueError, match="batch_size=None"):
+        ResumableDataLoader(ds, batch_size=None)
+    saved = ResumableDataLoader(ds, 4, seed=3)
+    next(iter(saved))
+    for other in (
+        ResumableDataLoader(ds, 4, seed=4),
+        ResumableDataLoader(ds, 4, generator=torch.Generator().manual_seed(4)),
+    ):
+        with pytest.raises(ValueError, match="another seed"):
+            other.load_state_dict(saved.state_dict())
+    same = ResumableDataLoader(ds, 4, generator=torch.Generator().manual_seed(3))
+    same.load_state_dict(saved.state_dict())  # the same generator, given either way
+
+
+def test_persistent_workers_resumed_later_take_the_first_epochs_seed():
+    """Persistent workers are made once, by the first epoch's iterator: a run resumed in a
+    later epoch makes its pool with that seed (it took the later epoch's)."""
+    ds = TensorDataset(torch.arange(16))
+
+    def make():
+        return ResumableDataLoader(ds, 4, seed=1, num_workers=2, persistent_workers=True)
+
+    def seeds(loader, epochs):
+        out = []
+        for _ in range(epochs):
+            it = iter(loader)
+            next(it)
+            out.append(loader._iterator._base_seed)
+            for _ in it:
+                pass
+        return out
+
+    ref = make()
+    want = seeds(ref, 3)
+    part = make()
+    seeds(part, 1)
+    state = part.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert seeds(resumed, 2) == want[1:]
+
+
+def test_a_discarded_loader_with_persistent_workers_stops_them_at_once():
+    import gc
+    import time
+
+    ds = TensorDataset(torch.arange(16))
+    gc.disable()  # as between two collections: only reference counting frees the loader
+    try:
+        loader = ResumableDataLoader(ds, 4, num_workers=2, persistent_workers=True)
+        next(iter(loader))
+        workers = list(loader._iterator._workers)
+        assert len(workers) == 2 and all(w.is_alive() for w in workers)
+        del loader
+        deadline = time.monotonic() + 30
+        while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(w.is_alive() for w in workers)
+    finally:
+        gc.enable()

@@ -29,11 +29,13 @@ every RNG by default); put the loader in the same state.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import xxhash
 from torch.utils.data import DataLoader
 
 from .sampler import ResumableSampler
@@ -41,6 +43,16 @@ from .sampler import ResumableSampler
 __all__ = ["ResumableDataLoader", "ResumableSampler"]
 
 log = logging.getLogger("resilient_callbacks")
+
+
+def _digest(state: torch.Tensor) -> str:
+    return xxhash.xxh3_64_hexdigest(state.numpy().tobytes())
+
+
+def _call(ref: weakref.ReferenceType[Any], method: str, *args: Any) -> None:
+    obj = ref()
+    if obj is not None:
+        getattr(obj, method)(*args)
 
 
 def _source_state(generator: torch.Generator | None) -> torch.Tensor:
@@ -97,11 +109,24 @@ class ResumableDataLoader(DataLoader):
         for bad in ("sampler", "batch_sampler"):
             if kwargs.get(bad) is not None:
                 raise ValueError(f"ResumableDataLoader makes its own {bad}; do not pass {bad}=")
+        if kwargs.get("in_order", True) is False:
+            raise ValueError(
+                "ResumableDataLoader needs in_order=True: its position counts the batches handed "
+                "out in the epoch's order, and out of order a resume would repeat some and skip "
+                "others"
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(
+                f"ResumableDataLoader batch_size={batch_size!r}: an int >= 1 (the position counts "
+                "batches; batch_size=None, unbatched samples, is not supported)"
+            )
         if num_replicas is None and seed is not None and generator is not None:
             raise ValueError("pass seed= or generator=, not both")
         if num_replicas is None and seed is not None:
             generator = torch.Generator().manual_seed(int(seed))
             seed = None
+        # which generator the order comes from, as built: a resume with another is refused
+        self._origin = None if generator is None else _digest(generator.get_state())
         sampler = ResumableSampler(
             len(dataset),
             shuffle=shuffle,
@@ -124,7 +149,11 @@ class ResumableDataLoader(DataLoader):
         self._started = False  # an iterator was created for the current epoch
         self._epoch_rng = _source_state(generator)  # base-seed source state at that creation
         self._restored_persistent = False  # a persistent worker iterator existed when saved
-        sampler._on_set_epoch = self.set_epoch
+        self._pool_rng: torch.Tensor | None = None  # base-seed source when its pool was made
+        # weakly: a bound method would keep the loader, and its persistent workers, alive in
+        # a reference cycle until the garbage collector runs
+        ref = weakref.ref(self)
+        sampler._on_set_epoch = lambda epoch: _call(ref, "set_epoch", epoch)
         self.passes_are_epochs = passes_are_epochs
         self._passes = 0  # passes begun in this process
         self._skip_passes = 0  # passes still to answer empty (passes_are_epochs)
@@ -155,11 +184,15 @@ class ResumableDataLoader(DataLoader):
         else:
             sampler.set_position(self.epoch, self.batches_consumed * self.batch_size)
         persistent = self.persistent_workers and self.num_workers > 0
+        if persistent and self._iterator is None and self._pool_rng is None:
+            self._pool_rng = self._epoch_rng  # the workers made now serve every later epoch
         if fresh and not (persistent and self._restored_persistent and self._iterator is None):
             return self._iterate(super().__iter__())
         # Continuing an epoch: the uninterrupted run created this epoch's iterator before the
         # checkpoint; this one takes the same base seed without drawing from the global RNG.
-        with self._base_seed_from(self._epoch_rng):
+        # Persistent workers were made once, by the first epoch's iterator: its seed.
+        source = self._pool_rng if persistent and self._pool_rng is not None else self._epoch_rng
+        with self._base_seed_from(source):
             it = super().__iter__()
         self._restored_persistent = False
         return self._iterate(it)
@@ -195,8 +228,20 @@ class ResumableDataLoader(DataLoader):
         self._started = False
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.batches_consumed, self._started = int(epoch), 0, False
+        if epoch == self.epoch:
+            return
+        if self.passes_are_epochs and self._skip_passes and epoch < self.epoch:
+            return  # the loop announces an epoch the resumed run had trained: skipped anyway
+        if self.batches_consumed and self.batches_consumed >= len(self):
+            # the epoch's batches were all handed out (a resume at its last batch) but its
+            # iterator had not run out, as the uninterrupted loop's did: finish the sampler
+            # (RandomSampler's trailing draw) before moving on
+            sampler = self.sampler
+            assert isinstance(sampler, ResumableSampler)
+            sampler.set_position(self.epoch, len(sampler))
+            for _ in sampler:
+                pass
+        self.epoch, self.batches_consumed, self._started = int(epoch), 0, False
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self.sampler
@@ -210,6 +255,8 @@ class ResumableDataLoader(DataLoader):
             "started": self._started,
             "epoch_rng": self._epoch_rng,
             "persistent_iterator": self._iterator is not None,
+            **({"pool_rng": self._pool_rng} if self._pool_rng is not None else {}),
+            **({"origin": self._origin} if self._origin is not None else {}),
             "sampler": sampler.state_at(self.epoch, position),
         }
         if self.generator is not None:
@@ -242,6 +289,11 @@ class ResumableDataLoader(DataLoader):
                     f"{state['batch_size']} in the checkpoint; the saved position counts "
                     "batches of the old size"
                 )
+            if state.get("origin", self._origin) != self._origin:
+                raise ValueError(
+                    "ResumableDataLoader: the checkpoint's order comes from another seed= (or "
+                    "generator=) than this loader's; construct it as the interrupted run did"
+                )
             if ("generator" in state) != (self.generator is not None):
                 raise ValueError(
                     "ResumableDataLoader: the checkpoint was written by a loader "
@@ -258,6 +310,8 @@ class ResumableDataLoader(DataLoader):
         self._started = bool(state.get("started", batches > 0))
         if "epoch_rng" in state:
             self._epoch_rng = state["epoch_rng"].clone()
+        if "pool_rng" in state:
+            self._pool_rng = state["pool_rng"].clone()
         if "generator" in state and self.generator is not None:
             self.generator.set_state(state["generator"].clone())
         self._restored_persistent = persistent
