@@ -298,6 +298,15 @@ def test_transformers_logger_telemetry_reaches_the_trainers_log(tmp_path: Path):
     assert all(e[PREFIX + "save_bytes"] > 0 for e in logged)
 
 
+def test_counters_exist_at_zero_before_their_first_event(tmp_path: Path):
+    """An alert on increase(resilient_ckpt_save_failures_total[...]) sees the first failure:
+    the series exists, at 0, from the start."""
+    with Checkpointer(tmp_path) as ck:
+        m = ck.metrics()
+    for name in ("save_failures_total", "preemptions_total", "saves_skipped_total"):
+        assert m[PREFIX + name] == 0, name
+
+
 def test_restore_fallbacks_reach_the_history(tmp_path: Path):
     """A fallback happens before the restore tells the run's id: it is recorded right after
     the restart it belongs to (it used to be dropped)."""

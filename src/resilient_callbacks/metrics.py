@@ -262,7 +262,10 @@ class Telemetry:
     def __init__(self, sinks: Iterable[Sink] = (), *, rank: int = 0, period_s: float = 5.0) -> None:
         self.rank = rank
         self._lock = threading.Lock()
-        self._values: dict[tuple[str, tuple[str, ...]], float] = {}
+        # counters exist from the start, at 0: an alert on increase() sees the first event too
+        self._values: dict[tuple[str, tuple[str, ...]], float] = {
+            (m.name, ()): 0.0 for m in METRICS if m.kind == "counter" and not m.labels
+        }
         self._events: deque[dict[str, Any]] = deque(maxlen=1000)
         self._n_events = 0
         self.step = 0
