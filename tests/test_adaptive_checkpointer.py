@@ -119,3 +119,20 @@ def test_live_interval_matches_daly_within_10_percent(tmp_path):
         want = daly_interval(cost, mtbf_hours * 3600)
         got = ck.schedule.interval_seconds()
     assert abs(got - want) <= 0.10 * want, (got, want, ck.schedule.explain())
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_the_manifest_counts_the_save_that_wrote_it(tmp_path, background):
+    """A resume from the first (warm-up) checkpoint does not warm up again: the schedule state
+    in its manifest counts that save (a synchronous save was counted only after its commit)."""
+    from resilient_callbacks.manifest import read_manifest
+
+    state = {"w": torch.zeros(8)}
+    with Checkpointer(tmp_path, adaptive=True, async_save=background, preemption=False) as ck:
+        step = 0
+        while not ck.last_save:
+            step += 1
+            ck.step(step, state)
+        ck.flush()
+        path = ck.last_save.path
+    assert read_manifest(path).extra["schedule"]["n_saves"] == 1

@@ -201,19 +201,18 @@ class Saver:
                     self.persister.submit(functools.partial(job, quiet=True))
                 ck._recorder.save_failed(step, local_exc)
                 raise _prepare_error(local_exc, step, ck.rank, ck.dirpath)
+            self._observe_save(blocking)  # before the job writes the manifest, which counts it
             self.persister.submit(job)
             ck.last_saved_step = step
             ck._trigger.mark(step)
             self.blocking_seconds.append(blocking)
             ck._recorder.save_blocked(blocking)
-            self._observe_save(blocking)
             log.debug("step %d: snapshot took %.3f s; persisting in the background", step, blocking)
             return True
-        job()
+        job()  # observes its own cost before it commits (persisting.persist)
         ck._trigger.steps_origin = step
         blocking = time.perf_counter() - t0
         ck._recorder.save_blocked(blocking)
-        self._observe_save(blocking)
         return True
 
     def _upload_bps(self) -> float | None:
@@ -222,6 +221,12 @@ class Saver:
             return None
         st = sync.status()
         return st.uploaded_bytes / st.upload_seconds if st.upload_seconds > 0 else None
+
+    def observe_sync_save(self, seconds: float) -> None:
+        """A synchronous save, about to commit, took ``seconds`` so far: measured before its
+        manifest is written, so the schedule state the manifest carries counts this save (a
+        run resumed from it does not warm up again)."""
+        self._observe_save(seconds)
 
     def _observe_save(self, blocking: float) -> None:
         self.save_seconds.append(blocking)
