@@ -58,9 +58,10 @@ from ..snapshot import step_storages
 from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from ..unchanged import frozen_storages
 from . import flat_restore, shards
-from .assemble import assemble, full_box, json_file, tensor_file, whole_entry
+from .assemble import assemble, json_file, tensor_file
 from .chunks import Box, index_of_ranks, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
+from .reads import plan_reads
 from .stateless import (
     hyperparameters,
     optimizers_of,
@@ -73,7 +74,6 @@ from .views import (
     View,
     complete_skeleton,
     differences,
-    dtype_code,
     optim_state_names,
     view_of,
 )
@@ -389,38 +389,8 @@ class Sharded(FilePart):
             return [json_file(home)] + [tensor_file(r) for r in sorted(direct.ranks)]
         target = self._state_dict(optims)
         _, tensors = split(target)
-        ranks = {home}
-        needs: dict[str, Box] = {}
-        problems: list[str] = []
-        entries: dict[str, Any] = {}  # the index entries of the tensors assembled from boxes
-        plain = saved.get("plain")  # None: a checkpoint that predates the record
-        strict = self.options.strict
-        for name, t in tensors.items():
-            entry = index.get(name)
-            if entry is None:
-                if isinstance(plain, dict) and name not in plain and name.startswith(MODEL):
-                    if strict:  # neither sharded nor whole: refused before anything loads
-                        problems.append(f"{name}: not in the checkpoint")
-                elif shards.is_sharded(t):  # saved whole (FSDP1 on one rank is NO_SHARD)
-                    needs[name] = self._box(name, t)
-                    entries[name] = whole_entry(name, t, home)
-                continue  # a plain tensor: the home file's
-            if list(t.shape) != list(entry["shape"]) or dtype_code(name, t) != entry["dtype"]:
-                problems.append(
-                    f"{name}: saved {entry['dtype']} {entry['shape']}, "
-                    f"this model has {DTYPE_TO_ST.get(t.dtype, t.dtype)} {list(t.shape)}"
-                )
-                continue
-            # a plain tensor here that was saved sharded (resumed on one FSDP1 rank) is whole
-            need = needs[name] = self._box(name, t) if shards.is_sharded(t) else full_box(t)
-            entries[name] = entry
-            for r, offsets, sizes, *_ in entry["chunks"]:
-                if need.intersect(Box.of(offsets, sizes)) is not None and need.numel:
-                    ranks.add(int(r))
-        unexpected = sorted(
-            n for n in set(index) - set(tensors) if strict or not n.startswith(MODEL)
-        )
-        problems += [f"{n}: in the checkpoint, not in this model/optimizer" for n in unexpected]
+        reads = plan_reads(tensors, index, saved.get("plain"), home, self.options.strict, self._box)
+        problems = reads.problems
         if problems:
             more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
             raise CheckpointMismatchError(
@@ -428,14 +398,14 @@ class Sharded(FilePart):
             )
         self._load = {
             "home": home,
-            "ranks": sorted(ranks),
+            "ranks": sorted(reads.ranks),
             "tensors": tensors,
-            "needs": needs,
-            "entries": entries,
+            "needs": reads.needs,
+            "entries": reads.entries,
             "with_optim": with_optim,
             "optims": optims,
         }
-        return [json_file(home)] + [tensor_file(r) for r in sorted(ranks)]
+        return [json_file(home)] + [tensor_file(r) for r in sorted(reads.ranks)]
 
     def _flat_model(self) -> bool:
         """Whether saves read FSDP1's layout directly and restores write its pieces in place

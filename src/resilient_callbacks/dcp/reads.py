@@ -1,0 +1,71 @@
+"""What a rank of a :class:`~.sharded.Sharded` restore reads: for each tensor of its state
+dict, the box it needs and the saved index entry the box is assembled from, the ranks whose
+files hold an overlapping box, and why the checkpoint does not fit, found before anything is
+loaded.
+
+Which ranks call what: every rank, for itself, in ``Sharded.files_to_read``; nothing here is
+collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..tensorfile import DTYPE_TO_ST
+from . import shards
+from .assemble import full_box, whole_entry
+from .chunks import Box
+from .views import MODEL, dtype_code
+
+
+@dataclass
+class Reads:
+    ranks: set[int]
+    needs: dict[str, Box] = field(default_factory=dict)
+    entries: dict[str, Any] = field(default_factory=dict)  # index entries assembled from boxes
+    problems: list[str] = field(default_factory=list)
+
+
+def plan_reads(
+    tensors: Mapping[str, torch.Tensor],
+    index: Mapping[str, Any],
+    plain: Any,
+    home: int,
+    strict: bool,
+    box: Callable[[str, Any], Box],
+) -> Reads:
+    """``tensors``: this rank's state dict (flattened); ``index``: the saved chunk index;
+    ``plain``: the saved names of the tensors that were not sharded (None: a checkpoint from
+    before they were recorded); ``home``: the rank whose files hold the plain tensors;
+    ``strict``: a model tensor missing from the checkpoint, or one the model lacks, is a
+    problem; ``box``: this rank's box of a sharded tensor."""
+    out = Reads(ranks={home})
+    for name, t in tensors.items():
+        entry = index.get(name)
+        if entry is None:
+            if isinstance(plain, dict) and name not in plain and name.startswith(MODEL):
+                if strict:  # neither sharded nor whole: refused before anything loads
+                    out.problems.append(f"{name}: not in the checkpoint")
+            elif shards.is_sharded(t):  # saved whole (FSDP1 on one rank is NO_SHARD)
+                out.needs[name] = box(name, t)
+                out.entries[name] = whole_entry(name, t, home)
+            continue  # a plain tensor: the home file's
+        if list(t.shape) != list(entry["shape"]) or dtype_code(name, t) != entry["dtype"]:
+            out.problems.append(
+                f"{name}: saved {entry['dtype']} {entry['shape']}, "
+                f"this model has {DTYPE_TO_ST.get(t.dtype, t.dtype)} {list(t.shape)}"
+            )
+            continue
+        # a plain tensor here that was saved sharded (resumed on one FSDP1 rank) is whole
+        need = out.needs[name] = box(name, t) if shards.is_sharded(t) else full_box(t)
+        out.entries[name] = entry
+        for r, offsets, sizes, *_ in entry["chunks"]:
+            if need.intersect(Box.of(offsets, sizes)) is not None and need.numel:
+                out.ranks.add(int(r))
+    unexpected = sorted(n for n in set(index) - set(tensors) if strict or not n.startswith(MODEL))
+    out.problems += [f"{n}: in the checkpoint, not in this model/optimizer" for n in unexpected]
+    return out
