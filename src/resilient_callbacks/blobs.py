@@ -266,6 +266,13 @@ class BlobStore:
         no save in flight pinned; return the names. Only the directory's writer calls this."""
         removed: list[str] = []
         with self._lock:
+            if os.path.islink(self.dir):
+                log.warning(
+                    "not deleting unused blobs: %s is a symbolic link, and what it points to "
+                    "may hold other files of that name",
+                    self.dir,
+                )
+                return removed
             try:
                 names = os.listdir(self.dir)
             except FileNotFoundError:

@@ -13,7 +13,7 @@ from . import catalog
 from .catalog import Depth, Entry, Status
 from .cli_format import CORRUPT, SIZES, UNVERIFIED, fmt_size, iso_time, print_json
 from .cli_scan import no_checkpoints, resolve
-from .commit import fsync_dir, remove_checkpoint
+from .commit import CKPT_RE, fsync_dir, remove_checkpoint
 from .errors import CheckpointError, CheckpointNotFoundError
 from .lock import DirLock
 from .manifest import read_manifest
@@ -254,8 +254,13 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
         m = e.manifest
         if m is None:
             age = -1.0 if e.modified is None else now - e.modified  # -1: time unknown
-            torn = bool(e.problem and e.problem.startswith("no manifest"))
-            if torn and age >= 0 and age > INCOMPLETE_AGE_S:
+            # only this library's names: another folder under the URL is not ours to delete
+            torn = bool(e.problem and e.problem.startswith("no manifest")) and bool(
+                CKPT_RE.match(e.name)
+            )
+            if not CKPT_RE.match(e.name):
+                kept.append((e, "not a checkpoint's name: left alone"))
+            elif torn and age >= 0 and age > INCOMPLETE_AGE_S:
                 doomed.append((e, f"upload without a manifest, untouched for {age / 3600:.0f} h"))
             else:
                 kept.append((e, f"{e.problem}; may be an upload in progress"))

@@ -59,7 +59,8 @@ def append(
         **{k: _finite(v) for k, v in fields.items()},
     }
     data = (json.dumps(rec, allow_nan=False, default=str) + "\n").encode()
-    fd = os.open(os.path.join(root, HISTORY_NAME), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW  # not through a symlink
+    fd = os.open(os.path.join(root, HISTORY_NAME), flags, 0o644)
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":

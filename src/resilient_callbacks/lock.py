@@ -18,7 +18,7 @@ import socket
 import time
 import weakref
 
-from .errors import CheckpointLockedError
+from .errors import CheckpointError, CheckpointLockedError
 
 LOCK_NAME = ".lock"
 
@@ -45,7 +45,14 @@ class DirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a symlink: the lock file is truncated and written
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if os.path.islink(self.path):
+                raise CheckpointError(
+                    f"{self.path} is a symbolic link; refusing to write through it (remove it)"
+                ) from None
+            raise e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -9,6 +9,7 @@ a manifest naming anything outside its own directory is rejected.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import re
@@ -116,16 +117,22 @@ class Manifest:
     def from_json(cls, d: dict[str, Any], where: str = "manifest") -> Manifest:
         if d.get("format") != FORMAT_NAME:
             raise CheckpointCorruptError(f"{where}: not a resilient_callbacks manifest")
-        if int(d.get("format_version", 0)) > FORMAT_VERSION:
+        try:
+            version = int(d.get("format_version", 0))
+        except (TypeError, ValueError, OverflowError):
+            raise CheckpointCorruptError(
+                f"{where}: malformed manifest (format_version={d.get('format_version')!r})"
+            ) from None
+        if version > FORMAT_VERSION:
             raise CheckpointCorruptError(
                 f"{where}: format version {d['format_version']} is newer than this library "
                 f"understands ({FORMAT_VERSION}); upgrade resilient-callbacks to read it"
             )
         try:
-            files = [FileEntry(**f) for f in d["files"]]
+            files = [_entry(f) for f in d["files"]]
             for f in files:
                 check_relative(f.path, where)
-            blobs = [FileEntry(**b) for b in d.get("blobs") or []]
+            blobs = [_entry(b) for b in d.get("blobs") or []]
             for b in blobs:
                 check_blob_name(b.path, where)
             return cls(
@@ -135,7 +142,7 @@ class Manifest:
                 world_size=int(d["world_size"]),
                 files=files,
                 metrics=dict(d.get("metrics") or {}),
-                created=float(d.get("created", 0.0)),
+                created=_finite(float(d.get("created", 0.0))),
                 reason=str(d.get("reason", "periodic")),
                 fingerprint=str(d.get("fingerprint", "")),
                 retention=dict(d.get("retention") or {}),
@@ -146,10 +153,32 @@ class Manifest:
             )
         except UnsafeManifestError:
             raise
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
             raise CheckpointCorruptError(
                 f"{where}: malformed manifest ({type(e).__name__}: {e})"
             ) from None
+
+
+def _finite(x: float) -> float:
+    if not math.isfinite(x):
+        raise ValueError(f"{x} is not a time")
+    return x
+
+
+def _entry(f: Any) -> FileEntry:
+    """A file entry of a manifest, its fields of the right types (a TypeError otherwise)."""
+    e = FileEntry(**f)
+    if not (
+        isinstance(e.path, str)
+        and type(e.size) is int
+        and e.size >= 0
+        and isinstance(e.xxh3_64, str)
+        and type(e.rank) is int
+        and isinstance(e.kind, str)
+        and isinstance(e.codec, str)
+    ):
+        raise TypeError(f"file entry {f!r:.200}: a field of the wrong type")
+    return e
 
 
 def check_relative(name: str, where: str = "manifest") -> None:
@@ -184,8 +213,8 @@ def read_manifest(ckpt_dir: str) -> Manifest:
             data = json.loads(f.read())
     except FileNotFoundError:
         raise
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"{path}: unreadable manifest ({e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointCorruptError(f"{path}: unreadable manifest ({type(e).__name__})") from None
     if not isinstance(data, dict):
         raise CheckpointCorruptError(f"{path}: manifest is not a JSON object")
     return Manifest.from_json(data, path)

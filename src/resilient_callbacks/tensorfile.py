@@ -444,8 +444,12 @@ def parse_header(
         raise CheckpointCorruptError(f"{path}: header length {hlen} exceeds the file size")
     try:
         header = json.loads(bytes(buf[8 : 8 + hlen]))
-    except ValueError as e:
-        raise CheckpointCorruptError(f"{path}: unreadable safetensors header: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(
+            f"{path}: unreadable safetensors header: {type(e).__name__}: {e}"
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointCorruptError(f"{path}: the safetensors header is not a JSON object")
     return header, 8 + hlen
 
 
@@ -469,13 +473,19 @@ def tensor_meta(path_or_buf: str | bytearray) -> dict[str, tuple[str, list[int]]
         header, _ = parse_header(buf, path_or_buf)
     else:
         header, _ = parse_header(path_or_buf)
-    return {
-        k: (
-            str(ST_TO_DTYPE[v["dtype"]]).removeprefix("torch.")
-            if v["dtype"] in ST_TO_DTYPE
-            else v["dtype"],
-            list(v["shape"]),
-        )
-        for k, v in header.items()
-        if k != "__metadata__"
-    }
+    try:
+        return {
+            k: (
+                str(ST_TO_DTYPE[v["dtype"]]).removeprefix("torch.")
+                if v["dtype"] in ST_TO_DTYPE
+                else str(v["dtype"]),
+                [int(d) for d in v["shape"]],
+            )
+            for k, v in header.items()
+            if k != "__metadata__"
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        where = path_or_buf if isinstance(path_or_buf, str) else "a tensor file"
+        raise CheckpointCorruptError(
+            f"{where}: malformed safetensors header ({type(e).__name__}: {e})"
+        ) from None

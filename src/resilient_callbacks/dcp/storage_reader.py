@@ -43,7 +43,7 @@ from ..errors import (
     ResumeFallbackWarning,
     UnsupportedStateError,
 )
-from ..manifest import MANIFEST_NAME, read_manifest
+from ..manifest import MANIFEST_NAME, check_relative, read_manifest
 from ..reader import by_commit, committed, find
 from ..tensorfile import read_verified
 from .chunks import join
@@ -143,15 +143,16 @@ class ResilientStorageReader(StorageReader):
                 mine = [r for r in range(manifest.world_size) if r % world == rank]
                 catalog.verify(path, manifest, Depth.FULL, ranks=mine)
                 raw = read_verified(os.path.join(path, METADATA_NAME), entry.digest)
-                result["meta"] = json.loads(bytes(raw))
-            except (CheckpointCorruptError, OSError, ValueError) as e:
+                result["meta"] = from_json(json.loads(bytes(raw)))
+                _check_storage(path, manifest, result["meta"][1])
+            except (CheckpointCorruptError, OSError, ValueError, KeyError, TypeError) as e:
                 result["problem"] = str(e)
             said = (
                 dist.all_gather_json(result["problem"], group) if together else [result["problem"]]
             )
             problems = [p for p in said if p]
             if not problems:
-                meta, self.storage = from_json(result["meta"])
+                meta, self.storage = result["meta"]
                 self.path, self.loaded_step = path, manifest.step
                 if self.skipped:
                     log.warning("dcp.load: restored %s after skipping %s", path, self.skipped)
@@ -240,6 +241,19 @@ def _global_rank(group: Any, rank: int) -> int:
     import torch.distributed as tdist
 
     return rank if group is None else int(tdist.get_global_rank(group, rank))
+
+
+def _check_storage(path: str, manifest: Any, storage: Any) -> None:
+    """Every file the metadata names is one the manifest lists (and so was verified): a
+    tampered metadata naming ``../x`` or another file is refused before anything is read."""
+    listed = {f.path for f in manifest.files}
+    for info in storage.values():
+        name = info["file"]
+        check_relative(name, f"{path}/{METADATA_NAME}")
+        if name not in listed:
+            raise CheckpointCorruptError(
+                f"{path}/{METADATA_NAME} names {name!r}, which the manifest does not list"
+            )
 
 
 def _within(path: str, root: str) -> bool:
