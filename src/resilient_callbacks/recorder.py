@@ -24,7 +24,6 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import dist, history
 from .adaptive import DEFAULT_PRIOR_MTBF_HOURS, HOUR
 from .interval import _daly
 from .metrics import PREFIX, Telemetry, fallback_reason
@@ -249,21 +248,6 @@ class Recorder:
                 useful = 0.0
         self.base_useful_s = useful if math.isfinite(useful) else 0.0
         self._compute_at_base = self._ck._trigger.compute_s
-        start, failures = None, 0
-        if self._ck.is_coordinator and inside:
-            events = history.read(self._ck.dirpath)
-            start, restarts = history.failures(events, manifest.run_id)
-            failures = len(restarts) + 1  # this restart is recorded right after
-        # every rank reports the same run (start, restarts); a directory without the run's
-        # history (restored from the remote tier on a new machine) has the start the
-        # checkpoint recorded
-        start, failures = dist.broadcast_json([start, failures])
-        saved_start = progress.get("run_start") if isinstance(progress, dict) else None
-        if isinstance(saved_start, (int, float)) and math.isfinite(saved_start):
-            start = saved_start if start is None else min(start, saved_start)
-        self.run_start, self.failures = start, max(failures, 1 if inside else 0)
-        if self.run_start is None:
-            self.run_start = time.time()
         t.set(PREFIX + "restore_seconds", seconds)
         t.set(PREFIX + "restored_step", manifest.step)
         t.step = manifest.step  # the run is at that step until the next step() says otherwise
@@ -279,6 +263,22 @@ class Recorder:
         }
         t.event("restore", step=manifest.step, **fields)
         return fields
+
+    def lineage(
+        self, manifest: Manifest, inside: bool, start: float | None, restarts: list[float]
+    ) -> None:
+        """Every rank, after a restore, with the same values (the run's start and restarts
+        from the history, this restart included): wall time and failures count from them. A
+        directory without the run's history (restored from the remote tier on a new machine)
+        has the start the checkpoint recorded."""
+        if not inside:  # another run's checkpoint: this run starts now
+            start, restarts = None, []
+        progress = manifest.extra.get("progress") if inside else None
+        saved = progress.get("run_start") if isinstance(progress, dict) else None
+        if isinstance(saved, (int, float)) and math.isfinite(saved):
+            start = saved if start is None else min(start, saved)
+        self.run_start = start if start is not None else time.time()
+        self.failures = max(len(restarts), 1) if inside else 0
 
     def preemption(self, step: int, source: str) -> None:
         self.t.inc(PREFIX + "preemptions_total")

@@ -277,12 +277,12 @@ class Restorer:
             d.record("restart", manifest.step, **fields)  # a resume: the run stopped early
             ck._recorder.record_deferred()  # the fallbacks on the way to this checkpoint
             d.check_foreign(stacklevel=5)  # the caller of Checkpointer.restore
-        if schedule is not None:
-            events = history.read(ck.dirpath) if ck.is_coordinator else []
-            start, restarts = history.failures(events, d.run_id)
-            start, restarts = dist.broadcast_json([start, restarts])
-            if start is not None:
-                schedule.set_restart_history(restarts, start)
+        # the run's start and restarts (this one included), read once, the same on every rank
+        events = history.read(ck.dirpath) if ck.is_coordinator else []
+        start, restarts = dist.broadcast_json(list(history.failures(events, d.run_id)))
+        ck._recorder.lineage(manifest, inside, start, restarts)
+        if schedule is not None and start is not None:
+            schedule.set_restart_history(restarts, start)
         if ck.is_coordinator and inside and d.sync is not None:
             self._reconcile_uploads()
         if ck.is_coordinator and inside and ck.config.resume == ResumeMode.AUTO:
