@@ -154,8 +154,10 @@ class Checkpointer:
         self._sink_specs = self.config.sinks()
         #: the kinds of sink ``telemetry`` names ("logger": the adapters log to the framework)
         self.telemetry_kinds = frozenset(s.kind for s in self._sink_specs)
-        # telemetry="logger" goes through a framework's loggers: the callbacks set this
+        # telemetry="logger" goes through a framework's loggers: the callbacks set this; a
+        # Checkpointer without one says so at its first save (once)
         self.logs_through_framework = False
+        self._logger_unchecked = "logger" in self.telemetry_kinds
         self.dirpath: str = self.config.dirpath
         self.retention = self.config.local_retention_policy()
         self.rank = dist.rank()
@@ -273,8 +275,8 @@ class Checkpointer:
         return self._saver.blocking_seconds
 
     def _check_logger_sink(self) -> None:
-        if "logger" in self.telemetry_kinds and not self.logs_through_framework:
-            self.telemetry_kinds = self.telemetry_kinds - {"logger"}  # said once
+        self._logger_unchecked = False
+        if not self.logs_through_framework:
             sinks.warn_logger_without_framework()
 
     def saves_on_caller_schedule(self, description: str) -> None:
@@ -404,7 +406,8 @@ class Checkpointer:
         of this step and, with ``exit_on_preemption`` (default), exits the process with
         ``preemption_exit_code`` (75); otherwise it returns and sets :attr:`preempted`."""
         self._check_open()
-        self._check_logger_sink()
+        if self._logger_unchecked:
+            self._check_logger_sink()
         self._trigger.step_started()
         self._recorder.tick(step)
         try:
@@ -442,7 +445,8 @@ class Checkpointer:
         """Save now. Returns False (and writes nothing) if the last checkpoint this Checkpointer
         committed or restored is of this same ``step`` (the same state, saved twice)."""
         self._check_open()
-        self._check_logger_sink()
+        if self._logger_unchecked:
+            self._check_logger_sink()
         return self._save_outside_step(step, state, metrics, "forced", "save() called")
 
     def _save_outside_step(

@@ -4,6 +4,7 @@ directory. Imported only when one of them runs (it imports torch through the cat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -38,15 +39,7 @@ def _policy(entries: list[Entry], keep_last: int | None) -> RetentionPolicy:
     base = RetentionPolicy()
     if newest is not None and newest.manifest is not None and newest.manifest.retention:
         base = RetentionPolicy.from_json(newest.manifest.retention)
-    if keep_last is None:
-        return base
-    return RetentionPolicy(
-        keep_last=keep_last,
-        keep_best=base.keep_best,
-        monitor=base.monitor,
-        mode=base.mode,
-        keep_every_n_steps=base.keep_every_n_steps,
-    )
+    return base if keep_last is None else dataclasses.replace(base, keep_last=keep_last)
 
 
 def _plan(entries: list[Entry], keep_last: int | None = None) -> tuple[Plan, str | None]:

@@ -4,6 +4,7 @@ talk to a remote store (any fsspec URL). Imported only when one of them runs."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -245,7 +246,7 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
         )
     policy = RetentionPolicy.from_json(recorded)
     if args.keep_last is not None:
-        policy = RetentionPolicy.from_json(policy.to_json() | {"keep_last": args.keep_last})
+        policy = dataclasses.replace(policy, keep_last=args.keep_last)
     p = plan(retention_candidates(committed), policy, run_id)
     now = time.time()
     doomed: list[tuple[Any, str]] = []
@@ -254,11 +255,8 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
         m = e.manifest
         if m is None:
             age = -1.0 if e.modified is None else now - e.modified  # -1: time unknown
-            # only this library's names: another folder under the URL is not ours to delete
-            torn = bool(e.problem and e.problem.startswith("no manifest")) and bool(
-                CKPT_RE.match(e.name)
-            )
-            if not CKPT_RE.match(e.name):
+            torn = bool(e.problem and e.problem.startswith("no manifest"))
+            if not CKPT_RE.match(e.name):  # another folder under the URL: not ours to delete
                 kept.append((e, "not a checkpoint's name: left alone"))
             elif torn and age >= 0 and age > INCOMPLETE_AGE_S:
                 doomed.append((e, f"upload without a manifest, untouched for {age / 3600:.0f} h"))

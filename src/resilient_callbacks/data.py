@@ -175,11 +175,8 @@ class ResumableDataLoader(DataLoader):
             sampler.set_position(self.epoch, 0, fresh=True)
         elif self.batches_consumed >= len(self):
             # The epoch is over though its iterator had not run out when the state was saved:
-            # asking for the next batch makes the sampler finish (RandomSampler's trailing
-            # draw, if it has not happened) and ends the epoch; no iterator, no base seed.
-            sampler.set_position(self.epoch, len(sampler))
-            for _ in sampler:
-                pass
+            # asking for the next batch ends it; no iterator, no base seed.
+            self._finish_sampler()
             return self._epoch_over(self.epoch)
         else:
             sampler.set_position(self.epoch, self.batches_consumed * self.batch_size)
@@ -196,6 +193,15 @@ class ResumableDataLoader(DataLoader):
             it = super().__iter__()
         self._restored_persistent = False
         return self._iterate(it)
+
+    def _finish_sampler(self) -> None:
+        """Run the current epoch's sampler to its end past its last index, as an iterator
+        that runs out does: RandomSampler's trailing draw, if it has not happened."""
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler)
+        sampler.set_position(self.epoch, len(sampler))
+        for _ in sampler:
+            pass
 
     def _epoch_over(self, epoch: int) -> Iterator[Any]:
         """The pass of ``epoch``, whose batches were all handed out: it ends the epoch -- unless
@@ -234,13 +240,8 @@ class ResumableDataLoader(DataLoader):
             return  # the loop announces an epoch the resumed run had trained: skipped anyway
         if self.batches_consumed and self.batches_consumed >= len(self):
             # the epoch's batches were all handed out (a resume at its last batch) but its
-            # iterator had not run out, as the uninterrupted loop's did: finish the sampler
-            # (RandomSampler's trailing draw) before moving on
-            sampler = self.sampler
-            assert isinstance(sampler, ResumableSampler)
-            sampler.set_position(self.epoch, len(sampler))
-            for _ in sampler:
-                pass
+            # iterator had not run out, as the uninterrupted loop's did
+            self._finish_sampler()
         self.epoch, self.batches_consumed, self._started = int(epoch), 0, False
 
     def state_dict(self) -> dict[str, Any]:

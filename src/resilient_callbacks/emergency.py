@@ -22,6 +22,7 @@ import torch
 from . import rng, statetree, structure
 from .errors import CheckpointError
 from .filepart import FilePart
+from .optim import hookable
 from .preemption import MetadataPoller, PreemptionWatcher
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ class Emergency:
             def post_step(*_: Any, _flag: list[bool] = stepped) -> None:
                 _flag[0] = True
 
-            self._step_watch[id(opt)] = structure.hookable(opt).register_step_post_hook(post_step)
+            self._step_watch[id(opt)] = hookable(opt).register_step_post_hook(post_step)
 
     def release(self) -> None:
         """Remove the optimizer hooks and forget the consistent point (close)."""

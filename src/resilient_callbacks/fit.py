@@ -11,6 +11,7 @@ import torch
 
 from .errors import CheckpointMismatchError
 from .filepart import FilePart
+from .optim import hookable
 from .structure import (
     TAG,
     PerRank,
@@ -20,7 +21,6 @@ from .structure import (
     _node_seq,
     _qualname,
     _short,
-    hookable,
     is_stateful,
     path_str,
 )

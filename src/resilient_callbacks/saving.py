@@ -31,6 +31,7 @@ from .background import BackgroundPersister
 from .compression import Chooser
 from .errors import CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts, PartBuffers
+from .optim import hookable
 from .part_blobs import PartBlobs
 from .persisting import Prepared, persist
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
@@ -201,7 +202,7 @@ class Saver:
                     self.persister.submit(functools.partial(job, quiet=True))
                 ck._recorder.save_failed(step, local_exc)
                 raise _prepare_error(local_exc, step, ck.rank, ck.dirpath)
-            self._observe_save(blocking)  # before the job writes the manifest, which counts it
+            self.observe_save(blocking)  # before the job writes the manifest, which counts it
             self.persister.submit(job)
             ck.last_saved_step = step
             ck._trigger.mark(step)
@@ -222,13 +223,11 @@ class Saver:
         st = sync.status()
         return st.uploaded_bytes / st.upload_seconds if st.upload_seconds > 0 else None
 
-    def observe_sync_save(self, seconds: float) -> None:
-        """A synchronous save, about to commit, took ``seconds`` so far: measured before its
-        manifest is written, so the schedule state the manifest carries counts this save (a
-        run resumed from it does not warm up again)."""
-        self._observe_save(seconds)
-
-    def _observe_save(self, blocking: float) -> None:
+    def observe_save(self, blocking: float) -> None:
+        """A save blocked the loop ``blocking`` seconds: measured before its manifest is
+        written (a background save at its submission, a synchronous one before its commit), so
+        the schedule state the manifest carries counts this save (a run resumed from it does
+        not warm up again)."""
         self.save_seconds.append(blocking)
         schedule = self.ck.schedule
         if schedule is not None:
@@ -362,7 +361,7 @@ class Saver:
         optimizers = statetree.optimizers(state) + (parts.optimizers() if parts else [])
         for opt in optimizers:
             if id(opt) not in self._hooked:
-                self._hooked[id(opt)] = structure.hookable(opt).register_step_pre_hook(pre_step)
+                self._hooked[id(opt)] = hookable(opt).register_step_pre_hook(pre_step)
 
     def release(self) -> None:
         """close(): remove the optimizer hooks and destroy the background group."""

@@ -27,6 +27,7 @@ import torch
 
 from .errors import CheckpointMismatchError, UnsupportedStateError
 from .filepart import FilePart
+from .optim import hookable
 from .tensorfile import DTYPE_TO_ST
 
 SAVEABLE_DTYPES = tuple(DTYPE_TO_ST)
@@ -62,20 +63,6 @@ def is_stateful(obj: Any) -> bool:
         and callable(getattr(obj, "state_dict", None))
         and callable(getattr(obj, "load_state_dict", None))
     )
-
-
-def hookable(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose step hooks fire when ``opt`` steps: ``opt`` itself, or the one a
-    wrapper that never ran ``Optimizer.__init__`` steps (accelerate's ``AcceleratedOptimizer``,
-    ``.optimizer``)."""
-    for _ in range(4):
-        inner = getattr(opt, "optimizer", None)
-        if hasattr(opt, "_optimizer_step_pre_hooks") or not isinstance(
-            inner, torch.optim.Optimizer
-        ):
-            break
-        opt = inner
-    return opt
 
 
 def path_str(path: tuple[Any, ...]) -> str:

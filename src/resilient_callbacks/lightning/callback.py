@@ -47,7 +47,7 @@ from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME
 from . import checks, deepspeed, patches, save_logs, sharded
 from . import state as st
-from .loaders import CYCLED, ResumableDataLoader, cycled_loaders, make_resumable
+from .loaders import prepare_train_loaders
 from .on_exception import ExceptionSave
 
 log = logging.getLogger("resilient_callbacks.lightning")
@@ -290,44 +290,8 @@ class ResilientCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ dataloaders
 
     def _prepare_loaders(self, trainer: pl.Trainer) -> None:
-        combined = trainer.fit_loop._combined_loader
-        if combined is None:
-            return
-        loaders = list(combined.flattened)
-        cycled = cycled_loaders(combined)
-        changed = False
-        for i, dl in enumerate(loaders):
-            if isinstance(dl, ResumableDataLoader):
-                continue  # its sampler follows Lightning's set_epoch calls by itself
-            if not self.make_dataloaders_resumable:
-                continue
-            reason: str | None
-            if i in cycled:
-                new, reason = dl, CYCLED
-            else:
-                new, reason = make_resumable(dl, self.data_seed)
-            if new is not dl:
-                loaders[i], changed = new, True
-            elif reason is not None:
-                self._unresumable.append(reason)
-                if trainer.is_global_zero and reason is CYCLED:
-                    log.warning(
-                        "train dataloader %d: %s. A resume in the middle of an epoch restarts "
-                        "its pass (a loader that is cycled has no exact resume yet); an "
-                        "uninterrupted run is unchanged.",
-                        i,
-                        reason,
-                    )
-                elif trainer.is_global_zero:
-                    log.warning(
-                        "the train dataloader cannot be made resumable automatically (%s): a "
-                        "resume in the middle of an epoch restarts that epoch's data. Use "
-                        "resilient_callbacks.ResumableDataLoader or torchdata's "
-                        "StatefulDataLoader for an exact resume.",
-                        reason,
-                    )
-        if changed:
-            combined.flattened = loaders
+        if self.make_dataloaders_resumable:
+            self._unresumable += prepare_train_loaders(trainer, self.data_seed)
 
     @staticmethod
     def _marks(trainer: pl.Trainer) -> dict[str, bool]:

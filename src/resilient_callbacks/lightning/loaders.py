@@ -22,6 +22,7 @@ call on to its ``ResumableDataLoader``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch.utils.data import (
@@ -110,6 +111,8 @@ def _is_stateful(obj: Any) -> bool:
     )
 
 
+log = logging.getLogger("resilient_callbacks")
+
 CYCLED = (
     "Lightning's CombinedLoader (mode 'max_size_cycle') restarts this shorter loader within an "
     "epoch; rebuilt, it would number those restarts as epochs of its own and no longer draw "
@@ -132,3 +135,43 @@ def cycled_loaders(combined: Any) -> set[int]:
         return set()
     longest = max(lengths.values())
     return {i for i, n in lengths.items() if n < longest}
+
+
+def prepare_train_loaders(trainer: Any, seed: int | None) -> list[str]:
+    """The fit loop's train loaders made resumable where they are not (the loaders of a
+    ``CombinedLoader`` replaced in place); returns why each one left as it is cannot resume
+    exactly, warned about on global rank zero."""
+    combined = trainer.fit_loop._combined_loader
+    if combined is None:
+        return []
+    loaders = list(combined.flattened)
+    cycled = cycled_loaders(combined)
+    changed, reasons = False, []
+    for i, dl in enumerate(loaders):
+        if isinstance(dl, ResumableDataLoader):
+            continue  # its sampler follows Lightning's set_epoch calls by itself
+        reason: str | None
+        new, reason = (dl, CYCLED) if i in cycled else make_resumable(dl, seed)
+        if new is not dl:
+            loaders[i], changed = new, True
+        elif reason is not None:
+            reasons.append(reason)
+            if trainer.is_global_zero and reason is CYCLED:
+                log.warning(
+                    "train dataloader %d: %s. A resume in the middle of an epoch restarts "
+                    "its pass (a loader that is cycled has no exact resume yet); an "
+                    "uninterrupted run is unchanged.",
+                    i,
+                    reason,
+                )
+            elif trainer.is_global_zero:
+                log.warning(
+                    "the train dataloader cannot be made resumable automatically (%s): a "
+                    "resume in the middle of an epoch restarts that epoch's data. Use "
+                    "resilient_callbacks.ResumableDataLoader or torchdata's "
+                    "StatefulDataLoader for an exact resume.",
+                    reason,
+                )
+    if changed:
+        combined.flattened = loaders
+    return reasons

@@ -34,9 +34,7 @@ def after_step(
         last = ckpt.last_save
         if last is not None and last is not logged:
             logged = last
-            out["resilient/save_s"] = last.seconds
-            out["resilient/save_mb"] = last.bytes / 1e6
-            out["resilient/saved_step"] = float(last.step)
+            out.update(_committed(last))
             if not ckpt.config.async_save:
                 out["resilient/blocking_s"] = last.seconds
     if out:
@@ -61,17 +59,19 @@ def at_end(
     last = ckpt.last_save
     if log_stats and last is not None and last is not logged:
         logged = last
-        _log(
-            trainer,
-            {
-                "resilient/save_s": last.seconds,
-                "resilient/save_mb": last.bytes / 1e6,
-                "resilient/saved_step": float(last.step),
-            },
-        )
+        _log(trainer, _committed(last))
     if "logger" in ckpt.telemetry_kinds:
         _log(trainer, ckpt.metrics())
     return logged
+
+
+def _committed(last: SaveStats) -> dict[str, float]:
+    """What is logged of a committed save."""
+    return {
+        "resilient/save_s": last.seconds,
+        "resilient/save_mb": last.bytes / 1e6,
+        "resilient/saved_step": float(last.step),
+    }
 
 
 def _log(trainer: pl.Trainer, values: dict[str, Any]) -> None:

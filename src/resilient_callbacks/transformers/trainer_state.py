@@ -11,12 +11,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from accelerate.optimizer import AcceleratedOptimizer
 from transformers.trainer_callback import ExportableState
 
 from .. import dist
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointMismatchError
+from ..optim import hookable
 from ..structure import PerRank
 from . import under_deepspeed, under_fsdp
 
@@ -57,9 +57,7 @@ class SavedState:
     def build(self, trainer: Any, epoch_rng: torch.Tensor | None) -> dict[str, Any]:
         """Every rank, at ``train()``'s start (the objects exist): the tree, pointing at the
         Trainer's live objects (``epoch_rng``: as for :meth:`refresh`)."""
-        opt = trainer.optimizer
-        if isinstance(opt, AcceleratedOptimizer):
-            opt = opt.optimizer  # the torch optimizer itself (its step hooks fire)
+        opt = hookable(trainer.optimizer)  # the torch optimizer itself (its step hooks fire)
         self.rank_values = {
             "tr_loss": trainer._tr_loss,
             "current_flos": float(trainer.current_flos),
