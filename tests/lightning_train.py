@@ -12,7 +12,12 @@ What makes resuming it exactly non-trivial:
   8: 13 batches per epoch, the last one of 4, so steps cross epoch boundaries mid-schedule;
 - validation every ``--val-every`` batches through a plain val ``DataLoader`` (creating its
   iterator draws from the global torch RNG) and a sanity check at start;
-- AdamW with a per-step StepLR schedule.
+- AdamW with a per-step StepLR schedule;
+- with ``--plateau``, two ``ReduceLROnPlateau`` schedulers on ``val_loss`` as well: one every
+  3 steps (``strict=False``: it skips steps before the first validation; later it reads the
+  newest validation's loss), one at each epoch's end;
+- with ``--epoch-hooks``, ``on_train_epoch_start`` and ``on_train_epoch_end`` each draw from
+  the torch RNG (any work there: the draw shifts every later dropout mask).
 
 Outputs: ``--out-jsonl``: one line per trained step, written in ``training_step`` before the
 optimizer step, ``{"step", "loss" (float.hex), "epoch", "batch", "rank"}``, fsynced; ``--out-
@@ -75,8 +80,17 @@ class Data(L.LightningDataModule):
 
 
 class Net(L.LightningModule):
-    def __init__(self, out_jsonl: str, fail_at: int = 0, sleep: float = 0.0) -> None:
+    def __init__(
+        self,
+        out_jsonl: str,
+        fail_at: int = 0,
+        sleep: float = 0.0,
+        plateau: bool = False,
+        epoch_hooks: bool = False,
+    ) -> None:
         super().__init__()
+        self.plateau = plateau
+        self.epoch_hooks = epoch_hooks
         self.save_hyperparameters({"lr": 1e-2, "hidden": HIDDEN})
         self.net = nn.Sequential(
             nn.Linear(IN_DIM, HIDDEN),
@@ -153,7 +167,33 @@ class Net(L.LightningModule):
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.8)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if not self.plateau:
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def plateau():  # never "better" by a factor of 10: reduces at every call
+            return torch.optim.lr_scheduler.ReduceLROnPlateau(
+                opt, factor=0.9, patience=0, threshold=10.0
+            )
+
+        return [opt], [
+            {"scheduler": sched, "interval": "step"},
+            {
+                "scheduler": plateau(),
+                "interval": "step",
+                "frequency": 3,
+                "monitor": "val_loss",
+                "strict": False,
+            },
+            {"scheduler": plateau(), "interval": "epoch", "monitor": "val_loss"},
+        ]
+
+    def on_train_epoch_start(self):
+        if self.epoch_hooks:
+            torch.rand(1)
+
+    def on_train_epoch_end(self):
+        if self.epoch_hooks:
+            torch.rand(1)
 
     def on_fit_end(self):
         if self._log is not None:
@@ -270,6 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the same run without ours, and without Lightning's default ModelCheckpoint",
     )
+    p.add_argument("--plateau", action="store_true", help="ReduceLROnPlateau schedulers too")
+    p.add_argument("--epoch-hooks", action="store_true", help="epoch start/end hooks draw")
     p.add_argument("--data-seed", type=int, default=None, help="ResilientCheckpoint(data_seed=)")
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-params", required=True)
@@ -287,6 +329,8 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
         args.out_jsonl + (f".rank{rank}" if args.devices > 1 else ""),
         fail_at=args.fail_at,
         sleep=args.sleep,
+        plateau=args.plateau,
+        epoch_hooks=args.epoch_hooks,
     )
     model.fsdp2 = args.fsdp2
     model.fsdp1 = args.fsdp1

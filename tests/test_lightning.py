@@ -246,6 +246,31 @@ def test_resume_from_each_kind_of_step_is_bit_exact(tmp_path, reference, loader)
         _assert_same_run(ref, work, places=loader == "plain" or k != 13)
 
 
+@pytest.mark.parametrize(
+    ("val_every", "stops"),
+    [(6, (6, 13, 18)), (0, (13, 18))],
+    ids=["val-every-6", "val-at-epoch-end"],
+)
+def test_resume_is_exact_with_epoch_hooks_and_plateau_schedulers(tmp_path, val_every, stops):
+    """The work Lightning does after a step's batch -- validation, ``ReduceLROnPlateau`` every 3
+    steps and at each epoch's end (on ``val_loss``), ``on_train_epoch_end`` and the next
+    ``on_train_epoch_start`` -- is in the checkpoint or redone at the resume, once. Found
+    2026-11-25: from a checkpoint of an epoch's last batch the epoch-end and next epoch-start
+    hooks were skipped; a plateau reduction due right after the saved step was lost; the
+    epoch-end reduction was skipped after any resume; and a re-run after a save followed by
+    validation raised Lightning's "ReduceLROnPlateau conditioned on metric val_loss which is not
+    available". Stops: 6 (validation follows), 13 (an epoch's last batch), 18 (mid-epoch)."""
+    opts = ("--plateau", "--epoch-hooks", "--val-every", str(val_every))
+    ref = tmp_path / "ref"
+    _run_inprocess(_argv(ref, *opts))
+    for k in stops:
+        work = tmp_path / f"k{k}"
+        _run_inprocess(_argv(work, "--max-steps", str(k), *opts))
+        rc, _ = _run_inprocess(_argv(work, *opts))
+        assert rc.restored_step == k
+        _assert_same_run(ref, work)
+
+
 def test_a_persistent_validation_loader_resumes_exactly(tmp_path, reference):
     """The val loader keeps 2 workers (persistent_workers=True), no sanity check: the
     uninterrupted run makes its iterator at its first validation (end of epoch 0, step 13) and

@@ -19,9 +19,9 @@ How it plugs into ``Trainer.fit`` (Lightning 2.x):
 - ``on_train_start``: puts the restored RNG states back right before the first batch (creating
   dataloader iterators and the sanity check draw from them in between) and takes SIGTERM /
   SIGUSR1 back from Lightning's signal connector.
-- step boundary: ``on_train_batch_end`` after an optimizer step, or ``on_validation_end`` when
-  validation runs right after that batch, so a checkpoint never sits between a step and its
-  validation; there ``Checkpointer.step`` decides and saves (and handles preemption).
+- step boundary: a batch that made an optimizer step is handed to ``Checkpointer.step`` (which
+  decides, saves and handles preemption) once Lightning finished it: after its validation and
+  plateau schedulers, and at an epoch's last batch after the epoch's end (:mod:`.boundary`).
 - ``on_before_optimizer_step``: waits for the overlapped snapshot copy of the previous save.
 """
 
@@ -45,7 +45,7 @@ from ..adapter import check_options, with_section
 from ..checkpointer import Checkpointer, SaveStats
 from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME
-from . import checks, deepspeed, patches, save_logs, sharded
+from . import boundary, checks, deepspeed, patches, save_logs, sharded
 from . import state as st
 from .loaders import prepare_train_loaders
 from .on_exception import ExceptionSave
@@ -136,7 +136,8 @@ class ResilientCheckpoint(Checkpoint):
         self._resumed_stopped = False  # the checkpoint restored is the step a run stopped at
         self._val_iterators_made = False  # ... and the run's persistent val iterators existed
         self._last_step: int | None = None
-        self._pending: tuple[int, Any] | None = None
+        self._step_end: boundary.StepEnd | None = None  # a step waiting for Lightning's work
+        self._resume: boundary.Resume | None = None
         self._our_handlers: dict[int, Any] = {}
         self._on_exception = ExceptionSave()
         self._step_hooks: list[Any] = []
@@ -199,11 +200,21 @@ class ResilientCheckpoint(Checkpoint):
 
     def _patch(self, trainer: pl.Trainer) -> None:
         self._unpatch_all()
+
+        def resumed(method: str) -> Any:
+            return lambda: self._resume and getattr(self._resume, method)(trainer)
+
         self._unpatch = patches.wrap_fit(
             trainer,
-            functools.partial(self._resume_start, trainer),
-            functools.partial(self._prepare_loaders, trainer),
-            functools.partial(self._val_loaders_ready, trainer),
+            patches.FitHooks(
+                resume_start=functools.partial(self._resume_start, trainer),
+                before_loader_states=functools.partial(self._prepare_loaders, trainer),
+                after_val_setup=functools.partial(self._val_loaders_ready, trainer),
+                after_batch=functools.partial(self._after_batch, trainer),
+                before_epoch_start=resumed("before_epoch_start"),
+                before_epoch_end=resumed("before_epoch_end"),
+                after_epoch_end=functools.partial(self._after_epoch_end, trainer),
+            ),
         )
 
     def _unpatch_all(self) -> None:
@@ -262,6 +273,7 @@ class ResilientCheckpoint(Checkpoint):
         conn._loaded_checkpoint = checkpoint
         self.restored_step = step
         self._resume_rng = rng.capture()  # restored by the core; re-applied at on_train_start
+        self._resume = boundary.Resume(checkpoint)
         self._resumed_stopped = bool(checkpoint.pop(st.STOPPED_KEY, False))
         self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
         loops = checkpoint.get("loops", {}).get("fit_loop", {})
@@ -294,11 +306,16 @@ class ResilientCheckpoint(Checkpoint):
             self._unresumable += prepare_train_loaders(trainer, self.data_seed)
 
     @staticmethod
-    def _marks(trainer: pl.Trainer) -> dict[str, bool]:
+    def _marks(trainer: pl.Trainer, epoch_end: bool) -> dict[str, Any]:
         """What a save at this step boundary records besides Lightning's dictionary (asked
         only when a save happens, before a preemption sets ``should_stop``)."""
         made = any(dl._iterator is not None for dl in patches.persistent_val_loaders(trainer))
-        return {st.STOPPED_KEY: bool(trainer.should_stop), st.VAL_ITERATORS_KEY: made}
+        return {
+            st.STOPPED_KEY: bool(trainer.should_stop),
+            st.VAL_ITERATORS_KEY: made,
+            boundary.EPOCH_END_KEY: epoch_end,
+            boundary.METRICS_KEY: boundary.saved_metrics(trainer),
+        }
 
     def _val_loaders_ready(self, trainer: pl.Trainer) -> None:
         """The validation loop built its loaders. In a run resumed at a step where the
@@ -347,6 +364,8 @@ class ResilientCheckpoint(Checkpoint):
         if self.save_on_exception:
             self._step_hooks = self._on_exception.hook_optimizers(trainer.optimizers)
         self._last_step = trainer.global_step
+        if self._resume is not None:
+            self._resume.train_start(trainer)
         if self._resume_rng is not None:
             # Between restore and here, Lightning created dataloader iterators (a seed draw
             # each) and ran the sanity check; the interrupted run did neither at this point.
@@ -364,13 +383,12 @@ class ResilientCheckpoint(Checkpoint):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._pending is not None:
+        if self._step_end is not None:
             log.debug(
-                "validation expected after step %d did not run; that step was not considered "
-                "for a checkpoint",
-                self._pending[0],
+                "Lightning did not finish step %d; it was not considered for a checkpoint",
+                self._step_end.step,
             )
-            self._pending = None
+            self._step_end = None
 
     def on_train_batch_end(
         self,
@@ -387,17 +405,15 @@ class ResilientCheckpoint(Checkpoint):
             return  # accumulating gradients: no optimizer step in this batch
         self._last_step = step
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if checks.validation_follows(trainer):
-            self._pending = (step, loss)  # saved in on_validation_end, after that validation
-            return
-        self._boundary(trainer, step, loss)
+        self._step_end = boundary.step_end(trainer, step, loss)
 
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or self._pending is None:
-            return
-        step, loss = self._pending
-        self._pending = None
-        self._boundary(trainer, step, loss)
+    def _after_batch(self, trainer: pl.Trainer) -> None:
+        if self._step_end is not None and not boundary.ends_epoch(trainer):
+            self._boundary(trainer, epoch_end=False)
+
+    def _after_epoch_end(self, trainer: pl.Trainer) -> None:
+        if self._step_end is not None:
+            self._boundary(trainer, epoch_end=True)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
@@ -407,10 +423,14 @@ class ResilientCheckpoint(Checkpoint):
         if self.checkpointer is not None:
             self.checkpointer.wait_for_snapshot()
 
-    def _boundary(self, trainer: pl.Trainer, step: int, loss: Any) -> None:
-        ckpt, ctx, state = self.checkpointer, self._ctx, self._state
-        assert ckpt is not None and ctx is not None and state is not None
-        ctx.reset(marks=functools.partial(self._marks, trainer))
+    def _boundary(self, trainer: pl.Trainer, epoch_end: bool) -> None:
+        """Lightning finished the step in ``self._step_end``: hand it to the Checkpointer."""
+        ckpt, ctx, state, end = self.checkpointer, self._ctx, self._state, self._step_end
+        assert ckpt is not None and ctx is not None and state is not None and end is not None
+        self._step_end = None
+        step, loss = end.step, end.loss
+        ctx.reset(marks=functools.partial(self._marks, trainer, epoch_end))
+        ctx.fit_loop_override = end.fit_loop
         metrics = st.finite_metrics(trainer.callback_metrics)
         loss_key = self._kwargs.get("loss_key", "loss")
         if self._kwargs.get("loss_jump") and loss_key not in metrics and loss is not None:
@@ -419,10 +439,10 @@ class ResilientCheckpoint(Checkpoint):
         if ckpt.preempted:
             self.preempted = True
             trainer.should_stop = True  # exit_on_preemption=False: stop after this step
-        elif not saved and checks.is_final(trainer):
+        elif not saved and checks.is_final(trainer, epoch_end):
             saved = ckpt.save(step, state, metrics)
         if self.save_on_exception and ckpt.world_size == 1:
-            self._on_exception.remember(trainer, step)
+            self._on_exception.remember(trainer, step, end.fit_loop)
         self._logged_save = save_logs.after_step(
             trainer, ckpt, saved, self.log_stats, self._logged_save
         )

@@ -71,32 +71,16 @@ def signals(trainer: pl.Trainer) -> tuple[str, ...]:
     return tuple(sigs)
 
 
-def validation_follows(trainer: pl.Trainer) -> bool:
-    """Whether Lightning runs validation right after this training batch."""
-    if getattr(trainer, "_val_check_time_interval", None) is not None:
-        return False  # decided by wall time after this hook: cannot be predicted
-    epoch_loop = trainer.fit_loop.epoch_loop
-    fetcher = trainer.fit_loop._data_fetcher
-    if fetcher is None:
-        return False
-    try:
-        if not epoch_loop._should_check_val_fx(fetcher):
-            return False
-    except Exception:
-        return False
-    max_batches = epoch_loop.val_loop._max_batches
-    return not max_batches or sum(max_batches) > 0
-
-
-def is_final(trainer: pl.Trainer) -> bool:
-    """Whether training ends after this step (so it is saved whatever the schedule says)."""
+def is_final(trainer: pl.Trainer, epoch_end: bool) -> bool:
+    """Whether training ends after this step (so it is saved whatever the schedule says).
+    ``epoch_end``: asked after the end of the step's epoch (Lightning counted it)."""
     if trainer.should_stop:
         return True
     if trainer.max_steps not in (-1, None) and trainer.global_step >= trainer.max_steps:
         return True
     max_epochs = trainer.max_epochs
-    if max_epochs is not None and max_epochs != -1 and trainer.is_last_batch:
-        return trainer.current_epoch + 1 >= max_epochs
+    if max_epochs is not None and max_epochs != -1 and epoch_end:
+        return trainer.current_epoch >= max_epochs  # counts the epoch that just ended
     return False
 
 

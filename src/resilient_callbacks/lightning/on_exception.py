@@ -12,7 +12,6 @@ are already those of a step that did not finish, and nothing is saved: say so).
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -52,12 +51,13 @@ class ExceptionSave:
 
         return [o.register_step_post_hook(stepped) for o in optimizers]
 
-    def remember(self, trainer: pl.Trainer, step: int) -> None:
-        """End of a completed step (one rank): what a save of this step needs later."""
+    def remember(self, trainer: pl.Trainer, step: int, fit_loop: dict[str, Any]) -> None:
+        """End of a completed step (one rank): what a save of this step needs later;
+        ``fit_loop``: the loop state saved for that step (not changed later)."""
         module = trainer.lightning_module
         self._boundary = _Boundary(
             step=step,
-            fit_loop=copy.deepcopy(trainer.fit_loop.state_dict()),
+            fit_loop=fit_loop,
             rng_state=rng.capture(),
             buffers={name: b.detach().clone() for name, b in module.named_buffers()},
         )

@@ -8,7 +8,11 @@ trainer instance, and their unwrapping at ``teardown``:
 - ``fit_loop.epoch_loop.val_loop.increment_progress_to_evaluation_end``: run with the random
   streams isolated (see :func:`wrap_fit`);
 - ``fit_loop.epoch_loop.val_loop.setup_data`` (before each validation creates its loaders'
-  iterators): the callback gets to adjust the val loaders it built.
+  iterators): the callback gets to adjust the val loaders it built;
+- ``fit_loop.epoch_loop.on_advance_end`` (a training batch's validation, step-interval plateau
+  schedulers and bookkeeping) and ``fit_loop.on_advance_end`` (the epoch-end hooks and
+  epoch-interval plateau schedulers): a step is saved once Lightning finished its work;
+- ``fit_loop.on_advance_start`` (the epoch-start hooks): a resume from an epoch's end runs them.
 
 Which ranks call what: every rank wraps its own trainer in ``setup`` (Lightning runs every hook
 on every rank); nothing here runs a collective.
@@ -17,36 +21,51 @@ on every rank); nothing here runs a collective.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.seed import isolate_rng
 
 
-def wrap_fit(
-    trainer: pl.Trainer,
-    on_resume_start: Callable[[Any, Any, Any], None],
-    before_loader_states: Callable[[], None],
-    after_val_setup: Callable[[], None],
-) -> list[Callable[[], None]]:
-    """Wrap the four internals of ``trainer``. ``on_resume_start(original, checkpoint_path,
-    weights_only)`` replaces ``resume_start`` (``original`` is Lightning's, to call for what the
-    callback does not handle); ``before_loader_states()`` runs before Lightning restores the
-    train dataloaders' states; ``after_val_setup()`` after the validation loop set up its
-    dataloaders. Returns the functions that unwrap them (each removes only its own wrapper),
-    in the order they were wrapped."""
+@dataclass(frozen=True)
+class FitHooks:
+    """What the callback runs at the wrapped internals (see :func:`wrap_fit`)."""
+
+    resume_start: Callable[[Any, Any, Any], None]
+    """``(original, checkpoint_path, weights_only)``, instead of ``resume_start``
+    (``original`` is Lightning's, to call for what the callback does not handle)."""
+    before_loader_states: Callable[[], None]
+    """Before Lightning restores the train dataloaders' states."""
+    after_val_setup: Callable[[], None]
+    """After the validation loop set up its dataloaders."""
+    after_batch: Callable[[], None]
+    """After a training batch's ``on_advance_end`` (its validation, plateau schedulers)."""
+    before_epoch_start: Callable[[], None]
+    """Before ``fit_loop.on_advance_start`` (where the epoch-start hooks run)."""
+    before_epoch_end: Callable[[], None]
+    """Before ``fit_loop.on_advance_end`` (the epoch-end hooks and plateau schedulers)."""
+    after_epoch_end: Callable[[], None]
+    """After ``fit_loop.on_advance_end``."""
+
+
+def wrap_fit(trainer: pl.Trainer, hooks: FitHooks) -> list[Callable[[], None]]:
+    """Wrap the internals of ``trainer`` to run ``hooks``. Returns the functions that unwrap
+    them (each removes only its own wrapper), in the order they were wrapped."""
     unwrap: list[Callable[[], None]] = []
     conn = trainer._checkpoint_connector
     original_resume = conn.resume_start
 
     def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
-        on_resume_start(original_resume, checkpoint_path, weights_only)
+        hooks.resume_start(original_resume, checkpoint_path, weights_only)
 
     conn.resume_start = resume_start  # type: ignore[method-assign]
     unwrap.append(lambda: _unwrap(conn, "resume_start", resume_start))
 
     fit_loop = trainer.fit_loop
-    unwrap.append(_around(fit_loop, "_load_combined_loader_states", before=before_loader_states))
+    unwrap.append(
+        _around(fit_loop, "_load_combined_loader_states", before=hooks.before_loader_states)
+    )
 
     # On a restart Lightning may fast-forward the validation progress of the step it
     # resumes at; doing so creates a val dataloader iterator, which draws a seed from the
@@ -61,7 +80,14 @@ def wrap_fit(
     val_loop.increment_progress_to_evaluation_end = fast_forward  # type: ignore[method-assign]
     unwrap.append(lambda: _unwrap(val_loop, "increment_progress_to_evaluation_end", fast_forward))
 
-    unwrap.append(_around(val_loop, "setup_data", after=after_val_setup))
+    unwrap.append(_around(val_loop, "setup_data", after=hooks.after_val_setup))
+    unwrap.append(_around(fit_loop.epoch_loop, "on_advance_end", after=hooks.after_batch))
+    unwrap.append(_around(fit_loop, "on_advance_start", before=hooks.before_epoch_start))
+    unwrap.append(
+        _around(
+            fit_loop, "on_advance_end", before=hooks.before_epoch_end, after=hooks.after_epoch_end
+        )
+    )
     return unwrap
 
 
@@ -71,14 +97,14 @@ def _around(
     before: Callable[[], None] | None = None,
     after: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
-    """Wrap ``obj.name()`` (no arguments) to call ``before()`` first and ``after()`` last;
-    return what unwraps it."""
+    """Wrap ``obj.name(...)`` to call ``before()`` first and ``after()`` last (not when it
+    raises); return what unwraps it."""
     original = getattr(obj, name)
 
-    def wrapped() -> None:
+    def wrapped(*args: Any, **kwargs: Any) -> None:
         if before is not None:
             before()
-        original()
+        original(*args, **kwargs)
         if after is not None:
             after()
 

@@ -219,12 +219,12 @@ class SaveContext:
         self._rest: dict[str, Any] | None = None
         self.fit_loop_override: dict[str, Any] | None = None
         self.buffer_override: dict[str, torch.Tensor] | None = None
-        self._marks: Callable[[], dict[str, bool]] | None = None
+        self._marks: Callable[[], dict[str, Any]] | None = None
 
-    def reset(self, marks: Callable[[], dict[str, bool]] | None = None) -> None:
+    def reset(self, marks: Callable[[], dict[str, Any]] | None = None) -> None:
         """Forget the previous dump (called at every step boundary). ``marks()``: asked only
-        when a save dumps, flags to record with it (:data:`STOPPED_KEY`,
-        :data:`VAL_ITERATORS_KEY`); a true one is added to the dictionary."""
+        when a save dumps, what to record with it (:data:`STOPPED_KEY`, ...); the entries
+        that are true (a flag set, a dict not empty) are added to the dictionary."""
         self._dump = None
         self._rest = None
         self.fit_loop_override = None
@@ -243,7 +243,7 @@ class SaveContext:
                         sd[k] = v
                 d["state_dict"] = sd
             if self._marks is not None:
-                d.update({k: True for k, on in self._marks().items() if on})
+                d.update({k: v for k, v in self._marks().items() if v})
             self._dump = d
         return self._dump
 

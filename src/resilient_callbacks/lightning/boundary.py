@@ -1,0 +1,107 @@
+"""When the Lightning callback saves a step, and what a resume from that save puts back.
+
+A step is saved once Lightning has finished it, so a checkpoint holds everything the
+uninterrupted run did for that step:
+
+- after the batch's ``on_advance_end`` (its validation, step-interval ``ReduceLROnPlateau``
+  schedulers and bookkeeping);
+- at an epoch's last batch, after ``fit_loop.on_advance_end`` too (the ``on_train_epoch_end``
+  hooks and epoch-interval plateau schedulers).
+
+The loop progress saved with it is Lightning's at the step's ``on_train_batch_end`` hook,
+the point Lightning's own restart logic expects for a checkpoint of a training step (it then
+neither repeats the step's validation nor its epoch's end). Lightning's restart gets three
+things wrong for such a checkpoint, which :class:`Resume` puts right:
+
+- ``trainer.callback_metrics`` start empty, so a plateau scheduler or ``EarlyStopping`` that
+  reads a metric logged before the save finds nothing (Lightning raises "ReduceLROnPlateau
+  conditioned on metric ... which is not available"): the saved ones are put back;
+- it skips the epoch-interval plateau schedulers at the end of the first epoch it runs,
+  because it does not save metrics: with them saved, they run;
+- after a checkpoint of an epoch's last batch it skips the next epoch's
+  ``on_train_epoch_start`` hooks: they run.
+
+Which ranks call what: every rank runs these at the same points (Lightning runs its loops on
+every rank); nothing here runs a collective.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+EPOCH_END_KEY = "resilient_callbacks_epoch_end"
+"""Recorded true in a checkpoint of an epoch's last batch (saved after the epoch's end)."""
+
+METRICS_KEY = "resilient_callbacks_callback_metrics"
+"""``trainer.callback_metrics`` at the save (scalars), put back at the resume."""
+
+
+@dataclass
+class StepEnd:
+    """An optimizer step whose batch ended, waiting for Lightning to finish its work."""
+
+    step: int
+    loss: Any
+    fit_loop: dict[str, Any]  # Lightning's fit-loop state at the step's on_train_batch_end
+
+
+def step_end(trainer: pl.Trainer, step: int, loss: Any) -> StepEnd:
+    """Called at ``on_train_batch_end``: the loop progress is copied now (Lightning counts
+    the batch completed right after this hook)."""
+    return StepEnd(step, loss, copy.deepcopy(trainer.fit_loop.state_dict()))
+
+
+def ends_epoch(trainer: pl.Trainer) -> bool:
+    """Whether the batch that just ran is its epoch's last (the epoch's end follows)."""
+    return bool(trainer.fit_loop.epoch_loop._num_ready_batches_reached())
+
+
+def saved_metrics(trainer: pl.Trainer) -> dict[str, Any]:
+    """The scalar ``callback_metrics``, as they are (tensors copied to the CPU)."""
+    out: dict[str, Any] = {}
+    for k, v in trainer.callback_metrics.items():
+        if isinstance(v, torch.Tensor):
+            if v.numel() == 1:
+                out[str(k)] = v.detach().to("cpu", copy=True)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[str(k)] = v
+    return out
+
+
+class Resume:
+    """What a resume from one of our checkpoints puts right in Lightning's restart."""
+
+    def __init__(self, checkpoint: dict[str, Any]) -> None:
+        """Takes (pops) our keys out of the restored checkpoint dictionary."""
+        metrics = checkpoint.pop(METRICS_KEY, None)
+        self.metrics: dict[str, Any] | None = metrics if isinstance(metrics, dict) else None
+        self.epoch_end = bool(checkpoint.pop(EPOCH_END_KEY, False))
+        # a checkpoint without metrics (written by an older version) keeps Lightning's skip
+        self.plateau = self.metrics is not None
+
+    def train_start(self, trainer: pl.Trainer) -> None:
+        """``on_train_start`` (Lightning emptied the metrics after the sanity check)."""
+        if self.metrics:
+            trainer.callback_metrics.update(self.metrics)
+
+    def before_epoch_start(self, trainer: pl.Trainer) -> None:
+        """Before the first ``fit_loop.on_advance_start``: after a checkpoint of an epoch's
+        last batch, Lightning restarts "mid-epoch" and would skip the next epoch's start
+        (its ``on_train_epoch_start`` hooks and progress)."""
+        if self.epoch_end:
+            self.epoch_end = False
+            trainer.fit_loop.reset_restart_stage()
+
+    def before_epoch_end(self, trainer: pl.Trainer) -> None:
+        """Before the first ``fit_loop.on_advance_end``: Lightning skips the epoch-interval
+        plateau schedulers while it is restarting (metrics were not saved); they were."""
+        if self.plateau:
+            self.plateau = False
+            # the private flag: the ``restarting`` setter forces True for max_steps training
+            trainer.fit_loop._restarting = False
