@@ -62,6 +62,75 @@ def test_one_malformed_manifest_is_a_corrupt_checkpoint_not_a_broken_directory(
         assert "Traceback" not in capsys.readouterr().err
 
 
+def _rewrite_checked(ckpt, name, edit) -> None:
+    """Edit the JSON file ``name`` of checkpoint ``ckpt`` and recompute its size and checksum
+    in the manifest, as a tool that rewrites checkpoints would (the damage is in the content)."""
+    from resilient_callbacks.tensorfile import digest_file
+
+    path = os.path.join(ckpt, name)
+    with open(path) as f:
+        doc = json.load(f)
+    edit(doc)
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    mpath = os.path.join(ckpt, "manifest.json")
+    with open(mpath) as f:
+        m = json.load(f)
+    entry = next(e for e in m["files"] if e["path"] == name)
+    d = digest_file(path, entry["xxh3_64"])
+    entry["size"], entry["xxh3_64"] = d.size, d.xxh3_64
+    with open(mpath, "w") as f:
+        json.dump(m, f)
+
+
+def _extra(node):
+    return node["structure"]["extra"]
+
+
+@pytest.mark.parametrize(
+    ("name", "edit"),
+    [
+        (
+            "shared.json",
+            lambda d: _extra(d).__setitem__("epoch", {"__rc__": "float", "value": "abc"}),
+        ),
+        (
+            "shared.json",
+            lambda d: _extra(d).__setitem__("epoch", {"__rc__": "device", "name": "x:3"}),
+        ),
+        (
+            "shared.json",
+            lambda d: _extra(d).__setitem__("epoch", {"__rc__": "np", "dtype": "foo", "value": 1}),
+        ),
+        (
+            "shared.json",
+            lambda d: d["structure"]["model"]["state"]["weight"].__setitem__("key", "nope"),
+        ),
+        (
+            "rank_00000.json",
+            lambda d: d.__setitem__("rng", {"python": {"version": 3, "state": "x"}}),
+        ),
+    ],
+    ids=["float", "device", "np", "tensor-key", "rng"],
+)
+def test_a_structure_that_does_not_decode_is_corrupt_and_nothing_is_loaded(tmp_path, name, edit):
+    """Files that verify but whose content does not decode (found 2026-11-25: a raw
+    ValueError/KeyError/RuntimeError after the model had been overwritten): the checkpoint is
+    corrupt, the restore falls back, and what it loads is the older checkpoint, whole."""
+    root = str(tmp_path / "ck")
+    with Checkpointer(root) as ck:
+        for s in (10, 20):
+            m = torch.nn.Linear(4, 2)
+            torch.nn.init.constant_(m.weight, float(s))
+            ck.save(s, {"model": m, "extra": {"epoch": s}})
+    _rewrite_checked(os.path.join(root, "step_000000020"), name, edit)
+    state = {"model": torch.nn.Linear(4, 2), "extra": {"epoch": 0}}
+    with pytest.warns(ResumeFallbackWarning, match="step 20"), Checkpointer(root) as ck:
+        assert ck.restore(state) == 10
+    assert torch.equal(state["model"].weight, torch.full((2, 4), 10.0))
+    assert state["extra"] == {"epoch": 10}
+
+
 def test_links_planted_in_the_run_directory_are_not_followed(tmp_path, caplog):
     outside = tmp_path / "outside"
     outside.mkdir()

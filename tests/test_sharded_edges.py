@@ -1,6 +1,7 @@
 """``dcp.Sharded`` at its edges (2 gloo ranks, FSDP2 on CPU): tensors that are not sharded
 (BatchNorm's buffers) reach the export and inspect; a checkpoint that does not fit is refused
-before anything is loaded, and ``StateDictOptions(strict=False)`` loads what fits. (Kill and
+before anything is loaded, and ``StateDictOptions(strict=False)`` loads what fits; a damaged
+chunk index (the manifest has no checksum of its own) is a corrupt checkpoint. (Kill and
 resume, resharding: tests/test_dcp_sharded.py.)"""
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def test_unsharded_buffers_are_exported_and_a_misfit_is_refused_before_loading(t
         assert res["changed"] == []  # refused before anything was loaded
         assert res["lenient"] == 2  # strict=False: the layers that fit are loaded
 
+    # one offset of the newest checkpoint's chunk index damaged: both ranks fall back to step 1
+    # together, loudly (found 2026-11-25: the restore raised CheckpointCorruptError "the saved
+    # chunks cover 0 of the 48 elements" after other tensors were loaded)
+    manifest = root / "step_000000002" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["extra"]["parts"]["train"]["tensors"]["model/0.weight"]["chunks"][0][1][0] = 100
+    manifest.write_text(json.dumps(m))
+    spawn_ranks.run([sys.executable, __file__, "damaged", str(root)], 2, tmp_path, "damaged")
+    res = [json.loads((tmp_path / f"damaged.{r}.json").read_text()) for r in range(2)]
+    assert [x["step"] for x in res] == [1, 1]
+    assert any("chunk index of 'model/0.weight' is damaged" in w for w in res[0]["warnings"])
+
 
 def worker(phase: str, root: str) -> None:
     import torch.distributed as dist
@@ -75,6 +88,14 @@ def worker(phase: str, root: str) -> None:
             (out / "saved.json").write_text(
                 json.dumps({"keys": sorted(full), "running_mean": full["1.running_mean"].tolist()})
             )
+    elif phase == "damaged":
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught, Checkpointer(root) as ck:
+            warnings.simplefilter("always")
+            step = ck.restore({"train": Sharded(m, opt)})
+        said = [str(w.message) for w in caught]
+        (out / f"damaged.{rank}.json").write_text(json.dumps({"step": step, "warnings": said}))
     else:
         before = {n: p.full_tensor().clone() for n, p in m.named_parameters()}
         res: dict = {}

@@ -578,6 +578,17 @@ def test_restore_into_model_with_other_layer_sizes(tmp_path):
         assert torch.equal(v, before[k]), k
 
 
+def test_restore_into_other_dtypes_casts_and_says_so(tmp_path):
+    """A run resumed in another precision loads (cast, as ``load_state_dict`` casts), with a
+    warning naming the tensors: the resume is not exact (found 2026-11-25: silently cast)."""
+    saved = TinyNet()
+    _save(tmp_path / "ck", {"model": saved, "t": torch.ones(3)})
+    model = TinyNet().to(torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"cast .* not exact: .*fc1.weight'\]: float32 in "):
+        _restore(tmp_path / "ck", {"model": model, "t": torch.zeros(3, dtype=torch.float64)})
+    assert torch.equal(model.fc1.weight, saved.fc1.weight.to(torch.bfloat16))
+
+
 class _Extra(TinyNet):
     def __init__(self):
         super().__init__()

@@ -4,6 +4,7 @@ of a half-loaded state."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -66,9 +67,16 @@ def check_fits(
     tensors_meta: Mapping[str, tuple[str, list[int]]],
 ) -> None:
     """Raise :class:`CheckpointMismatchError` listing every key that is missing, unexpected or of
-    another shape/dtype, before anything is loaded. Modules and tensors are compared exactly;
-    other stateful objects (optimizers, schedulers) are checked by their own ``load_state_dict``."""
+    another shape, before anything is loaded. Modules and tensors are compared exactly;
+    other stateful objects (optimizers, schedulers) are checked by their own ``load_state_dict``.
+    A tensor of another dtype is cast on load, as ``load_state_dict`` does (a run resumed in
+    another precision), with a warning that names it: a resume that is not exact says so."""
     problems: list[str] = []
+    cast: list[str] = []
+
+    def dtypes(where: str, saved: str, here: str) -> None:
+        if saved != here:
+            cast.append(f"{where}: {saved} in checkpoint, {here} here")
 
     def rec(obj: Any, n: Any, path: tuple[Any, ...]) -> None:
         if isinstance(obj, PerRank):
@@ -102,6 +110,9 @@ def check_fits(
                     f"{path_str(path)}[{k!r}]: shape {list(have[k][1])} in checkpoint, "
                     f"{want[k][1]} in model"
                 )
+            for k, spec in have.items():
+                if k in want and spec is not None:
+                    dtypes(f"{path_str(path)}[{k!r}]", spec[0], want[k][0])
             return
         if isinstance(obj, torch.Tensor):
             if not (isinstance(n, dict) and n.get(TAG) == "tensor"):
@@ -112,6 +123,8 @@ def check_fits(
                 problems.append(
                     f"{path_str(path)}: shape {list(meta[1])} in checkpoint, {list(obj.shape)} here"
                 )
+            if meta is not None:
+                dtypes(path_str(path), meta[0], str(obj.dtype).removeprefix("torch."))
             return
         if is_stateful(obj):
             if not (isinstance(n, dict) and n.get(TAG) == "stateful"):
@@ -158,6 +171,14 @@ def check_fits(
             + "\n  - ".join(problems)
             + "\nIf this directory belongs to another model or run, use a new dirpath "
             "(or resume='never' to start fresh and leave those checkpoints alone)."
+        )
+    if cast:
+        warnings.warn(
+            f"{len(cast)} tensor(s) of the checkpoint are cast to the dtype they have here, so "
+            "the resume is not exact: "
+            + "; ".join(cast[:5])
+            + (f" (and {len(cast) - 5} more)" if len(cast) > 5 else ""),
+            stacklevel=4,
         )
 
 

@@ -175,12 +175,19 @@ class Restorer:
         ck = self._ck
         path = c.path
         assert path is not None
-        part, problem, refusal = None, None, None
+        part, full, problem, refusal = None, None, None, None
         fileparts = statetree.fileparts(state)
         readers: dict[str, PartReader] = {}
         try:
             manifest = read_manifest(path)
             part = layout.read_part(path, manifest, ck.rank, statetree.rank0_for_new_ranks(state))
+            # Every value decodes and the RNG states apply, before anything is loaded: content
+            # that does not (written by something else, or tampered with) is corrupt, and the
+            # restore falls back with nothing overwritten.
+            full = structure.inline_per_rank(part.structure, part.per_rank)
+            structure.decode(full, part.tensors)
+            if ck.config.capture_rng and part.rng is not None:
+                rng.check(part.rng, part.tensors)
             for pid, fp in fileparts.items():  # each part's files, verified before any load
                 info = part_info(pid, manifest, ck.rank, ck.world_size)
                 if info.listed:  # none: a checkpoint without this part (check_fits says so)
@@ -206,11 +213,10 @@ class Restorer:
                 raise CheckpointCorruptError(f"cannot resume from {path}: {why}")
             self._warn_fallback(c, why)
             return None
-        assert part is not None
+        assert part is not None and full is not None
         local_exc: BaseException | None = None
         warns: list[str] = []
         try:
-            full = structure.inline_per_rank(part.structure, part.per_rank)
             meta = {
                 k: (str(t.dtype).removeprefix("torch."), list(t.shape))
                 for k, t in part.tensors.items()

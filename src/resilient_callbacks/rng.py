@@ -65,6 +65,19 @@ def restore(info: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[str]
     return warnings
 
 
+def check(info: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise (``KeyError``, ``TypeError``, ``ValueError``, ...) where :func:`restore` could not
+    apply these states, before anything is restored; the generators are left as they are."""
+    if not isinstance(info, dict):
+        raise TypeError(f"RNG states: a mapping expected, got {type(info).__name__}")
+    with preserved():
+        restore({**info, "cuda_devices": 0}, tensors)
+    for i in range(int(info.get("cuda_devices", 0))):
+        t = tensors[f"@rng/cuda_{i}"]
+        if t.dtype != torch.uint8 or t.dim() != 1:
+            raise ValueError(f"CUDA RNG state {i}: {t.dtype} of shape {list(t.shape)}")
+
+
 @contextlib.contextmanager
 def preserved() -> Iterator[None]:
     """Leave the global generators of Python, NumPy and torch (CPU) as they were on entry.

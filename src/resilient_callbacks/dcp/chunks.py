@@ -148,6 +148,42 @@ def copy_overlap(dst: torch.Tensor, dst_box: Box, src: torch.Tensor, src_box: Bo
     return common.numel
 
 
+def check_index(index: Any, world_size: int) -> None:
+    """Raise :class:`CheckpointCorruptError` where the saved chunk index (from a manifest,
+    which has no checksum of its own) cannot describe what the ranks saved: an entry not
+    shaped as written, a chunk outside its tensor or of a rank that did not save, chunks too
+    small to cover their tensor. Checked before anything loads, so the restore falls back."""
+
+    def bad(name: Any, why: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"the chunk index of {name!r} is damaged: {why}")
+
+    if not isinstance(index, dict):
+        raise CheckpointCorruptError("the chunk index is damaged: not a mapping")
+    for name, entry in index.items():
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        chunks = entry.get("chunks") if isinstance(entry, dict) else None
+        if not _ints(shape) or not isinstance(chunks, list):
+            raise bad(name, "no shape or chunk list")
+        covered = 0
+        for c in chunks:
+            if not (isinstance(c, list) and len(c) in (3, 4) and _ints(c[1]) and _ints(c[2])):
+                raise bad(name, f"chunk {c!r}")
+            r, offsets, sizes = c[0], c[1], c[2]
+            if not (isinstance(r, int) and 0 <= r < world_size):
+                raise bad(name, f"chunk of rank {r!r} ({world_size} rank(s) saved)")
+            if len(offsets) != len(shape) or len(sizes) != len(shape):
+                raise bad(name, f"chunk {offsets}+{sizes} of a {len(shape)}-d tensor")
+            if any(o < 0 or o + z > d for o, z, d in zip(offsets, sizes, shape, strict=True)):
+                raise bad(name, f"chunk {offsets}+{sizes} outside the tensor's shape {shape}")
+            covered += math.prod(sizes)
+        if covered < math.prod(shape):
+            raise bad(name, f"chunks of {covered} elements cannot cover {math.prod(shape)}")
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
+
+
 def index_of_ranks(
     per_rank: Sequence[Mapping[str, Any]], rank: int
 ) -> tuple[dict[str, Any], set[str]]:

@@ -59,7 +59,7 @@ from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from ..unchanged import frozen_storages
 from . import flat_restore, shards
 from .assemble import assemble, json_file, tensor_file
-from .chunks import Box, index_of_ranks, join, split
+from .chunks import Box, check_index, index_of_ranks, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
 from .reads import plan_reads
 from .stateless import (
@@ -379,6 +379,7 @@ class Sharded(FilePart):
         optims = optimizers_of(saved, self.optimizers)
         with_optim = bool(optims)
         index: dict[str, Any] = saved["tensors"]
+        check_index(index, info.saved_world_size)
         home = info.rank if info.rank < info.saved_world_size else 0
         # FSDP1 whose parameters are sharded now (between steps: on every rank alike)
         layout = FlatLayout.of(self.model, self._fqn) if self._flat_model() else None
