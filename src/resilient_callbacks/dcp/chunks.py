@@ -160,9 +160,10 @@ def check_index(index: Any, world_size: int) -> None:
     if not isinstance(index, dict):
         raise CheckpointCorruptError("the chunk index is damaged: not a mapping")
     for name, entry in index.items():
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        chunks = entry.get("chunks") if isinstance(entry, dict) else None
-        if not _ints(shape) or not isinstance(chunks, list):
+        if not isinstance(entry, dict):
+            raise bad(name, "not a mapping")
+        shape, chunks = entry.get("shape"), entry.get("chunks")
+        if not (isinstance(shape, list) and _ints(shape) and isinstance(chunks, list)):
             raise bad(name, "no shape or chunk list")
         covered = 0
         for c in chunks:
