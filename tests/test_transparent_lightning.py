@@ -66,7 +66,7 @@ def test_data_seed_changes_the_order_on_purpose(tmp_path):
 
 @pytest.mark.parametrize(
     "stop, where",
-    [(13, "epoch 0, 13 batch(es) into it"), (18, "epoch 1, 5 batch(es) into it")],
+    [(13, "end of epoch 0"), (18, "epoch 1, 5 batch(es) into it")],
     ids=["epoch-end", "mid-epoch"],
 )
 def test_resumed_run_equals_the_run_without_the_callback(tmp_path, caplog, stop, where):

@@ -192,7 +192,7 @@ class Trigger:
             and (decided is not None or self.world_size == 1)
             and self.schedule.should_save(step - self.steps_origin)
         ):
-            reason = f"adaptive: {self.schedule.describe()}"
+            reason = self.schedule.describe()  # "adaptive checkpointing: every N steps ..."
         if final:
             # never skipped for a busy disk (if_busy applies to periodic saves only)
             return "final", reason or "final step"

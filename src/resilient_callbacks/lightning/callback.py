@@ -278,7 +278,10 @@ class ResilientCheckpoint(Checkpoint):
         self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
         loops = checkpoint.get("loops", {}).get("fit_loop", {})
         batch = loops.get("epoch_loop.batch_progress", {}).get("current", {}).get("processed", "?")
-        where = f"epoch {checkpoint.get('epoch', '?')}, {batch} batch(es) into it"
+        epoch = loops.get("epoch_progress", {}).get("current", {}).get("processed", "?")
+        where = f"epoch {epoch}, {batch} batch(es) into it"
+        if self._resume.epoch_end:
+            where = f"end of epoch {epoch}"
         if ckpt.last_restore is not None:
             # said as Lightning says its own restore (rank_zero_info: shown by default), with the
             # tier and every newer checkpoint skipped
