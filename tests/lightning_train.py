@@ -58,6 +58,18 @@ def make_dataset(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+class Shuffled(torch.utils.data.IterableDataset):
+    """The samples of a dataset in a new order each pass (``torch.randperm`` when its iterator
+    is made), without a length: Lightning knows an epoch's end only when it runs out."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __iter__(self):
+        for i in torch.randperm(len(self.data)).tolist():
+            yield self.data[i]
+
+
 class Data(L.LightningDataModule):
     def __init__(self, loader: str, val_persistent: bool = False) -> None:
         super().__init__()
@@ -67,6 +79,8 @@ class Data(L.LightningDataModule):
         self.val_set = make_dataset(NUM_VAL, 4321)
 
     def train_dataloader(self):
+        if self.loader == "iterable":  # no __len__: reshuffles from the global RNG per pass
+            return DataLoader(Shuffled(self.train_set), batch_size=8)
         if self.loader == "stateful":
             from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -274,7 +288,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--every-n-steps", type=int, default=4)
     p.add_argument("--keep-last", type=int, default=None)
-    p.add_argument("--loader", choices=["plain", "stateful"], default="plain")
+    p.add_argument("--loader", choices=["plain", "stateful", "iterable"], default="plain")
+    p.add_argument("--limit-train", type=int, default=None, help="limit_train_batches")
+    p.add_argument("--reload", action="store_true", help="reload_dataloaders_every_n_epochs=1")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument(
         "--fsdp2", action="store_true", help="ModelParallelStrategy with fully_shard (FSDP2)"
@@ -377,6 +393,8 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
         strategy = cpu_deepspeed_strategy(args.deepspeed, args.ckpt_dir)
     trainer = L.Trainer(
         max_steps=args.max_steps,
+        limit_train_batches=args.limit_train,
+        reload_dataloaders_every_n_epochs=1 if args.reload else 0,
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,

@@ -19,7 +19,11 @@ things wrong for such a checkpoint, which :class:`Resume` puts right:
 - it skips the epoch-interval plateau schedulers at the end of the first epoch it runs,
   because it does not save metrics: with them saved, they run;
 - after a checkpoint of an epoch's last batch it skips the next epoch's
-  ``on_train_epoch_start`` hooks: they run.
+  ``on_train_epoch_start`` hooks: they run; it does not make that epoch's dataloader
+  iterators where the uninterrupted run does (after those hooks and after
+  ``reload_dataloaders_every_n_epochs`` rebuilt the loaders, drawing from the global RNG):
+  they are made there; and with a loader of unknown length it does not count the epoch's
+  batches from 0: it does.
 
 Which ranks call what: every rank runs these at the same points (Lightning runs its loops on
 every rank); nothing here runs a collective.
@@ -82,6 +86,7 @@ class Resume:
         metrics = checkpoint.pop(METRICS_KEY, None)
         self.metrics: dict[str, Any] | None = metrics if isinstance(metrics, dict) else None
         self.epoch_end = bool(checkpoint.pop(EPOCH_END_KEY, False))
+        self.epoch_end_run = self.epoch_end
         # a checkpoint without metrics (written by an older version) keeps Lightning's skip
         self.plateau = self.metrics is not None
 
@@ -97,6 +102,25 @@ class Resume:
         if self.epoch_end:
             self.epoch_end = False
             trainer.fit_loop.reset_restart_stage()
+
+    def before_epoch_run(self, trainer: pl.Trainer) -> None:
+        """Before the first ``epoch_loop.on_run_start`` after a checkpoint of an epoch's last
+        batch: the uninterrupted run starts the next epoch afresh there."""
+        if not self.epoch_end_run:
+            return
+        self.epoch_end_run = False
+        loop = trainer.fit_loop.epoch_loop
+        if loop.batch_progress.current.ready:
+            # a loader of unknown length: Lightning resets the counts at an epoch's end only
+            # when it knows the length; as it does for the others
+            loop.batch_progress.reset_on_run()
+            loop.scheduler_progress.reset_on_run()
+            loop.automatic_optimization.optim_progress.reset_on_run()
+            loop.val_loop.batch_progress.total.reset()
+        fetcher = trainer.fit_loop._data_fetcher
+        if fetcher is not None:
+            iter(fetcher)  # Lightning skips this while restarting; the iterator made at setup
+            # (before the epoch's start hooks and the RNG restore) is dropped unused
 
     def before_epoch_end(self, trainer: pl.Trainer) -> None:
         """Before the first ``fit_loop.on_advance_end``: Lightning skips the epoch-interval

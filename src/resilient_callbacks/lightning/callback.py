@@ -212,6 +212,7 @@ class ResilientCheckpoint(Checkpoint):
                 after_val_setup=functools.partial(self._val_loaders_ready, trainer),
                 after_batch=functools.partial(self._after_batch, trainer),
                 before_epoch_start=resumed("before_epoch_start"),
+                before_epoch_run=resumed("before_epoch_run"),
                 before_epoch_end=resumed("before_epoch_end"),
                 after_epoch_end=functools.partial(self._after_epoch_end, trainer),
             ),

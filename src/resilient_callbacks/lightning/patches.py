@@ -12,7 +12,9 @@ trainer instance, and their unwrapping at ``teardown``:
 - ``fit_loop.epoch_loop.on_advance_end`` (a training batch's validation, step-interval plateau
   schedulers and bookkeeping) and ``fit_loop.on_advance_end`` (the epoch-end hooks and
   epoch-interval plateau schedulers): a step is saved once Lightning finished its work;
-- ``fit_loop.on_advance_start`` (the epoch-start hooks): a resume from an epoch's end runs them.
+- ``fit_loop.on_advance_start`` (the epoch-start hooks) and ``fit_loop.epoch_loop.on_run_start``
+  (where a new epoch's dataloader iterators are made): a resume from an epoch's end runs the
+  hooks and makes the iterators as the uninterrupted run does.
 
 Which ranks call what: every rank wraps its own trainer in ``setup`` (Lightning runs every hook
 on every rank); nothing here runs a collective.
@@ -43,6 +45,8 @@ class FitHooks:
     """After a training batch's ``on_advance_end`` (its validation, plateau schedulers)."""
     before_epoch_start: Callable[[], None]
     """Before ``fit_loop.on_advance_start`` (where the epoch-start hooks run)."""
+    before_epoch_run: Callable[[], None]
+    """Before ``fit_loop.epoch_loop.on_run_start`` (an epoch's first batch follows)."""
     before_epoch_end: Callable[[], None]
     """Before ``fit_loop.on_advance_end`` (the epoch-end hooks and plateau schedulers)."""
     after_epoch_end: Callable[[], None]
@@ -83,6 +87,7 @@ def wrap_fit(trainer: pl.Trainer, hooks: FitHooks) -> list[Callable[[], None]]:
     unwrap.append(_around(val_loop, "setup_data", after=hooks.after_val_setup))
     unwrap.append(_around(fit_loop.epoch_loop, "on_advance_end", after=hooks.after_batch))
     unwrap.append(_around(fit_loop, "on_advance_start", before=hooks.before_epoch_start))
+    unwrap.append(_around(fit_loop.epoch_loop, "on_run_start", before=hooks.before_epoch_run))
     unwrap.append(
         _around(
             fit_loop, "on_advance_end", before=hooks.before_epoch_end, after=hooks.after_epoch_end
