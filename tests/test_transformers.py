@@ -434,6 +434,40 @@ def test_eval_on_start_does_not_evaluate_again_in_a_resumed_run(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+class _Draws(TrainerCallback):
+    """Draws from the torch RNG in on_train_begin and on_epoch_begin (any work there)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        torch.rand(7)
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        torch.rand(3)
+
+
+@pytest.mark.parametrize("stop", [3, 5], ids=["mid-epoch", "epoch-end"])
+def test_callbacks_drawing_at_train_and_epoch_begin_do_not_shift_a_resumed_run(tmp_path, stop):
+    """A callback after ours draws in on_train_begin and on_epoch_begin. Found 2026-11-25: the
+    random streams were put back in our on_train_begin, so that callback's on_train_begin draw,
+    and in the middle of an epoch its on_epoch_begin draw (the Trainer fires it again for the
+    resumed epoch), shifted every later dropout mask. They are put back around the resumed
+    epoch's first on_epoch_begin now, as the Trainer's own resume does. An epoch is 5 steps:
+    resumed at 3 (mid-epoch) and 5 (its end), the run equals the run not stopped."""
+    ck = tmp_path / "ck"
+    ref = _train(
+        tmp_path / "a", None, 8, callbacks=[ResilientCheckpoint(ck, every_n_steps=1), _Draws()]
+    )
+    cb = ResilientCheckpoint(ck, every_n_steps=1, resume=stop)  # as a re-run after a kill
+    got = _train(tmp_path / "b", None, 8, callbacks=[cb, _Draws()])
+    assert cb.restored_step == stop
+
+    def losses(t: Any) -> list[tuple[int, float]]:
+        return [(e["step"], e["loss"]) for e in t.state.log_history if "loss" in e]
+
+    assert losses(got) == losses(ref)
+    a, b = ref.model.state_dict(), got.model.state_dict()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
 @pytest.mark.slow  # three processes with workers; keeps the default suite near its budget
 def test_persistent_workers_sigkill_after_an_epoch_boundary_then_rerun_is_exact(tmp_path):
     """dataloader_persistent_workers=True, 2 workers: the uninterrupted run makes its one

@@ -39,6 +39,7 @@ from transformers.utils import logging as hf_logging
 
 import resilient_callbacks_ds_guard
 
+from .. import rng
 from ..adapter import check_options
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
@@ -142,6 +143,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._save_every_epoch = False
         self._resume: tuple[int, int, torch.Tensor, torch.Tensor, bool] | None = None
         self._eval_on_start = False  # turned off for a resumed run; given back at its end
+        self._restored_rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._epoch_calls = 0
         self._epoch_offset = 0
         self._epoch = 0
@@ -275,18 +277,22 @@ class ResilientCheckpoint(TrainerCallback):
 
     def _apply_restored(self, trainer: Any, state: Any, step: int) -> None:
         self._resume = self._saved.apply(trainer, state, step)
-        if _persistent(trainer.args) and any(
+        if hooks.persistent_workers(trainer.args) and any(
             k.startswith("eval_") for e in state.log_history for k in e
         ):
             # The uninterrupted run made its evaluation loader's one iterator at its first
             # evaluation and reset it later without a draw; so must this run's first one not
             # draw from the global RNG (its base seed from a throwaway generator)
-            hooks.wrap(trainer, "get_eval_dataloader", _eval_loader_without_draw)
+            hooks.wrap(trainer, "get_eval_dataloader", hooks.eval_loader_without_draw)
         if getattr(trainer.args, "eval_on_start", False):
             # the run evaluated at its start; a resumed one must not again (a second eval entry
             # in the log history, and its draws from the restored RNGs change every later step)
             trainer.args.eval_on_start = False
             self._eval_on_start = True
+        # The random streams as restored, put back at the resumed epoch's start (see
+        # _epoch_begin): callbacks after this one draw in on_train_begin
+        self._restored_rng = rng.capture()
+        hooks.wrap(trainer.callback_handler, "on_epoch_begin", self._epoch_begin)
         loop = self._saved.values["loop"]
         self.restored_step = step
         if trainer.is_world_process_zero():
@@ -309,6 +315,25 @@ class ResilientCheckpoint(TrainerCallback):
                 trainer_log.warning(f"ResilientCheckpoint: {restored.describe(where)}{extra}")
 
     # ------------------------------------------------------------------ the Trainer's loop
+
+    def _epoch_begin(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """The resumed run's first ``on_epoch_begin``: the random streams are put back as
+        restored. At an epoch's start, before it (the uninterrupted run drew in it from them);
+        in the middle of an epoch, after it (the Trainer fires it again for the resumed epoch,
+        where the uninterrupted run had drawn before the save). Either way, what callbacks drew
+        in ``on_train_begin`` after the restore is undone, as the Trainer's own resume does."""
+        trainer = self._trainer
+        assert trainer is not None  # unwrapped when training ends
+        hooks.unwrap(trainer.callback_handler, "on_epoch_begin")
+        saved, self._restored_rng = self._restored_rng, None
+        resume = self._resume
+        mid_epoch = resume is not None and resume[1] > 0 and not trainer.args.ignore_data_skip
+        if saved is not None and not mid_epoch:
+            rng.restore(*saved)
+        result = original(*args, **kwargs)
+        if saved is not None and mid_epoch:
+            rng.restore(*saved)
+        return result
 
     def _run_epoch(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         trainer = self._trainer
@@ -350,7 +375,7 @@ class ResilientCheckpoint(TrainerCallback):
                 # did at the epoch start, from that RNG state, not from the global RNG now.
                 epoch_start = r_start
                 base.generator = _generator_at(r_start)
-            elif first and _persistent(targs):
+            elif first and hooks.persistent_workers(targs):
                 # Persistent workers: the uninterrupted run made its one iterator in its first
                 # epoch, and later epochs reset it without a draw; the iterator this run makes
                 # must not draw from the global RNG either (its base seed from a throwaway one).
@@ -454,6 +479,8 @@ class ResilientCheckpoint(TrainerCallback):
         if trainer is not None:
             for name in hooks.WRAPPED:
                 hooks.unwrap(trainer, name)
+            hooks.unwrap(trainer.callback_handler, "on_epoch_begin")
+            self._restored_rng = None
             if self._eval_on_start:
                 trainer.args.eval_on_start, self._eval_on_start = True, False
         if self._base is not None:
@@ -465,19 +492,3 @@ def _generator_at(state: torch.Tensor) -> torch.Generator:
     g = torch.Generator()
     g.set_state(state.clone())
     return g
-
-
-def _persistent(args: Any) -> bool:
-    """Whether the Trainer's loaders keep their workers (one iterator for the whole run)."""
-    return bool(args.dataloader_persistent_workers) and int(args.dataloader_num_workers) > 0
-
-
-def _eval_loader_without_draw(original: Any, *args: Any, **kwargs: Any) -> Any:
-    """``Trainer.get_eval_dataloader`` of a resumed run with persistent workers: a loader that
-    has made no iterator yet takes its base seed from a throwaway generator (an evaluation
-    loader's order is sequential: the generator serves nothing else)."""
-    loader = original(*args, **kwargs)
-    base = getattr(loader, "base_dataloader", loader)  # accelerate's wrapper iterates this one
-    if getattr(base, "_iterator", False) is None and getattr(base, "generator", 0) is None:
-        base.generator = torch.Generator().manual_seed(0)
-    return loader

@@ -16,7 +16,9 @@ afterwards:
   checkpoint of a step is taken right after it, so it holds the state the next step starts from.
 
 Both are private methods of the Trainer (transformers 5.x); :func:`check_supported` refuses, with
-a clear error, a Trainer that does not have them with the expected parameters.
+a clear error, a Trainer that does not have them with the expected parameters. A resumed run
+also wraps ``callback_handler.on_epoch_begin`` (once: the random streams are put back around it)
+and, with persistent workers, ``get_eval_dataloader`` (:func:`eval_loader_without_draw`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import transformers
 
 from ..errors import ConfigError
@@ -116,3 +119,19 @@ def bind_arguments(
 ) -> Any:
     """Bind a call's arguments to ``original``'s signature (for reading and changing them)."""
     return inspect.signature(original).bind(*args, **kwargs)
+
+
+def persistent_workers(args: Any) -> bool:
+    """Whether the Trainer's loaders keep their workers (one iterator for the whole run)."""
+    return bool(args.dataloader_persistent_workers) and int(args.dataloader_num_workers) > 0
+
+
+def eval_loader_without_draw(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Trainer.get_eval_dataloader`` of a resumed run with persistent workers: a loader that
+    has made no iterator yet takes its base seed from a throwaway generator (an evaluation
+    loader's order is sequential: the generator serves nothing else)."""
+    loader = original(*args, **kwargs)
+    base = getattr(loader, "base_dataloader", loader)  # accelerate's wrapper iterates this one
+    if getattr(base, "_iterator", False) is None and getattr(base, "generator", 0) is None:
+        base.generator = torch.Generator().manual_seed(0)
+    return loader
