@@ -16,8 +16,9 @@ What makes resuming it exactly non-trivial:
 - with ``--plateau``, two ``ReduceLROnPlateau`` schedulers on ``val_loss`` as well: one every
   3 steps (``strict=False``: it skips steps before the first validation; later it reads the
   newest validation's loss), one at each epoch's end;
-- with ``--epoch-hooks``, ``on_train_epoch_start`` and ``on_train_epoch_end`` each draw from
-  the torch RNG (any work there: the draw shifts every later dropout mask).
+- with ``--epoch-hooks``, ``on_train_start``, ``on_train_epoch_start`` and
+  ``on_train_epoch_end`` each draw from the torch RNG (any work there: the draw shifts every
+  later dropout mask).
 
 Outputs: ``--out-jsonl``: one line per trained step, written in ``training_step`` before the
 optimizer step, ``{"step", "loss" (float.hex), "epoch", "batch", "rank"}``, fsynced; ``--out-
@@ -200,6 +201,10 @@ class Net(L.LightningModule):
             },
             {"scheduler": plateau(), "interval": "epoch", "monitor": "val_loss"},
         ]
+
+    def on_train_start(self):
+        if self.epoch_hooks:
+            torch.rand(5)
 
     def on_train_epoch_start(self):
         if self.epoch_hooks:

@@ -257,7 +257,8 @@ def test_resume_is_exact_with_epoch_hooks_and_plateau_schedulers(tmp_path, val_e
     steps and at each epoch's end (on ``val_loss``), ``on_train_epoch_end`` and the next
     ``on_train_epoch_start`` -- is in the checkpoint or redone at the resume, once. Found
     2026-11-25: from a checkpoint of an epoch's last batch the epoch-end and next epoch-start
-    hooks were skipped; a plateau reduction due right after the saved step was lost; the
+    hooks were skipped; a draw in the module's ``on_train_start`` shifted every resumed run
+    (the RNG was put back before it); a plateau reduction due right after the saved step was lost; the
     epoch-end reduction was skipped after any resume; and a re-run after a save followed by
     validation raised Lightning's "ReduceLROnPlateau conditioned on metric val_loss which is not
     available". Stops: 6 (validation follows), 13 (an epoch's last batch), 18 (mid-epoch)."""

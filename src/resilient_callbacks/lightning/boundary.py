@@ -18,6 +18,10 @@ things wrong for such a checkpoint, which :class:`Resume` puts right:
   conditioned on metric ... which is not available"): the saved ones are put back;
 - it skips the epoch-interval plateau schedulers at the end of the first epoch it runs,
   because it does not save metrics: with them saved, they run;
+- it leaves the random streams to whatever drew between the restore and the first batch
+  (dataloader iterators made at setup, the sanity check, ``on_train_start`` hooks): they are
+  put back where the uninterrupted run went on from the save, before the next epoch's start
+  (after a checkpoint of an epoch's last batch) or before the resumed epoch's next batch;
 - after a checkpoint of an epoch's last batch it skips the next epoch's
   ``on_train_epoch_start`` hooks: they run; it does not make that epoch's dataloader
   iterators where the uninterrupted run does (after those hooks and after
@@ -38,6 +42,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+from .. import rng
 
 EPOCH_END_KEY = "resilient_callbacks_epoch_end"
 """Recorded true in a checkpoint of an epoch's last batch (saved after the epoch's end)."""
@@ -81,8 +87,12 @@ def saved_metrics(trainer: pl.Trainer) -> dict[str, Any]:
 class Resume:
     """What a resume from one of our checkpoints puts right in Lightning's restart."""
 
-    def __init__(self, checkpoint: dict[str, Any]) -> None:
-        """Takes (pops) our keys out of the restored checkpoint dictionary."""
+    def __init__(
+        self, checkpoint: dict[str, Any], rng_state: tuple[dict[str, Any], Any] | None
+    ) -> None:
+        """Takes (pops) our keys out of the restored checkpoint dictionary; ``rng_state``: the
+        random streams as restored (:func:`resilient_callbacks.rng.capture`)."""
+        self.rng_state = rng_state
         metrics = checkpoint.pop(METRICS_KEY, None)
         self.metrics: dict[str, Any] | None = metrics if isinstance(metrics, dict) else None
         self.epoch_end = bool(checkpoint.pop(EPOCH_END_KEY, False))
@@ -101,11 +111,13 @@ class Resume:
         (its ``on_train_epoch_start`` hooks and progress)."""
         if self.epoch_end:
             self.epoch_end = False
+            self._put_back_rng()
             trainer.fit_loop.reset_restart_stage()
 
     def before_epoch_run(self, trainer: pl.Trainer) -> None:
         """Before the first ``epoch_loop.on_run_start`` after a checkpoint of an epoch's last
         batch: the uninterrupted run starts the next epoch afresh there."""
+        self._put_back_rng()  # (a mid-epoch resume: its next batch follows)
         if not self.epoch_end_run:
             return
         self.epoch_end_run = False
@@ -121,6 +133,11 @@ class Resume:
         if fetcher is not None:
             iter(fetcher)  # Lightning skips this while restarting; the iterator made at setup
             # (before the epoch's start hooks and the RNG restore) is dropped unused
+
+    def _put_back_rng(self) -> None:
+        state, self.rng_state = self.rng_state, None
+        if state is not None:
+            rng.restore(*state)
 
     def before_epoch_end(self, trainer: pl.Trainer) -> None:
         """Before the first ``fit_loop.on_advance_end``: Lightning skips the epoch-interval

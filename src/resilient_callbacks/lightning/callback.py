@@ -16,9 +16,9 @@ How it plugs into ``Trainer.fit`` (Lightning 2.x):
   precision plugin exactly as for ``fit(ckpt_path=...)``. An explicit ``ckpt_path`` wins.
 - train dataloaders: plain shuffled ``DataLoader``\\ s become ``ResumableDataLoader``\\ s
   (``loaders.py``), so their position is part of the checkpoint.
-- ``on_train_start``: puts the restored RNG states back right before the first batch (creating
-  dataloader iterators and the sanity check draw from them in between) and takes SIGTERM /
-  SIGUSR1 back from Lightning's signal connector.
+- ``on_train_start``: takes SIGTERM / SIGUSR1 back from Lightning's signal connector. The
+  restored RNG states are put back right before the resumed epoch's first batch (:mod:`.boundary`:
+  creating dataloader iterators, the sanity check and ``on_train_start`` hooks draw in between).
 - step boundary: a batch that made an optimizer step is handed to ``Checkpointer.step`` (which
   decides, saves and handles preemption) once Lightning finished it: after its validation and
   plateau schedulers, and at an epoch's last batch after the epoch's end (:mod:`.boundary`).
@@ -132,7 +132,6 @@ class ResilientCheckpoint(Checkpoint):
     def _reset_fit_state(self) -> None:
         self._ctx: st.SaveContext | None = None
         self._state: dict[str, Any] | None = None
-        self._resume_rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._resumed_stopped = False  # the checkpoint restored is the step a run stopped at
         self._val_iterators_made = False  # ... and the run's persistent val iterators existed
         self._last_step: int | None = None
@@ -273,8 +272,8 @@ class ResilientCheckpoint(Checkpoint):
         conn._ckpt_path = ckpt.restored_from
         conn._loaded_checkpoint = checkpoint
         self.restored_step = step
-        self._resume_rng = rng.capture()  # restored by the core; re-applied at on_train_start
-        self._resume = boundary.Resume(checkpoint)
+        # the random streams as the core restored them: put back right before the first batch
+        self._resume = boundary.Resume(checkpoint, rng.capture())
         self._resumed_stopped = bool(checkpoint.pop(st.STOPPED_KEY, False))
         self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
         loops = checkpoint.get("loops", {}).get("fit_loop", {})
@@ -370,11 +369,6 @@ class ResilientCheckpoint(Checkpoint):
         self._last_step = trainer.global_step
         if self._resume is not None:
             self._resume.train_start(trainer)
-        if self._resume_rng is not None:
-            # Between restore and here, Lightning created dataloader iterators (a seed draw
-            # each) and ran the sanity check; the interrupted run did neither at this point.
-            rng.restore(*self._resume_rng)
-            self._resume_rng = None
         if self._resumed_stopped:
             # the run stopped at the restored step (early stopping, max_time, should_stop set by
             # the user's code): re-running the finished script trains nothing, as for max_steps
