@@ -82,6 +82,12 @@ class Data(L.LightningDataModule):
     def train_dataloader(self):
         if self.loader == "iterable":  # no __len__: reshuffles from the global RNG per pass
             return DataLoader(Shuffled(self.train_set), batch_size=8)
+        if self.loader == "stateful-dist":  # its own DistributedSampler: Lightning keeps it
+            from torch.utils.data import DistributedSampler
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            sampler = DistributedSampler(self.train_set, shuffle=True, seed=0)
+            return StatefulDataLoader(self.train_set, batch_size=8, sampler=sampler)
         if self.loader == "stateful":
             from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -293,7 +299,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--every-n-steps", type=int, default=4)
     p.add_argument("--keep-last", type=int, default=None)
-    p.add_argument("--loader", choices=["plain", "stateful", "iterable"], default="plain")
+    p.add_argument(
+        "--loader", choices=["plain", "stateful", "stateful-dist", "iterable"], default="plain"
+    )
     p.add_argument("--limit-train", type=int, default=None, help="limit_train_batches")
     p.add_argument("--reload", action="store_true", help="reload_dataloaders_every_n_epochs=1")
     p.add_argument("--devices", type=int, default=1)

@@ -18,6 +18,9 @@ things wrong for such a checkpoint, which :class:`Resume` puts right:
   conditioned on metric ... which is not available"): the saved ones are put back;
 - it skips the epoch-interval plateau schedulers at the end of the first epoch it runs,
   because it does not save metrics: with them saved, they run;
+- it restores the train dataloaders' states (torchdata's ``StatefulDataLoader`` fast-forwards
+  its sampler there) before it announces the epoch to their samplers: a ``DistributedSampler``
+  then replays epoch 0's order. The samplers are told the resumed epoch first;
 - it leaves the random streams to whatever drew between the restore and the first batch
   (dataloader iterators made at setup, the sanity check, ``on_train_start`` hooks): they are
   put back where the uninterrupted run went on from the save, before the next epoch's start
@@ -42,6 +45,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from .. import rng
 
@@ -93,12 +97,23 @@ class Resume:
         """Takes (pops) our keys out of the restored checkpoint dictionary; ``rng_state``: the
         random streams as restored (:func:`resilient_callbacks.rng.capture`)."""
         self.rng_state = rng_state
+        self.loaders_epoch = True
         metrics = checkpoint.pop(METRICS_KEY, None)
         self.metrics: dict[str, Any] | None = metrics if isinstance(metrics, dict) else None
         self.epoch_end = bool(checkpoint.pop(EPOCH_END_KEY, False))
         self.epoch_end_run = self.epoch_end
         # a checkpoint without metrics (written by an older version) keeps Lightning's skip
         self.plateau = self.metrics is not None
+
+    def before_loader_states(self, trainer: pl.Trainer) -> None:
+        """Before Lightning loads the train dataloaders' states (the first time)."""
+        if not self.loaders_epoch:
+            return
+        self.loaders_epoch = False
+        combined = trainer.fit_loop._combined_loader
+        epoch = trainer.current_epoch  # the resumed one (its loop progress is loaded)
+        for dl in combined.flattened if combined is not None else []:
+            _set_sampler_epoch(dl, epoch)
 
     def train_start(self, trainer: pl.Trainer) -> None:
         """``on_train_start`` (Lightning emptied the metrics after the sanity check)."""

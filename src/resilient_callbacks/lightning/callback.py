@@ -307,6 +307,8 @@ class ResilientCheckpoint(Checkpoint):
     def _prepare_loaders(self, trainer: pl.Trainer) -> None:
         if self.make_dataloaders_resumable:
             self._unresumable += prepare_train_loaders(trainer, self.data_seed)
+        if self._resume is not None:
+            self._resume.before_loader_states(trainer)
 
     @staticmethod
     def _marks(trainer: pl.Trainer, epoch_end: bool) -> dict[str, Any]:
