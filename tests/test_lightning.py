@@ -328,6 +328,23 @@ def test_a_run_stopped_by_early_stopping_is_not_trained_further_when_re_run(tmp_
     assert [e.step for e in _committed(tmp_path / "ckpt")][-1] == 12
 
 
+def test_a_stop_asked_before_min_epochs_trains_on_as_the_run_did(tmp_path):
+    """EarlyStopping sets should_stop at step 12 (its second validation); with min_epochs=2
+    Lightning trains on to the end of epoch 1 (step 26). Found 2026-11-25: every step from 12
+    on was saved as final, marked stopped; a re-run said "nothing to train" and trained. Saves
+    keep their schedule; a run stopped at 20 and re-run stops at 26 with the same weights."""
+    opts = ("--early-stop", "--min-epochs", "2")
+    ref = tmp_path / "ref"
+    _run_inprocess(_argv(ref, *opts))
+    assert [e.step for e in _committed(ref / "ckpt")][-3:] == [20, 24, 26]
+    work = tmp_path / "run"
+    _run_inprocess(_argv(work, *opts, "--max-steps", "20"))
+    rc, _ = _run_inprocess(_argv(work, *opts))
+    assert rc.restored_step == 20
+    assert _losses(work / "losses.jsonl") == _losses(ref / "losses.jsonl")
+    assert max(_losses(ref / "losses.jsonl")) == 26
+
+
 def test_control_without_resumable_loader_warns_and_diverges(tmp_path, reference):
     """The check above can fail: a plain DataLoader left as it is restarts its epoch on resume;
     Lightning warns, and the run is not the reference run."""
@@ -348,6 +365,24 @@ def test_exception_saves_the_last_step_and_the_rerun_is_exact(tmp_path, referenc
     rc, _ = _run_inprocess(_argv(work))
     assert rc.restored_step == 14
     _assert_same_run(reference("plain"), work)
+
+
+@pytest.mark.parametrize("fail_at", [14, 17], ids=["after-an-epoch-end", "mid-epoch"])
+def test_the_exception_save_records_what_a_periodic_save_records(tmp_path, fail_at):
+    """With plateau schedulers on val_loss and epoch hooks: the emergency save of the last
+    completed step holds the callback metrics and, after an epoch's end (step 13), the
+    epoch-end mark. Found 2026-11-25: it held neither, so the re-run resumed step 13 as the
+    middle of epoch 0 and skipped a plateau reduction; both diverged."""
+    opts = ("--plateau", "--epoch-hooks", "--every-n-steps", "100")
+    ref = tmp_path / "ref"
+    _run_inprocess(_argv(ref, *opts))
+    work = tmp_path / "run"
+    with pytest.raises(RuntimeError, match=f"simulated failure in step {fail_at}"):
+        _run_inprocess(_argv(work, *opts, "--fail-at", str(fail_at), "--save-on-exception"))
+    assert _committed(work / "ckpt")[-1].step == fail_at - 1
+    rc, _ = _run_inprocess(_argv(work, *opts))
+    assert rc.restored_step == fail_at - 1
+    _assert_same_run(ref, work)
 
 
 def test_exception_without_save_on_exception_keeps_the_periodic_checkpoint(tmp_path):

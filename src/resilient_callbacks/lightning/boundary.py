@@ -76,13 +76,14 @@ def ends_epoch(trainer: pl.Trainer) -> bool:
     return bool(trainer.fit_loop.epoch_loop._num_ready_batches_reached())
 
 
-def saved_metrics(trainer: pl.Trainer) -> dict[str, Any]:
-    """The scalar ``callback_metrics``, as they are (tensors copied to the CPU)."""
+def saved_metrics(trainer: pl.Trainer, to_cpu: bool = True) -> dict[str, Any]:
+    """The scalar ``callback_metrics``, as they are (tensors copied: to the CPU, or where they
+    are, without waiting for the device, for a save that may never happen)."""
     out: dict[str, Any] = {}
     for k, v in trainer.callback_metrics.items():
         if isinstance(v, torch.Tensor):
             if v.numel() == 1:
-                out[str(k)] = v.detach().to("cpu", copy=True)
+                out[str(k)] = v.detach().to("cpu", copy=True) if to_cpu else v.detach().clone()
         elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             out[str(k)] = v
     return out

@@ -311,15 +311,15 @@ class ResilientCheckpoint(Checkpoint):
             self._resume.before_loader_states(trainer)
 
     @staticmethod
-    def _marks(trainer: pl.Trainer, epoch_end: bool) -> dict[str, Any]:
+    def _marks(trainer: pl.Trainer, epoch_end: bool, to_cpu: bool = True) -> dict[str, Any]:
         """What a save at this step boundary records besides Lightning's dictionary (asked
         only when a save happens, before a preemption sets ``should_stop``)."""
         made = any(dl._iterator is not None for dl in patches.persistent_val_loaders(trainer))
         return {
-            st.STOPPED_KEY: bool(trainer.should_stop),
+            st.STOPPED_KEY: bool(trainer.should_stop),  # before min_epochs too: it persists
             st.VAL_ITERATORS_KEY: made,
             boundary.EPOCH_END_KEY: epoch_end,
-            boundary.METRICS_KEY: boundary.saved_metrics(trainer),
+            boundary.METRICS_KEY: boundary.saved_metrics(trainer, to_cpu),
         }
 
     def _val_loaders_ready(self, trainer: pl.Trainer) -> None:
@@ -372,13 +372,15 @@ class ResilientCheckpoint(Checkpoint):
         if self._resume is not None:
             self._resume.train_start(trainer)
         if self._resumed_stopped:
-            # the run stopped at the restored step (early stopping, max_time, should_stop set by
-            # the user's code): re-running the finished script trains nothing, as for max_steps
+            # should_stop was set by the restored step (early stopping, max_time, the user's
+            # code): re-running the finished script trains nothing, as for max_steps -- or, set
+            # before min_epochs/min_steps were met, trains on to them, as the run did
             trainer.should_stop = True
-            rank_zero_info(
-                f"ResilientCheckpoint: the run stopped at step {self.restored_step} "
-                "(trainer.should_stop) and that is its last checkpoint: nothing to train"
-            )
+            if checks.stops(trainer):
+                rank_zero_info(
+                    f"ResilientCheckpoint: the run stopped at step {self.restored_step} "
+                    "(trainer.should_stop) and that is its last checkpoint: nothing to train"
+                )
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -442,7 +444,8 @@ class ResilientCheckpoint(Checkpoint):
         elif not saved and checks.is_final(trainer, epoch_end):
             saved = ckpt.save(step, state, metrics)
         if self.save_on_exception and ckpt.world_size == 1:
-            self._on_exception.remember(trainer, step, end.fit_loop)
+            marks = self._marks(trainer, epoch_end, to_cpu=False)
+            self._on_exception.remember(trainer, step, end.fit_loop, marks)
         self._logged_save = save_logs.after_step(
             trainer, ckpt, saved, self.log_stats, self._logged_save
         )

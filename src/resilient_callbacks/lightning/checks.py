@@ -71,10 +71,16 @@ def signals(trainer: pl.Trainer) -> tuple[str, ...]:
     return tuple(sigs)
 
 
+def stops(trainer: pl.Trainer) -> bool:
+    """Whether ``trainer.should_stop`` ends the fit here: Lightning trains on, with the flag
+    set, until ``min_epochs``/``min_steps`` are met."""
+    return bool(trainer.should_stop) and bool(trainer.fit_loop._can_stop_early)
+
+
 def is_final(trainer: pl.Trainer, epoch_end: bool) -> bool:
     """Whether training ends after this step (so it is saved whatever the schedule says).
     ``epoch_end``: asked after the end of the step's epoch (Lightning counted it)."""
-    if trainer.should_stop:
+    if stops(trainer):
         return True
     if trainer.max_steps not in (-1, None) and trainer.global_step >= trainer.max_steps:
         return True

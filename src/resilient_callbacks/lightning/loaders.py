@@ -114,16 +114,18 @@ def _is_stateful(obj: Any) -> bool:
 log = logging.getLogger("resilient_callbacks")
 
 CYCLED = (
-    "Lightning's CombinedLoader (mode 'max_size_cycle') restarts this shorter loader within an "
-    "epoch; rebuilt, it would number those restarts as epochs of its own and no longer draw "
-    "what the original draws, so it is left as it is"
+    "Lightning's CombinedLoader (mode 'max_size_cycle' or 'max_size') restarts this shorter "
+    "loader within an epoch, or lets it run out before the epoch ends; rebuilt, it would number "
+    "its passes as epochs of its own and no longer draw what the original draws, so it is left "
+    "as it is"
 )
 
 
 def cycled_loaders(combined: Any) -> set[int]:
-    """Indices of the train loaders a ``CombinedLoader`` in its default ``max_size_cycle`` mode
-    restarts within an epoch: those shorter than the longest (with a known length)."""
-    if getattr(combined, "_mode", None) != "max_size_cycle":
+    """Indices of the train loaders a ``CombinedLoader`` in its ``max_size_cycle`` (default) or
+    ``max_size`` mode restarts or exhausts within an epoch: those shorter than the longest
+    (with a known length)."""
+    if getattr(combined, "_mode", None) not in ("max_size_cycle", "max_size"):
         return set()
     lengths: dict[int, int] = {}
     for i, dl in enumerate(combined.flattened):

@@ -32,6 +32,7 @@ class _Boundary:
 
     step: int
     fit_loop: dict[str, Any]
+    marks: dict[str, Any]
     rng_state: tuple[dict[str, Any], dict[str, torch.Tensor]]
     buffers: dict[str, torch.Tensor]
 
@@ -51,13 +52,17 @@ class ExceptionSave:
 
         return [o.register_step_post_hook(stepped) for o in optimizers]
 
-    def remember(self, trainer: pl.Trainer, step: int, fit_loop: dict[str, Any]) -> None:
+    def remember(
+        self, trainer: pl.Trainer, step: int, fit_loop: dict[str, Any], marks: dict[str, Any]
+    ) -> None:
         """End of a completed step (one rank): what a save of this step needs later;
-        ``fit_loop``: the loop state saved for that step (not changed later)."""
+        ``fit_loop``: the loop state saved for that step, ``marks``: what a save of it records
+        besides (both not changed later)."""
         module = trainer.lightning_module
         self._boundary = _Boundary(
             step=step,
             fit_loop=fit_loop,
+            marks=marks,
             rng_state=rng.capture(),
             buffers={name: b.detach().clone() for name, b in module.named_buffers()},
         )
@@ -96,7 +101,7 @@ class ExceptionSave:
             type(exception).__name__,
             b.step,
         )
-        ctx.reset()
+        ctx.reset(marks=lambda: b.marks)  # the step's marks: epoch end, metrics, ...
         ctx.fit_loop_override = b.fit_loop
         ctx.buffer_override = b.buffers
         rng.restore(*b.rng_state)  # the random streams as they were after step b.step
