@@ -10,8 +10,8 @@ uninterrupted run did for that step:
 
 The loop progress saved with it is Lightning's at the step's ``on_train_batch_end`` hook,
 the point Lightning's own restart logic expects for a checkpoint of a training step (it then
-neither repeats the step's validation nor its epoch's end). Lightning's restart gets three
-things wrong for such a checkpoint, which :class:`Resume` puts right:
+neither repeats the step's validation nor its epoch's end). Lightning's restart gets these
+things wrong for such a checkpoint (its own checkpoints too), which :class:`Resume` puts right:
 
 - ``trainer.callback_metrics`` start empty, so a plateau scheduler or ``EarlyStopping`` that
   reads a metric logged before the save finds nothing (Lightning raises "ReduceLROnPlateau
