@@ -39,7 +39,6 @@ every rank); nothing here runs a collective.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +47,7 @@ import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from .. import rng
+from .state import finite_metrics
 
 EPOCH_END_KEY = "resilient_callbacks_epoch_end"
 """Recorded true in a checkpoint of an epoch's last batch (saved after the epoch's end)."""
@@ -77,16 +77,12 @@ def ends_epoch(trainer: pl.Trainer) -> bool:
 
 
 def saved_metrics(trainer: pl.Trainer, to_cpu: bool = True) -> dict[str, Any]:
-    """The scalar ``callback_metrics``, as they are (tensors copied: to the CPU, or where they
-    are, without waiting for the device, for a save that may never happen)."""
-    out: dict[str, Any] = {}
-    for k, v in trainer.callback_metrics.items():
-        if isinstance(v, torch.Tensor):
-            if v.numel() == 1:
-                out[str(k)] = v.detach().to("cpu", copy=True) if to_cpu else v.detach().clone()
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            out[str(k)] = v
-    return out
+    """The scalar ``callback_metrics`` (:func:`.state.finite_metrics`), tensors copied: to the
+    CPU, or where they are, without waiting for the device, for a save that may never happen."""
+    return {
+        k: (v.to("cpu", copy=True) if to_cpu else v.clone()) if isinstance(v, torch.Tensor) else v
+        for k, v in finite_metrics(trainer.callback_metrics).items()
+    }
 
 
 class Resume:
