@@ -212,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[rank {rank}] restored step {step}", file=sys.stderr, flush=True)
     rep = ckpt.last_restore
     if rep is not None:  # machine-readable, for the tests
-        print(
+        # one write: print() writes the line and its end separately, and a log line of the
+        # upload thread could land between them (seen once under load)
+        sys.stderr.write(
             "RESTORE "
             + json.dumps(
                 {
@@ -222,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                     "downloaded_files": rep.downloaded_files,
                     "path": rep.path,
                 }
-            ),
-            file=sys.stderr,
-            flush=True,
+            )
+            + "\n"
         )
+        sys.stderr.flush()
 
     with open(args.out_jsonl + suffix, "a") as log:
         if log.tell() > 0:
