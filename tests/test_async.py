@@ -75,6 +75,42 @@ def test_overlapped_snapshot_waits_at_the_optimizer_step(tmp_path):
     assert all(torch.equal(got[k], before[k]) for k in before)
 
 
+def test_overlapped_snapshot_copies_a_module_no_optimizer_steps_at_once(tmp_path, monkeypatch):
+    """Only the optimizer's next step waits for the deferred copies, so only what it steps may
+    be deferred: an EMA copy of the model, updated in place right after the save (before any
+    step), must be saved as it was. The deferred copies are slowed so that a deferred EMA copy
+    would read the update."""
+    import time
+
+    from resilient_callbacks import snapshot
+
+    copy_later = snapshot.Snapshot._copy_later
+
+    def slow(self, items, stream):
+        time.sleep(0.3)
+        copy_later(self, items, stream)
+
+    monkeypatch.setattr(snapshot.Snapshot, "_copy_later", slow)
+    model, opt = _model_state()
+    ema, _ = _model_state(seed=2)
+    _train_step(model, opt)
+    state = {"model": model, "optimizer": opt, "ema": ema}
+    expected = {k: v.clone() for k, v in ema.state_dict().items()}
+    with Checkpointer(tmp_path / "ck", overlap_snapshot=True, preemption=False) as ck:
+        ck.save(1, state)
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                e.lerp_(p, 0.5)
+        _train_step(model, opt)
+        ck.flush()
+    fresh_model, fresh_opt = _model_state(seed=1)
+    fresh_ema, _ = _model_state(seed=3)
+    with Checkpointer(tmp_path / "ck", preemption=False) as ck:
+        ck.restore({"model": fresh_model, "optimizer": fresh_opt, "ema": fresh_ema})
+    for k, v in fresh_ema.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -7,7 +7,8 @@ marker): CI has no GPU. Run on a GPU machine with ``python -m pytest -m gpu test
   must commit the state of the saved step: 0 differing tensors, in the default and the overlapped
   mode, with warm buffers and >= 1 GB of state so the device-to-host copy takes tens of ms. The
   control skips the GPU-side ordering and must see torn tensors, so the test can fail.
-- A saved tensor freed right after the save is not reused before the copy has read it.
+- A saved tensor freed right after the save is not reused before the copy has read it (its
+  control skips ``record_stream`` and must read the memory's next owner).
 - SIGKILL and resume on CUDA (plain loop, Lightning, Transformers; deterministic algorithms, CUDA
   RNG restored) is bit-exact; restore lands in CUDA tensors; bf16 and AMP state round-trip.
 """
@@ -102,27 +103,46 @@ def test_control_without_gpu_ordering_tears(tmp_path, monkeypatch):
     assert differ > 0, "no torn tensor without the ordering: the test cannot detect tearing"
 
 
-def test_saved_tensor_freed_right_after_the_save_is_not_reused_before_the_copy(tmp_path):
+def _freed_right_after_the_save(tmp_path: Path) -> torch.Tensor:
+    """Save a 1 GB parameter that the optimizer steps (so its copy is deferred), then at once
+    replace it everywhere, so it is freed while the copy may still read it, and fill new
+    allocations; return the restored parameter (all 3.0 when nothing overwrote the freed one)."""
     torch.manual_seed(0)
     n = 256 * 1024 * 1024  # 1 GB of float32
     with Checkpointer(tmp_path / "ck", keep_last=2, overlap_snapshot=True) as ck:
         lin = torch.nn.Linear(1, 1).cuda()
         lin.weight = torch.nn.Parameter(torch.zeros(n, 1, device="cuda"))
-        state = {"model": lin}
+        opt = torch.optim.SGD(lin.parameters(), lr=0.0)
+        state = {"model": lin, "optimizer": opt}
         ck.save(1, state)
         ck.flush()
         lin.weight.data.fill_(3.0)
         ck.save(2, state)
-        # replace the parameter: the saved one is freed now, while its copy may still run
+        # replace the parameter in the module and the optimizer: the saved one is freed now,
+        # while its deferred copy may still run
         lin.weight = torch.nn.Parameter(torch.full((n, 1), 9.0, device="cuda"))
+        opt.param_groups[0]["params"] = [lin.weight, lin.bias]
         junk = [torch.full((n, 1), 7.0, device="cuda") for _ in range(2)]
         ck.flush()
         del junk
     restored = torch.nn.Linear(1, 1).cuda()
     restored.weight = torch.nn.Parameter(torch.empty(n, 1, device="cuda"))
+    fresh = {"model": restored, "optimizer": torch.optim.SGD(restored.parameters(), lr=0.0)}
     with Checkpointer(tmp_path / "ck") as ck:
-        assert ck.restore({"model": restored}) == 2
-    assert bool((restored.weight == 3.0).all())
+        assert ck.restore(fresh) == 2
+    return restored.weight
+
+
+def test_saved_tensor_freed_right_after_the_save_is_not_reused_before_the_copy(tmp_path):
+    assert bool((_freed_right_after_the_save(tmp_path) == 3.0).all())
+
+
+def test_control_without_record_stream_reads_reused_memory(tmp_path, monkeypatch):
+    """The same without marking the saved tensors used by the copy stream: the freed block goes
+    to the next allocation, whose fill the copy reads. Proves the test above can fail."""
+    monkeypatch.setattr(snapshot, "_mark_used_by", lambda t, stream: None)
+    weight = _freed_right_after_the_save(tmp_path)
+    assert not bool((weight == 3.0).all()), "no reuse without record_stream: the test is blind"
 
 
 def test_restore_lands_in_cuda_tensors_with_bf16_and_amp_state(tmp_path):

@@ -668,6 +668,46 @@ def test_overlapped_snapshot_is_awaited_before_the_next_optimizer_step(tmp_path,
         assert any(torch.equal(saved[key], w) for s, w in weights.after.items() if s > 2)
 
 
+class _FrozenBackbone(_Tiny):
+    """A frozen layer (blob-sized) before the trained one: what incremental saves are for."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Linear(4, 4096).requires_grad_(False)
+        self.lin = torch.nn.Linear(4096, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(self.backbone(batch[0])).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.lin.parameters(), lr=0.1)
+
+
+def test_incremental_saves_store_a_frozen_layer_once_and_resume(tmp_path):
+    """``incremental=True`` under Lightning: every save commits (the callback's optimizer-state
+    value must tell which parameters its optimizers step), the frozen layer is one blob that
+    every checkpoint refers to, and a re-run restores from it."""
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2, incremental=True)
+    module = _FrozenBackbone()
+    _tiny_fit(tmp_path, module, rc, max_steps=6)
+    steps = [e.step for e in _committed(tmp_path / "ck")]
+    assert steps == [2, 4, 6]
+    refs = [
+        json.loads((Path(e.path) / "shared.json").read_text())["blobs"]
+        for e in _committed(tmp_path / "ck")
+    ]
+    frozen = {r[k] for r in refs for k in r if "/backbone." in k}
+    trained = {r[k] for r in refs for k in r if k.endswith("lin.weight")}
+    assert len(frozen) == 2 and len(trained) == 3  # weight + bias, once; a new one per save
+    assert set(os.listdir(tmp_path / "ck" / "blobs")) == frozen | trained
+    again = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2, incremental=True)
+    resumed = _FrozenBackbone()
+    _tiny_fit(tmp_path, resumed, again, max_steps=6)
+    assert again.restored_step == 6
+    assert torch.equal(resumed.backbone.weight, module.backbone.weight)
+    assert torch.equal(resumed.lin.weight, module.lin.weight)
+
+
 class _Wider(_Tiny):
     def __init__(self):
         super().__init__()

@@ -26,9 +26,14 @@ def world_size() -> int:
 
 
 def _device(group: Any = None) -> torch.device:
+    """Where this rank's tensors for a collective on ``group`` live: the CPU, or under NCCL the
+    GPU the group is bound to (``init_process_group(device_id=...)``), else the current one
+    (``torch.cuda.set_device``), as torch's own object collectives assume."""
     backend = torch.distributed.get_backend(group)
     if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        pg = group if group is not None else torch.distributed.distributed_c10d._get_default_group()
+        bound = getattr(pg, "bound_device_id", None)
+        return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 

@@ -16,14 +16,17 @@ device), so the CPU does not wait for the copy engine. The cut is consistent all
 - each saved tensor is marked used by the side stream (``record_stream``), so a tensor freed
   right after the save is not handed to a new allocation until the copy has read it;
 - the background writer waits for the copies on the host (:meth:`Snapshot.wait_host`) before it
-  reads a buffer.
+  reads a buffer: a blocking-sync event (the thread sleeps, it does not spin a core while the
+  copy runs), waited for with the copy's device current (a thread starts on device 0, and a
+  CUDA call there would create a context on GPU 0 for every rank of the node).
 
 Work that writes a saved tensor on *another* stream must be ordered after the current stream
 (``other.wait_stream(torch.cuda.current_stream())`` after the save), as CUDA requires of any
 cross-stream use; collectives launched after the save (DDP's buffer broadcast, FSDP) do that.
 
-Overlapped mode: parameters and optimizer state change only at the optimizer step, so their
-copy may run in the background while the next forward/backward runs; the training loop waits
+Overlapped mode: the parameters an optimizer in the state steps, and its state, change only at
+that step, so their copy may run in the background while the next forward/backward runs (a
+parameter no optimizer there steps, such as an EMA copy, is not deferred); the training loop waits
 only right before the next optimizer step (``Checkpointer.wait_for_snapshot()``, which the
 optimizers in the state call from a step pre-hook). On a GPU that wait is again a GPU-side wait:
 the optimizer's kernels are ordered after the copy and the CPU does not block. Everything else
@@ -122,18 +125,26 @@ def step_storages(
     local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> set[int]:
     """Storage addresses of tensors that only an optimizer step changes: the parameters of
-    ``modules`` and the state tensors of ``optimizers`` (not buffers, which forward passes
-    change, nor 0-d values such as ``step``, copied at once). ``local`` maps a tensor to the one
-    whose storage is copied (a DTensor to its local shard)."""
+    ``modules`` that one of ``optimizers`` steps, and the optimizers' state tensors. Not a
+    parameter no optimizer here steps (an EMA or teacher model: its owner may write it in place
+    before the next step, which alone waits for deferred copies), nor buffers, which forward
+    passes change, nor 0-d values such as ``step``, copied at once. ``local`` maps a tensor to
+    the one whose storage is copied (a DTensor to its local shard)."""
+    stepped: set[int] = set()
     out: set[int] = set()
-    for m in modules:
-        for p in m.parameters():
-            out.add(local(p).untyped_storage().data_ptr())
     for o in optimizers:
+        for group in o.param_groups:
+            for p in group["params"]:
+                stepped.add(local(p).untyped_storage().data_ptr())
         for s in o.state.values():
             for v in s.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     out.add(local(v).untyped_storage().data_ptr())
+    for m in modules:
+        for p in m.parameters():
+            ptr = local(p).untyped_storage().data_ptr()
+            if ptr in stepped:
+                out.add(ptr)
     return out
 
 
@@ -189,7 +200,8 @@ class Snapshot:
         self.copies: dict[str, torch.Tensor] = {}
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._host_events: list[Any] = []  # the host waits for these before reading copies
+        # (device, event): the host waits for these before reading copies
+        self._host_events: list[tuple[torch.device, Any]] = []
         self._device_waits: list[tuple[torch.device, Any]] = []  # deferred GPU copies
         cpu_later: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         gpu: dict[torch.device, tuple[list[Any], list[Any]]] = {}  # device -> (now, later)
@@ -238,9 +250,9 @@ class Snapshot:
                 for t, buf in later:
                     buf.copy_(t.detach(), non_blocking=True)
                     _mark_used_by(t, side)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(blocking=True)
                 done.record(side)
-        self._host_events.append(done)
+        self._host_events.append((device, done))
         if later:
             self._device_waits.append((device, done))
 
@@ -269,8 +281,9 @@ class Snapshot:
     def wait_host(self) -> None:
         """Block until every copy is complete in host memory (and raise if one failed)."""
         self._join()
-        for event in self._host_events:
-            event.synchronize()
+        for device, event in self._host_events:
+            with torch.cuda.device(device):
+                event.synchronize()
 
     def wait(self) -> None:
         """Both waits: the copies are complete and later GPU work is ordered after them."""

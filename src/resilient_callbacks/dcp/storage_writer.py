@@ -77,8 +77,9 @@ class ResilientStorageWriter(StorageWriter):
     the checkpoints belong to (retention counts only its own run's); default: the run of the
     newest checkpoint in ``dirpath``, or a new one. ``async_staging``: with ``dcp.async_save``,
     copy the state into the host buffers in the background too; ``async_save`` then returns an
-    ``AsyncSaveResponse`` whose ``staging_completion`` you wait for before the state changes
-    (the next optimizer step), as with DCP's own ``StagingOptions(use_async_staging=True)``.
+    ``AsyncSaveResponse`` whose ``staging_completion`` you wait for before anything changes the
+    saved state (the next optimizer step; a training-mode forward that updates BatchNorm
+    statistics), as with DCP's own ``StagingOptions(use_async_staging=True)``.
     Every rank constructs it with the same arguments. Call :meth:`close` (or use ``with``) at the end: it waits for uploads and
     releases the directory lock.
     """

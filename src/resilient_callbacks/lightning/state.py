@@ -324,8 +324,10 @@ class _Handles:
 class OptimizerStates(torch.optim.Optimizer):
     """``"optimizer_states"``: every optimizer's state, as Lightning dumps them, in one value.
 
-    An ``Optimizer`` subclass only so that the core recognises the optimizer state tensors as
-    changed by optimizer steps alone (and copies them in the background). It never steps.
+    An ``Optimizer`` subclass only so that the core recognises the optimizer state tensors and
+    the parameters in its ``param_groups`` as changed by optimizer steps alone (copied in the
+    background by an overlapped save; never known unchanged by an incremental one). It never
+    steps.
     Step *post*-hooks registered on it go to the real optimizers (the core's
     ``save_on_exception`` bookkeeping); step *pre*-hooks are not forwarded: a pre-hook runs before
     the closure (forward/backward), and the callback instead waits for the snapshot in
@@ -342,6 +344,11 @@ class OptimizerStates(torch.optim.Optimizer):
         for opt in self._optimizers:
             merged.update(opt.state)
         return merged
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """Every optimizer's groups: which parameters the optimizer steps change."""
+        return [g for opt in self._optimizers for g in opt.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizers": list(self._ctx.dump().get("optimizer_states", []))}
