@@ -2,7 +2,10 @@
 throughput, restore, a training loop, and memory across many saves.
 
     .venv/bin/python benchmarks/bench_async.py [--sizes 256,1536] [--reps 5] \
-        [--out benchmarks/results] [--dir DIR] [--plot] [--quick]
+        [--out benchmarks/results] [--dir DIR] [--plot] [--quick] [--device cuda]
+
+``--device cuda`` runs ``bench_gpu.py`` (these measurements with the state on the GPU, against
+the pinned device-to-host floor) with the same sizes, repetitions and directories.
 
 State: an MLP of square ``Linear`` layers plus its AdamW state after one step (parameters +
 ``exp_avg`` + ``exp_avg_sq``, fp32), about ``--sizes`` MB each (default ~256 MB and ~1.5 GB).
@@ -1084,7 +1087,21 @@ def main() -> int:
     ap.add_argument(
         "--pairs", type=int, default=10, help="back-to-back blocking vs copy_ floor pairs"
     )
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: state on the GPU; runs benchmarks/bench_gpu.py, these measurements on CUDA "
+        "(the pinned device-to-host floor, ours in both modes, torch.save, DCP async_save with "
+        "its default and its pinned asynchronous staging, a training loop, warm restore) with "
+        "--sizes, --reps, --out and --dir",
+    )
     args = ap.parse_args()
+    if args.device == "cuda":
+        gpu = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_gpu.py")
+        forwarded = ["--sizes", args.sizes, "--reps", str(args.reps), "--out", args.out]
+        forwarded += ["--dir", args.dir] if args.dir else []
+        return subprocess.call([sys.executable, gpu, *forwarded])
     torch.set_flush_denormal(True)
     if args.worker:
         kind, method, work = args.worker

@@ -275,6 +275,37 @@ def test_dcp_save_on_two_ranks_load_on_one_without_unpickling(tmp_path):
     assert res["step"] == 3 and res["extra"] == {"epoch": 3, "tag": [1, "a"]}
     assert res["tag_is_tuple"]
     _assert_same_files(tmp_path / "s.saved.safetensors", tmp_path / "l.loaded.safetensors")
+    _assert_cli_reads_the_keys_and_exports_whole_tensors(tmp_path, root)
+
+
+def _assert_cli_reads_the_keys_and_exports_whole_tensors(tmp_path: Path, root: Path) -> None:
+    """``inspect`` lists a drop-in checkpoint's keys (global shapes, the ranks' chunks) and
+    ``export`` writes every tensor whole under its DCP key, equal to the full tensors."""
+    import contextlib
+    import io
+
+    from resilient_callbacks.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["inspect", str(root), "--json"]) == 0
+    keys = {k["key"]: k for k in json.loads(out.getvalue())["keys"]}
+    saved = _tensors(tmp_path / "s.saved.safetensors")
+    weight = keys["model.0.weight"]
+    assert weight["shape"] == list(saved["model/0.weight"].shape) and weight["chunks"] == 2
+    assert keys["extra.epoch"]["kind"] == "object"
+    assert main(["export", str(root), str(tmp_path / "exported")]) == 0
+    got = _tensors(tmp_path / "exported" / "model.safetensors")
+    assert {k for k in got if k.startswith("model.")} == {
+        "model." + k.split("/", 1)[1] for k in saved if k.startswith("model/")
+    }
+    for k, v in saved.items():
+        name = "model." + k.split("/", 1)[1] if k.startswith("model/") else None
+        if name is not None:
+            assert torch.equal(got[name], v), name
+        else:  # optim/<fqn>/<state>: DCP names it optim.state.<fqn>.<state>
+            _, fqn, st = k.split("/")
+            assert torch.equal(got[f"optim.state.{fqn}.{st}"], v), k
 
 
 @pytest.mark.distributed

@@ -26,7 +26,7 @@ from .cli_scan import no_checkpoints, public, resolve, row
 from .consolidate import zero_part_ids, zero_tensors
 from .errors import CheckpointError
 from .filepart import PARTS_EXTRA
-from .layout import SHARED_STRUCTURE, shared_meta
+from .layout import SHARED_STRUCTURE, is_dcp_dropin, shared_meta
 from .reader import describe
 from .structure import TAG
 
@@ -137,6 +137,13 @@ def _part(part_id: str, described: Any, path: str, out: list[dict]) -> None:
 
 def _keys(e: Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
     """The keys of a checkpoint, or why they cannot be read."""
+    if e.manifest is not None and is_dcp_dropin(e.manifest):
+        from .dcp import dropin
+
+        try:
+            return dropin.keys(e.path, e.manifest), None
+        except (OSError, CheckpointError) as err:
+            return None, f"cannot read the keys ({type(err).__name__}: {err})"
     try:
         with open(os.path.join(e.path, SHARED_STRUCTURE), "rb") as f:
             doc = json.loads(f.read())

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from . import reader, structure
 from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from .filepart import part_dir, parts_of_format, read_part_tensors
-from .layout import LoadedPart
+from .layout import LoadedPart, is_dcp_dropin
 from .manifest import Manifest, read_manifest
 from .tensorfile import DTYPE_TO_ST, read_verified
 
@@ -54,11 +54,14 @@ def _holds_engine(structure_: Any) -> bool:
 
 def exports_weights(manifest: Manifest, path: str) -> bool:
     """Whether ``export`` writes consolidated weights of the checkpoint at ``path``: one of
-    ``resilient_callbacks.deepspeed``, or one holding a ``dcp.Sharded`` part (FSDP, tensor
+    ``resilient_callbacks.deepspeed``, one holding a ``dcp.Sharded`` part (FSDP, tensor
     parallelism), outside a Transformers Trainer run (a Trainer's checkpoint, under DeepSpeed or
-    FSDP too, exports as a ``from_pretrained`` directory)."""
+    FSDP too, exports as a ``from_pretrained`` directory), or one of ``dcp.save`` through
+    ``ResilientStorageWriter``."""
     from .dcp.whole import sharded_part_ids
 
+    if is_dcp_dropin(manifest):
+        return True  # dcp.save's state dict: every tensor whole
     full = reader.open_checkpoint(path).part.structure  # opened once for every question
     if isinstance(full, dict) and "trainer" in full:
         return False  # a Trainer run (under DeepSpeed or FSDP too): a from_pretrained directory
@@ -141,9 +144,14 @@ def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, t
 def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.Tensor]:
     """The model weights of the checkpoint at ``path``: a DeepSpeed one's (the trained parameters
     in fp32 at ZeRO 1-3, with the frozen parameters and persistent buffers as saved), or a
-    ``dcp.Sharded`` part's whole model tensors (as saved). ``part``: its rank-0 part, if the
+    ``dcp.Sharded`` part's whole model tensors (as saved), or every tensor of a ``dcp.save``
+    through ``ResilientStorageWriter`` whole, by its DCP key. ``part``: its rank-0 part, if the
     caller opened it already (read and verified once, not twice)."""
     manifest = read_manifest(path)
+    if is_dcp_dropin(manifest):
+        from .dcp.dropin import whole_tensors
+
+        return whole_tensors(path)
     parts = zero_part_ids(manifest)
     if parts:
         weights = consolidate_zero(path, manifest, parts[0])

@@ -52,6 +52,16 @@ def rank_structure(rank: int) -> str:
     return f"rank_{rank:05d}.json"
 
 
+# a checkpoint written by ``dcp.save`` through ``dcp.ResilientStorageWriter`` has this file (its
+# keys, as JSON) and no SHARED_STRUCTURE
+DCP_METADATA = "dcp_metadata.json"
+
+
+def is_dcp_dropin(manifest: Manifest) -> bool:
+    """Whether the checkpoint was written by ``dcp.save`` through ``ResilientStorageWriter``."""
+    return any(f.path == DCP_METADATA for f in manifest.files)
+
+
 def rank_tensors(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 

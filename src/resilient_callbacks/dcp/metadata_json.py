@@ -25,11 +25,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CheckpointCorruptError, UnsupportedStateError
+from ..layout import DCP_METADATA
 from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from .chunks import join, split
 
 FORMAT = "resilient_callbacks.dcp.metadata/1"
-METADATA_NAME = "dcp_metadata.json"
+METADATA_NAME = DCP_METADATA
 
 
 def index_key(index: MetadataIndex) -> str:

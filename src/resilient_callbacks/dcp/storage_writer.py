@@ -235,7 +235,11 @@ class ResilientStorageWriter(StorageWriter):
                     )
                 skeleton, inner = split(lookup(item.index), where=item.index.fqn)
                 if inner:
-                    raise UnsupportedStateError(f"{item.index.fqn}: an object holding tensors")
+                    raise UnsupportedStateError(
+                        f"{item.index.fqn}: an object holding tensors (DCP writes a tensor as "
+                        "a tensor only at the top level of the flattened state dict: keep "
+                        "DefaultSavePlanner's flatten_state_dict=True, its default)"
+                    )
                 objects[key] = skeleton
                 results.append(WriteResult(item.index, 0, {"file": json_name, "key": key}))
             else:
