@@ -26,10 +26,12 @@ import torch
 from torch import nn
 
 
-def build(stage: int, dtype: str, dirpath: str, every: int, extra: dict | None) -> dict:
+def build(
+    stage: int, dtype: str, dirpath: str, every: int, extra: dict | None, gas: int = 2
+) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 2,
+        "gradient_accumulation_steps": gas,
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
@@ -132,6 +134,10 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=3)
     ap.add_argument("--die-at", type=int, default=None)
     ap.add_argument("--term-at", type=int, default=None)
+    ap.add_argument("--raise-at", type=int, default=None)  # + save_on_exception in the section
+    ap.add_argument("--guard", action="store_true")  # the loop in `with handle:`
+    ap.add_argument("--gas", type=int, default=2)  # gradient_accumulation_steps
+    ap.add_argument("--teacher", action="store_true")  # --launcher: and an untrained engine
     ap.add_argument("--launcher", action="store_true")
     ap.add_argument("--no-pickle", action="store_true")
     ap.add_argument("--sync", action="store_true")  # async_save=False
@@ -203,7 +209,9 @@ def main() -> None:
         extra["remote"] = args.remote
     if args.incremental:
         extra["incremental"] = True
-    cfg = build(args.stage, args.dtype, args.dir, args.every, extra)
+    if args.raise_at is not None:
+        extra["save_on_exception"] = True
+    cfg = build(args.stage, args.dtype, args.dir, args.every, extra, args.gas)
     if args.offload:  # ZeRO-Offload: fp32 masters and moments in host memory, torch's AdamW
         cfg["zero_force_ds_cpu_optimizer"] = False
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
@@ -221,6 +229,11 @@ def main() -> None:
             model=model, model_parameters=trainable, training_data=data, config=cfg
         )
         assert hasattr(engine, "resilient_checkpoint"), "not run through the launcher"
+        if args.teacher:  # an engine without an optimizer from the same config: left plain
+            drop = ("optimizer", "scheduler", "zero_optimization")  # ZeRO 1-3 needs an optimizer
+            frozen = {k: v for k, v in cfg.items() if k not in drop}
+            teacher, *_ = deepspeed.initialize(model=nn.Linear(6, 1), config=frozen)
+            assert not hasattr(teacher, "resilient_checkpoint")
     else:
         import resilient_callbacks.deepspeed as rcds
 
@@ -251,6 +264,9 @@ def main() -> None:
                 json.dump(restored_state, f)
     dtype = next(engine.module.parameters()).dtype
     log = open(f"{args.out}.rank{rank}.losses", "a")  # noqa: SIM115
+    # the micro-batches each optimizer step accumulated: "global_steps count" per line
+    cycles = open(f"{args.out}.rank{rank}.cycles", "a")  # noqa: SIM115
+    since = [0]
 
     def passes():
         if args.epochs is not None:
@@ -259,22 +275,39 @@ def main() -> None:
             while engine.global_steps < args.steps:
                 yield None
 
-    for _ in passes():
-        for x, y in loader:
-            micro = engine.micro_steps
-            loss = nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
-            engine.backward(loss)
-            log.write(f"{micro} {float(loss.detach()).hex()}\n")  # before step(): it may exit 75
-            log.flush()
-            engine.step()
-            if handle is not None and micro % 2 == 1:  # an optimizer step (accumulation 2)
-                record_buffers(handle.checkpointer, f"{args.out}.rank{rank}.buffers.jsonl", engine)
-            if args.die_at is not None and engine.global_steps == args.die_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if args.term_at is not None and engine.global_steps == args.term_at:
-                os.kill(os.getpid(), signal.SIGTERM)  # the next engine.step() saves and exits 75
-            if args.epochs is None and engine.global_steps >= args.steps:
-                break
+    def train() -> None:
+        for _ in passes():
+            for x, y in loader:
+                micro = engine.micro_steps
+                loss = nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+                engine.backward(loss)
+                log.write(f"{micro} {float(loss.detach()).hex()}\n")  # before step(): may exit 75
+                log.flush()
+                before = engine.global_steps
+                engine.step()
+                since[0] += 1
+                if engine.global_steps != before:
+                    cycles.write(f"{engine.global_steps} {since[0]}\n")
+                    cycles.flush()
+                    since[0] = 0
+                if handle is not None and micro % 2 == 1:  # an optimizer step (accumulation 2)
+                    record_buffers(
+                        handle.checkpointer, f"{args.out}.rank{rank}.buffers.jsonl", engine
+                    )
+                if args.die_at is not None and engine.global_steps == args.die_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if args.term_at is not None and engine.global_steps == args.term_at:
+                    os.kill(os.getpid(), signal.SIGTERM)  # the next engine.step() saves, exits 75
+                if args.raise_at is not None and engine.global_steps == args.raise_at:
+                    raise RuntimeError(f"raised at step {args.raise_at}")
+                if args.epochs is None and engine.global_steps >= args.steps:
+                    return
+
+    if args.guard:  # the loop inside `with engine.resilient_checkpoint:`, which sees exceptions
+        with handle:
+            train()
+    else:
+        train()
     state = full_state(engine, args.stage)
     if handle is not None and not args.no_close:
         handle.close()

@@ -326,6 +326,85 @@ def test_sigterm_exits_75_and_resumes_exactly_without_unpickling(tmp_path: Path,
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize(
+    "how",
+    ["with-block", pytest.param("launcher", marks=pytest.mark.slow)],
+)
+def test_save_on_exception_saves_the_last_step_and_the_rerun_is_exact(
+    tmp_path: Path, reference, how: str
+) -> None:
+    """``save_on_exception`` in the section: an exception after step 4 (periodic saves every 3)
+    saves step 4 -- seen by ``with engine.resilient_checkpoint:`` or by the launcher -- and the
+    same command run again resumes from it, exactly."""
+    full = reference(2, 1, "fp32")
+    run = ["--dir", str(tmp_path / "b"), "--out", str(tmp_path / "exc"), *_opts(2, "fp32")]
+    if how == "launcher":
+        run.append("--launcher")
+    else:
+        run.append("--guard")
+    (out,) = run_group(
+        [*run, "--raise-at", "4"], 1, tmp_path, "exc", expect=1, module=how == "launcher"
+    )
+    assert "RuntimeError: raised at step 4" in out
+    assert "an exception will not be saved" not in out
+    assert max(e.step for e in committed(tmp_path / "b")) == 4  # the exception's save
+    run_group(run, 1, tmp_path, "resume", module=how == "launcher")
+    assert restored(tmp_path / "exc")["step"] == 4
+    assert_same_run(full, tmp_path / "exc", 1)
+
+
+@pytest.mark.distributed
+def test_a_changed_gradient_accumulation_count_gives_full_cycles_after_the_resume(
+    tmp_path: Path,
+) -> None:
+    """Saved with gradient_accumulation_steps=2 at step 4 (8 micro-steps), resumed with 3: the
+    first optimizer step after the resume accumulates 3 micro-batches, not the 1 that
+    DeepSpeed's boundary test ((8 + 1) % 3 == 0) gives for the restored count -- and says so."""
+    run = ["--dir", str(tmp_path / "b"), "--out", str(tmp_path / "g"), "--stage", "2"]
+    run_group([*run, "--steps", "4", "--every", "4"], 1, tmp_path, "gas2")
+    (out,) = run_group([*run, "--steps", "7", "--every", "100", "--gas", "3"], 1, tmp_path, "gas3")
+    assert restored(tmp_path / "g")["step"] == 4
+    assert "not a multiple of gradient_accumulation_steps=3" in out
+    cycles = [
+        line.split()
+        for line in Path(f"{tmp_path / 'g'}.rank0.cycles").read_text().split("\n")
+        if line
+    ]
+    assert [(int(s), int(n)) for s, n in cycles] == [
+        (1, 2),
+        (2, 2),
+        (3, 2),
+        (4, 2),
+        (5, 3),
+        (6, 3),
+        (7, 3),
+    ]
+
+
+@pytest.mark.distributed
+def test_the_launcher_leaves_an_engine_without_an_optimizer_plain(tmp_path: Path) -> None:
+    """A script that also builds an inference-only engine (a teacher) from the sectioned config
+    runs under the launcher: that engine is not checkpointed, and says so; the trained one is."""
+    run = ["--dir", str(tmp_path / "b"), "--out", str(tmp_path / "t"), *_opts(2, "fp32", steps=4)]
+    (out,) = run_group([*run, "--launcher", "--teacher"], 1, tmp_path, "teacher", module=True)
+    assert "an engine without an optimizer is not checkpointed" in out
+    assert max(e.step for e in committed(tmp_path / "b")) == 3  # every 3 steps, of 4
+
+
+def test_save_on_exception_without_a_with_block_warns_that_it_cannot_save(tmp_path: Path) -> None:
+    """A loop that is not inside ``with engine.resilient_checkpoint:`` (nor under the launcher)
+    cannot see an exception: the first optimizer step says so, once, rather than nothing
+    being saved silently."""
+    (out,) = run_group(
+        ["--dir", str(tmp_path / "b"), "--out", str(tmp_path / "x"), *_opts(2, "fp32", steps=4),
+         "--raise-at", "3"],
+        1, tmp_path, "bare", expect=1,
+    )  # fmt: skip
+    assert out.count("an exception will not be saved") >= 1
+    assert max(e.step for e in committed(tmp_path / "b")) == 3  # the periodic save only
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_no_code_change_through_the_launcher(tmp_path: Path, reference) -> None:
     full = reference(2, 1, "fp32")

@@ -18,9 +18,9 @@ returns.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -51,6 +51,8 @@ class DeepSpeedCheckpoint:
             self.state["user"] = state
         self.checkpointer = Checkpointer(**options)
         self.restored_step: int | None = None
+        self._entered = False  # inside `with handle:` (which sees an exception)
+        self._told_unguarded = False
         self._engine_step = engine.step
         engine.step = self._step  # an instance attribute: shadows DeepSpeedEngine.step
         engine.resilient_checkpoint = self
@@ -79,8 +81,23 @@ class DeepSpeedCheckpoint:
         before = self.engine.global_steps
         out = self._engine_step(*args, **kwargs)
         if self.engine.global_steps != before:
+            if not self._told_unguarded:
+                self._warn_if_unguarded()
             self.checkpointer.step(int(self.engine.global_steps), self.state)
         return out
+
+    def _warn_if_unguarded(self) -> None:
+        """``save_on_exception`` needs to see the exception: say so, once, when no ``with``
+        block and no launcher will show it one."""
+        self._told_unguarded = True
+        if self.checkpointer.config.save_on_exception and not (self._entered or launched()):
+            msg = (
+                "save_on_exception is set, but the training loop does not run inside `with "
+                "engine.resilient_checkpoint:` (nor under resilient_callbacks.deepspeed.run): "
+                "an exception will not be saved"
+            )
+            warnings.warn(msg, UserWarning, stacklevel=4)
+            log.warning(msg)
 
     def save(self) -> bool:
         """Collective. Save now (e.g. at the end of training)."""
@@ -92,11 +109,22 @@ class DeepSpeedCheckpoint:
         if self.engine.__dict__.get("step") == self._step:
             del self.engine.step
 
+    def abort(self, exc: BaseException) -> None:
+        """Training failed with ``exc``: with ``save_on_exception``, save the last step
+        ``engine.step()`` completed (one rank: see :meth:`Checkpointer.abort`), then close."""
+        self.checkpointer.abort(exc)
+        if self.engine.__dict__.get("step") == self._step:
+            del self.engine.step
+
     def __enter__(self) -> DeepSpeedCheckpoint:
+        self._entered = True
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None:
+            self.abort(exc)
+        else:
+            self.close()
 
 
 def attach(
@@ -171,7 +199,7 @@ def initialize(
         config = kwargs.pop("config_params")
     if config is None and getattr(args, "deepspeed_config", None) is not None:
         config = args.deepspeed_config
-        args = copy.copy(args) if isinstance(args, argparse.Namespace) else args
+        args = copy.copy(args)  # the caller's args keep their config
         args.deepspeed_config = None  # DeepSpeed refuses a config given twice
     clean, options = section.split(config) if config is not None else (None, None)
     if checkpoint is not None:
@@ -184,6 +212,16 @@ def initialize(
     if options is None:
         return ds_initialize(
             training_data=training_data, config=config, collate_fn=collate_fn, **common
+        )
+    if launched() and optimizer is None and not (clean or {}).get("optimizer"):
+        # under the launcher, an engine DeepSpeed gives no optimizer (a teacher, an evaluator
+        # built from the training config) is left as DeepSpeed makes it: nothing to resume
+        log.warning(
+            "resilient_callbacks: an engine without an optimizer is not checkpointed (it has "
+            "nothing to resume); the engines that train are"
+        )
+        return ds_initialize(
+            training_data=training_data, config=clean, collate_fn=collate_fn, **common
         )
     check_config(clean)
     # training_data: ours below, whose position is part of the checkpoint

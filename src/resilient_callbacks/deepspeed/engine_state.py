@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Any
 
 import torch
@@ -22,6 +24,8 @@ import torch
 from ..errors import CheckpointMismatchError, UnsupportedStateError
 from ..structure import PerRank
 from .zero_part import ZeroPart
+
+log = logging.getLogger("resilient_callbacks")
 
 COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
@@ -39,6 +43,35 @@ class EngineCounters:
         for k, v in state.items():
             if k in COUNTERS:
                 setattr(self.engine, k, int(v))
+        self._align_micro_steps()
+
+    def _align_micro_steps(self) -> None:
+        """A checkpoint is saved at a gradient-accumulation boundary, so its micro-step count is
+        a multiple of the run's ``gradient_accumulation_steps``. If it is not one of this run's
+        (the value was changed between the runs), DeepSpeed would take the next optimizer step
+        after fewer micro-batches than configured, each scaled for the full count: count on
+        from the next multiple instead, and say so."""
+        e = self.engine
+        gas = int(e.gradient_accumulation_steps())
+        managed = (
+            e.managed_gradient_accumulation()
+            if hasattr(e, "managed_gradient_accumulation")
+            else True
+        )
+        if not managed or getattr(e, "zenflow", False) or gas <= 0 or e.micro_steps % gas == 0:
+            return
+        was = int(e.micro_steps)
+        e.micro_steps = was + gas - was % gas
+        msg = (
+            f"the checkpoint's micro-step count ({was}) is not a multiple of "
+            f"gradient_accumulation_steps={gas} (it was saved with another value): counting on "
+            f"from {e.micro_steps}, so the next optimizer step accumulates {gas} micro-batches"
+        )
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            log.info(msg)
+        else:
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            log.warning(msg)
 
 
 def _unsupported(engine: Any) -> str | None:

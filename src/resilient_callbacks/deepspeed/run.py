@@ -7,7 +7,9 @@ SCRIPT: it is handed to SCRIPT first among its arguments, as ``deepspeed SCRIPT 
 
 When SCRIPT ends normally (returns, or exits with status 0), each engine's last step is saved
 (unless it already is) and its pending saves are committed: re-running a finished job then
-restores its end and trains nothing, and ``resilient-ckpt export`` exports the final weights."""
+restores its end and trains nothing, and ``resilient-ckpt export`` exports the final weights.
+When SCRIPT raises, each engine does what ``save_on_exception`` says (see
+``Checkpointer.abort``) and the exception goes on."""
 
 from __future__ import annotations
 
@@ -59,7 +61,20 @@ def main(argv: list[str] | None = None) -> None:
             raise
         finish()
         raise
+    except BaseException as e:  # the script failed: save_on_exception's save, then it goes on
+        abort_all(e)
+        raise
     finish()
+
+
+def abort_all(exc: BaseException) -> None:
+    """Every rank, after SCRIPT raised ``exc``: each engine's ``save_on_exception`` save (on
+    one rank), then close."""
+    from .launch import handles
+
+    for handle in handles():
+        if not handle.checkpointer.closed:
+            handle.abort(exc)
 
 
 def finish() -> None:
