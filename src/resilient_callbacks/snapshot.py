@@ -45,6 +45,28 @@ from typing import Any
 import torch
 
 from . import statetree
+from .pinned import pinned_group
+
+
+def _make(specs: list[tuple[str, torch.Size, torch.dtype, bool]]) -> dict[str, torch.Tensor]:
+    """A host buffer per ``(name, shape, dtype, of a CUDA tensor)``: pinned (packed into slabs)
+    for CUDA tensors where CUDA is available, else ordinary memory with every page touched."""
+    cuda = torch.cuda.is_available()
+    pinned = [(name, shape, dtype) for name, shape, dtype, on_gpu in specs if on_gpu and cuda]
+    made = dict(
+        zip(
+            [name for name, _, _ in pinned],
+            pinned_group([(shape, dtype) for _, shape, dtype in pinned]),
+            strict=True,
+        )
+    )
+    for name, shape, dtype, _ in specs:
+        if name not in made:
+            b = torch.empty(shape, dtype=dtype)
+            if b.numel():  # one byte per page: the kernel maps each page now, not in the copy
+                b.reshape(-1).view(torch.uint8).numpy()[::4096] = 0
+            made[name] = b
+    return made
 
 
 class HostBuffers:
@@ -74,16 +96,23 @@ class HostBuffers:
     def _allocate(self, specs: list[tuple[str, torch.Size, torch.dtype, bool]]) -> None:
         made: dict[str, torch.Tensor] = {}
         try:
-            for name, shape, dtype, cuda in specs:
-                pin = cuda and torch.cuda.is_available()
-                b = torch.empty(shape, dtype=dtype, pin_memory=pin)
-                if not pin and b.numel():
-                    # one byte per page: the kernel maps each page now, not during the first copy
-                    b.reshape(-1).view(torch.uint8).numpy()[::4096] = 0
-                made[name] = b
+            made = _make(specs)
         except BaseException as e:  # e.g. out of memory: the save allocates (and reports) itself
             self._filler_error = e
         self._bufs = made
+
+    def ensure(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Allocate, together, the buffers ``tensors`` lack (new names, or another shape or
+        dtype): pinned ones packed into few allocations (:mod:`.pinned`; such an allocation is
+        freed once none of its buffers is kept)."""
+        self.wait_allocated()
+        specs = [
+            (name, t.shape, t.dtype, t.device.type == "cuda")
+            for name, t in tensors.items()
+            if (b := self._bufs.get(name)) is None or b.shape != t.shape or b.dtype != t.dtype
+        ]
+        if specs:
+            self._bufs.update(_make(specs))
 
     def wait_allocated(self) -> None:
         """Wait for a background allocation to finish (a failed one is dropped, not raised)."""
@@ -205,6 +234,7 @@ class Snapshot:
         self._device_waits: list[tuple[torch.device, Any]] = []  # deferred GPU copies
         cpu_later: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         gpu: dict[torch.device, tuple[list[Any], list[Any]]] = {}  # device -> (now, later)
+        buffers.ensure(tensors)  # what is missing, allocated together
         for name, t in tensors.items():
             buf = buffers.get(name, t)
             self.copies[name] = buf
