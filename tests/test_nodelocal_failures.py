@@ -7,11 +7,14 @@ torchrun variants: tests/test_multinode.py.)"""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def _run(tmp: Path, name: str, nprocs: int, *args: str, expect=0, per_node: int = 1, **env):
+    """Run the worker below on ``nprocs`` ranks; each rank's OUT records. ``RC_CAPTURE_LOG=1``:
+    the last record also holds the library's log lines of that rank."""
     argv = [sys.executable, __file__, str(tmp), *args]
     env = {"RC_PER_NODE": str(per_node), **{k: str(v) for k, v in env.items()}}
     ranks = spawn_ranks.run(argv, nprocs, tmp, name, expect=expect, env=env)
@@ -61,6 +66,33 @@ def test_close_gives_up_on_an_outage_in_node_local_mode(tmp_path):
         assert rank[-1]["event"] == "closed", rank
         assert rank[-2]["status"]["pending"] >= 1 and rank[-2]["status"]["uploaded"] == 0
     assert any(n.startswith("step_") for n in os.listdir(tmp_path / "node0"))
+
+
+def test_local_retention_catches_up_with_the_uploads(tmp_path):
+    """keep_last=3 on each node while uploads lag behind the saves (each made slow): the
+    checkpoints kept for their upload go once it is done, so after close() each disk holds 3,
+    as in shared mode (they stayed: a disk grew with the upload backlog)."""
+    out = _run(tmp_path, "slow", 2, "--steps", "14", RC_SLOW_UPLOADS=0.3)
+    for rank in out:
+        assert rank[-1]["event"] == "closed", rank
+        assert rank[-2]["status"]["pending"] >= 1  # at flush(), before close() waits for them
+    for node in (0, 1):
+        kept = sorted(n for n in os.listdir(tmp_path / f"node{node}") if n.startswith("step_"))
+        assert kept == ["step_000000010", "step_000000012", "step_000000014"], (node, kept)
+
+
+def test_close_names_the_checkpoints_whose_remote_commit_was_given_up(tmp_path):
+    """Both nodes upload their parts, then every remote commit fails: the committer gives up,
+    and close() says which checkpoints are on the nodes' disks only (it said nothing, as if
+    they were durable); a later run with the same directories commits them."""
+    out = _run(tmp_path, "fails", 2, "--steps", "4", RC_COMMIT_FAILS=1, RC_CAPTURE_LOG=1)
+    assert out[0][-1]["event"] == "closed"
+    log = out[0][-1]["log"]
+    assert "not committed remotely (the remote commit failed" in log, log
+    assert "step_000000004" in log.split("the remote commit failed")[-1]
+    assert not os.path.exists(tmp_path / "remote" / "step_000000004" / "manifest.json")
+    _run(tmp_path, "again", 2, "--steps", "4")
+    assert os.path.exists(tmp_path / "remote" / "step_000000004" / "manifest.json")
 
 
 @pytest.mark.slow
@@ -142,6 +174,25 @@ def worker(base: str, argv: list[str]) -> None:
             raise ConnectionError("endpoint unreachable")
 
         ck._dir.remote.fs.put = put  # type: ignore[union-attr]
+    if os.environ.get("RC_SLOW_UPLOADS"):  # uploads lag behind the saves
+        real_put = ck._dir.remote.fs.put  # type: ignore[union-attr]
+
+        def slow_put(*a, **k):
+            time.sleep(float(os.environ["RC_SLOW_UPLOADS"]))
+            return real_put(*a, **k)
+
+        ck._dir.remote.fs.put = slow_put  # type: ignore[union-attr]
+    committer = getattr(ck._dir, "committer", None)
+    if os.environ.get("RC_COMMIT_FAILS") and committer is not None:
+
+        def fail(p):
+            raise ConnectionError("the store refuses the manifest")
+
+        committer.commit_one = fail
+        committer.max_attempts, committer.retry_base_s = 2, 0.05
+    if os.environ.get("RC_CAPTURE_LOG"):
+        logged = io.StringIO()
+        logging.getLogger("resilient_callbacks").addHandler(logging.StreamHandler(logged))
     try:
         start = ck.restore(state)
     except Exception as e:
@@ -161,7 +212,10 @@ def worker(base: str, argv: list[str]) -> None:
     st = ck.remote_status()  # this node's uploads (each rank leads its node here)
     out(status=None if st is None else {"pending": len(st.pending), "uploaded": st.uploaded})
     ck.close()
-    out(event="closed")
+    if os.environ.get("RC_CAPTURE_LOG"):
+        out(event="closed", log=logged.getvalue())
+    else:
+        out(event="closed")
     dist.destroy_process_group()
 
 

@@ -113,7 +113,12 @@ class NodeDirectory(Directory):
         assert config.remote is not None
         self.remote = RemoteStore(config.remote, config.remote_options)
         self.remote.preflight(timeout=config.remote_timeout)
-        self.uploader = NodeUploader(self.remote, self.dirpath, self.topology.node)
+        self.uploader = NodeUploader(
+            self.remote,
+            self.dirpath,
+            self.topology.node,
+            on_uploaded=lambda: self.apply_retention(None),
+        )
         if self.topology.rank == 0:
             self.committer = RemoteCommitter(
                 self.remote, len(self.topology.nodes), config.remote_retention_policy()
@@ -194,4 +199,11 @@ class NodeDirectory(Directory):
                 log.warning(
                     "close(): not committed remotely (a node's part is missing): %s",
                     ", ".join(self.committer.waiting()),
+                )
+            if self.committer.abandoned:
+                log.warning(
+                    "close(): not committed remotely (the remote commit failed; the nodes' "
+                    "disks hold them, and a later run with the same directories commits "
+                    "them): %s",
+                    ", ".join(self.committer.abandoned),
                 )

@@ -21,6 +21,7 @@ import logging
 import os
 import posixpath
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,9 +63,12 @@ class NodeUploader(UploadThread):
         *,
         retry_base_s: float = 1.0,
         retry_max_s: float = 60.0,
+        on_uploaded: Callable[[], None] | None = None,
     ) -> None:
         super().__init__("rc-node-upload")
         self.store, self.local_root, self.node = store, local_root, node
+        # after each upload (this thread): the local retention, which keeps what is not uploaded
+        self.on_uploaded = on_uploaded
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
         self.counters = UploadCounters()
         self._queue: list[UploadJob] = []
@@ -138,6 +142,14 @@ class NodeUploader(UploadThread):
             with self._cond:
                 if job in self._queue:
                     self._queue.remove(job)
+            if self.on_uploaded is not None:
+                try:  # before wait() returns: close() finds the disk as retention leaves it
+                    self.on_uploaded()
+                except Exception as e:
+                    log.warning(
+                        "local retention after an upload failed: %s: %s", type(e).__name__, e
+                    )
+            with self._cond:
                 self._cond.notify_all()
 
     def _check(self, local: str, job: UploadJob, rpaths: list[str]) -> None:
@@ -220,6 +232,7 @@ class RemoteCommitter(UploadThread):
         self.max_attempts, self.retry_base_s = max_attempts, retry_base_s
         self.index: dict[tuple[str, int], str] = {}  # committed remotely: key -> name
         self.committed = 0
+        self.abandoned: list[str] = []  # gave up after max_attempts: local only, named at close
         self._pending: dict[tuple[str, int], PendingCommit] = {}
         self._ready: list[tuple[str, int]] = []
         self._busy = False
@@ -304,12 +317,21 @@ class RemoteCommitter(UploadThread):
                     with self._cond:
                         if self._pause(backoff_s(attempt + 1, self.retry_base_s, jitter=False)):
                             break
+            if not ok:
+                log.error(
+                    "remote commit of %s given up after %d attempts: it stays on the nodes' "
+                    "disks only (a later run with the same directories commits it)",
+                    p.name,
+                    self.max_attempts,
+                )
             with self._cond:
                 self._ready.remove(key)
                 self._pending.pop(key, None)
                 if ok:
                     self.index[key] = p.name
                     self.committed += 1
+                else:
+                    self.abandoned.append(p.name)
                 self._busy = False
                 self._cond.notify_all()
             if ok:
