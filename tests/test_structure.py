@@ -245,6 +245,25 @@ def test_zero_dim_numpy_array_keeps_its_shape(tmp_path):
     assert fresh["a"] == 2.5 and fresh["b"] == 7
 
 
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.array(["2020-01-01"], dtype="datetime64[D]"),
+        np.array([5], dtype="timedelta64[s]"),
+        np.array([1.5], dtype=np.longdouble),
+        np.array([1j], dtype=np.complex64),
+        np.array(["text"]),
+        np.array([object()]),
+    ],
+    ids=lambda a: str(a.dtype),
+)
+def test_a_numpy_array_without_a_saveable_dtype_is_refused_by_name(tmp_path, arr):
+    """UnsupportedStateError naming the key and dtype (datetime64, timedelta64 and longdouble
+    arrays failed inside the save as a CheckpointWriteError, an OSError)."""
+    with pytest.raises(UnsupportedStateError, match=r"state\['when'\] is a NumPy array of dtype"):
+        _save(tmp_path / "ck", {"when": arr})
+
+
 def test_numpy_float64_scalar_keeps_its_type(tmp_path):
     """Other NumPy scalars (float32, int64, bool_) come back with their NumPy type; float64 is
     a subclass of float and must not silently become a Python float."""

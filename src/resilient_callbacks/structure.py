@@ -207,11 +207,11 @@ class _Encoder:
             return {TAG: "device", "name": str(obj)}
         if isinstance(obj, (bytes, bytearray)):
             return {TAG: "bytes", "b64": base64.b64encode(bytes(obj)).decode("ascii")}
-        if isinstance(obj, np.ndarray):
-            if obj.dtype == object or obj.dtype.kind in "USV":
+        if isinstance(obj, np.ndarray):  # bool, int, float up to float64 (what safetensors takes)
+            if obj.dtype.kind not in "biuf" or obj.dtype.itemsize > 8:
                 raise UnsupportedStateError(
-                    f"{path_str(path)} is a NumPy array of dtype {obj.dtype}; only numeric arrays "
-                    "can be saved without pickle. Convert it to a list of str/int/float."
+                    f"{path_str(path)} is a NumPy array of dtype {obj.dtype}; only bool, int and "
+                    "float arrays (to 64 bits) can be saved (convert: .tolist(), .astype(...))"
                 )
             arr = obj if obj.flags.c_contiguous and obj.flags.writeable else obj.copy(order="C")
             ref = self.tensor_ref(torch.from_numpy(arr), path)  # 0-dim arrays stay 0-dim
