@@ -686,7 +686,8 @@ class _FrozenBackbone(_Tiny):
 def test_incremental_saves_store_a_frozen_layer_once_and_resume(tmp_path):
     """``incremental=True`` under Lightning: every save commits (the callback's optimizer-state
     value must tell which parameters its optimizers step), the frozen layer is one blob that
-    every checkpoint refers to, and a re-run restores from it."""
+    every checkpoint refers to, a re-run restores from it, and ``export`` writes the module's
+    weights."""
     rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2, incremental=True)
     module = _FrozenBackbone()
     _tiny_fit(tmp_path, module, rc, max_steps=6)
@@ -706,6 +707,13 @@ def test_incremental_saves_store_a_frozen_layer_once_and_resume(tmp_path):
     assert again.restored_step == 6
     assert torch.equal(resumed.backbone.weight, module.backbone.weight)
     assert torch.equal(resumed.lin.weight, module.lin.weight)
+    # `resilient-ckpt export`: the LightningModule's state dict (blobs resolved)
+    from resilient_callbacks.cli import main
+
+    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "exported")]) == 0
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    assert exported.keys() == module.state_dict().keys()
+    assert all(torch.equal(exported[k], v) for k, v in module.state_dict().items())
 
 
 class _Wider(_Tiny):

@@ -159,7 +159,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if path is not None:
         print(
             f"{PROG} export: {path} is not a checkpoint of a Hugging Face Trainer run, a "
-            "DeepSpeed run or a dcp.Sharded state: there is no model to export (its keys: "
+            "Lightning run, a DeepSpeed run, a dcp.Sharded state or dcp.save: there is no "
+            "model to export (its keys: "
             f"`{PROG} inspect`)",
             file=sys.stderr,
         )

@@ -65,7 +65,18 @@ def exports_weights(manifest: Manifest, path: str) -> bool:
     full = reader.open_checkpoint(path).part.structure  # opened once for every question
     if isinstance(full, dict) and "trainer" in full:
         return False  # a Trainer run (under DeepSpeed or FSDP too): a from_pretrained directory
-    return bool(zero_part_ids(manifest)) or _holds_engine(full) or bool(sharded_part_ids(manifest))
+    return (
+        bool(zero_part_ids(manifest))
+        or _holds_engine(full)
+        or bool(sharded_part_ids(manifest))
+        or _is_lightning(full)
+    )
+
+
+def _is_lightning(full: Any) -> bool:
+    """A checkpoint of the Lightning callback: the LightningModule's ``state_dict`` beside
+    Lightning's own state."""
+    return isinstance(full, dict) and "lightning" in full and "state_dict" in full
 
 
 def _zero_indexes(path: str, manifest: Manifest, part_id: str) -> Iterator[tuple[str, Any]]:
@@ -144,7 +155,8 @@ def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, t
 def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.Tensor]:
     """The model weights of the checkpoint at ``path``: a DeepSpeed one's (the trained parameters
     in fp32 at ZeRO 1-3, with the frozen parameters and persistent buffers as saved), or a
-    ``dcp.Sharded`` part's whole model tensors (as saved), or every tensor of a ``dcp.save``
+    ``dcp.Sharded`` part's whole model tensors (as saved), a Lightning run's LightningModule
+    state dict (as saved), or every tensor of a ``dcp.save``
     through ``ResilientStorageWriter`` whole, by its DCP key. ``part``: its rank-0 part, if the
     caller opened it already (read and verified once, not twice)."""
     manifest = read_manifest(path)
@@ -164,6 +176,9 @@ def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.T
         return model_tensors(path, manifest, sharded[0])
     part = part or reader.open_checkpoint(path).part
     full = structure.inline_per_rank(part.structure, part.per_rank)
+    if _is_lightning(full):  # the LightningModule's state dict, as saved
+        module = structure.decode(full["state_dict"], part.tensors)
+        return {k: v.clone() for k, v in module.items() if isinstance(v, torch.Tensor)}
     engine = _find_engine(full)
     if engine is None or "module" not in engine:
         raise CheckpointMismatchError(
