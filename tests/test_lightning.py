@@ -716,6 +716,18 @@ def test_incremental_saves_store_a_frozen_layer_once_and_resume(tmp_path):
     assert all(torch.equal(exported[k], v) for k, v in module.state_dict().items())
 
 
+def test_the_last_step_is_uploaded_whatever_remote_every_n_saves(tmp_path):
+    """The end of training is a final save, which the remote tier always takes: with
+    remote_every_n_saves=100 the last step reached the remote only if it was a 100th."""
+    remote = tmp_path / "remote"
+    rc = ResilientCheckpoint(
+        tmp_path / "ck", every_n_steps=4, remote=f"file://{remote}", remote_every_n_saves=100
+    )
+    _tiny_fit(tmp_path, _Tiny(), rc, max_steps=6)
+    uploaded = sorted(p.parent.name for p in remote.glob("step_*/manifest.json"))
+    assert uploaded == ["step_000000006"]
+
+
 class _Wider(_Tiny):
     def __init__(self):
         super().__init__()

@@ -68,6 +68,15 @@ def test_close_gives_up_on_an_outage_in_node_local_mode(tmp_path):
     assert any(n.startswith("step_") for n in os.listdir(tmp_path / "node0"))
 
 
+def test_an_unreachable_remote_at_construction_is_remote_unavailable_on_every_rank(tmp_path):
+    """As in shared mode (docs/remote.md): RemoteUnavailableError, a ConnectionError, on every
+    rank (node-local mode raised CheckpointWriteError, which a retry on ConnectionError
+    missed)."""
+    out = _run(tmp_path, "down", 2, "--steps", "2", expect=4, RC_PREFLIGHT_FAILS=1)
+    for rank in out:
+        assert rank[-1] == {"error": "RemoteUnavailableError", "is_connection_error": True}
+
+
 def test_local_retention_catches_up_with_the_uploads(tmp_path):
     """keep_last=3 on each node while uploads lag behind the saves (each made slow): the
     checkpoints kept for their upload go once it is done, so after close() each disk holds 3,
@@ -160,14 +169,25 @@ def worker(base: str, argv: list[str]) -> None:
     counter = {"rank": rank, "n": 0}
     state = {"model": model, "c": PerRank(counter, new_ranks="rank0")}
     kw = {"remote_every_n_saves": a.remote_every} if a.remote_every else {}
-    ck = Checkpointer(
-        os.path.join(base, f"node{node}"),
-        every_n_steps=2,
-        keep_last=3,
-        remote=f"file://{base}/remote",
-        remote_timeout=5,
-        **kw,
-    )
+    if os.environ.get("RC_PREFLIGHT_FAILS"):  # the endpoint does not answer at construction
+
+        def preflight(self, timeout=None):
+            raise remote.RemoteUnavailableError(f"{self.url}: endpoint unreachable")
+
+        remote.RemoteStore.preflight = preflight  # type: ignore[method-assign]
+    try:
+        ck = Checkpointer(
+            os.path.join(base, f"node{node}"),
+            every_n_steps=2,
+            keep_last=3,
+            remote=f"file://{base}/remote",
+            remote_timeout=5,
+            **kw,
+        )
+    except Exception as e:
+        out(error=type(e).__name__, is_connection_error=isinstance(e, ConnectionError))
+        dist.destroy_process_group()
+        sys.exit(4)
     if os.environ.get("RC_UPLOADS_FAIL"):
 
         def put(*a, **k):

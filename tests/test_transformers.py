@@ -370,6 +370,18 @@ def test_remote_copy_resumes_when_the_local_directory_is_gone(tmp_path, s3_remot
     assert first.state.log_history[:4] == trainer.state.log_history[:4]
 
 
+def test_the_last_step_is_uploaded_whatever_remote_every_n_saves(tmp_path):
+    """The end of training is a final save, which the remote tier always takes (with
+    remote_every_n_saves=100 it reached the remote only if it was a 100th)."""
+    remote = tmp_path / "remote"
+    cb = ResilientCheckpoint(
+        tmp_path / "ck", every_n_steps=2, remote=f"file://{remote}", remote_every_n_saves=100
+    )
+    _train(tmp_path / "a", cb, 5)
+    uploaded = sorted(p.parent.name for p in remote.glob("step_*/manifest.json"))
+    assert uploaded == ["step_000000005"]
+
+
 def test_resume_restores_callback_state_and_a_finished_run_stays_finished(tmp_path):
     from transformers import EarlyStoppingCallback
 

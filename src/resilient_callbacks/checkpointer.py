@@ -395,12 +395,11 @@ class Checkpointer:
         *,
         final: bool = False,
     ) -> bool:
-        """Call once per training step with the number of completed steps; saves when the
-        policy says so. Returns True if it saved.
+        """Call once per training step with the steps completed; saves when due. True if saved.
 
-        ``final=True`` marks the last step of the run: it is saved whatever the schedule (unless
-        that step is already saved), so re-running a finished job restores the end and trains
-        nothing. Every rank passes the same ``final``.
+        ``final=True`` marks the run's last step: saved whatever the schedule (unless saved
+        already) and always uploaded, so re-running a finished job trains nothing. Every rank
+        passes the same ``final``.
 
         On a preemption request (SIGTERM, SIGUSR1, a cloud notice) it makes an emergency save
         of this step and, with ``exit_on_preemption`` (default), exits the process with
@@ -441,13 +440,21 @@ class Checkpointer:
         self._check_open()
         return self._save_outside_step(step, state, metrics, "emergency", "emergency_save()")
 
-    def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> bool:
-        """Save now. Returns False (and writes nothing) if the last checkpoint this Checkpointer
-        committed or restored is of this same ``step`` (the same state, saved twice)."""
+    def save(
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        final: bool = False,
+    ) -> bool:
+        """Save now (``final=True``: the run's last step, which the remote tier always takes).
+        False (nothing written) if the last checkpoint committed or restored is of ``step``."""
         self._check_open()
         if self._logger_unchecked:
             self._check_logger_sink()
-        return self._save_outside_step(step, state, metrics, "forced", "save() called")
+        reason, why = ("final", "final step") if final else ("forced", "save() called")
+        return self._save_outside_step(step, state, metrics, reason, why)
 
     def _save_outside_step(
         self, step: int, state: Any, metrics: Mapping[str, Any] | None, reason: str, why: str

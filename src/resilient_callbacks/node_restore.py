@@ -153,7 +153,7 @@ class NodeRestorer(Restorer):
         )
 
     def _warn_unusable(self, why: str) -> None:
-        msg = f"skipping {why}; falling back to an older checkpoint"
+        msg = f"skipping {why}; trying the next copy (this step from another tier, or older)"
         if self._ck.is_coordinator:
             warnings.warn(msg, ResumeFallbackWarning, stacklevel=4)
         log.warning(msg)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from . import catalog, dist
 from .commit import sweep_staging
 from .directory import Directory, apply_retention
-from .errors import CheckpointError, CheckpointWriteError
+from .errors import CheckpointError, CheckpointWriteError, RemoteUnavailableError
 from .manifest import FileEntry
 from .sync import SyncStatus
 from .topology import Topology
@@ -82,23 +82,27 @@ class NodeDirectory(Directory):
     def open(self, config: CheckpointerConfig) -> None:
         """Every rank: each leader opens its node's directory and connects to the remote tier;
         every rank learns the first failure, and the commit number every tier is past."""
-        error, seq = None, 0
+        error, seq, unreachable = None, 0, False
         if self.topology.is_leader:
             try:
                 self._open_leader(config)
                 seq = self.seq
             except (CheckpointError, OSError) as e:
                 error = f"{type(e).__name__} on rank {self.topology.rank}: {e}"
+                unreachable = isinstance(e, RemoteUnavailableError)
                 self.release()
-        results = dist.all_gather_json([error, seq])
-        errors = [e for e, _ in results if e]
+        results = dist.all_gather_json([error, seq, unreachable])
+        errors = [e for e, _, _ in results if e]
         if errors:
             self.release()
-            raise CheckpointWriteError(
+            # the remote's preflight failing is RemoteUnavailableError on every rank, as in
+            # shared mode (a ConnectionError a launcher may retry on)
+            kind = RemoteUnavailableError if any(u for *_, u in results) else CheckpointWriteError
+            raise kind(
                 f"node-local checkpoint directory {self.dirpath} could not be opened: "
                 + "; ".join(errors)
             )
-        self.seq = max(s for _, s in results)
+        self.seq = max(s for _, s, _ in results)
 
     def _open_leader(self, config: CheckpointerConfig) -> None:
         from .remote import RemoteStore

@@ -99,9 +99,10 @@ class DeepSpeedCheckpoint:
             warnings.warn(msg, UserWarning, stacklevel=4)
             log.warning(msg)
 
-    def save(self) -> bool:
-        """Collective. Save now (e.g. at the end of training)."""
-        return self.checkpointer.save(int(self.engine.global_steps), self.state)
+    def save(self, *, final: bool = False) -> bool:
+        """Collective. Save now; ``final=True`` at the end of training (the remote tier always
+        takes a final save)."""
+        return self.checkpointer.save(int(self.engine.global_steps), self.state, final=final)
 
     def close(self, timeout: float | None = None) -> None:
         """Flush pending saves and uploads; give ``engine.step`` back."""

@@ -96,7 +96,7 @@ def finish() -> None:
                     ckpt.latest_path,
                 )
             else:
-                handle.save()  # nothing new if this step is saved already
+                handle.save(final=True)  # nothing new if this step is saved already
         finally:
             handle.close()
 

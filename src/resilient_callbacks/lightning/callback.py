@@ -437,12 +437,12 @@ class ResilientCheckpoint(Checkpoint):
         loss_key = self._kwargs.get("loss_key", "loss")
         if self._kwargs.get("loss_jump") and loss_key not in metrics and loss is not None:
             metrics[loss_key] = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        saved = ckpt.step(step, state, metrics)  # SystemExit(75) after a preemption save
+        # the last step is saved whatever the schedule, as a final save (which the remote tier
+        # always takes, remote_every_n_saves or not); SystemExit(75) after a preemption save
+        saved = ckpt.step(step, state, metrics, final=checks.is_final(trainer, epoch_end))
         if ckpt.preempted:
             self.preempted = True
             trainer.should_stop = True  # exit_on_preemption=False: stop after this step
-        elif not saved and checks.is_final(trainer, epoch_end):
-            saved = ckpt.save(step, state, metrics)
         if self.save_on_exception and ckpt.world_size == 1:
             marks = self._marks(trainer, epoch_end, to_cpu=False)
             self._on_exception.remember(trainer, step, end.fit_loop, marks)

@@ -429,13 +429,13 @@ class ResilientCheckpoint(TrainerCallback):
         rng = self._batches.epoch_rng if self._batches is not None else None
         self._saved.refresh(trainer, position, rng)
         metrics, self._step_metrics = self._step_metrics, {}
-        saved = ckpt.step(step, self._saved.tree, metrics)
         final = control.should_training_stop or state.global_step >= state.max_steps
+        # the last step as a final save: taken whatever the schedule, and by the remote tier
+        # whatever remote_every_n_saves says
+        saved = ckpt.step(step, self._saved.tree, metrics, final=final and self.save_on_train_end)
         force = (
-            (self.save_on_evaluate and self.monitor is not None and self.monitor in metrics)
-            or (epoch_end and self._save_every_epoch)
-            or (final and self.save_on_train_end)
-        )
+            self.save_on_evaluate and self.monitor is not None and self.monitor in metrics
+        ) or (epoch_end and self._save_every_epoch)
         if force and not saved:
             saved = ckpt.save(step, self._saved.tree, metrics)
         if saved and self.log_save_metrics:
