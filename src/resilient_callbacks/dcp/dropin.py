@@ -14,11 +14,14 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
-from ..manifest import Manifest
-from ..tensorfile import read_verified
+from ..manifest import Manifest, read_manifest
+from ..tensorfile import ST_TO_DTYPE, read_verified
 from .metadata_json import METADATA_NAME
+from .storage_reader import ResilientStorageReader
 
 
 def _metadata(path: str, manifest: Manifest) -> dict[str, Any]:
@@ -62,13 +65,6 @@ def whole_tensors(path: str) -> dict[str, torch.Tensor]:
     flattened name, such as ``model.layer.weight`` or ``optim.state.layer.weight.exp_avg``),
     dtypes as saved: read through :class:`ResilientStorageReader` (every file verified) by DCP's
     own planner, which lays the ranks' chunks together."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    from ..manifest import read_manifest
-    from ..tensorfile import ST_TO_DTYPE
-    from .storage_reader import ResilientStorageReader
-
     entries = _metadata(path, read_manifest(path))
     out: dict[str, torch.Tensor] = {}
     for fqn, e in entries.items():
