@@ -75,10 +75,13 @@ def test_overlapped_snapshot_waits_at_the_optimizer_step(tmp_path):
     assert all(torch.equal(got[k], before[k]) for k in before)
 
 
-def test_overlapped_snapshot_copies_a_module_no_optimizer_steps_at_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("in_optimizer", [False, True], ids=["own", "frozen-in-the-optimizer"])
+def test_overlapped_snapshot_copies_a_module_no_optimizer_steps_at_once(
+    tmp_path, monkeypatch, in_optimizer
+):
     """Only the optimizer's next step waits for the deferred copies, so only what it steps may
-    be deferred: an EMA copy of the model, updated in place right after the save (before any
-    step), must be saved as it was. The deferred copies are slowed so that a deferred EMA copy
+    be deferred: an EMA copy of the model (its own module, or frozen inside the optimizer's
+    groups), updated in place right after the save (before any step), must be saved as it was. The deferred copies are slowed so that a deferred EMA copy
     would read the update."""
     import time
 
@@ -93,6 +96,9 @@ def test_overlapped_snapshot_copies_a_module_no_optimizer_steps_at_once(tmp_path
     monkeypatch.setattr(snapshot.Snapshot, "_copy_later", slow)
     model, opt = _model_state()
     ema, _ = _model_state(seed=2)
+    if in_optimizer:  # AdamW(self.parameters()) over a module holding a frozen EMA copy
+        ema.requires_grad_(False)
+        opt.add_param_group({"params": list(ema.parameters())})
     _train_step(model, opt)
     state = {"model": model, "optimizer": opt, "ema": ema}
     expected = {k: v.clone() for k, v in ema.state_dict().items()}
@@ -105,6 +111,9 @@ def test_overlapped_snapshot_copies_a_module_no_optimizer_steps_at_once(tmp_path
         ck.flush()
     fresh_model, fresh_opt = _model_state(seed=1)
     fresh_ema, _ = _model_state(seed=3)
+    if in_optimizer:
+        fresh_ema.requires_grad_(False)
+        fresh_opt.add_param_group({"params": list(fresh_ema.parameters())})
     with Checkpointer(tmp_path / "ck", preemption=False) as ck:
         ck.restore({"model": fresh_model, "optimizer": fresh_opt, "ema": fresh_ema})
     for k, v in fresh_ema.state_dict().items():

@@ -154,8 +154,9 @@ def step_storages(
     local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> set[int]:
     """Storage addresses of tensors that only an optimizer step changes: the parameters of
-    ``modules`` that one of ``optimizers`` steps, and the optimizers' state tensors. Not a
-    parameter no optimizer here steps (an EMA or teacher model: its owner may write it in place
+    ``modules`` that one of ``optimizers`` steps (in a param group, requiring grad), and the
+    optimizers' state tensors. Not a parameter no optimizer here steps (an EMA or teacher
+    model, frozen or in no group: its owner may write it in place
     before the next step, which alone waits for deferred copies), nor buffers, which forward
     passes change, nor 0-d values such as ``step``, copied at once. ``local`` maps a tensor to
     the one whose storage is copied (a DTensor to its local shard)."""
@@ -164,7 +165,8 @@ def step_storages(
     for o in optimizers:
         for group in o.param_groups:
             for p in group["params"]:
-                stepped.add(local(p).untyped_storage().data_ptr())
+                if p.requires_grad:  # a frozen one (an EMA in AdamW(self.parameters())) is not
+                    stepped.add(local(p).untyped_storage().data_ptr())
         for s in o.state.values():
             for v in s.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
