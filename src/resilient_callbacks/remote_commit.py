@@ -139,17 +139,19 @@ class NodeUploader(UploadThread):
                 continue
             failures = self.failures_in_a_row = 0
             self.failing_since = None
-            with self._cond:
-                if job in self._queue:
-                    self._queue.remove(job)
             if self.on_uploaded is not None:
-                try:  # before wait() returns: close() finds the disk as retention leaves it
+                # while the job is still queued, so wait() has not returned: close() finds the
+                # disk as retention leaves it (the job's own checkpoint, the newest uploaded,
+                # stays protected until the next upload's turn)
+                try:
                     self.on_uploaded()
                 except Exception as e:
                     log.warning(
                         "local retention after an upload failed: %s: %s", type(e).__name__, e
                     )
             with self._cond:
+                if job in self._queue:
+                    self._queue.remove(job)
                 self._cond.notify_all()
 
     def _check(self, local: str, job: UploadJob, rpaths: list[str]) -> None:
