@@ -16,26 +16,23 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from ..manifest import Manifest, read_manifest
-from ..tensorfile import ST_TO_DTYPE, read_verified
-from .metadata_json import METADATA_NAME
+from ..tensorfile import DTYPE_TO_ST, read_verified
+from .metadata_json import METADATA_NAME, from_json
 from .storage_reader import ResilientStorageReader
 
 
-def _metadata(path: str, manifest: Manifest) -> dict[str, Any]:
-    """``dcp_metadata.json``, verified against the manifest."""
+def _metadata(path: str, manifest: Manifest) -> Metadata:
+    """DCP's ``Metadata`` from ``dcp_metadata.json``, verified against the manifest."""
     (entry,) = [f for f in manifest.files if f.path == METADATA_NAME]
     buf = read_verified(os.path.join(path, METADATA_NAME), entry.digest)
     try:
-        doc = json.loads(bytes(buf))
-        entries = doc["state_dict"]
-        if not isinstance(entries, dict):
-            raise TypeError("state_dict is not an object")
-    except (ValueError, KeyError, TypeError) as e:
+        return from_json(json.loads(bytes(buf)))[0]
+    except ValueError as e:
         raise CheckpointCorruptError(f"{path}/{METADATA_NAME}: malformed ({e})") from None
-    return entries
 
 
 def keys(path: str, manifest: Manifest) -> list[dict[str, Any]]:
@@ -43,16 +40,16 @@ def keys(path: str, manifest: Manifest) -> list[dict[str, Any]]:
     global shape and number of chunks (the pieces the ranks wrote); an object as such (its
     value is JSON in a rank's ``dcp/rank_*.json``)."""
     rows: list[dict[str, Any]] = []
-    for fqn, e in sorted(_metadata(path, manifest).items()):
-        if isinstance(e, dict) and e.get("kind") == "tensor":
+    for fqn, md in sorted(_metadata(path, manifest).state_dict_metadata.items()):
+        if isinstance(md, TensorStorageMetadata):
             rows.append(
                 {
                     "key": fqn,
                     "kind": "tensor",
-                    "dtype": e.get("dtype"),
-                    "shape": e.get("size"),
+                    "dtype": DTYPE_TO_ST[md.properties.dtype],
+                    "shape": list(md.size),
                     "stored_as": "dcp/rank_*.safetensors",
-                    "chunks": len(e.get("chunks") or []),
+                    "chunks": len(md.chunks),
                 }
             )
         else:
@@ -65,14 +62,11 @@ def whole_tensors(path: str) -> dict[str, torch.Tensor]:
     flattened name, such as ``model.layer.weight`` or ``optim.state.layer.weight.exp_avg``),
     dtypes as saved: read through :class:`ResilientStorageReader` (every file verified) by DCP's
     own planner, which lays the ranks' chunks together."""
-    entries = _metadata(path, read_manifest(path))
-    out: dict[str, torch.Tensor] = {}
-    for fqn, e in entries.items():
-        if isinstance(e, dict) and e.get("kind") == "tensor":
-            dtype = ST_TO_DTYPE.get(str(e.get("dtype")))
-            if dtype is None:
-                raise CheckpointCorruptError(f"{path}: {fqn} has an unknown dtype {e.get('dtype')}")
-            out[fqn] = torch.empty([int(d) for d in e.get("size") or []], dtype=dtype)
+    out = {
+        fqn: torch.empty(md.size, dtype=md.properties.dtype)
+        for fqn, md in _metadata(path, read_manifest(path)).state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
     if not out:
         raise CheckpointMismatchError(f"{path} holds no tensors: there is nothing to export")
     reader = ResilientStorageReader(path, no_dist=True)

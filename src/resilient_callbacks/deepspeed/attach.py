@@ -107,13 +107,16 @@ class DeepSpeedCheckpoint:
     def close(self, timeout: float | None = None) -> None:
         """Flush pending saves and uploads; give ``engine.step`` back."""
         self.checkpointer.close(timeout)
-        if self.engine.__dict__.get("step") == self._step:
-            del self.engine.step
+        self._unwrap()
 
     def abort(self, exc: BaseException) -> None:
         """Training failed with ``exc``: with ``save_on_exception``, save the last step
         ``engine.step()`` completed (one rank: see :meth:`Checkpointer.abort`), then close."""
         self.checkpointer.abort(exc)
+        self._unwrap()
+
+    def _unwrap(self) -> None:
+        """Give ``engine.step`` back (DeepSpeedEngine's own)."""
         if self.engine.__dict__.get("step") == self._step:
             del self.engine.step
 
