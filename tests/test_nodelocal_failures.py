@@ -104,6 +104,18 @@ def test_close_names_the_checkpoints_whose_remote_commit_was_given_up(tmp_path):
     assert os.path.exists(tmp_path / "remote" / "step_000000004" / "manifest.json")
 
 
+def test_a_final_save_of_a_step_saved_already_is_committed_remotely(tmp_path):
+    """remote_every_n_saves=10 and the last step saved by the schedule: the final save()
+    that follows finds the step saved and writes nothing, but the remote tier takes it (it
+    held only older checkpoints, here none)."""
+    _run(tmp_path, "last", 2, "--steps", "6", "--remote-every", "10", RC_FINAL_SAVE=1)
+    remote = sorted(n for n in os.listdir(tmp_path / "remote") if n.startswith("step_"))
+    assert remote == ["step_000000006"], remote
+    assert os.path.exists(tmp_path / "remote" / "step_000000006" / "manifest.json")
+    for node in (0, 1):
+        assert len([n for n in os.listdir(tmp_path / f"node{node}") if n.startswith("step_")]) == 3
+
+
 @pytest.mark.slow
 def test_more_ranks_per_node_resume_a_rank0_per_rank_state(tmp_path):
     """Saved by 2 ranks (one per node), resumed by 4 (two per node): ranks 2 and 3 have no
@@ -228,6 +240,8 @@ def worker(base: str, argv: list[str]) -> None:
         if step == a.kill_at:
             ck.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("RC_FINAL_SAVE"):  # as the DeepSpeed launcher ends: step saved already
+        assert not ck.save(a.steps, state, final=True)
     ck.flush()
     st = ck.remote_status()  # this node's uploads (each rank leads its node here)
     out(status=None if st is None else {"pending": len(st.pending), "uploaded": st.uploaded})

@@ -170,6 +170,29 @@ def test_remote_every_n_saves_uploads_every_nth_commit_and_the_final_one(tmp_pat
     assert local == [6, 7]  # the local tier keeps its own keep_last
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_final_save_of_a_step_saved_already_is_uploaded(tmp_path, async_save):
+    """The DeepSpeed launcher's end: the schedule saved the last step (not an Nth), then
+    save(final=True) of the same step writes nothing but queues that checkpoint's upload
+    (before: only the 3rd and 6th reached the remote)."""
+    url = f"file://{tmp_path}/remote"
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(
+        tmp_path / "ck",
+        remote=url,
+        remote_every_n_saves=3,
+        remote_keep_last="all",
+        every_n_steps=1,
+        async_save=async_save,
+    ) as ck:
+        for step in range(1, 8):
+            state["w"] += 1
+            ck.step(step, state)
+        assert not ck.save(7, state, final=True)
+    remote = sorted(e.manifest.step for e in RemoteStore(url).scan() if e.manifest)
+    assert remote == [3, 6, 7]
+
+
 def test_incremental_is_refused_in_node_local_mode(tmp_path, monkeypatch):
     """Node-local mode does not carry the run's blob store in a node's uploads yet: asking for
     both is a ConfigError at construction, not checkpoints that miss their blobs remotely.

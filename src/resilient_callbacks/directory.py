@@ -112,6 +112,8 @@ class Directory:
         self.checked_foreign = False
         # checkpoints a restore found corrupt (checksums): retention keeps them for inspection
         self.found_corrupt: set[str] = set()
+        # the uploads the newest commit skipped (remote_every_n_saves), run if it proves final
+        self._held: tuple[int, list[Callable[[], None]]] | None = None
 
     # ------------------------------------------------------------------ opening
 
@@ -202,9 +204,36 @@ class Directory:
         self.seq = max(self.seq, committed.seq)
         name = os.path.basename(committed.path)
         due = self.remote_due is None or self.remote_due(committed.seq, committed.reason)
-        if self.sync is not None and due:
-            self.sync.enqueue(name)
+        if self.sync is not None:
+            sync = self.sync
+            self.hold_upload(committed.step, None if due else lambda: sync.enqueue(name))
+            if due:
+                sync.enqueue(name)
         self.apply_retention(protect=name)
+
+    def hold_upload(self, step: int, upload: Callable[[], None] | None) -> None:
+        """A commit of ``step`` whose upload ``remote_every_n_saves`` skipped (``upload``:
+        what queues it) or did not skip (None). Kept until the next commit: if the run ends at
+        that step (a final save of a step already saved), :meth:`upload_held` queues it."""
+        with self._retention_lock:
+            if upload is None:
+                self._held = None
+            elif self._held is not None and self._held[0] == step:
+                self._held[1].append(upload)  # node-local: the coordinator is a leader too
+            else:
+                self._held = (step, [upload])
+
+    def upload_held(self, step: int) -> None:
+        """Every rank, after its background saves finished: the run's final save is of
+        ``step``, saved already; queue its uploads if ``remote_every_n_saves`` skipped them
+        (the remote tier always takes the last state of a run)."""
+        with self._retention_lock:
+            held, self._held = self._held, None
+        if held is None or held[0] != step:
+            return
+        log.info("remote: uploading the checkpoint of step %d as well: it is the run's last", step)
+        for upload in held[1]:
+            upload()
 
     def _retention_after_upload(self) -> None:
         if self.run_id is not None:

@@ -205,20 +205,34 @@ class NodeLocalSession:
                 write_bytes(os.path.join(local_path, REMOTE_MANIFEST), data)
             except OSError as e:
                 log.warning("could not keep the global manifest next to %s: %s", local_path, e)
-        if d.committer is not None and d.config.remote_due(self.seq, reason):
-            d.committer.expect((self.run_id, self.seq), self.name, data)
+        if d.committer is not None:
+            committer, key, name = d.committer, (self.run_id, self.seq), self.name
+            if d.config.remote_due(self.seq, reason):
+                d.hold_upload(self.step, None)
+                committer.expect(key, name, data)
+            else:
+                d.hold_upload(self.step, lambda: committer.expect(key, name, data))
         return {"ok": True, "seq": self.seq, "name": self.name, "renamed": renamed}
 
     def _after_local_commit(self, local_path: str, reason: str) -> None:
         """Leader: queue this node's part for upload (if due), replicate, apply retention."""
         d = self.d
         name = os.path.basename(local_path)
-        if d.uploader is not None and d.config.remote_due(self.seq, reason):
-            from .manifest import read_manifest
+        if d.uploader is not None:
+            uploader, key, remote_name = d.uploader, (self.run_id, self.seq), self.name
 
-            m = read_manifest(local_path)
-            mine = [f for f in m.files if not (f.path in SHARED_PATHS and f.rank != 0)]
-            d.uploader.enqueue(name, self.name, (self.run_id, self.seq), mine)
+            def upload() -> None:
+                from .manifest import read_manifest
+
+                m = read_manifest(local_path)
+                mine = [f for f in m.files if not (f.path in SHARED_PATHS and f.rank != 0)]
+                uploader.enqueue(name, remote_name, key, mine)
+
+            if d.config.remote_due(self.seq, reason):
+                d.hold_upload(self.step, None)
+                upload()
+            else:
+                d.hold_upload(self.step, upload)
         if d.config.replicas:
             self._replicate(local_path)
         d.apply_retention(protect=name)

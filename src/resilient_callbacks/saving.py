@@ -133,6 +133,11 @@ class Saver:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
         if ck.last_saved_step == step:
             log.debug("step %d is already saved by this run; not saving it twice", step)
+            if reason == "final":  # the remote tier takes it even if its upload was skipped
+                if self.persister is not None:
+                    self.persister.wait_all()
+                    self.raise_background_error()
+                ck._dir.upload_held(step)
             return False
         background = self.persister is not None and reason != "emergency"
         waited = 0.0

@@ -96,7 +96,7 @@ def finish() -> None:
                     ckpt.latest_path,
                 )
             else:
-                handle.save(final=True)  # nothing new if this step is saved already
+                handle.save(final=True)  # saved already: nothing new, but uploaded
         finally:
             handle.close()
 
