@@ -116,6 +116,23 @@ def test_a_final_save_of_a_step_saved_already_is_committed_remotely(tmp_path):
         assert len([n for n in os.listdir(tmp_path / f"node{node}") if n.startswith("step_")]) == 3
 
 
+def test_a_damaged_local_copy_is_fetched_again_by_its_node_only(tmp_path):
+    """A byte flipped in node 1's copy of the newest checkpoint: the restore falls back to
+    the same commit from the remote tier, which node 1 downloads while node 0 keeps using its
+    own copy, which verifies (every node downloaded it, and left a second folder of it)."""
+    _run(tmp_path, "first", 2, "--steps", "4")
+    newest = tmp_path / "node1" / "step_000000004"
+    victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    out = _run(tmp_path, "again", 2, "--steps", "4")
+    assert [rank[0]["restored"] for rank in out] == [4, 4]
+    names = {n: sorted(os.listdir(tmp_path / f"node{n}")) for n in (0, 1)}
+    assert "step_000000004-1" in names[1], names  # its fetched copy (the damaged one is kept)
+    assert not [x for x in names[0] if x.startswith("step_000000004-")], names
+
+
 @pytest.mark.slow
 def test_more_ranks_per_node_resume_a_rank0_per_rank_state(tmp_path):
     """Saved by 2 ranks (one per node), resumed by 4 (two per node): ranks 2 and 3 have no

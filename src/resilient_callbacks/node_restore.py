@@ -250,8 +250,12 @@ class NodeRestorer(Restorer):
             else:
                 cands.append({"key": list(key), "step": steps[key], "src": src})
                 if key in remote and any(v[0] != "remote" for v in src.values()):
-                    # if a local copy turns out damaged: the same commit from the remote
-                    every = {str(k): ["remote", remote[key]] for k in range(len(topo.nodes))}
+                    # if a local copy turns out damaged: the same commit from the remote, where
+                    # a node's own copy does not verify (a third item: check that one first)
+                    every = {
+                        k: ["remote", remote[key], *(v[1:] if v[0] == "local" else [])]
+                        for k, v in src.items()
+                    }
                     cands.append({"key": list(key), "step": steps[key], "src": every})
         r = self._ck.config.resume
         if isinstance(r, int):
@@ -276,6 +280,8 @@ class NodeRestorer(Restorer):
         result: dict[str, Any] = {"path": None, "problem": None, "tier": mine_src[0]}
         if topo.is_leader and mine_src[0] == "local":
             result["path"] = os.path.join(d.dirpath, mine_src[1])
+        elif topo.is_leader and mine_src[0] == "remote" and self._intact(mine_src[2:]):
+            result["path"], result["tier"] = os.path.join(d.dirpath, mine_src[2]), "local"
         elif topo.is_leader and mine_src[0] == "remote":
             try:
                 result["path"], result["files"], result["bytes"] = self._download(mine_src[1], c)
@@ -314,6 +320,20 @@ class NodeRestorer(Restorer):
         ]
         mine = everyone[topo.leader] or {}
         return mine, problems
+
+    def _intact(self, local: list[str]) -> bool:
+        """Leader: does this node's own copy (``local``: its name, or nothing) verify? Then
+        a fallback to the same commit from the remote does not download it again (only the
+        nodes whose copy is damaged do)."""
+        if not local:
+            return False
+        path = os.path.join(self._d.dirpath, local[0])
+        try:
+            catalog.verify(path, read_manifest(path), Depth.FULL)
+        except (OSError, ValueError, CheckpointCorruptError) as e:
+            log.info("this node's copy %s does not verify (%s): fetching it again", path, e)
+            return False
+        return True
 
     def _download(self, name: str, c: dict[str, Any]) -> tuple[str, int, int]:
         """Leader: fetch this node's ranks' files (and the replicated ones) of the remote
