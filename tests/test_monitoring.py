@@ -370,6 +370,33 @@ def test_wall_time_counts_from_the_runs_start_after_a_restore_on_a_new_machine(t
     assert m[PREFIX + "restarts_total"] == 1
 
 
+def test_a_restart_after_a_clean_close_is_no_failure(tmp_path: Path):
+    """A run closed cleanly (finished, or a preemption saved before exiting) and resumed:
+    restarts_total stays 0 and the MTBF stays the prior (the restart counted as a failure and
+    halved it); a process that ended without an ``end`` record (killed) still counts."""
+    from resilient_callbacks import history
+
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(tmp_path / "ck", every_n_steps=2) as ck:
+        for step in range(1, 5):
+            ck.step(step, state)
+    with Checkpointer(tmp_path / "ck", every_n_steps=2) as ck:
+        assert ck.restore(state) == 4
+        m = ck.metrics()
+    assert m[PREFIX + "restarts_total"] == 0
+    assert m[PREFIX + "mtbf_seconds"] >= 24 * 3600  # the prior (and the run's time): no failure
+
+    def ev(kind: str, t: float) -> history.Event:
+        return history.Event(kind, t, 0, "r", 1)
+
+    killed = [ev("start", 0), ev("end", 1), ev("restart", 2), ev("restart", 3), ev("end", 4)]
+    assert history.failures([*killed, ev("restart", 5)], "r") == (0, [3])
+    assert history.failures([ev("restart", 7), ev("failed", 8), ev("restart", 9)], "r") == (
+        7,
+        [7, 9],
+    )
+
+
 def test_sink_options_are_checked_when_the_checkpointer_is_built(tmp_path: Path):
     for spec, needle in (
         ({"kind": "prometheus", "port": 9464.9}, "port"),

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from resilient_callbacks import history
+from resilient_callbacks.adaptive import DEFAULT_PRIOR_MTBF_HOURS, HOUR
 from resilient_callbacks.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +126,9 @@ def test_report_of_an_in_process_run(tmp_path: Path, capsys):
     s = json.loads(js.read_text())["summary"]
     assert s["lives"] == 2 and s["failures"] == 0 and s["clean_restarts"] == 1
     assert s["saves"] == 4 and s["final_step"] == 12 and 0 < s["goodput"] <= 1
+    # a clean restart is no failure for the MTBF estimate either (it counted every process)
+    prior = DEFAULT_PRIOR_MTBF_HOURS * HOUR
+    assert s["mtbf_estimate_s"] == pytest.approx(prior + s["wall_s"])
     assert png.read_bytes().startswith(PNG_MAGIC)
     imgs = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", html_path.read_text())
     assert len(imgs) == 6
@@ -250,3 +254,60 @@ def test_report_of_a_history_without_a_run_start_exits_1(tmp_path: Path, capsys)
     (tmp_path / history.HISTORY_NAME).write_text("")
     assert cli(["report", str(tmp_path)]) == 1
     assert "no history records of a run" in capsys.readouterr().err
+
+
+def test_report_status_of_a_corrupt_checkpoint(tmp_path: Path):
+    """A byte flipped in the newest checkpoint: the report called it ``valid`` after a size
+    check; it says ``unverified`` (as ``ls --fast``), and ``corrupt`` with ``--verify``."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    d = tmp_path / "ck"
+    with Checkpointer(d, every_n_steps=2, async_save=False) as ck:
+        for step in range(1, 5):
+            ck.step(step, {"w": torch.full((256,), float(step))})
+    data = d / "step_000000004" / "rank_00000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+    def statuses(*extra: str) -> dict[int, str]:
+        js = tmp_path / "r.json"
+        assert cli(["report", str(d), "--json", str(js), *extra]) == 0
+        rows = json.loads(js.read_text())["checkpoints"]
+        return {r["step"]: r["status"] for r in rows}
+
+    assert statuses() == {2: "unverified", 4: "unverified"}
+    assert statuses("--verify") == {2: "valid", 4: "corrupt"}
+
+
+def test_report_of_a_run_restored_from_the_remote_on_a_new_machine(tmp_path: Path):
+    """The local directory (and its history) is lost and the run resumes from the remote
+    tier: the report's wall time counts from the run's start the checkpoint recorded, so its
+    goodput stays a fraction (it counted from the restart: goodput 619% over time, 100%)."""
+    import shutil
+
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    remote, d = f"file://{tmp_path}/remote", tmp_path / "ck"
+    state = {"w": torch.zeros(16)}
+    with Checkpointer(d, every_n_steps=4, remote=remote) as ck:
+        ck.restore(state)
+        for step in range(1, 9):
+            time.sleep(0.05)  # useful time
+            ck.step(step, state)
+    time.sleep(0.5)  # the run is down: wall time, not useful time
+    shutil.rmtree(d)
+    with Checkpointer(d, every_n_steps=4, remote=remote) as ck:
+        assert ck.restore(state) == 8
+        ck.step(9, state, final=True)
+    js = tmp_path / "r.json"
+    assert cli(["report", str(d), "--json", str(js)]) == 0
+    rep = json.loads(js.read_text())
+    s = rep["summary"]
+    assert s["history_begins_s"] >= 0.5 and s["wall_s"] >= s["history_begins_s"]
+    assert s["useful_s"] < s["wall_s"]
+    assert all(g["goodput"] is None or g["goodput"] <= 1 for g in rep["goodput"])

@@ -384,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", metavar="RUN_ID", help="the run to report (default: the newest)")
     p.add_argument("--remote", metavar="URL", help="also list this remote tier (fsspec URL)")
     p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every local checkpoint's checksums (reads them all; default: sizes only, "
+        "status 'unverified')",
+    )
+    p.add_argument(
         "--option",
         metavar="KEY=VALUE",
         action="append",

@@ -31,7 +31,7 @@ def report(args: argparse.Namespace) -> int:
     data = rep.analyse(
         root,
         run_id=args.run,
-        checkpoints=rep.checkpoint_rows(root, remote),
+        checkpoints=rep.checkpoint_rows(root, remote, verify=args.verify),
         now=time.time(),
     )
     if data.get("missing"):  # a history file without one start of a run: nothing to plot

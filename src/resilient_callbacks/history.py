@@ -1,7 +1,8 @@
 """The run's own history in its checkpoint directory: starts and restarts, with their times.
 
 Every restore that resumes from a checkpoint is a failure event (the run stopped before it
-finished); the adaptive save policy learns the mean time between failures from these.
+finished), unless the process before it closed cleanly (an ``end`` record); the adaptive save
+policy learns the mean time between failures from these.
 ``<dirpath>/history.jsonl`` holds one JSON object per line, appended by the coordinator only:
 ``{"event": "start" | "restart", "time": <unix seconds>, "step": N, "run_id": "...",
 "world_size": W}``. A torn last line (a crash while appending) is ignored.
@@ -130,10 +131,18 @@ def read(root: str, kinds: tuple[str, ...] | None = LIFECYCLE) -> list[Event]:
 
 
 def failures(events: list[Event], run_id: str | None) -> tuple[float | None, list[float]]:
-    """(time the run started, times of its restarts) for the lineage ``run_id``."""
+    """(time the run started, times of the restarts that followed a failure) for the lineage
+    ``run_id``. ``events``: :func:`read` with ``LIFECYCLE + ("end",)``. A restart after an
+    ``end`` record (a clean stop: a finished run, a preemption saved before exiting) is no
+    failure: no work was lost, and the save interval should not shorten for it."""
     mine = [e for e in events if run_id is None or e.run_id in (run_id, None)]
     start = next((e.time for e in mine if e.event == "start"), None)
-    restarts = [e.time for e in mine if e.event == "restart"]
+    restarts: list[float] = []
+    clean = False
+    for e in mine:
+        if e.event == "restart" and not clean:
+            restarts.append(e.time)
+        clean = e.event == "end"
     if start is None and mine:
         start = mine[0].time
     return start, restarts

@@ -255,13 +255,18 @@ class Recorder:
             t.set(PREFIX + "last_saved_step", manifest.step)
             t.set(PREFIX + "last_save_timestamp_seconds", manifest.created)
         t.inc(PREFIX + "restores_total", labels=(tier,))
-        fields = {
+        fields: dict[str, Any] = {
             "seconds": round(seconds, 6),
             "tier": tier,
             "fallbacks": skipped,
             "useful_s": round(self.base_useful_s, 3),
         }
         t.event("restore", step=manifest.step, **fields)
+        start = progress.get("run_start") if isinstance(progress, dict) else None
+        if isinstance(start, (int, float)) and math.isfinite(start):
+            # the report's wall time counts from it where this directory's history begins
+            # here (a new machine that restored from the remote tier)
+            fields["run_start"] = start
         return fields
 
     def lineage(
@@ -273,12 +278,13 @@ class Recorder:
         has the start the checkpoint recorded."""
         if not inside:  # another run's checkpoint: this run starts now
             start, restarts = None, []
+        # without the run's history here (restored from the remote tier), this restart is one
+        self.failures = (len(restarts) if start is not None else 1) if inside else 0
         progress = manifest.extra.get("progress") if inside else None
         saved = progress.get("run_start") if isinstance(progress, dict) else None
         if isinstance(saved, (int, float)) and math.isfinite(saved):
             start = saved if start is None else min(start, saved)
         self.run_start = start if start is not None else time.time()
-        self.failures = max(len(restarts), 1) if inside else 0
 
     def preemption(self, step: int, source: str) -> None:
         self.t.inc(PREFIX + "preemptions_total")

@@ -105,6 +105,15 @@ def lives(records: list[dict[str, Any]]) -> list[Life]:
     return out
 
 
+def run_began(ls: list[Life]) -> float:
+    """When the run started: its first record here, or earlier, as its checkpoint recorded,
+    when this directory's history begins with a restart (a machine that restored the run from
+    the remote tier, with none of the history of the machines before it)."""
+    first = ls[0]
+    saved = _num((first.restore or {}).get("run_start"))
+    return min(first.begin, saved) if saved is not None else first.begin
+
+
 def analyse(
     root: str,
     *,
@@ -130,7 +139,7 @@ def analyse(
             "checkpoints": checkpoints or [],
             "missing": "no history records of a run in this directory (history.jsonl)",
         }
-    t0 = ls[0].begin
+    t0 = run_began(ls)
     end_t = max(lf.last_time for lf in ls)
     saves: list[dict[str, Any]] = []
     goodput: list[dict[str, Any]] = []
@@ -194,12 +203,14 @@ def analyse(
     n_fail = len(failures)
     mtbf_obs = exposure / n_fail if n_fail else None
     cost = statistics.median(blocking) if blocking else None
-    mtbf_est = (DEFAULT_PRIOR_MTBF_HOURS * HOUR + exposure) / (1 + len(ls) - 1)
+    mtbf_est = (DEFAULT_PRIOR_MTBF_HOURS * HOUR + exposure) / (1 + n_fail)
     used = [s["interval_used_s"] for s in saves if s["interval_used_s"]]
     summary = {
         "run_id": run,
         "wall_s": wall,
         "useful_s": useful,
+        # > 0: the run's first processes ran on machines whose history is not here
+        "history_begins_s": ls[0].begin - t0,
         "goodput": min(1.0, useful / wall),
         "lives": len(ls),
         "failures": n_fail,
@@ -246,20 +257,23 @@ def analyse(
     }
 
 
-def checkpoint_rows(root: str, remote: Any = None) -> list[dict[str, Any]]:
-    """The checkpoints of ``root`` (sizes checked) and, with ``remote`` (a RemoteStore), of the
-    remote tier: one row per checkpoint and tier."""
+def checkpoint_rows(root: str, remote: Any = None, verify: bool = False) -> list[dict[str, Any]]:
+    """The checkpoints of ``root`` (sizes checked: status ``unverified``; every checksum with
+    ``verify``) and, with ``remote`` (a RemoteStore), of the remote tier: one row per
+    checkpoint and tier, with the status ``resilient-ckpt ls`` gives."""
     from .catalog import Depth, scan
+    from .cli_scan import state
 
+    depth = Depth.FULL if verify else Depth.SIZE
     rows = []
-    for e in scan(root, Depth.SIZE):
+    for e in scan(root, depth):
         m = e.manifest
         rows.append(
             {
                 "tier": "local",
                 "name": e.name,
                 "step": e.step,
-                "status": str(e.status),
+                "status": state(e, depth)[0],
                 "bytes": m.total_bytes if m else None,
                 "created": m.created if m else None,
                 "run_id": m.run_id if m else None,

@@ -257,6 +257,7 @@ _SUMMARY_ROWS = (
     ("goodput", "goodput (useful compute / wall time)", lambda v: f"{v:.1%}"),
     ("wall_s", "wall time since the first start (s)", None),
     ("useful_s", "useful compute (s)", None),
+    ("history_begins_s", "history here begins into the run (s; elsewhere before)", None),
     ("lives", "processes (start + restarts)", None),
     ("failures", "failures (killed, restarted)", None),
     ("clean_restarts", "restarts after a clean stop", None),

@@ -284,7 +284,7 @@ class Restorer:
             ck._recorder.record_deferred()  # the fallbacks on the way to this checkpoint
             d.check_foreign(stacklevel=5)  # the caller of Checkpointer.restore
         # the run's start and restarts (this one included), read once, the same on every rank
-        events = history.read(ck.dirpath) if ck.is_coordinator else []
+        events = history.read(ck.dirpath, (*history.LIFECYCLE, "end")) if ck.is_coordinator else []
         start, restarts = dist.broadcast_json(list(history.failures(events, d.run_id)))
         ck._recorder.lineage(manifest, inside, start, restarts)
         if schedule is not None and start is not None:
