@@ -409,7 +409,8 @@ def test_sink_options_are_checked_when_the_checkpointer_is_built(tmp_path: Path)
     with Checkpointer(tmp_path / "b", telemetry=f"prometheus:[::1]:{port}") as ck:
         assert ck.telemetry_kinds == {"prometheus"}
     with (
-        pytest.warns(UserWarning, match="telemetry='logger' sends the metrics through"),
+        pytest.warns(UserWarning, match="telemetry='logger' sends the metrics through") as got,
         Checkpointer(tmp_path / "c", every_n_steps=1, telemetry="logger") as ck,
     ):
         ck.step(1, _state())
+    assert got[0].filename == __file__  # the line that called step(), not the interpreter's

@@ -218,7 +218,7 @@ def warn_logger_without_framework() -> None:
         "Transformers callbacks); this Checkpointer has none, so that sink does nothing. Pass "
         "a callable (telemetry=fn) to get the metrics here.",
         UserWarning,
-        stacklevel=5,
+        stacklevel=4,  # the caller of Checkpointer.step() / save()
     )
 
 
