@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import torch
 from torch import nn
 
@@ -117,3 +118,110 @@ def test_pull_makes_a_self_contained_copy(tmp_path, capsys):
         assert ck.restore(fresh) == 2
     for k, v in fresh["model"].state_dict().items():
         assert torch.equal(v, want[k]), k
+
+
+def test_gc_remote_deletes_the_blobs_a_killed_upload_left_when_it_deletes_no_checkpoint(
+    tmp_path, capsys
+):
+    """A blob no manifest names and its in-flight marker, a day old (what a killed upload
+    leaves): ``gc --remote`` deletes both, also when no checkpoint is due for deletion (it
+    collected blobs only after deleting a checkpoint, while --dry-run listed them)."""
+    import json
+    import os
+    import time
+
+    from resilient_callbacks.cli import main
+
+    url, remote = f"file://{tmp_path}/durable", tmp_path / "durable"
+    state = _state()
+    with Checkpointer(tmp_path / "local", incremental=True, remote=url, async_save=False) as ck:
+        for step in (1, 2):
+            _train(state, step)
+            ck.save(step, state)
+    orphan = "0123456789abcdef0123456789abcdef.safetensors"
+    (remote / "blobs" / orphan).write_bytes(b"x" * 100)
+    marker = remote / "blobs" / ".inflight-deadbeef0000.json"
+    marker.write_text(json.dumps({"created": time.time() - 25 * 3600, "blobs": [orphan]}))
+    before = set(os.listdir(remote / "blobs"))
+    args = ["gc", str(tmp_path / "local"), "--remote", url, "--json"]
+    assert main([*args, "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["remote"]["blobs_deleted"] == [orphan]
+    assert set(os.listdir(remote / "blobs")) == before
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["remote"]["blobs_deleted"] == [orphan]
+    assert set(os.listdir(remote / "blobs")) == before - {orphan, marker.name}
+    assert main(["pull", url, str(tmp_path / "copy")]) == 0
+
+
+KILLED_UPLOAD = r"""
+import os, signal, sys
+import torch
+from torch import nn
+from resilient_callbacks import Checkpointer
+
+root, url, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 32))
+m[0].requires_grad_(False)
+state = {"model": m}
+ck = Checkpointer(root, incremental=True, remote=url, async_save=False, keep_last=2)
+start = ck.restore(state)
+if mode != "resume":
+    fs = ck._dir.remote.fs
+    real_put = fs.put
+
+    def put(lpaths, rpaths, **kw):  # the blob copy is killed half-way
+        if "/blobs/" not in rpaths[0]:
+            return real_put(lpaths, rpaths, **kw)
+        name = os.path.basename(rpaths[0])  # .upload-<tag>-<blob>: a copy under a blob's name
+        target = rpaths[0] if mode == "tmp" else rpaths[0][: -len(name)] + name.split("-", 2)[2]
+        data = open(lpaths[0], "rb").read()
+        with open(target, "wb") as f:
+            f.write(data[: len(data) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    fs.put = put
+for step in range(start + 1, start + 3):
+    with torch.no_grad():
+        m[1].weight.add_(1.0)
+    ck.save(step, state)
+    if mode != "resume":
+        ck.close()  # waits for the upload of step 1, which kills the process
+ck.close()
+print("CLOSED", start, flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["tmp", "final"])
+def test_a_blob_upload_killed_part_way_does_not_block_later_uploads(tmp_path, where):
+    """SIGKILL while a blob is copied to a ``file://`` remote. ``tmp``: as this library copies
+    (a temporary name renamed into place): nothing torn under the blob's name. ``final``: as a
+    non-atomic store would (or an older version did), half the blob under its own name: every
+    later upload failed ("another size ... not replacing it") and the remote tier was dead;
+    the next run of the run uploads it again, as no remote checkpoint names it."""
+    import os
+    import subprocess
+    import sys
+
+    from resilient_callbacks.cli import main
+
+    script = tmp_path / "killed_upload.py"
+    script.write_text(KILLED_UPLOAD)
+    url, local = f"file://{tmp_path}/durable", str(tmp_path / "local")
+    first = subprocess.run([sys.executable, str(script), local, url, where], capture_output=True)
+    assert first.returncode == -9, first.stderr.decode()[-2000:]
+    blobs = tmp_path / "durable" / "blobs"
+    names = [n for n in os.listdir(blobs) if n.endswith(".safetensors")]
+    if where == "tmp":
+        assert all(n.startswith(".upload-") for n in names), names  # none under a blob's name
+    else:
+        assert len(names) == 1 and not names[0].startswith(".")
+    again = subprocess.run([sys.executable, str(script), local, url, "resume"], capture_output=True)
+    assert again.returncode == 0, again.stderr.decode()[-2000:]
+    assert b"CLOSED 1" in again.stdout  # resumed at step 1, committed before its upload
+    store = RemoteStore(url)
+    assert sorted(e.manifest.step for e in store.scan() if e.manifest) == [2, 3]
+    here = os.path.join(local, "blobs")
+    local_blobs = {n: os.path.getsize(os.path.join(here, n)) for n in os.listdir(here)}
+    assert {n: s for n, s in listing(store).items() if n in local_blobs} == local_blobs
+    assert main(["pull", url, str(tmp_path / "copy")]) == 0  # every checksum verified

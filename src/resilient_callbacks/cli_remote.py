@@ -274,7 +274,7 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
     for e, _ in [] if args.dry_run else doomed:
         st.delete(e.name)
     after = [e for e in entries if e.name not in gone] if args.dry_run else st.scan()
-    blobs = remote_blobs.collect(st, after, dry_run=args.dry_run) if doomed or args.dry_run else []
+    blobs = remote_blobs.collect(st, after, dry_run=args.dry_run)  # leftovers of crashes too
 
     def facts(e: Any, why: str) -> dict[str, Any]:
         m = e.manifest

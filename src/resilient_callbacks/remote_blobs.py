@@ -4,9 +4,14 @@ as the local store is by the local ones (see :mod:`.blobs`).
 - Upload: a blob already there with its size is not uploaded again; the blobs go up before the
   checkpoint's files and its manifest (the commit point), so a committed remote checkpoint
   never names a missing blob. While an upload runs, an in-flight marker
-  ``blobs/.inflight-<id>.json`` lists the blobs it relies on, so that a collection by another
-  process writing to the same URL (another run) does not delete them; a marker older than
-  :data:`INFLIGHT_TTL_S` was left by a crash and is ignored and removed.
+  ``blobs/.inflight-<id>.json`` lists the blobs it relies on (and the run), so that a
+  collection by another process writing to the same URL (another run) does not delete them; a
+  marker older than :data:`INFLIGHT_TTL_S` was left by a crash and is ignored and removed.
+- A blob of the same name with another size is never replaced while a committed remote
+  checkpoint or another run's fresh marker names it. Otherwise it is what a killed upload left
+  (a torn copy: an earlier process of this run, the only one uploading the run) and is
+  uploaded again. On a ``file://`` remote each blob is copied to a temporary name and renamed
+  into place, so a kill leaves no torn blob there (an object store's put is atomic already).
 - Collection (after the remote retention deleted checkpoints): the live set is every blob named
   by a committed remote manifest, plus those of fresh markers. A manifest that cannot be read
   stops the collection.
@@ -40,6 +45,7 @@ log = logging.getLogger("resilient_callbacks")
 
 INFLIGHT_PREFIX = ".inflight-"
 INFLIGHT_TTL_S = 24 * 3600.0
+UPLOAD_PREFIX = ".upload-"  # a blob being copied to a file:// remote, renamed when complete
 
 
 def _dir(store: RemoteStore) -> str:
@@ -69,23 +75,20 @@ def upload(store: RemoteStore, local_dir: str, manifest: Manifest) -> str | None
     marker = posixpath.join(_dir(store), f"{INFLIGHT_PREFIX}{uuid.uuid4().hex[:12]}.json")
     if store.is_local:
         store.fs.makedirs(_dir(store), exist_ok=True)
-    body = {"created": time.time(), "blobs": sorted(b.path for b in manifest.blobs)}
+    body = {
+        "created": time.time(),
+        "blobs": sorted(b.path for b in manifest.blobs),
+        "run_id": manifest.run_id,
+    }
     store.fs.pipe_file(marker, json.dumps(body).encode())
     try:
         have = listing(store)
         clash = [b.path for b in manifest.blobs if b.path in have and have[b.path] != b.size]
-        if clash:  # never replace a blob remote checkpoints may name with other bytes
-            raise OSError(
-                f"{store.url}/{BLOBS_DIR} holds {', '.join(clash)} with another size than "
-                f"{local_dir} has; not replacing it. Remove the remote checkpoints that name it "
-                "or upload to another URL."
-            )
-        todo = [b for b in manifest.blobs if b.path not in have]
+        if clash:
+            _check_torn(store, clash, manifest.run_id, marker, local_dir)
+        todo = [b for b in manifest.blobs if have.get(b.path) != b.size]
         if todo:
-            store.fs.put(
-                [blob_path(local_dir, b.path) for b in todo],
-                [posixpath.join(_dir(store), b.path) for b in todo],
-            )
+            _put(store, [blob_path(local_dir, b.path) for b in todo], [b.path for b in todo])
             have = listing(store)
             for b in todo:
                 if have.get(b.path) != b.size:
@@ -93,12 +96,77 @@ def upload(store: RemoteStore, local_dir: str, manifest: Manifest) -> str | None
                         f"{store.url}/{BLOBS_DIR}/{b.path}: {have.get(b.path)} bytes after "
                         f"upload, expected {b.size}"
                     )
-            if store.is_local:
-                store._fsync_local([posixpath.join(_dir(store), b.path) for b in todo])
     except BaseException:
         end_upload(store, marker)
         raise
     return marker
+
+
+def _check_torn(
+    store: RemoteStore, clash: list[str], run_id: str, marker: str, local_dir: str
+) -> None:
+    """Blobs of the names ``clash`` are on the remote with another size than the local ones:
+    raise unless none of them is named by a committed remote checkpoint or by another run's
+    fresh in-flight marker (then they are torn copies a killed upload of this run left)."""
+    named: set[str] = set()
+    for e in store.scan():
+        if e.manifest is not None:
+            named.update(b.path for b in e.manifest.blobs)
+    mine = posixpath.basename(marker)
+    for name, (fresh, blobs, owner) in _markers(store).items():
+        if fresh and name != mine and owner != run_id:
+            named.update(blobs)
+    held = [c for c in clash if c in named]
+    if held:  # never replace a blob remote checkpoints may name with other bytes
+        raise OSError(
+            f"{store.url}/{BLOBS_DIR} holds {', '.join(held)} with another size than "
+            f"{local_dir} has, named by a remote checkpoint or another run's upload; not "
+            "replacing it. Remove the remote checkpoints that name it or upload to another URL."
+        )
+    log.warning(
+        "remote %s: %s %s another size than the local copy and no remote checkpoint names it "
+        "(an upload killed part-way left it); uploading it again",
+        store.url,
+        ", ".join(f"{BLOBS_DIR}/{c}" for c in clash),
+        "has" if len(clash) == 1 else "have",
+    )
+
+
+def _put(store: RemoteStore, local: list[str], names: list[str]) -> None:
+    """Upload blobs; on a ``file://`` remote through temporary names renamed into place (and
+    fsynced), so that a kill part-way never leaves a torn blob under a blob's name."""
+    final = [posixpath.join(_dir(store), n) for n in names]
+    if not store.is_local:
+        store.fs.put(local, final)  # one object each: complete or absent
+        return
+    tag = uuid.uuid4().hex[:8]
+    tmp = [posixpath.join(_dir(store), f"{UPLOAD_PREFIX}{tag}-{n}") for n in names]
+    try:
+        store.fs.put(local, tmp)
+        store._fsync_local(tmp)
+        for t, f in zip(tmp, final, strict=True):
+            os.replace(t, f)
+        fsync_dir(_dir(store))
+    finally:
+        for t in tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(t)
+
+
+def _markers(store: RemoteStore) -> dict[str, tuple[bool, list[str], str | None]]:
+    """Every in-flight marker: name -> (fresh, the blobs it names, its run or None)."""
+    now, out = time.time(), {}
+    for name in listing(store):
+        if not name.startswith(INFLIGHT_PREFIX):
+            continue
+        try:
+            body: Any = json.loads(store.fs.cat_file(posixpath.join(_dir(store), name)))
+            fresh = now - float(body["created"]) < INFLIGHT_TTL_S
+            blobs, run = [str(b) for b in body["blobs"]], body.get("run_id")
+        except Exception:  # torn or foreign: treat as stale
+            fresh, blobs, run = False, [], None
+        out[name] = (fresh, blobs, None if run is None else str(run))
+    return out
 
 
 def end_upload(store: RemoteStore, marker: str | None) -> None:
@@ -123,29 +191,29 @@ def collect(store: RemoteStore, entries: list[RemoteEntry], dry_run: bool = Fals
             )
             return []
     names = listing(store)
-    now = time.time()
-    for name in names:
-        if not name.startswith(INFLIGHT_PREFIX):
-            continue
-        path = posixpath.join(_dir(store), name)
-        try:
-            body: Any = json.loads(store.fs.cat_file(path))
-            fresh = now - float(body["created"]) < INFLIGHT_TTL_S
-            blobs = [str(b) for b in body["blobs"]]
-        except Exception:  # torn or foreign: treat as stale
-            fresh, blobs = False, []
+    for name, (fresh, blobs, _) in _markers(store).items():
         if fresh:
             live.update(blobs)
         elif not dry_run:
             with contextlib.suppress(Exception):
-                store.fs.rm_file(path)
+                store.fs.rm_file(posixpath.join(_dir(store), name))
     doomed = sorted(n for n in names if NAME_RE.match(n) and n not in live)
+    if store.is_local:  # copies a kill left under their temporary names, a day old
+        doomed += [n for n in names if n.startswith(UPLOAD_PREFIX) and _stale(store, n)]
     for name in [] if dry_run else doomed:
         with contextlib.suppress(FileNotFoundError):
             store.fs.rm_file(posixpath.join(_dir(store), name))
     if doomed:
         log.info("remote: deleted %d unused blob(s) in %s/%s", len(doomed), store.url, BLOBS_DIR)
     return doomed
+
+
+def _stale(store: RemoteStore, name: str) -> bool:
+    try:
+        age = time.time() - os.path.getmtime(posixpath.join(_dir(store), name))
+    except OSError:
+        return False
+    return age > INFLIGHT_TTL_S
 
 
 def download(store: RemoteStore, manifest: Manifest, local_root: str, staging: str) -> None:
