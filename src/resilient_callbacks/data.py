@@ -146,6 +146,7 @@ class ResumableDataLoader(DataLoader):
         )
         self.epoch = 0
         self.batches_consumed = 0  # batches handed to the loop in the current epoch
+        self.loaded_batches: int | None = None  # batches_consumed as load_state_dict set it
         self._started = False  # an iterator was created for the current epoch
         self._epoch_rng = _source_state(generator)  # base-seed source state at that creation
         self._restored_persistent = False  # a persistent worker iterator existed when saved
@@ -233,6 +234,15 @@ class ResumableDataLoader(DataLoader):
         self.batches_consumed = 0
         self._started = False
 
+    @property
+    def in_resharded_epoch(self) -> bool:
+        """Whether the current epoch is one a checkpoint of another number of ranks (or batch
+        size) was resumed in: then ``len(self)`` and :attr:`batches_consumed` count the rest
+        of the epoch only, and :attr:`loaded_batches` (set by :meth:`load_state_dict`) how
+        many batches of that rest were consumed when the state was loaded."""
+        sampler = self.sampler
+        return isinstance(sampler, ResumableSampler) and sampler.resharded(self.epoch)
+
     def set_epoch(self, epoch: int) -> None:
         if epoch == self.epoch:
             return
@@ -308,6 +318,7 @@ class ResumableDataLoader(DataLoader):
             persistent = bool(state.get("persistent_iterator", False))
         self.epoch = int(state["epoch"])
         self.batches_consumed = batches
+        self.loaded_batches = batches
         self._started = bool(state.get("started", batches > 0))
         if "epoch_rng" in state:
             self._epoch_rng = state["epoch_rng"].clone()

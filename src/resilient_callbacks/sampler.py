@@ -272,6 +272,10 @@ class ResumableSampler(Sampler[int]):
         self._set_reshards(reshards)
         return len(self._global_rest())
 
+    def resharded(self, epoch: int) -> bool:
+        """Whether ``epoch`` is the rest of an epoch re-sharded at a resume."""
+        return bool(self._reshards) and self._reshard_epoch == epoch
+
     def _set_reshards(self, reshards: list[list[int]]) -> None:
         self._reshards = [[int(w), int(c)] for w, c in reshards]
         self._reshard_epoch = self.epoch if self._reshards else None

@@ -21,6 +21,9 @@ things wrong for such a checkpoint (its own checkpoints too), which :class:`Resu
 - it restores the train dataloaders' states (torchdata's ``StatefulDataLoader`` fast-forwards
   its sampler there) before it announces the epoch to their samplers: a ``DistributedSampler``
   then replays epoch 0's order. The samplers are told the resumed epoch first;
+- resumed on another number of ranks, it counts the resumed epoch's batches from its start
+  but takes its length from the rest the loader hands out, and keeps that length for every
+  later epoch: :mod:`.reshard` sets them right;
 - it leaves the random streams to whatever drew between the restore and the first batch
   (dataloader iterators made at setup, the sanity check, ``on_train_start`` hooks): they are
   put back where the uninterrupted run went on from the save, before the next epoch's start
@@ -47,6 +50,7 @@ import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from .. import rng
+from . import reshard
 from .state import finite_metrics
 
 EPOCH_END_KEY = "resilient_callbacks_epoch_end"
@@ -101,6 +105,8 @@ class Resume:
         self.epoch_end_run = self.epoch_end
         # a checkpoint without metrics (written by an older version) keeps Lightning's skip
         self.plateau = self.metrics is not None
+        self.data_set_up = False
+        self.resharded_epoch: int | None = None  # resumed on another number of ranks
 
     def before_loader_states(self, trainer: pl.Trainer) -> None:
         """Before Lightning loads the train dataloaders' states (the first time)."""
@@ -111,6 +117,13 @@ class Resume:
         epoch = trainer.current_epoch  # the resumed one (its loop progress is loaded)
         for dl in combined.flattened if combined is not None else []:
             _set_sampler_epoch(dl, epoch)
+
+    def after_setup_data(self, trainer: pl.Trainer) -> None:
+        """After the fit loop built the train loaders and loaded their states (the first
+        time): an epoch resumed on another sharding gets Lightning's length right."""
+        if not self.data_set_up:
+            self.data_set_up = True
+            self.resharded_epoch = reshard.after_setup(trainer)
 
     def train_start(self, trainer: pl.Trainer) -> None:
         """``on_train_start`` (Lightning emptied the metrics after the sanity check)."""
@@ -128,7 +141,10 @@ class Resume:
 
     def before_epoch_run(self, trainer: pl.Trainer) -> None:
         """Before the first ``epoch_loop.on_run_start`` after a checkpoint of an epoch's last
-        batch: the uninterrupted run starts the next epoch afresh there."""
+        batch: the uninterrupted run starts the next epoch afresh there. (Every epoch: after
+        a re-sharded one, Lightning's lengths are the loader's whole epoch again.)"""
+        if self.resharded_epoch not in (None, trainer.current_epoch):
+            reshard.epoch_started(trainer)
         self._put_back_rng()  # (a mid-epoch resume: its next batch follows)
         if not self.epoch_end_run:
             return

@@ -208,6 +208,7 @@ class ResilientCheckpoint(Checkpoint):
             patches.FitHooks(
                 resume_start=functools.partial(self._resume_start, trainer),
                 before_loader_states=functools.partial(self._prepare_loaders, trainer),
+                after_setup_data=resumed("after_setup_data"),
                 after_val_setup=functools.partial(self._val_loaders_ready, trainer),
                 after_batch=functools.partial(self._after_batch, trainer),
                 before_epoch_start=resumed("before_epoch_start"),

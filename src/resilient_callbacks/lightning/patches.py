@@ -5,6 +5,7 @@ trainer instance, and their unwrapping at ``teardown``:
   constructs its ``Checkpointer`` and restores there;
 - ``fit_loop._load_combined_loader_states`` (where Lightning restores the train dataloaders,
   after it built them and before it iterates them): the callback makes them resumable first;
+  and ``fit_loop.setup_data`` (which does that): after it, a resumed epoch's length is set;
 - ``fit_loop.epoch_loop.val_loop.increment_progress_to_evaluation_end``: run with the random
   streams isolated (see :func:`wrap_fit`);
 - ``fit_loop.epoch_loop.val_loop.setup_data`` (before each validation creates its loaders'
@@ -39,6 +40,8 @@ class FitHooks:
     (``original`` is Lightning's, to call for what the callback does not handle)."""
     before_loader_states: Callable[[], None]
     """Before Lightning restores the train dataloaders' states."""
+    after_setup_data: Callable[[], None]
+    """After ``fit_loop.setup_data`` (the train loaders built, their states loaded)."""
     after_val_setup: Callable[[], None]
     """After the validation loop set up its dataloaders."""
     after_batch: Callable[[], None]
@@ -70,6 +73,7 @@ def wrap_fit(trainer: pl.Trainer, hooks: FitHooks) -> list[Callable[[], None]]:
     unwrap.append(
         _around(fit_loop, "_load_combined_loader_states", before=hooks.before_loader_states)
     )
+    unwrap.append(_around(fit_loop, "setup_data", after=hooks.after_setup_data))
 
     # On a restart Lightning may fast-forward the validation progress of the step it
     # resumes at; doing so creates a val dataloader iterator, which draws a seed from the
