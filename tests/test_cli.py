@@ -495,3 +495,72 @@ def test_export_of_a_plain_checkpoint_says_there_is_no_model(tmp_path, capsys):
 )
 def test_more_usage_errors_exit_2(args):
     assert cli(*args).returncode == 2
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["push", "x", "file:///tmp/nowhere", "-o", "badopt"], ["pull", "file:///x", "y", "-o", "=1"]],
+)
+def test_an_option_that_is_not_key_value_is_a_usage_error(args):
+    got = cli(*args)
+    assert got.returncode == 2 and "expected KEY=VALUE" in got.stderr
+
+
+def test_the_stores_own_errors_are_one_line_not_a_traceback(tmp_path, monkeypatch):
+    """An error of the store's client that is not an OSError (botocore's
+    EndpointConnectionError, an -o option its client rejects) was a traceback."""
+    from resilient_callbacks import remote
+
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(1,))
+
+    class EndpointConnectionError(Exception):  # botocore's is not an OSError either
+        pass
+
+    def scan(self):
+        raise EndpointConnectionError('Could not connect to the endpoint URL: "http://h:1/b"')
+
+    monkeypatch.setattr(remote.RemoteStore, "scan", scan)
+    got = cli("ls", root, "--remote", f"file://{tmp_path}/r")
+    assert got.returncode == 1
+    assert "the remote store failed: EndpointConnectionError: Could not connect" in got.stderr
+    assert "Traceback" not in got.stderr
+
+
+def test_a_checkpoint_that_cannot_be_read_is_corrupt_not_incomplete(tmp_path):
+    """A manifest that cannot be opened (here a symbolic-link loop; a folder of mode 000 for
+    another user) was 'incomplete: no manifest', which gc deletes; a data file that cannot be
+    read made ls fail for the whole directory."""
+    root = tmp_path / "ck"
+    make_run(str(root))
+    manifest = root / "step_000000020" / "manifest.json"
+    manifest.unlink()
+    manifest.symlink_to(manifest.name)
+    data = root / "step_000000030" / "rank_00000.safetensors"
+    data.unlink()
+    data.symlink_to(data.name)
+    got = cli("ls", str(root), "--json")
+    assert got.returncode == 0, got.stderr
+    rows = {r["name"]: r for r in json.loads(got.stdout)}
+    for name in ("step_000000020", "step_000000030"):
+        assert rows[name]["status"] == "corrupt", rows[name]
+        assert "cannot read it" in rows[name]["problem"], rows[name]
+    got = cli("gc", str(root), "--dry-run", "--json")
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["delete"] == []
+
+
+def test_gc_remove_corrupt_keeps_a_checkpoint_of_a_newer_format(tmp_path):
+    """A manifest of a newer format version is unreadable here, not damaged: ``gc
+    --remove-corrupt`` deleted it with the corrupt ones (probe)."""
+    root = tmp_path / "ck"
+    make_run(str(root))
+    newer = root / "step_000000030" / "manifest.json"
+    m = json.loads(newer.read_text())
+    m["format_version"] = 99
+    newer.write_text(json.dumps(m))
+    flip_byte(str(root / "step_000000020" / "rank_00000.safetensors"))
+    got = cli("gc", str(root), "--remove-corrupt", "--json")
+    assert got.returncode == 0, got.stderr
+    assert [d["name"] for d in json.loads(got.stdout)["delete"]] == ["step_000000020"]
+    assert newer.exists()

@@ -538,6 +538,42 @@ def test_sbatch_refuses_placeholder_ckpt_dir(tmp_path: Path) -> None:
     assert _calls(tmp_path) == []
 
 
+def test_multinode_sbatch_passes_paths_as_literal_arguments(tmp_path: Path) -> None:
+    """LOCAL_CKPT and REMOTE reach run.sh as one argument each, whatever they hold: they were
+    pasted into the ``srun bash -c`` command, so a job name with a space split the path and a
+    ``$(...)`` in it ran (found by a probe, with these stand-ins for srun and scontrol)."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, body in {
+        "srun": 'while [[ $1 == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n',
+        "scontrol": '[[ "$1 $2" == "show hostnames" ]] && echo localhost; exit 0\n',
+    }.items():
+        (bin_ / name).write_text("#!/bin/bash\n" + body)
+        (bin_ / name).chmod(0o755)
+    run_sh = tmp_path / "integrations" / "torchrun" / "run.sh"
+    run_sh.parent.mkdir(parents=True)
+    run_sh.write_text('#!/bin/bash\nprintf "ARG[%s]\\n" "$@"\n')
+    run_sh.chmod(0o755)
+    env = _env(
+        PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_ID="1",
+        SLURM_NNODES="1",
+        SLURM_JOB_NODELIST="x",
+        USER="me",
+        SLURM_JOB_NAME="my run $(echo pwned)",
+        REMOTE="s3://b/p q",
+    )
+    sbatch = INTEG / "slurm" / "multinode_nvme.sbatch"
+    p = subprocess.run(
+        ["bash", str(sbatch)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    args = re.findall(r"ARG\[(.*)\]", p.stdout)
+    assert args[args.index("--ckpt-dir") + 1] == "/local_nvme/me/ckpts/my run $(echo pwned)"
+    assert args[args.index("--remote") + 1] == "s3://b/p q"
+    assert "pwned" not in p.stdout.replace("$(echo pwned)", "")
+
+
 def test_sbatch_preempted_requeued_resumed(tmp_path: Path, procs: list[_Proc]) -> None:
     """End to end with the real train.py (one task, srun stand-in): SIGUSR1 to the task, as
     --signal=USR1@120 sends it, makes an emergency checkpoint and exit 75, and the script

@@ -132,9 +132,15 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
                 )
             )
             continue
-        if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+        try:
+            os.stat(os.path.join(path, MANIFEST_NAME))
+        except FileNotFoundError:
             if CKPT_RE.match(name):
                 incomplete.append(Entry(name, path, Status.INCOMPLETE, problem="no manifest"))
+            continue
+        except OSError as e:  # a folder this user cannot read: not known to be incomplete
+            if CKPT_RE.match(name):
+                committed.append(Entry(name, path, Status.CORRUPT, problem=_unreadable(e)))
             continue
         try:
             manifest = read_manifest(path)
@@ -142,6 +148,9 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
             if gone(path):
                 continue
             committed.append(Entry(name, path, Status.CORRUPT, problem=str(e)))
+            continue
+        except OSError as e:
+            committed.append(Entry(name, path, Status.CORRUPT, problem=_unreadable(e)))
             continue
         entry = Entry(name, path, Status.VALID, manifest)
         if depth is not Depth.NONE:
@@ -151,9 +160,15 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
                 if gone(path):
                     continue
                 entry.status, entry.problem = Status.CORRUPT, str(e)
+            except OSError as e:  # permissions, a directory where a file should be
+                entry.status, entry.problem = Status.CORRUPT, _unreadable(e)
         committed.append(entry)
     committed.sort(key=lambda e: (e.seq, e.step or 0, e.name))
     return committed + incomplete
+
+
+def _unreadable(e: OSError) -> str:
+    return f"cannot read it ({type(e).__name__}: {e})"
 
 
 def gone(path: str) -> bool:

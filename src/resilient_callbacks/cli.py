@@ -448,6 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"{args.cmd}: -o/--option sets an option of the remote store: give --remote URL"
         )
+    if getattr(args, "option", None):
+        from .cli_remote import remote_options
+
+        try:
+            remote_options(args.option)
+        except CheckpointError as e:
+            parser.error(f"{args.cmd}: {e}")
     stdout, sys.stdout = sys.stdout, _PipeSafe(sys.stdout)
     try:
         return int(args.fn(args))
@@ -458,6 +465,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as e:  # the remote store failed (unreachable, missing bucket, ...)
         print(f"{PROG} {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        if not (getattr(args, "remote", None) or args.cmd in ("pull", "push")):
+            raise  # a bug of ours: its traceback
+        # the store's own errors (botocore's, an option its client rejects): one line
+        hint = " (check the -o options)" if isinstance(e, TypeError) else ""
+        print(
+            f"{PROG} {args.cmd}: the remote store failed: {type(e).__name__}: {e}{hint}",
+            file=sys.stderr,
+        )
         return 1
     finally:
         sys.stdout = stdout

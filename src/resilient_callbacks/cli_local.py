@@ -27,6 +27,7 @@ from .cli_scan import no_checkpoints, public, resolve, row, scan
 from .commit import remove_checkpoint
 from .errors import CheckpointError, CheckpointNotFoundError
 from .lock import DirLock
+from .manifest import NEWER_FORMAT
 from .reader import by_commit, check, unordered
 from .retention import Plan, RetentionPolicy, plan
 
@@ -290,7 +291,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         elif args.other_runs and _other_run(e, run_id):
             assert e.manifest is not None
             doomed.append((e, f"checkpoint of another run ({e.manifest.run_id})"))
-        elif args.remove_corrupt and e.status is Status.CORRUPT:
+        elif args.remove_corrupt and e.status is Status.CORRUPT and not _newer_format(e):
             doomed.append((e, f"corrupt: {e.problem}"))
     gone = {e.name for e, _ in doomed}
 
@@ -363,3 +364,9 @@ def _unused_blobs(root: str, gone: set[str]) -> list[str]:
 def _label(r: dict[str, Any]) -> str:
     step = r["step"] if r["step"] is not None else "?"
     return f"{r['name']} (step {step}, {status_text(r['status'], r['checked'])})"
+
+
+def _newer_format(e: Entry) -> bool:
+    """A checkpoint a newer version of the library wrote (unreadable here, not damaged):
+    ``gc --remove-corrupt`` keeps it."""
+    return NEWER_FORMAT in (e.problem or "")

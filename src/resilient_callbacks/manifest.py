@@ -24,6 +24,7 @@ from .tensorfile import FileDigest
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "resilient_callbacks.checkpoint"
 FORMAT_VERSION = 3  # the newest this library reads; it writes the oldest its features allow
+NEWER_FORMAT = "is newer than this library understands"  # in the refusal: never "corrupt" to gc
 # version 2: "blobs" (tensors shared with other checkpoints, incremental=True) and a "codec" on
 # compressed files. Version 3: segmented checksums ("seg26:...", checksum.py), which files
 # larger than one segment get. A checkpoint using none of these is written as version 1,
@@ -125,8 +126,8 @@ class Manifest:
             ) from None
         if version > FORMAT_VERSION:
             raise CheckpointCorruptError(
-                f"{where}: format version {d['format_version']} is newer than this library "
-                f"understands ({FORMAT_VERSION}); upgrade resilient-callbacks to read it"
+                f"{where}: format version {d['format_version']} {NEWER_FORMAT} "
+                f"({FORMAT_VERSION}); upgrade resilient-callbacks to read it"
             )
         try:
             files = [_entry(f) for f in d["files"]]

@@ -98,7 +98,7 @@ def check(e: Entry, depth: Depth = Depth.FULL) -> Entry:
             else:
                 e.status, e.problem = Status.CORRUPT, str(err)
         except OSError as err:  # unreadable: permissions, a directory where a file should be
-            e.status, e.problem = Status.CORRUPT, f"cannot read it ({type(err).__name__}: {err})"
+            e.status, e.problem = Status.CORRUPT, catalog._unreadable(err)
     return e
 
 
