@@ -149,7 +149,14 @@ def test_replicas_need_node_local_disks(tmp_path):
         Checkpointer(tmp_path / "ck", replicas=1)
 
 
-def test_remote_every_n_saves_uploads_every_nth_commit_and_the_final_one(tmp_path):
+@pytest.mark.parametrize(
+    "end, async_save",
+    [("step-final", False), ("save-final", False), ("save-final", True)],
+)
+def test_remote_every_n_saves_uploads_every_nth_commit_and_the_final_one(tmp_path, end, async_save):
+    """Every 3rd commit and the final save. ``save-final``: the DeepSpeed launcher's end: the
+    schedule saved the last step (not an Nth), then ``save(final=True)`` of the same step
+    writes nothing but queues that checkpoint's upload (before: only the 3rd and 6th)."""
     url = f"file://{tmp_path}/remote"
     state = {"w": torch.zeros(4)}
     with Checkpointer(
@@ -159,38 +166,17 @@ def test_remote_every_n_saves_uploads_every_nth_commit_and_the_final_one(tmp_pat
         keep_last=2,
         remote_keep_last="all",
         every_n_steps=1,
-        async_save=False,
-    ) as ck:
-        for step in range(1, 8):
-            state["w"] += 1
-            ck.step(step, state, final=step == 7)
-    remote = sorted(e.manifest.step for e in RemoteStore(url).scan() if e.manifest)
-    assert remote == [3, 6, 7]  # every 3rd commit, and the final save
-    local = sorted(e.step for e in ck.checkpoints())
-    assert local == [6, 7]  # the local tier keeps its own keep_last
-
-
-@pytest.mark.parametrize("async_save", [False, True])
-def test_a_final_save_of_a_step_saved_already_is_uploaded(tmp_path, async_save):
-    """The DeepSpeed launcher's end: the schedule saved the last step (not an Nth), then
-    save(final=True) of the same step writes nothing but queues that checkpoint's upload
-    (before: only the 3rd and 6th reached the remote)."""
-    url = f"file://{tmp_path}/remote"
-    state = {"w": torch.zeros(4)}
-    with Checkpointer(
-        tmp_path / "ck",
-        remote=url,
-        remote_every_n_saves=3,
-        remote_keep_last="all",
-        every_n_steps=1,
         async_save=async_save,
     ) as ck:
         for step in range(1, 8):
             state["w"] += 1
-            ck.step(step, state)
-        assert not ck.save(7, state, final=True)
+            ck.step(step, state, final=end == "step-final" and step == 7)
+        if end == "save-final":
+            assert not ck.save(7, state, final=True)
     remote = sorted(e.manifest.step for e in RemoteStore(url).scan() if e.manifest)
     assert remote == [3, 6, 7]
+    local = sorted(e.step for e in ck.checkpoints())
+    assert local == [6, 7]  # the local tier keeps its own keep_last
 
 
 def test_incremental_is_refused_in_node_local_mode(tmp_path, monkeypatch):
