@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 from hypothesis import given, settings
@@ -50,6 +51,7 @@ def candidates(draw):
                 run_id=draw(st.sampled_from(RUNS)),
                 metrics=metrics,
                 valid=draw(st.sampled_from([True, True, True, False])),  # mostly valid
+                archived=draw(st.sampled_from([False, False, False, True])),
             )
         )
     return out
@@ -140,11 +142,11 @@ def check_best_by_mode_are_kept(sc, p):
 
 
 def check_archive_steps_are_kept(sc, p):
+    """Archives of the policy now, and those of the policy a checkpoint was written with."""
     cands, policy, run_id, _protected = sc
-    if policy.keep_every_n_steps:
-        for c in _mine(cands, run_id):
-            if c.step % policy.keep_every_n_steps == 0:
-                assert c.name not in p.delete, f"archive step {c.step} deleted"
+    for c in _mine(cands, run_id):
+        if c.archived or (policy.keep_every_n_steps and c.step % policy.keep_every_n_steps == 0):
+            assert c.name not in p.delete, f"archive step {c.step} deleted"
 
 
 def check_keep_last_bounds_the_recent_pool_and_deletes_the_rest(sc, p):
@@ -159,6 +161,7 @@ def check_keep_last_bounds_the_recent_pool_and_deletes_the_rest(sc, p):
             c.name in best_like
             or c.name in protected
             or (policy.keep_every_n_steps and c.step % policy.keep_every_n_steps == 0)
+            or c.archived
         )
 
     plain_kept = [c for c in mine if c.name in p.keep and not special(c)]
@@ -286,3 +289,34 @@ def test_empty():
 def test_policy_validation(kw):
     with pytest.raises(ConfigError):
         RetentionPolicy(**kw)
+
+
+def test_a_checkpoint_a_later_run_opens_keeps_its_best_and_archives(tmp_path):
+    """A run with keep_last=1, keep_best=1 and archives every 25 steps; then an evaluation
+    opens the directory with keep_last=1 and only restores: the restore's catch-up retention
+    used its options and deleted the best and the archives (probe). Then a run with other
+    options saves: the archives are still kept (kept forever), the best is its own call."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    d = tmp_path / "ck"
+    state = {"w": torch.zeros(4)}
+    kw = {"keep_best": 1, "monitor": "val", "keep_every_n_steps": 25}
+    with Checkpointer(d, every_n_steps=5, keep_last=1, async_save=False, **kw) as ck:
+        for step in range(1, 61):
+            state["w"] += 1
+            ck.step(step, state, metrics={"val": abs(step - 15)})
+
+    def steps() -> list[int]:
+        return sorted(int(n.split("_")[1]) for n in os.listdir(d) if n.startswith("step_"))
+
+    assert steps() == [15, 25, 50, 60]
+    with Checkpointer(d, keep_last=1) as ck:
+        assert ck.restore(state) == 60
+    assert steps() == [15, 25, 50, 60]
+    with Checkpointer(d, every_n_steps=5, keep_last=1, async_save=False) as ck:
+        start = ck.restore(state)
+        for step in range(start + 1, start + 11):
+            ck.step(step, state)
+    assert steps() == [25, 50, 70]

@@ -15,9 +15,10 @@ Status of each entry:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX
 from .errors import CheckpointCorruptError
@@ -194,10 +195,17 @@ def retention_candidates(entries: Iterable[Entry]) -> list[Candidate]:
             e.manifest.run_id,
             e.manifest.metrics,
             e.status is Status.VALID,
+            archived=_archived(e.manifest.step, e.manifest.retention),
         )
         for e in entries
         if e.manifest is not None
     ]
+
+
+def _archived(step: int, recorded: Mapping[str, Any]) -> bool:
+    """Whether the retention policy recorded in a checkpoint made it an archive point."""
+    n = recorded.get("keep_every_n_steps")
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and step % n == 0
 
 
 def next_seq(root: str) -> int:

@@ -239,16 +239,17 @@ class Directory:
         if self.run_id is not None:
             self.apply_retention(protect=None)
 
-    def apply_retention(self, protect: str | None) -> None:
-        """Coordinator: apply the local retention policy. With a remote tier, a checkpoint
-        whose remote copy is not committed yet is never deleted (it is the only copy)."""
+    def apply_retention(self, protect: str | None, policy: RetentionPolicy | None = None) -> None:
+        """Coordinator: apply the local retention policy (``policy``: another one, e.g. the
+        policy recorded in a checkpoint). With a remote tier, a checkpoint whose remote copy
+        is not committed yet is never deleted (it is the only copy)."""
         with self._retention_lock:  # the persist and the upload threads both call this
             protected = [protect] if protect else []
             if self.sync is not None:
                 protected += self.sync.pending()
             apply_retention(
                 self.dirpath,
-                self.retention,
+                policy or self.retention,
                 self.run_id,
                 protected,
                 self.blobs,

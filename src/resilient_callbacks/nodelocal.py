@@ -136,9 +136,9 @@ class NodeDirectory(Directory):
             self.committer.stop()
         self.lock.release()
 
-    def apply_retention(self, protect: str | None) -> None:
-        """Leader: the local retention of this node's directory; a checkpoint whose part this
-        node has not uploaded yet is kept."""
+    def apply_retention(self, protect: str | None, policy: RetentionPolicy | None = None) -> None:
+        """Leader: the local retention of this node's directory (``policy``: another one); a
+        checkpoint whose part this node has not uploaded yet is kept."""
         if not self.topology.is_leader:
             return
         with self._retention_lock:
@@ -147,7 +147,7 @@ class NodeDirectory(Directory):
                 protected += self.uploader.pending()
             apply_retention(
                 self.dirpath,
-                self.retention,
+                policy or self.retention,
                 self.run_id,
                 protected,
                 discard=self.trash.put,

@@ -30,12 +30,13 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    ConfigError,
     NoValidCheckpointError,
     ResumeFallbackWarning,
 )
 from .filepart import PartReader, part_info, read_part_files
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
-from .retention import plan
+from .retention import RetentionPolicy, plan
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -293,8 +294,11 @@ class Restorer:
             self._reconcile_uploads()
         if ck.is_coordinator and inside and ck.config.resume == ResumeMode.AUTO:
             # Catch up on a retention pass a crash interrupted (killed between commit and
-            # deletion), so repeated crashes cannot pile up checkpoints beyond the limits.
-            d.apply_retention(protect=os.path.basename(path))
+            # deletion), so repeated crashes cannot pile up checkpoints beyond the limits: the
+            # pass of the policy the run had (recorded in the checkpoint), not of this
+            # process's options (an evaluation that opens the directory with keep_last=1 and
+            # only restores deleted the best and archive checkpoints); its saves apply those.
+            d.apply_retention(protect=os.path.basename(path), policy=_recorded(manifest))
         log.info("restored step %d from %s", manifest.step, path)
 
     # ------------------------------------------------------------------ candidates (rank 0)
@@ -425,3 +429,11 @@ class Restorer:
             )
         for name in missing:
             d.sync.enqueue(name)
+
+
+def _recorded(manifest: Manifest) -> RetentionPolicy | None:
+    """The retention policy a checkpoint recorded (None: none, or one this version rejects)."""
+    try:
+        return RetentionPolicy.from_json(manifest.retention) if manifest.retention else None
+    except (ConfigError, TypeError):
+        return None

@@ -1,7 +1,9 @@
 """Which checkpoints to keep, and why: a pure function, tested with hypothesis.
 
 Pools, each kept independently: the ``keep_last`` most recently committed, the ``keep_best``
-best by a monitored metric, and archive points (``step % keep_every_n_steps == 0``). On top of
+best by a monitored metric, and archive points (``step % keep_every_n_steps == 0``, under the
+policy now or the one recorded in the checkpoint when it was written: archives are kept
+forever, also after the options change). On top of
 the pools, never deleted: the newest valid checkpoint, anything protected by the caller (being
 written or uploaded), corrupt checkpoints (left for inspection; ``resilient-ckpt gc
 --remove-corrupt`` removes them) and every checkpoint of another run (reported, never counted).
@@ -96,6 +98,9 @@ class Candidate:
     run_id: str
     metrics: Mapping[str, float | None] = field(default_factory=dict)
     valid: bool = True
+    # an archive point under the policy recorded when it was written: kept forever, whatever
+    # the policy is now (a later run with other options, or one that only restores)
+    archived: bool = False
 
 
 @dataclass
@@ -144,10 +149,12 @@ def plan(
         scored.sort(key=lambda c: (sign * float(c.metrics[key] or 0.0), -c.seq))
         for c in scored[: policy.keep_best]:
             mark(c, f"best {key}={c.metrics[key]:.6g}")
-    if policy.keep_every_n_steps:
-        for c in mine:
-            if c.step % policy.keep_every_n_steps == 0:
-                mark(c, f"archive (every {policy.keep_every_n_steps} steps)")
+    n = policy.keep_every_n_steps
+    for c in mine:
+        if n and c.step % n == 0:
+            mark(c, f"archive (every {n} steps)")
+        elif c.archived:
+            mark(c, "archive point when it was written: kept forever")
     delete = [c.name for c in cands if not keep[c.name]]
     return Plan({k: v for k, v in keep.items() if v}, delete)
 
