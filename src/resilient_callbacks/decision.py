@@ -7,7 +7,10 @@ At *decision steps* every rank contributes its flags and integer proposals to on
 exchanged: a condition raised there waits for the next decision step.
 
 The spacing between decision steps adapts so that the collective costs at most ``budget`` of
-the training time (default 0.1%), capped so that a signal waits at most ``max_delay_s``.
+the training time (default 0.1%), capped so that a signal waits at most ``max_delay_s`` at the
+step times measured when the spacing was agreed: steps that suddenly get slower lengthen the
+wait in proportion until the next decision step (at most ``max_every`` steps), which then
+spaces by the slower steps.
 
 Which ranks call what: every rank calls :meth:`Decider.decide` at every step, with the same
 step numbers. With a single process every step is a decision step and nothing is exchanged.
@@ -16,12 +19,24 @@ step numbers. With a single process every step is a decision step and nothing is
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Sequence
 
 import torch
 
 from . import dist
+
+RECENT_STEPS = 5
+
+
+def spacing_step_time(step_seconds: Sequence[float]) -> float:
+    """The step time the spacing of decision steps is computed from: the median, or the
+    slowest of the last :data:`RECENT_STEPS` if that is longer. The spacing bounds how long a
+    preemption request waits; steps that became slower count at once (the median of 50 would
+    take 25 of them to notice, and spacings made for fast steps would go on)."""
+    recent = list(step_seconds)[-RECENT_STEPS:]
+    return max(statistics.median(step_seconds), max(recent))
 
 
 class Decider:

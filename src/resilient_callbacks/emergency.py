@@ -14,6 +14,7 @@ import copy
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from .config import CheckpointerConfig
 
 log = logging.getLogger("resilient_callbacks")
+LATE_S = 5.0  # a preemption acted on later than this after it arrived is logged
 
 GRACE_ENV = "RESILIENT_GRACE_PERIOD_S"  # default grace period (s) when grace_period is None
 
@@ -230,6 +232,15 @@ class Emergency:
             warning = watcher.check_grace(estimate) if estimate else None
             if warning:
                 log.warning(warning)
+        late = time.monotonic() - req.monotonic if req is not None else 0.0
+        if late > LATE_S:  # the grace period may be short: say why the save came this late
+            log.warning(
+                "preemption (%s): acted on %.1f s after it arrived: the ranks compare requests "
+                "at decision steps, spaced by the step times measured before, and the steps "
+                "since were slower",
+                source,
+                late,
+            )
         log.warning("preemption (%s): saving step %d before stopping", source, step)
         ck._recorder.preemption(step, source)
         saved = ck._saver.save(step, state, metrics, "emergency", why=f"preemption ({source})")

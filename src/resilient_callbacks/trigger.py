@@ -22,7 +22,7 @@ from typing import Any
 from . import dist
 from .adaptive import AdaptiveSchedule
 from .config import CheckpointerConfig
-from .decision import Decider
+from .decision import Decider, spacing_step_time
 from .errors import ConfigError
 from .numbers_check import opt_int
 from .policy import Clock
@@ -165,11 +165,9 @@ class Trigger:
         ):
             self._pending_jump = True
         proposal = self.schedule.interval_steps() if self.schedule is not None else 0
-        step_time = (
-            statistics.median(self._step_seconds)
-            if self.world_size > 1 and self._step_seconds
-            else None
-        )
+        step_time = None
+        if self.world_size > 1 and self._step_seconds and self._decider.is_decision_step(step):
+            step_time = spacing_step_time(self._step_seconds)
         decided = self._decider.decide(
             step, [int(preempt), int(time_due), int(self._pending_jump), proposal], step_time
         )
