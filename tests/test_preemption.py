@@ -700,3 +700,26 @@ def test_stop_is_prompt_with_a_long_interval(server: FakeMetadata) -> None:
     # far below the 60 s interval: stop() does not wait it out (loose for a loaded machine)
     assert time.monotonic() - t0 < 10.0 and not p.running
     p.stop()  # idempotent
+
+
+def test_a_signal_handler_installed_after_the_checkpointer_is_warned_about(tmp_path):
+    """A handler installed after the Checkpointer's replaces it: SIGTERM no longer saved, and
+    nothing said so (preemption probe). The next step() warns once, pointing at the caller."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    state = {"w": torch.zeros(2)}
+    with Checkpointer(tmp_path / "ck", every_n_steps=100) as ck:
+        ck.step(1, state)
+        before = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, lambda *a: None)
+        try:
+            with pytest.warns(RuntimeWarning, match="SIGTERM no longer triggers") as got:
+                ck.step(2, state)
+            assert got[0].filename == __file__
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                ck.step(3, state)  # once
+        finally:
+            signal.signal(signal.SIGTERM, before)

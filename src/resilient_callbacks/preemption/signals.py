@@ -184,6 +184,7 @@ class PreemptionWatcher:
         self._active = False
         self._order = 0
         self._handler = self._on_signal  # one bound-method object, so `is` finds it later
+        self._replaced: set[str] = set()  # signals whose handler another one replaced (warned)
 
     # -------------------------------------------------------------- install / uninstall
 
@@ -305,6 +306,27 @@ class PreemptionWatcher:
 
     @property
     def requested(self) -> bool:
+        return bool(self._events)
+
+    def poll(self, stacklevel: int = 2) -> bool:
+        """:attr:`requested`, at a step boundary. The first time a handler installed after
+        this watcher's is found in its place, a warning says that the signal is no longer
+        noticed (once per signal): that handler replaced ours, silently turning the
+        preemption handling off."""
+        if self._active and self._pid == os.getpid():
+            for signum, name in self._signums.items():
+                if name in self._replaced or signal.getsignal(signum) is self._handler:
+                    continue
+                self._replaced.add(name)
+                warnings.warn(
+                    f"the {name} handler was replaced after the checkpointer installed its "
+                    f"own ({signal.getsignal(signum)!r}): {name} no longer triggers the "
+                    "emergency save. Install your handler before creating the Checkpointer "
+                    "(it runs again after close()), or call "
+                    f"checkpointer.watcher.trigger({name!r}) from it.",
+                    RuntimeWarning,
+                    stacklevel=stacklevel + 1,
+                )
         return bool(self._events)
 
     @property
