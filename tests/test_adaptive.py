@@ -209,6 +209,26 @@ def test_mtbf_prior_then_learned_from_restart_history():
     assert (e["failures_observed"], e["exposure_s"], e["mtbf_source"]) == (2, 10 * H, "learned")
 
 
+def test_the_learned_mtbf_sharpens_while_the_run_survives(monkeypatch):
+    """Without ``now``, the exposure runs on with the clock: 3 early failures give (24 + 1) / 4
+    h, and 99 h later, with no failure since, (24 + 100) / 4 h (it stayed at the first value
+    until the next restore: the interval stayed short for the rest of a long run; probe)."""
+    import resilient_callbacks.adaptive as adaptive
+
+    t0 = 1_700_000_000.0
+    clock = [t0 + 1 * H]
+    monkeypatch.setattr(adaptive.time, "time", lambda: clock[0])
+    s = _sched(cost=30.0)
+    s.set_restart_history([t0 + 0.2 * H, t0 + 0.5 * H, t0 + 0.9 * H], t0)
+    assert s.mtbf_estimate() == pytest.approx(25 / 4 * H)
+    clock[0] = t0 + 100 * H
+    assert s.mtbf_estimate() == pytest.approx(124 / 4 * H)
+    assert s.explain()["exposure_s"] == pytest.approx(100 * H)
+    s.set_restart_history([t0 + 0.2 * H], t0, now=t0 + 2 * H)  # with now: frozen there
+    clock[0] = t0 + 200 * H
+    assert s.mtbf_estimate() == pytest.approx(26 / 2 * H)
+
+
 def test_user_mtbf_wins_but_learned_is_reported():
     s = _sched(cost=30.0, mtbf_hours=4)
     s.set_restart_history([100.0, 200.0], 0.0, now=300.0)
@@ -499,3 +519,18 @@ def test_goodput_goals_full(tmp_path):
     res = json.loads((tmp_path / "goodput.json").read_text())
     _assert_goals(res, g.OURS[:2])
     assert (tmp_path / "goodput.md").read_text().startswith("Wasted fraction")
+
+
+def test_a_fresh_run_counts_its_exposure_from_its_start(tmp_path):
+    """A run with no checkpoint to restore: its schedule's exposure grows from the run's start
+    (it stayed 0: the learned MTBF was the prior for the whole process)."""
+    import time
+
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    with Checkpointer(tmp_path / "ck", adaptive=True) as ck:
+        assert ck.restore({"w": torch.zeros(1)}) == 0
+        time.sleep(0.05)
+        assert ck.schedule is not None and ck.schedule.explain()["exposure_s"] >= 0.05

@@ -102,6 +102,8 @@ class AdaptiveSchedule:
     _n_saves: int = field(init=False, repr=False, compare=False, default=0)
     _failures: int = field(init=False, repr=False, compare=False, default=0)
     _exposure_s: float = field(init=False, repr=False, compare=False, default=0.0)
+    # the run's start when the exposure runs on with the clock (no now/exposure_s given)
+    _exposure_origin: float | None = field(init=False, repr=False, compare=False, default=None)
     _decision: int | None = field(init=False, repr=False, compare=False, default=None)
     _version: int = field(init=False, repr=False, compare=False, default=0)
     _seen_version: int = field(init=False, repr=False, compare=False, default=0)
@@ -183,8 +185,9 @@ class AdaptiveSchedule:
 
         The exposure (running time observed) is ``now - run_start`` (``now`` defaults to the
         current time), or ``exposure_s`` when the caller knows it better, e.g. without the time
-        spent waiting in a queue between failure and resume. The estimate is frozen until the next
-        call; call it at each restore, and again whenever you like.
+        spent waiting in a queue between failure and resume. Without ``now`` and ``exposure_s``
+        the exposure goes on growing with the clock (the estimate sharpens as the run survives);
+        with either, it is frozen until the next call.
         """
         try:
             ts = [float(t) for t in times]
@@ -213,6 +216,7 @@ class AdaptiveSchedule:
             exposure = check_number("exposure_s", exposure_s)
         self._failures = len(ts)
         self._exposure_s = exposure
+        self._exposure_origin = start if now is None and exposure_s is None else None
 
     @property
     def failures_observed(self) -> int:
@@ -227,7 +231,15 @@ class AdaptiveSchedule:
         and the estimate is its reciprocal ``(M0 + E) / (1 + n)``: the prior ``M0`` before anything
         is observed, the plain ``E / n`` once many failures have been.
         """
-        return (self.prior_mtbf_hours * HOUR + self._exposure_s) / (1 + self._failures)
+        return (self.prior_mtbf_hours * HOUR + self.exposure_s) / (1 + self._failures)
+
+    @property
+    def exposure_s(self) -> float:
+        """The running time observed (seconds): as of the last :meth:`set_restart_history`, or
+        up to now when that call left it running with the clock."""
+        if self._exposure_origin is None:
+            return self._exposure_s
+        return max(self._exposure_s, time.time() - self._exposure_origin)
 
     def mtbf_estimate(self) -> float:
         """The MTBF (seconds) the schedule uses: ``mtbf_hours`` when given, else the learned one."""
@@ -266,7 +278,7 @@ class AdaptiveSchedule:
             "mtbf_learned_s": self.learned_mtbf_s(),
             "prior_mtbf_s": self.prior_mtbf_hours * HOUR,
             "failures_observed": self._failures,
-            "exposure_s": self._exposure_s,
+            "exposure_s": self.exposure_s,
             "young_interval_s": None,
             "daly_interval_s": None,
             "bounds_s": {},

@@ -168,8 +168,12 @@ class Recorder:
             self._record("progress", step, sync=False, useful_s=round(self.useful_s(), 3))
 
     def started(self, step: int) -> None:
-        """A new run (no checkpoint restored): its clock starts now."""
+        """A new run (no checkpoint restored): its clock starts now, and the adaptive
+        schedule's exposure (the time the run survived) with it."""
         self.run_start = time.time()
+        schedule = self._ck.schedule
+        if schedule is not None:
+            schedule.set_restart_history([], self.run_start)
 
     def save_blocked(self, blocking_s: float) -> None:
         self.t.set(PREFIX + "last_save_blocking_seconds", blocking_s)
