@@ -278,6 +278,19 @@ class PreemptionWatcher:
         if isinstance(owner, PreemptionWatcher) and owner._active and prev is owner._handler:
             owner._on_signal(signum, frame)
 
+    def _reached(self, signum: int) -> bool:
+        """Whether ``signum`` reaches this watcher: its handler is current, or that of a
+        watcher installed later (a second Checkpointer), which passes the signal on."""
+        h = signal.getsignal(signum)
+        for _ in range(64):  # watchers chained, each to the one before it
+            if h is self._handler:
+                return True
+            owner = getattr(h, "__self__", None)
+            if not (isinstance(owner, PreemptionWatcher) and owner._active and h is owner._handler):
+                return False
+            h = owner._previous.get(signum)
+        return False
+
     def trigger(
         self, source: str = "manual", detail: str = "", *, grace_s: float | None = None
     ) -> bool:
@@ -315,7 +328,7 @@ class PreemptionWatcher:
         preemption handling off."""
         if self._active and self._pid == os.getpid():
             for signum, name in self._signums.items():
-                if name in self._replaced or signal.getsignal(signum) is self._handler:
+                if name in self._replaced or self._reached(signum):
                     continue
                 self._replaced.add(name)
                 warnings.warn(
