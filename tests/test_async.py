@@ -120,6 +120,41 @@ def test_overlapped_snapshot_copies_a_module_no_optimizer_steps_at_once(
         assert torch.equal(v, expected[k]), k
 
 
+@pytest.mark.parametrize("how", ["step", "save"])
+def test_a_final_overlapped_save_copies_before_it_returns(tmp_path, monkeypatch, how):
+    """No optimizer step follows the final save to wait for its deferred copies, and the end
+    of training may write the weights in place (the Trainer's load_best_model_at_end, probe):
+    the final save's copies are done when it returns. Deferred copies slowed as above."""
+    import time
+
+    from resilient_callbacks import snapshot
+
+    copy_later = snapshot.Snapshot._copy_later
+
+    def slow(self, items, stream):
+        time.sleep(0.3)
+        copy_later(self, items, stream)
+
+    monkeypatch.setattr(snapshot.Snapshot, "_copy_later", slow)
+    model, opt = _model_state()
+    _train_step(model, opt)
+    state = {"model": model, "optimizer": opt}
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with Checkpointer(tmp_path / "ck", overlap_snapshot=True, preemption=False) as ck:
+        if how == "step":
+            ck.step(1, state, final=True)
+        else:
+            ck.save(1, state, final=True)
+        with torch.no_grad():  # the best model loaded into the live one
+            for p in model.parameters():
+                p.zero_()
+    fresh_model, fresh_opt = _model_state(seed=1)
+    with Checkpointer(tmp_path / "ck", preemption=False) as ck:
+        ck.restore({"model": fresh_model, "optimizer": fresh_opt})
+    for k, v in fresh_model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

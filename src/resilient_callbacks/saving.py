@@ -211,6 +211,9 @@ class Saver:
             self.persister.submit(job)
             ck.last_saved_step = step
             ck._trigger.mark(step)
+            if reason == "final":  # no optimizer step follows to wait for an overlapped copy:
+                self.wait_for_snapshot()  # the end of training may write weights in place
+                blocking = time.perf_counter() - t0 + waited
             self.blocking_seconds.append(blocking)
             ck._recorder.save_blocked(blocking)
             log.debug("step %d: snapshot took %.3f s; persisting in the background", step, blocking)
