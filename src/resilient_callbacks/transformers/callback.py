@@ -300,8 +300,8 @@ class ResilientCheckpoint(TrainerCallback):
             extra = ""
             if state.global_step >= state.max_steps:
                 extra = (
-                    f"; the run had finished (max_steps={state.max_steps}): nothing to train, "
-                    "its final metrics are restored"
+                    f"; it reached step {state.global_step}, max_steps={state.max_steps} here: "
+                    "nothing to train, its final metrics are restored"
                 )
             elif self._resume[4]:
                 extra = (
