@@ -47,6 +47,13 @@ from common import fsync_path, library_version, med, write_results
 from resilient_callbacks import Checkpointer
 
 WIDTH = 4096
+# DCP's own failures: its CheckpointException derives from BaseException, not Exception
+try:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    DCP_FAILURES: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+except ImportError:
+    DCP_FAILURES = (Exception,)
 
 
 def build(
@@ -190,7 +197,7 @@ def bench_size(root: str, mb: int, reps: int, baselines: bool = True) -> dict[st
                 add("dcp_async.blocking", blocking)
                 add("dcp_async.total", time.perf_counter() - t0)
             shutil.rmtree(d, ignore_errors=True)
-        except Exception as e:  # reported, not fatal: DCP's API moves between torch versions
+        except DCP_FAILURES as e:  # reported, not fatal: DCP's API moves between torch versions
             out["dcp_async.error"] = [str(e)]  # type: ignore[list-item]
         if stager is not None:
             dcp_pinned(work, model, opt, stager, add if record else lambda k, v: None, out)
@@ -261,7 +268,7 @@ def dcp_pinned(
         add("dcp_pinned.staged", staged)
         add("dcp_pinned.total", time.perf_counter() - t0)
         shutil.rmtree(d, ignore_errors=True)
-    except Exception as e:  # reported, not fatal, as for the default stager
+    except DCP_FAILURES as e:  # reported, not fatal, as for the default stager
         out["dcp_pinned.error"] = [f"{type(e).__name__}: {e}"]
 
 

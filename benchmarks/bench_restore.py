@@ -42,7 +42,7 @@ METHODS = [
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--mb", type=int, default=1536)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-cold", action="store_true")

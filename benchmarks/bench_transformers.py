@@ -405,7 +405,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     add_run_arguments(ap, steps=36)
     add_device_option(ap)
     ap.add_argument(

@@ -34,7 +34,7 @@ def timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--mb", type=int, default=1536)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--dir", default=None, help="where the churn files go (default: /tmp)")
