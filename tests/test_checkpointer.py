@@ -332,6 +332,12 @@ def test_explicit_missing_path_raises_not_found(tmp_path):
     # a directory that exists but is not a committed checkpoint
     with Checkpointer(root, resume=str(tmp_path)) as ck, pytest.raises(CheckpointNotFoundError):
         ck.restore(_fresh())
+    # a step number as a string (from a command line) is a path: the error says so
+    with (
+        Checkpointer(root, resume="20") as ck,
+        pytest.raises(CheckpointNotFoundError, match=r"a step number is an int: resume=20"),
+    ):
+        ck.restore(_fresh())
 
 
 def test_explicit_step_not_present_lists_steps(tmp_path):

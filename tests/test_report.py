@@ -100,6 +100,9 @@ def test_report_json_without_matplotlib_and_errors(killed_run: Path, tmp_path: P
     assert json.loads(js.read_text())["summary"]["failures"] == 2
     assert cli(["report", str(tmp_path / "nope")]) == 1
     assert "no such checkpoint directory" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("x")
+    assert cli(["report", str(tmp_path / "a-file")]) == 1
+    assert "a-file: not a directory" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert cli(["report", str(tmp_path / "empty")]) == 1
     assert "history.jsonl" in capsys.readouterr().err

@@ -17,7 +17,8 @@ def report(args: argparse.Namespace) -> int:
 
     root = os.path.abspath(args.dir)
     if not os.path.isdir(root):
-        raise CheckpointNotFoundError(f"{args.dir}: no such checkpoint directory")
+        what = "not a directory" if os.path.exists(root) else "no such checkpoint directory"
+        raise CheckpointNotFoundError(f"{args.dir}: {what}")
     if not rep.history_exists(root):
         raise CheckpointNotFoundError(
             f"{args.dir} has no history.jsonl: it is not a directory a Checkpointer wrote "
