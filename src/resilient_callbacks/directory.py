@@ -334,7 +334,7 @@ class Directory:
             self.dirpath,
             self.remote.url,
             ", ".join(status.pending),
-            status.last_error or "none, still uploading",
+            status.last_error or "none: still uploading, it may yet finish before the exit",
             self.dirpath,
             self.remote.url,
         )
