@@ -763,6 +763,12 @@ def test_continued_from_records_the_start_there_and_names_a_newer_checkpoint_it_
     with Checkpointer(tmp_path / "other", resume="never") as ck, warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing newer: nothing to say
         ck.continued_from(5, "fit(ckpt_path='x.ckpt')")
+    # after restore() (which found nothing and started the run at step 0) it would record
+    # nothing: it says so instead (migration probe)
+    with Checkpointer(tmp_path / "third") as ck:
+        assert ck.restore(_state(0)) == 0
+        with pytest.raises(CheckpointError, match="call it instead of restore"):
+            ck.continued_from(5, "old.pt")
 
 
 def test_keep_best_on_a_metric_no_save_reported_is_said_at_close(tmp_path, caplog):

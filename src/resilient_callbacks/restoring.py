@@ -28,6 +28,7 @@ from .config import ResumeMode
 from .directory import error_type
 from .errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     ConfigError,
@@ -141,6 +142,12 @@ class Restorer:
         ck = self._ck
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
+        if ck._dir.run_id is not None:  # restore() (or a save) started the run already
+            raise CheckpointError(
+                f"continued_from({step}, {source!r}) comes after this Checkpointer started its "
+                "run (restore() or a save): call it instead of restore(), e.g. `if ck.latest_path is None: load_yours(); "
+                "ck.continued_from(step, source) else: ck.restore(state)`"
+            )
         if ck.is_coordinator:
             newer = [
                 e
