@@ -763,12 +763,20 @@ def test_continued_from_records_the_start_there_and_names_a_newer_checkpoint_it_
     with Checkpointer(tmp_path / "other", resume="never") as ck, warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing newer: nothing to say
         ck.continued_from(5, "fit(ckpt_path='x.ckpt')")
-    # after restore() (which found nothing and started the run at step 0) it would record
-    # nothing: it says so instead (migration probe)
+    # after a restore() that found nothing (the run started at step 0), before any save: the
+    # run goes on from there (it recorded nothing: the report said step 0; migration probe)
     with Checkpointer(tmp_path / "third") as ck:
         assert ck.restore(_state(0)) == 0
+        ck.continued_from(5, "old.pt")
+        ck.save(6, _state(6))
         with pytest.raises(CheckpointError, match="call it instead of restore"):
-            ck.continued_from(5, "old.pt")
+            ck.continued_from(5, "old.pt")  # after a save: too late
+    records = history.records(str(tmp_path / "third"))
+    assert [(r["event"], r["step"]) for r in records][:2] == [("start", 0), ("continued", 5)]
+    assert records[1]["source"] == "old.pt"
+    from resilient_callbacks.report import lives
+
+    assert [life.begin_step for life in lives(records)] == [5]
 
 
 def test_keep_best_on_a_metric_no_save_reported_is_said_at_close(tmp_path, caplog):

@@ -100,6 +100,8 @@ def lives(records: list[dict[str, Any]]) -> list[Life]:
                     restore=r if r["event"] == "restart" else None,
                 )
             )
+        elif r["event"] == "continued" and out:  # continued_from() after a fresh restore()
+            out[-1].begin_step = int(r.get("step") or 0)
         elif out:
             out[-1].records.append(r)
     return out

@@ -142,11 +142,14 @@ class Restorer:
         ck = self._ck
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
-        if ck._dir.run_id is not None:  # restore() (or a save) started the run already
+        # after a restore() that found nothing (the run started at step 0) and before any save:
+        # the run goes on from ``step`` instead (the usual adoption: restore, then load yours)
+        fresh = ck.restored_from is None and ck.last_saved_step is None
+        if ck._dir.run_id is not None and not (fresh and ck._saver.committed_saves == 0):
             raise CheckpointError(
-                f"continued_from({step}, {source!r}) comes after this Checkpointer started its "
-                "run (restore() or a save): call it instead of restore(), e.g. `if ck.latest_path is None: load_yours(); "
-                "ck.continued_from(step, source) else: ck.restore(state)`"
+                f"continued_from({step}, {source!r}) comes after this Checkpointer restored or "
+                "saved a checkpoint: call it instead of restore(), or right after a restore() "
+                "that returned 0, before the first save"
             )
         if ck.is_coordinator:
             newer = [
@@ -165,7 +168,12 @@ class Restorer:
                 warnings.warn(msg, UserWarning, stacklevel=4)
                 log.warning(msg)
         ck._trigger.clock.reset()
-        ck._start_run(step, source=source)
+        if ck._dir.run_id is None:
+            ck._start_run(step, source=source)
+            return
+        ck._recorder.started(step)  # the run's clock and schedule start again here
+        if ck.is_coordinator:  # the report moves this life's start to ``step``
+            ck._dir.record("continued", step, source=source)
 
     def _warn_fallback(self, c: Candidate, problem: str) -> None:
         if c.remote is None and c.path is not None:  # kept by retention, for inspection
