@@ -320,3 +320,8 @@ def test_a_checkpoint_a_later_run_opens_keeps_its_best_and_archives(tmp_path):
         for step in range(start + 1, start + 11):
             ck.step(step, state)
     assert steps() == [25, 50, 70]
+    # the way to delete archives: gc --drop-archives
+    from resilient_callbacks.cli import main
+
+    assert main(["gc", str(d), "--drop-archives"]) == 0
+    assert steps() == [70]

@@ -336,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="keep the newest N, N >= 1 (overrides the keep_last recorded in the manifests)",
     )
+    p.add_argument(
+        "--drop-archives",
+        action="store_true",
+        help="also delete archive points (keep_every_n_steps), which retention keeps forever",
+    )
     _json(p, "what is (or would be) deleted and what is kept")
     p.set_defaults(fn=cmd_gc)
 

@@ -43,11 +43,18 @@ def _policy(entries: list[Entry], keep_last: int | None) -> RetentionPolicy:
     return base if keep_last is None else dataclasses.replace(base, keep_last=keep_last)
 
 
-def _plan(entries: list[Entry], keep_last: int | None = None) -> tuple[Plan, str | None]:
+def _plan(
+    entries: list[Entry], keep_last: int | None = None, drop_archives: bool = False
+) -> tuple[Plan, str | None]:
+    """``drop_archives``: archive points (kept forever by retention) count as any other."""
     newest = next((e for e in by_commit(entries) if e.status is Status.VALID), None)
     run_id = newest.manifest.run_id if newest is not None and newest.manifest else None
     cands = catalog.retention_candidates(entries)
-    return plan(cands, _policy(entries, keep_last), run_id), run_id
+    policy = _policy(entries, keep_last)
+    if drop_archives:
+        cands = [dataclasses.replace(c, archived=False) for c in cands]
+        policy = dataclasses.replace(policy, keep_every_n_steps=None)
+    return plan(cands, policy, run_id), run_id
 
 
 def _kept(e: Entry, p: Plan) -> dict[str, Any]:
@@ -271,7 +278,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     # match but whose checksum does not would otherwise count as the newest valid checkpoint,
     # and the good one before it could be deleted.
     while True:
-        p, run_id = _plan(entries, args.keep_last)
+        p, run_id = _plan(entries, args.keep_last, args.drop_archives)
         todo = [
             e
             for e in entries

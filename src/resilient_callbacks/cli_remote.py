@@ -247,6 +247,8 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
     policy = RetentionPolicy.from_json(recorded)
     if args.keep_last is not None:
         policy = dataclasses.replace(policy, keep_last=args.keep_last)
+    if getattr(args, "drop_archives", False):
+        policy = dataclasses.replace(policy, keep_every_n_steps=None)
     p = plan(retention_candidates(committed), policy, run_id)
     now = time.time()
     doomed: list[tuple[Any, str]] = []
