@@ -75,14 +75,10 @@ def test_overlapped_snapshot_waits_at_the_optimizer_step(tmp_path):
     assert all(torch.equal(got[k], before[k]) for k in before)
 
 
-@pytest.mark.parametrize("in_optimizer", [False, True], ids=["own", "frozen-in-the-optimizer"])
-def test_overlapped_snapshot_copies_a_module_no_optimizer_steps_at_once(
-    tmp_path, monkeypatch, in_optimizer
-):
-    """Only the optimizer's next step waits for the deferred copies, so only what it steps may
-    be deferred: an EMA copy of the model (its own module, or frozen inside the optimizer's
-    groups), updated in place right after the save (before any step), must be saved as it was. The deferred copies are slowed so that a deferred EMA copy
-    would read the update."""
+@pytest.fixture
+def slow_deferred_copies(monkeypatch):
+    """The overlapped snapshot's deferred copies start 0.3 s late, so that one that would read
+    a tensor written after the save reads the write."""
     import time
 
     from resilient_callbacks import snapshot
@@ -94,6 +90,16 @@ def test_overlapped_snapshot_copies_a_module_no_optimizer_steps_at_once(
         copy_later(self, items, stream)
 
     monkeypatch.setattr(snapshot.Snapshot, "_copy_later", slow)
+
+
+@pytest.mark.parametrize("in_optimizer", [False, True], ids=["own", "frozen-in-the-optimizer"])
+def test_overlapped_snapshot_copies_a_module_no_optimizer_steps_at_once(
+    tmp_path, slow_deferred_copies, in_optimizer
+):
+    """Only the optimizer's next step waits for the deferred copies, so only what it steps may
+    be deferred: an EMA copy of the model (its own module, or frozen inside the optimizer's
+    groups), updated in place right after the save (before any step), must be saved as it
+    was (the deferred copies are slowed)."""
     model, opt = _model_state()
     ema, _ = _model_state(seed=2)
     if in_optimizer:  # AdamW(self.parameters()) over a module holding a frozen EMA copy
@@ -121,21 +127,10 @@ def test_overlapped_snapshot_copies_a_module_no_optimizer_steps_at_once(
 
 
 @pytest.mark.parametrize("how", ["step", "save"])
-def test_a_final_overlapped_save_copies_before_it_returns(tmp_path, monkeypatch, how):
+def test_a_final_overlapped_save_copies_before_it_returns(tmp_path, slow_deferred_copies, how):
     """No optimizer step follows the final save to wait for its deferred copies, and the end
     of training may write the weights in place (the Trainer's load_best_model_at_end, probe):
-    the final save's copies are done when it returns. Deferred copies slowed as above."""
-    import time
-
-    from resilient_callbacks import snapshot
-
-    copy_later = snapshot.Snapshot._copy_later
-
-    def slow(self, items, stream):
-        time.sleep(0.3)
-        copy_later(self, items, stream)
-
-    monkeypatch.setattr(snapshot.Snapshot, "_copy_later", slow)
+    the final save's copies are done when it returns (the deferred copies are slowed)."""
     model, opt = _model_state()
     _train_step(model, opt)
     state = {"model": model, "optimizer": opt}
