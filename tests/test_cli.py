@@ -525,6 +525,9 @@ def test_the_stores_own_errors_are_one_line_not_a_traceback(tmp_path, monkeypatc
     assert got.returncode == 1
     assert "the remote store failed: EndpointConnectionError: Could not connect" in got.stderr
     assert "Traceback" not in got.stderr
+    monkeypatch.setenv("RESILIENT_CKPT_TRACEBACK", "1")  # asked for: the traceback
+    with pytest.raises(EndpointConnectionError):
+        main(["ls", root, "--remote", f"file://{tmp_path}/r"])
 
 
 def test_a_checkpoint_that_cannot_be_read_is_corrupt_not_incomplete(tmp_path):

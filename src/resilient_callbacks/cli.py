@@ -9,12 +9,14 @@ when it runs (``cli_local``: ls, verify, gc; ``cli_inspect``; ``cli_remote``: pu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 from .errors import CheckpointError
 
 PROG = "resilient-ckpt"
+DEBUG_ENV = "RESILIENT_CKPT_TRACEBACK"  # set: a remote store's own error shows its traceback
 
 DESCRIPTION = """\
 Look at, verify and clean up a directory of checkpoints written by resilient_callbacks
@@ -472,12 +474,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except Exception as e:
-        if not (getattr(args, "remote", None) or args.cmd in ("pull", "push")):
-            raise  # a bug of ours: its traceback
+        remote = getattr(args, "remote", None) or args.cmd in ("pull", "push")
+        if not remote or os.environ.get(DEBUG_ENV):
+            raise  # a bug of ours (or asked for): its traceback
         # the store's own errors (botocore's, an option its client rejects): one line
         hint = " (check the -o options)" if isinstance(e, TypeError) else ""
         print(
-            f"{PROG} {args.cmd}: the remote store failed: {type(e).__name__}: {e}{hint}",
+            f"{PROG} {args.cmd}: the remote store failed: {type(e).__name__}: {e}{hint} "
+            f"({DEBUG_ENV}=1 shows the traceback)",
             file=sys.stderr,
         )
         return 1
