@@ -141,7 +141,7 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
             continue
         except OSError as e:  # a folder this user cannot read: not known to be incomplete
             if CKPT_RE.match(name):
-                committed.append(Entry(name, path, Status.CORRUPT, problem=_unreadable(e)))
+                committed.append(Entry(name, path, Status.CORRUPT, problem=unreadable(e)))
             continue
         try:
             manifest = read_manifest(path)
@@ -151,7 +151,7 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
             committed.append(Entry(name, path, Status.CORRUPT, problem=str(e)))
             continue
         except OSError as e:
-            committed.append(Entry(name, path, Status.CORRUPT, problem=_unreadable(e)))
+            committed.append(Entry(name, path, Status.CORRUPT, problem=unreadable(e)))
             continue
         entry = Entry(name, path, Status.VALID, manifest)
         if depth is not Depth.NONE:
@@ -162,13 +162,14 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
                     continue
                 entry.status, entry.problem = Status.CORRUPT, str(e)
             except OSError as e:  # permissions, a directory where a file should be
-                entry.status, entry.problem = Status.CORRUPT, _unreadable(e)
+                entry.status, entry.problem = Status.CORRUPT, unreadable(e)
         committed.append(entry)
     committed.sort(key=lambda e: (e.seq, e.step or 0, e.name))
     return committed + incomplete
 
 
-def _unreadable(e: OSError) -> str:
+def unreadable(e: OSError) -> str:
+    """The problem of a checkpoint whose files this user cannot read."""
     return f"cannot read it ({type(e).__name__}: {e})"
 
 

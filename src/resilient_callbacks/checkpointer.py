@@ -274,7 +274,9 @@ class Checkpointer:
         """What each recent background save blocked the training loop, in seconds."""
         return self._saver.blocking_seconds
 
-    def _check_logger_sink(self) -> None:
+    def _check_logger_sink(self) -> None:  # once: telemetry="logger" with no framework warns
+        if not self._logger_unchecked:
+            return
         self._logger_unchecked = False
         if not self.logs_through_framework:
             sinks.warn_logger_without_framework()
@@ -405,8 +407,7 @@ class Checkpointer:
         of this step and, with ``exit_on_preemption`` (default), exits the process with
         ``preemption_exit_code`` (75); otherwise it returns and sets :attr:`preempted`."""
         self._check_open()
-        if self._logger_unchecked:
-            self._check_logger_sink()
+        self._check_logger_sink()
         self._trigger.step_started()
         self._recorder.tick(step)
         try:
@@ -451,8 +452,7 @@ class Checkpointer:
         """Save now (``final=True``: the run's last step, which the remote tier always takes).
         False (nothing written) if the last checkpoint committed or restored is of ``step``."""
         self._check_open()
-        if self._logger_unchecked:
-            self._check_logger_sink()
+        self._check_logger_sink()
         reason, why = ("final", "final step") if final else ("forced", "save() called")
         return self._save_outside_step(step, state, metrics, reason, why)
 

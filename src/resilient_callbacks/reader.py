@@ -98,7 +98,7 @@ def check(e: Entry, depth: Depth = Depth.FULL) -> Entry:
             else:
                 e.status, e.problem = Status.CORRUPT, str(err)
         except OSError as err:  # unreadable: permissions, a directory where a file should be
-            e.status, e.problem = Status.CORRUPT, catalog._unreadable(err)
+            e.status, e.problem = Status.CORRUPT, catalog.unreadable(err)
     return e
 
 

@@ -42,11 +42,10 @@ class PerRank:
     rank-local generator). It is written by every rank into its own file and restored on the
     same rank. Everything not marked is treated as replicated and written once, by rank 0.
 
-    ``new_ranks``: what a rank that did not exist when the checkpoint was written (a resume on
-    more ranks) loads: ``"refuse"`` (default: the resume is refused, nothing is loaded) or
-    ``"rank0"`` (rank 0's state, for an object that can work out its own share from it, such
-    as a sharded :class:`~resilient_callbacks.ResumableDataLoader`). A checkpoint written by
-    one rank keeps the part with the shared state: every rank loads it, as with ``"rank0"``."""
+    ``new_ranks``: what a rank the checkpoint has no files of (a resume on more ranks) loads:
+    ``"refuse"`` (default: the resume is refused, nothing loaded) or ``"rank0"`` (rank 0's
+    state, for an object that works out its own share from it, such as a sharded
+    :class:`~resilient_callbacks.ResumableDataLoader`; a one-rank checkpoint acts so always)."""
 
     def __init__(self, obj: Any, *, new_ranks: str = "refuse") -> None:
         if new_ranks not in ("refuse", "rank0"):

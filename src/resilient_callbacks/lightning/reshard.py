@@ -36,8 +36,13 @@ def after_setup(trainer: pl.Trainer) -> int | None:
     fit_loop = trainer.fit_loop
     combined = fit_loop._combined_loader
     loaders = list(combined.flattened) if combined is not None else []
-    resharded = [dl for dl in loaders if isinstance(dl, ResumableDataLoader)]
-    resharded = [dl for dl in resharded if dl.in_resharded_epoch and dl.loaded_batches is not None]
+    resharded = [
+        dl
+        for dl in loaders
+        if isinstance(dl, ResumableDataLoader)
+        and dl.in_resharded_epoch
+        and dl.loaded_batches is not None
+    ]
     if not resharded:
         return None
     if len(loaders) > 1:
