@@ -203,7 +203,7 @@ def test_disk_full_with_retention_does_not_delete_the_good_checkpoint(small_tmpf
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000004"]
 
 
-@pytest.mark.parametrize("change", ["groups", "class"])
+@pytest.mark.parametrize("change", ["groups", "class", "order"])
 def test_an_optimizer_that_does_not_fit_is_refused_before_the_model_is_loaded(tmp_path, change):
     """The optimizer has another number of parameter groups, or is of another class, than the
     one saved: refused by name before anything is loaded (the model was loaded first, then the
@@ -221,9 +221,12 @@ def test_an_optimizer_that_does_not_fit_is_refused_before_the_model_is_loaded(tm
             [{"params": [fresh.weight]}, {"params": [fresh.bias]}], lr=0.1, momentum=0.9
         )
         says = r"parameter groups of \[2\] parameter\(s\) in the checkpoint, of \[1, 1\]"
-    else:
+    elif change == "class":
         other = torch.optim.Adam(fresh.parameters())
         says = "a torch.optim.sgd.SGD in the checkpoint, a torch.optim.adam.Adam here"
+    else:  # same class and group sizes: the momentum of the bias would land on the weight
+        other = torch.optim.SGD([fresh.bias, fresh.weight], lr=0.1, momentum=0.9)
+        says = r"group 0 parameter 0: \[2, 3\] in the checkpoint, \[2\] here"
     with Checkpointer(tmp_path / "ck") as ck, pytest.raises(CheckpointMismatchError, match=says):
         ck.restore({"model": fresh, "opt": other})
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())

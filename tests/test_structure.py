@@ -549,6 +549,72 @@ def test_unsupported_tensors_and_arrays(tmp_path, value, hint):
     assert not [n for n in os.listdir(d) if n.startswith(("step_", ".staging"))]
 
 
+@pytest.mark.parametrize(
+    "value, hint",
+    [
+        (np.longdouble(1.5), "NumPy scalar of dtype float128"),
+        (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged), "nested"),
+    ],
+    ids=["np-longdouble", "nested-tensor"],
+)
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_values_that_failed_deep_inside_a_write_are_refused_by_name(
+    tmp_path, value, hint, async_save
+):
+    """A NumPy long double recursed without end (its .item() is a long double again) and a
+    nested tensor (its layout reads strided) failed as a write error naming no key."""
+    with Checkpointer(tmp_path / "ck", async_save=async_save) as ck:
+        with pytest.raises(UnsupportedStateError, match=hint) as ei:
+            ck.save(1, {"extra": {"x": value}})
+        assert "state['extra']['x']" in str(ei.value)
+        assert ck.checkpoints() == []
+
+
+def test_nested_plain_containers_are_restored_in_place_at_every_depth(tmp_path):
+    """A loop that keeps references to containers nested in the state (a history list inside
+    ``extra``) sees the restored values, and the next checkpoint holds what it adds after the
+    resume. They were replaced by new objects, so the loop's additions never reached a
+    checkpoint again."""
+    history: list[int] = []
+    counters = {"epoch": 0, "seen": {"a": 1}}
+    extra = {"history": history, "counters": counters, "pairs": [[1], {"k": [2]}]}
+    _save(
+        tmp_path / "ck",
+        {
+            "extra": {
+                "history": [1, 2],
+                "counters": {"epoch": 2, "seen": {"b": 2}},
+                "pairs": [[1, 5], {"k": [2, 6], "j": 0}],
+                "new": 7,
+            }
+        },
+    )
+    seen, pairs, inner = counters["seen"], extra["pairs"], extra["pairs"][1]
+    _restore(tmp_path / "ck", {"extra": extra})
+    assert extra["history"] is history and history == [1, 2]
+    assert extra["counters"] is counters and counters == {"epoch": 2, "seen": {"b": 2}}
+    assert counters["seen"] is seen and extra["pairs"] is pairs and pairs[1] is inner
+    assert pairs == [[1, 5], {"k": [2, 6], "j": 0}] and extra["new"] == 7
+    history.append(3)
+    counters["epoch"] = 3
+    _save(tmp_path / "ck2", {"extra": extra})
+    again: dict = {"extra": {"history": [], "counters": {}}}
+    _restore(tmp_path / "ck2", again)
+    assert again["extra"]["history"] == [1, 2, 3] and again["extra"]["counters"]["epoch"] == 3
+
+
+@pytest.mark.parametrize(
+    "plain", [np.arange(3.0), float("nan"), {"a": [float("nan")]}], ids=["array", "nan", "nested"]
+)
+def test_a_tuple_holding_a_tensor_and_plain_values_restores(tmp_path, plain):
+    """Restoring into a tuple compared each plain item with ``!=``: a NumPy array raised (no
+    truth value) and NaN never equals itself, so an unchanged value was refused."""
+    _save(tmp_path / "ck", {"pair": (torch.arange(3.0), plain)})
+    live = {"pair": (torch.zeros(3), plain)}
+    _restore(tmp_path / "ck", live)
+    assert torch.equal(live["pair"][0], torch.arange(3.0))
+
+
 def test_complex_tensor_is_unsupported_and_commits_nothing(tmp_path):
     d = tmp_path / "ck"
     with Checkpointer(d) as ck, pytest.raises(UnsupportedStateError, match="complex"):

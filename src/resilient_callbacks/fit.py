@@ -12,7 +12,7 @@ import torch
 
 from .errors import CheckpointMismatchError
 from .filepart import FilePart
-from .optim import hookable
+from .optim import hookable, param_shapes
 from .structure import (
     TAG,
     PerRank,
@@ -187,7 +187,8 @@ def _optimizer_problems(
 ) -> list[str]:
     """Why the saved optimizer state ``n`` would not load into ``opt``, checked before anything
     is loaded (its own ``load_state_dict`` raises only after the model was loaded): another
-    optimizer class, or other parameter groups (their number, or the parameters in each)."""
+    optimizer class, or other parameter groups (their number, the parameters in each, or their
+    shapes, where the checkpoint recorded them)."""
     here = {_qualname(opt), _qualname(hookable(opt))}  # a wrapper, or what it steps
     if n.get("type") not in here and isinstance(n.get("type"), str):
         return [
@@ -205,6 +206,22 @@ def _optimizer_problems(
         return [
             f"{path_str(path)}: parameter groups of {saved} parameter(s) in the checkpoint, "
             f"of {live} here"
+        ]
+    shapes, here_shapes = n.get("param_shapes"), param_shapes(opt)
+    if not isinstance(shapes, list) or here_shapes is None:  # written before it was recorded
+        return []
+    odd = [
+        f"group {g} parameter {i}: {s} in the checkpoint, {h} here"
+        for g, (gs, gh) in enumerate(zip(shapes, here_shapes, strict=False))
+        for i, (s, h) in enumerate(zip(gs, gh, strict=False))
+        if list(s) != list(h)
+    ]
+    if odd:
+        return [
+            f"{path_str(path)}: the optimizer steps parameters of other shapes than the "
+            f"checkpoint's state belongs to (given in another order, or of another model): "
+            + "; ".join(odd[:3])
+            + (f" (and {len(odd) - 3} more)" if len(odd) > 3 else "")
         ]
     return []
 

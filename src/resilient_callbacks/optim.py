@@ -1,4 +1,6 @@
-"""Which optimizer a wrapper steps. Accelerate's ``AcceleratedOptimizer`` (and wrappers like
+"""Which optimizer a wrapper steps, and the shapes of the parameters it steps.
+
+Which optimizer a wrapper steps: Accelerate's ``AcceleratedOptimizer`` (and wrappers like
 it) is a ``torch.optim.Optimizer`` that never ran ``Optimizer.__init__``: its ``step()`` steps
 the optimizer it holds, whose step hooks are the ones that fire and whose class a checkpoint
 records.
@@ -23,3 +25,20 @@ def hookable(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
             break
         opt = inner
     return opt
+
+
+def param_shapes(opt: torch.optim.Optimizer) -> list[list[list[int]]] | None:
+    """The shape of every parameter ``opt`` steps, group by group, in the order its
+    ``state_dict()`` numbers them: recorded with its state, so that a restore into an optimizer
+    given other parameters (another order, another model) is refused before anything is loaded
+    (``load_state_dict`` checks only how many parameters each group has)."""
+    groups = getattr(opt, "param_groups", None)
+    if not isinstance(groups, list):
+        groups = getattr(hookable(opt), "param_groups", None)
+    if not isinstance(groups, list):
+        return None
+    return [
+        [list(p.shape) for p in g.get("params", ()) if isinstance(p, torch.Tensor)]
+        for g in groups
+        if isinstance(g, dict)
+    ]

@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import catalog, dist, fit, history, layout, reader, rng, statetree, structure
+from . import catalog, dist, fit, history, inplace, layout, reader, rng, statetree, structure
 from .blobs import key_of
 from .candidates import Candidate, merge_tiers, number_after_remote
 from .catalog import Depth, Status
@@ -239,7 +239,7 @@ class Restorer:
             }
             fit.check_fits(state, full, meta)
             # The loaded tensors are private allocations: objects may keep them (optimizers do).
-            structure.apply(state, full, lambda n: structure.decode(n, part.tensors))
+            inplace.apply(state, full, lambda n: structure.decode(n, part.tensors))
             for pid, fp in fileparts.items():
                 if pid not in readers:
                     raise CheckpointMismatchError(f"the checkpoint holds no files of part {pid!r}")

@@ -6,8 +6,8 @@ reference to an entry of a flat ``{name: tensor}`` table. Tensors that are the s
 same storage (tied weights, aliases) are stored once and restored as one object.
 
 ``decode`` rebuilds Python values from a structure and a table of loaded tensors;
-``apply`` loads them *in place* into the live objects of a state (``load_state_dict``, ``copy_``,
-container assignment), after ``check_fits`` has listed every key or shape that does not fit.
+:func:`.inplace.apply` loads them *in place* into the live objects of a state, after
+:func:`.fit.check_fits` has listed every key or shape that does not fit.
 
 Tags: a JSON object with the key ``"__rc__"`` is a typed node (tuple, tensor, non-string dict
 keys, non-finite float, ...). Plain dicts whose keys are all strings (and none is ``"__rc__"``)
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 
 from .errors import CheckpointMismatchError, UnsupportedStateError
 from .filepart import FilePart
-from .optim import hookable
+from .optim import hookable, param_shapes
 from .tensorfile import DTYPE_TO_ST
 
 SAVEABLE_DTYPES = tuple(DTYPE_TO_ST)
@@ -90,6 +90,10 @@ class _Encoder:
         self._in_rank = False
 
     def tensor_ref(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        if t.is_nested:  # its layout reads strided
+            raise UnsupportedStateError(
+                f"{path_str(path)} is a nested tensor; save its components (.unbind()) instead."
+            )
         if t.is_sparse or t.layout != torch.strided:
             raise UnsupportedStateError(
                 f"{path_str(path)} is a tensor with layout {t.layout}; only dense (strided) tensors "
@@ -168,7 +172,7 @@ class _Encoder:
         if isinstance(obj, torch.Tensor):
             return self.tensor_ref(obj, path)
         if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
-            if obj.dtype.kind in "biuf":
+            if obj.dtype.kind in "biuf" and obj.dtype.itemsize <= 8:  # not longdouble
                 return {TAG: "np", "dtype": obj.dtype.str, "value": self.encode(obj.item(), path)}
             raise UnsupportedStateError(
                 f"{path_str(path)} is a NumPy scalar of dtype {obj.dtype}; convert it to a "
@@ -221,7 +225,10 @@ class _Encoder:
             sd = obj.state_dict()
             # an optimizer wrapper (accelerate's) is recorded as the optimizer it steps
             kind = hookable(obj) if isinstance(obj, torch.optim.Optimizer) else obj
-            return {TAG: "stateful", "type": _qualname(kind), "state": self.encode(sd, path)}
+            node = {TAG: "stateful", "type": _qualname(kind), "state": self.encode(sd, path)}
+            if isinstance(obj, torch.optim.Optimizer) and (shapes := param_shapes(obj)):
+                node["param_shapes"] = shapes  # what its state belongs to (fit.py checks it)
+            return node
         raise UnsupportedStateError(
             f"{path_str(path)} has type {_qualname(obj)}, which cannot be saved without pickle. "
             "Give it state_dict() and load_state_dict() methods returning/accepting tensors and "
@@ -387,114 +394,15 @@ def _short(keys: list[Any], limit: int = 20) -> str:
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-# --------------------------------------------------------------------------- applying
-
-
-def apply(
-    state: Any,
-    structure: Any,
-    resolve: Callable[[Any], Any],
-) -> None:
-    """Load a checkpoint into the live objects of ``state`` in place. ``resolve(node)`` decodes
-    a structure node (tensors already loaded). Containers are updated, not replaced, so
-    references the training loop holds stay valid."""
-
-    def load_into(obj: Any, n: Any, path: tuple[Any, ...]) -> Any:
-        """Returns the value that should replace ``obj`` in its container (``obj`` itself if it
-        was updated in place)."""
-        if isinstance(obj, PerRank):
-            obj.obj = load_into(obj.obj, n, path)
-            return obj
-        if isinstance(obj, FilePart):
-            return obj  # loaded from its own verified files (see restoring.py)
-        if isinstance(obj, torch.Tensor):
-            value = resolve(n)
-            if isinstance(value, np.ndarray):
-                value = torch.from_numpy(value)
-            with torch.no_grad():
-                if obj.shape != value.shape:
-                    raise CheckpointMismatchError(
-                        f"{path_str(path)}: shape {list(value.shape)} in checkpoint, "
-                        f"{list(obj.shape)} here"
-                    )
-                obj.copy_(value)
-            return obj
-        if is_stateful(obj):
-            value = resolve(n)
-            try:
-                result = obj.load_state_dict(value)
-            except CheckpointMismatchError:
-                raise
-            except Exception as e:  # the object's own validation: report with its key path
-                raise CheckpointMismatchError(
-                    f"{path_str(path)} ({_qualname(obj)}) rejected the checkpoint: "
-                    f"{type(e).__name__}: {e}. Objects of the state restored before it hold "
-                    "the checkpoint's values now: build them afresh before training from scratch"
-                ) from e
-            _check_load_result(result, path)
-            return obj
-        if isinstance(obj, MutableMapping) and not _has_live_objects(obj):
-            value = resolve(n)
-            obj.clear()
-            obj.update(value)
-            return obj
-        if isinstance(obj, MutableMapping):
-            items = _node_items(n)
-            assert items is not None  # check_fits ran first
-            for k in list(obj.keys()):
-                if k in items:
-                    new = load_into(obj[k], items[k], (*path, k))
-                    if new is not obj[k]:
-                        obj[k] = new
-            return obj
-        if isinstance(obj, MutableSequence) and _has_live_objects(obj):
-            seq = _node_seq(n)
-            assert seq is not None
-            for i, s in enumerate(seq):
-                new = load_into(obj[i], s, (*path, i))
-                if new is not obj[i]:
-                    obj[i] = new
-            return obj
-        if isinstance(obj, tuple) and _has_live_objects(obj):
-            seq = _node_seq(n)
-            assert seq is not None
-            for i, s in enumerate(seq):
-                new = load_into(obj[i], s, (*path, i))
-                if new is not obj[i] and new != obj[i]:
-                    raise CheckpointMismatchError(
-                        f"{path_str((*path, i))} is inside a tuple and cannot be restored in "
-                        "place; use a list or a dict for values that change during training"
-                    )
-            return obj
-        value = resolve(n)
-        if isinstance(obj, MutableSequence) and isinstance(value, list):
-            obj[:] = value
-            return obj
-        return value
-
-    new_root = load_into(state, structure, ())
-    if new_root is not state and new_root != state:
-        raise CheckpointMismatchError(
-            "the state passed to restore() must be a container (dict/list) or an object with "
-            "load_state_dict(); a bare value cannot be restored in place"
-        )
-
-
-def _check_load_result(result: Any, path: tuple[Any, ...]) -> None:
-    missing = getattr(result, "missing_keys", None)
-    unexpected = getattr(result, "unexpected_keys", None)
-    if missing or unexpected:
-        raise CheckpointMismatchError(
-            f"{path_str(path)}: missing keys {list(missing or [])}, "
-            f"unexpected keys {list(unexpected or [])}"
-        )
-
-
 def __getattr__(name: str) -> Any:
-    """``check_fits`` and ``key_differences`` live in :mod:`.fit` (which builds on this module);
-    the old import paths keep working."""
+    """``check_fits`` and ``key_differences`` live in :mod:`.fit`, ``apply`` in :mod:`.inplace`
+    (both build on this module); the old import paths keep working."""
     if name in ("check_fits", "key_differences"):
         from . import fit
 
         return getattr(fit, name)
+    if name == "apply":
+        from . import inplace
+
+        return inplace.apply
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,6 +33,9 @@ from .errors import CheckpointCorruptError, UnsupportedStateError
 from .readahead import MappedPrefetch, Readahead
 
 CHUNK = 16 << 20  # bytes per write/hash call
+# Restored tensors start at addresses aligned as torch's CPU allocator aligns them: CPU kernels
+# round reductions by alignment (LBFGS's dot products), and a resume must compute the same bits.
+ALIGN = 64
 
 DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -83,9 +86,11 @@ def lay_out(
 ) -> tuple[list[str], bytes, int]:
     """The layout of a safetensors file of ``tensors``: the names in file order, the file's head
     (the 8-byte header length and the JSON header, padded with spaces to a multiple of 8) and
-    the number of data bytes after it. Larger element sizes come first: with the 8-byte aligned
-    head every tensor starts aligned. Raises :class:`UnsupportedStateError` for a dtype
-    safetensors cannot store."""
+    the number of data bytes after it. The head is padded to a multiple of :data:`ALIGN` and
+    tensors whose size is a multiple of it come first, so (nearly) every byte of a file lies in
+    a tensor that a mapping of it views at an aligned address; the rest follow by element size,
+    each aligned to its own. Raises :class:`UnsupportedStateError` for a dtype safetensors
+    cannot store."""
     if "__metadata__" in tensors:
         raise ValueError("'__metadata__' is reserved by safetensors and cannot name a tensor")
     for name, t in tensors.items():
@@ -95,7 +100,9 @@ def lay_out(
                 f"(e.g. complex -> torch.view_as_real) in your state_dict(). Supported: "
                 f"{', '.join(str(d).removeprefix('torch.') for d in DTYPE_TO_ST)}"
             )
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    order = sorted(
+        tensors, key=lambda k: (tensors[k].nbytes % ALIGN != 0, -tensors[k].element_size(), k)
+    )
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -110,7 +117,7 @@ def lay_out(
         }
         offset += nbytes
     hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hbytes += b" " * (-len(hbytes) % 8)
+    hbytes += b" " * (-(8 + len(hbytes)) % ALIGN)
     return order, struct.pack("<Q", len(hbytes)) + hbytes, offset
 
 
@@ -409,8 +416,8 @@ def map_tensors_verified(
             out[name] = torch.empty(shape, dtype=dtype)
             continue
         raw = torch.frombuffer(mm, dtype=torch.uint8, count=end - start, offset=data_start + start)
-        if (data_start + start) % dtype.itemsize:
-            raw = raw.clone()  # unaligned (a file from another writer): one copy for this tensor
+        if (data_start + start) % ALIGN:
+            raw = raw.clone()  # a small tensor's tail, or a file from another writer (see ALIGN)
         out[name] = raw.view(dtype).reshape(shape)
     return out
 

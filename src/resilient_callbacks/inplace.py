@@ -1,0 +1,174 @@
+"""Loading a decoded checkpoint into the live objects of a state, in place.
+
+One job: after :func:`.fit.check_fits` has found that a checkpoint fits, put its values into the
+objects the training loop holds: ``copy_`` into tensors, ``load_state_dict`` into modules,
+optimizers and other stateful objects, and plain containers (dicts, lists, at every depth)
+updated rather than replaced, so a reference the loop keeps to ``state["extra"]["history"]``
+sees the restored history and keeps feeding the next checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CheckpointMismatchError
+from .filepart import FilePart
+from .structure import (
+    PerRank,
+    _has_live_objects,
+    _node_items,
+    _node_seq,
+    _qualname,
+    is_stateful,
+    path_str,
+)
+
+
+def apply(
+    state: Any,
+    structure: Any,
+    resolve: Callable[[Any], Any],
+) -> None:
+    """Load a checkpoint into the live objects of ``state`` in place. ``resolve(node)`` decodes
+    a structure node (tensors already loaded). Containers are updated, not replaced, so
+    references the training loop holds stay valid."""
+
+    def load_into(obj: Any, n: Any, path: tuple[Any, ...]) -> Any:
+        """Returns the value that should replace ``obj`` in its container (``obj`` itself if it
+        was updated in place)."""
+        if isinstance(obj, PerRank):
+            obj.obj = load_into(obj.obj, n, path)
+            return obj
+        if isinstance(obj, FilePart):
+            return obj  # loaded from its own verified files (see restoring.py)
+        if isinstance(obj, torch.Tensor):
+            value = resolve(n)
+            if isinstance(value, np.ndarray):
+                value = torch.from_numpy(value)
+            with torch.no_grad():
+                if obj.shape != value.shape:
+                    raise CheckpointMismatchError(
+                        f"{path_str(path)}: shape {list(value.shape)} in checkpoint, "
+                        f"{list(obj.shape)} here"
+                    )
+                obj.copy_(value)
+            return obj
+        if is_stateful(obj):
+            value = resolve(n)
+            try:
+                result = obj.load_state_dict(value)
+            except CheckpointMismatchError:
+                raise
+            except Exception as e:  # the object's own validation: report with its key path
+                raise CheckpointMismatchError(
+                    f"{path_str(path)} ({_qualname(obj)}) rejected the checkpoint: "
+                    f"{type(e).__name__}: {e}. Objects of the state restored before it hold "
+                    "the checkpoint's values now: build them afresh before training from scratch"
+                ) from e
+            _check_load_result(result, path)
+            return obj
+        if not _has_live_objects(obj):  # plain data: merged in place, at every depth
+            value = resolve(n)
+            return obj if merge_plain(obj, value) else value
+        if isinstance(obj, MutableMapping):
+            items = _node_items(n)
+            assert items is not None  # check_fits ran first
+            for k in list(obj.keys()):
+                if k in items:
+                    new = load_into(obj[k], items[k], (*path, k))
+                    if new is not obj[k]:
+                        obj[k] = new
+            return obj
+        if isinstance(obj, MutableSequence):
+            seq = _node_seq(n)
+            assert seq is not None
+            for i, s in enumerate(seq):
+                new = load_into(obj[i], s, (*path, i))
+                if new is not obj[i]:
+                    obj[i] = new
+            return obj
+        if isinstance(obj, tuple):
+            seq = _node_seq(n)
+            assert seq is not None
+            for i, s in enumerate(seq):
+                new = load_into(obj[i], s, (*path, i))
+                if not same_value(new, obj[i]):
+                    raise CheckpointMismatchError(
+                        f"{path_str((*path, i))} is inside a tuple and cannot be restored in "
+                        "place; use a list or a dict for values that change during training"
+                    )
+            return obj
+        return resolve(n)
+
+    new_root = load_into(state, structure, ())
+    if not same_value(new_root, state):
+        raise CheckpointMismatchError(
+            "the state passed to restore() must be a container (dict/list) or an object with "
+            "load_state_dict(); a bare value cannot be restored in place"
+        )
+
+
+def merge_plain(obj: Any, value: Any) -> bool:
+    """Make the plain container ``obj`` equal to the decoded ``value`` in place, recursing into
+    the dicts and lists both hold at the same key or index, so nested containers keep their
+    identity too. Returns False where ``obj`` is not a container of ``value``'s kind (the caller
+    puts ``value`` in its place)."""
+    if isinstance(obj, MutableMapping) and isinstance(value, Mapping):
+        for k in [k for k in obj if k not in value]:
+            del obj[k]
+        for k, v in value.items():
+            if not (k in obj and merge_plain(obj[k], v)):
+                obj[k] = v
+        return True
+    if isinstance(obj, list) and isinstance(value, list):
+        del obj[len(value) :]
+        for i, v in enumerate(value):
+            if i == len(obj):
+                obj.append(v)
+            elif not merge_plain(obj[i], v):
+                obj[i] = v
+        return True
+    return False
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether a restored value equals the live one it would replace: NaN equals NaN, arrays
+    compare element-wise (``==`` on them is no truth value), containers item by item."""
+    if a is b:
+        return True
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+        )
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+        )
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # no truth value (a tensor, say)
+        return False
+
+
+def _check_load_result(result: Any, path: tuple[Any, ...]) -> None:
+    missing = getattr(result, "missing_keys", None)
+    unexpected = getattr(result, "unexpected_keys", None)
+    if missing or unexpected:
+        raise CheckpointMismatchError(
+            f"{path_str(path)}: missing keys {list(missing or [])}, "
+            f"unexpected keys {list(unexpected or [])}"
+        )
