@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -399,6 +400,20 @@ def test_resume_restores_callback_state_and_a_finished_run_stays_finished(tmp_pa
     assert trainer.state.global_step == 6  # nothing left to train
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == list(range(1, 7))
 
+    # max_steps lowered below the checkpoint: nothing to train, said so (not "its final
+    # metrics are restored", as for a finished run)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    trainer_log = logging.getLogger("transformers.trainer")
+    trainer_log.addHandler(handler)
+    try:
+        trainer = _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 4, eval_steps=2)
+    finally:
+        trainer_log.removeHandler(handler)
+    assert trainer.state.global_step == 6
+    assert any("past max_steps=4 here: nothing to train" in m for m in said), said
+
 
 def test_a_run_stopped_early_is_not_trained_further_when_re_run(tmp_path):
     """EarlyStoppingCallback ends train() at step 4 of 10 (eval_loss never improves by 100);
@@ -692,6 +707,7 @@ def test_export_of_a_peft_lora_run_adapters_and_merged(tmp_path):
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, model(input_ids=ids).logits)
+    assert merged.lm_head.weight is merged.transformer.wte.weight  # still tied
     # --merged of a model without adapters is refused by name
     plain = tmp_path / "plain"
     _train(tmp_path, ResilientCheckpoint(plain, every_n_steps=2), 2)
@@ -820,3 +836,48 @@ def test_keep_best_on_an_eval_metric_without_evaluation_during_training_is_warne
     cb = ResilientCheckpoint(every_n_steps=2, keep_best=1, monitor="eval_loss")
     with pytest.warns(UserWarning, match="eval_strategy='no'.*none is kept as the best"):
         _train(tmp_path / "out", cb, 2, eval_strategy="no")
+
+
+@pytest.mark.parametrize("saved", ["once", "apart"])
+def test_merged_export_keeps_tied_weights_tied(saved):
+    """A LoRA GPT-2's tied embedding as DeepSpeed saves it (once, under its owner's name) or as
+    FSDP gathers it (two equal tensors): the merge found the weights untied (lm_head absent:
+    "missing from the checkpoint"; apart: PEFT wrote tie_word_embeddings false), so the merged
+    export failed or was no longer tied."""
+    peft = pytest.importorskip("peft")
+    from accelerate import init_empty_weights
+
+    from resilient_callbacks.transformers.export import load_weights
+
+    def lora(model):
+        config = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["c_attn"], init_lora_weights=False
+        )
+        return peft.get_peft_model(model, config)
+
+    trained = lora(hf_train.build_model())
+    weights = {k: v.detach().clone() for k, v in trained.state_dict().items()}
+    head = "base_model.model.lm_head.weight"
+    if saved == "once":
+        del weights[head]
+    with init_empty_weights():
+        empty = lora(hf_train.build_model())
+    merged = load_weights(empty, weights, merged=True, where="ck")
+    assert merged.config.tie_word_embeddings
+    assert merged.lm_head.weight is merged.transformer.wte.weight
+    ids = torch.arange(8).reshape(1, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(ids).logits, trained.eval()(input_ids=ids).logits)
+
+
+def test_export_directory_is_readable_by_others(tmp_path):
+    """The exported directory has the mode save_pretrained gives (umask applied), not the 0700
+    of a temporary directory: a serving process of another user could not read the model."""
+    ck = tmp_path / "ck"
+    _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 2)
+    old = os.umask(0o022)
+    try:
+        export_pretrained(ck, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "hf").st_mode) == 0o755

@@ -298,7 +298,12 @@ class ResilientCheckpoint(TrainerCallback):
         if trainer.is_world_process_zero():
             where = f"epoch {loop['epoch']}, {loop['updates']} optimizer step(s) into it"
             extra = ""
-            if state.global_step >= state.max_steps:
+            if state.global_step > state.max_steps:  # a lowered max_steps cannot go back
+                extra = (
+                    f"; it is past max_steps={state.max_steps} here: nothing to train, the model "
+                    f"stays at step {state.global_step} (resume=<step> picks an older checkpoint)"
+                )
+            elif state.global_step == state.max_steps:
                 extra = (
                     f"; it reached step {state.global_step}, max_steps={state.max_steps} here: "
                     "nothing to train, its final metrics are restored"

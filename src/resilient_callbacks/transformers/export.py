@@ -104,23 +104,9 @@ def _export(
         from ..consolidate import consolidated
 
         state_dict = consolidated(path, part)
-    model = _empty_model(info, cls, model_class)
-    name = type(model).__name__
-    try:
-        result = model.load_state_dict(state_dict, strict=False, assign=True)
-    except RuntimeError as e:
-        raise CheckpointMismatchError(f"the weights in {path} do not fit {name}: {e}") from None
-    if info.get("peft") and merged:
-        model = model.merge_and_unload()  # the base model, each adapter's update added in
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # a tied weight (saved once, under its owner's name) is set here
-    unset = [k for k, v in model.state_dict().items() if v.is_meta]
-    if result.unexpected_keys or unset:
-        raise CheckpointMismatchError(
-            f"the weights in {path} do not fit {name}: "
-            + (f"not in the model: {result.unexpected_keys[:5]} " if result.unexpected_keys else "")
-            + (f"missing from the checkpoint: {unset[:5]}" if unset else "")
-        )
+    model = load_weights(
+        _empty_model(info, cls, model_class), state_dict, merged=merged, where=path
+    )
     if (
         info.get("generation_config")
         and isinstance(model, transformers.PreTrainedModel)
@@ -134,6 +120,9 @@ def _export(
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # as save_pretrained's makedirs (mkdtemp's is 0700)
         model.save_pretrained(staging, safe_serialization=True)
         old = None
         if os.path.exists(out):
@@ -146,6 +135,32 @@ def _export(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out, path
+
+
+def load_weights(model: Any, state_dict: dict[str, Any], *, merged: bool, where: str) -> Any:
+    """Assign ``state_dict`` to the meta-device ``model``, tie its tied weights and, with
+    ``merged``, merge a PEFT model's adapters into its base model; raise
+    :class:`CheckpointMismatchError` naming what does not fit. Tied weights are tied before the
+    merge: assigned apart (or one absent, as DeepSpeed saves a tied weight once), PEFT would find
+    them untied and write ``tie_word_embeddings: false``."""
+    name = type(model).__name__
+    try:
+        result = model.load_state_dict(state_dict, strict=False, assign=True)
+    except RuntimeError as e:
+        raise CheckpointMismatchError(f"the weights in {where} do not fit {name}: {e}") from None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "tie_weights"):
+        base.tie_weights()  # a tied weight (saved once, under its owner's name) is set here
+    if merged:
+        model = model.merge_and_unload()  # the base model, each adapter's update added in
+    unset = [k for k, v in model.state_dict().items() if v.is_meta]
+    if result.unexpected_keys or unset:
+        raise CheckpointMismatchError(
+            f"the weights in {where} do not fit {name}: "
+            + (f"not in the model: {result.unexpected_keys[:5]} " if result.unexpected_keys else "")
+            + (f"missing from the checkpoint: {unset[:5]}" if unset else "")
+        )
+    return model
 
 
 def _empty_model(info: dict[str, Any], cls: type | None, model_class: type | None) -> Any:
