@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import stat
 import sys
 from pathlib import Path
 
@@ -294,7 +295,12 @@ def _assert_cli_reads_the_keys_and_exports_whole_tensors(tmp_path: Path, root: P
     weight = keys["model.0.weight"]
     assert weight["shape"] == list(saved["model/0.weight"].shape) and weight["chunks"] == 2
     assert keys["extra.epoch"]["kind"] == "object"
-    assert main(["export", str(root), str(tmp_path / "exported")]) == 0
+    old_umask = os.umask(0o022)
+    try:
+        assert main(["export", str(root), str(tmp_path / "exported")]) == 0
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "exported").st_mode) == 0o755  # not mkdtemp's 0700
     got = _tensors(tmp_path / "exported" / "model.safetensors")
     assert {k for k in got if k.startswith("model.")} == {
         "model." + k.split("/", 1)[1] for k in saved if k.startswith("model/")

@@ -215,6 +215,19 @@ def _find_engine(full: Any) -> dict[str, Any] | None:
     return engine if isinstance(engine, dict) else None
 
 
+def export_staging(out: str) -> str:
+    """A new, empty directory beside ``out`` to write an export into before it is renamed to
+    ``out``, with the mode ``makedirs`` gives (the umask applied), not ``mkdtemp``'s 0700: a
+    serving process of another user reads the export."""
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)
+    return staging
+
+
 def export_weights(path: str, out: str, *, overwrite: bool = False) -> str:
     """Write ``model.safetensors`` and ``export.json`` of the checkpoint at ``path`` into the
     directory ``out`` (written under a temporary name, renamed into place)."""
@@ -222,9 +235,7 @@ def export_weights(path: str, out: str, *, overwrite: bool = False) -> str:
     if os.path.exists(out) and not overwrite:
         raise ConfigError(f"{out} already exists; pass --force to replace it")
     weights = consolidated(path)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
+    staging = export_staging(out)
     try:
         save_file(
             {k: v.contiguous() for k, v in weights.items()},

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import uuid
 import warnings
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import transformers
 
 from .. import layout, reader, structure
+from ..consolidate import consolidated, export_staging
 from ..errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -101,8 +101,6 @@ def _export(
 
         state_dict = model_tensors(path, read_manifest(path), "sharded")
     else:  # under DeepSpeed: the engine's weights (fp32 masters at ZeRO 1-3), consolidated
-        from ..consolidate import consolidated
-
         state_dict = consolidated(path, part)
     model = load_weights(
         _empty_model(info, cls, model_class), state_dict, merged=merged, where=path
@@ -117,12 +115,8 @@ def _export(
         )
 
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
+    staging = export_staging(out)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # as save_pretrained's makedirs (mkdtemp's is 0700)
         model.save_pretrained(staging, safe_serialization=True)
         old = None
         if os.path.exists(out):
