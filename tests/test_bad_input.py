@@ -230,3 +230,11 @@ def test_an_optimizer_that_does_not_fit_is_refused_before_the_model_is_loaded(tm
     with Checkpointer(tmp_path / "ck") as ck, pytest.raises(CheckpointMismatchError, match=says):
         ck.restore({"model": fresh, "opt": other})
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_a_dirpath_that_is_a_file_is_named_as_such(tmp_path):
+    """It read "cannot use ... as a checkpoint directory: File exists"."""
+    f = tmp_path / "ck"
+    f.write_text("not a folder")
+    with pytest.raises(CheckpointWriteError, match="as a checkpoint directory: it is a file"):
+        Checkpointer(f)

@@ -4,6 +4,7 @@ resume, unsafe manifests, the directory lock, staging sweep, retention, triggers
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -143,6 +144,22 @@ def test_resume_explicit_step_and_path(tmp_path):
     with Checkpointer(tmp_path / "other", resume=_step_dir(root, 10)) as ck:
         assert ck.restore(st) == 10
     assert st["extra"]["tag"] == 10
+
+
+def test_resume_path_spelled_through_a_link_continues_the_run(tmp_path):
+    """dirpath through a symlink, resume= naming a checkpoint by its real path: the run was
+    taken for another one (new run id, a ForeignCheckpointsWarning, no restart recorded)."""
+    root = tmp_path / "ck"
+    _make_run(root)
+    link = tmp_path / "link"
+    link.symlink_to(root)
+    run_id = _manifest(_step_dir(root, 30))["run_id"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Checkpointer(link, resume=_step_dir(root, 20)) as ck:
+            assert ck.restore(_fresh()) == 20
+            ck.save(40, _state(40))
+    assert _manifest(_step_dir(root, 40))["run_id"] == run_id
 
 
 # --------------------------------------------------------------------------- integrity
@@ -524,6 +541,82 @@ def test_leftover_staging_is_swept_on_open(tmp_path):
         assert not stale.exists() and not stale2.exists()
         assert unrelated.exists()
         assert ck.restore(_fresh()) == 10
+
+
+def test_folders_of_the_user_are_neither_counted_nor_deleted(tmp_path):
+    """A user's copies of checkpoints ("my backup of 20", "step_000000010.bak") took slots of
+    keep_last and were deleted by retention; a folder with another tool's manifest.json made
+    every restore fail (all "corrupt"); a step_-named folder without a manifest was rm -rf'd by
+    the next writer. Only step_<n> folders are checkpoints, and only our leftovers are swept."""
+    import shutil
+
+    root = tmp_path / "ck"
+    _make_run(root, steps=(10, 20))
+    shutil.copytree(_step_dir(root, 20), root / "my backup of 20")
+    shutil.copytree(_step_dir(root, 10), root / "step_000000010.bak")
+    (root / "exported_model").mkdir()
+    (root / "exported_model" / "manifest.json").write_text('{"tool": "someone else"}')
+    (root / "step_000000099").mkdir()
+    (root / "step_000000099" / "notes.txt").write_text("mine")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResumeFallbackWarning)
+        with Checkpointer(root, every_n_steps=10, keep_last=2) as ck:
+            assert ck.restore(_fresh()) == 20
+            for s in (30, 40):
+                ck.save(s, _state(s))
+            ck.flush()
+            assert [e.step for e in ck.checkpoints()] == [30, 40]
+    for mine in ("my backup of 20", "step_000000010.bak", "exported_model", "step_000000099"):
+        assert (root / mine).is_dir(), mine
+    assert (root / "step_000000099" / "notes.txt").read_text() == "mine"
+
+
+def test_a_leftover_that_cannot_be_deleted_is_reported_as_such(tmp_path, caplog, monkeypatch):
+    """A staging folder holding a file that cannot be deleted (open on NFS, immutable): the
+    next writer said "removed" and went on saying so at every start."""
+    root = tmp_path / "ck"
+    _make_run(root, steps=(10,))
+    stale = root / ".staging-step_000000020-0123456789ab"
+    stale.mkdir()
+    import resilient_callbacks.commit as rc_commit
+
+    monkeypatch.setattr(rc_commit.shutil, "rmtree", lambda *a, **k: None)  # deletes nothing
+    with caplog.at_level(logging.WARNING, logger="resilient_callbacks"), Checkpointer(root) as ck:
+        assert ck.restore(_fresh()) == 10
+    assert "could not remove 1 leftover" in caplog.text and "removed" not in caplog.text.replace(
+        "could not remove", ""
+    )
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_a_failed_directory_sync_after_the_rename_is_still_a_commit(
+    tmp_path, monkeypatch, caplog, async_save
+):
+    """EIO from syncing the parent directory after the rename: the checkpoint is visible and
+    restorable, yet was reported "not committed", and the next save reused its commit number."""
+    import errno
+
+    import resilient_callbacks.commit as rc_commit
+
+    root = tmp_path / "ck"
+    real = rc_commit.fsync_dir
+
+    def fsync_dir(path):
+        if os.path.samefile(path, root):
+            raise OSError(errno.EIO, "Input/output error")
+        real(path)
+
+    monkeypatch.setattr(rc_commit, "fsync_dir", fsync_dir)
+    logs = caplog.at_level(logging.WARNING, logger="resilient_callbacks")
+    with logs, Checkpointer(root, async_save=async_save) as ck:
+        for s in (1, 2):
+            assert ck.save(s, _state(s)) is True
+        ck.flush()
+        seqs = [e.manifest.seq for e in ck.checkpoints()]
+    assert seqs == sorted(set(seqs)) and len(seqs) == 2, seqs
+    assert "syncing its directory failed" in caplog.text
+    with Checkpointer(root) as ck:
+        assert ck.restore(_fresh()) == 2
 
 
 # --------------------------------------------------------------------------- retention

@@ -150,6 +150,29 @@ def test_gc_dry_run_then_delete(tmp_path):
     assert left == ["step_000000030", "step_000000040"]
 
 
+def test_gc_goes_on_past_a_checkpoint_it_cannot_delete_and_says_so(tmp_path, monkeypatch, capsys):
+    """One checkpoint holding a file that cannot be deleted (a busy NFS file): gc stopped at it
+    with a bare PermissionError after deleting others without a word."""
+    from resilient_callbacks import cli_local
+
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20, 30, 40), keep_last=None)
+    real = cli_local.remove_checkpoint
+
+    def remove(path, *a, **k):
+        if path.endswith("step_000000010"):
+            raise PermissionError(13, "Operation not permitted", path + "/.nfs000000001")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(cli_local, "remove_checkpoint", remove)
+    assert main(["gc", root, "--keep-last", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "could not delete step_000000010" in err and ".nfs000000001" in err
+    assert "deleted step_000000020" in out and "1 could not be deleted" in out
+    left = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+    assert left == ["step_000000010", "step_000000040"]
+
+
 def test_gc_keeps_corrupt_unless_asked_and_refuses_beside_a_writer(tmp_path):
     root = str(tmp_path / "ck")
     make_run(root, keep_last=None)

@@ -395,6 +395,29 @@ def test_a_restart_after_a_clean_close_is_no_failure(tmp_path: Path):
         7,
         [7, 9],
     )
+    # a clock stepped back: out of order, before the start, in the future -> clamped in order
+    now = time.time()
+    back = [ev("start", 100), ev("restart", 50), ev("restart", 120), ev("restart", now + 9e3)]
+    start, restarts = history.failures(back, "r")
+    assert start == 100 and restarts[:2] == [100, 120] and 120 <= restarts[2] <= time.time()
+
+
+def test_a_wall_clock_stepped_back_does_not_stop_an_adaptive_resume(tmp_path, monkeypatch):
+    """adaptive=True, the clock 2 h behind the run's recorded start (a node with a wrong clock,
+    NTP stepping back): restore() raised ConfigError ("restart time ... is before run_start")
+    after loading the state, and at every later start too (the bad record stayed)."""
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(tmp_path / "ck", every_n_steps=2, adaptive=True, mtbf_hours=1) as ck:
+        for step in range(1, 5):
+            ck.step(step, state)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 7200)
+    for _ in range(2):  # behind, twice (the second run reads the first one's records)
+        with Checkpointer(tmp_path / "ck", every_n_steps=2, adaptive=True, mtbf_hours=1) as ck:
+            assert ck.restore(state) == 4
+    monkeypatch.setattr(time, "time", real)
+    with Checkpointer(tmp_path / "ck", every_n_steps=2, adaptive=True, mtbf_hours=1) as ck:
+        assert ck.restore(state) == 4
 
 
 def test_sink_options_are_checked_when_the_checkpointer_is_built(tmp_path: Path):

@@ -133,15 +133,15 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
                 )
             )
             continue
+        if not CKPT_RE.match(name):  # a folder of the user's (a copy, an export): not ours
+            continue
         try:
             os.stat(os.path.join(path, MANIFEST_NAME))
         except FileNotFoundError:
-            if CKPT_RE.match(name):
-                incomplete.append(Entry(name, path, Status.INCOMPLETE, problem="no manifest"))
+            incomplete.append(Entry(name, path, Status.INCOMPLETE, problem="no manifest"))
             continue
         except OSError as e:  # a folder this user cannot read: not known to be incomplete
-            if CKPT_RE.match(name):
-                committed.append(Entry(name, path, Status.CORRUPT, problem=unreadable(e)))
+            committed.append(Entry(name, path, Status.CORRUPT, problem=unreadable(e)))
             continue
         try:
             manifest = read_manifest(path)

@@ -264,7 +264,7 @@ def gc(args: argparse.Namespace) -> int:
             lock.release()
     if args.json:
         print_json(result)
-    return 0
+    return 1 if result.get("failed") else 0
 
 
 def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
@@ -307,12 +307,19 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
 
     delete = [facts(e) | {"why": why} for e, why in doomed]
     keep = [facts(e) | _kept(e, p) for e in entries if e.name not in gone]
-    for e, _ in doomed:
-        if not args.dry_run:
+    failed: list[dict[str, Any]] = []
+    for (e, _), d in zip(doomed, delete, strict=True):
+        if args.dry_run:
+            continue
+        try:  # one folder that cannot be deleted (a busy NFS file) stops nothing else
             if e.status is Status.INCOMPLETE:
                 shutil.rmtree(e.path)
             else:
                 remove_checkpoint(e.path)
+        except OSError as err:
+            d["error"] = f"{type(err).__name__}: {err}"
+            failed.append(d)
+    delete = [d for d in delete if "error" not in d]
     # blobs (incremental checkpoints) that no remaining checkpoint refers to; the lock is held,
     # so no save is in flight. A dry run counts what the remaining manifests would not name.
     blobs = _unused_blobs(root, gone) if args.dry_run else BlobStore(root).collect()
@@ -321,6 +328,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         "dry_run": args.dry_run,
         "run_id": run_id,
         "delete": delete,
+        "failed": failed,
         "keep": keep,
         "blobs_deleted": blobs,
     }
@@ -329,6 +337,8 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     verb = "would delete" if args.dry_run else "deleted"
     for d in delete:
         print(f"{verb} {_label(d)}: {d['why']}")
+    for d in failed:
+        print(f"could not delete {_label(d)} ({d['why']}): {d['error']}", file=sys.stderr)
     for k in keep:
         why = "; ".join(k["kept_by"])
         if k["status"] == CORRUPT:
@@ -338,6 +348,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         print(f"{verb} {len(blobs)} blob(s) no remaining checkpoint refers to")
     print(
         f"{len(delete)} {'would be deleted' if args.dry_run else 'deleted'}, {len(keep)} kept"
+        + (f", {len(failed)} could not be deleted" if failed else "")
         + (f" (current run {run_id})" if run_id else "")
     )
     return result

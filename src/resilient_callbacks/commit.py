@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -27,6 +28,8 @@ from typing import Protocol
 from .errors import CheckpointWriteError
 from .manifest import MANIFEST_NAME
 from .tensorfile import write_bytes
+
+log = logging.getLogger("resilient_callbacks")
 
 STAGING_PREFIX = ".staging-"
 LATEST_TMP_PREFIX = ".latest."
@@ -119,7 +122,15 @@ class RenameCommit:
                 raise CheckpointWriteError(
                     f"could not move the staged checkpoint {staging} into place at {final}: {e}"
                 ) from e
-            fsync_dir(self.root)
+            try:
+                fsync_dir(self.root)
+            except OSError as e:  # renamed: visible and loadable, so committed; said so
+                log.warning(
+                    "committed %s, but syncing its directory failed (%s): a power loss before "
+                    "the filesystem writes it back may undo the rename",
+                    final,
+                    e,
+                )
             return final
         raise CheckpointWriteError(f"could not find a free name for step {step} in {self.root}")
 
@@ -147,27 +158,41 @@ def remove_checkpoint(path: str, discard: Callable[[str], None] | None = None) -
 
 
 def sweep_staging(root: str) -> list[str]:
-    """Remove what interrupted saves and deletions left: staging and trash directories,
-    checkpoint-named directories without a manifest, temporary ``latest`` files. Call only while
-    holding the directory lock (no save is in progress then)."""
+    """Remove what interrupted saves and deletions left (staging and trash directories,
+    temporary ``latest`` files) and log it; return the names removed. A folder named like a
+    checkpoint but without a manifest is left alone: no save of ours leaves one (the rename
+    that makes a checkpoint carries its manifest), so it is someone's, and ``gc`` removes it
+    when asked. Call only while holding the directory lock (no save is in progress then)."""
     removed: list[str] = []
+    stuck: list[str] = []
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return removed
     for name in names:
         path = os.path.join(root, name)
-        if name.startswith((STAGING_PREFIX, TRASH_PREFIX)) or (
-            CKPT_RE.match(name)
-            and os.path.isdir(path)
-            and not os.path.islink(path)
-            and not os.path.exists(os.path.join(path, "manifest.json"))
-        ):
+        if name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
             shutil.rmtree(path, ignore_errors=True)
-            removed.append(name)
+            (stuck if os.path.lexists(path) else removed).append(name)
         elif name.startswith(LATEST_TMP_PREFIX):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(root, name))
+    if removed:
+        log.warning(
+            "removed %d leftover(s) of interrupted saves or deletions in %s: %s",
+            len(removed),
+            root,
+            ", ".join(sorted(removed)),
+        )
+    if stuck:
+        log.warning(
+            "could not remove %d leftover(s) of interrupted saves or deletions in %s: %s (a "
+            "file in them cannot be deleted: still open on NFS, immutable, or not ours to "
+            "delete); they are never loaded, remove them once that is resolved",
+            len(stuck),
+            root,
+            ", ".join(sorted(stuck)),
+        )
     return removed
 
 

@@ -130,10 +130,12 @@ class Directory:
                 error = {"type": type(e).__name__, "msg": str(e)}
                 pending = e
             except OSError as e:
+                file = os.path.exists(self.dirpath) and not os.path.isdir(self.dirpath)
                 error = {
                     "type": "OSError",
                     "msg": (
-                        f"cannot use {self.dirpath} as a checkpoint directory: {e.strerror or e}. "
+                        f"cannot use {self.dirpath} as a checkpoint directory: "
+                        f"{'it is a file' if file else e.strerror or e}. "
                         "Check that the path is right and writable by this user."
                     ),
                 }
@@ -159,13 +161,7 @@ class Directory:
         tier). For callers that must not run collectives (a DCP ``StorageWriter``)."""
         os.makedirs(self.dirpath, exist_ok=True)
         self.lock.acquire()
-        swept = sweep_staging(self.dirpath)
-        if swept:
-            log.warning(
-                "removed %d leftover(s) of interrupted saves or deletions: %s",
-                len(swept),
-                ", ".join(swept),
-            )
+        sweep_staging(self.dirpath)  # (logs what it removed)
         self.seq = catalog.next_seq(self.dirpath) - 1
         collect_blobs(self.blobs)  # what crashed saves or deletions left (nothing in flight)
         if config.remote is not None:

@@ -146,4 +146,14 @@ def failures(events: list[Event], run_id: str | None) -> tuple[float | None, lis
         clean = e.event == "end"
     if start is None and mine:
         start = mine[0].time
-    return start, restarts
+    if start is None:
+        return start, restarts
+    # A wall clock stepped back (NTP, a node with a wrong clock) leaves records out of order or
+    # in the future: each is clamped into [start, now], in order, so the failure count stays
+    # right and the learned rate never sees a negative exposure.
+    now = time.time()
+    start = min(start, now)
+    ordered: list[float] = []
+    for t in restarts:
+        ordered.append(min(max(t, ordered[-1] if ordered else start), now))
+    return start, ordered

@@ -110,9 +110,7 @@ class NodeDirectory(Directory):
 
         os.makedirs(self.dirpath, exist_ok=True)
         self.lock.acquire()
-        swept = sweep_staging(self.dirpath)
-        if swept:
-            log.warning("removed %d leftover(s) of interrupted saves: %s", len(swept), swept)
+        sweep_staging(self.dirpath)  # (logs what it removed)
         self.seq = catalog.next_seq(self.dirpath) - 1
         assert config.remote is not None
         self.remote = RemoteStore(config.remote, config.remote_options)

@@ -276,7 +276,8 @@ class Restorer:
         """Every rank, once ``path`` is loaded: carry on the run it belongs to (if it is in the
         directory), its schedule's measurements and the retention a crash interrupted."""
         ck, d = self._ck, self._ck._dir
-        inside = os.path.dirname(os.path.abspath(path)) == ck.dirpath
+        parent = os.path.dirname(os.path.abspath(path))  # (spelled through a link, maybe)
+        inside = parent == ck.dirpath or os.path.realpath(parent) == os.path.realpath(ck.dirpath)
         d.run_id = manifest.run_id if inside else None
         ck.last_saved_step = manifest.step if inside else None
         ck.restored_from = path
