@@ -754,6 +754,21 @@ def test_step_every_n_steps_returns_true_when_saved(tmp_path):
     assert _steps_present(root) == ["step_000000005", "step_000000010"]
 
 
+def test_a_step_counter_that_jumps_over_a_multiple_still_saves(tmp_path):
+    """Lightning's global_step counts every optimizer.step() of a batch: with two optimizers on
+    alternate batches it jumps by 2 and passed over multiples of every_n_steps, so a whole epoch
+    went without a checkpoint. The step that passes a multiple is saved; after a restore the
+    count goes on from the restored step."""
+    root = tmp_path / "ck"
+    steps = [1, 3, 4, 6, 7, 9, 10, 12, 13, 15, 16, 18, 20, 22, 24, 26]
+    with Checkpointer(root, every_n_steps=5) as ck:
+        saved = [s for s in steps if ck.step(s, _state(s))]
+    assert saved == [6, 10, 15, 20, 26]
+    with Checkpointer(root, every_n_steps=5) as ck:
+        assert ck.restore(_fresh()) == 26
+        assert [s for s in (28, 29, 31, 32) if ck.step(s, _state(s))] == [31]
+
+
 def test_saving_same_step_twice_returns_false(tmp_path):
     root = tmp_path / "ck"
     with Checkpointer(root, every_n_steps=5) as ck:

@@ -1022,3 +1022,71 @@ def test_two_processes_the_callback_changes_nothing(tmp_path, strategy):
     assert len(_committed(with_ / "ckpt")) >= 2
     for r in (0, 1):
         _assert_same_run(without, with_, suffix=f".rank{r}")
+
+
+class _TwoStage(L.LightningModule):
+    """Momentum SGD whose learning rate the script changes between two fit() calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.lr = 0.1
+        self.lrs: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        self.lrs.append(self.optimizers().param_groups[0]["lr"])
+        return self.lin(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def _fit_twice(tmp_path: Path, callbacks: list) -> _TwoStage:
+    torch.manual_seed(0)
+    module = _TwoStage()
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 4))
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(ds, batch_size=8))
+    module.lr = 0.01  # stage 2: a smaller learning rate, fresh optimizer state
+    trainer.fit_loop.max_epochs = 4
+    trainer.fit(module, torch.utils.data.DataLoader(ds, batch_size=8))
+    return module
+
+
+def test_a_second_fit_of_the_same_trainer_goes_on_from_the_live_state(tmp_path):
+    """The second fit() restored the first one's last checkpoint: its optimizer (momentum,
+    learning rate 0.1 instead of the 0.01 configure_optimizers now gives) and RNG, so adding
+    the callback changed the run. It goes on as without the callback, as the same run."""
+    plain = _fit_twice(tmp_path / "plain", [])
+    ck = tmp_path / "ck"
+    ours = _fit_twice(tmp_path / "ours", [ResilientCheckpoint(ck, every_n_steps=4)])
+    assert ours.lrs == plain.lrs and ours.lrs[-1] == 0.01
+    assert torch.equal(ours.lin.weight, plain.lin.weight)
+    steps = [e.step for e in _committed(ck)]
+    assert steps == [4, 8, 12, 16], steps
+    assert len({e.manifest.run_id for e in _committed(ck)}) == 1  # one run
+
+
+def test_a_new_trainer_of_the_module_a_finished_fit_trained_is_refused(tmp_path):
+    """A fine-tuning Trainer after a pre-training one, same module, both at the default
+    dirpath: it resumed the finished pre-training run and trained nothing, silently. A new
+    module (the script or notebook cell run again) still resumes as usual."""
+    module = _Tiny()
+    _tiny_fit(tmp_path, module, ResilientCheckpoint(every_n_steps=2))
+    with pytest.raises(ConfigError, match="its own dirpath"):
+        _tiny_fit(tmp_path, module, ResilientCheckpoint(every_n_steps=2))
+    # its own directory, or an explicit resume=, passes
+    _tiny_fit(tmp_path, module, ResilientCheckpoint(tmp_path / "stage2", every_n_steps=2))
+    trainer = _tiny_fit(tmp_path, module, ResilientCheckpoint(every_n_steps=2, resume=4))
+    assert trainer.global_step == 4
+    cb = ResilientCheckpoint(every_n_steps=2)
+    _tiny_fit(tmp_path, _Tiny(), cb)
+    assert cb.restored_step == 4

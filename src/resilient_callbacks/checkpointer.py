@@ -474,14 +474,14 @@ class Checkpointer:
         self._wait_background()
         return self._restorer.restore(state)
 
-    def continued_from(self, step: int, source: str) -> None:
+    def continued_from(self, step: int, source: str, *, same_run: bool = False) -> None:
         """Every rank, instead of :meth:`restore`: this run goes on from step ``step`` of a
         checkpoint this Checkpointer did not load (``source``: e.g. the framework's own
-        checkpoint, passed explicitly). Records the run's start at ``step``, from ``source``;
-        the coordinator warns when ``dirpath`` holds a newer checkpoint, whose steps the
-        explicit choice trains again."""
+        checkpoint, passed explicitly). Records the run's start at ``step``, from ``source``
+        (``same_run``: as the run of dirpath's newest checkpoint, which goes on); the
+        coordinator warns when dirpath holds a newer checkpoint, trained again."""
         self._check_open()
-        self._restorer.continued_from(step, source)
+        self._restorer.continued_from(step, source, same_run)
 
     # ------------------------------------------------------------------ queries
 

@@ -1,6 +1,7 @@
 """When to save: the fixed triggers shared by every adapter.
 
-``every_n_steps`` saves at multiples of N; ``every_seconds`` saves when that much wall time has
+``every_n_steps`` saves at multiples of N (or at the first step past one, for a step counter
+that jumps); ``every_seconds`` saves when that much wall time has
 passed since the last save (or since the run started); archive steps (``keep_every_n_steps``)
 are always saved so that the archive retention has something to keep. With several ranks the
 time-based decision is taken by rank 0 and broadcast, so all ranks save at the same step.
@@ -44,11 +45,20 @@ class SavePolicy:
     def has_trigger(self) -> bool:
         return bool(self.every_n_steps or self.every_seconds or self.archive_every_n_steps)
 
-    def due_by_step(self, step: int) -> str | None:
+    def due_by_step(self, step: int, previous: int | None = None) -> str | None:
+        """Why ``step`` is saved by step count, or None. ``previous``: the step seen before this
+        one; a counter that jumps (Lightning's ``global_step`` counts every ``optimizer.step()``
+        of a batch: with two optimizers stepping on alternate batches it goes 3, 5, 6, 8, ...)
+        may pass over a multiple of ``every_n_steps``: the step that passed it is due."""
         if step <= 0:
             return None  # nothing trained yet: never worth a checkpoint
-        if self.every_n_steps and step % self.every_n_steps == 0:
-            return f"every_n_steps={self.every_n_steps}"
+        n = self.every_n_steps
+        if n and (
+            step // n > previous // n
+            if previous is not None and 0 <= previous < step
+            else step % n == 0
+        ):
+            return f"every_n_steps={n}"
         if self.archive_every_n_steps and step % self.archive_every_n_steps == 0:
             return f"archive step (keep_every_n_steps={self.archive_every_n_steps})"
         return None

@@ -136,10 +136,15 @@ class Restorer:
             "good one, or resume='never' to start fresh."
         )
 
-    def continued_from(self, step: int, source: str) -> None:
+    def continued_from(self, step: int, source: str, same_run: bool = False) -> None:
         """Every rank (see ``Checkpointer.continued_from``): start this run at ``step`` of a
-        checkpoint loaded elsewhere; the coordinator names a newer valid one it skips."""
+        checkpoint loaded elsewhere; the coordinator names a newer valid one it skips. With
+        ``same_run``, the run goes on as the one of the newest valid checkpoint in dirpath."""
         ck = self._ck
+        if same_run and ck._dir.run_id is None:
+            newest = ck._dir.latest_valid() if ck.is_coordinator else None
+            run = read_manifest(newest).run_id if newest else None
+            ck._dir.run_id = dist.broadcast_json(run)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
         # after a restore() that found nothing (the run started at step 0) and before any save:

@@ -107,6 +107,7 @@ class Trigger:
         self.world_size = dist.world_size()
         self.clock = Clock()  # time since the last save or restore, for every_seconds
         self.steps_origin = 0  # step of the last save or restore: adaptive counts from there
+        self._previous: int | None = None  # the step of the last decide() or mark()
         self._decider = Decider()
         self._loss_trigger = (
             LossJumpTrigger(threshold=config.loss_jump) if config.loss_jump else None
@@ -143,7 +144,7 @@ class Trigger:
 
     def mark(self, step: int) -> None:
         """A save or restore of ``step``: the schedules count from here."""
-        self.steps_origin = step
+        self.steps_origin = self._previous = step
         self.clock.reset()
 
     def decide(
@@ -153,7 +154,8 @@ class Trigger:
         ``"preemption"``, ``"final"``, ``"required"`` (an archive step or a loss jump: a
         periodic save that ``if_busy='skip'`` never skips) or ``"periodic"``; ``preempt``: this
         rank saw a request."""
-        reason = self.policy.due_by_step(step)
+        reason = self.policy.due_by_step(step, self._previous)
+        self._previous = step
         time_due = bool(
             self.policy.every_seconds and self.clock.elapsed() >= self.policy.every_seconds
         )

@@ -45,7 +45,7 @@ from ..adapter import check_options, with_section
 from ..checkpointer import Checkpointer, SaveStats
 from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME
-from . import boundary, checks, deepspeed, patches, save_logs, sharded
+from . import boundary, checks, deepspeed, patches, refit, save_logs, sharded
 from . import state as st
 from .loaders import prepare_train_loaders
 from .on_exception import ExceptionSave
@@ -192,8 +192,11 @@ class ResilientCheckpoint(Checkpoint):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != TrainerFn.FITTING.value:
             return
+        ckpt = self.checkpointer
         try:
             self._close(raise_errors=True)
+            if ckpt is not None:  # (teardown hooks run only after a fit() without an error)
+                refit.finished(trainer, ckpt.dirpath)
         finally:
             self._unpatch_all()
 
@@ -241,6 +244,10 @@ class ResilientCheckpoint(Checkpoint):
         self._open(trainer, resume)
         ckpt = self.checkpointer
         assert ckpt is not None
+        if resume == "auto" and refit.goes_on_live(trainer, ckpt.dirpath):  # fit() again
+            original(None, weights_only)  # Lightning's: the live state, fresh optimizers
+            ckpt.continued_from(trainer.global_step, "this Trainer's fit() before", same_run=True)
+            return
         if lightning_ckpt is not None:
             log.info(
                 "fit(ckpt_path=%s) given: resuming from it, not from %s; new checkpoints go to %s",
@@ -277,15 +284,10 @@ class ResilientCheckpoint(Checkpoint):
         self._resume = boundary.Resume(checkpoint, rng.capture())
         self._resumed_stopped = bool(checkpoint.pop(st.STOPPED_KEY, False))
         self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
-        loops = checkpoint.get("loops", {}).get("fit_loop", {})
-        batch = loops.get("epoch_loop.batch_progress", {}).get("current", {}).get("processed", "?")
-        epoch = loops.get("epoch_progress", {}).get("current", {}).get("processed", "?")
-        where = f"epoch {epoch}, {batch} batch(es) into it"
-        if self._resume.epoch_end:
-            where = f"end of epoch {epoch}"
         if ckpt.last_restore is not None:
             # said as Lightning says its own restore (rank_zero_info: shown by default), with the
             # tier and every newer checkpoint skipped
+            where = st.position(checkpoint, self._resume.epoch_end)
             rank_zero_info(f"ResilientCheckpoint: {ckpt.last_restore.describe(where)}")
 
     def _open(self, trainer: pl.Trainer, resume: Any) -> None:

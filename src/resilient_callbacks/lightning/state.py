@@ -457,3 +457,11 @@ def finite_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             out[str(k)] = float(v) if math.isfinite(v) else float("nan")
     return out
+
+
+def position(checkpoint: Mapping[str, Any], epoch_end: bool) -> str:
+    """Where in training a Lightning checkpoint is, in words (for the resume message)."""
+    loops = checkpoint.get("loops", {}).get("fit_loop", {})
+    batch = loops.get("epoch_loop.batch_progress", {}).get("current", {}).get("processed", "?")
+    epoch = loops.get("epoch_progress", {}).get("current", {}).get("processed", "?")
+    return f"end of epoch {epoch}" if epoch_end else f"epoch {epoch}, {batch} batch(es) into it"

@@ -1,0 +1,51 @@
+"""Several ``fit()`` calls in one process.
+
+Lightning's second ``fit()`` of a Trainer goes on from the live state (the weights in memory,
+``global_step``; ``configure_optimizers`` gives fresh optimizers). The callback, which resumes
+from the newest checkpoint at every ``fit()``, would load the first fit's last checkpoint over
+that: its optimizer and scheduler states, its RNG. So a ``fit()`` finished in this process is
+remembered by the directory it saved into:
+
+- the same Trainer fits again: it goes on from the live state, as the same run;
+- another Trainer fitting the same LightningModule (a fine-tuning stage after pre-training)
+  with that directory: refused, since it would resume the finished run and train nothing. An
+  explicit ``resume=`` passes;
+- another Trainer with a new module (a notebook cell or a script run again) resumes as usual.
+
+Every rank records and decides alike (each holds the same Trainer).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+from ..errors import ConfigError
+
+# realpath of dirpath -> the Trainer and the module of the last fit() that finished there
+_FINISHED: dict[str, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
+
+
+def finished(trainer: Any, dirpath: str) -> None:
+    """A ``fit()`` of ``trainer`` that saved into ``dirpath`` ended without an error."""
+    refs = (weakref.ref(trainer), weakref.ref(trainer.lightning_module))
+    _FINISHED[os.path.realpath(dirpath)] = refs
+
+
+def goes_on_live(trainer: Any, dirpath: str) -> bool:
+    """At a ``fit()``'s start, resuming by default from ``dirpath``: True if this Trainer's
+    earlier ``fit()`` in this process finished there (go on from the live state); raise
+    :class:`ConfigError` if another Trainer's fit of the same module did; False otherwise
+    (resume as usual)."""
+    trainer_ref, module_ref = _FINISHED.get(os.path.realpath(dirpath), (None, None))
+    if trainer_ref is not None and trainer_ref() is trainer:
+        return True
+    if module_ref is None or module_ref() is not trainer.lightning_module:
+        return False
+    raise ConfigError(
+        f"a fit() of this LightningModule by another Trainer finished in {dirpath}: this "
+        "Trainer would resume that finished run and train nothing. Give each Trainer (each stage: "
+        "pre-training, fine-tuning) its own dirpath, e.g. ResilientCheckpoint(dirpath=...), "
+        "or pass resume=<step or path> to resume that run on purpose"
+    )
