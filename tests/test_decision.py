@@ -41,3 +41,20 @@ def test_the_spacing_follows_the_step_time(two_ranks):
     assert max(fast) > 10  # fast steps: a collective every many steps (0.1% budget)
     after = [every for s, every in seen if s >= 300]
     assert after and after[0] <= 2  # at 0.5 s a step: at most ~1 s between comparisons
+
+
+def test_the_smallest_proposed_spacing_is_agreed(two_ranks, monkeypatch):
+    """A rank waiting for a slower one inside the collective measures fast steps and a long
+    collective, and proposes a wide spacing; agreeing on the largest proposal made a SIGTERM
+    wait 20 s (92 steps of 0.2 s) with 2 ranks. The slow rank's proposal (3 steps) wins."""
+    slow_rank = decision.pack([1], 3)  # it saw a preemption request, spacing 3
+
+    def all_reduce(t, op=None):
+        t.copy_(torch.maximum(t, slow_rank))
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    d = Decider()
+    d._collective_s = 0.2  # this rank waited in the last collective
+    assert d._propose(0.003) == 100  # alone, it would space by the cap
+    assert d.decide(0, [0], 0.003) == [1]
+    assert d.every == 3

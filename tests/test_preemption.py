@@ -618,6 +618,19 @@ def test_aws_rejected_token_is_refreshed(server: FakeMetadata) -> None:
     assert server.count("PUT") == 2 and not w.requested
 
 
+@pytest.mark.parametrize("first", [b"<html>\n<body>proxy error</body>\n</html>\n", b"\x00\xff\r\n"])
+def test_aws_a_token_answer_that_is_not_a_token_is_not_kept(server: FakeMetadata, first) -> None:
+    """The token PUT answered 200 once with an HTML page (a proxy) or garbage: it was kept as
+    the token for 6 hours, no GET could carry it, and a spot notice went unseen all that time."""
+    answers = iter([first])
+    server.routes[("PUT", "/latest/api/token")] = lambda h: (200, next(answers, TOKEN.encode()))
+    server.routes[("GET", AWS_PATH)] = need_header("X-aws-ec2-metadata-token", TOKEN, aws_notice())
+    w = PreemptionWatcher()
+    with MetadataPoller(w, kind="aws", url=server.url(AWS_PATH), interval_s=0.05):
+        assert w.wait(10.0), server.requests
+    assert w.request is not None and "action=terminate" in w.request.detail
+
+
 def test_gcp_maintenance_event_is_optional(server: FakeMetadata) -> None:
     route_gcp(server, False)
     maint = "/computeMetadata/v1/instance/maintenance-event"

@@ -260,6 +260,37 @@ def test_unreachable_endpoint_is_a_clear_error_within_seconds(tmp_path):
     assert time.monotonic() - t0 < 20
 
 
+def test_an_endpoint_that_never_answers_does_not_keep_the_process_alive(tmp_path):
+    """An endpoint that accepts connections and never replies (a black-holed load balancer):
+    the error came in time, but the check's worker thread, stuck in the store's client, was
+    joined at interpreter exit, so the process never exited."""
+    pytest.importorskip("s3fs")
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held = []
+    threading.Thread(target=lambda: held.append(listener.accept()), daemon=True).start()
+    try:
+        with pytest.raises(RemoteUnavailableError, match="no answer within 2 s"):
+            Checkpointer(
+                tmp_path / "l",
+                remote="s3://bucket/run",
+                remote_options={
+                    "endpoint_url": f"http://127.0.0.1:{listener.getsockname()[1]}",
+                    "key": "k",
+                    "secret": "s",
+                },
+                remote_timeout=2,
+            )
+        stuck = [t for t in threading.enumerate() if t.name.startswith("rc-preflight")]
+        assert all(t.daemon for t in stuck)  # (one still inside the client is not joined)
+    finally:
+        listener.close()
+
+
 def test_remote_option_errors(tmp_path):
     d = tmp_path / "l"
     with pytest.raises(ConfigError, match="only apply with remote"):

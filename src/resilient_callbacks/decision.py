@@ -3,7 +3,8 @@
 Some save triggers differ between ranks: a preemption signal reaches ranks at different
 moments, wall clocks and measured step times differ. Ranks must still save at the same step.
 At *decision steps* every rank contributes its flags and integer proposals to one small
-``all_reduce(MAX)``; all ranks then act on the same result. Between decision steps nothing is
+``all_reduce(MAX)``, and its proposed spacing to the next decision step (the smallest wins);
+all ranks then act on the same result. Between decision steps nothing is
 exchanged: a condition raised there waits for the next decision step.
 
 The spacing between decision steps adapts so that the collective costs at most ``budget`` of
@@ -39,6 +40,14 @@ def spacing_step_time(step_seconds: Sequence[float]) -> float:
     return max(statistics.median(step_seconds), max(recent))
 
 
+def pack(values: Sequence[int], proposal: int) -> torch.Tensor:
+    """One rank's part of the decision collective (``all_reduce(MAX)``): its values, and its
+    proposed spacing negated, so that the spacing agreed is the *smallest* proposed. A rank that
+    waits for a slower one inside the collective measures fast steps and a long collective, and
+    proposes a wide spacing; the largest proposal made a SIGTERM wait 20 s."""
+    return torch.tensor([*values, -proposal], dtype=torch.int64, device=dist._device())
+
+
 class Decider:
     def __init__(
         self, *, budget: float = 1e-3, max_delay_s: float = 1.0, max_every: int = 100
@@ -62,13 +71,12 @@ class Decider:
             return list(values)
         if step < self._next:
             return None
-        proposal = self._propose(step_time_s)
         t0 = time.perf_counter()
-        t = torch.tensor([*values, proposal], dtype=torch.int64, device=dist._device())
+        t = pack(values, self._propose(step_time_s))
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         self._collective_s = time.perf_counter() - t0
         out = [int(x) for x in t.tolist()]
-        self.every = max(1, out[-1])
+        self.every = max(1, -out[-1])
         self._next = step + self.every
         return out[:-1]
 

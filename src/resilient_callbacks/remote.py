@@ -16,7 +16,6 @@ Which ranks call what: only the coordinator talks to the remote store.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import datetime
 import hashlib
@@ -25,6 +24,7 @@ import logging
 import os
 import posixpath
 import shutil
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -138,22 +138,32 @@ class RemoteStore:
                 with contextlib.suppress(Exception):
                     self.fs.rm_file(probe)
 
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rc-preflight")
-        try:
-            pool.submit(run).result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
+        outcome: list[Exception | None] = []
+
+        def attempt() -> None:
+            try:
+                run()
+                outcome.append(None)
+            except Exception as e:
+                outcome.append(e)
+
+        # A daemon thread: a store that never answers must not keep the process from exiting
+        # once the error is raised (an executor's worker is joined at interpreter exit).
+        worker = threading.Thread(target=attempt, name="rc-preflight", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if not outcome:
             raise RemoteUnavailableError(
                 f"remote {self.url}: no answer within {timeout:g} s (endpoint unreachable or "
                 f"very slow). remote_options: {_redact(self.options)}"
-            ) from None
-        except Exception as e:
+            )
+        if outcome[0] is not None:
+            e = outcome[0]
             raise RemoteUnavailableError(
                 f"remote {self.url} is not usable: {type(e).__name__}: {e}. Check the bucket "
                 "name, the endpoint and the credentials (remote_options: "
                 f"{_redact(self.options)})."
             ) from e
-        finally:
-            pool.shutdown(wait=False)
 
     # ------------------------------------------------------------------ listing
 

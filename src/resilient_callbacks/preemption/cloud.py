@@ -9,6 +9,7 @@ import email.utils
 import json
 import logging
 import math
+import re
 import threading
 import time
 import urllib.error
@@ -102,6 +103,9 @@ class PollerConfig:
             isinstance(self.azure_vm_name, str) and self.azure_vm_name
         ):
             raise ConfigError(f"azure_vm_name={self.azure_vm_name!r}: must be a VM name or None")
+
+
+_TOKEN_RE = re.compile(r"[A-Za-z0-9+/=_.\-]{1,1024}")  # what a header can carry
 
 
 def _seconds_until(when: datetime) -> float:
@@ -263,7 +267,7 @@ class MetadataPoller:
             log.debug("%s: no IMDSv2 token (%s); trying IMDSv1", self.source, e)
             return None
         token = body.decode("ascii", "replace").strip()
-        if status != 200 or not token:
+        if status != 200 or not _TOKEN_RE.fullmatch(token):  # (a proxy's HTML page, say)
             log.debug("%s: no IMDSv2 token (HTTP %d); trying IMDSv1", self.source, status)
             return None
         self._aws_token = token
@@ -272,7 +276,11 @@ class MetadataPoller:
 
     def _check_aws(self) -> _Notice | None:
         token = self._token() if self.config.aws_imdsv2 else None
-        status, body = self._get(self.url, {"X-aws-ec2-metadata-token": token} if token else {})
+        try:
+            status, body = self._get(self.url, {"X-aws-ec2-metadata-token": token} if token else {})
+        except _PollError:
+            self._aws_token = None  # whatever failed, the next poll asks for a new token
+            raise
         if status == 404:
             return None  # no interruption scheduled
         if status == 401:
