@@ -227,6 +227,44 @@ def test_close_gives_up_on_a_long_outage_and_names_what_is_only_local(
     assert _committed(url, None) == {}
 
 
+@pytest.mark.parametrize("signalled", [False, True], ids=["stalled", "stalled+sigterm"])
+def test_close_gives_up_on_a_store_that_stopped_answering(tmp_path, caplog, monkeypatch, signalled):
+    """A store that accepts the upload and then never answers: no attempt failed, so the
+    outage clock never started and close() waited 12 minutes (ignoring a SIGTERM meanwhile).
+    An attempt that moves no byte counts as an outage; a SIGTERM during close() bounds the wait
+    to its grace period less 5 s, and then reaches the handler it would have reached."""
+    from resilient_callbacks import checkpointer as ckmod
+
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.5 if not signalled else 600)
+    url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
+    got: list[int] = []
+    old = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    try:
+        ck = Checkpointer(tmp_path / "l", remote=url, keep_last=1, grace_period=6)
+        release = threading.Event()
+
+        def hang(local_dir, manifest, name, progress=None):
+            if progress is not None:
+                progress.update(1)  # a first byte, then nothing
+            release.wait(60)
+            raise ConnectionError("the store never answered")
+
+        ck.remote.upload = hang
+        caplog.set_level(logging.WARNING, "resilient_callbacks")
+        ck.save(10, _state(10))
+        if signalled:
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        ck.close()
+        took = time.monotonic() - t0
+        release.set()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert took < 30, took
+    assert any("still only local" in r.message for r in caplog.records)
+    assert got == ([signal.SIGTERM] if signalled else [])
+
+
 # ---------------------------------------------------------------------- preflight
 
 

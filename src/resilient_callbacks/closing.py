@@ -11,6 +11,7 @@ mode each node's leader finishes its node's uploads and reports; rank 0 releases
 from __future__ import annotations
 
 import logging
+import signal
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -59,7 +60,10 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
                 persister.stop()
         if ck._dir.sync is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ck._dir.finish_uploads(left, outage_s)
+            watcher = ck.watcher  # a SIGTERM arriving now bounds the wait by its grace period
+            ck._dir.finish_uploads(
+                left, outage_s, watcher.remaining_grace_s if watcher else lambda: None
+            )
         if isinstance(ck._dir, NodeDirectory):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ck._dir.finish_nodes(left, outage_s)
@@ -138,7 +142,16 @@ def _release(ck: Checkpointer) -> None:
     if ck._poller is not None:
         ck._poller.stop()
     if ck.watcher is not None:
+        unanswered = ck.watcher.request if not ck.preempted else None
         ck.watcher.uninstall()
+        if unanswered is not None and unanswered.signum is not None:
+            # it arrived during close(), after the last step that could act on it: the
+            # handler it would have reached without us gets it now, rather than no one
+            log.warning(
+                "%s arrived during close(); passing it on to the handler before ours",
+                unanswered.source,
+            )
+            signal.raise_signal(unanswered.signum)
     persister = ck._saver.persister
     if persister is not None and persister.abandoned and persister.pending:
         # the abandoned save still running commits nothing; the directory stays locked until

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .sync import RemoteSync
 
 log = logging.getLogger("resilient_callbacks")
+EXIT_MARGIN_S = 5.0  # of a grace period, left to exit after the uploads (interpreter teardown)
 
 
 def error_type(name: str) -> type[CheckpointError]:
@@ -303,9 +304,12 @@ class Directory:
 
     # ------------------------------------------------------------------ uploads at close
 
-    def finish_uploads(self, timeout: float | None, outage_s: float) -> None:
+    def finish_uploads(
+        self, timeout: float | None, outage_s: float, grace_left: Callable[[], float | None]
+    ) -> None:
         """close(): wait for the uploads (a progress bar on a terminal), then say what, if
-        anything, is still only local."""
+        anything, is still only local. ``grace_left``: seconds to the hard kill of a preemption
+        request that arrived meanwhile (None: none), which bounds the wait."""
         assert self.sync is not None and self.remote is not None
         status = self.sync.status()
         if status.pending:
@@ -317,7 +321,7 @@ class Directory:
                 "" if timeout is None else f" (at most {timeout:.0f} s)",
             )
             self.sync.show_progress = True
-        if self._wait_uploads(timeout, outage_s):
+        if self._wait_uploads(timeout, outage_s, grace_left):
             if status.pending:
                 log.warning("all checkpoints are uploaded to %s", self.remote.url)
             return
@@ -335,22 +339,29 @@ class Directory:
             self.remote.url,
         )
 
-    def _wait_uploads(self, timeout: float | None, outage_s: float) -> bool:
+    def _wait_uploads(
+        self, timeout: float | None, outage_s: float, grace_left: Callable[[], float | None]
+    ) -> bool:
         """Wait for the upload queue to drain: up to ``timeout``, and without a timeout for
-        as long as the store answers; after ``outage_s`` of failing attempts, give up (a job
-        must not hang at exit through a long outage; what is left stays local)."""
+        as long as the store answers; after ``outage_s`` of failing attempts or of an attempt
+        that moves no byte (a store that stopped answering), give up (a job must not hang at
+        exit through a long outage; what is left stays local). A preemption request arriving
+        meanwhile bounds the wait to its grace period, less a margin to exit."""
         assert self.sync is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         outage_since: float | None = None
         while True:
+            grace = grace_left()
+            if grace is not None:
+                by = time.monotonic() + max(0.0, grace - EXIT_MARGIN_S)
+                deadline = by if deadline is None else min(deadline, by)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return self.sync.wait(0)
             if self.sync.wait(1.0 if left is None else min(left, 1.0)):
                 return True
-            if self.sync.status().failures:
-                outage_since = outage_since or time.monotonic()
-                if timeout is None and time.monotonic() - outage_since > outage_s:
-                    return False
-            else:
-                outage_since = None
+            st = self.sync.status()
+            outage_since = (outage_since or time.monotonic()) if st.failures else None
+            failing = 0.0 if outage_since is None else time.monotonic() - outage_since
+            if deadline is None and max(failing, st.stalled_s) > outage_s:
+                return False

@@ -31,6 +31,7 @@ class Progress:
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self._last_log = self._t0
+        self.last_update = self._t0  # when the last byte moved (a stalled transfer: long ago)
         self._log_every = log_every_s
         self._bar: Any = None
         if bar is None:
@@ -50,6 +51,7 @@ class Progress:
             return
         with self._lock:
             self.done += n
+            self.last_update = time.monotonic()
             if self._bar is not None:
                 self._bar.update(n)
                 return

@@ -38,6 +38,7 @@ class SyncStatus:
     uploaded: int  # checkpoints uploaded by this process
     uploaded_bytes: int
     upload_seconds: float
+    stalled_s: float = 0.0  # seconds the upload under way has moved no byte (0: none under way)
 
 
 class RemoteSync(UploadThread):
@@ -70,6 +71,7 @@ class RemoteSync(UploadThread):
         self._last_warn = 0.0
         self._uploaded = 0
         self._uploaded_bytes = 0
+        self._progress: Progress | None = None  # of the upload under way
         self._upload_seconds = 0.0
         self._start()
 
@@ -108,6 +110,9 @@ class RemoteSync(UploadThread):
                 uploaded=self._uploaded,
                 uploaded_bytes=self._uploaded_bytes,
                 upload_seconds=self._upload_seconds,
+                stalled_s=0.0
+                if (p := self._progress) is None
+                else time.monotonic() - p.last_update,
             )
 
     # ------------------------------------------------------------------ control
@@ -204,12 +209,14 @@ class RemoteSync(UploadThread):
             bar=None if self.show_progress else False,
             log_every_s=30.0,
         )
+        self._progress = progress
         try:
             self.store.upload(path, manifest, remote_name, progress)
         except Exception as e:
             self._failed(name, e)
             return False
         finally:
+            self._progress = None
             progress.close()
         elapsed = time.perf_counter() - t0
         with self._cond:
