@@ -648,6 +648,14 @@ def test_gcp_maintenance_event_is_optional(server: FakeMetadata) -> None:
         assert on.wait(5.0)
     assert on.request is not None
     assert on.request.detail == "maintenance-event=TERMINATE_ON_HOST_MAINTENANCE"
+    # a live migration pauses the VM and keeps it running: no reason to stop the job
+    server.routes[("GET", maint)] = (200, b"MIGRATE_ON_HOST_MAINTENANCE")
+    moved = PreemptionWatcher()
+    with MetadataPoller(
+        moved, kind="gcp", url=server.url(GCP_PATH), interval_s=0.05, gcp_maintenance=True
+    ) as poller:
+        wait_for(lambda: poller.polls >= 3, what="three polls")
+    assert not moved.requested
 
 
 def test_azure_ignores_other_event_types_and_other_vms(server: FakeMetadata) -> None:

@@ -314,7 +314,8 @@ class MetadataPoller:
             if status != 200:
                 raise _PollError(f"GET {url}: HTTP {status}")
             event = body.decode("utf-8", "replace").strip()
-            if event and event.upper() != "NONE":
+            # MIGRATE_ON_HOST_MAINTENANCE: a live migration, the VM keeps running
+            if event and event.upper() != "NONE" and not event.upper().startswith("MIGRATE"):
                 return _Notice(f"maintenance-event={event}")
         return None
 
