@@ -285,8 +285,7 @@ class ResilientCheckpoint(Checkpoint):
         self._resumed_stopped = bool(checkpoint.pop(st.STOPPED_KEY, False))
         self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
         if ckpt.last_restore is not None:
-            # said as Lightning says its own restore (rank_zero_info: shown by default), with the
-            # tier and every newer checkpoint skipped
+            # said as Lightning says its own (rank_zero_info), with the tier and what was skipped
             where = st.position(checkpoint, self._resume.epoch_end)
             rank_zero_info(f"ResilientCheckpoint: {ckpt.last_restore.describe(where)}")
 
