@@ -412,14 +412,14 @@ def test_the_writer_says_it_cannot_go_to_another_process(tmp_path):
         pickle.dumps(writer)
 
 
-def test_async_save_guard_holds_after_a_refusal_and_clears_after_a_failure(tmp_path):
-    """A second async_save while the first has not written is refused, and so is a third (the
-    refusal used to disarm the guard: the third overwrote the first's buffers and step 1 was
-    lost); an async_save that failed before writing (the directory locked) does not leave the
-    guard armed for the next one."""
+def test_async_saves_in_flight_together_stage_apart_and_commit_apart(tmp_path):
+    """Three async_saves before the first has written: none refused, each staged into host
+    buffers of its own (none overwrote another's), each committed under its own step and commit
+    number (they were numbered from the newest *committed* step: two got step 2), and once all
+    are written one set of buffers is kept. The order in which DCP's background threads plan is
+    not fixed, so which step holds which value is not asserted."""
     import threading
 
-    sd = {"w": torch.ones(4)}
     gate = threading.Event()
     writer = ResilientStorageWriter(tmp_path / "a")
     real = writer._write
@@ -429,12 +429,44 @@ def test_async_save_guard_holds_after_a_refusal_and_clears_after_a_failure(tmp_p
         return real(*a, **k)
 
     writer._write = held
-    first = dcp.async_save(sd, storage_writer=writer, checkpoint_id=1)
-    for step in (2, 3):
-        with pytest.raises(CheckpointWriteError, match="has not written its state yet"):
-            dcp.async_save({"w": torch.full((4,), float(step))}, storage_writer=writer)
+    futures = [
+        dcp.async_save({"w": torch.full((4,), float(v))}, storage_writer=writer) for v in (1, 2, 3)
+    ]
+    assert writer._pool.in_flight == 3
     gate.set()
-    first.result()
+    for f in futures:
+        f.result()
+    writer.close()
+    done = catalog.committed(catalog.scan(str(tmp_path / "a"), catalog.Depth.NONE))
+    assert sorted(e.step for e in done) == [1, 2, 3]
+    assert len({e.manifest.seq for e in done}) == 3
+    values = []
+    for e in done:
+        sd = {"w": torch.zeros(4)}
+        dcp.load(sd, storage_reader=ResilientStorageReader(tmp_path / "a", step=e.step))
+        assert len(set(sd["w"].tolist())) == 1
+        values.append(sd["w"][0].item())
+    assert sorted(values) == [1.0, 2.0, 3.0]
+    assert writer._pool.in_flight == 0 and len(writer._pool._idle) == 1
+
+
+def test_an_async_save_that_failed_before_writing_does_not_hold_back_the_next(tmp_path):
+    """A planner that raises, a ``checkpoint_id`` that is not a step, and a directory locked by
+    another writer each fail an async_save before it writes; the next async_save of the same
+    writer still saves (each used to be refused for good as "not written yet")."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class Broken(DefaultSavePlanner):
+        def create_local_plan(self):
+            raise RuntimeError("planner boom")
+
+    sd = {"w": torch.ones(4)}
+    writer = ResilientStorageWriter(tmp_path / "a")
+    with pytest.raises(BaseException, match="planner boom"):
+        dcp.async_save(sd, storage_writer=writer, planner=Broken()).result()
+    with pytest.raises(BaseException, match="checkpoint_id is the step to save"):
+        dcp.async_save(sd, storage_writer=writer, checkpoint_id="ckpts/step_5").result()
+    dcp.async_save(sd, storage_writer=writer).result()
     writer.close()
     done = catalog.committed(catalog.scan(str(tmp_path / "a"), catalog.Depth.NONE))
     assert [e.step for e in done] == [1]
@@ -445,5 +477,5 @@ def test_async_save_guard_holds_after_a_refusal_and_clears_after_a_failure(tmp_p
     with pytest.raises(BaseException, match="already has a writer open"):  # DCP's wrapping
         dcp.async_save(sd, storage_writer=other).result()
     holder.close()
-    dcp.async_save(sd, storage_writer=other).result()  # not refused as "in flight"
+    dcp.async_save(sd, storage_writer=other).result()
     other.close()

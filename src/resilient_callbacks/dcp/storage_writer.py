@@ -21,8 +21,10 @@ Files of a checkpoint: ``dcp/rank_NNNNN.safetensors`` (each rank's tensor chunks
 it.
 
 With ``dcp.async_save`` this writer is also the stager: the state is copied into host buffers
-that are reused from one save to the next (no new allocation per save). As with DCP's own
-stager, wait for a save's future before the next ``async_save``. With ``async_staging=True``
+that are reused from one save to the next (no new allocation per save). An ``async_save`` made
+before the previous one has written stages into a set of buffers of its own
+(:mod:`.staging_pool`); saves in flight together get distinct steps and commit numbers, and
+commit one at a time. With ``async_staging=True``
 the copy itself runs in the background (a helper thread; on a GPU, a side stream) and
 ``dcp.async_save`` returns an ``AsyncSaveResponse``: wait for ``staging_completion`` before
 anything changes the state.
@@ -51,11 +53,12 @@ from ..errors import CheckpointWriteError, ConfigError, UnsupportedStateError
 from ..manifest import FileEntry
 from ..reader import by_commit, committed
 from ..session import CommitSession, RankReport
-from ..snapshot import HostBuffers, Snapshot
+from ..snapshot import Snapshot
 from ..tensorfile import write_json, write_tensors
 from . import shards
 from .chunks import split
 from .metadata_json import METADATA_NAME, index_key, to_json
+from .staging_pool import BufferPool, Lease
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -113,10 +116,10 @@ class ResilientStorageWriter(StorageWriter):
         self.is_coordinator = True
         self.last_committed: str | None = None
         self._dir: Directory | None = None
-        self._session: CommitSession | None = None
-        self._buffers = HostBuffers()
-        self._staged_unwritten = False
-        self._lock = threading.Lock()
+        # the saves begun and not finished: staging path -> (session, the thread saving it)
+        self._sessions: dict[str, tuple[CommitSession, threading.Thread]] = {}
+        self._pool = BufferPool()
+        self._lock = threading.RLock()
         self._async = bool(async_staging)
 
     # ------------------------------------------------------------------ DCP's sequence
@@ -138,20 +141,7 @@ class ResilientStorageWriter(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # never chosen automatically: pass storage_writer=ResilientStorageWriter(...)
 
-    def _failed(self) -> None:
-        """A step of a save failed before write_data: nothing will be written from what
-        :meth:`stage` staged, so the next async_save may stage again."""
-        with self._lock:
-            self._staged_unwritten = False
-
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        try:
-            self._set_up(is_coordinator, **kwargs)
-        except BaseException:
-            self._failed()
-            raise
-
-    def _set_up(self, is_coordinator: bool, **kwargs: Any) -> None:
         if kwargs.get("use_collectives") is False:
             raise UnsupportedStateError(
                 "dcp.save(..., use_collectives=False) (each rank commits its own metadata) is "
@@ -166,12 +156,10 @@ class ResilientStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: open the directory (first time), create the staging directory."""
-        try:
+        """Coordinator: open the directory (first time), number the save, create its staging
+        directory."""
+        with self._lock:
             return self._global_plan(plans)
-        except BaseException:
-            self._failed()
-            raise
 
     def _global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self._dir is None:
@@ -184,35 +172,42 @@ class ResilientStorageWriter(StorageWriter):
             d.run_id = self.run_id
             self._dir = d
         d = self._dir
-        if self._session is not None and self._session.staging is not None:
-            self._session.strategy.abort(self._session.staging)  # a save that never finished
+        self._abort_abandoned()
+        in_flight = [s for s, _ in self._sessions.values()]
         step, self.step = self.step, None  # used by this save only
-        if step is None:
+        if step is None:  # after the newest step, committed or in flight
             steps = [e.step for e in committed(self.dirpath) if e.step is not None]
-            step = max(steps, default=0) + 1
+            step = max(steps + [s.step for s in in_flight], default=0) + 1
         assert self.run_id is not None
         session = CommitSession(
             self.dirpath,
             step,
             run_id=self.run_id,
             strategy=d.commit,
-            seq=d.seq + 1,
+            seq=max([d.seq] + [s.seq or 0 for s in in_flight]) + 1,
             after_commit=d.after_commit,
         )
         staging = session.begin_here()
-        self._session = session
+        self._sessions[staging] = (session, threading.current_thread())
         return [
             dataclasses.replace(p, storage_data={"staging": staging, "rank": i})
             for i, p in enumerate(plans)
         ]
 
+    def _abort_abandoned(self) -> None:
+        """Remove the staging directories of saves that will never finish: begun by a thread
+        that has ended (DCP's background save thread, after a failure) or by this one (a
+        ``dcp.save`` of this thread failed after its plan)."""
+        me = threading.current_thread()
+        for staging, (session, thread) in list(self._sessions.items()):
+            if thread is me or not thread.is_alive():
+                del self._sessions[staging]
+                session.strategy.abort(staging)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Every rank: write this rank's tensors (one safetensors file) and objects (one JSON
         file) into the staging directory through the core's hashing writers."""
-        try:
-            results = self._write(plan, planner)
-        finally:
-            self._staged_unwritten = False
+        results = self._write(plan, planner)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -220,10 +215,31 @@ class ResilientStorageWriter(StorageWriter):
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         where = plan.storage_data
         staging, rank = where["staging"], int(where["rank"])
-        tensor_name, json_name = _rank_files(rank)
         tensors: dict[str, torch.Tensor] = {}
         objects: dict[str, Any] = {}
         results: list[WriteResult] = []
+        storages: set[int] = set()  # what was read: staged host buffers end their lease
+        try:
+            self._collect(plan, planner, tensors, objects, results, storages)
+            files = self._write_files(staging, rank, tensors, objects)
+        finally:
+            self._pool.written(storages)
+        if results:  # this rank's files reach finish() with its first result
+            first = results[0]
+            data = {**first.storage_data, "files": [dataclasses.asdict(f) for f in files]}
+            results[0] = dataclasses.replace(first, storage_data=data)
+        return results
+
+    def _collect(
+        self,
+        plan: SavePlan,
+        planner: SavePlanner,
+        tensors: dict[str, torch.Tensor],
+        objects: dict[str, Any],
+        results: list[WriteResult],
+        storages: set[int],
+    ) -> None:
+        tensor_name, json_name = _rank_files(int(plan.storage_data["rank"]))
         for item in plan.items:
             key = index_key(item.index)
             if item.type == WriteItemType.BYTE_IO:
@@ -246,11 +262,18 @@ class ResilientStorageWriter(StorageWriter):
                 t = planner.resolve_data(item)
                 assert isinstance(t, torch.Tensor)
                 t = t.detach()
+                if t.numel():
+                    storages.add(t.untyped_storage().data_ptr())
                 if t.device.type != "cpu":
                     t = t.to("cpu")
                 tensors[key] = t.contiguous()
                 nbytes = t.numel() * t.element_size()
                 results.append(WriteResult(item.index, nbytes, {"file": tensor_name, "key": key}))
+
+    def _write_files(
+        self, staging: str, rank: int, tensors: dict[str, torch.Tensor], objects: dict[str, Any]
+    ) -> list[FileEntry]:
+        tensor_name, json_name = _rank_files(rank)
         files: list[FileEntry] = []
         os.makedirs(os.path.join(staging, DCP_DIR), exist_ok=True)
         if tensors:
@@ -261,19 +284,21 @@ class ResilientStorageWriter(StorageWriter):
         if objects:
             d = write_json(os.path.join(staging, json_name), objects)
             files.append(FileEntry(json_name, d.size, d.xxh3_64, rank, "structure"))
-        if results:  # this rank's files reach finish() with its first result
-            first = results[0]
-            data = {**first.storage_data, "files": [dataclasses.asdict(f) for f in files]}
-            results[0] = dataclasses.replace(first, storage_data=data)
-        return results
+        return files
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: ``dcp_metadata.json``, then the manifest last, rename, ``latest``,
         retention, upload queue."""
-        session = self._session
-        if session is None or session.staging is None:
-            raise CheckpointWriteError("finish() without prepare_global_plan() on this rank")
-        self._session = None
+        with self._lock:  # saves in flight together commit one at a time
+            self._finish(metadata, results)
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        me = threading.current_thread()
+        mine = [k for k, (_, thread) in self._sessions.items() if thread is me]
+        if not mine:
+            raise CheckpointWriteError("finish() without prepare_global_plan() in this thread")
+        session, _ = self._sessions.pop(mine[-1])
+        assert session.staging is not None
         storage: dict[MetadataIndex, dict[str, Any]] = {}
         reports: list[RankReport] = []
         for rank, rank_results in enumerate(results):
@@ -305,17 +330,21 @@ class ResilientStorageWriter(StorageWriter):
     def stage(
         self, state_dict: dict[str, Any]
     ) -> dict[str, Any] | concurrent.futures.Future[dict[str, Any]]:
-        """``dcp.async_save``: copy the state into this writer's reused host buffers. With
+        """``dcp.async_save``: copy the state into this writer's reused host buffers (another
+        set while an earlier save has not written from them: :mod:`.staging_pool`). With
         ``async_staging=True`` the copy runs in the background and this returns a future (DCP
         then returns an ``AsyncSaveResponse``: wait for its ``staging_completion`` before the
         state changes, e.g. before the next optimizer step)."""
-        with self._lock:
-            if self._staged_unwritten:  # refused: the save in flight keeps its buffers
-                raise CheckpointWriteError(
-                    "the previous dcp.async_save has not written its state yet: wait for its "
-                    "future (.result()) before the next async_save (the host buffers are reused)"
-                )
-            self._staged_unwritten = True
+        lease = self._pool.lease()
+        try:
+            return self._stage(state_dict, lease)
+        except BaseException:
+            self._pool.release(lease)
+            raise
+
+    def _stage(
+        self, state_dict: dict[str, Any], lease: Lease
+    ) -> dict[str, Any] | concurrent.futures.Future[dict[str, Any]]:
         tensors: dict[str, torch.Tensor] = {}
 
         def collect(obj: Any, path: str) -> None:
@@ -332,9 +361,9 @@ class ResilientStorageWriter(StorageWriter):
 
         def rebuild(obj: Any, path: str, copies: dict[str, torch.Tensor]) -> Any:
             if shards.is_sharded(obj):
-                return shards.rebuild(obj, copies[path])
+                return shards.rebuild(obj, lease.alias(copies[path]))
             if isinstance(obj, torch.Tensor):
-                return copies[path]
+                return lease.alias(copies[path])
             if isinstance(obj, dict):
                 return {k: rebuild(v, f"{path}/{k}", copies) for k, v in obj.items()}
             if isinstance(obj, list):
@@ -345,10 +374,11 @@ class ResilientStorageWriter(StorageWriter):
 
         collect(state_dict, "")
         every = {t.untyped_storage().data_ptr() for t in tensors.values() if t.numel()}
-        snap = Snapshot(tensors, self._buffers, overlap_storages=every if self._async else None)
+        snap = Snapshot(tensors, lease.buffers, overlap_storages=every if self._async else None)
         staged = rebuild(state_dict, "", snap.copies)
         if not self._async:
             snap.wait_host()  # GPU copies are in host memory before write_data reads them
+            lease.staged()
             return staged
         done: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
 
@@ -356,10 +386,10 @@ class ResilientStorageWriter(StorageWriter):
             try:
                 snap.wait_host()
             except BaseException as e:
-                with self._lock:
-                    self._staged_unwritten = False  # nothing will be written from it
+                self._pool.release(lease)  # nothing will be written from it
                 done.set_exception(e)
             else:
+                lease.staged()
                 done.set_result(staged)
 
         threading.Thread(target=complete, name="rc-dcp-staging", daemon=True).start()
@@ -373,9 +403,19 @@ class ResilientStorageWriter(StorageWriter):
     def close(self) -> None:
         """Remove the staging directory of a save that failed before ``finish`` (rank 0), wait
         for pending uploads and for retention's deletions, and release the directory lock."""
-        session, self._session = self._session, None
-        if session is not None and session.staging is not None:
-            session.strategy.abort(session.staging)
+        with self._lock:
+            sessions, self._sessions = self._sessions, {}
+        me = threading.current_thread()
+        live = [s for s, thread in sessions.values() if thread.is_alive() and thread is not me]
+        if live:
+            log.warning(
+                "ResilientStorageWriter.close(): %d save(s) still in flight (steps %s) will not "
+                "be committed: wait for dcp.async_save's future before close()",
+                len(live),
+                [s.step for s in live],
+            )
+        for staging, (session, _) in sessions.items():
+            session.strategy.abort(staging)
         d, self._dir = self._dir, None
         if d is not None:
             try:
