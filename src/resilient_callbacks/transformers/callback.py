@@ -43,7 +43,7 @@ from .. import rng
 from ..adapter import check_options
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
-from . import checks, hooks, trainer_state, under_deepspeed
+from . import checks, hooks, phases, trainer_state, under_deepspeed
 from .data import ResumableBatches, make_resumable
 from .trainer_state import FORMAT, METRIC_PREFIX, STATE_FIELDS  # noqa: F401 (their old home)
 
@@ -154,6 +154,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._epoch_ended = False
         self._step_metrics: dict[str, float] = {}
         self._logged_commit: int | None = None  # the committed step the last save log named
+        self._home = ""  # the dirpath of this process's first training (phases.py)
 
     # ------------------------------------------------------------------ public
 
@@ -166,8 +167,7 @@ class ResilientCheckpoint(TrainerCallback):
     # ------------------------------------------------------------------ events
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # Fired by Trainer.__init__ for Trainer(callbacks=[...]): the earliest point that sees
-        # the training data (add_callback after construction fires nothing; on_train_begin checks).
+        # Fired by Trainer.__init__ for Trainer(callbacks=[...]), the earliest to see the data
         trainer = self._attached or hooks.find_trainer(self, required=False)
         if trainer is not None:
             checks.check_train_dataset(getattr(trainer, "train_dataset", None))
@@ -183,8 +183,7 @@ class ResilientCheckpoint(TrainerCallback):
             control.should_save = False
         self._updates += 1
         batches = min(self._updates * args.gradient_accumulation_steps, self._steps_in_epoch)
-        # What the Trainer computes from its own batch counter; after a resume mid-epoch that
-        # counter starts at the resume point, so set the epoch-relative value.
+        # The Trainer's batch counter starts at the resume point: set the epoch-relative value
         state.epoch = self._epoch + batches / self._steps_in_epoch
         self._pending = state.global_step
         self._step_metrics = {}
@@ -213,6 +212,7 @@ class ResilientCheckpoint(TrainerCallback):
                 trainer.log(trainer_state.save_logs(ckpt, committed_only=True))
             if "logger" in ckpt.telemetry_kinds:
                 trainer.log(ckpt.metrics())
+            phases.finished(self._home, trainer.model)
         self._finish()
 
     # ------------------------------------------------------------------ begin
@@ -226,7 +226,8 @@ class ResilientCheckpoint(TrainerCallback):
         options, self._save_every_epoch = checks.resolved_options(own, args, state)
         checks.warn_about_trainer_saves(args, self.trainer_checkpoints)
         checks.warn_about_monitor(options, args)
-        dirpath = checks.checkpoint_dir(own_dir, args)
+        self._home = checks.checkpoint_dir(own_dir, args)  # the first training's; phases.py
+        dirpath, options = phases.place(self._home, trainer.model, options)
 
         self._loader = loader
         self._batches = make_resumable(loader.batch_sampler)
@@ -281,8 +282,7 @@ class ResilientCheckpoint(TrainerCallback):
             k.startswith("eval_") for e in state.log_history for k in e
         ):
             # The uninterrupted run made its evaluation loader's one iterator at its first
-            # evaluation and reset it later without a draw; so must this run's first one not
-            # draw from the global RNG (its base seed from a throwaway generator)
+            # evaluation, later reset without a draw: this run's first draws from a throwaway
             hooks.wrap(trainer, "get_eval_dataloader", hooks.eval_loader_without_draw)
         if getattr(trainer.args, "eval_on_start", False):
             # the run evaluated at its start; a resumed one must not again (a second eval entry

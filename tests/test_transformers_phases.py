@@ -1,0 +1,75 @@
+"""Two ``trainer.train()`` calls of one model in one process (a second stage, a notebook): the
+second starts a new training at step 0 from the weights in memory, with the callback as without
+it, and saves into ``<dirpath>/train-2``; the same calls made again after a crash in the second
+training resume each training from its own directory, exactly. (It used to resume the finished
+first training: nothing trained, its metrics returned again.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import TrainerCallback
+
+import hf_train
+from resilient_callbacks import catalog
+from resilient_callbacks.transformers import ResilientCheckpoint, phases
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class _Crash(TrainerCallback):
+    """Raises at ``step`` of the training made while ``armed``."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.armed = step, False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.armed and state.global_step == self.step:
+            raise RuntimeError("crash in the second training")
+
+
+def _two_trainings(outdir, cb=None, crash=None):
+    trainer = hf_train.build_trainer(str(outdir), 4, callbacks=[c for c in (cb, crash) if c])
+    first = trainer.train()
+    trainer.args.learning_rate = 0.01  # a second stage with other settings
+    if crash is not None:
+        crash.armed = True
+    second = trainer.train()
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    return first.training_loss, second.training_loss, weights
+
+
+def _steps(d) -> list[int]:
+    return [e.step for e in catalog.committed(catalog.scan(str(d), catalog.Depth.NONE))]
+
+
+def test_a_second_training_trains_as_without_the_callback_and_resumes_exactly(tmp_path):
+    ref = _two_trainings(tmp_path / "ref")
+    ck = tmp_path / "ck"
+    got = _two_trainings(tmp_path / "cb", ResilientCheckpoint(ck, every_n_steps=2))
+    assert got[:2] == ref[:2] and ref[0] != ref[1]
+    assert all(torch.equal(got[2][k], v) for k, v in ref[2].items())
+    assert _steps(ck) == [2, 4] and _steps(ck / "train-2") == [2, 4]
+
+    # the same calls, with a crash at step 3 of the second training; then again, as a new
+    # process would (nothing of this process's trainings remembered)
+    ck = tmp_path / "ck2"
+    with pytest.raises(RuntimeError, match="crash in the second training"):
+        _two_trainings(tmp_path / "cb2", ResilientCheckpoint(ck, every_n_steps=2), _Crash(3))
+    phases._FINISHED.clear()
+    cb = ResilientCheckpoint(ck, every_n_steps=2)
+    again = _two_trainings(tmp_path / "cb2", cb)
+    assert cb.restored_step == 2  # the second training resumed from train-2's step 2
+    assert again[1] == ref[1]
+    assert all(torch.equal(again[2][k], v) for k, v in ref[2].items())
