@@ -418,7 +418,9 @@ def _wait_for(pred: Any, what: str, timeout: float = 30.0) -> None:
 # ----------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "background"])
+@pytest.mark.parametrize(  # suite time budget: sync -m slow
+    "async_save", [pytest.param(False, marks=pytest.mark.slow), True], ids=["sync", "background"]
+)
 def test_random_sigkills_during_saves_never_tear_or_lose_a_checkpoint(tmp_path, zygote, async_save):
     """With background saves a logged "saved" step is one whose snapshot was taken: the commit
     of the step before it is complete (one save in flight at most), its own may or may not be.

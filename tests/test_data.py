@@ -226,6 +226,7 @@ def test_a_sharded_position_written_before_reshuffle_existed_keeps_its_order():
         )
 
 
+@pytest.mark.slow  # suite time budget (rank changes run by default in test_lightning_reshard.py)
 @pytest.mark.distributed
 def test_a_loader_saved_on_two_ranks_goes_on_over_three(tmp_path):
     import json

@@ -77,6 +77,7 @@ def worker(root: str, out: str, total: int, mode: str) -> None:
     spawn_ranks.leave_group()
 
 
+@pytest.mark.slow  # suite time budget
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_second_optimizer_that_starts_later_is_not_given_state_and_resumes_exactly(tmp_path):

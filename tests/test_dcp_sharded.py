@@ -242,6 +242,7 @@ def test_save_on_two_ranks_resume_on_one_without_unpickling(tmp_path, capsys):
     assert (root / "step_000000006" / "manifest.json").exists()
 
 
+@pytest.mark.slow  # suite time budget: -m slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
@@ -360,6 +361,7 @@ def test_sigkill_mid_run_then_rerun_is_bit_identical_and_a_flipped_byte_falls_ba
     assert "rank_00001.safetensors" in logs and "falling back" in logs
 
 
+@pytest.mark.slow  # suite time budget: -m slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_fsdp1_sharded_tensors_go_from_two_ranks_to_one_and_back(tmp_path):
@@ -400,6 +402,7 @@ def test_fsdp1_sharded_tensors_go_from_two_ranks_to_one_and_back(tmp_path):
     assert "deprecating ShardedTensor" not in logs  # our reads of them are quiet
 
 
+@pytest.mark.slow  # suite time budget: -m slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_fsdp1_with_a_frozen_layer_and_bf16_goes_from_two_ranks_to_one_and_back(tmp_path):
@@ -421,7 +424,14 @@ def test_fsdp1_with_a_frozen_layer_and_bf16_goes_from_two_ranks_to_one_and_back(
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("refused", ["none@1", "raises@1", "differs@1"])
+@pytest.mark.parametrize(  # suite time budget: two of three -m slow
+    "refused",
+    [
+        pytest.param("none@1", marks=pytest.mark.slow),
+        "raises@1",
+        pytest.param("differs@1", marks=pytest.mark.slow),
+    ],
+)
 def test_fsdp1_saves_through_its_state_dict_when_a_rank_cannot_read_the_layout(tmp_path, refused):
     """One rank cannot read FSDP1's layout directly (``none``), fails to (``raises``), or finds
     it differs from FSDP1's own state dict (``differs``): every rank saves through FSDP1's state dict instead (one
@@ -470,6 +480,7 @@ def test_an_optimizer_without_state_resumes_with_the_learning_rate_it_had(tmp_pa
     _assert_killed_and_rerun_is_exact(tmp_path, **env)
 
 
+@pytest.mark.slow  # suite time budget: -m slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_parameter_without_optimizer_state_resumes_without_it(tmp_path):
@@ -488,7 +499,11 @@ def test_a_parameter_without_optimizer_state_resumes_without_it(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("sharding", "nprocs"),
-    [("fsdp2", 2), pytest.param("fsdp1", 2, marks=pytest.mark.slow), ("fsdp1", 1)],
+    [
+        pytest.param("fsdp2", 2, marks=pytest.mark.slow),
+        pytest.param("fsdp1", 2, marks=pytest.mark.slow),
+        ("fsdp1", 1),
+    ],
 )
 def test_a_model_the_checkpoint_does_not_fit_is_refused_by_name(tmp_path, sharding, nprocs):
     """One more layer than was saved: refused before anything is loaded, naming the tensors the

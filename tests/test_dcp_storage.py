@@ -314,6 +314,7 @@ def _assert_cli_reads_the_keys_and_exports_whole_tensors(tmp_path: Path, root: P
             assert torch.equal(got[f"optim.state.{fqn}.{st}"], v), k
 
 
+@pytest.mark.slow  # suite time budget
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_async_save_of_fsdp1_sharded_tensors_loads_on_one_rank(tmp_path):

@@ -279,6 +279,7 @@ def test_sigkill_once_then_resume_is_bit_exact(tmp_path, reference, loader):
     _assert_final_dir(tmp_path / "ckpt")
 
 
+@pytest.mark.slow  # suite time budget (sigkill once runs by default)
 @pytest.mark.parametrize("loader", ["resumable"])
 def test_sigkill_twice_then_resume_is_bit_exact(tmp_path, reference, loader):
     ref_losses, ref_params = reference(loader)

@@ -953,7 +953,7 @@ class _Job:
     "strategy",
     [
         "ddp",
-        "ddp-stateful-loader",
+        pytest.param("ddp-stateful-loader", marks=pytest.mark.slow),  # suite time budget
         # suite budget: lightning/sharded.py runs by default through DeepSpeedStrategy (ZeRO 3),
         # Sharded on 2 FSDP2 ranks through test_dcp_sharded.py
         pytest.param("fsdp2", marks=pytest.mark.slow),

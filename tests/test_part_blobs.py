@@ -484,6 +484,7 @@ def test_fsdp2_with_a_frozen_layer_writes_it_once_and_restores_exactly_on_2_and_
         assert str(e.status) == "valid", (e.name, e.problem)
 
 
+@pytest.mark.slow  # suite time budget
 def test_fsdp1_one_flat_parameter_whose_first_rank_holds_only_frozen_weights(tmp_path):
     """FSDP1 (``use_orig_params=True``) with the whole model one flat parameter: rank 0's even
     slice holds only the frozen layer, so its optimizer has no state while rank 1's has. The

@@ -18,6 +18,7 @@ import spawn_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
+@pytest.mark.slow  # suite time budget
 def test_unsharded_buffers_are_exported_and_a_misfit_is_refused_before_loading(tmp_path, capsys):
     from safetensors.torch import load_file
 

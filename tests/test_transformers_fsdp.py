@@ -25,6 +25,7 @@ from test_transformers_ddp import kill_and_rerun
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 
+@pytest.mark.slow  # suite time budget (FSDP2 kill/resume runs by default in test_dcp_sharded.py)
 def test_fsdp2_sigkill_mid_epoch_then_rerun_is_bit_exact_and_exports(tmp_path):
     work = kill_and_rerun(tmp_path, extra=("--fsdp",))
     entries = _committed(work / "out" / "ckpt")
