@@ -69,7 +69,16 @@ def test_report_html_png_json(killed_run: Path, tmp_path: Path, capsys):
     pytest.importorskip("matplotlib")
     html_path, png, js = tmp_path / "r.html", tmp_path / "r.png", tmp_path / "r.json"
     rc = cli(
-        ["report", str(killed_run), "-o", str(html_path), "--png", str(png), "--json", str(js)]
+        [
+            "report",
+            str(killed_run),
+            "--output",
+            str(html_path),
+            "--png",
+            str(png),
+            "--json",
+            str(js),
+        ]
     )
     assert rc == 0, capsys.readouterr().err
     data = json.loads(js.read_text())
@@ -125,7 +134,10 @@ def test_report_of_an_in_process_run(tmp_path: Path, capsys):
                 time.sleep(0.01)  # the "training" between steps: useful time
                 ck.step(step, state)
     html_path, png, js = tmp_path / "r.html", tmp_path / "r.png", tmp_path / "r.json"
-    assert cli(["report", str(d), "-o", str(html_path), "--png", str(png), "--json", str(js)]) == 0
+    assert (
+        cli(["report", str(d), "--output", str(html_path), "--png", str(png), "--json", str(js)])
+        == 0
+    )
     s = json.loads(js.read_text())["summary"]
     assert s["lives"] == 2 and s["failures"] == 0 and s["clean_restarts"] == 1
     assert s["saves"] == 4 and s["final_step"] == 12 and 0 < s["goodput"] <= 1
@@ -198,7 +210,7 @@ def test_report_opens_in_a_headless_browser(killed_run: Path, tmp_path: Path):
     if tool.find_browser() is None:
         pytest.skip("no Chromium to render the page: apt-get install chromium")
     page = tmp_path / "r.html"
-    assert cli(["report", str(killed_run), "-o", str(page)]) == 0
+    assert cli(["report", str(killed_run), "--output", str(page)]) == 0
     shot = tmp_path / "shot.png"
     w, h = tool.screenshot(page, shot, width=1400)
     assert shot.read_bytes().startswith(PNG_MAGIC)
@@ -314,3 +326,19 @@ def test_report_of_a_run_restored_from_the_remote_on_a_new_machine(tmp_path: Pat
     assert s["history_begins_s"] >= 0.5 and s["wall_s"] >= s["history_begins_s"]
     assert s["useful_s"] < s["wall_s"]
     assert all(g["goodput"] is None or g["goodput"] <= 1 for g in rep["goodput"])
+
+
+def test_report_json_alone_prints_to_stdout_and_o_is_a_remote_option(
+    killed_run: Path, tmp_path: Path, capsys, monkeypatch
+):
+    """``--json`` with no FILE prints the numbers (no page written); ``-o`` is a remote-store
+    option as for ``ls``/``gc``, not the output file (``-o endpoint_url=...`` used to write a
+    page named after it)."""
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli(["report", str(killed_run), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["summary"]["failures"] >= 1
+    assert not os.path.exists("report.html")
+    with pytest.raises(SystemExit):
+        cli(["report", str(killed_run), "-o"])  # -o needs KEY=VALUE

@@ -385,9 +385,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(plots need matplotlib: pip install 'resilient-callbacks[report]'). docs/monitoring.md.",
     )
     p.add_argument("dir", metavar="DIR", help=DIR_HELP)
-    p.add_argument("-o", "--output", metavar="FILE", help="the HTML page (default report.html)")
+    p.add_argument("--output", metavar="FILE", help="the HTML page (default report.html)")
     p.add_argument("--png", metavar="FILE", help="also (or only) every plot in one PNG")
-    p.add_argument("--json", metavar="FILE", help="the report's numbers as JSON")
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        nargs="?",
+        const="-",
+        help="the report's numbers as JSON: to stdout, or into FILE",
+    )
     p.add_argument("--run", metavar="RUN_ID", help="the run to report (default: the newest)")
     p.add_argument("--remote", metavar="URL", help="also list this remote tier (fsspec URL)")
     p.add_argument(
@@ -396,12 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="check every local checkpoint's checksums (reads them all; default: sizes only, "
         "status 'unverified')",
     )
-    p.add_argument(
-        "--option",
-        metavar="KEY=VALUE",
-        action="append",
-        help=OPTION_HELP.replace("-o ", "--option "),
-    )
+    p.add_argument("-o", "--option", metavar="KEY=VALUE", action="append", help=OPTION_HELP)
     p.set_defaults(fn=cmd_report)
     return ap
 

@@ -32,6 +32,9 @@ from .reader import by_commit, check, unordered
 from .retention import Plan, RetentionPolicy, plan
 
 INCOMPLETE_NOTE = "not kept: removed when the next writer opens the directory, or by gc"
+NO_MANIFEST_NOTE = (
+    "not a committed checkpoint (never loaded): writers leave it alone, gc removes it"
+)
 
 
 def _policy(entries: list[Entry], keep_last: int | None) -> RetentionPolicy:
@@ -65,7 +68,8 @@ def _kept(e: Entry, p: Plan) -> dict[str, Any]:
 
 def _note(r: dict[str, Any]) -> str:
     if r["status"] == INCOMPLETE:
-        return f"{r['problem']}; {INCOMPLETE_NOTE}"
+        hidden = r["name"].startswith(".")  # staging or trash: ours, swept by the next writer
+        return f"{r['problem']}; {INCOMPLETE_NOTE if hidden else NO_MANIFEST_NOTE}"
     if r["status"] == CORRUPT:
         return r["problem"] or "-"
     if r.get("tier") == "remote":

@@ -47,6 +47,8 @@ def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs:
     its manifest, its checksums not read)."""
     st = store(url, pairs)
     remote = st.scan()
+    if not remote:  # a mistyped URL reads as an empty store: say so, not only "local-only"
+        print(f"resilient-ckpt: the remote {st.url} holds no checkpoint", file=sys.stderr)
     good = {e.key: e for e in remote if e.key is not None and e.problem is None}
     torn = {e.name for e in remote if e.manifest is None}
     local_keys = set()

@@ -1,4 +1,5 @@
-"""``resilient-ckpt report DIR [--remote URL] -o report.html [--png FILE] [--json FILE]``: the
+"""``resilient-ckpt report DIR [--remote URL [-o K=V]] [--output report.html] [--png FILE]
+[--json [FILE]]``: the
 goodput report of a run from its history and checkpoints (see :mod:`.report`)."""
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def report(args: argparse.Namespace) -> int:
     if data.get("missing"):  # a history file without one start of a run: nothing to plot
         raise CheckpointNotFoundError(f"{args.dir}: {data['missing']}")
     wrote = []
-    if args.json:
+    if args.json == "-":
+        print(json.dumps(data, indent=1, default=str))
+    elif args.json:
         _write(args.json, json.dumps(data, indent=1, default=str).encode())
         wrote.append(args.json)
     if args.output or args.png or not args.json:
@@ -60,7 +63,8 @@ def report(args: argparse.Namespace) -> int:
             f">= {s['work_lost_s_at_least']:.1f} s of work lost",
             file=sys.stderr,
         )
-    print("wrote " + ", ".join(wrote), file=sys.stderr)
+    if wrote:
+        print("wrote " + ", ".join(wrote), file=sys.stderr)
     return 0
 
 

@@ -170,7 +170,8 @@ def select(
     elif os.path.isdir(path):
         root = path
     else:
-        raise CheckpointNotFoundError(f"{path}: no such checkpoint directory")
+        what = "not a directory" if os.path.exists(path) else "no such checkpoint directory"
+        raise CheckpointNotFoundError(f"{path}: {what}")
     entries = committed(root)
     if only is not None:
         entries = [e for e in entries if e.name == only]

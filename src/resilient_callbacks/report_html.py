@@ -21,7 +21,7 @@ def _plt() -> Any:
         import matplotlib
     except ImportError:
         raise ConfigError(
-            "resilient-ckpt report draws its plots with matplotlib, which is not installed: "
+            "the report draws its plots with matplotlib, which is not installed: "
             "pip install 'resilient-callbacks[report]' (--json needs nothing more)"
         ) from None
     matplotlib.use("Agg")

@@ -129,7 +129,7 @@ def plan(
         if run_id is not None and c.run_id != run_id:
             mark(c, f"other run {c.run_id}")
         elif not c.valid:
-            mark(c, "corrupt: not counted; remove with `resilient-ckpt gc --remove-corrupt`")
+            mark(c, "corrupt: not counted; remove with `resilient-ckpt gc DIR --remove-corrupt`")
         else:
             mine.append(c)
         if c.name in protected:
