@@ -160,15 +160,28 @@ def main() -> int:
     )
 
     print("[3/3] same command again")
+    offset = os.path.getsize(log)
     if run_child(args, crash).wait() != 0:
         return 1
 
     a, _ = read_log(os.path.join(ref, "log.jsonl"))
     b, _ = read_log(log)
-    print(f"\n{'step':>5}  {'uninterrupted':>22}  {'killed + resumed':>22}")
+    with open(log) as f:
+        f.seek(offset)
+        resumed_from = json.loads(f.readline())["step"] - 1  # the re-run's first step, less one
+    print(
+        f"\n{'step':>5}  {'uninterrupted':>14}  {'killed run':>14}  {'re-run':>14}"
+        "   (losses compared bit for bit; 8 decimals shown)"
+    )
     for s in sorted(a):
-        mark = "" if a[s] == b.get(s) else "   <-- DIFFERENT"
-        print(f"{s:>5}  {a[s]:>22.17g}  {b.get(s, float('nan')):>22.17g}{mark}")
+        first = f"{killed_losses[s]:>14.8f}" if s in killed_losses else " " * 14
+        again = f"{b[s]:>14.8f}" if s > resumed_from and s in b else " " * 14
+        mark = "" if a[s] == b.get(s) and killed_losses.get(s, a[s]) == a[s] else "  DIFFERENT"
+        if s == resumed_from + 1:
+            mark += f"  <- re-run resumes here, from the checkpoint of step {resumed_from}"
+        if s == max(killed_losses, default=0):
+            mark += "  <- SIGKILL"
+        print(f"{s:>5}  {a[s]:>14.8f}  {first}  {again}{mark}")
     from safetensors.torch import load_file
 
     wa = load_file(os.path.join(ref, "final_weights.safetensors"))
