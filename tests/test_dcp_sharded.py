@@ -424,11 +424,11 @@ def test_fsdp1_with_a_frozen_layer_and_bf16_goes_from_two_ranks_to_one_and_back(
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(  # suite time budget: two of three -m slow
+@pytest.mark.parametrize(  # suite time budget: -m slow
     "refused",
     [
         pytest.param("none@1", marks=pytest.mark.slow),
-        "raises@1",
+        pytest.param("raises@1", marks=pytest.mark.slow),
         pytest.param("differs@1", marks=pytest.mark.slow),
     ],
 )
@@ -522,6 +522,7 @@ def test_a_model_the_checkpoint_does_not_fit_is_refused_by_name(tmp_path, shardi
     assert "CheckpointMismatchError" in logs and "model/5.weight: not in the checkpoint" in logs
 
 
+@pytest.mark.slow  # suite time budget
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_tensor_parallel_shards_and_replicas_go_from_two_ranks_to_one(tmp_path):

@@ -382,6 +382,7 @@ def test_a_changed_gradient_accumulation_count_gives_full_cycles_after_the_resum
     ]
 
 
+@pytest.mark.slow  # suite time budget
 @pytest.mark.distributed
 def test_the_launcher_leaves_an_engine_without_an_optimizer_plain(tmp_path: Path) -> None:
     """A script that also builds an inference-only engine (a teacher) from the sectioned config
@@ -392,6 +393,7 @@ def test_the_launcher_leaves_an_engine_without_an_optimizer_plain(tmp_path: Path
     assert max(e.step for e in committed(tmp_path / "b")) == 3  # every 3 steps, of 4
 
 
+@pytest.mark.slow  # suite time budget
 def test_save_on_exception_without_a_with_block_warns_that_it_cannot_save(tmp_path: Path) -> None:
     """A loop that is not inside ``with engine.resilient_checkpoint:`` (nor under the launcher)
     cannot see an exception: the first optimizer step says so, once, rather than nothing

@@ -46,7 +46,7 @@ def _per_epoch(records: list[dict]) -> dict[int, list[int]]:
     [
         # 2 ranks to step 13 (epoch 1, 3 batches in), 1 rank to 20 (inside the re-sharded rest),
         # 2 ranks to the end: 13 + 7 on 1 rank + 4 + 10 on 2 ranks
-        ([(2, 13), (1, 20), (2, -1)], 34, 10),
+        pytest.param([(2, 13), (1, 20), (2, -1)], 34, 10, marks=pytest.mark.slow),  # time budget
         # 2 ranks to step 10 (epoch 0's last batch), 1 rank to the end: 10 + 20 + 20
         pytest.param([(2, 10), (1, -1)], 50, 20, marks=pytest.mark.slow),
     ],

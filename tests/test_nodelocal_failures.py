@@ -90,6 +90,7 @@ def test_local_retention_catches_up_with_the_uploads(tmp_path):
         assert kept == ["step_000000010", "step_000000012", "step_000000014"], (node, kept)
 
 
+@pytest.mark.slow  # suite time budget
 def test_close_names_the_checkpoints_whose_remote_commit_was_given_up(tmp_path):
     """Both nodes upload their parts, then every remote commit fails: the committer gives up,
     and close() says which checkpoints are on the nodes' disks only (it said nothing, as if
@@ -116,6 +117,7 @@ def test_a_final_save_of_a_step_saved_already_is_committed_remotely(tmp_path):
         assert len([n for n in os.listdir(tmp_path / f"node{node}") if n.startswith("step_")]) == 3
 
 
+@pytest.mark.slow  # suite time budget
 def test_a_damaged_local_copy_is_fetched_again_by_its_node_only(tmp_path):
     """A byte flipped in node 1's copy of the newest checkpoint: the restore falls back to
     the same commit from the remote tier, which node 1 downloads while node 0 keeps using its

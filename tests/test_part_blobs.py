@@ -431,6 +431,7 @@ def fsdp_worker(root: str, out: str, total: int) -> None:
     spawn_ranks.leave_group()
 
 
+@pytest.mark.slow  # suite time budget
 def test_fsdp2_with_a_frozen_layer_writes_it_once_and_restores_exactly_on_2_and_1_ranks(
     tmp_path,
 ):
