@@ -480,3 +480,35 @@ def test_an_async_save_that_failed_before_writing_does_not_hold_back_the_next(tm
     holder.close()
     dcp.async_save(sd, storage_writer=other).result()
     other.close()
+
+
+def test_the_reader_fetches_from_the_remote_when_the_local_directory_is_gone(tmp_path, s3_remote):
+    """``ResilientStorageReader(..., remote=)`` on a machine whose directory is gone: the
+    newest remote checkpoint is downloaded (verified) and loaded; with the directory back and
+    ahead of the remote, nothing is downloaded."""
+    import shutil
+
+    url, options = s3_remote
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root, remote=url, remote_options=options) as writer:
+        for v in (1.0, 2.0):
+            dcp.save({"w": torch.full((4,), v), "epoch": int(v)}, storage_writer=writer)
+    shutil.rmtree(root)
+
+    sd = {"w": torch.zeros(4), "epoch": 0}
+    reader = ResilientStorageReader(root, remote=url, remote_options=options)
+    dcp.load(sd, storage_reader=reader)
+    assert (
+        reader.loaded_step == 2 and sd["epoch"] == 2 and torch.equal(sd["w"], torch.full((4,), 2.0))
+    )
+    assert [e.step for e in catalog.committed(catalog.scan(str(root), catalog.Depth.FULL))] == [2]
+
+    with ResilientStorageWriter(root) as writer:  # local only: ahead of the remote
+        dcp.save({"w": torch.full((4,), 3.0), "epoch": 3}, storage_writer=writer)
+    reader = ResilientStorageReader(root, remote=url, remote_options=options)
+    dcp.load(sd, storage_reader=reader)
+    assert reader.loaded_step == 3 and sd["epoch"] == 3
+    assert [e.step for e in catalog.committed(catalog.scan(str(root), catalog.Depth.NONE))] == [
+        2,
+        3,
+    ]

@@ -14,10 +14,9 @@ from . import catalog
 from .catalog import Depth, Entry, Status
 from .cli_format import CORRUPT, SIZES, UNVERIFIED, fmt_size, iso_time, print_json
 from .cli_scan import no_checkpoints, resolve
-from .commit import CKPT_RE, fsync_dir, remove_checkpoint
-from .errors import CheckpointError, CheckpointNotFoundError
+from .commit import CKPT_RE
+from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock
-from .manifest import read_manifest
 from .remote import RemoteStore
 
 
@@ -103,22 +102,20 @@ def _locked(path: str, what: str) -> DirLock | None:
 
 
 def pull(args: argparse.Namespace) -> int:
+    from . import pulling
+
     st = store(args.url, args.option)
-    remote = [e for e in st.scan() if e.manifest is not None]
-    if args.step is not None:
-        remote = [e for e in remote if e.manifest is not None and e.manifest.step == args.step]
-    usable = [e for e in remote if e.problem is None]
-    if not usable:
-        what = f"no checkpoint of step {args.step}" if args.step is not None else "no checkpoints"
-        bad = "" if not remote else f" ({len(remote)} with files missing or of the wrong size)"
-        raise CheckpointNotFoundError(f"{what} in {args.url}{bad}")
-    entry = usable[-1]
+    entry = pulling.usable(st, args.step)[-1]
     m = entry.manifest
     assert m is not None
-    lock = _locked(args.dir, "pull")
-    if lock is None:
+    try:
+        final, pulled = pulling.pull(st, entry, args.dir)
+    except CheckpointLockedError as err:
+        print(
+            f"resilient-ckpt pull: {err} (a running trainer syncs this directory itself)",
+            file=sys.stderr,
+        )
         return 1
-    final = os.path.join(args.dir, entry.name)
     summary = {
         "name": entry.name,
         "step": m.step,
@@ -126,33 +123,13 @@ def pull(args: argparse.Namespace) -> int:
         "bytes": m.total_bytes,
         "from": f"{st.url}/{entry.name}",
         "path": final,
-        "pulled": True,
+        "pulled": pulled,
         "status": "valid",
         "checked": "checksums",
     }
-    try:
-        if os.path.exists(os.path.join(final, "manifest.json")):
-            here = read_manifest(final)
-            if (here.run_id, here.seq) != entry.key:
-                raise CheckpointError(
-                    f"{final} holds another checkpoint; refusing to overwrite it (pull into an "
-                    "empty directory)"
-                )
-            try:
-                catalog.verify(final, here, Depth.FULL)
-            except CheckpointError:
-                remove_checkpoint(final)
-            else:
-                summary["pulled"] = False
-        if summary["pulled"]:
-            staging, _ = st.download(entry, args.dir, progress=None)
-            os.rename(staging, final)
-            fsync_dir(args.dir)
-    finally:
-        lock.release()
     if args.json:
         print_json(summary)
-    elif summary["pulled"]:
+    elif pulled:
         print(
             f"pulled {summary['from']} (step {m.step}, {fmt_size(m.total_bytes)}) -> {final}, "
             "every checksum verified"

@@ -61,7 +61,13 @@ class ResilientStorageReader(StorageReader):
     The ranks agree on the checkpoint with collectives of their own, which DCP does not tell
     the group of: give the reader what ``dcp.load`` gets -- ``process_group=`` (the ranks
     loading this checkpoint) or ``no_dist=True`` (one process loading alone in a job of
-    several)."""
+    several).
+
+    ``remote`` (an fsspec URL, the writer's ``remote=``; ``remote_options`` as there): rank 0
+    first downloads the remote's newest checkpoint (or that of ``step``) into ``dirpath`` when
+    ``dirpath`` holds nothing as new -- a new machine, a lost disk -- every checksum verified,
+    moved into place atomically. ``dirpath`` must be one directory every loading rank sees (a
+    local disk with one process, a shared filesystem); not while a writer is open on it."""
 
     def __init__(
         self,
@@ -70,10 +76,14 @@ class ResilientStorageReader(StorageReader):
         step: int | None = None,
         process_group: Any = None,
         no_dist: bool = False,
+        remote: str | None = None,
+        remote_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.dirpath = os.path.abspath(os.fspath(dirpath))
         self.step = step
+        self.remote = remote
+        self.remote_options = remote_options
         self.process_group = process_group
         self.no_dist = no_dist
         self.path: str | None = None
@@ -97,12 +107,37 @@ class ResilientStorageReader(StorageReader):
         root = self.dirpath
         if os.path.exists(os.path.join(root, MANIFEST_NAME)):
             return [root]
+        if self.remote is not None:
+            self._fetch_remote(root)
         if not os.path.isdir(root):
             raise CheckpointNotFoundError(f"{root}: no such checkpoint directory")
         entries = committed(root)
         if self.step is not None:
             return [find(entries, root, self.step).path]
         return [e.path for e in by_commit(entries)]
+
+    def _fetch_remote(self, root: str) -> None:
+        """Rank 0: download the remote's newest checkpoint (or ``step``'s) unless ``root``
+        holds it or a newer commit. A remote that cannot be read or fetched is said, and the
+        local checkpoints decide."""
+        from ..pulling import pull, usable
+        from ..remote import RemoteStore
+
+        try:
+            st = RemoteStore(self.remote or "", self.remote_options)
+            entry = usable(st, self.step)[-1]
+            assert entry.manifest is not None
+            local = [e.manifest for e in committed(root) if e.manifest is not None]
+            if any((m.run_id, m.seq) == entry.key for m in local):
+                return
+            if self.step is None and any(m.seq > entry.manifest.seq for m in local):
+                return  # the local directory is ahead of the remote
+            path, _ = pull(st, entry, root)
+            log.warning("dcp.load: fetched %s/%s into %s", st.url, entry.name, path)
+        except CheckpointNotFoundError:
+            return  # nothing remote
+        except Exception as e:
+            log.warning("dcp.load: the remote %s was not used: %s", self.remote, e)
 
     def read_metadata(self, *args: Any) -> Metadata:
         """Every rank: choose the checkpoint (verified, agreed) and read its metadata. (No

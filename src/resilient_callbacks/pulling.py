@@ -1,0 +1,63 @@
+"""Fetch a committed checkpoint from a remote store into a local directory, verified, moved
+into place atomically, under the directory's lock. One job, for ``resilient-ckpt pull`` and
+for readers that fall back to the remote tier (:class:`~.dcp.ResilientStorageReader`).
+
+Runs in one process (the caller's rank 0): no collective.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import catalog
+from .catalog import Depth
+from .commit import fsync_dir, remove_checkpoint
+from .errors import CheckpointError, CheckpointNotFoundError
+from .lock import DirLock
+from .manifest import read_manifest
+from .remote import RemoteEntry, RemoteStore
+
+
+def usable(st: RemoteStore, step: int | None = None) -> list[RemoteEntry]:
+    """The committed remote checkpoints whose listed sizes match their manifests (of ``step``
+    only, if given), oldest commit first; :class:`CheckpointNotFoundError` if there is none."""
+    remote = [e for e in st.scan() if e.manifest is not None]
+    if step is not None:
+        remote = [e for e in remote if e.manifest is not None and e.manifest.step == step]
+    good = [e for e in remote if e.problem is None]
+    if not good:
+        what = f"no checkpoint of step {step}" if step is not None else "no checkpoints"
+        bad = "" if not remote else f" ({len(remote)} with files missing or of the wrong size)"
+        raise CheckpointNotFoundError(f"{what} in {st.url}{bad}")
+    return good
+
+
+def pull(st: RemoteStore, entry: RemoteEntry, dirpath: str) -> tuple[str, bool]:
+    """Download ``entry`` into ``dirpath`` unless a verified copy of it is there already;
+    returns ``(local path, downloaded)``. Takes ``dirpath``'s lock (a running writer holds it:
+    :class:`CheckpointError` naming it). Never overwrites another checkpoint of that name."""
+    assert entry.manifest is not None
+    os.makedirs(dirpath, exist_ok=True)
+    lock = DirLock(dirpath)
+    lock.acquire()
+    final = os.path.join(dirpath, entry.name)
+    try:
+        if os.path.exists(os.path.join(final, "manifest.json")):
+            here = read_manifest(final)
+            if (here.run_id, here.seq) != entry.key:
+                raise CheckpointError(
+                    f"{final} holds another checkpoint; refusing to overwrite it (pull into an "
+                    "empty directory)"
+                )
+            try:
+                catalog.verify(final, here, Depth.FULL)
+            except CheckpointError:
+                remove_checkpoint(final)  # a damaged copy: fetched again
+            else:
+                return final, False
+        staging, _ = st.download(entry, dirpath, progress=None)
+        os.rename(staging, final)
+        fsync_dir(dirpath)
+        return final, True
+    finally:
+        lock.release()
