@@ -241,6 +241,10 @@ class AdaptiveSchedule:
             return self._exposure_s
         return max(self._exposure_s, time.time() - self._exposure_origin)
 
+    def blocking_cost_s(self) -> float | None:
+        """The save cost (median blocking seconds) the decision uses; None before a save."""
+        return median(self._costs) if self._costs else None
+
     def mtbf_estimate(self) -> float:
         """The MTBF (seconds) the schedule uses: ``mtbf_hours`` when given, else the learned one."""
         if self.mtbf_hours is not None:

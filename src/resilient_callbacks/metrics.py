@@ -187,14 +187,16 @@ METRICS: tuple[Metric, ...] = (
         "restarts_total",
         "counter",
         "restarts",
-        "resumes of this run from its checkpoints (the MTBF estimate counts each as a failure)",
+        "resumes of this run after a failure (a process that did not close cleanly); the MTBF "
+        "estimate counts each as a failure",
     ),
     # goodput
     _m(
         "useful_seconds_total",
-        "counter",
+        "gauge",  # goes down at a resume after a failure: the lost steps no longer count
         "seconds",
-        "training compute that counts: steps not lost to a failure, since the run's start",
+        "training compute that counts: steps not lost to a failure, since the run's start "
+        "(drops at a resume after a failure)",
     ),
     _m(
         "wall_seconds_total",

@@ -75,8 +75,12 @@ class Recorder:
         use and Daly's optimum for them."""
         ck = self._ck
         step_s = _median(ck._trigger.step_seconds)
-        cost = _median(ck._saver.save_seconds)
         sched = ck.schedule
+        # the cost the adaptive policy decides with (carried over restarts), else this
+        # process's saves
+        cost = sched.blocking_cost_s() if sched is not None else None
+        if cost is None:
+            cost = _median(ck._saver.save_seconds)
         if sched is not None:
             mtbf, source = sched.mtbf_estimate(), sched.mtbf_source()
             steps = sched.current_steps
@@ -111,10 +115,10 @@ class Recorder:
         ):
             if s[key] is not None:
                 t.set(PREFIX + name, s[key])
-        t.set(PREFIX + "restarts_total", self.failures)
-        useful = self.useful_s()
-        t.set(PREFIX + "useful_seconds_total", useful)
-        if self.run_start is not None:
+        if self.run_start is not None:  # the run's lineage is known (after restore() or a start)
+            t.set(PREFIX + "restarts_total", self.failures)
+            useful = self.useful_s()
+            t.set(PREFIX + "useful_seconds_total", useful)
             wall = max(time.time() - self.run_start, 1e-9)
             t.set(PREFIX + "wall_seconds_total", wall)
             t.set(PREFIX + "goodput_ratio", min(1.0, useful / wall))

@@ -171,6 +171,7 @@ def analyse(
                     "interval_used_s": interval,
                     "cost_s": _num(r.get("cost_s")),
                     "mtbf_s": _num(r.get("mtbf_s")),
+                    "mtbf_source": r.get("mtbf_source"),
                     "optimal_interval_s": _num(r.get("optimal_interval_s")),
                     "interval_steps": r.get("interval_steps"),
                 }
@@ -206,6 +207,9 @@ def analyse(
     mtbf_obs = exposure / n_fail if n_fail else None
     cost = statistics.median(blocking) if blocking else None
     mtbf_est = (DEFAULT_PRIOR_MTBF_HOURS * HOUR + exposure) / (1 + n_fail)
+    given = [s["mtbf_s"] for s in saves if s["mtbf_source"] == "user" and s["mtbf_s"]]
+    if given:  # mtbf_hours= was given: the policy used it, not the prior-weighted estimate
+        mtbf_est = given[-1]
     used = [s["interval_used_s"] for s in saves if s["interval_used_s"]]
     summary = {
         "run_id": run,
@@ -229,6 +233,7 @@ def analyse(
         "finished_cleanly": ls[-1].ended_cleanly,
         "mtbf_observed_s": mtbf_obs,
         "mtbf_estimate_s": mtbf_est,
+        "mtbf_estimate_source": "user" if given else "prior-weighted",
         "daly_interval_observed_s": _daly(cost, mtbf_obs) if cost and mtbf_obs else None,
         "daly_interval_estimate_s": _daly(cost, mtbf_est) if cost else None,
         "median_interval_used_s": statistics.median(used) if used else None,

@@ -84,6 +84,7 @@ class MLflowSink:
             active = mlflow.active_run()  # thread-local: read here, on the caller's thread
             if active is not None:
                 run_id = active.info.run_id
+        self._tag_keys: set[str] | None = None  # event tags already on the run
         self.run_id = run_id
         self.name = f"mlflow {self.tracking_uri}"
         self._client: Any = None
@@ -113,7 +114,9 @@ class MLflowSink:
         metrics = [
             MLMetric(k.replace("/", "."), v, now, step) for k, v in flat.items() if math.isfinite(v)
         ]
-        tags = [RunTag(*_event_tag(e)) for e in self._pending]
+        if self._tag_keys is None:  # the events earlier processes of this run tagged
+            self._tag_keys = set(self._client.get_run(self.run_id).data.tags)
+        tags = [RunTag(*_event_tag(e, self._tag_keys)) for e in self._pending]
         for i in range(0, max(len(metrics), len(tags)), 100):  # MLflow's batch limits
             self._client.log_batch(
                 self.run_id, metrics=metrics[i : i + 100], tags=tags[i : i + 100]
@@ -264,10 +267,17 @@ class MLflowSink:
         )
 
 
-def _event_tag(e: Mapping[str, Any]) -> tuple[str, str]:
+def _event_tag(e: Mapping[str, Any], taken: set[str]) -> tuple[str, str]:
+    """The tag of an event; one that recurs at the same step (a crash loop restoring the same
+    checkpoint, several fallbacks) gets ``.2``, ``.3``, ... instead of overwriting the first."""
     kind = str(e.get("event", "event"))
     step = e.get("step")
-    key = f"resilient_ckpt.{kind}" + (f".step_{step}" if step is not None else "")
+    key = base = f"resilient_ckpt.{kind}" + (f".step_{step}" if step is not None else "")
+    n = 1
+    while key in taken:
+        n += 1
+        key = f"{base}.{n}"
+    taken.add(key)
     value = {k: v for k, v in e.items() if k not in ("event",)}
     return key, json.dumps(value, default=str)[:5000]
 
