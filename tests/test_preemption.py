@@ -744,3 +744,45 @@ def test_a_signal_handler_installed_after_the_checkpointer_is_warned_about(tmp_p
                 ck.step(3, state)  # once
         finally:
             signal.signal(signal.SIGTERM, before)
+
+
+_TWO_CHECKPOINTERS = """
+import os, signal, sys, torch
+from resilient_callbacks import Checkpointer
+first_stays = sys.argv[2] == "first-stays"
+sa, sb = {"t": torch.zeros(2)}, {"u": torch.zeros(2)}
+a = Checkpointer(os.path.join(sys.argv[1], "a"), every_n_steps=100, exit_on_preemption=not first_stays)
+b = Checkpointer(os.path.join(sys.argv[1], "b"), every_n_steps=100)
+a.restore(sa); b.restore(sb)
+for s in range(1, 20):
+    sa["t"].fill_(s); sb["u"].fill_(s)
+    if s == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+    a.step(s, sa)
+    b.step(s, sb)
+"""
+
+
+@pytest.mark.parametrize("how", ["default", "first-stays"])
+def test_two_checkpointers_in_one_process_exit_75_on_sigterm(tmp_path, how):
+    """Two Checkpointers in one loop, SIGTERM: the process exits 75 either way (it was 143: the
+    second's close() passed the signal on as unanswered), the unsaved one is named; with
+    exit_on_preemption=False on the first, both save step 5."""
+    script = tmp_path / "two.py"
+    script.write_text(_TWO_CHECKPOINTERS)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), how],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert r.returncode == 75, r.stderr[-2000:]
+    saved = {d: sorted(n for n in os.listdir(tmp_path / d) if n.startswith("step_")) for d in "ab"}
+    if how == "default":
+        assert saved == {"a": ["step_000000005"], "b": []}
+        assert "was not saved at this preemption" in r.stderr and str(tmp_path / "b") in r.stderr
+    else:
+        assert saved == {"a": ["step_000000005"], "b": ["step_000000005"]}

@@ -16,7 +16,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from . import catalog
+from . import catalog, emergency
 from .catalog import Depth
 from .nodelocal import NodeDirectory
 
@@ -144,7 +144,18 @@ def _release(ck: Checkpointer) -> None:
     if ck.watcher is not None:
         unanswered = ck.watcher.request if not ck.preempted else None
         ck.watcher.uninstall()
-        if unanswered is not None and unanswered.signum is not None:
+        if unanswered is not None and emergency.EXITING[0]:
+            # another Checkpointer of this process answered it: its emergency save, and the
+            # process exiting with the preemption code. This one was not stepped again.
+            log.warning(
+                "preemption (%s): another Checkpointer of this process saved and is exiting; "
+                "%s was not saved at this preemption (its newest checkpoint stays). Checkpoint "
+                "one loop's state with one Checkpointer, or give the others "
+                "exit_on_preemption=False: each then saves at its next step()",
+                unanswered.source,
+                ck.dirpath,
+            )
+        elif unanswered is not None and unanswered.signum is not None:
             # it arrived during close(), after the last step that could act on it: the
             # handler it would have reached without us gets it now, rather than no one
             log.warning(
