@@ -10,6 +10,9 @@ sees the restored history and keeps feeding the next checkpoint.
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
 from typing import Any
 
@@ -36,7 +39,10 @@ def apply(
 ) -> None:
     """Load a checkpoint into the live objects of ``state`` in place. ``resolve(node)`` decodes
     a structure node (tensors already loaded). Containers are updated, not replaced, so
-    references the training loop holds stay valid."""
+    references the training loop holds stay valid. Keys a plain dict had and the checkpoint's
+    did not are removed (the saved run had dropped them, or new code adds them): a warning
+    names them."""
+    removed: list[str] = []
 
     def load_into(obj: Any, n: Any, path: tuple[Any, ...]) -> Any:
         """Returns the value that should replace ``obj`` in its container (``obj`` itself if it
@@ -74,7 +80,7 @@ def apply(
             return obj
         if not _has_live_objects(obj):  # plain data: merged in place, at every depth
             value = resolve(n)
-            return obj if merge_plain(obj, value) else value
+            return obj if merge_plain(obj, value, path, removed) else value
         if isinstance(obj, MutableMapping):
             items = _node_items(n)
             assert items is not None  # check_fits ran first
@@ -106,6 +112,15 @@ def apply(
         return resolve(n)
 
     new_root = load_into(state, structure, ())
+    if removed:
+        warnings.warn(
+            f"restore: {', '.join(removed[:10])}{' ...' if len(removed) > 10 else ''} not in "
+            "the checkpoint: removed, so the state is the saved one. A key your new code adds "
+            "to a dict of plain values is not in checkpoints of the old code: set it after "
+            "restore() (e.g. state['extra'].setdefault(key, default))",
+            UserWarning,
+            stacklevel=_caller_stacklevel(),
+        )
     if not same_value(new_root, state):
         raise CheckpointMismatchError(
             "the state passed to restore() must be a container (dict/list) or an object with "
@@ -113,16 +128,30 @@ def apply(
         )
 
 
-def merge_plain(obj: Any, value: Any) -> bool:
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this package (from a warn() call made
+    in the function calling this one): the user's call of restore(), or the framework's."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def merge_plain(
+    obj: Any, value: Any, path: tuple[Any, ...] = (), removed: list[str] | None = None
+) -> bool:
     """Make the plain container ``obj`` equal to the decoded ``value`` in place, recursing into
     the dicts and lists both hold at the same key or index, so nested containers keep their
     identity too. Returns False where ``obj`` is not a container of ``value``'s kind (the caller
-    puts ``value`` in its place)."""
+    puts ``value`` in its place). The paths of dict keys removed are added to ``removed``."""
     if isinstance(obj, MutableMapping) and isinstance(value, Mapping):
         for k in [k for k in obj if k not in value]:
             del obj[k]
+            if removed is not None:
+                removed.append(path_str((*path, k)))
         for k, v in value.items():
-            if not (k in obj and merge_plain(obj[k], v)):
+            if not (k in obj and merge_plain(obj[k], v, (*path, k), removed)):
                 obj[k] = v
         return True
     if isinstance(obj, list) and isinstance(value, list):
@@ -130,7 +159,7 @@ def merge_plain(obj: Any, value: Any) -> bool:
         for i, v in enumerate(value):
             if i == len(obj):
                 obj.append(v)
-            elif not merge_plain(obj[i], v):
+            elif not merge_plain(obj[i], v, (*path, i), removed):
                 obj[i] = v
         return True
     return False
