@@ -301,6 +301,13 @@ def test_options_a_resume_cannot_honour_are_refused():
         ResumableDataLoader(ds, 4, num_workers=2, in_order=False)
     with pytest.raises(ValueError, match="batch_size=None"):
         ResumableDataLoader(ds, batch_size=None)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    with pytest.raises(ValueError, match="needs a map-style dataset"):  # was torch's len() error
+        ResumableDataLoader(Stream(), 4)
     saved = ResumableDataLoader(ds, 4, seed=3)
     next(iter(saved))
     for other in (

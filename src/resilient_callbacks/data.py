@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 import xxhash
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from .sampler import ResumableSampler
 
@@ -106,6 +106,12 @@ class ResumableDataLoader(DataLoader):
         passes_are_epochs: bool = False,
         **kwargs: Any,
     ) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(
+                f"ResumableDataLoader needs a map-style dataset (__len__ and __getitem__): "
+                f"{type(dataset).__name__} is an IterableDataset, whose position only it knows. "
+                "Give it state_dict()/load_state_dict() and checkpoint it in the state instead"
+            )
         for bad in ("sampler", "batch_sampler"):
             if kwargs.get(bad) is not None:
                 raise ValueError(f"ResumableDataLoader makes its own {bad}; do not pass {bad}=")
