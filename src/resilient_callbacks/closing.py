@@ -16,7 +16,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from . import catalog, emergency
+from . import catalog
 from .catalog import Depth
 from .nodelocal import NodeDirectory
 
@@ -144,7 +144,7 @@ def _release(ck: Checkpointer) -> None:
     if ck.watcher is not None:
         unanswered = ck.watcher.request if not ck.preempted else None
         ck.watcher.uninstall()
-        if unanswered is not None and emergency.EXITING[0]:
+        if unanswered is not None and ck.watcher.answered_elsewhere:
             # another Checkpointer of this process answered it: its emergency save, and the
             # process exiting with the preemption code. This one was not stepped again.
             log.warning(

@@ -31,9 +31,6 @@ if TYPE_CHECKING:
     from .config import CheckpointerConfig
 
 log = logging.getLogger("resilient_callbacks")
-
-# set once a Checkpointer of this process saved for a preemption and is exiting with its code
-EXITING = [False]
 LATE_S = 5.0  # a preemption acted on later than this after it arrived is logged
 
 GRACE_ENV = "RESILIENT_GRACE_PERIOD_S"  # default grace period (s) when grace_period is None
@@ -259,7 +256,8 @@ class Emergency:
             # uploads may use what is left of the grace period, keeping a margin to exit;
             # freeing older checkpoints' space may not (the next writer sweeps what is left)
             ck._dir.trash.abandon()
-            EXITING[0] = True  # other Checkpointers of this process: the request is answered
+            if watcher is not None:
+                watcher.answered()  # for the other Checkpointers of this process too
             ck.close(timeout=None if left is None else max(0.0, left - 5.0))
             raise SystemExit(ck.config.preemption_exit_code)
         return saved

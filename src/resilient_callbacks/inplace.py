@@ -14,6 +14,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -132,7 +133,8 @@ def _caller_stacklevel() -> int:
     """The ``stacklevel`` of the first frame outside this package (from a warn() call made
     in the function calling this one): the user's call of restore(), or the framework's."""
     package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level

@@ -192,7 +192,7 @@ METRICS: tuple[Metric, ...] = (
     ),
     # goodput
     _m(
-        "useful_seconds_total",
+        "useful_seconds",
         "gauge",  # goes down at a resume after a failure: the lost steps no longer count
         "seconds",
         "training compute that counts: steps not lost to a failure, since the run's start "
@@ -208,7 +208,7 @@ METRICS: tuple[Metric, ...] = (
         "goodput_ratio",
         "gauge",
         "ratio",
-        "useful_seconds_total / wall_seconds_total: 1 means no time lost to checkpoints, "
+        "useful_seconds / wall_seconds_total: 1 means no time lost to checkpoints, "
         "failures or restarts",
     ),
 )

@@ -118,7 +118,7 @@ class Recorder:
         if self.run_start is not None:  # the run's lineage is known (after restore() or a start)
             t.set(PREFIX + "restarts_total", self.failures)
             useful = self.useful_s()
-            t.set(PREFIX + "useful_seconds_total", useful)
+            t.set(PREFIX + "useful_seconds", useful)
             wall = max(time.time() - self.run_start, 1e-9)
             t.set(PREFIX + "wall_seconds_total", wall)
             t.set(PREFIX + "goodput_ratio", min(1.0, useful / wall))

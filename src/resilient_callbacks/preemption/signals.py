@@ -185,6 +185,8 @@ class PreemptionWatcher:
         self._order = 0
         self._handler = self._on_signal  # one bound-method object, so `is` finds it later
         self._replaced: set[str] = set()  # signals whose handler another one replaced (warned)
+        # the pending request was answered by another watcher's Checkpointer (saved, exiting)
+        self.answered_elsewhere = False
 
     # -------------------------------------------------------------- install / uninstall
 
@@ -341,6 +343,13 @@ class PreemptionWatcher:
                     stacklevel=stacklevel + 1,
                 )
         return bool(self._events)
+
+    def answered(self) -> None:
+        """This watcher's Checkpointer saved for the pending request and the process exits:
+        the other watchers of this process holding a request have it answered too."""
+        for w in list(_installed):
+            if w is not self and w._events:
+                w.answered_elsewhere = True
 
     @property
     def request(self) -> PreemptionRequest | None:
