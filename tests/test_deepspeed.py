@@ -990,3 +990,16 @@ def test_the_launchers_loader_is_deepspeeds_and_an_epoch_loop_resumes_exactly(tm
     assert restored(tmp_path / "kill")["step"] == 4  # epoch 1 (0-based), one step into it
     assert "resilient_callbacks: resumed at step 4" in out[0]  # through DeepSpeed's logger
     assert_same_run(tmp_path / "full", tmp_path / "kill", 2)
+
+
+def test_the_module_launchers_help_is_plain_text(capsys) -> None:
+    """``python -m resilient_callbacks.deepspeed.run --help`` prints the usage without the
+    docstring's reStructuredText marks (it printed ``code`` and :mod: roles)."""
+    from resilient_callbacks.deepspeed import run
+
+    with pytest.raises(SystemExit) as e:
+        run.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("python -m resilient_callbacks.deepspeed.run SCRIPT")
+    assert "``" not in out and ":mod:" not in out

@@ -15,10 +15,17 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import runpy
 import sys
 
 log = logging.getLogger("resilient_callbacks")
+
+
+def _usage() -> str:
+    """The module docstring as plain text for a terminal: ``code`` marks and roles removed."""
+    text = re.sub(r":[a-z]+:`[.~]?([^`]+)`", r"\1", __doc__ or "")
+    return text.replace("``", "").strip()
 
 
 def split_argv(argv: list[str]) -> tuple[str, list[str]]:
@@ -35,7 +42,7 @@ def split_argv(argv: list[str]) -> tuple[str, list[str]]:
             moved.append(argv[i])
             i += 1
     if i >= len(argv):
-        print(__doc__.strip(), file=sys.stderr)
+        print(_usage(), file=sys.stderr)
         raise SystemExit(2)
     return argv[i], [argv[i], *moved, *argv[i + 1 :]]
 
@@ -43,7 +50,7 @@ def split_argv(argv: list[str]) -> tuple[str, list[str]]:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
+        print(_usage())
         raise SystemExit(0)
     script, script_argv = split_argv(argv)
     if not os.path.isfile(script):
