@@ -416,9 +416,10 @@ def test_the_writer_says_it_cannot_go_to_another_process(tmp_path):
 def test_async_saves_in_flight_together_stage_apart_and_commit_apart(tmp_path):
     """Three async_saves before the first has written: none refused, each staged into host
     buffers of its own (none overwrote another's), each committed under its own step and commit
-    number (they were numbered from the newest *committed* step: two got step 2), and once all
-    are written one set of buffers is kept. The order in which DCP's background threads plan is
-    not fixed, so which step holds which value is not asserted."""
+    number (they were numbered from the newest *committed* step: two got step 2), in call
+    order (each save waits for the previous one's thread: on several ranks, two saves running
+    DCP's collectives on one group at once hung), and once all are written one set of buffers
+    is kept."""
     import threading
 
     gate = threading.Event()
@@ -447,7 +448,7 @@ def test_async_saves_in_flight_together_stage_apart_and_commit_apart(tmp_path):
         dcp.load(sd, storage_reader=ResilientStorageReader(tmp_path / "a", step=e.step))
         assert len(set(sd["w"].tolist())) == 1
         values.append(sd["w"][0].item())
-    assert sorted(values) == [1.0, 2.0, 3.0]
+    assert values == [1.0, 2.0, 3.0]  # step k holds the k-th save's state
     assert writer._pool.in_flight == 0 and len(writer._pool._idle) == 1
 
 

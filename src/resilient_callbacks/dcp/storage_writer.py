@@ -63,6 +63,7 @@ from .staging_pool import BufferPool, Lease
 log = logging.getLogger("resilient_callbacks")
 
 DCP_DIR = "dcp"
+_DCP_ASYNC_THREAD = "AsyncCheckpointExecutor"  # the name of dcp.async_save's save threads
 
 
 def _rank_files(rank: int) -> tuple[str, str]:
@@ -119,6 +120,7 @@ class ResilientStorageWriter(StorageWriter):
         # the saves begun and not finished: staging path -> (session, the thread saving it)
         self._sessions: dict[str, tuple[CommitSession, threading.Thread]] = {}
         self._pool = BufferPool()
+        self._saving: threading.Thread | None = None  # the thread of the newest save begun
         self._lock = threading.RLock()
         self._async = bool(async_staging)
 
@@ -151,6 +153,18 @@ class ResilientStorageWriter(StorageWriter):
             )
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", dist.rank()))
+        self._after_previous_save()
+
+    def _after_previous_save(self) -> None:
+        """Every rank, before this save's first collective: wait for this writer's previous
+        ``async_save`` to end (DCP runs each in a thread of its own). Two saves running their
+        collectives on one group at once hang every rank (plain DCP does the same)."""
+        me = threading.current_thread()
+        with self._lock:
+            before, self._saving = self._saving, me
+        # (a sync save's thread lives on after its save: only dcp.async_save's end with it)
+        if before is not None and before is not me and before.name.startswith(_DCP_ASYNC_THREAD):
+            before.join()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
