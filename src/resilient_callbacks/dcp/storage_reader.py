@@ -134,8 +134,8 @@ class ResilientStorageReader(StorageReader):
                 return  # the local directory is ahead of the remote
             path, _ = pull(st, entry, root)
             log.warning("dcp.load: fetched %s/%s into %s", st.url, entry.name, path)
-        except CheckpointNotFoundError:
-            return  # nothing remote
+        except CheckpointNotFoundError as e:  # nothing remote (a mistyped URL reads so too)
+            log.warning("dcp.load: the remote was not used: %s", e)
         except Exception as e:
             log.warning("dcp.load: the remote %s was not used: %s", self.remote, e)
 

@@ -44,8 +44,8 @@ def place(dirpath: str, model: Any, options: dict[str, Any]) -> tuple[str, dict[
     name = f"train-{done + 1}"
     log.warning(
         "ResilientCheckpoint: %d training(s) of this model finished in %s in this process; "
-        "this train() starts a new one (step 0, fresh optimizer) and saves into %s/ (the same "
-        "calls run again resume each training from its own directory)",
+        "this train() is another training, with its checkpoints in %s/ (it resumes from there "
+        "if they exist, else starts at step 0 with a fresh optimizer, as without the callback)",
         done,
         dirpath,
         name,
