@@ -96,3 +96,15 @@ def s3_remote(s3_server: S3Server) -> Iterator[tuple[str, dict[str, Any]]]:
     bucket = s3_server.create_bucket()
     yield f"s3://{bucket}/run", s3_server.options
     s3_server.start()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for an in-process Trainer, as in the subprocess runs (the machine
+    is small and shared: more threads only contend)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

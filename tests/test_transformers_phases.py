@@ -17,15 +17,7 @@ import hf_train
 from resilient_callbacks import catalog
 from resilient_callbacks.transformers import ResilientCheckpoint, phases
 
-pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_thread")]
 
 
 class _Crash(TrainerCallback):

@@ -27,15 +27,7 @@ from resilient_callbacks import ConfigError, catalog
 from resilient_callbacks.transformers import ResilientCheckpoint, checks
 
 SCRIPT = Path(__file__).with_name("hf_train.py")
-pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 
 
 def _train(outdir: Path, cb: ResilientCheckpoint | None, max_steps: int, **overrides):
