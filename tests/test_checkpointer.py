@@ -906,3 +906,40 @@ def test_keep_best_on_a_metric_no_save_reported_is_said_at_close(tmp_path, caplo
             ck.restore(_fresh())
             ck.save(3, _state(3), metrics={"loss": 0.4})
     assert not [r for r in caplog.records if "monitor='eval_loss'" in r.getMessage()]
+
+
+_FALLBACK_SCRIPT = """
+import logging, os, sys, torch
+from resilient_callbacks import Checkpointer
+root = sys.argv[1]
+if sys.argv[2] == "configured":
+    logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+with Checkpointer(root) as ck:
+    for step in (10, 20):
+        ck.save(step, {"w": torch.full((8,), float(step))})
+path = os.path.join(root, "step_000000020", "manifest.json")
+with open(path, "r+b") as f:
+    f.write(b"#")
+with Checkpointer(root) as ck:
+    assert ck.restore({"w": torch.zeros(8)}) == 10
+"""
+
+
+@pytest.mark.parametrize(
+    "logging_setup", ["none", pytest.param("configured", marks=pytest.mark.slow)]
+)
+def test_a_fallback_is_printed_once_without_logging_configured(tmp_path, logging_setup):
+    """Warned and logged: with no logging handler, logging's last-resort handler printed the
+    warning's text a second time on stderr."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FALLBACK_SCRIPT, str(tmp_path / "ck"), logging_setup],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    said = [line for line in out.stderr.splitlines() if "falling back to an older" in line]
+    if logging_setup == "none":
+        assert len(said) == 1, out.stderr
+    else:  # the warning, and the log record for the logs
+        assert len(said) == 2 and sum(line.startswith("LOG ") for line in said) == 1, out.stderr

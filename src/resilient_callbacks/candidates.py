@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import RemoteUnavailableError, ResumeFallbackWarning
+from .errors import RemoteUnavailableError, ResumeFallbackWarning, warn_and_log
 
 if TYPE_CHECKING:
     from .catalog import Entry
@@ -95,8 +94,7 @@ def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
                     "a new run"
                 ) from e
             msg = f"{why}; resuming from the local ones only (the remote may hold newer)"
-            warnings.warn(msg, ResumeFallbackWarning, stacklevel=2)
-            log.warning(msg)
+            warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=2)
             remote_entries = []
         for re_ in remote_entries:
             if re_.manifest is None:

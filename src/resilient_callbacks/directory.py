@@ -15,7 +15,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ from . import catalog, dist, history
 from .blobs import BlobStore
 from .catalog import Depth, Entry, Status
 from .commit import RenameCommit, remove_checkpoint, sweep_staging
-from .errors import CheckpointError, CheckpointWriteError, ForeignCheckpointsWarning
+from .errors import CheckpointError, CheckpointWriteError, ForeignCheckpointsWarning, warn_and_log
 from .lock import DirLock
 from .retention import RetentionPolicy, plan
 from .trash import TrashBin
@@ -289,8 +288,7 @@ class Directory:
             f"`resilient-ckpt gc {self.dirpath} --other-runs` (after this run has saved; "
             "`--dry-run` first shows what it would delete)."
         )
-        warnings.warn(msg, ForeignCheckpointsWarning, stacklevel=stacklevel + 1)
-        log.warning(msg)
+        warn_and_log(log, msg, ForeignCheckpointsWarning, stacklevel=stacklevel + 1)
 
     # ------------------------------------------------------------------ queries
 

@@ -7,6 +7,9 @@ checkpoint). Messages say what happened, why, and how to fix it.
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 
 class CheckpointError(Exception):
     """Base class of every error raised by resilient_callbacks."""
@@ -88,3 +91,24 @@ class ForeignCheckpointsWarning(UserWarning):
 
 
 __all__ += ["ForeignCheckpointsWarning", "ResumeFallbackWarning"]
+
+
+def warn_and_log(
+    log: logging.Logger,
+    msg: str,
+    category: type[Warning] = UserWarning,
+    *,
+    stacklevel: int = 1,
+    warn: bool = True,
+) -> None:
+    """Say ``msg`` once where the user sees it, and to the logs of those who collect them.
+
+    ``warn`` (e.g. only on the coordinator rank) issues a :mod:`warnings` warning; the message
+    is logged as well when the logger has a handler somewhere in its hierarchy, or when no
+    warning was issued. A program that configures no logging would otherwise print it twice,
+    once more through logging's last-resort handler. ``stacklevel`` counts from the caller.
+    """
+    if warn:
+        warnings.warn(msg, category, stacklevel=stacklevel + 1)
+    if not warn or log.hasHandlers():
+        log.warning(msg)

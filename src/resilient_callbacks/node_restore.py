@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import uuid
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist, peers
@@ -37,6 +36,7 @@ from .errors import (
     NoValidCheckpointError,
     RemoteUnavailableError,
     ResumeFallbackWarning,
+    warn_and_log,
 )
 from .manifest import Manifest, read_manifest
 from .nodelocal import REMOTE_MANIFEST, SHARED_PATHS, NodeDirectory
@@ -154,9 +154,7 @@ class NodeRestorer(Restorer):
 
     def _warn_unusable(self, why: str) -> None:
         msg = f"skipping {why}; trying the next copy (this step from another tier, or older)"
-        if self._ck.is_coordinator:
-            warnings.warn(msg, ResumeFallbackWarning, stacklevel=4)
-        log.warning(msg)
+        warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=4, warn=self._ck.is_coordinator)
 
     # ------------------------------------------------------------------ leaders, coordinator
 
@@ -224,8 +222,7 @@ class NodeRestorer(Restorer):
                 f"the remote tier cannot be listed ({unlisted}): restoring from the nodes' "
                 "disks only; the remote may hold a newer checkpoint"
             )
-            warnings.warn(msg, ResumeFallbackWarning, stacklevel=4)
-            log.warning(msg)
+            warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=4)
         cands: list[dict[str, Any]] = []
         unusable: list[str] = []
         for key in sorted(steps, key=lambda k: (k[1], steps[k]), reverse=True):

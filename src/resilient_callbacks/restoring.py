@@ -34,6 +34,7 @@ from .errors import (
     ConfigError,
     NoValidCheckpointError,
     ResumeFallbackWarning,
+    warn_and_log,
 )
 from .filepart import PartReader, part_info, read_part_files
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -170,8 +171,7 @@ class Restorer:
                     f"wins and steps {step + 1}-{last.step} are trained again. Leave it out to "
                     "resume from the newest checkpoint."
                 )
-                warnings.warn(msg, UserWarning, stacklevel=4)
-                log.warning(msg)
+                warn_and_log(log, msg, UserWarning, stacklevel=4)
         ck._trigger.clock.reset()
         if ck._dir.run_id is None:
             ck._start_run(step, source=source)
@@ -188,9 +188,7 @@ class Restorer:
             f"skipping checkpoint {c.where} (step {c.step}): {problem}; "
             "falling back to an older checkpoint"
         )
-        if self._ck.is_coordinator:
-            warnings.warn(msg, ResumeFallbackWarning, stacklevel=4)
-        log.warning(msg)
+        warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=4, warn=self._ck.is_coordinator)
 
     def _try_load(self, c: Candidate, state: Any, explicit: bool, skipped: list[str]) -> int | None:
         ck = self._ck

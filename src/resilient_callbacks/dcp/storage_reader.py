@@ -42,6 +42,7 @@ from ..errors import (
     NoValidCheckpointError,
     ResumeFallbackWarning,
     UnsupportedStateError,
+    warn_and_log,
 )
 from ..manifest import MANIFEST_NAME, check_relative, read_manifest
 from ..reader import by_commit, committed, find
@@ -197,9 +198,7 @@ class ResilientStorageReader(StorageReader):
             if self.step is not None or len(listing["paths"]) == 1:
                 raise CheckpointCorruptError(f"cannot load {path}: {why}")
             msg = f"skipping checkpoint {path}: {why}; falling back to an older checkpoint"
-            if rank == 0:
-                warnings.warn(msg, ResumeFallbackWarning, stacklevel=2)
-            log.warning(msg)
+            warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=2, warn=rank == 0)
         raise NoValidCheckpointError(
             f"{self.dirpath} holds {len(listing['paths'])} checkpoint(s) but none can be loaded:"
             "\n  - " + "\n  - ".join(self.skipped)

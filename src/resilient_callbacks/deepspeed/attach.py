@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import warnings
 from typing import Any
 
 import torch
 
 from ..checkpointer import Checkpointer
 from ..data import ResumableDataLoader
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_and_log
 from ..structure import PerRank
 from . import section
 from .engine_state import check_config, engine_state
@@ -96,8 +95,7 @@ class DeepSpeedCheckpoint:
                 "engine.resilient_checkpoint:` (nor under resilient_callbacks.deepspeed.run): "
                 "an exception will not be saved"
             )
-            warnings.warn(msg, UserWarning, stacklevel=4)
-            log.warning(msg)
+            warn_and_log(log, msg, UserWarning, stacklevel=4)
 
     def save(self, *, final: bool = False) -> bool:
         """Collective. Save now; ``final=True`` at the end of training (the remote tier always

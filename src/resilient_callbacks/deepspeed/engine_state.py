@@ -16,12 +16,11 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointMismatchError, UnsupportedStateError
+from ..errors import CheckpointMismatchError, UnsupportedStateError, warn_and_log
 from ..structure import PerRank
 from .zero_part import ZeroPart
 
@@ -70,8 +69,7 @@ class EngineCounters:
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             log.info(msg)
         else:
-            warnings.warn(msg, UserWarning, stacklevel=2)
-            log.warning(msg)
+            warn_and_log(log, msg, UserWarning, stacklevel=2)
 
 
 def _unsupported(engine: Any) -> str | None:

@@ -30,7 +30,6 @@ import enum
 import logging
 import math
 import pathlib
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import UnsupportedStateError
+from ..errors import UnsupportedStateError, warn_and_log
 from ..structure import PerRank
 
 log = logging.getLogger("resilient_callbacks.lightning")
@@ -150,8 +149,7 @@ class Converter:
                     "restored. Resuming does not need it. To keep it, pass JSON-able values to "
                     "save_hyperparameters() (or exclude it with ignore=[...])."
                 )
-                warnings.warn(msg, HparamsConversionWarning, stacklevel=2)
-                log.warning(msg)
+                warn_and_log(log, msg, HparamsConversionWarning, stacklevel=2)
             return repr(obj)
         raise UnsupportedStateError(
             f"Lightning checkpoint entry checkpoint[{_path(path)}] has type {_qualname(obj)}, "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ import transformers
 from accelerate.data_loader import DataLoaderDispatcher
 from torch.utils.data import BatchSampler, RandomSampler
 
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_and_log
 from .peft_export import peft_info
 from .under_fsdp import plain_class
 
@@ -155,8 +154,7 @@ def warn_about_trainer_saves(args: Any, trainer_checkpoints: bool) -> None:
             "resilient_callbacks.transformers.export_pretrained), or pass "
             "trainer_checkpoints=True."
         )
-        warnings.warn(msg, UserWarning, stacklevel=5)
-        log.warning(msg)
+        warn_and_log(log, msg, UserWarning, stacklevel=5)
 
 
 def warn_about_monitor(options: dict[str, Any], args: Any) -> None:
@@ -172,8 +170,7 @@ def warn_about_monitor(options: dict[str, Any], args: Any) -> None:
             f"checkpoint will carry {monitor!r}: none is kept as the best. Set "
             "eval_strategy='steps' (with eval_steps) or 'epoch'."
         )
-        warnings.warn(msg, UserWarning, stacklevel=5)
-        log.warning(msg)
+        warn_and_log(log, msg, UserWarning, stacklevel=5)
 
 
 def checkpoint_dir(dirpath: str | None, args: Any) -> str:
@@ -203,8 +200,7 @@ def checkpoint_dir(dirpath: str | None, args: Any) -> str:
                 f"output_dir or whose first component starts with '_' (the default, "
                 f"<output_dir>/{DEFAULT_DIRNAME}, is skipped)."
             )
-            warnings.warn(msg, UserWarning, stacklevel=5)
-            log.warning(msg)
+            warn_and_log(log, msg, UserWarning, stacklevel=5)
     return dirpath
 
 
