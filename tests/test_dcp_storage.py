@@ -513,3 +513,37 @@ def test_the_reader_fetches_from_the_remote_when_the_local_directory_is_gone(tmp
         2,
         3,
     ]
+
+
+def test_close_waits_for_the_async_saves_in_flight(tmp_path):
+    """close() while three async_saves are in flight (the first held before writing, two
+    queued behind it): all three commit and the lock is released. close() used to remove the
+    first one's staging directory (that save failed), and the queued ones then reopened the
+    directory after close(), committed, and kept its lock."""
+    import threading
+
+    gate = threading.Event()
+    writer = ResilientStorageWriter(tmp_path / "a")
+    real = writer._write
+
+    def held(*a, **k):
+        assert gate.wait(60)
+        return real(*a, **k)
+
+    writer._write = held
+    futures = [
+        dcp.async_save({"w": torch.full((4,), float(v))}, storage_writer=writer) for v in (1, 2, 3)
+    ]
+    closing = threading.Thread(target=writer.close)
+    closing.start()
+    closing.join(0.5)
+    assert closing.is_alive(), "close() returned while saves were in flight"
+    gate.set()
+    closing.join(120)
+    assert not closing.is_alive()
+    for f in futures:
+        f.result(timeout=60)
+    done = catalog.committed(catalog.scan(str(tmp_path / "a"), catalog.Depth.NONE))
+    assert sorted(e.step for e in done) == [1, 2, 3]
+    with ResilientStorageWriter(tmp_path / "a") as again:  # the lock was released
+        dcp.save({"w": torch.zeros(4)}, storage_writer=again)

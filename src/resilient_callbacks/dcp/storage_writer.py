@@ -415,8 +415,10 @@ class ResilientStorageWriter(StorageWriter):
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Remove the staging directory of a save that failed before ``finish`` (rank 0), wait
-        for pending uploads and for retention's deletions, and release the directory lock."""
+        """Wait for this writer's ``dcp.async_save`` calls still in flight to commit, remove the
+        staging directory of a save that failed before ``finish`` (rank 0), wait for pending
+        uploads and for retention's deletions, and release the directory lock."""
+        self._wait_for_async_saves()
         with self._lock:
             sessions, self._sessions = self._sessions, {}
         me = threading.current_thread()
@@ -438,6 +440,33 @@ class ResilientStorageWriter(StorageWriter):
                 d.trash.wait()  # the files of checkpoints retention removed (trash.py)
             finally:
                 d.release()
+
+    def _wait_for_async_saves(self) -> None:
+        """Wait for this writer's ``dcp.async_save`` calls to end. Each one's thread waits for the
+        one before it, so waiting for the newest begun waits for all; one whose thread has not
+        begun yet holds staged buffers, and the threads of ``dcp.async_save`` then alive are
+        waited for as well. (Aborting them instead lost saves, and one still queued reopened the
+        directory after ``close()``, committed, and kept its lock.)"""
+        me = threading.current_thread()
+        told = False
+        while True:
+            with self._lock:
+                newest = self._saving
+            threads = [newest] if newest is not None else []
+            if self._pool.in_flight:  # staged, not written: its thread may not have begun
+                threads += [t for t in threading.enumerate() if t is not newest]
+            threads = [
+                t
+                for t in threads
+                if t is not me and t.name.startswith(_DCP_ASYNC_THREAD) and t.is_alive()
+            ]
+            if not threads:
+                return
+            if not told:
+                told = True
+                log.info("ResilientStorageWriter.close(): waiting for dcp.async_save(s) in flight")
+            for t in threads:
+                t.join()
 
     def __reduce__(self) -> Any:
         # dcp.async_save(async_checkpointer_type=PROCESS) sends the writer to another process
