@@ -332,3 +332,24 @@ def test_overlap_snapshot_with_accelerates_optimizer_wrapper(tmp_path):
     with Checkpointer(tmp_path) as ck:
         assert ck.restore({"model": fresh, "optimizer": torch.optim.AdamW(fresh.parameters())}) == 3
     assert torch.equal(fresh.weight, live)
+
+
+def test_ctrl_c_during_a_synchronous_save_leaves_no_staging_directory(tmp_path, monkeypatch):
+    """A KeyboardInterrupt mid-write (a notebook's Ctrl-C, caught, and training goes on): the
+    staging directory is removed at once; it used to stay until the directory's next open."""
+    root = tmp_path / "ck"
+    orig = persisting.layout.write_part
+
+    def interrupted(*a, **k):
+        orig(*a, **k)  # the part is on disk, the commit not yet
+        raise KeyboardInterrupt
+
+    with Checkpointer(root, async_save=False) as ck:
+        ck.save(1, _state())
+        monkeypatch.setattr(persisting.layout, "write_part", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            ck.save(2, _state())
+        assert sorted(n for n in os.listdir(root) if n.startswith(".staging")) == []
+        monkeypatch.setattr(persisting.layout, "write_part", orig)
+        ck.save(3, _state())
+    assert [s for s, _ in _steps(root)] == [1, 3]

@@ -15,6 +15,7 @@ committed.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -131,9 +132,25 @@ def persist(
         _record(
             saver, step, prepared, done, reason, why, t0, background, written, progress, blocking
         )
+    except BaseException as e:
+        if not isinstance(e, Exception):  # Ctrl-C or SystemExit mid-save: no commit will come
+            _abandon(session)
+        raise
     finally:
         if prepared is not None and prepared.blobs is not None:
             prepared.blobs.end()  # committed (the manifest names them) or failed: unpin
+
+
+def _abandon(session: CommitSession | NodeLocalSession) -> None:
+    """Remove the staging directory of a save interrupted in this process (the next open of the
+    directory would sweep it; a notebook that catches the ``KeyboardInterrupt`` and goes on may
+    not open it again). Its creator removes it: rank 0, or in node-local mode each rank its
+    node's, where removing a name already gone does nothing. After the commit's rename the
+    staging path no longer exists."""
+    if session.staging is not None and (
+        isinstance(session, NodeLocalSession) or session.is_coordinator
+    ):
+        shutil.rmtree(session.staging, ignore_errors=True)
 
 
 def _session(saver: Saver, step: int, background: bool) -> CommitSession | NodeLocalSession:
