@@ -30,7 +30,7 @@ from resilient_callbacks import (
     UnsafeManifestError,
 )
 from resilient_callbacks import policy as rc_policy
-from resilient_callbacks.manifest import check_relative
+from resilient_callbacks.manifest import SELF_CHECKSUM, check_relative, self_checksum
 
 
 def _state(v: float) -> dict:
@@ -61,6 +61,9 @@ def _manifest(path) -> dict:
 
 
 def _write_manifest(path, m) -> None:
+    """Write manifest ``m`` sealed again (its own checksum recomputed): a tampering that knows
+    the format, for the checks behind that one."""
+    m[SELF_CHECKSUM] = self_checksum(m)
     with open(os.path.join(path, "manifest.json"), "w") as f:
         json.dump(m, f)
 
@@ -379,6 +382,37 @@ def _audit(event, args):
 
 
 sys.addaudithook(_audit)
+
+
+def test_a_manifest_damaged_in_a_way_that_still_parses_is_refused_by_its_own_checksum(tmp_path):
+    """One digit of the newest manifest's step flipped (30 -> 31): the manifest still parses and
+    every file still verifies, but its own checksum does not match: skipped, loudly, and
+    ``verify`` says corrupt. (Believed, a node-local restore resumed one node at step 31 and
+    the other at 30, and hung.) A manifest without the checksum (older writers) is read."""
+    root = tmp_path / "ck"
+    _make_run(root)
+    newest = os.path.join(_step_dir(root, 30), "manifest.json")
+    with open(newest) as f:
+        text = f.read()
+    assert '"step": 30,' in text
+    with open(newest, "w") as f:
+        f.write(text.replace('"step": 30,', '"step": 31,'))
+    with Checkpointer(root) as ck, pytest.warns(ResumeFallbackWarning, match="own checksum"):
+        assert ck.restore(_fresh()) == 20
+    out = subprocess.run(
+        [sys.executable, "-m", "resilient_callbacks", "verify", str(root)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and "own checksum" in out.stdout + out.stderr, out
+
+    older = _manifest(_step_dir(root, 20))
+    del older[SELF_CHECKSUM]
+    with open(os.path.join(_step_dir(root, 20), "manifest.json"), "w") as f:
+        json.dump(older, f)  # as written before manifests carried their checksum
+    os.remove(newest)
+    with Checkpointer(root) as ck:
+        assert ck.restore(_fresh()) == 20
 
 
 @pytest.mark.parametrize("bad", ["../evil", "../../evil", "/etc/passwd", "sub/../../evil"])

@@ -21,6 +21,7 @@ import torch
 
 from resilient_callbacks import Checkpointer
 from resilient_callbacks.cli_format import status_text
+from resilient_callbacks.manifest import SELF_CHECKSUM, self_checksum
 from test_cli import cli
 
 DAMAGED, DAMAGED_STEP = "step_000000030", "30"
@@ -60,6 +61,7 @@ def _edit_manifest(ckpt: str, edit) -> None:
     with open(path) as f:
         m = json.load(f)
     edit(next(e for e in m["files"] if e["path"] == "shared.safetensors"))
+    m[SELF_CHECKSUM] = self_checksum(m)  # sealed again: a manifest that lists the wrong file
     with open(path, "w") as f:
         json.dump(m, f)
 

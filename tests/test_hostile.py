@@ -14,6 +14,7 @@ import torch
 
 from resilient_callbacks import Checkpointer, CheckpointError, ResumeFallbackWarning
 from resilient_callbacks.cli import main
+from resilient_callbacks.manifest import SELF_CHECKSUM, self_checksum
 
 
 def _run(root, steps=(10, 20, 30), **kw) -> None:
@@ -31,6 +32,7 @@ def _edit_manifest(ckpt, **changes) -> None:
             m["files"][0]["path"] = v
         else:
             m[k] = v
+    m[SELF_CHECKSUM] = self_checksum(m)  # sealed again: a tampering that knows the format
     with open(path, "w") as f:
         f.write(json.dumps(m) if "nested" not in changes else "[" * 100000 + "]" * 100000)
 
@@ -196,6 +198,7 @@ def test_the_dcp_reader_reads_only_files_the_manifest_lists(tmp_path):
     entry = next(f for f in m["files"] if f["path"] == "dcp_metadata.json")
     d = digest_file(str(meta_path), entry["xxh3_64"])
     entry["size"], entry["xxh3_64"] = d.size, d.xxh3_64
+    m[SELF_CHECKSUM] = self_checksum(m)
     (ckpt / "manifest.json").write_text(json.dumps(m))
     sd = {"w": torch.zeros(4)}
     with pytest.warns(ResumeFallbackWarning, match="outside its checkpoint directory"):

@@ -17,7 +17,7 @@ from resilient_callbacks import Checkpointer, catalog
 from resilient_callbacks.blobs import BLOB_MIN, BlobStore, content_key, live_blobs
 from resilient_callbacks.catalog import Depth, Status
 from resilient_callbacks.errors import ConfigError, UnsafeManifestError
-from resilient_callbacks.manifest import read_manifest
+from resilient_callbacks.manifest import SELF_CHECKSUM, read_manifest, self_checksum
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -300,6 +300,7 @@ def test_a_blob_reference_outside_the_store_is_refused(tmp_path):
     with open(mpath) as f:
         raw = json.load(f)
     raw["blobs"][0]["path"] = "../step_000000001/shared.safetensors"
+    raw[SELF_CHECKSUM] = self_checksum(raw)  # sealed again: a tampering that knows the format
     with open(mpath, "w") as f:
         json.dump(raw, f)
     with pytest.raises(UnsafeManifestError):

@@ -1,7 +1,8 @@
 """``dcp.Sharded`` at its edges (2 gloo ranks, FSDP2 on CPU): tensors that are not sharded
 (BatchNorm's buffers) reach the export and inspect; a checkpoint that does not fit is refused
 before anything is loaded, and ``StateDictOptions(strict=False)`` loads what fits; a damaged
-chunk index (the manifest has no checksum of its own) is a corrupt checkpoint. (Kill and
+chunk index (in a manifest sealed again, past the manifest's own checksum) is a corrupt
+checkpoint. (Kill and
 resume, resharding: tests/test_dcp_sharded.py.)"""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import spawn_ranks
+from resilient_callbacks.manifest import SELF_CHECKSUM, self_checksum
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -51,6 +53,7 @@ def test_unsharded_buffers_are_exported_and_a_misfit_is_refused_before_loading(t
     manifest = root / "step_000000002" / "manifest.json"
     m = json.loads(manifest.read_text())
     m["extra"]["parts"]["train"]["tensors"]["model/0.weight"]["chunks"][0][1][0] = 100
+    m[SELF_CHECKSUM] = self_checksum(m)  # sealed again: the chunk index's own check is tested
     manifest.write_text(json.dumps(m))
     spawn_ranks.run([sys.executable, __file__, "damaged", str(root)], 2, tmp_path, "damaged")
     res = [json.loads((tmp_path / f"damaged.{r}.json").read_text()) for r in range(2)]

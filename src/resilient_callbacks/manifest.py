@@ -4,6 +4,11 @@ A checkpoint exists only once ``manifest.json`` is in place; it is written last.
 file with size and xxh3-64 checksum, and records step, metrics, time, world size, the run the
 checkpoint belongs to and the versions that wrote it. File names in a manifest are validated:
 a manifest naming anything outside its own directory is rejected.
+
+The manifest carries a checksum of itself (``manifest_xxh3_64``: xxh3-64 of the rest of it in a
+canonical JSON form), so a damaged manifest that still parses -- a flipped digit of its step or
+commit number, of a metric or of a file's size -- is refused rather than believed. A manifest
+without one (written before it existed) is read as before.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import xxhash
+
 from .checksum import is_segmented
 from .errors import CheckpointCorruptError, UnsafeManifestError
 from .tensorfile import FileDigest
@@ -24,6 +31,7 @@ from .tensorfile import FileDigest
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "resilient_callbacks.checkpoint"
 FORMAT_VERSION = 3  # the newest this library reads; it writes the oldest its features allow
+SELF_CHECKSUM = "manifest_xxh3_64"
 NEWER_FORMAT = "is newer than this library understands"  # in the refusal: never "corrupt" to gc
 # version 2: "blobs" (tensors shared with other checkpoints, incremental=True) and a "codec" on
 # compressed files. Version 3: segmented checksums ("seg26:...", checksum.py), which files
@@ -112,6 +120,7 @@ class Manifest:
         d["format"] = FORMAT_NAME
         d["format_version"] = self.format_version
         d["created_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
+        d[SELF_CHECKSUM] = self_checksum(json.loads(json.dumps(d, allow_nan=False)))
         return d
 
     @classmethod
@@ -136,7 +145,7 @@ class Manifest:
             blobs = [_entry(b) for b in d.get("blobs") or []]
             for b in blobs:
                 check_blob_name(b.path, where)
-            return cls(
+            m = cls(
                 step=int(d["step"]),
                 run_id=str(d["run_id"]),
                 seq=int(d["seq"]),
@@ -158,6 +167,27 @@ class Manifest:
             raise CheckpointCorruptError(
                 f"{where}: malformed manifest ({type(e).__name__}: {e})"
             ) from None
+        _check_self(d, where)
+        return m
+
+
+def self_checksum(d: dict[str, Any]) -> str:
+    """The checksum of manifest ``d`` as parsed from JSON (its own checksum left out)."""
+    rest = {k: v for k, v in d.items() if k != SELF_CHECKSUM}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return xxhash.xxh3_64_hexdigest(canonical.encode("ascii"))
+
+
+def _check_self(d: dict[str, Any], where: str) -> None:
+    claimed = d.get(SELF_CHECKSUM)
+    if claimed is None:
+        return  # written before manifests carried one
+    got = self_checksum(d)
+    if claimed != got:
+        raise CheckpointCorruptError(
+            f"{where}: the manifest's own checksum does not match ({SELF_CHECKSUM} {claimed!r}, "
+            f"its content hashes to {got!r}): it was changed or damaged after it was written"
+        )
 
 
 def _finite(x: float) -> float:
