@@ -135,6 +135,54 @@ def test_a_damaged_local_copy_is_fetched_again_by_its_node_only(tmp_path):
     assert not [x for x in names[0] if x.startswith("step_000000004-")], names
 
 
+def test_a_replaced_node_and_a_damaged_copy_on_the_other_are_recorded_as_they_happened(
+    tmp_path,
+):
+    """Node 0's disk lost, node 1's copy of the newest checkpoint damaged: each node downloads
+    it once (node 0 downloaded it twice, for the first try and for the retry from the remote,
+    and kept both), and the history's restart record says remote, 1 fallback, and a restore
+    time within the process's life (it said local, 0, and the machine's uptime)."""
+    _run(tmp_path, "first", 2, "--steps", "4")
+    newest = tmp_path / "node1" / "step_000000004"
+    victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    shutil.rmtree(tmp_path / "node0")
+    began = time.monotonic()
+    out = _run(tmp_path, "again", 2, "--steps", "4")
+    lived = time.monotonic() - began
+    assert [rank[0]["restored"] for rank in out] == [4, 4]
+    assert [n for n in os.listdir(tmp_path / "node0") if n.startswith("step_")] == [
+        "step_000000004"
+    ]
+    history = [
+        json.loads(x) for x in (tmp_path / "node0" / "history.jsonl").read_text().splitlines()
+    ]
+    restart = next(r for r in history if r["event"] == "restart")
+    assert restart["tier"] == "remote" and restart["fallbacks"] == 1, restart
+    assert 0 <= restart["seconds"] <= lived, (restart, lived)
+
+
+@pytest.mark.slow  # suite time budget
+def test_nodes_whose_manifests_disagree_on_the_step_resume_together(tmp_path):
+    """Node 1's manifest of the newest checkpoint says another step (a manifest without its
+    own checksum, as older versions wrote): the ranks resumed at different steps and hung.
+    Now that node's copy is not used: it is fetched again from the remote, and both resume
+    at the same step."""
+    from resilient_callbacks.manifest import SELF_CHECKSUM
+
+    _run(tmp_path, "first", 2, "--steps", "4")
+    path = tmp_path / "node1" / "step_000000004" / "manifest.json"
+    m = json.loads(path.read_text())
+    del m[SELF_CHECKSUM]
+    m["step"] = 5
+    path.write_text(json.dumps(m))
+    out = _run(tmp_path, "again", 2, "--steps", "6")
+    assert [rank[0]["restored"] for rank in out] == [4, 4]
+    assert all(rank[-1]["event"] == "closed" for rank in out)
+
+
 @pytest.mark.slow
 def test_more_ranks_per_node_resume_a_rank0_per_rank_state(tmp_path):
     """Saved by 2 ranks (one per node), resumed by 4 (two per node): ranks 2 and 3 have no

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,8 @@ class NodeRestorer(Restorer):
         ck, d = self._ck, self._d
         topo = d.topology
         r = ck.config.resume
+        self._t0, self._tier, self._skipped = time.perf_counter(), "local", 0
+        self._fetched: dict[tuple[str, int], dict[str, Any]] = {}  # this restore's downloads
         if r == ResumeMode.NEVER:
             ck._trigger.clock.reset()
             ck._start_run(0)
@@ -120,7 +123,7 @@ class NodeRestorer(Restorer):
             skipped.append(why)
             self._warn_unusable(why)
         for c in msg["cands"]:
-            mine, problems = self._obtain(c)
+            mine, problems, tiers = self._obtain(c)
             key = (str(c["key"][0]), int(c["key"][1]))
             where = f"step {c['step']} (commit {key[1]})"
             if problems:
@@ -131,6 +134,10 @@ class NodeRestorer(Restorer):
                 self._warn_fallback(Candidate(mine.get("path"), c["step"], why, key), why)
                 continue
             cand = Candidate(mine["path"], int(c["step"]), None, key)
+            # the run's restore, as the history records it: from the remote if any node
+            # fetched from there, else from a peer if any did
+            self._tier = next((t for t in ("remote", "peer") if t in tiers), "local")
+            self._skipped = len(skipped)
             step = self._try_load(cand, state, explicit, skipped)
             if step is not None:
                 tier = mine["tier"]
@@ -156,6 +163,15 @@ class NodeRestorer(Restorer):
         msg = f"skipping {why}; trying the next copy (this step from another tier, or older)"
         warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=4, warn=self._ck.is_coordinator)
 
+    def _warn_fallback(self, c: Candidate, problem: str) -> None:
+        """As in shared mode, but named by step and commit (each node has its own path), and
+        the next candidate may be this commit again, from another tier."""
+        if c.path is not None:  # kept by retention, for inspection
+            self._d.found_corrupt.add(os.path.basename(c.path))
+        self._ck._recorder.fallback(c.step, c.where, problem)
+        key = f" (commit {c.key[1]})" if c.key is not None else ""
+        self._warn_unusable(f"step {c.step}{key} on {len(self._d.topology.nodes)} nodes: {problem}")
+
     # ------------------------------------------------------------------ leaders, coordinator
 
     def _holdings(self) -> dict[str, Any]:
@@ -167,6 +183,10 @@ class NodeRestorer(Restorer):
                 m = e.manifest
                 ranks = sorted({f.rank for f in m.files})
                 local.append([m.run_id, m.seq, m.step, e.name, ranks, m.world_size])
+            elif e.status is Status.CORRUPT:  # another node's copy, or the remote's, is used
+                log.warning(
+                    "node %d: %s is damaged, not used: %s", d.topology.node, e.path, e.problem
+                )
         replicas = [
             [label, m.run_id, m.seq, m.step, path]
             for label, items in peers.list_replicas(d.dirpath).items()
@@ -201,14 +221,16 @@ class NodeRestorer(Restorer):
                 known = mine.get((run_id, seq))
                 if known is None or len(ranks) > len(known[1]):  # the fullest copy on the disk
                     mine[(run_id, seq)] = (name, set(ranks))
-                steps[(run_id, seq)] = step
+                # the remote's step, else the first node's: a copy that says another step is
+                # not used (_not_the_planned)
+                steps.setdefault((run_id, seq), step)
                 worlds[(run_id, seq)] = world
             local.append(mine)
         held: dict[tuple[int, str, tuple[str, int]], str] = {}
         for node, holding in enumerate(got):
             for label, run_id, seq, step, path in holding["replicas"]:
                 held[(node, label, (run_id, seq))] = path
-                steps[(run_id, seq)] = step
+                steps.setdefault((run_id, seq), step)
         d.seq = max([d.seq, *(k[1] for k in steps)])
         if unlisted is not None:
             if not steps:  # nothing on any disk either: never a silent fresh start
@@ -268,20 +290,26 @@ class NodeRestorer(Restorer):
 
     # ------------------------------------------------------------------ fetching (collective)
 
-    def _obtain(self, c: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    def _obtain(self, c: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
         """Every rank: each leader makes its node hold candidate ``c`` (fetching from a peer or
-        the remote if needed); every rank gets its node's result and every node's problem."""
+        the remote if needed); every rank gets its node's result, every node's problem and
+        every node's tier."""
         d, topo = self._d, self._d.topology
         src = c["src"]
         mine_src = src[str(topo.node)]
+        key = (str(c["key"][0]), int(c["key"][1]))
         result: dict[str, Any] = {"path": None, "problem": None, "tier": mine_src[0]}
         if topo.is_leader and mine_src[0] == "local":
             result["path"] = os.path.join(d.dirpath, mine_src[1])
-        elif topo.is_leader and mine_src[0] == "remote" and self._intact(mine_src[2:]):
+            result["problem"] = self._not_the_planned(result["path"], c)
+        elif topo.is_leader and mine_src[0] == "remote" and self._intact(mine_src[2:], c):
             result["path"], result["tier"] = os.path.join(d.dirpath, mine_src[2]), "local"
+        elif topo.is_leader and mine_src[0] == "remote" and key in self._fetched:
+            result.update(self._fetched[key])  # downloaded for this commit's first try
         elif topo.is_leader and mine_src[0] == "remote":
             try:
                 result["path"], result["files"], result["bytes"] = self._download(mine_src[1], c)
+                self._fetched[key] = {k: result[k] for k in ("path", "files", "bytes", "tier")}
             except Exception as e:
                 result["problem"] = f"remote copy {mine_src[1]}: {type(e).__name__}: {e}"
         for j in sorted(src, key=int):  # replicas, pair by pair, in the same order everywhere
@@ -316,19 +344,40 @@ class NodeRestorer(Restorer):
             if x is not None and x["problem"]
         ]
         mine = everyone[topo.leader] or {}
-        return mine, problems
+        tiers = [x["tier"] for x in everyone if x is not None]
+        return mine, problems, tiers
 
-    def _intact(self, local: list[str]) -> bool:
-        """Leader: does this node's own copy (``local``: its name, or nothing) verify? Then
-        a fallback to the same commit from the remote does not download it again (only the
-        nodes whose copy is damaged do)."""
+    @staticmethod
+    def _not_the_planned(path: str, c: dict[str, Any]) -> str | None:
+        """Leader: why this node's copy at ``path`` is not candidate ``c`` (its manifest names
+        another run, commit or step: then the ranks would resume at different steps), or
+        ``None``."""
+        try:
+            m = read_manifest(path)
+        except (OSError, CheckpointCorruptError) as e:
+            return f"{path}: {type(e).__name__}: {e}"
+        if [m.run_id, m.seq, m.step] != [*c["key"], c["step"]]:
+            return (
+                f"{path}: its manifest says step {m.step} (commit {m.seq} of run {m.run_id}), "
+                f"the other nodes' step {c['step']} (commit {c['key'][1]} of run {c['key'][0]})"
+            )
+        return None
+
+    def _intact(self, local: list[str], c: dict[str, Any]) -> bool:
+        """Leader: is this node's own copy (``local``: its name, or nothing) candidate ``c``,
+        and does it verify? Then a fallback to the same commit from the remote does not
+        download it again (only the nodes whose copy is damaged do)."""
         if not local:
             return False
         path = os.path.join(self._d.dirpath, local[0])
-        try:
-            catalog.verify(path, read_manifest(path), Depth.FULL)
-        except (OSError, ValueError, CheckpointCorruptError) as e:
-            log.info("this node's copy %s does not verify (%s): fetching it again", path, e)
+        problem = self._not_the_planned(path, c)
+        if problem is None:
+            try:
+                catalog.verify(path, read_manifest(path), Depth.FULL)
+            except (OSError, ValueError, CheckpointCorruptError) as e:
+                problem = str(e)
+        if problem is not None:
+            log.info("this node's copy %s is not usable (%s): fetching it again", path, problem)
             return False
         return True
 
@@ -339,7 +388,7 @@ class NodeRestorer(Restorer):
         assert d.remote is not None
         st = d.remote
         m = st.read_manifest(name)
-        if [m.run_id, m.seq] != list(c["key"]):
+        if [m.run_id, m.seq, m.step] != [*c["key"], c["step"]]:
             raise CheckpointCorruptError(f"{st.url}/{name} is another checkpoint now")
         ranks = needed(topo.node_ranks, m.world_size)
         need = [f for f in m.files if f.rank in ranks or f.path in SHARED_PATHS]
