@@ -351,6 +351,32 @@ def test_push_and_pull_json_summaries(tmp_path):
     assert remote_row["tier"] == "remote" and remote_row["status"] == "unverified"
 
 
+def test_pull_into_a_directory_holding_part_of_the_checkpoint_refuses(tmp_path):
+    """A node-local copy (one node's ranks' files, its own manifest listing those) of the
+    remote's checkpoint: pull used to say "already there, verified", exit 0."""
+    from resilient_callbacks.manifest import SELF_CHECKSUM, self_checksum
+
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10,))
+    url = (tmp_path / "remote").as_uri()
+    assert cli("push", root, url).returncode == 0
+    ckpt = os.path.join(root, "step_000000010")
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        m = json.load(f)
+    dropped = next(e for e in m["files"] if e["path"] != "shared.json")
+    m["files"].remove(dropped)  # as a node's manifest lists only that node's files
+    m["extra"]["node"] = {"ranks": [1], "nodes": 2, "remote_name": "step_000000010"}
+    m[SELF_CHECKSUM] = self_checksum(m)
+    with open(os.path.join(ckpt, "manifest.json"), "w") as f:
+        json.dump(m, f)
+    os.remove(os.path.join(ckpt, dropped["path"]))
+    r = cli("pull", url, root)
+    assert r.returncode != 0, r.stdout
+    assert "holds only part of that checkpoint (node-local: ranks [1])" in r.stderr
+    whole = cli("pull", url, str(tmp_path / "empty"))
+    assert whole.returncode == 0, whole.stderr
+
+
 # ---------------------------------------------------------------------- help, version
 
 

@@ -49,6 +49,15 @@ def pull(st: RemoteStore, entry: RemoteEntry, dirpath: str) -> tuple[str, bool]:
                     f"{final} holds another checkpoint; refusing to overwrite it (pull into an "
                     "empty directory)"
                 )
+            missing = {f.path for f in entry.manifest.files} - {f.path for f in here.files}
+            if missing:
+                node = here.extra.get("node") or {}
+                which = f" (node-local: ranks {node.get('ranks')})" if node else ""
+                raise CheckpointError(
+                    f"{final} holds only part of that checkpoint{which}: {len(missing)} of its "
+                    f"{len(entry.manifest.files)} files are not there. Pull into an empty "
+                    "directory to get all of it"
+                )
             try:
                 catalog.verify(final, here, Depth.FULL)
             except CheckpointError:
