@@ -390,6 +390,12 @@ def test_exception_without_save_on_exception_keeps_the_periodic_checkpoint(tmp_p
     with pytest.raises(RuntimeError, match="simulated failure"):
         _run_inprocess(_argv(work, "--fail-at", "15"))
     assert [e.step for e in _committed(work / "ckpt")] == [4, 8, 12]
+    # the history records a failure (the report counts it, an MLflow run ends FAILED); it
+    # used to record a clean end
+    from resilient_callbacks import history
+
+    events = [r["event"] for r in history.records(str(work / "ckpt"))]
+    assert events[-1] == "failed" and "end" not in events, events
 
 
 def _flip_byte(ckpt_dir: Path) -> Path:

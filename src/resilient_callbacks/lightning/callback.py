@@ -465,6 +465,8 @@ class ResilientCheckpoint(Checkpoint):
         except Exception as e:  # never mask the original exception
             log.error("save_on_exception: the emergency save failed: %s", e)
         finally:
+            if self.checkpointer is not None and not isinstance(exception, SystemExit):
+                self.checkpointer.failed_with = type(exception).__name__  # a failure, not an end
             self._close(raise_errors=False)
             self._unpatch_all()
 
@@ -486,12 +488,10 @@ class ResilientCheckpoint(Checkpoint):
             h.remove()
         self._step_hooks = []
         ckpt, self.checkpointer = self.checkpointer, None
-        self._state = None
-        self._ctx = None
+        self._state = self._ctx = None
         if ckpt is None:
             return
-        if ckpt.preempted:
-            self.preempted = True
+        self.preempted = self.preempted or ckpt.preempted
         try:
             ckpt.close()
         except Exception as e:
