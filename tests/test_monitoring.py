@@ -437,3 +437,32 @@ def test_sink_options_are_checked_when_the_checkpointer_is_built(tmp_path: Path)
     ):
         ck.step(1, _state())
     assert got[0].filename == __file__  # the line that called step(), not the interpreter's
+
+
+def test_transformers_final_checkpoint_logs_reach_the_trainers_mlflow_run(
+    tmp_path: Path, monkeypatch, one_thread
+):
+    """``report_to="mlflow"``: MLflow's callback ends its run in ``on_train_end``; the last
+    committed checkpoint's figures are logged before that, into the Trainer's run (logged
+    after it, they started a second, stray run)."""
+    mlflow = pytest.importorskip("mlflow")
+    import hf_train
+    from resilient_callbacks.transformers import ResilientCheckpoint
+
+    monkeypatch.chdir(tmp_path)  # a sqlite store puts its artifacts under ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf")
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    client.search_experiments()  # the store's schema made before the Trainer's first call
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)
+    trainer = hf_train.build_trainer(
+        str(tmp_path / "out"), max_steps=4, callbacks=[rc], eval_strategy="no",
+        metric_for_best_model=None, report_to="mlflow",
+    )  # fmt: skip
+    trainer.train()
+    exp = client.get_experiment_by_name("hf")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, [(r.info.run_name, sorted(r.data.metrics)) for r in runs]
+    history = client.get_metric_history(runs[0].info.run_id, "resilient/last_committed_step")
+    assert max(m.value for m in history) == 4

@@ -144,14 +144,10 @@ class ResilientCheckpoint(TrainerCallback):
         self._resume: tuple[int, int, torch.Tensor, torch.Tensor, bool] | None = None
         self._eval_on_start = False  # turned off for a resumed run; given back at its end
         self._restored_rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
-        self._epoch_calls = 0
-        self._epoch_offset = 0
-        self._epoch = 0
-        self._updates = 0
-        self._steps_in_epoch = 0
-        self._updates_per_epoch = 0
+        self._epoch_calls = self._epoch_offset = self._epoch = self._updates = 0
+        self._steps_in_epoch = self._updates_per_epoch = 0
         self._pending: int | None = None
-        self._epoch_ended = False
+        self._epoch_ended = self._final_logged = False
         self._step_metrics: dict[str, float] = {}
         self._logged_commit: int | None = None  # the committed step the last save log named
         self._home = ""  # the dirpath of this process's first training (phases.py)
@@ -206,14 +202,22 @@ class ResilientCheckpoint(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         ckpt, trainer = self.checkpointer, self._trainer
         if ckpt is not None and trainer is not None:
-            ckpt.flush()  # the last saves commit in the background: log them once they did
-            last = ckpt.last_save
-            if self.log_save_metrics and last is not None and last.step != self._logged_commit:
-                trainer.log(trainer_state.save_logs(ckpt, committed_only=True))
-            if "logger" in ckpt.telemetry_kinds:
-                trainer.log(ckpt.metrics())
+            self._log_final()  # if the wrapper of the handler's on_train_end did not
             phases.finished(self._home, trainer.model)
         self._finish()
+
+    def _train_end(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """Wraps the Trainer's ``callback_handler.on_train_end``: the last committed checkpoint
+        is logged before any callback's ``on_train_end``, where a reporting integration ends its
+        run (MLflow's: a log after that started a new, stray run)."""
+        self._log_final()
+        return original(*args, **kwargs)
+
+    def _log_final(self) -> None:
+        ckpt, trainer = self.checkpointer, self._trainer
+        if ckpt is not None and trainer is not None and not self._final_logged:
+            self._final_logged = True
+            trainer_state.log_final(trainer, ckpt, self.log_save_metrics, self._logged_commit)
 
     # ------------------------------------------------------------------ begin
 
@@ -243,7 +247,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._saved.model_info = checks.model_info(trainer.model)
         self._epoch_calls = self._epoch_offset = 0
         self._pending, self._epoch_ended, self._resume = None, False, None
-        self._logged_commit = None
+        self._logged_commit, self._final_logged = None, False
         self.restored_step = None
 
         ckpt = Checkpointer(dirpath, **options)
@@ -269,6 +273,7 @@ class ResilientCheckpoint(TrainerCallback):
                     self._apply_restored(trainer, state, step)
             hooks.wrap(trainer, "_run_epoch", self._run_epoch)
             hooks.wrap(trainer, "_maybe_log_save_evaluate", self._after_step)
+            hooks.wrap(trainer.callback_handler, "on_train_end", self._train_end)
         except BaseException:
             self._trainer = None
             ckpt.close()
@@ -297,22 +302,7 @@ class ResilientCheckpoint(TrainerCallback):
         self.restored_step = step
         if trainer.is_world_process_zero():
             where = f"epoch {loop['epoch']}, {loop['updates']} optimizer step(s) into it"
-            extra = ""
-            if state.global_step > state.max_steps:  # a lowered max_steps cannot go back
-                extra = (
-                    f"; it is past max_steps={state.max_steps} here: nothing to train, the model "
-                    f"stays at step {state.global_step} (resume=<step> picks an older checkpoint)"
-                )
-            elif state.global_step == state.max_steps:
-                extra = (
-                    f"; it reached step {state.global_step}, max_steps={state.max_steps} here: "
-                    "nothing to train, its final metrics are restored"
-                )
-            elif self._resume[4]:
-                extra = (
-                    "; the run had stopped there (should_training_stop: early stopping): "
-                    "nothing to train, its final metrics are restored"
-                )
+            extra = checks.nothing_left(state, stopped=self._resume[4])
             restored = self.checkpointer.last_restore if self.checkpointer else None
             if restored is not None:
                 # WARNING through transformers.trainer: the Trainer's logging tree shows WARNING
@@ -485,6 +475,7 @@ class ResilientCheckpoint(TrainerCallback):
             for name in hooks.WRAPPED:
                 hooks.unwrap(trainer, name)
             hooks.unwrap(trainer.callback_handler, "on_epoch_begin")
+            hooks.unwrap(trainer.callback_handler, "on_train_end")
             self._restored_rng = None
             if self._eval_on_start:
                 trainer.args.eval_on_start, self._eval_on_start = True, False

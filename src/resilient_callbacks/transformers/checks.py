@@ -216,3 +216,23 @@ def model_info(model: Any) -> dict[str, Any]:
         "generation_config": gen.to_json_string(use_diff=False) if gen is not None else None,
         "transformers": transformers.__version__,
     } | peft_info(model)
+
+
+def nothing_left(state: Any, *, stopped: bool) -> str:
+    """What the resume message adds when the restored run has nothing left to train."""
+    if state.global_step > state.max_steps:  # a lowered max_steps cannot go back
+        return (
+            f"; it is past max_steps={state.max_steps} here: nothing to train, the model "
+            f"stays at step {state.global_step} (resume=<step> picks an older checkpoint)"
+        )
+    if state.global_step == state.max_steps:
+        return (
+            f"; it reached step {state.global_step}, max_steps={state.max_steps} here: "
+            "nothing to train, its final metrics are restored"
+        )
+    if stopped:
+        return (
+            "; the run had stopped there (should_training_stop: early stopping): "
+            "nothing to train, its final metrics are restored"
+        )
+    return ""

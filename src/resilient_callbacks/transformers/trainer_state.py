@@ -221,3 +221,15 @@ def save_logs(ckpt: Checkpointer, *, committed_only: bool = False) -> dict[str, 
         logs[METRIC_PREFIX + "last_committed_s"] = round(last.seconds, 6)
         logs[METRIC_PREFIX + "last_committed_mb"] = round(last.bytes / 1e6, 3)
     return logs
+
+
+def log_final(trainer: Any, ckpt: Checkpointer, save_metrics: bool, logged: int | None) -> None:
+    """At the end of ``train()``: wait for the last saves to commit in the background, then log
+    the newest committed checkpoint (unless step ``logged``'s was logged already) and, with
+    ``telemetry="logger"``, the metrics."""
+    ckpt.flush()
+    last = ckpt.last_save
+    if save_metrics and last is not None and last.step != logged:
+        trainer.log(save_logs(ckpt, committed_only=True))
+    if "logger" in ckpt.telemetry_kinds:
+        trainer.log(ckpt.metrics())
