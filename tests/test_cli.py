@@ -377,6 +377,48 @@ def test_pull_into_a_directory_holding_part_of_the_checkpoint_refuses(tmp_path):
     assert whole.returncode == 0, whole.stderr
 
 
+def test_push_repairs_a_damaged_remote_copy(tmp_path):
+    """The remote copy of a local checkpoint has a torn file: push uploads it again (it said
+    "pushed", exit 0, and left the copy torn: its manifest matched the local one)."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10,))
+    url = (tmp_path / "remote").as_uri()
+    assert cli("push", root, url).returncode == 0
+    torn = tmp_path / "remote" / "step_000000010" / "shared.safetensors"
+    torn.write_bytes(torn.read_bytes()[:10])
+    listed = cli("ls", root, "--remote", url)
+    assert "remote-corrupt" in listed.stdout and "its remote copy is damaged" in listed.stdout
+    (row,) = json.loads(cli("ls", root, "--remote", url, "--json").stdout)
+    assert row["tier"] == "remote-corrupt" and "shared.safetensors" in row["remote_problem"]
+    r = cli("push", root, url, "--json")
+    assert r.returncode == 0, r.stderr
+    (item,) = json.loads(r.stdout)["pushed"]
+    assert "shared.safetensors" in item["repaired"]
+    rows = json.loads(cli("ls", root, "--remote", url, "--json").stdout)
+    assert [x["tier"] for x in rows] == ["both"]
+    assert cli("pull", url, str(tmp_path / "copy")).returncode == 0
+
+
+def test_pull_next_to_leftovers_and_a_folder_without_manifest(tmp_path):
+    """A killed pull's staging folder is swept by the next pull (under the lock); a folder of
+    the checkpoint's name without a manifest is refused before downloading (the pull failed on
+    a raw 'Directory not empty' and left a full downloaded copy each time)."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10,))
+    url = (tmp_path / "remote").as_uri()
+    assert cli("push", root, url).returncode == 0
+    dst = tmp_path / "dst"
+    (dst / ".staging-step_000000010-0123456789ab").mkdir(parents=True)
+    (dst / "step_000000010").mkdir()
+    (dst / "step_000000010" / "notes.txt").write_text("someone's")
+    r = cli("pull", url, str(dst))
+    assert r.returncode == 1 and "is not a committed checkpoint" in r.stderr, r.stderr
+    assert sorted(os.listdir(dst)) == [".lock", "step_000000010"]
+    (dst / "step_000000010" / "notes.txt").unlink()
+    (dst / "step_000000010").rmdir()
+    assert cli("pull", url, str(dst)).returncode == 0
+
+
 # ---------------------------------------------------------------------- help, version
 
 
@@ -386,6 +428,26 @@ def _parsers():
     for action in ap._actions:
         if isinstance(action, argparse._SubParsersAction):
             yield from action.choices.items()
+
+
+def test_the_examples_in_the_help_parse():
+    """Each ``resilient-ckpt ...`` example of ``--help`` is a command line the parser takes
+    (one showed ``report ... -o report.html`` after ``-o`` became a remote option)."""
+    import shlex
+
+    from resilient_callbacks.cli import EPILOG
+
+    examples = [
+        re.split(r"\s{2,}", line.strip())[0]
+        for line in EPILOG.splitlines()
+        if line.startswith("  resilient-ckpt ")
+    ]
+    assert len(examples) >= 8
+    for example in examples:
+        args = build_parser().parse_args(shlex.split(example)[1:])
+        assert args.cmd, example
+        if args.cmd == "report":
+            assert args.option is None, example  # -o is a remote option there
 
 
 def test_every_argument_and_option_has_help():

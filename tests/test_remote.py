@@ -280,6 +280,26 @@ def test_missing_bucket_is_a_clear_error_at_construction(s3_server, tmp_path):
     Checkpointer(tmp_path / "l").close()
 
 
+def test_the_cli_says_a_missing_bucket_is_missing(s3_server, tmp_path):
+    """``ls --remote`` and ``pull`` of a bucket that does not exist: a clear error, exit 1
+    (listing it read as an empty store: 'local-only' rows, exit 0); a missing folder in a
+    bucket that exists is still an empty store."""
+    from resilient_callbacks.remote import RemoteStore
+    from test_cli import cli
+
+    root = str(tmp_path / "ck")
+    with Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.ones(2)})
+    opts = [f"-o{k}={v}" for k, v in s3_server.options.items() if isinstance(v, str)]
+    opts += [f"-o{k}={json.dumps(v)}" for k, v in s3_server.options.items() if not isinstance(v, str)]
+    listed = cli("ls", root, "--remote", "s3://no-such-bucket-rc/run", *opts)
+    assert listed.returncode == 1 and "bucket 'no-such-bucket-rc' does not exist" in listed.stderr
+    pulled = cli("pull", "s3://no-such-bucket-rc/run", str(tmp_path / "p"), *opts)
+    assert pulled.returncode == 1 and "does not exist" in pulled.stderr
+    bucket = s3_server.create_bucket()
+    assert RemoteStore(f"s3://{bucket}/nothing/yet", s3_server.options).scan() == []
+
+
 def test_unreachable_endpoint_is_a_clear_error_within_seconds(tmp_path):
     pytest.importorskip("s3fs")
     import socket

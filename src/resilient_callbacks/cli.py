@@ -39,7 +39,7 @@ examples:
   resilient-ckpt push ckpts/run1 s3://bucket/run1 -o endpoint_url=http://127.0.0.1:9000
   resilient-ckpt export ckpts/run1 hf_model   a from_pretrained directory (Transformers runs),
                                               or consolidated weights (DeepSpeed, FSDP runs)
-  resilient-ckpt report ckpts/run1 -o report.html   goodput, failures, saves: plots (--png, --json)
+  resilient-ckpt report ckpts/run1 --output report.html   goodput, failures, saves (--png, --json)
 
 ls, verify, inspect, gc, pull and push take --json (typed values, ISO-8601 times).
 Exit codes: 0 success; 1 a checkpoint is bad, or the command failed; 2 bad usage.

@@ -135,6 +135,10 @@ def ls(args: argparse.Namespace) -> int:
             "\nremote only, not verified: the sizes the store lists were checked, checksums "
             "not read; `resilient-ckpt pull` verifies every checksum of what it downloads"
         )
+    for r in rows:
+        if r.get("tier") == "remote-corrupt":
+            print(f"\n{r['name']}: its remote copy is damaged ({r['remote_problem']}); "
+                  f"`resilient-ckpt push {args.dir} {args.remote}` uploads it again")  # fmt: skip
     return 0
 
 

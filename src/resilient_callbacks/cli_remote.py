@@ -17,7 +17,7 @@ from .cli_scan import no_checkpoints, resolve
 from .commit import CKPT_RE
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock
-from .remote import RemoteStore
+from .remote import NO_MANIFEST, RemoteStore
 
 
 def remote_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -41,7 +41,8 @@ def store(url: str, pairs: list[str] | None) -> RemoteStore:
 
 
 def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs: Any) -> None:
-    """Add a ``tier`` to each local row (``local-only``, ``uploading``, ``both``) and a row for
+    """Add a ``tier`` to each local row (``local-only``, ``uploading``, ``remote-corrupt``,
+    ``both``) and a row for
     each checkpoint that is only in the remote store (``remote``; its sizes checked against
     its manifest, its checksums not read)."""
     st = store(url, pairs)
@@ -49,13 +50,18 @@ def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs:
     if not remote:  # a mistyped URL reads as an empty store: say so, not only "local-only"
         print(f"resilient-ckpt: the remote {st.url} holds no checkpoint", file=sys.stderr)
     good = {e.key: e for e in remote if e.key is not None and e.problem is None}
-    torn = {e.name for e in remote if e.manifest is None}
+    damaged = {e.key: e.problem for e in remote if e.key is not None and e.problem}
+    torn = {e.name for e in remote if e.manifest is None and e.problem == NO_MANIFEST}
+    unreadable = {e.name: e.problem for e in remote if e.manifest is None and e.name not in torn}
     local_keys = set()
     for e, r in zip(entries, rows, strict=True):
         key = (e.manifest.run_id, e.manifest.seq) if e.manifest else None
         local_keys.add(key)
         if key in good:
             r["tier"] = "both"
+        elif key in damaged or e.name in unreadable:  # `push` uploads it again
+            r["tier"] = "remote-corrupt"
+            r["remote_problem"] = damaged[key] if key in damaged else unreadable[e.name]
         elif e.name in torn:
             r["tier"] = "uploading"  # or an upload a crash cut off: re-sent by the next run
         else:
@@ -158,7 +164,9 @@ def push(args: argparse.Namespace) -> int:
         ]
         if not local:
             raise CheckpointNotFoundError(f"no checkpoint of step {args.step} in {args.dir}")
-        remote = {e.key for e in st.scan() if e.key is not None and e.problem is None}
+        listed = [e for e in st.scan() if e.key is not None]
+        remote = {e.key for e in listed if e.problem is None}
+        damaged = {e.key: e.problem for e in listed if e.problem is not None}
         for e in local:
             item = {"name": e.name, "step": e.step, "path": e.path}
             problem = e.problem
@@ -179,14 +187,18 @@ def push(args: argparse.Namespace) -> int:
                 if not args.json:
                     print(f"{e.name} (step {e.step}) is already in {st.url}")
                 continue
+            was = damaged.get((e.manifest.run_id, e.manifest.seq))
             bar = Progress(e.manifest.total_bytes, f"pushing {e.name}")
             try:
-                st.upload(e.path, e.manifest, e.name, bar)
+                st.upload(e.path, e.manifest, e.name, bar, repair=was is not None)
             finally:
                 bar.close()
+            if was is not None:
+                item["repaired"] = was  # the remote copy's problem, now uploaded again
             done["pushed"].append(item)
             if not args.json:
-                print(f"pushed {e.name} (step {e.step}, {fmt_size(e.manifest.total_bytes)})")
+                again = "" if was is None else f"; its remote copy was damaged ({was})"
+                print(f"pushed {e.name} (step {e.step}, {fmt_size(e.manifest.total_bytes)}){again}")
     finally:
         lock.release()
     if args.json:
@@ -236,13 +248,17 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
         m = e.manifest
         if m is None:
             age = -1.0 if e.modified is None else now - e.modified  # -1: time unknown
-            torn = bool(e.problem and e.problem.startswith("no manifest"))
+            torn = e.problem == NO_MANIFEST
             if not CKPT_RE.match(e.name):  # another folder under the URL: not ours to delete
                 kept.append((e, "not a checkpoint's name: left alone"))
             elif torn and age >= 0 and age > INCOMPLETE_AGE_S:
                 doomed.append((e, f"upload without a manifest, untouched for {age / 3600:.0f} h"))
-            else:
+            elif torn:
                 kept.append((e, f"{e.problem}; may be an upload in progress"))
+            elif args.remove_corrupt:  # a manifest that cannot be read
+                doomed.append((e, f"corrupt: {e.problem}"))
+            else:
+                kept.append((e, f"corrupt: {e.problem} (--remove-corrupt deletes it)"))
         elif e.name in p.delete:
             doomed.append((e, "not kept by the remote retention"))
         elif args.other_runs and run_id is not None and m.run_id != run_id:

@@ -8,13 +8,14 @@ Runs in one process (the caller's rank 0): no collective.
 from __future__ import annotations
 
 import os
+import shutil
 
 from . import catalog
 from .catalog import Depth
-from .commit import fsync_dir, remove_checkpoint
+from .commit import fsync_dir, remove_checkpoint, sweep_staging
 from .errors import CheckpointError, CheckpointNotFoundError
 from .lock import DirLock
-from .manifest import read_manifest
+from .manifest import MANIFEST_NAME, read_manifest
 from .remote import RemoteEntry, RemoteStore
 
 
@@ -42,7 +43,14 @@ def pull(st: RemoteStore, entry: RemoteEntry, dirpath: str) -> tuple[str, bool]:
     lock.acquire()
     final = os.path.join(dirpath, entry.name)
     try:
-        if os.path.exists(os.path.join(final, "manifest.json")):
+        sweep_staging(dirpath)  # what a pull or a save killed here left (logged)
+        if os.path.lexists(final) and not os.path.exists(os.path.join(final, MANIFEST_NAME)):
+            raise CheckpointError(
+                f"{final} exists and is not a committed checkpoint (no {MANIFEST_NAME}: no save "
+                "of this library leaves one); refusing to replace it. Remove it (`resilient-ckpt "
+                f"gc {dirpath}` does) or pull into an empty directory"
+            )
+        if os.path.exists(os.path.join(final, MANIFEST_NAME)):
             here = read_manifest(final)
             if (here.run_id, here.seq) != entry.key:
                 raise CheckpointError(
@@ -65,7 +73,11 @@ def pull(st: RemoteStore, entry: RemoteEntry, dirpath: str) -> tuple[str, bool]:
             else:
                 return final, False
         staging, _ = st.download(entry, dirpath, progress=None)
-        os.rename(staging, final)
+        try:
+            os.rename(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         fsync_dir(dirpath)
         return final, True
     finally:

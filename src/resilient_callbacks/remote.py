@@ -44,6 +44,7 @@ from .retention import Candidate
 log = logging.getLogger("resilient_callbacks")
 
 PROBE_PREFIX = ".resilient-probe-"
+NO_MANIFEST = "no manifest (incomplete)"  # a RemoteEntry's problem: files, no manifest yet
 ETAG_CHECK_MAX = 8 << 20  # MD5-compare single-part objects up to this size (bigger ones: the
 # store validates the CRC32 checksum botocore sends with every PUT and part)
 
@@ -176,7 +177,8 @@ class RemoteStore:
         try:
             # every depth: a FilePart's files (parts/<id>/...) and dcp/ live in sub-folders
             listing = self.fs.find(self.root, detail=True)
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            self._check_bucket(e)
             return []
         groups: dict[str, dict[str, int]] = {}
         modified: dict[str, float] = {}
@@ -199,9 +201,7 @@ class RemoteStore:
         entries: list[RemoteEntry] = []
         for name, sizes in sorted(groups.items()):
             if MANIFEST_NAME not in sizes:
-                entries.append(
-                    RemoteEntry(name, None, sizes, "no manifest (incomplete)", modified.get(name))
-                )
+                entries.append(RemoteEntry(name, None, sizes, NO_MANIFEST, modified.get(name)))
                 continue
             try:
                 m = self.read_manifest(name)
@@ -225,6 +225,23 @@ class RemoteStore:
         entries.sort(key=lambda e: (e.manifest is None, e.manifest.seq if e.manifest else 0))
         return entries
 
+    def _check_bucket(self, e: FileNotFoundError) -> None:
+        """An object store's URL whose bucket does not exist is no empty store: raise
+        :class:`RemoteUnavailableError` (a missing folder is empty: the first upload makes
+        it)."""
+        bucket = self.root.split("/", 1)[0]
+        if self.is_local or not bucket:
+            return
+        try:
+            exists = self.fs.exists(bucket)
+        except Exception:  # cannot tell (no right to list it, say): as before
+            return
+        if not exists:
+            raise RemoteUnavailableError(
+                f"remote {self.url}: the bucket {bucket!r} does not exist ({e}). Check the "
+                f"bucket name and the endpoint (remote_options: {_redact(self.options)})."
+            ) from e
+
     def read_manifest(self, name: str) -> Manifest:
         where = f"{self.url}/{name}/{MANIFEST_NAME}"
         data = json.loads(self.fs.cat_file(self._path(name, MANIFEST_NAME)))
@@ -240,13 +257,17 @@ class RemoteStore:
         manifest: Manifest,
         name: str,
         progress: Progress | None = None,
+        *,
+        repair: bool = False,
     ) -> None:
         """Upload one committed local checkpoint as ``name``; the manifest goes last, after
-        every file is checked. Raises on any failure (nothing is committed remotely then)."""
+        every file is checked. Raises on any failure (nothing is committed remotely then).
+        ``repair``: the remote copy of this commit is damaged (a file missing or torn):
+        uncommit it and upload every file again."""
         existing = self._manifest_bytes(name)
         with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as fh:
             manifest_bytes = fh.read()
-        if existing == manifest_bytes:
+        if existing == manifest_bytes and not repair:
             return  # already committed there (an earlier run uploaded it)
         commit = ManifestLastCommit(self, name, local_dir)
         commit.begin(manifest.step)  # uncommits another checkpoint of this name first
