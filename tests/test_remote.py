@@ -291,7 +291,9 @@ def test_the_cli_says_a_missing_bucket_is_missing(s3_server, tmp_path):
     with Checkpointer(root) as ck:
         ck.save(1, {"w": torch.ones(2)})
     opts = [f"-o{k}={v}" for k, v in s3_server.options.items() if isinstance(v, str)]
-    opts += [f"-o{k}={json.dumps(v)}" for k, v in s3_server.options.items() if not isinstance(v, str)]
+    opts += [
+        f"-o{k}={json.dumps(v)}" for k, v in s3_server.options.items() if not isinstance(v, str)
+    ]
     listed = cli("ls", root, "--remote", "s3://no-such-bucket-rc/run", *opts)
     assert listed.returncode == 1 and "bucket 'no-such-bucket-rc' does not exist" in listed.stderr
     pulled = cli("pull", "s3://no-such-bucket-rc/run", str(tmp_path / "p"), *opts)
