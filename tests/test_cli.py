@@ -678,3 +678,21 @@ def test_gc_remove_corrupt_keeps_a_checkpoint_of_a_newer_format(tmp_path):
     assert got.returncode == 0, got.stderr
     assert [d["name"] for d in json.loads(got.stdout)["delete"]] == ["step_000000020"]
     assert newer.exists()
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch):
+    """A Ctrl-C in a command (here in the middle of a pull) printed KeyboardInterrupt's
+    traceback."""
+    from resilient_callbacks import pulling
+
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10,))
+    url = (tmp_path / "remote").as_uri()
+    assert cli("push", root, url).returncode == 0
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pulling.RemoteStore, "download", interrupted)
+    r = cli("pull", url, str(tmp_path / "dst"))
+    assert r.returncode == 130 and r.stderr.strip().endswith("pull: interrupted"), r.stderr

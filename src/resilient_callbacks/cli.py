@@ -42,7 +42,7 @@ examples:
   resilient-ckpt report ckpts/run1 --output report.html   goodput, failures, saves (--png, --json)
 
 ls, verify, inspect, gc, pull and push take --json (typed values, ISO-8601 times).
-Exit codes: 0 success; 1 a checkpoint is bad, or the command failed; 2 bad usage.
+Exit codes: 0 success; 1 a checkpoint is bad, or the command failed; 2 bad usage; 130 Ctrl-C.
 Run `resilient-ckpt COMMAND --help` for a command's options; docs/cli.md has more."""
 
 DIR_HELP = "the checkpoint directory (the one given to Checkpointer or ResilientCheckpoint)"
@@ -471,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # from a stream other than stdout (see _PipeSafe)
         return 1
+    except KeyboardInterrupt:  # what it was doing cleaned up on the way out
+        print(f"\n{PROG} {args.cmd}: interrupted", file=sys.stderr)
+        return 130
     except OSError as e:  # the remote store failed (unreachable, missing bucket, ...)
         print(f"{PROG} {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
