@@ -112,7 +112,9 @@ def test_damaged_local_copy_falls_back_to_its_remote_copy(remote, tmp_path):
     f.write_bytes(bytes(data))
     state = _fresh()
     with (
-        pytest.warns(ResumeFallbackWarning, match="checksum"),
+        pytest.warns(
+            ResumeFallbackWarning, match="checksum.*trying its copy in the remote tier next"
+        ),
         Checkpointer(local, remote=url, remote_options=opts, keep_last=3) as ck,
     ):
         assert ck.restore(state) == 20  # not 10: the remote copy of step 20 is good

@@ -80,6 +80,7 @@ class Restorer:
         self._t0 = 0.0  # the restore being made: its start, tier, checkpoints skipped
         self._tier = "local"
         self._skipped = 0
+        self._remote_copies: set[tuple[str, int] | None] = set()  # keys with a remote candidate
 
     def restore(self, state: Any) -> int:
         """Every rank: load the checkpoint chosen by ``resume`` into ``state``; return its step
@@ -103,6 +104,7 @@ class Restorer:
                 raise pending
             raise error_type(msg["error"]["type"])(msg["error"]["msg"])
         cands = [Candidate.from_json(c) for c in msg["cands"]]
+        self._remote_copies = {c.key for c in cands if c.remote is not None}
         explicit = ck.config.resume not in (ResumeMode.AUTO, ResumeMode.NEVER)
         if not cands:
             ck._trigger.clock.reset()
@@ -184,10 +186,10 @@ class Restorer:
         if c.remote is None and c.path is not None:  # kept by retention, for inspection
             self._ck._dir.found_corrupt.add(os.path.basename(c.path))
         self._ck._recorder.fallback(c.step, c.where, problem)
-        msg = (
-            f"skipping checkpoint {c.where} (step {c.step}): {problem}; "
-            "falling back to an older checkpoint"
-        )
+        then = "falling back to an older checkpoint"
+        if c.remote is None and c.key is not None and c.key in self._remote_copies:
+            then = "trying its copy in the remote tier next"
+        msg = f"skipping checkpoint {c.where} (step {c.step}): {problem}; {then}"
         warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=4, warn=self._ck.is_coordinator)
 
     def _try_load(self, c: Candidate, state: Any, explicit: bool, skipped: list[str]) -> int | None:
