@@ -786,3 +786,28 @@ def test_two_checkpointers_in_one_process_exit_75_on_sigterm(tmp_path, how):
         assert "was not saved at this preemption" in r.stderr and str(tmp_path / "b") in r.stderr
     else:
         assert saved == {"a": ["step_000000005"], "b": ["step_000000005"]}
+
+
+def test_a_signal_after_the_last_step_is_passed_on_at_close_and_said_so(tmp_path: Path) -> None:
+    """SIGTERM after the last step() (a short loop can end before a decision step acts on it):
+    close() passes it on to the handler before ours, here the default action, and says when it
+    came and what was saved (it said the signal 'arrived during close()')."""
+    script = (
+        "import signal, sys, torch\n"
+        "from resilient_callbacks import Checkpointer\n"
+        "ck = Checkpointer(sys.argv[1], async_save=False)\n"
+        "ck.step(1, {'w': torch.ones(2)}, final=True)\n"
+        "signal.raise_signal(signal.SIGTERM)\n"
+        "ck.close()\n"
+        "print('survived')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == -signal.SIGTERM, out
+    assert "survived" not in out.stdout
+    assert "SIGTERM arrived" in out.stderr and "after the last step()" in out.stderr, out.stderr
+    assert "step_000000001" in out.stderr

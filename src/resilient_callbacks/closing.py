@@ -156,11 +156,16 @@ def _release(ck: Checkpointer) -> None:
                 ck.dirpath,
             )
         elif unanswered is not None and unanswered.signum is not None:
-            # it arrived during close(), after the last step that could act on it: the
-            # handler it would have reached without us gets it now, rather than no one
+            # it came after the last step() that could act on it (steps act at decision
+            # points, agreed between ranks up to ~1 s apart): the handler it would have
+            # reached without us gets it now, rather than no one
             log.warning(
-                "%s arrived during close(); passing it on to the handler before ours",
+                "%s arrived %.1f s ago, after the last step() that could act on it (no "
+                "emergency save for it; the newest checkpoint is %s); passing it on to the "
+                "handler before ours",
                 unanswered.source,
+                max(0.0, time.monotonic() - unanswered.monotonic),
+                ck.last_save.path if ck.last_save else None,
             )
             signal.raise_signal(unanswered.signum)
     persister = ck._saver.persister
