@@ -413,17 +413,13 @@ def test_the_writer_says_it_cannot_go_to_another_process(tmp_path):
         pickle.dumps(writer)
 
 
-def test_async_saves_in_flight_together_stage_apart_and_commit_apart(tmp_path):
-    """Three async_saves before the first has written: none refused, each staged into host
-    buffers of its own (none overwrote another's), each committed under its own step and commit
-    number (they were numbered from the newest *committed* step: two got step 2), in call
-    order (each save waits for the previous one's thread: on several ranks, two saves running
-    DCP's collectives on one group at once hung), and once all are written one set of buffers
-    is kept."""
+def _three_held_async_saves(root):
+    """A writer, the gate its writes wait for, and the futures of three ``dcp.async_save``
+    calls of values 1, 2, 3 begun on it (the first holds, the others queue behind it)."""
     import threading
 
     gate = threading.Event()
-    writer = ResilientStorageWriter(tmp_path / "a")
+    writer = ResilientStorageWriter(root)
     real = writer._write
 
     def held(*a, **k):
@@ -434,6 +430,17 @@ def test_async_saves_in_flight_together_stage_apart_and_commit_apart(tmp_path):
     futures = [
         dcp.async_save({"w": torch.full((4,), float(v))}, storage_writer=writer) for v in (1, 2, 3)
     ]
+    return writer, gate, futures
+
+
+def test_async_saves_in_flight_together_stage_apart_and_commit_apart(tmp_path):
+    """Three async_saves before the first has written: none refused, each staged into host
+    buffers of its own (none overwrote another's), each committed under its own step and commit
+    number (they were numbered from the newest *committed* step: two got step 2), in call
+    order (each save waits for the previous one's thread: on several ranks, two saves running
+    DCP's collectives on one group at once hung), and once all are written one set of buffers
+    is kept."""
+    writer, gate, futures = _three_held_async_saves(tmp_path / "a")
     assert writer._pool.in_flight == 3
     gate.set()
     for f in futures:
@@ -520,20 +527,9 @@ def test_close_waits_for_the_async_saves_in_flight(tmp_path):
     queued behind it): all three commit and the lock is released. close() used to remove the
     first one's staging directory (that save failed), and the queued ones then reopened the
     directory after close(), committed, and kept its lock."""
+    writer, gate, futures = _three_held_async_saves(tmp_path / "a")
     import threading
 
-    gate = threading.Event()
-    writer = ResilientStorageWriter(tmp_path / "a")
-    real = writer._write
-
-    def held(*a, **k):
-        assert gate.wait(60)
-        return real(*a, **k)
-
-    writer._write = held
-    futures = [
-        dcp.async_save({"w": torch.full((4,), float(v))}, storage_writer=writer) for v in (1, 2, 3)
-    ]
     closing = threading.Thread(target=writer.close)
     closing.start()
     closing.join(0.5)

@@ -36,6 +36,14 @@ def _run(tmp: Path, name: str, nprocs: int, *args: str, expect=0, per_node: int 
     ]
 
 
+def _flip_a_byte(ckpt: Path) -> None:
+    """Flip a byte in the middle of the largest file of checkpoint folder ``ckpt``."""
+    victim = max((p for p in ckpt.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+
 def test_a_node_replaced_before_any_remote_commit_refuses_to_start_from_scratch(tmp_path):
     """Both nodes killed before any remote commit (remote_every_n_saves=10), node 1's disk lost:
     node 0 still holds the run's checkpoints, which node 1 cannot load. That is an error, not a
@@ -124,10 +132,7 @@ def test_a_damaged_local_copy_is_fetched_again_by_its_node_only(tmp_path):
     own copy, which verifies (every node downloaded it, and left a second folder of it)."""
     _run(tmp_path, "first", 2, "--steps", "4")
     newest = tmp_path / "node1" / "step_000000004"
-    victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    _flip_a_byte(newest)
     out = _run(tmp_path, "again", 2, "--steps", "4")
     assert [rank[0]["restored"] for rank in out] == [4, 4]
     names = {n: sorted(os.listdir(tmp_path / f"node{n}")) for n in (0, 1)}
@@ -144,10 +149,7 @@ def test_a_replaced_node_and_a_damaged_copy_on_the_other_are_recorded_as_they_ha
     time within the process's life (it said local, 0, and the machine's uptime)."""
     _run(tmp_path, "first", 2, "--steps", "4")
     newest = tmp_path / "node1" / "step_000000004"
-    victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    _flip_a_byte(newest)
     shutil.rmtree(tmp_path / "node0")
     began = time.monotonic()
     out = _run(tmp_path, "again", 2, "--steps", "4")
