@@ -120,6 +120,35 @@ def test_pull_makes_a_self_contained_copy(tmp_path, capsys):
         assert torch.equal(v, want[k]), k
 
 
+def test_push_repairs_a_torn_blob_that_two_remote_checkpoints_share(tmp_path, capsys):
+    """The frozen layer's blob, shared by both remote checkpoints, torn: both are
+    'remote-corrupt'; push uploads the blob again and both are whole. It refused ("named by a
+    remote checkpoint"), after uncommitting the first, and never recovered."""
+    import json
+
+    from resilient_callbacks.cli import main
+
+    url = f"file://{tmp_path}/durable"
+    state = _state()
+    with Checkpointer(tmp_path / "local", incremental=True, remote=url, async_save=False) as ck:
+        for step in (1, 2):
+            _train(state, step)
+            ck.save(step, state)
+    store = RemoteStore(url)
+    shared = set.intersection(*({b.path for b in e.manifest.blobs} for e in store.scan()))
+    torn = tmp_path / "durable" / "blobs" / sorted(shared)[0]
+    torn.write_bytes(torn.read_bytes()[:100])
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "local"), "--remote", url, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert [r["tier"] for r in json.loads(out)] == ["remote-corrupt"] * 2, out
+    assert main(["push", str(tmp_path / "local"), url]) == 0
+    assert "its remote copy was damaged" in capsys.readouterr().out
+    assert main(["ls", str(tmp_path / "local"), "--remote", url, "--json"]) == 0
+    assert [r["tier"] for r in json.loads(capsys.readouterr().out)] == ["both"] * 2
+    assert all(e.problem is None for e in store.scan())
+
+
 def test_gc_remote_deletes_the_blobs_a_killed_upload_left_when_it_deletes_no_checkpoint(
     tmp_path, capsys
 ):

@@ -85,7 +85,7 @@ def upload(store: RemoteStore, local_dir: str, manifest: Manifest) -> str | None
         have = listing(store)
         clash = [b.path for b in manifest.blobs if b.path in have and have[b.path] != b.size]
         if clash:
-            _check_torn(store, clash, manifest.run_id, marker, local_dir)
+            _check_torn(store, clash, have, manifest.run_id, marker, local_dir)
         todo = [b for b in manifest.blobs if have.get(b.path) != b.size]
         if todo:
             _put(store, [blob_path(local_dir, b.path) for b in todo], [b.path for b in todo])
@@ -103,15 +103,22 @@ def upload(store: RemoteStore, local_dir: str, manifest: Manifest) -> str | None
 
 
 def _check_torn(
-    store: RemoteStore, clash: list[str], run_id: str, marker: str, local_dir: str
+    store: RemoteStore,
+    clash: list[str],
+    have: dict[str, int],
+    run_id: str,
+    marker: str,
+    local_dir: str,
 ) -> None:
-    """Blobs of the names ``clash`` are on the remote with another size than the local ones:
-    raise unless none of them is named by a committed remote checkpoint or by another run's
-    fresh in-flight marker (then they are torn copies a killed upload of this run left)."""
+    """Blobs of the names ``clash`` are on the remote (sizes ``have``) with another size than
+    the local ones: raise unless none of them is held by a committed remote checkpoint (one
+    whose manifest lists it with the size it has there: another writer's valid bytes of that
+    name) or by another run's fresh in-flight marker; then they are torn copies (a killed
+    upload of this run left them, or damage that every checkpoint naming them shares)."""
     named: set[str] = set()
     for e in store.scan():
         if e.manifest is not None:
-            named.update(b.path for b in e.manifest.blobs)
+            named.update(b.path for b in e.manifest.blobs if have.get(b.path) == b.size)
     mine = posixpath.basename(marker)
     for name, (fresh, blobs, owner) in _markers(store).items():
         if fresh and name != mine and owner != run_id:
@@ -124,8 +131,9 @@ def _check_torn(
             "replacing it. Remove the remote checkpoints that name it or upload to another URL."
         )
     log.warning(
-        "remote %s: %s %s another size than the local copy and no remote checkpoint names it "
-        "(an upload killed part-way left it); uploading it again",
+        "remote %s: %s %s another size than the local copy and no remote checkpoint holds "
+        "it at that size (an upload killed part-way left it, or it was damaged); uploading it "
+        "again",
         store.url,
         ", ".join(f"{BLOBS_DIR}/{c}" for c in clash),
         "has" if len(clash) == 1 else "have",
