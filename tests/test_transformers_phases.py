@@ -65,3 +65,17 @@ def test_a_second_training_trains_as_without_the_callback_and_resumes_exactly(tm
     assert cb.restored_step == 2  # the second training resumed from train-2's step 2
     assert again[1] == ref[1]
     assert all(torch.equal(again[2][k], v) for k, v in ref[2].items())
+
+
+def test_two_resilient_checkpoints_on_one_trainer_are_refused_before_anything(tmp_path, one_thread):
+    """Each would restore and save the same training; the first used to wrap the Trainer and
+    open its directory before the second failed on a misleading message about _run_epoch."""
+    from resilient_callbacks import ConfigError
+
+    first = ResilientCheckpoint(tmp_path / "a", every_n_steps=2)
+    second = ResilientCheckpoint(tmp_path / "b", every_n_steps=2)
+    trainer = hf_train.build_trainer(str(tmp_path / "out"), 4, callbacks=[first, second])
+    with pytest.raises(ConfigError, match="2 ResilientCheckpoint callbacks"):
+        trainer.train()
+    assert first.checkpointer is None and "_run_epoch" not in trainer.__dict__
+    assert not (tmp_path / "a").exists()
