@@ -399,6 +399,29 @@ def test_push_repairs_a_damaged_remote_copy(tmp_path):
     assert cli("pull", url, str(tmp_path / "copy")).returncode == 0
 
 
+def test_remote_listing_tells_an_unreadable_manifest_from_an_upload_in_progress(tmp_path):
+    """Every remote manifest is fetched in one call: a garbled one is its checkpoint's
+    problem alone ('remote-corrupt'; gc keeps it unless --remove-corrupt, and no longer calls
+    it an upload in progress); a folder with files and no manifest is 'uploading'."""
+    from resilient_callbacks.remote import NO_MANIFEST, RemoteStore
+
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20, 30))
+    url = (tmp_path / "remote").as_uri()
+    assert cli("push", root, url).returncode == 0
+    (tmp_path / "remote" / "step_000000020" / "manifest.json").write_bytes(b"{garbled")
+    (tmp_path / "remote" / "step_000000030" / "manifest.json").unlink()
+    problems = {e.name: e.problem for e in RemoteStore(url).scan()}
+    assert problems["step_000000010"] is None and problems["step_000000030"] == NO_MANIFEST
+    assert "unreadable manifest" in problems["step_000000020"]
+    rows = {r["step"]: r for r in json.loads(cli("ls", root, "--remote", url, "--json").stdout)}
+    assert [rows[s]["tier"] for s in (10, 20, 30)] == ["both", "remote-corrupt", "uploading"]
+    gc = cli("gc", root, "--remote", url, "--keep-last", "5", "--dry-run", "--json")
+    said = gc.stdout
+    assert "may be an upload in progress" in said, said
+    assert "corrupt: " in said and "(--remove-corrupt deletes it)" in said
+
+
 def test_pull_next_to_leftovers_and_a_folder_without_manifest(tmp_path):
     """A killed pull's staging folder is swept by the next pull (under the lock); a folder of
     the checkpoint's name without a manifest is refused before downloading (the pull failed on

@@ -198,15 +198,19 @@ class RemoteStore:
             if t is not None:
                 modified[name] = max(t, modified.get(name, t))
         blob_sizes = groups.pop(BLOBS_DIR, {})
+        manifests = self._read_manifests(
+            [n for n, sizes in groups.items() if MANIFEST_NAME in sizes]
+        )
         entries: list[RemoteEntry] = []
         for name, sizes in sorted(groups.items()):
             if MANIFEST_NAME not in sizes:
                 entries.append(RemoteEntry(name, None, sizes, NO_MANIFEST, modified.get(name)))
                 continue
-            try:
-                m = self.read_manifest(name)
-            except Exception as e:
-                bad = f"unreadable manifest: {e}"
+            m = manifests[name]
+            if isinstance(m, Exception):
+                bad = (
+                    str(m) if isinstance(m, CheckpointCorruptError) else f"unreadable manifest: {m}"
+                )
                 entries.append(RemoteEntry(name, None, sizes, bad, modified.get(name)))
                 continue
             problem = None
@@ -243,11 +247,36 @@ class RemoteStore:
             ) from e
 
     def read_manifest(self, name: str) -> Manifest:
+        return self._parse_manifest(name, self.fs.cat_file(self._path(name, MANIFEST_NAME)))
+
+    def _parse_manifest(self, name: str, raw: bytes) -> Manifest:
         where = f"{self.url}/{name}/{MANIFEST_NAME}"
-        data = json.loads(self.fs.cat_file(self._path(name, MANIFEST_NAME)))
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise CheckpointCorruptError(f"{where}: unreadable manifest ({e})") from None
         if not isinstance(data, dict):
             raise CheckpointCorruptError(f"{where}: manifest is not a JSON object")
         return Manifest.from_json(data, where)
+
+    def _read_manifests(self, names: list[str]) -> dict[str, Manifest | Exception]:
+        """The manifests of ``names``, fetched in one call (an object store's client fetches
+        them concurrently: one request after another took seconds for a few hundred), each
+        parsed, or the exception that reading or parsing it raised."""
+        if not names:
+            return {}
+        paths = {self.fs._strip_protocol(self._path(n, MANIFEST_NAME)): n for n in names}
+        got = self.fs.cat(list(paths), on_error="return")
+        out: dict[str, Manifest | Exception] = {}
+        for path, name in paths.items():
+            raw = got.get(path, FileNotFoundError(path))
+            try:
+                if isinstance(raw, BaseException):
+                    raise raw
+                out[name] = self._parse_manifest(name, raw)
+            except Exception as e:
+                out[name] = e
+        return out
 
     # ------------------------------------------------------------------ upload
 
