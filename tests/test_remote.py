@@ -663,3 +663,26 @@ def test_cli_gc_remote_applies_the_recorded_remote_retention(shared_remote, tmp_
     assert out.returncode == 0, out.stderr
     assert "upload without a manifest" in out.stdout
     assert not any(e.name == "step_000000050" for e in st.scan())
+
+
+def test_uploads_to_a_tier_that_keeps_everything_do_not_list_it_each_time(tmp_path, monkeypatch):
+    """With remote_keep_last='all' remote retention deletes nothing: the uploader no longer
+    lists the whole store (every manifest) after each upload, which grew with its size."""
+    from resilient_callbacks.remote import RemoteStore
+
+    calls = [0]
+    real = RemoteStore.scan
+
+    def counted(self):
+        calls[0] += 1
+        return real(self)
+
+    monkeypatch.setattr(RemoteStore, "scan", counted)
+    url = f"file://{tmp_path}/remote"
+    with Checkpointer(tmp_path / "l", remote=url, remote_keep_last="all", async_save=False) as ck:
+        before = calls[0]
+        for s in range(1, 7):
+            ck.save(s, _state(s))
+        ck.flush()
+    assert calls[0] - before <= 1, calls  # (close may list it once)
+    assert len([e for e in real(RemoteStore(url)) if e.problem is None]) == 6

@@ -288,6 +288,8 @@ class RemoteSync(UploadThread):
             )
 
     def _remote_retention(self, manifest: Manifest, protect: str) -> None:
+        if self.policy.keep_last is None:  # keeps every checkpoint: nothing to list or delete
+            return  # (listing the store after each upload grew with the number it holds)
         try:
             entries = self.refresh()
             p = plan(
