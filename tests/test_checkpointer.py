@@ -977,3 +977,21 @@ def test_a_fallback_is_printed_once_without_logging_configured(tmp_path, logging
         assert len(said) == 1, out.stderr
     else:  # the warning, and the log record for the logs
         assert len(said) == 2 and sum(line.startswith("LOG ") for line in said) == 1, out.stderr
+
+
+def test_a_step_that_goes_back_is_said_once_and_saving_goes_on(tmp_path):
+    """A load of the caller's own after restore() (DeepSpeed's engine.load_checkpoint of an
+    older tag) rewound the state and the steps in silence, and retention then deleted the
+    newer checkpoint; now it is said, once, and the schedule counts on from there."""
+    root = tmp_path / "ck"
+    state = {"w": torch.ones(2)}
+    with Checkpointer(root, every_n_steps=5, keep_last=2, async_save=False) as ck:
+        for s in range(1, 11):
+            ck.step(s, state)
+        with pytest.warns(UserWarning, match="went back from step 10 to 8") as caught:
+            for s in range(8, 16):
+                ck.step(s, state)
+            for s in range(3, 5):
+                ck.step(s, state)
+    assert len([w for w in caught if "went back" in str(w.message)]) == 1
+    assert sorted(_steps_present(root)) == ["step_000000010", "step_000000015"]

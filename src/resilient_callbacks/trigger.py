@@ -23,7 +23,7 @@ from . import dist
 from .adaptive import AdaptiveSchedule
 from .config import CheckpointerConfig
 from .decision import Decider, spacing_step_time
-from .errors import ConfigError
+from .errors import ConfigError, warn_and_log
 from .numbers_check import opt_int
 from .policy import Clock
 
@@ -114,6 +114,7 @@ class Trigger:
         )
         self._pending_jump = False
         self._warned_no_trigger = False
+        self._warned_back = False
         self.caller_schedule: str | None = None  # the caller saves on its own schedule
         self._last_step_end: float | None = None
         self._step_seconds: deque[float] = deque(maxlen=50)
@@ -147,6 +148,24 @@ class Trigger:
         self.steps_origin = self._previous = step
         self.clock.reset()
 
+    def _went_back(self, previous: int, step: int) -> None:
+        """The caller's step went back: its state was replaced by an older one after the
+        restore or the last save (a load of its own), or its steps are not a running count.
+        Say so (once); the schedules count from here."""
+        self.steps_origin = step
+        if self._warned_back:
+            return
+        self._warned_back = True
+        msg = (
+            f"step() went back from step {previous} to {step}: the training state was replaced "
+            "by an older one (a checkpoint load of your own after restore(), such as DeepSpeed's "
+            "engine.load_checkpoint?), or the steps passed are not a running count of optimizer "
+            f"steps. Saves go on from step {step} as newer commits; the checkpoints of the later "
+            "steps stay until retention (by commit order) removes them, and resume=<step> "
+            "restores one of them."
+        )
+        warn_and_log(log, msg, UserWarning, stacklevel=5, warn=dist.rank() == 0)
+
     def decide(
         self, step: int, metrics: Mapping[str, Any] | None, final: bool, preempt: bool
     ) -> tuple[str, str] | None:
@@ -154,6 +173,8 @@ class Trigger:
         ``"preemption"``, ``"final"``, ``"required"`` (an archive step or a loss jump: a
         periodic save that ``if_busy='skip'`` never skips) or ``"periodic"``; ``preempt``: this
         rank saw a request."""
+        if self._previous is not None and step < self._previous:
+            self._went_back(self._previous, step)
         reason = self.policy.due_by_step(step, self._previous)
         self._previous = step
         time_due = bool(
