@@ -94,11 +94,11 @@ case "$profile" in
         pip_install -c scripts/constraints.txt -e .
         marks="$done_core" ;;
     test)
-        say "[2/2] installing resilient-callbacks[test]: Lightning, Transformers, s3fs, moto, pytest, ... (pinned; about a minute)"
+        say "[2/2] installing resilient-callbacks[test]: Lightning, Transformers, s3fs, moto, pytest, ... (pinned; a minute or two)"
         pip_install -c scripts/constraints.txt -e ".[test]"
         marks="$done_core $done_test" ;;
     dev)
-        say "[2/2] installing resilient-callbacks[dev]: the test dependencies, ruff, mypy, matplotlib (pinned; about a minute)"
+        say "[2/2] installing resilient-callbacks[dev]: the test dependencies, ruff, mypy, matplotlib (pinned; a minute or two)"
         pip_install -c scripts/constraints.txt -e ".[dev]"
         marks="$done_core $done_test $done_dev" ;;
 esac

@@ -719,3 +719,16 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch):
     monkeypatch.setattr(pulling.RemoteStore, "download", interrupted)
     r = cli("pull", url, str(tmp_path / "dst"))
     assert r.returncode == 130 and r.stderr.strip().endswith("pull: interrupted"), r.stderr
+
+
+def test_ls_tells_two_checkpoints_of_one_step_apart(tmp_path):
+    """A step saved again after resuming from an older one is ``step_N-1``: the table showed
+    two rows with the same step and nothing to tell them apart."""
+    root = str(tmp_path / "ck")
+    state = make_run(root, steps=(10, 20))
+    with Checkpointer(root, resume=10) as ck:
+        ck.restore(state)
+        ck.save(20, state)
+    table = cli("ls", root).stdout
+    firsts = [line.split()[:2] for line in table.splitlines() if line.split()[:1] == ["20"]]
+    assert [f[1] == "(-1)" for f in firsts] == [False, True], table

@@ -301,6 +301,8 @@ def _assert_cli_reads_the_keys_and_exports_whole_tensors(tmp_path: Path, root: P
     finally:
         os.umask(old_umask)
     assert stat.S_IMODE(os.stat(tmp_path / "exported").st_mode) == 0o755  # not mkdtemp's 0700
+    for name in ("model.safetensors", "export.json"):  # not safetensors' 0600
+        assert stat.S_IMODE(os.stat(tmp_path / "exported" / name).st_mode) == 0o644, name
     got = _tensors(tmp_path / "exported" / "model.safetensors")
     assert {k for k in got if k.startswith("model.")} == {
         "model." + k.split("/", 1)[1] for k in saved if k.startswith("model/")

@@ -13,9 +13,10 @@ import os
 import sys
 from typing import Any
 
+from .cli_export import add_export_arguments, cmd_export
+from .cli_format import PROG
 from .errors import CheckpointError
 
-PROG = "resilient-ckpt"
 DEBUG_ENV = "RESILIENT_CKPT_TRACEBACK"  # set: a remote store's own error shows its traceback
 
 DESCRIPTION = """\
@@ -41,7 +42,7 @@ examples:
                                               or consolidated weights (DeepSpeed, FSDP runs)
   resilient-ckpt report ckpts/run1 --output report.html   goodput, failures, saves (--png, --json)
 
-ls, verify, inspect, gc, pull and push take --json (typed values, ISO-8601 times).
+ls, verify, inspect, gc, pull, push and report take --json (typed values, ISO-8601 times).
 Exit codes: 0 success; 1 a checkpoint is bad, or the command failed; 2 bad usage; 130 Ctrl-C.
 Run `resilient-ckpt COMMAND --help` for a command's options; docs/cli.md has more."""
 
@@ -129,108 +130,6 @@ def _at_least_one(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a whole number >= 1")
     return n
-
-
-def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``export`` command's arguments (also ``python -m resilient_callbacks.transformers``)."""
-    p.add_argument("dir", help="a ResilientCheckpoint directory, or one checkpoint in it")
-    p.add_argument("out", help="the directory to write (must not exist, unless --force)")
-    p.add_argument("--step", type=int, help="export this step (default: the newest valid one)")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.add_argument(
-        "--merged",
-        action="store_true",
-        help="a PEFT model: its base model with the adapters merged in (default: the adapters)",
-    )
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    import os
-
-    from .cli_scan import no_checkpoints
-
-    if os.path.isdir(args.dir) and not os.path.exists(os.path.join(args.dir, "manifest.json")):
-        from . import catalog
-
-        if not catalog.committed(catalog.scan(args.dir, catalog.Depth.NONE)):
-            raise no_checkpoints(args.dir)
-    done = _export_weights(args)
-    if done is not None:
-        return done
-    path = _not_exportable(args)
-    if path is not None:
-        print(
-            f"{PROG} export: {path} is not a checkpoint of a Hugging Face Trainer run, a "
-            "Lightning run, a DeepSpeed run, a dcp.Sharded state or dcp.save: there is no "
-            "model to export (its keys: "
-            f"`{PROG} inspect`)",
-            file=sys.stderr,
-        )
-        return 1
-    try:
-        from .transformers.export import cli_export
-    except ImportError as e:
-        hint = (
-            "" if "pip install" in str(e) else "; pip install 'resilient-callbacks[transformers]'"
-        )
-        print(
-            f"{PROG} export: a Trainer run's checkpoint needs transformers ({e}){hint}",
-            file=sys.stderr,
-        )
-        return 1
-    return int(cli_export(args))
-
-
-def _not_exportable(args: argparse.Namespace) -> str | None:
-    """The path of the checkpoint ``export`` would read when it was not written by the
-    Transformers callback (nothing to export), else None."""
-    import json
-    import os
-
-    from . import reader
-    from .layout import SHARED_STRUCTURE
-
-    sel = reader.select(args.dir, args.step)
-    try:
-        with open(os.path.join(sel.path, SHARED_STRUCTURE), "rb") as f:
-            structure = json.loads(f.read()).get("structure")
-    except (OSError, ValueError):
-        return None  # unreadable: the export's own checks say so
-    return None if isinstance(structure, dict) and "trainer" in structure else sel.path
-
-
-def _export_weights(args: argparse.Namespace) -> int | None:
-    """``export`` of a checkpoint written by resilient_callbacks.deepspeed, or holding a
-    ``dcp.Sharded`` part outside a Trainer run: consolidated weights (fp32 at ZeRO 1-3, as saved
-    for Sharded) as OUT/model.safetensors. None if the checkpoint is not one of those."""
-    import warnings
-
-    from . import consolidate, reader
-    from .errors import CheckpointError
-    from .manifest import read_manifest
-
-    try:
-        sel = reader.select(args.dir, args.step)
-        if not consolidate.exports_weights(read_manifest(sel.path), sel.path):
-            return None
-        if getattr(args, "merged", False):
-            print(
-                f"{PROG} export: --merged merges a PEFT model's adapters (a Trainer run's "
-                f"checkpoint); {sel.path} holds consolidated weights: export it without",
-                file=sys.stderr,
-            )
-            return 2
-        for e in sel.skipped:
-            msg = f"skipping checkpoint {e.path}: {e.problem}; falling back to an older one"
-            print(f"{PROG} export: warning: {msg}", file=sys.stderr)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # safetensors' non-writable buffer note
-            out = consolidate.export_weights(sel.path, args.out, overwrite=bool(args.force))
-    except CheckpointError as e:
-        print(f"{PROG} export: {e}", file=sys.stderr)
-        return 1
-    print(f"exported {sel.path} (step {read_manifest(sel.path).step}) to {out}/model.safetensors")
-    return 0
 
 
 def _json(p: argparse.ArgumentParser, what: str) -> None:
@@ -369,11 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(
         sub,
         "export",
-        "write a Transformers checkpoint as a from_pretrained directory, or a DeepSpeed or "
-        "sharded (FSDP, tensor-parallel) one as consolidated safetensors",
+        "write a Transformers checkpoint as a from_pretrained directory, or a Lightning, "
+        "DeepSpeed or sharded one as consolidated safetensors",
+        "Write the model of a checkpoint where other tools load it: a Transformers run's as a\n"
+        "from_pretrained directory (a PEFT run's adapters, or --merged), a Lightning, DeepSpeed\n"
+        "or sharded (FSDP, tensor-parallel) run's as consolidated safetensors (model.safetensors\n"
+        "and export.json). Every checksum is verified first. docs/cli.md.",
     )
     add_export_arguments(p)
-    p.set_defaults(fn=cmd_export)
+    p.set_defaults(fn=cmd_export)  # cli_export.py
 
     p = _sub(
         sub,

@@ -23,6 +23,8 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
+PROG = "resilient-ckpt"  # the command's name in its messages
+
 VALID = "valid"
 UNVERIFIED = "unverified"
 CORRUPT = "corrupt"

@@ -66,6 +66,16 @@ def _kept(e: Entry, p: Plan) -> dict[str, Any]:
     return {"kept": False, "kept_by": []}
 
 
+def _step_cell(r: dict[str, Any]) -> str:
+    """The step, and the name's suffix where it has one (``step_000000200-1``: ``200 (-1)``),
+    so two checkpoints of one step can be told apart."""
+    if r["step"] is None:
+        return "?"
+    base = f"step_{r['step']:09d}"
+    name = str(r.get("name") or "")
+    return f"{r['step']} ({name[len(base) :]})" if name.startswith(base + "-") else str(r["step"])
+
+
 def _note(r: dict[str, Any]) -> str:
     if r["status"] == INCOMPLETE:
         hidden = r["name"].startswith(".")  # staging or trash: ours, swept by the next writer
@@ -113,7 +123,7 @@ def ls(args: argparse.Namespace) -> int:
     cells = []
     for r in rows:
         line = [
-            str(r["step"]) if r["step"] is not None else "?",
+            _step_cell(r),
             local_time(r["created"]),
             fmt_size(r["bytes"]),
             status_text(r["status"], r["checked"]),

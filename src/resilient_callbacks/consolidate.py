@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -222,10 +223,33 @@ def export_staging(out: str) -> str:
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
+    os.chmod(staging, 0o777 & ~_umask())
+    return staging
+
+
+def publish_export(staging: str, out: str) -> None:
+    """Give the files in ``staging`` the mode an ordinary new file gets (the umask applied:
+    safetensors writes 0600, which another user's serving process cannot read), then put it in
+    place of ``out``; an ``out`` that exists is moved aside first and removed after."""
+    mode = 0o666 & ~_umask()
+    for root, _, files in os.walk(staging):
+        for name in files:
+            os.chmod(os.path.join(root, name), mode)
+    old = None
+    if os.path.exists(out):
+        old = os.path.join(
+            os.path.dirname(out), f".{os.path.basename(out)}.old-{uuid.uuid4().hex[:8]}"
+        )
+        os.rename(out, old)
+    os.rename(staging, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)
-    return staging
+    return umask
 
 
 def export_weights(path: str, out: str, *, overwrite: bool = False) -> str:
@@ -249,9 +273,7 @@ def export_weights(path: str, out: str, *, overwrite: bool = False) -> str:
         }
         with open(os.path.join(staging, "export.json"), "w", encoding="utf-8") as f:
             json.dump(info, f, indent=1)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.rename(staging, out)
+        publish_export(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import add_export_arguments
+from ..cli_export import add_export_arguments
 from .export import cli_export
 
 

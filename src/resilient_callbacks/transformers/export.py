@@ -16,14 +16,13 @@ import json
 import os
 import shutil
 import sys
-import uuid
 import warnings
 from typing import Any
 
 import transformers
 
 from .. import layout, reader, structure
-from ..consolidate import consolidated, export_staging
+from ..consolidate import consolidated, export_staging, publish_export
 from ..errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -114,17 +113,10 @@ def _export(
             json.loads(info["generation_config"])
         )
 
-    parent = os.path.dirname(out)
     staging = export_staging(out)
     try:
         model.save_pretrained(staging, safe_serialization=True)
-        old = None
-        if os.path.exists(out):
-            old = os.path.join(parent, f".{os.path.basename(out)}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(out, old)
-        os.rename(staging, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_export(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
