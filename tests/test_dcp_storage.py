@@ -415,9 +415,10 @@ def test_the_writer_says_it_cannot_go_to_another_process(tmp_path):
         pickle.dumps(writer)
 
 
-def _three_held_async_saves(root):
+def _three_held_async_saves(root, ids=(None, None, None)):
     """A writer, the gate its writes wait for, and the futures of three ``dcp.async_save``
-    calls of values 1, 2, 3 begun on it (the first holds, the others queue behind it)."""
+    calls of values 1, 2, 3 begun on it (the first holds, the others queue behind it), with
+    checkpoint ids ``ids``."""
     import threading
 
     gate = threading.Event()
@@ -430,9 +431,24 @@ def _three_held_async_saves(root):
 
     writer._write = held
     futures = [
-        dcp.async_save({"w": torch.full((4,), float(v))}, storage_writer=writer) for v in (1, 2, 3)
+        dcp.async_save({"w": torch.full((4,), float(v))}, storage_writer=writer, checkpoint_id=i)
+        for v, i in zip((1, 2, 3), ids, strict=True)
     ]
     return writer, gate, futures
+
+
+def test_async_saves_in_flight_together_keep_their_checkpoint_ids(tmp_path):
+    """checkpoint_id=10, 20, 30 on three async_saves in flight together: steps 10, 20 and 30
+    (the step was one attribute, read when each save planned: they became 10, 30 and 31); a
+    dcp.save without one after them numbers on from the newest."""
+    writer, gate, futures = _three_held_async_saves(tmp_path / "a", ids=(10, 20, 30))
+    gate.set()
+    for f in futures:
+        f.result(timeout=60)
+    dcp.save({"w": torch.zeros(4)}, storage_writer=writer)
+    writer.close()
+    done = catalog.committed(catalog.scan(str(tmp_path / "a"), catalog.Depth.NONE))
+    assert sorted(e.step for e in done) == [10, 20, 30, 31]
 
 
 def test_async_saves_in_flight_together_stage_apart_and_commit_apart(tmp_path):

@@ -75,7 +75,8 @@ class ResilientStorageWriter(StorageWriter):
     verified, pickle-free checkpoints (``step_NNNNNNNNN`` directories).
 
     ``step``: the step of the next save only (set ``writer.step = n`` before each save, or pass
-    ``checkpoint_id=n`` to ``dcp.save``); when ``None``, one more than the newest step in
+    ``checkpoint_id=n`` to ``dcp.save``/``dcp.async_save``: with async saves in flight together,
+    only the latter is each save's own); when ``None``, one more than the newest step in
     ``dirpath``. ``keep_last``, ``keep_every_n_steps``, ``remote``, ``remote_options``,
     ``remote_keep_last``: as for :class:`~resilient_callbacks.Checkpointer`. ``run_id``: the run
     the checkpoints belong to (retention counts only its own run's); default: the run of the
@@ -123,6 +124,8 @@ class ResilientStorageWriter(StorageWriter):
         self._saving: threading.Thread | None = None  # the thread of the newest save begun
         self._lock = threading.RLock()
         self._async = bool(async_staging)
+        self._steps: dict[threading.Thread, int] = {}  # checkpoint_id of the save per thread
+        self._step_from_id = False  # self.step came from a checkpoint_id, not the attribute
 
     # ------------------------------------------------------------------ DCP's sequence
 
@@ -132,12 +135,20 @@ class ResilientStorageWriter(StorageWriter):
             return
         try:
             value = checkpoint_id if isinstance(checkpoint_id, int) else os.fspath(checkpoint_id)
-            self.step = int(value)
+            step = int(value)
         except (TypeError, ValueError):
             raise ConfigError(
                 f"checkpoint_id={checkpoint_id!r}: with ResilientStorageWriter, checkpoint_id is "
                 "the step to save (an int); the directory is the writer's dirpath"
             ) from None
+        me = threading.current_thread()
+        if me.name.startswith(_DCP_ASYNC_THREAD):
+            # dcp.async_save's background save calls reset() again with its own checkpoint_id:
+            # kept per thread, so saves in flight together do not take each other's steps
+            with self._lock:
+                self._steps[me] = step
+        else:
+            self.step, self._step_from_id = step, True
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -188,7 +199,9 @@ class ResilientStorageWriter(StorageWriter):
         d = self._dir
         self._abort_abandoned()
         in_flight = [s for s, _ in self._sessions.values()]
-        step, self.step = self.step, None  # used by this save only
+        step = self._steps.pop(threading.current_thread(), None)
+        if step is None:
+            step, self.step, self._step_from_id = self.step, None, False  # this save's only
         if step is None:  # after the newest step, committed or in flight
             steps = [e.step for e in committed(self.dirpath) if e.step is not None]
             step = max(steps + [s.step for s in in_flight], default=0) + 1
@@ -349,6 +362,8 @@ class ResilientStorageWriter(StorageWriter):
         ``async_staging=True`` the copy runs in the background and this returns a future (DCP
         then returns an ``AsyncSaveResponse``: wait for its ``staging_completion`` before the
         state changes, e.g. before the next optimizer step)."""
+        if self._step_from_id:  # the background save's own reset() brings its checkpoint_id
+            self.step, self._step_from_id = None, False
         lease = self._pool.lease()
         try:
             return self._stage(state_dict, lease)
