@@ -420,6 +420,11 @@ def test_remote_listing_tells_an_unreadable_manifest_from_an_upload_in_progress(
     said = gc.stdout
     assert "may be an upload in progress" in said, said
     assert "corrupt: " in said and "(--remove-corrupt deletes it)" in said
+    pushed = json.loads(cli("push", root, url, "--json").stdout)["pushed"]
+    assert [(p["step"], "unreadable manifest" in p.get("repaired", "")) for p in pushed] == [
+        (20, True),
+        (30, False),
+    ]
 
 
 def test_pull_next_to_leftovers_and_a_folder_without_manifest(tmp_path):

@@ -164,9 +164,13 @@ def push(args: argparse.Namespace) -> int:
         ]
         if not local:
             raise CheckpointNotFoundError(f"no checkpoint of step {args.step} in {args.dir}")
-        listed = [e for e in st.scan() if e.key is not None]
+        scanned = st.scan()
+        listed = [e for e in scanned if e.key is not None]
         remote = {e.key for e in listed if e.problem is None}
         damaged = {e.key: e.problem for e in listed if e.problem is not None}
+        unreadable = {  # a manifest there that cannot be read: the upload replaces it
+            e.name: e.problem for e in scanned if e.manifest is None and e.problem != NO_MANIFEST
+        }
         for e in local:
             item = {"name": e.name, "step": e.step, "path": e.path}
             problem = e.problem
@@ -187,7 +191,7 @@ def push(args: argparse.Namespace) -> int:
                 if not args.json:
                     print(f"{e.name} (step {e.step}) is already in {st.url}")
                 continue
-            was = damaged.get((e.manifest.run_id, e.manifest.seq))
+            was = damaged.get((e.manifest.run_id, e.manifest.seq)) or unreadable.get(e.name)
             bar = Progress(e.manifest.total_bytes, f"pushing {e.name}")
             try:
                 st.upload(e.path, e.manifest, e.name, bar, repair=was is not None)
