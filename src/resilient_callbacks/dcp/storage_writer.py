@@ -230,6 +230,8 @@ class ResilientStorageWriter(StorageWriter):
             if thread is me or not thread.is_alive():
                 del self._sessions[staging]
                 session.strategy.abort(staging)
+        for thread in [t for t in self._steps if not t.is_alive()]:
+            del self._steps[thread]  # the checkpoint_id of a save that failed before its plan
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Every rank: write this rank's tensors (one safetensors file) and objects (one JSON
