@@ -79,3 +79,33 @@ def test_two_resilient_checkpoints_on_one_trainer_are_refused_before_anything(tm
         trainer.train()
     assert first.checkpointer is None and "_run_epoch" not in trainer.__dict__
     assert not (tmp_path / "a").exists()
+
+
+def test_a_failed_last_save_still_lets_every_callback_end_its_run(
+    tmp_path, one_thread, monkeypatch
+):
+    """The final figures are logged before the callbacks' on_train_end (see the MLflow test);
+    when the last background save failed, that raises, after the other callbacks (a reporting
+    integration ending its run) had their on_train_end."""
+    from resilient_callbacks import CheckpointWriteError, persisting
+
+    ended = []
+
+    class Ends(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            ended.append(state.global_step)
+
+    real, calls = persisting.layout.write_part, [0]
+
+    def failing_later(*a, **k):
+        calls[0] += 1
+        if calls[0] >= 2:
+            raise OSError(5, "disk gone")
+        return real(*a, **k)
+
+    monkeypatch.setattr(persisting.layout, "write_part", failing_later)
+    cb = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)
+    trainer = hf_train.build_trainer(str(tmp_path / "out"), 4, callbacks=[Ends(), cb])
+    with pytest.raises(CheckpointWriteError):
+        trainer.train()
+    assert ended == [4]

@@ -209,8 +209,13 @@ class ResilientCheckpoint(TrainerCallback):
     def _train_end(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         """Wraps the Trainer's ``callback_handler.on_train_end``: the last committed checkpoint
         is logged before any callback's ``on_train_end``, where a reporting integration ends its
-        run (MLflow's: a log after that started a new, stray run)."""
-        self._log_final()
+        run (MLflow's: a log after that started a new, stray run). The callbacks' own
+        ``on_train_end`` run even if the last save failed (raised here, after them)."""
+        try:
+            self._log_final()
+        except BaseException:
+            original(*args, **kwargs)
+            raise
         return original(*args, **kwargs)
 
     def _log_final(self) -> None:
