@@ -17,7 +17,7 @@ from .cli_scan import no_checkpoints, resolve
 from .commit import CKPT_RE
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock
-from .remote import NO_MANIFEST, RemoteStore
+from .remote import NO_MANIFEST, RemoteEntry, RemoteStore
 
 
 def remote_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -40,6 +40,20 @@ def store(url: str, pairs: list[str] | None) -> RemoteStore:
     return RemoteStore(url, remote_options(pairs))
 
 
+def _damage(
+    remote: list[RemoteEntry],
+) -> tuple[dict[tuple[str, int], str], dict[str, str]]:
+    """The damaged remote copies: by commit (a file missing or of the wrong size) and by name
+    (a manifest that cannot be read). ``push`` uploads them again."""
+    by_key = {e.key: e.problem for e in remote if e.key is not None and e.problem}
+    by_name = {
+        e.name: e.problem
+        for e in remote
+        if e.manifest is None and e.problem not in (None, NO_MANIFEST)
+    }
+    return by_key, by_name
+
+
 def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs: Any) -> None:
     """Add a ``tier`` to each local row (``local-only``, ``uploading``, ``remote-corrupt``,
     ``both``) and a row for
@@ -50,9 +64,8 @@ def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs:
     if not remote:  # a mistyped URL reads as an empty store: say so, not only "local-only"
         print(f"resilient-ckpt: the remote {st.url} holds no checkpoint", file=sys.stderr)
     good = {e.key: e for e in remote if e.key is not None and e.problem is None}
-    damaged = {e.key: e.problem for e in remote if e.key is not None and e.problem}
-    torn = {e.name for e in remote if e.manifest is None and e.problem == NO_MANIFEST}
-    unreadable = {e.name: e.problem for e in remote if e.manifest is None and e.name not in torn}
+    damaged, unreadable = _damage(remote)
+    torn = {e.name for e in remote if e.problem == NO_MANIFEST}
     local_keys = set()
     for e, r in zip(entries, rows, strict=True):
         key = (e.manifest.run_id, e.manifest.seq) if e.manifest else None
@@ -165,12 +178,8 @@ def push(args: argparse.Namespace) -> int:
         if not local:
             raise CheckpointNotFoundError(f"no checkpoint of step {args.step} in {args.dir}")
         scanned = st.scan()
-        listed = [e for e in scanned if e.key is not None]
-        remote = {e.key for e in listed if e.problem is None}
-        damaged = {e.key: e.problem for e in listed if e.problem is not None}
-        unreadable = {  # a manifest there that cannot be read: the upload replaces it
-            e.name: e.problem for e in scanned if e.manifest is None and e.problem != NO_MANIFEST
-        }
+        remote = {e.key for e in scanned if e.key is not None and e.problem is None}
+        damaged, unreadable = _damage(scanned)
         for e in local:
             item = {"name": e.name, "step": e.step, "path": e.path}
             problem = e.problem

@@ -163,12 +163,9 @@ class NodeRestorer(Restorer):
         msg = f"skipping {why}; trying the next copy (this step from another tier, or older)"
         warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=4, warn=self._ck.is_coordinator)
 
-    def _warn_fallback(self, c: Candidate, problem: str) -> None:
+    def _say_fallback(self, c: Candidate, problem: str) -> None:
         """As in shared mode, but named by step and commit (each node has its own path), and
         the next candidate may be this commit again, from another tier."""
-        if c.path is not None:  # kept by retention, for inspection
-            self._d.found_corrupt.add(os.path.basename(c.path))
-        self._ck._recorder.fallback(c.step, c.where, problem)
         key = f" (commit {c.key[1]})" if c.key is not None else ""
         self._warn_unusable(f"step {c.step}{key} on {len(self._d.topology.nodes)} nodes: {problem}")
 

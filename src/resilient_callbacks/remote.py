@@ -270,9 +270,10 @@ class RemoteStore:
         out: dict[str, Manifest | Exception] = {}
         for path, name in paths.items():
             raw = got.get(path, FileNotFoundError(path))
+            if isinstance(raw, Exception):
+                out[name] = raw
+                continue
             try:
-                if isinstance(raw, BaseException):
-                    raise raw
                 out[name] = self._parse_manifest(name, raw)
             except Exception as e:
                 out[name] = e

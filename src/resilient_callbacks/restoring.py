@@ -186,11 +186,14 @@ class Restorer:
         if c.remote is None and c.path is not None:  # kept by retention, for inspection
             self._ck._dir.found_corrupt.add(os.path.basename(c.path))
         self._ck._recorder.fallback(c.step, c.where, problem)
+        self._say_fallback(c, problem)
+
+    def _say_fallback(self, c: Candidate, problem: str) -> None:
         then = "falling back to an older checkpoint"
         if c.remote is None and c.key is not None and c.key in self._remote_copies:
             then = "trying its copy in the remote tier next"
         msg = f"skipping checkpoint {c.where} (step {c.step}): {problem}; {then}"
-        warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=4, warn=self._ck.is_coordinator)
+        warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=5, warn=self._ck.is_coordinator)
 
     def _try_load(self, c: Candidate, state: Any, explicit: bool, skipped: list[str]) -> int | None:
         ck = self._ck

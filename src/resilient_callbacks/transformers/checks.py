@@ -64,15 +64,14 @@ def check_setup(trainer: Any, state: Any, loader: Any) -> None:
             "FSDP through accelerate (FSDP2 or FSDP1, fsdp=True) is supported. Nothing was "
             "trained or saved."
         )
-    ours = {
-        id(c): c
-        for c in trainer.callback_handler.callbacks
-        if type(c).__name__ == "ResilientCheckpoint" and type(c).__module__.startswith(__package__)
-    }
-    if len(ours) > 1:
+    from .callback import ResilientCheckpoint  # (it imports this module)
+
+    cbs = trainer.callback_handler.callbacks
+    mine = {id(c): c for c in cbs if isinstance(c, ResilientCheckpoint)}
+    if len(mine) > 1:
         raise ConfigError(
-            f"the Trainer has {len(ours)} ResilientCheckpoint callbacks "
-            f"({', '.join(sorted(str(c.dirpath) for c in ours.values()))}): each would restore "
+            f"the Trainer has {len(mine)} ResilientCheckpoint callbacks "
+            f"({', '.join(sorted(str(c.dirpath) for c in mine.values()))}): each would restore "
             "and save the same training; keep one. Nothing was trained or saved."
         )
     if state.is_hyper_param_search or getattr(trainer, "_trial", None) is not None:
