@@ -38,6 +38,11 @@ def claim(adapter: str) -> None:
         _claims.append(adapter)
 
 
+def claimed() -> bool:
+    """Whether an adapter in this process reads the section itself (see :func:`claim`)."""
+    return bool(_claims)
+
+
 def take() -> dict[str, Any] | None:
     """The section removed by the newest claimed ``deepspeed.initialize`` call, once."""
     return _taken.pop() if _taken else None
@@ -46,16 +51,27 @@ def take() -> dict[str, Any] | None:
 def _section_in(config: Any) -> bool:
     if isinstance(config, dict):
         return SECTION in config
-    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-        import json
+    if not isinstance(config, (str, os.PathLike)):
+        return False
+    import json
 
-        try:
+    try:
+        if os.path.isfile(config):
             with open(config, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError):
+                text = f.read()
+        elif isinstance(config, str):  # DeepSpeed also takes a base64-encoded config
+            import base64
+
+            text = base64.urlsafe_b64decode(config).decode("utf-8")
+        else:
             return False
-        return isinstance(data, dict) and SECTION in data
-    return False
+    except (OSError, ValueError):  # binascii.Error and UnicodeDecodeError are ValueErrors
+        return False
+    try:
+        data = json.loads(text)
+    except ValueError:  # Hjson, which DeepSpeed reads too: the key's name is enough here
+        return f'"{SECTION}"' in text or f"{SECTION}:" in text
+    return isinstance(data, dict) and SECTION in data
 
 
 def has_section(args: Any = None, config: Any = None, config_params: Any = None) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -366,6 +367,7 @@ def test_a_changed_gradient_accumulation_count_gives_full_cycles_after_the_resum
     (out,) = run_group([*run, "--steps", "7", "--every", "100", "--gas", "3"], 1, tmp_path, "gas3")
     assert restored(tmp_path / "g")["step"] == 4
     assert "not a multiple of gradient_accumulation_steps=3" in out
+    assert "initialize(" in _warned_line(out, "the checkpoint's micro-step count")
     cycles = [
         line.split()
         for line in Path(f"{tmp_path / 'g'}.rank0.cycles").read_text().split("\n")
@@ -405,6 +407,15 @@ def test_save_on_exception_without_a_with_block_warns_that_it_cannot_save(tmp_pa
     )  # fmt: skip
     assert out.count("an exception will not be saved") >= 1
     assert max(e.step for e in committed(tmp_path / "b")) == 3  # the periodic save only
+    assert ".step(" in _warned_line(out, "save_on_exception is set")  # the user's engine.step()
+
+
+def _warned_line(out: str, message: str) -> str:
+    """The source line a warning printed in ``out`` is attributed to (the user's, not ours)."""
+    m = re.search(rf"^(\S+\.py):(\d+): UserWarning: {re.escape(message)}", out, re.MULTILINE)
+    assert m, f"no warning {message!r} in:\n{out[-3000:]}"
+    assert "resilient_callbacks" not in m.group(1), m.group(0)
+    return Path(m.group(1)).read_text().splitlines()[int(m.group(2)) - 1]
 
 
 @pytest.mark.distributed
@@ -457,6 +468,31 @@ def test_section_is_validated_and_removed(tmp_path: Path) -> None:
     assert json.loads(path.read_text())["resilient_checkpoint"]["dirpath"] == "x"  # file untouched
 
 
+def test_section_in_a_base64_or_hjson_config_is_found(tmp_path: Path) -> None:
+    """DeepSpeed also takes a base64-encoded config and Hjson files: a section in either is
+    read and removed (a base64 one reached DeepSpeed, with any credentials, and nothing was
+    checkpointed), and the guard sees it too."""
+    import base64
+
+    import resilient_callbacks_ds_guard as guard
+    from resilient_callbacks.deepspeed import section
+
+    cfg = {"train_batch_size": 8, "resilient_checkpoint": {"dirpath": "x", "keep_last": 2}}
+    encoded = base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()
+    assert section.split(encoded) == ({"train_batch_size": 8}, {"dirpath": "x", "keep_last": 2})
+    assert guard.has_section(config=encoded)
+    plain = base64.urlsafe_b64encode(b'{"train_batch_size": 8}').decode()
+    assert section.split(plain) == ({"train_batch_size": 8}, None)
+    assert not guard.has_section(config=plain)
+    path = tmp_path / "ds.hjson"
+    path.write_text(
+        "{\n  # a comment\n  train_batch_size: 8\n  resilient_checkpoint: {\n    dirpath: x\n  }\n}\n"
+    )
+    assert section.split(str(path)) == ({"train_batch_size": 8}, {"dirpath": "x"})
+    assert guard.has_section(config=str(path))
+    assert section.split("no/such/ds.json") == ("no/such/ds.json", None)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_stage0_checkpoint_does_not_load_into_zero2(tmp_path: Path) -> None:
@@ -485,12 +521,19 @@ def test_integration_configs_are_valid() -> None:
 def test_hf_trainer_with_deepspeed_zero2_kill_resume_exact(tmp_path: Path) -> None:
     """The Transformers callback under ``TrainingArguments(deepspeed=...)`` (ZeRO-2, CPU), its
     options in the config's section: SIGKILL mid-run, re-run, bit-identical per-step records,
-    final fp32 weights and log history; DeepSpeed never sees the section."""
+    final fp32 weights and log history; DeepSpeed never sees the section. The re-run goes
+    through the launcher (one wrapper command for every job): the section stays the callback's,
+    and the launcher's engine checkpoint does not open a second writer on the same directory."""
     import test_transformers as tt
 
-    def cmd(d: Path) -> list[str]:
+    def cmd(d: Path, launcher: bool = False) -> list[str]:
+        run = (
+            [sys.executable, "-m", "resilient_callbacks.deepspeed.run"]
+            if launcher
+            else [sys.executable]
+        )
         return [
-            sys.executable, str(Path(__file__).with_name("hf_train.py")), str(d),
+            *run, str(Path(__file__).with_name("hf_train.py")), str(d),
             "--deepspeed", "2",
             "--out-jsonl", str(d / "steps.jsonl"), "--out-final", str(d / "final.safetensors"),
         ]  # fmt: skip
@@ -501,7 +544,7 @@ def test_hf_trainer_with_deepspeed_zero2_kill_resume_exact(tmp_path: Path) -> No
     tt._run(cmd(ref))
     rc, killed_at, _ = tt._run_and_signal(cmd(got), got, 7, signal.SIGKILL)
     assert rc == -signal.SIGKILL
-    log = tt._run(cmd(got))
+    log = tt._run(cmd(got, launcher=True))
     resumed = tt._restored(log)
     assert 0 < resumed <= killed_at
     assert "nothing is being checkpointed" not in log  # the section never reached DeepSpeed
@@ -898,6 +941,46 @@ def test_no_guard_warning_through_our_initialize_and_launcher(tmp_path: Path) ->
     with pytest.warns(guard.SectionIgnoredWarning, match="resilient_callbacks.deepspeed.run"):
         wrapped(Args(), model=None)
     assert len(seen) == 3
+
+
+def test_the_launcher_refuses_a_trainers_section_that_no_callback_reads(monkeypatch) -> None:
+    """Under the launcher, a trainer that calls ``deepspeed.initialize`` itself (the Hugging Face
+    Trainer through accelerate) with the section in its config and no callback of ours: refused,
+    naming the callback (the engine's checkpoint alone re-trained from the trainer's step 0).
+    With the callback's claim, the call is DeepSpeed's and the section the callback's; a plain
+    script's call is still the launcher's."""
+    import deepspeed
+
+    import resilient_callbacks_ds_guard as guard
+    from resilient_callbacks.deepspeed import launch
+    from resilient_callbacks.errors import ConfigError
+
+    attach = sys.modules["resilient_callbacks.deepspeed.attach"]  # the module, not the function
+    calls: list[str] = []
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: calls.append("deepspeed") or "ds")
+    monkeypatch.setattr(attach, "initialize", lambda **kw: calls.append("ours") or ("e",) * 4)
+    monkeypatch.setattr(guard, "_claims", [])
+    launch.patch()
+    try:
+        code = "out = deepspeed.initialize(model=None, config_params=config)"
+        config = {"train_batch_size": 8, "resilient_checkpoint": {"dirpath": "x"}}
+        trainer = {"__name__": "transformers.trainer", "deepspeed": deepspeed, "config": config}
+        with pytest.raises(ConfigError, match=r"transformers\.ResilientCheckpoint\(\)"):
+            exec(code, dict(trainer))
+        assert calls == []
+        exec(code, {"__name__": "__main__", "deepspeed": deepspeed, "config": config})
+        assert calls == ["ours"]
+        guard.claim("transformers.ResilientCheckpoint")
+        exec(code, dict(trainer))
+        assert calls == ["ours", "deepspeed"]
+        lightning = {**trainer, "__name__": "lightning.pytorch.strategies.deepspeed"}
+        guard._claims.clear()
+        with pytest.raises(ConfigError, match=r"lightning\.ResilientCheckpoint\(\)"):
+            exec(code, lightning)
+        exec(code, {**trainer, "config": {"train_batch_size": 8}})  # no section: DeepSpeed's
+        assert calls == ["ours", "deepspeed", "deepspeed"]
+    finally:
+        launch.unpatch()
 
 
 def test_claimed_section_is_removed_before_deepspeed_sees_it() -> None:

@@ -8,6 +8,8 @@ checkpoint). Messages say what happened, why, and how to fix it.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 
 
@@ -91,6 +93,18 @@ class ForeignCheckpointsWarning(UserWarning):
 
 
 __all__ += ["ForeignCheckpointsWarning", "ResumeFallbackWarning"]
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this package, for a ``warnings.warn`` (or
+    :func:`warn_and_log`) call made in the function calling this one: the user's call into the
+    library, or the framework's, however deep inside the library the warning is given."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
 
 
 def warn_and_log(

@@ -10,17 +10,14 @@ sees the restored history and keeps feeding the next checkpoint.
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
-from types import FrameType
 from typing import Any
 
 import numpy as np
 import torch
 
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, caller_stacklevel
 from .filepart import FilePart
 from .structure import (
     PerRank,
@@ -120,24 +117,13 @@ def apply(
             "to a dict of plain values is not in checkpoints of the old code: set it after "
             "restore() (e.g. state['extra'].setdefault(key, default))",
             UserWarning,
-            stacklevel=_caller_stacklevel(),
+            stacklevel=caller_stacklevel(),
         )
     if not same_value(new_root, state):
         raise CheckpointMismatchError(
             "the state passed to restore() must be a container (dict/list) or an object with "
             "load_state_dict(); a bare value cannot be restored in place"
         )
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside this package (from a warn() call made
-    in the function calling this one): the user's call of restore(), or the framework's."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def merge_plain(

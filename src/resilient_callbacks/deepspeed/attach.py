@@ -95,7 +95,7 @@ class DeepSpeedCheckpoint:
                 "engine.resilient_checkpoint:` (nor under resilient_callbacks.deepspeed.run): "
                 "an exception will not be saved"
             )
-            warn_and_log(log, msg, UserWarning, stacklevel=4)
+            warn_and_log(log, msg, UserWarning, stacklevel=3)  # the user's engine.step()
 
     def save(self, *, final: bool = False) -> bool:
         """Collective. Save now; ``final=True`` at the end of training (the remote tier always

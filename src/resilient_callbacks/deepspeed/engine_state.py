@@ -20,7 +20,12 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointMismatchError, UnsupportedStateError, warn_and_log
+from ..errors import (
+    CheckpointMismatchError,
+    UnsupportedStateError,
+    caller_stacklevel,
+    warn_and_log,
+)
 from ..structure import PerRank
 from .zero_part import ZeroPart
 
@@ -69,7 +74,7 @@ class EngineCounters:
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             log.info(msg)
         else:
-            warn_and_log(log, msg, UserWarning, stacklevel=2)
+            warn_and_log(log, msg, UserWarning, stacklevel=caller_stacklevel())
 
 
 def _unsupported(engine: Any) -> str | None:

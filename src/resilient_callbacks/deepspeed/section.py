@@ -11,6 +11,8 @@ checkpoint it saves and logs it, and remote options (credentials) must not end u
 
 from __future__ import annotations
 
+import base64
+import binascii
 import copy
 import inspect
 import json
@@ -53,24 +55,51 @@ def validate(section: Any, where: str = "the DeepSpeed config") -> dict[str, Any
     return options
 
 
+def _parse(text: str) -> Any:
+    """A config's text as DeepSpeed reads it: JSON, or Hjson (comments, unquoted keys), which
+    DeepSpeed also accepts."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        try:
+            import hjson  # DeepSpeed's own dependency
+        except ImportError:
+            raise
+        return hjson.loads(text)
+
+
+def _base64(config: str) -> Any:
+    """A base64-encoded config (DeepSpeed takes one in place of a path) decoded, else None."""
+    try:
+        return _parse(base64.urlsafe_b64decode(config).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, binascii.Error):
+        return None
+
+
 def load_config(config: Any) -> tuple[Any, str]:
-    """``config`` as DeepSpeed takes it (a dict, or the path of a JSON file) as a dict, and a
-    description of where it came from. Anything else is returned as is."""
+    """``config`` as DeepSpeed takes it (a dict, the path of a JSON or Hjson file, or a base64
+    encoding of one) as a dict, and a description of where it came from. Anything else is
+    returned as is."""
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config)), "the DeepSpeed config"
     if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
         path = os.fspath(config)
         try:
             with open(path, encoding="utf-8") as f:
-                return json.load(f), path
+                return _parse(f.read()), path
         except ValueError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(config, str):
+        decoded = _base64(config)
+        if isinstance(decoded, dict):
+            return decoded, "the DeepSpeed config (base64)"
     return config, "the DeepSpeed config"
 
 
 def split(config: Any) -> tuple[Any, dict[str, Any] | None]:
     """``(config without the section, the section's validated options or None)``. A config
-    that is not a dict or a JSON file is returned unchanged, with no section."""
+    that is not a dict, a JSON file or a base64 encoding of one is returned unchanged, with no
+    section; one with the section is returned as a dict."""
     loaded, where = load_config(config)
     if not isinstance(loaded, dict) or SECTION not in loaded:
         return (loaded if isinstance(loaded, dict) else config), None
