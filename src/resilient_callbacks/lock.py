@@ -68,8 +68,10 @@ class DirLock:
                 raise CheckpointLockedError(
                     "this process already has a writer open on "
                     f"{os.path.dirname(self.path)}{holder} (a Checkpointer or "
-                    "ResilientStorageWriter): close() it (or use it in a `with` block) before "
-                    "opening another"
+                    "ResilientStorageWriter, or the one a DeepSpeed engine, a Trainer callback "
+                    "or the DeepSpeed launcher made): close() it (or use it in a `with` block) "
+                    "before opening another; two writers that are both meant to stay open (two "
+                    "engines that train) need a dirpath each"
                 ) from None
             raise CheckpointLockedError(
                 f"another process is writing checkpoints to {os.path.dirname(self.path)}{holder}. "

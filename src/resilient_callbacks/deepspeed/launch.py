@@ -21,6 +21,7 @@ refused with a :class:`~resilient_callbacks.errors.ConfigError` that names it.
 from __future__ import annotations
 
 import sys
+from types import FrameType
 from typing import Any
 
 _ORIGINAL: list[Any] = []  # deepspeed.initialize before patch(), once patched
@@ -73,7 +74,7 @@ _TRAINERS = (
 
 def _calling_trainer() -> tuple[str, str] | None:
     """``(name, callback module)`` of the trainer on the caller's stack, if one calls."""
-    frame = sys._getframe(2)  # the caller of deepspeed.initialize
+    frame: FrameType | None = sys._getframe(2)  # the caller of deepspeed.initialize
     for _ in range(40):
         if frame is None:
             return None
@@ -108,7 +109,7 @@ def _trainer_initialize(
             "callbacks: it reads this section and resumes the whole run (the launcher is then "
             "not needed; it is for scripts that call deepspeed.initialize themselves)."
         )
-    return original(*args, **kwargs)  # type: ignore[no-any-return]
+    return original(*args, **kwargs)
 
 
 def handles() -> list[Any]:
