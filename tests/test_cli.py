@@ -737,3 +737,68 @@ def test_ls_tells_two_checkpoints_of_one_step_apart(tmp_path):
     table = cli("ls", root).stdout
     firsts = [line.split()[:2] for line in table.splitlines() if line.split()[:1] == ["20"]]
     assert [f[1] == "(-1)" for f in firsts] == [False, True], table
+
+
+def _s3_options(options: dict) -> list[str]:
+    return [a for k, v in options.items() for a in ("-o", f"{k}={json.dumps(v)}")]
+
+
+def test_verify_reads_a_remote_store_and_push_verify_repairs_a_same_size_rot(tmp_path, s3_remote):
+    """On the S3 API server: `verify URL` reads the remote copies where they lie and finds a
+    file whose bytes changed at the same size (listing sizes, as ls --remote and push do, cannot);
+    `push --verify` uploads it again; the other commands say a URL is not a local directory."""
+    import s3fs
+
+    url, options = s3_remote
+    o = _s3_options(options)
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20))
+    assert cli("push", root, url, *o).returncode == 0
+    r = cli("verify", url, "--all", *o)
+    assert r.returncode == 0, r.stderr
+    assert "2 remote checkpoint(s) verified" in r.stdout
+    fs = s3fs.S3FileSystem(**options)
+    key = f"{url[len('s3://') :]}/step_000000020/shared.safetensors"
+    data = bytearray(fs.cat_file(key))
+    data[-3] ^= 0xFF
+    fs.pipe_file(key, bytes(data))  # same size, other bytes
+    r = cli("verify", url, *o)  # the newest
+    assert r.returncode == 1
+    assert "step_000000020/shared.safetensors: checksum mismatch" in r.stdout
+    assert "push DIR" in r.stderr and "--verify" in r.stderr
+    res = json.loads(cli("verify", url, "--all", "--json", *o).stdout)
+    assert (res["verified"], res["failed"], res["ok"]) == (2, 1, False)
+    assert [c["status"] for c in res["checkpoints"]] == ["valid", "corrupt"]
+    by_size = json.loads(cli("push", root, url, "--json", *o).stdout)
+    assert by_size["pushed"] == [] and [p["checked"] for p in by_size["present"]] == ["sizes"] * 2
+    read = json.loads(cli("push", root, url, "--verify", "--json", *o).stdout)
+    assert [p["step"] for p in read["pushed"]] == [20]
+    assert "checksum mismatch" in read["pushed"][0]["repaired"]
+    assert [p["checked"] for p in read["present"]] == ["checksums"]
+    assert cli("verify", url, "--all", *o).returncode == 0
+    for command in ("ls", "inspect", "gc"):
+        r = cli(command, url)
+        assert r.returncode == 1 and "is a remote store's URL" in r.stderr, command
+        assert f"resilient-ckpt verify {url}" in r.stderr
+    r = cli("verify", root, "-o", "anon=true")
+    assert r.returncode == 1 and "DIR is local here" in r.stderr
+
+
+def test_push_verify_uploads_a_rotten_shared_blob_again(tmp_path):
+    """An incremental checkpoint's blob (shared by checkpoints, named by its content) rotten at
+    the same size in the remote store: verify names the blob, push --verify puts its bytes back."""
+    root = str(tmp_path / "ck")
+    model = torch.nn.Linear(64, 64)  # its weight is large enough to be stored as a blob
+    with Checkpointer(root, incremental=True) as ck:
+        for s in (10, 20):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            ck.save(s, {"model": model})
+    url = (tmp_path / "remote").as_uri()
+    assert cli("push", root, url).returncode == 0
+    blob = sorted((tmp_path / "remote" / "blobs").iterdir())[0]
+    flip_byte(str(blob), -3)
+    r = cli("verify", url, "--all")
+    assert r.returncode == 1 and f"blobs/{blob.name}: checksum mismatch" in r.stdout
+    assert cli("push", root, url, "--verify").returncode == 0
+    assert cli("verify", url, "--all").returncode == 0

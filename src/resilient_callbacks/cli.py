@@ -87,6 +87,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from .cli_scan import is_url
+
+    if is_url(args.dir):
+        from .cli_remote import verify as verify_remote
+
+        return verify_remote(args)
+    if args.option:
+        raise CheckpointError("-o/--option sets an option of a remote store: DIR is local here")
     from .cli_local import verify
 
     return verify(args)
@@ -182,13 +190,20 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         "check files' sizes and checksums (the newest checkpoint; --all: every one)",
         "Check every file of a checkpoint against its manifest: present, same size, same\n"
-        "checksum. Without --step or --all: the newest checkpoint. Exits 1 if one checked is bad.",
+        "checksum. Without --step or --all: the newest checkpoint. Exits 1 if one checked is bad.\n"
+        "DIR may be a remote store's URL (s3://bucket/run1): its copies are read where they lie,\n"
+        "nothing is written to local disk.",
     )
-    p.add_argument("dir", metavar="DIR", help=DIR_OR_ONE_HELP)
+    p.add_argument(
+        "dir",
+        metavar="DIR",
+        help=DIR_OR_ONE_HELP + ", or a remote store (fsspec URL, e.g. s3://bucket/run1)",
+    )
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, metavar="N", help="verify the checkpoint of step N")
     which.add_argument("--all", action="store_true", help="verify every checkpoint in DIR")
     _json(p, "the result")
+    p.add_argument("-o", "--option", metavar="KEY=VALUE", action="append", help=OPTION_HELP)
     p.set_defaults(fn=cmd_verify)
 
     p = _sub(
@@ -261,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
         "url", metavar="URL", help="the remote store (fsspec URL, e.g. s3://bucket/run1)"
     )
     p.add_argument("--step", type=int, metavar="N", help="push only step N (default: all)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="read the remote copies that list as complete and check their checksums; upload "
+        "again one whose content differs (by default sizes are compared)",
+    )
     p.add_argument("-o", "--option", metavar="KEY=VALUE", action="append", help=OPTION_HELP)
     _json(p, "what was pushed, already there, or skipped")
     p.set_defaults(fn=cmd_push)

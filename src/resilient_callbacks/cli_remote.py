@@ -178,8 +178,9 @@ def push(args: argparse.Namespace) -> int:
         if not local:
             raise CheckpointNotFoundError(f"no checkpoint of step {args.step} in {args.dir}")
         scanned = st.scan()
-        remote = {e.key for e in scanned if e.key is not None and e.problem is None}
+        remote = {e.key: e for e in scanned if e.key is not None and e.problem is None}
         damaged, unreadable = _damage(scanned)
+        rotten: dict[tuple[str, int], list[str]] = {}  # blobs read and found rotten, by commit
         for e in local:
             item = {"name": e.name, "step": e.step, "path": e.path}
             problem = e.problem
@@ -195,15 +196,31 @@ def push(args: argparse.Namespace) -> int:
                 continue
             item["bytes"] = e.manifest.total_bytes
             item["url"] = f"{st.url}/{e.name}"
-            if (e.manifest.run_id, e.manifest.seq) in remote:
+            key = (e.manifest.run_id, e.manifest.seq)
+            if key in remote and args.verify:  # read the copy: a same-size rot lists as fine
+                from .remote_verify import check_remote
+
+                found = check_remote(st, remote[key], first_only=False)
+                if found.problem is not None:
+                    damaged[key], rotten[key] = found.problem, found.bad_blobs
+                    del remote[key]
+            if key in remote:
+                item["checked"] = "checksums" if args.verify else "sizes"
                 done["present"].append(item)
                 if not args.json:
                     print(f"{e.name} (step {e.step}) is already in {st.url}")
                 continue
-            was = damaged.get((e.manifest.run_id, e.manifest.seq)) or unreadable.get(e.name)
+            was = damaged.get(key) or unreadable.get(e.name)
             bar = Progress(e.manifest.total_bytes, f"pushing {e.name}")
             try:
-                st.upload(e.path, e.manifest, e.name, bar, repair=was is not None)
+                st.upload(
+                    e.path,
+                    e.manifest,
+                    e.name,
+                    bar,
+                    repair=was is not None,
+                    blobs_again=rotten.get(key, []),
+                )
             finally:
                 bar.close()
             if was is not None:
@@ -319,3 +336,86 @@ def print_gc_remote(result: dict[str, Any], dry_run: bool) -> None:
         print(f"{verb} {len(result['blobs_deleted'])} remote blob(s) no checkpoint refers to")
     n, kept = len(result["delete"]), len(result["keep"])
     print(f"{result['url']}: {n} {'would be deleted' if dry_run else 'deleted'}, {kept} kept")
+
+
+def verify(args: argparse.Namespace) -> int:
+    """``verify URL``: read the remote copies where they lie and check every checksum."""
+    from .remote_verify import verify_remote
+
+    st = store(args.dir, args.option)
+    remote = st.scan()
+    committed = [e for e in remote if e.manifest is not None]
+    if not committed:
+        raise CheckpointNotFoundError(f"no checkpoints in {st.url}{_unreadable(remote)}")
+    if args.step is not None:
+        scope = "step"
+        chosen = [e for e in committed if e.manifest is not None and e.manifest.step == args.step]
+        if not chosen:
+            steps = sorted({e.manifest.step for e in committed if e.manifest is not None})
+            raise CheckpointNotFoundError(
+                f"no checkpoint of step {args.step} in {st.url} (its steps: "
+                f"{', '.join(map(str, steps))})"
+            )
+    elif args.all:
+        scope, chosen = "all", committed
+    else:
+        scope, chosen = "newest", committed[-1:]
+    rows = []
+    for e in chosen:
+        m = e.manifest
+        assert m is not None
+        problem = e.problem  # a listed size already wrong: no need to read it
+        if problem is None:
+            try:
+                verify_remote(st, e)
+            except CheckpointError as err:
+                problem = str(err)
+        rows.append(
+            {
+                "name": e.name,
+                "step": m.step,
+                "seq": m.seq,
+                "status": "valid" if problem is None else "corrupt",
+                "checked": "checksums",
+                "time": iso_time(m.created),
+                "bytes": m.total_bytes,
+                "run_id": m.run_id,
+                "problem": problem,
+                "url": f"{st.url}/{e.name}",
+            }
+        )
+    bad = [r for r in rows if r["problem"] is not None]
+    if args.json:
+        print_json(
+            {
+                "dir": st.url,
+                "scope": scope,
+                "ok": not bad,
+                "verified": len(rows),
+                "failed": len(bad),
+                "checkpoints": rows,
+            }
+        )
+        return 1 if bad else 0
+    for r in rows:
+        if r["problem"] is None:
+            print(f"ok       step {r['step']:>10}  {r['url']}")
+        else:
+            print(f"CORRUPT  step {r['step']:>10}  {r['name']}: {r['problem']}")
+    if bad:
+        print(
+            f"{len(bad)} of {len(rows)} remote checkpoint(s) failed verification; `resilient-ckpt "
+            f"push DIR {st.url} --verify` uploads a damaged copy again from a valid local one",
+            file=sys.stderr,
+        )
+        return 1
+    what = "every checksum matches, read from the store"
+    if scope == "newest" and len(committed) > 1:
+        what += f" (the newest of {len(committed)}; --all verifies every one)"
+    print(f"{len(rows)} remote checkpoint(s) verified: {what}")
+    return 0
+
+
+def _unreadable(remote: list[RemoteEntry]) -> str:
+    n = sum(1 for e in remote if e.manifest is None and e.problem not in (None, NO_MANIFEST))
+    return f" ({n} with an unreadable manifest)" if n else ""

@@ -28,9 +28,21 @@ class Target:
     only: str | None = None  # one checkpoint's name, when DIR was that checkpoint
 
 
+def is_url(path: str) -> bool:
+    """Whether ``path`` is a remote store's URL (``s3://bucket/run1``), not a local path."""
+    return "://" in path and not os.path.exists(path)
+
+
 def resolve(path: str, *, single_ok: bool = True) -> Target:
     """The checkpoint directory ``path`` names. ``path`` may also be one checkpoint in it (a
     directory holding ``manifest.json``) where ``single_ok``."""
+    if is_url(path):
+        raise CheckpointNotFoundError(
+            f"{path} is a remote store's URL; this command reads a local checkpoint directory. "
+            f"For the remote store: `resilient-ckpt ls DIR --remote {path}` lists its copies "
+            f"beside the local ones, `resilient-ckpt verify {path}` checks their checksums, and "
+            f"`resilient-ckpt pull {path} DIR` downloads one, verified"
+        )
     if not os.path.exists(path):
         raise CheckpointNotFoundError(
             f"{path}: no such directory (give the directory the checkpoints were saved to, the "

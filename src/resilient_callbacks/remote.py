@@ -26,7 +26,7 @@ import posixpath
 import shutil
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,11 +289,15 @@ class RemoteStore:
         progress: Progress | None = None,
         *,
         repair: bool = False,
+        blobs_again: Collection[str] = (),
     ) -> None:
         """Upload one committed local checkpoint as ``name``; the manifest goes last, after
         every file is checked. Raises on any failure (nothing is committed remotely then).
-        ``repair``: the remote copy of this commit is damaged (a file missing or torn):
-        uncommit it and upload every file again."""
+        ``repair``: the remote copy of this commit is damaged (a file missing, torn or rotten):
+        uncommit it and upload every file again. ``blobs_again``: blobs it refers to that are
+        on the remote at the right size but with other bytes (read and found rotten): uploaded
+        again too (a blob's name is its content's hash, so every checkpoint naming it wants
+        exactly these bytes)."""
         existing = self._manifest_bytes(name)
         with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as fh:
             manifest_bytes = fh.read()
@@ -310,7 +314,7 @@ class RemoteStore:
                     self.fs.makedirs(parent, exist_ok=True)
         cb = progress.multi_callback() if progress is not None else None
         kwargs: dict[str, Any] = {"callback": cb} if cb is not None else {}
-        marker = remote_blobs.upload(self, local_dir, manifest)  # those not there yet
+        marker = remote_blobs.upload(self, local_dir, manifest, blobs_again)  # those not there
         try:
             self.fs.put(lpaths, rpaths, **kwargs)
             commit.commit(name, manifest.step, manifest_bytes)

@@ -30,6 +30,7 @@ import os
 import posixpath
 import time
 import uuid
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from .blobs import BLOBS_DIR, NAME_RE, TMP_PREFIX, blob_path, key_of, store_dir
@@ -67,9 +68,12 @@ def listing(store: RemoteStore) -> dict[str, int]:
     return out
 
 
-def upload(store: RemoteStore, local_dir: str, manifest: Manifest) -> str | None:
-    """Put the blobs ``manifest`` refers to that the remote store lacks; return the in-flight
-    marker to remove once the checkpoint is committed (None: the checkpoint has no blobs)."""
+def upload(
+    store: RemoteStore, local_dir: str, manifest: Manifest, again: Collection[str] = ()
+) -> str | None:
+    """Put the blobs ``manifest`` refers to that the remote store lacks (and those named in
+    ``again``, found rotten there); return the in-flight marker to remove once the checkpoint
+    is committed (None: the checkpoint has no blobs)."""
     if not manifest.blobs:
         return None
     marker = posixpath.join(_dir(store), f"{INFLIGHT_PREFIX}{uuid.uuid4().hex[:12]}.json")
@@ -86,7 +90,7 @@ def upload(store: RemoteStore, local_dir: str, manifest: Manifest) -> str | None
         clash = [b.path for b in manifest.blobs if b.path in have and have[b.path] != b.size]
         if clash:
             _check_torn(store, clash, have, manifest.run_id, marker, local_dir)
-        todo = [b for b in manifest.blobs if have.get(b.path) != b.size]
+        todo = [b for b in manifest.blobs if have.get(b.path) != b.size or b.path in again]
         if todo:
             _put(store, [blob_path(local_dir, b.path) for b in todo], [b.path for b in todo])
             have = listing(store)
