@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import stat
 import sys
 from pathlib import Path
@@ -561,3 +562,75 @@ def test_close_waits_for_the_async_saves_in_flight(tmp_path):
     assert sorted(e.step for e in done) == [1, 2, 3]
     with ResilientStorageWriter(tmp_path / "a") as again:  # the lock was released
         dcp.save({"w": torch.zeros(4)}, storage_writer=again)
+
+
+def test_the_writer_records_its_retention_so_gc_keeps_what_it_keeps(tmp_path):
+    """The manifests say the writer's keep_last and keep_every_n_steps (they said nothing:
+    `ls` read 'keep_last=None keeps all' and `gc --keep-last 1` deleted the archive points)."""
+    from resilient_callbacks.cli import main
+
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root, keep_last=2, keep_every_n_steps=2) as w:
+        for s in range(1, 8):
+            dcp.save({"w": torch.full((2,), float(s))}, storage_writer=w, checkpoint_id=s)
+    steps = lambda: sorted(e.step for e in catalog.committed(catalog.scan(str(root))))  # noqa: E731
+    assert steps() == [2, 4, 6, 7]
+    manifest = json.loads((root / "step_000000007" / "manifest.json").read_text())
+    assert manifest["retention"]["keep_last"] == 2
+    assert manifest["retention"]["keep_every_n_steps"] == 2
+    assert main(["gc", str(root), "--keep-last", "1"]) == 0
+    assert steps() == [2, 4, 6, 7]  # archive points go only with --drop-archives
+
+
+def test_the_reader_says_it_skips_a_newest_checkpoint_whose_manifest_is_unreadable(tmp_path):
+    """A truncated manifest of the newest checkpoint: skipped loudly (it was passed over in
+    silence), and alone it is named, not 'no checkpoints'."""
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root) as w:
+        for s in (1, 2):
+            dcp.save({"w": torch.full((2,), float(s))}, storage_writer=w, checkpoint_id=s)
+    manifest = root / "step_000000002" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:40])
+    sd = {"w": torch.zeros(2)}
+    reader = ResilientStorageReader(root)
+    with pytest.warns(ResumeFallbackWarning, match="step_000000002.*unreadable manifest"):
+        dcp.load(sd, storage_reader=reader)
+    assert reader.loaded_step == 1 and torch.equal(sd["w"], torch.ones(2))
+    assert len(reader.skipped) == 1 and "unreadable manifest" in reader.skipped[0]
+    shutil.rmtree(root / "step_000000001")
+    with pytest.raises(BaseException, match=r"cannot load .*step_000000002.*unreadable manifest"):
+        dcp.load({"w": torch.zeros(2)}, storage_reader=ResilientStorageReader(root))
+
+
+def test_subclasses_of_plain_types_are_refused_and_checkpoint_id_loads_a_step(tmp_path):
+    """A namedtuple, torch.Size, an IntEnum or a NumPy float would come back as the plain base
+    type (no pickle keeps the class): refused, naming it, as other classes are. dcp.load's
+    checkpoint_id=<int> is the step to load, as the writer's is the step to save (TypeError)."""
+    import collections
+    import enum
+
+    import numpy as np
+
+    class Mode(enum.IntEnum):
+        A = 1
+
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root) as w:
+        for bad, name in [
+            (collections.namedtuple("P", "x y")(1, 2), "P"),
+            (torch.Size([2, 3]), "torch.Size"),
+            (Mode.A, "Mode"),
+            (np.float64(0.5), "numpy.float64"),
+        ]:
+            with pytest.raises(BaseException, match=rf"{name} \(a \w+ subclass\)"):
+                dcp.save({"w": torch.ones(2), "x": bad}, storage_writer=w)
+        for s in (5, 6):
+            sd = {"w": torch.full((2,), float(s)), "meta": {"pair": (s, "a"), "lr": 0.5}}
+            dcp.save(sd, storage_writer=w, checkpoint_id=s)
+    got = {"w": torch.zeros(2), "meta": {"pair": (0, ""), "lr": 0.0}}
+    reader = ResilientStorageReader(root)
+    dcp.load(got, storage_reader=reader, checkpoint_id=5)
+    assert reader.loaded_step == 5 and torch.equal(got["w"], torch.full((2,), 5.0))
+    assert got["meta"] == {"pair": (5, "a"), "lr": 0.5}
+    with pytest.raises(BaseException, match="checkpoint_id=True"):
+        dcp.load(got, storage_reader=ResilientStorageReader(root), checkpoint_id=True)

@@ -39,13 +39,14 @@ from ..catalog import Depth
 from ..errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    ConfigError,
     NoValidCheckpointError,
     ResumeFallbackWarning,
     UnsupportedStateError,
     warn_and_log,
 )
 from ..manifest import MANIFEST_NAME, check_relative, read_manifest
-from ..reader import by_commit, committed, find
+from ..reader import by_commit, committed, find, unordered
 from ..tensorfile import read_verified
 from .chunks import join
 from .metadata_json import METADATA_NAME, from_json
@@ -93,8 +94,20 @@ class ResilientStorageReader(StorageReader):
         self.storage: dict[MetadataIndex, dict[str, Any]] = {}
         self.rank = 0
 
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
+        """``checkpoint_id`` (from ``dcp.load(..., checkpoint_id=...)``): a step to load (an
+        int, as the writer's ``checkpoint_id``), or a checkpoint directory or one checkpoint in
+        it (a path)."""
+        if checkpoint_id is None:
+            return
+        if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, (int, str, os.PathLike)):
+            raise ConfigError(
+                f"checkpoint_id={checkpoint_id!r}: with ResilientStorageReader, checkpoint_id is "
+                "a step to load (an int) or a checkpoint directory (a path)"
+            )
+        if isinstance(checkpoint_id, int):
+            self.step = checkpoint_id
+        else:
             self.dirpath = os.path.abspath(os.fspath(checkpoint_id))
 
     @classmethod
@@ -115,7 +128,10 @@ class ResilientStorageReader(StorageReader):
         entries = committed(root)
         if self.step is not None:
             return [find(entries, root, self.step).path]
-        return [e.path for e in by_commit(entries)]
+        ordered = by_commit(entries)
+        # a manifest that cannot be read may be the newest: tried first, so its skip is said
+        maybe_newer = unordered(entries, ordered[0].step if ordered else None)
+        return [e.path for e in maybe_newer + ordered]
 
     def _fetch_remote(self, root: str) -> None:
         """Rank 0: download the remote's newest checkpoint (or ``step``'s) unless ``root``

@@ -212,7 +212,9 @@ class ResilientStorageWriter(StorageWriter):
             run_id=self.run_id,
             strategy=d.commit,
             seq=max([d.seq] + [s.seq or 0 for s in in_flight]) + 1,
-            after_commit=d.after_commit,
+            after_commit=d.after_commit,  # applies d.retention: these are only recorded
+            retention=d.retention,
+            remote_retention=self.config.remote_retention_policy() if self.config.remote else None,
         )
         staging = session.begin_here()
         self._sessions[staging] = (session, threading.current_thread())
