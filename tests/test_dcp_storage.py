@@ -602,27 +602,21 @@ def test_the_reader_says_it_skips_a_newest_checkpoint_whose_manifest_is_unreadab
         dcp.load({"w": torch.zeros(2)}, storage_reader=ResilientStorageReader(root))
 
 
-def test_subclasses_of_plain_types_are_refused_and_checkpoint_id_loads_a_step(tmp_path):
-    """A namedtuple, torch.Size, an IntEnum or a NumPy float would come back as the plain base
-    type (no pickle keeps the class): refused, naming it, as other classes are. dcp.load's
-    checkpoint_id=<int> is the step to load, as the writer's is the step to save (TypeError)."""
+def test_namedtuples_and_enum_members_are_refused_and_checkpoint_id_loads_a_step(tmp_path):
+    """A namedtuple or an enum member would come back as its plain value (no pickle keeps the
+    class): refused, naming it, as other classes are (a NumPy float or a torch.Size is a value
+    of its base type, and loads as one). dcp.load's checkpoint_id=<int> is the step to load, as
+    the writer's is the step to save (it was a raw TypeError)."""
     import collections
     import enum
-
-    import numpy as np
 
     class Mode(enum.IntEnum):
         A = 1
 
     root = tmp_path / "ck"
     with ResilientStorageWriter(root) as w:
-        for bad, name in [
-            (collections.namedtuple("P", "x y")(1, 2), "P"),
-            (torch.Size([2, 3]), "torch.Size"),
-            (Mode.A, "Mode"),
-            (np.float64(0.5), "numpy.float64"),
-        ]:
-            with pytest.raises(BaseException, match=rf"{name} \(a \w+ subclass\)"):
+        for bad, name in [(collections.namedtuple("P", "x y")(1, 2), "P"), (Mode.A, "Mode")]:
+            with pytest.raises(BaseException, match=rf"{name} would be loaded as its plain value"):
                 dcp.save({"w": torch.ones(2), "x": bad}, storage_writer=w)
         for s in (5, 6):
             sd = {"w": torch.full((2,), float(s)), "meta": {"pair": (s, "a"), "lr": 0.5}}

@@ -18,6 +18,7 @@ floats and integer dict keys, tagged); anything else is refused with
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -62,22 +63,22 @@ def split(state: Any, where: str | None = None) -> tuple[Any, dict[str, torch.Te
                     )
                 items.append([k, walk(v, (*path, escape(str(k))))])
             return {TAG: "dict", "items": items}
-        kind = type(obj)
-        if kind is tuple:
+        if isinstance(obj, enum.Enum) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+            # a member or a namedtuple would come back as its plain value: a silent change
+            kind = type(obj)
+            raise UnsupportedStateError(
+                f"{'/'.join(path) or '<root>'}: a {kind.__module__}.{kind.__qualname__} would be "
+                "loaded as its plain value (nothing is pickled, so its class cannot be kept); "
+                "save the value (x.value, tuple(x)) or a dict"
+            )
+        if isinstance(obj, tuple):  # torch.Size too: loaded as a tuple of the same values
             return {TAG: "tuple", "items": [walk(v, (*path, str(i))) for i, v in enumerate(obj)]}
         if isinstance(obj, list):
             return [walk(v, (*path, str(i))) for i, v in enumerate(obj)]
-        if kind is float and not math.isfinite(obj):
+        if isinstance(obj, float) and not math.isfinite(obj):
             return {TAG: "float", "value": repr(obj)}
-        if obj is None or kind in (bool, int, float, str):
+        if obj is None or isinstance(obj, (bool, int, float, str)):  # numpy.float64: a float
             return obj
-        if isinstance(obj, (tuple, int, float, str)):  # would come back as the plain base type
-            base = next(b for b in (tuple, int, float, str) if isinstance(obj, b)).__name__
-            raise UnsupportedStateError(
-                f"{'/'.join(path) or '<root>'}: a {kind.__module__}.{kind.__qualname__} (a "
-                f"{base} subclass) would be loaded as a plain {base}; nothing is pickled, so its "
-                f"type cannot be kept. Save {base}(value) if the plain {base} is what you need"
-            )
         raise UnsupportedStateError(
             f"{'/'.join(path) or '<root>'}: a {type(obj).__qualname__} cannot be written as "
             "JSON (only tensors, DTensors, numbers, strings, None, lists, tuples and dicts are "

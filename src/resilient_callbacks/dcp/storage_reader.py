@@ -100,7 +100,9 @@ class ResilientStorageReader(StorageReader):
         it (a path)."""
         if checkpoint_id is None:
             return
-        if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, (int, str, os.PathLike)):
+        if isinstance(checkpoint_id, bool) or not isinstance(
+            checkpoint_id, (int, str, os.PathLike)
+        ):
             raise ConfigError(
                 f"checkpoint_id={checkpoint_id!r}: with ResilientStorageReader, checkpoint_id is "
                 "a step to load (an int) or a checkpoint directory (a path)"
