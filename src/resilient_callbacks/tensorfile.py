@@ -283,8 +283,8 @@ def _hasher(path: str, expect: FileDigest | None) -> FileHasher:
 def _check_digest(path: str, got: str, expect: FileDigest | None) -> None:
     if expect is not None and got != expect.xxh3_64:
         raise CheckpointCorruptError(
-            f"{path}: checksum mismatch (xxh3_64 {got}, manifest says "
-            f"{expect.xxh3_64}); the file's content changed after it was written"
+            f"{path}: checksum mismatch (xxh3_64 {got}, manifest says {expect.xxh3_64}): "
+            "the bytes read are not the ones written (damaged or overwritten since)"
         )
 
 
