@@ -593,8 +593,10 @@ def test_the_reader_says_it_skips_a_newest_checkpoint_whose_manifest_is_unreadab
     manifest.write_bytes(manifest.read_bytes()[:40])
     sd = {"w": torch.zeros(2)}
     reader = ResilientStorageReader(root)
-    with pytest.warns(ResumeFallbackWarning, match="step_000000002.*unreadable manifest"):
+    with pytest.warns(ResumeFallbackWarning, match="step_000000002.*unreadable manifest") as said:
         dcp.load(sd, storage_reader=reader)
+    (warned,) = [w for w in said if w.category is ResumeFallbackWarning]
+    assert warned.filename == __file__  # the user's dcp.load line, not torch's or ours
     assert reader.loaded_step == 1 and torch.equal(sd["w"], torch.ones(2))
     assert len(reader.skipped) == 1 and "unreadable manifest" in reader.skipped[0]
     shutil.rmtree(root / "step_000000001")

@@ -95,14 +95,16 @@ class ForeignCheckpointsWarning(UserWarning):
 __all__ += ["ForeignCheckpointsWarning", "ResumeFallbackWarning"]
 
 
-def caller_stacklevel() -> int:
+def caller_stacklevel(*through: str) -> int:
     """The ``stacklevel`` of the first frame outside this package, for a ``warnings.warn`` (or
     :func:`warn_and_log`) call made in the function calling this one: the user's call into the
-    library, or the framework's, however deep inside the library the warning is given."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    library, or the framework's, however deep inside the library the warning is given.
+    ``through``: directories of other code to pass over too (a framework that calls us, such
+    as ``torch.distributed.checkpoint`` calling a storage reader)."""
+    inside = (os.path.dirname(os.path.abspath(__file__)), *map(os.path.abspath, through))
     frame = sys._getframe(1)
     level = 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
     return level
 

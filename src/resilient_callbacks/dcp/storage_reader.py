@@ -27,6 +27,7 @@ import os
 import warnings
 from typing import Any
 
+import torch.distributed.checkpoint
 from safetensors import safe_open
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -43,6 +44,7 @@ from ..errors import (
     NoValidCheckpointError,
     ResumeFallbackWarning,
     UnsupportedStateError,
+    caller_stacklevel,
     warn_and_log,
 )
 from ..manifest import MANIFEST_NAME, check_relative, read_manifest
@@ -52,6 +54,7 @@ from .chunks import join
 from .metadata_json import METADATA_NAME, from_json
 
 log = logging.getLogger("resilient_callbacks")
+_DCP_DIR = os.path.dirname(torch.distributed.checkpoint.__file__)  # dcp.load calls the reader
 
 
 class ResilientStorageReader(StorageReader):
@@ -216,7 +219,8 @@ class ResilientStorageReader(StorageReader):
             if self.step is not None or len(listing["paths"]) == 1:
                 raise CheckpointCorruptError(f"cannot load {path}: {why}")
             msg = f"skipping checkpoint {path}: {why}; falling back to an older checkpoint"
-            warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=2, warn=rank == 0)
+            level = caller_stacklevel(_DCP_DIR)  # the user's dcp.load(...)
+            warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=level, warn=rank == 0)
         raise NoValidCheckpointError(
             f"{self.dirpath} holds {len(listing['paths'])} checkpoint(s) but none can be loaded:"
             "\n  - " + "\n  - ".join(self.skipped)
