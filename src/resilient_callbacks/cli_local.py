@@ -23,7 +23,7 @@ from .cli_format import (
     status_text,
     table,
 )
-from .cli_scan import no_checkpoints, public, resolve, row, scan
+from .cli_scan import no_checkpoints, public, report_verified, resolve, row, scan
 from .commit import remove_checkpoint
 from .errors import CheckpointError, CheckpointNotFoundError
 from .lock import DirLock
@@ -202,41 +202,15 @@ def _report_verified(
     args: argparse.Namespace, target: Any, scope: str, chosen: list[Entry], committed: list[Entry]
 ) -> int:
     rows = [row(e, Depth.FULL) for e in chosen]
-    bad = [r for r in rows if r["status"] != "valid"]
-    if args.json:
-        print_json(
-            {
-                "dir": target.root,
-                "scope": scope,
-                "ok": not bad,
-                "verified": len(rows),
-                "failed": len(bad),
-                "checkpoints": [public(r) for r in rows],
-            }
+    status = report_verified(args, target.root, scope, rows, len(committed))
+    if status and scope == "newest" and not args.json:
+        print(
+            f"the newest checkpoint is corrupt; `resilient-ckpt inspect {args.dir}` shows "
+            f"the newest valid one, `resilient-ckpt verify {args.dir} --all` checks all "
+            f"{len(committed)}",
+            file=sys.stderr,
         )
-        return 1 if bad else 0
-    for r in rows:
-        step = r["step"] if r["step"] is not None else "?"
-        if r["status"] == "valid":
-            print(f"ok       step {step:>10}  {r['name']}")
-        else:
-            print(f"CORRUPT  step {step:>10}  {r['name']}: {r['problem']}")
-    older = len(committed) - len(chosen)
-    if bad:
-        print(f"{len(bad)} of {len(rows)} checkpoint(s) failed verification", file=sys.stderr)
-        if scope == "newest":
-            print(
-                f"the newest checkpoint is corrupt; `resilient-ckpt inspect {args.dir}` shows "
-                f"the newest valid one, `resilient-ckpt verify {args.dir} --all` checks all "
-                f"{len(committed)}",
-                file=sys.stderr,
-            )
-        return 1
-    what = "every checksum matches"
-    if scope == "newest" and older:
-        what += f" (the newest of {len(committed)}; --all verifies every one)"
-    print(f"{len(rows)} checkpoint(s) verified: {what}")
-    return 0
+    return status
 
 
 # ---------------------------------------------------------------------- gc

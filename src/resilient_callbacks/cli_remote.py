@@ -13,7 +13,7 @@ from typing import Any
 from . import catalog
 from .catalog import Depth, Entry, Status
 from .cli_format import CORRUPT, SIZES, UNVERIFIED, fmt_size, iso_time, print_json
-from .cli_scan import no_checkpoints, resolve
+from .cli_scan import no_checkpoints, report_verified, resolve
 from .commit import CKPT_RE
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock
@@ -340,36 +340,31 @@ def print_gc_remote(result: dict[str, Any], dry_run: bool) -> None:
 
 def verify(args: argparse.Namespace) -> int:
     """``verify URL``: read the remote copies where they lie and check every checksum."""
-    from .remote_verify import verify_remote
+    from .remote_verify import check_remote
 
     st = store(args.dir, args.option)
     remote = st.scan()
     committed = [e for e in remote if e.manifest is not None]
     if not committed:
-        raise CheckpointNotFoundError(f"no checkpoints in {st.url}{_unreadable(remote)}")
+        unreadable = len(_damage(remote)[1])
+        some = f" ({unreadable} with an unreadable manifest)" if unreadable else ""
+        raise CheckpointNotFoundError(f"no checkpoints in {st.url}{some}")
+    steps = {e.name: e.manifest.step for e in committed if e.manifest is not None}
     if args.step is not None:
-        scope = "step"
-        chosen = [e for e in committed if e.manifest is not None and e.manifest.step == args.step]
+        scope, chosen = "step", [e for e in committed if steps[e.name] == args.step]
         if not chosen:
-            steps = sorted({e.manifest.step for e in committed if e.manifest is not None})
             raise CheckpointNotFoundError(
                 f"no checkpoint of step {args.step} in {st.url} (its steps: "
-                f"{', '.join(map(str, steps))})"
+                f"{', '.join(map(str, sorted(set(steps.values()))))})"
             )
-    elif args.all:
-        scope, chosen = "all", committed
     else:
-        scope, chosen = "newest", committed[-1:]
+        scope, chosen = ("all", committed) if args.all else ("newest", committed[-1:])
     rows = []
     for e in chosen:
         m = e.manifest
         assert m is not None
-        problem = e.problem  # a listed size already wrong: no need to read it
-        if problem is None:
-            try:
-                verify_remote(st, e)
-            except CheckpointError as err:
-                problem = str(err)
+        # a listed size already wrong needs no reading
+        problem = e.problem if e.problem is not None else check_remote(st, e).problem
         rows.append(
             {
                 "name": e.name,
@@ -384,38 +379,15 @@ def verify(args: argparse.Namespace) -> int:
                 "url": f"{st.url}/{e.name}",
             }
         )
-    bad = [r for r in rows if r["problem"] is not None]
-    if args.json:
-        print_json(
-            {
-                "dir": st.url,
-                "scope": scope,
-                "ok": not bad,
-                "verified": len(rows),
-                "failed": len(bad),
-                "checkpoints": rows,
-            }
-        )
-        return 1 if bad else 0
-    for r in rows:
-        if r["problem"] is None:
-            print(f"ok       step {r['step']:>10}  {r['url']}")
-        else:
-            print(f"CORRUPT  step {r['step']:>10}  {r['name']}: {r['problem']}")
-    if bad:
-        print(
-            f"{len(bad)} of {len(rows)} remote checkpoint(s) failed verification; `resilient-ckpt "
-            f"push DIR {st.url} --verify` uploads a damaged copy again from a valid local one",
-            file=sys.stderr,
-        )
-        return 1
-    what = "every checksum matches, read from the store"
-    if scope == "newest" and len(committed) > 1:
-        what += f" (the newest of {len(committed)}; --all verifies every one)"
-    print(f"{len(rows)} remote checkpoint(s) verified: {what}")
-    return 0
-
-
-def _unreadable(remote: list[RemoteEntry]) -> str:
-    n = sum(1 for e in remote if e.manifest is None and e.problem not in (None, NO_MANIFEST))
-    return f" ({n} with an unreadable manifest)" if n else ""
+    return report_verified(
+        args,
+        st.url,
+        scope,
+        rows,
+        len(committed),
+        what="remote checkpoint(s)",
+        shown="url",
+        failed_hint=f"; `resilient-ckpt push DIR {st.url} --verify` uploads a damaged copy "
+        "again from a valid local one",
+        matched="every checksum matches, read from the store",
+    )

@@ -8,13 +8,25 @@ A status is only ``valid`` when every checksum was read; a check of sizes alone 
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from . import catalog
 from .catalog import Depth, Entry, Status
-from .cli_format import CHECKSUMS, CORRUPT, INCOMPLETE, MANIFEST, SIZES, UNVERIFIED, VALID, iso_time
+from .cli_format import (
+    CHECKSUMS,
+    CORRUPT,
+    INCOMPLETE,
+    MANIFEST,
+    SIZES,
+    UNVERIFIED,
+    VALID,
+    iso_time,
+    print_json,
+)
 from .errors import CheckpointNotFoundError
 from .manifest import MANIFEST_NAME
 
@@ -145,3 +157,46 @@ def row(e: Entry, depth: Depth) -> dict[str, Any]:
 def public(r: dict[str, Any]) -> dict[str, Any]:
     """A row as written to JSON."""
     return {k: v for k, v in r.items() if k != "created"}
+
+
+def report_verified(
+    args: argparse.Namespace,
+    where: str,
+    scope: str,
+    rows: list[dict[str, Any]],
+    total: int,
+    *,
+    what: str = "checkpoint(s)",
+    shown: str = "name",
+    failed_hint: str = "",
+    matched: str = "every checksum matches",
+) -> int:
+    """``verify``'s output for ``rows`` (each with ``name``, ``step``, ``status``, ``problem``
+    and the key ``shown`` names) of ``total`` committed checkpoints in ``where``; the exit
+    status. ``failed_hint`` ends the failure line on stderr."""
+    bad = [r for r in rows if r["status"] != "valid"]
+    if args.json:
+        print_json(
+            {
+                "dir": where,
+                "scope": scope,
+                "ok": not bad,
+                "verified": len(rows),
+                "failed": len(bad),
+                "checkpoints": [public(r) for r in rows],
+            }
+        )
+        return 1 if bad else 0
+    for r in rows:
+        step = r["step"] if r["step"] is not None else "?"
+        if r["status"] == "valid":
+            print(f"ok       step {step:>10}  {r[shown]}")
+        else:
+            print(f"CORRUPT  step {step:>10}  {r['name']}: {r['problem']}")
+    if bad:
+        print(f"{len(bad)} of {len(rows)} {what} failed verification{failed_hint}", file=sys.stderr)
+        return 1
+    if scope == "newest" and total > len(rows):
+        matched += f" (the newest of {total}; --all verifies every one)"
+    print(f"{len(rows)} {what} verified: {matched}")
+    return 0

@@ -280,6 +280,10 @@ class CheckpointerConfig:
             return self.retention_policy()
         return RetentionPolicy(keep_last=self.keep_last)
 
+    def remote_retention_if_any(self) -> RetentionPolicy | None:
+        """The remote tier's retention policy, None without a remote (what a manifest records)."""
+        return self.remote_retention_policy() if self.remote is not None else None
+
     def remote_retention_policy(self) -> RetentionPolicy:
         keep_last: int | None
         if self.remote_keep_last is None:

@@ -168,7 +168,7 @@ def _session(saver: Saver, step: int, background: bool) -> CommitSession | NodeL
         strategy=d.commit,
         seq=d.seq + 1,
         retention=ck.retention,
-        remote_retention=ck.config.remote_retention_policy() if ck.config.remote else None,
+        remote_retention=ck.config.remote_retention_if_any(),
         after_commit=d.after_commit,
     )
 

@@ -15,7 +15,6 @@ from typing import Any
 
 from .blobs import BLOBS_DIR
 from .checksum import hasher_for
-from .errors import CheckpointCorruptError
 from .manifest import FileEntry
 from .progress import Progress
 from .remote import RemoteEntry, RemoteStore
@@ -68,14 +67,6 @@ def check_remote(
     finally:
         bar.close()
     return damage
-
-
-def verify_remote(st: RemoteStore, entry: RemoteEntry, *, progress: bool | None = None) -> None:
-    """Raise :class:`CheckpointCorruptError` naming the first object of ``entry`` that is
-    missing, of another size, or whose checksum differs from the manifest's."""
-    problem = check_remote(st, entry, progress=progress).problem
-    if problem is not None:
-        raise CheckpointCorruptError(problem)
 
 
 def _check(st: RemoteStore, path: str, url: str, f: FileEntry, bar: Progress) -> str | None:

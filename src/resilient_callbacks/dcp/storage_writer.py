@@ -181,8 +181,7 @@ class ResilientStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: open the directory (first time), number the save, create its staging
-        directory."""
+        """Coordinator: open the directory (first time), number the save, make its staging."""
         with self._lock:
             return self._global_plan(plans)
 
@@ -212,9 +211,9 @@ class ResilientStorageWriter(StorageWriter):
             run_id=self.run_id,
             strategy=d.commit,
             seq=max([d.seq] + [s.seq or 0 for s in in_flight]) + 1,
-            after_commit=d.after_commit,  # applies d.retention: these are only recorded
+            after_commit=d.after_commit,  # applies d.retention; the session records both
             retention=d.retention,
-            remote_retention=self.config.remote_retention_policy() if self.config.remote else None,
+            remote_retention=self.config.remote_retention_if_any(),
         )
         staging = session.begin_here()
         self._sessions[staging] = (session, threading.current_thread())
@@ -318,8 +317,7 @@ class ResilientStorageWriter(StorageWriter):
         return files
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: ``dcp_metadata.json``, then the manifest last, rename, ``latest``,
-        retention, upload queue."""
+        """Coordinator: ``dcp_metadata.json``, manifest last, rename, retention, upload queue."""
         with self._lock:  # saves in flight together commit one at a time
             self._finish(metadata, results)
 

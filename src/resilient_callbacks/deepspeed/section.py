@@ -60,11 +60,11 @@ def _parse(text: str) -> Any:
     DeepSpeed also accepts."""
     try:
         return json.loads(text)
-    except ValueError:
+    except ValueError as not_json:
         try:
             import hjson  # DeepSpeed's own dependency
         except ImportError:
-            raise
+            raise not_json from None
         return hjson.loads(text)
 
 
