@@ -617,11 +617,48 @@ def test_a_tuple_holding_a_tensor_and_plain_values_restores(tmp_path, plain):
     assert torch.equal(live["pair"][0], torch.arange(3.0))
 
 
-def test_complex_tensor_is_unsupported_and_commits_nothing(tmp_path):
+def test_complex128_tensor_is_unsupported_and_commits_nothing(tmp_path):
     d = tmp_path / "ck"
-    with Checkpointer(d) as ck, pytest.raises(UnsupportedStateError, match="complex"):
-        ck.save(1, {"z": torch.zeros(3, dtype=torch.complex64)})
+    with (
+        Checkpointer(d) as ck,
+        pytest.raises(UnsupportedStateError, match=r"state\['z'\].*complex128.*does not store"),
+    ):
+        ck.save(1, {"z": torch.zeros(3, dtype=torch.complex128)})
     assert not [n for n in os.listdir(d) if n.startswith(("step_", ".staging"))]
+
+
+def test_complex64_and_float8_fnuz_state_round_trips(tmp_path):
+    """complex64 and the fnuz float8 formats, which safetensors stores (they were refused as
+    if it did not): a complex parameter trained by Adam, its moments and float8 values come
+    back bit for bit, and a plain safetensors reader opens the file."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))
+    opt = torch.optim.Adam([w], lr=0.1)
+    (w.abs() ** 2).sum().backward()
+    opt.step()
+    f8 = {
+        n: torch.randn(5).to(getattr(torch, n))
+        for n in ("float8_e4m3fnuz", "float8_e5m2fnuz")
+        if hasattr(torch, n)
+    }
+    state = {"w": w, "opt": opt, "f8": dict(f8)}
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, state)
+    w2 = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.complex64))
+    opt2 = torch.optim.Adam([w2], lr=0.1)
+    live = {"w": w2, "opt": opt2, "f8": {n: torch.zeros(5, dtype=t.dtype) for n, t in f8.items()}}
+    with Checkpointer(tmp_path / "ck") as ck:
+        assert ck.restore(live) == 1
+    assert torch.equal(w2.detach(), w.detach())
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(opt2.state[w2][k], opt.state[w][k])
+    for n, t in f8.items():
+        assert live["f8"][n].dtype == t.dtype
+        assert torch.equal(live["f8"][n].view(torch.uint8), t.view(torch.uint8))
+    shared = tmp_path / "ck" / "step_000000001" / "shared.safetensors"
+    assert any(t.dtype == torch.complex64 for t in load_file(str(shared)).values())
 
 
 def test_module_as_the_whole_state_and_per_rank_single_process(tmp_path):

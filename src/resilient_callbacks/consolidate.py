@@ -26,11 +26,12 @@ import torch
 from safetensors.torch import save_file
 
 from . import reader, structure
+from .dtypes import DTYPE_TO_ST
 from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from .filepart import part_dir, parts_of_format, read_part_tensors
 from .layout import LoadedPart, is_dcp_dropin
 from .manifest import Manifest, read_manifest
-from .tensorfile import DTYPE_TO_ST, read_verified
+from .tensorfile import read_verified
 
 ZERO_FORMAT = "zero-fragments/1"
 

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .dtypes import DTYPE_TO_ST, unsupported
 from .errors import CheckpointMismatchError, UnsupportedStateError
 from .filepart import FilePart
 from .optim import hookable, param_shapes
-from .tensorfile import DTYPE_TO_ST
 
 SAVEABLE_DTYPES = tuple(DTYPE_TO_ST)
 
@@ -116,11 +116,7 @@ class _Encoder:
                 "torch.distributed.checkpoint for sharded models."
             )
         if t.dtype not in SAVEABLE_DTYPES:
-            raise UnsupportedStateError(
-                f"{path_str(path)} is a tensor of dtype {t.dtype}, which safetensors cannot "
-                "store; convert it in your state_dict() (e.g. complex -> torch.view_as_real). "
-                f"Supported: {', '.join(str(d).removeprefix('torch.') for d in SAVEABLE_DTYPES)}"
-            )
+            raise UnsupportedStateError(unsupported(f"{path_str(path)} is a tensor that", t.dtype))
         t = t.detach()
         table, alias = (
             (self.rank_tensors, self._rank_alias) if self._in_rank else (self.tensors, self._alias)

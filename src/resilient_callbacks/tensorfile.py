@@ -29,6 +29,7 @@ from .checksum import (
     in_page_cache,
     segment_size,
 )
+from .dtypes import DTYPE_TO_ST, ST_TO_DTYPE, unsupported
 from .errors import CheckpointCorruptError, UnsupportedStateError
 from .readahead import MappedPrefetch, Readahead
 
@@ -36,29 +37,6 @@ CHUNK = 16 << 20  # bytes per write/hash call
 # Restored tensors start at addresses aligned as torch's CPU allocator aligns them: CPU kernels
 # round reductions by alignment (LBFGS's dot products), and a resume must compute the same bits.
 ALIGN = 64
-
-DTYPE_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-for _name, _code in (
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-):
-    if hasattr(torch, _name):
-        DTYPE_TO_ST[getattr(torch, _name)] = _code
-ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 
 
 @dataclass(frozen=True)
@@ -95,11 +73,7 @@ def lay_out(
         raise ValueError("'__metadata__' is reserved by safetensors and cannot name a tensor")
     for name, t in tensors.items():
         if t.dtype not in DTYPE_TO_ST:
-            raise UnsupportedStateError(
-                f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store; convert it "
-                f"(e.g. complex -> torch.view_as_real) in your state_dict(). Supported: "
-                f"{', '.join(str(d).removeprefix('torch.') for d in DTYPE_TO_ST)}"
-            )
+            raise UnsupportedStateError(unsupported(f"tensor {name!r}", t.dtype))
     order = sorted(
         tensors, key=lambda k: (tensors[k].nbytes % ALIGN != 0, -tensors[k].element_size(), k)
     )

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from ..dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from ..layout import rank_structure, rank_tensors
-from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from .chunks import Box, copy_overlap
 from .views import dtype_code
 

@@ -18,9 +18,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..dtypes import DTYPE_TO_ST
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from ..manifest import Manifest, read_manifest
-from ..tensorfile import DTYPE_TO_ST, read_verified
+from ..tensorfile import read_verified
 from .metadata_json import METADATA_NAME, from_json
 from .storage_reader import ResilientStorageReader
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from ..dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
-from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from .assemble import assemble
 from .chunks import Box, escape, join
 from .flat import FlatLayout, Names, Piece, buffers

@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..dtypes import DTYPE_TO_ST, ST_TO_DTYPE, unsupported
 from ..errors import CheckpointCorruptError, UnsupportedStateError
 from ..layout import DCP_METADATA
-from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from .chunks import join, split
 
 FORMAT = "resilient_callbacks.dcp.metadata/1"
@@ -54,7 +54,7 @@ def to_json(metadata: Metadata, storage: dict[MetadataIndex, dict[str, Any]]) ->
         if isinstance(md, TensorStorageMetadata):
             dtype = md.properties.dtype
             if dtype not in DTYPE_TO_ST:
-                raise UnsupportedStateError(f"{fqn}: dtype {dtype} cannot be saved")
+                raise UnsupportedStateError(unsupported(fqn, dtype))
             entries[fqn] = {
                 "kind": "tensor",
                 "dtype": DTYPE_TO_ST[dtype],

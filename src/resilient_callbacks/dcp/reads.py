@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..tensorfile import DTYPE_TO_ST
+from ..dtypes import DTYPE_TO_ST
 from . import shards
 from .assemble import full_box, whole_entry
 from .chunks import Box

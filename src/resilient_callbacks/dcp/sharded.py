@@ -52,10 +52,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from .. import dist
+from ..dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsupportedStateError
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
 from ..snapshot import step_storages
-from ..tensorfile import DTYPE_TO_ST, ST_TO_DTYPE
 from ..unchanged import frozen_storages
 from . import flat_restore, shards
 from .assemble import assemble, json_file, tensor_file

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from ..dtypes import DTYPE_TO_ST, unsupported
 from ..errors import UnsupportedStateError
-from ..tensorfile import DTYPE_TO_ST
 from . import shards
 from .chunks import TAG, Box, narrow, split, unescape
 from .flat import Piece
@@ -31,7 +31,7 @@ def dtype_code(name: str, t: torch.Tensor) -> str:
     try:
         return DTYPE_TO_ST[t.dtype]
     except KeyError:
-        raise UnsupportedStateError(f"{name}: dtype {t.dtype} cannot be saved") from None
+        raise UnsupportedStateError(unsupported(name, t.dtype)) from None
 
 
 @dataclass
