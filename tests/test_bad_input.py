@@ -164,6 +164,7 @@ def test_disk_full_raises_write_error_and_commits_nothing(small_tmpfs, async_sav
         err = _save_failing(ck, 2, _state(2_000_000, 2.0), async_save)
         assert isinstance(err, OSError) and err.errno == errno.ENOSPC, (err.errno, str(err))
         assert "step 2" in str(err)
+        assert "needs room for every checkpoint (keep_last=None keeps them all)" in str(err)
         names = os.listdir(root)
         assert [n for n in names if n.startswith("step_")] == ["step_000000001"]
         assert not [n for n in names if n.startswith(".staging")], names
@@ -233,8 +234,51 @@ def test_an_optimizer_that_does_not_fit_is_refused_before_the_model_is_loaded(tm
 
 
 def test_a_dirpath_that_is_a_file_is_named_as_such(tmp_path):
-    """It read "cannot use ... as a checkpoint directory: File exists"."""
+    """It read "cannot use ... as a checkpoint directory: File exists"; errno is kept."""
     f = tmp_path / "ck"
     f.write_text("not a folder")
-    with pytest.raises(CheckpointWriteError, match="as a checkpoint directory: it is a file"):
+    with pytest.raises(CheckpointWriteError, match="as a checkpoint directory: it is a file") as ei:
         Checkpointer(f)
+    assert ei.value.errno == errno.EEXIST
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_errno_is_kept_when_the_staging_directory_cannot_be_made(tmp_path, async_save):
+    """guide.md: `errno` is kept. A staging directory that could not be made (the directory
+    gone, a full inode table, no permission) gave errno None: the error travels to the other
+    ranks as text."""
+    import shutil
+
+    root = tmp_path / "ck"
+    with Checkpointer(root, async_save=async_save) as ck:
+        shutil.rmtree(root)
+        root.write_text("a file where the directory was")
+        err = _save_failing(ck, 1, _state(4), async_save)
+        assert "cannot create a staging directory" in str(err)
+        assert err.errno == errno.ENOTDIR, (err.errno, str(err))
+        root.unlink()
+        root.mkdir()  # close() finds its directory again
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_saves_wait_for_retention_to_free_the_space_they_need(small_tmpfs, monkeypatch, async_save):
+    """A disk with room for keep_last + 1 checkpoints and deletions slower than the saves: each
+    save waits for retention's deletions when the space is not there yet (saves 4 and on failed
+    with ENOSPC while the space they needed was still being freed)."""
+    import time
+
+    from resilient_callbacks import trash
+
+    real = trash._delete
+
+    def slow(path):
+        time.sleep(0.5)
+        real(path)
+
+    monkeypatch.setattr(trash, "_delete", slow)
+    root = small_tmpfs / "ck"
+    with Checkpointer(root, keep_last=2, async_save=async_save) as ck:  # 1.2 MB each, 4 MiB
+        for step in range(1, 7):
+            ck.save(step, _state(300_000, float(step)))
+            ck.flush()
+        assert [e.step for e in ck.checkpoints()] == [5, 6]

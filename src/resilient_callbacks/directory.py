@@ -121,7 +121,7 @@ class Directory:
         """Every rank: rank 0 creates the directory, takes the lock, sweeps what interrupted
         saves left, reads the commit sequence and connects the remote tier; a failure there is
         raised on every rank."""
-        error = None
+        error: dict[str, Any] | None = None
         pending: BaseException | None = None
         if self.is_coordinator:
             try:
@@ -138,8 +138,10 @@ class Directory:
                         f"{'it is a file' if file else e.strerror or e}. "
                         "Check that the path is right and writable by this user."
                     ),
+                    "errno": e.errno,
                 }
                 pending = CheckpointWriteError(error["msg"])
+                pending.errno = e.errno
                 pending.__cause__ = e
         error = dist.broadcast_json(error)
         if error is not None:
@@ -150,9 +152,11 @@ class Directory:
                 assert pending is not None
                 raise pending
             if error["type"] == "OSError":
-                raise CheckpointWriteError(
+                err = CheckpointWriteError(
                     f"rank 0 could not open the checkpoint directory: {error['msg']}"
                 )
+                err.errno = error.get("errno")
+                raise err
             raise error_type(error["type"])(f"on rank 0: {error['msg']}")
 
     def open_here(self, config: CheckpointerConfig) -> None:
@@ -268,7 +272,12 @@ class Directory:
     def check_foreign(self, stacklevel: int) -> None:
         """Coordinator, once per run: warn about checkpoints of other runs in the directory."""
         self.checked_foreign = True
-        self.report_foreign(catalog.scan(self.dirpath, Depth.NONE), stacklevel + 1)
+        try:
+            entries = catalog.scan(self.dirpath, Depth.NONE)
+        except OSError as e:  # the save that follows reports what is wrong with the directory
+            log.info("could not list %s for checkpoints of other runs: %s", self.dirpath, e)
+            return
+        self.report_foreign(entries, stacklevel + 1)
 
     def report_foreign(self, entries: list[Entry], stacklevel: int) -> None:
         if self._reported_foreign or self.run_id is None:

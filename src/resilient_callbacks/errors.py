@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import warnings
 
@@ -59,6 +60,11 @@ class CheckpointWriteError(CheckpointError, OSError):
     def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.failed_ranks = failed_ranks
+        # the first OS error named in the message (a rank's error reaches the others as text):
+        # `e.errno == errno.ENOSPC` holds whichever rank and whichever step of the save failed
+        found = re.search(r"\[Errno (\d+)\]", message)
+        if found:
+            self.errno = int(found.group(1))
 
     def __str__(self) -> str:  # OSError's __str__ would reformat a single-arg message
         return str(self.args[0]) if self.args else ""

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import mapped
 from .errors import CheckpointMismatchError, caller_stacklevel
 from .filepart import FilePart
 from .structure import (
@@ -64,6 +65,8 @@ def apply(
             return obj
         if is_stateful(obj):
             value = resolve(n)
+            if mapped.keeps_host_tensors(obj):  # kept tensors must not hold the file (mapped.py)
+                value = mapped.private(value)
             try:
                 result = obj.load_state_dict(value)
             except CheckpointMismatchError:

@@ -185,6 +185,7 @@ def _write(
     ck = saver.ck
     if prepared.snapshot is not None:
         prepared.snapshot.wait_host()
+    _make_room(saver, staging_dir)
     compress = None
     if saver.codec.enabled and saver.codec.compress_now(prepared.shared.tensors):
         compress = (saver.codec.level, saver.codec.with_shuffle)
@@ -231,6 +232,33 @@ def _write(
         if prepared.part_blobs is not None:
             written += prepared.part_blobs.written
     return written
+
+
+def _make_room(saver: Saver, staging_dir: str) -> None:
+    """Coordinator: when retention's deletions are still running (:mod:`.trash`) and the disk
+    has less free space than the last checkpoint took, wait for them before writing. Saves in
+    quick succession on a disk sized for ``keep_last + 1`` checkpoints failed with ENOSPC while
+    the space they needed was still being freed."""
+    ck = saver.ck
+    trash = ck._dir.trash
+    if not trash.pending or ck.last_save is None:
+        return
+    try:
+        free = shutil.disk_usage(staging_dir).free
+    except OSError:
+        return
+    need = ck.last_save.bytes
+    if free >= need:
+        return
+    t0 = time.perf_counter()
+    trash.wait(600.0)
+    log.info(
+        "waited %.1f s for retention to delete older checkpoints before writing (%.0f MB were "
+        "free, the last checkpoint took %.0f MB)",
+        time.perf_counter() - t0,
+        free / 1e6,
+        need / 1e6,
+    )
 
 
 def _record(

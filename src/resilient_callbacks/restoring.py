@@ -12,6 +12,7 @@ skipped and why. No valid checkpoint where some exist is an error, never a silen
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -19,7 +20,19 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import catalog, dist, fit, history, inplace, layout, reader, rng, statetree, structure
+from . import (
+    catalog,
+    dist,
+    fit,
+    history,
+    inplace,
+    layout,
+    mapped,
+    reader,
+    rng,
+    statetree,
+    structure,
+)
 from .blobs import key_of
 from .candidates import Candidate, merge_tiers, number_after_remote
 from .catalog import Depth, Status
@@ -127,6 +140,7 @@ class Restorer:
             step = self._try_load(c, state, explicit, skipped)
             if step is not None:
                 assert c.path is not None
+                _warn_if_still_mapped(c.path)
                 ck.last_restore = RestoreReport(
                     c.path, step, "remote" if remote_url else "local", remote_url, tuple(skipped)
                 )
@@ -462,3 +476,20 @@ def _recorded(manifest: Manifest) -> RetentionPolicy | None:
         return RetentionPolicy.from_json(manifest.retention) if manifest.retention else None
     except (ConfigError, TypeError):
         return None
+
+
+def _warn_if_still_mapped(path: str) -> None:
+    """Say so when objects of the state keep tensors that view the restored checkpoint's files
+    (a FilePart's load that keeps what its reader gave it): the files' disk space is then not
+    freed when retention deletes the checkpoint, until those tensors go (:mod:`.mapped`)."""
+    left = mapped.still_mapped(path)
+    if left:
+        gc.collect()  # what only a reference cycle kept
+        left = mapped.still_mapped(path)
+    if left:
+        log.warning(
+            "after the restore, tensors of the state still view %s: their disk space stays in "
+            "use after retention deletes the checkpoint, until those tensors are freed; a "
+            "FilePart's load() should copy what it keeps (e.g. tensor.clone())",
+            ", ".join(os.path.relpath(f, path) for f in left),
+        )

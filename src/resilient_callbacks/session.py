@@ -34,6 +34,7 @@ reader counts it, and the next writer to open the directory sweeps it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -175,9 +176,9 @@ class CommitSession:
                     tuple(r.rank for r in failed),
                 )
             path, seq = self._commit(reports, metrics, reason, fingerprint, extra)
-        except CheckpointWriteError:
+        except CheckpointWriteError as e:
             self.strategy.abort(self.staging)
-            raise
+            raise self._with_space_hint(e) from e.__cause__
         except Exception as e:
             self.strategy.abort(self.staging)
             raise CheckpointWriteError(
@@ -244,12 +245,30 @@ class CommitSession:
             )
             if isinstance(error, OSError) and error.errno:
                 err.errno = error.errno
-            raise err from error
+            raise self._with_space_hint(err) from error
         size = sum(f.size for r in reports for f in r.files)
         done = Committed(outcome["path"], self.step, outcome["seq"], size, reason)
         if self.is_coordinator:
             self.after_commit(done)
         return done
+
+    def _with_space_hint(self, err: CheckpointWriteError) -> CheckpointWriteError:
+        """``err``, saying what a full disk must hold when that is why the save failed."""
+        if err.errno != errno.ENOSPC:
+            return err
+        keep = self.retention.keep_last if self.retention is not None else None
+        room = (
+            f"room for keep_last + 1 checkpoints ({keep + 1} here)"
+            if keep is not None
+            else "room for every checkpoint (keep_last=None keeps them all)"
+        )
+        hint = (
+            f" The disk is full: a save writes the new checkpoint before retention deletes the "
+            f"oldest, so {self.dirpath} needs {room}; free space, lower keep_last, or point "
+            "dirpath at a larger disk."
+        )
+        err.args = (str(err) + hint,)
+        return err
 
     def _commit(
         self,

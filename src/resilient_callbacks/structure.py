@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import mapped
 from .dtypes import DTYPE_TO_ST, unsupported
 from .errors import CheckpointMismatchError, UnsupportedStateError
 from .filepart import FilePart
@@ -284,7 +285,10 @@ def decode(
             return {k: rec(v) for k, v in n.items()}
         if tag == "tensor":
             t = tensors[n["key"]]
-            return t.numpy() if n.get("numpy") else t
+            if not n.get("numpy"):
+                return t
+            # an array is plain data, kept where it is put: never a view of a mapped file
+            return t.numpy().copy() if mapped.is_mapped(t) else t.numpy()
         if tag == "dict":
             return {_hashable(rec(k)): rec(v) for k, v in n["items"]}
         if tag == "tuple":

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import mapped
 from .checksum import (
     WRITTEN,
     FileHasher,
@@ -376,6 +377,7 @@ def map_tensors_verified(
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError):  # a file that cannot be mapped (or is empty)
             return read_tensors_verified(path, expect, metadata)
+        mapped.register(mm, path)  # objects that keep tensors get copies (mapped.private)
         cached = in_page_cache(f.fileno(), size)
     # A file in the page cache: its segments are hashed by several threads (checksum.py). One
     # coming from the disk: one thread hashes, helper threads fault the mapping in ahead of it.

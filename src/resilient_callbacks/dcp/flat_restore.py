@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import mapped
 from ..dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from .assemble import assemble
@@ -139,7 +140,10 @@ def load(
         for name, buf in p.buffers.items():
             buf.copy_(home[name])
     if p.with_optim and optimizer is not None:
-        optimizer.load_state_dict(_optimizer_state(p, files, skeleton, optimizer))
+        osd = _optimizer_state(p, files, skeleton, optimizer)
+        if mapped.keeps_host_tensors(optimizer):  # the state it keeps must not hold the files
+            osd = mapped.private(osd)
+        optimizer.load_state_dict(osd)
 
 
 def _whole_problem(

@@ -1,0 +1,92 @@
+"""Checkpoint files that a restore maps into memory, and the tensors that must not keep them.
+
+A restore maps each verified tensor file privately (:func:`.tensorfile.map_tensors_verified`):
+loading into a module then copies once, with no read buffer. A mapping holds its file open,
+though, and the file's blocks are freed only when the last mapping of it goes. An object that
+keeps the tensors it is given -- an optimizer whose parameters are on the CPU keeps its state
+tensors as they are -- would keep the mapping for the rest of the run: once retention deleted
+that checkpoint its disk space stayed in use until the process ended, and a resumed run needed
+room for one checkpoint more than a fresh one (on a disk sized for ``keep_last + 1`` the resumed
+run failed with ENOSPC).
+
+So tensors handed to objects that keep them get private copies (:func:`private`), and after a
+restore :func:`still_mapped` names any file of the restored checkpoint that something still
+maps (:meth:`.restoring.Restorer.restore` warns). Thread contract: any thread; the registry is
+guarded by a lock, and an entry goes when its mapping is freed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+_lock = threading.Lock()
+# id of the mapping -> (weak reference to it, first address, end address, file path)
+_live: dict[int, tuple[weakref.ref[mmap.mmap], int, int, str]] = {}
+
+
+def register(mm: mmap.mmap, path: str) -> None:
+    """Record the mapping ``mm`` of the file at ``path`` while it lives."""
+    size = len(mm)
+    if not size:
+        return
+    probe = torch.frombuffer(mm, dtype=torch.uint8, count=1)  # its address; dropped at once
+    start = probe.data_ptr()
+    del probe
+    key = id(mm)
+
+    def gone(_: Any, key: int = key) -> None:
+        with _lock:
+            _live.pop(key, None)
+
+    with _lock:
+        _live[key] = (weakref.ref(mm, gone), start, start + size, os.path.abspath(path))
+
+
+def is_mapped(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory lies in a mapped checkpoint file."""
+    if t.device.type != "cpu" or not t.numel():
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    with _lock:
+        return any(start <= ptr < end for _, start, end, _ in _live.values())
+
+
+def private(value: Any) -> Any:
+    """``value`` with every tensor that views a mapped file replaced by a copy of its own, at
+    any depth of dicts, lists and tuples (those are rebuilt; nothing else is looked into)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if is_mapped(value) else value
+    if isinstance(value, dict):
+        return {k: private(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [private(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(private(v) for v in value)
+    return value
+
+
+def keeps_host_tensors(obj: Any) -> bool:
+    """Whether ``obj.load_state_dict`` may keep the CPU tensors it is given: any stateful object
+    but a module (which copies into its parameters) and an optimizer whose parameters are all
+    on an accelerator (which copies its state there)."""
+    if isinstance(obj, torch.nn.Module):
+        return False
+    try:
+        devices = {p.device.type for g in obj.param_groups for p in g["params"]}
+    except Exception:  # not an optimizer
+        return True
+    return not devices or "cpu" in devices
+
+
+def still_mapped(directory: str) -> list[str]:
+    """The files under ``directory`` that some mapping made by a restore still maps."""
+    prefix = os.path.abspath(directory) + os.sep
+    with _lock:
+        entries = list(_live.values())
+    return sorted({path for ref, _, _, path in entries if path.startswith(prefix) and ref()})

@@ -1,0 +1,87 @@
+"""A restore maps checkpoint files; objects of the state must not keep those mappings, or the
+files' disk space stays in use after retention deletes the checkpoint (a resumed run then
+needed room for one checkpoint more than a fresh one: the disk probe's ENOSPC)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import torch
+
+from resilient_callbacks import Checkpointer, mapped
+
+
+def _held(directory) -> list[str]:
+    """Files under ``directory`` that this process maps or has open (Linux /proc)."""
+    prefix = os.path.abspath(directory)
+    held = []
+    with open("/proc/self/maps") as f:
+        held += [line.split(None, 5)[-1].strip() for line in f if prefix in line]
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(prefix):
+            held.append(target)
+    return held
+
+
+class Keeper:
+    """A user object that keeps the tensors its load_state_dict is given."""
+
+    def __init__(self) -> None:
+        self.buf = torch.zeros(4096)
+
+    def state_dict(self):
+        return {"buf": self.buf}
+
+    def load_state_dict(self, sd):
+        self.buf = sd["buf"]
+
+
+def _state(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(8, 256)).sum().backward()
+    opt.step()
+    keeper = Keeper()
+    keeper.buf.normal_()
+    return {"model": model, "opt": opt, "keeper": keeper, "extra": {"arr": np.arange(8192.0)}}
+
+
+def test_a_restored_run_keeps_no_checkpoint_file_mapped(tmp_path):
+    """AdamW on the CPU, a user object that keeps what it loads and a NumPy array: after the
+    restore nothing maps or holds the checkpoint's files, and the values are the saved ones."""
+    saved = _state(0)
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, saved)
+    live = _state(1)
+    with Checkpointer(tmp_path / "ck") as ck:
+        assert ck.restore(live) == 1
+        path = ck.last_restore.path
+        assert mapped.still_mapped(path) == []
+        assert _held(path) == []
+        # what retention does later: the checkpoint goes, and the restored state stays intact
+        shutil.rmtree(path)
+        assert [f for f in _held(tmp_path / "ck") if not f.endswith(".lock")] == []
+    for p, q in zip(live["opt"].state.values(), saved["opt"].state.values(), strict=True):
+        assert torch.equal(p["exp_avg"], q["exp_avg"])
+        assert torch.equal(p["exp_avg_sq"], q["exp_avg_sq"])
+    assert torch.equal(live["keeper"].buf, saved["keeper"].buf)
+    assert np.array_equal(live["extra"]["arr"], saved["extra"]["arr"])
+    live["opt"].step()  # the copies are the optimizer's own, writable memory
+
+
+def test_an_optimizer_on_a_gpu_would_copy_its_state_so_none_is_made_here():
+    """keeps_host_tensors: a module copies; an optimizer keeps host tensors only for
+    parameters on the CPU; anything else may keep them."""
+    m = torch.nn.Linear(2, 2)
+    assert not mapped.keeps_host_tensors(m)
+    assert mapped.keeps_host_tensors(torch.optim.SGD(m.parameters(), lr=0.1))
+    assert mapped.keeps_host_tensors(Keeper())
+    meta = torch.nn.Parameter(torch.empty(2, device="meta"))
+    assert not mapped.keeps_host_tensors(torch.optim.SGD([meta], lr=0.1))
