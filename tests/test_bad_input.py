@@ -242,6 +242,21 @@ def test_a_dirpath_that_is_a_file_is_named_as_such(tmp_path):
     assert ei.value.errno == errno.EEXIST
 
 
+def test_a_background_save_that_fails_is_logged_when_it_fails(small_tmpfs, caplog):
+    """The loop hears of a failed background save at its next save, flush or close; the log
+    says so at once (nothing was said until then: a whole save interval without a fresh
+    checkpoint, in silence)."""
+    import logging
+
+    with Checkpointer(small_tmpfs / "ck") as ck:
+        with caplog.at_level(logging.ERROR, logger="resilient_callbacks"):
+            assert ck.save(1, _state(2_000_000)) is True  # 8 MB on a 4 MiB filesystem
+            ck._saver.persister.wait_all()  # finished, not yet raised to the loop
+        assert any("background save of step 1 failed" in r.message for r in caplog.records)
+        with pytest.raises(CheckpointWriteError):
+            ck.flush()
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_errno_is_kept_when_the_staging_directory_cannot_be_made(tmp_path, async_save):
     """guide.md: `errno` is kept. A staging directory that could not be made (the directory

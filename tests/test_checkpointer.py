@@ -995,3 +995,20 @@ def test_a_step_that_goes_back_is_said_once_and_saving_goes_on(tmp_path):
                 ck.step(s, state)
     assert len([w for w in caught if "went back" in str(w.message)]) == 1
     assert sorted(_steps_present(root)) == ["step_000000010", "step_000000015"]
+
+
+def test_close_unregisters_its_exit_hook(tmp_path):
+    """Each Checkpointer's atexit hook stayed registered after close(): one per trial of a
+    sweep run in one process (the long-run probe: 200 open/close cycles, 200 hooks). CPython
+    keeps the emptied slot, so what is checked is that the hook itself is freed."""
+    import gc
+    import weakref
+
+    hooks = []
+    for i in range(3):
+        with Checkpointer(tmp_path / f"ck{i}") as ck:
+            ck.save(1, {"w": torch.ones(2)})
+            hooks.append(weakref.ref(ck._at_exit))
+    del ck
+    gc.collect()
+    assert [h() for h in hooks] == [None, None, None]

@@ -191,6 +191,19 @@ def test_retention_keeps_every_referenced_blob_and_deletes_the_rest(tmp_path):
     assert len(a & b) == 2
 
 
+def test_the_memory_of_checked_blobs_stays_as_small_as_the_store(tmp_path):
+    """Every blob written was remembered as checked for the life of the process, also once
+    retention had deleted it (the long-run probe: 48,000 entries for 570 blobs on disk)."""
+    state = _state(_model())
+    with Checkpointer(tmp_path, incremental=True, keep_last=2, async_save=False) as ck:
+        for step in range(1, 13):
+            _train_step(state, step)
+            ck.save(step, state)
+            checked = ck._dir.blobs._checked
+            assert checked <= set(os.listdir(tmp_path / "blobs")), step
+        assert len(checked) <= len(live_blobs(str(tmp_path)))
+
+
 def test_collect_never_deletes_a_pinned_blob(tmp_path):
     """A blob a save in flight wrote (or reuses) survives a collection until it is unpinned."""
     store = BlobStore(str(tmp_path))

@@ -811,3 +811,50 @@ def test_a_signal_after_the_last_step_is_passed_on_at_close_and_said_so(tmp_path
     assert "survived" not in out.stdout
     assert "SIGTERM arrived" in out.stderr and "after the last step()" in out.stderr, out.stderr
     assert "step_000000001" in out.stderr
+
+
+_FULL_DISK_AT_PREEMPTION = """
+import errno, os, signal, sys, torch
+from resilient_callbacks import Checkpointer, layout
+real = layout.write_part
+
+def full(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+state = {"t": torch.zeros(2)}
+with Checkpointer(sys.argv[1], every_n_steps=2, async_save=sys.argv[2] == "async") as ck:
+    for s in range(1, 20):
+        state["t"].fill_(s)
+        if s == 5:
+            ck.flush()  # step 4 committed before the disk "fills"
+            layout.write_part = full
+            os.kill(os.getpid(), signal.SIGTERM)
+        ck.step(s, state)
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_emergency_save_that_fails_is_said_so_not_passed_on_as_unanswered(tmp_path, mode):
+    """SIGTERM with a full disk: the emergency save's error reaches the loop and ends the run
+    (exit 1 in both modes); close() says that save failed. It said the signal came 'after the
+    last step() that could act on it (no emergency save for it)' and, with background saves,
+    passed it on (exit 143)."""
+    script = tmp_path / "full.py"
+    script.write_text(_FULL_DISK_AT_PREEMPTION)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ck"), mode],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "CheckpointWriteError" in r.stderr and "No space left" in r.stderr
+    assert "the emergency save of step 5 failed" in r.stderr, r.stderr[-2000:]
+    assert "after the last step()" not in r.stderr
+    assert sorted(n for n in os.listdir(tmp_path / "ck") if n.startswith("step_")) == [
+        "step_000000002",
+        "step_000000004",
+    ]

@@ -304,6 +304,7 @@ class BlobStore:
                     indexed = self._index.get(key) if self._index is not None else None
                     if indexed is not None and indexed.path == name:
                         del self._index[key]  # type: ignore[union-attr]
+                    self._checked.discard(name)  # (it grew by every blob ever written)
                 removed.append(name)
             if removed and not dry_run:
                 fsync_dir(self.dir)

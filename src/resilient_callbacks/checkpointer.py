@@ -17,12 +17,10 @@ together.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
 import time
-import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -220,8 +218,7 @@ class Checkpointer:
         self._saver = Saver(self)
         self.telemetry = Telemetry(sink_objects, rank=self.rank)
         self._recorder = Recorder(self, self.telemetry)
-        if self.config.async_save or self.telemetry.active:
-            atexit.register(closing.flush_at_exit, weakref.ref(self))
+        self._at_exit = closing.at_exit(self)  # unregistered by close()
 
     # ------------------------------------------------------------------ the parts' state
 

@@ -10,10 +10,13 @@ mode each node's leader finishes its node's uploads and reports; rank 0 releases
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import signal
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import catalog
@@ -131,6 +134,8 @@ def _warn_unmonitored(ck: Checkpointer) -> None:
 
 def _release(ck: Checkpointer) -> None:
     """Stop every thread and hook the Checkpointer started, and release the lock."""
+    if ck._at_exit is not None:
+        atexit.unregister(ck._at_exit)
     ck._recorder.closed()
     if ck._dir.sync is not None:
         ck._dir.sync.stop()
@@ -155,6 +160,16 @@ def _release(ck: Checkpointer) -> None:
                 unanswered.source,
                 ck.dirpath,
             )
+        elif unanswered is not None and ck._emergency.failed is not None:
+            # acted on: its emergency save failed, and that error reached the loop
+            step, error = ck._emergency.failed
+            log.error(
+                "%s: the emergency save of step %d failed (%s); older checkpoints in %s are intact",
+                unanswered.source,
+                step,
+                error,
+                ck.dirpath,
+            )
         elif unanswered is not None and unanswered.signum is not None:
             # it came after the last step() that could act on it (steps act at decision
             # points, agreed between ranks up to ~1 s apart): the handler it would have
@@ -175,6 +190,17 @@ def _release(ck: Checkpointer) -> None:
         persister.submit(ck._dir.lock.release, always=True)
     else:
         ck._dir.lock.release()
+
+
+def at_exit(ck: Checkpointer) -> Callable[[], None] | None:
+    """Register :func:`flush_at_exit` for ``ck`` when it may have saves in flight at exit (or
+    telemetry to flush); the hook, for :func:`_release` to unregister (one per Checkpointer
+    otherwise stayed registered for the life of the process: one per trial of a sweep)."""
+    if not (ck.config.async_save or ck.telemetry.active):
+        return None
+    hook = functools.partial(flush_at_exit, weakref.ref(ck))
+    atexit.register(hook)
+    return hook
 
 
 def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:

@@ -135,6 +135,8 @@ class Emergency:
         self._ck = ck
         self._consistent_point: Any = None
         self._step_watch: dict[int, Any] = {}
+        # (step, error) of a preemption's emergency save that failed, while no later one saved
+        self.failed: tuple[int, str] | None = None
 
     def mark_consistent(self, step: int, state: Any) -> None:
         """Remember what step ``step``'s state is, cheaply: modules and optimizers by reference
@@ -243,7 +245,12 @@ class Emergency:
             )
         log.warning("preemption (%s): saving step %d before stopping", source, step)
         ck._recorder.preemption(step, source)
-        saved = ck._saver.save(step, state, metrics, "emergency", why=f"preemption ({source})")
+        try:
+            saved = ck._saver.save(step, state, metrics, "emergency", why=f"preemption ({source})")
+        except BaseException as e:  # raised to the loop; the next step() tries again
+            self.failed = (step, f"{type(e).__name__}: {e}")
+            raise
+        self.failed = None
         ck.preempted = True
         if ck.config.exit_on_preemption:
             log.warning(

@@ -84,10 +84,18 @@ class PartBlobs:
         and the blobs it names are the ones the next save may reference."""
         self._known = {key_of(e.path): e for e in session.entries.values()}
         self._checked.update(session.written_names)
+        self._forget_unknown()
 
     def restored(self, manifest: Manifest) -> None:
         """The run resumed from a checkpoint of this directory: its blobs may be referenced."""
         self._known = {key_of(b.path): b for b in manifest.blobs}
+        self._forget_unknown()
+
+    def _forget_unknown(self) -> None:
+        """Only blobs the next save may reference need remembering as checked (the set grew
+        by every blob ever written: memory over a long run)."""
+        names = {e.path for e in self._known.values()}
+        self._checked &= names
 
     def reusable(self, key: str, name: str) -> FileEntry | None:
         """The stored blob ``name`` of ``key`` if the next save may reference it, else None."""

@@ -126,6 +126,8 @@ def persist(
             ck._recorder.save_failed(step, e)
             if background:
                 ck.last_saved_step = None
+                if ck.is_coordinator:  # said now: the loop hears of it at its next save only
+                    log.error("background save of step %d failed: %s", step, e)
             if isinstance(local_exc, UnsupportedStateError) and not background:
                 raise local_exc from None
             raise
