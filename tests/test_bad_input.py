@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
-import uuid
 
 import pytest
 import torch
@@ -120,26 +118,6 @@ def test_restore_into_a_bare_value_is_rejected(tmp_path):
 
 
 # --------------------------------------------------------------------------- disk full
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 4 MiB tmpfs mounted under tmp_path (needs root and mount permission)."""
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(
-            f"cannot mount a tmpfs to simulate a full disk: {r.stderr.strip() or r.returncode}"
-        )
-    try:
-        yield mnt
-    finally:
-        r = subprocess.run(["umount", str(mnt)], capture_output=True, text=True)
-        if r.returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _save_failing(ck, step, state, async_save):

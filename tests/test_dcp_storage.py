@@ -630,3 +630,20 @@ def test_namedtuples_and_enum_members_are_refused_and_checkpoint_id_loads_a_step
     assert got["meta"] == {"pair": (5, "a"), "lr": 0.5}
     with pytest.raises(BaseException, match="checkpoint_id=True"):
         dcp.load(got, storage_reader=ResilientStorageReader(root), checkpoint_id=True)
+
+
+def test_a_save_that_fills_the_disk_gives_the_space_back_at_once(small_tmpfs):
+    """dcp.save on a full disk: the save fails (DCP's CheckpointException), the older
+    checkpoint is intact, and what the failed save wrote is removed at once (its staging
+    directory kept the disk full until the next save or close())."""
+    import shutil
+
+    root = small_tmpfs / "ck"
+    with ResilientStorageWriter(root) as writer:
+        dcp.save({"w": torch.ones(1000)}, storage_writer=writer)
+        used = shutil.disk_usage(small_tmpfs).used
+        with pytest.raises(BaseException, match="No space left"):
+            dcp.save({"w": torch.ones(2_000_000)}, storage_writer=writer)  # 8 MB, 4 MiB disk
+        assert shutil.disk_usage(small_tmpfs).used - used < 100_000
+        done = catalog.committed(catalog.scan(str(root), catalog.Depth.FULL))
+        assert [(e.step, e.status) for e in done] == [(1, catalog.Status.VALID)]

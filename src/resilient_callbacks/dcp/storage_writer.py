@@ -54,20 +54,16 @@ from ..manifest import FileEntry
 from ..reader import by_commit, committed
 from ..session import CommitSession, RankReport
 from ..snapshot import Snapshot
-from ..tensorfile import write_json, write_tensors
+from ..tensorfile import write_json
 from . import shards
 from .chunks import split
 from .metadata_json import METADATA_NAME, index_key, to_json
+from .rank_files import rank_files, write_rank_files
 from .staging_pool import BufferPool, Lease
 
 log = logging.getLogger("resilient_callbacks")
 
-DCP_DIR = "dcp"
 _DCP_ASYNC_THREAD = "AsyncCheckpointExecutor"  # the name of dcp.async_save's save threads
-
-
-def _rank_files(rank: int) -> tuple[str, str]:
-    return f"{DCP_DIR}/rank_{rank:05d}.safetensors", f"{DCP_DIR}/rank_{rank:05d}.json"
 
 
 class ResilientStorageWriter(StorageWriter):
@@ -251,7 +247,7 @@ class ResilientStorageWriter(StorageWriter):
         storages: set[int] = set()  # what was read: staged host buffers end their lease
         try:
             self._collect(plan, planner, tensors, objects, results, storages)
-            files = self._write_files(staging, rank, tensors, objects)
+            files = write_rank_files(staging, rank, tensors, objects)
         finally:
             self._pool.written(storages)
         if results:  # this rank's files reach finish() with its first result
@@ -269,7 +265,7 @@ class ResilientStorageWriter(StorageWriter):
         results: list[WriteResult],
         storages: set[int],
     ) -> None:
-        tensor_name, json_name = _rank_files(int(plan.storage_data["rank"]))
+        tensor_name, json_name = rank_files(int(plan.storage_data["rank"]))
         for item in plan.items:
             key = index_key(item.index)
             if item.type == WriteItemType.BYTE_IO:
@@ -299,22 +295,6 @@ class ResilientStorageWriter(StorageWriter):
                 tensors[key] = t.contiguous()
                 nbytes = t.numel() * t.element_size()
                 results.append(WriteResult(item.index, nbytes, {"file": tensor_name, "key": key}))
-
-    def _write_files(
-        self, staging: str, rank: int, tensors: dict[str, torch.Tensor], objects: dict[str, Any]
-    ) -> list[FileEntry]:
-        tensor_name, json_name = _rank_files(rank)
-        files: list[FileEntry] = []
-        os.makedirs(os.path.join(staging, DCP_DIR), exist_ok=True)
-        if tensors:
-            d = write_tensors(
-                os.path.join(staging, tensor_name), tensors, {"format": "resilient_callbacks"}
-            )
-            files.append(FileEntry(tensor_name, d.size, d.xxh3_64, rank))
-        if objects:
-            d = write_json(os.path.join(staging, json_name), objects)
-            files.append(FileEntry(json_name, d.size, d.xxh3_64, rank, "structure"))
-        return files
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: ``dcp_metadata.json``, manifest last, rename, retention, upload queue."""
