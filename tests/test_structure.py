@@ -713,6 +713,26 @@ def test_restore_into_other_dtypes_casts_and_says_so(tmp_path):
     assert torch.equal(model.fc1.weight, saved.fc1.weight.to(torch.bfloat16))
 
 
+def test_the_cast_warning_counts_the_optimizer_state_and_names_the_restore_line(tmp_path):
+    """An fp32 checkpoint into a bf16 model and its AdamW: torch's load_state_dict casts the
+    moments too (they were not counted), and the warning names the user's restore() line (it
+    named checkpointer.py)."""
+    saved = TinyNet()
+    opt = torch.optim.AdamW(saved.parameters())
+    saved(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    _save(tmp_path / "ck", {"model": saved, "opt": opt})
+    model = TinyNet().to(torch.bfloat16)
+    live = {"model": model, "opt": torch.optim.AdamW(model.parameters())}
+    with Checkpointer(tmp_path / "ck") as ck, pytest.warns(UserWarning, match="cast") as got:
+        ck.restore(live)  # the line the warning names
+    w = got.list[0]
+    assert w.filename == __file__, w.filename
+    floats = sum(v.is_floating_point() for v in saved.state_dict().values())
+    moments = 2 * len(list(saved.parameters()))  # exp_avg, exp_avg_sq
+    assert str(w.message).startswith(f"{floats + moments} tensor(s)"), str(w.message)[:200]
+
+
 class _Extra(TinyNet):
     def __init__(self):
         super().__init__()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, caller_stacklevel
 from .filepart import FilePart
 from .optim import hookable, param_shapes
 from .structure import (
@@ -134,6 +134,7 @@ def check_fits(
                 )
             elif isinstance(obj, torch.optim.Optimizer):
                 problems.extend(_optimizer_problems(obj, n, path))
+                cast.extend(_optimizer_casts(obj, n, tensors_meta, path))
             return
         if isinstance(obj, Mapping):
             items = _node_items(n)
@@ -178,8 +179,37 @@ def check_fits(
             "the resume is not exact: "
             + "; ".join(cast[:5])
             + (f" (and {len(cast) - 5} more)" if len(cast) > 5 else ""),
-            stacklevel=4,
+            stacklevel=caller_stacklevel(),
         )
+
+
+def _optimizer_casts(
+    opt: torch.optim.Optimizer,
+    n: dict[str, Any],
+    tensors_meta: Mapping[str, tuple[str, list[int]]],
+    path: tuple[Any, ...],
+) -> list[str]:
+    """The optimizer state tensors that torch's ``load_state_dict`` casts to the dtype of their
+    floating-point parameter (every state tensor but ``step``): a checkpoint of an fp32 run
+    loaded into a bf16 one rounds its Adam moments too."""
+    sd = _node_items(n.get("state"))
+    state = _node_items(sd.get("state")) if sd else None
+    params = [p for g in opt.param_groups for p in g["params"]]
+    out = []
+    for idx, entry in (state or {}).items():
+        if not isinstance(idx, int) or not 0 <= idx < len(params):
+            continue
+        here = str(params[idx].dtype).removeprefix("torch.")
+        if not params[idx].is_floating_point():
+            continue
+        for key, t in (_node_items(entry) or {}).items():
+            if key == "step" or not (isinstance(t, dict) and t.get(TAG) == "tensor"):
+                continue
+            spec = tensors_meta.get(t["key"])
+            if spec is not None and spec[0] != here:
+                where = path_str((*path, "state", idx, key))
+                out.append(f"{where}: {spec[0]} in checkpoint, {here} here")
+    return out
 
 
 def _optimizer_problems(
