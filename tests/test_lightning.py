@@ -637,6 +637,40 @@ def test_amp_grad_scaler_state_is_restored(tmp_path):
     assert scaler.get_scale() == 1024.0 * 2**6  # ... and continued
 
 
+@pytest.mark.parametrize("before, after", [("bf16-true", "bf16-true"), ("32-true", "bf16-true")])
+def test_a_resume_in_another_precision_says_the_weights_are_cast(tmp_path, before, after):
+    """Lightning resumed in another precision cast the weights in silence (the core and the
+    Trainer's adapter say so); a bf16-true run resumed as bf16-true is exact and says nothing,
+    though the module is still fp32 when the checkpoint is checked (the precision plugin
+    converts it after the restore). The warning names the user's fit() line."""
+
+    def fit(precision: str, steps: int) -> ResilientCheckpoint:
+        rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)
+        ds = torch.utils.data.TensorDataset(torch.randn(32, 4))
+        L.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            precision=precision,
+            callbacks=[rc],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(_Tiny(), torch.utils.data.DataLoader(ds, batch_size=4))  # the line warned at
+        return rc
+
+    fit(before, 2)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        assert fit(after, 4).restored_step == 2
+    cast = [w for w in got if "cast to the dtype" in str(w.message)]
+    if before == after:
+        assert cast == []
+    else:
+        assert len(cast) == 1 and str(cast[0].message).startswith("2 tensor(s)"), cast
+        assert "lin.weight: float32 in checkpoint, bfloat16 here" in str(cast[0].message)
+        assert cast[0].filename == __file__
+
+
 class _Weights(L.Callback):
     """Copies of the weights after each optimizer step."""
 

@@ -173,13 +173,20 @@ def check_fits(
             + "\nIf this directory belongs to another model or run, use a new dirpath "
             "(or resume='never' to start fresh and leave those checkpoints alone)."
         )
+    warn_cast(cast)
+
+
+def warn_cast(cast: Sequence[str], *through: str) -> None:
+    """Say, at the user's line, that the tensors ``cast`` (``"where: saved in checkpoint, here
+    here"``) load in another dtype: a resume in another precision is not exact. ``through``:
+    a framework's directories between the user's line and the library."""
     if cast:
         warnings.warn(
             f"{len(cast)} tensor(s) of the checkpoint are cast to the dtype they have here, so "
             "the resume is not exact: "
             + "; ".join(cast[:5])
             + (f" (and {len(cast) - 5} more)" if len(cast) > 5 else ""),
-            stacklevel=caller_stacklevel(),
+            stacklevel=caller_stacklevel(*through),
         )
 
 

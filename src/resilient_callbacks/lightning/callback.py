@@ -272,9 +272,7 @@ class ResilientCheckpoint(Checkpoint):
             checkpoint = sharded.assemble(holder)
         else:
             checkpoint = st.assemble(holder)
-            checks.check_model_fits(
-                trainer.lightning_module, checkpoint["state_dict"], ckpt.restored_from
-            )
+            checks.check_model_fits(trainer, checkpoint["state_dict"], ckpt.restored_from)
         checkpoint = checks.migrate(checkpoint, ckpt.restored_from)
         conn = trainer._checkpoint_connector
         conn._ckpt_path = ckpt.restored_from

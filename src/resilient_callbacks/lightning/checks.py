@@ -14,7 +14,7 @@ import torch
 
 from ..config import CheckpointerConfig
 from ..errors import CheckpointMismatchError, ConfigError
-from ..fit import key_differences
+from ..fit import key_differences, warn_cast
 
 ADAPTER_OWNED = frozenset({"save_on_exception"})  # handled by the adapter, not by the core
 
@@ -90,12 +90,16 @@ def is_final(trainer: pl.Trainer, epoch_end: bool) -> bool:
     return False
 
 
-def check_model_fits(module: Any, saved: dict[str, Any], path: str) -> None:
+def check_model_fits(trainer: Any, saved: dict[str, Any], path: str) -> None:
     """A checkpoint of another model fails here, naming every key that does not fit, rather
-    than deep inside ``load_state_dict``. Skipped for ``strict_loading=False`` modules."""
+    than deep inside ``load_state_dict``. Skipped for ``strict_loading=False`` modules. A
+    tensor saved in another dtype than the one it has once the precision plugin has converted
+    the module (after the restore) is cast: said with a warning, as the core says it."""
+    module = trainer.lightning_module
     if module is None or not getattr(module, "strict_loading", True):
         return
-    live = {k: list(v.shape) for k, v in module.state_dict().items() if torch.is_tensor(v)}
+    here = {k: v for k, v in module.state_dict().items() if torch.is_tensor(v)}
+    live = {k: list(v.shape) for k, v in here.items()}
     have = {k: list(v.shape) for k, v in saved.items() if torch.is_tensor(v)}
     missing, unexpected, reshaped = key_differences(live, have)
     problems = []
@@ -111,6 +115,29 @@ def check_model_fits(module: Any, saved: dict[str, Any], path: str) -> None:
             + "\nIf the directory belongs to another model or run, use a new dirpath (or "
             "resume='never' to start fresh and leave those checkpoints alone)."
         )
+    to = _converted_to(trainer)
+    final = {
+        k: to if to is not None and t.is_floating_point() else t.dtype for k, t in here.items()
+    }
+    cast = [
+        f"{k}: {str(v.dtype).removeprefix('torch.')} in checkpoint, "
+        f"{str(final[k]).removeprefix('torch.')} here"
+        for k, v in saved.items()
+        if torch.is_tensor(v) and k in final and v.dtype != final[k]
+    ]
+    warn_cast(cast, os.path.dirname(os.path.dirname(pl.__file__)))  # at the user's fit() line
+
+
+def _converted_to(trainer: Any) -> torch.dtype | None:
+    """The dtype the precision plugin converts the module's floating-point tensors to when the
+    strategy is set up, after the restore ("bf16-true", "16-true", "64-true"); ``None`` for a
+    plugin that leaves them as they are (fp32 and the mixed precisions)."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
+
+    plugin = getattr(trainer, "precision_plugin", None)
+    if isinstance(plugin, HalfPrecision):
+        return plugin._desired_input_dtype
+    return torch.float64 if isinstance(plugin, DoublePrecision) else None
 
 
 def migrate(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
