@@ -100,6 +100,46 @@ def test_uploads_and_resumes_from_remote_when_local_is_gone(remote, tmp_path):
     assert sorted(_committed(url, opts).values()) == [30, 40]
 
 
+def test_a_scan_fetches_only_the_manifests_it_has_not_read(remote, tmp_path):
+    """The uploader scans the remote after each upload: fetching every manifest again made an
+    upload cost more the more checkpoints the remote held (the long-run probe: 1.5 s a scan at
+    93). A manifest replaced under the same name is fetched again."""
+    url, options = remote
+    with Checkpointer(tmp_path / "ck", remote=url, remote_options=options) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, _state(float(step)))
+    store = RemoteStore(url, options)
+    fetched: list[str] = []
+    real = store.fs.cat
+
+    def cat(paths, **kw):
+        fetched.extend([paths] if isinstance(paths, str) else paths)
+        return real(paths, **kw)
+
+    store.fs.cat = cat
+    assert [e.manifest.step for e in store.scan()] == [1, 2, 3]
+    assert len(fetched) == 3
+    fetched.clear()
+    assert [e.manifest.step for e in store.scan()] == [1, 2, 3]
+    assert fetched == []  # nothing new: nothing fetched
+    with Checkpointer(tmp_path / "ck", remote=url, remote_options=options) as ck:
+        ck.restore(_fresh())
+        ck.save(4, _state(4.0))
+    fetched.clear()  # (fsspec shares the filesystem object: the Checkpointer's reads count too)
+    assert [e.manifest.step for e in store.scan()] == [1, 2, 3, 4]
+    assert len(fetched) == 1 and "step_000000004" in fetched[0]
+    # the same name holding another manifest (rewritten by hand): read again
+    time.sleep(0.01)  # a modification time of its own
+    raw = store.fs.cat_file(f"{store.root}/step_000000004/manifest.json")
+    changed = json.loads(raw)
+    changed["step"] = 40
+    store.fs.pipe_file(f"{store.root}/step_000000004/manifest.json", json.dumps(changed).encode())
+    fetched.clear()
+    entries = {e.name: e for e in store.scan()}
+    assert len(fetched) == 1
+    assert entries["step_000000004"].manifest is None  # its self-checksum no longer matches
+
+
 def test_damaged_local_copy_falls_back_to_its_remote_copy(remote, tmp_path):
     url, opts = remote
     local = tmp_path / "local"

@@ -114,6 +114,9 @@ class RemoteStore:
         proto = self.fs.protocol
         self.protocol = proto if isinstance(proto, str) else proto[0]
         self.is_local = self.protocol in ("file", "local")
+        # name -> (what the listing said of its manifest, the manifest): committed manifests
+        # are not rewritten, so a scan fetches only new ones (it fetched every one, each upload)
+        self._manifests: dict[str, tuple[tuple[Any, ...], Manifest]] = {}
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r})"
@@ -182,6 +185,7 @@ class RemoteStore:
             return []
         groups: dict[str, dict[str, int]] = {}
         modified: dict[str, float] = {}
+        signs: dict[str, tuple[Any, ...] | None] = {}  # name -> its manifest's size, time, etag
         prefix = self.root + "/" if self.root else ""
         for path, info in listing.items():
             p = path.rstrip("/")
@@ -197,9 +201,13 @@ class RemoteStore:
             t = _modified(info)
             if t is not None:
                 modified[name] = max(t, modified.get(name, t))
+            if file == MANIFEST_NAME:
+                etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
+                made = info.get("created")  # memory:// has no other
+                signs[name] = (info.get("size"), t, etag, made) if t or etag or made else None
         blob_sizes = groups.pop(BLOBS_DIR, {})
         manifests = self._read_manifests(
-            [n for n, sizes in groups.items() if MANIFEST_NAME in sizes]
+            [n for n, sizes in groups.items() if MANIFEST_NAME in sizes], signs
         )
         entries: list[RemoteEntry] = []
         for name, sizes in sorted(groups.items()):
@@ -259,15 +267,24 @@ class RemoteStore:
             raise CheckpointCorruptError(f"{where}: manifest is not a JSON object")
         return Manifest.from_json(data, where)
 
-    def _read_manifests(self, names: list[str]) -> dict[str, Manifest | Exception]:
-        """The manifests of ``names``, fetched in one call (an object store's client fetches
-        them concurrently: one request after another took seconds for a few hundred), each
-        parsed, or the exception that reading or parsing it raised."""
-        if not names:
-            return {}
-        paths = {self.fs._strip_protocol(self._path(n, MANIFEST_NAME)): n for n in names}
-        got = self.fs.cat(list(paths), on_error="return")
+    def _read_manifests(
+        self, names: list[str], signs: Mapping[str, tuple[Any, ...] | None]
+    ) -> dict[str, Manifest | Exception]:
+        """The manifests of ``names``, each parsed, or the exception that reading or parsing it
+        raised. One read by an earlier scan whose listing ``signs`` (size, time, etag) is the
+        same is reused; the others are fetched in one call (an object store's client fetches
+        them concurrently: one request after another took seconds for a few hundred). A long
+        run's uploader scans after each upload: fetching every manifest again made each upload
+        cost more the more checkpoints the remote held (1.5 s per scan at 93)."""
         out: dict[str, Manifest | Exception] = {}
+        known = self._manifests
+        for n in names:
+            if signs.get(n) is not None and n in known and known[n][0] == signs[n]:
+                out[n] = known[n][1]
+        paths = {
+            self.fs._strip_protocol(self._path(n, MANIFEST_NAME)): n for n in names if n not in out
+        }
+        got = self.fs.cat(list(paths), on_error="return") if paths else {}
         for path, name in paths.items():
             raw = got.get(path, FileNotFoundError(path))
             if isinstance(raw, Exception):
@@ -277,6 +294,11 @@ class RemoteStore:
                 out[name] = self._parse_manifest(name, raw)
             except Exception as e:
                 out[name] = e
+        self._manifests = {
+            n: (sign, m)
+            for n, m in out.items()
+            if isinstance(m, Manifest) and (sign := signs.get(n)) is not None
+        }
         return out
 
     # ------------------------------------------------------------------ upload
