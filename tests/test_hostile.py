@@ -170,7 +170,7 @@ def test_gc_remote_deletes_only_its_own_leftovers(tmp_path, monkeypatch):
         remote / "step_000000099" / "shared.safetensors",
     ):
         os.utime(p, (old, old))
-    monkeypatch.setattr(cli_remote, "INCOMPLETE_AGE_S", 3600.0)
+    monkeypatch.setattr(cli_remote, "STALE_UPLOAD_S", 3600.0)
     assert main(["gc", str(tmp_path / "nowhere"), "--remote", f"file://{remote}"]) == 0
     assert (remote / "final_model" / "model.safetensors").exists()
     assert not (remote / "step_000000099").exists()

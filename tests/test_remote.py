@@ -698,7 +698,7 @@ def test_cli_gc_remote_applies_the_recorded_remote_retention(shared_remote, tmp_
         assert ck.restore(state) == 40
     assert torch.equal(state["w"], _state(40, n=8192)["w"])
 
-    monkeypatch.setattr(cli_remote, "INCOMPLETE_AGE_S", -1.0)  # as if a day had passed
+    monkeypatch.setattr(cli_remote, "STALE_UPLOAD_S", -1.0)  # as if a day had passed
     out = _cli("gc", str(tmp_path / "nowhere"), "--remote", url, *o, "--keep-last", "2")
     assert out.returncode == 0, out.stderr
     assert "upload without a manifest" in out.stdout
@@ -726,3 +726,44 @@ def test_uploads_to_a_tier_that_keeps_everything_do_not_list_it_each_time(tmp_pa
         ck.flush()
     assert calls[0] - before <= 1, calls  # (close may list it once)
     assert len([e for e in real(RemoteStore(url)) if e.problem is None]) == 6
+
+
+def test_a_cut_off_upload_is_listed_and_the_uploader_deletes_it_a_day_later(tmp_path, monkeypatch):
+    """A remote checkpoint folder without a manifest whose local copy is gone (a run killed
+    mid-upload, then its retention deleted the local copy): `ls --remote` lists it as
+    `uploading` (it was hidden, using the store's space), and the uploader's retention deletes
+    it once untouched for a day (only `gc --remote` did: each kill of a preemptible job left one
+    behind, for good)."""
+    from resilient_callbacks import sync
+
+    url = f"file://{tmp_path}/durable/run"
+    with Checkpointer(tmp_path / "ck", remote=url, keep_last=2) as ck:
+        ck.save(1, _state(1.0))
+    st = RemoteStore(url)
+    st.fs.makedirs(f"{st.root}/step_000000005", exist_ok=True)
+    st.fs.pipe_file(f"{st.root}/step_000000005/shared.safetensors", b"cut off")
+    out = _cli("ls", str(tmp_path / "ck"), "--remote", url, "--json")
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    torn = rows["step_000000005"]
+    assert (torn["tier"], torn["status"], torn["step"], torn["bytes"]) == (
+        "uploading",
+        "incomplete",
+        5,
+        7,
+    )
+    assert "untouched for 24 h" in torn["problem"]
+    text = _cli("ls", str(tmp_path / "ck"), "--remote", url).stdout
+    line = next(x for x in text.splitlines() if x.split()[:1] == ["5"])
+    assert "incomplete" in line and "uploading" in line and "remote only" in line, text
+
+    def run(step: int) -> None:
+        with Checkpointer(tmp_path / "ck", remote=url, keep_last=2) as ck:
+            ck.restore(_fresh())
+            ck.save(step, _state(float(step)))
+
+    run(2)  # written just now: it may be an upload in progress elsewhere
+    assert "step_000000005" in {e.name for e in st.scan()}
+    monkeypatch.setattr(sync, "STALE_UPLOAD_S", -1.0)  # as if a day had passed
+    run(3)
+    assert "step_000000005" not in {e.name for e in st.scan()}
+    assert sorted(_committed(url, None).values()) == [2, 3]

@@ -77,6 +77,8 @@ def _step_cell(r: dict[str, Any]) -> str:
 
 
 def _note(r: dict[str, Any]) -> str:
+    if r["status"] == INCOMPLETE and r.get("tier") == "uploading" and "://" in r["path"]:
+        return f"remote only: {r['problem']}"  # the remote row of an upload a crash cut off
     if r["status"] == INCOMPLETE:
         hidden = r["name"].startswith(".")  # staging or trash: ours, swept by the next writer
         return f"{r['problem']}; {INCOMPLETE_NOTE if hidden else NO_MANIFEST_NOTE}"

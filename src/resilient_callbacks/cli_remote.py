@@ -12,12 +12,12 @@ from typing import Any
 
 from . import catalog
 from .catalog import Depth, Entry, Status
-from .cli_format import CORRUPT, SIZES, UNVERIFIED, fmt_size, iso_time, print_json
+from .cli_format import CORRUPT, INCOMPLETE, SIZES, UNVERIFIED, fmt_size, iso_time, print_json
 from .cli_scan import no_checkpoints, report_verified, resolve
 from .commit import CKPT_RE
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock
-from .remote import NO_MANIFEST, RemoteEntry, RemoteStore
+from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
 
 
 def remote_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -79,8 +79,12 @@ def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs:
             r["tier"] = "uploading"  # or an upload a crash cut off: re-sent by the next run
         else:
             r["tier"] = "local-only"
+    local_names = {e.name for e in entries}
     for re_ in remote:
         m = re_.manifest
+        if m is None and re_.problem == NO_MANIFEST and re_.name not in local_names:
+            rows.append(_torn_row(re_, st.url))  # its local copy is gone: only gc deletes it
+            continue
         if m is None or re_.key in local_keys:
             continue
         rows.append(
@@ -104,6 +108,32 @@ def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs:
             }
         )
     rows.sort(key=lambda r: r["step"] if r["step"] is not None else -1)
+
+
+def _torn_row(e: RemoteEntry, url: str) -> dict[str, Any]:
+    """The row of a remote checkpoint folder without a manifest and without a local copy: an
+    upload in progress elsewhere, or one a crash cut off (hidden before, while it used the
+    store's space)."""
+    named = CKPT_RE.match(e.name)
+    return {
+        "name": e.name,
+        "step": int(named.group(1)) if named else None,
+        "seq": None,
+        "status": INCOMPLETE,
+        "checked": SIZES,
+        "time": iso_time(e.modified) if e.modified is not None else None,
+        "created": e.modified,
+        "bytes": sum(e.sizes.values()),
+        "run_id": None,
+        "reason": None,
+        "metrics": {},
+        "problem": f"{NO_MANIFEST}: an upload in progress, or one a crash cut off (deleted "
+        f"once untouched for {STALE_UPLOAD_S / 3600:.0f} h by the uploader or `gc --remote`)",
+        "path": f"{url}/{e.name}",
+        "kept": None,
+        "kept_by": [],
+        "tier": "uploading",
+    }
 
 
 def _locked(path: str, what: str) -> DirLock | None:
@@ -238,8 +268,6 @@ def push(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- gc --remote
 
-INCOMPLETE_AGE_S = 24 * 3600.0  # an upload without a manifest younger than this may be live
-
 
 def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
     """``gc DIR --remote URL``: delete what the remote retention recorded in the newest remote
@@ -281,7 +309,7 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
             torn = e.problem == NO_MANIFEST
             if not CKPT_RE.match(e.name):  # another folder under the URL: not ours to delete
                 kept.append((e, "not a checkpoint's name: left alone"))
-            elif torn and age >= 0 and age > INCOMPLETE_AGE_S:
+            elif torn and age >= 0 and age > STALE_UPLOAD_S:
                 doomed.append((e, f"upload without a manifest, untouched for {age / 3600:.0f} h"))
             elif torn:
                 kept.append((e, f"{e.problem}; may be an upload in progress"))

@@ -45,6 +45,9 @@ log = logging.getLogger("resilient_callbacks")
 
 PROBE_PREFIX = ".resilient-probe-"
 NO_MANIFEST = "no manifest (incomplete)"  # a RemoteEntry's problem: files, no manifest yet
+# a checkpoint folder without a manifest, untouched this long, is an upload a crash cut off
+# (younger, it may be one in progress): the uploader's retention and `gc --remote` delete it
+STALE_UPLOAD_S = 24 * 3600.0
 ETAG_CHECK_MAX = 8 << 20  # MD5-compare single-part objects up to this size (bigger ones: the
 # store validates the CRC32 checksum botocore sends with every PUT and part)
 

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 from . import remote_blobs
 from .catalog import Depth, verify
+from .commit import CKPT_RE
 from .errors import CheckpointCorruptError
 from .manifest import Manifest, read_manifest
 from .progress import Progress
-from .remote import RemoteEntry, RemoteStore, retention_candidates
+from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore, retention_candidates
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s
 
@@ -300,6 +301,16 @@ class RemoteSync(UploadThread):
                 with self._cond:
                     self.index = {k: v for k, v in self.index.items() if v != name}
                 log.info("remote retention: deleted %s/%s", self.store.url, name)
+            now = time.time()
+            for e in entries:  # uploads a crash cut off: each run's kill left one behind
+                if (
+                    e.problem == NO_MANIFEST
+                    and CKPT_RE.match(e.name)
+                    and e.modified is not None
+                    and now - e.modified > STALE_UPLOAD_S
+                ):
+                    self.store.delete(e.name)
+                    log.info("remote: deleted %s/%s, an upload cut off", self.store.url, e.name)
             if p.delete:  # then the blobs no remaining remote checkpoint refers to
                 remote_blobs.collect(self.store, self.store.scan())
         except Exception as e:
