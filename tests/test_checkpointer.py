@@ -1012,3 +1012,25 @@ def test_close_unregisters_its_exit_hook(tmp_path):
     del ck
     gc.collect()
     assert [h() for h in hooks] == [None, None, None]
+
+
+def test_latest_that_cannot_be_updated_is_removed_not_left_stale(tmp_path, monkeypatch):
+    """`latest` not updatable (a full disk): it kept naming a checkpoint that retention then
+    deleted (shell scripts that read it broke); now it is removed, with a warning."""
+    import errno
+
+    from resilient_callbacks import session
+
+    root = tmp_path / "ck"
+    with Checkpointer(root, keep_last=1, async_save=False) as ck:
+        ck.save(1, {"w": torch.ones(2)})
+        assert (root / "latest").read_text().strip() == "step_000000001"
+
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(session, "write_latest_pointer", full)
+        ck.save(2, {"w": torch.ones(2)})
+    assert not (root / "latest").exists()
+    with Checkpointer(root) as again:
+        assert [e.step for e in again.checkpoints()] == [2]

@@ -446,14 +446,18 @@ def test_s3_outage_mid_training_never_blocks_and_backlog_uploads(
             ck.flush()  # local commit done; uploads are failing in the background
         assert time.monotonic() - t0 < 10  # training was not held up by the outage
         deadline = time.monotonic() + 30
-        while ck.remote_status().failures == 0 and time.monotonic() < deadline:
+
+        def said() -> bool:  # the warning follows the failure count, from the upload thread
+            return any("only local" in r.message for r in caplog.records)
+
+        while not (ck.remote_status().failures and said()) and time.monotonic() < deadline:
             time.sleep(0.1)
         status = ck.remote_status()
         assert status.failures >= 1 and status.pending, status
         # the newest, only local, is kept although keep_last=1 and it is not uploaded
         assert (local / "step_000000040" / "manifest.json").exists()
         assert "step_000000040" in ck.remote_status().pending
-        assert any("only local" in r.message for r in caplog.records)
+        assert said()
     finally:
         s3_server.start()  # the store comes back
     ck.close(timeout=60)

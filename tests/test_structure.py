@@ -9,6 +9,7 @@ import math
 import os
 import pickle
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -823,3 +824,30 @@ def test_property_encode_write_read_decode_round_trip(tmp_path_factory, value):
     rc_structure.check_fits(target, structure, meta)
     rc_structure.apply(target, structure, lambda n: rc_structure.decode(n, tensors))
     _same({"v": value}, target)
+
+
+def test_an_optimizer_stepping_tensors_the_state_lacks_is_warned_about_once(tmp_path):
+    """fp32 master weights kept apart from a bf16 model, the optimizer over the masters, and
+    only model + optimizer in the state: a resume restored the moments and the bf16 weights,
+    then the first master -> model copy put the initial weights back, in silence (the
+    mixed-precision probe). The first save says so, at the user's line; a state that holds what
+    its optimizers step says nothing."""
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    master = [p.detach().float().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(master)
+    with Checkpointer(tmp_path / "a", async_save=False) as ck:
+        with pytest.warns(
+            UserWarning, match=r"step 2 tensor\(s\) that the state does not hold"
+        ) as got:
+            ck.save(1, {"model": model, "opt": opt})  # the line warned at
+        assert got.list[0].filename == __file__
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ck.save(2, {"model": model, "opt": opt})  # once
+    with Checkpointer(tmp_path / "b", async_save=False) as ck, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ck.save(1, {"model": model, "opt": opt, "master": master})
+    plain = torch.nn.Linear(4, 4)
+    with Checkpointer(tmp_path / "c", async_save=False) as ck, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ck.save(1, {"model": plain, "opt": torch.optim.SGD(plain.parameters(), lr=0.1)})

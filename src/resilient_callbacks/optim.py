@@ -42,3 +42,20 @@ def param_shapes(opt: torch.optim.Optimizer) -> list[list[list[int]]] | None:
         for g in groups
         if isinstance(g, dict)
     ]
+
+
+def unsaved_params(
+    optimizers: list[torch.optim.Optimizer], saved: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The parameters the ``optimizers`` step (requiring grad) whose memory no tensor of
+    ``saved`` holds: a checkpoint would restore the optimizer's state for them but not their
+    values (fp32 master weights kept outside the state: the resume silently started from the
+    initial masters)."""
+    held = {t.untyped_storage().data_ptr() for t in saved if t.numel()}
+    out = []
+    for opt in optimizers:
+        for group in hookable(opt).param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.numel() and p.untyped_storage().data_ptr() not in held:
+                    out.append(p)
+    return out

@@ -19,6 +19,7 @@ import math
 import statistics
 import time
 import uuid
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Mapping
@@ -29,9 +30,9 @@ import torch
 from . import dist, rng, statetree, structure
 from .background import BackgroundPersister
 from .compression import Chooser
-from .errors import CheckpointWriteError, UnsupportedStateError
+from .errors import CheckpointWriteError, UnsupportedStateError, caller_stacklevel
 from .filepart import CapturedParts, PartBuffers
-from .optim import hookable
+from .optim import hookable, unsaved_params
 from .part_blobs import PartBlobs
 from .persisting import Prepared, persist
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
@@ -101,6 +102,7 @@ class Saver:
         self.codec = Chooser(
             cfg.compression, cfg.compression_level, cfg.compression_shuffle, self._upload_bps
         )
+        self.checked_params = False  # the first save warns of stepped tensors it lacks
         self.blocking_seconds: deque[float] = deque(maxlen=100)
         self.save_seconds: deque[float] = deque(maxlen=9)
         self.persist_seconds: deque[float] = deque(maxlen=9)
@@ -287,6 +289,10 @@ class Saver:
         shared, local = structure.encode(state, split_per_rank=ck.world_size > 1)
         fingerprint = statetree.fingerprint(state)
         fileparts = statetree.fileparts(state)
+        if not self.checked_params:
+            self.checked_params = True
+            if not fileparts:  # a part holds its own model (and says what it saves)
+                _warn_unsaved_params(state, [*shared.tensors.values(), *local.tensors.values()])
         overlapped = copy and ck.config.overlap_snapshot
         self.wait_for_snapshot()  # the last save's deferred copies, before the buffers are reused
         parts = self.part_buffers.capture(fileparts, overlap=overlapped) if fileparts else None
@@ -392,6 +398,23 @@ class Saver:
             torch.distributed.destroy_process_group(group)
         except Exception as e:  # best effort: the checkpoints are committed either way
             log.debug("could not destroy the background checkpoint group: %s", e)
+
+
+def _warn_unsaved_params(state: Any, saved: list[torch.Tensor]) -> None:
+    """Warn, once per Checkpointer, when an optimizer of ``state`` steps tensors that the
+    state does not hold (:func:`.optim.unsaved_params`)."""
+    missing = unsaved_params(statetree.optimizers(state), saved)
+    if missing:
+        e = missing[0]
+        warnings.warn(
+            f"the state's optimizer(s) step {len(missing)} tensor(s) that the state does not "
+            f"hold (e.g. {str(e.dtype).removeprefix('torch.')} {list(e.shape)}): a resume "
+            "restores the optimizer's moments for them but not their values. Put what the "
+            "optimizer updates -- fp32 master weights kept apart from the model, say -- into "
+            "the state",
+            UserWarning,
+            stacklevel=caller_stacklevel(),
+        )
 
 
 def new_run_id() -> str:

@@ -34,6 +34,7 @@ reader counts it, and the next writer to open the directory sweeps it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -302,7 +303,10 @@ class CommitSession:
         try:
             write_latest_pointer(self.dirpath, os.path.basename(final))
         except OSError as e:
-            log.warning("could not update the advisory 'latest' pointer: %s", e)
+            # (a full disk): removed rather than left naming a checkpoint retention deletes
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.dirpath, "latest"))
+            log.warning("could not update the advisory 'latest' pointer (removed it): %s", e)
         return final, seq
 
     def _default_after_commit(self, committed: Committed) -> None:
