@@ -38,8 +38,9 @@ save and a ``copy_`` of the same tensors into the very host buffers that save us
 which goes first (see ``bench_blocking_pairs`` for why this sits beside the round-robin).
 
 Restore, per size, each repetition in a fresh process (a freshly built model and an optimizer
-with empty state as targets; timed: load, then read one byte per page of every model and
-optimizer tensor so lazily mapped data is really loaded, for every method):
+with empty state as targets; timed: load, then write every element of every model and
+optimizer tensor once, as the first optimizer step does, so lazily mapped data is really loaded
+and a mapping's copy-on-write pages are copied, for every method):
 ``Checkpointer.restore`` (verifies every checksum), ``torch.load(mmap=True, weights_only=True)``
 + ``load_state_dict``, and DCP ``load`` (with ``get_state_dict``/``set_state_dict``, DCP's recipe
 for an optimizer with empty state). Twice: with the files in the page cache (after a discarded
@@ -131,16 +132,6 @@ def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[to
 
 def nbytes_of(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def touch(tensors: list[torch.Tensor]) -> float:
-    """Read one element per page of every tensor (forces lazily mapped pages in)."""
-    acc = 0.0
-    for t in tensors:
-        if t.numel():
-            flat = t.detach().reshape(-1)
-            acc += float(flat[:: max(1, PAGE // t.element_size())].double().sum())
-    return acc
 
 
 # --------------------------------------------------------------------------- helpers
@@ -441,9 +432,11 @@ def restore_worker(method: str, work: str, mb: int) -> None:
         raise SystemExit(f"unknown restore method {method}")
     tensors = state_tensors(model, opt)
     t3 = time.perf_counter()
-    touch(tensors)
+    with torch.no_grad():
+        for t in tensors:  # as the first optimizer step writes them: pages copied, if mapped
+            t.mul_(1)
     end = time.perf_counter()
-    parts["touch one byte per page"] = end - t3
+    parts["write every element (as the first step does)"] = end - t3
     if len(opt.state) != len(list(model.parameters())):
         raise SystemExit(f"{method}: optimizer state not restored")
     print(json.dumps({"seconds": end - t0, "parts": parts, "bytes": nbytes_of(tensors)}))
@@ -840,7 +833,7 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
             r,
             "<= 1.2",
             r <= 1.2,
-            f"{ro:.3f} s vs {rt:.3f} s (every page touched; ours verifies every checksum); "
+            f"{ro:.3f} s vs {rt:.3f} s (every element written once; ours verifies every checksum); "
             f"DCP load {m['DCP load (+get/set_state_dict)' + suffix]:.3f} s",
         )
     rss = report["rss"]["ours async"]
@@ -916,7 +909,7 @@ def markdown(report: dict[str, Any]) -> str:
         rt = m["torch.load(mmap)+load_state_dict"]
         lines += [
             "",
-            f"## Restore, state {nb / 1e9:.2f} GB (fresh process, every page touched)",
+            f"## Restore, state {nb / 1e9:.2f} GB (fresh process, every element written once)",
             "",
             "| method | median s | GB/s | vs torch.load(mmap)+load_state_dict | median parts, s |",
             "|---|---|---|---|---|",

@@ -5,8 +5,8 @@ checksum verification costs, and what verifying segments in parallel (checksum.p
 
 The state is ``bench_async.py``'s (square Linear layers + AdamW state, ``--mb`` MB), saved once
 by ours and by ``torch.save``. Each restore runs in a fresh process (``bench_async.py``'s
-restore worker: a fresh model and optimizer, the restore, then one byte per page of every
-restored tensor touched), round-robin over the methods, after one discarded warm-up round:
+restore worker: a fresh model and optimizer, the restore, then every element of every
+restored tensor written once, as the first optimizer step writes them), round-robin over the methods, after one discarded warm-up round:
 
 - ``ours``: ``Checkpointer.restore``, every checksum verified, segments by several threads;
 - ``ours, 1 verify thread``: the same with the verification limited to one thread (the control:
