@@ -112,7 +112,11 @@ def apply(
             return obj
         return resolve(n)
 
-    new_root = load_into(state, structure, ())
+    try:
+        new_root = load_into(state, structure, ())
+    finally:
+        # (a closure that refers to itself: the cycle kept ``resolve``'s tensors alive)
+        load_into = None  # type: ignore[assignment]
     if removed:
         warnings.warn(
             f"restore: {', '.join(removed[:10])}{' ...' if len(removed) > 10 else ''} not in "

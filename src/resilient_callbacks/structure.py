@@ -325,7 +325,12 @@ def decode(
             return dict(n)
         raise CheckpointMismatchError(f"unknown node type {tag!r} in checkpoint structure")
 
-    return rec(node)
+    try:
+        return rec(node)
+    finally:
+        # rec refers to itself through its closure: a cycle that kept ``tensors`` (views of the
+        # mapped checkpoint files, see mapped.py) alive until the cyclic GC ran
+        rec = None  # type: ignore[assignment]
 
 
 def _hashable(v: Any) -> Any:
