@@ -45,9 +45,7 @@ log = logging.getLogger("resilient_callbacks")
 
 PROBE_PREFIX = ".resilient-probe-"
 NO_MANIFEST = "no manifest (incomplete)"  # a RemoteEntry's problem: files, no manifest yet
-# a checkpoint folder without a manifest, untouched this long, is an upload a crash cut off
-# (younger, it may be one in progress): the uploader's retention and `gc --remote` delete it
-STALE_UPLOAD_S = 24 * 3600.0
+STALE_UPLOAD_S = 24 * 3600.0  # untouched this long, a folder without a manifest is dead
 ETAG_CHECK_MAX = 8 << 20  # MD5-compare single-part objects up to this size (bigger ones: the
 # store validates the CRC32 checksum botocore sends with every PUT and part)
 
@@ -117,8 +115,7 @@ class RemoteStore:
         proto = self.fs.protocol
         self.protocol = proto if isinstance(proto, str) else proto[0]
         self.is_local = self.protocol in ("file", "local")
-        # name -> (what the listing said of its manifest, the manifest): committed manifests
-        # are not rewritten, so a scan fetches only new ones (it fetched every one, each upload)
+        # name -> (its manifest's listed size, time, etag; the manifest): see _read_manifests
         self._manifests: dict[str, tuple[tuple[Any, ...], Manifest]] = {}
 
     def __repr__(self) -> str:
@@ -273,12 +270,11 @@ class RemoteStore:
     def _read_manifests(
         self, names: list[str], signs: Mapping[str, tuple[Any, ...] | None]
     ) -> dict[str, Manifest | Exception]:
-        """The manifests of ``names``, each parsed, or the exception that reading or parsing it
-        raised. One read by an earlier scan whose listing ``signs`` (size, time, etag) is the
-        same is reused; the others are fetched in one call (an object store's client fetches
-        them concurrently: one request after another took seconds for a few hundred). A long
-        run's uploader scans after each upload: fetching every manifest again made each upload
-        cost more the more checkpoints the remote held (1.5 s per scan at 93)."""
+        """The manifests of ``names``, parsed, or the exception reading or parsing one raised.
+        One an earlier scan read whose listing ``signs`` (size, time, etag) is the same is
+        reused (the uploader scans after each upload: fetching every manifest again took 1.5 s
+        at 93); the rest are fetched in one call, which an object store's client runs
+        concurrently."""
         out: dict[str, Manifest | Exception] = {}
         known = self._manifests
         for n in names:
