@@ -131,6 +131,29 @@ def fail_worker(root: str, out: str) -> None:
     spawn_ranks.leave_group()
 
 
+def step_worker(root: str, out: str) -> None:
+    """Rank 1 passes step 9 where rank 0 passes 10 (a counter off by one on one rank)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank = dist.get_rank()
+    state = {"model": nn.Linear(4, 4), "mine": PerRank({"rank": rank})}
+    res: dict[str, Any] = {}
+    with Checkpointer(root) as ck:
+        ck.save(5, state)
+        ck.flush()
+        try:
+            ck.save(10 if rank == 0 else 9, state)
+            ck.flush()
+            res["error"] = None
+        except CheckpointWriteError as e:
+            res["error"] = {"failed_ranks": list(e.failed_ranks), "message": str(e)}
+        dist.barrier()
+        res["steps"] = [e.step for e in catalog.committed(catalog.scan(root, catalog.Depth.FULL))]
+    Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+    spawn_ranks.leave_group()
+
+
 # ----------------------------------------------------------------------------- launching ranks
 
 
@@ -317,6 +340,27 @@ def test_failure_on_one_rank_commits_nothing_and_keeps_older_checkpoint(tmp_path
         ]
     assert not [n for n in os.listdir(root) if n.startswith(".staging-")]
 
+
+def test_ranks_that_pass_different_steps_commit_nothing(tmp_path):
+    """One save, step 10 on rank 0 and 9 on rank 1 (the distributed probe): it committed one
+    checkpoint of step 10 holding rank 1's files of step 9, in silence. Now every rank gets
+    the same CheckpointWriteError naming rank 1, and nothing is committed."""
+    root, out = tmp_path / "ckpt", tmp_path / "result"
+    run_ranks([sys.executable, __file__, "step-worker", str(root), str(out)], tmp_path, "step")
+    for r in range(WORLD):
+        res = json.loads(Path(f"{out}.rank{r}").read_text())
+        assert res["error"] is not None, r
+        assert res["error"]["failed_ranks"] == [1], res
+        assert "every rank must pass the same step" in res["error"]["message"], res
+        assert res["steps"] == [5], res
+
+
+if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "step-worker":
+    try:
+        step_worker(sys.argv[2], sys.argv[3])
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
 
 if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "fail-worker":
     try:

@@ -20,7 +20,7 @@ from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint, write_latest_p
 from .errors import CheckpointWriteError
 from .manifest import FileEntry, Manifest, versions
 from .nodelocal import REMOTE_MANIFEST, SHARED_PATHS, NodeDirectory, global_files
-from .session import Committed, RankReport
+from .session import Committed, RankReport, agree_steps
 from .tensorfile import encode_json, write_bytes
 from .topology import Topology
 
@@ -113,12 +113,14 @@ class NodeLocalSession:
             topo.rank,
             self.files if error is None else [],
             None if error is None else f"{type(error).__name__}: {error}",
+            self.step,
         )
         node_reports = dist.gather_json(report.to_json(), dst=topo.leader, group=topo.node_group)
         node_msg: dict[str, Any] = {}
         local_path = None
         if node_reports is not None:  # this node's leader
             reps = [RankReport.from_json(x) for x in node_reports]
+            agree_steps(reps)  # (within the node)
             failed = [r for r in reps if r.error]
             files = [f for r in reps for f in r.files]
             node_msg = {"failed": [[r.rank, r.error] for r in failed], "files": None}

@@ -61,13 +61,29 @@ class RankReport:
     rank: int
     files: list[FileEntry] = field(default_factory=list)
     error: str | None = None
+    step: int | None = None  # the step this rank saves (None: not said)
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "files": [f.__dict__ for f in self.files], "error": self.error}
+        files = [f.__dict__ for f in self.files]
+        return {"rank": self.rank, "files": files, "error": self.error, "step": self.step}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RankReport:
-        return cls(int(d["rank"]), [FileEntry(**f) for f in d["files"]], d["error"])
+        files = [FileEntry(**f) for f in d["files"]]
+        return cls(int(d["rank"]), files, d["error"], d.get("step"))
+
+
+def agree_steps(reports: list[RankReport]) -> None:
+    """Mark as failed each report whose step differs from the lowest rank's: ranks that pass
+    different steps to one save (a counter off by one on one rank) committed one checkpoint
+    mixing the states of two steps, in silence."""
+    first = min(reports, key=lambda r: r.rank)
+    for r in reports:
+        if r.step is not None and first.step is not None and r.step != first.step and not r.error:
+            r.error = (
+                f"it saves step {r.step}, rank {first.rank} step {first.step}: every rank "
+                "must pass the same step"
+            )
 
 
 @dataclass
@@ -215,9 +231,11 @@ class CommitSession:
             self.rank,
             self.files if error is None else [],
             None if error is None else f"{type(error).__name__}: {error}",
+            self.step,
         )
         gathered = dist.all_gather_json(report.to_json(), group=self.group)
         reports = [RankReport.from_json(r) for r in gathered]
+        agree_steps(reports)
         failed = [r for r in reports if r.error]
         outcome: dict[str, Any] = {"path": None, "seq": None, "error": self._begin_error}
         if self.is_coordinator and self.staging is not None:
