@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import shutil
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -368,3 +369,24 @@ if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "fail-worker
     except BaseException:
         traceback.print_exc()
         sys.exit(1)
+
+
+def test_the_background_group_times_out_as_the_world_does(tmp_path):
+    """The background saves' gloo group took the backend's 30-minute default: a rank whose
+    peer hung during a background save waited in close() for 30 minutes after its own
+    collectives had timed out (the distributed probe). It now has the world's timeout."""
+    script = (
+        "import datetime, os, torch, torch.distributed as td\n"
+        "from resilient_callbacks import dist\n"
+        "td.init_process_group('gloo', rank=0, world_size=1,"
+        " timeout=datetime.timedelta(seconds=42))\n"
+        "g = dist.new_cpu_group()\n"
+        "print(g._get_backend(torch.device('cpu')).options._timeout.total_seconds())\n"
+        "td.destroy_process_group()\n"
+    )
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spawn_ranks.free_port()))
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "42.0", out.stdout

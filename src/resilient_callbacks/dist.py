@@ -56,7 +56,21 @@ def new_cpu_group() -> Any:
     call it, at the same point."""
     if not is_initialized():
         return None
-    return torch.distributed.new_group(backend="gloo")
+    # the world's timeout, not the backend's 30-minute default: a rank whose peer hung during
+    # a background save waited in close() for 30 minutes after its own collectives timed out
+    return torch.distributed.new_group(backend="gloo", timeout=world_timeout())
+
+
+def world_timeout() -> Any:
+    """The default process group's timeout, as ``init_process_group(timeout=...)`` set it
+    (``None`` where it cannot be read: the backend's default then)."""
+    pg = torch.distributed.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:
+            continue
+    return None
 
 
 # Bytes of the first (and, for most payloads, the only) round of all_gather_json and
