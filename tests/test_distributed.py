@@ -133,22 +133,31 @@ def fail_worker(root: str, out: str) -> None:
 
 
 def step_worker(root: str, out: str) -> None:
-    """Rank 1 passes step 9 where rank 0 passes 10 (a counter off by one on one rank)."""
+    """Rank 1 passes step 9 where rank 0 passes 10 (a counter off by one on one rank); then
+    rank 1's state has a key rank 0's lacks. Plain values that differ (a rank-0-only history,
+    a value None on one rank) are fine."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank = dist.get_rank()
-    state = {"model": nn.Linear(4, 4), "mine": PerRank({"rank": rank})}
+    plain = {"history": [1, 2, 3] if rank == 0 else [], "best": 0.5 if rank == 0 else None}
+    state = {"model": nn.Linear(4, 4), "mine": PerRank({"rank": rank}), "extra": plain}
     res: dict[str, Any] = {}
+
+    def failing(step: int, st: dict) -> Any:
+        try:
+            ck.save(step, st)
+            ck.flush()
+            return None
+        except CheckpointWriteError as e:
+            return {"failed_ranks": list(e.failed_ranks), "message": str(e)}
+
     with Checkpointer(root) as ck:
         ck.save(5, state)
         ck.flush()
-        try:
-            ck.save(10 if rank == 0 else 9, state)
-            ck.flush()
-            res["error"] = None
-        except CheckpointWriteError as e:
-            res["error"] = {"failed_ranks": list(e.failed_ranks), "message": str(e)}
+        res["error"] = failing(10 if rank == 0 else 9, state)
+        extra = {**state, "ema": nn.Linear(4, 4)} if rank == 1 else state
+        res["keys_error"] = failing(11, extra)
         dist.barrier()
         res["steps"] = [e.step for e in catalog.committed(catalog.scan(root, catalog.Depth.FULL))]
     Path(f"{out}.rank{rank}").write_text(json.dumps(res))
@@ -344,8 +353,9 @@ def test_failure_on_one_rank_commits_nothing_and_keeps_older_checkpoint(tmp_path
 
 def test_ranks_that_pass_different_steps_commit_nothing(tmp_path):
     """One save, step 10 on rank 0 and 9 on rank 1 (the distributed probe): it committed one
-    checkpoint of step 10 holding rank 1's files of step 9, in silence. Now every rank gets
-    the same CheckpointWriteError naming rank 1, and nothing is committed."""
+    checkpoint of step 10 holding rank 1's files of step 9, in silence; a key only rank 1 had
+    was dropped, and no checkpoint could be resumed from. Now every rank gets the same
+    CheckpointWriteError naming rank 1, and nothing is committed."""
     root, out = tmp_path / "ckpt", tmp_path / "result"
     run_ranks([sys.executable, __file__, "step-worker", str(root), str(out)], tmp_path, "step")
     for r in range(WORLD):
@@ -353,6 +363,8 @@ def test_ranks_that_pass_different_steps_commit_nothing(tmp_path):
         assert res["error"] is not None, r
         assert res["error"]["failed_ranks"] == [1], res
         assert "every rank must pass the same step" in res["error"]["message"], res
+        assert res["keys_error"]["failed_ranks"] == [1], res
+        assert "must save the same state" in res["keys_error"]["message"], res
         assert res["steps"] == [5], res
 
 

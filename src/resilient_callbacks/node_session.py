@@ -55,6 +55,7 @@ class NodeLocalSession:
         self.seq = 0
         self.name = ckpt_name(step)
         self._begin_error: BaseException | None = None
+        self.layout: str | None = None  # set by the caller: what agree_steps compares
 
     def begin(self) -> str | None:
         """Collective: rank 0 numbers the commit and names it remotely; every rank makes its
@@ -114,6 +115,7 @@ class NodeLocalSession:
             self.files if error is None else [],
             None if error is None else f"{type(error).__name__}: {error}",
             self.step,
+            self.layout,
         )
         node_reports = dist.gather_json(report.to_json(), dst=topo.leader, group=topo.node_group)
         node_msg: dict[str, Any] = {}

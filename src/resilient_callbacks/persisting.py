@@ -112,6 +112,8 @@ def persist(
             saver.observe_save(time.perf_counter() - t0)
         if local_exc is None and background and saver.persister and saver.persister.abandoned:
             local_exc = CheckpointWriteError(f"step {step}: abandoned by close(timeout)")
+        if prepared is not None:
+            session.layout = structure.layout_hash(prepared.shared.structure)
         try:
             done = session.commit(
                 local_exc,

@@ -62,27 +62,38 @@ class RankReport:
     files: list[FileEntry] = field(default_factory=list)
     error: str | None = None
     step: int | None = None  # the step this rank saves (None: not said)
+    layout: str | None = None  # hash of the replicated state's keys (structure.layout_hash)
 
     def to_json(self) -> dict[str, Any]:
         files = [f.__dict__ for f in self.files]
-        return {"rank": self.rank, "files": files, "error": self.error, "step": self.step}
+        d = {"rank": self.rank, "files": files, "error": self.error, "step": self.step}
+        return {**d, "layout": self.layout}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RankReport:
         files = [FileEntry(**f) for f in d["files"]]
-        return cls(int(d["rank"]), files, d["error"], d.get("step"))
+        return cls(int(d["rank"]), files, d["error"], d.get("step"), d.get("layout"))
 
 
 def agree_steps(reports: list[RankReport]) -> None:
-    """Mark as failed each report whose step differs from the lowest rank's: ranks that pass
-    different steps to one save (a counter off by one on one rank) committed one checkpoint
-    mixing the states of two steps, in silence."""
+    """Mark as failed each report whose step, or the keys of whose replicated state, differ
+    from the lowest rank's. Ranks that pass different steps to one save (a counter off by one
+    on one rank) committed one checkpoint mixing two steps' states; a key only one rank has
+    (rank 0 alone writes the replicated state) was dropped, and the run could not resume from
+    any of its checkpoints: both in silence."""
     first = min(reports, key=lambda r: r.rank)
     for r in reports:
-        if r.step is not None and first.step is not None and r.step != first.step and not r.error:
+        if r.error:
+            continue
+        if r.step is not None and first.step is not None and r.step != first.step:
             r.error = (
                 f"it saves step {r.step}, rank {first.rank} step {first.step}: every rank "
                 "must pass the same step"
+            )
+        elif r.layout is not None and first.layout is not None and r.layout != first.layout:
+            r.error = (
+                f"its state has other keys or objects than rank {first.rank}'s: every rank "
+                "must save the same state (per-rank values wrapped in PerRank)"
             )
 
 
@@ -138,6 +149,7 @@ class CommitSession:
         self.staging: str | None = None
         self.files: list[FileEntry] = []
         self._begin_error: str | None = None
+        self.layout: str | None = None  # set by the caller: what agree_steps compares
 
     def begin(self) -> str | None:
         """Collective. Rank 0 creates the staging directory; every rank returns its path, or
@@ -232,6 +244,7 @@ class CommitSession:
             self.files if error is None else [],
             None if error is None else f"{type(error).__name__}: {error}",
             self.step,
+            self.layout,
         )
         gathered = dist.all_gather_json(report.to_json(), group=self.group)
         reports = [RankReport.from_json(r) for r in gathered]
