@@ -366,6 +366,15 @@ def test_ranks_that_pass_different_steps_commit_nothing(tmp_path):
         assert res["keys_error"]["failed_ranks"] == [1], res
         assert "must save the same state" in res["keys_error"]["message"], res
         assert res["steps"] == [5], res
+    # resumed on one rank: rank 1's PerRank state is not loaded, and that is said (it was not)
+    mine = {"rank": None}
+    state = {"model": nn.Linear(4, 4), "mine": PerRank(mine), "extra": {}}
+    with (
+        Checkpointer(root) as ck,
+        pytest.warns(UserWarning, match="PerRank state of ranks 1 to 1 is not loaded"),
+    ):
+        assert ck.restore(state) == 5
+    assert mine == {"rank": 0}
 
 
 if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "step-worker":

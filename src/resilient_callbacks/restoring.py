@@ -260,7 +260,7 @@ class Restorer:
                 for k, t in part.tensors.items()
             }
             fit.check_fits(state, full, meta)
-            # The loaded tensors are private allocations: objects may keep them (optimizers do).
+            # objects that keep what they load get private copies (mapped.py)
             inplace.apply(state, full, lambda n: structure.decode(n, part.tensors))
             for pid, fp in fileparts.items():
                 if pid not in readers:
@@ -279,6 +279,12 @@ class Restorer:
                         f"rank {ck.rank} has no RNG state in this checkpoint (written by "
                         f"{manifest.world_size} rank(s)); its random streams start fresh"
                     ]
+            if ck.rank == 0 and part.per_rank and manifest.world_size > ck.world_size:
+                warns.append(  # (it was dropped in silence)
+                    f"the checkpoint was written by {manifest.world_size} ranks, this run has "
+                    f"{ck.world_size}: the PerRank state of ranks {ck.world_size} to "
+                    f"{manifest.world_size - 1} is not loaded"
+                )
         except Exception as e:
             local_exc = e
         errors = dist.all_gather_json(
@@ -480,8 +486,7 @@ def _recorded(manifest: Manifest) -> RetentionPolicy | None:
 
 def _warn_if_still_mapped(path: str) -> None:
     """Say so when objects of the state keep tensors that view the restored checkpoint's files
-    (a FilePart's load that keeps what its reader gave it): the files' disk space is then not
-    freed when retention deletes the checkpoint, until those tensors go (:mod:`.mapped`)."""
+    (a FilePart's load that keeps what its reader gave it): their disk space stays in use."""
     left = mapped.still_mapped(path)
     if left:
         gc.collect()  # what only a reference cycle kept
