@@ -84,16 +84,20 @@ def _finite(v: Any) -> Any:
     return v
 
 
-def records(root: str) -> list[dict[str, Any]]:
-    """Every record of the history as written (all kinds), oldest first; torn or foreign lines
-    are skipped."""
+def records(root: str, kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """Every record of the history as written (``kinds``: of those kinds only), oldest first;
+    torn or foreign lines are skipped. Lines that cannot be of ``kinds`` are not parsed: a
+    restore reads the few lifecycle records of a history of many thousand saves."""
     try:
         with open(os.path.join(root, HISTORY_NAME)) as f:
             lines = f.read().splitlines()
     except FileNotFoundError:
         return []
+    marks = None if kinds is None else tuple(json.dumps(k) for k in kinds)
     out = []
     for line in lines:
+        if marks is not None and not any(m in line for m in marks):
+            continue
         try:
             d = json.loads(line)
         except ValueError:
@@ -105,6 +109,7 @@ def records(root: str) -> list[dict[str, Any]]:
             and not isinstance(d.get("time"), bool)
             and math.isfinite(d["time"])
             and (d.get("step") is None or type(d.get("step")) is int)
+            and (kinds is None or d["event"] in kinds)
         ):
             out.append(d)
     return out
@@ -113,9 +118,7 @@ def records(root: str) -> list[dict[str, Any]]:
 def read(root: str, kinds: tuple[str, ...] | None = LIFECYCLE) -> list[Event]:
     """The run's lifecycle (``start`` and ``restart`` records; ``kinds=None``: every kind)."""
     out = []
-    for d in records(root):
-        if kinds is not None and d["event"] not in kinds:
-            continue
+    for d in records(root, kinds):
         try:
             out.append(
                 Event(
