@@ -1,0 +1,64 @@
+"""Lightning's own loop-restart tests, run with our callback doing the resume.
+
+The code is upstream's (tests/upstream/lightning/loops_restart.py, vendored from
+Lightning-AI/pytorch-lightning tag 2.6.5, tests/tests_pytorch/loops/test_loops.py; what changed
+is listed in tests/upstream/lightning/ORIGIN.md). Upstream resumes with
+``fit(ckpt_path=".../epoch=0-step=2.ckpt")``; here the first run is stopped before its step 3
+(an exception, or a real SIGKILL of a child process) and the same ``fit`` runs again: our
+``ResilientCheckpoint`` resumes it. Upstream's assertions then compare the ``ModelCheckpoint``
+files the resumed run writes (fit loop, epoch loop and optimizer loop progress, LR scheduler,
+weights) with those of an uninterrupted run, and check the counters its restart logic expects
+(``test_fit_loop_reset``) on the loop state our callback hands Lightning's restore.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from upstream.lightning import loops_restart as up
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # bit-identical to the SIGKILLed child (which runs with one intra-op thread)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_fit_loop_reset_on_our_checkpoints(tmp_path):
+    """Upstream's test_fit_loop_reset, on the loop state our callback hands Lightning for a
+    mid-epoch step (2) and an epoch's last step (4): the same counters, before and after the
+    reset, as on Lightning's own ``ModelCheckpoint`` files of those steps."""
+    up.test_fit_loop_reset(tmp_path, source="ours")
+
+
+@pytest.mark.slow
+def test_fit_loop_reset_control(tmp_path):
+    """The same on Lightning's own files (upstream's test as it is): the control."""
+    up.test_fit_loop_reset(tmp_path, source="lightning")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["exception", "sigkill"])
+def test_restart_parity(tmp_path, how):
+    up.test_restart_parity(tmp_path, how=how)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["exception", "sigkill"])
+def test_restart_with_val_parity(tmp_path, how):
+    up.test_restart_with_val_parity(tmp_path, how=how)
+
+
+@pytest.mark.slow
+def test_loop_state_on_complete_run(tmp_path):
+    up.test_loop_state_on_complete_run(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_val", [False, True])
+def test_restart_from_last_parity(tmp_path, with_val):
+    up.test_restart_from_last_parity(tmp_path, with_val=with_val)
