@@ -28,11 +28,15 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def test_fit_loop_reset_on_our_checkpoints(tmp_path):
-    """Upstream's test_fit_loop_reset, on the loop state our callback hands Lightning for a
-    mid-epoch step (2) and an epoch's last step (4): the same counters, before and after the
-    reset, as on Lightning's own ``ModelCheckpoint`` files of those steps."""
-    up.test_fit_loop_reset(tmp_path, source="ours")
+def test_fit_loop_reset_and_exception_resume(tmp_path):
+    """The default test (about 2 s). Upstream's test_fit_loop_reset on the loop state our
+    callback hands Lightning for a mid-epoch step (2) and an epoch's last step (4): the same
+    counters, before and after the reset, as on Lightning's own ``ModelCheckpoint`` files of
+    those steps. Then one case of test_loop_state_on_exception below (accumulation over 2
+    batches, stopped in epoch 1 at batch 2, resumed from our exception save): the regression
+    test of the train data drawn from the restored random streams."""
+    up.test_fit_loop_reset(tmp_path / "reset", source="ours")
+    up.test_loop_state_on_exception(2, 1, 2, tmp_path / "exception")
 
 
 @pytest.mark.slow
@@ -62,3 +66,16 @@ def test_loop_state_on_complete_run(tmp_path):
 @pytest.mark.parametrize("with_val", [False, True])
 def test_restart_from_last_parity(tmp_path, with_val):
     up.test_restart_from_last_parity(tmp_path, with_val=with_val)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulate_grad_batches", [1, 2, 3])
+@pytest.mark.parametrize("stop_epoch", [1, 2])
+@pytest.mark.parametrize("stop_batch", [1, 2])
+def test_loop_state_on_exception(tmp_path, accumulate_grad_batches, stop_epoch, stop_batch):
+    """Upstream's stop points and gradient accumulation, resumed by ours from its exception
+    save (``save_on_exception=True``): the run ends with the uninterrupted run's weights and
+    loop state. Upstream's BoringModel draws its train data (``RandomDataset``) in
+    ``train_dataloader()``: before the fix, a resume built that data from the restored random
+    streams, and every one of these resumed runs trained on other data."""
+    up.test_loop_state_on_exception(accumulate_grad_batches, stop_epoch, stop_batch, tmp_path)

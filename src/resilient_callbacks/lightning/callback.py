@@ -263,6 +263,7 @@ class ResilientCheckpoint(Checkpoint):
             return
         is_sharded = sharded.is_sharded(trainer)
         holder = sharded.receivers(trainer) if is_sharded else st.receivers()
+        live = rng.capture()  # setup draws from these till the first batch (as the run did)
         step = ckpt.restore(holder)
         if ckpt.restored_from is None:
             log.info("no checkpoint in %s: starting fresh", ckpt.dirpath)
@@ -280,6 +281,7 @@ class ResilientCheckpoint(Checkpoint):
         self.restored_step = step
         # the random streams as the core restored them: put back right before the first batch
         self._resume = boundary.Resume(checkpoint, rng.capture())
+        rng.restore(*live)  # a train_dataloader() drawing its data makes the run's data
         self._resumed_stopped = bool(checkpoint.pop(st.STOPPED_KEY, False))
         self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
         if ckpt.last_restore is not None:

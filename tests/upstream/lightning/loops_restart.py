@@ -329,6 +329,70 @@ def _our_checkpoint(dirpath, step: int) -> dict:  # CHANGED (added)
     return capture.checkpoint
 
 
+def test_loop_state_on_exception(accumulate_grad_batches, stop_epoch, stop_batch, tmp_path):
+    # CHANGED: upstream's test checks the file OnExceptionCheckpoint writes *at* the exception;
+    # ours (save_on_exception=True) saves the last completed step instead, by design. Kept:
+    # upstream's model, Trainer, stop points and its count of the optimizer steps done before
+    # the exception (the step ours must resume from); added: the same fit run again, resumed by
+    # ours, ends with the uninterrupted run's weights and loop state (its last.ckpt)
+    import pytest
+
+    n_epochs = 3
+    n_batches = 3
+
+    class TestModel(BoringModel):
+        stop = True  # CHANGED (added): False for the uninterrupted run and the resumed one
+
+        def training_step(self, batch, batch_idx):
+            if self.stop and self.trainer.current_epoch == stop_epoch and batch_idx == stop_batch:
+                raise CustomException
+            return super().training_step(batch, batch_idx)
+
+    def fit(dirpath, stop):  # CHANGED (added): upstream's Trainer, ours and a ModelCheckpoint
+        seed_everything(SEED)  # the one model object of upstream's test: here one per run
+        model = TestModel()
+        model.stop = stop
+        ours = ResilientCheckpoint(dirpath / "ours", every_n_steps=100, save_on_exception=True)
+        trainer = Trainer(
+            default_root_dir=dirpath,
+            max_epochs=n_epochs,
+            limit_train_batches=n_batches,
+            limit_val_batches=0,
+            accumulate_grad_batches=accumulate_grad_batches,
+            enable_progress_bar=False,
+            logger=False,
+            callbacks=[ModelCheckpoint(dirpath=dirpath / "mc", save_last=True), ours],  # CHANGED
+        )
+        trainer.fit(model)
+        return ours
+
+    # simulate a failure
+    with pytest.raises(CustomException):
+        fit(tmp_path / "resumed", stop=True)
+
+    # `nbe_`: non-breaking epoch, as in, no exception will be raised. `be_`: breaking epoch
+    nbe_batches_completed = stop_epoch * n_batches
+    be_batches_completed = stop_batch
+    # lightning applies leftover accumulated gradients when the epoch ends
+    has_leftover_accumulation_batches = n_batches % accumulate_grad_batches != 0
+    # number of batches that will call `optimizer.step()` during non-breaking and breaking epochs
+    nbe_stepping_batches = nbe_batches_completed // accumulate_grad_batches
+    be_stepping_batches = be_batches_completed // accumulate_grad_batches
+
+    nbe_total_opt_steps = nbe_stepping_batches + has_leftover_accumulation_batches
+    be_total_opt_steps = be_stepping_batches
+
+    # CHANGED (added): the resumed run and an uninterrupted one
+    ours = fit(tmp_path / "resumed", stop=False)
+    assert ours.restored_step == nbe_total_opt_steps + be_total_opt_steps
+    fit(tmp_path / "uninterrupted", stop=False)
+    last = torch.load(str(tmp_path / "uninterrupted" / "mc" / "last.ckpt"), weights_only=True)
+    last_v1 = torch.load(str(tmp_path / "resumed" / "mc" / "last.ckpt"), weights_only=True)
+    assert compare_state_dicts(last["loops"], last_v1["loops"]) == {}
+    assert compare_state_dicts(last["state_dict"], last_v1["state_dict"]) == {}
+    assert last["global_step"] == last_v1["global_step"]
+
+
 def test_loop_state_on_complete_run(tmp_path, stop_epoch=1, stop_batch=1):
     n_epochs = 3
     n_batches = 3
