@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from upstream.lightning import loops_restart as up
+from upstream.lightning import restore_step_epoch
 
 
 @pytest.fixture(autouse=True)
@@ -79,3 +80,12 @@ def test_loop_state_on_exception(tmp_path, accumulate_grad_batches, stop_epoch, 
     ``train_dataloader()``: before the fix, a resume built that data from the restored random
     streams, and every one of these resumed runs trained on other data."""
     up.test_loop_state_on_exception(accumulate_grad_batches, stop_epoch, stop_batch, tmp_path)
+
+
+@pytest.mark.slow
+def test_correct_step_and_epoch(tmp_path):
+    """Upstream's test_restore.py::test_correct_step_and_epoch: a finished fit (2 epochs) is
+    continued by a new Trainer with more epochs, resumed by ours from the checkpoint it saved at
+    the end of the first fit: the epoch, the global step and the count of stepped batches at
+    ``on_train_start`` and at the end are those of Lightning's ``ckpt_path`` resume."""
+    restore_step_epoch.test_correct_step_and_epoch(tmp_path)
