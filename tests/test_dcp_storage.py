@@ -20,11 +20,13 @@ Two gloo ranks, FSDP2 (``tests/dcp_storage_worker.py``):
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pickle
 import shutil
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -404,6 +406,50 @@ def test_a_writer_made_for_each_save_and_never_closed_as_with_filesystemwriter(t
         dcp.save(_state(3), storage_writer=open_one)
         with pytest.raises(BaseException, match=r"already has a writer open on .*close"):
             dcp.save(_state(4), storage_writer=ResilientStorageWriter(root))
+
+
+def test_a_writer_per_save_whose_save_failed_does_not_lock_out_the_next(tmp_path):
+    # PyTorch's test_checkpoint.py failure injection (tests/test_upstream_dcp.py): DCP's
+    # CheckpointException keeps the failed writer alive through a reference cycle (its
+    # traceback's frames), which only the cyclic collector frees; the next writer made on the
+    # directory was refused ("already has a writer open") until a collection happened to run
+    root = tmp_path / "ck"
+    gc.disable()
+    try:
+        with pytest.raises(BaseException, match="cannot be written as JSON"):
+            dcp.save({"x": torch.zeros(2), "f": print}, storage_writer=ResilientStorageWriter(root))
+        dcp.save(_state(2), storage_writer=ResilientStorageWriter(root), checkpoint_id=2)
+    finally:
+        gc.enable()
+    assert [e.step for e in catalog.committed(catalog.scan(str(root)))] == [2]
+
+
+def test_a_rank_that_coordinated_a_failed_save_frees_the_directory_for_the_next_coordinator(
+    tmp_path,
+):
+    # the same, when DCP's coordinator_rank moves to another rank (test_checkpoint.py saves with
+    # coordinator=1 after coordinator=0): this process's dropped writer held the lock, and the
+    # next save's coordinator, another process, was refused
+    root = tmp_path / "ck"
+    gc.disable()
+    try:
+        with pytest.raises(BaseException, match="cannot be written as JSON"):
+            dcp.save({"x": torch.zeros(2), "f": print}, storage_writer=ResilientStorageWriter(root))
+        ResilientStorageWriter(root).set_up_storage_writer(False, rank=1)  # not coordinating
+        other = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+                "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
+                str(root / ".lock"),
+            ],
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        gc.enable()
+    assert other.returncode == 0, other.stderr
 
 
 def test_the_writer_says_it_cannot_go_to_another_process(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import json
 import os
 import socket
@@ -39,6 +40,31 @@ def _drop_in_child() -> None:
 os.register_at_fork(after_in_child=_drop_in_child)
 
 
+def _flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _collect_dropped(path: str) -> bool:
+    """This process holds ``path``: its holder may be a writer nothing uses any more but a
+    reference cycle -- one whose ``dcp.save`` failed, kept by the exception's traceback -- which
+    only the cyclic collector frees. Collect (its lock goes with it); True: try again."""
+    if not any(lk.path == path and lk.held for lk in list(_held)):
+        return False
+    gc.collect()
+    return True
+
+
+def release_dropped(root: str) -> None:
+    """Free the lock on ``root`` if a writer of this process that nothing uses any more holds
+    it: a rank that coordinated an earlier, failed ``dcp.save`` must not keep the directory
+    from the coordinator of the next (another process)."""
+    _collect_dropped(os.path.join(root, LOCK_NAME))
+
+
 class DirLock:
     def __init__(self, root: str) -> None:
         self.path = os.path.join(root, LOCK_NAME)
@@ -53,9 +79,7 @@ class DirLock:
                     f"{self.path} is a symbolic link; refusing to write through it (remove it)"
                 ) from None
             raise e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _flock(fd) and not (_collect_dropped(self.path) and _flock(fd)):
             holder = ""
             try:
                 with open(self.path) as f:

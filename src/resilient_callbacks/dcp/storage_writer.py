@@ -50,6 +50,7 @@ from .. import dist
 from ..config import CheckpointerConfig
 from ..directory import Directory
 from ..errors import CheckpointWriteError, ConfigError, UnsupportedStateError
+from ..lock import release_dropped
 from ..manifest import FileEntry
 from ..reader import by_commit, committed
 from ..session import CommitSession, RankReport
@@ -160,6 +161,8 @@ class ResilientStorageWriter(StorageWriter):
             )
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", dist.rank()))
+        if not is_coordinator:  # this rank may have coordinated a failed save (another writer)
+            release_dropped(self.dirpath)
         self._after_previous_save()
 
     def _after_previous_save(self) -> None:
