@@ -408,17 +408,22 @@ def test_a_writer_made_for_each_save_and_never_closed_as_with_filesystemwriter(t
             dcp.save(_state(4), storage_writer=ResilientStorageWriter(root))
 
 
-def test_a_writer_per_save_whose_save_failed_does_not_lock_out_the_next(tmp_path):
+@pytest.mark.parametrize("same_name", [True, False])
+def test_a_writer_per_save_whose_save_failed_does_not_lock_out_the_next(tmp_path, same_name):
     # PyTorch's test_checkpoint.py failure injection (tests/test_upstream_dcp.py): DCP's
     # CheckpointException keeps the failed writer alive through a reference cycle (its
     # traceback's frames), which only the cyclic collector frees; the next writer made on the
-    # directory was refused ("already has a writer open") until a collection happened to run
+    # directory was refused ("already has a writer open") until a collection happened to run.
+    # (also when the next writer names the directory otherwise: through a symlink)
     root = tmp_path / "ck"
+    root.mkdir()
+    (tmp_path / "link").symlink_to(root)
     gc.disable()
     try:
         with pytest.raises(BaseException, match="cannot be written as JSON"):
             dcp.save({"x": torch.zeros(2), "f": print}, storage_writer=ResilientStorageWriter(root))
-        dcp.save(_state(2), storage_writer=ResilientStorageWriter(root), checkpoint_id=2)
+        again = ResilientStorageWriter(root if same_name else tmp_path / "link")
+        dcp.save(_state(2), storage_writer=again, checkpoint_id=2)
     finally:
         gc.enable()
     assert [e.step for e in catalog.committed(catalog.scan(str(root)))] == [2]
@@ -450,6 +455,17 @@ def test_a_rank_that_coordinated_a_failed_save_frees_the_directory_for_the_next_
     finally:
         gc.enable()
     assert other.returncode == 0, other.stderr
+
+
+def test_a_kept_writer_that_holds_the_lock_runs_no_collection_when_not_coordinating(
+    tmp_path, monkeypatch
+):
+    # the collection above is for dropped writers only: a writer that holds the lock itself
+    # (one kept for the run) does not pay a full gc.collect() on each save
+    with ResilientStorageWriter(tmp_path / "ck") as w:
+        dcp.save(_state(1), storage_writer=w, checkpoint_id=1)
+        monkeypatch.setattr(gc, "collect", lambda *a: pytest.fail("gc.collect() on a kept writer"))
+        w.set_up_storage_writer(False, rank=1)
 
 
 def test_the_writer_says_it_cannot_go_to_another_process(tmp_path):

@@ -52,10 +52,24 @@ def _collect_dropped(path: str) -> bool:
     """This process holds ``path``: its holder may be a writer nothing uses any more but a
     reference cycle -- one whose ``dcp.save`` failed, kept by the exception's traceback -- which
     only the cyclic collector frees. Collect (its lock goes with it); True: try again."""
-    if not any(lk.path == path and lk.held for lk in list(_held)):
-        return False
+    if not _held_here(path):
+        return False  # (never a collection on the normal path: only when this process holds it)
     gc.collect()
     return True
+
+
+def _held_here(path: str) -> bool:
+    """A lock of this process holds ``path`` (the same file, however either was named)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    for lk in list(_held):
+        fd = lk._fd
+        with contextlib.suppress(OSError, TypeError):  # (released meanwhile)
+            if fd is not None and os.path.samestat(os.fstat(fd), st):
+                return True
+    return False
 
 
 def release_dropped(root: str) -> None:

@@ -161,8 +161,8 @@ class ResilientStorageWriter(StorageWriter):
             )
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", dist.rank()))
-        if not is_coordinator:  # this rank may have coordinated a failed save (another writer)
-            release_dropped(self.dirpath)
+        if not is_coordinator and self._dir is None:
+            release_dropped(self.dirpath)  # this rank may have coordinated a failed save
         self._after_previous_save()
 
     def _after_previous_save(self) -> None:
