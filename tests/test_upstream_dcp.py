@@ -1,7 +1,7 @@
 """PyTorch's own DCP tests, run with ``ResilientStorageWriter`` / ``ResilientStorageReader`` in
 place of ``FileSystemWriter`` / ``FileSystemReader`` (and of the fault-injecting storage of
-``test_checkpoint.py``). The upstream files are vendored unchanged in ``tests/upstream/dcp/``
-(``ORIGIN.md`` says from where and what differs); their assertions run as written.
+``test_checkpoint.py``). The upstream files are vendored in ``tests/upstream/dcp/``
+(``ORIGIN.md`` says from where and the one line that differs); their assertions run as written.
 
 The swap: within each spawned rank (``run_test``) and each in-process test (``run``) the names
 ``FileSystemWriter`` / ``FileSystemReader`` -- in the vendored module, in
@@ -358,9 +358,9 @@ class ReshardOnLoad(_OurStorage, up_fs_cpu.TestDistributedReshardOnLoad):
         (SaveLoadShardedTensor, "test_read_write_shard_tensor_thread_count_1"),
         (ReshardOnLoad, "test_load_with_different_shard_plan_thread_count_1"),
         (ReshardOnLoad, "test_save_load_bytes_thread_count_1"),
-        # not test_switch_between_sharded_tensor_to_tensor: it fails in the same way with
-        # FileSystemWriter/Reader on torch 2.13 (ORIGIN.md); not test_load_rowwise_to_colwise:
-        # it moves its model to CUDA
+        # (with upstream's later one-line fix, ORIGIN.md)
+        (ReshardOnLoad, "test_switch_between_sharded_tensor_to_tensor_thread_count_1"),
+        # not test_load_rowwise_to_colwise: it moves its model to CUDA
     ],
 )
 def test_upstream_file_system_checkpoint_cpu(case: Any, name: str) -> None:

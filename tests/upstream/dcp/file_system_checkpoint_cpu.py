@@ -459,6 +459,7 @@ class TestDistributedReshardOnLoad(ShardedTensorTestBase):
                         tensor_size, device="cpu"
                     ),
                 }
+                dist.broadcast(save_dict["replicated"], src=0)
 
                 fs_writer = FileSystemWriter(
                     path=path, thread_count=thread_count
