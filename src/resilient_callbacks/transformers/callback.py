@@ -6,7 +6,8 @@ same points (they run collectives when ``torch.distributed`` is initialized).
 
 What happens when, in ``trainer.train()``:
 
-- ``on_init_end`` (only for ``Trainer(callbacks=[...])``): refuse an ``IterableDataset`` at once.
+- ``on_init_end`` (only for ``Trainer(callbacks=[...])``): refuse an ``IterableDataset`` at once;
+  with ``auto_find_batch_size``, wrap the training loop (:mod:`.auto_batch`).
 - ``on_train_begin`` (the first event of ``train()``; the model, optimizer, scheduler and data
   loader exist by then, nothing was iterated or computed): find the Trainer, refuse what is not
   supported (:mod:`.checks`), open the :class:`~resilient_callbacks.Checkpointer`, make the data
@@ -43,7 +44,7 @@ from .. import rng
 from ..adapter import check_options
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
-from . import checks, hooks, phases, trainer_state, under_deepspeed
+from . import auto_batch, checks, hooks, phases, trainer_state, under_deepspeed
 from .data import ResumableBatches, make_resumable
 from .trainer_state import FORMAT, METRIC_PREFIX, STATE_FIELDS  # noqa: F401 (their old home)
 
@@ -158,6 +159,7 @@ class ResilientCheckpoint(TrainerCallback):
         """Name the Trainer explicitly. Only needed when the callback events are not fired by a
         ``transformers.Trainer`` method (the callback finds its Trainer on the call stack)."""
         self._attached = trainer
+        auto_batch.install(trainer)
         return self
 
     # ------------------------------------------------------------------ events
@@ -167,6 +169,7 @@ class ResilientCheckpoint(TrainerCallback):
         trainer = self._attached or hooks.find_trainer(self, required=False)
         if trainer is not None:
             checks.check_train_dataset(getattr(trainer, "train_dataset", None))
+            auto_batch.install(trainer)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._attached if self._attached is not None else hooks.find_trainer(self)
@@ -275,6 +278,7 @@ class ResilientCheckpoint(TrainerCallback):
             else:
                 step = ckpt.restore(self._saved.tree)
                 if step:
+                    auto_batch.check(trainer, self._saved.values, self._saved.signature, step)
                     self._apply_restored(trainer, state, step)
             hooks.wrap(trainer, "_run_epoch", self._run_epoch)
             hooks.wrap(trainer, "_maybe_log_save_evaluate", self._after_step)

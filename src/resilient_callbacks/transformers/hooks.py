@@ -100,6 +100,7 @@ def wrap(trainer: Any, name: str, wrapper: Callable[..., Any]) -> None:
         return wrapper(original, *args, **kwargs)
 
     wrapped._rc_original = original  # type: ignore[attr-defined]
+    wrapped._rc_wrapper = wrapper  # type: ignore[attr-defined]
     wrapped._rc_had_own = had_own  # type: ignore[attr-defined]
     trainer.__dict__[name] = wrapped
 

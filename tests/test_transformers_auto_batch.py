@@ -1,0 +1,121 @@
+"""``TrainingArguments(auto_find_batch_size=True)``: a run whose batch size the Trainer lowered
+after an out-of-memory error resumes at the lowered size, exactly.
+
+The out-of-memory error is upstream's own trick (transformers' ``MockCudaOOMCallback`` in
+``test_auto_batch_size_with_resume_from_checkpoint``): a callback raises accelerate's
+out-of-memory message while the batch size is 16, so accelerate runs the loop again at 14.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from resilient_callbacks.errors import CheckpointMismatchError
+from resilient_callbacks.transformers import ResilientCheckpoint
+from upstream.transformers.trainer_test_utils import (
+    RegressionDataset,
+    RegressionModelConfig,
+    RegressionRandomPreTrainedModel,
+    RegressionTrainingArguments,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class OutOfMemoryAt16(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.train_batch_size >= 16:
+            raise RuntimeError("CUDA out of memory.")
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashInStep(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            raise Crash(f"crash in step {self.step}")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_trainer(out, *extra, add_ours="init"):
+    torch.manual_seed(0)
+    model = RegressionRandomPreTrainedModel(RegressionModelConfig(a=0, b=2))
+    args = RegressionTrainingArguments(
+        str(out),
+        max_steps=8,
+        save_steps=1,
+        per_device_train_batch_size=16,
+        auto_find_batch_size=True,
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    ours = ResilientCheckpoint(log_save_metrics=False)
+    callbacks = [OutOfMemoryAt16(), *extra] + ([ours] if add_ours == "init" else [])
+    trainer = Trainer(model, args, train_dataset=RegressionDataset(length=128), callbacks=callbacks)
+    if add_ours == "add_callback":
+        trainer.add_callback(ours)
+    elif add_ours == "attach":
+        trainer.add_callback(ours.attach(trainer))
+    return trainer, ours
+
+
+def weights(trainer):
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def crash_after_step_3(out):
+    trainer, _ = make_trainer(out, CrashInStep(4))
+    with pytest.raises(Crash):
+        trainer.train()
+    assert trainer._train_batch_size == 14  # accelerate lowered it before the crash
+
+
+def test_a_resume_continues_at_the_batch_size_auto_find_batch_size_had_found(tmp_path):
+    reference, _ = make_trainer(tmp_path / "reference")
+    reference.train()
+    assert reference._train_batch_size == 14
+
+    crash_after_step_3(tmp_path / "run")
+    resumed, ours = make_trainer(tmp_path / "run")  # starts at 16 again, as a restarted job does
+    resumed.train()
+
+    assert ours.restored_step == 3
+    assert resumed._train_batch_size == 14
+    assert resumed.state.global_step == 8
+    for a, b in zip(weights(resumed), weights(reference), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_attach_resumes_at_the_found_batch_size_and_add_callback_says_how(tmp_path):
+    crash_after_step_3(tmp_path / "run")
+
+    late, _ = make_trainer(tmp_path / "run", add_ours="add_callback")
+    with pytest.raises(
+        CheckpointMismatchError, match=r"batch size 14.*Trainer\(callbacks=\[cb\]\)"
+    ):
+        late.train()
+
+    attached, ours = make_trainer(tmp_path / "run", add_ours="attach")
+    attached.train()
+    assert ours.restored_step == 3
+    assert attached._train_batch_size == 14
+    assert attached.state.global_step == 8
