@@ -124,6 +124,14 @@ def fail_worker(root: str, out: str) -> None:
         res["restored_extra"] = state2["extra"]
         # ... and the directory is not wedged: the next save commits.
         res["save12"] = ck2.save(12, state2)
+        ck2.flush()
+        # An evaluation beside the run: read-only, while the writer holds the directory's
+        # lock, with a part of the state (no "extra"), on every rank.
+        model3 = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+        bomb3 = Bomb(rank, fail_on=1)
+        with Checkpointer(root, read_only=True) as ro:
+            res["read_only_restored"] = ro.restore({"model": model3, "bomb": PerRank(bomb3)})
+        res["read_only_ok"] = _matches(model3, 5.0) and bomb3.value == 500 + rank
     dist.barrier()
     res["final_checkpoints"] = [
         (e.name, e.step, str(e.status)) for e in catalog.scan(root, catalog.Depth.FULL)
@@ -344,6 +352,7 @@ def test_failure_on_one_rank_commits_nothing_and_keeps_older_checkpoint(tmp_path
         assert res["restored_bomb_value"] == 500 + r
         assert res["restored_extra"] == {"note": "replicated"}
         assert res["save12"] is True
+        assert res["read_only_restored"] == 12 and res["read_only_ok"] is True, res
         assert res["final_checkpoints"] == [
             ["step_000000005", 5, "valid"],
             ["step_000000012", 12, "valid"],

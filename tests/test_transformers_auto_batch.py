@@ -25,7 +25,7 @@ from upstream.transformers.trainer_test_utils import (
     RegressionTrainingArguments,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 
 
 class OutOfMemoryAt16(TrainerCallback):
@@ -45,14 +45,6 @@ class CrashInStep(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step + 1 == self.step:
             raise Crash(f"crash in step {self.step}")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_trainer(out, *extra, add_ours="init"):

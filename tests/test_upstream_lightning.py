@@ -14,19 +14,12 @@ weights) with those of an uninterrupted run, and check the counters its restart 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from upstream.lightning import loops_restart as up
 from upstream.lightning import restore_step_epoch
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # bit-identical to the SIGKILLed child (which runs with one intra-op thread)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# bit-identical to the SIGKILLed child (which runs with one intra-op thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_fit_loop_reset_and_exception_resume(tmp_path):

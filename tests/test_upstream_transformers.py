@@ -18,19 +18,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import torch
 
 from upstream.transformers import trainer_resume as upstream
 
-pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_thread")]
 
 
 class TestTrainerResumeWithResilientCheckpoint(upstream.TrainerResumeTrainingTest):

@@ -15,14 +15,15 @@ import inspect
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import UnknownOptionError
+from .errors import ConfigError, UnknownOptionError
 
 
 def checkpointer_options() -> frozenset[str]:
-    """The keyword options of ``Checkpointer`` (``dirpath`` aside)."""
+    """The keyword options of ``Checkpointer`` an adapter passes on (``dirpath`` aside, and
+    ``read_only``: an adapter's Checkpointer trains and saves)."""
     from .checkpointer import Checkpointer
 
-    return frozenset(inspect.signature(Checkpointer).parameters) - {"dirpath"}
+    return frozenset(inspect.signature(Checkpointer).parameters) - {"dirpath", "read_only"}
 
 
 def check_options(adapter: str, given: Iterable[str], own: Iterable[str]) -> None:
@@ -30,6 +31,11 @@ def check_options(adapter: str, given: Iterable[str], own: Iterable[str]) -> Non
     adapter's ``own`` options nor a Checkpointer option."""
     known = checkpointer_options()
     own = list(own)
+    if "read_only" in given and "read_only" not in own:
+        raise ConfigError(
+            f"{adapter} saves as it trains: read_only is an option of a Checkpointer that only "
+            "restores (an evaluation job: Checkpointer(dirpath, read_only=True).restore(state))"
+        )
     unknown = sorted(set(given) - known - set(own))
     if not unknown:
         return

@@ -33,7 +33,7 @@ from .emergency import GRACE_ENV, Emergency, start_watcher
 from .errors import CheckpointError, ConfigError
 from .metrics import Telemetry
 from .node_restore import NodeRestorer
-from .nodelocal import NodeDirectory
+from .nodelocal import NodeDirectory, open_directory
 from .persisting import SaveStats
 from .preemption import MetadataPoller, PreemptionWatcher
 from .recorder import Recorder
@@ -97,6 +97,8 @@ class Checkpointer:
       run stored already is not written again (docs/incremental.md).
     - ``compression`` (``"none"``, ``"zstd"``, ``"auto"``), ``compression_level``,
       ``compression_shuffle``: zstd-compress the tensor files (the ``zstd`` extra).
+    - ``read_only``: restore only (an evaluation job, a read-only mount): no lock, nothing
+      written; :meth:`restore` works, saving raises :class:`~.errors.ConfigError`.
     """
 
     def __init__(
@@ -144,6 +146,7 @@ class Checkpointer:
         compression: str = "none",
         compression_level: int = 1,
         compression_shuffle: bool = True,
+        read_only: bool = False,
     ) -> None:
         options = {k: v for k, v in locals().items() if k != "self"}
         options["signals"] = tuple(signals)
@@ -179,41 +182,18 @@ class Checkpointer:
             [s for s in self._sink_specs if self.is_coordinator or s.options.get("per_rank")],
             sinks.CheckpointerContext(self),
         )
-        # the parts
-        self.topology = topology.detect(self.dirpath, self.config.shared_dirpath)
+        # the parts (a read-only Checkpointer writes no probe: every rank reads dirpath)
+        shared = True if self.config.read_only else self.config.shared_dirpath
+        self.topology = topology.detect(self.dirpath, shared)
         self._writes_shared = self.topology.is_leader  # rank 0, or each node's first rank
-        self._dir: Directory
-        if self.topology.node_local:
-            if self.config.remote is None:
-                raise ConfigError(
-                    f"dirpath={self.dirpath!r} is node-local ({len(self.topology.nodes)} nodes "
-                    "each see their own directory): node-local mode needs a durable remote tier "
-                    "that every node reaches, remote='s3://bucket/prefix' (or any fsspec URL); "
-                    "or put dirpath on a filesystem every node shares (docs/multinode.md)"
-                )
-            if self.config.incremental:
-                raise ConfigError(
-                    "incremental=True is not supported yet in node-local mode (each node its own "
-                    "dirpath): a node's uploads do not carry the run's shared blob store. Use "
-                    "incremental=False there, or a dirpath every node shares "
-                    "(docs/multinode.md, docs/incremental.md)"
-                )
-            self._dir = NodeDirectory(
-                self.dirpath, self.retention, self.world_size, self.topology, self.config
-            )
-        else:
-            if self.config.replicas:
-                raise ConfigError(
-                    "replicas=1 applies when each node has its own dirpath (node-local mode); "
-                    f"every rank sees the same {self.dirpath!r}"
-                )
-            self._dir = Directory(self.dirpath, self.retention, self.world_size)
-        self._dir.open(self.config)
+        self._dir: Directory = open_directory(
+            self.config, self.topology, self.retention, self.world_size
+        )
         self._emergency = Emergency(self)
         self._restorer: Restorer = (
             NodeRestorer(self) if self.topology.node_local else Restorer(self)
         )
-        if self.config.preemption:
+        if self.config.preemption and not self.config.read_only:
             self.watcher, self._poller = start_watcher(self.config)
         self._saver = Saver(self)
         self.telemetry = Telemetry(sink_objects, rank=self.rank)
@@ -369,9 +349,11 @@ class Checkpointer:
         with contextlib.suppress(Exception):
             self._dir.lock.release()
 
-    def _check_open(self) -> None:
+    def _check_open(self, writes: bool = False) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one to save again")
+        if writes and self.config.read_only:
+            raise ConfigError(f"this Checkpointer of {self.dirpath} is read_only: it never saves")
 
     def _wait_background(self) -> float:
         return self._saver.wait_background()
@@ -403,7 +385,7 @@ class Checkpointer:
         On a preemption request (SIGTERM, SIGUSR1, a cloud notice) it makes an emergency save
         of this step and, with ``exit_on_preemption`` (default), exits the process with
         ``preemption_exit_code`` (75); otherwise it returns and sets :attr:`preempted`."""
-        self._check_open()
+        self._check_open(writes=True)
         self._check_logger_sink()
         self._trigger.step_started()
         self._recorder.tick(step)
@@ -435,7 +417,7 @@ class Checkpointer:
     ) -> bool:
         """Flush background saves and save ``step`` synchronously (fastest complete path), for
         callers that detect a failure themselves. Every rank must call it."""
-        self._check_open()
+        self._check_open(writes=True)
         return self._save_outside_step(step, state, metrics, "emergency", "emergency_save()")
 
     def save(
@@ -448,7 +430,7 @@ class Checkpointer:
     ) -> bool:
         """Save now (``final=True``: the run's last step, which the remote tier always takes).
         False (nothing written) if the last checkpoint committed or restored is of ``step``."""
-        self._check_open()
+        self._check_open(writes=True)
         self._check_logger_sink()
         reason, why = ("final", "final step") if final else ("forced", "save() called")
         return self._save_outside_step(step, state, metrics, reason, why)
@@ -477,7 +459,7 @@ class Checkpointer:
         checkpoint, passed explicitly). Records the run's start at ``step``, from ``source``
         (``same_run``: as the run of dirpath's newest checkpoint, which goes on); the
         coordinator warns when dirpath holds a newer checkpoint, trained again."""
-        self._check_open()
+        self._check_open(writes=True)
         self._restorer.continued_from(step, source, same_run)
 
     # ------------------------------------------------------------------ queries

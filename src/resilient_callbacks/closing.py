@@ -196,7 +196,7 @@ def at_exit(ck: Checkpointer) -> Callable[[], None] | None:
     """Register :func:`flush_at_exit` for ``ck`` when it may have saves in flight at exit (or
     telemetry to flush); the hook, for :func:`_release` to unregister (one per Checkpointer
     otherwise stayed registered for the life of the process: one per trial of a sweep)."""
-    if not (ck.config.async_save or ck.telemetry.active):
+    if ck.config.read_only or not (ck.config.async_save or ck.telemetry.active):
         return None
     hook = functools.partial(flush_at_exit, weakref.ref(ck))
     atexit.register(hook)

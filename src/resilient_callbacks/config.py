@@ -71,6 +71,7 @@ class CheckpointerConfig:
     compression: str = "none"  # "none" | "zstd" | "auto"
     compression_level: int = 1
     compression_shuffle: bool = True  # byte-shuffle multi-byte dtypes before zstd
+    read_only: bool = False  # restore only: no lock, no writes (an evaluation job)
 
     def __post_init__(self) -> None:
         d = os.fspath(self.dirpath) if isinstance(self.dirpath, os.PathLike) else self.dirpath
@@ -109,6 +110,7 @@ class CheckpointerConfig:
             "handle_sigint",
             "exit_on_preemption",
             "save_on_exception",
+            "read_only",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag}={getattr(self, flag)!r}: must be True or False")
@@ -165,6 +167,7 @@ class CheckpointerConfig:
             )
         self._check_remote()
         self._check_nodes()
+        self._check_read_only()
         self.sinks()
         if not (isinstance(self.incremental, bool) or self.incremental == "hash"):
             raise ConfigError(
@@ -264,6 +267,40 @@ class CheckpointerConfig:
                     f"remote_every_n_saves={k!r}: an int >= 1 (e.g. 10: every checkpoint is "
                     "committed locally, every 10th is also uploaded), or None for every one"
                 )
+
+    # what only a writer uses, and the value that leaves it unused
+    _WRITING = (
+        ("every_n_steps", None),
+        ("every_seconds", None),
+        ("keep_last", None),
+        ("keep_best", 0),
+        ("keep_every_n_steps", None),
+        ("adaptive", False),
+        ("loss_jump", None),
+        ("save_on_exception", False),
+        ("metadata_notices", None),
+        ("remote", None),
+        ("replicas", 0),
+        ("shared_dirpath", None),
+        ("incremental", False),
+        ("compression", "none"),
+    )
+
+    def _check_read_only(self) -> None:
+        if not self.read_only:
+            return
+        given = [k for k, unused in self._WRITING if getattr(self, k) != unused]
+        if given:
+            raise ConfigError(
+                f"read_only=True restores and never saves: {', '.join(given)} only apply to a "
+                "Checkpointer that writes (drop them). A read-only Checkpointer reads dirpath "
+                "alone: to restore from the remote tier, give a writable dirpath and remote=..."
+            )
+        if self.resume == ResumeMode.NEVER:
+            raise ConfigError(
+                "read_only=True with resume='never' would restore nothing: use resume='auto' "
+                "(the newest valid checkpoint), a step number or a checkpoint's path"
+            )
 
     def remote_due(self, seq: int, reason: str) -> bool:
         """Is the checkpoint of commit number ``seq`` uploaded? Every ``remote_every_n_saves``-th

@@ -22,7 +22,13 @@ from . import catalog, dist, history
 from .blobs import BlobStore
 from .catalog import Depth, Entry, Status
 from .commit import RenameCommit, remove_checkpoint, sweep_staging
-from .errors import CheckpointError, CheckpointWriteError, ForeignCheckpointsWarning, warn_and_log
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    ForeignCheckpointsWarning,
+    warn_and_log,
+)
 from .lock import DirLock
 from .retention import RetentionPolicy, plan
 from .trash import TrashBin
@@ -93,8 +99,12 @@ class Directory:
     """One checkpoint directory and, optionally, its remote tier. Its one job: the directory's
     lifecycle as rank 0 sees it (see the module docstring for the rank contract)."""
 
-    def __init__(self, dirpath: str, retention: RetentionPolicy, world_size: int) -> None:
+    def __init__(
+        self, dirpath: str, retention: RetentionPolicy, world_size: int, read_only: bool = False
+    ) -> None:
         self.dirpath = dirpath
+        # restore only: no lock, no sweep, no history, no retention; nothing is written
+        self.read_only = read_only
         self.retention = retention
         self.world_size = world_size
         self.is_coordinator = dist.rank() == 0
@@ -162,7 +172,15 @@ class Directory:
     def open_here(self, config: CheckpointerConfig) -> None:
         """Coordinator only, no collective: what :meth:`open` does on rank 0 (create the
         directory, take the lock, sweep leftovers, read the commit sequence, connect the remote
-        tier). For callers that must not run collectives (a DCP ``StorageWriter``)."""
+        tier). For callers that must not run collectives (a DCP ``StorageWriter``). Read-only:
+        only that the directory exists."""
+        if self.read_only:
+            if not os.path.isdir(self.dirpath):
+                raise CheckpointNotFoundError(
+                    f"read_only=True: {self.dirpath} is not a directory (a read-only Checkpointer "
+                    "creates nothing); check the path"
+                )
+            return
         os.makedirs(self.dirpath, exist_ok=True)
         self.lock.acquire()
         sweep_staging(self.dirpath)  # (logs what it removed)
@@ -243,6 +261,8 @@ class Directory:
         """Coordinator: apply the local retention policy (``policy``: another one, e.g. the
         policy recorded in a checkpoint). With a remote tier, a checkpoint whose remote copy
         is not committed yet is never deleted (it is the only copy)."""
+        if self.read_only:
+            return
         with self._retention_lock:  # the persist and the upload threads both call this
             protected = [protect] if protect else []
             if self.sync is not None:
@@ -262,6 +282,8 @@ class Directory:
     def record(self, event: str, step: int, *, sync: bool = True, **fields: Any) -> None:
         """Append to the directory's run history (coordinator only). Never raises: the
         history is a record, never a reason for a save or a restore to fail."""
+        if self.read_only:
+            return
         try:
             history.append(
                 self.dirpath, event, step, self.run_id, self.world_size, sync=sync, **fields
@@ -272,6 +294,8 @@ class Directory:
     def check_foreign(self, stacklevel: int) -> None:
         """Coordinator, once per run: warn about checkpoints of other runs in the directory."""
         self.checked_foreign = True
+        if self.read_only:  # a reader deletes nothing: the warning is for the run's writer
+            return
         try:
             entries = catalog.scan(self.dirpath, Depth.NONE)
         except OSError as e:  # the save that follows reports what is wrong with the directory

@@ -4,6 +4,7 @@ of a half-loaded state."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from .structure import (
     is_stateful,
     path_str,
 )
+
+log = logging.getLogger("resilient_callbacks")
 
 
 def _tensor_specs(node: Any, tensors_meta: Mapping[str, tuple[str, list[int]]]) -> dict[str, Any]:
@@ -65,13 +68,17 @@ def check_fits(
     state: Any,
     structure: Any,
     tensors_meta: Mapping[str, tuple[str, list[int]]],
-) -> None:
+    partial: bool = False,
+) -> list[str]:
     """Raise :class:`CheckpointMismatchError` listing every key that is missing, unexpected or of
     another shape, before anything is loaded. Modules and tensors are compared exactly;
     other stateful objects (optimizers, schedulers) are checked by their own ``load_state_dict``.
     A tensor of another dtype is cast on load, as ``load_state_dict`` does (a run resumed in
-    another precision), with a warning that names it: a resume that is not exact says so."""
+    another precision), with a warning that names it: a resume that is not exact says so.
+    ``partial``: the state may hold a part of the checkpoint's entries (a read-only restore of
+    the model alone); the entries of a dict left out are returned, not refused."""
     problems: list[str] = []
+    left_out: list[str] = []
     cast: list[str] = []
 
     def dtypes(where: str, saved: str, here: str) -> None:
@@ -145,6 +152,9 @@ def check_fits(
                 return  # plain data (counters, histories): replaced wholesale on restore
             missing = [k for k in obj if k not in items]
             unexpected = [k for k in items if k not in obj]
+            if partial:
+                left_out.extend(path_str((*path, k)) for k in unexpected)
+                unexpected = []
             problems.extend(_key_problems(path, missing, unexpected))
             for k in obj:
                 if k in items:
@@ -174,6 +184,9 @@ def check_fits(
             "(or resume='never' to start fresh and leave those checkpoints alone)."
         )
     warn_cast(cast)
+    if left_out:
+        log.info("restore: not loaded, as the state does not hold them: %s", ", ".join(left_out))
+    return left_out
 
 
 def warn_cast(cast: Sequence[str], *through: str) -> None:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from . import catalog, dist
 from .commit import sweep_staging
 from .directory import Directory, apply_retention
-from .errors import CheckpointError, CheckpointWriteError, RemoteUnavailableError
+from .errors import CheckpointError, CheckpointWriteError, ConfigError, RemoteUnavailableError
 from .manifest import FileEntry
 from .sync import SyncStatus
 from .topology import Topology
@@ -58,6 +58,40 @@ def global_files(files: list[FileEntry]) -> list[FileEntry]:
     for f in sorted(files, key=lambda f: f.rank):
         out.setdefault(f.path, f)
     return list(out.values())
+
+
+def open_directory(
+    config: CheckpointerConfig, topology: Topology, retention: RetentionPolicy, world_size: int
+) -> Directory:
+    """Every rank, at construction: the directory of a Checkpointer, opened (a collective): one
+    that every rank shares, or in node-local mode each node's own (which needs a remote tier)."""
+    dirpath = config.dirpath
+    d: Directory
+    if topology.node_local:
+        if config.remote is None:
+            raise ConfigError(
+                f"dirpath={dirpath!r} is node-local ({len(topology.nodes)} nodes each see "
+                "their own directory): node-local mode needs a durable remote tier that every "
+                "node reaches, remote='s3://bucket/prefix' (or any fsspec URL); or put dirpath "
+                "on a filesystem every node shares (docs/multinode.md)"
+            )
+        if config.incremental:
+            raise ConfigError(
+                "incremental=True is not supported yet in node-local mode (each node its own "
+                "dirpath): a node's uploads do not carry the run's shared blob store. Use "
+                "incremental=False there, or a dirpath every node shares "
+                "(docs/multinode.md, docs/incremental.md)"
+            )
+        d = NodeDirectory(dirpath, retention, world_size, topology, config)
+    else:
+        if config.replicas:
+            raise ConfigError(
+                "replicas=1 applies when each node has its own dirpath (node-local mode); "
+                f"every rank sees the same {dirpath!r}"
+            )
+        d = Directory(dirpath, retention, world_size, read_only=config.read_only)
+    d.open(config)
+    return d
 
 
 class NodeDirectory(Directory):

@@ -26,11 +26,12 @@ SECTION = "resilient_checkpoint"
 
 
 def checkpointer_options() -> list[str]:
-    """The option names a section may hold: the Checkpointer's keyword arguments."""
+    """The option names a section may hold: the Checkpointer's keyword arguments (not
+    ``read_only``: the engine's Checkpointer saves)."""
     from ..checkpointer import Checkpointer
 
     params = inspect.signature(Checkpointer.__init__).parameters
-    return [n for n in params if n != "self"]
+    return [n for n in params if n not in ("self", "read_only")]
 
 
 def validate(section: Any, where: str = "the DeepSpeed config") -> dict[str, Any]:

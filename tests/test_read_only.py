@@ -1,0 +1,163 @@
+"""``Checkpointer(dirpath, read_only=True)``: a job that only restores (an evaluation beside the
+run, a read-only mount) takes no lock and writes nothing, and may load a part of the state.
+
+Where the machine allows it (root with mount rights), the directory is bind-mounted read-only,
+so any write fails for real; elsewhere the same tests check that nothing in the directory
+changed (names, sizes, modification times).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from resilient_callbacks import Checkpointer, ResumeFallbackWarning
+from resilient_callbacks.errors import CheckpointMismatchError, CheckpointNotFoundError, ConfigError
+
+
+def train(root: Path, steps: int = 3) -> tuple[nn.Module, dict]:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = {"model": model, "opt": opt, "extra": {"seen": 0}}
+    with Checkpointer(root, keep_last=3) as ck:
+        ck.restore(state)
+        for step in range(1, steps + 1):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            state["extra"]["seen"] = step
+            ck.save(step, state)
+    return model, state
+
+
+def listing(root: Path) -> list[tuple[str, int, int]]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            st = os.lstat(os.path.join(dirpath, name))
+            out.append(
+                (os.path.relpath(os.path.join(dirpath, name), root), st.st_size, st.st_mtime_ns)
+            )
+    return sorted(out)
+
+
+@pytest.fixture
+def read_only_view(tmp_path):
+    """``view(src)``: ``src`` seen through a read-only bind mount where one can be made, else
+    ``src`` itself (the tests then compare the listing before and after)."""
+    mounts: list[Path] = []
+
+    def view(src: Path) -> tuple[Path, bool]:
+        dst = tmp_path / f"ro{len(mounts)}"
+        dst.mkdir()
+        ok = shutil.which("mount") is not None and os.geteuid() == 0
+        if ok:
+            done = subprocess.run(["mount", "--bind", str(src), str(dst)], capture_output=True)
+            ok = done.returncode == 0
+            if ok:
+                mounts.append(dst)
+                ok = (
+                    subprocess.run(
+                        ["mount", "-o", "remount,bind,ro", str(dst)], capture_output=True
+                    ).returncode
+                    == 0
+                )
+        if ok:
+            with pytest.raises(OSError):
+                (dst / "probe").write_bytes(b"")
+            return dst, True
+        return src, False
+
+    yield view
+    for m in reversed(mounts):
+        subprocess.run(["umount", str(m)], capture_output=True)
+
+
+def test_a_read_only_checkpointer_restores_a_part_of_the_state_and_writes_nothing(
+    tmp_path, read_only_view
+):
+    model, _ = train(tmp_path / "run")
+    root, mounted = read_only_view(tmp_path / "run")
+    before = listing(root)
+
+    evaluated = nn.Linear(8, 4)
+    with Checkpointer(root, read_only=True) as ck:  # the model alone: no optimizer, no extra
+        assert ck.restore({"model": evaluated}) == 3
+        assert ck.last_restore is not None and ck.last_restore.step == 3
+        with pytest.raises(ConfigError, match="read_only"):
+            ck.save(4, {"model": evaluated})
+        with pytest.raises(ConfigError, match="read_only"):
+            ck.step(4, {"model": evaluated})
+    assert torch.equal(evaluated.weight, model.weight) and torch.equal(evaluated.bias, model.bias)
+    assert listing(root) == before, "a read-only Checkpointer changed the directory"
+    if not mounted:
+        pytest.skip("no read-only mount here: nothing written was checked by the listing only")
+
+
+def test_it_restores_while_the_runs_writer_holds_the_directory(tmp_path):
+    model, state = train(tmp_path / "run", steps=2)
+    with Checkpointer(tmp_path / "run", keep_last=3) as writer:  # the run goes on
+        assert writer.restore(state) == 2
+        writer.save(3, state)
+        writer.flush()
+        before = listing(tmp_path / "run")
+        evaluated = nn.Linear(8, 4)
+        with Checkpointer(tmp_path / "run", read_only=True, resume=2) as reader:
+            assert reader.restore({"model": evaluated}) == 2
+        assert torch.equal(evaluated.weight, model.weight)
+        assert listing(tmp_path / "run") == before
+        writer.save(4, state)  # the writer is undisturbed
+    steps = [e.step for e in Checkpointer(tmp_path / "run", read_only=True).checkpoints()]
+    assert steps == [2, 3, 4]
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_loudly_and_stays(tmp_path):
+    train(tmp_path / "run")
+    newest = tmp_path / "run" / "step_000000003"
+    victim = next(p for p in sorted(newest.rglob("*.safetensors")) if p.stat().st_size > 64)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    before = listing(tmp_path / "run")
+    with (
+        pytest.warns(ResumeFallbackWarning, match="step_000000003"),
+        Checkpointer(tmp_path / "run", read_only=True) as ck,
+    ):
+        assert ck.restore({"model": nn.Linear(8, 4)}) == 2
+    assert listing(tmp_path / "run") == before  # no retention pass, no history record
+
+
+def test_a_state_entry_the_checkpoint_lacks_is_still_refused(tmp_path):
+    train(tmp_path / "run")
+    with (
+        Checkpointer(tmp_path / "run", read_only=True) as ck,
+        pytest.raises(CheckpointMismatchError, match="head"),
+    ):
+        ck.restore({"model": nn.Linear(8, 4), "head": nn.Linear(4, 2)})
+
+
+def test_what_a_read_only_checkpointer_cannot_do_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="not a directory"):
+        Checkpointer(tmp_path / "missing", read_only=True)
+    assert not (tmp_path / "missing").exists()
+    with pytest.raises(ConfigError, match="keep_last, remote"):
+        Checkpointer(tmp_path, read_only=True, keep_last=2, remote="s3://bucket/run")
+    with pytest.raises(ConfigError, match="resume='never'"):
+        Checkpointer(tmp_path, read_only=True, resume="never")
+
+
+def test_an_adapter_refuses_read_only(tmp_path):
+    from resilient_callbacks.adapter import check_options
+    from resilient_callbacks.deepspeed.section import validate
+
+    with pytest.raises(ConfigError, match="saves as it trains"):
+        check_options("ResilientCheckpoint (Lightning)", ["read_only"], ["dirpath"])
+    with pytest.raises(ConfigError, match="read_only"):
+        validate({"dirpath": str(tmp_path), "read_only": True})
