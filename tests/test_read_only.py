@@ -8,15 +8,18 @@ changed (names, sizes, modification times).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+import spawn_ranks
 from resilient_callbacks import Checkpointer, ResumeFallbackWarning
 from resilient_callbacks.errors import CheckpointMismatchError, CheckpointNotFoundError, ConfigError
 
@@ -161,3 +164,55 @@ def test_an_adapter_refuses_read_only(tmp_path):
         check_options("ResilientCheckpoint (Lightning)", ["read_only"], ["dirpath"])
     with pytest.raises(ConfigError, match="read_only"):
         validate({"dirpath": str(tmp_path), "read_only": True})
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_sharded_model_is_restored_alone_from_a_training_checkpoint(tmp_path):
+    """``Sharded(model)`` without its optimizer, out of a checkpoint of ``Sharded(model, opt)``
+    (FSDP2 on a gloo rank): read-only, the optimizer state is left out; a writer refuses it (a
+    resume that would drop the optimizer state in silence)."""
+    spawn_ranks.run([sys.executable, __file__, str(tmp_path / "ck")], 1, tmp_path, "sharded")
+    res = json.loads((tmp_path / "sharded.json").read_text())
+    assert res == {"step": 2, "same": True, "writer": "CheckpointMismatchError"}, res
+
+
+def sharded_worker(root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from resilient_callbacks.dcp import Sharded
+
+    dist.init_process_group("gloo")
+
+    def model() -> nn.Module:
+        m = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 2))
+        fully_shard(m)
+        return m
+
+    torch.manual_seed(0)
+    trained = model()
+    opt = torch.optim.AdamW(trained.parameters(), lr=0.1)
+    with Checkpointer(root, every_n_steps=1) as ck:
+        for step in (1, 2):
+            trained(torch.randn(4, 6)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ck.step(step, {"train": Sharded(trained, opt)})
+    res: dict = {}
+    evaluated = model()
+    with Checkpointer(root, read_only=True) as ck:
+        res["step"] = ck.restore({"train": Sharded(evaluated)})
+    pairs = zip(trained.parameters(), evaluated.parameters(), strict=True)
+    res["same"] = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in pairs)
+    try:
+        with Checkpointer(root) as ck:
+            ck.restore({"train": Sharded(model())})
+    except Exception as e:
+        res["writer"] = type(e).__name__
+    (Path(root).parent / "sharded.json").write_text(json.dumps(res))
+    spawn_ranks.leave_group()
+
+
+if __name__ == "__main__":
+    sharded_worker(sys.argv[1])

@@ -95,7 +95,9 @@ def _check_name(name: str) -> str:
 class PartInfo:
     """What a part is told at restore: its id, this rank, the world size now and when saved,
     the names the checkpoint lists in the part's folder with the rank that wrote each, and what
-    the part's :meth:`FilePart.describe` said at the save (``{}`` if nothing)."""
+    the part's :meth:`FilePart.describe` said at the save (``{}`` if nothing), and whether the
+    restore may load a part of what was saved (``partial``: a read-only Checkpointer; a part
+    then leaves out saved state its live objects lack, an optimizer, instead of refusing)."""
 
     part_id: str
     rank: int
@@ -103,6 +105,7 @@ class PartInfo:
     saved_world_size: int
     listed: dict[str, int]
     saved: dict[str, Any] = field(default_factory=dict)
+    partial: bool = False
 
 
 class PartWriter:
@@ -214,7 +217,9 @@ def read_part_tensors(path: str, manifest: Manifest, entry: FileEntry) -> dict[s
     return tensors
 
 
-def part_info(part_id: str, manifest: Manifest, rank: int, world_size: int) -> PartInfo:
+def part_info(
+    part_id: str, manifest: Manifest, rank: int, world_size: int, partial: bool = False
+) -> PartInfo:
     prefix = part_dir(part_id) + "/"
     listed = {f.path[len(prefix) :]: f.rank for f in manifest.files if f.path.startswith(prefix)}
     described = manifest.extra.get(PARTS_EXTRA)
@@ -226,6 +231,7 @@ def part_info(part_id: str, manifest: Manifest, rank: int, world_size: int) -> P
         manifest.world_size,
         listed,
         dict(saved) if isinstance(saved, dict) else {},
+        partial,
     )
 
 

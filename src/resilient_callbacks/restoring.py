@@ -227,7 +227,7 @@ class Restorer:
             if ck.config.capture_rng and part.rng is not None:
                 rng.check(part.rng, part.tensors)
             for pid, fp in fileparts.items():  # each part's files, verified before any load
-                info = part_info(pid, manifest, ck.rank, ck.world_size)
+                info = part_info(pid, manifest, ck.rank, ck.world_size, ck.config.read_only)
                 if info.listed:  # none: a checkpoint without this part (check_fits says so)
                     readers[pid] = read_part_files(path, manifest, fp, info)
         except CheckpointMismatchError as e:  # a part refuses this checkpoint: no fallback

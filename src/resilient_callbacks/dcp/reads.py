@@ -37,12 +37,14 @@ def plan_reads(
     home: int,
     strict: bool,
     box: Callable[[str, Any], Box],
+    with_optim: bool = True,
 ) -> Reads:
     """``tensors``: this rank's state dict (flattened); ``index``: the saved chunk index;
     ``plain``: the saved names of the tensors that were not sharded (None: a checkpoint from
     before they were recorded); ``home``: the rank whose files hold the plain tensors;
     ``strict``: a model tensor missing from the checkpoint, or one the model lacks, is a
-    problem; ``box``: this rank's box of a sharded tensor."""
+    problem; ``box``: this rank's box of a sharded tensor; ``with_optim``: False when the saved
+    optimizer state is not loaded (a read-only restore of the model alone)."""
     out = Reads(ranks={home})
     for name, t in tensors.items():
         entry = index.get(name)
@@ -66,6 +68,10 @@ def plan_reads(
         for r, offsets, sizes, *_ in entry["chunks"]:
             if need.intersect(Box.of(offsets, sizes)) is not None and need.numel:
                 out.ranks.add(int(r))
-    unexpected = sorted(n for n in set(index) - set(tensors) if strict or not n.startswith(MODEL))
+    unexpected = sorted(
+        n
+        for n in set(index) - set(tensors)
+        if (strict or not n.startswith(MODEL)) and (with_optim or n.startswith(MODEL))
+    )
     out.problems += [f"{n}: in the checkpoint, not in this model/optimizer" for n in unexpected]
     return out

@@ -25,10 +25,10 @@ Which ranks call what: as every FilePart (see :mod:`resilient_callbacks.filepart
 holds a ``Sharded`` of the same model at the same place of its state. :meth:`describe` runs, on
 the default group and the training thread at each save, one all-reduce (under FSDP1 it also
 agrees on reading the layout directly; until some rank's optimizer has state, one more agrees
-on saving it), one all-gather (JSON in uint8 tensors) when the layout
-changed, and under FSDP1 at such a change FSDP1's state dict and one more all-reduce (the
-comparison). Reading FSDP1's layout is not collective, so every rank reaches the all-reduce
-that agrees on it, whatever happened on another.
+on saving it), one all-gather (JSON in uint8 tensors) when the layout changed, and under FSDP1
+at such a change FSDP1's state dict and one more all-reduce (the comparison). Reading FSDP1's
+layout is not collective, so every rank reaches the all-reduce that agrees on it, whatever
+happened on another. A read-only restore (``PartInfo.partial``) may leave the optimizers out.
 """
 
 from __future__ import annotations
@@ -101,8 +101,7 @@ class Sharded(FilePart):
     restored with ``set_state_dict`` on the current mesh, whatever number of ranks wrote it.
 
     ``options``: ``StateDictOptions`` for ``get_state_dict``/``set_state_dict`` (e.g.
-    ``strict=False``); ``full_state_dict`` and ``cpu_offload`` are not supported (this part
-    writes each rank's shards).
+    ``strict=False``); not ``full_state_dict`` nor ``cpu_offload`` (it writes each rank's shards).
     """
 
     def __init__(
@@ -372,11 +371,12 @@ class Sharded(FilePart):
                 f"part {info.part_id!r} was not written by resilient_callbacks.dcp.Sharded "
                 f"(its manifest records {sorted(saved) or 'nothing'})"
             )
-        if saved.get("optim") and not self.optimizers:
+        if saved.get("optim") and not self.optimizers and not info.partial:
             raise CheckpointMismatchError(
                 f"part {info.part_id!r} holds optimizer state, but this Sharded has no optimizer"
             )
-        optims = optimizers_of(saved, self.optimizers)
+        partial = info.partial and not self.optimizers  # a read-only restore of the model
+        optims = () if partial else optimizers_of(saved, self.optimizers)
         with_optim = bool(optims)
         index: dict[str, Any] = saved["tensors"]
         check_index(index, info.saved_world_size)
@@ -390,7 +390,8 @@ class Sharded(FilePart):
             return [json_file(home)] + [tensor_file(r) for r in sorted(direct.ranks)]
         target = self._state_dict(optims)
         _, tensors = split(target)
-        reads = plan_reads(tensors, index, saved.get("plain"), home, self.options.strict, self._box)
+        plain, strict = saved.get("plain"), self.options.strict
+        reads = plan_reads(tensors, index, plain, home, strict, self._box, with_optim)
         problems = reads.problems
         if problems:
             more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
@@ -410,9 +411,8 @@ class Sharded(FilePart):
 
     def _flat_model(self) -> bool:
         """Whether saves read FSDP1's layout directly and restores write its pieces in place
-        (:mod:`.flat`, :mod:`.flat_restore`), as far as what the model and its optimizers are
-        tells (not the moment): the same answer on every rank, found once (not at every save:
-        it walks the modules)."""
+        (:mod:`.flat`, :mod:`.flat_restore`), as the model and its optimizers tell: the same
+        answer on every rank, found once (it walks the modules)."""
         if self._flat_kind is None:
             self._flat_kind = (
                 len(self.optimizers) <= 1
@@ -469,7 +469,8 @@ class Sharded(FilePart):
             device = target.device if isinstance(target, torch.Tensor) else "cpu"
             return saved.to(device, copy=True)
 
-        sd = join(meta["skeleton"], value)
+        skeleton = meta["skeleton"] if plan["with_optim"] else {"model": meta["skeleton"]["model"]}
+        sd = join(skeleton, value)  # (without its optimizer's: a restore of the model alone)
         unsaved = without_saved_state(set(targets) - asked, sd) if plan["with_optim"] else set()
         missing = sorted(
             n
