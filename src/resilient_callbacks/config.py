@@ -281,7 +281,6 @@ class CheckpointerConfig:
         ("metadata_notices", None),
         ("remote", None),
         ("replicas", 0),
-        ("shared_dirpath", None),
         ("incremental", False),
         ("compression", "none"),
     )
@@ -290,6 +289,8 @@ class CheckpointerConfig:
         if not self.read_only:
             return
         given = [k for k, unused in self._WRITING if getattr(self, k) != unused]
+        if self.shared_dirpath is False:  # node-local mode: each node uploads its own files
+            given.append("shared_dirpath=False")
         if given:
             raise ConfigError(
                 f"read_only=True restores and never saves: {', '.join(given)} only apply to a "
