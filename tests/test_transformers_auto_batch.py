@@ -87,27 +87,23 @@ def test_a_resume_continues_at_the_batch_size_auto_find_batch_size_had_found(tmp
     assert reference._train_batch_size == 14
 
     crash_after_step_3(tmp_path / "run")
-    resumed, ours = make_trainer(tmp_path / "run")  # starts at 16 again, as a restarted job does
-    resumed.train()
-
-    assert ours.restored_step == 3
-    assert resumed._train_batch_size == 14
-    assert resumed.state.global_step == 8
-    for a, b in zip(weights(resumed), weights(reference), strict=True):
-        assert torch.equal(a, b)
-
-
-def test_attach_resumes_at_the_found_batch_size_and_add_callback_says_how(tmp_path):
-    crash_after_step_3(tmp_path / "run")
-
+    # added with add_callback alone, the callback sees the run too late: an error says how
     late, _ = make_trainer(tmp_path / "run", add_ours="add_callback")
     with pytest.raises(
         CheckpointMismatchError, match=r"batch size 14.*Trainer\(callbacks=\[cb\]\)"
     ):
         late.train()
 
+    resumed, ours = make_trainer(tmp_path / "run")  # starts at 16 again, as a restarted job does
+    resumed.train()
+    assert ours.restored_step == 3
+    assert resumed._train_batch_size == 14
+    assert resumed.state.global_step == 8
+    for a, b in zip(weights(resumed), weights(reference), strict=True):
+        assert torch.equal(a, b)
+
+    # attach() wraps the loop as Trainer(callbacks=[...]) does: the finished run, at 14
     attached, ours = make_trainer(tmp_path / "run", add_ours="attach")
     attached.train()
-    assert ours.restored_step == 3
+    assert ours.restored_step == 8
     assert attached._train_batch_size == 14
-    assert attached.state.global_step == 8
