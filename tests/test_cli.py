@@ -620,12 +620,33 @@ def test_exit_status_survives_a_reader_that_goes_away(tmp_path):
     assert p.wait(timeout=120) == 1
 
 
-def test_export_of_a_plain_checkpoint_says_there_is_no_model(tmp_path, capsys):
+def test_export_of_a_plain_checkpoint_writes_its_module(tmp_path, capsys):
+    """A plain Checkpointer state: its one module is written by its state-dict names (it was
+    "there is no model to export"); several modules, or a nested one, by --key."""
+    from safetensors.torch import load_file
+
     root = str(tmp_path / "ck")
-    make_run(root, steps=(1,))
-    assert main(["export", root, str(tmp_path / "out")]) == 1
-    assert "there is no model to export" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
+    state = make_run(root, steps=(1,))
+    assert main(["export", root, str(tmp_path / "out")]) == 0
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert got.keys() == state["model"].state_dict().keys()
+    assert all(torch.equal(got[k], v) for k, v in state["model"].state_dict().items())
+    assert json.loads((tmp_path / "out" / "export.json").read_text())["key"] == "model"
+
+    two = str(tmp_path / "two")
+    model, ema = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    with Checkpointer(two) as ck:
+        ck.save(1, {"train": {"model": model, "opt": opt}, "ema": ema})
+    capsys.readouterr()
+    assert main(["export", two, str(tmp_path / "o2")]) == 1  # the nested model is not chosen
+    err = capsys.readouterr().err
+    assert "(train.model, ema); name the one to export with --key" in err, err
+    assert not (tmp_path / "o2").exists()
+    assert main(["export", two, str(tmp_path / "o2"), "--key", "train.model"]) == 0
+    assert torch.equal(load_file(tmp_path / "o2" / "model.safetensors")["weight"], model.weight)
+    assert main(["export", two, str(tmp_path / "o3"), "--key", "train.nope"]) == 1
+    assert "train has no entry 'nope' (model, opt)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,12 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument(
+        "--key",
+        metavar="KEY",
+        help="a plain Checkpointer state: the entry to write (a module, or a dict of tensors; "
+        "'train.model' in a nested dict); default: the one module in the state",
+    )
+    p.add_argument(
         "--merged",
         action="store_true",
         help="a PEFT model: its base model with the adapters merged in (default: the adapters)",
@@ -39,19 +45,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         if not catalog.committed(catalog.scan(args.dir, catalog.Depth.NONE)):
             raise no_checkpoints(args.dir)
+    if getattr(args, "key", None):
+        return _export_entry(args, args.key)
     done = _export_weights(args)
     if done is not None:
         return done
     path = _not_exportable(args)
-    if path is not None:
-        print(
-            f"{PROG} export: {path} is not a checkpoint of a Hugging Face Trainer run, a "
-            "Lightning run, a DeepSpeed run, a dcp.Sharded state or dcp.save: there is no "
-            "model to export (its keys: "
-            f"`{PROG} inspect`)",
-            file=sys.stderr,
-        )
-        return 1
+    if path is not None:  # a plain Checkpointer state: its one module
+        return _export_entry(args, None)
     try:
         from .transformers.export import cli_export
     except ImportError as e:
@@ -115,4 +116,32 @@ def _export_weights(args: argparse.Namespace) -> int | None:
         print(f"{PROG} export: {e}", file=sys.stderr)
         return 1
     print(f"exported {sel.path} (step {read_manifest(sel.path).step}) to {out}/model.safetensors")
+    return 0
+
+
+def _export_entry(args: argparse.Namespace, key: str | None) -> int:
+    """``export`` of a plain Checkpointer state's entry ``key`` (None: its one module) as
+    OUT/model.safetensors, by the names of its state dict."""
+    import warnings
+
+    from . import consolidate, reader
+    from .errors import CheckpointError
+    from .manifest import read_manifest
+
+    try:
+        sel = reader.select(args.dir, args.step)
+        for e in sel.skipped:
+            msg = f"skipping checkpoint {e.path}: {e.problem}; falling back to an older one"
+            print(f"{PROG} export: warning: {msg}", file=sys.stderr)
+        key, weights = consolidate.entry_tensors(sel.path, key)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # safetensors' non-writable buffer note
+            out = consolidate.export_weights(
+                sel.path, args.out, overwrite=bool(args.force), weights=weights, key=key
+            )
+    except CheckpointError as e:
+        print(f"{PROG} export: {e} (its keys: `{PROG} inspect`)", file=sys.stderr)
+        return 1
+    step = read_manifest(sel.path).step
+    print(f"exported {key!r} of {sel.path} (step {step}) to {out}/model.safetensors")
     return 0

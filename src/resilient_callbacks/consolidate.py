@@ -190,6 +190,71 @@ def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.T
     return {k: v.clone() for k, v in module.items() if isinstance(v, torch.Tensor)}
 
 
+def entry_tensors(path: str, key: str | None) -> tuple[str, dict[str, torch.Tensor]]:
+    """A plain ``Checkpointer`` checkpoint's entry ``key`` (``"model"``; ``"train.model"`` in a
+    nested dict) as ``{name: tensor}``: a module's state dict (a stateful entry), or a dict of
+    tensors, by dotted names. ``key=None``: the one entry that is a module's state dict (every
+    value a tensor), or an error naming the entries to choose from. Returns (key, tensors)."""
+    part = reader.open_checkpoint(path).part
+    full = structure.inline_per_rank(part.structure, part.per_rank)
+    if not isinstance(full, dict):
+        raise CheckpointMismatchError(f"{path}: the saved state is not a dict of entries")
+    if key is None:
+        found = list(_modules(full, ""))
+        if len(found) != 1:
+            raise CheckpointMismatchError(
+                f"{path}: {'no' if not found else 'more than one'} entry of the state is a "
+                f"module's state dict ({', '.join(found) or 'entries: ' + ', '.join(full)}); "
+                "name the one to export with --key"
+            )
+        key = found[0]
+    node: Any = full
+    for i, name in enumerate(key.split(".")):
+        items = structure._node_items(_state(node))
+        if items is None or name not in items:
+            where = ".".join(key.split(".")[:i]) or "the state"
+            have = ", ".join(map(str, items)) if items else "no entries"
+            raise CheckpointMismatchError(f"{path}: {where} has no entry {name!r} ({have})")
+        node = items[name]
+    out: dict[str, torch.Tensor] = {}
+    _flatten(structure.decode(_state(node), part.tensors), "", out)
+    if not out:
+        raise CheckpointMismatchError(f"{path}: the entry {key!r} holds no tensors")
+    return key, out
+
+
+def _state(node: Any) -> Any:
+    stateful = isinstance(node, dict) and node.get(structure.TAG) == "stateful"
+    return node["state"] if stateful else node
+
+
+def _modules(node: Any, prefix: str) -> Iterator[str]:
+    """The dotted keys of the modules' state dicts in a state's plain dicts, at any depth."""
+    items = structure._node_items(node)
+    for k, n in (items or {}).items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if _is_state_dict(n):
+            yield key
+        elif structure._node_items(n) is not None:
+            yield from _modules(n, key)
+
+
+def _is_state_dict(node: Any) -> bool:
+    """A stateful entry whose state is a flat dict of tensors: a module's, not an optimizer's."""
+    items = structure._node_items(_state(node)) if _state(node) is not node else None
+    return bool(items) and all(
+        isinstance(v, dict) and v.get(structure.TAG) == "tensor" for v in (items or {}).values()
+    )
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        out[prefix] = value.clone()
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+
+
 def _module_extras(part: LoadedPart) -> dict[str, torch.Tensor]:
     """The ZeRO 1-3 engine's module tensors besides its partitions in a checkpoint's rank-0
     ``part``, by their state-dict names: its frozen parameters (at ZeRO 1-2,
@@ -253,13 +318,21 @@ def _umask() -> int:
     return umask
 
 
-def export_weights(path: str, out: str, *, overwrite: bool = False) -> str:
+def export_weights(
+    path: str,
+    out: str,
+    *,
+    overwrite: bool = False,
+    weights: dict[str, torch.Tensor] | None = None,
+    key: str | None = None,
+) -> str:
     """Write ``model.safetensors`` and ``export.json`` of the checkpoint at ``path`` into the
-    directory ``out`` (written under a temporary name, renamed into place)."""
+    directory ``out`` (written under a temporary name, renamed into place). ``weights``: what to
+    write (default: :func:`consolidated`), the state's entry ``key`` (recorded)."""
     out = os.path.abspath(out)
     if os.path.exists(out) and not overwrite:
         raise ConfigError(f"{out} already exists; pass --force to replace it")
-    weights = consolidated(path)
+    weights = consolidated(path) if weights is None else weights
     staging = export_staging(out)
     try:
         save_file(
@@ -269,6 +342,7 @@ def export_weights(path: str, out: str, *, overwrite: bool = False) -> str:
         info: dict[str, Any] = {
             "source": path,
             "step": read_manifest(path).step,
+            **({"key": key} if key is not None else {}),
             "parameters": len(weights),
             "dtypes": sorted({str(v.dtype).removeprefix("torch.") for v in weights.values()}),
         }
