@@ -585,6 +585,28 @@ def test_hparams_are_converted_or_reported_and_resume_works(tmp_path):
     assert rc.restored_step == 4 and trainer.global_step == 6
 
 
+@pytest.mark.slow  # suite time budget (the read-only restore itself: tests/test_read_only.py)
+def test_an_evaluation_loads_the_lightning_module_alone_read_only(tmp_path):
+    """A Lightning run's checkpoint holds the LightningModule's state dict under
+    "state_dict", beside Lightning's loop state: an evaluation job restores the module alone
+    with a read-only Checkpointer, and a module of another shape is refused by name."""
+    from resilient_callbacks import Checkpointer
+
+    trained = _Tiny()
+    _tiny_fit(tmp_path, trained, ResilientCheckpoint(tmp_path / "ck", every_n_steps=2))
+    evaluated = _Tiny()
+    with Checkpointer(tmp_path / "ck", read_only=True) as ck:
+        assert ck.restore({"state_dict": evaluated}) == 4
+    assert torch.equal(evaluated.lin.weight, trained.lin.weight)
+    other = _Tiny()
+    other.lin = torch.nn.Linear(4, 2)
+    with (
+        Checkpointer(tmp_path / "ck", read_only=True) as ck,
+        pytest.raises(CheckpointMismatchError, match=r"lin.weight'\]: shape \[1, 4\]"),
+    ):
+        ck.restore({"state_dict": other})
+
+
 class _BadCallback(L.Callback):
     def state_dict(self):
         return {"thing": _Opaque()}

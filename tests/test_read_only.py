@@ -145,6 +145,25 @@ def test_a_state_entry_the_checkpoint_lacks_is_still_refused(tmp_path):
         ck.restore({"model": nn.Linear(8, 4), "head": nn.Linear(4, 2)})
 
 
+def test_a_state_dict_saved_as_a_dict_loads_into_a_module(tmp_path):
+    """``{"weights": model.state_dict()}`` saved, a module given at restore: its keys and
+    shapes are checked, then ``load_state_dict`` (it was refused: "not a module")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with Checkpointer(tmp_path / "run") as ck:
+        ck.save(1, {"weights": dict(model.state_dict()), "epoch": {"n": 3}})
+    evaluated = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with Checkpointer(tmp_path / "run", read_only=True) as ck:
+        assert ck.restore({"weights": evaluated}) == 1
+    for a, b in zip(model.state_dict().values(), evaluated.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    with (
+        Checkpointer(tmp_path / "run", read_only=True) as ck,
+        pytest.raises(CheckpointMismatchError, match=r"unexpected keys in checkpoint: '1.bias'"),
+    ):
+        ck.restore({"weights": nn.Sequential(nn.Linear(4, 4))})
+
+
 def test_what_a_read_only_checkpointer_cannot_do_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="not a directory"):
         Checkpointer(tmp_path / "missing", read_only=True)

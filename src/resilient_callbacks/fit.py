@@ -94,7 +94,9 @@ def check_fits(
                 problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a part")
             return
         if isinstance(obj, torch.nn.Module):
-            if not (isinstance(n, dict) and n.get(TAG) == "stateful"):
+            # a module's state; or a state dict saved as a dict (Lightning's "state_dict")
+            saved = n["state"] if isinstance(n, dict) and n.get(TAG) == "stateful" else n
+            if _node_items(saved) is None:
                 problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a module")
                 return
             want = {
@@ -104,7 +106,7 @@ def check_fits(
             }
             have = {
                 k: v
-                for k, v in _tensor_specs(n["state"], tensors_meta).items()
+                for k, v in _tensor_specs(saved, tensors_meta).items()
                 if k in want or v is not None
             }
             missing, unexpected, reshaped = key_differences(
