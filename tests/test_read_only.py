@@ -234,3 +234,31 @@ def sharded_worker(root: str) -> None:
 
 if __name__ == "__main__":
     sharded_worker(sys.argv[1])
+
+
+def test_an_evaluation_loads_a_trainer_runs_model_alone(tmp_path):
+    """The Transformers callback keeps the model under "model": an evaluation loads it alone
+    (transformers.md)."""
+    pytest.importorskip("transformers")
+    from transformers import Trainer
+
+    from resilient_callbacks.transformers import ResilientCheckpoint
+    from upstream.transformers.trainer_test_utils import (
+        RegressionDataset,
+        RegressionModelConfig,
+        RegressionRandomPreTrainedModel,
+        RegressionTrainingArguments,
+    )
+
+    torch.manual_seed(0)
+    model = RegressionRandomPreTrainedModel(RegressionModelConfig(a=0, b=2))
+    args = RegressionTrainingArguments(
+        str(tmp_path / "out"), max_steps=4, save_steps=2, per_device_train_batch_size=8,
+        report_to=[], disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    callback = ResilientCheckpoint(log_save_metrics=False)
+    Trainer(model, args, train_dataset=RegressionDataset(length=64), callbacks=[callback]).train()
+    evaluated = RegressionRandomPreTrainedModel(RegressionModelConfig(a=5, b=7))
+    with Checkpointer(tmp_path / "out" / "_resilient_checkpoints", read_only=True) as ck:
+        assert ck.restore({"model": evaluated}) == 4
+    assert torch.equal(evaluated.a, model.a) and torch.equal(evaluated.b, model.b)
