@@ -16,6 +16,7 @@ pytest.importorskip("accelerate")
 import torch
 from transformers import Trainer, TrainerCallback
 
+from resilient_callbacks import history
 from resilient_callbacks.errors import CheckpointMismatchError
 from resilient_callbacks.transformers import ResilientCheckpoint
 from upstream.transformers.trainer_test_utils import (
@@ -47,7 +48,7 @@ class CrashInStep(TrainerCallback):
             raise Crash(f"crash in step {self.step}")
 
 
-def make_trainer(out, *extra, add_ours="init"):
+def make_trainer(out, *extra, add_ours="init", **options):
     torch.manual_seed(0)
     model = RegressionRandomPreTrainedModel(RegressionModelConfig(a=0, b=2))
     args = RegressionTrainingArguments(
@@ -60,7 +61,7 @@ def make_trainer(out, *extra, add_ours="init"):
         disable_tqdm=True,
         use_cpu=True,
     )
-    ours = ResilientCheckpoint(log_save_metrics=False)
+    ours = ResilientCheckpoint(log_save_metrics=False, **options)
     callbacks = [OutOfMemoryAt16(), *extra] + ([ours] if add_ours == "init" else [])
     trainer = Trainer(model, args, train_dataset=RegressionDataset(length=128), callbacks=callbacks)
     if add_ours == "add_callback":
@@ -102,8 +103,13 @@ def test_a_resume_continues_at_the_batch_size_auto_find_batch_size_had_found(tmp
     for a, b in zip(weights(resumed), weights(reference), strict=True):
         assert torch.equal(a, b)
 
-    # attach() wraps the loop as Trainer(callbacks=[...]) does: the finished run, at 14
-    attached, ours = make_trainer(tmp_path / "run", add_ours="attach")
+    # attach() wraps the loop as Trainer(callbacks=[...]) does: the finished run, at 14. (An
+    # explicit resume is not read ahead: the loop starts again after the restore.)
+    attached, ours = make_trainer(tmp_path / "run", add_ours="attach", resume=8)
     attached.train()
     assert ours.restored_step == 8
     assert attached._train_batch_size == 14
+    # the restarts recorded: the late callback's (refused after its restore), the automatic
+    # resume's one (read ahead: restored once, not twice), the explicit resume's two
+    records = history.records(str(tmp_path / "run" / "_resilient_checkpoints"))
+    assert [r["step"] for r in records if r["event"] == "restart"] == [3, 3, 8, 8]

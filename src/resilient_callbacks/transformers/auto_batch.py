@@ -10,22 +10,31 @@ sets the checkpoint's size before the loop; this callback restores inside the lo
 (``on_train_begin``), after the loader was built at the starting size.
 
 So the callback wraps ``_inner_training_loop`` on the Trainer instance (at ``on_init_end``, or in
-``attach``). When the restored checkpoint was written at a smaller size, :func:`check` raises
-:class:`Restart` from ``on_train_begin`` (nothing was trained yet), and the wrapper runs the loop
-again at that size, as the Trainer itself does after an out-of-memory error. The loop rebuilds the
-loader, optimizer and scheduler, and the second restore puts the checkpoint into them exactly.
+``attach``). When the checkpoint to resume from was written at a smaller size, ``on_train_begin``
+raises :class:`Restart` (nothing was trained yet), and the wrapper runs the loop again at that
+size, as the Trainer itself does after an out-of-memory error. The loop rebuilds the loader,
+optimizer and scheduler, and the restore puts the checkpoint into them exactly. Before the
+restore, :func:`check_ahead` reads the size from the newest valid checkpoint's small structure
+file (no restore is made and recorded twice); :func:`check`, after the restore, decides where that
+could not tell (a remote copy, an explicit ``resume``, a fallback to an older checkpoint).
 
-Ranks: every rank restores the same checkpoint, so every rank raises :class:`Restart` at the same
-point and runs the loop again at the same size.
+Ranks: rank 0 reads ahead and broadcasts what it found; every rank restores the same checkpoint.
+So every rank raises :class:`Restart` at the same point and runs the loop again at the same size.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
+from .. import dist
+from ..catalog import Status
 from ..errors import CheckpointMismatchError
+from ..layout import SHARED_STRUCTURE
+from ..tensorfile import read_verified
 from . import hooks
 from .trainer_state import FORMAT
 
@@ -107,3 +116,34 @@ def check(trainer: Any, values: Mapping[str, Any], signature: Mapping[str, Any],
             "train(), and it resumes at that size."
         )
     raise Restart(saved, step)
+
+
+def check_ahead(trainer: Any, ckpt: Any, signature: Mapping[str, Any]) -> None:
+    """Every rank, before the restore (a collective when ``auto_find_batch_size`` is on): raise
+    :class:`Restart` as :func:`check` would for the newest valid checkpoint in dirpath, read
+    by rank 0 (its structure file only, verified)."""
+    if not getattr(trainer.args, "auto_find_batch_size", False) or not installed(trainer):
+        return
+    seen = dist.broadcast_json(_newest_values(ckpt) if ckpt.is_coordinator else None)
+    if seen is not None:
+        check(trainer, seen[1], signature, seen[0])
+
+
+def _newest_values(ckpt: Any) -> tuple[int, Any] | None:
+    """(step, the Trainer values) of the checkpoint an automatic resume loads first, when it is
+    a valid local one; None where that cannot be told cheaply."""
+    if str(ckpt.config.resume) != "auto":
+        return None
+    try:
+        valid = [e for e in ckpt.checkpoints() if e.status is Status.VALID and e.manifest]
+        if not valid:
+            return None
+        newest = valid[-1]
+        files = {f.path: f for f in newest.manifest.files}
+        raw = read_verified(
+            os.path.join(newest.path, SHARED_STRUCTURE), files[SHARED_STRUCTURE].digest
+        )
+        return newest.step, json.loads(bytes(raw))["structure"]["trainer"]
+    except Exception as e:  # (the restore reads it again, and says what is wrong)
+        log.debug("auto_find_batch_size: could not read ahead: %s", e)
+        return None

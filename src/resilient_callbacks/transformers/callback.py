@@ -276,6 +276,7 @@ class ResilientCheckpoint(TrainerCallback):
                 )
                 ckpt.continued_from(state.global_step, "train(resume_from_checkpoint=...)")
             else:
+                auto_batch.check_ahead(trainer, ckpt, self._saved.signature)
                 step = ckpt.restore(self._saved.tree)
                 if step:
                     auto_batch.check(trainer, self._saved.values, self._saved.signature, step)
