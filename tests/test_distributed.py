@@ -393,6 +393,55 @@ if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "step-worker
         traceback.print_exc()
         sys.exit(1)
 
+
+def peer_worker(root: str, out: str, mode: str) -> None:
+    """Rank 1 dies (its process ends, as a crash ends it) after the first save; rank 0 then
+    saves again, alone."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    state = {"model": nn.Linear(16, 16), "mine": PerRank({"rank": rank})}
+    res: dict[str, Any] = {}
+    ck = Checkpointer(root, async_save=mode == "background", preemption=False)
+    ck.restore(state)
+    ck.save(1, state)
+    ck.flush()
+    if rank == 1:
+        os._exit(0)
+    try:
+        ck.save(2, state)
+        ck.flush()
+        res["error"] = None
+    except Exception as e:
+        res["error"] = {"type": type(e).__name__, "message": str(e), "cause": repr(e.__cause__)}
+    ck.close()
+    res["listing"] = sorted(os.listdir(root))
+    Path(out).write_text(json.dumps(res))
+    os._exit(0)  # (no group to leave: the peer is gone)
+
+
+def test_a_peer_that_dies_stops_the_save_with_a_clear_error_and_no_leftovers(tmp_path):
+    """A rank dying before a save: the survivor's save raised gloo's RuntimeError ("Connection
+    closed by peer"), not a CheckpointWriteError, and left its staging directory behind (the
+    distributed probe). Now it is a CheckpointWriteError naming the step and the rank, the raw
+    error chained, and the staging directory is removed; step 1 stays the newest."""
+    for mode in ("synchronous", "background"):
+        root, out = tmp_path / mode, tmp_path / f"{mode}.json"
+        argv = [sys.executable, __file__, "peer-worker", str(root), str(out), mode]
+        spawn_ranks.run(argv, WORLD, tmp_path, f"peer-{mode}", deadline=DEADLINE)
+        res = json.loads(out.read_text())
+        err = res["error"]
+        assert err is not None and err["type"] == "CheckpointWriteError", (mode, res)
+        assert "the save of step 2 stopped on rank 0" in err["message"], err
+        assert "RuntimeError" in err["cause"], err
+        assert not [n for n in res["listing"] if n.startswith(".staging-")], res
+        assert [n for n in res["listing"] if n.startswith("step_")] == ["step_000000001"]
+
+
+if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "peer-worker":
+    peer_worker(sys.argv[2], sys.argv[3], sys.argv[4])
+
 if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "fail-worker":
     try:
         fail_worker(sys.argv[2], sys.argv[3])

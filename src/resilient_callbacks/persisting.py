@@ -24,7 +24,7 @@ import torch
 
 from . import layout, structure
 from .blobs import BlobSession
-from .errors import CheckpointWriteError, UnsupportedStateError
+from .errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts
 from .node_session import NodeLocalSession
 from .nodelocal import NodeDirectory
@@ -99,6 +99,7 @@ def persist(
     raised its own error in the training thread already."""
     ck = saver.ck
     session = _session(saver, step, background)
+    done: Committed | None = None
     try:
         staging_dir = session.begin()
         written = 0
@@ -136,13 +137,39 @@ def persist(
         _record(
             saver, step, prepared, done, reason, why, t0, background, written, progress, blocking
         )
-    except BaseException as e:
-        if not isinstance(e, Exception):  # Ctrl-C or SystemExit mid-save: no commit will come
-            _abandon(session)
+    except CheckpointError:
         raise
+    except BaseException as e:
+        _abandon(session)  # Ctrl-C, SystemExit, or a collective that failed: no commit will come
+        if not isinstance(e, Exception) or done is not None:
+            raise
+        err = _stopped(e, step, ck.rank, ck.world_size)
+        if quiet:
+            return
+        ck._recorder.save_failed(step, err)
+        if background:
+            ck.last_saved_step = None
+            log.error("background save of step %d failed: %s", step, err)
+        raise err from e
     finally:
         if prepared is not None and prepared.blobs is not None:
             prepared.blobs.end()  # committed (the manifest names them) or failed: unpin
+
+
+def _stopped(e: Exception, step: int, rank: int, world_size: int) -> CheckpointWriteError:
+    """The error of a save stopped by ``e`` outside the commit's own reporting: with several
+    ranks, a collective that failed, most often because another rank died (gloo: "Connection
+    closed by peer") or did not reach this save."""
+    why = f"{type(e).__name__}: {e}"
+    if world_size > 1:
+        why += (
+            " (exchanging with the other ranks failed: a rank that died, or did not reach this "
+            "save, stops it on every rank)"
+        )
+    return CheckpointWriteError(
+        f"the save of step {step} stopped on rank {rank}: {why}. Its uncommitted files are "
+        "removed; the checkpoints committed before it are intact"
+    )
 
 
 def _abandon(session: CommitSession | NodeLocalSession) -> None:

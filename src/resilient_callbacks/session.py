@@ -157,7 +157,8 @@ class CommitSession:
         staging, error = None, None
         if self.is_coordinator:
             try:
-                staging = self.strategy.begin(self.step)
+                # (known before the broadcast: a save stopped in it removes the directory)
+                staging = self.staging = self.strategy.begin(self.step)
             except OSError as e:
                 error = f"cannot create a staging directory in {self.dirpath}: {e}"
         msg = dist.broadcast_json({"staging": staging, "error": error}, group=self.group)
