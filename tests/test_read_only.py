@@ -190,9 +190,21 @@ def test_a_sharded_model_is_restored_alone_from_a_training_checkpoint(tmp_path):
     """``Sharded(model)`` without its optimizer, out of a checkpoint of ``Sharded(model, opt)``
     (FSDP2 on a gloo rank): read-only, the optimizer state is left out; a writer refuses it (a
     resume that would drop the optimizer state in silence)."""
-    spawn_ranks.run([sys.executable, __file__, str(tmp_path / "ck")], 1, tmp_path, "sharded")
+    from safetensors.torch import load_file
+
+    from resilient_callbacks.cli import main
+
+    root = tmp_path / "ck"
+    spawn_ranks.run([sys.executable, __file__, str(root)], 1, tmp_path, "sharded")
     res = json.loads((tmp_path / "sharded.json").read_text())
-    assert res == {"step": 2, "same": True, "writer": "CheckpointMismatchError"}, res
+    ema, writer = res.pop("ema"), res.pop("writer")
+    assert res == {"step": 2, "same": True}, res
+    assert writer.startswith("CheckpointMismatchError") and "has no optimizer" in writer, writer
+    # two Sharded parts: export names one (it took the first, in silence)
+    assert main(["export", str(root), str(tmp_path / "all")]) == 1
+    assert main(["export", str(root), str(tmp_path / "ema"), "--key", "ema"]) == 0
+    got = load_file(tmp_path / "ema" / "model.safetensors")
+    assert {k: v.tolist() for k, v in got.items()} == ema
 
 
 def sharded_worker(root: str) -> None:
@@ -211,13 +223,14 @@ def sharded_worker(root: str) -> None:
     torch.manual_seed(0)
     trained = model()
     opt = torch.optim.AdamW(trained.parameters(), lr=0.1)
+    ema = model()  # a second sharded model, never trained
     with Checkpointer(root, every_n_steps=1) as ck:
         for step in (1, 2):
             trained(torch.randn(4, 6)).sum().backward()
             opt.step()
             opt.zero_grad()
-            ck.step(step, {"train": Sharded(trained, opt)})
-    res: dict = {}
+            ck.step(step, {"train": Sharded(trained, opt), "ema": Sharded(ema)})
+    res: dict = {"ema": {k: v.full_tensor().tolist() for k, v in ema.state_dict().items()}}
     evaluated = model()
     with Checkpointer(root, read_only=True) as ck:
         res["step"] = ck.restore({"train": Sharded(evaluated)})
@@ -225,9 +238,9 @@ def sharded_worker(root: str) -> None:
     res["same"] = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in pairs)
     try:
         with Checkpointer(root) as ck:
-            ck.restore({"train": Sharded(model())})
+            ck.restore({"train": Sharded(model()), "ema": Sharded(model())})
     except Exception as e:
-        res["writer"] = type(e).__name__
+        res["writer"] = f"{type(e).__name__}: {e}"
     (Path(root).parent / "sharded.json").write_text(json.dumps(res))
     spawn_ranks.leave_group()
 

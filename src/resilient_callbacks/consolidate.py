@@ -174,6 +174,11 @@ def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.T
     from .dcp.whole import model_tensors, sharded_part_ids
 
     sharded = sharded_part_ids(manifest)
+    if len(sharded) > 1:
+        raise CheckpointMismatchError(
+            f"{path} holds {len(sharded)} dcp.Sharded parts ({', '.join(sharded)}): name the "
+            "one to export with --key"
+        )
     if sharded:
         return model_tensors(path, manifest, sharded[0])
     part = part or reader.open_checkpoint(path).part
@@ -192,8 +197,8 @@ def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.T
 
 def entry_tensors(path: str, key: str | None) -> tuple[str, dict[str, torch.Tensor]]:
     """A plain ``Checkpointer`` checkpoint's entry ``key`` (``"model"``; ``"train.model"`` in a
-    nested dict) as ``{name: tensor}``: a module's state dict (a stateful entry), or a dict of
-    tensors, by dotted names. ``key=None``: the one entry that is a module's state dict (every
+    nested dict) as ``{name: tensor}``: a module's state dict (a stateful entry), a dict of
+    tensors, by dotted names, or a ``dcp.Sharded`` part's model, whole. ``key=None``: the one entry that is a module's state dict (every
     value a tensor), or an error naming the entries to choose from. Returns (key, tensors)."""
     part = reader.open_checkpoint(path).part
     full = structure.inline_per_rank(part.structure, part.per_rank)
@@ -216,6 +221,13 @@ def entry_tensors(path: str, key: str | None) -> tuple[str, dict[str, torch.Tens
             have = ", ".join(map(str, items)) if items else "no entries"
             raise CheckpointMismatchError(f"{path}: {where} has no entry {name!r} ({have})")
         node = items[name]
+    if isinstance(node, dict) and node.get(structure.TAG) == "filepart":
+        from .dcp.whole import model_tensors, sharded_part_ids
+
+        manifest = read_manifest(path)
+        if node.get("id") not in sharded_part_ids(manifest):
+            raise CheckpointMismatchError(f"{path}: the entry {key!r} is not a dcp.Sharded part")
+        return key, model_tensors(path, manifest, str(node["id"]))  # its model, whole
     out: dict[str, torch.Tensor] = {}
     _flatten(structure.decode(_state(node), part.tensors), "", out)
     if not out:
