@@ -14,9 +14,10 @@ So the callback wraps ``_inner_training_loop`` on the Trainer instance (at ``on_
 raises :class:`Restart` (nothing was trained yet), and the wrapper runs the loop again at that
 size, as the Trainer itself does after an out-of-memory error. The loop rebuilds the loader,
 optimizer and scheduler, and the restore puts the checkpoint into them exactly. Before the
-restore, :func:`check_ahead` reads the size from the newest valid checkpoint's small structure
-file (no restore is made and recorded twice); :func:`check`, after the restore, decides where that
-could not tell (a remote copy, an explicit ``resume``, a fallback to an older checkpoint).
+restore, :func:`check_ahead` reads the size from the small structure file of the checkpoint to
+load (the newest valid, or ``resume``'s step), so no restore is made and recorded twice;
+:func:`check`, after the restore, decides where that could not tell (a remote copy, a ``resume``
+path, a fallback to an older checkpoint).
 
 Ranks: rank 0 reads ahead and broadcasts what it found; every rank restores the same checkpoint.
 So every rank raises :class:`Restart` at the same point and runs the loop again at the same size.
@@ -130,12 +131,20 @@ def check_ahead(trainer: Any, ckpt: Any, signature: Mapping[str, Any]) -> None:
 
 
 def _newest_values(ckpt: Any) -> tuple[int, Any] | None:
-    """(step, the Trainer values) of the checkpoint an automatic resume loads first, when it is
-    a valid local one; None where that cannot be told cheaply."""
-    if str(ckpt.config.resume) != "auto":
+    """(step, the Trainer values) of the checkpoint the restore loads first, when it is a valid
+    local one (the newest, or the step ``resume`` names); None where that cannot be told
+    cheaply (a path, a remote copy)."""
+    resume = ckpt.config.resume
+    if str(resume) != "auto" and not isinstance(resume, int):
         return None
     try:
-        valid = [e for e in ckpt.checkpoints() if e.status is Status.VALID and e.manifest]
+        valid = [
+            e
+            for e in ckpt.checkpoints()
+            if e.status is Status.VALID
+            and e.manifest
+            and (str(resume) == "auto" or e.step == resume)
+        ]
         if not valid:
             return None
         newest = valid[-1]
