@@ -275,3 +275,28 @@ def test_an_evaluation_loads_a_trainer_runs_model_alone(tmp_path):
     with Checkpointer(tmp_path / "out" / "_resilient_checkpoints", read_only=True) as ck:
         assert ck.restore({"model": evaluated}) == 4
     assert torch.equal(evaluated.a, model.a) and torch.equal(evaluated.b, model.b)
+
+
+def test_a_checkpoint_deleted_while_it_is_read_is_skipped_loudly(tmp_path, monkeypatch):
+    """Beside a running writer, retention may delete the checkpoint a reader has chosen: as
+    the reader opens it (here: deleted right before its part is read), it is skipped with the
+    warning and the next older one is loaded (guide.md says so)."""
+    from resilient_callbacks import restoring
+
+    train(tmp_path / "run")
+    read_part = restoring.layout.read_part
+    deleted: list[str] = []
+
+    def deleted_first(path, *args, **kwargs):
+        if not deleted:
+            deleted.append(path)
+            shutil.rmtree(path)  # what the writer's retention does
+        return read_part(path, *args, **kwargs)
+
+    monkeypatch.setattr(restoring.layout, "read_part", deleted_first)
+    with (
+        pytest.warns(ResumeFallbackWarning, match="step_000000003"),
+        Checkpointer(tmp_path / "run", read_only=True) as ck,
+    ):
+        assert ck.restore({"model": nn.Linear(8, 4)}) == 2
+    assert deleted and deleted[0].endswith("step_000000003")
