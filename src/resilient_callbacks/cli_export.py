@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from .cli_format import PROG
 
@@ -89,8 +90,6 @@ def _export_weights(args: argparse.Namespace) -> int | None:
     """``export`` of a checkpoint written by resilient_callbacks.deepspeed, or holding a
     ``dcp.Sharded`` part outside a Trainer run: consolidated weights (fp32 at ZeRO 1-3, as saved
     for Sharded) as OUT/model.safetensors. None if the checkpoint is not one of those."""
-    import warnings
-
     from . import consolidate, reader
     from .errors import CheckpointError
     from .manifest import read_manifest
@@ -106,42 +105,41 @@ def _export_weights(args: argparse.Namespace) -> int | None:
                 file=sys.stderr,
             )
             return 2
-        for e in sel.skipped:
-            msg = f"skipping checkpoint {e.path}: {e.problem}; falling back to an older one"
-            print(f"{PROG} export: warning: {msg}", file=sys.stderr)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # safetensors' non-writable buffer note
-            out = consolidate.export_weights(sel.path, args.out, overwrite=bool(args.force))
+        return _write(args, sel)
     except CheckpointError as e:
         print(f"{PROG} export: {e}", file=sys.stderr)
         return 1
-    print(f"exported {sel.path} (step {read_manifest(sel.path).step}) to {out}/model.safetensors")
-    return 0
 
 
 def _export_entry(args: argparse.Namespace, key: str | None) -> int:
     """``export`` of a plain Checkpointer state's entry ``key`` (None: its one module) as
     OUT/model.safetensors, by the names of its state dict."""
-    import warnings
-
     from . import consolidate, reader
     from .errors import CheckpointError
-    from .manifest import read_manifest
 
     try:
         sel = reader.select(args.dir, args.step)
-        for e in sel.skipped:
-            msg = f"skipping checkpoint {e.path}: {e.problem}; falling back to an older one"
-            print(f"{PROG} export: warning: {msg}", file=sys.stderr)
-        key, weights = consolidate.entry_tensors(sel.path, key)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # safetensors' non-writable buffer note
-            out = consolidate.export_weights(
-                sel.path, args.out, overwrite=bool(args.force), weights=weights, key=key
-            )
+        return _write(args, sel, *consolidate.entry_tensors(sel.path, key))
     except CheckpointError as e:
         print(f"{PROG} export: {e} (its keys: `{PROG} inspect`)", file=sys.stderr)
         return 1
-    step = read_manifest(sel.path).step
-    print(f"exported {key!r} of {sel.path} (step {step}) to {out}/model.safetensors")
+
+
+def _write(args: argparse.Namespace, sel: Any, key: str | None = None, weights: Any = None) -> int:
+    """Say which newer checkpoints ``sel`` skipped, write OUT/model.safetensors (``weights``;
+    default: the checkpoint's consolidated model) and say so."""
+    import warnings
+
+    from . import consolidate
+
+    for e in sel.skipped:
+        msg = f"skipping checkpoint {e.path}: {e.problem}; falling back to an older one"
+        print(f"{PROG} export: warning: {msg}", file=sys.stderr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # safetensors' non-writable buffer note
+        out = consolidate.export_weights(
+            sel.path, args.out, overwrite=bool(args.force), weights=weights, key=key
+        )
+    what = f"{key!r} of " if key is not None else ""
+    print(f"exported {what}{sel.path} (step {sel.step}) to {out}/model.safetensors")
     return 0

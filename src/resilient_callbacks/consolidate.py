@@ -197,9 +197,9 @@ def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.T
 
 def entry_tensors(path: str, key: str | None) -> tuple[str, dict[str, torch.Tensor]]:
     """A plain ``Checkpointer`` checkpoint's entry ``key`` (``"model"``; ``"train.model"`` in a
-    nested dict) as ``{name: tensor}``: a module's state dict (a stateful entry), a dict of
-    tensors, by dotted names, or a ``dcp.Sharded`` part's model, whole. ``key=None``: the one entry that is a module's state dict (every
-    value a tensor), or an error naming the entries to choose from. Returns (key, tensors)."""
+    nested dict) as ``{name: tensor}``: a module's state dict (a stateful entry) or a dict of
+    tensors, by dotted names, or a ``dcp.Sharded`` part's model, whole. ``key=None``: the one
+    module in the state, or an error naming the entries to choose from. Returns (key, tensors)."""
     part = reader.open_checkpoint(path).part
     full = structure.inline_per_rank(part.structure, part.per_rank)
     if not isinstance(full, dict):
@@ -253,9 +253,11 @@ def _modules(node: Any, prefix: str) -> Iterator[str]:
 
 def _is_state_dict(node: Any) -> bool:
     """A stateful entry whose state is a flat dict of tensors: a module's, not an optimizer's."""
-    items = structure._node_items(_state(node)) if _state(node) is not node else None
+    if not (isinstance(node, dict) and node.get(structure.TAG) == "stateful"):
+        return False
+    items = structure._node_items(node["state"]) or {}
     return bool(items) and all(
-        isinstance(v, dict) and v.get(structure.TAG) == "tensor" for v in (items or {}).values()
+        isinstance(v, dict) and v.get(structure.TAG) == "tensor" for v in items.values()
     )
 
 

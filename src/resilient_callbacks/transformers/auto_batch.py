@@ -31,8 +31,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .. import dist
-from ..catalog import Status
+from .. import dist, reader
+from ..catalog import Depth
 from ..errors import CheckpointMismatchError
 from ..layout import SHARED_STRUCTURE
 from ..tensorfile import read_verified
@@ -132,27 +132,19 @@ def check_ahead(trainer: Any, ckpt: Any, signature: Mapping[str, Any]) -> None:
 
 def _newest_values(ckpt: Any) -> tuple[int, Any] | None:
     """(step, the Trainer values) of the checkpoint the restore loads first, when it is a valid
-    local one (the newest, or the step ``resume`` names); None where that cannot be told
-    cheaply (a path, a remote copy)."""
+    local one (the newest, or the step ``resume`` names: ``reader.select``, sizes checked);
+    None where that cannot be told cheaply (a path, a remote copy)."""
     resume = ckpt.config.resume
-    if str(resume) != "auto" and not isinstance(resume, int):
+    step = None if str(resume) == "auto" else resume
+    if step is not None and not isinstance(step, int):
         return None
     try:
-        valid = [
-            e
-            for e in ckpt.checkpoints()
-            if e.status is Status.VALID
-            and e.manifest
-            and (str(resume) == "auto" or e.step == resume)
-        ]
-        if not valid:
-            return None
-        newest = valid[-1]
-        files = {f.path: f for f in newest.manifest.files}
+        sel = reader.select(ckpt.dirpath, step, depth=Depth.SIZE)
+        files = {f.path: f for f in sel.manifest.files}
         raw = read_verified(
-            os.path.join(newest.path, SHARED_STRUCTURE), files[SHARED_STRUCTURE].digest
+            os.path.join(sel.path, SHARED_STRUCTURE), files[SHARED_STRUCTURE].digest
         )
-        return newest.step, json.loads(bytes(raw))["structure"]["trainer"]
+        return int(sel.manifest.step), json.loads(bytes(raw))["structure"]["trainer"]
     except Exception as e:  # (the restore reads it again, and says what is wrong)
         log.debug("auto_find_batch_size: could not read ahead: %s", e)
         return None
