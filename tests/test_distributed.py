@@ -396,26 +396,31 @@ if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "step-worker
 
 def peer_worker(root: str, out: str, mode: str) -> None:
     """Rank 1 dies (its process ends, as a crash ends it) after the first save; rank 0 then
-    saves again, alone."""
+    saves again, alone. Mode "step": rank 1 dies before any save; rank 0 then calls step()."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     state = {"model": nn.Linear(16, 16), "mine": PerRank({"rank": rank})}
     res: dict[str, Any] = {}
-    ck = Checkpointer(root, async_save=mode == "background", preemption=False)
+    ck = Checkpointer(root, async_save=mode == "background", preemption=False, every_n_steps=1)
     ck.restore(state)
-    ck.save(1, state)
-    ck.flush()
+    if mode != "step":
+        ck.save(1, state)
+        ck.flush()
     if rank == 1:
         os._exit(0)
     try:
-        ck.save(2, state)
-        ck.flush()
+        if mode == "step":  # the step's decision exchange, before any save
+            ck.step(1, state)
+        else:
+            ck.save(2, state)
+            ck.flush()
         res["error"] = None
     except Exception as e:
         res["error"] = {"type": type(e).__name__, "message": str(e), "cause": repr(e.__cause__)}
-    ck.close()
+    if mode != "step":
+        ck.close()
     res["listing"] = sorted(os.listdir(root))
     Path(out).write_text(json.dumps(res))
     os._exit(0)  # (no group to leave: the peer is gone)
@@ -437,6 +442,22 @@ def test_a_peer_that_dies_stops_the_save_with_a_clear_error_and_no_leftovers(tmp
         assert "RuntimeError" in err["cause"], err
         assert not [n for n in res["listing"] if n.startswith(".staging-")], res
         assert [n for n in res["listing"] if n.startswith("step_")] == ["step_000000001"]
+
+
+def test_a_peer_gone_before_a_step_is_a_collective_error_saying_what_every_rank_must_do(tmp_path):
+    """A rank gone (or not calling step() where the others do: a save under `if rank == 0:`)
+    made the survivor's step() raise gloo's raw RuntimeError from the decision's all_reduce
+    (the rank-0-only-save probe); now a CollectiveError names the call and the rank, says what
+    every rank must do, and chains the raw error. No checkpoint is written."""
+    root, out = tmp_path / "step", tmp_path / "step.json"
+    argv = [sys.executable, __file__, "peer-worker", str(root), str(out), "step"]
+    spawn_ranks.run(argv, WORLD, tmp_path, "peer-step", deadline=DEADLINE)
+    res = json.loads(out.read_text())
+    err = res["error"]
+    assert err is not None and err["type"] == "CollectiveError", res
+    assert err["message"].startswith("step(1) stopped on rank 0: exchanging with the other ranks")
+    assert "if rank == 0:" in err["message"] and "RuntimeError" in err["cause"], err
+    assert not [n for n in res["listing"] if n.startswith(("step_", ".staging-"))], res
 
 
 if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "peer-worker":

@@ -299,7 +299,8 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        closing.close(self, timeout, CLOSE_OUTAGE_S)
+        with dist.peer_errors("close()"):
+            closing.close(self, timeout, CLOSE_OUTAGE_S)
 
     def abort(self, exc: BaseException) -> None:
         """Training failed with ``exc``: with ``save_on_exception``, save the last step that
@@ -390,7 +391,8 @@ class Checkpointer:
         self._trigger.step_started()
         self._recorder.tick(step)
         try:
-            saved = self._step(step, state, metrics, final)
+            with dist.peer_errors(f"step({step})"):
+                saved = self._step(step, state, metrics, final)
             if not saved and not self._saver.allocated_ahead:
                 self._saver.allocate_ahead(state)
             return saved
@@ -451,7 +453,8 @@ class Checkpointer:
         or 0 when there is nothing to resume from. Every rank calls it."""
         self._check_open()
         self._wait_background()
-        return self._restorer.restore(state)
+        with dist.peer_errors("restore()"):
+            return self._restorer.restore(state)
 
     def continued_from(self, step: int, source: str, *, same_run: bool = False) -> None:
         """Every rank, instead of :meth:`restore`: this run goes on from step ``step`` of a
@@ -460,7 +463,8 @@ class Checkpointer:
         (``same_run``: as the run of dirpath's newest checkpoint, which goes on); the
         coordinator warns when dirpath holds a newer checkpoint, trained again."""
         self._check_open(writes=True)
-        self._restorer.continued_from(step, source, same_run)
+        with dist.peer_errors("continued_from()"):
+            self._restorer.continued_from(step, source, same_run)
 
     # ------------------------------------------------------------------ queries
 

@@ -8,9 +8,22 @@ single rank. Every rank must call each function in the same order.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from .errors import CheckpointError, CollectiveError
+
+#: what every rank must do, said with every failed exchange
+SAME_POINTS = (
+    "every rank must call restore(), step() and save() at the same points, and close() at "
+    "the end: a save called on one rank only (e.g. under `if rank == 0:`) waits for the others "
+    "until the process group's timeout, and a rank that died or hung stops it on every rank "
+    "(that rank's own log says why)"
+)
 
 
 def is_initialized() -> bool:
@@ -59,6 +72,40 @@ def new_cpu_group() -> Any:
     # the world's timeout, not the backend's 30-minute default: a rank whose peer hung during
     # a background save waited in close() for 30 minutes after its own collectives timed out
     return torch.distributed.new_group(backend="gloo", timeout=world_timeout())
+
+
+def from_collective(e: BaseException) -> bool:
+    """True if ``e`` is the backend's error from a collective or a group's creation: a
+    ``DistError``, or a ``RuntimeError`` raised in ``distributed_c10d`` (gloo raises those)."""
+    if isinstance(e, torch.distributed.DistError):
+        return True
+    if not isinstance(e, RuntimeError):
+        return False
+    tb, last = e.__traceback__, None
+    while tb is not None:
+        last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return last is not None and last.replace(os.sep, "/").endswith(
+        "distributed/distributed_c10d.py"
+    )
+
+
+@contextmanager
+def peer_errors(what: str, error: type[CheckpointError] = CollectiveError) -> Iterator[None]:
+    """Around a library call that runs collectives in the training thread: the backend's raw
+    error (gloo's "Connection closed by peer", a store's "wait timeout") becomes ``error``,
+    saying which call stopped on which rank and what every rank must do; the raw error is
+    chained. The library's own errors pass unchanged."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:
+        if not (is_initialized() and world_size() > 1 and from_collective(e)):
+            raise
+        raise error(
+            f"{what} stopped on rank {rank()}: exchanging with the other ranks failed "
+            f"({type(e).__name__}: {str(e).strip()}); {SAME_POINTS}"
+        ) from e
 
 
 def world_timeout() -> Any:

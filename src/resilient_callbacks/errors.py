@@ -70,6 +70,12 @@ class CheckpointWriteError(CheckpointError, OSError):
         return str(self.args[0]) if self.args else ""
 
 
+class CollectiveError(CheckpointError, RuntimeError):
+    """An exchange between the ranks inside the library failed: a rank died or hung, or the
+    ranks did not call ``restore``/``step``/``save``/``close`` at the same points (a save on
+    rank 0 only). The backend's error is chained as the cause."""
+
+
 class RemoteUnavailableError(CheckpointError, ConnectionError):
     """The remote store (``remote=`` URL) cannot be reached, or the bucket, path or
     credentials are wrong."""
@@ -82,6 +88,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointWriteError",
+    "CollectiveError",
     "ConfigError",
     "NoValidCheckpointError",
     "RemoteUnavailableError",

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import layout, structure
+from . import dist, layout, structure
 from .blobs import BlobSession
 from .errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts
@@ -162,10 +162,7 @@ def _stopped(e: Exception, step: int, rank: int, world_size: int) -> CheckpointW
     closed by peer") or did not reach this save."""
     why = f"{type(e).__name__}: {e}"
     if world_size > 1:
-        why += (
-            " (exchanging with the other ranks failed: a rank that died, or did not reach this "
-            "save, stops it on every rank)"
-        )
+        why += f" (exchanging with the other ranks failed; {dist.SAME_POINTS})"
     return CheckpointWriteError(
         f"the save of step {step} stopped on rank {rank}: {why}. Its uncommitted files are "
         "removed; the checkpoints committed before it are intact"

@@ -130,6 +130,19 @@ class Saver:
         (``skippable``: by default, a periodic save; never an archive step or a loss jump).
         An emergency save flushes the background saves first and goes on even if one of them
         failed (that failure is logged: the state this save writes is newer)."""
+        with dist.peer_errors(f"the save of step {step}", CheckpointWriteError):
+            return self._save(step, state, metrics, reason, why, rng_state, skippable)
+
+    def _save(
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, Any] | None,
+        reason: str,
+        why: str,
+        rng_state: tuple[Any, dict[str, torch.Tensor]] | None,
+        skippable: bool | None,
+    ) -> bool:
         ck = self.ck
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
