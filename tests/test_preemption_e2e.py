@@ -209,19 +209,19 @@ def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()
     run.mkdir()
-    procs = _launch_ranks(ref / "ckpt", ref, free_port())
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
-
+    # the uninterrupted reference runs beside the signalled run (suite time)
+    ref_procs = _launch_ranks(ref / "ckpt", ref, free_port())
     procs = _launch_ranks(run / "ckpt", run, free_port(), "--sleep", "0.05")
     _wait_for_step(run / "log.jsonl.rank1", 12, procs[1])
     procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told
     errs = []
     for p in procs:
-        _, err = p.communicate(timeout=60)
+        _, err = p.communicate(timeout=120)
         errs.append(err)
         assert p.returncode == RESUMABLE_EXIT_CODE, err
+    for p in ref_procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
     last = [max(_losses(run / f"log.jsonl.rank{r}")) for r in range(2)]
     assert last[0] == last[1], (last, errs)
     newest = [e for e in catalog.scan(str(run / "ckpt"), catalog.Depth.FULL) if e.manifest][-1]
