@@ -137,3 +137,56 @@ def test_the_manifest_counts_the_save_that_wrote_it(tmp_path, background):
         ck.flush()
         path = ck.last_save.path
     assert read_manifest(path).extra["schedule"]["n_saves"] == 1
+
+
+def _slow_commit(monkeypatch, seconds: float) -> None:
+    """Every commit (manifest, fsyncs, rename) takes ``seconds`` longer, as on a slow NFS."""
+    from resilient_callbacks import session
+
+    commit = session.CommitSession.commit
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(session.CommitSession, "commit", slow)
+
+
+def test_a_synchronous_saves_cost_counts_its_commit(tmp_path, monkeypatch):
+    """The schedule measured a synchronous save's cost before its commit (so that the manifest
+    counts the save), and kept that: a slow commit was left out and saves came too often. The
+    cost it uses is now what the loop waited, commit included."""
+    _slow_commit(monkeypatch, 0.3)
+    state = {"w": torch.zeros(8)}
+    with Checkpointer(tmp_path, adaptive=True, async_save=False, preemption=False) as ck:
+        step = 0
+        while not ck.last_save:
+            step += 1
+            ck.step(step, state)
+        assert ck.schedule is not None
+        cost = ck.schedule.blocking_cost_s()
+        assert cost is not None and cost >= 0.3, ck.schedule.explain()
+        assert ck._save_seconds[-1] >= 0.3
+
+
+def test_the_first_decision_after_warm_up_has_the_persist_floor(tmp_path, monkeypatch):
+    """The persist floor (never save faster than a save persists) came from the persist times
+    the next save carried in: between the warm-up save and the next one there was none, and a
+    short first interval made the second save wait for the first. Now the floor applies as
+    soon as the first background save is durable."""
+    _slow_commit(monkeypatch, 0.5)
+    state = {"w": torch.zeros(8)}
+    with Checkpointer(
+        tmp_path, adaptive=True, mtbf_hours=0.00005, max_overhead=None, preemption=False
+    ) as ck:
+        step = 0
+        while ck.last_saved_step is None:
+            step += 1
+            ck.step(step, state)
+        ck.flush()  # the warm-up save is durable: its persist time is known
+        assert not ck.step(step + 1, state)  # the decision after it (warm-up over)
+        assert ck.schedule is not None
+        info = ck.schedule.explain()
+        assert info["clamp"] == "persist" and info["bounds_s"]["persist"] >= 0.5, info
+        per_step = info["step_time_s"]
+        assert ck.schedule.interval_steps() * per_step >= 0.5 * (1 - 1e-9), info

@@ -11,14 +11,12 @@ does not change the optimum.
 
 :class:`AdaptiveSchedule` is the per-run state the Checkpointer keeps. Which ranks call what:
 
-- every rank may call ``observe_step``/``observe_save`` (cheap; only rank 0's values matter);
-- rank 0 calls :meth:`AdaptiveSchedule.interval_steps` at points every rank knows (after each save,
-  at restore, or every K steps) and broadcasts the result; the other ranks call
-  :meth:`AdaptiveSchedule.adopt` with it. Between those points every rank uses the same latched
-  decision (:meth:`AdaptiveSchedule.should_save` on "steps since the last save"), so no collective is
-  needed per step. :attr:`AdaptiveSchedule.version` / :meth:`AdaptiveSchedule.decision_changed` say
-  when the decision changed, so the broadcast can be skipped or piggybacked on the save's own
-  collectives otherwise.
+- every rank may call the ``observe_*`` methods (cheap; only rank 0's values matter);
+- rank 0 calls :meth:`AdaptiveSchedule.interval_steps` at points every rank knows and broadcasts
+  the result; the other ranks call :meth:`AdaptiveSchedule.adopt` with it. Between those points
+  every rank uses the same latched decision (:meth:`AdaptiveSchedule.should_save` on "steps since
+  the last save"), so no collective is needed per step; :meth:`~AdaptiveSchedule.decision_changed`
+  says when to broadcast again.
 
 The schedule's explanations in words (log lines, notes) are in :mod:`.schedule_text`.
 """
@@ -104,6 +102,7 @@ class AdaptiveSchedule:
     _exposure_s: float = field(init=False, repr=False, compare=False, default=0.0)
     # the run's start when the exposure runs on with the clock (no now/exposure_s given)
     _exposure_origin: float | None = field(init=False, repr=False, compare=False, default=None)
+    _latest_persist: float | None = field(init=False, repr=False, compare=False, default=None)
     _decision: int | None = field(init=False, repr=False, compare=False, default=None)
     _version: int = field(init=False, repr=False, compare=False, default=0)
     _seen_version: int = field(init=False, repr=False, compare=False, default=0)
@@ -168,6 +167,16 @@ class AdaptiveSchedule:
         if persist_s is not None:
             self._persists.append(check_number("persist_s", persist_s))
         self._n_saves += 1
+
+    def observe_persist(self, persist_s: float) -> None:
+        """A background save's persist time, when it commits (any thread: one assignment); the
+        floor until a save carries the median in, so the first decision after warm-up has one."""
+        self._latest_persist = check_number("persist_s", persist_s)
+
+    def amend_last_cost(self, blocking_s: float) -> None:
+        """Replace the last blocking cost observed (a synchronous save's, once its commit is in)."""
+        if self._costs:
+            self._costs[-1] = check_number("blocking_s", blocking_s)
 
     def set_restart_history(
         self,
@@ -267,7 +276,7 @@ class AdaptiveSchedule:
     def _compute(self) -> dict[str, Any]:
         step = median(self._steps)
         cost = median(self._costs)
-        persist = median(self._persists)
+        persist = median(self._persists) if self._persists else self._latest_persist
         mtbf = self.mtbf_estimate()
         info: dict[str, Any] = {
             "phase": "adaptive" if self.ready else "warmup",

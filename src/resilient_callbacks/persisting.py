@@ -318,6 +318,8 @@ def _record(
     elapsed = time.perf_counter() - t0
     if background:
         saver.persist_seconds.append(elapsed)
+        if ck.schedule is not None:  # the persist floor, before the next save carries it in
+            ck.schedule.observe_persist(elapsed)
     ck.last_save = SaveStats(step, done.path, done.bytes, elapsed, reason, written)
     saver.committed_saves += 1
     ck._recorder.committed(

@@ -233,9 +233,10 @@ class Saver:
             ck._recorder.save_blocked(blocking)
             log.debug("step %d: snapshot took %.3f s; persisting in the background", step, blocking)
             return True
-        job()  # observes its own cost before it commits (persisting.persist)
+        job()  # observes its own cost before it commits (persisting.persist), amended here
         ck._trigger.steps_origin = step
         blocking = time.perf_counter() - t0
+        self.amend_last_save(blocking)
         ck._recorder.save_blocked(blocking)
         return True
 
@@ -256,6 +257,14 @@ class Saver:
         if schedule is not None:
             persist = statistics.median(self.persist_seconds) if self.persist_seconds else None
             schedule.observe_save(blocking, persist)
+
+    def amend_last_save(self, blocking: float) -> None:
+        """A synchronous save's whole cost, its commit included, once it has committed: it
+        replaces the measurement taken before the commit (the one its manifest carries)."""
+        if self.save_seconds:
+            self.save_seconds[-1] = blocking
+        if self.ck.schedule is not None:
+            self.ck.schedule.amend_last_cost(blocking)
 
     def wait_background(self) -> float:
         """Block until every background save has committed; raise if one failed."""
