@@ -15,9 +15,9 @@ raises :class:`Restart` (nothing was trained yet), and the wrapper runs the loop
 size, as the Trainer itself does after an out-of-memory error. The loop rebuilds the loader,
 optimizer and scheduler, and the restore puts the checkpoint into them exactly. Before the
 restore, :func:`check_ahead` reads the size from the small structure file of the checkpoint to
-load (the newest valid, or ``resume``'s step), so no restore is made and recorded twice;
-:func:`check`, after the restore, decides where that could not tell (a remote copy, a ``resume``
-path, a fallback to an older checkpoint).
+load (the newest valid, or the step or path ``resume`` names), so no restore is made and recorded
+twice; :func:`check`, after the restore, decides where that could not tell (a remote copy, a
+fallback to an older checkpoint).
 
 Ranks: rank 0 reads ahead and broadcasts what it found; every rank restores the same checkpoint.
 So every rank raises :class:`Restart` at the same point and runs the loop again at the same size.
@@ -132,14 +132,18 @@ def check_ahead(trainer: Any, ckpt: Any, signature: Mapping[str, Any]) -> None:
 
 def _newest_values(ckpt: Any) -> tuple[int, Any] | None:
     """(step, the Trainer values) of the checkpoint the restore loads first, when it is a valid
-    local one (the newest, or the step ``resume`` names: ``reader.select``, sizes checked);
-    None where that cannot be told cheaply (a path, a remote copy)."""
+    local one (the newest, the step ``resume`` names, or the checkpoint path it names:
+    ``reader.select``, sizes checked); None where that cannot be told cheaply (a remote copy)."""
     resume = ckpt.config.resume
-    step = None if str(resume) == "auto" else resume
-    if step is not None and not isinstance(step, int):
+    where, step = ckpt.dirpath, None
+    if isinstance(resume, int):
+        step = resume
+    elif str(resume) == "never":
         return None
+    elif str(resume) != "auto":  # the path of one checkpoint
+        where = resume
     try:
-        sel = reader.select(ckpt.dirpath, step, depth=Depth.SIZE)
+        sel = reader.select(where, step, depth=Depth.SIZE)
         files = {f.path: f for f in sel.manifest.files}
         raw = read_verified(
             os.path.join(sel.path, SHARED_STRUCTURE), files[SHARED_STRUCTURE].digest
