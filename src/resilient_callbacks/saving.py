@@ -22,7 +22,7 @@ import uuid
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,6 +73,18 @@ def _prepare_error(exc: BaseException, step: int, rank: int, dirpath: str) -> Ba
     return err
 
 
+def _peer_errors_as_write_errors(save: Callable[..., bool]) -> Callable[..., bool]:
+    """A save stopped by a failed exchange between the ranks in the training thread (the
+    background group's creation, the busy check) raises a CheckpointWriteError saying so."""
+
+    @functools.wraps(save)
+    def wrapper(self: Saver, step: int, *args: Any, **kwargs: Any) -> bool:
+        with dist.peer_errors(f"the save of step {step}", CheckpointWriteError):
+            return save(self, step, *args, **kwargs)
+
+    return wrapper
+
+
 class Saver:
     """The save pipeline of one Checkpointer and what it reuses between saves: the background
     writer, its process group, the host buffers and the O_DIRECT bounce buffer."""
@@ -115,6 +127,7 @@ class Saver:
 
     # ------------------------------------------------------------------ training thread
 
+    @_peer_errors_as_write_errors
     def save(
         self,
         step: int,
@@ -130,19 +143,6 @@ class Saver:
         (``skippable``: by default, a periodic save; never an archive step or a loss jump).
         An emergency save flushes the background saves first and goes on even if one of them
         failed (that failure is logged: the state this save writes is newer)."""
-        with dist.peer_errors(f"the save of step {step}", CheckpointWriteError):
-            return self._save(step, state, metrics, reason, why, rng_state, skippable)
-
-    def _save(
-        self,
-        step: int,
-        state: Any,
-        metrics: Mapping[str, Any] | None,
-        reason: str,
-        why: str,
-        rng_state: tuple[Any, dict[str, torch.Tensor]] | None,
-        skippable: bool | None,
-    ) -> bool:
         ck = self.ck
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
