@@ -172,6 +172,21 @@ class Recorder(TrainerCallback):
             time.sleep(self.sleep)
 
 
+class ReadsRecorder(TrainerCallback):
+    """Writes the training samples each optimizer step read (on this process), fsynced."""
+
+    def __init__(self, dataset: TokenDataset, path: str) -> None:
+        self.dataset, self.seen = dataset, len(dataset.reads)
+        self.f = open(path, "a")  # noqa: SIM115 - kept open for the whole run
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        reads = self.dataset.reads[self.seen :]
+        self.seen = len(self.dataset.reads)
+        self.f.write(json.dumps({"step": state.global_step, "reads": reads}) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+
 def without_timings(values: dict) -> dict:
     return {k: v for k, v in values.items() if not any(t in k for t in TIMING_KEYS)}
 
@@ -262,6 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a wider model with only the last block's MLP trained, saved with incremental=True",
     )
+    p.add_argument(
+        "--accumulation", type=int, default=3, help="gradient_accumulation_steps (default 3)"
+    )
+    p.add_argument(
+        "--record-reads",
+        action="store_true",
+        help="also write the training samples each optimizer step read to OUT_JSONL.reads",
+    )
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-final", required=True)
     args = p.parse_args(argv)
@@ -273,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     suffix = f".rank{rank}" if args.ddp else ""
 
     overrides = {}
+    if args.accumulation != 3:
+        overrides["gradient_accumulation_steps"] = args.accumulation
     if args.deepspeed is not None:
         overrides["deepspeed"] = deepspeed_config(args)
     if args.fsdp:
@@ -295,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     trainer.add_callback(ckpt)
     trainer.add_callback(Recorder(ckpt, args.out_jsonl + suffix, rank, args.sleep))
+    if args.record_reads:
+        trainer.add_callback(
+            ReadsRecorder(trainer.train_dataset, args.out_jsonl + ".reads" + suffix)
+        )
     result = trainer.train()
 
     if args.deepspeed is not None:

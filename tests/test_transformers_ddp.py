@@ -9,6 +9,7 @@ they are found as its child processes).
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -77,16 +78,10 @@ def _run(cmd: list[str]) -> str:
     return p.stderr
 
 
-def kill_and_rerun(tmp_path: Path, extra: tuple[str, ...] = ()) -> Path:
-    """An uninterrupted 2-rank run, and one killed (SIGKILL to torchrun and both ranks) after
-    step 7 and re-run: both ranks' per-step records, final weights and log history are the
-    same, bit for bit. Returns the interrupted run's directory."""
-    ref = tmp_path / "reference"
-    ref.mkdir()
-    err = _run(_ddp_cmd(ref, extra=extra))
-    assert "[rank 0] restored step 0" in err and "[rank 1] restored step 0" in err
-
-    work = tmp_path / "interrupted"
+def _killed_after(work: Path, at: int = 7, extra: tuple[str, ...] = ()) -> tuple[int, int]:
+    """A 2-rank run in ``work`` killed (SIGKILL to torchrun and both ranks) once it logged
+    step ``at``: (the last step it logged, the newest checkpoint committed before the kill,
+    which depends on how fast the background saves ran beside the steps: read, not assumed)."""
     work.mkdir()
     jsonl = work / "steps.jsonl.rank0"
     with open(work / "stderr.txt", "w") as errf:
@@ -100,20 +95,30 @@ def kill_and_rerun(tmp_path: Path, extra: tuple[str, ...] = ()) -> Path:
             deadline = time.monotonic() + RUN_TIMEOUT
             while True:
                 recs = _records_from(jsonl)
-                if recs and recs[-1]["step"] >= 7:
+                if recs and recs[-1]["step"] >= at:
                     _kill_tree(proc.pid)
                     break
                 assert proc.poll() is None, (work / "stderr.txt").read_text()
-                assert time.monotonic() < deadline, "no step 7 in time"
+                assert time.monotonic() < deadline, f"no step {at} in time"
                 time.sleep(0.05)
             proc.wait(timeout=RUN_TIMEOUT)
         finally:
             _kill_tree(proc.pid)
             proc.wait()
-    killed_at = _records_from(jsonl)[-1]["step"]
-    # the newest checkpoint committed before the kill (how many that is depends on how fast
-    # the background saves ran beside the steps, so it is read, not assumed)
-    newest = _committed(work / "out" / "ckpt")[-1].step
+    return _records_from(jsonl)[-1]["step"], _committed(work / "out" / "ckpt")[-1].step
+
+
+def kill_and_rerun(tmp_path: Path, extra: tuple[str, ...] = ()) -> Path:
+    """An uninterrupted 2-rank run, and one killed (SIGKILL to torchrun and both ranks) after
+    step 7 and re-run: both ranks' per-step records, final weights and log history are the
+    same, bit for bit. Returns the interrupted run's directory."""
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    err = _run(_ddp_cmd(ref, extra=extra))
+    assert "[rank 0] restored step 0" in err and "[rank 1] restored step 0" in err
+
+    work = tmp_path / "interrupted"
+    killed_at, newest = _killed_after(work, 7, extra)
 
     err = _run(_ddp_cmd(work, extra=extra))
     restored = _restored(err)
@@ -131,3 +136,65 @@ def test_ddp_sigkill_mid_epoch_then_rerun_is_bit_exact(tmp_path):
     assert all(
         len([f for f in e.manifest.files if f.path.startswith("rank_")]) == 4 for e in entries
     )
+
+
+def _read_order(path: Path) -> list[int]:
+    """The training samples a process read, in the order it read them."""
+    return [i for r in _records_from(path) for i in r["reads"]]
+
+
+def _epoch_orders(rank0: list[int], rank1: list[int]) -> list[list[int]]:
+    """Each epoch's order of the 50 samples, from what 2 processes read: global batch ``i`` (4
+    samples) went to process ``i % 2``; the last global batch has 2 samples, and accelerate
+    completes it, and gives process 1 a 7th batch, from the start of the order, so each
+    process reads 28 samples an epoch."""
+    orders = []
+    for e in range(min(len(rank0), len(rank1)) // 28):
+        a, b = rank0[28 * e : 28 * e + 28], rank1[28 * e : 28 * e + 28]
+        order = [i for j in range(0, 24, 4) for i in (*a[j : j + 4], *b[j : j + 4])]
+        orders.append(order + a[24:26])
+    return orders
+
+
+def test_a_resume_on_one_process_with_the_same_global_batch_goes_on_with_the_epochs_order(
+    tmp_path,
+):
+    """Killed on 2 processes (per-device batch 4, accumulation 3: 24 samples a step) and
+    resumed on 1 with accumulation 6 (24 samples a step): the resumed process reads the rest of
+    the interrupted epoch's order from the saved step on, then the next epochs' orders, as
+    the uninterrupted 2-process run read them, and trains to the end (the resume was refused:
+    the saved position is a per-process batch index). With accumulation 3 on 1 process (12 a
+    step) it is refused, naming the global batch."""
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    reference = subprocess.Popen(
+        _ddp_cmd(ref, extra=("--record-reads",)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    work = tmp_path / "run"
+    _, newest = _killed_after(work, 5)  # saves every 2 steps; an epoch is 3 steps here
+    assert newest % 3 != 0, "not mid-epoch"
+
+    refused = subprocess.run(_cmd(work), capture_output=True, text=True, env=_env(), timeout=300)
+    assert refused.returncode != 0 and "CheckpointMismatchError" in refused.stderr
+    assert "global batch (processes x per-device batch x accumulation) stays 24" in (
+        refused.stderr
+    ), refused.stderr[-3000:]
+
+    err = _run([*_cmd(work), "--accumulation", "6", "--record-reads"])
+    assert _restored(err) == newest
+    assert "on 1 process(es) x 4 x 6 accumulated: the same global batch of 24" in err, err[-3000:]
+    assert json.loads((work / "final.safetensors.json").read_text())["global_step"] == 14
+    _, ref_err = reference.communicate(timeout=RUN_TIMEOUT)
+    assert reference.returncode == 0, ref_err[-3000:]
+
+    orders = _epoch_orders(*(_read_order(ref / f"steps.jsonl.reads.rank{r}") for r in (0, 1)))
+    epoch, into = divmod(newest, 3)
+    want = orders[epoch][24 * into :] + [i for o in orders[epoch + 1 :] for i in o]
+    ours = _read_order(work / "steps.jsonl.reads")
+    assert len(ours) >= 2 * 50 and len(want) >= 2 * 50, (len(ours), len(want))
+    n = min(len(ours), len(want))
+    assert ours[:n] == want[:n]
