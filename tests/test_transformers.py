@@ -524,17 +524,22 @@ def test_persistent_workers_sigkill_after_an_epoch_boundary_then_rerun_is_exact(
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
 
 
-def test_changed_data_settings_are_refused(tmp_path):
+def test_changed_data_settings_are_refused_unless_the_global_batch_stays(tmp_path):
+    """Another per-device batch with the same accumulation (another global batch) is refused,
+    naming the global batch to keep; with twice the accumulation (the same global batch: the
+    saved position names the same samples) the run resumes, with a warning naming both."""
     ck = tmp_path / "ck"
     _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 2)
     cb = ResilientCheckpoint(ck, every_n_steps=2)
     with pytest.raises(
-        CheckpointMismatchError, match="per_device_batch_size: 4 in the checkpoint, 2"
+        CheckpointMismatchError,
+        match=r"per_device_batch_size: 4 in the checkpoint, 2.*global batch.*stays 12",
     ):
         _train(tmp_path, cb, 4, per_device_train_batch_size=2)
     assert [e.step for e in _committed(ck)] == [2]  # nothing lost
     cb = ResilientCheckpoint(ck, every_n_steps=2)
-    _train(tmp_path, cb, 4)  # the same settings resume
+    with pytest.warns(UserWarning, match=r"1 process\(es\) x 2 x 6 accumulated: the same global"):
+        _train(tmp_path, cb, 4, per_device_train_batch_size=2, gradient_accumulation_steps=6)
     assert cb.restored_step == 2
 
 
