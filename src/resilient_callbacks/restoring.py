@@ -282,8 +282,8 @@ class Restorer:
             if ck.rank == 0 and part.per_rank and manifest.world_size > ck.world_size:
                 warns.append(  # (it was dropped in silence)
                     f"the checkpoint was written by {manifest.world_size} ranks, this run has "
-                    f"{ck.world_size}: the PerRank state of ranks {ck.world_size} to "
-                    f"{manifest.world_size - 1} is not loaded"
+                    f"{ck.world_size}: the PerRank state of "
+                    f"{structure.gone_ranks(ck.world_size, manifest.world_size)} is not loaded"
                 )
         except Exception as e:
             local_exc = e

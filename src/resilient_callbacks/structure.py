@@ -60,6 +60,12 @@ class PerRank:
         return f"PerRank({self.obj!r})"
 
 
+def gone_ranks(world_size: int, saved_world_size: int) -> str:
+    """The ranks of a checkpoint that a run on ``world_size`` ranks has no process for."""
+    first, last = world_size, saved_world_size - 1
+    return f"rank {first}" if first == last else f"ranks {first} to {last}"
+
+
 def is_stateful(obj: Any) -> bool:
     return (
         not isinstance(obj, (torch.Tensor, Mapping, type))
