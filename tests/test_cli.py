@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,6 +186,21 @@ def test_gc_keeps_corrupt_unless_asked_and_refuses_beside_a_writer(tmp_path):
     with Checkpointer(root):
         locked = cli("gc", root)
         assert locked.returncode == 1 and "a writer is open on" in locked.stderr
+
+
+def test_gc_removing_the_newest_checkpoint_points_latest_at_the_newest_left(tmp_path):
+    """``gc --remove-corrupt`` deleted a corrupt newest checkpoint and left the advisory
+    ``latest`` file naming it (the docs walkthrough): a shell script following it broke."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20), keep_last=None)
+    latest = os.path.join(root, "latest")
+    assert Path(latest).read_text().strip() == "step_000000020"
+    flip_byte(os.path.join(root, "step_000000020", "shared.safetensors"))
+    assert cli("gc", root, "--remove-corrupt").returncode == 0
+    assert Path(latest).read_text().strip() == "step_000000010"
+    flip_byte(os.path.join(root, "step_000000010", "shared.safetensors"))
+    assert cli("gc", root, "--remove-corrupt").returncode == 0
+    assert not os.path.exists(latest)  # no checkpoint left to name
 
 
 def test_gc_other_runs_deletes_what_the_foreign_warning_names(tmp_path):

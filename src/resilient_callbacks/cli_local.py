@@ -24,7 +24,7 @@ from .cli_format import (
     table,
 )
 from .cli_scan import no_checkpoints, public, report_verified, resolve, row, scan
-from .commit import remove_checkpoint
+from .commit import remove_checkpoint, write_latest_pointer
 from .errors import CheckpointError, CheckpointNotFoundError
 from .lock import DirLock
 from .manifest import NEWER_FORMAT
@@ -314,6 +314,8 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
             d["error"] = f"{type(err).__name__}: {err}"
             failed.append(d)
     delete = [d for d in delete if "error" not in d]
+    if not args.dry_run:
+        _repoint_latest(root, {d["name"] for d in delete}, entries)
     # blobs (incremental checkpoints) that no remaining checkpoint refers to; the lock is held,
     # so no save is in flight. A dry run counts what the remaining manifests would not name.
     blobs = _unused_blobs(root, gone) if args.dry_run else BlobStore(root).collect()
@@ -382,3 +384,21 @@ def _newer_format(e: Entry) -> bool:
     """A checkpoint a newer version of the library wrote (unreadable here, not damaged):
     ``gc --remove-corrupt`` keeps it."""
     return NEWER_FORMAT in (e.problem or "")
+
+
+def _repoint_latest(root: str, deleted: set[str], entries: list[Entry]) -> None:
+    """The advisory ``latest`` file named a checkpoint gc deleted: it names the newest one left
+    that is not corrupt or incomplete, or goes when none is left."""
+    path = os.path.join(root, "latest")
+    try:
+        with open(path) as f:
+            if f.read().strip() not in deleted:
+                return
+    except OSError:
+        return
+    left = [e for e in entries if e.name not in deleted and e.manifest is not None]
+    left = [e for e in left if e.status not in (Status.CORRUPT, Status.INCOMPLETE)]
+    if left:
+        write_latest_pointer(root, max(left, key=lambda e: e.seq).name)
+    else:
+        os.unlink(path)
