@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 
 import pytest
 import torch
@@ -45,6 +46,11 @@ def _state(n: int, v: float = 1.0) -> dict:
         # saves in flight would share one set of host buffers: torn checkpoints that verify
         ({"max_in_flight": 2}, "if_busy='skip'"),
         ({"max_in_flight": 0}, "one save is written at a time"),
+        # named as the Checkpointer's option, not the watcher's (grace_period_s)
+        ({"grace_period": "30"}, "grace_period='30'"),
+        # a typo: a ConfigError naming the options (it was a TypeError from MetadataPoller)
+        ({"metadata_notices": {"kind": "aws", "interval": 5}}, "'interval'; the options are"),
+        ({"mtbf_hours": 8}, "mtbf_hours applies only to the adaptive schedule"),
     ],
 )
 def test_invalid_options_fail_at_construction(tmp_path, kwargs, hint):
@@ -108,6 +114,22 @@ def test_non_numeric_metric_is_rejected_before_writing(tmp_path):
     with Checkpointer(tmp_path / "ck") as ck, pytest.raises(TypeError, match="loss"):
         ck.save(1, _state(4), metrics={"loss": "low"})
     assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith(("step_", ".staging"))]
+
+
+@pytest.mark.parametrize(
+    ("value", "said"), [(torch.ones(3), "a tensor of shape (3,)"), (None, "None"), ("n/a", "'n/a'")]
+)
+def test_a_metric_that_is_not_a_number_is_refused_at_the_first_step(tmp_path, value, said):
+    """A bad metric was found only at the first step that saved (hours into a run, perhaps),
+    and a tensor of several elements as torch's own 'cannot be converted to Scalar', naming
+    no metric (the docs walkthrough). Now the first step() says which and why, reading no
+    tensor."""
+    state = {"w": torch.zeros(2)}
+    with Checkpointer(tmp_path, every_n_steps=5) as ck:
+        assert not ck.step(1, state, metrics={"loss": torch.tensor(0.5), "lr": 1e-3, "n": "7"})
+        with pytest.raises(TypeError, match=f"metric 'bad' is {re.escape(said)}: metrics are"):
+            ck.step(2, state, metrics={"loss": 0.5, "bad": value})
+        assert ck.checkpoints() == []
 
 
 def test_restore_into_a_bare_value_is_rejected(tmp_path):

@@ -395,7 +395,7 @@ def test_an_endpoint_that_never_answers_does_not_keep_the_process_alive(tmp_path
 
 def test_remote_option_errors(tmp_path):
     d = tmp_path / "l"
-    with pytest.raises(ConfigError, match="only apply with remote"):
+    with pytest.raises(ConfigError, match=r"appl(y|ies) only with remote"):
         Checkpointer(d, remote_keep_last=3)
     with pytest.raises(ConfigError, match="remote_keep_last"):
         Checkpointer(d, remote="memory://x", remote_keep_last=0)

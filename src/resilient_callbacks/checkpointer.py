@@ -38,7 +38,7 @@ from .persisting import SaveStats
 from .preemption import MetadataPoller, PreemptionWatcher
 from .recorder import Recorder
 from .restoring import Restorer, RestoreReport
-from .saving import Saver, new_run_id
+from .saving import Saver, check_metrics, new_run_id
 from .trigger import Trigger
 
 if TYPE_CHECKING:
@@ -388,6 +388,7 @@ class Checkpointer:
         ``preemption_exit_code`` (75); otherwise it returns and sets :attr:`preempted`."""
         self._check_open(writes=True)
         self._check_logger_sink()
+        check_metrics(metrics)
         self._trigger.step_started()
         self._recorder.tick(step)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -142,8 +143,8 @@ class CheckpointerConfig:
         if not self.adaptive and any(getattr(self, k) is not None for k in adaptive_opts):
             given = [k for k in adaptive_opts if getattr(self, k) is not None]
             raise ConfigError(
-                f"{', '.join(given)} only apply to the adaptive schedule: pass adaptive=True "
-                "(or drop them)"
+                f"{', '.join(given)} {_apply(given)} only to the adaptive schedule: pass adaptive=True "
+                f"(or drop {_them(given)})"
             )
         if self.loss_jump is not None and not (
             isinstance(self.loss_jump, (int, float)) and self.loss_jump > 0
@@ -165,6 +166,8 @@ class CheckpointerConfig:
                 "metadata_notices needs preemption=True: a cloud notice triggers the same "
                 "emergency save as SIGTERM"
             )
+        if self.preemption:
+            self._check_watcher()
         self._check_remote()
         self._check_nodes()
         self._check_read_only()
@@ -194,7 +197,8 @@ class CheckpointerConfig:
             ]
             if given:
                 raise ConfigError(
-                    f"{', '.join(given)} only apply with remote=<URL>: pass remote (or drop them)"
+                    f"{', '.join(given)} {_apply(given)} only with remote=<URL>: pass remote (or drop "
+                    f"{_them(given)})"
                 )
             return
         if isinstance(r, os.PathLike):
@@ -285,6 +289,9 @@ class CheckpointerConfig:
         ("compression", "none"),
     )
 
+    def _check_watcher(self) -> None:
+        _check_watcher_options(self)
+
     def _check_read_only(self) -> None:
         if not self.read_only:
             return
@@ -293,8 +300,8 @@ class CheckpointerConfig:
             given.append("shared_dirpath=False")
         if given:
             raise ConfigError(
-                f"read_only=True restores and never saves: {', '.join(given)} only apply to a "
-                "Checkpointer that writes (drop them). A read-only Checkpointer reads dirpath "
+                f"read_only=True restores and never saves: {', '.join(given)} {_apply(given)} only to a "
+                f"Checkpointer that writes (drop {_them(given)}). A read-only Checkpointer reads dirpath "
                 "alone: to restore from the remote tier, give a writable dirpath and remote=..."
             )
         if self.resume == ResumeMode.NEVER:
@@ -364,3 +371,38 @@ class CheckpointerConfig:
             mode=self.mode,  # type: ignore[arg-type]
             keep_every_n_steps=self.keep_every_n_steps,
         )
+
+
+def _check_watcher_options(config: CheckpointerConfig) -> None:
+    """The signal handler's and the cloud poller's options, named as the Checkpointer's, before
+    anything is created (the watcher is made after the directory)."""
+    import inspect
+
+    from .preemption import MetadataPoller
+    from .preemption.signals import WatcherConfig
+
+    try:
+        WatcherConfig(
+            signals=config.signals,
+            handle_sigint=config.handle_sigint,
+            grace_period_s=config.grace_period,
+        )
+    except ConfigError as e:  # the watcher's option is grace_period_s
+        raise ConfigError(str(e).replace("grace_period_s", "grace_period")) from None
+    opts = config.metadata_notices
+    if isinstance(opts, Mapping):
+        known = set(inspect.signature(MetadataPoller).parameters) - {"watcher"}
+        unknown = sorted(set(map(str, opts)) - known)
+        if unknown:
+            raise ConfigError(
+                f"metadata_notices: unknown option(s) {', '.join(map(repr, unknown))}; the "
+                f"options are {', '.join(sorted(known))}"
+            )
+
+
+def _apply(given: list[str]) -> str:
+    return "applies" if len(given) == 1 else "apply"
+
+
+def _them(given: list[str]) -> str:
+    return "it" if len(given) == 1 else "them"

@@ -60,6 +60,26 @@ def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
     return out
 
 
+def check_metrics(metrics: Mapping[str, Any] | None) -> None:
+    """Every step(): refuse at once what :func:`clean_metrics` could not turn into a number at
+    the next save, hours later perhaps, without reading a tensor (no device synchronization)."""
+    for k, v in (metrics or {}).items():
+        if isinstance(v, torch.Tensor):
+            if v.numel() == 1:
+                continue
+            what = f"a tensor of shape {tuple(v.shape)}"
+        else:
+            try:
+                float(v)
+                continue
+            except (TypeError, ValueError):
+                what = f"{v!r:.80}"
+        raise TypeError(
+            f"metric {k!r} is {what}: metrics are numbers, a Python number or a one-element "
+            "tensor (e.g. loss.detach() or loss.mean())"
+        )
+
+
 def _prepare_error(exc: BaseException, step: int, rank: int, dirpath: str) -> BaseException:
     if isinstance(exc, UnsupportedStateError):
         return exc
