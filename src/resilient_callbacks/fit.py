@@ -179,9 +179,16 @@ def check_fits(
 
     rec(state, structure, ())
     if problems:
+        only_unexpected = not partial and all("unexpected keys in" in p for p in problems)
         raise CheckpointMismatchError(
             "the checkpoint does not fit the objects it is loaded into:\n  - "
             + "\n  - ".join(problems)
+            + (
+                "\nTo load a part of the state (the model alone, say), open the Checkpointer "
+                "with read_only=True."
+                if only_unexpected
+                else ""
+            )
             + "\nIf this directory belongs to another model or run, use a new dirpath "
             "(or resume='never' to start fresh and leave those checkpoints alone)."
         )

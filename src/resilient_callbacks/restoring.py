@@ -358,8 +358,8 @@ class Restorer:
             number_after_remote(self._ck._dir)
             path = os.path.abspath(os.path.expanduser(r))
             if not os.path.exists(path):
-                hint = f" (a step number is an int: resume={int(r)})" if r.isdigit() else ""
-                raise CheckpointNotFoundError(f"resume={r!r}: no such checkpoint directory{hint}")
+                hint = f"; a step number is an int: resume={int(r)}" if r.isdigit() else ""
+                raise CheckpointNotFoundError(f"resume={r!r}: no checkpoint at {path}{hint}")
             if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
                 raise CheckpointNotFoundError(
                     f"resume={r!r}: {path} has no {MANIFEST_NAME}, so it is not a committed "

@@ -120,9 +120,10 @@ class _Encoder:
             )
         if type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor"):
             raise UnsupportedStateError(
-                f"{path_str(path)} is a sharded DTensor; Checkpointer saves replicated and "
-                "per-rank tensors only. Gather it to a full tensor in your state_dict(), or use "
-                "torch.distributed.checkpoint for sharded models."
+                f"{path_str(path)} is a sharded DTensor (FSDP2, TP); the plain state holds "
+                "replicated and per-rank tensors only. Wrap the sharded model and its optimizer "
+                "as resilient_callbacks.dcp.Sharded(model, optimizer): each rank then writes "
+                "its own shards (docs/fsdp.md)."
             )
         if t.dtype not in SAVEABLE_DTYPES:
             raise UnsupportedStateError(unsupported(f"{path_str(path)} is a tensor that", t.dtype))

@@ -1,8 +1,7 @@
 """``Sharded(model, optimizer)``: the sharded state of FSDP2 (``fully_shard``), FSDP1 or tensor
 parallelism (DTensors, or FSDP1's ShardedTensors: :mod:`.shards`; under FSDP1 the flat
-parameters' pieces read where they lie: :mod:`.flat`) as a
-:class:`~resilient_callbacks.filepart.FilePart`, saved by every rank into its own files and
-restored on any number of ranks (resharding), into the live tensors.
+parameters' pieces read where they lie: :mod:`.flat`) as a ``FilePart``, saved
+by every rank into its own files and restored on any number of ranks (resharding), in place.
 
 Files, under ``parts/<id>/`` of a checkpoint:
 
@@ -373,7 +372,8 @@ class Sharded(FilePart):
             )
         if saved.get("optim") and not self.optimizers and not info.partial:
             raise CheckpointMismatchError(
-                f"part {info.part_id!r} holds optimizer state, but this Sharded has no optimizer"
+                f"part {info.part_id!r} holds optimizer state, but this Sharded has none (to "
+                "load the model alone, open the Checkpointer with read_only=True)"
             )
         partial = info.partial and not self.optimizers  # a read-only restore of the model
         optims = () if partial else optimizers_of(saved, self.optimizers)
