@@ -290,11 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "export",
         "write a Transformers checkpoint as a from_pretrained directory, or a Lightning, "
-        "DeepSpeed or sharded one as consolidated safetensors",
+        "DeepSpeed, sharded or plain Checkpointer one as consolidated safetensors",
         "Write the model of a checkpoint where other tools load it: a Transformers run's as a\n"
         "from_pretrained directory (a PEFT run's adapters, or --merged), a Lightning, DeepSpeed\n"
-        "or sharded (FSDP, tensor-parallel) run's as consolidated safetensors (model.safetensors\n"
-        "and export.json). Every checksum is verified first. docs/cli.md.",
+        "or sharded (FSDP, tensor-parallel) run's, or a module of a plain Checkpointer state (--key),\n"
+        "as consolidated safetensors (model.safetensors and export.json). Every checksum is\n"
+        "verified first. docs/cli.md.",
     )
     add_export_arguments(p)
     p.set_defaults(fn=cmd_export)  # cli_export.py

@@ -121,7 +121,7 @@ def _export_entry(args: argparse.Namespace, key: str | None) -> int:
         sel = reader.select(args.dir, args.step)
         return _write(args, sel, *consolidate.entry_tensors(sel.path, key))
     except CheckpointError as e:
-        print(f"{PROG} export: {e} (its keys: `{PROG} inspect`)", file=sys.stderr)
+        print(f"{PROG} export: {e}", file=sys.stderr)
         return 1
 
 
