@@ -384,6 +384,33 @@ def test_a_changed_gradient_accumulation_count_gives_full_cycles_after_the_resum
     ]
 
 
+def test_a_config_without_the_section_says_so_under_the_launcher_or_for_a_near_miss(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A misspelled section name ("resilient_checkpoints") trained with nothing saved and no
+    word, also under the launcher run to checkpoint (the docs walkthrough). Now a near miss is
+    named, and under the launcher a config without the section is said; a plain config outside
+    it stays plain DeepSpeed, in silence."""
+    import torch
+
+    import resilient_callbacks.deepspeed as rcds
+    from resilient_callbacks.deepspeed import launch, section
+
+    typo = {"train_batch_size": 8, "resilient_checkpoints": {"dirpath": str(tmp_path)}}
+    said = section.without_section(typo, launched=False)
+    assert said is not None and 'did you mean "resilient_checkpoint"' in said
+    assert '"resilient_checkpoints"' in said
+    assert section.without_section({"train_batch_size": 8}, launched=False) is None
+    under = section.without_section({"train_batch_size": 8}, launched=True)
+    assert under is not None and "launched through resilient_callbacks.deepspeed.run" in under
+
+    handed: list[dict] = []  # what reaches DeepSpeed's own initialize (not run here)
+    monkeypatch.setattr(launch, "original_initialize", lambda: lambda **kw: handed.append(kw))
+    with pytest.warns(UserWarning, match="did you mean"):
+        rcds.initialize(model=torch.nn.Linear(2, 2), config=typo)
+    assert handed and handed[0]["config"] == typo  # plain DeepSpeed, as before
+
+
 @pytest.mark.slow  # suite time budget
 @pytest.mark.distributed
 def test_the_launcher_leaves_an_engine_without_an_optimizer_plain(tmp_path: Path) -> None:

@@ -212,6 +212,9 @@ def initialize(
         lr_scheduler=lr_scheduler, **kwargs,
     )  # fmt: skip
     if options is None:
+        said = section.without_section(config, launched()) if config is not None else None
+        if said:
+            warn_and_log(log, f"resilient_callbacks: {said}", UserWarning, stacklevel=3)
         return ds_initialize(
             training_data=training_data, config=config, collate_fn=collate_fn, **common
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import difflib
 import inspect
 import json
 import os
@@ -106,3 +107,18 @@ def split(config: Any) -> tuple[Any, dict[str, Any] | None]:
         return (loaded if isinstance(loaded, dict) else config), None
     options = validate(loaded.pop(SECTION), where)
     return loaded, options
+
+
+def without_section(config: Any, launched: bool) -> str | None:
+    """What to say of a config that reaches ``initialize`` without the section: under the
+    launcher (run to checkpoint), or when a key is a near miss of the section's name (a typo
+    that would otherwise train with nothing saved, in silence); None otherwise."""
+    loaded, where = load_config(config)
+    keys = [k for k in loaded if isinstance(k, str)] if isinstance(loaded, dict) else []
+    near = difflib.get_close_matches(SECTION, keys, n=1, cutoff=0.75)
+    if not near and not launched:
+        return None
+    said = f'{where} has no "{SECTION}" section, so this engine is not checkpointed'
+    if near:
+        return f'{said}: did you mean "{SECTION}" where it says "{near[0]}"?'
+    return f"{said}, although the script was launched through resilient_callbacks.deepspeed.run"
