@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from resilient_callbacks import (
     CheckpointMismatchError,
     CheckpointWriteError,
     ConfigError,
+    ForeignCheckpointsWarning,
 )
 
 
@@ -297,3 +299,30 @@ def test_saves_wait_for_retention_to_free_the_space_they_need(small_tmpfs, monke
             ck.save(step, _state(300_000, float(step)))
             ck.flush()
         assert [e.step for e in ck.checkpoints()] == [5, 6]
+
+
+def test_saving_without_restore_beside_a_run_says_that_restore_was_not_called(tmp_path):
+    """A new process that forgot restore() saved step 10 as a fresh run beside a run's step 60,
+    and the only word was that the directory holds another run's checkpoints (the docs
+    walkthrough); the next auto-resume then takes step 10. The warning now says what
+    happened, at the user's line, and how to resume or start anew on purpose."""
+    state = {"w": torch.zeros(2)}
+    with Checkpointer(tmp_path, every_n_steps=10) as ck:
+        for s in range(1, 61):
+            ck.step(s, state)
+    with (
+        Checkpointer(tmp_path, every_n_steps=10) as ck,
+        pytest.warns(ForeignCheckpointsWarning, match=r"restore\(\) was not called") as got,
+    ):
+        for s in range(1, 11):
+            ck.step(s, state)
+    message = str(got[0].message)
+    assert "would have resumed from step 60" in message and "resume='never'" in message
+    assert got[0].filename == __file__  # the user's step() line, not the library's
+    with (
+        Checkpointer(tmp_path, resume="never", every_n_steps=10) as ck,
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        ck.step(10, state)
+    assert not [w for w in caught if "restore() was not called" in str(w.message)]

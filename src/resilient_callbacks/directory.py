@@ -23,6 +23,7 @@ from .blobs import BlobStore
 from .catalog import Depth, Entry, Status
 from .commit import RenameCommit, remove_checkpoint, sweep_staging
 from .errors import (
+    AT_CALLER,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -291,8 +292,9 @@ class Directory:
         except Exception as e:
             log.warning("could not record the %s in %s: %s", event, self.dirpath, e)
 
-    def check_foreign(self, stacklevel: int) -> None:
-        """Coordinator, once per run: warn about checkpoints of other runs in the directory."""
+    def check_foreign(self, stacklevel: int, unrestored: bool = False) -> None:
+        """Coordinator, once per run: warn about checkpoints of other runs in the directory
+        (``unrestored``: this run saves without a restore() that resume='auto' asked for)."""
         self.checked_foreign = True
         if self.read_only:  # a reader deletes nothing: the warning is for the run's writer
             return
@@ -301,9 +303,11 @@ class Directory:
         except OSError as e:  # the save that follows reports what is wrong with the directory
             log.info("could not list %s for checkpoints of other runs: %s", self.dirpath, e)
             return
-        self.report_foreign(entries, stacklevel + 1)
+        self.report_foreign(entries, stacklevel + 1, unrestored)
 
-    def report_foreign(self, entries: list[Entry], stacklevel: int) -> None:
+    def report_foreign(
+        self, entries: list[Entry], stacklevel: int, unrestored: bool = False
+    ) -> None:
         if self._reported_foreign or self.run_id is None:
             return
         foreign = [
@@ -314,14 +318,25 @@ class Directory:
         self._reported_foreign = True
         runs = sorted({e.manifest.run_id for e in foreign if e.manifest})
         steps = [e.manifest.step for e in foreign if e.manifest]
-        msg = (
+        newest = max(foreign, key=lambda e: e.seq)
+        assert newest.manifest is not None  # (foreign entries have one)
+        forgot = (
+            "restore() was not called before this run's first save, and resume='auto' would "
+            f"have resumed from step {newest.step} of run {newest.manifest.run_id}: this run starts "
+            "from scratch beside it, and the next resume takes this run's newer checkpoints. "
+            "Call ckpt.restore(state) before training, or pass resume='never' to start a new "
+            "run on purpose. "
+            if unrestored
+            else ""
+        )
+        msg = forgot + (
             f"{self.dirpath} holds {len(foreign)} checkpoint(s) of {len(runs)} other run(s) "
             f"({', '.join(runs)}; steps {min(steps)}..{max(steps)}). Retention does not count "
             "or delete them; use a separate dirpath per run, or remove them with "
             f"`resilient-ckpt gc {self.dirpath} --other-runs` (after this run has saved; "
             "`--dry-run` first shows what it would delete)."
         )
-        warn_and_log(log, msg, ForeignCheckpointsWarning, stacklevel=stacklevel + 1)
+        warn_and_log(log, msg, ForeignCheckpointsWarning, stacklevel=AT_CALLER)
 
     # ------------------------------------------------------------------ queries
 

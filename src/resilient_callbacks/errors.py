@@ -108,6 +108,10 @@ class ForeignCheckpointsWarning(UserWarning):
 __all__ += ["ForeignCheckpointsWarning", "ResumeFallbackWarning"]
 
 
+#: ``warn_and_log(..., stacklevel=AT_CALLER)``: at the first frame outside the library
+AT_CALLER = 0
+
+
 def caller_stacklevel(*through: str) -> int:
     """The ``stacklevel`` of the first frame outside this package, for a ``warnings.warn`` (or
     :func:`warn_and_log`) call made in the function calling this one: the user's call into the
@@ -135,9 +139,11 @@ def warn_and_log(
     ``warn`` (e.g. only on the coordinator rank) issues a :mod:`warnings` warning; the message
     is logged as well when the logger has a handler somewhere in its hierarchy, or when no
     warning was issued. A program that configures no logging would otherwise print it twice,
-    once more through logging's last-resort handler. ``stacklevel`` counts from the caller.
+    once more through logging's last-resort handler. ``stacklevel`` counts from the caller;
+    :data:`AT_CALLER`: the first frame outside the library (:func:`caller_stacklevel`).
     """
     if warn:
-        warnings.warn(msg, category, stacklevel=stacklevel + 1)
+        level = caller_stacklevel() if stacklevel == AT_CALLER else stacklevel + 1
+        warnings.warn(msg, category, stacklevel=level)
     if not warn or log.hasHandlers():
         log.warning(msg)

@@ -11,13 +11,11 @@ skipped and why. No valid checkpoint where some exist is an error, never a silen
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
 import time
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from . import (
@@ -40,6 +38,7 @@ from .commit import fsync_dir, remove_checkpoint
 from .config import ResumeMode
 from .directory import error_type
 from .errors import (
+    AT_CALLER,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
@@ -187,7 +186,7 @@ class Restorer:
                     f"wins and steps {step + 1}-{last.step} are trained again. Leave it out to "
                     "resume from the newest checkpoint."
                 )
-                warn_and_log(log, msg, UserWarning, stacklevel=4)
+                warn_and_log(log, msg, UserWarning, stacklevel=AT_CALLER)
         ck._trigger.clock.reset()
         if ck._dir.run_id is None:
             ck._start_run(step, source=source)
@@ -207,7 +206,8 @@ class Restorer:
         if c.remote is None and c.key is not None and c.key in self._remote_copies:
             then = "trying its copy in the remote tier next"
         msg = f"skipping checkpoint {c.where} (step {c.step}): {problem}; {then}"
-        warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=5, warn=self._ck.is_coordinator)
+        coordinator = self._ck.is_coordinator
+        warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=AT_CALLER, warn=coordinator)
 
     def _try_load(self, c: Candidate, state: Any, explicit: bool, skipped: list[str]) -> int | None:
         ck = self._ck
@@ -296,7 +296,7 @@ class Restorer:
             first = next(r for r, e in enumerate(errors) if e)
             raise CheckpointMismatchError(f"restore failed on rank {first}: {errors[first]}")
         for w in warns:
-            warnings.warn(w, stacklevel=4)
+            warn_and_log(log, w, UserWarning, stacklevel=AT_CALLER)
         self._restored(path, manifest)
         return manifest.step
 
@@ -419,7 +419,7 @@ class Restorer:
             except Exception as e:
                 result["problem"] = f"remote copy {url}: {type(e).__name__}: {e}"
         msg = dist.broadcast_json(result)
-        return dataclasses.replace(c, path=msg["path"] or c.remote, problem=msg["problem"])
+        return replace(c, path=msg["path"] or c.remote, problem=msg["problem"])
 
     def _install(self, staging: str, name: str, manifest: Manifest) -> str:
         """Move a downloaded checkpoint into dirpath under its own name, replacing a damaged

@@ -206,10 +206,11 @@ class Saver:
         t0 = time.perf_counter()
         metrics_json = clean_metrics(metrics)
         self.metric_names.update(k for k, v in metrics_json.items() if v is not None)
+        unrestored = ck._dir.run_id is None and ck.config.resume == "auto"  # no restore() ran
         ck._start_run(step)
         d = ck._dir
         if ck.is_coordinator and not d.checked_foreign:
-            d.check_foreign(stacklevel=3)  # in the training thread: the warning reaches the caller
+            d.check_foreign(stacklevel=3, unrestored=unrestored)  # the warning reaches the caller
         prepared: Prepared | None = None
         local_exc: BaseException | None = None
         try:
