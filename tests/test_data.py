@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -366,3 +368,19 @@ def test_a_discarded_loader_with_persistent_workers_stops_them_at_once():
         assert not any(w.is_alive() for w in workers)
     finally:
         gc.enable()
+
+
+def test_a_loader_resharded_at_an_epoch_boundary_says_that_epoch_was_complete(caplog):
+    """Saved on 2 ranks right at the end of an epoch and resumed on 1: the warning said "the
+    rest of epoch 0 (0 of its samples, ...) is sharded", as if work were left (the docs
+    walkthrough). It now says the epoch was complete; the next one starts as usual."""
+    ds = TensorDataset(torch.arange(50))
+    saved = [ResumableDataLoader(ds, 4, seed=0, num_replicas=2, rank=r) for r in range(2)]
+    _taken(saved, len(saved[0]))  # every batch of epoch 0, the iterator not yet at its end
+    one = ResumableDataLoader(ds, 4, seed=0, num_replicas=1, rank=0)
+    with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
+        one.load_state_dict(saved[0].state_dict())
+    said = [r.getMessage() for r in caplog.records if "data loader" in r.getMessage()]
+    assert said and "epoch 0 was complete" in said[0] and "0 of its samples" not in said[0], said
+    assert list(one) == []  # the rest of epoch 0: nothing
+    assert sorted(x for b in one for x in b[0].tolist()) == list(range(50))  # epoch 1, whole

@@ -336,15 +336,19 @@ class ResumableDataLoader(DataLoader):
         if self.passes_are_epochs:  # this process's pass k is epoch k: skip the ones before
             self._skip_passes = max(0, self.epoch - self._passes)
         if resharded and sampler.rank == 0:
+            rest = (
+                f"epoch {self.epoch} was complete ({consumed} samples trained); the next epochs "
+                "are sharded over this run's ranks"
+                if left == 0
+                else f"the rest of epoch {self.epoch} ({left} of its samples, {consumed} already "
+                "trained) is sharded over this run's ranks, and later epochs as usual"
+            )
             log.warning(
                 "data loader: the checkpoint was saved on %d rank(s) with batch size %d, this run "
-                "has %d with batch size %d: the rest of epoch %d (%d of its samples, %d already "
-                "trained) is sharded over this run's ranks, and later epochs as usual",
+                "has %d with batch size %d: %s",
                 saved["num_replicas"],
                 state["batch_size"],
                 sampler.num_replicas,
                 self.batch_size,
-                self.epoch,
-                left,
-                consumed,
+                rest,
             )
