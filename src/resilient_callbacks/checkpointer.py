@@ -392,8 +392,13 @@ class Checkpointer:
         self._trigger.step_started()
         self._recorder.tick(step)
         try:
-            with dist.peer_errors(f"step({step})"):
+            try:  # (no context manager: this is every step's path)
                 saved = self._step(step, state, metrics, final)
+            except Exception as e:
+                err = dist.peer_error(e, f"step({step})")
+                if err is None:
+                    raise
+                raise err from e
             if not saved and not self._saver.allocated_ahead:
                 self._saver.allocate_ahead(state)
             return saved

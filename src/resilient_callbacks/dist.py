@@ -89,23 +89,33 @@ def from_collective(e: BaseException) -> bool:
     )
 
 
+def peer_error(
+    e: Exception, what: str, error: type[CheckpointError] = CollectiveError
+) -> CheckpointError | None:
+    """The error to raise instead of ``e`` when ``e`` is the backend's raw error (gloo's
+    "Connection closed by peer", a store's "wait timeout") from a collective of the library
+    call ``what`` on several ranks: ``error``, saying which call stopped on which rank and what
+    every rank must do. None for anything else (the library's own errors pass unchanged)."""
+    if isinstance(e, CheckpointError) or not (
+        is_initialized() and world_size() > 1 and from_collective(e)
+    ):
+        return None
+    return error(
+        f"{what} stopped on rank {rank()}: exchanging with the other ranks failed "
+        f"({type(e).__name__}: {str(e).strip()}); {SAME_POINTS}"
+    )
+
+
 @contextmanager
 def peer_errors(what: str, error: type[CheckpointError] = CollectiveError) -> Iterator[None]:
-    """Around a library call that runs collectives in the training thread: the backend's raw
-    error (gloo's "Connection closed by peer", a store's "wait timeout") becomes ``error``,
-    saying which call stopped on which rank and what every rank must do; the raw error is
-    chained. The library's own errors pass unchanged."""
+    """:func:`peer_error` around a block (a call that is not on every step's path)."""
     try:
         yield
-    except CheckpointError:
-        raise
     except Exception as e:
-        if not (is_initialized() and world_size() > 1 and from_collective(e)):
+        err = peer_error(e, what, error)
+        if err is None:
             raise
-        raise error(
-            f"{what} stopped on rank {rank()}: exchanging with the other ranks failed "
-            f"({type(e).__name__}: {str(e).strip()}); {SAME_POINTS}"
-        ) from e
+        raise err from e
 
 
 def world_timeout() -> Any:
