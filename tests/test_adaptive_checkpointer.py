@@ -122,6 +122,15 @@ def test_live_interval_matches_daly_within_10_percent(tmp_path):
     assert abs(got - want) <= 0.10 * want, (got, want, ck.schedule.explain())
 
 
+def _until_the_first_save(ck: Checkpointer, state: dict) -> int:
+    """Step until the first (warm-up) save has committed; the last step."""
+    step = 0
+    while not ck.last_save:
+        step += 1
+        ck.step(step, state)
+    return step
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_the_manifest_counts_the_save_that_wrote_it(tmp_path, background):
     """A resume from the first (warm-up) checkpoint does not warm up again: the schedule state
@@ -130,10 +139,7 @@ def test_the_manifest_counts_the_save_that_wrote_it(tmp_path, background):
 
     state = {"w": torch.zeros(8)}
     with Checkpointer(tmp_path, adaptive=True, async_save=background, preemption=False) as ck:
-        step = 0
-        while not ck.last_save:
-            step += 1
-            ck.step(step, state)
+        _until_the_first_save(ck, state)
         ck.flush()
         path = ck.last_save.path
     assert read_manifest(path).extra["schedule"]["n_saves"] == 1
@@ -159,10 +165,7 @@ def test_a_synchronous_saves_cost_counts_its_commit(tmp_path, monkeypatch):
     _slow_commit(monkeypatch, 0.3)
     state = {"w": torch.zeros(8)}
     with Checkpointer(tmp_path, adaptive=True, async_save=False, preemption=False) as ck:
-        step = 0
-        while not ck.last_save:
-            step += 1
-            ck.step(step, state)
+        _until_the_first_save(ck, state)
         assert ck.schedule is not None
         cost = ck.schedule.blocking_cost_s()
         assert cost is not None and cost >= 0.3, ck.schedule.explain()
