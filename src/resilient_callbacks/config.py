@@ -167,7 +167,7 @@ class CheckpointerConfig:
                 "emergency save as SIGTERM"
             )
         if self.preemption:
-            self._check_watcher()
+            _check_watcher_options(self)
         self._check_remote()
         self._check_nodes()
         self._check_read_only()
@@ -288,9 +288,6 @@ class CheckpointerConfig:
         ("incremental", False),
         ("compression", "none"),
     )
-
-    def _check_watcher(self) -> None:
-        _check_watcher_options(self)
 
     def _check_read_only(self) -> None:
         if not self.read_only:

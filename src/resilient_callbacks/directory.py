@@ -292,7 +292,7 @@ class Directory:
         except Exception as e:
             log.warning("could not record the %s in %s: %s", event, self.dirpath, e)
 
-    def check_foreign(self, stacklevel: int, unrestored: bool = False) -> None:
+    def check_foreign(self, unrestored: bool = False) -> None:
         """Coordinator, once per run: warn about checkpoints of other runs in the directory
         (``unrestored``: this run saves without a restore() that resume='auto' asked for)."""
         self.checked_foreign = True
@@ -303,11 +303,9 @@ class Directory:
         except OSError as e:  # the save that follows reports what is wrong with the directory
             log.info("could not list %s for checkpoints of other runs: %s", self.dirpath, e)
             return
-        self.report_foreign(entries, stacklevel + 1, unrestored)
+        self.report_foreign(entries, unrestored)
 
-    def report_foreign(
-        self, entries: list[Entry], stacklevel: int, unrestored: bool = False
-    ) -> None:
+    def report_foreign(self, entries: list[Entry], unrestored: bool = False) -> None:
         if self._reported_foreign or self.run_id is None:
             return
         foreign = [

@@ -209,20 +209,24 @@ def load_blobs(
     return out
 
 
+def read_json(path: str, manifest: Manifest, name: str) -> Any:
+    """The JSON file ``name`` of the checkpoint at ``path``, verified against its manifest."""
+    import json
+
+    buf = read_verified(os.path.join(path, name), _entry(manifest, name, path).digest)
+    try:
+        return json.loads(bytes(buf))
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{os.path.join(path, name)}: unreadable JSON ({e})") from None
+
+
 def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] = ()) -> LoadedPart:
     """Read and verify (size + checksum) the files this rank needs; tensors view the buffers.
     ``borrow``: the ids of the per-rank states a rank the checkpoint has no files of takes from
     rank 0 (``PerRank(new_ranks="rank0")``)."""
-    import json
 
     def load_json(name: str) -> Any:
-        buf = read_verified(os.path.join(path, name), _entry(manifest, name, path).digest)
-        try:
-            return json.loads(bytes(buf))
-        except ValueError as e:
-            raise CheckpointCorruptError(
-                f"{os.path.join(path, name)}: unreadable JSON ({e})"
-            ) from None
+        return read_json(path, manifest, name)
 
     def load_tensors(name: str) -> dict[str, torch.Tensor]:
         entry = _entry(manifest, name, path)

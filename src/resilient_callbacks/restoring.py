@@ -327,7 +327,7 @@ class Restorer:
         if ck.is_coordinator and inside:
             d.record("restart", manifest.step, **fields)  # a resume: the run stopped early
             ck._recorder.record_deferred()  # the fallbacks on the way to this checkpoint
-            d.check_foreign(stacklevel=5)  # the caller of Checkpointer.restore
+            d.check_foreign()  # at the caller of Checkpointer.restore
         # the run's start and restarts (this one included), read once, the same on every rank
         events = history.read(ck.dirpath, (*history.LIFECYCLE, "end")) if ck.is_coordinator else []
         start, restarts = dist.broadcast_json(list(history.failures(events, d.run_id)))

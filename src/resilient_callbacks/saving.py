@@ -210,7 +210,7 @@ class Saver:
         ck._start_run(step)
         d = ck._dir
         if ck.is_coordinator and not d.checked_foreign:
-            d.check_foreign(stacklevel=3, unrestored=unrestored)  # the warning reaches the caller
+            d.check_foreign(unrestored)  # in the training thread: the warning reaches the caller
         prepared: Prepared | None = None
         local_exc: BaseException | None = None
         try:

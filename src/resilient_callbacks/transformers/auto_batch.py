@@ -25,17 +25,13 @@ So every rank raises :class:`Restart` at the same point and runs the loop again 
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
-from .. import dist, reader
+from .. import dist, layout, reader
 from ..catalog import Depth
 from ..errors import CheckpointMismatchError
-from ..layout import SHARED_STRUCTURE
-from ..tensorfile import read_verified
 from . import hooks
 from .trainer_state import FORMAT
 
@@ -144,11 +140,8 @@ def _newest_values(ckpt: Any) -> tuple[int, Any] | None:
         where = resume
     try:
         sel = reader.select(where, step, depth=Depth.SIZE)
-        files = {f.path: f for f in sel.manifest.files}
-        raw = read_verified(
-            os.path.join(sel.path, SHARED_STRUCTURE), files[SHARED_STRUCTURE].digest
-        )
-        return int(sel.manifest.step), json.loads(bytes(raw))["structure"]["trainer"]
+        shared = layout.read_json(sel.path, sel.manifest, layout.SHARED_STRUCTURE)
+        return int(sel.manifest.step), shared["structure"]["trainer"]
     except Exception as e:  # (the restore reads it again, and says what is wrong)
         log.debug("auto_find_batch_size: could not read ahead: %s", e)
         return None
