@@ -525,10 +525,12 @@ def test_section_in_a_base64_or_hjson_config_is_found(tmp_path: Path) -> None:
 def test_stage0_checkpoint_does_not_load_into_zero2(tmp_path: Path) -> None:
     ck = str(tmp_path / "ck")
     run_group(["--dir", ck, "--out", str(tmp_path / "a"), *_opts(0, "fp32", 3)], 1, tmp_path, "z0")
-    with pytest.raises(AssertionError, match="CheckpointMismatchError"):
+    with pytest.raises(AssertionError, match="CheckpointMismatchError") as refused:
         run_group(
             ["--dir", ck, "--out", str(tmp_path / "b"), *_opts(2, "fp32", 6)], 1, tmp_path, "z2"
         )
+    said = " ".join(str(refused.value).replace("[rank0]:", "").split())
+    assert "of a ZeRO stage 0 engine; this engine is ZeRO stage 2" in said
 
 
 def test_integration_configs_are_valid() -> None:

@@ -1,6 +1,11 @@
 """Does a checkpoint fit the live state? Every key and shape that does not, listed before
 anything is loaded (``check_fits``), so a checkpoint of another model is one clear error instead
-of a half-loaded state."""
+of a half-loaded state.
+
+A mapping in the state may explain a key mismatch in words the user knows: a method
+``explain_key_mismatch(missing, unexpected) -> str | None`` (the keys the checkpoint lacks and
+the keys only it has) adds its answer to the list (the DeepSpeed engine's state names the ZeRO
+stages, say)."""
 
 from __future__ import annotations
 
@@ -158,6 +163,10 @@ def check_fits(
                 left_out.extend(path_str((*path, k)) for k in unexpected)
                 unexpected = []
             problems.extend(_key_problems(path, missing, unexpected))
+            explain = getattr(obj, "explain_key_mismatch", None)
+            hint = explain(missing, unexpected) if explain and (missing or unexpected) else None
+            if hint:
+                problems.append(f"{path_str(path)}: {hint}")
             for k in obj:
                 if k in items:
                     rec(obj[k], items[k], (*path, k))

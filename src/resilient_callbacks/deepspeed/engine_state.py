@@ -229,13 +229,39 @@ def module_extras(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+class EngineState(dict[str, Any]):
+    """The state of one engine, a dict that says which ZeRO stages a layout mismatch is about
+    (stage 0 saves the whole module and optimizer, stages 1-3 the partitions)."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def explain_key_mismatch(self, missing: list[str], unexpected: list[str]) -> str | None:
+        saved_stage0 = "zero" in missing and "optimizer" in unexpected
+        if not (saved_stage0 or ("optimizer" in missing and "zero" in unexpected)):
+            return None
+        saved = (
+            "the whole module and optimizer of a ZeRO stage 0 engine"
+            if saved_stage0
+            else "the optimizer partitions of a ZeRO stage 1, 2 or 3 engine"
+        )
+        return (
+            f"the checkpoint holds {saved}; this engine is ZeRO stage "
+            f"{self.stage}. Stages 1, 2 and 3 resume one another's checkpoints, stage 0 only "
+            f'its own: set "zero_optimization": {{"stage": ...}} back, or start a new run '
+            f"from the saved weights (`resilient-ckpt export DIR OUT` writes them whole)"
+        )
+
+
 def engine_state(engine: Any) -> dict[str, Any]:
     """The Checkpointer state of ``engine``; raises :class:`UnsupportedStateError` for what is
     not supported, saying what is."""
     why = _unsupported(engine)
     if why is not None:
         raise UnsupportedStateError(f"resilient_callbacks.deepspeed: {why}")
-    state: dict[str, Any] = {"counters": EngineCounters(engine)}
+    state = EngineState(engine.zero_optimization_stage())
+    state["counters"] = EngineCounters(engine)
     if engine.zero_optimization_stage() == 0:
         state["module"] = engine.module
         state["optimizer"] = engine.optimizer
