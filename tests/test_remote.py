@@ -771,3 +771,39 @@ def test_a_cut_off_upload_is_listed_and_the_uploader_deletes_it_a_day_later(tmp_
     run(3)
     assert "step_000000005" not in {e.name for e in st.scan()}
     assert sorted(_committed(url, None).values()) == [2, 3]
+
+
+def test_keeping_every_checkpoint_the_uploader_still_deletes_cut_off_uploads(tmp_path, monkeypatch):
+    """With keep_last=None nothing is listed after each upload (the listing grew with the
+    store), so a kill's cut-off upload stayed for good. The uploader now looks once a process
+    (and hourly): the first upload of a run deletes those untouched for a day, later uploads of
+    the same process do not list the store again."""
+    from resilient_callbacks import sync
+
+    monkeypatch.setattr(sync, "STALE_UPLOAD_S", -1.0)  # as if a day had passed
+    url = f"file://{tmp_path}/durable/run"
+    st = RemoteStore(url)
+
+    def cut_off(step: int) -> str:
+        name = f"step_{step:09d}"
+        st.fs.makedirs(f"{st.root}/{name}", exist_ok=True)
+        st.fs.pipe_file(f"{st.root}/{name}/shared.safetensors", b"cut off")
+        return name
+
+    first = cut_off(50)
+    with Checkpointer(tmp_path / "ck", remote=url) as ck:
+        ck.restore(_fresh())
+        ck.save(1, _state(1.0))
+        ck.flush()
+        assert ck._dir.sync.wait(60)  # uploaded, and the uploader's retention done
+        assert first not in {e.name for e in st.scan()}
+        second = cut_off(60)
+        ck.save(2, _state(2.0))
+        ck.flush()
+        assert ck._dir.sync.wait(60)
+        assert second in {e.name for e in st.scan()}  # within the hour: not listed again
+    with Checkpointer(tmp_path / "ck", remote=url) as ck:
+        ck.restore(_fresh())
+        ck.save(3, _state(3.0))
+    assert second not in {e.name for e in st.scan()}
+    assert sorted(_committed(url, None).values()) == [1, 2, 3]

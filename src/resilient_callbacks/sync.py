@@ -27,6 +27,8 @@ from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore, reten
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s
 
+SWEEP_EVERY_S = 3600.0  # keeping every checkpoint, cut-off uploads are looked for this often
+
 log = logging.getLogger("resilient_callbacks")
 
 
@@ -74,6 +76,7 @@ class RemoteSync(UploadThread):
         self._uploaded_bytes = 0
         self._progress: Progress | None = None  # of the upload under way
         self._upload_seconds = 0.0
+        self._last_sweep: float | None = None  # when cut-off uploads were last looked for
         self._start()
 
     # ------------------------------------------------------------------ queries
@@ -289,14 +292,18 @@ class RemoteSync(UploadThread):
             )
 
     def _remote_retention(self, manifest: Manifest, protect: str) -> None:
-        if self.policy.keep_last is None:  # keeps every checkpoint: nothing to list or delete
-            return  # (listing the store after each upload grew with the number it holds)
+        keep_all = self.policy.keep_last is None
+        now = time.time()
+        if keep_all and self._last_sweep is not None and now - self._last_sweep < SWEEP_EVERY_S:
+            # nothing to delete but cut-off uploads; listing after each upload grew with the
+            return  # number of checkpoints the store holds: look once a process, then hourly
+        self._last_sweep = now
         try:
             entries = self.refresh()
             p = plan(
                 retention_candidates(entries), self.policy, manifest.run_id, protected=[protect]
             )
-            for name in p.delete:
+            for name in p.delete:  # none when keeping all
                 self.store.delete(name)
                 with self._cond:
                     self.index = {k: v for k, v in self.index.items() if v != name}
