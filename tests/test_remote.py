@@ -362,6 +362,14 @@ def test_unreachable_endpoint_is_a_clear_error_within_seconds(tmp_path):
     assert time.monotonic() - t0 < 20
 
 
+def test_an_unusable_local_remote_gets_filesystem_advice_not_cloud_advice(tmp_path):
+    (tmp_path / "a_file").write_bytes(b"x")  # the remote's path runs through a file
+    with pytest.raises(RemoteUnavailableError, match="not usable") as refused:
+        Checkpointer(tmp_path / "l", remote=f"file://{tmp_path}/a_file/run")
+    said = str(refused.value)
+    assert "writable directory on a mounted filesystem" in said and "bucket" not in said
+
+
 def test_an_endpoint_that_never_answers_does_not_keep_the_process_alive(tmp_path):
     """An endpoint that accepts connections and never replies (a black-holed load balancer):
     the error came in time, but the check's worker thread, stuck in the store's client, was

@@ -163,10 +163,14 @@ class RemoteStore:
             )
         if outcome[0] is not None:
             e = outcome[0]
+            advice = (
+                "Check that the path is a writable directory on a mounted filesystem"
+                if self.is_local
+                else "Check the bucket name, the endpoint and the credentials"
+            )
             raise RemoteUnavailableError(
-                f"remote {self.url} is not usable: {type(e).__name__}: {e}. Check the bucket "
-                "name, the endpoint and the credentials (remote_options: "
-                f"{_redact(self.options)})."
+                f"remote {self.url} is not usable: {type(e).__name__}: {e}. {advice} "
+                f"(remote_options: {_redact(self.options)})."
             ) from e
 
     # ------------------------------------------------------------------ listing
