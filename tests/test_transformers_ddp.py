@@ -34,6 +34,7 @@ from test_transformers import (
     _env,
     _records_from,
     _restored,
+    _run_and_signal,
 )
 
 # slow (about a minute of CPU): run with -m slow. The default suite covers DDP exactness with the
@@ -198,3 +199,53 @@ def test_a_resume_on_one_process_with_the_same_global_batch_goes_on_with_the_epo
     assert len(ours) >= 2 * 50 and len(want) >= 2 * 50, (len(ours), len(want))
     n = min(len(ours), len(want))
     assert ours[:n] == want[:n]
+
+
+def test_a_resume_on_two_processes_with_the_same_global_batch_reads_each_share_of_the_order(
+    tmp_path,
+):
+    """The other way: killed on 1 process (batch 4, accumulation 6: 24 samples a step) and
+    resumed on 2 with accumulation 3 (24 a step). Each process reads its share of the rest of
+    the interrupted epoch's order, from the saved step on, then its share of the next epochs'
+    orders, as the uninterrupted 1-process run drew them (process ``r`` reads global batch
+    ``2k + r`` as its ``k``-th), and the run trains to the end on both processes."""
+    one_process = ("--accumulation", "6", "--record-reads")
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    reference = subprocess.Popen(
+        [*_cmd(ref), *one_process],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    work = tmp_path / "run"
+    work.mkdir()
+    _run_and_signal([*_cmd(work, sleep=0.15), *one_process], work, 5, signal.SIGKILL)
+    newest = _committed(work / "out" / "ckpt")[-1].step
+    assert newest % 3 != 0, f"not mid-epoch (an epoch is 3 steps here): step {newest}"
+
+    err = _run(_ddp_cmd(work, extra=("--accumulation", "3", "--record-reads")))
+    assert _restored(err) == newest and f"[rank 1] restored step {newest}" in err
+    assert "on 2 process(es) x 4 x 3 accumulated: the same global batch of 24" in err, err[-3000:]
+    for rank in (0, 1):
+        final = json.loads((work / f"final.safetensors.rank{rank}.json").read_text())
+        assert final["global_step"] == 14
+    _, ref_err = reference.communicate(timeout=RUN_TIMEOUT)
+    assert reference.returncode == 0, ref_err[-3000:]
+
+    drawn = _read_order(ref / "steps.jsonl.reads")  # 50 samples an epoch, in the epoch's order
+    epoch, into = divmod(newest, 3)
+    for rank in (0, 1):
+        want: list[int | None] = []
+        for e in range(epoch, len(drawn) // 50):
+            order = drawn[50 * e : 50 * e + 50]
+            first = 3 * into if e == epoch else 0  # a step is 3 local batches of each process
+            for k in range(first, 7):  # 7 local batches of 4 an epoch (the last one padded)
+                g = 2 * k + rank
+                want += order[4 * g : 4 * g + 4] if g < 12 else [None] * 4
+        ours = _read_order(work / f"steps.jsonl.reads.rank{rank}")
+        assert len(ours) >= 50 and len(want) >= 50, (rank, len(ours), len(want))
+        n = min(len(ours), len(want))
+        padded = [None if w is None else o for o, w in zip(ours[:n], want[:n], strict=True)]
+        assert padded == want[:n], rank
