@@ -249,3 +249,18 @@ def test_a_resume_on_two_processes_with_the_same_global_batch_reads_each_share_o
         n = min(len(ours), len(want))
         padded = [None if w is None else o for o, w in zip(ours[:n], want[:n], strict=True)]
         assert padded == want[:n], rank
+
+
+def test_under_deepspeed_a_resume_on_one_process_with_the_same_global_batch_trains_on(tmp_path):
+    """The Trainer under DeepSpeed ZeRO-2 (options in the config's section): killed on 2
+    processes, resumed on 1 with twice the accumulation. The partitions of 2 ranks load into
+    1, the layout change is said, and nothing is said of a changed micro-step count (accelerate
+    sets the engine's accumulation boundaries itself)."""
+    pytest.importorskip("deepspeed")
+    work = tmp_path / "run"
+    _, newest = _killed_after(work, 5, extra=("--deepspeed", "2"))
+    err = _run([*_cmd(work), "--deepspeed", "2", "--accumulation", "6"])
+    assert _restored(err) == newest > 0
+    assert "on 1 process(es) x 4 x 6 accumulated: the same global batch of 24" in err, err[-3000:]
+    assert "micro-step count" not in err, err[-3000:]
+    assert json.loads((work / "final.safetensors.json").read_text())["global_step"] == 14

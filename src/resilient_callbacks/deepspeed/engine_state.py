@@ -35,10 +35,14 @@ COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
 class EngineCounters:
-    """The engine's step and sample counters (what ``engine.global_steps`` reports)."""
+    """The engine's step and sample counters (what ``engine.global_steps`` reports).
+    ``caller_sets_boundaries``: the caller calls ``step()`` once per optimizer step and tells
+    the engine where each accumulation boundary is (accelerate does, for the Trainer), so
+    ``micro_steps`` counts optimizer steps and needs no aligning."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, caller_sets_boundaries: bool = False) -> None:
         self.engine = engine
+        self.caller_sets_boundaries = caller_sets_boundaries
 
     def state_dict(self) -> dict[str, int]:
         return {k: int(getattr(self.engine, k)) for k in COUNTERS if hasattr(self.engine, k)}
@@ -62,7 +66,9 @@ class EngineCounters:
             if hasattr(e, "managed_gradient_accumulation")
             else True
         )
-        if not managed or getattr(e, "zenflow", False) or gas <= 0 or e.micro_steps % gas == 0:
+        if self.caller_sets_boundaries or not managed or getattr(e, "zenflow", False):
+            return
+        if gas <= 0 or e.micro_steps % gas == 0:
             return
         was = int(e.micro_steps)
         e.micro_steps = was + gas - was % gas
@@ -254,14 +260,14 @@ class EngineState(dict[str, Any]):
         )
 
 
-def engine_state(engine: Any) -> dict[str, Any]:
+def engine_state(engine: Any, caller_sets_boundaries: bool = False) -> dict[str, Any]:
     """The Checkpointer state of ``engine``; raises :class:`UnsupportedStateError` for what is
-    not supported, saying what is."""
+    not supported, saying what is. ``caller_sets_boundaries``: see :class:`EngineCounters`."""
     why = _unsupported(engine)
     if why is not None:
         raise UnsupportedStateError(f"resilient_callbacks.deepspeed: {why}")
     state = EngineState(engine.zero_optimization_stage())
-    state["counters"] = EngineCounters(engine)
+    state["counters"] = EngineCounters(engine, caller_sets_boundaries)
     if engine.zero_optimization_stage() == 0:
         state["module"] = engine.module
         state["optimizer"] = engine.optimizer

@@ -48,8 +48,19 @@ def engine_tree(trainer: Any, tree: dict[str, Any]) -> dict[str, Any]:
 
     engine = trainer.model_wrapped
     out = {k: v for k, v in tree.items() if k not in ("model", "optimizer", "scheduler")}
-    out["engine"] = engine_state(engine)
+    out["engine"] = engine_state(engine, caller_sets_boundaries=_accelerate_sets_boundaries())
     sched = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
     if sched is not None and sched is not getattr(engine, "lr_scheduler", None):
         out["scheduler"] = sched
     return out
+
+
+def _accelerate_sets_boundaries() -> bool:
+    """Does accelerate call ``engine.step()`` once per optimizer step, telling the engine where
+    each accumulation boundary is (its wrapper's ``backward(loss, sync_gradients=...)``)?
+    Versions without that argument called it at every micro-batch and let DeepSpeed count."""
+    import inspect
+
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    return "sync_gradients" in inspect.signature(DeepSpeedEngineWrapper.backward).parameters
