@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from resilient_callbacks.transformers import export_pretrained
-from test_transformers import _committed
-from test_transformers_ddp import kill_and_rerun
+from test_transformers import _cmd, _committed, _restored
+from test_transformers_ddp import TORCHRUN, _killed_after, _run, kill_and_rerun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -113,3 +113,22 @@ def test_bench_transformers_fsdp_quick(tmp_path):
     assert report["summary"]["hold"]["saves_per_run"] == 0
     md = (tmp_path / "bench_transformers_fsdp.md").read_text()
     assert md.startswith("# Trainer under FSDP2")
+
+
+@pytest.mark.slow
+def test_fsdp2_killed_on_two_processes_resumes_on_one_with_the_same_global_batch(tmp_path):
+    """Killed on 2 processes (batch 4, accumulation 3), resumed on 1 (torchrun: the Trainer's
+    FSDP needs a process group) with accumulation 6: the 2 ranks' shards reshard onto 1, the
+    layout change is said, and the run trains to the end."""
+    import json
+
+    from spawn_ranks import free_port
+
+    work = tmp_path / "run"
+    _, newest = _killed_after(work, 5, extra=("--fsdp",))
+    one = [*TORCHRUN[:-1], "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    err = _run([*one, *_cmd(work)[1:], "--ddp", "--fsdp", "--accumulation", "6"])
+    assert _restored(err) == newest > 0
+    assert "on 1 process(es) x 4 x 6 accumulated: the same global batch of 24" in err, err[-3000:]
+    final = json.loads((work / "final.safetensors.rank0.json").read_text())
+    assert final["global_step"] == 14
