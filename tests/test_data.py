@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -125,6 +126,17 @@ def test_mismatched_checkpoint_is_an_error():
         )
     with pytest.raises(ValueError, match="sampler"):
         ResumableDataLoader(TensorDataset(torch.arange(4)), sampler=[0, 1])
+    data = TensorDataset(torch.arange(40))
+    state = ResumableDataLoader(data, batch_size=4).state_dict()  # no generator of its own
+    said = "without its own generator (seed=/generator=), this one is with; construct it"
+    with pytest.raises(ValueError, match=re.escape(said)):
+        ResumableDataLoader(data, batch_size=4, seed=1).load_state_dict(state)
+
+
+def test_the_sampler_takes_the_number_of_samples_and_says_so_when_given_a_dataset():
+    with pytest.raises(TypeError, match=re.escape("ResumableSampler(len(dataset), seed=...)")):
+        ResumableSampler(TensorDataset(torch.arange(10)), seed=3)  # type: ignore[arg-type]
+    assert len(list(ResumableSampler(10, seed=3))) == 10
 
 
 def test_sharding_partitions_each_epoch_across_ranks():

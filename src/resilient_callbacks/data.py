@@ -312,12 +312,11 @@ class ResumableDataLoader(DataLoader):
                     "generator=) than this loader's; construct it as the interrupted run did"
                 )
             if ("generator" in state) != (self.generator is not None):
+                saved, here = ("with", "without") if "generator" in state else ("without", "with")
                 raise ValueError(
-                    "ResumableDataLoader: the checkpoint was written by a loader "
-                    + ("with" if "generator" in state else "without")
-                    + " its own generator (seed=/generator=) and this one is "
-                    + ("not" if self.generator is None else "")
-                    + "; construct it as the interrupted run did"
+                    f"ResumableDataLoader: the checkpoint was written by a loader {saved} its "
+                    f"own generator (seed=/generator=), this one is {here}; construct it as "
+                    "the interrupted run did"
                 )
             sampler.load_state_dict(saved)
             batches = int(state["batches_consumed"])

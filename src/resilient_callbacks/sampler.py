@@ -55,6 +55,11 @@ class ResumableSampler(Sampler[int]):
         rank: int = 0,
         reshuffle: bool = True,
     ) -> None:
+        if not isinstance(num_samples, int) or isinstance(num_samples, bool):
+            raise TypeError(
+                f"ResumableSampler(num_samples, ...) takes the number of samples (an int), not "
+                f"a {type(num_samples).__name__}: ResumableSampler(len(dataset), seed=...)"
+            )
         if num_samples < 0:
             raise ValueError("num_samples must be >= 0")
         if num_replicas is None:
