@@ -80,6 +80,22 @@ def test_resumed_run_equals_the_run_without_the_callback(tmp_path, caplog, stop,
     _assert_same(tmp_path / "without", work)
 
 
+def test_the_announced_epoch_is_the_trainers_after_a_resume_from_an_epoch_end_ckpt(
+    tmp_path, caplog
+):
+    """A run resumed with fit(ckpt_path=) from ModelCheckpoint's .ckpt written as the last
+    fit() stopped counts its epochs one ahead in Lightning's "processed" progress; our next
+    resume named that (epoch 2, where the Trainer was training epoch 1)."""
+    work = tmp_path / "run"
+    _run(work, "--max-steps", "13", "--model-checkpoint", "--val-every", "0")
+    (ckpt,) = (work / "mc").glob("epoch=0-step=13.ckpt")
+    _run(work, "--max-steps", "20", "--ckpt-path", str(ckpt))  # ours saves 16 and 20
+    with caplog.at_level("INFO"):
+        rc = _run(work, "--max-steps", "22")
+    assert rc is not None and rc.restored_step == 20
+    assert "resumed at step 20 (epoch 1, 6 batch(es) into it)" in caplog.text, caplog.text
+
+
 def test_the_resume_is_announced_in_the_default_output(tmp_path):
     work = tmp_path / "run"
     _run(work, "--max-steps", "6")

@@ -461,5 +461,7 @@ def position(checkpoint: Mapping[str, Any], epoch_end: bool) -> str:
     """Where in training a Lightning checkpoint is, in words (for the resume message)."""
     loops = checkpoint.get("loops", {}).get("fit_loop", {})
     batch = loops.get("epoch_loop.batch_progress", {}).get("current", {}).get("processed", "?")
-    epoch = loops.get("epoch_progress", {}).get("current", {}).get("processed", "?")
+    # completed, as trainer.current_epoch: "processed" runs one ahead after Lightning's own
+    # resume from some checkpoints (ModelCheckpoint's, written as a fit() stopped)
+    epoch = loops.get("epoch_progress", {}).get("current", {}).get("completed", "?")
     return f"end of epoch {epoch}" if epoch_end else f"epoch {epoch}, {batch} batch(es) into it"
