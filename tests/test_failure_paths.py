@@ -229,12 +229,21 @@ def test_a_zero_grace_period_from_the_environment_is_ignored_with_a_warning(
     assert "ignoring RESILIENT_GRACE_PERIOD_S='0'" in caplog.text
 
 
+def test_step_without_a_schedule_warns_once_saying_what_still_saves(tmp_path, caplog):
+    with Checkpointer(tmp_path) as ck:
+        for s in range(1, 5):
+            assert not ck.step(s, _state())
+        assert ck.step(5, _state(), final=True)
+    said = "no save schedule is configured (every_n_steps / every_seconds / adaptive / loss_jump)"
+    assert caplog.text.count(said) == 1, caplog.text
+
+
 def test_loss_jump_alone_is_a_trigger(tmp_path, caplog):
     with Checkpointer(tmp_path, loss_jump=0.5) as ck:
         for s in range(1, 12):
             ck.step(s, _state(), {"loss": 1.0})
         assert ck.step(12, _state(), {"loss": 5.0})
-    assert "no trigger is configured" not in caplog.text
+    assert "no save schedule is configured" not in caplog.text
 
 
 def test_close_timeout_abandons_the_save_and_keeps_the_directory_locked_until_it_stops(

@@ -585,6 +585,22 @@ def test_hparams_are_converted_or_reported_and_resume_works(tmp_path):
     assert rc.restored_step == 4 and trainer.global_step == 6
 
 
+def test_without_a_schedule_it_says_it_saves_the_last_step_and_on_preemption(tmp_path, caplog):
+    """ResilientCheckpoint() without every_n_steps/every_seconds/adaptive/loss_jump: one line
+    at the start says when it saves (not the core's warning, written for users who call
+    step() and save() themselves), and it saves the last step."""
+    with caplog.at_level("INFO"):
+        _tiny_fit(tmp_path, _Tiny(), ResilientCheckpoint(tmp_path / "ck"))
+    said = "it saves at the last step of fit() and on preemption only"
+    assert caplog.text.count(said) == 1, caplog.text
+    assert "no save schedule is configured" not in caplog.text
+    assert [e.step for e in _committed(tmp_path / "ck")] == [4]
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        _tiny_fit(tmp_path / "b", _Tiny(), ResilientCheckpoint(tmp_path / "b", adaptive=True))
+    assert said not in caplog.text
+
+
 @pytest.mark.slow  # suite time budget (the read-only restore itself: tests/test_read_only.py)
 def test_an_evaluation_loads_the_lightning_module_alone_read_only(tmp_path):
     """A Lightning run's checkpoint holds the LightningModule's state dict under

@@ -578,7 +578,7 @@ def test_callbacks_argument_first_run_then_rerun(tmp_path):
 
 def test_save_strategy_epoch_saves_at_epoch_ends_without_a_no_trigger_warning(tmp_path, caplog):
     """No trigger of ours and save_strategy="epoch": a save at every epoch end (an epoch is 5
-    optimizer steps here) and the final step; the core's "no trigger" warning is not logged,
+    optimizer steps here) and the final step; the core's "no save schedule" warning is not logged,
     since the callback saves on the Trainer's schedule."""
     out = tmp_path / "out"
     cb = ResilientCheckpoint()
@@ -586,7 +586,7 @@ def test_save_strategy_epoch_saves_at_epoch_ends_without_a_no_trigger_warning(tm
         hf_train.build_trainer(str(out), 12, callbacks=[cb], save_strategy="epoch").train()
     assert [e.step for e in _committed(out / "_resilient_checkpoints")] == [5, 10, 12]
     assert "saving at every epoch end" in caplog.text
-    assert "no trigger" not in caplog.text
+    assert "no save schedule" not in caplog.text
 
 
 def test_explicit_resume_from_checkpoint_wins(tmp_path):

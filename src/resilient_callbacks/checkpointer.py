@@ -258,9 +258,15 @@ class Checkpointer:
         if not self.logs_through_framework:
             sinks.warn_logger_without_framework()
 
+    @property
+    def has_schedule(self) -> bool:
+        """Whether :meth:`step` saves on a schedule (``every_n_steps``, ``every_seconds``,
+        ``adaptive``, ``loss_jump``), not only final steps and preemptions."""
+        return self._trigger.has_schedule
+
     def saves_on_caller_schedule(self, description: str) -> None:
         """Say that the caller saves with :meth:`save` on a schedule of its own (an adapter at
-        every epoch end): :meth:`step` then no longer warns that no trigger is configured."""
+        every epoch end): :meth:`step` then no longer warns that no save schedule is configured."""
         self._trigger.caller_schedule = description
 
     @property

@@ -120,6 +120,14 @@ class Trigger:
         self._step_seconds: deque[float] = deque(maxlen=50)
         self.compute_s = 0.0  # training compute seen by this process (between step() calls)
 
+    @property
+    def has_schedule(self) -> bool:
+        """Whether :meth:`decide` saves on a schedule (every_n_steps, every_seconds,
+        adaptive, loss_jump), not only at final steps."""
+        return (
+            self.policy.has_trigger or self.schedule is not None or self._loss_trigger is not None
+        )
+
     def step_started(self) -> None:
         """At the start of step(): the time since the last step() is the training step's."""
         if self._last_step_end is not None:
@@ -219,17 +227,15 @@ class Trigger:
             return "final", reason or "final step"
         if reason is None:
             if (
-                not self.policy.has_trigger
-                and self.schedule is None
-                and self._loss_trigger is None
+                not self.has_schedule
                 and self.caller_schedule is None
                 and not self._warned_no_trigger
             ):
                 self._warned_no_trigger = True
                 log.warning(
-                    "Checkpointer.step() called but no trigger is configured "
-                    "(every_n_steps / every_seconds / adaptive / loss_jump); only save() will "
-                    "write checkpoints"
+                    "no save schedule is configured (every_n_steps / every_seconds / adaptive "
+                    "/ loss_jump): checkpoints are written only for a step marked final, an "
+                    "explicit save() and a preemption"
                 )
             return None
         archive = self.policy.archive_every_n_steps

@@ -298,6 +298,7 @@ class ResilientCheckpoint(Checkpoint):
         dirpath = own_dir or os.path.join(trainer.default_root_dir, "resilient_checkpoints")
         self.checkpointer = Checkpointer(dirpath, **kwargs)
         self.checkpointer.logs_through_framework = True
+        checks.say_when_it_saves(self.checkpointer)
         watcher = self.checkpointer.watcher
         if watcher is not None and threading.current_thread() is threading.main_thread():
             for name in watcher.installed_signals:
@@ -388,10 +389,7 @@ class ResilientCheckpoint(Checkpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._step_end is not None:
-            log.debug(
-                "Lightning did not finish step %d; it was not considered for a checkpoint",
-                self._step_end.step,
-            )
+            log.debug("Lightning did not finish step %d: no checkpoint of it", self._step_end.step)
             self._step_end = None
 
     def on_train_batch_end(

@@ -7,14 +7,18 @@ import os
 import signal
 import warnings
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from ..config import CheckpointerConfig
 from ..errors import CheckpointMismatchError, ConfigError
 from ..fit import key_differences, warn_cast
+
+if TYPE_CHECKING:
+    from ..checkpointer import Checkpointer
 
 ADAPTER_OWNED = frozenset({"save_on_exception"})  # handled by the adapter, not by the core
 
@@ -153,3 +157,16 @@ def migrate(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
 
 def callbacks(trainer: Any) -> list[Any]:
     return list(getattr(trainer, "callbacks", None) or [])
+
+
+def say_when_it_saves(ckpt: Checkpointer) -> None:
+    """Without a schedule the callback saves the last step of ``fit()`` and on preemption:
+    say so once, as the Checkpointer is opened (not the core's words about ``step()``)."""
+    if ckpt.has_schedule:
+        return
+    when = "at the last step of fit() and on preemption"
+    ckpt.saves_on_caller_schedule(when)
+    rank_zero_info(
+        f"ResilientCheckpoint: no every_n_steps, every_seconds, adaptive or loss_jump given: "
+        f"it saves {when} only"
+    )
