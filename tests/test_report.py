@@ -106,7 +106,9 @@ def test_report_html_png_json(killed_run: Path, tmp_path: Path, capsys):
 def test_report_json_without_matplotlib_and_errors(killed_run: Path, tmp_path: Path, capsys):
     js = tmp_path / "r.json"
     assert cli(["report", str(killed_run), "--json", str(js)]) == 0
-    assert json.loads(js.read_text())["summary"]["failures"] == 2
+    report = json.loads(js.read_text())
+    assert report["summary"]["failures"] == 2
+    assert [lf["ended"] for lf in report["lives"]] == ["killed", "killed", "clean"]
     assert cli(["report", str(tmp_path / "nope")]) == 1
     assert "no such checkpoint directory" in capsys.readouterr().err
     (tmp_path / "a-file").write_text("x")
@@ -288,8 +290,15 @@ def test_an_exception_is_recorded_as_a_failure_not_a_clean_end(tmp_path: Path):
     assert ("failed", "RuntimeError") in events and ("end", None) in events
     js = tmp_path / "r.json"
     assert cli(["report", str(tmp_path), "--json", str(js)]) == 0
-    s = json.loads(js.read_text())["summary"]
+    report = json.loads(js.read_text())
+    s = report["summary"]
     assert s["lives"] == 2 and s["failures"] == 1 and s["clean_restarts"] == 0
+    # told apart from a kill (a life that left no record of how it ended)
+    assert [(lf["ended"], lf["error"]) for lf in report["lives"]] == [
+        ("failed", "RuntimeError"),
+        ("clean", None),
+    ]
+    assert [(f["ended"], f["error"]) for f in report["failures"]] == [("failed", "RuntimeError")]
 
 
 def test_report_of_a_history_without_a_run_start_exits_1(tmp_path: Path, capsys):

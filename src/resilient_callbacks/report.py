@@ -5,7 +5,8 @@ JSON-able data. No plotting library is needed here.
 
 A run's history is cut into *lives*: one process (or job) from its ``start`` or ``restart``
 record to the next. A life that wrote an ``end`` record stopped cleanly (finished, or saved and
-exited on a preemption); one that did not was killed: a failure. For a failure:
+exited on a preemption); one that did not is a failure: ``failed`` where the training raised
+(a ``failed`` record names the exception), ``killed`` where no record says why. For a failure:
 
 - *work lost* is the useful compute the dead life had done past the checkpoint the next life
   restored, as far as its last record shows (``progress`` heartbeats about once a minute, and
@@ -45,6 +46,20 @@ class Life:
     @property
     def ended_cleanly(self) -> bool:
         return any(r["event"] == "end" for r in self.records)
+
+    @property
+    def failed_with(self) -> str | None:
+        """The exception's name when the training this life served raised (a ``failed``
+        record: it closed, but as a failure); None otherwise."""
+        failed = [r for r in self.records if r["event"] == "failed"]
+        return str(failed[-1].get("error") or "an exception") if failed else None
+
+    @property
+    def ended(self) -> str:
+        """How the life ended: "clean", "failed" (an exception) or "killed" (no record)."""
+        if self.ended_cleanly:
+            return "clean"
+        return "failed" if self.failed_with is not None else "killed"
 
     @property
     def preempted(self) -> bool:
@@ -186,6 +201,8 @@ def analyse(
         failures.append(
             {
                 "life": prev.index,
+                "ended": prev.ended,  # "killed", or "failed" (an exception: see "error")
+                "error": prev.failed_with,
                 "last_seen_t": prev.last_time - t0,
                 "last_seen_step": prev.last_step,
                 "restored_step": nxt.begin_step,
@@ -251,7 +268,8 @@ def analyse(
                 "end_t": lf.last_time - t0,
                 "begin_step": lf.begin_step,
                 "last_step": lf.last_step,
-                "ended": "clean" if lf.ended_cleanly else "killed",
+                "ended": lf.ended,
+                "error": lf.failed_with,
                 "preempted": lf.preempted,
             }
             for lf in ls

@@ -259,7 +259,7 @@ _SUMMARY_ROWS = (
     ("useful_s", "useful compute (s)", None),
     ("history_begins_s", "history here begins into the run (s; elsewhere before)", None),
     ("lives", "processes (start + restarts)", None),
-    ("failures", "failures (killed, restarted)", None),
+    ("failures", "failures (killed or raised, restarted)", None),
     ("clean_restarts", "restarts after a clean stop", None),
     ("preemptions", "preemptions handled", None),
     ("saves", "checkpoints committed", None),
@@ -317,6 +317,8 @@ def render_html(data: dict[str, Any], pngs: dict[str, bytes]) -> str:
     if data["failures"]:
         parts.append("<h2>Failures</h2><table><tr>")
         cols = (
+            "ended",
+            "error",
             "last_seen_step",
             "restored_step",
             "lost_steps_at_least",
@@ -328,7 +330,7 @@ def render_html(data: dict[str, Any], pngs: dict[str, bytes]) -> str:
         )
         parts.append("".join(f"<th>{c}</th>" for c in cols) + "</tr>")
         for f in data["failures"]:
-            parts.append("<tr>" + "".join(f"<td>{_fmt(f[c])}</td>" for c in cols) + "</tr>")
+            parts.append("<tr>" + "".join(f"<td>{_fmt(f.get(c))}</td>" for c in cols) + "</tr>")
         parts.append("</table>")
     if data["checkpoints"]:
         parts.append("<h2>Checkpoints by tier</h2><table><tr>")
