@@ -18,6 +18,8 @@
 # emergency save, does NOT re-launch, and exits with the command's status (75 after a save), so
 # an outer scheduler (Slurm, a Kubernetes Job) sees the resumable exit code. That also makes it
 # usable as a container entrypoint: crashes restart inside the pod, preemptions go to the Job.
+# Started with `restart_loop.sh ... &` from a script (or under nohup), bash itself ignores
+# SIGINT (and nohup SIGHUP) for the loop, so no trap can see it: stop it with SIGTERM or SIGUSR1.
 #
 # The command runs with RESTART_ATTEMPT=0, 1, 2, ... in its environment (like torchrun's
 # TORCHELASTIC_RESTART_COUNT). Environment defaults: MAX_RESTARTS, RESTART_DELAY.
