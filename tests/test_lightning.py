@@ -459,6 +459,14 @@ def test_explicit_ckpt_path_wins(tmp_path):
     assert _records(work / "losses.jsonl")[offset]["step"] == 9
 
 
+def test_ckpt_path_last_that_lightning_resolves_to_no_file_resumes_ours(tmp_path):
+    work = tmp_path / "run"
+    _run_inprocess(_argv(work, "--max-steps", "8"))  # no ModelCheckpoint: no "last" file
+    rc, _ = _run_inprocess(_argv(work, "--max-steps", "12", "--ckpt-path", "last"))
+    assert rc.restored_step == 8
+    assert _records(work / "losses.jsonl")[8]["step"] == 9
+
+
 def test_coexists_with_model_checkpoint(tmp_path):
     work = tmp_path / "run"
     rc, _ = _run_inprocess(_argv(work, "--max-steps", "13", "--model-checkpoint"))
