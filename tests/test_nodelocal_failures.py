@@ -65,6 +65,30 @@ def test_remote_unlistable_and_empty_disks_is_an_error_not_a_fresh_start(tmp_pat
         assert rank[-1]["error"] == "RemoteUnavailableError", rank
 
 
+def test_remote_unlistable_at_the_restore_resumes_from_the_disks_and_says_why_it_uploads(
+    tmp_path,
+):
+    """The disks hold the run, the remote cannot be listed at the restore: the disks' newest
+    is restored, and their checkpoints are queued for upload again saying that the remote could
+    not be listed (it said "which a stop cut off", of checkpoints the remote held)."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    out = _run(
+        tmp_path,
+        "second",
+        2,
+        "--steps",
+        "4",
+        RC_SCAN_FAILS_AFTER=1,
+        RC_CAPTURE_LOG=1,
+        RC_OUTAGE_S=5,
+    )
+    for rank in out:
+        assert rank[0]["restored"] == 4, rank
+    log = out[0][-1]["log"]
+    assert "again: the remote could not be listed to tell if it has it" in log, log
+    assert "which a stop cut off" not in log, log
+
+
 @pytest.mark.slow
 def test_close_gives_up_on_an_outage_in_node_local_mode(tmp_path):
     """Every upload fails: close() returns once the (lowered) outage limit passed, the parts

@@ -151,7 +151,8 @@ class NodeRestorer(Restorer):
                     int(mine.get("files", 0)),
                     int(mine.get("bytes", 0)),
                 )
-                self._recover({(str(k[0]), int(k[1])) for k in msg["remote_keys"]})
+                listed = msg["remote_keys"]
+                self._recover(None if listed is None else {(str(k[0]), int(k[1])) for k in listed})
                 return step
         raise NoValidCheckpointError(
             f"{ck.dirpath} (on {len(topo.nodes)} nodes) holds checkpoints but none can be "
@@ -191,7 +192,9 @@ class NodeRestorer(Restorer):
         ]
         return {"local": local, "replicas": replicas}
 
-    def _plan(self, got: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any], list[str]]:
+    def _plan(
+        self, got: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[Any] | None, list[str]]:
         """Coordinator: the candidates, newest first, each with a source for every node; and
         the commits newer than every candidate that some node has no source for."""
         d, topo = self._d, self._d.topology
@@ -282,8 +285,8 @@ class NodeRestorer(Restorer):
                     f"(steps present: {sorted(set(steps.values())) or 'none'})"
                 )
             unusable = []  # the step asked for, not the newest: nothing newer is skipped
-        run_ids = {k[0] for k in remote}
-        return cands[:MAX_CANDIDATES], [list(k) for k in remote if k[0] in run_ids], unusable
+        keys = None if unlisted is not None else [list(k) for k in remote]  # None: not known
+        return cands[:MAX_CANDIDATES], keys, unusable
 
     # ------------------------------------------------------------------ fetching (collective)
 
@@ -422,12 +425,16 @@ class NodeRestorer(Restorer):
 
     # ------------------------------------------------------------------ after the load
 
-    def _recover(self, remote_keys: set[tuple[str, int]]) -> None:
+    def _recover(self, remote_keys: set[tuple[str, int]] | None) -> None:
         """Leaders: queue this run's local checkpoints newer than its newest remote commit
-        (their upload a crash cut off); coordinator: expect their remote commit."""
+        (their upload a crash cut off); coordinator: expect their remote commit.
+        ``remote_keys`` None: the remote could not be listed, so every one is queued again."""
         d = self._d
         if not d.topology.is_leader or d.run_id is None:
             return
+        why = "which a stop cut off"
+        if remote_keys is None:
+            remote_keys, why = set(), "again: the remote could not be listed to tell if it has it"
         newest_remote = max((k[1] for k in remote_keys if k[0] == d.run_id), default=0)
         for e in catalog.scan(d.dirpath, Depth.SIZE):
             m = e.manifest
@@ -448,5 +455,5 @@ class NodeRestorer(Restorer):
                     pass
             if d.uploader is not None:
                 mine = [f for f in m.files if not (f.path in SHARED_PATHS and f.rank != 0)]
-                log.warning("uploading %s, which a stop cut off", e.name)
+                log.warning("uploading %s, %s", e.name, why)
                 d.uploader.enqueue(e.name, name, key, mine)
