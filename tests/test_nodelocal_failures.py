@@ -65,7 +65,7 @@ def test_remote_unlistable_and_empty_disks_is_an_error_not_a_fresh_start(tmp_pat
         assert rank[-1]["error"] == "RemoteUnavailableError", rank
 
 
-@pytest.mark.slow  # suite time budget (a message; the fallback itself runs by default below)
+@pytest.mark.slow  # suite time budget: it checks a log message
 def test_remote_unlistable_at_the_restore_resumes_from_the_disks_and_says_why_it_uploads(
     tmp_path,
 ):
