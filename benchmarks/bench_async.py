@@ -88,7 +88,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import fsync_path, library_version, med, write_results
+from common import apply_quick, fsync_path, library_version, med, write_results
 from safetensors.torch import save_file
 
 from resilient_callbacks import Checkpointer
@@ -1064,7 +1064,9 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on /tmp)")
     ap.add_argument("--plot", action="store_true", help="also write bench_async.png")
-    ap.add_argument("--quick", action="store_true", help="small sizes, 2 reps: a smoke test")
+    ap.add_argument(
+        "--quick", action="store_true", help="small sizes, 2 reps: a smoke test (options given win)"
+    )
     ap.add_argument("--loop-steps", type=int, default=22, help="steps per training-loop run")
     ap.add_argument("--loop-rounds", type=int, default=2, help="runs of each loop kind")
     ap.add_argument(
@@ -1090,6 +1092,9 @@ def main() -> int:
         "--sizes, --reps, --out and --dir",
     )
     args = ap.parse_args()
+    if args.quick:
+        apply_quick(ap, args, sizes="16,48", reps=2, loop_steps=6, every=2, step_target=0.05)
+        apply_quick(ap, args, rss_saves=5, pairs=2)
     if args.device == "cuda":
         gpu = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_gpu.py")
         forwarded = ["--sizes", args.sizes, "--reps", str(args.reps), "--out", args.out]
@@ -1108,11 +1113,6 @@ def main() -> int:
     except ImportError:
         print("bench_async needs psutil: .venv/bin/pip install -e '.[dev]'", file=sys.stderr)
         return 2
-    if args.quick:
-        args.sizes, args.reps = "16,48", 2
-        args.loop_steps, args.every, args.step_target, args.rss_saves = 6, 2, 0.05, 5
-        args.pairs = 2
-        args.loop_mb = None
     sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
     loop_mb = args.loop_mb if args.loop_mb is not None else sizes[0]
     if loop_mb not in sizes:

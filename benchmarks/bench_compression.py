@@ -62,7 +62,9 @@ def main() -> None:
     ap.add_argument("--level", type=int, default=1)
     ap.add_argument("--link-mbps", type=float, default=10.0, help="simulated link, MB/s")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    )
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="bench-zstd-", dir=args.dir)
     nbytes = args.mb << 20

@@ -115,7 +115,9 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=6)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write checkpoints (default: a temp dir)")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    )
     ap.add_argument("--no-decoupled", action="store_true", help="skip DeepSpeed's decoupled engine")
     args = ap.parse_args()
     os.environ.setdefault("MASTER_PORT", free_port())

@@ -128,7 +128,9 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--saves", type=int, default=10)
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    )
     ap.add_argument("--sharded", action="store_true", help="FSDP2 + Sharded (a FilePart)")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench-inc-", dir=args.dir)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import os
 import platform
 import shutil
@@ -56,7 +57,14 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import add_device_option, device_missing, host_copies, library_version, write_results
+from common import (
+    add_device_option,
+    apply_quick,
+    device_missing,
+    host_copies,
+    library_version,
+    write_results,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from resilient_callbacks.lightning import ResilientCheckpoint
@@ -233,19 +241,23 @@ def main() -> int:
         "work, as on a GPU node whose training loop mostly waits for the GPU)",
     )
     add_device_option(p)
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    )
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument(
         "--variants",
         action="store_true",
         help="also measure ours with overlap_snapshot=False and with async_save=False",
     )
-    p.add_argument("--quick", action="store_true", help="small state, 1 repetition (smoke)")
+    p.add_argument(
+        "--quick", action="store_true", help="small state, 1 repetition (smoke; options given win)"
+    )
     args = p.parse_args()
     if device_missing(args.device):
         return 2
     if args.quick:
-        args.mb, args.steps, args.every, args.reps, args.batch = 24, 12, 4, 1, 16
+        apply_quick(p, args, mb=24, steps=12, every=4, reps=1, batch=16)
     configs = CONFIGS + (VARIANTS if args.variants else [])
     torch.set_num_threads(args.threads)
     work = tempfile.mkdtemp(prefix="bench_lightning-", dir=args.dir)
@@ -344,6 +356,11 @@ def main() -> int:
     return 0
 
 
+def _x(ratio: float) -> str:
+    """A ratio to ModelCheckpoint's figure; n/a where that figure was not above 0 (noise)."""
+    return f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a (ModelCheckpoint's figure <= 0)"
+
+
 def render(report: dict[str, Any]) -> str:
     meta, args = report["meta"], report["meta"]["args"]
     lines = [
@@ -407,9 +424,9 @@ def render(report: dict[str, Any]) -> str:
         "wait is the last checkpoint becoming durable, once per run).",
         "",
         f"Goal: overhead of ResilientCheckpoint <= {g['target']}x that of ModelCheckpoint at the "
-        f"same interval, state >= 256 MB: **{g['ratio']:.2f}x (paired medians), "
-        f"{'met' if g['met'] else 'missed'}**; best vs best {g['ratio_min']:.2f}x, CPU time "
-        f"{g['ratio_cpu']:.2f}x.",
+        f"same interval, state >= 256 MB: **{_x(g['ratio'])} (paired medians), "
+        f"{'met' if g['met'] else 'missed'}**; best vs best {_x(g['ratio_min'])}, CPU time "
+        f"{_x(g['ratio_cpu'])}.",
         "",
     ]
     return "\n".join(lines)

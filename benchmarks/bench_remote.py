@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 from bench_async import build_state, calibrate_batch, train_step
-from common import library_version, med, write_results
+from common import apply_quick, library_version, med, write_results
 
 from resilient_callbacks import Checkpointer
 from resilient_callbacks.manifest import read_manifest
@@ -231,10 +231,14 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--step-target", type=float, default=0.5)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    ap.add_argument("--quick", action="store_true", help="64 MB, 2 reps, 1 round (a smoke run)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="64 MB, 2 reps, 1 round (a smoke run; options given win)",
+    )
     args = ap.parse_args()
     if args.quick:
-        args.mb, args.reps, args.loop_rounds, args.loop_steps = 64, 2, 1, 12
+        apply_quick(ap, args, mb=64, reps=2, loop_rounds=1, loop_steps=12)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     server = MotoProcess()
     work = tempfile.mkdtemp(prefix="bench_remote_")

@@ -57,6 +57,7 @@ import torch
 import transformers
 from common import (
     add_device_option,
+    apply_quick,
     device_missing,
     host_copies,
     library_version,
@@ -420,12 +421,16 @@ def main() -> int:
     ap.add_argument(
         "--dir", default=None, help="where checkpoints are written (default: a temp dir)"
     )
-    ap.add_argument("--quick", action="store_true", help="small model, 1 repetition (smoke test)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="small model, 1 repetition (smoke test; options given win)",
+    )
     a = ap.parse_args()
     if device_missing(a.device):
         return 2
     if a.quick:
-        a.steps, a.every, a.reps, a.vocab, a.n_embd, a.n_layer = 8, 4, 1, 8000, 256, 2
+        apply_quick(ap, a, steps=8, every=4, reps=1, vocab=8000, n_embd=256, n_layer=2)
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(a.threads)
     t_start = time.time()

@@ -54,7 +54,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from bench_transformers import add_run_arguments, in_run_overhead
-from common import med, round_robin
+from common import apply_quick, med, round_robin
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("none", "hold", "trainer", "ours")
@@ -259,12 +259,16 @@ def main() -> int:
     add_run_arguments(ap, steps=24)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
-    ap.add_argument("--quick", action="store_true", help="small model, 1 repetition (smoke test)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="small model, 1 repetition (smoke test; options given win)",
+    )
     ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.quick:
-        a.steps, a.every, a.reps, a.vocab, a.n_embd, a.n_layer = 8, 4, 1, 8000, 256, 2
+        apply_quick(ap, a, steps=8, every=4, reps=1, vocab=8000, n_embd=256, n_layer=2)
     if a.worker:
         return worker(a)
     import torch

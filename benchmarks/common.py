@@ -67,6 +67,14 @@ def library_version() -> str:
         return "unknown"
 
 
+def apply_quick(parser: Any, args: Any, **small: Any) -> None:
+    """``--quick``: the ``small`` values for the options left at their defaults; an option
+    given on the command line wins (``--quick --steps 4`` runs 4 steps)."""
+    for name, value in small.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
+
+
 def add_device_option(parser: Any) -> None:
     """``--device cpu|cuda``: where the model trains (issue 13's GPU mode)."""
     parser.add_argument(
