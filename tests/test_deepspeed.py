@@ -547,8 +547,9 @@ def test_integration_configs_are_valid() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow  # keeps the default suite near its budget; run with -m slow
-def test_hf_trainer_with_deepspeed_zero2_kill_resume_exact(tmp_path: Path) -> None:
-    """The Transformers callback under ``TrainingArguments(deepspeed=...)`` (ZeRO-2, CPU), its
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_hf_trainer_with_deepspeed_kill_resume_exact(tmp_path: Path, stage: str) -> None:
+    """The Transformers callback under ``TrainingArguments(deepspeed=...)`` (ZeRO-2/3, CPU), its
     options in the config's section: SIGKILL mid-run, re-run, bit-identical per-step records,
     final fp32 weights and log history; DeepSpeed never sees the section. The re-run goes
     through the launcher (one wrapper command for every job): the section stays the callback's,
@@ -563,7 +564,7 @@ def test_hf_trainer_with_deepspeed_zero2_kill_resume_exact(tmp_path: Path) -> No
         )
         return [
             *run, str(Path(__file__).with_name("hf_train.py")), str(d),
-            "--deepspeed", "2",
+            "--deepspeed", stage,
             "--out-jsonl", str(d / "steps.jsonl"), "--out-final", str(d / "final.safetensors"),
         ]  # fmt: skip
 
