@@ -251,6 +251,11 @@ def test_a_resume_on_two_processes_with_the_same_global_batch_reads_each_share_o
         assert padded == want[:n], rank
 
 
+def test_under_deepspeed_zero2_two_processes_sigkill_then_rerun_is_bit_exact(tmp_path):
+    pytest.importorskip("deepspeed")
+    kill_and_rerun(tmp_path, extra=("--deepspeed", "2"))
+
+
 def test_under_deepspeed_a_resume_on_one_process_with_the_same_global_batch_trains_on(tmp_path):
     """The Trainer under DeepSpeed ZeRO-2 (options in the config's section): killed on 2
     processes, resumed on 1 with twice the accumulation. The partitions of 2 ranks load into
