@@ -584,6 +584,32 @@ def test_hf_trainer_with_deepspeed_kill_resume_exact(tmp_path: Path, stage: str)
     tt._assert_same_run(ref, got)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow  # suite time budget (the same without DeepSpeed: test_transparent_transformers)
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_the_trainer_under_deepspeed_is_unchanged_by_the_callback(tmp_path: Path, stage) -> None:
+    """14 steps under ZeRO-2/3 with the callback saving every 2 steps: per-step logs (loss,
+    grad norm, learning rate, evaluations), train()'s metrics, the engine's counters and the
+    final fp32 weights are those of the run without it, bit for bit."""
+    import torch
+
+    import test_transformers as tt
+
+    script = Path(__file__).with_name("hf_ds_transparent.py")
+    runs = {}
+    for mode in ("without", "with"):
+        out = str(tmp_path / mode)
+        tt._run([sys.executable, str(script), mode, out, stage])
+        runs[mode] = torch.load(out + ".pt", weights_only=True)
+    a, b = runs["without"], runs["with"]
+    assert a["history"] and a["history"] == b["history"]
+    assert a["metrics"] == b["metrics"] and a["counters"] == b["counters"] == [14, 14, 14 * 12]
+    assert a["params"].keys() == b["params"].keys()
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k]), k
+    assert [e.step for e in committed(tmp_path / "with" / "ckpt")][-1] == 14
+
+
 @pytest.mark.slow  # suite time budget
 @pytest.mark.distributed
 def test_export_holds_the_frozen_parameters_too(tmp_path: Path) -> None:
