@@ -136,6 +136,12 @@ def main() -> None:
             dec_engine.save_checkpoint(os.path.join(root, "probe"), tag="probe")
             shutil.rmtree(os.path.join(root, "probe"), ignore_errors=True)
         except Exception as e:  # not buildable on this machine (it needs DeepSpeed's aio op)
+            writer = getattr(dec_engine, "checkpoint_engine", None)
+            if writer is not None and hasattr(writer, "cleanup"):
+                try:  # stop its writer process now (left alone, it died at exit, noisily)
+                    writer.cleanup()
+                except Exception as stop_error:
+                    print(f"decoupled engine's cleanup failed: {stop_error}", file=sys.stderr)
             dec_engine, dec_error = None, f"{type(e).__name__}: {str(e)[:300]}"
     train(engine, 2)  # warm-up
     results: dict[str, list[float]] = {
