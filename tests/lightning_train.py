@@ -305,6 +305,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit-train", type=int, default=None, help="limit_train_batches")
     p.add_argument("--reload", action="store_true", help="reload_dataloaders_every_n_epochs=1")
     p.add_argument("--min-epochs", type=int, default=None, help="Trainer(min_epochs=)")
+    p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=)")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument(
         "--fsdp2", action="store_true", help="ModelParallelStrategy with fully_shard (FSDP2)"
@@ -409,6 +410,7 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
         max_steps=args.max_steps,
         limit_train_batches=args.limit_train,
         min_epochs=args.min_epochs,
+        accumulate_grad_batches=args.accumulate,
         reload_dataloaders_every_n_epochs=1 if args.reload else 0,
         accelerator="cpu",
         devices=args.devices,

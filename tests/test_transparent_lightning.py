@@ -80,6 +80,19 @@ def test_resumed_run_equals_the_run_without_the_callback(tmp_path, caplog, stop,
     _assert_same(tmp_path / "without", work)
 
 
+def test_with_gradient_accumulation_a_resumed_run_equals_the_run_without_the_callback(tmp_path):
+    """accumulate_grad_batches=3 (14 batches an epoch: optimizer steps after batches 3, 6, 9,
+    12 and at the epoch's end): stopped at step 7, in epoch 1, and resumed, the run is the run
+    without the callback, loss for loss and in its final weights."""
+    acc = ("--accumulate", "3")
+    _run(tmp_path / "without", "--max-steps", "20", "--no-callback", *acc)
+    work = tmp_path / "with"
+    _run(work, "--max-steps", "7", *acc)
+    rc = _run(work, "--max-steps", "20", *acc)
+    assert rc is not None and rc.restored_step == 7
+    _assert_same(tmp_path / "without", work)
+
+
 def test_the_announced_epoch_is_the_trainers_after_a_resume_from_an_epoch_end_ckpt(
     tmp_path, caplog
 ):
