@@ -566,6 +566,59 @@ class _Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class _TwoOptimizersManual(L.LightningModule):
+    """Manual optimization with two optimizers (a GAN's shape): each batch steps both, so
+    trainer.global_step goes up by 2 a batch; noise from the global RNG in the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.g = torch.nn.Linear(4, 4)
+        self.d = torch.nn.Linear(4, 1)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        x = batch[0]
+        loss_d = (self.d(x) - self.d(self.g(x).detach())).pow(2).mean() + torch.rand(()) * 1e-3
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        loss_g = self.d(self.g(x)).pow(2).mean()
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+        self.losses += [loss_d.item(), loss_g.item()]
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.AdamW(self.g.parameters(), lr=0.01),
+            torch.optim.SGD(self.d.parameters(), lr=0.1, momentum=0.9),
+        )
+
+
+def test_manual_optimization_with_two_optimizers_resumes_as_the_run_without_it(tmp_path):
+    """Two optimizers stepped by hand: global_step moves 2 a batch, so every_n_steps=3 saves
+    the first step past each multiple of 3; stopped at step 12 (6 batches, in epoch 0) and
+    resumed, the run equals the one without the callback, loss for loss and in its weights."""
+
+    def fit(*callbacks, max_steps):
+        L.seed_everything(0, verbose=False)
+        module = _TwoOptimizersManual()
+        _tiny_fit(tmp_path, module, *callbacks, max_steps=max_steps)
+        return module
+
+    plain = fit(max_steps=40)
+    first = fit(ResilientCheckpoint(tmp_path / "ck", every_n_steps=3), max_steps=12)
+    assert [e.step for e in _committed(tmp_path / "ck")] == [4, 6, 10, 12]
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=3)
+    resumed = fit(rc, max_steps=40)
+    assert rc.restored_step == 12
+    assert first.losses + resumed.losses == plain.losses
+    for a, b in zip(plain.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def _tiny_fit(tmp_path: Path, module: L.LightningModule, *callbacks, max_steps: int = 4):
     ds = torch.utils.data.TensorDataset(torch.randn(32, 4))
     trainer = L.Trainer(
