@@ -1034,3 +1034,54 @@ def test_latest_that_cannot_be_updated_is_removed_not_left_stale(tmp_path, monke
     assert not (root / "latest").exists()
     with Checkpointer(root) as again:
         assert [e.step for e in again.checkpoints()] == [2]
+
+
+class _SavedByAnOlderVersion:
+    """A compiled module as earlier versions of this library saved it: keys prefixed "_orig_mod."."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict:
+        return {f"_orig_mod.{k}": v for k, v in self.module.state_dict().items()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise AssertionError("only saved from")
+
+
+def test_a_compiled_model_and_its_plain_module_resume_each_others_checkpoints(tmp_path):
+    """torch.compile's wrapper prefixes its module's keys with "_orig_mod.": a run that turned
+    compiling on or off between restarts could not resume (missing and unexpected keys). The
+    module inside the wrapper is what is saved and loaded now, and a checkpoint whose keys all
+    carry the prefix (written before) loads into either."""
+
+    def model(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+    def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        m = model(0)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        m(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        return m, opt
+
+    saved, saved_opt = trained()
+    for i, (save_as, load_compiled) in enumerate(
+        [
+            (torch.compile(saved), False),
+            (saved, True),
+            (_SavedByAnOlderVersion(saved), False),
+            (_SavedByAnOlderVersion(saved), True),
+        ]
+    ):
+        with Checkpointer(tmp_path / str(i)) as ck:
+            ck.save(1, {"model": save_as, "opt": saved_opt})
+        fresh = model(1)
+        live = torch.compile(fresh) if load_compiled else fresh
+        opt = torch.optim.AdamW(live.parameters(), lr=0.1)
+        with Checkpointer(tmp_path / str(i)) as ck:
+            assert ck.restore({"model": live, "opt": opt}) == 1
+        for a, b in zip(saved.state_dict().values(), fresh.state_dict().values(), strict=True):
+            assert torch.equal(a, b), i
+        assert opt.state_dict()["state"][0]["step"] == 1

@@ -28,6 +28,8 @@ from .structure import (
     _qualname,
     is_stateful,
     path_str,
+    plain_module,
+    uncompiled_keys,
 )
 
 
@@ -64,11 +66,14 @@ def apply(
                 obj.copy_(value)
             return obj
         if is_stateful(obj):
+            target = plain_module(obj)  # torch.compile's wrapper: into the module it wraps
             value = resolve(n)
+            if isinstance(target, torch.nn.Module) and isinstance(value, Mapping):
+                value = uncompiled_keys(value)
             if mapped.keeps_host_tensors(obj):  # kept tensors must not hold the file (mapped.py)
                 value = mapped.private(value)
             try:
-                result = obj.load_state_dict(value)
+                result = target.load_state_dict(value)
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # the object's own validation: report with its key path

@@ -13,7 +13,7 @@ import torch
 import xxhash
 
 from .filepart import FilePart
-from .structure import PerRank, part_id
+from .structure import PerRank, part_id, plain_module
 
 
 def leaves(state: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -79,7 +79,7 @@ def fingerprint(state: Any) -> str:
     for path, obj in leaves(state):
         if isinstance(obj, torch.nn.Module):
             dotted = "".join(f".{p}" for p in path)
-            for k, v in obj.state_dict().items():
+            for k, v in plain_module(obj).state_dict().items():
                 if isinstance(v, torch.Tensor):
                     specs.append([f"{dotted}.{k}", list(v.shape), str(v.dtype)])
     return xxhash.xxh3_64_hexdigest(json.dumps(specs).encode()) if specs else ""

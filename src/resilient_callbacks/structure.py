@@ -66,6 +66,26 @@ def gone_ranks(world_size: int, saved_world_size: int) -> str:
     return f"rank {first}" if first == last else f"ranks {first} to {last}"
 
 
+COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper puts before its module's keys
+
+
+def plain_module(obj: Any) -> Any:
+    """The module ``torch.compile`` wrapped, for a compiled one (else ``obj``): saved and loaded
+    as it, so a checkpoint of a compiled run loads into an uncompiled one and the other way."""
+    inner = getattr(obj, "_orig_mod", None)
+    if isinstance(obj, torch.nn.Module) and isinstance(inner, torch.nn.Module):
+        return inner
+    return obj
+
+
+def uncompiled_keys(sd: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A module's saved state dict without the prefix of a compiled module's keys, where every
+    key has it (written before checkpoints saved the module inside the wrapper)."""
+    if sd and all(isinstance(k, str) and k.startswith(COMPILED_PREFIX) for k in sd):
+        return {k[len(COMPILED_PREFIX) :]: v for k, v in sd.items()}
+    return sd
+
+
 def is_stateful(obj: Any) -> bool:
     return (
         not isinstance(obj, (torch.Tensor, Mapping, type))
@@ -228,6 +248,7 @@ class _Encoder:
             ref["numpy"] = True
             return ref
         if is_stateful(obj):
+            obj = plain_module(obj)
             sd = obj.state_dict()
             # an optimizer wrapper (accelerate's) is recorded as the optimizer it steps
             kind = hookable(obj) if isinstance(obj, torch.optim.Optimizer) else obj
