@@ -1037,51 +1037,72 @@ def test_latest_that_cannot_be_updated_is_removed_not_left_stale(tmp_path, monke
 
 
 class _SavedByAnOlderVersion:
-    """A compiled module as earlier versions of this library saved it: keys prefixed "_orig_mod."."""
+    """A wrapped module as earlier versions of this library saved it: its keys prefixed."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: torch.nn.Module, prefix: str) -> None:
+        self.module, self.prefix = module, prefix
 
     def state_dict(self) -> dict:
-        return {f"_orig_mod.{k}": v for k, v in self.module.state_dict().items()}
+        return {f"{self.prefix}{k}": v for k, v in self.module.state_dict().items()}
 
     def load_state_dict(self, sd: dict) -> None:
         raise AssertionError("only saved from")
 
 
-def test_a_compiled_model_and_its_plain_module_resume_each_others_checkpoints(tmp_path):
-    """torch.compile's wrapper prefixes its module's keys with "_orig_mod.": a run that turned
-    compiling on or off between restarts could not resume (missing and unexpected keys). The
-    module inside the wrapper is what is saved and loaded now, and a checkpoint whose keys all
-    carry the prefix (written before) loads into either."""
+def test_a_wrapped_model_and_its_plain_module_resume_each_others_checkpoints(tmp_path):
+    """torch.compile's wrapper prefixes its module's keys with "_orig_mod.", DataParallel and
+    DistributedDataParallel with "module.": a run that turned compiling on or off, or went from
+    DDP to one process (or an evaluation of a DDP run), could not resume (missing and
+    unexpected keys). The module inside the wrapper is what is saved and loaded now, and a
+    checkpoint whose keys all carry a wrapper's prefix (written before) loads into either."""
 
     def model(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
         return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 
-    def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        m = model(0)
-        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
-        m(torch.ones(2, 4)).sum().backward()
-        opt.step()
-        return m, opt
-
-    saved, saved_opt = trained()
-    for i, (save_as, load_compiled) in enumerate(
-        [
-            (torch.compile(saved), False),
-            (saved, True),
-            (_SavedByAnOlderVersion(saved), False),
-            (_SavedByAnOlderVersion(saved), True),
-        ]
-    ):
+    saved = model(0)
+    saved_opt = torch.optim.AdamW(saved.parameters(), lr=0.1)
+    saved(torch.ones(2, 4)).sum().backward()
+    saved_opt.step()
+    wrappers = {
+        "plain": lambda m: m,
+        "compiled": torch.compile,
+        "dp": torch.nn.DataParallel,
+        "compiled dp": lambda m: torch.compile(torch.nn.DataParallel(m)),
+    }
+    old = {
+        "old compiled": _SavedByAnOlderVersion(saved, "_orig_mod."),
+        "old dp": _SavedByAnOlderVersion(saved, "module."),
+        "old compiled dp": _SavedByAnOlderVersion(saved, "_orig_mod.module."),
+    }
+    saves = {**{k: w(saved) for k, w in wrappers.items()}, **old}
+    for i, (as_saved, save_as) in enumerate(saves.items()):
         with Checkpointer(tmp_path / str(i)) as ck:
             ck.save(1, {"model": save_as, "opt": saved_opt})
-        fresh = model(1)
-        live = torch.compile(fresh) if load_compiled else fresh
-        opt = torch.optim.AdamW(live.parameters(), lr=0.1)
-        with Checkpointer(tmp_path / str(i)) as ck:
-            assert ck.restore({"model": live, "opt": opt}) == 1
-        for a, b in zip(saved.state_dict().values(), fresh.state_dict().values(), strict=True):
-            assert torch.equal(a, b), i
-        assert opt.state_dict()["state"][0]["step"] == 1
+        for as_loaded, wrap in wrappers.items():
+            fresh = model(1)
+            live = wrap(fresh)
+            opt = torch.optim.AdamW(live.parameters(), lr=0.1)
+            with Checkpointer(tmp_path / str(i), read_only=True) as ck:
+                assert ck.restore({"model": live, "opt": opt}) == 1
+            for a, b in zip(saved.state_dict().values(), fresh.state_dict().values(), strict=True):
+                assert torch.equal(a, b), (as_saved, as_loaded)
+            assert opt.state_dict()["state"][0]["step"] == 1
+
+
+def test_a_model_whose_own_keys_start_with_module_is_not_unwrapped(tmp_path):
+    """A plain module with a submodule named "module" keeps its keys: only keys none of which
+    the live module has are taken for a wrapper's."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self, v: float) -> None:
+            super().__init__()
+            self.module = torch.nn.Linear(2, 2)
+            torch.nn.init.constant_(self.module.weight, v)
+
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"model": Holder(3.0)})
+    live = Holder(0.0)
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore({"model": live}) == 1
+    assert torch.equal(live.module.weight, torch.full((2, 2), 3.0))

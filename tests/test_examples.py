@@ -54,6 +54,22 @@ def test_torchrun_example_continues_where_it_stopped_with_the_same_losses(tmp_pa
     assert "starting at step 20" in again, again[-2000:]
     assert sorted(losses(again)) == [30, 40]
     assert {s: losses(straight)[s] for s in (30, 40)} == losses(again)
+    if script == "ddp_loop.py":  # the DDP-wrapped model, evaluated in one plain process
+        import torch
+
+        from resilient_callbacks import Checkpointer
+
+        models = []
+        for d in ("straight", "stopped"):
+            torch.manual_seed(1)
+            net = torch.nn.Sequential(
+                torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
+            )
+            with Checkpointer(tmp_path / d, read_only=True) as ck:
+                assert ck.restore({"model": net}) == 40
+            models.append(net)
+        for a, b in zip(*(m.state_dict().values() for m in models), strict=True):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.slow

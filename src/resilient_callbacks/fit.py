@@ -31,7 +31,7 @@ from .structure import (
     is_stateful,
     path_str,
     plain_module,
-    uncompiled_keys,
+    unwrapped_keys,
 )
 
 log = logging.getLogger("resilient_callbacks")
@@ -101,7 +101,7 @@ def check_fits(
                 problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a part")
             return
         if isinstance(obj, torch.nn.Module):
-            obj = plain_module(obj)  # torch.compile's wrapper: its module's keys, unprefixed
+            obj = plain_module(obj)  # a wrapper's (compile, DDP) module: its keys, unprefixed
             # a module's state; or a state dict saved as a dict (Lightning's "state_dict")
             saved = n["state"] if isinstance(n, dict) and n.get(TAG) == "stateful" else n
             if _node_items(saved) is None:
@@ -114,7 +114,7 @@ def check_fits(
             }
             have = {
                 k: v
-                for k, v in uncompiled_keys(_tensor_specs(saved, tensors_meta)).items()
+                for k, v in unwrapped_keys(_tensor_specs(saved, tensors_meta), want).items()
                 if k in want or v is not None
             }
             missing, unexpected, reshaped = key_differences(

@@ -29,7 +29,7 @@ from .structure import (
     is_stateful,
     path_str,
     plain_module,
-    uncompiled_keys,
+    unwrapped_keys,
 )
 
 
@@ -66,10 +66,10 @@ def apply(
                 obj.copy_(value)
             return obj
         if is_stateful(obj):
-            target = plain_module(obj)  # torch.compile's wrapper: into the module it wraps
+            target = plain_module(obj)  # a wrapper (compile, DDP): into the module it wraps
             value = resolve(n)
             if isinstance(target, torch.nn.Module) and isinstance(value, Mapping):
-                value = uncompiled_keys(value)
+                value = unwrapped_keys(value, target.state_dict().keys())
             if mapped.keeps_host_tensors(obj):  # kept tensors must not hold the file (mapped.py)
                 value = mapped.private(value)
             try:

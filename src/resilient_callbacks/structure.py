@@ -19,7 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,23 +66,35 @@ def gone_ranks(world_size: int, saved_world_size: int) -> str:
     return f"rank {first}" if first == last else f"ranks {first} to {last}"
 
 
-COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper puts before its module's keys
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile's and (Distributed)DataParallel's
 
 
 def plain_module(obj: Any) -> Any:
-    """The module ``torch.compile`` wrapped, for a compiled one (else ``obj``): saved and loaded
-    as it, so a checkpoint of a compiled run loads into an uncompiled one and the other way."""
-    inner = getattr(obj, "_orig_mod", None)
-    if isinstance(obj, torch.nn.Module) and isinstance(inner, torch.nn.Module):
-        return inner
+    """The module a wrapper wraps (``torch.compile``'s, ``DistributedDataParallel``,
+    ``DataParallel``; else ``obj``): saved and loaded as it, so a checkpoint of a compiled or
+    DDP run loads into a plain module (an evaluation, a run on one process) and the other way."""
+    while isinstance(obj, torch.nn.Module):
+        inner = getattr(obj, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module) and isinstance(
+            obj, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+        ):
+            inner = obj.module
+        if not isinstance(inner, torch.nn.Module):
+            return obj
+        obj = inner
     return obj
 
 
-def uncompiled_keys(sd: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A module's saved state dict without the prefix of a compiled module's keys, where every
-    key has it (written before checkpoints saved the module inside the wrapper)."""
-    if sd and all(isinstance(k, str) and k.startswith(COMPILED_PREFIX) for k in sd):
-        return {k[len(COMPILED_PREFIX) :]: v for k, v in sd.items()}
+def unwrapped_keys(sd: Mapping[str, Any], live: Collection[str]) -> Mapping[str, Any]:
+    """A module's state dict saved from inside a wrapper (by earlier versions, which saved the
+    wrapper): without the wrappers' key prefixes, where every key has one and none is a key of
+    the live module (``live``)."""
+    live = set(live)
+    while sd and not live & set(sd):
+        prefix = next((p for p in WRAPPER_PREFIXES if all(str(k).startswith(p) for k in sd)), None)
+        if prefix is None:
+            break
+        sd = {str(k)[len(prefix) :]: v for k, v in sd.items()}
     return sd
 
 
