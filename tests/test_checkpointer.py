@@ -469,6 +469,18 @@ def test_unsafe_manifest_explicit_path_raises(tmp_path):
     assert isinstance(ei.value, UnsafeManifestError)
 
 
+def test_unsafe_manifest_resumed_by_step_raises_its_own_class(tmp_path):
+    """resume=<step> of a checkpoint whose manifest names a file outside it: the error is an
+    UnsafeManifestError, as for resume=<path> (it was a plain CheckpointCorruptError)."""
+    root = tmp_path / "ck"
+    _make_run(root)
+    m = _manifest(_step_dir(root, 30))
+    m["files"][0]["path"] = "../evil"
+    _write_manifest(_step_dir(root, 30), m)
+    with Checkpointer(root, resume=30) as ck, pytest.raises(UnsafeManifestError, match="evil"):
+        ck.restore(_fresh())
+
+
 @pytest.mark.parametrize(
     "name",
     [

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import errors
 from .errors import RemoteUnavailableError, ResumeFallbackWarning, warn_and_log
 
 if TYPE_CHECKING:
@@ -29,10 +30,24 @@ class Candidate:
     problem: str | None = None
     key: tuple[str, int] | None = None
     remote: str | None = None
+    problem_type: str | None = None  # the class of the error that found the problem, if any
 
     @property
     def where(self) -> str | None:
         return self.path if self.path is not None else self.remote
+
+    @classmethod
+    def of(cls, e: Entry) -> Candidate:
+        """A local checkpoint of the listing, as a candidate."""
+        return cls(e.path, e.step, e.problem, problem_type=e.problem_type)
+
+    def refused(self) -> errors.CheckpointCorruptError:
+        """The error a resume that names this (broken) checkpoint raises: of the class of the
+        one that found its problem (an UnsafeManifestError, say)."""
+        kind = getattr(errors, self.problem_type or "", None)
+        if not (isinstance(kind, type) and issubclass(kind, errors.CheckpointCorruptError)):
+            kind = errors.CheckpointCorruptError
+        return kind(f"cannot resume from {self.where}: {self.problem}")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -46,6 +61,7 @@ class Candidate:
             d.get("problem"),
             (str(key[0]), int(key[1])) if key is not None else None,
             d.get("remote"),
+            d.get("problem_type"),
         )
 
 

@@ -46,6 +46,7 @@ class Entry:
     status: Status
     manifest: Manifest | None = None
     problem: str | None = None
+    problem_type: str | None = None  # the error's class name, where one said the problem
 
     @property
     def step(self) -> int | None:
@@ -148,7 +149,8 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
         except (CheckpointCorruptError, FileNotFoundError) as e:
             if gone(path):
                 continue
-            committed.append(Entry(name, path, Status.CORRUPT, problem=str(e)))
+            problem_type = type(e).__name__
+            committed.append(Entry(name, path, Status.CORRUPT, None, str(e), problem_type))
             continue
         except OSError as e:
             committed.append(Entry(name, path, Status.CORRUPT, problem=unreadable(e)))

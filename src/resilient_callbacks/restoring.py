@@ -131,7 +131,7 @@ class Restorer:
             if c.problem:
                 skipped.append(f"{c.where} (step {c.step}): {c.problem}")
                 if explicit:
-                    raise CheckpointCorruptError(f"cannot resume from {c.where}: {c.problem}")
+                    raise c.refused()
                 self._warn_fallback(c, c.problem)
                 continue
             self._tier = "remote" if remote_url else "local"
@@ -375,7 +375,7 @@ class Restorer:
         found = reader.committed(ck.dirpath)  # the listing `resilient-ckpt inspect` reads
         # Checkpoints whose manifest cannot be read have no commit number: they may be the
         # newest, so they are tried (and reported as skipped) first, never silently ignored.
-        cands = [Candidate(e.path, e.step, e.problem) for e in found if e.manifest is None]
+        cands = [Candidate.of(e) for e in found if e.manifest is None]
         cands += merge_tiers(self._ck._dir, [e for e in found if e.manifest is not None])
         if isinstance(r, int):
             chosen = [c for c in cands if c.step == r]
