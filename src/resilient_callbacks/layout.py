@@ -225,16 +225,13 @@ def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] 
     ``borrow``: the ids of the per-rank states a rank the checkpoint has no files of takes from
     rank 0 (``PerRank(new_ranks="rank0")``)."""
 
-    def load_json(name: str) -> Any:
-        return read_json(path, manifest, name)
-
     def load_tensors(name: str) -> dict[str, torch.Tensor]:
         entry = _entry(manifest, name, path)
         return load_tensor_file(os.path.join(path, entry.path), entry)
 
-    shared = load_json(SHARED_STRUCTURE)
+    shared = read_json(path, manifest, SHARED_STRUCTURE)
     if rank < manifest.world_size:
-        local = load_json(rank_structure(rank))
+        local = read_json(path, manifest, rank_structure(rank))
         names = [SHARED_TENSORS, rank_tensors(rank)]
         sizes = [_entry(manifest, n, path).size for n in names]
         if min(sizes) >= PARALLEL_MIN:
@@ -250,7 +247,7 @@ def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] 
         tensors = load_tensors(SHARED_TENSORS)
         per_rank, rng = {}, None
         if borrow:  # a rank the checkpoint has no files of: rank 0's, of these states
-            first = load_json(rank_structure(0)).get("per_rank") or {}
+            first = read_json(path, manifest, rank_structure(0)).get("per_rank") or {}
             per_rank = {k: v for k, v in first.items() if k in borrow}
             tensors.update(load_tensors(rank_tensors(0)))  # "@rank/" names: no clash
     refs = shared.get("blobs") or {}

@@ -45,6 +45,8 @@ log = logging.getLogger("resilient_callbacks")
 
 PROBE_PREFIX = ".resilient-probe-"
 NO_MANIFEST = "no manifest (incomplete)"  # a RemoteEntry's problem: files, no manifest yet
+_LOCAL_ADVICE = "Check that the path is a writable directory on a mounted filesystem"
+_STORE_ADVICE = "Check the bucket name, the endpoint and the credentials"
 STALE_UPLOAD_S = 24 * 3600.0  # untouched this long, a folder without a manifest is dead
 ETAG_CHECK_MAX = 8 << 20  # MD5-compare single-part objects up to this size (bigger ones: the
 # store validates the CRC32 checksum botocore sends with every PUT and part)
@@ -161,15 +163,10 @@ class RemoteStore:
                 f"remote {self.url}: no answer within {timeout:g} s (endpoint unreachable or "
                 f"very slow). remote_options: {_redact(self.options)}"
             )
-        if outcome[0] is not None:
-            e = outcome[0]
-            advice = (
-                "Check that the path is a writable directory on a mounted filesystem"
-                if self.is_local
-                else "Check the bucket name, the endpoint and the credentials"
-            )
+        if (e := outcome[0]) is not None:
+            check = _LOCAL_ADVICE if self.is_local else _STORE_ADVICE
             raise RemoteUnavailableError(
-                f"remote {self.url} is not usable: {type(e).__name__}: {e}. {advice} "
+                f"remote {self.url} is not usable: {type(e).__name__}: {e}. {check} "
                 f"(remote_options: {_redact(self.options)})."
             ) from e
 

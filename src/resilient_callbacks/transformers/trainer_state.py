@@ -180,23 +180,19 @@ def check_compatible(values: Mapping[str, Any], signature: Mapping[str, Any], st
             f"(format {values.get('format')!r}, expected {FORMAT!r}); use another dirpath"
         )
     saved = values["data"]
-    diff = [
-        f"{k}: {saved.get(k)} in the checkpoint, {signature[k]} here"
-        for k in signature
-        if saved.get(k) != signature[k]
-    ]
-    if not diff:
+    changed = [k for k in signature if saved.get(k) != signature[k]]
+    if not changed:
         return False
-    changed = {k for k in signature if saved.get(k) != signature[k]}
+    diff = [f"{k}: {saved.get(k)} in the checkpoint, {signature[k]} here" for k in changed]
     was, now = global_batch(saved), global_batch(signature)
-    if changed <= set(PER_PROCESS) and was == now:
+    if set(changed) <= set(PER_PROCESS) and was == now:
         return True
     way = (
         f" Another number of processes, per_device_train_batch_size or "
         f"gradient_accumulation_steps resumes when the global batch (processes x per-device "
         f"batch x accumulation) stays {was}, as in the checkpoint ({now} here): e.g. half the "
         "processes with twice the gradient_accumulation_steps."
-        if changed <= set(PER_PROCESS)
+        if set(changed) <= set(PER_PROCESS)
         else ""
     )
     raise CheckpointMismatchError(
