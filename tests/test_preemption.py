@@ -813,6 +813,36 @@ def test_a_signal_after_the_last_step_is_passed_on_at_close_and_said_so(tmp_path
     assert "step_000000001" in out.stderr
 
 
+def test_a_signal_to_a_re_run_of_a_finished_job_names_the_checkpoint_it_restored(
+    tmp_path: Path,
+) -> None:
+    """A finished job run again restores its last step, trains nothing and saves nothing; a
+    SIGTERM then is passed on as above, and the message names the checkpoint in the directory
+    (it said 'the newest checkpoint is None'; found by a kill-fuzzing probe)."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    ckdir = tmp_path / "ck"
+    with Checkpointer(str(ckdir), async_save=False, preemption=False) as ck:
+        ck.step(1, {"w": torch.ones(2)}, final=True)
+    script = (
+        "import signal, sys, torch\n"
+        "from resilient_callbacks import Checkpointer\n"
+        "ck = Checkpointer(sys.argv[1])\n"
+        "assert ck.restore({'w': torch.zeros(2)}) == 1\n"
+        "signal.raise_signal(signal.SIGTERM)\n"
+        "ck.close()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(ckdir)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == -signal.SIGTERM, out
+    said = next(line for line in out.stderr.splitlines() if "SIGTERM arrived" in line)
+    assert "newest checkpoint is None" not in said, said
+    assert str(ckdir / "step_000000001") + " (restored at the start)" in said, said
+
+
 _FULL_DISK_AT_PREEMPTION = """
 import errno, os, signal, sys, torch
 from resilient_callbacks import Checkpointer, layout

@@ -33,6 +33,15 @@ def test_waits_that_do_not_matter_are_counted_but_not_warned(caplog):
     assert "101 of 101" in summary.getMessage()
 
 
+def test_saves_due_fractions_of_a_second_apart_say_the_interval(caplog):
+    """Every step a save, a few tens of ms apart: the warning read '57% of the 0.0 s since
+    the previous save' (found by a kill-fuzzing probe)."""
+    caplog.set_level(logging.WARNING, "resilient_callbacks")
+    SaveWaits(speak=True).observe(56, 0.03, 0.053)
+    (got,) = _warnings(caplog)
+    assert "57% of the 0.05 s since the previous save" in got, got
+
+
 def test_a_wait_that_matters_warns_once_then_is_rate_limited(caplog):
     caplog.set_level(logging.WARNING, "resilient_callbacks")
     w = SaveWaits(speak=True, warn_every=600.0)
@@ -43,6 +52,7 @@ def test_a_wait_that_matters_warns_once_then_is_rate_limited(caplog):
     got = _warnings(caplog)
     assert len(got) == 1
     assert "step 10 waited 0.50 s" in got[0] and "33%" in got[0]
+    assert "of the 1.50 s since the previous save" in got[0], got[0]
     assert (w.saves, w.waits, w.mattered) == (4, 3, 3)
     w.log_summary()
     summary = _warnings(caplog)[-1]

@@ -43,11 +43,12 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
             t_wait = time.perf_counter()
             finished = persister.wait_all(timeout)
             ck.close_wait_seconds = time.perf_counter() - t_wait
-            if pending and finished:
+            if pending and finished and ck.last_save is not None:
                 # the end of training waits for the last checkpoint to be durable: say how long
+                # (a failed one is raised below)
                 log.info(
                     "close(): the last checkpoint (%s) became durable after a %.2f s wait",
-                    ck.last_save.path if ck.last_save else None,
+                    ck.last_save.path,
                     ck.close_wait_seconds,
                 )
             if not finished:
@@ -57,7 +58,7 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
                     "abandoned; the newest committed checkpoint is %s",
                     persister.pending,
                     timeout,
-                    ck.last_save.path if ck.last_save else None,
+                    _newest(ck),
                 )
             else:
                 persister.stop()
@@ -79,6 +80,16 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
         _release(ck)
 
 
+def _newest(ck: Checkpointer) -> str:
+    """The newest checkpoint this process knows of, for a message: its last committed save,
+    else the one it restored (a re-run of a finished job saves nothing)."""
+    if ck.last_save is not None:
+        return ck.last_save.path
+    if ck.restored_from is not None:
+        return f"{ck.restored_from} (restored at the start)"
+    return f"none in {ck.dirpath} yet"
+
+
 def _empty_trash(ck: Checkpointer, timeout: float | None) -> None:
     """Wait for the files of checkpoints retention removed to be deleted (see
     :mod:`.trash`), so a run that ends leaves no hidden copies; say so when it takes long."""
@@ -89,11 +100,15 @@ def _empty_trash(ck: Checkpointer, timeout: float | None) -> None:
     done = trash.wait(timeout)
     waited = time.perf_counter() - t0
     if not done:
-        log.warning(
+        # a preempted process does not wait for disk space it will not use (emergency.py):
+        # expected, and its restart sweeps the rest; a close(timeout) of a run that may not
+        # come back leaves hidden copies behind, which is worth a warning
+        log.log(
+            logging.INFO if trash.abandoned else logging.WARNING,
             "close(): the files of %d checkpoint(s) retention removed were still being deleted "
-            "after %.1f s; the next writer of %s removes what is left (.trash-*)",
+            "%s; the next writer of %s removes what is left (.trash-*)",
             trash.pending,
-            waited,
+            "as the preempted process exits" if trash.abandoned else f"after {waited:.1f} s",
             ck.dirpath,
         )
     elif waited >= 0.5:
@@ -180,7 +195,7 @@ def _release(ck: Checkpointer) -> None:
                 "handler before ours",
                 unanswered.source,
                 max(0.0, time.monotonic() - unanswered.monotonic),
-                ck.last_save.path if ck.last_save else None,
+                _newest(ck),
             )
             signal.raise_signal(unanswered.signum)
     persister = ck._saver.persister

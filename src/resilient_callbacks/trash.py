@@ -54,6 +54,10 @@ class TrashBin:
             return not self._worker.pending
         return self._worker.wait_all(timeout)
 
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
+
     def abandon(self) -> None:
         """From now on :meth:`wait` does not wait (a preempted process exits without waiting
         for disk space to come back; deleting goes on until it exits)."""

@@ -68,7 +68,7 @@ class SaveWaits:
             else ""
         )
         log.warning(
-            "step %d waited %.2f s (%.0f%% of the %.1f s since the previous save) for the "
+            "step %d waited %.2f s (%.0f%% of the %.2f s since the previous save) for the "
             "previous checkpoint to finish writing: saves are due faster than the disk persists "
             "them. Save less often, or pass if_busy='skip'%s",
             step,
