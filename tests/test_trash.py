@@ -10,6 +10,7 @@ import shutil
 import threading
 import types
 
+import pytest
 import torch
 
 from resilient_callbacks import Checkpointer, trash
@@ -71,7 +72,11 @@ def test_close_leaves_no_trash_behind(tmp_path):
     ]
 
 
-def test_an_abandoned_bin_does_not_wait_and_close_says_what_is_left(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("how", ["preempted", "timeout"])
+def test_close_says_what_deletions_it_did_not_wait_for(tmp_path, monkeypatch, caplog, how):
+    """A preempted process does not wait for the deletions (its restart sweeps the rest): said
+    at INFO, not warned 'after 0.0 s' at every preemption. A close(timeout) that cuts them short
+    leaves hidden copies on the disk of a run that may not come back: a warning."""
     blocked = BlockedDeletes()
     monkeypatch.setattr(trash, "shutil", types.SimpleNamespace(rmtree=blocked.rmtree))
     root = tmp_path / "ck"
@@ -81,15 +86,20 @@ def test_an_abandoned_bin_does_not_wait_and_close_says_what_is_left(tmp_path, mo
         ck.save(2, {"w": torch.ones(10)})
         assert ck._dir.trash.pending == 1
         assert not ck._dir.trash.wait(0.01)
-        ck._dir.trash.abandon()  # what the preemption exit does before close()
         with caplog.at_level(logging.INFO, logger="resilient_callbacks"):
-            ck.close()  # returns although the delete is still blocked
+            if how == "preempted":
+                ck._dir.trash.abandon()  # what the preemption exit does before close()
+                ck.close()  # returns although the delete is still blocked
+            else:
+                ck.close(timeout=0.05)
         said = [r for r in caplog.records if "still being deleted" in r.getMessage()]
         assert len(said) == 1 and ".trash-" in said[0].getMessage()
-        # expected at every preemption exit (its restart sweeps the rest): no warning, and no
-        # "after 0.0 s" of a wait that was never made
-        assert said[0].levelno == logging.INFO, said[0].getMessage()
-        assert "as the preempted process exits" in said[0].getMessage()
+        msg = said[0].getMessage()
+        if how == "preempted":
+            assert said[0].levelno == logging.INFO and "as the preempted process exits" in msg
+        else:
+            assert said[0].levelno == logging.WARNING
+            assert re.search(r"deleted after \d+\.\d s;", msg), msg
         assert len(_trashed(root)) == 1
     finally:
         blocked.release.set()
@@ -97,22 +107,3 @@ def test_an_abandoned_bin_does_not_wait_and_close_says_what_is_left(tmp_path, mo
     with Checkpointer(str(root), keep_last=1, preemption=False):
         pass
     assert _trashed(root) == []
-
-
-def test_a_close_whose_timeout_cuts_the_deletes_short_warns(tmp_path, monkeypatch, caplog):
-    """close(timeout) of a run that may not come back: hidden copies stay on the disk until
-    another writer opens the directory, which is worth a warning."""
-    blocked = BlockedDeletes()
-    monkeypatch.setattr(trash, "shutil", types.SimpleNamespace(rmtree=blocked.rmtree))
-    root = tmp_path / "ck"
-    ck = Checkpointer(str(root), keep_last=1, preemption=False, async_save=False)
-    try:
-        ck.save(1, {"w": torch.zeros(10)})
-        ck.save(2, {"w": torch.ones(10)})
-        with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
-            ck.close(timeout=0.05)
-        said = [r for r in caplog.records if "still being deleted" in r.getMessage()]
-        assert len(said) == 1 and said[0].levelno == logging.WARNING
-        assert re.search(r"deleted after \d+\.\d s;", said[0].getMessage()), said[0].getMessage()
-    finally:
-        blocked.release.set()
