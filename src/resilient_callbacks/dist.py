@@ -21,9 +21,33 @@ from .errors import CheckpointError, CollectiveError
 SAME_POINTS = (
     "every rank must call restore(), step() and save() at the same points, and close() at "
     "the end: a save called on one rank only (e.g. under `if rank == 0:`) waits for the others "
-    "until the process group's timeout, and a rank that died or hung stops it on every rank "
-    "(that rank's own log says why)"
+    "until the process group's timeout"
 )
+
+# how the backends say that the process at the other end is gone (gloo, the TCP store)
+_PEER_GONE = ("closed by peer", "reset by peer", "broken pipe", "connection refused")
+
+
+def failed_exchange(e: BaseException) -> str:
+    """Why an exchange with the other ranks failed, for the error that reports it on this rank
+    (which only saw it fail): the backend's error ``e``, then the likely cause first. A peer
+    whose connection closed is gone (killed, out of memory, crashed); a timeout is a rank that
+    died, hung, or did not call the library where this one did."""
+    raw = f"{type(e).__name__}: {str(e).strip()}"
+    if any(m in str(e).lower() for m in _PEER_GONE):
+        cause = (
+            "another rank's process is gone (killed, out of memory, crashed): its own log and "
+            "the launcher's (torchrun names the failed rank) say which and why"
+        )
+    else:
+        cause = (
+            "another rank died, hung, or did not call the library at this point (the other "
+            "ranks' logs say which)"
+        )
+    return (
+        f"exchanging with the other ranks failed ({raw}); most likely {cause}. "
+        f"Otherwise: {SAME_POINTS}"
+    )
 
 
 def is_initialized() -> bool:
@@ -100,10 +124,7 @@ def peer_error(
         is_initialized() and world_size() > 1 and from_collective(e)
     ):
         return None
-    return error(
-        f"{what} stopped on rank {rank()}: exchanging with the other ranks failed "
-        f"({type(e).__name__}: {str(e).strip()}); {SAME_POINTS}"
-    )
+    return error(f"{what} stopped on rank {rank()} (the rank reporting it): {failed_exchange(e)}")
 
 
 @contextmanager

@@ -160,11 +160,11 @@ def _stopped(e: Exception, step: int, rank: int, world_size: int) -> CheckpointW
     """The error of a save stopped by ``e`` outside the commit's own reporting: with several
     ranks, a collective that failed, most often because another rank died (gloo: "Connection
     closed by peer") or did not reach this save."""
-    why = f"{type(e).__name__}: {e}"
-    if world_size > 1:
-        why += f" (exchanging with the other ranks failed; {dist.SAME_POINTS})"
+    peers = world_size > 1 and dist.from_collective(e)
+    why = dist.failed_exchange(e) if peers else f"{type(e).__name__}: {e}"
     return CheckpointWriteError(
-        f"the save of step {step} stopped on rank {rank}: {why}. Its uncommitted files are "
+        f"the save of step {step} stopped on rank {rank}"
+        f"{' (the rank reporting it)' if peers else ''}: {why}. Its uncommitted files are "
         "removed; the checkpoints committed before it are intact"
     )
 
