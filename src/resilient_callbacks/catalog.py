@@ -149,8 +149,9 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
         except (CheckpointCorruptError, FileNotFoundError) as e:
             if gone(path):
                 continue
-            problem_type = type(e).__name__
-            committed.append(Entry(name, path, Status.CORRUPT, None, str(e), problem_type))
+            committed.append(
+                Entry(name, path, Status.CORRUPT, problem=str(e), problem_type=type(e).__name__)
+            )
             continue
         except OSError as e:
             committed.append(Entry(name, path, Status.CORRUPT, problem=unreadable(e)))

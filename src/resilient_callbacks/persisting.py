@@ -157,9 +157,9 @@ def persist(
 
 
 def _stopped(e: Exception, step: int, rank: int, world_size: int) -> CheckpointWriteError:
-    """The error of a save stopped by ``e`` outside the commit's own reporting: with several
-    ranks, a collective that failed, most often because another rank died (gloo: "Connection
-    closed by peer") or did not reach this save."""
+    """The error of a save stopped by ``e`` outside the commit's own reporting. A collective
+    that failed on several ranks (most often another rank died: gloo's "Connection closed by
+    peer") is told as :func:`.dist.failed_exchange` tells it; anything else as it is."""
     peers = world_size > 1 and dist.from_collective(e)
     why = dist.failed_exchange(e) if peers else f"{type(e).__name__}: {e}"
     return CheckpointWriteError(

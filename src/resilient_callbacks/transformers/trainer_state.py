@@ -185,14 +185,15 @@ def check_compatible(values: Mapping[str, Any], signature: Mapping[str, Any], st
         return False
     diff = [f"{k}: {saved.get(k)} in the checkpoint, {signature[k]} here" for k in changed]
     was, now = global_batch(saved), global_batch(signature)
-    if set(changed) <= set(PER_PROCESS) and was == now:
+    per_process = set(changed) <= set(PER_PROCESS)
+    if per_process and was == now:
         return True
     way = (
         f" Another number of processes, per_device_train_batch_size or "
         f"gradient_accumulation_steps resumes when the global batch (processes x per-device "
         f"batch x accumulation) stays {was}, as in the checkpoint ({now} here): e.g. half the "
         "processes with twice the gradient_accumulation_steps."
-        if set(changed) <= set(PER_PROCESS)
+        if per_process
         else ""
     )
     raise CheckpointMismatchError(
