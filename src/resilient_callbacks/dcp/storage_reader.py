@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -55,6 +56,15 @@ from .metadata_json import METADATA_NAME, from_json
 
 log = logging.getLogger("resilient_callbacks")
 _DCP_DIR = os.path.dirname(torch.distributed.checkpoint.__file__)  # dcp.load calls the reader
+_DCP_LOAD = os.path.abspath(os.path.join(_DCP_DIR, "state_dict_loader.py"))
+
+
+class _ReadMetadataFailed(BaseException):
+    """``read_metadata``'s error on its way out of ``dcp.load``, whose ``local_step`` catches
+    ``Exception`` there to try per-rank metadata: torch 2.11 then drops it (the user read only
+    "metadata is None"), torch 2.13 appends it to that. Not an ``Exception``, it passes; DCP
+    wraps it, as any error of a rank, in the ``CheckpointException`` (itself a ``BaseException``)
+    that ``dcp.load`` raises, whose message is then this one: the error's type and message."""
 
 
 class ResilientStorageReader(StorageReader):
@@ -164,7 +174,15 @@ class ResilientStorageReader(StorageReader):
     def read_metadata(self, *args: Any) -> Metadata:
         """Every rank: choose the checkpoint (verified, agreed) and read its metadata. (No
         ``**kwargs``: DCP then does not retry with per-rank metadata, which this format has
-        not.)"""
+        not.) Called by ``dcp.load``, an error leaves as :class:`_ReadMetadataFailed`."""
+        try:
+            return self._read_metadata()
+        except Exception as e:
+            if os.path.abspath(sys._getframe(1).f_code.co_filename) != _DCP_LOAD:
+                raise
+            raise _ReadMetadataFailed(f"{type(e).__name__}: {e}") from e
+
+    def _read_metadata(self) -> Metadata:
         group = self.process_group
         together = dist.is_initialized() and not self.no_dist
         rank, world = (_group_rank(group), _group_size(group)) if together else (0, 1)
