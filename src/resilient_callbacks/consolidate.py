@@ -34,11 +34,18 @@ from .manifest import Manifest, read_manifest
 from .tensorfile import read_verified
 
 ZERO_FORMAT = "zero-fragments/1"
+SHARDED_FORMAT = "resilient_callbacks.dcp.sharded/1"  # dcp.Sharded's parts
 
 
 def zero_part_ids(manifest: Manifest) -> list[str]:
     """The parts of a checkpoint written by the DeepSpeed adapter's ZeroPart."""
     return parts_of_format(manifest, ZERO_FORMAT)
+
+
+def sharded_part_ids(manifest: Manifest) -> list[str]:
+    """The parts of a checkpoint written by ``dcp.Sharded``: told apart without importing
+    :mod:`resilient_callbacks.dcp`, which needs a newer torch than exporting other checkpoints."""
+    return parts_of_format(manifest, SHARDED_FORMAT)
 
 
 def is_deepspeed(manifest: Manifest, path: str) -> bool:
@@ -60,8 +67,6 @@ def exports_weights(manifest: Manifest, path: str) -> bool:
     parallelism), outside a Transformers Trainer run (a Trainer's checkpoint, under DeepSpeed or
     FSDP too, exports as a ``from_pretrained`` directory), or one of ``dcp.save`` through
     ``ResilientStorageWriter``."""
-    from .dcp.whole import sharded_part_ids
-
     if is_dcp_dropin(manifest):
         return True  # dcp.save's state dict: every tensor whole
     full = reader.open_checkpoint(path).part.structure  # opened once for every question
@@ -171,8 +176,6 @@ def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.T
         weights = consolidate_zero(path, manifest, parts[0])
         weights.update(_module_extras(part or reader.open_checkpoint(path).part))
         return weights
-    from .dcp.whole import model_tensors, sharded_part_ids
-
     sharded = sharded_part_ids(manifest)
     if len(sharded) > 1:
         raise CheckpointMismatchError(
@@ -180,6 +183,8 @@ def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.T
             "one to export with --key"
         )
     if sharded:
+        from .dcp.whole import model_tensors
+
         return model_tensors(path, manifest, sharded[0])
     part = part or reader.open_checkpoint(path).part
     full = structure.inline_per_rank(part.structure, part.per_rank)
@@ -222,11 +227,11 @@ def entry_tensors(path: str, key: str | None) -> tuple[str, dict[str, torch.Tens
             raise CheckpointMismatchError(f"{path}: {where} has no entry {name!r} ({have})")
         node = items[name]
     if isinstance(node, dict) and node.get(structure.TAG) == "filepart":
-        from .dcp.whole import model_tensors, sharded_part_ids
-
         manifest = read_manifest(path)
         if node.get("id") not in sharded_part_ids(manifest):
             raise CheckpointMismatchError(f"{path}: the entry {key!r} is not a dcp.Sharded part")
+        from .dcp.whole import model_tensors
+
         return key, model_tensors(path, manifest, str(node["id"]))  # its model, whole
     out: dict[str, torch.Tensor] = {}
     _flatten(structure.decode(_state(node), part.tensors), "", out)

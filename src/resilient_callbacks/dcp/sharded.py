@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from .. import dist
+from ..consolidate import SHARDED_FORMAT as FORMAT  # (export finds the parts without this package)
 from ..dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsupportedStateError
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
@@ -79,8 +80,6 @@ from .views import (
 
 if TYPE_CHECKING:
     from ..filepart import CaptureBuffers
-
-FORMAT = "resilient_callbacks.dcp.sharded/1"
 
 log = logging.getLogger("resilient_callbacks")
 

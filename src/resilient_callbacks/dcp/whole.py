@@ -11,17 +11,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointCorruptError
-from ..filepart import PARTS_EXTRA, part_dir, parts_of_format, read_part_tensors
+from ..filepart import PARTS_EXTRA, part_dir, read_part_tensors
 from ..manifest import Manifest
 from .assemble import assemble, tensor_file
 from .chunks import Box, unescape
-from .sharded import FORMAT
 from .views import MODEL
-
-
-def sharded_part_ids(manifest: Manifest) -> list[str]:
-    """The parts of a checkpoint written by :class:`Sharded`."""
-    return parts_of_format(manifest, FORMAT)
 
 
 def model_tensors(path: str, manifest: Manifest, part_id: str) -> dict[str, torch.Tensor]:
