@@ -241,10 +241,9 @@ class ReportRestore(L.Callback):
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (a DTensor is gathered: every rank calls this)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """The whole tensor (a DTensor is gathered: every rank calls this; told by its method, as
+    ``torch.distributed.tensor`` has no DTensor before torch 2.5)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def cpu_fsdp1_strategy() -> Any:
