@@ -19,6 +19,7 @@ import torch
 
 import spawn_ranks
 from resilient_callbacks import Checkpointer
+from torch_needs import needs_dcp
 
 B_FROM = 5  # the second optimizer's first step
 
@@ -77,6 +78,7 @@ def worker(root: str, out: str, total: int, mode: str) -> None:
     spawn_ranks.leave_group()
 
 
+@needs_dcp
 @pytest.mark.slow  # suite time budget
 @pytest.mark.distributed
 @pytest.mark.timeout(300)

@@ -15,6 +15,7 @@ import torch
 from resilient_callbacks import Checkpointer, CheckpointError, ResumeFallbackWarning
 from resilient_callbacks.cli import main
 from resilient_callbacks.manifest import SELF_CHECKSUM, self_checksum
+from torch_needs import needs_dcp
 
 
 def _run(root, steps=(10, 20, 30), **kw) -> None:
@@ -176,6 +177,7 @@ def test_gc_remote_deletes_only_its_own_leftovers(tmp_path, monkeypatch):
     assert not (remote / "step_000000099").exists()
 
 
+@needs_dcp
 def test_the_dcp_reader_reads_only_files_the_manifest_lists(tmp_path):
     """A dcp_metadata.json tampered (its checksum recomputed) to name a file outside the
     checkpoint: that checkpoint is refused and the reader falls back; nothing outside is read."""

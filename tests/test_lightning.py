@@ -57,6 +57,7 @@ from resilient_callbacks.checkpointer import RESUMABLE_EXIT_CODE
 from resilient_callbacks.lightning import ResilientCheckpoint
 from resilient_callbacks.lightning.state import Converter, HparamsConversionWarning
 from spawn_ranks import free_port
+from torch_needs import needs_dcp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lightning_train
@@ -1095,8 +1096,8 @@ class _Job:
         pytest.param("ddp-stateful-loader", marks=pytest.mark.slow),  # suite time budget
         # suite budget: lightning/sharded.py runs by default through DeepSpeedStrategy (ZeRO 3),
         # Sharded on 2 FSDP2 ranks through test_dcp_sharded.py
-        pytest.param("fsdp2", marks=pytest.mark.slow),
-        pytest.param("fsdp1", marks=pytest.mark.slow),
+        pytest.param("fsdp2", marks=[pytest.mark.slow, needs_dcp]),
+        pytest.param("fsdp1", marks=[pytest.mark.slow, needs_dcp]),
         pytest.param("deepspeed", marks=pytest.mark.slow),
     ],
 )
@@ -1145,7 +1146,10 @@ def test_two_processes_sigkill_then_rerun_is_bit_exact(tmp_path, strategy):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp1", "fsdp2"])
+@pytest.mark.parametrize(
+    "strategy",
+    ["ddp", pytest.param("fsdp1", marks=needs_dcp), pytest.param("fsdp2", marks=needs_dcp)],
+)
 def test_two_processes_the_callback_changes_nothing(tmp_path, strategy):
     """Two ranks trained with and without the callback, side by side: per-step losses and final
     weights of every rank are bit-identical (the callback's saves, including the sharded ones,

@@ -22,6 +22,7 @@ import spawn_ranks
 from resilient_callbacks import Checkpointer, catalog
 from resilient_callbacks.errors import ResumeFallbackWarning
 from resilient_callbacks.filepart import CaptureBuffers, FilePart, PartInfo, PartReader, PartWriter
+from torch_needs import needs_dcp
 
 FROZEN = 64 * 1024  # elements: 256 KiB of fp32, a blob
 TRAINED = 8 * 1024  # 32 KiB, a blob that changes at every save
@@ -432,6 +433,7 @@ def fsdp_worker(root: str, out: str, total: int) -> None:
 
 
 @pytest.mark.slow  # suite time budget
+@needs_dcp
 def test_fsdp2_with_a_frozen_layer_writes_it_once_and_restores_exactly_on_2_and_1_ranks(
     tmp_path,
 ):
@@ -486,6 +488,7 @@ def test_fsdp2_with_a_frozen_layer_writes_it_once_and_restores_exactly_on_2_and_
 
 
 @pytest.mark.slow  # suite time budget
+@needs_dcp
 def test_fsdp1_one_flat_parameter_whose_first_rank_holds_only_frozen_weights(tmp_path):
     """FSDP1 (``use_orig_params=True``) with the whole model one flat parameter: rank 0's even
     slice holds only the frozen layer, so its optimizer has no state while rank 1's has. The
@@ -536,6 +539,7 @@ def test_fsdp1_one_flat_parameter_whose_first_rank_holds_only_frozen_weights(tmp
 @pytest.mark.gpu
 @pytest.mark.distributed
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_dcp
 def test_fsdp2_frozen_layer_on_cuda_is_neither_copied_nor_written_again(tmp_path):
     """The same on this machine's GPU (one rank, NCCL): the frozen shard is copied to the host
     and written by the first save only, and a restart restores every tensor exactly."""
@@ -607,6 +611,7 @@ def batchnorm_worker(root: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@needs_dcp
 def test_fsdp2_batchnorm_statistics_are_saved_at_every_incremental_save(tmp_path):
     """A buffer is never known unchanged (only frozen parameters are): BatchNorm's update of
     its running statistics does not move their version counters."""
@@ -628,6 +633,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.benchmark
+@needs_dcp
 def test_bench_incremental_sharded_quick(tmp_path):
     """benchmarks/bench_incremental.py --sharded runs end to end at a toy size: a later
     incremental save writes about the trained tenth of what a full one writes."""

@@ -22,6 +22,7 @@ from torch import nn
 import spawn_ranks
 from resilient_callbacks import Checkpointer, ResumeFallbackWarning
 from resilient_callbacks.errors import CheckpointMismatchError, CheckpointNotFoundError, ConfigError
+from torch_needs import needs_dcp
 
 
 def train(root: Path, steps: int = 3) -> tuple[nn.Module, dict]:
@@ -191,6 +192,7 @@ def test_an_adapter_refuses_read_only(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
+@needs_dcp
 def test_a_sharded_model_is_restored_alone_from_a_training_checkpoint(tmp_path):
     """``Sharded(model)`` without its optimizer, out of a checkpoint of ``Sharded(model, opt)``
     (FSDP2 on a gloo rank): read-only, the optimizer state is left out; a writer refuses it (a

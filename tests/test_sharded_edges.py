@@ -16,8 +16,9 @@ import torch
 
 import spawn_ranks
 from resilient_callbacks.manifest import SELF_CHECKSUM, self_checksum
+from torch_needs import needs_dcp
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600), needs_dcp]
 
 
 @pytest.mark.slow  # suite time budget

@@ -11,13 +11,29 @@ FSDP1's ShardedTensor state) through the core: pickle-free, verified, resharded 
   opt-in, it unpickles.
 
 This subpackage imports ``torch.distributed.checkpoint``; ``import resilient_callbacks`` does
-not import it.
+not import it. It needs torch >= 2.9 (:data:`NEEDS_TORCH`; the rest of the package works from
+torch 2.4): DCP's ``Metadata.version`` and ``AsyncSaveResponse`` (``async_staging``) first came
+in 2.9, and torch 2.4 also lacks the public ``torch.distributed.tensor``, DTensor's
+``__create_chunk_list__`` and FSDP2 on CPU; importing it on an older torch raises ImportError
+saying so.
 """
 
 from __future__ import annotations
 
-from .sharded import Sharded
-from .storage_reader import ResilientStorageReader, plain_dcp_reader
-from .storage_writer import ResilientStorageWriter
+import torch
+
+NEEDS_TORCH = "2.9"
+if torch.torch_version.TorchVersion(torch.__version__) < NEEDS_TORCH:
+    raise ImportError(
+        f"resilient_callbacks.dcp (Sharded, ResilientStorageWriter, ResilientStorageReader; "
+        f"used for FSDP / tensor-parallel models by the Lightning and Transformers callbacks) "
+        f"needs torch >= {NEEDS_TORCH}, found torch {torch.__version__}: pip install "
+        f"'torch>={NEEDS_TORCH}'. The rest of resilient_callbacks works with torch >= 2.4"
+    )
+
+# after the check: these import APIs an older torch lacks
+from .sharded import Sharded  # noqa: E402
+from .storage_reader import ResilientStorageReader, plain_dcp_reader  # noqa: E402
+from .storage_writer import ResilientStorageWriter  # noqa: E402
 
 __all__ = ["ResilientStorageReader", "ResilientStorageWriter", "Sharded", "plain_dcp_reader"]
