@@ -103,3 +103,25 @@ def test_wheel_ships_the_deepspeed_guard_pth(tmp_path) -> None:
     assert "resilient_callbacks_ds_guard.py" in names
     pth = zipfile.ZipFile(wheel).read("resilient_callbacks_ds_guard.pth").decode()
     assert pth.strip() == "import resilient_callbacks_ds_guard"
+
+
+@pytest.mark.parametrize(
+    ("version", "imports"),
+    [("2.8.1+cu126", False), ("2.9.0a0+5228986.nv25.06", True), ("2.13.0+cpu", True)],
+)
+def test_the_dcp_subpackage_says_which_torch_it_needs(version, imports):
+    """resilient_callbacks.dcp needs torch >= 2.9, by release number: an older torch gets an
+    ImportError naming both versions, a pre-release or vendor build of 2.9 imports it."""
+    code = (
+        "import torch\n"
+        f"torch.__version__ = {version!r}\n"
+        "import resilient_callbacks.dcp\n"
+        "print('imported')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if imports:
+        assert r.returncode == 0 and "imported" in r.stdout, r.stderr
+    else:
+        assert r.returncode != 0
+        assert f"needs torch >= 2.9, found torch {version}" in r.stderr
+        assert "works with torch >= 2.4" in r.stderr

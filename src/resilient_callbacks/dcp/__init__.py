@@ -20,15 +20,19 @@ saying so.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-NEEDS_TORCH = "2.9"
-if torch.torch_version.TorchVersion(torch.__version__) < NEEDS_TORCH:
+NEEDS_TORCH = (2, 9)
+_RELEASE = re.match(r"(\d+)\.(\d+)", torch.__version__)
+# by release number: a pre-release or vendor build of 2.9 ("2.9.0a0+git...") has what it needs
+if _RELEASE is not None and (int(_RELEASE[1]), int(_RELEASE[2])) < NEEDS_TORCH:
     raise ImportError(
         f"resilient_callbacks.dcp (Sharded, ResilientStorageWriter, ResilientStorageReader; "
         f"used for FSDP / tensor-parallel models by the Lightning and Transformers callbacks) "
-        f"needs torch >= {NEEDS_TORCH}, found torch {torch.__version__}: pip install "
-        f"'torch>={NEEDS_TORCH}'. The rest of resilient_callbacks works with torch >= 2.4"
+        f"needs torch >= 2.9, found torch {torch.__version__}: pip install 'torch>=2.9'. "
+        f"The rest of resilient_callbacks works with torch >= 2.4"
     )
 
 # after the check: these import APIs an older torch lacks
