@@ -438,7 +438,7 @@ class Saver:
         if self.persister is not None and self.persister.pending:
             return  # a job abandoned by close(timeout) may still use it; leave it to exit
         try:
-            torch.distributed.destroy_process_group(group)
+            dist.destroy_cpu_group(group)
         except Exception as e:  # best effort: the checkpoints are committed either way
             log.debug("could not destroy the background checkpoint group: %s", e)
 

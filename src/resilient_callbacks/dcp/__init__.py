@@ -20,14 +20,13 @@ saying so.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
+from ..dist import torch_release
+
 NEEDS_TORCH = (2, 9)
-_RELEASE = re.match(r"(\d+)\.(\d+)", torch.__version__)
 # by release number: a pre-release or vendor build of 2.9 ("2.9.0a0+git...") has what it needs
-if _RELEASE is not None and (int(_RELEASE[1]), int(_RELEASE[2])) < NEEDS_TORCH:
+if torch_release() < NEEDS_TORCH:
     raise ImportError(
         f"resilient_callbacks.dcp (Sharded, ResilientStorageWriter, ResilientStorageReader; "
         f"used for FSDP / tensor-parallel models by the Lightning and Transformers callbacks) "
