@@ -16,6 +16,7 @@ import torch
 
 from resilient_callbacks import Checkpointer, ConfigError
 from resilient_callbacks.metrics import METRICS, PREFIX
+from torch_needs import needs_transformers
 
 prom_parser = pytest.importorskip("prometheus_client.parser")
 
@@ -439,6 +440,7 @@ def test_sink_options_are_checked_when_the_checkpointer_is_built(tmp_path: Path)
     assert got[0].filename == __file__  # the line that called step(), not the interpreter's
 
 
+@needs_transformers
 def test_transformers_final_checkpoint_logs_reach_the_trainers_mlflow_run(
     tmp_path: Path, monkeypatch, one_thread
 ):

@@ -22,7 +22,7 @@ from torch import nn
 import spawn_ranks
 from resilient_callbacks import Checkpointer, ResumeFallbackWarning
 from resilient_callbacks.errors import CheckpointMismatchError, CheckpointNotFoundError, ConfigError
-from torch_needs import needs_dcp
+from torch_needs import needs_dcp, needs_transformers
 
 
 def train(root: Path, steps: int = 3) -> tuple[nn.Module, dict]:
@@ -258,6 +258,7 @@ if __name__ == "__main__":
     sharded_worker(sys.argv[1])
 
 
+@needs_transformers
 def test_an_evaluation_loads_a_trainer_runs_model_alone(tmp_path):
     """The Transformers callback keeps the model under "model": an evaluation loads it alone
     (transformers.md)."""
