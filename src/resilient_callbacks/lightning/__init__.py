@@ -18,7 +18,7 @@ try:
     import lightning.pytorch  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
-        "resilient_callbacks.lightning needs PyTorch Lightning 2.x (the `lightning` package): "
+        "resilient_callbacks.lightning needs PyTorch Lightning >= 2.5 (the `lightning` package): "
         "pip install 'resilient-callbacks[lightning]'"
     ) from e
 

@@ -63,8 +63,15 @@ def wrap_fit(trainer: pl.Trainer, hooks: FitHooks) -> list[Callable[[], None]]:
     conn = trainer._checkpoint_connector
     original_resume = conn.resume_start
 
+    def call_original(checkpoint_path: Any = None, weights_only: Any = None) -> None:
+        # resume_start has no weights_only before Lightning 2.6 (where None is its default)
+        if weights_only is None:
+            original_resume(checkpoint_path)
+        else:
+            original_resume(checkpoint_path, weights_only)
+
     def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
-        hooks.resume_start(original_resume, checkpoint_path, weights_only)
+        hooks.resume_start(call_original, checkpoint_path, weights_only)
 
     conn.resume_start = resume_start  # type: ignore[method-assign]
     unwrap.append(lambda: _unwrap(conn, "resume_start", resume_start))
