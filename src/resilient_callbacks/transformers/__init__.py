@@ -9,7 +9,7 @@
 
 ``export_pretrained`` turns a checkpoint into a directory ``AutoModel.from_pretrained`` loads.
 
-Requires ``transformers`` 5.x and ``accelerate`` (``pip install 'resilient-callbacks[transformers]'``).
+Requires ``transformers`` >= 5.3 and ``accelerate`` >= 1.3 (``pip install 'resilient-callbacks[transformers]'``).
 The core package never imports this module. See ``docs/transformers.md``.
 """
 

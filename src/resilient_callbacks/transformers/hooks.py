@@ -15,7 +15,7 @@ afterwards:
   and the last thing that happens for a step (logging, evaluation, best-metric tracking). The
   checkpoint of a step is taken right after it, so it holds the state the next step starts from.
 
-Both are private methods of the Trainer (transformers 5.x); :func:`check_supported` refuses, with
+Both are private methods of the Trainer (transformers 5.3 and newer); :func:`check_supported` refuses, with
 a clear error, a Trainer that does not have them with the expected parameters. A resumed run
 also wraps ``callback_handler.on_epoch_begin`` (once: the random streams are put back around it)
 and, with persistent workers, ``get_eval_dataloader`` (:func:`eval_loader_without_draw`).
@@ -86,7 +86,7 @@ def _unsupported(trainer: Any, why: str) -> None:
     raise ConfigError(
         f"ResilientCheckpoint cannot drive this {type(trainer).__name__} (transformers "
         f"{transformers.__version__}): {why}. The adapter needs the Trainer's per-epoch loop "
-        "(Trainer._run_epoch) of transformers 5.x; install a 5.x release of transformers."
+        "(Trainer._run_epoch, new in transformers 5.3); install transformers 5.3 or newer."
     )
 
 
