@@ -550,6 +550,48 @@ def test_async_saves_in_flight_together_stage_apart_and_commit_apart(tmp_path):
     assert writer._pool.in_flight == 0 and len(writer._pool._idle) == 1
 
 
+def test_async_saves_commit_in_call_order_whichever_thread_runs_first(tmp_path, monkeypatch):
+    """Each dcp.async_save runs in a thread of its own: here the third save's thread reaches the
+    writer before the second's (as the OS may run them under load). Step 2 still holds the
+    second save's state and step 3 the third's (they were ordered as their threads ran: step 2
+    held the third save's state and step 3 the second's, so the newest step held older state)."""
+    import threading
+
+    from torch.distributed.checkpoint import _async_thread_executor as executor
+
+    third_arrived = threading.Event()
+    real_wrapper = executor.save_wrapper
+
+    def wrapper(**kw):
+        staged = kw["staging_future_or_state_dict"]
+        value = (staged.result() if hasattr(staged, "result") else staged)["w"][0].item()
+        threading.current_thread().rc_value = value
+        if value == 2.0:  # the second save's thread waits until the third's is in the writer
+            assert third_arrived.wait(60)
+        return real_wrapper(**kw)
+
+    real_after = ResilientStorageWriter._after_previous_save
+
+    def after_previous_save(self):
+        if getattr(threading.current_thread(), "rc_value", None) == 3.0:
+            third_arrived.set()
+        real_after(self)
+
+    monkeypatch.setattr(executor, "save_wrapper", wrapper)
+    monkeypatch.setattr(ResilientStorageWriter, "_after_previous_save", after_previous_save)
+    writer, gate, futures = _three_held_async_saves(tmp_path / "a")
+    gate.set()
+    for f in futures:
+        f.result(timeout=60)
+    writer.close()
+    done = catalog.committed(catalog.scan(str(tmp_path / "a"), catalog.Depth.NONE))
+    assert sorted(e.step for e in done) == [1, 2, 3]
+    for e in done:
+        sd = {"w": torch.zeros(4)}
+        dcp.load(sd, storage_reader=ResilientStorageReader(tmp_path / "a", step=e.step))
+        assert sd["w"][0].item() == float(e.step)  # step k holds the k-th save's state
+
+
 def test_an_async_save_that_failed_before_writing_does_not_hold_back_the_next(tmp_path):
     """A planner that raises, a ``checkpoint_id`` that is not a step, and a directory locked by
     another writer each fail an async_save before it writes; the next async_save of the same

@@ -39,6 +39,7 @@ import os
 import threading
 import uuid
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -119,6 +120,9 @@ class ResilientStorageWriter(StorageWriter):
         self._sessions: dict[str, tuple[CommitSession, threading.Thread]] = {}
         self._pool = BufferPool()
         self._saving: threading.Thread | None = None  # the thread of the newest save begun
+        # dcp.async_save's threads -> their save's number in call order (stage()), and the count
+        self._tickets: WeakKeyDictionary[threading.Thread, int] = WeakKeyDictionary()
+        self._staged = 0
         self._lock = threading.RLock()
         self._async = bool(async_staging)
         self._steps: dict[threading.Thread, int] = {}  # checkpoint_id of the save per thread
@@ -171,10 +175,18 @@ class ResilientStorageWriter(StorageWriter):
         collectives on one group at once hang every rank (plain DCP does the same)."""
         me = threading.current_thread()
         with self._lock:
-            before, self._saving = self._saving, me
-        # (a sync save's thread lives on after its save: only dcp.async_save's end with it)
-        if before is not None and before is not me and before.name.startswith(_DCP_ASYNC_THREAD):
-            before.join()
+            ticket = self._tickets.get(me)
+            if ticket is None and self._staged and me.name.startswith(_DCP_ASYNC_THREAD):
+                ticket = self._tickets[me] = self._staged  # the newest staged (see stage())
+            # an async save after those called before it, whichever thread the OS ran first
+            # (run order numbered them: the newest step could hold an older state)
+            before: list[threading.Thread | None]
+            before = [t for t, k in self._tickets.items() if ticket is None or k < ticket]
+            before += [self._saving] if ticket is None else []
+            self._saving = me
+        for t in before:  # (a sync save's thread lives on: only dcp.async_save's end with it)
+            if t is not None and t is not me and t.name.startswith(_DCP_ASYNC_THREAD):
+                t.join()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -349,6 +361,11 @@ class ResilientStorageWriter(StorageWriter):
         state changes, e.g. before the next optimizer step)."""
         if self._step_from_id:  # the background save's own reset() brings its checkpoint_id
             self.step, self._step_from_id = None, False
+        with self._lock:  # the thread of the save before this one is running by now
+            for t in threading.enumerate():
+                if t.name.startswith(_DCP_ASYNC_THREAD) and t not in self._tickets:
+                    self._tickets[t] = self._staged
+            self._staged += 1
         lease = self._pool.lease()
         try:
             return self._stage(state_dict, lease)
