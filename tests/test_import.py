@@ -129,3 +129,23 @@ def test_the_dcp_subpackage_says_which_torch_it_needs(version, imports):
         assert r.returncode != 0
         assert f"needs torch >= 2.9, found torch {version}" in r.stderr
         assert "works with torch >= 2.4" in r.stderr
+
+
+def test_the_lightning_adapter_says_which_lightning_it_needs():
+    """Lightning 2.4 resumed inexactly with the callback: importing the adapter there is an
+    ImportError naming both versions; 2.5 imports it."""
+    pytest.importorskip("lightning")
+    for version, imports in (("2.4.0", False), ("2.5.6", True)):
+        code = (
+            "import lightning\n"
+            f"lightning.__version__ = {version!r}\n"
+            "import resilient_callbacks.lightning\n"
+            "print('imported')\n"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+        if imports:
+            assert r.returncode == 0 and "imported" in r.stdout, r.stderr
+        else:
+            assert "needs PyTorch Lightning >= 2.5, found 2.4.0" in r.stderr

@@ -15,12 +15,22 @@ imports this module. See ``docs/lightning.md``.
 from __future__ import annotations
 
 try:
-    import lightning.pytorch  # noqa: F401
+    import lightning
+    import lightning.pytorch
 except ImportError as e:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
         "resilient_callbacks.lightning needs PyTorch Lightning >= 2.5 (the `lightning` package): "
         "pip install 'resilient-callbacks[lightning]'"
     ) from e
+
+from ..dist import torch_release as _release  # parses any "X.Y..." version string
+
+if _release(lightning.__version__) < (2, 5):
+    raise ImportError(
+        f"resilient_callbacks.lightning needs PyTorch Lightning >= 2.5, found "
+        f"{lightning.__version__}: with 2.4 a resumed run does not continue exactly "
+        "(its losses differ from an uninterrupted run's). pip install 'lightning>=2.5'"
+    )
 
 from .callback import ResilientCheckpoint
 from .loaders import make_resumable
