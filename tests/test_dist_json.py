@@ -12,6 +12,7 @@ import pytest
 
 import spawn_ranks
 from resilient_callbacks import dist
+from resilient_callbacks._version import release
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -70,4 +71,4 @@ def test_the_background_group_is_destroyed_only_where_torch_can_do_it_safely(
     group = object()
     assert dist.destroy_cpu_group(group) is destroys
     assert destroyed == ([group] if destroys else [])
-    assert dist.torch_release(version)[0] == 2 and dist.torch_release("nightly") == (0, 0)
+    assert release(version)[0] == 2 and release("nightly") == (0, 0)

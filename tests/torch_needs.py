@@ -7,8 +7,9 @@ the tests outside the Transformers files that run a Trainer skip there."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from resilient_callbacks.dist import torch_release
+from resilient_callbacks._version import release
 
 try:
     import resilient_callbacks.dcp  # noqa: F401
@@ -21,7 +22,7 @@ needs_dcp = pytest.mark.skipif(bool(DCP_MISSING), reason=DCP_MISSING)
 
 TRANSFORMERS_MISSING = (
     ""
-    if torch_release() >= (2, 5)
+    if release(torch.__version__) >= (2, 5)
     else "transformers 5 disables its PyTorch support below torch 2.5"
 )
 needs_transformers = pytest.mark.skipif(bool(TRANSFORMERS_MISSING), reason=TRANSFORMERS_MISSING)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from ._version import release
 from .errors import CheckpointError, CollectiveError
 
 #: what every rank must do, said with every failed exchange
@@ -99,14 +99,6 @@ def new_cpu_group() -> Any:
     return torch.distributed.new_group(backend="gloo", timeout=world_timeout())
 
 
-def torch_release(version: str | None = None) -> tuple[int, int]:
-    """``(major, minor)`` of ``version`` (default: the running torch's), also of a pre-release or
-    vendor build ("2.9.0a0+git...")."""
-    v = torch.__version__ if version is None else version
-    m = re.match(r"(\d+)\.(\d+)", v)
-    return (int(m[1]), int(m[2])) if m else (0, 0)
-
-
 def destroy_cpu_group(group: Any) -> bool:
     """Destroy a group made by :func:`new_cpu_group`, where torch can: returns whether it did.
 
@@ -114,7 +106,7 @@ def destroy_cpu_group(group: Any) -> bool:
     and a worker freeing a tensor of a finished collective waits for the GIL: close() hung there
     about once in 25 runs of 2 ranks on torch 2.4.1 (fixed in torch by releasing the GIL first,
     pytorch#154976). There the group is left to the process's exit, which was clean."""
-    if torch_release() < (2, 8):
+    if release(torch.__version__) < (2, 8):
         return False
     torch.distributed.destroy_process_group(group)
     return True

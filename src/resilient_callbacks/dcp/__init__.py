@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from ..dist import torch_release
+from .._version import release
 
 NEEDS_TORCH = (2, 9)
 # by release number: a pre-release or vendor build of 2.9 ("2.9.0a0+git...") has what it needs
-if torch_release() < NEEDS_TORCH:
+if release(torch.__version__) < NEEDS_TORCH:
     raise ImportError(
         f"resilient_callbacks.dcp (Sharded, ResilientStorageWriter, ResilientStorageReader; "
         f"used for FSDP / tensor-parallel models by the Lightning and Transformers callbacks) "

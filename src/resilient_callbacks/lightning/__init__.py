@@ -23,9 +23,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra 
         "pip install 'resilient-callbacks[lightning]'"
     ) from e
 
-from ..dist import torch_release as _release  # parses any "X.Y..." version string
+from .._version import release
 
-if _release(lightning.__version__) < (2, 5):
+if release(lightning.__version__) < (2, 5):
     raise ImportError(
         f"resilient_callbacks.lightning needs PyTorch Lightning >= 2.5, found "
         f"{lightning.__version__}: with 2.4 a resumed run does not continue exactly "
