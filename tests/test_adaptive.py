@@ -259,6 +259,9 @@ def test_warmup_saves_after_warmup_steps_to_measure_cost():
     assert "warming up" in s.describe()
     for _ in range(5):
         s.observe_step(1.0)
+    # the step times measured (a run's first step has none: "19/20 steps" at step 20 read as
+    # a miscount of the steps trained)
+    assert "warming up (5/5 step times, 0 save(s) measured)" in s.describe()
     assert not s.ready and s.interval_steps() == 5  # no save measured yet
     assert s.interval_seconds() == 5.0
     s.observe_save(1.0)

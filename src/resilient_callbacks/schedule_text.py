@@ -42,8 +42,9 @@ def one_line(i: Mapping[str, Any], warmup_steps: int) -> str:
     """One line for logs."""
     if i["phase"] == "warmup":
         return (
+            # (step times: the first step() of a run or a life has no step before it to time)
             f"adaptive checkpointing: warming up ({i['steps_observed']}/{warmup_steps} "
-            f"steps, {i['saves_observed']} save(s) measured); saving every "
+            f"step times, {i['saves_observed']} save(s) measured); saving every "
             f"{warmup_steps} steps until a save has been measured"
         )
     src = {
