@@ -92,6 +92,47 @@ def slow_deferred_copies(monkeypatch):
     monkeypatch.setattr(snapshot.Snapshot, "_copy_later", slow)
 
 
+def _optimizer_at(address: int, params) -> torch.optim.Optimizer:
+    """An AdamW made at ``address`` (a freed optimizer's): CPython hands a freed object's
+    memory to the next object of its size, so bare instances are made until one lands there."""
+    held = []
+    for _ in range(100_000):
+        o = object.__new__(torch.optim.AdamW)
+        if id(o) == address:
+            o.__init__(params, lr=1e-2)
+            return o
+        held.append(o)
+    raise AssertionError("no object was made at the freed optimizer's address")
+
+
+def test_an_optimizer_made_at_a_freed_ones_address_waits_for_the_copy_too(
+    tmp_path, slow_deferred_copies
+):
+    """An optimizer replaced after a save (layers unfrozen, a new optimizer made) can be made at
+    the freed one's address. The hooks were kept by id(): the new optimizer was taken for hooked,
+    its step did not wait for the next save's deferred copies, and that checkpoint held the
+    parameters after the step."""
+    model, opt = _model_state()
+    _train_step(model, opt)
+    with Checkpointer(tmp_path / "ck", overlap_snapshot=True, preemption=False) as ck:
+        ck.save(1, {"model": model, "optimizer": opt})
+        ck.flush()
+        address = id(opt)
+        del opt
+        gc.collect()
+        opt = _optimizer_at(address, model.parameters())
+        _train_step(model, opt)
+        before = _values(model, opt)
+        ck.save(2, {"model": model, "optimizer": opt})
+        _train_step(model, opt)  # must wait for save 2's deferred copies
+        ck.flush()
+    fresh_model, fresh_opt = _model_state(seed=1)
+    with Checkpointer(tmp_path / "ck", preemption=False) as ck:
+        assert ck.restore({"model": fresh_model, "optimizer": fresh_opt}) == 2
+    got = _values(fresh_model, fresh_opt)
+    assert [k for k in before if not torch.equal(got[k], before[k])] == []
+
+
 @pytest.mark.parametrize("in_optimizer", [False, True], ids=["own", "frozen-in-the-optimizer"])
 def test_overlapped_snapshot_copies_a_module_no_optimizer_steps_at_once(
     tmp_path, slow_deferred_copies, in_optimizer
