@@ -38,6 +38,7 @@ import warnings
 from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import lightning as L
 import pytest
@@ -1233,3 +1234,69 @@ def test_a_new_trainer_of_the_module_a_finished_fit_trained_is_refused(tmp_path)
     cb = ResilientCheckpoint(every_n_steps=2)
     _tiny_fit(tmp_path, _Tiny(), cb)
     assert cb.restored_step == 4
+
+
+class _Validated(_Tiny):
+    """Each validation step lets a held overlapped copy start, then waits for it: the copy
+    reads the parameters while validation runs (tests below). The events are the class's:
+    WeightAveraging deep-copies the module."""
+
+    events: ClassVar[dict] = {}
+
+    def validation_step(self, batch, batch_idx):
+        self.events["may_copy"].set()
+        self.events["copied"].wait(timeout=20)
+
+
+def test_a_validation_after_a_save_and_before_the_next_step_sees_the_copy_done(
+    tmp_path, monkeypatch
+):
+    """Lightning's WeightAveraging writes the averaged weights into the model in place for
+    validation. With gradient accumulation a validation can come after a save and before the
+    next optimizer step, whose pre-step wait came too late: the overlapped copy read the
+    averaged weights (here held until the validation runs). The callback now waits for the copy
+    when validation starts."""
+    import threading
+
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    from resilient_callbacks import snapshot
+
+    events = {"may_copy": threading.Event(), "copied": threading.Event()}
+    copy_later = snapshot.Snapshot._copy_later
+
+    def held(self, items, stream):
+        events["may_copy"].wait(timeout=3)  # the fixed callback waits for the copy first
+        copy_later(self, items, stream)
+        events["copied"].set()
+
+    monkeypatch.setattr(snapshot.Snapshot, "_copy_later", held)
+    trained = {}
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            trained.setdefault(trainer.global_step, pl_module.lin.weight.detach().clone())
+
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 4))
+    loader = torch.utils.data.DataLoader(ds, batch_size=4)
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)
+    trainer = L.Trainer(
+        max_steps=3,
+        accumulate_grad_batches=2,
+        val_check_interval=5,  # after batch 5: step 2 was saved after batch 4, step 3 is batch 6's
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        callbacks=[WeightAveraging(), Record(), rc],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    monkeypatch.setattr(_Validated, "events", events)
+    trainer.fit(_Validated(), loader, loader)
+    assert events["copied"].is_set()
+    (saved,) = [e for e in _committed(tmp_path / "ck") if e.step == 2]
+    tensors = load_file(Path(saved.path) / "shared.safetensors")
+    # WeightAveraging saves the averaged weights as "state_dict", the trained ones beside them
+    assert torch.equal(tensors["lightning/current_model_state/lin.weight"], trained[2])

@@ -22,7 +22,10 @@ How it plugs into ``Trainer.fit`` (Lightning 2.x):
 - step boundary: a batch that made an optimizer step is handed to ``Checkpointer.step`` (which
   decides, saves and handles preemption) once Lightning finished it: after its validation and
   plateau schedulers, and at an epoch's last batch after the epoch's end (:mod:`.boundary`).
-- ``on_before_optimizer_step``: waits for the overlapped snapshot copy of the previous save.
+- ``on_before_optimizer_step``: waits for the overlapped snapshot copy of the previous save;
+  so does ``on_validation_start``, before any callback's ``on_validation_epoch_start`` (where
+  Lightning's ``WeightAveraging`` writes the averaged weights into the model in place): with
+  gradient accumulation a validation can come between a save and the next optimizer step.
 """
 
 from __future__ import annotations
@@ -416,6 +419,12 @@ class ResilientCheckpoint(Checkpoint):
     def _after_epoch_end(self, trainer: pl.Trainer) -> None:
         if self._step_end is not None:
             self._boundary(trainer, epoch_end=True)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A validation between a save and the next optimizer step (gradient accumulation):
+        # callbacks may write the model in place for it (WeightAveraging's swap).
+        if self.checkpointer is not None:
+            self.checkpointer.wait_for_snapshot()
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
