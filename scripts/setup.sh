@@ -88,18 +88,23 @@ else
     fi
 fi
 
+# the torch just installed stays: a dependency that needs another one is an error, not a swap
+# (a requirement such as torch>=2.9 would otherwise replace the RESILIENT_TORCH asked for)
+"$VENV/bin/python" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' \
+    > "$VENV/.resilient-torch-pin.txt"
+pin=(-c scripts/constraints.txt -c "$VENV/.resilient-torch-pin.txt")
 case "$profile" in
     core)
         say "[2/2] installing resilient-callbacks and its core dependencies (pinned)"
-        pip_install -c scripts/constraints.txt -e .
+        pip_install "${pin[@]}" -e .
         marks="$done_core" ;;
     test)
         say "[2/2] installing resilient-callbacks[test]: Lightning, Transformers, s3fs, moto, pytest, ... (pinned; a minute or two)"
-        pip_install -c scripts/constraints.txt -e ".[test]"
+        pip_install "${pin[@]}" -e ".[test]"
         marks="$done_core $done_test" ;;
     dev)
         say "[2/2] installing resilient-callbacks[dev]: the test dependencies, ruff, mypy, matplotlib (pinned; a minute or two)"
-        pip_install -c scripts/constraints.txt -e ".[dev]"
+        pip_install "${pin[@]}" -e ".[dev]"
         marks="$done_core $done_test $done_dev" ;;
 esac
 rm -f "$VENV"/.resilient-setup-*
