@@ -188,15 +188,19 @@ def optimizer_step_storages(state: Any) -> set[int]:
     )
 
 
-_SIDE_STREAMS: dict[int, Any] = {}
+_SIDE_STREAMS: dict[tuple[int, bool], Any] = {}
 
 
-def _side_stream(device: torch.device) -> Any:
-    """One copy stream per CUDA device, reused by every save (streams are never freed)."""
+def _side_stream(device: torch.device, deferred: bool = False) -> Any:
+    """Two copy streams per CUDA device, reused by every save (streams are never freed): one
+    for the copies the training stream waits for at once, one for the deferred (overlapped)
+    copies. On one stream, a second snapshot's immediate copies (a save makes one per FilePart
+    and one for the rest) would queue behind the first's deferred ones, and the training
+    stream, waiting for them, would wait for the deferred copies too."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
+    stream = _SIDE_STREAMS.get((index, deferred))
     if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+        stream = _SIDE_STREAMS[(index, deferred)] = torch.cuda.Stream(device=index)
     return stream
 
 
@@ -269,24 +273,24 @@ class Snapshot:
         """Enqueue one device's copies; order the current stream after the ``now`` ones."""
         with torch.cuda.device(device):
             main = torch.cuda.current_stream(device)
-            side = _side_stream(device)
-            side.wait_stream(main)  # copy what every kernel launched so far has written
-            with torch.cuda.stream(side):
-                for t, buf in now:
-                    buf.copy_(t.detach(), non_blocking=True)
-                    _mark_used_by(t, side)
-                if now:
-                    copied = torch.cuda.Event()
-                    copied.record(side)
-                    _order_after(main, copied)  # later kernels on the training stream run after
-                for t, buf in later:
-                    buf.copy_(t.detach(), non_blocking=True)
-                    _mark_used_by(t, side)
-                done = torch.cuda.Event(blocking=True)
-                done.record(side)
-        self._host_events.append((device, done))
-        if later:
-            self._device_waits.append((device, done))
+            for deferred, items in ((False, now), (True, later)):
+                if not items:
+                    continue
+                side = _side_stream(device, deferred)
+                # copy what every kernel launched so far has written (the deferred copies also
+                # start after the immediate ones, which the training stream now waits for)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    for t, buf in items:
+                        buf.copy_(t.detach(), non_blocking=True)
+                        _mark_used_by(t, side)
+                    done = torch.cuda.Event(blocking=True)
+                    done.record(side)
+                self._host_events.append((device, done))
+                if deferred:
+                    self._device_waits.append((device, done))
+                else:
+                    _order_after(main, done)  # later kernels on the training stream run after
 
     def _copy_later(self, items: list[tuple[str, torch.Tensor, torch.Tensor]], stream: Any) -> None:
         """The deferred copies of CPU tensors (helper thread)."""
