@@ -6,7 +6,8 @@ marker): CI has no GPU. Run on a GPU machine with ``python -m pytest -m gpu test
 - A save followed *at once* by the optimizer step and in-place writes (nothing to hide the copy)
   must commit the state of the saved step: 0 differing tensors, in the default and the overlapped
   mode, with warm buffers and >= 1 GB of state so the device-to-host copy takes tens of ms. The
-  control skips the GPU-side ordering and must see torn tensors, so the test can fail.
+  controls skip the GPU-side ordering (default mode) or the pre-step wait (overlapped mode) and
+  must see torn tensors, so the tests can fail.
 - A saved tensor freed right after the save is not reused before the copy has read it (its
   control skips ``record_stream`` and must read the memory's next owner).
 - SIGKILL and resume on CUDA (plain loop, Lightning, Transformers; deterministic algorithms, CUDA
@@ -101,6 +102,15 @@ def test_control_without_gpu_ordering_tears(tmp_path, monkeypatch):
     monkeypatch.setattr(snapshot, "_order_after", lambda stream, event: None)
     differ, _total = _torn_after_save_then_step(tmp_path, overlap=False)
     assert differ > 0, "no torn tensor without the ordering: the test cannot detect tearing"
+
+
+def test_control_overlapped_without_the_pre_step_wait_tears(tmp_path, monkeypatch):
+    """Overlapped mode with the optimizer's pre-step wait removed: the deferred copies are not
+    waited for, and the checkpoint holds later values. Proves that the copies are deferred and
+    that the overlapped case above can fail (with deferral silently off it would still pass)."""
+    monkeypatch.setattr(snapshot.Snapshot, "wait_device", lambda self: None)
+    differ, _total = _torn_after_save_then_step(tmp_path, overlap=True)
+    assert differ > 0, "no torn tensor without the pre-step wait: nothing was deferred"
 
 
 def _freed_right_after_the_save(tmp_path: Path) -> torch.Tensor:
