@@ -22,10 +22,9 @@ How it plugs into ``Trainer.fit`` (Lightning 2.x):
 - step boundary: a batch that made an optimizer step is handed to ``Checkpointer.step`` (which
   decides, saves and handles preemption) once Lightning finished it: after its validation and
   plateau schedulers, and at an epoch's last batch after the epoch's end (:mod:`.boundary`).
-- ``on_before_optimizer_step``: waits for the overlapped snapshot copy of the previous save;
-  so does ``on_validation_start``, before any callback's ``on_validation_epoch_start`` (where
-  Lightning's ``WeightAveraging`` writes the averaged weights into the model in place): with
-  gradient accumulation a validation can come between a save and the next optimizer step.
+- ``on_before_optimizer_step`` and ``on_validation_start`` (``WeightAveraging`` writes the
+  model in place for a validation, which can follow a save before the next optimizer step)
+  wait for the overlapped snapshot copy of the previous save.
 """
 
 from __future__ import annotations
@@ -93,17 +92,8 @@ class ResilientCheckpoint(Checkpoint):
         log_stats: bool = True,
         **checkpointer_kwargs: Any,
     ) -> None:
-        check_options(
-            "ResilientCheckpoint (Lightning)",
-            checkpointer_kwargs,
-            (
-                "dirpath",
-                "make_dataloaders_resumable",
-                "data_seed",
-                "save_on_exception",
-                "log_stats",
-            ),
-        )
+        ours = ("dirpath", "make_dataloaders_resumable", "data_seed", "save_on_exception")
+        check_options("ResilientCheckpoint (Lightning)", checkpointer_kwargs, (*ours, "log_stats"))
         for name, value in (
             ("make_dataloaders_resumable", make_dataloaders_resumable),
             ("save_on_exception", save_on_exception),
@@ -421,9 +411,7 @@ class ResilientCheckpoint(Checkpoint):
             self._boundary(trainer, epoch_end=True)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # A validation between a save and the next optimizer step (gradient accumulation):
-        # callbacks may write the model in place for it (WeightAveraging's swap).
-        if self.checkpointer is not None:
+        if self.checkpointer is not None:  # (see the module's docstring)
             self.checkpointer.wait_for_snapshot()
 
     def on_before_optimizer_step(
