@@ -18,18 +18,32 @@ from typing import Any
 
 import pytest
 
-from torch_needs import DCP_MISSING
+from torch_needs import DCP_MISSING, TRANSFORMERS_MISSING
 
-# files that import resilient_callbacks.dcp at the top: not collected where it is unavailable
-collect_ignore = (
-    ["test_dcp_sharded.py", "test_dcp_storage.py", "test_upstream_dcp.py"] if DCP_MISSING else []
+# files built on resilient_callbacks.dcp, or on the Transformers Trainer: not collected where the
+# running torch cannot run them (RESILIENT_TORCH=torch==2.4.1 bash scripts/test.sh)
+DCP_FILES = ["test_dcp_sharded.py", "test_dcp_storage.py", "test_upstream_dcp.py"]
+TRANSFORMERS_FILES = [
+    "test_transformers.py",
+    "test_transformers_auto_batch.py",
+    "test_transformers_ddp.py",
+    "test_transformers_fsdp.py",
+    "test_transformers_phases.py",
+    "test_transparent_transformers.py",
+    "test_upstream_transformers.py",
+]
+collect_ignore = (DCP_FILES if DCP_MISSING else []) + (
+    TRANSFORMERS_FILES if TRANSFORMERS_MISSING else []
 )
 
 
-def pytest_report_header() -> str | None:
+def pytest_report_header() -> list[str]:
+    said = []
     if DCP_MISSING:
-        return f"not collected: tests/test_dcp_*.py, test_upstream_dcp.py ({DCP_MISSING})"
-    return None
+        said.append(f"not collected: {', '.join(DCP_FILES)} ({DCP_MISSING})")
+    if TRANSFORMERS_MISSING:
+        said.append(f"not collected: {', '.join(TRANSFORMERS_FILES)} ({TRANSFORMERS_MISSING})")
+    return said
 
 
 @dataclass

@@ -36,6 +36,7 @@ pytest.importorskip("deepspeed")
 
 import spawn_ranks
 from resilient_callbacks import catalog
+from torch_needs import needs_transformers
 
 SCRIPT = Path(__file__).with_name("ds_train.py")
 DEADLINE = 300.0  # seconds for one group of ranks
@@ -545,6 +546,7 @@ def test_integration_configs_are_valid() -> None:
         assert "resilient_checkpoint" not in clean
 
 
+@needs_transformers
 @pytest.mark.distributed
 @pytest.mark.slow  # keeps the default suite near its budget; run with -m slow
 @pytest.mark.parametrize("stage", ["2", "3"])
@@ -584,6 +586,7 @@ def test_hf_trainer_with_deepspeed_kill_resume_exact(tmp_path: Path, stage: str)
     tt._assert_same_run(ref, got)
 
 
+@needs_transformers
 @pytest.mark.distributed
 @pytest.mark.slow  # suite time budget (the same without DeepSpeed: test_transparent_transformers)
 @pytest.mark.parametrize("stage", ["2", "3"])
@@ -700,6 +703,7 @@ def test_zero3_frozen_partitions_are_copied_once_with_incremental(tmp_path: Path
     assert newest.manifest is not None and {b.rank for b in newest.manifest.blobs} == {0, 1}
 
 
+@needs_transformers
 @pytest.mark.slow  # suite time budget
 @pytest.mark.distributed
 def test_hf_trainer_with_deepspeed_exports_a_from_pretrained_directory(tmp_path: Path) -> None:

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from resilient_callbacks import Checkpointer
+from torch_needs import needs_transformers
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_transformers]
 
 
 def _lora_model(seed: int):
