@@ -123,8 +123,9 @@ class Saver:
         self.allocated_ahead = False
         self.bounce: DirectBuffer | None = None  # O_DIRECT writes of background saves
         self.last_snapshots: list[Snapshot] = []  # overlapped copies the next step waits for
-        # id of each hooked optimizer -> (a reference to it, its hook's handle)
-        self._hooked: dict[int, tuple[Callable[[], Any], Any]] = {}
+        # hooked optimizer -> its hook's handle (weakly: an id() alone named a new optimizer made
+        # at a freed one's address as hooked)
+        self._hooked: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.skipped_saves = 0
         self.committed_saves = 0
         self.metric_names: set[str] = set()  # reported (finite) with this run's saves
@@ -419,17 +420,12 @@ class Saver:
         optimizers = statetree.optimizers(state) + (parts.optimizers() if parts else [])
         for opt in optimizers:
             target = hookable(opt)
-            held = self._hooked.get(id(target))
-            if held is not None and held[0]() is target:
-                continue
-            if held is not None:  # a freed optimizer's address, reused by a new one
-                held[1].remove()
-            handle = target.register_step_pre_hook(pre_step)
-            self._hooked[id(target)] = (_reference(target), handle)
+            if target not in self._hooked:
+                self._hooked[target] = target.register_step_pre_hook(pre_step)
 
     def release(self) -> None:
         """close(): remove the optimizer hooks and destroy the background group."""
-        for _, handle in self._hooked.values():
+        for handle in self._hooked.values():
             handle.remove()
         self._hooked.clear()
         self._release_group()
@@ -470,12 +466,3 @@ def _warn_unsaved_params(state: Any, saved: list[torch.Tensor]) -> None:
 def new_run_id() -> str:
     """Every rank: one run id, chosen by rank 0."""
     return str(dist.broadcast_json(uuid.uuid4().hex[:16] if dist.rank() == 0 else None))
-
-
-def _reference(obj: Any) -> Callable[[], Any]:
-    """A weak reference to ``obj``, or a strong one where it cannot be weakly referenced: an
-    optimizer's ``id()`` alone names a new optimizer made at a freed one's address as hooked."""
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return lambda: obj
