@@ -171,6 +171,7 @@ def bench_size(root: str, mb: int, reps: int, baselines: bool = True) -> dict[st
                 add(f"{mode}.stream", stream)
                 add(f"{mode}.total", total)
         if not baselines:
+            print(f"{mb} MB: repetition {rep} of {reps} done (0: warm-up)", flush=True)
             continue
         # torch.save + fsync
         path = os.path.join(work, "torch.pt")
@@ -201,6 +202,7 @@ def bench_size(root: str, mb: int, reps: int, baselines: bool = True) -> dict[st
             out["dcp_async.error"] = [str(e)]  # type: ignore[list-item]
         if stager is not None:
             dcp_pinned(work, model, opt, stager, add if record else lambda k, v: None, out)
+        print(f"{mb} MB: repetition {rep} of {reps} done (0: warm-up)", flush=True)
     for ck in ours.values():
         ck.close()
     if stager is not None:
@@ -461,16 +463,20 @@ def main() -> int:
             "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"),
             "library": library_version(),
-            "sizes": [
-                bench_size(work, int(mb), args.reps, baselines=not args.floor_only)
-                for mb in args.sizes.split(",")
-                if mb
-            ],
+            "sizes": [],
         }
+        for mb in (int(x) for x in args.sizes.split(",") if x):
+            t0 = time.perf_counter()
+            report["sizes"].append(bench_size(work, mb, args.reps, baselines=not args.floor_only))
+            # written after each phase: a later phase that fails or runs out of time keeps these
+            write_results(args.out, "bench_gpu", report, markdown(report))
+            print(f"size {mb} MB done in {time.perf_counter() - t0:.0f} s", flush=True)
         if args.loop_mb:
+            t0 = time.perf_counter()
             report["loop"] = training_loop(
                 work, args.loop_mb, args.loop_steps, args.loop_every, args.loop_rounds
             )
+            print(f"training loop done in {time.perf_counter() - t0:.0f} s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     md = markdown(report)
