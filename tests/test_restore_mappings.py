@@ -8,6 +8,7 @@ import os
 import shutil
 
 import numpy as np
+import pytest
 import torch
 
 from resilient_callbacks import Checkpointer, mapped
@@ -85,6 +86,29 @@ def test_an_optimizer_on_a_gpu_would_copy_its_state_so_none_is_made_here():
     assert mapped.keeps_host_tensors(Keeper())
     meta = torch.nn.Parameter(torch.empty(2, device="meta"))
     assert not mapped.keeps_host_tensors(torch.optim.SGD([meta], lr=0.1))
+
+
+@pytest.mark.filterwarnings("ignore:the state's optimizer")  # (saved without its model)
+def test_an_optimizer_off_the_cpu_keeps_no_step_tensor_viewing_the_file(tmp_path, caplog):
+    """AdamW over parameters off the CPU (meta here, CUDA on a GPU, where bench_gpu.py found
+    it): torch moves the moments to the parameters' device but keeps ``step`` on the CPU as
+    given, so it viewed the mapped file (the restore warned that the checkpoint's disk space
+    stays in use). It is a copy of its own now, with the saved value."""
+    saved = _state(0)
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, {"opt": saved["opt"]})
+    params = [
+        torch.nn.Parameter(torch.empty_like(p, device="meta")) for p in saved["model"].parameters()
+    ]
+    live = torch.optim.AdamW(params, lr=0.01)
+    with Checkpointer(tmp_path / "ck") as ck, caplog.at_level("WARNING", "resilient_callbacks"):
+        assert ck.restore({"opt": live}) == 1
+        assert mapped.still_mapped(ck.last_restore.path) == []
+    assert "still view" not in caplog.text
+    for p, q in zip(live.state.values(), saved["opt"].state.values(), strict=True):
+        assert p["step"].device.type == "cpu" and not mapped.is_mapped(p["step"])
+        assert torch.equal(p["step"], q["step"])
+        assert p["exp_avg"].device.type == "meta"
 
 
 def test_nothing_maps_the_files_once_restore_returns_without_a_collection(tmp_path):

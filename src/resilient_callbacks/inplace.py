@@ -70,7 +70,8 @@ def apply(
             value = resolve(n)
             if isinstance(target, torch.nn.Module) and isinstance(value, Mapping):
                 value = unwrapped_keys(value, target.state_dict().keys())
-            if mapped.keeps_host_tensors(obj):  # kept tensors must not hold the file (mapped.py)
+            keeps = mapped.keeps_host_tensors(obj)
+            if keeps:  # kept tensors must not hold the file (mapped.py)
                 value = mapped.private(value)
             try:
                 result = target.load_state_dict(value)
@@ -83,6 +84,8 @@ def apply(
                     "the checkpoint's values now: build them afresh before training from scratch"
                 ) from e
             _check_load_result(result, path)
+            if not keeps and not isinstance(target, torch.nn.Module):
+                mapped.copy_kept(target)  # an optimizer on a GPU keeps Adam's `step` as given
             return obj
         if not _has_live_objects(obj):  # plain data: merged in place, at every depth
             value = resolve(n)

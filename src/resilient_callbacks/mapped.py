@@ -9,8 +9,10 @@ that checkpoint its disk space stayed in use until the process ended, and a resu
 room for one checkpoint more than a fresh one (on a disk sized for ``keep_last + 1`` the resumed
 run failed with ENOSPC).
 
-So tensors handed to objects that keep them get private copies (:func:`private`), and after a
-restore :func:`still_mapped` names any file of the restored checkpoint that something still
+So tensors handed to objects that keep them get private copies (:func:`private`); an optimizer
+whose parameters are on an accelerator moves its state there but keeps a few tensors as given
+(Adam's ``step`` stays on the CPU), and those are copied after it loads (:func:`copy_kept`).
+After a restore :func:`still_mapped` names any file of the restored checkpoint that something still
 maps (:meth:`.restoring.Restorer.restore` warns). Thread contract: any thread; the registry is
 guarded by a lock, and an entry goes when its mapping is freed.
 """
@@ -21,6 +23,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -82,6 +85,26 @@ def keeps_host_tensors(obj: Any) -> bool:
     except Exception:  # not an optimizer
         return True
     return not devices or "cpu" in devices
+
+
+def copy_kept(optimizer: Any) -> None:
+    """After ``optimizer.load_state_dict`` where :func:`keeps_host_tensors` said no: torch moves
+    an optimizer's state to its parameters' device but keeps some tensors as given -- Adam's and
+    AdamW's ``step`` stays on the CPU unless ``capturable`` or ``fused``, and ``param_groups``
+    values (a tensor ``lr``) are not moved. Each of those that views a mapped file is replaced by
+    a copy of its own; the moved state is not looked at again (it is on the accelerator)."""
+    state = getattr(optimizer, "state", None)
+    if isinstance(state, Mapping):
+        for per_param in state.values():
+            if isinstance(per_param, MutableMapping):
+                for k, v in list(per_param.items()):
+                    if isinstance(v, torch.Tensor) and is_mapped(v):
+                        per_param[k] = v.clone()
+    for group in getattr(optimizer, "param_groups", None) or ():
+        if isinstance(group, MutableMapping):
+            for k, v in list(group.items()):
+                if k != "params" and isinstance(v, torch.Tensor) and is_mapped(v):
+                    group[k] = v.clone()
 
 
 def still_mapped(directory: str) -> list[str]:
