@@ -31,7 +31,7 @@ py="${PYTHON:-python3}"
 budget="${BUDGET:-570}"
 start=$SECONDS
 
-declare -A limit=([tests]=300 [bench_gpu]=240 [lightning]=120 [transformers]=150)
+declare -A limit=([tests]=300 [bench_gpu]=240 [lightning]=180 [transformers]=150)
 order=(tests bench_gpu lightning transformers)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${order[@]}")

@@ -1,0 +1,71 @@
+"""benchmarks/bench_gpu.py's DCP pinned-stager phase, on the CPU (the script itself needs CUDA).
+
+On an H200 with torch 2.11 the stager kept between saves failed every save after the first
+(``async_save`` had closed it), so the run reported no figure for DCP's fastest staging. The
+phase now takes a new stager per save where a reused one fails after serving a save, and says
+so in the results. Here a stager that closes itself after staging stands in for that torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torch_needs import needs_dcp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+pytestmark = [needs_dcp, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+
+def _run(tmp_path: Path, closes: bool, saves: int = 3) -> tuple[int, dict, dict]:
+    import bench_gpu
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    made: list[Any] = []
+
+    def make(out: dict) -> Any:
+        stager = DefaultStager(StagingOptions(False, False, True, False))
+        if closes:
+            stage = stager.stage
+
+            def stage_then_close(sd: Any, **kw: Any) -> Any:
+                staged = stage(sd, **kw)
+                stager.close()
+                return staged
+
+            stager.stage = stage_then_close  # type: ignore[method-assign]
+        made.append(stager)
+        return stager
+
+    model, opt = bench_gpu.build(8, device="cpu", width=256)
+    out: dict[str, Any] = {}
+    figures: dict[str, list[float]] = {}
+    stagers = bench_gpu.PinnedStagers(out, make=make)
+    for _ in range(saves):
+        bench_gpu.dcp_pinned(
+            str(tmp_path),
+            model,
+            opt,
+            stagers,
+            lambda k, v: figures.setdefault(k, []).append(v),
+            out,
+        )
+    stagers.close()
+    return len(made), out, figures
+
+
+def test_a_stager_kept_between_saves_serves_every_save(tmp_path):
+    made, out, figures = _run(tmp_path, closes=False)
+    assert made == 1 and out == {}
+    assert len(figures["dcp_pinned.total"]) == 3
+
+
+def test_a_stager_closed_by_its_save_is_replaced_for_each_save_and_said(tmp_path):
+    made, out, figures = _run(tmp_path, closes=True)
+    assert len(figures["dcp_pinned.total"]) == 3  # (the old code: 1, then an error)
+    assert made == 3 and "dcp_pinned.error" not in out
+    assert "a new pinned stager per save" in out["dcp_pinned.note"][0]
