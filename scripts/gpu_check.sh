@@ -11,8 +11,9 @@
 #   BUDGET=300 bash scripts/gpu_check.sh tests     # the named steps only
 #
 # Steps: tests (pytest -m gpu: the torn-state tests one at a time, then the SIGKILL/resume ones
-# -- plain loop, Lightning, Transformers, FSDP2/FSDP1 Sharded state, FileParts -- in parallel
-# where pytest-xdist is installed), bench_gpu (blocking vs the D2H floor, torn tensors, warm
+# -- plain loop, Lightning, Transformers, FSDP2/FSDP1 Sharded state, FileParts, DeepSpeed
+# engines and Lightning's DeepSpeedStrategy where DeepSpeed is (carry the wheels of
+# scripts/gpu_wheels.sh as .whl) -- in parallel where pytest-xdist is installed), bench_gpu (blocking vs the D2H floor, torn tensors, warm
 # restore, the plain-loop overhead), lightning, transformers (adapters' overhead vs
 # ModelCheckpoint and the Trainer's save_steps).
 # Copy the figures into docs/performance.md ("On a GPU") with the GPU, torch version and date.
@@ -28,10 +29,17 @@ pack() {  # what comes back from the device: one archive and the summary
 export PYTHONPATH="$PWD/src:$PWD/tests:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
+# wheels that machine lacks (DeepSpeed and its needs), gathered by scripts/gpu_wheels.sh and
+# carried as .whl/: installed into a folder of their own, ahead on the path
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/gpu_check_site .whl/*.whl &&
+    export PYTHONPATH="/tmp/gpu_check_site:$PYTHONPATH"
+fi
 budget="${BUDGET:-570}"
 start=$SECONDS
 
-declare -A limit=([tests]=300 [bench_gpu]=240 [lightning]=180 [transformers]=150)
+declare -A limit=([tests]=360 [bench_gpu]=240 [lightning]=180 [transformers]=150)
 order=(tests bench_gpu lightning transformers)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${order[@]}")
@@ -42,6 +50,8 @@ done
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  "$py" -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>/dev/null ||
+    echo "no deepspeed: its GPU tests skip (scripts/gpu_wheels.sh, then carry .whl)"
   date -u +%FT%TZ
   git rev-parse --short HEAD 2>/dev/null || true
 } > "$out/machine.txt" 2>&1
@@ -65,10 +75,10 @@ run_step() {
       # the torn-state tests alone (their controls time a copy against kernels), then the
       # SIGKILL/resume ones (subprocesses, deterministic) several at a time
       local par=""
-      "$py" -c "import xdist" 2>/dev/null && par="-n 10"
+      "$py" -c "import xdist" 2>/dev/null && par="-n 12"
       local common="-m gpu -q -p no:cacheprovider -rA --durations=30"
       local first="$py -m pytest $common tests/test_gpu.py -k 'not sigkill'"
-      local then="$py -m pytest $common $par tests/test_gpu.py tests/test_dcp_sharded.py tests/test_part_blobs.py -k 'sigkill or frozen_layer'"
+      local then="$py -m pytest $common $par tests/test_gpu.py tests/test_gpu_deepspeed.py tests/test_dcp_sharded.py tests/test_part_blobs.py -k 'sigkill or frozen_layer'"
       cmd=(bash -c "$first; a=\$?; $then; b=\$?; echo \"exit codes \$a \$b\"; [ \$a = 0 ] && [ \$b = 0 ]") ;;
     bench_gpu) cmd=("$py" benchmarks/bench_gpu.py --sizes 1600 --reps 3 --loop-mb 1600
                     --loop-steps 60 --loop-every 20 --out "$out") ;;

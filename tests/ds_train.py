@@ -4,7 +4,8 @@ warm-up LR scheduler, AdamW, our resumable loader; optionally SIGKILLs itself mi
     python ds_train.py --dir D --out O --stage S [--dtype bf16] [--steps N] [--every K]
                        [--die-at STEP] [--launcher]
 
-Run once per rank (RANK/WORLD_SIZE/MASTER_* in the environment; gloo on CPU). Appends one line
+Run once per rank (RANK/WORLD_SIZE/MASTER_* in the environment; gloo on CPU; with
+``DS_ACCELERATOR=cuda``, NCCL, each rank on its GPU, deterministic algorithms). Appends one line
 per micro-step to ``O.rank<r>.losses`` (micro-step, loss as float.hex) and, at the end, writes
 ``O.rank0.final.json``: every full fp32 parameter and Adam moment (gathered), as hex floats;
 after each optimizer step, ``O.rank<r>.buffers.jsonl``: the ZeRO part's host buffers.
@@ -21,9 +22,12 @@ import signal
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (cuBLAS: deterministic on CUDA)
 
 import torch
 from torch import nn
+
+CUDA = os.environ["DS_ACCELERATOR"] == "cuda"  # tests/test_gpu_deepspeed.py: NCCL, one GPU a rank
 
 
 def build(
@@ -101,15 +105,15 @@ def full_state(engine, stage: int) -> dict[str, list[str]]:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([p], enabled=stage == 3):
-                out[f"frozen/{name}"] = [float(v).hex() for v in p.detach().float().flatten()]
+                out[f"frozen/{name}"] = [float(v).hex() for v in p.detach().float().cpu().flatten()]
             continue
         if stage == 0:
-            out[f"param/{name}"] = [float(v).hex() for v in p.detach().float().flatten()]
+            out[f"param/{name}"] = [float(v).hex() for v in p.detach().float().cpu().flatten()]
             continue
-        out[f"fp32/{name}"] = [float(v).hex() for v in safe_get_full_fp32_param(p).flatten()]
+        out[f"fp32/{name}"] = [float(v).hex() for v in safe_get_full_fp32_param(p).cpu().flatten()]
         for key in ("exp_avg", "exp_avg_sq"):
             t = safe_get_full_optimizer_state(p, key)
-            out[f"{key}/{name}"] = [float(v).hex() for v in t.flatten()]
+            out[f"{key}/{name}"] = [float(v).hex() for v in t.cpu().flatten()]
     return out
 
 
@@ -187,7 +191,10 @@ def main() -> None:
     skip_shm_op()
     if args.dtype == "fp16":
         allow_fp16_on_cpu()
-    deepspeed.init_distributed(dist_backend="gloo")
+    if CUDA:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.use_deterministic_algorithms(True)
+    deepspeed.init_distributed(dist_backend="nccl" if CUDA else "gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(1234)
     width = 4096 if args.incremental else 16
@@ -279,6 +286,7 @@ def main() -> None:
         for _ in passes():
             for x, y in loader:
                 micro = engine.micro_steps
+                x, y = x.to(engine.device), y.to(engine.device)  # (the CPU's: as they are)
                 loss = nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
                 engine.backward(loss)
                 log.write(f"{micro} {float(loss.detach()).hex()}\n")  # before step(): may exit 75

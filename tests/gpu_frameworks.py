@@ -2,7 +2,8 @@
 
 Not a test module. ``python tests/gpu_frameworks.py {lightning,transformers} CKPT_DIR --out-jsonl
 F --out-params P [--overlap] [--sleep S] [--fsdp {1,2}]`` trains a small model with dropout on
-one GPU (``--fsdp``: under FSDP1 or FSDP2, a world of one) with deterministic algorithms, writes one fsynced line per optimizer step ({"step", "loss" as
+one GPU (``--fsdp``: under FSDP1 or FSDP2, a world of one; ``--deepspeed``: Lightning's
+DeepSpeedStrategy) with deterministic algorithms, writes one fsynced line per optimizer step ({"step", "loss" as
 float.hex}) and at the end the final parameters (safetensors). Re-running it after a SIGKILL
 resumes from the newest checkpoint; stderr says ``restored step N``.
 """
@@ -29,10 +30,17 @@ def _append(f, record: dict) -> None:
     os.fsync(f.fileno())
 
 
-def _save_params(model: torch.nn.Module, path: str) -> None:
+def _save_params(model: torch.nn.Module, path: str, zero3: bool = False) -> None:
     import torch.distributed as dist
 
-    if dist.is_initialized():  # FSDP: the full tensors, gathered
+    if zero3:  # DeepSpeed ZeRO 3: each parameter gathered in turn
+        import deepspeed
+
+        sd = {}
+        for name, p in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([p]):
+                sd[name] = p.detach().cpu().clone()
+    elif dist.is_initialized():  # FSDP: the full tensors, gathered
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -99,6 +107,15 @@ def run_lightning(args: argparse.Namespace) -> None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy()
+    elif args.deepspeed:  # torch's AdamW from configure_optimizers, as Lightning users write it
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        config = {
+            "train_micro_batch_size_per_gpu": 16,
+            "zero_optimization": {"stage": args.deepspeed},
+            "zero_allow_untested_optimizer": True,
+        }
+        strategy = DeepSpeedStrategy(config=config)
     trainer = L.Trainer(
         accelerator="gpu",
         devices=1,
@@ -116,7 +133,7 @@ def run_lightning(args: argparse.Namespace) -> None:
         ],
     )
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
-    _save_params(model, args.out_params)
+    _save_params(model, args.out_params, zero3=args.deepspeed == 3)
 
 
 def run_transformers(args: argparse.Namespace) -> None:
@@ -211,6 +228,13 @@ def main() -> int:
         default=0,
         choices=[0, 1, 2],
         help="FSDP1 or FSDP2: Lightning's FSDPStrategy / ModelParallelStrategy, the Trainer's fsdp",
+    )
+    p.add_argument(
+        "--deepspeed",
+        type=int,
+        default=0,
+        choices=[0, 2, 3],
+        help="Lightning's DeepSpeedStrategy with this ZeRO stage (DeepSpeed needed)",
     )
     args = p.parse_args()
     torch.use_deterministic_algorithms(True)

@@ -10,7 +10,7 @@ marker): CI has no GPU. Run on a GPU machine with ``python -m pytest -m gpu test
   must see torn tensors, so the tests can fail.
 - A saved tensor freed right after the save is not reused before the copy has read it (its
   control skips ``record_stream`` and must read the memory's next owner).
-- SIGKILL and resume on CUDA (plain loop, Lightning, Transformers; deterministic algorithms, CUDA
+- SIGKILL and resume on CUDA (plain loop; Lightning plain, under FSDP1, FSDP2 and DeepSpeed ZeRO 2/3; Transformers plain and under FSDP1/FSDP2; deterministic algorithms, CUDA
   RNG restored) is bit-exact; restore lands in CUDA tensors; bf16 and AMP state round-trip.
 """
 
@@ -261,12 +261,17 @@ def test_plain_loop_sigkill_resume_on_cuda_is_bit_exact(tmp_path, overlap):
         "transformers",
         "transformers-fsdp1",
         "transformers-fsdp2",
+        "lightning-deepspeed2",
+        "lightning-deepspeed3",
     ],
 )
 @pytest.mark.parametrize("overlap", [False, True], ids=["default", "overlapped"])
 def test_framework_sigkill_resume_on_cuda_is_bit_exact(tmp_path, framework, overlap):
-    framework, _, fsdp = framework.partition("-fsdp")
+    framework, _, variant = framework.partition("-")
     pytest.importorskip(framework)
+    if variant.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    kind, number = variant.rstrip("0123456789"), variant[len(variant.rstrip("0123456789")) :]
 
     def cmd(workdir: Path, sleep: float) -> list[str]:
         c = [
@@ -281,7 +286,7 @@ def test_framework_sigkill_resume_on_cuda_is_bit_exact(tmp_path, framework, over
             "--sleep",
             str(sleep),
         ]
-        c += ["--fsdp", fsdp] if fsdp else []
+        c += [f"--{kind}", number] if variant else []
         return c + (["--overlap"] if overlap else [])
 
     ref, run = tmp_path / "ref", tmp_path / "run"
