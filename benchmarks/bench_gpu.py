@@ -208,8 +208,9 @@ def bench_size(root: str, mb: int, reps: int, baselines: bool = True) -> dict[st
     if stagers is not None:
         stagers.close()
     del pinned
-    restore_rounds(work, model, opt, reps, add)
+    restored = restore_rounds(work, model, opt, reps, add)
     res: dict[str, Any] = {"mb": mb, "bytes": nbytes, "raw": out}
+    res["restore_breakdown"] = restore_breakdown(restored)
     res["median"] = {k: med(v) for k, v in out.items() if not k.endswith("error")}
     m = res["median"]
     blocking = max(m["default.cpu"], m["default.stream"])
@@ -327,7 +328,7 @@ def _dcp_pinned_once(
 
 def restore_rounds(
     work: str, model: torch.nn.Module, opt: torch.optim.Optimizer, reps: int, add: Any
-) -> None:
+) -> str:
     """Warm restore (files in the page cache) into the live CUDA model and optimizer: ours
     (open the directory, verify every byte, load) against ``torch.load(mmap=True,
     map_location="cuda")`` + ``load_state_dict`` of a ``torch.save`` of the same state, round-robin;
@@ -335,11 +336,13 @@ def restore_rounds(
     path = os.path.join(work, "torch.pt")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
     state = {"model": model, "optimizer": opt}
+    restored = ""
     for rep in range(reps + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with Checkpointer(os.path.join(work, "default")) as ck:
             ck.restore(state)
+            restored = str(ck.last_restore.path)
         torch.cuda.synchronize()
         if rep:
             add("restore.ours", time.perf_counter() - t0)
@@ -352,6 +355,44 @@ def restore_rounds(
         if rep:
             add("restore.torch_mmap", time.perf_counter() - t0)
     os.remove(path)
+    return restored
+
+
+def restore_breakdown(path: str, device: str = "cuda") -> dict[str, Any]:
+    """Where a warm restore's time goes, per tensor file of the checkpoint at ``path`` (after
+    :func:`restore_rounds`, so in the page cache): whether the library judges it cached (which
+    decides whether its segments are hashed by several threads: ``checksum.in_page_cache``,
+    one-byte ``RWF_NOWAIT`` reads), the time to map and hash it as a restore does
+    (``tensorfile.map_tensors_verified``), and the time to copy its tensors to ``device``."""
+    import glob
+
+    from resilient_callbacks import checksum, tensorfile
+
+    out: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "rwf_nowait": checksum._NOWAIT is not None,
+        "files": {},
+    }
+    for f in sorted(glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True)):
+        size = os.path.getsize(f)
+        with open(f, "rb") as fh:
+            cached = checksum.in_page_cache(fh.fileno(), size)
+        t0 = time.perf_counter()
+        tensors = tensorfile.map_tensors_verified(f, None)
+        mapped_s = time.perf_counter() - t0
+        sync(device)
+        t0 = time.perf_counter()
+        moved = [t.to(device, copy=True) for t in tensors.values()]
+        sync(device)
+        out["files"][os.path.relpath(f, path)] = {
+            "bytes": size,
+            "hash_threads": checksum.threads_for(size, checksum.SEGMENT) if cached else 1,
+            "judged_cached": cached,
+            "map_and_hash_s": mapped_s,
+            "copy_to_device_s": time.perf_counter() - t0,
+        }
+        del moved, tensors
+    return out
 
 
 LOOP_METHODS = ("none", "ours", "ours_overlapped", "torch.save")
@@ -481,6 +522,14 @@ def markdown(report: dict[str, Any]) -> str:
             f"{m['restore.torch_mmap']:.3f} | {r['restore_ratio']:.2f}x |"
         )
     for r in report["sizes"]:
+        b = r.get("restore_breakdown", {})
+        for name, f in b.get("files", {}).items():
+            lines.append(
+                f"\n{r['mb']} MB, warm restore of {name} ({f['bytes'] / 1e6:.0f} MB): judged "
+                f"{'cached' if f['judged_cached'] else 'not cached'} ({f['hash_threads']} hashing "
+                f"threads of {b['cpus']} CPUs), map + hash {f['map_and_hash_s']:.3f} s, copy to "
+                f"the device {f['copy_to_device_s']:.3f} s"
+            )
         for key in ("dcp_pinned.note", "dcp_pinned.error", "dcp_async.error"):
             if key in r["raw"]:
                 lines.append(f"\n{r['mb']} MB, {key}: {r['raw'][key][0]}")
