@@ -1,4 +1,4 @@
-"""benchmarks/bench_gpu.py's DCP pinned-stager phase, on the CPU (the script itself needs CUDA).
+"""benchmarks/bench_gpu.py's DCP pinned-stager phase (benchmarks/dcp_pinned.py), on the CPU (the script itself needs CUDA).
 
 On an H200 with torch 2.11 the stager kept between saves failed every save after the first
 (``async_save`` had closed it), so the run reported no figure for DCP's fastest staging. The
@@ -23,6 +23,7 @@ pytestmark = [needs_dcp, pytest.mark.filterwarnings("ignore:torch.distributed is
 
 def _run(tmp_path: Path, closes: bool, saves: int = 3) -> tuple[int, dict, dict]:
     import bench_gpu
+    import dcp_pinned
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     made: list[Any] = []
@@ -44,9 +45,9 @@ def _run(tmp_path: Path, closes: bool, saves: int = 3) -> tuple[int, dict, dict]
     model, opt = bench_gpu.build(8, device="cpu", width=256)
     out: dict[str, Any] = {}
     figures: dict[str, list[float]] = {}
-    stagers = bench_gpu.PinnedStagers(out, make=make)
+    stagers = dcp_pinned.PinnedStagers(out, make=make)
     for _ in range(saves):
-        bench_gpu.dcp_pinned(
+        dcp_pinned.dcp_pinned(
             str(tmp_path),
             model,
             opt,
