@@ -10,12 +10,15 @@
 #   bash scripts/gpu_check.sh                      # every step that fits in BUDGET=570 s
 #   BUDGET=300 bash scripts/gpu_check.sh tests     # the named steps only
 #
-# Steps: tests (pytest -m gpu: the torn-state tests one at a time, then the SIGKILL/resume ones
-# -- plain loop, Lightning, Transformers, FSDP2/FSDP1 Sharded state, FileParts, DeepSpeed
-# engines and Lightning's DeepSpeedStrategy where DeepSpeed is (carry the wheels of
-# scripts/gpu_wheels.sh as .whl) -- in parallel where pytest-xdist is installed), bench_gpu (blocking vs the D2H floor, torn tensors, warm
-# restore, the plain-loop overhead), lightning, transformers (adapters' overhead vs
-# ModelCheckpoint and the Trainer's save_steps).
+# Steps:
+# - tests: pytest -m gpu. The torn-state tests one at a time, then the SIGKILL/resume ones in
+#   parallel where pytest-xdist is installed: plain loop, Lightning, Transformers, FSDP2/FSDP1
+#   Sharded state, FileParts, and DeepSpeed engines and Lightning's DeepSpeedStrategy where
+#   DeepSpeed is (carry the wheels of scripts/gpu_wheels.sh as .whl).
+# - bench_gpu: blocking vs the D2H floor, torn tensors, warm restore and where it goes, the
+#   plain-loop overhead.
+# - stall: whether the host buffers allocated ahead of the first save hold up training steps.
+# - lightning, transformers: the adapters' overhead vs ModelCheckpoint and save_steps.
 # Copy the figures into docs/performance.md ("On a GPU") with the GPU, torch version and date.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,8 +42,8 @@ fi
 budget="${BUDGET:-570}"
 start=$SECONDS
 
-declare -A limit=([tests]=360 [bench_gpu]=240 [lightning]=180 [transformers]=150)
-order=(tests bench_gpu lightning transformers)
+declare -A limit=([tests]=360 [bench_gpu]=240 [stall]=100 [lightning]=180 [transformers]=150)
+order=(tests bench_gpu stall lightning transformers)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${order[@]}")
 for s in "${steps[@]}"; do
@@ -82,6 +85,7 @@ run_step() {
       cmd=(bash -c "$first; a=\$?; $then; b=\$?; echo \"exit codes \$a \$b\"; [ \$a = 0 ] && [ \$b = 0 ]") ;;
     bench_gpu) cmd=("$py" benchmarks/bench_gpu.py --sizes 1600 --reps 3 --loop-mb 1600
                     --loop-steps 60 --loop-every 20 --out "$out") ;;
+    stall) cmd=("$py" benchmarks/bench_gpu_stall.py --mb 1600 --steps 24 --rounds 1 --out "$out") ;;
     transformers) cmd=("$py" benchmarks/bench_transformers.py --device cuda --n-layer 12
                        --seq 512 --batch 16 --steps 45 --every 15 --reps 1 --out "$out") ;;
     lightning) cmd=("$py" benchmarks/bench_lightning.py --device cuda --mb 1600 --batch 8192

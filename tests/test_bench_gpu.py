@@ -93,3 +93,22 @@ def test_the_restore_breakdown_names_each_tensor_file_and_its_costs(tmp_path):
     # (cached here, after the restore, where the filesystem answers RWF_NOWAIT reads truly)
     assert big["hash_threads"] == (min(b["cpus"], 8, 3) if big["judged_cached"] else 1)
     assert big["map_and_hash_s"] > 0 and big["copy_to_device_s"] > 0
+
+
+def test_the_allocation_stall_worker_allocates_ahead_and_times_every_step():
+    """benchmarks/bench_gpu_stall.py's worker on the CPU at a toy size (the script needs CUDA):
+    the host buffers are allocated within the run, every step is timed, and the summary has a
+    row per variant and data path."""
+    import bench_gpu_stall as s
+
+    from resilient_callbacks import pinned
+
+    cap = pinned.SLAB_MAX
+    runs = [s.worker(v, pin, 8, 4, "cpu", 256) for v in s.VARIANTS for pin in (0, 1)]
+    assert pinned.SLAB_MAX == cap  # the 64 MiB variant put it back
+    assert [len(r["steps_s"]) for r in runs] == [4] * 6
+    assert [r["buffer_bytes"] > 0 for r in runs] == [False, False, True, True, True, True]
+    rows = s.summarize(runs)
+    assert [(r["variant"], r["pin_mb"]) for r in rows] == [
+        (v, pin) for pin in (0, 1) for v in s.VARIANTS
+    ]
