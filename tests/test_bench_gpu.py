@@ -105,7 +105,7 @@ def test_the_allocation_stall_worker_allocates_ahead_and_times_every_step():
 
     cap = pinned.SLAB_MAX
     runs = [s.worker(v, pin, 8, 4, "cpu", 256) for v in s.VARIANTS for pin in (0, 1)]
-    assert pinned.SLAB_MAX == cap  # the 64 MiB variant put it back
+    assert cap == pinned.SLAB_MAX  # the 64 MiB variant put it back
     assert [len(r["steps_s"]) for r in runs] == [4] * 6
     assert [r["buffer_bytes"] > 0 for r in runs] == [False, False, True, True, True, True]
     rows = s.summarize(runs)
