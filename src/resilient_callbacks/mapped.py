@@ -12,8 +12,8 @@ run failed with ENOSPC).
 So tensors handed to objects that keep them get private copies (:func:`private`); an optimizer
 whose parameters are on an accelerator moves its state there but keeps a few tensors as given
 (Adam's ``step`` stays on the CPU), and those are copied after it loads (:func:`copy_kept`).
-After a restore :func:`still_mapped` names any file of the restored checkpoint that something still
-maps (:meth:`.restoring.Restorer.restore` warns). Thread contract: any thread; the registry is
+After a restore :func:`still_mapped` names any file of the restored checkpoint that something
+still maps (:meth:`.restoring.Restorer.restore` warns). Thread contract: any thread; the registry is
 guarded by a lock, and an entry goes when its mapping is freed.
 """
 
@@ -92,7 +92,7 @@ def copy_kept(optimizer: Any) -> None:
     an optimizer's state to its parameters' device but keeps some tensors as given -- Adam's and
     AdamW's ``step`` stays on the CPU unless ``capturable`` or ``fused``, and ``param_groups``
     values (a tensor ``lr``) are not moved. Each of those that views a mapped file is replaced by
-    a copy of its own; the moved state is not looked at again (it is on the accelerator)."""
+    a copy of its own (a few scalars); the state on the accelerator is left as it is."""
     state = getattr(optimizer, "state", None)
     if isinstance(state, Mapping):
         for per_param in state.values():
