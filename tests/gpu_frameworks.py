@@ -30,17 +30,17 @@ def _append(f, record: dict) -> None:
     os.fsync(f.fileno())
 
 
-def _save_params(model: torch.nn.Module, path: str, zero3: bool = False) -> None:
+def _save_params(model: torch.nn.Module, path: str, zero_stage: int = 0) -> None:
     import torch.distributed as dist
 
-    if zero3:  # DeepSpeed ZeRO 3: each parameter gathered in turn
+    if zero_stage == 3:  # DeepSpeed ZeRO 3: each parameter gathered in turn
         import deepspeed
 
         sd = {}
         for name, p in model.named_parameters():
             with deepspeed.zero.GatheredParameters([p]):
                 sd[name] = p.detach().cpu().clone()
-    elif dist.is_initialized():  # FSDP: the full tensors, gathered
+    elif dist.is_initialized() and not zero_stage:  # FSDP: the full tensors, gathered
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -133,7 +133,7 @@ def run_lightning(args: argparse.Namespace) -> None:
         ],
     )
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
-    _save_params(model, args.out_params, zero3=args.deepspeed == 3)
+    _save_params(model, args.out_params, zero_stage=args.deepspeed)
 
 
 def run_transformers(args: argparse.Namespace) -> None:
