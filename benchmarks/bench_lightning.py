@@ -277,7 +277,12 @@ def main() -> int:
         for rep in range(args.reps + 1):  # round 0 is a discarded warm-up
             for c in configs:
                 r = run_config(c, args, work)
-                print(f"rep {rep} {c}: {r['total_s']:.2f} s", flush=True)
+                # (the split in the log too: a run stopped at a time limit keeps it)
+                print(
+                    f"rep {rep} {c}: {r['total_s']:.2f} s (after the last step "
+                    f"{r['tail_s']:.2f} s)",
+                    flush=True,
+                )
                 if rep > 0:
                     runs[c].append(r)
         scale = scale_baselines(args.mb, work, args.device)
