@@ -27,7 +27,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (cuBLAS: determin
 import torch
 from torch import nn
 
-CUDA = os.environ["DS_ACCELERATOR"] == "cuda"  # tests/test_gpu_deepspeed.py: NCCL, one GPU a rank
+CUDA = os.environ["DS_ACCELERATOR"] == "cuda"  # test_gpu_deepspeed.py: NCCL, a GPU a rank
 
 
 def build(

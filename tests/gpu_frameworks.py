@@ -1,11 +1,12 @@
 """Lightning and Transformers training on CUDA with our callback (helper for tests/test_gpu.py).
 
 Not a test module. ``python tests/gpu_frameworks.py {lightning,transformers} CKPT_DIR --out-jsonl
-F --out-params P [--overlap] [--sleep S] [--fsdp {1,2}]`` trains a small model with dropout on
-one GPU (``--fsdp``: under FSDP1 or FSDP2, a world of one; ``--deepspeed``: Lightning's
-DeepSpeedStrategy) with deterministic algorithms, writes one fsynced line per optimizer step ({"step", "loss" as
-float.hex}) and at the end the final parameters (safetensors). Re-running it after a SIGKILL
-resumes from the newest checkpoint; stderr says ``restored step N``.
+F --out-params P [--overlap] [--sleep S] [--fsdp {1,2}] [--deepspeed {2,3}]`` trains a small
+model with dropout on one GPU (``--fsdp``: under FSDP1 or FSDP2, a world of one;
+``--deepspeed``: Lightning's DeepSpeedStrategy) with deterministic algorithms, writes one
+fsynced line per optimizer step ({"step", "loss" as float.hex}) and at the end the final
+parameters (safetensors). Re-running it after a SIGKILL resumes from the newest checkpoint;
+stderr says ``restored step N``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""benchmarks/bench_gpu.py's DCP pinned-stager phase (benchmarks/dcp_pinned.py), on the CPU (the script itself needs CUDA).
+"""Phases of the GPU benchmarks, on the CPU (the scripts themselves need CUDA): bench_gpu.py's
+DCP pinned-stager phase (benchmarks/dcp_pinned.py), its restore breakdown, and the worker of
+bench_gpu_stall.py.
 
 On an H200 with torch 2.11 the stager kept between saves failed every save after the first
 (``async_save`` had closed it), so the run reported no figure for DCP's fastest staging. The

@@ -10,8 +10,9 @@ marker): CI has no GPU. Run on a GPU machine with ``python -m pytest -m gpu test
   must see torn tensors, so the tests can fail.
 - A saved tensor freed right after the save is not reused before the copy has read it (its
   control skips ``record_stream`` and must read the memory's next owner).
-- SIGKILL and resume on CUDA (plain loop; Lightning plain, under FSDP1, FSDP2 and DeepSpeed ZeRO 2/3; Transformers plain and under FSDP1/FSDP2; deterministic algorithms, CUDA
-  RNG restored) is bit-exact; restore lands in CUDA tensors; bf16 and AMP state round-trip.
+- SIGKILL and resume on CUDA is bit-exact (deterministic algorithms, CUDA RNG restored): the
+  plain loop; Lightning plain, under FSDP1, FSDP2 and DeepSpeed ZeRO 2/3; Transformers plain
+  and under FSDP1/FSDP2. Restore lands in CUDA tensors; bf16 and AMP state round-trip.
 """
 
 from __future__ import annotations
