@@ -139,6 +139,7 @@ def bench_size(root: str, mb: int, reps: int, baselines: bool = True) -> dict[st
 
     step = 0
     for rep in range(reps + 1):
+        print(f"{mb} MB: repetition {rep} of {reps} (0: warm-up)", flush=True)
         record = rep > 0
         # floor
         torch.cuda.synchronize()
@@ -165,7 +166,6 @@ def bench_size(root: str, mb: int, reps: int, baselines: bool = True) -> dict[st
                 add(f"{mode}.stream", stream)
                 add(f"{mode}.total", total)
         if not baselines:
-            print(f"{mb} MB: repetition {rep} of {reps} done (0: warm-up)", flush=True)
             continue
         # torch.save + fsync
         path = os.path.join(work, "torch.pt")
@@ -196,7 +196,6 @@ def bench_size(root: str, mb: int, reps: int, baselines: bool = True) -> dict[st
             out["dcp_async.error"] = [str(e)]  # type: ignore[list-item]
         if stagers is not None:
             dcp_pinned(work, model, opt, stagers, add if record else lambda k, v: None, out)
-        print(f"{mb} MB: repetition {rep} of {reps} done (0: warm-up)", flush=True)
     for ck in ours.values():
         ck.close()
     if stagers is not None:

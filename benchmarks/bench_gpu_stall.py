@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 import torch
-from common import library_version, med, write_results
+from common import device_missing, library_version, med, write_results
 
 VARIANTS = ("none", "ahead", "ahead-64m")
 
@@ -151,8 +151,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # VARIANT PIN_MB
     args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench_gpu_stall.py needs CUDA (--device cpu tries the plumbing)", file=sys.stderr)
+    if device_missing(args.device):
         return 2
     if args.worker:
         v, pin = args.worker[0], int(args.worker[1])

@@ -82,14 +82,13 @@ def dcp_pinned(
     parameters: the comparable figure to our *stream*); *total* = ``upload_completion``."""
     if stagers.stager is None:  # no such stager in this torch (the reason is in ``out``)
         return
-    for attempt in (0, 1):
-        stager = stagers.next()
+    for _ in range(2):  # a second try only with a new stager (closed_by_dcp)
         try:
-            _dcp_pinned_once(work, model, opt, stager, add)
+            _dcp_pinned_once(work, model, opt, stagers.next(), add)
             stagers.used = True
             return
         except DCP_FAILURES as e:  # reported, not fatal, as for the default stager
-            if attempt or stagers.renew or not stagers.used:
+            if stagers.renew or not stagers.used:
                 out["dcp_pinned.error"] = [f"{type(e).__name__}: {e}"]
                 return
             # a stager that served a save fails the next: closed by that save (PinnedStagers)

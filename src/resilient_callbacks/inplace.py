@@ -70,11 +70,8 @@ def apply(
             value = resolve(n)
             if isinstance(target, torch.nn.Module) and isinstance(value, Mapping):
                 value = unwrapped_keys(value, target.state_dict().keys())
-            keeps = mapped.keeps_host_tensors(obj)
-            if keeps:  # kept tensors must not hold the file (mapped.py)
-                value = mapped.private(value)
-            try:
-                result = target.load_state_dict(value)
+            try:  # what it keeps must not hold the file (mapped.py)
+                result = mapped.load_state(target, value, target.load_state_dict)
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # the object's own validation: report with its key path
@@ -84,8 +81,6 @@ def apply(
                     "the checkpoint's values now: build them afresh before training from scratch"
                 ) from e
             _check_load_result(result, path)
-            if not keeps and not isinstance(target, torch.nn.Module):
-                mapped.copy_kept(target)  # an optimizer on a GPU keeps Adam's `step` as given
             return obj
         if not _has_live_objects(obj):  # plain data: merged in place, at every depth
             value = resolve(n)

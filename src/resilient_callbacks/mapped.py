@@ -23,7 +23,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -105,6 +105,18 @@ def copy_kept(optimizer: Any) -> None:
             for k, v in list(group.items()):
                 if k != "params" and isinstance(v, torch.Tensor) and is_mapped(v):
                     group[k] = v.clone()
+
+
+def load_state(obj: Any, value: Any, load: Callable[[Any], Any]) -> Any:
+    """``load(value)`` -- ``obj``'s ``load_state_dict`` -- such that nothing ``obj`` keeps views a
+    mapped file: private copies first where it may keep host tensors (:func:`keeps_host_tensors`),
+    else, for an optimizer, the few tensors it kept as given copied after (:func:`copy_kept`).
+    Returns what ``load`` returned."""
+    keeps = keeps_host_tensors(obj)
+    result = load(private(value) if keeps else value)
+    if not keeps and not isinstance(obj, torch.nn.Module):
+        copy_kept(obj)
+    return result
 
 
 def still_mapped(directory: str) -> list[str]:

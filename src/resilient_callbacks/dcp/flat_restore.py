@@ -141,12 +141,8 @@ def load(
             buf.copy_(home[name])
     if p.with_optim and optimizer is not None:
         osd = _optimizer_state(p, files, skeleton, optimizer)
-        keeps = mapped.keeps_host_tensors(optimizer)
-        if keeps:  # the state it keeps must not hold the files
-            osd = mapped.private(osd)
-        optimizer.load_state_dict(osd)
-        if not keeps:
-            mapped.copy_kept(optimizer)  # on a GPU it keeps Adam's `step` as given
+        # the state it keeps must not hold the files (mapped.py)
+        mapped.load_state(optimizer, osd, optimizer.load_state_dict)
 
 
 def _whole_problem(
