@@ -42,7 +42,7 @@ fi
 budget="${BUDGET:-570}"
 start=$SECONDS
 
-declare -A limit=([tests]=360 [bench_gpu]=240 [stall]=100 [lightning]=180 [transformers]=150)
+declare -A limit=([tests]=360 [bench_gpu]=240 [stall]=130 [lightning]=180 [transformers]=150)
 order=(tests bench_gpu stall lightning transformers)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${order[@]}")

@@ -108,9 +108,27 @@ def test_the_allocation_stall_worker_allocates_ahead_and_times_every_step():
     cap = pinned.SLAB_MAX
     runs = [s.worker(v, pin, 8, 4, "cpu", 256) for v in s.VARIANTS for pin in (0, 1)]
     assert cap == pinned.SLAB_MAX  # the 64 MiB variant put it back
-    assert [len(r["steps_s"]) for r in runs] == [4] * 6
-    assert [r["buffer_bytes"] > 0 for r in runs] == [False, False, True, True, True, True]
+    assert [len(r["steps_s"]) for r in runs] == [4] * 2 * len(s.VARIANTS)
+    assert [r["buffer_bytes"] > 0 for r in runs] == [False, False] + [True] * 2 * (
+        len(s.VARIANTS) - 1
+    )
     rows = s.summarize(runs)
     assert [(r["variant"], r["pin_mb"]) for r in rows] == [
         (v, pin) for pin in (0, 1) for v in s.VARIANTS
     ]
+
+
+def test_the_allocation_stall_report_names_a_variant_whose_process_failed():
+    """A variant whose process failed (a torch that does not know an allocator option) is named
+    in the report with its error, not dropped silently."""
+    import bench_gpu_stall as s
+
+    run = s.worker("none", 0, 8, 2, "cpu", 256)
+    report = {
+        "gpu": "cpu", "torch": "x", "date": "d", "library": "l", "mb": 8, "steps": 2,
+        "rounds": 1, "rows": s.summarize([run]),
+        "failed": [{"variant": "ahead-hostreg", "pin_mb": 0, "error": ["RuntimeError: bad"]}],
+    }  # fmt: skip
+    md = s.markdown(report)
+    assert "| none | 0 |" in md
+    assert "ahead-hostreg (pinned data path 0 MB) failed: ['RuntimeError: bad']" in md
