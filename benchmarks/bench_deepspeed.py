@@ -5,8 +5,10 @@ on the same engine, in the same run.
 
     DS_ACCELERATOR=cpu .venv/bin/python benchmarks/bench_deepspeed.py [--mb 200] [--stage 2] \
         [--steps 24] [--every 6] [--reps 3] [--dtype fp32|bf16] [--out benchmarks/results]
+    python benchmarks/bench_deepspeed.py --device cuda --dtype bf16 ...   # on a GPU (NCCL)
 
-One process, one rank (gloo). Model: an MLP of ``--mb`` MB of fp32 parameters (with AdamW's two
+One process, one rank (gloo; NCCL with ``--device cuda``, which sets ``DS_ACCELERATOR=cuda``
+unless it is set). Model: an MLP of ``--mb`` MB of fp32 parameters (with AdamW's two
 moments and the fp32 masters, the saved state is about 3x that), trained on synthetic data.
 Modes, run round-robin in each repetition on the same engine (so drift of a shared machine hits
 them alike), medians over ``--reps``:
@@ -35,7 +37,6 @@ import tempfile
 import time
 from typing import Any
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 _ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
 # what DeepSpeed's launcher sets and its decoupled checkpoint engine reads
 _ENV.update({"LOCAL_SIZE": "1", "CROSS_RANK": "0", "CROSS_SIZE": "1"})
@@ -63,7 +64,7 @@ def make_engine(mb: int, stage: int, dtype: str, decoupled: bool) -> Any:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 8,
+        "train_micro_batch_size_per_gpu": BATCH,
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
     }
@@ -76,8 +77,19 @@ def make_engine(mb: int, stage: int, dtype: str, decoupled: bool) -> Any:
     return engine, sum(p.numel() for p in model.parameters())
 
 
+def sync() -> None:
+    """Wait for the GPU's queued work, so a time covers it (nothing on the CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+BATCH = 8  # rows per step (--batch): a GPU needs many more for a step of realistic length
+
+
 def train(engine: Any, steps: int, after_step: Any = None) -> float:
-    x = torch.randn(8, 1024, dtype=next(engine.module.parameters()).dtype)
+    p = next(engine.module.parameters())
+    x = torch.randn(BATCH, 1024, dtype=p.dtype, device=p.device)
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = engine(x).float().pow(2).mean()
@@ -85,6 +97,7 @@ def train(engine: Any, steps: int, after_step: Any = None) -> float:
         engine.step()
         if after_step is not None:
             after_step()
+    sync()
     return time.perf_counter() - t0
 
 
@@ -105,6 +118,7 @@ def ds_saving(engine: Any, root: str, every: int, blocking: list[float]) -> Any:
 
 
 def main() -> None:
+    global BATCH
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -119,14 +133,22 @@ def main() -> None:
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     )
     ap.add_argument("--no-decoupled", action="store_true", help="skip DeepSpeed's decoupled engine")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument(
+        "--batch", type=int, default=BATCH, help="rows per step (on a GPU: 65536 for ~0.1 s)"
+    )
     args = ap.parse_args()
+    BATCH = args.batch
+    os.environ.setdefault("DS_ACCELERATOR", args.device)  # read when deepspeed is imported
     os.environ.setdefault("MASTER_PORT", free_port())
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device here")
 
     import deepspeed
 
     import resilient_callbacks.deepspeed as rcds
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     root = tempfile.mkdtemp(prefix="bench_ds_", dir=args.dir)
     engine, n = make_engine(args.mb, args.stage, args.dtype, decoupled=False)
     dec_engine, dec_error = None, None
@@ -180,6 +202,7 @@ def main() -> None:
         )
         in_loop = train(engine, args.steps)
         handle.checkpointer.flush()
+        sync()
         results["ours"].append(time.perf_counter() - t0)
         results["ours_in_loop"].append(in_loop)
         blocking["ours"] += list(handle.checkpointer.blocking_seconds)
@@ -188,11 +211,14 @@ def main() -> None:
         tag = sorted(os.listdir(ds_dir), key=lambda t: int(t[4:]) if t.startswith("step") else -1)[
             -1
         ]
+        sync()
         t0 = time.perf_counter()
         engine.load_checkpoint(ds_dir, tag=tag)
+        sync()
         restore["ds"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         h = rcds.attach(engine, dirpath=ours_dir, restore=True, preemption=False)
+        sync()
         restore["ours"].append(time.perf_counter() - t0)
         h.close()
         for d in (ds_dir, ours_dir):
@@ -209,8 +235,10 @@ def main() -> None:
         "library": library_version(),
         "deepspeed": deepspeed.__version__,
         "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "params": n,
-        "state_mb": round(n * 4 * 3 / 2**20),
+        # fp32: the weights (the masters) and two moments; bf16: bf16 weights besides
+        "state_mb": round(n * (12 if args.dtype == "fp32" else 14) / 2**20),
         "args": vars(args),
         "times_s": results,
         "overhead_s": over,
@@ -230,8 +258,9 @@ def main() -> None:
     r = report["ratios"]
     md = (
         f"# bench_deepspeed ({report['library']}, DeepSpeed {report['deepspeed']}, torch "
-        f"{report['torch']})\n\nZeRO {args.stage}, {args.dtype}, {n / 1e6:.0f} M parameters "
-        f"(~{report['state_mb']} MB of fp32 weights + AdamW moments), {args.steps} steps, a save "
+        f"{report['torch']}, {report['device']})\n\nZeRO {args.stage}, {args.dtype}, {n / 1e6:.0f} M parameters "
+        f"(~{report['state_mb']} MB of weights, fp32 masters and AdamW moments), batch "
+        f"{args.batch}, {args.steps} steps, a save "
         f"every {args.every} ({saves} saves), medians of {args.reps}.\n\n"
         "| mode | overhead (s) | per save (s) | vs engine.save_checkpoint |\n|---|---|---|---|\n"
         f"| engine.save_checkpoint (default engine) | {over['ds']:.2f} | {over['ds'] / saves:.2f} | 1.00x |\n"

@@ -19,6 +19,8 @@
 #   plain-loop overhead.
 # - stall: whether the host buffers allocated ahead of the first save hold up training steps.
 # - lightning, transformers: the adapters' overhead vs ModelCheckpoint and save_steps.
+# - deepspeed: the DeepSpeed adapter's overhead and restore vs engine.save_checkpoint (default
+#   engine, and the decoupled async one where it builds) on the GPU (carry .whl).
 # Copy the figures into docs/performance.md ("On a GPU") with the GPU, torch version and date.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,8 +44,9 @@ fi
 budget="${BUDGET:-570}"
 start=$SECONDS
 
-declare -A limit=([tests]=360 [bench_gpu]=240 [stall]=130 [lightning]=180 [transformers]=150)
-order=(tests bench_gpu stall lightning transformers)
+declare -A limit=([tests]=360 [bench_gpu]=240 [stall]=130 [lightning]=180 [transformers]=150
+                 [deepspeed]=200)
+order=(tests bench_gpu stall lightning transformers deepspeed)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${order[@]}")
 for s in "${steps[@]}"; do
@@ -88,6 +91,8 @@ run_step() {
     stall) cmd=("$py" benchmarks/bench_gpu_stall.py --mb 1600 --steps 24 --rounds 1 --out "$out") ;;
     transformers) cmd=("$py" benchmarks/bench_transformers.py --device cuda --n-layer 12
                        --seq 512 --batch 16 --steps 45 --every 15 --reps 1 --out "$out") ;;
+    deepspeed) cmd=("$py" benchmarks/bench_deepspeed.py --device cuda --dtype bf16 --mb 400
+                    --batch 65536 --steps 30 --every 10 --reps 2 --out "$out") ;;
     lightning) cmd=("$py" benchmarks/bench_lightning.py --device cuda --mb 1600 --batch 8192
                     --steps 30 --every 10 --reps 1 --out "$out") ;;
   esac
