@@ -20,7 +20,9 @@
 # - stall: whether the host buffers allocated ahead of the first save hold up training steps.
 # - lightning, transformers: the adapters' overhead vs ModelCheckpoint and save_steps.
 # - deepspeed: the DeepSpeed adapter's overhead and restore vs engine.save_checkpoint (default
-#   engine, and the decoupled async one where it builds) on the GPU (carry .whl).
+#   engine) on the GPU (carry .whl).
+# - deepspeed_async: the same, once, with DeepSpeed's decoupled (async) engine too; its async-io
+#   op is built there first (libaio from .whl; the build took 6 min on 2 loaded CPU cores here).
 # Copy the figures into docs/performance.md ("On a GPU") with the GPU, torch version and date.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,12 +43,18 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     --target /tmp/gpu_check_site .whl/*.whl &&
     export PYTHONPATH="/tmp/gpu_check_site:$PYTHONPATH"
 fi
+if [ -d .whl/libaio ]; then  # for DeepSpeed's async-io op, built there (gpu_wheels.sh)
+  aio="$PWD/.whl/libaio"
+  export CPATH="$aio/include${CPATH:+:$CPATH}" CFLAGS="-I$aio/include ${CFLAGS:-}"
+  export LIBRARY_PATH="$aio/lib${LIBRARY_PATH:+:$LIBRARY_PATH}" LDFLAGS="-L$aio/lib ${LDFLAGS:-}"
+  export LD_LIBRARY_PATH="$aio/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 budget="${BUDGET:-570}"
 start=$SECONDS
 
 declare -A limit=([tests]=360 [bench_gpu]=240 [stall]=130 [lightning]=180 [transformers]=150
-                 [deepspeed]=200)
-order=(tests bench_gpu stall lightning transformers deepspeed)
+                 [deepspeed]=200 [deepspeed_async]=360)
+order=(tests bench_gpu stall lightning transformers deepspeed deepspeed_async)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${order[@]}")
 for s in "${steps[@]}"; do
@@ -92,7 +100,8 @@ run_step() {
     transformers) cmd=("$py" benchmarks/bench_transformers.py --device cuda --n-layer 12
                        --seq 512 --batch 16 --steps 45 --every 15 --reps 1 --out "$out") ;;
     deepspeed) cmd=("$py" benchmarks/bench_deepspeed.py --device cuda --dtype bf16 --mb 400
-                    --batch 65536 --steps 30 --every 10 --reps 2 --out "$out") ;;
+                    --batch 65536 --steps 30 --every 10 --reps 2 --no-decoupled --out "$out") ;;
+    deepspeed_async) cmd=(bash -c "DS_ACCELERATOR=cuda $py -c 'from deepspeed.ops.op_builder import AsyncIOBuilder as B; B().load()' && $py benchmarks/bench_deepspeed.py --device cuda --dtype bf16 --mb 400 --batch 65536 --steps 30 --every 10 --reps 1 --out $out/async") ;;
     lightning) cmd=("$py" benchmarks/bench_lightning.py --device cuda --mb 1600 --batch 8192
                     --steps 30 --every 10 --reps 1 --out "$out") ;;
   esac

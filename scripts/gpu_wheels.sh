@@ -25,5 +25,19 @@ for n in "${binary[@]}"; do reqs+=("$(pin "$n")"); done
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d "$dest" "${reqs[@]}"
 "$py" -m pip wheel -q --no-deps -w "$dest" "$(pin deepspeed)"
+# libaio (Debian's libaio1 and libaio-dev): DeepSpeed's async-io op, which its fast and
+# decoupled checkpoint engines need (benchmarks/bench_deepspeed.py), links it and is built on that
+# machine; plain files (links may not travel), found through CPATH/LIBRARY_PATH/LD_LIBRARY_PATH
+if command -v apt-get > /dev/null; then
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download libaio1 libaio-dev > /dev/null 2>&1) &&
+    for d in "$tmp"/*.deb; do dpkg -x "$d" "$tmp/root"; done &&
+    mkdir -p "$dest/libaio/include" "$dest/libaio/lib" &&
+    cp "$tmp/root/usr/include/libaio.h" "$dest/libaio/include/" &&
+    cp -L "$tmp/root/usr/lib/x86_64-linux-gnu/libaio.so.1" "$dest/libaio/lib/libaio.so.1" &&
+    cp -L "$tmp/root/usr/lib/x86_64-linux-gnu/libaio.so.1" "$dest/libaio/lib/libaio.so" ||
+    echo "libaio not fetched: DeepSpeed's async-io engines will not build there" >&2
+  rm -rf "$tmp"
+fi
 ls -l "$dest"
 du -sh "$dest"
