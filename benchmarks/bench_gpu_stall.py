@@ -18,6 +18,11 @@ empty, as in a new run):
   ``cudaHostRegister`` on 8 threads instead of calling ``cudaHostAlloc``
   (``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8``).
   A torch that does not know the option fails that process; the run goes on and says so.
+- ``neighbour``: no ``Checkpointer``; at step 1 *another process* pins the same buffers (as
+  ``ahead`` would, in slabs). Page-locking is serialized on driver-global locks, reported to
+  stall other processes' CUDA calls (TensorRT-LLM issue 17429): on a node with a rank per GPU,
+  every rank pins its buffers at the same step, so this is the stall one rank's pinning causes
+  its neighbours.
 
 Each with and without a pinned data path: every step pins ``--pin-mb`` MB of host memory and
 copies it to the device, as a ``DataLoader(pin_memory=True)`` does (the Trainer's default), which
@@ -41,7 +46,7 @@ from typing import Any
 import torch
 from common import device_missing, library_version, med, write_results
 
-VARIANTS = ("none", "ahead", "ahead-64m", "ahead-hostreg")
+VARIANTS = ("none", "ahead", "ahead-64m", "ahead-hostreg", "neighbour")
 # the environment of a variant's process, beyond the caller's
 ENV = {
     "ahead-hostreg": {
@@ -60,6 +65,50 @@ def worker(variant: str, pin_mb: int, mb: int, steps: int, device: str, width: i
         return _loop(variant, pin_mb, mb, steps, device, width)
     finally:
         pinned.SLAB_MAX = cap  # (as it was, for a caller in the same process)
+
+
+def specs_of(mb: int, width: int) -> list[tuple[torch.Size, torch.dtype]]:
+    """The shapes and dtypes of what ``ahead`` pins for bench_gpu's model of ``mb`` MB: each
+    layer's weight and its two AdamW moments."""
+    layers = max(1, mb * 1_000_000 // 12 // (width * width))
+    return [(torch.Size([width, width]), torch.float32)] * (3 * layers)
+
+
+def neighbour(mb: int, width: int, device: str) -> None:
+    """The other process of the ``neighbour`` variant: make its CUDA context, say ``ready``,
+    wait for ``go`` on stdin, pin the buffers as ``ahead`` does, print the bytes and seconds."""
+    from resilient_callbacks import pinned
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.init()
+        torch.empty(1, device="cuda")
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.perf_counter()
+    bufs = pinned.pinned_group(specs_of(mb, width), pin=cuda)
+    made = sum(b.numel() * b.element_size() for b in bufs)
+    print(json.dumps({"bytes": made, "seconds": time.perf_counter() - t0}), flush=True)
+    sys.stdin.readline()  # hold the buffers until the measured loop has ended
+
+
+def _start_neighbour(mb: int, width: int, device: str) -> subprocess.Popen:
+    args = ["--mb", str(mb), "--width", str(width), "--device", device, "--pin-neighbour"]
+    nb = subprocess.Popen(
+        [sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert nb.stdout is not None
+    line = nb.stdout.readline().strip()
+    if line != "ready":
+        nb.kill()
+        raise RuntimeError(f"the neighbour process did not start: {line!r}")
+    return nb
+
+
+def _tell(nb: subprocess.Popen, word: str) -> None:
+    assert nb.stdin is not None
+    nb.stdin.write(word + "\n")
+    nb.stdin.flush()
 
 
 def _loop(variant: str, pin_mb: int, mb: int, steps: int, device: str, width: int) -> dict:
@@ -83,11 +132,19 @@ def _loop(variant: str, pin_mb: int, mb: int, steps: int, device: str, width: in
     for _ in range(3):  # warm-up: kernels, the caching allocator
         step()
     times: list[float] = []
+    nb = _start_neighbour(mb, width, device) if variant == "neighbour" else None
+    extra: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as d:
-        ck = None if variant == "none" else Checkpointer(d, every_n_steps=10**6, preemption=False)
+        ck = (
+            None
+            if variant in ("none", "neighbour")
+            else Checkpointer(d, every_n_steps=10**6, preemption=False)
+        )
         for i in range(1, steps + 1):
             if device == "cuda":
                 torch.cuda.synchronize()
+            if nb is not None and i == 1:
+                _tell(nb, "go")  # it pins while the steps run
             t0 = time.perf_counter()
             step()
             if ck is not None:
@@ -99,9 +156,15 @@ def _loop(variant: str, pin_mb: int, mb: int, steps: int, device: str, width: in
             ck._saver.buffers.wait_allocated()  # (allocated within the run: asserted below)
             made = sum(b.numel() * b.element_size() for b in ck._saver.buffers._bufs.values())
             ck.close()
+        elif nb is not None:
+            assert nb.stdout is not None
+            done = json.loads(nb.stdout.readline())  # (it has pinned them all)
+            made, extra = done["bytes"], {"neighbour_pin_s": done["seconds"]}
+            _tell(nb, "done")
+            nb.wait(timeout=60)
         else:
             made = 0
-    return {"variant": variant, "pin_mb": pin_mb, "steps_s": times, "buffer_bytes": made}
+    return {"variant": variant, "pin_mb": pin_mb, "steps_s": times, "buffer_bytes": made, **extra}
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -162,9 +225,13 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # VARIANT PIN_MB
+    ap.add_argument("--pin-neighbour", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if device_missing(args.device):
         return 2
+    if args.pin_neighbour:
+        neighbour(args.mb, args.width, args.device)
+        return 0
     if args.worker:
         v, pin = args.worker[0], int(args.worker[1])
         print(json.dumps(worker(v, pin, args.mb, args.steps, args.device, args.width)))

@@ -52,7 +52,7 @@ fi
 budget="${BUDGET:-570}"
 start=$SECONDS
 
-declare -A limit=([tests]=360 [bench_gpu]=240 [stall]=130 [lightning]=180 [transformers]=150
+declare -A limit=([tests]=360 [bench_gpu]=240 [stall]=160 [lightning]=180 [transformers]=150
                  [deepspeed]=200 [deepspeed_async]=360)
 order=(tests bench_gpu stall lightning transformers deepspeed deepspeed_async)
 steps=("$@")
