@@ -50,10 +50,15 @@ from resilient_callbacks import Checkpointer
 WIDTH = 4096
 
 
+def layers_for(mb: int, width: int = WIDTH) -> int:
+    """The layers of :func:`build`'s model: ``mb`` MB of weights and two AdamW moments."""
+    return max(1, mb * 1_000_000 // 12 // (width * width))
+
+
 def build(
     mb: int, seed: int = 0, device: str = "cuda", width: int = WIDTH
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    layers = max(1, mb * 1_000_000 // 12 // (width * width))
+    layers = layers_for(mb, width)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         *[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]

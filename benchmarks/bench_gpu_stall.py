@@ -70,8 +70,9 @@ def worker(variant: str, pin_mb: int, mb: int, steps: int, device: str, width: i
 def specs_of(mb: int, width: int) -> list[tuple[torch.Size, torch.dtype]]:
     """The shapes and dtypes of what ``ahead`` pins for bench_gpu's model of ``mb`` MB: each
     layer's weight and its two AdamW moments."""
-    layers = max(1, mb * 1_000_000 // 12 // (width * width))
-    return [(torch.Size([width, width]), torch.float32)] * (3 * layers)
+    from bench_gpu import layers_for
+
+    return [(torch.Size([width, width]), torch.float32)] * (3 * layers_for(mb, width))
 
 
 def neighbour(mb: int, width: int, device: str) -> None:
