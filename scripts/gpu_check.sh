@@ -17,6 +17,7 @@
 #   DeepSpeed is (carry the wheels of scripts/gpu_wheels.sh as .whl).
 # - bench_gpu: blocking vs the D2H floor, torn tensors, warm restore and where it goes, the
 #   plain-loop overhead.
+# - restore: bench_gpu without the plain loop (measured on the H200 already), in less time.
 # - stall: whether the host buffers allocated ahead of the first save hold up training steps.
 # - lightning, transformers: the adapters' overhead vs ModelCheckpoint and save_steps.
 # - deepspeed: the DeepSpeed adapter's overhead and restore vs engine.save_checkpoint (default
@@ -52,9 +53,10 @@ fi
 budget="${BUDGET:-570}"
 start=$SECONDS
 
-declare -A limit=([tests]=360 [bench_gpu]=240 [stall]=160 [lightning]=180 [transformers]=150
-                 [deepspeed]=200 [deepspeed_async]=360)
-order=(tests bench_gpu stall lightning transformers deepspeed deepspeed_async)
+declare -A limit=([tests]=360 [bench_gpu]=240 [restore]=150 [stall]=160 [lightning]=180
+                 [transformers]=150 [deepspeed]=200 [deepspeed_async]=360)
+# every step when none is named (BUDGET then runs out: name them, a few a call)
+order=(tests bench_gpu stall lightning transformers deepspeed deepspeed_async restore)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${order[@]}")
 for s in "${steps[@]}"; do
@@ -96,6 +98,7 @@ run_step() {
       cmd=(bash -c "$first; a=\$?; $then; b=\$?; echo \"exit codes \$a \$b\"; [ \$a = 0 ] && [ \$b = 0 ]") ;;
     bench_gpu) cmd=("$py" benchmarks/bench_gpu.py --sizes 1600 --reps 3 --loop-mb 1600
                     --loop-steps 60 --loop-every 20 --out "$out") ;;
+    restore) cmd=("$py" benchmarks/bench_gpu.py --sizes 1600 --reps 2 --loop-mb 0 --out "$out/restore") ;;
     stall) cmd=("$py" benchmarks/bench_gpu_stall.py --mb 1600 --steps 24 --rounds 1 --out "$out") ;;
     transformers) cmd=("$py" benchmarks/bench_transformers.py --device cuda --n-layer 12
                        --seq 512 --batch 16 --steps 45 --every 15 --reps 1 --out "$out") ;;
