@@ -64,6 +64,7 @@ def test_bench_async_quick(tmp_path: Path) -> None:
         "torch.save",
         "DCP async_save",
         "ours async",
+        "ours async +metrics",
         "ours overlapped",
     }
     for name in ("ours async", "DCP async_save"):
