@@ -56,7 +56,9 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def make_engine(mb: int, stage: int, dtype: str, decoupled: bool) -> Any:
+def make_engine(mb: int, stage: int, dtype: str, decoupled: bool, batch: int = 8) -> Any:
+    """The engine, its micro-batch ``batch`` rows (a GPU needs many more than the CPU's 8 for a
+    step of realistic length); :func:`train` feeds it batches of that size."""
     import deepspeed
 
     width = 1024
@@ -64,7 +66,7 @@ def make_engine(mb: int, stage: int, dtype: str, decoupled: bool) -> Any:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": BATCH,
+        "train_micro_batch_size_per_gpu": batch,
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
     }
@@ -83,12 +85,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-BATCH = 8  # rows per step (--batch): a GPU needs many more for a step of realistic length
-
-
 def train(engine: Any, steps: int, after_step: Any = None) -> float:
     p = next(engine.module.parameters())
-    x = torch.randn(BATCH, 1024, dtype=p.dtype, device=p.device)
+    x = torch.randn(engine.train_micro_batch_size_per_gpu(), 1024, dtype=p.dtype, device=p.device)
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -118,7 +117,6 @@ def ds_saving(engine: Any, root: str, every: int, blocking: list[float]) -> Any:
 
 
 def main() -> None:
-    global BATCH
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -135,10 +133,9 @@ def main() -> None:
     ap.add_argument("--no-decoupled", action="store_true", help="skip DeepSpeed's decoupled engine")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument(
-        "--batch", type=int, default=BATCH, help="rows per step (on a GPU: 65536 for ~0.1 s)"
+        "--batch", type=int, default=8, help="rows per step (on a GPU: 65536 for ~0.1 s)"
     )
     args = ap.parse_args()
-    BATCH = args.batch
     os.environ.setdefault("DS_ACCELERATOR", args.device)  # read when deepspeed is imported
     os.environ.setdefault("MASTER_PORT", free_port())
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -150,11 +147,13 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     root = tempfile.mkdtemp(prefix="bench_ds_", dir=args.dir)
-    engine, n = make_engine(args.mb, args.stage, args.dtype, decoupled=False)
+    engine, n = make_engine(args.mb, args.stage, args.dtype, decoupled=False, batch=args.batch)
     dec_engine, dec_error = None, None
     if not args.no_decoupled:
         try:
-            dec_engine, _ = make_engine(args.mb, args.stage, args.dtype, decoupled=True)
+            dec_engine, _ = make_engine(
+                args.mb, args.stage, args.dtype, decoupled=True, batch=args.batch
+            )
             dec_engine.save_checkpoint(os.path.join(root, "probe"), tag="probe")
             shutil.rmtree(os.path.join(root, "probe"), ignore_errors=True)
         except Exception as e:  # not buildable on this machine (it needs DeepSpeed's aio op)

@@ -87,6 +87,11 @@ class RunningNorm(nn.Module):
         return x - self.mean.to(x.dtype)
 
 
+def _hexes(t: torch.Tensor) -> list[str]:
+    """Every element of ``t`` as float.hex (exact), on the CPU."""
+    return [float(v).hex() for v in t.detach().float().cpu().flatten()]
+
+
 def full_state(engine, stage: int) -> dict[str, list[str]]:
     """Every full fp32 master weight and Adam moment, gathered (a collective), the skipped-step
     count and, with fp16, the loss scaler's state."""
@@ -105,15 +110,15 @@ def full_state(engine, stage: int) -> dict[str, list[str]]:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([p], enabled=stage == 3):
-                out[f"frozen/{name}"] = [float(v).hex() for v in p.detach().float().cpu().flatten()]
+                out[f"frozen/{name}"] = _hexes(p)
             continue
         if stage == 0:
-            out[f"param/{name}"] = [float(v).hex() for v in p.detach().float().cpu().flatten()]
+            out[f"param/{name}"] = _hexes(p)
             continue
-        out[f"fp32/{name}"] = [float(v).hex() for v in safe_get_full_fp32_param(p).cpu().flatten()]
+        out[f"fp32/{name}"] = _hexes(safe_get_full_fp32_param(p))
         for key in ("exp_avg", "exp_avg_sq"):
             t = safe_get_full_optimizer_state(p, key)
-            out[f"{key}/{name}"] = [float(v).hex() for v in t.cpu().flatten()]
+            out[f"{key}/{name}"] = _hexes(t)
     return out
 
 

@@ -272,7 +272,8 @@ def test_framework_sigkill_resume_on_cuda_is_bit_exact(tmp_path, framework, over
     pytest.importorskip(framework)
     if variant.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
-    kind, number = variant.rstrip("0123456789"), variant[len(variant.rstrip("0123456789")) :]
+    kind = variant.rstrip("0123456789")  # "fsdp2" -> --fsdp 2, "deepspeed3" -> --deepspeed 3
+    number = variant[len(kind) :]
 
     def cmd(workdir: Path, sleep: float) -> list[str]:
         c = [
