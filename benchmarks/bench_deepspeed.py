@@ -20,7 +20,9 @@ them alike), medians over ``--reps``:
   {"decoupled": true}}``: a helper process writes), where it can be built here; otherwise its
   error is reported;
 - ours: ``attach(engine, every_n_steps=K, keep_last=2)`` (background saving); time includes
-  waiting at the end until the last checkpoint is committed.
+  waiting at the end until the last checkpoint is committed;
+- with ``--overlap``, ours with ``overlap_snapshot=True`` too (the ZeRO ranges copied while the
+  next steps' forward and backward run).
 
 Overhead = time - baseline time in the same repetition. Restore: ``engine.load_checkpoint`` of
 DeepSpeed's newest tag against our ``restore`` of our newest checkpoint, same state. Writes
@@ -132,6 +134,7 @@ def main() -> None:
     )
     ap.add_argument("--no-decoupled", action="store_true", help="skip DeepSpeed's decoupled engine")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--overlap", action="store_true", help="also ours with overlap_snapshot=True")
     ap.add_argument(
         "--batch", type=int, default=8, help="rows per step (on a GPU: 65536 for ~0.1 s)"
     )
@@ -171,9 +174,37 @@ def main() -> None:
         "ds_decoupled": [],
         "ours": [],
         "ours_in_loop": [],
+        "ours_overlap": [],
+        "ours_overlap_in_loop": [],
     }
     restore: dict[str, list[float]] = {"ds": [], "ours": []}
-    blocking: dict[str, list[float]] = {"ds": [], "ds_decoupled": [], "ours": []}
+    blocking: dict[str, list[float]] = {
+        "ds": [],
+        "ds_decoupled": [],
+        "ours": [],
+        "ours_overlap": [],
+    }
+
+    def ours(key: str, where: str, overlap: bool) -> None:
+        """A run with our checkpointing attached; its directory is left for the restore."""
+        t0 = time.perf_counter()
+        handle = rcds.attach(
+            engine,
+            dirpath=where,
+            every_n_steps=args.every,
+            keep_last=2,
+            restore=False,
+            preemption=False,
+            overlap_snapshot=overlap,
+        )
+        in_loop = train(engine, args.steps)
+        handle.checkpointer.flush()
+        sync()
+        results[key].append(time.perf_counter() - t0)
+        results[f"{key}_in_loop"].append(in_loop)
+        blocking[key] += list(handle.checkpointer.blocking_seconds)
+        handle.close()
+
     for rep in range(args.reps):
         results["none"].append(train(engine, args.steps))
         ds_dir = os.path.join(root, f"ds{rep}")
@@ -190,22 +221,11 @@ def main() -> None:
                 )
             )
         ours_dir = os.path.join(root, f"ours{rep}")
-        t0 = time.perf_counter()
-        handle = rcds.attach(
-            engine,
-            dirpath=ours_dir,
-            every_n_steps=args.every,
-            keep_last=2,
-            restore=False,
-            preemption=False,
-        )
-        in_loop = train(engine, args.steps)
-        handle.checkpointer.flush()
-        sync()
-        results["ours"].append(time.perf_counter() - t0)
-        results["ours_in_loop"].append(in_loop)
-        blocking["ours"] += list(handle.checkpointer.blocking_seconds)
-        handle.close()
+        ours("ours", ours_dir, overlap=False)
+        if args.overlap:
+            overlap_dir = os.path.join(root, f"overlap{rep}")
+            ours("ours_overlap", overlap_dir, overlap=True)
+            shutil.rmtree(overlap_dir, ignore_errors=True)
         # Restore: DeepSpeed's newest tag vs our newest checkpoint, into the same engine.
         tag = sorted(os.listdir(ds_dir), key=lambda t: int(t[4:]) if t.startswith("step") else -1)[
             -1
@@ -252,6 +272,14 @@ def main() -> None:
             ),
             "restore_ours_vs_ds": med(restore["ours"]) / med(restore["ds"]),
             "blocking_ours_vs_ds": med(blocking["ours"]) / med(blocking["ds"]),
+            "ours_overlap_vs_ds": (
+                over["ours_overlap"] / over["ds"] if over.get("ours_overlap") is not None else None
+            ),
+            "ours_overlap_in_loop_vs_ds": (
+                over["ours_overlap_in_loop"] / over["ds"]
+                if over.get("ours_overlap_in_loop") is not None
+                else None
+            ),
         },
     }
     r = report["ratios"]
@@ -273,13 +301,26 @@ def main() -> None:
             if blocking["ds_decoupled"]
             else ""
         )
+        + (
+            f", ours overlapped {med(blocking['ours_overlap']):.3f} s"
+            if blocking["ours_overlap"]
+            else ""
+        )
         + ".\n"
     )
     if "ds_decoupled" in over:
         md += f"| engine.save_checkpoint (decoupled engine) | {over['ds_decoupled']:.2f} | {over['ds_decoupled'] / saves:.2f} | {over['ds_decoupled'] / over['ds']:.2f}x |\n"
     md += (
         f"| ours, with the end wait | {over['ours']:.2f} | {over['ours'] / saves:.2f} | {r['ours_vs_ds']:.2f}x |\n"
-        f"| ours, in the loop | {over['ours_in_loop']:.2f} | {over['ours_in_loop'] / saves:.2f} | {r['ours_in_loop_vs_ds']:.2f}x |\n\n"
+        f"| ours, in the loop | {over['ours_in_loop']:.2f} | {over['ours_in_loop'] / saves:.2f} | {r['ours_in_loop_vs_ds']:.2f}x |\n"
+    )
+    if "ours_overlap" in over:
+        md += (
+            f"| ours overlapped, with the end wait | {over['ours_overlap']:.2f} | {over['ours_overlap'] / saves:.2f} | {r['ours_overlap_vs_ds']:.2f}x |\n"
+            f"| ours overlapped, in the loop | {over['ours_overlap_in_loop']:.2f} | {over['ours_overlap_in_loop'] / saves:.2f} | {r['ours_overlap_in_loop_vs_ds']:.2f}x |\n"
+        )
+    md += (
+        "\n"
         f"Restore: engine.load_checkpoint {med(restore['ds']):.2f} s, ours {med(restore['ours']):.2f} s "
         f"({r['restore_ours_vs_ds']:.2f}x).\n"
     )

@@ -103,7 +103,7 @@ run_step() {
     transformers) cmd=("$py" benchmarks/bench_transformers.py --device cuda --n-layer 12
                        --seq 512 --batch 16 --steps 45 --every 15 --reps 1 --out "$out") ;;
     deepspeed) cmd=("$py" benchmarks/bench_deepspeed.py --device cuda --dtype bf16 --mb 400
-                    --batch 65536 --steps 30 --every 10 --reps 2 --no-decoupled --out "$out") ;;
+                    --batch 65536 --steps 30 --every 10 --reps 2 --no-decoupled --overlap --out "$out") ;;
     deepspeed_async) cmd=(bash -c "DS_ACCELERATOR=cuda $py -c 'from deepspeed.ops.op_builder import AsyncIOBuilder as B; B().load()' && $py benchmarks/bench_deepspeed.py --device cuda --dtype bf16 --mb 400 --batch 65536 --steps 30 --every 10 --reps 1 --out $out/async") ;;
     lightning) cmd=("$py" benchmarks/bench_lightning.py --device cuda --mb 1600 --batch 8192
                     --steps 30 --every 10 --reps 1 --out "$out") ;;

@@ -72,6 +72,37 @@ def allow_fp16_on_cpu() -> None:
     type(get_accelerator()).is_fp16_supported = lambda self: True  # type: ignore[method-assign]
 
 
+def hold_deferred_copies(record: str) -> None:
+    """Overlapped snapshots on the CPU: each deferred copy waits until the training thread
+    orders what follows after it (``Snapshot.wait_device``: the optimizer's pre-step hook, or
+    the final save), at most 20 s, so it reads the tensors as they are then, never earlier. A
+    write to a deferred tensor before that point is in the checkpoint (the run is not exact);
+    without the hook the copy reads the state after the next step. Appends the number of
+    tensors each snapshot defers to ``record``, one line each."""
+    import threading
+
+    from resilient_callbacks import snapshot
+
+    cls = snapshot.Snapshot
+    real_init, real_later, real_wait = cls.__init__, cls._copy_later, cls.wait_device
+
+    def init(self, tensors, buffers, **kw):
+        self.released = threading.Event()
+        real_init(self, tensors, buffers, **kw)
+
+    def later(self, items, stream):
+        with open(record, "a") as f:
+            f.write(f"{len(items)}\n")
+        self.released.wait(20.0)
+        real_later(self, items, stream)
+
+    def wait_device(self):
+        self.released.set()
+        real_wait(self)
+
+    cls.__init__, cls._copy_later, cls.wait_device = init, later, wait_device
+
+
 class RunningNorm(nn.Module):
     """Subtracts a running mean of its input: a buffer updated in training from each rank's
     own batches (DeepSpeed, unlike DDP, does not make the ranks' buffers equal again)."""
@@ -150,6 +181,7 @@ def main() -> None:
     ap.add_argument("--launcher", action="store_true")
     ap.add_argument("--no-pickle", action="store_true")
     ap.add_argument("--sync", action="store_true")  # async_save=False
+    ap.add_argument("--overlap", action="store_true")  # overlap_snapshot=True
     ap.add_argument("--offload", action="store_true")  # offload_optimizer (+ param at stage 3)
     ap.add_argument("--remote", default=None)  # the remote tier's URL
     ap.add_argument("--dump-restored", action="store_true")  # the gathered state after restore
@@ -180,6 +212,9 @@ def main() -> None:
             real_init(self, tensors, buffers, **kw)
 
         snapshot.Snapshot.__init__ = counting
+
+    if os.environ.get("RC_HOLD_DEFERRED"):  # a path: the record, per rank
+        hold_deferred_copies(f"{os.environ['RC_HOLD_DEFERRED']}.rank{os.environ.get('RANK', '0')}")
 
     if args.no_pickle:  # restore must never unpickle
         import pickle
@@ -217,6 +252,8 @@ def main() -> None:
         torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g)
     )
     extra: dict = {"async_save": False} if args.sync else {}
+    if args.overlap:
+        extra["overlap_snapshot"] = True
     if args.remote:
         extra["remote"] = args.remote
     if args.incremental:

@@ -168,6 +168,44 @@ def test_sigkill_then_rerun_is_exact(
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("stage", "dtype"),
+    [
+        pytest.param(
+            s, d, id=f"zero{s}-{d}", marks=() if (s, d) == (2, "fp32") else pytest.mark.slow
+        )
+        for s, d in [(2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "fp16"), (3, "bf16"), (3, "fp16")]
+    ],
+)
+def test_overlapped_snapshot_defers_the_partitions_and_the_rerun_is_exact(
+    tmp_path: Path, reference, monkeypatch, stage: int, dtype: str
+) -> None:
+    """``overlap_snapshot=True`` in the section: each rank's fp32 ranges and moments are copied
+    while the next forward and backward run, and DeepSpeed's inner optimizer step waits for
+    them. Each deferred copy is held until that wait (RC_HOLD_DEFERRED, tests/ds_train.py), so
+    a write to them before it would be in the checkpoint. Killed at step 7 and run again: the
+    same losses and final state as the uninterrupted run without overlap (fp16: with the steps
+    an overflow skips)."""
+    full = reference(stage, 2, dtype)
+    out = tmp_path / "kill"
+    killed = ["--dir", str(tmp_path / "b"), "--out", str(out), *_opts(stage, dtype), "--overlap"]
+    monkeypatch.setenv("RC_HOLD_DEFERRED", str(tmp_path / "deferred.die"))
+    run_group([*killed, "--die-at", "7"], 2, tmp_path, "die", expect=-9)
+    monkeypatch.setenv("RC_HOLD_DEFERRED", str(tmp_path / "deferred.resume"))
+    run_group(killed, 2, tmp_path, "resume")
+    assert_same_run(full, out, 2)
+    # the re-run resumed from step 6, or from 3 where the kill came before step 6's save had
+    # committed (its copy waits for step 7's optimizer step); then each of its saves (6 and)
+    # 9 deferred each rank's ranges, and its close() waited for them
+    start = restored(out)["step"]
+    assert start in (3, 6), start
+    for r in range(2):
+        deferred = Path(f"{tmp_path}/deferred.resume.rank{r}").read_text().split()
+        assert len(deferred) == (9 - start) // 3, (r, deferred)
+        assert all(int(n) > 0 for n in deferred), (r, deferred)
+
+
+@pytest.mark.distributed
 @pytest.mark.slow  # three group runs; keeps the default suite near its budget
 def test_each_ranks_buffers_come_back_to_it(tmp_path: Path) -> None:
     """A running normaliser updated from each rank's own batches: DeepSpeed does not make the
@@ -1149,3 +1187,21 @@ def test_the_module_launchers_help_is_plain_text(capsys) -> None:
     out = capsys.readouterr().out
     assert out.startswith("python -m resilient_callbacks.deepspeed.run SCRIPT")
     assert "``" not in out and ":mod:" not in out
+
+
+@pytest.mark.benchmark
+def test_bench_deepspeed_quick(tmp_path: Path) -> None:
+    """benchmarks/bench_deepspeed.py end to end at a toy size, overlapped mode included: every
+    mode timed, the ratios computed, the overlapped saves blocking at all."""
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_deepspeed.py"
+    cmd = [sys.executable, str(bench), "--mb", "8", "--steps", "4", "--every", "2", "--reps", "1"]
+    cmd += ["--no-decoupled", "--overlap", "--out", str(tmp_path / "out")]
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "bench_deepspeed.json").read_text())
+    for mode in ("none", "ds", "ours", "ours_in_loop", "ours_overlap", "ours_overlap_in_loop"):
+        assert len(report["times_s"][mode]) == 1, mode
+    assert len(report["blocking_per_save_s"]["ours_overlap"]) == 2  # saves at steps 2 and 4
+    assert report["ratios"]["ours_overlap_vs_ds"] is not None
+    assert "ours overlapped, in the loop" in (tmp_path / "out" / "bench_deepspeed.md").read_text()

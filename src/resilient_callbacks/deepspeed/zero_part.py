@@ -52,11 +52,13 @@ class ZeroPart(FilePart):
     @torch.no_grad()
     def capture(self, buffers: CaptureBuffers) -> Any:
         trained, frozen = list(self.view.fragments()), list(self.view.frozen_fragments())
-        tensors: dict[str, torch.Tensor] = {}
-        for name, live in _live(trained).items():
-            buf = buffers.get(name, live)
-            buf.copy_(live)  # synchronous: the step may change `live` once we return
-            tensors[name] = buf
+        live = _live(trained)
+        # through the core's snapshot: on a GPU, copies on a side stream that the training
+        # stream waits for on the GPU (the CPU does not wait); with overlap_snapshot=True the
+        # ranges, which only the inner optimizer's step changes, are copied while the next
+        # forward and backward run, and that step waits for them (stepped_by)
+        stepped = {t.untyped_storage().data_ptr() for t in live.values() if t.numel()}
+        tensors = buffers.copy(live, step_only=stepped if self.stepped_by() else None)
         # ZeRO 3's frozen partitions: in no optimizer, so with incremental=True a partition
         # known unchanged since the last committed save is not copied again
         if frozen:
@@ -71,6 +73,21 @@ class ZeroPart(FilePart):
             **self.view.scalars(),
         }
         return tensors, index
+
+    def stepped_by(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The torch optimizer inside the engine's ZeRO optimizer, whose ``step()`` is where the
+        fp32 ranges and moments change: DeepSpeed's ``step()`` first reduces, unscales and
+        clips gradients (other tensors), then calls it once per parameter group (ZeRO 1-2) or
+        sub-group (ZeRO 3, also when offloaded to the CPU), then copies the new fp32 values into
+        the low-precision parameters. None (nothing deferred) where something else writes the
+        optimizer's state before that step: Muon's momentum, ZenFlow's CPU step."""
+        zero = self.engine.optimizer
+        inner = getattr(zero, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            return ()
+        if getattr(zero, "use_muon", False) or getattr(zero, "zenflow", False):
+            return ()
+        return (inner,)
 
     def host_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors capture() copies, by its buffer names (for buffers made ahead): each
