@@ -47,9 +47,24 @@ def _run(args: list[str], world: int, workdir: Path, name: str, expect: int = 0)
 
 
 @pytest.mark.parametrize(
-    ("stage", "dtype"), [(1, "bf16"), (2, "fp32"), (2, "fp16"), (3, "bf16"), (3, "fp32")]
+    ("stage", "dtype", "overlap"),
+    [
+        pytest.param(s, d, o, id=f"zero{s}-{d}{'-overlapped' if o else ''}")
+        for s, d, o in [
+            (1, "bf16", False),
+            (2, "fp32", False),
+            (2, "fp16", False),
+            (3, "bf16", False),
+            (3, "fp32", False),
+            (2, "bf16", True),
+            (3, "fp32", True),
+        ]
+    ],
 )
-def test_deepspeed_on_cuda_sigkill_then_rerun_is_exact(tmp_path, stage, dtype):
+def test_deepspeed_on_cuda_sigkill_then_rerun_is_exact(tmp_path, stage, dtype, overlap):
+    """``overlapped``: the killed and resumed runs with ``overlap_snapshot=True`` (the ZeRO
+    ranges copied on the side stream while the next micro-steps run, DeepSpeed's optimizer
+    step ordered after the copy on the GPU) against the uninterrupted run without it."""
     pytest.importorskip("deepspeed")
     from test_deepspeed import assert_same_run, restored
 
@@ -57,6 +72,7 @@ def test_deepspeed_on_cuda_sigkill_then_rerun_is_exact(tmp_path, stage, dtype):
     opts = ["--stage", str(stage), "--dtype", dtype, "--steps", "10", "--every", "3"]
     full = ["--dir", str(tmp_path / "a"), "--out", str(tmp_path / "full"), *opts]
     killed = ["--dir", str(tmp_path / "b"), "--out", str(tmp_path / "kill"), *opts]
+    killed += ["--overlap"] if overlap else []
     _run(full, world, tmp_path, "full")
     _run([*killed, "--die-at", "7"], world, tmp_path, "die", expect=-9)
     _run([*killed, "--no-pickle"], world, tmp_path, "resume")
