@@ -220,6 +220,7 @@ def deepspeed_config(args: argparse.Namespace) -> dict:
             "dirpath": os.path.join(args.outdir, "ckpt"),
             "every_n_steps": args.every_n_steps,
             "keep_last": args.keep_last,
+            **({"overlap_snapshot": True} if args.overlap else {}),
         },
     }
 
@@ -300,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         overrides["gradient_accumulation_steps"] = args.accumulation
     if args.deepspeed is not None:
         overrides["deepspeed"] = deepspeed_config(args)
+        if os.environ.get("RC_HOLD_DEFERRED"):  # tests/ds_train.py says what this does
+            from ds_train import hold_deferred_copies
+
+            hold_deferred_copies(f"{os.environ['RC_HOLD_DEFERRED']}.rank{rank}")
     if args.fsdp:
         overrides.update(fsdp_options())
     if args.persistent_workers:

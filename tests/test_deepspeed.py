@@ -587,16 +587,22 @@ def test_integration_configs_are_valid() -> None:
 @needs_transformers
 @pytest.mark.distributed
 @pytest.mark.slow  # keeps the default suite near its budget; run with -m slow
+@pytest.mark.parametrize("overlap", [False, True], ids=["default", "overlapped"])
 @pytest.mark.parametrize("stage", ["2", "3"])
-def test_hf_trainer_with_deepspeed_kill_resume_exact(tmp_path: Path, stage: str) -> None:
+def test_hf_trainer_with_deepspeed_kill_resume_exact(
+    tmp_path: Path, monkeypatch, stage: str, overlap: bool
+) -> None:
     """The Transformers callback under ``TrainingArguments(deepspeed=...)`` (ZeRO-2/3, CPU), its
     options in the config's section: SIGKILL mid-run, re-run, bit-identical per-step records,
     final fp32 weights and log history; DeepSpeed never sees the section. The re-run goes
     through the launcher (one wrapper command for every job): the section stays the callback's,
-    and the launcher's engine checkpoint does not open a second writer on the same directory."""
+    and the launcher's engine checkpoint does not open a second writer on the same directory.
+    ``overlapped``: the killed run and the re-run with ``"overlap_snapshot": true``, each
+    deferred copy held until the optimizer step's wait (tests/ds_train.py), against the
+    uninterrupted run without it."""
     import test_transformers as tt
 
-    def cmd(d: Path, launcher: bool = False) -> list[str]:
+    def cmd(d: Path, launcher: bool = False, overlap: bool = False) -> list[str]:
         run = (
             [sys.executable, "-m", "resilient_callbacks.deepspeed.run"]
             if launcher
@@ -606,17 +612,22 @@ def test_hf_trainer_with_deepspeed_kill_resume_exact(tmp_path: Path, stage: str)
             *run, str(Path(__file__).with_name("hf_train.py")), str(d),
             "--deepspeed", stage,
             "--out-jsonl", str(d / "steps.jsonl"), "--out-final", str(d / "final.safetensors"),
+            *(["--overlap"] if overlap else []),
         ]  # fmt: skip
 
     ref, got = tmp_path / "ref", tmp_path / "got"
     ref.mkdir()
     got.mkdir()
     tt._run(cmd(ref))
-    rc, killed_at, _ = tt._run_and_signal(cmd(got), got, 5, signal.SIGKILL)
+    if overlap:
+        monkeypatch.setenv("RC_HOLD_DEFERRED", str(tmp_path / "deferred"))
+    rc, killed_at, _ = tt._run_and_signal(cmd(got, overlap=overlap), got, 5, signal.SIGKILL)
     assert rc == -signal.SIGKILL
-    log = tt._run(cmd(got, launcher=True))
+    log = tt._run(cmd(got, launcher=True, overlap=overlap))
     resumed = tt._restored(log)
     assert 0 < resumed <= killed_at and resumed % 3 != 0  # no multiple of the accumulation
+    if overlap:  # the saves deferred the ZeRO ranges
+        assert all(int(n) > 0 for n in Path(f"{tmp_path}/deferred.rank0").read_text().split())
     assert "nothing is being checkpointed" not in log  # the section never reached DeepSpeed
     # accelerate calls engine.step() once per optimizer step: micro_steps counts those, and a
     # resume with the same accumulation is no "changed gradient_accumulation_steps"
