@@ -405,6 +405,10 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
         strategy = cpu_fsdp1_strategy()
     if args.deepspeed is not None:
         strategy = cpu_deepspeed_strategy(args.deepspeed, args.ckpt_dir)
+        if os.environ.get("RC_HOLD_DEFERRED"):  # tests/ds_train.py says what this does
+            from ds_train import hold_deferred_copies
+
+            hold_deferred_copies(f"{os.environ['RC_HOLD_DEFERRED']}.rank{rank}")
     trainer = L.Trainer(
         max_steps=args.max_steps,
         limit_train_batches=args.limit_train,

@@ -938,19 +938,25 @@ def test_deepspeed_strategy_sigkill_then_rerun_is_bit_exact(tmp_path, stage):
     """Lightning's DeepSpeedStrategy (on the CPU: lightning_train.cpu_deepspeed_strategy skips
     Lightning's CUDA check only), with our section in its DeepSpeed config: SIGKILL mid-epoch,
     the same command again continues exactly. The ZeRO partitions are in our files, the
-    section's keep_last applied, and the section never reached DeepSpeed (no warning)."""
+    section's keep_last applied, and the section never reached DeepSpeed (no warning). The
+    callback's default overlapped snapshot defers the ZeRO ranges (stages 1-3); each deferred
+    copy is held until the optimizer step's wait (tests/ds_train.py: RC_HOLD_DEFERRED)."""
     more = ["--deepspeed", str(stage)]
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()
     run.mkdir()
+    held = _env({"RC_HOLD_DEFERRED": str(run / "deferred")})
     reference = _start(_argv(ref, *more), ref / "err.txt")
     kill_at = random.Random(f"{SEED}-deepspeed").randint(10, 20)
-    first = _start(_argv(run, "--sleep", "0.02", *more), run / "err1.txt")
+    first = _start(_argv(run, "--sleep", "0.02", *more), run / "err1.txt", held)
     killed = _wait_for_step(run / "losses.jsonl", 0, kill_at, first, run / "err1.txt")
     _kill(first)
     _finish(reference, ref / "err.txt")
 
-    err = _finish(_start(_argv(run, *more), run / "err2.txt"), run / "err2.txt")
+    err = _finish(_start(_argv(run, *more), run / "err2.txt", held), run / "err2.txt")
+    if stage:  # the saves deferred the ZeRO ranges (the re-run's close() waited for its own)
+        deferred = (run / "deferred.rank0").read_text().split()
+        assert deferred and all(int(n) > 0 for n in deferred), deferred
     resumed = _restored(err)
     assert 0 < resumed <= killed and killed - resumed < 2 * EVERY, (resumed, killed)
     assert "nothing is being checkpointed" not in err and UNRELIABLE not in err
