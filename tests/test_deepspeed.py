@@ -1216,3 +1216,32 @@ def test_bench_deepspeed_quick(tmp_path: Path) -> None:
     assert len(report["blocking_per_save_s"]["ours_overlap"]) == 2  # saves at steps 2 and 4
     assert report["ratios"]["ours_overlap_vs_ds"] is not None
     assert "ours overlapped, in the loop" in (tmp_path / "out" / "bench_deepspeed.md").read_text()
+
+
+def test_overlap_defers_only_behind_a_plain_torch_optimizer_step() -> None:
+    """What ZeroPart.stepped_by names, which decides whether an overlapped save defers the ZeRO
+    ranges: the torch optimizer the ZeRO optimizer wraps; nothing for an optimizer that is not
+    a torch one, for DeepSpeed's Muon (it commits its momentum into the optimizer's state before
+    that step) or for ZenFlow (its own CPU step)."""
+    import types
+
+    import torch
+
+    from resilient_callbacks.deepspeed.zero_part import ZeroPart
+
+    def part(inner: object, **zero: object) -> ZeroPart:
+        p = ZeroPart.__new__(ZeroPart)
+        p.engine = types.SimpleNamespace(optimizer=types.SimpleNamespace(optimizer=inner, **zero))
+        return p
+
+    class MuonWithAuxAdam(torch.optim.SGD):
+        pass
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    adamw = torch.optim.AdamW(params)
+    assert part(adamw).stepped_by() == (adamw,)
+    assert part(adamw, zenflow=False, use_muon=False).stepped_by() == (adamw,)
+    assert part(object()).stepped_by() == ()
+    assert part(MuonWithAuxAdam(params, lr=0.1)).stepped_by() == ()
+    assert part(adamw, use_muon=True).stepped_by() == ()
+    assert part(adamw, zenflow=True).stepped_by() == ()

@@ -79,13 +79,15 @@ class ZeroPart(FilePart):
         fp32 ranges and moments change: DeepSpeed's ``step()`` first reduces, unscales and
         clips gradients (other tensors), then calls it once per parameter group (ZeRO 1-2) or
         sub-group (ZeRO 3, also when offloaded to the CPU), then copies the new fp32 values into
-        the low-precision parameters. None (nothing deferred) where something else writes the
-        optimizer's state before that step: Muon's momentum, ZenFlow's CPU step."""
+        the low-precision parameters. Empty (no copy deferred) where something else writes the
+        optimizer's state before that step: DeepSpeed's Muon (its momentum is committed first),
+        ZenFlow (its own CPU step)."""
         zero = self.engine.optimizer
         inner = getattr(zero, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer):
             return ()
-        if getattr(zero, "use_muon", False) or getattr(zero, "zenflow", False):
+        muon = "muon" in type(inner).__name__.lower() or getattr(zero, "use_muon", False)
+        if muon or getattr(zero, "zenflow", False):
             return ()
         return (inner,)
 
