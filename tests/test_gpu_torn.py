@@ -20,8 +20,8 @@ cloned on the training stream (in order, without a synchronization); the next st
 once; then a restore into a fresh model compared with the clone. The controls remove one
 ordering each (the training stream's wait for the copies, the side stream's wait for the
 training stream, the optimizer's pre-step wait) and must see differing tensors, so the cases can
-fail. The ``slow`` test runs the cases on the CPU (gloo, a small model): the harness itself, and
-the CPU's deferred-copy thread.
+fail. A default test runs the cases on the CPU (gloo, a small model, about 3 s): the harness
+itself, and the CPU's deferred-copy thread.
 """
 
 from __future__ import annotations
@@ -306,7 +306,6 @@ def test_control_without_one_ordering_differs(case, on_gpu):
     assert result["differ"], f"{case} without {CONTROLS[case]}: nothing differs, the test is blind"
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @needs_dcp
