@@ -49,6 +49,16 @@ import torch  # noqa: E402
 from common import library_version, med, write_results  # noqa: E402
 from torch import nn  # noqa: E402
 
+OURS = ("ours", "ours_in_loop", "ours_overlap", "ours_overlap_in_loop")
+ROWS = (  # the table's rows: label, mode
+    ("engine.save_checkpoint (default engine)", "ds"),
+    ("engine.save_checkpoint (decoupled engine)", "ds_decoupled"),
+    ("ours, with the end wait", "ours"),
+    ("ours, in the loop", "ours_in_loop"),
+    ("ours overlapped, with the end wait", "ours_overlap"),
+    ("ours overlapped, in the loop", "ours_overlap_in_loop"),
+)
+
 
 def free_port() -> str:
     import socket
@@ -250,6 +260,11 @@ def main() -> None:
     base = med(results["none"])
     over = {k: med(v) - base for k, v in results.items() if v and k != "none"}
     saves = args.steps // args.every
+
+    def vs(key: str, base: str) -> float | None:
+        """``key``'s overhead over ``base``'s, where both ran."""
+        return over[key] / over[base] if over.get(base) and key in over else None
+
     report = {
         "library": library_version(),
         "deepspeed": deepspeed.__version__,
@@ -265,24 +280,18 @@ def main() -> None:
         "blocking_per_save_s": blocking,
         "decoupled_error": dec_error,
         "ratios": {
-            "ours_vs_ds": over["ours"] / over["ds"] if over.get("ds") else None,
-            "ours_in_loop_vs_ds": over["ours_in_loop"] / over["ds"] if over.get("ds") else None,
-            "ours_vs_ds_decoupled": (
-                over["ours"] / over["ds_decoupled"] if over.get("ds_decoupled") else None
-            ),
+            **{f"{k}_vs_ds": vs(k, "ds") for k in OURS},
+            "ours_vs_ds_decoupled": vs("ours", "ds_decoupled"),
             "restore_ours_vs_ds": med(restore["ours"]) / med(restore["ds"]),
             "blocking_ours_vs_ds": med(blocking["ours"]) / med(blocking["ds"]),
-            "ours_overlap_vs_ds": (
-                over["ours_overlap"] / over["ds"] if over.get("ours_overlap") is not None else None
-            ),
-            "ours_overlap_in_loop_vs_ds": (
-                over["ours_overlap_in_loop"] / over["ds"]
-                if over.get("ours_overlap_in_loop") is not None
-                else None
-            ),
         },
     }
     r = report["ratios"]
+
+    def row(label: str, key: str) -> str:
+        o = over[key]
+        return f"| {label} | {o:.2f} | {o / saves:.2f} | {o / over['ds']:.2f}x |\n"
+
     md = (
         f"# bench_deepspeed ({report['library']}, DeepSpeed {report['deepspeed']}, torch "
         f"{report['torch']}, {report['device']})\n\nZeRO {args.stage}, {args.dtype}, {n / 1e6:.0f} M parameters "
@@ -290,41 +299,21 @@ def main() -> None:
         f"{args.batch}, {args.steps} steps, a save "
         f"every {args.every} ({saves} saves), medians of {args.reps}.\n\n"
         "| mode | overhead (s) | per save (s) | vs engine.save_checkpoint |\n|---|---|---|---|\n"
-        f"| engine.save_checkpoint (default engine) | {over['ds']:.2f} | {over['ds'] / saves:.2f} | 1.00x |\n"
     )
-    md_block = (
-        f"\nTraining thread blocked per save (median): engine.save_checkpoint "
-        f"{med(blocking['ds']):.3f} s, ours {med(blocking['ours']):.3f} s "
-        f"({r['blocking_ours_vs_ds']:.2f}x)"
-        + (
-            f", decoupled engine {med(blocking['ds_decoupled']):.3f} s"
-            if blocking["ds_decoupled"]
-            else ""
-        )
-        + (
-            f", ours overlapped {med(blocking['ours_overlap']):.3f} s"
-            if blocking["ours_overlap"]
-            else ""
-        )
-        + ".\n"
-    )
-    if "ds_decoupled" in over:
-        md += f"| engine.save_checkpoint (decoupled engine) | {over['ds_decoupled']:.2f} | {over['ds_decoupled'] / saves:.2f} | {over['ds_decoupled'] / over['ds']:.2f}x |\n"
-    md += (
-        f"| ours, with the end wait | {over['ours']:.2f} | {over['ours'] / saves:.2f} | {r['ours_vs_ds']:.2f}x |\n"
-        f"| ours, in the loop | {over['ours_in_loop']:.2f} | {over['ours_in_loop'] / saves:.2f} | {r['ours_in_loop_vs_ds']:.2f}x |\n"
-    )
-    if "ours_overlap" in over:
-        md += (
-            f"| ours overlapped, with the end wait | {over['ours_overlap']:.2f} | {over['ours_overlap'] / saves:.2f} | {r['ours_overlap_vs_ds']:.2f}x |\n"
-            f"| ours overlapped, in the loop | {over['ours_overlap_in_loop']:.2f} | {over['ours_overlap_in_loop'] / saves:.2f} | {r['ours_overlap_in_loop_vs_ds']:.2f}x |\n"
-        )
+    for label, key in ROWS:
+        if key in over:
+            md += row(label, key)
     md += (
         "\n"
         f"Restore: engine.load_checkpoint {med(restore['ds']):.2f} s, ours {med(restore['ours']):.2f} s "
         f"({r['restore_ours_vs_ds']:.2f}x).\n"
     )
-    md += md_block
+    blocked = [f"engine.save_checkpoint {med(blocking['ds']):.3f} s"]
+    blocked.append(f"ours {med(blocking['ours']):.3f} s ({r['blocking_ours_vs_ds']:.2f}x)")
+    for label, key in (("decoupled engine", "ds_decoupled"), ("ours overlapped", "ours_overlap")):
+        if blocking[key]:
+            blocked.append(f"{label} {med(blocking[key]):.3f} s")
+    md += f"\nTraining thread blocked per save (median): {', '.join(blocked)}.\n"
     if dec_error:
         md += f"\nDeepSpeed's decoupled engine did not run here: {dec_error}\n"
     write_results(args.out, "bench_deepspeed", report, md)
