@@ -208,7 +208,7 @@ def bench_size(root: str, mb: int, reps: int, baselines: bool = True) -> dict[st
     del pinned
     restored = restore_rounds(work, model, opt, reps, add)
     res: dict[str, Any] = {"mb": mb, "bytes": nbytes, "raw": out}
-    res["restore_breakdown"] = restore_breakdown(restored)
+    res["restore_breakdown"] = restore_breakdown(restored, state={"model": model, "optimizer": opt})
     res["median"] = {k: med(v) for k, v in out.items() if not k.endswith("error")}
     m = res["median"]
     blocking = max(m["default.cpu"], m["default.stream"])
@@ -256,12 +256,20 @@ def restore_rounds(
     return restored
 
 
-def restore_breakdown(path: str, device: str = "cuda") -> dict[str, Any]:
+def restore_breakdown(
+    path: str, device: str = "cuda", state: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Where a warm restore's time goes, per tensor file of the checkpoint at ``path`` (after
     :func:`restore_rounds`, so in the page cache): whether the library judges it cached (which
     decides whether its segments are hashed by several threads: ``checksum.in_page_cache``,
     one-byte ``RWF_NOWAIT`` reads), the time to map and hash it as a restore does
-    (``tensorfile.map_tensors_verified``), and the time to copy its tensors to ``device``."""
+    (``tensorfile.map_tensors_verified``), the time to copy its tensors to ``device`` from the
+    mapping (pageable memory, as ``load_state_dict`` does), and the same copy staged through one
+    pinned host buffer (a CPU copy into it, then ``non_blocking`` copies: whether staging would
+    pay). With ``state`` (the live model and optimizer of :func:`restore_rounds`): the
+    functions one more restore of ours spends its time in (``profile``: cProfile, by cumulative
+    time), and ``torch.load(mmap=True)`` of the same tensors split from the ``load_state_dict``
+    that follows (``torch_split``)."""
     import glob
 
     from resilient_callbacks import checksum, tensorfile
@@ -282,15 +290,93 @@ def restore_breakdown(path: str, device: str = "cuda") -> dict[str, Any]:
         t0 = time.perf_counter()
         moved = [t.to(device, copy=True) for t in tensors.values()]
         sync(device)
+        copy_s = time.perf_counter() - t0
         out["files"][os.path.relpath(f, path)] = {
             "bytes": size,
             "hash_threads": checksum.threads_for(size, checksum.SEGMENT) if cached else 1,
             "judged_cached": cached,
             "map_and_hash_s": mapped_s,
-            "copy_to_device_s": time.perf_counter() - t0,
+            "copy_to_device_s": copy_s,
+            "copy_staged_pinned_s": _staged_copy(list(tensors.values()), moved, device),
         }
         del moved, tensors
+    if state is not None:
+        out["profile"] = _profile_restore(os.path.dirname(path), state)
+        out["torch_split"] = _torch_split(state, device)
     return out
+
+
+def _staged_copy(src: list[torch.Tensor], dst: list[torch.Tensor], device: str) -> float:
+    """Seconds to copy ``src`` (mapped host tensors) into ``dst`` (their device copies) through
+    one pinned host buffer: a CPU copy into it, then a ``non_blocking`` copy per tensor. The
+    buffer is allocated before the clock starts (a restore could reuse the save's buffers)."""
+
+    def room(t: torch.Tensor) -> int:  # bytes, rounded up so every view starts aligned
+        return -(-t.numel() * t.element_size() // 64) * 64
+
+    total = sum(room(t) for t in src)
+    if not total:
+        return 0.0
+    pin = device.startswith("cuda")
+    buf = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    sync(device)
+    t0 = time.perf_counter()
+    at = 0
+    for s, d in zip(src, dst, strict=True):
+        n = s.numel() * s.element_size()
+        view = buf[at : at + n].view(s.dtype).view(s.shape)
+        view.copy_(s)
+        d.copy_(view, non_blocking=pin)
+        at += room(s)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def _profile_restore(dirpath: str, state: dict[str, Any], top: int = 20) -> list[str]:
+    """The ``top`` functions of one more warm restore of ours, by cumulative time (cProfile's
+    lines: calls, own time, cumulative time, function)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    with Checkpointer(dirpath) as ck:
+        ck.restore(state)
+    sync(_device_of(state))
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
+    lines = [line.rstrip() for line in text.getvalue().splitlines()]
+    start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+    return [line for line in lines[start:] if line.strip()]
+
+
+def _torch_split(state: dict[str, Any], device: str) -> dict[str, float]:
+    """``torch.load(mmap=True, map_location=device)`` of a ``torch.save`` of ``state``, timed
+    apart from the ``load_state_dict`` calls that follow (warm: a first load reads it in)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="rc_torch_split_"), "torch.pt")
+    model, opt = state["model"], state["optimizer"]
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    out: dict[str, float] = {}
+    for rep in range(2):
+        sync(device)
+        t0 = time.perf_counter()
+        sd = torch.load(path, mmap=True, map_location=device, weights_only=True)
+        sync(device)
+        t1 = time.perf_counter()
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+        del sd
+        sync(device)
+        if rep:
+            out = {"torch_load_s": t1 - t0, "load_state_dict_s": time.perf_counter() - t1}
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    return out
+
+
+def _device_of(state: dict[str, Any]) -> str:
+    return str(next(state["model"].parameters()).device.type)
 
 
 LOOP_METHODS = ("none", "ours", "ours_overlapped", "torch.save")
@@ -389,6 +475,29 @@ def loop_markdown(loop: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def breakdown_lines(mb: int, b: dict[str, Any]) -> list[str]:
+    """The report's lines for one size's :func:`restore_breakdown`."""
+    lines: list[str] = []
+    for name, f in b.get("files", {}).items():
+        lines.append(
+            f"\n{mb} MB, warm restore of {name} ({f['bytes'] / 1e6:.0f} MB): judged "
+            f"{'cached' if f['judged_cached'] else 'not cached'} ({f['hash_threads']} hashing "
+            f"threads of {b['cpus']} CPUs), map + hash {f['map_and_hash_s']:.3f} s, copy to "
+            f"the device {f['copy_to_device_s']:.3f} s (through one pinned buffer "
+            f"{f.get('copy_staged_pinned_s', float('nan')):.3f} s)"
+        )
+    if "torch_split" in b:
+        t = b["torch_split"]
+        lines.append(
+            f"\n{mb} MB, torch.load(mmap) {t['torch_load_s']:.3f} s + load_state_dict "
+            f"{t['load_state_dict_s']:.3f} s"
+        )
+    if b.get("profile"):
+        lines.append(f"\n{mb} MB, one more warm restore of ours, cProfile:\n")
+        lines.append("```\n" + "\n".join(b["profile"]) + "\n```")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# bench_gpu ({report['gpu']}, torch {report['torch']}, {report['date']}, "
@@ -420,14 +529,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{m['restore.torch_mmap']:.3f} | {r['restore_ratio']:.2f}x |"
         )
     for r in report["sizes"]:
-        b = r.get("restore_breakdown", {})
-        for name, f in b.get("files", {}).items():
-            lines.append(
-                f"\n{r['mb']} MB, warm restore of {name} ({f['bytes'] / 1e6:.0f} MB): judged "
-                f"{'cached' if f['judged_cached'] else 'not cached'} ({f['hash_threads']} hashing "
-                f"threads of {b['cpus']} CPUs), map + hash {f['map_and_hash_s']:.3f} s, copy to "
-                f"the device {f['copy_to_device_s']:.3f} s"
-            )
+        lines += breakdown_lines(r["mb"], r.get("restore_breakdown", {}))
         for key in ("dcp_pinned.note", "dcp_pinned.error", "dcp_async.error"):
             if key in r["raw"]:
                 lines.append(f"\n{r['mb']} MB, {key}: {r['raw'][key][0]}")

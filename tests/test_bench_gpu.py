@@ -89,12 +89,20 @@ def test_the_restore_breakdown_names_each_tensor_file_and_its_costs(tmp_path):
         path = str(ck.last_save.path)
     with Checkpointer(tmp_path / "ck") as ck:  # (saves bypass the page cache: this reads it in)
         ck.restore({"model": model, "optimizer": opt})
-    b = bench_gpu.restore_breakdown(path, device="cpu")
+    state = {"model": model, "optimizer": opt}
+    b = bench_gpu.restore_breakdown(path, device="cpu", state=state)
     big = b["files"]["shared.safetensors"]
     assert big["bytes"] > 150e6
     # (cached here, after the restore, where the filesystem answers RWF_NOWAIT reads truly)
     assert big["hash_threads"] == (min(b["cpus"], 8, 3) if big["judged_cached"] else 1)
     assert big["map_and_hash_s"] > 0 and big["copy_to_device_s"] > 0
+    assert big["copy_staged_pinned_s"] > 0
+    # the profile of one more restore names the library's restore and the hashing in it
+    text = "\n".join(b["profile"])
+    assert "restoring.py" in text and "map_tensors_verified" in text, text
+    assert set(b["torch_split"]) == {"torch_load_s", "load_state_dict_s"}
+    md = "\n".join(bench_gpu.breakdown_lines(200, b))
+    assert "through one pinned buffer" in md and "cProfile" in md and "torch.load(mmap)" in md
 
 
 def test_the_allocation_stall_worker_allocates_ahead_and_times_every_step():
