@@ -322,6 +322,47 @@ def test_missing_bucket_is_a_clear_error_at_construction(s3_server, tmp_path):
     Checkpointer(tmp_path / "l").close()
 
 
+def test_credentials_nested_in_remote_options_are_not_echoed(s3_server, tmp_path):
+    """s3fs takes credentials at the top (``key``/``secret``) and inside ``client_kwargs``; a
+    message once masked the first and printed the second."""
+    options = {
+        "client_kwargs": {
+            "endpoint_url": s3_server.endpoint,
+            "aws_access_key_id": "AKIDNESTED1",
+            "aws_secret_access_key": "NESTEDSECRET1",
+        },
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    with pytest.raises(RemoteUnavailableError, match="bucket") as info:
+        Checkpointer(tmp_path / "l", remote="s3://no-such-bucket-rc/run", remote_options=options)
+    message = str(info.value)
+    assert "NESTEDSECRET1" not in message and "AKIDNESTED1" not in message, message
+    assert '"aws_secret_access_key": "***"' in message and s3_server.endpoint in message
+
+
+def test_the_remote_options_in_messages_hide_every_secret():
+    from resilient_callbacks.remote import _redact
+
+    shown = json.loads(
+        _redact(
+            {
+                "endpoint_url": "https://user:hunter2@store.example:9000/x",
+                "headers": {"Authorization": "Bearer abc123"},
+                "storage_options": [{"account_key": "k1"}, {"anon": False}],
+                "token": {"refresh": "r"},
+                "use_ssl": True,
+            }
+        )
+    )
+    assert shown == {
+        "endpoint_url": "https://***@store.example:9000/x",
+        "headers": {"Authorization": "***"},
+        "storage_options": [{"account_key": "***"}, {"anon": False}],
+        "token": "***",
+        "use_ssl": True,
+    }
+
+
 def test_the_cli_says_a_missing_bucket_is_missing(s3_server, tmp_path):
     """``ls --remote`` and ``pull`` of a bucket that does not exist: a clear error, exit 1
     (listing it read as an empty store: 'local-only' rows, exit 0); a missing folder in a

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import shutil
 import threading
 import uuid
@@ -86,10 +87,29 @@ def retention_candidates(entries: list[RemoteEntry], prefix: str = "") -> list[C
     ]
 
 
+_SECRET = ("key", "secret", "token", "password", "credential", "sas", "auth", "signature")
+_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+
+
 def _redact(options: Mapping[str, Any]) -> str:
-    secret = ("key", "secret", "token", "password", "credential", "account_key", "sas")
-    shown = {k: ("***" if any(s in k.lower() for s in secret) else v) for k, v in options.items()}
-    return json.dumps(shown, default=str, sort_keys=True)
+    """``options`` as JSON for a message, without secrets: the value of every key that names
+    one (``key``, ``secret``, ``token``, ``password``, ...) at any depth of dicts and lists
+    (``client_kwargs``, ``config_kwargs``, ``headers``), and the user and password of a URL
+    (``http://user:pass@host``), are shown as ``***``."""
+
+    def shown(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {
+                str(k): "***" if any(s in str(k).lower() for s in _SECRET) else shown(v)
+                for k, v in value.items()
+            }
+        if isinstance(value, (list, tuple)):
+            return [shown(v) for v in value]
+        if isinstance(value, str):
+            return _USERINFO.sub("***@", value)
+        return value
+
+    return json.dumps(shown(options), default=str, sort_keys=True)
 
 
 class RemoteStore:
