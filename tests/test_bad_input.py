@@ -94,6 +94,27 @@ def test_dirpath_under_a_regular_file(tmp_path):
     assert str(f / "sub") in msg and "Not a directory" in msg
 
 
+@pytest.mark.parametrize("read_only", [False, True], ids=["writer", "read_only"])
+def test_a_dirpath_that_is_one_checkpoint_is_refused(tmp_path, read_only):
+    """The CLI takes one checkpoint's folder where it reads; a Checkpointer given one once
+    started a fresh run inside it (lock, history, step_*), where the parent's retention or gc
+    would delete that run with the checkpoint."""
+    with Checkpointer(tmp_path / "run", async_save=False) as ck:
+        ck.save(60, _state(4, 6.0))
+        one = str(ck.last_save.path)
+    before = sorted(os.listdir(one))
+    kwargs = {"read_only": True} if read_only else {"every_n_steps": 10}
+    with pytest.raises(ConfigError, match="is one checkpoint") as info:
+        Checkpointer(one, **kwargs)
+    assert str(tmp_path / "run") in str(info.value) and f"resume={one!r}" in str(info.value)
+    assert sorted(os.listdir(one)) == before  # nothing written inside it
+    # what the message says to do restores it
+    state = _state(4)
+    with Checkpointer(tmp_path / "run", read_only=True, resume=one) as ck:
+        assert ck.restore(state) == 60
+    assert torch.equal(state["w"], torch.full((4,), 6.0))
+
+
 def test_dirpath_is_a_regular_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")

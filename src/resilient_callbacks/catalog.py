@@ -14,6 +14,8 @@ Status of each entry:
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,6 +27,8 @@ from .errors import CheckpointCorruptError
 from .manifest import BLOB_KIND, MANIFEST_NAME, Manifest, read_manifest
 from .retention import Candidate
 from .tensorfile import digest_file
+
+log = logging.getLogger(__name__)
 
 
 class Status(StrEnum):
@@ -213,9 +217,74 @@ def _archived(step: int, recorded: Mapping[str, Any]) -> bool:
 
 
 def next_seq(root: str) -> int:
-    """One more than the highest commit sequence number in ``root``."""
+    """One more than the highest commit sequence number in ``root``. A manifest this library
+    refuses (a newer format, a field it finds invalid) still gives its ``seq`` when the JSON
+    has one, so commits made now are newer than it; one that cannot be read at all
+    (permissions) is named in a warning: its commit order is unknown."""
     best = 0
+    unknown: list[str] = []
     for e in scan(root, Depth.NONE):
         if e.manifest is not None:
             best = max(best, e.manifest.seq)
+        elif e.status is not Status.INCOMPLETE:
+            seq = _raw_seq(e.path)
+            if seq is None:
+                unknown.append(e.name)
+            else:
+                best = max(best, seq)
+    if unknown:
+        log.warning(
+            "the commit order of %s in %s is unknown (%s cannot be read): checkpoints committed "
+            "now may be taken for older than %s once it can be read again; fix its permissions, "
+            "or remove it if it is not needed",
+            ", ".join(unknown),
+            root,
+            MANIFEST_NAME,
+            "it" if len(unknown) == 1 else "them",
+        )
     return best + 1
+
+
+def _raw_seq(path: str) -> int | None:
+    """The ``seq`` field of a checkpoint's manifest read as plain JSON, without validating the
+    rest; None when the file cannot be read or has none."""
+    try:
+        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    seq = data.get("seq") if isinstance(data, dict) else None
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else None
+
+
+HINT_MAX_DIRS = 500  # directories holders() looks into
+
+
+def holders(path: str) -> list[tuple[str, int]]:
+    """``(relative path, number of checkpoints)`` of the subdirectories of ``path`` (four
+    levels down at most, ``HINT_MAX_DIRS`` directories looked at) that hold checkpoints."""
+    found: list[tuple[str, int]] = []
+    looked = 0
+
+    def visit(rel: str, level: int) -> None:
+        nonlocal looked
+        try:
+            names = sorted(os.listdir(os.path.join(path, rel)))
+        except OSError:
+            return
+        for name in names:
+            sub = os.path.join(rel, name) if rel else name
+            full = os.path.join(path, sub)
+            if name.startswith(".") or not os.path.isdir(full) or looked >= HINT_MAX_DIRS:
+                continue
+            if os.path.exists(os.path.join(full, MANIFEST_NAME)):
+                continue  # a checkpoint itself: its parent is the holder
+            looked += 1
+            n = len(committed(scan(full, Depth.NONE)))
+            if n:
+                found.append((sub, n))
+            elif level < 4:  # demo_output/plain/interrupted/checkpoints
+                visit(sub, level + 1)
+
+    visit("", 1)
+    return found

@@ -31,7 +31,6 @@ from .errors import CheckpointNotFoundError
 from .manifest import MANIFEST_NAME
 
 CHECKED = {Depth.FULL: CHECKSUMS, Depth.SIZE: SIZES, Depth.NONE: MANIFEST}
-_HINT_MAX_DIRS = 500  # directories looked into for the "these subdirectories hold ..." hint
 
 
 @dataclass
@@ -80,40 +79,10 @@ def scan(target: Target, depth: Depth) -> list[Entry]:
     return entries
 
 
-def holders(path: str) -> list[tuple[str, int]]:
-    """``(relative path, number of checkpoints)`` of the subdirectories of ``path`` (four
-    levels down at most, ``_HINT_MAX_DIRS`` directories looked at) that hold checkpoints."""
-    found: list[tuple[str, int]] = []
-    looked = 0
-
-    def visit(rel: str, level: int) -> None:
-        nonlocal looked
-        try:
-            names = sorted(os.listdir(os.path.join(path, rel)))
-        except OSError:
-            return
-        for name in names:
-            sub = os.path.join(rel, name) if rel else name
-            full = os.path.join(path, sub)
-            if name.startswith(".") or not os.path.isdir(full) or looked >= _HINT_MAX_DIRS:
-                continue
-            if os.path.exists(os.path.join(full, MANIFEST_NAME)):
-                continue  # a checkpoint itself: its parent is the holder
-            looked += 1
-            n = len(catalog.committed(catalog.scan(full, Depth.NONE)))
-            if n:
-                found.append((sub, n))
-            elif level < 4:  # demo_output/plain/interrupted/checkpoints
-                visit(sub, level + 1)
-
-    visit("", 1)
-    return found
-
-
 def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundError:
     """The error for a directory without checkpoints, naming the subdirectories that hold some
     (``ls demo_output`` where the checkpoints are in ``demo_output/run1/checkpoints``)."""
-    subs = holders(path)
+    subs = catalog.holders(path)
     if not subs:
         return CheckpointNotFoundError(f"no {what} in {path}")
     listed = ", ".join(f"{sub} ({n})" for sub, n in subs)

@@ -27,10 +27,12 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
+    ConfigError,
     ForeignCheckpointsWarning,
     warn_and_log,
 )
 from .lock import DirLock
+from .manifest import MANIFEST_NAME
 from .retention import RetentionPolicy, plan
 from .trash import TrashBin
 
@@ -174,7 +176,16 @@ class Directory:
         """Coordinator only, no collective: what :meth:`open` does on rank 0 (create the
         directory, take the lock, sweep leftovers, read the commit sequence, connect the remote
         tier). For callers that must not run collectives (a DCP ``StorageWriter``). Read-only:
-        only that the directory exists."""
+        only that the directory exists. A ``dirpath`` that is one checkpoint is refused."""
+        if os.path.isfile(os.path.join(self.dirpath, MANIFEST_NAME)):
+            # a run there would nest its checkpoints inside this one, where the parent's
+            # retention or gc deletes them with it
+            parent = os.path.dirname(os.path.abspath(self.dirpath))
+            raise ConfigError(
+                f"dirpath={self.dirpath} is one checkpoint (it holds {MANIFEST_NAME}), not a "
+                f"directory of checkpoints: pass its parent directory {parent} as dirpath, and "
+                f"resume={self.dirpath!r} to restore this checkpoint in particular"
+            )
         if self.read_only:
             if not os.path.isdir(self.dirpath):
                 raise CheckpointNotFoundError(

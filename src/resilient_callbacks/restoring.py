@@ -11,7 +11,6 @@ skipped and why. No valid checkpoint where some exist is an error, never a silen
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -25,8 +24,7 @@ from . import (
     history,
     inplace,
     layout,
-    mapped,
-    reader,
+    notices,
     rng,
     statetree,
     structure,
@@ -34,7 +32,7 @@ from . import (
 from .blobs import key_of
 from .candidates import Candidate, merge_tiers, number_after_remote
 from .catalog import Depth, Status
-from .commit import fsync_dir, remove_checkpoint
+from .commit import CKPT_RE, fsync_dir, remove_checkpoint
 from .config import ResumeMode
 from .directory import error_type
 from .errors import (
@@ -93,6 +91,7 @@ class Restorer:
         self._tier = "local"
         self._skipped = 0
         self._remote_copies: set[tuple[str, int] | None] = set()  # keys with a remote candidate
+        self._no_manifest: list[str] = []  # step_* folders without a manifest (candidates())
 
     def restore(self, state: Any) -> int:
         """Every rank: load the checkpoint chosen by ``resume`` into ``state``; return its step
@@ -118,6 +117,9 @@ class Restorer:
         cands = [Candidate.from_json(c) for c in msg["cands"]]
         self._remote_copies = {c.key for c in cands if c.remote is not None}
         explicit = ck.config.resume not in (ResumeMode.AUTO, ResumeMode.NEVER)
+        if ck.is_coordinator and ck.config.resume == ResumeMode.AUTO:
+            odd, self._no_manifest = self._no_manifest, []
+            notices.say_what_is_not_a_checkpoint(ck.dirpath, odd, not cands, ck.config.read_only)
         if not cands:
             ck._trigger.clock.reset()
             ck._start_run(0)
@@ -139,7 +141,7 @@ class Restorer:
             step = self._try_load(c, state, explicit, skipped)
             if step is not None:
                 assert c.path is not None
-                _warn_if_still_mapped(c.path)
+                notices.warn_if_still_mapped(c.path)
                 ck.last_restore = RestoreReport(
                     c.path, step, "remote" if remote_url else "local", remote_url, tuple(skipped)
                 )
@@ -372,7 +374,11 @@ class Restorer:
             except CheckpointCorruptError as e:
                 problem = str(e)
             return [Candidate(path, m.step, problem)]
-        found = reader.committed(ck.dirpath)  # the listing `resilient-ckpt inspect` reads
+        entries = catalog.scan(ck.dirpath, Depth.SIZE)  # the listing `inspect` reads
+        found = catalog.committed(entries)
+        self._no_manifest = [
+            e.name for e in entries if e.status is Status.INCOMPLETE and CKPT_RE.match(e.name)
+        ]
         # Checkpoints whose manifest cannot be read have no commit number: they may be the
         # newest, so they are tried (and reported as skipped) first, never silently ignored.
         cands = [Candidate.of(e) for e in found if e.manifest is None]
@@ -482,19 +488,3 @@ def _recorded(manifest: Manifest) -> RetentionPolicy | None:
         return RetentionPolicy.from_json(manifest.retention) if manifest.retention else None
     except (ConfigError, TypeError):
         return None
-
-
-def _warn_if_still_mapped(path: str) -> None:
-    """Say so when objects of the state keep tensors that view the restored checkpoint's files
-    (a FilePart's load that keeps what its reader gave it): their disk space stays in use."""
-    left = mapped.still_mapped(path)
-    if left:
-        gc.collect()  # what only a reference cycle kept
-        left = mapped.still_mapped(path)
-    if left:
-        log.warning(
-            "after the restore, tensors of the state still view %s: their disk space stays in "
-            "use after retention deletes the checkpoint, until those tensors are freed; a "
-            "FilePart's load() should copy what it keeps (e.g. tensor.clone())",
-            ", ".join(os.path.relpath(f, path) for f in left),
-        )

@@ -1,0 +1,76 @@
+"""What a restore says beside what it loads: folders named like checkpoints that are not
+checkpoints, a ``dirpath`` with nothing to resume from where a subdirectory holds checkpoints,
+and tensors of the state left viewing the restored files. Nothing here raises: each is a
+warning or a log line, and the restore goes on (a fresh start stays a fresh start)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+
+from . import catalog, mapped
+from .errors import AT_CALLER, ResumeFallbackWarning, warn_and_log
+from .manifest import MANIFEST_NAME
+
+log = logging.getLogger(__name__)
+
+
+def say_what_is_not_a_checkpoint(
+    dirpath: str, no_manifest: list[str], fresh: bool, read_only: bool
+) -> None:
+    """After ``resume="auto"`` chose what to load. ``no_manifest``: the ``step_*`` folders of
+    ``dirpath`` without a manifest (no save of this library leaves one: damage, or a copy still
+    in progress), named with a :class:`ResumeFallbackWarning`. ``fresh``: nothing to resume
+    from; then the subdirectories that hold checkpoints are named (a ``dirpath`` one level too
+    high), and a read-only restore says that it restored nothing."""
+    if no_manifest:
+        n = len(no_manifest)
+        shown = ", ".join(no_manifest[:5]) + (f" and {n - 5} more" if n > 5 else "")
+        then = "starting without a checkpoint" if fresh else "not loaded"
+        warn_and_log(
+            log,
+            f"{dirpath}: {shown} {'has' if n == 1 else 'have'} no {MANIFEST_NAME}, so "
+            f"{'it is' if n == 1 else 'they are'} not a checkpoint (a save of this library "
+            f"never leaves one: damaged, or a copy still in progress); {then}. "
+            f"`resilient-ckpt ls {dirpath}` lists them",
+            ResumeFallbackWarning,
+            stacklevel=AT_CALLER,
+        )
+    if not fresh:
+        return
+    subs = catalog.holders(dirpath)
+    where = ""
+    if subs:
+        listed = ", ".join(f"{sub} ({k})" for sub, k in subs[:5])
+        where = (
+            f"; these subdirectories hold checkpoints: {listed}. Pass one of them as dirpath "
+            f"to resume it (e.g. {os.path.join(dirpath, subs[0][0])})"
+        )
+    if read_only:
+        warn_and_log(
+            log,
+            f"read_only restore: no checkpoint in {dirpath}{where}; nothing was restored "
+            "(restore() returned 0 and the state is as it was)",
+            stacklevel=AT_CALLER,
+        )
+    elif subs:
+        warn_and_log(
+            log, f"no checkpoint in {dirpath}{where}; starting fresh", stacklevel=AT_CALLER
+        )
+
+
+def warn_if_still_mapped(path: str) -> None:
+    """Say so when objects of the state keep tensors that view the restored checkpoint's files
+    (a FilePart's load that keeps what its reader gave it): their disk space stays in use."""
+    left = mapped.still_mapped(path)
+    if left:
+        gc.collect()  # what only a reference cycle kept
+        left = mapped.still_mapped(path)
+    if left:
+        log.warning(
+            "after the restore, tensors of the state still view %s: their disk space stays in "
+            "use after retention deletes the checkpoint, until those tensors are freed; a "
+            "FilePart's load() should copy what it keeps (e.g. tensor.clone())",
+            ", ".join(os.path.relpath(f, path) for f in left),
+        )

@@ -1,0 +1,121 @@
+"""A checkpoint directory that is not as the library left it: what a run there says, and that
+the commit order stays right. Each case was found by driving the library as a user would:
+
+- a manifest the library refuses (a newer format) or cannot read: commits made beside it took
+  its commit number again, so once it was readable a restore chose it over newer commits;
+- ``step_*`` folders without a manifest: a restore started fresh without a word;
+- a ``dirpath`` one level above the checkpoints: a fresh start without a word (a read-only
+  restore returned 0 and an evaluation ran on an untrained model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer, ResumeFallbackWarning, catalog
+from resilient_callbacks.catalog import Depth
+
+
+def _state(v: float = 0.0) -> dict:
+    return {"w": torch.full((4,), v), "extra": {"n": 0}}
+
+
+def _run(root, steps, **kw) -> list[str]:
+    names = []
+    with Checkpointer(root, async_save=False, **kw) as ck:
+        ck.restore(_state())
+        for s in steps:
+            ck.save(s, _state(float(s)))
+            names.append(os.path.basename(ck.last_save.path))
+    return names
+
+
+def _manifest(root, name) -> str:
+    return os.path.join(root, name, "manifest.json")
+
+
+def _restored(root) -> tuple[int, float]:
+    state = _state()
+    with Checkpointer(root, read_only=True) as ck:
+        step = ck.restore(state)
+    return step, float(state["w"][0])
+
+
+def test_commits_beside_a_manifest_of_a_newer_format_are_newer_than_it(tmp_path):
+    """An older library skips a checkpoint of a newer format (it cannot load it), resumes from
+    the one before, and commits new checkpoints: they must be newer than the skipped one when
+    the newer library reads the directory again."""
+    root = tmp_path / "run"
+    names = _run(root, [40, 50, 60])
+    path = _manifest(root, names[-1])
+    with open(path) as f:
+        saved = json.load(f)
+    newer = dict(saved, format_version=99)
+    with open(path, "w") as f:
+        json.dump(newer, f)
+    with pytest.warns(ResumeFallbackWarning, match="newer than this library"):
+        with Checkpointer(root, async_save=False) as ck:
+            assert ck.restore(_state()) == 50
+            ck.save(55, _state(55.0))
+            fresh = os.path.basename(ck.last_save.path)
+    seqs = {e.name: e.manifest.seq for e in catalog.scan(str(root), Depth.NONE) if e.manifest}
+    assert seqs[fresh] > saved["seq"], (seqs, saved["seq"])
+    with open(path, "w") as f:  # the newer library again: 55 was committed last
+        json.dump(saved, f)
+    assert _restored(root) == (55, 55.0)
+
+
+def test_a_manifest_that_cannot_be_read_is_named_when_its_order_is_unknown(tmp_path, caplog):
+    root = tmp_path / "run"
+    names = _run(root, [40, 50])
+    os.remove(_manifest(root, names[-1]))
+    os.mkdir(_manifest(root, names[-1]))  # there, but no file can be read from it
+    caplog.set_level(logging.WARNING, "resilient_callbacks")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResumeFallbackWarning)
+        _run(root, [45])
+    said = [r.getMessage() for r in caplog.records if "commit order" in r.getMessage()]
+    assert len(said) == 1 and names[-1] in said[0], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("also_valid", [False, True], ids=["only", "beside-a-checkpoint"])
+def test_step_folders_without_a_manifest_are_named_at_restore(tmp_path, also_valid):
+    root = tmp_path / "run"
+    names = _run(root, [40, 50, 60])
+    stripped = names[1:] if also_valid else names
+    for name in stripped:
+        os.remove(_manifest(root, name))
+    with pytest.warns(ResumeFallbackWarning) as got:
+        with Checkpointer(root, async_save=False) as ck:
+            step = ck.restore(_state())
+    assert step == (40 if also_valid else 0)
+    (msg,) = [str(w.message) for w in got if "no manifest.json" in str(w.message)]
+    assert all(name in msg for name in stripped), msg
+    assert ("not loaded" if also_valid else "starting without a checkpoint") in msg
+
+
+def test_a_dirpath_above_the_checkpoints_names_the_subdirectory(tmp_path):
+    _run(tmp_path / "runs" / "run1", [10, 20])
+    with pytest.warns(UserWarning, match=r"run1 \(2\)") as got:
+        with Checkpointer(tmp_path / "runs", async_save=False) as ck:
+            assert ck.restore(_state()) == 0
+    assert "starting fresh" in str(got[0].message)
+    with pytest.warns(UserWarning, match=r"read_only restore: no checkpoint .*run1 \(2\)"):
+        assert _restored(tmp_path / "runs") == (0, 0.0)
+
+
+def test_a_first_run_in_an_empty_directory_says_nothing(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run(tmp_path / "run", [10])
+        shutil.rmtree(tmp_path / "run")
+        os.mkdir(tmp_path / "empty")
+    with pytest.warns(UserWarning, match="read_only restore: no checkpoint"):
+        assert _restored(tmp_path / "empty") == (0, 0.0)
