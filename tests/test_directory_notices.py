@@ -60,11 +60,11 @@ def test_commits_beside_a_manifest_of_a_newer_format_are_newer_than_it(tmp_path)
     newer = dict(saved, format_version=99)
     with open(path, "w") as f:
         json.dump(newer, f)
-    with pytest.warns(ResumeFallbackWarning, match="newer than this library"):
-        with Checkpointer(root, async_save=False) as ck:
-            assert ck.restore(_state()) == 50
-            ck.save(55, _state(55.0))
-            fresh = os.path.basename(ck.last_save.path)
+    newer_warns = pytest.warns(ResumeFallbackWarning, match="newer than this library")
+    with newer_warns, Checkpointer(root, async_save=False) as ck:
+        assert ck.restore(_state()) == 50
+        ck.save(55, _state(55.0))
+        fresh = os.path.basename(ck.last_save.path)
     seqs = {e.name: e.manifest.seq for e in catalog.scan(str(root), Depth.NONE) if e.manifest}
     assert seqs[fresh] > saved["seq"], (seqs, saved["seq"])
     with open(path, "w") as f:  # the newer library again: 55 was committed last
@@ -92,9 +92,8 @@ def test_step_folders_without_a_manifest_are_named_at_restore(tmp_path, also_val
     stripped = names[1:] if also_valid else names
     for name in stripped:
         os.remove(_manifest(root, name))
-    with pytest.warns(ResumeFallbackWarning) as got:
-        with Checkpointer(root, async_save=False) as ck:
-            step = ck.restore(_state())
+    with pytest.warns(ResumeFallbackWarning) as got, Checkpointer(root, async_save=False) as ck:
+        step = ck.restore(_state())
     assert step == (40 if also_valid else 0)
     (msg,) = [str(w.message) for w in got if "no manifest.json" in str(w.message)]
     assert all(name in msg for name in stripped), msg
@@ -103,9 +102,9 @@ def test_step_folders_without_a_manifest_are_named_at_restore(tmp_path, also_val
 
 def test_a_dirpath_above_the_checkpoints_names_the_subdirectory(tmp_path):
     _run(tmp_path / "runs" / "run1", [10, 20])
-    with pytest.warns(UserWarning, match=r"run1 \(2\)") as got:
-        with Checkpointer(tmp_path / "runs", async_save=False) as ck:
-            assert ck.restore(_state()) == 0
+    said = pytest.warns(UserWarning, match=r"run1 \(2\)")
+    with said as got, Checkpointer(tmp_path / "runs", async_save=False) as ck:
+        assert ck.restore(_state()) == 0
     assert "starting fresh" in str(got[0].message)
     with pytest.warns(UserWarning, match=r"read_only restore: no checkpoint .*run1 \(2\)"):
         assert _restored(tmp_path / "runs") == (0, 0.0)
