@@ -273,6 +273,52 @@ def test_forked_worker_dies_on_sigterm_and_leaves_the_parent_alone() -> None:
         assert not w.requested
 
 
+class _Pids:
+    """A dataset whose every item is the pid of the process that made it."""
+
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, i: int) -> int:
+        return os.getpid()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_dataloader_worker_survives_the_first_signal_and_dies_of_the_second(sig) -> None:
+    """A signal to the whole process group reaches the workers too: the first one must not
+    stop the loader before the trainer's emergency save (SIGTERM goes through the C handler
+    torch sets in each worker, which the worker replaces right after). A second one (the
+    loader's own ``terminate()`` of a worker that does not stop) kills it; the watcher of the
+    trainer sees neither."""
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    with saved_handlers(signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD), PreemptionWatcher() as w:
+        it = iter(DataLoader(_Pids(), batch_size=1, num_workers=1, prefetch_factor=1))
+        pid = int(next(it))
+        os.kill(pid, sig)
+        time.sleep(0.5)  # (a worker killed by it would be gone by now: torch then raises here)
+        assert _alive(pid)
+        assert [int(next(it)) for _ in range(5)] == [pid] * 5  # and it still serves batches
+        os.kill(pid, sig)
+        with pytest.raises(RuntimeError, match="DataLoader worker"):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # torch's SIGCHLD handler raises, or next()
+                next(it)
+                time.sleep(0.01)
+        assert not _alive(pid)
+        assert not w.requested
+        del it
+
+
 @pytest.mark.parametrize("previous", ["default", "callable"])
 def test_inherited_handler_in_a_foreign_process_acts_like_the_previous_one(previous: str) -> None:
     """A child forked without Python's at-fork hooks keeps our handler: it must forward."""

@@ -3,6 +3,7 @@ the next step boundary, exit code 75, and an exact resume; also cloud notices an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -114,6 +115,48 @@ def test_signal_saves_at_next_step_exits_75_and_resume_is_exact(tmp_path, refere
     assert f"restored step {last}" in again.stderr
     assert _losses(out / "log.jsonl") == _losses(reference / "log.jsonl")
     assert _same_params(out / "params.safetensors", reference / "params.safetensors")
+
+
+@pytest.mark.parametrize(
+    "sig",
+    [
+        pytest.param(signal.SIGTERM, id="SIGTERM"),
+        pytest.param(signal.SIGUSR1, id="SIGUSR1", marks=pytest.mark.slow),
+    ],
+)
+def test_a_signal_to_the_process_group_spares_the_dataloader_workers(tmp_path, sig):
+    """Slurm signals every process of a job step (`--signal`, the time limit), and `kill --
+    -PGID` every process of a group: DataLoader workers too. They died of it (SIGTERM through
+    the handler torch sets in each worker), the loader then raised in the training process (a
+    worker "killed by signal", from torch's SIGCHLD handler, anywhere in the step), and the run
+    ended without its emergency checkpoint. A worker now lets the first such signal pass while
+    its trainer lives: the trainer saves, exits 75, and its loader stops the workers."""
+    loader = ("--loader", "resumable")  # its position counts what the loop got, not prefetches
+    ref = tmp_path / "reference"
+    subprocess.run(_cmd(ref / "ckpt", ref, *loader), check=True, env=_env(), timeout=120)
+    out = tmp_path / "run"
+    ckpt = out / "ckpt"
+    cmd = _cmd(ckpt, out, *loader, "--sleep", "0.05", "--num-workers", "2")
+    proc = subprocess.Popen(
+        cmd, env=_env(), stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _wait_for_step(out / "log.jsonl", 13, proc)
+        os.killpg(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == RESUMABLE_EXIT_CODE, err[-3000:]
+    last = max(_losses(out / "log.jsonl"))
+    newest = [e for e in catalog.scan(str(ckpt), catalog.Depth.FULL) if e.manifest][-1]
+    assert newest.step == last and newest.manifest.reason == "emergency", err[-3000:]
+    again = subprocess.run(
+        _cmd(ckpt, out, *loader), env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0, again.stderr
+    assert _losses(out / "log.jsonl") == _losses(ref / "log.jsonl")
+    assert _same_params(out / "params.safetensors", ref / "params.safetensors")
 
 
 def test_exit_on_preemption_false_returns_and_flags(tmp_path):

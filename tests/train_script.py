@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-params", required=True)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--distributed", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu or cuda (deterministic algorithms on)")
     p.add_argument(
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=42,
             num_replicas=world,
             rank=rank,
-            num_workers=0,
+            num_workers=args.num_workers,
         )
         position = loader
     else:
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             make_dataset(),
             batch_size=8,
             sampler=sampler,
-            num_workers=0,
+            num_workers=args.num_workers,
             generator=None if args.loader == "plain-global-rng" else torch.Generator(),
         )
         position = sampler

@@ -1,7 +1,8 @@
 """Signal handling: :class:`PreemptionWatcher` records SIGTERM/SIGUSR1/SIGINT as a request.
 
-The handler only *records* the request: no I/O, no lock, no logging. Forked children (DataLoader
-workers) get the previous handlers back.
+The handler only *records* the request: no I/O, no lock, no logging. Forked children get the
+previous handlers back; a DataLoader worker among them survives the first signal while its
+trainer lives (:class:`_SpareWorker`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import itertools
 import math
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -129,18 +131,76 @@ def _unblock_after_fork() -> None:
 
 
 def _restore_in_child() -> None:
-    # A forked child (a DataLoader worker) must die on SIGTERM like before: give it back the
-    # handlers that were there before ours, newest watcher first, then unblock (a SIGTERM that
-    # arrived meanwhile now takes effect). The pid check in the handler covers children forked
-    # without running this hook.
+    # A forked child must die on SIGTERM like before: give it back the handlers that were there
+    # before ours, newest watcher first, then unblock (a SIGTERM that arrived meanwhile now
+    # takes effect). The pid check in the handler covers children forked without running this
+    # hook. Where that gives a signal its default action (death), a DataLoader worker lets the
+    # first such signal pass while its trainer lives (_SpareWorker).
+    ours: set[int] = set()
     for w in sorted(_installed, key=lambda w: w._order, reverse=True):
         w._active = False
         for signum, prev in w._previous.items():
+            ours.add(signum)
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(signum, signal.SIG_DFL if prev is None else prev)
+    spare = _SpareWorker(os.getppid())
+    for signum in ours:
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            if signal.getsignal(signum) == signal.SIG_DFL:
+                signal.signal(signum, spare)
+                spare.signums.append(signum)
+    if spare.signums:
+        spare.after_torch_worker_setup()
     _installed.clear()
     _unblock_after_fork()
     _masks_before_fork.clear()
+
+
+class _SpareWorker:
+    """The handler of a forked child for the signals the parent's watchers handle, where the
+    child would otherwise die of them: a DataLoader worker survives the first one while its
+    trainer (the parent) lives; anything else, and a second signal, get the default action.
+
+    Slurm signals every process of a job step (``--signal``, the time limit) and ``kill --
+    -PGID`` every process of a group: workers included. A worker that died of it made the
+    trainer's loader raise ("DataLoader worker ... killed by signal", from torch's SIGCHLD
+    handler, at any point of the step), so the emergency save never ran. Spared, the worker
+    serves batches until the trainer has saved; the trainer's exit stops its loader's workers,
+    and a worker that does not stop gets the loader's ``terminate()`` (the second signal).
+    A child that is not a DataLoader worker (a ``multiprocessing`` pool: its ``terminate()``
+    must work the first time) dies as before."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+        self.spared = False
+        self.signums: list[int] = []
+
+    def after_torch_worker_setup(self) -> None:
+        """A DataLoader worker sets C-level handlers as it starts, SIGTERM's among them (one
+        that dies unless the parent sent the signal): this process takes this handler back
+        right after (its worker loop looks the setup function up on the module at each call).
+        This child only: the parent's module is not touched."""
+        handling = sys.modules.get("torch.utils.data._utils.signal_handling")
+        setup = getattr(handling, "_set_worker_signal_handlers", None)
+        if setup is None:
+            return
+
+        def setup_then_spare(*args: Any, **kwargs: Any) -> Any:
+            out = setup(*args, **kwargs)
+            for signum in self.signums:
+                with contextlib.suppress(ValueError, OSError, TypeError):
+                    signal.signal(signum, self)
+            return out
+
+        handling._set_worker_signal_handlers = setup_then_spare  # type: ignore[union-attr]
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        worker = sys.modules.get("torch.utils.data._utils.worker")
+        in_worker = getattr(worker, "_worker_info", None) is not None
+        if in_worker and not self.spared and os.getppid() == self.parent:
+            self.spared = True
+            return
+        _previous_action(signum, frame, signal.SIG_DFL)
 
 
 os.register_at_fork(
@@ -158,7 +218,9 @@ class PreemptionWatcher:
     process. From another thread :meth:`install` warns and installs nothing (``trigger`` still
     works). The training loop reads :attr:`requested` at step boundaries; any thread may call
     :meth:`trigger` (the :class:`MetadataPoller` does). Processes forked from the installing one
-    (DataLoader workers) get the previous handlers back, so SIGTERM still kills them.
+    get the previous handlers back, so SIGTERM still kills them; a DataLoader worker survives
+    the first one while its trainer lives (a signal to the whole process group must not stop
+    the loader before the emergency save).
 
     The first request wins; later ones are counted (:attr:`count`) but do not replace it.
     """
