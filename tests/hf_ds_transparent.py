@@ -18,7 +18,9 @@ from resilient_callbacks.transformers import ResilientCheckpoint
 
 
 def main(mode: str, out: str, stage: int) -> None:
-    opts = argparse.Namespace(deepspeed=stage, every_n_steps=2, keep_last=3, outdir=out)
+    opts = argparse.Namespace(
+        deepspeed=stage, every_n_steps=2, keep_last=3, outdir=out, overlap=False
+    )
     config = hf_train.deepspeed_config(opts)
     if mode == "without":
         del config["resilient_checkpoint"]
