@@ -133,22 +133,35 @@ class _Loader(importlib.abc.Loader):
         return self.inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
+        _uninstall()  # DeepSpeed is being loaded: the real finders answer from now on
         self.inner.exec_module(module)
         with contextlib.suppress(Exception):  # a DeepSpeed without initialize: nothing to guard
             module.initialize = guard(module.initialize)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    """Answers for ``deepspeed`` alone, with the real spec whose loader wraps ``initialize``.
+    It stays until DeepSpeed is loaded, not only until first asked: accelerate (imported by
+    transformers' models and by lightning) asks ``importlib.util.find_spec("deepspeed")``
+    whether it is installed, without loading it, long before the program imports it."""
+
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != "deepspeed":
             return None
-        with contextlib.suppress(ValueError):  # one shot: the real finders answer from now on
-            sys.meta_path.remove(self)
+        if "deepspeed" in sys.modules:  # loaded past this finder (a reload): nothing to wrap
+            _uninstall()
+            return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         spec.loader = _Loader(spec.loader)
         return spec
+
+
+def _uninstall() -> None:
+    for f in [f for f in sys.meta_path if isinstance(f, _Finder)]:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(f)
 
 
 def install() -> None:

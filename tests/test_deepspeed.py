@@ -981,6 +981,9 @@ import site, sys, warnings
 site.addsitedir(sys.argv[1])  # processes resilient_callbacks_ds_guard.pth as an install does
 assert "torch" not in sys.modules and "resilient_callbacks" not in sys.modules, sorted(sys.modules)
 sys.path.insert(0, sys.argv[2])
+if sys.argv[5] == "probed":  # as accelerate, transformers and lightning ask whether it is there
+    import importlib.util
+    assert importlib.util.find_spec("deepspeed") is not None
 import torch, deepspeed
 from ds_noshm import skip_shm_op
 skip_shm_op()
@@ -997,14 +1000,22 @@ print("WARNINGS:", [type(w.message).__name__ for w in caught if "resilient" in s
 
 
 @pytest.mark.parametrize(
-    "with_section",
-    [True, pytest.param(False, marks=pytest.mark.slow)],
-    ids=["section", "no-section"],
+    "with_section, probed",
+    [
+        (True, True),
+        pytest.param(True, False, marks=pytest.mark.slow),
+        pytest.param(False, False, marks=pytest.mark.slow),
+    ],
+    ids=["section-probed", "section", "no-section"],
 )
-def test_section_reaching_plain_deepspeed_initialize_warns(tmp_path: Path, with_section) -> None:
+def test_section_reaching_plain_deepspeed_initialize_warns(
+    tmp_path: Path, with_section, probed
+) -> None:
     """Installed, the package's .pth makes plain ``deepspeed.initialize`` warn when the config
     holds the section (nothing would be checkpointed), without importing anything at start-up
-    and without the user's script importing resilient_callbacks."""
+    and without the user's script importing resilient_callbacks. Also where something asked
+    ``importlib.util.find_spec("deepspeed")`` before the import (accelerate does it at import,
+    and so transformers' model classes and lightning): that once disarmed the guard."""
     src = Path(__file__).resolve().parents[1] / "src"
     env = dict(
         os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -1014,6 +1025,7 @@ def test_section_reaching_plain_deepspeed_initialize_warns(tmp_path: Path, with_
     env.pop("RESILIENT_CALLBACKS_NO_DS_GUARD", None)
     arg = "section" if with_section else "plain"
     argv = [sys.executable, "-c", GUARD_SCRIPT, str(src), str(SCRIPT.parent), arg, str(tmp_path)]
+    argv.append("probed" if probed else "direct")
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=DEADLINE)
     assert out.returncode == 0, out.stdout + out.stderr
     if with_section:
