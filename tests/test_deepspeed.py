@@ -876,6 +876,50 @@ def test_unmanaged_gradient_accumulation_and_config_params_checkpoint_and_resume
     assert a["weights"] == b["weights"]
 
 
+TWICE_SCRIPT = """
+import torch, deepspeed
+import resilient_callbacks.deepspeed as rcds
+from resilient_callbacks import ConfigError
+from ds_noshm import skip_shm_op
+skip_shm_op()
+deepspeed.init_distributed(dist_backend="gloo")
+model = torch.nn.Linear(4, 1)
+cfg = {"train_micro_batch_size_per_gpu": 2,
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+       "resilient_checkpoint": {"dirpath": DIRPATH + "/a", "every_n_steps": 1}}
+engine, *_ = rcds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+try:
+    rcds.attach(engine, dirpath=DIRPATH + "/b")
+except ConfigError as e:
+    print("REFUSED:", e)
+for _ in range(2):
+    engine.backward(engine(torch.ones(2, 4)).pow(2).mean())
+    engine.step()
+engine.resilient_checkpoint.close()
+"""
+
+
+def test_a_second_attach_to_a_checkpointed_engine_is_refused(tmp_path: Path) -> None:
+    """A second handle wrapped the first's ``engine.step``, and closing it unwrapped both: the
+    first handle silently stopped saving. Now refused, naming the first handle's directory; the
+    first keeps saving."""
+    script = tmp_path / "twice.py"
+    script.write_text(TWICE_SCRIPT.replace("DIRPATH", repr(str(tmp_path))))
+    env = dict(
+        os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(spawn_ranks.free_port()), DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    )  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=DEADLINE
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED: this engine is already checkpointed" in out.stdout, out.stdout
+    assert str(tmp_path / "a") in out.stdout
+    assert [e.step for e in committed(tmp_path / "a")] == [1, 2]
+    assert not (tmp_path / "b").exists()
+
+
 OFFLOAD_SCRIPT = """
 import torch, deepspeed
 import resilient_callbacks.deepspeed as rcds

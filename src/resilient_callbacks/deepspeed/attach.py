@@ -44,6 +44,14 @@ class DeepSpeedCheckpoint:
     ``engine.resilient_checkpoint``."""
 
     def __init__(self, engine: Any, state: Any = None, **options: Any) -> None:
+        other = getattr(engine, "resilient_checkpoint", None)
+        if isinstance(other, DeepSpeedCheckpoint) and engine.__dict__.get("step") == other._step:
+            # a second handle would wrap the first's step(), and closing either unwraps both
+            raise ConfigError(
+                "this engine is already checkpointed (engine.resilient_checkpoint, into "
+                f"{other.checkpointer.dirpath}; from resilient_callbacks.deepspeed.initialize "
+                "or an earlier attach()): use that handle, or close() it before attaching again"
+            )
         self.engine = engine
         self.state: dict[str, Any] = {"engine": engine_state(engine)}
         if state is not None:
