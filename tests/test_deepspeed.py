@@ -514,6 +514,22 @@ def test_section_is_validated_and_removed(tmp_path: Path) -> None:
         section.split(cfg)
     with pytest.raises(ConfigError, match='needs "dirpath"'):
         section.split({"resilient_checkpoint": {"keep_last": 3}})
+    # the values too, naming the section, before DeepSpeed builds the engine (they were checked
+    # only when the Checkpointer was made, after the engine, without saying where from)
+    for bad, said in (
+        ({"every_n_steps": "5"}, "every_n_steps='5'"),
+        ({"adaptive": "yes"}, "adaptive='yes'"),
+        ({"signals": ["SIGNOPE"]}, "'SIGNOPE' is not a signal"),
+    ):
+        with pytest.raises(ConfigError, match=f'^"resilient_checkpoint" in .*{re.escape(said)}'):
+            section.split({"resilient_checkpoint": {"dirpath": "x", **bad}})
+    # one signal as a string, as JSON invites: that signal (it was read letter by letter)
+    _, one = section.split({"resilient_checkpoint": {"dirpath": "x", "signals": "SIGUSR1"}})
+    assert one is not None and one["signals"] == "SIGUSR1"
+    from resilient_callbacks import Checkpointer
+
+    with Checkpointer(tmp_path / "sig", signals="SIGUSR1") as ck:
+        assert ck.config.signals == ("SIGUSR1",)
     path = tmp_path / "ds.json"
     path.write_text(
         json.dumps(

@@ -149,7 +149,7 @@ class Checkpointer:
         read_only: bool = False,
     ) -> None:
         options = {k: v for k, v in locals().items() if k != "self"}
-        options["signals"] = tuple(signals)
+        options["signals"] = (signals,) if isinstance(signals, (str, int)) else tuple(signals)
         options["remote_options"] = dict(remote_options) if remote_options is not None else None
         self.config = CheckpointerConfig(**options)
         self._sink_specs = self.config.sinks()

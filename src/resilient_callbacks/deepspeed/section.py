@@ -21,6 +21,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ..config import CheckpointerConfig
 from ..errors import ConfigError
 
 SECTION = "resilient_checkpoint"
@@ -52,8 +53,18 @@ def validate(section: Any, where: str = "the DeepSpeed config") -> dict[str, Any
     if not section.get("dirpath"):
         raise ConfigError(f'"{SECTION}" in {where} needs "dirpath": where to write checkpoints')
     options = dict(section)
-    if isinstance(options.get("signals"), list):
-        options["signals"] = tuple(options["signals"])
+    signals = options.get("signals")
+    if isinstance(signals, list):
+        options["signals"] = tuple(signals)
+    # the values too, before DeepSpeed builds the engine (minutes for a large model), with
+    # the section named (the same checks run again when the Checkpointer is made)
+    checked = dict(options)
+    if isinstance(signals, (str, int)):
+        checked["signals"] = (signals,)
+    try:
+        CheckpointerConfig(**checked)
+    except ConfigError as e:
+        raise ConfigError(f'"{SECTION}" in {where}: {e}') from None
     return options
 
 
