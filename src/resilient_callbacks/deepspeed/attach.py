@@ -47,9 +47,10 @@ class DeepSpeedCheckpoint:
         other = getattr(engine, "resilient_checkpoint", None)
         if isinstance(other, DeepSpeedCheckpoint) and engine.__dict__.get("step") == other._step:
             # a second handle would wrap the first's step(), and closing either unwraps both
+            first: Checkpointer = other.checkpointer
             raise ConfigError(
                 "this engine is already checkpointed (engine.resilient_checkpoint, into "
-                f"{other.checkpointer.dirpath}; from resilient_callbacks.deepspeed.initialize "
+                f"{first.dirpath}; from resilient_callbacks.deepspeed.initialize "
                 "or an earlier attach()): use that handle, or close() it before attaching again"
             )
         self.engine = engine
