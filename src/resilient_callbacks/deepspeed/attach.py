@@ -47,17 +47,16 @@ class DeepSpeedCheckpoint:
         other = getattr(engine, "resilient_checkpoint", None)
         if isinstance(other, DeepSpeedCheckpoint) and engine.__dict__.get("step") == other._step:
             # a second handle would wrap the first's step(), and closing either unwraps both
-            first: Checkpointer = other.checkpointer
             raise ConfigError(
                 "this engine is already checkpointed (engine.resilient_checkpoint, into "
-                f"{first.dirpath}; from resilient_callbacks.deepspeed.initialize "
+                f"{other.checkpointer.dirpath}; from resilient_callbacks.deepspeed.initialize "
                 "or an earlier attach()): use that handle, or close() it before attaching again"
             )
         self.engine = engine
         self.state: dict[str, Any] = {"engine": engine_state(engine)}
         if state is not None:
             self.state["user"] = state
-        self.checkpointer = Checkpointer(**options)
+        self.checkpointer: Checkpointer = Checkpointer(**options)
         self.restored_step: int | None = None
         self._entered = False  # inside `with handle:` (which sees an exception)
         self._told_unguarded = False
