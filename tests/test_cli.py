@@ -259,6 +259,18 @@ def test_verify_and_inspect_default_to_the_newest_checkpoint(tmp_path):
     assert shown.stderr == ""  # nothing newer was skipped
 
 
+def test_inspect_of_an_unreadable_manifest_says_why_its_keys_are_unknown(tmp_path):
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20))
+    with open(os.path.join(root, "step_000000020", "manifest.json"), "w") as f:
+        f.write('{"format_version": 1, "ste')  # torn
+    r = cli("inspect", root, "--step", "20", "--json")
+    assert r.returncode == 1
+    info = json.loads(r.stdout)
+    assert info["keys"] is None and "unreadable manifest" in info["keys_problem"], info
+    assert "unreadable manifest" in cli("inspect", root, "--step", "20").stdout
+
+
 def test_inspect_json_is_typed(tmp_path):
     root = str(tmp_path / "ck")
     torch.manual_seed(0)

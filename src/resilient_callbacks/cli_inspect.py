@@ -197,7 +197,7 @@ def inspect(args: argparse.Namespace) -> int:
         )
     m = e.manifest
     info = public(row(e, depth))
-    keys, keys_problem = _keys(e) if m is not None else (None, None)
+    keys, keys_problem = _keys(e) if m is not None else (None, f"unknown: {e.problem}")
     info |= {
         "world_size": m.world_size if m else None,
         "versions": dict(m.versions) if m else {},
