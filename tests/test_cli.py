@@ -138,6 +138,8 @@ def test_gc_dry_run_then_delete(tmp_path):
     root = str(tmp_path / "ck")
     make_run(root, steps=(10, 20, 30, 40), keep_last=None)
     os.makedirs(os.path.join(root, ".staging-step_000000050-abc"))
+    with open(os.path.join(root, ".latest.0a1b2c3d"), "w") as f:  # a killed `latest` rewrite
+        f.write("step_000000040\n")
     dry = cli("gc", root, "--dry-run", "--keep-last", "2")
     assert dry.returncode == 0
     assert (
@@ -147,7 +149,7 @@ def test_gc_dry_run_then_delete(tmp_path):
     assert len(os.listdir(root)) >= 5  # nothing deleted
     done = cli("gc", root, "--keep-last", "2")
     assert done.returncode == 0, done.stderr
-    left = sorted(n for n in os.listdir(root) if n.startswith(("step_", ".staging")))
+    left = sorted(n for n in os.listdir(root) if n.startswith(("step_", ".staging", ".latest")))
     assert left == ["step_000000030", "step_000000040"]
 
 

@@ -4,6 +4,7 @@ directory. Imported only when one of them runs (it imports torch through the cat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -24,7 +25,7 @@ from .cli_format import (
     table,
 )
 from .cli_scan import no_checkpoints, public, report_verified, resolve, row, scan
-from .commit import remove_checkpoint, write_latest_pointer
+from .commit import LATEST_TMP_PREFIX, remove_checkpoint, write_latest_pointer
 from .errors import CheckpointError, CheckpointNotFoundError
 from .lock import DirLock
 from .manifest import NEWER_FORMAT
@@ -316,6 +317,10 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     delete = [d for d in delete if "error" not in d]
     if not args.dry_run:
         _repoint_latest(root, {d["name"] for d in delete}, entries)
+        for name in os.listdir(root):  # a `latest` being rewritten when its writer was killed
+            if name.startswith(LATEST_TMP_PREFIX):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(root, name))
     # blobs (incremental checkpoints) that no remaining checkpoint refers to; the lock is held,
     # so no save is in flight. A dry run counts what the remaining manifests would not name.
     blobs = _unused_blobs(root, gone) if args.dry_run else BlobStore(root).collect()
