@@ -445,9 +445,10 @@ def test_a_config_without_the_section_says_so_under_the_launcher_or_for_a_near_m
 
     handed: list[dict] = []  # what reaches DeepSpeed's own initialize (not run here)
     monkeypatch.setattr(launch, "original_initialize", lambda: lambda **kw: handed.append(kw))
-    with pytest.warns(UserWarning, match="did you mean"):
+    with pytest.warns(UserWarning, match="did you mean") as got:
         rcds.initialize(model=torch.nn.Linear(2, 2), config=typo)
     assert handed and handed[0]["config"] == typo  # plain DeepSpeed, as before
+    assert got[0].filename == __file__  # the warning points at the call (it said sys:1)
 
 
 @pytest.mark.slow  # suite time budget

@@ -26,7 +26,7 @@ import torch
 
 from ..checkpointer import Checkpointer
 from ..data import ResumableDataLoader
-from ..errors import ConfigError, warn_and_log
+from ..errors import AT_CALLER, ConfigError, warn_and_log
 from ..structure import PerRank
 from . import section
 from .engine_state import check_config, engine_state
@@ -103,7 +103,7 @@ class DeepSpeedCheckpoint:
                 "engine.resilient_checkpoint:` (nor under resilient_callbacks.deepspeed.run): "
                 "an exception will not be saved"
             )
-            warn_and_log(log, msg, UserWarning, stacklevel=3)  # the user's engine.step()
+            warn_and_log(log, msg, UserWarning, stacklevel=AT_CALLER)  # the user's engine.step()
 
     def save(self, *, final: bool = False) -> bool:
         """Collective. Save now; ``final=True`` at the end of training (the remote tier always
@@ -222,7 +222,7 @@ def initialize(
     if options is None:
         said = section.without_section(config, launched()) if config is not None else None
         if said:
-            warn_and_log(log, f"resilient_callbacks: {said}", UserWarning, stacklevel=3)
+            warn_and_log(log, f"resilient_callbacks: {said}", UserWarning, stacklevel=AT_CALLER)
         return ds_initialize(
             training_data=training_data, config=config, collate_fn=collate_fn, **common
         )
