@@ -10,7 +10,7 @@ import logging
 import os
 
 from . import catalog, mapped
-from .errors import AT_CALLER, ResumeFallbackWarning, warn_and_log
+from .errors import AT_CALLER, warn_and_log
 from .manifest import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,8 @@ def say_what_is_not_a_checkpoint(
 ) -> None:
     """After ``resume="auto"`` chose what to load. ``no_manifest``: the ``step_*`` folders of
     ``dirpath`` without a manifest (no save of this library leaves one: damage, or a copy still
-    in progress), named with a :class:`ResumeFallbackWarning`. ``fresh``: nothing to resume
+    in progress), named in a warning (a ``UserWarning``: no checkpoint was skipped, so not a
+    :class:`ResumeFallbackWarning`). ``fresh``: nothing to resume
     from; then the subdirectories that hold checkpoints are named (a ``dirpath`` one level too
     high), and a read-only restore says that it restored nothing."""
     if no_manifest:
@@ -34,7 +35,6 @@ def say_what_is_not_a_checkpoint(
             f"{'it is' if n == 1 else 'they are'} not a checkpoint (a save of this library "
             f"never leaves one: damaged, or a copy still in progress); {then}. "
             f"`resilient-ckpt ls {dirpath}` lists them",
-            ResumeFallbackWarning,
             stacklevel=AT_CALLER,
         )
     if not fresh:
