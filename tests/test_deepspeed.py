@@ -893,6 +893,19 @@ def test_unmanaged_gradient_accumulation_and_config_params_checkpoint_and_resume
     assert a["weights"] == b["weights"]
 
 
+def run_one_rank(script: Path, code: str) -> subprocess.CompletedProcess:
+    """``code`` written to ``script`` and run as one DeepSpeed rank on the CPU (gloo)."""
+    script.write_text(code)
+    env = dict(
+        os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(spawn_ranks.free_port()), DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    )  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=DEADLINE
+    )
+
+
 TWICE_SCRIPT = """
 import torch, deepspeed
 import resilient_callbacks.deepspeed as rcds
@@ -920,16 +933,7 @@ def test_a_second_attach_to_a_checkpointed_engine_is_refused(tmp_path: Path) -> 
     """A second handle wrapped the first's ``engine.step``, and closing it unwrapped both: the
     first handle silently stopped saving. Now refused, naming the first handle's directory; the
     first keeps saving."""
-    script = tmp_path / "twice.py"
-    script.write_text(TWICE_SCRIPT.replace("DIRPATH", repr(str(tmp_path))))
-    env = dict(
-        os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(spawn_ranks.free_port()), DS_ACCELERATOR="cpu",
-        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
-    )  # fmt: skip
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=DEADLINE
-    )
+    out = run_one_rank(tmp_path / "twice.py", TWICE_SCRIPT.replace("DIRPATH", repr(str(tmp_path))))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REFUSED: this engine is already checkpointed" in out.stdout, out.stdout
     assert str(tmp_path / "a") in out.stdout
@@ -1000,16 +1004,8 @@ def test_zero1_bf16_with_fp32_gradient_accumulation_is_refused_before_the_engine
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_nvme_offload_is_refused_clearly_at_initialize(tmp_path: Path) -> None:
-    script = tmp_path / "offload.py"
-    script.write_text(OFFLOAD_SCRIPT.replace("DIRPATH", repr(str(tmp_path / "ck"))))
-    env = dict(
-        os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(spawn_ranks.free_port()), DS_ACCELERATOR="cpu",
-        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
-    )  # fmt: skip
-    p = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=DEADLINE
-    )
+    code = OFFLOAD_SCRIPT.replace("DIRPATH", repr(str(tmp_path / "ck")))
+    p = run_one_rank(tmp_path / "offload.py", code)
     assert p.returncode != 0
     assert "UnsupportedStateError" in p.stderr, p.stderr[-3000:]
     assert "NVMe offload (offload_optimizer to nvme) is not supported yet" in p.stderr
