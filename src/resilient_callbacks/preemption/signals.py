@@ -134,8 +134,8 @@ def _restore_in_child() -> None:
     # A forked child must die on SIGTERM like before: give it back the handlers that were there
     # before ours, newest watcher first, then unblock (a SIGTERM that arrived meanwhile now
     # takes effect). The pid check in the handler covers children forked without running this
-    # hook. Where that gives a signal its default action (death), a DataLoader worker lets the
-    # first such signal pass while its trainer lives (_SpareWorker).
+    # hook. Where that gives a signal its default action (death), a child that becomes a
+    # DataLoader worker lets the first such signal pass while its trainer lives (_SpareWorker).
     ours: set[int] = set()
     for w in sorted(_installed, key=lambda w: w._order, reverse=True):
         w._active = False
@@ -143,23 +143,18 @@ def _restore_in_child() -> None:
             ours.add(signum)
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(signum, signal.SIG_DFL if prev is None else prev)
-    spare = _SpareWorker(os.getppid())
-    for signum in ours:
-        with contextlib.suppress(ValueError, OSError, TypeError):
-            if signal.getsignal(signum) == signal.SIG_DFL:
-                signal.signal(signum, spare)
-                spare.signums.append(signum)
-    if spare.signums:
-        spare.after_torch_worker_setup()
+    deadly = sorted(s for s in ours if signal.getsignal(s) == signal.SIG_DFL)
+    if deadly:
+        _SpareWorker(os.getppid(), deadly).when_a_dataloader_worker()
     _installed.clear()
     _unblock_after_fork()
     _masks_before_fork.clear()
 
 
 class _SpareWorker:
-    """The handler of a forked child for the signals the parent's watchers handle, where the
-    child would otherwise die of them: a DataLoader worker survives the first one while its
-    trainer (the parent) lives; anything else, and a second signal, get the default action.
+    """The handler of a DataLoader worker forked from the training process, for the signals
+    the trainer's watchers handle where the worker would otherwise die of them: it survives the
+    first one while its trainer (the parent) lives; a second one gets the default action.
 
     Slurm signals every process of a job step (``--signal``, the time limit) and ``kill --
     -PGID`` every process of a group: workers included. A worker that died of it made the
@@ -167,22 +162,22 @@ class _SpareWorker:
     handler, at any point of the step), so the emergency save never ran. Spared, the worker
     serves batches until the trainer has saved; the trainer's exit stops its loader's workers,
     and a worker that does not stop gets the loader's ``terminate()`` (the second signal).
-    A child that is not a DataLoader worker (a ``multiprocessing`` pool: its ``terminate()``
-    must work the first time) dies as before."""
+    Any other child (a ``multiprocessing`` pool's: its ``terminate()`` must work the first
+    time) keeps the default action."""
 
-    def __init__(self, parent: int) -> None:
+    def __init__(self, parent: int, signums: list[int]) -> None:
         self.parent = parent
+        self.signums = signums
         self.spared = False
-        self.signums: list[int] = []
 
-    def after_torch_worker_setup(self) -> None:
-        """A DataLoader worker sets C-level handlers as it starts, SIGTERM's among them (one
-        that dies unless the parent sent the signal): this process takes this handler back
-        right after (its worker loop looks the setup function up on the module at each call).
-        This child only: the parent's module is not touched."""
+    def when_a_dataloader_worker(self) -> None:
+        """In this child only (the parent's module is not touched): if it becomes a DataLoader
+        worker, take the signals right after the worker's own set-up, which gives SIGTERM a C
+        handler that dies unless the parent sent it (the worker loop looks the set-up function
+        up on the module when it starts)."""
         handling = sys.modules.get("torch.utils.data._utils.signal_handling")
         setup = getattr(handling, "_set_worker_signal_handlers", None)
-        if setup is None:
+        if setup is None:  # no torch DataLoader in this process
             return
 
         def setup_then_spare(*args: Any, **kwargs: Any) -> Any:
@@ -195,9 +190,7 @@ class _SpareWorker:
         handling._set_worker_signal_handlers = setup_then_spare  # type: ignore[union-attr]
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        worker = sys.modules.get("torch.utils.data._utils.worker")
-        in_worker = getattr(worker, "_worker_info", None) is not None
-        if in_worker and not self.spared and os.getppid() == self.parent:
+        if not self.spared and os.getppid() == self.parent:
             self.spared = True
             return
         _previous_action(signum, frame, signal.SIG_DFL)
