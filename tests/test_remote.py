@@ -341,10 +341,10 @@ def test_credentials_nested_in_remote_options_are_not_echoed(s3_server, tmp_path
 
 
 def test_the_remote_options_in_messages_hide_every_secret():
-    from resilient_callbacks.remote import _redact
+    from resilient_callbacks.redact import options_text
 
     shown = json.loads(
-        _redact(
+        options_text(
             {
                 "endpoint_url": "https://user:hunter2@store.example:9000/x",
                 "headers": {"Authorization": "Bearer abc123"},

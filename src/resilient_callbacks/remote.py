@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import posixpath
-import re
 import shutil
 import threading
 import uuid
@@ -40,6 +39,7 @@ from .commit import STAGING_PREFIX, fsync_dir
 from .errors import CheckpointCorruptError, RemoteUnavailableError
 from .manifest import MANIFEST_NAME, Manifest
 from .progress import Progress
+from .redact import options_text
 from .retention import Candidate
 
 log = logging.getLogger("resilient_callbacks")
@@ -87,31 +87,6 @@ def retention_candidates(entries: list[RemoteEntry], prefix: str = "") -> list[C
     ]
 
 
-_SECRET = ("key", "secret", "token", "password", "credential", "sas", "auth", "signature")
-_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
-
-
-def _redact(options: Mapping[str, Any]) -> str:
-    """``options`` as JSON for a message, without secrets: the value of every key that names
-    one (``key``, ``secret``, ``token``, ``password``, ...) at any depth of dicts and lists
-    (``client_kwargs``, ``config_kwargs``, ``headers``), and the user and password of a URL
-    (``http://user:pass@host``), are shown as ``***``."""
-
-    def shown(value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {
-                str(k): "***" if any(s in str(k).lower() for s in _SECRET) else shown(v)
-                for k, v in value.items()
-            }
-        if isinstance(value, (list, tuple)):
-            return [shown(v) for v in value]
-        if isinstance(value, str):
-            return _USERINFO.sub("***@", value)
-        return value
-
-    return json.dumps(shown(options), default=str, sort_keys=True)
-
-
 class RemoteStore:
     """Checkpoint directories under one fsspec URL."""
 
@@ -131,7 +106,7 @@ class RemoteStore:
             ) from e
         except (TypeError, ValueError) as e:
             raise RemoteUnavailableError(
-                f"remote={url!r} with remote_options {_redact(self.options)}: {e}"
+                f"remote={url!r} with remote_options {options_text(self.options)}: {e}"
             ) from e
         self.root = root.rstrip("/")
         proto = self.fs.protocol
@@ -181,13 +156,13 @@ class RemoteStore:
         if not outcome:
             raise RemoteUnavailableError(
                 f"remote {self.url}: no answer within {timeout:g} s (endpoint unreachable or "
-                f"very slow). remote_options: {_redact(self.options)}"
+                f"very slow). remote_options: {options_text(self.options)}"
             )
         if (e := outcome[0]) is not None:
             check = _LOCAL_ADVICE if self.is_local else _STORE_ADVICE
             raise RemoteUnavailableError(
                 f"remote {self.url} is not usable: {type(e).__name__}: {e}. {check} "
-                f"(remote_options: {_redact(self.options)})."
+                f"(remote_options: {options_text(self.options)})."
             ) from e
 
     # ------------------------------------------------------------------ listing
@@ -272,7 +247,7 @@ class RemoteStore:
         if not exists:
             raise RemoteUnavailableError(
                 f"remote {self.url}: the bucket {bucket!r} does not exist ({e}). Check the "
-                f"bucket name and the endpoint (remote_options: {_redact(self.options)})."
+                f"bucket name and the endpoint (remote_options: {options_text(self.options)})."
             ) from e
 
     def read_manifest(self, name: str) -> Manifest:
