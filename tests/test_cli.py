@@ -677,6 +677,12 @@ def test_export_of_a_plain_checkpoint_writes_its_module(tmp_path, capsys):
     assert torch.equal(load_file(tmp_path / "o2" / "model.safetensors")["weight"], model.weight)
     assert main(["export", two, str(tmp_path / "o3"), "--key", "train.nope"]) == 1
     assert "train has no entry 'nope' (model, opt)" in capsys.readouterr().err
+    # an optimizer's state is not weights: refused (it was written as model.safetensors)
+    assert main(["export", two, str(tmp_path / "o4"), "--key", "train.opt"]) == 1
+    err = capsys.readouterr().err
+    assert "'train.opt' is not a module's state dict" in err, err
+    assert "name a module (train.model, ema)" in err, err
+    assert not (tmp_path / "o4").exists()
 
 
 @pytest.mark.parametrize(

@@ -701,6 +701,26 @@ def test_export_holds_the_frozen_parameters_too(tmp_path: Path) -> None:
         assert [float(v).hex() for v in t.float().flatten()] == want[k], k
 
 
+@needs_transformers
+@pytest.mark.slow  # one Trainer run under DeepSpeed
+@pytest.mark.parametrize("stage", ["0", "3"])
+def test_export_of_a_trainer_run_of_a_plain_module_under_deepspeed(tmp_path: Path, stage) -> None:
+    """The Trainer under ZeRO 0/3 training a plain torch module: ``export`` failed ("records no
+    model configuration"); it writes the weights, consolidated, equal to the engine's."""
+    import torch
+    from safetensors.torch import load_file
+
+    import test_transformers as tt
+
+    tt._run([sys.executable, str(Path(__file__).with_name("hf_ds_plain.py")), str(tmp_path), stage])
+    out = tmp_path / "export"
+    cli = [sys.executable, "-m", "resilient_callbacks", "export", str(tmp_path / "ckpt"), str(out)]
+    subprocess.run(cli, check=True, capture_output=True, text=True)
+    got, want = load_file(out / "model.safetensors"), load_file(tmp_path / "final.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow  # ZeRO 3's frozen partitions on 2 ranks: three group runs
 def test_zero3_with_frozen_parameters_kill_resume_is_exact_and_exports_them(

@@ -157,6 +157,22 @@ def test_report_of_an_in_process_run(tmp_path: Path, capsys):
     assert len(imgs) == 6
 
 
+def test_report_json_before_the_directory_prints_the_json(tmp_path: Path, capsys, monkeypatch):
+    """``report --json DIR``: argparse gave DIR to --json's optional FILE and stopped with "DIR
+    is required"; a directory there is the DIR meant, the JSON goes to stdout. A FILE with no DIR
+    is still a usage error, and nothing is written."""
+    d = two_lives(tmp_path / "ck")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli(["report", "--json", str(d)]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["saves"] == 4
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no report.html beside it, no JSON file
+    with pytest.raises(SystemExit) as e:
+        cli(["report", "--json", "out.json"])
+    assert e.value.code == 2 and "required: DIR" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
+
+
 def _screenshot_tool():
     spec = importlib.util.spec_from_file_location(
         "screenshot_report", ROOT / "scripts" / "screenshot_report.py"

@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from transformers import AutoModel, AutoModelForCausalLM, TrainerCallback
 
+import hf_ds_plain
 import hf_train
 from resilient_callbacks import (
     Checkpointer,
@@ -675,6 +676,31 @@ def test_resilient_ckpt_export_subcommand(tmp_path, capsys):
     assert cli.main(["export", str(ck), str(tmp_path / "hf")]) == 0
     assert "step 2" in capsys.readouterr().out
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+def test_export_of_a_trainer_run_of_a_plain_module_writes_its_weights(tmp_path, capsys):
+    """A Trainer run of a plain torch module records no model configuration: ``export`` wrote
+    nothing ("records no model configuration to export"); it writes the weights as
+    model.safetensors, as for a plain Checkpointer state. ``export_pretrained`` says why not."""
+    from resilient_callbacks import cli
+
+    ck = tmp_path / "ck"
+    torch.manual_seed(0)
+    trainer = transformers.Trainer(
+        model=hf_ds_plain.PlainLM(),
+        args=hf_train.training_args(str(tmp_path), 2, eval_strategy="no"),
+        train_dataset=hf_train.TokenDataset(hf_train.NUM_SAMPLES, 1),
+        callbacks=[ResilientCheckpoint(ck, every_n_steps=2)],
+    )
+    trainer.train()
+    capsys.readouterr()
+    assert cli.main(["export", str(ck), str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    live = trainer.model.state_dict()
+    assert got.keys() == live.keys()
+    assert all(torch.equal(got[k], v) for k, v in live.items())
+    with pytest.raises(CheckpointMismatchError, match="resilient-ckpt export"):
+        export_pretrained(ck, tmp_path / "hf")
 
 
 def test_export_of_a_peft_lora_run_adapters_and_merged(tmp_path):

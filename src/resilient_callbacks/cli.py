@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
         "used beside Daly's optimum, and the checkpoints by tier, as one self-contained HTML page\n"
         "(plots need matplotlib: pip install 'resilient-callbacks[report]'). docs/monitoring.md.",
     )
-    p.add_argument("dir", metavar="DIR", help=DIR_HELP)
+    p.add_argument("dir", metavar="DIR", nargs="?", help=DIR_HELP)  # see _report_dir
     p.add_argument("--output", metavar="FILE", help="the HTML page (default report.html)")
     p.add_argument("--png", metavar="FILE", help="also (or only) every plot in one PNG")
     p.add_argument(
@@ -330,6 +330,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--option", metavar="KEY=VALUE", action="append", help=OPTION_HELP)
     p.set_defaults(fn=cmd_report)
     return ap
+
+
+def _report_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``report --json DIR``: argparse gives DIR to --json's optional FILE; a directory there
+    is the DIR meant, with the JSON to stdout (a file is never written over a directory)."""
+    if args.json not in (None, "-") and os.path.isdir(args.json):
+        args.dir, args.json = args.json, "-"
+    else:
+        parser.error("report: the following arguments are required: DIR")
 
 
 class _PipeSafe:
@@ -377,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.cmd == "report" and args.dir is None:
+        _report_dir(parser, args)
     if getattr(args, "option", None) and hasattr(args, "remote") and not args.remote:
         parser.error(
             f"{args.cmd}: -o/--option sets an option of the remote store: give --remote URL"

@@ -69,15 +69,28 @@ def exports_weights(manifest: Manifest, path: str) -> bool:
     ``ResilientStorageWriter``."""
     if is_dcp_dropin(manifest):
         return True  # dcp.save's state dict: every tensor whole
-    full = reader.open_checkpoint(path).part.structure  # opened once for every question
+    part = reader.open_checkpoint(path).part  # opened once for every question
+    full = part.structure
     if isinstance(full, dict) and "trainer" in full:
-        return False  # a Trainer run (under DeepSpeed or FSDP too): a from_pretrained directory
+        # a Trainer run (under DeepSpeed or FSDP too): a from_pretrained directory, unless its
+        # model records no configuration (a plain torch module): then its weights
+        return not trainer_model_config(part)
     return (
         bool(zero_part_ids(manifest))
         or _holds_engine(full)
         or bool(sharded_part_ids(manifest))
         or _is_lightning(full)
     )
+
+
+def trainer_model_config(part: LoadedPart) -> bool:
+    """Whether a Transformers Trainer run's checkpoint (rank-0 ``part``) records its model's
+    class and configuration, as ``from_pretrained`` needs (a ``PreTrainedModel``'s, a PEFT
+    model's); a plain ``torch.nn.Module`` trained by the Trainer records none."""
+    full = structure.inline_per_rank(part.structure, part.per_rank)
+    values = structure.decode(full["trainer"], part.tensors)
+    info = values.get("model") if isinstance(values, dict) else None
+    return isinstance(info, dict) and bool(info.get("config"))
 
 
 def _is_lightning(full: Any) -> bool:
@@ -188,8 +201,13 @@ def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.T
         return model_tensors(path, manifest, sharded[0])
     part = part or reader.open_checkpoint(path).part
     full = structure.inline_per_rank(part.structure, part.per_rank)
+    model = None
     if _is_lightning(full):  # the LightningModule's state dict, as saved
-        module = structure.decode(full["state_dict"], part.tensors)
+        model = full["state_dict"]
+    elif isinstance(full, dict) and "trainer" in full and "model" in full:
+        model = full["model"]  # a Trainer run's model (no DeepSpeed, no FSDP), as saved
+    if model is not None:
+        module = structure.decode(model, part.tensors)
         return {k: v.clone() for k, v in module.items() if isinstance(v, torch.Tensor)}
     engine = _find_engine(full)
     if engine is None or "module" not in engine:
@@ -233,11 +251,28 @@ def entry_tensors(path: str, key: str | None) -> tuple[str, dict[str, torch.Tens
         from .dcp.whole import model_tensors
 
         return key, model_tensors(path, manifest, str(node["id"]))  # its model, whole
+    if isinstance(node, dict) and node.get(structure.TAG) == "stateful":
+        items = structure._node_items(node["state"]) or {}
+        if not any(_is_tensor(v) for v in items.values()):  # an optimizer's, a scheduler's
+            raise CheckpointMismatchError(
+                f"{path}: the entry {key!r} is not a module's state dict (its state holds "
+                f"{_what(node['state'])}): export writes model weights; name a module"
+                + (f" ({', '.join(_modules(full, ''))})" if any(_modules(full, "")) else "")
+            )
     out: dict[str, torch.Tensor] = {}
     _flatten(structure.decode(_state(node), part.tensors), "", out)
     if not out:
         raise CheckpointMismatchError(f"{path}: the entry {key!r} holds no tensors")
     return key, out
+
+
+def _what(state: Any) -> str:
+    """A few words on a saved state that is not a flat dict of tensors: its entries' names."""
+    items = structure._node_items(state)
+    if not items:
+        return "no entries"
+    names = list(map(str, items))
+    return "entries " + ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
 
 
 def _state(node: Any) -> Any:
@@ -261,9 +296,11 @@ def _is_state_dict(node: Any) -> bool:
     if not (isinstance(node, dict) and node.get(structure.TAG) == "stateful"):
         return False
     items = structure._node_items(node["state"]) or {}
-    return bool(items) and all(
-        isinstance(v, dict) and v.get(structure.TAG) == "tensor" for v in items.values()
-    )
+    return bool(items) and all(_is_tensor(v) for v in items.values())
+
+
+def _is_tensor(node: Any) -> bool:
+    return isinstance(node, dict) and node.get(structure.TAG) == "tensor"
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:

@@ -79,7 +79,11 @@ def _export(
     values = structure.decode(full["trainer"], part.tensors)
     info = values.get("model") if isinstance(values, dict) else None
     if not isinstance(info, dict) or not info.get("config"):
-        raise CheckpointMismatchError(f"{path} records no model configuration to export")
+        raise CheckpointMismatchError(
+            f"{path} records no model configuration (its model is not a PreTrainedModel): "
+            "there is no from_pretrained directory to write; `resilient-ckpt export` writes its "
+            "weights as model.safetensors"
+        )
     if merged and not info.get("peft"):
         raise ConfigError(
             f"{path} holds no PEFT model ({info['class']}): merged=True (--merged) merges a "
