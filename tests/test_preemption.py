@@ -308,19 +308,70 @@ def test_a_dataloader_worker_survives_the_first_signal_and_dies_of_the_second(si
         time.sleep(0.5)  # (a worker killed by it would be gone by now: torch then raises here)
         assert _alive(pid)
         assert [int(next(it)) for _ in range(5)] == [pid] * 5  # and it still serves batches
-        os.kill(pid, sig)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if not _alive(pid):
-                    time.sleep(0.1)  # (torch's SIGCHLD handler raises here, or above)
-                    break
-                assert time.monotonic() < deadline, "the worker survived its second signal"
-                time.sleep(0.01)
-            except RuntimeError as e:  # torch's SIGCHLD handler: a worker died
-                assert "DataLoader worker" in str(e), e
+        _until_dead(pid, lambda: os.kill(pid, sig), "the worker survived its second signal")
         assert not w.requested
         del it
+
+
+def _until_dead(pid: int, act: Callable[[], object], why: str) -> None:
+    """``act()``, then wait (20 s at most) for the DataLoader worker ``pid`` to die; torch's
+    SIGCHLD handler may raise in this process at any point of it once it has."""
+    deadline = time.monotonic() + 20
+    acted = False
+    while True:
+        try:
+            if not acted:
+                acted = True
+                act()
+            if not _alive(pid):
+                time.sleep(0.1)  # (torch's SIGCHLD handler raises here, or above)
+                break
+            assert time.monotonic() < deadline, why
+            time.sleep(0.01)
+        except RuntimeError as e:  # torch's SIGCHLD handler: a worker died
+            assert "DataLoader worker" in str(e), e
+
+
+class _Stuck(_Pids):
+    """Item 0 at once, then stuck (a worker waiting on a dead mount)."""
+
+    def __getitem__(self, i: int) -> int:
+        if i:
+            time.sleep(120)
+        return os.getpid()
+
+
+def test_a_stuck_worker_dies_of_its_loaders_terminate() -> None:
+    """A worker the loader stops (its ``done_event`` set) is not spared: the loader's own
+    ``terminate()`` of a worker that did not stop in time kills it, as torch's handler did
+    (spared, it outlived the loader by its whole stuck call)."""
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    with saved_handlers(signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD), PreemptionWatcher():
+        it = iter(DataLoader(_Stuck(), batch_size=1, num_workers=1, prefetch_factor=1))
+        pid = int(next(it))
+        # joins the worker for a few seconds, then terminate() (one SIGTERM), then gives up
+        _until_dead(pid, it._shutdown_workers, "the worker outlived its loader's terminate()")  # type: ignore[attr-defined]
+
+
+def test_a_worker_is_spared_when_a_python_sigterm_handler_came_first() -> None:
+    """A Python SIGTERM handler installed before the watcher (a framework's): the worker's
+    set-up replaces it with torch's C handler, so a group signal killed the worker; it is
+    spared as with the default handler."""
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    with saved_handlers(signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD):
+        signal.signal(signal.SIGTERM, lambda s, f: None)
+        with PreemptionWatcher():
+            it = iter(DataLoader(_Pids(), batch_size=1, num_workers=1, prefetch_factor=1))
+            pid = int(next(it))
+            os.kill(pid, signal.SIGTERM)
+            time.sleep(0.5)  # (a worker killed by it would be gone by now: torch then raises)
+            assert _alive(pid)
+            assert [int(next(it)) for _ in range(3)] == [pid] * 3
+            del it
 
 
 @pytest.mark.parametrize("previous", ["default", "callable"])

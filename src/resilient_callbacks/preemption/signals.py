@@ -2,7 +2,7 @@
 
 The handler only *records* the request: no I/O, no lock, no logging. Forked children get the
 previous handlers back; a DataLoader worker among them survives the first signal while its
-trainer lives (:class:`_SpareWorker`).
+trainer lives and its loader runs (:mod:`.workers`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import itertools
 import math
 import os
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -30,6 +29,7 @@ from .request import (
     PreemptionRequest,
     _check_seconds,
 )
+from .workers import SpareWorker
 
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
 
@@ -135,7 +135,7 @@ def _restore_in_child() -> None:
     # before ours, newest watcher first, then unblock (a SIGTERM that arrived meanwhile now
     # takes effect). The pid check in the handler covers children forked without running this
     # hook. Where that gives a signal its default action (death), a child that becomes a
-    # DataLoader worker lets the first such signal pass while its trainer lives (_SpareWorker).
+    # DataLoader worker lets the first such signal pass while its trainer lives (workers.py).
     ours: set[int] = set()
     for w in sorted(_installed, key=lambda w: w._order, reverse=True):
         w._active = False
@@ -143,57 +143,15 @@ def _restore_in_child() -> None:
             ours.add(signum)
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(signum, signal.SIG_DFL if prev is None else prev)
-    deadly = sorted(s for s in ours if signal.getsignal(s) == signal.SIG_DFL)
+    # spared in a DataLoader worker: what would kill it, SIGTERM whatever it had (the worker's
+    # set-up gives it a C handler that kills unless the parent sent it)
+    deadly = {s for s in ours if signal.getsignal(s) == signal.SIG_DFL}
+    deadly |= {s for s in ours if s == signal.SIGTERM}
     if deadly:
-        _SpareWorker(os.getppid(), deadly).when_a_dataloader_worker()
+        SpareWorker(os.getppid(), sorted(deadly)).when_a_dataloader_worker()
     _installed.clear()
     _unblock_after_fork()
     _masks_before_fork.clear()
-
-
-class _SpareWorker:
-    """The handler of a DataLoader worker forked from the training process, for the signals
-    the trainer's watchers handle where the worker would otherwise die of them: it survives the
-    first one while its trainer (the parent) lives; a second one gets the default action.
-
-    Slurm signals every process of a job step (``--signal``, the time limit) and ``kill --
-    -PGID`` every process of a group: workers included. A worker that died of it made the
-    trainer's loader raise ("DataLoader worker ... killed by signal", from torch's SIGCHLD
-    handler, at any point of the step), so the emergency save never ran. Spared, the worker
-    serves batches until the trainer has saved; the trainer's exit stops its loader's workers,
-    and a worker that does not stop gets the loader's ``terminate()`` (the second signal).
-    Any other child (a ``multiprocessing`` pool's: its ``terminate()`` must work the first
-    time) keeps the default action."""
-
-    def __init__(self, parent: int, signums: list[int]) -> None:
-        self.parent = parent
-        self.signums = signums
-        self.spared = False
-
-    def when_a_dataloader_worker(self) -> None:
-        """In this child only (the parent's module is not touched): if it becomes a DataLoader
-        worker, take the signals right after the worker's own set-up, which gives SIGTERM a C
-        handler that dies unless the parent sent it (the worker loop looks the set-up function
-        up on the module when it starts)."""
-        handling = sys.modules.get("torch.utils.data._utils.signal_handling")
-        setup = getattr(handling, "_set_worker_signal_handlers", None)
-        if setup is None:  # no torch DataLoader in this process
-            return
-
-        def setup_then_spare(*args: Any, **kwargs: Any) -> Any:
-            out = setup(*args, **kwargs)
-            for signum in self.signums:
-                with contextlib.suppress(ValueError, OSError, TypeError):
-                    signal.signal(signum, self)
-            return out
-
-        handling._set_worker_signal_handlers = setup_then_spare  # type: ignore[union-attr]
-
-    def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if not self.spared and os.getppid() == self.parent:
-            self.spared = True
-            return
-        _previous_action(signum, frame, signal.SIG_DFL)
 
 
 os.register_at_fork(

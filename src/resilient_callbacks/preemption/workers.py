@@ -1,0 +1,94 @@
+"""DataLoader workers forked from a training process whose watchers handle a signal: they
+survive the first such signal while their trainer lives and its loader runs.
+
+Slurm signals every process of a job step (``--signal``, the time limit) and ``kill --
+-PGID`` every process of a group: DataLoader workers included. A worker that died of it made
+the trainer's loader raise ("DataLoader worker ... killed by signal", from torch's SIGCHLD
+handler, at any point of the step), so the emergency save never ran. Spared, the worker serves
+batches until the trainer has saved.
+
+A worker dies of the signal, as without the watcher, when:
+
+- its loader is shutting down (its ``done_event`` is set): the loader's own ``terminate()`` of
+  a worker that did not stop in time, or any signal after the loader let its workers go;
+- it is the second one;
+- its trainer (the parent) is gone.
+
+The sparing handler is a Python one: it runs when the worker's main thread next runs Python
+code. A worker blocked in one long C call (a native decoder, a C-level wait) acts on a signal
+when that call returns, where torch's C handler acted at once.
+
+Thread contract: :meth:`SpareWorker.when_a_dataloader_worker` runs in the forked child's only
+thread (the at-fork hook); the handler runs in the worker's main thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger("resilient_callbacks")
+
+
+class SpareWorker:
+    """The handler of a DataLoader worker for ``signums`` (see the module's docstring)."""
+
+    def __init__(self, parent: int, signums: list[int]) -> None:
+        self.parent = parent
+        self.signums = signums
+        self.spared = False
+        self.done_event: Any = None  # the worker loop's: set when its loader shuts down
+
+    def when_a_dataloader_worker(self) -> None:
+        """In this child only (the parent's module is not touched): if it becomes a DataLoader
+        worker, take the signals right after the worker's own set-up, which gives SIGTERM a C
+        handler that dies unless the parent sent it (the worker loop looks the set-up function
+        up on the module when it starts, with its ``done_event`` among its arguments)."""
+        handling = sys.modules.get("torch.utils.data._utils.signal_handling")
+        if handling is None:  # no torch DataLoader in this process
+            return
+        setup = getattr(handling, "_set_worker_signal_handlers", None)
+        if setup is None:
+            log.warning(
+                "this torch has no torch.utils.data._utils.signal_handling."
+                "_set_worker_signal_handlers: DataLoader workers die of a signal sent to the "
+                "whole process group, as without resilient_callbacks"
+            )
+            return
+
+        def setup_then_spare(*args: Any, **kwargs: Any) -> Any:
+            out = setup(*args, **kwargs)
+            with contextlib.suppress(ValueError):  # called from elsewhere than the worker loop
+                self.done_event = sys._getframe(1).f_locals.get("done_event")
+            for signum in self.signums:
+                with contextlib.suppress(ValueError, OSError, TypeError):
+                    signal.signal(signum, self)
+            return out
+
+        handling._set_worker_signal_handlers = setup_then_spare
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self.spared and os.getppid() == self.parent and not self._loader_stopping():
+            self.spared = True
+            return
+        signal.signal(signum, signal.SIG_DFL)  # the default action: die by the signal
+        os.kill(os.getpid(), signum)
+
+    def _loader_stopping(self) -> bool:
+        """Whether the worker's loader has set its ``done_event``, read without waiting (the
+        handler may have interrupted the worker loop inside the event's own lock)."""
+        event = self.done_event
+        if event is None:
+            return False
+        flag = getattr(event, "_flag", None)  # multiprocessing's Event: a semaphore, 1 when set
+        if flag is None or not hasattr(flag, "acquire"):
+            return bool(event.is_set())
+        if flag.acquire(False):
+            flag.release()
+            return True
+        return False
