@@ -115,6 +115,19 @@ def test_a_dirpath_that_is_one_checkpoint_is_refused(tmp_path, read_only):
     assert torch.equal(state["w"], torch.full((4,), 6.0))
 
 
+def test_another_tools_manifest_beside_the_checkpoints_is_no_checkpoint(tmp_path):
+    """A manifest.json of another tool at the top of dirpath: the directory was refused as
+    "one checkpoint", and a requeued job failed to start; only a manifest of ours is one."""
+    root = tmp_path / "outputs"
+    with Checkpointer(root, async_save=False) as ck:
+        ck.save(10, _state(4, 3.0))
+    (root / "manifest.json").write_text('{"files": ["train.bin"]}')
+    state = _state(4)
+    with Checkpointer(root, async_save=False) as ck:
+        assert ck.restore(state) == 10
+    assert torch.equal(state["w"], torch.full((4,), 3.0))
+
+
 def test_dirpath_is_a_regular_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")

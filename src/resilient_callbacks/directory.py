@@ -32,7 +32,7 @@ from .errors import (
     warn_and_log,
 )
 from .lock import DirLock
-from .manifest import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, read_manifest
 from .retention import RetentionPolicy, plan
 from .trash import TrashBin
 
@@ -177,7 +177,7 @@ class Directory:
         directory, take the lock, sweep leftovers, read the commit sequence, connect the remote
         tier). For callers that must not run collectives (a DCP ``StorageWriter``). Read-only:
         only that the directory exists. A ``dirpath`` that is one checkpoint is refused."""
-        if os.path.isfile(os.path.join(self.dirpath, MANIFEST_NAME)):
+        if _is_checkpoint(self.dirpath):
             # a run there would nest its checkpoints inside this one, where the parent's
             # retention or gc deletes them with it
             parent = os.path.dirname(os.path.abspath(self.dirpath))
@@ -420,3 +420,15 @@ class Directory:
             failing = 0.0 if outage_since is None else time.monotonic() - outage_since
             if deadline is None and max(failing, st.stalled_s) > outage_s:
                 return False
+
+
+def _is_checkpoint(dirpath: str) -> bool:
+    """Whether ``dirpath`` is one checkpoint: it holds a manifest this library wrote (another
+    tool's ``manifest.json`` beside the checkpoints is none of ours)."""
+    if not os.path.isfile(os.path.join(dirpath, MANIFEST_NAME)):
+        return False
+    try:
+        read_manifest(dirpath)
+    except (OSError, CheckpointError):
+        return False
+    return True
