@@ -120,3 +120,23 @@ def test_a_first_run_in_an_empty_directory_says_nothing(tmp_path):
         os.mkdir(tmp_path / "empty")
     with pytest.warns(UserWarning, match="read_only restore: no checkpoint"):
         assert _restored(tmp_path / "empty") == (0, 0.0)
+
+
+def test_a_dirpath_above_a_dataset_is_not_statted_file_by_file(tmp_path, monkeypatch):
+    """A fresh start in a project directory that holds a dataset (thousands of files): the
+    search for checkpoints in subdirectories, and the scans, asked the filesystem about every
+    file (a stat each: minutes on a shared filesystem, with every other rank waiting); they go
+    by names and the listing's entry types, and look at a bounded number of entries."""
+    images = tmp_path / "proj" / "data" / "images"
+    images.mkdir(parents=True)
+    n = catalog.HINT_MAX_ENTRIES + 500
+    for i in range(n):
+        (images / f"{i}.jpg").touch()
+    _run(tmp_path / "proj" / "runs" / "run1", [10])
+    calls = []
+    isdir = os.path.isdir
+    monkeypatch.setattr(os.path, "isdir", lambda p: calls.append(p) or isdir(p))
+    said = pytest.warns(UserWarning, match=r"runs/run1 \(1\)")
+    with said, Checkpointer(tmp_path / "proj", async_save=False) as ck:
+        assert ck.restore(_state()) == 0
+    assert len(calls) < 100, len(calls)

@@ -14,6 +14,7 @@ Status of each entry:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -115,6 +116,9 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
     committed: list[Entry] = []
     incomplete: list[Entry] = []
     for name in names:
+        ours = name.startswith((TRASH_PREFIX, STAGING_PREFIX)) or CKPT_RE.match(name)
+        if not ours:  # a file or a folder of the user's (a copy, an export): not looked at
+            continue
         path = os.path.join(root, name)
         if not os.path.isdir(path) or os.path.islink(path):
             continue
@@ -137,8 +141,6 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
                     problem="staging directory: being written, or left by a crash",
                 )
             )
-            continue
-        if not CKPT_RE.match(name):  # a folder of the user's (a copy, an export): not ours
             continue
         try:
             os.stat(os.path.join(path, MANIFEST_NAME))
@@ -258,25 +260,25 @@ def _raw_seq(path: str) -> int | None:
 
 
 HINT_MAX_DIRS = 500  # directories holders() looks into
+HINT_MAX_ENTRIES = 2000  # entries of one directory holders() reads (a folder of data files)
 
 
 def holders(path: str) -> list[tuple[str, int]]:
     """``(relative path, number of checkpoints)`` of the subdirectories of ``path`` (four
-    levels down at most, ``HINT_MAX_DIRS`` directories looked at) that hold checkpoints."""
+    levels down at most, ``HINT_MAX_DIRS`` directories looked at, the first
+    ``HINT_MAX_ENTRIES`` entries of each) that hold checkpoints. A hint for messages: bounded,
+    so a ``dirpath`` above a dataset costs little on a shared filesystem (the entries' types
+    come from the directory listing, not a stat each)."""
     found: list[tuple[str, int]] = []
     looked = 0
 
     def visit(rel: str, level: int) -> None:
         nonlocal looked
-        try:
-            names = sorted(os.listdir(os.path.join(path, rel)))
-        except OSError:
-            return
-        for name in names:
+        for name in _subdirs(os.path.join(path, rel)):
+            if looked >= HINT_MAX_DIRS:
+                return
             sub = os.path.join(rel, name) if rel else name
             full = os.path.join(path, sub)
-            if name.startswith(".") or not os.path.isdir(full) or looked >= HINT_MAX_DIRS:
-                continue
             if os.path.exists(os.path.join(full, MANIFEST_NAME)):
                 continue  # a checkpoint itself: its parent is the holder
             looked += 1
@@ -288,3 +290,20 @@ def holders(path: str) -> list[tuple[str, int]]:
 
     visit("", 1)
     return found
+
+
+def _subdirs(path: str) -> list[str]:
+    """The names of the directories among the first ``HINT_MAX_ENTRIES`` entries of ``path``
+    (hidden ones left out), sorted."""
+    names: list[str] = []
+    try:
+        with os.scandir(path) as entries:
+            for i, entry in enumerate(entries):
+                if i >= HINT_MAX_ENTRIES:
+                    break
+                with contextlib.suppress(OSError):
+                    if not entry.name.startswith(".") and entry.is_dir():
+                        names.append(entry.name)
+    except OSError:
+        return []
+    return sorted(names)
