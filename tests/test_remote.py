@@ -363,6 +363,37 @@ def test_the_remote_options_in_messages_hide_every_secret():
     }
 
 
+def test_more_secrets_are_hidden_and_the_store_url_too(tmp_path):
+    """Secrets that passed unmasked: an Azure connection string, a SAS signature or an
+    X-Amz-Signature in a URL's query, a cookie, ``passwd``/``pwd``, a password holding "@"; and
+    the remote URL itself, which every message and listing names (it may carry a password)."""
+    from resilient_callbacks.redact import options_text, url_text
+    from resilient_callbacks.remote import RemoteStore
+
+    shown = json.loads(
+        options_text(
+            {
+                "connection_string": "AccountName=a;AccountKey=SECRET1==;EndpointSuffix=x",
+                "client_kwargs": {"endpoint_url": "https://a.example/c?sv=2022&sig=SECRET2"},
+                "endpoint": "http://user:p@ssSECRET3@minio:9000",
+                "headers": {"Cookie": "session=SECRET4"},
+                "passwd": "SECRET5",
+                "pwd": "SECRET6",
+                "region_name": "eu-west-1",
+            }
+        )
+    )
+    assert "SECRET" not in json.dumps(shown), shown
+    assert shown["region_name"] == "eu-west-1"
+    assert shown["client_kwargs"]["endpoint_url"] == "https://a.example/c?sv=2022&sig=***"
+    assert shown["endpoint"] == "http://***@minio:9000"
+    signed = "https://b.example/k?X-Amz-Credential=SECRET7&X-Amz-Signature=SECRET8&part=3"
+    assert url_text(signed) == "https://b.example/k?X-Amz-Credential=***&X-Amz-Signature=***&part=3"
+    store = RemoteStore(f"file://alice:SECRET9@{tmp_path}/remote")
+    assert "SECRET9" not in store.url and "SECRET9" not in repr(store)
+    assert store.url == f"file://***@{tmp_path}/remote"
+
+
 def test_the_cli_says_a_missing_bucket_is_missing(s3_server, tmp_path):
     """``ls --remote`` and ``pull`` of a bucket that does not exist: a clear error, exit 1
     (listing it read as an empty store: 'local-only' rows, exit 0); a missing folder in a

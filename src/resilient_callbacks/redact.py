@@ -13,15 +13,29 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-_SECRET = ("key", "secret", "token", "password", "credential", "sas", "auth", "signature")
-_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+_SECRET = (
+    "key", "secret", "token", "passw", "pwd", "credential", "sas", "auth", "signature", "sig",
+    "cookie", "connection", "private",
+)  # fmt: skip
+# a URL's user and password: up to the authority's last "@" (a password may hold one)
+_USERINFO = re.compile(r"(?<=://)[^/?#\s]*@")
+# a query parameter or a connection-string field whose name says it is a secret (a SAS
+# signature, X-Amz-Signature / -Credential / -Security-Token, AccountKey=...;)
+_PARAM = re.compile(r"(?i)(?<=[?&;])([\w.-]*(?:" + "|".join(_SECRET) + r")[\w.-]*=)[^&;#\s]*")
+
+
+def url_text(url: str) -> str:
+    """``url`` for a message: its user and password, and the values of query parameters that
+    name a secret (``sig``, ``X-Amz-Signature``, ``token``, ...), shown as ``***``."""
+    return _PARAM.sub(r"\1***", _USERINFO.sub("***@", url))
 
 
 def options_text(options: Mapping[str, Any]) -> str:
     """``options`` as JSON for a message, without secrets: the value of every key that names
     one (``key``, ``secret``, ``token``, ``password``, ...) at any depth of dicts and lists
-    (``client_kwargs``, ``config_kwargs``, ``headers``), and the user and password of a URL
-    (``http://user:pass@host``), are shown as ``***``."""
+    (``client_kwargs``, ``config_kwargs``, ``headers``), and in strings the user and password of a
+    URL (``http://user:pass@host``) and secret query parameters (:func:`url_text`), are shown as
+    ``***``."""
 
     def shown(value: Any) -> Any:
         if isinstance(value, Mapping):
@@ -32,7 +46,7 @@ def options_text(options: Mapping[str, Any]) -> str:
         if isinstance(value, (list, tuple)):
             return [shown(v) for v in value]
         if isinstance(value, str):
-            return _USERINFO.sub("***@", value)
+            return url_text(value)
         return value
 
     return json.dumps(shown(options), default=str, sort_keys=True)

@@ -39,7 +39,7 @@ from .commit import STAGING_PREFIX, fsync_dir
 from .errors import CheckpointCorruptError, RemoteUnavailableError
 from .manifest import MANIFEST_NAME, Manifest
 from .progress import Progress
-from .redact import options_text
+from .redact import options_text, url_text
 from .retention import Candidate
 
 log = logging.getLogger("resilient_callbacks")
@@ -93,20 +93,23 @@ class RemoteStore:
     def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError(f"remote={url!r}: an fsspec URL such as 's3://bucket/prefix'")
-        self.url = url.rstrip("/")
+        # the URL as messages, logs and listings show it: without a user, password or signed
+        # query (the store opens the URL as given)
+        self.url = url_text(url.rstrip("/"))
         self.options = dict(options or {})
         try:
             # importing the backend may draw from the global RNGs (see rng.preserved)
             with rng.preserved():
-                self.fs, root = fsspec.core.url_to_fs(self.url, **self.options)
+                self.fs, root = fsspec.core.url_to_fs(url.rstrip("/"), **self.options)
         except ImportError as e:
             raise RemoteUnavailableError(
-                f"remote={url!r}: the filesystem for this URL is not installed ({e}). For "
+                f"remote={self.url!r}: the filesystem for this URL is not installed ({e}). For "
                 "s3:// install `resilient-callbacks[s3]` (s3fs); for gs:// gcsfs; for az:// adlfs."
             ) from e
         except (TypeError, ValueError) as e:
             raise RemoteUnavailableError(
-                f"remote={url!r} with remote_options {options_text(self.options)}: {e}"
+                f"remote={self.url!r} with remote_options {options_text(self.options)}: "
+                f"{url_text(str(e))}"
             ) from e
         self.root = root.rstrip("/")
         proto = self.fs.protocol
@@ -161,7 +164,8 @@ class RemoteStore:
         if (e := outcome[0]) is not None:
             check = _LOCAL_ADVICE if self.is_local else _STORE_ADVICE
             raise RemoteUnavailableError(
-                f"remote {self.url} is not usable: {type(e).__name__}: {e}. {check} "
+                f"remote {self.url} is not usable: {type(e).__name__}: {url_text(str(e))}. "
+                f"{check} "
                 f"(remote_options: {options_text(self.options)})."
             ) from e
 

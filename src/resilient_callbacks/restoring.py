@@ -475,7 +475,7 @@ class Restorer:
                 "%d checkpoint(s) of this run were not uploaded to %s before the last run "
                 "stopped; uploading them now: %s",
                 len(missing),
-                ck.config.remote,
+                d.remote.url,
                 ", ".join(missing),
             )
         for name in missing:
