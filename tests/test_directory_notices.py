@@ -140,3 +140,19 @@ def test_a_dirpath_above_a_dataset_is_not_statted_file_by_file(tmp_path, monkeyp
     with said, Checkpointer(tmp_path / "proj", async_save=False) as ck:
         assert ck.restore(_state()) == 0
     assert len(calls) < 100, len(calls)
+
+
+def test_a_torn_manifest_is_called_damaged_not_unreadable(tmp_path, caplog):
+    """A torn manifest was reported as one to "fix its permissions" that could "be read again";
+    it is damaged, and said so."""
+    root = tmp_path / "run"
+    names = _run(root, [10, 20])
+    with open(_manifest(root, names[-1]), "w") as f:
+        f.write('{"format_version": 1, "ste')
+    caplog.set_level(logging.WARNING, "resilient_callbacks")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResumeFallbackWarning)
+        _run(root, [30])
+    said = [r.getMessage() for r in caplog.records if names[-1] in r.getMessage()]
+    assert any("is damaged (not JSON" in m for m in said), said
+    assert not any("permissions" in m for m in said), said

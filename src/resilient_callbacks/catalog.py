@@ -224,37 +224,52 @@ def next_seq(root: str) -> int:
     has one, so commits made now are newer than it; one that cannot be read at all
     (permissions) is named in a warning: its commit order is unknown."""
     best = 0
-    unknown: list[str] = []
+    unknown: dict[str, list[str]] = {"unreadable": [], "damaged": []}
     for e in scan(root, Depth.NONE):
         if e.manifest is not None:
             best = max(best, e.manifest.seq)
         elif e.status is not Status.INCOMPLETE:
             seq = _raw_seq(e.path)
-            if seq is None:
-                unknown.append(e.name)
-            else:
+            if isinstance(seq, str):
+                unknown[seq].append(e.name)
+            elif seq is not None:
                 best = max(best, seq)
-    if unknown:
+    if unknown["unreadable"]:
         log.warning(
             "the commit order of %s in %s is unknown (%s cannot be read): checkpoints committed "
             "now may be taken for older than %s once it can be read again; fix its permissions, "
             "or remove it if it is not needed",
-            ", ".join(unknown),
+            ", ".join(unknown["unreadable"]),
             root,
             MANIFEST_NAME,
-            "it" if len(unknown) == 1 else "them",
+            "it" if len(unknown["unreadable"]) == 1 else "them",
+        )
+    if unknown["damaged"]:
+        log.warning(
+            "%s in %s: %s is damaged (not JSON: torn or overwritten), so %s no checkpoint and "
+            "its commit order is unknown; remove it if it is not needed (`resilient-ckpt ls %s`)",
+            ", ".join(unknown["damaged"]),
+            root,
+            MANIFEST_NAME,
+            "it is" if len(unknown["damaged"]) == 1 else "they are",
+            root,
         )
     return best + 1
 
 
-def _raw_seq(path: str) -> int | None:
+def _raw_seq(path: str) -> int | str | None:
     """The ``seq`` field of a checkpoint's manifest read as plain JSON, without validating the
-    rest; None when the file cannot be read or has none."""
+    rest; None when it has none; ``"unreadable"`` when the file cannot be read (permissions),
+    ``"damaged"`` when it is not JSON."""
     try:
         with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-            data = json.loads(f.read())
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
-        return None
+            raw = f.read()
+    except OSError:
+        return "unreadable"
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return "damaged"
     seq = data.get("seq") if isinstance(data, dict) else None
     return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else None
 
