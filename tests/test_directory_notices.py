@@ -154,5 +154,5 @@ def test_a_torn_manifest_is_called_damaged_not_unreadable(tmp_path, caplog):
         warnings.simplefilter("ignore", ResumeFallbackWarning)
         _run(root, [30])
     said = [r.getMessage() for r in caplog.records if names[-1] in r.getMessage()]
-    assert any("is damaged (not JSON" in m for m in said), said
+    assert any("is damaged: not JSON" in m for m in said), said
     assert not any("permissions" in m for m in said), said

@@ -234,26 +234,28 @@ def next_seq(root: str) -> int:
                 unknown[seq].append(e.name)
             elif seq is not None:
                 best = max(best, seq)
-    if unknown["unreadable"]:
-        log.warning(
-            "the commit order of %s in %s is unknown (%s cannot be read): checkpoints committed "
-            "now may be taken for older than %s once it can be read again; fix its permissions, "
-            "or remove it if it is not needed",
-            ", ".join(unknown["unreadable"]),
-            root,
-            MANIFEST_NAME,
-            "it" if len(unknown["unreadable"]) == 1 else "them",
-        )
-    if unknown["damaged"]:
-        log.warning(
-            "%s in %s: %s is damaged (not JSON: torn or overwritten), so %s no checkpoint and "
-            "its commit order is unknown; remove it if it is not needed (`resilient-ckpt ls %s`)",
-            ", ".join(unknown["damaged"]),
-            root,
-            MANIFEST_NAME,
-            "it is" if len(unknown["damaged"]) == 1 else "they are",
-            root,
-        )
+    said = {
+        "unreadable": "%s cannot be read): checkpoints committed now may be taken for older "
+        "than %s once it can be read again; fix its permissions, or remove it if it is not "
+        "needed",
+        "damaged": "%s is damaged: not JSON, torn or overwritten; %s no checkpoint); remove "
+        "it if it is not needed (`resilient-ckpt ls` lists it)",
+    }
+    for why, names in unknown.items():
+        if names:
+            one = len(names) == 1
+            them = (
+                ("it" if one else "them")
+                if why == "unreadable"
+                else ("it is" if one else "they are")
+            )
+            log.warning(
+                "the commit order of %s in %s is unknown (" + said[why],
+                ", ".join(names),
+                root,
+                MANIFEST_NAME,
+                them,
+            )
     return best + 1
 
 

@@ -449,7 +449,7 @@ class Restorer:
     def _reconcile_uploads(self) -> None:
         """Coordinator, after a restore: queue this run's local checkpoints whose upload a
         crash interrupted, if the remote retention policy would keep them."""
-        ck, d = self._ck, self._ck._dir
+        d = self._ck._dir
         assert d.sync is not None
         remote_entries = d.sync.entries()  # listed by this restore's _merge_tiers
         local = [
