@@ -450,7 +450,7 @@ class Restorer:
         """Coordinator, after a restore: queue this run's local checkpoints whose upload a
         crash interrupted, if the remote retention policy would keep them."""
         d = self._ck._dir
-        assert d.sync is not None
+        assert d.sync is not None and d.remote is not None
         remote_entries = d.sync.entries()  # listed by this restore's _merge_tiers
         local = [
             e

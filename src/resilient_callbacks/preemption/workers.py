@@ -70,7 +70,7 @@ class SpareWorker:
                     signal.signal(signum, self)
             return out
 
-        handling._set_worker_signal_handlers = setup_then_spare
+        handling._set_worker_signal_handlers = setup_then_spare  # type: ignore[attr-defined]
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         if not self.spared and os.getppid() == self.parent and not self._loader_stopping():
