@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import (
@@ -25,14 +25,14 @@ from . import (
     inplace,
     layout,
     notices,
+    restore_remote,
     rng,
     statetree,
     structure,
 )
-from .blobs import key_of
 from .candidates import Candidate, merge_tiers, number_after_remote
 from .catalog import Depth, Status
-from .commit import CKPT_RE, fsync_dir, remove_checkpoint
+from .commit import CKPT_RE
 from .config import ResumeMode
 from .directory import error_type
 from .errors import (
@@ -48,7 +48,7 @@ from .errors import (
 )
 from .filepart import PartReader, part_info, read_part_files
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
-from .retention import RetentionPolicy, plan
+from .retention import RetentionPolicy
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -128,8 +128,8 @@ class Restorer:
         for c in cands:
             remote_url = None
             if c.remote and not c.problem:
-                remote_url = self._remote_url(c)
-                c = self._fetch_remote(c)
+                remote_url = restore_remote.url_of(ck, c)
+                c = restore_remote.fetch(ck, c)
             if c.problem:
                 skipped.append(f"{c.where} (step {c.step}): {c.problem}")
                 if explicit:
@@ -337,7 +337,7 @@ class Restorer:
         if schedule is not None and start is not None:
             schedule.set_restart_history(restarts, start)
         if ck.is_coordinator and inside and d.sync is not None:
-            self._reconcile_uploads()
+            restore_remote.reconcile_uploads(ck)
         if ck.is_coordinator and inside and ck.config.resume == ResumeMode.AUTO:
             # Catch up on a retention pass a crash interrupted (killed between commit and
             # deletion), so repeated crashes cannot pile up checkpoints beyond the limits: the
@@ -397,89 +397,6 @@ class Restorer:
             key = chosen[0].key
             cands = [c for c in chosen if key is not None and c.key == key] or chosen[:1]
         return cands
-
-    # ------------------------------------------------------------------ the remote tier
-
-    def _remote_url(self, c: Candidate) -> str:
-        remote = self._ck._dir.remote
-        return f"{remote.url}/{c.remote}" if remote is not None else str(c.remote)
-
-    def _fetch_remote(self, c: Candidate) -> Candidate:
-        """Every rank: the coordinator downloads and verifies a remote checkpoint into
-        dirpath; all ranks get its local path, or the problem."""
-        ck, d = self._ck, self._ck._dir
-        result: dict[str, Any] = {"path": None, "problem": None}
-        if ck.is_coordinator:
-            assert d.sync is not None and d.remote is not None
-            url = f"{d.remote.url}/{c.remote}"
-            try:
-                # the entry listed by _merge_tiers moments ago (its manifest is read already)
-                entry = next((e for e in d.sync.entries() if e.name == c.remote), None)
-                if entry is None or entry.manifest is None:
-                    raise CheckpointNotFoundError(f"{url} is gone")
-                log.warning("restoring from the remote copy %s", url)
-                keys = [key_of(b.path) for b in entry.manifest.blobs]
-                with d.blobs.pinned(keys):  # no collection between download and install
-                    staging, name = d.remote.download(entry, ck.dirpath)
-                    result["path"] = self._install(staging, name, entry.manifest)
-            except Exception as e:
-                result["problem"] = f"remote copy {url}: {type(e).__name__}: {e}"
-        msg = dist.broadcast_json(result)
-        return replace(c, path=msg["path"] or c.remote, problem=msg["problem"])
-
-    def _install(self, staging: str, name: str, manifest: Manifest) -> str:
-        """Move a downloaded checkpoint into dirpath under its own name, replacing a damaged
-        local copy of the same checkpoint; another checkpoint of that name is never touched."""
-        d = self._ck._dir
-        final = os.path.join(d.dirpath, name)
-        if os.path.lexists(final):
-            try:
-                m = read_manifest(final)
-                same = (m.run_id, m.seq) == (manifest.run_id, manifest.seq)
-            except Exception:
-                same = True  # unreadable manifest: a damaged copy
-            if not same:  # under the next free name; the downloaded manifest stays as it is
-                with open(os.path.join(staging, MANIFEST_NAME), "rb") as f:
-                    return d.commit.commit(staging, manifest.step, f.read())
-            remove_checkpoint(final)
-        os.rename(staging, final)
-        fsync_dir(d.dirpath)
-        return final
-
-    def _reconcile_uploads(self) -> None:
-        """Coordinator, after a restore: queue this run's local checkpoints whose upload a
-        crash interrupted, if the remote retention policy would keep them."""
-        d = self._ck._dir
-        assert d.sync is not None and d.remote is not None
-        remote_entries = d.sync.entries()  # listed by this restore's _merge_tiers
-        local = [
-            e
-            for e in d.checkpoints()
-            if e.manifest is not None
-            and e.status is Status.VALID
-            and e.manifest.run_id == d.run_id
-            and not d.sync.is_uploaded(e.manifest)
-            and (d.remote_due is None or d.remote_due(e.manifest.seq, e.manifest.reason))
-        ]
-        if not local:
-            return
-        from .remote import retention_candidates
-
-        cands = catalog.retention_candidates(local) + retention_candidates(
-            remote_entries, prefix="\0remote/"
-        )
-        keep = plan(cands, d.sync.policy, d.run_id).keep
-        missing = [e.name for e in local if e.name in keep]
-        if missing:
-            log.warning(
-                "%d checkpoint(s) of this run were not uploaded to %s before the last run "
-                "stopped; uploading them now: %s",
-                len(missing),
-                d.remote.url,
-                ", ".join(missing),
-            )
-        for name in missing:
-            d.sync.enqueue(name)
 
 
 def _recorded(manifest: Manifest) -> RetentionPolicy | None:

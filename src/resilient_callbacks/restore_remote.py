@@ -1,0 +1,113 @@
+"""The remote tier's part of a restore: downloading a remote candidate into the directory, and
+queueing the uploads a crash interrupted.
+
+Which ranks call what: :func:`fetch` on every rank (the coordinator downloads and broadcasts
+the result); :func:`url_of` on any rank; :func:`reconcile_uploads` on the coordinator only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from . import catalog, dist
+from .blobs import key_of
+from .candidates import Candidate
+from .catalog import Status
+from .commit import fsync_dir, remove_checkpoint
+from .errors import CheckpointNotFoundError
+from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .retention import plan
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+
+log = logging.getLogger("resilient_callbacks")
+
+
+def url_of(ck: Checkpointer, c: Candidate) -> str:
+    """The URL of the remote candidate ``c`` (as messages show it)."""
+    remote = ck._dir.remote
+    return f"{remote.url}/{c.remote}" if remote is not None else str(c.remote)
+
+
+def fetch(ck: Checkpointer, c: Candidate) -> Candidate:
+    """Every rank: the coordinator downloads and verifies a remote checkpoint into dirpath;
+    all ranks get its local path, or the problem."""
+    d = ck._dir
+    result: dict[str, Any] = {"path": None, "problem": None}
+    if ck.is_coordinator:
+        assert d.sync is not None and d.remote is not None
+        url = f"{d.remote.url}/{c.remote}"
+        try:
+            # the entry listed by merge_tiers moments ago (its manifest is read already)
+            entry = next((e for e in d.sync.entries() if e.name == c.remote), None)
+            if entry is None or entry.manifest is None:
+                raise CheckpointNotFoundError(f"{url} is gone")
+            log.warning("restoring from the remote copy %s", url)
+            keys = [key_of(b.path) for b in entry.manifest.blobs]
+            with d.blobs.pinned(keys):  # no collection between download and install
+                staging, name = d.remote.download(entry, ck.dirpath)
+                result["path"] = _install(ck, staging, name, entry.manifest)
+        except Exception as e:
+            result["problem"] = f"remote copy {url}: {type(e).__name__}: {e}"
+    msg = dist.broadcast_json(result)
+    return replace(c, path=msg["path"] or c.remote, problem=msg["problem"])
+
+
+def _install(ck: Checkpointer, staging: str, name: str, manifest: Manifest) -> str:
+    """Move a downloaded checkpoint into dirpath under its own name, replacing a damaged local
+    copy of the same checkpoint; another checkpoint of that name is never touched."""
+    d = ck._dir
+    final = os.path.join(d.dirpath, name)
+    if os.path.lexists(final):
+        try:
+            m = read_manifest(final)
+            same = (m.run_id, m.seq) == (manifest.run_id, manifest.seq)
+        except Exception:
+            same = True  # unreadable manifest: a damaged copy
+        if not same:  # under the next free name; the downloaded manifest stays as it is
+            with open(os.path.join(staging, MANIFEST_NAME), "rb") as f:
+                return d.commit.commit(staging, manifest.step, f.read())
+        remove_checkpoint(final)
+    os.rename(staging, final)
+    fsync_dir(d.dirpath)
+    return final
+
+
+def reconcile_uploads(ck: Checkpointer) -> None:
+    """Coordinator, after a restore: queue this run's local checkpoints whose upload a crash
+    interrupted, if the remote retention policy would keep them."""
+    d = ck._dir
+    assert d.sync is not None and d.remote is not None
+    remote_entries = d.sync.entries()  # listed by this restore's merge_tiers
+    local = [
+        e
+        for e in d.checkpoints()
+        if e.manifest is not None
+        and e.status is Status.VALID
+        and e.manifest.run_id == d.run_id
+        and not d.sync.is_uploaded(e.manifest)
+        and (d.remote_due is None or d.remote_due(e.manifest.seq, e.manifest.reason))
+    ]
+    if not local:
+        return
+    from .remote import retention_candidates
+
+    cands = catalog.retention_candidates(local) + retention_candidates(
+        remote_entries, prefix="\0remote/"
+    )
+    keep = plan(cands, d.sync.policy, d.run_id).keep
+    missing = [e.name for e in local if e.name in keep]
+    if missing:
+        log.warning(
+            "%d checkpoint(s) of this run were not uploaded to %s before the last run "
+            "stopped; uploading them now: %s",
+            len(missing),
+            d.remote.url,
+            ", ".join(missing),
+        )
+    for name in missing:
+        d.sync.enqueue(name)
