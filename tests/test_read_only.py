@@ -310,3 +310,43 @@ def test_a_checkpoint_deleted_while_it_is_read_is_skipped_loudly(tmp_path, monke
     ):
         assert ck.restore({"model": nn.Linear(8, 4)}) == 2
     assert deleted and deleted[0].endswith("step_000000003")
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["plain", "incremental"])
+def test_an_evaluator_beside_a_keep_last_1_writer_reads_the_newer_checkpoint(
+    tmp_path, monkeypatch, incremental
+):
+    """A read-only evaluator beside a writer with ``keep_last=1``: the writer commits a newer
+    checkpoint and its retention deletes the one the reader chose, as the reader reads it.
+    There was no older one to fall back to, and the reader raised NoValidCheckpointError
+    telling the user to repair "bad" checkpoints; it lists the directory again and loads the
+    newer one."""
+    from resilient_callbacks import restoring
+
+    root = tmp_path / "run"
+    model = nn.Linear(8, 4)
+    with Checkpointer(root, keep_last=1, async_save=False, incremental=incremental) as writer:
+        writer.save(1, {"model": model})
+        read_part = restoring.layout.read_part
+        chosen: list[str] = []
+
+        def newer_committed_first(path, *args, **kwargs):
+            if not chosen:
+                chosen.append(path)
+                with torch.no_grad():
+                    model.weight.add_(1.0)
+                writer.save(2, {"model": model})  # commits step 2, deletes step 1
+                writer.flush()
+            return read_part(path, *args, **kwargs)
+
+        monkeypatch.setattr(restoring.layout, "read_part", newer_committed_first)
+        evaluated = nn.Linear(8, 4)
+        with (
+            pytest.warns(ResumeFallbackWarning, match="deleted while being read"),
+            Checkpointer(root, read_only=True) as reader,
+        ):
+            assert reader.restore({"model": evaluated}) == 2
+            assert reader.last_restore is not None
+        assert chosen and chosen[0].endswith("step_000000001")
+        assert torch.equal(evaluated.weight, model.weight)
+        assert not os.path.exists(chosen[0])  # it was gone, not damaged

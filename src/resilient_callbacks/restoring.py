@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("resilient_callbacks")
 
+RELIST = 3  # times a restore lists the directory again when checkpoints went while it read
+GONE = "deleted while being read"
+
 
 @dataclass(frozen=True)
 class RestoreReport:
@@ -92,29 +95,18 @@ class Restorer:
         self._skipped = 0
         self._remote_copies: set[tuple[str, int] | None] = set()  # keys with a remote candidate
         self._no_manifest: list[str] = []  # step_* folders without a manifest (candidates())
+        self._gone = False  # a candidate of the current listing was deleted while being read
 
     def restore(self, state: Any) -> int:
         """Every rank: load the checkpoint chosen by ``resume`` into ``state``; return its step
-        (0: nothing to resume from)."""
+        (0: nothing to resume from). With ``resume="auto"``, checkpoints deleted while they
+        were read (the retention of a run writing the directory, beside a read-only
+        evaluator) are no damage: the directory is listed again, up to ``RELIST`` times."""
         ck = self._ck
         self._t0 = time.perf_counter()
         self._tier = "local"
         self._skipped = 0
-        cands: list[Candidate] = []
-        error = None
-        pending: BaseException | None = None
-        if ck.is_coordinator:
-            try:
-                cands = self.candidates()
-            except Exception as e:  # reported to every rank, so none is left waiting
-                error = {"type": type(e).__name__, "msg": str(e)}
-                pending = e
-        msg = dist.broadcast_json({"cands": [c.to_json() for c in cands], "error": error})
-        if msg["error"] is not None:
-            if pending is not None:
-                raise pending
-            raise error_type(msg["error"]["type"])(msg["error"]["msg"])
-        cands = [Candidate.from_json(c) for c in msg["cands"]]
+        cands = self._listed()
         self._remote_copies = {c.key for c in cands if c.remote is not None}
         explicit = ck.config.resume not in (ResumeMode.AUTO, ResumeMode.NEVER)
         if ck.is_coordinator and ck.config.resume == ResumeMode.AUTO:
@@ -125,6 +117,59 @@ class Restorer:
             ck._start_run(0)
             return 0
         skipped: list[str] = []
+        tried: set[str] = set()  # paths skipped for damage: not tried again
+        for listing in range(RELIST + 1):
+            self._gone = False
+            step = self._first_loaded(cands, state, explicit, skipped, tried)
+            if step is not None:
+                return step
+            if not self._gone or explicit or listing == RELIST:
+                break
+            log.info("checkpoints were deleted while being read: listing %s again", ck.dirpath)
+            cands = [c for c in self._listed() if c.remote is not None or c.path not in tried]
+        gone = all(GONE in s for s in skipped)
+        raise NoValidCheckpointError(
+            f"{ck.dirpath} holds {len(cands)} checkpoint(s) but none can be restored:\n  - "
+            + "\n  - ".join(skipped)
+            + (
+                "\nEach was deleted while it was read: another process writes this directory "
+                "and its retention keeps few checkpoints; try again, or raise its keep_last."
+                if gone
+                else "\nRefusing to start from scratch silently. Repair or remove the bad "
+                "checkpoints (`resilient-ckpt verify`/`gc --remove-corrupt`), pass "
+                "resume=<path or step> of a good one, or resume='never' to start fresh."
+            )
+        )
+
+    def _listed(self) -> list[Candidate]:
+        """Every rank: the coordinator's candidates (its error raised on every rank)."""
+        cands: list[Candidate] = []
+        error = None
+        pending: BaseException | None = None
+        if self._ck.is_coordinator:
+            try:
+                cands = self.candidates()
+            except Exception as e:  # reported to every rank, so none is left waiting
+                error = {"type": type(e).__name__, "msg": str(e)}
+                pending = e
+        msg = dist.broadcast_json({"cands": [c.to_json() for c in cands], "error": error})
+        if msg["error"] is not None:
+            if pending is not None:
+                raise pending
+            raise error_type(msg["error"]["type"])(msg["error"]["msg"])
+        return [Candidate.from_json(c) for c in msg["cands"]]
+
+    def _first_loaded(
+        self,
+        cands: list[Candidate],
+        state: Any,
+        explicit: bool,
+        skipped: list[str],
+        tried: set[str],
+    ) -> int | None:
+        """Every rank: the step of the first of ``cands`` loaded into ``state``, or None; what
+        was skipped is appended to ``skipped`` (damaged local paths to ``tried``)."""
+        ck = self._ck
         for c in cands:
             remote_url = None
             if c.remote and not c.problem:
@@ -135,6 +180,8 @@ class Restorer:
                 if explicit:
                     raise c.refused()
                 self._warn_fallback(c, c.problem)
+                if c.path is not None and c.remote is None:
+                    tried.add(c.path)
                 continue
             self._tier = "remote" if remote_url else "local"
             self._skipped = len(skipped)
@@ -146,13 +193,9 @@ class Restorer:
                     c.path, step, "remote" if remote_url else "local", remote_url, tuple(skipped)
                 )
                 return step
-        raise NoValidCheckpointError(
-            f"{ck.dirpath} holds {len(cands)} checkpoint(s) but none can be restored:\n  - "
-            + "\n  - ".join(skipped)
-            + "\nRefusing to start from scratch silently. Repair or remove the bad checkpoints "
-            "(`resilient-ckpt verify`/`gc --remove-corrupt`), pass resume=<path or step> of a "
-            "good one, or resume='never' to start fresh."
-        )
+            if c.path is not None and not (skipped and GONE in skipped[-1]):
+                tried.add(c.path)
+        return None
 
     def continued_from(self, step: int, source: str, same_run: bool = False) -> None:
         """Every rank (see ``Checkpointer.continued_from``): start this run at ``step`` of a
@@ -198,7 +241,7 @@ class Restorer:
             ck._dir.record("continued", step, source=source)
 
     def _warn_fallback(self, c: Candidate, problem: str) -> None:
-        if c.remote is None and c.path is not None:  # kept by retention, for inspection
+        if c.remote is None and c.path is not None and GONE not in problem:  # kept, to inspect
             self._ck._dir.found_corrupt.add(os.path.basename(c.path))
         self._ck._recorder.fallback(c.step, c.where, problem)
         self._say_fallback(c, problem)
@@ -238,6 +281,8 @@ class Restorer:
             problem = str(e)
         except Exception as e:  # malformed content: as corrupt; every rank must reach the gather
             problem = f"unreadable checkpoint ({type(e).__name__}: {e})"
+        if problem is not None and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+            problem = f"{GONE} ({problem})"  # by a writer's retention, as this rank read it
         gathered = dist.all_gather_json([problem, refusal])
         refused = [f"rank {r}: {x}" for r, (_, x) in enumerate(gathered) if x]
         if refused:  # agreed: every rank raises, nothing was loaded
@@ -248,6 +293,8 @@ class Restorer:
         bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
         if bad:
             why = "; ".join(bad)
+            if any(p and p.startswith(GONE) for p in problems):
+                self._gone = True  # not damage: listed again (restore)
             skipped.append(f"{path} (step {c.step}): {why}")
             if explicit:
                 raise CheckpointCorruptError(f"cannot resume from {path}: {why}")
