@@ -243,6 +243,79 @@ def test_slow_uploads_skip_checkpoints_retention_would_delete(tmp_path, caplog):
     ]
 
 
+def test_checkpoints_the_uploader_skips_are_deleted_locally_at_once(tmp_path, caplog):
+    """An outage of the store while saves go on: the uploader skips the queued checkpoints the
+    remote retention would delete, and they were deleted locally only when the next save
+    committed; with the disk full of them, no save could commit, so none was ever deleted (a
+    probe on a small tmpfs). They go as soon as the uploader skips them."""
+    import errno
+
+    url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
+    gate = threading.Event()
+    ck = Checkpointer(tmp_path / "l", remote=url, keep_last=2, async_save=False)
+    ck._sync.retry_base_s = ck._sync.retry_max_s = 0.05
+    orig = ck.remote.upload
+
+    def full(local_dir, manifest, name, progress=None):
+        gate.wait(30)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ck.remote.upload = full
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    try:
+        for s in range(10, 70, 10):
+            ck.save(s, _state(s))
+        local = tmp_path / "l"
+        steps = sorted(n for n in os.listdir(local) if n.startswith("step_"))
+        assert len(steps) == 6  # every one held for its upload
+        gate.set()  # the first upload fails; then the uploader skips 10-40 (no save after)
+        deadline = time.monotonic() + 60
+        while sorted(n for n in os.listdir(local) if n.startswith("step_")) != [
+            "step_000000050",
+            "step_000000060",
+        ]:
+            assert time.monotonic() < deadline, os.listdir(local)
+            time.sleep(0.02)
+        assert any("uploads are behind; skipping" in r.message for r in caplog.records)
+    finally:
+        gate.set()
+        ck.remote.upload = orig  # the store is back: the two kept ones upload at close
+        ck.close()
+    assert sorted(_committed(url, None).values()) == [50, 60]
+
+
+def test_a_disk_full_of_checkpoints_held_for_upload_says_so(small_tmpfs):
+    """A save fails with ENOSPC while the uploader's backlog holds checkpoints past keep_last:
+    the message said to make room for keep_last + 1 checkpoints (lowering keep_last would
+    not help); it names the held checkpoints and the store's last error."""
+    import errno
+
+    from resilient_callbacks import CheckpointWriteError
+
+    url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
+    gate = threading.Event()
+    ck = Checkpointer(small_tmpfs / "l", remote=url, keep_last=1, async_save=False)
+
+    def down(local_dir, manifest, name, progress=None):
+        gate.wait(30)
+        raise ConnectionError("the store is down")
+
+    orig, ck.remote.upload = ck.remote.upload, down
+    try:
+        ck.save(1, {"w": torch.ones(1000)})
+        ck.save(2, {"w": torch.ones(1000)})
+        with pytest.raises(CheckpointWriteError) as info:
+            ck.save(3, {"w": torch.ones(2_000_000)})  # 8 MB on a 4 MiB disk
+        assert info.value.errno == errno.ENOSPC
+        msg = str(info.value)
+        assert "held locally until their upload to" in msg, msg
+        assert "step_000000001" in msg and "step_000000002" in msg, msg
+    finally:
+        gate.set()
+        ck.remote.upload = orig
+        ck.close()
+
+
 def test_close_gives_up_on_a_long_outage_and_names_what_is_only_local(
     tmp_path, caplog, monkeypatch
 ):

@@ -300,6 +300,15 @@ class CommitSession:
             f"oldest, so {self.dirpath} needs {room}; free space, lower keep_last, or point "
             "dirpath at a larger disk."
         )
+        held = sorted(self.sync.pending()) if self.sync is not None else []
+        if held:  # the uploader's backlog: kept past keep_last until uploaded (an outage?)
+            status = self.sync.status()
+            error = f" (last upload error: {status.last_error})" if status.last_error else ""
+            hint += (
+                f" {len(held)} checkpoint(s) are held locally until their upload to "
+                f"{self.sync.store.url} ({', '.join(held)}){error}: the remote store is behind, "
+                "so retention cannot delete them yet."
+            )
         err.args = (str(err) + hint,)
         return err
 

@@ -5,7 +5,8 @@ exponential backoff and full jitter (``retry_base_s`` doubling up to ``retry_max
 as it takes: an outage of the store is reported (a warning with the backlog, repeated at most
 every ``warn_every_s``) while training goes on, and the backlog uploads when the store returns.
 After each upload the remote retention policy runs, then ``after_upload`` (the Checkpointer's
-local retention: a local checkpoint is deletable only once its remote copy is committed).
+local retention: a local checkpoint is deletable only once its remote copy is committed, or
+once the uploader skipped it), which also runs when queued checkpoints are skipped.
 
 Which ranks call what: only the coordinator has a RemoteSync.
 """
@@ -189,6 +190,9 @@ class RemoteSync(UploadThread):
             ", ".join(skip),
             "it" if len(skip) == 1 else "them",
         )
+        # no longer held for upload: local retention deletes them now, not at the next commit
+        # (during an outage that filled the disk with them, no save could commit)
+        self._local_retention()
 
     def _attempt(self, name: str) -> bool:
         """One try at uploading ``name``: True when it is done (uploaded, or dropped because
@@ -250,12 +254,16 @@ class RemoteSync(UploadThread):
             elapsed,
         )
         self._remote_retention(manifest, remote_name)
+        self._local_retention()
+        return True
+
+    def _local_retention(self) -> None:
+        """``after_upload``: a checkpoint is no longer held for upload (uploaded, or skipped)."""
         if self.after_upload is not None:
             try:
                 self.after_upload()
             except Exception as e:  # retention must never stop uploads
                 log.warning("local retention after upload failed: %s", e)
-        return True
 
     def _free_name(self, name: str, manifest: Manifest) -> str:
         """``name``, unless another committed remote checkpoint has it (another run writing
