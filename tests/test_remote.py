@@ -316,6 +316,40 @@ def test_a_disk_full_of_checkpoints_held_for_upload_says_so(small_tmpfs):
         ck.close()
 
 
+def test_during_an_outage_each_commit_frees_what_the_uploader_would_skip(tmp_path, monkeypatch):
+    """The uploader waits out a long backoff while saves go on: it skipped the checkpoints the
+    remote retention would delete only at its next try, so until then each commit added one
+    to the disk (a probe's 700 KB disk failed every other save); each commit skips them now,
+    and local retention deletes them at once."""
+    from resilient_callbacks import checkpointer as ckmod
+
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.5)
+    url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
+    ck = Checkpointer(tmp_path / "l", remote=url, keep_last=2, async_save=False)
+    ck._sync.retry_base_s = ck._sync.retry_max_s = 3600.0
+    tried = threading.Event()
+
+    def down(*a, **k):
+        tried.set()
+        raise ConnectionError("the store is down")
+
+    ck.remote.upload = down
+    try:
+        ck.save(10, _state(10))
+        assert tried.wait(30)
+        deadline = time.monotonic() + 30
+        while ck.remote_status().failures == 0:  # its failure counted: now in its backoff
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for s in range(20, 70, 10):
+            ck.save(s, _state(s))
+            steps = sorted(n for n in os.listdir(tmp_path / "l") if n.startswith("step_"))
+            assert len(steps) == 2, (s, steps)  # the newest two, every time
+        assert ck.remote_status().pending == ["step_000000050", "step_000000060"]
+    finally:
+        ck.close()  # gives up on the outage (1.5 s here), naming what is only local
+
+
 def test_close_gives_up_on_a_long_outage_and_names_what_is_only_local(
     tmp_path, caplog, monkeypatch
 ):

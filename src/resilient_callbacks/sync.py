@@ -127,6 +127,9 @@ class RemoteSync(UploadThread):
             if name not in self._queue:
                 self._queue.append(name)
                 self._cond.notify_all()
+            failing = self._failures > 0
+        if failing:  # the uploader waits out a backoff: skip what it would skip now, so local
+            self._coalesce()  # retention frees the disk at this commit, not at its next try
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the queue is empty; False if ``timeout`` passed first."""
@@ -178,10 +181,10 @@ class RemoteSync(UploadThread):
             for n, m in local.items()
         ]
         keep = plan(cands, self.policy, newest.run_id).keep
-        skip = [n for n in queued if f"\0local/{n}" not in keep]
-        if not skip:
-            return
-        with self._cond:
+        with self._cond:  # (never the one being uploaded: enqueue() calls this too)
+            skip = [n for n in queued if f"\0local/{n}" not in keep and n != self._current]
+            if not skip:
+                return
             self._queue = [n for n in self._queue if n not in skip]
             self._cond.notify_all()
         log.info(
