@@ -269,9 +269,20 @@ def test_gc_reclaims_what_crashes_left_and_keeps_what_is_referenced(tmp_path, ca
     orphan.write_bytes(b"x" * 10)
     tmp = tmp_path / "blobs" / (".tmp-" + "cd" * 16 + "-1234abcd")
     tmp.write_bytes(b"y")
+    # what a crash left before the newest commit; and one blob written since (a live writer's
+    # save in flight, which a dry run beside it listed as deleted; gc itself never runs then)
+    old = os.stat(tmp_path / "step_000000001" / "manifest.json").st_mtime - 60
+    for f in (orphan, tmp):
+        os.utime(f, (old, old))
+    since = tmp_path / "blobs" / ("ef" * 16 + ".safetensors")
+    since.write_bytes(b"z")
     rc, out = _cli(capsys, "gc", str(tmp_path), "--dry-run", "--json")
     assert rc == 0
-    assert sorted(json.loads(out)["blobs_deleted"]) == sorted([orphan.name, tmp.name])
+    said = json.loads(out)
+    assert sorted(said["blobs_deleted"]) == sorted([orphan.name, tmp.name])
+    assert said["blobs_since_newest"] == [since.name]
+    rc, out = _cli(capsys, "gc", str(tmp_path), "--dry-run")
+    assert "not counted: 1 blob(s) written since the newest checkpoint" in out, out
     assert orphan.exists()
     rc, out = _cli(capsys, "gc", str(tmp_path), "--keep-last", "1")
     assert rc == 0

@@ -28,7 +28,7 @@ from .cli_scan import no_checkpoints, public, report_verified, resolve, row, sca
 from .commit import LATEST_TMP_PREFIX, remove_checkpoint, write_latest_pointer
 from .errors import CheckpointError, CheckpointNotFoundError
 from .lock import DirLock
-from .manifest import NEWER_FORMAT
+from .manifest import MANIFEST_NAME, NEWER_FORMAT
 from .reader import by_commit, check, unordered
 from .retention import Plan, RetentionPolicy, plan
 
@@ -323,7 +323,11 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
                     os.unlink(os.path.join(root, name))
     # blobs (incremental checkpoints) that no remaining checkpoint refers to; the lock is held,
     # so no save is in flight. A dry run counts what the remaining manifests would not name.
-    blobs = _unused_blobs(root, gone) if args.dry_run else BlobStore(root).collect()
+    recent: list[str] = []
+    if args.dry_run:
+        blobs, recent = _unused_blobs(root, gone)
+    else:
+        blobs = BlobStore(root).collect()
     result = {
         "dir": root,
         "dry_run": args.dry_run,
@@ -332,6 +336,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         "failed": failed,
         "keep": keep,
         "blobs_deleted": blobs,
+        **({"blobs_since_newest": recent} if args.dry_run else {}),
     }
     if args.json:
         return result
@@ -347,6 +352,12 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         print(f"keep {_label(k)}: {why}")
     if blobs:
         print(f"{verb} {len(blobs)} blob(s) no remaining checkpoint refers to")
+    if recent:
+        print(
+            f"not counted: {len(recent)} blob(s) written since the newest checkpoint, that no "
+            "checkpoint refers to yet: a running save's, or a crashed one's (gc deletes those "
+            "only when no writer is open)"
+        )
     print(
         f"{len(delete)} {'would be deleted' if args.dry_run else 'deleted'}, {len(keep)} kept"
         + (f", {len(failed)} could not be deleted" if failed else "")
@@ -360,24 +371,41 @@ def _other_run(e: Entry, run_id: str | None) -> bool:
     return run_id is not None and e.manifest is not None and e.manifest.run_id != run_id
 
 
-def _unused_blobs(root: str, gone: set[str]) -> list[str]:
-    """The blobs ``gc`` would delete once the checkpoints ``gone`` are deleted."""
+def _unused_blobs(root: str, gone: set[str]) -> tuple[list[str], list[str]]:
+    """The blobs ``gc`` would delete once the checkpoints ``gone`` are deleted, and apart those
+    of them written since the newest commit: a live writer's save in flight's (a dry run takes
+    no lock), which ``gc`` itself never sees (it runs only when no writer is open), or a
+    crashed save's, which it deletes."""
     from .blobs import NAME_RE, TMP_PREFIX, store_dir
 
     try:
         names = os.listdir(store_dir(root))
     except FileNotFoundError:
-        return []
+        return [], []
     live: set[str] = set()
+    newest = 0.0  # when the newest checkpoint was committed (its manifest written)
     for e in catalog.scan(root, Depth.NONE):
-        if e.status is Status.INCOMPLETE or e.name in gone:
+        if e.status is Status.INCOMPLETE:
+            continue
+        with contextlib.suppress(OSError):
+            newest = max(newest, os.stat(os.path.join(e.path, MANIFEST_NAME)).st_mtime)
+        if e.name in gone:
             continue
         if e.manifest is None:
-            return []  # its references are unknown: nothing would be deleted
+            return [], []  # its references are unknown: nothing would be deleted
         live.update(b.path for b in e.manifest.blobs)
-    return sorted(
-        n for n in names if n.startswith(TMP_PREFIX) or (NAME_RE.match(n) and n not in live)
-    )
+
+    def written_since(name: str) -> bool:
+        """Written after the newest commit: a save in flight's (a dry run takes no lock, so a
+        writer may be open), or a crashed one's: left out of the count."""
+        try:
+            return os.stat(os.path.join(store_dir(root), name)).st_mtime > newest
+        except OSError:
+            return True  # gone meanwhile
+
+    unused = [n for n in names if n.startswith(TMP_PREFIX) or (NAME_RE.match(n) and n not in live)]
+    recent = {n for n in unused if written_since(n)}
+    return sorted(set(unused) - recent), sorted(recent)
 
 
 def _label(r: dict[str, Any]) -> str:
