@@ -42,6 +42,7 @@ from resilient_callbacks.preemption import (
 pytestmark = pytest.mark.timeout(60)
 
 CHILD = Path(__file__).with_name("preempt_child.py")
+ROOT = Path(__file__).resolve().parents[1]
 PREEMPTED_EXIT = 42
 LOGGER = "resilient_callbacks.preemption"
 
@@ -339,6 +340,42 @@ class _Stuck(_Pids):
         if i:
             time.sleep(120)
         return os.getpid()
+
+
+PERSISTENT_AT_EXIT = """
+import os, sys, torch
+from torch.utils.data import DataLoader
+from resilient_callbacks.preemption import PreemptionWatcher
+
+class Pids:
+    def __len__(self): return 1000
+    def __getitem__(self, i): return os.getpid()
+
+PreemptionWatcher().install()
+it = iter(DataLoader(Pids(), batch_size=1, num_workers=2, persistent_workers=True))
+print(int(next(it)), flush=True)
+# the script ends with the loader alive: multiprocessing terminates and joins its workers
+"""
+
+
+def test_a_script_with_persistent_workers_exits() -> None:
+    """A loader with ``persistent_workers=True`` still alive at the end of the script: at exit
+    multiprocessing terminates its daemonic workers (SIGTERM from the trainer), then joins
+    them. The sparing handler let them live, so the process never exited (a Trainer run with
+    ``dataloader_persistent_workers=True`` hung after its last step)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", PERSISTENT_AT_EXIT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().isdigit()
 
 
 def test_a_stuck_worker_dies_of_its_loaders_terminate() -> None:

@@ -11,6 +11,11 @@ A worker dies of the signal, as without the watcher, when:
 
 - its loader is shutting down (its ``done_event`` is set): the loader's own ``terminate()`` of
   a worker that did not stop in time, or any signal after the loader let its workers go;
+- its trainer is exiting: ``multiprocessing`` terminates the daemonic children it still has at
+  interpreter exit (a loader with ``persistent_workers=True`` that was never shut down), then
+  joins them. Spared, such a worker kept the trainer from exiting at all. The trainer says so
+  through a byte of memory it shares with the children it forks, set by a ``multiprocessing``
+  finalizer that runs before those terminations;
 - it is the second one;
 - its trainer (the parent) is gone.
 
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -33,6 +40,18 @@ from types import FrameType
 from typing import Any
 
 log = logging.getLogger("resilient_callbacks")
+
+# 1 once this process stops its children at exit; shared (MAP_SHARED, anonymous) with the
+# processes it forks after this module is imported, so their handlers see it set
+_stopping = mmap.mmap(-1, 1)
+
+
+def _stopping_children() -> None:
+    _stopping[0] = 1
+
+
+# before multiprocessing's exit function terminates and joins the daemonic children
+multiprocessing.util.Finalize(None, _stopping_children, exitpriority=100)
 
 
 class SpareWorker:
@@ -73,7 +92,8 @@ class SpareWorker:
         handling._set_worker_signal_handlers = setup_then_spare  # type: ignore[attr-defined]
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if not self.spared and os.getppid() == self.parent and not self._loader_stopping():
+        spare = not (_stopping[0] or self._loader_stopping())
+        if not self.spared and os.getppid() == self.parent and spare:
             self.spared = True
             return
         signal.signal(signum, signal.SIG_DFL)  # the default action: die by the signal
