@@ -234,7 +234,10 @@ def test_step_without_a_schedule_warns_once_saying_what_still_saves(tmp_path, ca
         for s in range(1, 5):
             assert not ck.step(s, _state())
         assert ck.step(5, _state(), final=True)
-    said = "no save schedule is configured (every_n_steps / every_seconds / adaptive / loss_jump)"
+    said = (
+        "no save schedule is configured (every_n_steps / every_seconds / keep_every_n_steps / "
+        "adaptive / loss_jump)"
+    )
     assert caplog.text.count(said) == 1, caplog.text
 
 

@@ -233,9 +233,9 @@ class Trigger:
             ):
                 self._warned_no_trigger = True
                 log.warning(
-                    "no save schedule is configured (every_n_steps / every_seconds / adaptive "
-                    "/ loss_jump): checkpoints are written only for a step marked final, an "
-                    "explicit save() and a preemption"
+                    "no save schedule is configured (every_n_steps / every_seconds / "
+                    "keep_every_n_steps / adaptive / loss_jump): checkpoints are written only "
+                    "for a step marked final, an explicit save() and a preemption"
                 )
             return None
         archive = self.policy.archive_every_n_steps
