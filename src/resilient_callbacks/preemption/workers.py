@@ -14,8 +14,8 @@ A worker dies of the signal, as without the watcher, when:
 - its trainer is exiting: ``multiprocessing`` terminates the daemonic children it still has at
   interpreter exit (a loader with ``persistent_workers=True`` that was never shut down), then
   joins them. Spared, such a worker kept the trainer from exiting at all. The trainer says so
-  through a byte of memory it shares with the children it forks, set by a ``multiprocessing``
-  finalizer that runs before those terminations;
+  through memory it shares with the processes it forks (its pid, written by a
+  ``multiprocessing`` finalizer that runs before those terminations);
 - it is the second one;
 - its trainer (the parent) is gone.
 
@@ -35,19 +35,20 @@ import mmap
 import multiprocessing.util
 import os
 import signal
+import struct
 import sys
 from types import FrameType
 from typing import Any
 
 log = logging.getLogger("resilient_callbacks")
 
-# 1 once this process stops its children at exit; shared (MAP_SHARED, anonymous) with the
-# processes it forks after this module is imported, so their handlers see it set
-_stopping = mmap.mmap(-1, 1)
+# the pid of a process that stops its children at exit; shared (MAP_SHARED, anonymous) with
+# the processes forked after this module is imported, so a worker's handler sees its parent's
+_stopping = mmap.mmap(-1, 8)
 
 
 def _stopping_children() -> None:
-    _stopping[0] = 1
+    struct.pack_into("q", _stopping, 0, os.getpid())
 
 
 # before multiprocessing's exit function terminates and joins the daemonic children
@@ -92,7 +93,8 @@ class SpareWorker:
         handling._set_worker_signal_handlers = setup_then_spare  # type: ignore[attr-defined]
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        spare = not (_stopping[0] or self._loader_stopping())
+        parent_exiting = struct.unpack_from("q", _stopping, 0)[0] == self.parent
+        spare = not (parent_exiting or self._loader_stopping())
         if not self.spared and os.getppid() == self.parent and spare:
             self.spared = True
             return
