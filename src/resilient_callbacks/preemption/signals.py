@@ -22,6 +22,7 @@ from types import FrameType, MappingProxyType
 from typing import Any
 
 from ..errors import ConfigError
+from . import workers
 from .request import (
     DEFAULT_GRACE_S,
     DEFAULT_SIGNALS,
@@ -121,6 +122,7 @@ def _block_before_fork() -> None:
     pid = os.getpid()
     sigs = {s for w in list(_installed) if w._active and w._pid == pid for s in w._signums}
     if sigs:
+        workers.prepare_fork()  # the mark a DataLoader worker reads at this process's exit
         _masks_before_fork[threading.get_ident()] = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
 
 

@@ -7,17 +7,18 @@ the trainer's loader raise ("DataLoader worker ... killed by signal", from torch
 handler, at any point of the step), so the emergency save never ran. Spared, the worker serves
 batches until the trainer has saved.
 
-A worker dies of the signal, as without the watcher, when:
+A worker stops at the signal, as without the watcher, when:
 
-- its loader is shutting down (its ``done_event`` is set): the loader's own ``terminate()`` of
+- (exiting with status 0, as torch's handler does for its parent's SIGTERM) its loader is
+  shutting down (its ``done_event`` is set): the loader's own ``terminate()`` of
   a worker that did not stop in time, or any signal after the loader let its workers go;
-- its trainer is exiting: ``multiprocessing`` terminates the daemonic children it still has at
+- (the same) its trainer is exiting: ``multiprocessing`` terminates the daemonic children it still has at
   interpreter exit (a loader with ``persistent_workers=True`` that was never shut down), then
   joins them. Spared, such a worker kept the trainer from exiting at all. The trainer says so
-  through memory it shares with the processes it forks (its pid, written by a
-  ``multiprocessing`` finalizer that runs before those terminations);
-- it is the second one;
-- its trainer (the parent) is gone.
+  through a byte of memory it shares with the processes it forks (its exit mark, set by a
+  ``multiprocessing`` finalizer that runs before those terminations; each forking process
+  has its own);
+- (dying of it) it is the second one, or its trainer (the parent) is gone.
 
 The sparing handler is a Python one: it runs when the worker's main thread next runs Python
 code. A worker blocked in one long C call (a native decoder, a C-level wait) acts on a signal
@@ -35,24 +36,32 @@ import mmap
 import multiprocessing.util
 import os
 import signal
-import struct
 import sys
 from types import FrameType
 from typing import Any
 
 log = logging.getLogger("resilient_callbacks")
 
-# the pid of a process that stops its children at exit; shared (MAP_SHARED, anonymous) with
-# the processes forked after this module is imported, so a worker's handler sees its parent's
-_stopping = mmap.mmap(-1, 8)
+# This process's exit mark: one byte, set when it stops its children at exit, in memory shared
+# (MAP_SHARED, anonymous) with the processes it forks; made at its first fork with a watcher
+# (a forked trainer gets its own: multiprocessing clears a child's finalizers)
+_mark: mmap.mmap | None = None
+_owner = -1
+
+
+def prepare_fork() -> None:
+    """The forking process, before a fork while its watchers handle signals: make its exit
+    mark, and the ``multiprocessing`` finalizer that sets it (run at exit before
+    ``multiprocessing`` terminates and joins the daemonic children)."""
+    global _mark, _owner
+    if _owner != os.getpid():
+        _mark, _owner = mmap.mmap(-1, 1), os.getpid()
+        multiprocessing.util.Finalize(None, _stopping_children, exitpriority=100)
 
 
 def _stopping_children() -> None:
-    struct.pack_into("q", _stopping, 0, os.getpid())
-
-
-# before multiprocessing's exit function terminates and joins the daemonic children
-multiprocessing.util.Finalize(None, _stopping_children, exitpriority=100)
+    if _mark is not None and _owner == os.getpid():  # (never a child's inherited finalizer)
+        _mark[0] = 1
 
 
 class SpareWorker:
@@ -63,6 +72,7 @@ class SpareWorker:
         self.signums = signums
         self.spared = False
         self.done_event: Any = None  # the worker loop's: set when its loader shuts down
+        self.mark = _mark if _owner == parent else None  # the parent's exit mark
 
     def when_a_dataloader_worker(self) -> None:
         """In this child only (the parent's module is not touched): if it becomes a DataLoader
@@ -85,6 +95,11 @@ class SpareWorker:
             out = setup(*args, **kwargs)
             with contextlib.suppress(ValueError):  # called from elsewhere than the worker loop
                 self.done_event = sys._getframe(1).f_locals.get("done_event")
+            if self.done_event is None:
+                log.debug(
+                    "no done_event in the DataLoader worker loop: a stopping loader's "
+                    "terminate() is spared once like a group signal"
+                )
             for signum in self.signums:
                 with contextlib.suppress(ValueError, OSError, TypeError):
                     signal.signal(signum, self)
@@ -93,9 +108,11 @@ class SpareWorker:
         handling._set_worker_signal_handlers = setup_then_spare  # type: ignore[attr-defined]
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        parent_exiting = struct.unpack_from("q", _stopping, 0)[0] == self.parent
-        spare = not (parent_exiting or self._loader_stopping())
-        if not self.spared and os.getppid() == self.parent and spare:
+        if (self.mark is not None and self.mark[0]) or self._loader_stopping():
+            # its trainer stops it (torch's handler did the same for its parent's SIGTERM: a
+            # worker killed by a signal would make the trainer's SIGCHLD handler raise)
+            os._exit(0)
+        if not self.spared and os.getppid() == self.parent:
             self.spared = True
             return
         signal.signal(signum, signal.SIG_DFL)  # the default action: die by the signal
