@@ -350,3 +350,35 @@ def test_an_evaluator_beside_a_keep_last_1_writer_reads_the_newer_checkpoint(
         assert chosen and chosen[0].endswith("step_000000001")
         assert torch.equal(evaluated.weight, model.weight)
         assert not os.path.exists(chosen[0])  # it was gone, not damaged
+
+
+def test_an_evaluator_that_never_catches_up_says_why(tmp_path, monkeypatch):
+    """Every checkpoint the reader chooses is deleted as it reads it (a writer saving faster
+    than the reader verifies): after 3 listings more, an error that names each checkpoint
+    tried, says they were deleted while read, and does not ask to repair anything."""
+    from resilient_callbacks import restoring
+    from resilient_callbacks.errors import NoValidCheckpointError
+
+    root = tmp_path / "run"
+    model = nn.Linear(8, 4)
+    with Checkpointer(root, keep_last=1, async_save=False) as writer:
+        writer.save(1, {"model": model})
+        read_part = restoring.layout.read_part
+        saved = [1]
+
+        def always_a_newer_one(path, *args, **kwargs):
+            saved.append(saved[-1] + 1)
+            writer.save(saved[-1], {"model": model})  # commits, deletes the one being read
+            writer.flush()
+            return read_part(path, *args, **kwargs)
+
+        monkeypatch.setattr(restoring.layout, "read_part", always_a_newer_one)
+        with (
+            pytest.warns(ResumeFallbackWarning),
+            pytest.raises(NoValidCheckpointError) as info,
+            Checkpointer(root, read_only=True) as reader,
+        ):
+            reader.restore({"model": nn.Linear(8, 4)})
+    msg = str(info.value)
+    assert "none of the 4 checkpoint(s)" in msg and "listed 4 times" in msg, msg
+    assert "deleted while it was read" in msg and "Repair" not in msg, msg

@@ -330,8 +330,8 @@ def test_during_an_outage_each_commit_frees_what_the_uploader_would_skip(tmp_pat
     tried = threading.Event()
 
     def down(*a, **k):
-        tried.set()
-        raise ConnectionError("the store is down")
+        tried.set()  # (an error quoting the signed URL it used)
+        raise ConnectionError("the store is down: https://u:SECRET1@h/c/x?sv=1&sig=SECRET2")
 
     ck.remote.upload = down
     try:
@@ -346,6 +346,8 @@ def test_during_an_outage_each_commit_frees_what_the_uploader_would_skip(tmp_pat
             steps = sorted(n for n in os.listdir(tmp_path / "l") if n.startswith("step_"))
             assert len(steps) == 2, (s, steps)  # the newest two, every time
         assert ck.remote_status().pending == ["step_000000050", "step_000000060"]
+        error = ck.remote_status().last_error
+        assert "the store is down" in error and "SECRET" not in error, error
     finally:
         ck.close()  # gives up on the outage (1.5 s here), naming what is only local
 
@@ -496,6 +498,8 @@ def test_more_secrets_are_hidden_and_the_store_url_too(tmp_path):
     assert shown["endpoint"] == "http://***@minio:9000"
     signed = "https://b.example/k?X-Amz-Credential=SECRET7&X-Amz-Signature=SECRET8&part=3"
     assert url_text(signed) == "https://b.example/k?X-Amz-Credential=***&X-Amz-Signature=***&part=3"
+    assert url_text("AccountKey=SECRET10;AccountName=a") == "AccountKey=***;AccountName=a"
+    assert url_text("401: Authorization: Bearer SECRET11") == "401: Authorization: Bearer ***"
     store = RemoteStore(f"file://alice:SECRET9@{tmp_path}/remote")
     assert "SECRET9" not in store.url and "SECRET9" not in repr(store)
     assert store.url == f"file://***@{tmp_path}/remote"

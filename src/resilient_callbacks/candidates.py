@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import errors
 from .errors import RemoteUnavailableError, ResumeFallbackWarning, warn_and_log
+from .redact import url_text
 
 if TYPE_CHECKING:
     from .catalog import Entry
@@ -79,7 +80,7 @@ def number_after_remote(d: Directory) -> None:
             "are numbered after the local ones only",
             d.remote.url,
             type(e).__name__,
-            e,
+            url_text(str(e)),
         )
         return
     for re_ in entries:

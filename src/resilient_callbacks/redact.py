@@ -21,13 +21,18 @@ _SECRET = (
 _USERINFO = re.compile(r"(?<=://)[^/?#\s]*@")
 # a query parameter or a connection-string field whose name says it is a secret (a SAS
 # signature, X-Amz-Signature / -Credential / -Security-Token, AccountKey=...;)
-_PARAM = re.compile(r"(?i)(?<=[?&;])([\w.-]*(?:" + "|".join(_SECRET) + r")[\w.-]*=)[^&;#\s]*")
+_PARAM = re.compile(
+    r"(?i)(?:(?<=[?&;\s])|^)([\w.-]*(?:" + "|".join(_SECRET) + r")[\w.-]*=)[^&;#\s]*"
+)
+# a credential in free text (an error that quotes a request's Authorization header)
+_SCHEME = re.compile(r"(?i)\b(Bearer|Basic)\s+[^\s,;]+")
 
 
 def url_text(url: str) -> str:
     """``url`` for a message: its user and password, and the values of query parameters that
-    name a secret (``sig``, ``X-Amz-Signature``, ``token``, ...), shown as ``***``."""
-    return _PARAM.sub(r"\1***", _USERINFO.sub("***@", url))
+    name a secret (``sig``, ``X-Amz-Signature``, ``token``, ``AccountKey``, ...) and of
+    ``Bearer``/``Basic`` credentials, shown as ``***``. For error texts too."""
+    return _SCHEME.sub(r"\1 ***", _PARAM.sub(r"\1***", _USERINFO.sub("***@", url)))
 
 
 def options_text(options: Mapping[str, Any]) -> str:

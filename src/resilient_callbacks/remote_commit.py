@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
+from .redact import url_text
 from .remote import ETAG_CHECK_MAX, RemoteStore, _md5, retention_candidates
 from .retention import RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s
@@ -124,7 +125,7 @@ class NodeUploader(UploadThread):
                 self.failures_in_a_row = failures
                 self.failing_since = self.failing_since or time.monotonic()
                 self.counters.failures += 1
-                self.counters.last_error = f"{type(e).__name__}: {e}"
+                self.counters.last_error = f"{type(e).__name__}: {url_text(str(e))}"
                 if failures == 1 or failures % 10 == 0:
                     log.warning(
                         "remote %s: uploading this node's part of %s failed (%d attempt(s)): "
@@ -381,4 +382,4 @@ class RemoteCommitter(UploadThread):
                     self.index = {k: v for k, v in self.index.items() if v != name}
                 log.info("remote retention: deleted %s/%s", self.store.url, name)
         except Exception as e:
-            log.warning("remote retention on %s failed: %s", self.store.url, e)
+            log.warning("remote retention on %s failed: %s", self.store.url, url_text(str(e)))

@@ -117,7 +117,7 @@ class Restorer:
             ck._start_run(0)
             return 0
         skipped: list[str] = []
-        tried: set[str] = set()  # paths skipped for damage: not tried again
+        tried: set[str] = set()  # local paths and remote names skipped for damage: not again
         for listing in range(RELIST + 1):
             self._gone = False
             step = self._first_loaded(cands, state, explicit, skipped, tried)
@@ -126,10 +126,12 @@ class Restorer:
             if not self._gone or explicit or listing == RELIST:
                 break
             log.info("checkpoints were deleted while being read: listing %s again", ck.dirpath)
-            cands = [c for c in self._listed() if c.remote is not None or c.path not in tried]
+            cands = [c for c in self._listed() if _tried_as(c) not in tried]
         gone = all(GONE in s for s in skipped)
+        again = f" (the directory listed {listing + 1} times)" if listing else ""
         raise NoValidCheckpointError(
-            f"{ck.dirpath} holds {len(cands)} checkpoint(s) but none can be restored:\n  - "
+            f"none of the {len(skipped)} checkpoint(s) of {ck.dirpath} tried{again} can be "
+            "restored:\n  - "
             + "\n  - ".join(skipped)
             + (
                 "\nEach was deleted while it was read: another process writes this directory "
@@ -171,7 +173,7 @@ class Restorer:
         was skipped is appended to ``skipped`` (damaged local paths to ``tried``)."""
         ck = self._ck
         for c in cands:
-            remote_url = None
+            remote_url, as_tried = None, _tried_as(c)
             if c.remote and not c.problem:
                 remote_url = restore_remote.url_of(ck, c)
                 c = restore_remote.fetch(ck, c)
@@ -180,8 +182,7 @@ class Restorer:
                 if explicit:
                     raise c.refused()
                 self._warn_fallback(c, c.problem)
-                if c.path is not None and c.remote is None:
-                    tried.add(c.path)
+                tried.add(as_tried)
                 continue
             self._tier = "remote" if remote_url else "local"
             self._skipped = len(skipped)
@@ -193,8 +194,8 @@ class Restorer:
                     c.path, step, "remote" if remote_url else "local", remote_url, tuple(skipped)
                 )
                 return step
-            if c.path is not None and not (skipped and GONE in skipped[-1]):
-                tried.add(c.path)
+            if not (skipped and GONE in skipped[-1]):
+                tried.add(as_tried)
         return None
 
     def continued_from(self, step: int, source: str, same_run: bool = False) -> None:
@@ -444,6 +445,11 @@ class Restorer:
             key = chosen[0].key
             cands = [c for c in chosen if key is not None and c.key == key] or chosen[:1]
         return cands
+
+
+def _tried_as(c: Candidate) -> str:
+    """What a candidate skipped for damage is known by when the directory is listed again."""
+    return f"remote:{c.remote}" if c.remote is not None else str(c.path)
 
 
 def _recorded(manifest: Manifest) -> RetentionPolicy | None:

@@ -24,6 +24,7 @@ from .commit import CKPT_RE
 from .errors import CheckpointCorruptError
 from .manifest import Manifest, read_manifest
 from .progress import Progress
+from .redact import url_text
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore, retention_candidates
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s
@@ -284,7 +285,7 @@ class RemoteSync(UploadThread):
         now = time.monotonic()
         with self._cond:
             self._failures += 1
-            self._last_error = f"{type(e).__name__}: {e}"
+            self._last_error = f"{type(e).__name__}: {url_text(str(e))}"
             failures, backlog = self._failures, list(self._queue)
             warn = failures == 1 or now - self._last_warn >= self.warn_every_s
             if warn:
