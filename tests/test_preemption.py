@@ -317,13 +317,14 @@ def test_a_dataloader_worker_survives_the_first_signal_and_dies_of_the_second(si
 def _until_dead(pid: int, act: Callable[[], object], why: str) -> None:
     """``act()``, then wait (20 s at most) for the DataLoader worker ``pid`` to die; torch's
     SIGCHLD handler may raise in this process at any point of it once it has."""
-    deadline = time.monotonic() + 20
-    acted = False
+    acted, deadline = False, None
     while True:
         try:
             if not acted:
                 acted = True
                 act()
+            if deadline is None:  # (from after act: the loader's own joins take seconds)
+                deadline = time.monotonic() + 20
             if not _alive(pid):
                 time.sleep(0.1)  # (torch's SIGCHLD handler raises here, or above)
                 break

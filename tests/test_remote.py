@@ -338,7 +338,8 @@ def test_during_an_outage_each_commit_frees_what_the_uploader_would_skip(tmp_pat
         ck.save(10, _state(10))
         assert tried.wait(30)
         deadline = time.monotonic() + 30
-        while ck.remote_status().failures == 0:  # its failure counted: now in its backoff
+        # its failure counted and its attempt over: now in its backoff
+        while (st := ck.remote_status()).failures == 0 or st.uploading is not None:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         for s in range(20, 70, 10):

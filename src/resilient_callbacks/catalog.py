@@ -234,29 +234,25 @@ def next_seq(root: str) -> int:
                 unknown[seq].append(e.name)
             elif seq is not None:
                 best = max(best, seq)
-    said = {
-        "unreadable": "%s cannot be read): checkpoints committed now may be taken for older "
-        "than %s once it can be read again; fix its permissions, or remove it if it is not "
-        "needed",
-        "damaged": "%s is damaged: not JSON, torn or overwritten; %s no checkpoint); remove "
-        "it if it is not needed (`resilient-ckpt ls` lists it)",
-    }
     for why, names in unknown.items():
         if names:
-            one = len(names) == 1
-            them = (
-                ("it" if one else "them")
-                if why == "unreadable"
-                else ("it is" if one else "they are")
-            )
             log.warning(
-                "the commit order of %s in %s is unknown (" + said[why],
+                "the commit order of %s in %s is unknown: %s %s",
                 ", ".join(names),
                 root,
                 MANIFEST_NAME,
-                them,
+                _UNKNOWN_ORDER[why],
             )
     return best + 1
+
+
+_UNKNOWN_ORDER = {
+    "unreadable": "cannot be read (checkpoints committed now may be taken for older than it "
+    "once it can be read again; fix its permissions, or remove the checkpoint if it is not "
+    "needed)",
+    "damaged": "is damaged: not JSON, torn or overwritten (it is no checkpoint; remove it if it "
+    "is not needed: `resilient-ckpt ls` lists it)",
+}
 
 
 def _raw_seq(path: str) -> int | str | None:

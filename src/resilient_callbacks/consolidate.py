@@ -74,7 +74,9 @@ def exports_weights(manifest: Manifest, path: str) -> bool:
     if isinstance(full, dict) and "trainer" in full:
         # a Trainer run (under DeepSpeed or FSDP too): a from_pretrained directory, unless its
         # model records no configuration (a plain torch module): then its weights
-        return not trainer_model_config(part)
+        full = structure.inline_per_rank(full, part.per_rank)
+        info = trainer_model_info(full, part.tensors)
+        return not (info and info.get("config"))
     return (
         bool(zero_part_ids(manifest))
         or _holds_engine(full)
@@ -83,14 +85,13 @@ def exports_weights(manifest: Manifest, path: str) -> bool:
     )
 
 
-def trainer_model_config(part: LoadedPart) -> bool:
-    """Whether a Transformers Trainer run's checkpoint (rank-0 ``part``) records its model's
-    class and configuration, as ``from_pretrained`` needs (a ``PreTrainedModel``'s, a PEFT
-    model's); a plain ``torch.nn.Module`` trained by the Trainer records none."""
-    full = structure.inline_per_rank(part.structure, part.per_rank)
-    values = structure.decode(full["trainer"], part.tensors)
+def trainer_model_info(full: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
+    """What a Transformers Trainer run's checkpoint (its inlined structure ``full``) records of
+    its model: class, ``config`` (as ``from_pretrained`` needs; a plain ``torch.nn.Module``
+    trained by the Trainer has none), PEFT adapters; None if nothing."""
+    values = structure.decode(full["trainer"], tensors)
     info = values.get("model") if isinstance(values, dict) else None
-    return isinstance(info, dict) and bool(info.get("config"))
+    return info if isinstance(info, dict) else None
 
 
 def _is_lightning(full: Any) -> bool:
@@ -254,10 +255,11 @@ def entry_tensors(path: str, key: str | None) -> tuple[str, dict[str, torch.Tens
     if isinstance(node, dict) and node.get(structure.TAG) == "stateful":
         items = structure._node_items(node["state"]) or {}
         if not any(_is_tensor(v) for v in items.values()):  # an optimizer's, a scheduler's
+            modules = ", ".join(_modules(full, ""))
             raise CheckpointMismatchError(
                 f"{path}: the entry {key!r} is not a module's state dict (its state holds "
                 f"{_what(node['state'])}): export writes model weights; name a module"
-                + (f" ({', '.join(_modules(full, ''))})" if any(_modules(full, "")) else "")
+                + (f" ({modules})" if modules else "")
             )
     out: dict[str, torch.Tensor] = {}
     _flatten(structure.decode(_state(node), part.tensors), "", out)

@@ -95,7 +95,6 @@ class Restorer:
         self._skipped = 0
         self._remote_copies: set[tuple[str, int] | None] = set()  # keys with a remote candidate
         self._no_manifest: list[str] = []  # step_* folders without a manifest (candidates())
-        self._gone = False  # a candidate of the current listing was deleted while being read
 
     def restore(self, state: Any) -> int:
         """Every rank: load the checkpoint chosen by ``resume`` into ``state``; return its step
@@ -119,11 +118,12 @@ class Restorer:
         skipped: list[str] = []
         tried: set[str] = set()  # local paths and remote names skipped for damage: not again
         for listing in range(RELIST + 1):
-            self._gone = False
+            before = len(skipped)
             step = self._first_loaded(cands, state, explicit, skipped, tried)
             if step is not None:
                 return step
-            if not self._gone or explicit or listing == RELIST:
+            gone_now = any(GONE in s for s in skipped[before:])  # not damage: list again
+            if not gone_now or explicit or listing == RELIST:
                 break
             log.info("checkpoints were deleted while being read: listing %s again", ck.dirpath)
             cands = [c for c in self._listed() if _tried_as(c) not in tried]
@@ -294,8 +294,6 @@ class Restorer:
         bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
         if bad:
             why = "; ".join(bad)
-            if any(p and p.startswith(GONE) for p in problems):
-                self._gone = True  # not damage: listed again (restore)
             skipped.append(f"{path} (step {c.step}): {why}")
             if explicit:
                 raise CheckpointCorruptError(f"cannot resume from {path}: {why}")

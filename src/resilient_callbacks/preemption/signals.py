@@ -147,8 +147,7 @@ def _restore_in_child() -> None:
                 signal.signal(signum, signal.SIG_DFL if prev is None else prev)
     # spared in a DataLoader worker: what would kill it, SIGTERM whatever it had (the worker's
     # set-up gives it a C handler that kills unless the parent sent it)
-    deadly = {s for s in ours if signal.getsignal(s) == signal.SIG_DFL}
-    deadly |= {s for s in ours if s == signal.SIGTERM}
+    deadly = {s for s in ours if s == signal.SIGTERM or signal.getsignal(s) == signal.SIG_DFL}
     if deadly:
         SpareWorker(os.getppid(), sorted(deadly)).when_a_dataloader_worker()
     _installed.clear()

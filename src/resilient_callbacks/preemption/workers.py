@@ -7,18 +7,19 @@ the trainer's loader raise ("DataLoader worker ... killed by signal", from torch
 handler, at any point of the step), so the emergency save never ran. Spared, the worker serves
 batches until the trainer has saved.
 
-A worker stops at the signal, as without the watcher, when:
+A worker exits (status 0, as torch's handler does at its parent's SIGTERM) when:
 
-- (exiting with status 0, as torch's handler does for its parent's SIGTERM) its loader is
-  shutting down (its ``done_event`` is set): the loader's own ``terminate()`` of
+- its loader is shutting down (its ``done_event`` is set): the loader's own ``terminate()`` of
   a worker that did not stop in time, or any signal after the loader let its workers go;
-- (the same) its trainer is exiting: ``multiprocessing`` terminates the daemonic children it still has at
-  interpreter exit (a loader with ``persistent_workers=True`` that was never shut down), then
-  joins them. Spared, such a worker kept the trainer from exiting at all. The trainer says so
-  through a byte of memory it shares with the processes it forks (its exit mark, set by a
-  ``multiprocessing`` finalizer that runs before those terminations; each forking process
-  has its own);
-- (dying of it) it is the second one, or its trainer (the parent) is gone.
+- its trainer is exiting: ``multiprocessing`` terminates the daemonic children it still has
+  at interpreter exit (a loader with ``persistent_workers=True`` that was never shut down),
+  then joins them. Spared, such a worker kept the trainer from exiting at all. The trainer
+  says so through a byte of memory it shares with the processes it forks (its exit mark, set
+  by a ``multiprocessing`` finalizer that runs before those terminations; each forking
+  process has its own).
+
+It dies of the signal, as without the watcher, when it is the second one, or when its trainer
+(the parent) is gone.
 
 The sparing handler is a Python one: it runs when the worker's main thread next runs Python
 code. A worker blocked in one long C call (a native decoder, a C-level wait) acts on a signal

@@ -22,7 +22,7 @@ from typing import Any
 import transformers
 
 from .. import layout, reader, structure
-from ..consolidate import consolidated, export_staging, publish_export
+from ..consolidate import consolidated, export_staging, publish_export, trainer_model_info
 from ..errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -76,9 +76,8 @@ def _export(
             f"{path} was not written by resilient_callbacks.transformers.ResilientCheckpoint "
             "(no 'model'/'trainer' entries); export needs the model class and config it records"
         )
-    values = structure.decode(full["trainer"], part.tensors)
-    info = values.get("model") if isinstance(values, dict) else None
-    if not isinstance(info, dict) or not info.get("config"):
+    info = trainer_model_info(full, part.tensors)
+    if info is None or not info.get("config"):
         raise CheckpointMismatchError(
             f"{path} records no model configuration (its model is not a PreTrainedModel): "
             "there is no from_pretrained directory to write; `resilient-ckpt export` writes its "
