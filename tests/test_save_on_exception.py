@@ -77,3 +77,25 @@ def test_exception_after_an_unseen_optimizer_step_saves_nothing(tmp_path, caplog
         train(ck, 30, fail_at=13, fail_where="after_optimizer")
     assert not [p for p in ck.iterdir() if p.name.startswith("step_")]
     assert any("matches no step" in r.getMessage() for r in caplog.records)
+
+
+def test_a_generator_in_the_state_is_saved_as_of_the_last_step(tmp_path):
+    """The exception's save holds the generator's state at the last reported step, not the
+    state it reached after draws the failed step made."""
+    g = torch.Generator().manual_seed(5)
+    model = torch.nn.Linear(2, 2)
+    state = {"model": model, "extra": {"noise": g}}
+    at_step_1 = None
+    with (
+        pytest.raises(Boom),
+        Checkpointer(tmp_path / "ck", every_n_steps=100, save_on_exception=True) as ck,
+    ):
+        torch.rand(4, generator=g)
+        ck.step(1, state)
+        at_step_1 = g.get_state()
+        torch.rand(4, generator=g)  # the failing step drew from it before failing
+        raise Boom("in step 2")
+    g.manual_seed(0)
+    with Checkpointer(tmp_path / "ck") as ck:
+        assert ck.restore(state) == 1
+    assert torch.equal(g.get_state(), at_step_1)

@@ -24,6 +24,7 @@ from resilient_callbacks import (
     ResumableSampler,
     UnsupportedStateError,
 )
+from resilient_callbacks import rng as rc_rng
 from resilient_callbacks import structure as rc_structure
 from resilient_callbacks import tensorfile as rc_tensorfile
 
@@ -851,3 +852,30 @@ def test_an_optimizer_stepping_tensors_the_state_lacks_is_warned_about_once(tmp_
     with Checkpointer(tmp_path / "c", async_save=False) as ck, warnings.catch_warnings():
         warnings.simplefilter("error")
         ck.save(1, {"model": plain, "opt": torch.optim.SGD(plain.parameters(), lr=0.1)})
+
+
+def test_a_generator_in_the_state_is_restored_into_the_live_one(tmp_path):
+    """A ``torch.Generator`` (a DataLoader's, one the loop draws noise from) is saved as its
+    state and restored with ``set_state`` into the very object the loader holds."""
+    g = torch.Generator().manual_seed(7)
+    loader = torch.utils.data.DataLoader(list(range(32)), batch_size=4, shuffle=True, generator=g)
+    state = {"model": torch.nn.Linear(2, 2), "extra": {"epoch": 1, "gen": g}}
+    torch.rand(3, generator=g)
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, state)
+    expected_noise = torch.rand(5, generator=g)
+    expected_order = [b.tolist() for b in loader]
+    g.manual_seed(99)  # the live generator moves on; the restore must bring it back
+    with Checkpointer(tmp_path / "ck") as ck:
+        assert ck.restore(state) == 1
+    assert state["extra"]["gen"] is g and loader.generator is g
+    assert torch.equal(torch.rand(5, generator=g), expected_noise)
+    assert [b.tolist() for b in loader] == expected_order
+
+
+def test_a_generators_state_loads_only_into_one_of_its_device_type():
+    g = torch.Generator().manual_seed(1)
+    sd = rc_rng.GeneratorState(g).state_dict()
+    assert sd["device"] == "cpu" and sd["state"].dtype == torch.uint8
+    with pytest.raises(ValueError, match="cuda generator's state; this one is cpu"):
+        rc_rng.GeneratorState(g).load_state_dict({**sd, "device": "cuda:0"})

@@ -67,7 +67,7 @@ def _freeze_leaf(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if structure.is_stateful(obj):
-        return _Frozen(copy.deepcopy(obj.state_dict()))
+        return _Frozen(copy.deepcopy(structure.plain_module(obj).state_dict()))
     return copy.deepcopy(obj)
 
 

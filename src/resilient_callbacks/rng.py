@@ -3,13 +3,16 @@
 Python's ``random``, NumPy's global legacy generator, torch's CPU generator and, when CUDA is
 initialized, every CUDA device's generator. States become JSON values and uint8 tensors. Each
 rank saves its own generators (they differ between ranks) into its own file.
+
+A ``torch.Generator`` the state holds (a ``DataLoader``'s, say) is saved as a stateful object,
+:class:`GeneratorState`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -96,3 +99,23 @@ def preserved() -> Iterator[None]:
         random.setstate(py)
         np.random.set_state(npy)
         torch.set_rng_state(cpu)
+
+
+class GeneratorState:
+    """A ``torch.Generator`` as a stateful object: its state (``get_state()``, a byte tensor)
+    and its device. Loaded with ``set_state`` into the live generator, which a ``DataLoader`` or
+    the training loop holds; a generator's state loads only into one of its device type."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"device": str(self.generator.device), "state": self.generator.get_state()}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        saved, here = torch.device(sd["device"]).type, self.generator.device.type
+        if saved != here:
+            raise ValueError(
+                f"the checkpoint holds a {saved} generator's state; this one is {here}"
+            )
+        self.generator.set_state(sd["state"])

@@ -32,6 +32,7 @@ from .dtypes import DTYPE_TO_ST, unsupported
 from .errors import CheckpointMismatchError, UnsupportedStateError
 from .filepart import FilePart
 from .optim import hookable, param_shapes
+from .rng import GeneratorState
 
 SAVEABLE_DTYPES = tuple(DTYPE_TO_ST)
 
@@ -70,9 +71,12 @@ WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile's and (Distributed
 
 
 def plain_module(obj: Any) -> Any:
-    """The module a wrapper wraps (``torch.compile``'s, ``DistributedDataParallel``,
-    ``DataParallel``; else ``obj``): saved and loaded as it, so a checkpoint of a compiled or
-    DDP run loads into a plain module (an evaluation, a run on one process) and the other way."""
+    """What is saved and loaded for ``obj``: the module a wrapper wraps (``torch.compile``'s,
+    ``DistributedDataParallel``, ``DataParallel``), so a checkpoint of a compiled or DDP run
+    loads into a plain module (an evaluation, a run on one process) and the other way; a
+    :class:`GeneratorState` for a ``torch.Generator``; else ``obj``."""
+    if isinstance(obj, torch.Generator):
+        return GeneratorState(obj)
     while isinstance(obj, torch.nn.Module):
         inner = getattr(obj, "_orig_mod", None)
         if not isinstance(inner, torch.nn.Module) and isinstance(
@@ -99,7 +103,8 @@ def unwrapped_keys(sd: Mapping[str, Any], live: Collection[str]) -> Mapping[str,
 
 
 def is_stateful(obj: Any) -> bool:
-    return (
+    """Whether ``obj`` is saved as its state dict (``plain_module(obj).state_dict()``)."""
+    return isinstance(obj, torch.Generator) or (
         not isinstance(obj, (torch.Tensor, Mapping, type))
         and callable(getattr(obj, "state_dict", None))
         and callable(getattr(obj, "load_state_dict", None))
@@ -260,10 +265,11 @@ class _Encoder:
             ref["numpy"] = True
             return ref
         if is_stateful(obj):
-            obj = plain_module(obj)
+            live, obj = obj, plain_module(obj)
             sd = obj.state_dict()
             # an optimizer wrapper (accelerate's) is recorded as the optimizer it steps
             kind = hookable(obj) if isinstance(obj, torch.optim.Optimizer) else obj
+            kind = live if isinstance(live, torch.Generator) else kind
             node = {TAG: "stateful", "type": _qualname(kind), "state": self.encode(sd, path)}
             if isinstance(obj, torch.optim.Optimizer) and (shapes := param_shapes(obj)):
                 node["param_shapes"] = shapes  # what its state belongs to (fit.py checks it)
