@@ -4,6 +4,8 @@ NumPy values, stateful objects, unsupported objects, mismatches and the no-pickl
 from __future__ import annotations
 
 import _pickle
+import argparse
+import dataclasses
 import json
 import math
 import os
@@ -24,6 +26,8 @@ from resilient_callbacks import (
     ResumableSampler,
     UnsupportedStateError,
 )
+from resilient_callbacks import fit as rc_fit
+from resilient_callbacks import inplace as rc_inplace
 from resilient_callbacks import rng as rc_rng
 from resilient_callbacks import structure as rc_structure
 from resilient_callbacks import tensorfile as rc_tensorfile
@@ -523,6 +527,26 @@ def test_unsupported_object_names_path_and_type_and_commits_nothing(tmp_path, va
         assert ck.save(5, {"extra": {"epoch": 1}}) is True
 
 
+@dataclasses.dataclass
+class _Hparams:
+    lr: float = 0.1
+
+
+@pytest.mark.parametrize(
+    "value, fix",
+    [
+        (torch.utils.data.DataLoader([1, 2]), "ResumableDataLoader"),
+        (argparse.Namespace(lr=0.1), "vars(...)"),
+        (_Hparams(), "dataclasses.asdict(...)"),
+    ],
+    ids=["dataloader", "namespace", "dataclass"],
+)
+def test_common_unsaveable_objects_get_their_own_fix(tmp_path, value, fix):
+    with Checkpointer(tmp_path / "ck") as ck, pytest.raises(UnsupportedStateError) as ei:
+        ck.save(1, {"model": torch.nn.Linear(2, 2), "x": value})
+    assert "state['x']" in str(ei.value) and fix in str(ei.value)
+
+
 def test_unsupported_object_deep_in_a_list(tmp_path):
     with (
         Checkpointer(tmp_path / "ck") as ck,
@@ -822,8 +846,8 @@ def test_property_encode_write_read_decode_round_trip(tmp_path_factory, value):
     # and loading into a state skeleton (what restore() does) gives the same values
     target = {"v": _placeholder(value)}
     meta = {k: (str(t.dtype).removeprefix("torch."), list(t.shape)) for k, t in tensors.items()}
-    rc_structure.check_fits(target, structure, meta)
-    rc_structure.apply(target, structure, lambda n: rc_structure.decode(n, tensors))
+    rc_fit.check_fits(target, structure, meta)
+    rc_inplace.apply(target, structure, lambda n: rc_structure.decode(n, tensors))
     _same({"v": value}, target)
 
 

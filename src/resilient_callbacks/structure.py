@@ -16,11 +16,12 @@ stay plain JSON objects so the files remain readable.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
 import numpy as np
@@ -276,10 +277,24 @@ class _Encoder:
             return node
         raise UnsupportedStateError(
             f"{path_str(path)} has type {_qualname(obj)}, which cannot be saved without pickle. "
-            "Give it state_dict() and load_state_dict() methods returning/accepting tensors and "
-            "JSON-able values (dict, list, tuple, str, int, float, bool, None), or convert it to "
-            "such values before putting it in the state."
+            + _fix_for(obj)
         )
+
+
+def _fix_for(obj: Any) -> str:
+    if isinstance(obj, torch.utils.data.DataLoader):
+        return (
+            "To resume mid-epoch in the same order, build it as resilient_callbacks."
+            "ResumableDataLoader (the DataLoader's arguments) or torchdata's StatefulDataLoader."
+        )
+    if isinstance(obj, argparse.Namespace) or is_dataclass(obj):
+        kind = "vars(...)" if isinstance(obj, argparse.Namespace) else "dataclasses.asdict(...)"
+        return f"Put its values in the state as a dict ({kind}), if they are to be restored."
+    return (
+        "Give it state_dict() and load_state_dict() methods returning/accepting tensors and "
+        "JSON-able values (dict, list, tuple, str, int, float, bool, None), or convert it to "
+        "such values before putting it in the state."
+    )
 
 
 def part_id(path: tuple[Any, ...]) -> str:
@@ -476,17 +491,3 @@ def _describe(n: Any) -> str:
 def _short(keys: list[Any], limit: int = 20) -> str:
     shown = ", ".join(repr(k) for k in keys[:limit])
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
-
-
-def __getattr__(name: str) -> Any:
-    """``check_fits`` and ``key_differences`` live in :mod:`.fit`, ``apply`` in :mod:`.inplace`
-    (both build on this module); the old import paths keep working."""
-    if name in ("check_fits", "key_differences"):
-        from . import fit
-
-        return getattr(fit, name)
-    if name == "apply":
-        from . import inplace
-
-        return inplace.apply
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
