@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import spawn_ranks
+from resilient_callbacks.remote import RemoteStore
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -38,10 +39,16 @@ def _run(tmp: Path, name: str, nprocs: int, *args: str, expect=0, per_node: int 
 
 def _flip_a_byte(ckpt: Path) -> None:
     """Flip a byte in the middle of the largest file of checkpoint folder ``ckpt``."""
-    victim = max((p for p in ckpt.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    _flip_a_byte_of(
+        max((p for p in ckpt.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    )
+
+
+def _flip_a_byte_of(victim: Path) -> Path:
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
+    return victim
 
 
 def test_a_node_replaced_before_any_remote_commit_refuses_to_start_from_scratch(tmp_path):
@@ -220,6 +227,17 @@ def test_more_ranks_per_node_resume_a_rank0_per_rank_state(tmp_path):
     assert [rank[0]["counter_rank"] for rank in out] == [0, 1, 0, 0]
 
 
+def test_a_file_that_rotted_on_a_nodes_disk_is_never_committed_remotely(tmp_path):
+    """Node 1's file of step 2 rots after its local commit, before its upload: the upload
+    checks the bytes against the manifest, so step 2 is never committed remotely (it was, with
+    the rotten object, and then called durable); step 4 is."""
+    out = _run(tmp_path, "run", 2, "--steps", "4", RC_ROT_BEFORE_UPLOAD=1, RC_CAPTURE_LOG=1)
+    assert "its local copy is damaged" in out[1][-1]["log"], out[1][-1]["log"]
+    store = RemoteStore(f"file://{tmp_path}/remote")
+    committed = {e.manifest.step for e in store.scan() if e.manifest is not None}
+    assert committed == {4}
+
+
 @pytest.mark.slow
 def test_push_refuses_one_nodes_part_of_a_node_local_checkpoint(tmp_path, capsys):
     from resilient_callbacks.cli import main
@@ -308,6 +326,18 @@ def worker(base: str, argv: list[str]) -> None:
             return real_put(*a, **k)
 
         ck._dir.remote.fs.put = slow_put  # type: ignore[union-attr]
+    if os.environ.get("RC_ROT_BEFORE_UPLOAD") == str(node):  # a byte rots after the commit
+        uploader, rotted = ck._dir.uploader, []  # type: ignore[union-attr]
+        real_upload = uploader._upload
+
+        def rot_then_upload(job):
+            if not rotted:
+                local = Path(uploader.local_root, job.local_name)
+                sizes = {f.path: f.size for f in job.files}
+                rotted.append(_flip_a_byte_of(local / max(sizes, key=sizes.__getitem__)))
+            return real_upload(job)
+
+        uploader._upload = rot_then_upload
     committer = getattr(ck._dir, "committer", None)
     if os.environ.get("RC_COMMIT_FAILS") and committer is not None:
 

@@ -243,6 +243,38 @@ def test_slow_uploads_skip_checkpoints_retention_would_delete(tmp_path, caplog):
     ]
 
 
+def test_a_file_that_rotted_after_its_commit_is_never_uploaded(tmp_path, caplog):
+    """A byte of a committed checkpoint rots on the local disk before its upload: the uploader
+    checks the bytes against the manifest and does not commit it remotely (the remote copy
+    would have been called durable, the rotten bytes checked only for their size)."""
+    url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
+    gate = threading.Event()
+    ck = Checkpointer(tmp_path / "l", remote=url)
+    orig = ck.remote.upload
+
+    def gated(local_dir, manifest, name, progress=None):
+        gate.wait(30)
+        return orig(local_dir, manifest, name, progress)
+
+    ck.remote.upload = gated
+    ck.save(10, _state(10))
+    ck.flush()
+    victim = max((tmp_path / "l" / "step_000000010").iterdir(), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    ck.save(20, _state(20))
+    ck.flush()
+    gate.set()
+    ck.close()
+    assert sorted(_committed(url, None).values()) == [20]
+    assert any(
+        "not uploading step_000000010, its local copy is damaged" in r.message
+        and "checksum mismatch" in r.message
+        for r in caplog.records
+    )
+
+
 def test_checkpoints_the_uploader_skips_are_deleted_locally_at_once(tmp_path, caplog):
     """An outage of the store while saves go on: the uploader skips the queued checkpoints the
     remote retention would delete, and they were deleted locally only when the next save

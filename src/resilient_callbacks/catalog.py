@@ -25,7 +25,7 @@ from typing import Any
 
 from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX
 from .errors import CheckpointCorruptError
-from .manifest import BLOB_KIND, MANIFEST_NAME, Manifest, read_manifest
+from .manifest import BLOB_KIND, MANIFEST_NAME, FileEntry, Manifest, read_manifest
 from .retention import Candidate
 from .tensorfile import digest_file
 
@@ -79,11 +79,17 @@ def verify(
     refers to that is missing or bad. ``ranks`` restricts the check to the files those ranks
     wrote (the shared files and the blobs are written by rank 0)."""
     wanted = None if ranks is None else set(ranks)
+    entries = [*manifest.files, *manifest.blobs]
+    verify_entries(path, [f for f in entries if wanted is None or f.rank in wanted], depth)
+
+
+def verify_entries(path: str, entries: Iterable[FileEntry], depth: Depth = Depth.FULL) -> None:
+    """:func:`verify` for some of a checkpoint's files and blobs (an uploader checks the bytes
+    it is about to upload: a file that rotted on the local disk after its commit must never be
+    committed remotely as durable)."""
     from .blobs import blob_path
 
-    for f in [*manifest.files, *manifest.blobs]:
-        if wanted is not None and f.rank not in wanted:
-            continue
+    for f in entries:
         full = blob_path(path, f.path) if f.kind == BLOB_KIND else os.path.join(path, f.path)
         try:
             size = os.path.getsize(full)

@@ -34,7 +34,7 @@ import fsspec
 
 from . import remote_blobs, rng
 from .blobs import BLOBS_DIR
-from .catalog import Depth, verify
+from .catalog import Depth, verify, verify_entries
 from .commit import STAGING_PREFIX, fsync_dir
 from .errors import CheckpointCorruptError, RemoteUnavailableError
 from .manifest import MANIFEST_NAME, Manifest
@@ -324,6 +324,7 @@ class RemoteStore:
             manifest_bytes = fh.read()
         if existing == manifest_bytes and not repair:
             return  # already committed there (an earlier run uploaded it)
+        verify_entries(local_dir, manifest.files)  # the committed bytes, or nothing goes up
         commit = ManifestLastCommit(self, name, local_dir)
         commit.begin(manifest.step)  # uncommits another checkpoint of this name first
         lpaths = [os.path.join(local_dir, f.path) for f in manifest.files]

@@ -34,6 +34,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from .blobs import BLOBS_DIR, NAME_RE, TMP_PREFIX, blob_path, key_of, store_dir
+from .catalog import verify_entries
 from .commit import fsync_dir
 from .errors import CheckpointCorruptError
 from .manifest import Manifest
@@ -92,6 +93,7 @@ def upload(
             _check_torn(store, clash, have, manifest.run_id, marker, local_dir)
         todo = [b for b in manifest.blobs if have.get(b.path) != b.size or b.path in again]
         if todo:
+            verify_entries(local_dir, todo)  # a rotten local blob is never uploaded
             _put(store, [blob_path(local_dir, b.path) for b in todo], [b.path for b in todo])
             have = listing(store)
             for b in todo:

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .catalog import verify_entries
+from .errors import CheckpointCorruptError
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
 from .redact import url_text
 from .remote import ETAG_CHECK_MAX, RemoteStore, _md5, retention_candidates
@@ -179,11 +181,17 @@ class NodeUploader(UploadThread):
         if not os.path.isdir(local):
             log.warning("remote: %s was removed locally before it was uploaded", job.local_name)
             return
-        for f in job.files:
-            size = os.path.getsize(os.path.join(local, f.path))
-            if size != f.size:
-                log.warning("remote: not uploading %s: %s has changed", job.local_name, f.path)
-                return
+        try:  # the committed bytes, or nothing goes up: never a rotten file made durable
+            verify_entries(local, job.files)
+        except CheckpointCorruptError as e:
+            log.error(
+                "remote: not uploading node %d's part of %s, its local copy is damaged: %s; "
+                "it is not committed remotely",
+                self.node,
+                job.local_name,
+                e,
+            )
+            return
         st = self.store
         t0 = time.perf_counter()
         log.info(

@@ -93,6 +93,6 @@ def _check(st: RemoteStore, path: str, url: str, f: FileEntry, bar: Progress) ->
     if got != f.xxh3_64:
         return (
             f"{url}: checksum mismatch (xxh3_64 {got}, manifest says {f.xxh3_64}): its content "
-            "differs from what was uploaded"
+            "is not what was saved"
         )
     return None

@@ -224,6 +224,9 @@ class RemoteSync(UploadThread):
         self._progress = progress
         try:
             self.store.upload(path, manifest, remote_name, progress)
+        except CheckpointCorruptError as e:  # its bytes rotted since its commit: never uploaded
+            log.error("remote: not uploading %s, its local copy is damaged: %s", name, e)
+            return True
         except Exception as e:
             self._failed(name, e)
             return False
