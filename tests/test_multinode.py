@@ -397,6 +397,7 @@ def test_two_nodes_kill_resume_locally_then_a_wiped_node_fetches_only_its_files(
         "manifest.json",
         "rank_00001.json",
         "rank_00001.safetensors",
+        "remote_manifest.json",  # the record that it was committed on every node
         "shared.json",
         "shared.safetensors",
     ]
@@ -449,6 +450,9 @@ def test_two_nodes_replica_restores_a_wiped_node_without_the_remote(tmp_path, s3
     nodes.run(8, "--replicas", "1")
     replicas = nodes.dirs[0] / ".replicas" / "ranks_00001-00001"
     assert "step_000000008" in os.listdir(replicas)
+    # node 0's replica carries the record that the coordinator committed it on every node
+    of_node0 = nodes.dirs[1] / ".replicas" / "ranks_00000-00000" / "step_000000008"
+    assert (of_node0 / "remote_manifest.json").is_file()
     shutil.rmtree(nodes.dirs[1])
     # rank 1's objects are gone from the remote too: only the peer's replica has them
     store = RemoteStore(nodes.url, nodes.opts)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import spawn_ranks
+from resilient_callbacks import catalog
 from resilient_callbacks.remote import RemoteStore
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -190,6 +191,9 @@ def test_a_replaced_node_and_a_damaged_copy_on_the_other_are_recorded_as_they_ha
     assert [n for n in os.listdir(tmp_path / "node0") if n.startswith("step_")] == [
         "step_000000004"
     ]
+    # the fetched copy says it was committed on every node (the global manifest beside it): a
+    # coordinator's copy without one is taken for a save cut off before that
+    assert (tmp_path / "node0" / "step_000000004" / "remote_manifest.json").is_file()
     history = [
         json.loads(x) for x in (tmp_path / "node0" / "history.jsonl").read_text().splitlines()
     ]
@@ -225,6 +229,28 @@ def test_more_ranks_per_node_resume_a_rank0_per_rank_state(tmp_path):
     out = _run(tmp_path, "grown", 4, "--steps", "6", per_node=2)
     assert [rank[0]["restored"] for rank in out] == [4, 4, 4, 4]
     assert [rank[0]["counter_rank"] for rank in out] == [0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-save", "later-save"])
+def test_a_save_cut_off_after_one_nodes_commit_is_no_checkpoint(tmp_path, first):
+    """Node 1 is killed in its local commit of a save, after node 0 committed its part: the
+    coordinator never recorded that save as committed on every node, so the re-run removes
+    node 0's part and resumes from the save before (or starts afresh: it was the first save;
+    the restore refused to start, run after run). Node 0's part no longer takes a keep_last
+    place: both nodes keep the same checkpoints."""
+    die = 2 if first else 6
+    kill = {"RC_DIE_IN_COMMIT_AT": die}
+    _run(tmp_path, "first", 2, "--steps", str(die), expect=None, **kill)  # rank 0 fails too
+    assert (tmp_path / "node0" / f"step_{die:09d}").is_dir()  # node 0's part, never recorded
+    out = _run(tmp_path, "second", 2, "--steps", "10", RC_CAPTURE_LOG=1)
+    assert [rank[0]["restored"] for rank in out] == [die - 2] * 2
+    assert "was never committed on every node" in out[0][-1]["log"]
+
+    def kept(node: int) -> list[tuple[int, int]]:
+        entries = catalog.scan(str(tmp_path / f"node{node}"), catalog.Depth.FULL)
+        return sorted((e.manifest.step, e.manifest.seq) for e in entries if e.manifest)
+
+    assert kept(0) == kept(1) and len(kept(0)) == 3, (kept(0), kept(1))
 
 
 def test_a_file_that_rotted_on_a_nodes_disk_is_never_committed_remotely(tmp_path):
@@ -338,6 +364,18 @@ def worker(base: str, argv: list[str]) -> None:
             return real_upload(job)
 
         uploader._upload = rot_then_upload
+    if node == 1 and os.environ.get("RC_DIE_IN_COMMIT_AT"):  # killed as its disk was slow
+        die_at, real_commit = int(os.environ["RC_DIE_IN_COMMIT_AT"]), ck._dir.commit.commit
+
+        def commit_or_die(staging, step, manifest):
+            first = Path(base, "node0", f"step_{die_at:09d}", "manifest.json")
+            while step == die_at and not first.exists():  # node 0 commits its part first
+                time.sleep(0.05)
+            if step == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_commit(staging, step, manifest)
+
+        ck._dir.commit.commit = commit_or_die
     committer = getattr(ck._dir, "committer", None)
     if os.environ.get("RC_COMMIT_FAILS") and committer is not None:
 

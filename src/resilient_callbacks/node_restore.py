@@ -24,11 +24,11 @@ import logging
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import catalog, dist, peers
 from .catalog import Depth, Status
-from .commit import STAGING_PREFIX
+from .commit import STAGING_PREFIX, remove_checkpoint
 from .config import ResumeMode
 from .directory import error_type
 from .errors import (
@@ -42,11 +42,8 @@ from .errors import (
 from .manifest import Manifest, read_manifest
 from .nodelocal import REMOTE_MANIFEST, SHARED_PATHS, NodeDirectory
 from .restoring import Candidate, Restorer, RestoreReport
-from .tensorfile import encode_json
+from .tensorfile import encode_json, write_bytes
 from .topology import Topology
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("resilient_callbacks")
 MAX_CANDIDATES = 8
@@ -90,11 +87,12 @@ class NodeRestorer(Restorer):
         msg: dict[str, Any] | None = None
         if ck.rank == 0:
             try:
-                cands, remote_keys, unusable = self._plan(got or [])
+                cands, remote_keys, unusable, orphans = self._plan(got or [])
                 msg = {
                     "cands": cands,
                     "remote_keys": remote_keys,
                     "unusable": unusable,
+                    "orphans": orphans,
                     "seq": d.seq,
                     "error": None,
                 }
@@ -105,6 +103,7 @@ class NodeRestorer(Restorer):
         if msg["error"] is not None:
             raise error_type(msg["error"][0])(msg["error"][1])
         d.seq = max(d.seq, int(msg["seq"]))
+        self._remove_orphans([(str(k[0]), int(k[1])) for k in msg.get("orphans") or []])
         unusable = [str(u) for u in msg.get("unusable") or []]
         if not msg["cands"] and unusable:
             raise NoValidCheckpointError(
@@ -180,7 +179,13 @@ class NodeRestorer(Restorer):
             if e.manifest is not None and e.status is Status.VALID:
                 m = e.manifest
                 ranks = sorted({f.rank for f in m.files})
-                local.append([m.run_id, m.seq, m.step, e.name, ranks, m.world_size])
+                # the coordinator's copy, and whether the coordinator recorded the checkpoint
+                # as committed on every node (the global manifest beside it; see _plan)
+                coordinator = 0 in ((m.extra.get("node") or {}).get("ranks") or [])
+                recorded = os.path.exists(os.path.join(e.path, REMOTE_MANIFEST))
+                local.append(
+                    [m.run_id, m.seq, m.step, e.name, ranks, m.world_size, coordinator, recorded]
+                )
             elif e.status is Status.CORRUPT:  # another node's copy, or the remote's, is used
                 log.warning(
                     "node %d: %s is damaged, not used: %s", d.topology.node, e.path, e.problem
@@ -194,9 +199,12 @@ class NodeRestorer(Restorer):
 
     def _plan(
         self, got: list[dict[str, Any]]
-    ) -> tuple[list[dict[str, Any]], list[Any] | None, list[str]]:
-        """Coordinator: the candidates, newest first, each with a source for every node; and
-        the commits newer than every candidate that some node has no source for."""
+    ) -> tuple[list[dict[str, Any]], list[Any] | None, list[str], list[list[Any]]]:
+        """Coordinator: the candidates, newest first, each with a source for every node; the
+        commits newer than every candidate that some node has no source for; and the orphans:
+        commits some node has no source for, of which the coordinator's own copy shows that
+        they were never committed on every node (a save a failure cut off after some nodes'
+        local commits; no global manifest beside it), so not checkpoints at all."""
         d, topo = self._d, self._d.topology
         remote: dict[tuple[str, int], str] = {}
         steps: dict[tuple[str, int], int] = {}
@@ -214,10 +222,16 @@ class NodeRestorer(Restorer):
             except Exception as e:
                 unlisted = f"{type(e).__name__}: {e}"
         local: list[dict[tuple[str, int], tuple[str, set[int]]]] = []
+        unrecorded: set[tuple[str, int]] = set()  # the coordinator's copy has no global manifest
+        marked: set[tuple[str, int]] = set()  # a copy has it: committed on every node
         worlds: dict[tuple[str, int], int] = dict(remote_worlds)
         for holding in got:
             mine: dict[tuple[str, int], tuple[str, set[int]]] = {}
-            for run_id, seq, step, name, ranks, world in holding["local"]:
+            for run_id, seq, step, name, ranks, world, coordinator, recorded in holding["local"]:
+                if coordinator and not recorded:
+                    unrecorded.add((run_id, seq))
+                elif recorded:
+                    marked.add((run_id, seq))
                 known = mine.get((run_id, seq))
                 if known is None or len(ranks) > len(known[1]):  # the fullest copy on the disk
                     mine[(run_id, seq)] = (name, set(ranks))
@@ -247,6 +261,7 @@ class NodeRestorer(Restorer):
             warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=4)
         cands: list[dict[str, Any]] = []
         unusable: list[str] = []
+        orphans: list[list[Any]] = []
         for key in sorted(steps, key=lambda k: (k[1], steps[k]), reverse=True):
             src: dict[str, list[Any]] = {}
             for k, ranks in enumerate(topo.nodes):
@@ -260,7 +275,9 @@ class NodeRestorer(Restorer):
                 elif key in remote:
                     src[str(k)] = ["remote", remote[key]]
                 else:
-                    if not cands:  # newer than every candidate: the restore says it skipped it
+                    if key in unrecorded and key not in marked:
+                        orphans.append([*key, steps[key], k])
+                    elif not cands:  # newer than every candidate: the restore says it skipped it
                         unusable.append(
                             f"step {steps[key]} (commit {key[1]}): node {k} has no copy of its "
                             "files (not on its disk, in a peer's replica, nor in the remote tier)"
@@ -286,7 +303,29 @@ class NodeRestorer(Restorer):
                 )
             unusable = []  # the step asked for, not the newest: nothing newer is skipped
         keys = None if unlisted is not None else [list(k) for k in remote]  # None: not known
-        return cands[:MAX_CANDIDATES], keys, unusable
+        for _, seq, step, k in orphans:
+            why = (
+                f"step {step} (commit {seq}) was never committed on every node (node {k} has no "
+                "copy of its files, and the save was not recorded as committed: a failure cut "
+                "it off): not a checkpoint; its nodes' parts are removed"
+            )
+            warn_and_log(log, why, ResumeFallbackWarning, stacklevel=4)
+        return cands[:MAX_CANDIDATES], keys, unusable, [o[:2] for o in orphans]
+
+    def _remove_orphans(self, keys: list[tuple[str, int]]) -> None:
+        """Leader: delete this node's parts of the commits ``keys`` (orphans, see :meth:`_plan`),
+        which would take ``keep_last``'s places, be listed as valid and be uploaded again."""
+        d = self._d
+        if not keys or not d.topology.is_leader:
+            return
+        for e in catalog.scan(d.dirpath, Depth.NONE):
+            m = e.manifest
+            if m is not None and (m.run_id, m.seq) in keys:
+                try:
+                    remove_checkpoint(e.path, d.trash.put)
+                    log.info("removed %s: this node's part of a save that was cut off", e.path)
+                except OSError as err:
+                    log.warning("could not remove %s: %s", e.path, err)
 
     # ------------------------------------------------------------------ fetching (collective)
 
@@ -417,6 +456,7 @@ class NodeRestorer(Restorer):
                 "remote_name": name,
             }
             catalog.verify(staging, node_m, Depth.FULL)
+            write_bytes(os.path.join(staging, REMOTE_MANIFEST), encode_json(m.to_json()))
             final = d.commit.commit(staging, m.step, encode_json(node_m.to_json()))
         except BaseException:
             d.commit.abort(staging)

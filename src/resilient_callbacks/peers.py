@@ -27,6 +27,7 @@ from . import catalog
 from .catalog import Depth
 from .commit import STAGING_PREFIX, fsync_dir
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .nodelocal import REMOTE_MANIFEST
 from .tensorfile import write_bytes
 
 log = logging.getLogger("resilient_callbacks")
@@ -71,14 +72,15 @@ def exchange(
     receive_into: str | None,
     group: Any,
 ) -> str | None:
-    """Send the checkpoint folder ``send_dir`` (its manifest and every file it lists) to rank
-    ``dst`` and/or receive one from rank ``src`` into a staging folder under ``receive_into``;
-    the received copy is verified and renamed to its own name there. Returns its path (or
+    """Send the checkpoint folder ``send_dir`` (its manifest, every file it lists, and the
+    coordinator's record of the global manifest where it has one) to rank ``dst`` and/or
+    receive one from rank ``src`` into a staging folder under ``receive_into``; the received copy is verified and renamed to its own name there. Returns its path (or
     ``None`` when nothing was received). Both ends call it at the same point."""
     header: list[Any] = []
     if send_dir is not None:
         m = read_manifest(send_dir)
-        header = [os.path.basename(send_dir.rstrip("/")), [f.path for f in m.files]]
+        extra = [REMOTE_MANIFEST] if os.path.exists(os.path.join(send_dir, REMOTE_MANIFEST)) else []
+        header = [os.path.basename(send_dir.rstrip("/")), [*(f.path for f in m.files), *extra]]
     pending: list[Any] = []
     if dst is not None:
         pending += _send_blob(json.dumps(header).encode(), dst, group)

@@ -143,7 +143,7 @@ def persist(
         _abandon(session)  # Ctrl-C, SystemExit, or a collective that failed: no commit will come
         if not isinstance(e, Exception) or done is not None:
             raise
-        err = _stopped(e, step, ck.rank, ck.world_size)
+        err = _stopped(e, step, ck.rank, ck.world_size, isinstance(session, NodeLocalSession))
         if quiet:
             return
         ck._recorder.save_failed(step, err)
@@ -156,16 +156,25 @@ def persist(
             prepared.blobs.end()  # committed (the manifest names them) or failed: unpin
 
 
-def _stopped(e: Exception, step: int, rank: int, world_size: int) -> CheckpointWriteError:
+def _stopped(
+    e: Exception, step: int, rank: int, world_size: int, node_local: bool = False
+) -> CheckpointWriteError:
     """The error of a save stopped by ``e`` outside the commit's own reporting. A collective
     that failed on several ranks (most often another rank died: gloo's "Connection closed by
     peer") is told as :func:`.dist.failed_exchange` tells it; anything else as it is."""
     peers = world_size > 1 and dist.from_collective(e)
     why = dist.failed_exchange(e) if peers else f"{type(e).__name__}: {e}"
+    # node-local: a node may have committed its part before the failure; the coordinator never
+    # recorded the checkpoint as committed on every node, so the next restore removes the parts
+    left = (
+        " (a node's part committed before the failure is removed by the next restore)"
+        if node_local
+        else ""
+    )
     return CheckpointWriteError(
         f"the save of step {step} stopped on rank {rank}"
         f"{' (the rank reporting it)' if peers else ''}: {why}. Its uncommitted files are "
-        "removed; the checkpoints committed before it are intact"
+        f"removed{left}; the checkpoints committed before it are intact"
     )
 
 
