@@ -317,6 +317,32 @@ def test_an_exception_is_recorded_as_a_failure_not_a_clean_end(tmp_path: Path):
     assert [(f["ended"], f["error"]) for f in report["failures"]] == [("failed", "RuntimeError")]
 
 
+def test_an_uncaught_exception_without_a_with_block_is_recorded_as_a_failure(tmp_path: Path):
+    """A plain loop (no ``with``, no adapter) dies of an exception: the Checkpointer closed at
+    exit recorded a clean end, and the report said the run finished cleanly with no failure."""
+    script = (
+        "import sys, torch\n"
+        "from resilient_callbacks import Checkpointer\n"
+        "ck = Checkpointer(sys.argv[1], every_n_steps=2)\n"
+        "state = {'w': torch.zeros(8)}\n"
+        "for step in range(1, 8):\n"
+        "    ck.step(step, state)\n"
+        "raise RuntimeError('NCCL watchdog: a collective timed out')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    p = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env
+    )
+    assert p.returncode == 1 and "NCCL watchdog" in p.stderr, p.stderr
+    events = [(r["event"], r.get("error")) for r in history.records(str(tmp_path))]
+    assert events[-1] == ("failed", "RuntimeError"), events
+    js = tmp_path / "r.json"
+    assert cli(["report", str(tmp_path), "--json", str(js)]) == 0
+    report = json.loads(js.read_text())
+    assert not report["summary"]["finished_cleanly"]
+    assert [(lf["ended"], lf["error"]) for lf in report["lives"]] == [("failed", "RuntimeError")]
+
+
 def test_report_of_a_history_without_a_run_start_exits_1(tmp_path: Path, capsys):
     (tmp_path / history.HISTORY_NAME).write_text("")
     assert cli(["report", str(tmp_path)]) == 1

@@ -14,6 +14,7 @@ import atexit
 import functools
 import logging
 import signal
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -219,9 +220,14 @@ def at_exit(ck: Checkpointer) -> Callable[[], None] | None:
 
 
 def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
-    """``atexit`` hook: close a Checkpointer still open at exit, so pending saves commit."""
+    """``atexit`` hook: close a Checkpointer still open at exit, so pending saves commit. An
+    exception no one caught ended the program (the interpreter sets ``sys.last_value`` as it
+    prints it): the history records a failure with its name, not a clean end."""
     ck = ref()
     if ck is not None and not ck._closed:
+        uncaught = getattr(sys, "last_value", None)
+        if isinstance(uncaught, BaseException) and not isinstance(uncaught, SystemExit):
+            ck.failed_with = ck.failed_with or type(uncaught).__name__
         try:
             ck.close()
         except Exception as e:  # at exit there is no caller left to raise to: say it loudly
