@@ -253,6 +253,32 @@ def test_a_save_cut_off_after_one_nodes_commit_is_no_checkpoint(tmp_path, first)
     assert kept(0) == kept(1) and len(kept(0)) == 3, (kept(0), kept(1))
 
 
+def test_uploads_a_crash_cut_off_are_committed_by_the_next_run(tmp_path):
+    """Node 1 uploads slowly; node 0 uploaded its parts and pruned them (keep_last=3) while
+    their remote commits still waited for node 1; both nodes are killed. The re-run uploads
+    node 1's parts again, but node 0's copies, which held the global manifests, were gone: no
+    remote commit came, and the objects lay uncommitted. Node 0 now keeps its copy until the
+    checkpoint is committed remotely."""
+    _run(
+        tmp_path,
+        "first",
+        2,
+        "--steps",
+        "10",
+        "--kill-at",
+        "10",
+        expect=-9,
+        RC_SLOW_UPLOADS=2,
+        RC_SLOW_NODE=1,
+    )
+    _run(tmp_path, "second", 2, "--steps", "10")
+    remote = tmp_path / "remote"
+    uncommitted = sorted(
+        p.name for p in remote.glob("step_*") if not (p / "manifest.json").exists()
+    )
+    assert uncommitted == [], sorted(os.listdir(remote))
+
+
 def test_a_file_that_rotted_on_a_nodes_disk_is_never_committed_remotely(tmp_path):
     """Node 1's file of step 2 rots after its local commit, before its upload: the upload
     checks the bytes against the manifest, so step 2 is never committed remotely (it was, with
@@ -344,7 +370,9 @@ def worker(base: str, argv: list[str]) -> None:
             raise ConnectionError("endpoint unreachable")
 
         ck._dir.remote.fs.put = put  # type: ignore[union-attr]
-    if os.environ.get("RC_SLOW_UPLOADS"):  # uploads lag behind the saves
+    if os.environ.get("RC_SLOW_UPLOADS") and os.environ.get("RC_SLOW_NODE", str(node)) == str(
+        node
+    ):  # uploads lag behind the saves (on every node, or on RC_SLOW_NODE's)
         real_put = ck._dir.remote.fs.put  # type: ignore[union-attr]
 
         def slow_put(*a, **k):

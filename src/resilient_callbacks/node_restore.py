@@ -75,6 +75,7 @@ class NodeRestorer(Restorer):
         r = ck.config.resume
         self._t0, self._tier, self._skipped = time.perf_counter(), "local", 0
         self._fetched: dict[tuple[str, int], dict[str, Any]] = {}  # this restore's downloads
+        self._deferred: tuple[str, Manifest] | None = None
         if r == ResumeMode.NEVER:
             ck._trigger.clock.reset()
             ck._start_run(0)
@@ -151,13 +152,20 @@ class NodeRestorer(Restorer):
                     int(mine.get("bytes", 0)),
                 )
                 listed = msg["remote_keys"]
-                self._recover(None if listed is None else {(str(k[0]), int(k[1])) for k in listed})
+                d.recover_uploads(
+                    None if listed is None else {(str(k[0]), int(k[1])) for k in listed}
+                )
+                if self._deferred is not None:  # after: what recover_uploads queues is kept
+                    Restorer._catch_up(self, *self._deferred)
                 return step
         raise NoValidCheckpointError(
             f"{ck.dirpath} (on {len(topo.nodes)} nodes) holds checkpoints but none can be "
             "restored:\n  - " + "\n  - ".join(skipped) + "\nRefusing to start from scratch "
             "silently; pass resume='never' to start fresh."
         )
+
+    def _catch_up(self, path: str, manifest: Manifest) -> None:
+        self._deferred = (path, manifest)  # see restore(): after the uploads are queued again
 
     def _warn_unusable(self, why: str) -> None:
         msg = f"skipping {why}; trying the next copy (this step from another tier, or older)"
@@ -462,38 +470,3 @@ class NodeRestorer(Restorer):
             d.commit.abort(staging)
             raise
         return final, len(need), sum(f.size for f in need)
-
-    # ------------------------------------------------------------------ after the load
-
-    def _recover(self, remote_keys: set[tuple[str, int]] | None) -> None:
-        """Leaders: queue this run's local checkpoints newer than its newest remote commit
-        (their upload a crash cut off); coordinator: expect their remote commit.
-        ``remote_keys`` None: the remote could not be listed, so every one is queued again."""
-        d = self._d
-        if not d.topology.is_leader or d.run_id is None:
-            return
-        why = "which a stop cut off"
-        if remote_keys is None:
-            remote_keys, why = set(), "again: the remote could not be listed to tell if it has it"
-        newest_remote = max((k[1] for k in remote_keys if k[0] == d.run_id), default=0)
-        for e in catalog.scan(d.dirpath, Depth.SIZE):
-            m = e.manifest
-            if m is None or e.status is not Status.VALID or m.run_id != d.run_id:
-                continue
-            key = (m.run_id, m.seq)
-            node = m.extra.get("node") or {}
-            name = node.get("remote_name")
-            if key in remote_keys or m.seq <= newest_remote or not name:
-                continue
-            if not d.config.remote_due(m.seq, m.reason):
-                continue
-            if d.committer is not None:
-                try:
-                    with open(os.path.join(e.path, REMOTE_MANIFEST), "rb") as fh:
-                        d.committer.expect(key, name, fh.read())
-                except OSError:
-                    pass
-            if d.uploader is not None:
-                mine = [f for f in m.files if not (f.path in SHARED_PATHS and f.rank != 0)]
-                log.warning("uploading %s, %s", e.name, why)
-                d.uploader.enqueue(e.name, name, key, mine)

@@ -211,11 +211,12 @@ class NodeLocalSession:
                 log.warning("could not keep the global manifest next to %s: %s", local_path, e)
         if d.committer is not None:
             committer, key, name = d.committer, (self.run_id, self.seq), self.name
+            here = os.path.basename(local_path) if local_path is not None else None
             if d.config.remote_due(self.seq, reason):
                 d.hold_upload(self.step, None)
-                committer.expect(key, name, data)
+                committer.expect(key, name, data, here)
             else:
-                d.hold_upload(self.step, lambda: committer.expect(key, name, data))
+                d.hold_upload(self.step, lambda: committer.expect(key, name, data, here))
         return {"ok": True, "seq": self.seq, "name": self.name, "renamed": renamed}
 
     def _after_local_commit(self, local_path: str, reason: str) -> None:

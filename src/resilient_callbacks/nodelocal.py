@@ -33,6 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist
+from .catalog import Depth, Status
 from .commit import sweep_staging
 from .directory import Directory, apply_retention
 from .errors import CheckpointError, CheckpointWriteError, ConfigError, RemoteUnavailableError
@@ -170,13 +171,16 @@ class NodeDirectory(Directory):
 
     def apply_retention(self, protect: str | None, policy: RetentionPolicy | None = None) -> None:
         """Leader: the local retention of this node's directory (``policy``: another one); a
-        checkpoint whose part this node has not uploaded yet is kept."""
+        checkpoint whose part this node has not uploaded yet is kept, and on the coordinator's
+        node one not committed remotely yet."""
         if not self.topology.is_leader:
             return
         with self._retention_lock:
             protected = [protect] if protect else []
             if self.uploader is not None:
                 protected += self.uploader.pending()
+            if self.committer is not None:
+                protected += self.committer.held_locally()
             apply_retention(
                 self.dirpath,
                 policy or self.retention,
@@ -236,6 +240,7 @@ class NodeDirectory(Directory):
                     "close(): not committed remotely (a node's part is missing): %s",
                     ", ".join(self.committer.waiting()),
                 )
+            self.apply_retention(None)  # the copies kept for their remote commit may go now
             if self.committer.abandoned:
                 log.warning(
                     "close(): not committed remotely (the remote commit failed; the nodes' "
@@ -243,3 +248,35 @@ class NodeDirectory(Directory):
                     "them): %s",
                     ", ".join(self.committer.abandoned),
                 )
+
+    def recover_uploads(self, remote_keys: set[tuple[str, int]] | None) -> None:
+        """After a restore, leaders: queue this run's local checkpoints newer than its newest
+        remote commit (their upload a crash cut off); coordinator: expect their remote commit.
+        ``remote_keys`` None: the remote could not be listed, so every one is queued again."""
+        if not self.topology.is_leader or self.run_id is None:
+            return
+        why = "which a stop cut off"
+        if remote_keys is None:
+            remote_keys, why = set(), "again: the remote could not be listed to tell if it has it"
+        newest_remote = max((k[1] for k in remote_keys if k[0] == self.run_id), default=0)
+        for e in catalog.scan(self.dirpath, Depth.SIZE):
+            m = e.manifest
+            if m is None or e.status is not Status.VALID or m.run_id != self.run_id:
+                continue
+            key = (m.run_id, m.seq)
+            node = m.extra.get("node") or {}
+            name = node.get("remote_name")
+            if key in remote_keys or m.seq <= newest_remote or not name:
+                continue
+            if not self.config.remote_due(m.seq, m.reason):
+                continue
+            if self.committer is not None:
+                try:
+                    with open(os.path.join(e.path, REMOTE_MANIFEST), "rb") as fh:
+                        self.committer.expect(key, name, fh.read(), e.name)
+                except OSError:
+                    pass
+            if self.uploader is not None:
+                mine = [f for f in m.files if not (f.path in SHARED_PATHS and f.rank != 0)]
+                log.warning("uploading %s, %s", e.name, why)
+                self.uploader.enqueue(e.name, name, key, mine)

@@ -222,6 +222,7 @@ class NodeUploader(UploadThread):
 class PendingCommit:
     name: str
     manifest: bytes
+    local: str | None = None  # the coordinator's copy, which holds the global manifest
     done: set[int] = field(default_factory=set)
 
 
@@ -244,6 +245,7 @@ class RemoteCommitter(UploadThread):
         self.index: dict[tuple[str, int], str] = {}  # committed remotely: key -> name
         self.committed = 0
         self.abandoned: list[str] = []  # gave up after max_attempts: local only, named at close
+        self._kept: list[str] = []  # the coordinator's copies of those: a later run commits them
         self._pending: dict[tuple[str, int], PendingCommit] = {}
         self._ready: list[tuple[str, int]] = []
         self._busy = False
@@ -269,12 +271,23 @@ class RemoteCommitter(UploadThread):
             candidate = f"{name}-r{n}"
         return candidate
 
-    def expect(self, key: tuple[str, int], name: str, manifest: bytes) -> None:
+    def expect(
+        self, key: tuple[str, int], name: str, manifest: bytes, local: str | None = None
+    ) -> None:
         """A checkpoint committed on every node: commit it remotely once each node's part is
-        uploaded."""
+        uploaded. ``local``: the name of the coordinator's copy, kept until then
+        (:meth:`held_locally`)."""
         with self._cond:
             if key not in self.index:
-                self._pending.setdefault(key, PendingCommit(name, manifest))
+                self._pending.setdefault(key, PendingCommit(name, manifest, local))
+
+    def held_locally(self) -> list[str]:
+        """The coordinator's copies that local retention must keep: those of the checkpoints
+        not committed remotely yet. Each holds the global manifest, the only record of it
+        across a crash: without it a later run uploads the nodes' parts again but cannot
+        commit them."""
+        with self._cond:
+            return [p.local for p in self._pending.values() if p.local] + list(self._kept)
 
     def report(self, node: int, rep: dict[str, Any]) -> None:
         """Node ``node`` uploaded its part of ``rep['key']`` under ``rep['name']``."""
@@ -343,6 +356,7 @@ class RemoteCommitter(UploadThread):
                     self.committed += 1
                 else:
                     self.abandoned.append(p.name)
+                    self._kept += [p.local] if p.local else []
                 self._busy = False
                 self._cond.notify_all()
             if ok:

@@ -390,8 +390,12 @@ class Restorer:
             # pass of the policy the run had (recorded in the checkpoint), not of this
             # process's options (an evaluation that opens the directory with keep_last=1 and
             # only restores deleted the best and archive checkpoints); its saves apply those.
-            d.apply_retention(protect=os.path.basename(path), policy=_recorded(manifest))
+            self._catch_up(path, manifest)
         log.info("restored step %d from %s", manifest.step, path)
+
+    def _catch_up(self, path: str, manifest: Manifest) -> None:
+        """The retention pass after a restore (see :meth:`_restored`)."""
+        self._ck._dir.apply_retention(protect=os.path.basename(path), policy=_recorded(manifest))
 
     # ------------------------------------------------------------------ candidates (rank 0)
 
