@@ -65,7 +65,21 @@ class TokenDataset(torch.utils.data.Dataset):
 
 
 class NoisyTrainer(Trainer):
-    """The loss gets a tiny term from Python's and NumPy's global RNGs."""
+    """The loss gets a tiny term from Python's and NumPy's global RNGs. ``RC_OWN_SAMPLER``
+    (weighted, subset, random): the training data is drawn by a sampler with its own
+    generator, as a class-balancing subclass returns from ``_get_train_sampler``."""
+
+    def _get_train_sampler(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        kind = os.environ.get("RC_OWN_SAMPLER")
+        if not kind:
+            return super()._get_train_sampler(*args, **kwargs)
+        g = torch.Generator().manual_seed(11)
+        n = len(self.train_dataset)
+        if kind == "weighted":
+            return torch.utils.data.WeightedRandomSampler(torch.linspace(1, 3, n), n, generator=g)
+        if kind == "subset":
+            return torch.utils.data.SubsetRandomSampler(range(n), generator=g)
+        return torch.utils.data.RandomSampler(self.train_dataset, generator=g)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[no-untyped-def]
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -307,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             hold_deferred_copies(f"{os.environ['RC_HOLD_DEFERRED']}.rank{rank}")
     if args.fsdp:
         overrides.update(fsdp_options())
+    if os.environ.get("RC_OWN_SAMPLER") == "random":  # kept: accelerate would replace it
+        overrides["accelerator_config"] = {"use_seedable_sampler": False}
     if args.persistent_workers:
         overrides.update(dataloader_num_workers=2, dataloader_persistent_workers=True)
     trainer = build_trainer(

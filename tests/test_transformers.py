@@ -525,6 +525,46 @@ def test_persistent_workers_sigkill_after_an_epoch_boundary_then_rerun_is_exact(
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
 
 
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        "weighted",
+        pytest.param("subset", marks=pytest.mark.slow),
+        pytest.param("random", marks=pytest.mark.slow),
+    ],
+)
+def test_a_sampler_with_its_own_generator_resumes_exactly(tmp_path, monkeypatch, sampler):
+    """A Trainer whose _get_train_sampler returns a sampler with its own generator (a
+    class-balancing WeightedRandomSampler, a SubsetRandomSampler; a RandomSampler with
+    use_seedable_sampler=False, refused before): a resume trained other batches from the next
+    epoch on, with no warning, since the generator's state was not saved. Killed after step 11
+    (resumed at an epoch's end, 10) and after step 13 (resumed inside an epoch, 12): the same
+    losses and weights as the run not stopped."""
+    monkeypatch.setenv("RC_OWN_SAMPLER", sampler)
+    ref, got = tmp_path / "ref", tmp_path / "got"
+
+    def cmd(d: Path) -> list[str]:
+        return [
+            sys.executable, str(SCRIPT), str(d / "out"), "--max-steps", "15",
+            "--every-n-steps", "2", "--sleep", str(SLEEP),
+            "--out-jsonl", str(d / "steps.jsonl"), "--out-final", str(d / "final.safetensors"),
+        ]  # fmt: skip
+
+    ref.mkdir()
+    got.mkdir()
+    _run(cmd(ref))
+    rc, _, _ = _run_and_signal(cmd(got), got, 11, signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    rc, _, err = _run_and_signal(cmd(got), got, 13, signal.SIGKILL)
+    assert rc == -signal.SIGKILL and _restored(err) == 10  # at an epoch's end
+    assert _restored(_run(cmd(got))) == 12  # inside an epoch
+    a, b = _per_step(ref / "steps.jsonl"), _per_step(got / "steps.jsonl")
+    assert sorted(a) == sorted(b) == list(range(1, 16))
+    assert [s for s in a if a[s] != b[s]] == []
+    wa, wb = load_file(str(ref / "final.safetensors")), load_file(str(got / "final.safetensors"))
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
+
+
 def test_changed_data_settings_are_refused_unless_the_global_batch_stays(tmp_path):
     """Another per-device batch with the same accumulation (another global batch) is refused,
     naming the global batch to keep; with twice the accumulation (the same global batch: the

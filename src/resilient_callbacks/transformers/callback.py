@@ -265,8 +265,7 @@ class ResilientCheckpoint(TrainerCallback):
         self.checkpointer = ckpt
         self._trainer = trainer
         try:
-            rng = self._batches.epoch_rng if self._batches is not None else None
-            self._saved.build(trainer, rng)
+            self._saved.build(trainer, self._batches)
             if state.global_step > 0:
                 log.info(
                     "train(resume_from_checkpoint=...) restored step %d: ResilientCheckpoint "

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import transformers
 from accelerate.data_loader import DataLoaderDispatcher
-from torch.utils.data import BatchSampler, RandomSampler
+from torch.utils.data import BatchSampler
 
 from ..errors import ConfigError, warn_and_log
 from .peft_export import peft_info
@@ -95,21 +95,6 @@ def check_setup(trainer: Any, state: Any, loader: Any) -> None:
             "the Trainer's default training data loader (accelerator_config "
             "dispatch_batches=False)."
         )
-    sampler = index_sampler(loader.batch_sampler)
-    if type(sampler) is RandomSampler and sampler.generator is not None:
-        raise ConfigError(
-            "the training data is shuffled by a RandomSampler with its own generator, whose "
-            "order for an epoch cannot be recomputed on resume. Keep the Trainer's default "
-            "accelerator_config use_seedable_sampler=True (the order then depends on the "
-            "seed and the epoch only), or give your sampler set_epoch()."
-        )
-
-
-def index_sampler(batch_sampler: Any) -> Any:
-    inner = getattr(batch_sampler, "batch_sampler", None)
-    if inner is not None and hasattr(inner, "sampler"):
-        return inner.sampler
-    return getattr(batch_sampler, "sampler", None)
 
 
 def resolved_options(options: dict[str, Any], args: Any, state: Any) -> tuple[dict[str, Any], bool]:

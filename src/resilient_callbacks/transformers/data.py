@@ -12,7 +12,11 @@ The order must be the one the interrupted run used. Samplers whose order is a fu
 epoch (accelerate's ``SeedableRandomSampler``, the default; ``SequentialSampler``;
 ``DistributedSampler``) are recomputed as they are. Samplers that draw from the global torch RNG
 (a plain ``RandomSampler``, ``LengthGroupedSampler``) are recomputed with the torch RNG state they
-saw when the epoch began, which is saved with every checkpoint.
+saw when the epoch began, which is saved with every checkpoint. A sampler with its own
+``generator`` (a ``WeightedRandomSampler`` or ``SubsetRandomSampler`` built with ``generator=g``,
+a ``RandomSampler`` of a loader with ``generator=g``) is recomputed from that generator's state at
+the epoch's start, and the generator is given the state it had at the save: both are saved too
+(:meth:`ResumableBatches.generator_states`).
 
 How: the class of the data loader's batch sampler object is swapped for a subclass that adds this
 ability (:func:`make_resumable`), so the Trainer, accelerate and every other reference keep using
@@ -21,6 +25,7 @@ the same object; without a pending start position it iterates exactly as before.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,23 +74,64 @@ class ResumableBatches:
     _rc_base: Any
     _rc_skip: int
     _rc_replay_rng: torch.Tensor | None
+    _rc_replay_gen: torch.Tensor | None  # the sampler's generator at the resumed epoch's start
+    _rc_gen_now: torch.Tensor | None  # ... and at the save
     epoch_rng: torch.Tensor | None
+    epoch_gen: torch.Tensor | None  # the sampler's own generator at this epoch's start
     fast_forwards: int  # how many resumed iterations used direct slicing (not materializing)
 
     def resume_at(self, batches: int, rng_state: torch.Tensor | None) -> None:
         self._rc_skip = int(batches)
         self._rc_replay_rng = rng_state
 
+    def generator_states(self) -> dict[str, str] | None:
+        """The sampler's own generator (None: it has none), base64 of its state at this
+        epoch's start and now: a resume recomputes the epoch's order from the first and
+        continues from the second (:meth:`resume_generator`)."""
+        g = sampler_generator(self)
+        if g is None or self.epoch_gen is None:
+            return None
+        return {"epoch": _b64(self.epoch_gen), "now": _b64(g.get_state())}
+
+    def resume_generator(self, states: dict[str, str] | None) -> None:
+        """After a restore: the sampler's generator takes its state at the save; a resume
+        inside the epoch draws the epoch's order from its state at the epoch's start."""
+        g = sampler_generator(self)
+        if g is None or not states:
+            return
+        self._rc_gen_now = _state(states["now"])
+        self._rc_replay_gen = _state(states["epoch"])
+        g.set_state(self._rc_gen_now)
+
     def __iter__(self) -> Iterator[Any]:
         skip, replay = self._rc_skip, self._rc_replay_rng
-        self._rc_skip, self._rc_replay_rng = 0, None
+        gen, now = self._rc_replay_gen, self._rc_gen_now
+        self._rc_skip, self._rc_replay_rng, self._rc_replay_gen, self._rc_gen_now = (
+            0,
+            None,
+            None,
+            None,
+        )
+        own = sampler_generator(self)
         if skip <= 0:
             # The body of this generator runs at the loader's first request for a batch, right
             # before the sampler draws its order: that is the state a resume must replay.
             self.epoch_rng = torch.get_rng_state()
+            self.epoch_gen = own.get_state() if own is not None else None
             yield from self._rc_base.__iter__(self)
             return
         self.epoch_rng = replay.clone() if replay is not None else torch.get_rng_state()
+        if own is not None and gen is not None and now is not None:
+            own.set_state(gen)  # the epoch's order is drawn from its start state ...
+            self.epoch_gen = gen
+            batches = self._batches_from(skip, replay)
+            first = next(batches, None)  # (the order is drawn at the first batch)
+            own.set_state(now)  # ... and the generator goes on from the save's state
+            if first is not None:
+                yield first
+                yield from batches
+            return
+        self.epoch_gen = own.get_state() if own is not None else None
         yield from self._batches_from(skip, replay)
 
     def _batches_from(self, skip: int, rng: torch.Tensor | None) -> Iterator[Any]:
@@ -169,7 +215,15 @@ def _plain_batches(
         yield order[j * batch_size : (j + 1) * batch_size]
 
 
-_METHODS = ("resume_at", "__iter__", "_batches_from", "_plain_shard", "_shard_batches")
+_METHODS = (
+    "resume_at",
+    "generator_states",
+    "resume_generator",
+    "__iter__",
+    "_batches_from",
+    "_plain_shard",
+    "_shard_batches",
+)
 
 
 def _subclass(base: type, name: str | None = None) -> type:
@@ -207,7 +261,24 @@ def make_resumable(batch_sampler: Any) -> Any:
         cls = _CLASSES[base] = _subclass(base)
     batch_sampler.__class__ = cls
     batch_sampler._rc_skip = 0
-    batch_sampler._rc_replay_rng = None
-    batch_sampler.epoch_rng = None
+    batch_sampler._rc_replay_rng = batch_sampler._rc_replay_gen = batch_sampler._rc_gen_now = None
+    batch_sampler.epoch_rng = batch_sampler.epoch_gen = None
     batch_sampler.fast_forwards = 0
     return batch_sampler
+
+
+def sampler_generator(batch_sampler: Any) -> torch.Generator | None:
+    """The ``torch.Generator`` the index sampler under ``batch_sampler`` draws its order from
+    (its ``generator``; under accelerate's ``BatchSamplerShard``, the inner sampler's), or None."""
+    inner = getattr(batch_sampler, "batch_sampler", None)
+    holder = inner if inner is not None and hasattr(inner, "sampler") else batch_sampler
+    g = getattr(getattr(holder, "sampler", None), "generator", None)
+    return g if isinstance(g, torch.Generator) else None
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _state(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)

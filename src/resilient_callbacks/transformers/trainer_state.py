@@ -63,10 +63,13 @@ class SavedState:
         self.epoch_start_live: torch.Tensor | None = None  # this epoch's, set by the loop
         self.model_info: dict[str, Any] = {}
         self.signature: dict[str, int] = {}  # the data settings a position in an epoch needs
+        self.batches: Any = None  # the training data's resumable batch sampler (build())
 
-    def build(self, trainer: Any, epoch_rng: torch.Tensor | None) -> dict[str, Any]:
+    def build(self, trainer: Any, batches: Any) -> dict[str, Any]:
         """Every rank, at ``train()``'s start (the objects exist): the tree, pointing at the
-        Trainer's live objects (``epoch_rng``: as for :meth:`refresh`)."""
+        Trainer's live objects. ``batches``: the resumable batch sampler of its training data
+        (:mod:`.data`), or None."""
+        self.batches = batches
         opt = hookable(trainer.optimizer)  # the torch optimizer itself (its step hooks fire)
         self.rank_values = {
             "tr_loss": trainer._tr_loss,
@@ -92,7 +95,7 @@ class SavedState:
         if scaler is not None:
             tree["scaler"] = scaler
         self.values.clear()
-        self.refresh(trainer, (0, 0), epoch_rng)
+        self.refresh(trainer, (0, 0), batches.epoch_rng if batches is not None else None)
         self.tree = tree
         return tree
 
@@ -120,6 +123,10 @@ class SavedState:
                     and st.global_step < st.max_steps,
                 },
                 "data": dict(self.signature),
+                # a sampler's own generator, at the epoch's start and now (data.py)
+                "sampler_generator": (
+                    self.batches.generator_states() if self.batches is not None else None
+                ),
                 "model": self.model_info,
             }
         )
@@ -145,6 +152,8 @@ class SavedState:
             setattr(state, name, value)
         restore_callback_states(trainer, v["callbacks"], exclude=self.exclude)
         loop = v["loop"]
+        if self.batches is not None:
+            self.batches.resume_generator(v.get("sampler_generator"))
         trainer._globalstep_last_logged = int(loop["globalstep_last_logged"])
         # The running loss total (what train_loss averages) and, per rank, the loss not yet
         # logged: the final train_loss is the uninterrupted run's, also for a finished run.
