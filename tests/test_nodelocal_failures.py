@@ -279,6 +279,27 @@ def test_uploads_a_crash_cut_off_are_committed_by_the_next_run(tmp_path):
     assert uncommitted == [], sorted(os.listdir(remote))
 
 
+def test_the_cli_says_a_nodes_directory_holds_parts(tmp_path, capsys):
+    """ls and verify of one node's directory called its parts plain 'valid' checkpoints, and
+    report said the directory was not one a Checkpointer wrote."""
+    from resilient_callbacks.cli import main
+
+    _run(tmp_path, "run", 2, "--steps", "4")
+    node1 = str(tmp_path / "node1")
+    for command in (["ls", node1], ["verify", node1]):
+        assert main(command) == 0
+        out = capsys.readouterr().out
+        assert (
+            "node-local: each checkpoint here is one node's part (the files of rank(s) 1 of 2"
+            in out
+        )
+    assert main(["ls", node1, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["node_part"] for r in rows] == [{"ranks": [1], "nodes": 2, "world_size": 2}] * 2
+    assert main(["report", node1]) != 0
+    assert "history is kept on rank 0's node" in capsys.readouterr().err
+
+
 def test_a_file_that_rotted_on_a_nodes_disk_is_never_committed_remotely(tmp_path):
     """Node 1's file of step 2 rots after its local commit, before its upload: the upload
     checks the bytes against the manifest, so step 2 is never committed remotely (it was, with

@@ -24,7 +24,7 @@ from .cli_format import (
     status_text,
     table,
 )
-from .cli_scan import no_checkpoints, public, report_verified, resolve, row, scan
+from .cli_scan import no_checkpoints, node_part_note, public, report_verified, resolve, row, scan
 from .commit import LATEST_TMP_PREFIX, remove_checkpoint, write_latest_pointer
 from .errors import CheckpointError, CheckpointNotFoundError
 from .lock import DirLock
@@ -137,6 +137,8 @@ def ls(args: argparse.Namespace) -> int:
             line.insert(4, r.get("tier", "-"))
         cells.append(line)
     print(table(header, cells, right=frozenset({0, 2})))
+    if note := node_part_note(rows):
+        print(f"\n{note}")
     unverified = [r for r in rows if r["status"] == UNVERIFIED]
     if any(r.get("tier") != "remote" for r in unverified):
         print(

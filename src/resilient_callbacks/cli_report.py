@@ -21,6 +21,11 @@ def report(args: argparse.Namespace) -> int:
         what = "not a directory" if os.path.exists(root) else "no such checkpoint directory"
         raise CheckpointNotFoundError(f"{args.dir}: {what}")
     if not rep.history_exists(root):
+        if _node_part(root):
+            raise CheckpointNotFoundError(
+                f"{args.dir} has no history.jsonl: it holds another node's parts of a "
+                "node-local run, whose history is kept on rank 0's node (the dirpath there)"
+            )
         raise CheckpointNotFoundError(
             f"{args.dir} has no history.jsonl: it is not a directory a Checkpointer wrote "
             "(or its runs predate the history)"
@@ -75,3 +80,15 @@ def _write(path: str, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def _node_part(root: str) -> bool:
+    """Whether ``root`` holds node-local parts of checkpoints without rank 0's files."""
+    from . import catalog
+    from .cli_scan import node_part
+
+    for e in catalog.scan(root, catalog.Depth.NONE):
+        part = node_part(e.manifest)
+        if part is not None and 0 not in (part["ranks"] or []):
+            return True
+    return False

@@ -120,7 +120,31 @@ def row(e: Entry, depth: Depth) -> dict[str, Any]:
         "metrics": dict(m.metrics) if m else {},
         "problem": e.problem,
         "path": e.path,
+        "node_part": node_part(m),
     }
+
+
+def node_part(m: Any) -> dict[str, Any] | None:
+    """What part of a node-local checkpoint (docs/multinode.md) a manifest describes: the
+    ranks whose files this node holds, of how many nodes and ranks; None for a whole one."""
+    node = (m.extra.get("node") if m is not None else None) or None
+    if not isinstance(node, dict):
+        return None
+    return {"ranks": node.get("ranks"), "nodes": node.get("nodes"), "world_size": m.world_size}
+
+
+def node_part_note(rows: list[dict[str, Any]]) -> str | None:
+    """The text outputs' word on rows that are node-local parts: "valid" is of this part."""
+    parts = [r["node_part"] for r in rows if r.get("node_part")]
+    if not parts:
+        return None
+    p = parts[-1]
+    return (
+        f"node-local: each checkpoint here is one node's part (the files of rank(s) "
+        f"{', '.join(map(str, p['ranks'] or []))} of {p['world_size']} ranks on {p['nodes']} "
+        "nodes); 'valid' means this part verifies. A checkpoint is whole with every node's "
+        "part, or in the remote store (`resilient-ckpt verify URL`)."
+    )
 
 
 def public(r: dict[str, Any]) -> dict[str, Any]:
@@ -168,4 +192,6 @@ def report_verified(
     if scope == "newest" and total > len(rows):
         matched += f" (the newest of {total}; --all verifies every one)"
     print(f"{len(rows)} {what} verified: {matched}")
+    if note := node_part_note(rows):
+        print(note)
     return 0
