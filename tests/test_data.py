@@ -396,3 +396,21 @@ def test_a_loader_resharded_at_an_epoch_boundary_says_that_epoch_was_complete(ca
     assert said and "epoch 0 was complete" in said[0] and "0 of its samples" not in said[0], said
     assert list(one) == []  # the rest of epoch 0: nothing
     assert sorted(x for b in one for x in b[0].tolist()) == list(range(50))  # epoch 1, whole
+
+
+def test_lightning_says_a_sampler_with_its_own_generator_changes_later_epochs_too():
+    """A Lightning train loader it cannot rebuild: the warning said only that a mid-epoch
+    resume restarts the epoch's data; with a sampler of its own generator (not saved), every
+    epoch after any resume draws another order too, and the warning says so."""
+    pytest.importorskip("lightning")
+    from torch.utils.data import WeightedRandomSampler
+
+    from resilient_callbacks.lightning.loaders import make_resumable
+
+    ds = TensorDataset(torch.arange(8.0))
+    g = torch.Generator().manual_seed(0)
+    own = DataLoader(ds, batch_size=2, sampler=WeightedRandomSampler([1.0] * 8, 8, generator=g))
+    loader, reason = make_resumable(own)
+    assert loader is own and "the following epochs draw other orders too" in str(reason)
+    plain = DataLoader(ds, batch_size=2, sampler=WeightedRandomSampler([1.0] * 8, 8))
+    assert make_resumable(plain)[1] == "its sampler is a WeightedRandomSampler"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -92,7 +93,13 @@ def make_resumable(loader: Any, seed: int | None = None) -> tuple[Any, str | Non
             seed=sampler.seed,
         )
     else:
-        return loader, f"its sampler is a {type(sampler).__qualname__}"
+        own = isinstance(getattr(sampler, "generator", None), torch.Generator)
+        return loader, f"its sampler is a {type(sampler).__qualname__}" + (
+            " with its own generator, whose state is not saved: after any resume, the "
+            "following epochs draw other orders too"
+            if own
+            else ""
+        )
     new = ResumableDataLoader(
         loader.dataset,
         batch_size=loader.batch_size,
