@@ -279,6 +279,19 @@ def test_uploads_a_crash_cut_off_are_committed_by_the_next_run(tmp_path):
     assert uncommitted == [], sorted(os.listdir(remote))
 
 
+def test_a_damaged_remote_copy_is_downloaded_once(tmp_path):
+    """Node 1's disk lost, its object of the newest remote checkpoint rotten: node 1 falls back
+    to the step before; it downloaded the rotten copy twice (once per candidate of that
+    commit)."""
+    _run(tmp_path, "first", 2, "--steps", "4")
+    shutil.rmtree(tmp_path / "node1")
+    _flip_a_byte_of(tmp_path / "remote" / "step_000000004" / "rank_00001.safetensors")
+    out = _run(tmp_path, "again", 2, "--steps", "4", RC_CAPTURE_LOG=1)
+    assert [rank[0]["restored"] for rank in out] == [2, 2]
+    log = out[1][-1]["log"]
+    assert log.count("file(s) of step 4 from the remote copy") == 1, log
+
+
 def test_the_cli_says_a_nodes_directory_holds_parts(tmp_path, capsys):
     """ls and verify of one node's directory called its parts plain 'valid' checkpoints, and
     report said the directory was not one a Checkpointer wrote."""

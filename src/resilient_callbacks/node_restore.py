@@ -359,6 +359,7 @@ class NodeRestorer(Restorer):
                 self._fetched[key] = {k: result[k] for k in ("path", "files", "bytes", "tier")}
             except Exception as e:
                 result["problem"] = f"remote copy {mine_src[1]}: {type(e).__name__}: {e}"
+                self._fetched[key] = {"problem": result["problem"]}  # not fetched again
         for j in sorted(src, key=int):  # replicas, pair by pair, in the same order everywhere
             s = src[j]
             if s[0] != "peer" or not topo.is_leader:
