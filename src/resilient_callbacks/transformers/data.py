@@ -106,12 +106,8 @@ class ResumableBatches:
     def __iter__(self) -> Iterator[Any]:
         skip, replay = self._rc_skip, self._rc_replay_rng
         gen, now = self._rc_replay_gen, self._rc_gen_now
-        self._rc_skip, self._rc_replay_rng, self._rc_replay_gen, self._rc_gen_now = (
-            0,
-            None,
-            None,
-            None,
-        )
+        self._rc_skip, self._rc_replay_rng = 0, None
+        self._rc_replay_gen = self._rc_gen_now = None
         own = sampler_generator(self)
         if skip <= 0:
             # The body of this generator runs at the loader's first request for a batch, right
