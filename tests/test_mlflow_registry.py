@@ -140,3 +140,32 @@ def test_a_failing_registry_is_warned_about_and_the_artifact_stays(
 def test_register_model_is_validated_early(tmp_path: Path, options: dict, says: str):
     with pytest.raises(ConfigError, match=says):
         Checkpointer(tmp_path, telemetry={"kind": "mlflow", **options})
+
+
+def test_the_best_checkpoint_logged_is_this_runs_not_another_runs_beside_it(
+    tmp_path: Path, monkeypatch
+):
+    """An older run's checkpoints in the same directory (this run started with resume="never")
+    score better: the artifact and the model version are still this run's best."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    d, state = tmp_path / "ck", {"model": torch.nn.Linear(8, 8)}
+    with Checkpointer(d, every_n_steps=5, keep_last=2, keep_best=1, monitor="loss") as ck:
+        ck.restore(state)
+        for step in range(1, 11):  # the older run: far better losses
+            ck.step(step, state, {"loss": 0.01 * step})
+    sink = _sink(uri, log_checkpoint="best")
+    opts = {"every_n_steps": 5, "keep_last": 2, "keep_best": 1, "monitor": "loss"}
+    with Checkpointer(d, resume="never", telemetry=sink, **opts) as ck:
+        ck.restore(state)
+        for step in range(1, 11):  # its best: step 5 (loss 0.5)
+            ck.step(step, state, {"loss": 0.5 if step == 5 else 1.0 + 0.1 * step})
+        mine = ck._dir.run_id
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("registry-test").experiment_id])
+    name = json.loads(run.data.tags["resilient_ckpt.checkpoint_artifact"])["name"]
+    logged = read_manifest(str(d / name))
+    assert logged.run_id == mine, (name, logged.run_id, mine)
+    assert logged.step == 5 and logged.metrics["loss"] == pytest.approx(0.5)
+    v1 = client.get_model_version("tiny-linear", "1")
+    assert v1.tags["resilient_ckpt.checkpoint"] == name

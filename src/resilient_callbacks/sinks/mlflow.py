@@ -191,7 +191,12 @@ class MLflowSink:
         dirpath = self.context.get("dirpath")
         if not dirpath:
             return None
-        valid = [e for e in scan(dirpath, Depth.SIZE) if e.status is Status.VALID and e.manifest]
+        run = self.context.get("run_id")  # this run's checkpoints only: not another run's
+        valid = [  # in the same directory (resume="never" beside it)
+            e
+            for e in scan(dirpath, Depth.SIZE)
+            if e.status is Status.VALID and e.manifest and e.manifest.run_id == run
+        ]
         monitor = self.context.get("monitor")
         if self.log_checkpoint == "best" and monitor:
             sign = -1.0 if self.context.get("mode") == "max" else 1.0
