@@ -352,6 +352,39 @@ def test_an_evaluator_beside_a_keep_last_1_writer_reads_the_newer_checkpoint(
         assert not os.path.exists(chosen[0])  # it was gone, not damaged
 
 
+def test_an_evaluator_whose_listing_missed_every_checkpoint_lists_again(tmp_path, monkeypatch):
+    """The listing races the writer: it names step 1 only (step 2 is not yet renamed into
+    place), then, before step 1's manifest is read, the writer commits step 2 and its
+    retention (keep_last=1) moves step 1 away. That listing holds no checkpoint; the reader
+    said "nothing was restored" and left the model untrained (a monitoring probe: 2 of 1101
+    evaluations beside a writer saving every step). It lists again and loads step 2."""
+    from resilient_callbacks import catalog
+
+    root = tmp_path / "run"
+    model = nn.Linear(8, 4)
+    with Checkpointer(root, keep_last=1, async_save=False) as writer:
+        writer.save(1, {"model": model})
+        read_manifest = catalog.read_manifest
+        raced: list[str] = []
+
+        def the_writer_moves_on(path, *args, **kwargs):
+            if not raced:
+                raced.append(path)
+                with torch.no_grad():
+                    model.weight.add_(1.0)
+                writer.save(2, {"model": model})  # commits step 2, moves step 1 away
+                writer.flush()
+            return read_manifest(path, *args, **kwargs)
+
+        monkeypatch.setattr(catalog, "read_manifest", the_writer_moves_on)
+        evaluated = nn.Linear(8, 4)
+        with Checkpointer(root, read_only=True) as reader:
+            assert reader.restore({"model": evaluated}) == 2
+        assert raced and raced[0].endswith("step_000000001")
+        assert not os.path.exists(raced[0])
+        assert torch.equal(evaluated.weight, model.weight)
+
+
 def test_an_evaluator_that_never_catches_up_says_why(tmp_path, monkeypatch):
     """Every checkpoint the reader chooses is deleted as it reads it (a writer saving faster
     than the reader verifies): after 3 listings more, an error that names each checkpoint

@@ -106,6 +106,16 @@ class Restorer:
         self._tier = "local"
         self._skipped = 0
         cands = self._listed()
+        for _ in range(
+            RELIST if ck.config.read_only and ck.config.resume == ResumeMode.AUTO else 0
+        ):
+            if cands:
+                break
+            # beside a writer, one listing can miss every checkpoint: the newest not yet renamed
+            # into place when the directory was listed, the one before it moved away by the
+            # writer's retention before its manifest was read. An evaluator that loaded nothing
+            # would score an untrained model: list again.
+            cands = self._listed()
         self._remote_copies = {c.key for c in cands if c.remote is not None}
         explicit = ck.config.resume not in (ResumeMode.AUTO, ResumeMode.NEVER)
         if ck.is_coordinator and ck.config.resume == ResumeMode.AUTO:
