@@ -468,3 +468,44 @@ def test_transformers_final_checkpoint_logs_reach_the_trainers_mlflow_run(
     assert len(runs) == 1, [(r.info.run_name, sorted(r.data.metrics)) for r in runs]
     history = client.get_metric_history(runs[0].info.run_id, "resilient/last_committed_step")
     assert max(m.value for m in history) == 4
+
+
+def test_the_runs_counters_are_not_shown_as_0_before_restore(tmp_path: Path):
+    """``restarts_total`` and ``wall_seconds_total`` count over the run's lives: a new process
+    knows them after restore(). Shown as 0 before it, a scrape saw a counter reset at every
+    restart (Prometheus' increase() counting 1 + 2 + ... + N restarts; a monitoring probe)."""
+    state = _state()
+    with Checkpointer(tmp_path / "ck", every_n_steps=2) as ck:
+        assert ck.restore(state) == 0
+        time.sleep(0.2)
+        for step in range(1, 5):
+            ck.step(step, state)
+    with Checkpointer(tmp_path / "ck") as ck:
+        before = ck.metrics()
+        assert PREFIX + "restarts_total" not in before
+        assert PREFIX + "wall_seconds_total" not in before
+        assert before[PREFIX + "preemptions_total"] == 0  # this process's counters: at 0
+        assert ck.restore(_state()) == 4
+        after = ck.metrics()
+    assert after[PREFIX + "restarts_total"] == 0  # a clean close: no failure
+    assert after[PREFIX + "wall_seconds_total"] >= 0.2
+
+
+def test_a_run_that_never_calls_restore_is_timed_from_its_construction(tmp_path: Path):
+    """resume="never" and no restore(): the run's clock started at the first save, so the
+    steps before it were useful time outside the wall time (goodput clamped to 1). It starts
+    when the Checkpointer is made; the history's start record says so too."""
+    import json
+
+    state = _state()
+    made = time.time()
+    with Checkpointer(tmp_path / "ck", every_n_steps=10, resume="never") as ck:
+        for step in range(1, 11):
+            time.sleep(0.05)
+            ck.step(step, state)
+        m = ck.metrics()
+    assert m[PREFIX + "useful_seconds"] >= 0.4
+    assert m[PREFIX + "wall_seconds_total"] >= m[PREFIX + "useful_seconds"] - 0.05
+    lines = (tmp_path / "ck" / "history.jsonl").read_text().splitlines()
+    (start,) = [r for r in map(json.loads, lines) if r["event"] == "start"]
+    assert made <= start["time"] <= made + 0.4, (made, start)

@@ -284,14 +284,14 @@ class Checkpointer:
         """How many background saves of this rank waited for the previous one to be written."""
         return self._saver.save_waits.waits
 
-    def _start_run(self, step: int, **fields: Any) -> None:
+    def _start_run(self, step: int, at: float | None = None, **fields: Any) -> None:
         """Every rank: give this run an id (rank 0 chooses it and records the start, with
-        ``fields``)."""
+        ``fields``). ``at``: the wall time it started, when earlier than now."""
         if self._dir.run_id is None:
             self._dir.run_id = new_run_id()
-            self._recorder.started(step)
+            self._recorder.started(step, at)
             if self.is_coordinator:
-                self._dir.record("start", step, **fields)
+                self._dir.record("start", step, **fields, **({} if at is None else {"time": at}))
                 self._recorder.record_deferred()
 
     # ------------------------------------------------------------------ lifecycle

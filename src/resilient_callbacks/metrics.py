@@ -25,6 +25,8 @@ from typing import Any, Protocol
 log = logging.getLogger("resilient_callbacks")
 
 PREFIX = "resilient_ckpt_"
+# counters of the run (its lineage over restarts), set once its start is known
+RUN_COUNTERS = frozenset({PREFIX + "restarts_total", PREFIX + "wall_seconds_total"})
 
 
 @dataclass(frozen=True)
@@ -264,9 +266,13 @@ class Telemetry:
     def __init__(self, sinks: Iterable[Sink] = (), *, rank: int = 0, period_s: float = 5.0) -> None:
         self.rank = rank
         self._lock = threading.Lock()
-        # counters exist from the start, at 0: an alert on increase() sees the first event too
+        # counters exist from the start, at 0: an alert on increase() sees the first event too.
+        # Not the run's: a process that resumes a run knows them after restore() (0 before it
+        # would read as a counter reset at every restart: increase() counting 1+2+...+N)
         self._values: dict[tuple[str, tuple[str, ...]], float] = {
-            (m.name, ()): 0.0 for m in METRICS if m.kind == "counter" and not m.labels
+            (m.name, ()): 0.0
+            for m in METRICS
+            if m.kind == "counter" and not m.labels and m.name not in RUN_COUNTERS
         }
         self._events: deque[dict[str, Any]] = deque(maxlen=1000)
         self._n_events = 0

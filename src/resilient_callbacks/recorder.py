@@ -52,6 +52,7 @@ class Recorder:
         self.t = telemetry
         self.base_useful_s = 0.0  # useful time of the checkpoint restored (0 on a fresh start)
         self.run_start: float | None = None  # wall-clock start of the run (lineage)
+        self.created = time.time()  # a run that saves without restore(): it started here
         self.failures = 0
         self._compute_at_base = 0.0
         self._next_refresh = 0.0
@@ -171,10 +172,10 @@ class Recorder:
             self._next_beat = now + self._beat_s
             self._record("progress", step, sync=False, useful_s=round(self.useful_s(), 3))
 
-    def started(self, step: int) -> None:
-        """A new run (no checkpoint restored): its clock starts now, and the adaptive
-        schedule's exposure (the time the run survived) with it."""
-        self.run_start = time.time()
+    def started(self, step: int, at: float | None = None) -> None:
+        """A new run (no checkpoint restored): its clock starts now (or ``at``, a wall time),
+        and the adaptive schedule's exposure (the time the run survived) with it."""
+        self.run_start = time.time() if at is None else at
         schedule = self._ck.schedule
         if schedule is not None:
             schedule.set_restart_history([], self.run_start)

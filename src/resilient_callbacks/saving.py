@@ -209,7 +209,7 @@ class Saver:
         metrics_json = clean_metrics(metrics)
         self.metric_names.update(k for k, v in metrics_json.items() if v is not None)
         unrestored = ck._dir.run_id is None and ck.config.resume == "auto"  # no restore() ran
-        ck._start_run(step)
+        ck._start_run(step, at=ck._recorder.created)  # no restore(): it started at construction
         d = ck._dir
         if ck.is_coordinator and not d.checked_foreign:
             d.check_foreign(unrestored)  # in the training thread: the warning reaches the caller
