@@ -292,6 +292,32 @@ def test_gc_reclaims_what_crashes_left_and_keeps_what_is_referenced(tmp_path, ca
     assert [e.status for e in catalog.scan(str(tmp_path), Depth.FULL)] == [Status.VALID]
 
 
+def test_a_copy_of_a_checkpoint_in_the_directory_keeps_the_blobs_it_names(tmp_path, capsys):
+    """The guide: your own folders in dirpath (a copy such as ``step_000000500.bak``) are never
+    counted, loaded or deleted. The blobs such a copy named were deleted by retention and
+    ``gc`` once no checkpoint named them, so the copy no longer loaded (a monitoring probe)."""
+    import shutil
+
+    state = _state(_model())
+    with Checkpointer(tmp_path, incremental=True, keep_last=1, async_save=False) as ck:
+        for step in range(1, 4):
+            _train_step(state, step)
+            ck.save(step, state)
+        saved = _tensors(state)
+        shutil.copytree(tmp_path / "step_000000003", tmp_path / "step_000000003.bak")
+        for step in range(4, 7):  # the trained head's blobs of step 3 are no checkpoint's now
+            _train_step(state, step)
+            ck.save(step, state)
+    rc, _ = _cli(capsys, "gc", str(tmp_path))
+    assert rc == 0
+    assert [e.manifest.step for e in catalog.scan(str(tmp_path), Depth.NONE)] == [6]
+    back = _state(_model(seed=1))
+    with Checkpointer(tmp_path, read_only=True, resume=str(tmp_path / "step_000000003.bak")) as r:
+        assert r.restore(back) == 3
+    for k, v in _tensors(back).items():
+        assert torch.equal(v, saved[k]), k
+
+
 def test_non_incremental_checkpoints_stay_version_1_and_load_into_incremental_runs(tmp_path):
     state = _state(_model())
     _train_step(state, 1)

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from .commit import fsync_dir
+from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX, fsync_dir
 from .errors import CheckpointCorruptError, UnsafeManifestError
-from .manifest import BLOB_KIND, BLOB_NAME_RE, FileEntry, Manifest
+from .manifest import BLOB_KIND, BLOB_NAME_RE, MANIFEST_NAME, FileEntry, Manifest, read_manifest
 from .tensorfile import DirectBuffer, _as_bytes, digest_file, write_tensors
 
 log = logging.getLogger("resilient_callbacks")
@@ -109,7 +109,30 @@ def live_blobs(root: str) -> set[str] | None:
         if e.manifest is None:
             return None
         live.update(b.path for b in e.manifest.blobs)
-    return live
+    return live | copies_blobs(root)
+
+
+def copies_blobs(root: str) -> set[str]:
+    """The blobs named by the user's own copies of checkpoints in ``root`` (a folder such as
+    ``step_000000500.bak`` with a manifest of ours): never loaded or counted as checkpoints,
+    but the blobs they refer to stay while they are there. A copy whose manifest cannot be
+    read keeps nothing (it is the user's, and no checkpoint)."""
+    kept: set[str] = set()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return kept
+    for name in names:
+        if CKPT_RE.match(name) or name.startswith((TRASH_PREFIX, STAGING_PREFIX, BLOBS_DIR)):
+            continue
+        path = os.path.join(root, name)
+        if not os.path.isfile(os.path.join(path, MANIFEST_NAME)) or os.path.islink(path):
+            continue
+        try:
+            kept.update(b.path for b in read_manifest(path).blobs)
+        except Exception:  # not a manifest of ours, or damaged: it refers to nothing we keep
+            continue
+    return kept
 
 
 def write_blob(

@@ -378,7 +378,7 @@ def _unused_blobs(root: str, gone: set[str]) -> tuple[list[str], list[str]]:
     of them written since the newest commit: a live writer's save in flight's (a dry run takes
     no lock), which ``gc`` itself never sees (it runs only when no writer is open), or a
     crashed save's, which it deletes."""
-    from .blobs import NAME_RE, TMP_PREFIX, store_dir
+    from .blobs import NAME_RE, TMP_PREFIX, copies_blobs, store_dir
 
     try:
         names = os.listdir(store_dir(root))
@@ -396,6 +396,7 @@ def _unused_blobs(root: str, gone: set[str]) -> tuple[list[str], list[str]]:
         if e.manifest is None:
             return [], []  # its references are unknown: nothing would be deleted
         live.update(b.path for b in e.manifest.blobs)
+    live |= copies_blobs(root)
 
     def written_since(name: str) -> bool:
         """Written after the newest commit: a save in flight's (a dry run takes no lock, so a
