@@ -859,3 +859,36 @@ def test_push_verify_uploads_a_rotten_shared_blob_again(tmp_path):
     assert r.returncode == 1 and f"blobs/{blob.name}: checksum mismatch" in r.stdout
     assert cli("push", root, url, "--verify").returncode == 0
     assert cli("verify", url, "--all").returncode == 0
+
+
+def test_a_copy_of_a_checkpoint_under_a_name_of_ones_own_is_checked_alone(tmp_path):
+    """``verify``/``inspect``/``ls`` of ``DIR/best`` (a copy of a step_* folder, which a
+    restore loads with resume=<its path>) said "no checkpoints in DIR": the copy is no
+    checkpoint of the directory, so it was filtered out of the directory's listing. Each
+    checks the copy itself; a damaged copy is reported as such."""
+    import shutil
+
+    root = tmp_path / "ck"
+    make_run(str(root))
+    copy = root / "best"
+    shutil.copytree(root / "step_000000020", copy)
+    r = cli("verify", str(copy))
+    assert r.returncode == 0 and "ok" in r.stdout and "best" in r.stdout, r.stdout + r.stderr
+    r = cli("inspect", str(copy))
+    assert r.returncode == 0 and "step 20, valid" in r.stdout, r.stdout + r.stderr
+    r = cli("ls", str(copy), "--json")
+    (row,) = json.loads(r.stdout)
+    assert row["name"] == "best" and row["step"] == 20 and row["copy"] is True
+    r = cli("ls", str(copy))
+    assert "a run never resumes from it or deletes it, nor does gc" in r.stdout, r.stdout
+    assert [row["step"] for row in json.loads(cli("ls", str(root), "--json").stdout)] == [
+        10,
+        20,
+        30,
+    ]  # the directory's listing is unchanged: the copy is not one of its checkpoints
+    data = copy / "rank_00000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    r = cli("verify", str(copy))
+    assert r.returncode == 1 and "best" in r.stdout + r.stderr, r.stdout + r.stderr

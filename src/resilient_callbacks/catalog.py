@@ -156,31 +156,35 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
         except OSError as e:  # a folder this user cannot read: not known to be incomplete
             committed.append(Entry(name, path, Status.CORRUPT, problem=unreadable(e)))
             continue
-        try:
-            manifest = read_manifest(path)
-        except (CheckpointCorruptError, FileNotFoundError) as e:
-            if gone(path):
-                continue
-            committed.append(
-                Entry(name, path, Status.CORRUPT, problem=str(e), problem_type=type(e).__name__)
-            )
-            continue
-        except OSError as e:
-            committed.append(Entry(name, path, Status.CORRUPT, problem=unreadable(e)))
-            continue
-        entry = Entry(name, path, Status.VALID, manifest)
-        if depth is not Depth.NONE:
-            try:
-                verify(path, manifest, depth)
-            except CheckpointCorruptError as e:
-                if gone(path):
-                    continue
-                entry.status, entry.problem = Status.CORRUPT, str(e)
-            except OSError as e:  # permissions, a directory where a file should be
-                entry.status, entry.problem = Status.CORRUPT, unreadable(e)
-        committed.append(entry)
+        entry = check(name, path, depth)
+        if entry is not None:  # None: it went away while it was read
+            committed.append(entry)
     committed.sort(key=lambda e: (e.seq, e.step or 0, e.name))
     return committed + incomplete
+
+
+def check(name: str, path: str, depth: Depth) -> Entry | None:
+    """The entry of the checkpoint folder ``path`` (it has a manifest), checked to ``depth``;
+    None when it went away while it was read."""
+    try:
+        manifest = read_manifest(path)
+    except (CheckpointCorruptError, FileNotFoundError) as e:
+        if gone(path):
+            return None
+        return Entry(name, path, Status.CORRUPT, problem=str(e), problem_type=type(e).__name__)
+    except OSError as e:
+        return Entry(name, path, Status.CORRUPT, problem=unreadable(e))
+    entry = Entry(name, path, Status.VALID, manifest)
+    if depth is not Depth.NONE:
+        try:
+            verify(path, manifest, depth)
+        except CheckpointCorruptError as e:
+            if gone(path):
+                return None
+            entry.status, entry.problem = Status.CORRUPT, str(e)
+        except OSError as e:  # permissions, a directory where a file should be
+            entry.status, entry.problem = Status.CORRUPT, unreadable(e)
+    return entry
 
 
 def unreadable(e: OSError) -> str:

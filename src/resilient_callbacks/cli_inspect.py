@@ -22,7 +22,7 @@ from .cli_format import (
     print_json,
     status_text,
 )
-from .cli_scan import no_checkpoints, public, resolve, row
+from .cli_scan import no_checkpoints, public, resolve, row, scan
 from .consolidate import zero_part_ids, zero_tensors
 from .errors import CheckpointError
 from .filepart import PARTS_EXTRA
@@ -172,7 +172,8 @@ def _choose(args: argparse.Namespace, depth: Depth) -> tuple[Entry, list[Entry]]
     target = resolve(args.dir)
     entries = reader.committed(target.root)
     if target.only is not None:
-        entries = [e for e in entries if e.name == target.only]
+        # a copy of the user's (step_N.bak) is no checkpoint of the directory: checked alone
+        entries = [e for e in entries if e.name == target.only] or scan(target, Depth.NONE)
     if not entries:
         raise no_checkpoints(target.root)
     if target.only is not None or args.step is not None:

@@ -87,6 +87,10 @@ def _note(r: dict[str, Any]) -> str:
         return r["problem"] or "-"
     if r.get("tier") == "remote":
         return f"remote only: {r['path']}"
+    if r.get("copy"):
+        return (
+            "a copy under a name of yours: a run never resumes from it or deletes it, nor does gc"
+        )
     return "; ".join(r["kept_by"]) if r["kept"] else "not kept: gc would delete it"
 
 
@@ -104,10 +108,15 @@ def ls(args: argparse.Namespace) -> int:
         # DIR is one checkpoint: the others are only needed for the retention plan (sizes)
         everything = catalog.scan(target.root, depth if target.only is None else Depth.SIZE)
         entries = [e for e in everything if target.only is None or e.name == target.only]
+        if target.only is not None and not entries:  # a copy of the user's (step_N.bak)
+            entries = scan(target, Depth.SIZE)
         if target.only is not None and depth is Depth.FULL:
             entries = [check(e) for e in entries]
         p, _ = _plan(everything)
         rows = [row(e, depth) | _kept(e, p) for e in entries]
+        for r in rows:
+            if target.only is not None and r["name"] not in {e.name for e in everything}:
+                r["copy"] = True  # the user's copy (step_N.bak): no checkpoint of the directory
     if args.remote:
         from .cli_remote import add_tiers
 

@@ -27,6 +27,7 @@ from .cli_format import (
     iso_time,
     print_json,
 )
+from .commit import CKPT_RE
 from .errors import CheckpointNotFoundError
 from .manifest import MANIFEST_NAME
 
@@ -73,10 +74,12 @@ def resolve(path: str, *, single_ok: bool = True) -> Target:
 
 
 def scan(target: Target, depth: Depth) -> list[Entry]:
-    entries = catalog.scan(target.root, depth)
-    if target.only is not None:
-        entries = [e for e in entries if e.name == target.only]
-    return entries
+    if target.only is None:
+        return catalog.scan(target.root, depth)
+    if not CKPT_RE.match(target.only):  # a copy of the user's (step_N.bak, best): not listed
+        one = catalog.check(target.only, os.path.join(target.root, target.only), depth)
+        return [] if one is None else [one]
+    return [e for e in catalog.scan(target.root, depth) if e.name == target.only]
 
 
 def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundError:
