@@ -228,8 +228,8 @@ def inspect(args: argparse.Namespace) -> int:
         print(f"    {fe.path:28} {fmt_size(fe.size):>9}  xxh3_64 {fe.xxh3_64}  (rank {fe.rank})")
     if m.blobs:
         print(
-            f"  blobs:     {len(m.blobs)}, {fmt_size(m.blob_bytes)} shared with other "
-            "checkpoints of the run (incremental)"
+            f"  blobs:     {len(m.blobs)}, {fmt_size(m.blob_bytes)} in the run's blob store "
+            "(incremental: stored once for every checkpoint naming them; not in files above)"
         )
     if keys is None:
         print(f"  keys:      {keys_problem}")
