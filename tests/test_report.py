@@ -343,6 +343,52 @@ def test_an_uncaught_exception_without_a_with_block_is_recorded_as_a_failure(tmp
     assert [(lf["ended"], lf["error"]) for lf in report["lives"]] == [("failed", "RuntimeError")]
 
 
+def test_processes_killed_before_the_first_checkpoint_are_failures_of_the_run(tmp_path: Path):
+    """Two processes SIGKILLed before their first save, then one that trains to the end: each
+    re-run started a new run, and the report said 0 failures with the goodput of the last
+    process alone (a job that keeps dying before its first save looked healthy). The re-runs
+    go on as the killed run: its wall time, 2 failures; the report, metrics and MTBF say so."""
+    import signal
+
+    import torch
+
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.metrics import PREFIX
+
+    script = (
+        "import os, signal, sys, torch\n"
+        "from resilient_callbacks import Checkpointer\n"
+        "ck = Checkpointer(sys.argv[1], every_n_steps=100)\n"
+        "state = {'w': torch.zeros(8)}\n"
+        "assert ck.restore(state) == 0\n"
+        "for step in range(1, 6):\n"
+        "    ck.step(step, state)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, timeout=120)
+        assert p.returncode == -signal.SIGKILL
+    state = {"w": torch.zeros(8)}
+    with Checkpointer(tmp_path, every_n_steps=100, adaptive=True) as ck:
+        assert ck.restore(state) == 0
+        m = ck.metrics()
+        for step in range(1, 4):
+            ck.step(step, state, final=step == 3)
+    assert m[PREFIX + "restarts_total"] == 2
+    assert m[PREFIX + "mtbf_seconds"] < DEFAULT_PRIOR_MTBF_HOURS * HOUR / 2  # 3 lives, 2 failed
+    lives = [r for r in history.records(str(tmp_path)) if r["event"] in history.LIFECYCLE]
+    assert [r["event"] for r in lives] == ["start", "restart", "restart"]
+    assert len({r["run_id"] for r in lives}) == 1
+    js = tmp_path / "r.json"
+    assert cli(["report", str(tmp_path), "--json", str(js)]) == 0
+    report = json.loads(js.read_text())
+    s = report["summary"]
+    assert s["lives"] == 3 and s["failures"] == 2 and s["saves"] == 1, s
+    assert s["wall_s"] >= lives[-1]["time"] - lives[0]["time"]
+    assert report["other_runs"] == []
+
+
 def test_report_of_a_history_without_a_run_start_exits_1(tmp_path: Path, capsys):
     (tmp_path / history.HISTORY_NAME).write_text("")
     assert cli(["report", str(tmp_path)]) == 1

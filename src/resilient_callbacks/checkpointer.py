@@ -291,7 +291,8 @@ class Checkpointer:
             self._dir.run_id = new_run_id()
             self._recorder.started(step, at)
             if self.is_coordinator:
-                self._dir.record("start", step, **fields, **({} if at is None else {"time": at}))
+                when: dict[str, Any] = {} if at is None else {"time": at}
+                self._dir.record("start", step, **fields, **when)
                 self._recorder.record_deferred()
 
     # ------------------------------------------------------------------ lifecycle

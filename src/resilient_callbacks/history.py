@@ -134,6 +134,24 @@ def read(root: str, kinds: tuple[str, ...] | None = LIFECYCLE) -> list[Event]:
     return out
 
 
+def unsaved_run(root: str) -> tuple[str, float, list[float]] | None:
+    """``(run_id, start, restarts)`` of the run whose newest process died before its first
+    save (its start recorded, no save, no clean ``end`` after its last life began): restarted
+    now, with no checkpoint, it is the same run (``restarts`` has this restart). None otherwise."""
+    events = read(root, (*LIFECYCLE, "end", "failed", "save"))
+    lives = [e for e in events if e.event in LIFECYCLE]
+    if not lives or lives[-1].run_id is None:
+        return None
+    run = lives[-1].run_id
+    mine = [e for e in events if e.run_id == run]
+    if any(e.event == "save" for e in mine) or mine[-1].event == "end":
+        return None
+    start, restarts = failures([e for e in mine if e.event != "save"], run)
+    if start is None:
+        return None
+    return run, start, [*restarts, time.time()]
+
+
 def failures(events: list[Event], run_id: str | None) -> tuple[float | None, list[float]]:
     """(time the run started, times of the restarts that followed a failure) for the lineage
     ``run_id``. ``events``: :func:`read` with ``LIFECYCLE + ("end",)``. A restart after an

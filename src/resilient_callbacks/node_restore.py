@@ -114,8 +114,7 @@ class NodeRestorer(Restorer):
                 "from scratch silently; pass resume='never' to start fresh."
             )
         if not msg["cands"]:
-            ck._trigger.clock.reset()
-            ck._start_run(0)
+            self.fresh_start()
             return 0
         explicit = isinstance(r, int)
         skipped: list[str] = []

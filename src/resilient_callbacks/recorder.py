@@ -295,6 +295,15 @@ class Recorder:
             start = saved if start is None else min(start, saved)
         self.run_start = start if start is not None else time.time()
 
+    def continued_unsaved(self, start: float, restarts: list[float]) -> None:
+        """Every rank: the run goes on from nothing saved (:meth:`Restorer.fresh_start`), with
+        its start and its restarts (this one included)."""
+        self.failures = len(restarts)
+        self.run_start = start
+        schedule = self._ck.schedule
+        if schedule is not None:
+            schedule.set_restart_history(restarts, start)
+
     def preemption(self, step: int, source: str) -> None:
         self.t.inc(PREFIX + "preemptions_total")
         self.t.event("preemption", step=step, source=source)

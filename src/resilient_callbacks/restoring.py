@@ -122,8 +122,7 @@ class Restorer:
             odd, self._no_manifest = self._no_manifest, []
             notices.say_what_is_not_a_checkpoint(ck.dirpath, odd, not cands, ck.config.read_only)
         if not cands:
-            ck._trigger.clock.reset()
-            ck._start_run(0)
+            self.fresh_start()
             return 0
         skipped: list[str] = []
         tried: set[str] = set()  # local paths and remote names skipped for damage: not again
@@ -152,6 +151,34 @@ class Restorer:
                 "resume=<path or step> of a good one, or resume='never' to start fresh."
             )
         )
+
+    def fresh_start(self) -> None:
+        """Every rank: nothing to resume from. With ``resume="auto"``, a run whose last process
+        died before its first save (the history has its start, no save and no clean end) goes
+        on as that run: its wall time from its start, this restart a failure (the report, the
+        metrics and the MTBF estimate count it). Otherwise a new run starts now."""
+        ck = self._ck
+        ck._trigger.clock.reset()
+        unsaved = None
+        if ck.config.resume == ResumeMode.AUTO and not ck.config.read_only:
+            if ck.is_coordinator:
+                unsaved = history.unsaved_run(ck.dirpath)
+            unsaved = dist.broadcast_json(unsaved)
+        if unsaved is None:
+            ck._start_run(0)
+            return
+        run_id, start, restarts = unsaved
+        ck._dir.run_id = run_id
+        if ck.is_coordinator:
+            ck._dir.record("restart", 0, useful_s=0.0, saved=False)
+            log.warning(
+                "%s: the run's last process (started %s) ended before its first checkpoint; "
+                "starting it again from the beginning (restart %d of the run)",
+                ck.dirpath,
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(start)),
+                len(restarts),
+            )
+        ck._recorder.continued_unsaved(start, restarts)
 
     def _listed(self) -> list[Candidate]:
         """Every rank: the coordinator's candidates (its error raised on every rank)."""
