@@ -389,6 +389,26 @@ def test_processes_killed_before_the_first_checkpoint_are_failures_of_the_run(tm
     assert report["other_runs"] == []
 
 
+def test_the_report_of_a_live_run_shows_its_process_running_not_killed(tmp_path: Path):
+    """A report made while the run trains (its writer holds the directory) called the live
+    process's life "killed"; it is "running" until the process closes (then "clean")."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.report import analyse
+
+    state = {"w": torch.zeros(8)}
+    with Checkpointer(tmp_path, every_n_steps=2) as ck:
+        ck.restore(state)
+        for step in range(1, 5):
+            ck.step(step, state)
+        live = analyse(str(tmp_path))
+    assert [lf["ended"] for lf in live["lives"]] == ["running"]
+    assert live["summary"]["running"] and not live["summary"]["finished_cleanly"]
+    done = analyse(str(tmp_path))
+    assert [lf["ended"] for lf in done["lives"]] == ["clean"] and not done["summary"]["running"]
+
+
 def test_report_of_a_history_without_a_run_start_exits_1(tmp_path: Path, capsys):
     (tmp_path / history.HISTORY_NAME).write_text("")
     assert cli(["report", str(tmp_path)]) == 1

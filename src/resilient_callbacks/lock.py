@@ -72,6 +72,30 @@ def _held_here(path: str) -> bool:
     return False
 
 
+def writer_alive(root: str) -> bool:
+    """Whether the process the lock file of ``root`` names, on this host, is still alive: a
+    writer running now (the file keeps the last holder's pid after it released it, so a
+    process that exited counts as none). Another host's writer is not seen. Takes no lock, so
+    it never makes a writer that starts now fail to take its own."""
+    try:
+        with open(os.path.join(root, LOCK_NAME)) as f:
+            info = json.loads(f.read() or "{}")
+        pid = int(info.get("pid"))
+    except (OSError, ValueError, TypeError):
+        return False
+    if info.get("host") != socket.gethostname():
+        return False
+    if pid == os.getpid():
+        return _held_here(os.path.join(root, LOCK_NAME))
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def release_dropped(root: str) -> None:
     """Free the lock on ``root`` if a writer of this process that nothing uses any more holds
     it: a rank that coordinated an earlier, failed ``dcp.save`` must not keep the directory

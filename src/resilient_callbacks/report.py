@@ -29,6 +29,7 @@ from typing import Any
 from . import history
 from .adaptive import DEFAULT_PRIOR_MTBF_HOURS, HOUR
 from .interval import _daly
+from .lock import writer_alive
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Life:
     how: str  # "start" | "restart"
     records: list[dict[str, Any]] = field(default_factory=list)
     restore: dict[str, Any] | None = None
+    running: bool = False  # the newest life, whose process still holds the directory
 
     @property
     def ended_cleanly(self) -> bool:
@@ -56,9 +58,12 @@ class Life:
 
     @property
     def ended(self) -> str:
-        """How the life ended: "clean", "failed" (an exception) or "killed" (no record)."""
+        """How the life ended: "clean", "failed" (an exception), "killed" (no record), or
+        "running" (no record yet: its process is alive, writing the directory)."""
         if self.ended_cleanly:
             return "clean"
+        if self.running and self.failed_with is None:
+            return "running"
         return "failed" if self.failed_with is not None else "killed"
 
     @property
@@ -156,6 +161,8 @@ def analyse(
             "checkpoints": checkpoints or [],
             "missing": "no history records of a run in this directory (history.jsonl)",
         }
+    if run == choose_run(recs) and writer_alive(root):
+        ls[-1].running = True  # (a live run's report: its last life has not ended)
     t0 = run_began(ls)
     end_t = max(lf.last_time for lf in ls)
     saves: list[dict[str, Any]] = []
@@ -248,6 +255,7 @@ def analyse(
         "restore_s": sum(f["restore_s"] or 0.0 for f in failures),
         "final_step": ls[-1].last_step,
         "finished_cleanly": ls[-1].ended_cleanly,
+        "running": ls[-1].ended == "running",
         "mtbf_observed_s": mtbf_obs,
         "mtbf_estimate_s": mtbf_est,
         "mtbf_estimate_source": "user" if given else "prior-weighted",

@@ -275,6 +275,7 @@ _SUMMARY_ROWS = (
     ("mtbf_observed_s", "observed MTBF (s)", None),
     ("final_step", "last step recorded", None),
     ("finished_cleanly", "last process closed cleanly", None),
+    ("running", "last process still running (this host)", None),
 )
 
 _CSS = """
