@@ -509,3 +509,19 @@ def test_a_run_that_never_calls_restore_is_timed_from_its_construction(tmp_path:
     lines = (tmp_path / "ck" / "history.jsonl").read_text().splitlines()
     (start,) = [r for r in map(json.loads, lines) if r["event"] == "start"]
     assert made <= start["time"] <= made + 0.4, (made, start)
+
+
+def test_a_prometheus_exporter_on_port_0_says_which_port_it_took(tmp_path: Path, caplog):
+    """``prometheus:ADDR:0`` listens on a free port: the log names it (it was nowhere), and a
+    scrape there answers."""
+    import re
+
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    with Checkpointer(tmp_path / "ck", telemetry="prometheus:127.0.0.1:0") as ck:
+        ck.restore(_state())
+        said = [r.getMessage() for r in caplog.records if "/metrics" in r.getMessage()]
+        assert said, [r.getMessage() for r in caplog.records]
+        url = re.search(r"http://\S+/metrics", said[0]).group(0)
+        assert not url.endswith(":0/metrics")
+        body = urllib.request.urlopen(url, timeout=30).read().decode()
+    assert PREFIX + "preemptions_total 0.0" in body

@@ -10,6 +10,7 @@ listens on ``port + local rank`` (``LOCAL_RANK``, else the rank), the textfile o
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Iterator, Mapping, Sequence
@@ -17,6 +18,8 @@ from typing import Any
 
 from ..metrics import Metric, Telemetry
 from . import missing_extra
+
+log = logging.getLogger("resilient_callbacks")
 
 try:
     from prometheus_client import CollectorRegistry
@@ -106,6 +109,7 @@ class PrometheusExporter(_PrometheusBase):
         self._server = server
         self.port = int(server.server_port)
         self.name = f"prometheus exporter {self.addr}:{self.port}"
+        log.info("metrics served for Prometheus at http://%s:%d/metrics", self.addr, self.port)
 
     def close(self) -> None:
         server, self._server = self._server, None
