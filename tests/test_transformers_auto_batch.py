@@ -113,7 +113,10 @@ def test_a_resume_continues_at_the_batch_size_auto_find_batch_size_had_found(tmp
     attached.train()
     assert ours.restored_step == 8
     assert attached._train_batch_size == lowered
-    # the restarts recorded: the late callback's (refused after its restore), the automatic
-    # resume's one and the resume by path's one (read ahead: restored once, not twice)
+    # the restarts recorded: the retry at the lowered size after the out-of-memory attempt (it
+    # failed before the first save: the same run again, from step 0), the late callback's
+    # (refused after its restore), the automatic resume's one and the resume by path's one
+    # (read ahead: restored once, not twice)
     records = history.records(str(tmp_path / "run" / "_resilient_checkpoints"))
-    assert [r["step"] for r in records if r["event"] == "restart"] == [3, 3, 8]
+    assert [r["step"] for r in records if r["event"] == "restart"] == [0, 3, 3, 8]
+    assert len({r["run_id"] for r in records}) == 1

@@ -160,6 +160,8 @@ class Restorer:
         ck = self._ck
         ck._trigger.clock.reset()
         unsaved = None
+        if ck._dir.run_id is not None:  # this process started the run: a restore() again
+            return
         if ck.config.resume == ResumeMode.AUTO and not ck.config.read_only:
             if ck.is_coordinator:
                 unsaved = history.unsaved_run(ck.dirpath)
