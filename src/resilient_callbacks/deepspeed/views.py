@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedStateError
+from ..errors import CheckpointMismatchError, UnsupportedStateError
 
 FP32 = "fp32"  # the key of the master weights beside the optimizer's own state keys
 FROZEN = "frozen"  # the key of a ZeRO-3 frozen parameter's range (in no optimizer)
@@ -73,6 +73,30 @@ def _plain(value: Any) -> Any:
     raise UnsupportedStateError(
         f"an optimizer hyper-parameter of type {type(value).__name__} cannot be saved as JSON"
     )
+
+
+def _is_moment(v: Any, flat: torch.Tensor) -> bool:
+    """An optimizer state entry that is a moment: one value per element of the partition."""
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == flat.shape
+
+
+def _value(e: dict[str, Any], device: torch.device) -> Any:
+    """A saved single value (:meth:`ZeroView.values`) as it was: a number, or a tensor of its
+    dtype and shape, on the parameters' device where it was there (a capturable optimizer)."""
+    if e.get("tensor_dtype") is None:
+        return e["value"]
+    dtype = getattr(torch, str(e["tensor_dtype"]))
+    where = device if e.get("on_params_device") else torch.device("cpu")
+    return torch.tensor(e["value"], dtype=dtype, device=where).reshape(e.get("shape") or [])
+
+
+def _family(name: str) -> str:
+    """The algorithm an optimizer class implements: ``FusedAdam``, ``DeepSpeedCPUAdam``,
+    ``Adam`` and ``AdamW`` are all ``adam`` (one state layout); ``SGD`` is ``sgd``."""
+    n = name.lower()
+    for prefix in ("deepspeedcpu", "deepspeed", "fused", "cpu"):
+        n = n.removeprefix(prefix)
+    return "adam" if n in ("adam", "adamw") else n
 
 
 def _restore_like(old: Any, new: Any) -> Any:
@@ -124,9 +148,45 @@ class ZeroView:
         keys: set[str] = set()
         for flat in self._flat_partitions():
             for k, v in self.optimizer.optimizer.state.get(flat, {}).items():
-                if isinstance(v, torch.Tensor) and v.shape == flat.shape and v.dim() == 1:
+                if _is_moment(v, flat):
                     keys.add(k)
         return sorted(keys)
+
+    def values(self) -> list[dict[str, Any]]:
+        """Per flat partition: the optimizer's state entries that are neither a moment nor
+        ``step``, each one value (NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``), the same
+        on every rank (they follow the step count and the hyper-parameters). Any other kind of
+        entry cannot be saved by parameter range: refused, naming it."""
+        inner = self.optimizer.optimizer
+        out: list[dict[str, Any]] = []
+        for flat in self._flat_partitions():
+            entries: dict[str, Any] = {}
+            for k, v in inner.state.get(flat, {}).items():
+                if k == "step" or _is_moment(v, flat):
+                    continue
+                if isinstance(v, torch.Tensor) and v.numel() == 1:
+                    entries[k] = {
+                        "value": v.item(),
+                        "tensor_dtype": str(v.dtype).replace("torch.", ""),
+                        "shape": list(v.shape),
+                        "on_params_device": v.device == flat.device and v.device.type != "cpu",
+                    }
+                elif isinstance(v, (bool, int, float)):
+                    entries[k] = {"value": v, "tensor_dtype": None}
+                else:
+                    what = (
+                        f"a tensor of shape {list(v.shape)}"
+                        if isinstance(v, torch.Tensor)
+                        else type(v).__name__
+                    )
+                    raise UnsupportedStateError(
+                        f"{type(inner).__name__}'s state {k!r} is {what}: neither one value "
+                        f"nor a tensor the length of the partition ({flat.numel()}), so it "
+                        "cannot be saved by parameter range. Use an optimizer whose state is "
+                        "moments and single values (Adam, AdamW, SGD, NAdam, ...)"
+                    )
+            out.append(entries)
+        return out
 
     def ensure_moments(self, keys: list[str]) -> None:
         """Create the optimizer's moment tensors where it has none yet (torch optimizers make
@@ -149,9 +209,34 @@ class ZeroView:
         groups = [{k: _plain(v) for k, v in g.items() if k != "params"} for g in inner.param_groups]
         scaler = getattr(self.optimizer, "loss_scaler", None)
         scaler_state = {k: _plain(getattr(scaler, k)) for k in SCALER_FIELDS if hasattr(scaler, k)}
-        return {"steps": steps, "param_groups": groups, "loss_scaler": scaler_state}
+        return {
+            "optimizer": type(inner).__name__,
+            "steps": steps,
+            "values": self.values(),
+            "param_groups": groups,
+            "loss_scaler": scaler_state,
+        }
 
-    def load_scalars(self, saved: dict[str, Any]) -> None:
+    def check_optimizer(self, saved: dict[str, Any]) -> None:
+        """Refuse a checkpoint another kind of optimizer wrote (its moments, values and
+        hyper-parameters do not apply). DeepSpeed's and torch's implementations of one
+        algorithm (``FusedAdam``, ``DeepSpeedCPUAdam``, ``AdamW``) are one kind: a run moved
+        between a GPU and the CPU resumes."""
+        was, now = saved.get("optimizer"), type(self.optimizer.optimizer).__name__
+        if was is None or _family(was) == _family(now):
+            return  # (a checkpoint of before this record: not checked)
+        raise CheckpointMismatchError(
+            f"the checkpoint's optimizer state was written by {was}; this engine's optimizer is "
+            f"{now}: its moments, step counts and hyper-parameters do not apply. Resume with "
+            f"the optimizer the run was started with ({was}), or start the new optimizer "
+            "afresh from the trained weights: `resilient-ckpt export DIR OUT` writes them as "
+            "consolidated safetensors to load into the model, then train in a new dirpath"
+        )
+
+    def load_scalars(self, saved: dict[str, Any], same_dtype: bool = True) -> None:
+        """The step counts, values and hyper-parameters; the loss scaler's state where the
+        checkpoint was trained in the engine's dtype (``same_dtype``), else the engine keeps
+        its own (an fp16 scaler from a bf16 run's would start at a static scale of 1)."""
         inner = self.optimizer.optimizer
         flats = self._flat_partitions()
         steps = [s for s in saved.get("steps", []) if s is not None]
@@ -173,6 +258,13 @@ class ZeroView:
         for live, g in zip(inner.param_groups, groups, strict=True):
             for k, v in g.items():
                 live[k] = _restore_like(live.get(k), v)
+        values = saved.get("values") or []
+        for flat, entries in zip(flats, values, strict=False):
+            st = inner.state.setdefault(flat, {})
+            for k, e in entries.items():
+                st[k] = _value(e, flat.device)
+        if not same_dtype:
+            return
         scaler = getattr(self.optimizer, "loss_scaler", None)
         for k, v in saved.get("loss_scaler", {}).items():
             if scaler is not None and k in SCALER_FIELDS and hasattr(scaler, k):
@@ -219,7 +311,10 @@ class Zero12View(ZeroView):
     def finish_load(self) -> None:
         self.optimizer.update_lp_params()  # collective: all-gathers the bit16 partitions
         link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-        if link is not None:  # what the first step does: DeepSpeed's safe_get_* APIs need it
+        if link is not None and self.moment_keys():
+            # what the first step does: DeepSpeed's safe_get_* APIs need it. Not while the
+            # state is empty (a checkpoint of before the first step that was not skipped):
+            # linked then, DeepSpeed never links again, and the moments stay out of reach
             link()
 
 

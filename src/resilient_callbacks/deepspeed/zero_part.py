@@ -16,14 +16,17 @@ collective (it refreshes the low-precision parameters with an all-gather), as ev
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from ..errors import CheckpointCorruptError, CheckpointMismatchError, warn_and_log
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
 from .views import FP32, FROZEN, Fragment, ZeroView, overlap, view_of
+
+log = logging.getLogger("resilient_callbacks")
 
 if TYPE_CHECKING:
     from ..filepart import CaptureBuffers
@@ -141,6 +144,7 @@ class ZeroPart(FilePart):
         tensors = {r: reader.tensors(_files(r)[0]) for r in saved_ranks}
         first = indexes[saved_ranks[0]]
         keys = list(first["keys"])
+        self.view.check_optimizer(first)
         missing_keys = set(self.view.moment_keys()) - set(keys)
         if missing_keys:
             raise CheckpointMismatchError(
@@ -170,8 +174,23 @@ class ZeroPart(FilePart):
                 out = _assemble(name, key, "params", start, numel, saved_ranks, indexes, tensors)
                 self.view.set_fragment(name, key, out)
         self._load_frozen(saved_ranks, indexes, tensors)
-        self.view.load_scalars(first)
+        self.view.load_scalars(first, self._same_dtype(reader.info.saved.get("dtype")))
         self.view.finish_load()
+
+    def _same_dtype(self, saved: Any) -> bool:
+        """Whether the checkpoint was trained in this engine's dtype; warns where not (the
+        loss scaler's state is then left as the engine made it)."""
+        now = self.describe()["dtype"]
+        if saved is None or saved == now:
+            return True
+        warn_and_log(
+            log,
+            f"the checkpoint was trained in {saved}, this engine in {now}: the weights and "
+            f"optimizer state are restored, the loss scale is not (the {now} engine's own "
+            "loss scaler, as configured, starts afresh)",
+            UserWarning,
+        )
+        return False
 
     def _load_frozen(
         self,

@@ -1,0 +1,97 @@
+"""A DeepSpeed run (one rank, CPU) whose optimizer, dtype and loss scale the tests choose, for
+what a resume must do when they are unusual or changed between runs.
+
+    python ds_changes.py --dir D --steps N [--every K] [--opt NAdam] [--dtype fp16] [--stage 2]
+                         [--scale-power P]
+
+Trains ``Linear(8, 8)`` to optimizer step N (a save every K), from the newest checkpoint in D
+if there is one, then prints one line ``RESULT {json}``: the step restored from, the fp32
+parameters' digest, the loss scaler's state, the first group's lr and the optimizer state's
+keys, and whether DeepSpeed's ``safe_get_full_optimizer_state`` finds the first moment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch
+
+from ds_noshm import skip_shm_op
+from ds_train import allow_fp16_on_cpu
+from spawn_ranks import world_of_one
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--opt", default="AdamW")
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--scale-power", type=int, default=8)
+    args = ap.parse_args()
+    world_of_one()
+    skip_shm_op()
+    allow_fp16_on_cpu()
+    import resilient_callbacks.deepspeed as rcds
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    kw = {"momentum": 0.9} if args.opt == "SGD" else {}
+    opt = getattr(torch.optim, args.opt)(model.parameters(), lr=args.lr, **kw)
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {"stage": args.stage},
+        "zero_allow_untested_optimizer": True,
+        "resilient_checkpoint": {"dirpath": args.dir, "every_n_steps": args.every},
+    }
+    if args.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if args.dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": args.scale_power, "hysteresis": 1}
+    engine, *_ = rcds.initialize(model=model, optimizer=opt, config=cfg)
+    restored = engine.global_steps
+    dtype = next(engine.module.parameters()).dtype
+    g = torch.Generator().manual_seed(1)
+    for _ in range(engine.global_steps):  # the batches already trained on
+        torch.randn(4, 8, generator=g)
+    while engine.global_steps < args.steps:
+        x = torch.randn(4, 8, generator=g).to(dtype)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    engine.resilient_checkpoint.close()
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    digest = hashlib.sha1(
+        b"".join(safe_get_full_fp32_param(p).numpy().tobytes() for p in model.parameters())
+    ).hexdigest()
+    try:
+        moment = safe_get_full_optimizer_state(model.weight, "exp_avg")
+        found = moment is not None
+    except (ValueError, TypeError) as e:  # "exp_avg not found ..."; no state at all yet
+        found = f"{type(e).__name__}: {e}"
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    inner = engine.optimizer.optimizer
+    keys = sorted({k for st in inner.state.values() for k in st})
+    result = {
+        "restored": restored,
+        "digest": digest,
+        "scale": getattr(scaler, "cur_scale", None),
+        "dynamic": getattr(scaler, "dynamic", None),
+        "lr": inner.param_groups[0]["lr"],
+        "keys": keys,
+        "exp_avg": found,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

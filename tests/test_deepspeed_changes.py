@@ -1,0 +1,105 @@
+"""DeepSpeed resumes with unusual optimizer state, and with what changed between two runs of a
+directory (real DeepSpeed on the CPU, one rank; ``ds_changes.py`` is the run):
+
+- an optimizer whose state holds values besides its moments and ``step`` (NAdam's
+  ``mu_product``, ASGD's ``eta``/``mu``): saved and restored, the resume exact (it crashed);
+- another optimizer than the one the checkpoint was written with: refused, naming both (its
+  state keys and hyper-parameters were loaded into it);
+- another dtype (bf16 <-> fp16): the new engine's loss scaler is kept, with a warning (the
+  saved one's fields were copied onto it);
+- fp16, a checkpoint of before the first step that was not skipped: DeepSpeed's
+  ``safe_get_full_optimizer_state`` still finds the moments after the resume (it never did).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+SCRIPT = Path(__file__).with_name("ds_changes.py")
+
+
+def run(d: Path, *args: str, fails: bool = False) -> dict | str:
+    """One run of ``ds_changes.py`` on ``d``; its RESULT, or its output where it ``fails``."""
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1] / "src"), str(SCRIPT.parent)]),
+    }
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dir", str(d), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    out = p.stdout + p.stderr
+    if fails:
+        assert p.returncode != 0, out[-3000:]
+        return out
+    assert p.returncode == 0, out[-3000:]
+    (line,) = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    return {**json.loads(line[len("RESULT ") :]), "output": out}
+
+
+@pytest.mark.parametrize(
+    ("opt", "stage"),
+    [
+        ("NAdam", 2),
+        pytest.param("ASGD", 1, marks=pytest.mark.slow),
+        pytest.param("NAdam", 3, marks=pytest.mark.slow),
+    ],
+)
+def test_an_optimizer_with_values_besides_its_moments_resumes_exactly(
+    tmp_path: Path, opt: str, stage: int
+) -> None:
+    common = ("--opt", opt, "--stage", str(stage), "--every", "4")
+    ref = run(tmp_path / "ref", "--steps", "7", *common)
+    assert run(tmp_path / "run", "--steps", "4", *common)["restored"] == 0
+    resumed = run(tmp_path / "run", "--steps", "7", *common)
+    assert resumed["restored"] == 4
+    assert resumed["digest"] == ref["digest"]
+    assert resumed["keys"] == ref["keys"]
+
+
+def test_another_optimizer_than_the_checkpoints_is_refused(tmp_path: Path) -> None:
+    run(tmp_path / "ck", "--steps", "4", "--opt", "AdamW")
+    out = run(tmp_path / "ck", "--steps", "6", "--opt", "SGD", "--lr", "0.1", fails=True)
+    said = " ".join(out.split())
+    assert "CheckpointMismatchError" in said, said[-2000:]
+    assert "AdamW" in said and "SGD" in said, said[-2000:]
+
+
+def test_another_dtype_keeps_the_new_engines_loss_scaler(tmp_path: Path) -> None:
+    """bf16 then fp16: the fp16 run starts with its configured dynamic scale (2**8), not the
+    bf16 run's static scale of 1; a warning names both dtypes."""
+    run(tmp_path / "ck", "--steps", "4", "--dtype", "bf16")
+    resumed = run(tmp_path / "ck", "--steps", "4", "--dtype", "fp16", "--scale-power", "8")
+    assert resumed["restored"] == 4
+    assert resumed["dynamic"] is True and resumed["scale"] == 2.0**8, resumed
+    said = " ".join(resumed["output"].split())
+    assert "trained in bfloat16, this engine in float16" in said and "loss scale" in said, said
+
+
+def test_fp16_moments_stay_reachable_after_a_resume_before_the_first_real_step(
+    tmp_path: Path,
+) -> None:
+    """A scale of 2**30 overflows: the first steps are skipped, and the checkpoint at step 2
+    holds no moments yet. After the resume, the first step that is not skipped makes them, and
+    DeepSpeed's safe_get_full_optimizer_state finds them (it raised "exp_avg not found")."""
+    common = ("--dtype", "fp16", "--scale-power", "30", "--every", "2", "--stage", "2")
+    first = run(tmp_path / "ck", "--steps", "2", *common)
+    assert first["keys"] == [], first  # every step so far was skipped: no state yet
+    resumed = run(tmp_path / "ck", "--steps", "40", *common)
+    assert resumed["restored"] == 2 and resumed["keys"], resumed
+    assert resumed["exp_avg"] is True, resumed
