@@ -77,8 +77,9 @@ def _section_in(config: Any) -> bool:
 def has_section(args: Any = None, config: Any = None, config_params: Any = None) -> bool:
     """Whether any of ``deepspeed.initialize``'s config sources holds the section."""
     candidates = [config, config_params]
-    if args is not None:
+    if args is not None:  # (--deepscale_config: the deprecated name DeepSpeed still takes)
         candidates.append(getattr(args, "deepspeed_config", None))
+        candidates.append(getattr(args, "deepscale_config", None))
     return any(_section_in(c) for c in candidates if c is not None)
 
 

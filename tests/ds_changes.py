@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--stage", type=int, default=2)
     ap.add_argument("--scale-power", type=int, default=8)
+    ap.add_argument("--data", action="store_true")  # training_data=; trains from the engine's
+    ap.add_argument("--deepscale", action="store_true")  # the config as args.deepscale_config
     args = ap.parse_args()
     world_of_one()
     skip_shm_op()
@@ -56,15 +58,25 @@ def main() -> None:
         cfg["bf16"] = {"enabled": True}
     if args.dtype == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": args.scale_power, "hysteresis": 1}
-    engine, *_ = rcds.initialize(model=model, optimizer=opt, config=cfg)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=torch.Generator()))
+    how: dict = {"config": cfg}
+    if args.deepscale:  # DeepSpeed's deprecated flag, which it still reads
+        path = os.path.join(os.path.dirname(os.path.abspath(args.dir)), "ds.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        how = {"args": argparse.Namespace(deepscale_config=path, deepspeed_config=None)}
+    engine, _, loader, _ = rcds.initialize(
+        model=model, optimizer=opt, training_data=data if args.data else None, **how
+    )
     restored = engine.global_steps
     dtype = next(engine.module.parameters()).dtype
     g = torch.Generator().manual_seed(1)
     for _ in range(engine.global_steps):  # the batches already trained on
         torch.randn(4, 8, generator=g)
+    batches = iter(engine.training_dataloader) if args.data else None
     while engine.global_steps < args.steps:
-        x = torch.randn(4, 8, generator=g).to(dtype)
-        loss = engine(x).float().pow(2).mean()
+        x = next(batches)[0] if batches is not None else torch.randn(4, 8, generator=g)
+        loss = engine(x.to(dtype)).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
     engine.resilient_checkpoint.close()
@@ -89,6 +101,7 @@ def main() -> None:
         "lr": inner.param_groups[0]["lr"],
         "keys": keys,
         "exp_avg": found,
+        "engines_loader_is_the_returned_one": args.data and engine.training_dataloader is loader,
     }
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -103,3 +103,27 @@ def test_fp16_moments_stay_reachable_after_a_resume_before_the_first_real_step(
     resumed = run(tmp_path / "ck", "--steps", "40", *common)
     assert resumed["restored"] == 2 and resumed["keys"], resumed
     assert resumed["exp_avg"] is True, resumed
+
+
+def test_the_engines_training_dataloader_is_the_resumable_one(tmp_path: Path) -> None:
+    """A script iterating ``engine.training_dataloader`` (DeepSpeed's attribute for the loader
+    it makes from training_data), as unchanged scripts under the launcher do: it was None. It is
+    the loader returned, which resumes mid-epoch: a kill-free resume at step 4 matches."""
+    ref = run(tmp_path / "ref", "--steps", "7", "--data", "--every", "4")
+    assert ref["engines_loader_is_the_returned_one"] is True
+    run(tmp_path / "run", "--steps", "4", "--data", "--every", "4")
+    resumed = run(tmp_path / "run", "--steps", "7", "--data", "--every", "4")
+    assert resumed["restored"] == 4 and resumed["digest"] == ref["digest"]
+
+
+def test_the_deprecated_deepscale_config_flag_is_read(tmp_path: Path) -> None:
+    """``--deepscale_config`` (DeepSpeed's old name for --deepspeed_config, still accepted):
+    its section was not looked at, so nothing was checkpointed and no warning said so."""
+    import argparse
+
+    import resilient_callbacks_ds_guard as guard
+
+    run(tmp_path / "ck", "--steps", "4", "--deepscale")
+    assert run(tmp_path / "ck", "--steps", "5", "--deepscale")["restored"] == 4
+    path = tmp_path / "ds.json"
+    assert guard.has_section(args=argparse.Namespace(deepscale_config=str(path)))

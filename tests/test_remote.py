@@ -325,16 +325,20 @@ def test_a_disk_full_of_checkpoints_held_for_upload_says_so(small_tmpfs):
     from resilient_callbacks import CheckpointWriteError
 
     url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
-    gate = threading.Event()
+    gate, uploading = threading.Event(), threading.Event()
     ck = Checkpointer(small_tmpfs / "l", remote=url, keep_last=1, async_save=False)
 
     def down(local_dir, manifest, name, progress=None):
+        uploading.set()
         gate.wait(30)
         raise ConnectionError("the store is down")
 
     orig, ck.remote.upload = ck.remote.upload, down
     try:
         ck.save(1, {"w": torch.ones(1000)})
+        # step 1's upload under way before step 2 commits: else (a loaded machine) step 2's
+        # commit finds step 1 not started, superseded, and retention deletes it
+        assert uploading.wait(60)
         ck.save(2, {"w": torch.ones(1000)})
         with pytest.raises(CheckpointWriteError) as info:
             ck.save(3, {"w": torch.ones(2_000_000)})  # 8 MB on a 4 MiB disk

@@ -207,10 +207,11 @@ def initialize(
         if config is not None:
             raise ValueError("pass config= or config_params=, not both")
         config = kwargs.pop("config_params")
-    if config is None and getattr(args, "deepspeed_config", None) is not None:
-        config = args.deepspeed_config
-        args = copy.copy(args)  # the caller's args keep their config
-        args.deepspeed_config = None  # DeepSpeed refuses a config given twice
+    for flag in ("deepspeed_config", "deepscale_config"):  # (the second: its deprecated name)
+        if config is None and getattr(args, flag, None) is not None:
+            config = getattr(args, flag)
+            args = copy.copy(args)  # the caller's args keep their config
+            setattr(args, flag, None)  # DeepSpeed refuses a config given twice
     clean, options = section.split(config) if config is not None else (None, None)
     if checkpoint is not None:
         options = {**(options or {}), **checkpoint}
@@ -243,6 +244,7 @@ def initialize(
     extra: dict[str, Any] = {}
     if training_data is not None:
         loader = _resumable_loader(engine, training_data, collate_fn)
+        engine.training_dataloader = loader  # where DeepSpeed keeps the loader it makes
         # on more ranks than wrote the checkpoint, new ranks re-shard from rank 0's position
         extra["data"] = PerRank(loader, new_ranks="rank0")
     handle = DeepSpeedCheckpoint(engine, extra or None, **options)
