@@ -104,6 +104,7 @@ def main() -> None:
         "engines_loader_is_the_returned_one": args.data and engine.training_dataloader is loader,
     }
     print("RESULT " + json.dumps(result), flush=True)
+    torch.distributed.destroy_process_group()  # (as ds_train.py: no gloo threads left at exit)
 
 
 if __name__ == "__main__":

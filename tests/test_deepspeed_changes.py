@@ -127,3 +127,22 @@ def test_the_deprecated_deepscale_config_flag_is_read(tmp_path: Path) -> None:
     assert run(tmp_path / "ck", "--steps", "5", "--deepscale")["restored"] == 4
     path = tmp_path / "ds.json"
     assert guard.has_section(args=argparse.Namespace(deepscale_config=str(path)))
+
+
+@pytest.mark.distributed
+def test_moe_expert_parallelism_is_refused_at_initialize(tmp_path: Path) -> None:
+    """Experts split over 2 ranks (ep_size=2) were saved under the same names by both ranks
+    (a resume on 1 rank missed half of them; export failed); docs promised a refusal."""
+    import spawn_ranks
+
+    outs = spawn_ranks.run(
+        [sys.executable, str(SCRIPT.with_name("ds_moe.py")), str(tmp_path / "ck")],
+        2,
+        tmp_path,
+        "moe",
+        env={"DS_ACCELERATOR": "cpu"},
+        deadline=300.0,
+    ).outputs
+    for out in outs:
+        said = " ".join(out.split())
+        assert "REFUSED UnsupportedStateError" in said and "ep_size=2" in said, said[-2000:]

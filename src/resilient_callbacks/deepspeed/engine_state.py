@@ -92,6 +92,13 @@ def _unsupported(engine: Any) -> str | None:
         )
     if type(engine).__name__ == "PipelineEngine":
         return "DeepSpeed's PipelineEngine is not supported yet"
+    experts = _expert_parallel(engine)
+    if experts:
+        return (
+            f"MoE expert parallelism ({experts}) is not supported yet: each rank holds other "
+            "experts under the same parameter names, so one rank's would overwrite another's. "
+            "MoE layers with ep_size=1 (every rank holds every expert) are not refused"
+        )
     zero = engine.zero_optimization_stage()
     problem = _offload_problem(zero, _offload_devices(engine), _partial_offload(engine))
     if problem is not None:
@@ -99,6 +106,21 @@ def _unsupported(engine: Any) -> str | None:
     if engine.optimizer is None:
         return "the engine has no optimizer (an inference-only engine has nothing to resume)"
     return None
+
+
+def _expert_parallel(engine: Any) -> str | None:
+    """The MoE layers of ``engine`` that split their experts over ranks (``ep_size`` > 1), as
+    text, or None."""
+    if not getattr(engine, "has_moe_layers", False):
+        return None
+    split = sorted(
+        {
+            f"ep_size={m.ep_size}"
+            for m in engine.module.modules()
+            if type(m).__name__ == "MoE" and int(getattr(m, "ep_size", 1) or 1) > 1
+        }
+    )
+    return ", ".join(split) or None
 
 
 def _offload_problem(stage: int, devices: dict[str, str], partial: bool) -> str | None:
