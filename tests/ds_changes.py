@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--scale-power", type=int, default=8)
     ap.add_argument("--data", action="store_true")  # training_data=; trains from the engine's
     ap.add_argument("--deepscale", action="store_true")  # the config as args.deepscale_config
+    ap.add_argument("--freeze-bias", action="store_true")  # requires_grad=False
     args = ap.parse_args()
     world_of_one()
     skip_shm_op()
@@ -46,8 +47,10 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
+    model.bias.requires_grad_(not args.freeze_bias)
     kw = {"momentum": 0.9} if args.opt == "SGD" else {}
-    opt = getattr(torch.optim, args.opt)(model.parameters(), lr=args.lr, **kw)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = getattr(torch.optim, args.opt)(trained, lr=args.lr, **kw)
     cfg: dict = {
         "train_micro_batch_size_per_gpu": 4,
         "zero_optimization": {"stage": args.stage},
@@ -83,7 +86,11 @@ def main() -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     digest = hashlib.sha1(
-        b"".join(safe_get_full_fp32_param(p).numpy().tobytes() for p in model.parameters())
+        b"".join(
+            safe_get_full_fp32_param(p).numpy().tobytes()
+            for p in model.parameters()
+            if p.requires_grad
+        )
     ).hexdigest()
     try:
         moment = safe_get_full_optimizer_state(model.weight, "exp_avg")

@@ -146,3 +146,19 @@ def test_moe_expert_parallelism_is_refused_at_initialize(tmp_path: Path) -> None
     for out in outs:
         said = " ".join(out.split())
         assert "REFUSED UnsupportedStateError" in said and "ep_size=2" in said, said[-2000:]
+
+
+@pytest.mark.parametrize("frozen_first", [True, False])
+def test_a_parameter_frozen_in_one_run_only_is_named_as_the_change(
+    tmp_path: Path, frozen_first: bool
+) -> None:
+    """ZeRO 1, the bias frozen in one run and trained in the other: the error named an
+    internal key ("unexpected keys in checkpoint: 'module_extras'")."""
+    first, second = (["--freeze-bias"], []) if frozen_first else ([], ["--freeze-bias"])
+    run(tmp_path / "ck", "--steps", "4", "--stage", "1", *first)
+    out = run(tmp_path / "ck", "--steps", "6", "--stage", "1", *second, fails=True)
+    said = " ".join(out.replace("[rank0]:", "").split())
+    assert "CheckpointMismatchError" in said, said[-2000:]
+    assert "requires_grad=False" in said and "Freeze the same parameters" in said, said[-2000:]
+    if not frozen_first:
+        assert "freezes some (requires_grad=False: bias)" in said, said[-2000:]

@@ -266,6 +266,21 @@ class EngineState(dict[str, Any]):
         self.stage = stage
 
     def explain_key_mismatch(self, missing: list[str], unexpected: list[str]) -> str | None:
+        frozen_then, frozen_now = "module_extras" in unexpected, "module_extras" in missing
+        if frozen_then != frozen_now:
+            now = ", ".join(sorted(self.get("module_extras", {}))[:5]).replace("frozen/", "")
+            change = (
+                "some parameters frozen (requires_grad=False), and this engine trains every one"
+                if frozen_then
+                else f"every parameter trained, and this engine freezes some (requires_grad=False: {now})"
+            )
+            return (
+                f"the checkpoint was saved with {change}: at ZeRO {self.stage} frozen "
+                "parameters are saved apart from the optimizer's partitions, so the saved "
+                "state does not fit. Freeze the same parameters as the run that saved it, or "
+                "start a new run from the saved weights (`resilient-ckpt export DIR OUT` writes "
+                "them whole)"
+            )
         saved_stage0 = "zero" in missing and "optimizer" in unexpected
         if not (saved_stage0 or ("optimizer" in missing and "zero" in unexpected)):
             return None
