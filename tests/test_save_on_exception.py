@@ -99,3 +99,37 @@ def test_a_generator_in_the_state_is_saved_as_of_the_last_step(tmp_path):
     with Checkpointer(tmp_path / "ck") as ck:
         assert ck.restore(state) == 1
     assert torch.equal(g.get_state(), at_step_1)
+
+
+def test_an_optimizer_step_that_raised_part_way_saves_nothing(tmp_path, caplog):
+    """The step updated one parameter, then raised (an out-of-memory error inside a foreach or
+    multi-group step): the state is no step's. The stepped flag was set by a post-step hook,
+    which a step that raises never reaches, so "step 2 (unchanged since)" was saved with one
+    parameter of step 3 in it; the flag is set as the step starts now, and nothing is saved."""
+
+    class HalfwaySGD(torch.optim.SGD):
+        fail = False
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            first, *rest = [p for g in self.param_groups for p in g["params"]]
+            first.add_(100.0)
+            if self.fail:
+                raise Boom("out of memory inside optimizer.step")
+            for p in rest:
+                p.add_(100.0)
+
+    model = torch.nn.Linear(4, 4)
+    opt = HalfwaySGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": opt}
+    ck_dir = tmp_path / "ck"
+    with (
+        pytest.raises(Boom),
+        Checkpointer(ck_dir, every_n_steps=1000, save_on_exception=True) as ck,
+    ):
+        for step in range(1, 4):
+            opt.fail = step == 3
+            opt.step()
+            ck.step(step, state)
+    assert not [p for p in ck_dir.iterdir() if p.name.startswith("step_")]
+    assert any("matches no step" in r.getMessage() for r in caplog.records)

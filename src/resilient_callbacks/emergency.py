@@ -149,16 +149,18 @@ class Emergency:
         self._consistent_point = (step, frozen, rng_state, stepped, module_buffers(frozen))
 
     def _watch_optimizers(self, state: Any, stepped: list[bool]) -> None:
-        """Flag ``stepped[0]`` when any optimizer in the state steps (save_on_exception)."""
+        """Flag ``stepped[0]`` when any optimizer in the state starts a step (save_on_exception):
+        before it, not after, so a step that raised part-way (an out-of-memory error after some
+        parameters were updated) counts as having changed the state."""
         for opt in statetree.optimizers(state):
             old = self._step_watch.pop(id(opt), None)
             if old is not None:
                 old.remove()
 
-            def post_step(*_: Any, _flag: list[bool] = stepped) -> None:
+            def pre_step(*_: Any, _flag: list[bool] = stepped) -> None:
                 _flag[0] = True
 
-            self._step_watch[id(opt)] = hookable(opt).register_step_post_hook(post_step)
+            self._step_watch[id(opt)] = hookable(opt).register_step_pre_hook(pre_step)
 
     def release(self) -> None:
         """Remove the optimizer hooks and forget the consistent point (close)."""
