@@ -267,3 +267,23 @@ def test_signal_during_an_in_flight_save_is_handled_after_it_commits(tmp_path):
         (10, "periodic", "valid"),
         (11, "emergency", "valid"),
     ]
+
+
+def test_an_optimizer_not_in_the_state_waits_for_the_copy_too(tmp_path, slow_deferred_copies):
+    """Overlapped: only the state's optimizers waited for the deferred copies. A second
+    optimizer over the same parameters, not in the state (made after the save, or a wrapper's
+    own), stepped at once, and the checkpoint held parameters after its step."""
+    model, opt = _model_state()
+    _train_step(model, opt)
+    before = _values(model, opt)
+    other = torch.optim.SGD(model.parameters(), lr=1.0)
+    with Checkpointer(tmp_path / "ck", overlap_snapshot=True, preemption=False) as ck:
+        ck.save(1, {"model": model, "optimizer": opt})
+        model(torch.randn(16, 64)).square().mean().backward()
+        other.step()  # must wait for save 1's deferred copies
+        ck.flush()
+    fresh_model, fresh_opt = _model_state(seed=1)
+    with Checkpointer(tmp_path / "ck", preemption=False) as ck:
+        assert ck.restore({"model": fresh_model, "optimizer": fresh_opt}) == 1
+    got = _values(fresh_model, fresh_opt)
+    assert [k for k in before if not torch.equal(got[k], before[k])] == []

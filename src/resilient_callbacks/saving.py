@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import dist, rng, statetree, structure
 from .background import BackgroundPersister
@@ -126,6 +127,7 @@ class Saver:
         # hooked optimizer -> its hook's handle (weakly: an id() alone named a new optimizer made
         # at a freed one's address as hooked)
         self._hooked: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._every_step: Any = None  # the global optimizer pre-step hook (overlapped saves)
         self.skipped_saves = 0
         self.committed_saves = 0
         self.metric_names: set[str] = set()  # reported (finite) with this run's saves
@@ -422,12 +424,19 @@ class Saver:
             target = hookable(opt)
             if target not in self._hooked:
                 self._hooked[target] = target.register_step_pre_hook(pre_step)
+        if self._every_step is None:
+            # and every other torch optimizer's step: one made after the save, or one not in
+            # the state, that steps the same parameters (a wait with nothing pending is free)
+            self._every_step = register_optimizer_step_pre_hook(pre_step)
 
     def release(self) -> None:
         """close(): remove the optimizer hooks and destroy the background group."""
         for handle in self._hooked.values():
             handle.remove()
         self._hooked.clear()
+        if self._every_step is not None:
+            self._every_step.remove()
+            self._every_step = None
         self._release_group()
 
     def _release_group(self) -> None:
