@@ -798,7 +798,15 @@ def test_overlapped_snapshot_is_awaited_before_the_next_optimizer_step(tmp_path,
     monkeypatch.setattr(snapshot.Snapshot, "_copy_later", slow)
     rc, weights = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2), _Weights()
     if not wait:
+        from resilient_callbacks import saving
+
+        class _NoHook:
+            def remove(self) -> None:
+                pass
+
         monkeypatch.setattr(rc, "on_before_optimizer_step", lambda *a: None)
+        # and the global pre-step hook with which every torch optimizer's step waits
+        monkeypatch.setattr(saving, "register_optimizer_step_pre_hook", lambda fn: _NoHook())
     _tiny_fit(tmp_path, _Tiny(), rc, weights, max_steps=4)
     step2 = next(e for e in _committed(tmp_path / "ck") if e.step == 2)
     saved = load_file(str(Path(step2.path) / "shared.safetensors"))

@@ -519,7 +519,12 @@ def test_a_prometheus_exporter_on_port_0_says_which_port_it_took(tmp_path: Path,
     caplog.set_level(logging.INFO, logger="resilient_callbacks")
     with Checkpointer(tmp_path / "ck", telemetry="prometheus:127.0.0.1:0") as ck:
         ck.restore(_state())
-        said = [r.getMessage() for r in caplog.records if "/metrics" in r.getMessage()]
+        deadline = time.monotonic() + 60  # the sink starts on its own thread
+        while True:
+            said = [r.getMessage() for r in caplog.records if "/metrics" in r.getMessage()]
+            if said or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert said, [r.getMessage() for r in caplog.records]
         url = re.search(r"http://\S+/metrics", said[0]).group(0)
         assert not url.endswith(":0/metrics")

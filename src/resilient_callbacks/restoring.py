@@ -106,9 +106,8 @@ class Restorer:
         self._tier = "local"
         self._skipped = 0
         cands = self._listed()
-        for _ in range(
-            RELIST if ck.config.read_only and ck.config.resume == ResumeMode.AUTO else 0
-        ):
+        relist = RELIST if ck.config.read_only and ck.config.resume == ResumeMode.AUTO else 0
+        for _ in range(relist):
             if cands:
                 break
             # beside a writer, one listing can miss every checkpoint: the newest not yet renamed
