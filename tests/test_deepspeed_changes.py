@@ -72,6 +72,21 @@ def test_an_optimizer_with_values_besides_its_moments_resumes_exactly(
     assert resumed["keys"] == ref["keys"]
 
 
+def test_single_values_follow_the_parameter_group_into_other_partitions(tmp_path: Path) -> None:
+    """Saved at ZeRO 2 (one flat partition), resumed at ZeRO 3 with a sub_group_size that
+    splits the group into two sub-groups: each gets the group's ``mu_product`` (the second got
+    none, and the first step raised KeyError), and both go on stepping alike."""
+    stage3 = ("--opt", "NAdam", "--stage", "3", "--sub-group-size", "16")
+    first = run(tmp_path / "run", "--steps", "4", "--opt", "NAdam", "--stage", "2")
+    (saved,) = first["values"]
+    assert "mu_product" in saved, first
+    resumed = run(tmp_path / "run", "--steps", "6", *stage3)
+    assert resumed["restored"] == 4
+    assert resumed["restored_values"] == [saved, saved], resumed
+    after, also = resumed["values"]
+    assert after == also and after["mu_product"] != saved["mu_product"], resumed
+
+
 def test_another_optimizer_than_the_checkpoints_is_refused(tmp_path: Path) -> None:
     run(tmp_path / "ck", "--steps", "4", "--opt", "AdamW")
     out = run(tmp_path / "ck", "--steps", "6", "--opt", "SGD", "--lr", "0.1", fails=True)
