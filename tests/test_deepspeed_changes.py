@@ -182,3 +182,18 @@ def test_a_parameter_frozen_in_one_run_only_is_named_as_the_change(
     assert "requires_grad=False" in said and "Freeze the same parameters" in said, said[-2000:]
     if not frozen_first:
         assert "freezes some (requires_grad=False: bias)" in said, said[-2000:]
+
+
+@pytest.mark.parametrize("frozen_first", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_freeze_change_at_zero3_names_the_parameter_as_frozen_or_trained(
+    tmp_path: Path, frozen_first: bool
+) -> None:
+    """ZeRO 3, the bias frozen in one run only: the error said the bias was "not in the model"
+    (or "missing from the checkpoint"); it says which run froze it."""
+    first, second = (["--freeze-bias"], []) if frozen_first else ([], ["--freeze-bias"])
+    run(tmp_path / "ck", "--steps", "4", "--stage", "3", *first)
+    out = run(tmp_path / "ck", "--steps", "6", "--stage", "3", *second, fails=True)
+    said = " ".join(out.replace("[rank0]:", "").split())
+    change = "frozen when saved, trained now" if frozen_first else "trained when saved, frozen now"
+    assert "CheckpointMismatchError: parameters changed between frozen" in said, said[-2000:]
+    assert f"{change}: ['bias']" in said and "Freeze the same parameters" in said, said[-2000:]
