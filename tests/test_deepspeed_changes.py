@@ -173,7 +173,7 @@ def test_a_parameter_frozen_in_one_run_only_is_named_as_the_change(
     tmp_path: Path, frozen_first: bool
 ) -> None:
     """ZeRO 1, the bias frozen in one run and trained in the other: the error named an
-    internal key ("unexpected keys in checkpoint: 'module_extras'")."""
+    internal key ("unexpected keys in checkpoint: 'module_extras'"); it names the bias."""
     first, second = (["--freeze-bias"], []) if frozen_first else ([], ["--freeze-bias"])
     run(tmp_path / "ck", "--steps", "4", "--stage", "1", *first)
     out = run(tmp_path / "ck", "--steps", "6", "--stage", "1", *second, fails=True)
@@ -182,6 +182,8 @@ def test_a_parameter_frozen_in_one_run_only_is_named_as_the_change(
     assert "requires_grad=False" in said and "Freeze the same parameters" in said, said[-2000:]
     if not frozen_first:
         assert "freezes some (requires_grad=False: bias)" in said, said[-2000:]
+    else:  # (it said "some parameters frozen")
+        assert "saved with bias frozen (requires_grad=False)" in said, said[-2000:]
 
 
 @pytest.mark.parametrize("frozen_first", [False, pytest.param(True, marks=pytest.mark.slow)])
