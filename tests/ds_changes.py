@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--data", action="store_true")  # training_data=; trains from the engine's
     ap.add_argument("--deepscale", action="store_true")  # the config as args.deepscale_config
     ap.add_argument("--freeze-bias", action="store_true")  # requires_grad=False
+    ap.add_argument("--sub-group-size", type=int)  # ZeRO 3: partitions of sub-groups
     args = ap.parse_args()
     world_of_one()
     skip_shm_op()
@@ -57,6 +58,8 @@ def main() -> None:
         "zero_allow_untested_optimizer": True,
         "resilient_checkpoint": {"dirpath": args.dir, "every_n_steps": args.every},
     }
+    if args.sub_group_size:
+        cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
     if args.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if args.dtype == "fp16":
@@ -72,6 +75,7 @@ def main() -> None:
         model=model, optimizer=opt, training_data=data if args.data else None, **how
     )
     restored = engine.global_steps
+    values = single_values(engine)  # as restored, before any step
     dtype = next(engine.module.parameters()).dtype
     g = torch.Generator().manual_seed(1)
     for _ in range(engine.global_steps):  # the batches already trained on
@@ -107,11 +111,27 @@ def main() -> None:
         "dynamic": getattr(scaler, "dynamic", None),
         "lr": inner.param_groups[0]["lr"],
         "keys": keys,
+        "restored_values": values,
+        "values": single_values(engine),
         "exp_avg": found,
         "engines_loader_is_the_returned_one": args.data and engine.training_dataloader is loader,
     }
     print("RESULT " + json.dumps(result), flush=True)
     torch.distributed.destroy_process_group()  # (as ds_train.py: no gloo threads left at exit)
+
+
+def single_values(engine) -> list[dict[str, float]]:
+    """Each flat partition's optimizer state values that are one number (NAdam's
+    ``mu_product``), in the order of the partitions."""
+    inner, zero = engine.optimizer.optimizer, engine.optimizer
+    flats = getattr(zero, "single_partition_of_fp32_groups", None)
+    if flats is None:
+        flats = zero.fp32_partitioned_groups_flat
+    state = [inner.state.get(f, {}) for f in flats]
+    return [
+        {k: float(v) for k, v in st.items() if k != "step" and torch.as_tensor(v).numel() == 1}
+        for st in state
+    ]
 
 
 if __name__ == "__main__":

@@ -72,6 +72,21 @@ def test_an_optimizer_with_values_besides_its_moments_resumes_exactly(
     assert resumed["keys"] == ref["keys"]
 
 
+def test_single_values_follow_the_parameter_group_into_other_partitions(tmp_path: Path) -> None:
+    """Saved at ZeRO 2 (one flat partition), resumed at ZeRO 3 with a sub_group_size that
+    splits the group into two sub-groups: each gets the group's ``mu_product`` (the second got
+    none, and the first step raised KeyError), and both go on stepping alike."""
+    stage3 = ("--opt", "NAdam", "--stage", "3", "--sub-group-size", "16")
+    first = run(tmp_path / "run", "--steps", "4", "--opt", "NAdam", "--stage", "2")
+    (saved,) = first["values"]
+    assert "mu_product" in saved, first
+    resumed = run(tmp_path / "run", "--steps", "6", *stage3)
+    assert resumed["restored"] == 4
+    assert resumed["restored_values"] == [saved, saved], resumed
+    after, also = resumed["values"]
+    assert after == also and after["mu_product"] != saved["mu_product"], resumed
+
+
 def test_another_optimizer_than_the_checkpoints_is_refused(tmp_path: Path) -> None:
     run(tmp_path / "ck", "--steps", "4", "--opt", "AdamW")
     out = run(tmp_path / "ck", "--steps", "6", "--opt", "SGD", "--lr", "0.1", fails=True)
@@ -158,7 +173,7 @@ def test_a_parameter_frozen_in_one_run_only_is_named_as_the_change(
     tmp_path: Path, frozen_first: bool
 ) -> None:
     """ZeRO 1, the bias frozen in one run and trained in the other: the error named an
-    internal key ("unexpected keys in checkpoint: 'module_extras'")."""
+    internal key ("unexpected keys in checkpoint: 'module_extras'"); it names the bias."""
     first, second = (["--freeze-bias"], []) if frozen_first else ([], ["--freeze-bias"])
     run(tmp_path / "ck", "--steps", "4", "--stage", "1", *first)
     out = run(tmp_path / "ck", "--steps", "6", "--stage", "1", *second, fails=True)
@@ -167,3 +182,20 @@ def test_a_parameter_frozen_in_one_run_only_is_named_as_the_change(
     assert "requires_grad=False" in said and "Freeze the same parameters" in said, said[-2000:]
     if not frozen_first:
         assert "freezes some (requires_grad=False: bias)" in said, said[-2000:]
+    else:  # (it said "some parameters frozen")
+        assert "saved with bias frozen (requires_grad=False)" in said, said[-2000:]
+
+
+@pytest.mark.parametrize("frozen_first", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_freeze_change_at_zero3_names_the_parameter_as_frozen_or_trained(
+    tmp_path: Path, frozen_first: bool
+) -> None:
+    """ZeRO 3, the bias frozen in one run only: the error said the bias was "not in the model"
+    (or "missing from the checkpoint"); it says which run froze it."""
+    first, second = (["--freeze-bias"], []) if frozen_first else ([], ["--freeze-bias"])
+    run(tmp_path / "ck", "--steps", "4", "--stage", "3", *first)
+    out = run(tmp_path / "ck", "--steps", "6", "--stage", "3", *second, fails=True)
+    said = " ".join(out.replace("[rank0]:", "").split())
+    change = "frozen when saved, trained now" if frozen_first else "trained when saved, frozen now"
+    assert "CheckpointMismatchError: parameters changed between frozen" in said, said[-2000:]
+    assert f"{change}: ['bias']" in said and "Freeze the same parameters" in said, said[-2000:]

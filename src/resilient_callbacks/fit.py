@@ -5,10 +5,12 @@ of a half-loaded state.
 A mapping in the state may explain a key mismatch in words the user knows: a method
 ``explain_key_mismatch(missing, unexpected) -> str | None`` (the keys the checkpoint lacks and
 the keys only it has) adds its answer to the list (the DeepSpeed engine's state names the ZeRO
-stages, say)."""
+stages, say); one with a ``saved_keys`` keyword also gets, for each unexpected key, the keys the
+checkpoint holds under it."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from collections.abc import Mapping, Sequence
@@ -69,6 +71,18 @@ def key_differences(
         if (shape := have[k]) is not None and list(shape) != list(want[k])
     ]
     return missing, unexpected, reshaped
+
+
+def _explain(obj: Any, missing: list[Any], unexpected: list[Any], items: dict) -> str | None:
+    """``obj.explain_key_mismatch``'s words for a key mismatch, if it has any; one that takes
+    ``saved_keys`` is also given the keys inside each unexpected entry of the checkpoint."""
+    explain = getattr(obj, "explain_key_mismatch", None)
+    if explain is None or not (missing or unexpected):
+        return None
+    if "saved_keys" not in inspect.signature(explain).parameters:
+        return explain(missing, unexpected)
+    saved = {k: sorted(map(str, _node_items(items[k]) or {})) for k in unexpected}
+    return explain(missing, unexpected, saved_keys=saved)
 
 
 def check_fits(
@@ -166,8 +180,7 @@ def check_fits(
                 left_out.extend(path_str((*path, k)) for k in unexpected)
                 unexpected = []
             problems.extend(_key_problems(path, missing, unexpected))
-            explain = getattr(obj, "explain_key_mismatch", None)
-            hint = explain(missing, unexpected) if explain and (missing or unexpected) else None
+            hint = _explain(obj, missing, unexpected, items)
             if hint:
                 problems.append(f"{path_str(path)}: {hint}")
             for k in obj:

@@ -265,12 +265,19 @@ class EngineState(dict[str, Any]):
         super().__init__()
         self.stage = stage
 
-    def explain_key_mismatch(self, missing: list[str], unexpected: list[str]) -> str | None:
+    def explain_key_mismatch(
+        self,
+        missing: list[str],
+        unexpected: list[str],
+        saved_keys: dict[str, list[str]] | None = None,
+    ) -> str | None:
         frozen_then, frozen_now = "module_extras" in unexpected, "module_extras" in missing
         if frozen_then != frozen_now:
             now = ", ".join(sorted(self.get("module_extras", {}))[:5]).replace("frozen/", "")
+            then = ", ".join((saved_keys or {}).get("module_extras", [])[:5]).replace("frozen/", "")
             change = (
-                "some parameters frozen (requires_grad=False), and this engine trains every one"
+                f"{then or 'some parameters'} frozen (requires_grad=False), and this engine "
+                "trains every one"
                 if frozen_then
                 else f"every parameter trained, and this engine freezes some (requires_grad=False: {now})"
             )

@@ -131,6 +131,10 @@ class ZeroView:
     def _flat_partitions(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def _flat_groups(self) -> list[int]:
+        """The optimizer parameter group of each flat partition (ZeRO 1-2: one per group)."""
+        return list(range(len(self._flat_partitions())))
+
     def frozen_fragments(self) -> Iterator[Fragment]:
         """This rank's ranges of the frozen parameters where ZeRO partitions them (stage 3;
         at stages 1-2 they are replicated and saved with the module), under :data:`FROZEN`."""
@@ -213,6 +217,7 @@ class ZeroView:
             "optimizer": type(inner).__name__,
             "steps": steps,
             "values": self.values(),
+            "value_groups": self._flat_groups(),
             "param_groups": groups,
             "loss_scaler": scaler_state,
         }
@@ -258,8 +263,7 @@ class ZeroView:
         for live, g in zip(inner.param_groups, groups, strict=True):
             for k, v in g.items():
                 live[k] = _restore_like(live.get(k), v)
-        values = saved.get("values") or []
-        for flat, entries in zip(flats, values, strict=False):
+        for flat, entries in zip(flats, self._values_by_flat(saved), strict=True):
             st = inner.state.setdefault(flat, {})
             for k, e in entries.items():
                 st[k] = _value(e, flat.device)
@@ -269,6 +273,28 @@ class ZeroView:
         for k, v in saved.get("loss_scaler", {}).items():
             if scaler is not None and k in SCALER_FIELDS and hasattr(scaler, k):
                 setattr(scaler, k, _restore_like(getattr(scaler, k), v))
+
+    def _values_by_flat(self, saved: dict[str, Any]) -> list[dict[str, Any]]:
+        """The saved single values for each live flat partition, by its parameter group: the
+        partitions need not be the saved ones (ZeRO 2 -> 3 splits a group into sub-groups,
+        and their number follows ``sub_group_size`` and the number of ranks)."""
+        values, groups = saved.get("values") or [], saved.get("value_groups")
+        live = self._flat_groups()
+        if groups is None and len(values) == len(live):
+            return list(values)  # (a checkpoint of before this record: by position)
+        if groups is None:
+            groups = [0] * len(values)
+        by_group: dict[int, dict[str, Any]] = {}
+        for g, entries in zip(groups, values, strict=True):
+            by_group.setdefault(int(g), entries)
+        keys = sorted({k for entries in values for k in entries})
+        if keys and any(g not in by_group for g in live):
+            raise UnsupportedStateError(
+                f"the checkpoint holds the optimizer's single values {keys} for "
+                f"parameter groups {sorted(by_group)}, not for every group the engine's "
+                f"partitions belong to ({sorted(set(live))})"
+            )
+        return [by_group.get(g, {}) for g in live]
 
 
 class Zero12View(ZeroView):
@@ -343,6 +369,10 @@ class Zero3View(ZeroView):
 
     def _flat_partitions(self) -> list[torch.Tensor]:
         return list(self.optimizer.fp32_partitioned_groups_flat)
+
+    def _flat_groups(self) -> list[int]:
+        to_group = getattr(self.optimizer, "sub_group_to_group_id", None) or {}
+        return [int(to_group.get(i, 0)) for i in range(len(self._flat_partitions()))]
 
     def _range(self, p: Any) -> tuple[int, int]:
         part = p.ds_tensor.ds_numel

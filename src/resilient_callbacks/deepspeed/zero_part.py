@@ -156,6 +156,7 @@ class ZeroPart(FilePart):
         known = set(first["params"])
         absent = sorted(set(needed) - known)
         extra = sorted(known - set(needed))
+        _refuse_a_freeze_change(absent, extra, first, self.view)
         if absent or extra:
             raise CheckpointMismatchError(
                 "the checkpoint's parameters differ from the engine's: "
@@ -217,6 +218,29 @@ class ZeroPart(FilePart):
                     name, FROZEN, "frozen", f.start, f.numel, saved_ranks, indexes, tensors
                 )
                 self.view.set_frozen(name, out)
+
+
+def _refuse_a_freeze_change(
+    absent: list[str], extra: list[str], saved: Any, view: ZeroView
+) -> None:
+    """Name the parameters frozen (``requires_grad=False``) in one run and trained in the
+    other, where that is why the trained parameters differ (ZeRO 3 saves frozen ones apart)."""
+    frozen_then = [n for n in absent if n in saved.get("frozen", {})]
+    frozen_now_names = {f.name for f in view.frozen_fragments()}
+    frozen_now = [n for n in extra if n in frozen_now_names]
+    if not (frozen_then or frozen_now):
+        return
+    change = "; ".join(
+        [f"frozen when saved, trained now: {frozen_then[:5]}"] * bool(frozen_then)
+        + [f"trained when saved, frozen now: {frozen_now[:5]}"] * bool(frozen_now)
+    )
+    raise CheckpointMismatchError(
+        f"parameters changed between frozen (requires_grad=False) and trained: {change}. At "
+        f"ZeRO {view.stage} frozen parameters are saved apart from the optimizer's partitions, "
+        "so the saved state does not fit. Freeze the same parameters as the run that saved "
+        "it, or start a new run from the saved weights (`resilient-ckpt export DIR OUT` "
+        "writes them whole)"
+    )
 
 
 def _live(fragments: list[Fragment]) -> dict[str, torch.Tensor]:
