@@ -1043,3 +1043,31 @@ def test_an_emergency_save_that_fails_is_said_so_not_passed_on_as_unanswered(tmp
         "step_000000002",
         "step_000000004",
     ]
+
+
+def test_an_exception_while_a_signal_is_pending_is_not_swallowed(tmp_path: Path) -> None:
+    """SIGTERM arrives, then the training step raises before the next ckpt.step(): closing for
+    the exception passed the signal on to the default handler, which killed the process (143)
+    before the exception's traceback was printed; the log said the signal came after the last
+    step. The exception now ends the process (exit 1, traceback shown) and the log names both."""
+    script = (
+        "import os, signal, sys, torch\n"
+        "from resilient_callbacks import Checkpointer\n"
+        "model = torch.nn.Linear(2, 2)\n"
+        "with Checkpointer(sys.argv[1], every_n_steps=10) as ckpt:\n"
+        "    step = ckpt.restore({'model': model})\n"
+        "    ckpt.step(step + 1, {'model': model})\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    raise ValueError('loss is NaN at step 2')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    p = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
+    assert "ValueError: loss is NaN at step 2" in p.stderr, p.stderr[-2000:]
+    assert "arrived while training failed with ValueError" in p.stderr, p.stderr[-2000:]

@@ -186,6 +186,17 @@ def _release(ck: Checkpointer) -> None:
                 error,
                 ck.dirpath,
             )
+        elif unanswered is not None and unanswered.signum is not None and ck.failed_with:
+            # training is failing with an exception: it propagates and ends the process (its
+            # traceback printed); the signal passed on now would kill the process first,
+            # silently, with the exception never shown
+            log.warning(
+                "%s arrived while training failed with %s (no emergency save for it; the "
+                "newest checkpoint is %s); the exception ends the process",
+                unanswered.source,
+                ck.failed_with,
+                _newest(ck),
+            )
         elif unanswered is not None and unanswered.signum is not None:
             # it came after the last step() that could act on it (steps act at decision
             # points, agreed between ranks up to ~1 s apart): the handler it would have
