@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..dtypes import DTYPE_TO_ST
+from ..errors import CheckpointMismatchError
 from . import shards
 from .assemble import full_box, whole_entry
 from .chunks import Box
@@ -75,3 +76,12 @@ def plan_reads(
     )
     out.problems += [f"{n}: in the checkpoint, not in this model/optimizer" for n in unexpected]
     return out
+
+
+def refuse(part_id: str, problems: list[str]) -> None:
+    """Raise :class:`CheckpointMismatchError` naming ``problems`` (the first ten), if any."""
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise CheckpointMismatchError(
+            f"part {part_id!r} does not fit this model: " + "; ".join(problems[:10]) + more
+        )

@@ -57,11 +57,11 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError, Unsupporte
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
 from ..snapshot import step_storages
 from ..unchanged import frozen_storages
-from . import flat_restore, shards
+from . import flat_restore, optim_fit, shards
 from .assemble import assemble, json_file, tensor_file
 from .chunks import Box, check_index, index_of_ranks, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
-from .reads import plan_reads
+from .reads import plan_reads, refuse
 from .stateless import (
     hyperparameters,
     optimizers_of,
@@ -136,6 +136,7 @@ class Sharded(FilePart):
         self._stepped: tuple[int, ...] = ()  # optimizers with state on some rank (_saved_optims)
         self._flat_kind: bool | None = None  # _flat_model(), once known
         self._fqn = Names(model)
+        self._kinds = optim_fit.Fingerprints(model)  # the optimizers' classes and groups
         self._optim_names: list[tuple[str, str, str]] | None = None  # of the last index
         self._load: Any = None  # files_to_read()'s plan for load()
 
@@ -270,6 +271,7 @@ class Sharded(FilePart):
             "mesh": view.mesh,
             "optim": bool(optims),
             "optimizers": list(self._stepped) if optims else [],  # which ones hold state
+            "optimizer_kinds": self._kinds(self.optimizers),
             "tensors": index,
             # tensors not sharded (buffers, a TP plan's replicated layers, DDP): in every
             # rank's file; named here for inspect and export
@@ -386,17 +388,17 @@ class Sharded(FilePart):
             direct = self._load = flat_restore.plan(
                 layout, self._fqn, self.model, index, home, with_optim
             )
+            strict = self.options.strict
+            optim_fit.check(info.part_id, saved, self._kinds, self.optimizers, strict)
             return [json_file(home)] + [tensor_file(r) for r in sorted(direct.ranks)]
         target = self._state_dict(optims)
         _, tensors = split(target)
         plain, strict = saved.get("plain"), self.options.strict
         reads = plan_reads(tensors, index, plain, home, strict, self._box, with_optim)
-        problems = reads.problems
-        if problems:
-            more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-            raise CheckpointMismatchError(
-                f"part {info.part_id!r} does not fit this model: " + "; ".join(problems[:10]) + more
-            )
+        # the model's misfits first, then another optimizer's, then its state's
+        refuse(info.part_id, [p for p in reads.problems if p.startswith(MODEL)])
+        optim_fit.check(info.part_id, saved, self._kinds, self.optimizers, strict)
+        refuse(info.part_id, reads.problems)
         self._load = {
             "home": home,
             "ranks": sorted(reads.ranks),
@@ -433,9 +435,7 @@ class Sharded(FilePart):
             files = {r: reader.tensors(tensor_file(r)) for r in sorted(plan.ranks)}
             optimizer = self.optimizers[0] if self.optimizers else None
             flat_restore.load(plan, files, meta["skeleton"], optimizer)
-            self._restore_groups(
-                meta, saved_indices(reader.info.saved, len(self.optimizers)), json_file(home)
-            )
+            self._restore_groups(meta, reader, home)
             return
         files = {r: reader.tensors(tensor_file(r)) for r in plan["ranks"]}
         targets: dict[str, torch.Tensor] = plan["tensors"]
@@ -489,11 +489,11 @@ class Sharded(FilePart):
             # loading refuses them; the optimizer's load_state_dict leaves them without)
             options = replace(self.options, strict=False) if unsaved else self.options
             set_optimizer_state_dict(self.model, plan["optims"], sd["optim"], options=options)
-        self._restore_groups(
-            meta, saved_indices(reader.info.saved, len(self.optimizers)), json_file(home)
-        )
+        self._restore_groups(meta, reader, home)
 
-    def _restore_groups(self, meta: dict[str, Any], stepped: tuple[int, ...], where: str) -> None:
+    def _restore_groups(self, meta: dict[str, Any], reader: PartReader, home: int) -> None:
         """The hyperparameters of optimizers saved without state (:mod:`.stateless`)."""
+        stepped = saved_indices(reader.info.saved, len(self.optimizers))
         if len(stepped) < len(self.optimizers) and "groups" in meta:
-            restore_hyperparameters(self.optimizers, meta["groups"], where, skip=set(stepped))
+            groups, where = meta["groups"], json_file(home)
+            restore_hyperparameters(self.optimizers, groups, where, skip=set(stepped))

@@ -1,0 +1,143 @@
+"""Whether the optimizers a ``Sharded`` restores into are the kind it saved: each one's class
+and parameter groups, recorded in the manifest at every save (:func:`describe`) and compared
+before anything is loaded (:func:`problems`).
+
+DCP's ``set_optimizer_state_dict`` checks neither. An AdamW checkpoint restored into an AdamW
+whose parameters were split into two groups loaded, and left the first group without its
+``lr`` and ``betas`` (the next ``step()`` raised ``KeyError``); into an ``Adam``, whose state
+has the same keys, it loaded AdamW's hyper-parameters silently. The plain path refuses both
+(:func:`resilient_callbacks.fit.check_fit`); so does this one.
+
+A group is recorded as the number of parameters it holds and a digest of their names, as
+``get_state_dict`` names them (FSDP1's flat parameter by the names of the parameters it
+holds), so a checkpoint moves between FSDP1, FSDP2 and numbers of ranks unrefused. An
+optimizer with a parameter outside the model is recorded without groups (not checked).
+
+Every rank, training thread; nothing here is collective (the same answer on every rank: each
+rank's optimizers hold the same parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import xxhash
+
+from ..errors import CheckpointMismatchError
+from .views import MODEL
+
+
+class Fingerprints:
+    """:func:`describe` of a model's optimizers, the parameters' names looked up once (a
+    model's parameters do not change between saves) and each optimizer's record kept while
+    its groups hold the same parameters."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._names: dict[int, str] | None = None
+        self._kept: dict[int, tuple[tuple[tuple[int, ...], ...], dict[str, Any]]] = {}
+
+    def __call__(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+        return [self._one(o) for o in optimizers]
+
+    def parameters(self) -> set[str]:
+        """The names of the model's parameters, as ``get_state_dict`` gives them."""
+        if self._names is None:
+            self._names = _names(self.model)
+        return {f for name in self._names.values() for f in _fqns(self.model, name)}
+
+    def _one(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        ids = tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups)
+        kept = self._kept.get(id(opt))
+        if kept is not None and kept[0] == ids:
+            return kept[1]
+        said: dict[str, Any] = {"type": qualname(opt)}
+        groups = [self._group(g) for g in ids]
+        if all(g is not None for g in groups):
+            said["groups"] = groups
+        self._kept[id(opt)] = (ids, said)
+        return said
+
+    def _group(self, ids: tuple[int, ...]) -> list[Any] | None:
+        """``[number of parameters, digest of their names]``, or ``None`` where a parameter is
+        not the model's."""
+        if self._names is None or any(i not in self._names for i in ids):
+            self._names = _names(self.model)
+        names: list[str] = []
+        for i in ids:
+            name = self._names.get(i)
+            if name is None:
+                return None
+            names.extend(_fqns(self.model, name))
+        return [len(names), xxhash.xxh3_64_hexdigest("\n".join(sorted(names)).encode())]
+
+
+def qualname(opt: torch.optim.Optimizer) -> str:
+    t = type(opt)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def problems(saved: Any, now: Sequence[Mapping[str, Any]], groups: bool = True) -> list[str]:
+    """Why optimizers described as ``now`` do not take the state of those described as
+    ``saved`` (a manifest's record; none when it holds none: written before it was recorded).
+    ``groups``: compare their parameter groups too."""
+    if not isinstance(saved, list):
+        return []
+    if len(saved) != len(now):
+        return [f"saved with {len(saved)} optimizer(s), restored into {len(now)}"]
+    out = []
+    for i, (s, n) in enumerate(zip(saved, now, strict=True)):
+        if not isinstance(s, dict):
+            continue
+        if s.get("type") != n["type"]:
+            out.append(f"optimizer {i}: a {s.get('type')} in the checkpoint, a {n['type']} here")
+            continue
+        mine, theirs = n.get("groups"), s.get("groups")
+        if not groups or not isinstance(theirs, list) or mine is None or theirs == mine:
+            continue
+        sizes = [g[0] if isinstance(g, list) and g else "?" for g in theirs]
+        here = [g[0] for g in mine]
+        other = " (the same sizes, other parameters)" if sizes == here else ""
+        out.append(
+            f"optimizer {i}: parameter groups of {sizes} in the checkpoint, of {here} here{other}"
+        )
+    return out
+
+
+def check(
+    part_id: str,
+    saved: Mapping[str, Any],
+    kinds: Fingerprints,
+    optimizers: Sequence[torch.optim.Optimizer],
+    strict: bool,
+) -> None:
+    """Raise :class:`CheckpointMismatchError` when ``optimizers`` (none: a restore of the model
+    alone) do not take the state a ``Sharded`` part saved (its manifest record ``saved``).
+    Their groups are compared only where the model's parameters are all in the checkpoint (a
+    model that changed is refused by name, parameter by parameter) and with ``strict`` (a
+    lenient restore loads what fits)."""
+    if not optimizers:
+        return
+    keys = [*(saved.get("tensors") or {}), *(saved.get("plain") or {})]
+    same_model = kinds.parameters() <= {k.removeprefix(MODEL) for k in keys}
+    changed = problems(saved.get("optimizer_kinds"), kinds(optimizers), strict and same_model)
+    if changed:
+        raise CheckpointMismatchError(
+            f"part {part_id!r}: the optimizers are not those the checkpoint holds the state "
+            f"of: {'; '.join(changed)} (to go on with new optimizers from the saved model, "
+            "load Sharded(model) alone through a Checkpointer opened with read_only=True, "
+            "and save into a new dirpath)"
+        )
+
+
+def _names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _fqns(model: torch.nn.Module, name: str) -> list[str]:
+    """The names ``get_state_dict`` gives the parameter ``name`` (several for a flat one)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    return sorted(_get_fqns(model, name))
