@@ -444,6 +444,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 # stand-in for `python train.py ...`: record the arguments, sleep, exit with $FAKE_RC
 [[ $1 == -m ]] && exit 0
 echo "python $*" >> "$FAKE_LOG"
+[[ -n ${FAKE_NEW_STEP:-} ]] && mkdir -p "$CKPT_DIR/$FAKE_NEW_STEP"
 sleep "${FAKE_SLEEP:-0}"
 touch "$FAKE_LOG.done"
 exit "${FAKE_RC:-0}"
@@ -480,8 +481,8 @@ def _calls(tmp: Path) -> list[str]:
         (0, "0", False, None, 0, "RUNNING"),  # finished
         (75, "0", False, "4242", 0, "RUNNING"),  # emergency checkpoint saved: requeue
         (75, "50", False, "4242", 0, "RUNNING"),  # preemptions are never limited
-        (1, "0", False, "4242", 0, "RUNNING"),  # crash with requeues left
-        (1, "20", False, None, 1, "RUNNING"),  # crash, MAX_REQUEUES (20) reached: fail
+        (1, "0", False, "4242", 0, "RUNNING"),  # a crash: requeued
+        (1, "50", False, "4242", 0, "RUNNING"),  # a crash after 50 preemptions: requeued
         (137, "3", False, "4242", 0, "RUNNING"),  # killed (OOM, kill -9): a crash
         (75, "0", True, "4200_7", 0, "RUNNING"),  # array task: requeue only that task
         (75, "0", False, None, 0, "CANCELLED"),  # scancel: saved, but stays cancelled
@@ -507,6 +508,42 @@ def test_sbatch_requeue_decisions(
     assert f"--ckpt-dir {tmp_path / 'ckpt'} " in calls[1], calls
     requeues = [c.split()[1] for c in calls if c.startswith("requeue ")]
     assert requeues == ([requeued] if requeued else []), p.stdout
+
+
+def test_sbatch_gives_up_after_crashes_in_a_row_without_progress(tmp_path: Path) -> None:
+    """A crash loop stops after MAX_CRASHES (3) crashes with no new checkpoint between them;
+    a crashed run that wrote a newer checkpoint, or a clean stop, starts the count again. (The
+    limit was on SLURM_RESTART_COUNT, which preemptions use up too: a long run on a
+    preemptible partition gave up at its first crash.)"""
+    env = _fake_slurm(tmp_path)
+    (tmp_path / "ckpt" / "step_000000010").mkdir(parents=True)
+
+    def run(rc: int, new_step: str = "") -> tuple[int, str]:
+        (tmp_path / "calls.log").unlink(missing_ok=True)
+        env.update(FAKE_RC=str(rc), FAKE_NEW_STEP=new_step)
+        p = subprocess.run(
+            ["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60
+        )
+        requeued = any(c.startswith("requeue ") for c in _calls(tmp_path))
+        return p.returncode, ("requeued" if requeued else "stopped") + ": " + p.stdout
+
+    for n in (1, 2, 3):
+        code, out = run(1)
+        assert code == 0 and out.startswith("requeued"), out
+        assert f"crash {n} in a row" in out, out
+    code, out = run(1)
+    assert code == 1 and out.startswith("stopped"), out
+    assert "4 times in a row with no new checkpoint; giving up" in out, out
+    # a crash after the run wrote a newer checkpoint is the first of a new count
+    code, out = run(1, new_step="step_000000020")
+    assert code == 0 and "crash 1 in a row" in out, out
+    code, out = run(1)
+    assert code == 0 and "crash 2 in a row" in out, out
+    # a clean stop (exit 75) ends the count
+    code, out = run(75)
+    assert code == 0 and out.startswith("requeued"), out
+    code, out = run(1)
+    assert code == 0 and "crash 1 in a row" in out, out
 
 
 def test_sbatch_waits_for_the_step_after_sigterm(tmp_path: Path) -> None:
