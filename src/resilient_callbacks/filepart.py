@@ -477,6 +477,11 @@ class PartBuffers:
             if tensors:
                 self._by_id.setdefault(part_id, _host_buffers()).allocate_in_background(tensors)
 
+    def wait_allocated(self) -> None:
+        """Wait for the allocations :meth:`allocate_ahead` started."""
+        for buffers in self._by_id.values():
+            buffers.wait_allocated()
+
 
 def _host_buffers() -> HostBuffers:
     from .snapshot import HostBuffers

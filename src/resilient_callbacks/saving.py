@@ -430,7 +430,11 @@ class Saver:
             self._every_step = register_optimizer_step_pre_hook(pre_step)
 
     def release(self) -> None:
-        """close(): remove the optimizer hooks and destroy the background group."""
+        """close(): remove the optimizer hooks and destroy the background group, once the
+        host buffers being allocated ahead are made (a daemon thread still inside torch when
+        the interpreter exits may abort it)."""
+        self.buffers.wait_allocated()
+        self.part_buffers.wait_allocated()
         for handle in self._hooked.values():
             handle.remove()
         self._hooked.clear()
