@@ -428,6 +428,39 @@ def test_a_worker_is_spared_when_a_python_sigterm_handler_came_first() -> None:
             del it
 
 
+class _SignalItself:
+    """Kept alive while registered: ``multiprocessing`` runs its after-fork callbacks in each
+    child it starts, before the child's target (the DataLoader worker loop)."""
+
+    def __call__(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_worker_signalled_before_its_set_up_is_spared_too() -> None:
+    """A group SIGTERM reaching a DataLoader worker between its fork and the worker loop's
+    signal set-up (the loader starting its workers, as a non-persistent loader does at every
+    epoch) killed it: the fork gave SIGTERM its default action back at once, and the trainer's
+    loader raised "DataLoader worker ... killed by signal" before the emergency save. Such a
+    child keeps the signal blocked until it is spared."""
+    pytest.importorskip("torch")
+    import multiprocessing.util
+
+    from torch.utils.data import DataLoader
+
+    kick = _SignalItself()
+    with saved_handlers(signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD), PreemptionWatcher() as w:
+        multiprocessing.util.register_after_fork(kick, lambda k: k())
+        try:
+            it = iter(DataLoader(_Pids(), batch_size=1, num_workers=1, prefetch_factor=1))
+            pid = int(next(it))
+        finally:
+            del kick  # (the registry holds it weakly: no later child signals itself)
+        assert [int(next(it)) for _ in range(5)] == [pid] * 5
+        _until_dead(pid, lambda: os.kill(pid, signal.SIGTERM), "not spared once only")
+        assert not w.requested
+        del it
+
+
 @pytest.mark.parametrize("previous", ["default", "callable"])
 def test_inherited_handler_in_a_foreign_process_acts_like_the_previous_one(previous: str) -> None:
     """A child forked without Python's at-fork hooks keeps our handler: it must forward."""

@@ -137,7 +137,9 @@ def _restore_in_child() -> None:
     # before ours, newest watcher first, then unblock (a SIGTERM that arrived meanwhile now
     # takes effect). The pid check in the handler covers children forked without running this
     # hook. Where that gives a signal its default action (death), a child that becomes a
-    # DataLoader worker lets the first such signal pass while its trainer lives (workers.py).
+    # DataLoader worker lets the first such signal pass while its trainer lives (workers.py),
+    # and keeps the signals blocked until then: one arriving before the worker loop's set-up
+    # would kill it.
     ours: set[int] = set()
     for w in sorted(_installed, key=lambda w: w._order, reverse=True):
         w._active = False
@@ -148,11 +150,15 @@ def _restore_in_child() -> None:
     # spared in a DataLoader worker: what would kill it, SIGTERM whatever it had (the worker's
     # set-up gives it a C handler that kills unless the parent sent it)
     deadly = {s for s in ours if s == signal.SIGTERM or signal.getsignal(s) == signal.SIG_DFL}
-    if deadly:
-        SpareWorker(os.getppid(), sorted(deadly)).when_a_dataloader_worker()
+    mask = _masks_before_fork.pop(threading.get_ident(), None)
     _installed.clear()
-    _unblock_after_fork()
     _masks_before_fork.clear()
+    if deadly:
+        spare = SpareWorker(os.getppid(), sorted(deadly))
+        if spare.when_a_dataloader_worker(workers.forking_a_worker(), mask):
+            return  # unblocked once spared
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 os.register_at_fork(

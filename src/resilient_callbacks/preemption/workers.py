@@ -25,8 +25,14 @@ The sparing handler is a Python one: it runs when the worker's main thread next 
 code. A worker blocked in one long C call (a native decoder, a C-level wait) acts on a signal
 when that call returns, where torch's C handler acted at once.
 
-Thread contract: :meth:`SpareWorker.when_a_dataloader_worker` runs in the forked child's only
-thread (the at-fork hook); the handler runs in the worker's main thread.
+A signal reaching a worker between its fork and that set-up would kill it (the fork gives it
+the default action back): a child forked to be a DataLoader worker keeps the watchers' signals
+blocked (as they are across the fork) until it is spared, and handles one that came meanwhile
+then.
+
+Thread contract: :func:`forking_a_worker` and :meth:`SpareWorker.when_a_dataloader_worker` run
+in the forked child's only thread (the at-fork hook); the handler runs in the worker's main
+thread.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import multiprocessing.util
 import os
 import signal
 import sys
+from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
@@ -65,6 +72,24 @@ def _stopping_children() -> None:
         _mark[0] = 1
 
 
+def forking_a_worker() -> bool:
+    """In a forked child's at-fork hook: whether the fork started a DataLoader worker (the
+    frame that forked, ``multiprocessing``'s ``Popen._launch``, holds the process whose target
+    is torch's worker loop)."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return False
+        target = getattr(frame.f_locals.get("process_obj"), "_target", None)
+        if target is not None:
+            return (
+                getattr(target, "__module__", None) == "torch.utils.data._utils.worker"
+                and getattr(target, "__name__", None) == "_worker_loop"
+            )
+    return False
+
+
 class SpareWorker:
     """The handler of a DataLoader worker for ``signums`` (see the module's docstring)."""
 
@@ -75,14 +100,19 @@ class SpareWorker:
         self.done_event: Any = None  # the worker loop's: set when its loader shuts down
         self.mark = _mark if _owner == parent else None  # the parent's exit mark
 
-    def when_a_dataloader_worker(self) -> None:
+    def when_a_dataloader_worker(self, is_one: bool, mask: Iterable[int] | None) -> bool:
         """In this child only (the parent's module is not touched): if it becomes a DataLoader
         worker, take the signals right after the worker's own set-up, which gives SIGTERM a C
         handler that dies unless the parent sent it (the worker loop looks the set-up function
-        up on the module when it starts, with its ``done_event`` among its arguments)."""
+        up on the module when it starts, with its ``done_event`` among its arguments).
+
+        ``is_one``: this child was forked to be a DataLoader worker (:func:`forking_a_worker`);
+        its signals, blocked across the fork, stay blocked until then, and the signal mask
+        ``mask`` is set after (True returned: the caller leaves the mask as it is). Otherwise
+        the caller sets it at once (False)."""
         handling = sys.modules.get("torch.utils.data._utils.signal_handling")
         if handling is None:  # no torch DataLoader in this process
-            return
+            return False
         setup = getattr(handling, "_set_worker_signal_handlers", None)
         if setup is None:
             log.warning(
@@ -90,23 +120,29 @@ class SpareWorker:
                 "_set_worker_signal_handlers: DataLoader workers die of a signal sent to the "
                 "whole process group, as without resilient_callbacks"
             )
-            return
+            return False
+        unblock = mask if is_one else None
 
         def setup_then_spare(*args: Any, **kwargs: Any) -> Any:
-            out = setup(*args, **kwargs)
-            with contextlib.suppress(ValueError):  # called from elsewhere than the worker loop
-                self.done_event = sys._getframe(1).f_locals.get("done_event")
-            if self.done_event is None:
-                log.debug(
-                    "no done_event in the DataLoader worker loop: a stopping loader's "
-                    "terminate() is spared once like a group signal"
-                )
-            for signum in self.signums:
-                with contextlib.suppress(ValueError, OSError, TypeError):
-                    signal.signal(signum, self)
+            try:
+                out = setup(*args, **kwargs)
+                with contextlib.suppress(ValueError):  # called from elsewhere than the loop
+                    self.done_event = sys._getframe(1).f_locals.get("done_event")
+                if self.done_event is None:
+                    log.debug(
+                        "no done_event in the DataLoader worker loop: a stopping loader's "
+                        "terminate() is spared once like a group signal"
+                    )
+                for signum in self.signums:
+                    with contextlib.suppress(ValueError, OSError, TypeError):
+                        signal.signal(signum, self)
+            finally:
+                if unblock is not None:  # a signal that came meanwhile is handled now
+                    signal.pthread_sigmask(signal.SIG_SETMASK, unblock)
             return out
 
         handling._set_worker_signal_handlers = setup_then_spare  # type: ignore[attr-defined]
+        return unblock is not None
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         if (self.mark is not None and self.mark[0]) or self._loader_stopping():
