@@ -23,7 +23,7 @@ import torch
 from . import rng, statetree, structure
 from .errors import CheckpointError
 from .filepart import FilePart
-from .optim import hookable
+from .optim import hookable, untraced
 from .preemption import MetadataPoller, PreemptionWatcher
 
 if TYPE_CHECKING:
@@ -157,6 +157,7 @@ class Emergency:
             if old is not None:
                 old.remove()
 
+            @untraced  # (in a compiled step(): set before it, not replayed after)
             def pre_step(*_: Any, _flag: list[bool] = stepped) -> None:
                 _flag[0] = True
 

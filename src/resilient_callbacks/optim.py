@@ -4,11 +4,30 @@ Which optimizer a wrapper steps: Accelerate's ``AcceleratedOptimizer`` (and wrap
 it) is a ``torch.optim.Optimizer`` that never ran ``Optimizer.__init__``: its ``step()`` steps
 the optimizer it holds, whose step hooks are the ones that fire and whose class a checkpoint
 records.
+
+Our optimizer step hooks run untraced in a compiled ``step()`` (:func:`untraced`).
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+
+_F = TypeVar("_F", bound=Callable[..., None])
+
+
+def untraced(hook: _F) -> _F:
+    """``hook`` as ``torch.compile`` runs it untraced (``torch.compiler.disable``) where
+    TorchDynamo is loaded: a compiled ``opt.step()`` -- PyTorch's recipe for a faster
+    optimizer -- traced our step hooks, with a warning at every run (they read the thread
+    and a lock) and their reads made guards of the compiled step. Not loaded (nothing
+    compiled yet), the hook is left as it is: importing TorchDynamo takes about a second."""
+    if "torch._dynamo" not in sys.modules:
+        return hook
+    return torch.compiler.disable(hook)
 
 
 def hookable(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -33,7 +33,7 @@ from .background import BackgroundPersister
 from .compression import Chooser
 from .errors import CheckpointWriteError, UnsupportedStateError, caller_stacklevel
 from .filepart import CapturedParts, PartBuffers
-from .optim import hookable, unsaved_params
+from .optim import hookable, unsaved_params, untraced
 from .part_blobs import PartBlobs
 from .persisting import Prepared, persist
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
@@ -414,6 +414,7 @@ class Saver:
         state and those the FileParts name (:meth:`FilePart.stepped_by`)."""
         ref = weakref.ref(self)
 
+        @untraced
         def pre_step(*_: Any) -> None:
             saver = ref()
             if saver is not None:
