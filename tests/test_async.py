@@ -333,3 +333,28 @@ def test_an_optimizer_step_under_torch_compile_runs_the_hooks_untraced(tmp_path)
     )
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
     assert "does not know how to trace" not in p.stderr, p.stderr[-3000:]
+
+
+def test_a_failed_deferred_copy_fails_the_save_not_the_optimizer_step(tmp_path, monkeypatch):
+    """Overlapped: a deferred copy that failed (out of host memory, say) raised its raw error
+    from the pre-step hook inside ``optimizer.step()``, the training step crashing in torch's
+    optimizer. The state is intact (the copy only reads it): the step runs, and the save fails
+    as a background save does (a ``CheckpointWriteError`` naming its step, raised by the next
+    save or by ``close()``); the previous checkpoint stays."""
+    from resilient_callbacks import snapshot
+
+    def failing(self, items, stream):
+        self._error = MemoryError("cannot allocate memory for the copy")
+
+    model, opt = _model_state()
+    _train_step(model, opt)
+    ck = Checkpointer(tmp_path / "ck", overlap_snapshot=True, preemption=False)
+    ck.save(1, {"model": model, "optimizer": opt})
+    ck.flush()
+    monkeypatch.setattr(snapshot.Snapshot, "_copy_later", failing)
+    ck.save(2, {"model": model, "optimizer": opt})
+    _train_step(model, opt)  # waits for the copies, and steps
+    with pytest.raises(CheckpointWriteError, match="step 2"):
+        ck.close()
+    entries = catalog.committed(catalog.scan(str(tmp_path / "ck"), catalog.Depth.FULL))
+    assert [e.step for e in entries] == [1]

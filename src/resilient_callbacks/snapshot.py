@@ -297,22 +297,24 @@ class Snapshot:
         try:
             for _, t, buf in items:
                 buf.copy_(t.detach())
-        except BaseException as e:  # re-raised by wait_device() / wait_host()
+        except BaseException as e:  # raised by wait_host()
             self._error = e
 
-    def _join(self) -> None:
+    def _join(self, raising: bool = True) -> None:
         thread = self._thread
         if thread is not None:
             thread.join()
-        if self._error is not None:
+        if raising and self._error is not None:
             raise self._error
 
     def wait_device(self) -> None:
         """Order what comes next after the deferred copies: the training stream of each GPU waits
-        for them on the GPU (the CPU does not block); deferred CPU copies are joined."""
+        for them on the GPU (the CPU does not block); deferred CPU copies are joined. A copy
+        that failed is not raised here (in an optimizer's step hook): :meth:`wait_host` raises
+        it in the background save, which fails as any background save does."""
         for device, event in self._device_waits:
             _order_after(torch.cuda.current_stream(device), event)
-        self._join()
+        self._join(raising=False)
 
     def wait_host(self) -> None:
         """Block until every copy is complete in host memory (and raise if one failed)."""
