@@ -934,6 +934,35 @@ def test_a_signal_handler_installed_after_the_checkpointer_is_warned_about(tmp_p
             signal.signal(signal.SIGTERM, before)
 
 
+def test_a_handler_chained_to_the_checkpointers_keeps_both(tmp_path):
+    """The warning's advice was to call ``watcher.trigger()`` from one's own handler; one who
+    did was still warned (the watcher cannot see inside a handler). ``watcher.chained(h)``
+    makes the handler: no warning, and a signal both runs ``h`` and requests the save."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    ran: list[int] = []
+    state = {"w": torch.zeros(2)}
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with Checkpointer(tmp_path / "ck", every_n_steps=100, exit_on_preemption=False) as ck:
+            ck.step(1, state)
+            signal.signal(signal.SIGTERM, ck.watcher.chained(lambda s, f: ran.append(s)))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert ck.step(2, state) is False
+                os.kill(os.getpid(), signal.SIGTERM)
+                wait_for(lambda: ran == [signal.SIGTERM], 30, "the chained handler")
+                assert ck.step(3, state) is True  # the emergency save
+            assert ck.preempted
+        assert ran == [signal.SIGTERM]
+        with pytest.raises(ConfigError, match="not callable"):
+            ck.watcher.chained(None)  # type: ignore[arg-type]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 _TWO_CHECKPOINTERS = """
 import os, signal, sys, torch
 from resilient_callbacks import Checkpointer

@@ -305,7 +305,7 @@ class PreemptionWatcher:
         watcher installed later (a second Checkpointer), which passes the signal on."""
         h = signal.getsignal(signum)
         for _ in range(64):  # watchers chained, each to the one before it
-            if h is self._handler:
+            if h is self._handler or (isinstance(h, _Chained) and h.watcher is self):
                 return True
             owner = getattr(h, "__self__", None)
             if not (isinstance(owner, PreemptionWatcher) and owner._active and h is owner._handler):
@@ -333,6 +333,15 @@ class PreemptionWatcher:
         self._events.append(req)
         return self.request is req
 
+    def chained(self, handler: Callable[[int, FrameType | None], Any]) -> _Chained:
+        """A signal handler that records the signal as this watcher's own handler does (the
+        emergency save at the next step), then runs ``handler``: install it in place of ours
+        (``signal.signal(signal.SIGTERM, checkpointer.watcher.chained(my_handler))``) to keep
+        both. :meth:`poll` does not warn about it as a handler that replaced ours."""
+        if not callable(handler):
+            raise ConfigError(f"chained(handler): not callable: {handler!r}")
+        return _Chained(self, handler)
+
     def clear(self) -> None:
         """Forget the pending request (and the count)."""
         self._events.clear()
@@ -357,8 +366,9 @@ class PreemptionWatcher:
                     f"the {name} handler was replaced after the checkpointer installed its "
                     f"own ({signal.getsignal(signum)!r}): {name} no longer triggers the "
                     "emergency save. Install your handler before creating the Checkpointer "
-                    "(it runs again after close()), or call "
-                    f"checkpointer.watcher.trigger({name!r}) from it.",
+                    "(it runs again after close()), or install it as "
+                    f"signal.signal(signal.{name}, checkpointer.watcher.chained(handler)) to "
+                    "keep both.",
                     RuntimeWarning,
                     stacklevel=stacklevel + 1,
                 )
@@ -415,6 +425,25 @@ class PreemptionWatcher:
             "Give the job more time (Kubernetes terminationGracePeriodSeconds, Slurm "
             "--signal=USR1@<seconds>), or save more often so less work is at risk."
         )
+
+
+class _Chained:
+    """:meth:`PreemptionWatcher.chained`'s handler."""
+
+    def __init__(
+        self, watcher: PreemptionWatcher, handler: Callable[[int, FrameType | None], Any]
+    ) -> None:
+        self.watcher = watcher
+        self.handler = handler
+
+    def __call__(self, signum: int, frame: FrameType | None) -> Any:
+        w = self.watcher
+        if w._active and w._pid == os.getpid() and signum in w._signums:
+            w._on_signal(signum, frame)
+        return self.handler(signum, frame)
+
+    def __repr__(self) -> str:
+        return f"<{self.handler!r}, chained to the checkpointer's handler>"
 
 
 def _unwrap(signum: int, prev: _Handler) -> _Handler:
