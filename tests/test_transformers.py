@@ -496,6 +496,84 @@ def test_callbacks_drawing_at_train_and_epoch_begin_do_not_shift_a_resumed_run(t
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
+class _Killed(Exception):
+    pass
+
+
+class _SeesEpoch(TrainerCallback):
+    """Listed before ours: records (event, global_step, epoch) at every event of a step.
+    ``kill_at``: the run dies at the start of that step (a SIGKILL's effect, in-process)."""
+
+    def __init__(self, kill_at: int | None = None) -> None:
+        self.kill_at, self.seen = kill_at, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.kill_at:
+            raise _Killed(f"killed in step {self.kill_at}")
+        self.seen.append(("step_begin", state.global_step, state.epoch))
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.seen.append(("substep_end", state.global_step, state.epoch))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append(("step_end", state.global_step, state.epoch))
+
+    def on_log(self, args, state, control, **kwargs):
+        self.seen.append(("log", state.global_step, state.epoch))
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.seen.append(("evaluate", state.global_step, state.epoch))
+
+    def on_save(self, args, state, control, **kwargs):
+        self.seen.append(("save", state.global_step, state.epoch))
+
+
+@pytest.mark.parametrize("gas", [3, 1], ids=["accumulation-3", "accumulation-1"])
+def test_a_callback_before_ours_sees_the_uninterrupted_epoch_after_a_mid_epoch_resume(
+    tmp_path, gas
+):
+    """A callback listed before ours sees state.epoch at every event of a step. Found
+    2026-12-05 by a user's probe: after a resume in the middle of an epoch, its on_step_end saw
+    the Trainer's value counted from the resume point (1 + 3/10 at step 7 with accumulation 3,
+    where the uninterrupted run has 1 + 6/13): ours set the epoch-relative value in its own
+    on_step_end only, after it. A run killed in step 8 (checkpoints every 3 steps: resumed at 6, in the middle of epoch 1
+    with accumulation 3, of epoch 0 with 1) and re-run: the callback sees, event by event, what
+    it sees in the uninterrupted run, whose step ends have the Trainer's own values."""
+    steps, batches = 15, 13  # an epoch: 13 batches, 5 optimizer steps (accumulation 3) or 13
+    per_epoch = -(-batches // gas)
+
+    def run(out: Path, ck: Path, probe: _SeesEpoch) -> None:
+        ours = ResilientCheckpoint(
+            ck, every_n_steps=3, trainer_checkpoints=True, log_save_metrics=False
+        )
+        trainer = hf_train.build_trainer(
+            str(out),
+            steps,
+            callbacks=[probe, ours],
+            gradient_accumulation_steps=gas,
+            save_strategy="steps",
+            save_steps=4,
+        )
+        trainer.train()
+
+    ref = _SeesEpoch()
+    run(tmp_path / "a", tmp_path / "ck_a", ref)
+    ends = [(s, e) for event, s, e in ref.seen if event == "step_end"]
+    assert ends == [
+        (s, (s - 1) // per_epoch + min(((s - 1) % per_epoch + 1) * gas, batches) / batches)
+        for s in range(1, steps + 1)
+    ]
+    with pytest.raises(_Killed):
+        run(tmp_path / "b", tmp_path / "ck_b", _SeesEpoch(kill_at=8))
+    got = _SeesEpoch()
+    run(tmp_path / "b", tmp_path / "ck_b", got)  # the same script again: resumes at step 6
+    assert got.seen[0][:2] == ("step_begin", 6)
+    events = {event for event, _, _ in got.seen}
+    assert {"step_end", "log", "evaluate", "save"} <= events
+    assert ("substep_end" in events) == (gas > 1)
+    assert got.seen == ref.seen[len(ref.seen) - len(got.seen) :]
+
+
 @pytest.mark.slow  # three processes with workers; keeps the default suite near its budget
 def test_persistent_workers_sigkill_after_an_epoch_boundary_then_rerun_is_exact(tmp_path):
     """dataloader_persistent_workers=True, 2 workers: the uninterrupted run makes its one

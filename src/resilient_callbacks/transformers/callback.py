@@ -44,8 +44,8 @@ from .. import rng
 from ..adapter import check_options
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
-from . import auto_batch, checks, hooks, phases, trainer_state, under_deepspeed
-from .data import ResumableBatches, make_resumable
+from . import auto_batch, checks, hooks, phases, progress, trainer_state, under_deepspeed
+from .data import ResumableBatches, generator_at, make_resumable
 from .trainer_state import FORMAT, METRIC_PREFIX, STATE_FIELDS  # noqa: F401 (their old home)
 
 log = logging.getLogger("resilient_callbacks")
@@ -181,9 +181,7 @@ class ResilientCheckpoint(TrainerCallback):
         if not self.trainer_checkpoints:
             control.should_save = False
         self._updates += 1
-        batches = min(self._updates * args.gradient_accumulation_steps, self._steps_in_epoch)
-        # The Trainer's batch counter starts at the resume point: set the epoch-relative value
-        state.epoch = self._epoch + batches / self._steps_in_epoch
+        state.epoch = self._epoch_at(self._updates)  # as set before every callback (progress.py)
         self._pending = state.global_step
         self._step_metrics = {}
 
@@ -283,6 +281,7 @@ class ResilientCheckpoint(TrainerCallback):
             hooks.wrap(trainer, "_run_epoch", self._run_epoch)
             hooks.wrap(trainer, "_maybe_log_save_evaluate", self._after_step)
             hooks.wrap(trainer.callback_handler, "on_train_end", self._train_end)
+            progress.set_before_callbacks(trainer.callback_handler, self._next_epoch)
         except BaseException:
             self._trainer = None
             ckpt.close()
@@ -378,12 +377,12 @@ class ResilientCheckpoint(TrainerCallback):
                 # The iterator this epoch creates draws its base seed as the interrupted run's
                 # did at the epoch start, from that RNG state, not from the global RNG now.
                 epoch_start = r_start
-                base.generator = _generator_at(r_start)
+                base.generator = generator_at(r_start)
             elif first and hooks.persistent_workers(targs):
                 # Persistent workers: the uninterrupted run made its one iterator in its first
                 # epoch, and later epochs reset it without a draw; the iterator this run makes
                 # must not draw from the global RNG either (its base seed from a throwaway one).
-                base.generator = _generator_at(r_start)
+                base.generator = generator_at(r_start)
         elif a["resume_from_checkpoint"] is not None and epoch == a["epochs_trained"]:
             start = int(a["steps_trained_in_current_epoch"]) // gas  # the Trainer's own resume
         self._epoch, self._updates = epoch, start
@@ -398,6 +397,13 @@ class ResilientCheckpoint(TrainerCallback):
         except BaseException as e:
             self._abort(e)
             raise
+
+    def _epoch_at(self, updates: int) -> float:
+        gas = int(self._trainer.args.gradient_accumulation_steps)
+        return progress.epoch_at(self._epoch, updates, gas, self._steps_in_epoch)
+
+    def _next_epoch(self) -> float | None:  # state.epoch of the step ending now (progress.py)
+        return self._epoch_at(self._updates + 1) if self._trainer is not None else None
 
     def _after_step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
@@ -483,17 +489,11 @@ class ResilientCheckpoint(TrainerCallback):
         if trainer is not None:
             for name in hooks.WRAPPED:
                 hooks.unwrap(trainer, name)
-            hooks.unwrap(trainer.callback_handler, "on_epoch_begin")
-            hooks.unwrap(trainer.callback_handler, "on_train_end")
+            for event in ("on_epoch_begin", "on_train_end", "on_step_end"):
+                hooks.unwrap(trainer.callback_handler, event)
             self._restored_rng = None
             if self._eval_on_start:
                 trainer.args.eval_on_start, self._eval_on_start = True, False
         if self._base is not None:
             self._base.generator = self._own_generator
             self._base = None
-
-
-def _generator_at(state: torch.Tensor) -> torch.Generator:
-    g = torch.Generator()
-    g.set_state(state.clone())
-    return g

@@ -272,6 +272,13 @@ def sampler_generator(batch_sampler: Any) -> torch.Generator | None:
     return g if isinstance(g, torch.Generator) else None
 
 
+def generator_at(state: torch.Tensor) -> torch.Generator:
+    """A new generator at a copy of ``state``."""
+    g = torch.Generator()
+    g.set_state(state.clone())
+    return g
+
+
 def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.numpy().tobytes()).decode("ascii")
 

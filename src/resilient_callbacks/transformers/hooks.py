@@ -16,9 +16,11 @@ afterwards:
   checkpoint of a step is taken right after it, so it holds the state the next step starts from.
 
 Both are private methods of the Trainer (transformers 5.3 and newer); :func:`check_supported` refuses, with
-a clear error, a Trainer that does not have them with the expected parameters. A resumed run
-also wraps ``callback_handler.on_epoch_begin`` (once: the random streams are put back around it)
-and, with persistent workers, ``get_eval_dataloader`` (:func:`eval_loader_without_draw`).
+a clear error, a Trainer that does not have them with the expected parameters. Every run also
+wraps ``callback_handler.on_step_end`` (the epoch of the step set before any callback sees it:
+:mod:`.progress`) and ``callback_handler.on_train_end``; a resumed run wraps
+``callback_handler.on_epoch_begin`` (once: the random streams are put back around it) and, with
+persistent workers, ``get_eval_dataloader`` (:func:`eval_loader_without_draw`).
 """
 
 from __future__ import annotations
