@@ -120,7 +120,8 @@ def test_mismatched_checkpoint_is_an_error():
         ResumableDataLoader(TensorDataset(torch.arange(40)), batch_size=8).load_state_dict(
             a.state_dict()
         )
-    with pytest.raises(ValueError, match="num_samples"):
+    stream(a, 3)  # inside epoch 0: the position means nothing in other data
+    with pytest.raises(ValueError, match="saved 3 of 10 batches into epoch 0: the data changed"):
         ResumableDataLoader(TensorDataset(torch.arange(41)), batch_size=4).load_state_dict(
             a.state_dict()
         )
@@ -131,6 +132,22 @@ def test_mismatched_checkpoint_is_an_error():
     said = "without its own generator (seed=/generator=), this one is with; construct it"
     with pytest.raises(ValueError, match=re.escape(said)):
         ResumableDataLoader(data, batch_size=4, seed=1).load_state_dict(state)
+
+
+@pytest.mark.parametrize("at", ["end", "start"])
+def test_data_added_between_runs_is_taken_at_an_epochs_end_or_start(at):
+    """A run re-run with more data (40 samples, then 48) was refused at any checkpoint, even
+    at an epoch's end where the saved position is the whole epoch (a probe, 2026-12-05): the
+    next epoch goes over the new data (the one saved at its start, when saved there), with a
+    warning."""
+    old = ResumableDataLoader(TensorDataset(torch.arange(40)), batch_size=4, seed=0)
+    stream(old, 10 if at == "end" else 0)  # epoch 0 over, or not begun
+    new = ResumableDataLoader(TensorDataset(torch.arange(48)), batch_size=4, seed=0)
+    with pytest.warns(UserWarning, match=f"saved at the {at} of epoch 0: epoch"):
+        new.load_state_dict(old.state_dict())
+    epoch = [i for b in stream(new, 12) for i in b]
+    assert sorted(epoch) == list(range(48))  # one whole epoch of the new data
+    assert new.epoch == (1 if at == "end" else 0)
 
 
 def test_the_sampler_takes_the_number_of_samples_and_says_so_when_given_a_dataset():

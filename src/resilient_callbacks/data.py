@@ -29,6 +29,7 @@ every RNG by default); put the loader in the same state.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -201,6 +202,39 @@ class ResumableDataLoader(DataLoader):
         self._restored_persistent = False
         return self._iterate(it)
 
+    def _over_other_data(
+        self, state: dict[str, Any], saved: dict[str, Any]
+    ) -> tuple[dict[str, Any], bool]:
+        """The sampler's state ``saved`` to load over this dataset, which may have another size
+        (data added or removed between runs), and whether the saved epoch was over. Another
+        size is taken at an epoch's start or end, with a warning; inside an epoch the saved
+        position means nothing in other data (ValueError)."""
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
+        n = saved.get("num_samples")
+        if n is None or n == sampler.num_samples:
+            return saved, False
+        replicas = saved.get("num_replicas")
+        share = -(-int(n) // int(replicas)) if replicas else int(n)
+        total = share // self.batch_size if self.drop_last else -(-share // self.batch_size)
+        batches, epoch = int(state["batches_consumed"]), int(state["epoch"])
+        over = batches >= total
+        if batches and not over:
+            raise ValueError(
+                f"ResumableDataLoader: the dataset has {sampler.num_samples} samples here but "
+                f"{n} in the checkpoint, saved {batches} of {total} batches into epoch {epoch}: "
+                "the data changed, so the saved position means nothing. To go on with the new "
+                "data, resume from a checkpoint at an epoch's end"
+            )
+        warnings.warn(
+            f"ResumableDataLoader: the dataset has {sampler.num_samples} samples here but {n} "
+            f"in the checkpoint, saved at the {'end' if over else 'start'} of epoch {epoch}: "
+            f"epoch {epoch + 1 if over else epoch} and the later ones go over the new data",
+            UserWarning,
+            stacklevel=2,
+        )
+        return {**saved, "num_samples": sampler.num_samples}, over
+
     def _finish_sampler(self) -> None:
         """Run the current epoch's sampler to its end past its last index, as an iterator
         that runs out does: RandomSampler's trailing draw, if it has not happened."""
@@ -318,8 +352,9 @@ class ResumableDataLoader(DataLoader):
                     f"own generator (seed=/generator=), this one is {here}; construct it as "
                     "the interrupted run did"
                 )
+            saved, over = self._over_other_data(state, saved)
             sampler.load_state_dict(saved)
-            batches = int(state["batches_consumed"])
+            batches = len(self) if over else int(state["batches_consumed"])
             persistent = bool(state.get("persistent_iterator", False))
         self.epoch = int(state["epoch"])
         self.batches_consumed = batches
