@@ -4,6 +4,8 @@ consolidated fp32 weights.
 
     DS_ACCELERATOR=cpu .venv/bin/python examples/deepspeed_resume.py     # CPU, about a minute
 
+(after `bash scripts/setup.sh test`, which installs DeepSpeed; the demo's set-up has the core only)
+
 The training (``train()`` below) is an ordinary DeepSpeed script: a small MLP with dropout,
 AdamW, a warm-up schedule, gradient accumulation, ZeRO stage 2 over 2 gloo ranks. Checkpointing
 is one section of the DeepSpeed config plus ``rcds.initialize`` in place of
@@ -36,9 +38,11 @@ import signal
 import socket
 import subprocess
 import sys
+from importlib.util import find_spec
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+SETUP = "`bash scripts/setup.sh test` (the demo's set-up installs the core only)"
 OUT = os.path.join(os.getcwd(), "demo_output", "deepspeed")
 STEPS, EVERY, DIE_AT, WORLD = 20, 5, 13, 2
 
@@ -156,6 +160,13 @@ def export(name: str) -> dict[str, list[str]]:
     }
 
 
+def needs(*modules: str) -> None:
+    """Exit with a clear message, before anything is deleted, where a module is missing."""
+    missing = [m for m in modules if sys.modules.get(m, 0) is None or not find_spec(m)]
+    if missing:
+        sys.exit(f"this example needs {', '.join(missing)}: set up with {SETUP}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--train", nargs=2, metavar=("CKPT_DIR", "LOG"))
@@ -164,6 +175,7 @@ def main() -> int:
     if args.train:
         train(args.train[0], args.train[1], args.die_at)
         return 0
+    needs("deepspeed")
     shutil.rmtree(OUT, ignore_errors=True)
     os.makedirs(OUT)
     print(f"1/3 uninterrupted run ({WORLD} ranks, ZeRO-2, {STEPS} steps)...", flush=True)

@@ -114,7 +114,8 @@ def main() -> int:
     ap.add_argument(
         "--out",
         default=os.path.join(os.getcwd(), "demo_output", "plain"),
-        help="where the three runs write (default: ./demo_output/plain); emptied first",
+        help="where the three runs write (default: ./demo_output/plain; a new folder, or one of "
+        "this demo's: emptied first)",
     )
     ap.add_argument("--steps", type=int, default=60, help="training steps of each run")
     ap.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
@@ -132,7 +133,16 @@ def main() -> int:
         )
         return 0
 
+    if not 0 < args.kill_at < args.steps or args.every < 1:
+        ap.error(f"--kill-at must be between 1 and --steps - 1 ({args.steps - 1}), --every >= 1")
     out = os.path.abspath(args.out)
+    others = (
+        sorted(set(os.listdir(out)) - {"uninterrupted", "interrupted"})
+        if os.path.isdir(out)
+        else []
+    )
+    if others:  # emptied first: only a folder of this demo's own runs
+        ap.error(f"--out {out} holds other files ({', '.join(others[:3])}): give a new folder")
     shutil.rmtree(out, ignore_errors=True)
     ref, crash = os.path.join(out, "uninterrupted"), os.path.join(out, "interrupted")
     os.makedirs(ref)

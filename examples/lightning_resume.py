@@ -3,6 +3,8 @@ exactly where it stopped.
 
     .venv/bin/python examples/lightning_resume.py        # CPU, well under a minute
 
+(after `bash scripts/setup.sh test`, which installs Lightning; the demo's set-up has the core only)
+
 The training (``train()`` below) is an ordinary Lightning script: a LightningModule with dropout,
 AdamW and an LR schedule, a plain shuffled ``DataLoader``, validation. The only addition is one
 callback::
@@ -30,8 +32,10 @@ import signal
 import subprocess
 import sys
 import time
+from importlib.util import find_spec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SETUP = "`bash scripts/setup.sh test` (the demo's set-up installs the core only)"
 OUT = os.path.join(os.getcwd(), "demo_output", "lightning")
 STEPS, EVERY = 60, 10
 
@@ -133,6 +137,13 @@ def run(workdir: str, delay: float, kill_after: int | None = None) -> None:
     print(f"  killed with SIGKILL during step {max(losses(workdir))}")
 
 
+def needs(*modules: str) -> None:
+    """Exit with a clear message, before anything is deleted, where a module is missing."""
+    missing = [m for m in modules if sys.modules.get(m, 0) is None or not find_spec(m)]
+    if missing:
+        sys.exit(f"this example needs {', '.join(missing)}: set up with {SETUP}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--train", metavar="WORKDIR", help=argparse.SUPPRESS)
@@ -144,6 +155,7 @@ def main() -> int:
 
     import torch
 
+    needs("lightning")
     shutil.rmtree(OUT, ignore_errors=True)
     ref, run_dir = os.path.join(OUT, "uninterrupted"), os.path.join(OUT, "interrupted")
     os.makedirs(ref)

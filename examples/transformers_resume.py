@@ -3,6 +3,9 @@ exactly where it stopped; then its newest checkpoint is exported for ``from_pret
 
     .venv/bin/python examples/transformers_resume.py        # CPU, under a minute
 
+(after `bash scripts/setup.sh test`, which installs Transformers; the demo's set-up has the core
+only)
+
 The training (``train()`` below) is an ordinary Trainer script: a small GPT-2 built from a
 config (dropout on), synthetic tokens, AdamW with warmup and a linear schedule, gradient
 accumulation. The only addition is one callback::
@@ -32,10 +35,12 @@ import signal
 import subprocess
 import sys
 import time
+from importlib.util import find_spec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+SETUP = "`bash scripts/setup.sh test` (the demo's set-up installs the core only)"
 OUT = os.path.join(os.getcwd(), "demo_output", "transformers")
 STEPS, EVERY = 30, 5  # an epoch is 8 optimizer steps: 256 samples, batch 8, accumulation 4
 
@@ -156,6 +161,13 @@ def run(workdir: str, delay: float = 0.0, kill_after: int | None = None) -> None
     sys.exit("the run finished before it could be killed")
 
 
+def needs(*modules: str) -> None:
+    """Exit with a clear message, before anything is deleted, where a module is missing."""
+    missing = [m for m in modules if sys.modules.get(m, 0) is None or not find_spec(m)]
+    if missing:
+        sys.exit(f"this example needs {', '.join(missing)}: set up with {SETUP}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--train", help=argparse.SUPPRESS)
@@ -164,6 +176,7 @@ def main() -> int:
     if a.train:
         train(a.train, a.delay)
         return 0
+    needs("transformers", "accelerate")
 
     import torch
     import transformers

@@ -6,7 +6,7 @@ a run, resume it and compare with an uninterrupted one) must report bit-identica
 ``torchrun`` loops are run to step 20, then run again to step 40, and must continue from step
 20 with the same losses as a run that was never stopped.
 
-All marked ``slow`` (about 3.5 minutes together; the paths they take are covered by the default
+The runs are marked ``slow`` (about 3.5 minutes together; the paths they take are covered by the default
 suite's own tests): ``scripts/test.sh -m slow tests/test_examples.py``.
 """
 
@@ -100,3 +100,46 @@ def test_self_checking_example_reports_an_exact_resume(tmp_path, script, verdict
         assert verdict in out, out[-3000:]
     if script == "lightning_resume.py":
         assert re.search(r"all \d+ per-step losses identical: True", out), out[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("script", "module"),
+    [
+        ("deepspeed_resume.py", "deepspeed"),
+        ("lightning_resume.py", "lightning"),
+        ("transformers_resume.py", "transformers"),
+    ],
+)
+def test_an_example_says_what_it_needs_before_deleting_anything(tmp_path, script, module):
+    """Run with the demo's set-up (the core only), an example deleted its earlier results and
+    then failed: a bare AssertionError (DeepSpeed's, its cause in a rank's log) or a
+    ModuleNotFoundError (a user probe, 2026-12-05). It says which set-up it needs, first."""
+    out = tmp_path / "demo_output"
+    (out / "keep").mkdir(parents=True)
+    code = (
+        f"import sys; sys.modules[{module!r}] = None; sys.argv = ['x']; import runpy; "
+        f"runpy.run_path({str(EXAMPLES / script)!r}, run_name='__main__')"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"this example needs {module}: set up with `bash scripts/setup.sh test`" in r.stderr
+    assert (out / "keep").is_dir()
+
+
+def test_the_demo_refuses_arguments_that_would_break_it_or_delete_files(tmp_path):
+    """--kill-at past --steps printed "killed" and crashed on a JSONDecodeError; --out named a
+    folder of one's own files (``--out .``) and emptied it."""
+    demo = [sys.executable, str(EXAMPLES / "demo_resume.py")]
+    r = subprocess.run(
+        [*demo, "--out", str(tmp_path / "o"), "--steps", "20", "--kill-at", "30"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "--kill-at must be between 1 and --steps - 1" in r.stderr
+    (tmp_path / "mine.txt").write_text("x")
+    r = subprocess.run([*demo, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "holds other files (mine.txt)" in r.stderr, r.stderr
+    assert (tmp_path / "mine.txt").exists()
