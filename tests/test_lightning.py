@@ -330,6 +330,49 @@ def test_a_run_stopped_by_early_stopping_is_not_trained_further_when_re_run(tmp_
     assert [e.step for e in _committed(tmp_path / "ckpt")][-1] == 12
 
 
+class _Clock:
+    """Lightning's Timer reads ``time.monotonic()``: here each training batch takes 1 s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class _Tick(L.Callback):
+    def __init__(self, clock: _Clock) -> None:
+        self.clock = clock
+
+    def on_train_batch_start(self, *args) -> None:
+        self.clock.now += 1.0
+
+
+def test_a_run_stopped_by_max_time_trains_on_when_max_time_leaves_time(tmp_path, monkeypatch):
+    """One ``max_time`` chunk per job: a run stopped by max_time was recorded as stopped, and
+    every re-run trained nothing, whatever max_time it had (a probe, 2026-12-05). The Timer
+    keeps the training time across the resume (Lightning's own resume trains on): the same
+    max_time trains nothing, a larger one trains on to it, none trains on to max_steps."""
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import Timer
+
+    clock = _Clock()
+    monkeypatch.setattr("lightning.pytorch.callbacks.timer.time", clock)
+
+    def fit(seconds: int | None, max_steps: int = 12) -> tuple[int, int]:
+        timer = [Timer(timedelta(seconds=seconds), interval="step")] if seconds else []
+        rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=100)
+        trainer = _tiny_fit(tmp_path, _Tiny(), *timer, _Tick(clock), rc, max_steps=max_steps)
+        return rc.restored_step or 0, trainer.global_step
+
+    assert fit(5) == (0, 5)  # stopped by its Timer after 5 batches, and saved
+    assert fit(5) == (5, 5)  # the same max_time: used up, nothing to train
+    assert fit(8) == (5, 8)  # 3 s more
+    assert fit(None) == (8, 12)  # no max_time now: on to max_steps
+    assert [e.step for e in _committed(tmp_path / "ck")][-3:] == [5, 8, 12]
+
+
 def test_a_stop_asked_before_min_epochs_trains_on_as_the_run_did(tmp_path):
     """EarlyStopping sets should_stop at step 12 (its second validation); with min_epochs=2
     Lightning trains on to the end of epoch 1 (step 26). Found 2026-11-25: every step from 12

@@ -47,7 +47,7 @@ from ..adapter import check_options, with_section
 from ..checkpointer import Checkpointer, SaveStats
 from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME
-from . import boundary, checks, deepspeed, patches, refit, save_logs, sharded
+from . import boundary, checks, deepspeed, patches, refit, save_logs, sharded, stops
 from . import state as st
 from .loaders import prepare_train_loaders
 from .on_exception import ExceptionSave
@@ -125,7 +125,7 @@ class ResilientCheckpoint(Checkpoint):
     def _reset_fit_state(self) -> None:
         self._ctx: st.SaveContext | None = None
         self._state: dict[str, Any] | None = None
-        self._resumed_stopped = False  # the checkpoint restored is the step a run stopped at
+        self._resumed_stopped: bool | str = False  # the restored step is where a run stopped
         self._val_iterators_made = False  # ... and the run's persistent val iterators existed
         self._last_step: int | None = None
         self._step_end: boundary.StepEnd | None = None  # a step waiting for Lightning's work
@@ -275,7 +275,7 @@ class ResilientCheckpoint(Checkpoint):
         # the random streams as the core restored them: put back right before the first batch
         self._resume = boundary.Resume(checkpoint, rng.capture())
         rng.restore(*live)  # a train_dataloader() drawing its data makes the run's data
-        self._resumed_stopped = bool(checkpoint.pop(st.STOPPED_KEY, False))
+        self._resumed_stopped = checkpoint.pop(st.STOPPED_KEY, False)
         self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
         if ckpt.last_restore is not None:
             # said as Lightning says its own (rank_zero_info), with the tier and what was skipped
@@ -312,7 +312,7 @@ class ResilientCheckpoint(Checkpoint):
         only when a save happens, before a preemption sets ``should_stop``)."""
         made = any(dl._iterator is not None for dl in patches.persistent_val_loaders(trainer))
         return {
-            st.STOPPED_KEY: bool(trainer.should_stop),  # before min_epochs too: it persists
+            st.STOPPED_KEY: stops.recorded(trainer),  # before min_epochs too: it persists
             st.VAL_ITERATORS_KEY: made,
             boundary.EPOCH_END_KEY: epoch_end,
             boundary.METRICS_KEY: boundary.saved_metrics(trainer, to_cpu),
@@ -367,7 +367,10 @@ class ResilientCheckpoint(Checkpoint):
         self._last_step = trainer.global_step
         if self._resume is not None:
             self._resume.train_start(trainer)
-        if self._resumed_stopped:
+        on = stops.trains_on(trainer, self._resumed_stopped)
+        if on is not None:
+            rank_zero_info(f"ResilientCheckpoint: training on from step {self.restored_step}: {on}")
+        elif self._resumed_stopped:
             # should_stop was set by the restored step (early stopping, max_time, the user's
             # code): re-running the finished script trains nothing, as for max_steps -- or, set
             # before min_epochs/min_steps were met, trains on to them, as the run did
@@ -375,7 +378,8 @@ class ResilientCheckpoint(Checkpoint):
             if checks.stops(trainer):
                 rank_zero_info(
                     f"ResilientCheckpoint: the run stopped at step {self.restored_step} "
-                    "(trainer.should_stop) and that is its last checkpoint: nothing to train"
+                    f"({stops.why(self._resumed_stopped)}) and that is its last checkpoint: "
+                    "nothing to train"
                 )
 
     def on_train_batch_start(

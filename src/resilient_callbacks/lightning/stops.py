@@ -1,0 +1,66 @@
+"""Why a Lightning run stopped before ``max_steps``/``max_epochs``, recorded with its last
+checkpoint, and whether the re-run of its script trains on.
+
+A stop is recorded (``trainer.should_stop`` when the last step was saved: early stopping,
+``max_time``, the user's code) so that re-running a finished script trains nothing. A stop by
+``max_time`` alone is recorded as such: Lightning's ``Timer`` keeps the training time across
+a resume, so the re-run trains on when its ``max_time`` leaves time (raised, or removed) and
+trains nothing when it does not -- the way to run one ``max_time`` chunk per job. Any other
+stop stays a stop.
+
+Every rank, training thread; nothing here is collective (the Timer's state is the same on
+every rank: it broadcasts its decision).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import EarlyStopping, Timer
+
+MAX_TIME = "max_time"
+
+
+def recorded(trainer: pl.Trainer) -> bool | str:
+    """What a save records of the stop: ``False`` (not stopping), :data:`MAX_TIME` (a Timer's
+    time is up and no early stopping stopped the run), or ``True`` (any other stop)."""
+    if not trainer.should_stop:
+        return False
+    timers = _timers(trainer)
+    if not any((t.time_remaining() or 0.0) <= 0 for t in timers):
+        return True
+    for c in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(c, EarlyStopping):
+            reason = getattr(c, "stopping_reason", None)  # (Lightning 2.6 on)
+            if reason is None or getattr(reason, "value", reason) != "not_stopped":
+                return True
+    return MAX_TIME
+
+
+def trains_on(trainer: pl.Trainer, stopped: Any) -> str | None:
+    """For a run resumed at the step where it stopped (``stopped``: what was recorded): why
+    it trains on, or ``None`` when it stays stopped. Called once the Timer's state is back."""
+    if stopped != MAX_TIME:
+        return None
+    left = [r for t in _timers(trainer) if (r := t.time_remaining()) is not None]
+    if not left:
+        return "it stopped at max_time, and no max_time is set now"
+    if min(left) > 0:
+        return f"it stopped at max_time, and max_time now leaves {min(left):.0f} s"
+    return None
+
+
+def why(stopped: Any) -> str:
+    """The recorded stop in words, for the message of a re-run that trains nothing."""
+    if stopped == MAX_TIME:
+        return "its max_time was used up: raise max_time to train on"
+    return "trainer.should_stop: early stopping or your code"
+
+
+def _timers(trainer: pl.Trainer) -> list[Timer]:
+    return [
+        c
+        for c in trainer.callbacks  # type: ignore[attr-defined]
+        if isinstance(c, Timer) and getattr(c, "_duration", None) is not None
+    ]
