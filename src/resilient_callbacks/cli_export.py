@@ -17,12 +17,20 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
         "dir", metavar="DIR", help="a ResilientCheckpoint directory, or one checkpoint in it"
     )
     p.add_argument(
-        "out", metavar="OUT", help="the directory to write (must not exist, unless --force)"
+        "out",
+        metavar="OUT",
+        help="the directory to write (must not exist, unless --force); never DIR, a folder "
+        "holding it, or one inside it",
     )
     p.add_argument(
         "--step", metavar="N", type=int, help="export this step (default: the newest valid one)"
     )
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT if it is an empty folder or an earlier export (its export.json); "
+        "any other folder is refused",
+    )
     p.add_argument(
         "--key",
         metavar="KEY",
@@ -40,7 +48,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     import os
 
     from .cli_scan import no_checkpoints
+    from .export_target import check_export_target
 
+    # before anything is read: OUT must not be, hold or lie in DIR, and --force replaces only
+    # an empty folder or an earlier export
+    check_export_target(args.dir, args.out, overwrite=bool(getattr(args, "force", False)))
     if os.path.isdir(args.dir) and not os.path.exists(os.path.join(args.dir, "manifest.json")):
         from . import catalog
 

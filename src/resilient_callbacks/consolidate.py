@@ -27,7 +27,8 @@ from safetensors.torch import save_file
 
 from . import reader, structure
 from .dtypes import DTYPE_TO_ST
-from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
+from .errors import CheckpointCorruptError, CheckpointMismatchError
+from .export_target import EXPORT_MARKER, check_export_target
 from .filepart import part_dir, parts_of_format, read_part_tensors
 from .layout import LoadedPart, is_dcp_dropin
 from .manifest import Manifest, read_manifest
@@ -387,9 +388,7 @@ def export_weights(
     """Write ``model.safetensors`` and ``export.json`` of the checkpoint at ``path`` into the
     directory ``out`` (written under a temporary name, renamed into place). ``weights``: what to
     write (default: :func:`consolidated`), the state's entry ``key`` (recorded)."""
-    out = os.path.abspath(out)
-    if os.path.exists(out) and not overwrite:
-        raise ConfigError(f"{out} already exists; pass --force to replace it")
+    out = check_export_target(path, out, overwrite=overwrite)
     weights = consolidated(path) if weights is None else weights
     staging = export_staging(out)
     try:
@@ -404,7 +403,7 @@ def export_weights(
             "parameters": len(weights),
             "dtypes": sorted({str(v.dtype).removeprefix("torch.") for v in weights.values()}),
         }
-        with open(os.path.join(staging, "export.json"), "w", encoding="utf-8") as f:
+        with open(os.path.join(staging, EXPORT_MARKER), "w", encoding="utf-8") as f:
             json.dump(info, f, indent=1)
         publish_export(staging, out)
     except BaseException:

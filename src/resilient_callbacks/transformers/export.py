@@ -29,6 +29,7 @@ from ..errors import (
     ConfigError,
     ResumeFallbackWarning,
 )
+from ..export_target import EXPORT_MARKER, check_export_target
 from ..manifest import read_manifest
 
 
@@ -62,9 +63,8 @@ def _export(
     model_class: type | None,
     merged: bool = False,
 ) -> tuple[str, str]:
-    src, out = os.fspath(source), os.path.abspath(os.fspath(output_dir))
-    if os.path.exists(out) and not overwrite:
-        raise ConfigError(f"{out} already exists; pass overwrite=True (--force) to replace it")
+    src = os.fspath(source)
+    out = check_export_target(src, output_dir, overwrite=overwrite)
     path, part = _read_checkpoint(src, step)
     full = structure.inline_per_rank(part.structure, part.per_rank)
     if (
@@ -119,6 +119,9 @@ def _export(
     staging = export_staging(out)
     try:
         model.save_pretrained(staging, safe_serialization=True)
+        info_out = {"source": path, "step": read_manifest(path).step, "class": info["class"]}
+        with open(os.path.join(staging, EXPORT_MARKER), "w", encoding="utf-8") as f:
+            json.dump(info_out | ({"merged": True} if merged else {}), f, indent=1)
         publish_export(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,81 @@
+"""The CLI never deletes what is not its own: ``export --force`` replaces only an empty folder
+or an earlier export, never the checkpoints it reads (or a folder holding them); ``gc`` removes
+a ``step_<n>`` folder without a manifest only in a directory this library wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer
+from resilient_callbacks.cli import main
+
+
+def _run(root: str, steps=(1, 2, 3)) -> None:
+    with Checkpointer(root, every_n_steps=1) as ck:
+        for s in steps:
+            ck.step(s, {"model": torch.nn.Linear(3, 2)})
+
+
+def _tree(path) -> list[str]:
+    return sorted(
+        os.path.relpath(os.path.join(d, n), path) for d, _, files in os.walk(path) for n in files
+    )
+
+
+def test_export_force_never_deletes_the_checkpoints_or_a_folder_not_an_export(tmp_path, capsys):
+    """OUT == DIR, a folder holding DIR, a checkpoint in DIR, or any non-empty folder that is not
+    an earlier export: refused with --force (it was deleted and replaced by the export)."""
+    proj = tmp_path / "proj"
+    ck = proj / "ck"
+    _run(str(ck))
+    (proj / "train.py").write_text("print('mine')\n")
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "other.bin").write_text("w")
+    before = _tree(proj)
+    cases = [
+        (ck, "is the checkpoint directory"),
+        (proj, "holds the checkpoint directory"),
+        (ck / "step_000000002", "lies inside the checkpoint directory"),
+        (ck / "exported", "lies inside the checkpoint directory"),
+        (models, "--force would delete what it holds (other.bin)"),
+    ]
+    for out, said in cases:
+        capsys.readouterr()
+        assert main(["export", str(ck), str(out), "--force"]) == 1, out
+        err = capsys.readouterr().err
+        assert said in err, err
+    # DIR given as one checkpoint: its siblings and its directory are refused too
+    assert main(["export", str(ck / "step_000000003"), str(ck / "step_000000002"), "--force"]) == 1
+    assert main(["export", str(ck / "step_000000003"), str(ck), "--force"]) == 1
+    assert _tree(proj) == before
+    assert _tree(models) == ["other.bin"]
+
+    # an empty folder, and then the export written there, are replaced
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["export", str(ck), str(out), "--force"]) == 0
+    assert json.loads((out / "export.json").read_text())["step"] == 3
+    assert main(["export", str(ck), str(out), "--step", "2", "--force"]) == 0
+    assert json.loads((out / "export.json").read_text())["step"] == 2
+    assert main(["export", str(ck), str(out)]) == 1  # without --force: refused
+    assert "pass --force" in capsys.readouterr().err
+
+
+def test_export_pretrained_overwrite_has_the_same_guard(tmp_path):
+    pytest.importorskip("transformers")
+    from resilient_callbacks.errors import ConfigError
+    from resilient_callbacks.transformers import export_pretrained
+
+    proj = tmp_path / "proj"
+    ck = proj / "ck"
+    _run(str(ck))
+    before = _tree(proj)
+    for out in (ck, proj, ck / "step_000000001"):
+        with pytest.raises(ConfigError, match="checkpoint directory"):
+            export_pretrained(ck, out, overwrite=True)
+    assert _tree(proj) == before
