@@ -79,3 +79,24 @@ def test_export_pretrained_overwrite_has_the_same_guard(tmp_path):
         with pytest.raises(ConfigError, match="checkpoint directory"):
             export_pretrained(ck, out, overwrite=True)
     assert _tree(proj) == before
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_gc_json_with_nothing_to_delete_prints_json(tmp_path, capsys, dry_run):
+    """``gc --json`` of a directory without checkpoints: the usual object, empty lists, the note
+    on stderr (it printed the note as plain text on stdout)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = ["gc", str(empty), "--json"] + (["--dry-run"] if dry_run else [])
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert got["dir"] == str(empty) and got["dry_run"] is dry_run and got["run_id"] is None
+    assert got["delete"] == got["keep"] == got["failed"] == got["blobs_deleted"] == []
+    assert ("blobs_since_newest" in got) is dry_run
+    assert "nothing to delete: no checkpoints in" in err
+    # the same keys as a gc that found checkpoints
+    _run(str(tmp_path / "ck"))
+    capsys.readouterr()
+    assert main(["gc", str(tmp_path / "ck"), "--json", *args[3:]]) == 0
+    assert json.loads(capsys.readouterr().out).keys() == got.keys()

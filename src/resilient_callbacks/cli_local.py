@@ -241,7 +241,7 @@ def gc(args: argparse.Namespace) -> int:
         root = resolve(args.dir, single_ok=False).root
         if not catalog.scan(root, Depth.NONE) and not os.path.isdir(os.path.join(root, "blobs")):
             if not remote:
-                print(f"nothing to delete: {no_checkpoints(root)}")
+                _nothing_to_delete(args, root, f"nothing to delete: {no_checkpoints(root)}")
                 return 0
             root = None
         lock = DirLock(args.dir)
@@ -339,16 +339,16 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         blobs, recent = _unused_blobs(root, gone)
     else:
         blobs = BlobStore(root).collect()
-    result = {
-        "dir": root,
-        "dry_run": args.dry_run,
-        "run_id": run_id,
-        "delete": delete,
-        "failed": failed,
-        "keep": keep,
-        "blobs_deleted": blobs,
-        **({"blobs_since_newest": recent} if args.dry_run else {}),
-    }
+    result = _gc_result(
+        root,
+        args.dry_run,
+        run_id,
+        delete=delete,
+        failed=failed,
+        keep=keep,
+        blobs_deleted=blobs,
+        blobs_since_newest=recent,
+    )
     if args.json:
         return result
     verb = "would delete" if args.dry_run else "deleted"
@@ -375,6 +375,23 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         + (f" (current run {run_id})" if run_id else "")
     )
     return result
+
+
+def _gc_result(root: str, dry_run: bool, run_id: str | None = None, **found: Any) -> dict[str, Any]:
+    """``gc --json``'s object: what was (or would be) deleted, kept, and failed."""
+    result: dict[str, Any] = {"dir": root, "dry_run": dry_run, "run_id": run_id}
+    result |= {k: found.get(k, []) for k in ("delete", "failed", "keep", "blobs_deleted")}
+    return result | ({"blobs_since_newest": found.get("blobs_since_newest", [])} if dry_run else {})
+
+
+def _nothing_to_delete(args: argparse.Namespace, root: str, note: str) -> None:
+    """``gc`` of a directory with nothing it may delete: ``note`` on stdout, or with ``--json``
+    the usual object with empty lists (the note on stderr)."""
+    if not args.json:
+        print(note)
+        return
+    print_json(_gc_result(root, args.dry_run))
+    print(f"resilient-ckpt gc: {note}", file=sys.stderr)
 
 
 def _other_run(e: Entry, run_id: str | None) -> bool:
