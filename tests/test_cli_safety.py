@@ -100,3 +100,34 @@ def test_gc_json_with_nothing_to_delete_prints_json(tmp_path, capsys, dry_run):
     capsys.readouterr()
     assert main(["gc", str(tmp_path / "ck"), "--json", *args[3:]]) == 0
     assert json.loads(capsys.readouterr().out).keys() == got.keys()
+
+
+def test_gc_leaves_step_folders_alone_in_a_directory_not_ours(tmp_path, capsys):
+    """Another tool's ``step_1000`` (no manifest) in a folder this library never wrote: gc
+    deleted it as "incomplete" (and left a .lock there). Now it is left alone, and gc says why;
+    in a directory of ours such a folder is still removed."""
+    other = tmp_path / "other"
+    (other / "step_1000").mkdir(parents=True)
+    (other / "step_1000" / "pytorch_model.bin").write_text("w")
+    for extra in ([], ["--dry-run"], ["--json"]):
+        assert main(["gc", str(other), *extra]) == 0
+        out, err = capsys.readouterr()
+        assert "not ours to delete" in out + err, (out, err)
+        assert "step_1000" in out + err and "would delete" not in out
+    assert sorted(os.listdir(other)) == ["step_1000"]  # no .lock either
+    assert (other / "step_1000" / "pytorch_model.bin").read_text() == "w"
+    assert main(["ls", str(other)]) == 0
+    assert "gc leaves it alone" in capsys.readouterr().out
+
+    # ours: a history.jsonl (every checkpoint since deleted), or checkpoints with manifests
+    (other / "history.jsonl").write_text("")
+    assert main(["gc", str(other)]) == 0
+    assert "deleted step_1000" in capsys.readouterr().out
+    assert not (other / "step_1000").exists()
+    ck = tmp_path / "ck"
+    _run(str(ck))
+    os.remove(ck / "history.jsonl")
+    os.remove(ck / "latest")
+    (ck / "step_000000099").mkdir()
+    assert main(["gc", str(ck)]) == 0
+    assert not (ck / "step_000000099").exists()

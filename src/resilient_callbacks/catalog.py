@@ -25,6 +25,7 @@ from typing import Any
 
 from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX
 from .errors import CheckpointCorruptError
+from .history import HISTORY_NAME
 from .manifest import BLOB_KIND, MANIFEST_NAME, FileEntry, Manifest, read_manifest
 from .retention import Candidate
 from .tensorfile import digest_file
@@ -110,6 +111,9 @@ def verify_entries(path: str, entries: Iterable[FileEntry], depth: Depth = Depth
                 raise CheckpointCorruptError(
                     f"{full}: checksum mismatch (xxh3_64 {d.xxh3_64}, manifest says {f.xxh3_64})"
                 )
+
+
+OURS_MARKERS = (HISTORY_NAME, "latest")  # what a writer of ours leaves in its directory
 
 
 def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
@@ -203,6 +207,29 @@ def committed(entries: Iterable[Entry]) -> list[Entry]:
     """Entries that have a manifest (valid, with bad files, or with an unreadable manifest),
     oldest first; those whose manifest cannot be read come first (no commit number)."""
     return [e for e in entries if e.status is not Status.INCOMPLETE]
+
+
+def foreign_folders(root: str, entries: Iterable[Entry]) -> list[str]:
+    """The ``step_<n>`` folders without a manifest among ``entries`` (those of ``root``) when
+    nothing in ``root`` shows it is a checkpoint directory of ours (a ``history.jsonl``, a
+    ``latest`` file, a checkpoint with a manifest): another tool's folders (``step_1000`` of a
+    trainer of its own), never to be deleted. Empty when ``root`` is ours."""
+    entries = list(entries)
+    if any(e.status is not Status.INCOMPLETE for e in entries):
+        return []
+    if any(os.path.lexists(os.path.join(root, n)) for n in OURS_MARKERS):
+        return []
+    return [e.name for e in entries if CKPT_RE.match(e.name)]
+
+
+def not_ours_note(root: str, names: list[str]) -> str:
+    """Why ``gc`` leaves the folders ``names`` (:func:`foreign_folders`) alone."""
+    return (
+        f"left alone: {', '.join(names)} in {root} (no manifest.json); {root} shows no sign of "
+        "being a checkpoint directory of resilient_callbacks (no history.jsonl, no latest file, "
+        "no checkpoint with a manifest), so these are not ours to delete: remove them yourself "
+        "if they are leftovers"
+    )
 
 
 def retention_candidates(entries: Iterable[Entry]) -> list[Candidate]:

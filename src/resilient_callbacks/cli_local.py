@@ -33,6 +33,7 @@ from .reader import by_commit, check, unordered
 from .retention import Plan, RetentionPolicy, plan
 
 INCOMPLETE_NOTE = "not kept: removed when the next writer opens the directory, or by gc"
+NOT_OURS_NOTE = "not ours (nothing here was written by resilient_callbacks): gc leaves it alone"
 NO_MANIFEST_NOTE = (
     "not a committed checkpoint (never loaded): writers leave it alone, gc removes it"
 )
@@ -77,9 +78,11 @@ def _step_cell(r: dict[str, Any]) -> str:
     return f"{r['step']} ({name[len(base) :]})" if name.startswith(base + "-") else str(r["step"])
 
 
-def _note(r: dict[str, Any]) -> str:
+def _note(r: dict[str, Any], foreign: set[str]) -> str:
     if r["status"] == INCOMPLETE and r.get("tier") == "uploading" and "://" in r["path"]:
         return f"remote only: {r['problem']}"  # the remote row of an upload a crash cut off
+    if r["status"] == INCOMPLETE and r["name"] in foreign:
+        return f"{r['problem']}; {NOT_OURS_NOTE}"
     if r["status"] == INCOMPLETE:
         hidden = r["name"].startswith(".")  # staging or trash: ours, swept by the next writer
         return f"{r['problem']}; {INCOMPLETE_NOTE if hidden else NO_MANIFEST_NOTE}"
@@ -101,6 +104,7 @@ def ls(args: argparse.Namespace) -> int:
     depth = Depth.SIZE if args.fast else Depth.FULL
     rows: list[dict[str, Any]] = []
     entries: list[Entry] = []
+    foreign: set[str] = set()
     root = args.dir
     if not (args.remote and not os.path.exists(args.dir)):
         target = resolve(args.dir)
@@ -113,6 +117,7 @@ def ls(args: argparse.Namespace) -> int:
         if target.only is not None and depth is Depth.FULL:
             entries = [check(e) for e in entries]
         p, _ = _plan(everything)
+        foreign = set(catalog.foreign_folders(target.root, everything))
         rows = [row(e, depth) | _kept(e, p) for e in entries]
         for r in rows:
             if target.only is not None and r["name"] not in {e.name for e in everything}:
@@ -140,7 +145,7 @@ def ls(args: argparse.Namespace) -> int:
             fmt_size(r["bytes"]),
             status_text(r["status"], r["checked"]),
             r["run_id"] or "-",
-            _note(r),
+            _note(r, foreign),
         ]
         if args.remote:
             line.insert(4, r.get("tier", "-"))
@@ -239,9 +244,12 @@ def gc(args: argparse.Namespace) -> int:
     root: str | None = None
     if not (remote and not os.path.exists(args.dir)):
         root = resolve(args.dir, single_ok=False).root
-        if not catalog.scan(root, Depth.NONE) and not os.path.isdir(os.path.join(root, "blobs")):
+        found = catalog.scan(root, Depth.NONE)
+        foreign = catalog.foreign_folders(root, found)  # another tool's step_<n>: not ours
+        if len(found) == len(foreign) and not os.path.isdir(os.path.join(root, "blobs")):
             if not remote:
-                _nothing_to_delete(args, root, f"nothing to delete: {no_checkpoints(root)}")
+                note = catalog.not_ours_note(root, foreign) if foreign else None
+                _nothing_to_delete(args, root, f"nothing to delete: {note or no_checkpoints(root)}")
                 return 0
             root = None
         lock = DirLock(args.dir)
@@ -275,6 +283,9 @@ def gc(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     entries = catalog.scan(root, Depth.SIZE)
+    if foreign := catalog.foreign_folders(root, entries):  # only hidden leftovers of ours too
+        print(f"resilient-ckpt gc: {catalog.not_ours_note(root, foreign)}", file=sys.stderr)
+        entries = [e for e in entries if e.name not in foreign]
     verified: set[str] = set()
     if args.remove_corrupt:
         for e in entries:
