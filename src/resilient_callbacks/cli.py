@@ -2,8 +2,8 @@
 and clean up a checkpoint directory, and copy checkpoints to and from a remote store.
 
 This module builds the parser and dispatches; each command lives in a module imported only
-when it runs (``cli_local``: ls, verify, gc; ``cli_inspect``; ``cli_remote``: pull, push), so
-``--help``, ``--version`` and usage errors do not import torch. See docs/cli.md.
+when it runs (``cli_local``: ls, gc; ``cli_verify``; ``cli_inspect``; ``cli_remote``: pull,
+push), so ``--help``, ``--version`` and usage errors do not import torch. See docs/cli.md.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return verify_remote(args)
     if args.option:
         raise CheckpointError("-o/--option sets an option of a remote store: DIR is local here")
-    from .cli_local import verify
+    from .cli_verify import verify
 
     return verify(args)
 

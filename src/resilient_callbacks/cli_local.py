@@ -1,5 +1,5 @@
-"""``resilient-ckpt ls``, ``verify`` and ``gc``: the commands that judge a local checkpoint
-directory. Imported only when one of them runs (it imports torch through the catalog)."""
+"""``resilient-ckpt ls`` and ``gc``: the commands that judge a local checkpoint directory
+(``verify``: :mod:`.cli_verify`). Imported only when one of them runs (it imports torch through the catalog)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ from .cli_format import (
     status_text,
     table,
 )
-from .cli_scan import no_checkpoints, node_part_note, public, report_verified, resolve, row, scan
+from .cli_scan import no_checkpoints, node_part_note, public, resolve, row, scan
 from .commit import LATEST_TMP_PREFIX, remove_checkpoint, write_latest_pointer
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError
 from .lock import DirLock
 from .manifest import MANIFEST_NAME, NEWER_FORMAT
-from .reader import by_commit, check, unordered
+from .reader import by_commit, check
 from .retention import Plan, RetentionPolicy, plan
 
 INCOMPLETE_NOTE = "not kept: removed when the next writer opens the directory, or by gc"
@@ -175,61 +175,6 @@ def _nothing(root: str, remote: str | None) -> str:
     if remote:
         return f"no checkpoints in {root} or {remote}"
     return str(no_checkpoints(root)) if os.path.isdir(root) else f"no checkpoints in {root}"
-
-
-# ---------------------------------------------------------------------- verify
-
-
-def verify(args: argparse.Namespace) -> int:
-    target = resolve(args.dir)
-    for _ in range(5):  # a run writing here may delete a checkpoint while it is verified
-        scope, chosen, committed = _to_verify(target, args)
-        for e in chosen:
-            check(e)
-        if all(e.status is not Status.INCOMPLETE for e in chosen):
-            break
-    chosen = [e for e in chosen if e.status is not Status.INCOMPLETE]  # deleted meanwhile
-    return _report_verified(args, target, scope, chosen, committed)
-
-
-def _to_verify(target: Any, args: argparse.Namespace) -> tuple[str, list[Entry], list[Entry]]:
-    """``(scope, the entries to verify, every committed entry)`` of ``verify``'s arguments."""
-    committed = catalog.committed(scan(target, Depth.NONE))
-    if not committed:
-        raise no_checkpoints(target.root)
-    if target.only is not None:
-        scope, chosen = "checkpoint", committed
-    elif args.step is not None:
-        scope = "step"
-        chosen = [e for e in committed if e.step == args.step]
-        if not chosen:
-            steps = sorted({e.step for e in committed if e.step is not None})
-            raise CheckpointNotFoundError(
-                f"no checkpoint of step {args.step} in {target.root} (its steps: "
-                f"{', '.join(map(str, steps)) or 'none readable'})"
-            )
-    elif args.all:
-        scope, chosen = "all", committed
-    else:
-        scope = "newest"
-        newest = by_commit(committed)[:1]
-        chosen = newest + unordered(committed, newest[0].step if newest else None)
-    return scope, chosen, committed
-
-
-def _report_verified(
-    args: argparse.Namespace, target: Any, scope: str, chosen: list[Entry], committed: list[Entry]
-) -> int:
-    rows = [row(e, Depth.FULL) for e in chosen]
-    status = report_verified(args, target.root, scope, rows, len(committed))
-    if status and scope == "newest" and not args.json:
-        print(
-            f"the newest checkpoint is corrupt; `resilient-ckpt inspect {args.dir}` shows "
-            f"the newest valid one, `resilient-ckpt verify {args.dir} --all` checks all "
-            f"{len(committed)}",
-            file=sys.stderr,
-        )
-    return status
 
 
 # ---------------------------------------------------------------------- gc
