@@ -131,3 +131,27 @@ def test_gc_leaves_step_folders_alone_in_a_directory_not_ours(tmp_path, capsys):
     (ck / "step_000000099").mkdir()
     assert main(["gc", str(ck)]) == 0
     assert not (ck / "step_000000099").exists()
+
+
+def test_verify_fails_on_a_step_folder_that_lost_its_manifest(tmp_path, capsys):
+    """The newest ``step_<n>`` lost its manifest.json (``latest`` still names it): verify said
+    ok (exit 0), checking the one before; and ``verify DIR/step_N`` said "no checkpoints in"."""
+    ck = tmp_path / "ck"
+    _run(str(ck))
+    os.remove(ck / "step_000000003" / "manifest.json")
+    assert (ck / "latest").read_text().strip() == "step_000000003"
+    for extra in ([], ["--all"], ["--step", "3"]):
+        capsys.readouterr()
+        assert main(["verify", str(ck), *extra]) == 1, extra
+        out = capsys.readouterr().out
+        assert "INCOMPLETE" in out and "step_000000003: no manifest.json" in out, out
+    assert main(["verify", str(ck), "--json"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert got["ok"] is False and got["failed"] == 1
+    bad = [c for c in got["checkpoints"] if c["status"] != "valid"]
+    assert [(c["name"], c["status"]) for c in bad] == [("step_000000003", "incomplete")]
+    assert main(["verify", str(ck), "--step", "2"]) == 0  # an older step, asked for, is fine
+    capsys.readouterr()
+    assert main(["verify", str(ck / "step_000000003")]) == 1
+    err = capsys.readouterr().err
+    assert "step_000000003 has no manifest.json" in err and "no checkpoints in" not in err, err

@@ -85,6 +85,15 @@ def scan(target: Target, depth: Depth) -> list[Entry]:
 def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundError:
     """The error for a directory without checkpoints, naming the subdirectories that hold some
     (``ls demo_output`` where the checkpoints are in ``demo_output/run1/checkpoints``)."""
+    if CKPT_RE.match(os.path.basename(os.path.normpath(path))) and not os.path.exists(
+        os.path.join(path, MANIFEST_NAME)
+    ):
+        parent = os.path.dirname(os.path.abspath(path))
+        return CheckpointNotFoundError(
+            f"{path} has no {MANIFEST_NAME}: it is named as a checkpoint but is not a committed "
+            "one (no save leaves such a folder: damaged, or copied without its manifest), and is "
+            f"never loaded; `resilient-ckpt verify {parent}` checks the directory's checkpoints"
+        )
     subs = catalog.holders(path)
     if not subs:
         return CheckpointNotFoundError(f"no {what} in {path}")
@@ -188,7 +197,8 @@ def report_verified(
         if r["status"] == "valid":
             print(f"ok       step {step:>10}  {r[shown]}")
         else:
-            print(f"CORRUPT  step {step:>10}  {r['name']}: {r['problem']}")
+            label = "INCOMPLETE" if r["status"] == INCOMPLETE else "CORRUPT"
+            print(f"{label:<7}  step {step:>10}  {r['name']}: {r['problem']}")
     if bad:
         print(f"{len(bad)} of {len(rows)} {what} failed verification{failed_hint}", file=sys.stderr)
         return 1

@@ -11,33 +11,47 @@ from typing import Any
 from . import catalog
 from .catalog import Depth, Entry, Status
 from .cli_scan import no_checkpoints, report_verified, resolve, row, scan
+from .commit import CKPT_RE
 from .errors import CheckpointNotFoundError
 from .reader import by_commit, check, unordered
+
+NO_MANIFEST = (
+    "no manifest.json, though named as a checkpoint: not a committed one (no save leaves such a "
+    "folder: the checkpoint is damaged, or was copied without its manifest); never loaded, "
+    "`resilient-ckpt gc` removes it"
+)
 
 
 def verify(args: argparse.Namespace) -> int:
     target = resolve(args.dir)
     for _ in range(5):  # a run writing here may delete a checkpoint while it is verified
-        scope, chosen, committed = _to_verify(target, args)
+        scope, chosen, committed, broken = _to_verify(target, args)
         for e in chosen:
             check(e)
         if all(e.status is not Status.INCOMPLETE for e in chosen):
             break
     chosen = [e for e in chosen if e.status is not Status.INCOMPLETE]  # deleted meanwhile
-    return _report_verified(args, target, scope, chosen, committed)
+    return _report_verified(args, target, scope, chosen + broken, committed)
 
 
-def _to_verify(target: Any, args: argparse.Namespace) -> tuple[str, list[Entry], list[Entry]]:
-    """``(scope, the entries to verify, every committed entry)`` of ``verify``'s arguments."""
-    committed = catalog.committed(scan(target, Depth.NONE))
-    if not committed:
+def _to_verify(
+    target: Any, args: argparse.Namespace
+) -> tuple[str, list[Entry], list[Entry], list[Entry]]:
+    """``(scope, the entries to verify, every committed entry, the step_<n> folders without a
+    manifest in scope)`` of ``verify``'s arguments. Such a folder (in a directory of ours) fails
+    the check: no save leaves one, so it is a damaged checkpoint."""
+    entries = scan(target, Depth.NONE)
+    committed = catalog.committed(entries)
+    broken = _no_manifest(target, entries)
+    if not committed and not broken:
         raise no_checkpoints(target.root)
     if target.only is not None:
         scope, chosen = "checkpoint", committed
     elif args.step is not None:
         scope = "step"
         chosen = [e for e in committed if e.step == args.step]
-        if not chosen:
+        broken = [e for e in broken if e.step == args.step]
+        if not chosen and not broken:
             steps = sorted({e.step for e in committed if e.step is not None})
             raise CheckpointNotFoundError(
                 f"no checkpoint of step {args.step} in {target.root} (its steps: "
@@ -45,11 +59,29 @@ def _to_verify(target: Any, args: argparse.Namespace) -> tuple[str, list[Entry],
             )
     elif args.all:
         scope, chosen = "all", committed
-    else:
+    else:  # the newest, and a folder without a manifest that would be newer (or as new)
         scope = "newest"
         newest = by_commit(committed)[:1]
-        chosen = newest + unordered(committed, newest[0].step if newest else None)
-    return scope, chosen, committed
+        top = newest[0].step if newest else None
+        chosen = newest + unordered(committed, top)
+        broken = [e for e in broken if top is None or (e.step is not None and e.step >= top)]
+    return scope, chosen, committed, broken
+
+
+def _no_manifest(target: Any, entries: list[Entry]) -> list[Entry]:
+    """The ``step_<n>`` folders without a manifest among ``entries``, but for another tool's in a
+    directory that is not ours (:func:`.catalog.foreign_folders`)."""
+    if target.only is not None:
+        return []
+    foreign = set(catalog.foreign_folders(target.root, entries))
+    out = [
+        e
+        for e in entries
+        if e.status is Status.INCOMPLETE and CKPT_RE.match(e.name) and e.name not in foreign
+    ]
+    for e in out:
+        e.problem = NO_MANIFEST
+    return out
 
 
 def _report_verified(
@@ -58,8 +90,10 @@ def _report_verified(
     rows = [row(e, Depth.FULL) for e in chosen]
     status = report_verified(args, target.root, scope, rows, len(committed))
     if status and scope == "newest" and not args.json:
+        bad = [r for r in rows if r["status"] != "valid"]
+        what = "corrupt" if any(r["status"] != "incomplete" for r in bad) else "incomplete"
         print(
-            f"the newest checkpoint is corrupt; `resilient-ckpt inspect {args.dir}` shows "
+            f"the newest checkpoint is {what}; `resilient-ckpt inspect {args.dir}` shows "
             f"the newest valid one, `resilient-ckpt verify {args.dir} --all` checks all "
             f"{len(committed)}",
             file=sys.stderr,
