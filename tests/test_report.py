@@ -482,8 +482,15 @@ def test_report_json_alone_prints_to_stdout_and_o_is_a_remote_option(
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     assert cli(["report", str(run), "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    data = json.loads(out, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert data["summary"]["lives"] == 2 and data["summary"]["saves"] == 4
     assert not os.path.exists("report.html")
+    # times as the other commands write them (they were epoch seconds; a user probe)
+    iso = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00$")
+    assert iso.match(data["generated"]), data["generated"]
+    rows = data["checkpoints"]
+    assert rows and all(iso.match(r["time"]) and "created" not in r for r in rows), rows
+    assert out.startswith('{\n  "')  # indented as the other commands' JSON
     with pytest.raises(SystemExit):
         cli(["report", str(run), "-o"])  # -o needs KEY=VALUE

@@ -9,7 +9,9 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
+from .cli_format import iso_time, jsonable
 from .errors import CheckpointNotFoundError
 
 
@@ -45,9 +47,9 @@ def report(args: argparse.Namespace) -> int:
         raise CheckpointNotFoundError(f"{args.dir}: {data['missing']}")
     wrote = []
     if args.json == "-":
-        print(json.dumps(data, indent=1, default=str))
+        print(_json(data))
     elif args.json:
-        _write(args.json, json.dumps(data, indent=1, default=str).encode())
+        _write(args.json, _json(data).encode())
         wrote.append(args.json)
     if args.output or args.png or not args.json:
         from . import report_html
@@ -71,6 +73,17 @@ def report(args: argparse.Namespace) -> int:
     if wrote:
         print("wrote " + ", ".join(wrote), file=sys.stderr)
     return 0
+
+
+def _json(data: dict[str, Any]) -> str:
+    """The report as the other commands write JSON (:mod:`.cli_format`): times ISO-8601 in UTC
+    (``generated``, each checkpoint's ``time``), non-finite numbers as strings, strict JSON."""
+    out = dict(data, generated=iso_time(data["generated"]))
+    out["checkpoints"] = [
+        {**{k: v for k, v in r.items() if k != "created"}, "time": iso_time(r.get("created"))}
+        for r in data.get("checkpoints") or []
+    ]
+    return json.dumps(jsonable(out), indent=2, allow_nan=False, default=str)
 
 
 def _write(path: str, data: bytes) -> None:
