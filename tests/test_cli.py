@@ -176,6 +176,26 @@ def test_gc_goes_on_past_a_checkpoint_it_cannot_delete_and_says_so(tmp_path, mon
     assert left == ["step_000000010", "step_000000040"]
 
 
+def test_gc_on_a_directory_it_cannot_lock_says_so(tmp_path, monkeypatch, capsys):
+    """A read-only mount: gc printed a bare "OSError: [Errno 30] Read-only file system: .lock"
+    (a user probe). It says gc can delete nothing there and points at --dry-run."""
+    import errno
+
+    from resilient_callbacks import lock
+
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20), keep_last=None)
+
+    def read_only(self, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", root + "/.lock")
+
+    monkeypatch.setattr(lock.DirLock, "acquire", read_only)
+    assert main(["gc", root, "--keep-last", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot take the lock of {root} (Read-only file system)" in err, err
+    assert "see what it would delete with --dry-run" in err
+
+
 def test_gc_keeps_corrupt_unless_asked_and_refuses_beside_a_writer(tmp_path):
     root = str(tmp_path / "ck")
     make_run(root, keep_last=None)

@@ -209,6 +209,13 @@ def gc(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 1
+            except OSError as e:  # a read-only mount, no permission: nothing can be deleted
+                print(
+                    f"resilient-ckpt gc: cannot take the lock of {args.dir} ({e.strerror or e}): "
+                    "gc can delete nothing there; see what it would delete with --dry-run",
+                    file=sys.stderr,
+                )
+                return 1
     try:
         if root is not None:
             result = _gc(args, root)
