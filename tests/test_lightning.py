@@ -373,6 +373,33 @@ def test_a_run_stopped_by_max_time_trains_on_when_max_time_leaves_time(tmp_path,
     assert [e.step for e in _committed(tmp_path / "ck")][-3:] == [5, 8, 12]
 
 
+def test_another_accumulate_grad_batches_on_resume_is_warned_about(tmp_path):
+    """Lightning takes another accumulate_grad_batches on resume silently (the global batch
+    changes mid-run; the Transformers callback refuses it): the callback warns, naming both."""
+
+    def fit(accumulate: int, max_steps: int) -> list[str]:
+        ds = torch.utils.data.TensorDataset(torch.randn(64, 4))
+        trainer = L.Trainer(
+            max_steps=max_steps,
+            accumulate_grad_batches=accumulate,
+            accelerator="cpu",
+            callbacks=[ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(_Tiny(), torch.utils.data.DataLoader(ds, batch_size=4))
+        return [str(w.message) for w in caught if "accumulate_grad_batches" in str(w.message)]
+
+    assert fit(1, 4) == []
+    assert fit(1, 6) == []  # the same value: nothing said
+    said = fit(2, 8)
+    assert len(said) == 1 and "accumulate_grad_batches=2 here, 1 when the checkpoint" in said[0]
+
+
 def test_a_stop_asked_before_min_epochs_trains_on_as_the_run_did(tmp_path):
     """EarlyStopping sets should_stop at step 12 (its second validation); with min_epochs=2
     Lightning trains on to the end of epoch 1 (step 26). Found 2026-11-25: every step from 12

@@ -277,6 +277,7 @@ class ResilientCheckpoint(Checkpoint):
         rng.restore(*live)  # a train_dataloader() drawing its data makes the run's data
         self._resumed_stopped = checkpoint.pop(st.STOPPED_KEY, False)
         self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
+        checks.accumulation(trainer, checkpoint.pop(st.ACCUMULATE_KEY, None))
         if ckpt.last_restore is not None:
             # said as Lightning says its own (rank_zero_info), with the tier and what was skipped
             where = st.position(checkpoint, self._resume.epoch_end)
@@ -308,11 +309,11 @@ class ResilientCheckpoint(Checkpoint):
 
     @staticmethod
     def _marks(trainer: pl.Trainer, epoch_end: bool, to_cpu: bool = True) -> dict[str, Any]:
-        """What a save at this step boundary records besides Lightning's dictionary (asked
-        only when a save happens, before a preemption sets ``should_stop``)."""
+        """What a save at this step records besides Lightning's dictionary (before a preemption)."""
         made = any(dl._iterator is not None for dl in patches.persistent_val_loaders(trainer))
         return {
             st.STOPPED_KEY: stops.recorded(trainer),  # before min_epochs too: it persists
+            st.ACCUMULATE_KEY: trainer.accumulate_grad_batches,
             st.VAL_ITERATORS_KEY: made,
             boundary.EPOCH_END_KEY: epoch_end,
             boundary.METRICS_KEY: boundary.saved_metrics(trainer, to_cpu),

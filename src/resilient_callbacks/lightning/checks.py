@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..config import CheckpointerConfig
-from ..errors import CheckpointMismatchError, ConfigError
+from ..errors import CheckpointMismatchError, ConfigError, caller_stacklevel
 from ..fit import key_differences, warn_cast
 
 if TYPE_CHECKING:
@@ -130,6 +130,23 @@ def check_model_fits(trainer: Any, saved: dict[str, Any], path: str) -> None:
         if torch.is_tensor(v) and k in final and v.dtype != final[k]
     ]
     warn_cast(cast, os.path.dirname(os.path.dirname(pl.__file__)))  # at the user's fit() line
+
+
+def accumulation(trainer: pl.Trainer, saved: Any) -> None:
+    """Warn (at the user's ``fit()`` line) when ``accumulate_grad_batches`` differs from the
+    checkpoint's: Lightning goes on silently, each optimizer step then taking another number of
+    batches -- another global batch from the restored step on (the Transformers callback
+    refuses that; the batch size, held by the data loader's position, is refused here too)."""
+    here = trainer.accumulate_grad_batches
+    if isinstance(saved, int) and saved != here:
+        warnings.warn(
+            f"accumulate_grad_batches={here} here, {saved} when the checkpoint was saved: each "
+            f"optimizer step now takes {here} batch(es) instead of {saved}, so the global batch "
+            "changes from the restored step on and the run is not the one interrupted. Resume "
+            "with the checkpoint's value to continue that run",
+            UserWarning,
+            stacklevel=caller_stacklevel(os.path.dirname(os.path.dirname(pl.__file__))),
+        )
 
 
 def _converted_to(trainer: Any) -> torch.dtype | None:

@@ -50,6 +50,8 @@ _LOADER_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
 # in Lightning's checkpoint dictionary as we save it: the run stopped after this step before its
 # end (trainer.should_stop: early stopping, max_time, the user's code), so a re-run trains nothing
 STOPPED_KEY = "resilient_callbacks_stopped"
+# ... and trainer.accumulate_grad_batches then (a re-run with another one is warned about)
+ACCUMULATE_KEY = "resilient_callbacks_accumulate"
 # ... and the validation loaders' persistent worker iterators existed at this step (so the
 # resumed run's first validation must not draw their base seed from the global RNG)
 VAL_ITERATORS_KEY = "resilient_callbacks_val_iterators"
