@@ -901,6 +901,9 @@ def test_a_copy_of_a_checkpoint_under_a_name_of_ones_own_is_checked_alone(tmp_pa
     assert row["name"] == "best" and row["step"] == 20 and row["copy"] is True
     r = cli("ls", str(copy))
     assert "a run never resumes from it or deletes it, nor does gc" in r.stdout, r.stdout
+    r = cli("gc", str(copy))  # said "give its parent directory", as for a step_* folder
+    assert r.returncode == 1 and "a copy of a checkpoint under a name of your own" in r.stderr
+    assert f"give the run's directory {root}" in r.stderr and (copy / "manifest.json").exists()
     assert [row["step"] for row in json.loads(cli("ls", str(root), "--json").stdout)] == [
         10,
         20,

@@ -65,6 +65,13 @@ def resolve(path: str, *, single_ok: bool = True) -> Target:
     if os.path.exists(os.path.join(path, MANIFEST_NAME)):
         parent = os.path.dirname(os.path.abspath(path))
         if not single_ok:
+            name = os.path.basename(os.path.abspath(path))
+            if not CKPT_RE.match(name):  # a copy under a name of one's own: gc leaves it alone
+                raise CheckpointNotFoundError(
+                    f"{path} is a copy of a checkpoint under a name of your own, not a "
+                    f"directory of checkpoints: give the run's directory {parent} (gc never "
+                    "deletes such a copy, nor pushes it; remove it yourself when done)"
+                )
             raise CheckpointNotFoundError(
                 f"{path} is one checkpoint, not a directory of checkpoints; give its parent "
                 f"directory {parent}"
