@@ -20,8 +20,8 @@ def check_export_target(
     source: str | os.PathLike[str], out: str | os.PathLike[str], *, overwrite: bool
 ) -> str:
     """Raise :class:`ConfigError` saying what to do when an export of ``source`` (a checkpoint
-    directory, or one checkpoint: then the directory holding it) may not be written to ``out``; return ``out``'s absolute
-    path. Refused: ``out`` is ``source``, holds it or lies in it; ``out`` exists and is not a
+    directory, or one checkpoint: then the directory holding it) may not be written to
+    ``out``; return ``out``'s absolute path. Refused: ``out`` is ``source``, holds it or lies in it; ``out`` exists and is not a
     directory; ``out`` exists without ``overwrite``, or with it but holds something other than
     an earlier export (its files are named)."""
     src, dst = os.fspath(source), os.fspath(out)
