@@ -21,9 +21,9 @@ def check_export_target(
 ) -> str:
     """Raise :class:`ConfigError` saying what to do when an export of ``source`` (a checkpoint
     directory, or one checkpoint: then the directory holding it) may not be written to
-    ``out``; return ``out``'s absolute path. Refused: ``out`` is ``source``, holds it or lies in it; ``out`` exists and is not a
-    directory; ``out`` exists without ``overwrite``, or with it but holds something other than
-    an earlier export (its files are named)."""
+    ``out``; return ``out``'s absolute path. Refused: ``out`` is ``source``, holds it or lies
+    in it; ``out`` exists and is not a directory; ``out`` exists without ``overwrite``, or with
+    it but holds something other than an earlier export (its files are named)."""
     src, dst = os.fspath(source), os.fspath(out)
     if os.path.exists(os.path.join(src, MANIFEST_NAME)):  # one checkpoint: its directory
         src = os.path.dirname(os.path.abspath(src))
