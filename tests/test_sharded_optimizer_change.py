@@ -38,11 +38,12 @@ def test_another_optimizer_or_other_groups_are_refused_before_loading(tmp_path):
 def test_groups_of_the_same_sizes_holding_other_parameters_differ():
     from torch import nn
 
+    from resilient_callbacks.dcp.flat import Names
     from resilient_callbacks.dcp.optim_fit import Fingerprints, problems
 
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
     (a0, a1), (b0, b1) = m[0].parameters(), m[1].parameters()
-    kinds = Fingerprints(m)
+    kinds = Fingerprints(m, Names(m))
     by_layer = kinds([torch.optim.AdamW([{"params": [a0, a1]}, {"params": [b0, b1]}])])
     by_kind = kinds([torch.optim.AdamW([{"params": [a0, b0]}, {"params": [a1, b1]}])])
     reordered = kinds([torch.optim.AdamW([{"params": [a1, a0]}, {"params": [b0, b1]}])])

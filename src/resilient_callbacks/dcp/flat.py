@@ -69,15 +69,19 @@ class Names:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self._known: dict[str, str | None] = {}
+        self._known: dict[str, tuple[str, ...]] = {}
 
     def __call__(self, name: str) -> str | None:
         """The one FQN of ``name``, or ``None`` when it has several (a flat parameter)."""
+        fqns = self.every(name)
+        return fqns[0] if len(fqns) == 1 else None
+
+    def every(self, name: str) -> tuple[str, ...]:
+        """Every FQN of ``name``, sorted (a flat parameter holds several)."""
         if name not in self._known:
             from torch.distributed.checkpoint.state_dict import _get_fqns
 
-            fqns = _get_fqns(self.model, name)
-            self._known[name] = next(iter(fqns)) if len(fqns) == 1 else None
+            self._known[name] = tuple(sorted(_get_fqns(self.model, name)))
         return self._known[name]
 
 

@@ -26,17 +26,19 @@ import torch
 import xxhash
 
 from ..errors import CheckpointMismatchError
+from .flat import Names
 from .views import MODEL
 
 
 class Fingerprints:
-    """:func:`describe` of a model's optimizers, the parameters' names looked up once (a
-    model's parameters do not change between saves) and each optimizer's record kept while
-    its groups hold the same parameters."""
+    """What each save records of the optimizers (``__call__``), the parameters' names looked
+    up once (a model's parameters do not change between saves; ``names`` caches their
+    FQNs) and each optimizer's record kept while its groups hold the same parameters."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, names: Names) -> None:
         self.model = model
-        self._names: dict[int, str] | None = None
+        self.names = names
+        self._by_id: dict[int, str] = {}
         self._kept: dict[int, tuple[tuple[tuple[int, ...], ...], dict[str, Any]]] = {}
 
     def __call__(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
@@ -44,9 +46,7 @@ class Fingerprints:
 
     def parameters(self) -> set[str]:
         """The names of the model's parameters, as ``get_state_dict`` gives them."""
-        if self._names is None:
-            self._names = _names(self.model)
-        return {f for name in self._names.values() for f in _fqns(self.model, name)}
+        return {f for p in self.model.parameters() for f in self._fqns(id(p)) or ()}
 
     def _one(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
         ids = tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups)
@@ -63,15 +63,20 @@ class Fingerprints:
     def _group(self, ids: tuple[int, ...]) -> list[Any] | None:
         """``[number of parameters, digest of their names]``, or ``None`` where a parameter is
         not the model's."""
-        if self._names is None or any(i not in self._names for i in ids):
-            self._names = _names(self.model)
         names: list[str] = []
         for i in ids:
-            name = self._names.get(i)
-            if name is None:
+            fqns = self._fqns(i)
+            if fqns is None:
                 return None
-            names.extend(_fqns(self.model, name))
+            names.extend(fqns)
         return [len(names), xxhash.xxh3_64_hexdigest("\n".join(sorted(names)).encode())]
+
+    def _fqns(self, param_id: int) -> tuple[str, ...] | None:
+        """The FQNs of the model's parameter ``param_id``; ``None`` if it is not the model's."""
+        if param_id not in self._by_id:  # (first call, or a parameter added since)
+            self._by_id = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        name = self._by_id.get(param_id)
+        return None if name is None else self.names.every(name)
 
 
 def qualname(opt: torch.optim.Optimizer) -> str:
@@ -130,14 +135,3 @@ def check(
             "load Sharded(model) alone through a Checkpointer opened with read_only=True, "
             "and save into a new dirpath)"
         )
-
-
-def _names(model: torch.nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-
-
-def _fqns(model: torch.nn.Module, name: str) -> list[str]:
-    """The names ``get_state_dict`` gives the parameter ``name`` (several for a flat one)."""
-    from torch.distributed.checkpoint.state_dict import _get_fqns
-
-    return sorted(_get_fqns(model, name))

@@ -136,7 +136,7 @@ class Sharded(FilePart):
         self._stepped: tuple[int, ...] = ()  # optimizers with state on some rank (_saved_optims)
         self._flat_kind: bool | None = None  # _flat_model(), once known
         self._fqn = Names(model)
-        self._kinds = optim_fit.Fingerprints(model)  # the optimizers' classes and groups
+        self._kinds = optim_fit.Fingerprints(model, self._fqn)  # the optimizers' classes and groups
         self._optim_names: list[tuple[str, str, str]] | None = None  # of the last index
         self._load: Any = None  # files_to_read()'s plan for load()
 
