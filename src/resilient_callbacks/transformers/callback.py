@@ -180,8 +180,7 @@ class ResilientCheckpoint(TrainerCallback):
             return
         if not self.trainer_checkpoints:
             control.should_save = False
-        self._updates += 1
-        state.epoch = self._epoch_at(self._updates)  # as set before every callback (progress.py)
+        self._updates += 1  # (state.epoch was set before every callback: _next_epoch)
         self._pending = state.global_step
         self._step_metrics = {}
 
@@ -398,12 +397,11 @@ class ResilientCheckpoint(TrainerCallback):
             self._abort(e)
             raise
 
-    def _epoch_at(self, updates: int) -> float:
-        gas = int(self._trainer.args.gradient_accumulation_steps)
-        return progress.epoch_at(self._epoch, updates, gas, self._steps_in_epoch)
-
     def _next_epoch(self) -> float | None:  # state.epoch of the step ending now (progress.py)
-        return self._epoch_at(self._updates + 1) if self._trainer is not None else None
+        if self._trainer is None:
+            return None
+        gas = int(self._trainer.args.gradient_accumulation_steps)
+        return progress.epoch_at(self._epoch, self._updates + 1, gas, self._steps_in_epoch)
 
     def _after_step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
