@@ -463,3 +463,77 @@ def test_distinct_tensors_of_equal_bytes_are_restored_as_distinct_tensors(tmp_pa
     assert torch.equal(m["exp_avg_sq"], torch.zeros(8192))
     a["a"] += 1
     assert not a["b"].any()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_an_ema_updated_through_data_is_never_restored_stale(tmp_path, async_save):
+    """An EMA copy with frozen parameters updated through ``.data`` (a common pattern): the
+    version counter does not see those writes, so ``incremental=True`` used to refer every
+    save to the EMA's first blob and restore the first EMA silently. Each save compares a
+    sample of every tensor it would skip; a change it finds is hashed and stored, and the
+    run is told, once, to use ``incremental="hash"``."""
+    import copy
+
+    m = _model()
+    state = _state(m)
+    ema = copy.deepcopy(m).requires_grad_(False)
+    state["ema"] = ema
+    want: dict[int, dict[str, torch.Tensor]] = {}
+    with (
+        Checkpointer(tmp_path, incremental=True, async_save=async_save) as ck,
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        for step in (1, 2, 3):
+            _train_step(state, step)
+            for pe, p in zip(ema.parameters(), m.parameters(), strict=True):
+                pe.data.mul_(0.9).add_(p.data + 1.0, alpha=0.1)
+            ck.save(step, state)
+            want[step] = {k: v.clone() for k, v in ema.state_dict().items()}
+    for step, tensors in want.items():
+        fresh = _state(_model(seed=5))
+        fresh["ema"] = copy.deepcopy(fresh["model"]).requires_grad_(False)
+        with Checkpointer(tmp_path, resume=step, read_only=True) as ck2:
+            assert ck2.restore(fresh) == step
+        for k, v in tensors.items():
+            assert torch.equal(fresh["ema"].state_dict()[k], v), (step, k)
+    said = [str(w.message) for w in caught if "version counter" in str(w.message)]
+    assert len(said) == 1 and "incremental='hash'" in said[0], said
+
+
+def test_part_tracker_sees_a_write_through_data():
+    """A FilePart's frozen tensor written through ``.data`` (its version counter does not
+    move) is not taken as unchanged: the sample of its elements differs."""
+    from resilient_callbacks.unchanged import PartTracker, buffer_sig, watchable
+
+    frozen = torch.arange(4 * BLOB_MIN, dtype=torch.float32)
+    watched = watchable(frozen, None)
+    assert watched is not None
+    buf = frozen.clone()
+    tracker = PartTracker()
+    tracker.record({"w": (*watched, buf)}, {buffer_sig(buf): "key-of-w"})
+    assert tracker.unchanged("w", watchable(frozen, None), buf) == "key-of-w"
+    frozen.data.mul_(0.5)
+    again = watchable(frozen, None)
+    assert again is not None and again[2] == watched[2]  # the counter did not move
+    with pytest.warns(UserWarning, match="version counter"):
+        assert tracker.unchanged("w", again, buf) is None
+
+
+def test_a_transposed_frozen_tensor_is_still_known_unchanged_and_checked():
+    """The sample of a tensor without a flat view (a transposed weight) is gathered by index:
+    it is still known unchanged while nothing writes it, and a write through ``.data`` shows."""
+    from resilient_callbacks.unchanged import UnchangedTracker
+
+    frozen = nn.Parameter(torch.randn(64, 512).t(), requires_grad=False)
+    module = nn.Module()
+    module.w = frozen
+    assert not frozen.is_contiguous()
+    tracker = UnchangedTracker()
+    hints, watch = tracker.observe({"m.w": frozen}, {"m": module})
+    assert not hints and "m.w" in watch
+    tracker.record(watch, {"m.w": "key-of-w"})
+    assert tracker.observe({"m.w": frozen}, {"m": module})[0] == {"m.w": "key-of-w"}
+    frozen.data[-1, -1] += 1.0  # the last element is always in the sample
+    with pytest.warns(UserWarning, match="version counter"):
+        assert tracker.observe({"m.w": frozen}, {"m": module}) == ({}, {})

@@ -645,3 +645,26 @@ def test_bench_incremental_sharded_quick(tmp_path):
     report = json.loads((tmp_path / "bench_incremental_sharded.json").read_text())
     full, inc = report["full_sync"]["written"], report["incremental_sync"]["written"]
     assert report["sharded"] and inc[1] < 0.2 * full[1], (full, inc)
+
+
+def test_a_frozen_part_tensor_written_through_data_is_stored_not_referred_stale(tmp_path):
+    """A part's frozen tensor written through ``.data`` (an EMA shard under FSDP updated the
+    common way): its version counter does not move, so incremental=True used to refer every
+    later save to its first blob. The sampled elements differ: the save stores it, warns."""
+    root = tmp_path / "ck"
+    part = WithOptimizer()
+    want = {}
+    with (
+        Checkpointer(root, incremental=True, preemption=False) as ck,
+        pytest.warns(UserWarning, match="version counter"),
+    ):
+        for step in (1, 2, 3):
+            part.frozen.data.mul_(0.5)
+            ck.save(step, {"engine": part})
+            ck.flush()
+            want[step] = part.frozen.clone()
+    for step, frozen in want.items():
+        fresh = WithOptimizer()
+        with Checkpointer(root, resume=step, read_only=True) as ck:
+            assert ck.restore({"engine": fresh}) == step
+        assert torch.equal(fresh.frozen, frozen), step

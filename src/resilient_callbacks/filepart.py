@@ -318,16 +318,13 @@ class CaptureBuffers:
         (:class:`~.unchanged.PartTracker`) is not copied: its buffer holds its bytes already.
         Every other tensor is copied (and hashed) at every save."""
         from .snapshot import Snapshot
-        from .unchanged import buffer_sig, watchable
+        from .unchanged import buffer_sig, watch_all
 
         self.names.update(tensors)
         kept: dict[str, torch.Tensor] = {}
         watch: dict[str, tuple[torch.Tensor, tuple[Any, ...], int]] = {}
         if self._tracker is not None and frozen:
-            for name, t in tensors.items():
-                w = watchable(t, None)
-                if w is None:
-                    continue
+            for name, w in watch_all(tensors, None).items():
                 watch[name] = w
                 buf = self._buffers.existing(name)
                 key = self._tracker.unchanged(name, w, buf)

@@ -20,12 +20,18 @@ record lives in this process only: a new process hashes everything once.
 
 What the version counter cannot see: writes through ``tensor.data`` (a separate counter) or
 through another library's view of the memory (NumPy, DLPack, a kernel writing a raw pointer).
-A run that changes frozen tensors that way passes ``incremental="hash"``: every tensor is then
-hashed at every save (still written only when its bytes changed).
+So each save also compares :data:`SAMPLE` elements spread over every tensor it would skip with
+the same elements at the last save: a write to a whole tensor (an EMA copy updated through
+``.data``) changes them and is caught; a write to a few elements (one embedding row) can
+escape. A tracker that catches one warns once and from then on hints nothing (every tensor is
+hashed, as with ``incremental="hash"``, which a run that writes frozen tensors that way passes
+from the start: every tensor is then hashed at every save, still written only when its bytes
+changed).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +40,10 @@ import torch
 
 from . import statetree
 from .blobs import BLOB_MIN, BlobSession, BlobStore
+from .errors import caller_stacklevel
+
+#: elements of a tensor compared at every save (one in every ``numel // SAMPLE``, and the last)
+SAMPLE = 256
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,42 @@ def _where(t: torch.Tensor) -> tuple[Any, ...]:
         tuple(t.stride()),
         t.dtype,
         t.device,
+    )
+
+
+def _picks(t: torch.Tensor) -> torch.Tensor:
+    """About :data:`SAMPLE` elements spread over ``t`` (and its last), as bytes on its device:
+    compared at the next save to catch writes the version counter misses."""
+    n = t.numel()
+    step = max(1, n // SAMPLE) | 1  # odd: the picks move across a row's columns
+    if t.is_contiguous():
+        flat = t.view(-1)
+        picked = torch.cat([flat[::step], flat[-1:]])
+    else:  # (a transposed weight) the same elements, gathered by index
+        idx = torch.cat([torch.arange(0, n, step), torch.tensor([n - 1])])
+        picked = t[torch.unravel_index(idx.to(t.device), t.shape)]
+    return picked.view(torch.uint8)
+
+
+def _written_unseen(seen: tuple[tuple[Any, ...], int], now: tuple[tuple[Any, ...], int]) -> bool:
+    """Same place and version counter, but the sampled elements differ: written through
+    ``.data``, NumPy or a kernel that does not move the counter."""
+    (was, version), (where, now_version) = seen, now
+    return version == now_version and was[:-1] == where[:-1] and was[-1] != where[-1]
+
+
+def _warn_written_unseen(names: list[str]) -> None:
+    shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    warnings.warn(
+        f"incremental=True: frozen tensor(s) {shown} changed since the last save without "
+        "their version counter moving (written through `.data`, NumPy, DLPack or a custom "
+        "kernel), which is how incremental=True knows a tensor unchanged. The change was "
+        f"found by comparing {SAMPLE} sampled elements of each tensor and this save stores "
+        "it; a write to only a few elements can escape that sample. From now on this "
+        "Checkpointer hashes every tensor at every save: pass incremental='hash' to do so "
+        "from the start",
+        UserWarning,
+        stacklevel=caller_stacklevel(),
     )
 
 
@@ -86,20 +132,47 @@ def optimizer_storages(optimizers: Any) -> set[int]:
     return ptrs
 
 
-def watchable(
-    t: torch.Tensor, trusted: set[int] | None
-) -> tuple[torch.Tensor, tuple[Any, ...], int] | None:
-    """``(t, where, version)`` for a tensor an incremental save may come to know unchanged: a
-    blob-sized, dense tensor with a version counter in a ``trusted`` storage (None: its caller
-    vouches for it); else None."""
-    if t.numel() * t.element_size() < BLOB_MIN or t.is_sparse:
-        return None
-    try:
-        version = t._version
-        where = _where(t)
-    except (RuntimeError, NotImplementedError):  # inference tensors have no counter
-        return None
-    return (t, where, version) if trusted is None or where[0] in trusted else None
+Watched = tuple[torch.Tensor, tuple[Any, ...], int]
+
+
+def watch_all(tensors: Mapping[str, torch.Tensor], trusted: set[int] | None) -> dict[str, Watched]:
+    """``{name: (t, where, version)}`` of the ``tensors`` an incremental save may come to know
+    unchanged: blob-sized, dense tensors with a version counter in a ``trusted`` storage (None:
+    the caller vouches for them). ``where`` ends with a sample of the tensor's bytes
+    (:func:`_picks`), taken now, with the version; the samples of one device come to the host
+    in one copy."""
+    found: dict[str, Watched] = {}
+    picks: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        if t.numel() * t.element_size() < BLOB_MIN or t.is_sparse:
+            continue
+        try:
+            version = t._version
+            where = _where(t)
+            if trusted is not None and where[0] not in trusted:
+                continue
+            picked = _picks(t)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            continue  # inference tensors have no counter; a DTensor, no storage of its own
+        found[name] = (t, where, version)
+        picks.setdefault(t.device, []).append((name, picked))
+    out: dict[str, Watched] = {}
+    for items in picks.values():
+        try:
+            host = torch.cat([p for _, p in items]).cpu().numpy()
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # a device whose bytes cannot be read: never known unchanged
+        at = 0
+        for name, p in items:
+            t, where, version = found[name]
+            out[name] = (t, (*where, host[at : at + p.numel()].tobytes()), version)
+            at += p.numel()
+    return out
+
+
+def watchable(t: torch.Tensor, trusted: set[int] | None) -> Watched | None:
+    """:func:`watch_all` of one tensor: its ``(t, where, version)``, or None."""
+    return watch_all({"": t}, trusted).get("")
 
 
 class UnchangedTracker:
@@ -107,6 +180,7 @@ class UnchangedTracker:
 
     def __init__(self) -> None:
         self._seen: dict[str, _Seen] = {}
+        self.distrusts = False  # a write the version counter missed was seen: hint nothing
 
     def observe(
         self, tensors: Mapping[str, torch.Tensor], state: Any
@@ -114,18 +188,24 @@ class UnchangedTracker:
         """Training thread, at a save: ``(hints, watch)``. ``hints``: tensor name -> content key
         of the tensors that cannot have changed since the last committed save; ``watch``: the
         frozen tensors of this save as they are now, to :meth:`record` once it committed."""
+        if self.distrusts:
+            return {}, {}
         trusted = frozen_storages(state)
         hints: dict[str, str] = {}
         watch: dict[str, tuple[torch.Tensor, tuple[Any, ...], int]] = {}
-        for name, t in tensors.items():
-            w = watchable(t, trusted)
-            if w is None:
-                continue
+        unseen: list[str] = []
+        for name, w in watch_all(tensors, trusted).items():
             watch[name] = w
             _, where, version = w
             seen = self._seen.get(name)
             if seen is not None and seen.where == where and seen.version == version:
                 hints[name] = seen.key
+            elif seen is not None and _written_unseen((seen.where, seen.version), w[1:]):
+                unseen.append(name)
+        if unseen:
+            _warn_written_unseen(unseen)
+            self.distrusts, self._seen = True, {}
+            return {}, {}
         return hints, watch
 
     def record(
@@ -195,6 +275,7 @@ class PartTracker:
 
     def __init__(self) -> None:
         self._seen: dict[str, _Kept] = {}
+        self.distrusts = False  # a write the version counter missed was seen: hint nothing
 
     def unchanged(
         self,
@@ -205,9 +286,15 @@ class PartTracker:
         """The content key of ``name`` (``watched``: :func:`watchable`'s answer now) if it is
         unchanged and ``buffer`` still holds it."""
         seen = self._seen.get(name)
-        if seen is None or buffer is None or buffer is not seen.buffer:
+        if seen is None or self.distrusts:
             return None
         _, where, version = watched
+        if _written_unseen((seen.where, seen.version), (where, version)):
+            _warn_written_unseen([name])
+            self.distrusts, self._seen = True, {}
+            return None
+        if buffer is None or buffer is not seen.buffer:
+            return None
         return seen.key if (seen.where, seen.version) == (where, version) else None
 
     def record(
@@ -218,6 +305,8 @@ class PartTracker:
         """A save committed: remember its watched tensors that it stored as blobs (``keys``:
         :func:`buffer_sig` of a host copy -> its content key)."""
         self._seen = {}
+        if self.distrusts:
+            return
         for name, (t, where, version, buf) in watched.items():
             key = keys.get(buffer_sig(buf))
             if key is not None:
