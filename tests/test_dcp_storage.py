@@ -253,6 +253,21 @@ def test_a_plain_dcp_checkpoint_is_read_only_when_unpickling_is_allowed(tmp_path
     _assert_equal(sd, again)
 
 
+def test_the_reader_on_plain_dcp_checkpoints_says_what_they_are_and_how_to_read_them(tmp_path):
+    """A user moving from plain dcp.save points the reader at the old directory (the checkpoint
+    itself, or the folder of its ``step_*``/``checkpoint-*`` checkpoints): the error named only
+    "no checkpoints in ..."; it now says that plain dcp.save wrote them and names
+    plain_dcp_reader with the path to give it."""
+    sd = _state(4)
+    dcp.save(sd, checkpoint_id=str(tmp_path / "one"))
+    dcp.save(sd, checkpoint_id=str(tmp_path / "runs" / "checkpoint-100"))
+    for given, named in [("one", "one"), ("runs", os.path.join("runs", "checkpoint-100"))]:
+        with pytest.raises(BaseException, match=r"written by plain dcp\.save") as got:
+            dcp.load(_fresh(), storage_reader=ResilientStorageReader(tmp_path / given))
+        said = str(got.value)
+        assert f"plain_dcp_reader({str(tmp_path / named)!r}, allow_pickle=True)" in said, said
+
+
 # ----------------------------------------------------------------------------- two ranks
 
 

@@ -5,7 +5,9 @@ the commit order stays right. Each case was found by driving the library as a us
   its commit number again, so once it was readable a restore chose it over newer commits;
 - ``step_*`` folders without a manifest: a restore started fresh without a word;
 - a ``dirpath`` one level above the checkpoints: a fresh start without a word (a read-only
-  restore returned 0 and an evaluation ran on an untrained model).
+  restore returned 0 and an evaluation ran on an untrained model);
+- a ``dirpath`` of checkpoints written by plain ``dcp.save``: a fresh start without a word, or
+  its ``step_*`` checkpoints called damaged.
 """
 
 from __future__ import annotations
@@ -156,3 +158,43 @@ def test_a_torn_manifest_is_called_damaged_not_unreadable(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if names[-1] in r.getMessage()]
     assert any("is damaged: not JSON" in m for m in said), said
     assert not any("permissions" in m for m in said), said
+
+
+def _plain_dcp(path) -> None:
+    """The files plain ``dcp.save`` (FileSystemWriter) leaves: a pickled .metadata, *.distcp."""
+    os.makedirs(path)
+    for name in (".metadata", "__0_0.distcp"):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(b"\x80\x04.")
+
+
+@pytest.mark.parametrize("layout", ["itself", "step_100", "checkpoint-100"])
+def test_plain_dcp_checkpoints_are_named_as_such_with_how_to_read_them(tmp_path, layout, capsys):
+    from resilient_callbacks.cli import main
+
+    root = tmp_path / "old"
+    where = root if layout == "itself" else root / layout
+    _plain_dcp(where)
+    with pytest.warns(UserWarning) as got, Checkpointer(root, async_save=False) as ck:
+        assert ck.restore(_state()) == 0
+    (said,) = [str(w.message) for w in got]
+    assert "written by plain dcp.save" in said and "starting fresh" in said, said
+    assert f"plain_dcp_reader({str(where)!r}, allow_pickle=True)" in said, said
+    assert "no manifest.json" not in said  # not called damaged
+    assert main(["verify", str(root)]) != 0
+    err = capsys.readouterr().err
+    assert "written by plain dcp.save" in err and "plain_dcp_reader(" in err, err
+
+
+def test_a_plain_dcp_checkpoint_beside_ours_is_neither_verified_nor_collected(tmp_path, capsys):
+    """A run moved to this library in its old directory: `gc` deleted the old plain dcp.save
+    ``step_100`` (the user's last checkpoint of the old run) as a torn checkpoint of ours."""
+    from resilient_callbacks.cli import main
+
+    root = tmp_path / "old"
+    _plain_dcp(root / "step_100")
+    with pytest.warns(UserWarning, match=r"plain dcp\.save"):
+        _run(root, [200])
+    assert main(["verify", str(root)]) == 0
+    assert main(["gc", str(root)]) == 0
+    assert os.path.isfile(root / "step_100" / ".metadata")

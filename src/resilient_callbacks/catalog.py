@@ -10,6 +10,9 @@ Status of each entry:
   the manifest itself is unreadable or unsafe;
 - ``incomplete``: a checkpoint-shaped or staging directory without a manifest (being written
   right now, or left by a crash); never loaded, swept when the next writer starts.
+
+A ``step_*`` folder that plain ``dcp.save`` wrote (its pickled ``.metadata``) is not ours: not
+listed, never deleted; :func:`plain_dcp_note` says what it is where nothing of ours is found.
 """
 
 from __future__ import annotations
@@ -155,6 +158,8 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
         try:
             os.stat(os.path.join(path, MANIFEST_NAME))
         except FileNotFoundError:
+            if os.path.isfile(os.path.join(path, PLAIN_DCP_METADATA)):
+                continue  # plain dcp.save's checkpoint (step_100): not ours, never deleted
             incomplete.append(Entry(name, path, Status.INCOMPLETE, problem="no manifest"))
             continue
         except OSError as e:  # a folder this user cannot read: not known to be incomplete
@@ -340,6 +345,43 @@ def holders(path: str) -> list[tuple[str, int]]:
 
     visit("", 1)
     return found
+
+
+PLAIN_DCP_METADATA = ".metadata"  # plain dcp.save's (FileSystemWriter's) metadata, a pickle
+
+
+def plain_dcp(path: str) -> list[str]:
+    """Where ``path`` holds checkpoints written by plain ``dcp.save`` (``FileSystemWriter``: a
+    pickled ``.metadata`` beside ``*.distcp`` files), which this library neither lists nor
+    loads: ``["."]`` when ``path`` is one, else the names of its subdirectories that are
+    (bounded like :func:`holders`). A hint for messages."""
+    if os.path.isfile(os.path.join(path, PLAIN_DCP_METADATA)):
+        return ["."]
+    subs = _subdirs(path)[:HINT_MAX_DIRS]
+    return [s for s in subs if os.path.isfile(os.path.join(path, s, PLAIN_DCP_METADATA))]
+
+
+def plain_dcp_note(path: str, found: list[str] | None = None) -> str:
+    """What to say of the plain ``dcp.save`` checkpoints in ``path`` (``found``: its
+    :func:`plain_dcp`) where nothing of ours is: what they are and how to carry them over;
+    ``""`` when there are none."""
+    found = plain_dcp(path) if found is None else found
+    if not found:
+        return ""
+    if found == ["."]:
+        what, first = f"{path} is a checkpoint", path
+    else:
+        n = len(found)
+        shown = ", ".join(found[:5]) + (f" and {n - 5} more" if n > 5 else "")
+        are = "is a checkpoint" if n == 1 else "are checkpoints"
+        what, first = f"{shown} in {path} {are}", os.path.join(path, found[0])
+    return (
+        f"{what} written by plain dcp.save (a pickled .metadata and *.distcp files), which "
+        "resilient_callbacks neither lists nor loads; to carry it over, load it with "
+        f"dcp.load(sd, storage_reader=plain_dcp_reader({first!r}, allow_pickle=True)) (from "
+        "resilient_callbacks.dcp; it unpickles: only a checkpoint you trust) and save it again "
+        "with ResilientStorageWriter or a Checkpointer"
+    )
 
 
 def _subdirs(path: str) -> list[str]:

@@ -92,8 +92,10 @@ def scan(target: Target, depth: Depth) -> list[Entry]:
 def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundError:
     """The error for a directory without checkpoints, naming the subdirectories that hold some
     (``ls demo_output`` where the checkpoints are in ``demo_output/run1/checkpoints``)."""
-    if CKPT_RE.match(os.path.basename(os.path.normpath(path))) and not os.path.exists(
-        os.path.join(path, MANIFEST_NAME)
+    if (
+        CKPT_RE.match(os.path.basename(os.path.normpath(path)))
+        and not os.path.exists(os.path.join(path, MANIFEST_NAME))
+        and not catalog.plain_dcp(path)
     ):
         parent = os.path.dirname(os.path.abspath(path))
         return CheckpointNotFoundError(
@@ -101,14 +103,16 @@ def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundEr
             "one (no save leaves such a folder: damaged, or copied without its manifest), and is "
             f"never loaded; `resilient-ckpt verify {parent}` checks the directory's checkpoints"
         )
+    note = catalog.plain_dcp_note(path)
+    note = f"; {note}" if note else ""
     subs = catalog.holders(path)
     if not subs:
-        return CheckpointNotFoundError(f"no {what} in {path}")
+        return CheckpointNotFoundError(f"no {what} in {path}{note}")
     listed = ", ".join(f"{sub} ({n})" for sub, n in subs)
     first = os.path.join(path, subs[0][0])
     return CheckpointNotFoundError(
         f"no {what} in {path}; these subdirectories hold checkpoints: {listed} "
-        f"(give one of them, e.g. {first})"
+        f"(give one of them, e.g. {first}){note}"
     )
 
 

@@ -1,7 +1,8 @@
 """What a restore says beside what it loads: folders named like checkpoints that are not
-checkpoints, a ``dirpath`` with nothing to resume from where a subdirectory holds checkpoints,
-and tensors of the state left viewing the restored files. Nothing here raises: each is a
-warning or a log line, and the restore goes on (a fresh start stays a fresh start)."""
+checkpoints, a ``dirpath`` with nothing to resume from where a subdirectory holds checkpoints
+or where plain ``dcp.save`` wrote some, and tensors of the state left viewing the restored
+files. Nothing here raises: each is a warning or a log line, and the restore goes on (a fresh
+start stays a fresh start)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def say_what_is_not_a_checkpoint(
     in progress), named in a warning (a ``UserWarning``: no checkpoint was skipped, so not a
     :class:`ResumeFallbackWarning`). ``fresh``: nothing to resume
     from; then the subdirectories that hold checkpoints are named (a ``dirpath`` one level too
-    high), and a read-only restore says that it restored nothing."""
+    high), and so are checkpoints of plain ``dcp.save`` there (a run moved to this library,
+    pointed at its old directory), and a read-only restore says that it restored nothing."""
     if no_manifest:
         n = len(no_manifest)
         shown = ", ".join(no_manifest[:5]) + (f" and {n - 5} more" if n > 5 else "")
@@ -40,6 +42,7 @@ def say_what_is_not_a_checkpoint(
     if not fresh:
         return
     subs = catalog.holders(dirpath)
+    plain = catalog.plain_dcp(dirpath)
     where = ""
     if subs:
         listed = ", ".join(f"{sub} ({k})" for sub, k in subs[:5])
@@ -47,6 +50,8 @@ def say_what_is_not_a_checkpoint(
             f"; these subdirectories hold checkpoints: {listed}. Pass one of them as dirpath "
             f"to resume it (e.g. {os.path.join(dirpath, subs[0][0])})"
         )
+    if plain:
+        where += f"; {catalog.plain_dcp_note(dirpath, plain)}"
     if read_only:
         warn_and_log(
             log,
@@ -54,7 +59,7 @@ def say_what_is_not_a_checkpoint(
             "(restore() returned 0 and the state is as it was)",
             stacklevel=AT_CALLER,
         )
-    elif subs:
+    elif subs or plain:
         warn_and_log(
             log, f"no checkpoint in {dirpath}{where}; starting fresh", stacklevel=AT_CALLER
         )

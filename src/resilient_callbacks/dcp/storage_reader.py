@@ -141,6 +141,10 @@ class ResilientStorageReader(StorageReader):
         if not os.path.isdir(root):
             raise CheckpointNotFoundError(f"{root}: no such checkpoint directory")
         entries = committed(root)
+        if not entries:
+            from ..cli_scan import no_checkpoints  # names what is there instead
+
+            raise no_checkpoints(root)
         if self.step is not None:
             return [find(entries, root, self.step).path]
         ordered = by_commit(entries)
