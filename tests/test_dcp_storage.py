@@ -268,6 +268,13 @@ def test_the_reader_on_plain_dcp_checkpoints_says_what_they_are_and_how_to_read_
         assert f"plain_dcp_reader({str(tmp_path / named)!r}, allow_pickle=True)" in said, said
 
 
+def test_a_writer_whose_dirpath_is_a_file_says_so(tmp_path):
+    """The error was os.makedirs' bare "[Errno 17] File exists"; a Checkpointer says what it is."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(BaseException, match=r"it is a file\. Check that the path is right"):
+        dcp.save(_state(1), storage_writer=ResilientStorageWriter(tmp_path / "afile"))
+
+
 # ----------------------------------------------------------------------------- two ranks
 
 

@@ -98,6 +98,20 @@ def collect_blobs(blobs: BlobStore) -> None:
         log.info("deleted %d unused blob(s) in %s", len(gone), blobs.dir)
 
 
+def unusable(dirpath: str, e: OSError) -> CheckpointWriteError:
+    """The error for a ``dirpath`` that cannot be opened (``e``: what creating or locking it
+    raised): a file, no permission, a read-only filesystem, said as such."""
+    file = os.path.exists(dirpath) and not os.path.isdir(dirpath)
+    err = CheckpointWriteError(
+        f"cannot use {dirpath} as a checkpoint directory: "
+        f"{'it is a file' if file else e.strerror or e}. "
+        "Check that the path is right and writable by this user."
+    )
+    err.errno = e.errno
+    err.__cause__ = e
+    return err
+
+
 class Directory:
     """One checkpoint directory and, optionally, its remote tier. Its one job: the directory's
     lifecycle as rank 0 sees it (see the module docstring for the rank contract)."""
@@ -138,24 +152,13 @@ class Directory:
         pending: BaseException | None = None
         if self.is_coordinator:
             try:
-                self.open_here(config)
+                self._open_here(config)
             except CheckpointError as e:
                 error = {"type": type(e).__name__, "msg": str(e)}
                 pending = e
             except OSError as e:
-                file = os.path.exists(self.dirpath) and not os.path.isdir(self.dirpath)
-                error = {
-                    "type": "OSError",
-                    "msg": (
-                        f"cannot use {self.dirpath} as a checkpoint directory: "
-                        f"{'it is a file' if file else e.strerror or e}. "
-                        "Check that the path is right and writable by this user."
-                    ),
-                    "errno": e.errno,
-                }
-                pending = CheckpointWriteError(error["msg"])
-                pending.errno = e.errno
-                pending.__cause__ = e
+                pending = unusable(self.dirpath, e)
+                error = {"type": "OSError", "msg": str(pending), "errno": e.errno}
         error = dist.broadcast_json(error)
         if error is not None:
             if self.is_coordinator:
@@ -176,7 +179,16 @@ class Directory:
         """Coordinator only, no collective: what :meth:`open` does on rank 0 (create the
         directory, take the lock, sweep leftovers, read the commit sequence, connect the remote
         tier). For callers that must not run collectives (a DCP ``StorageWriter``). Read-only:
-        only that the directory exists. A ``dirpath`` that is one checkpoint is refused."""
+        only that the directory exists. A ``dirpath`` that is one checkpoint is refused; one
+        that cannot be opened (a file, no permission) raises :func:`unusable`'s error."""
+        try:
+            self._open_here(config)
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise unusable(self.dirpath, e) from e
+
+    def _open_here(self, config: CheckpointerConfig) -> None:
         if _is_checkpoint(self.dirpath):
             # a run there would nest its checkpoints inside this one, where the parent's
             # retention or gc deletes them with it
