@@ -167,6 +167,62 @@ def test_async_staging_copies_in_the_background_and_commits_the_state_at_the_sav
     _assert_equal(expected, got)
 
 
+def test_numpy_values_round_trip_with_their_dtype_and_stay_as_saved_under_async_save(
+    tmp_path, monkeypatch
+):
+    """A Stateful as the DCP recipe writes one, holding ``np.random.get_state()`` and NumPy
+    counters (what plain DCP saves by pickling): refused ("a ndarray cannot be written as
+    JSON"); now kept, dtype and shape exact. Under ``dcp.async_save`` an array changed in place
+    after the call returned is saved as it was at the call (DCP's stager deep-copies too)."""
+    import threading
+
+    import numpy as np
+
+    np.random.seed(3)
+    rng = np.random.get_state()
+    ints = np.arange(6, dtype=np.int64).reshape(2, 3)
+    sd = {
+        "w": torch.ones(2),
+        "np": {"rng": rng, "n": np.int64(7), "f": np.float32(0.1), "b": np.bool_(True)},
+        "grid": ints.T,  # not contiguous
+        "big": np.arange(3, dtype=">u2"),
+    }
+    with ResilientStorageWriter(tmp_path / "ck", step=1) as writer:
+        dcp.save(sd, storage_writer=writer)
+    got = {"w": torch.zeros(2), "np": {k: None for k in sd["np"]}, "grid": None, "big": None}
+    dcp.load(got, storage_reader=ResilientStorageReader(tmp_path / "ck"))
+    for k in ("n", "f", "b"):
+        assert type(got["np"][k]) is type(sd["np"][k]) and got["np"][k] == sd["np"][k], k
+    assert got["np"]["rng"][0] == "MT19937" and got["np"]["rng"][1].dtype == rng[1].dtype
+    np.random.seed(0)
+    np.random.set_state(got["np"]["rng"])
+    drawn = np.random.rand(3)
+    np.random.set_state(rng)
+    assert np.array_equal(drawn, np.random.rand(3))
+    assert np.array_equal(got["grid"], ints.T) and got["grid"].dtype == np.int64
+    assert np.array_equal(got["big"], [0, 1, 2]) and got["big"].dtype.kind == "u"
+    with pytest.raises(BaseException, match=r"s: a NumPy array of dtype <U1 cannot"):
+        dcp.save({"s": np.array(["a"])}, storage_writer=ResilientStorageWriter(tmp_path / "u"))
+
+    go = threading.Event()
+    real = ResilientStorageWriter.write_data
+
+    def later(self, plan, planner):
+        assert go.wait(60)
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(ResilientStorageWriter, "write_data", later)
+    counts = np.zeros(3)
+    with ResilientStorageWriter(tmp_path / "async", step=1) as writer:
+        fut = dcp.async_save({"counts": counts}, storage_writer=writer)
+        counts += 1  # training goes on before the background save writes
+        go.set()
+        fut.result()
+    back = {"counts": None}
+    dcp.load(back, storage_reader=ResilientStorageReader(tmp_path / "async"))
+    assert np.array_equal(back["counts"], np.zeros(3)), back
+
+
 def test_a_flipped_byte_falls_back_loudly_and_a_named_damaged_step_is_an_error(tmp_path):
     root = tmp_path / "ck"
     saved = _save_steps(root)

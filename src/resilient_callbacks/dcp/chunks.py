@@ -12,18 +12,21 @@ A :class:`Box` is a piece of a global tensor: its offsets and sizes in every dim
 rank assembles the local shard it needs from the chunks other ranks saved (resharding).
 
 Nothing here unpickles: the only non-tensor values kept are JSON ones (and tuples, non-finite
-floats and integer dict keys, tagged); anything else is refused with
+floats, integer dict keys and NumPy arrays and scalars of bool, int and float dtypes, tagged);
+anything else is refused with
 :class:`~resilient_callbacks.errors.UnsupportedStateError` naming where it is.
 """
 
 from __future__ import annotations
 
+import base64
 import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointCorruptError, UnsupportedStateError
@@ -79,6 +82,8 @@ def split(state: Any, where: str | None = None) -> tuple[Any, dict[str, torch.Te
             return {TAG: "float", "value": repr(obj)}
         if obj is None or isinstance(obj, (bool, int, float, str)):  # numpy.float64: a float
             return obj
+        if isinstance(obj, (np.ndarray, np.generic)):
+            return _numpy(obj, "/".join(path) or "<root>")
         raise UnsupportedStateError(
             f"{'/'.join(path) or '<root>'}: a {type(obj).__qualname__} cannot be written as "
             "JSON (only tensors, DTensors, numbers, strings, None, lists, tuples and dicts are "
@@ -86,6 +91,33 @@ def split(state: Any, where: str | None = None) -> tuple[Any, dict[str, torch.Te
         )
 
     return walk(state, (where,) if where else ()), tensors
+
+
+def _numpy(obj: np.ndarray | np.generic, where: str) -> dict[str, Any]:
+    """A NumPy array or scalar (``np.random.get_state()``'s key array, an ``np.int64`` count)
+    as tagged JSON keeping its dtype and shape: bool, int and float ones up to 64 bits."""
+    arr = np.asarray(obj)
+    if arr.dtype.kind not in "biuf" or arr.dtype.itemsize > 8:
+        what = "array" if isinstance(obj, np.ndarray) else "scalar"
+        raise UnsupportedStateError(
+            f"{where}: a NumPy {what} of dtype {arr.dtype} cannot be written as JSON (bool, int "
+            "and float ones up to 64 bits can; convert it: .tolist(), .astype(...))"
+        )
+    little = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+    return {
+        TAG: "numpy",
+        "dtype": little.dtype.str,
+        "shape": list(arr.shape),
+        "scalar": isinstance(obj, np.generic),
+        "b64": base64.b64encode(little.tobytes()).decode("ascii"),
+    }
+
+
+def held(obj: Any) -> Any:
+    """A non-tensor leaf of a state dict as a staged copy keeps it: a NumPy array copied (it
+    may change in place before a background save writes it), any other leaf as it is (the
+    JSON-able ones are immutable; the rest are refused when written)."""
+    return obj.copy() if isinstance(obj, np.ndarray) else obj
 
 
 def join(skeleton: Any, tensor: Callable[[str], Any]) -> Any:
@@ -104,6 +136,10 @@ def join(skeleton: Any, tensor: Callable[[str], Any]) -> Any:
             return {k: join(v, tensor) for k, v in skeleton["items"]}
         if tag == "float":
             return float(skeleton["value"])
+        if tag == "numpy":
+            raw = base64.b64decode(skeleton["b64"])
+            arr = np.frombuffer(raw, dtype=np.dtype(skeleton["dtype"])).reshape(skeleton["shape"])
+            return arr[()] if skeleton["scalar"] else arr.copy()
         raise CheckpointCorruptError(f"unknown tag {tag!r} in a sharded state's JSON")
     return skeleton
 

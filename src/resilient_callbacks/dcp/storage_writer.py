@@ -58,7 +58,7 @@ from ..session import CommitSession, RankReport
 from ..snapshot import Snapshot
 from ..tensorfile import write_json
 from . import shards
-from .chunks import split
+from .chunks import held, split
 from .metadata_json import METADATA_NAME, index_key, to_json
 from .rank_files import rank_files, write_rank_files
 from .staging_pool import BufferPool, Lease
@@ -401,7 +401,7 @@ class ResilientStorageWriter(StorageWriter):
                 return [rebuild(v, f"{path}/{i}", copies) for i, v in enumerate(obj)]
             if isinstance(obj, tuple):
                 return tuple(rebuild(v, f"{path}/{i}", copies) for i, v in enumerate(obj))
-            return obj
+            return held(obj)
 
         collect(state_dict, "")
         every = {t.untyped_storage().data_ptr() for t in tensors.values() if t.numel()}
