@@ -167,6 +167,21 @@ def test_async_staging_copies_in_the_background_and_commits_the_state_at_the_sav
     _assert_equal(expected, got)
 
 
+def test_a_negative_or_boolean_step_is_refused_not_saved_where_no_reader_finds_it(tmp_path):
+    """``ResilientStorageWriter(d, step=-1)`` or ``dcp.save(..., checkpoint_id=-3)`` committed
+    ``step_-00000001``, a folder no listing reads: never loaded, never retained or deleted;
+    ``checkpoint_id=True`` saved step 1. Each is refused now, and the next save is unharmed."""
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root, step=-1) as writer:
+        with pytest.raises(BaseException, match=r"must be an int >= 0, got -1"):
+            dcp.save(_state(1), storage_writer=writer)
+        for bad in (-3, True):
+            with pytest.raises(BaseException, match=rf"must be an int >= 0, got {bad}"):
+                dcp.save(_state(1), storage_writer=writer, checkpoint_id=bad)
+        dcp.save(_state(1), storage_writer=writer, checkpoint_id=0)
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000000"]
+
+
 def test_numpy_values_round_trip_with_their_dtype_and_stay_as_saved_under_async_save(
     tmp_path, monkeypatch
 ):

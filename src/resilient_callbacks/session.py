@@ -45,7 +45,7 @@ from typing import Any
 from . import catalog, dist
 from .commit import CommitStrategy, RenameCommit, write_latest_pointer
 from .directory import apply_retention
-from .errors import CheckpointWriteError
+from .errors import CheckpointWriteError, ConfigError
 from .manifest import FileEntry, Manifest, versions
 from .part_blobs import promote_staged
 from .retention import RetentionPolicy
@@ -117,6 +117,7 @@ class CommitSession:
     ``dirpath``, read by rank 0 at commit time). ``after_commit``: what rank 0 does once the
     checkpoint is committed; by default, apply ``retention`` (if given) and queue the upload on
     ``sync`` (if given). ``group``: the process group of the collectives (default: the world).
+    ``step``: an int >= 0 (a :class:`ConfigError` otherwise: it names the ``step_*`` folder).
     """
 
     def __init__(
@@ -133,6 +134,8 @@ class CommitSession:
         sync: Any = None,
         after_commit: Callable[[Committed], None] | None = None,
     ) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"the step of a checkpoint must be an int >= 0, got {step!r}")
         self.dirpath = os.path.abspath(os.fspath(dirpath))
         self.step = step
         self.run_id = run_id

@@ -136,11 +136,11 @@ class ResilientStorageWriter(StorageWriter):
             return
         try:
             value = checkpoint_id if isinstance(checkpoint_id, int) else os.fspath(checkpoint_id)
-            step = int(value)
+            step = value if isinstance(value, int) else int(value)  # True stays True: refused
         except (TypeError, ValueError):
             raise ConfigError(
                 f"checkpoint_id={checkpoint_id!r}: with ResilientStorageWriter, checkpoint_id is "
-                "the step to save (an int); the directory is the writer's dirpath"
+                "the step to save (an int >= 0); the directory is the writer's dirpath"
             ) from None
         me = threading.current_thread()
         if me.name.startswith(_DCP_ASYNC_THREAD):
