@@ -339,6 +339,27 @@ def test_the_reader_on_plain_dcp_checkpoints_says_what_they_are_and_how_to_read_
         assert f"plain_dcp_reader({str(tmp_path / named)!r}, allow_pickle=True)" in said, said
 
 
+def test_the_reader_on_a_checkpointers_checkpoints_says_what_loads_them(tmp_path):
+    """``dcp.load`` with the reader on a Checkpointer's directory (Sharded parts) said only "not
+    written by ResilientStorageWriter (no dcp_metadata.json)"; it now names the parts and the
+    Checkpointer call that loads them."""
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.dcp import Sharded
+
+    model = nn.Linear(3, 2)
+    with Checkpointer(tmp_path / "sharded", async_save=False) as ck:
+        ck.save(1, {"train": Sharded(model)})
+    with Checkpointer(tmp_path / "plain", async_save=False) as ck:
+        ck.save(1, {"model": model})
+    for name, how in [
+        ("sharded", "Checkpointer(dirpath, read_only=True).restore({'train': Sharded(model, "),
+        ("plain", "a Checkpointer's or a framework callback's: load it with a Checkpointer"),
+    ]:
+        with pytest.raises(BaseException) as got:
+            dcp.load(_fresh(), storage_reader=ResilientStorageReader(tmp_path / name))
+        assert how in str(got.value), str(got.value)
+
+
 def test_a_writer_whose_dirpath_is_a_file_says_so(tmp_path):
     """The error was os.makedirs' bare "[Errno 17] File exists"; a Checkpointer says what it is."""
     (tmp_path / "afile").write_text("x")

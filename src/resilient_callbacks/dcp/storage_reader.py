@@ -216,9 +216,7 @@ class ResilientStorageReader(StorageReader):
                 manifest = read_manifest(path)
                 entry = next((f for f in manifest.files if f.path == METADATA_NAME), None)
                 if entry is None:
-                    raise CheckpointCorruptError(
-                        f"{path}: not written by ResilientStorageWriter (no {METADATA_NAME})"
-                    )
+                    raise CheckpointCorruptError(f"{path}: {_not_dcp(manifest.extra)}")
                 mine = [r for r in range(manifest.world_size) if r % world == rank]
                 catalog.verify(path, manifest, Depth.FULL, ranks=mine)
                 raw = read_verified(os.path.join(path, METADATA_NAME), entry.digest)
@@ -340,6 +338,19 @@ def _within(path: str, root: str) -> bool:
 
 def _no_tensor(name: str) -> Any:
     raise CheckpointCorruptError(f"an object in {METADATA_NAME} refers to a tensor ({name})")
+
+
+def _not_dcp(extra: dict[str, Any]) -> str:
+    """Why a checkpoint of ours is not for ``dcp.load``, and what loads it."""
+    parts = sorted(extra.get("parts") or {})
+    how = (
+        f"a Checkpointer's, with the Sharded part(s) {', '.join(parts)}: load it with "
+        f"Checkpointer(dirpath, read_only=True).restore({{{parts[0]!r}: Sharded(model, "
+        "optimizer)}) (docs/fsdp.md)"
+        if parts
+        else "a Checkpointer's or a framework callback's: load it with a Checkpointer"
+    )
+    return f"not written by ResilientStorageWriter (no {METADATA_NAME}): {how}"
 
 
 def _set_object(planner: LoadPlanner, item: ReadItem, obj: Any) -> None:
