@@ -28,6 +28,7 @@ TRANSFORMERS_FILES = [
     "test_transformers_auto_batch.py",
     "test_transformers_ddp.py",
     "test_transformers_fsdp.py",
+    "test_transformers_new_data.py",
     "test_transformers_phases.py",
     "test_transparent_transformers.py",
     "test_upstream_transformers.py",

@@ -38,7 +38,8 @@ from .trainer_state import FORMAT
 log = logging.getLogger("resilient_callbacks")
 
 LOOP = "_inner_training_loop"
-_DERIVED = ("per_device_batch_size", "steps_in_epoch")  # what the batch size changes
+# what the batch size changes, and the dataset's length (data_settings takes it at an epoch's end)
+_DERIVED = ("per_device_batch_size", "steps_in_epoch", "num_samples")
 
 
 class Restart(Exception):
@@ -95,7 +96,8 @@ def installed(trainer: Any) -> bool:
 def check(trainer: Any, values: Mapping[str, Any], signature: Mapping[str, Any], step: int) -> None:
     """Every rank, after restoring ``step``: raise :class:`Restart` when ``auto_find_batch_size``
     had lowered the batch size before the checkpoint was written and this loop started above it.
-    Any other difference is left to ``trainer_state.check_compatible`` to refuse."""
+    Any other difference is left to :mod:`.data_settings` (a restore at the lowered size, with
+    another dataset length, goes on from an epoch's end over the new data)."""
     if not getattr(trainer.args, "auto_find_batch_size", False) or values.get("format") != FORMAT:
         return
     saved_data = values["data"]

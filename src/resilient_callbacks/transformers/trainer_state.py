@@ -16,20 +16,12 @@ from transformers.trainer_callback import ExportableState
 
 from .. import dist
 from ..checkpointer import Checkpointer
-from ..errors import CheckpointMismatchError, warn_and_log
+from ..errors import CheckpointMismatchError
 from ..optim import hookable
 from ..structure import PerRank
-from . import under_deepspeed, under_fsdp
+from . import data_settings, under_deepspeed, under_fsdp
 
 log = logging.getLogger("resilient_callbacks")
-#: the data settings that may change on resume when the global batch they make stays the same
-PER_PROCESS = (
-    "world_size",
-    "per_device_batch_size",
-    "gradient_accumulation_steps",
-    "steps_in_epoch",
-)
-
 FORMAT = "resilient_callbacks.transformers/2"
 METRIC_PREFIX = "resilient/"
 # TrainerState fields that describe progress (restored); the others follow the current arguments.
@@ -141,13 +133,19 @@ class SavedState:
         self, trainer: Any, state: Any, step: int
     ) -> tuple[int, int, torch.Tensor, torch.Tensor, bool]:
         """Every rank, after the Checkpointer restored ``step`` into :attr:`tree`: refuse a
-        checkpoint of another adapter or other data settings, then give the ``TrainerState``
-        fields, the callbacks' states and the loop's counters back. Returns where to resume:
+        checkpoint of another adapter or data settings it cannot resume with
+        (:mod:`.data_settings`), then give the ``TrainerState`` fields, the callbacks' states
+        and the loop's counters back. Returns where to resume:
         (epoch, optimizer steps into it, the RNG state of its order, of its start, whether the
         run had stopped there before its planned end)."""
         v = self.values
-        if check_compatible(v, self.signature, step):
-            _say_resharded(v["data"], self.signature, step)
+        if v.get("format") != FORMAT:
+            raise CheckpointMismatchError(
+                f"the checkpoint of step {step} was not written by the Transformers adapter "
+                f"(format {v.get('format')!r}, expected {FORMAT!r}); use another dirpath"
+            )
+        by_steps = trainer.args.max_steps > 0
+        data_settings.check(v["data"], self.signature, v["loop"], step, state, by_steps)
         for name, value in v["state"].items():
             setattr(state, name, value)
         restore_callback_states(trainer, v["callbacks"], exclude=self.exclude)
@@ -167,72 +165,6 @@ class SavedState:
             self.epoch_start.clone(),
             bool(loop.get("stopped", False)),
         )
-
-
-def global_batch(data: Mapping[str, Any]) -> int:
-    """Samples per optimizer step: processes x per-device batch x accumulation."""
-    n = 1
-    for k in ("world_size", "per_device_batch_size", "gradient_accumulation_steps"):
-        n *= int(data.get(k) or 0)
-    return n
-
-
-def check_compatible(values: Mapping[str, Any], signature: Mapping[str, Any], step: int) -> bool:
-    """Refuse a checkpoint another adapter wrote, or one whose position in the epoch means
-    something else with this run's data settings. True when the processes, per-device batch or
-    accumulation changed but the global batch did not: the position (optimizer steps into the
-    epoch) then names the same samples of the epoch's order, and every process's shard of the
-    rest of the epoch starts at that step's local batch."""
-    if values.get("format") != FORMAT:
-        raise CheckpointMismatchError(
-            f"the checkpoint of step {step} was not written by the Transformers adapter "
-            f"(format {values.get('format')!r}, expected {FORMAT!r}); use another dirpath"
-        )
-    saved = values["data"]
-    changed = [k for k in signature if saved.get(k) != signature[k]]
-    if not changed:
-        return False
-    diff = [f"{k}: {saved.get(k)} in the checkpoint, {signature[k]} here" for k in changed]
-    was, now = global_batch(saved), global_batch(signature)
-    per_process = set(changed) <= set(PER_PROCESS)
-    if per_process and was == now:
-        return True
-    way = (
-        f" Another number of processes, per_device_train_batch_size or "
-        f"gradient_accumulation_steps resumes when the global batch (processes x per-device "
-        f"batch x accumulation) stays {was}, as in the checkpoint ({now} here): e.g. half the "
-        "processes with twice the gradient_accumulation_steps."
-        if per_process
-        else ""
-    )
-    raise CheckpointMismatchError(
-        f"the checkpoint of step {step} was written with other data settings, so its "
-        "position in the epoch means something else here: "
-        + "; ".join(diff)
-        + "."
-        + way
-        + " Resume with the checkpoint's settings, or start a new run (another dirpath, or "
-        "resume='never')."
-    )
-
-
-def _say_resharded(saved: Mapping[str, Any], now: Mapping[str, Any], step: int) -> None:
-    def layout(d: Mapping[str, Any]) -> str:
-        return (
-            f"{d['world_size']} process(es) x {d['per_device_batch_size']} x "
-            f"{d['gradient_accumulation_steps']} accumulated"
-        )
-
-    warn_and_log(
-        log,
-        f"ResilientCheckpoint: resuming step {step}, written by {layout(saved)}, on "
-        f"{layout(now)}: the same global batch of {global_batch(now)}. The model, optimizer, "
-        "scheduler and the epoch's data order go on from the saved step; the run is not "
-        "bit-identical to one that kept its layout (another summation order, and the random "
-        "streams and the not-yet-logged loss of processes that are new or gone).",
-        UserWarning,
-        warn=dist.rank() == 0,
-    )
 
 
 def callback_states(trainer: Any, exclude: Any) -> dict[str, list[Any]]:
