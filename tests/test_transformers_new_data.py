@@ -94,6 +94,46 @@ def test_data_added_at_an_epochs_end_trains_on_as_the_trainers_own_resume(tmp_pa
     assert _same_weights(ours, theirs)
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_max_steps_run_over_more_data_goes_on_with_the_next_epoch_to_max_steps(
+    tmp_path, drop_last
+):
+    """2 epochs over 50 samples, then more data (98: 9 optimizer steps an epoch, the last over a
+    short accumulation group) and max_steps = 3 more steps than the checkpoint's. The
+    Trainer's own epoch count for the new data (ceil(max_steps / 9) = 2 epochs) is not the
+    limit: the run trains epoch 3 (0-based 2) to max_steps. It reads the first batches of
+    epoch 3 of the new data, those an uninterrupted run on the new data reads in its epoch 3,
+    and it is deterministic."""
+    args = {"dataloader_drop_last": drop_last}
+    old, new = _updates(50, drop_last), _updates(98, drop_last)
+    saved, max_steps = 2 * old, 2 * old + 3
+    assert math.ceil(max_steps / new) == 2  # the Trainer's num_train_epochs here
+    first, _ = _trainer(
+        tmp_path / "first", 50, ResilientCheckpoint(tmp_path / "ck"), max_steps=saved, **args
+    )
+    first.train()
+
+    runs = []
+    for i in range(2):
+        cb = ResilientCheckpoint(tmp_path / "ck", resume=saved, save_on_train_end=False)
+        trainer, data = _trainer(tmp_path / f"run{i}", 98, cb, max_steps=max_steps, **args)
+        with pytest.warns(UserWarning, match=rf"the run trains to step {max_steps} \(max_steps\)"):
+            trainer.train()
+        assert cb.restored_step == saved
+        assert trainer.state.global_step == max_steps
+        assert trainer.state.epoch == pytest.approx(2 + 3 * 3 / (98 // 4 if drop_last else 25))
+        runs.append((trainer, data))
+    (a, a_data), (b, b_data) = runs
+    assert _steps(a) == _steps(b) and _same_weights(a, b) and a_data.reads == b_data.reads
+
+    fresh, fresh_data = _trainer(tmp_path / "fresh", 98, max_steps=3 * new, **args)
+    fresh.train()
+    per_epoch = len(fresh_data.reads) // 3
+    # 3 steps of 3 batches of 4 (and the batch accelerate's loader fetches ahead)
+    assert len(a_data.reads) >= 3 * 3 * 4
+    assert a_data.reads == fresh_data.reads[2 * per_epoch :][: len(a_data.reads)]
+
+
 def test_an_epoch_run_over_more_data_ends_at_num_train_epochs_before_the_schedules_end(tmp_path):
     """num_train_epochs=3, the first over 50 samples; then 98 (9 optimizer steps an epoch): the
     Trainer plans max_steps = 3 x 9 = 27 and its learning-rate schedule over them; the resumed

@@ -358,7 +358,10 @@ class ResilientCheckpoint(TrainerCallback):
                 self._epoch_offset = r_epoch - epoch
             epoch += self._epoch_offset
             state = trainer.state
-            done = state.global_step >= state.max_steps or epoch >= state.num_train_epochs
+            # (a max_steps run goes to max_steps: with other data its epochs have other lengths)
+            done = state.global_step >= state.max_steps or (
+                targs.max_steps <= 0 and epoch >= state.num_train_epochs
+            )
             if done or (first and r_stopped):
                 trainer.control.should_training_stop = True
                 return None
