@@ -494,3 +494,28 @@ def test_report_json_alone_prints_to_stdout_and_o_is_a_remote_option(
     assert out.startswith('{\n  "')  # indented as the other commands' JSON
     with pytest.raises(SystemExit):
         cli(["report", str(run), "-o"])  # -o needs KEY=VALUE
+
+
+def test_report_never_writes_over_the_runs_own_files(tmp_path: Path, capsys):
+    """``report DIR --json DIR/history.jsonl`` replaced the run's history with the report (and
+    ``--output DIR/step_.../manifest.json`` a checkpoint's manifest): an output inside the
+    checkpoint directory is refused unless it is a report file directly in it; nothing is
+    written, the history and checkpoints are as they were."""
+    d = two_lives(tmp_path / "ck")
+    before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != ".lock"}
+    step = sorted(d.glob("step_*"))[-1]
+    for args in (
+        ["--json", str(d / "history.jsonl")],
+        ["--output", str(d / "latest")],
+        ["--png", str(step / "manifest.json")],
+        ["--json", str(step / "r.json")],
+        ["--output", str(d)],
+    ):
+        assert cli(["report", str(d), *args]) == 1, args
+        err = capsys.readouterr().err
+        assert "checkpoint directory" in err, (args, err)
+    after = {p: p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+    # a new report file directly in the directory is still fine
+    assert cli(["report", str(d), "--json", str(d / "report.json")]) == 0
+    assert json.loads((d / "report.json").read_text())["summary"]["saves"] == 4

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from .cli_format import iso_time, jsonable
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, ConfigError
 
 
 def report(args: argparse.Namespace) -> int:
@@ -45,6 +45,9 @@ def report(args: argparse.Namespace) -> int:
     )
     if data.get("missing"):  # a history file without one start of a run: nothing to plot
         raise CheckpointNotFoundError(f"{args.dir}: {data['missing']}")
+    for target in (args.json, args.png, args.output or "report.html"):
+        if target and target != "-":
+            _refuse_run_file(root, args.dir, target)
     wrote = []
     if args.json == "-":
         print(_json(data))
@@ -84,6 +87,29 @@ def _json(data: dict[str, Any]) -> str:
         for r in data.get("checkpoints") or []
     ]
     return json.dumps(jsonable(out), indent=2, allow_nan=False, default=str)
+
+
+_REPORT_SUFFIXES = (".html", ".htm", ".png", ".json")
+
+
+def _refuse_run_file(root: str, shown: str, path: str) -> None:
+    """Refuse an output ``path`` that could be one of the run's own files: inside the
+    checkpoint directory ``root`` a report may only be a new-named ``.html``/``.png``/``.json``
+    file directly in it, never its ``history.jsonl``, ``latest`` or anything in a checkpoint's
+    folder (``report DIR --json DIR/history.jsonl`` replaced the history with the report)."""
+    target = os.path.realpath(path)
+    rel = os.path.relpath(target, os.path.realpath(root))
+    if rel == os.curdir or rel.startswith(os.pardir + os.sep) or rel == os.pardir:
+        if rel == os.curdir:
+            raise ConfigError(f"{path} is the checkpoint directory itself")
+        return
+    if os.sep not in rel and rel.lower().endswith(_REPORT_SUFFIXES):
+        return
+    raise ConfigError(
+        f"{path} lies in the checkpoint directory {shown} and could replace the run's "
+        "own files (its history, a checkpoint); write the report elsewhere, or as a new "
+        ".html/.png/.json file directly in the directory"
+    )
 
 
 def _write(path: str, data: bytes) -> None:
