@@ -915,3 +915,29 @@ def test_a_copy_of_a_checkpoint_under_a_name_of_ones_own_is_checked_alone(tmp_pa
     data.write_bytes(bytes(raw))
     r = cli("verify", str(copy))
     assert r.returncode == 1 and "best" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_inspect_names_every_dtype_as_torch_does_and_aligns_its_columns(tmp_path, capsys):
+    """A FilePart's tensors (``dcp.Sharded`` here, one process) were listed with safetensors'
+    codes (``F32``, ``BF16``) and the checkpoint's own tensors as ``float32``; a long file or
+    key name pushed its line's columns out of line. One name for each dtype, columns aligned."""
+    from resilient_callbacks.dcp import Sharded
+
+    m = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, {"train": Sharded(m, opt), "plain": torch.zeros(2, dtype=torch.float16)})
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "ck"), "--json"]) == 0
+    keys = {k["key"]: k for k in json.loads(capsys.readouterr().out)["keys"]}
+    assert keys["train.model/weight"]["dtype"] == "bfloat16"
+    assert keys["train.optim/state/weight/step"]["dtype"] == "float32"
+    assert keys["plain"]["dtype"] == "float16"
+    assert main(["inspect", str(tmp_path / "ck")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    files = [x for x in lines if "xxh3_64" in x]
+    assert len({x.index(" xxh3_64") for x in files}) == 1, files  # sizes end in one column
+    tensors = [x for x in lines if x.rstrip().endswith("]") and "  [" in x]
+    assert len(tensors) == 9 and len({x.index("  [") for x in tensors}) == 1, tensors

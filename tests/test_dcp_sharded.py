@@ -226,7 +226,7 @@ def test_save_on_two_ranks_resume_on_one_without_unpickling(tmp_path, capsys):
     assert keys["train.model/0.weight"] == {
         "key": "train.model/0.weight",
         "kind": "tensor",
-        "dtype": "F32",
+        "dtype": "float32",
         "shape": [7, 6],
         "stored_as": "parts/train",
         "chunks": 2,

@@ -281,7 +281,7 @@ def test_resume_on_another_number_of_ranks(
     for name, t in weights.items():
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             entry = listed[f"{key}/{name}"]
-            assert (entry["dtype"], entry["shape"]) == ("F32", list(t.shape)), entry
+            assert (entry["dtype"], entry["shape"]) == ("float32", list(t.shape)), entry
             assert 1 <= entry["chunks"] <= before, entry
     assert before == 1 or any(listed[f"fp32/{n}"]["chunks"] == 2 for n in weights)
     # Restore on the other size: the gathered state is what was saved; then train on.

@@ -24,6 +24,7 @@ from .cli_format import (
 )
 from .cli_scan import no_checkpoints, public, resolve, row, scan
 from .consolidate import zero_part_ids, zero_tensors
+from .dtypes import ST_TO_DTYPE
 from .errors import CheckpointError
 from .filepart import PARTS_EXTRA
 from .layout import SHARED_STRUCTURE, is_dcp_dropin, shared_meta
@@ -115,7 +116,7 @@ def _part(part_id: str, described: Any, path: str, out: list[dict]) -> None:
             {
                 "key": f"{path}.{name}",
                 "kind": "tensor",
-                "dtype": t.get("dtype"),
+                "dtype": _dtype_name(t.get("dtype")),
                 "shape": t.get("shape"),
                 "stored_as": f"parts/{part_id}",
                 "chunks": len(chunks) if isinstance(chunks, list) else None,
@@ -127,12 +128,20 @@ def _part(part_id: str, described: Any, path: str, out: list[dict]) -> None:
             {
                 "key": f"{path}.{name}",
                 "kind": "tensor",
-                "dtype": dtype,
+                "dtype": _dtype_name(dtype),
                 "shape": shape,
                 "stored_as": f"parts/{part_id} (every rank)",
                 "chunks": None,
             }
         )
+
+
+def _dtype_name(code: Any) -> Any:
+    """A tensor's dtype as torch names it (``float32``), as for the checkpoint's own tensors
+    (:func:`.tensorfile.tensor_meta`): parts record safetensors codes (``F32``)."""
+    if isinstance(code, str) and code in ST_TO_DTYPE:
+        return str(ST_TO_DTYPE[code]).removeprefix("torch.")
+    return code
 
 
 def _keys(e: Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
@@ -224,8 +233,11 @@ def inspect(args: argparse.Namespace) -> int:
     print(f"  metrics:   {fmt_metrics(m.metrics)}")
     print(f"  versions:  {', '.join(f'{k} {v}' for k, v in m.versions.items()) or '-'}")
     print(f"  files:     {len(m.files)}, {fmt_size(m.total_bytes)}")
+    fwidth = max([len(fe.path) for fe in m.files] + [28])
     for fe in m.files:
-        print(f"    {fe.path:28} {fmt_size(fe.size):>9}  xxh3_64 {fe.xxh3_64}  (rank {fe.rank})")
+        print(
+            f"    {fe.path:{fwidth}} {fmt_size(fe.size):>9}  xxh3_64 {fe.xxh3_64}  (rank {fe.rank})"
+        )
     if m.blobs:
         print(
             f"  blobs:     {len(m.blobs)}, {fmt_size(m.blob_bytes)} in the run's blob store "
@@ -236,11 +248,12 @@ def inspect(args: argparse.Namespace) -> int:
         return code
     print(f"  keys:      {len(keys)}")
     width = max([len(k["key"]) for k in keys] + [20])
+    dwidth = max([len(str(k.get("dtype") or "?")) for k in keys if k["kind"] == "tensor"] + [9])
     for k in keys:
         if k["kind"] == "tensor":
             shape = k["shape"] if k["shape"] is not None else "?"
             chunks = f"  ({k['chunks']} chunks)" if k.get("chunks", 1) not in (None, 1) else ""
-            print(f"    {k['key']:{width}}  {k['dtype'] or '?':9} {shape}{chunks}")
+            print(f"    {k['key']:{width}}  {k['dtype'] or '?':{dwidth}} {shape}{chunks}")
         elif k["kind"] == "object":
             print(f"    {k['key']:{width}}  <{k['type']}>")
         else:
