@@ -941,3 +941,21 @@ def test_inspect_names_every_dtype_as_torch_does_and_aligns_its_columns(tmp_path
     assert len({x.index(" xxh3_64") for x in files}) == 1, files  # sizes end in one column
     tensors = [x for x in lines if x.rstrip().endswith("]") and "  [" in x]
     assert len(tensors) == 9 and len({x.index("  [") for x in tensors}) == 1, tensors
+
+
+def test_an_unknown_option_shows_the_commands_usage_and_an_unknown_run_is_named(tmp_path, capsys):
+    """``ls --bogus DIR`` printed the usage of the command list (``COMMAND ...``), not of
+    ``ls``; ``report --run <id>`` of an id the history lacks said the directory had no history
+    at all. The command's own usage; the runs the history has."""
+    d = tmp_path / "ck"
+    with Checkpointer(d, async_save=False) as ck:
+        ck.save(1, {"w": torch.zeros(2)})
+    run = json.loads((d / "history.jsonl").read_text().splitlines()[0])["run_id"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["ls", "--bogus", str(d)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: resilient-ckpt ls " in err and "--bogus" in err, err
+    assert main(["report", str(d), "--run", "nope", "--json", "-"]) == 1
+    err = capsys.readouterr().err
+    assert f"no run 'nope' in history.jsonl; its runs, newest first: {run}" in err, err

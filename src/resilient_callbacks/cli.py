@@ -332,6 +332,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _command_parser(parser: argparse.ArgumentParser, cmd: str | None) -> argparse.ArgumentParser:
+    """The parser of command ``cmd`` (``parser`` itself when there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and cmd in action.choices:
+            return action.choices[cmd]  # type: ignore[no-any-return]
+    return parser
+
+
 def _report_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``report --json DIR``: argparse gives DIR to --json's optional FILE; a directory there
     is the DIR meant, with the JSON to stdout (a file is never written over a directory)."""
@@ -378,7 +386,9 @@ class _PipeSafe:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage, not the list of commands (`ls --bogus DIR`)
+        _command_parser(parser, args.cmd).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.cmd is None:
         parser.print_help(sys.stderr)
         print(

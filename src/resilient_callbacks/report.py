@@ -136,6 +136,15 @@ def run_began(ls: list[Life]) -> float:
     return min(first.begin, saved) if saved is not None else first.begin
 
 
+def _missing(recs: list[dict[str, Any]], run_id: str | None) -> str:
+    """Why the history has nothing to report: no run at all, or none with the id asked for
+    (naming the runs it has, newest first)."""
+    runs = list(dict.fromkeys(r.get("run_id") for r in reversed(recs) if r.get("run_id")))
+    if run_id is None or not runs:
+        return "no history records of a run in this directory (history.jsonl)"
+    return f"no run {run_id!r} in history.jsonl; its runs, newest first: {', '.join(runs)}"
+
+
 def analyse(
     root: str,
     *,
@@ -159,7 +168,7 @@ def analyse(
             "saves": [],
             "goodput": [],
             "checkpoints": checkpoints or [],
-            "missing": "no history records of a run in this directory (history.jsonl)",
+            "missing": _missing(recs, run_id),
         }
     if run == choose_run(recs) and writer_alive(root):
         ls[-1].running = True  # (a live run's report: its last life has not ended)
