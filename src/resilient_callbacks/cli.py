@@ -336,7 +336,7 @@ def _command_parser(parser: argparse.ArgumentParser, cmd: str | None) -> argpars
     """The parser of command ``cmd`` (``parser`` itself when there is none)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction) and cmd in action.choices:
-            return action.choices[cmd]  # type: ignore[no-any-return]
+            return action.choices[cmd]
     return parser
 
 
