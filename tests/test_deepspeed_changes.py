@@ -72,6 +72,7 @@ def test_an_optimizer_with_values_besides_its_moments_resumes_exactly(
     assert resumed["keys"] == ref["keys"]
 
 
+@pytest.mark.slow  # suite time budget (each a DeepSpeed run or two)
 def test_single_values_follow_the_parameter_group_into_other_partitions(tmp_path: Path) -> None:
     """Saved at ZeRO 2 (one flat partition), resumed at ZeRO 3 with a sub_group_size that
     splits the group into two sub-groups: each gets the group's ``mu_product`` (the second got
@@ -95,6 +96,7 @@ def test_another_optimizer_than_the_checkpoints_is_refused(tmp_path: Path) -> No
     assert "AdamW" in said and "SGD" in said, said[-2000:]
 
 
+@pytest.mark.slow  # suite time budget (each a DeepSpeed run or two)
 def test_another_dtype_keeps_the_new_engines_loss_scaler(tmp_path: Path) -> None:
     """bf16 then fp16: the fp16 run starts with its configured dynamic scale (2**8), not the
     bf16 run's static scale of 1; a warning names both dtypes."""
@@ -106,6 +108,7 @@ def test_another_dtype_keeps_the_new_engines_loss_scaler(tmp_path: Path) -> None
     assert "trained in bfloat16, this engine in float16" in said and "loss scale" in said, said
 
 
+@pytest.mark.slow  # suite time budget (each a DeepSpeed run or two)
 def test_fp16_moments_stay_reachable_after_a_resume_before_the_first_real_step(
     tmp_path: Path,
 ) -> None:
@@ -120,6 +123,7 @@ def test_fp16_moments_stay_reachable_after_a_resume_before_the_first_real_step(
     assert resumed["exp_avg"] is True, resumed
 
 
+@pytest.mark.slow  # suite time budget (each a DeepSpeed run or two)
 def test_the_engines_training_dataloader_is_the_resumable_one(tmp_path: Path) -> None:
     """A script iterating ``engine.training_dataloader`` (DeepSpeed's attribute for the loader
     it makes from training_data), as unchanged scripts under the launcher do: it was None. It is
