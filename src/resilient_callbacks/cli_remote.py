@@ -18,6 +18,7 @@ from .commit import CKPT_RE
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
+from .remote_objects import free_name
 
 
 def remote_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -209,6 +210,7 @@ def push(args: argparse.Namespace) -> int:
             raise CheckpointNotFoundError(f"no checkpoint of step {args.step} in {args.dir}")
         scanned = st.scan()
         remote = {e.key: e for e in scanned if e.key is not None and e.problem is None}
+        taken = {e.name: e.key for e in scanned if e.key is not None}
         damaged, unreadable = _damage(scanned)
         rotten: dict[tuple[str, int], list[str]] = {}  # blobs read and found rotten, by commit
         for e in local:
@@ -241,12 +243,15 @@ def push(args: argparse.Namespace) -> int:
                     print(f"{e.name} (step {e.step}) is already in {st.url}")
                 continue
             was = damaged.get(key) or unreadable.get(e.name)
+            # a name another run's remote checkpoint has (two runs, one URL) is left to it
+            name = e.name if was is not None else free_name(e.name, key, taken)
+            item["url"] = f"{st.url}/{name}"
             bar = Progress(e.manifest.total_bytes, f"pushing {e.name}")
             try:
                 st.upload(
                     e.path,
                     e.manifest,
-                    e.name,
+                    name,
                     bar,
                     repair=was is not None,
                     blobs_again=rotten.get(key, []),
@@ -258,7 +263,9 @@ def push(args: argparse.Namespace) -> int:
             done["pushed"].append(item)
             if not args.json:
                 again = "" if was is None else f"; its remote copy was damaged ({was})"
-                print(f"pushed {e.name} (step {e.step}, {fmt_size(e.manifest.total_bytes)}){again}")
+                named = "" if name == e.name else f" as {name} (another run has {e.name})"
+                size = fmt_size(e.manifest.total_bytes)
+                print(f"pushed {e.name}{named} (step {e.step}, {size}){again}")
     finally:
         lock.release()
     if args.json:

@@ -31,7 +31,7 @@ from .errors import (
     ForeignCheckpointsWarning,
     warn_and_log,
 )
-from .lock import DirLock
+from .lock import DirLock, claim_remote
 from .manifest import MANIFEST_NAME, read_manifest
 from .retention import RetentionPolicy, plan
 from .trash import TrashBin
@@ -221,6 +221,9 @@ class Directory:
 
         assert config.remote is not None
         self.remote = RemoteStore(config.remote, config.remote_options)
+        st = self.remote  # one writer per store in this process, however its URL is spelled
+        where = os.path.realpath(st.root) if st.is_local else st.root
+        claim_remote(f"{st.protocol}://{where}", st.url, self.lock)
         self.remote.preflight(timeout=config.remote_timeout)
         self.remote_due = config.remote_due
         self.sync = RemoteSync(

@@ -24,6 +24,8 @@ from .errors import CheckpointError, CheckpointLockedError
 LOCK_NAME = ".lock"
 
 _held: weakref.WeakSet[DirLock] = weakref.WeakSet()
+# remote store (protocol and root) -> the lock of the writer of this process that uploads there
+_remotes: dict[str, weakref.ref[DirLock]] = {}
 
 
 def _drop_in_child() -> None:
@@ -166,3 +168,27 @@ class DirLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+
+def claim_remote(key: str, url: str, lock: DirLock) -> None:
+    """One open writer per remote store in this process, as per directory: ``lock`` (held) is
+    the writer's; ``key`` names the store however its URL is spelled. The claim ends when that
+    lock is released (``close()``, a failed open, a writer dropped). Two Checkpointers with one
+    ``remote=`` (a model's and an EMA's) would upload checkpoints of the same names to one
+    place, each replacing the other's: the second is refused with
+    :class:`CheckpointLockedError` naming the first's directory."""
+    for attempt in range(2):
+        ref = _remotes.get(key)
+        other = ref() if ref is not None else None
+        if other is None or other is lock or not other.held:
+            break
+        if attempt == 0:  # perhaps a writer nothing uses but a reference cycle: collect it
+            gc.collect()
+            continue
+        raise CheckpointLockedError(
+            f"this process already has a writer open that uploads to remote {url} (the one "
+            f"of {os.path.dirname(other.path)}): two writers with one remote URL would upload "
+            "checkpoints of the same names over each other's. Give each Checkpointer a remote "
+            "URL of its own (e.g. .../run1/model and .../run1/ema), or close() the other first"
+        )
+    _remotes[key] = weakref.ref(lock)

@@ -17,8 +17,6 @@ Which ranks call what: only the coordinator talks to the remote store.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +38,7 @@ from .errors import CheckpointCorruptError, RemoteUnavailableError
 from .manifest import MANIFEST_NAME, Manifest
 from .progress import Progress
 from .redact import options_text, url_text
+from .remote_objects import RemoteNameTaken, key_of, md5, modified_time
 from .retention import Candidate
 
 log = logging.getLogger("resilient_callbacks")
@@ -198,7 +197,7 @@ class RemoteStore:
             if name.startswith("."):
                 continue
             groups.setdefault(name, {})[file] = int(info.get("size") or 0)
-            t = _modified(info)
+            t = modified_time(info)
             if t is not None:
                 modified[name] = max(t, modified.get(name, t))
             if file == MANIFEST_NAME:
@@ -324,6 +323,12 @@ class RemoteStore:
             manifest_bytes = fh.read()
         if existing == manifest_bytes and not repair:
             return  # already committed there (an earlier run uploaded it)
+        if existing is not None:
+            other = key_of(existing)
+            if other is not None and other != (manifest.run_id, manifest.seq):
+                # another commit has this name (another run writing to this URL): never
+                # uncommitted for ours, which the caller uploads under a free name
+                raise RemoteNameTaken(name, other)
         verify_entries(local_dir, manifest.files)  # the committed bytes, or nothing goes up
         commit = ManifestLastCommit(self, name, local_dir)
         commit.begin(manifest.step)  # uncommits another checkpoint of this name first
@@ -368,9 +373,9 @@ class RemoteStore:
                 raise OSError(f"{where}: {info.get('size')} bytes after upload, expected {f.size}")
             etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
             if etag and "-" not in etag and len(etag) == 32 and f.size <= ETAG_CHECK_MAX:
-                md5 = _md5(os.path.join(local_dir, f.path))
-                if md5 != etag:
-                    raise OSError(f"{where}: ETag {etag} does not match the local MD5 {md5}")
+                digest = md5(os.path.join(local_dir, f.path))
+                if digest != etag:
+                    raise OSError(f"{where}: ETag {etag} does not match the local MD5 {digest}")
 
     def _fsync_local(self, paths: list[str]) -> None:
         dirs = set()
@@ -430,31 +435,6 @@ class RemoteStore:
             self.fs.rm_file(self._path(name, MANIFEST_NAME))
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._path(name), recursive=True)
-
-
-def _modified(info: Mapping[str, Any]) -> float | None:
-    """An object's modification time from an fsspec listing (local: ``mtime``; S3:
-    ``LastModified``; GCS: ``updated``), as a POSIX time; None if the listing has none."""
-    for key in ("mtime", "LastModified", "updated", "last_modified"):
-        t = info.get(key)
-        if isinstance(t, (int, float)):
-            return float(t)
-        if isinstance(t, datetime.datetime):
-            return t.timestamp()
-        if isinstance(t, str) and t:
-            try:
-                return datetime.datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-    return None
-
-
-def _md5(path: str) -> str:
-    h = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class ManifestLastCommit:

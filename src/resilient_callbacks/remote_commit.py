@@ -29,7 +29,8 @@ from .catalog import verify_entries
 from .errors import CheckpointCorruptError
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
 from .redact import url_text
-from .remote import ETAG_CHECK_MAX, RemoteStore, _md5, retention_candidates
+from .remote import ETAG_CHECK_MAX, RemoteStore, retention_candidates
+from .remote_objects import md5
 from .retention import RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s
 
@@ -172,9 +173,9 @@ class NodeUploader(UploadThread):
                 raise OSError(f"{where}: {info.get('size')} bytes after upload, expected {f.size}")
             etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
             if etag and "-" not in etag and len(etag) == 32 and f.size <= ETAG_CHECK_MAX:
-                md5 = _md5(os.path.join(local, f.path))
-                if md5 != etag:
-                    raise OSError(f"{where}: ETag {etag} does not match the local MD5 {md5}")
+                digest = md5(os.path.join(local, f.path))
+                if digest != etag:
+                    raise OSError(f"{where}: ETag {etag} does not match the local MD5 {digest}")
 
     def _upload(self, job: UploadJob) -> None:
         local = os.path.join(self.local_root, job.local_name)

@@ -25,7 +25,14 @@ from .errors import CheckpointCorruptError
 from .manifest import Manifest, read_manifest
 from .progress import Progress
 from .redact import url_text
-from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore, retention_candidates
+from .remote import (
+    NO_MANIFEST,
+    STALE_UPLOAD_S,
+    RemoteEntry,
+    RemoteStore,
+    retention_candidates,
+)
+from .remote_objects import RemoteNameTaken, free_name
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s
 
@@ -213,7 +220,6 @@ class RemoteSync(UploadThread):
             return True
         if self.is_uploaded(manifest):
             return True
-        remote_name = self._free_name(name, manifest)
         t0 = time.perf_counter()
         progress = Progress(
             manifest.total_bytes,
@@ -223,7 +229,7 @@ class RemoteSync(UploadThread):
         )
         self._progress = progress
         try:
-            self.store.upload(path, manifest, remote_name, progress)
+            remote_name = self._upload(path, manifest, name, progress)
         except CheckpointCorruptError as e:  # its bytes rotted since its commit: never uploaded
             log.error("remote: not uploading %s, its local copy is damaged: %s", name, e)
             return True
@@ -277,12 +283,28 @@ class RemoteSync(UploadThread):
         to the same URL): then ``name-rN``."""
         with self._cond:
             taken = {v: k for k, v in self.index.items()}
-        key = (manifest.run_id, manifest.seq)
-        candidate, n = name, 0
-        while candidate in taken and taken[candidate] != key:
-            n += 1
-            candidate = f"{name}-r{n}"
-        return candidate
+        return free_name(name, (manifest.run_id, manifest.seq), taken)
+
+    def _upload(self, path: str, manifest: Manifest, name: str, progress: Progress) -> str:
+        """Upload under ``name``'s free remote name; the name it got. A name another process
+        committed since the index was listed (two runs writing to one URL) is left to it: the
+        upload takes the next free name."""
+        while True:
+            remote_name = self._free_name(name, manifest)
+            try:
+                self.store.upload(path, manifest, remote_name, progress)
+                return remote_name
+            except RemoteNameTaken as e:
+                log.warning(
+                    "remote %s: %s is a checkpoint of another run (%s) that writes to the same "
+                    "URL; uploading %s under another name. Give each run a remote URL of its own",
+                    self.store.url,
+                    e.name,
+                    e.key[0],
+                    name,
+                )
+                with self._cond:
+                    self.index[e.key] = e.name
 
     def _failed(self, name: str, e: BaseException) -> None:
         now = time.monotonic()

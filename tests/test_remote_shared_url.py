@@ -1,0 +1,102 @@
+"""Two writers and one remote URL: a mistake (a model's and an EMA's Checkpointer given the same
+``remote=``) must be refused in one process, and an upload must never replace a committed remote
+checkpoint of another run that happens to have the same name (two processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer
+from resilient_callbacks.errors import CheckpointLockedError
+from resilient_callbacks.remote import RemoteStore
+
+
+def _committed(url: str) -> dict[str, tuple[str, int]]:
+    """remote name -> (run id, step) of every committed remote checkpoint; none torn."""
+    out = {}
+    for e in RemoteStore(url).scan():
+        assert e.problem is None, e
+        if e.manifest is not None:
+            out[e.name] = (e.manifest.run_id, e.manifest.step)
+    return out
+
+
+def test_a_second_open_checkpointer_with_the_same_remote_url_is_refused(tmp_path):
+    url = f"file://{tmp_path}/durable/run"
+    model, ema = {"w": torch.zeros(4)}, {"w": torch.ones(4)}
+    with Checkpointer(tmp_path / "model", remote=url, every_n_steps=1) as ck:
+        # the same store, spelled another way (a trailing slash, a path for file://)
+        for same in (url + "/", f"{tmp_path}/durable/run"):
+            with pytest.raises(CheckpointLockedError, match="remote URL of its own") as e:
+                Checkpointer(tmp_path / "ema", remote=same, every_n_steps=1)
+            assert str(tmp_path / "model") in str(e.value)  # names the writer that has it
+        ck.restore(model)
+        ck.step(1, model)
+        # another URL is fine: two Checkpointers, two directories, two remotes
+        with Checkpointer(tmp_path / "ema", remote=url + "-ema", every_n_steps=1) as ck2:
+            ck2.restore(ema)
+            ck2.step(1, ema)
+    # closed: a sweep's next trial may use the URL again
+    with Checkpointer(tmp_path / "model", remote=url) as ck:
+        assert ck.restore(model) == 1
+    assert [step for _, step in _committed(url).values()] == [1]
+
+
+_OTHER = """
+import sys, torch
+from resilient_callbacks import Checkpointer
+with Checkpointer(sys.argv[1], remote=sys.argv[2], every_n_steps=1, async_save=False) as ck:
+    state = {"w": torch.full((4,), 7.0)}
+    ck.restore(state)
+    for s in (1, 2):
+        ck.step(s, state)
+"""
+
+
+def test_an_upload_never_replaces_another_runs_remote_checkpoint_of_the_same_name(tmp_path):
+    """Two processes upload to one URL (a mistake): this one listed the store before the
+    other uploaded its step_000000001 and step_000000002; its own uploads of those steps must
+    take other names, not uncommit and overwrite the other run's."""
+    url = f"file://{tmp_path}/durable/run"
+    mine = {"w": torch.zeros(4)}
+    with Checkpointer(tmp_path / "mine", remote=url, every_n_steps=1, async_save=False) as ck:
+        ck.restore(mine)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(_OTHER), str(tmp_path / "other"), url],
+            check=True,
+            env=env,
+            timeout=120,
+        )
+        other = _committed(url)
+        assert sorted(other) == ["step_000000001", "step_000000002"]
+        for s in (1, 2):
+            mine["w"].fill_(s)
+            ck.step(s, mine)
+        my_run = ck.run_id
+    after = _committed(url)
+    for name, key in other.items():
+        assert after[name] == key  # the other run's checkpoints are still there, committed
+    assert sorted(v for v in after.values() if v[0] == my_run) == [(my_run, 1), (my_run, 2)]
+
+
+def test_push_never_replaces_another_runs_remote_checkpoint_of_the_same_name(tmp_path):
+    from resilient_callbacks.cli import main
+
+    url = f"file://{tmp_path}/durable/run"
+    with Checkpointer(tmp_path / "a", remote=url, async_save=False) as ck:
+        ck.save(1, {"w": torch.full((4,), 1.0)})
+    before = _committed(url)
+    with Checkpointer(tmp_path / "b", async_save=False) as ck:  # another run, no remote
+        ck.save(1, {"w": torch.full((4,), 2.0)})
+        mine = ck.run_id
+    assert main(["push", str(tmp_path / "b"), url]) == 0
+    after = _committed(url)
+    assert after["step_000000001"] == before["step_000000001"]
+    assert after["step_000000001-r1"] == (mine, 1)
