@@ -415,3 +415,34 @@ def test_an_evaluator_that_never_catches_up_says_why(tmp_path, monkeypatch):
     msg = str(info.value)
     assert "none of the 4 checkpoint(s)" in msg and "listed 4 times" in msg, msg
     assert "deleted while it was read" in msg and "Repair" not in msg, msg
+
+
+def test_a_step_only_the_remote_tier_keeps_is_named_with_how_to_get_it(tmp_path):
+    """With a remote tier the local directory keeps only ``keep_last``: archive and best
+    checkpoints live remotely. A read-only restore of such a step (an evaluation of an archive
+    beside the run) is not found locally, and the error says where it is and how to get it."""
+    model = nn.Linear(8, 4)
+    url = f"file://{tmp_path}/durable"
+    with Checkpointer(
+        tmp_path / "run", remote=url, keep_last=1, keep_every_n_steps=2, async_save=False
+    ) as ck:
+        ck.restore({"model": model})
+        for step in (1, 2, 3):
+            ck.save(step, {"model": model})
+    with (
+        Checkpointer(tmp_path / "run", read_only=True, resume=2) as ck,
+        pytest.raises(CheckpointNotFoundError, match="remote tier") as e,
+    ):
+        ck.restore({"model": model})
+    assert "resilient-ckpt pull URL OTHER_DIR --step 2" in str(e.value)
+    assert "remote=" in str(e.value)
+    # without a remote tier the message stays as it was
+    with Checkpointer(tmp_path / "plain", keep_last=1, async_save=False) as ck:
+        ck.restore({"model": model})
+        ck.save(1, {"model": model})
+    with (
+        Checkpointer(tmp_path / "plain", read_only=True, resume=2) as ck,
+        pytest.raises(CheckpointNotFoundError) as e,
+    ):
+        ck.restore({"model": model})
+    assert "remote tier" not in str(e.value)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from collections.abc import Iterable
 
 from . import catalog, mapped
 from .errors import AT_CALLER, warn_and_log
-from .manifest import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -79,3 +80,19 @@ def warn_if_still_mapped(path: str) -> None:
             "FilePart's load() should copy what it keeps (e.g. tensor.clone())",
             ", ".join(os.path.relpath(f, path) for f in left),
         )
+
+
+def remote_tier_hint(manifests: Iterable[Manifest], step: int) -> str:
+    """For ``resume=<step>`` that a Checkpointer without ``remote=`` (a read-only one, say) did
+    not find in ``dirpath``: when the run's checkpoints record a remote tier, which keeps the
+    archive and best checkpoints while the directory keeps its newest, where the step may be
+    and how to get it (the URL is not recorded: it may carry credentials); else ``""``."""
+    if not any(m.remote_retention for m in manifests):
+        return ""
+    return (
+        ". The run also uploads to a remote tier (its checkpoints record one), which keeps its "
+        "archive and best checkpoints while this directory keeps only its newest ones: restore "
+        f"with remote=URL and resume={step} (a writer: read_only reads this directory only), or "
+        f"download the step with `resilient-ckpt pull URL OTHER_DIR --step {step}` and restore "
+        "from OTHER_DIR"
+    )

@@ -475,11 +475,11 @@ class Restorer:
             chosen = [c for c in cands if c.step == r]
             if not chosen:
                 have = sorted({c.step for c in cands if c.step is not None})
-                d = ck._dir
+                d, ms = ck._dir, [e.manifest for e in found if e.manifest is not None]
                 where = ck.dirpath + (f" or {d.remote.url}" if d.remote else "")
                 raise CheckpointNotFoundError(
-                    f"resume={r}: no checkpoint of step {r} in {where} "
-                    f"(steps present: {have or 'none'})"
+                    f"resume={r}: no checkpoint of step {r} in {where} (steps present: "
+                    f"{have or 'none'}){'' if d.remote else notices.remote_tier_hint(ms, r)}"
                 )
             # the newest checkpoint of that step, and its other copy if it has one
             key = chosen[0].key
