@@ -984,7 +984,7 @@ for s in range(1, 20):
 def test_two_checkpointers_in_one_process_exit_75_on_sigterm(tmp_path, how):
     """Two Checkpointers in one loop, SIGTERM: the process exits 75 either way (it was 143: the
     second's close() passed the signal on as unanswered), the unsaved one is named; with
-    exit_on_preemption=False on the first, both save step 5."""
+    exit_on_preemption=False on the first, both save step 5, each log line naming its directory."""
     script = tmp_path / "two.py"
     script.write_text(_TWO_CHECKPOINTERS)
     src = str(Path(__file__).resolve().parents[1] / "src")
@@ -1003,6 +1003,9 @@ def test_two_checkpointers_in_one_process_exit_75_on_sigterm(tmp_path, how):
         assert "was not saved at this preemption" in r.stderr and str(tmp_path / "b") in r.stderr
     else:
         assert saved == {"a": ["step_000000005"], "b": ["step_000000005"]}
+        # each of the two emergency saves says which directory it is (two identical lines)
+        for d in "ab":
+            assert f"saving step 5 to {tmp_path / d} before stopping" in r.stderr, r.stderr
 
 
 def test_a_signal_after_the_last_step_is_passed_on_at_close_and_said_so(tmp_path: Path) -> None:

@@ -246,7 +246,9 @@ class Emergency:
                 source,
                 late,
             )
-        log.warning("preemption (%s): saving step %d before stopping", source, step)
+        log.warning(
+            "preemption (%s): saving step %d to %s before stopping", source, step, ck.dirpath
+        )
         ck._recorder.preemption(step, source)
         try:
             saved = ck._saver.save(step, state, metrics, "emergency", why=f"preemption ({source})")
