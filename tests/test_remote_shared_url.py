@@ -5,6 +5,7 @@ checkpoint of another run that happens to have the same name (two processes)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -100,3 +101,23 @@ def test_push_never_replaces_another_runs_remote_checkpoint_of_the_same_name(tmp
     after = _committed(url)
     assert after["step_000000001"] == before["step_000000001"]
     assert after["step_000000001-r1"] == (mine, 1)
+
+
+def test_a_run_that_saves_without_restore_numbers_its_commits_after_the_remotes(tmp_path):
+    """A sweep's trials: each a new run (``resume="never"``, so no ``restore()`` call) in its own
+    directory, one remote URL. A trial's commits must number after the remote's (as a new run
+    in a local directory numbers after the directory's): a restore takes the highest number, so
+    after its local directory is lost a trial resumed from an earlier trial's checkpoint."""
+    url = f"file://{tmp_path}/durable/sweep"
+    with Checkpointer(tmp_path / "t0", remote=url, resume="never", async_save=False) as ck:
+        for s in (1, 2, 3):
+            ck.save(s, {"w": torch.full((4,), 1.0)})
+    with Checkpointer(tmp_path / "t1", remote=url, resume="never", async_save=False) as ck:
+        ck.save(1, {"w": torch.full((4,), 2.0)})
+        trial1 = ck.run_id
+    shutil.rmtree(tmp_path / "t1")  # its node is gone: the trial resumes from the remote
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(tmp_path / "t1", remote=url) as ck:
+        assert ck.restore(state) == 1
+        assert ck.run_id == trial1
+    assert torch.equal(state["w"], torch.full((4,), 2.0))

@@ -232,7 +232,10 @@ class Directory:
             config.remote_retention_policy(),
             after_upload=self._retention_after_upload,
         )
-        self.sync.refresh()
+        # new commits number after the remote's too, also when no restore() lists the tiers (a
+        # new run that only saves): a restore takes the highest number, of whichever run
+        for e in self.sync.refresh():
+            self.seq = max(self.seq, e.manifest.seq if e.manifest is not None else 0)
 
     def release(self) -> None:
         """Stop the uploader and the trash bin's thread, and release the lock (idempotent)."""
