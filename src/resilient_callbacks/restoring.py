@@ -354,7 +354,7 @@ class Restorer:
                 fp.load(readers[pid])
             if ck.config.capture_rng:
                 if part.rng is not None:
-                    warns = rng.restore(part.rng, part.tensors)
+                    warns = rng.restore(part.rng, part.tensors, (ck, ck.dirpath, manifest.step))
                 elif ck.rank < manifest.world_size:
                     warns = [
                         "the checkpoint was saved without RNG states (capture_rng=False); "

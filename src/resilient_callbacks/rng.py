@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -46,9 +47,15 @@ def capture() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return info, tensors
 
 
-def restore(info: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Restore the generators; returns warnings for states that could not be applied."""
-    warnings: list[str] = []
+def restore(
+    info: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    by: tuple[Any, str, int] | None = None,
+) -> list[str]:
+    """Restore the generators; returns warnings for states that could not be applied, and
+    (``by``: the Checkpointer restoring, its directory and the step) for states that replace
+    those another open Checkpointer of this process restored from another step."""
+    warnings: list[str] = [] if by is None else _replacing(*by)
     py = info["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     npi = info["numpy"]
@@ -66,6 +73,32 @@ def restore(info: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[str]
                 "CUDA random streams are not restored"
             )
     return warnings
+
+
+# the RNG states this process's restores set: the Checkpointer (weakly) -> its dirpath, step
+_restored_by: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
+
+
+def _replacing(owner: Any, where: str, step: int) -> list[str]:
+    """Record that ``owner`` sets the process's RNG states from its checkpoint of ``step``; a
+    warning when another open Checkpointer set them from another step before (two of one
+    loop, a model's and an EMA's, killed between their saves of one step): the random streams
+    then continue from this step, and the run does not continue exactly."""
+    others = [
+        (w, s)
+        for o, (w, s) in list(_restored_by.items())
+        if o is not owner and not getattr(o, "_closed", True) and s != step
+    ]
+    _restored_by[owner] = (where, step)
+    return [
+        f"the RNG states restored from step {step} of {where} replace those restored from "
+        f"step {s} of {w} by another Checkpointer of this process (each captures the "
+        "process's random streams): the run continues with the streams of step "
+        f"{step}, not exactly. Let one Checkpointer capture them (capture_rng=False for the "
+        "others, e.g. an EMA's), and resume both at the same step (one Checkpointer over one "
+        "state holding both, or resume=<step> for the other)"
+        for w, s in others[:1]
+    ]
 
 
 def check(info: Any, tensors: dict[str, torch.Tensor]) -> None:
