@@ -121,3 +121,20 @@ def test_a_run_that_saves_without_restore_numbers_its_commits_after_the_remotes(
         assert ck.restore(state) == 1
         assert ck.run_id == trial1
     assert torch.equal(state["w"], torch.full((4,), 2.0))
+
+
+def test_a_new_run_beside_another_runs_remote_checkpoints_is_told(tmp_path):
+    """As for a local directory holding another run's checkpoints: a new run whose remote URL
+    holds another run's is warned once, naming the URL and how to clean it."""
+    from resilient_callbacks import ForeignCheckpointsWarning
+
+    url = f"file://{tmp_path}/durable/sweep"
+    with Checkpointer(tmp_path / "t0", remote=url, resume="never", async_save=False) as ck:
+        ck.save(1, {"w": torch.ones(2)})
+    with (
+        Checkpointer(tmp_path / "t1", remote=url, resume="never", async_save=False) as ck,
+        pytest.warns(ForeignCheckpointsWarning, match="remote") as got,
+    ):
+        ck.save(1, {"w": torch.ones(2)})
+    said = " ".join(str(w.message) for w in got)
+    assert url in said and "--other-runs" in said and "1 other run" in said

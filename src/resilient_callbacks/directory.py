@@ -333,6 +333,28 @@ class Directory:
             log.info("could not list %s for checkpoints of other runs: %s", self.dirpath, e)
             return
         self.report_foreign(entries, unrestored)
+        self._report_remote_foreign()
+
+    def _report_remote_foreign(self) -> None:
+        """The same for the remote tier's listing (made when the directory was opened): a new
+        run beside another run's remote checkpoints, e.g. a sweep's trials given one URL."""
+        if self.sync is None or self.remote is None or self.run_id is None:
+            return
+        foreign = [
+            e.manifest
+            for e in self.sync.entries()
+            if e.manifest and e.manifest.run_id != self.run_id
+        ]
+        if foreign:
+            runs = sorted({m.run_id for m in foreign})
+            msg = (
+                f"remote {self.remote.url} holds {len(foreign)} checkpoint(s) of {len(runs)} "
+                f"other run(s) ({', '.join(runs)}). The remote retention does not count or "
+                "delete them, and a resume from the remote takes the newest of any run: use a "
+                "remote URL per run, or remove them with `resilient-ckpt gc "
+                f"{self.dirpath} --remote {self.remote.url} --other-runs` (--dry-run first)."
+            )
+            warn_and_log(log, msg, ForeignCheckpointsWarning, stacklevel=AT_CALLER)
 
     def report_foreign(self, entries: list[Entry], unrestored: bool = False) -> None:
         if self._reported_foreign or self.run_id is None:
