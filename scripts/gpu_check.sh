@@ -93,7 +93,7 @@ run_step() {
       local par=""
       "$py" -c "import xdist" 2>/dev/null && par="-n 12"
       local common="-m gpu -q -p no:cacheprovider -rA --durations=30"
-      local first="$py -m pytest $common tests/test_gpu.py tests/test_gpu_torn.py -k 'not sigkill'"
+      local first="$py -m pytest $common tests/test_gpu.py tests/test_gpu_torn.py tests/test_gpu_since_h200.py -k 'not sigkill'"
       local then="$py -m pytest $common $par tests/test_gpu.py tests/test_gpu_deepspeed.py tests/test_dcp_sharded.py tests/test_part_blobs.py -k 'sigkill or frozen_layer'"
       cmd=(bash -c "$first; a=\$?; $then; b=\$?; echo \"exit codes \$a \$b\"; [ \$a = 0 ] && [ \$b = 0 ]") ;;
     bench_gpu) cmd=("$py" benchmarks/bench_gpu.py --sizes 1600 --reps 3 --loop-mb 1600

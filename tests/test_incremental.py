@@ -537,3 +537,32 @@ def test_a_transposed_frozen_tensor_is_still_known_unchanged_and_checked():
     frozen.data[-1, -1] += 1.0  # the last element is always in the sample
     with pytest.warns(UserWarning, match="version counter"):
         assert tracker.observe({"m.w": frozen}, {"m": module}) == ({}, {})
+
+
+def test_a_transposed_tensors_sample_is_gathered_with_indices_made_on_its_device():
+    """The sample of a transposed frozen tensor was gathered with indices made on the host
+    (``torch.tensor``, and ``unravel_index``'s shape tensors) and copied to the tensor's
+    device: on a GPU each such copy waits for every queued kernel, three more waits of the
+    training thread per tensor and save. No tensor is made from host data now, nor copied
+    (``tests/test_gpu_since_h200.py`` counts the waits on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from resilient_callbacks.unchanged import _picks
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    t = torch.randn(64, 512).t()
+    with Ops() as ops:
+        picked = _picks(t)
+    made_on_the_host = [n for n in ops.names if n.split(".")[0] in ("lift_fresh", "_to_copy")]
+    assert made_on_the_host == [], ops.names
+    step = (t.numel() // 256) | 1
+    want = torch.cat([t.contiguous().view(-1)[::step], t.contiguous().view(-1)[-1:]])
+    assert torch.equal(picked, want.view(torch.uint8))

@@ -74,9 +74,18 @@ def _picks(t: torch.Tensor) -> torch.Tensor:
         flat = t.view(-1)
         picked = torch.cat([flat[::step], flat[-1:]])
     else:  # (a transposed weight) the same elements, gathered by index
-        idx = torch.cat([torch.arange(0, n, step), torch.tensor([n - 1])])
-        picked = t[torch.unravel_index(idx.to(t.device), t.shape)]
+        # indices made on t's device (a CPU index copied to a GPU, or unravel_index's shape
+        # tensors, would be host-to-device copies that each wait for the queued kernels), and
+        # taken as integers of the element's size (``take`` has no float8 or uint16 kernel)
+        idx = torch.arange(0, n, step, device=t.device)
+        idx = torch.cat([idx, idx.new_full((1,), n - 1)])
+        as_int = _SAME_SIZE_INT.get(t.element_size())
+        picked = torch.take(t.view(as_int) if as_int is not None else t, idx)
     return picked.view(torch.uint8)
+
+
+#: an integer dtype of each element size, to gather any dtype's elements as bits
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _written_unseen(seen: tuple[tuple[Any, ...], int], now: tuple[tuple[Any, ...], int]) -> bool:
