@@ -265,6 +265,11 @@ def push(args: argparse.Namespace) -> int:
                 again = "" if was is None else f"; its remote copy was damaged ({was})"
                 named = "" if name == e.name else f" as {name} (another run has {e.name})"
                 size = fmt_size(e.manifest.total_bytes)
+                if e.manifest.blobs:  # incremental: the blobs it names, sent where missing
+                    size += (
+                        f" + {len(e.manifest.blobs)} blob(s), {fmt_size(e.manifest.blob_bytes)},"
+                        " those the remote lacked uploaded"
+                    )
                 print(f"pushed {e.name}{named} (step {e.step}, {size}){again}")
     finally:
         lock.release()
