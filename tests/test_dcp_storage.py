@@ -367,6 +367,21 @@ def test_a_writer_whose_dirpath_is_a_file_says_so(tmp_path):
         dcp.save(_state(1), storage_writer=ResilientStorageWriter(tmp_path / "afile"))
 
 
+def test_a_writer_on_one_checkpoint_says_how_to_load_it_with_the_reader(tmp_path):
+    """A writer given one checkpoint's folder told the user to pass ``resume=``, an option of
+    a Checkpointer the DCP user does not have: it names the reader that loads that folder."""
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root, step=1) as writer:
+        dcp.save(_state(1), storage_writer=writer)
+    one = root / "step_000000001"
+    with pytest.raises(BaseException) as got:
+        dcp.save(_state(2), storage_writer=ResilientStorageWriter(one, step=2))
+    said = str(got.value)
+    assert f"pass its parent directory {root}" in said, said
+    assert f"ResilientStorageReader({str(one)!r}) to restore this checkpoint" in said, said
+    assert "resume=" not in said, said
+
+
 # ----------------------------------------------------------------------------- two ranks
 
 

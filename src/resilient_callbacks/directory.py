@@ -175,20 +175,21 @@ class Directory:
                 raise err
             raise error_type(error["type"])(f"on rank 0: {error['msg']}")
 
-    def open_here(self, config: CheckpointerConfig) -> None:
+    def open_here(self, config: CheckpointerConfig, load_hint: str | None = None) -> None:
         """Coordinator only, no collective: what :meth:`open` does on rank 0 (create the
         directory, take the lock, sweep leftovers, read the commit sequence, connect the remote
         tier). For callers that must not run collectives (a DCP ``StorageWriter``). Read-only:
-        only that the directory exists. A ``dirpath`` that is one checkpoint is refused; one
-        that cannot be opened (a file, no permission) raises :func:`unusable`'s error."""
+        only that the directory exists. A ``dirpath`` that is one checkpoint is refused
+        (``load_hint``: how the caller's user loads that checkpoint; default ``resume=<it>``);
+        one that cannot be opened (a file, no permission) raises :func:`unusable`'s error."""
         try:
-            self._open_here(config)
+            self._open_here(config, load_hint)
         except CheckpointError:
             raise
         except OSError as e:
             raise unusable(self.dirpath, e) from e
 
-    def _open_here(self, config: CheckpointerConfig) -> None:
+    def _open_here(self, config: CheckpointerConfig, load_hint: str | None = None) -> None:
         if _is_checkpoint(self.dirpath):
             # a run there would nest its checkpoints inside this one, where the parent's
             # retention or gc deletes them with it
@@ -196,7 +197,8 @@ class Directory:
             raise ConfigError(
                 f"dirpath={self.dirpath} is one checkpoint (it holds {MANIFEST_NAME}), not a "
                 f"directory of checkpoints: pass its parent directory {parent} as dirpath, and "
-                f"resume={self.dirpath!r} to restore this checkpoint in particular"
+                + (load_hint or f"resume={self.dirpath!r}")
+                + " to restore this checkpoint in particular"
             )
         if self.read_only:
             if not os.path.isdir(self.dirpath):

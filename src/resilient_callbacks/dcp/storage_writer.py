@@ -199,7 +199,7 @@ class ResilientStorageWriter(StorageWriter):
     def _global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self._dir is None:
             d = Directory(self.dirpath, self.config.local_retention_policy(), len(plans))
-            d.open_here(self.config)
+            d.open_here(self.config, f"ResilientStorageReader({self.dirpath!r})")
             if self.run_id is None:  # carry on the run of the newest checkpoint, if any
                 newest = by_commit(committed(self.dirpath))
                 manifest = newest[0].manifest if newest else None
