@@ -400,6 +400,36 @@ def test_another_accumulate_grad_batches_on_resume_is_warned_about(tmp_path):
     assert len(said) == 1 and "accumulate_grad_batches=2 here, 1 when the checkpoint" in said[0]
 
 
+def test_a_scheduler_added_or_removed_on_resume_is_warned_about(tmp_path):
+    """Lightning pairs the saved scheduler states with the run's schedulers in order and drops
+    the rest silently: a scheduler added on resume started from its first learning rate, one
+    removed lost its state, unsaid. The callback warns, naming both counts."""
+
+    def fit(schedulers: int, max_steps: int) -> list[str]:
+        ds = torch.utils.data.TensorDataset(torch.randn(64, 4))
+        trainer = L.Trainer(
+            max_steps=max_steps,
+            accelerator="cpu",
+            callbacks=[ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(_Scheduled(schedulers), torch.utils.data.DataLoader(ds, batch_size=4))
+        return [str(w.message) for w in caught if "LR scheduler" in str(w.message)]
+
+    assert fit(0, 2) == []
+    assert fit(0, 4) == []  # the same: nothing said
+    (added,) = fit(1, 6)
+    assert "1 LR scheduler(s) here, 0 when the checkpoint was saved" in added, added
+    assert "start(s) from the initial state" in added, added
+    (removed,) = fit(0, 8)
+    assert "0 LR scheduler(s) here, 1 when" in removed and "is dropped" in removed, removed
+
+
 def test_a_stop_asked_before_min_epochs_trains_on_as_the_run_did(tmp_path):
     """EarlyStopping sets should_stop at step 12 (its second validation); with min_epochs=2
     Lightning trains on to the end of epoch 1 (step 26). Found 2026-11-25: every step from 12
@@ -636,6 +666,18 @@ class _Tiny(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Scheduled(_Tiny):
+    def __init__(self, schedulers: int) -> None:
+        super().__init__()
+        self.schedulers = schedulers
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        if not self.schedulers:
+            return opt
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)]
 
 
 class _TwoOptimizersManual(L.LightningModule):

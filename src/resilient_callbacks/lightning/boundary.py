@@ -50,7 +50,7 @@ import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from .. import rng
-from . import reshard
+from . import checks, reshard
 from .state import finite_metrics
 
 EPOCH_END_KEY = "resilient_callbacks_epoch_end"
@@ -107,6 +107,7 @@ class Resume:
         self.plateau = self.metrics is not None
         self.data_set_up = False
         self.resharded_epoch: int | None = None  # resumed on another number of ranks
+        self.counts = checks.saved_counts(checkpoint)  # optimizers' and schedulers' states
 
     def before_loader_states(self, trainer: pl.Trainer) -> None:
         """Before Lightning loads the train dataloaders' states (the first time)."""
@@ -126,7 +127,9 @@ class Resume:
             self.resharded_epoch = reshard.after_setup(trainer)
 
     def train_start(self, trainer: pl.Trainer) -> None:
-        """``on_train_start`` (Lightning emptied the metrics after the sanity check)."""
+        """``on_train_start`` (Lightning emptied the metrics after the sanity check; the
+        optimizers and schedulers are set up: another number than saved is warned about)."""
+        checks.optimizers_and_schedulers(trainer, self.counts)
         if self.metrics:
             trainer.callback_metrics.update(self.metrics)
 

@@ -149,6 +149,44 @@ def accumulation(trainer: pl.Trainer, saved: Any) -> None:
         )
 
 
+def saved_counts(checkpoint: dict[str, Any]) -> dict[str, int]:
+    """How many optimizers and schedulers a restored Lightning checkpoint holds states of (the
+    optimizers only where it has their states: under FSDP, tensor parallelism and DeepSpeed a
+    sharded part loads them and the list is empty)."""
+    return {
+        k: len(checkpoint[k])
+        for k in ("optimizer_states", "lr_schedulers")
+        if isinstance(checkpoint.get(k), list) and (checkpoint[k] or k == "lr_schedulers")
+    }
+
+
+def optimizers_and_schedulers(trainer: pl.Trainer, saved: dict[str, int]) -> None:
+    """Warn (at the user's ``fit()`` line) when the run has another number of optimizers or
+    LR schedulers than the checkpoint has states of: Lightning pairs them in order and drops
+    the rest silently, so one added starts from its initial state (a scheduler from its first
+    step's learning rate) and one removed loses its state."""
+    here = {
+        "optimizer_states": len(trainer.optimizers),
+        "lr_schedulers": len(trainer.lr_scheduler_configs),
+    }
+    what = {"optimizer_states": "optimizer(s)", "lr_schedulers": "LR scheduler(s)"}
+    for key, n in saved.items():
+        if here[key] != n:
+            warnings.warn(
+                f"{here[key]} {what[key]} here, {n} when the checkpoint was saved: Lightning "
+                f"restores the first {min(n, here[key])} in order; "
+                + (
+                    f"the {here[key] - n} added start(s) from the initial state (a scheduler "
+                    "from its first learning rate)"
+                    if here[key] > n
+                    else f"the state of the {n - here[key]} removed is dropped"
+                )
+                + ". Resume with the checkpoint's optimizers and schedulers to continue that run",
+                UserWarning,
+                stacklevel=caller_stacklevel(os.path.dirname(os.path.dirname(pl.__file__))),
+            )
+
+
 def _converted_to(trainer: Any) -> torch.dtype | None:
     """The dtype the precision plugin converts the module's floating-point tensors to when the
     strategy is set up, after the restore ("bf16-true", "16-true", "64-true"); ``None`` for a
