@@ -373,26 +373,32 @@ def test_a_run_stopped_by_max_time_trains_on_when_max_time_leaves_time(tmp_path,
     assert [e.step for e in _committed(tmp_path / "ck")][-3:] == [5, 8, 12]
 
 
+def _fit_warned(tmp_path, model, max_steps: int, about: str, accumulate: int = 1) -> list[str]:
+    """Fit ``model`` with the callback in ``tmp_path/ck`` (a save every 2 steps); the warnings
+    whose text holds ``about``."""
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 4))
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        accelerator="cpu",
+        callbacks=[ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, torch.utils.data.DataLoader(ds, batch_size=4))
+    return [str(w.message) for w in caught if about in str(w.message)]
+
+
 def test_another_accumulate_grad_batches_on_resume_is_warned_about(tmp_path):
     """Lightning takes another accumulate_grad_batches on resume silently (the global batch
     changes mid-run; the Transformers callback refuses it): the callback warns, naming both."""
 
     def fit(accumulate: int, max_steps: int) -> list[str]:
-        ds = torch.utils.data.TensorDataset(torch.randn(64, 4))
-        trainer = L.Trainer(
-            max_steps=max_steps,
-            accumulate_grad_batches=accumulate,
-            accelerator="cpu",
-            callbacks=[ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)],
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        )
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer.fit(_Tiny(), torch.utils.data.DataLoader(ds, batch_size=4))
-        return [str(w.message) for w in caught if "accumulate_grad_batches" in str(w.message)]
+        return _fit_warned(tmp_path, _Tiny(), max_steps, "accumulate_grad_batches", accumulate)
 
     assert fit(1, 4) == []
     assert fit(1, 6) == []  # the same value: nothing said
@@ -406,20 +412,7 @@ def test_a_scheduler_added_or_removed_on_resume_is_warned_about(tmp_path):
     removed lost its state, unsaid. The callback warns, naming both counts."""
 
     def fit(schedulers: int, max_steps: int) -> list[str]:
-        ds = torch.utils.data.TensorDataset(torch.randn(64, 4))
-        trainer = L.Trainer(
-            max_steps=max_steps,
-            accelerator="cpu",
-            callbacks=[ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)],
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        )
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer.fit(_Scheduled(schedulers), torch.utils.data.DataLoader(ds, batch_size=4))
-        return [str(w.message) for w in caught if "LR scheduler" in str(w.message)]
+        return _fit_warned(tmp_path, _Scheduled(schedulers), max_steps, "LR scheduler")
 
     assert fit(0, 2) == []
     assert fit(0, 4) == []  # the same: nothing said
