@@ -125,22 +125,26 @@ def resolved_options(options: dict[str, Any], args: Any, state: Any) -> tuple[di
 
 
 def warn_about_trainer_saves(args: Any, trainer_checkpoints: bool) -> None:
+    """Say what becomes of the Trainer's own checkpoint-N saves. load_best_model_at_end is
+    warned about only where they are switched off: save_strategy='best' keeps writing them
+    (a callback cannot stop it), so the Trainer's best model is still loaded at the end."""
     strategy = value(args.save_strategy)
     if trainer_checkpoints or strategy == "no":
         return
     if strategy == "best":
+        # Those checkpoint-N directories are what load_best_model_at_end loads: it works.
         log.warning(
-            "save_strategy='best': the Trainer still writes its own checkpoint-N directories "
-            "when the metric improves (that decision is made after every callback event); "
-            "set save_strategy='no' and use keep_best/monitor instead"
+            "ResilientCheckpoint: save_strategy='best': the Trainer still writes its own "
+            "checkpoint-N directories when the metric improves (that decision is made after "
+            "every callback event); set save_strategy='no' and use keep_best/monitor instead"
         )
-    else:
-        log.info(
-            "ResilientCheckpoint replaces the Trainer's own checkpoints (save_strategy=%r): "
-            "no checkpoint-N directories are written. Pass trainer_checkpoints=True to keep "
-            "them.",
-            strategy,
-        )
+        return
+    log.info(
+        "ResilientCheckpoint replaces the Trainer's own checkpoints (save_strategy=%r): "
+        "no checkpoint-N directories are written. Pass trainer_checkpoints=True to keep "
+        "them.",
+        strategy,
+    )
     if args.load_best_model_at_end:
         msg = (
             "load_best_model_at_end=True loads one of the Trainer's own checkpoint-N "
