@@ -961,3 +961,24 @@ def test_an_unknown_option_shows_the_commands_usage_and_an_unknown_run_is_named(
     assert main(["report", str(d), "--run", "nope", "--json", "-"]) == 1
     err = capsys.readouterr().err
     assert f"no run 'nope' in history.jsonl; its runs, newest first: {run}" in err, err
+
+
+def test_ls_remote_says_why_the_remote_keeps_what_only_it_has(tmp_path, capsys):
+    """With a remote, local retention keeps the last checkpoints and the remote the archives:
+    ``ls DIR --remote URL`` showed each remote-only row's URL where the other rows say why
+    they are kept. It says what the remote retention keeps it for (``gc --dry-run``'s words)."""
+    url = (tmp_path / "remote").as_uri()
+    ck = tmp_path / "ck"
+    w = torch.zeros(4)
+    with Checkpointer(ck, keep_last=1, keep_every_n_steps=2, remote=url, async_save=False) as c:
+        for step in range(1, 6):
+            w += 1
+            c.save(step, {"w": w})
+    capsys.readouterr()
+    assert main(["ls", str(ck), "--remote", url]) == 0
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[1:] if ln.strip()}
+    assert lines["2"].rstrip().endswith("remote only: archive (every 2 steps)"), lines
+    assert lines["4"].rstrip().endswith("remote only: archive (every 2 steps)"), lines
+    assert main(["ls", str(ck), "--remote", url, "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[2]["remote_kept_by"] == ["archive (every 2 steps)"] and rows[2]["kept"] is None

@@ -90,7 +90,8 @@ def _note(r: dict[str, Any], foreign: set[str]) -> str:
     if r["status"] == CORRUPT:
         return r["problem"] or "-"
     if r.get("tier") == "remote":
-        return f"remote only: {r['path']}"
+        why = r.get("remote_kept_by")  # by the remote retention (None: none recorded)
+        return f"remote only: {'; '.join(why)}" if why else f"remote only: {r['path']}"
     if r.get("copy"):
         return (
             "a copy under a name of yours: a run never resumes from it or deletes it, nor does gc"

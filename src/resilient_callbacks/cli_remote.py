@@ -19,6 +19,7 @@ from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundEr
 from .lock import DirLock
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
 from .remote_objects import free_name
+from .retention import Plan, RetentionPolicy
 
 
 def remote_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -65,6 +66,7 @@ def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs:
     if not remote:  # a mistyped URL reads as an empty store: say so, not only "local-only"
         print(f"resilient-ckpt: the remote {st.url} holds no checkpoint", file=sys.stderr)
     good = {e.key: e for e in remote if e.key is not None and e.problem is None}
+    kept, _, _ = remote_plan(remote)  # why the remote keeps what only it has
     damaged, unreadable = _damage(remote)
     torn = {e.name for e in remote if e.problem == NO_MANIFEST}
     local_keys = set()
@@ -105,6 +107,9 @@ def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs:
                 "path": f"{st.url}/{re_.name}",
                 "kept": None,  # local retention does not decide about it
                 "kept_by": [],
+                "remote_kept_by": (
+                    None if kept is None else list(kept.keep.get(re_.name, ["not kept"]))
+                ),
                 "tier": "remote",
             }
         )
@@ -281,6 +286,30 @@ def push(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- gc --remote
 
 
+def remote_plan(
+    entries: list[RemoteEntry], keep_last: int | None = None, drop_archives: bool = False
+) -> tuple[Plan | None, RetentionPolicy, str | None]:
+    """The remote retention's plan for the store's ``entries``: by the remote retention
+    recorded in its newest manifest (``keep_last`` overriding it; ``drop_archives``: archive
+    points count as any other), that policy, and the newest checkpoint's run. No plan where
+    the newest records none and ``keep_last`` is not given (a store of ``push``'s)."""
+    from .remote import retention_candidates
+    from .retention import plan
+
+    committed = [e for e in entries if e.manifest is not None]
+    newest = next((e for e in reversed(committed) if e.problem is None), None)
+    run_id = newest.manifest.run_id if newest is not None and newest.manifest else None
+    recorded = newest.manifest.remote_retention if newest and newest.manifest else {}
+    policy = RetentionPolicy.from_json(recorded)
+    if not recorded and keep_last is None and committed:
+        return None, policy, run_id
+    if keep_last is not None:
+        policy = dataclasses.replace(policy, keep_last=keep_last)
+    if drop_archives:
+        policy = dataclasses.replace(policy, keep_every_n_steps=None)
+    return plan(retention_candidates(committed), policy, run_id), policy, run_id
+
+
 def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
     """``gc DIR --remote URL``: delete what the remote retention recorded in the newest remote
     manifest does not keep (``--keep-last`` overriding it), with ``--other-runs`` and
@@ -291,26 +320,15 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
     import time
 
     from . import remote_blobs
-    from .remote import retention_candidates
-    from .retention import RetentionPolicy, plan
 
     st = store(args.remote, args.option)
     entries = st.scan()
-    committed = [e for e in entries if e.manifest is not None]
-    newest = next((e for e in reversed(committed) if e.problem is None), None)
-    run_id = newest.manifest.run_id if newest is not None and newest.manifest else None
-    recorded = newest.manifest.remote_retention if newest and newest.manifest else {}
-    if not recorded and args.keep_last is None and committed:
+    p, policy, run_id = remote_plan(entries, args.keep_last, getattr(args, "drop_archives", False))
+    if p is None:
         raise CheckpointError(
             f"{st.url}: its newest checkpoint records no remote retention (written by an "
             "older version, or pushed with `resilient-ckpt push`); pass --keep-last N"
         )
-    policy = RetentionPolicy.from_json(recorded)
-    if args.keep_last is not None:
-        policy = dataclasses.replace(policy, keep_last=args.keep_last)
-    if getattr(args, "drop_archives", False):
-        policy = dataclasses.replace(policy, keep_every_n_steps=None)
-    p = plan(retention_candidates(committed), policy, run_id)
     now = time.time()
     doomed: list[tuple[Any, str]] = []
     kept: list[tuple[Any, str]] = []
