@@ -26,6 +26,7 @@ DCP_FILES = ["test_dcp_sharded.py", "test_dcp_storage.py", "test_upstream_dcp.py
 TRANSFORMERS_FILES = [
     "test_transformers.py",
     "test_transformers_auto_batch.py",
+    "test_transformers_checks.py",
     "test_transformers_ddp.py",
     "test_transformers_fsdp.py",
     "test_transformers_new_data.py",

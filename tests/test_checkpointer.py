@@ -907,7 +907,7 @@ def test_continued_from_records_the_start_there_and_names_a_newer_checkpoint_it_
 
     _make_run(tmp_path, steps=(10, 20, 30))
     with Checkpointer(tmp_path, resume="never") as ck:
-        with pytest.warns(UserWarning, match=r"continues this run from step 20.*step_000000030"):
+        with pytest.warns(UserWarning, match=r"from step 20.*step_000000030.*steps 21-30 are"):
             ck.continued_from(20, "train(resume_from_checkpoint=...)")
         with pytest.warns(ForeignCheckpointsWarning):  # the older run's, under a new run id
             ck.save(25, _state(25))
@@ -931,6 +931,13 @@ def test_continued_from_records_the_start_there_and_names_a_newer_checkpoint_it_
     from resilient_callbacks.report import lives
 
     assert [life.begin_step for life in lives(records)] == [5]
+    # one step newer: "step 9 is trained again" (it said "steps 9-9 are"; a Trainer probe)
+    _make_run(tmp_path / "fourth", steps=(8, 9))
+    with (
+        Checkpointer(tmp_path / "fourth", resume="never") as ck,
+        pytest.warns(UserWarning, match=r"wins and step 9 is trained again"),
+    ):
+        ck.continued_from(8, "train(resume_from_checkpoint=True)")
 
 
 def test_keep_best_on_a_metric_no_save_reported_is_said_at_close(tmp_path, caplog):

@@ -96,3 +96,8 @@ def remote_tier_hint(manifests: Iterable[Manifest], step: int) -> str:
         f"download the step with `resilient-ckpt pull URL OTHER_DIR --step {step}` and restore "
         "from OTHER_DIR"
     )
+
+
+def steps_are(first: int, last: int | None) -> str:
+    """``"step 9 is"`` or ``"steps 9-12 are"``, for a message about steps ``first..last``."""
+    return f"step {first} is" if first == last else f"steps {first}-{last} are"

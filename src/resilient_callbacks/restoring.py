@@ -267,7 +267,7 @@ class Restorer:
                 msg = (
                     f"{source} continues this run from step {step}, but {ck.dirpath} holds a "
                     f"newer checkpoint, {last.path} (step {last.step}): the explicit choice "
-                    f"wins and steps {step + 1}-{last.step} are trained again. Leave it out to "
+                    f"wins and {notices.steps_are(step + 1, last.step)} trained again. Leave it out to "
                     "resume from the newest checkpoint."
                 )
                 warn_and_log(log, msg, UserWarning, stacklevel=AT_CALLER)
