@@ -24,7 +24,7 @@ from .cli_format import (
 )
 from .cli_scan import no_checkpoints, public, resolve, row, scan
 from .consolidate import zero_part_ids, zero_tensors
-from .dtypes import ST_TO_DTYPE
+from .dtypes import dtype_name
 from .errors import CheckpointError
 from .filepart import PARTS_EXTRA
 from .layout import SHARED_STRUCTURE, is_dcp_dropin, shared_meta
@@ -139,9 +139,7 @@ def _part(part_id: str, described: Any, path: str, out: list[dict]) -> None:
 def _dtype_name(code: Any) -> Any:
     """A tensor's dtype as torch names it (``float32``), as for the checkpoint's own tensors
     (:func:`.tensorfile.tensor_meta`): parts record safetensors codes (``F32``)."""
-    if isinstance(code, str) and code in ST_TO_DTYPE:
-        return str(ST_TO_DTYPE[code]).removeprefix("torch.")
-    return code
+    return dtype_name(code) if isinstance(code, str) else code
 
 
 def _keys(e: Entry) -> tuple[list[dict[str, Any]] | None, str | None]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from .cli_format import iso_time, jsonable
 from .errors import CheckpointNotFoundError, ConfigError
+from .export_target import within
 
 
 def report(args: argparse.Namespace) -> int:
@@ -97,13 +98,12 @@ def _refuse_run_file(root: str, shown: str, path: str) -> None:
     checkpoint directory ``root`` a report may only be a new-named ``.html``/``.png``/``.json``
     file directly in it, never its ``history.jsonl``, ``latest`` or anything in a checkpoint's
     folder (``report DIR --json DIR/history.jsonl`` replaced the history with the report)."""
-    target = os.path.realpath(path)
-    rel = os.path.relpath(target, os.path.realpath(root))
-    if rel == os.curdir or rel.startswith(os.pardir + os.sep) or rel == os.pardir:
-        if rel == os.curdir:
-            raise ConfigError(f"{path} is the checkpoint directory itself")
+    target, run = os.path.realpath(path), os.path.realpath(root)
+    if target == run:
+        raise ConfigError(f"{path} is the checkpoint directory itself")
+    if not within(target, run):
         return
-    if os.sep not in rel and rel.lower().endswith(_REPORT_SUFFIXES):
+    if os.path.dirname(target) == run and target.lower().endswith(_REPORT_SUFFIXES):
         return
     raise ConfigError(
         f"{path} lies in the checkpoint directory {shown} and could replace the run's "

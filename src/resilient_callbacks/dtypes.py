@@ -37,6 +37,13 @@ for _name, _code in (
 ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 
 
+def dtype_name(code: str) -> str:
+    """A safetensors dtype code as torch names the dtype (``"F32"`` -> ``"float32"``); a code
+    no torch dtype here has, as it is."""
+    dtype = ST_TO_DTYPE.get(code)
+    return str(dtype).removeprefix("torch.") if dtype is not None else str(code)
+
+
 def unsupported(where: str, dtype: torch.dtype) -> str:
     """The message for a tensor whose dtype no checkpoint stores."""
     return (

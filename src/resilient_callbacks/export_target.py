@@ -34,12 +34,12 @@ def check_export_target(
             f"OUT {dst} is the checkpoint directory {src} itself: writing the export there would "
             f"replace its checkpoints; {elsewhere}"
         )
-    if _within(real_src, real_dst):
+    if within(real_src, real_dst):
         raise ConfigError(
             f"OUT {dst} holds the checkpoint directory {src}: writing the export there would "
             f"replace it and everything else in {dst}; {elsewhere}"
         )
-    if _within(real_dst, real_src):
+    if within(real_dst, real_src):
         raise ConfigError(
             f"OUT {dst} lies inside the checkpoint directory {src}: an export must not be "
             f"written among its checkpoints; {elsewhere}"
@@ -81,6 +81,6 @@ def is_export(path: str) -> bool:
     return isinstance(info, dict) and "source" in info and "step" in info
 
 
-def _within(path: str, folder: str) -> bool:
-    """Whether the real path ``path`` lies under the real path ``folder``."""
+def within(path: str, folder: str) -> bool:
+    """Whether the real path ``path`` lies under the real path ``folder`` (not equal to it)."""
     return os.path.commonpath([path, folder]) == folder and path != folder

@@ -30,7 +30,7 @@ from .checksum import (
     in_page_cache,
     segment_size,
 )
-from .dtypes import DTYPE_TO_ST, ST_TO_DTYPE, unsupported
+from .dtypes import DTYPE_TO_ST, ST_TO_DTYPE, dtype_name, unsupported
 from .errors import CheckpointCorruptError, UnsupportedStateError
 from .readahead import MappedPrefetch, Readahead
 
@@ -458,12 +458,7 @@ def tensor_meta(path_or_buf: str | bytearray) -> dict[str, tuple[str, list[int]]
         header, _ = parse_header(path_or_buf)
     try:
         return {
-            k: (
-                str(ST_TO_DTYPE[v["dtype"]]).removeprefix("torch.")
-                if v["dtype"] in ST_TO_DTYPE
-                else str(v["dtype"]),
-                [int(d) for d in v["shape"]],
-            )
+            k: (dtype_name(v["dtype"]), [int(d) for d in v["shape"]])
             for k, v in header.items()
             if k != "__metadata__"
         }
