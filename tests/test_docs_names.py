@@ -20,3 +20,196 @@ def test_every_error_in_the_guide_table_is_importable_from_the_package():
     missing = sorted(n for n in names if not hasattr(resilient_callbacks, n))
     assert not missing, f"documented but not importable from resilient_callbacks: {missing}"
     assert not sorted(n for n in names if n not in resilient_callbacks.__all__)
+
+
+ROOT = DOCS.parent
+# Where a docs table's default is a word, the values it stands for.
+DEFAULT_WORDS = {
+    "off": (None, False),
+    "none": (None,),
+    "detected": (None,),
+    "every save": (None,),
+}
+
+
+def _option_rows(text: str) -> list[tuple[list[str], str]]:
+    """(names, default cell) of each row of the `| option | default | meaning |` tables."""
+    rows = []
+    for table in re.findall(r"^\| option \| default \|.*\n\|[-| ]+\|\n((?:\|.*\n)+)", text, re.M):
+        for line in table.splitlines():
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.append((re.findall(r"`(\w+)`", cells[0]), cells[1]))
+    return rows
+
+
+def _documented_defaults(names: list[str], cell: str) -> dict[str, tuple[object, ...]]:
+    """What the default cell says of each name, where it is plain: one backticked literal
+    per name (`"none"`, `1`, `True`), a word of DEFAULT_WORDS for all, or both
+    (`off, "loss"`); "as `x`" (another option's value) means None. A parenthesis names
+    exceptions: `off (`remote_timeout` `30`)`, `on (...; `handle_sigint` off)`."""
+    import ast
+
+    def value(part: str) -> tuple[object, ...] | None:
+        if part in DEFAULT_WORDS:
+            return DEFAULT_WORDS[part]
+        if part.startswith("`") and part.endswith("`"):
+            return (ast.literal_eval(part.strip("`")),)
+        return None
+
+    if cell.startswith("as `"):
+        return {n: (None,) for n in names}
+    head, _, paren = cell.partition(" (")
+    parts = [p.strip() for p in head.split(",")]
+    if len(parts) == 1 and parts[0] in DEFAULT_WORDS:
+        parts = parts * len(names)
+    out: dict[str, tuple[object, ...]] = {}
+    if len(parts) == len(names):  # else prose: only the exceptions are checked
+        for name, part in zip(names, parts, strict=True):
+            if (v := value(part)) is not None:
+                out[name] = v
+    for name, part in re.findall(r"`(\w+)` (`[^`]*`|[a-z ]+?)(?=[,;)])", paren):
+        if name in names and (v := value(part)) is not None:
+            out[name] = v
+    return out
+
+
+def _same_default(real: object, documented: object) -> bool:
+    """`30` documents 30.0; `0` does not document False, nor `None` 0."""
+    if isinstance(real, float) and type(documented) is int:
+        return real == documented
+    return type(real) is type(documented) and real == documented
+
+
+def test_the_option_tables_name_checkpointer_options_with_their_real_defaults():
+    """Every `| option | default |` table of the docs (guide.md's, remote.md's,
+    incremental.md's) names parameters of Checkpointer, gives the default the signature has,
+    and guide.md's table lists every parameter: an option added, renamed or given another
+    default without the docs fails here."""
+    import inspect
+
+    params = inspect.signature(resilient_callbacks.Checkpointer.__init__).parameters
+    checked = 0
+    for path in sorted(DOCS.glob("*.md")):
+        for names, cell in _option_rows(path.read_text()):
+            unknown = [n for n in names if n not in params]
+            assert not unknown, f"{path.name}: {unknown} in its option table are not options"
+            for name, allowed in _documented_defaults(names, cell).items():
+                real = params[name].default
+                assert any(_same_default(real, a) for a in allowed), (
+                    f"{path.name}: {name} default {cell!r}, Checkpointer's is {real!r}"
+                )
+                checked += 1
+    assert checked >= 40, checked
+    guide = {n for names, _ in _option_rows((DOCS / "guide.md").read_text()) for n in names}
+    missing = sorted(set(params) - {"self", "dirpath"} - guide)
+    assert not missing, f"Checkpointer options missing from guide.md's options table: {missing}"
+
+
+def _github_anchor(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    return {_github_anchor(h) for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+def test_links_between_the_docs_resolve():
+    """Every relative link of README.md and docs/*.md names a file that exists and, with
+    #anchor, a heading of it (GitHub's anchors: lower case, punctuation dropped)."""
+    bad = []
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"\w+://|mailto:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file) if file else path
+            if not dest.exists():
+                bad.append(f"{path.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                bad.append(f"{path.name}: {target} (no such heading)")
+    assert not bad, bad
+
+
+def test_the_tests_the_docs_cite_exist():
+    """`tests/x.py::test_name` and `tests/x.py` that the docs give as proof exist, so a
+    renamed or deleted test does not leave a claim citing nothing."""
+    bad = []
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for file, name in re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?", path.read_text()):
+            if not (ROOT / file).is_file():
+                bad.append(f"{path.name}: {file}")
+            elif name and not re.search(rf"def {name}\b", (ROOT / file).read_text()):
+                bad.append(f"{path.name}: {file}::{name}")
+    assert not bad, bad
+
+
+def _cli_table(text: str) -> dict[str, set[str]]:
+    """The options each command's rows of cli.md's command table name."""
+    out: dict[str, set[str]] = {}
+    for usage in re.findall(
+        r"^\| `((?:ls|verify|inspect|gc|pull|push|export|report) [^`]*)` \|", text, re.M
+    ):
+        out.setdefault(usage.split()[0], set()).update(
+            re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", usage)
+        )
+    return out
+
+
+def test_the_cli_table_gives_each_command_the_options_it_has():
+    """cli.md's table of commands lists every option of each command's parser and no other
+    (-h aside), and --version prints what cli.md says."""
+    from resilient_callbacks.cli import build_parser, package_version
+
+    text = (DOCS / "cli.md").read_text()
+    documented = _cli_table(text)
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    assert set(documented) == set(sub.choices), sorted(documented)
+    for cmd, p in sub.choices.items():
+        real = {s for a in p._actions for s in a.option_strings if s not in ("-h", "--help")}
+        # a long and a short spelling of one option: either may be documented
+        spelled = {
+            a.option_strings[0]: set(a.option_strings) for a in p._actions if a.option_strings
+        }
+        missing = [
+            o for o, names in spelled.items() if o not in ("-h",) and not names & documented[cmd]
+        ]
+        assert not missing, f"cli.md's table lacks {cmd} {missing}"
+        assert documented[cmd] <= real, f"cli.md's table gives {cmd} {documented[cmd] - real}"
+    assert f"prints `resilient-ckpt {package_version()}`" in text
+
+
+def _init_signature(source: Path, cls: str) -> str:
+    """`cls(...)` as the docs write it, read from the source (importing the adapter would
+    import its framework): `name=default` for each parameter, `*`, `**kwargs`."""
+    import ast
+
+    tree = ast.parse(source.read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    init = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    a = init.args
+    positional = a.args[1:]
+    defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+    parts = [
+        p.arg if d is None else f"{p.arg}={ast.unparse(d)}"
+        for p, d in zip(positional, defaults, strict=True)
+    ]
+    if a.kwonlyargs:
+        parts.append("*")
+        parts += [
+            p.arg if d is None else f"{p.arg}={ast.unparse(d)}"
+            for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True)
+        ]
+    if a.kwarg:
+        parts.append(f"**{a.kwarg.arg}")
+    return f"{cls}({', '.join(parts)})"
+
+
+def test_the_lightning_callbacks_signature_in_the_docs_is_its_own():
+    """lightning.md's "Options" gives the callback's signature in full."""
+    text = " ".join((DOCS / "lightning.md").read_text().split())
+    real = _init_signature(
+        ROOT / "src" / "resilient_callbacks" / "lightning" / "callback.py", "ResilientCheckpoint"
+    )
+    assert f"`{real}`" in text, real
