@@ -1,4 +1,5 @@
-"""docs/cli.md's example sessions ("real output, trimmed") are what the CLI prints.
+"""docs/cli.md's example sessions ("real output, trimmed") are what the CLI prints, and
+format.md's recipes for reading a checkpoint without the library work as written.
 
 Each `$ resilient-ckpt ...` line of cli.md's text blocks is run, in order, on a directory made
 as the docs describe it (a run saved at steps 10 ... 60 with keep_last=3; then one bit of the
@@ -103,3 +104,41 @@ def test_the_example_sessions_of_cli_md_print_what_the_cli_prints(tmp_path, monk
             assert not extra, f"`{command.strip()}` also prints {extra}, which cli.md leaves out"
     assert flipped
     assert os.path.isdir("pulled/step_000000060")
+
+
+def python_blocks(text: str, after: str) -> list[str]:
+    """The ```python blocks of a doc that come after the heading `after`."""
+    text = text[text.index(after) :]
+    return re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+
+
+def test_format_md_reads_a_checkpoint_without_the_library_as_it_says(tmp_path, monkeypatch):
+    """format.md's recipes for readers of their own, run as written on an incremental
+    checkpoint of step 60: the manifest's checksum of itself, and the tensors of
+    shared.safetensors plus those shared.json maps to blobs, equal to the saved ones."""
+    import json
+
+    import xxhash
+
+    text = (CLI_MD.parent / "format.md").read_text()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))  # one blob
+    with Checkpointer(str(tmp_path), incremental=True, async_save=False) as ckpt:
+        ckpt.save(60, {"model": model})
+    monkeypatch.chdir(tmp_path)
+
+    manifest = json.loads(Path("step_000000060/manifest.json").read_text())
+    rule = re.search(r"written as `(json\.dumps\(rest, [^`]*\))`", text)
+    assert rule, "format.md no longer says how manifest_xxh3_64 is computed"
+    rest = {k: v for k, v in manifest.items() if k != "manifest_xxh3_64"}
+    written = eval(rule.group(1), {"json": json, "rest": rest})
+    assert xxhash.xxh3_64_hexdigest(written.encode()) == manifest["manifest_xxh3_64"]
+
+    reading, blobs = python_blocks(text, "## Reading a checkpoint without this library")
+    scope: dict = {}
+    exec(reading, scope)
+    exec(blobs, scope)
+    want = {f"model/{k}": v for k, v in model.state_dict().items()}
+    assert scope["tensors"].keys() == want.keys()
+    assert all(torch.equal(scope["tensors"][k], v) for k, v in want.items())
+    assert scope["refs"] == {"model/0.weight": scope["refs"]["model/0.weight"]}
