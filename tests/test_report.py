@@ -415,6 +415,29 @@ def test_report_of_a_history_without_a_run_start_exits_1(tmp_path: Path, capsys)
     assert "no history records of a run" in capsys.readouterr().err
 
 
+def test_report_of_a_directory_above_the_runs_names_the_ones_below(tmp_path: Path, capsys):
+    """`report demo_output` (the runs are in demo_output/plain/.../checkpoints) said "not a
+    directory a Checkpointer wrote"; like ls, verify, inspect, gc and export it names the
+    subdirectories that hold checkpoints (docs/cli.md: "every command says which")."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    for run in ("interrupted", "uninterrupted"):
+        with Checkpointer(tmp_path / "plain" / run / "checkpoints", async_save=False) as ck:
+            ck.save(1, {"w": torch.zeros(4)})
+    assert cli(["report", str(tmp_path), "--json"]) == 1
+    err = capsys.readouterr().err
+    assert "these subdirectories hold checkpoints: plain/interrupted/checkpoints (1), " in err
+    assert f"e.g. {tmp_path / 'plain/interrupted/checkpoints'}" in err
+    assert "not a directory a Checkpointer wrote" not in err
+    assert cli(["report", str(tmp_path / "plain")]) == 1  # one level less high: the same
+    assert "these subdirectories" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli(["report", str(tmp_path / "empty")]) == 1
+    assert "not a directory a Checkpointer wrote" in capsys.readouterr().err
+
+
 def test_report_status_of_a_corrupt_checkpoint(tmp_path: Path):
     """A byte flipped in the newest checkpoint: the report called it ``valid`` after a size
     check; it says ``unverified`` (as ``ls --fast``), and ``corrupt`` with ``--verify``."""

@@ -11,7 +11,9 @@ import sys
 import time
 from typing import Any
 
+from . import catalog
 from .cli_format import iso_time, jsonable
+from .cli_scan import no_checkpoints
 from .errors import CheckpointNotFoundError, ConfigError
 from .export_target import within
 
@@ -29,6 +31,8 @@ def report(args: argparse.Namespace) -> int:
                 f"{args.dir} has no history.jsonl: it holds another node's parts of a "
                 "node-local run, whose history is kept on rank 0's node (the dirpath there)"
             )
+        if catalog.holders(root):  # `report demo_output`: the runs are further down
+            raise no_checkpoints(args.dir, what="history.jsonl")
         raise CheckpointNotFoundError(
             f"{args.dir} has no history.jsonl: it is not a directory a Checkpointer wrote "
             "(or its runs predate the history)"
