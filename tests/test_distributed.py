@@ -394,6 +394,84 @@ if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "step-worker
         sys.exit(1)
 
 
+def grow_worker(root: str, out: str) -> None:
+    """Two ranks resume a checkpoint one process wrote, then try to save a DTensor."""
+    import random
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from resilient_callbacks import UnsupportedStateError
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank = dist.get_rank()
+    torch.manual_seed(1000 + rank)  # this process's own streams, before the restore
+    random.seed(1000 + rank)
+    state = {"model": nn.Linear(4, 4), "extra": {}}
+    res: dict[str, Any] = {"rank": rank}
+    with Checkpointer(root, preemption=False) as ck:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res["step"] = ck.restore(state)
+        res["warnings"] = [str(w.message) for w in caught]
+        res["torch"] = torch.rand(3).tolist()
+        res["python"] = random.random()
+        mesh = init_device_mesh("cpu", (WORLD,))
+        sharded = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+        try:
+            ck.save(res["step"] + 1, {"model": state["model"], "w": sharded})
+            res["dtensor_error"] = None
+        except UnsupportedStateError as e:
+            res["dtensor_error"] = str(e)
+        res["listing"] = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+    Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "grow-worker":
+    try:
+        grow_worker(sys.argv[2], sys.argv[3])
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+@pytest.mark.slow  # two processes: ~12 s on the loaded 2-core CI machine
+def test_more_ranks_than_wrote_the_checkpoint_keep_their_own_streams_and_dtensors_are_refused(
+    tmp_path,
+):
+    """docs/distributed.md, two claims no test held: resumed on more ranks than wrote it, a
+    rank without a saved RNG state keeps its fresh streams, with a warning (rank 0 gets the
+    saved ones); and a DTensor in the plain state is refused with an error that says to wrap
+    it as Sharded(model, optimizer), on every rank, with nothing committed."""
+    import random
+
+    root, out = tmp_path / "ckpt", tmp_path / "result"
+    torch.manual_seed(7)
+    random.seed(7)
+    with Checkpointer(root, async_save=False, preemption=False) as ck:
+        ck.save(3, {"model": nn.Linear(4, 4), "extra": {}})
+    saved_torch, saved_python = torch.rand(3).tolist(), random.random()
+    run_ranks([sys.executable, __file__, "grow-worker", str(root), str(out)], tmp_path, "grow")
+    r0, r1 = (json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(WORLD))
+    assert r0["step"] == r1["step"] == 3
+    assert (r0["torch"], r0["python"]) == (saved_torch, saved_python)
+    torch.manual_seed(1001)  # rank 1's own streams, as its process left them
+    random.seed(1001)
+    nn.Linear(4, 4)  # (its initialization draws from torch's)
+    assert (r1["torch"], r1["python"]) == (torch.rand(3).tolist(), random.random())
+    assert not any("RNG state" in w for w in r0["warnings"]), r0["warnings"]
+    assert any("rank 1 has no RNG state" in w and "start fresh" in w for w in r1["warnings"]), r1[
+        "warnings"
+    ]
+    for r in (r0, r1):
+        assert r["dtensor_error"] and "is a sharded DTensor" in r["dtensor_error"], r
+        assert "Sharded(model, optimizer)" in r["dtensor_error"], r
+        assert r["listing"] == ["step_000000003"], r
+
+
 def peer_worker(root: str, out: str, mode: str) -> None:
     """Rank 1 dies (its process ends, as a crash ends it) after the first save; rank 0 then
     saves again, alone. Mode "step": rank 1 dies before any save; rank 0 then calls step()."""
