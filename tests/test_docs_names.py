@@ -20,6 +20,16 @@ def test_every_error_in_the_guide_table_is_importable_from_the_package():
     missing = sorted(n for n in names if not hasattr(resilient_callbacks, n))
     assert not missing, f"documented but not importable from resilient_callbacks: {missing}"
     assert not sorted(n for n in names if n not in resilient_callbacks.__all__)
+    # and every error the package exports is in it (UnknownOptionError was not)
+    exported = {n for n in resilient_callbacks.__all__ if n.endswith("Error")}
+    missing = sorted(exported - names - {"CheckpointError"})
+    assert not missing, f"exported but not in guide.md's table of errors: {missing}"
+    for name in names:  # its "also a" column: the classes it derives from
+        row = re.search(rf"^\| `{name}` \| ([^|]*) \|", text, re.M)
+        bases = set(re.findall(r"`(\w+)`", row.group(1)))
+        cls = getattr(resilient_callbacks, name)
+        real = {c.__name__ for c in cls.__mro__[1:]}
+        assert bases <= real, f"{name} is not a {sorted(bases - real)}"
 
 
 ROOT = DOCS.parent
