@@ -223,3 +223,50 @@ def test_the_lightning_callbacks_signature_in_the_docs_is_its_own():
         ROOT / "src" / "resilient_callbacks" / "lightning" / "callback.py", "ResilientCheckpoint"
     )
     assert f"`{real}`" in text, real
+
+
+def _module_file(module: str) -> Path | None:
+    path = ROOT / "src" / Path(*module.split("."))
+    if (path / "__init__.py").exists():
+        return path / "__init__.py"
+    return path.with_suffix(".py") if path.with_suffix(".py").exists() else None
+
+
+def _defines(source: Path, name: str) -> bool:
+    """The module defines or imports `name`, or names it in a lazy-import table (read from
+    the source: importing the adapters would import their frameworks)."""
+    import ast
+
+    defined: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update(a.asname or a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Assign):
+            defined.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return name in defined or f'"{name}"' in source.read_text()
+
+
+def test_what_the_docs_import_from_the_package_exists():
+    """`from resilient_callbacks.x import Y` in the docs' examples, and every dotted
+    `resilient_callbacks.x.Y` they name, resolve to a module of src/ that defines Y."""
+    bad = []
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = path.read_text()
+        for module, names in re.findall(
+            r"from (resilient_callbacks[.\w]*) import ([\w, ()]+)", text
+        ):
+            source = _module_file(module)
+            for name in re.findall(r"\w+", names):
+                if source is None or not (
+                    _module_file(f"{module}.{name}") or _defines(source, name)
+                ):
+                    bad.append(f"{path.name}: from {module} import {name}")
+        for dotted in set(re.findall(r"`(resilient_callbacks(?:\.\w+)+)", text)):
+            parts = dotted.split(".")
+            k = max(k for k in range(1, len(parts) + 1) if _module_file(".".join(parts[:k])))
+            source = _module_file(".".join(parts[:k]))
+            if source and k < len(parts) and not _defines(source, parts[k]):
+                bad.append(f"{path.name}: {dotted}")
+    assert not bad, bad
