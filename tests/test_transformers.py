@@ -761,6 +761,30 @@ def test_retention_keeps_best_and_newest_and_leaves_an_older_run_alone(tmp_path)
     assert os.path.isdir(old.path)  # the older run's checkpoint is neither counted nor deleted
 
 
+def test_with_monitor_every_evaluation_is_saved_between_the_periodic_saves(tmp_path):
+    """transformers.md: with `monitor` set, also a save after every evaluation that reports it
+    (`save_on_evaluate`), so every evaluated state can be the kept best one. The test above
+    has its evaluations on the save schedule; here they fall between its saves (every 3
+    steps, saves every 10): 3, 6, 9 are saved too; with save_on_evaluate=False only 10, 12."""
+
+    def saved(cb: ResilientCheckpoint, out: Path) -> list[int]:
+        _train(out, cb, 12, eval_steps=3, gradient_accumulation_steps=1)
+        return [e.step for e in _committed(out / "ck")]
+
+    on = ResilientCheckpoint(
+        tmp_path / "a" / "ck", every_n_steps=10, keep_best=1, monitor="eval_loss"
+    )
+    assert saved(on, tmp_path / "a") == [3, 6, 9, 10, 12]
+    off = ResilientCheckpoint(
+        tmp_path / "b" / "ck",
+        every_n_steps=10,
+        keep_best=1,
+        monitor="eval_loss",
+        save_on_evaluate=False,
+    )
+    assert saved(off, tmp_path / "b") == [10, 12]
+
+
 def test_export_newest_checkpoint_loads_with_from_pretrained(tmp_path):
     ck = tmp_path / "ck"
     trainer = _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 4)
