@@ -542,3 +542,24 @@ def test_report_never_writes_over_the_runs_own_files(tmp_path: Path, capsys):
     # a new report file directly in the directory is still fine
     assert cli(["report", str(d), "--json", str(d / "report.json")]) == 0
     assert json.loads((d / "report.json").read_text())["summary"]["saves"] == 4
+
+
+def test_bytes_that_are_not_utf8_in_the_history_are_skipped_not_fatal(tmp_path: Path):
+    """A history.jsonl with a line that is not UTF-8 (bit rot, a foreign tool's append) is a
+    foreign line like any other: restore() resumed the run (it raised UnicodeDecodeError, so
+    training could not start again) and the report still reads the run."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    d = two_lives(tmp_path / "ck")
+    with open(d / history.HISTORY_NAME, "ab") as f:
+        f.write(b"\xff\xfe\x00 not text\n")
+    state = {"w": torch.zeros(64)}
+    with Checkpointer(d, every_n_steps=3) as ck:
+        assert ck.restore(state) == 12
+        ck.step(13, state, final=True)
+    js = tmp_path / "r.json"
+    assert cli(["report", str(d), "--json", str(js)]) == 0
+    s = json.loads(js.read_text())["summary"]
+    assert s["lives"] == 3 and s["final_step"] == 13

@@ -87,9 +87,10 @@ def _finite(v: Any) -> Any:
 def records(root: str, kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """Every record of the history as written (``kinds``: of those kinds only), oldest first;
     torn or foreign lines are skipped. Lines that cannot be of ``kinds`` are not parsed: a
-    restore reads the few lifecycle records of a history of many thousand saves."""
+    restore reads the few lifecycle records of a history of many thousand saves. Bytes that
+    are not UTF-8 (bit rot, a foreign tool's append) spoil only their own line."""
     try:
-        with open(os.path.join(root, HISTORY_NAME)) as f:
+        with open(os.path.join(root, HISTORY_NAME), encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
     except FileNotFoundError:
         return []
