@@ -563,3 +563,24 @@ def test_bytes_that_are_not_utf8_in_the_history_are_skipped_not_fatal(tmp_path: 
     assert cli(["report", str(d), "--json", str(js)]) == 0
     s = json.loads(js.read_text())["summary"]
     assert s["lives"] == 3 and s["final_step"] == 13
+
+
+def test_report_pages_of_a_garbled_directory(tmp_path: Path, capsys):
+    """Records a foreign tool (or an older version) wrote, with no timings or a size that is
+    no number, and a lock file that holds no JSON object: the page renders (the HTML/PNG
+    failed with matplotlib's 'Data cannot be log-scaled', the lock file with an
+    AttributeError), the plots that have nothing to show say so."""
+    root = tmp_path / "ck"
+    root.mkdir()
+    (root / history.HISTORY_NAME).write_text(
+        '{"event": "start", "time": 1.0, "step": 0, "run_id": "a"}\n'
+        '{"event": "save", "time": 2.0, "step": 5, "run_id": "a", "bytes": "big",'
+        ' "blocking_s": null}\n'
+        '{"event": "end", "time": 4.0, "step": 7, "run_id": "a"}\n'
+    )
+    (root / ".lock").write_text("[1, 2]")
+    out, js = tmp_path / "r.html", tmp_path / "r.json"
+    assert cli(["report", str(root), "--output", str(out), "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["saves"][0]["bytes"] is None
+    imgs = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", out.read_text())
+    assert len(imgs) == 6

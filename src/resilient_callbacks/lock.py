@@ -83,7 +83,7 @@ def writer_alive(root: str) -> bool:
         with open(os.path.join(root, LOCK_NAME)) as f:
             info = json.loads(f.read() or "{}")
         pid = int(info.get("pid"))
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, AttributeError):  # (AttributeError: not an object)
         return False
     if info.get("host") != socket.gethostname():
         return False

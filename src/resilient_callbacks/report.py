@@ -95,6 +95,11 @@ def _num(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
+def _count(v: Any) -> int | None:
+    """A record's byte count, None where it holds no whole number (a foreign record)."""
+    return v if type(v) is int and v >= 0 else None
+
+
 def choose_run(records: list[dict[str, Any]], run_id: str | None = None) -> str | None:
     """``run_id``, or the run of the newest start/restart record."""
     if run_id is not None:
@@ -196,7 +201,7 @@ def analyse(
                     "step": r.get("step"),
                     "name": r.get("name"),
                     "reason": r.get("reason"),
-                    "bytes": r.get("bytes"),
+                    "bytes": _count(r.get("bytes")),
                     "blocking_s": _num(r.get("blocking_s")),
                     "persist_s": _num(r.get("persist_s")),
                     "interval_used_s": interval,

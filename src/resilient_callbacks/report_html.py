@@ -124,11 +124,19 @@ def plot_saving(ax: Any, data: dict[str, Any]) -> None:
         _empty(ax, "no checkpoint recorded")
         ax.set_title("Time spent saving")
         return
-    t = [_minutes(s["t"]) for s in saves]
-    ax.scatter(t, [s["persist_s"] for s in saves], s=10, color="tab:gray", label="persist (bg)")
-    ax.scatter(
-        t, [s["blocking_s"] for s in saves], s=14, color="tab:purple", label="blocking training"
-    )
+    drawn = False
+    for key, size, colour, label in (
+        ("persist_s", 10, "tab:gray", "persist (bg)"),
+        ("blocking_s", 14, "tab:purple", "blocking training"),
+    ):  # a log scale: only times > 0 (a record without timings has none to show)
+        pts = [(_minutes(s["t"]), s[key]) for s in saves if s[key] is not None and s[key] > 0]
+        if pts:
+            ax.scatter(*zip(*pts, strict=True), s=size, color=colour, label=label)
+            drawn = True
+    if not drawn:
+        _empty(ax, "no save timings recorded")
+        ax.set_title("Time spent saving")
+        return
     ax.set_yscale("log")
     ax.set_xlabel("wall time (min)")
     ax.set_ylabel("seconds per save")
