@@ -530,3 +530,50 @@ def test_a_prometheus_exporter_on_port_0_says_which_port_it_took(tmp_path: Path,
         assert not url.endswith(":0/metrics")
         body = urllib.request.urlopen(url, timeout=30).read().decode()
     assert PREFIX + "preemptions_total 0.0" in body
+
+
+def test_a_framework_logger_that_raises_is_switched_off_and_training_goes_on(
+    tmp_path: Path, caplog
+):
+    """``telemetry="logger"``: a logger that raises on the checkpoint metrics (a tracking
+    backend down, a key it refuses) is warned about once and switched off, as every sink is;
+    it used to raise out of the Lightning callback and stop ``fit()``."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    calls: list[int] = []
+
+    class Flaky(CSVLogger):
+        def log_metrics(self, metrics, step=None):  # type: ignore[no-untyped-def]
+            if any(k.startswith(PREFIX) for k in metrics):
+                calls.append(step)
+                raise ConnectionError("tracking backend down")
+            super().log_metrics(metrics, step)
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, i):  # type: ignore[no-untyped-def]
+            x, y = batch
+            return ((self.lin(x) - y) ** 2).mean()
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(40, 4), torch.randn(40, 1)), batch_size=4)
+    trainer = pl.Trainer(
+        max_steps=10, logger=Flaky(str(tmp_path / "logs")), enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ResilientCheckpoint(tmp_path / "ck", every_n_steps=4, telemetry="logger")],
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
+        trainer.fit(Model(), data)
+    assert trainer.global_step == 10
+    assert len(calls) == 1  # switched off after its first failure
+    said = [r for r in caplog.records if "metrics sink logger failed" in r.getMessage()]
+    assert len(said) == 1 and "training goes on" in said[0].getMessage()

@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from .. import sinks
 from ..checkpointer import Checkpointer, SaveStats
 
 
@@ -39,8 +40,8 @@ def after_step(
                 out["resilient/blocking_s"] = last.seconds
     if out:
         _log(trainer, out)
-    if saved and "logger" in ckpt.telemetry_kinds:
-        _log(trainer, ckpt.metrics())
+    if saved:
+        sinks.to_framework(ckpt, lambda values: _log(trainer, values))
     return logged
 
 
@@ -60,8 +61,7 @@ def at_end(
     if log_stats and last is not None and last is not logged:
         logged = last
         _log(trainer, _committed(last))
-    if "logger" in ckpt.telemetry_kinds:
-        _log(trainer, ckpt.metrics())
+    sinks.to_framework(ckpt, lambda values: _log(trainer, values))
     return logged
 
 

@@ -18,6 +18,7 @@ when the Checkpointer is, and a missing extra is a :class:`~.errors.ConfigError`
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 import weakref
@@ -27,6 +28,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..metrics import Metric, Sink, Telemetry
+
+log = logging.getLogger("resilient_callbacks")
 
 KINDS = ("prometheus", "textfile", "pushgateway", "mlflow", "logger")
 DEFAULT_PORT = 9464  # the port OpenTelemetry's Prometheus exporter uses; node_exporter has 9100
@@ -222,6 +225,29 @@ def warn_logger_without_framework() -> None:
     )
 
 
+_LOGGER_OFF: weakref.WeakSet[Any] = weakref.WeakSet()  # Checkpointers whose "logger" failed
+
+
+def to_framework(ck: Any, send: Callable[[dict[str, float]], Any]) -> None:
+    """``telemetry="logger"``: the metrics now (``ck.metrics()``) through the framework's
+    loggers, ``send`` (the adapters': Lightning's loggers, the Trainer's ``log``), on the
+    training thread; nothing unless ``"logger"`` is among ``ck``'s sinks. A logger that raises
+    is warned about once and this sink switched off for the rest of the run, as every sink
+    is: training goes on."""
+    if "logger" not in ck.telemetry_kinds or ck in _LOGGER_OFF:
+        return
+    try:
+        send(ck.metrics())
+    except Exception as e:
+        _LOGGER_OFF.add(ck)
+        log.warning(
+            "metrics sink logger failed and is switched off for the rest of this run (training "
+            "goes on): %s: %s",
+            type(e).__name__,
+            e,
+        )
+
+
 def kinds(specs: Sequence[SinkSpec]) -> set[str]:
     return {s.kind for s in specs}
 
@@ -281,4 +307,4 @@ class CallableSink:
         pass
 
 
-__all__ = ["KINDS", "CallableSink", "SinkSpec", "build", "parse"]
+__all__ = ["KINDS", "CallableSink", "SinkSpec", "build", "parse", "to_framework"]

@@ -40,7 +40,7 @@ from transformers.utils import logging as hf_logging
 
 import resilient_callbacks_ds_guard
 
-from .. import rng
+from .. import rng, sinks
 from ..adapter import check_options
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
@@ -454,10 +454,10 @@ class ResilientCheckpoint(TrainerCallback):
             if logs:
                 trainer.log(logs)
                 self._logged_commit = ckpt.last_save.step if ckpt.last_save else None
-        if saved and "logger" in ckpt.telemetry_kinds:
+        if saved:
             # telemetry="logger": every checkpoint metric through the Trainer's log, so every
             # report_to integration (TensorBoard, MLflow, W&B) receives them
-            trainer.log(ckpt.metrics())
+            sinks.to_framework(ckpt, trainer.log)
 
     def _record(self, values: Any) -> None:
         if self._trainer is not None:

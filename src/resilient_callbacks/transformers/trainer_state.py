@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers.trainer_callback import ExportableState
 
-from .. import dist
+from .. import dist, sinks
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointMismatchError
 from ..optim import hookable
@@ -227,5 +227,4 @@ def log_final(trainer: Any, ckpt: Checkpointer, save_metrics: bool, logged: int 
     last = ckpt.last_save
     if save_metrics and last is not None and last.step != logged:
         trainer.log(save_logs(ckpt, committed_only=True))
-    if "logger" in ckpt.telemetry_kinds:
-        trainer.log(ckpt.metrics())
+    sinks.to_framework(ckpt, trainer.log)
