@@ -584,3 +584,16 @@ def test_report_pages_of_a_garbled_directory(tmp_path: Path, capsys):
     assert json.loads(js.read_text())["saves"][0]["bytes"] is None
     imgs = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", out.read_text())
     assert len(imgs) == 6
+
+
+def test_report_says_when_the_remote_it_was_given_holds_no_checkpoint(tmp_path: Path, capsys):
+    """``--remote`` with a mistyped URL (or a store never uploaded to) reads as an empty store:
+    the report said nothing, and its table showed only local checkpoints, as if none had
+    been uploaded. It says so on stderr and on the page, as ``ls --remote`` does."""
+    d = two_lives(tmp_path / "ck")
+    url = (tmp_path / "no-such-remote").as_uri()
+    out, js = tmp_path / "r.html", tmp_path / "r.json"
+    assert cli(["report", str(d), "--remote", url, "--output", str(out), "--json", str(js)]) == 0
+    assert f"the remote {url} holds no checkpoint" in capsys.readouterr().err
+    assert json.loads(js.read_text())["remote"] == url
+    assert "holds no checkpoint" in out.read_text()

@@ -42,12 +42,12 @@ def report(args: argparse.Namespace) -> int:
         from .cli_remote import store
 
         remote = store(args.remote, args.option)
-    data = rep.analyse(
-        root,
-        run_id=args.run,
-        checkpoints=rep.checkpoint_rows(root, remote, verify=args.verify),
-        now=time.time(),
-    )
+    rows = rep.checkpoint_rows(root, remote, verify=args.verify)
+    if remote is not None and not any(r["tier"] == "remote" for r in rows):
+        # a mistyped URL reads as an empty store: say so (as ls --remote does)
+        print(f"resilient-ckpt: the remote {remote.url} holds no checkpoint", file=sys.stderr)
+    data = rep.analyse(root, run_id=args.run, checkpoints=rows, now=time.time())
+    data["remote"] = remote.url if remote is not None else None
     if data.get("missing"):  # a history file without one start of a run: nothing to plot
         raise CheckpointNotFoundError(f"{args.dir}: {data['missing']}")
     for target in (args.json, args.png, args.output or "report.html"):

@@ -348,6 +348,11 @@ def render_html(data: dict[str, Any], pngs: dict[str, bytes]) -> str:
         for r in data["checkpoints"]:
             parts.append("<tr>" + "".join(f"<td>{_fmt(r[c])}</td>" for c in tier_cols) + "</tr>")
         parts.append("</table>")
+    if data.get("remote") and not any(r["tier"] == "remote" for r in data["checkpoints"]):
+        parts.append(
+            f"<p class='note'>The remote {html.escape(data['remote'])} holds no checkpoint "
+            "(a mistyped URL reads as an empty store).</p>"
+        )
     if data.get("other_runs"):
         parts.append(
             "<p class='note'>The history also holds other runs: "
