@@ -597,3 +597,36 @@ def test_report_says_when_the_remote_it_was_given_holds_no_checkpoint(tmp_path: 
     assert f"the remote {url} holds no checkpoint" in capsys.readouterr().err
     assert json.loads(js.read_text())["remote"] == url
     assert "holds no checkpoint" in out.read_text()
+
+
+def test_report_says_whether_the_uploads_kept_up(tmp_path: Path):
+    """A run with a remote tier: each upload is in the history (its checkpoint, size, upload
+    time and how long after the commit it was durable remotely), and the report sums them up
+    (uploads, median upload time, longest lag), where it said nothing about the remote tier
+    without --remote."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    d, remote = tmp_path / "ck", (tmp_path / "remote").as_uri()
+    state = {"w": torch.zeros(64)}
+    with Checkpointer(d, every_n_steps=3, remote=remote) as ck:
+        ck.restore(state)
+        for step in range(1, 10):
+            state["w"] += 1
+            ck.step(step, state)
+    ups = [r for r in history.records(str(d)) if r["event"] == "upload"]
+    assert [(r["step"], r["name"]) for r in ups] == [
+        (3, "step_000000003"),
+        (6, "step_000000006"),
+        (9, "step_000000009"),
+    ]
+    assert all(r["bytes"] > 0 and r["seconds"] >= 0 and r["lag_s"] >= 0 for r in ups)
+    js, out = tmp_path / "r.json", tmp_path / "r.html"
+    assert cli(["report", str(d), "--json", str(js), "--output", str(out)]) == 0
+    data = json.loads(js.read_text())
+    s = data["summary"]
+    assert s["uploads"] == 3 and s["median_upload_s"] is not None
+    assert s["max_upload_lag_s"] == max(r["lag_s"] for r in ups)
+    assert [u["name"] for u in data["uploads"]] == [r["name"] for r in ups]
+    assert "checkpoints uploaded" in out.read_text()

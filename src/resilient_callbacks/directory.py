@@ -32,7 +32,7 @@ from .errors import (
     warn_and_log,
 )
 from .lock import DirLock, claim_remote
-from .manifest import MANIFEST_NAME, read_manifest
+from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .retention import RetentionPolicy, plan
 from .trash import TrashBin
 
@@ -233,6 +233,7 @@ class Directory:
             self.dirpath,
             config.remote_retention_policy(),
             after_upload=self._retention_after_upload,
+            on_uploaded=self._record_upload,
         )
         # new commits number after the remote's too, also when no restore() lists the tiers (a
         # new run that only saves): a restore takes the highest number, of whichever run
@@ -310,6 +311,15 @@ class Directory:
             )
 
     # ------------------------------------------------------------------ history, other runs
+
+    def _record_upload(self, manifest: Manifest, name: str, seconds: float) -> None:
+        """The uploader, after each upload: how long it took, and how long after its commit
+        the checkpoint was durable remotely (the report: do the uploads keep up)."""
+        lag = max(0.0, time.time() - manifest.created)
+        self.record(
+            "upload", manifest.step, sync=False, name=name, bytes=manifest.total_bytes,
+            seconds=round(seconds, 6), lag_s=round(lag, 3),
+        )  # fmt: skip
 
     def record(self, event: str, step: int, *, sync: bool = True, **fields: Any) -> None:
         """Append to the directory's run history (coordinator only). Never raises: the

@@ -171,6 +171,7 @@ def analyse(
             "summary": {},
             "failures": [],
             "saves": [],
+            "uploads": [],
             "goodput": [],
             "checkpoints": checkpoints or [],
             "missing": _missing(recs, run_id),
@@ -182,6 +183,7 @@ def analyse(
     saves: list[dict[str, Any]] = []
     goodput: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
+    uploads: list[dict[str, Any]] = []  # to the remote tier: did they keep up
     for lf in ls:
         prev_useful = lf.begin_useful_s
         goodput.append({"t": lf.begin - t0, "useful_s": lf.begin_useful_s, "life": lf.index})
@@ -189,6 +191,18 @@ def analyse(
             u = _num(r.get("useful_s"))
             if u is not None and r["event"] in ("save", "progress", "end", "failed"):
                 goodput.append({"t": r["time"] - t0, "useful_s": u, "life": lf.index})
+            if r["event"] == "upload":
+                uploads.append(
+                    {
+                        "t": r["time"] - t0,
+                        "life": lf.index,
+                        "step": r.get("step"),
+                        "name": r.get("name"),
+                        "bytes": _count(r.get("bytes")),
+                        "seconds": _num(r.get("seconds")),
+                        "lag_s": _num(r.get("lag_s")),
+                    }
+                )
             if r["event"] != "save":
                 continue
             interval = None if u is None else u - prev_useful
@@ -249,6 +263,8 @@ def analyse(
     if given:  # mtbf_hours= was given: the policy used it, not the prior-weighted estimate
         mtbf_est = given[-1]
     used = [s["interval_used_s"] for s in saves if s["interval_used_s"]]
+    up_s = [u["seconds"] for u in uploads if u["seconds"] is not None]
+    lags = [u["lag_s"] for u in uploads if u["lag_s"] is not None]
     summary = {
         "run_id": run,
         "wall_s": wall,
@@ -276,6 +292,9 @@ def analyse(
         "daly_interval_observed_s": _daly(cost, mtbf_obs) if cost and mtbf_obs else None,
         "daly_interval_estimate_s": _daly(cost, mtbf_est) if cost else None,
         "median_interval_used_s": statistics.median(used) if used else None,
+        "uploads": len(uploads),
+        "median_upload_s": statistics.median(up_s) if up_s else None,
+        "max_upload_lag_s": max(lags) if lags else None,
     }
     return {
         "dir": root,
@@ -298,6 +317,7 @@ def analyse(
         ],
         "failures": failures,
         "saves": saves,
+        "uploads": uploads,
         "goodput": goodput,
         "checkpoints": checkpoints or [],
         "other_runs": sorted({str(r.get("run_id")) for r in recs} - {str(run)}),

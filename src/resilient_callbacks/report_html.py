@@ -125,11 +125,12 @@ def plot_saving(ax: Any, data: dict[str, Any]) -> None:
         ax.set_title("Time spent saving")
         return
     drawn = False
-    for key, size, colour, label in (
-        ("persist_s", 10, "tab:gray", "persist (bg)"),
-        ("blocking_s", 14, "tab:purple", "blocking training"),
+    for rows, key, size, colour, label in (
+        (saves, "persist_s", 10, "tab:gray", "persist (bg)"),
+        (saves, "blocking_s", 14, "tab:purple", "blocking training"),
+        (data.get("uploads") or [], "seconds", 10, "tab:green", "upload to the remote (bg)"),
     ):  # a log scale: only times > 0 (a record without timings has none to show)
-        pts = [(_minutes(s["t"]), s[key]) for s in saves if s[key] is not None and s[key] > 0]
+        pts = [(_minutes(r["t"]), r[key]) for r in rows if r[key] is not None and r[key] > 0]
         if pts:
             ax.scatter(*zip(*pts, strict=True), s=size, color=colour, label=label)
             drawn = True
@@ -281,6 +282,9 @@ _SUMMARY_ROWS = (
     ("daly_interval_observed_s", "Daly's optimum, observed MTBF (s)", None),
     ("daly_interval_estimate_s", "Daly's optimum, MTBF estimate with prior (s)", None),
     ("mtbf_observed_s", "observed MTBF (s)", None),
+    ("uploads", "checkpoints uploaded to the remote tier", None),
+    ("median_upload_s", "median upload time (s)", None),
+    ("max_upload_lag_s", "longest from commit to uploaded (s)", None),
     ("final_step", "last step recorded", None),
     ("finished_cleanly", "last process closed cleanly", None),
     ("running", "last process still running (this host)", None),

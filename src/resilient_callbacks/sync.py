@@ -61,6 +61,7 @@ class RemoteSync(UploadThread):
         policy: RetentionPolicy,
         after_upload: Callable[[], None] | None = None,
         *,
+        on_uploaded: Callable[[Manifest, str, float], None] | None = None,
         retry_base_s: float = 1.0,
         retry_max_s: float = 60.0,
         warn_every_s: float = 60.0,
@@ -70,6 +71,7 @@ class RemoteSync(UploadThread):
         self.local_root = local_root
         self.policy = policy
         self.after_upload = after_upload
+        self.on_uploaded = on_uploaded  # (manifest, local name, seconds): each upload done
         self.retry_base_s = retry_base_s
         self.retry_max_s = retry_max_s
         self.warn_every_s = warn_every_s
@@ -266,6 +268,8 @@ class RemoteSync(UploadThread):
             manifest.total_bytes / 1e6,
             elapsed,
         )
+        if self.on_uploaded is not None:
+            self.on_uploaded(manifest, name, elapsed)
         self._remote_retention(manifest, remote_name)
         self._local_retention()
         return True
