@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -358,3 +359,50 @@ def test_a_failed_deferred_copy_fails_the_save_not_the_optimizer_step(tmp_path, 
         ck.close()
     entries = catalog.committed(catalog.scan(str(tmp_path / "ck"), catalog.Depth.FULL))
     assert [e.step for e in entries] == [1]
+
+
+def _gated_background_writes(monkeypatch, fail: bool) -> threading.Event:
+    """Background writes wait for the returned event (then fail, with ``fail``); synchronous
+    ones (an emergency save) go through at once."""
+    from resilient_callbacks import persisting
+
+    gate = threading.Event()
+    write = persisting._write
+
+    def gated(saver, session, staging_dir, prepared, background):
+        if background:
+            gate.wait(30)
+            if fail:
+                raise OSError("disk went away")
+        return write(saver, session, staging_dir, prepared, background)
+
+    monkeypatch.setattr(persisting, "_write", gated)
+    return gate
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["commits", "fails"])
+def test_emergency_save_of_a_step_still_being_written_returns_once_it_is_durable(
+    tmp_path, monkeypatch, fails
+):
+    """emergency_save(N) right after step N's background save started returned False at once
+    ("already saved") without waiting for it: a health check that then ended the process lost
+    checkpoint N, and if that background write failed, N was never saved. It now waits for the
+    background save and, if it failed, saves N itself."""
+    gate = _gated_background_writes(monkeypatch, fail=fails)
+    state = {"w": torch.arange(10.0)}
+    ck = Checkpointer(tmp_path / "ck", every_n_steps=5, preemption=False)
+    ck.restore(state)
+    assert ck.step(5, state)  # in the background, held at the gate
+    opener = threading.Timer(0.3, gate.set)  # the write goes on while emergency_save waits
+    opener.start()
+    try:
+        ck.emergency_save(5, state)
+        names = [e.name for e in ck.checkpoints()]  # before anything else can commit it
+    finally:
+        opener.cancel()
+        gate.set()
+    assert names == ["step_000000005"]
+    entry = catalog.scan(str(tmp_path / "ck"), catalog.Depth.FULL)[-1]
+    assert entry.manifest is not None and str(entry.status) == "valid"
+    assert entry.manifest.reason == ("emergency" if fails else "periodic")
+    ck.close()

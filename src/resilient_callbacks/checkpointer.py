@@ -431,7 +431,9 @@ class Checkpointer:
         self, step: int, state: Any, metrics: Mapping[str, Any] | None = None
     ) -> bool:
         """Flush background saves and save ``step`` synchronously (fastest complete path), for
-        callers that detect a failure themselves. Every rank must call it."""
+        callers that detect a failure themselves. Every rank must call it. When it returns,
+        ``step`` is durable: False when it was saved already (its background save, waited for,
+        or the one restored)."""
         self._check_open(writes=True)
         return self._save_outside_step(step, state, metrics, "emergency", "emergency_save()")
 

@@ -166,10 +166,16 @@ class Saver:
         periodic save is skipped because the previous one is still being written
         (``skippable``: by default, a periodic save; never an archive step or a loss jump).
         An emergency save flushes the background saves first and goes on even if one of them
-        failed (that failure is logged: the state this save writes is newer)."""
+        failed (that failure is logged: the state this save writes is newer); of a step whose
+        background save is still being written, it returns (False) once that one committed,
+        and saves the step itself if it failed."""
         ck = self.ck
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
+        if ck.last_saved_step == step and reason == "emergency":
+            # that save may still be in the background: an emergency save returns once the
+            # step is durable, or saves it itself when that save failed (then it is None)
+            self.settle_background()
         if ck.last_saved_step == step:
             log.debug("step %d is already saved by this run; not saving it twice", step)
             if reason == "final":  # the remote tier takes it even if its upload was skipped
