@@ -193,3 +193,35 @@ def test_the_first_decision_after_warm_up_has_the_persist_floor(tmp_path, monkey
         assert info["clamp"] == "persist" and info["bounds_s"]["persist"] >= 0.5, info
         per_step = info["step_time_s"]
         assert ck.schedule.interval_steps() * per_step >= 0.5 * (1 - 1e-9), info
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["async", "sync"])
+def test_an_emergency_save_is_not_a_save_cost_of_a_background_schedule(tmp_path, background):
+    """With background saves the schedule's cost is the snapshot the loop waits for, but an
+    emergency save (preemption, save_on_exception) is synchronous: its whole write entered
+    the median, and its checkpoint, the one the next life resumes from, carried it on. Runs
+    preempted more often than they save periodically then measured the write, not the
+    snapshot, and saved too rarely. It is left out now; with async_save=False an emergency
+    save is a save like the others and still counts."""
+    from resilient_callbacks.manifest import read_manifest
+
+    state = {"w": torch.zeros(8)}
+    with Checkpointer(
+        tmp_path, adaptive=True, async_save=background, exit_on_preemption=False
+    ) as ck:
+        step = _until_the_first_save(ck, state)
+        ck.flush()
+        assert ck.schedule is not None
+        before = list(ck.schedule.state_dict()["costs"])
+        assert ck.watcher is not None
+        ck.watcher.trigger("manual")
+        assert ck.step(step + 1, state) and ck.preempted
+        assert ck.last_save is not None and ck.last_save.reason == "emergency"
+        saved = read_manifest(ck.last_save.path).extra["schedule"]
+        now = ck.schedule.state_dict()
+    if background:
+        assert now["costs"] == before and now["n_saves"] == 1, now
+        assert saved["costs"] == before and saved["n_saves"] == 1, saved
+    else:
+        assert len(now["costs"]) == 2 and now["n_saves"] == 2, now
+        assert saved["n_saves"] == 2, saved

@@ -110,7 +110,7 @@ def persist(
             except Exception as e:  # reported to every rank by the commit; nothing is committed
                 local_exc = e
         if not background:
-            saver.observe_save(time.perf_counter() - t0)
+            saver.observe_save(time.perf_counter() - t0, reason)
         if local_exc is None and background and saver.persister and saver.persister.abandoned:
             local_exc = CheckpointWriteError(f"step {step}: abandoned by close(timeout)")
         if prepared is not None:

@@ -253,7 +253,7 @@ class Saver:
                     self.persister.submit(functools.partial(job, quiet=True))
                 ck._recorder.save_failed(step, local_exc)
                 raise _prepare_error(local_exc, step, ck.rank, ck.dirpath)
-            self.observe_save(blocking)  # before the job writes the manifest, which counts it
+            self.observe_save(blocking, reason)  # before the job writes the manifest (counted)
             self.persister.submit(job)
             ck.last_saved_step = step
             ck._trigger.mark(step)
@@ -267,7 +267,7 @@ class Saver:
         job()  # observes its own cost before it commits (persisting.persist), amended here
         ck._trigger.steps_origin = step
         blocking = time.perf_counter() - t0
-        self.amend_last_save(blocking)
+        self.amend_last_save(blocking, reason)
         ck._recorder.save_blocked(blocking)
         return True
 
@@ -278,23 +278,29 @@ class Saver:
         st = sync.status()
         return st.uploaded_bytes / st.upload_seconds if st.upload_seconds > 0 else None
 
-    def observe_save(self, blocking: float) -> None:
+    def _schedules(self, reason: str) -> bool:
+        """Whether a save of ``reason`` is one the adaptive schedule plans, whose cost it
+        measures: not an emergency save when saves are in the background (it alone is
+        synchronous, its whole write blocking: not what the next interval will cost)."""
+        return not (reason == "emergency" and self.persister is not None)
+
+    def observe_save(self, blocking: float, reason: str) -> None:
         """A save blocked the loop ``blocking`` seconds: measured before its manifest is
         written (a background save at its submission, a synchronous one before its commit), so
         the schedule state the manifest carries counts this save (a run resumed from it does
         not warm up again)."""
         self.save_seconds.append(blocking)
         schedule = self.ck.schedule
-        if schedule is not None:
+        if schedule is not None and self._schedules(reason):
             persist = statistics.median(self.persist_seconds) if self.persist_seconds else None
             schedule.observe_save(blocking, persist)
 
-    def amend_last_save(self, blocking: float) -> None:
+    def amend_last_save(self, blocking: float, reason: str) -> None:
         """A synchronous save's whole cost, its commit included, once it has committed: it
         replaces the measurement taken before the commit (the one its manifest carries)."""
         if self.save_seconds:
             self.save_seconds[-1] = blocking
-        if self.ck.schedule is not None:
+        if self.ck.schedule is not None and self._schedules(reason):
             self.ck.schedule.amend_last_cost(blocking)
 
     def wait_background(self) -> float:
