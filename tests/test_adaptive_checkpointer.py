@@ -225,3 +225,51 @@ def test_an_emergency_save_is_not_a_save_cost_of_a_background_schedule(tmp_path,
     else:
         assert len(now["costs"]) == 2 and now["n_saves"] == 2, now
         assert saved["n_saves"] == 2, saved
+
+
+DAY = 86400.0
+
+
+def _shift_history(root, seconds: float) -> None:
+    """Move every record so far ``seconds`` into the past: those lives ran back then."""
+    path = root / "history.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in recs:
+        r["time"] -= seconds
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_the_time_a_run_was_down_is_no_exposure_to_failures(tmp_path):
+    """The learned MTBF divided the wall time since the run's first start by the failures, so
+    the days a requeued job waited in the queue, or a finished run sat before it was
+    extended, counted as failure-free running: one failure in minutes of training, 40 days
+    after the start, gave an MTBF of 20 days and saves ~10x too rare. Only the time the run's
+    processes ran counts now, in the schedule, the metrics and the report."""
+    from resilient_callbacks.report import analyse
+
+    root, state = tmp_path / "ck", {"w": torch.zeros(10)}
+    with Checkpointer(root, every_n_steps=5, preemption=False) as ck:  # ran, closed cleanly
+        ck.restore(state)
+        _loop(ck, state, 0, 10, 0.0)
+    _shift_history(root, 30 * DAY)  # ... 30 days ago; resumed 20 days later, and failed:
+    ck = Checkpointer(root, every_n_steps=5, preemption=False)
+    assert ck.restore(state) == 10
+    _loop(ck, state, 10, 5, 0.0)
+    ck.abort(RuntimeError("the training loop failed"))
+    _shift_history(root, 10 * DAY)  # ... 10 days ago
+    prior = 24 * 3600.0
+    with Checkpointer(root, every_n_steps=5, adaptive=True, preemption=False) as ck:
+        ck.restore(state)
+        assert ck.schedule is not None
+        info = ck.schedule.explain()
+        mtbf_metric = ck.metrics()["resilient_ckpt_mtbf_seconds"]
+    assert info["failures_observed"] == 1
+    assert info["exposure_s"] < 3600, info  # seconds of training, not 40 days
+    assert info["mtbf_s"] == pytest.approx((prior + info["exposure_s"]) / 2)
+    assert mtbf_metric < prior
+    with Checkpointer(root, every_n_steps=5, preemption=False) as ck:  # not adaptive: metrics
+        ck.restore(state)
+        assert ck.metrics()["resilient_ckpt_mtbf_seconds"] < prior
+    summary = analyse(str(root))["summary"]
+    assert summary["failures"] == 1 and summary["wall_s"] > 40 * DAY
+    assert summary["exposure_s"] < 3600 and summary["mtbf_observed_s"] < 3600, summary

@@ -4,6 +4,7 @@ plain callable and MLflow; a sink that fails is warned about once and training g
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -401,6 +402,32 @@ def test_a_restart_after_a_clean_close_is_no_failure(tmp_path: Path):
     back = [ev("start", 100), ev("restart", 50), ev("restart", 120), ev("restart", now + 9e3)]
     start, restarts = history.failures(back, "r")
     assert start == 100 and restarts[:2] == [100, 120] and 120 <= restarts[2] <= time.time()
+
+
+def test_downtime_is_the_time_between_a_lifes_last_record_and_the_next_restart(tmp_path):
+    """history.downtime: what the learned MTBF leaves out of the exposure."""
+    from resilient_callbacks import history
+
+    def rec(event: str, t: float, run: str = "r") -> str:
+        return json.dumps({"event": event, "time": t, "step": 0, "run_id": run}) + "\n"
+
+    lines = [
+        rec("restart", 0, "other"),  # another run before this one: not its downtime
+        rec("end", 5, "other"),
+        rec("restart", 10),  # the lineage's history begins with a restart (remote tier)
+        rec("progress", 20),
+        rec("save", 30),
+        '{"event": "progress", "ti\n',  # a torn line: the record before it counts
+        rec("restart", 100),  # 70 s down
+        rec("end", 150),
+        rec("restart", 1150),  # 1000 s down
+        rec("progress", 1160),
+    ]
+    (tmp_path / "history.jsonl").write_text("".join(lines))
+    assert history.downtime(str(tmp_path), "r") == 1070
+    assert history.downtime(str(tmp_path), "r", until=1200) == 1110  # a restart now
+    assert history.lineage(str(tmp_path), "r") == (10, [10, 100], 1070)
+    assert history.downtime(str(tmp_path / "none"), "r") == 0
 
 
 def test_a_wall_clock_stepped_back_does_not_stop_an_adaptive_resume(tmp_path, monkeypatch):

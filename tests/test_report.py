@@ -151,7 +151,8 @@ def test_report_of_an_in_process_run(tmp_path: Path, capsys):
     assert s["saves"] == 4 and s["final_step"] == 12 and 0 < s["goodput"] <= 1
     # a clean restart is no failure for the MTBF estimate either (it counted every process)
     prior = DEFAULT_PRIOR_MTBF_HOURS * HOUR
-    assert s["mtbf_estimate_s"] == pytest.approx(prior + s["wall_s"])
+    assert s["mtbf_estimate_s"] == pytest.approx(prior + s["exposure_s"])
+    assert 0 < s["exposure_s"] <= s["wall_s"]
     assert png.read_bytes().startswith(PNG_MAGIC)
     imgs = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", html_path.read_text())
     assert len(imgs) == 6

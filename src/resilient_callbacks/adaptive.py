@@ -185,6 +185,7 @@ class AdaptiveSchedule:
         *,
         now: float | None = None,
         exposure_s: float | None = None,
+        downtime_s: float = 0.0,
     ) -> None:
         """Learn the failure rate from the run's restarts: ``times`` are the wall-clock times
         (``time.time()``) at which the run was resumed after a failure, each one counting as one
@@ -192,12 +193,11 @@ class AdaptiveSchedule:
         listed: a resume after a clean stop (time limit reached, preemption with a final save) is
         not a failure.
 
-        The exposure (running time observed) is ``now - run_start`` (``now`` defaults to the
-        current time), or ``exposure_s`` when the caller knows it better, e.g. without the time
-        spent waiting in a queue between failure and resume. Without ``now`` and ``exposure_s``
-        the exposure goes on growing with the clock (the estimate sharpens as the run survives);
-        with either, it is frozen until the next call.
-        """
+        The exposure (running time observed) is ``now - run_start - downtime_s`` (``now``: by
+        default the current time; ``downtime_s``: the time the run was not running, e.g. queued
+        between a stop and its resume, :func:`.history.downtime`), or ``exposure_s`` when the
+        caller knows it better. Without ``now`` and ``exposure_s`` the exposure goes on growing
+        with the clock (the estimate sharpens as the run survives); else it is frozen."""
         try:
             ts = [float(t) for t in times]
         except (TypeError, ValueError):
@@ -206,7 +206,7 @@ class AdaptiveSchedule:
             ) from None
         if not all(map(math.isfinite, ts)):
             raise ConfigError(f"times={ts!r:.200}: every restart time must be finite")
-        start = check_time("run_start", run_start)
+        start, down = check_time("run_start", run_start), check_number("downtime_s", downtime_s)
         before = [t for t in ts if t < start]
         if before:
             raise ConfigError(
@@ -220,12 +220,12 @@ class AdaptiveSchedule:
                     f"now={end!r} is before the last restart or the run start; pass the current "
                     "time.time()"
                 )
-            exposure = end - start
+            exposure = max(0.0, end - start - down)
         else:
             exposure = check_number("exposure_s", exposure_s)
         self._failures = len(ts)
         self._exposure_s = exposure
-        self._exposure_origin = start if now is None and exposure_s is None else None
+        self._exposure_origin = start + down if now is None and exposure_s is None else None
 
     @property
     def failures_observed(self) -> int:

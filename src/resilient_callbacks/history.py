@@ -99,16 +99,9 @@ def records(root: str, kinds: tuple[str, ...] | None = None) -> list[dict[str, A
     for line in lines:
         if marks is not None and not any(m in line for m in marks):
             continue
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
+        d = _record(line)
         if (
-            isinstance(d, dict)
-            and isinstance(d.get("event"), str)
-            and isinstance(d.get("time"), (int, float))
-            and not isinstance(d.get("time"), bool)
-            and math.isfinite(d["time"])
+            d is not None
             and (d.get("step") is None or type(d.get("step")) is int)
             and (kinds is None or d["event"] in kinds)
         ):
@@ -135,10 +128,11 @@ def read(root: str, kinds: tuple[str, ...] | None = LIFECYCLE) -> list[Event]:
     return out
 
 
-def unsaved_run(root: str) -> tuple[str, float, list[float]] | None:
-    """``(run_id, start, restarts)`` of the run whose newest process died before its first
-    save (its start recorded, no save, no clean ``end`` after its last life began): restarted
-    now, with no checkpoint, it is the same run (``restarts`` has this restart). None otherwise."""
+def unsaved_run(root: str) -> tuple[str, float, list[float], float] | None:
+    """``(run_id, start, restarts, downtime)`` of the run whose newest process died before its
+    first save (its start recorded, no save, no clean ``end`` after its last life began):
+    restarted now, with no checkpoint, it is the same run (``restarts`` has this restart, and
+    :func:`downtime` counts to it). None otherwise."""
     events = read(root, (*LIFECYCLE, "end", "failed", "save"))
     lives = [e for e in events if e.event in LIFECYCLE]
     if not lives or lives[-1].run_id is None:
@@ -150,7 +144,72 @@ def unsaved_run(root: str) -> tuple[str, float, list[float]] | None:
     start, restarts = failures([e for e in mine if e.event != "save"], run)
     if start is None:
         return None
-    return run, start, [*restarts, time.time()]
+    now = time.time()
+    return run, start, [*restarts, now], downtime(root, run, until=now)
+
+
+def lineage(root: str, run_id: str | None) -> tuple[float | None, list[float], float]:
+    """``(start, restarts, downtime)`` of the lineage ``run_id``, as a restore learns them:
+    :func:`failures` of its lifecycle and :func:`downtime`."""
+    start, restarts = failures(read(root, (*LIFECYCLE, "end")), run_id)
+    return start, restarts, downtime(root, run_id)
+
+
+def downtime(root: str, run_id: str | None, until: float | None = None) -> float:
+    """Seconds the lineage ``run_id`` was not running: from the last record of each life (of
+    any kind: heartbeats come about once a minute) to the ``restart`` record of the next,
+    summed; ``until``: the time of a restart not recorded yet, also counted to. Waiting in a
+    queue after a preemption or a kill, or a finished run extended weeks later, exposes it to
+    no failure: the MTBF learned from the restarts leaves that time out. (Also left out: the
+    last minute or so of a killed life, and a restart until its restore finished: the learned
+    MTBF errs short, towards saving more often.) Only the records just before a restart are
+    parsed, as in :func:`records`."""
+    try:
+        with open(os.path.join(root, HISTORY_NAME)) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return 0.0
+    marks = tuple(json.dumps(k) for k in LIFECYCLE)
+    total = 0.0
+    begun = False  # the lineage's first life (a restart, where its history began elsewhere)
+    for i, line in enumerate(lines):
+        if not any(m in line for m in marks):
+            continue
+        d = _record(line)
+        if d is None or d["event"] not in LIFECYCLE:
+            continue
+        if run_id is not None and d.get("run_id") not in (run_id, None):
+            continue
+        if not begun or d["event"] != "restart":
+            begun = True
+            continue
+        before = next(
+            (r for r in map(_record, reversed(lines[max(0, i - 1000) : i])) if r is not None),
+            None,
+        )
+        if before is not None:
+            total += max(0.0, d["time"] - before["time"])
+    if until is not None and lines:
+        last = next((r for r in map(_record, reversed(lines[-1000:])) if r is not None), None)
+        if last is not None:
+            total += max(0.0, until - last["time"])
+    return total
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """One line as a record, or None (torn, foreign)."""
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return None
+    ok = (
+        isinstance(d, dict)
+        and isinstance(d.get("event"), str)
+        and isinstance(d.get("time"), (int, float))
+        and not isinstance(d.get("time"), bool)
+        and math.isfinite(d["time"])
+    )
+    return d if ok else None
 
 
 def failures(events: list[Event], run_id: str | None) -> tuple[float | None, list[float]]:

@@ -54,6 +54,7 @@ class Recorder:
         self.run_start: float | None = None  # wall-clock start of the run (lineage)
         self.created = time.time()  # a run that saves without restore(): it started here
         self.failures = 0
+        self.downtime_s = 0.0  # of the run before this process: not exposed to failures
         self._compute_at_base = 0.0
         self._next_refresh = 0.0
         self._committed: dict[str, tuple[int, float]] = {}  # name -> (bytes, commit time)
@@ -86,7 +87,8 @@ class Recorder:
             mtbf, source = sched.mtbf_estimate(), sched.mtbf_source()
             steps = sched.current_steps
         else:
-            exposure = time.time() - self.run_start if self.run_start is not None else 0.0
+            start = self.run_start
+            exposure = max(0.0, time.time() - start - self.downtime_s) if start is not None else 0.0
             mtbf = (DEFAULT_PRIOR_MTBF_HOURS * HOUR + exposure) / (1 + self.failures)
             source = "learned" if self.failures else "prior"
             steps = ck.policy.every_n_steps
@@ -176,6 +178,7 @@ class Recorder:
         """A new run (no checkpoint restored): its clock starts now (or ``at``, a wall time),
         and the adaptive schedule's exposure (the time the run survived) with it."""
         self.run_start = time.time() if at is None else at
+        self.downtime_s = 0.0
         schedule = self._ck.schedule
         if schedule is not None:
             schedule.set_restart_history([], self.run_start)
@@ -279,7 +282,12 @@ class Recorder:
         return fields
 
     def lineage(
-        self, manifest: Manifest, inside: bool, start: float | None, restarts: list[float]
+        self,
+        manifest: Manifest,
+        inside: bool,
+        start: float | None,
+        restarts: list[float],
+        downtime_s: float,
     ) -> None:
         """Every rank, after a restore, with the same values (the run's start and restarts
         from the history, this restart included): wall time and failures count from them. A
@@ -289,20 +297,21 @@ class Recorder:
             start, restarts = None, []
         # without the run's history here (restored from the remote tier), this restart is one
         self.failures = (len(restarts) if start is not None else 1) if inside else 0
+        self.downtime_s = downtime_s if inside and start is not None else 0.0
         progress = manifest.extra.get("progress") if inside else None
         saved = progress.get("run_start") if isinstance(progress, dict) else None
         if isinstance(saved, (int, float)) and math.isfinite(saved):
             start = saved if start is None else min(start, saved)
         self.run_start = start if start is not None else time.time()
 
-    def continued_unsaved(self, start: float, restarts: list[float]) -> None:
+    def continued_unsaved(self, start: float, restarts: list[float], downtime_s: float) -> None:
         """Every rank: the run goes on from nothing saved (:meth:`Restorer.fresh_start`), with
-        its start and its restarts (this one included)."""
+        its start, its restarts (this one included) and the time it was down."""
         self.failures = len(restarts)
-        self.run_start = start
+        self.run_start, self.downtime_s = start, downtime_s
         schedule = self._ck.schedule
         if schedule is not None:
-            schedule.set_restart_history(restarts, start)
+            schedule.set_restart_history(restarts, start, downtime_s=downtime_s)
 
     def preemption(self, step: int, source: str) -> None:
         self.t.inc(PREFIX + "preemptions_total")

@@ -254,7 +254,10 @@ def analyse(
     useful = ls[-1].last_useful_s
     blocking = [s["blocking_s"] for s in saves if s["blocking_s"] is not None]
     persist = [s["persist_s"] for s in saves if s["persist_s"] is not None]
-    exposure = wall
+    # exposed to failures only while running: not from a life's last record to the next start
+    exposure = max(
+        0.0, wall - sum(max(0.0, n.begin - p.last_time) for p, n in itertools.pairwise(ls))
+    )
     n_fail = len(failures)
     mtbf_obs = exposure / n_fail if n_fail else None
     cost = statistics.median(blocking) if blocking else None
@@ -286,6 +289,7 @@ def analyse(
         "final_step": ls[-1].last_step,
         "finished_cleanly": ls[-1].ended_cleanly,
         "running": ls[-1].ended == "running",
+        "exposure_s": exposure,
         "mtbf_observed_s": mtbf_obs,
         "mtbf_estimate_s": mtbf_est,
         "mtbf_estimate_source": "user" if given else "prior-weighted",

@@ -168,7 +168,7 @@ class Restorer:
         if unsaved is None:
             ck._start_run(0)
             return
-        run_id, start, restarts = unsaved
+        run_id, start, restarts, down = unsaved
         ck._dir.run_id = run_id
         if ck.is_coordinator:
             ck._dir.record("restart", 0, useful_s=0.0, saved=False)
@@ -179,7 +179,7 @@ class Restorer:
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(start)),
                 len(restarts),
             )
-        ck._recorder.continued_unsaved(start, restarts)
+        ck._recorder.continued_unsaved(start, restarts, down)
 
     def _listed(self) -> list[Candidate]:
         """Every rank: the coordinator's candidates (its error raised on every rank)."""
@@ -414,12 +414,12 @@ class Restorer:
             d.record("restart", manifest.step, **fields)  # a resume: the run stopped early
             ck._recorder.record_deferred()  # the fallbacks on the way to this checkpoint
             d.check_foreign()  # at the caller of Checkpointer.restore
-        # the run's start and restarts (this one included), read once, the same on every rank
-        events = history.read(ck.dirpath, (*history.LIFECYCLE, "end")) if ck.is_coordinator else []
-        start, restarts = dist.broadcast_json(list(history.failures(events, d.run_id)))
-        ck._recorder.lineage(manifest, inside, start, restarts)
+        # the run's start, restarts (this one included) and time down, the same on every rank
+        lineage = history.lineage(ck.dirpath, d.run_id) if ck.is_coordinator else None
+        start, restarts, down = dist.broadcast_json(lineage)
+        ck._recorder.lineage(manifest, inside, start, restarts, down)
         if schedule is not None and start is not None:
-            schedule.set_restart_history(restarts, start)
+            schedule.set_restart_history(restarts, start, downtime_s=down)
         if ck.is_coordinator and inside and d.sync is not None:
             restore_remote.reconcile_uploads(ck)
         if ck.is_coordinator and inside and ck.config.resume == ResumeMode.AUTO:
