@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -144,6 +145,26 @@ def test_close_names_the_checkpoints_whose_remote_commit_was_given_up(tmp_path):
     assert not os.path.exists(tmp_path / "remote" / "step_000000004" / "manifest.json")
     _run(tmp_path, "again", 2, "--steps", "4")
     assert os.path.exists(tmp_path / "remote" / "step_000000004" / "manifest.json")
+
+
+def test_close_gives_up_on_a_remote_commit_that_never_answers(tmp_path):
+    """The store stops answering the coordinator's remote commit (an attempt that never
+    returns, as against an endpoint that accepts connections and goes silent): close() says
+    what it waits for, gives up once the (lowered) outage limit passed, names what is not
+    committed remotely, and keeps it on the disks; a later run commits it. close() waited
+    for the committer without a bound (and without a word): the job hung at exit."""
+    out = _run(
+        tmp_path, "hangs", 2, "--steps", "4", RC_COMMIT_HANGS=1, RC_OUTAGE_S=2, RC_CAPTURE_LOG=1
+    )
+    assert all(rank[-1]["event"] == "closed" for rank in out), out
+    log = out[0][-1]["log"]
+    waited = next(ln for ln in log.splitlines() if "close(): waiting for the remote commit" in ln)
+    assert "step_000000004" in waited, log
+    assert "close(): not committed remotely (the store has not answered" in log, log
+    assert not list((tmp_path / "remote").glob("step_*/manifest.json"))
+    assert (tmp_path / "node0" / "step_000000004" / "remote_manifest.json").is_file()
+    _run(tmp_path, "again", 2, "--steps", "4")
+    assert (tmp_path / "remote" / "step_000000004" / "manifest.json").is_file()
 
 
 def test_a_final_save_of_a_step_saved_already_is_committed_remotely(tmp_path):
@@ -446,6 +467,8 @@ def worker(base: str, argv: list[str]) -> None:
 
         committer.commit_one = fail
         committer.max_attempts, committer.retry_base_s = 2, 0.05
+    if os.environ.get("RC_COMMIT_HANGS") and committer is not None:  # accepts, never answers
+        committer.commit_one = lambda p: threading.Event().wait()
     if os.environ.get("RC_CAPTURE_LOG"):
         logged = io.StringIO()
         logging.getLogger("resilient_callbacks").addHandler(logging.StreamHandler(logged))

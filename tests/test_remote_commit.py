@@ -91,6 +91,37 @@ def test_no_remote_manifest_when_an_object_is_missing_or_changed(tmp_path):
             u.stop()
 
 
+def test_close_waits_are_bounded_by_a_preemptions_grace_period(tmp_path):
+    """A node's upload and the remote commit that never return (a store that stopped
+    answering): with a preemption's grace period nearly spent (grace_left() under the exit
+    margin), both waits of close() return at once instead of waiting for the store (node-local
+    close ignored a SIGTERM that arrived during it, as shared mode does not)."""
+    import threading
+
+    store, files, key, m, committer, up = _setup(tmp_path)
+    never = threading.Event()
+    try:
+        committer.commit_one = lambda p: never.wait()  # type: ignore[method-assign]
+        committer.expect(key, "step_000000002", encode_json(m.to_json()))
+        for r in (0, 1):
+            up[r].enqueue("step_000000002", "step_000000002", key, [files[r]])
+            assert up[r].wait(30)
+            for rep in up[r].take_reports():
+                committer.report(r, rep)
+        store.fs.put = lambda *a, **k: never.wait()  # type: ignore[method-assign]
+        up[0].enqueue("step_000000004", "step_000000004", ("run1", 2), [files[0]])
+        assert up[0].wait(None, None, grace_left=lambda: 1.0) is False
+        assert committer.ready() == ["step_000000002"]
+        assert committer.wait(None, None, grace_left=lambda: 1.0) is False
+        assert committer.wait(None, outage_s=0.0) is False  # its attempt has not returned
+        assert committer.stuck_s() > 0
+    finally:
+        never.set()
+        committer.stop()
+        for u in up:
+            u.stop()
+
+
 def test_upload_check_asks_s3_not_a_listing_taken_mid_upload(tmp_path, s3_remote):
     """On the coordinator's node the committer thread lists the store with the same s3fs object
     as the node's uploader, at any moment, also while the uploader checks its objects. The check

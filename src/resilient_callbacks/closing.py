@@ -71,7 +71,8 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
             )
         if isinstance(ck._dir, NodeDirectory):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ck._dir.finish_nodes(left, outage_s)
+            watcher = ck.watcher  # a SIGTERM arriving now bounds the waits by its grace period
+            ck._dir.finish_nodes(left, outage_s, watcher.remaining_grace_s if watcher else None)
         _empty_trash(ck, None if deadline is None else max(0.0, deadline - time.monotonic()))
         _warn_unmonitored(ck)
         if persister is not None:

@@ -35,6 +35,7 @@ from .lock import DirLock, claim_remote
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .retention import RetentionPolicy, plan
 from .trash import TrashBin
+from .upload_thread import EXIT_MARGIN_S
 
 if TYPE_CHECKING:
     from .config import CheckpointerConfig
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
     from .sync import RemoteSync
 
 log = logging.getLogger("resilient_callbacks")
-EXIT_MARGIN_S = 5.0  # of a grace period, left to exit after the uploads (interpreter teardown)
 
 
 def error_type(name: str) -> type[CheckpointError]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist
@@ -219,35 +220,72 @@ class NodeDirectory(Directory):
             upload_seconds=c.seconds,
         )
 
-    def finish_nodes(self, timeout: float | None, outage_s: float | None = None) -> None:
+    def finish_nodes(
+        self,
+        timeout: float | None,
+        outage_s: float | None = None,
+        grace_left: Callable[[], float | None] | None = None,
+    ) -> None:
         """close(), every rank: each leader waits for its uploads (up to ``timeout``; without
         one, until they have failed for ``outage_s`` in a row), the last reports reach the
-        coordinator, which waits for the remote commits (what is left stays local, named)."""
+        coordinator, which waits for the remote commits (as long, and no longer once they have
+        failed or hung for ``outage_s``); a preemption arriving meanwhile bounds both waits by
+        its grace period (``grace_left``). Each wait is announced; what is left stays local,
+        named."""
         if not self.topology.is_leader:
             return
         t0 = time.monotonic()
-        if self.uploader is not None and not self.uploader.wait(timeout, outage_s):
+        u = self.uploader
+        if u is not None and u.pending():
             log.warning(
-                "close(): this node's part of %s is not uploaded yet; it stays local in %s",
-                ", ".join(sorted(self.uploader.pending())),
+                "close(): waiting for this node's part of %s to upload to %s%s",
+                ", ".join(u.pending()),
+                u.store.url,
+                "" if timeout is None else f" (at most {timeout:.0f} s)",
+            )
+        if u is not None and not u.wait(timeout, outage_s, grace_left):
+            log.warning(
+                "close(): this node's part of %s is not uploaded yet (last error: %s); it stays "
+                "local in %s, and the next run with the same directories uploads it",
+                ", ".join(sorted(u.pending())),
+                u.counters.last_error or "none: still uploading",
                 self.dirpath,
             )
         self.exchange_reports()
-        if self.committer is not None:
-            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
-            if not self.committer.wait(left):
+        c = self.committer
+        if c is None:
+            return
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+        if c.ready():
+            log.warning(
+                "close(): waiting for the remote commit of %s (every node's part is uploaded)",
+                ", ".join(c.ready()),
+            )
+        if not c.wait(left, outage_s, grace_left):
+            stuck = c.ready()
+            missing = [n for n in c.waiting() if n not in stuck]
+            if stuck:
+                log.warning(
+                    "close(): not committed remotely (the store has not answered the remote "
+                    "commit for %.0f s, last error: %s; the nodes' disks hold them, and a later "
+                    "run with the same directories commits them): %s",
+                    c.stuck_s(),
+                    c.last_error or "none: the attempt under way has not returned",
+                    ", ".join(stuck),
+                )
+            if missing:
                 log.warning(
                     "close(): not committed remotely (a node's part is missing): %s",
-                    ", ".join(self.committer.waiting()),
+                    ", ".join(missing),
                 )
-            self.apply_retention(None)  # the copies kept for their remote commit may go now
-            if self.committer.abandoned:
-                log.warning(
-                    "close(): not committed remotely (the remote commit failed; the nodes' "
-                    "disks hold them, and a later run with the same directories commits "
-                    "them): %s",
-                    ", ".join(self.committer.abandoned),
-                )
+        self.apply_retention(None)  # the copies kept for their remote commit may go now
+        if c.abandoned:
+            log.warning(
+                "close(): not committed remotely (the remote commit failed; the nodes' "
+                "disks hold them, and a later run with the same directories commits "
+                "them): %s",
+                ", ".join(c.abandoned),
+            )
 
     def recover_uploads(self, remote_keys: set[tuple[str, int]] | None) -> None:
         """After a restore, leaders: queue this run's local checkpoints newer than its newest

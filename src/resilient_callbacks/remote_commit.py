@@ -32,9 +32,21 @@ from .redact import url_text
 from .remote import ETAG_CHECK_MAX, RemoteStore, retention_candidates
 from .remote_objects import md5
 from .retention import RetentionPolicy, plan
-from .upload_thread import UploadThread, backoff_s
+from .upload_thread import EXIT_MARGIN_S, UploadThread, backoff_s
 
 log = logging.getLogger("resilient_callbacks")
+
+
+def _by_grace(
+    deadline: float | None, grace_left: Callable[[], float | None] | None
+) -> float | None:
+    """``deadline`` (monotonic), brought forward to a preemption's hard kill less a margin to
+    exit, once ``grace_left()`` says one is coming."""
+    grace = grace_left() if grace_left is not None else None
+    if grace is None:
+        return deadline
+    by = time.monotonic() + max(0.0, grace - EXIT_MARGIN_S)
+    return by if deadline is None else min(deadline, by)
 
 
 @dataclass
@@ -99,12 +111,19 @@ class NodeUploader(UploadThread):
             out, self._reports = self._reports, []
         return out
 
-    def wait(self, timeout: float | None = None, outage_s: float | None = None) -> bool:
-        """Block until every queued upload is done; False if ``timeout`` passed first, or once
-        uploads have failed for ``outage_s`` seconds in a row (close gives up on an outage)."""
+    def wait(
+        self,
+        timeout: float | None = None,
+        outage_s: float | None = None,
+        grace_left: Callable[[], float | None] | None = None,
+    ) -> bool:
+        """Block until every queued upload is done; False if ``timeout`` passed first, once
+        uploads have failed for ``outage_s`` seconds in a row (close gives up on an outage), or
+        past ``grace_left()`` (a preemption's time to the hard kill, less a margin to exit)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._queue:
+                deadline = _by_grace(deadline, grace_left)
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return False
@@ -250,6 +269,12 @@ class RemoteCommitter(UploadThread):
         self._pending: dict[tuple[str, int], PendingCommit] = {}
         self._ready: list[tuple[str, int]] = []
         self._busy = False
+        # monotonic times: the first failed attempt since the last success, and the start of
+        # the attempt under way (a commit lists and puts one small object: one that runs for
+        # minutes is a store that accepted the connection and stopped answering)
+        self.failing_since: float | None = None
+        self.attempt_since: float | None = None
+        self.last_error: str | None = None
         self._start()
 
     # ------------------------------------------------------------------ the table
@@ -306,12 +331,37 @@ class RemoteCommitter(UploadThread):
         with self._cond:
             return [p.name for p in self._pending.values()]
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Until every checkpoint whose parts all arrived is committed; True if nothing is left
-        waiting (for a node's part, either)."""
+    def ready(self) -> list[str]:
+        """The checkpoints whose parts all arrived, not committed yet (being tried, or next)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: not self._ready and not self._busy, timeout):
-                return False
+            return [self._pending[k].name for k in self._ready if k in self._pending]
+
+    def stuck_s(self) -> float:
+        """Seconds the commits have failed in a row, or the attempt under way has not
+        returned, whichever is longer (0: the store answers)."""
+        now = time.monotonic()
+        return max(now - (self.failing_since or now), now - (self.attempt_since or now))
+
+    def wait(
+        self,
+        timeout: float | None = None,
+        outage_s: float | None = None,
+        grace_left: Callable[[], float | None] | None = None,
+    ) -> bool:
+        """Until every checkpoint whose parts all arrived is committed; True if nothing is left
+        waiting (for a node's part, either). False once ``timeout`` passed, once the commits
+        have failed or hung for ``outage_s`` (:meth:`stuck_s`), or past ``grace_left()`` (a
+        preemption's time to the hard kill, less a margin to exit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._ready or self._busy:
+                deadline = _by_grace(deadline, grace_left)
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                if outage_s is not None and self.stuck_s() > outage_s:
+                    return False
+                self._cond.wait(1.0 if deadline is None else min(1.0, deadline - now))
             return not self._pending
 
     # ------------------------------------------------------------------ the thread
@@ -326,11 +376,16 @@ class RemoteCommitter(UploadThread):
                 self._busy = True
             ok = False
             for attempt in range(self.max_attempts):
+                self.attempt_since = time.monotonic()
                 try:
                     self.commit_one(p)
                     ok = True
+                    self.failing_since = self.attempt_since = self.last_error = None
                     break
                 except Exception as e:
+                    self.failing_since = self.failing_since or self.attempt_since
+                    self.attempt_since = None
+                    self.last_error = f"{type(e).__name__}: {url_text(str(e))}"
                     log.warning(
                         "remote commit of %s failed (attempt %d of %d): %s: %s",
                         p.name,

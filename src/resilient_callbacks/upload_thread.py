@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 
 _JITTER = random.Random()
+EXIT_MARGIN_S = 5.0  # of a grace period, left to exit after the uploads (interpreter teardown)
 
 
 def backoff_s(failures: int, base_s: float, max_s: float = math.inf, jitter: bool = True) -> float:
