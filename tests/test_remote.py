@@ -163,6 +163,30 @@ def test_damaged_local_copy_falls_back_to_its_remote_copy(remote, tmp_path):
     assert (local / "step_000000020" / "shared.safetensors").read_bytes() != bytes(data)
 
 
+def test_a_local_copy_replaced_by_its_remote_copy_is_counted_by_keep_last(tmp_path):
+    """The damaged local copy of step 20 is replaced by its verified remote copy at the
+    restore: a good checkpoint, which keep_last then deletes like any other. It stayed for
+    the rest of the run, kept "as corrupt" under its name (also after a run saved by two
+    nodes resumed on one, where each node's part lacks the other's files)."""
+    url, local = f"file://{tmp_path}/remote", tmp_path / "local"
+    with Checkpointer(local, remote=url, keep_last=2) as ck:
+        for s in (10, 20):
+            ck.save(s, _state(s))
+    f = local / "step_000000020" / "shared.safetensors"
+    f.write_bytes(f.read_bytes()[:-1] + b"\0")  # same size, wrong checksum
+    with (
+        pytest.warns(ResumeFallbackWarning, match="trying its copy in the remote tier next"),
+        Checkpointer(local, remote=url, keep_last=2) as ck,
+    ):
+        assert ck.restore(_fresh()) == 20
+        for s in (30, 40):
+            ck.save(s, _state(s))
+    assert sorted(n for n in os.listdir(local) if n.startswith("step_")) == [
+        "step_000000030",
+        "step_000000040",
+    ]
+
+
 def test_tier_retention_keeps_best_and_more_remotely(remote, tmp_path):
     url, opts = remote
     local = tmp_path / "local"

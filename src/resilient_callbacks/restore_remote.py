@@ -59,7 +59,8 @@ def fetch(ck: Checkpointer, c: Candidate) -> Candidate:
 
 def _install(ck: Checkpointer, staging: str, name: str, manifest: Manifest) -> str:
     """Move a downloaded checkpoint into dirpath under its own name, replacing a damaged local
-    copy of the same checkpoint; another checkpoint of that name is never touched."""
+    copy of the same checkpoint (no longer kept as corrupt by retention: the name now holds a
+    verified copy); another checkpoint of that name is never touched."""
     d = ck._dir
     final = os.path.join(d.dirpath, name)
     if os.path.lexists(final):
@@ -74,6 +75,7 @@ def _install(ck: Checkpointer, staging: str, name: str, manifest: Manifest) -> s
         remove_checkpoint(final)
     os.rename(staging, final)
     fsync_dir(d.dirpath)
+    d.found_corrupt.discard(name)  # the damaged copy of that name is gone: count this one
     return final
 
 
