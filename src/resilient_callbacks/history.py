@@ -84,16 +84,22 @@ def _finite(v: Any) -> Any:
     return v
 
 
+def _lines(root: str) -> list[str]:
+    """The history's lines ([] without one). Bytes that are not UTF-8 (bit rot, a foreign
+    tool's append) spoil only their own line, which no reader parses then."""
+    try:
+        with open(os.path.join(root, HISTORY_NAME), encoding="utf-8", errors="replace") as f:
+            return f.read().splitlines()
+    except FileNotFoundError:
+        return []
+
+
 def records(root: str, kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """Every record of the history as written (``kinds``: of those kinds only), oldest first;
     torn or foreign lines are skipped. Lines that cannot be of ``kinds`` are not parsed: a
     restore reads the few lifecycle records of a history of many thousand saves. Bytes that
     are not UTF-8 (bit rot, a foreign tool's append) spoil only their own line."""
-    try:
-        with open(os.path.join(root, HISTORY_NAME), encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return []
+    lines = _lines(root)
     marks = None if kinds is None else tuple(json.dumps(k) for k in kinds)
     out = []
     for line in lines:
@@ -164,11 +170,7 @@ def downtime(root: str, run_id: str | None, until: float | None = None) -> float
     last minute or so of a killed life, and a restart until its restore finished: the learned
     MTBF errs short, towards saving more often.) Only the records just before a restart are
     parsed, as in :func:`records`."""
-    try:
-        with open(os.path.join(root, HISTORY_NAME)) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return 0.0
+    lines = _lines(root)
     marks = tuple(json.dumps(k) for k in LIFECYCLE)
     total = 0.0
     begun = False  # the lineage's first life (a restart, where its history began elsewhere)
