@@ -91,7 +91,7 @@ def test_no_remote_manifest_when_an_object_is_missing_or_changed(tmp_path):
             u.stop()
 
 
-def test_close_waits_are_bounded_by_a_preemptions_grace_period(tmp_path):
+def test_close_waits_are_bounded_by_a_preemptions_grace_period(tmp_path, monkeypatch):
     """A node's upload and the remote commit that never return (a store that stopped
     answering): with a preemption's grace period nearly spent (grace_left() under the exit
     margin), both waits of close() return at once instead of waiting for the store (node-local
@@ -108,7 +108,8 @@ def test_close_waits_are_bounded_by_a_preemptions_grace_period(tmp_path):
             assert up[r].wait(30)
             for rep in up[r].take_reports():
                 committer.report(r, rep)
-        store.fs.put = lambda *a, **k: never.wait()  # type: ignore[method-assign]
+        # the filesystem object is fsspec's cached one, shared with later tests: undone after
+        monkeypatch.setattr(store.fs, "put", lambda *a, **k: never.wait())
         up[0].enqueue("step_000000004", "step_000000004", ("run1", 2), [files[0]])
         assert up[0].wait(None, None, grace_left=lambda: 1.0) is False
         assert committer.ready() == ["step_000000002"]
