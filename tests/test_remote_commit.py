@@ -101,14 +101,14 @@ def test_close_waits_are_bounded_by_a_preemptions_grace_period(tmp_path, monkeyp
     store, files, key, m, committer, up = _setup(tmp_path)
     never = threading.Event()
     try:
-        committer.commit_one = lambda p: never.wait()  # type: ignore[method-assign]
+        monkeypatch.setattr(committer, "commit_one", lambda p: never.wait())
         committer.expect(key, "step_000000002", encode_json(m.to_json()))
         for r in (0, 1):
             up[r].enqueue("step_000000002", "step_000000002", key, [files[r]])
             assert up[r].wait(30)
             for rep in up[r].take_reports():
                 committer.report(r, rep)
-        # the filesystem object is fsspec's cached one, shared with later tests: undone after
+        # (fsspec shares the filesystem object: undone after the test)
         monkeypatch.setattr(store.fs, "put", lambda *a, **k: never.wait())
         up[0].enqueue("step_000000004", "step_000000004", ("run1", 2), [files[0]])
         assert up[0].wait(None, None, grace_left=lambda: 1.0) is False
@@ -116,6 +116,32 @@ def test_close_waits_are_bounded_by_a_preemptions_grace_period(tmp_path, monkeyp
         assert committer.wait(None, None, grace_left=lambda: 1.0) is False
         assert committer.wait(None, outage_s=0.0) is False  # its attempt has not returned
         assert committer.stuck_s() > 0
+    finally:
+        never.set()
+        committer.stop()
+        for u in up:
+            u.stop()
+
+
+def test_close_gives_up_on_a_node_upload_that_moves_no_byte(tmp_path, monkeypatch):
+    """A node's upload attempt that never returns (a store that accepted the connection and
+    stopped answering): its wait gives up once no byte moved for the outage limit, as shared
+    mode's does, and remote_status() shows the stall. It waited for the attempt to fail, which
+    against such an endpoint took s3fs minutes per attempt, or forever."""
+    import threading
+
+    store, files, key, _m, committer, up = _setup(tmp_path)
+    never = threading.Event()
+    try:
+        # (fsspec shares the filesystem object: undone after the test)
+        monkeypatch.setattr(store.fs, "put", lambda *a, **k: never.wait())
+        up[0].enqueue("step_000000002", "step_000000002", key, [files[0]])
+        returned: list[bool] = []
+        waiter = threading.Thread(target=lambda: returned.append(up[0].wait(None, 0.5)))
+        waiter.start()
+        waiter.join(30)
+        assert returned == [False], "the wait did not give up on a stalled upload"
+        assert up[0].stalled_s() > 0.5
     finally:
         never.set()
         committer.stop()

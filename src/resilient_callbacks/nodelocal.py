@@ -218,6 +218,7 @@ class NodeDirectory(Directory):
             uploaded=c.checkpoints,
             uploaded_bytes=c.bytes,
             upload_seconds=c.seconds,
+            stalled_s=u.stalled_s(),
         )
 
     def finish_nodes(

@@ -28,6 +28,7 @@ from typing import Any
 from .catalog import verify_entries
 from .errors import CheckpointCorruptError
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
+from .progress import Progress
 from .redact import url_text
 from .remote import ETAG_CHECK_MAX, RemoteStore, retention_candidates
 from .remote_objects import md5
@@ -91,6 +92,7 @@ class NodeUploader(UploadThread):
         self._reports: list[dict[str, Any]] = []
         self.failing_since: float | None = None  # monotonic time of the first failure in a row
         self.failures_in_a_row = 0
+        self._progress: Progress | None = None  # of the transfer under way
         self._start()
 
     def enqueue(
@@ -105,6 +107,11 @@ class NodeUploader(UploadThread):
         with self._cond:
             return [j.local_name for j in self._queue]
 
+    def stalled_s(self) -> float:
+        """Seconds the transfer under way has moved no byte (0: none under way)."""
+        p = self._progress
+        return 0.0 if p is None else time.monotonic() - p.last_update
+
     def take_reports(self) -> list[dict[str, Any]]:
         """The uploads finished since the last call (for the coordinator)."""
         with self._cond:
@@ -118,8 +125,10 @@ class NodeUploader(UploadThread):
         grace_left: Callable[[], float | None] | None = None,
     ) -> bool:
         """Block until every queued upload is done; False if ``timeout`` passed first, once
-        uploads have failed for ``outage_s`` seconds in a row (close gives up on an outage), or
-        past ``grace_left()`` (a preemption's time to the hard kill, less a margin to exit)."""
+        uploads have failed, or the one under way has moved no byte, for ``outage_s`` seconds
+        (close gives up on an outage, and on a store that accepted the connection and stopped
+        answering), or past ``grace_left()`` (a preemption's time to the hard kill, less a
+        margin to exit)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._queue:
@@ -127,8 +136,8 @@ class NodeUploader(UploadThread):
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return False
-                since = self.failing_since
-                if outage_s is not None and since is not None and now - since > outage_s:
+                failing = now - (self.failing_since or now)
+                if outage_s is not None and max(failing, self.stalled_s()) > outage_s:
                     return False
                 self._cond.wait(1.0 if deadline is None else min(1.0, deadline - now))
             return True
@@ -225,8 +234,20 @@ class NodeUploader(UploadThread):
         if st.is_local:
             for p in {posixpath.dirname(x) for x in rpaths}:
                 st.fs.makedirs(p, exist_ok=True)
-        st.fs.put([os.path.join(local, f.path) for f in job.files], rpaths)
-        self._check(local, job, rpaths)
+        progress = Progress(
+            sum(f.size for f in job.files),
+            f"uploading node {self.node}'s part of {job.local_name} to {st.url}",
+            bar=False,
+            log_every_s=30.0,
+        )
+        self._progress = progress  # its last byte's time: wait() tells a stalled store
+        try:
+            lpaths = [os.path.join(local, f.path) for f in job.files]
+            st.fs.put(lpaths, rpaths, callback=progress.multi_callback())
+            self._check(local, job, rpaths)
+        finally:
+            self._progress = None
+            progress.close()
         if st.is_local:
             st._fsync_local(rpaths)
         with self._cond:
