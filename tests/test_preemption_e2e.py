@@ -280,3 +280,38 @@ def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
         assert _same_params(
             run / f"params.safetensors.rank{r}", ref / f"params.safetensors.rank{r}"
         )
+
+
+_KILLED_WHILE_CLOSING = """
+import os, sys, torch
+from resilient_callbacks import Checkpointer, closing
+closing.close = lambda *a, **k: os._exit(137)  # SIGKILLed while close() waits for uploads
+state = {"w": torch.zeros(4)}
+ck = Checkpointer(sys.argv[1], every_n_steps=2)
+ck.restore(state)
+for step in range(1, 4):
+    ck.step(step, state)
+ck.watcher.trigger("SIGTERM")
+ck.step(4, state)
+"""
+
+
+def test_a_kill_after_the_emergency_save_committed_is_no_failure(tmp_path):
+    """The preemption's emergency checkpoint committed, then close() waited for uploads with
+    what was left of the grace period, and the process was killed before it wrote its 'end'
+    record (a grace period shorter than assumed). The resume from that checkpoint, which lost
+    nothing, counted as a failure and shortened the learned MTBF. The end of a preempted
+    life is now recorded as soon as its emergency checkpoint is committed."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_WHILE_CLOSING, str(tmp_path / "ck")],
+        env=_env(),
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 137, proc.stderr
+    with Checkpointer(tmp_path / "ck", adaptive=True) as ck:
+        assert ck.restore({"w": torch.zeros(4)}) == 4
+        assert ck.schedule is not None
+        assert ck.schedule.failures_observed == 0
+        assert ck.metrics()["resilient_ckpt_restarts_total"] == 0

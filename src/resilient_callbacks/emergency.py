@@ -268,6 +268,7 @@ class Emergency:
             # uploads may use what is left of the grace period, keeping a margin to exit;
             # freeing older checkpoints' space may not (the next writer sweeps what is left)
             ck._dir.trash.abandon()
+            ck._recorder.stopping()
             if watcher is not None:
                 watcher.answered()  # for the other Checkpointers of this process too
             ck.close(timeout=None if left is None else max(0.0, left - 5.0))

@@ -12,7 +12,8 @@ the coordinator appends what ``resilient-ckpt report`` plots, each with more fie
 docs/monitoring.md): ``save`` (a committed checkpoint: bytes, blocking and persist seconds,
 reason, the interval and the schedule's inputs), ``progress`` (a heartbeat about once a minute:
 the step and the useful compute so far), ``restore`` (seconds, tier, fallbacks), ``fallback``,
-``preemption``, ``save_failed``, ``end`` (a clean close), ``failed`` (the training the
+``preemption``, ``save_failed``, ``end`` (a clean close; a preempted process's once its
+emergency checkpoint committed), ``failed`` (the training the
 Checkpointer served left with an exception) and ``continued`` (``continued_from`` after a
 ``restore()`` that found nothing: the run goes on from that step of another tool's checkpoint). Recording is best effort: a record
 that cannot be written is logged, never a reason for a save to fail.

@@ -55,6 +55,7 @@ class Recorder:
         self.created = time.time()  # a run that saves without restore(): it started here
         self.failures = 0
         self.downtime_s = 0.0  # of the run before this process: not exposed to failures
+        self.ended = False  # the end record is written (a preemption's, before close())
         self._compute_at_base = 0.0
         self._next_refresh = 0.0
         self._committed: dict[str, tuple[int, float]] = {}  # name -> (bytes, commit time)
@@ -325,14 +326,22 @@ class Recorder:
             out["run_start"] = round(self.run_start, 3)  # wall time counts from here
         return out
 
+    def stopping(self) -> None:
+        """A preemption's emergency checkpoint is committed and the process stops: its ``end``
+        record now, not after close() waited for uploads with what is left of the grace
+        period. A kill during that wait loses nothing, so the restart is no failure."""
+        self.ended = True
+        self._record("end", self.t.step, fields={"useful_s": round(self.useful_s(), 3)})
+
     def closed(self) -> None:
         """close(): the last values, an ``end`` record (``failed``, with the exception's name,
-        when training failed: :meth:`Checkpointer.abort`), then the sinks flush and stop."""
+        when training failed: :meth:`Checkpointer.abort`; none after :meth:`stopping`), then
+        the sinks flush and stop."""
         try:
             self.refresh()
         except Exception as e:  # metrics never stop a close
             log.debug("metrics refresh at close failed: %s", e)
-        if self._ck._dir.run_id is not None:
+        if self._ck._dir.run_id is not None and not self.ended:
             failed = self._ck.failed_with
             event = "failed" if failed else "end"
             fields: dict[str, Any] = {"useful_s": round(self.useful_s(), 3)}
