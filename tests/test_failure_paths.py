@@ -365,3 +365,21 @@ def test_ctrl_c_during_a_synchronous_save_leaves_no_staging_directory(tmp_path, 
         monkeypatch.setattr(persisting.layout, "write_part", orig)
         ck.save(3, _state())
     assert [s for s, _ in _steps(root)] == [1, 3]
+
+
+def test_the_environment_can_give_each_signal_its_own_grace_period(tmp_path, monkeypatch, caplog):
+    """A Slurm job's SIGUSR1 comes --signal=USR1@N seconds before the end, its SIGTERM
+    KillWait (30 s by default) or GraceTime before SIGKILL: one number for both made the
+    library expect N seconds after a SIGTERM (no warning that the save will not fit; close()
+    waiting for uploads past the kill). RESILIENT_GRACE_PERIOD_S also takes per-source
+    seconds now; the sources it leaves out keep their defaults."""
+    monkeypatch.setenv("RESILIENT_GRACE_PERIOD_S", "USR1=300, SIGTERM=45")
+    with Checkpointer(tmp_path) as ck:
+        assert ck.watcher is not None
+        grace = ck.watcher.config.grace_for
+        assert (grace("SIGUSR1"), grace("SIGTERM"), grace("metadata:aws")) == (300, 45, 120)
+    assert "ignoring" not in caplog.text
+    monkeypatch.setenv("RESILIENT_GRACE_PERIOD_S", "SIGUSR1=300,SIGBOGUS=4")
+    with Checkpointer(tmp_path) as ck:
+        assert ck.watcher is not None and ck.watcher.config.grace_for("SIGUSR1") == 120
+    assert "ignoring RESILIENT_GRACE_PERIOD_S='SIGUSR1=300,SIGBOGUS=4'" in caplog.text

@@ -898,3 +898,18 @@ def test_torchrun_sigterm_exits_75_and_rerun_resumes(
     # step rank 0 logged before the signal, never a replay of older steps.
     assert stop_at <= start <= saved, (start, saved, run.output())
     _assert_same_run(torchrun_reference, tmp_path / "out", TORCHRUN_STEPS, ranks=2)
+
+
+@pytest.mark.parametrize("name", ["train.sbatch", "multinode_nvme.sbatch"])
+def test_sbatch_grace_periods_match_its_signals(name: str) -> None:
+    """The sbatch recipes tell the library each signal's grace period: SIGUSR1 the lead of
+    --signal=USR1@N, SIGTERM Slurm's KillWait default (30 s), not N as one value for both."""
+    from resilient_callbacks.emergency import grace_from_env
+
+    text = (INTEG / "slurm" / name).read_text()
+    lead = re.search(r"^#SBATCH --signal=(?:B:)?USR1@(\d+)", text, re.M)
+    env = re.search(r"RESILIENT_GRACE_PERIOD_S=\"?([^\"\s]+)", text)
+    assert lead and env, name
+    grace = grace_from_env(env.group(1))
+    assert isinstance(grace, dict), grace
+    assert grace["SIGTERM"] == 30 and 0 < grace["SIGUSR1"] <= int(lead.group(1)), grace

@@ -25,6 +25,8 @@ from .errors import CheckpointError
 from .filepart import FilePart
 from .optim import hookable, untraced
 from .preemption import MetadataPoller, PreemptionWatcher
+from .preemption.signals import WatcherConfig
+from .preemption.signals import _signal_name as signal_name
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -99,23 +101,39 @@ def _put_back(buffers: list[tuple[torch.nn.Module, str, torch.Tensor]]) -> bool:
     return True
 
 
+def grace_from_env(value: str) -> float | dict[str, float] | None:
+    """``RESILIENT_GRACE_PERIOD_S``, set by the job recipes from the scheduler's grace period:
+    seconds for every source (``"120"``), or per source (``"SIGUSR1=120,SIGTERM=30"``: a Slurm
+    job's ``--signal`` lead and its KillWait; the sources left out keep their defaults). None,
+    with a warning, when it is neither (0 included: no time to save)."""
+    try:
+        if "=" not in value:
+            grace = float(value)
+            if not math.isfinite(grace) or grace <= 0:
+                raise ValueError(value)
+            return grace
+        out: dict[str, float] = {}
+        for part in value.split(","):
+            key, _, seconds = (x.strip() for x in part.partition("="))
+            source = key if key.startswith("metadata:") or key == "manual" else signal_name(key)
+            out[source] = float(seconds)
+        WatcherConfig(grace_period_s=out)  # known sources, seconds > 0
+        return out
+    except ValueError:  # (a ConfigError too)
+        log.warning(
+            "ignoring %s=%r: neither a number of seconds > 0 nor seconds per source like "
+            "'SIGUSR1=120,SIGTERM=30' (the default grace periods apply)",
+            GRACE_ENV,
+            value,
+        )
+        return None
+
+
 def start_watcher(config: CheckpointerConfig) -> tuple[PreemptionWatcher, MetadataPoller | None]:
     """Install the signal handlers (and start the cloud notice poller) of ``config``."""
-    grace = config.grace_period
+    grace: float | Mapping[str, float] | None = config.grace_period
     if grace is None and os.environ.get(GRACE_ENV):
-        # set by the job recipes from the scheduler's grace period (which may be 0: no time)
-        try:
-            grace = float(os.environ[GRACE_ENV])
-        except ValueError:
-            grace = None
-        if grace is None or not math.isfinite(grace) or grace <= 0:
-            log.warning(
-                "ignoring %s=%r: not a positive number of seconds (the deadline of a "
-                "preemption is then unknown)",
-                GRACE_ENV,
-                os.environ[GRACE_ENV],
-            )
-            grace = None
+        grace = grace_from_env(os.environ[GRACE_ENV])
     watcher = PreemptionWatcher(
         signals=config.signals, handle_sigint=config.handle_sigint, grace_period_s=grace
     )
