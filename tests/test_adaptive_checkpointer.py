@@ -273,3 +273,29 @@ def test_the_time_a_run_was_down_is_no_exposure_to_failures(tmp_path):
     summary = analyse(str(root))["summary"]
     assert summary["failures"] == 1 and summary["wall_s"] > 40 * DAY
     assert summary["exposure_s"] < 3600 and summary["mtbf_observed_s"] < 3600, summary
+
+
+def test_a_second_restore_in_the_same_process_is_no_restart(tmp_path):
+    """restore() again in a running process (a roll-back to the newest checkpoint after a
+    divergence, or after a fresh start that has saved since) recorded a 'restart' with no
+    'end' before it: a failure, though no process died. It is a 'restore' record now; the
+    next process's resume counts as before."""
+    root, state = tmp_path / "ck", {"w": torch.zeros(4)}
+    with Checkpointer(root, every_n_steps=2, adaptive=True) as ck:
+        assert ck.restore(state) == 0  # a fresh start
+        _loop(ck, state, 0, 4, 0.0)
+        ck.flush()
+        assert ck.restore(state) == 4  # again: the checkpoint this process saved
+        _loop(ck, state, 4, 4, 0.0)
+        ck.flush()
+        assert ck.restore(state) == 8  # and again
+        assert ck.schedule is not None and ck.schedule.failures_observed == 0
+        assert ck.metrics()["resilient_ckpt_restarts_total"] == 0
+    kinds = [r["event"] for r in history.records(str(root), ("start", "restart", "restore"))]
+    assert kinds == ["start", "restore", "restore"]
+    ck = Checkpointer(root, every_n_steps=2, adaptive=True)  # the next process: a restart
+    assert ck.restore(state) == 8
+    ck.abort(RuntimeError("the training loop failed"))
+    with Checkpointer(root, adaptive=True) as ck:
+        ck.restore(state)
+        assert ck.schedule is not None and ck.schedule.failures_observed == 1

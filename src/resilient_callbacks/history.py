@@ -1,8 +1,9 @@
 """The run's own history in its checkpoint directory: starts and restarts, with their times.
 
-Every restore that resumes from a checkpoint is a failure event (the run stopped before it
-finished), unless the process before it closed cleanly (an ``end`` record); the adaptive save
-policy learns the mean time between failures from these.
+A process's first restore that resumes from a checkpoint (a ``restart``) is a failure event
+(the run stopped before it finished), unless the process before it closed cleanly (an ``end``
+record); the adaptive save policy learns the mean time between failures from these. A
+``restore()`` again in the same process (a roll-back) is a ``restore`` record: no new life.
 ``<dirpath>/history.jsonl`` holds one JSON object per line, appended by the coordinator only:
 ``{"event": "start" | "restart", "time": <unix seconds>, "step": N, "run_id": "...",
 "world_size": W}``. A torn last line (a crash while appending) is ignored.
@@ -11,12 +12,12 @@ Besides those two (the lifecycle :func:`read` returns and the failure rate is le
 the coordinator appends what ``resilient-ckpt report`` plots, each with more fields (see
 docs/monitoring.md): ``save`` (a committed checkpoint: bytes, blocking and persist seconds,
 reason, the interval and the schedule's inputs), ``progress`` (a heartbeat about once a minute:
-the step and the useful compute so far), ``restore`` (seconds, tier, fallbacks), ``fallback``,
-``preemption``, ``save_failed``, ``end`` (a clean close; a preempted process's once its
-emergency checkpoint committed), ``failed`` (the training the
-Checkpointer served left with an exception) and ``continued`` (``continued_from`` after a
-``restore()`` that found nothing: the run goes on from that step of another tool's checkpoint). Recording is best effort: a record
-that cannot be written is logged, never a reason for a save to fail.
+the step and the useful compute so far), ``restore`` (a roll-back: seconds, tier, fallbacks),
+``fallback``, ``preemption``, ``save_failed``, ``end`` (a clean close; a preempted process's
+once its emergency checkpoint committed), ``failed`` (the training the Checkpointer served
+left with an exception) and ``continued`` (``continued_from`` after a ``restore()`` that found
+nothing: the run goes on from that step of another tool's checkpoint). Recording is best
+effort: a record that cannot be written is logged, never a reason for a save to fail.
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ class Recorder:
         self.failures = 0
         self.downtime_s = 0.0  # of the run before this process: not exposed to failures
         self.ended = False  # the end record is written (a preemption's, before close())
+        self.began = False  # this process's start or restart is known (restore() again: none)
         self._compute_at_base = 0.0
         self._next_refresh = 0.0
         self._committed: dict[str, tuple[int, float]] = {}  # name -> (bytes, commit time)
@@ -179,7 +180,7 @@ class Recorder:
         """A new run (no checkpoint restored): its clock starts now (or ``at``, a wall time),
         and the adaptive schedule's exposure (the time the run survived) with it."""
         self.run_start = time.time() if at is None else at
-        self.downtime_s = 0.0
+        self.downtime_s, self.began = 0.0, True
         schedule = self._ck.schedule
         if schedule is not None:
             schedule.set_restart_history([], self.run_start)
@@ -304,12 +305,13 @@ class Recorder:
         if isinstance(saved, (int, float)) and math.isfinite(saved):
             start = saved if start is None else min(start, saved)
         self.run_start = start if start is not None else time.time()
+        self.began = True
 
     def continued_unsaved(self, start: float, restarts: list[float], downtime_s: float) -> None:
         """Every rank: the run goes on from nothing saved (:meth:`Restorer.fresh_start`), with
         its start, its restarts (this one included) and the time it was down."""
         self.failures = len(restarts)
-        self.run_start, self.downtime_s = start, downtime_s
+        self.run_start, self.downtime_s, self.began = start, downtime_s, True
         schedule = self._ck.schedule
         if schedule is not None:
             schedule.set_restart_history(restarts, start, downtime_s=downtime_s)

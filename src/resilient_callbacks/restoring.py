@@ -399,19 +399,18 @@ class Restorer:
         ck._saver.forget_unchanged()  # the live tensors were just written
         if inside and ck._saver.part_blobs is not None:
             ck._saver.part_blobs.restored(manifest)  # its blobs stay until the next commit
-        schedule = ck.schedule
-        if schedule is not None:
-            saved_schedule = manifest.extra.get("schedule")
-            if inside and isinstance(saved_schedule, dict):
-                try:
-                    schedule.load_state_dict(saved_schedule)
-                except Exception as e:  # measurements only: start measuring afresh
-                    log.warning("could not restore the adaptive schedule's measurements: %s", e)
+        schedule, saved_schedule = ck.schedule, manifest.extra.get("schedule")
+        if schedule is not None and inside and isinstance(saved_schedule, dict):
+            try:
+                schedule.load_state_dict(saved_schedule)
+            except Exception as e:  # measurements only: start measuring afresh
+                log.warning("could not restore the adaptive schedule's measurements: %s", e)
         fields = ck._recorder.restored(
             manifest, inside, time.perf_counter() - self._t0, self._tier, self._skipped
         )
         if ck.is_coordinator and inside:
-            d.record("restart", manifest.step, **fields)  # a resume: the run stopped early
+            # a resume (the run stopped early), or this process's roll-back: not a new life
+            d.record("restore" if ck._recorder.began else "restart", manifest.step, **fields)
             ck._recorder.record_deferred()  # the fallbacks on the way to this checkpoint
             d.check_foreign()  # at the caller of Checkpointer.restore
         # the run's start, restarts (this one included) and time down, the same on every rank
