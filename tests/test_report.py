@@ -344,6 +344,30 @@ def test_an_uncaught_exception_without_a_with_block_is_recorded_as_a_failure(tmp
     assert [(lf["ended"], lf["error"]) for lf in report["lives"]] == [("failed", "RuntimeError")]
 
 
+@pytest.mark.parametrize("ending", ["end", "failed"])
+def test_a_synchronous_plain_loop_without_close_records_how_it_ended(tmp_path: Path, ending):
+    """async_save=False, no ``with``, no close(): the exit hook that closes a Checkpointer
+    was registered only for background saves (or telemetry), so a run that finished (exit 0,
+    final step saved) left no 'end' record and each re-run counted as a failure (the learned
+    MTBF shrank with every re-run), and one that died of an exception no 'failed' one."""
+    script = (
+        "import sys, torch\n"
+        "from resilient_callbacks import Checkpointer\n"
+        "ck = Checkpointer(sys.argv[1], every_n_steps=2, async_save=False)\n"
+        "state = {'w': torch.zeros(8)}\n"
+        "ck.restore(state)\n"
+        "for step in range(1, 5):\n"
+        "    ck.step(step, state, final=step == 4)\n"
+        f"{'raise RuntimeError(chr(98))' if ending == 'failed' else 'pass'}\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    p = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env
+    )
+    assert p.returncode == (1 if ending == "failed" else 0), p.stderr
+    assert history.records(str(tmp_path))[-1]["event"] == ending
+
+
 def test_processes_killed_before_the_first_checkpoint_are_failures_of_the_run(tmp_path: Path):
     """Two processes SIGKILLed before their first save, then one that trains to the end: each
     re-run started a new run, and the report said 0 failures with the goodput of the last

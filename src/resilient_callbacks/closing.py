@@ -221,10 +221,12 @@ def _release(ck: Checkpointer) -> None:
 
 
 def at_exit(ck: Checkpointer) -> Callable[[], None] | None:
-    """Register :func:`flush_at_exit` for ``ck`` when it may have saves in flight at exit (or
-    telemetry to flush); the hook, for :func:`_release` to unregister (one per Checkpointer
-    otherwise stayed registered for the life of the process: one per trial of a sweep)."""
-    if ck.config.read_only or not (ck.config.async_save or ck.telemetry.active):
+    """Register :func:`flush_at_exit` for ``ck`` (a writer): saves in flight at exit commit,
+    telemetry is flushed, and the history gets how the process ended (``end``, or ``failed``),
+    synchronous saves or not: without it a finished run's re-run counted as a failure. The
+    hook, for :func:`_release` to unregister (one per Checkpointer otherwise stayed registered
+    for the life of the process: one per trial of a sweep)."""
+    if ck.config.read_only:
         return None
     hook = functools.partial(flush_at_exit, weakref.ref(ck))
     atexit.register(hook)
