@@ -611,12 +611,15 @@ def test_multinode_sbatch_passes_paths_as_literal_arguments(tmp_path: Path) -> N
     assert "pwned" not in p.stdout.replace("$(echo pwned)", "")
 
 
-def test_sbatch_preempted_requeued_resumed(tmp_path: Path, procs: list[_Proc]) -> None:
+@pytest.mark.parametrize("to", ["task", "batch shell"])
+def test_sbatch_preempted_requeued_resumed(tmp_path: Path, procs: list[_Proc], to: str) -> None:
     """End to end with the real train.py (one task, srun stand-in): SIGUSR1 to the task, as
     --signal=USR1@120 sends it, makes an emergency checkpoint and exit 75, and the script
     requeues the job; the requeued run (the same script and environment) resumes at that very
     step and finishes. Where the package does not handle preemption, a SIGKILL takes the
-    crash path to the same requeue."""
+    crash path to the same requeue. SIGUSR1 to the batch shell (--signal=B:USR1@120, the form
+    most Slurm guides show, or scancel --batch) was only noted there: the tasks trained on
+    until the time limit's SIGTERM. The shell passes it on to srun now, which forwards it."""
     preemption = _library_handles_preemption()
     env = _fake_slurm(tmp_path)
     out_dir = tmp_path / "out"
@@ -634,6 +637,8 @@ def test_sbatch_preempted_requeued_resumed(tmp_path: Path, procs: list[_Proc]) -
     _wait_for(lambda: any(r["step"] >= stop_at for r in _records(losses)), f"step {stop_at}", job)
     job.track()
     (pid,) = _trainers(job.p.pid)
+    if to == "batch shell" and preemption:
+        pid = job.p.pid
     os.kill(pid, signal.SIGUSR1 if preemption else signal.SIGKILL)
     assert job.wait(DEADLINE) == 0, job.output()
     assert "requeue 4242" in _calls(tmp_path), job.output()
