@@ -96,12 +96,15 @@ def _lines(root: str) -> list[str]:
         return []
 
 
-def records(root: str, kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+def records(
+    root: str, kinds: tuple[str, ...] | None = None, *, lines: list[str] | None = None
+) -> list[dict[str, Any]]:
     """Every record of the history as written (``kinds``: of those kinds only), oldest first;
     torn or foreign lines are skipped. Lines that cannot be of ``kinds`` are not parsed: a
-    restore reads the few lifecycle records of a history of many thousand saves. Bytes that
-    are not UTF-8 (bit rot, a foreign tool's append) spoil only their own line."""
-    lines = _lines(root)
+    restore reads the few lifecycle records of a history of many thousand saves. ``lines``:
+    the file's, read already. Bytes that are not UTF-8 (bit rot, a foreign tool's append)
+    spoil only their own line."""
+    lines = _lines(root) if lines is None else lines
     marks = None if kinds is None else tuple(json.dumps(k) for k in kinds)
     out = []
     for line in lines:
@@ -117,10 +120,12 @@ def records(root: str, kinds: tuple[str, ...] | None = None) -> list[dict[str, A
     return out
 
 
-def read(root: str, kinds: tuple[str, ...] | None = LIFECYCLE) -> list[Event]:
+def read(
+    root: str, kinds: tuple[str, ...] | None = LIFECYCLE, *, lines: list[str] | None = None
+) -> list[Event]:
     """The run's lifecycle (``start`` and ``restart`` records; ``kinds=None``: every kind)."""
     out = []
-    for d in records(root, kinds):
+    for d in records(root, kinds, lines=lines):
         try:
             out.append(
                 Event(
@@ -159,11 +164,18 @@ def unsaved_run(root: str) -> tuple[str, float, list[float], float] | None:
 def lineage(root: str, run_id: str | None) -> tuple[float | None, list[float], float]:
     """``(start, restarts, downtime)`` of the lineage ``run_id``, as a restore learns them:
     :func:`failures` of its lifecycle and :func:`downtime`."""
-    start, restarts = failures(read(root, (*LIFECYCLE, "end")), run_id)
-    return start, restarts, downtime(root, run_id)
+    lines = _lines(root)  # read once (a history of many thousand saves)
+    start, restarts = failures(read(root, (*LIFECYCLE, "end"), lines=lines), run_id)
+    return start, restarts, downtime(root, run_id, lines=lines)
 
 
-def downtime(root: str, run_id: str | None, until: float | None = None) -> float:
+def downtime(
+    root: str,
+    run_id: str | None,
+    until: float | None = None,
+    *,
+    lines: list[str] | None = None,
+) -> float:
     """Seconds the lineage ``run_id`` was not running: from the last record of each life (of
     any kind: heartbeats come about once a minute) to the ``restart`` record of the next,
     summed; ``until``: the time of a restart not recorded yet, also counted to. Waiting in a
@@ -172,7 +184,7 @@ def downtime(root: str, run_id: str | None, until: float | None = None) -> float
     last minute or so of a killed life, and a restart until its restore finished: the learned
     MTBF errs short, towards saving more often.) Only the records just before a restart are
     parsed, as in :func:`records`."""
-    lines = _lines(root)
+    lines = _lines(root) if lines is None else lines
     marks = tuple(json.dumps(k) for k in LIFECYCLE)
     total = 0.0
     begun = False  # the lineage's first life (a restart, where its history began elsewhere)
