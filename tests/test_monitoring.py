@@ -604,3 +604,54 @@ def test_a_framework_logger_that_raises_is_switched_off_and_training_goes_on(
     assert len(calls) == 1  # switched off after its first failure
     said = [r for r in caplog.records if "metrics sink logger failed" in r.getMessage()]
     assert len(said) == 1 and "training goes on" in said[0].getMessage()
+
+
+def test_a_hanging_sink_does_not_hold_a_preempted_process_past_its_grace_period(
+    tmp_path: Path, caplog
+):
+    """At a preemption the process exits (code 75) within the grace period: the checkpoint and
+    the history are durable by then, the metrics sinks get what is left of it. A sink that
+    hangs (an MLflow server that accepts the connection and never answers, logging the final
+    checkpoint: 600 s) held the exit for its own close timeout, far past a grace period of
+    seconds, so the scheduler's SIGKILL came before the exit code."""
+    import os
+    import signal
+
+    release = threading.Event()
+    timer = threading.Timer(30.0, release.set)  # the old src waits for it (no hang forever)
+    timer.start()
+
+    class Hanging:
+        name = "hanging"
+        per_rank = False
+        close_timeout_s = 600.0  # as the MLflow sink's when it logs a checkpoint
+
+        def start(self, telemetry) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        def emit(self, flat, samples, events, step) -> None:  # type: ignore[no-untyped-def]
+            release.wait()
+
+        def close(self) -> None:
+            release.wait()
+
+    state = _state()
+    ck = Checkpointer(tmp_path / "ck", every_n_steps=5, grace_period=2, telemetry=Hanging())
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="resilient_callbacks"),
+            pytest.raises(SystemExit) as exit_,
+        ):
+            ck.restore(state)
+            for step in range(1, 20):
+                if step == 7:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                ck.step(step, state)
+        assert exit_.value.code == 75
+        said = [
+            r.getMessage() for r in caplog.records if "did not finish sending" in r.getMessage()
+        ]
+        assert len(said) == 1 and "within 600 s" not in said[0], said
+    finally:
+        timer.cancel()
+        release.set()

@@ -301,8 +301,8 @@ class Checkpointer:
         """Wait for background saves to commit, then release the directory. Raises the error of
         a background save that failed (after releasing). ``timeout``: seconds to wait for
         pending saves; what is still pending then is reported and abandoned: none of it is
-        committed, and the directory stays locked until the save being written has stopped.
-        See :mod:`.closing`."""
+        committed, and the directory stays locked until the save being written has stopped;
+        the metrics sinks get what is left of it. See :mod:`.closing`."""
         if self._closed:
             return
         self._closed = True

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("resilient_callbacks")
 
+PREEMPTED_SINKS_S = 5.0  # a preempted process's wait for its metrics sinks, grace period unknown
+
 
 def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
     """Wait for background saves to commit, then release the directory (see
@@ -79,7 +81,7 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
             ck.save_waits.log_summary()
             persister.raise_error()
     finally:
-        _release(ck)
+        _release(ck, _sinks_deadline(ck, deadline))
 
 
 def _newest(ck: Checkpointer) -> str:
@@ -149,11 +151,21 @@ def _warn_unmonitored(ck: Checkpointer) -> None:
     )
 
 
-def _release(ck: Checkpointer) -> None:
+def _sinks_deadline(ck: Checkpointer, deadline: float | None) -> float | None:
+    """Until when the metrics sinks may send their last values: what is left of close's
+    timeout (a preemption's grace period); a preempted process whose grace period is unknown
+    gives them :data:`PREEMPTED_SINKS_S` (its checkpoint and history are durable by then; a
+    hanging sink must not hold its exit code past the scheduler's kill)."""
+    if deadline is None and ck.preempted:
+        return time.monotonic() + PREEMPTED_SINKS_S
+    return deadline
+
+
+def _release(ck: Checkpointer, sinks_deadline: float | None = None) -> None:
     """Stop every thread and hook the Checkpointer started, and release the lock."""
     if ck._at_exit is not None:
         atexit.unregister(ck._at_exit)
-    ck._recorder.closed()
+    ck._recorder.closed(sinks_deadline)
     if ck._dir.sync is not None:
         ck._dir.sync.stop()
     if isinstance(ck._dir, NodeDirectory):

@@ -342,18 +342,22 @@ class Telemetry:
 
     # ------------------------------------------------------------------ the end
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0, deadline: float | None = None) -> None:
         """Send what is left and stop (each sink gets ``timeout`` seconds, or its own
-        ``close_timeout_s``)."""
+        ``close_timeout_s``, and none past ``deadline``, a ``time.monotonic()`` time: a
+        preempted process's grace period)."""
         for r in self._runners:
             r.stop()
         for r in self._runners:
-            r.join(getattr(r.sink, "close_timeout_s", timeout))
+            wait = float(getattr(r.sink, "close_timeout_s", timeout))
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.monotonic()))
+            r.join(wait)
             if r.is_alive():
                 log.warning(
                     "metrics sink %s did not finish sending within %.0f s; not waiting for it",
                     getattr(r.sink, "name", "?"),
-                    getattr(r.sink, "close_timeout_s", timeout),
+                    wait,
                 )
         self._runners = []
 

@@ -335,10 +335,11 @@ class Recorder:
         self.ended = True
         self._record("end", self.t.step, fields={"useful_s": round(self.useful_s(), 3)})
 
-    def closed(self) -> None:
+    def closed(self, deadline: float | None = None) -> None:
         """close(): the last values, an ``end`` record (``failed``, with the exception's name,
         when training failed: :meth:`Checkpointer.abort`; none after :meth:`stopping`), then
-        the sinks flush and stop."""
+        the sinks flush and stop (none waited for past ``deadline``, a ``time.monotonic()``
+        time)."""
         try:
             self.refresh()
         except Exception as e:  # metrics never stop a close
@@ -350,7 +351,7 @@ class Recorder:
             if failed:
                 fields["error"] = failed
             self._record(event, self.t.step, fields=fields)
-        self.t.close()
+        self.t.close(deadline=deadline)
 
     def _record(
         self,
