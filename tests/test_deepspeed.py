@@ -649,7 +649,10 @@ def test_hf_trainer_with_deepspeed_kill_resume_exact(
     # accelerate calls engine.step() once per optimizer step: micro_steps counts those, and a
     # resume with the same accumulation is no "changed gradient_accumulation_steps"
     assert "micro-step count" not in log, log[-3000:]
-    tt._assert_same_run(ref, got)
+    # ZeRO-3: the Trainer counts the FLOPs of a new engine's first micro-batch with the size of
+    # its partitioned parameters, 0, unless it ends an accumulation (the Trainer's own resume
+    # too): total_flos depends on the step resumed at (4 here: equal; 2: one micro-batch less)
+    tt._assert_same_run(ref, got, zero3=stage == "3")
 
 
 @needs_transformers
