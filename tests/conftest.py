@@ -31,6 +31,7 @@ TRANSFORMERS_FILES = [
     "test_transformers_fsdp.py",
     "test_transformers_new_data.py",
     "test_transformers_phases.py",
+    "test_transformers_setups.py",
     "test_transparent_transformers.py",
     "test_upstream_transformers.py",
 ]

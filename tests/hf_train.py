@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import time
 
@@ -201,6 +202,18 @@ class ReadsRecorder(TrainerCallback):
         os.fsync(self.f.fileno())
 
 
+class KillBetweenMicroBatches(TrainerCallback):
+    """SIGKILLs this process after the first micro-batch of optimizer step ``step`` (its
+    gradients half accumulated): a crash at a point no checkpoint can be taken at."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_substep_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step + 1 == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def without_timings(values: dict) -> dict:
     return {k: v for k, v in values.items() if not any(t in k for t in TIMING_KEYS)}
 
@@ -300,6 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also write the training samples each optimizer step read to OUT_JSONL.reads",
     )
+    p.add_argument(
+        "--kill-between-micro-batches",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="SIGKILL this process after the first micro-batch of optimizer step STEP",
+    )
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-final", required=True)
     args = p.parse_args(argv)
@@ -341,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     trainer.add_callback(ckpt)
     trainer.add_callback(Recorder(ckpt, args.out_jsonl + suffix, rank, args.sleep))
+    if args.kill_between_micro_batches is not None:
+        trainer.add_callback(KillBetweenMicroBatches(args.kill_between_micro_batches))
     if args.record_reads:
         trainer.add_callback(
             ReadsRecorder(trainer.train_dataset, args.out_jsonl + ".reads" + suffix)
