@@ -139,7 +139,7 @@ class Resume:
         (its ``on_train_epoch_start`` hooks and progress)."""
         if self.epoch_end:
             self.epoch_end = False
-            self._put_back_rng()
+            self.put_back_rng()
             trainer.fit_loop.reset_restart_stage()
 
     def before_epoch_run(self, trainer: pl.Trainer) -> None:
@@ -148,7 +148,7 @@ class Resume:
         a re-sharded one, Lightning's lengths are the loader's whole epoch again.)"""
         if self.resharded_epoch not in (None, trainer.current_epoch):
             reshard.epoch_started(trainer)
-        self._put_back_rng()  # (a mid-epoch resume: its next batch follows)
+        self.put_back_rng()  # (a mid-epoch resume: its next batch follows)
         if not self.epoch_end_run:
             return
         self.epoch_end_run = False
@@ -165,10 +165,29 @@ class Resume:
             iter(fetcher)  # Lightning skips this while restarting; the iterator made at setup
             # (before the epoch's start hooks and the RNG restore) is dropped unused
 
-    def _put_back_rng(self) -> None:
+    def put_back_rng(self) -> None:
+        """The random streams as restored (once; called at the resumed epoch's start, and at
+        the end of a resumed ``fit()`` that trained nothing)."""
         state, self.rng_state = self.rng_state, None
         if state is not None:
             rng.restore(*state)
+
+    def train_end(self, trainer: pl.Trainer) -> None:
+        """``on_train_end`` of a resumed ``fit()`` that trained no batch (a re-run of a
+        finished stage, :mod:`.stages`): the random streams are put back as restored, and
+        Lightning's loops, which it left restarting, are not: a next ``fit()`` of this Trainer
+        then starts as after a ``fit()`` that trained."""
+        if self.rng_state is None:
+            return  # it trained
+        self.put_back_rng()
+        fit_loop, loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
+        progress = loop.batch_progress.total
+        if progress.completed == getattr(progress, "processed", 0) - 1:  # at on_train_batch_end
+            # what Lightning's restart does in the first epoch it runs (TrainingEpochLoop.reset)
+            loop.batch_progress.increment_completed()
+            loop._batches_that_stepped += 1
+        for each in (fit_loop, loop, loop.val_loop):
+            each.on_iteration_done()
 
     def before_epoch_end(self, trainer: pl.Trainer) -> None:
         """Before the first ``fit_loop.on_advance_end``: Lightning skips the epoch-interval

@@ -47,7 +47,7 @@ from ..adapter import check_options, with_section
 from ..checkpointer import Checkpointer, SaveStats
 from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME
-from . import boundary, checks, deepspeed, patches, refit, save_logs, sharded, stops
+from . import boundary, checks, deepspeed, patches, refit, save_logs, sharded, stages, stops
 from . import state as st
 from .loaders import prepare_train_loaders
 from .on_exception import ExceptionSave
@@ -126,6 +126,7 @@ class ResilientCheckpoint(Checkpoint):
         self._ctx: st.SaveContext | None = None
         self._state: dict[str, Any] | None = None
         self._resumed_stopped: bool | str = False  # the restored step is where a run stopped
+        self._past_end: str | None = None  # ... is past this fit()'s end (:mod:`.stages`)
         self._val_iterators_made = False  # ... and the run's persistent val iterators existed
         self._last_step: int | None = None
         self._step_end: boundary.StepEnd | None = None  # a step waiting for Lightning's work
@@ -181,6 +182,8 @@ class ResilientCheckpoint(Checkpoint):
         ckpt = self.checkpointer
         if ckpt is not None and not ckpt.closed:
             self._logged_save = save_logs.at_end(trainer, ckpt, self.log_stats, self._logged_save)
+        if self._resume is not None:  # (a resumed fit() that trained nothing: boundary.py)
+            self._resume.train_end(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != TrainerFn.FITTING.value:
@@ -188,7 +191,7 @@ class ResilientCheckpoint(Checkpoint):
         ckpt = self.checkpointer
         try:
             self._close(raise_errors=True)
-            if ckpt is not None:  # (teardown hooks run only after a fit() without an error)
+            if ckpt is not None and not self._past_end:  # (only after a fit() without an error)
                 refit.finished(trainer, ckpt.dirpath)
         finally:
             self._unpatch_all()
@@ -276,6 +279,7 @@ class ResilientCheckpoint(Checkpoint):
         self._resume = boundary.Resume(checkpoint, rng.capture())
         rng.restore(*live)  # a train_dataloader() drawing its data makes the run's data
         self._resumed_stopped = checkpoint.pop(st.STOPPED_KEY, False)
+        self._past_end = stages.past_end(trainer, checkpoint, step)
         self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
         checks.accumulation(trainer, checkpoint.pop(st.ACCUMULATE_KEY, None))
         if ckpt.last_restore is not None:
@@ -346,17 +350,7 @@ class ResilientCheckpoint(Checkpoint):
                 "supported; please report it."
             )
         self._reclaim_signals()
-        lossy = frozenset(
-            getattr(obj, attr)
-            for obj in (pl_module, getattr(trainer, "datamodule", None))
-            if obj is not None
-            for attr in (
-                "CHECKPOINT_HYPER_PARAMS_KEY",
-                "CHECKPOINT_HYPER_PARAMS_NAME",
-                "CHECKPOINT_HYPER_PARAMS_TYPE",
-            )
-            if isinstance(getattr(obj, attr, None), str)
-        )
+        lossy = st.lossy_keys(pl_module, getattr(trainer, "datamodule", None))
         self._ctx, self._state = sharded.save_context_and_state(
             trainer, pl_module, lossy, self._converter
         )

@@ -57,6 +57,23 @@ ACCUMULATE_KEY = "resilient_callbacks_accumulate"
 VAL_ITERATORS_KEY = "resilient_callbacks_val_iterators"
 
 
+def lossy_keys(*objs: Any) -> frozenset[str]:
+    """The checkpoint keys of the hyper-parameters of ``objs`` (the LightningModule, the
+    datamodule or ``None``): stored as ``repr`` where they cannot be saved (:class:`Converter`)."""
+    names = (
+        "CHECKPOINT_HYPER_PARAMS_KEY",
+        "CHECKPOINT_HYPER_PARAMS_NAME",
+        "CHECKPOINT_HYPER_PARAMS_TYPE",
+    )
+    return frozenset(
+        getattr(obj, attr)
+        for obj in objs
+        if obj is not None
+        for attr in names
+        if isinstance(getattr(obj, attr, None), str)
+    )
+
+
 class HparamsConversionWarning(UserWarning):
     """A hyper-parameter could not be saved as it is and was stored as its ``repr`` string."""
 

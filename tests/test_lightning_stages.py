@@ -1,0 +1,132 @@
+"""A script of several ``fit()`` stages on one Trainer (pre-training, then fine-tuning with a
+larger ``max_epochs`` and another learning rate), killed in a later stage and run again.
+
+The uninterrupted run: stage 1 trains 2 epochs (16 steps), stage 2 goes on from the live state
+with fresh optimizers (``configure_optimizers`` gives lr 0.01 now) to 4 epochs (32 steps). The
+"kill" is an exception at the start of a step (no emergency save), the re-run a new module and
+Trainer running the same two stages; it must end as the run without the callback did: every
+step's loss (dropout, a shuffled loader), learning rate and the final weights.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from resilient_callbacks.lightning import ResilientCheckpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class _Killed(Exception):
+    pass
+
+
+class _KillAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+        if trainer.global_step == self.step:
+            raise _Killed(f"killed before step {self.step + 1}")
+
+
+class _Staged(L.LightningModule):
+    """Momentum SGD and dropout; ``lr`` changes between the stages."""
+
+    def __init__(self, seen: dict[int, tuple[float, float]]) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3))
+        self.lr = 0.1
+        self.seen = seen  # global step -> (loss, lr)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        loss = self.net(batch[0]).pow(2).mean()
+        lr = self.optimizers().param_groups[0]["lr"]
+        self.seen[self.global_step + 1] = (loss.item(), lr)
+        return loss
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def _stages(work: Path, seen: dict, callbacks: list) -> tuple[_Staged, list]:
+    """Run the script: stage 1 (2 epochs), stage 2 (to 4 epochs, lr 0.01). Returns the module
+    and the callback's ``restored_step`` after each stage."""
+    torch.manual_seed(0)
+    module = _Staged(seen)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)  # 8 steps an epoch
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(callbacks),
+        default_root_dir=work,
+    )
+    restored = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+        restored.append(getattr(callbacks[0], "restored_step", None) if callbacks else None)
+        module.lr = 0.01  # stage 2: fine-tuning
+        trainer.fit_loop.max_epochs = 4
+        trainer.fit(module, loader)
+        restored.append(getattr(callbacks[0], "restored_step", None) if callbacks else None)
+    return module, restored
+
+
+@pytest.mark.parametrize(
+    ("kill_at", "restored"),
+    [(17, 16), (20, 18), (28, 27)],
+    ids=["after-stage-1s-end", "stage-2-in-stage-1s-last-epoch", "stage-2-past-stage-1s-epochs"],
+)
+def test_a_two_stage_script_killed_in_its_second_stage_resumes_exactly(tmp_path, kill_at, restored):
+    """Found 2026-12-05: re-run after a kill in stage 2, stage 1's fit() resumed from stage 2's
+    checkpoint: in stage 2's epoch 2 it trained nothing and stage 2 then went on "from the live
+    state" with fresh optimizers (momentum and the scheduler lost, the RNG and data position
+    not restored: every later step differed); in epoch 3 Lightning raised "You restored a
+    checkpoint with current_epoch=3, but you have set Trainer(max_epochs=2)", so the script
+    could not resume at all. Stage 1 now trains nothing from a checkpoint past its end and stage
+    2 resumes from that checkpoint."""
+    ref: dict = {}
+    plain, _ = _stages(tmp_path / "plain", ref, [])
+    assert sorted(ref) == list(range(1, 33))
+    ck = tmp_path / "ck"
+    first: dict = {}
+    with pytest.raises(_Killed):
+        _stages(
+            tmp_path / "run", first, [ResilientCheckpoint(ck, every_n_steps=3), _KillAt(kill_at)]
+        )
+    again: dict = {}
+    resumed, restores = _stages(tmp_path / "run", again, [ResilientCheckpoint(ck, every_n_steps=3)])
+    # stage 2 resumes from its own checkpoint; after stage 1's end it goes on from the live state
+    assert restores == [restored, None if restored == 16 else restored]
+    assert min(again) == restored + 1
+    assert {s: again[s] for s in again} == {s: ref[s] for s in again}
+    for a, b in zip(plain.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_finished_script_run_again_trains_nothing_and_ends_with_its_random_streams(tmp_path):
+    """Both stages restore the last checkpoint and train nothing; the script's code after them
+    draws what it drew after the finished run (it drew from the new process's streams: the
+    restored ones were put back only before a batch)."""
+    ck = tmp_path / "ck"
+    first, _ = _stages(tmp_path, {}, [ResilientCheckpoint(ck, every_n_steps=3)])
+    after = torch.get_rng_state()
+    again: dict = {}
+    module, restores = _stages(tmp_path, again, [ResilientCheckpoint(ck, every_n_steps=3)])
+    assert restores == [32, 32] and again == {}
+    assert torch.equal(torch.get_rng_state(), after)
+    for a, b in zip(first.parameters(), module.parameters(), strict=True):
+        assert torch.equal(a, b)
