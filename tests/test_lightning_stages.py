@@ -130,3 +130,68 @@ def test_a_finished_script_run_again_trains_nothing_and_ends_with_its_random_str
     assert torch.equal(torch.get_rng_state(), after)
     for a, b in zip(first.parameters(), module.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+class _Linear(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        loss = self.lin(batch[0]).pow(2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_with_model_checkpoint(work: Path, callbacks: list) -> L.pytorch.callbacks.ModelCheckpoint:
+    torch.manual_seed(0)
+    mc = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=work / "mc",
+        every_n_train_steps=1,
+        save_top_k=2,
+        monitor="train_loss",
+        save_last=True,
+    )
+    trainer = L.Trainer(
+        max_steps=10,
+        accelerator="cpu",
+        callbacks=[mc, *callbacks],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=work,
+    )
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_Linear(), torch.utils.data.DataLoader(data, batch_size=4))
+    return mc
+
+
+def test_model_checkpoint_files_of_the_killed_steps_do_not_linger_or_get_renamed(tmp_path):
+    """A ModelCheckpoint (every step, top 2 by train_loss, last) next to ours (every 4 steps),
+    killed after step 7 and resumed at step 4. Found 2026-12-05: the files it wrote for steps 5
+    and 7 before the kill stayed (4 .ckpt files with save_top_k=2), and step 7 was written again
+    as "epoch=0-step=7-v1.ckpt", the best-k names then differing from the uninterrupted run's.
+    The directory and the best-k list now end as the uninterrupted run's."""
+    ref = _fit_with_model_checkpoint(tmp_path / "ref", [])
+    run = tmp_path / "run"
+    with pytest.raises(_Killed):
+        _fit_with_model_checkpoint(
+            run, [ResilientCheckpoint(run / "ck", every_n_steps=4), _KillAt(7)]
+        )
+    assert {"epoch=0-step=5.ckpt", "epoch=0-step=7.ckpt"} <= {
+        p.name for p in (run / "mc").iterdir()
+    }
+    rc = ResilientCheckpoint(run / "ck", every_n_steps=4)
+    got = _fit_with_model_checkpoint(run, [rc])
+    assert rc.restored_step == 4
+    names = sorted(p.name for p in (run / "mc").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "ref" / "mc").iterdir()), names
+    assert {Path(p).name for p in got.best_k_models} == {Path(p).name for p in ref.best_k_models}
+    assert Path(got.best_model_path).name == Path(ref.best_model_path).name

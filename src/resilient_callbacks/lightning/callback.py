@@ -50,6 +50,7 @@ from ..manifest import MANIFEST_NAME
 from . import boundary, checks, deepspeed, patches, refit, save_logs, sharded, stages, stops
 from . import state as st
 from .loaders import prepare_train_loaders
+from .model_checkpoints import remove_rolled_back
 from .on_exception import ExceptionSave
 
 log = logging.getLogger("resilient_callbacks.lightning")
@@ -362,6 +363,7 @@ class ResilientCheckpoint(Checkpoint):
         self._last_step = trainer.global_step
         if self._resume is not None:
             self._resume.train_start(trainer)
+            remove_rolled_back(trainer, self.restored_step)
         on = stops.trains_on(trainer, self._resumed_stopped)
         if on is not None:
             rank_zero_info(f"ResilientCheckpoint: training on from step {self.restored_step}: {on}")
