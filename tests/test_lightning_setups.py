@@ -1,0 +1,166 @@
+"""Less common ``Trainer`` set-ups (tests/lightning_setups.py), each as a real process: with the
+callback and never interrupted, the run is the run without it (every batch's loss, every
+validation, every logged metric, the final RNG states, learning rates, EarlyStopping and
+ModelCheckpoint states and weights); SIGKILLed twice at random batches and run again each
+time, it ends the same.
+
+Set-ups: ``val_check_interval`` as a float and as an int counted across epochs,
+``check_val_every_n_epoch=2``, ``accumulate_grad_batches=3`` (kills fall between
+micro-batches), gradient clipping by norm and by value, manual optimization with two
+optimizers and a scheduler stepped by hand, ``limit_train_batches`` (int and float), two
+``fit()`` stages on one Trainer, ``bf16-mixed`` on the CPU, a step-interval LR scheduler with
+an epoch-interval ``ReduceLROnPlateau`` on ``val_loss``, ``EarlyStopping`` (patience 3) and a
+``ModelCheckpoint`` (top 2, every 5 steps, last). An ``IterableDataset`` without state is
+only compared uninterrupted: a mid-epoch resume restarts its epoch (docs/lightning.md).
+
+Each set-up takes 30-60 s (five processes): ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("lightning_setups.py")
+SEED = int(os.environ.get("RC_TEST_SEED", "20240611"))
+TIMEOUT = 240
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _env() -> dict[str, str]:
+    src = str(Path(__file__).parents[1] / "src")
+    path = os.pathsep.join([src, str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONPATH=path)
+    for k in [k for k in env if k.startswith("SLURM_")]:
+        del env[k]
+    return env
+
+
+def _start(work: Path, setup: str, *more: str) -> tuple[subprocess.Popen, Path]:
+    work.mkdir(parents=True, exist_ok=True)
+    err = work / f"err{len(list(work.glob('err*')))}.txt"
+    with open(err, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(work), "--setup", setup, *more],
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+            env=_env(),
+            start_new_session=True,
+        )
+    return proc, err
+
+
+def _finish(proc: subprocess.Popen, err: Path) -> None:
+    try:
+        rc = proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"the run hung:\n{err.read_text()[-3000:]}")
+    assert rc == 0, err.read_text()[-3000:]
+
+
+def _records(path: Path, start: int = 0, end: int | None = None) -> list[dict]:
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read() if end is None else f.read(end - start)
+    out = []
+    for line in data.split(b"\n"):
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))  # a line cut by SIGKILL is skipped
+    return out
+
+
+def _restored(err: Path) -> int:
+    for line in err.read_text().splitlines():
+        if line.startswith("restored step "):
+            return int(line.split()[2])
+    raise AssertionError(err.read_text()[-3000:])
+
+
+def _same(ref: list[dict], got: list[dict], what: str) -> None:
+    a = [r for r in ref if r["ev"] != "boundary"]
+    b = [r for r in got if r["ev"] != "boundary"]
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        assert x == y, f"{what}: record {i} differs:\n  without/uninterrupted {x}\n  got {y}"
+    assert len(a) == len(b), (
+        f"{what}: {len(a)} records vs {len(b)}: {(a[len(b) :] or b[len(a) :])[:3]}"
+    )
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        "val_float",
+        "val_int_across",
+        "val_every_2",
+        "accum3",
+        "clip",
+        "clip_value",
+        "gan",
+        "limit",
+        "limit_frac",
+        "refit",
+        "bf16",
+        "sched",
+        "early",
+        "mc",
+        "iterable",
+    ],
+)
+def test_a_setup_is_unchanged_by_the_callback_and_resumes_exactly_after_sigkills(tmp_path, setup):
+    without, ref = _start(tmp_path / "without", setup, "--no-callback")
+    with_, err = _start(tmp_path / "with", setup)
+    _finish(without, ref)
+    _finish(with_, err)
+    reference = _records(tmp_path / "without" / "out.jsonl")
+    _same(reference, _records(tmp_path / "with" / "out.jsonl"), "with the callback")
+    if setup == "iterable":
+        return
+    batches = sum(1 for r in reference if r["ev"] == "train")
+    rng = random.Random(f"{SEED}-{setup}")
+    work, out = tmp_path / "killed", tmp_path / "killed" / "out.jsonl"
+    segments: list[tuple[int, Path]] = []
+    for kill_at in [rng.randint(2, batches * 4 // 5) for _ in range(2)] + [None]:
+        offset = out.stat().st_size if out.exists() else 0
+        proc, err = _start(work, setup, "--sleep", "0.03")
+        segments.append((offset, err))
+        if kill_at is None:
+            _finish(proc, err)
+            break
+        deadline = time.monotonic() + TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline:
+            trained = (
+                sum(1 for r in _records(out, offset) if r["ev"] == "train") if out.exists() else 0
+            )
+            if trained >= kill_at:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.005)
+        proc.wait(timeout=60)
+    # each killed process's records up to the step boundary the next one resumed at
+    merged: list[dict] = []
+    for i, (offset, _) in enumerate(segments):
+        end = segments[i + 1][0] if i + 1 < len(segments) else None
+        records = _records(out, offset, end)
+        if end is not None:
+            resumed = _restored(segments[i + 1][1])
+            cut = [
+                j + 1 for j, r in enumerate(records) if r["ev"] == "boundary" and r["gs"] == resumed
+            ]
+            records = records[: cut[-1]] if cut else []
+        merged += records
+    if setup == "refit":  # a re-run's first stage that trained nothing records an end too
+        stage1_end = next(r["gs"] for r in reference if r["ev"] == "end" and r["fit"] == 1)
+        merged = [r for r in merged if r["ev"] != "end" or r["fit"] != 1 or r["gs"] == stage1_end]
+    _same(reference, merged, "killed and resumed")
