@@ -440,6 +440,62 @@ def test_a_stop_asked_before_min_epochs_trains_on_as_the_run_did(tmp_path):
     assert max(_losses(ref / "losses.jsonl")) == 26
 
 
+class _Validated4(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.trained: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.trained.append(batch_idx)
+        return self.lin(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.lin(batch[0]).pow(2).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_stop_after_a_batch_that_made_no_step_saves_the_last_step(tmp_path):
+    """accumulate_grad_batches=3, validation every 4 batches: EarlyStopping stops after batch
+    8, which made no optimizer step (the last step, 2, was batch 6's). Found 2026-12-05: the
+    last step was saved only if due (every_n_steps=4: never), so no checkpoint was left and
+    the script run again trained the whole run anew. Step 2 is saved as the stop's final
+    checkpoint; run again, it trains nothing."""
+
+    def fit() -> tuple[ResilientCheckpoint, L.Trainer, _Validated4]:
+        torch.manual_seed(0)
+        ds = torch.utils.data.TensorDataset(torch.randn(64, 4))
+        rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=4)
+        stop = L.pytorch.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0)
+        trainer = L.Trainer(
+            max_steps=50,
+            accumulate_grad_batches=3,
+            val_check_interval=4,
+            limit_val_batches=1,
+            num_sanity_val_steps=0,
+            accelerator="cpu",
+            callbacks=[rc, stop],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        module = _Validated4()
+        loader = torch.utils.data.DataLoader(ds, batch_size=4)
+        trainer.fit(module, loader, loader)
+        return rc, trainer, module
+
+    rc, trainer, first = fit()
+    assert trainer.global_step == 2 and len(first.trained) == 8
+    (saved,) = _committed(tmp_path / "ck")
+    assert saved.step == 2 and saved.manifest.reason == "final"
+    rc, trainer, again = fit()
+    assert rc.restored_step == 2 and again.trained == [] and trainer.global_step == 2
+    assert torch.equal(again.lin.weight, first.lin.weight)
+
+
 def test_control_without_resumable_loader_warns_and_diverges(tmp_path, reference):
     """The check above can fail: a plain DataLoader left as it is restarts its epoch on resume;
     Lightning warns, and the run is not the reference run."""

@@ -131,6 +131,7 @@ class ResilientCheckpoint(Checkpoint):
         self._val_iterators_made = False  # ... and the run's persistent val iterators existed
         self._last_step: int | None = None
         self._step_end: boundary.StepEnd | None = None  # a step waiting for Lightning's work
+        self._last_end: boundary.StepEnd | None = None  # ... and the last one it finished
         self._resume: boundary.Resume | None = None
         self._our_handlers: dict[int, Any] = {}
         self._on_exception = ExceptionSave()
@@ -180,7 +181,8 @@ class ResilientCheckpoint(Checkpoint):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the last saves commit in the background: the loggers get them once they did
-        ckpt = self.checkpointer
+        ckpt, marks = self.checkpointer, functools.partial(self._marks, trainer, False)
+        stops.save_stopped_step(trainer, ckpt, self._ctx, self._state, self._last_end, marks)
         if ckpt is not None and not ckpt.closed:
             self._logged_save = save_logs.at_end(trainer, ckpt, self.log_stats, self._logged_save)
         if self._resume is not None:  # (a resumed fit() that trained nothing: boundary.py)
@@ -427,7 +429,7 @@ class ResilientCheckpoint(Checkpoint):
         """Lightning finished the step in ``self._step_end``: hand it to the Checkpointer."""
         ckpt, ctx, state, end = self.checkpointer, self._ctx, self._state, self._step_end
         assert ckpt is not None and ctx is not None and state is not None and end is not None
-        self._step_end = None
+        self._step_end, self._last_end = None, end
         step, loss = end.step, end.loss
         ctx.reset(marks=functools.partial(self._marks, trainer, epoch_end))
         ctx.fit_loop_override = end.fit_loop

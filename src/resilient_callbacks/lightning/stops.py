@@ -14,10 +14,19 @@ every rank: it broadcasts its decision).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import EarlyStopping, Timer
+
+from . import checks
+from .state import finite_metrics
+
+if TYPE_CHECKING:
+    from ..checkpointer import Checkpointer
+    from .boundary import StepEnd
+    from .state import SaveContext
 
 MAX_TIME = "max_time"
 
@@ -64,3 +73,29 @@ def _timers(trainer: pl.Trainer) -> list[Timer]:
         for c in trainer.callbacks  # type: ignore[attr-defined]
         if isinstance(c, Timer) and getattr(c, "_duration", None) is not None
     ]
+
+
+def save_stopped_step(
+    trainer: pl.Trainer,
+    ckpt: Checkpointer | None,
+    ctx: SaveContext | None,
+    state: Any,
+    end: StepEnd | None,
+    marks: Callable[[], dict[str, Any]],
+) -> bool:
+    """At ``on_train_end``: a stop asked after a batch that made no optimizer step (with
+    ``accumulate_grad_batches``, ``EarlyStopping`` on a validation or a ``Timer`` after a
+    batch that only accumulated gradients) ends the fit after the last step's boundary, which
+    saved it only if due. Save that step now, as the final one, recorded as stopped: the
+    weights, optimizers and schedulers are still that step's (no step since; the accumulated
+    gradients are dropped, as by Lightning at a stop), the loop state is its boundary's
+    (``end``), the callbacks' states are the stop's. True if saved. Every rank calls it."""
+    if ckpt is None or ctx is None or state is None or end is None or ckpt.closed:
+        return False
+    if not checks.stops(trainer) or trainer.global_step != end.step:
+        return False
+    if ckpt.last_saved_step == end.step:
+        return False
+    ctx.reset(marks=marks)
+    ctx.fit_loop_override = end.fit_loop
+    return ckpt.save(end.step, state, finite_metrics(trainer.callback_metrics), final=True)
