@@ -187,7 +187,9 @@ class _Linear(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit_with_model_checkpoint(work: Path, callbacks: list) -> L.pytorch.callbacks.ModelCheckpoint:
+def _fit_with_model_checkpoint(
+    work: Path, callbacks: list, max_steps: int = 10
+) -> L.pytorch.callbacks.ModelCheckpoint:
     torch.manual_seed(0)
     mc = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=work / "mc",
@@ -197,7 +199,7 @@ def _fit_with_model_checkpoint(work: Path, callbacks: list) -> L.pytorch.callbac
         save_last=True,
     )
     trainer = L.Trainer(
-        max_steps=10,
+        max_steps=max_steps,
         accelerator="cpu",
         callbacks=[mc, *callbacks],
         logger=False,
@@ -236,3 +238,15 @@ def test_model_checkpoint_files_of_the_killed_steps_do_not_linger_or_get_renamed
     assert names == sorted(p.name for p in (tmp_path / "ref" / "mc").iterdir()), names
     assert {Path(p).name for p in got.best_k_models} == {Path(p).name for p in ref.best_k_models}
     assert Path(got.best_model_path).name == Path(ref.best_model_path).name
+
+
+def test_model_checkpoint_files_stay_when_the_user_chose_an_older_checkpoint(tmp_path):
+    """resume=4 (a branch from an older step, not a resume after a kill): the later files
+    stay, as Lightning leaves them with fit(ckpt_path=...)."""
+    _fit_with_model_checkpoint(tmp_path, [ResilientCheckpoint(tmp_path / "ck", every_n_steps=4)])
+    before = {p.name for p in (tmp_path / "mc").iterdir()}
+    assert "epoch=0-step=10.ckpt" in before
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=4, resume=4)
+    _fit_with_model_checkpoint(tmp_path, [rc], max_steps=6)  # steps 5, 6: not 10 again
+    assert rc.restored_step == 4
+    assert before <= {p.name for p in (tmp_path / "mc").iterdir()}

@@ -98,6 +98,7 @@ class Resume:
         """Takes (pops) our keys out of the restored checkpoint dictionary; ``rng_state``: the
         random streams as restored (:func:`resilient_callbacks.rng.capture`)."""
         self.rng_state = rng_state
+        self.auto = True  # the newest valid checkpoint, not one chosen (resume=, ckpt_path=)
         self.loaders_epoch = True
         metrics = checkpoint.pop(METRICS_KEY, None)
         self.metrics: dict[str, Any] | None = metrics if isinstance(metrics, dict) else None

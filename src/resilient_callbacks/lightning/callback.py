@@ -280,6 +280,7 @@ class ResilientCheckpoint(Checkpoint):
         self.restored_step = step
         # the random streams as the core restored them: put back right before the first batch
         self._resume = boundary.Resume(checkpoint, rng.capture())
+        self._resume.auto = resume == "auto"  # not a step or path chosen by the user
         rng.restore(*live)  # a train_dataloader() drawing its data makes the run's data
         self._resumed_stopped = checkpoint.pop(st.STOPPED_KEY, False)
         self._past_end = stages.past_end(trainer, checkpoint, step)
@@ -365,7 +366,7 @@ class ResilientCheckpoint(Checkpoint):
         self._last_step = trainer.global_step
         if self._resume is not None:
             self._resume.train_start(trainer)
-            remove_rolled_back(trainer, self.restored_step)
+            remove_rolled_back(trainer, self.restored_step if self._resume.auto else None)
         on = stops.trains_on(trainer, self._resumed_stopped)
         if on is not None:
             rank_zero_info(f"ResilientCheckpoint: training on from step {self.restored_step}: {on}")

@@ -8,7 +8,8 @@ disk forever (beyond ``save_top_k``), and the resumed run, writing the same step
 the name taken and wrote ``epoch=0-step=7-v1.ckpt`` beside it, so ``best_model_path`` and the
 top-k names differed from the uninterrupted run's.
 
-So when a resumed ``fit()`` starts, each ``ModelCheckpoint``'s files whose name holds a step
+So when a ``fit()`` resumed from the newest checkpoint starts (not from one chosen with
+``resume=`` or ``fit(ckpt_path=...)``: a branch from an older step keeps the files), each ``ModelCheckpoint``'s files whose name holds a step
 past the restored one (``step=N`` in the file name, as Lightning's default and most templates
 have) and that its restored state does not list are removed, with one line saying which. The
 ``ModelCheckpoint`` removes them itself (``_remove_checkpoint``: through the strategy, on
@@ -36,7 +37,8 @@ _STEP = re.compile(r"(?:^|[^A-Za-z0-9])step=(\d+)")
 
 def remove_rolled_back(trainer: pl.Trainer, restored_step: int | None) -> list[str]:
     """Remove the ``ModelCheckpoint`` files written after ``restored_step`` (the step this
-    ``fit()`` resumed at; ``None``: a fresh start, nothing to do). Returns their paths."""
+    ``fit()`` resumed at by itself; ``None``: a fresh start, or a checkpoint the user chose
+    with ``resume=`` or ``ckpt_path=``, whose later files stay). Returns their paths."""
     if restored_step is None or not trainer.is_global_zero:
         return []
     removed: list[str] = []
