@@ -43,7 +43,7 @@ def worker(mode: str, mb: int, step_seconds: float) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         ck = Checkpointer(os.path.join(d, "ck"), every_n_steps=5, keep_last=1)
         if mode == "not_ahead":
-            ck._allocated_ahead = True  # as before: the first save allocates the buffers
+            ck._saver.allocated_ahead = True  # as before: the first save allocates the buffers
         for step in range(1, 6):
             time.sleep(step_seconds)
             ck.step(step, state)

@@ -10,6 +10,8 @@ step's loss (dropout, a shuffled loader), learning rate and the final weights.
 
 from __future__ import annotations
 
+import os
+import time
 import warnings
 from pathlib import Path
 
@@ -238,6 +240,25 @@ def test_model_checkpoint_files_of_the_killed_steps_do_not_linger_or_get_renamed
     assert names == sorted(p.name for p in (tmp_path / "ref" / "mc").iterdir()), names
     assert {Path(p).name for p in got.best_k_models} == {Path(p).name for p in ref.best_k_models}
     assert Path(got.best_model_path).name == Path(ref.best_model_path).name
+
+
+def test_model_checkpoint_files_of_another_run_in_the_folder_stay(tmp_path):
+    """A file of an earlier run in the same ModelCheckpoint folder (written before this run
+    began: its step is past the resumed one only by chance) is not this run's to remove."""
+    run = tmp_path / "run"
+    (run / "mc").mkdir(parents=True)
+    other = run / "mc" / "other-run-step=40.ckpt"
+    other.write_bytes(b"an earlier experiment's weights")
+    os.utime(other, (time.time() - 3600, time.time() - 3600))
+    with pytest.raises(_Killed):
+        _fit_with_model_checkpoint(
+            run, [ResilientCheckpoint(run / "ck", every_n_steps=4), _KillAt(7)]
+        )
+    rc = ResilientCheckpoint(run / "ck", every_n_steps=4)
+    _fit_with_model_checkpoint(run, [rc])
+    assert rc.restored_step == 4
+    assert other.read_bytes() == b"an earlier experiment's weights"
+    assert not (run / "mc" / "epoch=0-step=7-v1.ckpt").exists()  # this run's own: removed
 
 
 def test_model_checkpoint_files_stay_when_the_user_chose_an_older_checkpoint(tmp_path):

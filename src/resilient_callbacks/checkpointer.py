@@ -213,6 +213,11 @@ class Checkpointer:
         self._dir.run_id = value
 
     @property
+    def run_start(self) -> float | None:
+        """When the run (all its lives) began, as ``time.time()``: once a save or restore set it."""
+        return self._recorder.run_start
+
+    @property
     def remote(self) -> RemoteStore | None:
         """The remote tier (coordinator; None without ``remote`` or on other ranks)."""
         return self._dir.remote
@@ -228,14 +233,6 @@ class Checkpointer:
     @property
     def _buffers(self) -> HostBuffers:
         return self._saver.buffers
-
-    @property
-    def _allocated_ahead(self) -> bool:
-        return self._saver.allocated_ahead
-
-    @_allocated_ahead.setter
-    def _allocated_ahead(self, value: bool) -> None:
-        self._saver.allocated_ahead = value
 
     @property
     def _save_seconds(self) -> deque[float]:

@@ -366,7 +366,8 @@ class ResilientCheckpoint(Checkpoint):
         self._last_step = trainer.global_step
         if self._resume is not None:
             self._resume.train_start(trainer)
-            remove_rolled_back(trainer, self.restored_step if self._resume.auto else None)
+            start = self.checkpointer.run_start if self._resume.auto else None  # chosen: kept
+            remove_rolled_back(trainer, self.restored_step, start)
         on = stops.trains_on(trainer, self._resumed_stopped)
         if on is not None:
             rank_zero_info(f"ResilientCheckpoint: training on from step {self.restored_step}: {on}")

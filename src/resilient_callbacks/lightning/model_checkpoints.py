@@ -11,7 +11,10 @@ top-k names differed from the uninterrupted run's.
 So when a ``fit()`` resumed from the newest checkpoint starts (not from one chosen with
 ``resume=`` or ``fit(ckpt_path=...)``: a branch from an older step keeps the files), each ``ModelCheckpoint``'s files whose name holds a step
 past the restored one (``step=N`` in the file name, as Lightning's default and most templates
-have) and that its restored state does not list are removed, with one line saying which. The
+have), that its restored state does not list, and that were written since the run began (its
+first life's start: a file of another run that used the same folder before is older, and is
+never touched; a filesystem that tells no modification time keeps every file) are removed, with
+one line saying which. The
 ``ModelCheckpoint`` removes them itself (``_remove_checkpoint``: through the strategy, on
 global rank 0, local or remote). A file name without ``step=`` is left alone.
 
@@ -35,16 +38,19 @@ log = logging.getLogger("resilient_callbacks.lightning")
 _STEP = re.compile(r"(?:^|[^A-Za-z0-9])step=(\d+)")
 
 
-def remove_rolled_back(trainer: pl.Trainer, restored_step: int | None) -> list[str]:
-    """Remove the ``ModelCheckpoint`` files written after ``restored_step`` (the step this
-    ``fit()`` resumed at by itself; ``None``: a fresh start, or a checkpoint the user chose
+def remove_rolled_back(
+    trainer: pl.Trainer, restored_step: int | None, run_start: float | None
+) -> list[str]:
+    """Remove the ``ModelCheckpoint`` files of steps after ``restored_step`` (the step this
+    ``fit()`` resumed at; ``None``: a fresh start) written since ``run_start`` (the run's
+    start, ``time.time()``; ``None``: nothing is removed, as for a checkpoint the user chose
     with ``resume=`` or ``ckpt_path=``, whose later files stay). Returns their paths."""
-    if restored_step is None or not trainer.is_global_zero:
+    if restored_step is None or run_start is None or not trainer.is_global_zero:
         return []
     removed: list[str] = []
     for cb in getattr(trainer, "callbacks", None) or []:
         if isinstance(cb, ModelCheckpoint) and cb.dirpath:
-            removed += _remove(trainer, cb, restored_step)
+            removed += _remove(trainer, cb, restored_step, run_start)
     if removed:
         rank_zero_info(
             f"ResilientCheckpoint: resumed at step {restored_step}, so the ModelCheckpoint "
@@ -54,7 +60,9 @@ def remove_rolled_back(trainer: pl.Trainer, restored_step: int | None) -> list[s
     return removed
 
 
-def _remove(trainer: pl.Trainer, cb: ModelCheckpoint, restored_step: int) -> list[str]:
+def _remove(
+    trainer: pl.Trainer, cb: ModelCheckpoint, restored_step: int, run_start: float
+) -> list[str]:
     fs: Any = cb._fs
     dirpath = str(cb.dirpath)
     try:
@@ -72,8 +80,20 @@ def _remove(trainer: pl.Trainer, cb: ModelCheckpoint, restored_step: int) -> lis
         if not name.endswith(cb.FILE_EXTENSION) or name in kept:
             continue
         found = _STEP.search(name[: -len(cb.FILE_EXTENSION)])
-        if found is not None and int(found.group(1)) > restored_step:
-            target = os.path.join(dirpath, name)
+        target = os.path.join(dirpath, name)
+        if (
+            found is not None
+            and int(found.group(1)) > restored_step
+            and _written_since(fs, target, run_start)
+        ):
             cb._remove_checkpoint(trainer, target)
             removed.append(target)
     return removed
+
+
+def _written_since(fs: Any, path: str, since: float) -> bool:
+    """Whether ``path`` was last written at or after ``since`` (False when unknown)."""
+    try:
+        return bool(fs.modified(path).timestamp() >= since)
+    except (OSError, NotImplementedError, AttributeError, ValueError):
+        return False
