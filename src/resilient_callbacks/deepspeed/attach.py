@@ -30,6 +30,7 @@ from ..errors import AT_CALLER, ConfigError, warn_and_log
 from ..structure import PerRank
 from . import section
 from .engine_state import check_config, engine_state
+from .evaluation import EvaluationWatch
 from .launch import launched
 
 log = logging.getLogger("resilient_callbacks")
@@ -62,6 +63,8 @@ class DeepSpeedCheckpoint:
         self._told_unguarded = False
         self._engine_step = engine.step
         engine.step = self._step  # an instance attribute: shadows DeepSpeedEngine.step
+        # says when an evaluation after a checkpointed step draws random numbers
+        self._evaluation = EvaluationWatch(engine)
         engine.resilient_checkpoint = self
 
     def restore(self) -> int:
@@ -69,6 +72,8 @@ class DeepSpeedCheckpoint:
         state); return ``engine.global_steps`` after it (0 for a fresh start)."""
         self.restored_step = self.checkpointer.restore(self.state)
         report = self.checkpointer.last_restore
+        if self.restored_step:
+            self._evaluation.checkpointed(self.restored_step, restored=True)
         if report is not None:
             # through DeepSpeed's logger, as a WARNING: the level its logger shows by default
             # (a resume must be visible, as with the Trainer's and Lightning's adapters)
@@ -85,12 +90,15 @@ class DeepSpeedCheckpoint:
         # accumulation that is at its boundaries; with "managed_gradient_accumulation": false
         # at every step() (is_gradient_accumulation_boundary() says so only inside step()).
         # A step the fp16 loss scaler skipped still advances global_steps.
+        self._evaluation.stepped()
         before = self.engine.global_steps
         out = self._engine_step(*args, **kwargs)
         if self.engine.global_steps != before:
             if not self._told_unguarded:
                 self._warn_if_unguarded()
-            self.checkpointer.step(int(self.engine.global_steps), self.state)
+            step = int(self.engine.global_steps)
+            if self.checkpointer.step(step, self.state):
+                self._evaluation.checkpointed(step)
         return out
 
     def _warn_if_unguarded(self) -> None:
@@ -108,7 +116,11 @@ class DeepSpeedCheckpoint:
     def save(self, *, final: bool = False) -> bool:
         """Collective. Save now; ``final=True`` at the end of training (the remote tier always
         takes a final save)."""
-        return self.checkpointer.save(int(self.engine.global_steps), self.state, final=final)
+        step = int(self.engine.global_steps)
+        saved = self.checkpointer.save(step, self.state, final=final)
+        if saved:
+            self._evaluation.checkpointed(step)
+        return saved
 
     def close(self, timeout: float | None = None) -> None:
         """Flush pending saves and uploads; give ``engine.step`` back."""
@@ -122,9 +134,10 @@ class DeepSpeedCheckpoint:
         self._unwrap()
 
     def _unwrap(self) -> None:
-        """Give ``engine.step`` back (DeepSpeedEngine's own)."""
+        """Give ``engine.step``, ``eval`` and ``train`` back (DeepSpeedEngine's own)."""
         if self.engine.__dict__.get("step") == self._step:
             del self.engine.step
+        self._evaluation.unwrap()
 
     def __enter__(self) -> DeepSpeedCheckpoint:
         self._entered = True
