@@ -87,3 +87,39 @@ def test_an_evaluation_on_its_own_generator_is_silent(tmp_path: Path) -> None:
     err = _run(tmp_path, own_generator=True, steps=3)
     assert "the evaluation between" not in err, err[-3000:]
 
+
+LR_SCRIPT = """
+import torch, deepspeed
+import resilient_callbacks.deepspeed as rcds
+from ds_noshm import skip_shm_op
+skip_shm_op()
+deepspeed.init_distributed(dist_backend="gloo")
+cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+       "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 4,
+                     "total_num_steps": 10, "warmup_max_lr": 1e-2}},
+       "resilient_checkpoint": {"dirpath": DIRPATH, "every_n_steps": 3}}
+engine, _, _, sched = rcds.initialize(model=torch.nn.Linear(4, 1), config=cfg)
+for _ in range(3):
+    engine.backward(engine(torch.ones(2, 4)).pow(2).mean())
+    engine.step()
+print("TRAINED", sched.get_last_lr(), engine.get_lr())
+engine.resilient_checkpoint.close()
+engine, _, _, sched = rcds.initialize(model=torch.nn.Linear(4, 1), config=cfg)  # resumes at 3
+print("RESUMED", engine.global_steps, sched.get_last_lr(), engine.get_lr())
+engine.resilient_checkpoint.close()
+"""
+
+
+@pytest.mark.slow  # suite time budget (a DeepSpeed process, two engines)
+def test_a_deepspeed_schedulers_last_lr_is_the_restored_one(tmp_path: Path) -> None:
+    """DeepSpeed's schedulers save only their iteration: after a restore, ``get_last_lr()``
+    answered the rate they were built with (0.0 for a warm-up) until the next step, while the
+    optimizer trained with the restored one, so a loop that logs it logged a jump to 0."""
+    out = run_one_rank(tmp_path / "lr.py", LR_SCRIPT.replace("DIRPATH", repr(str(tmp_path))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    trained = re.search(r"TRAINED (\[.*\]) (\[.*\])", out.stdout)
+    resumed = re.search(r"RESUMED 3 (\[.*\]) (\[.*\])", out.stdout)
+    assert trained and resumed, out.stdout
+    assert trained.group(1) == trained.group(2) != "[0.0]"
+    assert (resumed.group(1), resumed.group(2)) == (trained.group(1), trained.group(2))

@@ -323,5 +323,27 @@ def engine_state(engine: Any, caller_sets_boundaries: bool = False) -> dict[str,
     if persistent_buffers(engine.module):  # after "module": each rank's own wins over rank 0's
         state["buffers"] = PerRank(RankBuffers(engine), new_ranks="rank0")
     if engine.lr_scheduler is not None:
-        state["lr_scheduler"] = engine.lr_scheduler
+        state["lr_scheduler"] = SchedulerState(engine.lr_scheduler)
     return state
+
+
+class SchedulerState:
+    """The engine's LR scheduler, saved by its own ``state_dict``. DeepSpeed's schedulers
+    (``WarmupLR``, ``WarmupDecayLR``, ``OneCycle``, ...) keep only ``last_batch_iteration``
+    there: loaded, their ``get_last_lr()`` went on answering the value set when they were
+    built (0.0 for a warm-up) until the next optimizer step, while the optimizer trained with
+    the restored rate. After the load it answers the rate of the restored iteration, as after
+    a step. Other schedulers (torch's save their last rates) are loaded as they are."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> Any:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        s = self.scheduler
+        s.load_state_dict(state)
+        ours = type(s).__module__.startswith("deepspeed.") and hasattr(s, "_last_lr")
+        if ours and getattr(s, "last_batch_iteration", -1) >= 0 and hasattr(s, "get_lr"):
+            s._last_lr = list(s.get_lr())
