@@ -32,6 +32,7 @@ from . import section
 from .engine_state import check_config, engine_state
 from .evaluation import EvaluationWatch
 from .launch import launched
+from .own_calls import OwnCalls
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -65,6 +66,8 @@ class DeepSpeedCheckpoint:
         engine.step = self._step  # an instance attribute: shadows DeepSpeedEngine.step
         # says when an evaluation after a checkpointed step draws random numbers
         self._evaluation = EvaluationWatch(engine)
+        # engine.load_checkpoint/save_checkpoint on our directory: refused / warned about
+        self._own_calls = OwnCalls(engine, self.checkpointer.dirpath)
         engine.resilient_checkpoint = self
 
     def restore(self) -> int:
@@ -138,6 +141,7 @@ class DeepSpeedCheckpoint:
         if self.engine.__dict__.get("step") == self._step:
             del self.engine.step
         self._evaluation.unwrap()
+        self._own_calls.unwrap()
 
     def __enter__(self) -> DeepSpeedCheckpoint:
         self._entered = True
