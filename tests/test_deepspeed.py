@@ -551,6 +551,19 @@ def test_section_is_validated_and_removed(tmp_path: Path) -> None:
     assert json.loads(path.read_text())["resilient_checkpoint"]["dirpath"] == "x"  # file untouched
 
 
+def test_a_typo_in_the_sections_keys_names_the_option_meant() -> None:
+    """A typo in the section ("every_n_step", "Every_N_Steps") was answered with some forty
+    valid options to search; the callbacks' own options already said which one was meant."""
+    from resilient_callbacks.deepspeed import section
+    from resilient_callbacks.errors import ConfigError
+
+    for typo in ("every_n_step", "Every_N_Steps"):
+        with pytest.raises(ConfigError, match=f"'{typo}' \\(did you mean 'every_n_steps'\\?\\)"):
+            section.split({"resilient_checkpoint": {"dirpath": "x", typo: 3}})
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) 'zzz'; valid"):
+        section.split({"resilient_checkpoint": {"dirpath": "x", "zzz": 3}})
+
+
 def test_section_in_a_base64_or_hjson_config_is_found(tmp_path: Path) -> None:
     """DeepSpeed also takes a base64-encoded config and Hjson files: a section in either is
     read and removed (a base64 one reached DeepSpeed, with any credentials, and nothing was

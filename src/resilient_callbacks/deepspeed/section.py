@@ -36,6 +36,14 @@ def checkpointer_options() -> list[str]:
     return [n for n in params if n not in ("self", "read_only")]
 
 
+def _hint(name: str) -> str:
+    """``name`` quoted, with the valid option it is closest to (a typo, another case)."""
+    valid = checkpointer_options()
+    lower = {v.lower(): v for v in valid}
+    close = difflib.get_close_matches(str(name).lower(), list(lower), n=1)
+    return f"{name!r} (did you mean {lower[close[0]]!r}?)" if close else repr(name)
+
+
 def validate(section: Any, where: str = "the DeepSpeed config") -> dict[str, Any]:
     """The section's options, checked: a JSON object with known keys and a ``dirpath``."""
     if not isinstance(section, Mapping):
@@ -47,8 +55,8 @@ def validate(section: Any, where: str = "the DeepSpeed config") -> dict[str, Any
     unknown = sorted(k for k in section if k not in valid)
     if unknown:
         raise ConfigError(
-            f'"{SECTION}" in {where}: unknown option(s) {", ".join(map(repr, unknown))}; valid '
-            f"options are: {', '.join(valid)}"
+            f'"{SECTION}" in {where}: unknown option(s) {", ".join(map(_hint, unknown))}; '
+            f"valid options are: {', '.join(valid)}"
         )
     if not section.get("dirpath"):
         raise ConfigError(f'"{SECTION}" in {where} needs "dirpath": where to write checkpoints')
