@@ -39,6 +39,7 @@ from resilient_callbacks import catalog
 from resilient_callbacks.dcp import ResilientStorageReader, ResilientStorageWriter, plain_dcp_reader
 from resilient_callbacks.errors import (
     CheckpointCorruptError,
+    CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     ConfigError,
@@ -358,6 +359,33 @@ def test_the_reader_on_a_checkpointers_checkpoints_says_what_loads_them(tmp_path
         with pytest.raises(BaseException) as got:
             dcp.load(_fresh(), storage_reader=ResilientStorageReader(tmp_path / name))
         assert how in str(got.value), str(got.value)
+
+
+def test_a_checkpointer_on_the_writers_checkpoints_refuses_them_and_names_the_reader(tmp_path):
+    """A Checkpointer (or a framework callback) given a directory of ``dcp.save`` checkpoints
+    skipped each valid one as damaged ("the manifest does not list shared.json"), then told the
+    user to repair them or run ``gc --remove-corrupt``; with an older checkpoint of its own
+    there it fell back to that one, dropping the newer progress. It now refuses on every rank,
+    before loading anything, and names the reader that loads them."""
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.dcp import Sharded
+
+    root = tmp_path / "ck"
+    _save_steps(root, steps=(1,))
+    model = nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for state in ({"model": model}, {"train": Sharded(model)}):
+        with (
+            Checkpointer(root, async_save=False) as ck,
+            pytest.raises(CheckpointMismatchError) as got,
+        ):
+            ck.restore(state)
+        said = str(got.value)
+        assert "written by dcp.save through ResilientStorageWriter" in said, said
+        assert f"storage_reader=ResilientStorageReader({str(root)!r})" in said, said
+        assert "remove-corrupt" not in said, said
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000001"]
 
 
 def test_a_writer_whose_dirpath_is_a_file_says_so(tmp_path):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .manifest import FileEntry, Manifest
 from .structure import Encoded
 from .tensorfile import (
@@ -223,7 +223,16 @@ def read_json(path: str, manifest: Manifest, name: str) -> Any:
 def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] = ()) -> LoadedPart:
     """Read and verify (size + checksum) the files this rank needs; tensors view the buffers.
     ``borrow``: the ids of the per-rank states a rank the checkpoint has no files of takes from
-    rank 0 (``PerRank(new_ranks="rank0")``)."""
+    rank 0 (``PerRank(new_ranks="rank0")``). A valid checkpoint written by ``dcp.save``
+    through ``ResilientStorageWriter`` is refused (:class:`CheckpointMismatchError`: no
+    fallback past it, nothing loaded), naming the reader that loads it."""
+    if is_dcp_dropin(manifest):
+        raise CheckpointMismatchError(
+            f"{path} was written by dcp.save through ResilientStorageWriter, which a Checkpointer "
+            "(or a framework callback) does not restore: load it with dcp.load(state_dict, "
+            f"storage_reader=ResilientStorageReader({os.path.dirname(path)!r})) (docs/fsdp.md), "
+            "or give the Checkpointer a directory of its own"
+        )
 
     def load_tensors(name: str) -> dict[str, torch.Tensor]:
         entry = _entry(manifest, name, path)
