@@ -199,7 +199,7 @@ def gc(args: argparse.Namespace) -> int:
                 _nothing_to_delete(args, root, f"nothing to delete: {note or no_checkpoints(root)}")
                 return 0
             root = None
-        lock = DirLock(args.dir)
+        lock = DirLock(args.dir, command="gc")
         if not args.dry_run:
             try:
                 lock.acquire()

@@ -144,7 +144,7 @@ def _torn_row(e: RemoteEntry, url: str) -> dict[str, Any]:
 
 def _locked(path: str, what: str) -> DirLock | None:
     os.makedirs(path, exist_ok=True)
-    lock = DirLock(path)
+    lock = DirLock(path, command=what)
     try:
         lock.acquire()
     except CheckpointError as err:
@@ -164,7 +164,7 @@ def pull(args: argparse.Namespace) -> int:
     m = entry.manifest
     assert m is not None
     try:
-        final, pulled = pulling.pull(st, entry, args.dir)
+        final, pulled = pulling.pull(st, entry, args.dir, command="pull")
     except CheckpointLockedError as err:
         print(
             f"resilient-ckpt pull: {err} (a running trainer syncs this directory itself)",

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import gc
 import json
+import logging
 import os
 import socket
 import time
@@ -22,6 +23,11 @@ import weakref
 from .errors import CheckpointError, CheckpointLockedError
 
 LOCK_NAME = ".lock"
+# How long a writer waits for a ``resilient-ckpt`` command (gc, pull, push) that holds its
+# directory before it fails: a run (re)started while an operator cleans up waits, not crashes.
+COMMAND_WAIT_S = 600.0
+
+log = logging.getLogger("resilient_callbacks")
 
 _held: weakref.WeakSet[DirLock] = weakref.WeakSet()
 # remote store (protocol and root) -> the lock of the writer of this process that uploads there
@@ -106,9 +112,50 @@ def release_dropped(root: str) -> None:
 
 
 class DirLock:
-    def __init__(self, root: str) -> None:
+    """The exclusive lock of one checkpoint directory.
+
+    ``command`` names a ``resilient-ckpt`` command taking it (``"gc"``, ``"pull"``, ``"push"``),
+    recorded in the lock file. A writer (``command=None``) that finds a command holding the
+    directory waits for it, up to :data:`COMMAND_WAIT_S` (logged once), instead of failing: a
+    training run started while an operator's ``gc`` runs begins once it has finished. A
+    command never waits, and a writer never waits for another writer."""
+
+    def __init__(self, root: str, command: str | None = None) -> None:
         self.path = os.path.join(root, LOCK_NAME)
+        self.command = command
         self._fd: int | None = None
+
+    def _holder(self) -> dict[str, object]:
+        try:
+            with open(self.path) as f:
+                info = json.loads(f.read() or "{}")
+        except (OSError, ValueError):
+            return {}
+        return info if isinstance(info, dict) else {}
+
+    def _wait_for_command(self, fd: int) -> bool:
+        """A command holds the lock and this is a writer: wait for it to go (True: taken)."""
+        deadline = time.monotonic() + COMMAND_WAIT_S
+        said = False
+        if not self._holder():  # (its holder may be writing its name into it this moment)
+            time.sleep(0.05)
+        while (cmd := self._holder().get("command")) and time.monotonic() < deadline:
+            if not said:
+                info = self._holder()
+                log.warning(
+                    "`resilient-ckpt %s` (pid %s on %s) holds %s: waiting for it to finish "
+                    "(at most %.0f s) before this run writes checkpoints there",
+                    cmd,
+                    info.get("pid"),
+                    info.get("host"),
+                    os.path.dirname(self.path),
+                    COMMAND_WAIT_S,
+                )
+                said = True
+            time.sleep(0.2)
+            if _flock(fd):
+                return True
+        return _flock(fd)
 
     def acquire(self) -> None:
         try:  # never through a symlink: the lock file is truncated and written
@@ -119,15 +166,26 @@ class DirLock:
                     f"{self.path} is a symbolic link; refusing to write through it (remove it)"
                 ) from None
             raise e
-        if not _flock(fd) and not (_collect_dropped(self.path) and _flock(fd)):
+        if (
+            not _flock(fd)
+            and not (_collect_dropped(self.path) and _flock(fd))
+            and not (self.command is None and self._wait_for_command(fd))
+        ):
+            info = self._holder()
             holder = ""
-            try:
-                with open(self.path) as f:
-                    info = json.loads(f.read() or "{}")
+            if info:
                 holder = f" (held by pid {info.get('pid')} on {info.get('host')} since {info.get('since')})"
-            except (OSError, ValueError):
-                pass
             os.close(fd)
+            if info.get("command"):  # gc, pull or push of an operator
+                what = (
+                    f"`resilient-ckpt {info['command']}`{holder} holds {os.path.dirname(self.path)}"
+                )
+                if self.command is None:
+                    what += f" (still, after {COMMAND_WAIT_S:.0f} s of waiting for it)"
+                raise CheckpointLockedError(
+                    f"{what}: let it finish, or stop it (Ctrl-C leaves nothing half-done), "
+                    "then try again"
+                ) from None
             if f"pid {os.getpid()} on {socket.gethostname()}" in holder:
                 raise CheckpointLockedError(
                     "this process already has a writer open on "
@@ -147,6 +205,8 @@ class DirLock:
             "host": socket.gethostname(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
+        if self.command is not None:
+            info["command"] = self.command
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd

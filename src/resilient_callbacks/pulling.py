@@ -33,13 +33,17 @@ def usable(st: RemoteStore, step: int | None = None) -> list[RemoteEntry]:
     return good
 
 
-def pull(st: RemoteStore, entry: RemoteEntry, dirpath: str) -> tuple[str, bool]:
+def pull(
+    st: RemoteStore, entry: RemoteEntry, dirpath: str, command: str | None = None
+) -> tuple[str, bool]:
     """Download ``entry`` into ``dirpath`` unless a verified copy of it is there already;
     returns ``(local path, downloaded)``. Takes ``dirpath``'s lock (a running writer holds it:
-    :class:`CheckpointError` naming it). Never overwrites another checkpoint of that name."""
+    :class:`CheckpointError` naming it); ``command`` names the ``resilient-ckpt`` command pulling,
+    which a writer starting meanwhile waits for (:class:`~.lock.DirLock`). Never overwrites
+    another checkpoint of that name."""
     assert entry.manifest is not None
     os.makedirs(dirpath, exist_ok=True)
-    lock = DirLock(dirpath)
+    lock = DirLock(dirpath, command=command)
     lock.acquire()
     final = os.path.join(dirpath, entry.name)
     try:

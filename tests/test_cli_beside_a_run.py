@@ -1,0 +1,90 @@
+"""The CLI beside a training run on the same directory: a real process holds the directory as
+``resilient-ckpt`` does while it works, and a writer opens meanwhile."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+
+import torch
+
+from resilient_callbacks import Checkpointer
+
+# runs `resilient-ckpt gc DIR` for real, held (lock taken) until a line comes on stdin
+_GC_HELD = """
+import sys
+from resilient_callbacks import cli, cli_local
+real = cli_local._gc
+def held(args, root):
+    print("held", flush=True)
+    sys.stdin.readline()
+    return real(args, root)
+cli_local._gc = held
+sys.exit(cli.main(["gc", sys.argv[1]]))
+"""
+
+
+def _save(root: str, steps) -> None:
+    model = torch.nn.Linear(3, 2)
+    with Checkpointer(root, keep_last=None) as ck:
+        for s in steps:
+            ck.save(s, {"model": model})
+
+
+def test_a_run_started_while_gc_holds_the_directory_waits_for_it(tmp_path):
+    """A training run (re)started while an operator's `resilient-ckpt gc` cleaned its directory
+    (a Slurm requeue, say) failed at once with CheckpointLockedError, "another process is
+    writing checkpoints ... Two runs must not share a checkpoint directory", naming neither
+    gc nor what to do. A writer now waits for a command holding the directory (gc, pull,
+    push), says so in the log, and opens when it is done."""
+    root = str(tmp_path / "ck")
+    _save(root, (10, 20))
+    gc = subprocess.Popen(
+        [sys.executable, "-c", _GC_HELD, root],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert gc.stdout is not None and gc.stdin is not None
+    assert gc.stdout.readline().strip() == "held", gc.stderr and gc.stderr.read()
+    said: list[str] = []
+    waiting = threading.Event()
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+            if "resilient-ckpt gc" in said[-1]:
+                waiting.set()
+
+    handler = Said()
+    logging.getLogger("resilient_callbacks").addHandler(handler)
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            _save(root, (30,))
+        except Exception as e:  # (the old behaviour: CheckpointLockedError at once)
+            result["error"] = e
+
+    writer = threading.Thread(target=run)
+    try:
+        writer.start()
+        while not waiting.is_set() and writer.is_alive():
+            waiting.wait(0.05)
+        gc.stdin.write("\n")
+        gc.stdin.close()
+        gc.wait(timeout=120)
+        writer.join(timeout=120)
+    finally:
+        logging.getLogger("resilient_callbacks").removeHandler(handler)
+        if gc.poll() is None:
+            gc.kill()
+    assert "error" not in result, result["error"]
+    assert gc.returncode == 0, gc.stderr and gc.stderr.read()
+    assert any("waiting for it to finish" in m for m in said), said
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == [
+        f"step_{s:09d}" for s in (10, 20, 30)
+    ]
