@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -88,3 +92,59 @@ def test_a_run_started_while_gc_holds_the_directory_waits_for_it(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == [
         f"step_{s:09d}" for s in (10, 20, 30)
     ]
+
+
+def test_gc_dry_run_beside_a_live_writer_says_so_and_lists_not_its_save(tmp_path):
+    """`gc --dry-run` runs beside a live writer, but said nothing of it: it listed the running
+    save's staging folder as "would delete ... incomplete", and the real gc then refused. It
+    now says a writer is open (stderr; `"writer_open": true` in --json) and leaves out the
+    save in progress."""
+    from resilient_callbacks.cli import main
+
+    root = tmp_path / "ck"
+    _save(str(root), (10, 20))
+    with Checkpointer(str(root), keep_last=None):  # the run, live (its lock held)
+        (root / ".staging-step_000000030-abc123").mkdir()  # its save in flight
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["gc", str(root), "--dry-run", "--json"])
+        assert code == 0, err.getvalue()
+        result = json.loads(out.getvalue())
+        assert result["delete"] == [] and result["writer_open"] is True
+        assert "a writer is open" in err.getvalue()
+        assert len(result["keep"]) == 2
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # the writer gone: a crash's leftover, deleted
+        assert main(["gc", str(root), "--dry-run", "--json"]) == 0
+    result = json.loads(out.getvalue())
+    assert result["writer_open"] is False
+    assert [d["name"] for d in result["delete"]] == [".staging-step_000000030-abc123"]
+
+
+def test_gc_dry_run_leaves_out_what_the_writers_retention_deleted_while_it_read(
+    tmp_path, monkeypatch
+):
+    """A checkpoint the live run's retention deleted while `gc --dry-run` verified it was listed
+    as "would delete step_... (incomplete (deleted while it was being read))": it is gone, and
+    is no longer listed."""
+    import shutil
+
+    from resilient_callbacks import cli_local
+    from resilient_callbacks.cli import main
+
+    root = tmp_path / "ck"
+    _save(str(root), (10, 20, 30))
+    real = cli_local.check
+
+    def retention_meanwhile(e, *a):
+        if e.name == "step_000000010" and os.path.isdir(e.path):
+            shutil.rmtree(e.path)
+        return real(e, *a)
+
+    monkeypatch.setattr(cli_local, "check", retention_meanwhile)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["gc", str(root), "--dry-run", "--json"]) == 0
+    result = json.loads(out.getvalue())
+    assert result["delete"] == []
+    assert [k["name"] for k in result["keep"]] == ["step_000000020", "step_000000030"]

@@ -26,9 +26,15 @@ from .cli_format import (
     table,
 )
 from .cli_scan import no_checkpoints, node_part_note, public, resolve, row, scan
-from .commit import LATEST_TMP_PREFIX, remove_checkpoint, write_latest_pointer
+from .commit import (
+    LATEST_TMP_PREFIX,
+    STAGING_PREFIX,
+    TRASH_PREFIX,
+    remove_checkpoint,
+    write_latest_pointer,
+)
 from .errors import CheckpointError
-from .lock import DirLock
+from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME, NEWER_FORMAT
 from .reader import by_commit, check
 from .retention import Plan, RetentionPolicy, plan
@@ -237,6 +243,16 @@ def gc(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     entries = catalog.scan(root, Depth.SIZE)
+    # a dry run takes no lock: a writer may be saving, and deleting by retention, beside it
+    live = bool(args.dry_run and writer_alive(root))
+    if live:
+        print(
+            f"resilient-ckpt gc: a writer is open on {args.dir} (a training run): gc without "
+            "--dry-run refuses to run beside it; its save in progress (a .staging-/.trash- "
+            "folder) is not listed, and what its own retention deletes meanwhile goes",
+            file=sys.stderr,
+        )
+        entries = [e for e in entries if not e.name.startswith((STAGING_PREFIX, TRASH_PREFIX))]
     if foreign := catalog.foreign_folders(root, entries):  # only hidden leftovers of ours too
         print(f"resilient-ckpt gc: {catalog.not_ours_note(root, foreign)}", file=sys.stderr)
         entries = [e for e in entries if e.name not in foreign]
@@ -248,7 +264,8 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     # Verify every checkpoint retention would keep before trusting the plan: one whose sizes
     # match but whose checksum does not would otherwise count as the newest valid checkpoint,
     # and the good one before it could be deleted.
-    while True:
+    while True:  # (beside a writer: without what its retention deleted while this read it)
+        entries = [e for e in entries if not catalog.gone(e.path)]
         p, run_id = _plan(entries, args.keep_last, args.drop_archives)
         todo = [
             e
@@ -313,6 +330,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         keep=keep,
         blobs_deleted=blobs,
         blobs_since_newest=recent,
+        writer_open=live,
     )
     if args.json:
         return result
@@ -346,7 +364,10 @@ def _gc_result(root: str, dry_run: bool, run_id: str | None = None, **found: Any
     """``gc --json``'s object: what was (or would be) deleted, kept, and failed."""
     result: dict[str, Any] = {"dir": root, "dry_run": dry_run, "run_id": run_id}
     result |= {k: found.get(k, []) for k in ("delete", "failed", "keep", "blobs_deleted")}
-    return result | ({"blobs_since_newest": found.get("blobs_since_newest", [])} if dry_run else {})
+    if dry_run:
+        result["blobs_since_newest"] = found.get("blobs_since_newest", [])
+        result["writer_open"] = bool(found.get("writer_open", False))
+    return result
 
 
 def _nothing_to_delete(args: argparse.Namespace, root: str, note: str) -> None:
