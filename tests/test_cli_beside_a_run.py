@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 
 from resilient_callbacks import Checkpointer
@@ -148,3 +149,23 @@ def test_gc_dry_run_leaves_out_what_the_writers_retention_deleted_while_it_read(
     result = json.loads(out.getvalue())
     assert result["delete"] == []
     assert [k["name"] for k in result["keep"]] == ["step_000000020", "step_000000030"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--all"], ["--step", "99"]])
+def test_verify_json_with_nothing_to_check_prints_json(tmp_path, extra):
+    """`verify DIR --json` printed nothing on stdout when DIR held no checkpoint (or none of
+    step N), unlike `ls --json` (`[]`) and `gc --json`: a monitoring script's `jq .ok` got no
+    input. It prints the object, `"ok": false`, the note on stderr, and exits 1 as before."""
+    from resilient_callbacks.cli import main
+
+    root = tmp_path / "ck"
+    root.mkdir()
+    if extra[:1] == ["--step"]:
+        _save(str(root), (10,))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["verify", str(root), "--json", *extra])
+    assert code == 1
+    result = json.loads(out.getvalue())
+    assert result["ok"] is False and result["verified"] == 0 and result["checkpoints"] == []
+    assert "no checkpoint" in err.getvalue()

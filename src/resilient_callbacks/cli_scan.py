@@ -196,13 +196,13 @@ def report_verified(
             {
                 "dir": where,
                 "scope": scope,
-                "ok": not bad,
+                "ok": bool(rows) and not bad,  # (nothing checked is not ok: exit 1)
                 "verified": len(rows),
                 "failed": len(bad),
                 "checkpoints": [public(r) for r in rows],
             }
         )
-        return 1 if bad else 0
+        return 1 if bad or not rows else 0
     for r in rows:
         step = r["step"] if r["step"] is not None else "?"
         if r["status"] == "valid":

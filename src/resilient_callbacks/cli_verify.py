@@ -25,7 +25,16 @@ NO_MANIFEST = (
 def verify(args: argparse.Namespace) -> int:
     target = resolve(args.dir)
     for _ in range(5):  # a run writing here may delete a checkpoint while it is verified
-        scope, chosen, committed, broken = _to_verify(target, args)
+        try:
+            scope, chosen, committed, broken = _to_verify(target, args)
+        except CheckpointNotFoundError as nothing:
+            if not args.json:
+                raise
+            # nothing to check (exit 1): still the object a script parses, the note on stderr
+            scope = "step" if args.step is not None else "all" if args.all else "newest"
+            report_verified(args, target.root, scope, [], 0)
+            print(f"resilient-ckpt verify: {nothing}", file=sys.stderr)
+            return 1
         for e in chosen:
             check(e)
         if all(e.status is not Status.INCOMPLETE for e in chosen):
