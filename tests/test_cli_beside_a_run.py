@@ -169,3 +169,28 @@ def test_verify_json_with_nothing_to_check_prints_json(tmp_path, extra):
     result = json.loads(out.getvalue())
     assert result["ok"] is False and result["verified"] == 0 and result["checkpoints"] == []
     assert "no checkpoint" in err.getvalue()
+
+
+def test_push_from_a_read_only_mount(tmp_path, monkeypatch):
+    """`push` of a directory on a read-only mount (a snapshot, another user's run) failed with
+    "OSError: [Errno 30] Read-only file system: '.../.lock'", though it only reads there. With
+    no live writer it now pushes without the lock, and says so."""
+    import errno
+
+    from resilient_callbacks.cli import main
+    from resilient_callbacks.lock import DirLock
+
+    root = tmp_path / "ck"
+    _save(str(root), (10, 20))
+
+    def read_only(self):
+        raise OSError(errno.EROFS, "Read-only file system", self.path)
+
+    monkeypatch.setattr(DirLock, "acquire", read_only)
+    out, err = io.StringIO(), io.StringIO()
+    url = (tmp_path / "remote").as_uri()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["push", str(root), url, "--json"])
+    assert code == 0, err.getvalue()
+    assert [p["step"] for p in json.loads(out.getvalue())["pushed"]] == [10, 20]
+    assert "going on without it" in err.getvalue()

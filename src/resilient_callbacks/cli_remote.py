@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -16,7 +17,7 @@ from .cli_format import CORRUPT, INCOMPLETE, SIZES, UNVERIFIED, fmt_size, iso_ti
 from .cli_scan import no_checkpoints, report_verified, resolve
 from .commit import CKPT_RE
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
-from .lock import DirLock
+from .lock import DirLock, writer_alive
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
 from .remote_objects import free_name
 from .retention import Plan, RetentionPolicy
@@ -143,10 +144,20 @@ def _torn_row(e: RemoteEntry, url: str) -> dict[str, Any]:
 
 
 def _locked(path: str, what: str) -> DirLock | None:
+    """``path``'s lock, taken (None: a writer holds it, said on stderr). A directory this user
+    cannot write (a read-only mount, another user's) has no lock to take: without a live writer
+    on this host the command goes on, reading only, and says so (a checkpoint deleted
+    meanwhile fails its upload, which commits nothing)."""
     os.makedirs(path, exist_ok=True)
     lock = DirLock(path, command=what)
     try:
         lock.acquire()
+    except PermissionError as err:  # EACCES, EPERM
+        return None if _alive(path, what, err) else lock
+    except OSError as err:
+        if err.errno != errno.EROFS:
+            raise
+        return None if _alive(path, what, err) else lock
     except CheckpointError as err:
         print(
             f"resilient-ckpt {what}: {err} (a running trainer syncs this directory itself)",
@@ -154,6 +165,22 @@ def _locked(path: str, what: str) -> DirLock | None:
         )
         return None
     return lock
+
+
+def _alive(path: str, what: str, err: OSError) -> bool:
+    """The lock of ``path`` cannot be taken (``err``): whether a writer is alive there (said)."""
+    if writer_alive(path):
+        print(
+            f"resilient-ckpt {what}: a writer is open on {path}; try again once it has stopped",
+            file=sys.stderr,
+        )
+        return True
+    print(
+        f"resilient-ckpt {what}: cannot take the lock of {path} ({err.strerror or err}): going "
+        "on without it (reading only)",
+        file=sys.stderr,
+    )
+    return False
 
 
 def pull(args: argparse.Namespace) -> int:
