@@ -194,3 +194,33 @@ def test_push_from_a_read_only_mount(tmp_path, monkeypatch):
     assert code == 0, err.getvalue()
     assert [p["step"] for p in json.loads(out.getvalue())["pushed"]] == [10, 20]
     assert "going on without it" in err.getvalue()
+
+
+def test_push_cut_short_by_ctrl_c_leaves_no_partial_upload(tmp_path, monkeypatch):
+    """Ctrl-C in `push` after a checkpoint's files went up but before its manifest left them
+    on the remote: nothing committed, but `ls --remote` showed the checkpoint as "uploading"
+    for ever (until `gc --remote`, 24 h later). Now the partial upload is removed on the way
+    out (exit 130); what was pushed before stays, and a second push completes."""
+    from resilient_callbacks import remote
+    from resilient_callbacks.cli import main
+
+    root = tmp_path / "ck"
+    _save(str(root), (10, 20))
+    url = (tmp_path / "remote").as_uri()
+    real = remote.ManifestLastCommit.commit
+
+    def interrupted(self, name, *a, **k):
+        if name == "step_000000020":
+            raise KeyboardInterrupt
+        return real(self, name, *a, **k)
+
+    monkeypatch.setattr(remote.ManifestLastCommit, "commit", interrupted)
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        assert main(["push", str(root), url]) == 130
+    assert sorted(p.name for p in (tmp_path / "remote").iterdir()) == ["step_000000010"]
+    monkeypatch.setattr(remote.ManifestLastCommit, "commit", real)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["push", str(root), url, "--json"]) == 0
+    assert [p["step"] for p in json.loads(out.getvalue())["pushed"]] == [20]

@@ -18,6 +18,7 @@ from .cli_scan import no_checkpoints, report_verified, resolve
 from .commit import CKPT_RE
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock, writer_alive
+from .manifest import MANIFEST_NAME
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
 from .remote_objects import free_name
 from .retention import Plan, RetentionPolicy
@@ -167,6 +168,19 @@ def _locked(path: str, what: str) -> DirLock | None:
     return lock
 
 
+def _unupload(st: RemoteStore, local: str, name: str, was: str | None) -> None:
+    """Ctrl-C during the upload of ``local`` as ``name``: remove what went up unless its
+    manifest did (then it is committed, whole). Never a copy that was there before (``was``:
+    a damaged one being repaired stays as it was found, for the next push)."""
+    if was is not None:
+        return
+    with open(os.path.join(local, MANIFEST_NAME), "rb") as fh:
+        if st._manifest_bytes(name) == fh.read():
+            return
+    print(f"resilient-ckpt push: removing the partial upload of {name}", file=sys.stderr)
+    st.delete(name)
+
+
 def _alive(path: str, what: str, err: OSError) -> bool:
     """The lock of ``path`` cannot be taken (``err``): whether a writer is alive there (said)."""
     if writer_alive(path):
@@ -288,6 +302,9 @@ def push(args: argparse.Namespace) -> int:
                     repair=was is not None,
                     blobs_again=rotten.get(key, []),
                 )
+            except KeyboardInterrupt:
+                _unupload(st, e.path, name, was)
+                raise
             finally:
                 bar.close()
             if was is not None:
