@@ -224,3 +224,40 @@ def test_push_cut_short_by_ctrl_c_leaves_no_partial_upload(tmp_path, monkeypatch
     with contextlib.redirect_stdout(out):
         assert main(["push", str(root), url, "--json"]) == 0
     assert [p["step"] for p in json.loads(out.getvalue())["pushed"]] == [20]
+
+
+def test_export_of_a_checkpoint_retention_deletes_meanwhile(tmp_path, monkeypatch, capsys):
+    """`export DIR OUT` beside a running job: the newest checkpoint, chosen and verified, was
+    deleted by the run's retention before export read its tensors, and export failed with
+    "FileNotFoundError: ... manifest.json". It now exports the newest valid one left (said on
+    stderr); with --step the error says what happened."""
+    import shutil
+
+    from resilient_callbacks import consolidate
+    from resilient_callbacks.cli import main
+
+    root = tmp_path / "ck"
+    _save(str(root), (10, 20, 30))
+    real = consolidate.entry_tensors
+
+    def retention_meanwhile(path, key):
+        if path.endswith("step_000000030"):
+            shutil.rmtree(path)
+        return real(path, key)
+
+    monkeypatch.setattr(consolidate, "entry_tensors", retention_meanwhile)
+    assert main(["export", str(root), str(tmp_path / "out")]) == 0
+    said = capsys.readouterr()
+    assert "step_000000030 was deleted while it was read" in said.err
+    assert json.loads((tmp_path / "out" / "export.json").read_text())["step"] == 20
+
+    def step_20_meanwhile(path, key):
+        if path.endswith("step_000000020"):
+            shutil.rmtree(path)
+        return real(path, key)
+
+    monkeypatch.setattr(consolidate, "entry_tensors", step_20_meanwhile)
+    assert main(["export", str(root), str(tmp_path / "out2"), "--step", "20"]) == 1
+    err = capsys.readouterr().err
+    assert "step_000000020 was deleted while export read it" in err and "Traceback" not in err
+    assert not (tmp_path / "out2").exists()

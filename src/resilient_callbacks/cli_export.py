@@ -45,6 +45,52 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """``export``; a checkpoint that the retention of a run writing to DIR deletes while it is
+    read is gone, not broken: without ``--step`` the newest valid one is exported instead (said
+    on stderr), with ``--step`` a one-line error says so."""
+    import os
+
+    from .errors import CheckpointNotFoundError
+
+    had_out = os.path.exists(args.out)
+    for attempt in range(3):
+        try:
+            return _export(args)
+        except FileNotFoundError as e:
+            gone = _deleted_checkpoint(args.dir, e.filename)
+            if gone is None:
+                raise
+            if args.step is not None or attempt == 2 or (os.path.exists(args.out) and not had_out):
+                raise CheckpointNotFoundError(
+                    f"{gone} was deleted while export read it (the retention of a run writing "
+                    f"to {args.dir}): export a checkpoint it keeps, or the newest (no --step)"
+                ) from None
+            print(
+                f"{PROG} export: {gone} was deleted while it was read (the retention of a run "
+                "writing there); exporting the newest valid checkpoint instead",
+                file=sys.stderr,
+            )
+    raise AssertionError("unreachable")
+
+
+def _deleted_checkpoint(dirpath: str, filename: object) -> str | None:
+    """The checkpoint folder of ``dirpath`` that held ``filename`` (a file not found), if that
+    folder is gone; else None."""
+    import os
+
+    if not isinstance(filename, str):
+        return None
+    root = os.path.abspath(dirpath)
+    if os.path.exists(os.path.join(root, "manifest.json")) or not os.path.isdir(root):
+        root = os.path.dirname(root)  # DIR was one checkpoint
+    rel = os.path.relpath(os.path.abspath(filename), root)
+    if rel.startswith(os.pardir) or os.sep not in rel:
+        return None
+    folder = os.path.join(root, rel.split(os.sep)[0])
+    return None if os.path.isdir(folder) else folder
+
+
+def _export(args: argparse.Namespace) -> int:
     import os
 
     from .cli_scan import no_checkpoints
