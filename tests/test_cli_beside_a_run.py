@@ -261,3 +261,23 @@ def test_export_of_a_checkpoint_retention_deletes_meanwhile(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert "step_000000020 was deleted while export read it" in err and "Traceback" not in err
     assert not (tmp_path / "out2").exists()
+
+
+def test_pull_and_push_beside_a_live_run_say_what_to_do(tmp_path, capsys):
+    """`pull URL DIR` into the directory of a running job said "another process is writing
+    checkpoints to DIR ... Two runs must not share a checkpoint directory: give this run its
+    own dirpath": advice for a second training run, not for an operator's pull. It now says a
+    training run is open there, that the command changes nothing beside it, and what to do."""
+    from resilient_callbacks.cli import main
+
+    root = tmp_path / "ck"
+    _save(str(root), (10,))
+    url = (tmp_path / "remote").as_uri()
+    assert main(["push", str(root), url]) == 0
+    with Checkpointer(str(root), keep_last=None):  # the live run
+        capsys.readouterr()
+        for cmd in (["pull", url, str(root)], ["push", str(root), url]):
+            assert main(cmd) == 1
+            err = capsys.readouterr().err
+            assert "Two runs must not share" not in err, err
+            assert f"`resilient-ckpt {cmd[0]}` changes nothing beside it" in err, err

@@ -161,7 +161,7 @@ def _locked(path: str, what: str) -> DirLock | None:
         return None if _alive(path, what, err) else lock
     except CheckpointError as err:
         print(
-            f"resilient-ckpt {what}: {err} (a running trainer syncs this directory itself)",
+            f"resilient-ckpt {what}: {err}",
             file=sys.stderr,
         )
         return None
@@ -208,7 +208,7 @@ def pull(args: argparse.Namespace) -> int:
         final, pulled = pulling.pull(st, entry, args.dir, command="pull")
     except CheckpointLockedError as err:
         print(
-            f"resilient-ckpt pull: {err} (a running trainer syncs this directory itself)",
+            f"resilient-ckpt pull: {err}",
             file=sys.stderr,
         )
         return 1

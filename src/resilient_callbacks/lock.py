@@ -186,6 +186,13 @@ class DirLock:
                     f"{what}: let it finish, or stop it (Ctrl-C leaves nothing half-done), "
                     "then try again"
                 ) from None
+            if self.command is not None:  # an operator's pull or push beside a live run
+                raise CheckpointLockedError(
+                    f"a writer (a training run) is open on {os.path.dirname(self.path)}{holder}: "
+                    f"`resilient-ckpt {self.command}` changes nothing beside it (the run uploads "
+                    "and retains its checkpoints itself); run it once that has stopped"
+                    + (", or pull into another directory" if self.command == "pull" else "")
+                ) from None
             if f"pid {os.getpid()} on {socket.gethostname()}" in holder:
                 raise CheckpointLockedError(
                     "this process already has a writer open on "
