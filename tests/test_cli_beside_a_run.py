@@ -281,3 +281,29 @@ def test_pull_and_push_beside_a_live_run_say_what_to_do(tmp_path, capsys):
             err = capsys.readouterr().err
             assert "Two runs must not share" not in err, err
             assert f"`resilient-ckpt {cmd[0]}` changes nothing beside it" in err, err
+
+
+def test_a_distributed_writer_waits_less_than_its_ranks_collective_timeout(tmp_path, monkeypatch):
+    """Rank 0 opens the directory while the other ranks wait for it in a collective: its wait
+    for a command holding the directory (10 min alone) must end before their collective times
+    out (a 10-minute NCCL default would otherwise kill the job while rank 0 still waits), and
+    its error then names the command."""
+    import datetime
+
+    from resilient_callbacks import dist
+    from resilient_callbacks.errors import CheckpointLockedError
+    from resilient_callbacks.lock import COMMAND_WAIT_S, DirLock
+
+    assert dist.wait_before_collective(COMMAND_WAIT_S) == COMMAND_WAIT_S  # one process
+    root = tmp_path / "ck"
+    root.mkdir()
+    gc = DirLock(str(root), command="gc")  # (its own open file: a lock apart, in one process)
+    gc.acquire()
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    monkeypatch.setattr(dist, "world_timeout", lambda: datetime.timedelta(seconds=2))
+    assert dist.wait_before_collective(COMMAND_WAIT_S) == 1.0
+    try:
+        with pytest.raises(CheckpointLockedError, match=r"resilient-ckpt gc.*after 1 s"):
+            Checkpointer(str(root))
+    finally:
+        gc.release()

@@ -31,7 +31,7 @@ from .errors import (
     ForeignCheckpointsWarning,
     warn_and_log,
 )
-from .lock import DirLock, claim_remote
+from .lock import COMMAND_WAIT_S, DirLock, claim_remote
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .retention import RetentionPolicy, plan
 from .trash import TrashBin
@@ -208,7 +208,8 @@ class Directory:
                 )
             return
         os.makedirs(self.dirpath, exist_ok=True)
-        self.lock.acquire()
+        # (the other ranks wait in open()'s broadcast meanwhile)
+        self.lock.acquire(wait_s=dist.wait_before_collective(COMMAND_WAIT_S))
         sweep_staging(self.dirpath)  # (logs what it removed)
         self.seq = catalog.next_seq(self.dirpath) - 1
         collect_blobs(self.blobs)  # what crashed saves or deletions left (nothing in flight)

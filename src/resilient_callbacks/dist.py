@@ -165,6 +165,17 @@ def world_timeout() -> Any:
     return None
 
 
+def wait_before_collective(wanted_s: float) -> float:
+    """How long one rank may block (``wanted_s`` at most) while the other ranks already wait for
+    it in a collective: half the world's timeout, so they never time out first (600 s, the
+    shorter NCCL default, where it cannot be read). ``wanted_s`` alone without other ranks."""
+    if world_size() <= 1:
+        return wanted_s
+    timeout = world_timeout()
+    seconds = timeout.total_seconds() if timeout is not None else 600.0
+    return max(0.0, min(wanted_s, seconds / 2))
+
+
 # Bytes of the first (and, for most payloads, the only) round of all_gather_json and
 # broadcast_json: an 8-byte length, then the payload when it fits. Agreements, outcomes and
 # timings fit, so they cost one collective, not two (a size round, then a payload round);

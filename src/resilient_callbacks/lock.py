@@ -133,9 +133,9 @@ class DirLock:
             return {}
         return info if isinstance(info, dict) else {}
 
-    def _wait_for_command(self, fd: int) -> bool:
+    def _wait_for_command(self, fd: int, wait_s: float) -> bool:
         """A command holds the lock and this is a writer: wait for it to go (True: taken)."""
-        deadline = time.monotonic() + COMMAND_WAIT_S
+        deadline = time.monotonic() + wait_s
         said = False
         if not self._holder():  # (its holder may be writing its name into it this moment)
             time.sleep(0.05)
@@ -149,7 +149,7 @@ class DirLock:
                     info.get("pid"),
                     info.get("host"),
                     os.path.dirname(self.path),
-                    COMMAND_WAIT_S,
+                    wait_s,
                 )
                 said = True
             time.sleep(0.2)
@@ -157,7 +157,10 @@ class DirLock:
                 return True
         return _flock(fd)
 
-    def acquire(self) -> None:
+    def acquire(self, wait_s: float = COMMAND_WAIT_S) -> None:
+        """Take the lock, or raise :class:`CheckpointLockedError` naming its holder. A writer
+        waits at most ``wait_s`` for a command holding it (a distributed caller passes less
+        than the collective timeout its other ranks wait in meanwhile)."""
         try:  # never through a symlink: the lock file is truncated and written
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
@@ -169,7 +172,7 @@ class DirLock:
         if (
             not _flock(fd)
             and not (_collect_dropped(self.path) and _flock(fd))
-            and not (self.command is None and self._wait_for_command(fd))
+            and not (self.command is None and self._wait_for_command(fd, wait_s))
         ):
             info = self._holder()
             holder = ""
@@ -181,7 +184,7 @@ class DirLock:
                     f"`resilient-ckpt {info['command']}`{holder} holds {os.path.dirname(self.path)}"
                 )
                 if self.command is None:
-                    what += f" (still, after {COMMAND_WAIT_S:.0f} s of waiting for it)"
+                    what += f" (still, after {wait_s:.0f} s of waiting for it)"
                 raise CheckpointLockedError(
                     f"{what}: let it finish, or stop it (Ctrl-C leaves nothing half-done), "
                     "then try again"

@@ -38,6 +38,7 @@ from .catalog import Depth, Status
 from .commit import sweep_staging
 from .directory import Directory, apply_retention
 from .errors import CheckpointError, CheckpointWriteError, ConfigError, RemoteUnavailableError
+from .lock import COMMAND_WAIT_S
 from .manifest import FileEntry
 from .sync import SyncStatus
 from .topology import Topology
@@ -145,7 +146,8 @@ class NodeDirectory(Directory):
         from .remote_commit import NodeUploader, RemoteCommitter
 
         os.makedirs(self.dirpath, exist_ok=True)
-        self.lock.acquire()
+        # (the other ranks wait in open()'s all-gather meanwhile)
+        self.lock.acquire(wait_s=dist.wait_before_collective(COMMAND_WAIT_S))
         sweep_staging(self.dirpath)  # (logs what it removed)
         self.seq = catalog.next_seq(self.dirpath) - 1
         assert config.remote is not None
