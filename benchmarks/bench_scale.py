@@ -115,7 +115,7 @@ def simulate(n_ranks: int, per_node: int, file_bytes: int, root: str) -> dict[st
         mine = [f for f in files if not (f.path.startswith("shared.") and f.rank != 0)]
         up = NodeUploader.__new__(NodeUploader)  # the upload itself, without its thread
         up.store, up.local_root, up.node = store, os.path.join(root, f"node{k}"), k
-        up._reports, up.counters = [], UploadCounters()
+        up._reports, up.counters, up._uploaded = [], UploadCounters(), {}
         import threading
 
         up._cond = threading.Condition()

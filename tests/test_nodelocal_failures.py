@@ -428,9 +428,15 @@ def worker(base: str, argv: list[str]) -> None:
     if os.environ.get("RC_SLOW_UPLOADS") and os.environ.get("RC_SLOW_NODE", str(node)) == str(
         node
     ):  # uploads lag behind the saves (on every node, or on RC_SLOW_NODE's)
-        real_put = ck._dir.remote.fs.put  # type: ignore[union-attr]
+        real_put, held = ck._dir.remote.fs.put, []  # type: ignore[union-attr]
 
         def slow_put(*a, **k):
+            if os.environ.get("RC_HOLD_FIRST_UPLOAD_UNTIL") and not held:
+                held.append(1)  # the first upload lasts until the node committed that step
+                until = f"step_{int(os.environ['RC_HOLD_FIRST_UPLOAD_UNTIL']):09d}"
+                mine = Path(base, f"node{node}")  # (that step's copy may be gone already)
+                while not any(p.name >= until for p in mine.glob("step_*")):
+                    time.sleep(0.05)
             time.sleep(float(os.environ["RC_SLOW_UPLOADS"]))
             return real_put(*a, **k)
 
@@ -472,6 +478,8 @@ def worker(base: str, argv: list[str]) -> None:
     if os.environ.get("RC_CAPTURE_LOG"):
         logged = io.StringIO()
         logging.getLogger("resilient_callbacks").addHandler(logging.StreamHandler(logged))
+        if os.environ.get("RC_LOG_INFO"):
+            logging.getLogger("resilient_callbacks").setLevel(logging.INFO)
     try:
         start = ck.restore(state)
     except Exception as e:

@@ -247,3 +247,44 @@ def test_incremental_is_refused_in_node_local_mode(tmp_path, monkeypatch):
     monkeypatch.setattr(topology, "detect", lambda d, s: topology.Topology(0, 2, ((0,), (1,))))
     with pytest.raises(ConfigError, match="incremental=True is not supported yet in node-local"):
         Checkpointer(tmp_path / "ck", remote=f"file://{tmp_path}/remote", incremental=True)
+
+
+def test_a_backlog_drops_the_superseded_never_the_oldest_being_uploaded(tmp_path):
+    """Uploads behind the saves (keep_last=2 remotely, 5 checkpoints waiting): the coordinator
+    drops those the remote retention would delete, never the oldest still being uploaded nor
+    the newest; a node takes the dropped ones out of its queue and deletes what it uploaded of
+    them, whose report is never sent; a dropped name is not given to a later checkpoint."""
+    store = RemoteStore(f"file://{tmp_path}/remote")
+    store.preflight()
+    committer = RemoteCommitter(store, 2, RetentionPolicy(keep_last=2), max_attempts=1)
+    up = NodeUploader(store, str(tmp_path / "node0"), 0)
+    try:
+        jobs = {}
+        for seq in range(1, 6):
+            name = f"step_{2 * seq:09d}"
+            f = _node_dir(tmp_path / "node0", name, 0, bytes([seq]) * 10)
+            m = Manifest(step=2 * seq, run_id="run1", seq=seq, world_size=2, files=[f])
+            committer.expect(("run1", seq), name, encode_json(m.to_json()))
+            jobs[seq] = UploadJob(name, name, ("run1", seq), [f])
+        up.enqueue(jobs[2].local_name, jobs[2].remote_name, jobs[2].key, jobs[2].files)
+        assert up.wait(30)  # node 0 uploaded step 4 (its report not taken yet)
+        assert (tmp_path / "remote" / "step_000000004" / "rank_00000.bin").exists()
+        for seq in (3, 4, 5):
+            up.enqueue(jobs[seq].local_name, jobs[seq].remote_name, jobs[seq].key, jobs[seq].files)
+        upload, dropped = committer.drop_superseded()
+        assert upload == [("run1", 1), ("run1", 4), ("run1", 5)]
+        assert dropped == [("run1", 2), ("run1", 3)]
+        assert committer.waiting() == ["step_000000002", "step_000000008", "step_000000010"]
+        up.settle(upload, dropped)  # (step 6: out of the queue, or deleted once uploaded)
+        assert up.wait(30)
+        assert up.take_reports() == [
+            {"key": ["run1", s], "name": f"step_{2 * s:09d}"} for s in (4, 5)
+        ]
+        assert not (tmp_path / "remote" / "step_000000004").exists()
+        assert not (tmp_path / "remote" / "step_000000006").exists()
+        committer.report(0, {"key": ["run1", 2], "name": "step_000000004"})  # too late: ignored
+        assert committer.free_name("step_000000004") == "step_000000004-r1"
+        assert "step_000000004" not in committer.waiting()
+    finally:
+        committer.stop()
+        up.stop()

@@ -35,6 +35,10 @@ class _Outcome:
     error: str | None = None
     ranks: tuple[int, ...] = ()
     renamed: dict[str, str] = field(default_factory=dict)
+    # the coordinator's backlog decision (RemoteCommitter.drop_superseded): still to upload,
+    # and dropped (never committed remotely)
+    upload: list[list[Any]] | None = None
+    drop: list[list[Any]] = field(default_factory=list)
 
 
 class NodeLocalSession:
@@ -167,6 +171,11 @@ class NodeLocalSession:
         d.seq = max(d.seq, out.seq)
         local_name = out.renamed.get(str(topo.node), ckpt_name(self.step))
         path = local_path or os.path.join(d.dirpath, local_name)
+        if topo.is_leader and d.uploader is not None and out.upload is not None:
+            d.uploader.settle(
+                [(str(k[0]), int(k[1])) for k in out.upload],
+                [(str(k[0]), int(k[1])) for k in out.drop],
+            )
         if topo.is_leader and local_path is not None:
             self._after_local_commit(local_path, reason)
         return Committed(path, self.step, out.seq, sum(f.size for f in self.files))
@@ -217,6 +226,15 @@ class NodeLocalSession:
                 committer.expect(key, name, data, here)
             else:
                 d.hold_upload(self.step, lambda: committer.expect(key, name, data, here))
+            upload, drop = committer.drop_superseded()  # uploads behind the saves
+            return {
+                "ok": True,
+                "seq": self.seq,
+                "name": self.name,
+                "renamed": renamed,
+                "upload": [list(k) for k in upload],
+                "drop": [list(k) for k in drop],
+            }
         return {"ok": True, "seq": self.seq, "name": self.name, "renamed": renamed}
 
     def _after_local_commit(self, local_path: str, reason: str) -> None:

@@ -39,13 +39,15 @@ from .commit import sweep_staging
 from .directory import Directory, apply_retention
 from .errors import CheckpointError, CheckpointWriteError, ConfigError, RemoteUnavailableError
 from .lock import COMMAND_WAIT_S
-from .manifest import FileEntry
+from .manifest import FileEntry, Manifest
+from .retention import Candidate, plan
 from .sync import SyncStatus
 from .topology import Topology
 
 if TYPE_CHECKING:
     from .config import CheckpointerConfig
-    from .remote_commit import NodeUploader, RemoteCommitter
+    from .node_upload import NodeUploader
+    from .remote_commit import RemoteCommitter
     from .retention import RetentionPolicy
 
 log = logging.getLogger("resilient_callbacks")
@@ -181,7 +183,7 @@ class NodeDirectory(Directory):
         with self._retention_lock:
             protected = [protect] if protect else []
             if self.uploader is not None:
-                protected += self.uploader.pending()
+                protected += self.uploader.held()
             if self.committer is not None:
                 protected += self.committer.held_locally()
             apply_retention(
@@ -300,6 +302,7 @@ class NodeDirectory(Directory):
         if remote_keys is None:
             remote_keys, why = set(), "again: the remote could not be listed to tell if it has it"
         newest_remote = max((k[1] for k in remote_keys if k[0] == self.run_id), default=0)
+        due = []
         for e in catalog.scan(self.dirpath, Depth.SIZE):
             m = e.manifest
             if m is None or e.status is not Status.VALID or m.run_id != self.run_id:
@@ -309,15 +312,52 @@ class NodeDirectory(Directory):
             name = node.get("remote_name")
             if key in remote_keys or m.seq <= newest_remote or not name:
                 continue
-            if not self.config.remote_due(m.seq, m.reason):
+            if self.config.remote_due(m.seq, m.reason):
+                due.append((e.name, m, key, name))
+        due.sort(key=lambda x: x[1].seq)
+        from .node_upload import UploadJob
+
+        kept = self._not_superseded(due)
+        for local, m, key, name in due:
+            if any(local == x[0] for x in kept):
                 continue
+            if self.uploader is not None and why == "which a stop cut off":
+                # not committed remotely (the remote was listed): what this node uploaded of it
+                # before the stop goes; no node uploads it now
+                self.uploader.discard(UploadJob(local, name, key, self._own_files(m)))
+        for local, m, key, name in kept:
             if self.committer is not None:
                 try:
-                    with open(os.path.join(e.path, REMOTE_MANIFEST), "rb") as fh:
-                        self.committer.expect(key, name, fh.read(), e.name)
+                    with open(os.path.join(self.dirpath, local, REMOTE_MANIFEST), "rb") as fh:
+                        self.committer.expect(key, name, fh.read(), local)
                 except OSError:
                     pass
             if self.uploader is not None:
-                mine = [f for f in m.files if not (f.path in SHARED_PATHS and f.rank != 0)]
-                log.warning("uploading %s, %s", e.name, why)
-                self.uploader.enqueue(e.name, name, key, mine)
+                log.warning("uploading %s, %s", local, why)
+                self.uploader.enqueue(local, name, key, self._own_files(m))
+
+    @staticmethod
+    def _own_files(m: Manifest) -> list[FileEntry]:
+        """What this node uploads of its part ``m``: the replicated files only from node 0."""
+        return [f for f in m.files if not (f.path in SHARED_PATHS and f.rank != 0)]
+
+    def _not_superseded(self, due: list[Any]) -> list[Any]:
+        """Of the checkpoints a restart would upload again, those the remote retention keeps
+        (a backlog of uploads is not queued again only to be deleted remotely); the others
+        stay local, under the local retention. Each leader plans from its disk; the
+        coordinator's decision at the first save settles any difference between nodes."""
+        policy = self.config.remote_retention_policy()
+        if policy.keep_last is None or len(due) < 2:
+            return due
+        cands = [Candidate(n, m.step, m.seq, m.run_id, m.metrics) for n, m, _, _ in due]
+        keep = plan(cands, policy, self.run_id).keep
+        skipped = [n for n, *_ in due if n not in keep]
+        if skipped:
+            log.info(
+                "not uploading %s again: the remote retention (keep_last=%d) would delete %s "
+                "once the newer checkpoints are committed",
+                ", ".join(skipped),
+                policy.keep_last,
+                "it" if len(skipped) == 1 else "them",
+            )
+        return [x for x in due if x[0] in keep]

@@ -1,8 +1,7 @@
 """The remote commit of a checkpoint written by several nodes (node-local mode).
 
-Each node uploads only its own files (:class:`NodeUploader`, one thread per node leader, retried
-with backoff like :class:`~.sync.RemoteSync`), checks them (size, and the MD5 ETag of objects up
-to 8 MiB) and reports ``{"key", "name"}``. The reports reach the coordinator through the gather
+Each node uploads only its own files (:class:`~.node_upload.NodeUploader`, one thread per node
+leader) and reports ``{"key", "name"}``. The reports reach the coordinator through the gather
 of the next save (or of close); the coordinator's :class:`RemoteCommitter` writes the global
 manifest -- last, after listing every object it names with its size -- only once every node
 reported, then applies the remote retention. So a remote manifest never names an object that is
@@ -10,253 +9,37 @@ missing or that a node has not verified; a crash at any point leaves at most unc
 under a name without a manifest (invisible to every reader, removed by ``gc --remote`` once a
 day old).
 
-Which ranks call what: a :class:`NodeUploader` on every node leader, the :class:`RemoteCommitter`
-on the coordinator only. Neither runs a collective.
+When uploads fall behind the saves, the coordinator drops at each save the checkpoints waiting
+for their upload that the remote retention would delete once the newer ones are committed
+(:meth:`RemoteCommitter.drop_superseded`, as :class:`~.sync.RemoteSync` skips them in shared
+mode): never the newest, never one whose parts all arrived, never the oldest still being
+uploaded (so a slow node always finishes one, and the remote commits go on). A dropped
+checkpoint is never committed remotely; the nodes learn it from the save's broadcast outcome.
+
+Which ranks call what: a :class:`~.node_upload.NodeUploader` on every node leader, the
+:class:`RemoteCommitter` on the coordinator only. Neither runs a collective.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import posixpath
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .catalog import verify_entries
-from .errors import CheckpointCorruptError
-from .manifest import MANIFEST_NAME, FileEntry, Manifest
-from .progress import Progress
+from .manifest import MANIFEST_NAME, Manifest
+from .node_upload import Key, NodeUploader, UploadCounters, UploadJob
 from .redact import url_text
-from .remote import ETAG_CHECK_MAX, RemoteStore, retention_candidates
-from .remote_objects import md5
-from .retention import RetentionPolicy, plan
-from .upload_thread import EXIT_MARGIN_S, UploadThread, backoff_s
+from .remote import RemoteStore, retention_candidates
+from .retention import Candidate, RetentionPolicy, plan
+from .upload_thread import UploadThread, backoff_s, by_grace
+
+__all__ = ["Key", "NodeUploader", "PendingCommit", "RemoteCommitter", "UploadCounters", "UploadJob"]
 
 log = logging.getLogger("resilient_callbacks")
-
-
-def _by_grace(
-    deadline: float | None, grace_left: Callable[[], float | None] | None
-) -> float | None:
-    """``deadline`` (monotonic), brought forward to a preemption's hard kill less a margin to
-    exit, once ``grace_left()`` says one is coming."""
-    grace = grace_left() if grace_left is not None else None
-    if grace is None:
-        return deadline
-    by = time.monotonic() + max(0.0, grace - EXIT_MARGIN_S)
-    return by if deadline is None else min(deadline, by)
-
-
-@dataclass
-class UploadJob:
-    local_name: str  # the checkpoint in this node's dirpath
-    remote_name: str  # its name under the remote URL (the same on every node)
-    key: tuple[str, int]  # (run id, commit number)
-    files: list[FileEntry]  # what this node uploads
-
-
-@dataclass
-class UploadCounters:
-    files: int = 0
-    bytes: int = 0
-    checkpoints: int = 0
-    seconds: float = 0.0  # spent in successful uploads
-    failures: int = 0
-    last_error: str | None = None
-
-
-class NodeUploader(UploadThread):
-    """A node leader's background uploads of its node's files; finished ones are reported
-    through :meth:`take_reports`."""
-
-    def __init__(
-        self,
-        store: RemoteStore,
-        local_root: str,
-        node: int,
-        *,
-        retry_base_s: float = 1.0,
-        retry_max_s: float = 60.0,
-        on_uploaded: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__("rc-node-upload")
-        self.store, self.local_root, self.node = store, local_root, node
-        # after each upload (this thread): the local retention, which keeps what is not uploaded
-        self.on_uploaded = on_uploaded
-        self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
-        self.counters = UploadCounters()
-        self._queue: list[UploadJob] = []
-        self._reports: list[dict[str, Any]] = []
-        self.failing_since: float | None = None  # monotonic time of the first failure in a row
-        self.failures_in_a_row = 0
-        self._progress: Progress | None = None  # of the transfer under way
-        self._start()
-
-    def enqueue(
-        self, local_name: str, remote_name: str, key: tuple[str, int], files: list[FileEntry]
-    ) -> None:
-        with self._cond:
-            if all(j.key != key for j in self._queue):
-                self._queue.append(UploadJob(local_name, remote_name, key, files))
-                self._cond.notify_all()
-
-    def pending(self) -> list[str]:
-        with self._cond:
-            return [j.local_name for j in self._queue]
-
-    def stalled_s(self) -> float:
-        """Seconds the transfer under way has moved no byte (0: none under way)."""
-        p = self._progress
-        return 0.0 if p is None else time.monotonic() - p.last_update
-
-    def take_reports(self) -> list[dict[str, Any]]:
-        """The uploads finished since the last call (for the coordinator)."""
-        with self._cond:
-            out, self._reports = self._reports, []
-        return out
-
-    def wait(
-        self,
-        timeout: float | None = None,
-        outage_s: float | None = None,
-        grace_left: Callable[[], float | None] | None = None,
-    ) -> bool:
-        """Block until every queued upload is done; False if ``timeout`` passed first, once
-        uploads have failed, or the one under way has moved no byte, for ``outage_s`` seconds
-        (close gives up on an outage, and on a store that accepted the connection and stopped
-        answering), or past ``grace_left()`` (a preemption's time to the hard kill, less a
-        margin to exit)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._queue:
-                deadline = _by_grace(deadline, grace_left)
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    return False
-                failing = now - (self.failing_since or now)
-                if outage_s is not None and max(failing, self.stalled_s()) > outage_s:
-                    return False
-                self._cond.wait(1.0 if deadline is None else min(1.0, deadline - now))
-            return True
-
-    def _run(self) -> None:
-        failures = 0
-        while True:
-            with self._cond:
-                if not self._wait_for_work(lambda: self._queue):
-                    return
-                job = self._queue[0]
-            try:
-                self._upload(job)
-            except Exception as e:
-                failures += 1
-                self.failures_in_a_row = failures
-                self.failing_since = self.failing_since or time.monotonic()
-                self.counters.failures += 1
-                self.counters.last_error = f"{type(e).__name__}: {url_text(str(e))}"
-                if failures == 1 or failures % 10 == 0:
-                    log.warning(
-                        "remote %s: uploading this node's part of %s failed (%d attempt(s)): "
-                        "%s; kept locally, retrying with backoff",
-                        self.store.url,
-                        job.local_name,
-                        failures,
-                        self.counters.last_error,
-                    )
-                with self._cond:
-                    self._pause(backoff_s(failures, self.retry_base_s, self.retry_max_s))
-                continue
-            failures = self.failures_in_a_row = 0
-            self.failing_since = None
-            if self.on_uploaded is not None:
-                # while the job is still queued, so wait() has not returned: close() finds the
-                # disk as retention leaves it (the job's own checkpoint, the newest uploaded,
-                # stays protected until the next upload's turn)
-                try:
-                    self.on_uploaded()
-                except Exception as e:
-                    log.warning(
-                        "local retention after an upload failed: %s: %s", type(e).__name__, e
-                    )
-            with self._cond:
-                if job in self._queue:
-                    self._queue.remove(job)
-                self._cond.notify_all()
-
-    def _check(self, local: str, job: UploadJob, rpaths: list[str]) -> None:
-        """Each uploaded object of this node: its size, and its MD5 ETag where the store gives
-        one (single-part objects up to 8 MiB). One HEAD per object: O(own files) requests per
-        node, never a listing of the whole checkpoint (which would be O(N) per node)."""
-        st = self.store
-        for f, rpath in zip(job.files, rpaths, strict=True):
-            # refresh: s3fs would answer from a cached listing of the parent, which the
-            # coordinator's committer thread (the same filesystem object) may have taken
-            # while this node's files were still being uploaded: a spurious "not found"
-            info = st.fs.info(rpath, refresh=True)
-            where = f"{st.url}/{job.remote_name}/{f.path}"
-            if int(info.get("size") or 0) != f.size:
-                raise OSError(f"{where}: {info.get('size')} bytes after upload, expected {f.size}")
-            etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
-            if etag and "-" not in etag and len(etag) == 32 and f.size <= ETAG_CHECK_MAX:
-                digest = md5(os.path.join(local, f.path))
-                if digest != etag:
-                    raise OSError(f"{where}: ETag {etag} does not match the local MD5 {digest}")
-
-    def _upload(self, job: UploadJob) -> None:
-        local = os.path.join(self.local_root, job.local_name)
-        if not os.path.isdir(local):
-            log.warning("remote: %s was removed locally before it was uploaded", job.local_name)
-            return
-        try:  # the committed bytes, or nothing goes up: never a rotten file made durable
-            verify_entries(local, job.files)
-        except CheckpointCorruptError as e:
-            log.error(
-                "remote: not uploading node %d's part of %s, its local copy is damaged: %s; "
-                "it is not committed remotely",
-                self.node,
-                job.local_name,
-                e,
-            )
-            return
-        st = self.store
-        t0 = time.perf_counter()
-        log.info(
-            "uploading node %d's part of %s (%d files) to %s",
-            self.node,
-            job.local_name,
-            len(job.files),
-            st.url,
-        )
-        rpaths = [posixpath.join(st.root, job.remote_name, f.path) for f in job.files]
-        if st.is_local:
-            for p in {posixpath.dirname(x) for x in rpaths}:
-                st.fs.makedirs(p, exist_ok=True)
-        progress = Progress(
-            sum(f.size for f in job.files),
-            f"uploading node {self.node}'s part of {job.local_name} to {st.url}",
-            bar=False,
-            log_every_s=30.0,
-        )
-        self._progress = progress  # its last byte's time: wait() tells a stalled store
-        try:
-            lpaths = [os.path.join(local, f.path) for f in job.files]
-            st.fs.put(lpaths, rpaths, callback=progress.multi_callback())
-            self._check(local, job, rpaths)
-        finally:
-            self._progress = None
-            progress.close()
-        if st.is_local:
-            st._fsync_local(rpaths)
-        with self._cond:
-            self._reports.append({"key": list(job.key), "name": job.remote_name})
-            self.counters.files += len(job.files)
-            self.counters.bytes += sum(f.size for f in job.files)
-            self.counters.checkpoints += 1
-            self.counters.seconds += time.perf_counter() - t0
-        log.info("uploaded node %d's part of %s to %s", self.node, job.local_name, st.url)
 
 
 @dataclass
@@ -265,6 +48,14 @@ class PendingCommit:
     manifest: bytes
     local: str | None = None  # the coordinator's copy, which holds the global manifest
     done: set[int] = field(default_factory=set)
+    _candidate: Candidate | None = field(default=None, repr=False, compare=False)
+
+    def candidate(self) -> Candidate:
+        """The checkpoint as a retention candidate (its manifest parsed once)."""
+        if self._candidate is None:
+            m = Manifest.from_json(json.loads(self.manifest), self.name)
+            self._candidate = Candidate(self.name, m.step, m.seq, m.run_id, m.metrics)
+        return self._candidate
 
 
 class RemoteCommitter(UploadThread):
@@ -290,6 +81,7 @@ class RemoteCommitter(UploadThread):
         self._pending: dict[tuple[str, int], PendingCommit] = {}
         self._ready: list[tuple[str, int]] = []
         self._busy = False
+        self.dropped: set[str] = set()  # names dropped (never reused: a node may still delete)
         # monotonic times: the first failed attempt since the last success, and the start of
         # the attempt under way (a commit lists and puts one small object: one that runs for
         # minutes is a store that accepted the connection and stopped answering)
@@ -312,6 +104,7 @@ class RemoteCommitter(UploadThread):
         """``name`` unless a committed or pending remote checkpoint has it: then ``name-rN``."""
         with self._cond:
             taken = set(self.index.values()) | {p.name for p in self._pending.values()}
+            taken |= self.dropped
         candidate, n = name, 0
         while candidate in taken:
             n += 1
@@ -327,6 +120,42 @@ class RemoteCommitter(UploadThread):
         with self._cond:
             if key not in self.index:
                 self._pending.setdefault(key, PendingCommit(name, manifest, local))
+
+    def drop_superseded(self) -> tuple[list[Key], list[Key]]:
+        """Coordinator, at each save (after :meth:`expect` of its checkpoint): drop the
+        checkpoints waiting for their nodes' uploads that the remote retention would delete
+        once the newer ones are committed, as shared mode skips them. Never the newest, never
+        one whose parts all arrived (:meth:`ready`), never the oldest still being uploaded: a
+        slow node finishes that one, so remote commits go on however far behind it is. Returns
+        the keys still to upload (every node drops the others from its queue) and the dropped
+        ones (each node deletes the objects it uploaded of them; none is ever committed)."""
+        with self._cond:
+            keys = sorted(self._pending, key=lambda k: k[1])
+            if self.policy.keep_last is None or len(keys) < 2:
+                return keys, []
+            waiting = [k for k in keys if k not in self._ready]
+            protect = set(self._ready) | {keys[-1]} | set(waiting[:1])
+            cands = {k: self._pending[k].candidate() for k in keys}
+            keep = plan(
+                cands.values(),
+                self.policy,
+                cands[keys[-1]].run_id,
+                protected=[cands[k].name for k in protect],
+            ).keep
+            dropped = [k for k in keys if k not in protect and cands[k].name not in keep]
+            for k in dropped:
+                self.dropped.add(self._pending.pop(k).name)
+            left = [k for k in keys if k not in dropped]
+        if dropped:
+            log.info(
+                "remote: uploads are behind; not uploading %s (the remote retention would "
+                "delete %s once the newer checkpoints are committed); each node removes what "
+                "it uploaded of %s already",
+                ", ".join(cands[k].name for k in dropped),
+                "it" if len(dropped) == 1 else "them",
+                "it" if len(dropped) == 1 else "them",
+            )
+        return left, dropped
 
     def held_locally(self) -> list[str]:
         """The coordinator's copies that local retention must keep: those of the checkpoints
@@ -376,7 +205,7 @@ class RemoteCommitter(UploadThread):
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._ready or self._busy:
-                deadline = _by_grace(deadline, grace_left)
+                deadline = by_grace(deadline, grace_left)
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 import threading
+import time
 from collections.abc import Callable
 
 _JITTER = random.Random()
@@ -60,3 +61,13 @@ class UploadThread:
         """The thread, holding the lock, after a failed attempt: wait ``seconds``, or less if
         :meth:`stop` is called; True once stopped."""
         return self._cond.wait_for(lambda: self._stop, timeout=seconds)
+
+
+def by_grace(deadline: float | None, grace_left: Callable[[], float | None] | None) -> float | None:
+    """``deadline`` (monotonic), brought forward to a preemption's hard kill less a margin to
+    exit, once ``grace_left()`` says one is coming."""
+    grace = grace_left() if grace_left is not None else None
+    if grace is None:
+        return deadline
+    by = time.monotonic() + max(0.0, grace - EXIT_MARGIN_S)
+    return by if deadline is None else min(deadline, by)

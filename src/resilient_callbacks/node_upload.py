@@ -1,0 +1,352 @@
+"""A node leader's uploads of its node's files in node-local mode (:class:`NodeUploader`; the
+remote commit that follows is :mod:`.remote_commit`'s).
+
+Each node uploads only its own files, retried with backoff like :class:`~.sync.RemoteSync`,
+checks them (size, and the MD5 ETag of objects up to 8 MiB) and reports ``{"key", "name"}``
+to the coordinator. When uploads fall behind the saves, the coordinator decides at each save
+which queued checkpoints no node uploads any more (:meth:`NodeUploader.settle`, from the
+outcome that save broadcasts): each node takes them out of its queue, and removes the objects
+it already uploaded of the ones the coordinator dropped (never committed remotely).
+
+Which ranks call what: a :class:`NodeUploader` on every node leader; nothing here is
+collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import posixpath
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .catalog import verify_entries
+from .errors import CheckpointCorruptError
+from .manifest import FileEntry
+from .progress import Progress
+from .redact import url_text
+from .remote import ETAG_CHECK_MAX, RemoteStore
+from .remote_objects import md5
+from .upload_thread import UploadThread, backoff_s, by_grace
+
+log = logging.getLogger("resilient_callbacks")
+
+Key = tuple[str, int]  # (run id, commit number)
+
+
+@dataclass
+class UploadJob:
+    local_name: str  # the checkpoint in this node's dirpath
+    remote_name: str  # its name under the remote URL (the same on every node)
+    key: tuple[str, int]  # (run id, commit number)
+    files: list[FileEntry]  # what this node uploads
+    # the coordinator dropped it while it was being uploaded: finish, then delete the objects
+    dropped: bool = False
+    cancelled: bool = False  # no longer to upload (dropped, or committed already)
+
+
+@dataclass
+class UploadCounters:
+    files: int = 0
+    bytes: int = 0
+    checkpoints: int = 0
+    seconds: float = 0.0  # spent in successful uploads
+    failures: int = 0
+    last_error: str | None = None
+
+
+class NodeUploader(UploadThread):
+    """A node leader's background uploads of its node's files; finished ones are reported
+    through :meth:`take_reports`."""
+
+    def __init__(
+        self,
+        store: RemoteStore,
+        local_root: str,
+        node: int,
+        *,
+        retry_base_s: float = 1.0,
+        retry_max_s: float = 60.0,
+        on_uploaded: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__("rc-node-upload")
+        self.store, self.local_root, self.node = store, local_root, node
+        # after each upload (this thread): the local retention, which keeps what is not uploaded
+        self.on_uploaded = on_uploaded
+        self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
+        self.counters = UploadCounters()
+        self._queue: list[UploadJob] = []
+        self._reports: list[dict[str, Any]] = []
+        self._current: UploadJob | None = None  # the job under way
+        # uploaded, its remote commit not known yet: deleted if the coordinator drops it
+        self._uploaded: dict[Key, UploadJob] = {}
+        self._deletes: list[UploadJob] = []  # objects of dropped checkpoints, to delete
+        self.failing_since: float | None = None  # monotonic time of the first failure in a row
+        self.failures_in_a_row = 0
+        self._progress: Progress | None = None  # of the transfer under way
+        self._start()
+
+    def enqueue(
+        self, local_name: str, remote_name: str, key: tuple[str, int], files: list[FileEntry]
+    ) -> None:
+        with self._cond:
+            if all(j.key != key for j in self._queue):
+                self._queue.append(UploadJob(local_name, remote_name, key, files))
+                self._cond.notify_all()
+
+    def settle(self, upload: list[Key], dropped: list[Key]) -> None:
+        """Leader, after each save's broadcast outcome: the coordinator's decision
+        (:meth:`~.remote_commit.RemoteCommitter.drop_superseded`). ``upload``: the checkpoints
+        still waiting for their remote commit; the queued ones not among them are not uploaded
+        (superseded, or committed already), and so no longer held on the disk. ``dropped``: the
+        ones the coordinator will never commit: the objects this node uploaded of them are
+        deleted (by this thread). The job under way finishes first."""
+        keep_keys, drop_keys = set(upload), set(dropped)
+        with self._cond:
+            queue = []
+            for j in self._queue:
+                if j.key in keep_keys:
+                    queue.append(j)
+                elif j is self._current:
+                    j.cancelled, j.dropped = True, j.key in drop_keys
+                    queue.append(j)
+            self._queue = queue
+            for k in drop_keys:
+                done = self._uploaded.pop(k, None)
+                if done is not None:
+                    self._deletes.append(done)
+            self._reports = [r for r in self._reports if _key(r) not in drop_keys]
+            self._uploaded = {k: j for k, j in self._uploaded.items() if k in keep_keys}
+            self._cond.notify_all()
+
+    def discard(self, job: UploadJob) -> None:
+        """Leader, at a restart: ``job``'s checkpoint, never committed remotely, will not be
+        uploaded again; delete what this node uploaded of it before the stop (this thread)."""
+        with self._cond:
+            self._deletes.append(job)
+            self._cond.notify_all()
+
+    def pending(self) -> list[str]:
+        with self._cond:
+            return [j.local_name for j in self._queue]
+
+    def held(self) -> list[str]:
+        """The local checkpoints the disk must keep: those queued, and those whose uploaded
+        objects are still to delete (a crash before that: the next run finds the local copy,
+        and deletes them)."""
+        with self._cond:
+            return [j.local_name for j in self._queue + self._deletes]
+
+    def stalled_s(self) -> float:
+        """Seconds the transfer under way has moved no byte (0: none under way)."""
+        p = self._progress
+        return 0.0 if p is None else time.monotonic() - p.last_update
+
+    def take_reports(self) -> list[dict[str, Any]]:
+        """The uploads finished since the last call (for the coordinator)."""
+        with self._cond:
+            out, self._reports = self._reports, []
+        return out
+
+    def wait(
+        self,
+        timeout: float | None = None,
+        outage_s: float | None = None,
+        grace_left: Callable[[], float | None] | None = None,
+    ) -> bool:
+        """Block until every queued upload is done; False if ``timeout`` passed first, once
+        uploads have failed, or the one under way has moved no byte, for ``outage_s`` seconds
+        (close gives up on an outage, and on a store that accepted the connection and stopped
+        answering), or past ``grace_left()`` (a preemption's time to the hard kill, less a
+        margin to exit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._deletes:
+                deadline = by_grace(deadline, grace_left)
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                failing = now - (self.failing_since or now)
+                if outage_s is not None and max(failing, self.stalled_s()) > outage_s:
+                    return False
+                self._cond.wait(1.0 if deadline is None else min(1.0, deadline - now))
+            return True
+
+    def _run(self) -> None:
+        failures = 0
+        while True:
+            with self._cond:
+                if not self._wait_for_work(lambda: self._queue or self._deletes):
+                    return
+                deletes = list(self._deletes)  # (held locally until deleted: held())
+                job = self._current = self._queue[0] if self._queue else None
+            for gone in deletes:
+                self._delete(gone)
+            if deletes:
+                with self._cond:
+                    self._deletes = [j for j in self._deletes if all(j is not d for d in deletes)]
+                    self._cond.notify_all()  # wait() may be waiting for the deletes
+            if job is None:
+                continue
+            if job.cancelled:  # while this thread waited out a failed attempt's backoff
+                self._finished(job, delete=job.dropped)
+                continue
+            try:
+                self._upload(job)
+            except Exception as e:
+                if job.cancelled:  # not to retry: the coordinator no longer wants it
+                    self._finished(job, delete=job.dropped)
+                    continue
+                failures += 1
+                self.failures_in_a_row = failures
+                self.failing_since = self.failing_since or time.monotonic()
+                self.counters.failures += 1
+                self.counters.last_error = f"{type(e).__name__}: {url_text(str(e))}"
+                if failures == 1 or failures % 10 == 0:
+                    log.warning(
+                        "remote %s: uploading this node's part of %s failed (%d attempt(s)): "
+                        "%s; kept locally, retrying with backoff",
+                        self.store.url,
+                        job.local_name,
+                        failures,
+                        self.counters.last_error,
+                    )
+                with self._cond:
+                    self._pause(backoff_s(failures, self.retry_base_s, self.retry_max_s))
+                continue
+            failures = self.failures_in_a_row = 0
+            self.failing_since = None
+            if self.on_uploaded is not None:
+                # while the job is still queued, so wait() has not returned: close() finds the
+                # disk as retention leaves it (the job's own checkpoint, the newest uploaded,
+                # stays protected until the next upload's turn)
+                try:
+                    self.on_uploaded()
+                except Exception as e:
+                    log.warning(
+                        "local retention after an upload failed: %s: %s", type(e).__name__, e
+                    )
+            self._finished(job)
+
+    def _finished(self, job: UploadJob, delete: bool = False) -> None:
+        with self._cond:
+            if job in self._queue:
+                self._queue.remove(job)
+            self._current = None
+            if delete:
+                self._deletes.append(job)
+            self._cond.notify_all()
+
+    def _delete(self, job: UploadJob) -> None:
+        """This thread: delete this node's objects of ``job``'s checkpoint, which the
+        coordinator dropped (never committed: no manifest names them). Once; what is left (an
+        outage) lies without a manifest, invisible, until ``gc --remote``."""
+        st = self.store
+        try:
+            base = posixpath.join(st.root, job.remote_name)
+            for f in job.files:
+                with contextlib.suppress(FileNotFoundError):
+                    st.fs.rm_file(posixpath.join(base, f.path))
+            if st.is_local:  # the folders it made, once empty (another node's files stay)
+                dirs = {base}
+                for f in job.files:
+                    parts = f.path.split("/")[:-1]
+                    dirs |= {posixpath.join(base, *parts[:i]) for i in range(1, len(parts) + 1)}
+                for d in sorted(dirs, key=len, reverse=True):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(d)
+            log.info(
+                "removed node %d's part of dropped %s from %s", self.node, job.remote_name, st.url
+            )
+        except Exception as e:
+            log.warning(
+                "remote %s: could not remove node %d's part of %s, which is not committed "
+                "(gc --remote removes it): %s",
+                st.url,
+                self.node,
+                job.remote_name,
+                url_text(str(e)),
+            )
+
+    def _check(self, local: str, job: UploadJob, rpaths: list[str]) -> None:
+        """Each uploaded object of this node: its size, and its MD5 ETag where the store gives
+        one (single-part objects up to 8 MiB). One HEAD per object: O(own files) requests per
+        node, never a listing of the whole checkpoint (which would be O(N) per node)."""
+        st = self.store
+        for f, rpath in zip(job.files, rpaths, strict=True):
+            # refresh: s3fs would answer from a cached listing of the parent, which the
+            # coordinator's committer thread (the same filesystem object) may have taken
+            # while this node's files were still being uploaded: a spurious "not found"
+            info = st.fs.info(rpath, refresh=True)
+            where = f"{st.url}/{job.remote_name}/{f.path}"
+            if int(info.get("size") or 0) != f.size:
+                raise OSError(f"{where}: {info.get('size')} bytes after upload, expected {f.size}")
+            etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+            if etag and "-" not in etag and len(etag) == 32 and f.size <= ETAG_CHECK_MAX:
+                digest = md5(os.path.join(local, f.path))
+                if digest != etag:
+                    raise OSError(f"{where}: ETag {etag} does not match the local MD5 {digest}")
+
+    def _upload(self, job: UploadJob) -> None:
+        local = os.path.join(self.local_root, job.local_name)
+        if not os.path.isdir(local):
+            log.warning("remote: %s was removed locally before it was uploaded", job.local_name)
+            return
+        try:  # the committed bytes, or nothing goes up: never a rotten file made durable
+            verify_entries(local, job.files)
+        except CheckpointCorruptError as e:
+            log.error(
+                "remote: not uploading node %d's part of %s, its local copy is damaged: %s; "
+                "it is not committed remotely",
+                self.node,
+                job.local_name,
+                e,
+            )
+            return
+        st = self.store
+        t0 = time.perf_counter()
+        log.info(
+            "uploading node %d's part of %s (%d files) to %s",
+            self.node,
+            job.local_name,
+            len(job.files),
+            st.url,
+        )
+        rpaths = [posixpath.join(st.root, job.remote_name, f.path) for f in job.files]
+        if st.is_local:
+            for p in {posixpath.dirname(x) for x in rpaths}:
+                st.fs.makedirs(p, exist_ok=True)
+        progress = Progress(
+            sum(f.size for f in job.files),
+            f"uploading node {self.node}'s part of {job.local_name} to {st.url}",
+            bar=False,
+            log_every_s=30.0,
+        )
+        self._progress = progress  # its last byte's time: wait() tells a stalled store
+        try:
+            lpaths = [os.path.join(local, f.path) for f in job.files]
+            st.fs.put(lpaths, rpaths, callback=progress.multi_callback())
+            self._check(local, job, rpaths)
+        finally:
+            self._progress = None
+            progress.close()
+        if st.is_local:
+            st._fsync_local(rpaths)
+        with self._cond:
+            if job.dropped:  # the coordinator dropped it meanwhile: never committed
+                self._deletes.append(job)
+            else:
+                self._reports.append({"key": list(job.key), "name": job.remote_name})
+                self._uploaded[job.key] = job
+            self.counters.files += len(job.files)
+            self.counters.bytes += sum(f.size for f in job.files)
+            self.counters.checkpoints += 1
+            self.counters.seconds += time.perf_counter() - t0
+        log.info("uploaded node %d's part of %s to %s", self.node, job.local_name, st.url)
+
+
+def _key(report: dict[str, Any]) -> Key:
+    return (str(report["key"][0]), int(report["key"][1]))
