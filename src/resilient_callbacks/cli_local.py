@@ -25,6 +25,7 @@ from .cli_format import (
     status_text,
     table,
 )
+from .cli_nodes import committed_keys, is_part, keep_uncommitted_parts
 from .cli_scan import no_checkpoints, node_part_note, public, resolve, row, scan
 from .commit import (
     LATEST_TMP_PREFIX,
@@ -67,6 +68,14 @@ def _plan(
         cands = [dataclasses.replace(c, archived=False) for c in cands]
         policy = dataclasses.replace(policy, keep_every_n_steps=None)
     return plan(cands, policy, run_id), run_id
+
+
+def _committed(entries: list[Entry], args: argparse.Namespace) -> set[tuple[str, int]] | None:
+    """In a node's directory of a node-local run, with ``--remote``: the checkpoints the remote
+    holds committed (:mod:`.cli_nodes`); None otherwise (not needed, or not known)."""
+    if not getattr(args, "remote", None) or not any(is_part(e) for e in entries):
+        return None
+    return committed_keys(args.remote, args.option)
 
 
 def _kept(e: Entry, p: Plan) -> dict[str, Any]:
@@ -125,6 +134,7 @@ def ls(args: argparse.Namespace) -> int:
         if target.only is not None and depth is Depth.FULL:
             entries = [check(e) for e in entries]
         p, _ = _plan(everything)
+        keep_uncommitted_parts(everything, p, _committed(everything, args))
         foreign = set(catalog.foreign_folders(target.root, everything))
         rows = [row(e, depth) | _kept(e, p) for e in entries]
         for r in rows:
@@ -256,6 +266,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     if foreign := catalog.foreign_folders(root, entries):  # only hidden leftovers of ours too
         print(f"resilient-ckpt gc: {catalog.not_ours_note(root, foreign)}", file=sys.stderr)
         entries = [e for e in entries if e.name not in foreign]
+    committed = _committed(entries, args)  # (a node's directory: what the remote holds)
     verified: set[str] = set()
     if args.remove_corrupt:
         for e in entries:
@@ -267,6 +278,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     while True:  # (beside a writer: without what its retention deleted while this read it)
         entries = [e for e in entries if not catalog.gone(e.path)]
         p, run_id = _plan(entries, args.keep_last, args.drop_archives)
+        keep_uncommitted_parts(entries, p, committed)
         todo = [
             e
             for e in entries

@@ -1,0 +1,55 @@
+"""``gc`` and ``ls`` in one node's directory of a node-local run (docs/multinode.md).
+
+A checkpoint there is the node's *part*: its ranks' files only. Until the remote store holds the
+checkpoint committed (its global manifest written), that part may be the only copy of those
+files anywhere: the run uploads it when it starts again (rank 0's node also keeps the global
+manifest, which the remote commit needs), and a restore needs every node's part of one step.
+Each node's retention sees only its own disk, so its "newest" may be a step another node lacks
+(a save cut off mid-commit). So ``gc`` deletes a node's part by retention only once the remote
+store is seen to hold that checkpoint committed (``--remote URL``); without ``--remote`` it
+cannot tell and keeps every part, and says how to let it delete."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .catalog import Entry
+from .retention import Plan
+
+# why a part that retention would delete is kept (ls's KEPT column, gc's keep rows)
+UNKNOWN = (
+    "a node's part, not known to be committed remotely: gc deletes it by retention only with "
+    "--remote URL showing the checkpoint committed there"
+)
+NOT_COMMITTED = (
+    "a node's part not committed remotely yet: may be the only copy of its ranks' files "
+    "(the run uploads it when it starts again)"
+)
+
+
+def is_part(e: Entry) -> bool:
+    """``e`` is one node's part of a node-local checkpoint."""
+    return e.manifest is not None and bool(e.manifest.extra.get("node"))
+
+
+def committed_keys(url: str, options: Any) -> set[tuple[str, int]]:
+    """The (run id, commit number) of every checkpoint the remote store holds committed and
+    whole by its listing (a copy with a file missing or of another size is not counted)."""
+    from .cli_remote import store
+
+    return {e.key for e in store(url, options).scan() if e.key is not None and e.problem is None}
+
+
+def keep_uncommitted_parts(
+    entries: list[Entry], p: Plan, committed: set[tuple[str, int]] | None
+) -> None:
+    """Take out of ``p.delete`` every node's part whose checkpoint is not in ``committed`` (the
+    remote's committed keys; None: the remote was not listed), kept with the reason why."""
+    for e in entries:
+        if e.name not in p.delete or not is_part(e):
+            continue
+        assert e.manifest is not None
+        if committed is not None and (e.manifest.run_id, e.manifest.seq) in committed:
+            continue
+        p.delete.remove(e.name)
+        p.keep[e.name] = [UNKNOWN if committed is None else NOT_COMMITTED]
