@@ -308,6 +308,8 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     delete = [facts(e) | {"why": why} for e, why in doomed]
     keep = [facts(e) | _kept(e, p) for e in entries if e.name not in gone]
     failed: list[dict[str, Any]] = []
+    if not args.dry_run:  # first: a gc killed mid-way leaves `latest` naming one left
+        _repoint_latest(root, gone, entries)
     for (e, _), d in zip(doomed, delete, strict=True):
         if args.dry_run:
             continue
@@ -321,7 +323,6 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
             failed.append(d)
     delete = [d for d in delete if "error" not in d]
     if not args.dry_run:
-        _repoint_latest(root, {d["name"] for d in delete}, entries)
         for name in os.listdir(root):  # a `latest` being rewritten when its writer was killed
             if name.startswith(LATEST_TMP_PREFIX):
                 with contextlib.suppress(OSError):
@@ -447,8 +448,10 @@ def _newer_format(e: Entry) -> bool:
 
 
 def _repoint_latest(root: str, deleted: set[str], entries: list[Entry]) -> None:
-    """The advisory ``latest`` file named a checkpoint gc deleted: it names the newest one left
-    that is not corrupt or incomplete, or goes when none is left."""
+    """The advisory ``latest`` file names a checkpoint gc deletes: before any deletion, it is
+    pointed at the newest one left that is not corrupt or incomplete, or removed when none is
+    left; so a gc interrupted or killed mid-way never leaves it naming a deleted checkpoint
+    (one it could not delete after all stays, and ``latest`` names an older one)."""
     path = os.path.join(root, "latest")
     try:
         with open(path) as f:

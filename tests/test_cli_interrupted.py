@@ -1,0 +1,47 @@
+"""The CLI stopped part-way, as a user stops it (Ctrl-C, SIGINT) or a node kills it (SIGKILL):
+what it leaves behind is consistent. Real processes, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+from test_cli import flip_byte, make_run
+
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(["src", "tests", os.environ.get("PYTHONPATH", "")]),
+}
+
+
+def test_gc_killed_mid_way_never_leaves_latest_naming_a_deleted_checkpoint(tmp_path):
+    """``gc --remove-corrupt`` killed (SIGKILL) right after it deleted the corrupt newest
+    checkpoint (and the corrupt one before it): the advisory ``latest`` file still named it (gc re-pointed it only after every
+    deletion). It is re-pointed before anything is deleted now."""
+    root = tmp_path / "ck"
+    make_run(str(root), steps=(10, 20, 30), keep_last=None)
+    assert (root / "latest").read_text().strip() == "step_000000030"
+    flip_byte(str(root / "step_000000030" / "shared.safetensors"))
+    flip_byte(str(root / "step_000000020" / "shared.safetensors"))
+    script = textwrap.dedent(
+        """
+        import os, signal, sys
+        from resilient_callbacks import cli, cli_local
+        real = cli_local.remove_checkpoint
+        def remove_then_die(path, *a, **k):
+            real(path, *a, **k)
+            if path.endswith("step_000000030"):  # the one latest names: deleted, then killed
+                os.kill(os.getpid(), signal.SIGKILL)
+        cli_local.remove_checkpoint = remove_then_die
+        sys.exit(cli.main(["gc", sys.argv[1], "--remove-corrupt"]))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script, str(root)], env=ENV, timeout=120)
+    assert r.returncode == -signal.SIGKILL
+    left = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+    assert left == ["step_000000010"]
+    assert (root / "latest").read_text().strip() == "step_000000010"
+
