@@ -3,6 +3,8 @@ what it leaves behind is consistent. Real processes, real signals."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -45,3 +47,26 @@ def test_gc_killed_mid_way_never_leaves_latest_naming_a_deleted_checkpoint(tmp_p
     assert left == ["step_000000010"]
     assert (root / "latest").read_text().strip() == "step_000000010"
 
+
+def test_ls_json_interrupted_while_printing_prints_whole_json_and_exits_130(tmp_path):
+    """``ls --json`` piped into a reader that is slower than it, Ctrl-C while it prints: the
+    reader got cut-off JSON (the rest of the write was dropped). It finishes printing (the
+    reader gets valid JSON), then says it was interrupted and exits 130."""
+    root = tmp_path / "ck"
+    make_run(str(root), steps=tuple(range(1, 21)), keep_last=None)  # ~8 KB of JSON
+    p = subprocess.Popen(
+        [sys.executable, "-m", "resilient_callbacks", "ls", str(root), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
+    assert p.stdout is not None and p.stderr is not None
+    fcntl.fcntl(p.stdout.fileno(), 1031, 4096)  # F_SETPIPE_SZ: a pipe of one page
+    first = p.stdout.read(1)  # printing began; the rest does not fit the pipe: it waits
+    p.send_signal(signal.SIGINT)
+    rest = p.stdout.read()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 130, err
+    rows = json.loads(first + rest)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert "interrupted" in err and "Traceback" not in err, err

@@ -18,8 +18,14 @@ incomplete ``incomplete``                no manifest: being written, or left by 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -93,7 +99,62 @@ def jsonable(x: Any) -> Any:
 
 
 def print_json(obj: Any) -> None:
-    print(json.dumps(jsonable(obj), indent=2, allow_nan=False))
+    """``obj`` as JSON on stdout, whole: a Ctrl-C (SIGINT) that arrives while it is written
+    (a reader slower than the command: a pipe) is held until every byte is out, then raised
+    (the command exits 130), so the reader never gets cut-off JSON. A second Ctrl-C stops it
+    at once (a reader that stopped reading)."""
+    text = json.dumps(jsonable(obj), indent=2, allow_nan=False) + "\n"
+    with _sigint_held():
+        _write_whole(text)
+
+
+def _write_whole(text: str) -> None:
+    """Write ``text`` to stdout and flush it. To a real file descriptor, with ``os.write`` until
+    every byte is out: Python's buffered writer drops the rest of a write that a signal
+    interrupted part-way, even when the signal's handler returns. A reader that has gone (a
+    closed pipe) gets nothing more, and the command goes on, as ``cli._PipeSafe`` does."""
+    out = sys.stdout
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: a StringIO
+        out.write(text)
+        out.flush()
+        return
+    out.flush()
+    data = memoryview(text.encode(getattr(out, "encoding", None) or "utf-8"))
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):  # later writes (at exit too) go nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold the first SIGINT until the block is done, then raise KeyboardInterrupt; only in
+    the main thread with Python's own handler installed (an embedding program's is left
+    alone)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    hits: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if hits:  # the second one: at once
+            raise KeyboardInterrupt
+        hits.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hits:
+        raise KeyboardInterrupt
 
 
 def table(header: list[str], rows: list[list[str]], right: frozenset[int] = frozenset()) -> str:
