@@ -196,6 +196,17 @@ def test_gc_on_a_directory_it_cannot_lock_says_so(tmp_path, monkeypatch, capsys)
     assert "see what it would delete with --dry-run" in err
 
 
+def test_ls_says_all_are_kept_without_keep_last_in_words(tmp_path):
+    """A run without keep_last: ls's KEPT column and gc said `keep_last=None keeps all`, a
+    Python literal a user of the CLI may never have written; it says `all` (as "last 3")."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20), keep_last=None)
+    rows = json.loads(cli("ls", root, "--json").stdout)
+    assert [r["kept_by"] for r in rows] == [["all"], ["newest", "all"]]
+    for said in (cli("ls", root).stdout, cli("gc", root, "--dry-run").stdout):
+        assert "None" not in said and "newest; all" in said, said
+
+
 def test_gc_keeps_corrupt_unless_asked_and_refuses_beside_a_writer(tmp_path):
     root = str(tmp_path / "ck")
     make_run(root, keep_last=None)

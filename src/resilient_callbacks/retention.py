@@ -138,7 +138,7 @@ def plan(
         mark(mine[-1], "newest")
     if policy.keep_last is None:
         for c in mine:
-            mark(c, "keep_last=None keeps all")
+            mark(c, "all")  # keep_last=None (remote_keep_last="all"): every one is kept
     else:
         for c in mine[-policy.keep_last :]:
             mark(c, f"last {policy.keep_last}")
