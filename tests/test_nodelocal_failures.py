@@ -313,6 +313,21 @@ def test_a_damaged_remote_copy_is_downloaded_once(tmp_path):
     assert log.count("file(s) of step 4 from the remote copy") == 1, log
 
 
+@pytest.mark.slow  # suite time budget: it checks a message
+def test_a_resume_on_fewer_nodes_says_the_missing_files_are_another_nodes(tmp_path):
+    """Saved on 2 nodes, resumed with both ranks on node 0: rank 1 found no files of its own in
+    node 0's part and the warning said "the manifest does not list rank_00001.json", as of a
+    damaged checkpoint. It says the part is one node's, where rank 1's files are, and that the
+    remote copy that replaces it resumes exactly."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    out = _run(tmp_path, "second", 2, "--steps", "6", per_node=2, RC_CAPTURE_LOG=1)
+    assert [rank[0]["restored"] for rank in out] == [4, 4]
+    log = out[0][-1]["log"]
+    assert "does not list" not in log, log
+    assert "one node's part of a checkpoint saved by 2 ranks on 2 nodes" in log, log
+    assert "rank 1's are on another node's disk" in log and "is exact" in log, log
+
+
 def test_the_cli_says_a_nodes_directory_holds_parts(tmp_path, capsys):
     """ls and verify of one node's directory called its parts plain 'valid' checkpoints, and
     report said the directory was not one a Checkpointer wrote."""

@@ -65,6 +65,32 @@ def global_files(files: list[FileEntry]) -> list[FileEntry]:
     return list(out.values())
 
 
+def other_nodes_files(path: str, rank: int) -> str | None:
+    """Why ``rank`` cannot load the checkpoint at ``path`` when it is one node's part that lacks
+    the files this rank reads (its own, or rank 0's for a rank the save did not have): a
+    resume on fewer nodes than the save, whose other nodes' disks this run does not see. None
+    when it is not such a part."""
+    from .manifest import read_manifest
+
+    try:
+        m = read_manifest(path)
+    except Exception:
+        return None
+    node = m.extra.get("node")
+    wanted = rank if rank < m.world_size else 0
+    if not isinstance(node, dict) or any(f.rank == wanted for f in m.files):
+        return None
+    ranks = ", ".join(str(r) for r in node.get("ranks") or [])
+    return (
+        f"{path} is one node's part of a checkpoint saved by {m.world_size} ranks on "
+        f"{node.get('nodes')} nodes, each with its own directory (node-local mode): it holds "
+        f"the files of rank(s) {ranks}; rank {wanted}'s are on another node's disk, which this "
+        "run does not see (it runs on fewer nodes than the save). A remote copy of it holds "
+        "every rank's files and replaces this part, and a resume from it is exact; without "
+        "one, resume on as many nodes as the save, each with its own directory"
+    )
+
+
 def open_directory(
     config: CheckpointerConfig, topology: Topology, retention: RetentionPolicy, world_size: int
 ) -> Directory:

@@ -24,6 +24,7 @@ from . import (
     history,
     inplace,
     layout,
+    nodelocal,
     notices,
     restore_remote,
     rng,
@@ -316,8 +317,8 @@ class Restorer:
                     readers[pid] = read_part_files(path, manifest, fp, info)
         except CheckpointMismatchError as e:  # a part refuses this checkpoint: no fallback
             refusal = str(e)
-        except (CheckpointCorruptError, OSError) as e:
-            problem = str(e)
+        except (CheckpointCorruptError, OSError) as e:  # (or another node's files: it says)
+            problem = nodelocal.other_nodes_files(path, ck.rank) or str(e)
         except Exception as e:  # malformed content: as corrupt; every rank must reach the gather
             problem = f"unreadable checkpoint ({type(e).__name__}: {e})"
         if problem is not None and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
