@@ -6,8 +6,9 @@ files anywhere: the run uploads it when it starts again (rank 0's node also keep
 manifest, which the remote commit needs), and a restore needs every node's part of one step.
 Each node's retention sees only its own disk, so its "newest" may be a step another node lacks
 (a save cut off mid-commit). So ``gc`` deletes a node's part by retention only once the remote
-store is seen to hold that checkpoint committed (``--remote URL``); without ``--remote`` it
-cannot tell and keeps every part, and says how to let it delete."""
+store is seen to hold that checkpoint, or a newer one of its run, committed (``--remote
+URL``); without ``--remote`` it cannot tell and keeps every part, and says how to let it
+delete."""
 
 from __future__ import annotations
 
@@ -44,12 +45,18 @@ def keep_uncommitted_parts(
     entries: list[Entry], p: Plan, committed: set[tuple[str, int]] | None
 ) -> None:
     """Take out of ``p.delete`` every node's part whose checkpoint is not in ``committed`` (the
-    remote's committed keys; None: the remote was not listed), kept with the reason why."""
+    remote's committed keys; None: the remote was not listed), kept with the reason why. A
+    part older than a checkpoint of its run the remote holds committed goes too (the remote
+    retention deleted its own copy): no restore needs it, nor does the run upload it again."""
+    newest: dict[str, int] = {}
+    for run, seq in committed or ():
+        newest[run] = max(seq, newest.get(run, seq))
     for e in entries:
         if e.name not in p.delete or not is_part(e):
             continue
         assert e.manifest is not None
-        if committed is not None and (e.manifest.run_id, e.manifest.seq) in committed:
+        run, seq = e.manifest.run_id, e.manifest.seq
+        if committed is not None and ((run, seq) in committed or seq < newest.get(run, -1)):
             continue
         p.delete.remove(e.name)
         p.keep[e.name] = [UNKNOWN if committed is None else NOT_COMMITTED]
