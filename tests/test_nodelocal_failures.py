@@ -330,12 +330,13 @@ def test_a_resume_on_fewer_nodes_says_the_missing_files_are_another_nodes(tmp_pa
 
 def test_the_cli_says_a_nodes_directory_holds_parts(tmp_path, capsys):
     """ls and verify of one node's directory called its parts plain 'valid' checkpoints, and
-    report said the directory was not one a Checkpointer wrote."""
+    report said the directory was not one a Checkpointer wrote; inspect showed one node's
+    files (rank 1's of a world size of 2) without saying why."""
     from resilient_callbacks.cli import main
 
     _run(tmp_path, "run", 2, "--steps", "4")
     node1 = str(tmp_path / "node1")
-    for command in (["ls", node1], ["verify", node1]):
+    for command in (["ls", node1], ["verify", node1], ["inspect", node1]):
         assert main(command) == 0
         out = capsys.readouterr().out
         assert (

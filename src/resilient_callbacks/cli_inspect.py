@@ -22,7 +22,7 @@ from .cli_format import (
     print_json,
     status_text,
 )
-from .cli_scan import no_checkpoints, public, resolve, row, scan
+from .cli_scan import no_checkpoints, node_part_note, public, resolve, row, scan
 from .consolidate import zero_part_ids, zero_tensors
 from .dtypes import dtype_name
 from .errors import CheckpointError
@@ -257,4 +257,6 @@ def inspect(args: argparse.Namespace) -> int:
         else:
             text = json.dumps(k.get("value")) if k["kind"] == "value" else str(k.get("value"))
             print(f"    {k['key']:{width}}  {text if len(text) < 80 else text[:77] + '...'}")
+    if note := node_part_note([info]):  # its files and keys are this node's ranks' only
+        print(f"\n{note}")
     return code
