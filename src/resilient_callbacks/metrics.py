@@ -8,7 +8,8 @@ same names. They follow Prometheus' conventions so a Grafana panel needs no rena
 Which ranks call what: every rank owns a :class:`Telemetry` (recording is a few dict writes under a
 lock, so the training thread pays next to nothing); the sinks run on the coordinator only, unless
 a sink asks for every rank (``per_rank``), each in its own daemon thread, so a slow or failing
-sink never blocks or stops training: it is warned about once and switched off.
+sink never blocks or stops training: a failing one is retried with back-off, said when it fails
+and when it is back, and switched off only when it keeps failing (:mod:`.sink_retry`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from .sink_retry import SinkHealth
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -242,7 +245,11 @@ class Sink(Protocol):
     training thread); ``emit`` gets every metric's current value (``flat`` keys, see
     :func:`flat_key`; ``samples`` for sinks that keep labels), the events since the last call and
     the step, when something changed (at most every ``period_s``) and at close; ``close`` once
-    at the end. ``per_rank``: run on every rank, not only on rank 0."""
+    at the end. ``per_rank``: run on every rank, not only on rank 0.
+
+    A ``start`` or ``emit`` that raises is called again later (with back-off; ``start`` until it
+    succeeds once), so both must be safe to repeat; ``events`` are given once: a sink that
+    records them keeps those it could not send."""
 
     name: str
     per_rank: bool
@@ -343,28 +350,35 @@ class Telemetry:
     # ------------------------------------------------------------------ the end
 
     def close(self, timeout: float = 10.0, deadline: float | None = None) -> None:
-        """Send what is left and stop (each sink gets ``timeout`` seconds, or its own
-        ``close_timeout_s``, and none past ``deadline``, a ``time.monotonic()`` time: a
-        preempted process's grace period)."""
-        for r in self._runners:
+        """Send what is left and stop. The sinks finish concurrently, each in its own thread:
+        each gets ``timeout`` seconds (or its own ``close_timeout_s``) from now, none past
+        ``deadline`` (a ``time.monotonic()`` time: a preempted process's grace period), so the
+        wait is the longest of them, not their sum; the sinks that did not finish are named."""
+        runners, self._runners = self._runners, []
+        for r in runners:
             r.stop()
-        for r in self._runners:
+        t0 = time.monotonic()
+        late: list[str] = []
+        for r in runners:
             wait = float(getattr(r.sink, "close_timeout_s", timeout))
-            if deadline is not None:
-                wait = min(wait, max(0.0, deadline - time.monotonic()))
-            r.join(wait)
+            until = t0 + wait if deadline is None else min(t0 + wait, deadline)
+            r.join(max(0.0, until - time.monotonic()))
             if r.is_alive():
-                log.warning(
-                    "metrics sink %s did not finish sending within %.0f s; not waiting for it",
-                    getattr(r.sink, "name", "?"),
-                    wait,
-                )
-        self._runners = []
+                late.append(f"{getattr(r.sink, 'name', '?')} (within {max(0.0, until - t0):.0f} s)")
+        if late:
+            log.warning(
+                "metrics sink%s %s did not finish sending; not waiting for %s",
+                "s" if len(late) > 1 else "",
+                ", ".join(late),
+                "them" if len(late) > 1 else "it",
+            )
 
 
 class _Runner(threading.Thread):
     """One sink's thread: sends the values when told something changed, at most every
-    ``period_s`` (and at close). A sink that raises is warned about once and switched off."""
+    ``period_s`` (and at close). A sink that raises is retried with back-off
+    (:class:`~.sink_retry.SinkHealth`: said when it fails and when it is back) and switched
+    off only when it keeps failing; at close a failing sink is tried once more."""
 
     def __init__(self, sink: Sink, telemetry: Telemetry, period_s: float) -> None:
         super().__init__(name=f"rc-metrics-{getattr(sink, 'name', 'sink')}", daemon=True)
@@ -375,7 +389,16 @@ class _Runner(threading.Thread):
         self._dirty = True
         self._halt = False
         self._seen = 0
-        self.failed = False
+        self._sink_started = False
+        self.health = SinkHealth(self._sink_name())
+
+    @property
+    def failed(self) -> bool:
+        """Failing now, or switched off."""
+        return self.health.failing or self.health.off
+
+    def _sink_name(self) -> str:
+        return str(getattr(self.sink, "name", type(self.sink).__name__))
 
     def wake(self) -> None:
         with self._cond:
@@ -388,16 +411,14 @@ class _Runner(threading.Thread):
             self._cond.notify()
 
     def run(self) -> None:
-        if not self._call(lambda: self.sink.start(self._t)):
-            return
-        last = 0.0
+        last = -float("inf")
         while True:
             with self._cond:
                 while not self._halt and not self._dirty:
                     self._cond.wait()
                 stopping = self._halt
-            if not stopping:  # at most one send every period
-                wait = last + self._period - time.monotonic()
+            if not stopping:  # at most one send every period, none during a back-off
+                wait = max(last + self._period, self.health.next_try) - time.monotonic()
                 if wait > 0:
                     with self._cond:
                         self._cond.wait_for(lambda: self._halt, wait)
@@ -405,30 +426,40 @@ class _Runner(threading.Thread):
             with self._cond:
                 self._dirty = False
             last = time.monotonic()
-            if not self._send():
+            if self._attempt(final=stopping):
+                if stopping:
+                    self._close()
+                    return
+            elif self.health.off:  # kept failing, or failed at close
+                with contextlib.suppress(Exception):  # already reported as failed
+                    self.sink.close()
                 return
-            if stopping:
-                self._call(self.sink.close)
-                return
+            else:
+                with self._cond:  # what it could not send is sent at the next try
+                    self._dirty = True
 
-    def _send(self) -> bool:
+    def _attempt(self, final: bool) -> bool:
+        """Start the sink if it has not started, then send; False when it failed."""
         t = self._t
-        events, self._seen = t.events_since(self._seen)
-        return self._call(lambda: self.sink.emit(t.values(), t.samples(), events, t.step))
-
-    def _call(self, fn: Any) -> bool:
         try:
-            fn()
-            return True
+            if not self._sink_started:
+                self.sink.start(t)
+                self._sink_started = True
+            events, self._seen = t.events_since(self._seen)
+            self.sink.emit(t.values(), t.samples(), events, t.step)
         except Exception as e:
-            self.failed = True
+            self.health.failed(e, final=final)
+            return False
+        self.health.ok()
+        return True
+
+    def _close(self) -> None:
+        try:
+            self.sink.close()
+        except Exception as e:
             log.warning(
-                "metrics sink %s failed and is switched off for the rest of this run (training "
-                "goes on): %s: %s",
-                getattr(self.sink, "name", type(self.sink).__name__),
+                "metrics sink %s failed as it closed (training is not affected): %s: %s",
+                self._sink_name(),
                 type(e).__name__,
                 e,
             )
-            with contextlib.suppress(Exception):  # already reported as failed
-                self.sink.close()
-            return False

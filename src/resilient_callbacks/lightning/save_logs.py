@@ -61,7 +61,7 @@ def at_end(
     if log_stats and last is not None and last is not logged:
         logged = last
         _log(trainer, _committed(last))
-    sinks.to_framework(ckpt, lambda values: _log(trainer, values))
+    sinks.to_framework(ckpt, lambda values: _log(trainer, values), final=True)
     return logged
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..metrics import Metric, Sink, Telemetry
+from ..sink_retry import SinkHealth
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -225,27 +226,29 @@ def warn_logger_without_framework() -> None:
     )
 
 
-_LOGGER_OFF: weakref.WeakSet[Any] = weakref.WeakSet()  # Checkpointers whose "logger" failed
+_LOGGER_HEALTH: weakref.WeakKeyDictionary[Any, SinkHealth] = weakref.WeakKeyDictionary()
 
 
-def to_framework(ck: Any, send: Callable[[dict[str, float]], Any]) -> None:
+def to_framework(ck: Any, send: Callable[[dict[str, float]], Any], *, final: bool = False) -> None:
     """``telemetry="logger"``: the metrics now (``ck.metrics()``) through the framework's
     loggers, ``send`` (the adapters': Lightning's loggers, the Trainer's ``log``), on the
     training thread; nothing unless ``"logger"`` is among ``ck``'s sinks. A logger that raises
-    is warned about once and this sink switched off for the rest of the run, as every sink
-    is: training goes on."""
-    if "logger" not in ck.telemetry_kinds or ck in _LOGGER_OFF:
+    is retried as every sink is (:mod:`..sink_retry`): said once, skipped without waiting until
+    its back-off has passed, said again when it is back, switched off if it keeps failing.
+    ``final``: the end of training, tried even during a back-off."""
+    if "logger" not in ck.telemetry_kinds:
+        return
+    health = _LOGGER_HEALTH.get(ck)
+    if health is None:
+        health = _LOGGER_HEALTH[ck] = SinkHealth("logger")
+    if health.off or not (final or health.due()):
         return
     try:
         send(ck.metrics())
     except Exception as e:
-        _LOGGER_OFF.add(ck)
-        log.warning(
-            "metrics sink logger failed and is switched off for the rest of this run (training "
-            "goes on): %s: %s",
-            type(e).__name__,
-            e,
-        )
+        health.failed(e, final=final)
+    else:
+        health.ok()
 
 
 def kinds(specs: Sequence[SinkSpec]) -> set[str]:

@@ -88,7 +88,8 @@ class MLflowSink:
         self.run_id = run_id
         self.name = f"mlflow {self.tracking_uri}"
         self._client: Any = None
-        self._pending: list[Mapping[str, Any]] = []
+        self._pending: list[Mapping[str, Any]] = []  # events not yet named as tags
+        self._unsent: list[Any] = []  # their tags, until MLflow took them
         self._last_step = 0
         self._closed = False
 
@@ -116,12 +117,13 @@ class MLflowSink:
         ]
         if self._tag_keys is None:  # the events earlier processes of this run tagged
             self._tag_keys = set(self._client.get_run(self.run_id).data.tags)
-        tags = [RunTag(*_event_tag(e, self._tag_keys)) for e in self._pending]
-        for i in range(0, max(len(metrics), len(tags)), 100):  # MLflow's batch limits
-            self._client.log_batch(
-                self.run_id, metrics=metrics[i : i + 100], tags=tags[i : i + 100]
-            )
+        # each event's tag is named once: a send that failed is retried with the same names
+        self._unsent.extend(RunTag(*_event_tag(e, self._tag_keys)) for e in self._pending)
         self._pending = []
+        while metrics or self._unsent:  # MLflow's batch limits
+            tags = self._unsent[:100]
+            self._client.log_batch(self.run_id, metrics=metrics[:100], tags=tags)
+            metrics, self._unsent = metrics[100:], self._unsent[len(tags) :]
 
     def close(self) -> None:
         if self._client is None or self.run_id is None or self._closed:
@@ -172,15 +174,15 @@ class MLflowSink:
             exp_id = exp.experiment_id if exp is not None else c.create_experiment(self.experiment)
         found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_TAG}` = '{ckpt_run}'")
         if found:
-            self.run_id = found[0].info.run_id
-            c.update_run(self.run_id, status="RUNNING")
+            run_id = found[0].info.run_id
+            c.update_run(run_id, status="RUNNING")
         else:
             run = c.create_run(
                 exp_id, tags={RUN_TAG: ckpt_run}, run_name=self.run_name or f"ckpt-{ckpt_run}"
-            )
-            self.run_id = run.info.run_id
-            c.log_param(self.run_id, "resilient_ckpt.dirpath", self.context.get("dirpath"))
-        self.own_run = True
+            )  # a retry after a reply lost finds it by its tag
+            run_id = run.info.run_id
+            c.log_param(run_id, "resilient_ckpt.dirpath", self.context.get("dirpath"))
+        self.run_id, self.own_run = run_id, True
         return True
 
     def _log_checkpoint(self) -> Any:

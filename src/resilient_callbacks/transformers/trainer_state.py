@@ -227,4 +227,4 @@ def log_final(trainer: Any, ckpt: Checkpointer, save_metrics: bool, logged: int 
     last = ckpt.last_save
     if save_metrics and last is not None and last.step != logged:
         trainer.log(save_logs(ckpt, committed_only=True))
-    sinks.to_framework(ckpt, trainer.log)
+    sinks.to_framework(ckpt, trainer.log, final=True)
