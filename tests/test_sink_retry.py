@@ -256,3 +256,60 @@ def test_mlflow_event_tags_sent_after_a_failed_batch_keep_their_names(tmp_path: 
     tags = sink._client.get_run(sink.run_id).data.tags
     assert "resilient_ckpt.save.step_5" in tags
     assert not [k for k in tags if k.startswith("resilient_ckpt.save.step_5.")], tags
+
+
+def test_a_second_checkpointer_closed_after_a_preemption_keeps_to_the_grace_period(
+    tmp_path: Path, caplog
+):
+    """The model's and the EMA's Checkpointers in one process: at a SIGTERM the model's saves
+    and exits (code 75) within the grace period; the EMA's is closed after it (its ``with``
+    block, or at exit) with no timeout, and the old src gave its sinks their normal limits (600
+    s for an MLflow sink logging a checkpoint), so the process outlived the grace period and
+    the scheduler's SIGKILL came before the exit code. Its close now keeps to what is left."""
+    import os
+    import signal
+
+    import torch
+
+    release = threading.Event()
+    timer = threading.Timer(30.0, release.set)  # the old src waits for it (no hang forever)
+    timer.start()
+
+    class Hanging:
+        name = "ema-sink"
+        per_rank = False
+        close_timeout_s = 600.0  # as the MLflow sink's when it logs a checkpoint
+
+        def start(self, telemetry) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        def emit(self, flat, samples, events, step) -> None:  # type: ignore[no-untyped-def]
+            if step >= 7:
+                release.wait()
+
+        def close(self) -> None:
+            release.wait()
+
+    model, ema = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    a = Checkpointer(tmp_path / "model", every_n_steps=5, grace_period=2)
+    b = Checkpointer(tmp_path / "ema", every_n_steps=5, grace_period=2, telemetry=Hanging())
+    try:
+        with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
+            a.restore({"m": model})
+            b.restore({"m": ema})
+            with pytest.raises(SystemExit) as exit_:
+                for step in range(1, 20):
+                    if step == 7:
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    a.step(step, {"m": model})  # acts on it: saves, exits
+                    b.step(step, {"m": ema})
+            assert exit_.value.code == 75
+            assert [e.step for e in a.checkpoints()][-1] == 7
+            b.close()  # as its `with` block or the exit hook does
+        said = _said(caplog, "did not finish sending")
+        assert len(said) == 1 and "ema-sink" in said[0] and "within 600 s" not in said[0], said
+    finally:
+        timer.cancel()
+        release.set()
+        a.close()
+        b.close()

@@ -30,12 +30,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("resilient_callbacks")
 
 PREEMPTED_SINKS_S = 5.0  # a preempted process's wait for its metrics sinks, grace period unknown
+EXIT_MARGIN_S = 5.0  # a preempted process's close ends this long before the grace period does
 
 
 def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
     """Wait for background saves to commit, then release the directory (see
     ``Checkpointer.close``). ``outage_s``: without a timeout, how long uploads may keep
     failing before close gives up on them (what is left stays local and is named)."""
+    if timeout is None:
+        timeout = _answered_elsewhere_s(ck)
     deadline = None if timeout is None else time.monotonic() + timeout
     persister = ck._saver.persister
     try:
@@ -151,12 +154,26 @@ def _warn_unmonitored(ck: Checkpointer) -> None:
     )
 
 
+def _answered_elsewhere_s(ck: Checkpointer) -> float | None:
+    """The limit of a ``close()`` given none, while another Checkpointer of this process
+    answered a preemption (saved, and the process is exiting: a model's and its EMA's, closed
+    by a ``with`` block or at exit): what is left of the grace period less
+    :data:`EXIT_MARGIN_S`, as that one's close had, not the waits of a normal end (a sink's
+    10 s to 600 s) that held the exit past the scheduler's kill; None otherwise."""
+    w = ck.watcher
+    if w is None or not w.answered_elsewhere:
+        return None
+    left = w.remaining_grace_s()
+    return None if left is None else max(0.0, left - EXIT_MARGIN_S)
+
+
 def _sinks_deadline(ck: Checkpointer, deadline: float | None) -> float | None:
     """Until when the metrics sinks may send their last values: what is left of close's
     timeout (a preemption's grace period); a preempted process whose grace period is unknown
     gives them :data:`PREEMPTED_SINKS_S` (its checkpoint and history are durable by then; a
     hanging sink must not hold its exit code past the scheduler's kill)."""
-    if deadline is None and ck.preempted:
+    answered_elsewhere = ck.watcher is not None and ck.watcher.answered_elsewhere
+    if deadline is None and (ck.preempted or answered_elsewhere):
         return time.monotonic() + PREEMPTED_SINKS_S
     return deadline
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import rng, statetree, structure
+from .closing import EXIT_MARGIN_S
 from .errors import CheckpointError
 from .filepart import FilePart
 from .optim import hookable, untraced
@@ -289,6 +290,6 @@ class Emergency:
             ck._recorder.stopping()
             if watcher is not None:
                 watcher.answered()  # for the other Checkpointers of this process too
-            ck.close(timeout=None if left is None else max(0.0, left - 5.0))
+            ck.close(timeout=None if left is None else max(0.0, left - EXIT_MARGIN_S))
             raise SystemExit(ck.config.preemption_exit_code)
         return saved
