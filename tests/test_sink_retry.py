@@ -313,3 +313,25 @@ def test_a_second_checkpointer_closed_after_a_preemption_keeps_to_the_grace_peri
         release.set()
         a.close()
         b.close()
+
+
+def test_a_store_mlflow_refuses_is_switched_off_at_once_not_retried(
+    tmp_path: Path, monkeypatch, caplog
+):
+    """MLflow 3 refuses a plain file store (``mlflow:file:...``): a mistake in the setup, not
+    an outage, so no retry mends it: switched off at its first failure, said once, with
+    MLflow's reason (not retried for an hour, nor once more at close)."""
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    state = _state()
+    with (
+        caplog.at_level(logging.WARNING, logger="resilient_callbacks"),
+        Checkpointer(
+            tmp_path / "ck", every_n_steps=2, telemetry=f"mlflow:file:{tmp_path / 'mlruns'}"
+        ) as ck,
+    ):
+        ck.restore(state)
+        _train(ck, range(1, 5), state)
+    (said,) = _said(caplog, "metrics sink mlflow")
+    assert "switched off for the rest of this run" in said
+    assert "MLflow refuses the tracking store" in said and "retrying" not in said

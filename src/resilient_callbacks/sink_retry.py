@@ -16,6 +16,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from .errors import ConfigError
+
 log = logging.getLogger("resilient_callbacks")
 
 
@@ -46,7 +48,8 @@ def _span(seconds: float) -> str:
 class SinkHealth:
     """One sink's failures: whether it may be tried now, and the messages about it (one when an
     outage starts, one when it ends or the sink is switched off; the retries in between at
-    DEBUG). ``off``: switched off for good (it kept failing for ``policy.give_up_s``)."""
+    DEBUG). ``off``: switched off for good (it kept failing for ``policy.give_up_s``, or it
+    raised a :class:`~.errors.ConfigError`: a mistake in its setup, which no retry mends)."""
 
     def __init__(self, name: str, policy: RetryPolicy | None = None) -> None:
         self.name = name
@@ -109,8 +112,16 @@ class SinkHealth:
             )
             self.off = True
             return
-        if not first and down >= p.give_up_s:
+        if isinstance(error, ConfigError) or (not first and down >= p.give_up_s):
             self.off = True
+            if first:  # a mistake in its setup: no retry would succeed
+                log.warning(
+                    "metrics sink %s failed and is switched off for the rest of this run "
+                    "(training goes on): %s",
+                    self.name,
+                    self.last_error,
+                )
+                return
             log.warning(
                 "metrics sink %s kept failing for %s (%d attempts; the last: %s) and is "
                 "switched off for the rest of this run (training goes on)",

@@ -34,9 +34,11 @@ import posixpath
 import socket
 import time
 import urllib.parse
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..errors import ConfigError
 from ..metrics import Metric, Telemetry
 from . import missing_extra
 
@@ -51,9 +53,15 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra 
     raise missing_extra("mlflow", "mlflow (or mlflow-skinny)") from e
 
 RUN_TAG = "resilient_ckpt.run_id"
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI shows the run nested in its parent
 MANIFEST_TAG = "resilient_ckpt.manifest_sha256"
 
 log = logging.getLogger("resilient_callbacks")
+
+# (tracking URI, MLflow run id) -> the open sink logging into that run it did not create
+_JOINED: weakref.WeakValueDictionary[tuple[str, str | None], MLflowSink] = (
+    weakref.WeakValueDictionary()
+)
 
 
 class MLflowSink:
@@ -85,6 +93,9 @@ class MLflowSink:
             if active is not None:
                 run_id = active.info.run_id
         self._tag_keys: set[str] | None = None  # event tags already on the run
+        self.parent_run_id: str | None = None
+        if run_id is not None:
+            run_id = self._join(run_id)
         self.run_id = run_id
         self.name = f"mlflow {self.tracking_uri}"
         self._client: Any = None
@@ -97,7 +108,14 @@ class MLflowSink:
 
     def start(self, telemetry: Telemetry) -> None:
         _preflight(self.tracking_uri)
-        self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.registry_uri)
+        try:
+            self._client = MlflowClient(
+                tracking_uri=self.tracking_uri, registry_uri=self.registry_uri
+            )
+        except MlflowException as e:  # a store it refuses (MLflow 3: a file store): no retry
+            if e.error_code != "INVALID_PARAMETER_VALUE":
+                raise
+            raise ConfigError(f"MLflow refuses the tracking store {self.tracking_uri}: {e}") from e
 
     def emit(
         self,
@@ -126,6 +144,9 @@ class MLflowSink:
             metrics, self._unsent = metrics[100:], self._unsent[len(tags) :]
 
     def close(self) -> None:
+        key = (self.tracking_uri, self.run_id)
+        if _JOINED.get(key) is self:  # a later Checkpointer may log into that run itself
+            del _JOINED[key]
         if self._client is None or self.run_id is None or self._closed:
             return
         self._closed = True  # once: the runner calls close() again after a close that raised
@@ -161,6 +182,27 @@ class MLflowSink:
 
     # ------------------------------------------------------------------ the run
 
+    def _join(self, run_id: str) -> str | None:
+        """``run_id`` (the active run, or the one given), unless another open Checkpointer of
+        this process logs into it already (a model's and its EMA's in one ``start_run()``):
+        their metrics have the same names and their event tags and artifacts the same keys, so
+        they would mix and overwrite each other. This one then logs into a run nested in it
+        (None: made or found again by :meth:`_ensure_run`)."""
+        key = (self.tracking_uri, run_id)
+        other = _JOINED.get(key)
+        if other is None or other._closed:
+            _JOINED[key] = self
+            return run_id
+        self.parent_run_id = run_id
+        log.info(
+            "metrics sink mlflow: the MLflow run %s receives the checkpoint metrics of %s "
+            "already; those of %s go to a run nested in it (the same metric names would mix)",
+            run_id,
+            other.context.get("dirpath"),
+            self.context.get("dirpath"),
+        )
+        return None
+
     def _ensure_run(self) -> bool:
         if self.run_id is not None:
             return True
@@ -169,16 +211,24 @@ class MLflowSink:
             return False
         c = self._client
         exp_id = "0"
-        if self.experiment:
+        where = f"tags.`{RUN_TAG}` = '{ckpt_run}'"
+        tags = {RUN_TAG: ckpt_run}
+        name = self.run_name or f"ckpt-{ckpt_run}"
+        if self.parent_run_id is not None:  # nested in the run another Checkpointer logs into
+            exp_id = c.get_run(self.parent_run_id).info.experiment_id
+            where += f" and tags.`{PARENT_TAG}` = '{self.parent_run_id}'"
+            tags[PARENT_TAG] = self.parent_run_id
+            name = self.run_name or os.path.basename(str(self.context.get("dirpath")).rstrip("/"))
+        elif self.experiment:
             exp = c.get_experiment_by_name(self.experiment)
             exp_id = exp.experiment_id if exp is not None else c.create_experiment(self.experiment)
-        found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_TAG}` = '{ckpt_run}'")
+        found = c.search_runs([exp_id], filter_string=where)
         if found:
             run_id = found[0].info.run_id
             c.update_run(run_id, status="RUNNING")
         else:
             run = c.create_run(
-                exp_id, tags={RUN_TAG: ckpt_run}, run_name=self.run_name or f"ckpt-{ckpt_run}"
+                exp_id, tags=tags, run_name=name
             )  # a retry after a reply lost finds it by its tag
             run_id = run.info.run_id
             c.log_param(run_id, "resilient_ckpt.dirpath", self.context.get("dirpath"))

@@ -16,6 +16,7 @@ import socket
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ..errors import ConfigError
 from ..metrics import Metric, Telemetry
 from . import missing_extra
 
@@ -26,6 +27,9 @@ try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 except ImportError as e:  # pragma: no cover - exercised only without the extra installed
     raise missing_extra("prometheus", "prometheus_client") from e
+
+
+_SERVING: set[tuple[str, int]] = set()  # the addresses this process's exporters listen on
 
 
 class _Collector:
@@ -99,6 +103,12 @@ class PrometheusExporter(_PrometheusBase):
         port = self.port
         if self.per_rank and port:
             port += int(os.environ.get("LOCAL_RANK", telemetry.rank))
+        if port and (self.addr, port) in _SERVING:  # not retried: it is this process's own
+            raise ConfigError(
+                f"another Checkpointer of this process serves its metrics on {self.addr}:{port} "
+                "(a model's and its EMA's, each with telemetry='prometheus'): give this one its "
+                f"own port, e.g. telemetry='prometheus:{port + 1}', or one of them none"
+            )
         try:
             server, _thread = start_http_server(port, addr=self.addr, registry=self.registry)
         except OSError as e:
@@ -108,12 +118,14 @@ class PrometheusExporter(_PrometheusBase):
             ) from None
         self._server = server
         self.port = int(server.server_port)
+        _SERVING.add((self.addr, self.port))
         self.name = f"prometheus exporter {self.addr}:{self.port}"
         log.info("metrics served for Prometheus at http://%s:%d/metrics", self.addr, self.port)
 
     def close(self) -> None:
         server, self._server = self._server, None
         if server is not None:
+            _SERVING.discard((self.addr, self.port))
             server.shutdown()
             server.server_close()
 

@@ -1,0 +1,89 @@
+"""Several Checkpointers in one process (a model's and its EMA's), each with metrics sinks: in
+one active MLflow run their metrics, event tags and checkpoint artifacts do not mix (the second
+logs into a run nested in it); two exporters on one port say which is which."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer
+from resilient_callbacks.metrics import PREFIX
+from test_monitoring import free_port
+
+
+def _train_both(a: Checkpointer, b: Checkpointer, last: int) -> None:
+    model, ema = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    a.restore({"m": model})
+    b.restore({"m": ema})
+    for step in range(1, last + 1):
+        a.step(step, {"m": model})
+        b.step(step, {"m": ema})
+
+
+def test_two_checkpointers_in_one_active_mlflow_run_do_not_mix(tmp_path: Path):
+    """``with mlflow.start_run():`` around a model's Checkpointer (a save every 5 steps) and an
+    EMA's (every 10), both ``telemetry={"kind": "mlflow", "log_checkpoint": "final"}``: the old
+    src logged both into the active run, so ``saves_total`` went 1, 1, 2, 2, ... from two
+    sources, the EMA's ``save.step_10`` tag overwrote the model's and one checkpoint artifact
+    the other. Now the model's go to the active run and the EMA's to a run nested in it, named
+    after its directory."""
+    mlflow = pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    sink = {"kind": "mlflow", "log_checkpoint": "final"}
+    try:
+        with (
+            mlflow.start_run() as active,
+            Checkpointer(tmp_path / "model", every_n_steps=5, telemetry=sink) as a,
+            Checkpointer(tmp_path / "ema", every_n_steps=10, telemetry=sink) as b,
+        ):
+            _train_both(a, b, 30)
+        c = mlflow.tracking.MlflowClient()
+        runs = {r.info.run_id: r for r in c.search_runs([active.info.experiment_id])}
+        assert len(runs) == 2, [r.info.run_name for r in runs.values()]
+        (nested,) = [r for r in runs.values() if r.info.run_id != active.info.run_id]
+        assert nested.data.tags["mlflow.parentRunId"] == active.info.run_id
+        assert nested.info.run_name == "ema" and nested.info.status == "FINISHED"
+        for run, dirpath, saves in ((runs[active.info.run_id], "model", 6), (nested, "ema", 3)):
+            history = c.get_metric_history(run.info.run_id, PREFIX + "saves_total")
+            assert max(m.value for m in history) == saves, dirpath
+            tags = [k for k in run.data.tags if k.startswith("resilient_ckpt.save.step_")]
+            assert len(tags) == saves, (dirpath, tags)
+            art = json.loads(run.data.tags["resilient_ckpt.checkpoint_artifact"])
+            assert art["step"] == 30
+            (manifest,) = [
+                f.path
+                for f in c.list_artifacts(run.info.run_id, "checkpoints/step_000000030")
+                if f.path.endswith("manifest.json")
+            ]
+            local = c.download_artifacts(run.info.run_id, manifest, str(tmp_path / dirpath))
+            assert (tmp_path / dirpath / "step_000000030" / "manifest.json").read_bytes() == (
+                Path(local).read_bytes()
+            )
+    finally:
+        mlflow.set_tracking_uri("")
+
+
+def test_two_exporters_on_one_port_name_the_conflict(tmp_path: Path, caplog):
+    """The EMA's Checkpointer given the model's exporter port: switched off at once with a
+    message that says it is this process's other Checkpointer and what to do (the old src said
+    only "address in use ... is another exporter using that port?"; a retry cannot mend it)."""
+    pytest.importorskip("prometheus_client")
+    port = free_port()
+    sink = f"prometheus:127.0.0.1:{port}"
+    with (
+        caplog.at_level(logging.WARNING, logger="resilient_callbacks"),
+        Checkpointer(tmp_path / "model", every_n_steps=5, telemetry=sink) as a,
+        Checkpointer(tmp_path / "ema", every_n_steps=10, telemetry=sink) as b,
+    ):
+        _train_both(a, b, 10)
+    # after close: each sink has started by then (in its own thread, whichever binds first)
+    said = [r.getMessage() for r in caplog.records if "metrics sink" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "another Checkpointer of this process" in said[0]
+    assert f"prometheus:{port + 1}" in said[0] and "switched off" in said[0]
