@@ -56,12 +56,10 @@ class _Staged(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
-def _stages(
-    work: Path, seen: dict, callbacks: list, by_steps: bool = False
-) -> tuple[_Staged, list]:
+def _stages(work: Path, seen: dict, callbacks: list, by_steps: int = 0) -> tuple[_Staged, list]:
     """Run the script: stage 1 (2 epochs), stage 2 (to 4 epochs, lr 0.01). Returns the module
-    and the callback's ``restored_step`` after each stage. ``by_steps``: stage 1 to step 12
-    (in epoch 1), stage 2 to step 30 (``max_steps``)."""
+    and the callback's ``restored_step`` after each stage. ``by_steps``: stage 1 to that step
+    (12: in epoch 1; 16: epoch 1's last), stage 2 to step 30 (``max_steps``)."""
     torch.manual_seed(0)
     module = _Staged(seen)
     data = torch.utils.data.TensorDataset(
@@ -70,7 +68,7 @@ def _stages(
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)  # 8 steps an epoch
     trainer = L.Trainer(
         max_epochs=-1 if by_steps else 2,
-        max_steps=12 if by_steps else -1,
+        max_steps=by_steps or -1,
         accelerator="cpu",
         callbacks=callbacks,
         logger=False,
@@ -126,35 +124,29 @@ def test_a_two_stage_script_killed_in_its_second_stage_resumes_exactly(tmp_path,
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize(
-    "kill_at",
-    [
-        pytest.param(
-            13,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="not fixed: stage 1's last step, in the middle of an epoch, is saved "
-                "before Lightning ends that epoch (on_train_epoch_end, epoch schedulers, the "
-                "epoch counted done); the re-run's stage 1 skips its loop (max_steps reached) "
-                "and stage 2 goes on in that epoch where the run started the next one",
-            ),
-        ),
-        17,
-        25,
-    ],
-)
-def test_two_stages_by_max_steps_killed_in_the_second_resume_exactly(tmp_path, kill_at):
-    """Stage 1 to step 12, stage 2 to step 30 (``fit_loop.epoch_loop.max_steps``): killed past
-    stage 1's end, the re-run's stage 1 trains nothing and stage 2 resumes exactly."""
+@pytest.mark.parametrize(("stage_1", "kill_at"), [(12, 13), (12, 17), (12, 25), (16, 17), (16, 25)])
+def test_two_stages_by_max_steps_killed_in_the_second_resume_exactly(tmp_path, stage_1, kill_at):
+    """Stage 1 to step 12 (in epoch 1) or 16 (epoch 1's last step), stage 2 to step 30
+    (``fit_loop.epoch_loop.max_steps``): killed past stage 1's end, the re-run's stage 1 trains
+    nothing and stage 2 resumes exactly. Found 2026-12-05 (kill_at 13 and 17 after stage 1's
+    last step: no checkpoint of stage 2 yet): Lightning skips the loop of a fit() restored at
+    its max_steps, so the re-run's stage 1 did not end epoch 1 (its on_train_epoch_end, the
+    epoch counted done) nor leave its loops restarting no more, and stage 2 went on in that
+    epoch (or repeated its end) where the run started epoch 2: every later step differed."""
     ref: dict = {}
-    plain, _ = _stages(tmp_path / "plain", ref, [], by_steps=True)
+    plain, _ = _stages(tmp_path / "plain", ref, [], by_steps=stage_1)
     ck = tmp_path / "ck"
     with pytest.raises(_Killed):
         _stages(
-            tmp_path / "run", {}, [ResilientCheckpoint(ck, every_n_steps=3), _KillAt(kill_at)], True
+            tmp_path / "run",
+            {},
+            [ResilientCheckpoint(ck, every_n_steps=3), _KillAt(kill_at)],
+            stage_1,
         )
     again: dict = {}
-    resumed, _ = _stages(tmp_path / "run", again, [ResilientCheckpoint(ck, every_n_steps=3)], True)
+    resumed, _ = _stages(
+        tmp_path / "run", again, [ResilientCheckpoint(ck, every_n_steps=3)], stage_1
+    )
     assert again and {s: again[s] for s in again} == {s: ref[s] for s in again}
     for a, b in zip(plain.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -271,3 +263,110 @@ def test_model_checkpoint_files_stay_when_the_user_chose_an_older_checkpoint(tmp
     _fit_with_model_checkpoint(tmp_path, [rc], max_steps=6)  # steps 5, 6: not 10 again
     assert rc.restored_step == 4
     assert before <= {p.name for p in (tmp_path / "mc").iterdir()}
+
+
+class _Export(L.Callback):
+    """Records the hooks; exports the weights at ``on_train_end`` (``fail``: killed there)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.seen: list[str] = []
+        self.exported: list[torch.Tensor] | None = None
+
+    def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        self.seen.append("train_start")
+
+    def on_train_epoch_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        self.seen.append(f"epoch_end {trainer.current_epoch}")
+
+    def on_train_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        self.seen.append(f"train_end at epoch {trainer.current_epoch}")
+        if self.fail:
+            raise _Killed("killed while exporting")
+        self.exported = [p.detach().clone() for p in pl_module.parameters()]
+
+
+@pytest.mark.parametrize("max_steps", [12, 16], ids=["mid-epoch", "at-an-epochs-end"])
+def test_a_finished_max_steps_run_killed_in_on_train_end_exports_when_run_again(
+    tmp_path, max_steps
+):
+    """Found 2026-12-05: a run that reached max_steps saved its last step, then was killed in
+    on_train_end (a long export, an upload). Run again, Lightning skipped its whole loop (the
+    checkpoint is at max_steps, as with fit(ckpt_path=...)): no on_train_start, no
+    on_train_end, so the export never happened, and the fit ended in epoch 1 where the run
+    ended in epoch 2. A run ended by max_epochs got both hooks. Now the re-run trains nothing and
+    does what the run did after its last step: the hooks (the end of the epoch the last step was
+    in, too), in the run's epoch, with the run's weights."""
+
+    def fit(export: _Export) -> L.Trainer:
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 4))
+        trainer = L.Trainer(
+            max_steps=max_steps,
+            accelerator="cpu",
+            callbacks=[ResilientCheckpoint(tmp_path / "ck", every_n_steps=5), export],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(_Linear(), torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+        return trainer
+
+    killed = _Export(fail=True)
+    with pytest.raises(_Killed):
+        fit(killed)
+    assert killed.seen == ["train_start", "epoch_end 0", "epoch_end 1", "train_end at epoch 2"]
+    again = _Export()
+    trainer = fit(again)
+    epoch_end = [] if max_steps == 16 else ["epoch_end 1"]  # (16: saved after the epoch's end)
+    assert again.seen == ["train_start", *epoch_end, "train_end at epoch 2"]
+    assert trainer.current_epoch == 2 and trainer.global_step == max_steps
+    assert again.exported is not None
+    for a, b in zip(again.exported, trainer.lightning_module.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class _ValLoss(_Linear):
+    """``val_loss`` rises with every validation: ``EarlyStopping(patience=0)`` stops at the
+    second one (step 6, in the middle of epoch 0)."""
+
+    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.log("val_loss", float(self.global_step))
+
+
+def test_a_run_early_stopped_mid_epoch_run_again_ends_that_epoch_as_the_run_did(tmp_path):
+    """Found 2026-12-05: run again, the stopped run (restored at its last step, stopped) went
+    to on_train_end at once: no on_train_epoch_end for the epoch the stop was in, and
+    trainer.current_epoch 0 where the run ended with 1."""
+
+    def fit() -> tuple[list[str], int]:
+        torch.manual_seed(0)
+        export = _Export()
+        stop = L.pytorch.callbacks.EarlyStopping("val_loss", patience=0)
+        trainer = L.Trainer(
+            max_epochs=5,
+            val_check_interval=3,
+            num_sanity_val_steps=0,
+            accelerator="cpu",
+            callbacks=[export, stop, ResilientCheckpoint(tmp_path / "ck", every_n_steps=5)],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        data = torch.utils.data.TensorDataset(torch.randn(32, 4))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(
+                _ValLoss(),
+                torch.utils.data.DataLoader(data, batch_size=4, shuffle=True),
+                torch.utils.data.DataLoader(data, batch_size=16),
+            )
+        assert trainer.global_step == 6
+        return export.seen, trainer.current_epoch
+
+    assert fit() == (["train_start", "epoch_end 0", "train_end at epoch 1"], 1)
+    assert fit() == (["train_start", "epoch_end 0", "train_end at epoch 1"], 1)

@@ -33,7 +33,10 @@ things wrong for such a checkpoint (its own checkpoints too), which :class:`Resu
   iterators where the uninterrupted run does (after those hooks and after
   ``reload_dataloaders_every_n_epochs`` rebuilt the loaders, drawing from the global RNG):
   they are made there; and with a loader of unknown length it does not count the epoch's
-  batches from 0: it does.
+  batches from 0: it does;
+- restored at the fit's ``max_steps`` it skips its whole loop, and restored where the run
+  stopped it goes to ``on_train_end`` at once: the run's ``on_train_start``/``on_train_end``
+  hooks and the end of an epoch its last step was in the middle of run, training nothing.
 
 Which ranks call what: every rank runs these at the same points (Lightning runs its loops on
 every rank); nothing here runs a collective.
@@ -103,7 +106,9 @@ class Resume:
         metrics = checkpoint.pop(METRICS_KEY, None)
         self.metrics: dict[str, Any] | None = metrics if isinstance(metrics, dict) else None
         self.epoch_end = bool(checkpoint.pop(EPOCH_END_KEY, False))
-        self.epoch_end_run = self.epoch_end
+        self.epoch_end_run = self.saved_at_epoch_end = self.epoch_end
+        self.started = False  # on_train_start ran
+        self.past_end: str | None = None  # the checkpoint is past this fit()'s end (:mod:`.stages`)
         # a checkpoint without metrics (written by an older version) keeps Lightning's skip
         self.plateau = self.metrics is not None
         self.data_set_up = False
@@ -130,6 +135,7 @@ class Resume:
     def train_start(self, trainer: pl.Trainer) -> None:
         """``on_train_start`` (Lightning emptied the metrics after the sanity check; the
         optimizers and schedulers are set up: another number than saved is warned about)."""
+        self.started = True
         checks.optimizers_and_schedulers(trainer, self.counts)
         if self.metrics:
             trainer.callback_metrics.update(self.metrics)
@@ -173,13 +179,32 @@ class Resume:
         if state is not None:
             rng.restore(*state)
 
-    def train_end(self, trainer: pl.Trainer) -> None:
-        """``on_train_end`` of a resumed ``fit()`` that trained no batch (a re-run of a
-        finished stage, :mod:`.stages`): the random streams are put back as restored, and
-        Lightning's loops, which it left restarting, are not: a next ``fit()`` of this Trainer
-        then starts as after a ``fit()`` that trained."""
-        if self.rng_state is None:
-            return  # it trained
+    def after_run(self, trainer: pl.Trainer) -> None:
+        """After ``fit_loop.run``. Restored at this fit's ``max_steps`` (a finished script run
+        again, or an earlier stage of a script), Lightning skips its whole loop: no
+        ``on_train_start``, no end of the epoch the last step was in, no ``on_train_end`` (as
+        with ``fit(ckpt_path=...)``; a run ended by ``max_epochs`` gets its hooks). The
+        uninterrupted run did them: they run, training nothing (:meth:`before_run_end`)."""
+        fit_loop = trainer.fit_loop
+        if self.started or self.past_end or trainer.global_step != trainer.max_steps:
+            return
+        if fit_loop.max_batches == 0 or trainer.limit_train_batches == 0:
+            return  # (skipped for want of batches, as Lightning does)
+        fit_loop.reset()
+        fit_loop.on_run_start()
+        fit_loop._restarting = False
+        fit_loop.on_run_end()
+
+    def before_run_end(self, trainer: pl.Trainer) -> None:
+        """Before ``fit_loop.on_run_end`` (the ``on_train_end`` hooks) of a resumed ``fit()``
+        that trained no batch (a re-run of a finished run or stage, :mod:`.stages`): what the
+        uninterrupted run did after the restored step. The random streams are put back as
+        restored; Lightning's loops, which it left restarting, are not (a next ``fit()`` of this
+        Trainer then starts as after a ``fit()`` that trained); and after a step in the middle
+        of an epoch (``max_steps`` or a stop there) that epoch ends, as it did in the run: its
+        ``on_train_epoch_end`` hooks, the epoch counted done."""
+        if self.rng_state is None or self.past_end:
+            return  # it trained (or a later stage's checkpoint: that stage resumes from it)
         self.put_back_rng()
         fit_loop, loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
         progress = loop.batch_progress.total
@@ -189,6 +214,8 @@ class Resume:
             loop._batches_that_stepped += 1
         for each in (fit_loop, loop, loop.val_loop):
             each.on_iteration_done()
+        if not self.saved_at_epoch_end:
+            fit_loop.on_advance_end()
 
     def before_epoch_end(self, trainer: pl.Trainer) -> None:
         """Before the first ``fit_loop.on_advance_end``: Lightning skips the epoch-interval

@@ -185,8 +185,6 @@ class ResilientCheckpoint(Checkpoint):
         stops.save_stopped_step(trainer, ckpt, self._ctx, self._state, self._last_end, marks)
         if ckpt is not None and not ckpt.closed:
             self._logged_save = save_logs.at_end(trainer, ckpt, self.log_stats, self._logged_save)
-        if self._resume is not None:  # (a resumed fit() that trained nothing: boundary.py)
-            self._resume.train_end(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != TrainerFn.FITTING.value:
@@ -217,6 +215,8 @@ class ResilientCheckpoint(Checkpoint):
                 before_epoch_run=resumed("before_epoch_run"),
                 before_epoch_end=resumed("before_epoch_end"),
                 after_epoch_end=functools.partial(self._after_epoch_end, trainer),
+                before_run_end=resumed("before_run_end"),
+                after_run=resumed("after_run"),
             ),
         )
 
@@ -283,7 +283,7 @@ class ResilientCheckpoint(Checkpoint):
         self._resume.auto = resume == "auto"  # not a step or path chosen by the user
         rng.restore(*live)  # a train_dataloader() drawing its data makes the run's data
         self._resumed_stopped = checkpoint.pop(st.STOPPED_KEY, False)
-        self._past_end = stages.past_end(trainer, checkpoint, step)
+        self._past_end = self._resume.past_end = stages.past_end(trainer, checkpoint, step)
         self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
         checks.accumulation(trainer, checkpoint.pop(st.ACCUMULATE_KEY, None))
         if ckpt.last_restore is not None:

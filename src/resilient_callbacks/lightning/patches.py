@@ -15,7 +15,10 @@ trainer instance, and their unwrapping at ``teardown``:
   epoch-interval plateau schedulers): a step is saved once Lightning finished its work;
 - ``fit_loop.on_advance_start`` (the epoch-start hooks) and ``fit_loop.epoch_loop.on_run_start``
   (where a new epoch's dataloader iterators are made): a resume from an epoch's end runs the
-  hooks and makes the iterators as the uninterrupted run does.
+  hooks and makes the iterators as the uninterrupted run does;
+- ``fit_loop.run`` (which Lightning leaves at once when ``max_steps`` is reached) and
+  ``fit_loop.on_run_end`` (the ``on_train_end`` hooks): a resumed ``fit()`` that trains
+  nothing ends as the uninterrupted run did after the restored step.
 
 Which ranks call what: every rank wraps its own trainer in ``setup`` (Lightning runs every hook
 on every rank); nothing here runs a collective.
@@ -54,6 +57,10 @@ class FitHooks:
     """Before ``fit_loop.on_advance_end`` (the epoch-end hooks and plateau schedulers)."""
     after_epoch_end: Callable[[], None]
     """After ``fit_loop.on_advance_end``."""
+    before_run_end: Callable[[], None]
+    """Before ``fit_loop.on_run_end`` (where the ``on_train_end`` hooks run)."""
+    after_run: Callable[[], None]
+    """After ``fit_loop.run`` (also when Lightning skipped the loop: ``max_steps`` reached)."""
 
 
 def wrap_fit(trainer: pl.Trainer, hooks: FitHooks) -> list[Callable[[], None]]:
@@ -104,6 +111,8 @@ def wrap_fit(trainer: pl.Trainer, hooks: FitHooks) -> list[Callable[[], None]]:
             fit_loop, "on_advance_end", before=hooks.before_epoch_end, after=hooks.after_epoch_end
         )
     )
+    unwrap.append(_around(fit_loop, "on_run_end", before=hooks.before_run_end))
+    unwrap.append(_around(fit_loop, "run", after=hooks.after_run))
     return unwrap
 
 
