@@ -918,3 +918,38 @@ def test_a_save_that_fills_the_disk_gives_the_space_back_at_once(small_tmpfs):
         assert shutil.disk_usage(small_tmpfs).used - used < 100_000
         done = catalog.committed(catalog.scan(str(root), catalog.Depth.FULL))
         assert [(e.step, e.status) for e in done] == [(1, catalog.Status.VALID)]
+
+
+def test_after_a_resume_from_an_older_step_the_new_lineage_is_numbered_on_and_wins(tmp_path):
+    """Rolled back (a dcp.load of step 2 where 3 and 4 exist) and trained on: the new saves are
+    newer than the abandoned 3 and 4 (by commit), and an unnumbered save continues the step
+    loaded (3, then 4). It was numbered after the highest step there (5): the state of step 3
+    labelled step 5, and a loop going on from the next resume's loaded_step skipped two."""
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root) as w:
+        for s in (1, 2, 3, 4):
+            dcp.save({"w": torch.full((2,), float(s))}, storage_writer=w, checkpoint_id=s)
+    got = {"w": torch.zeros(2)}
+    dcp.load(got, storage_reader=ResilientStorageReader(root, step=2))
+    with ResilientStorageWriter(root) as w:
+        dcp.save({"w": torch.full((2,), 30.0)}, storage_writer=w)  # the state of step 3
+        assert os.path.basename(w.last_committed) == "step_000000003-1"
+        dcp.save({"w": torch.full((2,), 40.0)}, storage_writer=w)
+        assert os.path.basename(w.last_committed) == "step_000000004-1"
+    reader = ResilientStorageReader(root)
+    dcp.load(got, storage_reader=reader)
+    assert reader.loaded_step == 4 and torch.equal(got["w"], torch.full((2,), 40.0))
+    # a rollback numbered by the caller (checkpoint_id) wins the same way
+    dcp.load(got, storage_reader=ResilientStorageReader(root, step=3))
+    with ResilientStorageWriter(root) as w:
+        dcp.save({"w": torch.full((2,), 400.0)}, storage_writer=w, checkpoint_id=4)
+    reader = ResilientStorageReader(root)
+    dcp.load(got, storage_reader=reader)
+    assert reader.loaded_step == 4 and torch.equal(got["w"], torch.full((2,), 400.0))
+    # an export's read of an older step (resilient-ckpt export) is no resume
+    from resilient_callbacks.dcp import dropin
+
+    assert dropin.whole_tensors(str(root / "step_000000001"))["w"][0] == 1.0
+    with ResilientStorageWriter(root) as w:
+        dcp.save({"w": torch.full((2,), 5.0)}, storage_writer=w)
+        assert os.path.basename(w.last_committed) == "step_000000005"

@@ -71,6 +71,7 @@ def whole_tensors(path: str) -> dict[str, torch.Tensor]:
     if not out:
         raise CheckpointMismatchError(f"{path} holds no tensors: there is nothing to export")
     reader = ResilientStorageReader(path, no_dist=True)
+    reader.resumes = False  # a run saving here goes on numbering its own lineage
     planner = DefaultLoadPlanner(flatten_state_dict=False)  # the keys are DCP's flat names
     dcp.load(out, storage_reader=reader, planner=planner, no_dist=True)
     return out

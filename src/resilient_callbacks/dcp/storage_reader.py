@@ -48,9 +48,11 @@ from ..errors import (
     caller_stacklevel,
     warn_and_log,
 )
+from ..export_target import within
 from ..manifest import MANIFEST_NAME, check_relative, read_manifest
 from ..reader import by_commit, committed, find, unordered
 from ..tensorfile import read_verified
+from . import lineage
 from .chunks import join
 from .metadata_json import METADATA_NAME, from_json
 
@@ -106,6 +108,8 @@ class ResilientStorageReader(StorageReader):
         self.skipped: list[str] = []
         self.storage: dict[MetadataIndex, dict[str, Any]] = {}
         self.rank = 0
+        self.resumes = True  # the next unnumbered save continues the step loaded (lineage.py)
+        self._seq = 0  # rank 0: the directory's newest commit when it was listed
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
         """``checkpoint_id`` (from ``dcp.load(..., checkpoint_id=...)``): a step to load (an
@@ -135,12 +139,14 @@ class ResilientStorageReader(StorageReader):
         """Rank 0: the checkpoints to try, best first."""
         root = self.dirpath
         if os.path.exists(os.path.join(root, MANIFEST_NAME)):
+            self._seq = lineage.newest_seq(committed(os.path.dirname(root)))
             return [root]
         if self.remote is not None:
             self._fetch_remote(root)
         if not os.path.isdir(root):
             raise CheckpointNotFoundError(f"{root}: no such checkpoint directory")
         entries = committed(root)
+        self._seq = lineage.newest_seq(entries)  # (lineage.py)
         if not entries:
             from ..cli_scan import no_checkpoints  # names what is there instead
 
@@ -190,10 +196,11 @@ class ResilientStorageReader(StorageReader):
         group = self.process_group
         together = dist.is_initialized() and not self.no_dist
         rank, world = (_group_rank(group), _group_size(group)) if together else (0, 1)
-        listing: dict[str, Any] = {"paths": [], "error": None}
+        listing: dict[str, Any] = {"paths": [], "error": None, "seq": 0}
         if rank == 0:
             try:
                 listing["paths"] = self._candidates()
+                listing["seq"] = self._seq
             except Exception as e:
                 listing["error"] = f"{type(e).__name__}: {e}"
         if together:
@@ -202,7 +209,8 @@ class ResilientStorageReader(StorageReader):
             raise CheckpointNotFoundError(f"on rank 0: {listing['error']}")
         if not listing["paths"]:
             raise CheckpointNotFoundError(f"no checkpoints in {self.dirpath}")
-        foreign = [p for p in listing["paths"] if not _within(p, self.dirpath)]
+        here = self.dirpath
+        foreign = [p for p in listing["paths"] if p != here and not within(p, here)]
         if foreign:  # rank 0 read another directory: another group's reader, or other args
             raise CheckpointNotFoundError(
                 f"rank 0 of the group chose {foreign[0]}, which is not in this rank's "
@@ -231,6 +239,8 @@ class ResilientStorageReader(StorageReader):
             if not problems:
                 meta, self.storage = result["meta"]
                 self.path, self.loaded_step = path, manifest.step
+                if self.resumes:  # (an export's read is no resume)
+                    lineage.loaded(os.path.dirname(path), manifest.step, listing["seq"])
                 if self.skipped:
                     log.warning("dcp.load: restored %s after skipping %s", path, self.skipped)
                 return meta
@@ -330,10 +340,6 @@ def _check_storage(path: str, manifest: Any, storage: Any) -> None:
             raise CheckpointCorruptError(
                 f"{path}/{METADATA_NAME} names {name!r}, which the manifest does not list"
             )
-
-
-def _within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def _no_tensor(name: str) -> Any:

@@ -57,7 +57,7 @@ from ..reader import by_commit, committed
 from ..session import CommitSession, RankReport
 from ..snapshot import Snapshot
 from ..tensorfile import write_json
-from . import shards
+from . import lineage, shards
 from .chunks import held, split
 from .metadata_json import METADATA_NAME, index_key, to_json
 from .rank_files import rank_files, write_rank_files
@@ -74,10 +74,10 @@ class ResilientStorageWriter(StorageWriter):
 
     ``step``: the step of the next save only (set ``writer.step = n`` before each save, or pass
     ``checkpoint_id=n`` to ``dcp.save``/``dcp.async_save``: with async saves in flight together,
-    only the latter is each save's own); when ``None``, one more than the newest step in
-    ``dirpath``. ``keep_last``, ``keep_every_n_steps``, ``remote``, ``remote_options``,
-    ``remote_keep_last``: as for :class:`~resilient_callbacks.Checkpointer`. ``run_id``: the run
-    the checkpoints belong to (retention counts only its own run's); default: the run of the
+    only the latter is each save's own); when ``None``, one after the step the run reached
+    (:mod:`.lineage`: after a resume from an older step, the one loaded). ``keep_last``,
+    ``keep_every_n_steps``, ``remote``, ``remote_options``, ``remote_keep_last``: as for
+    :class:`~resilient_callbacks.Checkpointer`. ``run_id``: the run the checkpoints belong to (retention counts only its own run's); default: the run of the
     newest checkpoint in ``dirpath``, or a new one. ``async_staging``: with ``dcp.async_save``,
     copy the state into the host buffers in the background too; ``async_save`` then returns an
     ``AsyncSaveResponse`` whose ``staging_completion`` you wait for before anything changes the
@@ -212,9 +212,8 @@ class ResilientStorageWriter(StorageWriter):
         step = self._steps.pop(threading.current_thread(), None)
         if step is None:
             step, self.step, self._step_from_id = self.step, None, False  # this save's only
-        if step is None:  # after the newest step, committed or in flight
-            steps = [e.step for e in committed(self.dirpath) if e.step is not None]
-            step = max(steps + [s.step for s in in_flight], default=0) + 1
+        if step is None:  # after the step this lineage reached, committed or in flight
+            step = lineage.next_step(self.dirpath, [s.step for s in in_flight])
         assert self.run_id is not None
         session = CommitSession(
             self.dirpath,

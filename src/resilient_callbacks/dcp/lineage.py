@@ -1,0 +1,60 @@
+"""The step of a :class:`~.storage_writer.ResilientStorageWriter` save given none: one after the
+step the directory's *current lineage* reached, never after a step it abandoned.
+
+A run that resumed from an older step (``ResilientStorageReader(d, step=2)``, or a fallback
+past a damaged newest checkpoint) and trains on is a new lineage; the newer steps of the old
+one (3, 4) stay in the directory until retention removes them. Numbering the next save after
+the highest step there (5) labelled the state of step 3 as step 5, and the next resume said
+``loaded_step == 5``: a loop that goes on from ``loaded_step`` skipped two steps. Instead:
+
+- right after a ``dcp.load`` through :class:`~.storage_reader.ResilientStorageReader` in this
+  process, with nothing committed to the directory since: one after the step it loaded;
+- otherwise: one after the step of the newest commit (the highest ``seq``, as restore orders
+  them), so that after the first save of the new lineage the old one's steps count no more;
+- and after any save of this writer still in flight.
+
+Every rank records its loads (:func:`loaded`); the coordinator numbers the save
+(:func:`next_step`). Nothing here is collective or touches the directory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+
+from ..catalog import Entry
+from ..reader import by_commit, committed
+
+_lock = threading.Lock()
+# realpath of a checkpoint directory -> (step loaded from it, its newest commit's seq then)
+_loads: dict[str, tuple[int, int]] = {}
+
+
+def newest_seq(entries: Iterable[Entry]) -> int:
+    """The ``seq`` of the newest commit among ``entries`` (0 when none has a manifest)."""
+    ordered = by_commit(entries)
+    return ordered[0].seq if ordered else 0
+
+
+def loaded(root: str, step: int, seq: int) -> None:
+    """Every rank, after choosing a checkpoint of step ``step`` in the directory ``root``
+    whose newest commit then had ``seq``: the next unnumbered save there continues ``step``."""
+    with _lock:
+        _loads[os.path.realpath(root)] = (step, seq)
+
+
+def next_step(root: str, in_flight: Iterable[int]) -> int:
+    """Coordinator: the step of the next save into ``root``, after the steps of this writer's
+    saves still in flight (``in_flight``)."""
+    entries = committed(root)
+    ordered = by_commit(entries)
+    with _lock:
+        load = _loads.get(os.path.realpath(root))
+    if load is not None and load[1] >= (ordered[0].seq if ordered else 0):
+        base = load[0]  # nothing committed since this process loaded that step
+    elif ordered:
+        base = ordered[0].step or 0
+    else:  # no manifest can be read: the highest step a name gives
+        base = max((e.step for e in entries if e.step is not None), default=0)
+    return max([base, *in_flight]) + 1
