@@ -1350,3 +1350,49 @@ def test_overlap_defers_only_behind_a_plain_torch_optimizer_step() -> None:
     assert part(MuonWithAuxAdam(params, lr=0.1)).stepped_by() == ()
     assert part(adamw, use_muon=True).stepped_by() == ()
     assert part(adamw, zenflow=True).stepped_by() == ()
+
+
+NO_ITEM_SCRIPT = """
+import glob, json, torch, deepspeed
+import resilient_callbacks.deepspeed as rcds
+from resilient_callbacks.deepspeed import zero_part
+from ds_noshm import skip_shm_op
+skip_shm_op()
+deepspeed.init_distributed(dist_backend="gloo")
+calls, item, capture = [], torch.Tensor.item, zero_part.ZeroPart.capture
+def counted(self):
+    calls.append(tuple(self.shape))
+    return item(self)
+def watched(self, buffers):
+    torch.Tensor.item = counted
+    try:
+        return capture(self, buffers)
+    finally:
+        torch.Tensor.item = item
+zero_part.ZeroPart.capture = watched
+cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": STAGE},
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+       "resilient_checkpoint": {"dirpath": DIRPATH + "/ck", "every_n_steps": 1}}
+engine, *_ = rcds.initialize(model=torch.nn.Linear(4, 1), config=cfg)
+for _ in range(2):
+    engine.backward(engine(torch.ones(2, 4)).pow(2).mean())
+    engine.step()
+engine.resilient_checkpoint.close()
+print("ITEMS IN CAPTURE:", calls)
+newest = sorted(glob.glob(DIRPATH + "/ck/step_*/parts/*/zero/rank_00000.json"))[-1]
+print("STEPS:", json.dumps(json.load(open(newest))["steps"]))
+"""
+
+
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_a_save_reads_no_number_off_a_tensor_on_the_training_thread(tmp_path: Path, stage) -> None:
+    """ZeroPart.capture (the training thread, at every save) called ``.item()`` on the
+    optimizer's step counts (and any one-value tensor of its state or hyper-parameters): on a
+    GPU, where a capturable or fused optimizer keeps them, each save then waited for the GPU's
+    queued work, against the snapshot's promise that the CPU does not wait. They are now copied
+    with the ranges and read in the background write; the index holds the same numbers."""
+    code = NO_ITEM_SCRIPT.replace("DIRPATH", repr(str(tmp_path))).replace("STAGE", str(stage))
+    out = run_one_rank(tmp_path / "noitem.py", code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ITEMS IN CAPTURE: []" in out.stdout, out.stdout[-2000:]
+    assert 'STEPS: [{"value": 2.0, "tensor_dtype": "float32"}]' in out.stdout, out.stdout[-2000:]

@@ -63,9 +63,11 @@ class Fragment:
 
 
 def _plain(value: Any) -> Any:
-    """A JSON value of an optimizer hyper-parameter (tuples as lists, tensors as numbers)."""
+    """A JSON value of an optimizer hyper-parameter (tuples as lists), but a one-value tensor
+    stays a tensor: its number is read from the snapshot's host copy in the background
+    (``ZeroPart``), as an ``.item()`` here would make the training thread wait for the GPU."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
+        return value.detach()
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -170,7 +172,7 @@ class ZeroView:
                     continue
                 if isinstance(v, torch.Tensor) and v.numel() == 1:
                     entries[k] = {
-                        "value": v.item(),
+                        "value": v.detach(),  # its number: see _plain
                         "tensor_dtype": str(v.dtype).replace("torch.", ""),
                         "shape": list(v.shape),
                         "on_params_device": v.device == flat.device and v.device.type != "cpu",
@@ -203,7 +205,8 @@ class ZeroView:
                     st[k] = torch.zeros_like(flat, memory_format=torch.contiguous_format)
 
     def scalars(self) -> dict[str, Any]:
-        """The optimizer's step counts and hyper-parameters, and the loss scaler's state."""
+        """The optimizer's step counts and hyper-parameters, and the loss scaler's state: JSON
+        values, but one-value tensors as such (no device sync: :func:`_plain`)."""
         inner = self.optimizer.optimizer
         steps = []
         for flat in self._flat_partitions():

@@ -66,6 +66,14 @@ class ZeroPart(FilePart):
         # known unchanged since the last committed save is not copied again
         if frozen:
             tensors.update(buffers.copy(_live(frozen), frozen=True))
+        # the one-value tensors of the index (step counts, a learning rate that is a tensor)
+        # are copied like the ranges, before the next step changes them; write() reads their
+        # numbers from the host copies (an .item() here would wait for the GPU)
+        scalars, found = self.view.scalars(), list[torch.Tensor]()
+        _map_tensors(scalars, found.append)  # in the order the second walk meets them
+        held = {f"{_SCALAR}{i}": t for i, t in enumerate(found)}
+        copies = buffers.copy(held) if held else {}
+        copied = iter([copies[f"{_SCALAR}{i}"] for i in range(len(found))])
         index = {
             "format": FORMAT,
             "rank": self.rank,
@@ -73,7 +81,7 @@ class ZeroPart(FilePart):
             "keys": [FP32, *self.view.moment_keys()],
             "params": _ranges(trained),
             **({"frozen": _ranges(frozen)} if frozen else {}),
-            **self.view.scalars(),
+            **_map_tensors(scalars, lambda _: next(copied)),
         }
         return tensors, index
 
@@ -101,6 +109,7 @@ class ZeroPart(FilePart):
 
     def write(self, captured: Any, writer: PartWriter) -> None:
         tensors, index = captured
+        index = _map_tensors(index, lambda t: t.item())  # host copies, complete by now
         st, js = _files(self.rank)
         writer.tensors(st, tensors)
         writer.json(js, index)
@@ -241,6 +250,20 @@ def _refuse_a_freeze_change(
         "it, or start a new run from the saved weights (`resilient-ckpt export DIR OUT` "
         "writes them whole)"
     )
+
+
+_SCALAR = "index-scalar/"  # the buffer names of the index's one-value tensors
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    """``obj`` (JSON values in dicts and lists) with each tensor replaced by ``fn(tensor)``."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn) for v in obj]
+    return obj
 
 
 def _live(fragments: list[Fragment]) -> dict[str, torch.Tensor]:
