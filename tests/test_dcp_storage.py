@@ -953,3 +953,21 @@ def test_after_a_resume_from_an_older_step_the_new_lineage_is_numbered_on_and_wi
     with ResilientStorageWriter(root) as w:
         dcp.save({"w": torch.full((2,), 5.0)}, storage_writer=w)
         assert os.path.basename(w.last_committed) == "step_000000005"
+
+
+def test_checkpoint_id_naming_the_writers_own_directory_saves_as_the_recipe_does(tmp_path):
+    """DCP's recipe passes the directory as checkpoint_id (``dcp.save(sd,
+    checkpoint_id=CHECKPOINT_DIR)``); with our writer added beside it, the reader took that path
+    and the writer refused it ("checkpoint_id is the step to save"). The writer's own
+    directory (however it is spelled) now saves, numbered as without one; another is refused."""
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root) as w:
+        dcp.save({"w": torch.ones(2)}, storage_writer=w, checkpoint_id=str(root))
+        dcp.async_save({"w": torch.ones(2)}, storage_writer=w, checkpoint_id=root).result()
+        dcp.save({"w": torch.ones(2)}, storage_writer=w, checkpoint_id=f"{tmp_path}/./ck/")
+        with pytest.raises(ConfigError, match=r"or the writer's own directory \(.*ck\)"):
+            dcp.save({"w": torch.ones(2)}, storage_writer=w, checkpoint_id=str(tmp_path))
+    assert [e.step for e in catalog.committed(catalog.scan(str(root)))] == [1, 2, 3]
+    got = {"w": torch.zeros(2)}
+    dcp.load(got, storage_reader=ResilientStorageReader(root), checkpoint_id=str(root))
+    assert torch.equal(got["w"], torch.ones(2))

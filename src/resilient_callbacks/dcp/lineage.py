@@ -24,6 +24,7 @@ import threading
 from collections.abc import Iterable
 
 from ..catalog import Entry
+from ..errors import ConfigError
 from ..reader import by_commit, committed
 
 _lock = threading.Lock()
@@ -58,3 +59,22 @@ def next_step(root: str, in_flight: Iterable[int]) -> int:
     else:  # no manifest can be read: the highest step a name gives
         base = max((e.step for e in entries if e.step is not None), default=0)
     return max([base, *in_flight]) + 1
+
+
+def step_of_id(checkpoint_id: str | os.PathLike[str] | int | None, dirpath: str) -> int | None:
+    """The step a ``dcp.save(..., checkpoint_id=...)`` names: an int (or its digits); ``None``
+    for none or for the writer's own ``dirpath`` (DCP's habit of passing the directory as
+    ``checkpoint_id`` beside ``storage_writer=``). Another path is a :class:`ConfigError`."""
+    if checkpoint_id is None or isinstance(checkpoint_id, int):
+        return checkpoint_id  # True stays True: refused when the save is planned
+    try:
+        value = os.fspath(checkpoint_id)
+        if os.path.realpath(value) == os.path.realpath(dirpath):
+            return None
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"checkpoint_id={checkpoint_id!r}: with ResilientStorageWriter, checkpoint_id is the "
+            f"step to save (an int >= 0) or the writer's own directory ({dirpath}): every save "
+            "is a new step_* checkpoint in it"
+        ) from None

@@ -50,7 +50,7 @@ from torch.futures import Future
 from .. import dist
 from ..config import CheckpointerConfig
 from ..directory import Directory
-from ..errors import CheckpointWriteError, ConfigError, UnsupportedStateError
+from ..errors import CheckpointWriteError, UnsupportedStateError
 from ..lock import release_dropped
 from ..manifest import FileEntry
 from ..reader import by_commit, committed
@@ -131,17 +131,11 @@ class ResilientStorageWriter(StorageWriter):
     # ------------------------------------------------------------------ DCP's sequence
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
-        """``checkpoint_id`` (from ``dcp.save(..., checkpoint_id=...)``): the step to save."""
-        if checkpoint_id is None:
+        """``checkpoint_id`` (from ``dcp.save(..., checkpoint_id=...)``): the step to save, or
+        the writer's own ``dirpath`` (the save is then numbered as without one)."""
+        step = lineage.step_of_id(checkpoint_id, self.dirpath)
+        if step is None:
             return
-        try:
-            value = checkpoint_id if isinstance(checkpoint_id, int) else os.fspath(checkpoint_id)
-            step = value if isinstance(value, int) else int(value)  # True stays True: refused
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"checkpoint_id={checkpoint_id!r}: with ResilientStorageWriter, checkpoint_id is "
-                "the step to save (an int >= 0); the directory is the writer's dirpath"
-            ) from None
         me = threading.current_thread()
         if me.name.startswith(_DCP_ASYNC_THREAD):
             # dcp.async_save's background save calls reset() again with its own checkpoint_id:
