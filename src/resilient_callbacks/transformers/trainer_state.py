@@ -158,6 +158,7 @@ class SavedState:
         trainer._total_loss_scalar = float(loop["total_loss"])
         trainer._initial_num_input_tokens_seen = state.num_input_tokens_seen
         trainer.current_flos = float(self.rank_values["current_flos"])
+        under_deepspeed.continue_flos(trainer)  # (a ZeRO-3 engine's first count)
         return (
             int(loop["epoch"]),
             int(loop["updates"]),

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..adapter import with_section
 
-__all__ = ["engine_tree", "take_section", "with_section"]
+__all__ = ["continue_flos", "engine_tree", "take_section", "with_section"]
 
 
 def take_section(trainer: Any, args: Any) -> dict[str, Any] | None:
@@ -64,3 +64,32 @@ def _accelerate_sets_boundaries() -> bool:
     from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
 
     return "sync_gradients" in inspect.signature(DeepSpeedEngineWrapper.backward).parameters
+
+
+def continue_flos(trainer: Any) -> None:
+    """After a restore under ZeRO-3: count the resumed run's first micro-batch as the
+    uninterrupted run counted it. The Trainer adds ``floating_point_ops(inputs)`` after each
+    micro-batch, from ``model.num_parameters()``, which counts a partitioned parameter as 0;
+    a new engine's first micro-batch leaves every parameter partitioned, where the
+    uninterrupted run's engine held its persistent ones, so ``total_flos`` came out lower.
+    The first call's inputs are counted again at the second call (the engine as the
+    uninterrupted run's was), and the difference added. Every rank (each counts its own);
+    the Trainer's code is untouched: one instance attribute, removed after the second call."""
+    engine = getattr(trainer, "model_wrapped", None)
+    stage = getattr(engine, "zero_optimization_stage", None)
+    if not getattr(trainer, "is_deepspeed_enabled", False) or stage is None or stage() != 3:
+        return
+    count = trainer.floating_point_ops
+    first: list[tuple[Any, float]] = []
+
+    def counted(inputs: Any) -> Any:
+        value = count(inputs)
+        if not first:
+            first.append((inputs, float(value)))
+            return value
+        again = float(count(first[0][0])) - first[0][1]
+        if trainer.__dict__.get("floating_point_ops") is counted:
+            del trainer.__dict__["floating_point_ops"]
+        return value + again
+
+    trainer.floating_point_ops = counted
