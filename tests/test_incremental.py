@@ -399,15 +399,22 @@ def test_the_options_pass_through_every_adapter(tmp_path):
         hf.ResilientCheckpoint(tmp_path, compression="zstd", compression_level=100)
 
 
+def _watched(t: torch.Tensor):
+    """What a FilePart's save watches of ``t`` now (as ``filepart`` calls ``watch_all``)."""
+    from resilient_callbacks.unchanged import watch_all
+
+    return watch_all({"w": t}, None).get("w")
+
+
 def test_part_tracker_trusts_only_the_buffer_it_recorded():
     """A FilePart tensor is known unchanged only while the very host buffer its bytes were
     copied into at the committed save is still its buffer: a buffer made again (freed when a
     save did not capture the tensor, or remade for another shape) holds nothing of it, even
     though the tensor's place and version counter are unchanged."""
-    from resilient_callbacks.unchanged import PartTracker, buffer_sig, watchable
+    from resilient_callbacks.unchanged import PartTracker, buffer_sig
 
     frozen = torch.arange(BLOB_MIN, dtype=torch.float32)
-    watched = watchable(frozen, None)
+    watched = _watched(frozen)
     assert watched is not None
     buf = frozen.clone()
     tracker = PartTracker()
@@ -415,10 +422,10 @@ def test_part_tracker_trusts_only_the_buffer_it_recorded():
     assert tracker.unchanged("w", watched, buf) == "key-of-w"
     assert tracker.unchanged("w", watched, None) is None  # freed
     assert tracker.unchanged("w", watched, torch.empty_like(buf)) is None  # made again
-    assert tracker.unchanged("w", watchable(frozen, None), buf) == "key-of-w"
+    assert tracker.unchanged("w", _watched(frozen), buf) == "key-of-w"
     with torch.no_grad():
         frozen.add_(1)  # an in-place write bumps the version counter
-    assert tracker.unchanged("w", watchable(frozen, None), buf) is None
+    assert tracker.unchanged("w", _watched(frozen), buf) is None
 
 
 def test_batchnorm_statistics_and_a_fused_optimizers_weights_are_never_taken_as_unchanged(
@@ -504,17 +511,17 @@ def test_an_ema_updated_through_data_is_never_restored_stale(tmp_path, async_sav
 def test_part_tracker_sees_a_write_through_data():
     """A FilePart's frozen tensor written through ``.data`` (its version counter does not
     move) is not taken as unchanged: the sample of its elements differs."""
-    from resilient_callbacks.unchanged import PartTracker, buffer_sig, watchable
+    from resilient_callbacks.unchanged import PartTracker, buffer_sig
 
     frozen = torch.arange(4 * BLOB_MIN, dtype=torch.float32)
-    watched = watchable(frozen, None)
+    watched = _watched(frozen)
     assert watched is not None
     buf = frozen.clone()
     tracker = PartTracker()
     tracker.record({"w": (*watched, buf)}, {buffer_sig(buf): "key-of-w"})
-    assert tracker.unchanged("w", watchable(frozen, None), buf) == "key-of-w"
+    assert tracker.unchanged("w", _watched(frozen), buf) == "key-of-w"
     frozen.data.mul_(0.5)
-    again = watchable(frozen, None)
+    again = _watched(frozen)
     assert again is not None and again[2] == watched[2]  # the counter did not move
     with pytest.warns(UserWarning, match="version counter"):
         assert tracker.unchanged("w", again, buf) is None

@@ -179,11 +179,6 @@ def watch_all(tensors: Mapping[str, torch.Tensor], trusted: set[int] | None) -> 
     return out
 
 
-def watchable(t: torch.Tensor, trusted: set[int] | None) -> Watched | None:
-    """:func:`watch_all` of one tensor: its ``(t, where, version)``, or None."""
-    return watch_all({"": t}, trusted).get("")
-
-
 class UnchangedTracker:
     """Per Checkpointer (coordinator): the frozen tensors of the last committed save."""
 
@@ -292,7 +287,7 @@ class PartTracker:
         watched: tuple[torch.Tensor, tuple[Any, ...], int],
         buffer: torch.Tensor | None,
     ) -> str | None:
-        """The content key of ``name`` (``watched``: :func:`watchable`'s answer now) if it is
+        """The content key of ``name`` (``watched``: its entry in :func:`watch_all`'s answer now) if it is
         unchanged and ``buffer`` still holds it."""
         seen = self._seen.get(name)
         if seen is None or self.distrusts:
