@@ -4,6 +4,7 @@ local directory is gone resumes from the remote copy exactly."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -254,3 +255,63 @@ def test_a_blob_upload_killed_part_way_does_not_block_later_uploads(tmp_path, wh
     local_blobs = {n: os.path.getsize(os.path.join(here, n)) for n in os.listdir(here)}
     assert {n: s for n, s in listing(store).items() if n in local_blobs} == local_blobs
     assert main(["pull", url, str(tmp_path / "copy")]) == 0  # every checksum verified
+
+
+def _damage_blob_only_newest_names(remote_root) -> str:
+    """Flip a byte (same size) of a blob the newest remote checkpoint names and the older one
+    does not; return the blob's name."""
+    import json
+
+    older, newest = sorted(p for p in remote_root.iterdir() if p.name.startswith("step_"))
+    names = [
+        {b["path"] for b in json.loads((p / "manifest.json").read_text())["blobs"]}
+        for p in (older, newest)
+    ]
+    name = sorted(names[1] - names[0])[0]
+    path = remote_root / "blobs" / name
+    data = bytearray(path.read_bytes())
+    data[-8] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return name
+
+
+def test_pull_falls_back_loudly_past_a_newest_checkpoint_whose_blob_rotted(tmp_path, capsys):
+    """A blob only the newest remote checkpoint names is damaged in place (same size): the
+    sizes the store lists are right, the checksum is not. ``pull`` (no ``--step``) says which
+    checkpoint it skipped and why, and pulls the next newest, as a restore falls back; it
+    leaves no downloaded blob that no pulled checkpoint names. ``--step`` of the damaged one
+    fails, saying how to find a good one."""
+    from resilient_callbacks.blobs import live_blobs
+    from resilient_callbacks.cli import main
+
+    url = f"file://{tmp_path}/durable"
+    state = _state()
+    with Checkpointer(
+        tmp_path / "local", incremental=True, remote=url, async_save=False, keep_last=2
+    ) as ck:
+        for step in (1, 2):
+            _train(state, step)
+            ck.save(step, state)
+            if step == 1:
+                want = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    bad = _damage_blob_only_newest_names(tmp_path / "durable")
+    capsys.readouterr()
+    assert main(["pull", url, str(tmp_path / "copy")]) == 0
+    out, err = capsys.readouterr()
+    assert "step_000000002" in err and bad in err and "manifest says" in err, err
+    assert "step_000000001" in out, out
+    copy = tmp_path / "copy"
+    assert sorted(p.name for p in copy.iterdir() if p.name.startswith("step_")) == [
+        "step_000000001"
+    ]
+    assert sorted(os.listdir(copy / "blobs")) == sorted(live_blobs(str(copy)) or ())
+    assert main(["verify", str(copy), "--all"]) == 0
+    fresh = _state()
+    with Checkpointer(copy, async_save=False) as ck:
+        assert ck.restore(fresh) == 1
+    for k, v in fresh["model"].state_dict().items():
+        assert torch.equal(v, want[k]), k
+    capsys.readouterr()
+    assert main(["pull", url, str(tmp_path / "copy2"), "--step", "2"]) == 1
+    err = capsys.readouterr().err
+    assert bad in err and "--step" in err and "verify" in err, err

@@ -201,17 +201,18 @@ def pull(args: argparse.Namespace) -> int:
     from . import pulling
 
     st = store(args.url, args.option)
-    entry = pulling.usable(st, args.step)[-1]
+    usable = pulling.usable(st, args.step)
+
+    def skipping(e: RemoteEntry, err: CheckpointError) -> None:
+        print(f"resilient-ckpt pull: skipping {st.url}/{e.name}: {err}", file=sys.stderr)
+
+    try:
+        entry, final, pulled = pulling.pull_newest_whole(st, usable, args.dir, "pull", skipping)
+    except CheckpointLockedError as err:
+        print(f"resilient-ckpt pull: {err}", file=sys.stderr)
+        return 1
     m = entry.manifest
     assert m is not None
-    try:
-        final, pulled = pulling.pull(st, entry, args.dir, command="pull")
-    except CheckpointLockedError as err:
-        print(
-            f"resilient-ckpt pull: {err}",
-            file=sys.stderr,
-        )
-        return 1
     summary = {
         "name": entry.name,
         "step": m.step,

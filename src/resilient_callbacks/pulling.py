@@ -7,16 +7,20 @@ Runs in one process (the caller's rank 0): no collective.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+from collections.abc import Callable
 
 from . import catalog
 from .catalog import Depth
 from .commit import fsync_dir, remove_checkpoint, sweep_staging
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .lock import DirLock
 from .manifest import MANIFEST_NAME, read_manifest
 from .remote import RemoteEntry, RemoteStore
+
+log = logging.getLogger("resilient_callbacks")
 
 
 def usable(st: RemoteStore, step: int | None = None) -> list[RemoteEntry]:
@@ -33,6 +37,33 @@ def usable(st: RemoteStore, step: int | None = None) -> list[RemoteEntry]:
     return good
 
 
+def pull_newest_whole(
+    st: RemoteStore,
+    entries: list[RemoteEntry],
+    dirpath: str,
+    command: str | None = None,
+    skipping: Callable[[RemoteEntry, CheckpointCorruptError], None] | None = None,
+) -> tuple[RemoteEntry, str, bool]:
+    """:func:`pull` the newest of ``entries`` (oldest first, as :func:`usable` lists them) whose
+    every checksum matches: one found damaged (a file or a blob rotted in place, its size
+    right) is passed to ``skipping`` and the next newest is tried, as a restore falls back.
+    Returns ``(entry, local path, downloaded)``; raises the last one's
+    :class:`CheckpointCorruptError` (saying how to find a whole one) when none is whole."""
+    left = list(entries)
+    while True:
+        entry = left.pop()
+        try:
+            return (entry, *pull(st, entry, dirpath, command))
+        except CheckpointCorruptError as e:
+            if not left:
+                raise CheckpointCorruptError(
+                    f"{st.url}/{entry.name}: {e}. `resilient-ckpt verify {st.url} --all` says "
+                    "which remote checkpoints are whole; pull one of them with --step N"
+                ) from e
+            if skipping is not None:
+                skipping(entry, e)
+
+
 def pull(
     st: RemoteStore, entry: RemoteEntry, dirpath: str, command: str | None = None
 ) -> tuple[str, bool]:
@@ -40,7 +71,9 @@ def pull(
     returns ``(local path, downloaded)``. Takes ``dirpath``'s lock (a running writer holds it:
     :class:`CheckpointError` naming it); ``command`` names the ``resilient-ckpt`` command pulling,
     which a writer starting meanwhile waits for (:class:`~.lock.DirLock`). Never overwrites
-    another checkpoint of that name."""
+    another checkpoint of that name. A download that fails (a remote file or blob whose
+    checksum is wrong: :class:`~.errors.CheckpointCorruptError`) leaves no blob in
+    ``dirpath/blobs`` that no checkpoint there names."""
     assert entry.manifest is not None
     os.makedirs(dirpath, exist_ok=True)
     lock = DirLock(dirpath, command=command)
@@ -76,7 +109,11 @@ def pull(
                 remove_checkpoint(final)  # a damaged copy: fetched again
             else:
                 return final, False
-        staging, _ = st.download(entry, dirpath, progress=None)
+        try:
+            staging, _ = st.download(entry, dirpath, progress=None)
+        except BaseException:
+            _drop_unnamed_blobs(dirpath)
+            raise
         try:
             os.rename(staging, final)
         except BaseException:
@@ -86,3 +123,14 @@ def pull(
         return final, True
     finally:
         lock.release()
+
+
+def _drop_unnamed_blobs(dirpath: str) -> None:
+    """With ``dirpath``'s lock held: delete the blobs a failed download fetched into its store
+    that no checkpoint there names (no writer is open: the lock is ours)."""
+    from .blobs import BlobStore
+
+    try:
+        BlobStore(dirpath).collect()
+    except OSError as e:
+        log.warning("could not delete the blobs a failed pull left in %s: %s", dirpath, e)
