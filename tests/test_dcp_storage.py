@@ -971,3 +971,29 @@ def test_checkpoint_id_naming_the_writers_own_directory_saves_as_the_recipe_does
     got = {"w": torch.zeros(2)}
     dcp.load(got, storage_reader=ResilientStorageReader(root), checkpoint_id=str(root))
     assert torch.equal(got["w"], torch.ones(2))
+
+
+def test_the_reader_falls_back_past_a_damaged_newest_remote_checkpoint(tmp_path, caplog):
+    """The newest remote checkpoint's file rotted in place (its size right, its checksum not)
+    and the local directory is gone: the reader says it skips it and fetches the next newest,
+    as a Checkpointer's restore does (it gave up on the remote and found nothing to load)."""
+    url = f"file://{tmp_path}/remote"
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root, remote=url) as writer:
+        for v in (1.0, 2.0):
+            dcp.save({"w": torch.full((4096,), v), "epoch": int(v)}, storage_writer=writer)
+    shutil.rmtree(root)
+    newest = tmp_path / "remote" / "step_000000002"
+    m = json.loads((newest / "manifest.json").read_text())
+    path = newest / max(m["files"], key=lambda f: f["size"])["path"]
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    sd = {"w": torch.zeros(4096), "epoch": 0}
+    reader = ResilientStorageReader(root, remote=url)
+    with caplog.at_level("WARNING", logger="resilient_callbacks"):
+        dcp.load(sd, storage_reader=reader)
+    assert reader.loaded_step == 1 and sd["epoch"] == 1
+    assert torch.equal(sd["w"], torch.full((4096,), 1.0))
+    assert "step_000000002" in caplog.text and "skipping" in caplog.text, caplog.text

@@ -160,21 +160,28 @@ class ResilientStorageReader(StorageReader):
 
     def _fetch_remote(self, root: str) -> None:
         """Rank 0: download the remote's newest checkpoint (or ``step``'s) unless ``root``
-        holds it or a newer commit. A remote that cannot be read or fetched is said, and the
-        local checkpoints decide."""
-        from ..pulling import pull, usable
+        holds it or a newer commit; one whose checksums do not match is skipped (said) for the
+        next newest. A remote that cannot be read or fetched is said, and the local
+        checkpoints decide."""
+        from ..pulling import pull_newest_whole, usable
         from ..remote import RemoteStore
 
         try:
             st = RemoteStore(self.remote or "", self.remote_options)
-            entry = usable(st, self.step)[-1]
-            assert entry.manifest is not None
+            entries = usable(st, self.step)
             local = [e.manifest for e in committed(root) if e.manifest is not None]
-            if any((m.run_id, m.seq) == entry.key for m in local):
+            held = {(m.run_id, m.seq) for m in local}
+            ahead = max((m.seq for m in local), default=-1) if self.step is None else -1
+            # what the local directory neither holds nor is ahead of: newest first, one found
+            # damaged (a file that rotted in place, its size right) skipped, loudly
+            fresh = [e for e in entries if e.key not in held and (e.key or ("", -1))[1] > ahead]
+            if not fresh or entries[-1].key in held:
                 return
-            if self.step is None and any(m.seq > entry.manifest.seq for m in local):
-                return  # the local directory is ahead of the remote
-            path, _ = pull(st, entry, root)
+
+            def skipping(e: Any, err: Exception) -> None:
+                log.warning("dcp.load: skipping the remote %s/%s: %s", st.url, e.name, err)
+
+            entry, path, _ = pull_newest_whole(st, fresh, root, skipping=skipping)
             log.warning("dcp.load: fetched %s/%s into %s", st.url, entry.name, path)
         except CheckpointNotFoundError as e:  # nothing remote (a mistyped URL reads so too)
             log.warning("dcp.load: the remote was not used: %s", e)
