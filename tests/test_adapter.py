@@ -25,3 +25,19 @@ def test_checkpointer_options_are_its_keywords():
     opts = checkpointer_options()
     assert {"every_n_steps", "keep_last", "remote", "overlap_snapshot"} <= opts
     assert "dirpath" not in opts
+
+
+def test_a_misspelt_checkpointer_option_names_the_closest_one(tmp_path):
+    # Python's own TypeError ("got an unexpected keyword argument 'every_n_step'") named no
+    # option to use instead, where the framework callbacks did.
+    from resilient_callbacks import Checkpointer
+
+    with pytest.raises(UnknownOptionError, match=r"every_n_step \(did you mean every_n_steps\?\)"):
+        Checkpointer(tmp_path / "c", every_n_step=10)
+    with pytest.raises(TypeError, match=r"keep_lats \(did you mean keep_last\?\)"):
+        Checkpointer(tmp_path / "c", keep_lats=3)
+    with pytest.raises(UnknownOptionError, match=r"Checkpointer got unknown option\(s\): zzz\. It"):
+        Checkpointer(tmp_path / "c", zzz=1)
+    assert not (tmp_path / "c").exists()  # refused before anything was made
+    with Checkpointer(dirpath=tmp_path / "c", every_n_steps=2, read_only=False) as ck:
+        assert ck.config.every_n_steps == 2

@@ -5,17 +5,22 @@ section.
 Imports no framework. An adapter takes its own options plus any :class:`~.Checkpointer` option
 as keyword arguments; a misspelt or unknown one is one error type everywhere
 (:class:`~.errors.UnknownOptionError`, a ``ConfigError`` and a ``TypeError``, as Python raises
-for an unexpected keyword argument), naming the closest option.
+for an unexpected keyword argument), naming the closest option; the Checkpointer's own
+``__init__`` raises it too (:func:`keywords_checked`).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, ParamSpec, TypeVar
 
 from .errors import ConfigError, UnknownOptionError
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def checkpointer_options() -> frozenset[str]:
@@ -24,6 +29,40 @@ def checkpointer_options() -> frozenset[str]:
     from .checkpointer import Checkpointer
 
     return frozenset(inspect.signature(Checkpointer).parameters) - {"dirpath", "read_only"}
+
+
+def keywords_checked(init: Callable[P, R]) -> Callable[P, R]:
+    """Decorate an ``__init__`` so that a keyword it does not take is an
+    :class:`UnknownOptionError` naming the closest one (Python's own ``TypeError`` names none).
+    Its signature, as ``inspect`` and type checkers see it, stays the same."""
+    params = inspect.signature(init).parameters
+    known = [
+        k
+        for k, p in params.items()
+        if k != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    owner = init.__qualname__.split(".")[0]
+
+    @functools.wraps(init)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            raise UnknownOptionError(
+                f"{owner} got unknown option(s): {_hints(unknown, known)}. It takes "
+                f"{', '.join(sorted(known))}."
+            )
+        return init(*args, **kwargs)
+
+    return checked
+
+
+def _hints(unknown: list[str], known: list[str]) -> str:
+    """``name (did you mean closest?)`` for each unknown name, joined."""
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return ", ".join(hints)
 
 
 def check_options(adapter: str, given: Iterable[str], own: Iterable[str]) -> None:
@@ -39,15 +78,9 @@ def check_options(adapter: str, given: Iterable[str], own: Iterable[str]) -> Non
     unknown = sorted(set(given) - known - set(own))
     if not unknown:
         return
-    hints = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, [*own, *known], n=1)
-        if close:
-            hints.append(f"{name} (did you mean {close[0]}?)")
-        else:
-            hints.append(name)
     raise UnknownOptionError(
-        f"{adapter} got unknown option(s): {', '.join(hints)}. It takes {', '.join(own)} and "
+        f"{adapter} got unknown option(s): {_hints(unknown, [*own, *known])}. It takes "
+        f"{', '.join(own)} and "
         f"the Checkpointer options: {', '.join(sorted(known))}."
     )
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import closing, dist, sinks, topology
+from .adapter import keywords_checked
 from .catalog import Entry
 from .config import CheckpointerConfig
 from .directory import Directory
@@ -101,6 +102,7 @@ class Checkpointer:
       written; :meth:`restore` works, saving raises :class:`~.errors.ConfigError`.
     """
 
+    @keywords_checked  # a misspelt option is an UnknownOptionError naming the closest one
     def __init__(
         self,
         dirpath: str | os.PathLike[str],

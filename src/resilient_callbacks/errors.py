@@ -23,7 +23,7 @@ class ConfigError(CheckpointError, ValueError):
 
 
 class UnknownOptionError(ConfigError, TypeError):
-    """An adapter was given a keyword option that neither it nor the Checkpointer takes."""
+    """The Checkpointer or an adapter was given a keyword option that it does not take."""
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
