@@ -4,7 +4,10 @@ consolidated fp32 weights.
 
     DS_ACCELERATOR=cpu .venv/bin/python examples/deepspeed_resume.py     # CPU, about a minute
 
-(after `bash scripts/setup.sh test`, which installs DeepSpeed; the demo's set-up has the core only)
+(after `bash scripts/setup.sh test`, which installs DeepSpeed; the demo's set-up has the core only).
+The first run on a machine (or in a new .venv) first waits for DeepSpeed to compile its CPU
+communication op, ``deepspeed_shm_comm``: a few minutes on 2 cores, then cached in
+~/.cache/torch_extensions. It is compiled once, in the foreground, before the ranks start.
 
 The training (``train()`` below) is an ordinary DeepSpeed script: a small MLP with dropout,
 AdamW, a warm-up schedule, gradient accumulation, ZeRO stage 2 over 2 gloo ranks. Checkpointing
@@ -31,6 +34,7 @@ uninterrupted one.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -92,6 +96,38 @@ def train(ckpt_dir: str, log_path: str, die_at: int | None) -> None:
     engine.resilient_checkpoint.close()
 
 
+def build_deepspeed_op() -> None:
+    """Compile DeepSpeed's CPU communication op before the ranks start (a no-op once cached).
+
+    Each rank's ``deepspeed.init_distributed`` compiles it otherwise: silently, within the
+    ranks' time limit below; a rank killed while compiling leaves torch's lock file
+    (``.../deepspeed_shm_comm/lock``) behind, and every later run then waits on it forever."""
+    import importlib
+    import threading
+
+    print("compiling DeepSpeed's CPU op deepspeed_shm_comm where not cached yet", flush=True)
+    # a lock file left by a compile that was killed: said after a minute, where it is
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+    pattern = os.path.join(root, "**", "deepspeed_shm_comm", "lock")
+
+    def still_waiting() -> None:
+        for lock in glob.glob(pattern, recursive=True):
+            print(
+                f"  still compiling after a minute; if no compiler (c++) runs, {lock} was left "
+                "by a compile that was killed: remove it and run again",
+                flush=True,
+            )
+
+    hint = threading.Timer(60, still_waiting)
+    hint.daemon = True
+    hint.start()
+    try:
+        # not ``import deepspeed.comm.torch``: deepspeed.comm's attribute ``torch`` is torch
+        importlib.import_module("deepspeed.comm.torch").build_shm_op()
+    finally:
+        hint.cancel()
+
+
 def launch(name: str, die_at: int | None) -> list[int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -125,7 +161,7 @@ def launch(name: str, die_at: int | None) -> list[int]:
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise
+            sys.exit(f"the {name} run took over 300 s: see {os.path.join(OUT, name)}.rank*.out")
     return codes
 
 
@@ -178,6 +214,7 @@ def main() -> int:
     needs("deepspeed")
     shutil.rmtree(OUT, ignore_errors=True)
     os.makedirs(OUT)
+    build_deepspeed_op()
     print(f"1/3 uninterrupted run ({WORLD} ranks, ZeRO-2, {STEPS} steps)...", flush=True)
     assert launch("reference", None) == [0] * WORLD
     print(
@@ -189,7 +226,7 @@ def main() -> int:
     print("3/3 the same command again: it resumes by itself...", flush=True)
     assert launch("resumed", None) == [0] * WORLD
     with open(os.path.join(OUT, "resumed.rank0.out")) as f:
-        print("   " + next(line for line in f if "resumed at step" in line).strip())
+        print("   " + next(line for line in f if line.startswith("[rank 0] resumed")).strip())
     same_losses = all(losses("reference", r) == losses("resumed", r) for r in range(WORLD))
     same_weights = export("reference") == export("resumed")
     print(
