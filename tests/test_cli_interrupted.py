@@ -70,3 +70,41 @@ def test_ls_json_interrupted_while_printing_prints_whole_json_and_exits_130(tmp_
     rows = json.loads(first + rest)
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert "interrupted" in err and "Traceback" not in err, err
+
+
+def test_ctrl_c_while_torch_imports_stops_gc_before_it_deletes(tmp_path):
+    """A Ctrl-C in the second the CLI imports torch was lost: torch's import loads numpy from
+    C and clears whatever error that raised, a KeyboardInterrupt too, so `gc` went on and
+    deleted, exit 0. Here the import of torch swallows a real SIGINT as torch does; gc must
+    stop before deleting anything, exit 130."""
+    root = tmp_path / "ck"
+    make_run(str(root), steps=(10, 20, 30), keep_last=None)
+    script = textwrap.dedent(
+        """
+        import importlib.abc, os, signal, sys, time
+
+        class SwallowsCtrlC(importlib.abc.MetaPathFinder):  # as torch's import of numpy
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch":
+                    sys.meta_path.remove(self)
+                    try:
+                        os.kill(os.getpid(), signal.SIGINT)
+                        time.sleep(1)  # (the handler runs at once)
+                    except BaseException:
+                        pass
+                return None
+
+        sys.meta_path.insert(0, SwallowsCtrlC())
+        from resilient_callbacks import cli
+        sys.exit(cli.main(["gc", sys.argv[1], "--keep-last", "1"]))
+        """
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(root)], env=ENV, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 130, (r.stdout, r.stderr)
+    assert "interrupted" in r.stderr and "deleted" not in r.stdout, r.stdout
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == [
+        "step_000000010", "step_000000020", "step_000000030",
+    ]  # fmt: skip

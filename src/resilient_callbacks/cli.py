@@ -349,6 +349,32 @@ def _report_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("report: the following arguments are required: DIR")
 
 
+def _import_torch() -> None:
+    """Import torch (every command needs it) so that a Ctrl-C meanwhile still stops the
+    command. torch's import loads numpy from C and clears whatever error that raised, a
+    KeyboardInterrupt too: a Ctrl-C in that second was lost, and the command ran to its end
+    (a gc deleted) with exit status 0. The interrupt is remembered and raised after it."""
+    import signal
+
+    if "torch" in sys.modules or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        import torch  # (an embedding program's handler is left alone)
+
+        return
+    hits: list[int] = []
+
+    def remember(signum: int, frame: Any) -> None:
+        hits.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, remember)
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hits:
+        raise KeyboardInterrupt
+
+
 class _PipeSafe:
     """stdout for a command piped into ``head``: once the reader has gone, the rest of the
     output goes to /dev/null and the command runs to its end, so its exit status is its own
@@ -411,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{args.cmd}: {e}")
     stdout, sys.stdout = sys.stdout, _PipeSafe(sys.stdout)
     try:
+        _import_torch()
         return int(args.fn(args))
     except CheckpointError as e:
         print(f"{PROG} {args.cmd}: {e}", file=sys.stderr)
