@@ -37,8 +37,9 @@ def test_two_checkpointers_in_one_active_mlflow_run_do_not_mix(tmp_path: Path):
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     sink = {"kind": "mlflow", "log_checkpoint": "final"}
     try:
+        exp = mlflow.tracking.MlflowClient().create_experiment("several")
         with (
-            mlflow.start_run() as active,
+            mlflow.start_run(experiment_id=exp) as active,
             Checkpointer(tmp_path / "model", every_n_steps=5, telemetry=sink) as a,
             Checkpointer(tmp_path / "ema", every_n_steps=10, telemetry=sink) as b,
         ):
@@ -87,3 +88,25 @@ def test_two_exporters_on_one_port_name_the_conflict(tmp_path: Path, caplog):
     assert len(said) == 1, said
     assert "another Checkpointer of this process" in said[0]
     assert f"prometheus:{port + 1}" in said[0] and "switched off" in said[0]
+
+
+def test_two_textfiles_at_one_path_name_the_conflict(tmp_path: Path, caplog):
+    """Both given ``textfile:ckpt.prom``: the old src let each rewrite the file with its own
+    values, so node_exporter saw the model's and the EMA's saves in turn under one series. The
+    second one is switched off at once, with what to do; the file holds the first one's."""
+    prom_parser = pytest.importorskip("prometheus_client.parser")
+    path = tmp_path / "ckpt.prom"
+    sink = f"textfile:{path}"
+    with (
+        caplog.at_level(logging.WARNING, logger="resilient_callbacks"),
+        Checkpointer(tmp_path / "model", every_n_steps=5, telemetry=sink) as a,
+        Checkpointer(tmp_path / "ema", every_n_steps=10, telemetry=sink) as b,
+    ):
+        _train_both(a, b, 30)
+    said = [r.getMessage() for r in caplog.records if "metrics sink" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "another Checkpointer of this process writes its metrics to" in said[0]
+    assert "ckpt.ema.prom" in said[0] and "switched off" in said[0]
+    fams = {f.name: f for f in prom_parser.text_string_to_metric_families(path.read_text())}
+    saves = sum(s.value for s in fams[PREFIX + "saves"].samples)
+    assert saves in (6, 3)  # the model's or the EMA's (whichever started first), not a mix

@@ -30,6 +30,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra 
 
 
 _SERVING: set[tuple[str, int]] = set()  # the addresses this process's exporters listen on
+_WRITING: set[str] = set()  # the files this process's textfile sinks write
 
 
 class _Collector:
@@ -140,12 +141,27 @@ class PrometheusTextfile(_PrometheusBase):
     def __init__(self, path: str | os.PathLike[str], per_rank: bool = False) -> None:
         super().__init__(per_rank)
         self.path = os.fspath(path)
+        self._own = False  # the path is this sink's (in _WRITING)
+
+    def close(self) -> None:
+        if self._own:
+            _WRITING.discard(os.path.abspath(self.path))
+            self._own = False
 
     def start(self, telemetry: Telemetry) -> None:
         super().start(telemetry)
-        if self.per_rank:
+        if self.per_rank and not self._own:  # once: start() is retried after a failure
             self.path = self.path[: -len(".prom")] + f".rank{telemetry.rank}.prom"
         self.name = f"prometheus textfile {self.path}"
+        key = os.path.abspath(self.path)
+        if not self._own and key in _WRITING:  # not retried: it is this process's own
+            raise ConfigError(
+                f"another Checkpointer of this process writes its metrics to {self.path} (a "
+                "model's and its EMA's, each with the same telemetry='textfile:...'): give this "
+                f"one its own file, e.g. {self.path[: -len('.prom')]}.ema.prom"
+            )
+        _WRITING.add(key)
+        self._own = True
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._write()
 
