@@ -25,7 +25,7 @@ def _train_both(a: Checkpointer, b: Checkpointer, last: int) -> None:
         b.step(step, {"m": ema})
 
 
-def test_two_checkpointers_in_one_active_mlflow_run_do_not_mix(tmp_path: Path):
+def test_two_checkpointers_in_one_active_mlflow_run_do_not_mix(tmp_path: Path, monkeypatch):
     """``with mlflow.start_run():`` around a model's Checkpointer (a save every 5 steps) and an
     EMA's (every 10), both ``telemetry={"kind": "mlflow", "log_checkpoint": "final"}``: the old
     src logged both into the active run, so ``saves_total`` went 1, 1, 2, 2, ... from two
@@ -34,40 +34,39 @@ def test_two_checkpointers_in_one_active_mlflow_run_do_not_mix(tmp_path: Path):
     after its directory."""
     mlflow = pytest.importorskip("mlflow")
     pytest.importorskip("sqlalchemy")
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)  # a sqlite store puts its artifacts under ./mlruns
+    # the environment, not mlflow.set_tracking_uri(): that one outlives the test
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     sink = {"kind": "mlflow", "log_checkpoint": "final"}
-    try:
-        exp = mlflow.tracking.MlflowClient().create_experiment("several")
-        with (
-            mlflow.start_run(experiment_id=exp) as active,
-            Checkpointer(tmp_path / "model", every_n_steps=5, telemetry=sink) as a,
-            Checkpointer(tmp_path / "ema", every_n_steps=10, telemetry=sink) as b,
-        ):
-            _train_both(a, b, 30)
-        c = mlflow.tracking.MlflowClient()
-        runs = {r.info.run_id: r for r in c.search_runs([active.info.experiment_id])}
-        assert len(runs) == 2, [r.info.run_name for r in runs.values()]
-        (nested,) = [r for r in runs.values() if r.info.run_id != active.info.run_id]
-        assert nested.data.tags["mlflow.parentRunId"] == active.info.run_id
-        assert nested.info.run_name == "ema" and nested.info.status == "FINISHED"
-        for run, dirpath, saves in ((runs[active.info.run_id], "model", 6), (nested, "ema", 3)):
-            history = c.get_metric_history(run.info.run_id, PREFIX + "saves_total")
-            assert max(m.value for m in history) == saves, dirpath
-            tags = [k for k in run.data.tags if k.startswith("resilient_ckpt.save.step_")]
-            assert len(tags) == saves, (dirpath, tags)
-            art = json.loads(run.data.tags["resilient_ckpt.checkpoint_artifact"])
-            assert art["step"] == 30
-            (manifest,) = [
-                f.path
-                for f in c.list_artifacts(run.info.run_id, "checkpoints/step_000000030")
-                if f.path.endswith("manifest.json")
-            ]
-            local = c.download_artifacts(run.info.run_id, manifest, str(tmp_path / dirpath))
-            assert (tmp_path / dirpath / "step_000000030" / "manifest.json").read_bytes() == (
-                Path(local).read_bytes()
-            )
-    finally:
-        mlflow.set_tracking_uri("")
+    exp = mlflow.tracking.MlflowClient().create_experiment("several")
+    with (
+        mlflow.start_run(experiment_id=exp) as active,
+        Checkpointer(tmp_path / "model", every_n_steps=5, telemetry=sink) as a,
+        Checkpointer(tmp_path / "ema", every_n_steps=10, telemetry=sink) as b,
+    ):
+        _train_both(a, b, 30)
+    c = mlflow.tracking.MlflowClient()
+    runs = {r.info.run_id: r for r in c.search_runs([active.info.experiment_id])}
+    assert len(runs) == 2, [r.info.run_name for r in runs.values()]
+    (nested,) = [r for r in runs.values() if r.info.run_id != active.info.run_id]
+    assert nested.data.tags["mlflow.parentRunId"] == active.info.run_id
+    assert nested.info.run_name == "ema" and nested.info.status == "FINISHED"
+    for run, dirpath, saves in ((runs[active.info.run_id], "model", 6), (nested, "ema", 3)):
+        history = c.get_metric_history(run.info.run_id, PREFIX + "saves_total")
+        assert max(m.value for m in history) == saves, dirpath
+        tags = [k for k in run.data.tags if k.startswith("resilient_ckpt.save.step_")]
+        assert len(tags) == saves, (dirpath, tags)
+        art = json.loads(run.data.tags["resilient_ckpt.checkpoint_artifact"])
+        assert art["step"] == 30
+        (manifest,) = [
+            f.path
+            for f in c.list_artifacts(run.info.run_id, "checkpoints/step_000000030")
+            if f.path.endswith("manifest.json")
+        ]
+        local = c.download_artifacts(run.info.run_id, manifest, str(tmp_path / dirpath))
+        assert (tmp_path / dirpath / "step_000000030" / "manifest.json").read_bytes() == (
+            Path(local).read_bytes()
+        )
 
 
 def test_two_exporters_on_one_port_name_the_conflict(tmp_path: Path, caplog):
