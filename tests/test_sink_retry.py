@@ -335,3 +335,17 @@ def test_a_store_mlflow_refuses_is_switched_off_at_once_not_retried(
     (said,) = _said(caplog, "metrics sink mlflow")
     assert "switched off for the rest of this run" in said
     assert "MLflow refuses the tracking store" in said and "retrying" not in said
+
+
+def test_a_flapping_sink_is_warned_about_once_then_logged_at_info(caplog):
+    """A sink that fails, recovers and fails again within ``quiet_s`` of the last warning: the
+    later outages (and recoveries) go to INFO, so a flapping gateway does not fill the log
+    of a weeks-long run with warnings."""
+    h = sink_retry.SinkHealth("gateway", sink_retry.RetryPolicy(first_s=0.0, quiet_s=3600.0))
+    with caplog.at_level(logging.INFO, logger="resilient_callbacks"):
+        for _ in range(3):
+            h.failed(ConnectionError("blip"))
+            assert h.due() and not h.off
+            h.ok()
+    levels = [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records]
+    assert [lv for lv, _ in levels] == [logging.WARNING] * 2 + [logging.INFO] * 4, levels
