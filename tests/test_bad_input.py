@@ -14,6 +14,7 @@ from resilient_callbacks import (
     Checkpointer,
     CheckpointError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
     CheckpointWriteError,
     ConfigError,
     ForeignCheckpointsWarning,
@@ -66,8 +67,33 @@ def test_invalid_options_fail_at_construction(tmp_path, kwargs, hint):
 
 @pytest.mark.parametrize("url", ["s3://bucket/ckpts", "gs://b/c", "hdfs://x/y"])
 def test_object_store_dirpath_is_rejected(url):
-    with pytest.raises(ConfigError, match="local"):
+    with pytest.raises(ConfigError, match="local") as ei:
         Checkpointer(url)
+    # it said "not supported", not that remote= is how checkpoints reach an object store
+    assert f"remote={url!r}" in str(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize(
+    ("resume", "hint"),
+    [
+        ("latest", "resume='auto' (the default)"),
+        ("last", "resume='auto' (the default)"),
+        ("step_000000003", "relative to the working directory, not to dirpath"),
+    ],
+)
+def test_a_resume_path_that_is_not_there_says_what_was_meant(tmp_path, monkeypatch, resume, hint):
+    """resume='latest' (DeepSpeed's word, Lightning's ckpt_path='last') and the bare name of a
+    checkpoint in dirpath were each 'no checkpoint at <cwd>/latest', naming no fix."""
+    root = tmp_path / "ck"
+    with Checkpointer(root, async_save=False) as ck:
+        ck.restore(_state(2))
+        ck.save(3, _state(2))
+    monkeypatch.chdir(tmp_path)
+    with Checkpointer(root, resume=resume) as ck, pytest.raises(CheckpointNotFoundError) as ei:
+        ck.restore(_state(2))
+    assert hint in str(ei.value), str(ei.value)
+    if resume.startswith("step_"):
+        assert f"resume={str(root / resume)!r}" in str(ei.value)
 
 
 def test_empty_dirpath_is_rejected():

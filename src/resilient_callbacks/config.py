@@ -16,6 +16,21 @@ from .sinks import SinkSpec
 from .sinks import parse as parse_sinks
 
 
+def missing_resume_hint(resume: str, dirpath: str) -> str:
+    """What ``resume=<a path that does not exist>`` was probably meant as (a sentence, or "")."""
+    if resume.isdigit():
+        return f"; a step number is an int: resume={int(resume)}"
+    if resume.lower() in ("latest", "last", "newest"):
+        return "; the newest valid checkpoint is resume='auto' (the default)"
+    beside = os.path.join(dirpath, resume)
+    if not os.path.isabs(resume) and os.path.isdir(beside):
+        return (
+            "; a path is relative to the working directory, not to dirpath: "
+            f"resume={beside!r} (or a step number)"
+        )
+    return ""
+
+
 class ResumeMode(StrEnum):
     AUTO = "auto"  # newest valid checkpoint in dirpath, falling back loudly; fresh start if none
     NEVER = "never"  # start fresh; checkpoints already in dirpath are kept and not counted
@@ -82,7 +97,9 @@ class CheckpointerConfig:
             if not d.startswith("file://"):
                 raise ConfigError(
                     f"dirpath={d!r}: the checkpoint directory must be a local (or shared, "
-                    "mounted) filesystem path; object-store URLs are not supported as dirpath"
+                    "mounted) filesystem path; object-store URLs are not supported as dirpath. "
+                    f"To keep checkpoints there, save to a local dirpath and pass remote={d!r}: "
+                    "each checkpoint is uploaded in the background, and resumed from there"
                 )
             d = d[len("file://") :]
         object.__setattr__(self, "dirpath", os.path.abspath(os.path.expanduser(d)))

@@ -34,7 +34,7 @@ from . import (
 from .candidates import Candidate, merge_tiers, number_after_remote
 from .catalog import Depth, Status
 from .commit import CKPT_RE
-from .config import ResumeMode
+from .config import ResumeMode, missing_resume_hint
 from .directory import error_type
 from .errors import (
     AT_CALLER,
@@ -448,7 +448,7 @@ class Restorer:
             number_after_remote(self._ck._dir)
             path = os.path.abspath(os.path.expanduser(r))
             if not os.path.exists(path):
-                hint = f"; a step number is an int: resume={int(r)}" if r.isdigit() else ""
+                hint = missing_resume_hint(r, ck.dirpath)
                 raise CheckpointNotFoundError(f"resume={r!r}: no checkpoint at {path}{hint}")
             if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
                 raise CheckpointNotFoundError(
