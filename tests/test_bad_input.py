@@ -386,3 +386,28 @@ def test_saving_without_restore_beside_a_run_says_that_restore_was_not_called(tm
         warnings.simplefilter("always")
         ck.step(10, state)
     assert not [w for w in caught if "restore() was not called" in str(w.message)]
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES])
+def test_a_directory_this_user_cannot_write_points_to_read_only(tmp_path, monkeypatch, code):
+    """An evaluation job opening the run's directory on a read-only mount was told only to
+    check that the path is writable, not that read_only=True restores without writing."""
+    from resilient_callbacks import lock
+
+    root = tmp_path / "ck"
+    with Checkpointer(root, async_save=False) as ck:
+        ck.restore(_state(2))
+        ck.save(1, _state(2))
+
+    def refused(self, wait_s=0.0):
+        raise OSError(code, os.strerror(code), str(root / ".lock"))
+
+    monkeypatch.setattr(lock.DirLock, "acquire", refused)
+    with pytest.raises(CheckpointWriteError, match="writable by this user") as ei:
+        Checkpointer(root)
+    assert "read_only=True" in str(ei.value) and ei.value.errno == code, str(ei.value)
+    with Checkpointer(root, read_only=True) as ck:  # what it says to do works
+        assert ck.restore(_state(2)) == 1
+    with pytest.raises(CheckpointWriteError) as ei:  # nothing there to restore: no such hint
+        Checkpointer(tmp_path / "new")
+    assert "read_only" not in str(ei.value), str(ei.value)

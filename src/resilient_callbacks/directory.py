@@ -10,7 +10,9 @@ directory the coordinator made (see :mod:`.session`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from . import catalog, dist, history
 from .blobs import BlobStore
 from .catalog import Depth, Entry, Status
-from .commit import RenameCommit, remove_checkpoint, sweep_staging
+from .commit import CKPT_RE, RenameCommit, remove_checkpoint, sweep_staging
 from .errors import (
     AT_CALLER,
     CheckpointError,
@@ -102,14 +104,25 @@ def unusable(dirpath: str, e: OSError) -> CheckpointWriteError:
     """The error for a ``dirpath`` that cannot be opened (``e``: what creating or locking it
     raised): a file, no permission, a read-only filesystem, said as such."""
     file = os.path.exists(dirpath) and not os.path.isdir(dirpath)
+    fix = "Check that the path is right and writable by this user."
+    if not file and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and _holds(dirpath):
+        fix += (
+            " To restore from it only (an evaluation job): Checkpointer(dirpath, read_only=True)."
+        )
     err = CheckpointWriteError(
         f"cannot use {dirpath} as a checkpoint directory: "
-        f"{'it is a file' if file else e.strerror or e}. "
-        "Check that the path is right and writable by this user."
+        f"{'it is a file' if file else e.strerror or e}. {fix}"
     )
     err.errno = e.errno
     err.__cause__ = e
     return err
+
+
+def _holds(dirpath: str) -> bool:
+    """Whether ``dirpath`` holds a ``step_*`` folder (something to restore)."""
+    with contextlib.suppress(OSError):
+        return any(CKPT_RE.match(n) for n in os.listdir(dirpath))
+    return False
 
 
 class Directory:
