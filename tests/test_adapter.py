@@ -41,3 +41,22 @@ def test_a_misspelt_checkpointer_option_names_the_closest_one(tmp_path):
     assert not (tmp_path / "c").exists()  # refused before anything was made
     with Checkpointer(dirpath=tmp_path / "c", every_n_steps=2, read_only=False) as ck:
         assert ck.config.every_n_steps == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("save_top_k", "save_top_k (keep_best here, with monitor)"),  # Lightning's ModelCheckpoint
+        ("save_total_limit", "save_total_limit (keep_last here)"),  # TrainingArguments
+        ("save_steps", "save_steps (every_n_steps here)"),
+        ("every_n_train_steps", "every_n_train_steps (every_n_steps here)"),
+        ("train_time_interval", "train_time_interval (every_seconds here, in seconds)"),
+        ("save_last", "save_last (not needed here: the newest checkpoint is always kept)"),
+    ],
+)
+def test_a_frameworks_own_name_for_an_option_names_ours(name, said):
+    """A Lightning or Trainer user reaches for the names of ModelCheckpoint and
+    TrainingArguments; save_top_k and save_total_limit got no hint at all (nothing close)."""
+    with pytest.raises(UnknownOptionError) as ei:
+        check_options("X", [name], own=["mine"])
+    assert said in str(ei.value), str(ei.value)

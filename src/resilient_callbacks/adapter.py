@@ -56,12 +56,26 @@ def keywords_checked(init: Callable[P, R]) -> Callable[P, R]:
     return checked
 
 
+# what Lightning's ModelCheckpoint and the Trainer's TrainingArguments call an option of ours
+FRAMEWORK_NAMES = {
+    "save_top_k": "keep_best here, with monitor",
+    "save_total_limit": "keep_last here",
+    "save_steps": "every_n_steps here",
+    "every_n_train_steps": "every_n_steps here",
+    "train_time_interval": "every_seconds here, in seconds",
+    "save_last": "not needed here: the newest checkpoint is always kept",
+}
+
+
 def _hints(unknown: list[str], known: list[str]) -> str:
     """``name (did you mean closest?)`` for each unknown name, joined."""
     hints = []
     for name in unknown:
         close = difflib.get_close_matches(name, known, n=1)
-        hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        if name in FRAMEWORK_NAMES:
+            hints.append(f"{name} ({FRAMEWORK_NAMES[name]})")
+        else:
+            hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
     return ", ".join(hints)
 
 
