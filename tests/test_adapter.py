@@ -60,3 +60,11 @@ def test_a_frameworks_own_name_for_an_option_names_ours(name, said):
     with pytest.raises(UnknownOptionError) as ei:
         check_options("X", [name], own=["mine"])
     assert said in str(ei.value), str(ei.value)
+
+
+def test_the_list_of_options_names_each_once():
+    """An adapter option that is also a Checkpointer option (the Lightning callback's
+    save_on_exception) was listed twice."""
+    with pytest.raises(UnknownOptionError) as ei:
+        check_options("X", ["zzz"], own=["mine", "save_on_exception"])
+    assert str(ei.value).count("save_on_exception") == 1, str(ei.value)

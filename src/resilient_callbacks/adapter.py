@@ -95,7 +95,7 @@ def check_options(adapter: str, given: Iterable[str], own: Iterable[str]) -> Non
     raise UnknownOptionError(
         f"{adapter} got unknown option(s): {_hints(unknown, [*own, *known])}. It takes "
         f"{', '.join(own)} and "
-        f"the Checkpointer options: {', '.join(sorted(known))}."
+        f"the Checkpointer options: {', '.join(sorted(known - set(own)))}."
     )
 
 
