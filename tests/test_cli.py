@@ -993,3 +993,14 @@ def test_ls_remote_says_why_the_remote_keeps_what_only_it_has(tmp_path, capsys):
     assert main(["ls", str(ck), "--remote", url, "--json"]) == 0
     rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows[2]["remote_kept_by"] == ["archive (every 2 steps)"] and rows[2]["kept"] is None
+
+
+def test_a_missing_or_misplaced_argument_shows_the_commands_own_usage(tmp_path):
+    """``report`` with no DIR and ``ls DIR -o K=V`` without --remote printed the usage of the
+    whole program (its list of commands) above the error, not the command's options."""
+    r = cli("report")
+    assert r.returncode == 2 and "usage: resilient-ckpt report" in r.stderr, r.stderr
+    assert "required: DIR" in r.stderr
+    r = cli("ls", str(tmp_path), "-o", "anon=true")
+    assert r.returncode == 2 and "usage: resilient-ckpt ls" in r.stderr, r.stderr
+    assert "give --remote URL" in r.stderr

@@ -346,7 +346,7 @@ def _report_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.json not in (None, "-") and os.path.isdir(args.json):
         args.dir, args.json = args.json, "-"
     else:
-        parser.error("report: the following arguments are required: DIR")
+        parser.error("the following arguments are required: DIR")
 
 
 def _import_torch() -> None:
@@ -423,10 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     if args.cmd == "report" and args.dir is None:
-        _report_dir(parser, args)
+        _report_dir(_command_parser(parser, "report"), args)
     if getattr(args, "option", None) and hasattr(args, "remote") and not args.remote:
-        parser.error(
-            f"{args.cmd}: -o/--option sets an option of the remote store: give --remote URL"
+        _command_parser(parser, args.cmd).error(
+            "-o/--option sets an option of the remote store: give --remote URL"
         )
     if getattr(args, "option", None):
         from .cli_remote import remote_options
