@@ -21,9 +21,11 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX
@@ -87,6 +89,44 @@ def verify(
     verify_entries(path, [f for f in entries if wanted is None or f.rank in wanted], depth)
 
 
+#: the blobs found intact, while :func:`blobs_read_once` is in effect
+_BLOBS_READ: ContextVar[dict[tuple[str, int, str, str], None] | None] = ContextVar(
+    "blobs_read", default=None
+)
+
+
+@contextlib.contextmanager
+def blobs_read_once() -> Iterator[None]:
+    """Within this block (in this thread), a blob that several checkpoints name is read once:
+    the checks of :func:`verify` and :func:`~.remote_verify.check_remote` take a blob found
+    intact as intact (one found bad is read again, so a repair meanwhile is seen). For one command that checks many checkpoints (``ls``, ``verify
+    --all``, ``gc``): a frozen base model that every checkpoint names is read once, not once
+    per checkpoint. Never for a long-lived process, which must see a blob that rots later."""
+    token = _BLOBS_READ.set({})
+    try:
+        yield
+    finally:
+        _BLOBS_READ.reset(token)
+
+
+def read_blob_once(
+    where: str, f: FileEntry, read: Callable[[], str | None], how: str = "full"
+) -> str | None:
+    """``read()`` (the problem of blob ``f`` at ``where``, or None), or None without reading if
+    it found the blob intact before within :func:`blobs_read_once` (``how``: how deep
+    ``read`` checks; a size check is never taken for a checksum)."""
+    memo = _BLOBS_READ.get()
+    if memo is None or f.kind != BLOB_KIND:
+        return read()
+    key = (where, f.size, f.xxh3_64, how)
+    if key in memo:
+        return None
+    problem = read()
+    if problem is None:  # only what was intact: a repair (push) is seen by the next check
+        memo[key] = None
+    return problem
+
+
 def verify_entries(path: str, entries: Iterable[FileEntry], depth: Depth = Depth.FULL) -> None:
     """:func:`verify` for some of a checkpoint's files and blobs (an uploader checks the bytes
     it is about to upload: a file that rotted on the local disk after its commit must never be
@@ -95,25 +135,28 @@ def verify_entries(path: str, entries: Iterable[FileEntry], depth: Depth = Depth
 
     for f in entries:
         full = blob_path(path, f.path) if f.kind == BLOB_KIND else os.path.join(path, f.path)
-        try:
-            size = os.path.getsize(full)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{full}: listed in the manifest but missing") from None
-        if size != f.size:
-            raise CheckpointCorruptError(
-                f"{full}: size {size} bytes, manifest says {f.size} (truncated or overwritten)"
-            )
-        if depth is Depth.FULL:
-            try:
-                d = digest_file(full, like=f.xxh3_64)
-            except FileNotFoundError:
-                raise CheckpointCorruptError(
-                    f"{full}: listed in the manifest but missing"
-                ) from None
-            if d.xxh3_64 != f.xxh3_64:
-                raise CheckpointCorruptError(
-                    f"{full}: checksum mismatch (xxh3_64 {d.xxh3_64}, manifest says {f.xxh3_64})"
-                )
+        problem = read_blob_once(full, f, partial(_problem, full, f, depth), str(depth))
+        if problem is not None:
+            raise CheckpointCorruptError(problem)
+
+
+def _problem(full: str, f: FileEntry, depth: Depth) -> str | None:
+    """What is wrong with the file ``full`` that the manifest lists as ``f``, or None."""
+    try:
+        size = os.path.getsize(full)
+    except FileNotFoundError:
+        return f"{full}: listed in the manifest but missing"
+    if size != f.size:
+        return f"{full}: size {size} bytes, manifest says {f.size} (truncated or overwritten)"
+    if depth is not Depth.FULL:
+        return None
+    try:
+        d = digest_file(full, like=f.xxh3_64)
+    except FileNotFoundError:
+        return f"{full}: listed in the manifest but missing"
+    if d.xxh3_64 != f.xxh3_64:
+        return f"{full}: checksum mismatch (xxh3_64 {d.xxh3_64}, manifest says {f.xxh3_64})"
+    return None
 
 
 OURS_MARKERS = (HISTORY_NAME, "latest")  # what a writer of ours leaves in its directory

@@ -438,7 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     stdout, sys.stdout = sys.stdout, _PipeSafe(sys.stdout)
     try:
         _import_torch()
-        return int(args.fn(args))
+        from .catalog import blobs_read_once  # (imports torch: after _import_torch)
+
+        with blobs_read_once():  # a blob many checkpoints share: checked once
+            return int(args.fn(args))
     except CheckpointError as e:
         print(f"{PROG} {args.cmd}: {e}", file=sys.stderr)
         return 1

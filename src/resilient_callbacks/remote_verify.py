@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from .blobs import BLOBS_DIR
+from .catalog import read_blob_once
 from .checksum import hasher_for
 from .manifest import FileEntry
 from .progress import Progress
@@ -56,7 +58,7 @@ def check_remote(
     damage = Damage()
     try:
         for path, url, f, blob in objects:
-            problem = _check(st, path, url, f, bar)
+            problem = read_blob_once(path, f, partial(_check, st, path, url, f, bar), "remote")
             if problem is None:
                 continue
             damage.problem = damage.problem or problem
