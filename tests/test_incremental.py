@@ -620,3 +620,23 @@ def test_one_command_reads_a_blob_that_checkpoints_share_once(tmp_path, capsys, 
     victim.write_bytes(bytes(data))
     rc, out = _cli(capsys, "verify", str(root), "--all")
     assert rc == 1 and out.count("checksum mismatch") == 3, out
+
+
+def test_verify_of_a_newest_checkpoint_whose_shared_blob_is_missing_says_what_it_shares(
+    tmp_path, capsys
+):
+    """``verify DIR`` (the newest only) of a checkpoint whose blob, named by every checkpoint,
+    is missing: the hint says every checkpoint naming that blob is corrupt too and how to find
+    a whole one, instead of only "`inspect` shows the newest valid one" (there is none)."""
+    paths = _two_saves(tmp_path)
+    shared = {b.path for b in read_manifest(paths[0]).blobs} & {
+        b.path for b in read_manifest(paths[1]).blobs
+    }
+    os.unlink(tmp_path / "blobs" / sorted(shared)[0])
+    from resilient_callbacks.cli import main
+
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert sorted(shared)[0] in err and "every checkpoint that names it" in err, err
+    assert "--all" in err and "pull" in err, err

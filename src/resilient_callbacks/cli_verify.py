@@ -101,6 +101,16 @@ def _report_verified(
     if status and scope == "newest" and not args.json:
         bad = [r for r in rows if r["status"] != "valid"]
         what = "corrupt" if any(r["status"] != "incomplete" for r in bad) else "incomplete"
+        blob = _bad_blob(chosen)
+        if blob is not None:  # incremental: other checkpoints may name it too
+            print(
+                f"the newest checkpoint is corrupt: its blob {blob} is missing or damaged, and "
+                "every checkpoint that names it is corrupt too. `resilient-ckpt verify "
+                f"{args.dir} --all` shows which are whole; with a remote tier, `resilient-ckpt "
+                f"pull URL {args.dir}` fetches a whole copy",
+                file=sys.stderr,
+            )
+            return status
         print(
             f"the newest checkpoint is {what}; `resilient-ckpt inspect {args.dir}` shows "
             f"the newest valid one, `resilient-ckpt verify {args.dir} --all` checks all "
@@ -108,3 +118,13 @@ def _report_verified(
             file=sys.stderr,
         )
     return status
+
+
+def _bad_blob(chosen: list[Entry]) -> str | None:
+    """The blob a corrupt checkpoint's problem names (shared with other checkpoints), or None."""
+    for e in chosen:
+        if e.status is Status.CORRUPT and e.manifest is not None and e.problem:
+            for b in e.manifest.blobs:
+                if b.path in e.problem:
+                    return b.path
+    return None
