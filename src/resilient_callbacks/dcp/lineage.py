@@ -14,7 +14,8 @@ the highest step there (5) labelled the state of step 3 as step 5, and the next 
 - and after any save of this writer still in flight.
 
 Every rank records its loads (:func:`loaded`); the coordinator numbers the save
-(:func:`next_step`). Nothing here is collective or touches the directory.
+(:func:`next_step`, which lists the directory). :func:`step_of_id` reads the step a
+``checkpoint_id`` names. Nothing here is collective or writes anything.
 """
 
 from __future__ import annotations
