@@ -370,3 +370,51 @@ def test_a_run_early_stopped_mid_epoch_run_again_ends_that_epoch_as_the_run_did(
 
     assert fit() == (["train_start", "epoch_end 0", "train_end at epoch 1"], 1)
     assert fit() == (["train_start", "epoch_end 0", "train_end at epoch 1"], 1)
+
+
+class _Clock:
+    """Lightning's Timer reads ``time.monotonic()``: here each training batch takes 1 s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def on_train_batch_start(self, *args) -> None:  # type: ignore[no-untyped-def]
+        self.now += 1.0
+
+
+def test_a_run_stopped_by_max_time_run_again_ends_as_the_run_did(tmp_path, monkeypatch):
+    """Found 2026-12-05: run again with its max_time used up, the Timer set should_stop in
+    on_fit_start and Lightning skipped the whole loop: no on_train_start (so not our line
+    saying why nothing trains), no end of the epoch the stop was in, no on_train_end."""
+    from datetime import timedelta
+
+    clock = _Clock()
+    monkeypatch.setattr("lightning.pytorch.callbacks.timer.time", clock)
+    tick = type("_Tick", (L.Callback,), {"on_train_batch_start": clock.on_train_batch_start})
+
+    def fit() -> tuple[list[str], int, int | None]:
+        export = _Export()
+        rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=100)
+        timer = L.pytorch.callbacks.Timer(timedelta(seconds=5), interval="step")
+        trainer = L.Trainer(
+            max_steps=40,
+            accelerator="cpu",
+            callbacks=[timer, tick(), export, rc],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        data = torch.utils.data.TensorDataset(torch.randn(32, 4))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(_Linear(), torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+        assert trainer.global_step == 5  # stopped by the Timer, in the middle of epoch 0
+        return export.seen, trainer.current_epoch, rc.restored_step
+
+    hooks = ["train_start", "epoch_end 0", "train_end at epoch 1"]
+    assert fit() == (hooks, 1, None)
+    assert fit() == (hooks, 1, 5)  # the same max_time: used up, nothing trained

@@ -181,12 +181,16 @@ class Resume:
 
     def after_run(self, trainer: pl.Trainer) -> None:
         """After ``fit_loop.run``. Restored at this fit's ``max_steps`` (a finished script run
-        again, or an earlier stage of a script), Lightning skips its whole loop: no
-        ``on_train_start``, no end of the epoch the last step was in, no ``on_train_end`` (as
-        with ``fit(ckpt_path=...)``; a run ended by ``max_epochs`` gets its hooks). The
-        uninterrupted run did them: they run, training nothing (:meth:`before_run_end`)."""
+        again, or an earlier stage of a script), or with ``should_stop`` set before the loop (a
+        ``Timer`` whose ``max_time`` the restored run used up, in ``on_fit_start``), Lightning
+        skips its whole loop: no ``on_train_start``, no end of the epoch the last step was in,
+        no ``on_train_end`` (as with ``fit(ckpt_path=...)``; a run ended by ``max_epochs`` gets
+        its hooks). The uninterrupted run did them: they run, training nothing
+        (:meth:`before_run_end`)."""
         fit_loop = trainer.fit_loop
-        if self.started or self.past_end or trainer.global_step != trainer.max_steps:
+        if self.started or self.past_end:
+            return
+        if trainer.global_step != trainer.max_steps and not trainer.should_stop:
             return
         if fit_loop.max_batches == 0 or trainer.limit_train_batches == 0:
             return  # (skipped for want of batches, as Lightning does)
