@@ -185,7 +185,7 @@ class Net(L.LightningModule):
             d = torch.optim.SGD(self.d.parameters(), lr=0.05, momentum=0.9)
             return [g, d], [torch.optim.lr_scheduler.StepLR(g, step_size=5, gamma=0.9)]
         opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
-        if s == "sched":
+        if s in ("sched", "lr_monitor"):
             step = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
             plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
                 opt, factor=0.7, patience=0, threshold=0.05
@@ -275,6 +275,11 @@ SETUPS = {
     "sched": {},
     "early": {"max_epochs": 30},
     "mc": {},
+    "lr_monitor": {"val_check_interval": 0.5},
+    "accum_val": {"accumulate_grad_batches": 3, "val_check_interval": 4},
+    "early_mid": {"max_epochs": 30, "val_check_interval": 0.5},
+    "ckpt_last": {},
+    "refit_steps": {"max_steps": 20, "max_epochs": -1},
 }
 
 
@@ -299,6 +304,18 @@ def main(argv: list[str] | None = None) -> None:
     if rc is not None:
         rc.rec = rec
     callbacks: list = [ReportRestore(rc)] + ([rc] if rc else [])
+    if opts.setup == "lr_monitor":
+        callbacks.append(L.pytorch.callbacks.LearningRateMonitor(log_momentum=True))
+    if opts.setup == "early_mid":
+        callbacks.append(
+            L.pytorch.callbacks.EarlyStopping(monitor="val_loss", patience=2, min_delta=0.002)
+        )
+    if opts.setup == "ckpt_last":
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=os.path.join(opts.work, "mc"), every_n_train_steps=3, save_last=True
+            )
+        )
     if opts.setup == "early":
         callbacks.append(
             L.pytorch.callbacks.EarlyStopping(monitor="val_loss", patience=3, min_delta=0.002)
@@ -322,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         log_every_n_steps=1,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=not opts.no_callback or opts.setup == "mc",
+        enable_checkpointing=not opts.no_callback or opts.setup in ("mc", "ckpt_last"),
         default_root_dir=opts.work,
         num_sanity_val_steps=1,
         **kwargs,
@@ -334,11 +351,14 @@ def main(argv: list[str] | None = None) -> None:
         loader = DataLoader(_Iterable(train, opts.setup == "iterable_len"), batch_size=8)
     else:
         loader = DataLoader(train, batch_size=8, shuffle=True)
-    trainer.fit(model, loader, val)
+    trainer.fit(model, loader, val, ckpt_path="last" if opts.setup == "ckpt_last" else None)
     _end(rec, trainer, model, 1)
-    if opts.setup == "refit":
+    if opts.setup in ("refit", "refit_steps"):
         model.lr = 0.01
-        trainer.fit_loop.max_epochs = 4
+        if opts.setup == "refit":
+            trainer.fit_loop.max_epochs = 4
+        else:
+            trainer.fit_loop.epoch_loop.max_steps = 45
         trainer.fit(model, loader, val)
         _end(rec, trainer, model, 2)
 

@@ -10,7 +10,11 @@ micro-batches), gradient clipping by norm and by value, manual optimization with
 optimizers and a scheduler stepped by hand, ``limit_train_batches`` (int and float), two
 ``fit()`` stages on one Trainer, ``bf16-mixed`` on the CPU, a step-interval LR scheduler with
 an epoch-interval ``ReduceLROnPlateau`` on ``val_loss``, ``EarlyStopping`` (patience 3) and a
-``ModelCheckpoint`` (top 2, every 5 steps, last). An ``IterableDataset`` without state is
+``ModelCheckpoint`` (top 2, every 5 steps, last), a ``LearningRateMonitor`` (with momentum),
+``accumulate_grad_batches=3`` with a validation every 4 batches (after a batch that made no
+step), ``EarlyStopping`` on validations in the middle of epochs, a ``ModelCheckpoint(save_last=
+True)`` with ``fit(ckpt_path="last")`` (ours resume: as new as Lightning's file), and two
+``fit()`` stages set by ``max_steps``, the first ending in the middle of an epoch. An ``IterableDataset`` without state is
 only compared uninterrupted: a mid-epoch resume restarts its epoch (docs/lightning.md).
 
 Each set-up takes 30-60 s (five processes): ``-m slow``.
@@ -116,6 +120,11 @@ def _same(ref: list[dict], got: list[dict], what: str) -> None:
         "early",
         "mc",
         "iterable",
+        "lr_monitor",
+        "accum_val",
+        "early_mid",
+        "ckpt_last",
+        "refit_steps",
     ],
 )
 def test_a_setup_is_unchanged_by_the_callback_and_resumes_exactly_after_sigkills(tmp_path, setup):
@@ -160,7 +169,10 @@ def test_a_setup_is_unchanged_by_the_callback_and_resumes_exactly_after_sigkills
             ]
             records = records[: cut[-1]] if cut else []
         merged += records
-    if setup == "refit":  # a re-run's first stage that trained nothing records an end too
+    if setup in (
+        "refit",
+        "refit_steps",
+    ):  # a re-run's first stage that trained nothing records an end too
         stage1_end = next(r["gs"] for r in reference if r["ev"] == "end" and r["fit"] == 1)
         merged = [r for r in merged if r["ev"] != "end" or r["fit"] != 1 or r["gs"] == stage1_end]
     _same(reference, merged, "killed and resumed")

@@ -372,6 +372,52 @@ def test_a_run_early_stopped_mid_epoch_run_again_ends_that_epoch_as_the_run_did(
     assert fit() == (["train_start", "epoch_end 0", "train_end at epoch 1"], 1)
 
 
+def _fit_from_last(work: Path, seen: dict, callbacks: list, mc_every: int) -> L.Trainer:
+    """20 steps of ``_Staged`` with a ``ModelCheckpoint(save_last=True)`` every ``mc_every``
+    steps, ``fit(ckpt_path="last")``: Lightning's idiom for resuming a script."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    )
+    mc = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=work / "mc", every_n_train_steps=mc_every, save_last=True
+    )
+    trainer = L.Trainer(
+        max_steps=20,
+        accelerator="cpu",
+        callbacks=[mc, *callbacks],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=work,
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_Staged(seen), loader, ckpt_path="last")
+    return trainer
+
+
+@pytest.mark.parametrize(("mc_every", "restored"), [(4, 8), (1, None)])
+def test_ckpt_path_last_resumes_from_ours_when_ours_is_as_new(tmp_path, mc_every, restored):
+    """Killed before step 11: ours (every 4 steps) has step 8. Found 2026-12-05: with
+    Lightning's last.ckpt of step 8 too, fit(ckpt_path="last") loaded it, silently: no random
+    streams in it, so dropout drew other masks and every later step differed. Now ours, as new,
+    is taken (exact). A last.ckpt of step 10 (every step) is newer: Lightning's is loaded."""
+    ref: dict = {}
+    _fit_from_last(tmp_path / "ref", ref, [], mc_every)
+    work, ck = tmp_path / "run", tmp_path / "run" / "ck"
+    with pytest.raises(_Killed):
+        _fit_from_last(work, {}, [ResilientCheckpoint(ck, every_n_steps=4), _KillAt(10)], mc_every)
+    again: dict = {}
+    rc = ResilientCheckpoint(ck, every_n_steps=4)
+    _fit_from_last(work, again, [rc], mc_every)
+    assert rc.restored_step == restored
+    assert min(again) == (restored or 10) + 1
+    if restored is not None:
+        assert again == {s: ref[s] for s in again}
+
+
 class _Clock:
     """Lightning's Timer reads ``time.monotonic()``: here each training batch takes 1 s."""
 

@@ -47,7 +47,7 @@ from ..adapter import check_options, with_section
 from ..checkpointer import Checkpointer, SaveStats
 from ..errors import CheckpointError, ConfigError
 from ..manifest import MANIFEST_NAME
-from . import boundary, checks, deepspeed, patches, refit, save_logs, sharded, stages, stops
+from . import boundary, checks, deepspeed, last, patches, refit, save_logs, sharded, stages, stops
 from . import state as st
 from .loaders import prepare_train_loaders
 from .model_checkpoints import remove_rolled_back
@@ -238,7 +238,7 @@ class ResilientCheckpoint(Checkpoint):
             path = os.fspath(checkpoint_path)
             if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST_NAME)):
                 resume = path  # one of ours, given explicitly
-            else:
+            elif resume != "auto" or not last.prefers_ours(trainer, path, self._dirpath(trainer)):
                 lightning_ckpt, resume = checkpoint_path, "never"
         self._open(trainer, resume)
         ckpt = self.checkpointer
@@ -293,12 +293,11 @@ class ResilientCheckpoint(Checkpoint):
 
     def _open(self, trainer: pl.Trainer, resume: Any) -> None:
         self._close(raise_errors=False)
-        own_dir, kwargs = with_section(self.dirpath, dict(self._kwargs), self._section)
+        _, kwargs = with_section(self.dirpath, dict(self._kwargs), self._section)
         kwargs["resume"] = resume
         if "signals" not in kwargs:
             kwargs["signals"] = checks.signals(trainer)
-        dirpath = own_dir or os.path.join(trainer.default_root_dir, "resilient_checkpoints")
-        self.checkpointer = Checkpointer(dirpath, **kwargs)
+        self.checkpointer = Checkpointer(self._dirpath(trainer), **kwargs)
         self.checkpointer.logs_through_framework = True
         checks.say_when_it_saves(self.checkpointer)
         watcher = self.checkpointer.watcher
@@ -306,6 +305,10 @@ class ResilientCheckpoint(Checkpoint):
             for name in watcher.installed_signals:
                 signum = getattr(signal, name)
                 self._our_handlers[signum] = signal.getsignal(signum)
+
+    def _dirpath(self, trainer: pl.Trainer) -> str:
+        own_dir, _ = with_section(self.dirpath, dict(self._kwargs), self._section)
+        return own_dir or os.path.join(trainer.default_root_dir, "resilient_checkpoints")
 
     # ------------------------------------------------------------------ dataloaders
 
@@ -328,11 +331,9 @@ class ResilientCheckpoint(Checkpoint):
         }
 
     def _val_loaders_ready(self, trainer: pl.Trainer) -> None:
-        """The validation loop built its loaders. In a run resumed at a step where the
-        uninterrupted run's persistent validation iterators existed already (made by the sanity
-        check or an earlier validation, and only reset since, without a draw), the first ones
-        this run makes take their base seeds from a throwaway generator, not from the global
-        RNG: that draw would shift every later random number."""
+        """The validation loop built its loaders. Resumed where the run's persistent validation
+        iterators existed (only reset since, without a draw), the first ones made here take
+        their base seeds from a throwaway generator: a global RNG draw would shift the run."""
         if not self._val_iterators_made:
             return
         self._val_iterators_made = False
@@ -469,8 +470,6 @@ class ResilientCheckpoint(Checkpoint):
                 self.checkpointer.failed_with = type(exception).__name__  # a failure, not an end
             self._close(raise_errors=False)
             self._unpatch_all()
-
-    # ------------------------------------------------------------------ helpers
 
     def _reclaim_signals(self) -> None:
         """Lightning's signal connector registers its SIGTERM handler (and, under Slurm, a

@@ -33,6 +33,13 @@ def finished(trainer: Any, dirpath: str) -> None:
     _FINISHED[os.path.realpath(dirpath)] = refs
 
 
+def fitted_here(trainer: Any, dirpath: str) -> bool:
+    """Whether a ``fit()`` of this Trainer, or of its LightningModule, finished in ``dirpath``
+    in this process."""
+    refs = _FINISHED.get(os.path.realpath(dirpath))
+    return refs is not None and (refs[0]() is trainer or refs[1]() is trainer.lightning_module)
+
+
 def goes_on_live(trainer: Any, dirpath: str) -> bool:
     """At a ``fit()``'s start, resuming by default from ``dirpath``: True if this Trainer's
     earlier ``fit()`` in this process finished there (go on from the live state); raise
