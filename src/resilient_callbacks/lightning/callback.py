@@ -13,7 +13,8 @@ How it plugs into ``Trainer.fit`` (Lightning 2.x):
 - ``resume_start``: constructs the ``Checkpointer``. Without ``ckpt_path`` it restores the newest
   valid checkpoint (falling back loudly) and hands Lightning's checkpoint dictionary to the
   connector, which restores model, datamodule, callbacks, loops, optimizers, schedulers and
-  precision plugin exactly as for ``fit(ckpt_path=...)``. An explicit ``ckpt_path`` wins.
+  precision plugin exactly as for ``fit(ckpt_path=...)``. An explicit ``ckpt_path`` wins, but
+  for a file Lightning's ``"last"`` picks when ours is as new (:mod:`.last`).
 - train dataloaders: plain shuffled ``DataLoader``\\ s become ``ResumableDataLoader``\\ s
   (``loaders.py``), so their position is part of the checkpoint.
 - ``on_train_start``: takes SIGTERM / SIGUSR1 back from Lightning's signal connector. The
