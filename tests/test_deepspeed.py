@@ -564,6 +564,22 @@ def test_a_typo_in_the_sections_keys_names_the_option_meant() -> None:
         section.split({"resilient_checkpoint": {"dirpath": "x", "zzz": 3}})
 
 
+def test_a_misspelt_keyword_of_attach_is_an_unknown_option_error() -> None:
+    """rcds.attach(engine, every_n_step=5) takes Checkpointer options as keywords, like the
+    Checkpointer and the callbacks, which raise UnknownOptionError (a TypeError, as Python's own
+    for a wrong keyword); attach's check raised a bare ConfigError, which `except TypeError`
+    missed. The section of a JSON config raises the same (still a ConfigError)."""
+    from resilient_callbacks.deepspeed import section
+    from resilient_callbacks.errors import ConfigError, UnknownOptionError
+
+    with pytest.raises(UnknownOptionError, match="did you mean 'every_n_steps'"):
+        section.validate({"dirpath": "x", "every_n_step": 5}, "attach()")
+    with pytest.raises(TypeError):
+        section.split({"resilient_checkpoint": {"dirpath": "x", "every_n_step": 5}})
+    with pytest.raises(ConfigError):
+        section.split({"resilient_checkpoint": {"dirpath": "x", "every_n_step": 5}})
+
+
 def test_section_in_a_base64_or_hjson_config_is_found(tmp_path: Path) -> None:
     """DeepSpeed also takes a base64-encoded config and Hjson files: a section in either is
     read and removed (a base64 one reached DeepSpeed, with any credentials, and nothing was

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import CheckpointerConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, UnknownOptionError
 
 SECTION = "resilient_checkpoint"
 
@@ -53,8 +53,8 @@ def validate(section: Any, where: str = "the DeepSpeed config") -> dict[str, Any
         )
     valid = checkpointer_options()
     unknown = sorted(k for k in section if k not in valid)
-    if unknown:
-        raise ConfigError(
+    if unknown:  # an UnknownOptionError (a ConfigError and a TypeError), as for the Checkpointer
+        raise UnknownOptionError(
             f'"{SECTION}" in {where}: unknown option(s) {", ".join(map(_hint, unknown))}; '
             f"valid options are: {', '.join(valid)}"
         )
