@@ -28,8 +28,8 @@ from .errors import CheckpointCorruptError
 from .manifest import FileEntry
 from .progress import Progress
 from .redact import url_text
-from .remote import ETAG_CHECK_MAX, RemoteStore
-from .remote_objects import md5
+from .remote import RemoteStore
+from .remote_objects import check_uploaded
 from .upload_thread import UploadThread, backoff_s, by_grace
 
 log = logging.getLogger("resilient_callbacks")
@@ -282,13 +282,7 @@ class NodeUploader(UploadThread):
             # while this node's files were still being uploaded: a spurious "not found"
             info = st.fs.info(rpath, refresh=True)
             where = f"{st.url}/{job.remote_name}/{f.path}"
-            if int(info.get("size") or 0) != f.size:
-                raise OSError(f"{where}: {info.get('size')} bytes after upload, expected {f.size}")
-            etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
-            if etag and "-" not in etag and len(etag) == 32 and f.size <= ETAG_CHECK_MAX:
-                digest = md5(os.path.join(local, f.path))
-                if digest != etag:
-                    raise OSError(f"{where}: ETag {etag} does not match the local MD5 {digest}")
+            check_uploaded(info, where, f.size, os.path.join(local, f.path))
 
     def _upload(self, job: UploadJob) -> None:
         local = os.path.join(self.local_root, job.local_name)

@@ -38,7 +38,7 @@ from .errors import CheckpointCorruptError, RemoteUnavailableError
 from .manifest import MANIFEST_NAME, Manifest
 from .progress import Progress
 from .redact import options_text, url_text
-from .remote_objects import RemoteNameTaken, key_of, md5, modified_time
+from .remote_objects import RemoteNameTaken, check_uploaded, key_of, modified_time
 from .retention import Candidate
 
 log = logging.getLogger("resilient_callbacks")
@@ -48,8 +48,6 @@ NO_MANIFEST = "no manifest (incomplete)"  # a RemoteEntry's problem: files, no m
 _LOCAL_ADVICE = "Check that the path is a writable directory on a mounted filesystem"
 _STORE_ADVICE = "Check the bucket name, the endpoint and the credentials"
 STALE_UPLOAD_S = 24 * 3600.0  # untouched this long, a folder without a manifest is dead
-ETAG_CHECK_MAX = 8 << 20  # MD5-compare single-part objects up to this size (bigger ones: the
-# store validates the CRC32 checksum botocore sends with every PUT and part)
 
 
 @dataclass
@@ -369,13 +367,7 @@ class RemoteStore:
             where = f"{self.url}/{name}/{f.path}"
             if info is None:
                 raise OSError(f"{where}: not visible after upload")
-            if int(info.get("size") or 0) != f.size:
-                raise OSError(f"{where}: {info.get('size')} bytes after upload, expected {f.size}")
-            etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
-            if etag and "-" not in etag and len(etag) == 32 and f.size <= ETAG_CHECK_MAX:
-                digest = md5(os.path.join(local_dir, f.path))
-                if digest != etag:
-                    raise OSError(f"{where}: ETag {etag} does not match the local MD5 {digest}")
+            check_uploaded(info, where, f.size, os.path.join(local_dir, f.path))
 
     def _fsync_local(self, paths: list[str]) -> None:
         dirs = set()

@@ -38,6 +38,24 @@ def md5(path: str) -> str:
     return h.hexdigest()
 
 
+# MD5-compare single-part objects up to this size (bigger ones: the store validates the CRC32
+# checksum botocore sends with every PUT and part)
+ETAG_CHECK_MAX = 8 << 20
+
+
+def check_uploaded(info: Mapping[str, Any], where: str, size: int, local_path: str) -> None:
+    """An object just uploaded from ``local_path`` (``info``: the store's listing of it, at
+    ``where``) has the local file's size and, single-part up to :data:`ETAG_CHECK_MAX`, its
+    MD5 as ETag; else :class:`OSError` naming it."""
+    if int(info.get("size") or 0) != size:
+        raise OSError(f"{where}: {info.get('size')} bytes after upload, expected {size}")
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+    if etag and "-" not in etag and len(etag) == 32 and size <= ETAG_CHECK_MAX:
+        digest = md5(local_path)
+        if digest != etag:
+            raise OSError(f"{where}: ETag {etag} does not match the local MD5 {digest}")
+
+
 class RemoteNameTaken(FileExistsError):
     """:meth:`RemoteStore.upload`: ``name`` is a committed remote checkpoint of another commit
     (``key``: its run id and commit number), which the upload leaves alone."""
