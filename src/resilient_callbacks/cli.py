@@ -234,7 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dir", metavar="DIR", help=DIR_HELP)
     p.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
-    p.add_argument("--remove-corrupt", action="store_true", help="also delete corrupt checkpoints")
+    p.add_argument(
+        "--remove-corrupt",
+        action="store_true",
+        help="also delete corrupt checkpoints (not those corrupt only through a damaged shared "
+        "blob, which can be repaired: see --remove-blob-corrupt)",
+    )
+    p.add_argument(
+        "--remove-blob-corrupt",
+        action="store_true",
+        help="also delete the checkpoints corrupt only because a blob they share (incremental) "
+        "is missing or damaged; gc names the blob and its repair first",
+    )
     p.add_argument(
         "--other-runs",
         action="store_true",

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from . import catalog
+from .blob_damage import damage_note, damaged_blobs, only_blobs, repair_note
 from .blobs import BlobStore
 from .catalog import Depth, Entry, Status
 from .cli_format import (
@@ -171,6 +172,8 @@ def ls(args: argparse.Namespace) -> int:
     print(table(header, cells, right=frozenset({0, 2})))
     if note := node_part_note(rows):
         print(f"\n{note}")
+    if note := damage_note(entries, args.dir):  # one shared blob: which checkpoints, repair
+        print(f"\n{note}")
     unverified = [r for r in rows if r["status"] == UNVERIFIED]
     if any(r.get("tier") != "remote" for r in unverified):
         print(
@@ -268,7 +271,8 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         entries = [e for e in entries if e.name not in foreign]
     committed = _committed(entries, args)  # (a node's directory: what the remote holds)
     verified: set[str] = set()
-    if args.remove_corrupt:
+    every_corrupt = bool(getattr(args, "remove_blob_corrupt", False))
+    if args.remove_corrupt or every_corrupt:
         for e in entries:
             check(e)
             verified.add(e.name)
@@ -289,8 +293,13 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         for e in todo:
             check(e)
             verified.add(e.name)
+    damaged = damaged_blobs(entries)  # shared blobs: say the cause and the repair first
+    if damaged:
+        note = repair_note(damaged, args.dir, sum(e.manifest is not None for e in entries))
+        print(note, file=sys.stderr if args.json else sys.stdout)
     doomed: list[tuple[Entry, str]] = []
     for e in entries:
+        through = only_blobs(e, damaged)
         if e.status is Status.INCOMPLETE:
             doomed.append((e, f"incomplete ({e.problem})"))
         elif e.name in p.delete:
@@ -298,7 +307,14 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         elif args.other_runs and _other_run(e, run_id):
             assert e.manifest is not None
             doomed.append((e, f"checkpoint of another run ({e.manifest.run_id})"))
-        elif args.remove_corrupt and e.status is Status.CORRUPT and not _newer_format(e):
+        elif through and every_corrupt:
+            doomed.append((e, f"corrupt through the damaged blob(s) {', '.join(through)}"))
+        elif (
+            (args.remove_corrupt or every_corrupt)
+            and not through  # the blob can be repaired: only --remove-blob-corrupt deletes it
+            and e.status is Status.CORRUPT
+            and not _newer_format(e)
+        ):
             doomed.append((e, f"corrupt: {e.problem}"))
     gone = {e.name for e, _ in doomed}
 
@@ -306,7 +322,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         return public(row(e, Depth.FULL if e.name in verified else Depth.SIZE))
 
     delete = [facts(e) | {"why": why} for e, why in doomed]
-    keep = [facts(e) | _kept(e, p) for e in entries if e.name not in gone]
+    keep = [facts(e) | _kept(e, p) | _through(e, damaged) for e in entries if e.name not in gone]
     failed: list[dict[str, Any]] = []
     if not args.dry_run:  # first: a gc killed mid-way leaves `latest` naming one left
         _repoint_latest(root, gone, entries)
@@ -343,6 +359,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         keep=keep,
         blobs_deleted=blobs,
         blobs_since_newest=recent,
+        damaged_blobs=[dataclasses.asdict(d) for d in damaged.values()],
         writer_open=live,
     )
     if args.json:
@@ -354,7 +371,10 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         print(f"could not delete {_label(d)} ({d['why']}): {d['error']}", file=sys.stderr)
     for k in keep:
         why = "; ".join(k["kept_by"])
-        if k["status"] == CORRUPT:
+        if k.get("damaged_blobs"):
+            why = f"corrupt only through its damaged blob(s) {', '.join(k['damaged_blobs'])}: "
+            why += "repair it (above), or delete it with --remove-blob-corrupt"
+        elif k["status"] == CORRUPT:
             why = f"{k['problem']} ({why})" if why else str(k["problem"])
         print(f"keep {_label(k)}: {why}")
     if blobs:
@@ -376,7 +396,8 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
 def _gc_result(root: str, dry_run: bool, run_id: str | None = None, **found: Any) -> dict[str, Any]:
     """``gc --json``'s object: what was (or would be) deleted, kept, and failed."""
     result: dict[str, Any] = {"dir": root, "dry_run": dry_run, "run_id": run_id}
-    result |= {k: found.get(k, []) for k in ("delete", "failed", "keep", "blobs_deleted")}
+    keys = ("delete", "failed", "keep", "blobs_deleted", "damaged_blobs")
+    result |= {k: found.get(k, []) for k in keys}
     if dry_run:
         result["blobs_since_newest"] = found.get("blobs_since_newest", [])
         result["writer_open"] = bool(found.get("writer_open", False))
@@ -434,6 +455,13 @@ def _unused_blobs(root: str, gone: set[str]) -> tuple[list[str], list[str]]:
     unused = [n for n in names if n.startswith(TMP_PREFIX) or (NAME_RE.match(n) and n not in live)]
     recent = {n for n in unused if written_since(n)}
     return sorted(set(unused) - recent), sorted(recent)
+
+
+def _through(e: Entry, damaged: dict[str, Any]) -> dict[str, Any]:
+    """A kept checkpoint corrupt only through shared blobs: which (``gc --json``)."""
+    names = only_blobs(e, damaged)
+    why = "corrupt only through a damaged shared blob: repair it, or --remove-blob-corrupt"
+    return {"damaged_blobs": names, "kept_by": [why]} if names else {}
 
 
 def _label(r: dict[str, Any]) -> str:

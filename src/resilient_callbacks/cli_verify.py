@@ -98,6 +98,11 @@ def _report_verified(
 ) -> int:
     rows = [row(e, Depth.FULL) for e in chosen]
     status = report_verified(args, target.root, scope, rows, len(committed))
+    if status and scope != "newest" and not args.json:
+        from .blob_damage import damage_note
+
+        if note := damage_note(committed, args.dir):  # a shared blob: what else it corrupts
+            print(note, file=sys.stderr)
     if status and scope == "newest" and not args.json:
         bad = [r for r in rows if r["status"] != "valid"]
         what = "corrupt" if any(r["status"] != "incomplete" for r in bad) else "incomplete"

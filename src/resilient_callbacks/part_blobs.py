@@ -33,6 +33,7 @@ coordinator inside the commit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -53,7 +54,7 @@ from .blobs import (
 from .commit import fsync_dir
 from .errors import CheckpointCorruptError, CheckpointWriteError
 from .manifest import FileEntry, Manifest
-from .tensorfile import DirectBuffer
+from .tensorfile import DirectBuffer, digest_file
 from .unchanged import Sig, buffer_sig
 
 REFS_KEY = "blobs"  # a part file's safetensors metadata: {tensor name: blob name}, as JSON
@@ -79,11 +80,19 @@ class PartBlobs:
     ) -> PartBlobSession:
         return PartBlobSession(self, staging, rank, compress, direct, bounce, dict(hints or {}))
 
-    def committed(self, session: PartBlobSession) -> None:
+    def committed(self, session: PartBlobSession, manifest: Manifest | None = None) -> None:
         """This rank's save through ``session`` is committed: it is now the newest checkpoint,
-        and the blobs it names are the ones the next save may reference."""
-        self._known = {key_of(e.path): e for e in session.entries.values()}
-        self._checked.update(session.written_names)
+        and the blobs it names are the ones the next save may reference. ``manifest``: the
+        committed one, whose entries win (:func:`promote_staged` may have kept the stored copy
+        of a blob this rank staged, with other bytes)."""
+        entries = dict(session.entries)
+        if manifest is not None:
+            recorded = {b.path: b for b in manifest.blobs}
+            entries = {n: recorded.get(n, e) for n, e in entries.items()}
+        self._known = {key_of(e.path): e for e in entries.values()}
+        self._checked.update(
+            n for n in session.written_names if _same(entries[n], session.entries[n])
+        )
         self._forget_unknown()
 
     def restored(self, manifest: Manifest) -> None:
@@ -183,11 +192,21 @@ def parse_refs(meta: Mapping[str, str], where: str) -> dict[str, str]:
     return refs
 
 
+def _same(a: FileEntry, b: FileEntry) -> bool:
+    return (a.size, a.xxh3_64) == (b.size, b.xxh3_64)
+
+
 def promote_staged(staging: str, root: str, manifest: Manifest) -> None:
     """Coordinator, at commit, before the manifest is written: move the blobs the ranks staged
-    into the run's store (over a copy of the same name: the name is the content's hash), fsync
-    the store, and check that every blob ``manifest`` names is there. Raises
-    :class:`CheckpointWriteError` (nothing is committed) for one that is not."""
+    into the run's store, fsync the store, and check that every blob ``manifest`` names is
+    there. Raises :class:`CheckpointWriteError` (nothing is committed) for one that is not.
+
+    A name is the hash of the tensor, not of the stored bytes: a compressed blob of the same
+    tensor can have other bytes (another zstd version), and the manifests that name it record
+    the checksum of the stored bytes. So a stored blob of that name that verifies against a
+    committed manifest is never replaced: the staged copy is dropped and ``manifest`` is made
+    to name the stored bytes. One no manifest records with its bytes (damaged, or a crash's
+    leftover) is replaced."""
     staged = os.path.join(staging, BLOBS_DIR)
     store = os.path.join(root, BLOBS_DIR)
     try:
@@ -196,7 +215,21 @@ def promote_staged(staging: str, root: str, manifest: Manifest) -> None:
         names = []
     if names:
         os.makedirs(store, exist_ok=True)
+        recorded: dict[str, list[FileEntry]] | None = None
         for name in names:
+            if os.path.exists(os.path.join(store, name)):
+                if recorded is None:
+                    recorded = _recorded(root)
+                kept = _verified(store, name, recorded.get(name, []))
+                if kept is not None:  # whole, and older checkpoints name these bytes
+                    os.unlink(os.path.join(staged, name))
+                    manifest.blobs = [
+                        dataclasses.replace(b, size=kept.size, xxh3_64=kept.xxh3_64)
+                        if b.path == name
+                        else b
+                        for b in manifest.blobs
+                    ]
+                    continue
             os.replace(os.path.join(staged, name), os.path.join(store, name))
         fsync_dir(store)
     if os.path.isdir(staged):
@@ -209,3 +242,29 @@ def promote_staged(staging: str, root: str, manifest: Manifest) -> None:
             f"the blob store {store} lacks {len(missing)} blob(s) the checkpoint names "
             f"(first: {missing[0]}); was it changed by another process?"
         )
+
+
+def _recorded(root: str) -> dict[str, list[FileEntry]]:
+    """blob name -> the entries the committed manifests of ``root`` record for it."""
+    from .catalog import Depth, scan
+
+    out: dict[str, list[FileEntry]] = {}
+    for e in scan(root, Depth.NONE):
+        for b in e.manifest.blobs if e.manifest is not None else ():
+            out.setdefault(b.path, []).append(b)
+    return out
+
+
+def _verified(store: str, name: str, recorded: list[FileEntry]) -> FileEntry | None:
+    """The entry of ``recorded`` the stored blob ``name`` matches (size and xxh3-64), or None."""
+    path = os.path.join(store, name)
+    for b in {(b.size, b.xxh3_64): b for b in recorded}.values():
+        try:
+            if (
+                os.path.getsize(path) == b.size
+                and digest_file(path, like=b.xxh3_64).xxh3_64 == b.xxh3_64
+            ):
+                return b
+        except OSError:
+            return None
+    return None

@@ -322,7 +322,7 @@ def _record(
         assert prepared.blobs is not None
         saver.tracker.record(prepared.watch, prepared.blobs.keys)
     if saver.part_blobs is not None and prepared is not None and prepared.part_blobs is not None:
-        saver.part_blobs.committed(prepared.part_blobs)
+        saver.part_blobs.committed(prepared.part_blobs, _committed_manifest(done.path))
         if prepared.parts is not None:
             saver.part_buffers.committed(prepared.parts, prepared.part_blobs.keys)
     elapsed = time.perf_counter() - t0
@@ -350,3 +350,14 @@ def _record(
         ", in the background" if background else "",
         done.path,
     )
+
+
+def _committed_manifest(path: str) -> Any:
+    """The manifest just committed at ``path`` (its blob entries are the ones stored), or
+    None where it cannot be read (then the save's own entries are trusted)."""
+    from .manifest import read_manifest
+
+    try:
+        return read_manifest(path)
+    except Exception:  # (deleted by retention meanwhile, a node-local directory)
+        return None

@@ -235,11 +235,15 @@ def download(store: RemoteStore, manifest: Manifest, local_root: str, staging: s
     it is renamed into place; one already there and intact is not fetched again. Where the
     local store holds a different file of that name (another compression of the same tensor,
     which local checkpoints may name), the blob goes into the checkpoint's own
-    ``<staging>/blobs`` instead: a local blob is never replaced."""
+    ``<staging>/blobs`` instead: a local blob that a local manifest records is never
+    replaced. One that no local manifest records with its size and checksum (damaged, so
+    every local checkpoint naming it is corrupt, or a crash's leftover) is replaced by the
+    verified copy: that repairs those local checkpoints where the bytes are the same."""
     if not manifest.blobs:
         return
     shared = store_dir(local_root)
     fetched: set[str] = set()
+    recorded: dict[str, set[tuple[int, str]]] | None = None
     for b in manifest.blobs:
         target = shared
         dest = os.path.join(target, b.path)
@@ -247,8 +251,13 @@ def download(store: RemoteStore, manifest: Manifest, local_root: str, staging: s
             d = digest_file(dest, like=b.xxh3_64)
             if (d.size, d.xxh3_64) == (b.size, b.xxh3_64):
                 continue
-            target = store_dir(staging)
-            dest = os.path.join(target, b.path)
+            if recorded is None:
+                recorded = _recorded(local_root)
+            if (d.size, d.xxh3_64) in recorded.get(b.path, ()):
+                target = store_dir(staging)  # another checkpoint's whole copy: kept
+                dest = os.path.join(target, b.path)
+            else:  # damaged (or a leftover): the verified copy repairs the store
+                log.warning("%s is damaged or unknown; replacing it with a verified copy", dest)
         os.makedirs(target, exist_ok=True)
         tmp = os.path.join(target, f"{TMP_PREFIX}{key_of(b.path)}-{uuid.uuid4().hex[:8]}")
         try:
@@ -269,3 +278,14 @@ def download(store: RemoteStore, manifest: Manifest, local_root: str, staging: s
             raise
     for target in fetched:
         fsync_dir(target)
+
+
+def _recorded(local_root: str) -> dict[str, set[tuple[int, str]]]:
+    """blob name -> the (size, xxh3-64) the committed local manifests record for it."""
+    from .catalog import Depth, scan
+
+    out: dict[str, set[tuple[int, str]]] = {}
+    for e in scan(local_root, Depth.NONE):
+        for b in e.manifest.blobs if e.manifest is not None else ():
+            out.setdefault(b.path, set()).add((b.size, b.xxh3_64))
+    return out

@@ -1,0 +1,115 @@
+"""A damaged blob that checkpoints share (``incremental=True``): the commands name it with the
+checkpoints it makes corrupt and its repair; ``gc --remove-corrupt`` does not delete those
+checkpoints (the blob can be repaired) unless ``--remove-blob-corrupt`` says so; ``pull``
+repairs it; a commit never replaces a stored blob that verifies (``promote_staged``)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from resilient_callbacks import Checkpointer, catalog
+from resilient_callbacks.catalog import Depth, Status
+from resilient_callbacks.manifest import read_manifest
+from test_incremental import _cli, _model, _state, _train_step
+
+
+def _run(root, url: str | None = None) -> str:
+    """Three incremental saves; the name of a blob all three name (the frozen trunk's)."""
+    state = _state(_model())
+    with Checkpointer(root, incremental=True, async_save=False, remote=url) as ck:
+        for step in (1, 2, 3):
+            _train_step(state, step)
+            ck.save(step, state)
+    names = [{b.path for b in read_manifest(e.path).blobs} for e in catalog.scan(str(root))]
+    return sorted(set.intersection(*names))[0]
+
+
+def _damage(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-4] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _statuses(root) -> list[Status]:
+    return [e.status for e in catalog.scan(str(root), Depth.FULL)]
+
+
+def test_gc_remove_corrupt_names_a_damaged_shared_blob_and_keeps_what_it_alone_corrupts(
+    tmp_path, capsys
+):
+    """One damaged blob of the frozen trunk made ``gc --remove-corrupt`` delete every
+    checkpoint of the run, then the blob, saying only 'corrupt' for each: a repairable blob
+    cost the whole run. gc now names the blob, the checkpoints it corrupts and the repair, and
+    keeps them; ``--remove-blob-corrupt`` (an explicit choice) deletes them."""
+    root = tmp_path / "run"
+    blob = _run(root)
+    _damage(root / "blobs" / blob)
+    rc, out = _cli(capsys, "gc", str(root), "--remove-corrupt")
+    assert rc == 0
+    assert f"blob {blob} is damaged or missing" in out, out
+    assert "step_000000001, step_000000002, step_000000003" in out and "pull" in out, out
+    assert "deleted step_" not in out and "--remove-blob-corrupt" in out, out
+    assert (root / "blobs" / blob).exists() and _statuses(root) == [Status.CORRUPT] * 3
+    for cmd in (["ls", str(root)], ["verify", str(root), "--all"]):  # the same note
+        from resilient_callbacks.cli import main
+
+        capsys.readouterr()
+        main(cmd)
+        said = "".join(capsys.readouterr())
+        assert f"blob {blob} is damaged" in said and "step_000000002" in said, (cmd, said)
+    rc, out = _cli(capsys, "gc", str(root), "--remove-corrupt", "--json")
+    said = json.loads(out)
+    assert [d["name"] for d in said["damaged_blobs"]] == [blob] and not said["delete"]
+    assert all(k["damaged_blobs"] == [blob] for k in said["keep"])
+    rc, out = _cli(capsys, "gc", str(root), "--remove-blob-corrupt")
+    assert rc == 0 and out.index(f"blob {blob}") < out.index("deleted step_"), out
+    assert catalog.scan(str(root)) == []
+
+
+def test_pull_repairs_a_damaged_shared_blob_in_the_local_store(tmp_path, capsys):
+    """``pull URL DIR`` put the remote's copy of a damaged local blob into the pulled
+    checkpoint's own folder and left the store's damaged: every older checkpoint naming it
+    stayed corrupt. A local blob no local manifest records with its bytes is replaced by the
+    verified copy, which repairs them all."""
+    root = tmp_path / "run"
+    url = f"file://{tmp_path}/durable"
+    blob = _run(root, url)
+    _damage(root / "blobs" / blob)
+    assert _cli(capsys, "pull", url, str(root))[0] == 0
+    assert _statuses(root) == [Status.VALID] * 3
+    assert not (root / "step_000000003" / "blobs").exists()
+
+
+def test_a_commit_never_replaces_a_stored_blob_that_verifies_with_other_bytes(
+    tmp_path, monkeypatch
+):
+    """A blob's name hashes the tensor, the manifest's checksum the stored bytes: a compressed
+    part blob of the same tensor can have other bytes (another zstd version between runs). A
+    new run in the same directory (no restore) staged the frozen tensor again and
+    ``promote_staged`` replaced the stored copy: the older checkpoint naming it failed
+    verification. The stored copy is kept and the new manifest names its bytes."""
+    import pytest
+
+    pytest.importorskip("zstandard")
+    from resilient_callbacks import compression
+    from test_part_blobs import FrozenAndTrained, _train
+
+    root = tmp_path / "ck"
+    part = FrozenAndTrained()
+    with Checkpointer(root, incremental=True, compression="zstd", preemption=False) as ck:
+        _train(part, 1)
+        ck.save(1, {"engine": part})
+    real = compression.compressor
+    monkeypatch.setattr(compression, "compressor", lambda level: real(level + 5))  # "upgrade"
+    with Checkpointer(root, incremental=True, compression="zstd", preemption=False) as ck:
+        for step in (2, 3):  # no restore: the frozen tensor is staged again
+            _train(part, step)
+            ck.save(step, {"engine": part})
+    assert _statuses(root) == [Status.VALID] * 3
+    fresh = FrozenAndTrained()
+    fresh.frozen.zero_()
+    with Checkpointer(root, resume=str(root / "step_000000001"), preemption=False) as ck:
+        assert ck.restore({"engine": fresh}) == 1
+    assert torch.equal(fresh.frozen, part.frozen)
