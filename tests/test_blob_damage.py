@@ -113,3 +113,26 @@ def test_a_commit_never_replaces_a_stored_blob_that_verifies_with_other_bytes(
     with Checkpointer(root, resume=str(root / "step_000000001"), preemption=False) as ck:
         assert ck.restore({"engine": fresh}) == 1
     assert torch.equal(fresh.frozen, part.frozen)
+
+
+def test_gc_remote_remove_corrupt_keeps_remote_checkpoints_a_torn_shared_blob_corrupts(
+    tmp_path, capsys
+):
+    """A torn remote blob shared by every remote checkpoint made ``gc DIR --remote URL
+    --remove-corrupt`` delete every remote checkpoint (perhaps the only durable copies), though
+    ``push DIR URL`` repairs the blob from the whole local copy. They are kept, the note names
+    push; ``--remove-blob-corrupt`` deletes them."""
+    root = tmp_path / "run"
+    url = f"file://{tmp_path}/durable"
+    blob = _run(root, url)
+    remote_blob = tmp_path / "durable" / "blobs" / blob
+    remote_blob.write_bytes(remote_blob.read_bytes()[:1000])
+    args = ["gc", str(root), "--remote", url, "--keep-last", "5"]
+    out = _cli(capsys, *args, "--remove-corrupt", "--json")[1]
+    remote = json.loads(out)["remote"]
+    assert not remote["delete"] and len(remote["keep"]) == 3, remote
+    assert all("push" in k["why"] and blob in k["why"] for k in remote["keep"]), remote
+    out = _cli(capsys, *args, "--remove-blob-corrupt", "--dry-run", "--json")[1]
+    assert len(json.loads(out)["remote"]["delete"]) == 3
+    assert _cli(capsys, "push", str(root), url)[0] == 0  # the repair
+    assert _cli(capsys, "verify", url, "--all")[0] == 0

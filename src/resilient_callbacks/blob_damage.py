@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .blobs import blob_path
 from .catalog import Depth, Entry, Status, _problem
+
+REMOTE_BLOB_PROBLEM = "the blob "  # how remote.py's scan says a blob is missing or torn
 
 
 @dataclass
@@ -95,3 +98,18 @@ def damage_note(entries: list[Entry], where: str) -> str | None:
     if not damaged:
         return None
     return repair_note(damaged, where, sum(e.manifest is not None for e in entries))
+
+
+def remote_keep_note(problem: str | None, args: Any) -> str | None:
+    """Why ``gc --remote URL --remove-corrupt`` keeps a remote checkpoint whose only problem
+    (``problem``, as :meth:`.remote.RemoteStore.scan` says it) is a missing or torn remote
+    blob, which ``push`` repairs; None when it does not keep it for that reason
+    (``--remove-blob-corrupt`` deletes it)."""
+    if not problem or not problem.startswith(REMOTE_BLOB_PROBLEM) or not args.remove_corrupt:
+        return None
+    if getattr(args, "remove_blob_corrupt", False):
+        return None
+    return (
+        f"corrupt only through a shared blob: {problem}; `resilient-ckpt push {args.dir} "
+        f"{args.remote}` uploads a whole local copy again (--remove-blob-corrupt deletes it)"
+    )

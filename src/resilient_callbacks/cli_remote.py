@@ -365,6 +365,7 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
     import time
 
     from . import remote_blobs
+    from .blob_damage import remote_keep_note
 
     st = store(args.remote, args.option)
     entries = st.scan()
@@ -396,7 +397,9 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
             doomed.append((e, "not kept by the remote retention"))
         elif args.other_runs and run_id is not None and m.run_id != run_id:
             doomed.append((e, f"checkpoint of another run ({m.run_id})"))
-        elif args.remove_corrupt and e.problem is not None:
+        elif why := remote_keep_note(e.problem, args):  # a torn blob: push repairs it
+            kept.append((e, why))
+        elif e.problem and (args.remove_corrupt or getattr(args, "remove_blob_corrupt", 0)):
             doomed.append((e, f"corrupt: {e.problem}"))
         else:
             kept.append((e, "; ".join(p.keep.get(e.name, []))))
