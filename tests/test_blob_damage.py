@@ -136,3 +136,21 @@ def test_gc_remote_remove_corrupt_keeps_remote_checkpoints_a_torn_shared_blob_co
     assert len(json.loads(out)["remote"]["delete"]) == 3
     assert _cli(capsys, "push", str(root), url)[0] == 0  # the repair
     assert _cli(capsys, "verify", url, "--all")[0] == 0
+
+
+def test_restore_with_every_checkpoint_corrupt_through_a_blob_points_at_verify_all(tmp_path):
+    """Every checkpoint corrupt through one damaged blob: restore refused (loudly) and advised
+    only `verify`/`gc --remove-corrupt`; it now names `verify DIR --all`, which names the blob
+    and its repair (gc no longer deletes them)."""
+    import pytest
+
+    from resilient_callbacks.errors import NoValidCheckpointError
+
+    root = tmp_path / "run"
+    _damage(root / "blobs" / _run(root))
+    said = r"verify .* --all` names a blob they share"
+    with (
+        pytest.raises(NoValidCheckpointError, match=said),
+        Checkpointer(root, incremental=True, async_save=False) as ck,
+    ):
+        ck.restore(_state(_model()))

@@ -146,9 +146,9 @@ class Restorer:
                 "\nEach was deleted while it was read: another process writes this directory "
                 "and its retention keeps few checkpoints; try again, or raise its keep_last."
                 if gone
-                else "\nRefusing to start from scratch silently. Repair or remove the bad "
-                "checkpoints (`resilient-ckpt verify`/`gc --remove-corrupt`), pass "
-                "resume=<path or step> of a good one, or resume='never' to start fresh."
+                else "\nRefusing to start from scratch silently. Repair or remove them "
+                f"(`resilient-ckpt verify {ck.dirpath} --all` names a blob they share; `gc "
+                "--remove-corrupt`), pass resume=<path or step> of a good one, or resume='never'."
             )
         )
 
