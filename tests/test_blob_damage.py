@@ -52,7 +52,8 @@ def test_gc_remove_corrupt_names_a_damaged_shared_blob_and_keeps_what_it_alone_c
     assert "step_000000001, step_000000002, step_000000003" in out and "pull" in out, out
     assert "deleted step_" not in out and "--remove-blob-corrupt" in out, out
     assert (root / "blobs" / blob).exists() and _statuses(root) == [Status.CORRUPT] * 3
-    for cmd in (["ls", str(root)], ["verify", str(root), "--all"]):  # the same note
+    export = ["export", str(root), str(tmp_path / "out")]
+    for cmd in (["ls", str(root)], ["verify", str(root), "--all"], export):  # the same note
         from resilient_callbacks.cli import main
 
         capsys.readouterr()

@@ -148,9 +148,13 @@ def newest_valid(entries: list[Entry], root: str, depth: Depth = Depth.FULL) -> 
             return Selection(root, e, tuple(skipped + unordered(entries, e.step)), depth)
         skipped.append(e)
     skipped += unordered(entries, None)
+    from .blob_damage import damage_note
+
+    note = damage_note(skipped, root)  # one damaged blob they share: which, and its repair
     raise NoValidCheckpointError(
         f"no valid checkpoint in {root}: all {len(entries)} are corrupt:\n  - "
         + "\n  - ".join(f"{describe(s)}: {s.problem}" for s in skipped)
+        + (f"\n{note}" if note else "")
     )
 
 
