@@ -418,6 +418,25 @@ def test_ckpt_path_last_resumes_from_ours_when_ours_is_as_new(tmp_path, mc_every
         assert again == {s: ref[s] for s in again}
 
 
+def test_ckpt_path_last_takes_ours_of_the_same_step_written_before_lightnings(tmp_path):
+    """Found 2026-12-06 under DDP (tests/test_lightning_setups.py, -m slow): a run resumed in
+    its last steps, in which the ModelCheckpoint saved nothing, gets Lightning's last.ckpt
+    written in on_train_end, after our final checkpoint of the same step committed; run again,
+    fit(ckpt_path="last") took Lightning's file (newer by its time), which holds no random
+    streams: the re-run did not end as the run did. The same step is as new: ours is taken."""
+    work, ck = tmp_path / "run", tmp_path / "run" / "ck"
+    with pytest.raises(_Killed):
+        _fit_from_last(work, {}, [ResilientCheckpoint(ck, every_n_steps=4), _KillAt(18)], 8)
+    rc = ResilientCheckpoint(ck, every_n_steps=4)
+    _fit_from_last(work, {}, [rc], 8)  # from our step 16 (Lightning's last.ckpt: 16 too) to 20
+    assert rc.restored_step == 16
+    ours = os.path.getmtime(ck / "step_000000020" / "manifest.json")
+    os.utime(work / "mc" / "last.ckpt", (ours + 5, ours + 5))  # written later (as under DDP)
+    rc = ResilientCheckpoint(ck, every_n_steps=4)
+    _fit_from_last(work, {}, [rc], 8)
+    assert rc.restored_step == 20
+
+
 class _Clock:
     """Lightning's Timer reads ``time.monotonic()``: here each training batch takes 1 s."""
 

@@ -7,9 +7,10 @@ or more, and which resume exactly (Lightning's files hold no random streams). So
 keeps ``fit(ckpt_path="last")`` with a ``ModelCheckpoint(save_last=True)`` resumed, after each
 kill, from Lightning's file: not exactly (silently when that file was of the same step as our
 newest), or from an older step. A path Lightning's ``"last"`` can pick is taken to mean "the
-newest checkpoint": when our newest committed checkpoint in ``dirpath`` was written no earlier
-than that file, the fit resumes from ours, as without ``ckpt_path`` (the one rule Lightning
-applies among its own candidates). Any other path (``"best"``, a file named) wins as before.
+newest checkpoint": when our newest committed checkpoint in ``dirpath`` is of that file's step or
+later (read from the file with ``weights_only``; where it cannot be, written no earlier, the
+one rule Lightning applies among its own candidates), the fit resumes from ours, as without
+``ckpt_path``. Any other path (``"best"``, a file named) wins as before.
 
 Every rank calls :func:`prefers_ours` and gets global rank 0's answer (one collective when a
 process group is up).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -39,18 +41,35 @@ def _last_files(trainer: Any) -> set[str]:
     return {os.path.realpath(p) for p in found if p}
 
 
+def _step_of(path: str) -> int | None:
+    """The ``global_step`` in Lightning's file, read without unpickling anything but plain
+    values (``weights_only``); ``None`` when it cannot be read so."""
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # an older format, or objects weights_only refuses
+        return None
+    step = loaded.get("global_step") if isinstance(loaded, dict) else None
+    return step if isinstance(step, int) else None
+
+
 def _newer_of_ours(path: str, dirpath: str) -> str | None:
-    """Our newest committed checkpoint in ``dirpath`` if written no earlier than ``path``."""
+    """Our newest committed checkpoint in ``dirpath`` if it is as new as ``path``: of the same
+    step or later (Lightning's ``ModelCheckpoint`` writes a ``last.ckpt`` in ``on_train_end``
+    of a fit in which it saved nothing, after our final checkpoint of that step), or, where
+    the file's step cannot be read, written no earlier."""
     entries = [e for e in catalog.scan(dirpath) if e.status is catalog.Status.VALID]
     if not entries:
         return None
-    newest = entries[-1].path
+    newest = entries[-1]
+    theirs = _step_of(path)
+    if theirs is not None and newest.step is not None:
+        return newest.path if newest.step >= theirs else None
     try:
-        ours = os.path.getmtime(os.path.join(newest, MANIFEST_NAME))
-        theirs = os.path.getmtime(path)
+        ours_time = os.path.getmtime(os.path.join(newest.path, MANIFEST_NAME))
+        theirs_time = os.path.getmtime(path)
     except OSError:
         return None
-    return newest if ours >= theirs else None
+    return newest.path if ours_time >= theirs_time else None
 
 
 def prefers_ours(trainer: Any, checkpoint_path: Any, dirpath: str) -> bool:
