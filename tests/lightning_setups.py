@@ -165,7 +165,10 @@ class Net(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+        # (synced across DDP ranks: a callback's state, EarlyStopping's best score, is saved
+        # from rank 0, as in Lightning's checkpoints; unsynced, rank 1's differed after a resume)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("val_loss", loss, sync_dist=self.opts.devices > 1)
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
@@ -215,7 +218,13 @@ class ReportRestore(L.Callback):
 
     def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
         step = (self.rc.restored_step if self.rc else None) or 0
-        print(f"restored step {step} at global_step {trainer.global_step}", file=sys.stderr)
+        if trainer.global_rank == 0:
+            print(f"restored step {step} at global_step {trainer.global_step}", file=sys.stderr)
+        else:
+            print(
+                f"rank {trainer.global_rank} restored {step} at {trainer.global_step}",
+                file=sys.stderr,
+            )
         sys.stderr.flush()
 
 
@@ -290,10 +299,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--no-callback", action="store_true")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per training batch")
+    p.add_argument("--devices", type=int, default=1, help="2: DDP, launched as Lightning does")
+    p.add_argument("--max-steps", type=int, default=None, help="overrides the set-up's max_steps")
+    p.add_argument("--max-time", type=float, default=None, help="Timer(duration=...) in seconds")
     opts = p.parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
-    rec = Record(os.path.join(opts.work, "out.jsonl"))
+    rank = os.environ.get("LOCAL_RANK", "0")  # set in the processes Lightning launches
+    rec = Record(
+        os.path.join(opts.work, "out.jsonl" + (f".rank{rank}" if opts.devices > 1 else ""))
+    )
     model = Net(rec, opts)
     trainer_ref: list = []
     rc = (
@@ -330,8 +345,14 @@ def main(argv: list[str] | None = None) -> None:
                 save_last=True,
             )
         )
+    if opts.max_time is not None:
+        callbacks.append(L.pytorch.callbacks.Timer(duration={"seconds": opts.max_time}))
     kwargs = dict(SETUPS[opts.setup])
     kwargs.setdefault("max_epochs", 4)
+    if opts.max_steps is not None:
+        kwargs["max_steps"] = opts.max_steps
+    if opts.devices > 1:
+        kwargs.update(devices=opts.devices, strategy="ddp")
     trainer = L.Trainer(
         accelerator="cpu",
         callbacks=callbacks,
@@ -361,6 +382,13 @@ def main(argv: list[str] | None = None) -> None:
             trainer.fit_loop.epoch_loop.max_steps = 45
         trainer.fit(model, loader, val)
         _end(rec, trainer, model, 2)
+    if opts.devices > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # both ranks recorded their end
+        dist.destroy_process_group()
+        for proc in getattr(trainer.strategy.launcher, "procs", []):
+            proc.wait()  # rank 0 (the process started) ends after the ranks it launched
 
 
 if __name__ == "__main__":

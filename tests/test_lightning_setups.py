@@ -17,6 +17,11 @@ True)`` with ``fit(ckpt_path="last")`` (ours resume: as new as Lightning's file)
 ``fit()`` stages set by ``max_steps``, the first ending in the middle of an epoch. An ``IterableDataset`` without state is
 only compared uninterrupted: a mid-epoch resume restarts its epoch (docs/lightning.md).
 
+On two DDP ranks (``--devices 2``: ``strategy="ddp"``, rank 1 launched by Lightning, gloo):
+two ``max_steps`` stages, ``EarlyStopping`` mid-epoch, ``ckpt_path="last"`` and a ``max_steps``
+run ending mid-epoch, each killed at a random batch and then right after its last step's
+boundary (during the final save), run again, and once more when finished.
+
 Each set-up takes 30-60 s (five processes): ``-m slow``.
 """
 
@@ -26,6 +31,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -176,3 +182,94 @@ def test_a_setup_is_unchanged_by_the_callback_and_resumes_exactly_after_sigkills
         stage1_end = next(r["gs"] for r in reference if r["ev"] == "end" and r["fit"] == 1)
         merged = [r for r in merged if r["ev"] != "end" or r["fit"] != 1 or r["gs"] == stage1_end]
     _same(reference, merged, "killed and resumed")
+
+
+def _restored_ranks(err: Path) -> list[int]:
+    """Each rank's restored step (rank 0: ``restored step N``, rank 1: ``rank 1 restored N``)."""
+    text = err.read_text()  # (both ranks write to it: lines may run together)
+    first = [
+        re.search(pattern, text) for pattern in (r"restored step (\d+)", r"rank 1 restored (\d+)")
+    ]
+    steps = [int(m.group(1)) if m else None for m in first]  # the first fit()'s
+    assert None not in steps, err.read_text()[-3000:]
+    return steps  # type: ignore[return-value]
+
+
+def _merged(out: Path, segments: list[tuple[int, Path]], rank: int) -> list[dict]:
+    """One rank's records of the killed processes, each up to the step the next resumed at."""
+    merged: list[dict] = []
+    for i, (offset, _) in enumerate(segments):
+        end = segments[i + 1][0] if i + 1 < len(segments) else None
+        records = _records(out, offset, end)
+        if end is not None:
+            resumed = _restored_ranks(segments[i + 1][1])[rank]
+            cut = [
+                j + 1 for j, r in enumerate(records) if r["ev"] == "boundary" and r["gs"] == resumed
+            ]
+            records = records[: cut[-1]] if cut else []
+        merged += records
+    return merged
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "setup, more",
+    [
+        ("refit_steps", ()),
+        ("early_mid", ()),
+        ("ckpt_last", ()),
+        ("val_float", ("--max-steps", "23")),
+    ],
+)
+def test_ddp_setup_sigkilled_and_rerun_ends_as_the_uninterrupted_run(tmp_path, setup, more):
+    """The same set-ups on two DDP ranks (gloo, ``strategy="ddp"`` launched by Lightning):
+    killed (the whole process group) at a random batch, then right after the last step's
+    boundary (during the final save), and run again, each rank's records up
+    to each resume, then the last run's, are the uninterrupted run's; both ranks resume the
+    same step; a further re-run of the finished run trains nothing and ends as it did."""
+    ddp = ("--devices", "2", *more)
+    without, ref = _start(tmp_path / "without", setup, "--no-callback", *ddp)
+    _finish(without, ref)
+    reference = [_records(tmp_path / "without" / f"out.jsonl.rank{r}") for r in (0, 1)]
+    batches = sum(1 for r in reference[0] if r["ev"] == "train")
+    rng = random.Random(f"{SEED}-{setup}-ddp")
+    work = tmp_path / "killed"
+    out = [work / f"out.jsonl.rank{r}" for r in (0, 1)]
+    segments: list[list[tuple[int, Path]]] = [[], []]
+    final = [x["gs"] for x in reference[0] if x["ev"] == "end"][-1]
+    for kill_at in [rng.randint(2, batches * 4 // 5), "final", None]:
+        offsets = [o.stat().st_size if o.exists() else 0 for o in out]
+        proc, err = _start(work, setup, "--sleep", "0.03", *ddp)
+        for r in (0, 1):
+            segments[r].append((offsets[r], err))
+        if kill_at is None:
+            _finish(proc, err)
+            break
+        deadline = time.monotonic() + TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline:
+            records = _records(out[0], offsets[0]) if out[0].exists() else []
+            if kill_at == "final":  # during the last step's save (its boundary started it)
+                due = any(r["ev"] == "boundary" and r["gs"] == final for r in records)
+            else:
+                due = sum(1 for r in records if r["ev"] == "train") >= kill_at
+            if due:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.005)
+        proc.wait(timeout=60)
+    for _, err in segments[0][1:]:
+        steps = _restored_ranks(err)
+        assert steps[0] == steps[1], f"the ranks resumed different steps: {steps}"
+    for r in (0, 1):
+        merged = _merged(out[r], segments[r], r)
+        if setup == "refit_steps":  # a re-run's first stage that trained nothing records an end
+            stage1 = next(x["gs"] for x in reference[r] if x["ev"] == "end" and x["fit"] == 1)
+            merged = [x for x in merged if x["ev"] != "end" or x["fit"] != 1 or x["gs"] == stage1]
+        _same(reference[r], merged, f"rank {r} killed and resumed")
+    offsets = [o.stat().st_size for o in out]
+    proc, err = _start(work, setup, *ddp)  # the finished run, run again
+    _finish(proc, err)
+    for r in (0, 1):
+        again = [x for x in _records(out[r], offsets[r]) if x["ev"] != "boundary"]
+        assert not [x for x in again if x["ev"] in ("train", "val")], again[:3]
+        assert again[-1] == [x for x in reference[r] if x["ev"] == "end"][-1], f"rank {r}"
