@@ -19,6 +19,13 @@ ENV = {
 }
 
 
+def _sigint_default() -> None:
+    """In the child before it starts: SIGINT as a terminal gives it. A suite started in the
+    background of a non-interactive shell ignores SIGINT, and its children inherit that (their
+    Ctrl-C would be ignored, as the CLI rightly leaves an ignored SIGINT alone)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_gc_killed_mid_way_never_leaves_latest_naming_a_deleted_checkpoint(tmp_path):
     """``gc --remove-corrupt`` killed (SIGKILL) right after it deleted the corrupt newest
     checkpoint (and the corrupt one before it): the advisory ``latest`` file still named it (gc re-pointed it only after every
@@ -59,6 +66,7 @@ def test_ls_json_interrupted_while_printing_prints_whole_json_and_exits_130(tmp_
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=ENV,
+        preexec_fn=_sigint_default,
     )
     assert p.stdout is not None and p.stderr is not None
     fcntl.fcntl(p.stdout.fileno(), 1031, 4096)  # F_SETPIPE_SZ: a pipe of one page
@@ -101,7 +109,7 @@ def test_ctrl_c_while_torch_imports_stops_gc_before_it_deletes(tmp_path):
     )
     r = subprocess.run(
         [sys.executable, "-c", script, str(root)], env=ENV, capture_output=True, text=True,
-        timeout=120,
+        timeout=120, preexec_fn=_sigint_default,
     )  # fmt: skip
     assert r.returncode == 130, (r.stdout, r.stderr)
     assert "interrupted" in r.stderr and "deleted" not in r.stdout, r.stdout
