@@ -99,3 +99,33 @@ def _assert_remote_sound_committed(remote: Path) -> None:
     for manifest in remote.glob("step_*/manifest.json"):
         for f in json.loads(manifest.read_text())["files"]:
             assert (manifest.parent / f["path"]).stat().st_size == f["size"], (manifest, f)
+
+
+def test_a_fast_node_keeps_its_uploaded_part_until_the_remote_commit(tmp_path):
+    """Every 5th save uploaded (step 10), keep_last=3; node 0 uploads slowly, node 1 uploads
+    its part of step 10 at once, and both are killed at step 16 before node 0's part arrived.
+    Node 1's retention had deleted its copy of step 10 as soon as it was uploaded: the re-run
+    (same disks) uploaded node 0's part again, but node 1 had nothing to upload or report, so
+    step 10, the newest checkpoint due for the remote, was never committed and a resume on
+    fresh nodes found nothing there. Node 1 now keeps its part until the remote commit."""
+    _run(
+        tmp_path,
+        "first",
+        2,
+        "--steps",
+        "16",
+        "--remote-every",
+        "5",
+        "--kill-at",
+        "16",
+        expect=-9,
+        RC_SLOW_UPLOADS=60,
+        RC_SLOW_NODE=0,
+        RC_KILL_ONCE_UPLOADED=1,
+    )
+    assert "step_000000010" in _kept(tmp_path, 1), _kept(tmp_path, 1)
+    out = _run(tmp_path, "second", 2, "--steps", "16", "--remote-every", "5")
+    assert [rank[0]["restored"] for rank in out] == [16, 16]
+    committed = sorted(p.parent.name for p in (tmp_path / "remote").glob("step_*/manifest.json"))
+    assert committed == ["step_000000010"], committed
+    _assert_remote_sound_committed(tmp_path / "remote")

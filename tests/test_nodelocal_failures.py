@@ -510,6 +510,12 @@ def worker(base: str, argv: list[str]) -> None:
         ck.step(step, state)
         if step == a.kill_at:
             ck.flush()
+            uploader = getattr(ck._dir, "uploader", None)
+            if os.environ.get("RC_KILL_ONCE_UPLOADED") and os.environ.get("RC_SLOW_NODE") != str(
+                node
+            ):  # the fast node's uploads (and the retention after each) are done
+                while uploader is not None and uploader.pending():
+                    time.sleep(0.02)
             os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.get("RC_FINAL_SAVE"):  # as the DeepSpeed launcher ends: step saved already
         assert not ck.save(a.steps, state, final=True)

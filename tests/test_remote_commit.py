@@ -288,3 +288,40 @@ def test_a_backlog_drops_the_superseded_never_the_oldest_being_uploaded(tmp_path
     finally:
         committer.stop()
         up.stop()
+
+
+def test_a_node_holds_its_uploaded_part_until_the_remote_commit_is_settled(tmp_path):
+    """A node's part, once uploaded, stays held on its disk until the coordinator says the
+    checkpoint is committed remotely or dropped (a save's outcome, or close's last word):
+    deleted earlier, a crash before the other node's part arrived left a checkpoint that no
+    run could commit. A commit given up stays held: a later run commits it."""
+    _, files, key, m, committer, up = _setup(tmp_path)
+    try:
+        committer.expect(key, "step_000000002", encode_json(m.to_json()))
+        up[1].enqueue("step_000000002", "step_000000002", key, [files[1]])
+        assert up[1].wait(30)
+        assert up[1].pending() == [] and up[1].held() == ["step_000000002"]
+        up[1].settle(committer.unsettled(), [])  # a save's outcome: node 0's part still due
+        assert up[1].held() == ["step_000000002"]
+
+        def fail(p):
+            raise ConnectionError("the store refuses the manifest")
+
+        committer.commit_one = fail  # type: ignore[method-assign]
+        up[0].enqueue("step_000000002", "step_000000002", key, [files[0]])
+        assert up[0].wait(30)
+        for node in (0, 1):
+            for rep in up[node].take_reports():
+                committer.report(node, rep)
+        committer.wait(30)
+        assert committer.abandoned == ["step_000000002"]
+        assert committer.unsettled() == [key] == committer.abandoned_keys()
+        up[1].settle([], [], committer.abandoned_keys())
+        up[1].release(committer.unsettled())
+        assert up[1].held() == ["step_000000002"]
+        up[1].release([])  # committed (or dropped) since
+        assert up[1].held() == []
+    finally:
+        committer.stop()
+        for u in up:
+            u.stop()

@@ -39,6 +39,7 @@ class _Outcome:
     # and dropped (never committed remotely)
     upload: list[list[Any]] | None = None
     drop: list[list[Any]] = field(default_factory=list)
+    kept: list[list[Any]] = field(default_factory=list)  # remote commit given up: parts stay
 
 
 class NodeLocalSession:
@@ -175,6 +176,7 @@ class NodeLocalSession:
             d.uploader.settle(
                 [(str(k[0]), int(k[1])) for k in out.upload],
                 [(str(k[0]), int(k[1])) for k in out.drop],
+                [(str(k[0]), int(k[1])) for k in out.kept],
             )
         if topo.is_leader and local_path is not None:
             self._after_local_commit(local_path, reason)
@@ -234,6 +236,7 @@ class NodeLocalSession:
                 "renamed": renamed,
                 "upload": [list(k) for k in upload],
                 "drop": [list(k) for k in drop],
+                "kept": [list(k) for k in committer.abandoned_keys()],
             }
         return {"ok": True, "seq": self.seq, "name": self.name, "renamed": renamed}
 

@@ -97,13 +97,15 @@ class NodeUploader(UploadThread):
                 self._queue.append(UploadJob(local_name, remote_name, key, files))
                 self._cond.notify_all()
 
-    def settle(self, upload: list[Key], dropped: list[Key]) -> None:
+    def settle(self, upload: list[Key], dropped: list[Key], kept: list[Key] | None = None) -> None:
         """Leader, after each save's broadcast outcome: the coordinator's decision
         (:meth:`~.remote_commit.RemoteCommitter.drop_superseded`). ``upload``: the checkpoints
         still waiting for their remote commit; the queued ones not among them are not uploaded
         (superseded, or committed already), and so no longer held on the disk. ``dropped``: the
         ones the coordinator will never commit: the objects this node uploaded of them are
-        deleted (by this thread). The job under way finishes first."""
+        deleted (by this thread). The job under way finishes first. ``kept``: those whose
+        remote commit the coordinator gave up on (a later run commits them): this node's
+        uploaded parts of them stay held, as do those of ``upload``."""
         keep_keys, drop_keys = set(upload), set(dropped)
         with self._cond:
             queue = []
@@ -119,8 +121,18 @@ class NodeUploader(UploadThread):
                 if done is not None:
                     self._deletes.append(done)
             self._reports = [r for r in self._reports if _key(r) not in drop_keys]
-            self._uploaded = {k: j for k, j in self._uploaded.items() if k in keep_keys}
+            held = keep_keys | set(kept or [])
+            self._uploaded = {k: j for k, j in self._uploaded.items() if k in held}
             self._cond.notify_all()
+
+    def release(self, unsettled: list[Key]) -> None:
+        """Leader, at close (the coordinator's last word, after its remote commits settled):
+        this node's uploaded parts of the checkpoints not in ``unsettled`` (committed
+        remotely, or dropped) are no longer held on the disk; the others stay (a later run
+        with the same directories uploads and commits them)."""
+        keep = set(unsettled)
+        with self._cond:
+            self._uploaded = {k: j for k, j in self._uploaded.items() if k in keep}
 
     def discard(self, job: UploadJob) -> None:
         """Leader, at a restart: ``job``'s checkpoint, never committed remotely, will not be
@@ -134,11 +146,15 @@ class NodeUploader(UploadThread):
             return [j.local_name for j in self._queue]
 
     def held(self) -> list[str]:
-        """The local checkpoints the disk must keep: those queued, and those whose uploaded
-        objects are still to delete (a crash before that: the next run finds the local copy,
-        and deletes them)."""
+        """The local checkpoints the disk must keep: those queued; those uploaded whose remote
+        commit the coordinator has not confirmed (a crash before it, while another node's part
+        was still on its way: the next run uploads this node's part again, and the
+        coordinator commits it; deleted, it could never be committed); and those whose
+        uploaded objects are still to delete (a crash before that: the next run finds the
+        local copy, and deletes them)."""
         with self._cond:
-            return [j.local_name for j in self._queue + self._deletes]
+            jobs = self._queue + list(self._uploaded.values()) + self._deletes
+            return [j.local_name for j in jobs]
 
     def stalled_s(self) -> float:
         """Seconds the transfer under way has moved no byte (0: none under way)."""

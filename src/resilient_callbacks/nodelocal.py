@@ -21,6 +21,10 @@ every call below; *leader* = the lowest rank of a node, *coordinator* = rank 0):
   (:class:`~.remote_commit.NodeUploader`); the coordinator writes the remote manifest once every
   node reported its part uploaded and verified (:class:`~.remote_commit.RemoteCommitter`), from
   the reports that ride on the next save's gather (or close's): training never waits for it.
+- close (:meth:`NodeDirectory.finish_nodes`): each leader waits for its uploads, the reports
+  are gathered to the coordinator (leaders group), which waits for its remote commits (at most
+  half the process group's timeout) and broadcasts which checkpoints are not settled remotely
+  (leaders group): each node stops holding its uploaded parts of the others.
 - ``replicas=1``: each leader also sends its node's committed files to the next node's leader,
   which keeps them under ``.replicas/`` (:mod:`.peers`).
 """
@@ -28,6 +32,7 @@ every call below; *leader* = the lowest rank of a node, *coordinator* = rank 0):
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -261,8 +266,10 @@ class NodeDirectory(Directory):
         one, until they have failed for ``outage_s`` in a row), the last reports reach the
         coordinator, which waits for the remote commits (as long, and no longer once they have
         failed or hung for ``outage_s``); a preemption arriving meanwhile bounds both waits by
-        its grace period (``grace_left``). Each wait is announced; what is left stays local,
-        named."""
+        its grace period (``grace_left``). The coordinator answers the other leaders, waiting
+        in an exchange meanwhile, once its commits settled or after half the process group's
+        timeout (:meth:`_release_settled`), then goes on waiting. Each wait is announced;
+        what is left stays local, named."""
         if not self.topology.is_leader:
             return
         t0 = time.monotonic()
@@ -284,14 +291,20 @@ class NodeDirectory(Directory):
             )
         self.exchange_reports()
         c = self.committer
-        if c is None:
-            return
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
-        if c.ready():
+        if c is not None and c.ready():
             log.warning(
                 "close(): waiting for the remote commit of %s (every node's part is uploaded)",
                 ", ".join(c.ready()),
             )
+        if c is not None:  # the other leaders wait in the exchange below meanwhile
+            first = dist.wait_before_collective(math.inf if left is None else left)
+            c.wait(None if math.isinf(first) else first, outage_s, grace_left)
+        self._release_settled()
+        if c is None:
+            self.apply_retention(None)  # the parts kept for their remote commit may go now
+            return
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
         if not c.wait(left, outage_s, grace_left):
             stuck = c.ready()
             missing = [n for n in c.waiting() if n not in stuck]
@@ -317,6 +330,28 @@ class NodeDirectory(Directory):
                 "them): %s",
                 ", ".join(c.abandoned),
             )
+
+    def _release_settled(self) -> None:
+        """close(), leaders (a collective on the leaders group): the coordinator says which
+        checkpoints are not settled remotely (neither committed nor dropped); each node stops
+        holding its uploaded parts of the others (the last save's outcome could not say it).
+        A failed exchange (a node gone) keeps every other node's parts: the next run decides.
+        """
+        mine = self.committer.unsettled() if self.committer is not None else None
+        got: Any = None if mine is None else [list(k) for k in mine]
+        try:
+            got = dist.broadcast_json(got, group=self.topology.leaders_group)
+        except Exception as e:
+            if not dist.from_collective(e):
+                raise
+            log.warning(
+                "close(): the nodes could not learn which checkpoints are committed remotely "
+                "(%s); each keeps its parts of this run's checkpoints that it uploaded, and "
+                "the next run with the same directories decides",
+                dist.failed_exchange(e),
+            )
+        if self.uploader is not None and got is not None:
+            self.uploader.release([(str(k[0]), int(k[1])) for k in got])
 
     def recover_uploads(self, remote_keys: set[tuple[str, int]] | None) -> None:
         """After a restore, leaders: queue this run's local checkpoints newer than its newest

@@ -78,6 +78,7 @@ class RemoteCommitter(UploadThread):
         self.committed = 0
         self.abandoned: list[str] = []  # gave up after max_attempts: local only, named at close
         self._kept: list[str] = []  # the coordinator's copies of those: a later run commits them
+        self._abandoned_keys: list[Key] = []  # (their keys: every node keeps its part)
         self._pending: dict[tuple[str, int], PendingCommit] = {}
         self._ready: list[tuple[str, int]] = []
         self._busy = False
@@ -164,6 +165,18 @@ class RemoteCommitter(UploadThread):
         commit them."""
         with self._cond:
             return [p.local for p in self._pending.values() if p.local] + list(self._kept)
+
+    def abandoned_keys(self) -> list[Key]:
+        """The checkpoints whose remote commit was given up: every node keeps its part."""
+        with self._cond:
+            return list(self._abandoned_keys)
+
+    def unsettled(self) -> list[Key]:
+        """The checkpoints neither committed remotely nor dropped: waiting for their parts or
+        their commit, or given up (a later run commits them). The nodes keep their parts of
+        these; of any other they uploaded, their retention decides."""
+        with self._cond:
+            return sorted(set(self._pending) | set(self._abandoned_keys), key=lambda k: k[1])
 
     def report(self, node: int, rep: dict[str, Any]) -> None:
         """Node ``node`` uploaded its part of ``rep['key']`` under ``rep['name']``."""
@@ -262,6 +275,7 @@ class RemoteCommitter(UploadThread):
                     self.committed += 1
                 else:
                     self.abandoned.append(p.name)
+                    self._abandoned_keys.append(key)
                     self._kept += [p.local] if p.local else []
                 self._busy = False
                 self._cond.notify_all()
