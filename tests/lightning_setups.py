@@ -11,10 +11,13 @@ JSON line each, fsynced, so a SIGKILL loses at most a cut last line):
   ``val_loss``;
 - ``log``: every call of the loggers' ``log_metrics`` (our own ``resilient/*`` figures left
   out): the global step and the metrics;
+- ``callbacks``: (set-up ``early_train``) this rank's ``EarlyStopping`` and ``ModelCheckpoint``
+  states after each epoch's ``on_train_epoch_end`` callbacks;
 - ``end``: at the end of each ``fit``: hashes of every RNG state, the learning rates, the
   ``EarlyStopping`` and ``ModelCheckpoint`` states, the final weights' hash.
 
 stderr gets ``restored step N`` when training starts. ``--no-callback``: the same without ours.
+``--die-after N``: the whole process group SIGKILLs itself once step N's checkpoint committed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import sys
 import time
 from typing import Any
@@ -165,8 +169,7 @@ class Net(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         x, y = batch
-        # (synced across DDP ranks: a callback's state, EarlyStopping's best score, is saved
-        # from rank 0, as in Lightning's checkpoints; unsynced, rank 1's differed after a resume)
+        # (synced across DDP ranks; "early_train" monitors train_loss, which is not)
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("val_loss", loss, sync_dist=self.opts.devices > 1)
 
@@ -180,6 +183,10 @@ class Net(L.LightningModule):
             epoch=self.current_epoch,
             val_loss=_num(val) if val is not None else None,
         )
+
+    def on_train_epoch_end(self) -> None:
+        if self.opts.setup == "early_train":  # (after the callbacks' hooks: their checks)
+            self.rec(ev="callbacks", gs=self.global_step, **_callback_states(self.trainer))
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         s = self.opts.setup
@@ -205,11 +212,20 @@ class Marked(ResilientCheckpoint):
     a killed run wrote after its last checkpoint can be told apart."""
 
     rec: Record
+    die_after: int | None = None
 
     def _boundary(self, trainer: L.Trainer, epoch_end: bool) -> None:
         step = self._step_end.step if self._step_end is not None else None
         super()._boundary(trainer, epoch_end)
         self.rec(ev="boundary", gs=step)
+        if step is not None and step == self.die_after:
+            # killed right after this step's checkpoint committed (the same point every time)
+            assert self.checkpointer is not None
+            self.checkpointer.flush()
+            trainer.strategy.barrier()
+            if trainer.global_rank == 0:
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+            time.sleep(60)
 
 
 class ReportRestore(L.Callback):
@@ -234,13 +250,29 @@ def _h(obj: Any) -> str:
     return hashlib.sha256(repr(obj).encode()).hexdigest()[:16]
 
 
-def _end(rec: Record, trainer: L.Trainer, model: Net, fit: int) -> None:
+def _callback_states(trainer: L.Trainer) -> dict[str, Any]:
+    """The ``EarlyStopping`` and ``ModelCheckpoint`` states (this rank's)."""
     es = [c for c in trainer.callbacks if isinstance(c, L.pytorch.callbacks.EarlyStopping)]
     mc = [
         c
         for c in trainer.callbacks
         if type(c) is L.pytorch.callbacks.ModelCheckpoint  # not Lightning's default one
     ]
+    return {
+        "es": [{k: _num(v) for k, v in c.state_dict().items()} for c in es],
+        "mc": [
+            {
+                "best": os.path.basename(c.best_model_path),
+                "score": _num(c.best_model_score),
+                "k": sorted(os.path.basename(p) for p in c.best_k_models),
+                "scores": sorted(_num(v) for v in c.best_k_models.values()),
+            }
+            for c in mc
+        ],
+    }
+
+
+def _end(rec: Record, trainer: L.Trainer, model: Net, fit: int) -> None:
     rec(
         ev="end",
         fit=fit,
@@ -252,15 +284,7 @@ def _end(rec: Record, trainer: L.Trainer, model: Net, fit: int) -> None:
             _h(random.getstate()),
         ],
         lrs=[[float(g["lr"]).hex() for g in o.param_groups] for o in trainer.optimizers],
-        es=[{k: _num(v) for k, v in c.state_dict().items()} for c in es],
-        mc=[
-            {
-                "best": os.path.basename(c.best_model_path),
-                "score": _num(c.best_model_score),
-                "k": sorted(os.path.basename(p) for p in c.best_k_models),
-            }
-            for c in mc
-        ],
+        **_callback_states(trainer),
         weights={k: _h(v) for k, v in model.state_dict().items()},
         stopped=bool(trainer.should_stop),
     )
@@ -283,6 +307,7 @@ SETUPS = {
     "bf16": {"precision": "bf16-mixed"},
     "sched": {},
     "early": {"max_epochs": 30},
+    "early_train": {"max_epochs": 30},
     "mc": {},
     "lr_monitor": {"val_check_interval": 0.5},
     "accum_val": {"accumulate_grad_batches": 3, "val_check_interval": 4},
@@ -302,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=1, help="2: DDP, launched as Lightning does")
     p.add_argument("--max-steps", type=int, default=None, help="overrides the set-up's max_steps")
     p.add_argument("--max-time", type=float, default=None, help="Timer(duration=...) in seconds")
+    p.add_argument("--die-after", type=int, default=None, help="SIGKILL after this step's save")
     opts = p.parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
@@ -318,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if rc is not None:
         rc.rec = rec
+        rc.die_after = opts.die_after
     callbacks: list = [ReportRestore(rc)] + ([rc] if rc else [])
     if opts.setup == "lr_monitor":
         callbacks.append(L.pytorch.callbacks.LearningRateMonitor(log_momentum=True))
@@ -334,6 +361,13 @@ def main(argv: list[str] | None = None) -> None:
     if opts.setup == "early":
         callbacks.append(
             L.pytorch.callbacks.EarlyStopping(monitor="val_loss", patience=3, min_delta=0.002)
+        )
+    if opts.setup == "early_train":  # on each rank's own train_loss (not synced under DDP)
+        callbacks.append(L.pytorch.callbacks.EarlyStopping(monitor="train_loss", patience=2))
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=os.path.join(opts.work, "mc"), monitor="train_loss", save_top_k=2
+            )
         )
     if opts.setup == "mc":
         callbacks.append(
@@ -360,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
         log_every_n_steps=1,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=not opts.no_callback or opts.setup in ("mc", "ckpt_last"),
+        enable_checkpointing=not opts.no_callback
+        or opts.setup in ("mc", "ckpt_last", "early_train"),
         default_root_dir=opts.work,
         num_sanity_val_steps=1,
         **kwargs,

@@ -700,6 +700,51 @@ def test_converter_converts_what_it_can():
         conv.convert({"extra": {"fn": lambda x: x}})
 
 
+def test_each_rank_saves_and_resumes_its_own_callback_states(caplog):
+    """Under DDP Lightning's ``callbacks`` entry is rank 0's (saved once); a rank whose
+    EarlyStopping went by its own unsynced metric resumed with rank 0's state. Each rank's
+    part (``"data"``) now holds its own, which the resume puts back (the DDP run:
+    ``tests/test_lightning_setups.py::test_ddp_each_rank_resumes_its_own_callback_states``);
+    a large state (SWA's averaged model) stays rank 0's alone."""
+    from resilient_callbacks.lightning import state as st
+
+    def dump(wait: int) -> dict:
+        return {
+            "callbacks": {
+                "EarlyStopping{'monitor': 'train_loss'}": {
+                    "wait_count": wait,
+                    "best_score": torch.tensor(0.5 + wait),
+                },
+                "SWA": {"average_model_state": {"w": torch.zeros(1 << 19)}},  # 2 MiB
+            },
+            "loops": {},
+        }
+
+    def ctx(wait: int) -> st.SaveContext:
+        return st.SaveContext(lambda: dump(wait), frozenset(), Converter())
+
+    def resume(data: dict) -> dict:
+        holder = st.receivers()
+        holder["lightning"].value = st.LightningState(ctx(0)).state_dict()  # rank 0's
+        holder["state_dict"].value = {}
+        holder["optimizer_states"].value = {"optimizers": []}
+        holder["data"].obj.value = data
+        return st.assemble(holder)["callbacks"]
+
+    rank1 = st.LoaderStates(ctx(2), Converter()).state_dict()  # what rank 1 saves
+    es = resume(rank1)["EarlyStopping{'monitor': 'train_loss'}"]
+    assert es["wait_count"] == 2 and float(es["best_score"]) == 2.5
+    assert "SWA" not in rank1["callbacks"]  # large: rank 0's only
+    assert resume(rank1)["SWA"]["average_model_state"]["w"].numel() == 1 << 19
+    # a checkpoint of an earlier version (no per-rank states): rank 0's, as before
+    assert resume({"loaders": []})["EarlyStopping{'monitor': 'train_loss'}"]["wait_count"] == 0
+    # written by 2 ranks, resumed on 1 (this process): rank 0's, and the log says so
+    with caplog.at_level("INFO"):
+        es = resume({**rank1, "callbacks_world_size": 2})["EarlyStopping{'monitor': 'train_loss'}"]
+    assert es["wait_count"] == 0
+    assert "written by 2 ranks, this run has 1" in caplog.text
+
+
 class _Opaque:
     """Picklable (so Lightning keeps it in hparams) but not JSON-able."""
 

@@ -20,7 +20,9 @@ only compared uninterrupted: a mid-epoch resume restarts its epoch (docs/lightni
 On two DDP ranks (``--devices 2``: ``strategy="ddp"``, rank 1 launched by Lightning, gloo):
 two ``max_steps`` stages, ``EarlyStopping`` mid-epoch, ``ckpt_path="last"`` and a ``max_steps``
 run ending mid-epoch, each killed at a random batch and then right after its last step's
-boundary (during the final save), run again, and once more when finished.
+boundary (during the final save), run again, and once more when finished; ``EarlyStopping``
+and ``ModelCheckpoint`` on each rank's own ``train_loss``, killed after a checkpoint (each rank
+resumes its own callback states).
 
 Each set-up takes 30-60 s (five processes): ``-m slow``.
 """
@@ -273,3 +275,31 @@ def test_ddp_setup_sigkilled_and_rerun_ends_as_the_uninterrupted_run(tmp_path, s
         again = [x for x in _records(out[r], offsets[r]) if x["ev"] != "boundary"]
         assert not [x for x in again if x["ev"] in ("train", "val")], again[:3]
         assert again[-1] == [x for x in reference[r] if x["ev"] == "end"][-1], f"rank {r}"
+
+
+@pytest.mark.distributed
+def test_ddp_each_rank_resumes_its_own_callback_states(tmp_path):
+    """``EarlyStopping`` and a top-2 ``ModelCheckpoint`` on ``train_loss``, which each DDP rank
+    logs for its own batches (no ``sync_dist``): each rank's callbacks keep their own best
+    scores and wait counts, and Lightning stops when any rank's ``EarlyStopping`` says so.
+    SIGKILLed right after the checkpoint of step 21 (an epoch's end) and run again, each rank
+    goes on with its own states: the callbacks' states after every epoch, the stopping step
+    and each rank's final weights are the uninterrupted run's (without the callback). Found
+    2026-12-06: the checkpoint held rank 0's callback states only (as Lightning's own does);
+    rank 1 resumed with them and the run stopped at step 49 instead of 28."""
+    ddp = ("--devices", "2")
+    ref, ref_err = _start(tmp_path / "ref", "early_train", "--no-callback", *ddp)
+    work = tmp_path / "killed"
+    killed, killed_err = _start(work, "early_train", "--die-after", "21", *ddp)
+    _finish(ref, ref_err)
+    assert killed.wait(timeout=TIMEOUT) == -signal.SIGKILL, killed_err.read_text()[-3000:]
+    offsets = [(work / f"out.jsonl.rank{r}").stat().st_size for r in (0, 1)]
+    again, err = _start(work, "early_train", *ddp)
+    _finish(again, err)
+    assert _restored_ranks(err) == [21, 21]
+    for r in (0, 1):
+        reference = _records(tmp_path / "ref" / f"out.jsonl.rank{r}")
+        assert [x["gs"] for x in reference if x["ev"] == "end"] == [28]  # stopped early
+        before = _records(work / f"out.jsonl.rank{r}", 0, offsets[r])
+        after = _records(work / f"out.jsonl.rank{r}", offsets[r])
+        _same(reference, before + after, f"rank {r}, killed after step 21 and resumed")

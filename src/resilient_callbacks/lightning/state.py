@@ -39,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import UnsupportedStateError, warn_and_log
 from ..structure import PerRank
+from .rank_callbacks import put_back, saved
 
 log = logging.getLogger("resilient_callbacks.lightning")
 
@@ -292,7 +293,8 @@ class LightningState:
 
 
 class LoaderStates:
-    """``"data"``: the states of the stateful train dataloaders (wrapped in ``PerRank``)."""
+    """``"data"``: the states of the stateful train dataloaders and this rank's callbacks'
+    states (:mod:`.rank_callbacks`), wrapped in ``PerRank``."""
 
     def __init__(self, ctx: SaveContext, converter: Converter) -> None:
         self._ctx = ctx
@@ -300,7 +302,8 @@ class LoaderStates:
 
     def state_dict(self) -> dict[str, Any]:
         states = self._ctx.loader_states()
-        return {"loaders": self._converter._conv(states, ("combined_loader",), False)}
+        own = {k: self._converter._conv(v, (k,), False) for k, v in saved(self._ctx.dump()).items()}
+        return {"loaders": self._converter._conv(states, ("combined_loader",), False), **own}
 
     def load_state_dict(self, sd: Any) -> None:  # pragma: no cover - restore uses receivers
         raise TypeError("restore into receivers()")
@@ -431,6 +434,7 @@ def assemble(holder: dict[str, Any]) -> dict[str, Any]:
     ckpt = dict(holder["lightning"].value)
     ckpt["state_dict"] = holder["state_dict"].value
     ckpt["optimizer_states"] = list(holder["optimizer_states"].value["optimizers"])
+    put_back(ckpt, holder["data"].obj.value)  # this rank's callbacks' states
     loaders = holder["data"].obj.value["loaders"]
     if loaders:
         node: dict[str, Any] = ckpt
