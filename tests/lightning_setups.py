@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=1, help="2: DDP, launched as Lightning does")
     p.add_argument("--max-steps", type=int, default=None, help="overrides the set-up's max_steps")
     p.add_argument("--max-time", type=float, default=None, help="Timer(duration=...) in seconds")
+    p.add_argument("--max-time-rank1", type=float, default=None, help="rank 1's, if another")
     p.add_argument("--die-after", type=int, default=None, help="SIGKILL after this step's save")
     opts = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -380,7 +381,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
     if opts.max_time is not None:
-        callbacks.append(L.pytorch.callbacks.Timer(duration={"seconds": opts.max_time}))
+        seconds = opts.max_time if rank != "1" else (opts.max_time_rank1 or opts.max_time)
+        callbacks.append(L.pytorch.callbacks.Timer(duration={"seconds": seconds}))
     kwargs = dict(SETUPS[opts.setup])
     kwargs.setdefault("max_epochs", 4)
     if opts.max_steps is not None:

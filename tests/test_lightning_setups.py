@@ -22,7 +22,8 @@ two ``max_steps`` stages, ``EarlyStopping`` mid-epoch, ``ckpt_path="last"`` and 
 run ending mid-epoch, each killed at a random batch and then right after its last step's
 boundary (during the final save), run again, and once more when finished; ``EarlyStopping``
 and ``ModelCheckpoint`` on each rank's own ``train_loss``, killed after a checkpoint (each rank
-resumes its own callback states).
+resumes its own callback states); a ``max_time`` stop run again with another ``max_time`` on
+each rank (every rank follows rank 0's decision to train on).
 
 Each set-up takes 30-60 s (five processes): ``-m slow``.
 """
@@ -72,9 +73,9 @@ def _start(work: Path, setup: str, *more: str) -> tuple[subprocess.Popen, Path]:
     return proc, err
 
 
-def _finish(proc: subprocess.Popen, err: Path) -> None:
+def _finish(proc: subprocess.Popen, err: Path, timeout: float = TIMEOUT) -> None:
     try:
-        rc = proc.wait(timeout=TIMEOUT)
+        rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -303,3 +304,26 @@ def test_ddp_each_rank_resumes_its_own_callback_states(tmp_path):
         before = _records(work / f"out.jsonl.rank{r}", 0, offsets[r])
         after = _records(work / f"out.jsonl.rank{r}", offsets[r])
         _same(reference, before + after, f"rank {r}, killed after step 21 and resumed")
+
+
+@pytest.mark.distributed
+def test_ddp_ranks_follow_rank_0_on_whether_a_max_time_stop_trains_on(tmp_path):
+    """A run stopped by ``max_time``, run again: whether it trains on was each rank's own
+    decision, from its own ``Timer`` and clock (read at slightly different moments; here
+    rank 1's re-run has a smaller ``max_time``, used up, rank 0's a larger one). Rank 1 stayed
+    stopped while rank 0 trained on, and the run hung in the next collective. Every rank now
+    follows rank 0: both train on to the end (``max_epochs=4``: 28 steps)."""
+    ddp = ("--devices", "2")
+    work = tmp_path / "run"
+    first, err = _start(work, "clip", "--max-time", "2", "--sleep", "0.2", *ddp)
+    _finish(first, err)
+    out = [work / f"out.jsonl.rank{r}" for r in (0, 1)]
+    stopped = [x["gs"] for x in _records(out[0]) if x["ev"] == "end"]
+    assert 0 < stopped[0] < 28, stopped  # stopped by max_time
+    offsets = [o.stat().st_size for o in out]
+    again, err = _start(work, "clip", "--max-time", "1000", "--max-time-rank1", "1", *ddp)
+    _finish(again, err, timeout=120)
+    assert _restored_ranks(err) == [stopped[0]] * 2
+    for r in (0, 1):
+        ends = [x["gs"] for x in _records(out[r], offsets[r]) if x["ev"] == "end"]
+        assert ends == [28], (r, ends)

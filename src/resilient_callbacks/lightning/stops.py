@@ -8,8 +8,11 @@ a resume, so the re-run trains on when its ``max_time`` leaves time (raised, or 
 trains nothing when it does not -- the way to run one ``max_time`` chunk per job. Any other
 stop stays a stop.
 
-Every rank, training thread; nothing here is collective (the Timer's state is the same on
-every rank: it broadcasts its decision).
+Every rank, training thread. :func:`trains_on` is collective for a run recorded as stopped by
+``max_time`` (what is recorded is rank 0's, the same on every rank): every rank follows rank 0's
+decision, as the ``Timer`` broadcasts its own. Each rank reads its own clock and its own
+``Timer`` (a re-run may even give the ranks different ``max_time``s); ranks that decided
+differently would hang, one training, the other stopped, in the next collective.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import EarlyStopping, Timer
 
+from .. import dist
 from . import checks
 from .state import finite_metrics
 
@@ -49,15 +53,17 @@ def recorded(trainer: pl.Trainer) -> bool | str:
 
 def trains_on(trainer: pl.Trainer, stopped: Any) -> str | None:
     """For a run resumed at the step where it stopped (``stopped``: what was recorded): why
-    it trains on, or ``None`` when it stays stopped. Called once the Timer's state is back."""
+    it trains on, or ``None`` when it stays stopped: rank 0's answer, on every rank (a
+    broadcast, for a run stopped by ``max_time``). Called once the Timer's state is back."""
     if stopped != MAX_TIME:
         return None
     left = [r for t in _timers(trainer) if (r := t.time_remaining()) is not None]
+    why = None
     if not left:
-        return "it stopped at max_time, and no max_time is set now"
-    if min(left) > 0:
-        return f"it stopped at max_time, and max_time now leaves {min(left):.0f} s"
-    return None
+        why = "it stopped at max_time, and no max_time is set now"
+    elif min(left) > 0:
+        why = f"it stopped at max_time, and max_time now leaves {min(left):.0f} s"
+    return dist.broadcast_json(why)
 
 
 def why(stopped: Any) -> str:
