@@ -373,6 +373,67 @@ def test_a_run_stopped_by_max_time_trains_on_when_max_time_leaves_time(tmp_path,
     assert [e.step for e in _committed(tmp_path / "ck")][-3:] == [5, 8, 12]
 
 
+class _Noisy(L.LightningModule):
+    """Noise from the global torch RNG in the loss; a validation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.losses: list[float] = []
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.lin(batch[0]).pow(2).mean() + torch.rand(()) * 1e-3
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.lin(batch[0]).pow(2).mean())
+
+
+def test_a_max_time_chunk_trained_on_ends_as_the_run_never_stopped(tmp_path, monkeypatch):
+    """Lightning runs a validation when training stops mid-epoch (``should_stop``: here the
+    Timer's), one the run without a stop does not; creating its dataloader iterator draws
+    from the global torch RNG. The re-run that trained on from the stop went on from the
+    streams after that validation: every later step differed from a run never stopped. It
+    goes on from the streams as they were before it: the losses and weights are that run's."""
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import Timer
+
+    clock = _Clock()
+    monkeypatch.setattr("lightning.pytorch.callbacks.timer.time", clock)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4))
+
+    def fit(*callbacks) -> _Noisy:
+        L.seed_everything(0, verbose=False)
+        module = _Noisy()
+        trainer = L.Trainer(
+            max_steps=12,
+            accelerator="cpu",
+            callbacks=[*callbacks, _Tick(clock)],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+        trainer.fit(module, loader, torch.utils.data.DataLoader(data, batch_size=8))
+        return module
+
+    plain = fit()
+    timer = Timer(timedelta(seconds=5), interval="step")
+    first = fit(timer, ResilientCheckpoint(tmp_path / "ck", every_n_steps=100))
+    assert len(first.losses) == 5  # stopped in epoch 0 (8 batches), and validated
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=100)
+    again = fit(rc)  # no max_time now: trains on
+    assert rc.restored_step == 5
+    assert first.losses + again.losses == plain.losses
+    assert torch.equal(again.lin.weight, plain.lin.weight)
+
+
 def _fit_warned(tmp_path, model, max_steps: int, about: str, accumulate: int = 1) -> list[str]:
     """Fit ``model`` with the callback in ``tmp_path/ck`` (a save every 2 steps); the warnings
     whose text holds ``about``."""

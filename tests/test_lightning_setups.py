@@ -312,11 +312,16 @@ def test_ddp_ranks_follow_rank_0_on_whether_a_max_time_stop_trains_on(tmp_path):
     decision, from its own ``Timer`` and clock (read at slightly different moments; here
     rank 1's re-run has a smaller ``max_time``, used up, rank 0's a larger one). Rank 1 stayed
     stopped while rank 0 trained on, and the run hung in the next collective. Every rank now
-    follows rank 0: both train on to the end (``max_epochs=4``: 28 steps)."""
+    follows rank 0: both train on to the end (``max_epochs=4``: 28 steps), and each rank's
+    steps and its end are those of a run never stopped (the validation Lightning ran at the
+    stop drew from each rank's random streams: the re-run goes on from them as they were
+    before it)."""
     ddp = ("--devices", "2")
+    ref, ref_err = _start(tmp_path / "ref", "clip", "--no-callback", *ddp)
     work = tmp_path / "run"
     first, err = _start(work, "clip", "--max-time", "2", "--sleep", "0.2", *ddp)
     _finish(first, err)
+    _finish(ref, ref_err)
     out = [work / f"out.jsonl.rank{r}" for r in (0, 1)]
     stopped = [x["gs"] for x in _records(out[0]) if x["ev"] == "end"]
     assert 0 < stopped[0] < 28, stopped  # stopped by max_time
@@ -325,5 +330,8 @@ def test_ddp_ranks_follow_rank_0_on_whether_a_max_time_stop_trains_on(tmp_path):
     _finish(again, err, timeout=120)
     assert _restored_ranks(err) == [stopped[0]] * 2
     for r in (0, 1):
-        ends = [x["gs"] for x in _records(out[r], offsets[r]) if x["ev"] == "end"]
-        assert ends == [28], (r, ends)
+        ends = [x for x in _records(out[r], offsets[r]) if x["ev"] == "end"]
+        reference = _records(tmp_path / "ref" / f"out.jsonl.rank{r}")
+        assert ends == [x for x in reference if x["ev"] == "end"], r  # weights, RNG, step 28
+        trained = [x for x in _records(out[r]) if x["ev"] == "train"]
+        assert trained == [x for x in reference if x["ev"] == "train"], r

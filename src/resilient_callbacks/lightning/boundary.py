@@ -53,8 +53,8 @@ import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from .. import rng
-from . import checks, reshard
-from .state import finite_metrics
+from . import checks, reshard, stops
+from .state import STOP_RNG_KEY, finite_metrics
 
 EPOCH_END_KEY = "resilient_callbacks_epoch_end"
 """Recorded true in a checkpoint of an epoch's last batch (saved after the epoch's end)."""
@@ -114,6 +114,15 @@ class Resume:
         self.data_set_up = False
         self.resharded_epoch: int | None = None  # resumed on another number of ranks
         self.counts = checks.saved_counts(checkpoint)  # optimizers' and schedulers' states
+        # this rank's streams before the validation Lightning ran at the stop (if it did)
+        self.before_stop_validation = stops.streams(checkpoint.pop(STOP_RNG_KEY, None))
+
+    def train_on(self) -> None:
+        """A run that stopped (``max_time``) trains on from the restored step: from the random
+        streams before the validation Lightning ran only because it stopped, as a run that
+        never stopped goes on (:func:`.stops.before_validation`)."""
+        if self.before_stop_validation is not None:
+            self.rng_state = self.before_stop_validation
 
     def before_loader_states(self, trainer: pl.Trainer) -> None:
         """Before Lightning loads the train dataloaders' states (the first time)."""

@@ -130,6 +130,7 @@ class ResilientCheckpoint(Checkpoint):
         self._resumed_stopped: bool | str = False  # the restored step is where a run stopped
         self._past_end: str | None = None  # ... is past this fit()'s end (:mod:`.stages`)
         self._val_iterators_made = False  # ... and the run's persistent val iterators existed
+        self._stop_rng: dict[str, Any] | None = None  # the streams before a stop's validation
         self._last_step: int | None = None
         self._step_end: boundary.StepEnd | None = None  # a step waiting for Lightning's work
         self._last_end: boundary.StepEnd | None = None  # ... and the last one it finished
@@ -210,6 +211,7 @@ class ResilientCheckpoint(Checkpoint):
                 resume_start=functools.partial(self._resume_start, trainer),
                 before_loader_states=functools.partial(self._prepare_loaders, trainer),
                 after_setup_data=resumed("after_setup_data"),
+                before_val_setup=functools.partial(self._validation_starts, trainer),
                 after_val_setup=functools.partial(self._val_loaders_ready, trainer),
                 after_batch=functools.partial(self._after_batch, trainer),
                 before_epoch_start=resumed("before_epoch_start"),
@@ -319,8 +321,7 @@ class ResilientCheckpoint(Checkpoint):
         if self._resume is not None:
             self._resume.before_loader_states(trainer)
 
-    @staticmethod
-    def _marks(trainer: pl.Trainer, epoch_end: bool, to_cpu: bool = True) -> dict[str, Any]:
+    def _marks(self, trainer: pl.Trainer, epoch_end: bool, to_cpu: bool = True) -> dict[str, Any]:
         """What a save at this step records besides Lightning's dictionary (before a preemption)."""
         made = any(dl._iterator is not None for dl in patches.persistent_val_loaders(trainer))
         return {
@@ -329,18 +330,16 @@ class ResilientCheckpoint(Checkpoint):
             st.VAL_ITERATORS_KEY: made,
             boundary.EPOCH_END_KEY: epoch_end,
             boundary.METRICS_KEY: boundary.saved_metrics(trainer, to_cpu),
+            st.STOP_RNG_KEY: self._stop_rng,  # (per rank)
         }
 
+    def _validation_starts(self, trainer: pl.Trainer) -> None:
+        self._stop_rng = stops.before_validation(trainer) or self._stop_rng
+
     def _val_loaders_ready(self, trainer: pl.Trainer) -> None:
-        """The validation loop built its loaders. Resumed where the run's persistent validation
-        iterators existed (only reset since, without a draw), the first ones made here take
-        their base seeds from a throwaway generator: a global RNG draw would shift the run."""
-        if not self._val_iterators_made:
-            return
-        self._val_iterators_made = False
-        for dl in patches.persistent_val_loaders(trainer):
-            if dl._iterator is None and dl.generator is None:
-                dl.generator = torch.Generator().manual_seed(0)
+        if self._val_iterators_made:  # (the resumed run's first validation)
+            self._val_iterators_made = False
+            patches.seed_val_loaders_aside(trainer)
 
     # ------------------------------------------------------------------ training
 
@@ -371,8 +370,9 @@ class ResilientCheckpoint(Checkpoint):
             start = self.checkpointer.run_start if self._resume.auto else None  # chosen: kept
             remove_rolled_back(trainer, self.restored_step, start)
         on = stops.trains_on(trainer, self._resumed_stopped)
-        if on is not None:
+        if on is not None and self._resume is not None:
             rank_zero_info(f"ResilientCheckpoint: training on from step {self.restored_step}: {on}")
+            self._resume.train_on()  # as if it had never stopped (no validation at the stop)
         elif self._resumed_stopped:
             # should_stop was set by the restored step (early stopping, max_time, the user's
             # code): re-running the finished script trains nothing, as for max_steps -- or, set

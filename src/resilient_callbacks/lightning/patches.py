@@ -9,7 +9,8 @@ trainer instance, and their unwrapping at ``teardown``:
 - ``fit_loop.epoch_loop.val_loop.increment_progress_to_evaluation_end``: run with the random
   streams isolated (see :func:`wrap_fit`);
 - ``fit_loop.epoch_loop.val_loop.setup_data`` (before each validation creates its loaders'
-  iterators): the callback gets to adjust the val loaders it built;
+  iterators): the callback takes the random streams before a validation run only because
+  training stops, and adjusts the val loaders it built;
 - ``fit_loop.epoch_loop.on_advance_end`` (a training batch's validation, step-interval plateau
   schedulers and bookkeeping) and ``fit_loop.on_advance_end`` (the epoch-end hooks and
   epoch-interval plateau schedulers): a step is saved once Lightning finished its work;
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 
 
@@ -45,6 +47,8 @@ class FitHooks:
     """Before Lightning restores the train dataloaders' states."""
     after_setup_data: Callable[[], None]
     """After ``fit_loop.setup_data`` (the train loaders built, their states loaded)."""
+    before_val_setup: Callable[[], None]
+    """Before the validation loop sets up its dataloaders (a validation of the fit starts)."""
     after_val_setup: Callable[[], None]
     """After the validation loop set up its dataloaders."""
     after_batch: Callable[[], None]
@@ -102,7 +106,9 @@ def wrap_fit(trainer: pl.Trainer, hooks: FitHooks) -> list[Callable[[], None]]:
     val_loop.increment_progress_to_evaluation_end = fast_forward  # type: ignore[method-assign]
     unwrap.append(lambda: _unwrap(val_loop, "increment_progress_to_evaluation_end", fast_forward))
 
-    unwrap.append(_around(val_loop, "setup_data", after=hooks.after_val_setup))
+    unwrap.append(
+        _around(val_loop, "setup_data", before=hooks.before_val_setup, after=hooks.after_val_setup)
+    )
     unwrap.append(_around(fit_loop.epoch_loop, "on_advance_end", after=hooks.after_batch))
     unwrap.append(_around(fit_loop, "on_advance_start", before=hooks.before_epoch_start))
     unwrap.append(_around(fit_loop.epoch_loop, "on_run_start", before=hooks.before_epoch_run))
@@ -147,6 +153,15 @@ def persistent_val_loaders(trainer: pl.Trainer) -> list[Any]:
         for dl in loaders
         if getattr(dl, "persistent_workers", False) and getattr(dl, "num_workers", 0) > 0
     ]
+
+
+def seed_val_loaders_aside(trainer: pl.Trainer) -> None:
+    """The validation loop built its loaders, resumed where the run's persistent validation
+    iterators existed (only reset since, without a draw): the first ones made now take their
+    base seeds from a throwaway generator (a global RNG draw would shift the run)."""
+    for dl in persistent_val_loaders(trainer):
+        if dl._iterator is None and dl.generator is None:
+            dl.generator = torch.Generator().manual_seed(0)
 
 
 def _unwrap(obj: Any, name: str, ours: Any) -> None:

@@ -1,4 +1,5 @@
-"""Each rank's own callback states: saved in its per-rank part, given back to it on resume.
+"""Each rank's own callback states (and random streams before a stop's validation): saved in
+its per-rank part, given back to it on resume.
 
 Under DDP every rank runs every callback. A callback that goes by a metric each rank logs for
 itself (``self.log(...)`` without ``sync_dist``: ``train_loss`` of the rank's own batches,
@@ -15,6 +16,10 @@ the same on every rank under DDP) is saved once, with rank 0's, as before. A che
 per-rank states (written by an earlier version) gives every rank rank 0's, as it did; so does a
 resume on another number of ranks (the ranks' shares of the data differ), with a line saying so.
 
+The random streams before the validation Lightning runs only because training stops
+(:data:`STOP_RNG_KEY`, :func:`.stops.before_validation`) are each rank's too: they go the same
+way, into Lightning's dictionary as this rank restores it.
+
 Every rank, training thread; no collective.
 """
 
@@ -30,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from .. import dist
 
 KEY = "callbacks"
+STOP_RNG_KEY = "resilient_callbacks_rng_before_stop_validation"
 WORLD_SIZE_KEY = "callbacks_world_size"
 #: tensors (bytes) in a callback's state above which it is saved once, from rank 0
 MAX_BYTES = 1 << 20
@@ -38,17 +44,20 @@ MAX_BYTES = 1 << 20
 def saved(dump: Mapping[str, Any]) -> dict[str, Any]:
     """This rank's entries of the ``"data"`` part: its callbacks' states, those of them whose
     tensors are small, from Lightning's checkpoint dictionary ``dump`` (not yet converted)."""
+    out = {STOP_RNG_KEY: dump[STOP_RNG_KEY]} if dump.get(STOP_RNG_KEY) else {}
     states = dump.get("callbacks")
     if not isinstance(states, Mapping):
-        return {}
+        return out
     own = {k: v for k, v in states.items() if _tensor_bytes(v) <= MAX_BYTES}
-    return {KEY: own, WORLD_SIZE_KEY: dist.world_size()}
+    return {**out, KEY: own, WORLD_SIZE_KEY: dist.world_size()}
 
 
 def put_back(checkpoint: dict[str, Any], data: Mapping[str, Any]) -> None:
     """Restoring: this rank's own callback states (from its ``"data"`` part) in place of rank
     0's in Lightning's ``checkpoint`` dictionary, when the checkpoint has them and was written
-    by as many ranks as this run has."""
+    by as many ranks as this run has; and this rank's :data:`STOP_RNG_KEY`, if saved."""
+    if data.get(STOP_RNG_KEY):
+        checkpoint[STOP_RNG_KEY] = data[STOP_RNG_KEY]
     own = data.get(KEY)
     if not isinstance(own, Mapping) or not own:
         return  # written by an earlier version (or no callbacks): rank 0's, as before

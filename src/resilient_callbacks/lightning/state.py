@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import UnsupportedStateError, warn_and_log
 from ..structure import PerRank
-from .rank_callbacks import put_back, saved
+from .rank_callbacks import STOP_RNG_KEY, put_back, saved
 
 log = logging.getLogger("resilient_callbacks.lightning")
 
@@ -56,6 +56,8 @@ ACCUMULATE_KEY = "resilient_callbacks_accumulate"
 # ... and the validation loaders' persistent worker iterators existed at this step (so the
 # resumed run's first validation must not draw their base seed from the global RNG)
 VAL_ITERATORS_KEY = "resilient_callbacks_val_iterators"
+# ... and this rank's random streams before a validation run only because training stopped
+# (STOP_RNG_KEY, saved per rank: :mod:`.rank_callbacks`, :func:`.stops.before_validation`)
 
 
 def lossy_keys(*objs: Any) -> frozenset[str]:
@@ -272,7 +274,9 @@ class SaveContext:
         """Everything but the weights, optimizer states and loader positions, converted."""
         if self._rest is None:
             d = {
-                k: v for k, v in self.dump().items() if k not in ("state_dict", "optimizer_states")
+                k: v
+                for k, v in self.dump().items()
+                if k not in ("state_dict", "optimizer_states", STOP_RNG_KEY)
             }
             d = _without(d, _LOADER_PATH)
             self._rest = self._converter.convert(d, self._lossy_keys)

@@ -17,13 +17,13 @@ differently would hang, one training, the other stopped, in the next collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import EarlyStopping, Timer
 
-from .. import dist
+from .. import dist, rng
 from . import checks
 from .state import finite_metrics
 
@@ -64,6 +64,35 @@ def trains_on(trainer: pl.Trainer, stopped: Any) -> str | None:
     elif min(left) > 0:
         why = f"it stopped at max_time, and max_time now leaves {min(left):.0f} s"
     return dist.broadcast_json(why)
+
+
+def before_validation(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """Before a validation of the fit sets up its loaders: this rank's random streams, when
+    Lightning runs this validation only because training stops (``should_stop`` after a batch
+    it would not validate after otherwise: a ``Timer``'s, ``EarlyStopping`` on a train metric,
+    your code). Creating its dataloader iterators draws from the global torch RNG, which a run
+    that did not stop never did; a re-run that trains on from the stop (:func:`trains_on`)
+    goes on from the streams taken here, as that run did. Else ``None``."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if not trainer.should_stop or trainer.sanity_checking or fetcher is None:
+        return None
+    trainer.should_stop = False
+    try:  # would Lightning validate after this batch if training went on?
+        regular = trainer.fit_loop.epoch_loop._should_check_val_fx(fetcher)
+    finally:
+        trainer.should_stop = True
+    if regular:
+        return None
+    info, tensors = rng.capture()
+    return {"info": info, "tensors": {k.removeprefix("@rng/"): v for k, v in tensors.items()}}
+
+
+def streams(saved: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """What :func:`before_validation` took, as a restored checkpoint holds it, for
+    :func:`resilient_callbacks.rng.restore`; ``None`` if there is none."""
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("tensors"), Mapping):
+        return None
+    return saved["info"], {f"@rng/{k}": v for k, v in saved["tensors"].items()}
 
 
 def why(stopped: Any) -> str:
