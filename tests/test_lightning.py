@@ -806,6 +806,24 @@ def test_each_rank_saves_and_resumes_its_own_callback_states(caplog):
     assert "written by 2 ranks, this run has 1" in caplog.text
 
 
+def test_a_rank_the_checkpoint_has_no_files_of_keeps_fresh_streams_when_training_on(monkeypatch):
+    """The streams taken before a stop's validation are a rank's own: resumed on more ranks,
+    a rank the checkpoint has no files of (which loads rank 0's part) does not take rank 0's,
+    as the core leaves it its fresh streams."""
+    from resilient_callbacks.lightning import rank_callbacks as rcb
+
+    saved = {"info": {}, "tensors": {"torch_cpu": torch.get_rng_state()}}
+    data = {rcb.WORLD_SIZE_KEY: 1, rcb.STOP_RNG_KEY: saved}  # written by one rank
+    ckpt: dict = {}
+    rcb.put_back(ckpt, data)
+    assert ckpt[rcb.STOP_RNG_KEY] is saved  # rank 0: its own
+    monkeypatch.setattr(rcb.dist, "rank", lambda: 1)
+    monkeypatch.setattr(rcb.dist, "world_size", lambda: 2)
+    ckpt = {}
+    rcb.put_back(ckpt, data)
+    assert rcb.STOP_RNG_KEY not in ckpt
+
+
 class _Opaque:
     """Picklable (so Lightning keeps it in hparams) but not JSON-able."""
 

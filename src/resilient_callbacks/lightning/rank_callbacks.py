@@ -44,24 +44,26 @@ MAX_BYTES = 1 << 20
 def saved(dump: Mapping[str, Any]) -> dict[str, Any]:
     """This rank's entries of the ``"data"`` part: its callbacks' states, those of them whose
     tensors are small, from Lightning's checkpoint dictionary ``dump`` (not yet converted)."""
-    out = {STOP_RNG_KEY: dump[STOP_RNG_KEY]} if dump.get(STOP_RNG_KEY) else {}
+    out: dict[str, Any] = {WORLD_SIZE_KEY: dist.world_size()}
+    if dump.get(STOP_RNG_KEY):
+        out[STOP_RNG_KEY] = dump[STOP_RNG_KEY]
     states = dump.get("callbacks")
-    if not isinstance(states, Mapping):
-        return out
-    own = {k: v for k, v in states.items() if _tensor_bytes(v) <= MAX_BYTES}
-    return {**out, KEY: own, WORLD_SIZE_KEY: dist.world_size()}
+    if isinstance(states, Mapping):
+        out[KEY] = {k: v for k, v in states.items() if _tensor_bytes(v) <= MAX_BYTES}
+    return out
 
 
 def put_back(checkpoint: dict[str, Any], data: Mapping[str, Any]) -> None:
     """Restoring: this rank's own callback states (from its ``"data"`` part) in place of rank
     0's in Lightning's ``checkpoint`` dictionary, when the checkpoint has them and was written
-    by as many ranks as this run has; and this rank's :data:`STOP_RNG_KEY`, if saved."""
-    if data.get(STOP_RNG_KEY):
+    by as many ranks as this run has; and its :data:`STOP_RNG_KEY`, if saved by this rank (a
+    rank the checkpoint has no files of keeps fresh streams, as the core's restore does)."""
+    saved_ranks, ranks = data.get(WORLD_SIZE_KEY), dist.world_size()
+    if data.get(STOP_RNG_KEY) and isinstance(saved_ranks, int) and dist.rank() < saved_ranks:
         checkpoint[STOP_RNG_KEY] = data[STOP_RNG_KEY]
     own = data.get(KEY)
     if not isinstance(own, Mapping) or not own:
         return  # written by an earlier version (or no callbacks): rank 0's, as before
-    saved_ranks, ranks = data.get(WORLD_SIZE_KEY), dist.world_size()
     if saved_ranks != ranks:
         if saved_ranks != 1:  # (a one-rank checkpoint had no other states)
             rank_zero_info(
