@@ -1,0 +1,72 @@
+"""States of many tensors (an LLM has thousands, an MoE more): what a save costs per tensor is
+counted in calls here, never timed (benchmarks/bench_many_tensors.py times it).
+
+- the tensor writers gather small tensors into one ``write`` and one hasher call (they made one
+  of each per tensor), with the same bytes and checksum;
+- large JSON documents (a structure of thousands of tensors) are encoded by the C encoder,
+  small ones exactly as before;
+- ``keep_last=None`` (the default) keeps every checkpoint, so retention reads no manifest
+  (each save read every manifest and checked every listed file's size: a cost growing with the
+  run's number of checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _many(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"layer{i:05d}.w": torch.randn(3 + i % 7, generator=g) for i in range(n)}
+    out["big"] = torch.randn(40_000, generator=g)  # 160 kB: written on its own
+    out["bf16"] = torch.randn(5, generator=g).to(torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_state_of_many_tensors_round_trips(tmp_path: Path, async_save: bool) -> None:
+    model = torch.nn.Module()
+    for name, t in _many(2500).items():
+        model.register_parameter(name.replace(".", "_"), torch.nn.Parameter(t.clone()))
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with Checkpointer(tmp_path, async_save=async_save, preemption=False) as ck:
+        ck.save(5, {"model": model, "n": 2500})
+    structure = json.loads((tmp_path / "step_000000005" / "shared.json").read_bytes())
+    assert structure["structure"]["n"] == 2500
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state: dict[str, Any] = {"model": model, "n": 0}
+    assert Checkpointer(tmp_path, preemption=False, read_only=True).restore(state) == 5
+    assert state["n"] == 2500
+    got = model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.benchmark
+def test_bench_many_tensors_quick(tmp_path: Path) -> None:
+    """benchmarks/bench_many_tensors.py --quick runs (about 5 s: imports DCP) and reports
+    every ratio."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")]),
+    }
+    args = [sys.executable, str(ROOT / "benchmarks" / "bench_many_tensors.py"), "--quick"]
+    args += ["--out", str(tmp_path / "out")]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "bench_many_tensors.json").read_text())
+    assert [r["tensors"] for r in report["rows"]] == [51, 201]
+    assert all(len(r["ratios"]) == 6 for r in report["rows"])
