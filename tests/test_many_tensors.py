@@ -20,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
+import xxhash
 
-from resilient_callbacks import Checkpointer
+from resilient_callbacks import Checkpointer, tensorfile
+from resilient_callbacks.checksum import FileHasher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,6 +36,75 @@ def _many(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
     out["big"] = torch.randn(40_000, generator=g)  # 160 kB: written on its own
     out["bf16"] = torch.randn(5, generator=g).to(torch.bfloat16)
     return out
+
+
+class _CountingFile:
+    def __init__(self, f: Any, counts: dict[str, int]) -> None:
+        self.f, self.counts = f, counts
+
+    def write(self, data: Any) -> Any:
+        self.counts["write"] += 1
+        return self.f.write(data)
+
+    def __enter__(self) -> _CountingFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.f.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
+@pytest.fixture
+def counts(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Calls of ``write`` on the files the tensor writer opens, and of the hasher's update."""
+    counts = {"write": 0, "hash": 0}
+
+    def counting_open(*a: Any, **kw: Any) -> _CountingFile:
+        return _CountingFile(open(*a, **kw), counts)
+
+    real_update = FileHasher.update
+
+    def update(self: FileHasher, data: Any) -> None:
+        counts["hash"] += 1
+        real_update(self, data)
+
+    monkeypatch.setattr(tensorfile, "open", counting_open, raising=False)
+    monkeypatch.setattr(FileHasher, "update", update)
+    return counts
+
+
+def test_small_tensors_are_written_and_hashed_together(tmp_path: Path, counts: dict) -> None:
+    tensors = _many(3000)
+    path = str(tmp_path / "many.safetensors")
+    d = tensorfile.write_tensors(path, tensors)
+    # 3000 tensors of 12-36 bytes, one of 160 kB: a few writes, not one per tensor
+    assert counts["write"] <= 4, counts
+    assert counts["hash"] <= 4, counts
+    data = Path(path).read_bytes()
+    assert d.size == len(data) and d.xxh3_64 == xxhash.xxh3_64_hexdigest(data)
+    got = safetensors.torch.load_file(path)  # a standard file
+    assert got.keys() == tensors.keys()
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+    assert tensorfile.read_tensors_verified(path, d).keys() == tensors.keys()
+
+
+def test_direct_writes_hash_each_buffer_once(tmp_path: Path, counts: dict) -> None:
+    """O_DIRECT (background saves of large files): one hasher call per bounce buffer, not per
+    tensor; the file and its checksum are the buffered writer's."""
+    tensors = _many(3000, seed=1)
+    buffered = tensorfile.write_tensors(str(tmp_path / "b.st"), tensors)
+    old = tensorfile.DIRECT_MIN
+    tensorfile.DIRECT_MIN = 1 << 10
+    try:
+        counts["hash"] = 0
+        direct = tensorfile.write_tensors(str(tmp_path / "d.st"), tensors, direct=True)
+    finally:
+        tensorfile.DIRECT_MIN = old
+    assert counts["hash"] <= 2, counts
+    assert direct == buffered
+    assert (tmp_path / "b.st").read_bytes() == (tmp_path / "d.st").read_bytes()
 
 
 @pytest.mark.parametrize("async_save", [False, True])

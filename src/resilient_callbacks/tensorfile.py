@@ -2,7 +2,8 @@
 
 The files are standard safetensors (any safetensors reader opens them): an 8-byte little-endian
 header length, a JSON header, then the raw bytes of each tensor, back to back. Writing streams
-each tensor's bytes to the file and into the file's checksum (:mod:`.checksum`), then fsyncs;
+each tensor's bytes to the file and into the file's checksum (:mod:`.checksum`; small tensors
+gathered into one write and one hash call, :mod:`.filewrite`), then fsyncs;
 reading either maps the file and verifies the mapping (several threads, one per segment), or
 reads each tensor's bytes straight into a freshly allocated tensor while hashing them; the
 caller loads nothing until size and checksum matched. Nothing here uses pickle.
@@ -15,7 +16,6 @@ import mmap
 import os
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,18 +32,21 @@ from .checksum import (
 )
 from .dtypes import DTYPE_TO_ST, ST_TO_DTYPE, dtype_name, unsupported
 from .errors import CheckpointCorruptError, UnsupportedStateError
+from .filewrite import (
+    CHUNK,
+    SMALL,
+    Coalesced,
+    DirectBuffer,
+    FileDigest,
+    open_direct,
+    write_all,
+    write_direct,
+)
 from .readahead import MappedPrefetch, Readahead
 
-CHUNK = 16 << 20  # bytes per write/hash call
 # Restored tensors start at addresses aligned as torch's CPU allocator aligns them: CPU kernels
 # round reductions by alignment (LBFGS's dot products), and a resume must compute the same bits.
 ALIGN = 64
-
-
-@dataclass(frozen=True)
-class FileDigest:
-    size: int
-    xxh3_64: str
 
 
 def new_hasher() -> FileHasher:
@@ -96,6 +99,9 @@ def lay_out(
     return order, struct.pack("<Q", len(hbytes)) + hbytes, offset
 
 
+DIRECT_MIN = 8 << 20  # smaller files: buffered writes cost nothing worth avoiding
+
+
 def write_tensors(
     path: str,
     tensors: Mapping[str, torch.Tensor],
@@ -113,99 +119,30 @@ def write_tensors(
     :class:`DirectBuffer` reused by every save) or, without one, a buffer made for this call."""
     order, head, data_size = lay_out(tensors, metadata)
     if direct and data_size >= DIRECT_MIN:
-        fd = _open_direct(path)
+        fd = open_direct(path)
         if fd is not None:
             bodies = [_as_bytes(tensors[n]) for n in order]
-            return _write_direct(fd, [head], bodies, fsync, bounce or DirectBuffer())
+            return write_direct(fd, [head], bodies, fsync, bounce or DirectBuffer())
     hasher = new_hasher()
     size = 0
     with open(path, "wb", buffering=0) as f:
-        _write_all(f, memoryview(head))
-        hasher.update(head)
-        size += len(head)
+        small = Coalesced(f, hasher)
+        small.put(memoryview(head))
         for name in order:
             mv = _as_bytes(tensors[name])
+            size += len(mv)
+            if len(mv) < SMALL:
+                small.put(mv)
+                continue
+            small.flush()
             for start in range(0, len(mv), CHUNK):
                 piece = mv[start : start + CHUNK]
-                _write_all(f, piece)
+                write_all(f, piece)
                 hasher.update(piece)
-            size += len(mv)
+        small.flush()
         if fsync:
             os.fsync(f.fileno())
-    return FileDigest(size, hasher.hexdigest())
-
-
-DIRECT_ALIGN = 4096
-DIRECT_MIN = 8 << 20  # smaller files: buffered writes cost nothing worth avoiding
-
-
-def _open_direct(path: str) -> int | None:
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
-    try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
-    except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
-        return None
-
-
-class DirectBuffer:
-    """The page-aligned bounce buffer O_DIRECT writes go through, allocated and touched once:
-    a Checkpointer keeps one for all its background saves (one persist runs at a time), so
-    saves after the first allocate no memory."""
-
-    def __init__(self, size: int = CHUNK) -> None:
-        self.mm = mmap.mmap(-1, size)  # anonymous mappings are page aligned
-        for off in range(0, size, mmap.PAGESIZE):
-            self.mm[off] = 0  # fault every page in now, not during the first write
-
-
-def _write_direct(
-    fd: int, head: list[bytes], bodies: list[memoryview], fsync: bool, bounce: DirectBuffer
-) -> FileDigest:
-    """Stream ``head`` then ``bodies`` through the page-aligned ``bounce`` buffer with O_DIRECT
-    writes of whole aligned blocks; the padded tail is truncated away at the end."""
-    hasher = new_hasher()
-    view = memoryview(bounce.mm)[:CHUNK]
-    fill = size = 0
-    try:
-
-        def flush(n: int) -> None:
-            data = view[:n]
-            while len(data):
-                k = os.write(fd, data)
-                if k <= 0:  # pragma: no cover - raw writes return the count or raise
-                    raise OSError("short write")
-                data = data[k:]
-
-        for piece in [*(memoryview(h) for h in head), *bodies]:
-            hasher.update(piece)
-            size += len(piece)
-            while len(piece):
-                k = min(len(piece), CHUNK - fill)
-                view[fill : fill + k] = piece[:k]
-                fill += k
-                piece = piece[k:]
-                if fill == CHUNK:
-                    flush(CHUNK)
-                    fill = 0
-        if fill:
-            flush(fill + (-fill % DIRECT_ALIGN))  # O_DIRECT writes whole blocks
-            os.ftruncate(fd, size)
-        if fsync:
-            os.fsync(fd)  # the truncation's metadata, and the file's
-    finally:
-        view.release()
-        os.close(fd)
-    return FileDigest(size, hasher.hexdigest())
-
-
-def _write_all(f: Any, data: memoryview) -> None:
-    while len(data):
-        n = f.write(data)
-        if n is None or n <= 0:  # pragma: no cover - raw files return the count or raise
-            raise OSError("short write")
-        data = data[n:]
+    return FileDigest(len(head) + size, hasher.hexdigest())
 
 
 def encode_json(obj: Any) -> bytes:
@@ -220,7 +157,7 @@ def write_json(path: str, obj: Any, *, fsync: bool = True) -> FileDigest:
 def write_bytes(path: str, data: bytes, *, fsync: bool = True) -> FileDigest:
     """Write ``data`` as the whole file ``path`` (fsynced unless ``fsync=False``)."""
     with open(path, "wb", buffering=0) as f:
-        _write_all(f, memoryview(data))
+        write_all(f, memoryview(data))
         if fsync:
             os.fsync(f.fileno())
     h = new_hasher()
