@@ -107,6 +107,23 @@ def test_direct_writes_hash_each_buffer_once(tmp_path: Path, counts: dict) -> No
     assert (tmp_path / "b.st").read_bytes() == (tmp_path / "d.st").read_bytes()
 
 
+def test_large_json_is_encoded_in_c_and_small_json_is_unchanged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    small = {"step": 3, "files": [{"path": "a", "size": 1}], "x": 0.5}
+    assert tensorfile.encode_json(small) == json.dumps(small, indent=1).encode()
+    big = {f"model/p{i}": {"__rc__": "tensor", "key": f"model/p{i}"} for i in range(5000)}
+
+    def python_encoder(*a: Any, **kw: Any) -> Any:
+        raise AssertionError("the pure-Python JSON encoder ran")
+
+    monkeypatch.setattr(json.encoder, "_make_iterencode", python_encoder)
+    data = tensorfile.encode_json(big)
+    assert json.loads(data) == big
+    with pytest.raises(ValueError):  # NaN is refused either way (the writers never emit it)
+        tensorfile.encode_json({**big, "nan": float("nan")})
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_state_of_many_tensors_round_trips(tmp_path: Path, async_save: bool) -> None:
     model = torch.nn.Module()
