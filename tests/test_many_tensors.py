@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 import xxhash
 
-from resilient_callbacks import Checkpointer, tensorfile
+from resilient_callbacks import Checkpointer, catalog, tensorfile
 from resilient_callbacks.checksum import FileHasher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,6 +122,35 @@ def test_large_json_is_encoded_in_c_and_small_json_is_unchanged(
     assert json.loads(data) == big
     with pytest.raises(ValueError):  # NaN is refused either way (the writers never emit it)
         tensorfile.encode_json({**big, "nan": float("nan")})
+
+
+def test_keep_all_retention_reads_no_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default keep_last=None deletes nothing, so a save scans nothing; with keep_last
+    retention still scans and deletes."""
+    scans: list[str] = []
+    real_scan = catalog.scan
+
+    def scan(root: str, *a: Any, **kw: Any) -> Any:
+        scans.append(root)
+        return real_scan(root, *a, **kw)
+
+    state = {"model": torch.nn.Linear(3, 2)}
+    with Checkpointer(tmp_path / "all", async_save=False, preemption=False) as ck:
+        ck.save(1, state)
+        monkeypatch.setattr(catalog, "scan", scan)
+        for step in range(2, 7):
+            ck.save(step, state)
+        assert scans == []
+        assert [e.step for e in ck.checkpoints()] == [1, 2, 3, 4, 5, 6]
+    with Checkpointer(tmp_path / "two", keep_last=2, async_save=False, preemption=False) as ck:
+        ck.save(1, state)
+        before = len(scans)
+        for step in range(2, 5):
+            ck.save(step, state)
+        assert len(scans) == before + 3  # one per save
+        assert [e.step for e in ck.checkpoints()] == [3, 4]
 
 
 @pytest.mark.parametrize("async_save", [False, True])

@@ -70,8 +70,11 @@ def apply_retention(
     With ``blobs`` (the store of the directory's writer, which knows the saves in flight), the
     blobs no remaining checkpoint refers to are deleted after the checkpoints. ``discard``: who
     deletes the files of a checkpoint once it is renamed out of sight (a
-    :class:`~.trash.TrashBin`, in the background); here, without one. ``corrupt``: names
-    known corrupt though their sizes are right (a restore read them): kept, as corrupt."""
+    :class:`~.trash.TrashBin`, in the background); here, without one. ``corrupt``: names known
+    corrupt though their sizes are right (a restore read them): kept, as corrupt.
+    ``keep_last=None`` deletes nothing (:func:`~.retention.plan`), so nothing is read."""
+    if policy.keep_last is None:  # (each save read every manifest and listed file's size)
+        return
     found = set(corrupt)
     cands = [
         dataclasses.replace(c, valid=False) if c.name in found else c
@@ -366,10 +369,9 @@ class Directory:
         run beside another run's remote checkpoints, e.g. a sweep's trials given one URL."""
         if self.sync is None or self.remote is None or self.run_id is None:
             return
+        mine = self.run_id
         foreign = [
-            e.manifest
-            for e in self.sync.entries()
-            if e.manifest and e.manifest.run_id != self.run_id
+            e.manifest for e in self.sync.entries() if e.manifest and e.manifest.run_id != mine
         ]
         if foreign:
             runs = sorted({m.run_id for m in foreign})
@@ -385,9 +387,7 @@ class Directory:
     def report_foreign(self, entries: list[Entry], unrestored: bool = False) -> None:
         if self._reported_foreign or self.run_id is None:
             return
-        foreign = [
-            e for e in entries if e.manifest is not None and e.manifest.run_id != self.run_id
-        ]
+        foreign = [e for e in entries if e.manifest and e.manifest.run_id != self.run_id]
         if not foreign:
             return
         self._reported_foreign = True
