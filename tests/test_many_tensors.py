@@ -7,7 +7,8 @@ counted in calls here, never timed (benchmarks/bench_many_tensors.py times it).
   small ones exactly as before;
 - ``keep_last=None`` (the default) keeps every checkpoint, so retention reads no manifest
   (each save read every manifest and checked every listed file's size: a cost growing with the
-  run's number of checkpoints).
+  run's number of checkpoints); with a retention policy, each kept manifest is parsed once,
+  not again at every save.
 """
 
 from __future__ import annotations
@@ -151,6 +152,75 @@ def test_keep_all_retention_reads_no_manifest(
             ck.save(step, state)
         assert len(scans) == before + 3  # one per save
         assert [e.step for e in ck.checkpoints()] == [3, 4]
+
+
+def test_retention_parses_each_kept_manifest_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Archives (kept forever) are not parsed again at every save: one new manifest a save."""
+    reads: list[str] = []
+    real_read = catalog.read_manifest
+
+    def read_manifest(path: str) -> Any:
+        reads.append(path)
+        return real_read(path)
+
+    state = {"model": torch.nn.Linear(3, 2)}
+    opts = {"keep_last": 1, "keep_every_n_steps": 2, "async_save": False, "preemption": False}
+    with Checkpointer(tmp_path, **opts) as ck:
+        for step in range(1, 5):
+            ck.save(step, state)
+        monkeypatch.setattr(catalog, "read_manifest", read_manifest)
+        for step in range(5, 11):
+            ck.save(step, state)
+        assert len(reads) == 6, reads  # the manifest each save committed, no other
+        assert [e.step for e in ck.checkpoints()] == [2, 4, 6, 8, 10]
+
+
+def test_retention_checks_a_blob_many_checkpoints_name_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """incremental=True: every archive names the same unchanged blobs; a save's retention
+    checks each blob's size once, not once per checkpoint naming it."""
+    checked: list[str] = []
+    real_problem = catalog._problem
+
+    def problem(full: str, f: Any, depth: Any) -> Any:
+        if f.kind == "blob":
+            checked.append(f.path)
+        return real_problem(full, f, depth)
+
+    state = {f"w{i}": torch.randn(4096) for i in range(3)}  # 16 KiB each: stored as blobs
+    opts = {"keep_last": 1, "keep_every_n_steps": 1, "incremental": True}
+    with Checkpointer(tmp_path, async_save=False, preemption=False, **opts) as ck:
+        for step in range(1, 7):
+            ck.save(step, state)
+        monkeypatch.setattr(catalog, "_problem", problem)
+        ck.save(7, state)
+    assert sorted(checked) == sorted(set(checked)) and len(checked) == 3, checked
+
+
+def test_the_manifest_cache_sees_a_changed_or_removed_checkpoint(tmp_path: Path) -> None:
+    state = {"model": torch.nn.Linear(3, 2)}
+    with Checkpointer(tmp_path, async_save=False, preemption=False) as ck:
+        ck.save(1, state, metrics={"loss": 1.0})
+        ck.save(2, state)
+    cache = catalog.ManifestCache()
+    first = catalog.scan(str(tmp_path), catalog.Depth.SIZE, cache)
+    assert [e.manifest.metrics for e in first if e.manifest] == [{"loss": 1.0}, {}]
+    path = tmp_path / "step_000000001" / "manifest.json"
+    doc = json.loads(path.read_bytes())
+    doc["metrics"] = {"loss": 0.25}
+    del doc["manifest_xxh3_64"]  # (its own checksum: would call the edit damage)
+    path.write_text(json.dumps(doc, indent=1))  # rewritten in place: another size and mtime
+    again = catalog.scan(str(tmp_path), catalog.Depth.SIZE, cache)
+    assert [e.manifest.metrics for e in again if e.manifest] == [{"loss": 0.25}, {}]
+    assert cache.parsed == 3
+    import shutil
+
+    shutil.rmtree(tmp_path / "step_000000002")
+    assert [e.step for e in catalog.scan(str(tmp_path), catalog.Depth.SIZE, cache)] == [1]
+    assert list(cache._seen) == [str(tmp_path / "step_000000001")]
 
 
 @pytest.mark.parametrize("async_save", [False, True])

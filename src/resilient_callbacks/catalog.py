@@ -162,9 +162,39 @@ def _problem(full: str, f: FileEntry, depth: Depth) -> str | None:
 OURS_MARKERS = (HISTORY_NAME, "latest")  # what a writer of ours leaves in its directory
 
 
-def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
+class ManifestCache:
+    """The manifests one scanner (a directory's writer, at every retention) parsed, by
+    checkpoint folder, each with the identity of its file (device, inode, size, modification
+    and change times): a later :func:`scan` parses only the manifests that are new or
+    changed. A writer's retention scanned every checkpoint at every save, so a run keeping
+    archives (``keep_every_n_steps``) or the best ones parsed them all again each time, each
+    naming a blob per tensor with ``incremental=True``. Committed manifests are never
+    rewritten in place (a repair writes a new file), so a stale entry would need a rewrite of
+    the same size within one timestamp tick. What a scan no longer finds is forgotten."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[tuple[int, ...], Manifest]] = {}
+        self.parsed = 0  # manifests read from disk (tests count them)
+
+    def read(self, path: str, st: os.stat_result) -> Manifest:
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        hit = self._seen.get(path)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        manifest = read_manifest(path)
+        self.parsed += 1
+        self._seen[path] = (key, manifest)
+        return manifest
+
+    def keep_only(self, paths: set[str]) -> None:
+        for gone_path in set(self._seen) - paths:
+            del self._seen[gone_path]
+
+
+def scan(root: str, depth: Depth = Depth.SIZE, cache: ManifestCache | None = None) -> list[Entry]:
     """Every checkpoint-like entry under ``root``: committed ones ordered by commit sequence
-    (oldest first), then incomplete ones."""
+    (oldest first), then incomplete ones. ``cache``: the scanner's manifests parsed before
+    (unchanged ones are not parsed again)."""
     try:
         names = sorted(os.listdir(root))
     except FileNotFoundError:
@@ -199,7 +229,7 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
             )
             continue
         try:
-            os.stat(os.path.join(path, MANIFEST_NAME))
+            st = os.stat(os.path.join(path, MANIFEST_NAME))
         except FileNotFoundError:
             if os.path.isfile(os.path.join(path, PLAIN_DCP_METADATA)):
                 continue  # plain dcp.save's checkpoint (step_100): not ours, never deleted
@@ -208,18 +238,23 @@ def scan(root: str, depth: Depth = Depth.SIZE) -> list[Entry]:
         except OSError as e:  # a folder this user cannot read: not known to be incomplete
             committed.append(Entry(name, path, Status.CORRUPT, problem=unreadable(e)))
             continue
-        entry = check(name, path, depth)
+        read = partial(cache.read, st=st) if cache is not None else read_manifest
+        entry = check(name, path, depth, read)
         if entry is not None:  # None: it went away while it was read
             committed.append(entry)
+    if cache is not None:
+        cache.keep_only({e.path for e in committed})
     committed.sort(key=lambda e: (e.seq, e.step or 0, e.name))
     return committed + incomplete
 
 
-def check(name: str, path: str, depth: Depth) -> Entry | None:
+def check(
+    name: str, path: str, depth: Depth, read: Callable[[str], Manifest] = read_manifest
+) -> Entry | None:
     """The entry of the checkpoint folder ``path`` (it has a manifest), checked to ``depth``;
-    None when it went away while it was read."""
+    None when it went away while it was read. ``read``: how its manifest is read."""
     try:
-        manifest = read_manifest(path)
+        manifest = read(path)
     except (CheckpointCorruptError, FileNotFoundError) as e:
         if gone(path):
             return None

@@ -31,6 +31,7 @@ from .errors import (
     CheckpointWriteError,
     ConfigError,
     ForeignCheckpointsWarning,
+    error_type,
     warn_and_log,
 )
 from .lock import COMMAND_WAIT_S, DirLock, claim_remote
@@ -48,14 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("resilient_callbacks")
 
 
-def error_type(name: str) -> type[CheckpointError]:
-    """The :class:`CheckpointError` subclass called ``name`` (an error rank 0 relayed by name)."""
-    from . import errors
-
-    t = getattr(errors, name, CheckpointError)
-    return t if isinstance(t, type) and issubclass(t, CheckpointError) else CheckpointError
-
-
 def apply_retention(
     root: str,
     policy: RetentionPolicy,
@@ -64,6 +57,7 @@ def apply_retention(
     blobs: BlobStore | None = None,
     discard: Callable[[str], None] | None = None,
     corrupt: Iterable[str] = (),
+    manifests: catalog.ManifestCache | None = None,
 ) -> None:
     """Coordinator: delete what ``policy`` does not keep among the committed checkpoints of
     ``root``. Never deletes a ``protected`` name, the newest valid checkpoint, or another run's.
@@ -71,14 +65,16 @@ def apply_retention(
     blobs no remaining checkpoint refers to are deleted after the checkpoints. ``discard``: who
     deletes the files of a checkpoint once it is renamed out of sight (a
     :class:`~.trash.TrashBin`, in the background); here, without one. ``corrupt``: names known
-    corrupt though their sizes are right (a restore read them): kept, as corrupt.
-    ``keep_last=None`` deletes nothing (:func:`~.retention.plan`), so nothing is read."""
+    corrupt though their sizes are right (a restore read them): kept, as corrupt. ``manifests``:
+    those read before. ``keep_last=None`` deletes nothing (:func:`~.retention.plan`): no scan."""
     if policy.keep_last is None:  # (each save read every manifest and listed file's size)
         return
     found = set(corrupt)
+    with catalog.blobs_read_once():  # a blob many checkpoints name: its size checked once
+        entries = catalog.scan(root, Depth.SIZE, manifests)
     cands = [
         dataclasses.replace(c, valid=False) if c.name in found else c
-        for c in catalog.retention_candidates(catalog.scan(root, Depth.SIZE))
+        for c in catalog.retention_candidates(entries)
     ]
     p = plan(cands, policy, run_id, protected=list(protected))
     for name in p.delete:
@@ -151,6 +147,7 @@ class Directory:
         self.remote_due: Callable[[int, str], bool] | None = None  # remote_every_n_saves
         self._retention_lock = threading.Lock()
         self.trash = TrashBin()  # deletes what retention removed, off the persist path
+        self.manifests = catalog.ManifestCache()  # retention's, parsed once each
         self._reported_foreign = False
         self.checked_foreign = False
         # checkpoints a restore found corrupt (checksums): retention keeps them for inspection
@@ -325,6 +322,7 @@ class Directory:
                 self.blobs,
                 self.trash.put,
                 self.found_corrupt,
+                self.manifests,
             )
 
     # ------------------------------------------------------------------ history, other runs

@@ -112,6 +112,12 @@ __all__ += ["ForeignCheckpointsWarning", "ResumeFallbackWarning"]
 AT_CALLER = 0
 
 
+def error_type(name: str) -> type[CheckpointError]:
+    """The :class:`CheckpointError` subclass called ``name`` (an error rank 0 relayed by name)."""
+    t = globals().get(name, CheckpointError)
+    return t if isinstance(t, type) and issubclass(t, CheckpointError) else CheckpointError
+
+
 def caller_stacklevel(*through: str) -> int:
     """The ``stacklevel`` of the first frame outside this package, for a ``warnings.warn`` (or
     :func:`warn_and_log`) call made in the function calling this one: the user's call into the
