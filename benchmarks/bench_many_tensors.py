@@ -2,7 +2,7 @@
 an MoE more), against ``torch.save``/``torch.load`` and DCP measured in the same run.
 
     python benchmarks/bench_many_tensors.py [--counts 200,2000,20000] [--reps 3]
-        [--small-numel 256] [--large 4] [--large-mb 8] [--profile] [--out DIR]
+        [--small-numel 256] [--large 4] [--large-mb 8] [--profile] [--archives 20] [--out DIR]
 
 The state: a module with ``count`` small fp32 parameters of ``--small-numel`` elements each
 (LayerNorm weights, biases, an MoE's many experts) and ``--large`` parameters of ``--large-mb``
@@ -23,7 +23,8 @@ Restores run in this process with the files in the page cache (a fresh process a
 fixed cost to every method; ``bench_restore.py`` measures that). The ratios are the figures:
 absolute times on a shared machine are noise. ``--profile``: a cProfile of one synchronous save
 (the whole save path in one thread) and one restore at the largest count, the top functions by
-own time printed and written to ``bench_many_tensors_profile.txt``. Writes
+own time printed and written to ``bench_many_tensors_profile.txt``. ``--archives N``:
+retention's cost as a run keeps checkpoints (:func:`bench_archives`). Writes
 ``bench_many_tensors.{json,md}`` into ``--out``.
 """
 
@@ -159,6 +160,22 @@ def profile(work: str, model: torch.nn.Module, top: int = 25) -> str:
     return out.getvalue()
 
 
+def bench_archives(work: str, count: int, saves: int) -> dict[str, float]:
+    """Retention's cost as a run keeps checkpoints: ``incremental=True``, ``keep_last=1``,
+    ``keep_every_n_steps=1`` (every save an archive, each naming ``count`` blobs of 16 KiB),
+    synchronous saves; the CPU time of a save at the start and at the end."""
+    state = {f"p{i}": torch.randn(4096) for i in range(count)}
+    cpu: list[float] = []
+    opts: dict[str, Any] = {"keep_last": 1, "keep_every_n_steps": 1, "incremental": True}
+    with Checkpointer(os.path.join(work, "arch"), async_save=False, preemption=False, **opts) as ck:
+        for step in range(1, saves + 1):
+            state["p0"].add_(1)  # one tensor changes: one new blob a save
+            t0 = time.process_time()
+            ck.save(step, state)
+            cpu.append(time.process_time() - t0)
+    return {"first_cpu_s": med(cpu[1:4]), "last_cpu_s": med(cpu[-3:]), "saves": saves}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--counts", default="200,2000,20000")
@@ -167,6 +184,13 @@ def main() -> int:
     ap.add_argument("--large", type=int, default=4)
     ap.add_argument("--large-mb", type=int, default=8)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--archives",
+        type=int,
+        default=0,
+        help="also N incremental saves all kept as archives (2,000 tensors): CPU per save "
+        "at saves 2-4 and the last 3 (retention's cost as checkpoints accumulate)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one rep (the smoke test)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -197,6 +221,13 @@ def main() -> int:
             if k != "seconds"
         }
         rows.append({"tensors": n, "bytes": nbytes, "median_s": m, "runs": runs})
+    archives = None
+    if args.archives:
+        work = tempfile.mkdtemp(prefix="rc-many-", dir=args.dir)
+        try:
+            archives = bench_archives(work, 2000, args.archives)
+        finally:
+            rm(work)
     lines = [
         f"# bench_many_tensors (medians of {args.reps}; library {library_version()}, torch "
         f"{torch.__version__}, {os.cpu_count()} cpus; small tensors of {args.small_numel} fp32 "
@@ -238,8 +269,16 @@ def main() -> int:
             + " | ".join(f"{v:.2f}" for v in ratios.values())
             + f" | {per[0]:.0f}, {per[1]:.0f}, {per[2]:.0f} |"
         )
+    if archives is not None:
+        lines += [
+            "",
+            f"{archives['saves']} incremental saves kept as archives (2,000 tensors): CPU per "
+            f"save {archives['first_cpu_s']:.3f} s at saves 2-4, {archives['last_cpu_s']:.3f} s "
+            "at the last 3",
+        ]
     md = "\n".join(lines) + "\n"
     report = {
+        "archives": archives,
         "args": vars(args),
         "library": library_version(),
         "torch": torch.__version__,
