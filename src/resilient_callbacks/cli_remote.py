@@ -406,7 +406,7 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
     gone = {e.name for e, _ in doomed}
     for e, _ in [] if args.dry_run else doomed:
         st.delete(e.name)
-    after = [e for e in entries if e.name not in gone] if args.dry_run else st.scan()
+    after = [e for e in entries if e.name not in gone] if args.dry_run else None
     blobs = remote_blobs.collect(st, after, dry_run=args.dry_run)  # leftovers of crashes too
 
     def facts(e: Any, why: str) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from .errors import CheckpointCorruptError, RemoteUnavailableError
 from .manifest import MANIFEST_NAME, Manifest
 from .progress import Progress
 from .redact import options_text, url_text
+from .remote_blob_check import Verified
 from .remote_objects import RemoteNameTaken, check_uploaded, key_of, modified_time
 from .retention import Candidate
 
@@ -114,6 +115,7 @@ class RemoteStore:
         self.is_local = self.protocol in ("file", "local")
         # name -> (its manifest's listed size, time, etag; the manifest): see _read_manifests
         self._manifests: dict[str, tuple[tuple[Any, ...], Manifest]] = {}
+        self.blobs_verified = Verified()  # remote blobs whose bytes this process checked
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r})"
@@ -314,8 +316,8 @@ class RemoteStore:
         ``repair``: the remote copy of this commit is damaged (a file missing, torn or rotten):
         uncommit it and upload every file again. ``blobs_again``: blobs it refers to that are
         on the remote at the right size but with other bytes (read and found rotten): uploaded
-        again too (a blob's name is its content's hash, so every checkpoint naming it wants
-        exactly these bytes)."""
+        again too (every checkpoint recording it with the local checksum wants exactly these
+        bytes)."""
         existing = self._manifest_bytes(name)
         with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as fh:
             manifest_bytes = fh.read()
@@ -343,6 +345,12 @@ class RemoteStore:
         try:
             self.fs.put(lpaths, rpaths, **kwargs)
             commit.commit(name, manifest.step, manifest_bytes)
+            try:  # a blob another run's collection deleted meanwhile is uploaded again
+                remote_blobs.settle(self, local_dir, manifest, marker)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    commit.begin(manifest.step)  # uncommitted: a retry uploads it whole
+                raise
         finally:
             remote_blobs.end_upload(self, marker)
         if progress is not None:

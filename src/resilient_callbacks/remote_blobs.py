@@ -1,12 +1,18 @@
 """The blob store of the remote tier: ``<url>/blobs/<name>``, shared by the remote checkpoints
 as the local store is by the local ones (see :mod:`.blobs`).
 
-- Upload: a blob already there with its size is not uploaded again; the blobs go up before the
-  checkpoint's files and its manifest (the commit point), so a committed remote checkpoint
-  never names a missing blob. While an upload runs, an in-flight marker
-  ``blobs/.inflight-<id>.json`` lists the blobs it relies on (and the run), so that a
-  collection by another process writing to the same URL (another run) does not delete them; a
-  marker older than :data:`INFLIGHT_TTL_S` was left by a crash and is ignored and removed.
+- Upload: a blob already there with its size is checked to hold the local blob's bytes, once
+  per process (:mod:`.remote_blob_check`: a name is its tensor's hash, not its stored
+  bytes'), and then not uploaded again; other bytes there are uploaded again, loudly, unless
+  a committed remote checkpoint records them (another encoding of the tensor: then the
+  upload fails). The blobs go up before the checkpoint's files and its manifest (the commit
+  point), so a committed remote checkpoint never names a missing blob. While an upload runs,
+  an in-flight marker ``blobs/.inflight-<id>.json`` lists the blobs it relies on (and the
+  run), so that a collection by another process writing to the same URL (another run) does
+  not delete them; a marker older than :data:`INFLIGHT_TTL_S` was left by a crash and is
+  ignored and removed. A collection that read the markers before the upload wrote its own is
+  announced (``blobs/.collect-<id>.json``): after the commit the upload waits for it to end
+  and uploads again what it deleted (:func:`settle`).
 - A blob of the same name with another size is never replaced while a committed remote
   checkpoint or another run's fresh marker names it. Otherwise it is what a killed upload left
   (a torn copy: an earlier process of this run, the only one uploading the run) and is
@@ -14,7 +20,7 @@ as the local store is by the local ones (see :mod:`.blobs`).
   into place, so a kill leaves no torn blob there (an object store's put is atomic already).
 - Collection (after the remote retention deleted checkpoints): the live set is every blob named
   by a committed remote manifest, plus those of fresh markers. A manifest that cannot be read
-  stops the collection.
+  stops the collection. Announced, bounded in time: see :func:`collect`.
 - Download: each blob into the local store (``<dir>/blobs``), through a temporary name,
   verified (size, xxh3-64) before it is renamed into place.
 
@@ -37,7 +43,7 @@ from .blobs import BLOBS_DIR, NAME_RE, TMP_PREFIX, blob_path, key_of, store_dir
 from .catalog import verify_entries
 from .commit import fsync_dir
 from .errors import CheckpointCorruptError
-from .manifest import Manifest
+from .manifest import FileEntry, Manifest
 from .tensorfile import digest_file
 
 if TYPE_CHECKING:
@@ -47,6 +53,10 @@ log = logging.getLogger("resilient_callbacks")
 
 INFLIGHT_PREFIX = ".inflight-"
 INFLIGHT_TTL_S = 24 * 3600.0
+COLLECT_PREFIX = ".collect-"  # a collection running (see collect)
+COLLECT_MAX_S = 60.0  # a collection deletes nothing later than this after announcing itself
+COLLECT_MARGIN_S = 30.0  # for a delete sent before then that lands later
+COLLECT_POLL_S = 0.5
 UPLOAD_PREFIX = ".upload-"  # a blob being copied to a file:// remote, renamed when complete
 
 
@@ -56,17 +66,21 @@ def _dir(store: RemoteStore) -> str:
 
 def listing(store: RemoteStore) -> dict[str, int]:
     """Blob name -> size of every blob (and marker) under ``<url>/blobs``."""
+    return {name: int(info.get("size") or 0) for name, info in _infos(store).items()}
+
+
+def _infos(store: RemoteStore) -> dict[str, dict[str, Any]]:
+    """Blob name -> the store's listing of it, for every blob (and marker) under ``<url>/blobs``."""
     store.fs.invalidate_cache()
     try:
         found = store.fs.find(_dir(store), detail=True)
     except FileNotFoundError:
         return {}
-    out = {}
-    for path, info in found.items():
-        if info.get("type") == "directory":
-            continue
-        out[posixpath.basename(path.rstrip("/"))] = int(info.get("size") or 0)
-    return out
+    return {
+        posixpath.basename(path.rstrip("/")): info
+        for path, info in found.items()
+        if info.get("type") != "directory"
+    }
 
 
 def upload(
@@ -87,21 +101,20 @@ def upload(
     }
     store.fs.pipe_file(marker, json.dumps(body).encode())
     try:
-        have = listing(store)
+        infos = _infos(store)
+        have = {n: int(i.get("size") or 0) for n, i in infos.items()}
         clash = [b.path for b in manifest.blobs if b.path in have and have[b.path] != b.size]
         if clash:
             _check_torn(store, clash, have, manifest.run_id, marker, local_dir)
-        todo = [b for b in manifest.blobs if have.get(b.path) != b.size or b.path in again]
+        reuse = [b for b in manifest.blobs if have.get(b.path) == b.size and b.path not in again]
+        other = store.blobs_verified.differ(store, local_dir, reuse, infos)
+        if other:
+            _check_other_bytes(store, other, manifest, marker, local_dir)
+        reused = {b.path for b in reuse}
+        todo = [b for b in manifest.blobs if b.path not in reused or b.path in other]
         if todo:
             verify_entries(local_dir, todo)  # a rotten local blob is never uploaded
-            _put(store, [blob_path(local_dir, b.path) for b in todo], [b.path for b in todo])
-            have = listing(store)
-            for b in todo:
-                if have.get(b.path) != b.size:
-                    raise OSError(
-                        f"{store.url}/{BLOBS_DIR}/{b.path}: {have.get(b.path)} bytes after "
-                        f"upload, expected {b.size}"
-                    )
+            _put_checked(store, local_dir, todo)
     except BaseException:
         end_upload(store, marker)
         raise
@@ -144,6 +157,63 @@ def _check_torn(
         ", ".join(f"{BLOBS_DIR}/{c}" for c in clash),
         "has" if len(clash) == 1 else "have",
     )
+
+
+def _check_other_bytes(
+    store: RemoteStore, other: list[str], manifest: Manifest, marker: str, local_dir: str
+) -> None:
+    """Blobs of the names ``other`` are on the remote with the local size but other bytes:
+    raise where a committed remote checkpoint records one with other bytes (another run or
+    another zstd version encoded the same tensor differently: valid bytes for those
+    checkpoints) or another run's fresh in-flight marker names it; else it is damaged in place
+    or a leftover: say so loudly, and the caller uploads it again (which repairs the remote
+    checkpoints that record it with the local bytes)."""
+    ours = {b.path: (b.size, b.xxh3_64) for b in manifest.blobs}
+    held: dict[str, list[str]] = {}
+    repaired: set[str] = set()
+    for e in store.scan():
+        for b in e.manifest.blobs if e.manifest is not None else ():
+            if b.path in ours and b.path in other:
+                if (b.size, b.xxh3_64) != ours[b.path]:
+                    held.setdefault(b.path, []).append(e.name)
+                else:
+                    repaired.add(e.name)
+    mine = posixpath.basename(marker)
+    for name, (fresh, blobs, owner) in _markers(store).items():
+        if not fresh or name == mine or owner == manifest.run_id:
+            continue
+        for n in set(blobs) & set(other):
+            held.setdefault(n, []).append(f"an upload in progress of run {owner}")
+    if held:
+        raise OSError(
+            f"{store.url}/{BLOBS_DIR} holds "
+            + "; ".join(f"{n} (recorded by {', '.join(sorted(w))})" for n, w in held.items())
+            + f" with the size of the blob in {local_dir} but other bytes (another run writing "
+            "to this URL, or another zstd version, stored the same tensor differently); not "
+            "replacing them. Give this run a remote URL of its own, or remove those "
+            "checkpoints (resilient-ckpt gc --remote)."
+        )
+    log.warning(
+        "remote %s: %s %s the size of the local blob but other bytes (damaged in place, or "
+        "left by an interrupted or foreign write); uploading the local blob again%s",
+        store.url,
+        ", ".join(f"{BLOBS_DIR}/{n}" for n in other),
+        "has" if len(other) == 1 else "have",
+        f" (repairs {', '.join(sorted(repaired))})" if repaired else "",
+    )
+
+
+def _put_checked(store: RemoteStore, local_dir: str, todo: list[FileEntry]) -> None:
+    """Upload the blobs ``todo`` and check their sizes there; remembered as verified."""
+    _put(store, [blob_path(local_dir, b.path) for b in todo], [b.path for b in todo])
+    infos = _infos(store)
+    for b in todo:
+        size = int(infos[b.path].get("size") or 0) if b.path in infos else None
+        if size != b.size:
+            raise OSError(
+                f"{store.url}/{BLOBS_DIR}/{b.path}: {size} bytes after upload, expected {b.size}"
+            )
+        store.blobs_verified.remember(b, infos[b.path])
 
 
 def _put(store: RemoteStore, local: list[str], names: list[str]) -> None:
@@ -189,12 +259,38 @@ def end_upload(store: RemoteStore, marker: str | None) -> None:
             store.fs.rm_file(marker)
 
 
-def collect(store: RemoteStore, entries: list[RemoteEntry], dry_run: bool = False) -> list[str]:
+def collect(
+    store: RemoteStore, entries: list[RemoteEntry] | None = None, dry_run: bool = False
+) -> list[str]:
     """Delete the remote blobs no committed remote checkpoint and no fresh in-flight marker
-    names; ``entries``: a scan made after the deletions. Returns the names deleted (with
-    ``dry_run``, those it would delete, deleting nothing)."""
+    names. Returns the names deleted (with ``dry_run``, those it would delete, deleting
+    nothing; ``entries``: the scan to plan with, after the deletions it plans; a real
+    collection scans itself).
+
+    Against another process writing to the same URL (another run), a collection announces
+    itself first (a marker ``blobs/.collect-<id>.json``, removed when it ends), then reads the
+    in-flight markers, then the manifests (an upload that committed meanwhile is seen), and
+    stops deleting :data:`COLLECT_MAX_S` after its announcement (the rest is left for the next
+    collection). An upload that relied on a blob re-checks it after its commit once no
+    collection announced before is running (:func:`settle`)."""
+    if dry_run:
+        return _collect(store, store.scan() if entries is None else entries, None)
+    if store.is_local:
+        store.fs.makedirs(_dir(store), exist_ok=True)
+    token = posixpath.join(_dir(store), f"{COLLECT_PREFIX}{uuid.uuid4().hex[:12]}.json")
+    store.fs.pipe_file(token, json.dumps({"created": time.time()}).encode())
+    try:
+        return _collect(store, None, time.monotonic() + COLLECT_MAX_S)
+    finally:
+        end_upload(store, token)
+
+
+def _collect(
+    store: RemoteStore, entries: list[RemoteEntry] | None, deadline: float | None
+) -> list[str]:
+    markers = _markers(store)  # before the manifests: see collect
     live: set[str] = set()
-    for e in entries:
+    for e in store.scan() if entries is None else entries:
         if e.manifest is not None:
             live.update(b.path for b in e.manifest.blobs)
         elif e.problem and e.problem.startswith("unreadable manifest"):
@@ -205,21 +301,72 @@ def collect(store: RemoteStore, entries: list[RemoteEntry], dry_run: bool = Fals
             )
             return []
     names = listing(store)
-    for name, (fresh, blobs, _) in _markers(store).items():
+    for name, (fresh, blobs, _) in markers.items():
         if fresh:
             live.update(blobs)
-        elif not dry_run:
+        elif deadline is not None:
             with contextlib.suppress(Exception):
                 store.fs.rm_file(posixpath.join(_dir(store), name))
     doomed = sorted(n for n in names if NAME_RE.match(n) and n not in live)
     if store.is_local:  # copies a kill left under their temporary names, a day old
         doomed += [n for n in names if n.startswith(UPLOAD_PREFIX) and _stale(store, n)]
-    for name in [] if dry_run else doomed:
+    if deadline is None:
+        return doomed
+    for i, name in enumerate(doomed):
+        if time.monotonic() > deadline:  # an upload may rely on what was unused then
+            log.info(
+                "remote %s: blob collection stopped after %.0f s; %d unused blob(s) are left "
+                "for the next one",
+                store.url,
+                COLLECT_MAX_S,
+                len(doomed) - i,
+            )
+            doomed = doomed[:i]
+            break
         with contextlib.suppress(FileNotFoundError):
             store.fs.rm_file(posixpath.join(_dir(store), name))
     if doomed:
         log.info("remote: deleted %d unused blob(s) in %s/%s", len(doomed), store.url, BLOBS_DIR)
     return doomed
+
+
+def settle(store: RemoteStore, local_dir: str, manifest: Manifest, marker: str | None) -> None:
+    """After the commit of an upload, its in-flight marker still there: wait until no
+    collection by another process (another run given the same URL) that was announced before
+    is running, then check that every blob the manifest names is there with its size. A
+    collection that read the in-flight markers before this upload wrote its own may have
+    deleted a blob the upload found there and relied on: it is uploaded again, loudly."""
+    if marker is None:
+        return
+    first_seen: dict[str, float] = {}
+    while True:
+        infos = _infos(store)
+        now = time.monotonic()
+        running = []
+        for name in infos:
+            if name.startswith(COLLECT_PREFIX) and name not in store.blobs_verified.dead:
+                if now - first_seen.setdefault(name, now) < COLLECT_MAX_S + COLLECT_MARGIN_S:
+                    running.append(name)
+                else:  # a collection killed part-way: it deletes nothing any more
+                    store.blobs_verified.dead.add(name)
+                    end_upload(store, posixpath.join(_dir(store), name))
+        if not running:
+            break
+        time.sleep(COLLECT_POLL_S)
+    gone = [b for b in manifest.blobs if int((infos.get(b.path) or {}).get("size") or -1) != b.size]
+    if not gone:
+        return
+    log.warning(
+        "remote %s: %s, which this upload found there and relied on, %s deleted meanwhile by "
+        "another process writing to this URL (another run given the same remote URL?); "
+        "uploading %s again. Give each run a remote URL of its own.",
+        store.url,
+        ", ".join(f"{BLOBS_DIR}/{b.path}" for b in gone),
+        "was" if len(gone) == 1 else "were",
+        "it" if len(gone) == 1 else "them",
+    )
+    verify_entries(local_dir, gone)
+    _put_checked(store, local_dir, gone)
 
 
 def _stale(store: RemoteStore, name: str) -> bool:

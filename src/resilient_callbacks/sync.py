@@ -360,7 +360,7 @@ class RemoteSync(UploadThread):
                     self.store.delete(e.name)
                     log.info("remote: deleted %s/%s, an upload cut off", self.store.url, e.name)
             if p.delete:  # then the blobs no remaining remote checkpoint refers to
-                remote_blobs.collect(self.store, self.store.scan())
+                remote_blobs.collect(self.store)
         except Exception as e:
             log.warning(
                 "remote retention on %s failed (retried after the next upload): %s",
