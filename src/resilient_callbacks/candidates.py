@@ -8,8 +8,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import errors
-from .errors import RemoteUnavailableError, ResumeFallbackWarning, warn_and_log
+from . import branches, errors
+from .errors import AT_CALLER, RemoteUnavailableError, ResumeFallbackWarning, warn_and_log
 from .redact import url_text
 
 if TYPE_CHECKING:
@@ -32,6 +32,8 @@ class Candidate:
     key: tuple[str, int] | None = None
     remote: str | None = None
     problem_type: str | None = None  # the class of the error that found the problem, if any
+    # on a branch a roll-back abandoned (branches.py): tried only after the current lineage
+    abandoned: bool = False
 
     @property
     def where(self) -> str | None:
@@ -63,6 +65,7 @@ class Candidate:
             (str(key[0]), int(key[1])) if key is not None else None,
             d.get("remote"),
             d.get("problem_type"),
+            bool(d.get("abandoned", False)),
         )
 
 
@@ -97,6 +100,7 @@ def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
         assert e.manifest is not None
         key = (e.manifest.run_id, e.manifest.seq)
         by_key[key] = {"local": e, "step": e.manifest.step, "seq": e.manifest.seq}
+        by_key[key]["lineage"] = e.manifest.lineage
     if d.sync is not None and d.remote is not None:
         try:
             remote_entries = d.sync.refresh()
@@ -119,16 +123,42 @@ def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
             key = (re_.manifest.run_id, re_.manifest.seq)
             item = by_key.setdefault(key, {"step": re_.manifest.step, "seq": re_.manifest.seq})
             item["remote"] = re_
+            item.setdefault("lineage", re_.manifest.lineage)
             # new saves must number after everything either tier holds
             d.seq = max(d.seq, re_.manifest.seq)
+    # the current lineage of each run first, newest first; then what a roll-back abandoned
+    off = branches.off_lineage((k[0], k[1], item["lineage"]) for k, item in by_key.items())
     out: list[Candidate] = []
-    for key, item in sorted(by_key.items(), key=lambda kv: (kv[1]["seq"], kv[1]["step"])):
+    for key, item in sorted(
+        by_key.items(), key=lambda kv: (kv[0] not in off, kv[1]["seq"], kv[1]["step"])
+    ):
         pair: list[Candidate] = []
+        gone = key in off
         if "local" in item:
             le = item["local"]
-            pair.append(Candidate(le.path, le.step, le.problem, key))
+            pair.append(Candidate(le.path, le.step, le.problem, key, abandoned=gone))
         if "remote" in item:
             re_ = item["remote"]
-            pair.append(Candidate(None, item["step"], re_.problem, key, re_.name))
+            pair.append(Candidate(None, item["step"], re_.problem, key, re_.name, abandoned=gone))
         out[:0] = pair  # newest first
     return out
+
+
+def warn_abandoned(c: Candidate, cands: list[Candidate], coordinator: bool) -> None:
+    """Every rank (the coordinator warns, the others log): a restore loaded ``c`` by fallback,
+    a checkpoint of a branch the run abandoned when it resumed from an older one (none of the
+    current lineage could be restored)."""
+    skipped = [f"{x.where} (step {x.step})" for x in cands if not x.abandoned]
+    msg = (
+        f"restored {c.where} (step {c.step}), a checkpoint of a branch this run abandoned when "
+        "it resumed from an older checkpoint: no checkpoint of the run's current lineage could "
+        f"be restored (tried: {', '.join(skipped) or 'none left'}). Training continues the "
+        "abandoned timeline: if that is not what you want, stop and pass resume=<step or path> "
+        "of the checkpoint to continue, or resume='never' to start anew"
+    )
+    warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=AT_CALLER, warn=coordinator)
+
+
+def tried_as(c: Candidate) -> str:
+    """What a candidate skipped for damage is known by when the directory is listed again."""
+    return f"remote:{c.remote}" if c.remote is not None else str(c.path)

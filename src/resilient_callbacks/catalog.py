@@ -326,6 +326,7 @@ def retention_candidates(entries: Iterable[Entry]) -> list[Candidate]:
             e.manifest.metrics,
             e.status is Status.VALID,
             archived=_archived(e.manifest.step, e.manifest.retention),
+            lineage=e.manifest.lineage,
         )
         for e in entries
         if e.manifest is not None

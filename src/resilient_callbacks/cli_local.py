@@ -39,7 +39,7 @@ from .errors import CheckpointError
 from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME, NEWER_FORMAT
 from .reader import by_commit, check
-from .retention import Plan, RetentionPolicy, plan
+from .retention import ABANDONED, Plan, RetentionPolicy, plan
 
 INCOMPLETE_NOTE = "not kept: removed when the next writer opens the directory, or by gc"
 NOT_OURS_NOTE = "not ours (nothing here was written by resilient_callbacks): gc leaves it alone"
@@ -80,9 +80,10 @@ def _committed(entries: list[Entry], args: argparse.Namespace) -> set[tuple[str,
 
 
 def _kept(e: Entry, p: Plan) -> dict[str, Any]:
+    gone = {"abandoned": e.name in p.abandoned}  # on a branch a roll-back abandoned
     if e.status is not Status.INCOMPLETE and e.name in p.keep:
-        return {"kept": True, "kept_by": list(p.keep[e.name])}
-    return {"kept": False, "kept_by": []}
+        return {"kept": True, "kept_by": list(p.keep[e.name]), **gone}
+    return {"kept": False, "kept_by": [], **gone}
 
 
 def _step_cell(r: dict[str, Any]) -> str:
@@ -112,7 +113,9 @@ def _note(r: dict[str, Any], foreign: set[str]) -> str:
         return (
             "a copy under a name of yours: a run never resumes from it or deletes it, nor does gc"
         )
-    return "; ".join(r["kept_by"]) if r["kept"] else "not kept: gc would delete it"
+    if r["kept"]:
+        return "; ".join(r["kept_by"])
+    return "not kept" + (f" ({ABANDONED})" if r.get("abandoned") else "") + ": gc would delete it"
 
 
 # ---------------------------------------------------------------------- ls
@@ -490,6 +493,6 @@ def _repoint_latest(root: str, deleted: set[str], entries: list[Entry]) -> None:
     left = [e for e in entries if e.name not in deleted and e.manifest is not None]
     left = [e for e in left if e.status not in (Status.CORRUPT, Status.INCOMPLETE)]
     if left:
-        write_latest_pointer(root, max(left, key=lambda e: e.seq).name)
+        write_latest_pointer(root, by_commit(left)[0].name)  # (the current lineage's)
     else:
         os.unlink(path)

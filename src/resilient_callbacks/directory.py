@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist, history
 from .blobs import BlobStore
+from .branches import Tip
 from .catalog import Depth, Entry, Status
 from .commit import CKPT_RE, RenameCommit, remove_checkpoint, sweep_staging
 from .errors import (
@@ -150,8 +151,8 @@ class Directory:
         self.manifests = catalog.ManifestCache()  # retention's, parsed once each
         self._reported_foreign = False
         self.checked_foreign = False
-        # checkpoints a restore found corrupt (checksums): retention keeps them for inspection
-        self.found_corrupt: set[str] = set()
+        self.found_corrupt: set[str] = set()  # by a restore (checksums): kept for inspection
+        self.tip = Tip()  # where the next save descends from: its manifest's lineage
         # the uploads the newest commit skipped (remote_every_n_saves), run if it proves final
         self._held: tuple[int, list[Callable[[], None]]] | None = None
 
@@ -410,8 +411,6 @@ class Directory:
             "`--dry-run` first shows what it would delete)."
         )
         warn_and_log(log, msg, ForeignCheckpointsWarning, stacklevel=AT_CALLER)
-
-    # ------------------------------------------------------------------ queries
 
     def checkpoints(self) -> list[Entry]:
         """Committed checkpoints in the directory, oldest first (sizes checked, not checksums)."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import xxhash
 
+from . import branches
 from .checksum import is_segmented
 from .errors import CheckpointCorruptError, UnsafeManifestError
 from .tensorfile import FileDigest
@@ -83,6 +84,9 @@ class Manifest:
     # the blob's name, resolved by blobs.blob_path. Writers may pass them in ``files`` with
     # kind "blob": they are moved here.
     blobs: list[FileEntry] = field(default_factory=list)
+    # the checkpoint it descends from and the commits of its run it does not (branches.py);
+    # {}: none recorded (written before the field existed): commit order
+    lineage: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if any(f.kind == BLOB_KIND for f in self.files):
@@ -117,6 +121,8 @@ class Manifest:
             del d["blobs"]
         if not self.remote_retention:
             del d["remote_retention"]
+        if not self.lineage:
+            del d["lineage"]
         d["format"] = FORMAT_NAME
         d["format_version"] = self.format_version
         d["created_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
@@ -160,7 +166,9 @@ class Manifest:
                 versions=dict(d.get("versions") or {}),
                 extra=dict(d.get("extra") or {}),
                 blobs=blobs,
+                lineage=dict(d.get("lineage") or {}),
             )
+            branches.of(m.lineage)  # a malformed one makes the checkpoint corrupt
         except UnsafeManifestError:
             raise
         except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:

@@ -72,6 +72,7 @@ class NodeLocalSession:
             msg = {"seq": d.seq + 1, "name": name, "token": uuid.uuid4().hex[:12]}
         msg = dist.broadcast_json(msg, group=self.group)
         self.seq, self.name = int(msg["seq"]), str(msg["name"])
+        d.tip.planned(self.seq)  # (every rank: each node's manifest records the lineage)
         self.staging = os.path.join(
             d.dirpath, f"{STAGING_PREFIX}{ckpt_name(self.step)}-{msg['token']}"
         )
@@ -99,6 +100,7 @@ class NodeLocalSession:
             remote_retention=self.d.config.remote_retention_policy().to_json(),
             versions=versions(),
             extra=dict(extra or {}),
+            lineage=self.d.tip.child(self.seq).to_json(),
         )
 
     def commit(

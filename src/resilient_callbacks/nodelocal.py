@@ -410,7 +410,10 @@ class NodeDirectory(Directory):
         policy = self.config.remote_retention_policy()
         if policy.keep_last is None or len(due) < 2:
             return due
-        cands = [Candidate(n, m.step, m.seq, m.run_id, m.metrics) for n, m, _, _ in due]
+        cands = [
+            Candidate(n, m.step, m.seq, m.run_id, m.metrics, lineage=m.lineage)
+            for n, m, _, _ in due
+        ]
         keep = plan(cands, policy, self.run_id).keep
         skipped = [n for n, *_ in due if n not in keep]
         if skipped:

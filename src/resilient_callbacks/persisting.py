@@ -208,6 +208,7 @@ def _session(saver: Saver, step: int, background: bool) -> CommitSession | NodeL
         remote_retention=ck.config.remote_retention_if_any(),
         sync=d.sync,  # (for the message of a full disk: after_commit queues the uploads)
         after_commit=d.after_commit,
+        tip=d.tip,
     )
 
 

@@ -12,12 +12,12 @@ import os
 import shutil
 from collections.abc import Callable
 
-from . import catalog
+from . import branches, catalog
 from .catalog import Depth
 from .commit import fsync_dir, remove_checkpoint, sweep_staging
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .lock import DirLock
-from .manifest import MANIFEST_NAME, read_manifest
+from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .remote import RemoteEntry, RemoteStore
 
 log = logging.getLogger("resilient_callbacks")
@@ -29,12 +29,18 @@ def usable(st: RemoteStore, step: int | None = None) -> list[RemoteEntry]:
     remote = [e for e in st.scan() if e.manifest is not None]
     if step is not None:
         remote = [e for e in remote if e.manifest is not None and e.manifest.step == step]
-    good = [e for e in remote if e.problem is None]
+    off = branches.off_lineage((m.run_id, m.seq, m.lineage) for m in _manifests(remote))
+    # (a roll-back's abandoned branch counts as older than the current lineage: branches.py)
+    good = sorted((e for e in remote if e.problem is None), key=lambda e: e.key not in off)
     if not good:
         what = f"no checkpoint of step {step}" if step is not None else "no checkpoints"
         bad = "" if not remote else f" ({len(remote)} with files missing or of the wrong size)"
         raise CheckpointNotFoundError(f"{what} in {st.url}{bad}")
     return good
+
+
+def _manifests(entries: list[RemoteEntry]) -> list[Manifest]:
+    return [e.manifest for e in entries if e.manifest is not None]
 
 
 def pull_newest_whole(

@@ -30,7 +30,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from . import catalog, layout
+from . import branches, catalog, layout
 from .catalog import Depth, Entry, Status
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, NoValidCheckpointError
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -103,12 +103,21 @@ def check(e: Entry, depth: Depth = Depth.FULL) -> Entry:
 
 
 def by_commit(entries: Iterable[Entry]) -> list[Entry]:
-    """Entries with a readable manifest, newest commit first (the order restore tries them)."""
+    """Entries with a readable manifest, newest commit first (the order restore tries them),
+    those of a branch a roll-back abandoned after every one of the current lineage
+    (:mod:`.branches`)."""
+    known = [e for e in entries if e.manifest is not None]
+    off = abandoned(known)
     return sorted(
-        (e for e in entries if e.manifest is not None),
-        key=lambda e: (e.seq, e.step or 0, e.name),
-        reverse=True,
+        known, key=lambda e: (e.name not in off, e.seq, e.step or 0, e.name), reverse=True
     )
+
+
+def abandoned(entries: Iterable[Entry]) -> set[str]:
+    """The names of ``entries`` on a branch a roll-back abandoned (:mod:`.branches`)."""
+    ms = {e.name: e.manifest for e in entries if e.manifest is not None}
+    off = branches.off_lineage((m.run_id, m.seq, m.lineage) for m in ms.values())
+    return {n for n, m in ms.items() if (m.run_id, m.seq) in off}
 
 
 def unordered(entries: Iterable[Entry], not_older_than: int | None) -> list[Entry]:

@@ -79,6 +79,7 @@ def retention_candidates(entries: list[RemoteEntry], prefix: str = "") -> list[C
             e.manifest.run_id,
             e.manifest.metrics,
             e.problem is None,
+            lineage=e.manifest.lineage,
         )
         for e in entries
         if e.manifest is not None

@@ -54,7 +54,9 @@ class PendingCommit:
         """The checkpoint as a retention candidate (its manifest parsed once)."""
         if self._candidate is None:
             m = Manifest.from_json(json.loads(self.manifest), self.name)
-            self._candidate = Candidate(self.name, m.step, m.seq, m.run_id, m.metrics)
+            self._candidate = Candidate(
+                self.name, m.step, m.seq, m.run_id, m.metrics, lineage=m.lineage
+            )
         return self._candidate
 
 

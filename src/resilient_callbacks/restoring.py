@@ -31,7 +31,7 @@ from . import (
     statetree,
     structure,
 )
-from .candidates import Candidate, merge_tiers, number_after_remote
+from .candidates import Candidate, merge_tiers, number_after_remote, tried_as, warn_abandoned
 from .catalog import Depth, Status
 from .commit import CKPT_RE
 from .config import ResumeMode, missing_resume_hint
@@ -135,7 +135,7 @@ class Restorer:
             if not gone_now or explicit or listing == RELIST:
                 break
             log.info("checkpoints were deleted while being read: listing %s again", ck.dirpath)
-            cands = [c for c in self._listed() if _tried_as(c) not in tried]
+            cands = [c for c in self._listed() if tried_as(c) not in tried]
         gone = all(GONE in s for s in skipped)
         again = f" (the directory listed {listing + 1} times)" if listing else ""
         raise NoValidCheckpointError(
@@ -212,7 +212,7 @@ class Restorer:
         was skipped is appended to ``skipped`` (damaged local paths to ``tried``)."""
         ck = self._ck
         for c in cands:
-            remote_url, as_tried = None, _tried_as(c)
+            remote_url, as_tried = None, tried_as(c)
             if c.remote and not c.problem:
                 remote_url = restore_remote.url_of(ck, c)
                 c = restore_remote.fetch(ck, c)
@@ -229,6 +229,8 @@ class Restorer:
             if step is not None:
                 assert c.path is not None
                 notices.warn_if_still_mapped(c.path)
+                if c.abandoned and not explicit:  # loudly: the run's timeline changes
+                    warn_abandoned(c, cands, ck.is_coordinator)
                 ck.last_restore = RestoreReport(
                     c.path, step, "remote" if remote_url else "local", remote_url, tuple(skipped)
                 )
@@ -394,6 +396,7 @@ class Restorer:
         parent = os.path.dirname(os.path.abspath(path))  # (spelled through a link, maybe)
         inside = parent == ck.dirpath or os.path.realpath(parent) == os.path.realpath(ck.dirpath)
         d.run_id = manifest.run_id if inside else None
+        d.tip.rebase(manifest.seq if inside else None, manifest.lineage if inside else None)
         ck.last_saved_step = manifest.step if inside else None
         ck.restored_from = path
         ck._trigger.mark(manifest.step)
@@ -485,11 +488,6 @@ class Restorer:
             key = chosen[0].key
             cands = [c for c in chosen if key is not None and c.key == key] or chosen[:1]
         return cands
-
-
-def _tried_as(c: Candidate) -> str:
-    """What a candidate skipped for damage is known by when the directory is listed again."""
-    return f"remote:{c.remote}" if c.remote is not None else str(c.path)
 
 
 def _recorded(manifest: Manifest) -> RetentionPolicy | None:

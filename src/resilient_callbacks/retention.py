@@ -8,6 +8,12 @@ the pools, never deleted: the newest valid checkpoint, anything protected by the
 written or uploaded), corrupt checkpoints (left for inspection; ``resilient-ckpt gc
 --remove-corrupt`` removes them) and every checkpoint of another run (reported, never counted).
 
+"Most recently committed" and "newest" follow the run's current lineage: checkpoints of a
+branch a roll-back abandoned (resumed from an older step while newer ones existed; see
+:mod:`.branches`) count as older than every checkpoint of the current lineage, so the newest
+``keep_last`` of the lineage are kept (the parent of the new branch included) and the
+abandoned ones are the first deleted.
+
 Which ranks call what: only the coordinator plans and deletes.
 """
 
@@ -19,7 +25,11 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from . import branches
 from .errors import ConfigError
+
+# said of a kept checkpoint of a branch a roll-back abandoned
+ABANDONED = "abandoned branch: counted as older than the current lineage"
 
 
 class Mode(StrEnum):
@@ -101,12 +111,15 @@ class Candidate:
     # an archive point under the policy recorded when it was written: kept forever, whatever
     # the policy is now (a later run with other options, or one that only restores)
     archived: bool = False
+    # the manifest's ``lineage`` field (branches.py); None: not recorded (commit order)
+    lineage: Mapping[str, Any] | None = None
 
 
 @dataclass
 class Plan:
     keep: dict[str, list[str]]  # name -> reasons
     delete: list[str]  # names, oldest first
+    abandoned: set[str] = field(default_factory=set)  # on a branch a roll-back abandoned
 
 
 def plan(
@@ -117,7 +130,10 @@ def plan(
 ) -> Plan:
     """Decide what to keep. ``run_id`` is the current run; checkpoints of other runs are kept.
     With ``run_id=None`` every checkpoint counts as this run's (used by ``gc``)."""
-    cands = sorted(candidates, key=lambda c: (c.seq, c.step, c.name))
+    cands = list(candidates)
+    # what a roll-back abandoned counts as older than the run's current lineage (branches.py)
+    off = branches.off_lineage((c.run_id, c.seq, c.lineage) for c in cands)
+    cands.sort(key=lambda c: ((c.run_id, c.seq) not in off, c.seq, c.step, c.name))
     protected = set(protected)
     keep: dict[str, list[str]] = {c.name: [] for c in cands}
 
@@ -142,6 +158,7 @@ def plan(
     else:
         for c in mine[-policy.keep_last :]:
             mark(c, f"last {policy.keep_last}")
+
     if policy.keep_best and policy.monitor:
         key: str = policy.monitor
         scored = [c for c in mine if _finite(c.metrics.get(key))]
@@ -155,8 +172,12 @@ def plan(
             mark(c, f"archive (every {n} steps)")
         elif c.archived:
             mark(c, "archive point when it was written: kept forever")
+    for c in mine:
+        if (c.run_id, c.seq) in off and keep[c.name]:
+            mark(c, ABANDONED)
     delete = [c.name for c in cands if not keep[c.name]]
-    return Plan({k: v for k, v in keep.items() if v}, delete)
+    gone = {c.name for c in cands if (c.run_id, c.seq) in off}
+    return Plan({k: v for k, v in keep.items() if v}, delete, gone)
 
 
 def _finite(v: Any) -> bool:

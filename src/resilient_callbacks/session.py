@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import catalog, dist
+from .branches import Tip
 from .commit import CommitStrategy, RenameCommit, write_latest_pointer
 from .directory import apply_retention
 from .errors import CheckpointWriteError, ConfigError
@@ -118,6 +119,8 @@ class CommitSession:
     checkpoint is committed; by default, apply ``retention`` (if given) and queue the upload on
     ``sync`` (if given). ``group``: the process group of the collectives (default: the world).
     ``step``: an int >= 0 (a :class:`ConfigError` otherwise: it names the ``step_*`` folder).
+    ``tip`` (rank 0's): where the save descends from, recorded as the manifest's ``lineage``
+    (:mod:`.branches`); without one the manifest records none (read in commit order).
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class CommitSession:
         remote_retention: RetentionPolicy | None = None,
         sync: Any = None,
         after_commit: Callable[[Committed], None] | None = None,
+        tip: Tip | None = None,
     ) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"the step of a checkpoint must be an int >= 0, got {step!r}")
@@ -146,6 +150,9 @@ class CommitSession:
         self.remote_retention = remote_retention
         self.sync = sync
         self.after_commit = after_commit or self._default_after_commit
+        self.tip = tip  # where this save descends from (its manifest's lineage); None: unsaid
+        if tip is not None and seq is not None:
+            tip.planned(seq)
         self.rank = dist.rank()
         self.world_size = dist.world_size()
         self.is_coordinator = self.rank == 0
@@ -326,6 +333,8 @@ class CommitSession:
         """Rank 0: manifest last, then rename and ``latest``."""
         assert self.staging is not None
         seq = self.seq if self.seq is not None else catalog.next_seq(self.dirpath)
+        if self.tip is not None:
+            self.tip.planned(seq)
         manifest = Manifest(
             step=self.step,
             run_id=self.run_id,
@@ -341,6 +350,7 @@ class CommitSession:
             ),
             versions=versions(),
             extra=dict(extra or {}),
+            lineage=self.tip.child(seq).to_json() if self.tip is not None else {},
         )
         promote_staged(self.staging, self.dirpath, manifest)  # FileParts' new blobs
         final = self.strategy.commit(self.staging, self.step, encode_json(manifest.to_json()))

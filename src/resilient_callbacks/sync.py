@@ -187,7 +187,7 @@ class RemoteSync(UploadThread):
                 return  # let _attempt report the problem
         newest = local[queued[-1]]
         cands = retention_candidates(remote) + [
-            Candidate(f"\0local/{n}", m.step, m.seq, m.run_id, m.metrics, True)
+            Candidate(f"\0local/{n}", m.step, m.seq, m.run_id, m.metrics, True, lineage=m.lineage)
             for n, m in local.items()
         ]
         keep = plan(cands, self.policy, newest.run_id).keep

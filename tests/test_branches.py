@@ -1,0 +1,201 @@
+"""A roll-back's branches: retention and fallback follow the run's current lineage.
+
+The run saves 20..60, resumes from 40 on purpose (``resume=40``) and saves ``step_000000050-1``:
+50 and 60 are abandoned. Retention counted by commit order, kept the abandoned 60 and
+deleted 40, the new branch's parent; when ``50-1`` was then found damaged, the fallback
+restored the abandoned 60 (a timeline the user threw away) with only a "skipping" warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer, ResumeFallbackWarning, branches
+from resilient_callbacks.cli import main
+from resilient_callbacks.manifest import SELF_CHECKSUM, self_checksum
+from resilient_callbacks.retention import Candidate, RetentionPolicy, plan
+
+
+def _st(v: float) -> dict:
+    return {"w": torch.full((8,), float(v)), "extra": {"tag": v}}
+
+
+def _names(root) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith("step_"))
+
+
+def _flip(path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _rolled_back(root, keep_last=3, then=(50,)) -> None:
+    """20..60 saved; resumed from 40; ``then`` saved on the new branch (tag 1000 + step)."""
+    with Checkpointer(root, keep_last=keep_last) as ck:
+        ck.restore(_st(0))
+        for s in (20, 30, 40, 50, 60):
+            ck.save(s, _st(s))
+    with Checkpointer(root, keep_last=keep_last, resume=40) as ck:
+        assert ck.restore(_st(0)) == 40
+        for s in then:
+            ck.save(s, _st(1000 + s))
+
+
+def _restore(root) -> tuple[int, object, list[str]]:
+    st = _st(0)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        with Checkpointer(root, keep_last=3) as ck:
+            step = ck.restore(st)
+    said = [str(w.message) for w in rec if issubclass(w.category, ResumeFallbackWarning)]
+    return step, st["extra"]["tag"], said
+
+
+def test_after_a_roll_back_retention_keeps_the_parent_and_a_fallback_never_takes_60(tmp_path):
+    """The reported gap: keep_last=3 kept 50, 60 (abandoned) and 50-1, deleted 40; a damaged
+    50-1 then restored the abandoned 60. Now 40 (the parent) is kept and restored."""
+    root = tmp_path / "ck"
+    _rolled_back(root)
+    assert "step_000000040" in _names(root)  # the new branch's parent
+    _flip(root / "step_000000050-1" / "shared.safetensors")
+    step, tag, said = _restore(root)
+    assert (step, tag) == (40, 40)
+    assert len(said) == 1 and "step_000000050-1" in said[0]
+
+
+def test_the_abandoned_branch_is_deleted_before_the_current_lineage(tmp_path):
+    root = tmp_path / "ck"
+    _rolled_back(root, then=(50, 60))
+    assert _names(root) == ["step_000000040", "step_000000050-1", "step_000000060-1"]
+    m = json.loads((root / "step_000000060-1" / "manifest.json").read_text())
+    parent = json.loads((root / "step_000000050-1" / "manifest.json").read_text())
+    assert m["lineage"]["parent"] == parent["seq"]
+    assert m["lineage"]["abandoned"] == parent["lineage"]["abandoned"] != []
+
+
+def test_only_the_abandoned_branch_left_valid_is_restored_loudly(tmp_path):
+    """No valid checkpoint of the current lineage: the abandoned one is used (never a silent
+    fresh start), with a warning that says the timeline changes and how to choose."""
+    root = tmp_path / "ck"
+    _rolled_back(root)
+    _flip(root / "step_000000050-1" / "shared.safetensors")
+    _flip(root / "step_000000040" / "shared.safetensors")
+    step, tag, said = _restore(root)
+    assert (step, tag) == (60, 60)
+    loud = [s for s in said if "a branch this run abandoned" in s]
+    assert len(loud) == 1 and "step_000000060" in loud[0] and "resume=" in loud[0]
+
+
+def _strip_lineage(root) -> None:
+    """Make every manifest one written before the ``lineage`` field existed."""
+    for n in _names(root):
+        p = root / n / "manifest.json"
+        d = json.loads(p.read_text())
+        d.pop("lineage", None)
+        d[SELF_CHECKSUM] = self_checksum(d)
+        p.write_text(json.dumps(d))
+
+
+def test_checkpoints_without_the_field_keep_commit_order(tmp_path):
+    """Format compatibility: manifests without ``lineage`` read as before (commit order), and
+    a save continuing one of them records its lineage from there."""
+    root = tmp_path / "ck"
+    _rolled_back(root, keep_last=None)
+    _strip_lineage(root)
+    _flip(root / "step_000000050-1" / "shared.safetensors")
+    step, tag, said = _restore(root)  # the old rule: the next commit, 60
+    assert (step, tag) == (60, 60) and not any("a branch this run abandoned" in s for s in said)
+    with Checkpointer(root, resume=40) as ck:
+        ck.restore(_st(0))
+        ck.save(50, _st(2050))  # step_000000050-2: 50, 60 and 50-1 abandoned
+    _flip(root / "step_000000050-2" / "shared.safetensors")
+    assert _restore(root)[:2] == (40, 40)
+
+
+def test_tip_and_off_lineage():
+    t = branches.Tip()
+    t.rebase(3, {"parent": 2, "abandoned": [[1, 1]]})
+    t.planned(7)
+    t.planned(9)  # (8: a save that failed, or another run's)
+    assert t.child(7) == branches.Lineage(3, ((1, 1), (4, 6)))
+    assert t.child(9) == branches.Lineage(7, ((1, 1), (4, 6), (8, 8)))
+    fresh = branches.Tip()
+    fresh.planned(5)
+    assert fresh.child(5) == branches.Lineage(None, ())
+    head = t.child(9).to_json()
+    items = [("r", s, None) for s in range(1, 9)] + [("r", 9, head), ("o", 5, None)]
+    assert branches.off_lineage(items) == {("r", s) for s in (1, 4, 5, 6, 8)}
+    with pytest.raises(TypeError):
+        branches.Lineage.from_json({"abandoned": [[1, "2"]]})
+
+
+def test_plan_counts_the_abandoned_as_older():
+    line = {"parent": 3, "abandoned": [[4, 5]]}
+    cands = [
+        Candidate("s20", 20, 1, "r"),
+        Candidate("s30", 30, 2, "r"),
+        Candidate("s40", 40, 3, "r"),
+        Candidate("s50", 50, 4, "r"),
+        Candidate("s60", 60, 5, "r"),
+        Candidate("s50-1", 50, 6, "r", lineage=line),
+    ]
+    p = plan(cands, RetentionPolicy(keep_last=2), "r")
+    assert sorted(p.keep) == ["s40", "s50-1"] and p.abandoned == {"s50", "s60"}
+    p = plan(cands, RetentionPolicy(keep_last=5), "r")  # the lineage's 4, then 60
+    assert sorted(p.keep) == ["s20", "s30", "s40", "s50-1", "s60"]
+    assert any("abandoned" in why for why in p.keep["s60"])
+
+
+def test_cli_ls_gc_and_latest_follow_the_lineage(tmp_path):
+    root = tmp_path / "ck"
+    _rolled_back(root, keep_last=None)
+
+    def cli(*args: str) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(list(args)) == 0
+        return out.getvalue()
+
+    rows = {r["name"]: r for r in json.loads(cli("ls", str(root), "--json", "--fast"))}
+    assert rows["step_000000060"]["abandoned"] and not rows["step_000000040"]["abandoned"]
+    cli("gc", str(root), "--keep-last", "2")
+    assert _names(root) == ["step_000000040", "step_000000050-1"]
+
+
+def test_remote_tier_keeps_the_parent_and_falls_back_along_the_lineage(tmp_path):
+    """remote_keep_last=3 after a roll-back: the remote kept 50, 60 (abandoned) and 50-1 and
+    deleted 40; with the local disk lost and the remote 50-1 damaged, 60 was restored."""
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    opts = {"keep_last": 1, "remote": str(durable), "remote_keep_last": 3}
+    with Checkpointer(local, **opts) as ck:
+        ck.restore(_st(0))
+        for s in (20, 30, 40, 50, 60):
+            ck.save(s, _st(s))
+    with Checkpointer(local, resume=40, **opts) as ck:
+        assert ck.restore(_st(0)) == 40
+        ck.save(50, _st(1050))
+    assert "step_000000040" in _names(durable)
+    _flip(durable / "step_000000050-r1" / "shared.safetensors")  # (the remote's name)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        main(["pull", str(durable), str(tmp_path / "pulled")])  # skips 50-r1: 40, not 60
+    assert _names(tmp_path / "pulled") == ["step_000000040"], err.getvalue()
+    for n in _names(local):  # the node's disk is lost
+        for f in os.listdir(local / n):
+            os.remove(local / n / f)
+        os.rmdir(local / n)
+    st = _st(0)
+    with Checkpointer(local, **opts) as ck, pytest.warns(ResumeFallbackWarning) as rec:
+        assert ck.restore(st) == 40
+    assert st["extra"]["tag"] == 40
+    assert not any("a branch this run abandoned" in str(w.message) for w in rec)
