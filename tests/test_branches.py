@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from resilient_callbacks import Checkpointer, ResumeFallbackWarning, branches
 from resilient_callbacks.cli import main
@@ -172,6 +173,27 @@ def test_cli_ls_gc_and_latest_follow_the_lineage(tmp_path):
     assert _names(root) == ["step_000000040", "step_000000050-1"]
 
 
+def test_dcp_writer_after_a_load_of_an_older_step(tmp_path):
+    """The DCP StorageWriter after a dcp.load of step 3 (4 exists), keep_last=2: it kept the
+    abandoned 4 and deleted 3, and a damaged 4-1 then loaded the abandoned 4."""
+    from resilient_callbacks.dcp import ResilientStorageReader, ResilientStorageWriter
+
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root, keep_last=2) as w:
+        for s in (1, 2, 3, 4):
+            dcp.save({"w": torch.full((2,), float(s))}, storage_writer=w, checkpoint_id=s)
+    got = {"w": torch.zeros(2)}
+    dcp.load(got, storage_reader=ResilientStorageReader(root, step=3))
+    with ResilientStorageWriter(root, keep_last=2) as w:
+        dcp.save({"w": torch.full((2,), 40.0)}, storage_writer=w)  # 4-1: 4 abandoned
+    assert _names(root) == ["step_000000003", "step_000000004-1"]
+    _flip(root / "step_000000004-1" / "dcp" / "rank_00000.safetensors")
+    reader = ResilientStorageReader(root)
+    with pytest.warns(ResumeFallbackWarning, match="step_000000004-1"):
+        dcp.load(got, storage_reader=reader)
+    assert reader.loaded_step == 3 and torch.equal(got["w"], torch.full((2,), 3.0))
+
+
 def test_remote_tier_keeps_the_parent_and_falls_back_along_the_lineage(tmp_path):
     """remote_keep_last=3 after a roll-back: the remote kept 50, 60 (abandoned) and 50-1 and
     deleted 40; with the local disk lost and the remote 50-1 damaged, 60 was restored."""
@@ -199,3 +221,24 @@ def test_remote_tier_keeps_the_parent_and_falls_back_along_the_lineage(tmp_path)
         assert ck.restore(st) == 40
     assert st["extra"]["tag"] == 40
     assert not any("a branch this run abandoned" in str(w.message) for w in rec)
+
+
+def test_dcp_reader_loads_an_abandoned_checkpoint_only_loudly(tmp_path):
+    from resilient_callbacks.dcp import ResilientStorageReader, ResilientStorageWriter
+
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root) as w:
+        for s in (1, 2, 3):
+            dcp.save({"w": torch.full((2,), float(s))}, storage_writer=w, checkpoint_id=s)
+    got = {"w": torch.zeros(2)}
+    dcp.load(got, storage_reader=ResilientStorageReader(root, step=1))
+    with ResilientStorageWriter(root) as w:
+        dcp.save({"w": torch.full((2,), 20.0)}, storage_writer=w)  # 2-1: 2 and 3 abandoned
+    for n in ("step_000000002-1", "step_000000001"):
+        _flip(root / n / "dcp" / "rank_00000.safetensors")
+    reader = ResilientStorageReader(root)
+    with pytest.warns(ResumeFallbackWarning) as rec:
+        dcp.load(got, storage_reader=reader)
+    assert reader.loaded_step == 3 and torch.equal(got["w"], torch.full((2,), 3.0))
+    loud = [str(w.message) for w in rec if "a branch abandoned" in str(w.message)]
+    assert len(loud) == 1 and "step_000000003" in loud[0]

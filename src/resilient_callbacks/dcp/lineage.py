@@ -23,14 +23,18 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterable
+from typing import Any
 
+from ..branches import Tip
 from ..catalog import Entry
 from ..errors import ConfigError
+from ..manifest import Manifest
 from ..reader import by_commit, committed
 
 _lock = threading.Lock()
-# realpath of a checkpoint directory -> (step loaded from it, its newest commit's seq then)
-_loads: dict[str, tuple[int, int]] = {}
+# realpath of a checkpoint directory -> (step loaded from it, its newest commit's seq then,
+# the seq and the lineage field of the checkpoint loaded)
+_loads: dict[str, tuple[int, int, int | None, dict[str, Any] | None]] = {}
 
 
 def newest_seq(entries: Iterable[Entry]) -> int:
@@ -39,11 +43,31 @@ def newest_seq(entries: Iterable[Entry]) -> int:
     return ordered[0].seq if ordered else 0
 
 
-def loaded(root: str, step: int, seq: int) -> None:
-    """Every rank, after choosing a checkpoint of step ``step`` in the directory ``root``
-    whose newest commit then had ``seq``: the next unnumbered save there continues ``step``."""
+def loaded(root: str, step: int, seq: int, manifest: Manifest | None = None) -> None:
+    """Every rank, after choosing a checkpoint of step ``step`` (``manifest``) in the directory
+    ``root`` whose newest commit then had ``seq``: the next unnumbered save there continues
+    ``step``, and descends from that checkpoint (its manifest's ``lineage``)."""
+    own = (manifest.seq, manifest.lineage) if manifest is not None else (None, None)
     with _lock:
-        _loads[os.path.realpath(root)] = (step, seq)
+        _loads[os.path.realpath(root)] = (step, seq, *own)
+
+
+def rebase(tip: Tip, root: str, seen: object) -> object:
+    """Coordinator, as a save into ``root`` is planned: point ``tip`` (where the writer's saves
+    descend from) at the checkpoint a ``dcp.load`` in this process took, if one did since
+    anything was committed there and it is not ``seen`` (what the last call returned); at the
+    first call (``seen`` None) without one, at the newest commit. Returns what to pass next."""
+    ordered = by_commit(committed(root))
+    with _lock:
+        load = _loads.get(os.path.realpath(root))
+    if load is not None and load[1] >= (ordered[0].seq if ordered else 0) and load != seen:
+        tip.rebase(load[2], load[3])
+        return load
+    if seen is None:
+        newest = ordered[0].manifest if ordered else None
+        tip.rebase(*((newest.seq, newest.lineage) if newest is not None else (None, None)))
+        return ()
+    return seen
 
 
 def next_step(root: str, in_flight: Iterable[int]) -> int:

@@ -50,7 +50,7 @@ from ..errors import (
 )
 from ..export_target import within
 from ..manifest import MANIFEST_NAME, check_relative, read_manifest
-from ..reader import by_commit, committed, find, unordered
+from ..reader import abandoned, by_commit, committed, find, unordered
 from ..tensorfile import read_verified
 from . import lineage
 from .chunks import join
@@ -59,6 +59,14 @@ from .metadata_json import METADATA_NAME, from_json
 log = logging.getLogger("resilient_callbacks")
 _DCP_DIR = os.path.dirname(torch.distributed.checkpoint.__file__)  # dcp.load calls the reader
 _DCP_LOAD = os.path.abspath(os.path.join(_DCP_DIR, "state_dict_loader.py"))
+
+
+_ABANDONED = (
+    "dcp.load: loaded {path}, a checkpoint of a branch abandoned when the run resumed from an "
+    "older checkpoint: no checkpoint of the current lineage could be loaded (skipped: "
+    "{skipped}). Training continues the abandoned timeline: if that is not what you want, "
+    "pass ResilientStorageReader(dirpath, step=N) of the checkpoint to continue"
+)
 
 
 class _ReadMetadataFailed(BaseException):
@@ -106,6 +114,7 @@ class ResilientStorageReader(StorageReader):
         self.path: str | None = None
         self.loaded_step: int | None = None
         self.skipped: list[str] = []
+        self._abandoned: list[str] = []  # rank 0: of the candidates, those a roll-back left
         self.storage: dict[MetadataIndex, dict[str, Any]] = {}
         self.rank = 0
         self.resumes = True  # the next unnumbered save continues the step loaded (lineage.py)
@@ -153,7 +162,9 @@ class ResilientStorageReader(StorageReader):
             raise no_checkpoints(root)
         if self.step is not None:
             return [find(entries, root, self.step).path]
-        ordered = by_commit(entries)
+        ordered = by_commit(entries)  # the current lineage first (branches.py)
+        off = abandoned(entries)
+        self._abandoned = [e.path for e in ordered if e.name in off]
         # a manifest that cannot be read may be the newest: tried first, so its skip is said
         maybe_newer = unordered(entries, ordered[0].step if ordered else None)
         return [e.path for e in maybe_newer + ordered]
@@ -203,11 +214,12 @@ class ResilientStorageReader(StorageReader):
         group = self.process_group
         together = dist.is_initialized() and not self.no_dist
         rank, world = (_group_rank(group), _group_size(group)) if together else (0, 1)
-        listing: dict[str, Any] = {"paths": [], "error": None, "seq": 0}
+        listing: dict[str, Any] = {"paths": [], "error": None, "seq": 0, "abandoned": []}
         if rank == 0:
             try:
+                self._abandoned = []
                 listing["paths"] = self._candidates()
-                listing["seq"] = self._seq
+                listing["seq"], listing["abandoned"] = self._seq, self._abandoned
             except Exception as e:
                 listing["error"] = f"{type(e).__name__}: {e}"
         if together:
@@ -247,9 +259,13 @@ class ResilientStorageReader(StorageReader):
                 meta, self.storage = result["meta"]
                 self.path, self.loaded_step = path, manifest.step
                 if self.resumes:  # (an export's read is no resume)
-                    lineage.loaded(os.path.dirname(path), manifest.step, listing["seq"])
+                    lineage.loaded(os.path.dirname(path), manifest.step, listing["seq"], manifest)
                 if self.skipped:
                     log.warning("dcp.load: restored %s after skipping %s", path, self.skipped)
+                if path in listing["abandoned"]:  # loudly: the run's timeline changes
+                    msg = _ABANDONED.format(path=path, skipped=self.skipped)
+                    level = caller_stacklevel(_DCP_DIR)
+                    warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=level, warn=rank == 0)
                 return meta
             why = "; ".join(problems)
             self.skipped.append(f"{path}: {why}")

@@ -116,6 +116,7 @@ class ResilientStorageWriter(StorageWriter):
         self.is_coordinator = True
         self.last_committed: str | None = None
         self._dir: Directory | None = None
+        self._based: object = None  # the load its saves descend from (lineage.rebase)
         # the saves begun and not finished: staging path -> (session, the thread saving it)
         self._sessions: dict[str, tuple[CommitSession, threading.Thread]] = {}
         self._pool = BufferPool()
@@ -209,6 +210,7 @@ class ResilientStorageWriter(StorageWriter):
         if step is None:  # after the step this lineage reached, committed or in flight
             step = lineage.next_step(self.dirpath, [s.step for s in in_flight])
         assert self.run_id is not None
+        self._based = lineage.rebase(d.tip, self.dirpath, self._based)  # the save's parent
         session = CommitSession(
             self.dirpath,
             step,
@@ -218,6 +220,7 @@ class ResilientStorageWriter(StorageWriter):
             after_commit=d.after_commit,  # applies d.retention; the session records both
             retention=d.retention,
             remote_retention=self.config.remote_retention_if_any(),
+            tip=d.tip,
         )
         staging = session.begin_here()
         self._sessions[staging] = (session, threading.current_thread())
