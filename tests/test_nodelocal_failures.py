@@ -194,6 +194,29 @@ def test_a_damaged_local_copy_is_fetched_again_by_its_node_only(tmp_path):
     assert not [x for x in names[0] if x.startswith("step_000000004-")], names
 
 
+def _newest_commit(folder: Path) -> Path:
+    """The checkpoint folder under ``folder`` whose manifest has the highest commit number."""
+    found = [
+        (json.loads(m.read_text())["seq"], m.parent) for m in folder.glob("step_*/manifest.json")
+    ]
+    return max(found)[1]
+
+
+@pytest.mark.slow
+def test_after_a_roll_back_a_damaged_new_branch_falls_back_to_its_parent(tmp_path):
+    """Saved 2..8, resumed from 4 on purpose, saved 6 again (a new branch; 6 and 8 abandoned):
+    keep_last=3 kept 6, 8 and the new 6 and deleted 4, and with the new 6 damaged everywhere
+    the next restore took the abandoned 8. Now 4 is kept, and restored."""
+    _run(tmp_path, "first", 2, "--steps", "8")
+    out = _run(tmp_path, "back", 2, "--steps", "6", RC_RESUME=4)
+    assert [rank[0]["restored"] for rank in out] == [4, 4]
+    for where in (tmp_path / "node0", tmp_path / "node1", tmp_path / "remote"):
+        assert (where / "step_000000004").is_dir(), sorted(os.listdir(where))
+        _flip_a_byte(_newest_commit(where))
+    out = _run(tmp_path, "again", 2, "--steps", "6")
+    assert [rank[0]["restored"] for rank in out] == [4, 4]
+
+
 def test_a_replaced_node_and_a_damaged_copy_on_the_other_are_recorded_as_they_happened(
     tmp_path,
 ):
@@ -416,6 +439,8 @@ def worker(base: str, argv: list[str]) -> None:
     counter = {"rank": rank, "n": 0}
     state = {"model": model, "c": PerRank(counter, new_ranks="rank0")}
     kw = {"remote_every_n_saves": a.remote_every} if a.remote_every else {}
+    if os.environ.get("RC_RESUME"):  # a roll-back to an older step
+        kw["resume"] = int(os.environ["RC_RESUME"])
     if os.environ.get("RC_PREFLIGHT_FAILS"):  # the endpoint does not answer at construction
 
         def preflight(self, timeout=None):

@@ -144,11 +144,10 @@ def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
     return out
 
 
-def warn_abandoned(c: Candidate, cands: list[Candidate], coordinator: bool) -> None:
+def warn_abandoned(c: Candidate, skipped: list[str], coordinator: bool) -> None:
     """Every rank (the coordinator warns, the others log): a restore loaded ``c`` by fallback,
     a checkpoint of a branch the run abandoned when it resumed from an older one (none of the
-    current lineage could be restored)."""
-    skipped = [f"{x.where} (step {x.step})" for x in cands if not x.abandoned]
+    current lineage could be restored: ``skipped``, what it tried)."""
     msg = (
         f"restored {c.where} (step {c.step}), a checkpoint of a branch this run abandoned when "
         "it resumed from an older checkpoint: no checkpoint of the run's current lineage could "

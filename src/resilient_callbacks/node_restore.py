@@ -26,7 +26,8 @@ import time
 import uuid
 from typing import Any
 
-from . import catalog, dist, peers
+from . import branches, catalog, dist, peers
+from .candidates import warn_abandoned
 from .catalog import Depth, Status
 from .commit import STAGING_PREFIX, remove_checkpoint
 from .config import ResumeMode
@@ -138,6 +139,8 @@ class NodeRestorer(Restorer):
             self._tier = next((t for t in ("remote", "peer") if t in tiers), "local")
             self._skipped = len(skipped)
             step = self._try_load(cand, state, explicit, skipped)
+            if step is not None and c.get("abandoned") and not explicit:
+                warn_abandoned(cand, skipped, ck.is_coordinator)  # loudly: the timeline changes
             if step is not None:
                 tier = mine["tier"]
                 url = d.remote.url if d.remote is not None else ck.config.remote
@@ -190,9 +193,8 @@ class NodeRestorer(Restorer):
                 # as committed on every node (the global manifest beside it; see _plan)
                 coordinator = 0 in ((m.extra.get("node") or {}).get("ranks") or [])
                 recorded = os.path.exists(os.path.join(e.path, REMOTE_MANIFEST))
-                local.append(
-                    [m.run_id, m.seq, m.step, e.name, ranks, m.world_size, coordinator, recorded]
-                )
+                row = [m.run_id, m.seq, m.step, e.name, ranks, m.world_size, coordinator]
+                local.append([*row, recorded, m.lineage])  # (lineage: branches.py)
             elif e.status is Status.CORRUPT:  # another node's copy, or the remote's, is used
                 log.warning(
                     "node %d: %s is damaged, not used: %s", d.topology.node, e.path, e.problem
@@ -216,6 +218,7 @@ class NodeRestorer(Restorer):
         remote: dict[tuple[str, int], str] = {}
         steps: dict[tuple[str, int], int] = {}
         remote_worlds: dict[tuple[str, int], int] = {}
+        lines: dict[tuple[str, int], Any] = {}  # each commit's lineage field (branches.py)
         unlisted: str | None = None
         if d.remote is not None:
             try:
@@ -224,6 +227,7 @@ class NodeRestorer(Restorer):
                         remote[e.key] = e.name
                         steps[e.key] = e.manifest.step
                         remote_worlds[e.key] = e.manifest.world_size
+                        lines[e.key] = e.manifest.lineage
                 if d.committer is not None:
                     d.committer.index = dict(remote)
             except Exception as e:
@@ -234,7 +238,10 @@ class NodeRestorer(Restorer):
         worlds: dict[tuple[str, int], int] = dict(remote_worlds)
         for holding in got:
             mine: dict[tuple[str, int], tuple[str, set[int]]] = {}
-            for run_id, seq, step, name, ranks, world, coordinator, recorded in holding["local"]:
+            for run_id, seq, step, name, ranks, world, coordinator, recorded, line in holding[
+                "local"
+            ]:
+                lines.setdefault((run_id, seq), line)
                 if coordinator and not recorded:
                     unrecorded.add((run_id, seq))
                 elif recorded:
@@ -269,7 +276,9 @@ class NodeRestorer(Restorer):
         cands: list[dict[str, Any]] = []
         unusable: list[str] = []
         orphans: list[list[Any]] = []
-        for key in sorted(steps, key=lambda k: (k[1], steps[k]), reverse=True):
+        # the run's current lineage first, newest first; what a roll-back abandoned after it
+        off = branches.off_lineage((k[0], k[1], lines.get(k)) for k in steps)
+        for key in sorted(steps, key=lambda k: (k not in off, k[1], steps[k]), reverse=True):
             src: dict[str, list[Any]] = {}
             for k, ranks in enumerate(topo.nodes):
                 have = local[k].get(key) if k < len(local) else None
@@ -292,6 +301,7 @@ class NodeRestorer(Restorer):
                     break
             else:
                 cands.append({"key": list(key), "step": steps[key], "src": src})
+                cands[-1]["abandoned"] = key in off
                 if key in remote and any(v[0] != "remote" for v in src.values()):
                     # if a local copy turns out damaged: the same commit from the remote, where
                     # a node's own copy does not verify (a third item: check that one first)
@@ -299,7 +309,7 @@ class NodeRestorer(Restorer):
                         k: ["remote", remote[key], *(v[1:] if v[0] == "local" else [])]
                         for k, v in src.items()
                     }
-                    cands.append({"key": list(key), "step": steps[key], "src": every})
+                    cands.append(dict(cands[-1], src=every))
         r = self._ck.config.resume
         if isinstance(r, int):
             cands = [c for c in cands if c["step"] == r]

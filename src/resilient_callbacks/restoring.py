@@ -230,7 +230,8 @@ class Restorer:
                 assert c.path is not None
                 notices.warn_if_still_mapped(c.path)
                 if c.abandoned and not explicit:  # loudly: the run's timeline changes
-                    warn_abandoned(c, cands, ck.is_coordinator)
+                    lineage = [f"{x.where} (step {x.step})" for x in cands if not x.abandoned]
+                    warn_abandoned(c, lineage, ck.is_coordinator)
                 ck.last_restore = RestoreReport(
                     c.path, step, "remote" if remote_url else "local", remote_url, tuple(skipped)
                 )
