@@ -242,3 +242,29 @@ def test_dcp_reader_loads_an_abandoned_checkpoint_only_loudly(tmp_path):
     assert reader.loaded_step == 3 and torch.equal(got["w"], torch.full((2,), 3.0))
     loud = [str(w.message) for w in rec if "a branch abandoned" in str(w.message)]
     assert len(loud) == 1 and "step_000000003" in loud[0]
+
+
+def test_sharded_saves_follow_the_lineage(tmp_path):
+    """A Sharded (FSDP/DCP) state in a Checkpointer, one process: resumed from 3 while 4
+    exists, keep_last=2 kept the abandoned 4 and deleted 3; a damaged 4-1 then loaded 4."""
+    from resilient_callbacks.dcp import Sharded
+
+    root = tmp_path / "ck"
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Checkpointer(root, keep_last=2) as ck:
+        ck.restore({"train": Sharded(model, opt)})
+        for s in (1, 2, 3, 4):
+            with torch.no_grad():
+                model.weight.fill_(s)
+            ck.save(s, {"train": Sharded(model, opt)})
+    with Checkpointer(root, keep_last=2, resume=3) as ck:
+        assert ck.restore({"train": Sharded(model, opt)}) == 3
+        with torch.no_grad():
+            model.weight.fill_(40)
+        ck.save(4, {"train": Sharded(model, opt)})
+    assert _names(root) == ["step_000000003", "step_000000004-1"]
+    _flip(root / "step_000000004-1" / "parts" / "train" / "rank_00000.safetensors")
+    with Checkpointer(root, keep_last=2) as ck, pytest.warns(ResumeFallbackWarning):
+        assert ck.restore({"train": Sharded(model, opt)}) == 3
+    assert float(model.weight[0, 0]) == 3.0
