@@ -106,6 +106,7 @@ def test_the_restore_breakdown_names_each_tensor_file_and_its_costs(tmp_path):
     assert "through one pinned buffer" in md and "cProfile" in md and "torch.load(mmap)" in md
 
 
+@pytest.mark.slow  # suite time: a CPU rehearsal of a GPU benchmark (9 s)
 def test_the_allocation_stall_worker_allocates_ahead_and_times_every_step():
     """benchmarks/bench_gpu_stall.py's worker on the CPU at a toy size (the script needs CUDA):
     the host buffers are allocated within the run, every step is timed, and the summary has a

@@ -154,6 +154,7 @@ def test_initialize_checkpoints_with_the_deprecated_deepscale_config(tmp_path: P
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # suite time budget (a refusal; 10 s)
 def test_moe_expert_parallelism_is_refused_at_initialize(tmp_path: Path) -> None:
     """Experts split over 2 ranks (ep_size=2) were saved under the same names by both ranks
     (a resume on 1 rank missed half of them; export failed); docs promised a refusal."""
@@ -190,7 +191,8 @@ def test_a_parameter_frozen_in_one_run_only_is_named_as_the_change(
         assert "saved with bias frozen (requires_grad=False)" in said, said[-2000:]
 
 
-@pytest.mark.parametrize("frozen_first", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # suite time budget: test_a_parameter_frozen_in_one_run_only_... runs by default
+@pytest.mark.parametrize("frozen_first", [False, True])
 def test_a_freeze_change_at_zero3_names_the_parameter_as_frozen_or_trained(
     tmp_path: Path, frozen_first: bool
 ) -> None:

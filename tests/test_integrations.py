@@ -611,7 +611,10 @@ def test_multinode_sbatch_passes_paths_as_literal_arguments(tmp_path: Path) -> N
     assert "pwned" not in p.stdout.replace("$(echo pwned)", "")
 
 
-@pytest.mark.parametrize("to", ["task", "batch shell"])
+@pytest.mark.parametrize(
+    "to",
+    [pytest.param("task", marks=pytest.mark.slow), "batch shell"],  # (suite time)
+)
 def test_sbatch_preempted_requeued_resumed(tmp_path: Path, procs: list[_Proc], to: str) -> None:
     """End to end with the real train.py (one task, srun stand-in): SIGUSR1 to the task, as
     --signal=USR1@120 sends it, makes an emergency checkpoint and exit 75, and the script
