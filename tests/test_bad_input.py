@@ -411,3 +411,18 @@ def test_a_directory_this_user_cannot_write_points_to_read_only(tmp_path, monkey
     with pytest.raises(CheckpointWriteError) as ei:  # nothing there to restore: no such hint
         Checkpointer(tmp_path / "new")
     assert "read_only" not in str(ei.value), str(ei.value)
+
+
+def test_a_remote_without_a_scheme_that_looks_like_a_bucket_is_warned_about(tmp_path, monkeypatch):
+    """remote="my-bucket/run1" (the s3:// forgotten) is a local folder next to the run: said,
+    with the URL that was probably meant; a path that says it is local is taken quietly."""
+    from resilient_callbacks.config import CheckpointerConfig
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match=r"no scheme.*'s3://my-bucket/run1'"):
+        cfg = CheckpointerConfig(dirpath=str(tmp_path / "ck"), remote="my-bucket/run1")
+    assert cfg.remote == "file://" + str(tmp_path / "my-bucket" / "run1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for local in ("./durable/run1", str(tmp_path / "durable"), "~/durable-rc-test"):
+            CheckpointerConfig(dirpath=str(tmp_path / "ck"), remote=local)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 from .adaptive import AdaptiveSchedule
-from .errors import ConfigError
+from .errors import AT_CALLER, ConfigError, warn_and_log
 from .policy import SavePolicy
 from .retention import Mode, RetentionPolicy
 from .sinks import SinkSpec
@@ -226,6 +227,7 @@ class CheckpointerConfig:
                 "'gs://bucket/prefix' or 'file:///mnt/durable/run1'"
             )
         if "://" not in r:
+            _warn_if_bucket_like(r)
             r = "file://" + os.path.abspath(os.path.expanduser(r))
         object.__setattr__(self, "remote", r.rstrip("/"))
         if r.startswith("file://"):
@@ -420,3 +422,19 @@ def _apply(given: list[str]) -> str:
 
 def _them(given: list[str]) -> str:
     return "it" if len(given) == 1 else "them"
+
+
+def _warn_if_bucket_like(remote: str) -> None:
+    """``remote`` has no scheme: a local folder. Written as a relative path that does not say
+    so (``"my-bucket/run1"``), it is more likely a bucket without its ``s3://``: the durable
+    copy would silently land on this machine's disk, next to the run, and vanish with it."""
+    if remote.startswith((".", "~")) or os.path.isabs(remote):
+        return
+    warn_and_log(
+        logging.getLogger("resilient_callbacks"),
+        f"remote={remote!r} has no scheme: it is the local folder "
+        f"{os.path.abspath(remote)}, not an object store. For a bucket write "
+        f"'s3://{remote}' (or gs://, az://, ...); for a local folder write './{remote}' or an "
+        "absolute path, and this warning goes away",
+        stacklevel=AT_CALLER,
+    )
