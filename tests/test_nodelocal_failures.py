@@ -65,6 +65,25 @@ def test_a_node_replaced_before_any_remote_commit_refuses_to_start_from_scratch(
         assert "node 1 has no copy of its files" in rank[-1]["msg"]
 
 
+def test_a_wiped_node_resumes_a_compressed_checkpoint_from_the_remote(tmp_path):
+    """compression="zstd" stores the replicated tensors as ``shared.safetensors.zst``: a node
+    whose disk was wiped fetches it with its own ranks' files (it fetched ``shared.json``
+    only, and the restore refused every remote copy: "the manifest does not list
+    shared.safetensors"), and only node 0 uploads it."""
+    _run(tmp_path, "first", 2, "--steps", "4", RC_COMPRESSION="zstd")  # closed: committed
+    shutil.rmtree(tmp_path / "node1")
+    out = _run(tmp_path, "second", 2, "--steps", "6", RC_COMPRESSION="zstd")
+    assert [rank[0].get("restored") for rank in out] == [4, 4], out
+    assert sorted(p.name for p in (tmp_path / "node1" / "step_000000004").iterdir()) == [
+        "manifest.json",
+        "rank_00001.json",
+        "rank_00001.safetensors.zst",
+        "remote_manifest.json",
+        "shared.json",
+        "shared.safetensors.zst",
+    ]
+
+
 def test_remote_unlistable_and_empty_disks_is_an_error_not_a_fresh_start(tmp_path):
     _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
     shutil.rmtree(tmp_path / "node0")
@@ -441,6 +460,8 @@ def worker(base: str, argv: list[str]) -> None:
     kw = {"remote_every_n_saves": a.remote_every} if a.remote_every else {}
     if os.environ.get("RC_RESUME"):  # a roll-back to an older step
         kw["resume"] = int(os.environ["RC_RESUME"])
+    if os.environ.get("RC_COMPRESSION"):
+        kw["compression"] = os.environ["RC_COMPRESSION"]
     if os.environ.get("RC_PREFLIGHT_FAILS"):  # the endpoint does not answer at construction
 
         def preflight(self, timeout=None):

@@ -41,7 +41,7 @@ from .errors import (
     warn_and_log,
 )
 from .manifest import Manifest, read_manifest
-from .nodelocal import REMOTE_MANIFEST, SHARED_PATHS, NodeDirectory
+from .nodelocal import REMOTE_MANIFEST, NodeDirectory, is_shared
 from .restoring import Candidate, Restorer, RestoreReport
 from .tensorfile import encode_json, write_bytes
 from .topology import Topology
@@ -448,7 +448,7 @@ class NodeRestorer(Restorer):
         if [m.run_id, m.seq, m.step] != [*c["key"], c["step"]]:
             raise CheckpointCorruptError(f"{st.url}/{name} is another checkpoint now")
         ranks = needed(topo.node_ranks, m.world_size)
-        need = [f for f in m.files if f.rank in ranks or f.path in SHARED_PATHS]
+        need = [f for f in m.files if f.rank in ranks or is_shared(f.path)]
         staging = os.path.join(d.dirpath, f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:12]}")
         os.makedirs(staging)
         try:

@@ -19,7 +19,7 @@ from . import dist
 from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint, write_latest_pointer
 from .errors import CheckpointWriteError
 from .manifest import FileEntry, Manifest, versions
-from .nodelocal import REMOTE_MANIFEST, SHARED_PATHS, NodeDirectory, global_files
+from .nodelocal import REMOTE_MANIFEST, NodeDirectory, global_files, is_shared
 from .session import Committed, RankReport, agree_steps
 from .tensorfile import encode_json, write_bytes
 from .topology import Topology
@@ -253,7 +253,7 @@ class NodeLocalSession:
                 from .manifest import read_manifest
 
                 m = read_manifest(local_path)
-                mine = [f for f in m.files if not (f.path in SHARED_PATHS and f.rank != 0)]
+                mine = [f for f in m.files if not (is_shared(f.path) and f.rank != 0)]
                 uploader.enqueue(name, remote_name, key, mine)
 
             if d.config.remote_due(self.seq, reason):

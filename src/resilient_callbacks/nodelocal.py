@@ -61,6 +61,12 @@ REMOTE_MANIFEST = "remote_manifest.json"  # the coordinator's copy of the global
 SHARED_PATHS = ("shared.json", "shared.safetensors")
 
 
+def is_shared(path: str) -> bool:
+    """Whether ``path`` is one of the replicated ``shared.*`` files every node's leader writes,
+    compressed (``shared.safetensors.zst``, ``compression=``) or not."""
+    return path in SHARED_PATHS or (path.endswith(".zst") and path[: -len(".zst")] in SHARED_PATHS)
+
+
 def global_files(files: list[FileEntry]) -> list[FileEntry]:
     """The files of the remote (global) checkpoint: every rank's files, the replicated ones
     (written by each node's leader) once, as rank 0 wrote them."""
@@ -400,7 +406,7 @@ class NodeDirectory(Directory):
     @staticmethod
     def _own_files(m: Manifest) -> list[FileEntry]:
         """What this node uploads of its part ``m``: the replicated files only from node 0."""
-        return [f for f in m.files if not (f.path in SHARED_PATHS and f.rank != 0)]
+        return [f for f in m.files if not (is_shared(f.path) and f.rank != 0)]
 
     def _not_superseded(self, due: list[Any]) -> list[Any]:
         """Of the checkpoints a restart would upload again, those the remote retention keeps
