@@ -213,3 +213,32 @@ def test_a_collection_marker_a_kill_left_delays_one_upload_once(tmp_path, monkey
     RemoteStore(url).upload(ckpt, read_manifest(ckpt), "step_000000001")
     assert not left.exists()
     assert [e.name for e in RemoteStore(url).scan() if e.problem is None] == ["step_000000001"]
+
+
+def test_a_collection_marker_older_than_its_time_bound_is_not_waited_for(tmp_path, monkeypatch):
+    """A run killed while its remote retention collected blobs leaves ``.collect-``; the
+    resumed run's first upload waited 90 s for it. Written more than the collection's time
+    bound before this upload's in-flight marker (both times as the store lists them: no host
+    clock involved), it can delete nothing this upload relies on: removed at once."""
+    import os
+
+    from resilient_callbacks import remote_blobs
+    from resilient_callbacks.manifest import read_manifest
+
+    url, remote = f"file://{tmp_path}/durable", tmp_path / "durable"
+    with Checkpointer(tmp_path / "local", incremental=True, async_save=False) as ck:
+        ck.save(1, _state())
+    (remote / "blobs").mkdir(parents=True)
+    left = remote / "blobs" / ".collect-deadbeef0000.json"
+    left.write_text('{"created": 0}')
+    an_hour_ago = left.stat().st_mtime - 3600
+    os.utime(left, (an_hour_ago, an_hour_ago))
+
+    def sleep(s: float) -> None:
+        raise AssertionError(f"the upload waited for a collection a kill left ({s} s)")
+
+    monkeypatch.setattr(remote_blobs.time, "sleep", sleep)
+    ckpt = str(tmp_path / "local" / "step_000000001")
+    RemoteStore(url).upload(ckpt, read_manifest(ckpt), "step_000000001")
+    assert not left.exists()
+    assert [e.name for e in RemoteStore(url).scan() if e.problem is None] == ["step_000000001"]

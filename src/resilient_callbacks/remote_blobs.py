@@ -30,13 +30,14 @@ Which ranks call what: only the coordinator talks to the remote store.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import os
 import posixpath
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .blobs import BLOBS_DIR, NAME_RE, TMP_PREFIX, blob_path, key_of, store_dir
@@ -335,17 +336,28 @@ def settle(store: RemoteStore, local_dir: str, manifest: Manifest, marker: str |
     collection by another process (another run given the same URL) that was announced before
     is running, then check that every blob the manifest names is there with its size. A
     collection that read the in-flight markers before this upload wrote its own may have
-    deleted a blob the upload found there and relied on: it is uploaded again, loudly."""
+    deleted a blob the upload found there and relied on: it is uploaded again, loudly.
+
+    A collection marker is waited for at most :data:`COLLECT_MAX_S` + :data:`COLLECT_MARGIN_S`
+    from its first sight, then removed (a kill left it). One the store lists as written longer
+    than that before this upload's own marker (the store's clock, both) is removed at once: a
+    run killed mid-collection does not hold up its next run's first upload."""
     if marker is None:
         return
     first_seen: dict[str, float] = {}
+    bound = COLLECT_MAX_S + COLLECT_MARGIN_S
     while True:
         infos = _infos(store)
         now = time.monotonic()
+        mine = _modified(infos.get(posixpath.basename(marker)))
         running = []
         for name in infos:
             if name.startswith(COLLECT_PREFIX) and name not in store.blobs_verified.dead:
-                if now - first_seen.setdefault(name, now) < COLLECT_MAX_S + COLLECT_MARGIN_S:
+                announced = _modified(infos[name])
+                # announced longer than its time bound before this upload's marker was
+                # written (the store's clock, both): it deleted nothing this upload found
+                over = mine is not None and announced is not None and mine - announced > bound
+                if not over and now - first_seen.setdefault(name, now) < bound:
                     running.append(name)
                 else:  # a collection killed part-way: it deletes nothing any more
                     store.blobs_verified.dead.add(name)
@@ -367,6 +379,22 @@ def settle(store: RemoteStore, local_dir: str, manifest: Manifest, marker: str |
     )
     verify_entries(local_dir, gone)
     _put_checked(store, local_dir, gone)
+
+
+def _modified(info: Mapping[str, Any] | None) -> float | None:
+    """When the store says the object was last written (seconds since the epoch), or None."""
+    for key in ("LastModified", "mtime", "updated", "last_modified"):
+        value = (info or {}).get(key)
+        try:
+            if isinstance(value, (int, float)):
+                return float(value)
+            if isinstance(value, datetime.datetime):
+                return value.timestamp()
+            if isinstance(value, str) and value:
+                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except (ValueError, OverflowError, OSError):
+            return None
+    return None
 
 
 def _stale(store: RemoteStore, name: str) -> bool:
