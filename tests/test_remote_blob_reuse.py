@@ -242,3 +242,34 @@ def test_a_collection_marker_older_than_its_time_bound_is_not_waited_for(tmp_pat
     RemoteStore(url).upload(ckpt, read_manifest(ckpt), "step_000000001")
     assert not left.exists()
     assert [e.name for e in RemoteStore(url).scan() if e.problem is None] == ["step_000000001"]
+
+
+def test_a_collection_marker_of_a_process_that_exited_is_not_waited_for(tmp_path, monkeypatch):
+    """A run killed mid-collection and restarted at once on the same host (torchrun's
+    restarts, a requeue onto the same node): its marker is recent, but the process that wrote
+    it (host and pid in the marker) is gone, so the next upload does not wait for it."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from resilient_callbacks import remote_blobs
+    from resilient_callbacks.manifest import read_manifest
+
+    url, remote = f"file://{tmp_path}/durable", tmp_path / "durable"
+    with Checkpointer(tmp_path / "local", incremental=True, async_save=False) as ck:
+        ck.save(1, _state())
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (remote / "blobs").mkdir(parents=True)
+    left = remote / "blobs" / ".collect-deadbeef0000.json"
+    body = {"created": 0, "host": socket.gethostname(), "pid": gone.pid}
+    left.write_text(json.dumps(body))
+
+    def sleep(s: float) -> None:
+        raise AssertionError(f"the upload waited for a collection a kill left ({s} s)")
+
+    monkeypatch.setattr(remote_blobs.time, "sleep", sleep)
+    ckpt = str(tmp_path / "local" / "step_000000001")
+    RemoteStore(url).upload(ckpt, read_manifest(ckpt), "step_000000001")
+    assert not left.exists()

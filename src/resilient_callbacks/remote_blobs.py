@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import posixpath
+import socket
 import time
 import uuid
 from collections.abc import Collection, Mapping
@@ -269,7 +270,8 @@ def collect(
     collection scans itself).
 
     Against another process writing to the same URL (another run), a collection announces
-    itself first (a marker ``blobs/.collect-<id>.json``, removed when it ends), then reads the
+    itself first (a marker ``blobs/.collect-<id>.json`` naming its host and pid, removed when
+    it ends), then reads the
     in-flight markers, then the manifests (an upload that committed meanwhile is seen), and
     stops deleting :data:`COLLECT_MAX_S` after its announcement (the rest is left for the next
     collection). An upload that relied on a blob re-checks it after its commit once no
@@ -279,7 +281,8 @@ def collect(
     if store.is_local:
         store.fs.makedirs(_dir(store), exist_ok=True)
     token = posixpath.join(_dir(store), f"{COLLECT_PREFIX}{uuid.uuid4().hex[:12]}.json")
-    store.fs.pipe_file(token, json.dumps({"created": time.time()}).encode())
+    body = {"created": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
+    store.fs.pipe_file(token, json.dumps(body).encode())
     try:
         return _collect(store, None, time.monotonic() + COLLECT_MAX_S)
     finally:
@@ -340,7 +343,8 @@ def settle(store: RemoteStore, local_dir: str, manifest: Manifest, marker: str |
 
     A collection marker is waited for at most :data:`COLLECT_MAX_S` + :data:`COLLECT_MARGIN_S`
     from its first sight, then removed (a kill left it). One the store lists as written longer
-    than that before this upload's own marker (the store's clock, both) is removed at once: a
+    than that before this upload's own marker (the store's clock, both), or written by a
+    process of this host that has exited (its host and pid are in it), is removed at once: a
     run killed mid-collection does not hold up its next run's first upload."""
     if marker is None:
         return
@@ -357,7 +361,9 @@ def settle(store: RemoteStore, local_dir: str, manifest: Manifest, marker: str |
                 # announced longer than its time bound before this upload's marker was
                 # written (the store's clock, both): it deleted nothing this upload found
                 over = mine is not None and announced is not None and mine - announced > bound
-                if not over and now - first_seen.setdefault(name, now) < bound:
+                if over or (name not in first_seen and _exited(store, name)):
+                    first_seen[name] = now - bound  # its writer is gone: dead now
+                if now - first_seen.setdefault(name, now) < bound:
                     running.append(name)
                 else:  # a collection killed part-way: it deletes nothing any more
                     store.blobs_verified.dead.add(name)
@@ -379,6 +385,22 @@ def settle(store: RemoteStore, local_dir: str, manifest: Manifest, marker: str |
     )
     verify_entries(local_dir, gone)
     _put_checked(store, local_dir, gone)
+
+
+def _exited(store: RemoteStore, name: str) -> bool:
+    """Whether the collection marker ``name`` was written by a process of this host that has
+    exited (a run killed mid-collection, restarted at once on the same node)."""
+    try:
+        body: Any = json.loads(store.fs.cat_file(posixpath.join(_dir(store), name)))
+        pid = int(body["pid"])
+        if body.get("host") != socket.gethostname() or pid == os.getpid():
+            return False
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except Exception:  # gone meanwhile, another host's, an older format, another user's
+        return False
+    return False
 
 
 def _modified(info: Mapping[str, Any] | None) -> float | None:
