@@ -40,3 +40,18 @@ def test_no_checkpoint_no_report(tmp_path):
     with Checkpointer(tmp_path / "ck") as ck:
         assert ck.restore({"w": torch.empty(4)}) == 0
         assert ck.last_restore is None
+
+
+def test_the_remote_url_is_whole_on_a_rank_that_does_not_talk_to_the_remote():
+    """Only the coordinator opens the remote store; the other ranks' ``last_restore``
+    said ``remote_url='step_000000005'`` (the name alone) where rank 0's said the URL."""
+    from types import SimpleNamespace
+
+    from resilient_callbacks import restore_remote
+
+    ck = SimpleNamespace(
+        _dir=SimpleNamespace(remote=None),
+        config=SimpleNamespace(remote="s3://user:pw@bucket/run1/"),
+    )
+    c = SimpleNamespace(remote="step_000000005")
+    assert restore_remote.url_of(ck, c) == "s3://***@bucket/run1/step_000000005"

@@ -19,6 +19,7 @@ from .catalog import Status
 from .commit import fsync_dir, remove_checkpoint
 from .errors import CheckpointNotFoundError
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .redact import url_text
 from .retention import plan
 
 if TYPE_CHECKING:
@@ -28,9 +29,13 @@ log = logging.getLogger("resilient_callbacks")
 
 
 def url_of(ck: Checkpointer, c: Candidate) -> str:
-    """The URL of the remote candidate ``c`` (as messages show it)."""
+    """The URL of the remote candidate ``c`` (as messages show it), on every rank: only the
+    coordinator opens the remote store, the others take the URL from the configuration."""
     remote = ck._dir.remote
-    return f"{remote.url}/{c.remote}" if remote is not None else str(c.remote)
+    if remote is not None:
+        return f"{remote.url}/{c.remote}"
+    configured = ck.config.remote
+    return f"{url_text(str(configured).rstrip('/'))}/{c.remote}" if configured else str(c.remote)
 
 
 def fetch(ck: Checkpointer, c: Candidate) -> Candidate:
