@@ -9,6 +9,7 @@ restored the abandoned 60 (a timeline the user threw away) with only a "skipping
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -268,3 +269,22 @@ def test_sharded_saves_follow_the_lineage(tmp_path):
     with Checkpointer(root, keep_last=2) as ck, pytest.warns(ResumeFallbackWarning):
         assert ck.restore({"train": Sharded(model, opt)}) == 3
     assert float(model.weight[0, 0]) == 3.0
+
+
+def test_keep_best_ranks_the_current_lineage_first():
+    """keep_best=1 after a roll-back from 50 (loss 0.1, abandoned) to 40: the abandoned 50 took
+    the one "best" slot and the lineage's best, 70 (0.15), was deleted."""
+    line = {"parent": 3, "abandoned": [[4, 5]]}
+    losses = [(20, 0.5), (30, 0.4), (40, 0.3), (50, 0.1), (60, 0.2)]
+    cands = [Candidate(f"s{s}", s, i, "r", {"loss": v}) for i, (s, v) in enumerate(losses, 1)]
+    more = [(50, 0.25), (60, 0.2), (70, 0.15), (80, 0.3), (90, 0.3), (100, 0.3)]
+    cands += [
+        Candidate(f"s{s}-1", s, i, "r", {"loss": v}, lineage=line)
+        for i, (s, v) in enumerate(more, 6)
+    ]
+    policy = RetentionPolicy(keep_last=3, keep_best=1, monitor="loss")
+    p = plan(cands, policy, "r")
+    assert sorted(p.keep) == ["s100-1", "s70-1", "s80-1", "s90-1"]
+    # with the lineage scoring nothing, an abandoned best still fills the slot
+    bare = [c if c.name in ("s50", "s60") else dataclasses.replace(c, metrics={}) for c in cands]
+    assert "s50" in plan(bare, policy, "r").keep

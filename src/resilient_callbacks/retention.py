@@ -163,7 +163,11 @@ def plan(
         key: str = policy.monitor
         scored = [c for c in mine if _finite(c.metrics.get(key))]
         sign = 1.0 if policy.mode is Mode.MIN else -1.0
-        scored.sort(key=lambda c: (sign * float(c.metrics[key] or 0.0), -c.seq))
+        # the current lineage's best first: an abandoned branch's score, from a timeline the
+        # run threw away, never takes the place of the lineage's best (it only fills a slot)
+        scored.sort(
+            key=lambda c: ((c.run_id, c.seq) in off, sign * float(c.metrics[key] or 0.0), -c.seq)
+        )
         for c in scored[: policy.keep_best]:
             mark(c, f"best {key}={c.metrics[key]:.6g}")
     n = policy.keep_every_n_steps
