@@ -288,3 +288,30 @@ def test_keep_best_ranks_the_current_lineage_first():
     # with the lineage scoring nothing, an abandoned best still fills the slot
     bare = [c if c.name in ("s50", "s60") else dataclasses.replace(c, metrics={}) for c in cands]
     assert "s50" in plan(bare, policy, "r").keep
+
+
+def test_a_run_going_on_live_keeps_its_lineage(tmp_path):
+    """continued_from(same_run=True) (Lightning's fit() again after a fit() that rolled back):
+    its saves recorded no parent and abandoned nothing, so the abandoned 50 and 60 rejoined the
+    lineage; keep_last=5 then kept them and deleted 40, and damaged new saves restored 60."""
+    root = tmp_path / "ck"
+    _rolled_back(root, keep_last=None)
+    with Checkpointer(root, keep_last=5) as ck:
+        ck.continued_from(50, "fit() again", same_run=True)
+        ck.save(60, _st(1060))
+        ck.save(70, _st(1070))
+    assert "step_000000040" in _names(root)
+    for n in ("step_000000070", "step_000000060-1", "step_000000050-1"):
+        _flip(root / n / "shared.safetensors")
+    assert _restore(root)[:2] == (40, 40)
+
+
+def test_latest_path_is_the_current_lineages(tmp_path):
+    """Checkpointer.latest_path (the DeepSpeed adapter's, and the run continued_from(same_run)
+    goes on) took the highest commit number: with 50-1 truncated, the abandoned 60."""
+    root = tmp_path / "ck"
+    _rolled_back(root, keep_last=None)
+    with open(root / "step_000000050-1" / "shared.safetensors", "r+b") as f:
+        f.truncate(10)
+    with Checkpointer(root, read_only=True) as ck:
+        assert ck.latest_path is not None and ck.latest_path.endswith("step_000000040")

@@ -37,6 +37,7 @@ from .errors import (
 )
 from .lock import COMMAND_WAIT_S, DirLock, claim_remote
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .reader import by_commit
 from .retention import RetentionPolicy, plan
 from .trash import TrashBin
 from .upload_thread import EXIT_MARGIN_S
@@ -417,8 +418,10 @@ class Directory:
         return catalog.committed(catalog.scan(self.dirpath, Depth.SIZE))
 
     def latest_valid(self) -> str | None:
-        valid = [e for e in self.checkpoints() if e.status is Status.VALID]
-        return valid[-1].path if valid else None
+        """The newest valid checkpoint of the current lineage (after a roll-back, never one of
+        the branch it abandoned while one of the lineage is valid: :mod:`.branches`)."""
+        ordered = by_commit(self.checkpoints())  # (a damaged head still says the lineage)
+        return next((e.path for e in ordered if e.status is Status.VALID), None)
 
     # ------------------------------------------------------------------ uploads at close
 

@@ -246,9 +246,10 @@ class Restorer:
         ``same_run``, the run goes on as the one of the newest valid checkpoint in dirpath."""
         ck = self._ck
         if same_run and ck._dir.run_id is None:
-            newest = ck._dir.latest_valid() if ck.is_coordinator else None
-            run = read_manifest(newest).run_id if newest else None
-            ck._dir.run_id = dist.broadcast_json(run)
+            m = read_manifest(p) if ck.is_coordinator and (p := ck._dir.latest_valid()) else None
+            run, seq, line = dist.broadcast_json([m.run_id, m.seq, m.lineage] if m else [None] * 3)
+            ck._dir.run_id = run
+            ck._dir.tip.rebase(seq, line)  # its saves descend from it, as does its lineage
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
         # after a restore() that found nothing (the run started at step 0) and before any save:
