@@ -236,6 +236,21 @@ def test_after_a_roll_back_a_damaged_new_branch_falls_back_to_its_parent(tmp_pat
     assert [rank[0]["restored"] for rank in out] == [4, 4]
 
 
+@pytest.mark.slow
+def test_after_a_roll_back_a_short_new_branch_falls_back_to_its_parent(tmp_path):
+    """As above, with the new 6 cut short everywhere (a size the manifest does not list): the
+    nodes and the remote left it out of the lineage they reported, so nothing said the run had
+    rolled back, and the restore took the abandoned 8 silently. Now 4."""
+    _run(tmp_path, "first", 2, "--steps", "8")
+    _run(tmp_path, "back", 2, "--steps", "6", RC_RESUME=4)
+    for where in (tmp_path / "node0", tmp_path / "node1", tmp_path / "remote"):
+        head = _newest_commit(where)
+        victim = max((p for p in head.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        victim.write_bytes(victim.read_bytes()[:-1])
+    out = _run(tmp_path, "again", 2, "--steps", "6")
+    assert [rank[0]["restored"] for rank in out] == [4, 4]
+
+
 def test_a_replaced_node_and_a_damaged_copy_on_the_other_are_recorded_as_they_happened(
     tmp_path,
 ):

@@ -184,7 +184,7 @@ class NodeRestorer(Restorer):
     def _holdings(self) -> dict[str, Any]:
         """Leader: the committed checkpoints on this node's disk and the replicas it keeps."""
         d = self._d
-        local = []
+        local, damaged = [], []
         for e in catalog.scan(d.dirpath, Depth.SIZE):
             if e.manifest is not None and e.status is Status.VALID:
                 m = e.manifest
@@ -196,6 +196,8 @@ class NodeRestorer(Restorer):
                 row = [m.run_id, m.seq, m.step, e.name, ranks, m.world_size, coordinator]
                 local.append([*row, recorded, m.lineage])  # (lineage: branches.py)
             elif e.status is Status.CORRUPT:  # another node's copy, or the remote's, is used
+                if e.manifest is not None:  # still says what a roll-back abandoned
+                    damaged.append([e.manifest.run_id, e.manifest.seq, e.manifest.lineage])
                 log.warning(
                     "node %d: %s is damaged, not used: %s", d.topology.node, e.path, e.problem
                 )
@@ -204,7 +206,7 @@ class NodeRestorer(Restorer):
             for label, items in peers.list_replicas(d.dirpath).items()
             for path, m in items
         ]
-        return {"local": local, "replicas": replicas}
+        return {"local": local, "replicas": replicas, "damaged": damaged}
 
     def _plan(
         self, got: list[dict[str, Any]]
@@ -223,11 +225,12 @@ class NodeRestorer(Restorer):
         if d.remote is not None:
             try:
                 for e in d.remote.scan():
+                    if e.manifest is not None and e.key is not None:  # (damaged: its lineage)
+                        lines[e.key] = e.manifest.lineage
                     if e.manifest is not None and e.problem is None and e.key is not None:
                         remote[e.key] = e.name
                         steps[e.key] = e.manifest.step
                         remote_worlds[e.key] = e.manifest.world_size
-                        lines[e.key] = e.manifest.lineage
                 if d.committer is not None:
                     d.committer.index = dict(remote)
             except Exception as e:
@@ -237,6 +240,8 @@ class NodeRestorer(Restorer):
         marked: set[tuple[str, int]] = set()  # a copy has it: committed on every node
         worlds: dict[tuple[str, int], int] = dict(remote_worlds)
         for holding in got:
+            for run_id, seq, line in holding.get("damaged", []):
+                lines.setdefault((run_id, seq), line)
             mine: dict[tuple[str, int], tuple[str, set[int]]] = {}
             for run_id, seq, step, name, ranks, world, coordinator, recorded, line in holding[
                 "local"
@@ -277,7 +282,9 @@ class NodeRestorer(Restorer):
         unusable: list[str] = []
         orphans: list[list[Any]] = []
         # the run's current lineage first, newest first; what a roll-back abandoned after it
-        off = branches.off_lineage((k[0], k[1], lines.get(k)) for k in steps)
+        # (over every commit known, a damaged one too: the newest may be the one that says the
+        # run rolled back)
+        off = branches.off_lineage((k[0], k[1], line) for k, line in lines.items())
         for key in sorted(steps, key=lambda k: (k not in off, k[1], steps[k]), reverse=True):
             src: dict[str, list[Any]] = {}
             for k, ranks in enumerate(topo.nodes):
