@@ -315,3 +315,18 @@ def test_latest_path_is_the_current_lineages(tmp_path):
         f.truncate(10)
     with Checkpointer(root, read_only=True) as ck:
         assert ck.latest_path is not None and ck.latest_path.endswith("step_000000040")
+
+
+def test_gc_remove_corrupt_keeps_a_damaged_head_that_records_the_roll_back(tmp_path, capsys):
+    """gc --remove-corrupt deleted the damaged 50-1, the only manifest saying 50 and 60 were
+    abandoned: 60 was the run's newest again and the next resume took it silently, 40 valid."""
+    root = tmp_path / "ck"
+    _rolled_back(root, keep_last=None)
+    with open(root / "step_000000050-1" / "shared.safetensors", "r+b") as f:
+        f.truncate(10)
+    assert main(["gc", str(root), "--remove-corrupt"]) == 0
+    assert "records that a roll-back abandoned" in capsys.readouterr().err
+    assert _restore(root)[:2] == (40, 40)
+    # with the abandoned ones deleted first (they count as older), it goes too
+    assert main(["gc", str(root), "--remove-corrupt", "--keep-last", "3"]) == 0
+    assert _names(root) == ["step_000000020", "step_000000030", "step_000000040"]

@@ -38,7 +38,7 @@ from .commit import (
 from .errors import CheckpointError
 from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME, NEWER_FORMAT
-from .reader import by_commit, check
+from .reader import by_commit, check, roll_back_heads
 from .retention import ABANDONED, Plan, RetentionPolicy, plan
 
 INCOMPLETE_NOTE = "not kept: removed when the next writer opens the directory, or by gc"
@@ -80,10 +80,9 @@ def _committed(entries: list[Entry], args: argparse.Namespace) -> set[tuple[str,
 
 
 def _kept(e: Entry, p: Plan) -> dict[str, Any]:
-    gone = {"abandoned": e.name in p.abandoned}  # on a branch a roll-back abandoned
-    if e.status is not Status.INCOMPLETE and e.name in p.keep:
-        return {"kept": True, "kept_by": list(p.keep[e.name]), **gone}
-    return {"kept": False, "kept_by": [], **gone}
+    why = p.keep.get(e.name, []) if e.status is not Status.INCOMPLETE else []
+    # abandoned: on a branch a roll-back abandoned
+    return {"kept": bool(why), "kept_by": list(why), "abandoned": e.name in p.abandoned}
 
 
 def _step_cell(r: dict[str, Any]) -> str:
@@ -300,6 +299,8 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     if damaged:
         note = repair_note(damaged, args.dir, sum(e.manifest is not None for e in entries))
         print(note, file=sys.stderr if args.json else sys.stdout)
+    held = roll_back_heads(entries, p.abandoned - set(p.delete))  # corrupt, but kept
+    sys.stderr.writelines(f"resilient-ckpt gc: {n}\n" for n in held.values() if verified)
     doomed: list[tuple[Entry, str]] = []
     for e in entries:
         through = only_blobs(e, damaged)
@@ -317,6 +318,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
             and not through  # the blob can be repaired: only --remove-blob-corrupt deletes it
             and e.status is Status.CORRUPT
             and not _newer_format(e)
+            and e.name not in held  # (it records a roll-back)
         ):
             doomed.append((e, f"corrupt: {e.problem}"))
     gone = {e.name for e, _ in doomed}
