@@ -13,6 +13,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import warnings
 
 import pytest
@@ -330,3 +331,27 @@ def test_gc_remove_corrupt_keeps_a_damaged_head_that_records_the_roll_back(tmp_p
     # with the abandoned ones deleted first (they count as older), it goes too
     assert main(["gc", str(root), "--remove-corrupt", "--keep-last", "3"]) == 0
     assert _names(root) == ["step_000000020", "step_000000030", "step_000000040"]
+
+
+def test_remote_gc_remove_corrupt_keeps_a_damaged_head_that_records_the_roll_back(tmp_path):
+    """The same in the remote tier: gc --remote URL --remove-corrupt deleted the damaged 50-r1,
+    and a resume from the remote (the local disk lost) took the abandoned 60 silently."""
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    opts = {"keep_last": 1, "remote": str(durable), "remote_keep_last": "all"}
+    with Checkpointer(local, **opts) as ck:
+        ck.restore(_st(0))
+        for s in (20, 30, 40, 50, 60):
+            ck.save(s, _st(s))
+    with Checkpointer(local, resume=40, **opts) as ck:
+        ck.restore(_st(0))
+        ck.save(50, _st(1050))
+    with open(durable / "step_000000050-r1" / "shared.safetensors", "r+b") as f:
+        f.truncate(10)
+    shutil.rmtree(local)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["gc", str(local), "--remote", str(durable), "--remove-corrupt"]) == 0
+    assert "step_000000050-r1" in _names(durable) and "records that a roll-back" in out.getvalue()
+    st = _st(0)
+    with Checkpointer(local, **opts) as ck, pytest.warns(ResumeFallbackWarning):
+        assert ck.restore(st) == 40

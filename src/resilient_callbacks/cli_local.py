@@ -38,7 +38,7 @@ from .commit import (
 from .errors import CheckpointError
 from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME, NEWER_FORMAT
-from .reader import by_commit, check, roll_back_heads
+from .reader import by_commit, check
 from .retention import ABANDONED, Plan, RetentionPolicy, plan
 
 INCOMPLETE_NOTE = "not kept: removed when the next writer opens the directory, or by gc"
@@ -299,8 +299,8 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     if damaged:
         note = repair_note(damaged, args.dir, sum(e.manifest is not None for e in entries))
         print(note, file=sys.stderr if args.json else sys.stdout)
-    held = roll_back_heads(entries, p.abandoned - set(p.delete))  # corrupt, but kept
-    sys.stderr.writelines(f"resilient-ckpt gc: {n}\n" for n in held.values() if verified)
+    held = p.held if args.remove_corrupt or every_corrupt else {}  # corrupt, kept: a roll-back
+    sys.stderr.writelines(f"resilient-ckpt gc: {k} {n}\n" for k, n in held.items())
     doomed: list[tuple[Entry, str]] = []
     for e in entries:
         through = only_blobs(e, damaged)

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from . import catalog
@@ -362,8 +363,6 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
     once nothing was written to them for a day, then the blobs nothing refers to any more.
     Checks sizes, not checksums (nothing is downloaded). Returns what was (or would be)
     deleted and kept."""
-    import time
-
     from . import remote_blobs
     from .blob_damage import remote_keep_note
 
@@ -399,6 +398,8 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
             doomed.append((e, f"checkpoint of another run ({m.run_id})"))
         elif why := remote_keep_note(e.problem, args):  # a torn blob: push repairs it
             kept.append((e, why))
+        elif e.name in p.held:  # corrupt, but it records a roll-back
+            kept.append((e, p.held[e.name]))
         elif e.problem and (args.remove_corrupt or getattr(args, "remove_blob_corrupt", 0)):
             doomed.append((e, f"corrupt: {e.problem}"))
         else:

@@ -120,29 +120,6 @@ def abandoned(entries: Iterable[Entry]) -> set[str]:
     return {n for n, m in ms.items() if (m.run_id, m.seq) in off}
 
 
-def roll_back_heads(entries: Iterable[Entry], kept_abandoned: Iterable[str]) -> dict[str, str]:
-    """``gc --remove-corrupt``: of ``entries``, the damaged newest commits of their run that
-    record a roll-back whose abandoned checkpoints stay (``kept_abandoned``: their names), each
-    with why it is kept. Removing one would make those the run's newest again, and a resume
-    would silently continue the abandoned timeline."""
-    known = [(e, e.manifest.run_id) for e in entries if e.manifest is not None]
-    heads: dict[str, Entry] = {}
-    for e, run in known:
-        if run not in heads or e.seq > heads[run].seq:
-            heads[run] = e
-    kept, out = set(kept_abandoned), {}
-    for run, h in heads.items():
-        left = [e.name for e, r in known if e.name in kept and r == run]
-        if h.status is Status.CORRUPT and left:
-            out[h.name] = (
-                f"kept {h.name} though it is corrupt: it is the newest commit of its run and "
-                f"records that a roll-back abandoned {', '.join(left)}; without it they would "
-                "be the run's newest again and a resume would take them. Delete them first "
-                "(gc --keep-last N counts them as older than the current lineage), then remove it"
-            )
-    return out
-
-
 def unordered(entries: Iterable[Entry], not_older_than: int | None) -> list[Entry]:
     """Committed entries whose manifest cannot be read (their commit order is unknown) and
     whose name's step is at least ``not_older_than``: they may be newer than the newest."""
@@ -239,7 +216,6 @@ __all__ = [
     "find",
     "newest_valid",
     "open_checkpoint",
-    "roll_back_heads",
     "select",
     "unordered",
 ]

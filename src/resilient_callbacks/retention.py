@@ -120,6 +120,9 @@ class Plan:
     keep: dict[str, list[str]]  # name -> reasons
     delete: list[str]  # names, oldest first
     abandoned: set[str] = field(default_factory=set)  # on a branch a roll-back abandoned
+    # corrupt newest commits that record a roll-back whose abandoned checkpoints are kept: gc
+    # --remove-corrupt keeps them too (name -> why)
+    held: dict[str, str] = field(default_factory=dict)
 
 
 def plan(
@@ -181,7 +184,29 @@ def plan(
             mark(c, ABANDONED)
     delete = [c.name for c in cands if not keep[c.name]]
     gone = {c.name for c in cands if (c.run_id, c.seq) in off}
-    return Plan({k: v for k, v in keep.items() if v}, delete, gone)
+    held = _roll_back_heads(cands, {c.name for c in cands if c.name in gone and keep[c.name]})
+    return Plan({k: v for k, v in keep.items() if v}, delete, gone, held)
+
+
+def _roll_back_heads(cands: list[Candidate], kept_abandoned: set[str]) -> dict[str, str]:
+    """The corrupt newest commits of their run that record a roll-back whose abandoned
+    checkpoints are kept (``kept_abandoned``), each with why it stays: without it they would be
+    the run's newest again, and a resume would silently continue the abandoned timeline."""
+    heads: dict[str, Candidate] = {}
+    for c in cands:
+        if c.run_id not in heads or c.seq > heads[c.run_id].seq:
+            heads[c.run_id] = c
+    out = {}
+    for run, h in heads.items():
+        left = [c.name for c in cands if c.run_id == run and c.name in kept_abandoned]
+        if not h.valid and left:
+            out[h.name] = (
+                f"kept though corrupt: the newest commit of its run, it records that a roll-back "
+                f"abandoned {', '.join(left)}; without it they would be the run's newest again "
+                "and a resume would take them. Delete them first (--keep-last N counts them as "
+                "older than the current lineage), then remove it"
+            )
+    return out
 
 
 def _finite(v: Any) -> bool:
