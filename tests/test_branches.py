@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from resilient_callbacks import Checkpointer, ResumeFallbackWarning, branches
 from resilient_callbacks.cli import main
 from resilient_callbacks.manifest import SELF_CHECKSUM, self_checksum
+from resilient_callbacks.reader import abandoned, committed
 from resilient_callbacks.retention import Candidate, RetentionPolicy, plan
 
 
@@ -99,9 +100,9 @@ def test_only_the_abandoned_branch_left_valid_is_restored_loudly(tmp_path):
     assert len(loud) == 1 and "step_000000060" in loud[0] and "resume=" in loud[0]
 
 
-def _strip_lineage(root) -> None:
-    """Make every manifest one written before the ``lineage`` field existed."""
-    for n in _names(root):
+def _strip_lineage(root, names: list[str] | None = None) -> None:
+    """Make every manifest (of ``names``) one written before the ``lineage`` field existed."""
+    for n in _names(root) if names is None else names:
         p = root / n / "manifest.json"
         d = json.loads(p.read_text())
         d.pop("lineage", None)
@@ -123,6 +124,38 @@ def test_checkpoints_without_the_field_keep_commit_order(tmp_path):
         ck.save(50, _st(2050))  # step_000000050-2: 50, 60 and 50-1 abandoned
     _flip(root / "step_000000050-2" / "shared.safetensors")
     assert _restore(root)[:2] == (40, 40)
+
+
+def test_a_save_of_a_version_without_the_field_keeps_the_abandoned_branch_abandoned(tmp_path):
+    """Downgrade after a roll-back, then upgrade again: an older version resumes the newest
+    (50-1) and saves 60-1 without ``lineage`` (as it writes it). Read by commit order, that head
+    put 50 and 60 back on the lineage: retention kept 60 over 40, a fallback past 60-1 and 50-1
+    restored the abandoned 60, and a save of this version continuing 60-1 recorded nothing
+    abandoned, for good. Its save continues the lineage recorded before it."""
+    root = tmp_path / "ck"
+    _rolled_back(root, keep_last=None)  # 20..60; resumed from 40; 50-1
+    with Checkpointer(root) as ck:  # (the older version's save, stripped below)
+        assert ck.restore(_st(0)) == 50
+        ck.save(60, _st(1060))
+    _strip_lineage(root, ["step_000000060-1"])
+    gone = abandoned(committed(str(root)))
+    assert gone == {"step_000000050", "step_000000060"}
+    policy = RetentionPolicy(keep_last=5)
+    cands = [
+        Candidate(e.name, e.step, e.seq, e.manifest.run_id, {}, lineage=e.manifest.lineage)
+        for e in committed(str(root))
+    ]
+    assert set(plan(cands, policy, None).delete) == {"step_000000050", "step_000000060"}
+    with Checkpointer(root) as ck:  # back on this version
+        assert ck.restore(_st(0)) == 60
+        ck.save(70, _st(1070))
+    m = json.loads((root / "step_000000070" / "manifest.json").read_text())
+    assert m["lineage"]["abandoned"] != []
+    for n in ("step_000000070", "step_000000060-1", "step_000000050-1"):
+        _flip(root / n / "shared.safetensors")
+    step, tag, said = _restore(root)
+    assert (step, tag) == (40, 40)  # not the abandoned 60
+    assert not any("a branch this run abandoned" in s for s in said)
 
 
 def test_tip_and_off_lineage():
@@ -192,6 +225,32 @@ def test_dcp_writer_after_a_load_of_an_older_step(tmp_path):
     _flip(root / "step_000000004-1" / "dcp" / "rank_00000.safetensors")
     reader = ResilientStorageReader(root)
     with pytest.warns(ResumeFallbackWarning, match="step_000000004-1"):
+        dcp.load(got, storage_reader=reader)
+    assert reader.loaded_step == 3 and torch.equal(got["w"], torch.full((2,), 3.0))
+
+
+def test_dcp_writer_after_a_load_of_a_save_without_the_field(tmp_path):
+    """DCP: after a roll-back to 3 (4-1 abandons 4), an older version's save of 5 (no
+    ``lineage``), loaded and continued by this version: 4 stays abandoned."""
+    from resilient_callbacks.dcp import ResilientStorageReader, ResilientStorageWriter
+
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root) as w:
+        for s in (1, 2, 3, 4):
+            dcp.save({"w": torch.full((2,), float(s))}, storage_writer=w, checkpoint_id=s)
+    got = {"w": torch.zeros(2)}
+    dcp.load(got, storage_reader=ResilientStorageReader(root, step=3))
+    with ResilientStorageWriter(root) as w:
+        dcp.save({"w": torch.full((2,), 40.0)}, storage_writer=w)  # 4-1: 4 abandoned
+        dcp.save({"w": torch.full((2,), 50.0)}, storage_writer=w)  # 5 (the older version's)
+    _strip_lineage(root, ["step_000000005"])
+    dcp.load(got, storage_reader=ResilientStorageReader(root))
+    with ResilientStorageWriter(root) as w:
+        dcp.save({"w": torch.full((2,), 60.0)}, storage_writer=w)  # 6
+    for n in ("step_000000006", "step_000000005", "step_000000004-1"):
+        _flip(root / n / "dcp" / "rank_00000.safetensors")
+    reader = ResilientStorageReader(root)
+    with pytest.warns(ResumeFallbackWarning):
         dcp.load(got, storage_reader=reader)
     assert reader.loaded_step == 3 and torch.equal(got["w"], torch.full((2,), 3.0))
 

@@ -15,8 +15,12 @@ for a fresh start), and the ranges of commit numbers of its run below its own th
 (the *head*) and every commit of the run below the head's ``seq`` outside those ranges.
 
 A manifest without the field (written before it existed, or by a bare
-:class:`~.session.CommitSession`) abandons nothing: commit order, as before. Readers that do not
-know the field ignore it, so the format version is unchanged.
+:class:`~.session.CommitSession`) abandons what the newest commit of its run below it that
+records the field abandons (:func:`inherited`): a version that writes no lineage resumes the
+run's newest checkpoint, so its saves continue the lineage recorded before (an upgrade, a
+downgrade and an upgrade again after a roll-back keep the abandoned branch abandoned). Where no
+commit records one: nothing, commit order, as before. Readers that do not know the field
+ignore it, so the format version is unchanged.
 
 Pure functions and one small tracker (:class:`Tip`, coordinator only); no IO, no collective.
 """
@@ -78,26 +82,35 @@ def of(raw: Mapping[str, Any] | None) -> Lineage | None:
     return Lineage.from_json(raw) if raw else None
 
 
+def inherited(rows: Iterable[tuple[int, Mapping[str, Any] | None]], seq: int) -> Lineage | None:
+    """The lineage of commit ``seq`` of a run whose commits are ``rows`` (``seq``, ``lineage``
+    field): its own field; for a commit without one, that of the newest commit below it that
+    has one (see the module docstring); None when none has. A malformed field counts as none
+    (a manifest that parses has a valid one)."""
+    for s, raw in sorted(rows, key=lambda r: r[0], reverse=True):
+        if s > seq or not raw:
+            continue
+        try:
+            return of(raw)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
 def off_lineage(items: Iterable[tuple[str, int, Mapping[str, Any] | None]]) -> set[tuple[str, int]]:
     """Of the committed checkpoints ``items`` (run id, ``seq``, their manifest's ``lineage``
     field), the keys (run id, ``seq``) of those a roll-back abandoned: not on the lineage of the
-    newest commit of their run. A head without the field abandons nothing."""
-    items = list(items)
-    heads: dict[str, tuple[int, Mapping[str, Any] | None]] = {}
+    newest commit of their run (for a head without the field: :func:`inherited`)."""
+    runs: dict[str, list[tuple[int, Mapping[str, Any] | None]]] = {}
     for run, seq, raw in items:
-        if run not in heads or seq > heads[run][0]:
-            heads[run] = (seq, raw)
+        runs.setdefault(run, []).append((seq, raw))
     out: set[tuple[str, int]] = set()
-    for run, (head_seq, raw) in heads.items():
-        try:
-            line = of(raw)
-        except (TypeError, ValueError):
-            line = None  # (a manifest that parses has a valid field: not reached)
+    for run, rows in runs.items():
+        head = max(s for s, _ in rows)
+        line = inherited(rows, head)
         if line is None or not line.abandoned:
             continue
-        out.update(
-            (r, s) for r, s, _ in items if r == run and s < head_seq and _within(s, line.abandoned)
-        )
+        out.update((run, s) for s, _ in rows if s < head and _within(s, line.abandoned))
     return out
 
 

@@ -28,6 +28,7 @@ from enum import StrEnum
 from functools import partial
 from typing import Any
 
+from .branches import inherited
 from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX
 from .errors import CheckpointCorruptError
 from .history import HISTORY_NAME
@@ -478,3 +479,19 @@ def _subdirs(path: str) -> list[str]:
     except OSError:
         return []
     return sorted(names)
+
+
+def lineage_of(root: str, m: Manifest) -> dict[str, object]:
+    """The ``lineage`` a save continuing ``m`` (a checkpoint of ``root``) builds on: its own
+    field; for a manifest without one (written by a version before the field existed), what
+    :func:`.branches.inherited` finds among the commits of its run in ``root`` (manifests
+    only are read, and only then)."""
+    if m.lineage:
+        return m.lineage
+    rows = [
+        (e.manifest.seq, e.manifest.lineage)
+        for e in scan(root, Depth.NONE)
+        if e.manifest is not None and e.manifest.run_id == m.run_id
+    ]
+    line = inherited(rows, m.seq)
+    return line.to_json() if line is not None else {}

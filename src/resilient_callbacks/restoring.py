@@ -32,7 +32,7 @@ from . import (
     structure,
 )
 from .candidates import Candidate, merge_tiers, number_after_remote, tried_as, warn_abandoned
-from .catalog import Depth, Status
+from .catalog import Depth, Status, lineage_of
 from .commit import CKPT_RE
 from .config import ResumeMode, missing_resume_hint
 from .directory import error_type
@@ -398,7 +398,7 @@ class Restorer:
         parent = os.path.dirname(os.path.abspath(path))  # (spelled through a link, maybe)
         inside = parent == ck.dirpath or os.path.realpath(parent) == os.path.realpath(ck.dirpath)
         d.run_id = manifest.run_id if inside else None
-        d.tip.rebase(manifest.seq if inside else None, manifest.lineage if inside else None)
+        d.tip.rebase(*((manifest.seq, lineage_of(ck.dirpath, manifest)) if inside else (None,)))
         ck.last_saved_step = manifest.step if inside else None
         ck.restored_from = path
         ck._trigger.mark(manifest.step)

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..branches import Tip
-from ..catalog import Entry
+from ..catalog import Entry, lineage_of
 from ..errors import ConfigError
 from ..manifest import Manifest
 from ..reader import by_commit, committed
@@ -47,7 +47,7 @@ def loaded(root: str, step: int, seq: int, manifest: Manifest | None = None) -> 
     """Every rank, after choosing a checkpoint of step ``step`` (``manifest``) in the directory
     ``root`` whose newest commit then had ``seq``: the next unnumbered save there continues
     ``step``, and descends from that checkpoint (its manifest's ``lineage``)."""
-    own = (manifest.seq, manifest.lineage) if manifest is not None else (None, None)
+    own = (manifest.seq, lineage_of(root, manifest)) if manifest is not None else (None, None)
     with _lock:
         _loads[os.path.realpath(root)] = (step, seq, *own)
 
@@ -65,7 +65,7 @@ def rebase(tip: Tip, root: str, seen: object) -> object:
         return load
     if seen is None:
         newest = ordered[0].manifest if ordered else None
-        tip.rebase(*((newest.seq, newest.lineage) if newest is not None else (None, None)))
+        tip.rebase(*((newest.seq, lineage_of(root, newest)) if newest is not None else (None,)))
         return ()
     return seen
 
