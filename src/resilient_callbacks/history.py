@@ -6,7 +6,8 @@ record); the adaptive save policy learns the mean time between failures from the
 ``restore()`` again in the same process (a roll-back) is a ``restore`` record: no new life.
 ``<dirpath>/history.jsonl`` holds one JSON object per line, appended by the coordinator only:
 ``{"event": "start" | "restart", "time": <unix seconds>, "step": N, "run_id": "...",
-"world_size": W}``. A torn last line (a crash while appending) is ignored.
+"world_size": W}``; a ``restart`` from a checkpoint also has the ``resume`` option and ``top``,
+the newest commit number then (:mod:`.rollback_notice`). A torn last line is ignored.
 
 Besides those two (the lifecycle :func:`read` returns and the failure rate is learned from),
 the coordinator appends what ``resilient-ckpt report`` plots, each with more fields (see

@@ -28,6 +28,7 @@ from . import (
     notices,
     restore_remote,
     rng,
+    rollback_notice,
     statetree,
     structure,
 )
@@ -111,10 +112,8 @@ class Restorer:
         for _ in range(relist):
             if cands:
                 break
-            # beside a writer, one listing can miss every checkpoint: the newest not yet renamed
-            # into place when the directory was listed, the one before it moved away by the
-            # writer's retention before its manifest was read. An evaluator that loaded nothing
-            # would score an untrained model: list again.
+            # beside a writer, one listing can miss every checkpoint (the newest not yet renamed
+            # in, the one before deleted): an evaluator would score an untrained model
             cands = self._listed()
         self._remote_copies = {c.key for c in cands if c.remote is not None}
         explicit = ck.config.resume not in (ResumeMode.AUTO, ResumeMode.NEVER)
@@ -414,14 +413,16 @@ class Restorer:
         fields = ck._recorder.restored(
             manifest, inside, time.perf_counter() - self._t0, self._tier, self._skipped
         )
+        note = rollback_notice.on_restart(ck, manifest, fields, inside)  # (the coordinator's)
         if ck.is_coordinator and inside:
             # a resume (the run stopped early), or this process's roll-back: not a new life
             d.record("restore" if ck._recorder.began else "restart", manifest.step, **fields)
             ck._recorder.record_deferred()  # the fallbacks on the way to this checkpoint
             d.check_foreign()  # at the caller of Checkpointer.restore
         # the run's start, restarts (this one included) and time down, the same on every rank
-        lineage = history.lineage(ck.dirpath, d.run_id) if ck.is_coordinator else None
-        start, restarts, down = dist.broadcast_json(lineage)
+        lineage = [*history.lineage(ck.dirpath, d.run_id), note] if ck.is_coordinator else None
+        start, restarts, down, note = dist.broadcast_json(lineage)
+        rollback_notice.say(note, ck.is_coordinator)
         ck._recorder.lineage(manifest, inside, start, restarts, down)
         if schedule is not None and start is not None:
             schedule.set_restart_history(restarts, start, downtime_s=down)
@@ -472,8 +473,7 @@ class Restorer:
         self._no_manifest = [
             e.name for e in entries if e.status is Status.INCOMPLETE and CKPT_RE.match(e.name)
         ]
-        # Checkpoints whose manifest cannot be read have no commit number: they may be the
-        # newest, so they are tried (and reported as skipped) first, never silently ignored.
+        # an unreadable manifest has no commit number: maybe the newest, so tried (and named) first
         cands = [Candidate.of(e) for e in found if e.manifest is None]
         cands += merge_tiers(self._ck._dir, [e for e in found if e.manifest is not None])
         if isinstance(r, int):
