@@ -483,3 +483,30 @@ def test_a_run_stopped_by_max_time_run_again_ends_as_the_run_did(tmp_path, monke
     hooks = ["train_start", "epoch_end 0", "train_end at epoch 1"]
     assert fit() == (hooks, 1, None)
     assert fit() == (hooks, 1, 5)  # the same max_time: used up, nothing trained
+
+
+class _Starts(L.Callback):
+    """The global step at each ``fit()``'s first batch."""
+
+    def __init__(self) -> None:
+        self.at: list[int] = []
+
+    def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        self.at.append(trainer.global_step)
+
+
+def test_an_explicit_resume_applies_to_the_first_fit_only(tmp_path, caplog):
+    """``ResilientCheckpoint(resume=4)`` in a two-stage script: stage 1 resumes from step 4,
+    stage 2 (the same Trainer's second ``fit()``) goes on from the live state, as with
+    ``resume="auto"``. (Found 2026-12-06: stage 2 restored step 4 again, throwing away stage
+    1's steps 5..12 and its fresh optimizers.) The abandoned branch's 16..30 is no "newer
+    checkpoint" that stage 2 trains again."""
+    _stages(tmp_path, {}, [ResilientCheckpoint(tmp_path / "ck", every_n_steps=4)], by_steps=12)
+    seen: dict = {}
+    starts = _Starts()
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=4, resume=4)
+    _stages(tmp_path, seen, [rc, starts], by_steps=12)
+    assert starts.at == [4, 12]
+    assert sorted(seen) == list(range(5, 31))
+    assert {seen[s][1] for s in range(13, 31)} == {0.01}  # stage 2's fresh optimizer
+    assert "newer checkpoint" not in caplog.text

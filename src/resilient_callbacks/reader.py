@@ -120,6 +120,13 @@ def abandoned(entries: Iterable[Entry]) -> set[str]:
     return {n for n, m in ms.items() if (m.run_id, m.seq) in off}
 
 
+def current(entries: Iterable[Entry], only: bool = True) -> list[Entry]:
+    """``entries`` less those of a branch a roll-back abandoned (``only=False``: all of them)."""
+    entries = list(entries)
+    off = abandoned(entries) if only else set()
+    return [e for e in entries if e.name not in off]
+
+
 def unordered(entries: Iterable[Entry], not_older_than: int | None) -> list[Entry]:
     """Committed entries whose manifest cannot be read (their commit order is unknown) and
     whose name's step is at least ``not_older_than``: they may be newer than the newest."""

@@ -50,6 +50,7 @@ from .errors import (
 )
 from .filepart import PartReader, part_info, read_part_files
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .reader import current
 from .retention import RetentionPolicy
 
 if TYPE_CHECKING:
@@ -251,8 +252,7 @@ class Restorer:
             ck._dir.tip.rebase(seq, line)  # its saves descend from it, as does its lineage
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
-        # after a restore() that found nothing (the run started at step 0) and before any save:
-        # the run goes on from ``step`` instead (the usual adoption: restore, then load yours)
+        # after a restore() that found nothing, before any save: the run goes on from ``step``
         fresh = ck.restored_from is None and ck.last_saved_step is None
         if ck._dir.run_id is not None and not (fresh and ck._saver.committed_saves == 0):
             raise CheckpointError(
@@ -263,7 +263,7 @@ class Restorer:
         if ck.is_coordinator:
             newer = [
                 e
-                for e in ck._dir.checkpoints()
+                for e in current(ck._dir.checkpoints(), same_run)  # (not an abandoned branch)
                 if e.status is Status.VALID and e.step is not None and e.step > step
             ]
             if newer:

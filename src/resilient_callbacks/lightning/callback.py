@@ -246,7 +246,7 @@ class ResilientCheckpoint(Checkpoint):
         self._open(trainer, resume)
         ckpt = self.checkpointer
         assert ckpt is not None
-        if resume == "auto" and refit.goes_on_live(trainer, ckpt.dirpath):  # fit() again
+        if refit.goes_on_live(trainer, ckpt.dirpath, resume, bool(checkpoint_path)):  # fit() again
             original(None, weights_only)  # Lightning's: the live state, fresh optimizers
             ckpt.continued_from(trainer.global_step, "this Trainer's fit() before", same_run=True)
             return

@@ -6,7 +6,9 @@ from the newest checkpoint at every ``fit()``, would load the first fit's last c
 that: its optimizer and scheduler states, its RNG. So a ``fit()`` finished in this process is
 remembered by the directory it saved into:
 
-- the same Trainer fits again: it goes on from the live state, as the same run;
+- the same Trainer fits again: it goes on from the live state, as the same run, with the
+  callback's ``resume=`` as without it (an explicit step or path applies to the first
+  ``fit()`` only; ``fit(ckpt_path=...)`` of ours, given to that ``fit()``, is loaded);
 - another Trainer fitting the same LightningModule (a fine-tuning stage after pre-training)
   with that directory: refused, since it would resume the finished run and train nothing. An
   explicit ``resume=`` passes;
@@ -40,15 +42,19 @@ def fitted_here(trainer: Any, dirpath: str) -> bool:
     return refs is not None and (refs[0]() is trainer or refs[1]() is trainer.lightning_module)
 
 
-def goes_on_live(trainer: Any, dirpath: str) -> bool:
-    """At a ``fit()``'s start, resuming by default from ``dirpath``: True if this Trainer's
-    earlier ``fit()`` in this process finished there (go on from the live state); raise
-    :class:`ConfigError` if another Trainer's fit of the same module did; False otherwise
-    (resume as usual)."""
+def goes_on_live(trainer: Any, dirpath: str, resume: Any = "auto", ckpt_path: bool = False) -> bool:
+    """At a ``fit()``'s start, resuming from ``dirpath`` as ``resume`` says (the callback's
+    option, or ``fit(ckpt_path=...)``'s choice when ``ckpt_path``): True if this Trainer's
+    earlier ``fit()`` in this process finished there (go on from the live state: the callback's
+    explicit ``resume=`` applies to the first ``fit()`` only; a ``ckpt_path`` given to this one
+    wins); raise :class:`ConfigError` if another Trainer's fit of the same module did and
+    ``resume`` is "auto"; False otherwise (resume as ``resume`` says)."""
+    if ckpt_path and resume != "auto":
+        return False
     trainer_ref, module_ref = _FINISHED.get(os.path.realpath(dirpath), (None, None))
     if trainer_ref is not None and trainer_ref() is trainer:
         return True
-    if module_ref is None or module_ref() is not trainer.lightning_module:
+    if resume != "auto" or module_ref is None or module_ref() is not trainer.lightning_module:
         return False
     raise ConfigError(
         f"a fit() of this LightningModule by another Trainer finished in {dirpath}: this "
