@@ -31,13 +31,13 @@ from .candidates import warn_abandoned
 from .catalog import Depth, Status
 from .commit import STAGING_PREFIX, remove_checkpoint
 from .config import ResumeMode
-from .directory import error_type
 from .errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     NoValidCheckpointError,
     RemoteUnavailableError,
     ResumeFallbackWarning,
+    error_type,
     warn_and_log,
 )
 from .manifest import Manifest, read_manifest

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from . import catalog, dist
 from .catalog import Depth, Status
 from .commit import sweep_staging
+from .compression import SUFFIX
 from .directory import Directory, apply_retention
 from .errors import CheckpointError, CheckpointWriteError, ConfigError, RemoteUnavailableError
 from .lock import COMMAND_WAIT_S
@@ -64,7 +65,7 @@ SHARED_PATHS = ("shared.json", "shared.safetensors")
 def is_shared(path: str) -> bool:
     """Whether ``path`` is one of the replicated ``shared.*`` files every node's leader writes,
     compressed (``shared.safetensors.zst``, ``compression=``) or not."""
-    return path in SHARED_PATHS or (path.endswith(".zst") and path[: -len(".zst")] in SHARED_PATHS)
+    return path.removesuffix(SUFFIX) in SHARED_PATHS
 
 
 def global_files(files: list[FileEntry]) -> list[FileEntry]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from .blobs import BLOBS_DIR, blob_path
 from .checksum import hasher_for
 from .manifest import FileEntry
+from .remote_objects import md5
 
 if TYPE_CHECKING:
     from .remote import RemoteStore
@@ -62,24 +63,18 @@ def _listed_md5(info: Mapping[str, Any]) -> tuple[str, int] | None:
     return None
 
 
-def _md5s(path: str, part: int | None) -> str:
-    """The MD5 of the file (``part`` None), or the S3 multipart ETag for parts of ``part``."""
-    whole = hashlib.md5(usedforsecurity=False)
+def _multipart_etag(path: str, part: int) -> str:
+    """The S3 multipart ETag of the file uploaded in parts of ``part`` bytes."""
     parts: list[bytes] = []
     h = hashlib.md5(usedforsecurity=False)
     filled = 0
     with open(path, "rb") as f:
-        while chunk := f.read(PIECE if part is None else min(PIECE, part - filled)):
-            if part is None:
-                whole.update(chunk)
-                continue
+        while chunk := f.read(min(PIECE, part - filled)):
             h.update(chunk)
             filled += len(chunk)
             if filled == part:
                 parts.append(h.digest())
                 h, filled = hashlib.md5(usedforsecurity=False), 0
-    if part is None:
-        return whole.hexdigest()
     if filled:
         parts.append(h.digest())
     return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
@@ -92,9 +87,9 @@ def _md5_matches(local: str, size: int, info: Mapping[str, Any]) -> bool:
     digest, n = listed
     try:
         if n == 0:
-            return _md5s(local, None) == digest
+            return md5(local) == digest
         for part in PART_SIZES:
-            if -(-size // part) == n and _md5s(local, part) == f"{digest}-{n}":
+            if -(-size // part) == n and _multipart_etag(local, part) == f"{digest}-{n}":
                 return True
     except OSError:  # the local blob unreadable: the read-back compares with the manifest
         pass

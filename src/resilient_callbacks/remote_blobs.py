@@ -30,7 +30,6 @@ Which ranks call what: only the coordinator talks to the remote store.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import logging
 import os
@@ -38,7 +37,7 @@ import posixpath
 import socket
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from .blobs import BLOBS_DIR, NAME_RE, TMP_PREFIX, blob_path, key_of, store_dir
@@ -46,6 +45,7 @@ from .catalog import verify_entries
 from .commit import fsync_dir
 from .errors import CheckpointCorruptError
 from .manifest import FileEntry, Manifest
+from .remote_objects import modified_time
 from .tensorfile import digest_file
 
 if TYPE_CHECKING:
@@ -353,11 +353,11 @@ def settle(store: RemoteStore, local_dir: str, manifest: Manifest, marker: str |
     while True:
         infos = _infos(store)
         now = time.monotonic()
-        mine = _modified(infos.get(posixpath.basename(marker)))
+        mine = modified_time(infos.get(posixpath.basename(marker)) or {})
         running = []
         for name in infos:
             if name.startswith(COLLECT_PREFIX) and name not in store.blobs_verified.dead:
-                announced = _modified(infos[name])
+                announced = modified_time(infos[name])
                 # announced longer than its time bound before this upload's marker was
                 # written (the store's clock, both): it deleted nothing this upload found
                 over = mine is not None and announced is not None and mine - announced > bound
@@ -401,22 +401,6 @@ def _exited(store: RemoteStore, name: str) -> bool:
     except Exception:  # gone meanwhile, another host's, an older format, another user's
         return False
     return False
-
-
-def _modified(info: Mapping[str, Any] | None) -> float | None:
-    """When the store says the object was last written (seconds since the epoch), or None."""
-    for key in ("LastModified", "mtime", "updated", "last_modified"):
-        value = (info or {}).get(key)
-        try:
-            if isinstance(value, (int, float)):
-                return float(value)
-            if isinstance(value, datetime.datetime):
-                return value.timestamp()
-            if isinstance(value, str) and value:
-                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-        except (ValueError, OverflowError, OSError):
-            return None
-    return None
 
 
 def _stale(store: RemoteStore, name: str) -> bool:

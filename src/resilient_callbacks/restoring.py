@@ -36,7 +36,6 @@ from .candidates import Candidate, merge_tiers, number_after_remote, tried_as, w
 from .catalog import Depth, Status, lineage_of
 from .commit import CKPT_RE
 from .config import ResumeMode, missing_resume_hint
-from .directory import error_type
 from .errors import (
     AT_CALLER,
     CheckpointCorruptError,
@@ -46,6 +45,7 @@ from .errors import (
     ConfigError,
     NoValidCheckpointError,
     ResumeFallbackWarning,
+    error_type,
     warn_and_log,
 )
 from .filepart import PartReader, part_info, read_part_files
