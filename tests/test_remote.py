@@ -272,17 +272,21 @@ def test_a_file_that_rotted_after_its_commit_is_never_uploaded(tmp_path, caplog)
     checks the bytes against the manifest and does not commit it remotely (the remote copy
     would have been called durable, the rotten bytes checked only for their size)."""
     url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
     ck = Checkpointer(tmp_path / "l", remote=url)
     orig = ck.remote.upload
 
     def gated(local_dir, manifest, name, progress=None):
+        started.set()
         gate.wait(30)
         return orig(local_dir, manifest, name, progress)
 
     ck.remote.upload = gated
     ck.save(10, _state(10))
     ck.flush()
+    # step 10's upload under way, past its size check: under load that check could read the
+    # file while it was being rewritten below (size 0: "truncated", not "checksum mismatch")
+    assert started.wait(30)
     victim = max((tmp_path / "l" / "step_000000010").iterdir(), key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
