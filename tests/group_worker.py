@@ -6,7 +6,11 @@
 1. open, restore (nothing to restore), close: none;
 2. three background saves, then close: one, made at the first save;
 3. open, restore (step 3), close: none;
-4. ``async_save=False``, two saves: none (no background collectives).
+4. ``async_save=False``, two saves: none (no background collectives);
+5. node-local mode (a directory per rank, a ``file://`` remote): the groups of its protocol.
+
+It also writes the timeout every group was made with (``OUT.timeouts.rank<r>.json``): the
+world's (60 s here), never gloo's 30-minute default.
 """
 
 from __future__ import annotations
@@ -26,11 +30,16 @@ def main() -> None:
     root, out = sys.argv[1], sys.argv[2]
     tdist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     made = [0]
+    timeouts: list[Any] = []
     inner = tdist.new_group
 
     def counted(*a: Any, **k: Any) -> Any:
         made[0] += 1
-        return inner(*a, **k)
+        group = inner(*a, **k)
+        if isinstance(group, tdist.ProcessGroup):  # not for a group without this rank
+            backend = group._get_backend(torch.device("cpu"))
+            timeouts.append(backend.options._timeout.total_seconds())
+        return group
 
     tdist.new_group = counted  # type: ignore[assignment]
     state = {"w": torch.arange(4.0) + tdist.get_rank()}
@@ -45,8 +54,17 @@ def main() -> None:
     use(lambda ck: [ck.save(s, state) for s in (1, 2, 3)] and made[0])
     use(lambda ck: ck.restore(state))
     use(lambda ck: [ck.save(s, state) for s in (4, 5)] and made[0], async_save=False)
-    with open(f"{out}.rank{tdist.get_rank()}.json", "w") as f:
+    rank = tdist.get_rank()
+    made[0] = 0
+    with Checkpointer(
+        f"{root}-node{rank}", remote=f"file://{root}-remote", preemption=False, async_save=False
+    ) as ck:
+        ck.save(1, state)
+        counts.append([ck.topology.node_local, made[0]])
+    with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(counts, f)
+    with open(f"{out}.timeouts.rank{rank}.json", "w") as f:
+        json.dump(timeouts, f)
     tdist.destroy_process_group()
 
 

@@ -42,7 +42,10 @@ def test_json_collectives_on_two_ranks(tmp_path: Path) -> None:
 
 def test_the_background_group_is_made_at_the_first_background_save(tmp_path: Path) -> None:
     """A Checkpointer that only restores makes no process group (nor tears one down at close);
-    background saves make one, once, at the first of them."""
+    background saves make one, once, at the first of them. Every group the library makes (node-
+    local mode's too) times out with the world, not after gloo's default 30 minutes: a world set
+    to wait 2 hours for slow saves had node-local exchanges fail after 30 minutes, one set to 60 s
+    hung there for 30 minutes."""
     worker = str(Path(__file__).with_name("group_worker.py"))
     spawn_ranks.run(
         [sys.executable, worker, str(tmp_path / "ck"), str(tmp_path / "out")], 2, tmp_path, "g"
@@ -51,7 +54,10 @@ def test_the_background_group_is_made_at_the_first_background_save(tmp_path: Pat
         counts = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
         # [what the use returned, groups made in all]: restore 0 -> 0 groups; saves 1-3 -> 1
         # group, made by the first save (1 already when it returned); restore 3 -> 0; sync -> 0
-        assert counts == [[0, 0], [1, 1], [3, 0], [0, 0]]
+        assert counts[:4] == [[0, 0], [1, 1], [3, 0], [0, 0]]
+        assert counts[4][0] is True and counts[4][1] >= 3  # node-local: node, leaders, all
+        timeouts = json.loads((tmp_path / f"out.timeouts.rank{rank}.json").read_text())
+        assert len(timeouts) >= 1 + 3 and set(timeouts) == {60.0}
 
 
 @pytest.mark.parametrize(

@@ -141,12 +141,15 @@ def detect(dirpath: str, shared: bool | None) -> Topology:
     topo = Topology(r, n, nodes)
     import torch.distributed as tdist
 
+    # the world's timeout, not gloo's 30-minute default: a world set to wait 2 hours for slow
+    # saves had its node exchanges fail after 30 minutes, one set to 60 s hung there 30 minutes
+    timeout = dist.world_timeout()
     for node_ranks in nodes:  # every rank creates every group, in the same order
-        g = tdist.new_group(list(node_ranks), backend="gloo")
+        g = tdist.new_group(list(node_ranks), backend="gloo", timeout=timeout)
         if r in node_ranks:
             topo.node_group = g
-    topo.leaders_group = tdist.new_group(topo.leaders, backend="gloo")
-    topo.cpu_group = tdist.new_group(backend="gloo")
+    topo.leaders_group = tdist.new_group(topo.leaders, backend="gloo", timeout=timeout)
+    topo.cpu_group = tdist.new_group(backend="gloo", timeout=timeout)
     log.info(
         "node-local mode: %d nodes (%s) each with its own %s",
         len(nodes),
