@@ -103,6 +103,7 @@ def test_prometheus_exporter_scraped_during_a_plain_loop(tmp_path: Path):
 
     def during(step: int) -> None:
         if step in (12, 30):  # mid-run, after saves were committed
+            ck.flush()  # step 30's background save: counted once it commits
             time.sleep(1.2)  # past the exporter's refresh of the derived values
             ck.step(step, state)  # (already saved: a no-op that refreshes)
             scrapes.append(wait_scrape(port))
@@ -117,7 +118,7 @@ def test_prometheus_exporter_scraped_during_a_plain_loop(tmp_path: Path):
     g = lambda s, name, labels=(): s[PREFIX + name][labels]  # noqa: E731
     assert g(last, "saves_total", (("reason", "periodic"),)) == 6
     assert g(first, "saves_total", (("reason", "periodic"),)) >= 1
-    assert g(last, "last_saved_step") in (25.0, 30.0)
+    assert g(last, "last_saved_step") == 30.0
     assert 0 < g(last, "last_save_blocking_seconds") < 30
     assert g(last, "save_blocking_seconds_total") >= g(last, "last_save_blocking_seconds")
     size = sum(t.numel() * t.element_size() for t in state["model"].state_dict().values())
@@ -530,6 +531,7 @@ def test_a_run_that_never_calls_restore_is_timed_from_its_construction(tmp_path:
     state = _state()
     made = time.time()
     with Checkpointer(tmp_path / "ck", every_n_steps=10, resume="never") as ck:
+        built = time.time()  # (construction alone took 0.4 s on a loaded machine)
         for step in range(1, 11):
             time.sleep(0.05)
             ck.step(step, state)
@@ -538,7 +540,7 @@ def test_a_run_that_never_calls_restore_is_timed_from_its_construction(tmp_path:
     assert m[PREFIX + "wall_seconds_total"] >= m[PREFIX + "useful_seconds"] - 0.05
     lines = (tmp_path / "ck" / "history.jsonl").read_text().splitlines()
     (start,) = [r for r in map(json.loads, lines) if r["event"] == "start"]
-    assert made <= start["time"] <= made + 0.4, (made, start)
+    assert made <= start["time"] <= built, (made, built, start)
 
 
 def test_a_prometheus_exporter_on_port_0_says_which_port_it_took(tmp_path: Path, caplog):
