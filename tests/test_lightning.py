@@ -1071,13 +1071,27 @@ class _Weights(L.Callback):
 def test_overlapped_snapshot_is_awaited_before_the_next_optimizer_step(tmp_path, monkeypatch, wait):
     """The copy of parameters runs in the background while the next forward/backward runs; made
     slow here, it must still hold the weights of the saved step: the callback waits for it in
-    on_before_optimizer_step. The control skips that wait and gets the next step's weights."""
+    on_before_optimizer_step. The control skips that wait and gets the next step's weights.
+
+    The control's copy starts once step 3 has ended, not after a fixed 0.3 s: on a loaded
+    machine step 3 could take longer than that, and the control read step 2's weights."""
+    import threading
+
     from resilient_callbacks import snapshot
 
     copy_later = snapshot.Snapshot._copy_later
+    stepped = threading.Event()
+
+    class _StepEnded(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step >= 3:
+                stepped.set()
 
     def slow(self, items, stream):
-        time.sleep(0.3)
+        if wait:
+            time.sleep(0.3)  # late: only the callback's wait keeps the next step out
+        else:
+            stepped.wait(60)  # nothing waits for the copy: it reads a later step's weights
         copy_later(self, items, stream)
 
     monkeypatch.setattr(snapshot.Snapshot, "_copy_later", slow)
@@ -1092,7 +1106,7 @@ def test_overlapped_snapshot_is_awaited_before_the_next_optimizer_step(tmp_path,
         monkeypatch.setattr(rc, "on_before_optimizer_step", lambda *a: None)
         # and the global pre-step hook with which every torch optimizer's step waits
         monkeypatch.setattr(saving, "register_optimizer_step_pre_hook", lambda fn: _NoHook())
-    _tiny_fit(tmp_path, _Tiny(), rc, weights, max_steps=4)
+    _tiny_fit(tmp_path, _Tiny(), rc, weights, _StepEnded(), max_steps=4)
     step2 = next(e for e in _committed(tmp_path / "ck") if e.step == 2)
     saved = load_file(str(Path(step2.path) / "shared.safetensors"))
     (key,) = [k for k in saved if k.endswith("lin.weight")]
