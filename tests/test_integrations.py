@@ -441,11 +441,12 @@ esac
 """
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# stand-in for `python train.py ...`: record the arguments, sleep, exit with $FAKE_RC
+# stand-in for `python train.py ...`: record the arguments, wait until the file $FAKE_WAIT_FOR
+# exists (if set), exit with $FAKE_RC
 [[ $1 == -m ]] && exit 0
 echo "python $*" >> "$FAKE_LOG"
 [[ -n ${FAKE_NEW_STEP:-} ]] && mkdir -p "$CKPT_DIR/$FAKE_NEW_STEP"
-sleep "${FAKE_SLEEP:-0}"
+while [[ -n ${FAKE_WAIT_FOR:-} && ! -e ${FAKE_WAIT_FOR:-} ]]; do sleep 0.02; done
 touch "$FAKE_LOG.done"
 exit "${FAKE_RC:-0}"
 """
@@ -548,18 +549,27 @@ def test_sbatch_gives_up_after_crashes_in_a_row_without_progress(tmp_path: Path)
 
 def test_sbatch_waits_for_the_step_after_sigterm(tmp_path: Path) -> None:
     """Preemption: SIGTERM reaches the batch shell too. It must keep waiting for srun (the
-    tasks are saving) and requeue afterwards, not exit and end the job mid-save."""
+    tasks are saving) and requeue afterwards, not exit and end the job mid-save.
+
+    The task's step ends when the test says so, after the SIGTERM (it slept 1.5 s: a loaded
+    machine that held the test back as long sent the SIGTERM after the step, to a shell that
+    no longer waited, and the shell rightly said nothing of it)."""
     env = _fake_slurm(tmp_path)
-    env.update(FAKE_RC="143", FAKE_SLEEP="1.5")
+    step_done = tmp_path / "step.done"
+    env.update(FAKE_RC="143", FAKE_WAIT_FOR=str(step_done))
     p = subprocess.Popen(
         ["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    deadline = time.monotonic() + 30
-    while not any(c.startswith("python ") for c in _calls(tmp_path)):
-        assert time.monotonic() < deadline and p.poll() is None, p.communicate()[0]
-        time.sleep(0.01)
-    time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(c.startswith("python ") for c in _calls(tmp_path)):
+            assert time.monotonic() < deadline and p.poll() is None, p.communicate()[0]
+            time.sleep(0.01)
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # a shell that exits at SIGTERM is gone by now
+        assert p.poll() is None, "the batch shell exited at SIGTERM while the step ran"
+    finally:
+        step_done.touch()  # the step ends (and its stand-in exits in any case)
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 0, out
     assert Path(f"{tmp_path / 'calls.log'}.done").exists(), "exited before the step finished"
