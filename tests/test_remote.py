@@ -700,7 +700,10 @@ def test_s3_outage_mid_training_never_blocks_and_backlog_uploads(
         for s in (20, 30, 40):
             ck.save(s, _state(s, 1 << 18))
             ck.flush()  # local commit done; uploads are failing in the background
-        assert time.monotonic() - t0 < 10  # training was not held up by the outage
+        # training was not held up by the outage: a save that waited for the store would wait
+        # until it is back (the finally below). Loose: a loaded machine is slow (this test
+        # took 1.8 s alone, 5.8 s beside one busy process on its core)
+        assert time.monotonic() - t0 < 60
         deadline = time.monotonic() + 30
 
         def said() -> bool:  # the warning follows the failure count, from the upload thread
