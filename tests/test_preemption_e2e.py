@@ -64,7 +64,10 @@ def _losses(path: Path) -> dict[int, str]:
     return out
 
 
-def _wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+def _wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait until the run at ``path`` logged ``step``. Generous: four processes starting
+    torch on a loaded 2-core machine took 23 s to reach step 12 (60 s was the limit); a run
+    that ends early fails at once."""
     deadline = time.monotonic() + timeout
     while max(_losses(path), default=0) < step:
         assert proc.poll() is None, f"the run ended early: {proc.returncode}"
