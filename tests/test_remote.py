@@ -239,21 +239,28 @@ def test_remote_only_checkpoint_without_manifest_is_invisible_and_reuploaded(rem
 
 def test_slow_uploads_skip_checkpoints_retention_would_delete(tmp_path, caplog):
     """Uploads slower than saves: the uploader works toward the newest state instead of
-    uploading every queued checkpoint only to delete it right after."""
+    uploading every queued checkpoint only to delete it right after.
+
+    The saves after step 10 start once its upload is under way: an upload thread that woke
+    only after the third commit (a loaded machine) rightly skipped step 10 as well, and the
+    test's uploaded[0] == 10 failed."""
     url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
     uploaded = []
     ck = Checkpointer(tmp_path / "l", remote=url, keep_last=2)
     orig = ck.remote.upload
 
     def slow(local_dir, manifest, name, progress=None):
+        started.set()
         gate.wait(30)
         uploaded.append(manifest.step)
         return orig(local_dir, manifest, name, progress)
 
     ck.remote.upload = slow
     caplog.set_level(logging.INFO, "resilient_callbacks")
-    for s in range(10, 70, 10):
+    ck.save(10, _state(10))
+    assert started.wait(30)  # step 10's upload under way: the one not skipped
+    for s in range(20, 70, 10):
         ck.save(s, _state(s))
     ck.flush()
     gate.set()
