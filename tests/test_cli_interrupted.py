@@ -61,18 +61,25 @@ def test_ls_json_interrupted_while_printing_prints_whole_json_and_exits_130(tmp_
     reader gets valid JSON), then says it was interrupted and exits 130."""
     root = tmp_path / "ck"
     make_run(str(root), steps=tuple(range(1, 21)), keep_last=None)  # ~8 KB of JSON
-    p = subprocess.Popen(
-        [sys.executable, "-m", "resilient_callbacks", "ls", str(root), "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=ENV,
-        preexec_fn=_sigint_default,
-    )
-    assert p.stdout is not None and p.stderr is not None
-    fcntl.fcntl(p.stdout.fileno(), 1031, 4096)  # F_SETPIPE_SZ: a pipe of one page
-    first = p.stdout.read(1)  # printing began; the rest does not fit the pipe: it waits
-    p.send_signal(signal.SIGINT)
-    rest = p.stdout.read()
+    # a pipe of one page (F_SETPIPE_SZ), made so before the child starts: set after it, a
+    # child that ran ahead of this process could have written everything into a larger pipe
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, 1031, 4096)
+    try:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "resilient_callbacks", "ls", str(root), "--json"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            env=ENV,
+            preexec_fn=_sigint_default,
+        )
+    finally:
+        os.close(write_end)
+    assert p.stderr is not None
+    with os.fdopen(read_end, "rb") as stdout:
+        first = stdout.read(1)  # printing began; the rest does not fit the pipe: it waits
+        p.send_signal(signal.SIGINT)
+        rest = stdout.read()
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 130, err
     rows = json.loads(first + rest)
