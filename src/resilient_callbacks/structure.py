@@ -177,6 +177,8 @@ class _Encoder:
                 tuple(t.shape),
                 tuple(t.stride()),
                 t.dtype,
+                t.is_conj(),  # x.conj() and x._neg_view() view x's bytes but hold other values
+                t.is_neg(),
             )
             name = alias.get(ident)
             if name is not None:
