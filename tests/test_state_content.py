@@ -4,9 +4,11 @@ restored into placeholders. Each comes back exactly or is refused at save, namin
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
-from resilient_callbacks import Checkpointer
+from resilient_callbacks import Checkpointer, UnsupportedStateError
 
 
 def _save(dirpath, state, **kw):
@@ -32,3 +34,29 @@ def test_a_conjugate_or_negative_view_is_not_taken_for_its_base(tmp_path):
     _restore(tmp_path / "ck", live)
     for k, v in state.items():
         assert torch.equal(live[k], v.resolve_conj().resolve_neg()), k
+
+
+def _two_tensor():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(torch.ones(2), torch.zeros(2))
+
+
+@pytest.mark.parametrize(
+    "make, hint",
+    [
+        (_two_tensor, "TwoTensor that holds no memory of its own"),
+        (lambda: np.arange(3, dtype=">i4"), "byte order; convert it (.astype('int32'))"),
+    ],
+    ids=["wrapper-subclass", "big-endian-array"],
+)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_values_that_failed_inside_the_write_are_refused_by_name(tmp_path, make, hint, async_save):
+    """A wrapper tensor subclass (no storage of its own) and a NumPy array in the other byte
+    order failed as a CheckpointWriteError quoting torch's internals ("invalid python
+    storage", "byte order different from the native"), naming no key and no fix."""
+    with Checkpointer(tmp_path / "ck", async_save=async_save) as ck:
+        with pytest.raises(UnsupportedStateError) as ei:
+            ck.save(1, {"extra": {"x": make()}})
+        assert "state['extra']['x']" in str(ei.value) and hint in str(ei.value)
+        assert ck.checkpoints() == []

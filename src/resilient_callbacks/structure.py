@@ -29,13 +29,11 @@ import torch
 import xxhash
 
 from . import mapped
-from .dtypes import DTYPE_TO_ST, unsupported
+from .dtypes import refuse_unsaveable
 from .errors import CheckpointMismatchError, UnsupportedStateError
 from .filepart import FilePart
 from .optim import hookable, param_shapes
 from .rng import GeneratorState
-
-SAVEABLE_DTYPES = tuple(DTYPE_TO_ST)
 
 TAG = "__rc__"
 
@@ -137,34 +135,7 @@ class _Encoder:
         self._in_rank = False
 
     def tensor_ref(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
-        if t.is_nested:  # its layout reads strided
-            raise UnsupportedStateError(
-                f"{path_str(path)} is a nested tensor; save its components (.unbind()) instead."
-            )
-        if t.is_sparse or t.layout != torch.strided:
-            raise UnsupportedStateError(
-                f"{path_str(path)} is a tensor with layout {t.layout}; only dense (strided) tensors "
-                "can be saved. Convert it with .to_dense() in your state_dict()."
-            )
-        if t.is_quantized:
-            raise UnsupportedStateError(
-                f"{path_str(path)} is a quantized tensor; dequantize it (or save its int_repr() "
-                "and scale) in your state_dict()."
-            )
-        if t.device.type == "meta":
-            raise UnsupportedStateError(
-                f"{path_str(path)} is on the meta device and holds no data; materialize the "
-                "module (e.g. to_empty + init) before saving."
-            )
-        if type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor"):
-            raise UnsupportedStateError(
-                f"{path_str(path)} is a sharded DTensor (FSDP2, TP); the plain state holds "
-                "replicated and per-rank tensors only. Wrap the sharded model and its optimizer "
-                "as resilient_callbacks.dcp.Sharded(model, optimizer): each rank then writes "
-                "its own shards (docs/fsdp.md)."
-            )
-        if t.dtype not in SAVEABLE_DTYPES:
-            raise UnsupportedStateError(unsupported(f"{path_str(path)} is a tensor that", t.dtype))
+        refuse_unsaveable(t, path_str(path))
         t = t.detach()
         table, alias = (
             (self.rank_tensors, self._rank_alias) if self._in_rank else (self.tensors, self._alias)
@@ -262,6 +233,11 @@ class _Encoder:
                 raise UnsupportedStateError(
                     f"{path_str(path)} is a NumPy array of dtype {obj.dtype}; only bool, int and "
                     "float arrays (to 64 bits) can be saved (convert: .tolist(), .astype(...))"
+                )
+            if not obj.dtype.isnative:  # torch.from_numpy refuses it, deep inside the write
+                raise UnsupportedStateError(
+                    f"{path_str(path)} is a NumPy array of dtype {obj.dtype.str}, not in this "
+                    f"machine's byte order; convert it (.astype({obj.dtype.name!r})) to save it"
                 )
             arr = obj if obj.flags.c_contiguous and obj.flags.writeable else obj.copy(order="C")
             ref = self.tensor_ref(torch.from_numpy(arr), path)  # 0-dim arrays stay 0-dim
