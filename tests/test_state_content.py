@@ -60,3 +60,21 @@ def test_values_that_failed_inside_the_write_are_refused_by_name(tmp_path, make,
             ck.save(1, {"extra": {"x": make()}})
         assert "state['extra']['x']" in str(ei.value) and hint in str(ei.value)
         assert ck.checkpoints() == []
+
+
+def test_tensors_restored_into_placeholders_do_not_view_the_checkpoint_file(tmp_path, caplog):
+    """A tensor restored where the live state had a placeholder (``None``, a plain value) was
+    put there as a view of the mapped checkpoint file: once retention deleted that checkpoint,
+    its disk space stayed in use for as long as the state held it, and the restore logged a
+    warning about FileParts the state did not have. Aliases still come back as one tensor."""
+    from resilient_callbacks import mapped
+
+    t = torch.arange(6.0)
+    _save(tmp_path / "ck", {"a": t, "b": t, "c": {"d": t}, "w": torch.ones(3), "n": [t]})
+    live = {"a": None, "b": None, "c": {"d": 0}, "w": torch.zeros(3), "n": None}
+    with caplog.at_level("WARNING", logger="resilient_callbacks"):
+        _restore(tmp_path / "ck", live)
+    assert "still view" not in caplog.text
+    assert live["a"] is live["b"] is live["c"]["d"] is live["n"][0]
+    assert torch.equal(live["a"], t) and not mapped.is_mapped(live["a"])
+    assert mapped.still_mapped(str(tmp_path / "ck")) == []

@@ -44,6 +44,12 @@ def apply(
     did not are removed (the saved run had dropped them, or new code adds them): a warning
     names them."""
     removed: list[str] = []
+    # values put in the state's containers are the state's: not views of the mapped checkpoint
+    # files (its disk space would stay in use after retention), one copy per aliased tensor
+    memo: dict[int, Any] = {}
+
+    def fresh(n: Any) -> Any:
+        return mapped.private(resolve(n), memo)
 
     def load_into(obj: Any, n: Any, path: tuple[Any, ...]) -> Any:
         """Returns the value that should replace ``obj`` in its container (``obj`` itself if it
@@ -83,7 +89,7 @@ def apply(
             _check_load_result(result, path)
             return obj
         if not _has_live_objects(obj):  # plain data: merged in place, at every depth
-            value = resolve(n)
+            value = fresh(n)
             return obj if merge_plain(obj, value, path, removed) else value
         if isinstance(obj, MutableMapping):
             items = _node_items(n)
@@ -113,13 +119,14 @@ def apply(
                         "place; use a list or a dict for values that change during training"
                     )
             return obj
-        return resolve(n)
+        return fresh(n)
 
     try:
         new_root = load_into(state, structure, ())
     finally:
         # (a closure that refers to itself: the cycle kept ``resolve``'s tensors alive)
-        load_into = None  # type: ignore[assignment]
+        load_into = fresh = None  # type: ignore[assignment]
+        memo.clear()
     if removed:
         warnings.warn(
             f"restore: {', '.join(removed[:10])}{' ...' if len(removed) > 10 else ''} not in "

@@ -60,18 +60,30 @@ def is_mapped(t: torch.Tensor) -> bool:
         return any(start <= ptr < end for _, start, end, _ in _live.values())
 
 
-def private(value: Any) -> Any:
+def private(value: Any, memo: dict[int, tuple[Any, torch.Tensor]] | None = None) -> Any:
     """``value`` with every tensor that views a mapped file replaced by a copy of its own, at
-    any depth of dicts, lists and tuples (those are rebuilt; nothing else is looked into)."""
+    any depth of dicts, lists and tuples (those holding one are rebuilt; nothing else is looked
+    into). A tensor met twice (tied, aliased) gets one copy, also across the calls sharing
+    ``memo``."""
+    memo = {} if memo is None else memo
     if isinstance(value, torch.Tensor):
-        return value.clone() if is_mapped(value) else value
+        if not is_mapped(value):
+            return value
+        if id(value) not in memo:
+            memo[id(value)] = (value, value.clone())  # (the original held: its id stays its)
+        return memo[id(value)][1]
     if isinstance(value, dict):
-        return {k: private(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [private(v) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(private(v) for v in value)
-    return value
+        new: Any = {k: private(v, memo) for k, v in value.items()}
+        same = all(new[k] is v for k, v in value.items())
+    elif isinstance(value, list):
+        new = [private(v, memo) for v in value]
+        same = all(a is b for a, b in zip(new, value, strict=True))
+    elif isinstance(value, tuple) and not hasattr(value, "_fields"):
+        new = tuple(private(v, memo) for v in value)
+        same = all(a is b for a, b in zip(new, value, strict=True))
+    else:
+        return value
+    return value if same else new  # (a container without tensors stays itself: torch.Size)
 
 
 def keeps_host_tensors(obj: Any) -> bool:
