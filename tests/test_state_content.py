@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from resilient_callbacks import Checkpointer, UnsupportedStateError
+from resilient_callbacks import Checkpointer, PerRank, UnsupportedStateError
 
 
 def _save(dirpath, state, **kw):
@@ -78,3 +78,26 @@ def test_tensors_restored_into_placeholders_do_not_view_the_checkpoint_file(tmp_
     assert live["a"] is live["b"] is live["c"]["d"] is live["n"][0]
     assert torch.equal(live["a"], t) and not mapped.is_mapped(live["a"])
     assert mapped.still_mapped(str(tmp_path / "ck")) == []
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p1, p2: {"a/b": p1, "a": {"b": p2}},
+        lambda p1, p2: {"parts": {1: p1, "1": p2}},
+    ],
+    ids=["slash-in-key", "int-and-str-key"],
+)
+def test_two_parts_whose_ids_collide_are_refused_at_save(tmp_path, make):
+    """A FilePart's folder (and a PerRank's entry) is named by its keys joined with '/': two
+    parts at ``state['a/b']`` and ``state['a']['b']`` (or at keys ``1`` and ``'1'``) got one
+    id, one part's files were never written, and the restore left it as it was, silently."""
+    from test_seams_filepart import ToyShards
+
+    p1, p2 = ToyShards(), ToyShards()
+    for state in (make(p1, p2), make(PerRank(torch.ones(2)), PerRank(torch.zeros(2)))):
+        with Checkpointer(tmp_path / "ck") as ck:
+            with pytest.raises(UnsupportedStateError, match="would share the id") as ei:
+                ck.save(1, state)
+            assert ck.checkpoints() == []
+        assert "Rename one of the keys" in str(ei.value)

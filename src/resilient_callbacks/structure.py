@@ -133,6 +133,19 @@ class _Encoder:
         self._rank_alias: dict[tuple[Any, ...], str] = {}
         self.per_rank: dict[str, Any] = {}
         self._in_rank = False
+        self._part_paths: dict[str, tuple[Any, ...]] = {}  # PerRank/FilePart id -> its path
+
+    def part_id(self, path: tuple[Any, ...]) -> str:
+        """The id of the PerRank or FilePart at ``path``: refused where another has it."""
+        pid = part_id(path)
+        other = self._part_paths.setdefault(pid, path)
+        if other != path:
+            raise UnsupportedStateError(
+                f"{path_str(other)} and {path_str(path)} would share the id {pid!r} (the files "
+                "of a FilePart, the per-rank state of a PerRank): one of them would be lost. "
+                "Rename one of the keys (ids join the keys with '/' as strings)."
+            )
+        return pid
 
     def tensor_ref(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
         refuse_unsaveable(t, path_str(path))
@@ -175,9 +188,9 @@ class _Encoder:
         if isinstance(obj, PerRank):
             if self._in_rank:
                 raise UnsupportedStateError(f"{path_str(path)}: PerRank cannot be nested")
+            rid = self.part_id(path)
             if not self.split_per_rank:
                 return self.encode(obj.obj, path)
-            rid = part_id(path)
             self._in_rank = True
             try:
                 self.per_rank[rid] = self.encode(obj.obj, path)
@@ -185,7 +198,7 @@ class _Encoder:
                 self._in_rank = False
             return {TAG: "per_rank", "id": rid}
         if isinstance(obj, FilePart):  # it writes its own files (see filepart.py)
-            return {TAG: "filepart", "id": part_id(path)}
+            return {TAG: "filepart", "id": self.part_id(path)}
         if isinstance(obj, torch.Tensor):
             return self.tensor_ref(obj, path)
         if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
