@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from resilient_callbacks import Checkpointer, PerRank, UnsupportedStateError
+from resilient_callbacks import (
+    Checkpointer,
+    CheckpointMismatchError,
+    PerRank,
+    UnsupportedStateError,
+)
 
 
 def _save(dirpath, state, **kw):
@@ -101,3 +106,18 @@ def test_two_parts_whose_ids_collide_are_refused_at_save(tmp_path, make):
                 ck.save(1, state)
             assert ck.checkpoints() == []
         assert "Rename one of the keys" in str(ei.value)
+
+
+def test_a_restore_into_tensors_on_the_meta_device_is_refused(tmp_path):
+    """A model built on the meta device (or a bare meta tensor in the state) "restored"
+    without an error: copying into a meta tensor does nothing, so the run went on with no
+    weights (torch only warned, per parameter, for a module; not at all for a tensor)."""
+    _save(tmp_path / "ck", {"m": torch.nn.Linear(2, 2), "t": torch.ones(2)})
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)
+    live = {"m": model, "t": torch.empty(2, device="meta")}
+    with pytest.raises(CheckpointMismatchError, match="meta device") as ei:
+        _restore(tmp_path / "ck", live)
+    assert "state['m']: 'weight', 'bias' are on the meta device" in str(ei.value)
+    assert "state['t'] is on the meta device" in str(ei.value)
+    assert "to_empty" in str(ei.value)

@@ -85,6 +85,11 @@ def _explain(obj: Any, missing: list[Any], unexpected: list[Any], items: dict) -
     return explain(missing, unexpected, saved_keys=saved)
 
 
+MATERIALIZE = (
+    "Allocate it before restore() (module.to_empty(device=...), or build it on a real device)."
+)
+
+
 def check_fits(
     state: Any,
     structure: Any,
@@ -121,11 +126,15 @@ def check_fits(
             if _node_items(saved) is None:
                 problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a module")
                 return
+            live = {k: v for k, v in obj.state_dict().items() if isinstance(v, torch.Tensor)}
             want = {
-                k: (str(v.dtype).removeprefix("torch."), list(v.shape))
-                for k, v in obj.state_dict().items()
-                if isinstance(v, torch.Tensor)
+                k: (str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in live.items()
             }
+            if on_meta := [k for k, v in live.items() if v.is_meta]:
+                problems.append(
+                    f"{path_str(path)}: {_short(on_meta)} are on the meta device, which holds "
+                    f"no values: loading into them does nothing. {MATERIALIZE}"
+                )
             have = {
                 k: v
                 for k, v in unwrapped_keys(_tensor_specs(saved, tensors_meta), want).items()
@@ -149,6 +158,11 @@ def check_fits(
             if not (isinstance(n, dict) and n.get(TAG) == "tensor"):
                 problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a tensor")
                 return
+            if obj.is_meta:
+                problems.append(
+                    f"{path_str(path)} is on the meta device, which holds no values: loading "
+                    f"into it does nothing. {MATERIALIZE}"
+                )
             meta = tensors_meta.get(n["key"])
             if meta is not None and list(meta[1]) != list(obj.shape):
                 problems.append(
