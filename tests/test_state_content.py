@@ -121,3 +121,22 @@ def test_a_restore_into_tensors_on_the_meta_device_is_refused(tmp_path):
     assert "state['m']: 'weight', 'bias' are on the meta device" in str(ei.value)
     assert "state['t'] is on the meta device" in str(ei.value)
     assert "to_empty" in str(ei.value)
+
+
+@pytest.mark.parametrize("where", ["value", "key"])
+def test_an_int_too_long_for_a_json_reader_is_refused_by_name(tmp_path, where):
+    """Python's int() and json.loads() refuse integers of over 4300 digits: an int that long
+    failed inside the write naming no key (or, saved by a process that had raised the limit,
+    would have failed at every resume)."""
+    big = 10**4400
+    value = {"x": big} if where == "value" else {"x": {big: 1}}
+    with Checkpointer(tmp_path / "ck") as ck:
+        with pytest.raises(UnsupportedStateError, match=r"digits\. Store it as a str") as ei:
+            ck.save(1, {"extra": value})
+        assert "state['extra']['x']" in str(ei.value)
+        assert ck.checkpoints() == []
+    ok = {"extra": {"x": 10**4200, "y": -(2**14000)}}  # within the limit: restored exactly
+    _save(tmp_path / "ck2", ok)
+    live = {"extra": {}}
+    _restore(tmp_path / "ck2", live)
+    assert live == ok

@@ -1,4 +1,4 @@
-"""The tensor dtypes a checkpoint stores, their safetensors codes, and the tensors it refuses.
+"""The tensor dtypes a checkpoint stores, and their safetensors codes.
 
 Every dtype here is one that the safetensors format names and its own readers map to the same
 torch dtype (so any safetensors reader opens our files): the float, integer and bool types,
@@ -9,8 +9,6 @@ the packed 4-bit and bit types) are refused at save time, naming the tensor.
 from __future__ import annotations
 
 import torch
-
-from .errors import UnsupportedStateError
 
 DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -53,46 +51,3 @@ def unsupported(where: str, dtype: torch.dtype) -> str:
         f"store; convert it in your state_dict() (e.g. complex128 -> torch.view_as_real). "
         f"Supported: {', '.join(str(d).removeprefix('torch.') for d in DTYPE_TO_ST)}"
     )
-
-
-def refuse_unsaveable(t: torch.Tensor, where: str) -> None:
-    """Raise :class:`~.errors.UnsupportedStateError`, naming ``where`` (the tensor's key path)
-    and what to do, for a tensor that a checkpoint cannot store exactly: a nested, sparse,
-    quantized or meta tensor, a sharded DTensor, a subclass without memory of its own, or a
-    dtype safetensors does not name. Called at save, before anything is written."""
-    if t.is_nested:  # its layout reads strided
-        raise UnsupportedStateError(
-            f"{where} is a nested tensor; save its components (.unbind()) instead."
-        )
-    if t.is_sparse or t.layout != torch.strided:
-        raise UnsupportedStateError(
-            f"{where} is a tensor with layout {t.layout}; only dense (strided) tensors "
-            "can be saved. Convert it with .to_dense() in your state_dict()."
-        )
-    if t.is_quantized:
-        raise UnsupportedStateError(
-            f"{where} is a quantized tensor; dequantize it (or save its int_repr() "
-            "and scale) in your state_dict()."
-        )
-    if t.device.type == "meta":
-        raise UnsupportedStateError(
-            f"{where} is on the meta device and holds no data; materialize the "
-            "module (e.g. to_empty + init) before saving."
-        )
-    if type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor"):
-        raise UnsupportedStateError(
-            f"{where} is a sharded DTensor (FSDP2, TP); the plain state holds "
-            "replicated and per-rank tensors only. Wrap the sharded model and its optimizer "
-            "as resilient_callbacks.dcp.Sharded(model, optimizer): each rank then writes "
-            "its own shards (docs/fsdp.md)."
-        )
-    if t.dtype not in DTYPE_TO_ST:
-        raise UnsupportedStateError(unsupported(f"{where} is a tensor that", t.dtype))
-    try:
-        t.untyped_storage().data_ptr()
-    except RuntimeError:  # a wrapper subclass (functorch's, a tensor of tensors): no bytes
-        raise UnsupportedStateError(
-            f"{where} is a tensor of type {type(t).__module__}.{type(t).__qualname__} that "
-            "holds no memory of its own (a wrapper subclass); save the plain tensors it is "
-            "made of from your state_dict() and rebuild it in load_state_dict()."
-        ) from None

@@ -16,12 +16,11 @@ stay plain JSON objects so the files remain readable.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,10 +28,10 @@ import torch
 import xxhash
 
 from . import mapped
-from .dtypes import refuse_unsaveable
 from .errors import CheckpointMismatchError, UnsupportedStateError
 from .filepart import FilePart
 from .optim import hookable, param_shapes
+from .refusals import fix_for, refuse_int, refuse_numpy, refuse_tensor
 from .rng import GeneratorState
 
 TAG = "__rc__"
@@ -148,7 +147,7 @@ class _Encoder:
         return pid
 
     def tensor_ref(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
-        refuse_unsaveable(t, path_str(path))
+        refuse_tensor(t, path_str(path))
         t = t.detach()
         table, alias = (
             (self.rank_tensors, self._rank_alias) if self._in_rank else (self.tensors, self._alias)
@@ -202,15 +201,12 @@ class _Encoder:
         if isinstance(obj, torch.Tensor):
             return self.tensor_ref(obj, path)
         if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
-            if obj.dtype.kind in "biuf" and obj.dtype.itemsize <= 8:  # not longdouble
-                return {TAG: "np", "dtype": obj.dtype.str, "value": self.encode(obj.item(), path)}
-            raise UnsupportedStateError(
-                f"{path_str(path)} is a NumPy scalar of dtype {obj.dtype}; convert it to a "
-                "Python int/float/str"
-            )
+            refuse_numpy(obj, path_str(path))
+            return {TAG: "np", "dtype": obj.dtype.str, "value": self.encode(obj.item(), path)}
         if isinstance(obj, bool) or obj is None or isinstance(obj, str):
             return obj
         if isinstance(obj, int):
+            refuse_int(obj, path_str(path))
             return int(obj)
         if isinstance(obj, float):
             if math.isfinite(obj):
@@ -242,16 +238,7 @@ class _Encoder:
         if isinstance(obj, (bytes, bytearray)):
             return {TAG: "bytes", "b64": base64.b64encode(bytes(obj)).decode("ascii")}
         if isinstance(obj, np.ndarray):  # bool, int, float up to float64 (what safetensors takes)
-            if obj.dtype.kind not in "biuf" or obj.dtype.itemsize > 8:
-                raise UnsupportedStateError(
-                    f"{path_str(path)} is a NumPy array of dtype {obj.dtype}; only bool, int and "
-                    "float arrays (to 64 bits) can be saved (convert: .tolist(), .astype(...))"
-                )
-            if not obj.dtype.isnative:  # torch.from_numpy refuses it, deep inside the write
-                raise UnsupportedStateError(
-                    f"{path_str(path)} is a NumPy array of dtype {obj.dtype.str}, not in this "
-                    f"machine's byte order; convert it (.astype({obj.dtype.name!r})) to save it"
-                )
+            refuse_numpy(obj, path_str(path))
             arr = obj if obj.flags.c_contiguous and obj.flags.writeable else obj.copy(order="C")
             ref = self.tensor_ref(torch.from_numpy(arr), path)  # 0-dim arrays stay 0-dim
             ref["numpy"] = True
@@ -268,24 +255,8 @@ class _Encoder:
             return node
         raise UnsupportedStateError(
             f"{path_str(path)} has type {_qualname(obj)}, which cannot be saved without pickle. "
-            + _fix_for(obj)
+            + fix_for(obj)
         )
-
-
-def _fix_for(obj: Any) -> str:
-    if isinstance(obj, torch.utils.data.DataLoader):
-        return (
-            "To resume mid-epoch in the same order, build it as resilient_callbacks."
-            "ResumableDataLoader (the DataLoader's arguments) or torchdata's StatefulDataLoader."
-        )
-    if isinstance(obj, argparse.Namespace) or is_dataclass(obj):
-        kind = "vars(...)" if isinstance(obj, argparse.Namespace) else "dataclasses.asdict(...)"
-        return f"Put its values in the state as a dict ({kind}), if they are to be restored."
-    return (
-        "Give it state_dict() and load_state_dict() methods returning/accepting tensors and "
-        "JSON-able values (dict, list, tuple, str, int, float, bool, None), or convert it to "
-        "such values before putting it in the state."
-    )
 
 
 def part_id(path: tuple[Any, ...]) -> str:

@@ -1,0 +1,105 @@
+"""What a checkpoint cannot hold: each refusal raises :class:`~.errors.UnsupportedStateError`
+at save, before anything is written, naming the value's key path (``where``) and saying what
+to do, so that nothing fails inside the write or, worse, at a resume weeks later."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import is_dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .dtypes import DTYPE_TO_ST, unsupported
+from .errors import UnsupportedStateError
+
+#: the digits Python's int() and json.loads() accept by default (``sys.int_max_str_digits``):
+#: a larger int was saved, and then could not be read by a process with the default limit
+INT_DIGITS = 4300
+_INT_BITS = int((INT_DIGITS - 1) * 3.3219)  # bits of the largest int surely within them
+
+
+def refuse_int(value: int, where: str) -> None:
+    """Refuse an int of more digits than a JSON reader accepts by default."""
+    if value.bit_length() > _INT_BITS:
+        raise UnsupportedStateError(
+            f"{where} is an int of {value.bit_length()} bits; a JSON reader accepts integers "
+            f"of up to {INT_DIGITS} digits. Store it as a str (str(value)) or as bytes "
+            "(value.to_bytes(...)), or keep it in a tensor."
+        )
+
+
+def refuse_numpy(obj: np.ndarray | np.generic, where: str) -> None:
+    """Refuse a NumPy array or scalar whose dtype a checkpoint does not store (only bool, int
+    and float to 64 bits, what safetensors takes), or an array in the other byte order."""
+    kind = "array" if isinstance(obj, np.ndarray) else "scalar"
+    if obj.dtype.kind not in "biuf" or obj.dtype.itemsize > 8:  # (a long double, say)
+        raise UnsupportedStateError(
+            f"{where} is a NumPy {kind} of dtype {obj.dtype}; only bool, int and float "
+            f"{kind}s (to 64 bits) can be saved (convert: .tolist(), .item(), .astype(...))"
+        )
+    if not obj.dtype.isnative:  # torch.from_numpy refuses it, deep inside the write
+        raise UnsupportedStateError(
+            f"{where} is a NumPy {kind} of dtype {obj.dtype.str}, not in this machine's "
+            f"byte order; convert it (.astype({obj.dtype.name!r})) to save it"
+        )
+
+
+def refuse_tensor(t: torch.Tensor, where: str) -> None:
+    """Refuse a tensor that a checkpoint cannot store exactly: a nested, sparse, quantized or
+    meta tensor, a sharded DTensor, a subclass without memory of its own, or a dtype
+    safetensors does not name."""
+    if t.is_nested:  # its layout reads strided
+        raise UnsupportedStateError(
+            f"{where} is a nested tensor; save its components (.unbind()) instead."
+        )
+    if t.is_sparse or t.layout != torch.strided:
+        raise UnsupportedStateError(
+            f"{where} is a tensor with layout {t.layout}; only dense (strided) tensors "
+            "can be saved. Convert it with .to_dense() in your state_dict()."
+        )
+    if t.is_quantized:
+        raise UnsupportedStateError(
+            f"{where} is a quantized tensor; dequantize it (or save its int_repr() "
+            "and scale) in your state_dict()."
+        )
+    if t.device.type == "meta":
+        raise UnsupportedStateError(
+            f"{where} is on the meta device and holds no data; materialize the "
+            "module (e.g. to_empty + init) before saving."
+        )
+    if type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor"):
+        raise UnsupportedStateError(
+            f"{where} is a sharded DTensor (FSDP2, TP); the plain state holds "
+            "replicated and per-rank tensors only. Wrap the sharded model and its optimizer "
+            "as resilient_callbacks.dcp.Sharded(model, optimizer): each rank then writes "
+            "its own shards (docs/fsdp.md)."
+        )
+    if t.dtype not in DTYPE_TO_ST:
+        raise UnsupportedStateError(unsupported(f"{where} is a tensor that", t.dtype))
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:  # a wrapper subclass (functorch's, a tensor of tensors): no bytes
+        raise UnsupportedStateError(
+            f"{where} is a tensor of type {type(t).__module__}.{type(t).__qualname__} that "
+            "holds no memory of its own (a wrapper subclass); save the plain tensors it is "
+            "made of from your state_dict() and rebuild it in load_state_dict()."
+        ) from None
+
+
+def fix_for(obj: Any) -> str:
+    """What to do with ``obj``, an object of a type no checkpoint holds."""
+    if isinstance(obj, torch.utils.data.DataLoader):
+        return (
+            "To resume mid-epoch in the same order, build it as resilient_callbacks."
+            "ResumableDataLoader (the DataLoader's arguments) or torchdata's StatefulDataLoader."
+        )
+    if isinstance(obj, argparse.Namespace) or is_dataclass(obj):
+        kind = "vars(...)" if isinstance(obj, argparse.Namespace) else "dataclasses.asdict(...)"
+        return f"Put its values in the state as a dict ({kind}), if they are to be restored."
+    return (
+        "Give it state_dict() and load_state_dict() methods returning/accepting tensors and "
+        "JSON-able values (dict, list, tuple, str, int, float, bool, None), or convert it to "
+        "such values before putting it in the state."
+    )
