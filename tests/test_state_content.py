@@ -4,6 +4,8 @@ restored into placeholders. Each comes back exactly or is refused at save, namin
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -140,3 +142,31 @@ def test_an_int_too_long_for_a_json_reader_is_refused_by_name(tmp_path, where):
     live = {"extra": {}}
     _restore(tmp_path / "ck2", live)
     assert live == ok
+
+
+def test_a_container_that_holds_itself_is_refused_by_name(tmp_path):
+    """A dict or list that holds itself (``d["self"] = d``; torch.save keeps such cycles)
+    recursed until Python's limit and failed inside the write as a RecursionError naming no
+    key, as did a state nested too deeply. The same list at two places is no cycle and still
+    saves."""
+    cyclic = {"epoch": 1}
+    cyclic["self"] = cyclic
+    loop = []
+    loop.append(loop)
+    for value, where in ((cyclic, "state['extra']['self']"), (loop, "state['extra'][0]")):
+        with Checkpointer(tmp_path / "ck") as ck:
+            with pytest.raises(UnsupportedStateError, match="holds itself") as ei:
+                ck.save(1, {"extra": value})
+            assert ck.checkpoints() == []
+        assert str(ei.value).startswith(where)
+    deep: list = []
+    for _ in range(2 * sys.getrecursionlimit()):  # no cycle, but too deep to walk
+        deep = [deep]
+    too_deep = pytest.raises(UnsupportedStateError, match="nested deeper than Python's")
+    with Checkpointer(tmp_path / "ck") as ck, too_deep:
+        ck.save(1, {"extra": deep})
+    twice = [1, 2]
+    _save(tmp_path / "ok", {"a": twice, "b": (twice, twice)})
+    live = {"a": None, "b": None}
+    _restore(tmp_path / "ok", live)
+    assert live == {"a": [1, 2], "b": ([1, 2], [1, 2])}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,6 +134,7 @@ class _Encoder:
         self.per_rank: dict[str, Any] = {}
         self._in_rank = False
         self._part_paths: dict[str, tuple[Any, ...]] = {}  # PerRank/FilePart id -> its path
+        self._open: set[int] = set()  # the containers on the path being encoded
 
     def part_id(self, path: tuple[Any, ...]) -> str:
         """The id of the PerRank or FilePart at ``path``: refused where another has it."""
@@ -183,6 +185,17 @@ class _Encoder:
             alias[ident] = name
         return {TAG: "tensor", "key": name}
 
+    def _enter(self, obj: Any, path: tuple[Any, ...]) -> None:
+        """Before descending into the container ``obj``: refuse one that holds itself (JSON
+        cannot, and the walk would never end). The caller discards its id once it is done."""
+        if id(obj) in self._open:
+            raise UnsupportedStateError(
+                f"{path_str(path)} is a container that holds itself (a reference cycle back to "
+                "one of the dicts or lists that lead to it); keep one reference to it, or "
+                "break the cycle in your state_dict()."
+            )
+        self._open.add(id(obj))
+
     def encode(self, obj: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(obj, PerRank):
             if self._in_rank:
@@ -213,21 +226,26 @@ class _Encoder:
                 return float(obj)
             return {TAG: "float", "value": repr(obj)}
         if isinstance(obj, Mapping):
+            self._enter(obj, path)
             if all(isinstance(k, str) for k in obj) and TAG not in obj:
-                return {k: self.encode(v, (*path, k)) for k, v in obj.items()}
-            return {
-                TAG: "dict",
-                "items": [
-                    [self.encode(k, (*path, "<key>")), self.encode(v, (*path, k))]
-                    for k, v in obj.items()
-                ],
-            }
+                out: Any = {k: self.encode(v, (*path, k)) for k, v in obj.items()}
+            else:
+                out = {
+                    TAG: "dict",
+                    "items": [
+                        [self.encode(k, (*path, "<key>")), self.encode(v, (*path, k))]
+                        for k, v in obj.items()
+                    ],
+                }
+            self._open.discard(id(obj))
+            return out
         if isinstance(obj, torch.Size):
             return {TAG: "size", "items": [int(x) for x in obj]}
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return {TAG: "tuple", "items": [self.encode(v, (*path, i)) for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return [self.encode(v, (*path, i)) for i, v in enumerate(obj)]
+        if isinstance(obj, list) or (isinstance(obj, tuple) and not hasattr(obj, "_fields")):
+            self._enter(obj, path)
+            items = [self.encode(v, (*path, i)) for i, v in enumerate(obj)]
+            self._open.discard(id(obj))
+            return items if isinstance(obj, list) else {TAG: "tuple", "items": items}
         if isinstance(obj, (set, frozenset)):
             items = [self.encode(v, (*path, "<item>")) for v in obj]
             return {TAG: "frozenset" if isinstance(obj, frozenset) else "set", "items": items}
@@ -274,7 +292,14 @@ def encode(state: Any, *, split_per_rank: bool = True) -> tuple[Encoded, Encoded
     """Encode ``state``. Returns ``(shared, rank_local)``: the replicated structure with its
     tensors, and the ``PerRank`` parts with theirs."""
     enc = _Encoder(split_per_rank)
-    structure = enc.encode(state, ())
+    try:
+        structure = enc.encode(state, ())
+    except RecursionError:
+        raise UnsupportedStateError(
+            f"the state is nested deeper than Python's recursion limit "
+            f"({sys.getrecursionlimit()}) lets it be saved and read back; flatten the deeply "
+            "nested dicts/lists (e.g. a linked list as one list)."
+        ) from None
     shared = Encoded(structure, enc.tensors)
     local = Encoded(None, enc.rank_tensors, enc.per_rank)
     return shared, local
