@@ -170,3 +170,15 @@ def test_a_container_that_holds_itself_is_refused_by_name(tmp_path):
     live = {"a": None, "b": None}
     _restore(tmp_path / "ok", live)
     assert live == {"a": [1, 2], "b": ([1, 2], [1, 2])}
+
+
+def test_a_dict_of_plain_values_is_restored_in_the_saved_order(tmp_path):
+    """A dict of plain values is merged into the live one in place; its keys kept the live
+    dict's order, not the saved one, so a loop over it (a float sum of its values) could
+    compute other bits than the uninterrupted run."""
+    _save(tmp_path / "ck", {"extra": {"a": 0.1, "b": 0.2, "c": {"y": 1e16, "x": 1.0}}})
+    inner = {"x": 0, "y": 0}
+    live = {"extra": {"c": inner, "b": 0, "a": 0}}
+    _restore(tmp_path / "ck", live)
+    assert list(live["extra"]) == ["a", "b", "c"] and list(inner) == ["y", "x"]
+    assert live["extra"]["c"] is inner and inner == {"y": 1e16, "x": 1.0}
