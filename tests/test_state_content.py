@@ -182,3 +182,19 @@ def test_a_dict_of_plain_values_is_restored_in_the_saved_order(tmp_path):
     _restore(tmp_path / "ck", live)
     assert list(live["extra"]) == ["a", "b", "c"] and list(inner) == ["y", "x"]
     assert live["extra"]["c"] is inner and inner == {"y": 1e16, "x": 1.0}
+
+
+def test_a_key_that_is_no_valid_unicode_still_makes_a_standard_safetensors_file(tmp_path):
+    """A str key holding a lone surrogate (text decoded with ``surrogateescape``, say) named
+    its tensor in the safetensors header as it was: the reference reader refused the file
+    ("invalid JSON in header"), though the files are meant for any safetensors reader."""
+    import safetensors.torch
+
+    key = "loss_\udcff"
+    _save(tmp_path / "ck", {key: torch.ones(2)})
+    files = list(tmp_path.glob("ck/step_*/shared.safetensors"))
+    loaded = safetensors.torch.load_file(files[0])
+    assert [torch.equal(t, torch.ones(2)) for t in loaded.values()] == [True]
+    live = {key: None}
+    _restore(tmp_path / "ck", live)
+    assert torch.equal(live[key], torch.ones(2))

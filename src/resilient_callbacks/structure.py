@@ -171,6 +171,8 @@ class _Encoder:
         else:
             ident = None
         base = "/".join(str(p) for p in path) or "tensor"
+        # valid UTF-8 (a lone surrogate in a key made a header other safetensors readers refuse)
+        base = base.encode("utf-8", "backslashreplace").decode("utf-8")
         if self._in_rank:
             base = "@rank/" + base  # rank-local names never clash with shared ones
         elif base.startswith("@"):
