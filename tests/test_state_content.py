@@ -53,15 +53,16 @@ def _two_tensor():
     "make, hint",
     [
         (_two_tensor, "TwoTensor that holds no memory of its own"),
+        (lambda: torch._efficientzerotensor(3), "an efficient zero tensor"),
         (lambda: np.arange(3, dtype=">i4"), "byte order; convert it (.astype('int32'))"),
     ],
-    ids=["wrapper-subclass", "big-endian-array"],
+    ids=["wrapper-subclass", "zero-tensor", "big-endian-array"],
 )
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_values_that_failed_inside_the_write_are_refused_by_name(tmp_path, make, hint, async_save):
-    """A wrapper tensor subclass (no storage of its own) and a NumPy array in the other byte
-    order failed as a CheckpointWriteError quoting torch's internals ("invalid python
-    storage", "byte order different from the native"), naming no key and no fix."""
+    """A wrapper tensor subclass or a zero tensor (no storage of its own) and a NumPy array in
+    the other byte order failed as a CheckpointWriteError quoting torch's internals ("invalid
+    python storage", "byte order different from the native"), naming no key and no fix."""
     with Checkpointer(tmp_path / "ck", async_save=async_save) as ck:
         with pytest.raises(UnsupportedStateError) as ei:
             ck.save(1, {"extra": {"x": make()}})

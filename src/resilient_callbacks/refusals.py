@@ -83,8 +83,9 @@ def refuse_tensor(t: torch.Tensor, where: str) -> None:
     except RuntimeError:  # a wrapper subclass (functorch's, a tensor of tensors): no bytes
         raise UnsupportedStateError(
             f"{where} is a tensor of type {type(t).__module__}.{type(t).__qualname__} that "
-            "holds no memory of its own (a wrapper subclass); save the plain tensors it is "
-            "made of from your state_dict() and rebuild it in load_state_dict()."
+            "holds no memory of its own (a wrapper subclass, an efficient zero tensor); save "
+            "plain tensors from your state_dict() (its components, or a .clone() of it) and "
+            "rebuild it in load_state_dict()."
         ) from None
 
 
