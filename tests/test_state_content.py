@@ -199,3 +199,17 @@ def test_a_key_that_is_no_valid_unicode_still_makes_a_standard_safetensors_file(
     live = {key: None}
     _restore(tmp_path / "ck", live)
     assert torch.equal(live[key], torch.ones(2))
+
+
+def test_a_restore_into_an_expanded_tensor_is_refused_before_anything_loads(tmp_path):
+    """A live tensor made by expand() (stride 0) cannot take other values per element: copy_
+    into it raised torch's RuntimeError, naming no key, after the objects before it in the
+    state had been loaded."""
+    model = torch.nn.Linear(2, 2)
+    _save(tmp_path / "ck", {"model": model, "pos": torch.arange(6.0).reshape(2, 3)})
+    fresh = torch.nn.Linear(2, 2)
+    before = fresh.weight.detach().clone()
+    live = {"model": fresh, "pos": torch.zeros(3).expand(2, 3)}
+    with pytest.raises(CheckpointMismatchError, match=r"state\['pos'\] is an expanded tensor"):
+        _restore(tmp_path / "ck", live)
+    assert torch.equal(fresh.weight, before)  # nothing loaded

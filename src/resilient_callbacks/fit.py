@@ -163,6 +163,12 @@ def check_fits(
                     f"{path_str(path)} is on the meta device, which holds no values: loading "
                     f"into it does nothing. {MATERIALIZE}"
                 )
+            if any(st == 0 and size > 1 for st, size in zip(obj.stride(), obj.shape, strict=True)):
+                problems.append(  # (copy_ into it raises, after the objects before it loaded)
+                    f"{path_str(path)} is an expanded tensor (stride 0: its elements share "
+                    "memory), which cannot hold the checkpoint's values; keep a tensor of its "
+                    "own in the state (.clone() it)"
+                )
             meta = tensors_meta.get(n["key"])
             if meta is not None and list(meta[1]) != list(obj.shape):
                 problems.append(
