@@ -415,6 +415,52 @@ def test_a_loader_resharded_at_an_epoch_boundary_says_that_epoch_was_complete(ca
     assert sorted(x for b in one for x in b[0].tolist()) == list(range(50))  # epoch 1, whole
 
 
+def test_a_drop_last_epoch_saved_at_its_end_is_over_on_another_number_of_ranks(caplog):
+    """drop_last=True on 2 ranks of 50 samples leaves one sample per rank out of each epoch
+    (25 a rank, batches of 4). Saved after epoch 0's last batch and resumed on 1 rank, the
+    resumed run trained those two left-out samples as one more batch of epoch 0 (the epoch's
+    boundary moved by a step, and the warning said "the rest of epoch 0 (2 of its samples)");
+    the epoch is over now, as it was for the run that saved it."""
+    ds = TensorDataset(torch.arange(50))
+    saved = [
+        ResumableDataLoader(ds, 4, seed=0, num_replicas=2, rank=r, drop_last=True) for r in range(2)
+    ]
+    first = _taken(saved, len(saved[0]))  # every batch of epoch 0
+    assert len(first) == 48
+    one = ResumableDataLoader(ds, 4, seed=0, num_replicas=1, rank=0, drop_last=True)
+    with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
+        one.load_state_dict(saved[0].state_dict())
+    said = [r.getMessage() for r in caplog.records if "data loader" in r.getMessage()]
+    assert said and "epoch 0 was complete (48 samples trained)" in said[0], said
+    assert list(one) == []  # the end of epoch 0: no batch
+    assert one.epoch == 1
+    assert len([x for b in one for x in b[0].tolist()]) == 48  # epoch 1, whole, on one rank
+
+
+def test_a_drop_last_rest_resharded_says_how_many_samples_it_leaves_out(caplog):
+    """drop_last=True, 16 samples on 2 ranks with batches of 3 (two batches a rank), saved
+    after the first, resumed on 3 ranks: of the 10 samples left each rank gets 4 (padded),
+    one whole batch, so one sample is not trained. The warning said "the rest of epoch 0 (10
+    of its samples) is sharded", as if all of it would be; it now says how many are left out."""
+    ds = TensorDataset(torch.arange(16))
+    saved = [
+        ResumableDataLoader(ds, 3, seed=0, num_replicas=2, rank=r, drop_last=True) for r in range(2)
+    ]
+    first = _taken(saved, 1)
+    three = [
+        ResumableDataLoader(ds, 3, seed=0, num_replicas=3, rank=r, drop_last=True) for r in range(3)
+    ]
+    with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
+        for ld in three:
+            ld.load_state_dict(saved[0].state_dict())
+    rest = [x for ld in three for b in ld for x in b[0].tolist()]
+    assert not set(first) & set(rest) and len(rest) == 9
+    left_out = set(range(16)) - set(first) - set(rest)
+    said = [r.getMessage() for r in caplog.records if "data loader" in r.getMessage()]
+    assert len(said) == 1 and "the rest of epoch 0 (10 of its samples" in said[0], said
+    assert len(left_out) == 1 and "with drop_last=True the last 1 of them" in said[0], said
+
+
 def test_lightning_says_a_sampler_with_its_own_generator_changes_later_epochs_too():
     """A Lightning train loader it cannot rebuild: the warning said only that a mid-epoch
     resume restarts the epoch's data; with a sampler of its own generator (not saved), every

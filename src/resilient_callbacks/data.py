@@ -235,6 +235,23 @@ class ResumableDataLoader(DataLoader):
         )
         return {**saved, "num_samples": sampler.num_samples}, over
 
+    def _dropped_of_rest(self) -> str:
+        """For the warning of a re-sharded epoch: how many samples of its rest drop_last leaves
+        untrained (the last ones, which fill no whole batch on every rank)."""
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
+        if not self.drop_last or sampler.num_replicas is None:
+            return ""
+        left, ranks = len(sampler.global_rest()), sampler.num_replicas
+        # rank r takes places r, r + ranks, ... of the rest (padded): its first len(self) batches
+        dropped = left - min(left, len(self) * self.batch_size * ranks)
+        return (
+            f"; with drop_last=True the last {dropped} of them fill no whole batch on every rank "
+            "and are not trained"
+            if dropped
+            else ""
+        )
+
     def _finish_sampler(self) -> None:
         """Run the current epoch's sampler to its end past its last index, as an iterator
         that runs out does: RandomSampler's trailing draw, if it has not happened."""
@@ -330,7 +347,12 @@ class ResumableDataLoader(DataLoader):
         )
         if resharded:
             sampler.check_compatible(saved)
-            consumed = int(saved["position"]) * int(saved["num_replicas"])
+            trained = consumed = int(saved["position"]) * int(saved["num_replicas"])
+            share = sampler.share_of(saved)  # each saving rank's indices in that epoch
+            bs, drop = int(state["batch_size"]), bool(state.get("drop_last", False))
+            if int(state["batches_consumed"]) >= (share // bs if drop else -(-share // bs)):
+                # the saving ranks' epoch was over: what drop_last left of it stays untrained
+                consumed = share * int(saved["num_replicas"])
             left = sampler.load_resharded(saved, consumed)
             batches, persistent = 0, False
         else:
@@ -371,11 +393,12 @@ class ResumableDataLoader(DataLoader):
             self._skip_passes = max(0, self.epoch - self._passes)
         if resharded and sampler.rank == 0:
             rest = (
-                f"epoch {self.epoch} was complete ({consumed} samples trained); the next epochs "
+                f"epoch {self.epoch} was complete ({trained} samples trained); the next epochs "
                 "are sharded over this run's ranks"
                 if left == 0
-                else f"the rest of epoch {self.epoch} ({left} of its samples, {consumed} already "
-                "trained) is sharded over this run's ranks, and later epochs as usual"
+                else f"the rest of epoch {self.epoch} ({left} of its samples, {trained} already "
+                f"trained) is sharded over this run's ranks{self._dropped_of_rest()}, and later "
+                "epochs as usual"
             )
             log.warning(
                 "data loader: the checkpoint was saved on %d rank(s) with batch size %d, this run "

@@ -275,7 +275,21 @@ class ResumableSampler(Sampler[int]):
         self._drawn = None
         reshards = [*(state.get("reshards") or []), [int(state["num_replicas"]), int(consumed)]]
         self._set_reshards(reshards)
-        return len(self._global_rest())
+        return len(self.global_rest())
+
+    def share_of(self, state: dict[str, Any]) -> int:
+        """How many indices each rank of the sharding that saved ``state`` (a state of this
+        data and order) had in the saved epoch."""
+        other = ResumableSampler(
+            int(state["num_samples"]),
+            shuffle=bool(state.get("shuffle", True)),
+            seed=state.get("seed"),
+            num_replicas=int(state["num_replicas"]),
+            reshuffle=bool(state.get("reshuffle", True)),
+        )
+        other.epoch = int(state["epoch"])
+        other._set_reshards(state.get("reshards") or [])
+        return len(other)
 
     def resharded(self, epoch: int) -> bool:
         """Whether ``epoch`` is the rest of an epoch re-sharded at a resume."""
@@ -286,7 +300,7 @@ class ResumableSampler(Sampler[int]):
         self._reshard_epoch = self.epoch if self._reshards else None
         self._reshard_len = len(self._indices()) if self._reshards else 0
 
-    def _global_rest(self) -> list[int]:
+    def global_rest(self) -> list[int]:
         """The part of this epoch's order not taken yet, before this sampler's sharding."""
         keep, self.num_replicas = self.num_replicas, None
         try:
