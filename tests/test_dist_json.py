@@ -78,3 +78,30 @@ def test_the_background_group_is_destroyed_only_where_torch_can_do_it_safely(
     assert dist.destroy_cpu_group(group) is destroys
     assert destroyed == ([group] if destroys else [])
     assert release(version)[0] == 2 and release("nightly") == (0, 0)
+
+
+GLOO_STALE = (
+    "Gloo connectFullMesh failed with [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:152] "
+    "timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:3500$0"
+)
+
+
+@pytest.mark.parametrize("attempt", ["0", "2"])
+def test_a_group_that_dials_a_restarts_stale_address_is_told_as_torchruns_store(
+    monkeypatch: pytest.MonkeyPatch, attempt: str
+) -> None:
+    """Under `torchrun --max-restarts` (torch >= 2.5: the workers share the agent's store,
+    which outlives a restart) a restarted worker's first background save made its gloo group
+    from the previous attempt's addresses: gloo's "connectFullMesh ... Connection refused"
+    (seen 2026-12-06 in a plain DDP loop, torch 2.13). The error said "most likely another
+    rank's process is gone", and every further restart failed alike; it now names the store
+    and the variable that avoids it. A first attempt keeps the old reading."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+    said = dist.failed_exchange(RuntimeError(GLOO_STALE))
+    assert "connectFullMesh" in said
+    if attempt == "0":
+        assert "another rank's process is gone" in said
+    else:
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in said and "attempt 2" in said
+        assert "process is gone" not in said

@@ -35,6 +35,18 @@ def failed_exchange(e: BaseException) -> str:
     whose connection closed is gone (killed, out of memory, crashed); a timeout is a rank that
     died, hung, or did not call the library where this one did."""
     raw = f"{type(e).__name__}: {str(e).strip()}"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared_store and attempt not in ("", "0") and "connectfullmesh" in str(e).lower():
+        # not a dead peer: a group made in a restarted worker dialled the last attempt's
+        # addresses, which torchrun's shared rendezvous store still held
+        cause = (
+            f"this worker, restarted by torchrun (attempt {attempt}), read another attempt's "
+            "process-group addresses from torchrun's rendezvous store, which outlives a "
+            "restart when the workers share it (pytorch/pytorch#135712): run torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (integrations/torchrun/)"
+        )
+        return f"exchanging with the other ranks failed ({raw}); most likely {cause}"
     if any(m in str(e).lower() for m in _PEER_GONE):
         cause = (
             "another rank's process is gone (killed, out of memory, crashed): its own log and "
