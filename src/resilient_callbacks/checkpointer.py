@@ -166,6 +166,7 @@ class Checkpointer:
         self.rank = dist.rank()
         self.world_size = dist.world_size()
         self.is_coordinator = self.rank == 0
+        dist.warn_if_restarts_share_a_store()
         self.last_saved_step: int | None = None
         self.last_save: SaveStats | None = None
         self.restored_from: str | None = None

@@ -8,6 +8,7 @@ single rank. Every rank must call each function in the same order.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from ._version import release
-from .errors import CheckpointError, CollectiveError
+from .errors import AT_CALLER, CheckpointError, CollectiveError, warn_and_log
 
 #: what every rank must do, said with every failed exchange
 SAME_POINTS = (
@@ -44,7 +45,7 @@ def failed_exchange(e: BaseException) -> str:
             f"this worker, restarted by torchrun (attempt {attempt}), read another attempt's "
             "process-group addresses from torchrun's rendezvous store, which outlives a "
             "restart when the workers share it (pytorch/pytorch#135712): run torchrun with "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (integrations/torchrun/)"
+            f"{UNSHARED_STORE}=1 in its environment (integrations/torchrun/)"
         )
         return f"exchanging with the other ranks failed ({raw}); most likely {cause}"
     if any(m in str(e).lower() for m in _PEER_GONE):
@@ -60,6 +61,40 @@ def failed_exchange(e: BaseException) -> str:
     return (
         f"exchanging with the other ranks failed ({raw}); most likely {cause}. "
         f"Otherwise: {SAME_POINTS}"
+    )
+
+
+#: torchrun's variable that gives each attempt of its workers a rendezvous store of its own
+UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_store_warned = False
+
+
+def warn_if_restarts_share_a_store() -> None:
+    """Rank 0, once a process: warn where torchrun restarts its workers (``--max-restarts``)
+    and they share its rendezvous store, which outlives a restart (torch >= 2.5): a restarted
+    worker may dial the previous attempt's addresses and fail or hang (pytorch/pytorch#135712)
+    in ``init_process_group`` or in a group made later (the library's, at the first save)."""
+    global _store_warned
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if (
+        _store_warned
+        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        or not restarts.isdigit()
+        or int(restarts) == 0
+        or world_size() == 1
+        or rank() != 0
+    ):
+        return
+    _store_warned = True
+    warn_and_log(
+        logging.getLogger("resilient_callbacks"),
+        f"torchrun restarts these workers (--max-restarts {restarts}) and they share its "
+        "rendezvous store, which outlives a restart: a restarted worker may read the previous "
+        "attempt's process-group addresses, and its init_process_group (or the checkpointer's "
+        "first save) fails with gloo's 'connectFullMesh ... Connection refused' or waits until "
+        f"its timeout (pytorch/pytorch#135712). Start torchrun with {UNSHARED_STORE}=1 in its "
+        "environment: then every attempt has a store of its own",
+        stacklevel=AT_CALLER,
     )
 
 
