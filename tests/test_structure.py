@@ -903,3 +903,15 @@ def test_a_generators_state_loads_only_into_one_of_its_device_type():
     assert sd["device"] == "cpu" and sd["state"].dtype == torch.uint8
     with pytest.raises(ValueError, match="cuda generator's state; this one is cpu"):
         rc_rng.GeneratorState(g).load_state_dict({**sd, "device": "cuda:0"})
+
+
+def test_per_rank_state_missing_for_a_new_rank_says_what_to_do():
+    """A checkpoint of 2 ranks resumed on 3 (torchrun 2 -> 3) with the loader as a plain
+    PerRank(loader): rank 2 has no state, and the refusal asked "was it written with another
+    world size?" without saying what makes the resume work. It now names both ways out."""
+    shared = {"data": {rc_structure.TAG: "per_rank", "id": "data"}}
+    with pytest.raises(CheckpointMismatchError) as e:
+        rc_structure.inline_per_rank(shared, {})
+    said = str(e.value)
+    assert "'data' is missing for this rank" in said
+    assert "PerRank(obj, new_ranks='rank0')" in said and "resume on the ranks" in said

@@ -434,8 +434,10 @@ def inline_per_rank(structure: Any, per_rank: Mapping[str, Any] | None) -> Any:
         if n.get(TAG) == "per_rank":
             if per_rank is None or n["id"] not in per_rank:
                 raise CheckpointMismatchError(
-                    f"per-rank state {n['id']!r} is missing for this rank in the checkpoint "
-                    "(was it written with another world size?)"
+                    f"per-rank state {n['id']!r} is missing for this rank in the checkpoint (was "
+                    "it written by fewer ranks?): resume on the ranks that wrote it, or wrap an "
+                    "object that works out its share from rank 0's state (a sharded "
+                    "ResumableDataLoader) as PerRank(obj, new_ranks='rank0')"
                 )
             return per_rank[n["id"]]
         if n.get(TAG) == "tensor":
