@@ -22,10 +22,10 @@ class BlockedDeletes:
 
     def __init__(self) -> None:
         self.release = threading.Event()
-        self.started: list[str] = []
+        self.entered = threading.Event()  # a delete began (on the trash bin's own thread)
 
     def rmtree(self, path, ignore_errors=False):
-        self.started.append(path)
+        self.entered.set()
         self.release.wait()
         shutil.rmtree(path, ignore_errors=ignore_errors)
 
@@ -50,7 +50,9 @@ def test_a_save_does_not_wait_for_retention_to_delete_files(tmp_path, monkeypatc
         # With deletion inside the persist, flush() would wait for the blocked delete forever.
         assert done.wait(120), "the save waited for retention's delete"
         assert [e.name for e in scan(str(root), Depth.SIZE) if e.manifest] == ["step_000000002"]
-        assert len(_trashed(root)) == 1 and blocked.started  # out of sight, being deleted
+        # out of sight, and being deleted once the trash bin's thread runs (not necessarily
+        # before flush() returns: a loaded machine can run it later)
+        assert len(_trashed(root)) == 1 and blocked.entered.wait(60)
     finally:
         blocked.release.set()
         ck.close()
