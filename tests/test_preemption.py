@@ -1138,3 +1138,70 @@ def test_an_exception_while_a_signal_is_pending_is_not_swallowed(tmp_path: Path)
     assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
     assert "ValueError: loss is NaN at step 2" in p.stderr, p.stderr[-2000:]
     assert "arrived while training failed with ValueError" in p.stderr, p.stderr[-2000:]
+
+
+_SECOND_SIGNAL_AT_EXIT = """
+import os, signal, sys, torch
+from resilient_callbacks import Checkpointer
+mode = sys.argv[2]
+if mode == "user-handler":  # installed before the Checkpointer: it runs, as before
+    signal.signal(signal.SIGTERM, lambda s, f: print("user handler", flush=True))
+
+
+class SignalAtFinalization:  # a global: deleted as the interpreter tears the modules down
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.write(1, b"survived finalization")
+
+
+if mode == "finalizing":
+    keep = SignalAtFinalization()
+state = {"t": torch.zeros(2)}
+ck = Checkpointer(sys.argv[1], every_n_steps=100)
+ck.restore(state)
+try:
+    for s in range(1, 20):
+        state["t"].fill_(s)
+        if s == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        ck.step(s, state)
+finally:
+    # the process is on its way out after the emergency save (the Checkpointer is closed):
+    # another SIGTERM comes, as torchrun passes on a signal sent to its whole process group,
+    # or a rank is signalled a moment later than the others
+    if mode != "finalizing":
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["default", "user-handler", "finalizing"])
+def test_a_second_signal_while_exiting_after_the_emergency_save_keeps_the_exit_code(tmp_path, mode):
+    """The emergency checkpoint is committed and the process exits 75; a second SIGTERM during
+    the second or more that the exit then takes (the exception's way out, then the
+    interpreter's and torch's finalization) killed it with the signal (exit -15, 143 in a
+    shell): a scheduler saw a crash, not "restart me". Now the process ends at once with 75
+    while Python code runs, and ignores the signal during the finalization (where Python
+    handlers no longer run). A handler of the user's installed before the Checkpointer is back
+    after close() and runs, as before."""
+    script = tmp_path / "second.py"
+    script.write_text(_SECOND_SIGNAL_AT_EXIT)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ck"), mode],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert r.returncode == 75, (r.returncode, r.stderr[-2000:])
+    assert sorted(n for n in os.listdir(tmp_path / "ck") if n.startswith("step_")) == [
+        "step_000000003"
+    ]
+    if mode == "default":
+        assert "survived" not in r.stdout  # ended at once, with the exit code
+    elif mode == "user-handler":
+        assert "user handler" in r.stdout and "survived" in r.stdout
+    else:
+        assert "survived finalization" in r.stdout  # the signal was ignored

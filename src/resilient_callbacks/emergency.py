@@ -290,6 +290,7 @@ class Emergency:
             ck._recorder.stopping()
             if watcher is not None:
                 watcher.answered()  # for the other Checkpointers of this process too
+                watcher.exiting(ck.config.preemption_exit_code)  # a second signal keeps it
             ck.close(timeout=None if left is None else max(0.0, left - EXIT_MARGIN_S))
             raise SystemExit(ck.config.preemption_exit_code)
         return saved

@@ -22,7 +22,7 @@ from types import FrameType, MappingProxyType
 from typing import Any
 
 from ..errors import ConfigError
-from . import workers
+from . import exiting, workers
 from .request import (
     DEFAULT_GRACE_S,
     DEFAULT_SIGNALS,
@@ -223,6 +223,7 @@ class PreemptionWatcher:
                 stacklevel=2,
             )
             return False
+        exiting.clear()  # (a process that caught the SystemExit trains on)
         self._previous = {}
         self._pid = os.getpid()
         self._order = next(_install_order)
@@ -258,6 +259,8 @@ class PreemptionWatcher:
         for signum, prev in self._previous.items():
             if signal.getsignal(signum) is self._handler:
                 prev = _unwrap(signum, prev)
+                if exiting.ends_the_process(prev) and exiting.keep(signum):
+                    continue  # ours stays, inactive: it ends the process with the code
                 signal.signal(signum, signal.SIG_DFL if prev is None else prev)
 
     def __enter__(self) -> PreemptionWatcher:
@@ -374,6 +377,16 @@ class PreemptionWatcher:
                 )
         return bool(self._events)
 
+    def exiting(self, code: int) -> None:
+        """This process saved for the pending request and now closes and exits with ``code``.
+        Until it is gone (teardown takes a second or more), a signal of this watcher's whose
+        action would end the process (the default's, SIGINT's) ends it at once with ``code``,
+        not by the signal: its checkpoint is committed, and the scheduler must see "restart
+        me" (a second SIGTERM: torchrun passing on a signal sent to its process group, a rank
+        signalled later than the others). A handler installed before the watcher runs then.
+        See :mod:`.exiting`."""
+        exiting.mark(code)
+
     def answered(self) -> None:
         """This watcher's Checkpointer saved for the pending request and the process exits:
         the other watchers of this process holding a request have it answered too."""
@@ -457,7 +470,12 @@ def _unwrap(signum: int, prev: _Handler) -> _Handler:
 
 
 def _previous_action(signum: int, frame: FrameType | None, prev: _Handler) -> None:
-    """What the process would have done without the watcher (used in forked children)."""
+    """What the process would have done without the watcher (used in forked children); in
+    a process exiting after its emergency save (:meth:`PreemptionWatcher.exiting`), where that
+    ends the process, it exits with the preemption's code."""
+    code = exiting.code()
+    if code is not None and exiting.ends_the_process(prev):
+        os._exit(code)
     if callable(prev):
         prev(signum, frame)
     elif prev != signal.SIG_IGN:

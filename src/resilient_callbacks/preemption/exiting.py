@@ -1,0 +1,81 @@
+"""A process exiting after its emergency save: further signals keep its exit code.
+
+Once the emergency checkpoint is committed, the process closes its Checkpointer and exits with
+the preemption code (75), which tells the scheduler "restart me". Its exit takes a second or
+more (the framework's teardown, ``atexit`` hooks, the interpreter's and torch's finalization),
+and a second signal can come meanwhile: torchrun passing on a signal sent to its whole process
+group, a rank signalled a moment after the others. With the default action restored it killed
+the process by the signal (exit 143 in a shell): the scheduler saw a crash.
+
+So, from :func:`mark` until the process is gone, a watched signal whose action would end the
+process (the default one, or SIGINT's ``KeyboardInterrupt``) instead:
+
+- while Python code runs (the exception's way out, ``atexit`` hooks): ends the process at once
+  with the code (``os._exit``), from the watcher's handler, which stays installed for it;
+- from this module's ``atexit`` hook on (registered at import, so it runs after those
+  registered later; the interpreter's finalization resets Python-level handlers to the
+  default action): is ignored; the scheduler's SIGKILL still ends a process stuck there.
+
+A handler installed before the watcher (the user's) is restored and runs as before. A process
+that catches the ``SystemExit`` and installs a watcher again is no longer exiting.
+
+Thread contract: :func:`mark` runs in the training thread; the rest in the main thread (signal
+handlers, ``uninstall``, ``atexit``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+from typing import Any
+
+_exiting: tuple[int, int] | None = None  # (pid, exit code)
+_kept: set[int] = set()  # signals whose handler stays the watcher's while exiting
+
+
+def mark(code: int) -> None:
+    """This process saved for a preemption and now exits with ``code``."""
+    global _exiting
+    _exiting = (os.getpid(), int(code))
+    _kept.clear()
+
+
+def clear() -> None:
+    """A watcher is installed again: the process trains on (it caught the ``SystemExit``)."""
+    global _exiting
+    _exiting = None
+    _kept.clear()
+
+
+def code() -> int | None:
+    """The code this process exits with after its emergency save; None when not exiting (or
+    in a process forked from it)."""
+    return _exiting[1] if _exiting is not None and _exiting[0] == os.getpid() else None
+
+
+def ends_the_process(handler: Any) -> bool:
+    """Whether ``handler`` (a previous one) would end the process: the default action, or
+    SIGINT's."""
+    return handler is None or handler == signal.SIG_DFL or handler is signal.default_int_handler
+
+
+def keep(signum: int) -> bool:
+    """In ``uninstall``: whether the watcher's handler stays for ``signum`` (previously an
+    action that ends the process) since the process is exiting; remembered for the exit."""
+    if code() is None:
+        return False
+    _kept.add(signum)
+    return True
+
+
+def _ignore_while_finalizing() -> None:
+    if code() is None:
+        return
+    for signum in _kept:
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signum, signal.SIG_IGN)  # (SIG_IGN survives the finalization)
+
+
+atexit.register(_ignore_while_finalizing)
