@@ -220,6 +220,26 @@ def test_grace_warning_counts_the_background_write(tmp_path, monkeypatch, caplog
     assert "a save is estimated to take" in caplog.text
 
 
+def test_grace_warning_counts_the_background_saves_it_waits_for(tmp_path, monkeypatch, caplog):
+    """A signal while a background save is still being written: the emergency save waits for
+    it first (a slow disk, a large checkpoint). The estimate left that wait out, so a save that
+    could not fit the grace period was not warned about: the scheduler's kill came with no word
+    of why."""
+    _slow_writes(monkeypatch, 1.0)  # every write: 1 s
+    state = _state()
+    with Checkpointer(tmp_path, every_n_steps=2, grace_period=1.5, exit_on_preemption=False) as ck:
+        for s in range(1, 3):  # step 2: a background save, measured (about 1 s)
+            ck.step(s, state)
+        ck.flush()
+        for s in range(3, 5):  # step 4: a background save, still being written ...
+            ck.step(s, state)
+        os.kill(os.getpid(), signal.SIGTERM)
+        ck.step(5, state)  # ... when the emergency save (1 s more) starts: 2 s > 1.5 s
+        assert ck.preempted
+    assert "a save is estimated to take" in caplog.text, caplog.text
+    assert "1 checkpoint(s) still being written in the background" in caplog.text
+
+
 def test_a_zero_grace_period_from_the_environment_is_ignored_with_a_warning(
     tmp_path, monkeypatch, caplog
 ):

@@ -248,12 +248,18 @@ class Emergency:
         req = watcher.request if watcher is not None else None
         source = req.source if req is not None else "request"
         if watcher is not None:
-            # a synchronous save: what a save blocked, plus its background write if it had one
+            # a synchronous save: what a save blocked, plus its background write if it had one;
+            # it first waits for the background saves still being written
             saver = ck._saver
-            estimate = max(saver.save_seconds, default=0.0) + max(
-                saver.persist_seconds, default=0.0
-            )
+            pending = saver.persister.pending if saver.persister is not None else 0
+            persist = max(saver.persist_seconds, default=0.0)
+            estimate = max(saver.save_seconds, default=0.0) + persist * (1 + pending)
             warning = watcher.check_grace(estimate) if estimate else None
+            if warning and pending:
+                warning += (
+                    f" (The estimate counts the {pending} checkpoint(s) still being written in "
+                    "the background, which the emergency save waits for first.)"
+                )
             if warning:
                 log.warning(warning)
         late = time.monotonic() - req.monotonic if req is not None else 0.0
