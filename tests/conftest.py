@@ -12,6 +12,7 @@ import gc
 import logging
 import os
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,6 +59,18 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if nextitem is not None and nextitem.path != item.path:
         gc.collect()
         gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def _trains_on_after_a_caught_preemption_exit() -> Iterator[None]:
+    """A test that catches a preemption's ``SystemExit(75)`` leaves this process as a real one
+    on its way out is left: marked as exiting, the handlers that keep its exit code in place
+    (``preemption/exiting.py``). After the test it trains on, with the handlers from before,
+    as the next test expects (``exiting.clear()``, as the next Checkpointer would)."""
+    yield
+    exiting = sys.modules.get("resilient_callbacks.preemption.exiting")
+    if exiting is not None:
+        exiting.clear()
 
 
 def pytest_report_header() -> list[str]:

@@ -1205,3 +1205,24 @@ def test_a_second_signal_while_exiting_after_the_emergency_save_keeps_the_exit_c
         assert "user handler" in r.stdout and "survived" in r.stdout
     else:
         assert "survived finalization" in r.stdout  # the signal was ignored
+
+
+def test_a_process_that_catches_the_preemption_exit_gets_its_handlers_back(tmp_path):
+    """In-process (a notebook, a sweep, a test catching SystemExit): the handler kept for the
+    exit ends the process with 75 on a further signal, until a Checkpointer is opened again;
+    that one's close() then restores the handler from before the first, not the kept one."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    with saved_handlers(signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        state = {"t": torch.zeros(2)}
+        ck = Checkpointer(tmp_path / "a", every_n_steps=100)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.raises(SystemExit):
+            ck.step(1, state)
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)  # kept: exits 75
+        again = Checkpointer(tmp_path / "b", every_n_steps=100)
+        again.close()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

@@ -32,7 +32,8 @@ import signal
 from typing import Any
 
 _exiting: tuple[int, int] | None = None  # (pid, exit code)
-_kept: set[int] = set()  # signals whose handler stays the watcher's while exiting
+# signal -> (the watcher's handler that stays while exiting, the handler it replaced)
+_kept: dict[int, tuple[Any, Any]] = {}
 
 
 def mark(code: int) -> None:
@@ -43,8 +44,14 @@ def mark(code: int) -> None:
 
 
 def clear() -> None:
-    """A watcher is installed again: the process trains on (it caught the ``SystemExit``)."""
+    """A watcher is installed again: the process trains on (it caught the ``SystemExit``); the
+    handlers kept for the exit give way to those they replaced."""
     global _exiting
+    if code() is not None:
+        for signum, (ours, prev) in _kept.items():
+            if signal.getsignal(signum) is ours:
+                with contextlib.suppress(ValueError, OSError):
+                    signal.signal(signum, signal.SIG_DFL if prev is None else prev)
     _exiting = None
     _kept.clear()
 
@@ -61,12 +68,12 @@ def ends_the_process(handler: Any) -> bool:
     return handler is None or handler == signal.SIG_DFL or handler is signal.default_int_handler
 
 
-def keep(signum: int) -> bool:
-    """In ``uninstall``: whether the watcher's handler stays for ``signum`` (previously an
-    action that ends the process) since the process is exiting; remembered for the exit."""
-    if code() is None:
+def keep(signum: int, ours: Any, prev: Any) -> bool:
+    """In ``uninstall``: whether the watcher's handler ``ours`` stays for ``signum`` since the
+    process is exiting (``prev``, the one it replaced, would end the process)."""
+    if code() is None or not ends_the_process(prev):
         return False
-    _kept.add(signum)
+    _kept[signum] = (ours, prev)
     return True
 
 

@@ -259,7 +259,7 @@ class PreemptionWatcher:
         for signum, prev in self._previous.items():
             if signal.getsignal(signum) is self._handler:
                 prev = _unwrap(signum, prev)
-                if exiting.ends_the_process(prev) and exiting.keep(signum):
+                if exiting.keep(signum, self._handler, prev):
                     continue  # ours stays, inactive: it ends the process with the code
                 signal.signal(signum, signal.SIG_DFL if prev is None else prev)
 
