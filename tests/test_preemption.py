@@ -1226,3 +1226,24 @@ def test_a_process_that_catches_the_preemption_exit_gets_its_handlers_back(tmp_p
         again = Checkpointer(tmp_path / "b", every_n_steps=100)
         again.close()
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_dataloader_worker_killed_by_the_signal_is_named_with_what_to_do(tmp_path, caplog):
+    """A signal to the whole process group (Slurm's --signal, kill -- -PGID) reaches the
+    DataLoader workers too; one started with the 'spawn' or 'forkserver' method is not spared
+    and dies of it, and torch raises in the training loop before the emergency save. The log
+    said only that the signal came while training failed with a RuntimeError; it now says why
+    and what to do."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    with saved_handlers(signal.SIGTERM, signal.SIGUSR1):
+        ck = Checkpointer(tmp_path / "ck", every_n_steps=100)
+        ck.step(1, {"t": torch.zeros(2)})
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded; the loader raises before step 2
+        with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
+            ck.abort(RuntimeError("DataLoader worker (pid 123) is killed by signal: Terminated. "))
+    assert "SIGTERM arrived while training failed with RuntimeError" in caplog.text
+    assert "A DataLoader worker died of the signal first" in caplog.text, caplog.text
+    assert "multiprocessing_context" in caplog.text

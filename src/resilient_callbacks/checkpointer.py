@@ -174,6 +174,7 @@ class Checkpointer:
         self.preempted = False
         self.close_wait_seconds = 0.0  # how long close() waited for pending saves
         self.failed_with: str | None = None  # abort(): the exception training failed with
+        self.failed_detail = ""  # and its message (closing.failing)
         self._closed = False
         self.schedule = self.config.adaptive_schedule()
         self._trigger = Trigger(self.config, self.schedule)  # when to save
@@ -315,7 +316,7 @@ class Checkpointer:
         Does not raise ``exc``: the caller lets it propagate. Adapters call this from their
         exception hook; ``with Checkpointer(...)`` calls it on an exception."""
         if not self._closed and not isinstance(exc, SystemExit):
-            self.failed_with = type(exc).__name__  # the history records a failure, not an end
+            closing.failing(self, exc)  # the history records a failure, not an end
         try:
             if not self._closed:
                 self._emergency.save_on_exception(exc)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import re
 import signal
 import sys
 import time
@@ -31,6 +32,8 @@ log = logging.getLogger("resilient_callbacks")
 
 PREEMPTED_SINKS_S = 5.0  # a preempted process's wait for its metrics sinks, grace period unknown
 EXIT_MARGIN_S = 5.0  # a preempted process's close ends this long before the grace period does
+# torch's error in the training process when a DataLoader worker died of a signal
+_WORKER_KILLED = re.compile(r"DataLoader worker \(pid.*\) is killed by signal")
 
 
 def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
@@ -85,6 +88,27 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
             persister.raise_error()
     finally:
         _release(ck, _sinks_deadline(ck, deadline))
+
+
+def failing(ck: Checkpointer, exc: BaseException) -> None:
+    """Training failed with ``exc`` (``abort``, an adapter's exception hook, an exception no
+    one caught at exit): the history records a failure with its name, not an end; a signal
+    that came meanwhile is said so at close, with what the message tells."""
+    ck.failed_with = type(exc).__name__
+    ck.failed_detail = str(exc)
+
+
+def _worker_killed_hint(ck: Checkpointer) -> str:
+    """What to do when training failed as a DataLoader worker died of the signal."""
+    if not _WORKER_KILLED.search(ck.failed_detail):
+        return ""
+    return (
+        ". A DataLoader worker died of the signal first: the signal reached the whole process "
+        "group or job step (Slurm's --signal, kill -- -PGID), and workers started with "
+        "multiprocessing_context 'spawn' or 'forkserver' are not spared until the emergency "
+        "save as forked ones are. Start them with 'fork' (Linux's default), or signal the "
+        "training process only"
+    )
 
 
 def _newest(ck: Checkpointer) -> str:
@@ -222,10 +246,11 @@ def _release(ck: Checkpointer, sinks_deadline: float | None = None) -> None:
             # silently, with the exception never shown
             log.warning(
                 "%s arrived while training failed with %s (no emergency save for it; the "
-                "newest checkpoint is %s); the exception ends the process",
+                "newest checkpoint is %s); the exception ends the process%s",
                 unanswered.source,
                 ck.failed_with,
                 _newest(ck),
+                _worker_killed_hint(ck),
             )
         elif unanswered is not None and unanswered.signum is not None:
             # it came after the last step() that could act on it (steps act at decision
@@ -269,8 +294,10 @@ def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
     ck = ref()
     if ck is not None and not ck._closed:
         uncaught = getattr(sys, "last_value", None)
-        if isinstance(uncaught, BaseException) and not isinstance(uncaught, SystemExit):
-            ck.failed_with = ck.failed_with or type(uncaught).__name__
+        if isinstance(uncaught, SystemExit) or not isinstance(uncaught, BaseException):
+            uncaught = None
+        if uncaught is not None and not ck.failed_with:
+            failing(ck, uncaught)
         try:
             ck.close()
         except Exception as e:  # at exit there is no caller left to raise to: say it loudly

@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
-from .. import rng
+from .. import closing, rng
 from ..adapter import check_options, with_section
 from ..checkpointer import Checkpointer, SaveStats
 from ..errors import CheckpointError, ConfigError
@@ -468,7 +468,7 @@ class ResilientCheckpoint(Checkpoint):
             log.error("save_on_exception: the emergency save failed: %s", e)
         finally:
             if self.checkpointer is not None and not isinstance(exception, SystemExit):
-                self.checkpointer.failed_with = type(exception).__name__  # a failure, not an end
+                closing.failing(self.checkpointer, exception)  # a failure, not an end
             self._close(raise_errors=False)
             self._unpatch_all()
 
