@@ -1004,3 +1004,38 @@ def test_a_missing_or_misplaced_argument_shows_the_commands_own_usage(tmp_path):
     r = cli("ls", str(tmp_path), "-o", "anon=true")
     assert r.returncode == 2 and "usage: resilient-ckpt ls" in r.stderr, r.stderr
     assert "give --remote URL" in r.stderr
+
+
+def test_every_remote_command_says_an_unreachable_store_in_one_line(tmp_path):
+    """An S3 endpoint that refuses connections (the store is down, or a wrong endpoint_url):
+    `ls --remote`, `pull`, `push` printed one line and exited 1, but `verify URL` let botocore's
+    EndpointConnectionError (not an OSError) out as a traceback."""
+    pytest.importorskip("s3fs")
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    o = _s3_options(
+        {
+            "endpoint_url": f"http://127.0.0.1:{port}",
+            "key": "k",
+            "secret": "s",
+            "client_kwargs": {"region_name": "us-east-1"},
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+        }
+    )
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10,))
+    url = "s3://bucket/run"
+    for args in (
+        ("ls", root, "--remote", url),
+        ("pull", url, str(tmp_path / "pulled")),
+        ("push", root, url),
+        ("verify", url),
+    ):
+        got = cli(*args, *o)
+        assert got.returncode == 1, args
+        assert "Traceback" not in got.stderr, args
+        assert "Could not connect to the endpoint URL" in got.stderr, (args, got.stderr)
+        assert len(got.stderr.strip().splitlines()) == 1, (args, got.stderr)

@@ -466,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Exception as e:
         remote = getattr(args, "remote", None) or args.cmd in ("pull", "push")
+        if args.cmd == "verify":  # `verify URL` reads a remote store
+            from .cli_scan import is_url
+
+            remote = is_url(args.dir)
         if not remote or os.environ.get(DEBUG_ENV):
             raise  # a bug of ours (or asked for): its traceback
         # the store's own errors (botocore's, an option its client rejects): one line
