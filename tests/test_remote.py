@@ -29,7 +29,7 @@ from resilient_callbacks import (
     ResumeFallbackWarning,
     catalog,
 )
-from resilient_callbacks.errors import RemoteUnavailableError
+from resilient_callbacks.errors import NoValidCheckpointError, RemoteUnavailableError
 from resilient_callbacks.remote import RemoteStore
 
 
@@ -100,7 +100,7 @@ def test_uploads_and_resumes_from_remote_when_local_is_gone(remote, tmp_path):
     assert sorted(_committed(url, opts).values()) == [30, 40]
 
 
-def test_a_scan_fetches_only_the_manifests_it_has_not_read(remote, tmp_path):
+def test_a_scan_fetches_only_the_manifests_it_has_not_read(remote, tmp_path, monkeypatch):
     """The uploader scans the remote after each upload: fetching every manifest again made an
     upload cost more the more checkpoints the remote held (the long-run probe: 1.5 s a scan at
     93). A manifest replaced under the same name is fetched again."""
@@ -116,7 +116,7 @@ def test_a_scan_fetches_only_the_manifests_it_has_not_read(remote, tmp_path):
         fetched.extend([paths] if isinstance(paths, str) else paths)
         return real(paths, **kw)
 
-    store.fs.cat = cat
+    monkeypatch.setattr(store.fs, "cat", cat)  # (a shared object: undone after the test)
     assert [e.manifest.step for e in store.scan()] == [1, 2, 3]
     assert len(fetched) == 3
     fetched.clear()
@@ -818,6 +818,58 @@ def test_an_outage_at_restore_with_no_local_checkpoint_is_an_error_not_a_fresh_s
         ck.close()
     with Checkpointer(local, remote=url, remote_options=opts) as ck:
         assert ck.restore(_fresh()) == 20
+
+
+@pytest.mark.parametrize("how", ["read fails", "damaged"])
+def test_remote_checkpoints_whose_manifest_cannot_be_read_are_no_fresh_start(
+    tmp_path, monkeypatch, how
+):
+    """A new node (empty dirpath) whose remote lists the run's checkpoints but cannot give their
+    manifests (the store failed between the listing and the reads, or they are damaged):
+    restore() returned 0 without a word and the run started from scratch beside them. Now they
+    are candidates with their problem, so the restore fails naming each; once the store
+    answers again, the same restore resumes. With a local copy, it is a loud fallback."""
+    local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
+    kw = {"remote": url, "keep_last": 5}
+    with Checkpointer(local, **kw) as ck:
+        for s in (10, 20):
+            ck.save(s, _state(s))
+    shutil.rmtree(local)
+    manifests = [
+        tmp_path / "durable" / "run" / n / "manifest.json"
+        for n in ("step_000000010", "step_000000020")
+    ]
+    kept = [m.read_bytes() for m in manifests]
+    ck = Checkpointer(local, remote=url, keep_last=5)
+    try:
+        if how == "read fails":
+
+            def cat(paths, on_error="raise", **kw):
+                return {p: ConnectionError("the store stopped answering") for p in paths}
+
+            monkeypatch.setattr(ck.remote.fs, "cat", cat)
+            ck.remote._manifests.clear()  # (those read at construction are not read again)
+        else:
+            for m in manifests:
+                m.write_text("{torn")
+        with pytest.raises(NoValidCheckpointError) as info:
+            ck.restore(_fresh())
+        said = str(info.value)
+        assert said.index("step_000000020") < said.index("step_000000010"), said  # newest first
+        assert ("stopped answering" if how == "read fails" else "unreadable manifest") in said
+    finally:
+        ck.close()
+    monkeypatch.undo()
+    for m, raw in zip(manifests, kept, strict=True):
+        m.write_bytes(raw)
+    with Checkpointer(local, remote=url, keep_last=5) as ck:
+        assert ck.restore(_fresh()) == 20
+    manifests[1].write_text("{torn")  # beside the local copy (downloaded): a loud fallback
+    said = "remote.*step_000000020.*unreadable"
+    with pytest.warns(ResumeFallbackWarning, match=said), Checkpointer(local, **kw) as ck:
+        assert ck.restore(_fresh()) == 20
+    with Checkpointer(local, remote=url, keep_last=5, resume=20) as ck:
+        assert ck.restore(_fresh()) == 20  # the local copy of the step asked for
 
 
 def test_s3_sigkill_mid_upload_leaves_only_complete_checkpoints(s3_server, s3_remote, tmp_path):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import branches, errors
+from .commit import CKPT_RE
 from .errors import AT_CALLER, RemoteUnavailableError, ResumeFallbackWarning, warn_and_log
 from .redact import url_text
 
@@ -96,12 +97,18 @@ def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
     in both, the local copy comes first and the remote copy right after it (used if the
     local one turns out damaged). Numbers this run's commits after the remote's."""
     by_key: dict[tuple[str, int], dict[str, Any]] = {}
+    # remote checkpoints whose manifest cannot be read (damaged, or the read failed): no commit
+    # number, maybe the newest, so tried (and named) first, as local ones are: skipping them
+    # silently let a node with an empty dirpath start from scratch beside the run's checkpoints
+    unreadable: list[Candidate] = []
     for e in local:
         assert e.manifest is not None
         key = (e.manifest.run_id, e.manifest.seq)
         by_key[key] = {"local": e, "step": e.manifest.step, "seq": e.manifest.seq}
         by_key[key]["lineage"] = e.manifest.lineage
     if d.sync is not None and d.remote is not None:
+        from .remote import NO_MANIFEST
+
         try:
             remote_entries = d.sync.refresh()
         except Exception as e:
@@ -119,6 +126,8 @@ def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
             remote_entries = []
         for re_ in remote_entries:
             if re_.manifest is None:
+                if re_.problem != NO_MANIFEST:  # committed, but its manifest cannot be read
+                    unreadable.append(_unreadable(d.remote.url, re_.name, re_.problem))
                 continue
             key = (re_.manifest.run_id, re_.manifest.seq)
             item = by_key.setdefault(key, {"step": re_.manifest.step, "seq": re_.manifest.seq})
@@ -141,7 +150,22 @@ def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
             re_ = item["remote"]
             pair.append(Candidate(None, item["step"], re_.problem, key, re_.name, abandoned=gone))
         out[:0] = pair  # newest first
-    return out
+    unreadable.sort(key=lambda c: -1 if c.step is None else c.step, reverse=True)
+    return unreadable + out
+
+
+def _unreadable(url: str, name: str, problem: str | None) -> Candidate:
+    """A remote checkpoint whose manifest could not be read, as a candidate with that
+    problem (its step from its name)."""
+    m = CKPT_RE.match(name)
+    where = f"{url}/{name}"
+    problem = problem or "unreadable manifest"
+    return Candidate(
+        None,
+        int(m.group(1)) if m else None,
+        problem if where in problem else f"its remote copy {where}: {problem}",
+        remote=name,
+    )
 
 
 def warn_abandoned(c: Candidate, skipped: list[str], coordinator: bool) -> None:

@@ -486,8 +486,8 @@ class Restorer:
                     f"resume={r}: no checkpoint of step {r} in {where} (steps present: "
                     f"{have or 'none'}){'' if d.remote else notices.remote_tier_hint(ms, r)}"
                 )
-            # the newest checkpoint of that step, and its other copy if it has one
-            key = chosen[0].key
+            # the newest checkpoint of that step (one with a readable manifest), and its other copy
+            key = next((c.key for c in chosen if c.key is not None), None)
             cands = [c for c in chosen if key is not None and c.key == key] or chosen[:1]
         return cands
 
