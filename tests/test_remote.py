@@ -1125,3 +1125,64 @@ def test_keeping_every_checkpoint_the_uploader_still_deletes_cut_off_uploads(tmp
         ck.save(3, _state(3.0))
     assert second not in {e.name for e in st.scan()}
     assert sorted(_committed(url, None).values()) == [1, 2, 3]
+
+
+def test_gc_remove_corrupt_never_deletes_a_remote_checkpoint_whose_manifest_read_failed(
+    tmp_path, monkeypatch
+):
+    """One manifest read failing while gc lists the store (a timeout, a connection reset:
+    not a damaged manifest) made that checkpoint "corrupt", and `gc --remote --remove-corrupt`
+    deleted it, and so was one a newer version of the library wrote (which the local gc
+    keeps). Now both are kept and named; a damaged one is still deleted."""
+    local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
+    with Checkpointer(local, remote=url, keep_last=5) as ck:
+        for s in (10, 20, 30, 40):
+            ck.save(s, _state(s))
+    (tmp_path / "durable" / "run" / "step_000000010" / "manifest.json").write_text("{torn")
+    newer = tmp_path / "durable" / "run" / "step_000000030" / "manifest.json"
+    newer.write_text(json.dumps({**json.loads(newer.read_text()), "format_version": 99}))
+    fs = RemoteStore(url).fs  # the object every store of this URL shares (fsspec's cache)
+    real_cat = fs.cat
+
+    def cat(path, recursive=False, on_error="raise", **kw):
+        got = real_cat(path, recursive, on_error, **kw)
+        return {
+            p: ConnectionError("read timed out") if "step_000000020" in p else v
+            for p, v in got.items()
+        }
+
+    monkeypatch.setattr(fs, "cat", cat)
+    args = ("gc", str(local), "--remote", url, "--remove-corrupt", "--keep-last", "5", "--json")
+    got = _cli(*args)
+    assert got.returncode == 0, got.stderr
+    remote = json.loads(got.stdout)["remote"]
+    assert [d["name"] for d in remote["delete"]] == ["step_000000010"]
+    kept = {k["name"]: k for k in remote["keep"]}
+    assert "read timed out" in json.dumps(kept["step_000000020"])
+    assert "newer than this library" in json.dumps(kept["step_000000030"])
+    monkeypatch.undo()
+    assert (tmp_path / "durable" / "run" / "step_000000030" / "shared.safetensors").exists()
+    assert sorted(_committed(url, None).values()) == [20, 40]  # (30: unreadable here)
+
+
+def test_blobs_of_a_remote_checkpoint_of_a_newer_format_are_not_collected(tmp_path):
+    """A remote checkpoint whose manifest this version cannot read (a newer library wrote it
+    to the same URL, or it is damaged) names blobs no one here can see: the collection that
+    follows a remote deletion deleted them. Now it deletes no blob while such a manifest is
+    there, and says why."""
+    local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
+    with Checkpointer(
+        local, remote=url, keep_last=1, remote_keep_last="all", incremental=True
+    ) as ck:
+        for s in (10, 20, 30):
+            ck.save(s, _state(s, n=8192))  # each save's own blobs
+    newest = tmp_path / "durable" / "run" / "step_000000030" / "manifest.json"
+    m = json.loads(newest.read_text())
+    blobs = [tmp_path / "durable" / "run" / "blobs" / b["path"] for b in m["blobs"]]
+    assert blobs and all(b.exists() for b in blobs)
+    m["format_version"] = 99
+    newest.write_text(json.dumps(m))
+    got = _cli("gc", str(local), "--remote", url, "--keep-last", "1", "--json")
+    assert got.returncode == 0, got.stderr
+    assert [d["name"] for d in json.loads(got.stdout)["remote"]["delete"]] == ["step_000000010"]
+    assert all(b.exists() for b in blobs), "the newer checkpoint's blobs were deleted"

@@ -386,8 +386,8 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
                 kept.append((e, "not a checkpoint's name: left alone"))
             elif torn and age >= 0 and age > STALE_UPLOAD_S:
                 doomed.append((e, f"upload without a manifest, untouched for {age / 3600:.0f} h"))
-            elif torn:
-                kept.append((e, f"{e.problem}; may be an upload in progress"))
+            elif torn or e.unread:  # (unread: the store did not answer; not known damaged)
+                kept.append((e, f"{e.problem}{'; may be an upload in progress' * torn}"))
             elif args.remove_corrupt:  # a manifest that cannot be read
                 doomed.append((e, f"corrupt: {e.problem}"))
             else:

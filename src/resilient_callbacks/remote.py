@@ -35,7 +35,7 @@ from .blobs import BLOBS_DIR
 from .catalog import Depth, verify, verify_entries
 from .commit import STAGING_PREFIX, fsync_dir
 from .errors import CheckpointCorruptError, RemoteUnavailableError
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, NEWER_FORMAT, Manifest
 from .progress import Progress
 from .redact import options_text, url_text
 from .remote_blob_check import Verified
@@ -58,6 +58,9 @@ class RemoteEntry:
     sizes: dict[str, int]  # relative path -> size, as listed
     problem: str | None = None
     modified: float | None = None  # newest object's modification time (None: not listed)
+    # its manifest is listed but could not be read here (the store did not answer that read,
+    # or a newer version wrote it): not known to be damaged, so never deleted as corrupt
+    unread: bool = False
 
     @property
     def committed(self) -> bool:
@@ -215,11 +218,13 @@ class RemoteStore:
                 entries.append(RemoteEntry(name, None, sizes, NO_MANIFEST, modified.get(name)))
                 continue
             m = manifests[name]
-            if isinstance(m, Exception):
-                bad = (
-                    str(m) if isinstance(m, CheckpointCorruptError) else f"unreadable manifest: {m}"
-                )
-                entries.append(RemoteEntry(name, None, sizes, bad, modified.get(name)))
+            if isinstance(m, CheckpointCorruptError):  # damaged (a newer format: unread)
+                newer = NEWER_FORMAT in str(m)
+                entries.append(RemoteEntry(name, None, sizes, str(m), modified.get(name), newer))
+                continue
+            if isinstance(m, Exception):  # the read failed: not known damaged
+                bad = f"unreadable manifest: {type(m).__name__}: {url_text(str(m))}"
+                entries.append(RemoteEntry(name, None, sizes, bad, modified.get(name), True))
                 continue
             problem = None
             for f in m.files:

@@ -292,12 +292,14 @@ def collect(
 def _collect(
     store: RemoteStore, entries: list[RemoteEntry] | None, deadline: float | None
 ) -> list[str]:
+    from .remote import NO_MANIFEST  # (remote imports this module)
+
     markers = _markers(store)  # before the manifests: see collect
     live: set[str] = set()
     for e in store.scan() if entries is None else entries:
         if e.manifest is not None:
             live.update(b.path for b in e.manifest.blobs)
-        elif e.problem and e.problem.startswith("unreadable manifest"):
+        elif e.problem and e.problem != NO_MANIFEST:  # damaged, unread, or of a newer format
             log.warning(
                 "remote %s: not deleting unused blobs, the manifest of %s cannot be read",
                 store.url,
