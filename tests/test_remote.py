@@ -334,8 +334,9 @@ def test_checkpoints_the_uploader_skips_are_deleted_locally_at_once(tmp_path, ca
             ck.save(s, _state(s))
         local = tmp_path / "l"
         steps = sorted(n for n in os.listdir(local) if n.startswith("step_"))
-        assert len(steps) == 6  # every one held for its upload
-        gate.set()  # the first upload fails; then the uploader skips 10-40 (no save after)
+        # the one under way, held for its upload; each commit skipped the others (20-40)
+        assert steps == ["step_000000010", "step_000000050", "step_000000060"], steps
+        gate.set()  # the first upload fails; then the uploader skips 10 (no save after)
         deadline = time.monotonic() + 60
         while sorted(n for n in os.listdir(local) if n.startswith("step_")) != [
             "step_000000050",
@@ -422,6 +423,36 @@ def test_during_an_outage_each_commit_frees_what_the_uploader_would_skip(tmp_pat
         assert "the store is down" in error and "SECRET" not in error, error
     finally:
         ck.close()  # gives up on the outage (1.5 s here), naming what is only local
+
+
+def test_while_an_upload_hangs_each_commit_frees_what_the_uploader_would_skip(tmp_path):
+    """A store that accepts the upload and stops answering (s3fs retries its timeouts: one
+    request took 7 minutes to fail) holds the first attempt with no failure counted yet, and
+    commits skipped nothing until it ended: every save stayed on the disk. Now each commit
+    skips what the uploader would skip at its next try, as during a backoff."""
+    url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
+    ck = Checkpointer(tmp_path / "l", remote=url, keep_last=1, async_save=False)
+    release, started = threading.Event(), threading.Event()
+    real = ck.remote.upload
+
+    def hang(local_dir, manifest, name, progress=None):
+        started.set()
+        release.wait(60)
+        return real(local_dir, manifest, name, progress)
+
+    ck.remote.upload = hang
+    try:
+        ck.save(10, _state(10))
+        assert started.wait(30)
+        for s in (20, 30, 40):
+            ck.save(s, _state(s))
+        steps = sorted(n for n in os.listdir(tmp_path / "l") if n.startswith("step_"))
+        assert steps == ["step_000000010", "step_000000040"], steps  # under way; the newest
+        assert ck.remote_status().failures == 0
+    finally:
+        release.set()
+        ck.close()
+    assert sorted(_committed(url, None).values()) == [40]  # (10 then retired remotely)
 
 
 def test_close_gives_up_on_a_long_outage_and_names_what_is_only_local(

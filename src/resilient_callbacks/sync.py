@@ -137,9 +137,11 @@ class RemoteSync(UploadThread):
             if name not in self._queue:
                 self._queue.append(name)
                 self._cond.notify_all()
-            failing = self._failures > 0
-        if failing:  # the uploader waits out a backoff: skip what it would skip now, so local
-            self._coalesce()  # retention frees the disk at this commit, not at its next try
+            busy = self._failures > 0 or self._current is not None
+        # the uploader waits out a backoff, or an upload under way (one a store that stopped
+        # answering holds for minutes: s3fs's retries of its timeouts): skip what it would skip
+        if busy:  # at its next try now, so local retention frees the disk at this commit
+            self._coalesce()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the queue is empty; False if ``timeout`` passed first."""
