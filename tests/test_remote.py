@@ -455,6 +455,36 @@ def test_while_an_upload_hangs_each_commit_frees_what_the_uploader_would_skip(tm
     assert sorted(_committed(url, None).values()) == [40]  # (10 then retired remotely)
 
 
+def test_a_store_that_denies_deletes_gets_every_upload_and_one_warning(tmp_path, caplog):
+    """Credentials that may put and get but not delete (a common least-privilege policy, an
+    append-only bucket): S3 refuses even the delete of a key that is not there, and each
+    upload began by deleting the manifest its name might have, so every upload failed,
+    forever, after a preflight that passed. Now an upload deletes only what is there; the
+    preflight says once that deletes fail, and the remote retention's failure is a warning
+    once, not one per upload."""
+    url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
+    fs = RemoteStore(url).fs  # the object every store of this URL shares (fsspec's cache)
+
+    def deny(*a, **k):
+        raise PermissionError("AccessDenied: s3:DeleteObject")
+
+    caplog.set_level(logging.WARNING, "resilient_callbacks")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fs, "rm_file", deny)
+        mp.setattr(fs, "rm", deny)
+        kw = {"remote": url, "keep_last": 1, "remote_keep_last": 1, "async_save": False}
+        with Checkpointer(tmp_path / "l", **kw) as ck:
+            for s in (1, 2, 3, 4):
+                ck.save(s, _state(s))
+                assert ck._sync.wait(30)
+            assert ck.remote_status().failures == 0
+        assert sorted(_committed(url, None).values()) == [1, 2, 3, 4]  # none could go
+    said = [r.message for r in caplog.records]
+    assert sum("deleting an object there failed" in m for m in said) == 1, said
+    assert sum("remote_keep_last='all'" in m for m in said) == 1, said
+    assert sum("remote retention on" in m for m in said) == 1, said
+
+
 def test_close_gives_up_on_a_long_outage_and_names_what_is_only_local(
     tmp_path, caplog, monkeypatch
 ):

@@ -131,7 +131,9 @@ class RemoteStore:
 
     def preflight(self, timeout: float = 30.0) -> None:
         """Prove the store is reachable and writable: write, read back and delete a small
-        probe object. Raises :class:`RemoteUnavailableError` within ``timeout`` seconds."""
+        probe object. Raises :class:`RemoteUnavailableError` within ``timeout`` seconds; a
+        store that does not let it delete (uploads work; remote retention cannot) is a
+        warning, once."""
         probe = self._path(f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}")
 
         def run() -> None:
@@ -142,8 +144,17 @@ class RemoteStore:
                 if self.fs.cat_file(probe) != b"resilient_callbacks preflight":
                     raise OSError("the probe object read back different bytes")
             finally:
-                with contextlib.suppress(Exception):
+                try:
                     self.fs.rm_file(probe)
+                except Exception as e:
+                    log.warning(
+                        "remote %s: deleting an object there failed (%s: %s): uploads work, but "
+                        "the remote retention cannot delete old checkpoints. Grant delete "
+                        "rights (s3:DeleteObject), or pass remote_keep_last='all'",
+                        self.url,
+                        type(e).__name__,
+                        url_text(str(e)),
+                    )
 
         outcome: list[Exception | None] = []
 
@@ -337,7 +348,8 @@ class RemoteStore:
                 raise RemoteNameTaken(name, other)
         verify_entries(local_dir, manifest.files)  # the committed bytes, or nothing goes up
         commit = ManifestLastCommit(self, name, local_dir)
-        commit.begin(manifest.step)  # uncommits another checkpoint of this name first
+        # uncommit another checkpoint of this name; none there: no delete (a store may deny it)
+        commit.begin(manifest.step, uncommit=existing is not None or repair)
         lpaths = [os.path.join(local_dir, f.path) for f in manifest.files]
         rpaths = [self._path(name, f.path) for f in manifest.files]
         if self.is_local:
@@ -457,12 +469,14 @@ class ManifestLastCommit:
     def __init__(self, store: RemoteStore, name: str, local_dir: str) -> None:
         self.store, self.name, self.local_dir = store, name, local_dir
 
-    def begin(self, step: int) -> str:
+    def begin(self, step: int, uncommit: bool = True) -> str:
         """Uncommit whatever checkpoint had this name (its manifest first, so it is never seen
-        with files missing) and return the name to put the files under."""
+        with files missing; ``uncommit=False``: the caller saw none) and return the name to
+        put the files under."""
         st = self.store
         with contextlib.suppress(FileNotFoundError):
-            st.fs.rm_file(st._path(self.name, MANIFEST_NAME))
+            if uncommit:
+                st.fs.rm_file(st._path(self.name, MANIFEST_NAME))
         if st.is_local:
             st.fs.makedirs(st._path(self.name), exist_ok=True)
         return self.name

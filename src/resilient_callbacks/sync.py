@@ -88,6 +88,7 @@ class RemoteSync(UploadThread):
         self._progress: Progress | None = None  # of the upload under way
         self._upload_seconds = 0.0
         self._last_sweep: float | None = None  # when cut-off uploads were last looked for
+        self._retention_warned: float | None = None  # when a retention failure last warned
         self._start()
 
     # ------------------------------------------------------------------ queries
@@ -363,9 +364,15 @@ class RemoteSync(UploadThread):
                     log.info("remote: deleted %s/%s, an upload cut off", self.store.url, e.name)
             if p.delete:  # then the blobs no remaining remote checkpoint refers to
                 remote_blobs.collect(self.store)
-        except Exception as e:
-            log.warning(
-                "remote retention on %s failed (retried after the next upload): %s",
+        except Exception as e:  # warned once a while (a store that denies deletes: each time)
+            now = time.monotonic()
+            warn = self._retention_warned is None or now - self._retention_warned >= 3600.0
+            self._retention_warned = now if warn else self._retention_warned
+            log.log(
+                logging.WARNING if warn else logging.INFO,
+                "remote retention on %s failed (retried after the next upload; said again at "
+                "most hourly): %s: %s",
                 self.store.url,
-                e,
+                type(e).__name__,
+                url_text(str(e)),
             )
