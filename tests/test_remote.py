@@ -678,6 +678,42 @@ def test_unreachable_endpoint_is_a_clear_error_within_seconds(tmp_path):
     assert time.monotonic() - t0 < 20
 
 
+def test_a_job_restarted_during_an_outage_resumes_from_its_local_checkpoints(tmp_path, caplog):
+    """The store is down when a job with local checkpoints is requeued: the preflight raised,
+    so the job failed at construction (and crash-looped through the outage) although it had
+    all it needed to go on, and restore's documented fallback to the local tier could not be
+    reached. Now it goes on with a warning: restore takes the newest local checkpoint, saves
+    commit locally and are uploaded once the store answers. With nothing local it still
+    raises (the test above): a new node must not start from scratch."""
+    pytest.importorskip("s3fs")
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    local = tmp_path / "l"
+    with Checkpointer(local) as ck:
+        ck.save(10, _state(10))
+    opts = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "key": "k",
+        "secret": "s",
+        "client_kwargs": {"region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+    }
+    caplog.set_level(logging.WARNING, "resilient_callbacks")
+    ck = Checkpointer(local, remote="s3://bucket/run", remote_options=opts, keep_last=1)
+    try:
+        assert any("going on with them" in r.message for r in caplog.records)
+        with pytest.warns(ResumeFallbackWarning, match="could not list the remote"):
+            assert ck.restore(_fresh()) == 10
+        ck.save(20, _state(20))
+    finally:
+        ck.close(timeout=1)
+    assert any("still only local" in r.message for r in caplog.records)
+    assert (local / "step_000000020" / "manifest.json").exists()
+
+
 def test_an_unusable_local_remote_gets_filesystem_advice_not_cloud_advice(tmp_path):
     (tmp_path / "a_file").write_bytes(b"x")  # the remote's path runs through a file
     with pytest.raises(RemoteUnavailableError, match="not usable") as refused:

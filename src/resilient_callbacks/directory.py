@@ -235,14 +235,14 @@ class Directory:
         """Coordinator: connect to the remote tier and prove it usable (a clear error now, not
         after hours of training), then start the uploader."""
         from .remote import RemoteStore
-        from .sync import RemoteSync
+        from .sync import RemoteSync, preflight
 
         assert config.remote is not None
         self.remote = RemoteStore(config.remote, config.remote_options)
         st = self.remote  # one writer per store in this process, however its URL is spelled
         where = os.path.realpath(st.root) if st.is_local else st.root
         claim_remote(f"{st.protocol}://{where}", st.url, self.lock)
-        self.remote.preflight(timeout=config.remote_timeout)
+        reachable = preflight(self.remote, config.remote_timeout, self.dirpath)
         self.remote_due = config.remote_due
         self.sync = RemoteSync(
             self.remote,
@@ -253,7 +253,7 @@ class Directory:
         )
         # new commits number after the remote's too, also when no restore() lists the tiers (a
         # new run that only saves): a restore takes the highest number, of whichever run
-        for e in self.sync.refresh():
+        for e in self.sync.refresh() if reachable else []:
             self.seq = max(self.seq, e.manifest.seq if e.manifest is not None else 0)
 
     def release(self) -> None:
