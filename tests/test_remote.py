@@ -714,6 +714,21 @@ def test_a_job_restarted_during_an_outage_resumes_from_its_local_checkpoints(tmp
     assert (local / "step_000000020" / "manifest.json").exists()
 
 
+def test_the_preflight_error_reads_as_one_sentence_per_part(tmp_path, monkeypatch):
+    """S3's messages end with a period ("The AWS Access Key Id you provided does not exist in
+    our records."): the preflight's error read "records.. Check the bucket name ..."."""
+    url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
+    fs = RemoteStore(url).fs
+
+    def refused(*a, **k):
+        raise PermissionError("The AWS Access Key Id you provided does not exist in our records.")
+
+    monkeypatch.setattr(fs, "pipe_file", refused)
+    with pytest.raises(RemoteUnavailableError) as info:
+        Checkpointer(tmp_path / "l", remote=url)
+    assert "in our records. Check the bucket name" in str(info.value), str(info.value)
+
+
 def test_an_unusable_local_remote_gets_filesystem_advice_not_cloud_advice(tmp_path):
     (tmp_path / "a_file").write_bytes(b"x")  # the remote's path runs through a file
     with pytest.raises(RemoteUnavailableError, match="not usable") as refused:

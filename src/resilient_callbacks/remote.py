@@ -178,8 +178,8 @@ class RemoteStore:
         if (e := outcome[0]) is not None:
             check = _LOCAL_ADVICE if self.is_local else _STORE_ADVICE
             raise RemoteUnavailableError(
-                f"remote {self.url} is not usable: {type(e).__name__}: {url_text(str(e))}. "
-                f"{check} "
+                f"remote {self.url} is not usable: {type(e).__name__}: "
+                f"{url_text(str(e)).rstrip('. ')}. {check} "
                 f"(remote_options: {options_text(self.options)})."
             ) from e
 
