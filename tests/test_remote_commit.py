@@ -325,3 +325,37 @@ def test_a_node_holds_its_uploaded_part_until_the_remote_commit_is_settled(tmp_p
         committer.stop()
         for u in up:
             u.stop()
+
+
+def test_a_failing_remote_retention_warns_once_not_after_every_commit(tmp_path, caplog):
+    """The node-local committer's remote retention, on a store that denies deletes: a warning
+    after every remote commit. Now one, then at most hourly (info between)."""
+    import logging
+
+    store = RemoteStore(f"file://{tmp_path}/remote")
+    store.preflight()
+
+    def deny(name):
+        raise PermissionError("AccessDenied: s3:DeleteObject")
+
+    store.delete = deny
+    committer = RemoteCommitter(store, 1, RetentionPolicy(keep_last=1), retry_base_s=0.01)
+    up = NodeUploader(store, str(tmp_path / "node0"), 0)
+    caplog.set_level(logging.WARNING, "resilient_callbacks")
+    try:
+        for seq in (1, 2, 3):
+            name = f"step_00000000{seq}"
+            files = [_node_dir(tmp_path / "node0", name, 0, bytes([seq]) * 100)]
+            m = Manifest(step=seq, run_id="run1", seq=seq, world_size=1, files=files)
+            committer.expect(("run1", seq), name, encode_json(m.to_json()))
+            up.enqueue(name, name, ("run1", seq), files)
+            assert up.wait(30)
+            for rep in up.take_reports():
+                committer.report(0, rep)
+            assert committer.wait(30) is True
+    finally:
+        committer.stop()
+        up.stop()
+    assert sorted(_committed(store)) == ["step_000000001", "step_000000002", "step_000000003"]
+    said = [r.message for r in caplog.records if "remote retention" in r.message]
+    assert len(said) == 1 and "AccessDenied" in said[0], said

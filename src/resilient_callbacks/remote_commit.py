@@ -35,7 +35,7 @@ from .node_upload import Key, NodeUploader, UploadCounters, UploadJob
 from .redact import url_text
 from .remote import RemoteStore, retention_candidates
 from .retention import Candidate, RetentionPolicy, plan
-from .upload_thread import UploadThread, backoff_s, by_grace
+from .upload_thread import UploadThread, backoff_s, by_grace, retention_failed
 
 __all__ = ["Key", "NodeUploader", "PendingCommit", "RemoteCommitter", "UploadCounters", "UploadJob"]
 
@@ -326,4 +326,4 @@ class RemoteCommitter(UploadThread):
                     self.index = {k: v for k, v in self.index.items() if v != name}
                 log.info("remote retention: deleted %s/%s", self.store.url, name)
         except Exception as e:
-            log.warning("remote retention on %s failed: %s", self.store.url, url_text(str(e)))
+            retention_failed(self, self.store.url, e)

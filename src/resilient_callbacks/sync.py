@@ -34,7 +34,7 @@ from .remote import (
 )
 from .remote_objects import RemoteNameTaken, free_name
 from .retention import Candidate, RetentionPolicy, plan
-from .upload_thread import UploadThread, backoff_s
+from .upload_thread import UploadThread, backoff_s, retention_failed
 
 SWEEP_EVERY_S = 3600.0  # keeping every checkpoint, cut-off uploads are looked for this often
 
@@ -125,7 +125,6 @@ class RemoteSync(UploadThread):
         self._progress: Progress | None = None  # of the upload under way
         self._upload_seconds = 0.0
         self._last_sweep: float | None = None  # when cut-off uploads were last looked for
-        self._retention_warned: float | None = None  # when a retention failure last warned
         self._start()
 
     # ------------------------------------------------------------------ queries
@@ -401,15 +400,5 @@ class RemoteSync(UploadThread):
                     log.info("remote: deleted %s/%s, an upload cut off", self.store.url, e.name)
             if p.delete:  # then the blobs no remaining remote checkpoint refers to
                 remote_blobs.collect(self.store)
-        except Exception as e:  # warned once a while (a store that denies deletes: each time)
-            now = time.monotonic()
-            warn = self._retention_warned is None or now - self._retention_warned >= 3600.0
-            self._retention_warned = now if warn else self._retention_warned
-            log.log(
-                logging.WARNING if warn else logging.INFO,
-                "remote retention on %s failed (retried after the next upload; said again at "
-                "most hourly): %s: %s",
-                self.store.url,
-                type(e).__name__,
-                url_text(str(e)),
-            )
+        except Exception as e:
+            retention_failed(self, self.store.url, e)

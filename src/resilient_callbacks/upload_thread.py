@@ -10,13 +10,17 @@ owns the thread (the coordinator, or a node's leader); nothing here is collectiv
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import threading
 import time
 from collections.abc import Callable
 
+from .redact import url_text
+
 _JITTER = random.Random()
+RETENTION_WARN_EVERY_S = 3600.0
 EXIT_MARGIN_S = 5.0  # of a grace period, left to exit after the uploads (interpreter teardown)
 
 
@@ -28,6 +32,25 @@ def backoff_s(failures: int, base_s: float, max_s: float = math.inf, jitter: boo
     return delay * _JITTER.uniform(0.5, 1.0) if jitter else delay
 
 
+def retention_failed(thread: UploadThread, url: str, e: Exception) -> None:
+    """Log that the remote retention on ``url`` failed (retried after the next upload): a
+    warning the first time, then at most hourly, info between (a store that denies deletes
+    fails it after every upload)."""
+    now = time.monotonic()
+    last = thread._retention_warned
+    warn = last is None or now - last >= RETENTION_WARN_EVERY_S
+    if warn:
+        thread._retention_warned = now
+    logging.getLogger("resilient_callbacks").log(
+        logging.WARNING if warn else logging.INFO,
+        "remote retention on %s failed (retried after the next upload; said again at most "
+        "hourly): %s: %s",
+        url,
+        type(e).__name__,
+        url_text(str(e)),
+    )
+
+
 class UploadThread:
     """A daemon thread (:meth:`_run`, given by the subclass) and the condition variable that
     guards the subclass's queue. The subclass calls ``super().__init__(name)`` first and
@@ -35,6 +58,7 @@ class UploadThread:
 
     def __init__(self, name: str) -> None:
         self._cond = threading.Condition()
+        self._retention_warned: float | None = None  # when a retention failure last warned
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
