@@ -58,7 +58,7 @@ def preflight(store: RemoteStore, timeout: float, dirpath: str) -> bool:
         log.warning(
             "%s. %s holds checkpoints: going on with them; uploads are retried with backoff "
             "until the store answers",
-            e,
+            str(e).rstrip("."),
             dirpath,
         )
         return False
