@@ -133,3 +133,24 @@ def test_an_optimizer_step_that_raised_part_way_saves_nothing(tmp_path, caplog):
             ck.step(step, state)
     assert not [p for p in ck_dir.iterdir() if p.name.startswith("step_")]
     assert any("matches no step" in r.getMessage() for r in caplog.records)
+
+
+class UnprintableError(RuntimeError):
+    """An exception whose str() raises (its __str__ reads an attribute it was never given)."""
+
+    def __str__(self) -> str:
+        return self.detail  # type: ignore[attr-defined]
+
+
+def test_an_exception_whose_str_fails_still_gets_its_save_and_close(tmp_path):
+    """abort() read str(exc) for the close's message before the emergency save: an exception
+    whose __str__ raised (AttributeError here) replaced the training's exception, the emergency
+    save was skipped and the Checkpointer stayed open (its directory locked)."""
+    with (
+        pytest.raises(UnprintableError),
+        Checkpointer(tmp_path, every_n_steps=100, save_on_exception=True, async_save=False) as ck,
+    ):
+        ck.step(1, {"w": torch.ones(2)})
+        raise UnprintableError()
+    assert ck.closed
+    assert ck.last_saved_step == 1

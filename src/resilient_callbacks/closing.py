@@ -93,9 +93,13 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
 def failing(ck: Checkpointer, exc: BaseException) -> None:
     """Training failed with ``exc`` (``abort``, an adapter's exception hook, an exception no
     one caught at exit): the history records a failure with its name, not an end; a signal
-    that came meanwhile is said so at close, with what the message tells."""
+    that came meanwhile is said so at close, with what the message tells. Never raises: an
+    exception whose ``str()`` fails must still get its emergency save, and the close."""
     ck.failed_with = type(exc).__name__
-    ck.failed_detail = str(exc)
+    try:
+        ck.failed_detail = str(exc)
+    except Exception:  # a broken __str__ (an attribute it reads was never set)
+        ck.failed_detail = ""
 
 
 def _worker_killed_hint(ck: Checkpointer) -> str:
