@@ -4,7 +4,9 @@ restored into placeholders. Each comes back exactly or is refused at save, namin
 
 from __future__ import annotations
 
+import collections
 import sys
+from collections.abc import MutableMapping
 
 import numpy as np
 import pytest
@@ -213,3 +215,41 @@ def test_a_restore_into_an_expanded_tensor_is_refused_before_anything_loads(tmp_
     with pytest.raises(CheckpointMismatchError, match=r"state\['pos'\] is an expanded tensor"):
         _restore(tmp_path / "ck", live)
     assert torch.equal(fresh.weight, before)  # nothing loaded
+
+
+class _FixedKeys(MutableMapping):
+    """A mapping whose keys are fixed at construction (a config in 'struct' mode): values
+    change, keys are never added or removed."""
+
+    def __init__(self, **values):
+        self._d = dict(values)
+
+    def __getitem__(self, k):
+        return self._d[k]
+
+    def __setitem__(self, k, v):
+        if k not in self._d:
+            raise KeyError(f"{k!r}: no new keys")
+        self._d[k] = v
+
+    def __delitem__(self, k):
+        raise TypeError("keys are fixed")
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self):
+        return len(self._d)
+
+
+def test_a_mapping_with_fixed_keys_in_another_order_is_restored_in_its_own(tmp_path):
+    """The saved-order restore popped and re-set every key of any mapping whose order differed:
+    one that cannot drop a key (a struct-mode config) made the restore fail, where it had
+    restored its values before; a dict subclass still takes the saved order."""
+    _save(tmp_path / "ck", {"cfg": {"lr": 0.5, "wd": 0.1}, "d": {"a": 1, "b": 2}})
+    cfg = _FixedKeys(wd=0.0, lr=0.0)
+    d = collections.defaultdict(int, b=0, a=0)
+    live = {"cfg": cfg, "d": d}
+    _restore(tmp_path / "ck", live)
+    assert live["cfg"] is cfg and dict(cfg) == {"wd": 0.1, "lr": 0.5}
+    assert live["d"] is d and list(d) == ["a", "b"] and d == {"a": 1, "b": 2}

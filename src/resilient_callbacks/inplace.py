@@ -146,8 +146,8 @@ def apply(
 def merge_plain(
     obj: Any, value: Any, path: tuple[Any, ...] = (), removed: list[str] | None = None
 ) -> bool:
-    """Make the plain container ``obj`` equal to the decoded ``value`` in place (a dict's keys in
-    ``value``'s order too), recursing into the dicts and lists both hold at the same key or
+    """Make the plain container ``obj`` equal to the decoded ``value`` in place (a ``dict``'s keys
+    in ``value``'s order too), recursing into the dicts and lists both hold at the same key or
     index, so nested containers keep their identity too. Returns False where ``obj`` is not a container of ``value``'s kind (the caller
     puts ``value`` in its place). The paths of dict keys removed are added to ``removed``."""
     if isinstance(obj, MutableMapping) and isinstance(value, Mapping):
@@ -158,7 +158,10 @@ def merge_plain(
         for k, v in value.items():
             if not (k in obj and merge_plain(obj[k], v, (*path, k), removed)):
                 obj[k] = v
-        if list(obj) != list(value):  # the saved order: a loop over it (a sum) goes as saved
+        if isinstance(obj, dict) and list(obj) != list(value):
+            # the saved order: a loop over it (a sum) goes as saved. Only a dict (subclasses
+            # too) keeps its keys in insertion order; another mapping orders them itself (sorted)
+            # or cannot lose a key (a config with fixed keys), so it is left in its order
             for k in value:
                 obj[k] = obj.pop(k)
         return True
