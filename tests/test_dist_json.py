@@ -138,3 +138,31 @@ def test_workers_torchrun_restarts_over_a_shared_store_are_warned_once(
         str(w.message) for w in caught if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(w.message)
     ]
     assert len(said) == (1 if warned else 0), said
+
+
+def test_a_set_variable_with_a_shared_store_is_told_as_torchruns_static_rendezvous(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 acts on the c10d rendezvous only: torchrun's
+    default static one (plain `torchrun --max-restarts`, integrations/torchrun/run.sh on
+    several nodes) shares its store all the same (TORCHELASTIC_USE_AGENT_STORE=True), and its
+    restarted workers failed with the stale addresses with the variable set (probed 2026-12-06,
+    torch 2.13, 2 of 2 runs). The warning and the error told such a run to set the variable it
+    had set; they now name the c10d rendezvous."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    monkeypatch.setattr(dist, "rank", lambda: 0)
+    monkeypatch.setattr(dist, "_store_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.warn_if_restarts_share_a_store()
+    said = [str(w.message) for w in caught if "rendezvous" in str(w.message)]
+    said.append(dist.failed_exchange(RuntimeError(GLOO_STALE)))
+    assert len(said) == 2
+    for message in said:
+        assert "is set, but torchrun's static rendezvous" in message
+        assert "--rdzv-backend=c10d" in message
+        assert "Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" not in message

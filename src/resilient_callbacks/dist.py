@@ -44,8 +44,7 @@ def failed_exchange(e: BaseException) -> str:
         cause = (
             f"this worker, restarted by torchrun (attempt {attempt}), read another attempt's "
             "process-group addresses from torchrun's rendezvous store, which outlives a "
-            "restart when the workers share it (pytorch/pytorch#135712): run torchrun with "
-            f"{UNSHARED_STORE}=1 in its environment (integrations/torchrun/)"
+            f"restart when the workers share it (pytorch/pytorch#135712): {unshared_store_fix()}"
         )
         return f"exchanging with the other ranks failed ({raw}); most likely {cause}"
     if any(m in str(e).lower() for m in _PEER_GONE):
@@ -92,9 +91,26 @@ def warn_if_restarts_share_a_store() -> None:
         "rendezvous store, which outlives a restart: a restarted worker may read the previous "
         "attempt's process-group addresses, and its init_process_group (or the checkpointer's "
         "first save) fails with gloo's 'connectFullMesh ... Connection refused' or waits until "
-        f"its timeout (pytorch/pytorch#135712). Start torchrun with {UNSHARED_STORE}=1 in its "
-        "environment: then every attempt has a store of its own",
+        f"its timeout (pytorch/pytorch#135712). {unshared_store_fix()}",
         stacklevel=AT_CALLER,
+    )
+
+
+def unshared_store_fix() -> str:
+    """What gives each attempt of torchrun's workers a store of its own, here: the variable, or,
+    where it is set and the store is shared all the same, the c10d rendezvous it applies to."""
+    if os.environ.get(UNSHARED_STORE) == "1":
+        # set, yet shared: torchrun's static rendezvous (its default), which ignores it (probed
+        # 2026-12-06, torch 2.13: restarted workers still dialled the last attempt's addresses)
+        return (
+            f"{UNSHARED_STORE}=1 is set, but torchrun's static rendezvous (its default, and "
+            "--master-addr/--master-port) shares its store all the same: start torchrun with "
+            "--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT (--standalone on one node) and that "
+            "variable, or restart the whole job from the scheduler instead (--max-restarts 0)"
+        )
+    return (
+        f"Start torchrun with {UNSHARED_STORE}=1 in its environment (integrations/torchrun/): "
+        "then every attempt has a store of its own"
     )
 
 
