@@ -140,7 +140,9 @@ def test_an_int_too_long_for_a_json_reader_is_refused_by_name(tmp_path, where):
             ck.save(1, {"extra": value})
         assert "state['extra']['x']" in str(ei.value)
         assert ck.checkpoints() == []
-    ok = {"extra": {"x": 10**4200, "y": -(2**14000)}}  # within the limit: restored exactly
+    # within the limit: restored exactly (10**4300 - 1 has 4300 digits, and 14284 bits: its
+    # bit length alone had it refused)
+    ok = {"extra": {"x": 10**4200, "y": -(2**14000), "z": -(10**4300 - 1)}}
     _save(tmp_path / "ck2", ok)
     live = {"extra": {}}
     _restore(tmp_path / "ck2", live)

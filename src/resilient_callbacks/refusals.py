@@ -18,11 +18,13 @@ from .errors import UnsupportedStateError
 #: a larger int was saved, and then could not be read by a process with the default limit
 INT_DIGITS = 4300
 _INT_BITS = int((INT_DIGITS - 1) * 3.3219)  # bits of the largest int surely within them
+_INT_TOO_LONG = 10**INT_DIGITS  # the smallest int of more digits
 
 
 def refuse_int(value: int, where: str) -> None:
-    """Refuse an int of more digits than a JSON reader accepts by default."""
-    if value.bit_length() > _INT_BITS:
+    """Refuse an int of more digits than a JSON reader accepts by default (one of exactly
+    ``INT_DIGITS`` digits is read back, and saved)."""
+    if value.bit_length() > _INT_BITS and abs(value) >= _INT_TOO_LONG:
         raise UnsupportedStateError(
             f"{where} is an int of {value.bit_length()} bits; a JSON reader accepts integers "
             f"of up to {INT_DIGITS} digits. Store it as a str (str(value)) or as bytes "
