@@ -54,6 +54,8 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"
 # the restarted workers can read the previous attempt's process-group keys and dial ports of
 # dead workers, so init_process_group hangs until its timeout (seen here in 3 of 6 restarts with
 # torch 2.13; pytorch/pytorch#135712). A store per attempt (the pre-2.5 behaviour) avoids it.
+# It acts on the c10d rendezvous (one node, below) only: the static one used for NNODES > 1
+# shares its store regardless, so there keep MAX_RESTARTS=0 and let the scheduler restart.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 child=""
