@@ -15,7 +15,9 @@
 #                     also NODE_RANK (this node, 0..NNODES-1) and MASTER_ADDR/MASTER_PORT (node
 #                     0's address, default port 29500); MAX_RESTARTS then restarts this node's
 #                     group only when every node does (torchrun's rule)
-#   MAX_RESTARTS      group restarts before torchrun gives up, default 3
+#   MAX_RESTARTS      group restarts before torchrun gives up, default 3 on one node and 0 on
+#                     several (the static rendezvous's restarts can hang: see below; there the
+#                     scheduler restarts the job on exit 75 or a failure)
 #   SHUTDOWN_TIMEOUT  seconds torchrun gives workers between its SIGTERM/SIGUSR1 and SIGKILL,
 #                     default 120: long enough for one emergency checkpoint (torchrun's own
 #                     default, 30 s, can cut a large save short)
@@ -34,7 +36,7 @@ set -uo pipefail
 readonly RESUMABLE_EXIT_CODE=75
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 NPROC="${NPROC:-2}"
-MAX_RESTARTS="${MAX_RESTARTS:-3}"
+if [[ ${NNODES:-1} -gt 1 ]]; then MAX_RESTARTS="${MAX_RESTARTS:-0}"; else MAX_RESTARTS="${MAX_RESTARTS:-3}"; fi
 SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-120}"
 TRAIN_SCRIPT="${TRAIN_SCRIPT:-$HERE/../train.py}"
 if [[ -z ${TORCHRUN:-} ]]; then
@@ -55,7 +57,7 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$SHUTDOWN_TIMEOUT"
 # dead workers, so init_process_group hangs until its timeout (seen here in 3 of 6 restarts with
 # torch 2.13; pytorch/pytorch#135712). A store per attempt (the pre-2.5 behaviour) avoids it.
 # It acts on the c10d rendezvous (one node, below) only: the static one used for NNODES > 1
-# shares its store regardless, so there keep MAX_RESTARTS=0 and let the scheduler restart.
+# shares its store regardless, so there MAX_RESTARTS defaults to 0: the scheduler restarts.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 child=""
