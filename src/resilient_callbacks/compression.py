@@ -36,10 +36,10 @@ from .tensorfile import (
     FileDigest,
     _as_bytes,
     _layout,
+    header_bytes,
     lay_out,
     new_hasher,
     parse_header,
-    read_verified,
 )
 
 SUFFIX = ".zst"
@@ -181,49 +181,65 @@ def read_tensors_compressed(
     path: str, expect: FileDigest | None, codec: str
 ) -> dict[str, torch.Tensor]:
     """Read a compressed tensor file: the stored bytes are checked against ``expect`` (size and
-    xxh3-64) before anything is decompressed; zstd checks its own checksum while decoding."""
+    xxh3-64) before anything is decompressed; zstd checks its own checksum while decoding.
+
+    Host memory: the checksum is computed by streaming the file (as ``verify`` does), then the
+    file is decompressed a chunk at a time straight into one freshly allocated tensor per entry
+    (unshuffled in place): the peak is the restored tensors plus a few chunks, and each tensor
+    owns its memory, so an object that keeps some of them (an optimizer on the CPU) keeps no
+    more than those. (Reading the whole stored file into memory and decompressing it into one
+    buffer that the tensors viewed held the stored and the decompressed bytes at once, and a
+    kept tensor kept the whole buffer: on the CPU, the model's share of it stayed for the run.)
+    The second pass reads the file from the page cache where it fits there; a file changed
+    between the passes fails zstd's content checksum."""
     if codec not in CODECS:
         raise CheckpointCorruptError(
             f"{path}: codec {codec!r} is unknown to this version of resilient-callbacks; "
             "upgrade it to read this checkpoint"
         )
-    stored = read_verified(path, expect)
+    _check_stored(path, expect)
     z = zstd()
+    result: dict[str, torch.Tensor] = {}
     try:
-        size = z.frame_content_size(bytes(stored[:18]))
-        if size < 0:
-            raise CheckpointCorruptError(f"{path}: the zstd frame does not record its size")
-        out = np.empty(size, dtype=np.uint8)
-        reader = z.ZstdDecompressor().stream_reader(memoryview(stored))
-        view = memoryview(out)  # type: ignore[arg-type]
-        pos = 0
-        while pos < size:
-            n = reader.readinto(view[pos : min(size, pos + CHUNK)])
-            if not n:
-                raise CheckpointCorruptError(f"{path}: the zstd frame ended early")
-            pos += n
+        with open(path, "rb") as f:
+            size = z.frame_content_size(f.read(18))
+            if size < 0:
+                raise CheckpointCorruptError(f"{path}: the zstd frame does not record its size")
+            f.seek(0)
+            with z.ZstdDecompressor().stream_reader(f, read_size=CHUNK) as reader:
+                head = header_bytes(reader, path)
+                header, data_start = parse_header(head, path)
+                for name, dtype, shape, start, end in _layout(header, data_start, size, path):
+                    t = torch.empty(shape, dtype=dtype)
+                    if end > start:
+                        flat = t.reshape(-1).view(torch.uint8).numpy()
+                        _read_exactly(reader, memoryview(flat), path)  # type: ignore[arg-type]
+                        if codec == "zstd+shuffle":
+                            unshuffle_(flat, dtype.itemsize)
+                    result[name] = t
+                if reader.read(1):  # (also makes zstd check the frame's content checksum)
+                    raise CheckpointCorruptError(f"{path}: data after the last tensor")
     except z.ZstdError as e:
         raise CheckpointCorruptError(f"{path}: cannot decompress ({e})") from None
-    del stored
-    header, data_start = parse_header(
-        memoryview(out)[  # type: ignore[arg-type]
-            : min(size, 8 + (100 << 20))
-        ],
-        path,
-    )
-    result: dict[str, torch.Tensor] = {}
-    for name, dtype, shape, start, end in _layout(header, data_start, size, path):
-        region = out[data_start + start : data_start + end]
-        if codec == "zstd+shuffle":
-            unshuffle_(region, dtype.itemsize)
-        if end == start:
-            result[name] = torch.empty(shape, dtype=dtype)
-            continue
-        raw = torch.from_numpy(region)
-        if (data_start + start) % dtype.itemsize:
-            raw = raw.clone()
-        result[name] = raw.view(dtype).reshape(shape)
     return result
+
+
+def _check_stored(path: str, expect: FileDigest | None) -> None:
+    """Size and checksum of the stored (compressed) file against ``expect``, streamed."""
+    from .tensorfile import _check_digest, _checked_size, digest_file
+
+    _checked_size(path, expect)
+    if expect is not None:
+        _check_digest(path, digest_file(path, expect.xxh3_64).xxh3_64, expect)
+
+
+def _read_exactly(reader: Any, view: memoryview, path: str) -> None:
+    pos = 0
+    while pos < len(view):
+        n = reader.readinto(view[pos : min(len(view), pos + CHUNK)])
+        if not n:
+            raise CheckpointCorruptError(f"{path}: the zstd frame ended early")
+        pos += n
 
 
 # ------------------------------------------------------------------------------ auto
