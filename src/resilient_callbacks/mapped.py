@@ -13,12 +13,23 @@ So tensors handed to objects that keep them get private copies (:func:`private`)
 whose parameters are on an accelerator moves its state there but keeps a few tensors as given
 (Adam's ``step`` stays on the CPU), and those are copied after it loads (:func:`copy_kept`).
 After a restore :func:`still_mapped` names any file of the restored checkpoint that something
-still maps (:meth:`.restoring.Restorer.restore` warns). Thread contract: any thread; the registry is
+still maps (:meth:`.restoring.Restorer.restore` warns).
+
+Host memory: a mapped page that was read counts in the process's resident set until it is
+unmapped. Verifying reads every page, loading reads them again, and the copies made for objects
+that keep tensors come on top: the restore of a model and its CPU optimizer peaked at the whole
+file mapped *plus* the optimizer's copies, a full state above ``torch.load()``'s. So the pages
+of a tensor nobody will read from the mapping again are dropped from the resident set
+(:func:`release`: ``MADV_DONTNEED`` of its whole pages; they stay in the page cache, and a later
+read of them faults the same bytes back in, since nothing has written them): the verified file
+as soon as it is hashed (:mod:`.tensorfile`), each original once :func:`private` copied it, and
+a module's tensors once it loaded them without keeping any. Thread contract: any thread; the registry is
 guarded by a lock, and an entry goes when its mapping is freed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -51,6 +62,29 @@ def register(mm: mmap.mmap, path: str) -> None:
         _live[key] = (weakref.ref(mm, gone), start, start + size, os.path.abspath(path))
 
 
+def release(t: torch.Tensor) -> None:
+    """Drop the whole pages of ``t``'s storage, if it lies in a registered mapping, from this
+    process's resident set (``MADV_DONTNEED``; partial pages at its ends stay). Contract: nothing
+    has written those pages (they hold the file's bytes, which a later read faults back in);
+    true of every tensor a restore maps until it is handed to an object (see the module's
+    docstring). A no-op where ``madvise`` is missing (Windows) or refuses."""
+    if not hasattr(mmap, "MADV_DONTNEED") or t.device.type != "cpu" or not t.numel():
+        return
+    storage = t.untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    with _lock:
+        found = [(ref(), start) for ref, start, end, _ in _live.values() if start <= ptr < end]
+    mm, start = found[0] if found else (None, 0)
+    if mm is None:
+        return
+    page = mmap.PAGESIZE
+    lo = -(-(ptr - start) // page) * page
+    hi = min((ptr + nbytes - start) // page * page, len(mm))
+    if hi > lo:
+        with contextlib.suppress(OSError, ValueError):  # only an optimisation
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
 def is_mapped(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory lies in a mapped checkpoint file."""
     if t.device.type != "cpu" or not t.numel():
@@ -71,6 +105,7 @@ def private(value: Any, memo: dict[int, tuple[Any, torch.Tensor]] | None = None)
             return value
         if id(value) not in memo:
             memo[id(value)] = (value, value.clone())  # (the original held: its id stays its)
+            release(value)  # read once, copied: its pages leave the resident set
         return memo[id(value)][1]
     if isinstance(value, dict):
         new: Any = {k: private(v, memo) for k, v in value.items()}
@@ -128,7 +163,21 @@ def load_state(obj: Any, value: Any, load: Callable[[Any], Any]) -> Any:
     result = load(private(value) if keeps else value)
     if not keeps and not isinstance(obj, torch.nn.Module):
         copy_kept(obj)
+    if isinstance(obj, torch.nn.Module) and not any(map(is_mapped, obj.state_dict().values())):
+        for t in _tensors(value):  # copied into the module: not read from the mapping again
+            release(t)
     return result
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, at any depth of dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def still_mapped(directory: str) -> list[str]:

@@ -330,9 +330,16 @@ def map_tensors_verified(
     # A file in the page cache: its segments are hashed by several threads (checksum.py). One
     # coming from the disk: one thread hashes, helper threads fault the mapping in ahead of it.
     with memoryview(mm) as view, MappedPrefetch(mm, 0 if cached else size) as ahead:
-        got = digest_view(view, scheme, parallel=cached, progress=ahead.advance)
+        hashed = _Dropper(mm)
+
+        def progress(offset: int) -> None:
+            ahead.advance(offset)
+            hashed.upto(offset)
+
+        got = digest_view(view, scheme, parallel=cached, progress=progress)
         _check_digest(path, got, expect)
         header, data_start = parse_header(view[: min(size, 8 + (100 << 20))], path)
+    hashed.upto(size)
     _fill_metadata(header, metadata, path)
     out: dict[str, torch.Tensor] = {}
     for name, dtype, shape, start, end in _layout(header, data_start, size, path):
@@ -344,6 +351,27 @@ def map_tensors_verified(
             raw = raw.clone()  # a small tensor's tail, or a file from another writer (see ALIGN)
         out[name] = raw.view(dtype).reshape(shape)
     return out
+
+
+class _Dropper:
+    """Drops the pages of a mapping nothing has written yet from the resident set, front to back
+    as they are hashed (``MADV_DONTNEED``: they stay in the page cache; loading faults the same
+    bytes back in). Verifying a file otherwise left all of it resident (:mod:`.mapped`)."""
+
+    def __init__(self, mm: mmap.mmap) -> None:
+        self.mm, self.done = mm, 0
+
+    def upto(self, offset: int) -> None:
+        end = min(offset, len(self.mm)) // mmap.PAGESIZE * mmap.PAGESIZE
+        if offset >= len(self.mm):
+            end = len(self.mm)
+        if end <= self.done or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        try:
+            self.mm.madvise(mmap.MADV_DONTNEED, self.done, end - self.done)
+        except (OSError, ValueError):  # pragma: no cover - only an optimisation
+            return
+        self.done = end
 
 
 def _fill_metadata(header: dict[str, Any], out: dict[str, str] | None, path: str) -> None:
