@@ -31,7 +31,7 @@ SCRIPT = Path(__file__).with_name("train_script.py")
 TOTAL = 60
 EVERY = 5
 KEEP_LAST = 3
-SLEEP = 0.02  # per step, so the parent can land a kill between chosen steps
+SLEEP = 0.02  # per step: background saves get time to commit between steps
 SEED = int(os.environ.get("RC_TEST_SEED", "20240611"))
 RUN_TIMEOUT = 120
 
@@ -111,12 +111,16 @@ def _records_from(jsonl: Path, offset: int) -> list[dict]:
 
 
 def _run_and_kill(cmd: list[str], jsonl: Path, kill_at: int) -> tuple[int, str]:
-    """Start the script, SIGKILL it once it has logged step >= ``kill_at`` in this run; return
-    (last step this run logged, its stderr)."""
+    """Start the script, SIGKILL it once it has logged step ``kill_at`` in this run; return
+    (last step this run logged, its stderr). The script waits after that step (``--hold-at``)
+    until it is killed, so the kill lands at ``kill_at`` however loaded the machine is: anywhere
+    from the step's log line on, during its ``ckpt.step`` and any save that started there."""
     offset = jsonl.stat().st_size if jsonl.exists() else 0
     errpath = jsonl.with_name(f"stderr-{time.monotonic_ns()}.txt")
     with open(errpath, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env())
+        proc = subprocess.Popen(
+            [*cmd, "--hold-at", str(kill_at)], stdout=subprocess.DEVNULL, stderr=err, env=_env()
+        )
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
         while True:
@@ -239,7 +243,7 @@ def _kill_resume_cycle(
     restored: list[int] = []
     for k in kill_points:
         last, stderr = _run_and_kill(cmd, jsonl, k)
-        assert last >= k
+        assert last == k
         killed.append(last)
         restored.append(_restored_step(stderr))
     restored.append(_restored_step(_run_to_completion(cmd)))

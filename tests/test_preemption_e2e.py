@@ -97,15 +97,16 @@ def reference(tmp_path_factory) -> Path:
 )
 def test_signal_saves_at_next_step_exits_75_and_resume_is_exact(tmp_path, reference, sig):
     ckpt, out = tmp_path / "ckpt", tmp_path
+    # the run waits at step 13 for the signal: it lands there however loaded the machine
     proc = subprocess.Popen(
-        _cmd(ckpt, out, "--sleep", "0.05"), env=_env(), stderr=subprocess.PIPE, text=True
+        _cmd(ckpt, out, "--hold-at", "13"), env=_env(), stderr=subprocess.PIPE, text=True
     )
     _wait_for_step(out / "log.jsonl", 13, proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == RESUMABLE_EXIT_CODE, err
     last = max(_losses(out / "log.jsonl"))
-    assert 13 <= last < STEPS
+    assert last in (13, 14), err  # at the step boundary after the signal, or at 13's own
     committed = [e for e in catalog.scan(str(ckpt), catalog.Depth.FULL) if e.manifest]
     newest = committed[-1]
     # the emergency checkpoint is of the very step the run stopped at, not the last periodic one
@@ -139,7 +140,7 @@ def test_a_signal_to_the_process_group_spares_the_dataloader_workers(tmp_path, s
     subprocess.run(_cmd(ref / "ckpt", ref, *loader), check=True, env=_env(), timeout=120)
     out = tmp_path / "run"
     ckpt = out / "ckpt"
-    cmd = _cmd(ckpt, out, *loader, "--sleep", "0.05", "--num-workers", "2")
+    cmd = _cmd(ckpt, out, *loader, "--hold-at", "13", "--num-workers", "2")
     proc = subprocess.Popen(
         cmd, env=_env(), stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -257,7 +258,8 @@ def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
     run.mkdir()
     # the uninterrupted reference runs beside the signalled run (suite time)
     ref_procs = _launch_ranks(ref / "ckpt", ref, free_port())
-    procs = _launch_ranks(run / "ckpt", run, free_port(), "--sleep", "0.05")
+    # rank 1 waits at step 12 for its signal (rank 0 waits for it in step 13's all_reduce)
+    procs = _launch_ranks(run / "ckpt", run, free_port(), "--hold-at", "12", "--hold-rank", "1")
     _wait_for_step(run / "log.jsonl.rank1", 12, procs[1])
     procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told
     errs = []

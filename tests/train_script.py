@@ -72,6 +72,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-params", required=True)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument(
+        "--hold-at",
+        type=int,
+        default=None,
+        help="after step N (logged and ckpt.step'ed), wait until a preemption signal arrives "
+        "(a SIGKILL ends the wait too): a test's signal then lands at this step however slow "
+        "the machine; no signal within --hold-timeout: exit 3",
+    )
+    p.add_argument("--hold-rank", type=int, default=None, help="with --distributed: hold only here")
+    p.add_argument("--hold-timeout", type=float, default=300.0)
     p.add_argument("--distributed", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu or cuda (deterministic algorithms on)")
     p.add_argument(
@@ -106,6 +116,19 @@ def _mark(what: str) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def hold(ckpt: Checkpointer, step: int, timeout: float) -> None:
+    """Wait at ``step`` for the test's signal (``--hold-at``). The line on stderr says where."""
+    print(f"HOLD at step {step}", file=sys.stderr, flush=True)
+    if ckpt.watcher is not None:
+        got = ckpt.watcher.wait(timeout)
+    else:  # no preemption handling: only a SIGKILL ends the wait
+        time.sleep(timeout)
+        got = False
+    if not got:
+        print(f"HOLD at step {step}: no signal came in {timeout} s", file=sys.stderr, flush=True)
+        sys.exit(3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                     },
                 )
                 ckpt.step(step, state, metrics={"loss": loss.item()})
+                if step == args.hold_at and args.hold_rank in (None, rank):
+                    hold(ckpt, step, args.hold_timeout)
                 if args.sleep:
                     time.sleep(args.sleep)
                 if step >= args.total_steps:
