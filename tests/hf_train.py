@@ -158,10 +158,16 @@ def build_trainer(
 
 
 class Recorder(TrainerCallback):
-    """Writes each logged training step, fsynced; reports the restored step; sleeps per step."""
+    """Writes each logged training step, fsynced; reports the restored step; sleeps per step.
+    ``hold_at``: once step N is written, waits until a preemption signal arrives (a SIGKILL
+    ends the wait too), so a test's signal lands at that step however slow the machine; no
+    signal in 300 s: exit 3."""
 
-    def __init__(self, ckpt: ResilientCheckpoint, path: str, rank: int, sleep: float) -> None:
+    def __init__(
+        self, ckpt: ResilientCheckpoint, path: str, rank: int, sleep: float, hold_at: int | None
+    ) -> None:
         self.ckpt, self.path, self.rank, self.sleep = ckpt, path, rank, sleep
+        self.hold_at = hold_at
         self.f = open(path, "a")  # noqa: SIM115 - kept open for the whole run
         if self.f.tell() > 0:
             with open(path, "rb") as g:
@@ -181,6 +187,20 @@ class Recorder(TrainerCallback):
             self.f.write(json.dumps(rec) + "\n")
             self.f.flush()
             os.fsync(self.f.fileno())
+            if state.global_step == self.hold_at:
+                self._hold(state.global_step)
+
+    def _hold(self, step: int) -> None:
+        print(f"HOLD at step {step}", file=sys.stderr, flush=True)
+        ck = self.ckpt.checkpointer
+        if ck is not None and ck.watcher is not None:
+            got = ck.watcher.wait(300)
+        else:  # no preemption handling: only a SIGKILL ends the wait
+            time.sleep(300)
+            got = False
+        if not got:
+            print(f"HOLD at step {step}: no signal came in 300 s", file=sys.stderr, flush=True)
+            sys.exit(3)
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if self.sleep:
@@ -279,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every-n-steps", type=int, default=2)
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument(
+        "--hold-at", type=int, default=None, help="wait at step N for a signal (Recorder)"
+    )
     p.add_argument("--ddp", action="store_true")
     p.add_argument("--default-logging", action="store_true")
     p.add_argument(
@@ -360,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             incremental=args.frozen_base,
         )
     trainer.add_callback(ckpt)
-    trainer.add_callback(Recorder(ckpt, args.out_jsonl + suffix, rank, args.sleep))
+    trainer.add_callback(Recorder(ckpt, args.out_jsonl + suffix, rank, args.sleep, args.hold_at))
     if args.kill_between_micro_batches is not None:
         trainer.add_callback(KillBetweenMicroBatches(args.kill_between_micro_batches))
     if args.record_reads:

@@ -136,13 +136,16 @@ def _per_step(path: Path) -> dict[int, dict]:
 
 
 def _run_and_signal(cmd: list[str], workdir: Path, at_step: int, sig: int) -> tuple[int, int, str]:
-    """Start ``cmd``; once it has logged step ``at_step``, send ``sig``. Returns (exit code,
-    last step it logged, its stderr)."""
+    """Start ``cmd`` (of hf_train.py); once it has logged step ``at_step``, send ``sig``.
+    Returns (exit code, last step it logged, its stderr). The run waits at that step for the
+    signal (``--hold-at``), so the signal lands there however loaded the machine is."""
     jsonl = workdir / "steps.jsonl"
     offset = jsonl.stat().st_size if jsonl.exists() else 0
     errpath = workdir / f"stderr-{int(time.time() * 1e6)}.txt"
     with open(errpath, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env())
+        proc = subprocess.Popen(
+            [*cmd, "--hold-at", str(at_step)], stdout=subprocess.DEVNULL, stderr=err, env=_env()
+        )
         try:
             deadline = time.monotonic() + RUN_TIMEOUT
             while True:
