@@ -125,6 +125,7 @@ class Net(L.LightningModule):
         self.out_jsonl = out_jsonl
         self.fail_at = fail_at
         self.sleep = sleep
+        self.hold_at: int | None = None
         self._log = None
         self.fsdp2 = False
         self.fsdp1 = False
@@ -155,9 +156,27 @@ class Net(L.LightningModule):
         self._log.flush()
         os.fsync(self._log.fileno())
         self.log("train_loss", loss)
+        if step == self.hold_at:
+            self._hold(step)
         if self.sleep:
             time.sleep(self.sleep)
         return loss
+
+    def _hold(self, step: int) -> None:
+        """``--hold-at``: step N's record is written; wait here until a preemption signal
+        arrives (a SIGKILL ends the wait too), so a test's signal lands in this step however
+        slow the machine; no signal in 300 s: exit 3."""
+        print(f"HOLD at step {step}", file=sys.stderr, flush=True)
+        rc = next((c for c in self.trainer.callbacks if isinstance(c, ResilientCheckpoint)), None)
+        watcher = None if rc is None or rc.checkpointer is None else rc.checkpointer.watcher
+        if watcher is not None:
+            got = watcher.wait(300)
+        else:  # no preemption handling: only a SIGKILL ends the wait
+            time.sleep(300)
+            got = False
+        if not got:
+            print(f"HOLD at step {step}: no signal came in 300 s", file=sys.stderr, flush=True)
+            sys.exit(3)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -318,6 +337,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--val-every", type=int, default=6, help="0: at the end of each epoch")
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--hold-at", type=int, default=None, help="wait in step N for a signal")
     p.add_argument("--fail-at", type=int, default=0)
     p.add_argument("--save-on-exception", action="store_true")
     p.add_argument(
@@ -362,6 +382,7 @@ def main(argv: list[str] | None = None) -> ResilientCheckpoint | None:
         plateau=args.plateau,
         epoch_hooks=args.epoch_hooks,
     )
+    model.hold_at = args.hold_at
     model.fsdp2 = args.fsdp2
     model.fsdp1 = args.fsdp1
     # ... then rank-specific random streams

@@ -1299,12 +1299,14 @@ def test_sigkill_then_sigterm_then_rerun_is_bit_exact(tmp_path, reference):
     jsonl = tmp_path / "losses.jsonl"
     argv = _argv(tmp_path, "--sleep", "0.02")
 
-    p = _start(argv, tmp_path / "err1.txt")
+    # each run waits in the chosen step for its signal (--hold-at): it lands there however
+    # loaded the machine (the SIGTERM had 14 steps of 0.02 s to land before the run ended)
+    p = _start([*argv, "--hold-at", str(kill_at)], tmp_path / "err1.txt")
     killed = _wait_for_step(jsonl, 0, kill_at, p, tmp_path / "err1.txt")
     _kill(p)
 
     offset = jsonl.stat().st_size
-    p = _start(argv, tmp_path / "err2.txt")
+    p = _start([*argv, "--hold-at", str(term_at)], tmp_path / "err2.txt")
     _wait_for_step(jsonl, offset, term_at, p, tmp_path / "err2.txt")
     p.send_signal(signal.SIGTERM)
     err2 = _finish(p, tmp_path / "err2.txt", expect=RESUMABLE_EXIT_CODE)
@@ -1436,7 +1438,7 @@ def test_two_processes_sigkill_then_rerun_is_bit_exact(tmp_path, strategy):
     run.mkdir()
     reference = _Job(ref, "err", *more)
     kill_at = random.Random(f"{SEED}-ddp").randint(10, 20)  # 7 batches per epoch and rank
-    first = _Job(run, "err1", "--sleep", "0.02", *more)
+    first = _Job(run, "err1", "--sleep", "0.02", "--hold-at", str(kill_at), *more)  # till killed
     killed = _wait_for_step(run / "losses.jsonl.rank0", 0, kill_at, first.procs[0], first.errs[0])
     first.kill()
     reference.finish()
