@@ -644,9 +644,15 @@ def test_sbatch_preempted_requeued_resumed(tmp_path: Path, procs: list[_Proc], t
         OUT_DIR=str(out_dir),
     )
     losses = out_dir / "losses.rank0.jsonl"
-    job = _Proc(["bash", str(SBATCH)], tmp_path / "run1.log", env)
-    procs.append(job)
     stop_at = random.Random(SEED + 2).randint(8, 22)
+    # the trainer waits after step stop_at for the signal (tests/hold_site): it lands there
+    # however loaded the machine (it had 0.03 s a step to land before the run ended)
+    held = dict(env, RC_HOLD_AT_STEP=str(stop_at))
+    held["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT / "tests" / "hold_site"), env.get("PYTHONPATH")) if p
+    )
+    job = _Proc(["bash", str(SBATCH)], tmp_path / "run1.log", held)
+    procs.append(job)
     _wait_for(lambda: any(r["step"] >= stop_at for r in _records(losses)), f"step {stop_at}", job)
     job.track()
     (pid,) = _trainers(job.p.pid)
@@ -658,6 +664,8 @@ def test_sbatch_preempted_requeued_resumed(tmp_path: Path, procs: list[_Proc], t
     if preemption:
         assert "emergency checkpoint saved (exit 75)" in job.output(), job.output()
     last = _records(losses)[-1]["step"]
+    if preemption:  # the step it waited at, or (the signal seen there) the next one's save
+        assert last in (stop_at, stop_at + 1), (stop_at, last, job.output())
 
     env["SLURM_RESTART_COUNT"] = "1"  # what Slurm sets in the requeued job
     p = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=120)
