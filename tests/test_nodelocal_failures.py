@@ -142,7 +142,7 @@ def test_local_retention_catches_up_with_the_uploads(tmp_path):
     """keep_last=3 on each node while uploads lag behind the saves (each made slow): the
     checkpoints kept for their upload go once it is done, so after close() each disk holds 3,
     as in shared mode (they stayed: a disk grew with the upload backlog)."""
-    out = _run(tmp_path, "slow", 2, "--steps", "14", RC_SLOW_UPLOADS=0.3)
+    out = _run(tmp_path, "slow", 2, "--steps", "14", RC_SLOW_UPLOADS=0.3, RC_HOLD_LAST_UPLOAD=1)
     for rank in out:
         assert rank[-1]["event"] == "closed", rank
         assert rank[-2]["status"]["pending"] >= 1  # at flush(), before close() waits for them
@@ -449,6 +449,7 @@ def worker(base: str, argv: list[str]) -> None:
     p.add_argument("--remote-every", type=int)
     p.add_argument("--kill-at", type=int)
     a = p.parse_args(argv)
+    status_taken = threading.Event()  # RC_HOLD_LAST_UPLOAD: the last step's upload waits for it
     if os.environ.get("RC_SCAN_FAILS_AFTER"):  # the store stops answering after the preflight
         real, calls = remote.RemoteStore.scan, [0]
 
@@ -506,8 +507,11 @@ def worker(base: str, argv: list[str]) -> None:
         node
     ):  # uploads lag behind the saves (on every node, or on RC_SLOW_NODE's)
         real_put, held = ck._dir.remote.fs.put, []  # type: ignore[union-attr]
+        last = f"step_{a.steps:09d}"
 
-        def slow_put(*a, **k):
+        def slow_put(*args, **k):
+            if os.environ.get("RC_HOLD_LAST_UPLOAD") and any(last in str(x) for x in args):
+                status_taken.wait(60)  # pending at flush() whatever the machine's speed
             if os.environ.get("RC_HOLD_FIRST_UPLOAD_UNTIL") and not held:
                 held.append(1)  # the first upload lasts until the node committed that step
                 until = f"step_{int(os.environ['RC_HOLD_FIRST_UPLOAD_UNTIL']):09d}"
@@ -515,7 +519,7 @@ def worker(base: str, argv: list[str]) -> None:
                 while not any(p.name >= until for p in mine.glob("step_*")):
                     time.sleep(0.05)
             time.sleep(float(os.environ["RC_SLOW_UPLOADS"]))
-            return real_put(*a, **k)
+            return real_put(*args, **k)
 
         ck._dir.remote.fs.put = slow_put  # type: ignore[union-attr]
     if os.environ.get("RC_ROT_BEFORE_UPLOAD") == str(node):  # a byte rots after the commit
@@ -583,6 +587,7 @@ def worker(base: str, argv: list[str]) -> None:
     ck.flush()
     st = ck.remote_status()  # this node's uploads (each rank leads its node here)
     out(status=None if st is None else {"pending": len(st.pending), "uploaded": st.uploaded})
+    status_taken.set()
     ck.close()
     if os.environ.get("RC_CAPTURE_LOG"):
         out(event="closed", log=logged.getvalue())
