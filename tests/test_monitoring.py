@@ -28,6 +28,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def exporter_port(ck: Checkpointer, timeout: float = 60.0) -> int:
+    """The port the Prometheus exporter of ``ck`` (given port 0) listens on, once its thread
+    started it: bound by the exporter itself, so no other process can take it in between (a
+    free port picked beforehand could be)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ports = [
+            r.sink.port
+            for r in ck.telemetry._runners
+            if str(getattr(r.sink, "name", "")).startswith("prometheus exporter ")
+        ]
+        if ports:
+            return int(ports[0])
+        assert time.monotonic() < deadline, "the exporter did not start"
+        time.sleep(0.02)
+
+
 def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     """``{family name: {labels: value}}`` of one real HTTP scrape."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -97,7 +114,6 @@ def test_metric_names_follow_prometheus_conventions():
 
 
 def test_prometheus_exporter_scraped_during_a_plain_loop(tmp_path: Path):
-    port = free_port()
     state = _state()
     scrapes: list[dict] = []
 
@@ -110,8 +126,9 @@ def test_prometheus_exporter_scraped_during_a_plain_loop(tmp_path: Path):
             assert scrape_openmetrics(port)  # valid: no two families of one name
 
     with Checkpointer(
-        tmp_path / "ck", every_n_steps=5, keep_last=2, telemetry=f"prometheus:127.0.0.1:{port}"
+        tmp_path / "ck", every_n_steps=5, keep_last=2, telemetry="prometheus:127.0.0.1:0"
     ) as ck:
+        port = exporter_port(ck)
         ck.restore(state)
         _train(ck, range(1, 31), state, during)
     first, last = scrapes
@@ -460,8 +477,7 @@ def test_sink_options_are_checked_when_the_checkpointer_is_built(tmp_path: Path)
     ):
         with pytest.raises(ConfigError, match=needle):
             Checkpointer(tmp_path / "a", telemetry=spec)
-    port = free_port()
-    with Checkpointer(tmp_path / "b", telemetry=f"prometheus:[::1]:{port}") as ck:
+    with Checkpointer(tmp_path / "b", telemetry="prometheus:[::1]:0") as ck:
         assert ck.telemetry_kinds == {"prometheus"}
     with (
         pytest.warns(UserWarning, match="telemetry='logger' sends the metrics through") as got,

@@ -19,7 +19,6 @@ import logging
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -619,9 +618,11 @@ Response = tuple[int, bytes]
 
 class FakeMetadata:
     """A metadata endpoint on 127.0.0.1: ``routes[(method, path)]`` is a response or a function
-    of the request headers (names lower-cased) returning one; anything else is a 404."""
+    of the request headers (names lower-cased) returning one; anything else is a 404.
+    ``down=True``: its port is bound (no other process can take it) but refuses connections
+    until :meth:`come_up`."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, down: bool = False) -> None:
         self.routes: dict[tuple[str, str], Response | Callable[[dict[str, str]], Response]] = {}
         self.requests: list[tuple[str, str, dict[str, str]]] = []
         fake = self
@@ -642,11 +643,19 @@ class FakeMetadata:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.httpd = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), Handler, bind_and_activate=False
+        )
+        self.httpd.server_bind()  # bound, not listening: a connection is refused
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(
             target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
         )
+        if not down:
+            self.come_up()
+
+    def come_up(self) -> None:
+        self.httpd.server_activate()
         self._thread.start()
 
     def url(self, path: str) -> str:
@@ -656,7 +665,8 @@ class FakeMetadata:
         return sum(1 for m, _, _ in self.requests if m == method)
 
     def close(self) -> None:
-        self.httpd.shutdown()
+        if self._thread.is_alive():
+            self.httpd.shutdown()
         self.httpd.server_close()
 
 
@@ -665,12 +675,6 @@ def server() -> Iterator[FakeMetadata]:
     s = FakeMetadata()
     yield s
     s.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 AWS_PATH = "/latest/meta-data/spot/instance-action"
@@ -867,22 +871,22 @@ def test_azure_ignores_other_event_types_and_other_vms(server: FakeMetadata) -> 
 
 def test_server_down_one_warning_then_recovers(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    port = free_port()
+    s = FakeMetadata(down=True)  # its port held: no other process can take it meanwhile
     w = PreemptionWatcher()
-    url = f"http://127.0.0.1:{port}/notice"
-    with MetadataPoller(w, kind="custom", url=url, interval_s=0.05, warn_after_failures=3) as p:
-        wait_for(lambda: p.consecutive_failures >= 8, what="eight failed polls")
-        assert not w.requested
-        warns = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
-        assert len(warns) == 1, [r.getMessage() for r in warns]
-        assert "cannot read the custom preemption notice endpoint" in warns[0].getMessage()
-        assert any(r.levelno == logging.DEBUG for r in caplog.records if r.name == LOGGER)
-        s = FakeMetadata(port)  # the endpoint comes back, with a notice
-        try:
+    try:
+        url = s.url("/notice")
+        with MetadataPoller(w, kind="custom", url=url, interval_s=0.05, warn_after_failures=3) as p:
+            wait_for(lambda: p.consecutive_failures >= 8, what="eight failed polls")
+            assert not w.requested
+            warns = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+            assert len(warns) == 1, [r.getMessage() for r in warns]
+            assert "cannot read the custom preemption notice endpoint" in warns[0].getMessage()
+            assert any(r.levelno == logging.DEBUG for r in caplog.records if r.name == LOGGER)
             s.routes[("GET", "/notice")] = (200, b"spot reclaim")
-            assert w.wait(5.0)
-        finally:
-            s.close()
+            s.come_up()  # the endpoint comes back, with a notice
+            assert w.wait(60.0)
+    finally:
+        s.close()
     assert w.request is not None and w.request.detail == "spot reclaim"
     assert any("reachable again" in r.getMessage() for r in caplog.records)
 

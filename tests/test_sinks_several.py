@@ -13,7 +13,7 @@ import torch
 
 from resilient_callbacks import Checkpointer
 from resilient_callbacks.metrics import PREFIX
-from test_monitoring import free_port
+from test_monitoring import exporter_port
 
 
 def _train_both(a: Checkpointer, b: Checkpointer, last: int) -> None:
@@ -74,15 +74,15 @@ def test_two_exporters_on_one_port_name_the_conflict(tmp_path: Path, caplog):
     message that says it is this process's other Checkpointer and what to do (the old src said
     only "address in use ... is another exporter using that port?"; a retry cannot mend it)."""
     pytest.importorskip("prometheus_client")
-    port = free_port()
-    sink = f"prometheus:127.0.0.1:{port}"
     with (
         caplog.at_level(logging.WARNING, logger="resilient_callbacks"),
-        Checkpointer(tmp_path / "model", every_n_steps=5, telemetry=sink) as a,
-        Checkpointer(tmp_path / "ema", every_n_steps=10, telemetry=sink) as b,
+        Checkpointer(tmp_path / "model", every_n_steps=5, telemetry="prometheus:127.0.0.1:0") as a,
     ):
-        _train_both(a, b, 10)
-    # after close: each sink has started by then (in its own thread, whichever binds first)
+        port = exporter_port(a)  # bound by the model's exporter: no other process can take it
+        sink = f"prometheus:127.0.0.1:{port}"
+        with Checkpointer(tmp_path / "ema", every_n_steps=10, telemetry=sink) as b:
+            _train_both(a, b, 10)
+    # after close: each sink has started by then (in its own thread)
     said = [r.getMessage() for r in caplog.records if "metrics sink" in r.getMessage()]
     assert len(said) == 1, said
     assert "another Checkpointer of this process" in said[0]
