@@ -670,7 +670,9 @@ def test_hf_trainer_with_deepspeed_kill_resume_exact(
     # ZeRO-3: killed at 3, resumed at 2, whose next micro-batch starts an accumulation group
     # (the Trainer's FLOP count of a new engine's first micro-batch: under_deepspeed.py)
     at = 3 if stage == "3" else 5
-    rc, killed_at, _ = tt._run_and_signal(cmd(got, overlap=overlap), got, at, signal.SIGKILL)
+    rc, killed_at, _ = tt._run_and_signal(  # once the save of step at - 1 committed
+        cmd(got, overlap=overlap), got, at, signal.SIGKILL, committed=(got / "ckpt", at - 1)
+    )
     assert rc == -signal.SIGKILL
     log = tt._run(cmd(got, launcher=True, overlap=overlap))
     resumed = tt._restored(log)

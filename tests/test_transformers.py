@@ -135,10 +135,18 @@ def _per_step(path: Path) -> dict[int, dict]:
     return {r["step"]: r for r in _records_from(path)}  # a resumed run's records win
 
 
-def _run_and_signal(cmd: list[str], workdir: Path, at_step: int, sig: int) -> tuple[int, int, str]:
+def _run_and_signal(
+    cmd: list[str],
+    workdir: Path,
+    at_step: int,
+    sig: int,
+    committed: tuple[Path, int] | None = None,
+) -> tuple[int, int, str]:
     """Start ``cmd`` (of hf_train.py); once it has logged step ``at_step``, send ``sig``.
     Returns (exit code, last step it logged, its stderr). The run waits at that step for the
-    signal (``--hold-at``), so the signal lands there however loaded the machine is."""
+    signal (``--hold-at``), so the signal lands there however loaded the machine is.
+    ``committed=(ckpt_dir, step)``: also wait until that step's checkpoint is committed there
+    (a background save of an earlier step may still be in flight at ``at_step``)."""
     jsonl = workdir / "steps.jsonl"
     offset = jsonl.stat().st_size if jsonl.exists() else 0
     errpath = workdir / f"stderr-{int(time.time() * 1e6)}.txt"
@@ -150,7 +158,11 @@ def _run_and_signal(cmd: list[str], workdir: Path, at_step: int, sig: int) -> tu
             deadline = time.monotonic() + RUN_TIMEOUT
             while True:
                 recs = _records_from(jsonl, offset)
-                if recs and recs[-1]["step"] >= at_step:
+                if (
+                    recs
+                    and recs[-1]["step"] >= at_step
+                    and (committed is None or committed[1] in _committed_steps(committed[0]))
+                ):
                     os.kill(proc.pid, sig)
                     break
                 if proc.poll() is not None:
@@ -188,6 +200,10 @@ def _assert_same_run(ref: Path, got: Path, suffix: str = "") -> None:
     ref_final = json.loads((ref / f"final.safetensors{suffix}.json").read_text())
     got_final = json.loads((got / f"final.safetensors{suffix}.json").read_text())
     assert got_final == ref_final  # log history (loss, eval_loss, epoch, ...) and best metric
+
+
+def _committed_steps(d: Path) -> set[int]:
+    return {e.step for e in catalog.committed(catalog.scan(str(d), catalog.Depth.NONE))}
 
 
 def _committed(d: Path) -> list[catalog.Entry]:
@@ -597,7 +613,9 @@ def test_persistent_workers_sigkill_after_an_epoch_boundary_then_rerun_is_exact(
     ref.mkdir()
     got.mkdir()
     _run(cmd(ref))
-    rc, killed_at, _ = _run_and_signal(cmd(got), got, 12, signal.SIGKILL)
+    rc, killed_at, _ = _run_and_signal(
+        cmd(got), got, 12, signal.SIGKILL, committed=(got / "out" / "ckpt", 10)
+    )
     assert rc == -signal.SIGKILL and killed_at < 14
     assert _restored(_run(cmd(got))) == 10
     a, b = _per_step(ref / "steps.jsonl"), _per_step(got / "steps.jsonl")
@@ -635,9 +653,10 @@ def test_a_sampler_with_its_own_generator_resumes_exactly(tmp_path, monkeypatch,
     ref.mkdir()
     got.mkdir()
     _run(cmd(ref))
-    rc, _, _ = _run_and_signal(cmd(got), got, 11, signal.SIGKILL)
+    ckdir = got / "out" / "ckpt"  # each kill after the save before it committed
+    rc, _, _ = _run_and_signal(cmd(got), got, 11, signal.SIGKILL, committed=(ckdir, 10))
     assert rc == -signal.SIGKILL
-    rc, _, err = _run_and_signal(cmd(got), got, 13, signal.SIGKILL)
+    rc, _, err = _run_and_signal(cmd(got), got, 13, signal.SIGKILL, committed=(ckdir, 12))
     assert rc == -signal.SIGKILL and _restored(err) == 10  # at an epoch's end
     assert _restored(_run(cmd(got))) == 12  # inside an epoch
     a, b = _per_step(ref / "steps.jsonl"), _per_step(got / "steps.jsonl")
