@@ -1255,7 +1255,9 @@ def test_deepspeed_strategy_sigkill_then_rerun_is_bit_exact(tmp_path, stage):
     held = _env({"RC_HOLD_DEFERRED": str(run / "deferred")})
     reference = _start(_argv(ref, *more), ref / "err.txt")
     kill_at = random.Random(f"{SEED}-deepspeed").randint(10, 20)
-    first = _start(_argv(run, "--sleep", "0.02", *more), run / "err1.txt", held)
+    first = _start(  # it waits in step kill_at until killed
+        _argv(run, "--sleep", "0.02", "--hold-at", str(kill_at), *more), run / "err1.txt", held
+    )
     killed = _wait_for_step(run / "losses.jsonl", 0, kill_at, first, run / "err1.txt")
     _kill(first)
     _finish(reference, ref / "err.txt")
@@ -1340,7 +1342,7 @@ def test_stateful_dataloader_sigkill_then_slurm_sigusr1_then_rerun_is_bit_exact(
     jsonl = tmp_path / "losses.jsonl"
     argv = _argv(tmp_path, "--sleep", "0.02", loader="stateful")
 
-    p = _start(argv, tmp_path / "err1.txt")
+    p = _start([*argv, "--hold-at", str(kill_at)], tmp_path / "err1.txt")  # waits to be killed
     killed = _wait_for_step(jsonl, 0, kill_at, p, tmp_path / "err1.txt")
     _kill(p)
 
@@ -1354,7 +1356,7 @@ def test_stateful_dataloader_sigkill_then_slurm_sigusr1_then_rerun_is_bit_exact(
         "SLURM_NODELIST": "localhost",
     }
     offset = jsonl.stat().st_size
-    p = _start(argv, tmp_path / "err2.txt", env=_env(slurm))
+    p = _start([*argv, "--hold-at", str(usr1_at)], tmp_path / "err2.txt", env=_env(slurm))
     _wait_for_step(jsonl, offset, usr1_at, p, tmp_path / "err2.txt")
     p.send_signal(signal.SIGUSR1)
     err2 = _finish(p, tmp_path / "err2.txt", expect=RESUMABLE_EXIT_CODE)
