@@ -3,9 +3,10 @@ launcher of the multi-process tests (``test_distributed.run_ranks``, ``dcp_helpe
 ``test_deepspeed.run_group`` are its callers' shorthands).
 
 Each rank gets ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/
-``MASTER_PORT`` (a free port), one OpenMP/MKL thread and ``PYTHONHASHSEED=0``, its output in
-``workdir``, and a deadline: a hung collective cannot outlive it. When the free port was taken
-in between ("address already in use"), the group is started again on another port.
+``MASTER_PORT`` (a free port, reserved: :func:`free_port`), one OpenMP/MKL thread and
+``PYTHONHASHSEED=0``, its output in ``workdir``, and a deadline: a hung collective cannot
+outlive it. When the port was taken all the same ("address already in use"), the group is
+started again on another port.
 """
 
 from __future__ import annotations
@@ -20,10 +21,20 @@ from pathlib import Path
 LINGER_S = 2.0  # after one rank killed itself: time for the others to reach the same step
 
 
+_RESERVED: list[socket.socket] = []  # held for the life of this process
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port on 127.0.0.1 for a child's rendezvous server (``MASTER_PORT``), reserved: the
+    socket that found it stays bound (SO_REUSEADDR, not listening) as long as this process
+    lives. A server that sets SO_REUSEADDR, as torch's TCPStore does, binds and listens on it;
+    no other process is given it meanwhile (a ``bind(0)`` or an outgoing connection), as it
+    could be when the port was closed before the child bound it."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    _RESERVED.append(s)
+    return int(s.getsockname()[1])
 
 
 @dataclass
