@@ -118,6 +118,45 @@ def test_remote_unlistable_at_the_restore_resumes_from_the_disks_and_says_why_it
     assert "which a stop cut off" not in log, log
 
 
+def test_remote_checkpoints_whose_manifest_cannot_be_read_are_no_fresh_start(tmp_path):
+    """Every node replaced (empty disks), the run's remote manifests listed but damaged: the
+    restore kept only the remote checkpoints it could read, found none, and started from step
+    0 without a word beside them (as shared mode did before). Now it refuses, naming each."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    shutil.rmtree(tmp_path / "node0")
+    shutil.rmtree(tmp_path / "node1")
+    for m in (tmp_path / "remote").glob("step_*/manifest.json"):
+        m.write_text("{torn")
+    out = _run(tmp_path, "second", 2, "--steps", "6", expect=4)
+    for rank in out:
+        assert rank[-1]["error"] == "NoValidCheckpointError", rank
+        said = rank[-1]["msg"]
+        assert said.index("step_000000004") < said.index("step_000000002"), said  # newest first
+        assert said.count("unreadable manifest") == 2, said
+
+
+@pytest.mark.slow  # suite time budget: the test above proves the fix
+def test_remote_manifests_a_read_failed_on_are_named_and_a_torn_newest_is_skipped_loudly(
+    tmp_path,
+):
+    """As above, with the store failing the manifests' reads (the listing answered): an
+    error naming them, not a fresh start. Then the store answers, but the newest remote
+    checkpoint lacks an object: the restore took the step before without a word about it;
+    now it says what it skipped and why."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    shutil.rmtree(tmp_path / "node0")
+    shutil.rmtree(tmp_path / "node1")
+    out = _run(tmp_path, "second", 2, "--steps", "6", expect=4, RC_MANIFEST_READS_FAIL=1)
+    for rank in out:
+        assert rank[-1]["error"] == "NoValidCheckpointError", rank
+        assert "step_000000004" in rank[-1]["msg"] and "does not answer" in rank[-1]["msg"]
+    (tmp_path / "remote" / "step_000000004" / "rank_00001.safetensors").unlink()
+    out = _run(tmp_path, "third", 2, "--steps", "4", RC_CAPTURE_LOG=1)
+    assert [rank[0]["restored"] for rank in out] == [2, 2], out
+    log = out[0][-1]["log"]
+    assert "skipping step 4" in log and "rank_00001.safetensors" in log, log
+
+
 @pytest.mark.slow
 def test_close_gives_up_on_an_outage_in_node_local_mode(tmp_path):
     """Every upload fails: close() returns once the (lowered) outage limit passed, the parts
@@ -460,6 +499,12 @@ def worker(base: str, argv: list[str]) -> None:
             return real(self)
 
         remote.RemoteStore.scan = scan  # type: ignore[method-assign]
+    if os.environ.get("RC_MANIFEST_READS_FAIL"):  # listed, but the store fails their reads
+
+        def reads_fail(self, names, signs):
+            return {n: ConnectionError("the store does not answer") for n in names}
+
+        remote.RemoteStore._read_manifests = reads_fail  # type: ignore[method-assign]
     if os.environ.get("RC_OUTAGE_S"):
         checkpointer.CLOSE_OUTAGE_S = float(os.environ["RC_OUTAGE_S"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -484,6 +529,11 @@ def worker(base: str, argv: list[str]) -> None:
             raise remote.RemoteUnavailableError(f"{self.url}: endpoint unreachable")
 
         remote.RemoteStore.preflight = preflight  # type: ignore[method-assign]
+    if os.environ.get("RC_CAPTURE_LOG"):  # (from construction on)
+        logged = io.StringIO()
+        logging.getLogger("resilient_callbacks").addHandler(logging.StreamHandler(logged))
+        if os.environ.get("RC_LOG_INFO"):
+            logging.getLogger("resilient_callbacks").setLevel(logging.INFO)
     try:
         ck = Checkpointer(
             os.path.join(base, f"node{node}"),
@@ -556,11 +606,6 @@ def worker(base: str, argv: list[str]) -> None:
         committer.max_attempts, committer.retry_base_s = 2, 0.05
     if os.environ.get("RC_COMMIT_HANGS") and committer is not None:  # accepts, never answers
         committer.commit_one = lambda p: threading.Event().wait()
-    if os.environ.get("RC_CAPTURE_LOG"):
-        logged = io.StringIO()
-        logging.getLogger("resilient_callbacks").addHandler(logging.StreamHandler(logged))
-        if os.environ.get("RC_LOG_INFO"):
-            logging.getLogger("resilient_callbacks").setLevel(logging.INFO)
     try:
         start = ck.restore(state)
     except Exception as e:

@@ -16,6 +16,7 @@ from .redact import url_text
 if TYPE_CHECKING:
     from .catalog import Entry
     from .directory import Directory
+    from .remote import RemoteEntry
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -107,8 +108,6 @@ def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
         by_key[key] = {"local": e, "step": e.manifest.step, "seq": e.manifest.seq}
         by_key[key]["lineage"] = e.manifest.lineage
     if d.sync is not None and d.remote is not None:
-        from .remote import NO_MANIFEST
-
         try:
             remote_entries = d.sync.refresh()
         except Exception as e:
@@ -124,10 +123,9 @@ def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
             msg = f"{why}; resuming from the local ones only (the remote may hold newer)"
             warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=2)
             remote_entries = []
+        unreadable = unreadable_remote(d.remote.url, remote_entries)
         for re_ in remote_entries:
             if re_.manifest is None:
-                if re_.problem != NO_MANIFEST:  # committed, but its manifest cannot be read
-                    unreadable.append(_unreadable(d.remote.url, re_.name, re_.problem))
                 continue
             key = (re_.manifest.run_id, re_.manifest.seq)
             item = by_key.setdefault(key, {"step": re_.manifest.step, "seq": re_.manifest.seq})
@@ -150,22 +148,27 @@ def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
             re_ = item["remote"]
             pair.append(Candidate(None, item["step"], re_.problem, key, re_.name, abandoned=gone))
         out[:0] = pair  # newest first
-    unreadable.sort(key=lambda c: -1 if c.step is None else c.step, reverse=True)
     return unreadable + out
 
 
-def _unreadable(url: str, name: str, problem: str | None) -> Candidate:
-    """A remote checkpoint whose manifest could not be read, as a candidate with that
-    problem (its step from its name)."""
-    m = CKPT_RE.match(name)
-    where = f"{url}/{name}"
-    problem = problem or "unreadable manifest"
-    return Candidate(
-        None,
-        int(m.group(1)) if m else None,
-        problem if where in problem else f"its remote copy {where}: {problem}",
-        remote=name,
-    )
+def unreadable_remote(url: str, entries: list[RemoteEntry]) -> list[Candidate]:
+    """The remote checkpoints of ``entries`` (a listing of ``url``) whose manifest is listed
+    but cannot be read (damaged, of a newer format, or the store did not answer that read),
+    newest first by the step in their name: candidates with that problem, which a restore
+    names (never skips silently: they may be the run's newest, on every node of it)."""
+    from .remote import NO_MANIFEST
+
+    out = []
+    for e in entries:
+        if e.manifest is not None or e.problem == NO_MANIFEST:
+            continue
+        m = CKPT_RE.match(e.name)
+        where = f"{url}/{e.name}"
+        problem = e.problem or "unreadable manifest"
+        problem = problem if where in problem else f"its remote copy {where}: {problem}"
+        out.append(Candidate(None, int(m.group(1)) if m else None, problem, remote=e.name))
+    out.sort(key=lambda c: -1 if c.step is None else c.step, reverse=True)
+    return out
 
 
 def warn_abandoned(c: Candidate, skipped: list[str], coordinator: bool) -> None:

@@ -27,7 +27,7 @@ import uuid
 from typing import Any
 
 from . import branches, catalog, dist, peers
-from .candidates import warn_abandoned
+from .candidates import unreadable_remote, warn_abandoned
 from .catalog import Depth, Status
 from .commit import STAGING_PREFIX, remove_checkpoint
 from .config import ResumeMode
@@ -41,24 +41,13 @@ from .errors import (
     warn_and_log,
 )
 from .manifest import Manifest, read_manifest
-from .nodelocal import REMOTE_MANIFEST, NodeDirectory, is_shared
+from .nodelocal import REMOTE_MANIFEST, NodeDirectory, is_shared, needed
 from .restoring import Candidate, Restorer, RestoreReport
 from .tensorfile import encode_json, write_bytes
 from .topology import Topology
 
 log = logging.getLogger("resilient_callbacks")
 MAX_CANDIDATES = 8
-
-
-def needed(ranks: Any, world_size: int | None) -> set[int]:
-    """The ranks whose files a node running ``ranks`` needs of a checkpoint saved by
-    ``world_size`` ranks: its own, and rank 0's for a rank the checkpoint has none of (a
-    ``PerRank(..., new_ranks="rank0")`` state is read from rank 0's files)."""
-    ranks = set(ranks)
-    if world_size is None:
-        return ranks
-    mine = {r for r in ranks if r < world_size}
-    return mine | {0} if len(mine) < len(ranks) else mine
 
 
 class NodeRestorer(Restorer):
@@ -109,9 +98,10 @@ class NodeRestorer(Restorer):
         unusable = [str(u) for u in msg.get("unusable") or []]
         if not msg["cands"] and unusable:
             raise NoValidCheckpointError(
-                f"{ck.dirpath} (on {len(topo.nodes)} nodes) holds checkpoints, but for none of "
-                "them does every node have its files (on its disk, in a peer's replica or in "
-                "the remote tier):\n  - " + "\n  - ".join(unusable) + "\nRefusing to start "
+                f"{ck.dirpath} (on {len(topo.nodes)} nodes) or its remote tier holds "
+                "checkpoints, but for none of them does every node have its files (on its disk, "
+                "in a peer's replica or in the remote tier, with a manifest that can be read):"
+                "\n  - " + "\n  - ".join(unusable) + "\nRefusing to start "
                 "from scratch silently; pass resume='never' to start fresh."
             )
         if not msg["cands"]:
@@ -222,15 +212,23 @@ class NodeRestorer(Restorer):
         remote_worlds: dict[tuple[str, int], int] = {}
         lines: dict[tuple[str, int], Any] = {}  # each commit's lineage field (branches.py)
         unlisted: str | None = None
+        broken: dict[tuple[str, int], str] = {}  # committed remotely, damaged there: why
+        unread: list[Candidate] = []  # remote manifests that cannot be read: maybe the newest
         if d.remote is not None:
             try:
-                for e in d.remote.scan():
-                    if e.manifest is not None and e.key is not None:  # (damaged: its lineage)
-                        lines[e.key] = e.manifest.lineage
-                    if e.manifest is not None and e.problem is None and e.key is not None:
-                        remote[e.key] = e.name
-                        steps[e.key] = e.manifest.step
-                        remote_worlds[e.key] = e.manifest.world_size
+                listed = d.remote.scan()
+                unread = unreadable_remote(d.remote.url, listed)  # named, never skipped silently
+                for e in listed:
+                    if e.manifest is None:
+                        continue
+                    key = (e.manifest.run_id, e.manifest.seq)
+                    lines[key] = e.manifest.lineage  # (damaged too: its lineage)
+                    steps[key] = e.manifest.step
+                    if e.problem is not None:  # named where no node has another copy
+                        broken[key] = f"{d.remote.url}/{e.name} is damaged ({e.problem})"
+                        continue
+                    remote[key] = e.name
+                    remote_worlds[key] = e.manifest.world_size
                 if d.committer is not None:
                     d.committer.index = dict(remote)
             except Exception as e:
@@ -298,12 +296,14 @@ class NodeRestorer(Restorer):
                 elif key in remote:
                     src[str(k)] = ["remote", remote[key]]
                 else:
-                    if key in unrecorded and key not in marked:
+                    if key in unrecorded and key not in marked and key not in broken:
                         orphans.append([*key, steps[key], k])
                     elif not cands:  # newer than every candidate: the restore says it skipped it
+                        torn = f": its remote copy {broken[key]}" if key in broken else ""
                         unusable.append(
                             f"step {steps[key]} (commit {key[1]}): node {k} has no copy of its "
-                            "files (not on its disk, in a peer's replica, nor in the remote tier)"
+                            f"files (not on its disk, in a peer's replica, nor in the remote "
+                            f"tier{torn})"
                         )
                     break
             else:
@@ -317,6 +317,10 @@ class NodeRestorer(Restorer):
                         for k, v in src.items()
                     }
                     cands.append(dict(cands[-1], src=every))
+        # (maybe the newest: skipped first, loudly; an error when nothing else is restored)
+        unusable[:0] = [
+            f"step {c.step}: {c.problem}" if c.step is not None else str(c.problem) for c in unread
+        ]
         r = self._ck.config.resume
         if isinstance(r, int):
             cands = [c for c in cands if c["step"] == r]
@@ -324,6 +328,7 @@ class NodeRestorer(Restorer):
                 raise CheckpointNotFoundError(
                     f"resume={r}: no checkpoint of step {r} that every node can load "
                     f"(steps present: {sorted(set(steps.values())) or 'none'})"
+                    + "".join(f"; {c.problem}" for c in unread if c.step == r)
                 )
             unusable = []  # the step asked for, not the newest: nothing newer is skipped
         keys = None if unlisted is not None else [list(k) for k in remote]  # None: not known

@@ -77,6 +77,17 @@ def global_files(files: list[FileEntry]) -> list[FileEntry]:
     return list(out.values())
 
 
+def needed(ranks: Any, world_size: int | None) -> set[int]:
+    """The ranks whose files a node running ``ranks`` needs of a checkpoint saved by
+    ``world_size`` ranks: its own, and rank 0's for a rank the checkpoint has none of (a
+    ``PerRank(..., new_ranks="rank0")`` state is read from rank 0's files)."""
+    ranks = set(ranks)
+    if world_size is None:
+        return ranks
+    mine = {r for r in ranks if r < world_size}
+    return mine | {0} if len(mine) < len(ranks) else mine
+
+
 def other_nodes_files(path: str, rank: int) -> str | None:
     """Why ``rank`` cannot load the checkpoint at ``path`` when it is one node's part that lacks
     the files this rank reads (its own, or rank 0's for a rank the save did not have): a
