@@ -177,6 +177,35 @@ def test_an_unreachable_remote_at_construction_is_remote_unavailable_on_every_ra
         assert rank[-1] == {"error": "RemoteUnavailableError", "is_connection_error": True}
 
 
+def test_a_job_restarted_during_an_outage_goes_on_from_the_nodes_disks(tmp_path):
+    """Both nodes' disks hold the run, the store refuses connections when the job is requeued:
+    node-local mode's preflight raised, so the job failed at every restart until the store
+    came back. As in shared mode (docs/remote.md) it now goes on with a warning: the restore
+    falls back to the disks, loudly, and the uploads are retried."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    down = {"RC_PREFLIGHT_FAILS": "refused", "RC_SCAN_FAILS_AFTER": 0}
+    out = _run(tmp_path, "second", 2, "--steps", "6", RC_CAPTURE_LOG=1, RC_OUTAGE_S=2, **down)
+    assert [rank[0]["restored"] for rank in out] == [4, 4], out
+    for rank in out:
+        assert "holds checkpoints: going on with them" in rank[-1]["log"], rank
+    assert "the remote tier cannot be listed" in out[0][-1]["log"]
+
+
+@pytest.mark.slow  # suite time budget: the cases that raise, as before
+def test_an_outage_at_restart_still_raises_for_an_empty_disk_or_a_configuration_error(tmp_path):
+    """What the preflight still refuses, on every rank: a store that cannot be reached while
+    one node's disk is empty (a node replaced: it has nothing to go on from), and an answer
+    that says the configuration is wrong (credentials refused), disks full or not."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    out = _run(tmp_path, "denied", 2, "--steps", "6", expect=4, RC_PREFLIGHT_FAILS="denied")
+    for rank in out:
+        assert rank[-1] == {"error": "RemoteUnavailableError", "is_connection_error": True}
+    shutil.rmtree(tmp_path / "node1")
+    out = _run(tmp_path, "replaced", 2, "--steps", "6", expect=4, RC_PREFLIGHT_FAILS="refused")
+    for rank in out:
+        assert rank[-1] == {"error": "RemoteUnavailableError", "is_connection_error": True}
+
+
 def test_local_retention_catches_up_with_the_uploads(tmp_path):
     """keep_last=3 on each node while uploads lag behind the saves (each made slow): the
     checkpoints kept for their upload go once it is done, so after close() each disk holds 3,
@@ -524,9 +553,12 @@ def worker(base: str, argv: list[str]) -> None:
     if os.environ.get("RC_COMPRESSION"):
         kw["compression"] = os.environ["RC_COMPRESSION"]
     if os.environ.get("RC_PREFLIGHT_FAILS"):  # the endpoint does not answer at construction
+        why = {"refused": ConnectionRefusedError(111, "Connection refused")}
+        why["denied"] = PermissionError("The AWS Access Key Id you provided does not exist")
 
         def preflight(self, timeout=None):
-            raise remote.RemoteUnavailableError(f"{self.url}: endpoint unreachable")
+            cause = why.get(os.environ["RC_PREFLIGHT_FAILS"])  # (none: no answer in time)
+            raise remote.RemoteUnavailableError(f"{self.url}: endpoint unreachable") from cause
 
         remote.RemoteStore.preflight = preflight  # type: ignore[method-assign]
     if os.environ.get("RC_CAPTURE_LOG"):  # (from construction on)

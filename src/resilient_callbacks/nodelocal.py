@@ -9,7 +9,9 @@ Which ranks call what in node-local mode (the rank contract of :mod:`.session` s
 every call below; *leader* = the lowest rank of a node, *coordinator* = rank 0):
 
 - open (:class:`NodeDirectory`): each leader makes, locks and sweeps its node's ``dirpath`` and
-  connects to the remote tier (preflight); the coordinator also owns the remote committer.
+  connects to the remote tier (:func:`.sync.preflight`: a store it cannot reach is a warning
+  where its disk holds checkpoints; a failure on any node raises on every rank); the
+  coordinator also owns the remote committer.
 - save (:class:`NodeLocalSession`): rank 0 broadcasts the commit number, the remote name and a
   staging token; every rank writes its files into its node's staging directory (each leader also
   writes the replicated ``shared.*`` files, as rank 0 does); the reports are gathered to each
@@ -47,7 +49,7 @@ from .errors import CheckpointError, CheckpointWriteError, ConfigError, RemoteUn
 from .lock import COMMAND_WAIT_S
 from .manifest import FileEntry, Manifest
 from .retention import Candidate, plan
-from .sync import SyncStatus
+from .sync import SyncStatus, preflight
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -203,7 +205,10 @@ class NodeDirectory(Directory):
         self.seq = catalog.next_seq(self.dirpath) - 1
         assert config.remote is not None
         self.remote = RemoteStore(config.remote, config.remote_options)
-        self.remote.preflight(timeout=config.remote_timeout)
+        # as in shared mode: a store that cannot be reached while this node's disk holds
+        # checkpoints is a warning (the restore falls back to the disks, loudly); otherwise
+        # raised, and open() makes every rank raise it (a node with an empty disk cannot go on)
+        reachable = preflight(self.remote, config.remote_timeout, self.dirpath)
         self.uploader = NodeUploader(
             self.remote,
             self.dirpath,
@@ -214,7 +219,8 @@ class NodeDirectory(Directory):
             self.committer = RemoteCommitter(
                 self.remote, len(self.topology.nodes), config.remote_retention_policy()
             )
-            self.seq = max(self.seq, self.committer.refresh_max_seq())
+            if reachable:  # (else the restore lists the remote, if it answers by then)
+                self.seq = max(self.seq, self.committer.refresh_max_seq())
 
     def release(self) -> None:
         if self.uploader is not None:
