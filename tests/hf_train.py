@@ -191,16 +191,9 @@ class Recorder(TrainerCallback):
                 self._hold(state.global_step)
 
     def _hold(self, step: int) -> None:
-        print(f"HOLD at step {step}", file=sys.stderr, flush=True)
-        ck = self.ckpt.checkpointer
-        if ck is not None and ck.watcher is not None:
-            got = ck.watcher.wait(300)
-        else:  # no preemption handling: only a SIGKILL ends the wait
-            time.sleep(300)
-            got = False
-        if not got:
-            print(f"HOLD at step {step}: no signal came in 300 s", file=sys.stderr, flush=True)
-            sys.exit(3)
+        from train_script import hold
+
+        hold(self.ckpt.checkpointer, step)
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if self.sleep:

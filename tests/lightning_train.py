@@ -166,17 +166,10 @@ class Net(L.LightningModule):
         """``--hold-at``: step N's record is written; wait here until a preemption signal
         arrives (a SIGKILL ends the wait too), so a test's signal lands in this step however
         slow the machine; no signal in 300 s: exit 3."""
-        print(f"HOLD at step {step}", file=sys.stderr, flush=True)
+        from train_script import hold
+
         rc = next((c for c in self.trainer.callbacks if isinstance(c, ResilientCheckpoint)), None)
-        watcher = None if rc is None or rc.checkpointer is None else rc.checkpointer.watcher
-        if watcher is not None:
-            got = watcher.wait(300)
-        else:  # no preemption handling: only a SIGKILL ends the wait
-            time.sleep(300)
-            got = False
-        if not got:
-            print(f"HOLD at step {step}: no signal came in 300 s", file=sys.stderr, flush=True)
-            sys.exit(3)
+        hold(None if rc is None else rc.checkpointer, step)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch

@@ -118,10 +118,12 @@ def _mark(what: str) -> None:
         )
 
 
-def hold(ckpt: Checkpointer, step: int, timeout: float) -> None:
-    """Wait at ``step`` for the test's signal (``--hold-at``). The line on stderr says where."""
+def hold(ckpt: Checkpointer | None, step: int, timeout: float = 300.0) -> None:
+    """Wait at ``step`` for the test's signal (``--hold-at``; also of tests/hf_train.py and
+    tests/lightning_train.py): until ``ckpt``'s preemption watcher sees one, or a SIGKILL
+    ends the wait; none within ``timeout``: exit 3. The line on stderr says where."""
     print(f"HOLD at step {step}", file=sys.stderr, flush=True)
-    if ckpt.watcher is not None:
+    if ckpt is not None and ckpt.watcher is not None:
         got = ckpt.watcher.wait(timeout)
     else:  # no preemption handling: only a SIGKILL ends the wait
         time.sleep(timeout)
