@@ -148,8 +148,9 @@ def merge_plain(
 ) -> bool:
     """Make the plain container ``obj`` equal to the decoded ``value`` in place (a ``dict``'s keys
     in ``value``'s order too), recursing into the dicts and lists both hold at the same key or
-    index, so nested containers keep their identity too. Returns False where ``obj`` is not a container of ``value``'s kind (the caller
-    puts ``value`` in its place). The paths of dict keys removed are added to ``removed``."""
+    index, so nested containers keep their identity too. Returns False where ``obj`` is not a
+    container of ``value``'s kind (the caller puts ``value`` in its place). The paths of dict
+    keys removed are added to ``removed``."""
     if isinstance(obj, MutableMapping) and isinstance(value, Mapping):
         for k in [k for k in obj if k not in value]:
             del obj[k]

@@ -23,8 +23,10 @@ of a tensor nobody will read from the mapping again are dropped from the residen
 (:func:`release`: ``MADV_DONTNEED`` of its whole pages; they stay in the page cache, and a later
 read of them faults the same bytes back in, since nothing has written them): the verified file
 as soon as it is hashed (:mod:`.tensorfile`), each original once :func:`private` copied it, and
-a module's tensors once it loaded them without keeping any. Thread contract: any thread; the registry is
-guarded by a lock, and an entry goes when its mapping is freed.
+a module's tensors once it loaded them without keeping any.
+
+Thread contract: any thread; the registry is guarded by a lock, and an entry goes when its
+mapping is freed.
 """
 
 from __future__ import annotations
