@@ -756,9 +756,9 @@ def test_poller_no_notice_then_notice(kind: str, server: FakeMetadata) -> None:
         assert not w.requested
         assert poller.consecutive_failures == 0, "the quiet answers must not count as failures"
         route(server, True)
-        t0 = time.monotonic()
-        assert w.wait(5.0), "the notice was not noticed"
-        elapsed = time.monotonic() - t0
+        # ~2 intervals (0.1 s) alone; the wait only tells "noticed by polling" from "not
+        # noticed", with room for a loaded 2-core machine where a thread can wait for a core
+        assert w.wait(60.0), "the notice was not noticed"
         req = w.request
         assert req is not None and req.source == f"metadata:{kind}"
         assert detail in req.detail
@@ -770,9 +770,6 @@ def test_poller_no_notice_then_notice(kind: str, server: FakeMetadata) -> None:
         wait_for(lambda: poller.polls >= n + 3, what="more polls")
         assert w.count == 1, "a standing notice must trigger once"
     assert not poller.running
-    # ~2 intervals (0.1 s) normally; the bound only has to tell "noticed by polling" from
-    # "not noticed" on a loaded 2-core machine, where a thread can wait seconds for a core.
-    assert elapsed < 4.0, elapsed
 
 
 def test_aws_imdsv2_token_is_fetched_once_and_sent(server: FakeMetadata) -> None:
@@ -913,7 +910,7 @@ def test_stop_is_prompt_with_a_long_interval(server: FakeMetadata) -> None:
     t0 = time.monotonic()
     p.stop()
     # far below the 60 s interval: stop() does not wait it out (loose for a loaded machine)
-    assert time.monotonic() - t0 < 10.0 and not p.running
+    assert time.monotonic() - t0 < 45.0 and not p.running
     p.stop()  # idempotent
 
 

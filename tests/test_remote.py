@@ -503,7 +503,8 @@ def test_close_gives_up_on_a_long_outage_and_names_what_is_only_local(
     ck.save(10, _state(10))
     t0 = time.monotonic()
     ck.close()
-    assert time.monotonic() - t0 < 15
+    # gives up after its 1.5 s outage limit, not the default minutes (loose: a loaded machine)
+    assert time.monotonic() - t0 < 120
     assert any(
         "still only local" in r.message and "step_000000010" in r.message for r in caplog.records
     )
@@ -544,7 +545,7 @@ def test_close_gives_up_on_a_store_that_stopped_answering(tmp_path, caplog, monk
         release.set()
     finally:
         signal.signal(signal.SIGTERM, old)
-    assert took < 30, took
+    assert took < 120, took  # not the 12 minutes of the bug (loose: a loaded machine)
     assert any("still only local" in r.message for r in caplog.records)
     assert got == ([signal.SIGTERM] if signalled else [])
 
@@ -558,7 +559,8 @@ def test_missing_bucket_is_a_clear_error_at_construction(s3_server, tmp_path):
         Checkpointer(
             tmp_path / "l", remote="s3://no-such-bucket-rc/run", remote_options=s3_server.options
         )
-    assert time.monotonic() - t0 < 10
+    # about 1 s alone; the bound tells an answer from s3fs's minutes of retries (loaded machine)
+    assert time.monotonic() - t0 < 120
     assert "testing" not in str(info.value)  # credentials are not echoed
     # the directory is usable again right away (the lock was released)
     Checkpointer(tmp_path / "l").close()
