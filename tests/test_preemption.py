@@ -983,22 +983,23 @@ for s in range(1, 20):
 """
 
 
+def _run_code(script: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` as the script ``script`` with ``args``, the library's src importable; its
+    output captured."""
+    script.write_text(code)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=180, env=env
+    )
+
+
 @pytest.mark.parametrize("how", ["default", "first-stays"])
 def test_two_checkpointers_in_one_process_exit_75_on_sigterm(tmp_path, how):
     """Two Checkpointers in one loop, SIGTERM: the process exits 75 either way (it was 143: the
     second's close() passed the signal on as unanswered), the unsaved one is named; with
     exit_on_preemption=False on the first, both save step 5, each log line naming its directory."""
-    script = tmp_path / "two.py"
-    script.write_text(_TWO_CHECKPOINTERS)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), how],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    r = _run_code(tmp_path / "two.py", _TWO_CHECKPOINTERS, str(tmp_path), how)
     assert r.returncode == 75, r.stderr[-2000:]
     saved = {d: sorted(n for n in os.listdir(tmp_path / d) if n.startswith("step_")) for d in "ab"}
     if how == "default":
@@ -1092,17 +1093,7 @@ def test_an_emergency_save_that_fails_is_said_so_not_passed_on_as_unanswered(tmp
     (exit 1 in both modes); close() says that save failed. It said the signal came 'after the
     last step() that could act on it (no emergency save for it)' and, with background saves,
     passed it on (exit 143)."""
-    script = tmp_path / "full.py"
-    script.write_text(_FULL_DISK_AT_PREEMPTION)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "ck"), mode],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    r = _run_code(tmp_path / "full.py", _FULL_DISK_AT_PREEMPTION, str(tmp_path / "ck"), mode)
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
     assert "CheckpointWriteError" in r.stderr and "No space left" in r.stderr
     assert "the emergency save of step 5 failed" in r.stderr, r.stderr[-2000:]
@@ -1185,17 +1176,7 @@ def test_a_second_signal_while_exiting_after_the_emergency_save_keeps_the_exit_c
     while Python code runs, and ignores the signal during the finalization (where Python
     handlers no longer run). A handler of the user's installed before the Checkpointer is back
     after close() and runs, as before."""
-    script = tmp_path / "second.py"
-    script.write_text(_SECOND_SIGNAL_AT_EXIT)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "ck"), mode],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    r = _run_code(tmp_path / "second.py", _SECOND_SIGNAL_AT_EXIT, str(tmp_path / "ck"), mode)
     assert r.returncode == 75, (r.returncode, r.stderr[-2000:])
     assert sorted(n for n in os.listdir(tmp_path / "ck") if n.startswith("step_")) == [
         "step_000000003"
