@@ -108,6 +108,19 @@ def test_a_group_that_dials_a_restarts_stale_address_is_told_as_torchruns_store(
         assert "process is gone" not in said
 
 
+def _store_warnings(monkeypatch: pytest.MonkeyPatch, times: int) -> list[str]:
+    """The warnings of ``times`` calls of ``dist.warn_if_restarts_share_a_store`` on rank 0 of
+    2, in a process that has not warned yet."""
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    monkeypatch.setattr(dist, "rank", lambda: 0)
+    monkeypatch.setattr(dist, "_store_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(times):
+            dist.warn_if_restarts_share_a_store()
+    return [str(w.message) for w in caught]
+
+
 @pytest.mark.parametrize(
     "env, warned",
     [
@@ -127,16 +140,8 @@ def test_workers_torchrun_restarts_over_a_shared_store_are_warned_once(
     there now says it once, on rank 0, before anything fails."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(dist, "world_size", lambda: 2)
-    monkeypatch.setattr(dist, "rank", lambda: 0)
-    monkeypatch.setattr(dist, "_store_warned", False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        dist.warn_if_restarts_share_a_store()
-        dist.warn_if_restarts_share_a_store()
-    said = [
-        str(w.message) for w in caught if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(w.message)
-    ]
+    caught = _store_warnings(monkeypatch, times=2)
+    said = [m for m in caught if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in m]
     assert len(said) == (1 if warned else 0), said
 
 
@@ -153,13 +158,7 @@ def test_a_set_variable_with_a_shared_store_is_told_as_torchruns_static_rendezvo
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    monkeypatch.setattr(dist, "world_size", lambda: 2)
-    monkeypatch.setattr(dist, "rank", lambda: 0)
-    monkeypatch.setattr(dist, "_store_warned", False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        dist.warn_if_restarts_share_a_store()
-    said = [str(w.message) for w in caught if "rendezvous" in str(w.message)]
+    said = [m for m in _store_warnings(monkeypatch, times=1) if "rendezvous" in m]
     said.append(dist.failed_exchange(RuntimeError(GLOO_STALE)))
     assert len(said) == 2
     for message in said:
