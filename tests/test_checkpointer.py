@@ -1050,7 +1050,7 @@ def test_latest_that_cannot_be_updated_is_removed_not_left_stale(tmp_path, monke
     deleted (shell scripts that read it broke); now it is removed, with a warning."""
     import errno
 
-    from resilient_callbacks import session
+    from resilient_callbacks import commit
 
     root = tmp_path / "ck"
     with Checkpointer(root, keep_last=1, async_save=False) as ck:
@@ -1060,7 +1060,7 @@ def test_latest_that_cannot_be_updated_is_removed_not_left_stale(tmp_path, monke
         def full(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(session, "write_latest_pointer", full)
+        monkeypatch.setattr(commit, "write_latest_pointer", full)
         ck.save(2, {"w": torch.ones(2)})
     assert not (root / "latest").exists()
     with Checkpointer(root) as again:

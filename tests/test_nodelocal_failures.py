@@ -619,13 +619,13 @@ def worker(base: str, argv: list[str]) -> None:
     if node == 1 and os.environ.get("RC_DIE_IN_COMMIT_AT"):  # killed as its disk was slow
         die_at, real_commit = int(os.environ["RC_DIE_IN_COMMIT_AT"]), ck._dir.commit.commit
 
-        def commit_or_die(staging, step, manifest):
+        def commit_or_die(staging, step, manifest, **kw):
             first = Path(base, "node0", f"step_{die_at:09d}", "manifest.json")
             while step == die_at and not first.exists():  # node 0 commits its part first
                 time.sleep(0.05)
             if step == die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real_commit(staging, step, manifest)
+            return real_commit(staging, step, manifest, **kw)
 
         ck._dir.commit.commit = commit_or_die
     committer = getattr(ck._dir, "committer", None)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX, fsync_dir
+from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX, ensure_dir, fsync_dir
 from .errors import CheckpointCorruptError, UnsafeManifestError
 from .manifest import BLOB_KIND, BLOB_NAME_RE, MANIFEST_NAME, FileEntry, Manifest, read_manifest
 from .tensorfile import DirectBuffer, _as_bytes, digest_file, write_tensors
@@ -271,6 +271,7 @@ class BlobStore:
         """Write blob ``key`` (``t``'s bytes) atomically into the store (:func:`write_blob`).
         The caller fsyncs the store folder (:meth:`sync`) before a manifest names it. Call with
         ``key`` pinned."""
+        ensure_dir(self.dir)  # (created: its name durable before a manifest names a blob)
         entry = write_blob(self.dir, key, t, compress=compress, direct=direct, bounce=bounce)
         with self._lock:
             if self._index is not None:

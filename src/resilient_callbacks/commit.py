@@ -2,9 +2,16 @@
 
 The strategy: every file is written into a hidden staging directory next to the final one;
 files are fsynced as they are written, then the manifest is written last and fsynced, the
-staging directory is fsynced, renamed to its final name, and the parent directory is fsynced.
-A crash at any point leaves either no checkpoint or a complete one; leftovers are hidden
-``.staging-*`` directories that :func:`sweep_staging` removes when the next writer starts.
+staging directory and every folder in it are fsynced, the staging directory is renamed to its
+final name, the advisory ``latest`` pointer is replaced, and the parent directory is fsynced
+(once: it makes both the rename and ``latest`` durable). A crash or a power loss at any point
+leaves either no checkpoint or a complete one; leftovers are hidden ``.staging-*`` directories
+that :func:`sweep_staging` removes when the next writer starts.
+
+Deleting is ordered the other way round (:func:`remove_checkpoints`): the checkpoint is renamed
+to a hidden ``.trash-*`` name and the parent directory fsynced *before* any of its files (or
+the blobs only it named) are deleted, so that a power loss cannot bring back a checkpoint whose
+files are partly gone.
 
 Which ranks call what: the coordinator (rank 0) calls :meth:`RenameCommit.begin`,
 :meth:`~RenameCommit.commit` and :meth:`~RenameCommit.abort`; every rank writes its own files
@@ -51,6 +58,45 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: str) -> None:
+    """fsync every directory under ``path``, deepest first, then ``path`` itself: a file in a
+    subfolder (``parts/<id>/``, ``dcp/``) is durable only once its own folder is."""
+    for dirpath, _, _ in reversed(list(os.walk(path))):
+        fsync_dir(dirpath)
+
+
+def ensure_dir(path: str) -> None:
+    """Create the directory ``path`` if it is missing, and fsync the parent of every level it
+    created: a new folder's name is durable only once its parent is fsynced (else a power loss
+    can take the folder, and every checkpoint in it, away). Nothing is synced if it exists."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return
+    missing = []
+    p = path
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    os.makedirs(path, exist_ok=True)
+    for p in reversed(missing):
+        fsync_dir(os.path.dirname(p))
+
+
+def open_dir(path: str) -> None:
+    """Create the run directory ``path`` if it is missing and make it durable as it is: its
+    name in its parent and its own entries (what another process, or a writer that crashed,
+    created there without syncing: the ``blobs/`` folder). Two fsyncs, once per opening."""
+    ensure_dir(path)
+    for d in (os.path.dirname(os.path.abspath(path)), path):
+        try:
+            fsync_dir(d)
+        except OSError as e:  # the commits fsync again; a failing disk shows there
+            log.warning("could not sync %s (%s): a power loss may undo recent changes in it", d, e)
+
+
 class CommitStrategy(Protocol):
     """How a set of files becomes one checkpoint atomically; one protocol for a POSIX directory
     (:class:`RenameCommit`) and an object store (:class:`~.remote.ManifestLastCommit`).
@@ -93,10 +139,13 @@ class RenameCommit:
             n += 1
         return ckpt_name(step, n)
 
-    def commit(self, staging: str, step: int, manifest: bytes) -> str:
-        """Write the manifest into ``staging`` (fsynced), then rename ``staging`` to the
-        checkpoint's name for ``step``; return its final path. Never replaces an existing
-        checkpoint. Raises :class:`CheckpointWriteError` if a file the manifest lists is not in
+    def commit(self, staging: str, step: int, manifest: bytes, *, latest: bool = False) -> str:
+        """Write the manifest into ``staging`` (fsynced), fsync ``staging`` and every folder in
+        it, then rename ``staging`` to the checkpoint's name for ``step`` and fsync the parent
+        directory; return its final path. Durable when it returns: a power loss after it
+        keeps the checkpoint. Never replaces an existing checkpoint. ``latest``: point the
+        advisory ``latest`` file at it before the parent is fsynced (one fsync for both).
+        Raises :class:`CheckpointWriteError` if a file the manifest lists is not in
         ``staging`` (nothing is committed then)."""
         files = json.loads(manifest).get("files") or []
         missing = [f["path"] for f in files if not os.path.exists(os.path.join(staging, f["path"]))]
@@ -107,7 +156,7 @@ class RenameCommit:
                 "to rank 0: dirpath must be on a filesystem all ranks share."
             )
         write_bytes(os.path.join(staging, MANIFEST_NAME), manifest)
-        fsync_dir(staging)
+        fsync_tree(staging)
         for _ in range(100):
             final = os.path.join(self.root, self.final_name(step))
             try:
@@ -122,6 +171,8 @@ class RenameCommit:
                 raise CheckpointWriteError(
                     f"could not move the staged checkpoint {staging} into place at {final}: {e}"
                 ) from e
+            if latest:
+                point_latest(self.root, os.path.basename(final))
             try:
                 fsync_dir(self.root)
             except OSError as e:  # renamed: visible and loadable, so committed; said so
@@ -143,12 +194,64 @@ TRASH_PREFIX = ".trash-"
 
 def remove_checkpoint(path: str, discard: Callable[[str], None] | None = None) -> None:
     """Delete a committed checkpoint so that no crash can leave a torn one: rename it to a hidden
-    trash name first (atomic: it stops being a checkpoint at once), then delete the files, here
-    or, with ``discard``, by handing the trash directory to it (a :class:`~.trash.TrashBin`). A
-    crash mid-delete leaves a ``.trash-*`` directory that :func:`sweep_staging` removes."""
+    trash name first (atomic: it stops being a checkpoint at once) and fsync its directory
+    (durable: a power loss cannot undo the rename once files are deleted), then delete the
+    files, here or, with ``discard``, by handing the trash directory to it (a
+    :class:`~.trash.TrashBin`). A crash mid-delete leaves a ``.trash-*`` directory that
+    :func:`sweep_staging` removes."""
+    root = os.path.dirname(path.rstrip("/"))
+    trash = _to_trash(path)
+    fsync_dir(root)
+    _delete(trash, discard)
+
+
+def remove_checkpoints(
+    root: str,
+    names: list[str],
+    discard: Callable[[str], None] | None = None,
+    failed: Callable[[str, OSError], None] | None = None,
+) -> list[str]:
+    """:func:`remove_checkpoint` for several checkpoints of ``root`` with one directory fsync:
+    every one is renamed to the trash, ``root`` is fsynced, then their files are deleted.
+    Returns the names removed; ``failed(name, error)`` hears of each one that could not be
+    (raised otherwise). The caller deletes blobs only they named after this returns."""
+    trashed: list[tuple[str, str]] = []
+    for name in names:
+        try:
+            trashed.append((name, _to_trash(os.path.join(root, name))))
+        except OSError as e:
+            if failed is None:
+                raise
+            failed(name, e)
+    try:
+        if trashed:
+            fsync_dir(root)  # the renames are durable before any file goes
+    except OSError as e:  # deleting now could leave torn checkpoints: the next sweep does it
+        if failed is None:
+            raise
+        for name, _ in trashed:
+            failed(name, e)
+        return []
+    done = []
+    for name, trash in trashed:
+        try:
+            _delete(trash, discard)
+            done.append(name)
+        except OSError as e:  # renamed out of sight: the next writer's sweep finishes it
+            if failed is None:
+                raise
+            failed(name, e)
+    return done
+
+
+def _to_trash(path: str) -> str:
     root, name = os.path.split(path.rstrip("/"))
     trash = os.path.join(root, f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
+    return trash
+
+
+def _delete(trash: str, discard: Callable[[str], None] | None) -> None:
     if discard is not None:
         discard(trash)
         return
@@ -196,9 +299,22 @@ def sweep_staging(root: str) -> list[str]:
     return removed
 
 
+def point_latest(root: str, name: str) -> None:
+    """:func:`write_latest_pointer`, never raising: one that cannot be written (a full disk) is
+    removed rather than left naming a checkpoint retention deletes, and a warning says so."""
+    try:
+        write_latest_pointer(root, name)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(root, "latest"))
+        log.warning("could not update the advisory 'latest' pointer (removed it): %s", e)
+
+
 def write_latest_pointer(root: str, name: str) -> None:
-    """Advisory ``latest`` file naming the newest checkpoint, for humans and shell scripts.
-    Discovery never trusts it: manifests decide."""
+    """Advisory ``latest`` file naming the newest checkpoint, for humans and shell scripts:
+    written to a temporary file, fsynced and renamed over ``latest`` (durable once ``root``
+    is fsynced, which :meth:`RenameCommit.commit` does after it). Discovery never trusts it:
+    manifests decide."""
     tmp = os.path.join(root, f"{LATEST_TMP_PREFIX}{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "w") as f:

@@ -24,7 +24,7 @@ from . import catalog, dist, history
 from .blobs import BlobStore
 from .branches import Tip
 from .catalog import Depth, Entry, Status
-from .commit import CKPT_RE, RenameCommit, remove_checkpoint, sweep_staging
+from .commit import CKPT_RE, RenameCommit, open_dir, remove_checkpoints, sweep_staging
 from .errors import (
     AT_CALLER,
     CheckpointError,
@@ -79,14 +79,14 @@ def apply_retention(
         for c in catalog.retention_candidates(entries)
     ]
     p = plan(cands, policy, run_id, protected=list(protected))
-    for name in p.delete:
-        path = os.path.join(root, name)
-        try:
-            remove_checkpoint(path, discard)
-            log.info("retention: deleted %s", name)
-        except OSError as e:
-            log.warning("retention: could not delete %s: %s", path, e)
-    if p.delete and blobs is not None:
+
+    def failed(name: str, e: OSError) -> None:
+        log.warning("retention: could not delete %s: %s", os.path.join(root, name), e)
+
+    # renamed to the trash and the directory fsynced before a file goes; blobs only then
+    for name in (gone := remove_checkpoints(root, list(p.delete), discard, failed)):
+        log.info("retention: deleted %s", name)
+    if gone and blobs is not None:  # (none if the sync failed: the renames may be undone)
         collect_blobs(blobs)
 
 
@@ -222,7 +222,7 @@ class Directory:
                     "creates nothing); check the path"
                 )
             return
-        os.makedirs(self.dirpath, exist_ok=True)
+        open_dir(self.dirpath)  # (its name durable: a power loss keeps what it holds)
         # (the other ranks wait in open()'s broadcast meanwhile)
         self.lock.acquire(wait_s=dist.wait_before_collective(COMMAND_WAIT_S))
         sweep_staging(self.dirpath)  # (logs what it removed)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dist
-from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint, write_latest_pointer
+from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint
 from .errors import CheckpointWriteError
 from .manifest import FileEntry, Manifest, versions
 from .nodelocal import REMOTE_MANIFEST, NodeDirectory, global_files, is_shared
@@ -143,11 +143,10 @@ class NodeLocalSession:
                     }
                     m = self._manifest(files, metrics, reason, fingerprint, node_extra)
                     assert self.staging is not None
-                    local_path = d.commit.commit(self.staging, self.step, encode_json(m.to_json()))
+                    data = encode_json(m.to_json())
+                    local_path = d.commit.commit(self.staging, self.step, data, latest=True)
                     node_msg["files"] = [f.__dict__ for f in files]
                     node_msg["path"] = os.path.basename(local_path)
-                    with contextlib.suppress(OSError):  # advisory, as in shared mode
-                        write_latest_pointer(d.dirpath, node_msg["path"])
                 except Exception as e:
                     node_msg["failed"] = [[topo.rank, f"local commit: {type(e).__name__}: {e}"]]
             if local_path is None and self.staging is not None:

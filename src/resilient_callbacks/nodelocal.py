@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist
 from .catalog import Depth, Status
-from .commit import sweep_staging
+from .commit import open_dir, sweep_staging
 from .compression import SUFFIX
 from .directory import Directory, apply_retention
 from .errors import CheckpointError, CheckpointWriteError, ConfigError, RemoteUnavailableError
@@ -198,7 +198,7 @@ class NodeDirectory(Directory):
         from .remote import RemoteStore
         from .remote_commit import NodeUploader, RemoteCommitter
 
-        os.makedirs(self.dirpath, exist_ok=True)
+        open_dir(self.dirpath)  # (its name durable: a power loss keeps what it holds)
         # (the other ranks wait in open()'s all-gather meanwhile)
         self.lock.acquire(wait_s=dist.wait_before_collective(COMMAND_WAIT_S))
         sweep_staging(self.dirpath)  # (logs what it removed)

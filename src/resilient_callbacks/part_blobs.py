@@ -51,7 +51,7 @@ from .blobs import (
     stored_intact,
     write_blob,
 )
-from .commit import fsync_dir
+from .commit import ensure_dir, fsync_dir
 from .errors import CheckpointCorruptError, CheckpointWriteError
 from .manifest import FileEntry, Manifest
 from .tensorfile import DirectBuffer, digest_file
@@ -214,7 +214,7 @@ def promote_staged(staging: str, root: str, manifest: Manifest) -> None:
     except FileNotFoundError:
         names = []
     if names:
-        os.makedirs(store, exist_ok=True)
+        ensure_dir(store)  # (a new folder: its name durable before a manifest names it)
         recorded: dict[str, list[FileEntry]] | None = None
         for name in names:
             if os.path.exists(os.path.join(store, name)):

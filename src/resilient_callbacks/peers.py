@@ -25,7 +25,7 @@ import torch
 
 from . import catalog
 from .catalog import Depth
-from .commit import STAGING_PREFIX, fsync_dir
+from .commit import STAGING_PREFIX, fsync_dir, fsync_tree
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .nodelocal import REMOTE_MANIFEST
 from .tensorfile import write_bytes
@@ -113,7 +113,7 @@ def exchange(
             return None
         m = read_manifest(staging)
         catalog.verify(staging, m, Depth.FULL)
-        fsync_dir(staging)
+        fsync_tree(staging)  # (every folder: parts/<id>/ hold files too)
         base = os.path.join(receive_into or "", peer_header[0] if peer_header else "")
         final, n = base, 0
         while os.path.lexists(final):  # never replace a folder of that name

@@ -33,7 +33,7 @@ import fsspec
 from . import remote_blobs, rng
 from .blobs import BLOBS_DIR
 from .catalog import Depth, verify, verify_entries
-from .commit import STAGING_PREFIX, fsync_dir
+from .commit import STAGING_PREFIX, fsync_dir, fsync_tree
 from .errors import CheckpointCorruptError, RemoteUnavailableError
 from .manifest import MANIFEST_NAME, NEWER_FORMAT, Manifest
 from .progress import Progress
@@ -435,11 +435,11 @@ class RemoteStore:
                 bar.close()
             with open(os.path.join(staging, MANIFEST_NAME), "wb") as fh:
                 fh.write(self.fs.cat_file(self._path(entry.name, MANIFEST_NAME)))
-            for f in m.files:
-                with open(os.path.join(staging, f.path), "rb+") as fh:
+            for rel in [f.path for f in m.files] + [MANIFEST_NAME]:  # the manifest too
+                with open(os.path.join(staging, rel), "rb+") as fh:
                     os.fsync(fh.fileno())
             verify(staging, m, Depth.FULL)
-            fsync_dir(staging)
+            fsync_tree(staging)  # (every folder: parts/<id>/ hold files too)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

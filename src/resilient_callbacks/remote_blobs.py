@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from .blobs import BLOBS_DIR, NAME_RE, TMP_PREFIX, blob_path, key_of, store_dir
 from .catalog import verify_entries
-from .commit import fsync_dir
+from .commit import ensure_dir, fsync_dir
 from .errors import CheckpointCorruptError
 from .manifest import FileEntry, Manifest
 from .remote_objects import modified_time
@@ -441,7 +441,7 @@ def download(store: RemoteStore, manifest: Manifest, local_root: str, staging: s
                 dest = os.path.join(target, b.path)
             else:  # damaged (or a leftover): the verified copy repairs the store
                 log.warning("%s is damaged or unknown; replacing it with a verified copy", dest)
-        os.makedirs(target, exist_ok=True)
+        ensure_dir(target)  # (created: its name durable, as the blobs in it)
         tmp = os.path.join(target, f"{TMP_PREFIX}{key_of(b.path)}-{uuid.uuid4().hex[:8]}")
         try:
             store.fs.get(posixpath.join(_dir(store), b.path), tmp)

@@ -34,7 +34,6 @@ reader counts it, and the next writer to open the directory sweeps it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -44,7 +43,7 @@ from typing import Any
 
 from . import catalog, dist
 from .branches import Tip
-from .commit import CommitStrategy, RenameCommit, write_latest_pointer
+from .commit import CommitStrategy, RenameCommit, point_latest
 from .directory import apply_retention
 from .errors import CheckpointWriteError, ConfigError
 from .manifest import FileEntry, Manifest, versions
@@ -353,14 +352,11 @@ class CommitSession:
             lineage=self.tip.child(seq).to_json() if self.tip is not None else {},
         )
         promote_staged(self.staging, self.dirpath, manifest)  # FileParts' new blobs
-        final = self.strategy.commit(self.staging, self.step, encode_json(manifest.to_json()))
-        try:
-            write_latest_pointer(self.dirpath, os.path.basename(final))
-        except OSError as e:
-            # (a full disk): removed rather than left naming a checkpoint retention deletes
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self.dirpath, "latest"))
-            log.warning("could not update the advisory 'latest' pointer (removed it): %s", e)
+        data = encode_json(manifest.to_json())
+        if isinstance(self.strategy, RenameCommit):  # `latest` made durable by its one fsync
+            return self.strategy.commit(self.staging, self.step, data, latest=True), seq
+        final = self.strategy.commit(self.staging, self.step, data)
+        point_latest(self.dirpath, os.path.basename(final))
         return final, seq
 
     def _default_after_commit(self, committed: Committed) -> None:

@@ -1,8 +1,9 @@
 """Deleting checkpoints without making a save wait for the filesystem to free their space.
 
-Retention removes a checkpoint in two steps (:func:`~.commit.remove_checkpoint`): a rename to a
+Retention removes a checkpoint in two steps (:func:`~.commit.remove_checkpoints`): a rename to a
 hidden ``.trash-*`` name, which is atomic and instant (the checkpoint stops being one at once:
-no listing, restore or retention sees it again), then deleting its files. Deleting is not
+no listing, restore or retention sees it again) and made durable (the directory is fsynced:
+a power loss cannot bring it back once its files go), then deleting its files. Deleting is not
 instant: unlinking a 1.5 GB file took 1.0 s on the development machine's disk and 0.63 s on a
 GPU node's (profiled inside a save, docs/performance.md), and it ran inside the background
 persist, so the next save could wait for its slot on it.
