@@ -121,7 +121,10 @@ class Journal:
                 return
             parts = self._rel(path)
             node = None if parts is None else self._lookup(parts)
-            if node is None:
+            parent = None if not parts else self._parent(parts)
+            if node is None and parent is not None and os.path.isfile(path):
+                node = parent.cur[parts[-1]] = Node(False)  # type: ignore[index]
+            if node is None:  # (a file written by code this does not wrap: safetensors)
                 return
             if node.is_dir:
                 node.dur = dict(node.cur)

@@ -270,3 +270,31 @@ def test_retention_deletes_nothing_while_the_trash_rename_is_not_durable(tmp_pat
     m = read_manifest(str(root / trashed[0]))
     catalog.verify(str(root / trashed[0]), m, Depth.FULL)  # whole, its blobs too
     assert [e.step for e in catalog.scan(str(root)) if e.status is Status.VALID] == [2]
+
+
+def test_an_export_is_durable_before_it_replaces_the_previous_one(tmp_path):
+    """``export_weights`` over an existing export: the new files and folder are fsynced before
+    the rename, and the parent after it, before the old export is deleted; else a power loss
+    can leave neither the old export nor a whole new one."""
+    from resilient_callbacks.consolidate import export_weights
+
+    run = tmp_path / "w" / "run"
+    with Checkpointer(run, async_save=False, preemption=False) as ck:
+        ck.save(1, {"model": nn.Linear(8, 4)})
+        path = ck.checkpoints()[-1].path
+    out = str(tmp_path / "w" / "export")
+    weights = {"w": torch.ones(64)}
+    export_weights(path, out, weights=weights)
+    journal = Journal(str(tmp_path / "w"))
+    with journal.recording():
+        export_weights(path, out, overwrite=True, weights=weights)
+    ops = journal.ops
+    publish = next(i for i, o in enumerate(ops) if o.kind == "rename" and o.dest == "export")
+    staged = ops[publish].path
+    synced = {o.path for o in ops[:publish] if o.kind == "fsync"}
+    for name in ("model.safetensors", "export.json", ""):
+        assert os.path.join(staged, name).rstrip("/") in synced, f"{name or staged} not fsynced"
+    gone = next(i for i, o in enumerate(ops) if o.kind == "unlink" and ".export.old-" in o.path)
+    assert ("fsync", "") in [(o.kind, o.path) for o in ops[publish:gone]], (
+        "the old export was deleted before the rename of the new one was durable"
+    )

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import reader, structure
+from .commit import fsync_dir, fsync_tree
 from .dtypes import DTYPE_TO_ST
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .export_target import EXPORT_MARKER, check_export_target
@@ -355,11 +356,19 @@ def export_staging(out: str) -> str:
 def publish_export(staging: str, out: str) -> None:
     """Give the files in ``staging`` the mode an ordinary new file gets (the umask applied:
     safetensors writes 0600, which another user's serving process cannot read), then put it in
-    place of ``out``; an ``out`` that exists is moved aside first and removed after."""
+    place of ``out``; an ``out`` that exists is moved aside first and removed after. Durable:
+    every file and folder is fsynced before the rename, the parent after it and before the old
+    export is removed (a power loss leaves the old export or the whole new one)."""
     mode = 0o666 & ~_umask()
     for root, _, files in os.walk(staging):
         for name in files:
             os.chmod(os.path.join(root, name), mode)
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)  # (safetensors' save_file does not)
+            finally:
+                os.close(fd)
+    fsync_tree(staging)
     old = None
     if os.path.exists(out):
         old = os.path.join(
@@ -367,6 +376,7 @@ def publish_export(staging: str, out: str) -> None:
         )
         os.rename(out, old)
     os.rename(staging, out)
+    fsync_dir(os.path.dirname(os.path.abspath(out)))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
