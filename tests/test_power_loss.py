@@ -298,3 +298,35 @@ def test_an_export_is_durable_before_it_replaces_the_previous_one(tmp_path):
     assert ("fsync", "") in [(o.kind, o.path) for o in ops[publish:gone]], (
         "the old export was deleted before the rename of the new one was durable"
     )
+
+
+def test_a_dcp_save_through_our_storage_writer_survives_a_power_loss(tmp_path):
+    """``dcp.save(..., storage_writer=ResilientStorageWriter(...))`` puts each rank's files in
+    ``dcp/``: that folder is fsynced before the commit's rename too."""
+    import torch.distributed.checkpoint as dcp
+
+    from resilient_callbacks.dcp import ResilientStorageWriter
+
+    (tmp_path / "w").mkdir()
+    journal = Journal(str(tmp_path / "w"))
+    model = nn.Linear(64, 32)
+    real_commit = RenameCommit.commit
+
+    def commit(self: RenameCommit, staging: str, step: int, manifest: bytes, **kw: Any) -> str:
+        final = real_commit(self, staging, step, manifest, **kw)
+        journal.mark("committed", step)
+        return final
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RenameCommit, "commit", commit)
+        with journal.recording(), ResilientStorageWriter(tmp_path / "w" / "run") as writer:
+            for step in STEPS:
+                with torch.no_grad():
+                    model.weight.add_(1.0)
+                writer.step = step
+                dcp.save({"model": model.state_dict()}, storage_writer=writer)
+    assert _check_published(journal) == len(STEPS)
+    assert any(o.path.endswith("/dcp") and o.is_dir for o in journal.ops if o.kind == "fsync")
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=shm) as scratch:
+        assert _crash_everywhere(journal, os.path.join(scratch, "crash")) > len(STEPS)
