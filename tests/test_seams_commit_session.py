@@ -194,3 +194,24 @@ def test_a_failed_rank_means_no_commit_on_every_rank(tmp_path):
 
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2], sys.argv[3])
+
+
+def test_a_subclass_of_rename_commit_with_its_own_commit_still_gets_latest(tmp_path):
+    """A strategy subclassing RenameCommit whose ``commit`` has the protocol's three
+    arguments (written before ``latest=`` existed) commits, and ``latest`` names the commit."""
+    from resilient_callbacks.commit import RenameCommit
+
+    calls = []
+
+    class Logged(RenameCommit):
+        def commit(self, staging: str, step: int, manifest: bytes) -> str:  # type: ignore[override]
+            calls.append(step)
+            return super().commit(staging, step, manifest)
+
+    os.makedirs(tmp_path / "ck")
+    session = CommitSession(tmp_path / "ck", 3, run_id="seamtest00000000")
+    session.strategy = Logged(session.dirpath)
+    _write_part(session, _state(0, 0), 0)
+    done = session.commit()
+    assert calls == [3]
+    assert (tmp_path / "ck" / "latest").read_text().strip() == os.path.basename(done.path)

@@ -353,8 +353,9 @@ class CommitSession:
         )
         promote_staged(self.staging, self.dirpath, manifest)  # FileParts' new blobs
         data = encode_json(manifest.to_json())
-        if isinstance(self.strategy, RenameCommit):  # `latest` made durable by its one fsync
-            return self.strategy.commit(self.staging, self.step, data, latest=True), seq
+        st = self.strategy  # ours (not a subclass's own commit): `latest` in its one fsync
+        if isinstance(st, RenameCommit) and type(st).commit is RenameCommit.commit:
+            return st.commit(self.staging, self.step, data, latest=True), seq
         final = self.strategy.commit(self.staging, self.step, data)
         point_latest(self.dirpath, os.path.basename(final))
         return final, seq
