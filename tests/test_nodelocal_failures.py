@@ -266,6 +266,23 @@ def test_a_final_save_of_a_step_saved_already_is_committed_remotely(tmp_path):
         assert len([n for n in os.listdir(tmp_path / f"node{node}") if n.startswith("step_")]) == 3
 
 
+def test_the_global_manifest_kept_beside_a_nodes_checkpoint_is_durable(tmp_path):
+    """After a power loss, ``remote_manifest.json`` next to node 0's checkpoint must still be
+    there (the restart's remote commit of that checkpoint reads it): its folder is fsynced
+    after it is written. Fails if the write is not followed by an fsync of the folder."""
+    recs = _run(tmp_path, "sync", 2, "--steps", "4", RC_RECORD_SYNC=1)
+    ops = next(r["synced"] for r in recs[0] if "synced" in r)
+    writes = [
+        i
+        for i, op in enumerate(ops)
+        if op.startswith("write ") and op.endswith("/remote_manifest.json")
+    ]
+    assert writes, ops
+    for i in writes:
+        folder = os.path.dirname(ops[i].split(" ", 1)[1])
+        assert f"fsync {folder}" in ops[i + 1 :], (ops[i], ops[i:])
+
+
 @pytest.mark.slow  # suite time budget
 def test_a_damaged_local_copy_is_fetched_again_by_its_node_only(tmp_path):
     """A byte flipped in node 1's copy of the newest checkpoint: the restore falls back to
@@ -517,6 +534,22 @@ def worker(base: str, argv: list[str]) -> None:
     p.add_argument("--remote-every", type=int)
     p.add_argument("--kill-at", type=int)
     a = p.parse_args(argv)
+    synced: list[str] = []  # RC_RECORD_SYNC: "write <path>" / "fsync <path>", in order
+    if os.environ.get("RC_RECORD_SYNC"):
+        from resilient_callbacks import node_session
+
+        real_fsync, real_write = os.fsync, node_session.write_bytes
+
+        def fsync(fd):
+            synced.append(f"fsync {os.readlink(f'/proc/self/fd/{fd}')}")
+            return real_fsync(fd)
+
+        def write_bytes(path, data):
+            real_write(path, data)
+            synced.append(f"write {os.path.realpath(path)}")
+
+        os.fsync = fsync
+        node_session.write_bytes = write_bytes
     status_taken = threading.Event()  # RC_HOLD_LAST_UPLOAD: the last step's upload waits for it
     if os.environ.get("RC_SCAN_FAILS_AFTER"):  # the store stops answering after the preflight
         real, calls = remote.RemoteStore.scan, [0]
@@ -659,6 +692,8 @@ def worker(base: str, argv: list[str]) -> None:
                 while uploader is not None and uploader.pending():
                     time.sleep(0.02)
             os.kill(os.getpid(), signal.SIGKILL)
+    if synced:
+        out(synced=synced)
     if os.environ.get("RC_FINAL_SAVE"):  # as the DeepSpeed launcher ends: step saved already
         assert not ck.save(a.steps, state, final=True)
     ck.flush()

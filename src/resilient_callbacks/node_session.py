@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dist
-from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint
+from .commit import STAGING_PREFIX, ckpt_name, fsync_dir, remove_checkpoint
 from .errors import CheckpointWriteError
 from .manifest import FileEntry, Manifest, versions
 from .nodelocal import REMOTE_MANIFEST, NodeDirectory, global_files, is_shared
@@ -219,6 +219,7 @@ class NodeLocalSession:
         if local_path is not None:
             try:
                 write_bytes(os.path.join(local_path, REMOTE_MANIFEST), data)
+                fsync_dir(local_path)  # (durable: a restart's remote commit reads it)
             except OSError as e:
                 log.warning("could not keep the global manifest next to %s: %s", local_path, e)
         if d.committer is not None:
