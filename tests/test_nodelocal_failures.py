@@ -135,6 +135,27 @@ def test_remote_checkpoints_whose_manifest_cannot_be_read_are_no_fresh_start(tmp
         assert said.count("unreadable manifest") == 2, said
 
 
+def test_a_resave_never_takes_the_name_of_a_remote_checkpoint_it_cannot_read(tmp_path):
+    """Every node replaced, the newest remote manifest of a format this version refuses (a
+    newer library wrote it): the restore falls back to the step before and the run saves the
+    newest step again. The coordinator gave the re-save that name: each node uploaded its files
+    over the unreadable copy's and the commit replaced its manifest. Now it takes another name
+    and numbers after it; the unreadable copy stays as it was."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    shutil.rmtree(tmp_path / "node0")
+    shutil.rmtree(tmp_path / "node1")
+    newest = tmp_path / "remote" / "step_000000004"
+    m = json.loads((newest / "manifest.json").read_text())
+    (newest / "manifest.json").write_text(json.dumps({**m, "format_version": 99}))
+    before = {p: p.read_bytes() for p in newest.rglob("*") if p.is_file()}
+    out = _run(tmp_path, "second", 2, "--steps", "4")
+    assert [rank[0]["restored"] for rank in out] == [2, 2], out
+    assert {p: p.read_bytes() for p in newest.rglob("*") if p.is_file()} == before
+    again = RemoteStore(f"file://{tmp_path}/remote").scan()
+    (resaved,) = [e for e in again if e.name == "step_000000004-r1"]
+    assert resaved.problem is None and resaved.manifest.seq > m["seq"], resaved
+
+
 @pytest.mark.slow  # suite time budget: the test above proves the fix
 def test_remote_manifests_a_read_failed_on_are_named_and_a_torn_newest_is_skipped_loudly(
     tmp_path,
@@ -563,7 +584,7 @@ def worker(base: str, argv: list[str]) -> None:
         remote.RemoteStore.scan = scan  # type: ignore[method-assign]
     if os.environ.get("RC_MANIFEST_READS_FAIL"):  # listed, but the store fails their reads
 
-        def reads_fail(self, names, signs):
+        def reads_fail(self, names, signs, hints=None):
             return {n: ConnectionError("the store does not answer") for n in names}
 
         remote.RemoteStore._read_manifests = reads_fail  # type: ignore[method-assign]

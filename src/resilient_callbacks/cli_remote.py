@@ -21,7 +21,7 @@ from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundEr
 from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
-from .remote_objects import free_name
+from .remote_objects import UNREADABLE, free_name
 from .retention import Plan, RetentionPolicy
 
 
@@ -48,8 +48,8 @@ def store(url: str, pairs: list[str] | None) -> RemoteStore:
 def _damage(
     remote: list[RemoteEntry],
 ) -> tuple[dict[tuple[str, int], str], dict[str, str]]:
-    """The damaged remote copies: by commit (a file missing or of the wrong size) and by name
-    (a manifest that cannot be read). ``push`` uploads them again."""
+    """The damaged remote copies: by commit (a file missing or of the wrong size: ``push``
+    uploads them again) and by name (a manifest that cannot be read: never replaced)."""
     by_key = {e.key: e.problem for e in remote if e.key is not None and e.problem}
     by_name = {
         e.name: e.problem
@@ -258,8 +258,9 @@ def push(args: argparse.Namespace) -> int:
             raise CheckpointNotFoundError(f"no checkpoint of step {args.step} in {args.dir}")
         scanned = st.scan()
         remote = {e.key: e for e in scanned if e.key is not None and e.problem is None}
-        taken = {e.name: e.key for e in scanned if e.key is not None}
-        damaged, unreadable = _damage(scanned)
+        damaged, unreadable = _damage(scanned)  # (an unreadable one's name is never free)
+        at = {e.key: e.name for e in scanned if e.key is not None}  # (its remote name)
+        taken = {n: k for k, n in at.items()} | dict.fromkeys(unreadable, UNREADABLE)
         rotten: dict[tuple[str, int], list[str]] = {}  # blobs read and found rotten, by commit
         for e in local:
             item = {"name": e.name, "step": e.step, "path": e.path}
@@ -290,9 +291,8 @@ def push(args: argparse.Namespace) -> int:
                 if not args.json:
                     print(f"{e.name} (step {e.step}) is already in {st.url}")
                 continue
-            was = damaged.get(key) or unreadable.get(e.name)
-            # a name another run's remote checkpoint has (two runs, one URL) is left to it
-            name = e.name if was is not None else free_name(e.name, key, taken)
+            was = damaged.get(key)  # repaired where it lies; else a name no other commit has
+            name = at[key] if was is not None else free_name(e.name, key, taken)
             item["url"] = f"{st.url}/{name}"
             bar = Progress(e.manifest.total_bytes, f"pushing {e.name}")
             try:
@@ -314,7 +314,7 @@ def push(args: argparse.Namespace) -> int:
             done["pushed"].append(item)
             if not args.json:
                 again = "" if was is None else f"; its remote copy was damaged ({was})"
-                named = "" if name == e.name else f" as {name} (another run has {e.name})"
+                named = "" if name == e.name else f" as {name} ({e.name} holds another commit)"
                 size = fmt_size(e.manifest.total_bytes)
                 if e.manifest.blobs:  # incremental: the blobs it names, sent where missing
                     size += (

@@ -99,7 +99,7 @@ def open_dir(path: str) -> None:
 
 class CommitStrategy(Protocol):
     """How a set of files becomes one checkpoint atomically; one protocol for a POSIX directory
-    (:class:`RenameCommit`) and an object store (:class:`~.remote.ManifestLastCommit`).
+    (:class:`RenameCommit`) and an object store (:class:`~.remote_objects.ManifestLastCommit`).
 
     Which ranks call what: rank 0 (or the one process that uploads) calls all three methods.
     Every writer puts its files into the staging location ``begin`` returned; ``commit`` writes

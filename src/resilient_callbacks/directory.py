@@ -251,10 +251,10 @@ class Directory:
             after_upload=self._retention_after_upload,
             on_uploaded=self._record_upload,
         )
-        # new commits number after the remote's too, also when no restore() lists the tiers (a
-        # new run that only saves): a restore takes the highest number, of whichever run
-        for e in self.sync.refresh() if reachable else []:
-            self.seq = max(self.seq, e.manifest.seq if e.manifest is not None else 0)
+        # new commits number after the remote's (a newer format's too), also when no restore()
+        # lists the tiers (a new run that only saves): a restore takes the highest number
+        if reachable:
+            self.seq = max(self.seq, self.sync.max_seq())
 
     def release(self) -> None:
         """Stop the uploader and the trash bin's thread, and release the lock (idempotent)."""

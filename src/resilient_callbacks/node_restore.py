@@ -42,6 +42,7 @@ from .errors import (
 )
 from .manifest import Manifest, read_manifest
 from .nodelocal import REMOTE_MANIFEST, NodeDirectory, is_shared, needed
+from .remote import NO_MANIFEST
 from .restoring import Candidate, Restorer, RestoreReport
 from .tensorfile import encode_json, write_bytes
 from .topology import Topology
@@ -231,6 +232,7 @@ class NodeRestorer(Restorer):
                     remote_worlds[key] = e.manifest.world_size
                 if d.committer is not None:
                     d.committer.index = dict(remote)
+                    d.committer.listed = {e.name for e in listed if e.problem != NO_MANIFEST}
             except Exception as e:
                 unlisted = f"{type(e).__name__}: {e}"
         local: list[dict[tuple[str, int], tuple[str, set[int]]]] = []

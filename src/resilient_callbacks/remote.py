@@ -39,7 +39,14 @@ from .manifest import MANIFEST_NAME, NEWER_FORMAT, Manifest
 from .progress import Progress
 from .redact import options_text, url_text
 from .remote_blob_check import Verified
-from .remote_objects import RemoteNameTaken, check_uploaded, key_of, modified_time
+from .remote_objects import (
+    ManifestLastCommit,
+    RemoteNameTaken,
+    check_uploaded,
+    key_of,
+    modified_time,
+    raw_seq,
+)
 from .retention import Candidate
 
 log = logging.getLogger("resilient_callbacks")
@@ -61,6 +68,8 @@ class RemoteEntry:
     # its manifest is listed but could not be read here (the store did not answer that read,
     # or a newer version wrote it): not known to be damaged, so never deleted as corrupt
     unread: bool = False
+    # its manifest cannot be read here but its JSON gives a commit number (a newer format's)
+    seq_hint: int | None = None
 
     @property
     def committed(self) -> bool:
@@ -220,8 +229,9 @@ class RemoteStore:
                 made = info.get("created")  # memory:// has no other
                 signs[name] = (info.get("size"), t, etag, made) if t or etag or made else None
         blob_sizes = groups.pop(BLOBS_DIR, {})
+        hints: dict[str, int] = {}  # (commit numbers of manifests it refuses)
         manifests = self._read_manifests(
-            [n for n, sizes in groups.items() if MANIFEST_NAME in sizes], signs
+            [n for n, sizes in groups.items() if MANIFEST_NAME in sizes], signs, hints
         )
         entries: list[RemoteEntry] = []
         for name, sizes in sorted(groups.items()):
@@ -231,7 +241,10 @@ class RemoteStore:
             m = manifests[name]
             if isinstance(m, CheckpointCorruptError):  # damaged (a newer format: unread)
                 newer = NEWER_FORMAT in str(m)
-                entries.append(RemoteEntry(name, None, sizes, str(m), modified.get(name), newer))
+                seq = hints.get(name)
+                entries.append(
+                    RemoteEntry(name, None, sizes, str(m), modified.get(name), newer, seq)
+                )
                 continue
             if isinstance(m, Exception):  # the read failed: not known damaged
                 bad = f"unreadable manifest: {type(m).__name__}: {url_text(str(m))}"
@@ -284,9 +297,13 @@ class RemoteStore:
         return Manifest.from_json(data, where)
 
     def _read_manifests(
-        self, names: list[str], signs: Mapping[str, tuple[Any, ...] | None]
+        self,
+        names: list[str],
+        signs: Mapping[str, tuple[Any, ...] | None],
+        hints: dict[str, int] | None = None,
     ) -> dict[str, Manifest | Exception]:
-        """The manifests of ``names``, parsed, or the exception reading or parsing one raised.
+        """The manifests of ``names``, parsed, or the exception reading or parsing one raised
+        (then ``hints`` gets its commit number where its JSON gives one: a newer format).
         One an earlier scan read whose listing ``signs`` (size, time, etag) is the same is
         reused (the uploader scans after each upload: fetching every manifest again took 1.5 s
         at 93); the rest are fetched in one call, which an object store's client runs
@@ -309,6 +326,8 @@ class RemoteStore:
                 out[name] = self._parse_manifest(name, raw)
             except Exception as e:
                 out[name] = e
+                if hints is not None and (seq := raw_seq(raw)) is not None:
+                    hints[name] = seq
         self._manifests = {
             n: (sign, m)
             for n, m in out.items()
@@ -334,18 +353,18 @@ class RemoteStore:
         uncommit it and upload every file again. ``blobs_again``: blobs it refers to that are
         on the remote at the right size but with other bytes (read and found rotten): uploaded
         again too (every checkpoint recording it with the local checksum wants exactly these
-        bytes)."""
+        bytes). :class:`RemoteNameTaken` if ``name`` holds another commit, or a manifest that
+        cannot be read (never replaced, not even to repair: the caller takes a free name)."""
         existing = self._manifest_bytes(name)
         with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as fh:
             manifest_bytes = fh.read()
         if existing == manifest_bytes and not repair:
             return  # already committed there (an earlier run uploaded it)
-        if existing is not None:
-            other = key_of(existing)
-            if other is not None and other != (manifest.run_id, manifest.seq):
-                # another commit has this name (another run writing to this URL): never
-                # uncommitted for ours, which the caller uploads under a free name
-                raise RemoteNameTaken(name, other)
+        if existing is not None and (other := key_of(existing)) != (manifest.run_id, manifest.seq):
+            # another commit's (another run writing to this URL), or one whose manifest cannot
+            # be read here (damaged, newer): never uncommitted for ours (the caller takes a free
+            # name); only `gc --remote --remove-corrupt` deletes a damaged one
+            raise RemoteNameTaken(name, other)
         verify_entries(local_dir, manifest.files)  # the committed bytes, or nothing goes up
         commit = ManifestLastCommit(self, name, local_dir)
         # uncommit another checkpoint of this name; none there: no delete (a store may deny it)
@@ -453,48 +472,3 @@ class RemoteStore:
             self.fs.rm_file(self._path(name, MANIFEST_NAME))
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._path(name), recursive=True)
-
-
-class ManifestLastCommit:
-    """The :class:`~.commit.CommitStrategy` of an object store, which has no rename and no
-    atomic directory: the files go under the checkpoint's final name, and the manifest goes
-    last, once every file it lists is visible there with its size (and its MD5, where the
-    store's ETag is one). A remote checkpoint exists only when its manifest does
-    (:meth:`RemoteStore.scan`), so a crash before the manifest leaves an invisible, incomplete
-    folder that ``gc`` removes. ``local_dir`` holds the files being uploaded (for the MD5
-    check); the staging location is the checkpoint's name under the store's URL.
-
-    Which ranks call what: the one process that uploads (the coordinator) calls all three."""
-
-    def __init__(self, store: RemoteStore, name: str, local_dir: str) -> None:
-        self.store, self.name, self.local_dir = store, name, local_dir
-
-    def begin(self, step: int, uncommit: bool = True) -> str:
-        """Uncommit whatever checkpoint had this name (its manifest first, so it is never seen
-        with files missing; ``uncommit=False``: the caller saw none) and return the name to
-        put the files under."""
-        st = self.store
-        with contextlib.suppress(FileNotFoundError):
-            if uncommit:
-                st.fs.rm_file(st._path(self.name, MANIFEST_NAME))
-        if st.is_local:
-            st.fs.makedirs(st._path(self.name), exist_ok=True)
-        return self.name
-
-    def commit(self, staging: str, step: int, manifest: bytes) -> str:
-        """Check every listed file, then put the manifest: the checkpoint exists from then on.
-        Raises ``OSError`` naming a file that is missing or differs (nothing is committed)."""
-        st = self.store
-        where = f"{st.url}/{staging}/{MANIFEST_NAME}"
-        m = Manifest.from_json(json.loads(manifest), where)
-        st._check_uploaded(self.local_dir, m, staging)
-        if st.is_local:
-            st._fsync_local([st._path(staging, f.path) for f in m.files])
-        st.fs.pipe_file(st._path(staging, MANIFEST_NAME), manifest)
-        if st.is_local:
-            st._fsync_local([st._path(staging, MANIFEST_NAME)])
-        return f"{st.url}/{staging}"
-
-    def abort(self, staging: str) -> None:
-        """Remove what was put under ``staging`` (no manifest was written)."""
-        self.store.delete(staging)

@@ -33,7 +33,8 @@ from typing import Any
 from .manifest import MANIFEST_NAME, Manifest
 from .node_upload import Key, NodeUploader, UploadCounters, UploadJob
 from .redact import url_text
-from .remote import RemoteStore, retention_candidates
+from .remote import NO_MANIFEST, RemoteStore, retention_candidates
+from .remote_objects import seq_floor
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s, by_grace, retention_failed
 
@@ -77,6 +78,9 @@ class RemoteCommitter(UploadThread):
         self.store, self.nodes, self.policy = store, nodes, policy
         self.max_attempts, self.retry_base_s = max_attempts, retry_base_s
         self.index: dict[tuple[str, int], str] = {}  # committed remotely: key -> name
+        # every name listed with a manifest, also one that cannot be read or is damaged: no
+        # new commit takes it (its files would overwrite a copy maybe only briefly unreadable)
+        self.listed: set[str] = set()
         self.committed = 0
         self.abandoned: list[str] = []  # gave up after max_attempts: local only, named at close
         self._kept: list[str] = []  # the coordinator's copies of those: a later run commits them
@@ -97,17 +101,19 @@ class RemoteCommitter(UploadThread):
 
     def refresh_max_seq(self) -> int:
         """List the store (once, at open): the committed checkpoints, and the highest commit
-        number there (new commits number after it)."""
+        number there, also of a manifest this version refuses (new commits number after it)."""
         entries = self.store.scan()
         with self._cond:
             self.index = {e.key: e.name for e in entries if e.key is not None}
-        return max((k[1] for k in self.index), default=0)
+            self.listed = {e.name for e in entries if e.problem != NO_MANIFEST}
+        return seq_floor(self.store.url, entries)
 
     def free_name(self, name: str) -> str:
-        """``name`` unless a committed or pending remote checkpoint has it: then ``name-rN``."""
+        """``name`` unless a committed or pending remote checkpoint has it, or one whose manifest
+        cannot be read: then ``name-rN``."""
         with self._cond:
             taken = set(self.index.values()) | {p.name for p in self._pending.values()}
-            taken |= self.dropped
+            taken |= self.dropped | self.listed
         candidate, n = name, 0
         while candidate in taken:
             n += 1
@@ -315,6 +321,7 @@ class RemoteCommitter(UploadThread):
             entries = self.store.scan()
             with self._cond:
                 self.index = {e.key: e.name for e in entries if e.key is not None}
+                self.listed = {e.name for e in entries if e.problem != NO_MANIFEST}
                 names_pending = {x.name for x in self._pending.values()}
             newest = max((e.manifest for e in entries if e.manifest), key=lambda m: m.seq)
             p = plan(retention_candidates(entries), self.policy, newest.run_id, protected=[protect])

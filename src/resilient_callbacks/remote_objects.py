@@ -1,16 +1,24 @@
 """A remote store's objects and names: when an object was last modified (from a listing), the
-MD5 that a single-part object's ETag is (the upload's check), and which remote name a commit
-may take when another run writes to the same URL."""
+MD5 that a single-part object's ETag is (the upload's check), which remote name a commit may
+take (never one of another run writing to the same URL, nor one whose manifest cannot be read),
+and the object store's commit strategy (:class:`ManifestLastCommit`: manifest last)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
-from collections.abc import Mapping
-from typing import Any
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from .manifest import Manifest
+from .manifest import MANIFEST_NAME, Manifest
+
+if TYPE_CHECKING:
+    from .remote import RemoteEntry, RemoteStore
+
+log = logging.getLogger("resilient_callbacks")
 
 
 def modified_time(info: Mapping[str, Any]) -> float | None:
@@ -56,12 +64,19 @@ def check_uploaded(info: Mapping[str, Any], where: str, size: int, local_path: s
             raise OSError(f"{where}: ETag {etag} does not match the local MD5 {digest}")
 
 
+# the commit a remote name holds when its manifest cannot be read here: equal to no real one
+UNREADABLE: tuple[str, int] = ("", -1)
+
+
 class RemoteNameTaken(FileExistsError):
     """:meth:`RemoteStore.upload`: ``name`` is a committed remote checkpoint of another commit
-    (``key``: its run id and commit number), which the upload leaves alone."""
+    (``key``: its run id and commit number), or one whose manifest cannot be read here
+    (``key`` None: damaged, of a newer format, or the read failed), which the upload leaves
+    alone: the caller uploads under a free name (:func:`free_name`)."""
 
-    def __init__(self, name: str, key: tuple[str, int]) -> None:
-        super().__init__(f"{name} is another commit's remote checkpoint (run {key[0]})")
+    def __init__(self, name: str, key: tuple[str, int] | None) -> None:
+        whose = f"another commit's (run {key[0]})" if key else "one whose manifest cannot be read"
+        super().__init__(f"{name} is {whose} remote checkpoint")
         self.name, self.key = name, key
 
 
@@ -74,11 +89,92 @@ def key_of(raw: bytes) -> tuple[str, int] | None:
     return (m.run_id, m.seq)
 
 
+def raw_seq(raw: bytes) -> int | None:
+    """The ``seq`` of a manifest's bytes read as plain JSON, without validating the rest (one of
+    a newer format this version refuses); None if they give none."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    seq = data.get("seq") if isinstance(data, dict) else None
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else None
+
+
+def seq_floor(url: str, entries: Sequence[RemoteEntry]) -> int:
+    """The highest commit number that ``entries`` (a listing of ``url``) show: their manifests',
+    and the one a manifest this version refuses still gives (a newer format). One whose number
+    cannot be read (damaged, or the store did not answer) is named in a warning: commits made
+    now may sort before it, or share its number, once it can be read again."""
+    best, unknown = 0, []
+    for e in entries:
+        if e.manifest is not None or e.seq_hint is not None:
+            best = max(best, e.manifest.seq if e.manifest is not None else e.seq_hint or 0)
+        elif MANIFEST_NAME in e.sizes:
+            unknown.append(e.name)
+    if unknown:
+        log.warning(
+            "the commit order of %s at %s is unknown: its %s cannot be read here; checkpoints "
+            "committed now may be taken for older than it once it can be read again (its name "
+            "is left to it; `resilient-ckpt gc DIR --remote URL --remove-corrupt` deletes one "
+            "that is damaged)",
+            ", ".join(unknown),
+            url,
+            MANIFEST_NAME,
+        )
+    return best
+
+
 def free_name(name: str, key: tuple[str, int], taken: Mapping[str, tuple[str, int]]) -> str:
-    """``name``, unless ``taken`` (remote name -> the commit it holds) gives it to another
-    commit than ``key`` (another run writing to the same URL): then ``name-rN``."""
+    """``name``, unless ``taken`` (remote name -> the commit it holds; :data:`UNREADABLE` for a
+    manifest that cannot be read) gives it to another commit than ``key`` (another run writing
+    to the same URL, or a copy that may be only briefly unreadable): then ``name-rN``."""
     candidate, n = name, 0
     while candidate in taken and taken[candidate] != key:
         n += 1
         candidate = f"{name}-r{n}"
     return candidate
+
+
+class ManifestLastCommit:
+    """The :class:`~.commit.CommitStrategy` of an object store, which has no rename and no
+    atomic directory: the files go under the checkpoint's final name, and the manifest goes
+    last, once every file it lists is visible there with its size (and its MD5, where the
+    store's ETag is one). A remote checkpoint exists only when its manifest does
+    (:meth:`~.remote.RemoteStore.scan`), so a crash before the manifest leaves an invisible,
+    incomplete folder that ``gc`` removes. ``local_dir`` holds the files being uploaded (for
+    the MD5 check); the staging location is the checkpoint's name under the store's URL.
+
+    Which ranks call what: the one process that uploads (the coordinator) calls all three."""
+
+    def __init__(self, store: RemoteStore, name: str, local_dir: str) -> None:
+        self.store, self.name, self.local_dir = store, name, local_dir
+
+    def begin(self, step: int, uncommit: bool = True) -> str:
+        """Uncommit whatever checkpoint had this name (its manifest first, so it is never seen
+        with files missing; ``uncommit=False``: the caller saw none) and return the name to
+        put the files under."""
+        st = self.store
+        with contextlib.suppress(FileNotFoundError):
+            if uncommit:
+                st.fs.rm_file(st._path(self.name, MANIFEST_NAME))
+        if st.is_local:
+            st.fs.makedirs(st._path(self.name), exist_ok=True)
+        return self.name
+
+    def commit(self, staging: str, step: int, manifest: bytes) -> str:
+        """Check every listed file, then put the manifest: the checkpoint exists from then on.
+        Raises ``OSError`` naming a file that is missing or differs (nothing is committed)."""
+        st = self.store
+        where = f"{st.url}/{staging}/{MANIFEST_NAME}"
+        m = Manifest.from_json(json.loads(manifest), where)
+        st._check_uploaded(self.local_dir, m, staging)
+        if st.is_local:
+            st._fsync_local([st._path(staging, f.path) for f in m.files])
+        st.fs.pipe_file(st._path(staging, MANIFEST_NAME), manifest)
+        if st.is_local:
+            st._fsync_local([st._path(staging, MANIFEST_NAME)])
+        return f"{st.url}/{staging}"
+
+    def abort(self, staging: str) -> None:
+        """Remove what was put under ``staging`` (no manifest was written)."""
+        self.store.delete(staging)

@@ -32,7 +32,7 @@ from .remote import (
     RemoteStore,
     retention_candidates,
 )
-from .remote_objects import RemoteNameTaken, free_name
+from .remote_objects import UNREADABLE, RemoteNameTaken, free_name, seq_floor
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s, retention_failed
 
@@ -113,6 +113,7 @@ class RemoteSync(UploadThread):
         self.retry_max_s = retry_max_s
         self.warn_every_s = warn_every_s
         self.index: dict[tuple[str, int], str] = {}  # (run_id, seq) -> remote name
+        self.unreadable: set[str] = set()  # remote names whose manifest cannot be read: not free
         self.show_progress = False
         self._queue: list[str] = []
         self._remote_entries: list[RemoteEntry] = []
@@ -133,10 +134,15 @@ class RemoteSync(UploadThread):
         """List the remote store and rebuild the index of committed remote checkpoints."""
         entries = self.store.scan()
         found = {e.key: e.name for e in entries if e.key is not None and e.problem is None}
+        unread = {e.name for e in entries if e.manifest is None and e.problem != NO_MANIFEST}
         with self._cond:
-            self.index = found
+            self.index, self.unreadable = found, unread
             self._remote_entries = entries
         return entries
+
+    def max_seq(self) -> int:
+        """:meth:`refresh`; the highest commit number the store shows (:func:`seq_floor`)."""
+        return seq_floor(self.store.url, self.refresh())
 
     def entries(self) -> list[RemoteEntry]:
         """The remote entries of the last :meth:`refresh` (no I/O)."""
@@ -323,9 +329,10 @@ class RemoteSync(UploadThread):
 
     def _free_name(self, name: str, manifest: Manifest) -> str:
         """``name``, unless another committed remote checkpoint has it (another run writing
-        to the same URL): then ``name-rN``."""
+        to the same URL), or one whose manifest cannot be read: then ``name-rN``."""
         with self._cond:
             taken = {v: k for k, v in self.index.items()}
+            taken.update(dict.fromkeys(self.unreadable, UNREADABLE))
         return free_name(name, (manifest.run_id, manifest.seq), taken)
 
     def _upload(self, path: str, manifest: Manifest, name: str, progress: Progress) -> str:
@@ -338,6 +345,18 @@ class RemoteSync(UploadThread):
                 self.store.upload(path, manifest, remote_name, progress)
                 return remote_name
             except RemoteNameTaken as e:
+                if e.key is None:  # maybe only briefly unreadable: never replaced
+                    log.warning(
+                        "remote %s: the manifest of %s cannot be read here (damaged, newer or "
+                        "not answered); it is left as it is (`resilient-ckpt gc --remote "
+                        "--remove-corrupt` deletes a damaged one) and %s goes under another name",
+                        self.store.url,
+                        e.name,
+                        name,
+                    )
+                    with self._cond:
+                        self.unreadable.add(e.name)
+                    continue
                 log.warning(
                     "remote %s: %s is a checkpoint of another run (%s) that writes to the same "
                     "URL; uploading %s under another name. Give each run a remote URL of its own",
