@@ -134,10 +134,13 @@ def test_a_blob_another_runs_collection_deletes_while_an_upload_relies_on_it(
 ):
     """Two processes and one remote URL. A blob is on the remote, named by no remote
     checkpoint; a collection (another run's) reads the in-flight markers, then an upload
-    writes its marker, finds the blob there, reuses it and commits; then the collection deletes
-    it. The committed remote checkpoint named a missing blob. Now the upload, after its
-    commit, waits for the collection announced before it to end, finds the blob gone and
-    uploads it again, loudly."""
+    writes its marker, finds the blob there and relies on it; then the collection deletes it.
+    The committed remote checkpoint named a missing blob: for as long as the collection ran,
+    and for good when the uploading process was killed before it uploaded the blob again.
+    Now the upload, before its commit, waits for the collection announced before it to end,
+    finds the blob gone and uploads it again, loudly: its manifest never names a missing
+    blob."""
+    import os
     import threading
 
     from resilient_callbacks import remote as remote_mod
@@ -152,44 +155,55 @@ def test_a_blob_another_runs_collection_deletes_while_an_upload_relies_on_it(
         ck.save(1, state)
     RemoteStore(url).delete("step_000000001")  # its blobs stay, named by nothing
     ckpt = str(tmp_path / "local" / "step_000000001")
-    committed = threading.Event()
+    blobs = [tmp_path / "durable" / "blobs" / b.path for b in read_manifest(ckpt).blobs]
+    missing_at_commit: list[list[str]] = []
     real_commit = remote_mod.ManifestLastCommit.commit
 
     def commit(self, *a, **kw):
-        out = real_commit(self, *a, **kw)
-        committed.set()
+        out = real_commit(self, *a, **kw)  # the manifest is there: what does it name?
+        missing_at_commit.append([b.name for b in blobs if not b.exists()])
         return out
 
     monkeypatch.setattr(remote_mod.ManifestLastCommit, "commit", commit)
     collector = RemoteStore(url)
-    real_rm = collector.fs.rm_file
+    fs_class = type(collector.fs)  # (fsspec gives each thread its own instance)
+    real_rm, real_put = fs_class.rm_file, fs_class.put
+    relied, deleted = threading.Event(), threading.Event()
     errors: list[BaseException] = []
+
+    def put(fs, lpaths, rpaths, *a, **kw):  # the checkpoint's files: its blobs relied on
+        if any("step_000000001/" in str(r) for r in rpaths) and not relied.is_set():
+            relied.set()
+            assert deleted.wait(60)
+        return real_put(fs, lpaths, rpaths, *a, **kw)
 
     def upload() -> None:
         try:
             RemoteStore(url).upload(ckpt, read_manifest(ckpt), "step_000000001")
         except BaseException as e:
             errors.append(e)
-            committed.set()
+            relied.set()
 
     uploader = threading.Thread(target=upload)
 
-    def rm_file(path, *a, **kw):  # the collection's first delete of a blob: after the upload
-        blob = NAME_RE.match(path.rsplit("/", 1)[-1])
-        if blob and not uploader.is_alive() and not errors and not committed.is_set():
+    def rm_file(fs, path, *a, **kw):  # the collection's first delete of a blob: after reuse
+        blob = NAME_RE.match(os.path.basename(str(path)))
+        if blob and not uploader.is_alive() and not relied.is_set():
             uploader.start()
-            assert committed.wait(60)
-        return real_rm(path, *a, **kw)
+            assert relied.wait(60)
+            out = real_rm(fs, path, *a, **kw)
+            deleted.set()
+            return out
+        return real_rm(fs, path, *a, **kw)
 
-    monkeypatch.setattr(collector.fs, "rm_file", rm_file)
+    monkeypatch.setattr(fs_class, "rm_file", rm_file)
+    monkeypatch.setattr(fs_class, "put", put)
     with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
-        # (a scan passed as the old signature wanted; a collection scans after announcing)
-        assert remote_blobs.collect(
-            collector, collector.scan()
-        )  # it deleted the blobs it found unused
+        assert remote_blobs.collect(collector)  # it deleted the blobs it found unused
     uploader.join(60)
     assert not uploader.is_alive() and not errors, errors
     monkeypatch.undo()
+    assert missing_at_commit == [[]], "the committed manifest named a deleted blob"
     assert main(["verify", url, "--all"]) == 0  # every blob there, every checksum right
     assert "deleted meanwhile by another process" in caplog.text, caplog.text
 

@@ -381,13 +381,10 @@ class RemoteStore:
         marker = remote_blobs.upload(self, local_dir, manifest, blobs_again)  # those not there
         try:
             self.fs.put(lpaths, rpaths, **kwargs)
+            # before the commit, a blob another run's collection deleted meanwhile is uploaded
+            # again: a committed manifest never names a deleted blob, even if a kill follows
+            remote_blobs.settle(self, local_dir, manifest, marker)
             commit.commit(name, manifest.step, manifest_bytes)
-            try:  # a blob another run's collection deleted meanwhile is uploaded again
-                remote_blobs.settle(self, local_dir, manifest, marker)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    commit.begin(manifest.step)  # uncommitted: a retry uploads it whole
-                raise
         finally:
             remote_blobs.end_upload(self, marker)
         if progress is not None:

@@ -11,7 +11,7 @@ as the local store is by the local ones (see :mod:`.blobs`).
   run), so that a collection by another process writing to the same URL (another run) does
   not delete them; a marker older than :data:`INFLIGHT_TTL_S` was left by a crash and is
   ignored and removed. A collection that read the markers before the upload wrote its own is
-  announced (``blobs/.collect-<id>.json``): after the commit the upload waits for it to end
+  announced (``blobs/.collect-<id>.json``): before the commit the upload waits for it to end
   and uploads again what it deleted (:func:`settle`).
 - A blob of the same name with another size is never replaced while a committed remote
   checkpoint or another run's fresh marker names it. Otherwise it is what a killed upload left
@@ -274,7 +274,7 @@ def collect(
     it ends), then reads the
     in-flight markers, then the manifests (an upload that committed meanwhile is seen), and
     stops deleting :data:`COLLECT_MAX_S` after its announcement (the rest is left for the next
-    collection). An upload that relied on a blob re-checks it after its commit once no
+    collection). An upload that relied on a blob re-checks it before its commit once no
     collection announced before is running (:func:`settle`)."""
     if dry_run:
         return _collect(store, store.scan() if entries is None else entries, None)
@@ -337,11 +337,12 @@ def _collect(
 
 
 def settle(store: RemoteStore, local_dir: str, manifest: Manifest, marker: str | None) -> None:
-    """After the commit of an upload, its in-flight marker still there: wait until no
-    collection by another process (another run given the same URL) that was announced before
-    is running, then check that every blob the manifest names is there with its size. A
-    collection that read the in-flight markers before this upload wrote its own may have
-    deleted a blob the upload found there and relied on: it is uploaded again, loudly.
+    """Before the commit of an upload (its files are up, its in-flight marker still there):
+    wait until no collection by another process (another run given the same URL) that was
+    announced before is running, then check that every blob the manifest names is there with
+    its size. A collection that read the in-flight markers before this upload wrote its own
+    may have deleted a blob the upload found there and relied on: it is uploaded again,
+    loudly, before the manifest names it (a collection announced later sees the marker).
 
     A collection marker is waited for at most :data:`COLLECT_MAX_S` + :data:`COLLECT_MARGIN_S`
     from its first sight, then removed (a kill left it). One the store lists as written longer
