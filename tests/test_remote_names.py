@@ -66,3 +66,75 @@ def test_a_resave_after_a_fallback_never_overwrites_the_unreadable_remote_copy(
 
 def _newer(raw: bytes) -> bytes:
     return json.dumps({**json.loads(raw), "format_version": 99}).encode()
+
+
+def _checkpoint(root, v: float) -> tuple[str, object]:
+    """A committed local checkpoint of step 10 of a new run in ``root``: (path, manifest)."""
+    from resilient_callbacks.manifest import read_manifest
+
+    with Checkpointer(root, async_save=False) as ck:
+        ck.save(10, _state(v))
+        path = ck.last_save.path
+    return path, read_manifest(path)
+
+
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_two_writers_uploading_one_name_at_once_never_both_commit(tmp_path, request, where):
+    """Two processes upload a checkpoint of the same name to one URL at once (a second run
+    started on the same URL by mistake, a `push` from another directory beside a run): both
+    found no manifest under the name, both put their files there and both committed, the
+    later manifest replacing the first (whose run then deleted its local copy, as uploaded),
+    over files that could be either's. Now each marks the name before it puts anything and
+    yields to another's mark: one commits, the other is told to take another name."""
+    import threading
+
+    from resilient_callbacks import remote_blobs
+    from resilient_callbacks.cli import main
+    from resilient_callbacks.remote_objects import RemoteNameTaken
+
+    if where == "s3":
+        url, opts = request.getfixturevalue("s3_remote")
+    else:
+        url, opts = f"file://{tmp_path}/durable/run", None
+    first, second = _checkpoint(tmp_path / "a", 1.0), _checkpoint(tmp_path / "b", 2.0)
+    real_put = remote_blobs.upload  # (what an upload puts first)
+    first_putting, second_done = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def put(*a, **kw):  # the first writer puts its files once the second is done
+        if threading.current_thread().name == "first" and not first_putting.is_set():
+            first_putting.set()
+            assert second_done.wait(60)
+        return real_put(*a, **kw)
+
+    def upload(who: str, ckpt) -> None:
+        try:
+            RemoteStore(url, opts).upload(ckpt[0], ckpt[1], "step_000000010")
+            outcome[who] = "committed"
+        except RemoteNameTaken as e:
+            outcome[who] = e
+        finally:
+            if who == "second":
+                second_done.set()
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(remote_blobs, "upload", put)
+    try:
+        a = threading.Thread(target=upload, args=("first", first), name="first")
+        a.start()
+        assert first_putting.wait(60)
+        b = threading.Thread(target=upload, args=("second", second), name="second")
+        b.start()
+        b.join(60)
+        a.join(60)
+    finally:
+        mp.undo()
+    assert outcome["first"] == "committed", outcome
+    taken = outcome["second"]
+    assert isinstance(taken, RemoteNameTaken), outcome  # it was "committed", then replaced
+    assert taken.key == (first[1].run_id, first[1].seq)
+    (entry,) = RemoteStore(url, opts).scan()
+    assert entry.manifest == first[1] and entry.problem is None
+    assert not [f for f in entry.sizes if f.startswith(".writer-")]  # its mark is gone
+    args = ["verify", url, "--all"] + [f"-o{k}={json.dumps(v)}" for k, v in (opts or {}).items()]
+    assert main(args) == 0

@@ -43,6 +43,7 @@ from .remote_objects import (
     ManifestLastCommit,
     RemoteNameTaken,
     check_uploaded,
+    claim,
     key_of,
     modified_time,
     raw_seq,
@@ -366,9 +367,28 @@ class RemoteStore:
             # name); only `gc --remote --remove-corrupt` deletes a damaged one
             raise RemoteNameTaken(name, other)
         verify_entries(local_dir, manifest.files)  # the committed bytes, or nothing goes up
+        mark = claim(self, name, (manifest.run_id, manifest.seq), existing)  # one writer
+        try:
+            uncommit = existing is not None or repair  # none there: no delete (a store may deny it)
+            self._upload(local_dir, manifest, name, manifest_bytes, progress, blobs_again, uncommit)
+        finally:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(mark)
+
+    def _upload(
+        self,
+        local_dir: str,
+        manifest: Manifest,
+        name: str,
+        manifest_bytes: bytes,
+        progress: Progress | None,
+        blobs_again: Collection[str],
+        uncommit: bool,
+    ) -> None:
+        """:meth:`upload` under the mark of :func:`~.remote_objects.claim`; ``uncommit``: the
+        name has a manifest (this commit's, damaged) to remove first."""
         commit = ManifestLastCommit(self, name, local_dir)
-        # uncommit another checkpoint of this name; none there: no delete (a store may deny it)
-        commit.begin(manifest.step, uncommit=existing is not None or repair)
+        commit.begin(manifest.step, uncommit=uncommit)
         lpaths = [os.path.join(local_dir, f.path) for f in manifest.files]
         rpaths = [self._path(name, f.path) for f in manifest.files]
         if self.is_local:

@@ -135,6 +135,41 @@ def free_name(name: str, key: tuple[str, int], taken: Mapping[str, tuple[str, in
     return candidate
 
 
+CLAIM_PREFIX = ".writer-"  # <name>/.writer-<run id>-<seq>: an upload under way under that name
+
+
+def claim(store: RemoteStore, name: str, key: tuple[str, int], existing: bytes | None) -> str:
+    """Before an upload puts anything under ``name``: mark it as written by the commit ``key``
+    (an empty object ``<name>/.writer-<run id>-<seq>``), then list ``name``. Another writer's
+    mark, or a manifest other than ``existing`` (read before) and not of ``key``, raises
+    :class:`RemoteNameTaken` (ours removed): two processes uploading one name at once (another
+    run given the same URL, a ``push`` from another directory) interleaved their files and
+    manifests, and the one that committed first lost its checkpoint. Of two writers that mark
+    one name at once the one listing last sees both and yields (if both list last, both do:
+    neither writes there). A mark a killed upload left keeps other commits off the name (they
+    take ``name-rN``) until ``gc --remote`` removes the folder. Returns the mark, which the
+    caller removes when the upload ends."""
+    mine = f"{CLAIM_PREFIX}{key[0]}-{key[1]}"
+    mark = store._path(name, mine)
+    if store.is_local:
+        store.fs.makedirs(store._path(name), exist_ok=True)
+    store.fs.pipe_file(mark, b"")
+    store.fs.invalidate_cache()
+    listed = {p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(store._path(name), False)}
+    others = sorted(n for n in listed if n.startswith(CLAIM_PREFIX) and n != mine)
+    taken: tuple[str, int] | None = key
+    if others:
+        run, _, seq = others[0][len(CLAIM_PREFIX) :].rpartition("-")
+        taken = (run, int(seq)) if seq.isdigit() else UNREADABLE
+    elif MANIFEST_NAME in listed and (raw := store._manifest_bytes(name)) not in (None, existing):
+        taken = key_of(raw)  # (None: unreadable)
+    if taken != key:
+        with contextlib.suppress(Exception):
+            store.fs.rm_file(mark)
+        raise RemoteNameTaken(name, taken)
+    return mark
+
+
 class ManifestLastCommit:
     """The :class:`~.commit.CommitStrategy` of an object store, which has no rename and no
     atomic directory: the files go under the checkpoint's final name, and the manifest goes
