@@ -226,6 +226,33 @@ def test_push_cut_short_by_ctrl_c_leaves_no_partial_upload(tmp_path, monkeypatch
     assert [p["step"] for p in json.loads(out.getvalue())["pushed"]] == [20]
 
 
+def test_push_cut_short_by_ctrl_c_never_removes_another_writers_checkpoint(tmp_path, monkeypatch):
+    """Ctrl-C in `push` while another writer (a run given the same URL) committed a checkpoint
+    of the same name: the cleanup on the way out removed every object under the name unless
+    the manifest there was push's own, so it deleted the other run's committed checkpoint. Now
+    it removes only an upload that no manifest committed."""
+    import shutil
+
+    from resilient_callbacks import remote
+    from resilient_callbacks.cli import main
+
+    root, other = tmp_path / "ck", tmp_path / "other"
+    _save(str(root), (20,))
+    _save(str(other), (20,))  # another run's step 20
+    url = (tmp_path / "remote").as_uri()
+
+    def interrupted(self, name, *a, **k):  # the other writer commits first, then Ctrl-C
+        shutil.copytree(other / name, tmp_path / "remote" / name, dirs_exist_ok=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(remote.ManifestLastCommit, "commit", interrupted)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["push", str(root), url]) == 130
+    monkeypatch.undo()
+    theirs = (other / "step_000000020" / "manifest.json").read_bytes()
+    assert (tmp_path / "remote" / "step_000000020" / "manifest.json").read_bytes() == theirs
+
+
 def test_export_of_a_checkpoint_retention_deletes_meanwhile(tmp_path, monkeypatch, capsys):
     """`export DIR OUT` beside a running job: the newest checkpoint, chosen and verified, was
     deleted by the run's retention before export read its tensors, and export failed with

@@ -19,7 +19,6 @@ from .cli_scan import no_checkpoints, report_verified, resolve
 from .commit import CKPT_RE
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock, writer_alive
-from .manifest import MANIFEST_NAME
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
 from .remote_objects import UNREADABLE, free_name
 from .retention import Plan, RetentionPolicy
@@ -170,14 +169,12 @@ def _locked(path: str, what: str) -> DirLock | None:
 
 
 def _unupload(st: RemoteStore, local: str, name: str, was: str | None) -> None:
-    """Ctrl-C during the upload of ``local`` as ``name``: remove what went up unless its
-    manifest did (then it is committed, whole). Never a copy that was there before (``was``:
-    a damaged one being repaired stays as it was found, for the next push)."""
-    if was is not None:
+    """Ctrl-C during the upload of ``local`` as ``name``: remove what went up unless a manifest
+    is there (its own: committed, whole; another writer's, which committed the name meanwhile:
+    never deleted). Never a copy that was there before (``was``: a damaged one being repaired
+    stays as it was found, for the next push)."""
+    if was is not None or st._manifest_bytes(name) is not None:
         return
-    with open(os.path.join(local, MANIFEST_NAME), "rb") as fh:
-        if st._manifest_bytes(name) == fh.read():
-            return
     print(f"resilient-ckpt push: removing the partial upload of {name}", file=sys.stderr)
     st.delete(name)
 
