@@ -138,3 +138,44 @@ def test_two_writers_uploading_one_name_at_once_never_both_commit(tmp_path, requ
     assert not [f for f in entry.sizes if f.startswith(".writer-")]  # its mark is gone
     args = ["verify", url, "--all"] + [f"-o{k}={json.dumps(v)}" for k, v in (opts or {}).items()]
     assert main(args) == 0
+
+
+def test_an_upload_never_takes_a_name_another_process_is_deleting(tmp_path):
+    """One run's remote retention deletes its step_000000010 (manifest first, then everything
+    under the name) while a second run on the same URL, behind it, uploads its own step 10:
+    the upload found no manifest there, took the name and committed, and the deletion's
+    removal of the folder then took the new checkpoint with it. Now a deletion marks the
+    name first, and the upload takes another name."""
+    from resilient_callbacks.remote_objects import RemoteNameTaken
+
+    url = f"file://{tmp_path}/durable/run"
+    first, second = _checkpoint(tmp_path / "a", 1.0), _checkpoint(tmp_path / "b", 2.0)
+    RemoteStore(url).upload(*first, "step_000000010")
+    st = RemoteStore(url)
+    fs_class = type(st.fs)
+    real_rm = fs_class.rm
+    outcome: list[object] = []
+
+    def rm(fs, path, *a, **kw):  # between the manifest's removal and the folder's
+        if not outcome:
+            try:
+                RemoteStore(url).upload(*second, "step_000000010")
+                outcome.append("committed")
+            except RemoteNameTaken as e:
+                outcome.append(e)
+        return real_rm(fs, path, *a, **kw)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(fs_class, "rm", rm)
+    try:
+        st.delete("step_000000010")
+    finally:
+        mp.undo()
+    if outcome == ["committed"]:  # then it must still be there, whole
+        found = RemoteStore(url).scan()
+        assert [(e.name, e.manifest, e.problem) for e in found] == [
+            ("step_000000010", second[1], None)
+        ], "the second run's committed checkpoint was deleted"
+    else:
+        assert isinstance(outcome[0], RemoteNameTaken), outcome
+        assert RemoteStore(url).scan() == []

@@ -40,6 +40,7 @@ from .progress import Progress
 from .redact import options_text, url_text
 from .remote_blob_check import Verified
 from .remote_objects import (
+    CLAIM_PREFIX,
     ManifestLastCommit,
     RemoteNameTaken,
     check_uploaded,
@@ -484,7 +485,11 @@ class RemoteStore:
     # ------------------------------------------------------------------ delete
 
     def delete(self, name: str) -> None:
-        """Uncommit (manifest first), then remove the files."""
+        """Mark the name as being deleted (an upload that finds it without its manifest then
+        takes another name: the removal of the folder would take its files with it), uncommit
+        (manifest first), then remove the files and the mark."""
+        with contextlib.suppress(Exception):  # (a folder already gone; a store that refuses)
+            self.fs.pipe_file(self._path(name, f"{CLAIM_PREFIX}deleting-{uuid.uuid4().hex}"), b"")
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(name, MANIFEST_NAME))
         with contextlib.suppress(FileNotFoundError):
