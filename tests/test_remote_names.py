@@ -4,7 +4,9 @@ never replaced by an upload; only ``gc --remote --remove-corrupt`` deletes a dam
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shutil
 
 import pytest
@@ -179,3 +181,32 @@ def test_an_upload_never_takes_a_name_another_process_is_deleting(tmp_path):
     else:
         assert isinstance(outcome[0], RemoteNameTaken), outcome
         assert RemoteStore(url).scan() == []
+
+
+def test_a_commit_of_this_runs_key_written_by_another_process_is_not_taken_for_ours(tmp_path):
+    """A second process resumed this run from the same URL (started by mistake on another
+    machine, its dirpath empty): it numbers its commits as this one does, so the remote holds
+    its step_000000002 with the key (run id, 2) of this process's next commit. This process
+    took its own step 2 for uploaded (the key was listed), never uploaded it, and its local
+    retention was free to delete the only copy. Now a key counts as uploaded only with the
+    same files; the upload goes beside the other's, which it leaves alone, with a warning."""
+    from resilient_callbacks.manifest import read_manifest
+    from resilient_callbacks.tensorfile import encode_json
+
+    url = f"file://{tmp_path}/durable/run"
+    with Checkpointer(tmp_path / "a", remote=url, keep_last=5, async_save=False) as ck:
+        ck.save(1, _state(1.0))
+        assert ck._dir.sync.wait(60)
+        other, _ = _checkpoint(tmp_path / "b", -2.0)  # the other process's step 2 ...
+        m = dataclasses.replace(read_manifest(other), run_id=ck._dir.run_id, seq=2, step=2)
+        with open(os.path.join(other, "manifest.json"), "wb") as fh:  # ... this run's commit 2
+            fh.write(encode_json(m.to_json()))
+        theirs = read_manifest(other)
+        RemoteStore(url).upload(other, theirs, "step_000000002")
+        ck._dir.sync.refresh()  # (as the retention after an upload lists the store)
+        ck.save(2, _state(2.0))
+        mine = read_manifest(ck.last_save.path)
+        assert (mine.run_id, mine.seq) == (theirs.run_id, theirs.seq)
+    found = {e.name: e.manifest for e in RemoteStore(url).scan()}
+    assert found["step_000000002"] == theirs  # left alone
+    assert mine in found.values(), "this process's step 2 was never uploaded"

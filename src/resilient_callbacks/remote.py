@@ -48,6 +48,7 @@ from .remote_objects import (
     key_of,
     modified_time,
     raw_seq,
+    same_commit,
 )
 from .retention import Candidate
 
@@ -362,13 +363,14 @@ class RemoteStore:
             manifest_bytes = fh.read()
         if existing == manifest_bytes and not repair:
             return  # already committed there (an earlier run uploaded it)
-        if existing is not None and (other := key_of(existing)) != (manifest.run_id, manifest.seq):
-            # another commit's (another run writing to this URL), or one whose manifest cannot
-            # be read here (damaged, newer): never uncommitted for ours (the caller takes a free
-            # name); only `gc --remote --remove-corrupt` deletes a damaged one
-            raise RemoteNameTaken(name, other)
+        if existing is not None and not same_commit(existing, manifest):
+            # another commit's (another run writing to this URL, or another process resuming
+            # this run), or one whose manifest cannot be read here (damaged, newer): never
+            # uncommitted for ours (the caller takes a free name); only `gc --remote
+            # --remove-corrupt` deletes a damaged one
+            raise RemoteNameTaken(name, key_of(existing))
         verify_entries(local_dir, manifest.files)  # the committed bytes, or nothing goes up
-        mark = claim(self, name, (manifest.run_id, manifest.seq), existing)  # one writer
+        mark = claim(self, name, manifest, existing)  # one writer at a time
         try:
             uncommit = existing is not None or repair  # none there: no delete (a store may deny it)
             self._upload(local_dir, manifest, name, manifest_bytes, progress, blobs_again, uncommit)

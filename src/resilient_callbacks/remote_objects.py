@@ -10,6 +10,7 @@ import datetime
 import hashlib
 import json
 import logging
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -70,9 +71,10 @@ UNREADABLE: tuple[str, int] = ("", -1)
 
 class RemoteNameTaken(FileExistsError):
     """:meth:`RemoteStore.upload`: ``name`` is a committed remote checkpoint of another commit
-    (``key``: its run id and commit number), or one whose manifest cannot be read here
-    (``key`` None: damaged, of a newer format, or the read failed), which the upload leaves
-    alone: the caller uploads under a free name (:func:`free_name`)."""
+    (``key``: its run id and commit number; it may be the uploading commit's own key, written
+    by another process that resumed the same run: :func:`same_commit`), or one whose manifest
+    cannot be read here (``key`` None: damaged, of a newer format, or the read failed), which
+    the upload leaves alone: the caller uploads under a free name (:func:`free_name`)."""
 
     def __init__(self, name: str, key: tuple[str, int] | None) -> None:
         whose = f"another commit's (run {key[0]})" if key else "one whose manifest cannot be read"
@@ -138,35 +140,49 @@ def free_name(name: str, key: tuple[str, int], taken: Mapping[str, tuple[str, in
 CLAIM_PREFIX = ".writer-"  # <name>/.writer-<run id>-<seq>: an upload under way under that name
 
 
-def claim(store: RemoteStore, name: str, key: tuple[str, int], existing: bytes | None) -> str:
-    """Before an upload puts anything under ``name``: mark it as written by the commit ``key``
-    (an empty object ``<name>/.writer-<run id>-<seq>``), then list ``name``. Another writer's
-    mark, or a manifest other than ``existing`` (read before) and not of ``key``, raises
+def same_commit(raw: bytes, m: Manifest) -> bool:
+    """Whether the manifest bytes ``raw`` (found remotely) are of the commit ``m``: its run,
+    commit number, files and blobs. Two processes that resumed one run from the same URL (a
+    second one started by mistake) number their commits alike, so a key alone may name two
+    different checkpoints."""
+    try:
+        o = Manifest.from_json(json.loads(raw), "")
+    except Exception:
+        return False
+    return (o.run_id, o.seq, o.files, o.blobs) == (m.run_id, m.seq, m.files, m.blobs)
+
+
+def claim(store: RemoteStore, name: str, m: Manifest, existing: bytes | None) -> str:
+    """Before an upload of ``m`` puts anything under ``name``: mark it (an empty object
+    ``<name>/.writer-<run id>-<seq>-<random>``), then list ``name``. Another mark, or a manifest
+    other than ``existing`` (read before) and not of this commit, raises
     :class:`RemoteNameTaken` (ours removed): two processes uploading one name at once (another
     run given the same URL, a ``push`` from another directory) interleaved their files and
     manifests, and the one that committed first lost its checkpoint. Of two writers that mark
     one name at once the one listing last sees both and yields (if both list last, both do:
-    neither writes there). A mark a killed upload left keeps other commits off the name (they
-    take ``name-rN``) until ``gc --remote`` removes the folder. Returns the mark, which the
+    neither writes there). A mark a killed upload left keeps every later upload off the name
+    (it takes ``name-rN``) until ``gc --remote`` removes the folder. Returns the mark, which the
     caller removes when the upload ends."""
-    mine = f"{CLAIM_PREFIX}{key[0]}-{key[1]}"
+    mine = f"{CLAIM_PREFIX}{m.run_id}-{m.seq}-{uuid.uuid4().hex[:12]}"
     mark = store._path(name, mine)
     if store.is_local:
         store.fs.makedirs(store._path(name), exist_ok=True)
     store.fs.pipe_file(mark, b"")
     store.fs.invalidate_cache()
-    listed = {p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(store._path(name), False)}
+    listed: set[str] = {
+        p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(store._path(name), False)
+    }
     others = sorted(n for n in listed if n.startswith(CLAIM_PREFIX) and n != mine)
-    taken: tuple[str, int] | None = key
+    taken: list[tuple[str, int] | None] = []  # (None: a manifest that cannot be read)
     if others:
-        run, _, seq = others[0][len(CLAIM_PREFIX) :].rpartition("-")
-        taken = (run, int(seq)) if seq.isdigit() else UNREADABLE
+        run, seq, *_ = [*others[0][len(CLAIM_PREFIX) :].rsplit("-", 2), "", ""]
+        taken.append((run, int(seq)) if seq.isdigit() else UNREADABLE)  # (a deletion's)
     elif MANIFEST_NAME in listed and (raw := store._manifest_bytes(name)) not in (None, existing):
-        taken = key_of(raw)  # (None: unreadable)
-    if taken != key:
+        taken += [] if same_commit(raw, m) else [key_of(raw)]
+    if taken:
         with contextlib.suppress(Exception):
             store.fs.rm_file(mark)
-        raise RemoteNameTaken(name, taken)
+        raise RemoteNameTaken(name, taken[0])
     return mark
 
 

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from . import catalog, remote_blobs
 from .catalog import Depth, verify
@@ -113,7 +114,10 @@ class RemoteSync(UploadThread):
         self.retry_max_s = retry_max_s
         self.warn_every_s = warn_every_s
         self.index: dict[tuple[str, int], str] = {}  # (run_id, seq) -> remote name
-        self.unreadable: set[str] = set()  # remote names whose manifest cannot be read: not free
+        # remote names never free: a manifest that cannot be read, or another process's commit
+        # with a key of this run's (two processes resumed the run from this URL)
+        self.unfree: set[str] = set()
+        self._copies: dict[tuple[str, int], Any] = {}  # key -> the remote copy's files, blobs
         self.show_progress = False
         self._queue: list[str] = []
         self._remote_entries: list[RemoteEntry] = []
@@ -135,8 +139,9 @@ class RemoteSync(UploadThread):
         entries = self.store.scan()
         found = {e.key: e.name for e in entries if e.key is not None and e.problem is None}
         unread = {e.name for e in entries if e.manifest is None and e.problem != NO_MANIFEST}
+        copies = {(m.run_id, m.seq): (m.files, m.blobs) for e in entries if (m := e.manifest)}
         with self._cond:
-            self.index, self.unreadable = found, unread
+            self.index, self.unfree, self._copies = found, unread, copies
             self._remote_entries = entries
         return entries
 
@@ -150,8 +155,11 @@ class RemoteSync(UploadThread):
             return list(self._remote_entries)
 
     def is_uploaded(self, manifest: Manifest) -> bool:
+        """Whether the remote holds this commit: its key, with its files and blobs (another
+        process that resumed this run from the URL numbers its commits alike)."""
+        key = (manifest.run_id, manifest.seq)
         with self._cond:
-            return (manifest.run_id, manifest.seq) in self.index
+            return key in self.index and self._copies.get(key) == (manifest.files, manifest.blobs)
 
     def pending(self) -> set[str]:
         """Local names queued for upload (including the one being uploaded)."""
@@ -290,6 +298,7 @@ class RemoteSync(UploadThread):
         with self._cond:
             recovered = self._failures
             self.index[(manifest.run_id, manifest.seq)] = remote_name
+            self._copies[(manifest.run_id, manifest.seq)] = (manifest.files, manifest.blobs)
             self._failures = 0
             self._last_error = None
             self._uploaded += 1
@@ -332,7 +341,7 @@ class RemoteSync(UploadThread):
         to the same URL), or one whose manifest cannot be read: then ``name-rN``."""
         with self._cond:
             taken = {v: k for k, v in self.index.items()}
-            taken.update(dict.fromkeys(self.unreadable, UNREADABLE))
+            taken.update(dict.fromkeys(self.unfree, UNREADABLE))
         return free_name(name, (manifest.run_id, manifest.seq), taken)
 
     def _upload(self, path: str, manifest: Manifest, name: str, progress: Progress) -> str:
@@ -355,7 +364,21 @@ class RemoteSync(UploadThread):
                         name,
                     )
                     with self._cond:
-                        self.unreadable.add(e.name)
+                        self.unfree.add(e.name)
+                    continue
+                if e.key == (manifest.run_id, manifest.seq):  # this run's key, not this commit
+                    log.warning(
+                        "remote %s: %s is commit %d of this run (%s) written by another process "
+                        "(was the run resumed twice from this URL?); uploading %s under another "
+                        "name. Only one process may write a run to a remote URL",
+                        self.store.url,
+                        e.name,
+                        e.key[1],
+                        e.key[0],
+                        name,
+                    )
+                    with self._cond:
+                        self.unfree.add(e.name)
                     continue
                 log.warning(
                     "remote %s: %s is a checkpoint of another run (%s) that writes to the same "
