@@ -80,6 +80,26 @@ def _checkpoint(root, v: float) -> tuple[str, object]:
     return path, read_manifest(path)
 
 
+def test_an_upload_cut_off_by_a_kill_is_uploaded_again_under_its_own_name(tmp_path, s3_remote):
+    """A kill cut off the upload of a commit (its files partly there, its mark left, no
+    manifest): the restart uploads the same commit again. Its own earlier mark does not make it
+    yield (that left the partial folder to the 24 h sweep and put the checkpoint under
+    ``-r1``): it goes under its name, whole, and no mark is left."""
+    from resilient_callbacks.remote_objects import CLAIM_PREFIX
+
+    url, opts = s3_remote
+    path, m = _checkpoint(tmp_path / "a", 1.0)
+    st = RemoteStore(url, opts)
+    name = "step_000000010"
+    st.fs.pipe_file(f"{st.root}/{name}/{CLAIM_PREFIX}{m.run_id}-{m.seq}-0123456789ab", b"")
+    first = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[0]
+    st.fs.pipe_file(f"{st.root}/{name}/{first}", b"torn")  # what the killed upload had put
+    RemoteStore(url, opts).upload(path, m, name)
+    (entry,) = RemoteStore(url, opts).scan()
+    assert entry.name == name and entry.manifest == m and entry.problem is None, entry
+    assert not [f for f in entry.sizes if f.startswith(CLAIM_PREFIX)], entry.sizes
+
+
 @pytest.mark.parametrize("where", ["file", "s3"])
 def test_two_writers_uploading_one_name_at_once_never_both_commit(tmp_path, request, where):
     """Two processes upload a checkpoint of the same name to one URL at once (a second run

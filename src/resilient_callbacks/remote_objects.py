@@ -160,9 +160,11 @@ def claim(store: RemoteStore, name: str, m: Manifest, existing: bytes | None) ->
     run given the same URL, a ``push`` from another directory) interleaved their files and
     manifests, and the one that committed first lost its checkpoint. Of two writers that mark
     one name at once the one listing last sees both and yields (if both list last, both do:
-    neither writes there). A mark a killed upload left keeps every later upload off the name
-    (it takes ``name-rN``) until ``gc --remote`` removes the folder. Returns the mark, which the
-    caller removes when the upload ends."""
+    neither writes there). A mark a killed upload of this same commit (run id and commit
+    number) left is removed and the upload goes on under ``name`` (a restart uploads what a
+    killed process could not: only one process writes a run to a URL); one of another commit
+    keeps it off the name (it takes ``name-rN``) until ``gc --remote`` removes the folder.
+    Returns the mark, which the caller removes when the upload ends."""
     mine = f"{CLAIM_PREFIX}{m.run_id}-{m.seq}-{uuid.uuid4().hex[:12]}"
     mark = store._path(name, mine)
     if store.is_local:
@@ -172,7 +174,14 @@ def claim(store: RemoteStore, name: str, m: Manifest, existing: bytes | None) ->
     listed: set[str] = {
         p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(store._path(name), False)
     }
-    others = sorted(n for n in listed if n.startswith(CLAIM_PREFIX) and n != mine)
+    ours = f"{CLAIM_PREFIX}{m.run_id}-{m.seq}-"  # an earlier attempt of this commit, killed
+    for stale in sorted(n for n in listed if n.startswith(ours) and n != mine):
+        with contextlib.suppress(Exception):
+            store.fs.rm_file(store._path(name, stale))
+        log.info("%s: an upload of this commit was cut off there; uploading it again", name)
+    others = sorted(
+        n for n in listed if n.startswith(CLAIM_PREFIX) and n != mine and not n.startswith(ours)
+    )
     taken: list[tuple[str, int] | None] = []  # (None: a manifest that cannot be read)
     if others:
         run, seq, *_ = [*others[0][len(CLAIM_PREFIX) :].rsplit("-", 2), "", ""]
