@@ -17,7 +17,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
+from . import mapped
 from .errors import CheckpointMismatchError, caller_stacklevel
 from .filepart import FilePart
 from .optim import hookable, param_shapes
@@ -57,8 +59,26 @@ def _tensor_specs(node: Any, tensors_meta: Mapping[str, tuple[str, list[int]]]) 
     return out
 
 
+def its_own_shape(module: torch.nn.Module, key: str, live: torch.Tensor) -> bool:
+    """Whether a saved shape of ``key`` that differs from the ``live`` tensor's is for
+    ``module``'s own ``load_state_dict`` to take or refuse, not a mismatch: a lazy module's
+    uninitialized tensor (``nn.LazyLinear`` before its first forward), which loading
+    materializes, or a submodule with loading code of its own outside ``torch.nn``
+    (``_load_from_state_dict``): torch.ao's fake-quantize modules and observers of
+    quantization-aware training resize their buffers (per-channel scales, min/max) to the saved
+    shape, so a shape that differs from the live one is theirs to take or refuse. The modules of
+    ``torch.nn`` load by the rules :func:`check_fits` checks."""
+    if is_lazy(live):
+        return True
+    owner = key.rpartition(".")[0]
+    try:
+        return mapped.own_loader(module.get_submodule(owner))
+    except AttributeError:
+        return False
+
+
 def key_differences(
-    want: Mapping[str, Sequence[int]], have: Mapping[str, Sequence[int] | None]
+    want: Mapping[str, Sequence[int] | None], have: Mapping[str, Sequence[int] | None]
 ) -> tuple[list[str], list[str], list[str]]:
     """Compare a model's tensor shapes (``want``) with a checkpoint's (``have``; ``None``: shape
     unknown): the keys missing from the checkpoint, those the model lacks, and those of another
@@ -68,7 +88,7 @@ def key_differences(
     reshaped = [
         k
         for k in sorted(set(want) & set(have))
-        if (shape := have[k]) is not None and list(shape) != list(want[k])
+        if (shape := have[k]) is not None and list(shape) != list(want[k] or ())
     ]
     return missing, unexpected, reshaped
 
@@ -128,7 +148,8 @@ def check_fits(
                 return
             live = {k: v for k, v in obj.state_dict().items() if isinstance(v, torch.Tensor)}
             want = {
-                k: (str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in live.items()
+                k: (str(v.dtype).removeprefix("torch."), None if is_lazy(v) else list(v.shape))
+                for k, v in live.items()
             }
             if on_meta := [k for k, v in live.items() if v.is_meta]:
                 problems.append(
@@ -146,6 +167,8 @@ def check_fits(
             )
             problems.extend(_key_problems(path, missing, unexpected))
             for k in reshaped:
+                if its_own_shape(obj, k, live[k]):
+                    continue  # the module's own load_state_dict takes or refuses that shape
                 problems.append(
                     f"{path_str(path)}[{k!r}]: shape {list(have[k][1])} in checkpoint, "
                     f"{want[k][1]} in model"

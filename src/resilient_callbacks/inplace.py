@@ -9,6 +9,7 @@ sees the restored history and keeps feeding the next checkpoint.
 
 from __future__ import annotations
 
+import collections
 import math
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
@@ -74,10 +75,13 @@ def apply(
         if is_stateful(obj):
             target = plain_module(obj)  # a wrapper (compile, DDP): into the module it wraps
             value = resolve(n)
+            load = target.load_state_dict
             if isinstance(target, torch.nn.Module) and isinstance(value, Mapping):
-                value = unwrapped_keys(value, target.state_dict().keys())
+                live_sd = target.state_dict()
+                value = unwrapped_keys(value, live_sd.keys())
+                load = with_versions(target, live_sd)
             try:  # what it keeps must not hold the file (mapped.py)
-                result = mapped.load_state(target, value, target.load_state_dict)
+                result = mapped.load_state(target, value, load)
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # the object's own validation: report with its key path
@@ -213,3 +217,20 @@ def _check_load_result(result: Any, path: tuple[Any, ...]) -> None:
             f"{path_str(path)}: missing keys {list(missing or [])}, "
             f"unexpected keys {list(unexpected or [])}"
         )
+
+
+def with_versions(module: torch.nn.Module, live_sd: Any) -> Callable[[Any], Any]:
+    """``module.load_state_dict`` that hands on the submodules' versions (``_version``), which
+    ``state_dict()`` keeps in its ``_metadata`` attribute and ``torch.save`` pickles with it:
+    modules read a state dict by its version, and without one take it for their oldest layout
+    (a dynamic-quantized ``Linear`` of float16 then looks for a ``weight`` key and fails). They
+    are the live module's (``live_sd``): the checkpoint was written by the same code."""
+    meta = getattr(live_sd, "_metadata", None)
+
+    def load(sd: Any) -> Any:
+        if meta is not None and isinstance(sd, Mapping) and getattr(sd, "_metadata", None) is None:
+            sd = collections.OrderedDict(sd)
+            sd._metadata = meta
+        return module.load_state_dict(sd)
+
+    return load

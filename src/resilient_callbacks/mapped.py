@@ -126,14 +126,26 @@ def private(value: Any, memo: dict[int, tuple[Any, torch.Tensor]] | None = None)
 def keeps_host_tensors(obj: Any) -> bool:
     """Whether ``obj.load_state_dict`` may keep the CPU tensors it is given: any stateful object
     but a module (which copies into its parameters) and an optimizer whose parameters are all
-    on an accelerator (which copies its state there)."""
+    on an accelerator (which copies its state there). A module with a submodule of its own
+    loading code (:func:`own_loader`: a dynamic-quantized ``Linear`` of float16 keeps the bias
+    it is given) may."""
     if isinstance(obj, torch.nn.Module):
-        return False
+        return any(map(own_loader, obj.modules()))
     try:
         devices = {p.device.type for g in obj.param_groups for p in g["params"]}
     except Exception:  # not an optimizer
         return True
     return not devices or "cpu" in devices
+
+
+def own_loader(module: torch.nn.Module) -> bool:
+    """Whether ``module`` loads its own entries by code of its own outside ``torch.nn``
+    (``_load_from_state_dict``: torch.ao's quantized and fake-quantize modules, observers,
+    a user's module), rather than by ``torch.nn``'s copy into its parameters and buffers."""
+    loader = type(module)._load_from_state_dict
+    return loader is not torch.nn.Module._load_from_state_dict and not (
+        getattr(loader, "__module__", "") or ""
+    ).startswith("torch.nn.")
 
 
 def copy_kept(optimizer: Any) -> None:
@@ -165,7 +177,8 @@ def load_state(obj: Any, value: Any, load: Callable[[Any], Any]) -> Any:
     result = load(private(value) if keeps else value)
     if not keeps and not isinstance(obj, torch.nn.Module):
         copy_kept(obj)
-    if isinstance(obj, torch.nn.Module) and not any(map(is_mapped, obj.state_dict().values())):
+    # (a module's state dict may hold other values: a dtype, a quantized Linear's tuple)
+    if isinstance(obj, torch.nn.Module) and not any(map(is_mapped, _tensors(obj.state_dict()))):
         for t in _tensors(value):  # copied into the module: not read from the mapping again
             release(t)
     return result

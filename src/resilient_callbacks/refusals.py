@@ -64,7 +64,10 @@ def refuse_tensor(t: torch.Tensor, where: str) -> None:
     if t.is_quantized:
         raise UnsupportedStateError(
             f"{where} is a quantized tensor; dequantize it (or save its int_repr() "
-            "and scale) in your state_dict()."
+            "and scale) in your state_dict(). A model converted by torch.ao (quantize_dynamic "
+            "to qint8, convert) holds such tensors: keep the float model (or the one prepared "
+            "for quantization-aware training, which is saved) in the state and quantize it "
+            "again after restore()."
         )
     if t.device.type == "meta":
         raise UnsupportedStateError(
@@ -97,6 +100,13 @@ def fix_for(obj: Any) -> str:
         return (
             "To resume mid-epoch in the same order, build it as resilient_callbacks."
             "ResumableDataLoader (the DataLoader's arguments) or torchdata's StatefulDataLoader."
+        )
+    if isinstance(obj, torch.utils.data.Sampler):
+        return (
+            "A sampler's position is not saved: to resume mid-epoch in the same order, build "
+            "the loader as resilient_callbacks.ResumableDataLoader (its sampler's generator as "
+            "generator=). A torch.Generator it draws from can be put in the state itself "
+            "(state['sampler_generator'] = sampler.generator), to go on from an epoch's end."
         )
     if isinstance(obj, argparse.Namespace) or is_dataclass(obj):
         kind = "vars(...)" if isinstance(obj, argparse.Namespace) else "dataclasses.asdict(...)"

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch.nn.parameter import is_lazy
 
 from ..config import CheckpointerConfig
 from ..errors import CheckpointMismatchError, ConfigError, caller_stacklevel
-from ..fit import key_differences, warn_cast
+from ..fit import its_own_shape, key_differences, warn_cast
 
 if TYPE_CHECKING:
     from ..checkpointer import Checkpointer
@@ -103,9 +104,10 @@ def check_model_fits(trainer: Any, saved: dict[str, Any], path: str) -> None:
     if module is None or not getattr(module, "strict_loading", True):
         return
     here = {k: v for k, v in module.state_dict().items() if torch.is_tensor(v)}
-    live = {k: list(v.shape) for k, v in here.items()}
+    live = {k: None if is_lazy(v) else list(v.shape) for k, v in here.items()}
     have = {k: list(v.shape) for k, v in saved.items() if torch.is_tensor(v)}
     missing, unexpected, reshaped = key_differences(live, have)
+    reshaped = [k for k in reshaped if not its_own_shape(module, k, here[k])]
     problems = []
     if missing:
         problems.append(f"missing in the checkpoint: {', '.join(missing[:20])}")

@@ -1,0 +1,211 @@
+"""Training features users combine with a ``Checkpointer``, each stopped at a step, restored
+into objects built afresh and trained on: the losses and the final state are those of a run
+never stopped, bit for bit, or the save is refused naming the key. (AMP's ``GradScaler``,
+``weight_norm``/``spectral_norm``/``orthogonal``, tied weights, ``AveragedModel``/``SWALR``,
+gradient checkpointing and generators resume exactly on the code before these tests too.)"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from resilient_callbacks import Checkpointer, UnsupportedStateError
+
+
+def _run_stopped_and_resumed(build, total: int = 8, stop: int = 4):
+    """``build() -> (module, optimizer or None)``. Losses and final state dicts of a run never
+    stopped and of one saved at ``stop``, rebuilt from another seed, restored and trained on."""
+
+    def train(model, opt, steps):
+        losses = []
+        for _ in steps:
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            if opt is not None:
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            losses.append(loss.item())
+        return losses
+
+    def state(model, opt):
+        return {"model": model} if opt is None else {"model": model, "opt": opt}
+
+    torch.manual_seed(0)
+    ref = build()
+    ref_losses = train(*ref, range(total))
+    torch.manual_seed(0)
+    first = build()
+    losses = train(*first, range(stop))
+    with tempfile.TemporaryDirectory() as d:
+        with Checkpointer(d, async_save=False) as ck:
+            ck.save(stop, state(*first))
+        torch.manual_seed(1)
+        again = build()
+        with Checkpointer(d, async_save=False) as ck:
+            assert ck.restore(state(*again)) == stop
+    losses += train(*again, range(stop, total))
+    assert losses == ref_losses
+    for a, b in zip(ref[0].state_dict().values(), again[0].state_dict().values(), strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+    if ref[1] is not None:
+        assert str(ref[1].state_dict()) == str(again[1].state_dict())
+
+
+def _quiet_ao():
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=".*quantiz.*", category=UserWarning)
+
+
+def test_quantization_aware_training_resumes_exactly():
+    """torch.ao's fake-quantize modules and per-channel observers size their scales and
+    min/max buffers at the first forward and resize them when loading a state dict (as
+    ``load_state_dict`` from ``torch.load`` does). The shape check before loading took the
+    fresh model's sizes ([1], [0]) for a checkpoint of another model: a QAT run could never
+    resume. Their own loading code decides now, and the resume is exact."""
+    _quiet_ao()
+    q = torch.ao.quantization
+
+    def build():
+        m = nn.Sequential(q.QuantStub(), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        m.append(q.DeQuantStub()).train()
+        m.qconfig = q.get_default_qat_qconfig("x86")
+        q.prepare_qat(m, inplace=True)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    _run_stopped_and_resumed(build)
+
+
+def test_a_float16_dynamic_quantized_model_restores():
+    """``quantize_dynamic(..., dtype=torch.float16)`` saves (its packed weights are float16
+    tensors) but never restored: its loading code reads the layout by the module's version,
+    which ``state_dict()`` keeps beside the keys (``_metadata``, pickled by ``torch.save``) and
+    the restore did not pass, so it took the oldest layout (KeyError '0.weight'); then a dtype
+    in the state dict failed a check meant for tensors. It restores, without keeping a view of
+    the checkpoint file."""
+    _quiet_ao()
+
+    def build():
+        m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        return torch.ao.quantization.quantize_dynamic(m, {nn.Linear}, dtype=torch.float16), None
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*still view.*")
+        _run_stopped_and_resumed(build)
+
+
+def test_a_qint8_quantized_model_is_refused_at_save_saying_what_to_keep(tmp_path):
+    """A qint8 model from ``quantize_dynamic`` holds quantized tensors in packed params: the
+    save is refused, naming the key, and says to keep the float or QAT model instead."""
+    _quiet_ao()
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    m = torch.ao.quantization.quantize_dynamic(m, {nn.Linear}, dtype=torch.qint8)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        with pytest.raises(UnsupportedStateError) as ei:
+            ck.save(1, {"model": m})
+        assert ck.checkpoints() == []
+    msg = str(ei.value)
+    assert "state['model']['0._packed_params._packed_params'][0]" in msg
+    assert "quantize_dynamic" in msg and "after restore()" in msg
+
+
+def test_a_lazy_module_restores_before_its_first_forward(tmp_path):
+    """``load_state_dict`` materializes a lazy module's uninitialized parameters
+    (``nn.LazyLinear`` built, then restored, then run): the restore failed on reading their
+    shape (a RuntimeError, not a checkpoint error). It loads them now, and the module's own
+    load still refuses a shape it cannot take."""
+    torch.manual_seed(0)
+    saved = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(1))
+    x = torch.randn(4, 8)
+    want = saved(x)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(1, {"model": saved})
+    live = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(1))
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        assert ck.restore({"model": live}) == 1
+    assert torch.equal(live(x), want)
+
+
+def test_a_sampler_in_the_state_is_refused_saying_what_to_save_instead(tmp_path):
+    """A ``RandomSampler(generator=g)`` put in the state was refused with the advice for any
+    object (write ``state_dict()`` methods): it names the resumable loader and the generator."""
+    ds = torch.utils.data.TensorDataset(torch.randn(8, 2))
+    sampler = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(0))
+    with Checkpointer(tmp_path, async_save=False) as ck, pytest.raises(UnsupportedStateError) as ei:
+        ck.save(1, {"sampler": sampler})
+    assert "state['sampler']" in str(ei.value)
+    assert "ResumableDataLoader" in str(ei.value) and "sampler.generator" in str(ei.value)
+
+
+def _lightning_runs(tmp_path, total: int, stop: int, qat: bool = False, swa: bool = False):
+    """A Lightning run of ``total`` steps never stopped, one stopped at ``stop`` with the
+    callback and the one that resumes it: ``(plain, first, again, restored step)``."""
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.ReLU(), nn.Linear(8, 1))
+            if qat:
+                q = torch.ao.quantization
+                self.net = nn.Sequential(q.QuantStub(), *self.net, q.DeQuantStub()).train()
+                self.net.qconfig = q.get_default_qat_qconfig("x86")
+                q.prepare_qat(self.net, inplace=True)
+            self.losses: list[float] = []
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.net(batch[0]).pow(2).mean()
+            self.losses.append(loss.item())
+            return loss
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4))  # 8 steps an epoch
+
+    def fit(steps: int, *callbacks) -> Module:
+        L.seed_everything(0, verbose=False)
+        module = Module()
+        if swa:
+            callbacks = (StochasticWeightAveraging(0.01, 1, annealing_epochs=3), *callbacks)
+        trainer = L.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            callbacks=list(callbacks),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8, shuffle=True))
+        return module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = fit(total)
+        first = fit(stop, ResilientCheckpoint(tmp_path / "ck", every_n_steps=100))
+        rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=100)
+        again = fit(total, rc)
+    return plain, first, again, rc.restored_step
+
+
+def _assert_same_run(plain, first, again) -> None:
+    assert first.losses + again.losses == plain.losses
+    for a, b in zip(plain.state_dict().values(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_lightning_quantization_aware_training_resumes_exactly(tmp_path):
+    """The Lightning callback's own check that a checkpoint fits the model refused a QAT
+    module's saved per-channel scales and observer min/max (sized at the first forward) as
+    another model's: it leaves them to the modules' own loading code, as the core does."""
+    plain, first, again, restored = _lightning_runs(tmp_path, 20, 11, qat=True)
+    assert restored == 11
+    _assert_same_run(plain, first, again)
