@@ -209,3 +209,15 @@ def test_lightning_quantization_aware_training_resumes_exactly(tmp_path):
     plain, first, again, restored = _lightning_runs(tmp_path, 20, 11, qat=True)
     assert restored == 11
     _assert_same_run(plain, first, again)
+
+
+@pytest.mark.parametrize("stop", [5, 13], ids=["first-swa-epoch", "annealing"])
+def test_lightning_swa_resumed_mid_epoch_goes_on_as_the_run_did(tmp_path, stop):
+    """Lightning's ``StochasticWeightAveraging`` makes its ``SWALR`` scheduler (from its
+    restored state) only in ``on_train_epoch_start``, which Lightning does not call for an
+    epoch resumed mid-way: the rest of that epoch ran without it, its step at the epoch's end
+    was skipped, and every later learning rate and weight differed from the run never
+    stopped (Lightning's own ``ckpt_path`` resume too). It starts at the resume now."""
+    plain, first, again, restored = _lightning_runs(tmp_path, 30, stop, swa=True)
+    assert restored == stop
+    _assert_same_run(plain, first, again)

@@ -146,6 +146,8 @@ class Resume:
         optimizers and schedulers are set up: another number than saved is warned about)."""
         self.started = True
         checks.optimizers_and_schedulers(trainer, self.counts)
+        if not self.epoch_end:
+            _start_swa_mid_epoch(trainer)
         if self.metrics:
             trainer.callback_metrics.update(self.metrics)
 
@@ -237,3 +239,22 @@ class Resume:
             self.plateau = False
             # the private flag: the ``restarting`` setter forces True for max_steps training
             trainer.fit_loop._restarting = False
+
+
+def _start_swa_mid_epoch(trainer: pl.Trainer) -> None:
+    """A resume mid-epoch (Lightning calls no ``on_train_epoch_start`` for the resumed epoch):
+    a ``StochasticWeightAveraging`` callback that had started in the saved run makes its
+    ``SWALR`` scheduler (and loads its saved state) only in that hook, so the resumed run
+    trained the rest of the epoch without it and skipped its step at the epoch's end: every
+    later learning rate differed (Lightning's own resume does the same). Its epoch start runs
+    here instead; it averages nothing again (the epoch's update is in its restored state)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if (
+            isinstance(cb, StochasticWeightAveraging)
+            and not cb._initialized
+            and cb._scheduler_state is not None
+            and cb.swa_start <= trainer.current_epoch <= cb.swa_end
+        ):
+            cb.on_train_epoch_start(trainer, trainer.lightning_module)
