@@ -156,7 +156,7 @@ def _lightning_runs(tmp_path, total: int, stop: int, qat: bool = False, swa: boo
             if qat:
                 q = torch.ao.quantization
                 self.net = nn.Sequential(q.QuantStub(), *self.net, q.DeQuantStub()).train()
-                self.net.qconfig = q.get_default_qat_qconfig("x86")
+                self.net.qconfig = _qconfig_with_eps()
                 q.prepare_qat(self.net, inplace=True)
             self.losses: list[float] = []
 
@@ -209,6 +209,37 @@ def test_lightning_quantization_aware_training_resumes_exactly(tmp_path):
     plain, first, again, restored = _lightning_runs(tmp_path, 20, 11, qat=True)
     assert restored == 11
     _assert_same_run(plain, first, again)
+    # read by the observer's version, which Lightning's load got from no _metadata: eps reset
+    assert again.net[0].activation_post_process.activation_post_process.eps.item() == EPS
+
+
+EPS = 2.0**-10
+
+
+def _qconfig_with_eps():
+    """The x86 QAT config with activation observers of another ``eps`` than the default."""
+    q = torch.ao.quantization
+    default = q.get_default_qat_qconfig("x86")
+    return q.QConfig(activation=default.activation.with_args(eps=EPS), weight=default.weight)
+
+
+def test_an_observers_own_eps_is_restored_not_reset_to_the_default(tmp_path):
+    """An observer (torch.ao, quantization-aware training) reads a state dict by its module
+    version, kept in the state dict's ``_metadata``; without one it takes it for its first
+    layout and replaces the saved ``eps`` with the default: a QAT model with its own ``eps``
+    was restored without error with another one. The live module's versions are passed."""
+    _quiet_ao()
+    from torch.ao.quantization.observer import MovingAverageMinMaxObserver
+
+    saved = MovingAverageMinMaxObserver(eps=EPS)
+    saved(torch.randn(10))
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(1, {"observer": saved})
+    live = MovingAverageMinMaxObserver(eps=EPS)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        assert ck.restore({"observer": live}) == 1
+    assert live.eps.item() == EPS
+    assert torch.equal(live.min_val, saved.min_val) and torch.equal(live.max_val, saved.max_val)
 
 
 @pytest.mark.parametrize("stop", [5, 13], ids=["first-swa-epoch", "annealing"])

@@ -220,17 +220,24 @@ def _check_load_result(result: Any, path: tuple[Any, ...]) -> None:
 
 
 def with_versions(module: torch.nn.Module, live_sd: Any) -> Callable[[Any], Any]:
-    """``module.load_state_dict`` that hands on the submodules' versions (``_version``), which
-    ``state_dict()`` keeps in its ``_metadata`` attribute and ``torch.save`` pickles with it:
-    modules read a state dict by its version, and without one take it for their oldest layout
-    (a dynamic-quantized ``Linear`` of float16 then looks for a ``weight`` key and fails). They
-    are the live module's (``live_sd``): the checkpoint was written by the same code."""
-    meta = getattr(live_sd, "_metadata", None)
+    """``module.load_state_dict`` given the versions of :func:`versioned`."""
 
     def load(sd: Any) -> Any:
-        if meta is not None and isinstance(sd, Mapping) and getattr(sd, "_metadata", None) is None:
-            sd = collections.OrderedDict(sd)
-            sd._metadata = meta
-        return module.load_state_dict(sd)
+        return module.load_state_dict(versioned(sd, live_sd) if isinstance(sd, Mapping) else sd)
 
     return load
+
+
+def versioned(sd: Mapping[str, Any], live_sd: Any) -> Any:
+    """``sd`` with the submodules' versions (``_version``) that ``state_dict()`` keeps in its
+    ``_metadata`` attribute and ``torch.save`` pickles with it: modules read a state dict by its
+    version, and without one take it for their oldest layout (a dynamic-quantized ``Linear`` of
+    float16 then looks for a ``weight`` key and fails; an observer of quantization-aware
+    training replaces its saved ``eps`` with the default, silently). They are the live
+    module's (``live_sd``, its ``state_dict()``): the checkpoint was written by the same code."""
+    meta = getattr(live_sd, "_metadata", None)
+    if meta is None or getattr(sd, "_metadata", None) is not None:
+        return sd
+    out = collections.OrderedDict(sd)
+    out._metadata = meta  # type: ignore[attr-defined]
+    return out

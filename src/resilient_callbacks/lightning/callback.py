@@ -274,7 +274,7 @@ class ResilientCheckpoint(Checkpoint):
         if is_sharded:  # weights and optimizer states are loaded: the part checked they fit
             checkpoint = sharded.assemble(holder)
         else:
-            checkpoint = st.assemble(holder)
+            checkpoint = st.assemble(holder, trainer.lightning_module)
             checks.check_model_fits(trainer, checkpoint["state_dict"], ckpt.restored_from)
         checkpoint = checks.migrate(checkpoint, ckpt.restored_from)
         conn = trainer._checkpoint_connector

@@ -38,6 +38,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import UnsupportedStateError, warn_and_log
+from ..inplace import versioned
 from ..structure import PerRank
 from .rank_callbacks import STOP_RNG_KEY, put_back, saved
 
@@ -433,10 +434,12 @@ def receivers() -> dict[str, Any]:
     }
 
 
-def assemble(holder: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's checkpoint dictionary from a restored :func:`receivers` holder."""
+def assemble(holder: dict[str, Any], module: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Lightning's checkpoint dictionary from a restored :func:`receivers` holder; the weights
+    with the versions of ``module``'s submodules (:func:`..inplace.versioned`)."""
     ckpt = dict(holder["lightning"].value)
-    ckpt["state_dict"] = holder["state_dict"].value
+    sd = holder["state_dict"].value
+    ckpt["state_dict"] = sd if module is None else versioned(sd, module.state_dict())
     ckpt["optimizer_states"] = list(holder["optimizer_states"].value["optimizers"])
     put_back(ckpt, holder["data"].obj.value)  # this rank's callbacks' states
     loaders = holder["data"].obj.value["loaders"]
