@@ -113,6 +113,20 @@ def test_a_qint8_quantized_model_is_refused_at_save_saying_what_to_keep(tmp_path
     assert "quantize_dynamic" in msg and "after restore()" in msg
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.qint8])
+def test_a_dynamic_quantized_lstm_is_refused_at_save_saying_what_to_keep(tmp_path, dtype):
+    """``quantize_dynamic`` of an LSTM keeps its weights packed in TorchScript objects: the
+    refusal named the key but advised writing ``state_dict()`` methods, which a user of
+    torch.ao cannot; it says to keep the float or QAT model instead."""
+    _quiet_ao()
+    m = torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.LSTM(4, 4)), {nn.LSTM}, dtype=dtype)
+    with Checkpointer(tmp_path, async_save=False) as ck, pytest.raises(UnsupportedStateError) as ei:
+        ck.save(1, {"model": m})
+    msg = str(ei.value)
+    assert "state['model']['0._all_weight_values.0.param']" in msg
+    assert "quantized by torch.ao" in msg and "after restore()" in msg
+
+
 def test_a_lazy_module_restores_before_its_first_forward(tmp_path):
     """``load_state_dict`` materializes a lazy module's uninitialized parameters
     (``nn.LazyLinear`` built, then restored, then run): the restore failed on reading their

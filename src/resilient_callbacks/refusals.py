@@ -101,6 +101,13 @@ def fix_for(obj: Any) -> str:
             "To resume mid-epoch in the same order, build it as resilient_callbacks."
             "ResumableDataLoader (the DataLoader's arguments) or torchdata's StatefulDataLoader."
         )
+    if isinstance(obj, torch.ScriptObject):
+        return (
+            "A TorchScript object, such as the packed weights of a module quantized by torch.ao "
+            "(quantize_dynamic of an LSTM or GRU): keep the float model (or the one prepared "
+            "for quantization-aware training, which is saved) in the state and quantize it "
+            "again after restore()."
+        )
     if isinstance(obj, torch.utils.data.Sampler):
         return (
             "A sampler's position is not saved: to resume mid-epoch in the same order, build "
