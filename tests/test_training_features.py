@@ -355,3 +355,35 @@ def test_lightning_swa_resumed_mid_epoch_goes_on_as_the_run_did(tmp_path, stop):
     plain, first, again, restored = _lightning_runs(tmp_path, 30, stop, swa=True)
     assert restored == stop
     _assert_same_run(plain, first, again)
+
+
+@pytest.mark.parametrize(
+    "compiled_first", [True, False], ids=["compiled-then-not", "then-compiled"]
+)
+def test_a_submodule_compiled_in_one_run_only_restores_transparently(tmp_path, compiled_first):
+    """A submodule compiled on its own (``model[0] = torch.compile(model[0])``) or an
+    ``AveragedModel`` (EMA) of a compiled model carries ``_orig_mod.`` inside its keys
+    (``0._orig_mod.weight``, ``module._orig_mod.0.weight``): a run that turned compiling on or
+    off was refused (missing and unexpected keys), where a model compiled as a whole restores
+    either way. The keys are matched without torch.compile's segment now."""
+
+    def build(compiled: bool, seed: int):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        ema = torch.optim.swa_utils.AveragedModel(
+            torch.compile(model, backend="eager") if compiled else model
+        )
+        if compiled:
+            model[0] = torch.compile(model[0], backend="eager")
+        return {"model": model, "ema": ema}
+
+    saved = build(compiled_first, 0)
+    saved["ema"].update_parameters(saved["model"])
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(1, saved)
+    live = build(not compiled_first, 1)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        assert ck.restore(live) == 1
+    for name in ("model", "ema"):
+        got, want = live[name].state_dict().values(), saved[name].state_dict().values()
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), name

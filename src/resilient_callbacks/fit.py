@@ -34,9 +34,8 @@ from .structure import (
     _short,
     is_stateful,
     path_str,
-    plain_module,
-    unwrapped_keys,
 )
+from .wrapped import plain_module, unwrapped_keys
 
 log = logging.getLogger("resilient_callbacks")
 

@@ -29,9 +29,8 @@ from .structure import (
     _qualname,
     is_stateful,
     path_str,
-    plain_module,
-    unwrapped_keys,
 )
+from .wrapped import plain_module, unwrapped_keys
 
 
 def apply(

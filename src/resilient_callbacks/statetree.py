@@ -13,7 +13,8 @@ import torch
 import xxhash
 
 from .filepart import FilePart
-from .structure import PerRank, part_id, plain_module
+from .structure import PerRank, part_id
+from .wrapped import plain_module
 
 
 def leaves(state: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:

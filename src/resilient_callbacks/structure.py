@@ -20,7 +20,7 @@ import base64
 import json
 import math
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from .errors import CheckpointMismatchError, UnsupportedStateError
 from .filepart import FilePart
 from .optim import hookable, param_shapes
 from .refusals import fix_for, refuse_int, refuse_numpy, refuse_tensor
-from .rng import GeneratorState
+from .wrapped import plain_module
 
 TAG = "__rc__"
 
@@ -64,41 +64,6 @@ def gone_ranks(world_size: int, saved_world_size: int) -> str:
     """The ranks of a checkpoint that a run on ``world_size`` ranks has no process for."""
     first, last = world_size, saved_world_size - 1
     return f"rank {first}" if first == last else f"ranks {first} to {last}"
-
-
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile's and (Distributed)DataParallel's
-
-
-def plain_module(obj: Any) -> Any:
-    """What is saved and loaded for ``obj``: the module a wrapper wraps (``torch.compile``'s,
-    ``DistributedDataParallel``, ``DataParallel``), so a checkpoint of a compiled or DDP run
-    loads into a plain module (an evaluation, a run on one process) and the other way; a
-    :class:`GeneratorState` for a ``torch.Generator``; else ``obj``."""
-    if isinstance(obj, torch.Generator):
-        return GeneratorState(obj)
-    while isinstance(obj, torch.nn.Module):
-        inner = getattr(obj, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module) and isinstance(
-            obj, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-        ):
-            inner = obj.module
-        if not isinstance(inner, torch.nn.Module):
-            return obj
-        obj = inner
-    return obj
-
-
-def unwrapped_keys(sd: Mapping[str, Any], live: Collection[str]) -> Mapping[str, Any]:
-    """A module's state dict saved from inside a wrapper (by earlier versions, which saved the
-    wrapper): without the wrappers' key prefixes, where every key has one and none is a key of
-    the live module (``live``)."""
-    live = set(live)
-    while sd and not live & set(sd):
-        prefix = next((p for p in WRAPPER_PREFIXES if all(str(k).startswith(p) for k in sd)), None)
-        if prefix is None:
-            break
-        sd = {str(k)[len(prefix) :]: v for k, v in sd.items()}
-    return sd
 
 
 def is_stateful(obj: Any) -> bool:
