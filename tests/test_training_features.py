@@ -244,18 +244,24 @@ def test_a_sampler_in_the_state_is_refused_saying_what_to_save_instead(tmp_path)
     assert "ResumableDataLoader" in str(ei.value) and "sampler.generator" in str(ei.value)
 
 
-def _lightning_runs(tmp_path, total: int, stop: int, qat: bool = False, swa: bool = False):
+def _lightning_runs(
+    tmp_path, total: int, stop: int, qat: bool = False, swa: bool = False, compiled=(False, False)
+):
     """A Lightning run of ``total`` steps never stopped, one stopped at ``stop`` with the
-    callback and the one that resumes it: ``(plain, first, again, restored step)``."""
+    callback and the one that resumes it: ``(plain, first, again, restored step)``.
+    ``compiled``: whether the stopped run's and the resuming run's ``net`` is compiled on its
+    own (eager backend); the run never stopped is compiled as the resuming one."""
     L = pytest.importorskip("lightning")
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     from resilient_callbacks.lightning import ResilientCheckpoint
 
     class Module(L.LightningModule):
-        def __init__(self) -> None:
+        def __init__(self, compile_net: bool) -> None:
             super().__init__()
             self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.ReLU(), nn.Linear(8, 1))
+            if compile_net:
+                self.net = torch.compile(self.net, backend="eager")
             if qat:
                 q = torch.ao.quantization
                 self.net = nn.Sequential(q.QuantStub(), *self.net, q.DeQuantStub()).train()
@@ -273,9 +279,9 @@ def _lightning_runs(tmp_path, total: int, stop: int, qat: bool = False, swa: boo
 
     data = torch.utils.data.TensorDataset(torch.randn(64, 4))  # 8 steps an epoch
 
-    def fit(steps: int, *callbacks) -> Module:
+    def fit(steps: int, *callbacks, compile_net: bool) -> Module:
         L.seed_everything(0, verbose=False)
-        module = Module()
+        module = Module(compile_net)
         if swa:
             callbacks = (StochasticWeightAveraging(0.01, 1, annealing_epochs=3), *callbacks)
         trainer = L.Trainer(
@@ -292,10 +298,11 @@ def _lightning_runs(tmp_path, total: int, stop: int, qat: bool = False, swa: boo
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plain = fit(total)
-        first = fit(stop, ResilientCheckpoint(tmp_path / "ck", every_n_steps=100))
-        rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=100)
-        again = fit(total, rc)
+        plain = fit(total, compile_net=compiled[1])
+        ck = tmp_path / "ck"
+        first = fit(stop, ResilientCheckpoint(ck, every_n_steps=100), compile_net=compiled[0])
+        rc = ResilientCheckpoint(ck, every_n_steps=100)
+        again = fit(total, rc, compile_net=compiled[1])
     return plain, first, again, rc.restored_step
 
 
@@ -387,3 +394,13 @@ def test_a_submodule_compiled_in_one_run_only_restores_transparently(tmp_path, c
     for name in ("model", "ema"):
         got, want = live[name].state_dict().values(), saved[name].state_dict().values()
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), name
+
+
+@pytest.mark.parametrize("compiled", [(True, False), (False, True)], ids=["then-not", "then-on"])
+def test_lightning_a_submodule_compiled_in_one_run_only_resumes(tmp_path, compiled):
+    """``self.net = torch.compile(self.net)`` in a LightningModule saves ``net._orig_mod.*``
+    keys: a run that turned compiling on or off was refused as another model's. The weights
+    Lightning loads are keyed as the live module has them now, and the run goes on exactly."""
+    plain, first, again, restored = _lightning_runs(tmp_path, 12, 5, compiled=compiled)
+    assert restored == 5
+    _assert_same_run(plain, first, again)

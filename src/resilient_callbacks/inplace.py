@@ -240,3 +240,10 @@ def versioned(sd: Mapping[str, Any], live_sd: Any) -> Any:
     out = collections.OrderedDict(sd)
     out._metadata = meta  # type: ignore[attr-defined]
     return out
+
+
+def as_live_keys(sd: Mapping[str, Any], module: torch.nn.Module) -> Any:
+    """``sd`` with its keys as ``module`` names them (:func:`.wrapped.unwrapped_keys`) and its
+    submodules' versions (:func:`versioned`): for a framework that loads it itself."""
+    live_sd = module.state_dict()
+    return versioned(unwrapped_keys(sd, live_sd.keys()), live_sd)

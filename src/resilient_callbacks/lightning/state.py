@@ -38,7 +38,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import UnsupportedStateError, warn_and_log
-from ..inplace import versioned
+from ..inplace import as_live_keys
 from ..structure import PerRank
 from .rank_callbacks import STOP_RNG_KEY, put_back, saved
 
@@ -436,10 +436,10 @@ def receivers() -> dict[str, Any]:
 
 def assemble(holder: dict[str, Any], module: torch.nn.Module | None = None) -> dict[str, Any]:
     """Lightning's checkpoint dictionary from a restored :func:`receivers` holder; the weights
-    with the versions of ``module``'s submodules (:func:`..inplace.versioned`)."""
+    keyed and versioned as ``module`` has them (:func:`..inplace.as_live_keys`)."""
     ckpt = dict(holder["lightning"].value)
     sd = holder["state_dict"].value
-    ckpt["state_dict"] = sd if module is None else versioned(sd, module.state_dict())
+    ckpt["state_dict"] = sd if module is None else as_live_keys(sd, module)
     ckpt["optimizer_states"] = list(holder["optimizer_states"].value["optimizers"])
     put_back(ckpt, holder["data"].obj.value)  # this rank's callbacks' states
     loaders = holder["data"].obj.value["loaders"]
