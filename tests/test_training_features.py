@@ -404,3 +404,28 @@ def test_lightning_a_submodule_compiled_in_one_run_only_resumes(tmp_path, compil
     plain, first, again, restored = _lightning_runs(tmp_path, 12, 5, compiled=compiled)
     assert restored == 5
     _assert_same_run(plain, first, again)
+
+
+def test_a_module_with_its_own_loader_is_still_checked_before_anything_loads(tmp_path):
+    """Only torch.ao's modules decide about a saved shape themselves: a module of a user or a
+    library with its own ``_load_from_state_dict`` (DETR's frozen BatchNorm drops a key, then
+    loads as torch.nn does) gets the shape check before anything is loaded, naming the key."""
+    from resilient_callbacks import CheckpointMismatchError
+
+    class Renaming(nn.Linear):
+        def _load_from_state_dict(self, state_dict, prefix, *args):
+            state_dict.pop(prefix + "unused", None)
+            super()._load_from_state_dict(state_dict, prefix, *args)
+
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(1, {"first": torch.ones(2), "model": nn.Sequential(Renaming(4, 3))})
+    first = torch.zeros(2)
+    with (
+        Checkpointer(tmp_path, async_save=False) as ck,
+        pytest.raises(CheckpointMismatchError) as ei,
+    ):
+        ck.restore({"first": first, "model": nn.Sequential(Renaming(4, 2))})
+    assert "state['model']['0.weight']: shape [3, 4] in checkpoint, [2, 4] in model" in str(
+        ei.value
+    )
+    assert torch.equal(first, torch.zeros(2))  # nothing loaded

@@ -62,18 +62,19 @@ def its_own_shape(module: torch.nn.Module, key: str, live: torch.Tensor) -> bool
     """Whether a saved shape of ``key`` that differs from the ``live`` tensor's is for
     ``module``'s own ``load_state_dict`` to take or refuse, not a mismatch: a lazy module's
     uninitialized tensor (``nn.LazyLinear`` before its first forward), which loading
-    materializes, or a submodule with loading code of its own outside ``torch.nn``
-    (``_load_from_state_dict``): torch.ao's fake-quantize modules and observers of
-    quantization-aware training resize their buffers (per-channel scales, min/max) to the saved
-    shape, so a shape that differs from the live one is theirs to take or refuse. The modules of
-    ``torch.nn`` load by the rules :func:`check_fits` checks."""
+    materializes, or a tensor of a torch.ao submodule with loading code of its own
+    (``_load_from_state_dict``): the fake-quantize modules and observers of quantization-aware
+    training resize their buffers (per-channel scales, min/max) to the saved shape. Every other
+    module (``torch.nn``'s, a user's or a library's own loader, which mostly renames keys before
+    ``torch.nn``'s) is checked here, before anything is loaded."""
     if is_lazy(live):
         return True
-    owner = key.rpartition(".")[0]
     try:
-        return mapped.own_loader(module.get_submodule(owner))
+        sub = module.get_submodule(key.rpartition(".")[0])
     except AttributeError:
         return False
+    loader = type(sub)._load_from_state_dict
+    return mapped.own_loader(sub) and getattr(loader, "__module__", "").startswith("torch.ao.")
 
 
 def key_differences(
