@@ -245,14 +245,21 @@ def test_a_sampler_in_the_state_is_refused_saying_what_to_save_instead(tmp_path)
 
 
 def _lightning_runs(
-    tmp_path, total: int, stop: int, qat: bool = False, swa: bool = False, compiled=(False, False)
+    tmp_path,
+    total: int,
+    stop: int,
+    qat: bool = False,
+    swa: bool = False,
+    compiled=(False, False),
+    finetune: bool = False,
 ):
     """A Lightning run of ``total`` steps never stopped, one stopped at ``stop`` with the
     callback and the one that resumes it: ``(plain, first, again, restored step)``.
     ``compiled``: whether the stopped run's and the resuming run's ``net`` is compiled on its
-    own (eager backend); the run never stopped is compiled as the resuming one."""
+    own (eager backend); the run never stopped is compiled as the resuming one. ``finetune``:
+    ``BackboneFinetuning`` of ``net[:2]`` (frozen, a BatchNorm too, until epoch 1)."""
     L = pytest.importorskip("lightning")
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
 
     from resilient_callbacks.lightning import ResilientCheckpoint
 
@@ -260,6 +267,9 @@ def _lightning_runs(
         def __init__(self, compile_net: bool) -> None:
             super().__init__()
             self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.ReLU(), nn.Linear(8, 1))
+            if finetune:
+                self.net[1] = nn.BatchNorm1d(8)
+                self.backbone = self.net[:2]
             if compile_net:
                 self.net = torch.compile(self.net, backend="eager")
             if qat:
@@ -270,7 +280,7 @@ def _lightning_runs(
             self.losses: list[float] = []
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=0.05)
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.05)
 
         def training_step(self, batch, batch_idx):
             loss = self.net(batch[0]).pow(2).mean()
@@ -284,6 +294,8 @@ def _lightning_runs(
         module = Module(compile_net)
         if swa:
             callbacks = (StochasticWeightAveraging(0.01, 1, annealing_epochs=3), *callbacks)
+        if finetune:
+            callbacks = (BackboneFinetuning(1, lambda epoch: 1.5, train_bn=False), *callbacks)
         trainer = L.Trainer(
             max_steps=steps,
             accelerator="cpu",
@@ -429,3 +441,17 @@ def test_a_module_with_its_own_loader_is_still_checked_before_anything_loads(tmp
         ei.value
     )
     assert torch.equal(first, torch.zeros(2))  # nothing loaded
+
+
+@pytest.mark.parametrize("stop", [11, 16], ids=["unfreeze-epoch", "epoch-end-after"])
+def test_lightning_backbone_finetuning_resumed_after_the_unfreeze_trains_the_backbone(
+    tmp_path, stop
+):
+    """``BaseFinetuning`` freezes its modules at every ``fit()`` and unfreezes them only at its
+    epoch (1 here, steps 8-15): a run resumed in or after that epoch, mid-epoch or from an
+    epoch's end, trained on with the backbone frozen although the optimizer held it (also with
+    Lightning's own resume), so every later step differed. It is trainable again now."""
+    plain, first, again, restored = _lightning_runs(tmp_path, 28, stop, finetune=True)
+    assert restored == stop
+    assert again.backbone[0].weight.requires_grad and again.backbone[1].track_running_stats
+    _assert_same_run(plain, first, again)

@@ -148,6 +148,7 @@ class Resume:
         checks.optimizers_and_schedulers(trainer, self.counts)
         if not self.epoch_end:
             _start_swa_mid_epoch(trainer)
+        _unfreeze_what_optimizers_hold(trainer)
         if self.metrics:
             trainer.callback_metrics.update(self.metrics)
 
@@ -258,3 +259,20 @@ def _start_swa_mid_epoch(trainer: pl.Trainer) -> None:
             and cb.swa_start <= trainer.current_epoch <= cb.swa_end
         ):
             cb.on_train_epoch_start(trainer, trainer.lightning_module)
+
+
+def _unfreeze_what_optimizers_hold(trainer: pl.Trainer) -> None:
+    """``BaseFinetuning`` (``BackboneFinetuning``) freezes its modules in ``setup`` at every
+    ``fit()`` and unfreezes them in its ``finetune_function`` only at the epoch it chose: a run
+    resumed after that epoch (from Lightning's checkpoint too) trained on with them frozen
+    although its optimizer holds them (the callback's restored param groups), and every later
+    step differed. Modules whose parameters an optimizer holds are made trainable again, as the
+    unfreeze made them (``BaseFinetuning.make_trainable``)."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    if not any(isinstance(cb, BaseFinetuning) for cb in trainer.callbacks):  # type: ignore[attr-defined]
+        return
+    held = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+    for module in BaseFinetuning.flatten_modules(trainer.lightning_module):
+        if any(not p.requires_grad and id(p) in held for p in module.parameters(recurse=False)):
+            BaseFinetuning.make_trainable(module)
