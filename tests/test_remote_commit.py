@@ -203,8 +203,11 @@ def test_node_options_are_checked_early(tmp_path, kwargs, needle):
 
 
 def test_replicas_need_node_local_disks(tmp_path):
-    with pytest.raises(ConfigError, match="node-local mode"):
+    """One node (multinode.md's snippet tried on one machine first): the error says what to
+    do, not only what is wrong (found 2026-12-06: it named the mode and the path alone)."""
+    with pytest.raises(ConfigError, match="node-local mode") as e:
         Checkpointer(tmp_path / "ck", replicas=1)
+    assert "drop replicas=" in str(e.value)
 
 
 @pytest.mark.parametrize(

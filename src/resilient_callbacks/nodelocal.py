@@ -143,7 +143,9 @@ def open_directory(
         if config.replicas:
             raise ConfigError(
                 "replicas=1 applies when each node has its own dirpath (node-local mode); "
-                f"every rank sees the same {dirpath!r}"
+                f"every rank sees the same {dirpath!r} (one node, or a filesystem every node "
+                "shares), so there is no other node's disk to keep a copy on: drop replicas= "
+                "for this run, or give each node a dirpath on its own disk (docs/multinode.md)"
             )
         d = Directory(dirpath, retention, world_size, read_only=config.read_only)
     d.open(config)
