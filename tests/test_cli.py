@@ -1043,3 +1043,16 @@ def test_every_remote_command_says_an_unreachable_store_in_one_line(tmp_path):
         assert "Traceback" not in got.stderr, args
         assert "Could not connect to the endpoint URL" in got.stderr, (args, got.stderr)
         assert len(got.stderr.strip().splitlines()) == 1, (args, got.stderr)
+
+
+def test_report_and_export_say_what_to_give_as_the_other_commands_do(tmp_path):
+    """A URL, a missing path, one checkpoint: `report` and `export` said "no such checkpoint
+    directory" (found 2026-12-06 by a first-contact walk through the docs) where `ls`,
+    `inspect` and `gc` say what DIR must be and how to reach a remote store."""
+    for args in (("report", "s3://bucket/run1"), ("export", "s3://bucket/run1", "out")):
+        r = cli(*args)
+        assert r.returncode == 1 and "is a remote store's URL" in r.stderr, r.stderr
+        assert "resilient-ckpt pull s3://bucket/run1 DIR" in r.stderr
+    for args in (("report", str(tmp_path / "nope")), ("export", str(tmp_path / "nope"), "out")):
+        r = cli(*args)
+        assert r.returncode == 1 and "the one passed to Checkpointer(...)" in r.stderr, r.stderr

@@ -110,7 +110,7 @@ def test_report_json_without_matplotlib_and_errors(killed_run: Path, tmp_path: P
     assert report["summary"]["failures"] == 2
     assert [lf["ended"] for lf in report["lives"]] == ["killed", "killed", "clean"]
     assert cli(["report", str(tmp_path / "nope")]) == 1
-    assert "no such checkpoint directory" in capsys.readouterr().err
+    assert "nope: no such directory (give the directory" in capsys.readouterr().err
     (tmp_path / "a-file").write_text("x")
     assert cli(["report", str(tmp_path / "a-file")]) == 1
     assert "a-file: not a directory" in capsys.readouterr().err

@@ -93,9 +93,10 @@ def _deleted_checkpoint(dirpath: str, filename: object) -> str | None:
 def _export(args: argparse.Namespace) -> int:
     import os
 
-    from .cli_scan import no_checkpoints
+    from .cli_scan import no_checkpoints, resolve
     from .export_target import check_export_target
 
+    resolve(args.dir)  # a URL, a missing path, a file: said as ls and inspect say it
     # before anything is read: OUT must not be, hold or lie in DIR, and --force replaces only
     # an empty folder or an earlier export
     check_export_target(args.dir, args.out, overwrite=bool(getattr(args, "force", False)))

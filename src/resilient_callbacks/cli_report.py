@@ -13,7 +13,7 @@ from typing import Any
 
 from . import catalog
 from .cli_format import iso_time, jsonable
-from .cli_scan import no_checkpoints
+from .cli_scan import no_checkpoints, resolve
 from .errors import CheckpointNotFoundError, ConfigError
 from .export_target import within
 
@@ -21,10 +21,8 @@ from .export_target import within
 def report(args: argparse.Namespace) -> int:
     from . import report as rep
 
-    root = os.path.abspath(args.dir)
-    if not os.path.isdir(root):
-        what = "not a directory" if os.path.exists(root) else "no such checkpoint directory"
-        raise CheckpointNotFoundError(f"{args.dir}: {what}")
+    # a URL, a missing path, a file, one checkpoint: said as ls and gc say it, with what to give
+    root = os.path.abspath(resolve(args.dir, single_ok=False).root)
     if not rep.history_exists(root):
         if _node_part(root):
             raise CheckpointNotFoundError(
