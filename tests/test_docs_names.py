@@ -270,3 +270,24 @@ def test_what_the_docs_import_from_the_package_exists():
             if source and k < len(parts) and not _defines(source, parts[k]):
                 bad.append(f"{path.name}: {dotted}")
     assert not bad, bad
+
+
+def test_the_docs_training_loops_save_their_last_step():
+    """A ```python block of the docs that runs a training loop through the library (a
+    `ckpt.step(...)` or a DeepSpeed `engine.step()` inside `while`/`for`) also saves the end
+    (`final=`), so a user who copies it gets what the docs promise: a finished run re-run
+    trains nothing (found 2026-12-06: deepspeed.md's `rcds.initialize` loop and fsdp.md's
+    `Sharded` loop ended on the schedule's last save, and a re-run trained the rest again)."""
+    loops = 0
+    bad = []
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for block in re.findall(r"^```python\n(.*?)^```", path.read_text(), re.M | re.S):
+            if not re.search(r"^\s*(while|for) ", block, re.M):
+                continue
+            if not re.search(r"\bckpt\.step\(|\bengine\.step\(\)", block):
+                continue
+            loops += 1
+            if "final=" not in block:
+                bad.append(f"{path.name}: {block.splitlines()[0]}")
+    assert loops >= 4, loops
+    assert not bad, f"training loops that never save their last step: {bad}"
