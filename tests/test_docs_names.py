@@ -225,6 +225,16 @@ def test_the_lightning_callbacks_signature_in_the_docs_is_its_own():
     assert f"`{real}`" in text, real
 
 
+def test_the_transformers_callbacks_signature_in_the_docs_is_its_own():
+    """transformers.md gives the callback's signature in full, as lightning.md does (found
+    2026-12-06: `save_on_evaluate` and `save_on_train_end` were named, their defaults not)."""
+    text = " ".join((DOCS / "transformers.md").read_text().split())
+    real = _init_signature(
+        ROOT / "src" / "resilient_callbacks" / "transformers" / "callback.py", "ResilientCheckpoint"
+    )
+    assert f"`{real}`" in text, real
+
+
 def _module_file(module: str) -> Path | None:
     path = ROOT / "src" / Path(*module.split("."))
     if (path / "__init__.py").exists():
