@@ -301,3 +301,17 @@ def test_the_docs_training_loops_save_their_last_step():
                 bad.append(f"{path.name}: {block.splitlines()[0]}")
     assert loops >= 4, loops
     assert not bad, f"training loops that never save their last step: {bad}"
+
+
+def test_policy_md_names_every_option_of_the_metadata_poller():
+    """`metadata_notices={...}`'s keys go to MetadataPoller: policy.md names each (found
+    2026-12-06: `warn_after_failures`, `aws_imdsv2` and `azure_event_types` were behind a
+    "...")."""
+    import inspect
+
+    from resilient_callbacks import MetadataPoller
+
+    text = (DOCS / "policy.md").read_text()
+    params = inspect.signature(MetadataPoller.__init__).parameters
+    missing = [n for n in params if n not in ("self", "watcher", "kind") and f"`{n}`" not in text]
+    assert not missing, f"MetadataPoller options policy.md does not name: {missing}"
