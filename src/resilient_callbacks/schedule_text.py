@@ -55,13 +55,18 @@ def one_line(i: Mapping[str, Any], warmup_steps: int) -> str:
     clamp = "no clamp" if i["clamp"] is None else f"clamped by {i['clamp']}"
     persist = "" if i["persist_s"] is None else f", persist {i['persist_s']:.3g} s"
     steps = i.get("decision_steps") or i["interval_steps"]  # the decision in force
+    # the seconds are those of the interval computed now: said with its steps when the
+    # decision in force was kept against it (it read "every 415 steps (kept: 407 now, ...)
+    # (407's seconds)", as if 407 were kept)
+    now = f"{i['interval_s']:.4g} s"
     kept = (
-        ""
+        f" ({now})"
         if steps == i["interval_steps"]
-        else f" (kept: {i['interval_steps']} now, within the change tolerance)"
+        else f" (kept: the {i['interval_steps']} steps ({now}) computed now are within the "
+        "change tolerance)"
     )
     return (
-        f"adaptive checkpointing: every {steps} steps{kept} ({i['interval_s']:.4g} s) "
+        f"adaptive checkpointing: every {steps} steps{kept} "
         f"= Daly {i['daly_interval_s']:.4g} s for save cost {i['blocking_cost_s']:.3g} s, "
         f"MTBF {i['mtbf_s'] / HOUR:.3g} h ({src}), step {i['step_time_s']:.3g} s{persist}; "
         f"{clamp}; expected overhead {100 * i['expected_overhead']:.2f}%"
