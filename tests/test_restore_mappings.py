@@ -138,3 +138,35 @@ def test_nothing_maps_the_files_once_restore_returns_without_a_collection(tmp_pa
         gc.callbacks.remove(seen)
         gc.enable()
     assert collections == []  # (the restore collected when something still mapped the files)
+
+
+def test_a_checkpoint_the_caller_opened_before_the_restore_is_not_blamed_on_the_state(
+    tmp_path, caplog, monkeypatch
+):
+    """architecture.md's reader: an evaluator that opened the checkpoint with
+    `reader.open_checkpoint` (holding its mapped tensors) and then restored a model from it got
+    "tensors of the state still view shared.safetensors ... a FilePart's load() should copy"
+    (found 2026-12-06): the state kept nothing, the caller's own mapping was counted. Only
+    mappings the restore made count now; a state object that keeps one is still warned about."""
+    from resilient_callbacks import reader
+
+    saved = _state(0)
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, saved)
+    opened = reader.open_checkpoint(reader.select(tmp_path / "ck").path)  # kept alive
+    with (
+        Checkpointer(tmp_path / "ck", read_only=True) as ck,
+        caplog.at_level("WARNING", "resilient_callbacks"),
+    ):
+        assert ck.restore({"model": _state(1)["model"]}) == 1
+    assert "still view" not in caplog.text
+    assert mapped.still_mapped(ck.last_restore.path)  # the caller's mapping is there
+    # a state object that keeps what the restore mapped (no private copy made for it)
+    monkeypatch.setattr(mapped, "private", lambda value: value)
+    with (
+        Checkpointer(tmp_path / "ck", read_only=True) as ck,
+        caplog.at_level("WARNING", "resilient_callbacks"),
+    ):
+        assert ck.restore({"keeper": _state(1)["keeper"]}) == 1
+    assert "still view shared.safetensors" in caplog.text
+    del opened

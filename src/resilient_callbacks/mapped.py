@@ -44,6 +44,8 @@ import torch
 _lock = threading.Lock()
 # id of the mapping -> (weak reference to it, first address, end address, file path)
 _live: dict[int, tuple[weakref.ref[mmap.mmap], int, int, str]] = {}
+_made: dict[int, int] = {}  # id of the mapping -> its number, in the order they were made
+_count = 0  # mappings registered so far (see made_so_far)
 
 
 def register(mm: mmap.mmap, path: str) -> None:
@@ -59,9 +61,21 @@ def register(mm: mmap.mmap, path: str) -> None:
     def gone(_: Any, key: int = key) -> None:
         with _lock:
             _live.pop(key, None)
+            _made.pop(key, None)
 
+    global _count
     with _lock:
         _live[key] = (weakref.ref(mm, gone), start, start + size, os.path.abspath(path))
+        _made[key] = _count
+        _count += 1
+
+
+def made_so_far() -> int:
+    """How many mappings were registered until now: pass it to :func:`still_mapped` as
+    ``since`` to leave out the mappings made before (a ``reader.open_checkpoint`` of the user's
+    that a restore did not make)."""
+    with _lock:
+        return _count
 
 
 def release(t: torch.Tensor) -> None:
@@ -195,9 +209,10 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def still_mapped(directory: str) -> list[str]:
-    """The files under ``directory`` that some mapping made by a restore still maps."""
+def still_mapped(directory: str, since: int = 0) -> list[str]:
+    """The files under ``directory`` that some mapping still maps: of those made by a restore
+    (or a reader), the ones registered from ``since`` on (:func:`made_so_far`)."""
     prefix = os.path.abspath(directory) + os.sep
     with _lock:
-        entries = list(_live.values())
+        entries = [v for k, v in _live.items() if _made.get(k, 0) >= since]
     return sorted({path for ref, _, _, path in entries if path.startswith(prefix) and ref()})

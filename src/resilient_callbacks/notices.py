@@ -66,13 +66,20 @@ def say_what_is_not_a_checkpoint(
         )
 
 
-def warn_if_still_mapped(path: str) -> None:
+def mappings_made() -> int:
+    """:func:`mapped.made_so_far`: taken as a restore begins, for :func:`warn_if_still_mapped`."""
+    return mapped.made_so_far()
+
+
+def warn_if_still_mapped(path: str, since: int = 0) -> None:
     """Say so when objects of the state keep tensors that view the restored checkpoint's files
-    (a FilePart's load that keeps what its reader gave it): their disk space stays in use."""
-    left = mapped.still_mapped(path)
+    (a FilePart's load that keeps what its reader gave it): their disk space stays in use.
+    Only the mappings made from ``since`` on (:func:`mapped.made_so_far` as the restore began)
+    count: one the caller holds from before (``reader.open_checkpoint``) is not the state's."""
+    left = mapped.still_mapped(path, since)
     if left:
         gc.collect()  # what only a reference cycle kept
-        left = mapped.still_mapped(path)
+        left = mapped.still_mapped(path, since)
     if left:
         log.warning(
             "after the restore, tensors of the state still view %s: their disk space stays in "

@@ -107,7 +107,7 @@ class Restorer:
         ck = self._ck
         self._t0 = time.perf_counter()
         self._tier = "local"
-        self._skipped = 0
+        self._skipped, self._mapped_since = 0, notices.mappings_made()  # before: not ours
         cands = self._listed()
         relist = RELIST if ck.config.read_only and ck.config.resume == ResumeMode.AUTO else 0
         for _ in range(relist):
@@ -228,7 +228,7 @@ class Restorer:
             step = self._try_load(c, state, explicit, skipped)
             if step is not None:
                 assert c.path is not None
-                notices.warn_if_still_mapped(c.path)
+                notices.warn_if_still_mapped(c.path, self._mapped_since)
                 if c.abandoned and not explicit:  # loudly: the run's timeline changes
                     lineage = [f"{x.where} (step {x.step})" for x in cands if not x.abandoned]
                     warn_abandoned(c, lineage, ck.is_coordinator)
