@@ -125,10 +125,12 @@ def _anchors(path: Path) -> set[str]:
 
 
 def test_links_between_the_docs_resolve():
-    """Every relative link of README.md and docs/*.md names a file that exists and, with
-    #anchor, a heading of it (GitHub's anchors: lower case, punctuation dropped)."""
+    """Every relative link of README.md, docs/*.md and the integrations' READMEs names a file
+    that exists and, with #anchor, a heading of it (GitHub's anchors: lower case, punctuation
+    dropped)."""
     bad = []
-    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    for path in [*pages, *sorted((ROOT / "integrations").rglob("*.md"))]:
         for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
             if re.match(r"\w+://|mailto:", target):
                 continue
