@@ -137,9 +137,9 @@ def test_links_between_the_docs_resolve():
             file, _, anchor = target.partition("#")
             dest = (path.parent / file) if file else path
             if not dest.exists():
-                bad.append(f"{path.name}: {target} (no such file)")
+                bad.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
-                bad.append(f"{path.name}: {target} (no such heading)")
+                bad.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
     assert not bad, bad
 
 
