@@ -7,4 +7,5 @@ here="$(cd "$(dirname "$0")/.." && pwd)"
 bash "$here/scripts/setup.sh" core
 venv="${RESILIENT_VENV:-.venv}"
 [[ $venv == /* ]] || venv="$here/$venv" # setup.sh makes a relative one in the repository root
+source "$here/scripts/this_checkout.sh"
 exec "$venv/bin/python" "$here/examples/demo_resume.py" "$@"

@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-exec "${RESILIENT_VENV:-.venv}/bin/python" -m pytest "$@"
+venv="${RESILIENT_VENV:-.venv}"
+source scripts/this_checkout.sh
+exec "$venv/bin/python" -m pytest "$@"

@@ -1,0 +1,58 @@
+"""The README's commands (scripts/test.sh, scripts/demo.sh) run this checkout's code."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _setup_key(root: Path) -> str:
+    """setup.sh's key: what it finds ready (its marker files) it does not install again."""
+    files = ("pyproject.toml", "setup.py", "scripts/setup.sh", "scripts/constraints.txt")
+    key = hashlib.sha1(b"".join((root / f).read_bytes() for f in files)).hexdigest()[:12]
+    torch = os.environ.get("RESILIENT_TORCH", "torch==2.13.0")
+    index = os.environ.get("RESILIENT_TORCH_INDEX", "")
+    line = f"{torch} {index}\n"  # setup.sh: echo "$TORCH $TORCH_INDEX" | sha1sum
+    return f"{key}-{hashlib.sha1(line.encode()).hexdigest()[:8]}"
+
+
+def test_test_sh_with_another_checkouts_venv_tests_this_checkout(tmp_path):
+    """`RESILIENT_VENV=<a venv set up by another clone> bash scripts/test.sh` (two clones or
+    git worktrees sharing one environment): setup.sh finds it ready and installs nothing, and
+    the tests imported the other clone's package (pip install -e there), so they tested code
+    that is not this checkout's, silently (found 2026-12-06 by a first-contact walk). The
+    scripts now put this checkout's src/ first and say so."""
+    venv = Path(sys.prefix)
+    if not (venv / f".resilient-setup-test-{_setup_key(ROOT)}").exists():
+        pytest.skip("this environment was not made by scripts/setup.sh (test or dev)")
+    copy = tmp_path / "clone"
+    shutil.copytree(ROOT / "scripts", copy / "scripts")
+    for f in ("pyproject.toml", "setup.py"):
+        shutil.copy(ROOT / f, copy / f)
+    (copy / "src" / "resilient_callbacks").mkdir(parents=True)
+    (copy / "src" / "resilient_callbacks" / "__init__.py").write_text('WHERE = "the clone"\n')
+    (copy / "tests").mkdir()
+    (copy / "tests" / "test_where.py").write_text(
+        "import resilient_callbacks\n\n\ndef test_where():\n"
+        '    assert getattr(resilient_callbacks, "WHERE", None) == "the clone"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["RESILIENT_VENV"] = str(venv)
+    r = subprocess.run(
+        ["bash", "scripts/test.sh", "-q", "-p", "no:cacheprovider", "tests/test_where.py"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "another checkout" in r.stderr and str(copy / "src") in r.stderr
