@@ -158,6 +158,29 @@ def test_report_of_an_in_process_run(tmp_path: Path, capsys):
     assert len(imgs) == 6
 
 
+def test_a_loop_that_only_calls_save_has_an_unknown_goodput_not_zero(tmp_path: Path, capsys):
+    """guide.md: "Use save() to save when you choose". Useful time is the compute between
+    step() calls, so such a loop has none measured; the report said "goodput 0.0%" (found
+    2026-12-06) and now says that it is unknown, and why."""
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    model = torch.nn.Linear(4, 2)
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.restore({"model": model})
+        for step in (10, 20):
+            ck.save(step, {"model": model})
+    js, page, png = tmp_path / "r.json", tmp_path / "r.html", tmp_path / "r.png"
+    argv = ["report", str(tmp_path / "ck"), "--json", str(js), "--output", str(page)]
+    assert cli([*argv, "--png", str(png)]) == 0  # the plots' titles took a number
+    err = capsys.readouterr().err
+    assert "goodput unknown (no step() call was timed" in err, err
+    data = json.loads(js.read_text())
+    assert data["summary"]["goodput"] is None and data["summary"]["saves"] == 2
+    assert all(g["goodput"] is None for g in data["goodput"])
+
+
 def test_report_json_before_the_directory_prints_the_json(tmp_path: Path, capsys, monkeypatch):
     """``report --json DIR``: argparse gave DIR to --json's optional FILE and stopped with "DIR
     is required"; a directory there is the DIR meant, the JSON goes to stdout. A FILE with no DIR

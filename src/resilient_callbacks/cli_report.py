@@ -70,8 +70,15 @@ def report(args: argparse.Namespace) -> int:
             wrote.append(out)
     s = data["summary"]
     if s:
+        g = s["goodput"]
+        goodput = (
+            f"goodput {g:.1%}"
+            if g is not None
+            else "goodput unknown (no step() call was timed: useful time is measured between "
+            "step() calls)"
+        )
         print(
-            f"run {data['run_id']}: goodput {s['goodput']:.1%}, {s['failures']} failure(s), "
+            f"run {data['run_id']}: {goodput}, {s['failures']} failure(s), "
             f"{s['saves']} save(s), {s['saving_blocked_s']:.2f} s blocked saving, "
             f">= {s['work_lost_s_at_least']:.1f} s of work lost",
             file=sys.stderr,

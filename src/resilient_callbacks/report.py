@@ -226,8 +226,11 @@ def analyse(
                     "interval_steps": r.get("interval_steps"),
                 }
             )
+    # useful time is the compute between step() calls: a loop that only calls save() has
+    # none measured, and its goodput is unknown, not 0% (it printed "goodput 0.0%")
+    timed = ls[-1].last_useful_s > 0 or not saves
     for g in goodput:
-        g["goodput"] = g["useful_s"] / g["t"] if g["t"] > 0 else None
+        g["goodput"] = g["useful_s"] / g["t"] if g["t"] > 0 and timed else None
     for prev, nxt in itertools.pairwise(ls):
         if prev.ended_cleanly:
             continue
@@ -274,7 +277,7 @@ def analyse(
         "useful_s": useful,
         # > 0: the run's first processes ran on machines whose history is not here
         "history_begins_s": ls[0].begin - t0,
-        "goodput": min(1.0, useful / wall),
+        "goodput": min(1.0, useful / wall) if timed else None,
         "lives": len(ls),
         "failures": n_fail,
         "clean_restarts": sum(1 for lf in ls[:-1] if lf.ended_cleanly),

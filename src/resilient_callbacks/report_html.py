@@ -149,7 +149,7 @@ def plot_saving(ax: Any, data: dict[str, Any]) -> None:
 def plot_goodput(ax: Any, data: dict[str, Any]) -> None:
     pts = [g for g in data["goodput"] if g["goodput"] is not None]
     if not pts:
-        _empty(ax, "no progress recorded")
+        _empty(ax, "no progress recorded (useful time is timed between step() calls)")
     else:
         ax.plot([_minutes(g["t"]) for g in pts], [g["goodput"] for g in pts], color="tab:blue")
         for f in data["failures"]:
@@ -243,8 +243,9 @@ def overview_png(data: dict[str, Any]) -> bytes:
         fn(ax, data)
     s = data["summary"]
     if s:
+        g = "unknown" if s["goodput"] is None else f"{s['goodput']:.1%}"  # save() alone: untimed
         fig.suptitle(
-            f"resilient-ckpt report: run {data['run_id']}, goodput {s['goodput']:.1%}, "
+            f"resilient-ckpt report: run {data['run_id']}, goodput {g}, "
             f"{s['failures']} failure(s), {s['saves']} saves",
             fontsize=12,
         )
