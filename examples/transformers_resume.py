@@ -208,7 +208,8 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(exported)
     loaded_same = all(torch.equal(v, wb[k]) for k, v in model.state_dict().items())
     print(f"exported to {exported}; from_pretrained gives the final weights: {loaded_same}")
-    print(f"(also: resilient-ckpt ls {os.path.join(resumed, 'ckpts')})")
+    cli = os.path.join(os.path.dirname(sys.executable), "resilient-ckpt")  # .venv's, unactivated
+    print(f"  try: {os.path.relpath(cli)} ls {os.path.relpath(os.path.join(resumed, 'ckpts'))}")
     return 0 if same and loaded_same else 1
 
 

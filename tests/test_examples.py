@@ -100,6 +100,20 @@ def test_self_checking_example_reports_an_exact_resume(tmp_path, script, verdict
         assert verdict in out, out[-3000:]
     if script == "lightning_resume.py":
         assert re.search(r"all \d+ per-step losses identical: True", out), out[-3000:]
+    # the command it suggests runs as printed, from where the example ran, without an activated
+    # venv (found 2026-12-06: the Lightning and Transformers examples said `resilient-ckpt ls`)
+    hint = re.search(r"try: (\S*resilient-ckpt) (ls \S+)$", out, re.M)
+    if script != "deepspeed_resume.py":
+        assert hint, out[-2000:]
+        r = subprocess.run(
+            [hint.group(1), *hint.group(2).split()],
+            cwd=tmp_path,
+            env=dict(os.environ, PATH="/usr/bin:/bin"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0 and "valid" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize(
