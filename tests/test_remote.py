@@ -566,6 +566,22 @@ def test_missing_bucket_is_a_clear_error_at_construction(s3_server, tmp_path):
     Checkpointer(tmp_path / "l").close()
 
 
+def test_an_option_the_filesystem_does_not_take_is_named_as_the_problem(s3_server, tmp_path):
+    """remote_options with a key s3fs does not take (a typo: `endpoint=`, `bogus_opt=`)
+    reaches s3fs only at the preflight's first request, as a TypeError; the error said "Check
+    the bucket name, the endpoint and the credentials" (found 2026-12-06), none of which was
+    wrong. It now says that a key of remote_options is not an option of the filesystem."""
+    bucket = s3_server.create_bucket()
+    with pytest.raises(RemoteUnavailableError, match="bogus_opt") as info:
+        Checkpointer(
+            tmp_path / "l",
+            remote=f"s3://{bucket}/run",
+            remote_options={**s3_server.options, "bogus_opt": 1},
+        )
+    assert "is not an option of this URL's filesystem" in str(info.value), str(info.value)
+    assert "Check the bucket name" not in str(info.value)
+
+
 def test_credentials_nested_in_remote_options_are_not_echoed(s3_server, tmp_path):
     """s3fs takes credentials at the top (``key``/``secret``) and inside ``client_kwargs``; a
     message once masked the first and printed the second."""

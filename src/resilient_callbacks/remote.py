@@ -30,7 +30,7 @@ from typing import Any
 
 import fsspec
 
-from . import remote_blobs, rng
+from . import remote_blobs, remote_objects, rng
 from .blobs import BLOBS_DIR
 from .catalog import Depth, verify, verify_entries
 from .commit import STAGING_PREFIX, fsync_dir, fsync_tree
@@ -56,8 +56,6 @@ log = logging.getLogger("resilient_callbacks")
 
 PROBE_PREFIX = ".resilient-probe-"
 NO_MANIFEST = "no manifest (incomplete)"  # a RemoteEntry's problem: files, no manifest yet
-_LOCAL_ADVICE = "Check that the path is a writable directory on a mounted filesystem"
-_STORE_ADVICE = "Check the bucket name, the endpoint and the credentials"
 STALE_UPLOAD_S = 24 * 3600.0  # untouched this long, a folder without a manifest is dead
 
 
@@ -188,7 +186,7 @@ class RemoteStore:
                 f"very slow). remote_options: {options_text(self.options)}"
             )
         if (e := outcome[0]) is not None:
-            check = _LOCAL_ADVICE if self.is_local else _STORE_ADVICE
+            check = remote_objects.preflight_advice(e, self.is_local)
             raise RemoteUnavailableError(
                 f"remote {self.url} is not usable: {type(e).__name__}: "
                 f"{url_text(str(e)).rstrip('. ')}. {check} "

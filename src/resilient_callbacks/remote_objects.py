@@ -1,7 +1,8 @@
 """A remote store's objects and names: when an object was last modified (from a listing), the
 MD5 that a single-part object's ETag is (the upload's check), which remote name a commit may
 take (never one of another run writing to the same URL, nor one whose manifest cannot be read),
-and the object store's commit strategy (:class:`ManifestLastCommit`: manifest last)."""
+the object store's commit strategy (:class:`ManifestLastCommit`: manifest last), and what to
+check when the store fails the preflight."""
 
 from __future__ import annotations
 
@@ -20,6 +21,22 @@ if TYPE_CHECKING:
     from .remote import RemoteEntry, RemoteStore
 
 log = logging.getLogger("resilient_callbacks")
+
+
+def preflight_advice(e: BaseException, is_local: bool) -> str:
+    """What to check when the preflight's write, read or delete of a probe object raised
+    ``e``. A keyword the filesystem does not take (``remote_options={"endpoint": ...}``)
+    reaches it only at the first request, as a ``TypeError``: that is the option, not the
+    bucket or the credentials (which the message said)."""
+    if isinstance(e, TypeError) and "unexpected keyword argument" in str(e):
+        return (
+            "A key of remote_options is not an option of this URL's filesystem (fsspec passes "
+            "them on unchanged): check its spelling in that filesystem's documentation (s3fs: "
+            "key, secret, token, endpoint_url, client_kwargs, config_kwargs, ...)"
+        )
+    if is_local:
+        return "Check that the path is a writable directory on a mounted filesystem"
+    return "Check the bucket name, the endpoint and the credentials"
 
 
 def modified_time(info: Mapping[str, Any]) -> float | None:
