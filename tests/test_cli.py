@@ -999,6 +999,27 @@ def test_ls_remote_says_why_the_remote_keeps_what_only_it_has(tmp_path, capsys):
     assert rows[2]["remote_kept_by"] == ["archive (every 2 steps)"] and rows[2]["kept"] is None
 
 
+def test_ls_remote_says_why_the_remote_keeps_a_copy_both_tiers_hold(tmp_path, capsys):
+    """A checkpoint on both tiers showed only why the local retention keeps it: the remote's
+    best was listed as "last 2". Its row adds the remote retention's reasons where they differ
+    (and ``remote_kept_by`` in JSON)."""
+    url = (tmp_path / "remote").as_uri()
+    ck = tmp_path / "ck"
+    kw = {"keep_last": 2, "remote": url, "remote_keep_last": 1, "async_save": False}
+    with Checkpointer(ck, keep_best=1, monitor="loss", **kw) as c:
+        for step, loss in ((1, 5.0), (2, 1.0), (3, 4.0)):
+            c.save(step, {"w": torch.full((4,), float(step))}, metrics={"loss": loss})
+    capsys.readouterr()
+    assert main(["ls", str(ck), "--remote", url, "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[2]["tier"] == "both" and rows[2]["remote_kept_by"], rows[2]
+    assert main(["ls", str(ck), "--remote", url]) == 0
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[1:] if ln.strip()}
+    local, remote = rows[2]["kept_by"], rows[2]["remote_kept_by"]
+    assert local != remote, (local, remote)
+    assert lines["2"].rstrip().endswith(f"{'; '.join(local)}; remote: {'; '.join(remote)}"), lines
+
+
 def test_a_missing_or_misplaced_argument_shows_the_commands_own_usage(tmp_path):
     """``report`` with no DIR and ``ls DIR -o K=V`` without --remote printed the usage of the
     whole program (its list of commands) above the error, not the command's options."""

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from .retention import ABANDONED
+
 PROG = "resilient-ckpt"  # the command's name in its messages
 
 VALID = "valid"
@@ -171,3 +173,36 @@ def table(header: list[str], rows: list[list[str]], right: frozenset[int] = froz
         return "  ".join(out).rstrip()
 
     return "\n".join([line(header)] + [line(r) for r in rows])
+
+
+INCOMPLETE_NOTE = "not kept: removed when the next writer opens the directory, or by gc"
+NOT_OURS_NOTE = "not ours (nothing here was written by resilient_callbacks): gc leaves it alone"
+NO_MANIFEST_NOTE = (
+    "not a committed checkpoint (never loaded): writers leave it alone, gc removes it"
+)
+
+
+def row_note(r: dict[str, Any], foreign: set[str]) -> str:
+    """The last column of a row of ``ls``: why a checkpoint is kept (locally, and by the remote
+    retention where ``--remote`` gave its reasons), or what it is."""
+    if r["status"] == INCOMPLETE and r.get("tier") == "uploading" and "://" in r["path"]:
+        return f"remote only: {r['problem']}"  # the remote row of an upload a crash cut off
+    if r["status"] == INCOMPLETE and r["name"] in foreign:
+        return f"{r['problem']}; {NOT_OURS_NOTE}"
+    if r["status"] == INCOMPLETE:
+        hidden = r["name"].startswith(".")  # staging or trash: ours, swept by the next writer
+        return f"{r['problem']}; {INCOMPLETE_NOTE if hidden else NO_MANIFEST_NOTE}"
+    if r["status"] == CORRUPT:
+        return r["problem"] or "-"
+    if r.get("tier") == "remote":
+        why = r.get("remote_kept_by")  # by the remote retention (None: none recorded)
+        return f"remote only: {'; '.join(why)}" if why else f"remote only: {r['path']}"
+    if r.get("copy"):
+        return (
+            "a copy under a name of yours: a run never resumes from it or deletes it, nor does gc"
+        )
+    why = r.get("remote_kept_by")  # a copy on both tiers: the remote's reasons where they differ
+    remote = f"; remote: {'; '.join(why)}" if why and why != r["kept_by"] else ""
+    if r["kept"]:
+        return "; ".join(r["kept_by"]) + remote
+    return f"not kept{f' ({ABANDONED})' * bool(r.get('abandoned'))}: gc would delete it{remote}"

@@ -18,11 +18,11 @@ from .blobs import BlobStore
 from .catalog import Depth, Entry, Status
 from .cli_format import (
     CORRUPT,
-    INCOMPLETE,
     UNVERIFIED,
     fmt_size,
     local_time,
     print_json,
+    row_note,
     status_text,
     table,
 )
@@ -39,13 +39,7 @@ from .errors import CheckpointError
 from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME, NEWER_FORMAT
 from .reader import by_commit, check
-from .retention import ABANDONED, Plan, RetentionPolicy, plan
-
-INCOMPLETE_NOTE = "not kept: removed when the next writer opens the directory, or by gc"
-NOT_OURS_NOTE = "not ours (nothing here was written by resilient_callbacks): gc leaves it alone"
-NO_MANIFEST_NOTE = (
-    "not a committed checkpoint (never loaded): writers leave it alone, gc removes it"
-)
+from .retention import Plan, RetentionPolicy, plan
 
 
 def _policy(entries: list[Entry], keep_last: int | None) -> RetentionPolicy:
@@ -93,28 +87,6 @@ def _step_cell(r: dict[str, Any]) -> str:
     base = f"step_{r['step']:09d}"
     name = str(r.get("name") or "")
     return f"{r['step']} ({name[len(base) :]})" if name.startswith(base + "-") else str(r["step"])
-
-
-def _note(r: dict[str, Any], foreign: set[str]) -> str:
-    if r["status"] == INCOMPLETE and r.get("tier") == "uploading" and "://" in r["path"]:
-        return f"remote only: {r['problem']}"  # the remote row of an upload a crash cut off
-    if r["status"] == INCOMPLETE and r["name"] in foreign:
-        return f"{r['problem']}; {NOT_OURS_NOTE}"
-    if r["status"] == INCOMPLETE:
-        hidden = r["name"].startswith(".")  # staging or trash: ours, swept by the next writer
-        return f"{r['problem']}; {INCOMPLETE_NOTE if hidden else NO_MANIFEST_NOTE}"
-    if r["status"] == CORRUPT:
-        return r["problem"] or "-"
-    if r.get("tier") == "remote":
-        why = r.get("remote_kept_by")  # by the remote retention (None: none recorded)
-        return f"remote only: {'; '.join(why)}" if why else f"remote only: {r['path']}"
-    if r.get("copy"):
-        return (
-            "a copy under a name of yours: a run never resumes from it or deletes it, nor does gc"
-        )
-    if r["kept"]:
-        return "; ".join(r["kept_by"])
-    return "not kept" + (f" ({ABANDONED})" if r.get("abandoned") else "") + ": gc would delete it"
 
 
 # ---------------------------------------------------------------------- ls
@@ -166,7 +138,7 @@ def ls(args: argparse.Namespace) -> int:
             fmt_size(r["bytes"]),
             status_text(r["status"], r["checked"]),
             r["run_id"] or "-",
-            _note(r, foreign),
+            row_note(r, foreign),
         ]
         if args.remote:
             line.insert(4, r.get("tier", "-"))

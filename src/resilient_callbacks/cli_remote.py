@@ -77,6 +77,8 @@ def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs:
         local_keys.add(key)
         if key in good:
             r["tier"] = "both"
+            if kept is not None:  # (the remote retention decides about its copy on its own)
+                r["remote_kept_by"] = list(kept.keep.get(good[key].name, ["not kept"]))
         elif key in damaged or e.name in unreadable:  # `push` uploads it again
             r["tier"] = "remote-corrupt"
             r["remote_problem"] = damaged[key] if key in damaged else unreadable[e.name]
