@@ -1,21 +1,30 @@
-"""A pre-started "node" for the multi-node tests (a helper, not a test module).
+"""A pre-started "node" for the multi-process tests (a helper, not a test module).
 
 Starting Python and importing torch and s3fs takes seconds of CPU per process; the multi-node
 tests start two processes per run, many runs per test. This process pays the imports once and
 then, for every JSON line ``{"env": {...}, "argv": [...], "log": path}`` read from stdin, forks a
 fresh process that runs ``train_script.main(argv)`` with exactly that environment, its stdout and
-stderr going to ``log``, in a session of its own. It answers each line with the child's pid.
-When the child returns, it writes its exit status to ``<log>.rc``; a child killed by a signal
-leaves no such file. Nothing of the library is set up before the fork (no process group, no
-thread, no file handle): each child is a fresh training process, only its imports are shared.
+stderr going to ``log``, in a session of its own. With ``"script": path`` the child runs that
+script as ``__main__`` instead, ``argv`` its arguments (``spawn_ranks.Zygote``); the modules
+named on this process's command line are imported ahead too. It answers each line with the
+child's pid. The child's exit status is written to ``<log>.rc`` once it ended, ``-N`` when
+signal N killed it, before the child is reaped. Nothing of the library is set up before the fork
+(no process group, no thread, no file handle): each child is a fresh training process (Python's
+and NumPy's global random generators seeded anew), only its imports are shared.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import importlib
 import json
 import os
+import random
+import runpy
 import signal
 import sys
+import threading
 import traceback
 
 import s3fs  # noqa: F401
@@ -32,9 +41,11 @@ import train_script
 
 
 def _child(req: dict) -> None:
+    """Run one request in the forked child and exit; the zygote writes its exit status."""
     rc = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         os.setsid()
         fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
@@ -42,37 +53,77 @@ def _child(req: dict) -> None:
         os.close(fd)
         os.environ.clear()
         os.environ.update(req["env"])
-        sys.argv = ["train_script.py", *req["argv"]]
-        rc = train_script.main(req["argv"])
+        random.seed()  # as a fresh interpreter's: not the zygote's state
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        if "script" in req:
+            sys.argv = [req["script"], *req["argv"]]
+            try:
+                runpy.run_path(req["script"], run_name="__main__")
+                rc = 0
+            finally:  # as the interpreter ends: its threads joined, then the atexit functions
+                threading._shutdown()  # type: ignore[attr-defined]
+                atexit._run_exitfuncs()
+        else:
+            sys.argv = ["train_script.py", *req["argv"]]
+            rc = train_script.main(req["argv"])
     except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
+        rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:
         traceback.print_exc()
         rc = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        try:
-            with open(req["log"] + ".rc", "w") as f:
-                f.write(str(rc))
-        finally:
-            os._exit(rc)
+        os._exit(rc)
+
+
+_LOGS: dict[int, str] = {}  # each running child's log path
+
+
+def _reap(signum: int, frame: object) -> None:
+    """SIGCHLD: write each ended child's exit status to ``<log>.rc`` (atomically, a signal's as
+    ``-N``), then reap it: a client that sees the child gone finds its status written."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # no nested call meanwhile
+    try:
+        while True:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if info is None:
+                return
+            log = _LOGS.pop(info.si_pid, None)
+            if log is not None:
+                code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+                with open(f"{log}.rc.tmp", "w") as f:
+                    f.write(str(code))
+                os.replace(f"{log}.rc.tmp", f"{log}.rc")
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(info.si_pid, 0)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
 
 
 def main() -> None:
+    for name in sys.argv[1:]:
+        importlib.import_module(name)
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:  # fork keeps only this thread: another one's locks could stay taken
         print(f"node_zygote: {threads} threads after the imports (set OMP_NUM_THREADS=1)")
         sys.exit(2)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    signal.signal(signal.SIGCHLD, _reap)
     print("ready", flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
         req = json.loads(line)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # until _LOGS knows it
         pid = os.fork()
         if pid == 0:
             _child(req)
+        _LOGS[pid] = req["log"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         print(pid, flush=True)
     os._exit(0)  # stdin closed: the test is done (skip the interpreter's slow teardown)
 

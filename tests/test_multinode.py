@@ -79,8 +79,9 @@ class Zygotes:
 
 
 class Forked:
-    """A training process forked by a zygote: finished when it wrote ``<log>.rc``; gone
-    without it when killed."""
+    """A training process forked by a zygote: finished once the zygote wrote its exit status
+    to ``<log>.rc`` (before reaping it: a zombie is not finished yet); gone without it only if
+    the zygote is."""
 
     def __init__(self, pid: int, log: Path) -> None:
         self.pid, self.rc_file = pid, Path(f"{log}.rc")
@@ -89,17 +90,16 @@ class Forked:
     def _alive(self) -> bool:
         try:
             with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except (OSError, IndexError):
+                return bool(f.read())
+        except OSError:
             return False
 
     def poll(self) -> int | None:
         if self.returncode is None:
+            alive = self._alive()  # (first: a child reaped had its status written before)
             if self.rc_file.exists():
-                text = self.rc_file.read_text().strip()
-                if text:
-                    self.returncode = int(text)
-            elif not self._alive():
+                self.returncode = int(self.rc_file.read_text())
+            elif not alive:
                 self.returncode = -signal.SIGKILL
         return self.returncode
 

@@ -28,11 +28,14 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def _run(tmp: Path, name: str, nprocs: int, *args: str, expect=0, per_node: int = 1, **env):
-    """Run the worker below on ``nprocs`` ranks; each rank's OUT records. ``RC_CAPTURE_LOG=1``:
-    the last record also holds the library's log lines of that rank."""
+    """Run the worker below on ``nprocs`` ranks, each a fresh process forked from a zygote that
+    imported torch and the library once (seconds of CPU a rank); each rank's OUT records.
+    ``RC_CAPTURE_LOG=1``: the last record also holds the library's log lines of that rank."""
     argv = [sys.executable, __file__, str(tmp), *args]
     env = {"RC_PER_NODE": str(per_node), **{k: str(v) for k, v in env.items()}}
-    ranks = spawn_ranks.run(argv, nprocs, tmp, name, expect=expect, env=env)
+    ranks = spawn_ranks.run(
+        argv, nprocs, tmp, name, expect=expect, env=env, zygote=spawn_ranks.shared_zygote()
+    )
     return [
         [json.loads(line[4:]) for line in out.splitlines() if line.startswith("OUT ")]
         for out in ranks.outputs
