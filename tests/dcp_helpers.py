@@ -25,8 +25,11 @@ def spawn(
     rank that dies makes the others be killed (as a launcher would) and the codes are returned.
     """
     expect = 0 if expect_ok else None
+    # each rank forked from a process that imported torch once, not on a GPU (CUDA runs stay
+    # fresh interpreters)
+    zygote = None if (env or {}).get("RC_DEVICE") else spawn_ranks.shared_zygote()
     return spawn_ranks.run(
-        argv, nprocs, workdir, name, expect=expect, env=env, deadline=DEADLINE
+        argv, nprocs, workdir, name, expect=expect, env=env, deadline=DEADLINE, zygote=zygote
     ).codes
 
 

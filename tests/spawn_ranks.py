@@ -198,6 +198,7 @@ class Zygote:
             line = self.proc.stdout.readline().strip()
             assert line == "ready", f"the zygote did not start: {line!r}"
             self.ready = True
+        Path(f"{log}.rc").unlink(missing_ok=True)  # an earlier run's of the same name
         req = {"env": env, "script": argv[1], "argv": argv[2:], "log": str(log)}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()

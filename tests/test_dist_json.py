@@ -22,7 +22,8 @@ LONG = "x" * (3 * dist.INLINE)
 
 def test_json_collectives_on_two_ranks(tmp_path: Path) -> None:
     worker = str(Path(__file__).with_name("dist_json_worker.py"))
-    spawn_ranks.run([sys.executable, worker, str(tmp_path / "out")], 2, tmp_path, "json")
+    argv = [sys.executable, worker, str(tmp_path / "out")]
+    spawn_ranks.run(argv, 2, tmp_path, "json", zygote=spawn_ranks.shared_zygote())
     for rank in (0, 1):
         got = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
         values = [g["value"] for g in got]
@@ -49,7 +50,11 @@ def test_the_background_group_is_made_at_the_first_background_save(tmp_path: Pat
     hung there for 30 minutes."""
     worker = str(Path(__file__).with_name("group_worker.py"))
     spawn_ranks.run(
-        [sys.executable, worker, str(tmp_path / "ck"), str(tmp_path / "out")], 2, tmp_path, "g"
+        [sys.executable, worker, str(tmp_path / "ck"), str(tmp_path / "out")],
+        2,
+        tmp_path,
+        "g",
+        zygote=spawn_ranks.shared_zygote(),
     )
     for rank in (0, 1):
         counts = json.loads((tmp_path / f"out.rank{rank}.json").read_text())

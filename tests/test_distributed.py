@@ -178,7 +178,8 @@ def step_worker(root: str, out: str) -> None:
 def run_ranks(argv: list[str], workdir: Path, name: str) -> list[str]:
     """Run ``argv`` as WORLD ranks; fail the test (with every rank's output) if any rank fails
     or the group misses the deadline. Returns each rank's output."""
-    return spawn_ranks.run(argv, WORLD, workdir, name, deadline=DEADLINE).outputs
+    zygote = spawn_ranks.shared_zygote()  # (each rank a fresh child, torch imported once)
+    return spawn_ranks.run(argv, WORLD, workdir, name, deadline=DEADLINE, zygote=zygote).outputs
 
 
 # ----------------------------------------------------------------------------- tests
@@ -512,7 +513,14 @@ def test_a_peer_that_dies_stops_the_save_with_a_clear_error_and_no_leftovers(tmp
     for mode in ("synchronous", "background"):
         root, out = tmp_path / mode, tmp_path / f"{mode}.json"
         argv = [sys.executable, __file__, "peer-worker", str(root), str(out), mode]
-        spawn_ranks.run(argv, WORLD, tmp_path, f"peer-{mode}", deadline=DEADLINE)
+        spawn_ranks.run(
+            argv,
+            WORLD,
+            tmp_path,
+            f"peer-{mode}",
+            deadline=DEADLINE,
+            zygote=spawn_ranks.shared_zygote(),
+        )
         res = json.loads(out.read_text())
         err = res["error"]
         assert err is not None and err["type"] == "CheckpointWriteError", (mode, res)
@@ -532,7 +540,9 @@ def test_a_peer_gone_before_a_step_is_a_collective_error_saying_what_every_rank_
     every rank must do, and chains the raw error. No checkpoint is written."""
     root, out = tmp_path / "step", tmp_path / "step.json"
     argv = [sys.executable, __file__, "peer-worker", str(root), str(out), "step"]
-    spawn_ranks.run(argv, WORLD, tmp_path, "peer-step", deadline=DEADLINE)
+    spawn_ranks.run(
+        argv, WORLD, tmp_path, "peer-step", deadline=DEADLINE, zygote=spawn_ranks.shared_zygote()
+    )
     res = json.loads(out.read_text())
     err = res["error"]
     assert err is not None and err["type"] == "CollectiveError", res
