@@ -169,7 +169,7 @@ class Zygote:
     (``PYTHONHASHSEED=0``, tests/ and src/ on ``sys.path``): :func:`run` starts ranks given
     another ``PYTHONHASHSEED`` as fresh interpreters."""
 
-    def __init__(self, *preload: str) -> None:
+    def __init__(self, *preload: str, env: dict[str, str] | None = None) -> None:
         tests = Path(__file__).resolve().parent
         path = os.pathsep.join(
             [str(tests.parent / "src"), str(tests), os.environ.get("PYTHONPATH", "")]
@@ -180,6 +180,7 @@ class Zygote:
             PYTHONHASHSEED="0",
             OMP_NUM_THREADS="1",
             MKL_NUM_THREADS="1",
+            **(env or {}),
         )
         self.proc = subprocess.Popen(
             [sys.executable, str(tests / "node_zygote.py"), *preload],
@@ -215,16 +216,19 @@ class Zygote:
             self.proc.wait()
 
 
-_SHARED: list[Zygote] = []
+_SHARED: dict[tuple[str, ...], Zygote] = {}
 
 
-def shared_zygote() -> Zygote:
-    """The test session's one :class:`Zygote` (started at the first call, ended with the
-    session), for workers whose own imports are torch, torch.distributed, the library, pytest."""
-    if not _SHARED:
-        _SHARED.append(Zygote("pytest", "torch.distributed"))
-        atexit.register(_SHARED[0].close)
-    return _SHARED[0]
+def shared_zygote(*preload: str, **env: str) -> Zygote:
+    """The test session's :class:`Zygote` for workers whose own imports are torch,
+    torch.distributed, the library, pytest and ``preload`` (a framework: ``"deepspeed"``, with
+    ``env`` the variables it reads at import, e.g. ``DS_ACCELERATOR="cpu"``). Started at the
+    first call, ended with the session."""
+    key = (*preload, *sorted(f"{k}={v}" for k, v in env.items()))
+    if key not in _SHARED:
+        _SHARED[key] = Zygote("pytest", "torch.distributed", *preload, env=env)
+        atexit.register(_SHARED[key].close)
+    return _SHARED[key]
 
 
 class Forked:

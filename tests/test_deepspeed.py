@@ -51,6 +51,8 @@ def run_group(
     argv = (
         [sys.executable, "-m", "resilient_callbacks.deepspeed.run"] if module else [sys.executable]
     )
+    # each rank forked from a process that imported torch and deepspeed once (not the launcher)
+    zygote = None if module else spawn_ranks.shared_zygote("deepspeed", DS_ACCELERATOR="cpu")
     return spawn_ranks.run(
         [*argv, str(SCRIPT), *args],
         world,
@@ -61,6 +63,7 @@ def run_group(
         deadline=DEADLINE,
         log_name="{name}.rank{rank}.log",
         tail=6000,
+        zygote=zygote,
     ).outputs
 
 
