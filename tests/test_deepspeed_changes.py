@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,11 @@ SCRIPT = Path(__file__).with_name("ds_changes.py")
 
 
 def run(d: Path, *args: str, fails: bool = False) -> dict | str:
-    """One run of ``ds_changes.py`` on ``d``; its RESULT, or its output where it ``fails``."""
+    """One run of ``ds_changes.py`` on ``d``; its RESULT, or its output where it ``fails``. A
+    fresh process forked from the session's zygote that imported deepspeed once (its import
+    costs seconds a run)."""
+    import spawn_ranks
+
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
@@ -36,19 +40,20 @@ def run(d: Path, *args: str, fails: bool = False) -> dict | str:
     }
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    p = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dir", str(d), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    out = p.stdout + p.stderr
+    log = d.parent / f"ds_changes.{time.time_ns()}.log"
+    zygote = spawn_ranks.shared_zygote("deepspeed", DS_ACCELERATOR="cpu")
+    p = zygote.spawn([sys.executable, str(SCRIPT), "--dir", str(d), *args], env, log)
+    try:
+        returncode = p.wait(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = log.read_text()  # (stdout and stderr)
     if fails:
-        assert p.returncode != 0, out[-3000:]
+        assert returncode != 0, out[-3000:]
         return out
-    assert p.returncode == 0, out[-3000:]
-    (line,) = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert returncode == 0, out[-3000:]
+    (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
     return {**json.loads(line[len("RESULT ") :]), "output": out}
 
 

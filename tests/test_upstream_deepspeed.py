@@ -37,6 +37,7 @@ def run_upstream(
         env={"DS_ACCELERATOR": "cpu", **(env or {})},
         deadline=240.0,
         tail=6000,
+        zygote=spawn_ranks.shared_zygote("deepspeed", DS_ACCELERATOR="cpu"),
     )
     return ranks
 
