@@ -39,6 +39,7 @@ from transformers import AutoModel, AutoModelForCausalLM, TrainerCallback
 
 import hf_ds_plain
 import hf_train
+import spawn_ranks
 from resilient_callbacks import (
     Checkpointer,
     CheckpointMismatchError,
@@ -102,12 +103,26 @@ def _cmd(workdir: Path, sleep: float = 0.0) -> list[str]:
     return [*cmd, "--sleep", str(sleep)] if sleep else cmd
 
 
+def _start(cmd: list[str], log: Path) -> spawn_ranks.Forked:
+    """Start ``cmd`` (of hf_train.py), its stdout and stderr to ``log``: a fresh process forked
+    from the session's zygote that imported Transformers once (seconds of CPU a run), with the
+    offline variables Hugging Face reads at import set there as in :func:`_env`."""
+    env = {k: v for k, v in _env().items() if k.startswith(("HF_", "TRANSFORMERS_"))}
+    return spawn_ranks.shared_zygote("hf_train", **env).spawn(cmd, _env(), log)
+
+
 def _run(cmd: list[str]) -> str:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=_env())
-    assert p.returncode == 0, (
-        f"run failed (rc={p.returncode})\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    )
-    return p.stderr
+    """Run ``cmd`` (of hf_train.py) to its end; its output (stdout and stderr)."""
+    log = Path(cmd[2]).parent / f"run-{time.time_ns()}.log"
+    p = _start(cmd, log)
+    try:
+        rc = p.wait(timeout=RUN_TIMEOUT)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = log.read_text()
+    assert rc == 0, f"run failed (rc={rc})\n{out[-9000:]}"
+    return out
 
 
 def _restored(stderr: str) -> int:
@@ -143,38 +158,35 @@ def _run_and_signal(
     committed: tuple[Path, int] | None = None,
 ) -> tuple[int, int, str]:
     """Start ``cmd`` (of hf_train.py); once it has logged step ``at_step``, send ``sig``.
-    Returns (exit code, last step it logged, its stderr). The run waits at that step for the
+    Returns (exit code, last step it logged, its output). The run waits at that step for the
     signal (``--hold-at``), so the signal lands there however loaded the machine is.
     ``committed=(ckpt_dir, step)``: also wait until that step's checkpoint is committed there
     (a background save of an earlier step may still be in flight at ``at_step``)."""
     jsonl = workdir / "steps.jsonl"
     offset = jsonl.stat().st_size if jsonl.exists() else 0
     errpath = workdir / f"stderr-{int(time.time() * 1e6)}.txt"
-    with open(errpath, "w") as err:
-        proc = subprocess.Popen(
-            [*cmd, "--hold-at", str(at_step)], stdout=subprocess.DEVNULL, stderr=err, env=_env()
-        )
-        try:
-            deadline = time.monotonic() + RUN_TIMEOUT
-            while True:
-                recs = _records_from(jsonl, offset)
-                if (
-                    recs
-                    and recs[-1]["step"] >= at_step
-                    and (committed is None or committed[1] in _committed_steps(committed[0]))
-                ):
-                    os.kill(proc.pid, sig)
-                    break
-                if proc.poll() is not None:
-                    pytest.fail(f"the run ended before step {at_step}:\n{errpath.read_text()}")
-                if time.monotonic() > deadline:
-                    pytest.fail(f"no step {at_step} within {RUN_TIMEOUT} s:\n{errpath.read_text()}")
-                time.sleep(0.05)
-            rc = proc.wait(timeout=RUN_TIMEOUT)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    proc = _start([*cmd, "--hold-at", str(at_step)], errpath)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while True:
+            recs = _records_from(jsonl, offset)
+            if (
+                recs
+                and recs[-1]["step"] >= at_step
+                and (committed is None or committed[1] in _committed_steps(committed[0]))
+            ):
+                os.kill(proc.pid, sig)
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"the run ended before step {at_step}:\n{errpath.read_text()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no step {at_step} within {RUN_TIMEOUT} s:\n{errpath.read_text()}")
+            time.sleep(0.05)
+        rc = proc.wait(timeout=RUN_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     return rc, _records_from(jsonl, offset)[-1]["step"], errpath.read_text()
 
 
@@ -215,22 +227,22 @@ class _Reference:
     while a test drives its interrupted run) and awaited on first use."""
 
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.proc = subprocess.Popen(
-            _cmd(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
-        )
+        self.workdir, self.log = workdir, workdir / "reference.log"
+        self.proc = _start(_cmd(workdir), self.log)
         self.done = False
 
     def result(self) -> Path:
         if not self.done:
             try:
-                out, err = self.proc.communicate(timeout=RUN_TIMEOUT)
-            except subprocess.TimeoutExpired:
+                self.proc.wait(timeout=RUN_TIMEOUT)
+            except TimeoutError:
                 self.proc.kill()
-                out, err = self.proc.communicate()
-                pytest.fail(f"the uninterrupted run did not finish:\n{err[-4000:]}")
-            assert self.proc.returncode == 0, f"uninterrupted run failed:\n{out}\n{err[-6000:]}"
-            assert _restored(err) == 0
+                pytest.fail(
+                    f"the uninterrupted run did not finish:\n{self.log.read_text()[-4000:]}"
+                )
+            out = self.log.read_text()
+            assert self.proc.returncode == 0, f"uninterrupted run failed:\n{out[-9000:]}"
+            assert _restored(out) == 0
             self.done = True
         return self.workdir
 
@@ -241,7 +253,7 @@ def reference(tmp_path_factory):
     yield ref.result
     if ref.proc.poll() is None:
         ref.proc.kill()
-        ref.proc.communicate()
+        ref.proc.wait()
 
 
 # ---------------------------------------------------------------------------- crash tests
