@@ -103,17 +103,28 @@ def _cmd(workdir: Path, sleep: float = 0.0) -> list[str]:
     return [*cmd, "--sleep", str(sleep)] if sleep else cmd
 
 
-def _start(cmd: list[str], log: Path) -> spawn_ranks.Forked:
+def _start(cmd: list[str], log: Path) -> spawn_ranks.Forked | subprocess.Popen:
     """Start ``cmd`` (of hf_train.py), its stdout and stderr to ``log``: a fresh process forked
     from the session's zygote that imported Transformers once (seconds of CPU a run), with the
-    offline variables Hugging Face reads at import set there as in :func:`_env`."""
+    offline variables Hugging Face reads at import set there as in :func:`_env`. A command that
+    is not ``python hf_train.py ...`` (``python -m <launcher> ...``) is a fresh interpreter."""
+    if cmd[1] != str(SCRIPT):
+        with open(log, "w") as out:
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
     env = {k: v for k, v in _env().items() if k.startswith(("HF_", "TRANSFORMERS_"))}
     return spawn_ranks.shared_zygote("hf_train", **env).spawn(cmd, _env(), log)
 
 
 def _run(cmd: list[str]) -> str:
-    """Run ``cmd`` (of hf_train.py) to its end; its output (stdout and stderr)."""
-    log = Path(cmd[2]).parent / f"run-{time.time_ns()}.log"
+    """Run ``cmd`` to its end; its stderr. ``python hf_train.py ... --out-jsonl F``: forked by
+    :func:`_start`, its output (stdout and stderr), also in a log beside F."""
+    if cmd[1] != str(SCRIPT) or "--out-jsonl" not in cmd:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=_env())
+        assert p.returncode == 0, (
+            f"run failed (rc={p.returncode})\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+        )
+        return p.stderr
+    log = Path(cmd[cmd.index("--out-jsonl") + 1]).parent / f"run-{time.time_ns()}.log"
     p = _start(cmd, log)
     try:
         rc = p.wait(timeout=RUN_TIMEOUT)
