@@ -123,3 +123,27 @@ def fix_for(obj: Any) -> str:
         "JSON-able values (dict, list, tuple, str, int, float, bool, None), or convert it to "
         "such values before putting it in the state."
     )
+
+
+#: the loaders ``accelerator.prepare`` returns for a DataLoader (by type: the core does not
+#: import accelerate, and they report ``DataLoader`` as their ``__class__``)
+_ACCELERATE_LOADERS = ("DataLoaderShard", "DataLoaderDispatcher")
+
+
+def refuse_stateful(obj: Any, where: str) -> None:
+    """Refuse a stateful object whose state does not resume exactly: a data loader that
+    Hugging Face Accelerate prepared. Without ``use_stateful_dataloader`` its ``state_dict()``
+    fails inside accelerate; with it, a resumed run draws other batches than the interrupted
+    one (its look-ahead and the sampler's seed are not kept right), silently."""
+    cls = type(obj)
+    if cls.__name__ in _ACCELERATE_LOADERS and cls.__module__.startswith("accelerate."):
+        raise UnsupportedStateError(
+            f"{where} is accelerate's {cls.__name__}, what accelerator.prepare() returns for "
+            "a DataLoader: its position does not resume exactly (without "
+            "use_stateful_dataloader it has no state; with it a resumed run gets other "
+            "batches). Put a resilient_callbacks.ResumableDataLoader in the state and iterate "
+            "it without passing it to accelerator.prepare(): ResumableDataLoader(dataset, "
+            "batch_size, num_replicas=accelerator.num_processes, rank=accelerator."
+            "process_index) with several processes, in the state as PerRank(loader), each "
+            "batch moved to accelerator.device (docs/accelerate.md)."
+        )

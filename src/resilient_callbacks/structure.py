@@ -32,7 +32,7 @@ from . import mapped
 from .errors import CheckpointMismatchError, UnsupportedStateError
 from .filepart import FilePart
 from .optim import hookable, param_shapes
-from .refusals import fix_for, refuse_int, refuse_numpy, refuse_tensor
+from .refusals import fix_for, refuse_int, refuse_numpy, refuse_stateful, refuse_tensor
 from .wrapped import plain_module
 
 TAG = "__rc__"
@@ -229,6 +229,7 @@ class _Encoder:
             ref["numpy"] = True
             return ref
         if is_stateful(obj):
+            refuse_stateful(obj, path_str(path))
             live, obj = obj, plain_module(obj)
             sd = obj.state_dict()
             # an optimizer wrapper (accelerate's) is recorded as the optimizer it steps
