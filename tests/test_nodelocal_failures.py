@@ -291,9 +291,9 @@ def test_a_final_save_of_a_step_saved_already_is_committed_remotely(tmp_path):
 
 
 def test_the_global_manifest_kept_beside_a_nodes_checkpoint_is_durable(tmp_path):
-    """After a power loss, ``remote_manifest.json`` next to node 0's checkpoint must still be
-    there (the restart's remote commit of that checkpoint reads it): its folder is fsynced
-    after it is written. Fails if the write is not followed by an fsync of the folder."""
+    """After a kill or a power loss, ``remote_manifest.json`` next to node 0's checkpoint must
+    be whole (the restart's remote commit of that checkpoint reads it): it is renamed into
+    place (written in place, a kill could leave it empty) and its folder fsynced after."""
     recs = _run(tmp_path, "sync", 2, "--steps", "4", RC_RECORD_SYNC=1)
     ops = next(r["synced"] for r in recs[0] if "synced" in r)
     writes = [
@@ -305,6 +305,24 @@ def test_the_global_manifest_kept_beside_a_nodes_checkpoint_is_durable(tmp_path)
     for i in writes:
         folder = os.path.dirname(ops[i].split(" ", 1)[1])
         assert f"fsync {folder}" in ops[i + 1 :], (ops[i], ops[i:])
+
+
+def test_a_torn_global_manifest_beside_a_nodes_checkpoint_does_not_fail_the_restart(tmp_path):
+    """A kill while ``remote_manifest.json`` was written in place (before it was renamed into
+    place) left it empty; the restart handed the empty text to the remote committer, whose
+    background work then failed every save with a JSONDecodeError (and every restart the
+    same). Now that checkpoint stays local with a warning, and the run goes on."""
+    _run(tmp_path, "first", 2, "--steps", "4", "--kill-at", "4", expect=-9, RC_UPLOADS_FAIL=1)
+    torn = [p for p in (tmp_path / "node0").glob("step_*/remote_manifest.json")]
+    assert torn
+    for p in torn:
+        p.write_bytes(b"")
+    out = _run(tmp_path, "second", 2, "--steps", "6", RC_CAPTURE_LOG=1)
+    assert [rank[0]["restored"] for rank in out] == [4, 4], out
+    assert "remote_manifest.json cannot be read" in out[0][-1]["log"], out[0][-1]["log"]
+    found = RemoteStore((tmp_path / "remote").as_uri()).scan()
+    remote = [e.manifest.step for e in found if e.manifest is not None]
+    assert 6 in remote, remote
 
 
 @pytest.mark.slow  # suite time budget
@@ -560,20 +578,17 @@ def worker(base: str, argv: list[str]) -> None:
     a = p.parse_args(argv)
     synced: list[str] = []  # RC_RECORD_SYNC: "write <path>" / "fsync <path>", in order
     if os.environ.get("RC_RECORD_SYNC"):
-        from resilient_callbacks import node_session
-
-        real_fsync, real_write = os.fsync, node_session.write_bytes
+        real_fsync, real_replace = os.fsync, os.replace
 
         def fsync(fd):
             synced.append(f"fsync {os.readlink(f'/proc/self/fd/{fd}')}")
             return real_fsync(fd)
 
-        def write_bytes(path, data):
-            real_write(path, data)
-            synced.append(f"write {os.path.realpath(path)}")
+        def replace(src, dst, **kw):
+            real_replace(src, dst, **kw)
+            synced.append(f"write {os.path.realpath(dst)}")
 
-        os.fsync = fsync
-        node_session.write_bytes = write_bytes
+        os.fsync, os.replace = fsync, replace
     status_taken = threading.Event()  # RC_HOLD_LAST_UPLOAD: the last step's upload waits for it
     if os.environ.get("RC_SCAN_FAILS_AFTER"):  # the store stops answering after the preflight
         real, calls = remote.RemoteStore.scan, [0]

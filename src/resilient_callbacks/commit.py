@@ -299,6 +299,22 @@ def sweep_staging(root: str) -> list[str]:
     return removed
 
 
+def replace_file(path: str, data: bytes) -> None:
+    """Make ``data`` the file ``path`` atomically and durably: written to a hidden temporary
+    file beside it, fsynced, renamed over ``path``, the folder fsynced. A kill or a power loss
+    leaves the old file or the new one, never a truncated one."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        write_bytes(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(folder)
+
+
 def point_latest(root: str, name: str) -> None:
     """:func:`write_latest_pointer`, never raising: one that cannot be written (a full disk) is
     removed rather than left naming a checkpoint retention deletes, and a warning says so."""

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dist
-from .commit import STAGING_PREFIX, ckpt_name, fsync_dir, remove_checkpoint
+from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint, replace_file
 from .errors import CheckpointWriteError
 from .manifest import FileEntry, Manifest, versions
 from .nodelocal import REMOTE_MANIFEST, NodeDirectory, global_files, is_shared
 from .session import Committed, RankReport, agree_steps
-from .tensorfile import encode_json, write_bytes
+from .tensorfile import encode_json
 from .topology import Topology
 
 log = logging.getLogger("resilient_callbacks")
@@ -218,8 +218,8 @@ class NodeLocalSession:
         data = encode_json(m.to_json())
         if local_path is not None:
             try:
-                write_bytes(os.path.join(local_path, REMOTE_MANIFEST), data)
-                fsync_dir(local_path)  # (durable: a restart's remote commit reads it)
+                # atomic and durable: a restart's remote commit of this checkpoint reads it
+                replace_file(os.path.join(local_path, REMOTE_MANIFEST), data)
             except OSError as e:
                 log.warning("could not keep the global manifest next to %s: %s", local_path, e)
         if d.committer is not None:

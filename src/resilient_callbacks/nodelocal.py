@@ -33,6 +33,7 @@ every call below; *leader* = the lowest rank of a node, *coordinator* = rank 0):
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -416,9 +417,20 @@ class NodeDirectory(Directory):
             if self.committer is not None:
                 try:
                     with open(os.path.join(self.dirpath, local, REMOTE_MANIFEST), "rb") as fh:
-                        self.committer.expect(key, name, fh.read(), local)
+                        raw = fh.read()
+                    Manifest.from_json(json.loads(raw), REMOTE_MANIFEST)
+                    self.committer.expect(key, name, raw, local)
                 except OSError:
                     pass
+                except Exception as e:  # torn (written in place before 2026-12-06, then a kill)
+                    log.warning(
+                        "%s/%s cannot be read (%s): %s stays local (not committed remotely); "
+                        "the next checkpoints are uploaded as usual",
+                        local,
+                        REMOTE_MANIFEST,
+                        e,
+                        local,
+                    )
             if self.uploader is not None:
                 log.warning("uploading %s, %s", local, why)
                 self.uploader.enqueue(local, name, key, self._own_files(m))
