@@ -230,3 +230,54 @@ def test_a_commit_of_this_runs_key_written_by_another_process_is_not_taken_for_o
     found = {e.name: e.manifest for e in RemoteStore(url).scan()}
     assert found["step_000000002"] == theirs  # left alone
     assert mine in found.values(), "this process's step 2 was never uploaded"
+
+
+def _deleting(url: str, *names: str) -> None:
+    """What a deletion cut off by a kill leaves under each of ``names``: its mark, alone."""
+    from resilient_callbacks.remote_objects import CLAIM_PREFIX
+
+    st = RemoteStore(url)
+    for name in names:
+        st.fs.makedirs(f"{st.root}/{name}", exist_ok=True)
+        st.fs.pipe_file(f"{st.root}/{name}/{CLAIM_PREFIX}deleting-{'ab' * 16}", b"")
+
+
+def test_an_upload_blocked_by_two_deletion_marks_takes_a_third_name(tmp_path, monkeypatch):
+    """Deletions cut off by a kill left their marks under step_000000010 and its -r1. The
+    run's uploader recorded each refusal under one key for both (a deletion's mark names no
+    commit), the second replacing the first: it tried the two names in turn forever, three
+    requests and a warning each time, and never uploaded. Now each refused name stays taken."""
+    from resilient_callbacks import remote, remote_objects
+
+    url = f"file://{tmp_path}/durable/run"
+    _deleting(url, "step_000000010", "step_000000010-r1")
+    tried: list[str] = []
+
+    def claim(store, name, *a):
+        tried.append(name)
+        if len(tried) == 10:  # going round the names: the marks go, to end the test
+            shutil.rmtree(tmp_path / "durable" / "run")
+        return remote_objects.claim(store, name, *a)
+
+    monkeypatch.setattr(remote, "claim", claim)
+    with Checkpointer(tmp_path / "a", remote=url, async_save=False) as ck:
+        ck.save(10, _state(1.0))
+        assert ck._dir.sync.wait(60)
+    assert tried == ["step_000000010", "step_000000010-r1", "step_000000010-r2"]
+    found = [e.name for e in RemoteStore(url).scan() if e.manifest is not None]
+    assert found == ["step_000000010-r2"]
+
+
+def test_push_takes_the_next_name_when_a_deletion_marked_its_own(tmp_path, capsys):
+    """A deletion cut off by a kill left its mark under step_000000010 (no manifest, so the
+    scan lists no commit there): `push` gave up with an error until `gc` removed the folder
+    a day later. Now it pushes the checkpoint under the next free name."""
+    from resilient_callbacks.cli import main
+
+    url = f"file://{tmp_path}/durable/run"
+    _checkpoint(tmp_path / "a", 1.0)
+    _deleting(url, "step_000000010")
+    assert main(["push", str(tmp_path / "a"), url]) == 0
+    assert "as step_000000010-r1" in capsys.readouterr().out
+    found = [e.name for e in RemoteStore(url).scan() if e.manifest is not None]
+    assert found == ["step_000000010-r1"]

@@ -20,7 +20,7 @@ from .commit import CKPT_RE
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock, writer_alive
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
-from .remote_objects import UNREADABLE, free_name
+from .remote_objects import UNREADABLE, RemoteNameTaken, free_name
 from .retention import Plan, RetentionPolicy
 
 
@@ -295,14 +295,17 @@ def push(args: argparse.Namespace) -> int:
             item["url"] = f"{st.url}/{name}"
             bar = Progress(e.manifest.total_bytes, f"pushing {e.name}")
             try:
-                st.upload(
-                    e.path,
-                    e.manifest,
-                    name,
-                    bar,
-                    repair=was is not None,
-                    blobs_again=rotten.get(key, []),
-                )
+                while True:  # a name marked or committed since the scan: the next free one
+                    try:
+                        st.upload(e.path, e.manifest, name, bar, repair=was is not None,
+                                  blobs_again=rotten.get(key, []))  # fmt: skip
+                        break
+                    except RemoteNameTaken as now:
+                        if was is not None:
+                            raise
+                        taken[now.name] = UNREADABLE  # (never this commit's key)
+                        name = free_name(e.name, key, taken)
+                        item["url"] = f"{st.url}/{name}"
             except KeyboardInterrupt:
                 _unupload(st, e.path, name, was)
                 raise

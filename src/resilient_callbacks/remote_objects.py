@@ -89,13 +89,20 @@ UNREADABLE: tuple[str, int] = ("", -1)
 class RemoteNameTaken(FileExistsError):
     """:meth:`RemoteStore.upload`: ``name`` is a committed remote checkpoint of another commit
     (``key``: its run id and commit number; it may be the uploading commit's own key, written
-    by another process that resumed the same run: :func:`same_commit`), or one whose manifest
-    cannot be read here (``key`` None: damaged, of a newer format, or the read failed), which
-    the upload leaves alone: the caller uploads under a free name (:func:`free_name`)."""
+    by another process that resumed the same run: :func:`same_commit`), one whose manifest
+    cannot be read here (``key`` None: damaged, of a newer format, or the read failed), or one
+    being deleted (``key`` :data:`UNREADABLE`), which the upload leaves alone: the caller
+    uploads under a free name (:func:`free_name`), and keeps ``name`` off its own list of free
+    names (:data:`UNREADABLE` is one key for many names)."""
 
     def __init__(self, name: str, key: tuple[str, int] | None) -> None:
-        whose = f"another commit's (run {key[0]})" if key else "one whose manifest cannot be read"
-        super().__init__(f"{name} is {whose} remote checkpoint")
+        if key is None:
+            whose = "is a remote checkpoint whose manifest cannot be read"
+        elif key == UNREADABLE:  # (a mark that names no commit: a deletion's)
+            whose = "is being deleted by another process (its .writer- mark is there)"
+        else:
+            whose = f"is another commit's remote checkpoint (run {key[0]}, commit {key[1]})"
+        super().__init__(f"{name} {whose}")
         self.name, self.key = name, key
 
 

@@ -380,16 +380,27 @@ class RemoteSync(UploadThread):
                     with self._cond:
                         self.unfree.add(e.name)
                     continue
-                log.warning(
-                    "remote %s: %s is a checkpoint of another run (%s) that writes to the same "
-                    "URL; uploading %s under another name. Give each run a remote URL of its own",
-                    self.store.url,
-                    e.name,
-                    e.key[0],
-                    name,
-                )
-                with self._cond:
-                    self.index[e.key] = e.name
+                if e.key == UNREADABLE:  # a deletion's mark (one key for every such name)
+                    log.warning(
+                        "remote %s: %s is being deleted by another process (or a deletion was "
+                        "cut off there: `resilient-ckpt gc --remote` removes it after a day); "
+                        "uploading %s under another name",
+                        self.store.url,
+                        e.name,
+                        name,
+                    )
+                else:
+                    log.warning(
+                        "remote %s: %s is a checkpoint of another run (%s) that writes to the "
+                        "same URL; uploading %s under another name. Give each run a remote URL "
+                        "of its own",
+                        self.store.url,
+                        e.name,
+                        e.key[0],
+                        name,
+                    )
+                with self._cond:  # (by name: a key, UNREADABLE above all, may cover many)
+                    self.unfree.add(e.name)
 
     def _failed(self, name: str, e: BaseException) -> None:
         now = time.monotonic()
