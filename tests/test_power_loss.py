@@ -330,3 +330,30 @@ def test_a_dcp_save_through_our_storage_writer_survives_a_power_loss(tmp_path):
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=shm) as scratch:
         assert _crash_everywhere(journal, os.path.join(scratch, "crash")) > len(STEPS)
+
+
+def test_a_run_directory_created_in_a_parent_one_may_not_read_opens(tmp_path, monkeypatch, caplog):
+    """A parent directory one may write in but not read (mode -wx, a drop-box folder): the new
+    run directory's parent could not be opened to fsync it, and the Checkpointer refused to
+    open with PermissionError where ``os.makedirs`` alone had worked. It opens now, with a
+    warning that says how to have the parent synced."""
+    import errno
+
+    import resilient_callbacks.commit as rc_commit
+
+    parent = tmp_path / "dropbox"
+    parent.mkdir()
+    real_open = os.open
+
+    def open_(path, flags, *a, **kw):  # (as for a user other than root: read permission)
+        if os.path.isdir(path) and os.path.samefile(path, parent):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(rc_commit.os, "open", open_)
+    caplog.set_level("WARNING", logger="resilient_callbacks")
+    with Checkpointer(parent / "run", async_save=False) as ck:
+        assert ck.save(1, {"w": torch.ones(4)})
+    monkeypatch.undo()
+    assert "make the parent readable" in caplog.text
+    assert [e.step for e in catalog.scan(str(parent / "run")) if e.status is Status.VALID] == [1]

@@ -68,7 +68,8 @@ def fsync_tree(path: str) -> None:
 def ensure_dir(path: str) -> None:
     """Create the directory ``path`` if it is missing, and fsync the parent of every level it
     created: a new folder's name is durable only once its parent is fsynced (else a power loss
-    can take the folder, and every checkpoint in it, away). Nothing is synced if it exists."""
+    can take the folder, and every checkpoint in it, away). Nothing is synced if it exists. A
+    parent that cannot be opened to sync it (write but no read permission) gets a warning."""
     path = os.path.abspath(path)
     if os.path.isdir(path):
         return
@@ -82,7 +83,15 @@ def ensure_dir(path: str) -> None:
         p = parent
     os.makedirs(path, exist_ok=True)
     for p in reversed(missing):
-        fsync_dir(os.path.dirname(p))
+        try:
+            fsync_dir(os.path.dirname(p))
+        except PermissionError as e:  # a parent one may write in but not read (mode -wx)
+            log.warning(
+                "created %s, but could not sync its parent (%s): a power loss may take the new "
+                "folder away; make the parent readable to have it synced",
+                p,
+                e,
+            )
 
 
 def open_dir(path: str) -> None:
