@@ -252,12 +252,14 @@ def _lightning_runs(
     swa: bool = False,
     compiled=(False, False),
     finetune: bool = False,
+    all_params: bool = False,
 ):
     """A Lightning run of ``total`` steps never stopped, one stopped at ``stop`` with the
     callback and the one that resumes it: ``(plain, first, again, restored step)``.
     ``compiled``: whether the stopped run's and the resuming run's ``net`` is compiled on its
     own (eager backend); the run never stopped is compiled as the resuming one. ``finetune``:
-    ``BackboneFinetuning`` of ``net[:2]`` (frozen, a BatchNorm too, until epoch 1)."""
+    ``BackboneFinetuning`` of ``net[:2]`` (frozen, a BatchNorm too, until epoch 1).
+    ``all_params``: the optimizer holds every parameter, frozen ones too."""
     L = pytest.importorskip("lightning")
     from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
 
@@ -280,7 +282,8 @@ def _lightning_runs(
             self.losses: list[float] = []
 
         def configure_optimizers(self):
-            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.05)
+            held = [p for p in self.parameters() if p.requires_grad or all_params]
+            return torch.optim.AdamW(held, lr=0.05)
 
         def training_step(self, batch, batch_idx):
             loss = self.net(batch[0]).pow(2).mean()
@@ -316,6 +319,18 @@ def _lightning_runs(
         rc = ResilientCheckpoint(ck, every_n_steps=100)
         again = fit(total, rc, compile_net=compiled[1])
     return plain, first, again, rc.restored_step
+
+
+def test_lightning_finetuning_resumed_before_the_unfreeze_keeps_the_backbone_frozen(tmp_path):
+    """An optimizer built over every parameter (``self.parameters()``, which ``BaseFinetuning``
+    allows: a frozen parameter gets no gradient and no step) holds the frozen backbone from
+    the start: a run resumed before the unfreeze epoch took every held parameter for one its
+    finetuning had unfrozen, made the backbone trainable and trained it, unlike the run never
+    stopped. Only what the saved run had trainable is trainable again."""
+    plain, first, again, restored = _lightning_runs(tmp_path, 7, 4, finetune=True, all_params=True)
+    assert restored == 4
+    assert not again.backbone[0].weight.requires_grad
+    _assert_same_run(plain, first, again)
 
 
 def _assert_same_run(plain, first, again) -> None:

@@ -72,3 +72,9 @@ def _compiled_inside(sd: Mapping[str, Any], live: set[str]) -> Mapping[str, Any]
             return sd
         out[to] = v
     return out
+
+
+def plain_name(key: str) -> str:
+    """``key`` without torch.compile's ``_orig_mod.`` segments: one name for a parameter of a
+    submodule compiled in one run and not in another."""
+    return _COMPILED.sub("", key)

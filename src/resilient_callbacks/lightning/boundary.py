@@ -53,6 +53,7 @@ import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from .. import rng
+from ..wrapped import plain_name
 from . import checks, reshard, stops
 from .state import STOP_RNG_KEY, finite_metrics
 
@@ -61,6 +62,10 @@ EPOCH_END_KEY = "resilient_callbacks_epoch_end"
 
 METRICS_KEY = "resilient_callbacks_callback_metrics"
 """``trainer.callback_metrics`` at the save (scalars), put back at the resume."""
+
+TRAINABLE_KEY = "resilient_callbacks_trainable"
+"""With a ``BaseFinetuning`` callback: the names of the parameters trainable at the save
+(``requires_grad``), which the resume makes trainable again (:func:`_trainable_as_saved`)."""
 
 
 @dataclass
@@ -81,6 +86,16 @@ def step_end(trainer: pl.Trainer, step: int, loss: Any) -> StepEnd:
 def ends_epoch(trainer: pl.Trainer) -> bool:
     """Whether the batch that just ran is its epoch's last (the epoch's end follows)."""
     return bool(trainer.fit_loop.epoch_loop._num_ready_batches_reached())
+
+
+def marks(trainer: pl.Trainer, epoch_end: bool, to_cpu: bool = True) -> dict[str, Any]:
+    """What a save records for :class:`Resume`: whether it ends an epoch, the metrics and,
+    with a ``BaseFinetuning`` callback, the parameters then trainable."""
+    out = {EPOCH_END_KEY: epoch_end, METRICS_KEY: saved_metrics(trainer, to_cpu)}
+    if _finetuning(trainer):
+        named = trainer.lightning_module.named_parameters()
+        out[TRAINABLE_KEY] = sorted(plain_name(n) for n, p in named if p.requires_grad)
+    return out
 
 
 def saved_metrics(trainer: pl.Trainer, to_cpu: bool = True) -> dict[str, Any]:
@@ -106,6 +121,8 @@ class Resume:
         metrics = checkpoint.pop(METRICS_KEY, None)
         self.metrics: dict[str, Any] | None = metrics if isinstance(metrics, dict) else None
         self.epoch_end = bool(checkpoint.pop(EPOCH_END_KEY, False))
+        trainable = checkpoint.pop(TRAINABLE_KEY, None)  # (None: older, or no finetuning)
+        self.trainable = set(trainable) if isinstance(trainable, list) else None
         self.epoch_end_run = self.saved_at_epoch_end = self.epoch_end
         self.started = False  # on_train_start ran
         self.past_end: str | None = None  # the checkpoint is past this fit()'s end (:mod:`.stages`)
@@ -148,7 +165,7 @@ class Resume:
         checks.optimizers_and_schedulers(trainer, self.counts)
         if not self.epoch_end:
             _start_swa_mid_epoch(trainer)
-        _unfreeze_what_optimizers_hold(trainer)
+        _trainable_as_saved(trainer, self.trainable)
         if self.metrics:
             trainer.callback_metrics.update(self.metrics)
 
@@ -261,18 +278,31 @@ def _start_swa_mid_epoch(trainer: pl.Trainer) -> None:
             cb.on_train_epoch_start(trainer, trainer.lightning_module)
 
 
-def _unfreeze_what_optimizers_hold(trainer: pl.Trainer) -> None:
-    """``BaseFinetuning`` (``BackboneFinetuning``) freezes its modules in ``setup`` at every
-    ``fit()`` and unfreezes them in its ``finetune_function`` only at the epoch it chose: a run
-    resumed after that epoch (from Lightning's checkpoint too) trained on with them frozen
-    although its optimizer holds them (the callback's restored param groups), and every later
-    step differed. Modules whose parameters an optimizer holds are made trainable again, as the
-    unfreeze made them (``BaseFinetuning.make_trainable``)."""
+def _finetuning(trainer: pl.Trainer) -> bool:
     from lightning.pytorch.callbacks import BaseFinetuning
 
-    if not any(isinstance(cb, BaseFinetuning) for cb in trainer.callbacks):  # type: ignore[attr-defined]
+    return any(isinstance(cb, BaseFinetuning) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+
+
+def _trainable_as_saved(trainer: pl.Trainer, trainable: set[str] | None) -> None:
+    """``BaseFinetuning`` (``BackboneFinetuning``) freezes its modules in ``setup`` at every
+    ``fit()`` and unfreezes them in its ``finetune_function`` only at the epoch it chose: a run
+    resumed after that epoch (from Lightning's checkpoint too) trained on with them frozen,
+    and every later step differed. Modules with a parameter that was trainable at the save
+    (``trainable``, :data:`TRAINABLE_KEY`) are made trainable again, as the unfreeze made them
+    (``BaseFinetuning.make_trainable``); none other (an optimizer built over every parameter
+    holds frozen ones too). A checkpoint of an older version, without the names: the modules
+    whose parameters an optimizer holds."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    if not _finetuning(trainer):
         return
-    held = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+    if trainable is None:
+        held = {id(p) for o in trainer.optimizers for g in o.param_groups for p in g["params"]}
+    names = {id(p): plain_name(n) for n, p in trainer.lightning_module.named_parameters()}
     for module in BaseFinetuning.flatten_modules(trainer.lightning_module):
-        if any(not p.requires_grad and id(p) in held for p in module.parameters(recurse=False)):
-            BaseFinetuning.make_trainable(module)
+        for p in module.parameters(recurse=False):
+            was = id(p) in held if trainable is None else names.get(id(p)) in trainable
+            if was and not p.requires_grad:
+                BaseFinetuning.make_trainable(module)
+                break

@@ -328,8 +328,7 @@ class ResilientCheckpoint(Checkpoint):
             st.STOPPED_KEY: stops.recorded(trainer),  # before min_epochs too: it persists
             st.ACCUMULATE_KEY: trainer.accumulate_grad_batches,
             st.VAL_ITERATORS_KEY: made,
-            boundary.EPOCH_END_KEY: epoch_end,
-            boundary.METRICS_KEY: boundary.saved_metrics(trainer, to_cpu),
+            **boundary.marks(trainer, epoch_end, to_cpu),  # (metrics, trainable parameters)
             st.STOP_RNG_KEY: self._stop_rng,  # (per rank)
         }
 
