@@ -357,3 +357,24 @@ def test_a_run_directory_created_in_a_parent_one_may_not_read_opens(tmp_path, mo
     monkeypatch.undo()
     assert "make the parent readable" in caplog.text
     assert [e.step for e in catalog.scan(str(parent / "run")) if e.status is Status.VALID] == [1]
+
+
+def test_an_export_into_a_new_folder_is_durable_with_its_folder(tmp_path):
+    """``export_weights`` into a folder that does not exist yet (``exports/v1``): the export
+    was fsynced and renamed into place, but the new ``exports`` folder's own name was never
+    fsynced into its parent, so a power loss after the export returned could take the folder,
+    and the export with it, away."""
+    from resilient_callbacks.consolidate import export_weights
+
+    run = tmp_path / "w" / "run"
+    with Checkpointer(run, async_save=False, preemption=False) as ck:
+        ck.save(1, {"model": nn.Linear(8, 4)})
+        path = ck.checkpoints()[-1].path
+    journal = Journal(str(tmp_path / "w"))
+    with journal.recording():
+        export_weights(path, str(tmp_path / "w" / "exports" / "v1"), weights={"w": torch.ones(8)})
+    ops = journal.ops
+    made = next(i for i, o in enumerate(ops) if o.kind == "mkdir" and o.path == "exports")
+    assert ("fsync", "") in [(o.kind, o.path) for o in ops[made:]], (
+        "the new exports/ folder's name was never made durable"
+    )

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import reader, structure
-from .commit import fsync_dir, fsync_tree
+from .commit import ensure_dir, fsync_dir, fsync_tree
 from .dtypes import DTYPE_TO_ST
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .export_target import EXPORT_MARKER, check_export_target
@@ -346,8 +346,8 @@ def export_staging(out: str) -> str:
     """A new, empty directory beside ``out`` to write an export into before it is renamed to
     ``out``, with the mode ``makedirs`` gives (the umask applied), not ``mkdtemp``'s 0700: a
     serving process of another user reads the export."""
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
+    parent = os.path.dirname(os.path.abspath(out))
+    ensure_dir(parent)  # (created: its name durable, else a power loss takes the export away)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
     os.chmod(staging, 0o777 & ~_umask())
     return staging
