@@ -281,3 +281,27 @@ def test_push_takes_the_next_name_when_a_deletion_marked_its_own(tmp_path, capsy
     assert "as step_000000010-r1" in capsys.readouterr().out
     found = [e.name for e in RemoteStore(url).scan() if e.manifest is not None]
     assert found == ["step_000000010-r1"]
+
+
+@pytest.mark.parametrize("by", ["uploader", "gc"])
+def test_a_cut_off_upload_under_an_rn_name_is_swept_a_day_later(tmp_path, monkeypatch, by):
+    """A kill cut off an upload (or a deletion) under a name ``free_name`` gave
+    (``step_000000010-r1``, taken when another writer's mark or checkpoint held the plain
+    name): its folder, files and mark, was never deleted, neither by the uploader's sweep of
+    cut-off uploads nor by `gc --remote` ("not a checkpoint's name: left alone"), so the
+    store's space and the name were held for good. Both delete it once untouched for a day."""
+    from resilient_callbacks import cli_remote, sync
+    from resilient_callbacks.cli import main
+
+    url = f"file://{tmp_path}/durable/run"
+    _deleting(url, "step_000000010-r1")
+    st = RemoteStore(url)
+    st.fs.pipe_file(f"{st.root}/step_000000010-r1/shared.safetensors", b"cut off")
+    # as if a day had passed
+    monkeypatch.setattr(sync if by == "uploader" else cli_remote, "STALE_UPLOAD_S", -1.0)
+    with Checkpointer(tmp_path / "a", remote=url, keep_last=2, async_save=False) as ck:
+        ck.save(1, _state(1.0))
+        assert ck._dir.sync.wait(60)
+    if by == "gc":
+        assert main(["gc", str(tmp_path / "a"), "--remote", url, "--keep-last", "2"]) == 0
+    assert [e.name for e in RemoteStore(url).scan()] == ["step_000000001"]

@@ -16,11 +16,10 @@ from . import catalog
 from .catalog import Depth, Entry, Status
 from .cli_format import CORRUPT, INCOMPLETE, SIZES, UNVERIFIED, fmt_size, iso_time, print_json
 from .cli_scan import no_checkpoints, report_verified, resolve
-from .commit import CKPT_RE
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock, writer_alive
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
-from .remote_objects import UNREADABLE, RemoteNameTaken, free_name
+from .remote_objects import REMOTE_CKPT_RE, UNREADABLE, RemoteNameTaken, free_name
 from .retention import Plan, RetentionPolicy
 
 
@@ -124,7 +123,7 @@ def _torn_row(e: RemoteEntry, url: str) -> dict[str, Any]:
     """The row of a remote checkpoint folder without a manifest and without a local copy: an
     upload in progress elsewhere, or one a crash cut off (hidden before, while it used the
     store's space)."""
-    named = CKPT_RE.match(e.name)
+    named = REMOTE_CKPT_RE.match(e.name)
     return {
         "name": e.name,
         "step": int(named.group(1)) if named else None,
@@ -384,7 +383,7 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
         if m is None:
             age = -1.0 if e.modified is None else now - e.modified  # -1: time unknown
             torn = e.problem == NO_MANIFEST
-            if not CKPT_RE.match(e.name):  # another folder under the URL: not ours to delete
+            if not REMOTE_CKPT_RE.match(e.name):  # another folder under the URL: not ours to delete
                 kept.append((e, "not a checkpoint's name: left alone"))
             elif torn and age >= 0 and age > STALE_UPLOAD_S:
                 doomed.append((e, f"upload without a manifest, untouched for {age / 3600:.0f} h"))

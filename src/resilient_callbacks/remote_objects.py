@@ -11,6 +11,7 @@ import datetime
 import hashlib
 import json
 import logging
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -148,6 +149,10 @@ def seq_floor(url: str, entries: Sequence[RemoteEntry]) -> int:
             MANIFEST_NAME,
         )
     return best
+
+
+# a remote checkpoint's name: a local one's, or one :func:`free_name` gave (``step_N-r1``)
+REMOTE_CKPT_RE = re.compile(r"^step_(\d+)(?:-\d+)?(?:-r\d+)?$")
 
 
 def free_name(name: str, key: tuple[str, int], taken: Mapping[str, tuple[str, int]]) -> str:

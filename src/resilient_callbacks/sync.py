@@ -21,7 +21,6 @@ from typing import Any
 
 from . import catalog, remote_blobs
 from .catalog import Depth, verify
-from .commit import CKPT_RE
 from .errors import CheckpointCorruptError, RemoteUnavailableError
 from .manifest import Manifest, read_manifest
 from .progress import Progress
@@ -33,7 +32,13 @@ from .remote import (
     RemoteStore,
     retention_candidates,
 )
-from .remote_objects import UNREADABLE, RemoteNameTaken, free_name, seq_floor
+from .remote_objects import (
+    REMOTE_CKPT_RE,
+    UNREADABLE,
+    RemoteNameTaken,
+    free_name,
+    seq_floor,
+)
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s, retention_failed
 
@@ -445,7 +450,7 @@ class RemoteSync(UploadThread):
             for e in entries:  # uploads a crash cut off: each run's kill left one behind
                 if (
                     e.problem == NO_MANIFEST
-                    and CKPT_RE.match(e.name)
+                    and REMOTE_CKPT_RE.match(e.name)  # (step_N-r1 too)
                     and e.modified is not None
                     and now - e.modified > STALE_UPLOAD_S
                 ):
