@@ -305,3 +305,28 @@ def test_a_cut_off_upload_under_an_rn_name_is_swept_a_day_later(tmp_path, monkey
     if by == "gc":
         assert main(["gc", str(tmp_path / "a"), "--remote", url, "--keep-last", "2"]) == 0
     assert [e.name for e in RemoteStore(url).scan()] == ["step_000000001"]
+
+
+def test_a_name_held_by_this_runs_own_other_commit_is_not_blamed_on_another_run(tmp_path, caplog):
+    """A cut-off upload of this run's commit 7 left its mark under step_000000010; the run,
+    resumed from the remote, saves step 10 again as another commit. The upload goes beside it
+    as before, but the warning told the user that another run wrote to the URL and to give
+    each run a URL of its own: it names this run's commit now."""
+    from resilient_callbacks.remote_objects import CLAIM_PREFIX
+
+    url = f"file://{tmp_path}/durable/run"
+    with Checkpointer(tmp_path / "a", remote=url, async_save=False) as ck:
+        ck.save(5, _state(5.0))
+        assert ck._dir.sync.wait(60)
+        run = ck.run_id
+    st = RemoteStore(url)
+    st.fs.makedirs(f"{st.root}/step_000000010", exist_ok=True)
+    st.fs.pipe_file(f"{st.root}/step_000000010/{CLAIM_PREFIX}{run}-7-0123456789ab", b"")
+    shutil.rmtree(tmp_path / "a")  # (the local disk lost: resumed from the remote)
+    caplog.set_level("WARNING", logger="resilient_callbacks")
+    with Checkpointer(tmp_path / "a", remote=url, async_save=False) as ck:
+        assert ck.restore(_fresh()) == 5
+        ck.save(10, _state(10.0))
+        assert ck._dir.sync.wait(60)
+    assert "step_000000010 holds commit 7 of this run" in caplog.text
+    assert "another run" not in caplog.text

@@ -394,6 +394,15 @@ class RemoteSync(UploadThread):
                         e.name,
                         name,
                     )
+                elif e.key[0] == manifest.run_id:  # a re-save of this step, after a fallback
+                    log.warning(
+                        "remote %s: %s holds commit %d of this run (an earlier save of this "
+                        "step, or its upload a kill cut off); uploading %s under another name",
+                        self.store.url,
+                        e.name,
+                        e.key[1],
+                        name,
+                    )
                 else:
                     log.warning(
                         "remote %s: %s is a checkpoint of another run (%s) that writes to the "
