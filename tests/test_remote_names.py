@@ -330,3 +330,29 @@ def test_a_name_held_by_this_runs_own_other_commit_is_not_blamed_on_another_run(
         assert ck._dir.sync.wait(60)
     assert "step_000000010 holds commit 7 of this run" in caplog.text
     assert "another run" not in caplog.text
+
+
+def test_a_store_that_refuses_deletes_keeps_one_deletion_mark_per_name(tmp_path, monkeypatch):
+    """A store that lets a run put objects but not delete them (a bucket policy without
+    DeleteObject): remote retention fails at each pass, after the deletion had put its mark
+    under the name, each attempt under a name of its own. One more empty object per save,
+    for the life of the run, every later listing of the name longer. Every attempt puts the
+    same one now."""
+    from resilient_callbacks.remote_objects import CLAIM_PREFIX
+
+    url = f"file://{tmp_path}/durable/run"
+
+    def deny(*a, **kw):
+        raise PermissionError("AccessDenied: DeleteObject")
+
+    fs_class = type(RemoteStore(url).fs)
+    for method in ("rm_file", "rm", "_rm"):
+        monkeypatch.setattr(fs_class, method, deny)
+    with Checkpointer(tmp_path / "a", remote=url, keep_last=1, async_save=False) as ck:
+        for step in range(1, 6):
+            ck.save(step, _state(float(step)))
+            assert ck._dir.sync.wait(60)
+    root = tmp_path / "durable" / "run"
+    marks = [f for _, _, files in os.walk(root) for f in files if f.startswith(CLAIM_PREFIX)]
+    deleting = [f for f in marks if "deleting" in f]
+    assert len(deleting) == 1, marks

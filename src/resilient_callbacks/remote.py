@@ -488,8 +488,9 @@ class RemoteStore:
         """Mark the name as being deleted (an upload that finds it without its manifest then
         takes another name: the removal of the folder would take its files with it), uncommit
         (manifest first), then remove the files and the mark."""
+        # one name for every attempt: a store that refuses deletes keeps one, not one a retry
         with contextlib.suppress(Exception):  # (a folder already gone; a store that refuses)
-            self.fs.pipe_file(self._path(name, f"{CLAIM_PREFIX}deleting-{uuid.uuid4().hex}"), b"")
+            self.fs.pipe_file(self._path(name, f"{CLAIM_PREFIX}deleting"), b"")
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(name, MANIFEST_NAME))
         with contextlib.suppress(FileNotFoundError):
