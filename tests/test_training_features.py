@@ -470,3 +470,27 @@ def test_lightning_backbone_finetuning_resumed_after_the_unfreeze_trains_the_bac
     assert restored == stop
     assert again.backbone[0].weight.requires_grad and again.backbone[1].track_running_stats
     _assert_same_run(plain, first, again)
+
+
+def test_a_users_module_with_a_child_named_orig_mod_is_saved_whole(tmp_path):
+    """A user's own wrapper that names its inner model ``_orig_mod`` (as torch.compile's
+    does) beside other children: it was taken for torch.compile's wrapper, only the inner
+    model was saved and restored, and the ``head`` silently resumed from its initial weights.
+    Only torch.compile's ``OptimizedModule`` is unwrapped now."""
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self._orig_mod = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 2)
+
+    torch.manual_seed(0)
+    saved = Wrapper()
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(1, {"model": saved})
+    torch.manual_seed(1)
+    live = Wrapper()
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        assert ck.restore({"model": live}) == 1
+    for a, b in zip(saved.state_dict().values(), live.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

@@ -31,7 +31,7 @@ def plain_module(obj: Any) -> Any:
     if isinstance(obj, torch.Generator):
         return GeneratorState(obj)
     while isinstance(obj, torch.nn.Module):
-        inner = getattr(obj, "_orig_mod", None)
+        inner = getattr(obj, "_orig_mod", None) if _is_compiled(obj) else None
         if not isinstance(inner, torch.nn.Module) and isinstance(
             obj, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
         ):
@@ -40,6 +40,15 @@ def plain_module(obj: Any) -> Any:
             return obj
         obj = inner
     return obj
+
+
+def _is_compiled(obj: Any) -> bool:
+    """Whether ``obj`` is torch.compile's wrapper (``OptimizedModule``), not a user's module
+    with a child named ``_orig_mod`` (whose other children a checkpoint would leave out)."""
+    return any(
+        c.__name__ == "OptimizedModule" and c.__module__.startswith("torch._dynamo")
+        for c in type(obj).__mro__
+    )
 
 
 def unwrapped_keys(sd: Mapping[str, Any], live: Collection[str]) -> Mapping[str, Any]:
