@@ -120,9 +120,8 @@ def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs:
 
 
 def _torn_row(e: RemoteEntry, url: str) -> dict[str, Any]:
-    """The row of a remote checkpoint folder without a manifest and without a local copy: an
-    upload in progress elsewhere, or one a crash cut off (hidden before, while it used the
-    store's space)."""
+    """The row of a remote folder without a manifest or a local copy: an upload in progress
+    elsewhere, or one a crash cut off (hidden before, while it used the store's space)."""
     named = REMOTE_CKPT_RE.match(e.name)
     return {
         "name": e.name,
