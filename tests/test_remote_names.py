@@ -100,6 +100,28 @@ def test_an_upload_cut_off_by_a_kill_is_uploaded_again_under_its_own_name(tmp_pa
     assert not [f for f in entry.sizes if f.startswith(CLAIM_PREFIX)], entry.sizes
 
 
+def test_a_live_mark_of_a_run_whose_id_extends_ours_with_a_dash_is_not_taken_over(tmp_path):
+    """Run ids a user set may hold a dash. The mark a killed upload of this commit left
+    (``.writer-<run>-<seq>-<random>``) is taken over; a live upload of run ``exp-<seq>`` marks
+    ``.writer-exp-<seq>-<its seq>-<random>``, which starts the same as run ``exp``'s own: it
+    was removed and both wrote the name. Now the upload yields to it and the mark stays."""
+    from resilient_callbacks.remote_objects import CLAIM_PREFIX, RemoteNameTaken, claim
+
+    _, m = _checkpoint(tmp_path / "a", 1.0)
+    m = dataclasses.replace(m, run_id="exp")
+    st = RemoteStore(f"file://{tmp_path}/remote", None)
+    name = "step_000000010"
+    live = f"{CLAIM_PREFIX}exp-{m.seq}-7-0123456789ab"  # run "exp-<seq>", its commit 7
+    st.fs.makedirs(f"{st.root}/{name}", exist_ok=True)
+    st.fs.pipe_file(f"{st.root}/{name}/{live}", b"")
+    with pytest.raises(RemoteNameTaken) as e:
+        claim(st, name, m, None)
+    assert e.value.key == (f"exp-{m.seq}", 7)
+    st.fs.invalidate_cache()
+    left = [p.rsplit("/", 1)[-1] for p in st.fs.ls(f"{st.root}/{name}", False)]
+    assert left == [live], left
+
+
 @pytest.mark.parametrize("where", ["file", "s3"])
 def test_two_writers_uploading_one_name_at_once_never_both_commit(tmp_path, request, where):
     """Two processes upload a checkpoint of the same name to one URL at once (a second run

@@ -204,13 +204,13 @@ def claim(store: RemoteStore, name: str, m: Manifest, existing: bytes | None) ->
         p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(store._path(name), False)
     }
     ours = f"{CLAIM_PREFIX}{m.run_id}-{m.seq}-"  # an earlier attempt of this commit, killed
-    for stale in sorted(n for n in listed if n.startswith(ours) and n != mine):
+    # (only the random part after it: run "a" commit 1 is not run "a-1" commit 5's ".writer-a-1-5-")
+    own = {n for n in listed if n.startswith(ours) and "-" not in n[len(ours) :]}
+    for stale in sorted(own - {mine}):
         with contextlib.suppress(Exception):
             store.fs.rm_file(store._path(name, stale))
         log.info("%s: an upload of this commit was cut off there; uploading it again", name)
-    others = sorted(
-        n for n in listed if n.startswith(CLAIM_PREFIX) and n != mine and not n.startswith(ours)
-    )
+    others = sorted(n for n in listed if n.startswith(CLAIM_PREFIX) and n != mine and n not in own)
     taken: list[tuple[str, int] | None] = []  # (None: a manifest that cannot be read)
     if others:
         run, seq, *_ = [*others[0][len(CLAIM_PREFIX) :].rsplit("-", 2), "", ""]
