@@ -131,3 +131,30 @@ def test_accumulation_saves_the_step_and_refuses_mid_window(tmp_path: Path) -> N
     assert live.step == 8
     with pytest.raises(TypeError, match=r"accelerate\.Accelerator"):
         Accumulation(object())
+
+
+def test_save_on_exception_with_step_called_every_micro_batch(tmp_path: Path) -> None:
+    """With save_on_exception, every step() remembers its state for an exception's save: one
+    inside an accumulation window (no save due) raised Accumulation's refusal, so a loop
+    calling step() every micro-batch died at its first one. Now that step() goes on, and an
+    exception mid-window saves the window's start (the last optimizer step)."""
+    from resilient_callbacks.accelerate import Accumulation
+
+    live = _FakeAccelerator(0, True)
+    w = torch.zeros(3)
+    state = {"w": w, "acc": Accumulation(live)}
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        Checkpointer(tmp_path / "ck", every_n_steps=100, save_on_exception=True) as ckpt,
+    ):
+        for micro in range(1, 7):
+            live.step, live.sync_gradients = micro, micro % 4 == 0
+            if live.sync_gradients:
+                w += 1.0  # the optimizer step
+            assert not ckpt.step(micro, state)
+        raise RuntimeError("boom")  # inside the second window (micro-steps 5, 6)
+    back = _FakeAccelerator(0, True)
+    got = {"w": torch.zeros(3), "acc": Accumulation(back)}
+    with Checkpointer(tmp_path / "ck") as ckpt:
+        assert ckpt.restore(got) == 4
+    assert back.step == 4 and torch.equal(got["w"], torch.ones(3))

@@ -22,7 +22,7 @@ import torch
 
 from . import rng, statetree, structure
 from .closing import EXIT_MARGIN_S
-from .errors import CheckpointError
+from .errors import CheckpointError, UnsupportedStateError
 from .filepart import FilePart
 from .optim import hookable, untraced
 from .preemption import MetadataPoller, PreemptionWatcher
@@ -161,10 +161,16 @@ class Emergency:
         """Remember what step ``step``'s state is, cheaply: modules and optimizers by reference
         (an optimizer-step hook notices a step), the modules' buffers and everything else
         copied."""
+        try:
+            frozen = freeze(state)
+        except UnsupportedStateError as e:  # (Accumulation inside an accumulation window)
+            # no step is due here: the point before stays the last consistent one (no
+            # optimizer step since, or its hook says so), and the training goes on
+            log.debug("save_on_exception: step %d is not a consistent point: %s", step, e)
+            return
         stepped = [False]
         self._watch_optimizers(state, stepped)
         rng_state = rng.capture() if self._ck.config.capture_rng else (None, {})
-        frozen = freeze(state)
         self._consistent_point = (step, frozen, rng_state, stepped, module_buffers(frozen))
 
     def _watch_optimizers(self, state: Any, stepped: list[bool]) -> None:
