@@ -5,8 +5,11 @@
 # the other checkout's code, silently.
 here_pkg="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/src/resilient_callbacks"
 there_pkg="$("$venv/bin/python" -c 'import os, resilient_callbacks as m; print(os.path.dirname(os.path.realpath(m.__file__)))' 2>/dev/null || true)"
-if [[ -n $there_pkg && $there_pkg != "$(realpath "$here_pkg")" ]]; then
-    echo "[resilient] $venv imports resilient_callbacks from $there_pkg, another checkout;" \
+# (one that imports none, its editable install's clone deleted say, gets this checkout's too)
+if [[ $there_pkg != "$(realpath "$here_pkg")" ]]; then
+    there="from $there_pkg, another checkout"
+    [[ -n $there_pkg ]] || there="from nowhere (it cannot import it)"
+    echo "[resilient] $venv imports resilient_callbacks $there;" \
         "using this checkout's $(dirname "$here_pkg") instead (PYTHONPATH)" >&2
     export PYTHONPATH="$(dirname "$here_pkg")${PYTHONPATH:+:$PYTHONPATH}"
 fi

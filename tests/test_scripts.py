@@ -56,3 +56,32 @@ def test_test_sh_with_another_checkouts_venv_tests_this_checkout(tmp_path):
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "another checkout" in r.stderr and str(copy / "src") in r.stderr
+
+
+def test_a_venv_that_cannot_import_the_package_runs_this_checkout(tmp_path):
+    """A shared RESILIENT_VENV whose editable install points at a clone since deleted (or one
+    that never installed the package) imports no resilient_callbacks: the scripts put this
+    checkout's src/ first only when the venv imported another checkout's, so the demo and the
+    tests failed with ModuleNotFoundError beside this checkout's own src/. Paths with spaces."""
+    copy = tmp_path / "a clone"
+    shutil.copytree(ROOT / "scripts", copy / "scripts")
+    (copy / "src" / "resilient_callbacks").mkdir(parents=True)
+    (copy / "src" / "resilient_callbacks" / "__init__.py").write_text('WHERE = "the clone"\n')
+    bare = tmp_path / "a venv" / "bin"  # its Python sees no site-packages: no package there
+    bare.mkdir(parents=True)
+    (bare / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    (bare / "python").chmod(0o755)
+    script = (
+        'set -euo pipefail; venv="$1"; source scripts/this_checkout.sh; '
+        'exec "$venv/bin/python" -c "import resilient_callbacks as m; print(m.WHERE)"'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run(
+        ["bash", "-c", script, "bash", str(bare.parent)],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "the clone", r.stdout + r.stderr
