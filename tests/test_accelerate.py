@@ -158,3 +158,20 @@ def test_save_on_exception_with_step_called_every_micro_batch(tmp_path: Path) ->
     with Checkpointer(tmp_path / "ck") as ckpt:
         assert ckpt.restore(got) == 4
     assert back.step == 4 and torch.equal(got["w"], torch.ones(3))
+
+
+def test_a_subclass_of_a_prepared_loader_is_refused_too(tmp_path: Path) -> None:
+    """A user's subclass of accelerate's DataLoaderShard has its state_dict(): it was not
+    refused (the check read the class's own name), and the save failed inside accelerate."""
+    from accelerate.data_loader import DataLoaderShard
+
+    class MyShard(DataLoaderShard):
+        pass
+
+    loader = MyShard(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2)
+    with (
+        pytest.raises(UnsupportedStateError, match=r"DataLoaderShard \(MyShard subclasses it\)"),
+        Checkpointer(tmp_path / "ck", async_save=False) as ckpt,
+    ):
+        ckpt.save(1, {"data": loader})
+    assert not any((tmp_path / "ck").glob("step*"))

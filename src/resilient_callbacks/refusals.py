@@ -135,10 +135,19 @@ def refuse_stateful(obj: Any, where: str) -> None:
     Hugging Face Accelerate prepared. Without ``use_stateful_dataloader`` its ``state_dict()``
     fails inside accelerate; with it, a resumed run draws other batches than the interrupted
     one (its look-ahead and the sampler's seed are not kept right), silently."""
-    cls = type(obj)
-    if cls.__name__ in _ACCELERATE_LOADERS and cls.__module__.startswith("accelerate."):
+    # (a subclass of one too: its state_dict() is accelerate's)
+    cls = next(
+        (
+            k
+            for k in type(obj).__mro__
+            if k.__name__ in _ACCELERATE_LOADERS and k.__module__.startswith("accelerate.")
+        ),
+        None,
+    )
+    if cls is not None:
+        mine = "" if cls is type(obj) else f" ({type(obj).__name__} subclasses it)"
         raise UnsupportedStateError(
-            f"{where} is accelerate's {cls.__name__}, what accelerator.prepare() returns for "
+            f"{where} is accelerate's {cls.__name__}{mine}, what accelerator.prepare() returns for "
             "a DataLoader: its position does not resume exactly (without "
             "use_stateful_dataloader it has no state; with it a resumed run gets other "
             "batches). Put a resilient_callbacks.ResumableDataLoader in the state and iterate "
