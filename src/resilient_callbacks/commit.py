@@ -308,12 +308,15 @@ def sweep_staging(root: str) -> list[str]:
     return removed
 
 
-def replace_file(path: str, data: bytes) -> None:
+def replace_file(
+    path: str, data: bytes, *, tmp_prefix: str | None = None, sync_folder: bool = True
+) -> None:
     """Make ``data`` the file ``path`` atomically and durably: written to a hidden temporary
-    file beside it, fsynced, renamed over ``path``, the folder fsynced. A kill or a power loss
-    leaves the old file or the new one, never a truncated one."""
+    file beside it (``tmp_prefix`` + a random part; default ``.<name>.tmp-``), fsynced, renamed
+    over ``path``, the folder fsynced (``sync_folder=False``: the caller fsyncs it later). A
+    kill or a power loss leaves the old file or the new one, never a truncated one."""
     folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(folder, f"{tmp_prefix or f'.{name}.tmp-'}{uuid.uuid4().hex[:8]}")
     try:
         write_bytes(tmp, data)
         os.replace(tmp, path)
@@ -321,7 +324,8 @@ def replace_file(path: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fsync_dir(folder)
+    if sync_folder:
+        fsync_dir(folder)
 
 
 def point_latest(root: str, name: str) -> None:
@@ -340,14 +344,5 @@ def write_latest_pointer(root: str, name: str) -> None:
     written to a temporary file, fsynced and renamed over ``latest`` (durable once ``root``
     is fsynced, which :meth:`RenameCommit.commit` does after it). Discovery never trusts it:
     manifests decide."""
-    tmp = os.path.join(root, f"{LATEST_TMP_PREFIX}{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(root, "latest"))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    latest = os.path.join(root, "latest")
+    replace_file(latest, f"{name}\n".encode(), tmp_prefix=LATEST_TMP_PREFIX, sync_folder=False)
