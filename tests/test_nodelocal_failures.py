@@ -42,6 +42,13 @@ def _run(tmp: Path, name: str, nprocs: int, *args: str, expect=0, per_node: int 
     ]
 
 
+def _committed_then_both_disks_wiped(tmp: Path) -> None:
+    """A first run of 4 steps, closed (committed remotely); then both nodes' disks are empty."""
+    _run(tmp, "first", 2, "--steps", "4")
+    shutil.rmtree(tmp / "node0")
+    shutil.rmtree(tmp / "node1")
+
+
 def _flip_a_byte(ckpt: Path) -> None:
     """Flip a byte in the middle of the largest file of checkpoint folder ``ckpt``."""
     _flip_a_byte_of(
@@ -88,9 +95,7 @@ def test_a_wiped_node_resumes_a_compressed_checkpoint_from_the_remote(tmp_path):
 
 
 def test_remote_unlistable_and_empty_disks_is_an_error_not_a_fresh_start(tmp_path):
-    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
-    shutil.rmtree(tmp_path / "node0")
-    shutil.rmtree(tmp_path / "node1")
+    _committed_then_both_disks_wiped(tmp_path)
     out = _run(tmp_path, "second", 2, "--steps", "6", expect=4, RC_SCAN_FAILS_AFTER=1)
     for rank in out:
         assert rank[-1]["error"] == "RemoteUnavailableError", rank
@@ -125,9 +130,7 @@ def test_remote_checkpoints_whose_manifest_cannot_be_read_are_no_fresh_start(tmp
     """Every node replaced (empty disks), the run's remote manifests listed but damaged: the
     restore kept only the remote checkpoints it could read, found none, and started from step
     0 without a word beside them (as shared mode did before). Now it refuses, naming each."""
-    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
-    shutil.rmtree(tmp_path / "node0")
-    shutil.rmtree(tmp_path / "node1")
+    _committed_then_both_disks_wiped(tmp_path)
     for m in (tmp_path / "remote").glob("step_*/manifest.json"):
         m.write_text("{torn")
     out = _run(tmp_path, "second", 2, "--steps", "6", expect=4)
@@ -144,9 +147,7 @@ def test_a_resave_never_takes_the_name_of_a_remote_checkpoint_it_cannot_read(tmp
     newest step again. The coordinator gave the re-save that name: each node uploaded its files
     over the unreadable copy's and the commit replaced its manifest. Now it takes another name
     and numbers after it; the unreadable copy stays as it was."""
-    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
-    shutil.rmtree(tmp_path / "node0")
-    shutil.rmtree(tmp_path / "node1")
+    _committed_then_both_disks_wiped(tmp_path)
     newest = tmp_path / "remote" / "step_000000004"
     m = json.loads((newest / "manifest.json").read_text())
     (newest / "manifest.json").write_text(json.dumps({**m, "format_version": 99}))
@@ -167,9 +168,7 @@ def test_remote_manifests_a_read_failed_on_are_named_and_a_torn_newest_is_skippe
     error naming them, not a fresh start. Then the store answers, but the newest remote
     checkpoint lacks an object: the restore took the step before without a word about it;
     now it says what it skipped and why."""
-    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
-    shutil.rmtree(tmp_path / "node0")
-    shutil.rmtree(tmp_path / "node1")
+    _committed_then_both_disks_wiped(tmp_path)
     out = _run(tmp_path, "second", 2, "--steps", "6", expect=4, RC_MANIFEST_READS_FAIL=1)
     for rank in out:
         assert rank[-1]["error"] == "NoValidCheckpointError", rank
