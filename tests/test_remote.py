@@ -29,7 +29,11 @@ from resilient_callbacks import (
     ResumeFallbackWarning,
     catalog,
 )
-from resilient_callbacks.errors import NoValidCheckpointError, RemoteUnavailableError
+from resilient_callbacks.errors import (
+    NoValidCheckpointError,
+    RemoteUnavailableError,
+    UploadIncompleteError,
+)
 from resilient_callbacks.remote import RemoteStore
 
 
@@ -422,7 +426,8 @@ def test_during_an_outage_each_commit_frees_what_the_uploader_would_skip(tmp_pat
         error = ck.remote_status().last_error
         assert "the store is down" in error and "SECRET" not in error, error
     finally:
-        ck.close()  # gives up on the outage (1.5 s here), naming what is only local
+        with pytest.raises(UploadIncompleteError):  # gives up on the outage (1.5 s here)
+            ck.close()
 
 
 def test_while_an_upload_hangs_each_commit_frees_what_the_uploader_would_skip(tmp_path):
@@ -502,9 +507,14 @@ def test_close_gives_up_on_a_long_outage_and_names_what_is_only_local(
     caplog.set_level(logging.WARNING, "resilient_callbacks")
     ck.save(10, _state(10))
     t0 = time.monotonic()
-    ck.close()
+    with pytest.raises(UploadIncompleteError) as info:
+        ck.close()
     # gives up after its 1.5 s outage limit, not the default minutes (loose: a loaded machine)
     assert time.monotonic() - t0 < 120
+    assert info.value.pending == ("step_000000010",)
+    msg = str(info.value)
+    assert f"resilient-ckpt push {tmp_path / 'l'} {url}" in msg and "the store is down" in msg, msg
+    assert ck.closed and not ck._dir.lock.held  # released before raising
     assert any(
         "still only local" in r.message and "step_000000010" in r.message for r in caplog.records
     )
@@ -540,7 +550,11 @@ def test_close_gives_up_on_a_store_that_stopped_answering(tmp_path, caplog, monk
         if signalled:
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
         t0 = time.monotonic()
-        ck.close()
+        if signalled:  # the preemption's grace period bounded it: the restart uploads
+            ck.close()
+        else:
+            with pytest.raises(UploadIncompleteError, match=r"no byte moved|never answered"):
+                ck.close()
         took = time.monotonic() - t0
         release.set()
     finally:
@@ -1323,3 +1337,54 @@ def test_blobs_of_a_remote_checkpoint_of_a_newer_format_are_not_collected(tmp_pa
     assert got.returncode == 0, got.stderr
     assert [d["name"] for d in json.loads(got.stdout)["remote"]["delete"]] == ["step_000000010"]
     assert all(b.exists() for b in blobs), "the newer checkpoint's blobs were deleted"
+
+
+_GIVE_UP_SCRIPT = """
+import sys, torch
+from resilient_callbacks import Checkpointer, checkpointer
+from resilient_callbacks.remote import RemoteStore
+
+checkpointer.CLOSE_OUTAGE_S = 0.5  # (300 s by default)
+
+def down(self, *a, **k):
+    raise ConnectionError("the store is down")
+
+RemoteStore.upload = down
+local, url, how = sys.argv[1:]
+state = {"w": torch.zeros(4)}
+with Checkpointer(local, remote=url, every_n_steps=2) as ck:
+    ck._sync.retry_base_s = ck._sync.retry_max_s = 0.05
+    for step in range(1, 5):
+        state["w"] += 1
+        ck.step(step, state)
+    if how == "fails":
+        raise ValueError("the user's own error")
+print("loop ended")
+"""
+
+
+@pytest.mark.parametrize("how", ["ends", "fails"])
+def test_a_job_whose_uploads_were_given_up_does_not_exit_0(tmp_path, how):
+    """A plain loop in a `with Checkpointer(...)` block against a store that failed for longer
+    than close()'s outage limit: close() gave up, logged a warning and returned, and the
+    process exited 0, so a scheduler marked the job successful although its newest checkpoints
+    never left the machine's disk. Now close() raises UploadIncompleteError naming them and
+    the push command, and the exit status is 1; the user's own exception, if the loop failed,
+    is the one that propagates (the close error is logged beside it)."""
+    url = f"file://{tmp_path / 'remote'}"
+    p = subprocess.run(
+        [sys.executable, "-c", _GIVE_UP_SCRIPT, str(tmp_path / "l"), url, how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert p.returncode == 1, (p.returncode, p.stdout, p.stderr)
+    assert "loop ended" not in p.stdout
+    tail = p.stderr.strip().splitlines()[-1]
+    assert "step_000000004" in p.stderr and f"resilient-ckpt push {tmp_path / 'l'}" in p.stderr
+    if how == "ends":
+        assert tail.startswith("resilient_callbacks.errors.UploadIncompleteError"), p.stderr
+    else:
+        assert tail == "ValueError: the user's own error", p.stderr
+    assert (tmp_path / "l" / "step_000000004" / "manifest.json").exists()

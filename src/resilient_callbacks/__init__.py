@@ -38,6 +38,7 @@ from .errors import (
     UnknownOptionError,
     UnsafeManifestError,
     UnsupportedStateError,
+    UploadIncompleteError,
 )
 
 # The rest imports torch: loaded on first use (PEP 562), so `resilient-ckpt --help`, the errors
@@ -106,5 +107,6 @@ __all__ = [
     "UnknownOptionError",
     "UnsafeManifestError",
     "UnsupportedStateError",
+    "UploadIncompleteError",
     "__version__",
 ]

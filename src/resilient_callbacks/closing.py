@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from . import catalog
 from .catalog import Depth
+from .errors import UploadIncompleteError
 from .nodelocal import NodeDirectory
 
 if TYPE_CHECKING:
@@ -39,7 +40,12 @@ _WORKER_KILLED = re.compile(r"DataLoader worker \(pid.*\) is killed by signal")
 def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
     """Wait for background saves to commit, then release the directory (see
     ``Checkpointer.close``). ``outage_s``: without a timeout, how long uploads may keep
-    failing before close gives up on them (what is left stays local and is named)."""
+    failing before close gives up on them: what is left stays local and, unless the process
+    is answering a preemption, :class:`UploadIncompleteError` names it once all is released
+    (a job must not end as a success with its newest checkpoints on one machine's disk)."""
+    not_uploaded: list[str] = []
+    # gave up only for the outage: no timeout of the caller's, no preemption bounding it
+    strict = timeout is None and not ck.preempted
     if timeout is None:
         timeout = _answered_elsewhere_s(ck)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -74,9 +80,10 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
         if ck._dir.sync is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             watcher = ck.watcher  # a SIGTERM arriving now bounds the wait by its grace period
-            ck._dir.finish_uploads(
+            not_uploaded = ck._dir.finish_uploads(
                 left, outage_s, watcher.remaining_grace_s if watcher else lambda: None
             )
+            strict = strict and (watcher is None or watcher.request is None)
         if isinstance(ck._dir, NodeDirectory):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             watcher = ck.watcher  # a SIGTERM arriving now bounds the waits by its grace period
@@ -88,6 +95,26 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
             persister.raise_error()
     finally:
         _release(ck, _sinks_deadline(ck, deadline))
+    if not_uploaded and strict:
+        raise _not_uploaded(ck, not_uploaded, outage_s)
+
+
+def _not_uploaded(ck: Checkpointer, pending: list[str], outage_s: float) -> UploadIncompleteError:
+    """The error of a close() that gave up on uploads during an outage of the store."""
+    assert ck._dir.sync is not None and ck._dir.remote is not None
+    url = ck._dir.remote.url
+    error = ck._dir.sync.status().last_error or f"no byte moved for {outage_s:g} s"
+    return UploadIncompleteError(
+        f"close(): {len(pending)} checkpoint(s) never reached {url}: {', '.join(pending)}. The "
+        f"store failed or stopped answering for more than {outage_s:g} s (last error: "
+        f"{error}), so close() gave up on them. They are committed and kept in {ck.dirpath}; "
+        f"upload them with `resilient-ckpt push {ck.dirpath} {url}` once the store answers (a "
+        "run resumed with the same dirpath and remote uploads them too). Raised so that the "
+        "job does not end as a success with its newest checkpoints on this machine's disk only",
+        tuple(pending),
+        ck.dirpath,
+        url,
+    )
 
 
 def failing(ck: Checkpointer, exc: BaseException) -> None:
@@ -305,4 +332,5 @@ def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
         try:
             ck.close()
         except Exception as e:  # at exit there is no caller left to raise to: say it loudly
-            log.error("a checkpoint being written at exit failed: %s", e)
+            # (the exit status stays as it was: call close(), or use `with`, to fail the job)
+            log.error("closing %s at exit failed: %s", ck.dirpath, e)

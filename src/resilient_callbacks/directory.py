@@ -427,10 +427,10 @@ class Directory:
 
     def finish_uploads(
         self, timeout: float | None, outage_s: float, grace_left: Callable[[], float | None]
-    ) -> None:
-        """close(): wait for the uploads (a progress bar on a terminal), then say what, if
-        anything, is still only local. ``grace_left``: seconds to the hard kill of a preemption
-        request that arrived meanwhile (None: none), which bounds the wait."""
+    ) -> list[str]:
+        """close(): wait for the uploads (a progress bar on a terminal), then say and return
+        what is still only local (``[]``: all uploaded). ``grace_left``: seconds to the hard kill
+        of a preemption request that arrived meanwhile (None: none), which bounds the wait."""
         assert self.sync is not None and self.remote is not None
         status = self.sync.status()
         if status.pending:
@@ -445,7 +445,7 @@ class Directory:
         if self._wait_uploads(timeout, outage_s, grace_left):
             if status.pending:
                 log.warning("all checkpoints are uploaded to %s", self.remote.url)
-            return
+            return []
         status = self.sync.status()
         log.warning(
             "close(): %d checkpoint(s) are still only local in %s, not in %s: %s (last error: "
@@ -459,15 +459,15 @@ class Directory:
             self.dirpath,
             self.remote.url,
         )
+        return list(status.pending)
 
     def _wait_uploads(
         self, timeout: float | None, outage_s: float, grace_left: Callable[[], float | None]
     ) -> bool:
-        """Wait for the upload queue to drain: up to ``timeout``, and without a timeout for
-        as long as the store answers; after ``outage_s`` of failing attempts or of an attempt
-        that moves no byte (a store that stopped answering), give up (a job must not hang at
-        exit through a long outage; what is left stays local). A preemption request arriving
-        meanwhile bounds the wait to its grace period, less a margin to exit."""
+        """Wait for the upload queue to drain: up to ``timeout``; without one, as long as the
+        store answers, giving up after ``outage_s`` of failing attempts or of one that moves no
+        byte (no hang at exit through an outage: what is left stays local, close() raises). A
+        preemption request arriving meanwhile bounds the wait to its grace period, less 5 s."""
         assert self.sync is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         outage_since: float | None = None

@@ -81,6 +81,17 @@ class RemoteUnavailableError(CheckpointError, ConnectionError):
     credentials are wrong."""
 
 
+class UploadIncompleteError(RemoteUnavailableError):
+    """``close()`` gave up on uploads: the remote store failed (or stopped answering) for
+    longer than the outage limit, so the newest checkpoints are only on the local disk.
+    ``pending``: their names; ``dirpath`` and ``url``: where they are and where they belong
+    (``resilient-ckpt push DIRPATH URL`` uploads them)."""
+
+    def __init__(self, message: str, pending: tuple[str, ...], dirpath: str, url: str) -> None:
+        super().__init__(message)
+        self.pending, self.dirpath, self.url = pending, dirpath, url
+
+
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
@@ -94,6 +105,7 @@ __all__ = [
     "RemoteUnavailableError",
     "UnsafeManifestError",
     "UnsupportedStateError",
+    "UploadIncompleteError",
 ]
 
 
