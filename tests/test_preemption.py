@@ -1229,3 +1229,44 @@ def test_a_dataloader_worker_killed_by_the_signal_is_named_with_what_to_do(tmp_p
     assert "SIGTERM arrived while training failed with RuntimeError" in caplog.text
     assert "A DataLoader worker died of the signal first" in caplog.text, caplog.text
     assert "multiprocessing_context" in caplog.text
+
+
+_CAUGHT_EXIT = """
+import os, signal, sys, torch
+from resilient_callbacks import Checkpointer
+sig = getattr(signal, sys.argv[2])
+state = {"t": torch.zeros(2)}
+ck = Checkpointer(sys.argv[1], every_n_steps=100, handle_sigint=True)
+ck.restore(state)
+try:
+    for s in range(1, 20):
+        if s == 3:
+            os.kill(os.getpid(), sig)
+        ck.step(s, state)
+except SystemExit as e:  # a notebook's kernel, a sweep: the process goes on
+    print("caught", e.code, flush=True)
+try:
+    os.kill(os.getpid(), sig)  # later: Ctrl-C (a notebook's interrupt), a SIGTERM
+    sum(range(1000))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+print("went on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_after_the_preemption_exit_was_caught_acts_as_without_us(tmp_path, sig):
+    """The SystemExit(75) of a preemption caught and the process going on (a notebook's
+    kernel, a sweep's driver): the handler kept for that exit stayed, so the next signal ended
+    the process at once with 75 (os._exit), whatever it was: a notebook's interrupt (SIGINT,
+    handle_sigint=True) killed the kernel with all its state. Now, with no SystemExit under
+    way, the signal gets the action it had before the Checkpointer: SIGINT's
+    KeyboardInterrupt (the process goes on), SIGTERM's death by the signal."""
+    r = _run_code(tmp_path / "caught.py", _CAUGHT_EXIT, str(tmp_path / "ck"), sig)
+    assert "caught 75" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+    if sig == "SIGINT":
+        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+        assert "interrupted" in r.stdout and "went on" in r.stdout
+    else:
+        assert r.returncode == -signal.SIGTERM, (r.returncode, r.stdout, r.stderr[-2000:])
+        assert "went on" not in r.stdout

@@ -17,7 +17,11 @@ process (the default one, or SIGINT's ``KeyboardInterrupt``) instead:
   default action): is ignored; the scheduler's SIGKILL still ends a process stuck there.
 
 A handler installed before the watcher (the user's) is restored and runs as before. A process
-that catches the ``SystemExit`` and installs a watcher again is no longer exiting.
+that catches the ``SystemExit`` and goes on is no longer exiting: it installs a watcher again
+(:func:`clear`), or a signal comes while no ``SystemExit`` is being handled and the
+interpreter is not shutting down (:func:`under_way`), which then gets the action it would have
+had without the watcher (a ``KeyboardInterrupt`` in a notebook whose kernel lives on, not an
+``os._exit`` of the kernel).
 
 Thread contract: :func:`mark` runs in the training thread; the rest in the main thread (signal
 handlers, ``uninstall``, ``atexit``).
@@ -29,6 +33,8 @@ import atexit
 import contextlib
 import os
 import signal
+import sys
+import threading
 from typing import Any
 
 _exiting: tuple[int, int] | None = None  # (pid, exit code)
@@ -60,6 +66,24 @@ def code() -> int | None:
     """The code this process exits with after its emergency save; None when not exiting (or
     in a process forked from it)."""
     return _exiting[1] if _exiting is not None and _exiting[0] == os.getpid() else None
+
+
+def under_way() -> bool:
+    """In a signal handler (main thread), while :func:`code` is set: whether the process is
+    still on its way out, not trained on after a caller caught the ``SystemExit``: one is
+    being handled (a ``finally``, an ``except``, a ``__exit__`` it passes through, chained to
+    an exception raised there), or the interpreter is shutting down (``threading``'s shutdown,
+    ``atexit``, finalization)."""
+    if getattr(threading, "_SHUTTING_DOWN", False) or sys.is_finalizing():
+        return True
+    if not threading.main_thread().is_alive():
+        return True
+    exc, seen = sys.exc_info()[1], 0
+    while exc is not None and seen < 100:
+        if isinstance(exc, SystemExit):
+            return True
+        exc, seen = exc.__context__, seen + 1
+    return False
 
 
 def ends_the_process(handler: Any) -> bool:

@@ -472,10 +472,13 @@ def _unwrap(signum: int, prev: _Handler) -> _Handler:
 def _previous_action(signum: int, frame: FrameType | None, prev: _Handler) -> None:
     """What the process would have done without the watcher (used in forked children); in
     a process exiting after its emergency save (:meth:`PreemptionWatcher.exiting`), where that
-    ends the process, it exits with the preemption's code."""
+    ends the process, it exits with the preemption's code while the exit is under way (not
+    once its ``SystemExit`` was caught and the process went on: :func:`.exiting.under_way`)."""
     code = exiting.code()
     if code is not None and exiting.ends_the_process(prev):
-        os._exit(code)
+        if exiting.under_way():
+            os._exit(code)
+        exiting.clear()  # the SystemExit was caught and the process went on: as without us
     if callable(prev):
         prev(signum, frame)
     elif prev != signal.SIG_IGN:
