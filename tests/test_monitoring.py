@@ -173,6 +173,27 @@ def test_textfile_for_node_exporter_parsed_by_prometheus_client(tmp_path: Path):
     assert not list(path.parent.glob("*.tmp*"))  # written atomically
 
 
+def test_a_loop_that_only_saves_exports_its_step_and_no_made_up_goodput(tmp_path: Path):
+    """A loop that calls ckpt.save(step=...) itself and never step(): the textfile said
+    step 0 and goodput_ratio 0 (useful_seconds 0: no step was timed), a dashboard's alert on a
+    stuck run, or a goodput of nothing, while the report says "unknown". Now the step is the
+    one last saved, and useful_seconds and goodput_ratio are left out (unknown) until a
+    step() measures training compute."""
+    path = tmp_path / "textfile" / "ckpt.prom"
+    state = _state()
+    with Checkpointer(tmp_path / "ck", async_save=False, telemetry=f"textfile:{path}") as ck:
+        ck.restore(state)
+        for step in (100, 200, 300):
+            ck.save(step, state)
+    fams = {f.name: f for f in prom_parser.text_string_to_metric_families(path.read_text())}
+    assert fams[PREFIX + "step"].samples[0].value == 300
+    assert fams[PREFIX + "last_saved_step"].samples[0].value == 300
+    assert PREFIX + "goodput_ratio" not in fams and PREFIX + "useful_seconds" not in fams
+    assert fams[PREFIX + "wall_seconds"].samples[0].value > 0  # (the run's clock is known)
+    ended = [json.loads(x) for x in (tmp_path / "ck" / "history.jsonl").read_text().splitlines()]
+    assert ended[-1]["event"] == "end" and ended[-1]["step"] == 300, ended[-1]
+
+
 def test_callable_hook_and_metrics_without_a_sink(tmp_path: Path):
     got: list[dict] = []
     state = _state()

@@ -457,6 +457,7 @@ class Checkpointer:
         self, step: int, state: Any, metrics: Mapping[str, Any] | None, reason: str, why: str
     ) -> bool:
         t0 = time.perf_counter()
+        self._recorder.t.step = step  # (the step gauge and records of a loop that only saves)
         try:
             return self._saver.save(step, state, metrics, reason, why=why)
         finally:

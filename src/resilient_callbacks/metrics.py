@@ -156,7 +156,7 @@ METRICS: tuple[Metric, ...] = (
         "emergency saves committed (preemption, exception, emergency_save())",
     ),
     # the schedule
-    _m("step", "gauge", "step", "the training step last passed to step()"),
+    _m("step", "gauge", "step", "the training step last passed to step() or save()"),
     _m("step_seconds", "gauge", "seconds", "median compute time of a training step (recent)"),
     _m(
         "interval_steps",

@@ -74,6 +74,11 @@ class Recorder:
         """Training compute that counts so far (see the module docstring)."""
         return self.base_useful_s + self._ck._trigger.compute_s - self._compute_at_base
 
+    def timed(self) -> bool:
+        """Whether any training compute was measured (``step()`` calls, here or in the run's
+        checkpoint restored): a loop that only calls ``save()`` has none, its goodput unknown."""
+        return self._ck._trigger.compute_s > 0 or self.base_useful_s > 0
+
     def schedule_inputs(self) -> dict[str, Any]:
         """What the interval decision is made of: step time, save cost, MTBF, the interval in
         use and Daly's optimum for them."""
@@ -122,11 +127,12 @@ class Recorder:
                 t.set(PREFIX + name, s[key])
         if self.run_start is not None:  # the run's lineage is known (after restore() or a start)
             t.set(PREFIX + "restarts_total", self.failures)
-            useful = self.useful_s()
-            t.set(PREFIX + "useful_seconds", useful)
             wall = max(time.time() - self.run_start, 1e-9)
             t.set(PREFIX + "wall_seconds_total", wall)
-            t.set(PREFIX + "goodput_ratio", min(1.0, useful / wall))
+            if self.timed():  # else unknown, not 0: left out, as the report says "unknown"
+                useful = self.useful_s()
+                t.set(PREFIX + "useful_seconds", useful)
+                t.set(PREFIX + "goodput_ratio", min(1.0, useful / wall))
         waits = ck._saver.save_waits
         t.set(PREFIX + "saves_waited_total", waits.waits)
         t.set(PREFIX + "save_wait_seconds_total", waits.total_seconds)
