@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import branches, errors
+from . import branches, errors, stall
 from .commit import CKPT_RE
 from .errors import AT_CALLER, RemoteUnavailableError, ResumeFallbackWarning, warn_and_log
 from .redact import url_text
@@ -78,7 +78,7 @@ def number_after_remote(d: Directory) -> None:
     if d.sync is None or d.remote is None:
         return
     try:
-        entries = d.sync.refresh()
+        entries = stall.run(d.sync.refresh, f"listing {d.remote.url}")
     except Exception as e:
         log.warning(
             "could not list the remote checkpoints in %s (%s: %s): this run's checkpoints "
@@ -108,8 +108,8 @@ def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
         by_key[key] = {"local": e, "step": e.manifest.step, "seq": e.manifest.seq}
         by_key[key]["lineage"] = e.manifest.lineage
     if d.sync is not None and d.remote is not None:
-        try:
-            remote_entries = d.sync.refresh()
+        try:  # (bounded: a store that stalls every read hung the restart forever)
+            remote_entries = stall.run(d.sync.refresh, f"listing {d.remote.url}")
         except Exception as e:
             why = (
                 f"could not list the remote checkpoints in {d.remote.url} ({type(e).__name__}: {e})"

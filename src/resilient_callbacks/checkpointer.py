@@ -53,8 +53,8 @@ __all__ = ["CLOSE_OUTAGE_S", "GRACE_ENV", "RESUMABLE_EXIT_CODE", "Checkpointer",
 
 log = logging.getLogger("resilient_callbacks")
 
-# close() without a timeout waits for uploads while the store answers, and gives up after this
-# many seconds of failing attempts (what is left stays local and is named).
+# close() without a timeout gives up on uploads after this many seconds of failing attempts
+# (UploadIncompleteError), a restore on a remote read without progress as long (stall.py).
 CLOSE_OUTAGE_S = 300.0
 
 RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, retry": checkpoint saved, restart me

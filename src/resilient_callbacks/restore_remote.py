@@ -12,11 +12,11 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from . import catalog, dist
-from .blobs import key_of
+from . import catalog, dist, stall
+from .blobs import TMP_PREFIX, key_of, store_dir
 from .candidates import Candidate
 from .catalog import Status
-from .commit import fsync_dir, remove_checkpoint
+from .commit import STAGING_PREFIX, fsync_dir, remove_checkpoint
 from .errors import CheckpointNotFoundError
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .redact import url_text
@@ -24,6 +24,7 @@ from .retention import plan
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
+    from .remote import RemoteEntry
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -54,12 +55,28 @@ def fetch(ck: Checkpointer, c: Candidate) -> Candidate:
             log.warning("restoring from the remote copy %s", url)
             keys = [key_of(b.path) for b in entry.manifest.blobs]
             with d.blobs.pinned(keys):  # no collection between download and install
-                staging, name = d.remote.download(entry, ck.dirpath)
+                staging, name = _download(ck, entry, url)
                 result["path"] = _install(ck, staging, name, entry.manifest)
         except Exception as e:
             result["problem"] = f"remote copy {url}: {type(e).__name__}: {e}"
     msg = dist.broadcast_json(result)
     return replace(c, path=msg["path"] or c.remote, problem=msg["problem"])
+
+
+def _download(ck: Checkpointer, entry: RemoteEntry, url: str) -> tuple[str, str]:
+    """:meth:`RemoteStore.download`, given up once no byte has arrived for
+    :func:`.stall.limit_s` (a store that stalls every read hung the restart forever)."""
+    d = ck._dir
+    assert d.remote is not None and entry.manifest is not None
+    sizes = {f.path: f.size for f in entry.manifest.files}
+
+    def moved() -> tuple[int, str]:
+        files, doing = stall.on_disk(ck.dirpath, f"{STAGING_PREFIX}{entry.name}-", sizes)
+        blobs, _ = stall.on_disk(store_dir(ck.dirpath), TMP_PREFIX, {})
+        return files + blobs, doing
+
+    remote = d.remote
+    return stall.run(lambda: remote.download(entry, ck.dirpath), f"downloading {url}", moved)
 
 
 def _install(ck: Checkpointer, staging: str, name: str, manifest: Manifest) -> str:

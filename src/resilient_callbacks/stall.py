@@ -1,0 +1,122 @@
+"""Bounding the remote tier's reads at restore: a store that accepts connections and then
+stalls or fails every read must not hang a restarted job at its start.
+
+The store's client has its own timeouts (s3fs: about 7 minutes per request, retries
+included: docs/remote.md), other fsspec filesystems may have none. So a restore runs its
+listing and each download in a daemon thread and waits for it while it makes progress: a
+listing gets :func:`limit_s` seconds in all, a download as long as bytes keep arriving (the
+files growing in its staging folder, or the transfer's own byte count), until none has
+arrived for :func:`limit_s` seconds (the limit after which ``close()`` gives up on uploads).
+It then raises :class:`~.errors.RemoteUnavailableError` naming what stalled, and the restore
+goes on as for any other failed read: the next candidate, loudly, or an error. The thread is
+abandoned (a daemon: it never keeps the process alive); what it writes later lies in a hidden
+staging folder that the next writer of the directory sweeps.
+
+Which ranks call what: the coordinator (the only one with a remote store); nothing collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .errors import RemoteUnavailableError
+
+log = logging.getLogger("resilient_callbacks")
+T = TypeVar("T")
+LOG_EVERY_S = 30.0  # a long download says how far it got this often
+
+
+def limit_s() -> float:
+    """Seconds without progress after which a restore's remote read is given up: the outage
+    limit of ``close()`` (``checkpointer.CLOSE_OUTAGE_S``, 5 minutes)."""
+    from . import checkpointer
+
+    return float(checkpointer.CLOSE_OUTAGE_S)
+
+
+def run(
+    fn: Callable[[], T],
+    what: str,
+    moved: Callable[[], tuple[int, str]] | None = None,
+) -> T:
+    """``fn()`` in a daemon thread: its result, or its exception. ``moved()``: the bytes
+    transferred so far and a few words on what is still under way; without it ``fn`` gets
+    :func:`limit_s` in all, with it until the count has not changed for that long (its
+    progress logged every :data:`LOG_EVERY_S`, a warning once it stalls). Then
+    :class:`RemoteUnavailableError`, naming ``what`` and what was under way."""
+    limit = limit_s()
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            out["error"] = e
+
+    worker = threading.Thread(target=target, name="rc-restore-read", daemon=True)
+    worker.start()
+    t0 = last_move = last_log = time.monotonic()
+    seen = -1
+    while True:
+        worker.join(min(1.0, limit / 4))
+        if not worker.is_alive():
+            break
+        now, (done, doing) = time.monotonic(), moved() if moved is not None else (0, "")
+        if moved is not None and done != seen:
+            seen, last_move = done, now
+        if now - last_move > limit:
+            since = "no answer" if moved is None else f"no byte arrived for {now - last_move:.0f} s"
+            raise RemoteUnavailableError(
+                f"{what}: {since} (after {now - t0:.0f} s in all{'; ' + doing if doing else ''}"
+                f"). The store accepts connections but stalls or fails its reads; the restore "
+                f"gave up after {limit:g} s without progress. Retry when the store answers "
+                "(check its endpoint and health)"
+            )
+        if moved is not None and now - last_log >= LOG_EVERY_S:
+            last_log, idle = now, now - last_move  # a stall is a warning, progress is info
+            log.log(
+                logging.WARNING if idle >= LOG_EVERY_S else logging.INFO,
+                "%s: %.1f MB so far after %.0f s, the last byte %.0f s ago%s",
+                what,
+                done / 1e6,
+                now - t0,
+                idle,
+                f" ({doing})" if doing else "",
+            )
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def on_disk(folder: str, prefix: str, sizes: dict[str, int]) -> tuple[int, str]:
+    """For :func:`run`'s ``moved``: the bytes in ``folder``'s entries named ``prefix*``
+    (a download's staging folder, a blob's temporary file), and the files there still short
+    of their ``sizes`` (relative path in the staging folder -> expected size)."""
+    total, short, present = 0, [], set()
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(prefix)]
+    except OSError:
+        return 0, ""
+    for n in names:
+        top = os.path.join(folder, n)
+        for root, _, files in os.walk(top) if os.path.isdir(top) else [("", [], [top])]:
+            for f in files:
+                p = os.path.join(root, f)
+                try:
+                    size = os.path.getsize(p)
+                except OSError:
+                    continue
+                total += size
+                rel = os.path.relpath(p, top) if root else ""
+                present.add(rel)
+                if rel in sizes and size < sizes[rel]:
+                    short.append(f"{rel} {size / 1e6:.1f} of {sizes[rel] / 1e6:.1f} MB")
+    doing = [f"under way: {', '.join(sorted(short)[:5])}"] if short else []
+    if names and (waiting := len([r for r in sizes if r not in present])):
+        doing.append(f"{waiting} of {len(sizes)} file(s) not begun")
+    return total, "; ".join(doing)

@@ -1,0 +1,97 @@
+"""A restore from a remote store that is dying (it accepts connections, then stalls every
+read) is bounded: the listing and each download give up after the outage limit without
+progress, with an error naming what stalled, and the restore goes on as after any failed
+read. The store is a local fsspec filesystem whose reads block on an event: no sleeps, no
+timing asserts (the limit is lowered to a second; the test only waits for the error)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer
+from resilient_callbacks import checkpointer as ckmod
+from resilient_callbacks.errors import (
+    NoValidCheckpointError,
+    RemoteUnavailableError,
+    ResumeFallbackWarning,
+)
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((64,), float(v))}
+
+
+@pytest.fixture
+def dying(tmp_path, monkeypatch):
+    """(local dir, url, block): a run with steps 10 and 20 uploaded to a file:// store;
+    ``block(ck, "get")`` makes that method of the store's filesystem hang until the test ends
+    (or 20 s: the old code, which waited for it, then fails the test rather than hang)."""
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)
+    local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
+    with Checkpointer(local, remote=url, keep_last=5) as ck:
+        for s in (10, 20):
+            ck.save(s, _state(s))
+    release = threading.Event()
+
+    def block(ck: Checkpointer, method: str) -> None:
+        def hang(*a, **k):
+            release.wait(20)
+            raise ConnectionError("the store never answered")
+
+        monkeypatch.setattr(ck.remote.fs, method, hang)
+
+    yield local, url, block
+    release.set()
+
+
+def test_a_download_that_stalls_is_given_up_naming_the_checkpoint(dying, caplog):
+    """A new node (empty dirpath) restores from a store that lists its checkpoints but never
+    sends their bytes: restore() waited forever (s3fs gives up on a request after minutes,
+    other filesystems never). Now each download is given up once no byte arrived for the
+    outage limit, and the restore fails naming each checkpoint and what stalled."""
+    local, url, block = dying
+    shutil.rmtree(local)
+    ck = Checkpointer(local, remote=url, keep_last=5)
+    try:
+        block(ck, "get")
+        with pytest.raises(NoValidCheckpointError) as info, pytest.warns(ResumeFallbackWarning):
+            ck.restore(_state(0))
+    finally:
+        ck.close()
+    said = str(info.value)
+    assert f"downloading {url}/step_000000020: no byte arrived" in said, said
+    assert "RemoteUnavailableError" in said and "Retry when the store answers" in said, said
+    assert "file(s) not begun" in said, said
+
+
+def test_a_listing_that_stalls_falls_back_to_the_local_checkpoints(dying):
+    """A job requeued while its store stalls every read, with its checkpoints on the local
+    disk (the preflight only warns then): the restore's listing of the store hung forever.
+    Now it is given up after the outage limit: a loud fallback to the local checkpoints."""
+    local, url, block = dying
+    ck = Checkpointer(local, remote=url, keep_last=5)
+    try:
+        block(ck, "find")
+        with pytest.warns(ResumeFallbackWarning, match="listing .*: no answer"):
+            assert ck.restore(_state(0)) == 20
+    finally:
+        ck.close(timeout=5)
+
+
+def test_a_listing_that_stalls_with_nothing_local_is_an_error_not_a_hang(dying, caplog):
+    local, url, block = dying
+    shutil.rmtree(local)
+    ck = Checkpointer(local, remote=url, keep_last=5)
+    caplog.set_level(logging.WARNING, "resilient_callbacks")
+    try:
+        block(ck, "find")
+        with pytest.raises(RemoteUnavailableError, match="not starting from scratch") as info:
+            ck.restore(_state(0))
+        assert "no answer" in str(info.value)
+    finally:
+        ck.close(timeout=5)
