@@ -997,3 +997,49 @@ def test_the_reader_falls_back_past_a_damaged_newest_remote_checkpoint(tmp_path,
     assert reader.loaded_step == 1 and sd["epoch"] == 1
     assert torch.equal(sd["w"], torch.full((4096,), 1.0))
     assert "step_000000002" in caplog.text and "skipping" in caplog.text, caplog.text
+
+
+_WRITER_OUTAGE = """
+import sys, torch, torch.distributed.checkpoint as dcp
+from resilient_callbacks import checkpointer
+from resilient_callbacks.dcp import ResilientStorageWriter
+from resilient_callbacks.remote import RemoteStore
+
+checkpointer.CLOSE_OUTAGE_S = 0.5  # (300 s by default)
+
+def down(self, *a, **k):
+    raise ConnectionError("the store is down")
+
+RemoteStore.upload = down
+with ResilientStorageWriter(sys.argv[1], remote=sys.argv[2]) as writer:
+    dcp.save({"w": torch.ones(8)}, storage_writer=writer)
+    writer._dir.sync.retry_base_s = writer._dir.sync.retry_max_s = 0.05
+    if sys.argv[3] == "fails":
+        raise ValueError("the user's own error")
+print("closed")
+"""
+
+
+@pytest.mark.parametrize("how", ["ends", "fails"])
+def test_the_writer_gives_up_on_uploads_during_an_outage_and_says_so(tmp_path, how):
+    """ResilientStorageWriter.close() waited for its uploads without a bound: during an outage
+    of the store it hung forever at the end of training (the Checkpointer's close gives up
+    after 5 minutes). Now it gives up as that one does and raises UploadIncompleteError
+    naming the checkpoint and the push command (exit 1); an exception of the user's leaving
+    the with block is the one that propagates. (The old code hangs: a timeout here.)"""
+    url = f"file://{tmp_path / 'remote'}"
+    p = subprocess.run(
+        [sys.executable, "-c", _WRITER_OUTAGE, str(tmp_path / "ck"), url, how],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert p.returncode == 1, (p.returncode, p.stdout, p.stderr[-3000:])
+    tail = p.stderr.strip().splitlines()[-1]
+    assert "step_000000001" in p.stderr and f"resilient-ckpt push {tmp_path / 'ck'}" in p.stderr
+    if how == "ends":
+        assert tail.startswith("resilient_callbacks.errors.UploadIncompleteError"), tail
+    else:
+        assert tail == "ValueError: the user's own error", p.stderr[-3000:]
+    assert (tmp_path / "ck" / "step_000000001" / "manifest.json").exists()

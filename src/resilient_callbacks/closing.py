@@ -28,6 +28,7 @@ from .nodelocal import NodeDirectory
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
+    from .directory import Directory
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -96,23 +97,24 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
     finally:
         _release(ck, _sinks_deadline(ck, deadline))
     if not_uploaded and strict:
-        raise _not_uploaded(ck, not_uploaded, outage_s)
+        raise not_uploaded_error(ck._dir, not_uploaded, outage_s)
 
 
-def _not_uploaded(ck: Checkpointer, pending: list[str], outage_s: float) -> UploadIncompleteError:
-    """The error of a close() that gave up on uploads during an outage of the store."""
-    assert ck._dir.sync is not None and ck._dir.remote is not None
-    url = ck._dir.remote.url
-    error = ck._dir.sync.status().last_error or f"no byte moved for {outage_s:g} s"
+def not_uploaded_error(d: Directory, pending: list[str], outage_s: float) -> UploadIncompleteError:
+    """The error of a close that gave up on ``pending``'s uploads during an outage of the store
+    (``Checkpointer.close``, the DCP writer's)."""
+    assert d.sync is not None and d.remote is not None
+    url = d.remote.url
+    error = d.sync.status().last_error or f"no byte moved for {outage_s:g} s"
     return UploadIncompleteError(
         f"close(): {len(pending)} checkpoint(s) never reached {url}: {', '.join(pending)}. The "
         f"store failed or stopped answering for more than {outage_s:g} s (last error: "
-        f"{error}), so close() gave up on them. They are committed and kept in {ck.dirpath}; "
-        f"upload them with `resilient-ckpt push {ck.dirpath} {url}` once the store answers (a "
+        f"{error}), so close() gave up on them. They are committed and kept in {d.dirpath}; "
+        f"upload them with `resilient-ckpt push {d.dirpath} {url}` once the store answers (a "
         "run resumed with the same dirpath and remote uploads them too). Raised so that the "
         "job does not end as a success with its newest checkpoints on this machine's disk only",
         tuple(pending),
-        ck.dirpath,
+        d.dirpath,
         url,
     )
 
@@ -127,6 +129,17 @@ def failing(ck: Checkpointer, exc: BaseException) -> None:
         ck.failed_detail = str(exc)
     except Exception:  # a broken __str__ (an attribute it reads was never set)
         ck.failed_detail = ""
+
+
+def close_on_exit(close: Callable[[], None], exc: object) -> None:
+    """A ``with`` block's end: ``close()``; while the exception ``exc`` propagates, a failure of
+    the close is logged, never raised in its place (the user's error is the one to see)."""
+    try:
+        close()
+    except Exception as e:
+        if exc is None:
+            raise
+        log.error("closing after %s failed: %s", type(exc).__name__, e)
 
 
 def _worker_killed_hint(ck: Checkpointer) -> str:

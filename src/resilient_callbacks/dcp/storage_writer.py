@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import dist
+from .. import checkpointer, closing, dist
 from ..config import CheckpointerConfig
 from ..directory import Directory
 from ..errors import CheckpointWriteError, UnsupportedStateError
@@ -430,7 +430,8 @@ class ResilientStorageWriter(StorageWriter):
     def close(self) -> None:
         """Wait for this writer's ``dcp.async_save`` calls still in flight to commit, remove the
         staging directory of a save that failed before ``finish`` (rank 0), wait for pending
-        uploads and for retention's deletions, and release the directory lock."""
+        uploads (as ``Checkpointer.close``: given up after a 5-minute outage, then raises
+        :class:`UploadIncompleteError`) and retention's deletions; release the directory lock."""
         self._wait_for_async_saves()
         with self._lock:
             sessions, self._sessions = self._sessions, {}
@@ -446,13 +447,16 @@ class ResilientStorageWriter(StorageWriter):
         for staging, (session, _) in sessions.items():
             session.strategy.abort(staging)
         d, self._dir = self._dir, None
+        left: list[str] = []  # uploads given up after CLOSE_OUTAGE_S of an outage (it hung)
         if d is not None:
             try:
                 if d.sync is not None:
-                    d.sync.wait()
+                    left = d.finish_uploads(None, checkpointer.CLOSE_OUTAGE_S, lambda: None)
                 d.trash.wait()  # the files of checkpoints retention removed (trash.py)
             finally:
                 d.release()
+        if left and d is not None:
+            raise closing.not_uploaded_error(d, left, checkpointer.CLOSE_OUTAGE_S)
 
     def _wait_for_async_saves(self) -> None:
         """Wait for this writer's ``dcp.async_save`` calls to end. Each one's thread waits for the
@@ -493,4 +497,4 @@ class ResilientStorageWriter(StorageWriter):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        closing.close_on_exit(self.close, exc[1])
