@@ -362,3 +362,38 @@ def test_a_failing_remote_retention_warns_once_not_after_every_commit(tmp_path, 
     assert sorted(_committed(store)) == ["step_000000001", "step_000000002", "step_000000003"]
     said = [r.message for r in caplog.records if "remote retention" in r.message]
     assert len(said) == 1 and "AccessDenied" in said[0], said
+
+
+def test_a_part_dropped_under_way_stays_dropped_through_the_next_saves_outcome(tmp_path):
+    """Node 1's upload of a checkpoint is under way when the coordinator drops it (uploads
+    behind the saves); the next save's outcome no longer names it at all. That second settle
+    set the job's ``dropped`` back to False, so once the slow upload ended its objects were
+    reported, never deleted: a folder of one node's files without a manifest, left for the
+    day-old sweep (tests/test_nodelocal_backlog.py failed so now and then)."""
+    import threading
+
+    store, files, key, _, committer, up = _setup(tmp_path)
+    committer.stop()
+    up[0].stop()
+    putting, go = threading.Event(), threading.Event()
+    real_put = store.fs.put
+
+    def put(*a, **kw):
+        putting.set()
+        assert go.wait(60)
+        return real_put(*a, **kw)
+
+    store.fs.put = put
+    try:
+        up[1].enqueue("step_000000002", "step_000000002", key, [files[1]])
+        assert putting.wait(60)
+        up[1].settle([], [key])  # dropped while under way
+        up[1].settle([("run1", 2)], [])  # the next save's outcome: another checkpoint
+        go.set()
+        assert up[1].wait(60)
+        assert up[1].take_reports() == []
+        left = [p for p in (tmp_path / "remote").rglob("*") if p.is_file()]
+        assert left == [], left
+    finally:
+        go.set()
+        up[1].stop()

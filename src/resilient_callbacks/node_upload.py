@@ -112,8 +112,8 @@ class NodeUploader(UploadThread):
             for j in self._queue:
                 if j.key in keep_keys:
                     queue.append(j)
-                elif j is self._current:
-                    j.cancelled, j.dropped = True, j.key in drop_keys
+                elif j is self._current:  # (dropped by an earlier settle: stays dropped)
+                    j.cancelled, j.dropped = True, j.dropped or j.key in drop_keys
                     queue.append(j)
             self._queue = queue
             for k in drop_keys:
