@@ -40,6 +40,7 @@ class _Outcome:
     upload: list[list[Any]] | None = None
     drop: list[list[Any]] = field(default_factory=list)
     kept: list[list[Any]] = field(default_factory=list)  # remote commit given up: parts stay
+    moved: list[list[Any]] = field(default_factory=list)  # [run, seq, name]: name was taken
 
 
 class NodeLocalSession:
@@ -59,6 +60,7 @@ class NodeLocalSession:
         self.staging: str | None = None
         self.seq = 0
         self.name = ckpt_name(step)
+        self.token = ""  # the commit's, in every node's marks (remote_objects.commit_tag)
         self._begin_error: BaseException | None = None
         self.layout: str | None = None  # set by the caller: what agree_steps compares
 
@@ -71,7 +73,7 @@ class NodeLocalSession:
             name = d.committer.free_name(self.name) if d.committer else self.name
             msg = {"seq": d.seq + 1, "name": name, "token": uuid.uuid4().hex[:12]}
         msg = dist.broadcast_json(msg, group=self.group)
-        self.seq, self.name = int(msg["seq"]), str(msg["name"])
+        self.seq, self.name, self.token = int(msg["seq"]), str(msg["name"]), str(msg["token"])
         d.tip.planned(self.seq)  # (every rank: each node's manifest records the lineage)
         self.staging = os.path.join(
             d.dirpath, f"{STAGING_PREFIX}{ckpt_name(self.step)}-{msg['token']}"
@@ -140,6 +142,7 @@ class NodeLocalSession:
                         "ranks": list(topo.node_ranks),
                         "nodes": len(topo.nodes),
                         "remote_name": self.name,
+                        "token": self.token,
                     }
                     m = self._manifest(files, metrics, reason, fingerprint, node_extra)
                     assert self.staging is not None
@@ -178,6 +181,7 @@ class NodeLocalSession:
                 [(str(k[0]), int(k[1])) for k in out.upload],
                 [(str(k[0]), int(k[1])) for k in out.drop],
                 [(str(k[0]), int(k[1])) for k in out.kept],
+                {(str(k[0]), int(k[1])): str(k[2]) for k in out.moved},
             )
         if topo.is_leader and local_path is not None:
             self._after_local_commit(local_path, reason)
@@ -225,11 +229,12 @@ class NodeLocalSession:
         if d.committer is not None:
             committer, key, name = d.committer, (self.run_id, self.seq), self.name
             here = os.path.basename(local_path) if local_path is not None else None
+            tag = self.token
             if d.config.remote_due(self.seq, reason):
                 d.hold_upload(self.step, None)
-                committer.expect(key, name, data, here)
+                committer.expect(key, name, data, here, tag)
             else:
-                d.hold_upload(self.step, lambda: committer.expect(key, name, data, here))
+                d.hold_upload(self.step, lambda: committer.expect(key, name, data, here, tag))
             upload, drop = committer.drop_superseded()  # uploads behind the saves
             return {
                 "ok": True,
@@ -239,6 +244,7 @@ class NodeLocalSession:
                 "upload": [list(k) for k in upload],
                 "drop": [list(k) for k in drop],
                 "kept": [list(k) for k in committer.abandoned_keys()],
+                "moved": [[*k, n] for k, n in committer.take_moved().items()],
             }
         return {"ok": True, "seq": self.seq, "name": self.name, "renamed": renamed}
 
@@ -248,13 +254,14 @@ class NodeLocalSession:
         name = os.path.basename(local_path)
         if d.uploader is not None:
             uploader, key, remote_name = d.uploader, (self.run_id, self.seq), self.name
+            tag = self.token
 
             def upload() -> None:
                 from .manifest import read_manifest
 
                 m = read_manifest(local_path)
                 mine = [f for f in m.files if not (is_shared(f.path) and f.rank != 0)]
-                uploader.enqueue(name, remote_name, key, mine)
+                uploader.enqueue(name, remote_name, key, mine, tag)
 
             if d.config.remote_due(self.seq, reason):
                 d.hold_upload(self.step, None)

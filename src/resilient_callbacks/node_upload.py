@@ -8,6 +8,15 @@ which queued checkpoints no node uploads any more (:meth:`NodeUploader.settle`, 
 outcome that save broadcasts): each node takes them out of its queue, and removes the objects
 it already uploaded of the ones the coordinator dropped (never committed remotely).
 
+Before it puts anything under a name, a node marks it (:func:`~.remote_objects.claim_part`, the
+mark every upload to a remote URL puts): another writer of that name (another run given the
+same URL, a ``push``, a second process of this run) yields to the marks of this commit's parts,
+which stay until the coordinator committed. A node that finds another writer's mark or
+manifest there puts nothing and reports the name taken: the coordinator moves the commit to a
+free name (:meth:`~.remote_commit.RemoteCommitter.take_moved`), and each node uploads its part
+there again (:meth:`NodeUploader.settle`), so a committed remote checkpoint holds one run's
+files only.
+
 Which ranks call what: a :class:`NodeUploader` on every node leader; nothing here is
 collective.
 """
@@ -29,7 +38,7 @@ from .manifest import FileEntry
 from .progress import Progress
 from .redact import url_text
 from .remote import RemoteStore
-from .remote_objects import check_uploaded
+from .remote_objects import RemoteNameTaken, check_uploaded, claim_part, part_mark
 from .upload_thread import UploadThread, backoff_s, by_grace
 
 log = logging.getLogger("resilient_callbacks")
@@ -46,6 +55,9 @@ class UploadJob:
     # the coordinator dropped it while it was being uploaded: finish, then delete the objects
     dropped: bool = False
     cancelled: bool = False  # no longer to upload (dropped, or committed already)
+    tag: str = ""  # which commit of its key (remote_objects.commit_tag): in its marks
+    mark: str | None = None  # this node's mark under the name, once put
+    taken: bool = False  # another writer has the name: nothing of this node's is there
 
 
 @dataclass
@@ -90,14 +102,25 @@ class NodeUploader(UploadThread):
         self._start()
 
     def enqueue(
-        self, local_name: str, remote_name: str, key: tuple[str, int], files: list[FileEntry]
+        self,
+        local_name: str,
+        remote_name: str,
+        key: tuple[str, int],
+        files: list[FileEntry],
+        tag: str = "",
     ) -> None:
         with self._cond:
             if all(j.key != key for j in self._queue):
-                self._queue.append(UploadJob(local_name, remote_name, key, files))
+                self._queue.append(UploadJob(local_name, remote_name, key, files, tag=tag))
                 self._cond.notify_all()
 
-    def settle(self, upload: list[Key], dropped: list[Key], kept: list[Key] | None = None) -> None:
+    def settle(
+        self,
+        upload: list[Key],
+        dropped: list[Key],
+        kept: list[Key] | None = None,
+        moved: dict[Key, str] | None = None,
+    ) -> None:
         """Leader, after each save's broadcast outcome: the coordinator's decision
         (:meth:`~.remote_commit.RemoteCommitter.drop_superseded`). ``upload``: the checkpoints
         still waiting for their remote commit; the queued ones not among them are not uploaded
@@ -105,9 +128,14 @@ class NodeUploader(UploadThread):
         ones the coordinator will never commit: the objects this node uploaded of them are
         deleted (by this thread). The job under way finishes first. ``kept``: those whose
         remote commit the coordinator gave up on (a later run commits them): this node's
-        uploaded parts of them stay held, as do those of ``upload``."""
+        uploaded parts of them stay held, as do those of ``upload``. ``moved``: the checkpoints
+        whose name another writer had (a node found its mark or manifest there), with the name
+        the coordinator gave them instead: this node's part goes there (what it put under the
+        old name is deleted; nothing, where it found the name taken)."""
         keep_keys, drop_keys = set(upload), set(dropped)
         with self._cond:
+            for key, name in (moved or {}).items():
+                self._move(key, name)
             queue = []
             for j in self._queue:
                 if j.key in keep_keys:
@@ -123,6 +151,30 @@ class NodeUploader(UploadThread):
             self._reports = [r for r in self._reports if _key(r) not in drop_keys]
             held = keep_keys | set(kept or [])
             self._uploaded = {k: j for k, j in self._uploaded.items() if k in held}
+            self._cond.notify_all()
+
+    def move(self, moved: dict[Key, str]) -> None:
+        """Leader, at close: :meth:`settle`'s ``moved`` alone (no save follows)."""
+        with self._cond:
+            for key, name in moved.items():
+                self._move(key, name)
+
+    def _move(self, key: Key, name: str) -> None:
+        """(Under the lock) :meth:`settle`'s ``moved``: upload ``key``'s part as ``name``."""
+        jobs = [j for j in self._queue if j.key == key]
+        old = self._uploaded.pop(key, None)
+        for j in jobs:
+            if j is self._current:  # finishes, then its objects go
+                j.cancelled = j.dropped = True
+            else:
+                self._queue.remove(j)
+        if old is not None and not old.taken:
+            self._deletes.append(old)
+        was = jobs[0] if jobs else old
+        if was is not None and was.remote_name != name:
+            job = UploadJob(was.local_name, name, key, was.files, tag=was.tag)
+            self._queue.append(job)
+            self._queue.sort(key=lambda j: j.key[1])
             self._cond.notify_all()
 
     def release(self, unsettled: list[Key]) -> None:
@@ -258,14 +310,20 @@ class NodeUploader(UploadThread):
 
     def _delete(self, job: UploadJob) -> None:
         """This thread: delete this node's objects of ``job``'s checkpoint, which the
-        coordinator dropped (never committed: no manifest names them). Once; what is left (an
-        outage) lies without a manifest, invisible, until ``gc --remote``."""
+        coordinator dropped or moved (never committed: no manifest names them), and its mark.
+        Once; what is left (an outage) lies without a manifest, invisible, until ``gc
+        --remote``. A part that found its name taken put nothing there: nothing is deleted."""
         st = self.store
+        if job.taken:
+            return
         try:
             base = posixpath.join(st.root, job.remote_name)
             for f in job.files:
                 with contextlib.suppress(FileNotFoundError):
                     st.fs.rm_file(posixpath.join(base, f.path))
+            # last: no other writer takes the name before (also a killed attempt's mark)
+            with contextlib.suppress(FileNotFoundError):
+                st.fs.rm_file(part_mark(st, job.remote_name, job.key, job.tag, self.node))
             if st.is_local:  # the folders it made, once empty (another node's files stay)
                 dirs = {base}
                 for f in job.files:
@@ -326,6 +384,12 @@ class NodeUploader(UploadThread):
             st.url,
         )
         rpaths = [posixpath.join(st.root, job.remote_name, f.path) for f in job.files]
+        if job.mark is None:  # (a retry keeps the mark it put)
+            try:
+                job.mark = claim_part(st, job.remote_name, job.key, job.tag, self.node)
+            except RemoteNameTaken as e:
+                self._taken(job, e)
+                return
         if st.is_local:
             for p in {posixpath.dirname(x) for x in rpaths}:
                 st.fs.makedirs(p, exist_ok=True)
@@ -356,6 +420,23 @@ class NodeUploader(UploadThread):
             self.counters.checkpoints += 1
             self.counters.seconds += time.perf_counter() - t0
         log.info("uploaded node %d's part of %s to %s", self.node, job.local_name, st.url)
+
+    def _taken(self, job: UploadJob, e: RemoteNameTaken) -> None:
+        """Another writer has ``job``'s name: nothing goes there; the coordinator is told, and
+        moves the commit to a free name (:meth:`settle`). Held locally until then."""
+        log.warning(
+            "remote %s: node %d does not upload its part of %s there: %s; the checkpoint goes "
+            "under another name",
+            self.store.url,
+            self.node,
+            job.remote_name,
+            url_text(str(e)),
+        )
+        with self._cond:
+            job.taken = True
+            if not job.dropped:
+                self._reports.append({"key": list(job.key), "name": job.remote_name, "taken": 1})
+                self._uploaded[job.key] = job
 
 
 def _key(report: dict[str, Any]) -> Key:

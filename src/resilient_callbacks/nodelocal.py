@@ -49,6 +49,7 @@ from .directory import Directory, apply_retention
 from .errors import CheckpointError, CheckpointWriteError, ConfigError, RemoteUnavailableError
 from .lock import COMMAND_WAIT_S
 from .manifest import FileEntry, Manifest
+from .remote_objects import commit_tag
 from .retention import Candidate, plan
 from .sync import SyncStatus, preflight
 from .topology import Topology
@@ -317,6 +318,7 @@ class NodeDirectory(Directory):
                 self.dirpath,
             )
         self.exchange_reports()
+        self._move_taken(timeout, outage_s, grace_left)
         c = self.committer
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
         if c is not None and c.ready():
@@ -357,6 +359,21 @@ class NodeDirectory(Directory):
                 "them): %s",
                 ", ".join(c.abandoned),
             )
+
+    def _move_taken(self, timeout: Any, outage_s: Any, grace_left: Any) -> None:
+        """close(), leaders (a collective on the leaders group): the checkpoints whose name a
+        node found another writer's in the last reports (no save follows to say it) go under
+        the coordinator's new name: each node uploads its part there, and reports it."""
+        moved = self.committer.take_moved() if self.committer is not None else None
+        got = dist.broadcast_json(
+            None if moved is None else [[*k, n] for k, n in moved.items()],
+            group=self.topology.leaders_group,
+        )
+        if not got or self.uploader is None:
+            return
+        self.uploader.move({(str(k[0]), int(k[1])): str(k[2]) for k in got})
+        self.uploader.wait(timeout, outage_s, grace_left)
+        self.exchange_reports()
 
     def _release_settled(self) -> None:
         """close(), leaders (a collective on the leaders group): the coordinator says which
@@ -412,14 +429,15 @@ class NodeDirectory(Directory):
             if self.uploader is not None and why == "which a stop cut off":
                 # not committed remotely (the remote was listed): what this node uploaded of it
                 # before the stop goes; no node uploads it now
-                self.uploader.discard(UploadJob(local, name, key, self._own_files(m)))
+                job = UploadJob(local, name, key, self._own_files(m), tag=commit_tag(m))
+                self.uploader.discard(job)
         for local, m, key, name in kept:
             if self.committer is not None:
                 try:
                     with open(os.path.join(self.dirpath, local, REMOTE_MANIFEST), "rb") as fh:
                         raw = fh.read()
                     Manifest.from_json(json.loads(raw), REMOTE_MANIFEST)
-                    self.committer.expect(key, name, raw, local)
+                    self.committer.expect(key, name, raw, local, commit_tag(m))
                 except OSError:
                     pass
                 except Exception as e:  # torn (written in place before 2026-12-06, then a kill)
@@ -433,7 +451,7 @@ class NodeDirectory(Directory):
                     )
             if self.uploader is not None:
                 log.warning("uploading %s, %s", local, why)
-                self.uploader.enqueue(local, name, key, self._own_files(m))
+                self.uploader.enqueue(local, name, key, self._own_files(m), commit_tag(m))
 
     @staticmethod
     def _own_files(m: Manifest) -> list[FileEntry]:

@@ -16,15 +16,23 @@ mode): never the newest, never one whose parts all arrived, never the oldest sti
 uploaded (so a slow node always finishes one, and the remote commits go on). A dropped
 checkpoint is never committed remotely; the nodes learn it from the save's broadcast outcome.
 
+Each node marks the name before it uploads its part (:mod:`.node_upload`); the coordinator
+removes the commit's marks once its manifest is there. A node that found the name another
+writer's reports it taken: the coordinator moves the commit to a free name, and the nodes learn
+it, and upload their parts there, from the next save's broadcast outcome
+(:meth:`RemoteCommitter.take_moved`).
+
 Which ranks call what: a :class:`~.node_upload.NodeUploader` on every node leader, the
 :class:`RemoteCommitter` on the coordinator only. Neither runs a collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import posixpath
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +42,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .node_upload import Key, NodeUploader, UploadCounters, UploadJob
 from .redact import url_text
 from .remote import NO_MANIFEST, RemoteStore, retention_candidates
-from .remote_objects import seq_floor
+from .remote_objects import marks_of, seq_floor
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s, by_grace, retention_failed
 
@@ -49,6 +57,7 @@ class PendingCommit:
     manifest: bytes
     local: str | None = None  # the coordinator's copy, which holds the global manifest
     done: set[int] = field(default_factory=set)
+    tag: str = ""  # which commit of its key its nodes' marks name (remote_objects.commit_tag)
     _candidate: Candidate | None = field(default=None, repr=False, compare=False)
 
     def candidate(self) -> Candidate:
@@ -89,6 +98,7 @@ class RemoteCommitter(UploadThread):
         self._ready: list[tuple[str, int]] = []
         self._busy = False
         self.dropped: set[str] = set()  # names dropped (never reused: a node may still delete)
+        self._moved: dict[Key, str] = {}  # name taken by another writer: key -> its new name
         # monotonic times: the first failed attempt since the last success, and the start of
         # the attempt under way (a commit lists and puts one small object: one that runs for
         # minutes is a store that accepted the connection and stopped answering)
@@ -112,8 +122,11 @@ class RemoteCommitter(UploadThread):
         """``name`` unless a committed or pending remote checkpoint has it, or one whose manifest
         cannot be read: then ``name-rN``."""
         with self._cond:
-            taken = set(self.index.values()) | {p.name for p in self._pending.values()}
-            taken |= self.dropped | self.listed
+            return self._free(name)
+
+    def _free(self, name: str) -> str:
+        taken = set(self.index.values()) | {p.name for p in self._pending.values()}
+        taken |= self.dropped | self.listed
         candidate, n = name, 0
         while candidate in taken:
             n += 1
@@ -121,14 +134,26 @@ class RemoteCommitter(UploadThread):
         return candidate
 
     def expect(
-        self, key: tuple[str, int], name: str, manifest: bytes, local: str | None = None
+        self,
+        key: tuple[str, int],
+        name: str,
+        manifest: bytes,
+        local: str | None = None,
+        tag: str = "",
     ) -> None:
         """A checkpoint committed on every node: commit it remotely once each node's part is
         uploaded. ``local``: the name of the coordinator's copy, kept until then
-        (:meth:`held_locally`)."""
+        (:meth:`held_locally`). ``tag``: the one its nodes' marks carry."""
         with self._cond:
             if key not in self.index:
-                self._pending.setdefault(key, PendingCommit(name, manifest, local))
+                self._pending.setdefault(key, PendingCommit(name, manifest, local, tag=tag))
+
+    def take_moved(self) -> dict[Key, str]:
+        """The checkpoints moved to another name since the last call (a node found theirs
+        another writer's): each node uploads its part there (:meth:`NodeUploader.settle`)."""
+        with self._cond:
+            out, self._moved = self._moved, {}
+        return out
 
     def drop_superseded(self) -> tuple[list[Key], list[Key]]:
         """Coordinator, at each save (after :meth:`expect` of its checkpoint): drop the
@@ -193,6 +218,21 @@ class RemoteCommitter(UploadThread):
             p = self._pending.get(key)
             if p is None or p.name != rep["name"]:
                 return  # not ours to commit (an earlier run's), or renamed since
+            if rep.get("taken"):  # another writer has the name: every node uploads elsewhere
+                self.dropped.add(p.name)  # (never reused: its marks may stay)
+                base = re.sub(r"-r\d+$", "", p.name)
+                self._pending.pop(key)
+                p.name, p.done, p._candidate = self._free(base), set(), None
+                self._pending[key] = p
+                self._moved[key] = p.name
+                log.warning(
+                    "remote: %s is another writer's; node %d's part went nowhere; the "
+                    "checkpoint is uploaded as %s",
+                    rep["name"],
+                    node,
+                    p.name,
+                )
+                return
             p.done.add(node)
             if len(p.done) == self.nodes and key not in self._ready:
                 self._ready.append(key)
@@ -314,6 +354,10 @@ class RemoteCommitter(UploadThread):
         st.fs.pipe_file(posixpath.join(base, MANIFEST_NAME), p.manifest)
         if st.is_local:
             st._fsync_local([posixpath.join(base, MANIFEST_NAME)])
+        marks = marks_of(sizes, (m.run_id, m.seq), p.tag)  # (the nodes': committed now)
+        if marks:  # (one a failed delete leaves is a few bytes; gc removes it with the folder)
+            with contextlib.suppress(Exception):
+                st.fs.rm([posixpath.join(base, x) for x in marks])
         log.info("committed %s/%s remotely (%d nodes' parts)", st.url, p.name, self.nodes)
 
     def _retention(self, protect: str) -> None:

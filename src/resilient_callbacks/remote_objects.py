@@ -13,7 +13,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .manifest import MANIFEST_NAME, Manifest
@@ -166,7 +166,7 @@ def free_name(name: str, key: tuple[str, int], taken: Mapping[str, tuple[str, in
     return candidate
 
 
-CLAIM_PREFIX = ".writer-"  # <name>/.writer-<run id>-<seq>: an upload under way under that name
+CLAIM_PREFIX = ".writer-"  # <name>/.writer-<run id>-<seq>-<tag><random>: an upload under way
 
 
 def same_commit(raw: bytes, m: Manifest) -> bool:
@@ -181,21 +181,88 @@ def same_commit(raw: bytes, m: Manifest) -> bool:
     return (o.run_id, o.seq, o.files, o.blobs) == (m.run_id, m.seq, m.files, m.blobs)
 
 
+def commit_tag(m: Manifest) -> str:
+    """What tells one commit's marks from another's of the same key (two processes that resumed
+    one run number their commits alike): 12 hex digits of its files and blobs, or, in node-local
+    mode, the token every node's part of one commit records (``extra.node.token``; a part
+    written before it had none: its key and remote name)."""
+    node = m.extra.get("node") if isinstance(m.extra, dict) else None
+    if isinstance(node, dict):
+        token = node.get("token")
+        if isinstance(token, str) and re.fullmatch(r"[0-9a-f]{12}", token):
+            return token
+        seed = f"{m.run_id}-{m.seq}-{node.get('remote_name')}"
+    else:
+        seed = repr((m.files, m.blobs))
+    return hashlib.md5(seed.encode(), usedforsecurity=False).hexdigest()[:12]
+
+
+def _own_marks(listed: set[str], key: tuple[str, int], tag: str) -> set[str]:
+    """The marks among ``listed`` of the commit ``key`` tagged ``tag`` (another node's part of
+    it, or an attempt a kill cut off), and those an older version put for ``key`` (12 random
+    hex digits, no tag: taken for this commit's, as that version did)."""
+    prefix = f"{CLAIM_PREFIX}{key[0]}-{key[1]}-"  # (run "a" commit 1 is not run "a-1"'s)
+    out = set()
+    for n in listed:
+        rest = n[len(prefix) :] if n.startswith(prefix) else "-"
+        if "-" not in rest and (
+            len(rest) == 12 or (len(rest) == len(tag) + 8 and rest.startswith(tag))
+        ):
+            out.add(n)
+    return out
+
+
+def marks_of(names: Collection[str], key: tuple[str, int], tag: str) -> list[str]:
+    """The marks among ``names`` (a listing of one checkpoint's folder) that the nodes' uploads
+    of the commit ``key`` tagged ``tag`` put: the coordinator removes them once it committed."""
+    return sorted(_own_marks(set(names), key, tag))
+
+
 def claim(store: RemoteStore, name: str, m: Manifest, existing: bytes | None) -> str:
     """Before an upload of ``m`` puts anything under ``name``: mark it (an empty object
-    ``<name>/.writer-<run id>-<seq>-<random>``), then list ``name``. Another mark, or a manifest
-    other than ``existing`` (read before) and not of this commit, raises
-    :class:`RemoteNameTaken` (ours removed): two processes uploading one name at once (another
-    run given the same URL, a ``push`` from another directory) interleaved their files and
-    manifests, and the one that committed first lost its checkpoint. Of two writers that mark
-    one name at once the one listing last sees both and yields (if both list last, both do:
-    neither writes there). A mark a killed upload of this same commit (run id and commit
-    number) left is removed and the upload goes on under ``name`` (a restart uploads what a
-    killed process could not: only one process writes a run to a URL); one of another commit
-    keeps it off the name (it takes ``name-rN``) until ``gc --remote`` removes the folder.
-    Returns the mark, which the caller removes when the upload ends."""
-    mine = f"{CLAIM_PREFIX}{m.run_id}-{m.seq}-{uuid.uuid4().hex[:12]}"
-    mark = store._path(name, mine)
+    ``<name>/.writer-<run id>-<seq>-<tag><random>``, :func:`commit_tag`), then list ``name``.
+    Another mark, or a manifest other than ``existing`` (read before) and not of this commit,
+    raises :class:`RemoteNameTaken` (ours removed): two processes uploading one name at once
+    (another run given the same URL, a ``push`` from another directory) interleaved their files
+    and manifests, and the one that committed first lost its checkpoint. Of two writers that
+    mark one name at once the one listing last sees both and yields (if both list last, both
+    do: neither writes there). A mark of this same commit (its key and tag: one a killed upload
+    left, or another process's upload of the very same bytes) is removed and the upload goes
+    on under ``name`` (a restart uploads what a killed process could not). One of the same key
+    but another tag is another process's commit of this run (two processes resumed it: they
+    number alike) and is yielded to, as one of another commit, which keeps the name (it takes
+    ``name-rN``) until ``gc --remote`` removes the folder. Returns the mark, which the caller
+    removes when the upload ends."""
+    key = (m.run_id, m.seq)
+    return _claim(store, name, key, commit_tag(m), existing, lambda raw: same_commit(raw, m))
+
+
+def part_mark(store: RemoteStore, name: str, key: tuple[str, int], tag: str, node: int) -> str:
+    """Node ``node``'s mark of its part of the node-local commit ``key`` (tagged ``tag``) under
+    ``name``: one path for every attempt (a killed one's is the next one's), which the node
+    removes with its part when the commit is dropped, also after a restart."""
+    return store._path(name, f"{CLAIM_PREFIX}{key[0]}-{key[1]}-{tag}{node:08x}")
+
+
+def claim_part(store: RemoteStore, name: str, key: tuple[str, int], tag: str, node: int) -> str:
+    """:func:`claim` for node ``node``'s part of the node-local commit ``key`` (tagged
+    ``tag``; its mark: :func:`part_mark`): the marks of this commit's other parts stay (their
+    uploads go on; the coordinator removes every one once it committed: :func:`marks_of`), and
+    any manifest under ``name`` is another's (a node uploads before its commit)."""
+    return _claim(store, name, key, tag, None, None, part_mark(store, name, key, tag, node))
+
+
+def _claim(
+    store: RemoteStore,
+    name: str,
+    key: tuple[str, int],
+    tag: str,
+    existing: bytes | None,
+    ours: Callable[[bytes], bool] | None,
+    mark: str | None = None,
+) -> str:
+    mark = mark or store._path(name, f"{CLAIM_PREFIX}{key[0]}-{key[1]}-{tag}{uuid.uuid4().hex[:8]}")
+    mine = mark.rsplit("/", 1)[-1]
     if store.is_local:
         store.fs.makedirs(store._path(name), exist_ok=True)
     store.fs.pipe_file(mark, b"")
@@ -203,10 +270,8 @@ def claim(store: RemoteStore, name: str, m: Manifest, existing: bytes | None) ->
     listed: set[str] = {
         p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(store._path(name), False)
     }
-    ours = f"{CLAIM_PREFIX}{m.run_id}-{m.seq}-"  # an earlier attempt of this commit, killed
-    # (only the random part after it: run "a" commit 1 is not run "a-1" commit 5's ".writer-a-1-5-")
-    own = {n for n in listed if n.startswith(ours) and "-" not in n[len(ours) :]}
-    for stale in sorted(own - {mine}):
+    own = _own_marks(listed, key, tag) - {mine}
+    for stale in sorted(own) if ours is not None else []:  # (node parts: the others' live ones)
         with contextlib.suppress(Exception):
             store.fs.rm_file(store._path(name, stale))
         log.info("%s: an upload of this commit was cut off there; uploading it again", name)
@@ -216,7 +281,7 @@ def claim(store: RemoteStore, name: str, m: Manifest, existing: bytes | None) ->
         run, seq, *_ = [*others[0][len(CLAIM_PREFIX) :].rsplit("-", 2), "", ""]
         taken.append((run, int(seq)) if seq.isdigit() else UNREADABLE)  # (a deletion's)
     elif MANIFEST_NAME in listed and (raw := store._manifest_bytes(name)) not in (None, existing):
-        taken += [] if same_commit(raw, m) else [key_of(raw)]
+        taken += [] if ours is not None and ours(raw) else [key_of(raw)]
     if taken:
         with contextlib.suppress(Exception):
             store.fs.rm_file(mark)

@@ -1,0 +1,178 @@
+"""Two live processes writing one remote URL: each case with a real second process, ordered
+through its stdin and stdout (never by sleeping).
+
+- Two processes upload the same commit key at once (two processes of one run number their
+  commits alike): neither tears the other's checkpoint.
+- Node-local uploads mark their name as shared-mode uploads do.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer
+from resilient_callbacks.manifest import MANIFEST_NAME as MANIFEST
+from resilient_callbacks.manifest import read_manifest
+from resilient_callbacks.remote import RemoteStore
+from resilient_callbacks.remote_objects import CLAIM_PREFIX
+
+NAME = "step_000000020"
+
+# uploads one local checkpoint (argv: its path, the URL, the remote name, "hold"): with "hold",
+# it says "marked" once its mark is up and waits for a line on stdin before it puts anything
+_UPLOAD = textwrap.dedent(
+    """
+    import sys
+    from resilient_callbacks import remote_blobs
+    from resilient_callbacks.manifest import read_manifest
+    from resilient_callbacks.remote import RemoteStore
+    from resilient_callbacks.remote_objects import RemoteNameTaken
+
+    path, url, name, hold = sys.argv[1:5]
+    real = remote_blobs.upload
+
+    def put(*a, **kw):  # the first thing an upload puts, after its mark
+        if hold == "hold":
+            print("marked", flush=True)
+            sys.stdin.readline()
+        return real(*a, **kw)
+
+    remote_blobs.upload = put
+    try:
+        RemoteStore(url).upload(path, read_manifest(path), name)
+        print("committed", flush=True)
+    except RemoteNameTaken as e:
+        print("taken", e.key[0], e.key[1], flush=True)
+    """
+)
+
+
+def _child(script: str, *args: str, log: Path | None = None) -> subprocess.Popen[str]:
+    """``script`` in a fresh interpreter, its stdin and stdout ours; stderr to ``log``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with open(log or os.devnull, "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-c", script, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None if log is None else err,
+            text=True,
+            env=env,
+        )
+
+
+def _two_copies_of_one_commit(tmp_path, url: str) -> list[str]:
+    """Two local checkpoints of one run with one commit number and other contents (two
+    processes resumed the run from one checkpoint and each saved step 20): their paths."""
+    with Checkpointer(tmp_path / "base", async_save=False) as ck:
+        ck.save(10, {"w": torch.zeros(64)})
+    paths = []
+    for who, v in (("a", 1.0), ("b", 2.0)):
+        shutil.copytree(tmp_path / "base", tmp_path / who)
+        with Checkpointer(tmp_path / who, async_save=False) as ck:
+            state = {"w": torch.zeros(64)}
+            assert ck.restore(state) == 10
+            ck.save(20, {"w": torch.full((64,), v)})
+            paths.append(ck.last_save.path)
+    a, b = (read_manifest(p) for p in paths)
+    assert (a.run_id, a.seq) == (b.run_id, b.seq) and a.files != b.files
+    return paths
+
+
+def test_two_processes_uploading_one_commit_key_at_once_never_tear_it(tmp_path):
+    """Two processes of one run (a job and its restart, or two jobs given one run directory)
+    upload their step 20, commit 2 of the run in both, to one name at once. The second took the
+    first's live mark for one a kill had left of its own commit (same run id and number),
+    removed it, and committed; the first then put its files over the second's committed
+    checkpoint and committed its manifest over it: the second's checkpoint was gone (torn while
+    the first wrote), though its process had been told it was uploaded. Now a mark says which
+    commit it is (its files and blobs), so the second yields (it takes ``-r1``)."""
+    url = f"file://{tmp_path}/durable/run"
+    a, b = _two_copies_of_one_commit(tmp_path, url)
+    first = _child(_UPLOAD, a, url, NAME, "hold")
+    assert first.stdout is not None and first.stdin is not None
+    assert first.stdout.readline().strip() == "marked"
+    second = _child(_UPLOAD, b, url, NAME, "go")
+    out_b, _ = second.communicate(timeout=120)
+    first.stdin.write("go\n")
+    first.stdin.flush()
+    out_a, _ = first.communicate(timeout=120)
+    assert out_a.split() == ["committed"], out_a
+    m = read_manifest(a)
+    assert out_b.split() == ["taken", m.run_id, str(m.seq)], out_b  # it had "committed"
+    (entry,) = RemoteStore(url).scan()
+    assert entry.name == NAME and entry.manifest == m and entry.problem is None, entry
+    assert not [f for f in entry.sizes if f.startswith(CLAIM_PREFIX)], entry.sizes
+
+
+def test_two_processes_uploading_the_very_same_commit_at_once_both_succeed(tmp_path):
+    """The same bytes from two processes (a ``push`` beside the run that uploads the same
+    checkpoint): neither yields, and the one checkpoint is whole."""
+    url = f"file://{tmp_path}/durable/run"
+    a, _ = _two_copies_of_one_commit(tmp_path, url)
+    shutil.copytree(a, tmp_path / "again")
+    first = _child(_UPLOAD, a, url, NAME, "hold")
+    assert first.stdout is not None and first.stdin is not None
+    assert first.stdout.readline().strip() == "marked"
+    second = _child(_UPLOAD, str(tmp_path / "again"), url, NAME, "go")
+    out_b, _ = second.communicate(timeout=120)
+    first.stdin.write("go\n")
+    first.stdin.flush()
+    out_a, _ = first.communicate(timeout=120)
+    assert (out_a.split(), out_b.split()) == (["committed"], ["committed"])
+    (entry,) = RemoteStore(url).scan()
+    assert entry.manifest == read_manifest(a) and entry.problem is None, entry
+    assert not [f for f in entry.sizes if f.startswith(CLAIM_PREFIX)], entry.sizes
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_node_local_checkpoint_never_shares_its_name_with_another_writers_upload(tmp_path):
+    """Another run's upload of ``step_000000002`` to the URL is under way (its mark is there,
+    its files not yet) when a two-node node-local run saves step 2. The nodes put their parts
+    there without a mark and without a look, the coordinator committed, and the other upload
+    then put its files and its manifest over them: the node-local step 2 was gone, its name
+    holding a mix of two runs' files. Now each node marks the name first and, finding the other
+    writer's mark, puts nothing: the coordinator moves the checkpoint to ``-r1``, where every
+    node uploads its part, and the other run's upload commits a folder of its own files only."""
+    from test_nodelocal_failures import _run
+
+    url = f"file://{tmp_path}/remote"
+    with Checkpointer(tmp_path / "other", async_save=False) as ck:
+        ck.save(2, {"w": torch.ones(64)})
+        other = ck.last_save.path
+    writer = _child(_UPLOAD, other, url, "step_000000002", "hold")
+    assert writer.stdout is not None and writer.stdin is not None
+    assert writer.stdout.readline().strip() == "marked"
+    out = _run(tmp_path, "nodes", 2, "--steps", "4")
+    for rank in out:
+        assert rank[-1]["event"] == "closed", rank
+    writer.stdin.write("go\n")
+    writer.stdin.flush()
+    said, _ = writer.communicate(timeout=120)
+    assert said.split() == ["committed"], said  # (it yields to no one: the nodes yielded)
+    found = {e.name: e for e in RemoteStore(url).scan()}
+    assert sorted(found) == ["step_000000002", "step_000000002-r1", "step_000000004"], found
+    theirs = found["step_000000002"]
+    assert theirs.manifest == read_manifest(other) and theirs.problem is None, theirs
+    assert sorted(theirs.sizes) == sorted([f.path for f in theirs.manifest.files] + [MANIFEST])
+    for name in ("step_000000002-r1", "step_000000004"):
+        e = found[name]
+        assert e.problem is None and e.manifest.step == int(name[5:14]), e
+        assert e.manifest.run_id != theirs.manifest.run_id
+        assert not [f for f in e.sizes if f.startswith(CLAIM_PREFIX)], e.sizes  # committed
+    for e in found.values():  # every byte is what its manifest says
+        for f in e.manifest.files:
+            data = (tmp_path / "remote" / e.name / f.path).read_bytes()
+            assert len(data) == f.size, (e.name, f.path)
+    from resilient_callbacks.cli import main
+
+    assert main(["verify", url, "--all"]) == 0
