@@ -397,3 +397,32 @@ def test_a_part_dropped_under_way_stays_dropped_through_the_next_saves_outcome(t
     finally:
         go.set()
         up[1].stop()
+
+
+def test_the_node_local_remote_retention_plans_for_the_run_that_committed(tmp_path):
+    """Another run's checkpoints share the URL, its newest numbered after this run's commit.
+    The coordinator's remote retention planned for the run of the newest manifest on the URL,
+    of any run: it counted the other run's checkpoints as its own and deleted the older one by
+    this run's keep_last. Now it plans for the run that committed: the other run's stay."""
+    store, files, key, m, committer, up = _setup(tmp_path)
+    committer.stop()
+    committer = RemoteCommitter(store, 2, RetentionPolicy(keep_last=1), max_attempts=1)
+    with Checkpointer(tmp_path / "other", remote=store.url, remote_keep_last="all") as ck:
+        for s in (1, 2):
+            ck.save(s, {"w": torch.full((4,), float(s))})
+    theirs = sorted(e.name for e in store.scan())
+    try:
+        committer.expect(key, "step_000000002-r1", encode_json(m.to_json()))
+        for node, u in enumerate(up):
+            u.enqueue("step_000000002", "step_000000002-r1", key, [files[node]])
+            assert u.wait(30)
+            for rep in u.take_reports():
+                committer.report(node, rep)
+        assert committer.wait(30) is True
+        committer.stop()
+        committer._thread.join(60)  # (its retention after the commit is done)
+        assert sorted(e.name for e in store.scan()) == sorted([*theirs, "step_000000002-r1"])
+    finally:
+        committer.stop()
+        for u in up:
+            u.stop()

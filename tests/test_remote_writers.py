@@ -4,6 +4,7 @@ through its stdin and stdout (never by sleeping).
 - Two processes upload the same commit key at once (two processes of one run number their
   commits alike): neither tears the other's checkpoint.
 - Node-local uploads mark their name as shared-mode uploads do.
+- Two live processes of one run: neither's remote retention deletes the other's checkpoints.
 """
 
 from __future__ import annotations
@@ -176,3 +177,71 @@ def test_a_node_local_checkpoint_never_shares_its_name_with_another_writers_uplo
     from resilient_callbacks.cli import main
 
     assert main(["verify", url, "--all"]) == 0
+
+
+# one process of a run, driven by lines on stdin: "save N" saves step N, waits for its upload
+# and answers "saved N"; "close" closes and exits (argv: dirpath, URL, its name in its log)
+_RUN = textwrap.dedent(
+    """
+    import logging, sys, torch
+    from resilient_callbacks import Checkpointer
+
+    logging.basicConfig(level=logging.INFO, format=sys.argv[3] + " %(message)s")
+    ck = Checkpointer(sys.argv[1], remote=sys.argv[2], keep_last=2, async_save=False)
+    state = {"w": torch.zeros(64)}
+    print("restored", ck.restore(state), flush=True)
+    for line in sys.stdin:
+        cmd, *arg = line.split()
+        if cmd == "close":
+            break
+        step = int(arg[0])
+        ck.save(step, {"w": torch.full((64,), step + (sys.argv[3] == "old") / 2)})
+        assert ck._dir.sync.wait(120)
+        print("saved", step, flush=True)
+    ck.close()
+    """
+)
+
+
+def _say(p: subprocess.Popen[str], line: str) -> str:
+    assert p.stdin is not None and p.stdout is not None
+    p.stdin.write(line + "\n")
+    p.stdin.flush()
+    return p.stdout.readline().strip()
+
+
+def test_two_live_processes_of_one_run_never_delete_each_others_checkpoints(tmp_path):
+    """A run saved steps 10 and 20 to the URL; a second process of the same run starts on
+    another machine (the scheduler restarted the job while the old one still runs, or two jobs
+    were given the same run directory) and resumes from the remote. Both go on saving with
+    ``keep_last=2``: each counted the other's new checkpoints as the run's own and deleted them
+    (and its own) by the shared policy. Now each process's remote retention counts only what
+    the store held when it opened and what it committed itself: both keep their two newest,
+    and each says, once a name, which checkpoints another process writes."""
+    url = f"file://{tmp_path}/durable/run"
+    with Checkpointer(tmp_path / "old", remote=url, keep_last=2, async_save=False) as ck:
+        for s in (10, 20):
+            ck.save(s, {"w": torch.full((64,), float(s))})
+    old = _child(_RUN, str(tmp_path / "old"), url, "old", log=tmp_path / "old.log")
+    assert old.stdout is not None and old.stdout.readline().split() == ["restored", "20"]
+    new = _child(_RUN, str(tmp_path / "new"), url, "new", log=tmp_path / "new.log")
+    assert new.stdout is not None and new.stdout.readline().split() == ["restored", "20"]
+    assert _say(new, "save 30") == "saved 30"
+    assert _say(old, "save 30") == "saved 30"  # (its commit number is new's: step_30-r1)
+    assert _say(new, "save 40") == "saved 40"
+    assert _say(old, "save 40") == "saved 40"
+    for p in (old, new):
+        p.communicate("close\n", timeout=120)
+    found = {e.name: e.manifest for e in RemoteStore(url).scan() if e.manifest is not None}
+    by_step = sorted((m.step, m.run_id) for m in found.values())
+    assert len({run for _, run in by_step}) == 1  # one run, two processes
+    assert sorted(found) == [
+        "step_000000030",
+        "step_000000030-r1",
+        "step_000000040",
+        "step_000000040-r1",
+    ], found
+    said = {who: (tmp_path / f"{who}.log").read_text() for who in ("old", "new")}
+    live = "that another live process committed while this one writes it"
+    assert f"step_000000030 is a checkpoint of this run ({by_step[0][1]}) {live}" in said["old"]
+    assert f"step_000000030-r1 is a checkpoint of this run ({by_step[0][1]}) {live}" in said["new"]

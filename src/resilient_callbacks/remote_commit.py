@@ -42,7 +42,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .node_upload import Key, NodeUploader, UploadCounters, UploadJob
 from .redact import url_text
 from .remote import NO_MANIFEST, RemoteStore, retention_candidates
-from .remote_objects import marks_of, seq_floor
+from .remote_objects import OwnCheckpoints, marks_of, seq_floor
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s, by_grace, retention_failed
 
@@ -98,6 +98,7 @@ class RemoteCommitter(UploadThread):
         self._ready: list[tuple[str, int]] = []
         self._busy = False
         self.dropped: set[str] = set()  # names dropped (never reused: a node may still delete)
+        self.own = OwnCheckpoints(store.url)  # what the remote retention may count and delete
         self._moved: dict[Key, str] = {}  # name taken by another writer: key -> its new name
         # monotonic times: the first failed attempt since the last success, and the start of
         # the attempt under way (a commit lists and puts one small object: one that runs for
@@ -113,6 +114,7 @@ class RemoteCommitter(UploadThread):
         """List the store (once, at open): the committed checkpoints, and the highest commit
         number there, also of a manifest this version refuses (new commits number after it)."""
         entries = self.store.scan()
+        self.own.opened(entries)
         with self._cond:
             self.index = {e.key: e.name for e in entries if e.key is not None}
             self.listed = {e.name for e in entries if e.problem != NO_MANIFEST}
@@ -320,6 +322,7 @@ class RemoteCommitter(UploadThread):
                 self._pending.pop(key, None)
                 if ok:
                     self.index[key] = p.name
+                    self.own.wrote(p.name, key)
                     self.committed += 1
                 else:
                     self.abandoned.append(p.name)
@@ -328,7 +331,7 @@ class RemoteCommitter(UploadThread):
                 self._busy = False
                 self._cond.notify_all()
             if ok:
-                self._retention(p.name)
+                self._retention(p.name, key[0])
 
     def commit_one(self, p: PendingCommit) -> None:
         """List the objects under the name; every file of the manifest must be there with its
@@ -360,15 +363,16 @@ class RemoteCommitter(UploadThread):
                 st.fs.rm([posixpath.join(base, x) for x in marks])
         log.info("committed %s/%s remotely (%d nodes' parts)", st.url, p.name, self.nodes)
 
-    def _retention(self, protect: str) -> None:
+    def _retention(self, protect: str, run: str) -> None:
+        """The remote retention of run ``run``, after its commit of ``protect``."""
         try:
             entries = self.store.scan()
             with self._cond:
                 self.index = {e.key: e.name for e in entries if e.key is not None}
                 self.listed = {e.name for e in entries if e.problem != NO_MANIFEST}
                 names_pending = {x.name for x in self._pending.values()}
-            newest = max((e.manifest for e in entries if e.manifest), key=lambda m: m.seq)
-            p = plan(retention_candidates(entries), self.policy, newest.run_id, protected=[protect])
+            mine = self.own.mine(entries, run)  # (not another live process's)
+            p = plan(retention_candidates(mine), self.policy, run, protected=[protect])
             for name in p.delete:
                 if name in names_pending:
                     continue

@@ -289,6 +289,57 @@ def _claim(
     return mark
 
 
+class OwnCheckpoints:
+    """Which of its run's remote checkpoints a process's remote retention counts and deletes:
+    those the store held when it opened (the run's history, which a resumed run manages) and
+    those it committed itself. Another live process writing the same run to the URL (a job the
+    scheduler restarted while the old one still drains its uploads, two jobs given one run
+    directory) commits others meanwhile: counted as this run's, the shared ``keep_last``
+    deleted them (and the other deleted this one's). They are left out, and named in a warning
+    once. Which ranks call what: the one thread that runs the remote retention."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._known: set[tuple[str, tuple[str, int]]] | None = None  # (name, key)
+        self._warned: set[str] = set()
+
+    def opened(self, entries: Sequence[RemoteEntry]) -> None:
+        """The first listing (at open): every committed checkpoint in it is the run's history."""
+        if self._known is None:
+            self._known = {(e.name, e.key) for e in entries if e.key is not None}
+
+    def wrote(self, name: str, key: tuple[str, int]) -> None:
+        """This process committed ``key`` as ``name``."""
+        self.opened([])
+        assert self._known is not None
+        self._known.add((name, key))
+
+    def mine(self, entries: Sequence[RemoteEntry], run_id: str) -> list[RemoteEntry]:
+        """``entries`` without the checkpoints of ``run_id`` that another process committed
+        since this one opened (warned about once a name)."""
+        self.opened([])
+        known = self._known or set()
+        theirs = [
+            e for e in entries if e.key and e.key[0] == run_id and (e.name, e.key) not in known
+        ]
+        new = [e.name for e in theirs if e.name not in self._warned]
+        if new:
+            self._warned.update(new)
+            log.warning(
+                "remote %s: %s %s of this run (%s) that another live process committed while "
+                "this one writes it (a job restarted while the old one still uploads, or two "
+                "jobs given the same run directory); this process's remote retention neither "
+                "counts nor deletes %s, and that process's leaves this one's alone. Only one "
+                "process should write a run to a URL: stop the other one",
+                self.url,
+                ", ".join(new),
+                "is a checkpoint" if len(new) == 1 else "are checkpoints",
+                run_id,
+                "it" if len(new) == 1 else "them",
+            )
+        return [e for e in entries if e not in theirs]
+
+
 class ManifestLastCommit:
     """The :class:`~.commit.CommitStrategy` of an object store, which has no rename and no
     atomic directory: the files go under the checkpoint's final name, and the manifest goes

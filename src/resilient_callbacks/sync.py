@@ -35,6 +35,7 @@ from .remote import (
 from .remote_objects import (
     REMOTE_CKPT_RE,
     UNREADABLE,
+    OwnCheckpoints,
     RemoteNameTaken,
     free_name,
     seq_floor,
@@ -123,6 +124,7 @@ class RemoteSync(UploadThread):
         # with a key of this run's (two processes resumed the run from this URL)
         self.unfree: set[str] = set()
         self._copies: dict[tuple[str, int], Any] = {}  # key -> the remote copy's files, blobs
+        self.own = OwnCheckpoints(store.url)  # what the remote retention may count and delete
         self.show_progress = False
         self._queue: list[str] = []
         self._remote_entries: list[RemoteEntry] = []
@@ -145,6 +147,7 @@ class RemoteSync(UploadThread):
         found = {e.key: e.name for e in entries if e.key is not None and e.problem is None}
         unread = {e.name for e in entries if e.manifest is None and e.problem != NO_MANIFEST}
         copies = {(m.run_id, m.seq): (m.files, m.blobs) for e in entries if (m := e.manifest)}
+        self.own.opened(entries)  # (the first listing: at open)
         with self._cond:
             self.index, self.unfree, self._copies = found, unread, copies
             self._remote_entries = entries
@@ -244,7 +247,7 @@ class RemoteSync(UploadThread):
             except Exception:
                 return  # let _attempt report the problem
         newest = local[queued[-1]]
-        cands = retention_candidates(remote) + [
+        cands = retention_candidates(self.own.mine(remote, newest.run_id)) + [
             Candidate(f"\0local/{n}", m.step, m.seq, m.run_id, m.metrics, True, lineage=m.lineage)
             for n, m in local.items()
         ]
@@ -303,6 +306,7 @@ class RemoteSync(UploadThread):
         with self._cond:
             recovered = self._failures
             self.index[(manifest.run_id, manifest.seq)] = remote_name
+            self.own.wrote(remote_name, (manifest.run_id, manifest.seq))
             self._copies[(manifest.run_id, manifest.seq)] = (manifest.files, manifest.blobs)
             self._failures = 0
             self._last_error = None
@@ -447,9 +451,8 @@ class RemoteSync(UploadThread):
         self._last_sweep = now
         try:
             entries = self.refresh()
-            p = plan(
-                retention_candidates(entries), self.policy, manifest.run_id, protected=[protect]
-            )
+            mine = self.own.mine(entries, manifest.run_id)  # (not another live process's)
+            p = plan(retention_candidates(mine), self.policy, manifest.run_id, protected=[protect])
             for name in p.delete:  # none when keeping all
                 self.store.delete(name)
                 with self._cond:
