@@ -5,10 +5,12 @@ accumulation window are refused, before anything is written."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,15 +33,18 @@ def _losses(path: Path) -> dict[int, str]:
     return out
 
 
-def _one(tmp: Path, ck: str, out: str, kill_at: int, expect: int) -> None:
+def _one(
+    tmp: Path, ck: str, out: str, kill_at: int, expect: int, **env: str
+) -> subprocess.CompletedProcess[str]:
     p = subprocess.run(
         [sys.executable, LOOP, str(tmp / ck), str(tmp / out), str(kill_at)],
-        env=ENV,
+        env={**ENV, **env},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert p.returncode == expect, p.stdout + p.stderr
+    return p
 
 
 def _same(tmp: Path, a: str, b: str, ranks: int) -> None:
@@ -112,10 +117,11 @@ def test_prepared_loader_refused(tmp_path: Path, kind: str) -> None:
     assert not any((tmp_path / "ck").glob("step*"))
 
 
-class _FakeAccelerator:  # the two attributes Accumulation reads, as accelerate names them
+class _FakeAccelerator:  # the attributes Accumulation reads, as accelerate names them
     def __init__(self, step: int, sync: bool) -> None:
         self.gradient_state = object()
         self.step, self.sync_gradients, self.gradient_accumulation_steps = step, sync, 4
+        self.scaler: Any = None
 
 
 def test_accumulation_saves_the_step_and_refuses_mid_window(tmp_path: Path) -> None:
@@ -175,3 +181,150 @@ def test_a_subclass_of_a_prepared_loader_is_refused_too(tmp_path: Path) -> None:
     ):
         ckpt.save(1, {"data": loader})
     assert not any((tmp_path / "ck").glob("step*"))
+
+
+@pytest.mark.slow  # three processes importing accelerate: about 20 s
+def test_sigterm_inside_a_window_saves_at_its_end_and_resumes_exactly(tmp_path: Path) -> None:
+    """A preemption (a real SIGTERM) whose step() comes inside an accumulation window, in a
+    loop calling ckpt.step at every micro-batch: the emergency save was refused there
+    (UnsupportedStateError), so nothing was saved and the process died with a traceback
+    instead of exiting 75. Now the save waits for the window's end, and the re-run equals
+    the run never stopped, bit for bit."""
+    micro = {"LOOP_EVERY_MICRO": "1", "LOOP_GAS": "3"}
+    _one(tmp_path, "ck_full", "full", 0, 0, **micro)
+    # after micro-batch 7 (window 7-9): step(8) is inside the window, step(9) ends it
+    p = _one(tmp_path, "ck", "run", 7, 75, LOOP_SIGNAL="SIGTERM", **micro)
+    assert "inside a gradient accumulation window" in p.stderr
+    assert (tmp_path / "ck" / "step_000000009").is_dir()  # (every_n_steps=2: 3, 6 before)
+    _one(tmp_path, "ck", "run", 0, 0, **micro)
+    _same(tmp_path, "full", "run", 1)
+
+
+@pytest.mark.slow  # three processes importing accelerate: about 20 s
+def test_epoch_end_partial_window_as_a_prepared_loader(tmp_path: Path) -> None:
+    """11 batches an epoch, gradient_accumulation_steps=3: accelerate's prepared loader ends
+    a window at the epoch's last batch (windows 3, 3, 3, 2). The loop of docs/accelerate.md
+    (accumulation.epoch(loader)) trains bit for bit as that loop does, and SIGTERMed inside
+    the partial window, then re-run, still does. Old src: Accumulation had no epoch(); its
+    windows ran across epochs, and the final save, inside a window, was refused."""
+    _one(tmp_path, "ck_ref", "ref", 0, 0, LOOP_PREPARED="1", LOOP_GAS="3")
+    _one(tmp_path, "ck", "run", 21, 75, LOOP_SIGNAL="SIGTERM", LOOP_GAS="3")  # epoch 1: 12-22
+    _one(tmp_path, "ck", "run", 0, 0, LOOP_GAS="3")
+    assert len(_losses(tmp_path / "ref.rank0.losses")) == 33
+    _same(tmp_path, "ref", "run", 1)
+
+
+def test_a_preemption_inside_a_window_waits_for_its_end(tmp_path: Path) -> None:
+    """A real SIGTERM while step() is called every micro-batch: the emergency save at a step
+    inside an accumulation window raised Accumulation's refusal (nothing saved, the loop
+    died). Now step() goes on there and saves at the window's end."""
+    import signal
+
+    from resilient_callbacks.accelerate import Accumulation
+
+    live = _FakeAccelerator(0, True)
+    w = torch.zeros(3)
+    state = {"w": w, "acc": Accumulation(live)}
+    with Checkpointer(tmp_path / "ck", exit_on_preemption=False, async_save=False) as ckpt:
+        for micro in range(1, 9):
+            live.step, live.sync_gradients = micro, micro % 4 == 0
+            if live.sync_gradients:
+                w += 1.0
+            if micro == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            saved = ckpt.step(micro, state)
+            assert saved == (micro == 8) and ckpt.preempted == (micro == 8)
+    back = _FakeAccelerator(0, True)
+    got = {"w": torch.zeros(3), "acc": Accumulation(back)}
+    with Checkpointer(tmp_path / "ck") as ckpt:
+        assert ckpt.restore(got) == 8
+    assert back.step == 8 and torch.equal(got["w"], torch.full((3,), 2.0))
+
+
+def test_a_periodic_save_due_inside_a_window_is_made_at_its_end(tmp_path: Path) -> None:
+    """step() at every micro-batch, counting micro-batches, with every_n_steps=2 and windows
+    of 4: the saves due at 2 and 6, inside windows, raised Accumulation's refusal (the loop
+    died at its first); now each is made at its window's end (4, 8)."""
+    from resilient_callbacks.accelerate import Accumulation
+
+    live = _FakeAccelerator(0, True)
+    state = {"w": torch.zeros(3), "acc": Accumulation(live)}
+    saved = []
+    with Checkpointer(tmp_path / "ck", every_n_steps=2, async_save=False) as ckpt:
+        for micro in range(1, 11):
+            live.step, live.sync_gradients = micro, micro % 4 == 0
+            if ckpt.step(micro, state):
+                saved.append(micro)
+    assert saved == [4, 8]  # (10, due inside the third window, waits for its end)
+
+
+def _syncs(acc: Any, batches: Any) -> list[bool]:
+    out = []
+    for _ in batches:
+        with acc.accumulate(torch.nn.Linear(1, 1)):
+            pass
+        out.append(acc.sync_gradients)
+    return out
+
+
+def test_epoch_ends_a_window_at_the_last_batch_as_a_prepared_loader() -> None:
+    """Accumulation.epoch(loader) tells accelerate the epoch's last batch, as a prepared
+    loader does: 11 batches with gradient_accumulation_steps=3 synchronize at 3, 6, 9 and
+    11 in both, and a loader resumed mid-epoch ends its window at the same batch."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from resilient_callbacks import ResumableDataLoader
+    from resilient_callbacks.accelerate import Accumulation
+
+    ds = torch.utils.data.TensorDataset(torch.arange(44.0))
+    try:
+        acc = Accelerator(gradient_accumulation_steps=3, cpu=True)
+        want = [i % 3 == 2 or i == 10 for i in range(11)]
+        assert _syncs(acc, acc.prepare(torch.utils.data.DataLoader(ds, batch_size=4))) == want
+        accumulation, loader = Accumulation(acc), ResumableDataLoader(ds, batch_size=4)
+        assert _syncs(acc, accumulation.epoch(loader)) == want
+        assert _syncs(acc, accumulation.epoch(loader)) == want  # the next epoch
+        passing = accumulation.epoch(loader)
+        assert _syncs(acc, itertools.islice(passing, 6)) == want[:6]  # then interrupted
+        sd = (loader.state_dict(), accumulation.state_dict())
+        passing.close()
+        acc.step = 0
+        again = ResumableDataLoader(ds, batch_size=4)
+        again.load_state_dict(sd[0])
+        Accumulation(acc).load_state_dict(sd[1])
+        assert _syncs(acc, Accumulation(acc).epoch(again)) == want[6:]
+        assert not acc.gradient_state.in_dataloader  # each pass leaves the gradient state
+        with pytest.raises(TypeError, match="needs a loader with a length"):
+            next(accumulation.epoch(iter([1, 2])))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def test_accumulation_saves_accelerates_grad_scaler(tmp_path: Path) -> None:
+    """fp16 on a GPU: accelerator.scaler's scale and growth tracker were lost on resume
+    unless the user also put the scaler in the state (the scale restarted at 65536: skipped
+    steps, other weights). Accumulation saves and restores it now. (On CPU accelerate makes
+    no scaler for fp16; GradScaler("cpu") stands in for the GPU's.)"""
+    from resilient_callbacks.accelerate import Accumulation
+
+    live = _FakeAccelerator(4, True)
+    live.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+    w = torch.ones(2, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for grad in (1.0, float("inf"), 1.0):  # a skipped step, then one that counts toward growth
+        live.scaler.scale(w.sum()).backward()
+        w.grad.fill_(grad)
+        live.scaler.step(opt)
+        live.scaler.update()
+        opt.zero_grad()
+    saved = live.scaler.state_dict()
+    assert saved["scale"] == 2.0**15 and saved["_growth_tracker"] == 1
+    with Checkpointer(tmp_path / "ck", async_save=False) as ckpt:
+        ckpt.save(1, {"acc": Accumulation(live)})
+    back = _FakeAccelerator(0, True)
+    back.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+    with Checkpointer(tmp_path / "ck") as ckpt:
+        assert ckpt.restore({"acc": Accumulation(back)}) == 1
+    assert back.scaler.state_dict() == saved

@@ -3,15 +3,17 @@ state: :class:`Accumulation` keeps the gradient-accumulation position exact.
 
 The prepared model, ``AcceleratedOptimizer`` and ``AcceleratedScheduler`` go into the state
 as they are (their state dicts are the wrapped module's, optimizer's and scheduler's, and the
-scheduler's step count already holds accelerate's extra steps); ``accelerator.scaler`` too,
-where accelerate made one (fp16 on a GPU). The data loader does not: accelerate's prepared
-loaders do not resume exactly and are refused; a ``ResumableDataLoader`` iterated without
-``prepare`` is what resumes (docs/accelerate.md). This module imports no framework: it reads
-two attributes of the ``Accelerator`` it is given.
+scheduler's step count already holds accelerate's extra steps); ``accelerator.scaler``, where
+accelerate made one (fp16 on a GPU), is saved by :class:`Accumulation`. The data loader does
+not: accelerate's prepared loaders do not resume exactly and are refused; a
+``ResumableDataLoader`` iterated without ``prepare``, through :meth:`Accumulation.epoch`, is
+what resumes (docs/accelerate.md). This module imports no framework: it reads and sets a few
+attributes of the ``Accelerator`` it is given.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .errors import UnsupportedStateError
@@ -29,8 +31,12 @@ class Accumulation:
     first micro-batches live only in ``.grad``, which no checkpoint holds) raises
     :class:`~resilient_callbacks.errors.UnsupportedStateError` before anything is written,
     instead of resuming a run that silently drops those micro-batches and shifts every later
-    window. Call ``ckpt.step`` when ``accelerator.sync_gradients`` is True. Every rank
-    holds the same value, so it is shared state."""
+    window. Call ``ckpt.step`` when ``accelerator.sync_gradients`` is True; a ``ckpt.step``
+    inside a window (:attr:`mid_step`) saves nothing, and a periodic save or a preemption's
+    emergency save due there is made at the first ``ckpt.step`` after it. Every rank
+    holds the same value, so it is shared state. The ``GradScaler`` accelerate made
+    (``accelerator.scaler``, fp16 on a GPU) is saved with it: its scale and growth tracker
+    go on, whether or not the state holds the scaler too."""
 
     def __init__(self, accelerator: Any) -> None:
         if not hasattr(accelerator, "gradient_state") or not hasattr(accelerator, "step"):
@@ -38,6 +44,39 @@ class Accumulation:
                 f"Accumulation takes an accelerate.Accelerator, not {type(accelerator).__name__}"
             )
         self.accelerator = accelerator
+
+    @property
+    def mid_step(self) -> bool:
+        """True inside an accumulation window: a save due then (periodic, or a preemption's
+        emergency save) waits for the first ``ckpt.step`` called with this False."""
+        return not self.accelerator.sync_gradients
+
+    def epoch(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """The batches of one pass over ``loader`` (a ``ResumableDataLoader`` not passed to
+        ``accelerator.prepare``, or any loader with a length), with the accelerator told
+        which one is the last, as a prepared loader tells it: ``accumulate()`` then ends a
+        window at an epoch's last batch (unless the accumulation plugin says
+        ``sync_with_dataloader=False``), so the optimizer steps on a partial window there and
+        the windows are those of the loop with a prepared loader. A pass resumed mid-epoch
+        counts the batches the loader has still to give (``len(loader) -
+        loader.batches_consumed``: a ``ResumableDataLoader``'s position; another loader is
+        taken to yield ``len(loader)`` batches)."""
+        try:
+            left = len(loader) - int(getattr(loader, "batches_consumed", 0))  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"Accumulation.epoch needs a loader with a length, not {type(loader).__name__}: "
+                "without one the last batch of the epoch is not known"
+            ) from None
+        marker = _EpochEnd()  # what accelerate reads of the loader it iterates
+        state = self.accelerator.gradient_state
+        state._add_dataloader(marker)
+        try:
+            for i, batch in enumerate(loader):
+                marker.end_of_dataloader = i + 1 >= left
+                yield batch
+        finally:
+            state._remove_dataloader(marker)
 
     def state_dict(self) -> dict[str, Any]:
         acc = self.accelerator
@@ -47,9 +86,31 @@ class Accumulation:
                 f"gradient_accumulation_steps={acc.gradient_accumulation_steps}): the window's "
                 "gradients so far are in .grad and no checkpoint holds them, so a resumed run "
                 "would drop them. Save after the optimizer step: call ckpt.step(...) only when "
-                "accelerator.sync_gradients is True, counting optimizer steps."
+                "accelerator.sync_gradients is True, counting optimizer steps; iterate the "
+                "loader as accumulation.epoch(loader) so that an epoch's last batch ends a "
+                "window and the final save comes after an optimizer step (docs/accelerate.md)."
             )
-        return {"step": int(acc.step), "num_steps": int(acc.gradient_accumulation_steps)}
+        out: dict[str, Any] = {
+            "step": int(acc.step),
+            "num_steps": int(acc.gradient_accumulation_steps),
+        }
+        scaler = getattr(acc, "scaler", None)  # fp16 on a GPU: its scale and growth tracker
+        if scaler is not None:
+            out["scaler"] = scaler.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.accelerator.step = int(state["step"])
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and state.get("scaler"):  # ({} from a disabled scaler)
+            scaler.load_state_dict(state["scaler"])
+
+
+class _EpochEnd:
+    """Stands for the loader in ``accelerator.gradient_state`` while ``Accumulation.epoch``
+    iterates it: accelerate reads ``end_of_dataloader`` (sync at the last batch) and
+    ``remainder`` (-1: no padding to drop in ``gather_for_metrics``)."""
+
+    def __init__(self) -> None:
+        self.end_of_dataloader = False
+        self.remainder = -1

@@ -393,7 +393,8 @@ class Checkpointer:
 
         On a preemption request (SIGTERM, SIGUSR1, a cloud notice) it makes an emergency save
         of this step and, with ``exit_on_preemption`` (default), exits the process with
-        ``preemption_exit_code`` (75); otherwise it returns and sets :attr:`preempted`."""
+        ``preemption_exit_code`` (75); otherwise it returns and sets :attr:`preempted`.
+        Inside an ``Accumulation``'s window it waits for the first call after the window."""
         self._check_open(writes=True)
         self._check_logger_sink()
         check_metrics(metrics)
@@ -418,7 +419,7 @@ class Checkpointer:
     def _step(self, step: int, state: Any, metrics: Mapping[str, Any] | None, final: bool) -> bool:
         # answered once: with exit_on_preemption=False the steps after it do not save again
         preempt = self.watcher is not None and self.watcher.poll(3) and not self.preempted
-        decision = self._trigger.decide(step, metrics, final, preempt)
+        decision = self._trigger.decide(step, metrics, final, preempt, state)
         if decision is None:
             return False
         kind, why = decision

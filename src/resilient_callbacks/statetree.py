@@ -84,3 +84,14 @@ def fingerprint(state: Any) -> str:
                 if isinstance(v, torch.Tensor):
                     specs.append([f"{dotted}.{k}", list(v.shape), str(v.dtype)])
     return xxhash.xxh3_64_hexdigest(json.dumps(specs).encode()) if specs else ""
+
+
+def mid_step(state: Any) -> str | None:
+    """The key path (``"state['accumulation']"``) of the first leaf that says it is in the
+    middle of a step -- an attribute ``mid_step`` that is ``True``, as
+    :class:`~.accelerate.Accumulation` has inside a gradient accumulation window -- or None.
+    A preemption's emergency save waits for the step to end rather than fail on it."""
+    for path, leaf in leaves(state):
+        if getattr(leaf, "mid_step", False) is True:
+            return "state" + "".join(f"[{k!r}]" for k in path)
+    return None

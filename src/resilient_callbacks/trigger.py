@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import dist
+from . import dist, statetree
 from .adaptive import AdaptiveSchedule
 from .config import CheckpointerConfig
 from .decision import Decider, spacing_step_time
@@ -113,6 +113,7 @@ class Trigger:
             LossJumpTrigger(threshold=config.loss_jump) if config.loss_jump else None
         )
         self._pending_jump = False
+        self._held: tuple[str, str] | None = None  # a save due inside a step (mid_step)
         self._warned_no_trigger = False
         self._warned_back = False
         self.caller_schedule: str | None = None  # the caller saves on its own schedule
@@ -175,12 +176,37 @@ class Trigger:
         warn_and_log(log, msg, UserWarning, stacklevel=5, warn=dist.rank() == 0)
 
     def decide(
-        self, step: int, metrics: Mapping[str, Any] | None, final: bool, preempt: bool
+        self,
+        step: int,
+        metrics: Mapping[str, Any] | None,
+        final: bool,
+        preempt: bool,
+        state: Any = None,
     ) -> tuple[str, str] | None:
         """Every rank: ``(kind, why)`` if this step is saved, else None. ``kind`` is
         ``"preemption"``, ``"final"``, ``"required"`` (an archive step or a loss jump: a
         periodic save that ``if_busy='skip'`` never skips) or ``"periodic"``; ``preempt``: this
-        rank saw a request."""
+        rank saw a request. A periodic or required save due while ``state`` is in the middle
+        of a step (:func:`.statetree.mid_step`: a gradient accumulation window, the same on
+        every rank) is held, and made at the first step outside it."""
+
+        def mid_step() -> bool:
+            return statetree.mid_step(state) is not None
+
+        decision = self._decide(step, metrics, final, preempt)
+        if decision is not None and decision[0] in ("periodic", "required") and mid_step():
+            if self._held is None or decision[0] == "required":
+                log.debug("step %d is inside an accumulation window: its save waits", step)
+                self._held = decision
+            return None
+        if self._held is not None and not mid_step():
+            held, self._held = self._held, None
+            return decision or held
+        return decision
+
+    def _decide(
+        self, step: int, metrics: Mapping[str, Any] | None, final: bool, preempt: bool
+    ) -> tuple[str, str] | None:
         if self._previous is not None and step < self._previous:
             self._went_back(self._previous, step)
         reason = self.policy.due_by_step(step, self._previous)
