@@ -200,6 +200,26 @@ def test_sigterm_inside_a_window_saves_at_its_end_and_resumes_exactly(tmp_path: 
     _same(tmp_path, "full", "run", 1)
 
 
+@pytest.mark.slow
+def test_sigterm_inside_a_window_two_processes(tmp_path: Path) -> None:
+    """Two ranks, windows of 4 (6 batches a rank: 4 + 2), step() at every micro-batch, a real
+    SIGTERM to each after micro-batch 1: the ranks agree on the request at a decision step
+    inside the window and save at its end (4). An emergency save put off by itself waited for
+    the next decision step, which the ranks space out (here past the run's end; in a long run
+    possibly always inside a window): never made."""
+    env = {"LOOP_EVERY_MICRO": "1", "LOOP_GAS": "4"}
+
+    def group(ck: str, out: str, kill_at: int, expect: int, **more: str) -> None:
+        argv = [sys.executable, LOOP, str(tmp_path / ck), str(tmp_path / out), str(kill_at)]
+        spawn_ranks.run(argv, 2, tmp_path, f"{out}{kill_at}", expect=expect, env={**env, **more})
+
+    group("ck_full", "full", 0, 0)
+    group("ck", "run", 1, 75, LOOP_SIGNAL="SIGTERM")
+    assert [p.name for p in (tmp_path / "ck").glob("step*")] == ["step_000000004"]
+    group("ck", "run", 0, 0)
+    _same(tmp_path, "full", "run", 2)
+
+
 @pytest.mark.slow  # three processes importing accelerate: about 20 s
 def test_epoch_end_partial_window_as_a_prepared_loader(tmp_path: Path) -> None:
     """11 batches an epoch, gradient_accumulation_steps=3: accelerate's prepared loader ends

@@ -156,7 +156,6 @@ class Emergency:
         self._step_watch: dict[int, Any] = {}
         # (step, error) of a preemption's emergency save that failed, while no later one saved
         self.failed: tuple[int, str] | None = None
-        self.waiting = False  # a preemption's save waits for a step to end (mid_step)
 
     def mark_consistent(self, step: int, state: Any) -> None:
         """Remember what step ``step``'s state is, cheaply: modules and optimizers by reference
@@ -249,30 +248,11 @@ class Emergency:
 
     def preemption(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> bool:
         """Every rank: flush background saves, save this step synchronously, then stop (exit
-        with ``preemption_exit_code`` if ``exit_on_preemption``). With an entry of the state
-        in the middle of a step (:func:`.statetree.mid_step`) it saves nothing and returns
-        False: the request stays pending, and the first ``step()`` after the step's end
-        saves."""
+        with ``preemption_exit_code`` if ``exit_on_preemption``)."""
         ck = self._ck
         watcher = ck.watcher
         req = watcher.request if watcher is not None else None
         source = req.source if req is not None else "request"
-        inside = statetree.mid_step(state)  # the same on every rank (accelerate's window)
-        if inside is not None:
-            # saving now would be refused (or lose the window's gradients): step() keeps
-            # answering the request, and the first call at a step's end saves
-            if not self.waiting:
-                log.warning(
-                    "preemption (%s) at step %d: %s is inside a gradient accumulation window; "
-                    "the emergency save is made at the window's end (the next step() outside "
-                    "it)",
-                    source,
-                    step,
-                    inside,
-                )
-            self.waiting = True
-            return False
-        self.waiting = False
         if watcher is not None:
             # a synchronous save: what a save blocked, plus its background write if it had one;
             # it first waits for the background saves still being written

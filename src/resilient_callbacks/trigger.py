@@ -28,6 +28,7 @@ from .numbers_check import opt_int
 from .policy import Clock
 
 log = logging.getLogger("resilient_callbacks")
+_RANK = {"periodic": 0, "required": 1, "final": 2, "preemption": 3}  # which of two saves wins
 
 
 @dataclass(kw_only=True)
@@ -186,22 +187,30 @@ class Trigger:
         """Every rank: ``(kind, why)`` if this step is saved, else None. ``kind`` is
         ``"preemption"``, ``"final"``, ``"required"`` (an archive step or a loss jump: a
         periodic save that ``if_busy='skip'`` never skips) or ``"periodic"``; ``preempt``: this
-        rank saw a request. A periodic or required save due while ``state`` is in the middle
-        of a step (:func:`.statetree.mid_step`: a gradient accumulation window, the same on
-        every rank) is held, and made at the first step outside it."""
-
-        def mid_step() -> bool:
-            return statetree.mid_step(state) is not None
-
+        rank saw a request. A save due while ``state`` is in the middle of a step
+        (:func:`.statetree.mid_step`: a gradient accumulation window, the same on every rank),
+        a preemption's included, is held -- the ranks agreed on it already -- and made at the
+        first step outside it (a ``final`` one is not: the save refuses it)."""
         decision = self._decide(step, metrics, final, preempt)
-        if decision is not None and decision[0] in ("periodic", "required") and mid_step():
-            if self._held is None or decision[0] == "required":
-                log.debug("step %d is inside an accumulation window: its save waits", step)
-                self._held = decision
-            return None
-        if self._held is not None and not mid_step():
-            held, self._held = self._held, None
-            return decision or held
+        held = self._held
+        if decision is not None and decision[0] != "final":
+            inside = statetree.mid_step(state)
+            if inside is not None:
+                if held is None or _RANK[decision[0]] > _RANK[held[0]]:
+                    self._held = decision
+                    if decision[0] == "preemption":
+                        log.warning(
+                            "preemption at step %d: %s is inside a gradient accumulation "
+                            "window; the emergency save is made at the window's end (the first "
+                            "step() outside it)",
+                            step,
+                            inside,
+                        )
+                return None
+        if held is not None and statetree.mid_step(state) is None:
+            self._held = None
+            if decision is None or _RANK[held[0]] > _RANK[decision[0]]:
+                return held
         return decision
 
     def _decide(
