@@ -348,3 +348,21 @@ def test_accumulation_saves_accelerates_grad_scaler(tmp_path: Path) -> None:
     with Checkpointer(tmp_path / "ck") as ckpt:
         assert ckpt.restore({"acc": Accumulation(back)}) == 1
     assert back.scaler.state_dict() == saved
+
+
+def test_another_accumulation_count_starts_a_whole_window(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Saved at a window's end with gradient_accumulation_steps=4 (accelerator.step=8),
+    resumed with 3: step 8 was restored and the first window after the resume synchronized
+    after one micro-batch (9 % 3 == 0). Now the step starts at 0, with a warning."""
+    from resilient_callbacks.accelerate import Accumulation
+
+    with Checkpointer(tmp_path / "ck", async_save=False) as ckpt:
+        ckpt.save(2, {"acc": Accumulation(_FakeAccelerator(8, True))})
+    back = _FakeAccelerator(0, True)
+    back.gradient_accumulation_steps = 3
+    with Checkpointer(tmp_path / "ck") as ckpt:
+        assert ckpt.restore({"acc": Accumulation(back)}) == 2
+    assert back.step == 0
+    assert "gradient_accumulation_steps is 3 here but was 4" in caplog.text

@@ -13,12 +13,15 @@ attributes of the ``Accelerator`` it is given.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .errors import UnsupportedStateError
 
 __all__ = ["Accumulation"]
+
+log = logging.getLogger("resilient_callbacks")
 
 
 class Accumulation:
@@ -100,7 +103,20 @@ class Accumulation:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.accelerator.step = int(state["step"])
+        """The saved step; another ``gradient_accumulation_steps`` than the saved one starts
+        at 0 instead, with a warning (saved at a window's end, the next window is whole)."""
+        step, saved, now = int(state["step"]), state.get("num_steps"), self.accelerator
+        if saved is not None and int(saved) != int(now.gradient_accumulation_steps):
+            log.warning(
+                "gradient_accumulation_steps is %s here but was %s in the checkpoint: the "
+                "accumulation windows start afresh from the resumed step (accelerator.step=0 "
+                "rather than %d, which would make the first window after the resume partial)",
+                now.gradient_accumulation_steps,
+                saved,
+                step,
+            )
+            step = 0
+        self.accelerator.step = step
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and state.get("scaler"):  # ({} from a disabled scaler)
             scaler.load_state_dict(state["scaler"])
