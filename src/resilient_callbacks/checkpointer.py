@@ -53,8 +53,7 @@ __all__ = ["CLOSE_OUTAGE_S", "GRACE_ENV", "RESUMABLE_EXIT_CODE", "Checkpointer",
 
 log = logging.getLogger("resilient_callbacks")
 
-# close() without a timeout gives up on uploads after this many seconds of failing attempts
-# (UploadIncompleteError), a restore on a remote read without progress as long (stall.py).
+# seconds of failing uploads before close() gives up (UploadIncompleteError); of a stalled restore
 CLOSE_OUTAGE_S = 300.0
 
 RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, retry": checkpoint saved, restart me
