@@ -494,3 +494,133 @@ def test_a_users_module_with_a_child_named_orig_mod_is_saved_whole(tmp_path):
         assert ck.restore({"model": live}) == 1
     for a, b in zip(saved.state_dict().values(), live.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+class _ScaleV1(nn.Module):
+    """Version 1 of a user's module: keeps the log of its scale, as ``log_scale``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.tensor([0.5, -1.0]))
+
+
+class _ScaleV2(nn.Module):
+    """Version 2: keeps the scale itself, as ``scale``; its loader upgrades version 1's entry."""
+
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.zeros(2))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        if (local_metadata.get("version") or 1) < 2 and prefix + "log_scale" in state_dict:
+            state_dict[prefix + "scale"] = state_dict.pop(prefix + "log_scale").exp()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+class _GainV1(nn.Module):
+    """Version 1 of another: ``gain`` holds the log of the gain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor([0.25, 2.0]))
+
+
+class _GainV2(nn.Module):
+    """Version 2: ``gain`` holds the gain itself, under the same name (nothing to check by)."""
+
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.zeros(2))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        if (local_metadata.get("version") or 1) < 2 and prefix + "gain" in state_dict:
+            state_dict[prefix + "gain"] = state_dict[prefix + "gain"].exp()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+def test_a_module_whose_version_changed_since_the_save_upgrades_the_saved_entries(tmp_path):
+    """A module's ``_load_from_state_dict`` upgrades an older layout by the version of the code
+    that wrote it (as BatchNorm's does for a checkpoint of an older torch): the restore gave it
+    the live module's version, so the renamed key was refused as another model's and a value
+    whose meaning changed under the same name was loaded as it was, silently. The versions are
+    recorded at the save now and the upgrade runs, as after ``torch.save``/``torch.load``."""
+    torch.manual_seed(0)
+    old = nn.Sequential(nn.Linear(2, 2), _ScaleV1(), _GainV1())
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(1, {"model": old})
+    new = nn.Sequential(nn.Linear(2, 2), _ScaleV2(), _GainV2())
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        assert ck.restore({"model": new}) == 1
+    assert torch.equal(new[0].weight, old[0].weight) and torch.equal(new[0].bias, old[0].bias)
+    assert torch.equal(new[1].scale, old[1].log_scale.exp())
+    assert torch.equal(new[2].gain, old[2].gain.exp())
+
+
+def test_a_checkpoint_without_versions_loads_by_the_live_modules_versions(tmp_path, monkeypatch):
+    """A checkpoint written before the versions were recorded: the live module's are passed
+    (it was written by the same code), so an observer keeps its saved ``eps``."""
+    _quiet_ao()
+    from torch.ao.quantization.observer import MovingAverageMinMaxObserver
+
+    from resilient_callbacks import module_versions
+
+    saved = MovingAverageMinMaxObserver(eps=EPS)
+    saved(torch.randn(10))
+    with monkeypatch.context() as m:
+        m.setattr(module_versions, "recorded", lambda sd: None)
+        with Checkpointer(tmp_path, async_save=False) as ck:
+            ck.save(1, {"observer": saved})
+    live = MovingAverageMinMaxObserver(eps=EPS)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        assert ck.restore({"observer": live}) == 1
+    assert live.eps.item() == EPS and torch.equal(live.min_val, saved.min_val)
+
+
+def test_lightning_a_module_whose_version_changed_since_the_save_upgrades_the_saved_entries(
+    tmp_path,
+):
+    """The Lightning callback too: its check that the checkpoint fits the model refused the
+    renamed key, and Lightning's load was given the live module's versions."""
+    L = pytest.importorskip("lightning")
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    class Module(L.LightningModule):
+        def __init__(self, *blocks: nn.Module) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 2), *blocks)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def training_step(self, batch, batch_idx):
+            x = self.net[0](batch[0])
+            return sum((x * p).sum() for p in self.net[1:].parameters()).pow(2)
+
+    def fit(module, steps):
+        rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=1)
+        trainer = L.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            callbacks=[rc],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        data = torch.utils.data.TensorDataset(torch.randn(8, 2))
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+        return rc.restored_step
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        old = Module(_ScaleV1(), _GainV1())
+        fit(old, 2)
+        new = Module(_ScaleV2(), _GainV2())
+        assert fit(new, 2) == 2  # (at the run's max_steps: restored, nothing trained)
+    assert torch.equal(new.net[0].weight, old.net[0].weight)
+    assert torch.equal(new.net[1].scale, old.net[1].log_scale.exp())
+    assert torch.equal(new.net[2].gain, old.net[2].gain.exp())

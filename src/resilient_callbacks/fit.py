@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
-from . import mapped
+from . import mapped, module_versions
 from .errors import CheckpointMismatchError, caller_stacklevel
 from .filepart import FilePart
 from .optim import hookable, param_shapes
@@ -78,11 +78,18 @@ def its_own_shape(module: torch.nn.Module, key: str, live: torch.Tensor) -> bool
 
 
 def key_differences(
-    want: Mapping[str, Sequence[int] | None], have: Mapping[str, Sequence[int] | None]
+    want: Mapping[str, Sequence[int] | None],
+    have: Mapping[str, Sequence[int] | None],
+    upgraded: list[str] | None = None,
 ) -> tuple[list[str], list[str], list[str]]:
     """Compare a model's tensor shapes (``want``) with a checkpoint's (``have``; ``None``: shape
     unknown): the keys missing from the checkpoint, those the model lacks, and those of another
-    shape, each sorted."""
+    shape, each sorted. ``upgraded``: the submodules whose version changed since the save
+    (:func:`.module_versions.upgraded`); their loading code upgrades their entries (renames
+    keys, reshapes), so theirs are left to ``load_state_dict`` (strict) to judge."""
+    if upgraded:
+        want = {k: v for k, v in want.items() if not module_versions.under(k, upgraded)}
+        have = {k: v for k, v in have.items() if not module_versions.under(k, upgraded)}
     missing = sorted(set(want) - set(have))
     unexpected = sorted(set(have) - set(want))
     reshaped = [
@@ -146,7 +153,8 @@ def check_fits(
             if _node_items(saved) is None:
                 problems.append(f"{path_str(path)}: checkpoint holds {_describe(n)}, not a module")
                 return
-            live = {k: v for k, v in obj.state_dict().items() if isinstance(v, torch.Tensor)}
+            live_sd = obj.state_dict()
+            live = {k: v for k, v in live_sd.items() if isinstance(v, torch.Tensor)}
             want = {
                 k: (str(v.dtype).removeprefix("torch."), None if is_lazy(v) else list(v.shape))
                 for k, v in live.items()
@@ -164,6 +172,7 @@ def check_fits(
             missing, unexpected, reshaped = key_differences(
                 {k: v[1] for k, v in want.items()},
                 {k: None if v is None else v[1] for k, v in have.items()},
+                module_versions.upgraded(module_versions.attach({}, n), live_sd),
             )
             problems.extend(_key_problems(path, missing, unexpected))
             for k in reshaped:

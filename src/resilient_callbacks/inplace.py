@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import mapped
+from . import mapped, module_versions
 from .errors import CheckpointMismatchError, caller_stacklevel
 from .filepart import FilePart
 from .structure import (
@@ -73,7 +73,7 @@ def apply(
             return obj
         if is_stateful(obj):
             target = plain_module(obj)  # a wrapper (compile, DDP): into the module it wraps
-            value = resolve(n)
+            value = module_versions.attach(resolve(n), n)
             load = target.load_state_dict
             if isinstance(target, torch.nn.Module) and isinstance(value, Mapping):
                 live_sd = target.state_dict()
@@ -230,12 +230,12 @@ def with_versions(module: torch.nn.Module, live_sd: Any) -> Callable[[Any], Any]
 def versioned(sd: Mapping[str, Any], live_sd: Any) -> Any:
     """``sd`` with the submodules' versions (``_version``) that ``state_dict()`` keeps in its
     ``_metadata`` attribute and ``torch.save`` pickles with it: modules read a state dict by its
-    version, and without one take it for their oldest layout (a dynamic-quantized ``Linear`` of
-    float16 then looks for a ``weight`` key and fails; an observer of quantization-aware
-    training replaces its saved ``eps`` with the default, silently). They are the live
-    module's (``live_sd``, its ``state_dict()``): the checkpoint was written by the same code."""
-    meta = getattr(live_sd, "_metadata", None)
-    if meta is None or getattr(sd, "_metadata", None) is not None:
+    version, and without one take it for their oldest layout (:mod:`.module_versions`). They
+    are those ``sd`` carries (the checkpoint's, :func:`.module_versions.attach`) where it
+    recorded them, else the live module's (``live_sd``, its ``state_dict()``): a checkpoint
+    written before versions were recorded was written by the same code."""
+    meta = module_versions.merged(sd, live_sd)
+    if meta is None:
         return sd
     out = collections.OrderedDict(sd)
     out._metadata = meta  # type: ignore[attr-defined]

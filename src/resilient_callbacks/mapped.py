@@ -31,6 +31,7 @@ mapping is freed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import mmap
 import os
@@ -126,6 +127,9 @@ def private(value: Any, memo: dict[int, tuple[Any, torch.Tensor]] | None = None)
     if isinstance(value, dict):
         new: Any = {k: private(v, memo) for k, v in value.items()}
         same = all(new[k] is v for k, v in value.items())
+        if not same and (meta := getattr(value, "_metadata", None)) is not None:
+            new = collections.OrderedDict(new)  # a module's state dict keeps its versions
+            new._metadata = meta
     elif isinstance(value, list):
         new = [private(v, memo) for v in value]
         same = all(a is b for a, b in zip(new, value, strict=True))

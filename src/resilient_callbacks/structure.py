@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import xxhash
 
-from . import mapped
+from . import mapped, module_versions
 from .errors import CheckpointMismatchError, UnsupportedStateError
 from .filepart import FilePart
 from .optim import hookable, param_shapes
@@ -238,6 +238,8 @@ class _Encoder:
             node = {TAG: "stateful", "type": _qualname(kind), "state": self.encode(sd, path)}
             if isinstance(obj, torch.optim.Optimizer) and (shapes := param_shapes(obj)):
                 node["param_shapes"] = shapes  # what its state belongs to (fit.py checks it)
+            if versions := module_versions.recorded(sd):
+                node[module_versions.FIELD] = versions  # what its loader reads it by
             return node
         raise UnsupportedStateError(
             f"{path_str(path)} has type {_qualname(obj)}, which cannot be saved without pickle. "

@@ -11,6 +11,7 @@ and not on the other.
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -63,8 +64,27 @@ def unwrapped_keys(sd: Mapping[str, Any], live: Collection[str]) -> Mapping[str,
         prefix = next((p for p in WRAPPER_PREFIXES if all(str(k).startswith(p) for k in sd)), None)
         if prefix is None:
             break
-        sd = {str(k)[len(prefix) :]: v for k, v in sd.items()}
-    return _compiled_inside(sd, live)
+        sd = with_metadata(sd, {str(k)[len(prefix) :]: v for k, v in sd.items()}, prefix)
+    return with_metadata(sd, _compiled_inside(sd, live))
+
+
+def with_metadata(src: Mapping[str, Any], dst: Mapping[str, Any], strip: str = "") -> Any:
+    """``dst`` (``src`` with other keys or values) with ``src``'s ``_metadata`` (the submodules'
+    versions, :mod:`.module_versions`), its prefixes without ``strip`` (a wrapper's key prefix
+    left out of the keys)."""
+    meta = getattr(src, "_metadata", None)
+    if meta is None or dst is src:
+        return dst
+    out = collections.OrderedDict(dst)
+    if strip:
+        bare = strip.rstrip(".")
+        meta = collections.OrderedDict(
+            ("" if p == bare else p[len(strip) :], m)
+            for p, m in meta.items()
+            if p == bare or p.startswith(strip)
+        )
+    out._metadata = meta  # type: ignore[attr-defined]
+    return out
 
 
 def _compiled_inside(sd: Mapping[str, Any], live: set[str]) -> Mapping[str, Any]:

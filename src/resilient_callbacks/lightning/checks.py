@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.parameter import is_lazy
 
+from .. import module_versions
 from ..config import CheckpointerConfig
 from ..errors import CheckpointMismatchError, ConfigError, caller_stacklevel
 from ..fit import its_own_shape, key_differences, warn_cast
@@ -106,7 +107,8 @@ def check_model_fits(trainer: Any, saved: dict[str, Any], path: str) -> None:
     here = {k: v for k, v in module.state_dict().items() if torch.is_tensor(v)}
     live = {k: None if is_lazy(v) else list(v.shape) for k, v in here.items()}
     have = {k: list(v.shape) for k, v in saved.items() if torch.is_tensor(v)}
-    missing, unexpected, reshaped = key_differences(live, have)
+    upgraded = module_versions.upgraded(saved, module.state_dict())
+    missing, unexpected, reshaped = key_differences(live, have, upgraded)
     reshaped = [k for k in reshaped if not its_own_shape(module, k, here[k])]
     problems = []
     if missing:

@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 from ..errors import UnsupportedStateError, warn_and_log
 from ..inplace import as_live_keys
 from ..structure import PerRank
+from ..wrapped import with_metadata
 from .rank_callbacks import STOP_RNG_KEY, put_back, saved
 
 log = logging.getLogger("resilient_callbacks.lightning")
@@ -262,7 +263,7 @@ class SaveContext:
                 for k, v in self.buffer_override.items():
                     if k in sd:
                         sd[k] = v
-                d["state_dict"] = sd
+                d["state_dict"] = with_metadata(d["state_dict"], sd)
             if self._marks is not None:
                 d.update({k: v for k, v in self._marks().items() if v})
             self._dump = d
@@ -331,7 +332,8 @@ class ModuleState(torch.nn.Module):
         return self._module.parameters(recurse)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return dict(self._ctx.dump()["state_dict"])
+        sd = self._ctx.dump()["state_dict"]
+        return with_metadata(sd, dict(sd))  # with the submodules' versions (module_versions)
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover
         raise TypeError("restore into receivers()")
