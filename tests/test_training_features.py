@@ -251,17 +251,37 @@ def _lightning_runs(
     qat: bool = False,
     swa: bool = False,
     compiled=(False, False),
-    finetune: bool = False,
+    finetune: bool | str = False,
     all_params: bool = False,
 ):
     """A Lightning run of ``total`` steps never stopped, one stopped at ``stop`` with the
     callback and the one that resumes it: ``(plain, first, again, restored step)``.
     ``compiled``: whether the stopped run's and the resuming run's ``net`` is compiled on its
     own (eager backend); the run never stopped is compiled as the resuming one. ``finetune``:
-    ``BackboneFinetuning`` of ``net[:2]`` (frozen, a BatchNorm too, until epoch 1).
-    ``all_params``: the optimizer holds every parameter, frozen ones too."""
+    ``BackboneFinetuning`` of ``net[:2]`` (frozen, a BatchNorm too, until epoch 1);
+    ``"partial"``: a ``BaseFinetuning`` that freezes ``net[:2]`` and unfreezes the weight of
+    ``net[0]`` alone at epoch 1 (a group of its own where the optimizer lacks it), and freezes
+    ``net[3]``'s bias at epoch 2. ``all_params``: the optimizer holds every parameter, frozen
+    ones too."""
     L = pytest.importorskip("lightning")
-    from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
+    from lightning.pytorch.callbacks import (
+        BackboneFinetuning,
+        BaseFinetuning,
+        StochasticWeightAveraging,
+    )
+
+    class PartialUnfreeze(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.backbone, train_bn=False)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                weight = pl_module.backbone[0].weight
+                weight.requires_grad = True
+                if not any(p is weight for g in optimizer.param_groups for p in g["params"]):
+                    optimizer.add_param_group({"params": [weight], "lr": 0.01})
+            if epoch == 2:
+                pl_module.net[3].bias.requires_grad = False
 
     from resilient_callbacks.lightning import ResilientCheckpoint
 
@@ -297,7 +317,9 @@ def _lightning_runs(
         module = Module(compile_net)
         if swa:
             callbacks = (StochasticWeightAveraging(0.01, 1, annealing_epochs=3), *callbacks)
-        if finetune:
+        if finetune == "partial":
+            callbacks = (PartialUnfreeze(), *callbacks)
+        elif finetune:
             callbacks = (BackboneFinetuning(1, lambda epoch: 1.5, train_bn=False), *callbacks)
         trainer = L.Trainer(
             max_steps=steps,
@@ -469,6 +491,37 @@ def test_lightning_backbone_finetuning_resumed_after_the_unfreeze_trains_the_bac
     plain, first, again, restored = _lightning_runs(tmp_path, 28, stop, finetune=True)
     assert restored == stop
     assert again.backbone[0].weight.requires_grad and again.backbone[1].track_running_stats
+    _assert_same_run(plain, first, again)
+
+
+def _trainable_and_groups(module) -> tuple[list[str], list[list[str]], list[bool]]:
+    """The names of the trainable parameters, of each optimizer group's parameters, and
+    which BatchNorm modules track their running statistics."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    groups = [
+        [names[id(p)] for p in g["params"]] for g in module.trainer.optimizers[0].param_groups
+    ]
+    bn = [m.track_running_stats for m in module.modules() if isinstance(m, nn.BatchNorm1d)]
+    return trainable, groups, bn
+
+
+@pytest.mark.parametrize("all_params", [False, True], ids=["group-added", "all-held"])
+@pytest.mark.parametrize("stop", [7, 9, 17], ids=["before", "after", "after-refreeze"])
+def test_lightning_finetuning_of_part_of_a_module_resumes_as_the_run_did(
+    tmp_path, stop, all_params
+):
+    """A ``BaseFinetuning`` that unfreezes one parameter of a module (the weight of a
+    ``Linear``, not its bias) at epoch 1 and freezes the head's bias at epoch 2: the resume
+    made whole modules trainable (every parameter of a module with one trainable one), and
+    never froze again what the run had frozen, so the bias trained (with an optimizer that
+    holds every parameter) and the frozen set differed from the run never stopped. Each
+    parameter is trainable as it was at the save now; the optimizer's groups are the run's."""
+    plain, first, again, restored = _lightning_runs(
+        tmp_path, 28, stop, finetune="partial", all_params=all_params
+    )
+    assert restored == stop
+    assert _trainable_and_groups(again) == _trainable_and_groups(plain)
     _assert_same_run(plain, first, again)
 
 

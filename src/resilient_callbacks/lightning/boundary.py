@@ -67,6 +67,10 @@ TRAINABLE_KEY = "resilient_callbacks_trainable"
 """With a ``BaseFinetuning`` callback: the names of the parameters trainable at the save
 (``requires_grad``), which the resume makes trainable again (:func:`_trainable_as_saved`)."""
 
+TRACKING_KEY = "resilient_callbacks_bn_tracking"
+"""With a ``BaseFinetuning`` callback: whether each BatchNorm module tracked its running
+statistics at the save (``track_running_stats``, which its freeze and unfreeze set)."""
+
 
 @dataclass
 class StepEnd:
@@ -93,8 +97,14 @@ def marks(trainer: pl.Trainer, epoch_end: bool, to_cpu: bool = True) -> dict[str
     with a ``BaseFinetuning`` callback, the parameters then trainable."""
     out = {EPOCH_END_KEY: epoch_end, METRICS_KEY: saved_metrics(trainer, to_cpu)}
     if _finetuning(trainer):
-        named = trainer.lightning_module.named_parameters()
+        module = trainer.lightning_module
+        named = module.named_parameters()
         out[TRAINABLE_KEY] = sorted(plain_name(n) for n, p in named if p.requires_grad)
+        out[TRACKING_KEY] = {
+            _module_name(n): m.track_running_stats
+            for n, m in module.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        }
     return out
 
 
@@ -123,6 +133,8 @@ class Resume:
         self.epoch_end = bool(checkpoint.pop(EPOCH_END_KEY, False))
         trainable = checkpoint.pop(TRAINABLE_KEY, None)  # (None: older, or no finetuning)
         self.trainable = set(trainable) if isinstance(trainable, list) else None
+        tracking = checkpoint.pop(TRACKING_KEY, None)
+        self.tracking = tracking if isinstance(tracking, dict) else None
         self.epoch_end_run = self.saved_at_epoch_end = self.epoch_end
         self.started = False  # on_train_start ran
         self.past_end: str | None = None  # the checkpoint is past this fit()'s end (:mod:`.stages`)
@@ -165,7 +177,7 @@ class Resume:
         checks.optimizers_and_schedulers(trainer, self.counts)
         if not self.epoch_end:
             _start_swa_mid_epoch(trainer)
-        _trainable_as_saved(trainer, self.trainable)
+        _trainable_as_saved(trainer, self.trainable, self.tracking)
         if self.metrics:
             trainer.callback_metrics.update(self.metrics)
 
@@ -284,25 +296,40 @@ def _finetuning(trainer: pl.Trainer) -> bool:
     return any(isinstance(cb, BaseFinetuning) for cb in trainer.callbacks)  # type: ignore[attr-defined]
 
 
-def _trainable_as_saved(trainer: pl.Trainer, trainable: set[str] | None) -> None:
+def _trainable_as_saved(
+    trainer: pl.Trainer, trainable: set[str] | None, tracking: dict[str, Any] | None
+) -> None:
     """``BaseFinetuning`` (``BackboneFinetuning``) freezes its modules in ``setup`` at every
     ``fit()`` and unfreezes them in its ``finetune_function`` only at the epoch it chose: a run
     resumed after that epoch (from Lightning's checkpoint too) trained on with them frozen,
-    and every later step differed. Modules with a parameter that was trainable at the save
-    (``trainable``, :data:`TRAINABLE_KEY`) are made trainable again, as the unfreeze made them
-    (``BaseFinetuning.make_trainable``); none other (an optimizer built over every parameter
-    holds frozen ones too). A checkpoint of an older version, without the names: the modules
-    whose parameters an optimizer holds."""
+    and every later step differed. Each parameter is made trainable or frozen as it was at the
+    save (``trainable``, :data:`TRAINABLE_KEY`: a finetuning may unfreeze a part of a module,
+    or freeze again), and each BatchNorm module tracks its running statistics as it did
+    (``tracking``, :data:`TRACKING_KEY`; where not recorded, those of a module with a
+    trainable parameter, as ``BaseFinetuning.make_trainable`` sets them). A checkpoint of an
+    older version, without the names: the modules whose parameters an optimizer holds are
+    made trainable (``make_trainable``)."""
     from lightning.pytorch.callbacks import BaseFinetuning
 
     if not _finetuning(trainer):
         return
+    module = trainer.lightning_module
     if trainable is None:
         held = {id(p) for o in trainer.optimizers for g in o.param_groups for p in g["params"]}
-    names = {id(p): plain_name(n) for n, p in trainer.lightning_module.named_parameters()}
-    for module in BaseFinetuning.flatten_modules(trainer.lightning_module):
-        for p in module.parameters(recurse=False):
-            was = id(p) in held if trainable is None else names.get(id(p)) in trainable
-            if was and not p.requires_grad:
-                BaseFinetuning.make_trainable(module)
-                break
+        for sub in BaseFinetuning.flatten_modules(module):
+            if any(id(p) in held and not p.requires_grad for p in sub.parameters(recurse=False)):
+                BaseFinetuning.make_trainable(sub)
+        return
+    for name, p in module.named_parameters():
+        p.requires_grad_(plain_name(name) in trainable)
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+            was = (tracking or {}).get(_module_name(name))
+            if was is None:  # (recorded by a version before it)
+                was = sub.track_running_stats or any(p.requires_grad for p in sub.parameters())
+            sub.track_running_stats = bool(was)
+
+
+def _module_name(name: str) -> str:
+    """A submodule's name without torch.compile's ``_orig_mod`` segments."""
+    return plain_name(name + ".")[:-1] if name else ""
