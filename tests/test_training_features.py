@@ -6,6 +6,7 @@ gradient checkpointing and generators resume exactly on the code before these te
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import warnings
 
@@ -677,3 +678,121 @@ def test_lightning_a_module_whose_version_changed_since_the_save_upgrades_the_sa
     assert torch.equal(new.net[0].weight, old.net[0].weight)
     assert torch.equal(new.net[1].scale, old.net[1].log_scale.exp())
     assert torch.equal(new.net[2].gain, old.net[2].gain.exp())
+
+
+def _weight_averaging_runs(tmp_path, averaging: str, total: int, stop: int, fail_at=None):
+    """Lightning runs with ``WeightAveraging`` (``"swa"``: every step; ``"ema"``:
+    ``EMAWeightAveraging`` every 3rd step from step 5, and at every epoch's end from epoch 1)
+    and a validation every 3 batches: never stopped, stopped at ``stop`` (or by an exception
+    in the validation at step ``fail_at``, with ``save_on_exception``) and resumed. Two
+    batches an optimizer step: a validation comes in the middle of an accumulation window.
+    ``(plain, first, again, restored step)``, each module with its ``averaging`` callback."""
+    L = pytest.importorskip("lightning")
+    callbacks = L.pytorch.callbacks
+    if not hasattr(callbacks, "WeightAveraging"):
+        pytest.skip(f"Lightning {L.__version__} has no WeightAveraging (2.6 added it)")
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+            self.losses: list[float] = []
+            self.fail_at = None
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.net(batch[0]).pow(2).mean()
+            self.losses.append(loss.item())
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            if self.trainer.global_step == self.fail_at:
+                raise RuntimeError(f"validation failed at step {self.fail_at}")
+            self.log("val", self.net(batch[0]).pow(2).mean())
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4))  # 8 steps an epoch
+
+    def fit(steps: int, *callbacks_, fail_at=None) -> Module:
+        L.seed_everything(0, verbose=False)
+        module = Module()
+        module.fail_at = fail_at
+        if averaging == "swa":
+            module.averaging = callbacks.WeightAveraging()
+        else:
+            module.averaging = callbacks.EMAWeightAveraging(
+                decay=0.9, update_every_n_steps=3, update_starting_at_step=5,
+                update_starting_at_epoch=1,
+            )  # fmt: skip
+        trainer = L.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            callbacks=[module.averaging, *callbacks_],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            num_sanity_val_steps=0,
+            limit_val_batches=1,
+            val_check_interval=3,
+            accumulate_grad_batches=2,
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+        trainer.fit(module, loader, torch.utils.data.DataLoader(data, batch_size=16))
+        return module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = fit(total)
+        ck = tmp_path / "ck"
+        first = ResilientCheckpoint(ck, every_n_steps=stop, save_on_exception=True)
+        if fail_at is None:
+            first = fit(stop, first)
+        else:
+            with pytest.raises(RuntimeError, match=f"validation failed at step {fail_at}"):
+                fit(total, first, fail_at=fail_at)
+        rc = ResilientCheckpoint(ck, every_n_steps=100)
+        again = fit(total, rc)
+    return plain, first, again, rc.restored_step
+
+
+def _assert_same_average(plain, again) -> None:
+    ours, theirs = again.averaging._average_model, plain.averaging._average_model
+    for a, b in zip(theirs.state_dict().values(), ours.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert again.averaging._latest_update_step == plain.averaging._latest_update_step
+    for a, b in zip(plain.state_dict().values(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # (the averaged weights, put into the model at the end)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("averaging", ["swa", "ema"])
+@pytest.mark.parametrize("stop", [7, 8, 17], ids=["mid-epoch", "epoch-end", "after-an-ema-epoch"])
+def test_lightning_weight_averaging_resumes_its_average_as_the_run_did(tmp_path, averaging, stop):
+    """Lightning's ``WeightAveraging`` saves its averaged model and the step of its last
+    update, not the epoch of it (``_latest_update_epoch``): resumed mid-epoch, at an epoch's end
+    and after an epoch-end update, its averaged model (``n_averaged`` too) and the weights it
+    puts into the model at the end are the run's never stopped (the epoch guard matters only
+    for an epoch whose end would run twice, which a resume from our checkpoints never does)."""
+    plain, first, again, restored = _weight_averaging_runs(tmp_path, averaging, 24, stop)
+    assert restored == stop
+    assert first.losses + again.losses == plain.losses
+    _assert_same_average(plain, again)
+
+
+def test_lightning_an_exception_in_a_validation_with_weight_averaging_saves_nothing(
+    tmp_path, caplog
+):
+    """``WeightAveraging`` swaps the averaged weights into the model for a validation: an
+    exception there, in the middle of an accumulation window (no optimizer step since the
+    last step's end), saved the averages as the trained weights (and the trained ones as the
+    average), and the re-run resumed from them. Nothing is saved there now (a warning says
+    why): the re-run resumes the last periodic checkpoint and is the run never stopped."""
+    with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
+        plain, _, again, restored = _weight_averaging_runs(tmp_path, "swa", 12, 3, fail_at=4)
+    assert "came during a validation, in which WeightAveraging puts the averaged" in caplog.text
+    assert restored == 3
+    assert again.losses == plain.losses[-len(again.losses) :] and len(again.losses) == 18
+    _assert_same_average(plain, again)

@@ -75,7 +75,8 @@ class ResilientCheckpoint(Checkpoint):
             keeps its own seed.
         save_on_exception: when training raises, save the last completed step before the
             exception propagates (single process; nothing is saved if an optimizer step ran
-            since that step).
+            since that step, nor during a validation with a ``WeightAveraging`` callback,
+            whose averaged weights the model then holds).
         log_stats: log save timings and sizes through the trainer's loggers.
         **checkpointer_kwargs: passed to :class:`~resilient_callbacks.Checkpointer`:
             ``every_n_steps``, ``every_seconds``, ``adaptive``/``mtbf_hours``, ``keep_last``,

@@ -7,7 +7,9 @@ completed step (one rank only; with several ranks the others could not join the 
 callback remembers what changes *within* a step and cannot be recovered from the live objects:
 the fit loop's progress, the random streams and the module's buffers. At the exception it saves
 the live weights and optimizer with those, unless an optimizer step ran since (then the weights
-are already those of a step that did not finish, and nothing is saved: say so).
+are already those of a step that did not finish, and nothing is saved: say so), or the exception
+came during a validation with Lightning's ``WeightAveraging``, whose averaged weights the model
+holds then (nothing saved either).
 """
 
 from __future__ import annotations
@@ -96,6 +98,16 @@ class ExceptionSave:
                 type(exception).__name__,
             )
             return
+        if trainer.validating and (averaging := _weight_averaging(trainer)):
+            log.warning(
+                "save_on_exception: %s came during a validation, in which %s puts the averaged "
+                "weights into the model (and the trained ones into its averaged model): the "
+                "state matches no step, so nothing is saved; the newest checkpoint is the last "
+                "periodic one",
+                type(exception).__name__,
+                averaging,
+            )
+            return
         log.warning(
             "%s during training: saving the state of step %d before it propagates",
             type(exception).__name__,
@@ -106,3 +118,15 @@ class ExceptionSave:
         ctx.buffer_override = b.buffers
         rng.restore(*b.rng_state)  # the random streams as they were after step b.step
         ckpt.emergency_save(b.step, state, st.finite_metrics(trainer.callback_metrics))
+
+
+def _weight_averaging(trainer: pl.Trainer) -> str | None:
+    """The name of a ``WeightAveraging`` callback of ``trainer`` (Lightning 2.6 on), if any: it
+    swaps the averaged weights into the model for every validation and back after it."""
+    from lightning.pytorch import callbacks
+
+    kind = getattr(callbacks, "WeightAveraging", None)
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if kind is not None and isinstance(cb, kind):
+            return type(cb).__name__
+    return None
