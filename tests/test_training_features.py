@@ -796,3 +796,61 @@ def test_lightning_an_exception_in_a_validation_with_weight_averaging_saves_noth
     assert restored == 3
     assert again.losses == plain.losses[-len(again.losses) :] and len(again.losses) == 18
     _assert_same_average(plain, again)
+
+
+def test_lightning_weight_averagings_trained_weights_load_by_the_modules_versions(tmp_path):
+    """With ``WeightAveraging`` the checkpoint's ``state_dict`` holds the averages and the
+    trained weights are in ``current_model_state``, which it loads with ``load_state_dict``
+    itself: they reached it without the modules' versions (Lightning's own checkpoints keep
+    them), so a module that reads a state dict without versions as its oldest layout (here:
+    converts its ``gain``) loaded the trained weights converted, and the run went on from
+    other weights. They are given the live module's versions now, and training goes on as
+    the run never stopped. (Its averaged model is loaded from a dict WeightAveraging builds
+    without versions, with Lightning's own checkpoints too: the final averages of such a
+    module are not compared.)"""
+    L = pytest.importorskip("lightning")
+    callbacks = L.pytorch.callbacks
+    if not hasattr(callbacks, "WeightAveraging"):
+        pytest.skip(f"Lightning {L.__version__} has no WeightAveraging (2.6 added it)")
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 2), _GainV2())
+            self.losses: list[float] = []
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+        def training_step(self, batch, batch_idx):
+            loss = (self.net[0](batch[0]) * self.net[1].gain).pow(2).mean()
+            self.losses.append(loss.item())
+            return loss
+
+    def fit(steps: int, *callbacks_) -> Module:
+        L.seed_everything(0, verbose=False)
+        module = Module()
+        with torch.no_grad():
+            module.net[1].gain.fill_(0.5)
+        trainer = L.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            callbacks=[callbacks.WeightAveraging(), *callbacks_],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        data = torch.utils.data.TensorDataset(torch.randn(16, 2))
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+        return module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = fit(6)
+        first = fit(3, ResilientCheckpoint(tmp_path / "ck", every_n_steps=100))
+        rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=100)
+        again = fit(6, rc)
+    assert rc.restored_step == 3
+    assert first.losses + again.losses == plain.losses

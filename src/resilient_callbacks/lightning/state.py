@@ -332,8 +332,7 @@ class ModuleState(torch.nn.Module):
         return self._module.parameters(recurse)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        sd = self._ctx.dump()["state_dict"]
-        return with_metadata(sd, dict(sd))  # with the submodules' versions (module_versions)
+        return with_metadata(sd := self._ctx.dump()["state_dict"], dict(sd))  # (its versions)
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover
         raise TypeError("restore into receivers()")
@@ -438,10 +437,12 @@ def receivers() -> dict[str, Any]:
 
 def assemble(holder: dict[str, Any], module: torch.nn.Module | None = None) -> dict[str, Any]:
     """Lightning's checkpoint dictionary from a restored :func:`receivers` holder; the weights
-    keyed and versioned as ``module`` has them (:func:`..inplace.as_live_keys`)."""
+    (``WeightAveraging``'s ``current_model_state`` too) keyed and versioned as ``module`` has them."""
     ckpt = dict(holder["lightning"].value)
-    sd = holder["state_dict"].value
-    ckpt["state_dict"] = sd if module is None else as_live_keys(sd, module)
+    ckpt["state_dict"] = holder["state_dict"].value
+    for k in ("state_dict", "current_model_state"):
+        if module is not None and isinstance(ckpt.get(k), dict):
+            ckpt[k] = as_live_keys(ckpt[k], module)
     ckpt["optimizer_states"] = list(holder["optimizer_states"].value["optimizers"])
     put_back(ckpt, holder["data"].obj.value)  # this rank's callbacks' states
     loaders = holder["data"].obj.value["loaders"]
