@@ -508,7 +508,7 @@ def _trainable_and_groups(module) -> tuple[list[str], list[list[str]], list[bool
 
 
 @pytest.mark.parametrize("all_params", [False, True], ids=["group-added", "all-held"])
-@pytest.mark.parametrize("stop", [7, 9, 17], ids=["before", "after", "after-refreeze"])
+@pytest.mark.parametrize("stop", [8, 9, 17], ids=["before", "after", "after-refreeze"])
 def test_lightning_finetuning_of_part_of_a_module_resumes_as_the_run_did(
     tmp_path, stop, all_params
 ):
