@@ -614,6 +614,29 @@ def test_a_module_whose_version_changed_since_the_save_upgrades_the_saved_entrie
     assert torch.equal(new[2].gain, old[2].gain.exp())
 
 
+def test_an_upgrade_that_does_not_make_the_entries_fit_is_refused_naming_the_keys(tmp_path):
+    """The entries of a module whose version changed are left to its loader, whose strict
+    ``load_state_dict`` still refuses what its upgrade does not make fit, naming the keys."""
+    from resilient_callbacks import CheckpointMismatchError
+
+    class NoUpgrade(nn.Module):
+        _version = 2
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.zeros(2))
+
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(1, {"model": nn.Sequential(nn.Linear(2, 2), _ScaleV1())})
+    with (
+        Checkpointer(tmp_path, async_save=False) as ck,
+        pytest.raises(CheckpointMismatchError) as ei,
+    ):
+        ck.restore({"model": nn.Sequential(nn.Linear(2, 2), NoUpgrade())})
+    assert "rejected the checkpoint" in str(ei.value)
+    assert '"1.scale"' in str(ei.value) and '"1.log_scale"' in str(ei.value)
+
+
 def test_a_checkpoint_without_versions_loads_by_the_live_modules_versions(tmp_path, monkeypatch):
     """A checkpoint written before the versions were recorded: the live module's are passed
     (it was written by the same code), so an observer keeps its saved ``eps``."""
