@@ -366,3 +366,41 @@ def test_another_accumulation_count_starts_a_whole_window(
         assert ckpt.restore({"acc": Accumulation(back)}) == 2
     assert back.step == 0
     assert "gradient_accumulation_steps is 3 here but was 4" in caplog.text
+
+
+def test_skip_first_batches_loader_is_refused(tmp_path: Path) -> None:
+    """accelerator.skip_first_batches() of an iterable dataset's loader is a SkipDataLoader
+    (accelerate's documented way to resume mid-epoch): its save failed inside accelerate
+    ("'DataLoader' object has no attribute 'dl_state_dict'") instead of being refused."""
+    from accelerate.data_loader import SkipDataLoader
+
+    class Numbers(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(torch.arange(8.0))
+
+    loader = SkipDataLoader(Numbers(), skip_batches=1, batch_size=2)
+    with (
+        pytest.raises(UnsupportedStateError, match=r"accelerate's SkipDataLoader.*ResumableDataL"),
+        Checkpointer(tmp_path / "ck", async_save=False) as ckpt,
+    ):
+        ckpt.save(1, {"data": loader})
+    assert not any((tmp_path / "ck").glob("step*"))
+
+
+def test_save_on_exception_refuses_a_prepared_loader_at_the_first_step(tmp_path: Path) -> None:
+    """With save_on_exception every step() freezes the state: a prepared loader in it failed
+    there inside accelerate (an AttributeError at step 1), not with the refusal that says what
+    to do; and a state no save could take is still said at once outside an accumulation
+    window (only Accumulation's own refusal inside one is let pass)."""
+    from accelerate.data_loader import DataLoaderShard
+
+    from resilient_callbacks.accelerate import Accumulation
+
+    loader = DataLoaderShard(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2)
+    live = _FakeAccelerator(0, False)  # inside a window: the refusal is not let pass either
+    state = {"w": torch.zeros(2), "data": loader, "acc": Accumulation(live)}
+    with (
+        pytest.raises(UnsupportedStateError, match=r"state\['data'\] is accelerate's DataLoaderS"),
+        Checkpointer(tmp_path / "ck", every_n_steps=100, save_on_exception=True) as ckpt,
+    ):
+        ckpt.step(1, state)

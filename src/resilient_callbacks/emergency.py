@@ -28,6 +28,7 @@ from .optim import hookable, untraced
 from .preemption import MetadataPoller, PreemptionWatcher
 from .preemption.signals import WatcherConfig
 from .preemption.signals import _signal_name as signal_name
+from .refusals import refuse_stateful
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -161,11 +162,18 @@ class Emergency:
         """Remember what step ``step``'s state is, cheaply: modules and optimizers by reference
         (an optimizer-step hook notices a step), the modules' buffers and everything else
         copied."""
+        inside_window = statetree.mid_step(state) is not None
+        for path, obj in statetree.leaves(state):
+            if structure.is_stateful(obj):  # as a save would, before its state_dict()
+                refuse_stateful(obj, structure.path_str(path))
         try:
             frozen = freeze(state)
-        except UnsupportedStateError as e:  # (Accumulation inside an accumulation window)
-            # no step is due here: the point before stays the last consistent one (no
-            # optimizer step since, or its hook says so), and the training goes on
+        except UnsupportedStateError as e:
+            if not inside_window:  # a state no save could take: say so now, as a save would
+                raise
+            # Accumulation inside an accumulation window, no step due here: the point before
+            # stays the last consistent one (no optimizer step since, or its hook says so),
+            # and the training goes on
             log.debug("save_on_exception: step %d is not a consistent point: %s", step, e)
             return
         stepped = [False]

@@ -125,14 +125,21 @@ def fix_for(obj: Any) -> str:
     )
 
 
-#: the loaders ``accelerator.prepare`` returns for a DataLoader (by type: the core does not
-#: import accelerate, and they report ``DataLoader`` as their ``__class__``)
-_ACCELERATE_LOADERS = ("DataLoaderShard", "DataLoaderDispatcher")
+#: the loaders ``accelerator.prepare`` and ``accelerator.skip_first_batches`` return for a
+#: DataLoader, and their base class (by type: the core does not import accelerate, and they
+#: report ``DataLoader`` as their ``__class__``)
+_ACCELERATE_LOADERS = (
+    "DataLoaderShard",
+    "DataLoaderDispatcher",
+    "SkipDataLoader",
+    "DataLoaderAdapter",
+)
 
 
 def refuse_stateful(obj: Any, where: str) -> None:
     """Refuse a stateful object whose state does not resume exactly: a data loader that
-    Hugging Face Accelerate prepared. Without ``use_stateful_dataloader`` its ``state_dict()``
+    Hugging Face Accelerate prepared (or ``skip_first_batches`` made: a ``SkipDataLoader``,
+    for an iterable dataset). Without ``use_stateful_dataloader`` its ``state_dict()``
     fails inside accelerate; with it, a resumed run draws other batches than the interrupted
     one (its look-ahead and the sampler's seed are not kept right), silently."""
     # (a subclass of one too: its state_dict() is accelerate's)
@@ -147,8 +154,8 @@ def refuse_stateful(obj: Any, where: str) -> None:
     if cls is not None:
         mine = "" if cls is type(obj) else f" ({type(obj).__name__} subclasses it)"
         raise UnsupportedStateError(
-            f"{where} is accelerate's {cls.__name__}{mine}, what accelerator.prepare() returns for "
-            "a DataLoader: its position does not resume exactly (without "
+            f"{where} is accelerate's {cls.__name__}{mine}, what accelerator.prepare() (or "
+            "skip_first_batches()) returns for a DataLoader: its position does not resume exactly (without "
             "use_stateful_dataloader it has no state; with it a resumed run gets other "
             "batches). Put a resilient_callbacks.ResumableDataLoader in the state and iterate "
             "it without passing it to accelerator.prepare(): ResumableDataLoader(dataset, "
