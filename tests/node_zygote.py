@@ -8,7 +8,10 @@ stderr going to ``log``, in a session of its own. With ``"script": path`` the ch
 script as ``__main__`` instead, ``argv`` its arguments (``spawn_ranks.Zygote``); the modules
 named on this process's command line are imported ahead too. It answers each line with the
 child's pid. The child's exit status is written to ``<log>.rc`` once it ended, ``-N`` when
-signal N killed it, before the child is reaped. Nothing of the library is set up before the fork
+signal N killed it, before the child is reaped. The child ends as the interpreter would (the
+uncaught exception printed, threads joined, ``atexit`` functions run), and is killed when the
+zygote ends (stdin closed: the test is over or its process died); a Ctrl-C does not end the
+zygote, only the test process, which then kills its ranks. Nothing of the library is set up before the fork
 (no process group, no thread, no file handle): each child is a fresh training process (Python's
 and NumPy's global random generators seeded anew), only its imports are shared.
 """
@@ -45,8 +48,10 @@ def _child(req: dict) -> None:
     rc = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (the zygote ignores it)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         os.setsid()
+        _die_with_the_zygote()
         fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -56,20 +61,8 @@ def _child(req: dict) -> None:
         random.seed()  # as a fresh interpreter's: not the zygote's state
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        if "script" in req:
-            sys.argv = [req["script"], *req["argv"]]
-            try:
-                runpy.run_path(req["script"], run_name="__main__")
-                rc = 0
-            finally:  # as the interpreter ends: its threads joined, then the atexit functions
-                threading._shutdown()  # type: ignore[attr-defined]
-                atexit._run_exitfuncs()
-        else:
-            sys.argv = ["train_script.py", *req["argv"]]
-            rc = train_script.main(req["argv"])
-    except SystemExit as e:
-        rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-    except BaseException:
+        rc = _as_an_interpreter(req)
+    except BaseException:  # (the set-up failed)
         traceback.print_exc()
         rc = 1
     finally:
@@ -78,7 +71,59 @@ def _child(req: dict) -> None:
         os._exit(rc)
 
 
+def _as_an_interpreter(req: dict) -> int:
+    """Run the request's program and end as ``python script.py`` ends: an uncaught exception
+    printed by ``sys.excepthook`` with ``sys.last_value`` set (the library's exit hook records
+    a failed run by it), ``sys.exit("text")``'s text printed, then the non-daemon threads
+    joined and the ``atexit`` functions run, in that order. The exit status."""
+    interrupted = False
+    try:
+        if "script" in req:
+            sys.argv = [req["script"], *req["argv"]]
+            runpy.run_path(req["script"], run_name="__main__")
+        else:  # as train_script.py's ``sys.exit(main())``
+            sys.argv = ["train_script.py", *req["argv"]]
+            sys.exit(train_script.main(req["argv"]))
+        rc = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            rc = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            rc = 1
+    except BaseException as e:
+        tb = e.__traceback__  # without this file's and runpy's frames
+        while tb is not None and tb.tb_frame.f_code.co_filename in _OURS:
+            tb = tb.tb_next
+        e = e.with_traceback(tb)
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e, tb
+        sys.excepthook(type(e), e, tb)
+        interrupted, rc = isinstance(e, KeyboardInterrupt), 1
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    if interrupted:  # as the interpreter: killed by SIGINT
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return rc
+
+
+def _die_with_the_zygote() -> None:
+    """SIGKILL this child when the zygote ends (Linux's PR_SET_PDEATHSIG): a test process that
+    was killed or interrupted closes the zygote's stdin, and the zygote's end takes the ranks it
+    forked with it, instead of leaving them running in sessions of their own."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != _ZYGOTE_PID:  # (the zygote ended before that)
+        os._exit(1)
+
+
 _LOGS: dict[int, str] = {}  # each running child's log path
+_ZYGOTE_PID = os.getpid()
+_OURS = (__file__, runpy.__file__, "<frozen runpy>")  # the frames a fresh interpreter lacks
 
 
 def _reap(signum: int, frame: object) -> None:
@@ -113,6 +158,9 @@ def main() -> None:
         print(f"node_zygote: {threads} threads after the imports (set OMP_NUM_THREADS=1)")
         sys.exit(2)
     signal.signal(signal.SIGCHLD, _reap)
+    # a Ctrl-C reaches the test's whole process group: the zygote stays to write the exit
+    # status of the ranks the test then kills (it ends when its stdin closes)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     print("ready", flush=True)
     for line in sys.stdin:
         if not line.strip():
@@ -125,7 +173,9 @@ def main() -> None:
         _LOGS[pid] = req["log"]
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         print(pid, flush=True)
-    os._exit(0)  # stdin closed: the test is done (skip the interpreter's slow teardown)
+    # stdin closed: the test is done, or its process ended; the ranks still running die with
+    # this process (PR_SET_PDEATHSIG). Exit at once (skip the interpreter's slow teardown)
+    os._exit(0)
 
 
 if __name__ == "__main__":

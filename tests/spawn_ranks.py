@@ -26,6 +26,11 @@ from pathlib import Path
 
 LINGER_S = 2.0  # after one rank killed itself: time for the others to reach the same step
 
+#: ``RC_TEST_FRESH_RANKS=1``: every :class:`Zygote` starts fresh interpreters instead of
+#: forking (and test_multinode runs torchrun), to compare a test's outcome with and without
+#: the zygotes: it should be the same, only slower
+FRESH = os.environ.get("RC_TEST_FRESH_RANKS") == "1"
+
 
 _RESERVED: list[socket.socket] = []  # held for the life of this process
 
@@ -113,9 +118,10 @@ def run(
             failed = _watch(procs, ok_code, deadline)
         finally:
             codes = [p.poll() for p in procs]  # before the survivors are killed
-            for p in procs:
+            for p in procs:  # all of them, then wait: a wait that fails leaves none running
                 if p.poll() is None:
                     p.kill()
+            for p in procs:
                 p.wait()
         if failed is None and expect is not None and any(p.returncode != expect for p in procs):
             failed = "a rank failed"
@@ -170,6 +176,10 @@ class Zygote:
     another ``PYTHONHASHSEED`` as fresh interpreters."""
 
     def __init__(self, *preload: str, env: dict[str, str] | None = None) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.ready = False
+        if FRESH:
+            return
         tests = Path(__file__).resolve().parent
         path = os.pathsep.join(
             [str(tests.parent / "src"), str(tests), os.environ.get("PYTHONPATH", "")]
@@ -189,10 +199,12 @@ class Zygote:
             env=env,
             text=True,
         )
-        self.ready = False
 
-    def spawn(self, argv: list[str], env: dict[str, str], log: Path) -> Forked:
+    def spawn(self, argv: list[str], env: dict[str, str], log: Path) -> Forked | subprocess.Popen:
         assert argv[0] == sys.executable and argv[1].endswith(".py"), argv
+        if self.proc is None:  # (FRESH)
+            with open(log, "w") as out:
+                return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         assert self.proc.poll() is None, f"the zygote ended (rc={self.proc.returncode})"
         if not self.ready:
@@ -203,9 +215,11 @@ class Zygote:
         req = {"env": env, "script": argv[1], "argv": argv[2:], "log": str(log)}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
-        return Forked(int(self.proc.stdout.readline()), log)
+        return Forked(int(self.proc.stdout.readline()), log, self.proc)
 
     def close(self) -> None:
+        if self.proc is None:
+            return
         assert self.proc.stdin is not None
         with contextlib.suppress(OSError):  # (it may have ended: a broken pipe)
             self.proc.stdin.close()
@@ -233,15 +247,21 @@ def shared_zygote(*preload: str, **env: str) -> Zygote:
 
 class Forked:
     """A rank forked by a :class:`Zygote`, as much of ``subprocess.Popen`` as :func:`run` uses:
-    ended once the zygote wrote its exit status to ``<log>.rc`` (``-N``: killed by signal N)."""
+    ended once the zygote wrote its exit status to ``<log>.rc`` (``-N``: killed by signal N).
+    A zygote that ended took its ranks with it (tests/node_zygote.py): then a rank gone, or a
+    zombie no one reaps, ended killed (-9)."""
 
-    def __init__(self, pid: int, log: Path) -> None:
-        self.pid, self.rc_file = pid, Path(f"{log}.rc")
+    def __init__(self, pid: int, log: Path, zygote: subprocess.Popen | None = None) -> None:
+        self.pid, self.rc_file, self.zygote = pid, Path(f"{log}.rc"), zygote
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and self.rc_file.exists():  # (written whole: os.replace)
-            self.returncode = int(self.rc_file.read_text())
+        if self.returncode is None:
+            orphan = self.zygote is not None and self.zygote.poll() is not None
+            if self.rc_file.exists():  # (written whole: os.replace)
+                self.returncode = int(self.rc_file.read_text())
+            elif orphan and not _running(self.pid):
+                self.returncode = -signal.SIGKILL
         return self.returncode
 
     def kill(self) -> None:
@@ -256,6 +276,15 @@ class Forked:
             time.sleep(0.01)
         assert self.returncode is not None
         return self.returncode
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def leave_group() -> None:

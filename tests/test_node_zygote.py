@@ -1,0 +1,85 @@
+"""The ranks a test forks from a pre-started zygote (tests/node_zygote.py, spawn_ranks.Zygote)
+end as the fresh interpreters they stand for, and none outlives an interrupted test session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import spawn_ranks
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(spawn_ranks.FRESH, reason="RC_TEST_FRESH_RANKS=1: no zygote"),
+]
+
+PROGRAM = """
+import atexit, sys, threading, time
+
+def at_exit():
+    print("atexit, last_value=%r" % (getattr(sys, "last_value", None),), flush=True)
+
+atexit.register(at_exit)
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread done", flush=True))).start()
+if sys.argv[1] == "raise":
+    raise RuntimeError("boom")
+sys.exit("a message for the user")
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "message"])
+def test_a_forked_program_ends_as_a_fresh_interpreter_does(tmp_path: Path, how: str) -> None:
+    """A forked rank ran the atexit functions (the library's records a failed run by the
+    uncaught exception in sys.last_value) before printing the exception, without
+    sys.last_value, and never printed sys.exit's text: a forked run recorded as a clean end
+    what a user's run records as a failure."""
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(PROGRAM))
+    outputs = []
+    for zygote in (None, spawn_ranks.shared_zygote()):
+        work = tmp_path / ("forked" if zygote else "fresh")
+        work.mkdir()
+        ranks = spawn_ranks.run(
+            [sys.executable, str(script), how], 1, work, "p", expect=1, zygote=zygote
+        )
+        outputs.append(ranks.outputs[0])
+    fresh, forked = outputs
+    assert forked == fresh
+    assert ("RuntimeError('boom')" if how == "raise" else "a message for the user") in fresh
+
+
+def test_no_rank_outlives_an_interrupted_or_ended_test_process(tmp_path: Path) -> None:
+    """A Ctrl-C reaches the test's process group, the zygote too: it ended at once, and the
+    test then killing its ranks waited in vain for their exit status (60 s, then a TimeoutError
+    that left the next ranks unkilled). A test process that died closed the zygote's stdin: the
+    zygote ended and its ranks (in sessions of their own) ran on. Now the zygote ignores the
+    Ctrl-C and its ranks die with it."""
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(300)\n")
+    argv = [sys.executable, str(sleeper)]
+    zygote = spawn_ranks.Zygote()
+    pids = []
+    try:
+        rank = zygote.spawn(argv, dict(os.environ), tmp_path / "a.log")
+        pids.append(rank.pid)
+        os.kill(zygote.proc.pid, signal.SIGINT)  # as a Ctrl-C in the terminal
+        rank.kill()
+        assert rank.wait(timeout=20) == -signal.SIGKILL
+
+        rank = zygote.spawn(argv, dict(os.environ), tmp_path / "b.log")
+        pids.append(rank.pid)
+        assert zygote.proc.stdin is not None
+        zygote.proc.stdin.close()  # as the end of a test process that was killed
+        assert zygote.proc.wait(timeout=20) == 0
+        assert rank.wait(timeout=20) == -signal.SIGKILL
+    finally:
+        for pid in pids:  # (the old zygote's ranks)
+            if spawn_ranks._running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if zygote.proc.poll() is None:
+            zygote.proc.kill()
