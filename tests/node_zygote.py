@@ -2,18 +2,21 @@
 
 Starting Python and importing torch and s3fs takes seconds of CPU per process; the multi-node
 tests start two processes per run, many runs per test. This process pays the imports once and
-then, for every JSON line ``{"env": {...}, "argv": [...], "log": path}`` read from stdin, forks a
-fresh process that runs ``train_script.main(argv)`` with exactly that environment, its stdout and
-stderr going to ``log``, in a session of its own. With ``"script": path`` the child runs that
-script as ``__main__`` instead, ``argv`` its arguments (``spawn_ranks.Zygote``); the modules
-named on this process's command line are imported ahead too. It answers each line with the
-child's pid. The child's exit status is written to ``<log>.rc`` once it ended, ``-N`` when
-signal N killed it, before the child is reaped. The child ends as the interpreter would (the
-uncaught exception printed, threads joined, ``atexit`` functions run), and is killed when the
-zygote ends (stdin closed: the test is over or its process died); a Ctrl-C does not end the
-zygote, only the test process, which then kills its ranks. Nothing of the library is set up before the fork
-(no process group, no thread, no file handle): each child is a fresh training process (Python's
-and NumPy's global random generators seeded anew), only its imports are shared.
+then, for every JSON line ``{"env": {...}, "argv": [...], "log": path, "cwd": dir}`` read from
+stdin, forks a fresh process that runs ``train_script.main(argv)`` with exactly that environment
+and working directory, its stdout and stderr going to ``log``, in a session of its own. With
+``"script": path`` the child runs that script as ``__main__`` instead, ``argv`` its arguments
+(``spawn_ranks.Zygote``); the modules named on this process's command line are imported ahead
+too. It answers each line with the child's pid. The child's exit status is written to
+``<log>.rc`` once it ended, ``-N`` when signal N killed it, before the child is reaped.
+
+The child ends as the interpreter would (the uncaught exception printed, threads joined,
+``atexit`` functions run), and is killed when the zygote ends (stdin closed: the test is over or
+its process died); a Ctrl-C does not end the zygote, only the test process, which then kills its
+ranks. Nothing of the library is set up before the fork (no process group, no thread, no file
+handle): each child is a fresh training process (Python's, NumPy's and torch's global random
+generators seeded anew, as a fresh interpreter seeds them, not one state shared by every rank),
+only its imports are shared, and with them the warning filters they add (urllib3's, sympy's).
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ import random
 import runpy
 import signal
 import sys
+import tempfile
 import threading
 import traceback
 
 import s3fs  # noqa: F401
 import torch
-import torch._dynamo  # noqa: F401  (the optimizers' constructors import it: seconds)
+import torch._dynamo
 
 # the modules the library imports lazily, so that no child imports them again
 import resilient_callbacks.node_restore
@@ -58,9 +62,13 @@ def _child(req: dict) -> None:
         os.close(fd)
         os.environ.clear()
         os.environ.update(req["env"])
-        random.seed()  # as a fresh interpreter's: not the zygote's state
+        os.chdir(req.get("cwd", os.getcwd()))  # the caller's, as a subprocess it starts
+        tempfile.tempdir = None  # (cached by the imports: TMPDIR is read again)
+        # as a fresh interpreter's, not the zygote's state: every rank, every run the same
+        random.seed()
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
+        torch.default_generator.seed()  # (torch seeds it at random at start-up)
         rc = _as_an_interpreter(req)
     except BaseException:  # (the set-up failed)
         traceback.print_exc()
@@ -80,6 +88,7 @@ def _as_an_interpreter(req: dict) -> int:
     try:
         if "script" in req:
             sys.argv = [req["script"], *req["argv"]]
+            sys.path[0] = os.path.dirname(os.path.realpath(req["script"]))  # (its folder)
             runpy.run_path(req["script"], run_name="__main__")
         else:  # as train_script.py's ``sys.exit(main())``
             sys.argv = ["train_script.py", *req["argv"]]

@@ -212,7 +212,7 @@ class Zygote:
             assert line == "ready", f"the zygote did not start: {line!r}"
             self.ready = True
         Path(f"{log}.rc").unlink(missing_ok=True)  # an earlier run's of the same name
-        req = {"env": env, "script": argv[1], "argv": argv[2:], "log": str(log)}
+        req = {"env": env, "script": argv[1], "argv": argv[2:], "log": str(log), "cwd": os.getcwd()}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         return Forked(int(self.proc.stdout.readline()), log, self.proc)
@@ -228,6 +228,8 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.proc.stdout is not None:  # (else a ResourceWarning at the session's end)
+            self.proc.stdout.close()
 
 
 _SHARED: dict[tuple[str, ...], Zygote] = {}

@@ -67,7 +67,9 @@ class Zygotes:
             self.ready = True
         p = self.procs[node]
         assert p.stdin is not None and p.stdout is not None
-        p.stdin.write(json.dumps({"env": env, "argv": argv, "log": str(log)}) + "\n")
+        p.stdin.write(
+            json.dumps({"env": env, "argv": argv, "log": str(log), "cwd": os.getcwd()}) + "\n"
+        )
         p.stdin.flush()
         return Forked(int(p.stdout.readline()), log)
 

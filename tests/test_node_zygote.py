@@ -83,3 +83,25 @@ def test_no_rank_outlives_an_interrupted_or_ended_test_process(tmp_path: Path) -
                 os.kill(pid, signal.SIGKILL)
         if zygote.proc.poll() is None:
             zygote.proc.kill()
+
+
+def test_forked_ranks_draw_their_own_torch_seed_in_the_callers_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch seeds its global generator at random at start-up: every rank forked from a zygote
+    had the zygote's one seed (every rank, every run of a session), where fresh processes draw
+    their own; a test of a script that forgot torch.manual_seed could pass forked and fail as
+    a user runs it. They ran in the zygote's working directory, not the caller's, and kept the
+    temporary folder cached by the zygote's imports whatever TMPDIR the rank was given."""
+    script = tmp_path / "seed.py"
+    script.write_text(
+        "import os, tempfile, torch\n"
+        "print(torch.initial_seed(), os.getcwd(), tempfile.gettempdir())\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    env = {"TMPDIR": str(tmp_path)}
+    zygote = spawn_ranks.shared_zygote()
+    ranks = spawn_ranks.run([sys.executable, str(script)], 2, tmp_path, "s", env=env, zygote=zygote)
+    seeds, cwds, tmps = zip(*(o.split() for o in ranks.outputs), strict=True)
+    assert seeds[0] != seeds[1]
+    assert cwds == tmps == (str(tmp_path), str(tmp_path))
