@@ -52,7 +52,7 @@ def _child(req: dict) -> None:
     rc = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # (the zygote ignores it)
+        signal.signal(signal.SIGINT, _SIGINT)  # (the zygote ignores it)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         os.setsid()
         _die_with_the_zygote()
@@ -132,6 +132,9 @@ def _die_with_the_zygote() -> None:
 
 _LOGS: dict[int, str] = {}  # each running child's log path
 _ZYGOTE_PID = os.getpid()
+# what a fresh interpreter started by the test process has: Python's handler, or SIG_IGN where
+# the test process ignores SIGINT (as a shell's background job does)
+_SIGINT = signal.getsignal(signal.SIGINT)
 _OURS = (__file__, runpy.__file__, "<frozen runpy>")  # the frames a fresh interpreter lacks
 
 
