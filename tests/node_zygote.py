@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -64,7 +65,8 @@ def _child(req: dict) -> None:
         os.environ.update(req["env"])
         os.chdir(req.get("cwd", os.getcwd()))  # the caller's, as a subprocess it starts
         tempfile.tempdir = None  # (cached by the imports: TMPDIR is read again)
-        # as a fresh interpreter's, not the zygote's state: every rank, every run the same
+        # seeded anew as a fresh interpreter seeds them, not the zygote's one state (which
+        # every rank of every run would share)
         random.seed()
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
@@ -106,6 +108,7 @@ def _as_an_interpreter(req: dict) -> int:
             tb = tb.tb_next
         e = e.with_traceback(tb)
         sys.last_type, sys.last_value, sys.last_traceback = type(e), e, tb
+        sys.last_exc = e  # (Python >= 3.12 reads this one)
         sys.excepthook(type(e), e, tb)
         interrupted, rc = isinstance(e, KeyboardInterrupt), 1
     threading._shutdown()  # type: ignore[attr-defined]
@@ -122,8 +125,6 @@ def _die_with_the_zygote() -> None:
     """SIGKILL this child when the zygote ends (Linux's PR_SET_PDEATHSIG): a test process that
     was killed or interrupted closes the zygote's stdin, and the zygote's end takes the ranks it
     forked with it, instead of leaving them running in sessions of their own."""
-    import ctypes
-
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != _ZYGOTE_PID:  # (the zygote ended before that)

@@ -91,30 +91,32 @@ def run(
     for attempt in range(3):
         port = free_port()
         procs, logs = [], []
-        for rank in range(nprocs):
-            e = dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(nprocs),
-                LOCAL_WORLD_SIZE=str(nprocs),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                GLOO_SOCKET_IFNAME="lo",
-                OMP_NUM_THREADS="1",
-                MKL_NUM_THREADS="1",
-                PYTHONHASHSEED="0",
-                **(env or {}),
-            )
-            path = workdir / log_name.format(name=name, attempt=attempt, rank=rank)
-            log = open(path, "w+")  # noqa: SIM115
-            if zygote is not None and e["PYTHONHASHSEED"] == "0":  # (read at start-up)
-                procs.append(zygote.spawn(argv, e, path))
-            else:
-                procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=e))
-            logs.append(log)
         failed = None
-        try:
+        try:  # (an interrupt while starting them kills those started)
+            for rank in range(nprocs):
+                e = dict(
+                    os.environ,
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(nprocs),
+                    LOCAL_WORLD_SIZE=str(nprocs),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                    GLOO_SOCKET_IFNAME="lo",
+                    OMP_NUM_THREADS="1",
+                    MKL_NUM_THREADS="1",
+                    PYTHONHASHSEED="0",
+                    **(env or {}),
+                )
+                path = workdir / log_name.format(name=name, attempt=attempt, rank=rank)
+                log = open(path, "w+")  # noqa: SIM115
+                logs.append(log)
+                if zygote is not None and e["PYTHONHASHSEED"] == "0":  # (read at start-up)
+                    procs.append(zygote.spawn(argv, e, path))
+                else:
+                    procs.append(
+                        subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=e)
+                    )
             failed = _watch(procs, ok_code, deadline)
         finally:
             codes = [p.poll() for p in procs]  # before the survivors are killed
