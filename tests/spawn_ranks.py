@@ -111,7 +111,7 @@ def run(
                 path = workdir / log_name.format(name=name, attempt=attempt, rank=rank)
                 log = open(path, "w+")  # noqa: SIM115
                 logs.append(log)
-                if zygote is not None and e["PYTHONHASHSEED"] == "0":  # (read at start-up)
+                if zygote is not None:
                     procs.append(zygote.spawn(argv, e, path))
                 else:
                     procs.append(
@@ -174,8 +174,8 @@ class Zygote:
     with exactly its environment and output file, running the script as ``__main__``, only its
     imports (torch, the library and the ``preload`` modules, paid once) shared. Several seconds
     of CPU saved per rank started. What Python reads at start-up is the zygote's
-    (``PYTHONHASHSEED=0``, tests/ and src/ on ``sys.path``): :func:`run` starts ranks given
-    another ``PYTHONHASHSEED`` as fresh interpreters."""
+    (``PYTHONHASHSEED=0``, tests/ and src/ on ``sys.path``): :meth:`spawn` starts a program
+    given another ``PYTHONHASHSEED`` (or none: a random one) as a fresh interpreter."""
 
     def __init__(self, *preload: str, env: dict[str, str] | None = None) -> None:
         self.proc: subprocess.Popen | None = None
@@ -204,7 +204,8 @@ class Zygote:
 
     def spawn(self, argv: list[str], env: dict[str, str], log: Path) -> Forked | subprocess.Popen:
         assert argv[0] == sys.executable and argv[1].endswith(".py"), argv
-        if self.proc is None:  # (FRESH)
+        # (PYTHONHASHSEED is read at start-up: another one than the zygote's, a fresh process)
+        if self.proc is None or env.get("PYTHONHASHSEED") != "0":  # (or FRESH)
             with open(log, "w") as out:
                 return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         assert self.proc.stdin is not None and self.proc.stdout is not None

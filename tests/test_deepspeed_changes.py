@@ -36,6 +36,7 @@ def run(d: Path, *args: str, fails: bool = False) -> dict | str:
         **os.environ,
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",  # (the zygote's: else a fresh interpreter is started)
         "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1] / "src"), str(SCRIPT.parent)]),
     }
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -62,16 +62,18 @@ def test_no_rank_outlives_an_interrupted_or_ended_test_process(tmp_path: Path) -
     sleeper = tmp_path / "sleeper.py"
     sleeper.write_text("import time\ntime.sleep(300)\n")
     argv = [sys.executable, str(sleeper)]
+    env = dict(os.environ, PYTHONHASHSEED="0")  # (the zygote's: else a fresh process)
     zygote = spawn_ranks.Zygote()
     pids = []
     try:
-        rank = zygote.spawn(argv, dict(os.environ), tmp_path / "a.log")
+        rank = zygote.spawn(argv, env, tmp_path / "a.log")
+        assert isinstance(rank, spawn_ranks.Forked)
         pids.append(rank.pid)
         os.kill(zygote.proc.pid, signal.SIGINT)  # as a Ctrl-C in the terminal
         rank.kill()
         assert rank.wait(timeout=20) == -signal.SIGKILL
 
-        rank = zygote.spawn(argv, dict(os.environ), tmp_path / "b.log")
+        rank = zygote.spawn(argv, env, tmp_path / "b.log")
         pids.append(rank.pid)
         assert zygote.proc.stdin is not None
         zygote.proc.stdin.close()  # as the end of a test process that was killed
