@@ -154,9 +154,11 @@ def _reap(signum: int, frame: object) -> None:
             log = _LOGS.pop(info.si_pid, None)
             if log is not None:
                 code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-                with open(f"{log}.rc.tmp", "w") as f:
-                    f.write(str(code))
-                os.replace(f"{log}.rc.tmp", f"{log}.rc")
+                # (a log's folder removed meanwhile: no one waits for it; the zygote goes on)
+                with contextlib.suppress(OSError):
+                    with open(f"{log}.rc.tmp", "w") as f:
+                        f.write(str(code))
+                    os.replace(f"{log}.rc.tmp", f"{log}.rc")
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(info.si_pid, 0)
     finally:

@@ -4,9 +4,11 @@ end as the fresh interpreters they stand for, and none outlives an interrupted t
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,30 @@ def test_forked_ranks_draw_their_own_torch_seed_in_the_callers_folder(
     seeds, cwds, tmps = zip(*(o.split() for o in ranks.outputs), strict=True)
     assert seeds[0] != seeds[1]
     assert cwds == tmps == (str(tmp_path), str(tmp_path))
+
+
+def test_a_rank_whose_log_folder_was_removed_does_not_end_the_zygote(tmp_path: Path) -> None:
+    """The zygote writes each rank's exit status beside its log from its SIGCHLD handler: a
+    rank whose folder a test had removed meanwhile raised FileNotFoundError there, the zygote
+    died, and every later test forking from the session's zygote failed ('the zygote ended')."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = tmp_path / "quick.py"
+    script.write_text("import time\ntime.sleep(0.5)\n")
+    argv = [sys.executable, str(script)]
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    zygote = spawn_ranks.Zygote()
+    try:
+        rank = zygote.spawn(argv, env, gone / "a.log")
+        assert isinstance(rank, spawn_ranks.Forked)
+        while not (gone / "a.log").exists():  # (the child opens it)
+            time.sleep(0.01)
+        shutil.rmtree(gone)
+        for _ in range(200):  # (it ends after 0.5 s)
+            if not spawn_ranks._running(rank.pid):
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)  # (the zygote's SIGCHLD handler has run)
+        assert zygote.spawn(argv, env, tmp_path / "b.log").wait(timeout=60) == 0
+    finally:
+        zygote.close()
