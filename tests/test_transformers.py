@@ -1100,3 +1100,36 @@ def test_export_directory_is_readable_by_others(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "hf").st_mode) == 0o755
+
+
+class _V2GPT2(transformers.GPT2LMHeadModel):
+    """A user's model of version 2: version 1 stored ``ln_f.weight`` halved, and its loader
+    doubles what a version-1 (or unversioned: oldest) state dict holds."""
+
+    _version = 2
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        if (local_metadata.get("version") or 1) < 2:
+            key = prefix + "transformer.ln_f.weight"
+            state_dict[key] = state_dict[key] * 2
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
+
+def test_export_loads_the_weights_by_the_versions_the_checkpoint_recorded(tmp_path):
+    """A model whose ``_version`` is 2 saved by the Trainer and exported: export loaded its
+    weights with no versions, so its loader took the version-2 entries for version 1 and
+    converted them again (``ln_f.weight`` doubled in the exported model)."""
+    ck = tmp_path / "ck"
+    torch.manual_seed(0)
+    trainer = transformers.Trainer(
+        model=_V2GPT2(hf_train.build_model().config),
+        args=hf_train.training_args(str(tmp_path), 2, eval_strategy="no"),
+        train_dataset=hf_train.TokenDataset(hf_train.NUM_SAMPLES, 1),
+        callbacks=[ResilientCheckpoint(ck, every_n_steps=2)],
+    )
+    trainer.train()
+    out = export_pretrained(ck, tmp_path / "hf", model_class=_V2GPT2)
+    got = load_file(Path(out) / "model.safetensors")
+    live = trainer.model.state_dict()
+    assert torch.equal(got["transformer.ln_f.weight"], live["transformer.ln_f.weight"])
+    assert all(torch.equal(got[k], live[k]) for k in got)

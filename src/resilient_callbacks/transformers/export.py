@@ -21,7 +21,7 @@ from typing import Any
 
 import transformers
 
-from .. import layout, reader, structure
+from .. import layout, module_versions, reader, structure
 from ..consolidate import consolidated, export_staging, publish_export, trainer_model_info
 from ..errors import (
     CheckpointError,
@@ -30,6 +30,7 @@ from ..errors import (
     ResumeFallbackWarning,
 )
 from ..export_target import EXPORT_MARKER, check_export_target
+from ..inplace import versioned
 from ..manifest import read_manifest
 
 
@@ -97,7 +98,8 @@ def _export(
                 "transformers; pass model_class=<the class> to export it"
             )
     if "model" in full:
-        state_dict = structure.decode(full["model"], part.tensors)
+        node = full["model"]  # its submodules' versions too: they say how to read it
+        state_dict = module_versions.attach(structure.decode(node, part.tensors), node)
     elif "sharded" in full:  # under the Trainer's FSDP: every rank's shards, laid together
         from ..dcp.whole import model_tensors
 
@@ -134,10 +136,17 @@ def load_weights(model: Any, state_dict: dict[str, Any], *, merged: bool, where:
     ``merged``, merge a PEFT model's adapters into its base model; raise
     :class:`CheckpointMismatchError` naming what does not fit. Tied weights are tied before the
     merge: assigned apart (or one absent, as DeepSpeed saves a tied weight once), PEFT would find
-    them untied and write ``tie_word_embeddings: false``."""
+    them untied and write ``tie_word_embeddings: false``.
+
+    The submodules' versions (``_version``) it is loaded by are those ``state_dict`` carries
+    (:func:`.module_versions.attach`: the checkpoint's) where it has them, else the model's own
+    (:func:`..inplace.versioned`): a module whose ``_load_from_state_dict`` upgrades an older
+    layout reads the entries by the version of the code that wrote them, never as its oldest."""
     name = type(model).__name__
     try:
-        result = model.load_state_dict(state_dict, strict=False, assign=True)
+        result = model.load_state_dict(
+            versioned(state_dict, model.state_dict()), strict=False, assign=True
+        )
     except RuntimeError as e:
         raise CheckpointMismatchError(f"the weights in {where} do not fit {name}: {e}") from None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
