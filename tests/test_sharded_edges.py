@@ -62,7 +62,56 @@ def test_unsharded_buffers_are_exported_and_a_misfit_is_refused_before_loading(t
     assert any("chunk index of 'model/0.weight' is damaged" in w for w in res[0]["warnings"])
 
 
+def test_a_module_whose_version_changed_is_loaded_by_the_saved_version(tmp_path):
+    """A module of ``_version`` 2 whose loader converts the entries of version 1 (and of no
+    version: the oldest layout): Sharded loaded its entries with no versions, so the version-2
+    weight saved by the same code was converted again (doubled). The versions are recorded
+    at the save (the part's JSON) and given to ``set_model_state_dict`` at the restore."""
+    root = tmp_path / "vck"
+    spawn_ranks.run([sys.executable, __file__, "v_save", str(root)], 2, tmp_path, "v_save")
+    saved = json.loads((tmp_path / "v_saved.json").read_text())["weight"]
+    spawn_ranks.run([sys.executable, __file__, "v_load", str(root)], 2, tmp_path, "v_load")
+    for r in range(2):
+        assert json.loads((tmp_path / f"v_load.{r}.json").read_text())["weight"] == saved
+
+
+class _Doubled(torch.nn.Linear):
+    """Version 2 keeps twice the weight version 1 kept."""
+
+    _version = 2
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        if (local_metadata.get("version") or 1) < 2:
+            state_dict[prefix + "weight"] = state_dict[prefix + "weight"] * 2
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
+
+def _versioned(phase: str, root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.dcp import Sharded
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0 if phase == "v_save" else 123)
+    m = torch.nn.Sequential(_Doubled(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    fully_shard(m)
+    with Checkpointer(root, every_n_steps=1) as ck:
+        if phase == "v_save":
+            ck.step(1, {"train": Sharded(m)})
+        else:
+            assert ck.restore({"train": Sharded(m)}) == 1
+    full = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+    name = "v_saved.json" if phase == "v_save" else f"v_load.{dist.get_rank()}.json"
+    (Path(root).parent / name).write_text(json.dumps({"weight": full["0.weight"].tolist()}))
+    spawn_ranks.leave_group()
+
+
 def worker(phase: str, root: str) -> None:
+    if phase.startswith("v_"):
+        return _versioned(phase, root)
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from .. import dist
+from .. import dist, module_versions
 from ..consolidate import SHARDED_FORMAT as FORMAT  # (export finds the parts without this package)
 from ..dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsupportedStateError
@@ -100,7 +100,7 @@ class Sharded(FilePart):
 
     ``options``: ``StateDictOptions`` for ``get_state_dict``/``set_state_dict`` (e.g.
     ``strict=False``); not ``full_state_dict`` nor ``cpu_offload`` (it writes each rank's shards).
-    """
+    The modules' versions are recorded and loaded by (:mod:`..module_versions`)."""
 
     def __init__(
         self,
@@ -111,12 +111,9 @@ class Sharded(FilePart):
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Sharded(model, ...): model must be an nn.Module, got {model!r}")
-        if optimizer is None:
-            optims: tuple[torch.optim.Optimizer, ...] = ()
-        elif isinstance(optimizer, torch.optim.Optimizer):
-            optims = (optimizer,)
-        else:
-            optims = tuple(optimizer)
+        optims: tuple[torch.optim.Optimizer, ...] = (
+            (optimizer,) if isinstance(optimizer, torch.optim.Optimizer) else tuple(optimizer or ())
+        )
         for o in optims:
             if not isinstance(o, torch.optim.Optimizer):
                 raise TypeError(f"Sharded(model, optimizer): not an optimizer: {o!r}")
@@ -139,6 +136,7 @@ class Sharded(FilePart):
         self._kinds = optim_fit.Fingerprints(model, self._fqn)  # the optimizers' classes and groups
         self._optim_names: list[tuple[str, str, str]] | None = None  # of the last index
         self._load: Any = None  # files_to_read()'s plan for load()
+        self._versions: dict[str, int | None] | None = None  # the modules' (module_versions)
 
     def __repr__(self) -> str:
         return f"Sharded({type(self.model).__name__}, {len(self.optimizers)} optimizer(s))"
@@ -178,14 +176,15 @@ class Sharded(FilePart):
         return tuple(self.optimizers[i] for i in self._stepped)
 
     def _state_dict(self, optims: tuple[torch.optim.Optimizer, ...]) -> dict[str, Any]:
-        # An optimizer without state would be initialised by a zero step here (DCP's
-        # _init_optim_state), which changes its step count: only those with state, or whose
-        # state a checkpoint holds, are asked for.
+        # An optimizer without state would take a zero step here (DCP's _init_optim_state),
+        # changing its step count: only those with state, or saved with it, are asked for.
         if optims:
             # one call: DCP checks the options and maps the parameters' names once for both
             msd, osd = get_state_dict(self.model, optims, options=self.options)
-            return {"model": msd, "optim": osd}
-        return {"model": get_model_state_dict(self.model, options=self.options)}
+        else:
+            msd, osd = get_model_state_dict(self.model, options=self.options), None
+        self._versions = module_versions.recorded(msd)  # what its loaders read it by
+        return {"model": msd} if osd is None else {"model": msd, "optim": osd}
 
     # ------------------------------------------------------------------ save
 
@@ -331,6 +330,7 @@ class Sharded(FilePart):
         copies = buffers.copy(rest, step_only=self._step_storages())
         copies.update(buffers.copy(vouched, frozen=True))
         said: dict[str, Any] = {"format": FORMAT, "skeleton": pending.skeleton}
+        said[module_versions.FIELD] = self._versions  # of the modules (None: not recorded)
         if len(pending.said["optimizers"]) < len(self.optimizers):  # no state: a learning rate
             said["groups"] = hyperparameters(self.optimizers)
         return {"tensors": copies, "json": said}
@@ -483,7 +483,8 @@ class Sharded(FilePart):
                 + "; ".join(f"{n}: not in the checkpoint" for n in missing[:10])
                 + more
             )
-        set_model_state_dict(self.model, sd["model"], options=self.options)
+        model_sd = module_versions.attach(sd["model"], meta)  # the saved versions, if recorded
+        set_model_state_dict(self.model, model_sd, options=self.options)
         if plan["with_optim"]:
             # parameters that had no optimizer state when saved get none (DCP's strict
             # loading refuses them; the optimizer's load_state_dict leaves them without)
