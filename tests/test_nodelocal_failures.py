@@ -181,13 +181,21 @@ def test_remote_manifests_a_read_failed_on_are_named_and_a_torn_newest_is_skippe
 
 
 @pytest.mark.slow
-def test_close_gives_up_on_an_outage_in_node_local_mode(tmp_path):
-    """Every upload fails: close() returns once the (lowered) outage limit passed, the parts
-    stay local, as in shared mode; it used to wait forever."""
-    out = _run(tmp_path, "outage", 2, "--steps", "4", RC_UPLOADS_FAIL=1, RC_OUTAGE_S=2)
+def test_close_gives_up_on_an_outage_in_node_local_mode_and_raises(tmp_path):
+    """Every upload fails: close() gives up once the (lowered) outage limit passed (it used to
+    wait forever), the parts stay local, and, as in shared mode, close() raises
+    UploadIncompleteError on every node's leader: the coordinator names each checkpoint not
+    committed remotely, node 1 its own parts. It only warned: the job exited 0 with its
+    newest checkpoints on the nodes' disks only."""
+    out = _run(tmp_path, "outage", 2, "--steps", "4", expect=5, RC_UPLOADS_FAIL=1, RC_OUTAGE_S=2)
     for rank in out:
-        assert rank[-1]["event"] == "closed", rank
+        assert rank[-1]["event"] == "close raised", rank
+        assert rank[-1]["error"] == "UploadIncompleteError", rank
+        assert "step_000000004" in rank[-1]["pending"], rank
+        assert "run the job again with the same directories" in rank[-1]["msg"], rank
         assert rank[-2]["status"]["pending"] >= 1 and rank[-2]["status"]["uploaded"] == 0
+    assert "never committed remotely" in out[0][-1]["msg"]
+    assert "node 1's part of" in out[1][-1]["msg"]
     assert any(n.startswith("step_") for n in os.listdir(tmp_path / "node0"))
 
 
@@ -247,8 +255,11 @@ def test_close_names_the_checkpoints_whose_remote_commit_was_given_up(tmp_path):
     """Both nodes upload their parts, then every remote commit fails: the committer gives up,
     and close() says which checkpoints are on the nodes' disks only (it said nothing, as if
     they were durable); a later run with the same directories commits them."""
-    out = _run(tmp_path, "fails", 2, "--steps", "4", RC_COMMIT_FAILS=1, RC_CAPTURE_LOG=1)
-    assert out[0][-1]["event"] == "closed"
+    out = _run(
+        tmp_path, "fails", 2, "--steps", "4", expect=None, RC_COMMIT_FAILS=1, RC_CAPTURE_LOG=1
+    )
+    assert out[0][-1]["event"] == "close raised" and "step_000000004" in out[0][-1]["pending"]
+    assert out[1][-1]["event"] == "closed"  # its part is uploaded: the coordinator raises
     log = out[0][-1]["log"]
     assert "not committed remotely (the remote commit failed" in log, log
     assert "step_000000004" in log.split("the remote commit failed")[-1]
@@ -263,10 +274,12 @@ def test_close_gives_up_on_a_remote_commit_that_never_answers(tmp_path):
     what it waits for, gives up once the (lowered) outage limit passed, names what is not
     committed remotely, and keeps it on the disks; a later run commits it. close() waited
     for the committer without a bound (and without a word): the job hung at exit."""
-    out = _run(
-        tmp_path, "hangs", 2, "--steps", "4", RC_COMMIT_HANGS=1, RC_OUTAGE_S=2, RC_CAPTURE_LOG=1
-    )
-    assert all(rank[-1]["event"] == "closed" for rank in out), out
+    env = {"RC_COMMIT_HANGS": 1, "RC_OUTAGE_S": 2, "RC_CAPTURE_LOG": 1}
+    out = _run(tmp_path, "hangs", 2, "--steps", "4", expect=None, **env)
+    assert out[0][-1]["event"] == "close raised", out  # UploadIncompleteError, exit 5
+    assert out[0][-1]["error"] == "UploadIncompleteError", out
+    assert "step_000000004" in out[0][-1]["pending"], out  # (and step 2: hung too)
+    assert out[1][-1]["event"] == "closed", out  # its part is uploaded
     log = out[0][-1]["log"]
     waited = next(ln for ln in log.splitlines() if "close(): waiting for the remote commit" in ln)
     assert "step_000000004" in waited, log
@@ -738,7 +751,14 @@ def worker(base: str, argv: list[str]) -> None:
     st = ck.remote_status()  # this node's uploads (each rank leads its node here)
     out(status=None if st is None else {"pending": len(st.pending), "uploaded": st.uploaded})
     status_taken.set()
-    ck.close()
+    try:
+        ck.close()
+    except Exception as e:  # exit 5: the close gave up on uploads (UploadIncompleteError)
+        pending = list(getattr(e, "pending", ()))
+        logs = {"log": logged.getvalue()} if os.environ.get("RC_CAPTURE_LOG") else {}
+        out(event="close raised", error=type(e).__name__, pending=pending, msg=str(e), **logs)
+        dist.destroy_process_group()
+        sys.exit(5)
     if os.environ.get("RC_CAPTURE_LOG"):
         out(event="closed", log=logged.getvalue())
     else:

@@ -43,7 +43,9 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
     ``Checkpointer.close``). ``outage_s``: without a timeout, how long uploads may keep
     failing before close gives up on them: what is left stays local and, unless the process
     is answering a preemption, :class:`UploadIncompleteError` names it once all is released
-    (a job must not end as a success with its newest checkpoints on one machine's disk)."""
+    (a job must not end as a success with its newest checkpoints on one machine's disk).
+    Node-local mode: raised on rank 0 and on each node leader whose part did not upload; the
+    other ranks return (:meth:`NodeDirectory.finish_nodes`)."""
     not_uploaded: list[str] = []
     # gave up only for the outage: no timeout of the caller's, no preemption bounding it
     strict = timeout is None and not ck.preempted
@@ -88,7 +90,10 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
         if isinstance(ck._dir, NodeDirectory):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             watcher = ck.watcher  # a SIGTERM arriving now bounds the waits by its grace period
-            ck._dir.finish_nodes(left, outage_s, watcher.remaining_grace_s if watcher else None)
+            not_uploaded = ck._dir.finish_nodes(
+                left, outage_s, watcher.remaining_grace_s if watcher else None
+            )
+            strict = strict and (watcher is None or watcher.request is None)
         _empty_trash(ck, None if deadline is None else max(0.0, deadline - time.monotonic()))
         _warn_unmonitored(ck)
         if persister is not None:
@@ -102,7 +107,9 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
 
 def not_uploaded_error(d: Directory, pending: list[str], outage_s: float) -> UploadIncompleteError:
     """The error of a close that gave up on ``pending``'s uploads during an outage of the store
-    (``Checkpointer.close``, the DCP writer's)."""
+    (``Checkpointer.close``, the DCP writer's; node-local mode: :func:`_nodes_error`)."""
+    if isinstance(d, NodeDirectory):
+        return _nodes_error(d, pending, outage_s)
     assert d.sync is not None and d.remote is not None
     url = d.remote.url
     error = d.sync.status().last_error or f"no byte moved for {outage_s:g} s"
@@ -113,6 +120,32 @@ def not_uploaded_error(d: Directory, pending: list[str], outage_s: float) -> Upl
         f"upload them with `resilient-ckpt push {d.dirpath} {url}` once the store answers (a "
         "run resumed with the same dirpath and remote uploads them too). Raised so that the "
         "job does not end as a success with its newest checkpoints on this machine's disk only",
+        tuple(pending),
+        d.dirpath,
+        url,
+    )
+
+
+def _nodes_error(d: NodeDirectory, pending: list[str], outage_s: float) -> UploadIncompleteError:
+    """Node-local mode's: raised by the coordinator for every checkpoint not committed remotely,
+    by another node's leader for those whose part of its node did not upload
+    (:meth:`NodeDirectory.finish_nodes`). No ``push`` can help: the parts lie on several nodes'
+    disks, and only a run started again with the same directories uploads and commits them."""
+    assert d.remote is not None
+    url = d.remote.url
+    c, u = d.committer, d.uploader
+    error = (c.last_error if c is not None else None) or (u.counters.last_error if u else None)
+    what = f"{len(pending)} checkpoint(s) never committed remotely at"
+    if c is None:
+        what = f"node {d.topology.node}'s part of {len(pending)} checkpoint(s) never reached"
+    return UploadIncompleteError(
+        f"close(): {what} {url}: "
+        f"{', '.join(pending)}. The store failed or stopped answering for more than "
+        f"{outage_s:g} s (last error: {error or f'no byte moved for {outage_s:g} s'}), so close() "
+        f"gave up on them. Each node's part is committed and kept on its disk ({d.dirpath} "
+        "here); run the job again with the same directories and remote once the store answers: "
+        "its leaders upload the parts and its coordinator commits them. Raised so that the job "
+        "does not end as a success with its newest checkpoints on the nodes' disks only",
         tuple(pending),
         d.dirpath,
         url,

@@ -289,7 +289,7 @@ class NodeDirectory(Directory):
         timeout: float | None,
         outage_s: float | None = None,
         grace_left: Callable[[], float | None] | None = None,
-    ) -> None:
+    ) -> list[str]:
         """close(), every rank: each leader waits for its uploads (up to ``timeout``; without
         one, until they have failed for ``outage_s`` in a row), the last reports reach the
         coordinator, which waits for the remote commits (as long, and no longer once they have
@@ -297,10 +297,14 @@ class NodeDirectory(Directory):
         its grace period (``grace_left``). The coordinator answers the other leaders, waiting
         in an exchange meanwhile, once its commits settled or after half the process group's
         timeout (:meth:`_release_settled`), then goes on waiting. Each wait is announced;
-        what is left stays local, named."""
+        what is left stays local, named, and is returned (close() raises
+        :class:`~.errors.UploadIncompleteError` for it): on the coordinator, every checkpoint
+        not committed remotely but one older than a committed one of its run (a damaged
+        part, dropped); on another leader, those whose part of this node did not
+        upload; on any other rank nothing (it knows nothing of the uploads)."""
         if not self.topology.is_leader:
-            return
-        t0 = time.monotonic()
+            return []
+        t0, local_only = time.monotonic(), set[str]()
         u = self.uploader
         if u is not None and u.pending():
             log.warning(
@@ -310,6 +314,7 @@ class NodeDirectory(Directory):
                 "" if timeout is None else f" (at most {timeout:.0f} s)",
             )
         if u is not None and not u.wait(timeout, outage_s, grace_left):
+            local_only.update(u.pending())
             log.warning(
                 "close(): this node's part of %s is not uploaded yet (last error: %s); it stays "
                 "local in %s, and the next run with the same directories uploads it",
@@ -332,11 +337,12 @@ class NodeDirectory(Directory):
         self._release_settled()
         if c is None:
             self.apply_retention(None)  # the parts kept for their remote commit may go now
-            return
+            return sorted(local_only)
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
         if not c.wait(left, outage_s, grace_left):
             stuck = c.ready()
             missing = [n for n in c.waiting() if n not in stuck]
+            local_only.update(stuck + [n for n in missing if n not in c.superseded()])
             if stuck:
                 log.warning(
                     "close(): not committed remotely (the store has not answered the remote "
@@ -359,6 +365,7 @@ class NodeDirectory(Directory):
                 "them): %s",
                 ", ".join(c.abandoned),
             )
+        return sorted(local_only.union(c.abandoned))
 
     def _move_taken(self, timeout: Any, outage_s: Any, grace_left: Any) -> None:
         """close(), leaders (a collective on the leaders group): the checkpoints whose name a

@@ -244,6 +244,15 @@ class RemoteCommitter(UploadThread):
         with self._cond:
             return [p.name for p in self._pending.values()]
 
+    def superseded(self) -> list[str]:
+        """The waiting checkpoints older than one of their run committed remotely (a part
+        never to arrive, its local copy damaged): missing them leaves the newest durable."""
+        with self._cond:
+            newest: dict[str, int] = {}
+            for run_id, seq in self.index:
+                newest[run_id] = max(seq, newest.get(run_id, seq))
+            return [p.name for k, p in self._pending.items() if k[1] < newest.get(k[0], -1)]
+
     def ready(self) -> list[str]:
         """The checkpoints whose parts all arrived, not committed yet (being tried, or next)."""
         with self._cond:
