@@ -94,6 +94,21 @@ def test_a_wiped_node_resumes_a_compressed_checkpoint_from_the_remote(tmp_path):
     ]
 
 
+def test_a_wiped_node_whose_download_stalls_gives_up_naming_it(tmp_path):
+    """Node 1's disk is wiped and the store lists its checkpoints but never sends their bytes
+    (a dying store): the restarted job waited forever in the node's download (s3fs gives up
+    on a request after minutes, other filesystems never). Now it is given up once no byte
+    arrived for the (lowered) outage limit, and every rank fails naming what stalled."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    shutil.rmtree(tmp_path / "node1")
+    out = _run(tmp_path, "second", 2, "--steps", "6", expect=4, RC_GETS_HANG=1, RC_OUTAGE_S=1)
+    for rank in out:
+        assert rank[-1]["error"] == "NoValidCheckpointError", rank
+    said = out[0][-1]["msg"]
+    assert "downloading this node's part of file://" in said and "step_000000004" in said, said
+    assert "no byte arrived" in said and "Retry when the store answers" in said, said
+
+
 def test_remote_unlistable_and_empty_disks_is_an_error_not_a_fresh_start(tmp_path):
     _committed_then_both_disks_wiped(tmp_path)
     out = _run(tmp_path, "second", 2, "--steps", "6", expect=4, RC_SCAN_FAILS_AFTER=1)
@@ -669,6 +684,13 @@ def worker(base: str, argv: list[str]) -> None:
             raise ConnectionError("endpoint unreachable")
 
         ck._dir.remote.fs.put = put  # type: ignore[union-attr]
+    if os.environ.get("RC_GETS_HANG") == str(node):  # lists, then never sends a byte
+
+        def hang(*a, **k):
+            threading.Event().wait(20)  # (the old code waited this long, then failed)
+            raise ConnectionError("the store never answered")
+
+        ck._dir.remote.fs.get = hang  # type: ignore[union-attr]
     if os.environ.get("RC_SLOW_UPLOADS") and os.environ.get("RC_SLOW_NODE", str(node)) == str(
         node
     ):  # uploads lag behind the saves (on every node, or on RC_SLOW_NODE's)

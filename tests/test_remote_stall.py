@@ -95,3 +95,41 @@ def test_a_listing_that_stalls_with_nothing_local_is_an_error_not_a_hang(dying, 
         assert "no answer" in str(info.value)
     finally:
         ck.close(timeout=5)
+
+
+@pytest.mark.parametrize("method", ["get", "find"])
+def test_a_pull_from_a_store_that_stalls_gives_up_naming_the_checkpoint(
+    dying, tmp_path, monkeypatch, capsys, method
+):
+    """``resilient-ckpt pull`` from a store that stalls every read (its listing, or each
+    file's bytes) waited on the client forever (s3fs: minutes per request). Now it gives up
+    once nothing arrived for the outage limit and fails naming the checkpoint and files."""
+    from resilient_callbacks import cli_remote
+    from resilient_callbacks.cli import main
+
+    _, url, _ = dying
+    release = threading.Event()
+
+    def hang(*a, **k):
+        release.wait(20)  # the old code waited this long, then failed otherwise
+        raise ConnectionError("the store never answered")
+
+    real_store = cli_remote.store
+
+    def dying_store(*a, **k):
+        st = real_store(*a, **k)
+        monkeypatch.setattr(st.fs, method, hang)
+        return st
+
+    monkeypatch.setattr(cli_remote, "store", dying_store)
+    try:
+        assert main(["pull", url, str(tmp_path / "pulled")]) == 1
+    finally:
+        release.set()
+    said = capsys.readouterr().err
+    if method == "get":
+        assert f"downloading {url}/step_000000020: no byte arrived" in said, said
+        assert "file(s) not begun" in said, said
+    else:
+        assert f"listing {url}: no answer" in said, said
+    assert "the pull gave up after 1 s" in said and "Retry when the store answers" in said, said

@@ -26,7 +26,7 @@ import time
 import uuid
 from typing import Any
 
-from . import branches, catalog, dist, peers
+from . import branches, catalog, dist, peers, stall
 from .candidates import unreadable_remote, warn_abandoned
 from .catalog import Depth, Status
 from .commit import STAGING_PREFIX, remove_checkpoint
@@ -217,7 +217,7 @@ class NodeRestorer(Restorer):
         unread: list[Candidate] = []  # remote manifests that cannot be read: maybe the newest
         if d.remote is not None:
             try:
-                listed = d.remote.scan()
+                listed = stall.run(d.remote.scan, f"listing {d.remote.url}")  # bounded
                 unread = unreadable_remote(d.remote.url, listed)  # named, never skipped silently
                 for e in listed:
                     if e.manifest is None:
@@ -458,7 +458,7 @@ class NodeRestorer(Restorer):
         d, topo = self._d, self._d.topology
         assert d.remote is not None
         st = d.remote
-        m = st.read_manifest(name)
+        m = stall.run(lambda: st.read_manifest(name), f"reading {st.url}/{name}")
         if [m.run_id, m.seq, m.step] != [*c["key"], c["step"]]:
             raise CheckpointCorruptError(f"{st.url}/{name} is another checkpoint now")
         ranks = needed(topo.node_ranks, m.world_size)
@@ -475,9 +475,13 @@ class NodeRestorer(Restorer):
                 st.url,
                 name,
             )
-            st.fs.get(
-                [f"{st.root}/{name}/{f.path}" for f in need],
-                [os.path.join(staging, f.path) for f in need],
+            srcs, dsts = [f"{st.root}/{name}/{f.path}" for f in need], [f.path for f in need]
+            stall.run(  # given up once no byte arrived for the outage limit, progress logged
+                lambda: st.fs.get(srcs, [os.path.join(staging, f) for f in dsts]),
+                f"downloading this node's part of {st.url}/{name}",
+                lambda: stall.on_disk(
+                    d.dirpath, os.path.basename(staging), {f.path: f.size for f in need}
+                ),
             )
             node_m = Manifest.from_json(json.loads(encode_json(m.to_json())))
             node_m.files = need

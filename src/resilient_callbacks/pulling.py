@@ -2,6 +2,10 @@
 into place atomically, under the directory's lock. One job, for ``resilient-ckpt pull`` and
 for readers that fall back to the remote tier (:class:`~.dcp.ResilientStorageReader`).
 
+The listing and the download are bounded against a dying store (:mod:`.stall`): given up with
+:class:`~.errors.RemoteUnavailableError` naming the checkpoint and the files under way once no
+byte has arrived for the outage limit (5 minutes), a long download's progress logged.
+
 Runs in one process (the caller's rank 0): no collective.
 """
 
@@ -12,7 +16,7 @@ import os
 import shutil
 from collections.abc import Callable
 
-from . import branches, catalog
+from . import branches, catalog, stall
 from .catalog import Depth
 from .commit import fsync_dir, remove_checkpoint, sweep_staging
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -26,7 +30,8 @@ log = logging.getLogger("resilient_callbacks")
 def usable(st: RemoteStore, step: int | None = None) -> list[RemoteEntry]:
     """The committed remote checkpoints whose listed sizes match their manifests (of ``step``
     only, if given), oldest commit first; :class:`CheckpointNotFoundError` if there is none."""
-    remote = [e for e in st.scan() if e.manifest is not None]
+    listed = stall.run(st.scan, f"listing {st.url}", who="the pull")
+    remote = [e for e in listed if e.manifest is not None]
     if step is not None:
         remote = [e for e in remote if e.manifest is not None and e.manifest.step == step]
     off = branches.off_lineage((m.run_id, m.seq, m.lineage) for m in _manifests(remote))
@@ -116,7 +121,8 @@ def pull(
             else:
                 return final, False
         try:
-            staging, _ = st.download(entry, dirpath, progress=None)
+            url = f"{st.url}/{entry.name}"
+            staging, _ = stall.download(st, entry, dirpath, url, who="the pull")
         except BaseException:
             _drop_unnamed_blobs(dirpath)
             raise

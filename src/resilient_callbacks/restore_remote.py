@@ -13,10 +13,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist, stall
-from .blobs import TMP_PREFIX, key_of, store_dir
+from .blobs import key_of
 from .candidates import Candidate
 from .catalog import Status
-from .commit import STAGING_PREFIX, fsync_dir, remove_checkpoint
+from .commit import fsync_dir, remove_checkpoint
 from .errors import CheckpointNotFoundError
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .redact import url_text
@@ -66,17 +66,8 @@ def fetch(ck: Checkpointer, c: Candidate) -> Candidate:
 def _download(ck: Checkpointer, entry: RemoteEntry, url: str) -> tuple[str, str]:
     """:meth:`RemoteStore.download`, given up once no byte has arrived for
     :func:`.stall.limit_s` (a store that stalls every read hung the restart forever)."""
-    d = ck._dir
-    assert d.remote is not None and entry.manifest is not None
-    sizes = {f.path: f.size for f in entry.manifest.files}
-
-    def moved() -> tuple[int, str]:
-        files, doing = stall.on_disk(ck.dirpath, f"{STAGING_PREFIX}{entry.name}-", sizes)
-        blobs, _ = stall.on_disk(store_dir(ck.dirpath), TMP_PREFIX, {})
-        return files + blobs, doing
-
-    remote = d.remote
-    return stall.run(lambda: remote.download(entry, ck.dirpath), f"downloading {url}", moved)
+    assert ck._dir.remote is not None
+    return stall.download(ck._dir.remote, entry, ck.dirpath, url)
 
 
 def _install(ck: Checkpointer, staging: str, name: str, manifest: Manifest) -> str:

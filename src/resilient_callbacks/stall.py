@@ -12,7 +12,9 @@ goes on as for any other failed read: the next candidate, loudly, or an error. T
 abandoned (a daemon: it never keeps the process alive); what it writes later lies in a hidden
 staging folder that the next writer of the directory sweeps.
 
-Which ranks call what: the coordinator (the only one with a remote store); nothing collective.
+Used by the restore (shared and node-local mode: there every node's leader lists and downloads
+its own part) and by ``resilient-ckpt pull``. Which ranks call what: those that read the
+remote store (the coordinator; in node-local mode each node's leader); nothing collective.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import RemoteUnavailableError
+
+if TYPE_CHECKING:
+    from .remote import RemoteEntry, RemoteStore
 
 log = logging.getLogger("resilient_callbacks")
 T = TypeVar("T")
@@ -43,6 +48,7 @@ def run(
     fn: Callable[[], T],
     what: str,
     moved: Callable[[], tuple[int, str]] | None = None,
+    who: str = "the restore",
 ) -> T:
     """``fn()`` in a daemon thread: its result, or its exception. ``moved()``: the bytes
     transferred so far and a few words on what is still under way; without it ``fn`` gets
@@ -73,7 +79,7 @@ def run(
             since = "no answer" if moved is None else f"no byte arrived for {now - last_move:.0f} s"
             raise RemoteUnavailableError(
                 f"{what}: {since} (after {now - t0:.0f} s in all{'; ' + doing if doing else ''}"
-                f"). The store accepts connections but stalls or fails its reads; the restore "
+                f"). The store accepts connections but stalls or fails its reads; {who} "
                 f"gave up after {limit:g} s without progress. Retry when the store answers "
                 "(check its endpoint and health)"
             )
@@ -120,3 +126,23 @@ def on_disk(folder: str, prefix: str, sizes: dict[str, int]) -> tuple[int, str]:
     if names and (waiting := len([r for r in sizes if r not in present])):
         doing.append(f"{waiting} of {len(sizes)} file(s) not begun")
     return total, "; ".join(doing)
+
+
+def download(
+    st: RemoteStore, entry: RemoteEntry, dirpath: str, url: str, who: str = "the restore"
+) -> tuple[str, str]:
+    """:meth:`RemoteStore.download` of ``entry`` (at ``url``) into ``dirpath``, given up once no
+    byte has arrived for :func:`limit_s` (its staging folder's files and the store's blobs'
+    temporary files not growing): :class:`RemoteUnavailableError` naming the files under way."""
+    from .blobs import TMP_PREFIX, store_dir
+    from .commit import STAGING_PREFIX
+
+    assert entry.manifest is not None
+    sizes = {f.path: f.size for f in entry.manifest.files}
+
+    def moved() -> tuple[int, str]:
+        files, doing = on_disk(dirpath, f"{STAGING_PREFIX}{entry.name}-", sizes)
+        blobs, _ = on_disk(store_dir(dirpath), TMP_PREFIX, {})
+        return files + blobs, doing
+
+    return run(lambda: st.download(entry, dirpath, progress=None), f"downloading {url}", moved, who)
