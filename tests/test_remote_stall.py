@@ -133,3 +133,29 @@ def test_a_pull_from_a_store_that_stalls_gives_up_naming_the_checkpoint(
     else:
         assert f"listing {url}: no answer" in said, said
     assert "the pull gave up after 1 s" in said and "Retry when the store answers" in said, said
+
+
+def test_a_download_whose_bytes_all_arrived_is_not_given_up_while_it_is_verified(
+    dying, monkeypatch
+):
+    """Every byte of a large checkpoint arrived, and the download then reads it all back to
+    verify its checksums (minutes for hundreds of GB on a slow disk): no byte arrives from the
+    store meanwhile, and the restore gave that up as a stalled store ("no byte arrived"),
+    falling back to an older checkpoint or failing, with the store healthy. Now the wait for
+    bytes ends once they all arrived (the manifest too): the local work is not bounded."""
+    from resilient_callbacks import remote as remote_mod
+
+    local, url, _ = dying
+    shutil.rmtree(local)
+    real = remote_mod.verify
+
+    def slow_verify(*a, **k):  # three times the (lowered) outage limit of 1 s
+        threading.Event().wait(3.0)
+        return real(*a, **k)
+
+    monkeypatch.setattr(remote_mod, "verify", slow_verify)
+    ck = Checkpointer(local, remote=url, keep_last=5)
+    try:
+        assert ck.restore(_state(0)) == 20
+    finally:
+        ck.close(timeout=5)

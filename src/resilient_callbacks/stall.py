@@ -47,11 +47,13 @@ def limit_s() -> float:
 def run(
     fn: Callable[[], T],
     what: str,
-    moved: Callable[[], tuple[int, str]] | None = None,
+    moved: Callable[[], tuple[int | None, str]] | None = None,
     who: str = "the restore",
 ) -> T:
     """``fn()`` in a daemon thread: its result, or its exception. ``moved()``: the bytes
-    transferred so far and a few words on what is still under way; without it ``fn`` gets
+    transferred so far and a few words on what is still under way, or None for the bytes
+    once ``fn`` no longer waits on the store (every byte arrived, it verifies them: local
+    work, not bounded, never a stall); without it ``fn`` gets
     :func:`limit_s` in all, with it until the count has not changed for that long (its
     progress logged every :data:`LOG_EVERY_S`, a warning once it stalls). Then
     :class:`RemoteUnavailableError`, naming ``what`` and what was under way."""
@@ -73,8 +75,8 @@ def run(
         if not worker.is_alive():
             break
         now, (done, doing) = time.monotonic(), moved() if moved is not None else (0, "")
-        if moved is not None and done != seen:
-            seen, last_move = done, now
+        if moved is not None and (done is None or done != seen):
+            seen, last_move = (seen if done is None else done), now
         if now - last_move > limit:
             since = "no answer" if moved is None else f"no byte arrived for {now - last_move:.0f} s"
             raise RemoteUnavailableError(
@@ -89,7 +91,7 @@ def run(
                 logging.WARNING if idle >= LOG_EVERY_S else logging.INFO,
                 "%s: %.1f MB so far after %.0f s, the last byte %.0f s ago%s",
                 what,
-                done / 1e6,
+                max(seen, 0) / 1e6,
                 now - t0,
                 idle,
                 f" ({doing})" if doing else "",
@@ -139,10 +141,39 @@ def download(
 
     assert entry.manifest is not None
     sizes = {f.path: f.size for f in entry.manifest.files}
+    prefix = f"{STAGING_PREFIX}{entry.name}-"
+    before = set(_staging_folders(dirpath, prefix))  # (this download's is the new one)
 
-    def moved() -> tuple[int, str]:
-        files, doing = on_disk(dirpath, f"{STAGING_PREFIX}{entry.name}-", sizes)
+    def moved() -> tuple[int | None, str]:
+        if any(
+            _arrived(os.path.join(dirpath, n), sizes)
+            for n in _staging_folders(dirpath, prefix)
+            if n not in before
+        ):
+            return None, "every byte arrived; verifying the checksums"  # local work
+        files, doing = on_disk(dirpath, prefix, sizes)
         blobs, _ = on_disk(store_dir(dirpath), TMP_PREFIX, {})
         return files + blobs, doing
 
     return run(lambda: st.download(entry, dirpath, progress=None), f"downloading {url}", moved, who)
+
+
+def _staging_folders(dirpath: str, prefix: str) -> list[str]:
+    try:
+        return [n for n in os.listdir(dirpath) if n.startswith(prefix)]
+    except OSError:
+        return []
+
+
+def _arrived(staging: str, sizes: dict[str, int]) -> bool:
+    """Whether a download's files and then its manifest all arrived in ``staging``: what
+    :meth:`RemoteStore.download` does next (fsync, verify every checksum) reads only the
+    local disk, minutes for a large checkpoint with no byte from the store to show for it."""
+    from .manifest import MANIFEST_NAME
+
+    try:
+        if os.path.getsize(os.path.join(staging, MANIFEST_NAME)) == 0:
+            return False
+        return all(os.path.getsize(os.path.join(staging, p)) >= n for p, n in sizes.items())
+    except OSError:
+        return False
