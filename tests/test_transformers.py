@@ -1133,3 +1133,39 @@ def test_export_loads_the_weights_by_the_versions_the_checkpoint_recorded(tmp_pa
     live = trainer.model.state_dict()
     assert torch.equal(got["transformer.ln_f.weight"], live["transformer.ln_f.weight"])
     assert all(torch.equal(got[k], live[k]) for k in got)
+
+
+def test_a_close_that_gives_up_on_uploads_runs_every_callbacks_train_end_first(
+    tmp_path, monkeypatch
+):
+    """The Trainer callback's end of training closes the Checkpointer, which raises
+    UploadIncompleteError once it gave up on uploads during an outage. It raised inside the
+    callback handler's loop, so the callbacks added after ours (a user's that pushes the model
+    or ends a tracking run) never got their on_train_end. Now the close comes after them all,
+    and its error is still raised by train()."""
+    from resilient_callbacks import checkpointer as ckmod
+    from resilient_callbacks.errors import UploadIncompleteError
+    from resilient_callbacks.remote import RemoteStore
+
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.5)
+
+    def down(*a, **k):
+        raise ConnectionError("the store is down")
+
+    monkeypatch.setattr(RemoteStore, "upload", down)
+    ended: list[bool] = []
+
+    class After(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            ended.append(True)
+
+    trainer = hf_train.build_trainer(str(tmp_path / "out"), 2)
+    ckpt = ResilientCheckpoint(
+        str(tmp_path / "ck"), remote=f"file://{tmp_path / 'remote'}", every_n_steps=2
+    )
+    trainer.add_callback(ckpt)
+    trainer.add_callback(After())
+    with pytest.raises(UploadIncompleteError, match="step_000000002"):
+        trainer.train()
+    assert ended == [True]
+    assert ckpt.checkpointer is not None and ckpt.checkpointer.closed  # closed all the same

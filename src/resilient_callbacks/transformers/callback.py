@@ -148,7 +148,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._epoch_calls = self._epoch_offset = self._epoch = self._updates = 0
         self._steps_in_epoch = self._updates_per_epoch = 0
         self._pending: int | None = None
-        self._epoch_ended = self._final_logged = False
+        self._epoch_ended = self._final_logged = self._ending = False
         self._step_metrics: dict[str, float] = {}
         self._logged_commit: int | None = None  # the committed step the last save log named
         self._home = ""  # the dirpath of this process's first training (phases.py)
@@ -204,19 +204,15 @@ class ResilientCheckpoint(TrainerCallback):
         if ckpt is not None and trainer is not None:
             self._log_final()  # if the wrapper of the handler's on_train_end did not
             phases.finished(self._home, trainer.model)
-        self._finish()
+        if not self._ending:  # (the wrapper below closes after every callback's)
+            self._finish()
 
     def _train_end(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         """Wraps the Trainer's ``callback_handler.on_train_end``: the last committed checkpoint
         is logged before any callback's ``on_train_end``, where a reporting integration ends its
-        run (MLflow's: a log after that started a new, stray run). The callbacks' own
-        ``on_train_end`` run even if the last save failed (raised here, after them)."""
-        try:
-            self._log_final()
-        except BaseException:
-            original(*args, **kwargs)
-            raise
-        return original(*args, **kwargs)
+        run (MLflow's: a log after that started a new, stray run); the close after them all
+        (:func:`.hooks.end_of_train`)."""
+        return hooks.end_of_train(self, original, *args, **kwargs)
 
     def _log_final(self) -> None:
         ckpt, trainer = self.checkpointer, self._trainer

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import transformers
 
+from .. import closing
 from ..errors import ConfigError
 
 RUN_EPOCH_PARAMS = frozenset(
@@ -138,3 +139,24 @@ def eval_loader_without_draw(original: Any, *args: Any, **kwargs: Any) -> Any:
     if getattr(base, "_iterator", False) is None and getattr(base, "generator", 0) is None:
         base.generator = torch.Generator().manual_seed(0)
     return loader
+
+
+def end_of_train(cb: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``ResilientCheckpoint``'s wrapper of the handler's ``on_train_end``: log the final save
+    (``cb._log_final``), run every callback's ``on_train_end`` (``original``; also after a
+    failed last save, raised after them), then close (``cb._finish``), after them all: a close
+    that raises (``UploadIncompleteError`` after an outage) skipped the callbacks after ours.
+    While another exception propagates, a failure of the close is logged, not raised."""
+    cb._ending, failed = True, None  # (cb.on_train_end leaves the close to this)
+    try:
+        try:
+            cb._log_final()
+        finally:
+            out = original(*args, **kwargs)
+    except BaseException as e:
+        failed = e
+        raise
+    finally:
+        cb._ending = False
+        closing.close_on_exit(cb._finish, failed)
+    return out
