@@ -44,11 +44,13 @@ def recorded(sd: Any) -> dict[str, int | None] | None:
     return out
 
 
-def attach(value: Any, node: Any) -> Any:
+def attach(value: Any, node: Any, live: Mapping[str, int | None] | None = None) -> Any:
     """``value`` -- a module's decoded state dict -- carrying the versions of its structure
-    ``node`` as ``_metadata`` (as ``torch.load`` gives it); ``value`` itself where the node
-    recorded none (a checkpoint written before they were)."""
+    ``node`` as ``_metadata`` (as ``torch.load`` gives it); where the node recorded none (a
+    checkpoint written before they were), ``live`` (the live module's :func:`recorded`: the
+    same code wrote it) if given, else ``value`` itself."""
     versions = node.get(FIELD) if isinstance(node, Mapping) else None
+    versions = live if versions is None else versions
     if not isinstance(versions, Mapping) or not isinstance(value, Mapping):
         return value
     out = collections.OrderedDict(value)

@@ -483,7 +483,7 @@ class Sharded(FilePart):
                 + "; ".join(f"{n}: not in the checkpoint" for n in missing[:10])
                 + more
             )
-        model_sd = module_versions.attach(sd["model"], meta)  # the saved versions, if recorded
+        model_sd = module_versions.attach(sd["model"], meta, self._versions)  # (else the live)
         set_model_state_dict(self.model, model_sd, options=self.options)
         if plan["with_optim"]:
             # parameters that had no optimizer state when saved get none (DCP's strict
