@@ -7,6 +7,7 @@ timing asserts (the limit is lowered to a second; the test only waits for the er
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 
@@ -159,3 +160,35 @@ def test_a_download_whose_bytes_all_arrived_is_not_given_up_while_it_is_verified
         assert ck.restore(_state(0)) == 20
     finally:
         ck.close(timeout=5)
+
+
+def test_a_download_reading_local_blobs_back_is_not_given_up_as_stalled(tmp_path, monkeypatch):
+    """An incremental checkpoint's download first reads back each blob it names that the local
+    store already holds (and each one it fetched) to check its checksum: local work, minutes
+    for large blobs on a slow disk, with no byte arriving from the store. The restore gave it up
+    as a stalled store and fell back until NoValidCheckpointError, the store healthy."""
+    from torch import nn
+
+    from resilient_callbacks import remote_blobs
+
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)
+    local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
+    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1))
+    m[0].requires_grad_(False)  # its weight: a blob
+    with Checkpointer(local, incremental=True, remote=url, async_save=False) as ck:
+        ck.save(10, {"model": m})
+    for n in os.listdir(local):  # the checkpoint lost, the local blob store kept
+        if n.startswith("step_"):
+            shutil.rmtree(local / n)
+    assert os.listdir(local / "blobs")  # (the blob the download reads back)
+    real = remote_blobs.digest_file
+
+    def slow(*a, **k):  # three times the (lowered) outage limit of 1 s
+        threading.Event().wait(3.0)
+        return real(*a, **k)
+
+    monkeypatch.setattr(remote_blobs, "digest_file", slow)
+    live = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1))
+    with Checkpointer(local, incremental=True, remote=url, async_save=False) as ck:
+        assert ck.restore({"model": live}) == 10
+    assert torch.equal(live[0].weight, m[0].weight)

@@ -59,6 +59,7 @@ COLLECT_PREFIX = ".collect-"  # a collection running (see collect)
 COLLECT_MAX_S = 60.0  # a collection deletes nothing later than this after announcing itself
 COLLECT_MARGIN_S = 30.0  # for a delete sent before then that lands later
 COLLECT_POLL_S = 0.5
+DIGESTING: set[str] = set()  # the stagings whose download reads a blob back (stall.download)
 UPLOAD_PREFIX = ".upload-"  # a blob being copied to a file:// remote, renamed when complete
 
 
@@ -432,7 +433,7 @@ def download(store: RemoteStore, manifest: Manifest, local_root: str, staging: s
         target = shared
         dest = os.path.join(target, b.path)
         if os.path.exists(dest):
-            d = digest_file(dest, like=b.xxh3_64)
+            d = _digest(staging, dest, b.xxh3_64)
             if (d.size, d.xxh3_64) == (b.size, b.xxh3_64):
                 continue
             if recorded is None:
@@ -446,7 +447,7 @@ def download(store: RemoteStore, manifest: Manifest, local_root: str, staging: s
         tmp = os.path.join(target, f"{TMP_PREFIX}{key_of(b.path)}-{uuid.uuid4().hex[:8]}")
         try:
             store.fs.get(posixpath.join(_dir(store), b.path), tmp)
-            d = digest_file(tmp, like=b.xxh3_64)
+            d = _digest(staging, tmp, b.xxh3_64)
             if (d.size, d.xxh3_64) != (b.size, b.xxh3_64):
                 raise CheckpointCorruptError(
                     f"{store.url}/{BLOBS_DIR}/{b.path}: downloaded {d.size} bytes with xxh3_64 "
@@ -462,6 +463,16 @@ def download(store: RemoteStore, manifest: Manifest, local_root: str, staging: s
             raise
     for target in fetched:
         fsync_dir(target)
+
+
+def _digest(staging: str, path: str, like: str) -> Any:
+    """``digest_file``, ``staging`` in :data:`DIGESTING` meanwhile: reading a blob back is local
+    work (minutes for a large one on a slow disk), not a store that stalls."""
+    DIGESTING.add(staging)
+    try:
+        return digest_file(path, like=like)
+    finally:
+        DIGESTING.discard(staging)
 
 
 def _recorded(local_root: str) -> dict[str, set[tuple[int, str]]]:

@@ -138,6 +138,7 @@ def download(
     temporary files not growing): :class:`RemoteUnavailableError` naming the files under way."""
     from .blobs import TMP_PREFIX, store_dir
     from .commit import STAGING_PREFIX
+    from .remote_blobs import DIGESTING
 
     assert entry.manifest is not None
     sizes = {f.path: f.size for f in entry.manifest.files}
@@ -145,11 +146,12 @@ def download(
     before = set(_staging_folders(dirpath, prefix))  # (this download's is the new one)
 
     def moved() -> tuple[int | None, str]:
-        if any(
-            _arrived(os.path.join(dirpath, n), sizes)
-            for n in _staging_folders(dirpath, prefix)
-            if n not in before
-        ):
+        new = [
+            os.path.join(dirpath, n) for n in _staging_folders(dirpath, prefix) if n not in before
+        ]
+        if any(s in DIGESTING for s in new):
+            return None, "reading a blob back to verify it"  # local work, as below
+        if any(_arrived(s, sizes) for s in new):
             return None, "every byte arrived; verifying the checksums"  # local work
         files, doing = on_disk(dirpath, prefix, sizes)
         blobs, _ = on_disk(store_dir(dirpath), TMP_PREFIX, {})
