@@ -1020,7 +1020,10 @@ print("closed")
 """
 
 
-@pytest.mark.parametrize("how", ["ends", "fails"])
+@pytest.mark.parametrize(
+    "how",
+    ["ends", pytest.param("fails", marks=pytest.mark.slow)],  # (the plain one: test_remote)
+)
 def test_the_writer_gives_up_on_uploads_during_an_outage_and_says_so(tmp_path, how):
     """ResilientStorageWriter.close() waited for its uploads without a bound: during an outage
     of the store it hung forever at the end of training (the Checkpointer's close gives up

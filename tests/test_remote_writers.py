@@ -114,6 +114,7 @@ def test_two_processes_uploading_one_commit_key_at_once_never_tear_it(tmp_path):
     assert not [f for f in entry.sizes if f.startswith(CLAIM_PREFIX)], entry.sizes
 
 
+@pytest.mark.slow  # (the control of the test above: passes on the old src too)
 def test_two_processes_uploading_the_very_same_commit_at_once_both_succeed(tmp_path):
     """The same bytes from two processes (a ``push`` beside the run that uploads the same
     checkpoint): neither yields, and the one checkpoint is whole."""
