@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from resilient_callbacks import Checkpointer
+from resilient_callbacks import Checkpointer, stall
 from resilient_callbacks import checkpointer as ckmod
 from resilient_callbacks.errors import (
     NoValidCheckpointError,
@@ -25,6 +25,34 @@ from resilient_callbacks.errors import (
 
 def _state(v: float) -> dict:
     return {"w": torch.full((64,), float(v))}
+
+
+class _Clock:
+    """``stall``'s clock, moved only by the test: a pause of a loaded machine never looks like a
+    stalled store. ``idle_past_limit()``, called by work the restore's read thread does
+    (``rc-restore-read``), makes each read of the clock 10 s later than the one before (ten
+    times the lowered limit), as minutes of that work would, until the stall loop has read it
+    three times (given the read up, or gone on)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now, self.reads, self.idle = 0.0, 0, False
+        self.cond = threading.Condition()
+        monkeypatch.setattr(stall, "time", self)
+
+    def monotonic(self) -> float:
+        with self.cond:
+            self.reads += 1
+            self.now += 10.0 if self.idle else 0.0
+            self.cond.notify_all()
+            return self.now
+
+    def idle_past_limit(self) -> None:
+        if threading.current_thread().name != "rc-restore-read":
+            return
+        with self.cond:
+            self.idle, seen = True, self.reads
+            self.cond.wait_for(lambda: self.reads >= seen + 3, timeout=10)
+            self.idle = False
 
 
 @pytest.fixture
@@ -150,8 +178,10 @@ def test_a_download_whose_bytes_all_arrived_is_not_given_up_while_it_is_verified
     shutil.rmtree(local)
     real = remote_mod.verify
 
-    def slow_verify(*a, **k):  # three times the (lowered) outage limit of 1 s
-        threading.Event().wait(3.0)
+    clock = _Clock(monkeypatch)
+
+    def slow_verify(*a, **k):  # ten times the (lowered) outage limit of 1 s
+        clock.idle_past_limit()
         return real(*a, **k)
 
     monkeypatch.setattr(remote_mod, "verify", slow_verify)
@@ -183,8 +213,10 @@ def test_a_download_reading_local_blobs_back_is_not_given_up_as_stalled(tmp_path
     assert os.listdir(local / "blobs")  # (the blob the download reads back)
     real = remote_blobs.digest_file
 
-    def slow(*a, **k):  # three times the (lowered) outage limit of 1 s
-        threading.Event().wait(3.0)
+    clock = _Clock(monkeypatch)
+
+    def slow(*a, **k):  # ten times the (lowered) outage limit of 1 s
+        clock.idle_past_limit()
         return real(*a, **k)
 
     monkeypatch.setattr(remote_blobs, "digest_file", slow)
