@@ -162,14 +162,13 @@ class Emergency:
         """Remember what step ``step``'s state is, cheaply: modules and optimizers by reference
         (an optimizer-step hook notices a step), the modules' buffers and everything else
         copied."""
-        inside_window = statetree.mid_step(state) is not None
         for path, obj in statetree.leaves(state):
             if structure.is_stateful(obj):  # as a save would, before its state_dict()
                 refuse_stateful(obj, structure.path_str(path))
         try:
             frozen = freeze(state)
         except UnsupportedStateError as e:
-            if not inside_window:  # a state no save could take: say so now, as a save would
+            if statetree.mid_step(state) is None:  # a state no save could take: say so now
                 raise
             # Accumulation inside an accumulation window, no step due here: the point before
             # stays the last consistent one (no optimizer step since, or its hook says so),
