@@ -209,6 +209,7 @@ def _session(saver: Saver, step: int, background: bool) -> CommitSession | NodeL
         sync=d.sync,  # (for the message of a full disk: after_commit queues the uploads)
         after_commit=d.after_commit,
         tip=d.tip,
+        blobs=d.blobs,  # (rank 0's: pins what the ranks staged while the commit moves it)
     )
 
 

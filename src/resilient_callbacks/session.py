@@ -34,6 +34,7 @@ reader counts it, and the next writer to open the directory sweeps it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import catalog, dist
+from .blobs import BlobStore, key_of
 from .branches import Tip
 from .commit import CommitStrategy, RenameCommit, point_latest
 from .directory import apply_retention
@@ -120,6 +122,10 @@ class CommitSession:
     ``step``: an int >= 0 (a :class:`ConfigError` otherwise: it names the ``step_*`` folder).
     ``tip`` (rank 0's): where the save descends from, recorded as the manifest's ``lineage``
     (:mod:`.branches`); without one the manifest records none (read in commit order).
+    ``blobs`` (rank 0's): the store of the directory's writer, whose collection (the
+    uploader's retention, in another thread) must not take the blobs the ranks staged between
+    their move into the store and the commit of the manifest that names them: they are pinned
+    meanwhile.
     """
 
     def __init__(
@@ -136,6 +142,7 @@ class CommitSession:
         sync: Any = None,
         after_commit: Callable[[Committed], None] | None = None,
         tip: Tip | None = None,
+        blobs: BlobStore | None = None,
     ) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"the step of a checkpoint must be an int >= 0, got {step!r}")
@@ -150,6 +157,7 @@ class CommitSession:
         self.sync = sync
         self.after_commit = after_commit or self._default_after_commit
         self.tip = tip  # where this save descends from (its manifest's lineage); None: unsaid
+        self.blobs = blobs
         if tip is not None and seq is not None:
             tip.planned(seq)
         self.rank = dist.rank()
@@ -351,12 +359,16 @@ class CommitSession:
             extra=dict(extra or {}),
             lineage=self.tip.child(seq).to_json() if self.tip is not None else {},
         )
-        promote_staged(self.staging, self.dirpath, manifest)  # FileParts' new blobs
-        data = encode_json(manifest.to_json())
-        st = self.strategy  # ours (not a subclass's own commit): `latest` in its one fsync
-        if isinstance(st, RenameCommit) and type(st).commit is RenameCommit.commit:
-            return st.commit(self.staging, self.step, data, latest=True), seq
-        final = self.strategy.commit(self.staging, self.step, data)
+        keys = {key_of(b.path) for b in manifest.blobs}
+        # pinned until the manifest is committed: a collection meanwhile in another thread
+        # (the uploader's retention) would take the staged blobs once moved into the store
+        with self.blobs.pinned(keys) if self.blobs is not None else contextlib.nullcontext():
+            promote_staged(self.staging, self.dirpath, manifest)  # FileParts' new blobs
+            data = encode_json(manifest.to_json())
+            st = self.strategy  # ours (not a subclass's own commit): `latest` in its one fsync
+            if isinstance(st, RenameCommit) and type(st).commit is RenameCommit.commit:
+                return st.commit(self.staging, self.step, data, latest=True), seq
+            final = self.strategy.commit(self.staging, self.step, data)
         point_latest(self.dirpath, os.path.basename(final))
         return final, seq
 
