@@ -11,20 +11,19 @@ directory the coordinator made (see :mod:`.session`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist, history
 from .blobs import BlobStore
 from .branches import Tip
 from .catalog import Depth, Entry, Status
-from .commit import CKPT_RE, RenameCommit, open_dir, remove_checkpoints, sweep_staging
+from .commit import CKPT_RE, RenameCommit, open_dir, sweep_staging
 from .errors import (
     AT_CALLER,
     CheckpointError,
@@ -38,7 +37,8 @@ from .errors import (
 from .lock import COMMAND_WAIT_S, DirLock, claim_remote
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .reader import by_commit
-from .retention import RetentionPolicy, plan
+from .retention import RetentionPolicy
+from .retention_pass import apply_retention, collect_blobs
 from .trash import TrashBin
 from .upload_thread import EXIT_MARGIN_S
 
@@ -49,56 +49,6 @@ if TYPE_CHECKING:
     from .sync import RemoteSync
 
 log = logging.getLogger("resilient_callbacks")
-
-
-def apply_retention(
-    root: str,
-    policy: RetentionPolicy,
-    run_id: str | None,
-    protected: Iterable[str] = (),
-    blobs: BlobStore | None = None,
-    discard: Callable[[str], None] | None = None,
-    corrupt: Iterable[str] = (),
-    manifests: catalog.ManifestCache | None = None,
-) -> None:
-    """Coordinator: delete what ``policy`` does not keep among the committed checkpoints of
-    ``root``. Never deletes a ``protected`` name, the newest valid checkpoint, or another run's.
-    With ``blobs`` (the store of the directory's writer, which knows the saves in flight), the
-    blobs no remaining checkpoint refers to are deleted after the checkpoints. ``discard``: who
-    deletes the files of a checkpoint once it is renamed out of sight (a
-    :class:`~.trash.TrashBin`, in the background); here, without one. ``corrupt``: names known
-    corrupt though their sizes are right (a restore read them): kept, as corrupt. ``manifests``:
-    those read before. ``keep_last=None`` deletes nothing (:func:`~.retention.plan`): no scan."""
-    if policy.keep_last is None:  # (each save read every manifest and listed file's size)
-        return
-    found = set(corrupt)
-    with catalog.blobs_read_once():  # a blob many checkpoints name: its size checked once
-        entries = catalog.scan(root, Depth.SIZE, manifests)
-    cands = [
-        dataclasses.replace(c, valid=False) if c.name in found else c
-        for c in catalog.retention_candidates(entries)
-    ]
-    p = plan(cands, policy, run_id, protected=list(protected))
-
-    def failed(name: str, e: OSError) -> None:
-        log.warning("retention: could not delete %s: %s", os.path.join(root, name), e)
-
-    # renamed to the trash and the directory fsynced before a file goes; blobs only then
-    for name in (gone := remove_checkpoints(root, list(p.delete), discard, failed)):
-        log.info("retention: deleted %s", name)
-    if gone and blobs is not None:  # (none if the sync failed: the renames may be undone)
-        collect_blobs(blobs)
-
-
-def collect_blobs(blobs: BlobStore) -> None:
-    """Delete the blobs no committed checkpoint refers to (never one a save in flight uses)."""
-    try:
-        gone = blobs.collect()
-    except OSError as e:
-        log.warning("could not delete unused blobs in %s: %s", blobs.dir, e)
-        return
-    if gone:
-        log.info("deleted %d unused blob(s) in %s", len(gone), blobs.dir)
 
 
 def unusable(dirpath: str, e: OSError) -> CheckpointWriteError:

@@ -45,12 +45,13 @@ from . import catalog, dist
 from .catalog import Depth, Status
 from .commit import open_dir, sweep_staging
 from .compression import SUFFIX
-from .directory import Directory, apply_retention
+from .directory import Directory
 from .errors import CheckpointError, CheckpointWriteError, ConfigError, RemoteUnavailableError
 from .lock import COMMAND_WAIT_S
 from .manifest import FileEntry, Manifest
 from .remote_objects import commit_tag
 from .retention import Candidate, plan
+from .retention_pass import apply_retention
 from .sync import SyncStatus, preflight
 from .topology import Topology
 

@@ -46,11 +46,11 @@ from . import catalog, dist
 from .blobs import BlobStore, key_of
 from .branches import Tip
 from .commit import CommitStrategy, RenameCommit, point_latest
-from .directory import apply_retention
 from .errors import CheckpointWriteError, ConfigError
 from .manifest import FileEntry, Manifest, versions
 from .part_blobs import promote_staged
 from .retention import RetentionPolicy
+from .retention_pass import apply_retention
 from .tensorfile import encode_json
 
 log = logging.getLogger("resilient_callbacks")

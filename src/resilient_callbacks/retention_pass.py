@@ -1,0 +1,71 @@
+"""One retention pass over a checkpoint directory: delete the checkpoints the policy does not
+keep (renamed to the trash and the directory fsynced first), then the blobs no remaining
+checkpoint refers to.
+
+Which ranks call what: only the coordinator (the directory's writer, who holds its lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Iterable
+
+from . import catalog
+from .blobs import BlobStore
+from .catalog import Depth
+from .commit import remove_checkpoints
+from .retention import RetentionPolicy, plan
+
+log = logging.getLogger("resilient_callbacks")
+
+
+def apply_retention(
+    root: str,
+    policy: RetentionPolicy,
+    run_id: str | None,
+    protected: Iterable[str] = (),
+    blobs: BlobStore | None = None,
+    discard: Callable[[str], None] | None = None,
+    corrupt: Iterable[str] = (),
+    manifests: catalog.ManifestCache | None = None,
+) -> None:
+    """Coordinator: delete what ``policy`` does not keep among the committed checkpoints of
+    ``root``. Never deletes a ``protected`` name, the newest valid checkpoint, or another run's.
+    With ``blobs`` (the store of the directory's writer, which knows the saves in flight), the
+    blobs no remaining checkpoint refers to are deleted after the checkpoints. ``discard``: who
+    deletes the files of a checkpoint once it is renamed out of sight (a
+    :class:`~.trash.TrashBin`, in the background); here, without one. ``corrupt``: names known
+    corrupt though their sizes are right (a restore read them): kept, as corrupt. ``manifests``:
+    those read before. ``keep_last=None`` deletes nothing (:func:`~.retention.plan`): no scan."""
+    if policy.keep_last is None:  # (each save read every manifest and listed file's size)
+        return
+    found = set(corrupt)
+    with catalog.blobs_read_once():  # a blob many checkpoints name: its size checked once
+        entries = catalog.scan(root, Depth.SIZE, manifests)
+    cands = [
+        dataclasses.replace(c, valid=False) if c.name in found else c
+        for c in catalog.retention_candidates(entries)
+    ]
+    p = plan(cands, policy, run_id, protected=list(protected))
+
+    def failed(name: str, e: OSError) -> None:
+        log.warning("retention: could not delete %s: %s", os.path.join(root, name), e)
+
+    # renamed to the trash and the directory fsynced before a file goes; blobs only then
+    for name in (gone := remove_checkpoints(root, list(p.delete), discard, failed)):
+        log.info("retention: deleted %s", name)
+    if gone and blobs is not None:  # (none if the sync failed: the renames may be undone)
+        collect_blobs(blobs)
+
+
+def collect_blobs(blobs: BlobStore) -> None:
+    """Delete the blobs no committed checkpoint refers to (never one a save in flight uses)."""
+    try:
+        gone = blobs.collect()
+    except OSError as e:
+        log.warning("could not delete unused blobs in %s: %s", blobs.dir, e)
+        return
+    if gone:
+        log.info("deleted %d unused blob(s) in %s", len(gone), blobs.dir)
