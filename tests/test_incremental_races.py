@@ -49,3 +49,34 @@ def test_a_collection_while_a_save_commits_keeps_the_part_blobs_it_promoted(tmp_
     with Checkpointer(root, preemption=False) as ck:
         assert ck.restore({"engine": fresh}) == 2
     assert torch.equal(fresh.trained, part.trained)
+
+
+def test_an_upload_after_a_roll_back_restore_never_deletes_the_checkpoint_restored(tmp_path):
+    """A run rolled back (``resume=`` an older checkpoint of the directory) while newer ones
+    of the run wait for their upload: the restore queues the newest for upload, and the
+    retention after that upload must not delete the checkpoint the run restored from before
+    the run commits its first save. Before, ``keep_last=1`` deleted it (only the abandoned
+    newer checkpoint counted): a kill before the first save resumed the abandoned timeline,
+    and the first save's blobs referred to a checkpoint that was gone."""
+    root, remote = tmp_path / "ck", f"file://{tmp_path}/remote"
+    part = FrozenAndTrained()
+    with Checkpointer(root, keep_last=None, incremental=True, preemption=False) as ck:
+        for step in (1, 2, 3):
+            _train(part, step)
+            ck.save(step, {"engine": part})
+    back = root / "step_000000001"
+    fresh = FrozenAndTrained()
+    ck = Checkpointer(root, keep_last=1, remote=remote, resume=str(back), preemption=False)
+    try:
+        assert ck.restore({"engine": fresh}) == 1
+        assert ck._dir.sync is not None and ck._dir.sync.wait(60)  # the newest is uploaded
+        assert back.is_dir()
+        _train(fresh, 2)
+        ck.save(2, {"engine": fresh})
+        ck.flush()
+    finally:
+        ck.close()
+    # the new branch's first save committed: the lineage now says what to keep
+    newest = catalog.committed(catalog.scan(str(root), catalog.Depth.FULL))[-1]
+    assert newest.manifest is not None and newest.manifest.step == 2
+    assert newest.status is catalog.Status.VALID, newest.problem

@@ -103,6 +103,9 @@ class Directory:
         self._reported_foreign = False
         self.checked_foreign = False
         self.found_corrupt: set[str] = set()  # by a restore (checksums): kept for inspection
+        # the checkpoint this process restored from, kept until its first commit: before it, a
+        # roll-back's abandoned newer checkpoints are the newest, and the lineage unknown
+        self.restored: str | None = None
         self.tip = Tip()  # where the next save descends from: its manifest's lineage
         # the uploads the newest commit skipped (remote_every_n_saves), run if it proves final
         self._held: tuple[int, list[Callable[[], None]]] | None = None
@@ -219,6 +222,7 @@ class Directory:
         """Coordinator, once a checkpoint is committed: number it, queue its upload, apply
         retention (never to the checkpoint just committed)."""
         self.seq = max(self.seq, committed.seq)
+        self.restored = None  # (the commit records its lineage: retention knows what to keep)
         name = os.path.basename(committed.path)
         due = self.remote_due is None or self.remote_due(committed.seq, committed.reason)
         if self.sync is not None:
@@ -259,11 +263,12 @@ class Directory:
     def apply_retention(self, protect: str | None, policy: RetentionPolicy | None = None) -> None:
         """Coordinator: apply the local retention policy (``policy``: another one, e.g. the
         policy recorded in a checkpoint). With a remote tier, a checkpoint whose remote copy
-        is not committed yet is never deleted (it is the only copy)."""
+        is not committed yet is never deleted (it is the only copy); nor is the one this
+        process restored from before its first commit."""
         if self.read_only:
             return
         with self._retention_lock:  # the persist and the upload threads both call this
-            protected = [protect] if protect else []
+            protected = [p for p in (protect, self.restored) if p]
             if self.sync is not None:
                 protected += self.sync.pending()
             apply_retention(
