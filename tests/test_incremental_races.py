@@ -80,3 +80,78 @@ def test_an_upload_after_a_roll_back_restore_never_deletes_the_checkpoint_restor
     newest = catalog.committed(catalog.scan(str(root), catalog.Depth.FULL))[-1]
     assert newest.manifest is not None and newest.manifest.step == 2
     assert newest.status is catalog.Status.VALID, newest.problem
+
+
+KILLED_BEFORE_COMMIT = r"""
+import os, signal, sys
+import torch
+from resilient_callbacks import Checkpointer, remote_blobs
+sys.path.insert(0, sys.argv[3])
+from test_part_blobs import FrozenAndTrained, _train
+
+root, url = sys.argv[1], sys.argv[2]
+part = FrozenAndTrained()
+with Checkpointer(root, incremental=True, remote=url, remote_keep_last="all",
+                  async_save=False, preemption=False) as ck:
+    _train(part, 1)
+    ck.save(1, {"engine": part})
+ck = Checkpointer(root, incremental=True, remote=url, remote_keep_last="all",
+                  async_save=False, preemption=False)
+ck.restore({"engine": part})
+# the upload of step 2 is killed once its blobs and files are up, before its manifest
+remote_blobs.settle = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+_train(part, 2)
+ck.save(2, {"engine": part})
+ck.close()
+"""
+
+
+def test_the_blobs_of_an_upload_a_kill_cut_off_are_collected_keeping_every_checkpoint(tmp_path):
+    """SIGKILL during the upload of step 2, after its blobs and files went up and before its
+    manifest; the local directory is then lost (a new machine resumes from the remote). With
+    ``remote_keep_last="all"`` the uploader deletes the cut-off folder a day later, but it
+    collected blobs only after its retention deleted a checkpoint, which keeping every one it
+    never does: the blobs only that upload had put (the trained tensor of step 2) stayed for
+    good. They go with the folder now."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from resilient_callbacks.remote import RemoteStore
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_BEFORE_COMMIT)
+    root, remote = tmp_path / "local", tmp_path / "durable"
+    url = f"file://{remote}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    tests = str(Path(__file__).parent)
+    run = subprocess.run(
+        [sys.executable, str(script), str(root), url, tests], capture_output=True, env=env
+    )
+    assert run.returncode == -9, run.stderr.decode()[-2000:]
+    cut = remote / "step_000000002"
+    assert cut.is_dir() and not (cut / "manifest.json").exists()
+    shutil.rmtree(root)  # the local copy of step 2 is lost with its machine
+    day_ago = time.time() - 25 * 3600  # a day passes
+    for p in [*cut.rglob("*"), cut]:
+        os.utime(p, (day_ago, day_ago))
+    for marker in (remote / "blobs").glob(".inflight-*.json"):
+        body = json.loads(marker.read_text())
+        marker.write_text(json.dumps(body | {"created": day_ago}))
+
+    part = FrozenAndTrained()
+    with Checkpointer(
+        root, incremental=True, remote=url, remote_keep_last="all", preemption=False
+    ) as ck:
+        assert ck.restore({"engine": part}) == 1
+        _train(part, 3)
+        ck.save(3, {"engine": part})
+    store = RemoteStore(url)
+    entries = store.scan()
+    assert sorted(e.name for e in entries) == ["step_000000001", "step_000000003"]
+    live = {b.path for e in entries if e.manifest for b in e.manifest.blobs}
+    assert sorted(os.listdir(remote / "blobs")) == sorted(live)

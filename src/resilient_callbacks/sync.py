@@ -458,7 +458,7 @@ class RemoteSync(UploadThread):
                 with self._cond:
                     self.index = {k: v for k, v in self.index.items() if v != name}
                 log.info("remote retention: deleted %s/%s", self.store.url, name)
-            now = time.time()
+            now, swept = time.time(), False
             for e in entries:  # uploads a crash cut off: each run's kill left one behind
                 if (
                     e.problem == NO_MANIFEST
@@ -467,8 +467,11 @@ class RemoteSync(UploadThread):
                     and now - e.modified > STALE_UPLOAD_S
                 ):
                     self.store.delete(e.name)
+                    swept = True
                     log.info("remote: deleted %s/%s, an upload cut off", self.store.url, e.name)
-            if p.delete:  # then the blobs no remaining remote checkpoint refers to
+            # then the blobs no remaining remote checkpoint refers to; also those of an upload
+            # cut off (keeping every checkpoint, nothing else ever collected them)
+            if p.delete or swept:
                 remote_blobs.collect(self.store)
         except Exception as e:
             retention_failed(self, self.store.url, e)
