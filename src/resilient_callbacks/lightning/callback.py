@@ -43,12 +43,24 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
-from .. import closing, rng
+from .. import rng
 from ..adapter import check_options, with_section
 from ..checkpointer import Checkpointer, SaveStats
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 from ..manifest import MANIFEST_NAME
-from . import boundary, checks, deepspeed, last, patches, refit, save_logs, sharded, stages, stops
+from . import (
+    boundary,
+    checks,
+    deepspeed,
+    ending,
+    last,
+    patches,
+    refit,
+    save_logs,
+    sharded,
+    stages,
+    stops,
+)
 from . import state as st
 from .loaders import prepare_train_loaders
 from .model_checkpoints import remove_rolled_back
@@ -190,15 +202,7 @@ class ResilientCheckpoint(Checkpoint):
             self._logged_save = save_logs.at_end(trainer, ckpt, self.log_stats, self._logged_save)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != TrainerFn.FITTING.value:
-            return
-        ckpt = self.checkpointer
-        try:
-            self._close(raise_errors=True)
-            if ckpt is not None and not self._past_end:  # (only after a fit() without an error)
-                refit.finished(trainer, ckpt.dirpath)
-        finally:
-            self._unpatch_all()
+        ending.teardown(self, trainer, stage)
 
     def _patch(self, trainer: pl.Trainer) -> None:
         self._unpatch_all()
@@ -459,18 +463,7 @@ class ResilientCheckpoint(Checkpoint):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        try:
-            if self.save_on_exception and not isinstance(exception, (SystemExit, CheckpointError)):
-                self._on_exception.save(
-                    self.checkpointer, self._ctx, self._state, trainer, exception
-                )
-        except Exception as e:  # never mask the original exception
-            log.error("save_on_exception: the emergency save failed: %s", e)
-        finally:
-            if self.checkpointer is not None and not isinstance(exception, SystemExit):
-                closing.failing(self.checkpointer, exception)  # a failure, not an end
-            self._close(raise_errors=False)
-            self._unpatch_all()
+        ending.on_exception(self, trainer, exception)
 
     def _reclaim_signals(self) -> None:
         """Lightning's signal connector registers its SIGTERM handler (and, under Slurm, a
@@ -484,17 +477,4 @@ class ResilientCheckpoint(Checkpoint):
                 signal.signal(signum, handler)
 
     def _close(self, raise_errors: bool) -> None:
-        for h in self._step_hooks:
-            h.remove()
-        self._step_hooks = []
-        ckpt, self.checkpointer = self.checkpointer, None
-        self._state = self._ctx = None
-        if ckpt is None:
-            return
-        self.preempted = self.preempted or ckpt.preempted
-        try:
-            ckpt.close()
-        except Exception as e:
-            if raise_errors:
-                raise
-            log.error("closing the checkpointer: %s", e)
+        ending.close(self, raise_errors)
