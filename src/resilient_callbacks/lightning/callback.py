@@ -153,6 +153,7 @@ class ResilientCheckpoint(Checkpoint):
         self._step_hooks: list[Any] = []
         self._logged_save: SaveStats | None = None
         self._unresumable: list[str] = []
+        self._close_error: tuple[Exception, Any, Any] | None = None  # (:mod:`.ending`)
 
     # ------------------------------------------------------------------ Lightning API
 

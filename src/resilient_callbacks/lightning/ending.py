@@ -2,14 +2,29 @@
 ``Checkpointer`` at Lightning's ``teardown`` hook (a fit that ended), or at ``on_exception``
 (a fit that failed: the emergency save first, with ``save_on_exception``).
 
+A close that fails at the end of a fit (``UploadIncompleteError`` after it gave up on uploads
+during an outage, a last save that failed) is raised out of ``fit()`` only once Lightning has
+done all it does at a normal end: raised from our ``teardown`` hook, inside Lightning's
+``_call_teardown_hook`` (``lightning/pytorch/trainer/call.py``), it skipped the teardown of the
+callbacks after ours and of the LightningModule, the loggers' ``finalize("success")`` and
+``profiler.describe()``. Two things of Lightning 2.x are relied on, each pinned by
+``tests/test_lightning_teardown.py``: ``_call_teardown_hook`` ends with
+``trainer.profiler.describe()``, after every teardown hook and the loggers' finalize (the error
+is raised from a wrapper of that call); and the exception then goes through
+``_call_and_handle_interrupt``'s ``_interrupt``, which calls the ``on_exception`` hooks and
+finalizes every logger ``"failed"`` (skipped once: they were finalized ``"success"`` a moment
+before; the training succeeded, the durability of its newest checkpoints did not).
+
 Which ranks call what: Lightning runs both hooks on every rank, at the same point, so every
-rank closes its ``Checkpointer`` together, as the core requires.
+rank closes its ``Checkpointer`` together, as the core requires. A close error is raised where
+the core raises it (rank 0; in node-local mode the node leaders too), each rank for itself:
+nothing collective runs between its ``teardown`` hook and that raise.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
@@ -31,6 +46,9 @@ def teardown(cb: ResilientCheckpoint, trainer: pl.Trainer, stage: str) -> None:
     ckpt = cb.checkpointer
     try:
         close(cb, raise_errors=True)
+    except Exception as e:
+        _raise_after_teardown(cb, trainer, e)
+    else:
         if ckpt is not None and not cb._past_end:  # (only after a fit() without an error)
             refit.finished(trainer, ckpt.dirpath)
     finally:
@@ -38,7 +56,14 @@ def teardown(cb: ResilientCheckpoint, trainer: pl.Trainer, stage: str) -> None:
 
 
 def on_exception(cb: ResilientCheckpoint, trainer: pl.Trainer, exception: BaseException) -> None:
-    """The callback's ``on_exception``: the emergency save, then the close; never raises."""
+    """The callback's ``on_exception``: the emergency save, then the close; never raises. A
+    close error that waited for the end of Lightning's teardown (another teardown hook failed
+    meanwhile: that error propagates) is logged."""
+    pending, cb._close_error = cb._close_error, None
+    if pending is not None:
+        error, profiler, describe = pending
+        _restore(profiler, "describe", describe)
+        _log_instead(error, exception)
     try:
         if cb.save_on_exception and not isinstance(exception, (SystemExit, CheckpointError)):
             cb._on_exception.save(cb.checkpointer, cb._ctx, cb._state, trainer, exception)
@@ -67,3 +92,52 @@ def close(cb: ResilientCheckpoint, raise_errors: bool) -> None:
         if raise_errors:
             raise
         log.error("closing the checkpointer: %s", e)
+
+
+def _raise_after_teardown(cb: ResilientCheckpoint, trainer: pl.Trainer, error: Exception) -> None:
+    """Raise ``error``, the close's, at the end of Lightning's ``_call_teardown_hook``: from a
+    wrapper of its last call, ``trainer.profiler.describe()`` (see the module's docstring)."""
+    profiler: Any = trainer.profiler  # type: ignore[attr-defined]
+    original = getattr(profiler, "describe", None)
+    if not callable(original):  # not the Lightning this relies on: raise it here, as before
+        raise error
+
+    def describe() -> None:
+        cb._close_error = None
+        _restore(profiler, "describe", describe)
+        try:
+            original()
+        except BaseException as other:
+            _log_instead(error, other)
+            raise
+        for logger in trainer.loggers:
+            _skip_failed_finalize(logger)
+        raise error
+
+    profiler.describe = describe
+    cb._close_error = (error, profiler, describe)
+
+
+def _skip_failed_finalize(logger: Any) -> None:
+    """Lightning's ``_interrupt`` finalizes every logger ``"failed"`` for the close error raised
+    after it finalized them ``"success"``: skip that one call."""
+
+    original = logger.finalize
+
+    def finalize(status: str) -> None:
+        _restore(logger, "finalize", finalize)
+        if status != "failed":
+            original(status)
+
+    logger.finalize = finalize
+
+
+def _log_instead(error: Exception, other: BaseException) -> None:
+    """``other`` propagates where the close's ``error`` would have: log that one."""
+    log.error("closing the checkpointer (after %s): %s", type(other).__name__, error)
+
+
+def _restore(obj: Any, name: str, ours: Any) -> None:
+    """Remove our wrapper ``ours`` of ``obj.name``, unless something replaced it since."""
+    if vars(obj).get(name) is ours:
+        delattr(obj, name)
