@@ -572,6 +572,25 @@ def test_a_file_that_rotted_on_a_nodes_disk_is_never_committed_remotely(tmp_path
     assert committed == {4}
 
 
+def test_a_sigterm_no_step_acts_on_ends_every_rank_with_75_its_checkpoints_kept(tmp_path):
+    """Both nodes get SIGTERM after their last step() (with several ranks a signal waits for
+    the next decision step, where the ranks agree to stop: up to ~1 s of steps, so a run can
+    end first; the last step stands for it here). close() finished the uploads and the remote
+    commit, then passed the signal on to the default handler: every rank died of it (-15), which
+    a scheduler takes for a crash. Now each rank exits 75 once closed; the checkpoints are
+    kept, and the restart resumes from the last one, committed on both nodes and remotely."""
+    out = _run(tmp_path, "first", 2, "--steps", "6", expect=75, RC_SIGTERM_AT=6)
+    for rank in out:
+        assert rank[-1]["status"] is not None, rank  # (the log: printed at close, not reached)
+    for r in (0, 1):
+        said = (tmp_path / f"first.attempt0.rank{r}.log").read_text()
+        assert "after the last step() that could act on it" in said, said[-3000:]
+        assert "exiting with code 75" in said, said[-3000:]
+    assert (tmp_path / "remote" / "step_000000006" / "manifest.json").exists()
+    out = _run(tmp_path, "again", 2, "--steps", "6")
+    assert [rank[0]["restored"] for rank in out] == [6, 6], out
+
+
 @pytest.mark.slow
 def test_push_refuses_one_nodes_part_of_a_node_local_checkpoint(tmp_path, capsys):
     from resilient_callbacks.cli import main
@@ -756,6 +775,8 @@ def worker(base: str, argv: list[str]) -> None:
             model.weight.add_(1.0)
         counter["n"] += 1
         ck.step(step, state)
+        if os.environ.get("RC_SIGTERM_AT") == str(step):
+            os.kill(os.getpid(), signal.SIGTERM)
         if step == a.kill_at:
             ck.flush()
             uploader = getattr(ck._dir, "uploader", None)

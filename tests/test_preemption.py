@@ -1012,13 +1012,42 @@ def test_two_checkpointers_in_one_process_exit_75_on_sigterm(tmp_path, how):
             assert f"saving step 5 to {tmp_path / d} before stopping" in r.stderr, r.stderr
 
 
-def test_a_signal_after_the_last_step_is_passed_on_at_close_and_said_so(tmp_path: Path) -> None:
+@pytest.mark.parametrize("end", ["close", "at exit"])
+def test_a_signal_after_the_last_step_exits_75_at_close_and_said_so(tmp_path: Path, end) -> None:
     """SIGTERM after the last step() (a short loop can end before a decision step acts on it):
-    close() passes it on to the handler before ours, here the default action, and says when it
-    came and what was saved (it said the signal 'arrived during close()')."""
+    close() passed it on to the handler before ours, here the default action, and the process
+    died of the signal (-15: a crash to the scheduler). It now exits 75 as a step() acting on it
+    would have, what was committed kept, also when the Checkpointer is closed at exit (where
+    a SystemExit is ignored), and says when the signal came and what was saved (it said the
+    signal 'arrived during close()')."""
     script = (
         "import signal, sys, torch\n"
         "from resilient_callbacks import Checkpointer\n"
+        "ck = Checkpointer(sys.argv[1], async_save=False)\n"
+        "ck.step(1, {'w': torch.ones(2)}, final=True)\n"
+        "signal.raise_signal(signal.SIGTERM)\n"
+        + ("ck.close()\nprint('survived')\n" if end == "close" else "print('ends')\n")
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 75, out
+    assert "survived" not in out.stdout
+    assert "SIGTERM arrived" in out.stderr and "after the last step()" in out.stderr, out.stderr
+    assert "step_000000001" in out.stderr and "exiting with code 75" in out.stderr
+    assert (tmp_path / "ck" / "step_000000001" / "manifest.json").exists()
+
+
+def test_a_signal_after_the_last_step_goes_to_a_handler_of_the_users(tmp_path: Path) -> None:
+    """A handler of the user's installed before the Checkpointer gets a signal that came after
+    the last step() once close() has finished, as before (no exit 75 in its place)."""
+    script = (
+        "import signal, sys, torch\n"
+        "from resilient_callbacks import Checkpointer\n"
+        "signal.signal(signal.SIGTERM, lambda *a: print('mine'))\n"
         "ck = Checkpointer(sys.argv[1], async_save=False)\n"
         "ck.step(1, {'w': torch.ones(2)}, final=True)\n"
         "signal.raise_signal(signal.SIGTERM)\n"
@@ -1031,18 +1060,17 @@ def test_a_signal_after_the_last_step_is_passed_on_at_close_and_said_so(tmp_path
         text=True,
         timeout=120,
     )
-    assert out.returncode == -signal.SIGTERM, out
-    assert "survived" not in out.stdout
-    assert "SIGTERM arrived" in out.stderr and "after the last step()" in out.stderr, out.stderr
-    assert "step_000000001" in out.stderr
+    assert out.returncode == 0, out
+    assert out.stdout.split() == ["mine", "survived"], out
+    assert "passing it on to the handler before ours" in out.stderr, out.stderr
 
 
 def test_a_signal_to_a_re_run_of_a_finished_job_names_the_checkpoint_it_restored(
     tmp_path: Path,
 ) -> None:
     """A finished job run again restores its last step, trains nothing and saves nothing; a
-    SIGTERM then is passed on as above, and the message names the checkpoint in the directory
-    (it said 'the newest checkpoint is None'; found by a kill-fuzzing probe)."""
+    SIGTERM then ends it with 75 as above, and the message names the checkpoint in the
+    directory (it said 'the newest checkpoint is None'; found by a kill-fuzzing probe)."""
     import torch
 
     from resilient_callbacks import Checkpointer
@@ -1061,7 +1089,7 @@ def test_a_signal_to_a_re_run_of_a_finished_job_names_the_checkpoint_it_restored
     out = subprocess.run(
         [sys.executable, "-c", script, str(ckdir)], capture_output=True, text=True, timeout=120
     )
-    assert out.returncode == -signal.SIGTERM, out
+    assert out.returncode == 75, out
     said = next(line for line in out.stderr.splitlines() if "SIGTERM arrived" in line)
     assert "newest checkpoint is None" not in said, said
     assert str(ckdir / "step_000000001") + " (restored at the start)" in said, said

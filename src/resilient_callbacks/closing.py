@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import re
 import signal
 import sys
@@ -29,11 +30,13 @@ from .nodelocal import NodeDirectory
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
     from .directory import Directory
+    from .preemption import PreemptionRequest
 
 log = logging.getLogger("resilient_callbacks")
 
 PREEMPTED_SINKS_S = 5.0  # a preempted process's wait for its metrics sinks, grace period unknown
 EXIT_MARGIN_S = 5.0  # a preempted process's close ends this long before the grace period does
+_at_exit_closing = False  # flush_at_exit is closing a Checkpointer (at interpreter exit)
 # torch's error in the training process when a DataLoader worker died of a signal
 _WORKER_KILLED = re.compile(r"DataLoader worker \(pid.*\) is killed by signal")
 
@@ -293,8 +296,12 @@ def _release(ck: Checkpointer, sinks_deadline: float | None = None) -> None:
     ck._emergency.release()
     if ck._poller is not None:
         ck._poller.stop()
+    exit_code = None
     if ck.watcher is not None:
         unanswered = ck.watcher.request if not ck.preempted else None
+        exit_code = _exit_code_for(ck, unanswered)
+        if exit_code is not None:
+            ck.watcher.exiting(exit_code)  # (before uninstall: a second signal keeps the code)
         ck.watcher.uninstall()
         if unanswered is not None and ck.watcher.answered_elsewhere:
             # another Checkpointer of this process answered it: its emergency save, and the
@@ -332,16 +339,22 @@ def _release(ck: Checkpointer, sinks_deadline: float | None = None) -> None:
         elif unanswered is not None and unanswered.signum is not None:
             # it came after the last step() that could act on it (steps act at decision
             # points, agreed between ranks up to ~1 s apart): the handler it would have
-            # reached without us gets it now, rather than no one
+            # reached without us gets it now, rather than no one; where that is the default
+            # action (death by the signal, which a scheduler takes for a crash), the process
+            # exits with the preemption code instead, what was committed kept
             log.warning(
                 "%s arrived %.1f s ago, after the last step() that could act on it (no "
-                "emergency save for it; the newest checkpoint is %s); passing it on to the "
-                "handler before ours",
+                "emergency save for it; the newest checkpoint is %s); %s",
                 unanswered.source,
                 max(0.0, time.monotonic() - unanswered.monotonic),
                 _newest(ck),
+                "passing it on to the handler before ours"
+                if exit_code is None
+                else f"exiting with code {exit_code} so the scheduler restarts the job, which "
+                "resumes from the newest checkpoint",
             )
-            signal.raise_signal(unanswered.signum)
+            if exit_code is None:
+                signal.raise_signal(unanswered.signum)
     persister = ck._saver.persister
     if persister is not None and persister.abandoned and persister.pending:
         # the abandoned save still running commits nothing; the directory stays locked until
@@ -349,6 +362,28 @@ def _release(ck: Checkpointer, sinks_deadline: float | None = None) -> None:
         persister.submit(ck._dir.lock.release, always=True)
     else:
         ck._dir.lock.release()
+    if exit_code is not None:
+        if _at_exit_closing:  # (a SystemExit raised in an atexit hook is ignored)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_code)
+        raise SystemExit(exit_code)
+
+
+def _exit_code_for(ck: Checkpointer, unanswered: PreemptionRequest | None) -> int | None:
+    """The code to exit with for ``unanswered``, a signal that came after the last step()
+    that could act on it, when passing it on would end the process by the signal (no handler
+    of the user's was there before ours) and ``exit_on_preemption`` is on: the preemption code
+    (75), as a step() acting on it would have exited; None to pass it on (or when another
+    path answers it: another Checkpointer's exit, a failed emergency save, an exception)."""
+    w = ck.watcher
+    if unanswered is None or unanswered.signum is None or w is None:
+        return None
+    if w.answered_elsewhere or ck._emergency.failed is not None or ck.failed_with:
+        return None
+    if not (ck.config.exit_on_preemption and w.passing_on_ends_the_process(unanswered.signum)):
+        return None
+    return int(ck.config.preemption_exit_code)
 
 
 def at_exit(ck: Checkpointer) -> Callable[[], None] | None:
@@ -368,6 +403,7 @@ def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
     """``atexit`` hook: close a Checkpointer still open at exit, so pending saves commit. An
     exception no one caught ended the program (the interpreter sets ``sys.last_value`` as it
     prints it): the history records a failure with its name, not a clean end."""
+    global _at_exit_closing
     ck = ref()
     if ck is not None and not ck._closed:
         uncaught = getattr(sys, "last_value", None)
@@ -375,6 +411,7 @@ def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
             uncaught = None
         if uncaught is not None and not ck.failed_with:
             failing(ck, uncaught)
+        _at_exit_closing = True
         try:
             ck.close()
         except Exception as e:  # at exit there is no caller left to raise to: say it loudly

@@ -387,6 +387,13 @@ class PreemptionWatcher:
         See :mod:`.exiting`."""
         exiting.mark(code)
 
+    def passing_on_ends_the_process(self, signum: int) -> bool:
+        """Whether ``signum`` passed on after :meth:`uninstall` would end the process: this
+        watcher's handler is the current one, and the one it replaced is the default action
+        (or SIGINT's ``KeyboardInterrupt``), not a handler of the user's."""
+        prev = _unwrap(signum, self._previous.get(signum))
+        return signal.getsignal(signum) is self._handler and exiting.ends_the_process(prev)
+
     def answered(self) -> None:
         """This watcher's Checkpointer saved for the pending request and the process exits:
         the other watchers of this process holding a request have it answered too."""
