@@ -261,6 +261,48 @@ def test_a_preemption_inside_a_window_waits_for_its_end(tmp_path: Path) -> None:
     assert back.step == 8 and torch.equal(got["w"], torch.full((3,), 2.0))
 
 
+@pytest.mark.parametrize("micro_s", [1.0, 30.0])
+def test_a_preemption_held_longer_than_the_grace_period_left_is_said_loudly(
+    tmp_path: Path, micro_s: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real SIGTERM (grace period 60 s) at micro-step 5 of windows of 4, micro-steps of
+    ``micro_s`` s on a fake clock: the save waits for the window's end, 3 micro-steps away.
+    At 30 s a step (90 s > 60 s) the job would be killed before that save: a RuntimeWarning
+    says so with the figures and what to do (the hold only said 'made at the window's end',
+    whatever the grace period). At 1 s a step (3 s) only the log line says so, with the
+    figures. What is saved does not change: step 8, the window's end."""
+    import signal
+    import warnings
+
+    from resilient_callbacks.accelerate import Accumulation
+
+    live = _FakeAccelerator(0, True)
+    state = {"w": torch.zeros(3), "acc": Accumulation(live)}
+    clock = [0.0]
+    opts = {"exit_on_preemption": False, "async_save": False, "grace_period": 60.0}
+    with warnings.catch_warnings(record=True) as said, Checkpointer(tmp_path / "ck", **opts) as ck:
+        warnings.simplefilter("always")
+        ck._trigger.now = lambda: clock[0]
+        for micro in range(1, 9):
+            clock[0] += micro_s  # the micro-step's compute
+            live.step, live.sync_gradients = micro, micro % 4 == 0
+            if micro == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            assert ck.step(micro, state) == (micro == 8)
+        assert ck.preempted
+    loud = [str(w.message) for w in said if issubclass(w.category, RuntimeWarning)]
+    if micro_s == 1.0:
+        assert loud == [], loud
+        assert "3 more micro-step(s) at the 1.00 s a step took recently" in caplog.text
+        return
+    assert len(loud) == 1, loud
+    msg = loud[0]
+    assert "preemption (SIGTERM) at step 5" in msg and "3 more micro-step(s)" in msg, msg
+    assert "30.00 s a step" in msg and "about 90.0 s" in msg, msg
+    assert "grace period left" in msg and "Lower gradient_accumulation_steps" in msg, msg
+    assert said[[str(w.message) for w in said].index(msg)].filename == __file__
+
+
 def test_a_periodic_save_due_inside_a_window_is_made_at_its_end(tmp_path: Path) -> None:
     """step() at every micro-batch, counting micro-batches, with every_n_steps=2 and windows
     of 4: the saves due at 2 and 6, inside windows, raised Accumulation's refusal (the loop

@@ -54,6 +54,16 @@ class Accumulation:
         emergency save) waits for the first ``ckpt.step`` called with this False."""
         return not self.accelerator.sync_gradients
 
+    @property
+    def steps_left(self) -> int:
+        """Inside a window, the micro-steps still to come up to its optimizer step, the one
+        ending it included (at most: an epoch's last batch ends a window sooner); 0 outside.
+        A preemption held for the window is compared with the grace period by this count."""
+        if self.accelerator.sync_gradients:
+            return 0
+        n = max(1, int(self.accelerator.gradient_accumulation_steps))
+        return n - int(self.accelerator.step) % n
+
     def epoch(self, loader: Iterable[Any]) -> Iterator[Any]:
         """The batches of one pass over ``loader`` (a ``ResumableDataLoader`` not passed to
         ``accelerator.prepare``, or any loader with a length), with the accelerator told

@@ -418,7 +418,7 @@ class Checkpointer:
     def _step(self, step: int, state: Any, metrics: Mapping[str, Any] | None, final: bool) -> bool:
         # answered once: with exit_on_preemption=False the steps after it do not save again
         preempt = self.watcher is not None and self.watcher.poll(3) and not self.preempted
-        decision = self._trigger.decide(step, metrics, final, preempt, state)
+        decision = self._trigger.decide(step, metrics, final, preempt, state, self.watcher)
         if decision is None:
             return False
         kind, why = decision

@@ -95,3 +95,15 @@ def mid_step(state: Any) -> str | None:
         if getattr(leaf, "mid_step", False) is True:
             return "state" + "".join(f"[{k!r}]" for k in path)
     return None
+
+
+def mid_step_left(state: Any) -> int | None:
+    """How many more steps the first leaf in the middle of a step (:func:`mid_step`) needs to
+    end it, as its attribute ``steps_left`` says (an ``Accumulation``: the micro-steps to its
+    window's optimizer step, at most); None when no leaf is mid-step or it does not say."""
+    for _, leaf in leaves(state):
+        if getattr(leaf, "mid_step", False) is True:
+            n = getattr(leaf, "steps_left", None)
+            ok = isinstance(n, int) and not isinstance(n, bool) and n >= 0
+            return n if ok else None
+    return None

@@ -17,15 +17,18 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import dist, statetree
 from .adaptive import AdaptiveSchedule
 from .config import CheckpointerConfig
 from .decision import Decider, spacing_step_time
-from .errors import ConfigError, warn_and_log
+from .errors import AT_CALLER, ConfigError, warn_and_log
 from .numbers_check import opt_int
 from .policy import Clock
+
+if TYPE_CHECKING:
+    from .preemption import PreemptionWatcher
 
 log = logging.getLogger("resilient_callbacks")
 _RANK = {"periodic": 0, "required": 1, "final": 2, "preemption": 3}  # which of two saves wins
@@ -120,6 +123,7 @@ class Trigger:
         self.caller_schedule: str | None = None  # the caller saves on its own schedule
         self._last_step_end: float | None = None
         self._step_seconds: deque[float] = deque(maxlen=50)
+        self.now = time.perf_counter  # the clock of the step times (a test's fake one)
         self.compute_s = 0.0  # training compute seen by this process (between step() calls)
 
     @property
@@ -133,7 +137,7 @@ class Trigger:
     def step_started(self) -> None:
         """At the start of step(): the time since the last step() is the training step's."""
         if self._last_step_end is not None:
-            compute = time.perf_counter() - self._last_step_end
+            compute = self.now() - self._last_step_end
             self._step_seconds.append(compute)
             self.compute_s += compute
             if self.schedule is not None:
@@ -143,7 +147,7 @@ class Trigger:
         """Time spent in a save outside step() (``save()``, ``emergency_save()``): not
         training compute, so the next step's measured compute leaves it out."""
         if self._last_step_end is not None:
-            self._last_step_end = min(time.perf_counter(), self._last_step_end + seconds)
+            self._last_step_end = min(self.now(), self._last_step_end + seconds)
 
     @property
     def step_seconds(self) -> deque[float]:
@@ -151,7 +155,7 @@ class Trigger:
         return self._step_seconds
 
     def step_ended(self) -> None:
-        self._last_step_end = time.perf_counter()
+        self._last_step_end = self.now()
 
     def mark(self, step: int) -> None:
         """A save or restore of ``step``: the schedules count from here."""
@@ -183,6 +187,7 @@ class Trigger:
         final: bool,
         preempt: bool,
         state: Any = None,
+        watcher: PreemptionWatcher | None = None,
     ) -> tuple[str, str] | None:
         """Every rank: ``(kind, why)`` if this step is saved, else None. ``kind`` is
         ``"preemption"``, ``"final"``, ``"required"`` (an archive step or a loss jump: a
@@ -190,7 +195,8 @@ class Trigger:
         rank saw a request. A save due while ``state`` is in the middle of a step
         (:func:`.statetree.mid_step`: a gradient accumulation window, the same on every rank),
         a preemption's included, is held -- the ranks agreed on it already -- and made at the
-        first step outside it (a ``final`` one is not: the save refuses it)."""
+        first step outside it (a ``final`` one is not: the save refuses it). ``watcher``: the
+        preemption's, whose grace period a held preemption is compared with."""
         decision = self._decide(step, metrics, final, preempt)
         held = self._held
         if decision is not None and decision[0] != "final":
@@ -199,19 +205,53 @@ class Trigger:
                 if held is None or _RANK[decision[0]] > _RANK[held[0]]:
                     self._held = decision
                     if decision[0] == "preemption":
-                        log.warning(
-                            "preemption at step %d: %s is inside a gradient accumulation "
-                            "window; the emergency save is made at the window's end (the first "
-                            "step() outside it)",
-                            step,
-                            inside,
-                        )
+                        self._say_held(step, inside, state, watcher)
                 return None
         if held is not None and statetree.mid_step(state) is None:
             self._held = None
             if decision is None or _RANK[held[0]] > _RANK[decision[0]]:
                 return held
         return decision
+
+    def _say_held(
+        self, step: int, inside: str, state: Any, watcher: PreemptionWatcher | None
+    ) -> None:
+        """A preemption at ``step`` is held until the end of the accumulation window
+        ``inside``: say so; where the window's remaining micro-steps, at the step time
+        measured recently, would outlast the grace period left, say it loudly with the
+        figures and what to do (the save is still made at the window's end, never inside it:
+        the window's gradients so far are in ``.grad``, which no checkpoint holds)."""
+        req = watcher.request if watcher is not None else None
+        held = (
+            f"preemption{f' ({req.source})' if req else ''} at step {step}: {inside} is inside "
+            "a gradient accumulation window; the emergency save is made at the window's end "
+            "(the first step() outside it)"
+        )
+        left = statetree.mid_step_left(state)
+        grace = req.remaining_s() if req is not None else None
+        if left is None or grace is None or not self._step_seconds:
+            log.warning(held)
+            return
+        per = spacing_step_time(self._step_seconds)
+        need = left * per
+        figures = (
+            f"{left} more micro-step(s) at the {per:.2f} s a step took recently: about "
+            f"{need:.1f} s, with {grace:.1f} s of the grace period left"
+        )
+        if need <= grace:
+            log.warning("%s, in %s", held, figures)
+            return
+        warn_and_log(
+            log,
+            f"{held}, in {figures}: the process will probably be killed before that save, and "
+            "the run resume from the last checkpoint committed. No save is made inside the "
+            "window (its gradients so far are in .grad, which no checkpoint holds). Lower "
+            "gradient_accumulation_steps (shorter windows), or give the job a longer grace "
+            "period (Kubernetes terminationGracePeriodSeconds, Slurm --signal=USR1@<seconds>, "
+            "and grace_period= or RESILIENT_GRACE_PERIOD_S to match).",
+            RuntimeWarning,
+            stacklevel=AT_CALLER,
+        )
 
     def _decide(
         self, step: int, metrics: Mapping[str, Any] | None, final: bool, preempt: bool
