@@ -1046,3 +1046,62 @@ def test_the_writer_gives_up_on_uploads_during_an_outage_and_says_so(tmp_path, h
     else:
         assert tail == "ValueError: the user's own error", p.stderr[-3000:]
     assert (tmp_path / "ck" / "step_000000001" / "manifest.json").exists()
+
+
+_WRITER_PREEMPTED = """
+import os, signal, sys, time, torch, torch.distributed.checkpoint as dcp
+from resilient_callbacks.dcp import ResilientStorageWriter
+from resilient_callbacks.preemption import PreemptionWatcher
+from resilient_callbacks.remote import RemoteStore
+
+def down(self, *a, **k):
+    raise ConnectionError("the store is down")
+
+def train(writer):
+    for step in range(1, 100):
+        if watcher.requested:  # the step boundary: save, then stop
+            dcp.save({"w": torch.full((8,), float(step))}, storage_writer=writer)
+            print("saved", step, flush=True)
+            return time.monotonic()
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+RemoteStore.upload = down
+watcher = PreemptionWatcher(grace_period_s=8)
+if sys.argv[3] == "installed":  # the writer closes first, the watcher still installed
+    with watcher, ResilientStorageWriter(sys.argv[1], remote=sys.argv[2]) as writer:
+        t0 = train(writer)
+else:  # given to the writer, uninstalled before it closes
+    with ResilientStorageWriter(sys.argv[1], remote=sys.argv[2], watcher=watcher) as writer:
+        with watcher:
+            t0 = train(writer)
+print("closed after", round(time.monotonic() - t0, 1), flush=True)
+raise SystemExit(75)
+"""
+
+
+@pytest.mark.parametrize("how", ["installed", "given"])
+def test_a_preempted_writer_closes_within_the_grace_period_during_an_outage(tmp_path, how):
+    """A real SIGTERM (grace period 8 s) to a loop saving with dcp.save while the store is
+    down: the loop saves at its next step and closes the writer. Its close() waited for the
+    uploads up to the whole outage limit (5 minutes: the scheduler's kill came first, without
+    the exit code 75), where Checkpointer.close() keeps to the grace period. Now it gives up
+    at the grace period less 5 s, whether the watcher is installed while the writer closes
+    or given to it (``watcher=``), warns what stays local and how to push it, and raises no
+    UploadIncompleteError: the process exits 75 and the checkpoint is committed locally."""
+    url = f"file://{tmp_path / 'remote'}"
+    p = subprocess.run(
+        [sys.executable, "-c", _WRITER_PREEMPTED, str(tmp_path / "ck"), url, how],
+        capture_output=True,
+        text=True,
+        timeout=120,  # (the old close waits 300 s)
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert p.returncode == 75, (p.returncode, p.stdout, p.stderr[-3000:])
+    assert "saved 3" in p.stdout or "saved 4" in p.stdout, p.stdout
+    waited = float(p.stdout.split("closed after")[1])
+    assert waited < 8, p.stdout  # (3 s at most, on the grace period's clock)
+    assert "UploadIncompleteError" not in p.stderr, p.stderr[-3000:]
+    assert "still only local" in p.stderr and f"resilient-ckpt push {tmp_path / 'ck'}" in p.stderr
+    step = [n for n in os.listdir(tmp_path / "ck") if n.startswith("step_")]
+    assert len(step) == 1 and (tmp_path / "ck" / step[0] / "manifest.json").exists()

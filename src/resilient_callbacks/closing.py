@@ -26,11 +26,12 @@ from . import catalog
 from .catalog import Depth
 from .errors import UploadIncompleteError
 from .nodelocal import NodeDirectory
+from .preemption import pending
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
     from .directory import Directory
-    from .preemption import PreemptionRequest
+    from .preemption import PreemptionRequest, PreemptionWatcher
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -106,6 +107,26 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
         _release(ck, _sinks_deadline(ck, deadline))
     if not_uploaded and strict:
         raise not_uploaded_error(ck._dir, not_uploaded, outage_s)
+
+
+def close_directory(d: Directory, outage_s: float, watcher: PreemptionWatcher | None) -> None:
+    """Close a directory opened without a Checkpointer (the DCP writer's): wait for its
+    uploads and for retention's deletions, then release it. As ``Checkpointer.close``: the
+    uploads are given up after ``outage_s`` of an outage, and :class:`UploadIncompleteError`
+    names them, unless the process is being preempted (a request pending on ``watcher`` or on
+    any watcher installed in this process, also one arriving meanwhile): then both waits end
+    :data:`EXIT_MARGIN_S` before its grace period does, and what is left stays local, said
+    in a warning. Coordinator only (the rank that opened ``d``)."""
+    left: list[str] = []
+    try:
+        if d.sync is not None:
+            left = d.finish_uploads(None, outage_s, lambda: pending.remaining_grace_s(watcher))
+        grace = pending.remaining_grace_s(watcher)
+        d.trash.wait(None if grace is None else max(0.0, grace - EXIT_MARGIN_S))
+    finally:
+        d.release()
+    if left and not pending.requests(watcher):
+        raise not_uploaded_error(d, left, outage_s)
 
 
 def not_uploaded_error(d: Directory, pending: list[str], outage_s: float) -> UploadIncompleteError:

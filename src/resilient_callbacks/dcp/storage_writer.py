@@ -53,6 +53,7 @@ from ..directory import Directory
 from ..errors import CheckpointWriteError, UnsupportedStateError
 from ..lock import release_dropped
 from ..manifest import FileEntry
+from ..preemption import PreemptionWatcher
 from ..reader import by_commit, committed
 from ..session import CommitSession, RankReport
 from ..snapshot import Snapshot
@@ -82,9 +83,11 @@ class ResilientStorageWriter(StorageWriter):
     copy the state into the host buffers in the background too; ``async_save`` then returns an
     ``AsyncSaveResponse`` whose ``staging_completion`` you wait for before anything changes the
     saved state (the next optimizer step; a training-mode forward that updates BatchNorm
-    statistics), as with DCP's own ``StagingOptions(use_async_staging=True)``.
-    Every rank constructs it with the same arguments. Call :meth:`close` (or use ``with``) at the end: it waits for uploads and
-    releases the directory lock.
+    statistics), as with DCP's own ``StagingOptions(use_async_staging=True)``. ``watcher``:
+    the ``PreemptionWatcher`` your loop reads (or a Checkpointer's ``watcher``): a request
+    pending on it, or on any watcher installed in this process, bounds :meth:`close`'s wait
+    for uploads by its grace period. Every rank constructs it with the same arguments. Call
+    :meth:`close` (or use ``with``) at the end: it waits for uploads and releases the lock.
     """
 
     def __init__(
@@ -99,8 +102,10 @@ class ResilientStorageWriter(StorageWriter):
         remote_keep_last: int | str | None = None,
         run_id: str | None = None,
         async_staging: bool = False,
+        watcher: PreemptionWatcher | None = None,
     ) -> None:
         super().__init__()
+        self.watcher = watcher  # (any installed in this process counts too: pending.py)
         self.config = CheckpointerConfig(
             dirpath=os.path.abspath(os.fspath(dirpath)),
             keep_last=keep_last,
@@ -431,7 +436,8 @@ class ResilientStorageWriter(StorageWriter):
         """Wait for this writer's ``dcp.async_save`` calls still in flight to commit, remove the
         staging directory of a save that failed before ``finish`` (rank 0), wait for pending
         uploads (as ``Checkpointer.close``: given up after a 5-minute outage, then raises
-        :class:`UploadIncompleteError`) and retention's deletions; release the directory lock."""
+        :class:`UploadIncompleteError`; in a preemption, at its grace period less 5 s, only
+        warning) and retention's deletions; release the directory lock."""
         self._wait_for_async_saves()
         with self._lock:
             sessions, self._sessions = self._sessions, {}
@@ -447,16 +453,8 @@ class ResilientStorageWriter(StorageWriter):
         for staging, (session, _) in sessions.items():
             session.strategy.abort(staging)
         d, self._dir = self._dir, None
-        left: list[str] = []  # uploads given up after CLOSE_OUTAGE_S of an outage (it hung)
-        if d is not None:
-            try:
-                if d.sync is not None:
-                    left = d.finish_uploads(None, checkpointer.CLOSE_OUTAGE_S, lambda: None)
-                d.trash.wait()  # the files of checkpoints retention removed (trash.py)
-            finally:
-                d.release()
-        if left and d is not None:
-            raise closing.not_uploaded_error(d, left, checkpointer.CLOSE_OUTAGE_S)
+        if d is not None:  # (uploads given up after CLOSE_OUTAGE_S of an outage: it hung)
+            closing.close_directory(d, checkpointer.CLOSE_OUTAGE_S, self.watcher)
 
     def _wait_for_async_saves(self) -> None:
         """Wait for this writer's ``dcp.async_save`` calls to end. Each one's thread waits for the
