@@ -1065,6 +1065,33 @@ def test_a_signal_after_the_last_step_goes_to_a_handler_of_the_users(tmp_path: P
     assert "passing it on to the handler before ours" in out.stderr, out.stderr
 
 
+def test_a_signal_after_the_last_step_closed_from_another_thread_is_passed_on(
+    tmp_path: Path,
+) -> None:
+    """close() from a thread other than the main one cannot end the process with 75 (a
+    SystemExit there ends that thread only, and the script went on): the signal is passed
+    on as before and the default action ends the process."""
+    script = (
+        "import signal, sys, threading, torch\n"
+        "from resilient_callbacks import Checkpointer\n"
+        "ck = Checkpointer(sys.argv[1], async_save=False)\n"
+        "ck.step(1, {'w': torch.ones(2)}, final=True)\n"
+        "signal.raise_signal(signal.SIGTERM)\n"
+        "t = threading.Thread(target=ck.close)\n"
+        "t.start()\n"
+        "t.join()\n"  # (the signal, raised in the thread, is handled in the main one)
+        "print('survived')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == -signal.SIGTERM, out
+    assert "passing it on to the handler before ours" in out.stderr, out.stderr
+
+
 def test_a_signal_to_a_re_run_of_a_finished_job_names_the_checkpoint_it_restored(
     tmp_path: Path,
 ) -> None:

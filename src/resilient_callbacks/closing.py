@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -396,7 +397,8 @@ def _exit_code_for(ck: Checkpointer, unanswered: PreemptionRequest | None) -> in
     that could act on it, when passing it on would end the process by the signal (no handler
     of the user's was there before ours) and ``exit_on_preemption`` is on: the preemption code
     (75), as a step() acting on it would have exited; None to pass it on (or when another
-    path answers it: another Checkpointer's exit, a failed emergency save, an exception)."""
+    path answers it: another Checkpointer's exit, a failed emergency save, an exception; or
+    from a thread other than the main one)."""
     w = ck.watcher
     if unanswered is None or unanswered.signum is None or w is None:
         return None
@@ -404,6 +406,8 @@ def _exit_code_for(ck: Checkpointer, unanswered: PreemptionRequest | None) -> in
         return None
     if not (ck.config.exit_on_preemption and w.passing_on_ends_the_process(unanswered.signum)):
         return None
+    if threading.current_thread() is not threading.main_thread():
+        return None  # (a SystemExit would end this thread only; the signal ends the process)
     return int(ck.config.preemption_exit_code)
 
 
