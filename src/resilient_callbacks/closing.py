@@ -442,3 +442,5 @@ def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
         except Exception as e:  # at exit there is no caller left to raise to: say it loudly
             # (the exit status stays as it was: call close(), or use `with`, to fail the job)
             log.error("closing %s at exit failed: %s", ck.dirpath, e)
+        finally:
+            _at_exit_closing = False
