@@ -261,7 +261,7 @@ def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
     # rank 1 waits at step 12 for its signal (rank 0 waits for it in step 13's all_reduce).
     # Steps of >= 0.05 s space the decision steps <= 20 apart (max_delay_s=1): the one that
     # acts on the signal comes before step 40 (without the sleep, 100 apart: the run ended
-    # first, and the signal after its last step was passed on, as documented)
+    # first, with no emergency save for the signal after its last decision step)
     procs = _launch_ranks(
         run / "ckpt", run, free_port(), "--sleep", "0.05", "--hold-at", "12", "--hold-rank", "1"
     )
