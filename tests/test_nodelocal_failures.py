@@ -688,7 +688,7 @@ def worker(base: str, argv: list[str]) -> None:
         ck = Checkpointer(
             os.path.join(base, f"node{node}"),
             every_n_steps=2,
-            keep_last=3,
+            keep_last=int(os.environ.get("RC_KEEP_LAST", 3)),
             remote=f"file://{base}/remote",
             remote_timeout=5,
             **kw,
@@ -770,6 +770,11 @@ def worker(base: str, argv: list[str]) -> None:
         dist.destroy_process_group()
         sys.exit(4)
     out(restored=start, counter_rank=counter["rank"])
+    if os.environ.get("RC_KILL_ONCE_RESTORE_UPLOADED"):  # killed before the first save
+        uploader = ck._dir.uploader  # type: ignore[attr-defined]
+        assert uploader.wait(60)  # the uploads the restore queued, and the retention after each
+        out(kept=sorted(n for n in os.listdir(ck.dirpath) if n.startswith("step_")))
+        os.kill(os.getpid(), signal.SIGKILL)
     for step in range(start + 1, a.steps + 1):
         with torch.no_grad():
             model.weight.add_(1.0)

@@ -221,8 +221,7 @@ class Directory:
     def after_commit(self, committed: Committed) -> None:
         """Coordinator, once a checkpoint is committed: number it, queue its upload, apply
         retention (never to the checkpoint just committed)."""
-        self.seq = max(self.seq, committed.seq)
-        self.restored = None  # (the commit records its lineage: retention knows what to keep)
+        self.committed(committed.seq)
         name = os.path.basename(committed.path)
         due = self.remote_due is None or self.remote_due(committed.seq, committed.reason)
         if self.sync is not None:
@@ -231,6 +230,21 @@ class Directory:
             if due:
                 sync.enqueue(name)
         self.apply_retention(protect=name)
+
+    def committed(self, seq: int) -> None:
+        """Every rank, once the checkpoint of commit number ``seq`` is committed (before the
+        retention after it): the next commits number after it, and the checkpoint this process
+        restored from is no longer protected (the commit records the lineage: retention knows
+        what to keep)."""
+        self.seq = max(self.seq, seq)
+        self.restored = None
+
+    def protected(self, protect: str | None) -> list[str]:
+        """What no retention pass of this process deletes, whatever the policy: ``protect``
+        (the checkpoint just committed or restored) and, until the first commit, the one this
+        process restored from (before it, after a roll-back, the abandoned newer checkpoints
+        are the newest, and a pass after an upload deleted it with ``keep_last=1``)."""
+        return [p for p in (protect, self.restored) if p]
 
     def hold_upload(self, step: int, upload: Callable[[], None] | None) -> None:
         """A commit of ``step`` whose upload ``remote_every_n_saves`` skipped (``upload``:
@@ -268,7 +282,7 @@ class Directory:
         if self.read_only:
             return
         with self._retention_lock:  # the persist and the upload threads both call this
-            protected = [p for p in (protect, self.restored) if p]
+            protected = self.protected(protect)
             if self.sync is not None:
                 protected += self.sync.pending()
             apply_retention(

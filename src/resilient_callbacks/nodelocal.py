@@ -237,11 +237,12 @@ class NodeDirectory(Directory):
     def apply_retention(self, protect: str | None, policy: RetentionPolicy | None = None) -> None:
         """Leader: the local retention of this node's directory (``policy``: another one); a
         checkpoint whose part this node has not uploaded yet is kept, and on the coordinator's
-        node one not committed remotely yet."""
+        node one not committed remotely yet; so is the one restored from, until the first
+        commit (:meth:`~.directory.Directory.protected`)."""
         if not self.topology.is_leader:
             return
         with self._retention_lock:
-            protected = [protect] if protect else []
+            protected = self.protected(protect)
             if self.uploader is not None:
                 protected += self.uploader.held()
             if self.committer is not None:

@@ -1,0 +1,43 @@
+"""Node-local mode after a roll-back (``resume=<step>`` of an older checkpoint): the checkpoint
+the run restored from stays on every node's disk until the run's first commit, as in shared
+mode (docs/guide.md, "Retention"). Two ranks, each its own "node" (the worker of
+tests/test_nodelocal_failures.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from test_nodelocal_failures import _run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+
+def _kept(tmp, node: int) -> list[str]:
+    return sorted(n for n in os.listdir(tmp / f"node{node}") if n.startswith("step_"))
+
+
+def test_a_roll_back_keeps_the_checkpoint_restored_until_the_first_commit(tmp_path):
+    """Steps 2, 4 and 6 on both disks, none uploaded (a kill). A re-run rolls back to step 2
+    with keep_last=1: the restore queues step 6 for upload again, and each node's retention
+    after that upload deleted step 2 (only the abandoned 6 counted, no commit had recorded
+    the roll-back yet), on every disk and never uploaded. Killed before its first save, the
+    same command again (resume=2) found no step 2 anywhere. Now each node keeps it until the
+    run's first commit, and then it goes under keep_last as any other."""
+    _run(tmp_path, "first", 2, "--steps", "6", "--remote-every", "10", "--kill-at", "6", expect=-9)
+    for node in (0, 1):
+        assert _kept(tmp_path, node) == [f"step_00000000{s}" for s in (2, 4, 6)]
+    back = {"RC_RESUME": 2, "RC_KEEP_LAST": 1}
+    out = _run(
+        tmp_path, "back", 2, "--steps", "6", expect=-9, RC_KILL_ONCE_RESTORE_UPLOADED=1, **back
+    )
+    for rank in out:
+        assert rank[0]["restored"] == 2, rank
+        assert "step_000000002" in rank[1]["kept"], rank  # and 6, held for its remote commit
+    out = _run(tmp_path, "again", 2, "--steps", "4", **back)
+    assert [rank[0]["restored"] for rank in out] == [2, 2], out
+    for rank in out:
+        assert rank[-1]["event"] == "closed", rank
+    for node in (0, 1):  # the first commit (step 4 of the new branch) ended the protection
+        assert "step_000000002" not in _kept(tmp_path, node), _kept(tmp_path, node)
