@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import (
@@ -51,6 +50,7 @@ from .errors import (
 from .filepart import PartReader, part_info, read_part_files
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .reader import current
+from .restore_report import RestoreReport
 from .retention import RetentionPolicy
 
 if TYPE_CHECKING:
@@ -60,32 +60,6 @@ log = logging.getLogger("resilient_callbacks")
 
 RELIST = 3  # times a restore lists the directory again when checkpoints went while it read
 GONE = "deleted while being read"
-
-
-@dataclass(frozen=True)
-class RestoreReport:
-    """What the last ``restore()`` loaded, for the adapters' resume message: the checkpoint
-    (``path``, ``step``), its tier (``"local"``, or ``"remote"`` when it was downloaded from
-    ``remote_url``), and each newer checkpoint skipped on the way, with why."""
-
-    path: str
-    step: int
-    tier: str
-    remote_url: str | None = None
-    skipped: tuple[str, ...] = ()
-    downloaded_files: int = 0  # node-local mode: files this node fetched (remote or peer)
-    downloaded_bytes: int = 0
-
-    def describe(self, where: str) -> str:
-        """``resumed at step N (where) from PATH (local copy)[; skipped newer ...]``"""
-        tier = {
-            "remote": f"remote copy {self.remote_url}, downloaded",
-            "peer": "this node's replica on a peer node, copied",
-        }.get(self.tier, "local copy")
-        msg = f"resumed at step {self.step} ({where}) from {self.path} ({tier})"
-        if self.skipped:
-            msg += "; skipped newer checkpoint(s): " + "; ".join(self.skipped)
-        return msg
 
 
 class Restorer:
