@@ -155,3 +155,46 @@ def test_restore_with_every_checkpoint_corrupt_through_a_blob_points_at_verify_a
         Checkpointer(root, incremental=True, async_save=False) as ck,
     ):
         ck.restore(_state(_model()))
+
+
+def test_restore_from_remote_copies_corrupt_through_a_blob_points_at_verify_of_the_url(
+    tmp_path, capsys
+):
+    """The local directory lost (a new machine), every remote checkpoint corrupt through one
+    torn remote blob: the restore advised `resilient-ckpt verify DIR --all` of the empty
+    directory, which finds nothing to check. It now names the remote form, `verify URL
+    --all`, which names the blob, and not the local one (nothing there was tried)."""
+    import shutil
+
+    import pytest
+
+    from resilient_callbacks.errors import NoValidCheckpointError
+
+    root, url = tmp_path / "run", f"file://{tmp_path}/durable"
+    blob = tmp_path / "durable" / "blobs" / _run(root, url)
+    shutil.rmtree(root)
+    blob.write_bytes(blob.read_bytes()[:1000])
+    with (
+        pytest.raises(NoValidCheckpointError) as got,
+        Checkpointer(root, incremental=True, async_save=False, remote=url) as ck,
+    ):
+        ck.restore(_state(_model()))
+    said = str(got.value)
+    assert f"`resilient-ckpt verify {url} --all` names a blob they share" in said, said
+    assert f"verify {root} " not in said, said
+    assert f"`resilient-ckpt gc {root} --remote {url} --remove-corrupt`" in said, said
+    rc, out = _cli(capsys, "verify", url, "--all")  # the command it names does name the blob
+    assert rc == 1 and blob.name in out, out
+
+
+def test_the_repair_hint_names_each_tier_tried_and_the_remote_options():
+    """Both tiers tried: both `verify` forms; a remote with options: the CLI needs them as
+    ``-o``; a URL's credentials are not shown."""
+    from resilient_callbacks.restoring import _repair_hint
+
+    said = _repair_hint("/ck", "s3://u:pw@b/run/", {"endpoint_url": "x"}, {"/ck/a", "remote:a"})
+    assert said.startswith("`resilient-ckpt verify /ck --all` names a blob they share in the"), said
+    assert "`resilient-ckpt verify s3://***@b/run --all`" in said and "pw" not in said, said
+    assert said.endswith("--remove-corrupt` (each with `-o KEY=VALUE` for the remote_options)")
+    only_local = _repair_hint("/ck", "s3://b/run", None, {"/ck/a"})
+    assert "s3://" not in only_local and "`gc --remove-corrupt`" in only_local, only_local

@@ -50,6 +50,7 @@ from .errors import (
 from .filepart import PartReader, part_info, read_part_files
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .reader import current
+from .redact import url_text
 from .restore_report import RestoreReport
 from .retention import RetentionPolicy
 
@@ -121,8 +122,8 @@ class Restorer:
                 "and its retention keeps few checkpoints; try again, or raise its keep_last."
                 if gone
                 else "\nRefusing to start from scratch silently. Repair or remove them "
-                f"(`resilient-ckpt verify {ck.dirpath} --all` names a blob they share; `gc "
-                "--remove-corrupt`), pass resume=<path or step> of a good one, or resume='never'."
+                f"({_repair_hint(ck.dirpath, ck.config.remote, ck.config.remote_options, tried)}"
+                "), pass resume=<path or step> of a good one, or resume='never'."
             )
         )
 
@@ -464,6 +465,24 @@ class Restorer:
             key = next((c.key for c in chosen if c.key is not None), None)
             cands = [c for c in chosen if key is not None and c.key == key] or chosen[:1]
         return cands
+
+
+def _repair_hint(dirpath: str, remote: Any, options: Any, tried: set[str]) -> str:
+    """The commands that check and remove the checkpoints a restore ``tried`` (local paths,
+    ``remote:<name>``, :func:`.candidates.tried_as`): of the directory, of the remote tier
+    (its URL: ``verify DIR --all`` reads no remote copy, and finds nothing at all in the
+    empty directory of a new machine), or of both."""
+    here = f"`resilient-ckpt verify {dirpath} --all` names a blob they share"
+    if remote is None or not any(t.startswith("remote:") for t in tried):
+        return f"{here}; `gc --remove-corrupt`"
+    url = url_text(str(remote).rstrip("/"))
+    there = f"`resilient-ckpt verify {url} --all` names a blob they share in the remote tier"
+    local = any(not t.startswith("remote:") for t in tried)
+    return (
+        (f"{here} in the directory, and " if local else "")
+        + f"{there}; `resilient-ckpt gc {dirpath} --remote {url} --remove-corrupt`"
+        + (" (each with `-o KEY=VALUE` for the remote_options)" if options else "")
+    )
 
 
 def _recorded(manifest: Manifest) -> RetentionPolicy | None:
