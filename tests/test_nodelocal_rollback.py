@@ -41,3 +41,17 @@ def test_a_roll_back_keeps_the_checkpoint_restored_until_the_first_commit(tmp_pa
         assert rank[-1]["event"] == "closed", rank
     for node in (0, 1):  # the first commit (step 4 of the new branch) ended the protection
         assert "step_000000002" not in _kept(tmp_path, node), _kept(tmp_path, node)
+
+
+def test_a_roll_back_keeps_the_remote_copy_restored_from_until_the_first_commit(tmp_path):
+    """Steps 2 and 4 committed remotely, 6 and 8 on the disks only (a kill); a roll-back to
+    2 with keep_last=1 that ends before its first save: close() commits 8 remotely (the
+    restore queued it again), and the remote retention after that commit deleted the remote
+    copy of 2, the state the run went back to. It stays until the run's first commit."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: 2 and 4 committed remotely
+    _run(tmp_path, "on", 2, "--steps", "8", "--remote-every", "10", "--kill-at", "8", expect=-9)
+    out = _run(tmp_path, "back", 2, "--steps", "2", RC_RESUME=2, RC_KEEP_LAST=1)
+    assert [rank[0]["restored"] for rank in out] == [2, 2], out
+    remote = tmp_path / "remote"
+    committed = sorted(p.parent.name for p in remote.glob("step_*/manifest.json"))
+    assert committed == ["step_000000002", "step_000000008"], committed

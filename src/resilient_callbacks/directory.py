@@ -106,6 +106,7 @@ class Directory:
         # the checkpoint this process restored from, kept until its first commit: before it, a
         # roll-back's abandoned newer checkpoints are the newest, and the lineage unknown
         self.restored: str | None = None
+        self.restored_key: tuple[str, int] | None = None  # its (run id, seq): its remote copy
         self.tip = Tip()  # where the next save descends from: its manifest's lineage
         # the uploads the newest commit skipped (remote_every_n_saves), run if it proves final
         self._held: tuple[int, list[Callable[[], None]]] | None = None
@@ -203,6 +204,7 @@ class Directory:
             config.remote_retention_policy(),
             after_upload=self._retention_after_upload,
             on_uploaded=self._record_upload,
+            held=lambda: self.restored_key,
         )
         # new commits number after the remote's (a newer format's too), also when no restore()
         # lists the tiers (a new run that only saves): a restore takes the highest number
@@ -237,7 +239,7 @@ class Directory:
         restored from is no longer protected (the commit records the lineage: retention knows
         what to keep)."""
         self.seq = max(self.seq, seq)
-        self.restored = None
+        self.restored = self.restored_key = None
 
     def protected(self, protect: str | None) -> list[str]:
         """What no retention pass of this process deletes, whatever the policy: ``protect``

@@ -222,7 +222,10 @@ class NodeDirectory(Directory):
         )
         if self.topology.rank == 0:
             self.committer = RemoteCommitter(
-                self.remote, len(self.topology.nodes), config.remote_retention_policy()
+                self.remote,
+                len(self.topology.nodes),
+                config.remote_retention_policy(),
+                held=lambda: self.restored_key,
             )
             if reachable:  # (else the restore lists the remote, if it answers by then)
                 self.seq = max(self.seq, self.committer.refresh_max_seq())

@@ -82,6 +82,7 @@ class RemoteCommitter(UploadThread):
         *,
         max_attempts: int = 5,
         retry_base_s: float = 1.0,
+        held: Callable[[], Key | None] | None = None,
     ) -> None:
         super().__init__("rc-remote-commit")
         self.store, self.nodes, self.policy = store, nodes, policy
@@ -98,7 +99,8 @@ class RemoteCommitter(UploadThread):
         self._ready: list[tuple[str, int]] = []
         self._busy = False
         self.dropped: set[str] = set()  # names dropped (never reused: a node may still delete)
-        self.own = OwnCheckpoints(store.url)  # what the remote retention may count and delete
+        # what the remote retention may count and delete; ``held``: the key it keeps
+        self.own = OwnCheckpoints(store.url, held)
         self._moved: dict[Key, str] = {}  # name taken by another writer: key -> its new name
         # monotonic times: the first failed attempt since the last success, and the start of
         # the attempt under way (a commit lists and puts one small object: one that runs for
@@ -381,7 +383,8 @@ class RemoteCommitter(UploadThread):
                 self.listed = {e.name for e in entries if e.problem != NO_MANIFEST}
                 names_pending = {x.name for x in self._pending.values()}
             mine = self.own.mine(entries, run)  # (not another live process's)
-            p = plan(retention_candidates(mine), self.policy, run, protected=[protect])
+            keep = self.own.protected(mine, protect)
+            p = plan(retention_candidates(mine), self.policy, run, protected=keep)
             for name in p.delete:
                 if name in names_pending:
                     continue

@@ -296,12 +296,26 @@ class OwnCheckpoints:
     scheduler restarted while the old one still drains its uploads, two jobs given one run
     directory) commits others meanwhile: counted as this run's, the shared ``keep_last``
     deleted them (and the other deleted this one's). They are left out, and named in a warning
-    once. Which ranks call what: the one thread that runs the remote retention."""
+    once. Which ranks call what: the one thread that runs the remote retention.
 
-    def __init__(self, url: str) -> None:
+    ``held``: the key (run id, commit number) of the checkpoint the process restored from,
+    until its first commit (None: none), whose remote copy the retention keeps meanwhile
+    (:meth:`protected`).
+    """
+
+    def __init__(self, url: str, held: Callable[[], tuple[str, int] | None] | None = None) -> None:
         self.url = url
+        self.held = held
         self._known: set[tuple[str, tuple[str, int]]] | None = None  # (name, key)
         self._warned: set[str] = set()
+
+    def protected(self, entries: Sequence[RemoteEntry], protect: str) -> list[str]:
+        """What the remote retention deletes of none of ``entries``: ``protect`` (the one just
+        committed) and the remote copy of the checkpoint the process restored from, until its
+        first commit (before it, after a roll-back, the abandoned newer checkpoints are the
+        newest: ``keep_last=1`` deleted it after the upload of one the restore queued)."""
+        key = self.held() if self.held is not None else None
+        return [protect] + [e.name for e in entries if key is not None and e.key == key]
 
     def opened(self, entries: Sequence[RemoteEntry]) -> None:
         """The first listing (at open): every committed checkpoint in it is the run's history."""

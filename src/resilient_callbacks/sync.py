@@ -106,6 +106,7 @@ class RemoteSync(UploadThread):
         after_upload: Callable[[], None] | None = None,
         *,
         on_uploaded: Callable[[Manifest, str, float], None] | None = None,
+        held: Callable[[], tuple[str, int] | None] | None = None,
         retry_base_s: float = 1.0,
         retry_max_s: float = 60.0,
         warn_every_s: float = 60.0,
@@ -124,7 +125,8 @@ class RemoteSync(UploadThread):
         # with a key of this run's (two processes resumed the run from this URL)
         self.unfree: set[str] = set()
         self._copies: dict[tuple[str, int], Any] = {}  # key -> the remote copy's files, blobs
-        self.own = OwnCheckpoints(store.url)  # what the remote retention may count and delete
+        # what the remote retention may count and delete; ``held``: the key it keeps
+        self.own = OwnCheckpoints(store.url, held)
         self.show_progress = False
         self._queue: list[str] = []
         self._remote_entries: list[RemoteEntry] = []
@@ -452,7 +454,8 @@ class RemoteSync(UploadThread):
         try:
             entries = self.refresh()
             mine = self.own.mine(entries, manifest.run_id)  # (not another live process's)
-            p = plan(retention_candidates(mine), self.policy, manifest.run_id, protected=[protect])
+            keep = self.own.protected(mine, protect)
+            p = plan(retention_candidates(mine), self.policy, manifest.run_id, protected=keep)
             for name in p.delete:  # none when keeping all
                 self.store.delete(name)
                 with self._cond:
