@@ -637,6 +637,32 @@ def test_an_upgrade_that_does_not_make_the_entries_fit_is_refused_naming_the_key
     assert '"1.scale"' in str(ei.value) and '"1.log_scale"' in str(ei.value)
 
 
+@pytest.mark.parametrize("compiled_first", [True, False], ids=["then-not", "then-compiled"])
+def test_a_submodule_compiled_in_one_run_only_loads_by_its_own_version(tmp_path, compiled_first):
+    """A submodule compiled on its own has two entries in ``_metadata``: torch.compile's wrapper
+    (``2``, version 1) and the module (``2._orig_mod``, its own version). Restored uncompiled,
+    the module was given the wrapper's version 1, and a loader that converts version-1 entries
+    converted its own version-2 weights again, silently (``gain`` became ``exp(gain)``)."""
+
+    def build(compiled: bool) -> nn.Module:
+        model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), _GainV2())
+        if compiled:
+            model[2] = torch.compile(model[2], backend="eager")
+        return model
+
+    torch.manual_seed(0)
+    saved = build(compiled_first)
+    with torch.no_grad():
+        saved[2].gain.copy_(torch.tensor([0.5, -1.5]))
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(1, {"model": saved})
+    live = build(not compiled_first)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        assert ck.restore({"model": live}) == 1
+    assert torch.equal(live[2].gain, saved[2].gain)
+    assert torch.equal(live[0].weight, saved[0].weight)
+
+
 def test_a_checkpoint_without_versions_loads_by_the_live_modules_versions(tmp_path, monkeypatch):
     """A checkpoint written before the versions were recorded: the live module's are passed
     (it was written by the same code), so an observer keeps its saved ``eps``."""

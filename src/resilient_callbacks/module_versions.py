@@ -71,15 +71,27 @@ def merged(saved: Any, live: Any) -> Any:
         return None
     saved_meta = getattr(saved, "_metadata", None)
     saved_meta = saved_meta if isinstance(saved_meta, Mapping) else {}
-    by_plain = {_plain(p): m for p, m in saved_meta.items() if isinstance(p, str)}
+    # torch.compile's wrappers' own entries hold the wrapper's version, not the module's
+    wrappers = _wrappers(saved_meta)
+    real = {p: m for p, m in saved_meta.items() if isinstance(p, str) and p not in wrappers}
+    by_plain = {_plain(p): m for p, m in real.items()}
+    live_wrappers = _wrappers(live_meta)
     out = collections.OrderedDict()
     for prefix, local in live_meta.items():
         local = dict(local)
-        found = saved_meta.get(prefix, by_plain.get(_plain(prefix)))
+        found = None if prefix in live_wrappers else real.get(prefix, by_plain.get(_plain(prefix)))
         if isinstance(found, Mapping) and "version" in found:
             local["version"] = found["version"]
         out[prefix] = local
     return out
+
+
+def _wrappers(meta: Mapping[Any, Any]) -> set[str]:
+    """The prefixes of torch.compile's wrappers (``OptimizedModule``) in a ``_metadata``: those
+    with a child ``_orig_mod``, the module compiled, whose version is the one that counts."""
+    return {
+        p for p in meta if isinstance(p, str) and (f"{p}._orig_mod" if p else "_orig_mod") in meta
+    }
 
 
 def upgraded(saved: Any, live: Any) -> list[str]:
