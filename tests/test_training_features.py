@@ -903,3 +903,78 @@ def test_lightning_weight_averagings_trained_weights_load_by_the_modules_version
         again = fit(6, rc)
     assert rc.restored_step == 3
     assert first.losses + again.losses == plain.losses
+
+
+def test_lightning_a_max_time_stop_between_steps_with_weight_averaging_saves_the_trained_weights(
+    tmp_path,
+):
+    """A ``Timer`` (or ``EarlyStopping``) stop after a batch that only accumulated gradients is
+    saved at the fit's end. That save came after ``WeightAveraging.on_train_end``, which copies
+    the averages into the model: the checkpoint held them as the trained weights, and the
+    re-run given more ``max_time`` trained on from the averages. It is saved before the
+    ``on_train_end`` hooks now, and the re-run is the run never stopped. (The clock is the
+    number of batches: no real time.)"""
+    L = pytest.importorskip("lightning")
+    callbacks = L.pytorch.callbacks
+    if not hasattr(callbacks, "WeightAveraging"):
+        pytest.skip(f"Lightning {L.__version__} has no WeightAveraging (2.6 added it)")
+    from lightning.pytorch.trainer.states import RunningStage
+
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    class BatchClock(callbacks.Timer):
+        def __init__(self, batches: int) -> None:
+            super().__init__(duration={"seconds": batches}, interval="step")
+            self.batches = 0
+
+        def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
+            self.batches += 1
+            super().on_train_batch_end(trainer, *args, **kwargs)
+
+        def time_elapsed(self, stage=RunningStage.TRAINING) -> float:
+            training = RunningStage(stage) == RunningStage.TRAINING
+            return self.batches + self._offset if training else 0.0
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+            self.losses: list[float] = []
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.net(batch[0]).pow(2).mean()
+            self.losses.append(loss.item())
+            return loss
+
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4))
+
+    def fit(batches: int, *more) -> Module:
+        L.seed_everything(0, verbose=False)
+        module = Module()
+        trainer = L.Trainer(
+            max_steps=6,
+            accelerator="cpu",
+            callbacks=[callbacks.WeightAveraging(), BatchClock(batches), *more],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            limit_val_batches=0,
+            accumulate_grad_batches=2,
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+        return module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = fit(1000)
+        first = fit(5, ResilientCheckpoint(tmp_path / "ck", every_n_steps=100))  # stops at 2
+        rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=100)
+        again = fit(1000, rc)
+    assert rc.restored_step == 2 and len(first.losses) == 5
+    assert first.losses[:4] + again.losses == plain.losses  # (batch 5 is trained again)
+    for a, b in zip(plain.state_dict().values(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

@@ -109,17 +109,12 @@ class ResilientCheckpoint(Checkpoint):
     ) -> None:
         ours = ("dirpath", "make_dataloaders_resumable", "data_seed", "save_on_exception")
         check_options("ResilientCheckpoint (Lightning)", checkpointer_kwargs, (*ours, "log_stats"))
-        for name, value in (
-            ("make_dataloaders_resumable", make_dataloaders_resumable),
-            ("save_on_exception", save_on_exception),
-            ("log_stats", log_stats),
-        ):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{name}={value!r}: must be True or False")
-        if data_seed is not None and (
-            isinstance(data_seed, bool) or not isinstance(data_seed, int)
-        ):
-            raise ConfigError(f"data_seed={data_seed!r}: must be an int or None")
+        checks.own_options(
+            make_dataloaders_resumable=make_dataloaders_resumable,
+            save_on_exception=save_on_exception,
+            log_stats=log_stats,
+            data_seed=data_seed,
+        )
         kwargs = dict(checkpointer_kwargs)
         kwargs.setdefault("overlap_snapshot", bool(kwargs.get("async_save", True)))
         checks.validate(dirpath, kwargs)
@@ -197,10 +192,14 @@ class ResilientCheckpoint(Checkpoint):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the last saves commit in the background: the loggers get them once they did
-        ckpt, marks = self.checkpointer, functools.partial(self._marks, trainer, False)
-        stops.save_stopped_step(trainer, ckpt, self._ctx, self._state, self._last_end, marks)
-        if ckpt is not None and not ckpt.closed:
+        if (ckpt := self.checkpointer) is not None and not ckpt.closed:
             self._logged_save = save_logs.at_end(trainer, ckpt, self.log_stats, self._logged_save)
+
+    def _run_ends(self, trainer: pl.Trainer) -> None:  # before the on_train_end hooks (stops.py)
+        marks, ctx = functools.partial(self._marks, trainer, False), self._ctx
+        stops.save_stopped_step(trainer, self.checkpointer, ctx, self._state, self._last_end, marks)
+        if self._resume is not None:
+            self._resume.before_run_end(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         ending.teardown(self, trainer, stage)
@@ -224,7 +223,7 @@ class ResilientCheckpoint(Checkpoint):
                 before_epoch_run=resumed("before_epoch_run"),
                 before_epoch_end=resumed("before_epoch_end"),
                 after_epoch_end=functools.partial(self._after_epoch_end, trainer),
-                before_run_end=resumed("before_run_end"),
+                before_run_end=functools.partial(self._run_ends, trainer),
                 after_run=resumed("after_run"),
             ),
         )

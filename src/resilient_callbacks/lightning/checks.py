@@ -39,6 +39,16 @@ def validate(dirpath: Any, kwargs: dict[str, Any]) -> None:
         pass
 
 
+def own_options(*, data_seed: Any, **flags: Any) -> None:
+    """The callback's own options: each of ``flags`` True or False, ``data_seed`` an int or
+    None."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r}: must be True or False")
+    if data_seed is not None and (isinstance(data_seed, bool) or not isinstance(data_seed, int)):
+        raise ConfigError(f"data_seed={data_seed!r}: must be an int or None")
+
+
 def check_strategy(trainer: pl.Trainer) -> None:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 

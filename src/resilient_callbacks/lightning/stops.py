@@ -118,7 +118,9 @@ def save_stopped_step(
     end: StepEnd | None,
     marks: Callable[[], dict[str, Any]],
 ) -> bool:
-    """At ``on_train_end``: a stop asked after a batch that made no optimizer step (with
+    """At the fit loop's end, before the ``on_train_end`` hooks (``WeightAveraging``'s copies
+    its averages into the model, which a save after it would hold as the trained weights): a
+    stop asked after a batch that made no optimizer step (with
     ``accumulate_grad_batches``, ``EarlyStopping`` on a validation or a ``Timer`` after a
     batch that only accumulated gradients) ends the fit after the last step's boundary, which
     saved it only if due. Save that step now, as the final one, recorded as stopped: the
