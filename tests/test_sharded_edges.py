@@ -78,6 +78,29 @@ def test_a_module_whose_version_changed_is_loaded_by_the_saved_version(tmp_path,
         assert json.loads((tmp_path / f"v_load.{r}.json").read_text())["weight"] == saved
 
 
+@pytest.mark.parametrize(
+    ("save", "load"),
+    [
+        ("v_save_compiled", "v_load"),
+        pytest.param("v_save", "v_load_compiled", marks=pytest.mark.slow),
+    ],
+    ids=["compiled-then-not", "then-compiled"],
+)
+def test_a_submodule_compiled_in_one_run_only_is_loaded_by_its_own_version(tmp_path, save, load):
+    """The versions Sharded records are named as ``state_dict()``'s ``_metadata`` names the
+    submodules: a submodule compiled on its own is ``0._orig_mod`` (and ``0`` is torch.compile's
+    wrapper, version 1), where DCP's keys leave ``_orig_mod`` out. Compiled in one run only,
+    the saved versions were given under names the live model does not have, so the module took
+    its entries for the oldest layout (or the wrapper's version 1) and converted its own
+    version-2 weight again (doubled), silently. They are matched by the live model's names."""
+    root = tmp_path / "vck"
+    spawn_ranks.run([sys.executable, __file__, save, str(root)], 2, tmp_path, "v_save")
+    saved = json.loads((tmp_path / "v_saved.json").read_text())["weight"]
+    spawn_ranks.run([sys.executable, __file__, load, str(root)], 2, tmp_path, "v_load")
+    for r in range(2):
+        assert json.loads((tmp_path / f"v_load.{r}.json").read_text())["weight"] == saved
+
+
 class _Doubled(torch.nn.Linear):
     """Version 2 keeps twice the weight version 1 kept."""
 
@@ -103,8 +126,12 @@ def _versioned(phase: str, root: str) -> None:
 
         module_versions.recorded = lambda sd: None
         phase = "v_save"
+    compiled = phase.endswith("_compiled")  # the first layer compiled on its own
+    phase = phase.removesuffix("_compiled")
     torch.manual_seed(0 if phase == "v_save" else 123)
     m = torch.nn.Sequential(_Doubled(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    if compiled:
+        m[0] = torch.compile(m[0], backend="eager")
     fully_shard(m)
     with Checkpointer(root, every_n_steps=1) as ck:
         if phase == "v_save":

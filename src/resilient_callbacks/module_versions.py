@@ -46,14 +46,24 @@ def recorded(sd: Any) -> dict[str, int | None] | None:
 
 def attach(value: Any, node: Any, live: Mapping[str, int | None] | None = None) -> Any:
     """``value`` -- a module's decoded state dict -- carrying the versions of its structure
-    ``node`` as ``_metadata`` (as ``torch.load`` gives it); where the node recorded none (a
-    checkpoint written before they were), ``live`` (the live module's :func:`recorded`: the
-    same code wrote it) if given, else ``value`` itself."""
+    ``node`` as ``_metadata`` (as ``torch.load`` gives it). With ``live`` (the live module's
+    :func:`recorded`, for a caller that loads without :func:`merged`): under the live module's
+    names (:func:`merged`: a submodule compiled in one run only), and where the node recorded
+    none (a checkpoint written before they were), the live ones (the same code wrote it).
+    ``value`` itself where there are none."""
     versions = node.get(FIELD) if isinstance(node, Mapping) else None
+    if isinstance(versions, Mapping) and isinstance(live, Mapping):
+        meta = merged(_carrying(versions), _carrying(live))
+        versions = {p: m.get("version") for p, m in meta.items()}
     versions = live if versions is None else versions
     if not isinstance(versions, Mapping) or not isinstance(value, Mapping):
         return value
-    out = collections.OrderedDict(value)
+    return _carrying(versions, value)
+
+
+def _carrying(versions: Mapping[str, int | None], value: Mapping[str, Any] | None = None) -> Any:
+    """``value``'s items in a dict whose ``_metadata`` holds ``versions``."""
+    out = collections.OrderedDict(value or {})
     out._metadata = collections.OrderedDict(  # type: ignore[attr-defined]
         (p, {"version": v}) for p, v in versions.items()
     )
