@@ -978,3 +978,66 @@ def test_lightning_a_max_time_stop_between_steps_with_weight_averaging_saves_the
     assert first.losses[:4] + again.losses == plain.losses  # (batch 5 is trained again)
     for a, b in zip(plain.state_dict().values(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_lightning_an_exception_mid_window_with_weight_averaging_saves_each_models_buffers(
+    tmp_path,
+):
+    """``save_on_exception`` saves the buffers of the last step's end (a forward since then
+    moved BatchNorm's running statistics) by putting them into the checkpoint's
+    ``state_dict``. With ``WeightAveraging`` that holds the averaged model, and the trained one
+    is in ``current_model_state``: the averages' running statistics were overwritten with the
+    trained model's, and the trained model kept those of the failed batch's forward. The
+    re-run's averaged model and final weights differed from the run never stopped."""
+    L = pytest.importorskip("lightning")
+    callbacks = L.pytorch.callbacks
+    if not hasattr(callbacks, "WeightAveraging"):
+        pytest.skip(f"Lightning {L.__version__} has no WeightAveraging (2.6 added it)")
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    class Module(L.LightningModule):
+        def __init__(self, fail_at: int | None) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+            self.averaging = callbacks.WeightAveraging()
+            self.fail_at, self.batches = fail_at, 0
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.net(batch[0]).pow(2).mean()
+            self.batches += 1
+            if self.batches == self.fail_at:  # after the forward: the statistics moved
+                raise RuntimeError("training failed")
+            return loss
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4))
+
+    def fit(rc=None, fail_at=None) -> Module:
+        L.seed_everything(0, verbose=False)
+        module = Module(fail_at)
+        trainer = L.Trainer(
+            max_steps=6,
+            accelerator="cpu",
+            callbacks=[module.averaging, *([rc] if rc else [])],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            limit_val_batches=0,
+            accumulate_grad_batches=2,
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+        return module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = fit()
+        first = ResilientCheckpoint(tmp_path / "ck", every_n_steps=100, save_on_exception=True)
+        with pytest.raises(RuntimeError, match="training failed"):
+            fit(first, fail_at=6)  # the window of step 3's second batch: step 2 is saved
+        rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=100)
+        again = fit(rc)
+    assert rc.restored_step == 2
+    _assert_same_average(plain, again)

@@ -258,12 +258,10 @@ class SaveContext:
             d = dict(self._dump_fn())
             if self.fit_loop_override is not None:
                 d["loops"] = {**d["loops"], "fit_loop": copy.deepcopy(self.fit_loop_override)}
-            if self.buffer_override:
-                sd = dict(d["state_dict"])
-                for k, v in self.buffer_override.items():
-                    if k in sd:
-                        sd[k] = v
-                d["state_dict"] = with_metadata(d["state_dict"], sd)
+            if self.buffer_override:  # the trained model's (WeightAveraging moves it aside)
+                key = "current_model_state" if "current_model_state" in d else "state_dict"
+                sd = {k: self.buffer_override.get(k, v) for k, v in d[key].items()}
+                d[key] = with_metadata(d[key], sd)
             if self._marks is not None:
                 d.update({k: v for k, v in self._marks().items() if v})
             self._dump = d
