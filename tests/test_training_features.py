@@ -663,6 +663,27 @@ def test_a_submodule_compiled_in_one_run_only_loads_by_its_own_version(tmp_path,
     assert torch.equal(live[0].weight, saved[0].weight)
 
 
+def test_a_users_module_with_a_child_named_orig_mod_is_upgraded_by_its_saved_version(tmp_path):
+    """A module of yours with a child named ``_orig_mod`` has the same ``_metadata`` names as
+    torch.compile's wrapper; it is no wrapper on either side, so its saved version is still
+    the one its loader is given (its ``gain`` of version 1 is converted)."""
+
+    def build(gain: type[nn.Module]) -> nn.Module:
+        holder = gain()
+        holder._orig_mod = nn.Linear(2, 2)
+        return nn.Sequential(nn.Linear(2, 2), holder)
+
+    torch.manual_seed(0)
+    old = build(_GainV1)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(1, {"model": old})
+    new = build(_GainV2)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        assert ck.restore({"model": new}) == 1
+    assert torch.equal(new[1].gain, old[1].gain.exp())
+    assert torch.equal(new[1]._orig_mod.weight, old[1]._orig_mod.weight)
+
+
 def test_a_checkpoint_without_versions_loads_by_the_live_modules_versions(tmp_path, monkeypatch):
     """A checkpoint written before the versions were recorded: the live module's are passed
     (it was written by the same code), so an observer keeps its saved ``eps``."""

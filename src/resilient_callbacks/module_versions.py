@@ -74,8 +74,9 @@ def merged(saved: Any, live: Any) -> Any:
     """The ``_metadata`` to load by: the live module's (``live``, its ``state_dict()``'s), each
     submodule's version replaced by the saved one (``saved``, the decoded state dict's
     ``_metadata``; by its name, or by its name without torch.compile's ``_orig_mod``: a
-    submodule compiled in one run only). Fresh dicts: ``load_state_dict`` writes into them.
-    ``None`` where the live module has none."""
+    submodule compiled in one run only; torch.compile's wrapper keeps its own, unless it was
+    compiled when saved too). Fresh dicts: ``load_state_dict`` writes into them. ``None``
+    where the live module has none."""
     live_meta = getattr(live, "_metadata", None)
     if live_meta is None:
         return None
@@ -89,7 +90,10 @@ def merged(saved: Any, live: Any) -> Any:
     out = collections.OrderedDict()
     for prefix, local in live_meta.items():
         local = dict(local)
-        found = None if prefix in live_wrappers else real.get(prefix, by_plain.get(_plain(prefix)))
+        if prefix in live_wrappers:  # its own version, or the saved wrapper's (both compiled)
+            found = saved_meta.get(prefix) if prefix in wrappers else None
+        else:
+            found = real.get(prefix, by_plain.get(_plain(prefix)))
         if isinstance(found, Mapping) and "version" in found:
             local["version"] = found["version"]
         out[prefix] = local
