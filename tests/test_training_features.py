@@ -1062,3 +1062,57 @@ def test_lightning_an_exception_mid_window_with_weight_averaging_saves_each_mode
         again = fit(rc)
     assert rc.restored_step == 2
     _assert_same_average(plain, again)
+
+
+def test_lightning_weight_averaging_weights_are_upgraded_by_their_saved_versions(tmp_path):
+    """``WeightAveraging`` replaces the checkpoint's ``state_dict`` by a plain dict of the
+    averages, so no module version was recorded with it, and the trained weights
+    (``current_model_state``) were loaded by the live module's versions: a module whose
+    version changed since the save (``gain`` holds its log in version 1) took the saved
+    entries as its own layout, silently. The versions of the module that wrote them are
+    recorded and given to its loader now, as without ``WeightAveraging``."""
+    L = pytest.importorskip("lightning")
+    callbacks = L.pytorch.callbacks
+    if not hasattr(callbacks, "WeightAveraging"):
+        pytest.skip(f"Lightning {L.__version__} has no WeightAveraging (2.6 added it)")
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    class Module(L.LightningModule):
+        def __init__(self, gain: type[nn.Module]) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 2), gain())
+            self.at_start: torch.Tensor | None = None
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+        def training_step(self, batch, batch_idx):
+            return (self.net[0](batch[0]) * self.net[1].gain).pow(2).mean()
+
+        def on_train_start(self) -> None:  # the trained weights as restored
+            self.at_start = self.net[1].gain.detach().clone()
+
+        def on_train_batch_end(self, *args) -> None:  # (on_train_end copies the averages in)
+            self.trained = self.net[1].gain.detach().clone()
+
+    def fit(gain: type[nn.Module], steps: int) -> Module:
+        L.seed_everything(0, verbose=False)
+        module = Module(gain)
+        trainer = L.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            callbacks=[callbacks.WeightAveraging(), ResilientCheckpoint(tmp_path / "ck")],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        data = torch.utils.data.TensorDataset(torch.randn(16, 2))
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+        return module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        old = fit(_GainV1, 2)
+        new = fit(_GainV2, 3)
+    assert new.at_start is not None and torch.equal(new.at_start, old.trained.exp())

@@ -256,6 +256,8 @@ class SaveContext:
     def dump(self) -> dict[str, Any]:
         if self._dump is None:
             d = dict(self._dump_fn())
+            if isinstance(cms := d.get("current_model_state"), dict):  # (WeightAveraging)
+                d["state_dict"] = with_metadata(cms, d["state_dict"])  # the module's versions
             if self.fit_loop_override is not None:
                 d["loops"] = {**d["loops"], "fit_loop": copy.deepcopy(self.fit_loop_override)}
             if self.buffer_override:  # the trained model's (WeightAveraging moves it aside)
@@ -438,9 +440,9 @@ def assemble(holder: dict[str, Any], module: torch.nn.Module | None = None) -> d
     (``WeightAveraging``'s ``current_model_state`` too) keyed and versioned as ``module`` has them."""
     ckpt = dict(holder["lightning"].value)
     ckpt["state_dict"] = holder["state_dict"].value
-    for k in ("state_dict", "current_model_state"):
+    for k in ("state_dict", "current_model_state"):  # (both by the versions of state_dict's)
         if module is not None and isinstance(ckpt.get(k), dict):
-            ckpt[k] = as_live_keys(ckpt[k], module)
+            ckpt[k] = as_live_keys(with_metadata(holder["state_dict"].value, ckpt[k]), module)
     ckpt["optimizer_states"] = list(holder["optimizer_states"].value["optimizers"])
     put_back(ckpt, holder["data"].obj.value)  # this rank's callbacks' states
     loaders = holder["data"].obj.value["loaders"]
