@@ -1116,3 +1116,70 @@ def test_lightning_weight_averaging_weights_are_upgraded_by_their_saved_versions
         old = fit(_GainV1, 2)
         new = fit(_GainV2, 3)
     assert new.at_start is not None and torch.equal(new.at_start, old.trained.exp())
+
+
+def test_lightning_an_exception_after_an_epochs_start_hooks_saves_nothing(tmp_path, caplog):
+    """``save_on_exception`` saves the last step's state; after an epoch's last step that is a
+    checkpoint of the epoch's end, whose resume runs the next epoch's ``on_train_epoch_start``
+    hooks. An exception after they ran (the first batch of epoch 2) saved the optimizers and
+    callbacks as those hooks left them: ``BackboneFinetuning`` had scaled the backbone's
+    learning rate for epoch 2, and the resume scaled it again. Nothing is saved when such a
+    hook changed the optimizers' parameter groups now (a warning says why): the re-run
+    resumes the last periodic checkpoint and is exact. (Hooks that only draw random numbers
+    still get the save: tests/test_lightning.py.)"""
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    from resilient_callbacks.lightning import ResilientCheckpoint
+
+    class Module(L.LightningModule):
+        def __init__(self, fail_at: int | None) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+            self.head = nn.Linear(8, 1)
+            self.losses: list[float] = []
+            self.fail_at, self.batches = fail_at, 0
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+        def training_step(self, batch, batch_idx):
+            self.batches += 1
+            if self.batches == self.fail_at:
+                raise RuntimeError("training failed")
+            loss = self.head(self.backbone(batch[0])).pow(2).mean()
+            self.losses.append(loss.item())
+            return loss
+
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4))  # 4 steps an epoch
+
+    def fit(rc=None, fail_at=None) -> Module:
+        L.seed_everything(0, verbose=False)
+        module = Module(fail_at)
+        trainer = L.Trainer(
+            max_steps=12,
+            accelerator="cpu",
+            callbacks=[BackboneFinetuning(1, lambda epoch: 1.5), *([rc] if rc else [])],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8, shuffle=True))
+        return module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = fit()
+        first = ResilientCheckpoint(tmp_path / "ck", every_n_steps=3, save_on_exception=True)
+        with (
+            caplog.at_level(logging.WARNING, logger="resilient_callbacks"),
+            pytest.raises(RuntimeError, match="training failed"),
+        ):
+            fit(first, fail_at=9)  # epoch 2's first batch: step 8 ended epoch 1
+        rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=3)
+        again = fit(rc)
+    for a, b in zip(plain.state_dict().values(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert rc.restored_step == 6 and again.losses == plain.losses[6:]
+    assert "an on_train_epoch_start hook changed the optimizers' parameter groups" in caplog.text

@@ -9,11 +9,13 @@ the fit loop's progress, the random streams and the module's buffers. At the exc
 the live weights and optimizer with those, unless an optimizer step ran since (then the weights
 are already those of a step that did not finish, and nothing is saved: say so), or the exception
 came during a validation with Lightning's ``WeightAveraging``, whose averaged weights the model
-holds then (nothing saved either).
+holds then, or after a new epoch's start hooks changed the optimizers' parameter groups since an
+epoch's last step (nothing saved either).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,9 @@ import torch
 
 from .. import rng
 from ..checkpointer import Checkpointer
+from ..inplace import same_value
 from . import state as st
+from .boundary import EPOCH_END_KEY
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -37,6 +41,8 @@ class _Boundary:
     marks: dict[str, Any]
     rng_state: tuple[dict[str, Any], dict[str, torch.Tensor]]
     buffers: dict[str, torch.Tensor]
+    epochs_ready: int  # the fit loop's epochs begun (their on_train_epoch_start hooks run)
+    groups: Any  # at an epoch's end: the optimizers' parameter groups (:func:`_groups`)
 
 
 class ExceptionSave:
@@ -67,6 +73,8 @@ class ExceptionSave:
             marks=marks,
             rng_state=rng.capture(),
             buffers={name: b.detach().clone() for name, b in module.named_buffers()},
+            epochs_ready=trainer.fit_loop.epoch_progress.total.ready,
+            groups=_groups(trainer) if marks.get(EPOCH_END_KEY) else None,
         )
         self.stepped = False
 
@@ -96,6 +104,19 @@ class ExceptionSave:
                 "save_on_exception: %s came after an optimizer step of a step that did not "
                 "finish; the state matches no step, so nothing is saved",
                 type(exception).__name__,
+            )
+            return
+        began = trainer.fit_loop.epoch_progress.total.ready > b.epochs_ready
+        if began and b.groups is not None and not same_value(_groups(trainer), b.groups):
+            log.warning(
+                "save_on_exception: %s came after epoch %d began, and an on_train_epoch_start "
+                "hook changed the optimizers' parameter groups since step %d ended the epoch "
+                "before (BackboneFinetuning scales the backbone's learning rate there); a "
+                "resume from that step runs the hook again, so nothing is saved; the newest "
+                "checkpoint is the last periodic one",
+                type(exception).__name__,
+                trainer.current_epoch,
+                b.step,
             )
             return
         if trainer.validating and (averaging := _weight_averaging(trainer)):
@@ -130,3 +151,12 @@ def _weight_averaging(trainer: pl.Trainer) -> str | None:
         if kind is not None and isinstance(cb, kind):
             return type(cb).__name__
     return None
+
+
+def _groups(trainer: pl.Trainer) -> list[list[dict[str, Any]]]:
+    """Each optimizer's parameter groups: their hyperparameters and sizes (copied)."""
+    return [
+        [{**copy.deepcopy({k: v for k, v in g.items() if k != "params"}), "n": len(g["params"])}
+         for g in o.param_groups]
+        for o in trainer.optimizers
+    ]  # fmt: skip
