@@ -763,8 +763,32 @@ def worker(base: str, argv: list[str]) -> None:
         committer.max_attempts, committer.retry_base_s = 2, 0.05
     if os.environ.get("RC_COMMIT_HANGS") and committer is not None:  # accepts, never answers
         committer.commit_one = lambda p: threading.Event().wait()
+    retained = None
+    if os.environ.get("RC_COMMIT_AFTER_FIRST_SAVE"):  # what the restore queued: committed after
+        first, retained = threading.Event(), threading.Event()  # the first save's local commit
+        real_committed = ck._dir.committed
+
+        def committed(seq):
+            real_committed(seq)
+            first.set()
+
+        ck._dir.committed = committed
+        if committer is not None:
+            real_one, real_retention = committer.commit_one, committer._retention
+
+            def commit_one(p):
+                assert first.wait(60)
+                real_one(p)
+
+            def retention(protect, run):
+                real_retention(protect, run)
+                retained.set()  # (killed at --kill-at once a remote commit's retention ran)
+
+            committer.commit_one, committer._retention = commit_one, retention
     try:
         start = ck.restore(state)
+        if retained is not None:  # its parts uploaded: reported in the first save's gather
+            assert ck._dir.uploader.wait(60)  # type: ignore[attr-defined]
     except Exception as e:
         out(error=type(e).__name__, msg=str(e))
         dist.destroy_process_group()
@@ -784,6 +808,8 @@ def worker(base: str, argv: list[str]) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
         if step == a.kill_at:
             ck.flush()
+            if retained is not None and committer is not None:
+                assert retained.wait(60)
             uploader = getattr(ck._dir, "uploader", None)
             if os.environ.get("RC_KILL_ONCE_UPLOADED") and os.environ.get("RC_SLOW_NODE") != str(
                 node

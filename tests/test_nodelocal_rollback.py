@@ -55,3 +55,21 @@ def test_a_roll_back_keeps_the_remote_copy_restored_from_until_the_first_commit(
     remote = tmp_path / "remote"
     committed = sorted(p.parent.name for p in remote.glob("step_*/manifest.json"))
     assert committed == ["step_000000002", "step_000000008"], committed
+
+
+def test_a_roll_back_keeps_the_remote_copy_restored_from_until_the_branch_is_committed_there(
+    tmp_path,
+):
+    """Steps 2 and 4 committed remotely, 6 and 8 on the disks only (a kill); a roll-back to 2
+    with keep_last=1. The restore queues 8 again; its parts arrive in the gather of the new
+    branch's first save (4), so it is committed remotely after that save's local commit,
+    which ended the protection: the remote retention after 8's commit deleted the remote copy
+    of 2, with the branch's 4 not committed there yet. Both nodes lost then, the remote held
+    only the abandoned timeline. 2 stays until the branch's first remote commit."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: 2 and 4 committed remotely
+    _run(tmp_path, "on", 2, "--steps", "8", "--remote-every", "10", "--kill-at", "8", expect=-9)
+    back = {"RC_RESUME": 2, "RC_KEEP_LAST": 1, "RC_COMMIT_AFTER_FIRST_SAVE": 1}
+    out = _run(tmp_path, "back", 2, "--steps", "4", "--kill-at", "4", expect=-9, **back)
+    assert [rank[0]["restored"] for rank in out] == [2, 2], out
+    committed = sorted(p.parent.name for p in (tmp_path / "remote").glob("step_*/manifest.json"))
+    assert committed == ["step_000000002", "step_000000008"], committed

@@ -37,6 +37,7 @@ from .errors import (
 from .lock import COMMAND_WAIT_S, DirLock, claim_remote
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .reader import by_commit
+from .remote_objects import RestoredCopy
 from .retention import RetentionPolicy
 from .retention_pass import apply_retention, collect_blobs
 from .trash import TrashBin
@@ -106,7 +107,7 @@ class Directory:
         # the checkpoint this process restored from, kept until its first commit: before it, a
         # roll-back's abandoned newer checkpoints are the newest, and the lineage unknown
         self.restored: str | None = None
-        self.restored_key: tuple[str, int] | None = None  # its (run id, seq): its remote copy
+        self.restored_copy = RestoredCopy()  # its remote copy, kept until the branch is there
         self.tip = Tip()  # where the next save descends from: its manifest's lineage
         # the uploads the newest commit skipped (remote_every_n_saves), run if it proves final
         self._held: tuple[int, list[Callable[[], None]]] | None = None
@@ -204,7 +205,7 @@ class Directory:
             config.remote_retention_policy(),
             after_upload=self._retention_after_upload,
             on_uploaded=self._record_upload,
-            held=lambda: self.restored_key,
+            held=self.restored_copy,
         )
         # new commits number after the remote's (a newer format's too), also when no restore()
         # lists the tiers (a new run that only saves): a restore takes the highest number
@@ -235,11 +236,13 @@ class Directory:
 
     def committed(self, seq: int) -> None:
         """Every rank, once the checkpoint of commit number ``seq`` is committed (before the
-        retention after it): the next commits number after it, and the checkpoint this process
-        restored from is no longer protected (the commit records the lineage: retention knows
-        what to keep)."""
+        retention after it): the next commits number after it, and the local copy of the
+        checkpoint this process restored from is no longer protected (the commit records the
+        lineage: retention knows what to keep); its remote copy is, until the first commit of
+        this branch there (:class:`~.remote_objects.RestoredCopy`)."""
         self.seq = max(self.seq, seq)
-        self.restored = self.restored_key = None
+        self.restored = None
+        self.restored_copy.committed(seq)
 
     def protected(self, protect: str | None) -> list[str]:
         """What no retention pass of this process deletes, whatever the policy: ``protect``

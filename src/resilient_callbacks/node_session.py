@@ -173,7 +173,7 @@ class NodeLocalSession:
                 f"checkpoints on every node are intact.",
                 out.ranks,
             )
-        d.committed(out.seq)  # (the checkpoint restored from is no longer protected)
+        d.committed(out.seq)  # (the local copy of the one restored from: no longer protected)
         local_name = out.renamed.get(str(topo.node), ckpt_name(self.step))
         path = local_path or os.path.join(d.dirpath, local_name)
         if topo.is_leader and d.uploader is not None and out.upload is not None:

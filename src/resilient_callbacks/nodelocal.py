@@ -225,7 +225,7 @@ class NodeDirectory(Directory):
                 self.remote,
                 len(self.topology.nodes),
                 config.remote_retention_policy(),
-                held=lambda: self.restored_key,
+                held=self.restored_copy,
             )
             if reachable:  # (else the restore lists the remote, if it answers by then)
                 self.seq = max(self.seq, self.committer.refresh_max_seq())

@@ -42,7 +42,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .node_upload import Key, NodeUploader, UploadCounters, UploadJob
 from .redact import url_text
 from .remote import NO_MANIFEST, RemoteStore, retention_candidates
-from .remote_objects import OwnCheckpoints, marks_of, seq_floor
+from .remote_objects import OwnCheckpoints, RestoredCopy, marks_of, seq_floor
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s, by_grace, retention_failed
 
@@ -82,7 +82,7 @@ class RemoteCommitter(UploadThread):
         *,
         max_attempts: int = 5,
         retry_base_s: float = 1.0,
-        held: Callable[[], Key | None] | None = None,
+        held: RestoredCopy | None = None,
     ) -> None:
         super().__init__("rc-remote-commit")
         self.store, self.nodes, self.policy = store, nodes, policy

@@ -289,6 +289,39 @@ def _claim(
     return mark
 
 
+class RestoredCopy:
+    """The remote copy of the checkpoint a process restored from, which the remote retention
+    keeps until a checkpoint of the process's own branch is committed remotely: after a
+    roll-back, the abandoned newer checkpoints are the newest there until then, and
+    ``keep_last=1`` deleted it after the upload of one the restore queued (the local copy's
+    protection ends at the first local commit, :meth:`~.directory.Directory.committed`; the
+    remote copy's at the first remote one: between them, a node lost left the remote holding
+    only the abandoned timeline).
+
+    Which ranks call what: every rank holds one; the restore sets it, each commit calls
+    :meth:`committed`, and on the coordinator the thread that commits remotely calls
+    :meth:`uploaded` and reads :attr:`key` for its retention."""
+
+    def __init__(self) -> None:
+        self.key: tuple[str, int] | None = None  # (run id, commit number); None: none kept
+        self._first: int | None = None  # the commit number of the process's first commit
+
+    def restored(self, key: tuple[str, int] | None) -> None:
+        """The process restored the checkpoint of ``key`` (None: one outside the directory)."""
+        self.key, self._first = key, None
+
+    def committed(self, seq: int) -> None:
+        """The process committed commit number ``seq`` locally: the first of its branch (new
+        commits number after every checkpoint either tier holds, the abandoned ones too)."""
+        if self._first is None:
+            self._first = seq
+
+    def uploaded(self, key: tuple[str, int]) -> None:
+        """``key`` is committed remotely: one of the process's own branch ends the hold."""
+        if self._first is not None and key[1] >= self._first:
+            self.key = None
+
+
 class OwnCheckpoints:
     """Which of its run's remote checkpoints a process's remote retention counts and deletes:
     those the store held when it opened (the run's history, which a resumed run manages) and
@@ -298,12 +331,11 @@ class OwnCheckpoints:
     deleted them (and the other deleted this one's). They are left out, and named in a warning
     once. Which ranks call what: the one thread that runs the remote retention.
 
-    ``held``: the key (run id, commit number) of the checkpoint the process restored from,
-    until its first commit (None: none), whose remote copy the retention keeps meanwhile
-    (:meth:`protected`).
+    ``held``: the remote copy of the checkpoint the process restored from, which the retention
+    keeps until the process's branch is on the remote (:meth:`protected`).
     """
 
-    def __init__(self, url: str, held: Callable[[], tuple[str, int] | None] | None = None) -> None:
+    def __init__(self, url: str, held: RestoredCopy | None = None) -> None:
         self.url = url
         self.held = held
         self._known: set[tuple[str, tuple[str, int]]] | None = None  # (name, key)
@@ -311,10 +343,9 @@ class OwnCheckpoints:
 
     def protected(self, entries: Sequence[RemoteEntry], protect: str) -> list[str]:
         """What the remote retention deletes of none of ``entries``: ``protect`` (the one just
-        committed) and the remote copy of the checkpoint the process restored from, until its
-        first commit (before it, after a roll-back, the abandoned newer checkpoints are the
-        newest: ``keep_last=1`` deleted it after the upload of one the restore queued)."""
-        key = self.held() if self.held is not None else None
+        committed) and the remote copy of the checkpoint the process restored from, until a
+        checkpoint of its branch is committed remotely (:class:`RestoredCopy`)."""
+        key = self.held.key if self.held is not None else None
         return [protect] + [e.name for e in entries if key is not None and e.key == key]
 
     def opened(self, entries: Sequence[RemoteEntry]) -> None:
@@ -324,6 +355,8 @@ class OwnCheckpoints:
 
     def wrote(self, name: str, key: tuple[str, int]) -> None:
         """This process committed ``key`` as ``name``."""
+        if self.held is not None:
+            self.held.uploaded(key)
         self.opened([])
         assert self._known is not None
         self._known.add((name, key))

@@ -372,7 +372,7 @@ class Restorer:
         parent = os.path.dirname(os.path.abspath(path))  # (spelled through a link, maybe)
         inside = parent == ck.dirpath or os.path.realpath(parent) == os.path.realpath(ck.dirpath)
         d.run_id, d.restored = (manifest.run_id, os.path.basename(path)) if inside else (None, None)
-        d.restored_key = (manifest.run_id, manifest.seq) if inside else None  # (its remote copy)
+        d.restored_copy.restored((manifest.run_id, manifest.seq) if inside else None)
         d.tip.rebase(*((manifest.seq, lineage_of(ck.dirpath, manifest)) if inside else (None,)))
         ck.last_saved_step = manifest.step if inside else None
         ck.restored_from = path

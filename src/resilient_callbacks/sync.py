@@ -37,6 +37,7 @@ from .remote_objects import (
     UNREADABLE,
     OwnCheckpoints,
     RemoteNameTaken,
+    RestoredCopy,
     free_name,
     seq_floor,
 )
@@ -106,7 +107,7 @@ class RemoteSync(UploadThread):
         after_upload: Callable[[], None] | None = None,
         *,
         on_uploaded: Callable[[Manifest, str, float], None] | None = None,
-        held: Callable[[], tuple[str, int] | None] | None = None,
+        held: RestoredCopy | None = None,
         retry_base_s: float = 1.0,
         retry_max_s: float = 60.0,
         warn_every_s: float = 60.0,
