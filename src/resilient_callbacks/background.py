@@ -22,6 +22,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from .upload_thread import by_grace
+
 Job = Callable[[], None]
 
 
@@ -85,14 +87,21 @@ class BackgroundPersister:
                 self._cond.wait()
             return time.perf_counter() - t0
 
-    def wait_all(self, timeout: float | None = None) -> bool:
-        """Block until no job is pending; False if ``timeout`` passed first."""
+    def wait_all(
+        self, timeout: float | None = None, grace_left: Callable[[], float | None] | None = None
+    ) -> bool:
+        """Block until no job is pending; False if ``timeout`` passed first, or past
+        ``grace_left()`` (a preemption's time to the hard kill, less a margin to exit: one
+        whose signal arrives during the wait too)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
+                until = by_grace(deadline, grace_left)
+                left = None if until is None else until - time.monotonic()
                 if left is not None and left <= 0:
                     return False
+                if grace_left is not None:  # (a signal may come: look again each second)
+                    left = 1.0 if left is None else min(1.0, left)
                 self._cond.wait(left)
         return True
 

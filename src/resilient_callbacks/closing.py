@@ -28,6 +28,7 @@ from .catalog import Depth
 from .errors import UploadIncompleteError
 from .nodelocal import NodeDirectory
 from .preemption import pending
+from .upload_thread import EXIT_MARGIN_S, by_grace
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("resilient_callbacks")
 
 PREEMPTED_SINKS_S = 5.0  # a preempted process's wait for its metrics sinks, grace period unknown
-EXIT_MARGIN_S = 5.0  # a preempted process's close ends this long before the grace period does
 _at_exit_closing = False  # flush_at_exit is closing a Checkpointer (at interpreter exit)
 # torch's error in the training process when a DataLoader worker died of a signal
 _WORKER_KILLED = re.compile(r"DataLoader worker \(pid.*\) is killed by signal")
@@ -58,13 +58,14 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
         timeout = _answered_elsewhere_s(ck)
     deadline = None if timeout is None else time.monotonic() + timeout
     persister = ck._saver.persister
+    grace_left = ck.watcher.remaining_grace_s if ck.watcher is not None else None
     try:
         if persister is not None:
             pending = persister.pending
             if pending:
                 log.info("waiting for %d checkpoint(s) still being written ...", pending)
             t_wait = time.perf_counter()
-            finished = persister.wait_all(timeout)
+            finished = persister.wait_all(timeout, grace_left)
             ck.close_wait_seconds = time.perf_counter() - t_wait
             if pending and finished and ck.last_save is not None:
                 # the end of training waits for the last checkpoint to be durable: say how long
@@ -77,10 +78,13 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
             if not finished:
                 persister.abandon()
                 log.warning(
-                    "close(): %d checkpoint(s) were still being written after %s s and were "
+                    "close(): %d checkpoint(s) were still being written %s and were "
                     "abandoned; the newest committed checkpoint is %s",
                     persister.pending,
-                    timeout,
+                    f"after {timeout} s"
+                    if grace_left is None or grace_left() is None
+                    else f"when the preemption's grace period, less {EXIT_MARGIN_S:g} s to "
+                    "exit, was spent (before the scheduler's kill)",
                     _newest(ck),
                 )
             else:
@@ -99,7 +103,8 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
                 left, outage_s, watcher.remaining_grace_s if watcher else None
             )
             strict = strict and (watcher is None or watcher.request is None)
-        _empty_trash(ck, None if deadline is None else max(0.0, deadline - time.monotonic()))
+        until = by_grace(deadline, grace_left)  # (a signal that arrived meanwhile too)
+        _empty_trash(ck, None if until is None else max(0.0, until - time.monotonic()))
         _warn_unmonitored(ck)
         if persister is not None:
             ck.save_waits.log_summary()
@@ -295,11 +300,14 @@ def _answered_elsewhere_s(ck: Checkpointer) -> float | None:
 
 def _sinks_deadline(ck: Checkpointer, deadline: float | None) -> float | None:
     """Until when the metrics sinks may send their last values: what is left of close's
-    timeout (a preemption's grace period); a preempted process whose grace period is unknown
-    gives them :data:`PREEMPTED_SINKS_S` (its checkpoint and history are durable by then; a
-    hanging sink must not hold its exit code past the scheduler's kill)."""
-    answered_elsewhere = ck.watcher is not None and ck.watcher.answered_elsewhere
-    if deadline is None and (ck.preempted or answered_elsewhere):
+    timeout and of a pending preemption's grace period less :data:`EXIT_MARGIN_S` (also one
+    no step() acted on); a preempted process whose grace period is unknown gives them
+    :data:`PREEMPTED_SINKS_S` (its checkpoint and history are durable by then; a hanging sink
+    must not hold its exit code past the scheduler's kill)."""
+    w = ck.watcher
+    deadline = by_grace(deadline, w.remaining_grace_s if w is not None else None)
+    signalled = w is not None and (w.answered_elsewhere or w.request is not None)
+    if deadline is None and (ck.preempted or signalled):
         return time.monotonic() + PREEMPTED_SINKS_S
     return deadline
 
