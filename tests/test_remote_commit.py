@@ -426,3 +426,34 @@ def test_the_node_local_remote_retention_plans_for_the_run_that_committed(tmp_pa
         committer.stop()
         for u in up:
             u.stop()
+
+
+def test_a_committer_that_could_not_list_at_open_retires_the_runs_history(tmp_path):
+    """The store did not answer at open (no listing: the run's history unknown). The first
+    commit was taken for the open, so the retention counted only this process's commits as
+    the run's, and the history on the URL was never deleted (named as another live process's
+    in a warning). Now the first listing that succeeds says the history."""
+    store, files, _, _, committer, up = _setup(tmp_path)
+    committer.stop()
+    with Checkpointer(tmp_path / "before", remote=store.url, async_save=False) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    (history,) = [e for e in store.scan() if e.manifest is not None]
+    assert history.key is not None
+    key = (history.key[0], 2)  # the run resumed on two nodes, its next commit
+    m = Manifest(step=2, run_id=key[0], seq=2, world_size=2, files=files)
+    committer = RemoteCommitter(store, 2, RetentionPolicy(keep_last=1), max_attempts=1)
+    try:  # (no refresh_max_seq: the store was down at open)
+        committer.expect(key, "step_000000002", encode_json(m.to_json()))
+        for node, u in enumerate(up):
+            u.enqueue("step_000000002", "step_000000002", key, [files[node]])
+            assert u.wait(30)
+            for rep in u.take_reports():
+                committer.report(node, rep)
+        assert committer.wait(30) is True
+        committer.stop()
+        committer._thread.join(60)  # (its retention after the commit is done)
+        assert _committed(store) == {"step_000000002": None}
+    finally:
+        committer.stop()
+        for u in up:
+            u.stop()

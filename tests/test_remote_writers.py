@@ -246,3 +246,49 @@ def test_two_live_processes_of_one_run_never_delete_each_others_checkpoints(tmp_
     live = "that another live process committed while this one writes it"
     assert f"step_000000030 is a checkpoint of this run ({by_step[0][1]}) {live}" in said["old"]
     assert f"step_000000030-r1 is a checkpoint of this run ({by_step[0][1]}) {live}" in said["new"]
+
+
+def test_a_store_unlisted_at_open_still_retires_the_runs_history(tmp_path, monkeypatch):
+    """A job restarted while the store failed its listing (the restore's loud fallback to the
+    local tier) saves on and uploads once the store answers. Its remote retention took the
+    first upload for the open and counted only this process's commits as the run's: the run's
+    history on the URL (steps 10 and 20) was never deleted again by that job, and a warning
+    named it as another live process's. The first listing that succeeds is the open's now."""
+    from resilient_callbacks import ResumeFallbackWarning
+    from resilient_callbacks.errors import RemoteUnavailableError
+
+    url = f"file://{tmp_path}/durable/run"
+    kw = {"remote": url, "keep_last": 2, "async_save": False}
+    with Checkpointer(tmp_path / "l", **kw) as ck:
+        for s in (10, 20):
+            ck.save(s, {"w": torch.full((64,), float(s))})
+    real = RemoteStore.scan
+    down = [True]
+
+    def scan(self, *a, **k):
+        if down[0]:
+            raise ConnectionError("the store is down")
+        return real(self, *a, **k)
+
+    def preflight(self, timeout=30.0):
+        raise RemoteUnavailableError(f"remote {self.url}: no answer within {timeout:g} s")
+
+    real_upload = RemoteStore.upload
+
+    def upload(self, *a, **k):
+        if down[0]:
+            raise ConnectionError("the store is down")
+        return real_upload(self, *a, **k)
+
+    monkeypatch.setattr(RemoteStore, "scan", scan)
+    monkeypatch.setattr(RemoteStore, "upload", upload)
+    monkeypatch.setattr(RemoteStore, "preflight", preflight)
+    with Checkpointer(tmp_path / "l", **kw) as ck:
+        with pytest.warns(ResumeFallbackWarning, match="could not list the remote"):
+            assert ck.restore({"w": torch.zeros(64)}) == 20
+        down[0] = False
+        for s in (30, 40):
+            ck.save(s, {"w": torch.full((64,), float(s))})
+            assert ck._dir.sync.wait(120)
+    found = sorted(e.name for e in real(RemoteStore(url)) if e.manifest is not None)
+    assert found == ["step_000000030", "step_000000040"], found

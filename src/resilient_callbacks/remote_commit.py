@@ -378,6 +378,7 @@ class RemoteCommitter(UploadThread):
         """The remote retention of run ``run``, after its commit of ``protect``."""
         try:
             entries = self.store.scan()
+            self.own.opened(entries)  # (the first listing, when the store was down at open)
             with self._cond:
                 self.index = {e.key: e.name for e in entries if e.key is not None}
                 self.listed = {e.name for e in entries if e.problem != NO_MANIFEST}

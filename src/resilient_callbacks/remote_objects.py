@@ -329,7 +329,10 @@ class OwnCheckpoints:
     scheduler restarted while the old one still drains its uploads, two jobs given one run
     directory) commits others meanwhile: counted as this run's, the shared ``keep_last``
     deleted them (and the other deleted this one's). They are left out, and named in a warning
-    once. Which ranks call what: the one thread that runs the remote retention.
+    once. The history is the first listing that succeeded: at open, or, when the store could
+    not be listed then (an outage at the restart), the first one after (taking this process's
+    first commits for the open counted the history as another process's: never deleted).
+    Which ranks call what: the one thread that runs the remote retention.
 
     ``held``: the remote copy of the checkpoint the process restored from, which the retention
     keeps until the process's branch is on the remote (:meth:`protected`).
@@ -338,7 +341,8 @@ class OwnCheckpoints:
     def __init__(self, url: str, held: RestoredCopy | None = None) -> None:
         self.url = url
         self.held = held
-        self._known: set[tuple[str, tuple[str, int]]] | None = None  # (name, key)
+        self._known: set[tuple[str, tuple[str, int]]] | None = None  # (name, key): the history
+        self._wrote: set[tuple[str, tuple[str, int]]] = set()  # (name, key): this process's
         self._warned: set[str] = set()
 
     def protected(self, entries: Sequence[RemoteEntry], protect: str) -> list[str]:
@@ -349,7 +353,8 @@ class OwnCheckpoints:
         return [protect] + [e.name for e in entries if key is not None and e.key == key]
 
     def opened(self, entries: Sequence[RemoteEntry]) -> None:
-        """The first listing (at open): every committed checkpoint in it is the run's history."""
+        """A listing of the store: the first one (at open, or the first that succeeded after)
+        says the run's history, every committed checkpoint in it."""
         if self._known is None:
             self._known = {(e.name, e.key) for e in entries if e.key is not None}
 
@@ -357,15 +362,14 @@ class OwnCheckpoints:
         """This process committed ``key`` as ``name``."""
         if self.held is not None:
             self.held.uploaded(key)
-        self.opened([])
-        assert self._known is not None
-        self._known.add((name, key))
+        self._wrote.add((name, key))
 
     def mine(self, entries: Sequence[RemoteEntry], run_id: str) -> list[RemoteEntry]:
         """``entries`` without the checkpoints of ``run_id`` that another process committed
-        since this one opened (warned about once a name)."""
-        self.opened([])
-        known = self._known or set()
+        since this one opened (warned about once a name); all of them before a listing."""
+        if self._known is None:  # (no listing yet: nothing tells another process's apart)
+            return list(entries)
+        known = self._known | self._wrote
         theirs = [
             e for e in entries if e.key and e.key[0] == run_id and (e.name, e.key) not in known
         ]
