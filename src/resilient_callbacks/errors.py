@@ -91,6 +91,11 @@ class UploadIncompleteError(RemoteUnavailableError):
         super().__init__(message)
         self.pending, self.dirpath, self.url = pending, dirpath, url
 
+    def __reduce__(self) -> tuple[type, tuple[str, tuple[str, ...], str, str], dict]:
+        # pickled across a process boundary (a process pool running the training): the
+        # default calls the class with the message alone
+        return (type(self), (str(self), self.pending, self.dirpath, self.url), vars(self))
+
 
 __all__ = [
     "CheckpointCorruptError",
