@@ -1359,18 +1359,21 @@ with Checkpointer(local, remote=url, every_n_steps=2) as ck:
         ck.step(step, state)
     if how == "fails":
         raise ValueError("the user's own error")
+    if how == "exits":
+        sys.exit(0)
 print("loop ended")
 """
 
 
-@pytest.mark.parametrize("how", ["ends", "fails"])
+@pytest.mark.parametrize("how", ["ends", "fails", "exits"])
 def test_a_job_whose_uploads_were_given_up_does_not_exit_0(tmp_path, how):
     """A plain loop in a `with Checkpointer(...)` block against a store that failed for longer
     than close()'s outage limit: close() gave up, logged a warning and returned, and the
     process exited 0, so a scheduler marked the job successful although its newest checkpoints
     never left the machine's disk. Now close() raises UploadIncompleteError naming them and
     the push command, and the exit status is 1; the user's own exception, if the loop failed,
-    is the one that propagates (the close error is logged beside it)."""
+    is the one that propagates (the close error is logged beside it). A ``sys.exit(0)`` in
+    the block is no failure: it exited 0 past the logged error; the error is raised now."""
     url = f"file://{tmp_path / 'remote'}"
     p = subprocess.run(
         [sys.executable, "-c", _GIVE_UP_SCRIPT, str(tmp_path / "l"), url, how],
@@ -1383,8 +1386,26 @@ def test_a_job_whose_uploads_were_given_up_does_not_exit_0(tmp_path, how):
     assert "loop ended" not in p.stdout
     tail = p.stderr.strip().splitlines()[-1]
     assert "step_000000004" in p.stderr and f"resilient-ckpt push {tmp_path / 'l'}" in p.stderr
-    if how == "ends":
+    if how in ("ends", "exits"):
         assert tail.startswith("resilient_callbacks.errors.UploadIncompleteError"), p.stderr
     else:
         assert tail == "ValueError: the user's own error", p.stderr
     assert (tmp_path / "l" / "step_000000004" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("code", [0, None, 3])
+def test_a_with_block_left_by_sys_exit_0_raises_the_close_error(code):
+    """closing.close_on_exit (the DCP writer's and the Trainer callback's end) logged a close
+    that raised while any exception propagated: a ``sys.exit(0)`` then ended the job with
+    status 0 past an UploadIncompleteError. A clean exit gives way to the close error now; an
+    exit with a failure status of the user's stays theirs."""
+    from resilient_callbacks import closing
+
+    def close():
+        raise UploadIncompleteError("gave up", ("step_1",), "/d", "file:///r")
+
+    if code == 3:
+        closing.close_on_exit(close, SystemExit(code))  # logged; SystemExit(3) goes on
+    else:
+        with pytest.raises(UploadIncompleteError):
+            closing.close_on_exit(close, SystemExit(code))

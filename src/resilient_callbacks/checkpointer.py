@@ -343,7 +343,7 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc is not None:
+        if exc is not None and not closing.clean_exit(exc):  # (sys.exit(0): close() raises)
             self.abort(exc)
         else:
             self.close()

@@ -194,13 +194,21 @@ def failing(ck: Checkpointer, exc: BaseException) -> None:
         ck.failed_detail = ""
 
 
+def clean_exit(exc: BaseException) -> bool:
+    """Whether ``exc`` ends the process with status 0 (``sys.exit()``, ``sys.exit(0)``): no
+    failure, so close()'s error (uploads given up, a failed background save) is raised, not
+    logged beside it and lost to a success status."""
+    return isinstance(exc, SystemExit) and exc.code in (0, None)
+
+
 def close_on_exit(close: Callable[[], None], exc: object) -> None:
     """A ``with`` block's end: ``close()``; while the exception ``exc`` propagates, a failure of
-    the close is logged, never raised in its place (the user's error is the one to see)."""
+    the close is logged, never raised in its place (the user's error is the one to see), unless
+    ``exc`` is a :func:`clean_exit` (the close's error is raised: no success status)."""
     try:
         close()
     except Exception as e:
-        if exc is None:
+        if exc is None or (isinstance(exc, BaseException) and clean_exit(exc)):
             raise
         log.error("closing after %s failed: %s", type(exc).__name__, e)
 
