@@ -283,6 +283,21 @@ def test_close_names_the_checkpoints_whose_remote_commit_was_given_up(tmp_path):
     assert os.path.exists(tmp_path / "remote" / "step_000000004" / "manifest.json")
 
 
+@pytest.mark.slow
+def test_a_remote_commit_given_up_before_a_newer_one_committed_fails_no_job(tmp_path):
+    """The remote commit of step 2 failed (a blip of the store mid-training, given up after
+    its attempts); steps 4 and 6 committed remotely after it. close() raised
+    UploadIncompleteError for step 2 on rank 0: a job whose newest checkpoint is durable
+    exited 1 (shared mode's uploader skips such a checkpoint). It is named in the log, and
+    close() raises only for checkpoints newer than the run's newest remote commit."""
+    out = _run(tmp_path, "blip", 2, "--steps", "6", RC_COMMIT_FAILS="first", RC_CAPTURE_LOG=1)
+    assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
+    log = out[0][-1]["log"]
+    assert "remote commit of step_000000002 given up" in log, log
+    committed = {e.name for e in RemoteStore(f"file://{tmp_path}/remote").scan() if e.manifest}
+    assert "step_000000006" in committed, committed
+
+
 def test_close_gives_up_on_a_remote_commit_that_never_answers(tmp_path):
     """The store stops answering the coordinator's remote commit (an attempt that never
     returns, as against an endpoint that accepts connections and goes silent): close() says
@@ -755,8 +770,11 @@ def worker(base: str, argv: list[str]) -> None:
         ck._dir.commit.commit = commit_or_die
     committer = getattr(ck._dir, "committer", None)
     if os.environ.get("RC_COMMIT_FAILS") and committer is not None:
+        real_commit_one = committer.commit_one
 
         def fail(p):
+            if os.environ["RC_COMMIT_FAILS"] == "first" and p.name != "step_000000002":
+                return real_commit_one(p)  # (only the first checkpoint's commit fails)
             raise ConnectionError("the store refuses the manifest")
 
         committer.commit_one = fail

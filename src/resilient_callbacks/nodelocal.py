@@ -370,7 +370,7 @@ class NodeDirectory(Directory):
                 "them): %s",
                 ", ".join(c.abandoned),
             )
-        return sorted(local_only.union(c.abandoned))
+        return sorted(local_only.union(c.given_up()))  # (not one a newer commit superseded)
 
     def _move_taken(self, timeout: Any, outage_s: Any, grace_left: Any) -> None:
         """close(), leaders (a collective on the leaders group): the checkpoints whose name a

@@ -255,6 +255,16 @@ class RemoteCommitter(UploadThread):
                 newest[run_id] = max(seq, newest.get(run_id, seq))
             return [p.name for k, p in self._pending.items() if k[1] < newest.get(k[0], -1)]
 
+    def given_up(self) -> list[str]:
+        """The checkpoints whose remote commit was given up, less those older than one of
+        their run committed remotely since (a blip mid-training: the newest is durable)."""
+        with self._cond:
+            newest: dict[str, int] = {}
+            for run_id, seq in self.index:
+                newest[run_id] = max(seq, newest.get(run_id, seq))
+            pairs = zip(self.abandoned, self._abandoned_keys, strict=True)
+            return [n for n, k in pairs if k[1] > newest.get(k[0], -1)]
+
     def ready(self) -> list[str]:
         """The checkpoints whose parts all arrived, not committed yet (being tried, or next)."""
         with self._cond:
