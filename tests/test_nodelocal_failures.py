@@ -141,6 +141,28 @@ def test_remote_unlistable_at_the_restore_resumes_from_the_disks_and_says_why_it
     assert "which a stop cut off" not in log, log
 
 
+@pytest.mark.slow
+def test_a_listing_that_fails_at_construction_goes_on_from_the_disks(tmp_path):
+    """The disks hold the run; the store answers the preflight's probe but fails the listing
+    at construction. That failure read as the node's directory being unusable ("could not be
+    opened"), on every restart until the store came back. As after a preflight that got no
+    answer, the job now goes on from the disks, with a warning that names the listing."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    out = _run(
+        tmp_path,
+        "second",
+        2,
+        "--steps",
+        "4",
+        RC_SCAN_FAILS_AFTER=0,
+        RC_CAPTURE_LOG=1,
+        RC_OUTAGE_S=2,
+    )
+    assert [rank[0]["restored"] for rank in out] == [4, 4], out
+    log = out[0][-1]["log"]
+    assert "listing" in log and "holds checkpoints: going on with them" in log, log
+
+
 def test_remote_checkpoints_whose_manifest_cannot_be_read_are_no_fresh_start(tmp_path):
     """Every node replaced (empty disks), the run's remote manifests listed but damaged: the
     restore kept only the remote checkpoints it could read, found none, and started from step

@@ -753,6 +753,55 @@ def test_a_job_restarted_during_an_outage_resumes_from_its_local_checkpoints(tmp
     assert (local / "step_000000020" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("how", ["denied", "down", "stalls"])
+def test_a_listing_that_fails_at_open_names_the_store_not_the_local_directory(
+    tmp_path, monkeypatch, caplog, how
+):
+    """The preflight writes, reads and deletes a probe object; the open then lists the store
+    (new commits number after its). A listing that failed there (credentials without
+    s3:ListBucket, a store that failed the listing) was taken for the local directory's
+    failure: "cannot use <dirpath> as a checkpoint directory ... Check that the path is right
+    and writable by this user", and one that stalled hung the construction (restore's listing
+    is bounded since 26b32cf, not this one). Now it is the store's RemoteUnavailableError,
+    bounded like the restore's; a store that did not answer with checkpoints on the local disk
+    is a warning and the job goes on from them, as after a preflight that got no answer."""
+    from resilient_callbacks import checkpointer as ckmod
+
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)  # (the stall's limit too)
+    url = f"file://{tmp_path}/durable/run"
+    local = tmp_path / "l"
+    with Checkpointer(local, remote=url, async_save=False) as ck:
+        ck.save(10, _state(10))
+    release = threading.Event()
+
+    def scan(self, *a, **k):
+        if how == "denied":
+            raise PermissionError("AccessDenied: s3:ListBucket")
+        if how == "stalls":
+            release.wait(60)
+        raise ConnectionError("the store failed the listing")
+
+    monkeypatch.setattr(RemoteStore, "scan", scan)
+    caplog.set_level(logging.WARNING, "resilient_callbacks")
+    try:
+        if how == "denied":
+            with pytest.raises(RemoteUnavailableError, match="listing") as info:
+                Checkpointer(local, remote=url)
+            assert "cannot use" not in str(info.value) and url in str(info.value)
+            assert "AccessDenied" in str(info.value)
+            return
+        ck = Checkpointer(local, remote=url)  # goes on from the local checkpoint
+        try:
+            said = [r.getMessage() for r in caplog.records if "going on with them" in r.message]
+            assert len(said) == 1 and "listing" in said[0], said
+            with pytest.warns(ResumeFallbackWarning, match="could not list the remote"):
+                assert ck.restore(_fresh()) == 10
+        finally:
+            ck.close(timeout=1)
+    finally:
+        release.set()
+
+
 def test_the_preflight_error_reads_as_one_sentence_per_part(tmp_path, monkeypatch):
     """S3's messages end with a period ("The AWS Access Key Id you provided does not exist in
     our records."): the preflight's error read "records.. Check the bucket name ..."."""

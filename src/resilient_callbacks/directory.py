@@ -190,7 +190,7 @@ class Directory:
         """Coordinator: connect to the remote tier and prove it usable (a clear error now, not
         after hours of training), then start the uploader."""
         from .remote import RemoteStore
-        from .sync import RemoteSync, preflight
+        from .sync import RemoteSync, open_listing, preflight
 
         assert config.remote is not None
         self.remote = RemoteStore(config.remote, config.remote_options)
@@ -210,7 +210,7 @@ class Directory:
         # new commits number after the remote's (a newer format's too), also when no restore()
         # lists the tiers (a new run that only saves): a restore takes the highest number
         if reachable:
-            self.seq = max(self.seq, self.sync.max_seq())
+            self.seq = max(self.seq, open_listing(self.sync.max_seq, st.url, self.dirpath))
 
     def release(self) -> None:
         """Stop the uploader and the trash bin's thread, and release the lock (idempotent)."""

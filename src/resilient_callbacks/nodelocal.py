@@ -52,7 +52,7 @@ from .manifest import FileEntry, Manifest
 from .remote_objects import commit_tag
 from .retention import Candidate, plan
 from .retention_pass import apply_retention
-from .sync import SyncStatus, preflight
+from .sync import SyncStatus, open_listing, preflight
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -213,7 +213,8 @@ class NodeDirectory(Directory):
         # as in shared mode: a store that cannot be reached while this node's disk holds
         # checkpoints is a warning (the restore falls back to the disks, loudly); otherwise
         # raised, and open() makes every rank raise it (a node with an empty disk cannot go on)
-        reachable = preflight(self.remote, config.remote_timeout, self.dirpath)
+        st = self.remote
+        reachable = preflight(st, config.remote_timeout, self.dirpath)
         self.uploader = NodeUploader(
             self.remote,
             self.dirpath,
@@ -228,7 +229,8 @@ class NodeDirectory(Directory):
                 held=self.restored_copy,
             )
             if reachable:  # (else the restore lists the remote, if it answers by then)
-                self.seq = max(self.seq, self.committer.refresh_max_seq())
+                listed = open_listing(self.committer.refresh_max_seq, st.url, self.dirpath)
+                self.seq = max(self.seq, listed)
 
     def release(self) -> None:
         if self.uploader is not None:

@@ -72,6 +72,31 @@ def preflight(store: RemoteStore, timeout: float, dirpath: str) -> bool:
         return False
 
 
+def open_listing(max_seq: Callable[[], int], url: str, dirpath: str) -> int:
+    """The construction's listing, after a preflight that answered: the highest commit number
+    ``max_seq()`` gives (new commits number after it), bounded as a restore's (:mod:`.stall`). A
+    listing that fails is the store's :class:`RemoteUnavailableError` (it read as ``dirpath``
+    unusable); one that got no answer while ``dirpath`` holds committed checkpoints is
+    :func:`preflight`'s warning and 0 (the restore lists again)."""
+    from . import stall
+
+    try:
+        return stall.run(max_seq, f"listing {url}", who="the construction")
+    except RemoteUnavailableError as e:
+        err = e
+    except Exception as e:
+        err = RemoteUnavailableError(
+            f"remote {url}: listing its checkpoints failed ({type(e).__name__}: "
+            f"{url_text(str(e))}) after a probe object was written and read there. Check the "
+            "right to list it (s3:ListBucket) and the endpoint"
+        )
+        err.__cause__ = e
+    if not _unreachable(err) or not catalog.committed(catalog.scan(dirpath, Depth.NONE)):
+        raise err
+    log.warning("%s. %s holds checkpoints: going on with them", str(err).rstrip("."), dirpath)
+    return 0
+
+
 def _unreachable(e: RemoteUnavailableError) -> bool:
     """Whether the preflight's failure says the store could not be reached (no answer, a
     refused or timed-out connection: botocore's errors are no OSError, so by class name)."""
