@@ -1458,3 +1458,30 @@ def test_a_with_block_left_by_sys_exit_0_raises_the_close_error(code):
     else:
         with pytest.raises(UploadIncompleteError):
             closing.close_on_exit(close, SystemExit(code))
+
+
+def test_the_push_command_close_names_carries_the_remote_options(tmp_path, monkeypatch):
+    """close()'s UploadIncompleteError named `resilient-ckpt push DIR URL` without the
+    remote_options the run needed (an endpoint_url: MinIO, Ceph, R2): pasted as said, the
+    command went to another store or none. It names each key as `-o KEY=...` now (the values
+    may be secrets); filled in, the command uploads what close() gave up on."""
+    from resilient_callbacks import checkpointer as ckmod
+
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.5)
+    url = f"file://{tmp_path}/durable/run"
+    ck = Checkpointer(tmp_path / "l", remote=url, remote_options={"auto_mkdir": True})
+    ck._sync.retry_base_s = ck._sync.retry_max_s = 0.05
+
+    def down(*a, **k):
+        raise ConnectionError("the store is down")
+
+    ck.remote.upload = down
+    ck.save(10, _state(10))
+    with pytest.raises(UploadIncompleteError) as info:
+        ck.close()
+    said = str(info.value)
+    command = f"resilient-ckpt push {tmp_path / 'l'} {url} -o auto_mkdir=..."
+    assert f"`{command}`" in said, said
+    got = _cli(*command.replace("...", "true").split()[1:])
+    assert got.returncode == 0, got.stderr
+    assert _committed(url, None) == {"step_000000010": 10}

@@ -147,13 +147,23 @@ def not_uploaded_error(d: Directory, pending: list[str], outage_s: float) -> Upl
         f"close(): {len(pending)} checkpoint(s) never reached {url}: {', '.join(pending)}. The "
         f"store failed or stopped answering for more than {outage_s:g} s (last error: "
         f"{error}), so close() gave up on them. They are committed and kept in {d.dirpath}; "
-        f"upload them with `resilient-ckpt push {d.dirpath} {url}` once the store answers (a "
-        "run resumed with the same dirpath and remote uploads them too). Raised so that the "
+        f"upload them with {_push_command(d)} once the store answers (a run resumed with the "
+        "same dirpath and remote uploads them too). Raised so that the "
         "job does not end as a success with its newest checkpoints on this machine's disk only",
         tuple(pending),
         d.dirpath,
         url,
     )
+
+
+def _push_command(d: Directory) -> str:
+    """``resilient-ckpt push`` of ``d``'s checkpoints to its store, in backquotes; with the
+    keys of its ``remote_options`` as ``-o`` (without them, an ``endpoint_url`` say, the
+    command went to another store or none), their values left out: they may be secrets."""
+    assert d.remote is not None
+    opts = "".join(f" -o {k}=..." for k in d.remote.options)
+    said = " (each `...` the value of that key of your remote_options, as JSON)" if opts else ""
+    return f"`resilient-ckpt push {d.dirpath} {d.remote.url}{opts}`{said}"
 
 
 def _nodes_error(d: NodeDirectory, pending: list[str], outage_s: float) -> UploadIncompleteError:
