@@ -1485,3 +1485,39 @@ def test_the_push_command_close_names_carries_the_remote_options(tmp_path, monke
     got = _cli(*command.replace("...", "true").split()[1:])
     assert got.returncode == 0, got.stderr
     assert _committed(url, None) == {"step_000000010": 10}
+
+
+def test_close_lets_a_retry_that_moves_bytes_finish_past_the_outage_limit(tmp_path, monkeypatch):
+    """One upload attempt failed (a blip), and its retry, a large checkpoint, moves bytes
+    steadily for longer than the outage limit. The failure count stays up until an attempt
+    succeeds, so close() took the whole retry for an outage and gave up on a healthy store
+    (UploadIncompleteError, exit 1). An attempt that moves bytes is let finish now. (The
+    upload moves a byte each time close() looks at the status: no race with the clock.)"""
+    from resilient_callbacks import checkpointer as ckmod
+
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 2.5)
+    url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
+    ck = Checkpointer(tmp_path / "l", remote=url, keep_last=1, async_save=False)
+    ck._sync.retry_base_s = ck._sync.retry_max_s = 0.05
+    real_upload, real_status = ck.remote.upload, ck._sync.status
+    looks, attempts = [0], []
+
+    def status():
+        p = ck._sync._progress
+        if p is not None and len(attempts) > 1:  # the retry, under way: a byte per look
+            looks[0] += 1
+            p.update(1)
+        return real_status()
+
+    def upload(local_dir, manifest, name, progress=None):
+        attempts.append(name)
+        if len(attempts) == 1:
+            raise ConnectionError("a blip")
+        while looks[0] < 6:  # (close looks once a second: past the 2.5 s limit)
+            time.sleep(0.01)
+        return real_upload(local_dir, manifest, name, progress)
+
+    ck.remote.upload, ck._sync.status = upload, status
+    ck.save(10, _state(10))
+    ck.close()  # no UploadIncompleteError: the store answered all along
+    assert _committed(url, None) == {"step_000000010": 10}

@@ -149,6 +149,45 @@ def test_close_gives_up_on_a_node_upload_that_moves_no_byte(tmp_path, monkeypatc
             u.stop()
 
 
+def test_a_node_upload_retry_that_moves_bytes_is_let_finish(tmp_path, monkeypatch):
+    """One attempt of a node's upload failed (a blip), and the retry moves bytes for longer
+    than the outage limit: the wait counted the outage from that failure until an attempt
+    succeeded, so close() gave up on a store that answered (UploadIncompleteError; the first
+    failure may even date from long before close). An attempt that moves bytes is let finish.
+    (The upload moves a byte each time the wait looks: no race with the clock.)"""
+    import time
+
+    store, files, key, _m, committer, up = _setup(tmp_path)
+    u, real_put = up[0], store.fs.put
+    real_stalled, looks, calls = u.stalled_s, [0], []
+
+    def stalled_s():
+        p = u._progress
+        if p is not None and len(calls) > 1:  # the retry, under way: a byte per look
+            looks[0] += 1
+            p.update(1)
+        return real_stalled()
+
+    def put(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("a blip")
+        while looks[0] < 6:  # (the wait looks once a second: past the 2.5 s limit)
+            time.sleep(0.01)
+        return real_put(*a, **k)
+
+    try:
+        monkeypatch.setattr(store.fs, "put", put)  # (fsspec shares it: undone after the test)
+        u.stalled_s = stalled_s
+        u.enqueue("step_000000002", "step_000000002", key, [files[0]])
+        assert u.wait(None, 2.5) is True
+        assert len(calls) == 2
+    finally:
+        committer.stop()
+        for x in up:
+            x.stop()
+
+
 def test_upload_check_asks_s3_not_a_listing_taken_mid_upload(tmp_path, s3_remote):
     """On the coordinator's node the committer thread lists the store with the same s3fs object
     as the node's uploader, at any moment, also while the uploader checks its objects. The check

@@ -402,9 +402,8 @@ class Directory:
     def finish_uploads(
         self, timeout: float | None, outage_s: float, grace_left: Callable[[], float | None]
     ) -> list[str]:
-        """close(): wait for the uploads (a progress bar on a terminal), then say and return
-        what is still only local (``[]``: all uploaded). ``grace_left``: seconds to the hard kill
-        of a preemption request that arrived meanwhile (None: none), which bounds the wait."""
+        """close(): wait for the uploads (a bar on a terminal); say and return what is only local
+        (``[]``: none). ``grace_left``: seconds to a preemption's hard kill (None: none)."""
         assert self.sync is not None and self.remote is not None
         status = self.sync.status()
         if status.pending:
@@ -439,9 +438,9 @@ class Directory:
         self, timeout: float | None, outage_s: float, grace_left: Callable[[], float | None]
     ) -> bool:
         """Wait for the upload queue to drain: up to ``timeout``; without one, as long as the
-        store answers, giving up after ``outage_s`` of failing attempts or of one that moves no
-        byte (no hang at exit through an outage: what is left stays local, close() raises). A
-        preemption request arriving meanwhile bounds the wait to its grace period, less 5 s."""
+        store answers, giving up after ``outage_s`` of failing attempts (an attempt under way
+        that moves bytes is let finish) or of one that moves no byte (close() then raises).
+        A preemption request meanwhile bounds the wait to its grace period, less 5 s."""
         assert self.sync is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         outage_since: float | None = None
@@ -457,7 +456,8 @@ class Directory:
                 return True
             st = self.sync.status()
             outage_since = (outage_since or time.monotonic()) if st.failures else None
-            failing = 0.0 if outage_since is None else time.monotonic() - outage_since
+            moving = st.uploading is not None and st.stalled_s <= outage_s  # (let it finish)
+            failing = 0.0 if outage_since is None or moving else time.monotonic() - outage_since
             if deadline is None and max(failing, st.stalled_s) > outage_s:
                 return False
 

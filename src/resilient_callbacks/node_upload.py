@@ -226,7 +226,8 @@ class NodeUploader(UploadThread):
         grace_left: Callable[[], float | None] | None = None,
     ) -> bool:
         """Block until every queued upload is done; False if ``timeout`` passed first, once
-        uploads have failed, or the one under way has moved no byte, for ``outage_s`` seconds
+        uploads have failed (and none under way moves bytes), or the one under way has moved no
+        byte, for ``outage_s`` seconds
         (close gives up on an outage, and on a store that accepted the connection and stopped
         answering), or past ``grace_left()`` (a preemption's time to the hard kill, less a
         margin to exit)."""
@@ -237,8 +238,10 @@ class NodeUploader(UploadThread):
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return False
-                failing = now - (self.failing_since or now)
-                if outage_s is not None and max(failing, self.stalled_s()) > outage_s:
+                stalled = self.stalled_s()  # (an attempt moving bytes is let finish: no outage)
+                moving = self._progress is not None and outage_s is not None and stalled <= outage_s
+                failing = 0.0 if moving else now - (self.failing_since or now)
+                if outage_s is not None and max(failing, stalled) > outage_s:
                     return False
                 self._cond.wait(1.0 if deadline is None else min(1.0, deadline - now))
             return True
