@@ -1451,3 +1451,44 @@ def test_a_resumed_zero3_trainer_counts_its_first_micro_batch_as_the_uninterrupt
     other = Trainer(2)
     continue_flos(other)
     assert "floating_point_ops" not in vars(other)
+
+
+EXIT0_SCRIPT = """
+import sys, torch, deepspeed
+import resilient_callbacks.deepspeed as rcds
+from resilient_callbacks import checkpointer
+from resilient_callbacks.remote import RemoteStore
+from ds_noshm import skip_shm_op
+skip_shm_op()
+checkpointer.CLOSE_OUTAGE_S = 0.5  # (300 s by default)
+
+def down(self, *a, **k):
+    raise ConnectionError("the store is down")
+
+RemoteStore.upload = down
+deepspeed.init_distributed(dist_backend="gloo")
+model = torch.nn.Linear(4, 1)
+cfg = {"train_micro_batch_size_per_gpu": 2,
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+       "resilient_checkpoint": {"dirpath": DIRPATH + "/a", "every_n_steps": 1,
+                                "remote": "file://" + DIRPATH + "/remote"}}
+engine, *_ = rcds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+with engine.resilient_checkpoint:
+    engine.resilient_checkpoint.checkpointer._sync.retry_base_s = 0.05
+    engine.resilient_checkpoint.checkpointer._sync.retry_max_s = 0.05
+    for _ in range(2):
+        engine.backward(engine(torch.ones(2, 4)).pow(2).mean())
+        engine.step()
+    sys.exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_sys_exit_0_in_the_engines_with_block_does_not_hide_upload_incomplete(tmp_path: Path):
+    """`with engine.resilient_checkpoint:` left by sys.exit(0) after close() gave up on the
+    uploads: its __exit__ took the SystemExit for a failure, abort() logged the close's
+    UploadIncompleteError and the job exited 0 with its newest checkpoints only local. The
+    error is raised now (exit 1), as by a with block of a Checkpointer."""
+    out = run_one_rank(tmp_path / "exit0.py", EXIT0_SCRIPT.replace("DIRPATH", repr(str(tmp_path))))
+    assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
+    assert "UploadIncompleteError" in out.stderr.strip().splitlines()[-1], out.stderr[-3000:]

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .. import closing
 from ..checkpointer import Checkpointer
 from ..data import ResumableDataLoader
 from ..errors import AT_CALLER, ConfigError, warn_and_log
@@ -126,9 +127,12 @@ class DeepSpeedCheckpoint:
         return saved
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush pending saves and uploads; give ``engine.step`` back."""
-        self.checkpointer.close(timeout)
-        self._unwrap()
+        """Flush pending saves and uploads; give ``engine.step`` back (also when the close
+        raises: ``UploadIncompleteError`` after an outage)."""
+        try:
+            self.checkpointer.close(timeout)
+        finally:
+            self._unwrap()
 
     def abort(self, exc: BaseException) -> None:
         """Training failed with ``exc``: with ``save_on_exception``, save the last step
@@ -148,7 +152,7 @@ class DeepSpeedCheckpoint:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc is not None:
+        if exc is not None and not closing.clean_exit(exc):  # (sys.exit(0): close() raises)
             self.abort(exc)
         else:
             self.close()
