@@ -248,12 +248,17 @@ def test_two_live_processes_of_one_run_never_delete_each_others_checkpoints(tmp_
     assert f"step_000000030-r1 is a checkpoint of this run ({by_step[0][1]}) {live}" in said["new"]
 
 
-def test_a_store_unlisted_at_open_still_retires_the_runs_history(tmp_path, monkeypatch):
+def test_a_store_unlisted_at_open_still_retires_the_runs_history(tmp_path, monkeypatch, caplog):
     """A job restarted while the store failed its listing (the restore's loud fallback to the
     local tier) saves on and uploads once the store answers. Its remote retention took the
     first upload for the open and counted only this process's commits as the run's: the run's
     history on the URL (steps 10 and 20) was never deleted again by that job, and a warning
-    named it as another live process's. The first listing that succeeds is the open's now."""
+    named it as another live process's. The first listing that succeeds is the open's now.
+    Its restore said the local checkpoints "were not uploaded before the last run stopped":
+    it could not tell; it says so now."""
+    import logging
+
+    caplog.set_level(logging.WARNING, "resilient_callbacks")
     from resilient_callbacks import ResumeFallbackWarning
     from resilient_callbacks.errors import RemoteUnavailableError
 
@@ -292,3 +297,6 @@ def test_a_store_unlisted_at_open_still_retires_the_runs_history(tmp_path, monke
             assert ck._dir.sync.wait(120)
     found = sorted(e.name for e in real(RemoteStore(url)) if e.manifest is not None)
     assert found == ["step_000000030", "step_000000040"], found
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("before the last run stopped" in m for m in said), said  # (unknown)
+    assert any("may not be on" in m and "could not be listed to tell" in m for m in said), said

@@ -358,6 +358,11 @@ class OwnCheckpoints:
         if self._known is None:
             self._known = {(e.name, e.key) for e in entries if e.key is not None}
 
+    @property
+    def listed(self) -> bool:
+        """Whether a listing of the store has succeeded in this process."""
+        return self._known is not None
+
     def wrote(self, name: str, key: tuple[str, int]) -> None:
         """This process committed ``key`` as ``name``."""
         if self.held is not None:

@@ -117,9 +117,11 @@ def reconcile_uploads(ck: Checkpointer) -> None:
     keep = plan(cands, d.sync.policy, d.run_id).keep
     missing = [e.name for e in local if e.name in keep]
     if missing:
+        why = "were not uploaded to %s before the last run stopped"
+        if not d.sync.own.listed:  # (one already there is not sent again: RemoteStore.upload)
+            why = "may not be on %s (it could not be listed to tell)"
         log.warning(
-            "%d checkpoint(s) of this run were not uploaded to %s before the last run "
-            "stopped; uploading them now: %s",
+            f"%d checkpoint(s) of this run {why}; uploading them now: %s",
             len(missing),
             d.remote.url,
             ", ".join(missing),
