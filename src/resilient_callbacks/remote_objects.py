@@ -374,9 +374,12 @@ class OwnCheckpoints:
         since this one opened (warned about once a name); all of them before a listing."""
         if self._known is None:  # (no listing yet: nothing tells another process's apart)
             return list(entries)
-        known = self._known | self._wrote
+        known, wrote = self._known, self._wrote  # (membership only: wrote() may add meanwhile)
         theirs = [
-            e for e in entries if e.key and e.key[0] == run_id and (e.name, e.key) not in known
+            e
+            for e in entries
+            if e.key and e.key[0] == run_id and (e.name, e.key) not in known
+            if (e.name, e.key) not in wrote
         ]
         new = [e.name for e in theirs if e.name not in self._warned]
         if new:
