@@ -1521,3 +1521,53 @@ def test_close_lets_a_retry_that_moves_bytes_finish_past_the_outage_limit(tmp_pa
     ck.save(10, _state(10))
     ck.close()  # no UploadIncompleteError: the store answered all along
     assert _committed(url, None) == {"step_000000010": 10}
+
+
+def test_an_upload_finishing_after_close_gave_up_deletes_nothing(tmp_path, monkeypatch):
+    """close() gave up on an upload that stopped answering and released the directory (the
+    error raised). The abandoned upload may still end: its thread then ran the remote and the
+    local retention, in a directory another Checkpointer of the process now writes (a
+    notebook, a sweep retrying in-process): it deleted that one's checkpoint still held for
+    upload (keep_last=1 locally, every checkpoint wanted remotely), which never reached the
+    store. A stopped uploader's attempt may still commit remotely, but it deletes nothing."""
+    from resilient_callbacks import checkpointer as ckmod
+
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)
+    url, local = f"memory://rc-{uuid.uuid4().hex[:10]}/run", tmp_path / "l"
+    first = Checkpointer(local, remote=url, keep_last=1, async_save=False)
+    released, started = threading.Event(), threading.Event()
+    real = first.remote.upload
+
+    def stalls(local_dir, manifest, name, progress=None):
+        started.set()
+        released.wait(60)
+        return real(local_dir, manifest, name, progress)
+
+    first.remote.upload = stalls
+    first.save(10, _state(10))
+    assert started.wait(30)
+    with pytest.raises(UploadIncompleteError):
+        first.close()
+    kw = {"keep_last": 1, "remote_keep_last": "all", "async_save": False}
+    second = Checkpointer(local, remote=url, **kw)
+    held = threading.Event()
+    real_second = second.remote.upload
+
+    def waits(local_dir, manifest, name, progress=None):
+        held.wait(60)
+        return real_second(local_dir, manifest, name, progress)
+
+    second.remote.upload = waits
+    try:
+        assert second.restore(_fresh()) == 10
+        for s in (20, 30):
+            second.save(s, _state(s))
+        released.set()  # the first one's upload ends, long after its close
+        first._sync._thread.join(60)
+        steps = sorted(n for n in os.listdir(local) if n.startswith("step_"))
+        assert "step_000000020" in steps, steps  # held for upload by the second
+    finally:
+        released.set()
+        held.set()
+        second.close()
+    assert sorted(_committed(url, None).values()) == [10, 20, 30]

@@ -188,6 +188,41 @@ def test_a_node_upload_retry_that_moves_bytes_is_let_finish(tmp_path, monkeypatc
             x.stop()
 
 
+def test_a_node_upload_ending_after_close_gave_up_runs_no_retention(tmp_path, monkeypatch):
+    """close() gave up on a node's upload that stopped answering and released the node's
+    directory. When the abandoned attempt ended, the thread still ran the local retention
+    (on_uploaded) in a directory another writer of the process may own by then; it deletes
+    nothing now (the part it uploaded stays uploaded)."""
+    import threading
+
+    store, files, key, _m, committer, up = _setup(tmp_path)
+    committer.stop()
+    for u in up:
+        u.stop()
+    released, started, retained = threading.Event(), threading.Event(), []
+    real_put = store.fs.put
+
+    def stalls(*a, **k):
+        started.set()
+        released.wait(60)
+        return real_put(*a, **k)
+
+    u = NodeUploader(store, str(tmp_path / "node0"), 0, on_uploaded=lambda: retained.append(1))
+    try:
+        monkeypatch.setattr(store.fs, "put", stalls)  # (fsspec shares it: undone after the test)
+        u.enqueue("step_000000002", "step_000000002", key, [files[0]])
+        assert started.wait(30)
+        assert u.wait(None, 0.5) is False  # close() gives up on it (no byte moved)
+        u.stop()
+        released.set()
+        u._thread.join(60)
+        assert not u._thread.is_alive()
+        assert retained == [], "the abandoned upload ran the retention after close"
+    finally:
+        released.set()
+        u.stop()
+
+
 def test_upload_check_asks_s3_not_a_listing_taken_mid_upload(tmp_path, s3_remote):
     """On the coordinator's node the committer thread lists the store with the same s3fs object
     as the node's uploader, at any moment, also while the uploader checks its objects. The check

@@ -290,7 +290,8 @@ class NodeUploader(UploadThread):
                 continue
             failures = self.failures_in_a_row = 0
             self.failing_since = None
-            if self.on_uploaded is not None:
+            if self.on_uploaded is not None and not self._stop:  # (stopped: close() gave up
+                # on it and released the directory, which another writer may own now)
                 # while the job is still queued, so wait() has not returned: close() finds the
                 # disk as retention leaves it (the job's own checkpoint, the newest uploaded,
                 # stays protected until the next upload's turn)

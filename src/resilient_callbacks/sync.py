@@ -73,10 +73,9 @@ def preflight(store: RemoteStore, timeout: float, dirpath: str) -> bool:
 
 
 def open_listing(max_seq: Callable[[], int], url: str, dirpath: str) -> int:
-    """The construction's listing, after a preflight that answered: the highest commit number
-    ``max_seq()`` gives (new commits number after it), bounded as a restore's (:mod:`.stall`). A
-    listing that fails is the store's :class:`RemoteUnavailableError` (it read as ``dirpath``
-    unusable); one that got no answer while ``dirpath`` holds committed checkpoints is
+    """The construction's listing after a preflight that answered: ``max_seq()``, bounded as a
+    restore's (:mod:`.stall`). Its failure is the store's :class:`RemoteUnavailableError` (not
+    ``dirpath`` unusable); no answer while ``dirpath`` holds committed checkpoints is
     :func:`preflight`'s warning and 0 (the restore lists again)."""
     from . import stall
 
@@ -359,6 +358,8 @@ class RemoteSync(UploadThread):
             manifest.total_bytes / 1e6,
             elapsed,
         )
+        if self._stop:  # close() gave up on this attempt and released the directory: no
+            return True  # retention (another writer may own it now), no record in its history
         if self.on_uploaded is not None:
             self.on_uploaded(manifest, name, elapsed)
         self._remote_retention(manifest, remote_name)
