@@ -291,12 +291,15 @@ def test_local_retention_catches_up_with_the_uploads(tmp_path):
 def test_close_names_the_checkpoints_whose_remote_commit_was_given_up(tmp_path):
     """Both nodes upload their parts, then every remote commit fails: the committer gives up,
     and close() says which checkpoints are on the nodes' disks only (it said nothing, as if
-    they were durable); a later run with the same directories commits them."""
+    they were durable); a later run with the same directories commits them. Its error says
+    the commits were given up after their attempts, not that the store failed for 5 minutes."""
     out = _run(
         tmp_path, "fails", 2, "--steps", "4", expect=None, RC_COMMIT_FAILS=1, RC_CAPTURE_LOG=1
     )
     assert out[0][-1]["event"] == "close raised" and "step_000000004" in out[0][-1]["pending"]
     assert out[1][-1]["event"] == "closed"  # its part is uploaded: the coordinator raises
+    msg = out[0][-1]["msg"]  # (it said the store failed for more than 300 s: a second here)
+    assert "failed 2 times, given up" in msg and "for more than" not in msg, msg
     log = out[0][-1]["log"]
     assert "not committed remotely (the remote commit failed" in log, log
     assert "step_000000004" in log.split("the remote commit failed")[-1]

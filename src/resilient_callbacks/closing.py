@@ -178,10 +178,15 @@ def _nodes_error(d: NodeDirectory, pending: list[str], outage_s: float) -> Uploa
     what = f"{len(pending)} checkpoint(s) never committed remotely at"
     if c is None:
         what = f"node {d.topology.node}'s part of {len(pending)} checkpoint(s) never reached"
+    why = f"The store failed or stopped answering for more than {outage_s:g} s"
+    given = [n for n in c.given_up() if n in pending] if c is not None else []
+    if c is not None and given:  # (attempts that fail in seconds: no outage was waited out)
+        gave = f"the remote commit of {', '.join(given)} failed {c.max_attempts} times, given up"
+        why = "T" + gave[1:] if len(given) == len(pending) else f"{why}; {gave}"
     return UploadIncompleteError(
         f"close(): {what} {url}: "
-        f"{', '.join(pending)}. The store failed or stopped answering for more than "
-        f"{outage_s:g} s (last error: {error or f'no byte moved for {outage_s:g} s'}), so close() "
+        f"{', '.join(pending)}. {why} "
+        f"(last error: {error or f'no byte moved for {outage_s:g} s'}), so close() "
         f"gave up on them. Each node's part is committed and kept on its disk ({d.dirpath} "
         "here); run the job again with the same directories and remote once the store answers: "
         "its leaders upload the parts and its coordinator commits them. Raised so that the job "
