@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -1469,7 +1470,8 @@ def test_the_push_command_close_names_carries_the_remote_options(tmp_path, monke
 
     monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.5)
     url = f"file://{tmp_path}/durable/run"
-    ck = Checkpointer(tmp_path / "l", remote=url, remote_options={"auto_mkdir": True})
+    local = tmp_path / "my run"  # (a space: the path is quoted in the command)
+    ck = Checkpointer(local, remote=url, remote_options={"auto_mkdir": True})
     ck._sync.retry_base_s = ck._sync.retry_max_s = 0.05
 
     def down(*a, **k):
@@ -1480,9 +1482,9 @@ def test_the_push_command_close_names_carries_the_remote_options(tmp_path, monke
     with pytest.raises(UploadIncompleteError) as info:
         ck.close()
     said = str(info.value)
-    command = f"resilient-ckpt push {tmp_path / 'l'} {url} -o auto_mkdir=..."
+    command = f"resilient-ckpt push '{local}' {url} -o auto_mkdir=..."
     assert f"`{command}`" in said, said
-    got = _cli(*command.replace("...", "true").split()[1:])
+    got = _cli(*shlex.split(command.replace("...", "true"))[1:])
     assert got.returncode == 0, got.stderr
     assert _committed(url, None) == {"step_000000010": 10}
 

@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -163,7 +164,8 @@ def _push_command(d: Directory) -> str:
     assert d.remote is not None
     opts = "".join(f" -o {k}=..." for k in d.remote.options)
     said = " (each `...` the value of that key of your remote_options, as JSON)" if opts else ""
-    return f"`resilient-ckpt push {d.dirpath} {d.remote.url}{opts}`{said}"
+    where = shlex.quote(d.dirpath)  # (a path with a space, pasted, was two arguments)
+    return f"`resilient-ckpt push {where} {shlex.quote(d.remote.url)}{opts}`{said}"
 
 
 def _nodes_error(d: NodeDirectory, pending: list[str], outage_s: float) -> UploadIncompleteError:
