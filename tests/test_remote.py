@@ -1461,7 +1461,7 @@ def test_a_with_block_left_by_sys_exit_0_raises_the_close_error(code):
             closing.close_on_exit(close, SystemExit(code))
 
 
-def test_the_push_command_close_names_carries_the_remote_options(tmp_path, monkeypatch):
+def test_the_push_command_close_names_carries_the_remote_options(tmp_path, monkeypatch, caplog):
     """close()'s UploadIncompleteError named `resilient-ckpt push DIR URL` without the
     remote_options the run needed (an endpoint_url: MinIO, Ceph, R2): pasted as said, the
     command went to another store or none. It names each key as `-o KEY=...` now (the values
@@ -1479,11 +1479,14 @@ def test_the_push_command_close_names_carries_the_remote_options(tmp_path, monke
 
     ck.remote.upload = down
     ck.save(10, _state(10))
+    caplog.set_level(logging.WARNING, "resilient_callbacks")
     with pytest.raises(UploadIncompleteError) as info:
         ck.close()
     said = str(info.value)
     command = f"resilient-ckpt push '{local}' {url} -o auto_mkdir=..."
     assert f"`{command}`" in said, said
+    warned = [r.getMessage() for r in caplog.records if "still only local" in r.message]
+    assert len(warned) == 1 and f"`{command}`" in warned[0], warned  # (the log line's too)
     got = _cli(*shlex.split(command.replace("...", "true"))[1:])
     assert got.returncode == 0, got.stderr
     assert _committed(url, None) == {"step_000000010": 10}

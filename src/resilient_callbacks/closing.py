@@ -15,7 +15,6 @@ import functools
 import logging
 import os
 import re
-import shlex
 import signal
 import sys
 import threading
@@ -29,6 +28,7 @@ from .catalog import Depth
 from .errors import UploadIncompleteError
 from .nodelocal import NodeDirectory
 from .preemption import pending
+from .redact import push_command
 from .upload_thread import EXIT_MARGIN_S, by_grace
 
 if TYPE_CHECKING:
@@ -148,24 +148,13 @@ def not_uploaded_error(d: Directory, pending: list[str], outage_s: float) -> Upl
         f"close(): {len(pending)} checkpoint(s) never reached {url}: {', '.join(pending)}. The "
         f"store failed or stopped answering for more than {outage_s:g} s (last error: "
         f"{error}), so close() gave up on them. They are committed and kept in {d.dirpath}; "
-        f"upload them with {_push_command(d)} once the store answers (a run resumed with the "
+        f"upload them with {push_command(d.dirpath, url, d.remote.options)} once the store answers (a run resumed with the "
         "same dirpath and remote uploads them too). Raised so that the "
         "job does not end as a success with its newest checkpoints on this machine's disk only",
         tuple(pending),
         d.dirpath,
         url,
     )
-
-
-def _push_command(d: Directory) -> str:
-    """``resilient-ckpt push`` of ``d``'s checkpoints to its store, in backquotes; with the
-    keys of its ``remote_options`` as ``-o`` (without them, an ``endpoint_url`` say, the
-    command went to another store or none), their values left out: they may be secrets."""
-    assert d.remote is not None
-    opts = "".join(f" -o {k}=..." for k in d.remote.options)
-    said = " (each `...` the value of that key of your remote_options, as JSON)" if opts else ""
-    where = shlex.quote(d.dirpath)  # (a path with a space, pasted, was two arguments)
-    return f"`resilient-ckpt push {where} {shlex.quote(d.remote.url)}{opts}`{said}"
 
 
 def _nodes_error(d: NodeDirectory, pending: list[str], outage_s: float) -> UploadIncompleteError:

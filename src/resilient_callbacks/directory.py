@@ -37,6 +37,7 @@ from .errors import (
 from .lock import COMMAND_WAIT_S, DirLock, claim_remote
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .reader import by_commit
+from .redact import push_command
 from .remote_objects import RestoredCopy
 from .retention import RetentionPolicy
 from .retention_pass import apply_retention, collect_blobs
@@ -423,14 +424,13 @@ class Directory:
         log.warning(
             "close(): %d checkpoint(s) are still only local in %s, not in %s: %s (last error: "
             "%s). They are kept locally; the next run with the same dirpath and remote uploads "
-            "them, or run `resilient-ckpt push %s %s`.",
+            "them, or run %s.",
             len(status.pending),
             self.dirpath,
             self.remote.url,
             ", ".join(status.pending),
             status.last_error or "none: still uploading, it may yet finish before the exit",
-            self.dirpath,
-            self.remote.url,
+            push_command(self.dirpath, self.remote.url, self.remote.options),
         )
         return list(status.pending)
 

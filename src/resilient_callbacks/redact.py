@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,3 +56,13 @@ def options_text(options: Mapping[str, Any]) -> str:
         return value
 
     return json.dumps(shown(options), default=str, sort_keys=True)
+
+
+def push_command(dirpath: str, url: str, options: Mapping[str, Any]) -> str:
+    """The ``resilient-ckpt push`` of ``dirpath`` to ``url`` for a message, in backquotes and
+    shell-quoted: with each key of ``options`` as ``-o KEY=...`` (without them, an
+    ``endpoint_url`` say, the command went to another store or none), the values left out
+    (they may be secrets) for the user to fill in."""
+    opts = "".join(f" -o {k}=..." for k in options)
+    said = " (each `...` the value of that key of your remote_options, as JSON)" if opts else ""
+    return f"`resilient-ckpt push {shlex.quote(dirpath)} {shlex.quote(url)}{opts}`{said}"
