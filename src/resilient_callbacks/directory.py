@@ -191,7 +191,8 @@ class Directory:
         """Coordinator: connect to the remote tier and prove it usable (a clear error now, not
         after hours of training), then start the uploader."""
         from .remote import RemoteStore
-        from .sync import RemoteSync, open_listing, preflight
+        from .remote_open import open_listing, preflight
+        from .sync import RemoteSync
 
         assert config.remote is not None
         self.remote = RemoteStore(config.remote, config.remote_options)

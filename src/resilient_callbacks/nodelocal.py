@@ -9,7 +9,7 @@ Which ranks call what in node-local mode (the rank contract of :mod:`.session` s
 every call below; *leader* = the lowest rank of a node, *coordinator* = rank 0):
 
 - open (:class:`NodeDirectory`): each leader makes, locks and sweeps its node's ``dirpath`` and
-  connects to the remote tier (:func:`.sync.preflight`: a store it cannot reach is a warning
+  connects to the remote tier (:func:`.remote_open.preflight`: a store it cannot reach is a warning
   where its disk holds checkpoints; a failure on any node raises on every rank); the
   coordinator also owns the remote committer.
 - save (:class:`NodeLocalSession`): rank 0 broadcasts the commit number, the remote name and a
@@ -50,9 +50,10 @@ from .errors import CheckpointError, CheckpointWriteError, ConfigError, RemoteUn
 from .lock import COMMAND_WAIT_S
 from .manifest import FileEntry, Manifest
 from .remote_objects import commit_tag
+from .remote_open import open_listing, preflight
 from .retention import Candidate, plan
 from .retention_pass import apply_retention
-from .sync import SyncStatus, open_listing, preflight
+from .sync import SyncStatus
 from .topology import Topology
 
 if TYPE_CHECKING:
