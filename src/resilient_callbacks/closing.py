@@ -148,9 +148,10 @@ def not_uploaded_error(d: Directory, pending: list[str], outage_s: float) -> Upl
         f"close(): {len(pending)} checkpoint(s) never reached {url}: {', '.join(pending)}. The "
         f"store failed or stopped answering for more than {outage_s:g} s (last error: "
         f"{error}), so close() gave up on them. They are committed and kept in {d.dirpath}; "
-        f"upload them with {push_command(d.dirpath, url, d.remote.options)} once the store answers (a run resumed with the "
-        "same dirpath and remote uploads them too). Raised so that the "
-        "job does not end as a success with its newest checkpoints on this machine's disk only",
+        f"upload them with {push_command(d.dirpath, url, d.remote.options)} once the store "
+        "answers (a run resumed with the same dirpath and remote uploads them too). Raised so "
+        "that the job does not end as a success with its newest checkpoints on this machine's "
+        "disk only",
         tuple(pending),
         d.dirpath,
         url,
