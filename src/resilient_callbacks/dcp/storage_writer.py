@@ -43,7 +43,7 @@ from weakref import WeakKeyDictionary
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -59,9 +59,9 @@ from ..session import CommitSession, RankReport
 from ..snapshot import Snapshot
 from ..tensorfile import write_json
 from . import lineage, shards
-from .chunks import held, split
-from .metadata_json import METADATA_NAME, index_key, to_json
-from .rank_files import rank_files, write_rank_files
+from .chunks import held
+from .metadata_json import METADATA_NAME, to_json
+from .rank_files import collect_items, write_rank_files
 from .staging_pool import BufferPool, Lease
 
 log = logging.getLogger("resilient_callbacks")
@@ -262,7 +262,7 @@ class ResilientStorageWriter(StorageWriter):
         results: list[WriteResult] = []
         storages: set[int] = set()  # what was read: staged host buffers end their lease
         try:
-            self._collect(plan, planner, tensors, objects, results, storages)
+            collect_items(plan, planner, tensors, objects, results, storages)
             files = write_rank_files(staging, rank, tensors, objects)
         finally:
             self._pool.written(storages)
@@ -271,46 +271,6 @@ class ResilientStorageWriter(StorageWriter):
             data = {**first.storage_data, "files": [dataclasses.asdict(f) for f in files]}
             results[0] = dataclasses.replace(first, storage_data=data)
         return results
-
-    def _collect(
-        self,
-        plan: SavePlan,
-        planner: SavePlanner,
-        tensors: dict[str, torch.Tensor],
-        objects: dict[str, Any],
-        results: list[WriteResult],
-        storages: set[int],
-    ) -> None:
-        tensor_name, json_name = rank_files(int(plan.storage_data["rank"]))
-        for item in plan.items:
-            key = index_key(item.index)
-            if item.type == WriteItemType.BYTE_IO:
-                lookup = getattr(planner, "lookup_object", None)
-                if lookup is None:
-                    raise UnsupportedStateError(
-                        f"{item.index.fqn}: the planner {type(planner).__name__} has no "
-                        "lookup_object(); its objects would be pickled (use DefaultSavePlanner)"
-                    )
-                skeleton, inner = split(lookup(item.index), where=item.index.fqn)
-                if inner:
-                    raise UnsupportedStateError(
-                        f"{item.index.fqn}: an object holding tensors (DCP writes a tensor as "
-                        "a tensor only at the top level of the flattened state dict: keep "
-                        "DefaultSavePlanner's flatten_state_dict=True, its default)"
-                    )
-                objects[key] = skeleton
-                results.append(WriteResult(item.index, 0, {"file": json_name, "key": key}))
-            else:
-                t = planner.resolve_data(item)
-                assert isinstance(t, torch.Tensor)
-                t = t.detach()
-                if t.numel():
-                    storages.add(t.untyped_storage().data_ptr())
-                if t.device.type != "cpu":
-                    t = t.to("cpu")
-                tensors[key] = t.contiguous()
-                nbytes = t.numel() * t.element_size()
-                results.append(WriteResult(item.index, nbytes, {"file": tensor_name, "key": key}))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: ``dcp_metadata.json``, manifest last, rename, retention, upload queue."""
