@@ -67,6 +67,13 @@ from .staging_pool import BufferPool, Lease
 log = logging.getLogger("resilient_callbacks")
 
 _DCP_ASYNC_THREAD = "AsyncCheckpointExecutor"  # the name of dcp.async_save's save threads
+_PLAN_CACHING = (
+    "a save planner with plan caching (DefaultSavePlanner(enable_plan_caching=True)) is not "
+    "supported by ResilientStorageWriter: from its second save on, DCP hands each rank the "
+    "plan of the save that filled the cache, with that save's staging directory in it, and "
+    "the ranks would write where no commit reads. Pass a planner without enable_plan_caching "
+    "(DefaultSavePlanner(), dcp.save's default)"
+)
 
 
 class ResilientStorageWriter(StorageWriter):
@@ -197,6 +204,8 @@ class ResilientStorageWriter(StorageWriter):
             return self._global_plan(plans)
 
     def _global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if not all(p.usable for p in plans):  # a planner that caches by other means
+            raise UnsupportedStateError(_PLAN_CACHING)
         if self._dir is None:
             d = Directory(self.dirpath, self.config.local_retention_policy(), len(plans))
             d.open_here(self.config, f"ResilientStorageReader({self.dirpath!r})")
@@ -255,6 +264,8 @@ class ResilientStorageWriter(StorageWriter):
         return fut
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        if getattr(planner, "_enable_plan_caching", False):
+            raise UnsupportedStateError(_PLAN_CACHING)
         where = plan.storage_data
         staging, rank = where["staging"], int(where["rank"])
         tensors: dict[str, torch.Tensor] = {}
