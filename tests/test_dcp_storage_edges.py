@@ -51,3 +51,38 @@ def test_a_planner_with_plan_caching_is_refused_at_the_first_save(tmp_path):
     got = {"t": torch.zeros(4), "epoch": 0}
     dcp.load(got, storage_reader=ResilientStorageReader(root))
     assert torch.equal(got["t"], torch.full((4,), 3.0)) and got["epoch"] == 3
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run1", "gs://bucket/run1"])
+def test_an_object_store_url_as_dirpath_is_refused_not_written_under_the_cwd(
+    tmp_path, monkeypatch, url
+):
+    """``ResilientStorageWriter("s3://bucket/run1")`` made it ``./s3:/bucket/run1`` (abspath)
+    and saved there, on the local disk, silently; the reader (and ``dcp.load``'s
+    ``checkpoint_id=`` URL) looked there. Refused as ``Checkpointer`` refuses it, pointing at
+    ``remote=``; ``file://`` URLs and ``~`` stay local paths."""
+    from resilient_callbacks.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"object-store URLs are not supported.*remote="):
+        ResilientStorageWriter(url)
+    with pytest.raises(ConfigError, match=r"object-store URLs are not supported.*remote="):
+        ResilientStorageReader(url)
+    with pytest.raises(BaseException, match=r"checkpoint_id=.*object-store URLs"):
+        dcp.load(
+            {"t": torch.zeros(2)},
+            storage_reader=ResilientStorageReader(tmp_path),
+            checkpoint_id=url,
+        )
+    assert os.listdir(tmp_path) == []
+    with ResilientStorageWriter(f"file://{tmp_path}/ck") as w:
+        dcp.save({"t": torch.ones(2)}, storage_writer=w, checkpoint_id=1)
+    assert _steps(tmp_path / "ck") == [1]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with ResilientStorageWriter("~/ck") as w:  # DCP's recipe: the directory as checkpoint_id
+        dcp.save({"t": torch.full((2,), 2.0)}, storage_writer=w, checkpoint_id="~/ck")
+    assert _steps(tmp_path / "ck") == [1, 2]
+    got = {"t": torch.zeros(2)}
+    dcp.load(got, storage_reader=ResilientStorageReader("~/ck"))
+    assert torch.equal(got["t"], torch.full((2,), 2.0))
+    assert os.listdir(tmp_path) == ["ck"]  # nothing under ./s3: or ./~

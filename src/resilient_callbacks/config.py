@@ -32,6 +32,25 @@ def missing_resume_hint(resume: str, dirpath: str) -> str:
     return ""
 
 
+def local_dirpath(dirpath: Any, what: str = "dirpath") -> str:
+    """``dirpath`` (a path, ``~`` expanded, or a ``file://`` URL) as an absolute local path; an
+    object-store URL is refused: checkpoints are written and committed on a filesystem, and
+    reach a store through ``remote=`` (``os.path.abspath("s3://b/x")`` is ``./s3:/b/x``)."""
+    d = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
+    if not isinstance(d, str) or not d:
+        raise ConfigError(f"{what}={dirpath!r}: must be a non-empty path")
+    if "://" in d:
+        if not d.startswith("file://"):
+            raise ConfigError(
+                f"{what}={d!r}: the checkpoint directory must be a local (or shared, "
+                "mounted) filesystem path; object-store URLs are not supported as dirpath. "
+                f"To keep checkpoints there, save to a local dirpath and pass remote={d!r}: "
+                "each checkpoint is uploaded in the background, and resumed from there"
+            )
+        d = d[len("file://") :]
+    return os.path.abspath(os.path.expanduser(d))
+
+
 class ResumeMode(StrEnum):
     AUTO = "auto"  # newest valid checkpoint in dirpath, falling back loudly; fresh start if none
     NEVER = "never"  # start fresh; checkpoints already in dirpath are kept and not counted
@@ -91,19 +110,7 @@ class CheckpointerConfig:
     read_only: bool = False  # restore only: no lock, no writes (an evaluation job)
 
     def __post_init__(self) -> None:
-        d = os.fspath(self.dirpath) if isinstance(self.dirpath, os.PathLike) else self.dirpath
-        if not isinstance(d, str) or not d:
-            raise ConfigError(f"dirpath={self.dirpath!r}: must be a non-empty path")
-        if "://" in d:
-            if not d.startswith("file://"):
-                raise ConfigError(
-                    f"dirpath={d!r}: the checkpoint directory must be a local (or shared, "
-                    "mounted) filesystem path; object-store URLs are not supported as dirpath. "
-                    f"To keep checkpoints there, save to a local dirpath and pass remote={d!r}: "
-                    "each checkpoint is uploaded in the background, and resumed from there"
-                )
-            d = d[len("file://") :]
-        object.__setattr__(self, "dirpath", os.path.abspath(os.path.expanduser(d)))
+        object.__setattr__(self, "dirpath", local_dirpath(self.dirpath))
         r = self.resume
         if isinstance(r, bool):
             raise ConfigError(f"resume={r!r}: use 'auto', 'never', a step number or a path")

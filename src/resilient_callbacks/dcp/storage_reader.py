@@ -38,6 +38,7 @@ from torch.futures import Future
 
 from .. import catalog, dist
 from ..catalog import Depth
+from ..config import local_dirpath
 from ..errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -105,7 +106,7 @@ class ResilientStorageReader(StorageReader):
         remote_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.dirpath = os.path.abspath(os.fspath(dirpath))
+        self.dirpath = local_dirpath(dirpath)  # (a remote URL goes to remote=)
         self.step = step
         self.remote = remote
         self.remote_options = remote_options
@@ -136,7 +137,7 @@ class ResilientStorageReader(StorageReader):
         if isinstance(checkpoint_id, int):
             self.step = checkpoint_id
         else:
-            self.dirpath = os.path.abspath(os.fspath(checkpoint_id))
+            self.dirpath = local_dirpath(checkpoint_id, "checkpoint_id")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import checkpointer, closing, dist
-from ..config import CheckpointerConfig
+from ..config import CheckpointerConfig, local_dirpath
 from ..directory import Directory
 from ..errors import CheckpointWriteError, UnsupportedStateError
 from ..lock import release_dropped
@@ -114,7 +114,7 @@ class ResilientStorageWriter(StorageWriter):
         super().__init__()
         self.watcher = watcher  # (any installed in this process counts too: pending.py)
         self.config = CheckpointerConfig(
-            dirpath=os.path.abspath(os.fspath(dirpath)),
+            dirpath=local_dirpath(dirpath),  # (a URL is refused: abspath made it ./s3:/...)
             keep_last=keep_last,
             keep_every_n_steps=keep_every_n_steps,
             remote=remote,
