@@ -86,3 +86,35 @@ def test_an_object_store_url_as_dirpath_is_refused_not_written_under_the_cwd(
     dcp.load(got, storage_reader=ResilientStorageReader("~/ck"))
     assert torch.equal(got["t"], torch.full((2,), 2.0))
     assert os.listdir(tmp_path) == ["ck"]  # nothing under ./s3: or ./~
+
+
+def test_a_damaged_newest_remote_checkpoint_is_a_fallback_warning_and_listed_as_skipped(
+    tmp_path,
+):
+    """The local directory is gone and the newest remote checkpoint rotted in place: the reader
+    fetches the next newest. That fallback was only a log line, and ``reader.skipped`` (the
+    newer checkpoints that could not be used, and why) stayed empty: a ``ResumeFallbackWarning``
+    as for a damaged local checkpoint, and ``skipped`` names it."""
+    import json
+    import shutil
+
+    from resilient_callbacks.errors import ResumeFallbackWarning
+
+    url, root = f"file://{tmp_path}/remote", tmp_path / "ck"
+    with ResilientStorageWriter(root, remote=url) as writer:
+        for v in (1, 2):
+            dcp.save({"w": torch.full((64,), float(v))}, storage_writer=writer, checkpoint_id=v)
+    shutil.rmtree(root)
+    newest = tmp_path / "remote" / "step_000000002"
+    m = json.loads((newest / "manifest.json").read_text())
+    path = newest / max(m["files"], key=lambda f: f["size"])["path"]
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    sd = {"w": torch.zeros(64)}
+    reader = ResilientStorageReader(root, remote=url)
+    with pytest.warns(ResumeFallbackWarning, match=r"step_000000002 \(remote\)"):
+        dcp.load(sd, storage_reader=reader)
+    assert reader.loaded_step == 1 and torch.equal(sd["w"], torch.ones(64))
+    assert len(reader.skipped) == 1 and "step_000000002 (remote)" in reader.skipped[0]

@@ -191,7 +191,11 @@ class ResilientStorageReader(StorageReader):
                 return
 
             def skipping(e: Any, err: Exception) -> None:
-                log.warning("dcp.load: skipping the remote %s/%s: %s", st.url, e.name, err)
+                why = f"{st.url}/{e.name} (remote): {err}"
+                self._remote_skipped.append(why)
+                msg = f"dcp.load: skipping the remote checkpoint {why}; fetching an older one"
+                level = caller_stacklevel(_DCP_DIR)  # the user's dcp.load(...)
+                warn_and_log(log, msg, ResumeFallbackWarning, stacklevel=level)
 
             entry, path, _ = pull_newest_whole(st, fresh, root, skipping=skipping)
             log.warning("dcp.load: fetched %s/%s into %s", st.url, entry.name, path)
@@ -216,11 +220,13 @@ class ResilientStorageReader(StorageReader):
         together = dist.is_initialized() and not self.no_dist
         rank, world = (_group_rank(group), _group_size(group)) if together else (0, 1)
         listing: dict[str, Any] = {"paths": [], "error": None, "seq": 0, "abandoned": []}
+        self._remote_skipped: list[str] = []  # rank 0: remote checkpoints found damaged
         if rank == 0:
             try:
                 self._abandoned = []
                 listing["paths"] = self._candidates()
                 listing["seq"], listing["abandoned"] = self._seq, self._abandoned
+                listing["remote_skipped"] = self._remote_skipped
             except Exception as e:
                 listing["error"] = f"{type(e).__name__}: {e}"
         if together:
@@ -237,7 +243,7 @@ class ResilientStorageReader(StorageReader):
                 f"{self.dirpath}: every rank of a dcp.load must construct the reader with the "
                 "same dirpath, and with dcp.load's process_group= (or no_dist=True)"
             )
-        self.skipped = []
+        self.skipped = list(listing.get("remote_skipped", []))  # the newer ones, remote first
         for path in listing["paths"]:
             result: dict[str, Any] = {"problem": None, "meta": None}
             try:
