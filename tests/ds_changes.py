@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--deepscale", action="store_true")  # the config as args.deepscale_config
     ap.add_argument("--freeze-bias", action="store_true")  # requires_grad=False
     ap.add_argument("--sub-group-size", type=int)  # ZeRO 3: partitions of sub-groups
+    ap.add_argument("--two-groups", action="store_true")  # the bias in a group of its own
     args = ap.parse_args()
     world_of_one()
     skip_shm_op()
@@ -51,6 +52,8 @@ def main() -> None:
     model.bias.requires_grad_(not args.freeze_bias)
     kw = {"momentum": 0.9} if args.opt == "SGD" else {}
     trained = [p for p in model.parameters() if p.requires_grad]
+    if args.two_groups:  # (as a no-weight-decay group for biases)
+        trained = [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}]
     opt = getattr(torch.optim, args.opt)(trained, lr=args.lr, **kw)
     cfg: dict = {
         "train_micro_batch_size_per_gpu": 4,

@@ -199,6 +199,8 @@ def main() -> None:
     # with --freeze-first: the frozen layer starts from other values (a restore must bring back
     # the saved ones; without one the run differs)
     ap.add_argument("--scramble-frozen", action="store_true")
+    # the optimizer given the biases before the weights (ZeRO 1-2: another flat layout)
+    ap.add_argument("--biases-first", action="store_true")
     args = ap.parse_args()
 
     if os.environ.get("RC_COUNT_COPIES"):  # the names each snapshot copies, one line each
@@ -247,6 +249,8 @@ def main() -> None:
             with torch.no_grad():
                 model[0].weight.normal_(generator=torch.Generator().manual_seed(99))
     trainable = [p for p in model.parameters() if p.requires_grad]
+    if args.biases_first:
+        trainable = [p for p in trainable if p.dim() == 1] + [p for p in trainable if p.dim() > 1]
     g = torch.Generator().manual_seed(7)
     data = torch.utils.data.TensorDataset(
         torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g)

@@ -211,3 +211,40 @@ def test_a_freeze_change_at_zero3_names_the_parameter_as_frozen_or_trained(
     change = "frozen when saved, trained now" if frozen_first else "trained when saved, frozen now"
     assert "CheckpointMismatchError: parameters changed between frozen" in said, said[-2000:]
     assert f"{change}: ['bias']" in said and "Freeze the same parameters" in said, said[-2000:]
+
+
+def test_another_number_of_parameter_groups_is_refused_saying_how_on(tmp_path: Path) -> None:
+    """One parameter group when saved, two now (a no-weight-decay group for the biases): each
+    group's hyper-parameters are restored by position, so the checkpoint is refused as a
+    mismatch that says how on (it was an UnsupportedStateError that said neither)."""
+    run(tmp_path / "ck", "--steps", "4")
+    out = run(tmp_path / "ck", "--steps", "6", "--two-groups", fails=True)
+    said = " ".join(out.split())
+    assert "CheckpointMismatchError" in said, said[-2000:]
+    assert "has 1 parameter group(s), this engine's 2" in said, said[-2000:]
+    assert "Give the optimizer the parameter groups" in said, said[-2000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # two groups of 2 DeepSpeed ranks
+def test_parameters_given_in_another_order_resume_on_the_same_number_of_ranks(
+    tmp_path: Path,
+) -> None:
+    """ZeRO 2 on 2 ranks, resumed with the optimizer given the biases before the weights (the
+    same parameters, another flat layout: each rank now holds other ranges of them). Each rank
+    read only its own files, found them short and called the checkpoint corrupt; now the
+    layout is recorded and another one reads every rank's ranges: the restored weights and
+    moments are those saved."""
+    from test_deepspeed import _opts, final, restored, run_group
+
+    ck = str(tmp_path / "ck")
+    run_group(
+        ["--dir", ck, "--out", str(tmp_path / "saved"), *_opts(2, "fp32", 6)], 2, tmp_path, "a"
+    )
+    more = ["--dir", ck, "--out", str(tmp_path / "more"), "--dump-restored", "--biases-first"]
+    run_group([*more, *_opts(2, "fp32", 8)], 2, tmp_path, "b")
+    assert all(restored(tmp_path / "more", r)["step"] == 6 for r in range(2))
+    saved = final(tmp_path / "saved")
+    loaded = json.loads(Path(f"{tmp_path / 'more'}.rank0.restored_state.json").read_text())
+    assert saved.keys() == loaded.keys()
+    assert [k for k in saved if saved[k] != loaded[k]] == []

@@ -22,6 +22,8 @@ attribute into JSON values, never pickled.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -137,6 +139,12 @@ class ZeroView:
         """The optimizer parameter group of each flat partition (ZeRO 1-2: one per group)."""
         return list(range(len(self._flat_partitions())))
 
+    def layout(self) -> str | None:
+        """A digest of what, besides the data-parallel size, decides which range of each
+        parameter a rank holds, the same on every rank; None where nothing else does (ZeRO 3
+        partitions each parameter on its own)."""
+        return None
+
     def frozen_fragments(self) -> Iterator[Fragment]:
         """This rank's ranges of the frozen parameters where ZeRO partitions them (stage 3;
         at stages 1-2 they are replicated and saved with the module), under :data:`FROZEN`."""
@@ -227,19 +235,34 @@ class ZeroView:
 
     def check_optimizer(self, saved: dict[str, Any]) -> None:
         """Refuse a checkpoint another kind of optimizer wrote (its moments, values and
-        hyper-parameters do not apply). DeepSpeed's and torch's implementations of one
-        algorithm (``FusedAdam``, ``DeepSpeedCPUAdam``, ``AdamW``) are one kind: a run moved
-        between a GPU and the CPU resumes."""
+        hyper-parameters do not apply), or one with another number of parameter groups.
+        DeepSpeed's and torch's implementations of one algorithm (``FusedAdam``,
+        ``DeepSpeedCPUAdam``, ``AdamW``) are one kind: a run moved between a GPU and the CPU
+        resumes."""
         was, now = saved.get("optimizer"), type(self.optimizer.optimizer).__name__
-        if was is None or _family(was) == _family(now):
-            return  # (a checkpoint of before this record: not checked)
-        raise CheckpointMismatchError(
-            f"the checkpoint's optimizer state was written by {was}; this engine's optimizer is "
-            f"{now}: its moments, step counts and hyper-parameters do not apply. Resume with "
-            f"the optimizer the run was started with ({was}), or start the new optimizer "
-            "afresh from the trained weights: `resilient-ckpt export DIR OUT` writes them as "
-            "consolidated safetensors to load into the model, then train in a new dirpath"
-        )
+        if was is not None and _family(was) != _family(now):  # (None: a checkpoint of before
+            raise CheckpointMismatchError(  # this record, not checked)
+                f"the checkpoint's optimizer state was written by {was}; this engine's optimizer "
+                f"is {now}: its moments, step counts and hyper-parameters do not apply. Resume "
+                f"with the optimizer the run was started with ({was}), or start the new "
+                "optimizer afresh from the trained weights: `resilient-ckpt export DIR OUT` "
+                "writes them as consolidated safetensors to load into the model, then train in "
+                "a new dirpath"
+            )
+        self._check_groups(saved.get("param_groups", []))
+
+    def _check_groups(self, groups: list[Any]) -> None:
+        """Refuse a checkpoint whose optimizer had another number of parameter groups: each
+        group's hyper-parameters (lr, weight_decay, ...) are restored by position."""
+        now = len(self.optimizer.optimizer.param_groups)
+        if len(groups) != now:
+            raise CheckpointMismatchError(
+                f"the checkpoint's optimizer has {len(groups)} parameter group(s), this "
+                f"engine's {now}: each group's hyper-parameters (lr, weight_decay, ...) are "
+                "restored by position, so they do not fit. Give the optimizer the parameter "
+                "groups the run that saved it had, or start a new run from the saved weights "
+                "(`resilient-ckpt export DIR OUT` writes them whole)"
+            )
 
     def load_scalars(self, saved: dict[str, Any], same_dtype: bool = True) -> None:
         """The step counts, values and hyper-parameters; the loss scaler's state where the
@@ -258,11 +281,7 @@ class ZeroView:
                     torch.tensor(value, dtype=getattr(torch, dtype)) if dtype is not None else value
                 )
         groups = saved.get("param_groups", [])
-        if len(groups) != len(inner.param_groups):
-            raise UnsupportedStateError(
-                f"the checkpoint has {len(groups)} optimizer parameter groups, the engine "
-                f"{len(inner.param_groups)}"
-            )
+        self._check_groups(groups)
         for live, g in zip(inner.param_groups, groups, strict=True):
             for k, v in g.items():
                 live[k] = _restore_like(live.get(k), v)
@@ -314,6 +333,29 @@ class Zero12View(ZeroView):
 
     def _flat_partitions(self) -> list[torch.Tensor]:
         return list(self.optimizer.single_partition_of_fp32_groups)
+
+    def layout(self) -> str | None:
+        """Each group's parameters in their order in the flat buffer (the order the user's
+        ``model_parameters`` gave them in, or DeepSpeed's round-robin order), with their sizes
+        and offsets, and the partition size: another order or grouping gives every rank other
+        ranges of the same parameters."""
+        opt = self.optimizer
+        order = getattr(opt, "round_robin_bit16_groups", None) or opt.bit16_groups
+        # sizes from DeepSpeed's meta tensors where it keeps them (an offload may empty p.data)
+        sizes = getattr(opt, "round_robin_bit16_meta", None) or order
+        offsets = getattr(opt, "round_robin_bit16_offsets", None) or [[]] * len(order)
+        groups = [
+            [
+                [self.names[id(p)] for p in group],
+                [m.numel() for m in meta],
+                list(offs),
+                flat.numel(),
+            ]
+            for group, meta, offs, flat in zip(
+                order, sizes, offsets, self._flat_partitions(), strict=True
+            )
+        ]
+        return hashlib.sha256(json.dumps(groups).encode()).hexdigest()[:16]
 
     def fragments(self) -> Iterator[Fragment]:
         flats = self._flat_partitions()

@@ -49,6 +49,7 @@ class ZeroPart(FilePart):
         self.world_size = (
             torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         )
+        self._layout = self.view.layout()  # (the groups do not change while the engine lives)
 
     # ------------------------------------------------------------------ save
 
@@ -120,6 +121,7 @@ class ZeroPart(FilePart):
             "zero_stage": self.view.stage,
             "dp_world_size": self.world_size,
             "dtype": str(next(self.engine.module.parameters()).dtype).replace("torch.", ""),
+            **({"layout": self._layout} if self._layout else {}),
         }
 
     # ------------------------------------------------------------------ restore
@@ -139,6 +141,9 @@ class ZeroPart(FilePart):
         same = (
             info.saved.get("dp_world_size") == self.world_size
             and family.get(info.saved.get("zero_stage", -1)) == family[self.view.stage]
+            # the parameters in another order or grouping: other ranges on every rank (a
+            # checkpoint of before this record: taken as the same)
+            and info.saved.get("layout", self._layout) == self._layout
         )
         if same and self.rank in ranks:
             return [self.rank]  # the same partitioning: this rank's own files hold its ranges
