@@ -248,3 +248,39 @@ def test_parameters_given_in_another_order_resume_on_the_same_number_of_ranks(
     loaded = json.loads(Path(f"{tmp_path / 'more'}.rank0.restored_state.json").read_text())
     assert saved.keys() == loaded.keys()
     assert [k for k in saved if saved[k] != loaded[k]] == []
+
+
+CURRICULUM = """
+import torch
+from ds_noshm import skip_shm_op
+skip_shm_op()
+import resilient_callbacks.deepspeed as rcds
+from resilient_callbacks import UnsupportedStateError
+curriculum = {"enabled": True, "curriculum_metrics": {}}
+cfg = {"train_micro_batch_size_per_gpu": 2,
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+       "data_efficiency": {"enabled": True,
+                           "data_sampling": {"enabled": True, "curriculum_learning": curriculum}},
+       "resilient_checkpoint": {"dirpath": DIRPATH, "every_n_steps": 2}}
+data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+try:
+    rcds.initialize(model=torch.nn.Linear(4, 1), training_data=data, config=cfg)
+except UnsupportedStateError as e:
+    print("REFUSED:", e)
+"""
+
+
+def test_curriculum_data_sampling_with_training_data_is_refused(tmp_path: Path) -> None:
+    """DeepSpeed's curriculum data sampling orders the batches of the loader it makes from
+    ``training_data``; ours replaced that loader without it, and the run trained without its
+    curriculum, in silence. Refused, before DeepSpeed builds the engine."""
+    from test_deepspeed import run_one_rank
+
+    code = CURRICULUM.replace("DIRPATH", repr(str(tmp_path / "ck")))
+    out = run_one_rank(tmp_path / "curriculum.py", code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = " ".join(out.stdout.split())
+    assert "REFUSED: resilient_callbacks.deepspeed: curriculum data sampling" in said, (
+        out.stdout[-2000:] + out.stderr[-2000:]
+    )
+    assert not (tmp_path / "ck").exists()  # nothing was made

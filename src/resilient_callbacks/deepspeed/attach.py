@@ -27,7 +27,7 @@ import torch
 from .. import closing
 from ..checkpointer import Checkpointer
 from ..data import ResumableDataLoader
-from ..errors import AT_CALLER, ConfigError, warn_and_log
+from ..errors import AT_CALLER, ConfigError, UnsupportedStateError, warn_and_log
 from ..structure import PerRank
 from . import section
 from .engine_state import check_config, engine_state
@@ -199,6 +199,25 @@ def _resumable_loader(engine: Any, dataset: Any, collate_fn: Any) -> ResumableDa
     )
 
 
+def _refuse_curriculum_sampling(config: Any) -> None:
+    """DeepSpeed's curriculum data sampling (``data_efficiency.data_sampling.
+    curriculum_learning``, read as DeepSpeed reads it: its own ``enabled``) orders the batches
+    of the loader DeepSpeed makes from ``training_data``; ours, which replaces that loader,
+    does not: the run would train without its curriculum, in silence. Refused before DeepSpeed
+    builds the engine."""
+    sampling = (config.get("data_efficiency") or {}) if isinstance(config, dict) else {}
+    curriculum = (sampling.get("data_sampling") or {}).get("curriculum_learning") or {}
+    if isinstance(curriculum, dict) and curriculum.get("enabled"):
+        raise UnsupportedStateError(
+            "resilient_callbacks.deepspeed: curriculum data sampling "
+            '("data_efficiency": {"data_sampling": {"curriculum_learning": ...}}) with '
+            "training_data= is not supported yet: the loader that replaces DeepSpeed's (to "
+            "save its position) does not apply the curriculum. Turn curriculum sampling off, or build the engine with "
+            "deepspeed.initialize and checkpoint it with rcds.attach (the loader's position is "
+            "then yours to save, in attach's state=)"
+        )
+
+
 def initialize(
     args: Any = None,
     model: Any = None,
@@ -259,6 +278,8 @@ def initialize(
             training_data=training_data, config=clean, collate_fn=collate_fn, **common
         )
     check_config(clean)
+    if training_data is not None:
+        _refuse_curriculum_sampling(clean)
     # training_data: ours below, whose position is part of the checkpoint
     engine, opt, _, sched = ds_initialize(training_data=None, config=clean, **common)
     loader = None
