@@ -272,21 +272,37 @@ class EngineState(dict[str, Any]):
         saved_keys: dict[str, list[str]] | None = None,
     ) -> str | None:
         frozen_then, frozen_now = "module_extras" in unexpected, "module_extras" in missing
+        then = ", ".join((saved_keys or {}).get("module_extras", [])[:5]).replace("frozen/", "")
+        now = ", ".join(sorted(self.get("module_extras", {}))[:5]).replace("frozen/", "")
+        fix = (
+            "so the saved state does not fit. Freeze the same parameters as the run that saved "
+            "it, or start a new run from the saved weights (`resilient-ckpt export DIR OUT` "
+            "writes them whole)"
+        )
+        zero = self.get("zero")
+        zero3_frozen = self.stage == 3 and zero is not None and any(zero.view.frozen_fragments())
+        if frozen_then and zero3_frozen:  # saved at ZeRO 1-2, frozen now too, at ZeRO 3
+            return (
+                f"the checkpoint was saved at ZeRO 1 or 2 with {then or 'some parameters'} "
+                "frozen (requires_grad=False), which those stages save whole; this engine is "
+                "ZeRO 3, which saves frozen parameters by partition: a stage change between 1-2 "
+                "and 3 with frozen parameters is not supported yet. Resume at ZeRO 1 or 2, or "
+                "start a new run from the saved weights (`resilient-ckpt export DIR OUT`)"
+            )
         if frozen_then != frozen_now:
-            now = ", ".join(sorted(self.get("module_extras", {}))[:5]).replace("frozen/", "")
-            then = ", ".join((saved_keys or {}).get("module_extras", [])[:5]).replace("frozen/", "")
             change = (
-                f"{then or 'some parameters'} frozen (requires_grad=False), and this engine "
-                "trains every one"
+                f"the checkpoint was saved with {then or 'some parameters'} frozen "
+                "(requires_grad=False), and this engine trains every one"
                 if frozen_then
-                else f"every parameter trained, and this engine freezes some (requires_grad=False: {now})"
+                else f"this engine freezes {now} (requires_grad=False), and the checkpoint "
+                "holds no frozen parameters saved whole: it was saved with every parameter "
+                "trained, or at ZeRO 3, which saves frozen parameters by partition (a stage "
+                "change between 3 and 1-2 with frozen parameters is not supported yet: resume "
+                "at ZeRO 3)"
             )
             return (
-                f"the checkpoint was saved with {change}: at ZeRO {self.stage} frozen "
-                "parameters are saved apart from the optimizer's partitions, so the saved "
-                "state does not fit. Freeze the same parameters as the run that saved it, or "
-                "start a new run from the saved weights (`resilient-ckpt export DIR OUT` writes "
-                "them whole)"
+                f"{change}. At ZeRO {self.stage} frozen parameters are saved apart from the "
+                f"optimizer's partitions, {fix}"
             )
         saved_stage0 = "zero" in missing and "optimizer" in unexpected
         if not (saved_stage0 or ("optimizer" in missing and "zero" in unexpected)):
