@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -304,3 +306,53 @@ def test_a_stage_change_with_frozen_parameters_is_refused_as_such(
     assert "with frozen parameters is not supported yet" in said, said[-2000:]
     how = "Resume at ZeRO 1 or 2" if saved == 2 else "resume at ZeRO 3"
     assert how in said, said[-2000:]
+
+
+NOT_GIVEN = """
+import sys, torch
+import resilient_callbacks.deepspeed as rcds
+from ds_noshm import skip_shm_op
+skip_shm_op()
+torch.manual_seed(SEED)  # the second run starts the layer the optimizer is not given elsewhere
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": STAGE},
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+       "resilient_checkpoint": {"dirpath": DIRPATH, "every_n_steps": 2, "async_save": False}}
+engine, *_ = rcds.initialize(model=model, model_parameters=model[2].parameters(), config=cfg)
+x = torch.ones(2, 4)
+while engine.global_steps < 4:
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+print("RESTORED", engine.resilient_checkpoint.restored_step)
+print("OUT", engine(x).detach().flatten()[0].item().hex())
+engine.resilient_checkpoint.close()
+"""
+
+
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_parameters_not_given_to_the_optimizer_are_saved_and_exported(
+    tmp_path: Path, stage: int
+) -> None:
+    """ZeRO 1-3 with the optimizer given only the last layer, the first still requiring grad:
+    the first layer is in no ZeRO partition, and nothing saved it. A run resumed with that
+    layer initialised otherwise went on with those values, in silence, and `export` left it
+    out. It is saved like a frozen parameter: the resumed model is the saved one."""
+    from test_deepspeed import run_one_rank
+
+    ck = tmp_path / "ck"
+    outs = []
+    for seed in (0, 7):
+        code = NOT_GIVEN.replace("SEED", str(seed)).replace("STAGE", str(stage))
+        out = run_one_rank(tmp_path / f"run{seed}.py", code.replace("DIRPATH", repr(str(ck))))
+        assert out.returncode == 0, out.stderr[-3000:]
+        outs.append(out.stdout)
+    assert "RESTORED 0" in outs[0] and "RESTORED 4" in outs[1], outs
+    first, resumed = (re.search(r"OUT (\S+)", o).group(1) for o in outs)
+    assert resumed == first, outs
+    cli = [sys.executable, "-m", "resilient_callbacks", "export", str(ck), str(tmp_path / "w")]
+    subprocess.run(cli, check=True, capture_output=True, text=True)
+    from safetensors.torch import load_file
+
+    assert sorted(load_file(tmp_path / "w" / "model.safetensors")) == [
+        "0.bias", "0.weight", "2.bias", "2.weight",
+    ]  # fmt: skip

@@ -246,13 +246,16 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def module_extras(engine: Any) -> dict[str, torch.Tensor]:
-    """The frozen parameters at stages 1-2: replicated, not partitioned (at ZeRO 3 they are
-    the ZeroPart's)."""
+    """The parameters in no optimizer group at stages 1-2, replicated, not partitioned (at
+    ZeRO 3 they are the ZeroPart's): the frozen ones, and those that require grad but were not
+    given to the optimizer (which never changes them: the engine's ZeRO state lacks them)."""
     module = engine.module
     out: dict[str, torch.Tensor] = {}
     if engine.zero_optimization_stage() < 3:
+        groups = getattr(engine.optimizer, "bit16_groups", None)
+        trained = {id(p) for g in groups or () for p in g}
         for name, p in module.named_parameters():
-            if not p.requires_grad:
+            if id(p) not in trained if groups is not None else not p.requires_grad:
                 out[f"frozen/{name}"] = p.data
     return out
 

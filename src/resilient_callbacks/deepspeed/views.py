@@ -401,11 +401,12 @@ class Zero3View(ZeroView):
         for group in self.optimizer.fp16_groups:
             for p in group:
                 self._by_name[self.names[id(p)]] = p
-        # the frozen parameters, partitioned too but in no optimizer group
+        # the parameters in no optimizer group (frozen, or trainable but not given to the
+        # optimizer, which then never changes them), partitioned too
         self._frozen: dict[str, Any] = {
             n: p
             for n, p in engine.module.named_parameters()
-            if not p.requires_grad and getattr(p, "ds_tensor", None) is not None
+            if n not in self._by_name and getattr(p, "ds_tensor", None) is not None
         }
         group = self.optimizer.dp_process_group
         self.dp_rank = (
