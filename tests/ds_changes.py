@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--freeze-bias", action="store_true")  # requires_grad=False
     ap.add_argument("--sub-group-size", type=int)  # ZeRO 3: partitions of sub-groups
     ap.add_argument("--two-groups", action="store_true")  # the bias in a group of its own
+    ap.add_argument("--scheduler", action="store_true")  # DeepSpeed's WarmupLR in the config
     args = ap.parse_args()
     world_of_one()
     skip_shm_op()
@@ -61,6 +62,8 @@ def main() -> None:
         "zero_allow_untested_optimizer": True,
         "resilient_checkpoint": {"dirpath": args.dir, "every_n_steps": args.every},
     }
+    if args.scheduler:
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}
     if args.sub_group_size:
         cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
     if args.dtype == "bf16":

@@ -356,3 +356,15 @@ def test_parameters_not_given_to_the_optimizer_are_saved_and_exported(
     assert sorted(load_file(tmp_path / "w" / "model.safetensors")) == [
         "0.bias", "0.weight", "2.bias", "2.weight",
     ]  # fmt: skip
+
+
+def test_an_lr_scheduler_added_between_runs_is_refused_saying_so(tmp_path: Path) -> None:
+    """A scheduler in the second run's config only: the refusal named an internal key
+    ("missing keys in checkpoint: 'lr_scheduler'") and suggested another model or run; it
+    says which run had a scheduler and how on."""
+    run(tmp_path / "ck", "--steps", "4")
+    out = run(tmp_path / "ck", "--steps", "6", "--scheduler", fails=True)
+    said = " ".join(out.replace("[rank0]:", "").split())
+    assert "CheckpointMismatchError" in said, said[-2000:]
+    assert "saved by an engine with no LR scheduler; this engine has one" in said, said[-2000:]
+    assert "Configure the scheduler as the run that saved it did" in said, said[-2000:]

@@ -309,7 +309,7 @@ class EngineState(dict[str, Any]):
             )
         saved_stage0 = "zero" in missing and "optimizer" in unexpected
         if not (saved_stage0 or ("optimizer" in missing and "zero" in unexpected)):
-            return None
+            return _scheduler_change(missing, unexpected)
         saved = (
             "the whole module and optimizer of a ZeRO stage 0 engine"
             if saved_stage0
@@ -321,6 +321,19 @@ class EngineState(dict[str, Any]):
             f'its own: set "zero_optimization": {{"stage": ...}} back, or start a new run '
             f"from the saved weights (`resilient-ckpt export DIR OUT` writes them whole)"
         )
+
+
+def _scheduler_change(missing: list[str], unexpected: list[str]) -> str | None:
+    """The words for an LR scheduler that one run had and the other not, or None."""
+    if "lr_scheduler" not in missing + unexpected:
+        return None
+    had, has = ("no", "one") if "lr_scheduler" in missing else ("one", "none")
+    return (
+        f"the checkpoint was saved by an engine with {had} LR scheduler; this engine has {has} "
+        '(the config\'s "scheduler", or lr_scheduler= to initialize): its position cannot be '
+        "restored. Configure the scheduler as the run that saved it did, or start a new run "
+        "(a new dirpath) from the saved weights (`resilient-ckpt export DIR OUT`)"
+    )
 
 
 def engine_state(engine: Any, caller_sets_boundaries: bool = False) -> dict[str, Any]:
