@@ -109,3 +109,34 @@ def test_a_failed_last_save_still_lets_every_callback_end_its_run(
     with pytest.raises(CheckpointWriteError):
         trainer.train()
     assert ended == [4]
+
+
+def _model_init_sweep(outdir, cb=None):
+    """A Trainer with ``model_init`` (a new model at every ``train()``), trained twice with
+    another learning rate: a sweep by hand, as ``hyperparameter_search`` makes one."""
+    args = hf_train.training_args(str(outdir), 4)
+    trainer = hf_train.NoisyTrainer(
+        model_init=hf_train.build_model,
+        args=args,
+        train_dataset=hf_train.TokenDataset(hf_train.NUM_SAMPLES, 1),
+        eval_dataset=hf_train.TokenDataset(8, seed=2),
+        callbacks=[cb] if cb is not None else None,
+    )
+    first = trainer.train()
+    trainer.args.learning_rate = 0.02
+    second = trainer.train()
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    return first.training_loss, second.training_loss, weights
+
+
+def test_a_model_init_trainer_trains_again_as_without_the_callback(tmp_path):
+    """Its second train() builds a new model: it used to count as a new model and resume the
+    first, finished training (nothing trained, the first training's loss and weights returned,
+    the new learning rate never used)."""
+    ref = _model_init_sweep(tmp_path / "ref")
+    ck = tmp_path / "ck"
+    got = _model_init_sweep(tmp_path / "cb", ResilientCheckpoint(ck, every_n_steps=2))
+    assert ref[0] != ref[1]
+    assert got[:2] == ref[:2]
+    assert all(torch.equal(got[2][k], v) for k, v in ref[2].items())
+    assert _steps(ck) == [2, 4] and _steps(ck / "train-2") == [2, 4]

@@ -203,7 +203,7 @@ class ResilientCheckpoint(TrainerCallback):
         ckpt, trainer = self.checkpointer, self._trainer
         if ckpt is not None and trainer is not None:
             self._log_final()  # if the wrapper of the handler's on_train_end did not
-            phases.finished(self._home, trainer.model)
+            phases.finished(self._home, trainer)
         if not self._ending:  # (the wrapper below closes after every callback's)
             self._finish()
 
@@ -232,7 +232,7 @@ class ResilientCheckpoint(TrainerCallback):
         checks.warn_about_trainer_saves(args, self.trainer_checkpoints)
         checks.warn_about_monitor(options, args)
         self._home = checks.checkpoint_dir(own_dir, args)  # the first training's; phases.py
-        dirpath, options = phases.place(self._home, trainer.model, options)
+        dirpath, options = phases.place(self._home, trainer, options)
 
         self._loader = loader
         self._batches = make_resumable(loader.batch_sampler)

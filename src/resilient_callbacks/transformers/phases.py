@@ -12,7 +12,10 @@ The same script, run again after a crash, makes the same calls in the same order
 training, finished, restores its last checkpoint and trains nothing (as for any finished run);
 the second resumes from ``train-2``. A ``train()`` that raised is not counted: calling it
 again goes on from its newest checkpoint. A new model (a notebook cell or a script run again
-in the same process) resumes from the directory as usual.
+in the same process) resumes from the directory as usual. A Trainer with ``model_init`` builds
+a new model at every ``train()`` (a sweep over settings by hand, as ``hyperparameter_search``
+does): its trainings are counted by the Trainer, so its second ``train()`` is another training
+too, not a resume of the first, finished one.
 
 Every rank counts alike (each runs the same calls on its own copy of the model).
 """
@@ -30,15 +33,21 @@ log = logging.getLogger("resilient_callbacks")
 _FINISHED: dict[str, tuple[int, weakref.ref[Any]]] = {}
 
 
-def _done(dirpath: str, model: Any) -> int:
+def _trained(trainer: Any) -> Any:
+    """What a training is counted by: the Trainer's model, or the Trainer itself where it
+    builds a new model at every ``train()`` (``model_init``)."""
+    return trainer if getattr(trainer, "model_init", None) is not None else trainer.model
+
+
+def _done(dirpath: str, trainer: Any) -> int:
     count, ref = _FINISHED.get(os.path.realpath(dirpath), (0, None))
-    return count if ref is not None and ref() is model else 0
+    return count if ref is not None and ref() is _trained(trainer) else 0
 
 
-def place(dirpath: str, model: Any, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Where this training of ``model`` saves: ``dirpath`` for its first, else the
+def place(dirpath: str, trainer: Any, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Where this training of ``trainer``'s model saves: ``dirpath`` for its first, else the
     ``train-N`` subdirectory (and ``remote``'s)."""
-    done = _done(dirpath, model)
+    done = _done(dirpath, trainer)
     if done == 0:
         return dirpath, options
     name = f"train-{done + 1}"
@@ -56,6 +65,8 @@ def place(dirpath: str, model: Any, options: dict[str, Any]) -> tuple[str, dict[
     return os.path.join(dirpath, name), options
 
 
-def finished(dirpath: str, model: Any) -> None:
-    """A training of ``model`` placed by :func:`place` from ``dirpath`` ended without error."""
-    _FINISHED[os.path.realpath(dirpath)] = (_done(dirpath, model) + 1, weakref.ref(model))
+def finished(dirpath: str, trainer: Any) -> None:
+    """A training of ``trainer``'s model placed by :func:`place` from ``dirpath`` ended without
+    error."""
+    done = _done(dirpath, trainer) + 1
+    _FINISHED[os.path.realpath(dirpath)] = (done, weakref.ref(_trained(trainer)))
