@@ -36,20 +36,27 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback
-from transformers.utils import logging as hf_logging
 
 import resilient_callbacks_ds_guard
 
-from .. import rng, sinks
+from .. import sinks
 from ..adapter import check_options
 from ..checkpointer import Checkpointer
 from ..config import CheckpointerConfig
-from . import auto_batch, checks, hooks, phases, progress, trainer_state, under_deepspeed
+from . import (
+    auto_batch,
+    checks,
+    hooks,
+    phases,
+    progress,
+    resumed,
+    trainer_state,
+    under_deepspeed,
+)
 from .data import ResumableBatches, generator_at, make_resumable
 from .trainer_state import FORMAT, METRIC_PREFIX, STATE_FIELDS  # noqa: F401 (their old home)
 
 log = logging.getLogger("resilient_callbacks")
-trainer_log = hf_logging.get_logger("transformers.trainer")  # where the resume is announced
 
 _OWN_OPTIONS = (
     "dirpath",
@@ -272,7 +279,7 @@ class ResilientCheckpoint(TrainerCallback):
                 step = ckpt.restore(self._saved.tree)
                 if step:
                     auto_batch.check(trainer, self._saved.values, self._saved.signature, step)
-                    self._apply_restored(trainer, state, step)
+                    resumed.apply(self, trainer, state, step)
             hooks.wrap(trainer, "_run_epoch", self._run_epoch)
             hooks.wrap(trainer, "_maybe_log_save_evaluate", self._after_step)
             hooks.wrap(trainer.callback_handler, "on_train_end", self._train_end)
@@ -282,56 +289,7 @@ class ResilientCheckpoint(TrainerCallback):
             ckpt.close()
             raise
 
-    # ------------------------------------------------------------------ restore
-
-    def _apply_restored(self, trainer: Any, state: Any, step: int) -> None:
-        self._resume = self._saved.apply(trainer, state, step)
-        if hooks.persistent_workers(trainer.args) and any(
-            k.startswith("eval_") for e in state.log_history for k in e
-        ):
-            # The uninterrupted run made its evaluation loader's one iterator at its first
-            # evaluation, later reset without a draw: this run's first draws from a throwaway
-            hooks.wrap(trainer, "get_eval_dataloader", hooks.eval_loader_without_draw)
-        if getattr(trainer.args, "eval_on_start", False):
-            # the run evaluated at its start; a resumed one must not again (a second eval entry
-            # in the log history, and its draws from the restored RNGs change every later step)
-            trainer.args.eval_on_start = False
-            self._eval_on_start = True
-        # The random streams as restored, put back at the resumed epoch's start (see
-        # _epoch_begin): callbacks after this one draw in on_train_begin
-        self._restored_rng = rng.capture()
-        hooks.wrap(trainer.callback_handler, "on_epoch_begin", self._epoch_begin)
-        loop = self._saved.values["loop"]
-        self.restored_step = step
-        if trainer.is_world_process_zero():
-            where = f"epoch {loop['epoch']}, {loop['updates']} optimizer step(s) into it"
-            extra = checks.nothing_left(state, stopped=self._resume[4])
-            restored = self.checkpointer.last_restore if self.checkpointer else None
-            if restored is not None:
-                # WARNING through transformers.trainer: the Trainer's logging tree shows WARNING
-                # by default, while its own "Continuing training from checkpoint" (INFO) is hidden
-                trainer_log.warning(f"ResilientCheckpoint: {restored.describe(where)}{extra}")
-
     # ------------------------------------------------------------------ the Trainer's loop
-
-    def _epoch_begin(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        """The resumed run's first ``on_epoch_begin``: the random streams are put back as
-        restored. At an epoch's start, before it (the uninterrupted run drew in it from them);
-        in the middle of an epoch, after it (the Trainer fires it again for the resumed epoch,
-        where the uninterrupted run had drawn before the save). Either way, what callbacks drew
-        in ``on_train_begin`` after the restore is undone, as the Trainer's own resume does."""
-        trainer = self._trainer
-        assert trainer is not None  # unwrapped when training ends
-        hooks.unwrap(trainer.callback_handler, "on_epoch_begin")
-        saved, self._restored_rng = self._restored_rng, None
-        resume = self._resume
-        mid_epoch = resume is not None and resume[1] > 0 and not trainer.args.ignore_data_skip
-        if saved is not None and not mid_epoch:
-            rng.restore(*saved)
-        result = original(*args, **kwargs)
-        if saved is not None and mid_epoch:
-            rng.restore(*saved)
-        return result
 
     def _run_epoch(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         trainer = self._trainer
