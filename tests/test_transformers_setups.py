@@ -22,6 +22,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from transformers import TrainerCallback
+
 import hf_train
 from resilient_callbacks.transformers import ResilientCheckpoint
 
@@ -173,6 +175,44 @@ def test_a_less_common_setup_is_unchanged_and_resumes_exactly(tmp_path, setup):
     for step in (3, end):
         cb = ResilientCheckpoint(ck, every_n_steps=100, resume=step, save_on_train_end=False)
         got = _train(build, tmp_path / f"r{step}", cb, **overrides)
+        assert cb.restored_step == step
+        assert got[0] == without[0] and got[2] == without[2], step
+        assert [k for k in without[1] if not torch.equal(without[1][k], got[1][k])] == [], step
+
+
+class _EndEpochAt(TrainerCallback):
+    """Ends the epoch after optimizer step ``step`` (``should_epoch_stop``)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step == self.step:
+            control.should_epoch_stop = True
+
+
+def test_a_max_steps_run_with_an_epoch_ended_early_resumes_to_where_it_ended(tmp_path):
+    """max_steps=10, epochs of 5 steps: the Trainer's loop runs ceil(10 / 5) = 2 epochs, and
+    with the first ended after step 2 the run ends at step 7, short of max_steps. Resumed
+    at step 2 (the first epoch's end), 3 (in the second) or 7 (the end), it used to train on
+    into a third epoch, to step 10 (the run finished at 7 too)."""
+
+    def run(out: str, cb: ResilientCheckpoint | None) -> tuple:
+        trainer = hf_train.build_trainer(out, 10, callbacks=[_EndEpochAt(2)])
+        if cb is not None:
+            trainer.add_callback(cb)
+        result = trainer.train()
+        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        history = hf_train.clean_history(trainer.state.log_history)
+        return history, weights, hf_train.without_timings(result.metrics)
+
+    ck = tmp_path / "ck"
+    without = run(str(tmp_path / "a"), None)
+    assert without[0][-1]["step"] == 7
+    assert run(str(tmp_path / "b"), ResilientCheckpoint(ck, every_n_steps=1))[0] == without[0]
+    for step in (2, 3, 7):
+        cb = ResilientCheckpoint(ck, every_n_steps=100, resume=step, save_on_train_end=False)
+        got = run(str(tmp_path / f"r{step}"), cb)
         assert cb.restored_step == step
         assert got[0] == without[0] and got[2] == without[2], step
         assert [k for k in without[1] if not torch.equal(without[1][k], got[1][k])] == [], step

@@ -150,6 +150,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._saved = trainer_state.SavedState(exclude=self)  # what is saved of the Trainer
         self._save_every_epoch = False
         self._resume: tuple[int, int, torch.Tensor, torch.Tensor, bool] | None = None
+        self._same_epochs = False  # as many optimizer steps an epoch as at the save
         self._eval_on_start = False  # turned off for a resumed run; given back at its end
         self._restored_rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._epoch_calls = self._epoch_offset = self._epoch = self._updates = 0
@@ -255,6 +256,7 @@ class ResilientCheckpoint(TrainerCallback):
         self._saved.model_info = checks.model_info(trainer.model)
         self._epoch_calls = self._epoch_offset = 0
         self._pending, self._epoch_ended, self._resume = None, False, None
+        self._same_epochs = False
         self._logged_commit, self._final_logged = None, False
         self.restored_step = None
 
@@ -312,9 +314,11 @@ class ResilientCheckpoint(TrainerCallback):
                 self._epoch_offset = r_epoch - epoch
             epoch += self._epoch_offset
             state = trainer.state
-            # (a max_steps run goes to max_steps: with other data its epochs have other lengths)
+            # The Trainer's count of epochs ends the run too (a max_steps run's as well, where
+            # an epoch ended early: should_epoch_stop), unless a max_steps run's epochs have
+            # another length than at the save (new data: that count starts from step 0)
             done = state.global_step >= state.max_steps or (
-                targs.max_steps <= 0 and epoch >= state.num_train_epochs
+                (targs.max_steps <= 0 or self._same_epochs) and epoch >= state.num_train_epochs
             )
             if done or (first and r_stopped):
                 trainer.control.should_training_stop = True

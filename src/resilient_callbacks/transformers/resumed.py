@@ -14,7 +14,7 @@ from typing import Any
 from transformers.utils import logging as hf_logging
 
 from .. import rng
-from . import checks, hooks
+from . import checks, data_settings, hooks
 
 trainer_log = hf_logging.get_logger("transformers.trainer")  # where the resume is announced
 
@@ -24,6 +24,10 @@ def apply(cb: Any, trainer: Any, state: Any, step: int) -> None:
     back and set up the rest of the resumed run (the evaluation loader, ``eval_on_start``, the
     random streams put back at the first ``on_epoch_begin``), then say where it resumed."""
     cb._resume = cb._saved.apply(trainer, state, step)
+    # whether an epoch has as many optimizer steps as at the save (the Trainer's count of
+    # epochs, which ends the run, is then the uninterrupted run's)
+    per_epoch = data_settings.updates_per_epoch
+    cb._same_epochs = per_epoch(cb._saved.values["data"]) == per_epoch(cb._saved.signature)
     if hooks.persistent_workers(trainer.args) and any(
         k.startswith("eval_") for e in state.log_history for k in e
     ):
