@@ -1041,6 +1041,32 @@ def test_a_signal_after_the_last_step_exits_75_at_close_and_said_so(tmp_path: Pa
     assert (tmp_path / "ck" / "step_000000001" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("end", ["with", "finally"])
+def test_a_signal_after_the_last_step_keeps_the_users_own_exit_code(tmp_path: Path, end) -> None:
+    """SIGTERM after the last step(), then the script's own ``sys.exit(3)`` (a run it judged
+    failed: no restart wanted) reaching close() at a with block's end or in a ``finally``:
+    close() raised SystemExit(75) in its place, so the scheduler requeued the run the user
+    ended. The user's code ends the process, and a warning says the signal got no save."""
+    body = "    ck.step(1, {'w': torch.ones(2)}, final=True)\n"
+    body += "    signal.raise_signal(signal.SIGTERM)\n    sys.exit(3)\n"
+    script = "import signal, sys, torch\nfrom resilient_callbacks import Checkpointer\n" + (
+        "with Checkpointer(sys.argv[1], async_save=False) as ck:\n" + body
+        if end == "with"
+        else "ck = Checkpointer(sys.argv[1], async_save=False)\ntry:\n"
+        + body
+        + "finally:\n    ck.close()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 3, out
+    assert "SIGTERM arrived" in out.stderr and "sys.exit(3)" in out.stderr, out.stderr
+    assert (tmp_path / "ck" / "step_000000001" / "manifest.json").exists()
+
+
 def test_a_signal_after_the_last_step_goes_to_a_handler_of_the_users(tmp_path: Path) -> None:
     """A handler of the user's installed before the Checkpointer gets a signal that came after
     the last step() once close() has finished, as before (no exit 75 in its place)."""
