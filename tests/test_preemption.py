@@ -1067,6 +1067,36 @@ def test_a_signal_after_the_last_step_keeps_the_users_own_exit_code(tmp_path: Pa
     assert (tmp_path / "ck" / "step_000000001" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("first", ["ema", "model"])
+def test_a_signal_after_the_last_step_exits_75_with_a_second_checkpointer_not_exiting(
+    tmp_path: Path, first
+) -> None:
+    """Two Checkpointers, the EMA's with exit_on_preemption=False as the docs advise, SIGTERM
+    after the last step(), nested with blocks: the model's close (the inner one) passes the
+    signal on to the EMA's watcher, installed before its own, and the EMA's close then passed
+    it on to the default action (its own exit_on_preemption=False): the process died of the
+    signal (-15, a crash to the scheduler) although the model's Checkpointer exits on a
+    preemption. It exits 75, whichever was created first."""
+    ema = "Checkpointer(sys.argv[1] + '/ema', async_save=False, exit_on_preemption=False)"
+    model = "Checkpointer(sys.argv[1] + '/model', async_save=False)"
+    made = [f"ema = {ema}\n", f"model = {model}\n"]
+    script = (
+        "import signal, sys, torch\nfrom resilient_callbacks import Checkpointer\n"
+        + "".join(made if first == "ema" else made[::-1])
+        + ("with ema:\n    with model:\n" if first == "ema" else "with model:\n    with ema:\n")
+        + "        model.step(1, {'w': torch.ones(2)}, final=True)\n"
+        + "        ema.step(1, {'w': torch.ones(2)}, final=True)\n"
+        + "        signal.raise_signal(signal.SIGTERM)\n"
+        + "print('survived')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 75, out
+    assert "survived" not in out.stdout
+    assert "exiting with code 75" in out.stderr, out.stderr
+
+
 def test_a_signal_after_the_last_step_goes_to_a_handler_of_the_users(tmp_path: Path) -> None:
     """A handler of the user's installed before the Checkpointer gets a signal that came after
     the last step() once close() has finished, as before (no exit 75 in its place)."""

@@ -17,24 +17,23 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import catalog
+from . import catalog, unanswered_exit
 from .catalog import Depth
 from .errors import UploadIncompleteError
 from .nodelocal import NodeDirectory
-from .preemption import exiting, pending
+from .preemption import pending
 from .redact import push_command
 from .upload_thread import EXIT_MARGIN_S, by_grace
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
     from .directory import Directory
-    from .preemption import PreemptionRequest, PreemptionWatcher
+    from .preemption import PreemptionWatcher
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -344,8 +343,8 @@ def _release(ck: Checkpointer, sinks_deadline: float | None = None) -> None:
     exit_code = None
     if ck.watcher is not None:
         unanswered = ck.watcher.request if not ck.preempted else None
-        users = _users_exit()
-        exit_code = _exit_code_for(ck, unanswered)
+        users = unanswered_exit.users_exit()
+        exit_code = unanswered_exit.exit_code_for(ck, unanswered)
         if exit_code is not None:
             ck.watcher.exiting(exit_code)  # (before uninstall: a second signal keeps the code)
         ck.watcher.uninstall()
@@ -424,36 +423,6 @@ def _release(ck: Checkpointer, sinks_deadline: float | None = None) -> None:
             sys.stderr.flush()
             os._exit(exit_code)
         raise SystemExit(exit_code)
-
-
-def _exit_code_for(ck: Checkpointer, unanswered: PreemptionRequest | None) -> int | None:
-    """The code to exit with for ``unanswered``, a signal that came after the last step()
-    that could act on it, when passing it on would end the process by the signal (no handler
-    of the user's was there before ours) and ``exit_on_preemption`` is on: the preemption code
-    (75), as a step() acting on it would have exited; None to pass it on (or when another
-    path answers it: another Checkpointer's exit, a failed emergency save, an exception, the
-    program's own ``sys.exit`` with a failure code; or from a thread other than the main one)."""
-    w = ck.watcher
-    if unanswered is None or unanswered.signum is None or w is None:
-        return None
-    if w.answered_elsewhere or ck._emergency.failed is not None or ck.failed_with:
-        return None
-    if _users_exit() is not None:
-        return None
-    if not (ck.config.exit_on_preemption and w.passing_on_ends_the_process(unanswered.signum)):
-        return None
-    if threading.current_thread() is not threading.main_thread():
-        return None  # (a SystemExit would end this thread only; the signal ends the process)
-    return int(ck.config.preemption_exit_code)
-
-
-def _users_exit() -> SystemExit | None:
-    """The program's own ``sys.exit`` with a failure code (not 0 or None, not this library's
-    preemption exit) that this close runs inside, at a with block's end or in a ``finally``."""
-    exc = sys.exc_info()[1]
-    if isinstance(exc, SystemExit) and not clean_exit(exc) and exiting.code() is None:
-        return exc
-    return None
 
 
 def at_exit(ck: Checkpointer) -> Callable[[], None] | None:
