@@ -368,3 +368,46 @@ def test_an_lr_scheduler_added_between_runs_is_refused_saying_so(tmp_path: Path)
     assert "CheckpointMismatchError" in said, said[-2000:]
     assert "saved by an engine with no LR scheduler; this engine has one" in said, said[-2000:]
     assert "Configure the scheduler as the run that saved it did" in said, said[-2000:]
+
+
+RANDOM_LTD = """
+import json, sys, torch
+from ds_noshm import skip_shm_op
+skip_shm_op()
+import resilient_callbacks.deepspeed as rcds
+torch.manual_seed(0)
+ltd = {"enabled": True, "total_layer_num": 2, "random_ltd_layer_num": 1,
+       "random_ltd_layer_id": [0], "model_mask_name": "attention_mask",
+       "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
+       "random_ltd_schedule": {"min_value": 8, "max_value": 64, "schedule_type": "fixed_linear",
+                               "schedule_config": {"require_steps": 10, "seq_per_step": 8}}}
+cfg = {"train_micro_batch_size_per_gpu": 2,
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+       "data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": ltd}},
+       "resilient_checkpoint": {"dirpath": DIRPATH, "every_n_steps": 2}}
+model = torch.nn.Linear(4, 1)
+engine, *_ = rcds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+while engine.global_steps < STEPS:
+    loss = engine(torch.randn(2, 4)).sum(); engine.backward(loss); engine.step()
+print("RESULT", json.dumps(engine.random_ltd_scheduler.state_dict()))
+"""
+
+
+@pytest.mark.slow
+def test_random_ltd_scheduler_state_resumes(tmp_path: Path) -> None:
+    """DeepSpeed's Random-LTD scheduler counts the layer tokens consumed (and the kept length);
+    DeepSpeed's checkpoints hold that count, ours did not: a resumed run counted from 0 again.
+    Saved and restored now: stopped at step 4 and resumed to 6, it counts as a run of 6."""
+    from test_deepspeed import run_one_rank
+
+    def result(d: str, steps: int) -> dict:
+        code = RANDOM_LTD.replace("DIRPATH", repr(str(tmp_path / d))).replace("STEPS", str(steps))
+        out = run_one_rank(tmp_path / f"ltd_{d}_{steps}.py", code)
+        assert out.returncode == 0, out.stderr[-3000:]
+        (line,) = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        return json.loads(line[len("RESULT ") :])
+
+    ref = result("ref", 6)
+    stopped = result("run", 4)
+    assert stopped["consumed_layer_tokens"] < ref["consumed_layer_tokens"]
+    assert result("run", 6) == ref

@@ -10,7 +10,7 @@
   DeepSpeed does not broadcast buffers after it starts, so a BatchNorm's running statistics or
   a running normaliser differ between ranks, and each rank must get its own back.
 - Always: the engine's counters (optimizer steps, samples, micro-steps, skipped steps) and its
-  learning-rate scheduler, if any.
+  learning-rate scheduler, if any; and its Random-LTD scheduler, if Random-LTD is on.
 """
 
 from __future__ import annotations
@@ -356,7 +356,22 @@ def engine_state(engine: Any, caller_sets_boundaries: bool = False) -> dict[str,
         state["buffers"] = PerRank(RankBuffers(engine), new_ranks="rank0")
     if engine.lr_scheduler is not None:
         state["lr_scheduler"] = SchedulerState(engine.lr_scheduler)
+    if _random_ltd_enabled(engine):
+        state["random_ltd"] = engine.random_ltd_scheduler
     return state
+
+
+def _random_ltd_enabled(engine: Any) -> bool:
+    """Whether the engine runs DeepSpeed's Random-LTD (``data_efficiency.data_routing.
+    random_ltd``): its scheduler counts the layer tokens consumed and the kept sequence length
+    (numbers, the same on every rank), which DeepSpeed's own checkpoints hold as
+    ``random_ltd``; ours hold them too, so a resume goes on counting where the run stopped."""
+    enabled = getattr(engine, "random_ltd_enabled", None)
+    return (
+        callable(enabled)
+        and bool(enabled())
+        and getattr(engine, "random_ltd_scheduler", None) is not None
+    )
 
 
 class SchedulerState:
