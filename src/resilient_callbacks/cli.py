@@ -3,7 +3,7 @@ and clean up a checkpoint directory, and copy checkpoints to and from a remote s
 
 This module builds the parser and dispatches; each command lives in a module imported only
 when it runs (``cli_local``: ls, gc; ``cli_verify``; ``cli_inspect``; ``cli_remote``: pull,
-push), so ``--help``, ``--version`` and usage errors do not import torch. See docs/cli.md.
+push; ``cli_remote_verify``: verify URL), so ``--help``, ``--version`` and usage errors do not import torch. See docs/cli.md.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .cli_scan import is_url
 
     if is_url(args.dir):
-        from .cli_remote import verify as verify_remote
+        from .cli_remote_verify import verify as verify_remote
 
         return verify_remote(args)
     if args.option:

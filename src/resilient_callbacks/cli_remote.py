@@ -1,5 +1,6 @@
 """``resilient-ckpt pull``, ``push``, ``ls --remote`` and ``gc --remote``: the commands that
-talk to a remote store (any fsspec URL). Imported only when one of them runs."""
+talk to a remote store (any fsspec URL; ``verify URL`` is ``cli_remote_verify``'s). Imported
+only when one of them runs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 from . import catalog
 from .catalog import Depth, Entry, Status
 from .cli_format import CORRUPT, INCOMPLETE, SIZES, UNVERIFIED, fmt_size, iso_time, print_json
-from .cli_scan import no_checkpoints, report_verified, resolve
+from .cli_scan import no_checkpoints, resolve
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock, writer_alive
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
@@ -443,58 +444,3 @@ def print_gc_remote(result: dict[str, Any], dry_run: bool) -> None:
         print(f"{verb} {len(result['blobs_deleted'])} remote blob(s) no checkpoint refers to")
     n, kept = len(result["delete"]), len(result["keep"])
     print(f"{result['url']}: {n} {'would be deleted' if dry_run else 'deleted'}, {kept} kept")
-
-
-def verify(args: argparse.Namespace) -> int:
-    """``verify URL``: read the remote copies where they lie and check every checksum."""
-    from .remote_verify import check_remote
-
-    st = store(args.dir, args.option)
-    remote = st.scan()
-    committed = [e for e in remote if e.manifest is not None]
-    if not committed:
-        unreadable = len(_damage(remote)[1])
-        some = f" ({unreadable} with an unreadable manifest)" if unreadable else ""
-        raise CheckpointNotFoundError(f"no checkpoints in {st.url}{some}")
-    steps = {e.name: e.manifest.step for e in committed if e.manifest is not None}
-    if args.step is not None:
-        scope, chosen = "step", [e for e in committed if steps[e.name] == args.step]
-        if not chosen:
-            raise CheckpointNotFoundError(
-                f"no checkpoint of step {args.step} in {st.url} (its steps: "
-                f"{', '.join(map(str, sorted(set(steps.values()))))})"
-            )
-    else:
-        scope, chosen = ("all", committed) if args.all else ("newest", committed[-1:])
-    rows = []
-    for e in chosen:
-        m = e.manifest
-        assert m is not None
-        # a listed size already wrong needs no reading
-        problem = e.problem if e.problem is not None else check_remote(st, e).problem
-        rows.append(
-            {
-                "name": e.name,
-                "step": m.step,
-                "seq": m.seq,
-                "status": "valid" if problem is None else "corrupt",
-                "checked": "checksums",
-                "time": iso_time(m.created),
-                "bytes": m.total_bytes,
-                "run_id": m.run_id,
-                "problem": problem,
-                "url": f"{st.url}/{e.name}",
-            }
-        )
-    return report_verified(
-        args,
-        st.url,
-        scope,
-        rows,
-        len(committed),
-        what="remote checkpoint(s)",
-        shown="url",
-        failed_hint=f"; `resilient-ckpt push DIR {st.url} --verify` uploads a damaged copy "
-        "again from a valid local one",
-        matched="every checksum matches, read from the store",
-    )
