@@ -876,6 +876,40 @@ def test_verify_reads_a_remote_store_and_push_verify_repairs_a_same_size_rot(tmp
     assert r.returncode == 1 and "DIR is local here" in r.stderr
 
 
+def test_verify_of_a_url_holding_plain_dcp_checkpoints_names_them(tmp_path, s3_remote):
+    """On the S3 API server: `verify URL` of checkpoints plain ``dcp.save`` wrote there
+    (FsspecWriter), one of them torn (its ``.metadata``, written last, missing), said only "no
+    checkpoints in URL"; `verify DIR` names them locally. It names them now, the complete
+    ones as plain dcp.save checkpoints (not verified, how to carry them over) and the torn
+    one as such, as it does where the URL is one."""
+    import s3fs
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    url, options = s3_remote
+    o = _s3_options(options)
+    for name in ("step_100", "step_200", "step_300"):
+        dcp.save({"w": torch.ones(3)}, storage_writer=FsspecWriter(f"{url}/{name}", **options))
+    fs = s3fs.S3FileSystem(**options)
+    fs.rm(f"{url[len('s3://') :]}/step_300/.metadata")  # as if the save had stopped there
+    r = cli("verify", url, *o)
+    assert r.returncode == 1
+    said = " ".join(r.stderr.split())
+    assert f"step_100, step_200 in {url} are checkpoints written by plain dcp.save" in said, said
+    assert (
+        "neither lists nor verifies" in said and "plain_dcp_reader(DIR, allow_pickle=True)" in said
+    )
+    assert f"step_300 in {url} holds *.distcp files without a .metadata" in said, said
+    one = f"{url}/step_100"
+    said = " ".join(cli("verify", one, *o).stderr.split())
+    assert f"{one} is a checkpoint written by plain dcp.save" in said, said
+    fs.rm(f"{one[len('s3://') :]}/.metadata")
+    said = " ".join(cli("verify", one, *o).stderr.split())
+    assert f"{one} holds *.distcp files without a .metadata" in said, said
+    said = " ".join(cli("verify", f"{url}/nothing", *o).stderr.split())
+    assert said.endswith(f"no checkpoints in {url}/nothing"), said
+
+
 def test_push_verify_uploads_a_rotten_shared_blob_again(tmp_path):
     """An incremental checkpoint's blob (shared by checkpoints, named by its content) rotten at
     the same size in the remote store: verify names the blob, push --verify puts its bytes back."""

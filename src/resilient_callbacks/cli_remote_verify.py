@@ -4,11 +4,14 @@ checksum read from the store. Imported only when it runs."""
 from __future__ import annotations
 
 import argparse
+import posixpath
 
+from .catalog import PLAIN_DCP_METADATA
 from .cli_format import iso_time
 from .cli_remote import _damage, store
 from .cli_scan import report_verified
 from .errors import CheckpointNotFoundError
+from .remote import RemoteEntry, RemoteStore
 
 
 def verify(args: argparse.Namespace) -> int:
@@ -21,7 +24,8 @@ def verify(args: argparse.Namespace) -> int:
     if not committed:
         unreadable = len(_damage(remote)[1])
         some = f" ({unreadable} with an unreadable manifest)" if unreadable else ""
-        raise CheckpointNotFoundError(f"no checkpoints in {st.url}{some}")
+        note = plain_dcp_note(st, remote)
+        raise CheckpointNotFoundError(f"no checkpoints in {st.url}{some}{note}")
     steps = {e.name: e.manifest.step for e in committed if e.manifest is not None}
     if args.step is not None:
         scope, chosen = "step", [e for e in committed if steps[e.name] == args.step]
@@ -64,3 +68,52 @@ def verify(args: argparse.Namespace) -> int:
         "again from a valid local one",
         matched="every checksum matches, read from the store",
     )
+
+
+def plain_dcp_note(st: RemoteStore, remote: list[RemoteEntry]) -> str:
+    """What to add to "no checkpoints in URL" where the URL holds what plain ``dcp.save``
+    (``FsspecWriter``) writes: its checkpoints (a pickled ``.metadata`` beside ``*.distcp``
+    files) and torn ones (``*.distcp`` files without the ``.metadata`` DCP writes last), the
+    URL itself or its folders; ``""`` where it holds none. As ``verify DIR`` says of a local
+    directory (:func:`catalog.plain_dcp_note`), with the reader for a URL."""
+    files = {e.name: e.sizes for e in remote if e.manifest is None}
+    try:
+        top = [posixpath.basename(p.rstrip("/")) for p in st.fs.ls(st.root, detail=False)]
+    except OSError:  # (a hint: the listing that failed does not replace the error it adds to)
+        top = []
+    files[""] = {name: 0 for name in top}
+    whole = [n for n, f in files.items() if PLAIN_DCP_METADATA in f]
+    torn = [
+        n
+        for n, f in files.items()
+        if PLAIN_DCP_METADATA not in f and any(x.endswith(".distcp") for x in f)
+    ]
+    if not whole and not torn:
+        return ""
+
+    def where(names: list[str], one: str, many: str) -> str:
+        if names == [""]:
+            return f"{st.url} {one}"
+        shown = ", ".join(n or "." for n in names[:5]) + (
+            f" and {len(names) - 5} more" if len(names) > 5 else ""
+        )
+        return f"{shown} in {st.url} {one if len(names) == 1 else many}"
+
+    said = []
+    if whole:
+        said.append(
+            where(whole, "is a checkpoint", "are checkpoints")
+            + " written by plain dcp.save (FsspecWriter: a pickled .metadata and *.distcp "
+            "files), which resilient_callbacks neither lists nor verifies (it has no checksums "
+            "to check); to carry one over, copy it to a local directory, load it with "
+            "dcp.load(sd, storage_reader=plain_dcp_reader(DIR, allow_pickle=True)) (from "
+            "resilient_callbacks.dcp; it unpickles: only a checkpoint you trust) and save it "
+            "again with ResilientStorageWriter or a Checkpointer"
+        )
+    if torn:
+        said.append(
+            where(torn, "holds", "hold")
+            + " *.distcp files without a .metadata: a plain dcp.save that did not finish (DCP "
+            "writes .metadata last), which no reader loads; delete it, or save it again"
+        )
+    return "; " + "; ".join(said)
