@@ -6,6 +6,7 @@ accumulation window are refused, before anything is written."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import subprocess
 import sys
@@ -408,6 +409,43 @@ def test_another_accumulation_count_starts_a_whole_window(
         assert ckpt.restore({"acc": Accumulation(back)}) == 2
     assert back.step == 0
     assert "gradient_accumulation_steps is 3 here but was 4" in caplog.text
+
+
+@pytest.mark.parametrize(("batches", "warned"), [(10, False), (8, True)])
+def test_another_accumulation_count_warns_only_where_a_window_would_be_cut(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, batches: int, warned: bool
+) -> None:
+    """Saved with gradient_accumulation_steps=4 and resumed with 3: at the epoch's end (10
+    batches of 10: accelerate resets accelerator.step to 0) the warning that the windows
+    start afresh was given too, though the next window is whole anyway; now only where the
+    saved step (8, at a window's end mid-epoch) would cut the first window short."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from resilient_callbacks import ResumableDataLoader
+    from resilient_callbacks.accelerate import Accumulation
+
+    ds = torch.utils.data.TensorDataset(torch.arange(40.0))
+    try:
+        acc = Accelerator(gradient_accumulation_steps=4, cpu=True)
+        passing = Accumulation(acc).epoch(ResumableDataLoader(ds, batch_size=4))
+        assert _syncs(acc, itertools.islice(passing, batches))[-1]
+        passing.close()
+        assert acc.step == (0 if batches == 10 else 8)
+        with Checkpointer(tmp_path / "ck", async_save=False) as ckpt:
+            ckpt.save(2, {"acc": Accumulation(acc)})
+        acc.step = 5
+        acc.gradient_accumulation_steps = 3
+        caplog.set_level(logging.WARNING, "resilient_callbacks")
+        with Checkpointer(tmp_path / "ck") as ckpt:
+            assert ckpt.restore({"acc": Accumulation(acc)}) == 2
+        assert acc.step == 0
+        said = "gradient_accumulation_steps is 3 here but was 4" in caplog.text
+        assert said == warned, caplog.text
+        assert _syncs(acc, range(3)) == [False, False, True]  # a whole window of 3
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
 
 
 def test_skip_first_batches_loader_is_refused(tmp_path: Path) -> None:

@@ -113,10 +113,13 @@ class Accumulation:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The saved step; another ``gradient_accumulation_steps`` than the saved one starts
-        at 0 instead, with a warning (saved at a window's end, the next window is whole)."""
+        """The saved step. With another ``gradient_accumulation_steps`` than the saved one,
+        a step that is not a multiple of it (the first window after the resume would be cut
+        short) starts at 0 instead, with a warning, so the next window is whole; a step it
+        divides (0: saved at an epoch's end) is restored as it is, nothing said."""
         step, saved, now = int(state["step"]), state.get("num_steps"), self.accelerator
-        if saved is not None and int(saved) != int(now.gradient_accumulation_steps):
+        n = int(now.gradient_accumulation_steps)
+        if saved is not None and int(saved) != n and step % max(1, n) != 0:
             log.warning(
                 "gradient_accumulation_steps is %s here but was %s in the checkpoint: the "
                 "accumulation windows start afresh from the resumed step (accelerator.step=0 "
