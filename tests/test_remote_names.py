@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -327,6 +328,37 @@ def test_a_cut_off_upload_under_an_rn_name_is_swept_a_day_later(tmp_path, monkey
     if by == "gc":
         assert main(["gc", str(tmp_path / "a"), "--remote", url, "--keep-last", "2"]) == 0
     assert [e.name for e in RemoteStore(url).scan()] == ["step_000000001"]
+
+
+@pytest.mark.parametrize("by", ["uploader", "gc"])
+def test_a_plain_dcp_checkpoint_at_the_url_is_never_swept(tmp_path, monkeypatch, capsys, by):
+    """A checkpoint plain ``dcp.save`` (FsspecWriter) wrote at the URL (``step_100``: a
+    pickled ``.metadata``, ``*.distcp``) was listed as an upload without a manifest, and the
+    uploader's sweep and `gc --remote` deleted it once untouched for a day: the user's last
+    checkpoint of the run before it moved to this library. It is not ours: never listed,
+    never deleted (as in a local directory)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from resilient_callbacks import cli_remote, sync
+    from resilient_callbacks.cli import main
+
+    url = f"file://{tmp_path}/durable/run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (DCP: "assuming ... a single process")
+        dcp.save({"w": torch.ones(3)}, storage_writer=FsspecWriter(f"{url}/step_100"))
+    # as if a day had passed
+    monkeypatch.setattr(sync if by == "uploader" else cli_remote, "STALE_UPLOAD_S", -1.0)
+    with Checkpointer(tmp_path / "a", remote=url, keep_last=2, async_save=False) as ck:
+        ck.save(1, _state(1.0))
+        assert ck._dir.sync.wait(60)
+    if by == "gc":
+        assert main(["gc", str(tmp_path / "a"), "--remote", url, "--keep-last", "2"]) == 0
+    assert (tmp_path / "durable" / "run" / "step_100" / ".metadata").is_file()
+    assert [e.name for e in RemoteStore(url).scan()] == ["step_000000001"]
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "a"), "--remote", url]) == 0
+    assert "step_100" not in capsys.readouterr().out
 
 
 def test_a_name_held_by_this_runs_own_other_commit_is_not_blamed_on_another_run(tmp_path, caplog):

@@ -77,15 +77,18 @@ def plain_dcp_note(st: RemoteStore, remote: list[RemoteEntry]) -> str:
     URL itself or its folders; ``""`` where it holds none. As ``verify DIR`` says of a local
     directory (:func:`catalog.plain_dcp_note`), with the reader for a URL."""
     files = {e.name: e.sizes for e in remote if e.manifest is None}
-    try:
+    try:  # (a hint: a listing that fails does not replace the error it adds to)
         top = [posixpath.basename(p.rstrip("/")) for p in st.fs.ls(st.root, detail=False)]
-    except OSError:  # (a hint: the listing that failed does not replace the error it adds to)
-        top = []
+        marks = st.fs.glob(posixpath.join(st.root, "*", PLAIN_DCP_METADATA))
+    except OSError:
+        top, marks = [], []
     files[""] = {name: 0 for name in top}
-    whole = [n for n, f in files.items() if PLAIN_DCP_METADATA in f]
+    for mark in marks:  # (RemoteStore.scan leaves them out: not ours)
+        files[posixpath.basename(posixpath.dirname(mark))] = {PLAIN_DCP_METADATA: 0}
+    whole = sorted(n for n, f in files.items() if PLAIN_DCP_METADATA in f)
     torn = [
         n
-        for n, f in files.items()
+        for n, f in sorted(files.items())
         if PLAIN_DCP_METADATA not in f and any(x.endswith(".distcp") for x in f)
     ]
     if not whole and not torn:

@@ -32,7 +32,7 @@ import fsspec
 
 from . import remote_blobs, remote_objects, rng
 from .blobs import BLOBS_DIR
-from .catalog import Depth, verify, verify_entries
+from .catalog import PLAIN_DCP_METADATA, Depth, verify, verify_entries
 from .commit import STAGING_PREFIX, fsync_dir, fsync_tree
 from .errors import CheckpointCorruptError, RemoteUnavailableError
 from .manifest import MANIFEST_NAME, NEWER_FORMAT, Manifest
@@ -237,6 +237,8 @@ class RemoteStore:
         entries: list[RemoteEntry] = []
         for name, sizes in sorted(groups.items()):
             if MANIFEST_NAME not in sizes:
+                if PLAIN_DCP_METADATA in sizes:  # plain dcp.save's (step_100): not ours, kept
+                    continue
                 entries.append(RemoteEntry(name, None, sizes, NO_MANIFEST, modified.get(name)))
                 continue
             m = manifests[name]
