@@ -426,3 +426,20 @@ def test_a_remote_without_a_scheme_that_looks_like_a_bucket_is_warned_about(tmp_
         warnings.simplefilter("error")
         for local in ("./durable/run1", str(tmp_path / "durable"), "~/durable-rc-test"):
             CheckpointerConfig(dirpath=str(tmp_path / "ck"), remote=local)
+
+
+def test_an_optional_key_a_checkpoint_lacks_keeps_its_value_and_others_are_refused(tmp_path):
+    """OptionalKeys: an entry added to a state after a checkpoint of it was written restores
+    (keeping its live value); a key not declared optional is still refused as missing."""
+    from resilient_callbacks.structure import OptionalKeys
+
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, {"rank": {"w": torch.arange(4.0)}})
+    w = torch.zeros(4)
+    state = {"rank": OptionalKeys({"w": w, "new": None}, optional=("new",))}
+    with Checkpointer(tmp_path / "ck") as ck:
+        assert ck.restore(state) == 1
+    assert torch.equal(w, torch.arange(4.0)) and state["rank"]["new"] is None
+    state = {"rank": OptionalKeys({"w": torch.zeros(4), "new": None}, optional=("other",))}
+    with Checkpointer(tmp_path / "ck") as ck, pytest.raises(CheckpointMismatchError, match="new"):
+        ck.restore(state)

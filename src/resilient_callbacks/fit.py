@@ -25,6 +25,7 @@ from .filepart import FilePart
 from .optim import hookable, param_shapes
 from .structure import (
     TAG,
+    OptionalKeys,
     PerRank,
     _describe,
     _has_live_objects,
@@ -226,7 +227,8 @@ def check_fits(
                 return
             if not _has_live_objects(obj):
                 return  # plain data (counters, histories): replaced wholesale on restore
-            missing = [k for k in obj if k not in items]
+            optional = obj.optional if isinstance(obj, OptionalKeys) else frozenset()
+            missing = [k for k in obj if k not in items and k not in optional]
             unexpected = [k for k in items if k not in obj]
             if partial:
                 left_out.extend(path_str((*path, k)) for k in unexpected)

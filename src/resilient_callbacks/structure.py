@@ -60,6 +60,17 @@ class PerRank:
         return f"PerRank({self.obj!r})"
 
 
+class OptionalKeys(dict[str, Any]):
+    """A dict of the state some of whose keys (``optional``) a checkpoint may lack: entries
+    added to a state after checkpoints of it were written. Such a key missing from the
+    checkpoint keeps its live value on restore; any other missing key is refused, as in a
+    plain dict. Saved as a plain dict (the format does not change)."""
+
+    def __init__(self, *args: Any, optional: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.optional = frozenset(optional)
+
+
 def gone_ranks(world_size: int, saved_world_size: int) -> str:
     """The ranks of a checkpoint that a run on ``world_size`` ranks has no process for."""
     first, last = world_size, saved_world_size - 1
