@@ -53,7 +53,13 @@ from . import (
     trainer_state,
     under_deepspeed,
 )
-from .data import ResumableBatches, generator_at, make_resumable
+from .data import (
+    ResumableBatches,
+    decode_cpu_rng,
+    encode_cpu_rng,
+    generator_at,
+    make_resumable,
+)
 from .trainer_state import FORMAT, METRIC_PREFIX, STATE_FIELDS  # noqa: F401 (their old home)
 
 log = logging.getLogger("resilient_callbacks")
@@ -244,6 +250,8 @@ class ResilientCheckpoint(TrainerCallback):
 
         self._loader = loader
         self._batches = make_resumable(loader.batch_sampler)
+        # batches collated in this process draw from its random streams: record them
+        self._batches.record_rng = getattr(loader, "num_workers", 0) == 0
         self._base = getattr(loader, "base_dataloader", loader)
         self._own_generator = self._base.generator
         self._saved.signature = {
@@ -333,7 +341,13 @@ class ResilientCheckpoint(TrainerCallback):
                 a["steps_in_epoch"] = steps_in_epoch - start * gas
                 a["num_update_steps_per_epoch"] = updates_per_epoch - start
                 assert self._batches is not None
-                self._batches.resume_at(start * gas, r_rng)
+                # the first batch is collated from the random states it was collated from
+                # before the save (None: not fetched ahead, or a checkpoint without them)
+                collated = self._saved.rank_values.get("next_batch_rng")
+                main = self._base.num_workers == 0
+                self._batches.resume_at(
+                    start * gas, r_rng, decode_cpu_rng(collated) if collated and main else None
+                )
                 # The iterator this epoch creates draws its base seed as the interrupted run's
                 # did at the epoch start, from that RNG state, not from the global RNG now.
                 epoch_start = r_start
@@ -396,7 +410,7 @@ class ResilientCheckpoint(TrainerCallback):
             (self._epoch + 1, 0) if epoch_end and epoch_done else (self._epoch, self._updates)
         )
         rng = self._batches.epoch_rng if self._batches is not None else None
-        self._saved.refresh(trainer, position, rng)
+        self._saved.refresh(trainer, position, rng, self._next_batch_rng(position))
         metrics, self._step_metrics = self._step_metrics, {}
         final = control.should_training_stop or state.global_step >= state.max_steps
         # the last step as a final save: taken whatever the schedule, and by the remote tier
@@ -416,6 +430,15 @@ class ResilientCheckpoint(TrainerCallback):
             # telemetry="logger": every checkpoint metric through the Trainer's log, so every
             # report_to integration (TensorBoard, MLflow, W&B) receives them
             sinks.to_framework(ckpt, trainer.log)
+
+    def _next_batch_rng(self, position: tuple[int, int]) -> dict[str, Any] | None:
+        """The random states the batch at ``position`` (epoch, optimizer steps) was collated
+        from, if this process collated it already: accelerate's loader fetches one batch ahead,
+        so a collator's draws (masking) for the step after a save happen before it."""
+        b, gas = self._batches, int(self._trainer.args.gradient_accumulation_steps)
+        if b is None or b.before_batch is None or position != (self._epoch, self._updates):
+            return None
+        return encode_cpu_rng(b.before_batch) if b.handed == self._updates * gas > 0 else None
 
     def _record(self, values: Any) -> None:
         if self._trainer is not None:

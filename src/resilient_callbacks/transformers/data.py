@@ -26,12 +26,51 @@ the same object; without a pending start position it iterates exactly as before.
 from __future__ import annotations
 
 import base64
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
+
+# Python's, NumPy's global and torch's CPU random states (what collating in the main process
+# can draw from; CUDA streams are not: a collator runs on the CPU)
+CpuRng = tuple[Any, Any, torch.Tensor]
+
+
+def cpu_rng() -> CpuRng:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def set_cpu_rng(states: CpuRng) -> None:
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+
+
+def encode_cpu_rng(states: CpuRng) -> dict[str, Any]:
+    """``states`` as plain JSON values (no pickle), for the checkpoint."""
+    version, internal, gauss = states[0]
+    kind, keys, pos, has_gauss, cached = states[1]
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, _b64(torch.from_numpy(np.asarray(keys, dtype=np.uint32).view(np.uint8))),
+                  int(pos), int(has_gauss), float(cached)],
+        "torch": _b64(states[2]),
+    }  # fmt: skip
+
+
+def decode_cpu_rng(saved: dict[str, Any]) -> CpuRng:
+    version, internal, gauss = saved["python"]
+    kind, keys, pos, has_gauss, cached = saved["numpy"]
+    np_keys = _state(keys).numpy().view(np.uint32).copy()
+    return (
+        (version, tuple(internal), gauss),
+        (kind, np_keys, pos, has_gauss, cached),
+        _state(saved["torch"]),
+    )
 
 
 class _ListBatches:
@@ -78,11 +117,21 @@ class ResumableBatches:
     _rc_gen_now: torch.Tensor | None  # ... and at the save
     epoch_rng: torch.Tensor | None
     epoch_gen: torch.Tensor | None  # the sampler's own generator at this epoch's start
+    _rc_first: CpuRng | None  # the CPU random states to collate a resumed epoch's first batch
+    record_rng: bool  # record the CPU random states before each batch (main-process loading)
+    handed: int  # index in its epoch of the batch handed out last (with record_rng)
+    before_batch: CpuRng | None  # the CPU random states right before it was handed out
     fast_forwards: int  # how many resumed iterations used direct slicing (not materializing)
 
-    def resume_at(self, batches: int, rng_state: torch.Tensor | None) -> None:
+    def resume_at(
+        self, batches: int, rng_state: torch.Tensor | None, first: CpuRng | None = None
+    ) -> None:
+        """The next iteration starts at local batch ``batches`` of the epoch whose order was
+        drawn from ``rng_state``; ``first``: the CPU random states the uninterrupted run
+        collated that batch from (it was fetched ahead, before the save), if known."""
         self._rc_skip = int(batches)
         self._rc_replay_rng = rng_state
+        self._rc_first = first
 
     def generator_states(self) -> dict[str, str] | None:
         """The sampler's own generator (None: it has none), base64 of its state at this
@@ -104,6 +153,29 @@ class ResumableBatches:
         g.set_state(self._rc_gen_now)
 
     def __iter__(self) -> Iterator[Any]:
+        """Yields the batches; with :attr:`record_rng`, records before each one its index in
+        the epoch (:attr:`handed`) and the CPU random states (:attr:`before_batch`), which
+        the collating of that batch in this process draws from. After ``resume_at(..., first=
+        states)`` the first batch is collated from those states, and the random streams are
+        put back as they were when it was asked for, when the loader asks for the next one."""
+        first, self._rc_first = self._rc_first, None
+        index = self._rc_skip
+        for batch in self._epoch_batches():
+            if self.record_rng:
+                self.handed, self.before_batch = index, cpu_rng()
+            index += 1
+            if first is None:
+                yield batch
+                continue
+            now = cpu_rng()
+            if self.record_rng:
+                self.before_batch = first
+            set_cpu_rng(first)
+            first = None
+            yield batch  # collated here, as the uninterrupted run collated it
+            set_cpu_rng(now)  # (not on close: that may come at any later time)
+
+    def _epoch_batches(self) -> Iterator[Any]:
         skip, replay = self._rc_skip, self._rc_replay_rng
         gen, now = self._rc_replay_gen, self._rc_gen_now
         self._rc_skip, self._rc_replay_rng = 0, None
@@ -216,6 +288,7 @@ _METHODS = (
     "generator_states",
     "resume_generator",
     "__iter__",
+    "_epoch_batches",
     "_batches_from",
     "_plain_shard",
     "_shard_batches",
@@ -260,6 +333,8 @@ def make_resumable(batch_sampler: Any) -> Any:
     batch_sampler._rc_replay_rng = batch_sampler._rc_replay_gen = batch_sampler._rc_gen_now = None
     batch_sampler.epoch_rng = batch_sampler.epoch_gen = None
     batch_sampler.fast_forwards = 0
+    batch_sampler._rc_first = batch_sampler.before_batch = None
+    batch_sampler.record_rng, batch_sampler.handed = False, -1
     return batch_sampler
 
 

@@ -18,7 +18,7 @@ from .. import dist, sinks
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointMismatchError
 from ..optim import hookable
-from ..structure import PerRank
+from ..structure import OptionalKeys, PerRank
 from . import data_settings, under_deepspeed, under_fsdp
 
 log = logging.getLogger("resilient_callbacks")
@@ -63,12 +63,19 @@ class SavedState:
         (:mod:`.data`), or None."""
         self.batches = batches
         opt = hookable(trainer.optimizer)  # the torch optimizer itself (its step hooks fire)
-        self.rank_values = {
-            "tr_loss": trainer._tr_loss,
-            "current_flos": float(trainer.current_flos),
-            "epoch_rng": self.epoch_rng,
-            "epoch_start_rng": self.epoch_start,
-        }
+        self.rank_values = OptionalKeys(
+            {
+                "tr_loss": trainer._tr_loss,
+                "current_flos": float(trainer.current_flos),
+                "epoch_rng": self.epoch_rng,
+                "epoch_start_rng": self.epoch_start,
+                # the CPU random states the next batch, fetched ahead of the save, was
+                # collated from (data.encode_cpu_rng), or None; checkpoints written before
+                # 2026-12-06 lack it
+                "next_batch_rng": None,
+            },
+            optional=("next_batch_rng",),
+        )
         tree: dict[str, Any] = {
             "model": trainer.model,
             "optimizer": opt,
@@ -92,12 +99,17 @@ class SavedState:
         return tree
 
     def refresh(
-        self, trainer: Any, position: tuple[int, int], epoch_rng: torch.Tensor | None
+        self,
+        trainer: Any,
+        position: tuple[int, int],
+        epoch_rng: torch.Tensor | None,
+        next_batch_rng: dict[str, Any] | None = None,
     ) -> None:
         """Point the plain part of the saved state at the Trainer's current values (cheap: the
         log history is referenced, not copied; it is encoded only when a save happens).
         ``position``: (epoch, optimizer steps into it); ``epoch_rng``: the RNG state the
-        epoch's order was drawn from, if known."""
+        epoch's order was drawn from, if known; ``next_batch_rng``: the random states the
+        batch at ``position``, already fetched, was collated from, if it was."""
         st = trainer.state
         self.values.update(
             {
@@ -124,6 +136,7 @@ class SavedState:
         )
         self.rank_values["tr_loss"] = trainer._tr_loss
         self.rank_values["current_flos"] = float(trainer.current_flos)
+        self.rank_values["next_batch_rng"] = next_batch_rng
         if epoch_rng is not None:
             self.epoch_rng.copy_(epoch_rng)
         if self.epoch_start_live is not None:
