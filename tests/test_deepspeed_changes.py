@@ -393,6 +393,15 @@ print("RESULT", json.dumps(engine.random_ltd_scheduler.state_dict()))
 """
 
 
+BEFORE_2026_12_06 = """
+import resilient_callbacks.deepspeed.engine_state as es
+def _as_before(engine):  # what this module saved before 33989e5: the frozen parameters only
+    return {f"frozen/{n}": p.data for n, p in engine.module.named_parameters()
+            if not p.requires_grad}
+es.module_extras = _as_before
+"""
+
+
 @pytest.mark.slow
 def test_random_ltd_scheduler_state_resumes(tmp_path: Path) -> None:
     """DeepSpeed's Random-LTD scheduler counts the layer tokens consumed (and the kept length);
@@ -411,3 +420,28 @@ def test_random_ltd_scheduler_state_resumes(tmp_path: Path) -> None:
     stopped = result("run", 4)
     assert stopped["consumed_layer_tokens"] < ref["consumed_layer_tokens"]
     assert result("run", 6) == ref
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_before_parameters_not_given_to_the_optimizer_were_saved_resumes(
+    tmp_path: Path,
+) -> None:
+    """ZeRO 2, the optimizer given only the last layer: a checkpoint written before such
+    parameters were saved (33989e5) holds none of them. The upgrade refused it ('this engine
+    freezes 0.bias, 0.weight (requires_grad=False)', which it did not); it resumes, as the
+    version that wrote it did, keeping this run's values of them, and says so."""
+    from test_deepspeed import run_one_rank
+
+    ck = tmp_path / "ck"
+    outs = []
+    for i in range(2):
+        code = NOT_GIVEN.replace("SEED", "0").replace("STAGE", "2")
+        if i == 0:  # saved by the code of before
+            code = code.replace("skip_shm_op()\n", "skip_shm_op()\n" + BEFORE_2026_12_06, 1)
+        out = run_one_rank(tmp_path / f"run{i}.py", code.replace("DIRPATH", repr(str(ck))))
+        assert out.returncode == 0, out.stderr[-3000:]
+        outs.append(out)
+    assert "RESTORED 0" in outs[0].stdout and "RESTORED 4" in outs[1].stdout
+    first, resumed = (re.search(r"OUT (\S+)", o.stdout).group(1) for o in outs)
+    assert resumed == first
+    assert "holds no values of 0.bias, 0.weight, which require grad" in outs[1].stderr

@@ -113,6 +113,14 @@ def _explain(obj: Any, missing: list[Any], unexpected: list[Any], items: dict) -
     return explain(missing, unexpected, saved_keys=saved)
 
 
+def _absent_allowed(obj: Any, missing: list[Any]) -> bool:
+    """Whether ``obj.missing_allowed(missing)`` says the checkpoint may lack every one of
+    ``missing`` (a dict subclass of an adapter whose newer version saves entries that its older
+    checkpoints lack); those then keep their live values, and the object warns that they do."""
+    allowed = getattr(obj, "missing_allowed", None)
+    return bool(missing) and allowed is not None and bool(allowed(list(missing)))
+
+
 MATERIALIZE = (
     "Allocate it before restore() (module.to_empty(device=...), or build it on a real device)."
 )
@@ -229,6 +237,8 @@ def check_fits(
                 return  # plain data (counters, histories): replaced wholesale on restore
             optional = obj.optional if isinstance(obj, OptionalKeys) else frozenset()
             missing = [k for k in obj if k not in items and k not in optional]
+            if _absent_allowed(obj, missing):  # kept as they are: the object said so
+                missing = []
             unexpected = [k for k in items if k not in obj]
             if partial:
                 left_out.extend(path_str((*path, k)) for k in unexpected)

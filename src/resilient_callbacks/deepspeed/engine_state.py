@@ -245,18 +245,49 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def module_extras(engine: Any) -> dict[str, torch.Tensor]:
+class ModuleExtras(dict[str, torch.Tensor]):
+    """The parameters in no optimizer group, by ``frozen/<name>``. ``untrained``: those of them
+    that require grad (not given to the optimizer), saved only since 2026-12-06: a checkpoint
+    written before holds none of them, and may lack them (:meth:`missing_allowed`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.untrained: set[str] = set()
+
+    def missing_allowed(self, missing: list[str]) -> bool:
+        """Every rank, at restore (``fit.check_fits``): a checkpoint that lacks only
+        ``untrained`` entries was written before they were saved; they keep this run's values,
+        with a warning (the optimizer never changes them: seeded alike, they are the saved
+        run's, as the version that wrote the checkpoint resumed them)."""
+        if not missing or not set(missing) <= self.untrained:
+            return False
+        names = ", ".join(k.removeprefix("frozen/") for k in sorted(missing)[:5])
+        warn_and_log(
+            log,
+            f"restore: the checkpoint holds no values of {names}"
+            f"{' ...' if len(missing) > 5 else ''}, which require grad but are in no optimizer "
+            "parameter group (a checkpoint written before resilient_callbacks saved them, "
+            "2026-12-06): they keep this run's values. The optimizer never changes them, so "
+            "with the saving run's initialisation (its seed) they are the saved ones",
+            stacklevel=caller_stacklevel(),
+        )
+        return True
+
+
+def module_extras(engine: Any) -> ModuleExtras:
     """The parameters in no optimizer group at stages 1-2, replicated, not partitioned (at
     ZeRO 3 they are the ZeroPart's): the frozen ones, and those that require grad but were not
     given to the optimizer (which never changes them: the engine's ZeRO state lacks them)."""
     module = engine.module
-    out: dict[str, torch.Tensor] = {}
+    out = ModuleExtras()
     if engine.zero_optimization_stage() < 3:
         groups = getattr(engine.optimizer, "bit16_groups", None)
         trained = {id(p) for g in groups or () for p in g}
         for name, p in module.named_parameters():
             if id(p) not in trained if groups is not None else not p.requires_grad:
                 out[f"frozen/{name}"] = p.data
+                if p.requires_grad:
+                    out.untrained.add(f"frozen/{name}")
     return out
 
 
@@ -267,6 +298,16 @@ class EngineState(dict[str, Any]):
     def __init__(self, stage: int) -> None:
         super().__init__()
         self.stage = stage
+
+    def missing_allowed(self, missing: list[str]) -> bool:
+        """A checkpoint of before 2026-12-06 without ``module_extras``: allowed where all this
+        engine's are parameters not given to the optimizer (:class:`ModuleExtras`)."""
+        extras = self.get("module_extras")
+        return (
+            missing == ["module_extras"]
+            and isinstance(extras, ModuleExtras)
+            and extras.missing_allowed(list(extras))
+        )
 
     def explain_key_mismatch(
         self,
