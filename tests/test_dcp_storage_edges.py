@@ -88,6 +88,17 @@ def test_an_object_store_url_as_dirpath_is_refused_not_written_under_the_cwd(
     assert os.listdir(tmp_path) == ["ck"]  # nothing under ./s3: or ./~
 
 
+def test_a_file_url_dirpath_passed_again_as_checkpoint_id_is_the_writers_own_directory(tmp_path):
+    """DCP's recipe passes the directory as ``checkpoint_id`` beside ``storage_writer=``. The
+    writer takes ``file:///x`` as its dirpath ``/x``, but the same URL as ``checkpoint_id``
+    was refused as 'another path' (a ConfigError): it names the writer's own directory."""
+    url = f"file://{tmp_path}/ck"
+    with ResilientStorageWriter(url) as w:
+        dcp.save({"t": torch.ones(2)}, storage_writer=w, checkpoint_id=url)
+        dcp.save({"t": torch.full((2,), 2.0)}, storage_writer=w, checkpoint_id=url)
+    assert _steps(tmp_path / "ck") == [1, 2]
+
+
 def test_a_damaged_newest_remote_checkpoint_is_a_fallback_warning_and_listed_as_skipped(
     tmp_path,
 ):

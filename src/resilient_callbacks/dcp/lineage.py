@@ -94,7 +94,8 @@ def step_of_id(checkpoint_id: str | os.PathLike[str] | int | None, dirpath: str)
         return checkpoint_id  # True stays True: refused when the save is planned
     try:
         value = os.fspath(checkpoint_id)
-        if os.path.realpath(os.path.expanduser(value)) == os.path.realpath(dirpath):
+        path = value.removeprefix("file://")  # (a file:// URL names a path, as for dirpath)
+        if os.path.realpath(os.path.expanduser(path)) == os.path.realpath(dirpath):
             return None
         return int(value)
     except (TypeError, ValueError):
