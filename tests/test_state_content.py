@@ -255,3 +255,28 @@ def test_a_mapping_with_fixed_keys_in_another_order_is_restored_in_its_own(tmp_p
     _restore(tmp_path / "ck", live)
     assert live["cfg"] is cfg and dict(cfg) == {"wd": 0.1, "lr": 0.5}
     assert live["d"] is d and list(d) == ["a", "b"] and d == {"a": 1, "b": 2}
+
+
+class _MayLack(dict):
+    """A state dict whose entries named in ``optional`` may be absent from a checkpoint (an
+    adapter's newer version saving what its older checkpoints lack: DeepSpeed's
+    ``ModuleExtras``)."""
+
+    optional = frozenset({"new"})
+
+    def missing_allowed(self, missing):
+        return set(missing) <= self.optional
+
+
+def test_a_state_may_allow_entries_its_older_checkpoints_lack(tmp_path):
+    """``missing_allowed(missing)``: entries the checkpoint lacks that the state says it may
+    lack keep their live values; any other missing entry is refused as before."""
+    _save(tmp_path / "ck", {"m": {"old": torch.ones(2)}})
+    live = _MayLack(old=torch.zeros(2), new=torch.full((2,), 7.0))
+    assert _restore(tmp_path / "ck", {"m": live}) == 1
+    assert torch.equal(live["old"], torch.ones(2)) and torch.equal(
+        live["new"], torch.full((2,), 7.0)
+    )
+    other = _MayLack(old=torch.zeros(2), other=torch.zeros(2))
+    with pytest.raises(CheckpointMismatchError, match="missing keys in checkpoint: 'other'"):
+        _restore(tmp_path / "ck", {"m": other})
