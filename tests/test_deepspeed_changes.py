@@ -399,6 +399,13 @@ def _as_before(engine):  # what this module saved before 33989e5: the frozen par
     return {f"frozen/{n}": p.data for n, p in engine.module.named_parameters()
             if not p.requires_grad}
 es.module_extras = _as_before
+import resilient_callbacks.deepspeed.views as vw
+_init = vw.Zero3View.__init__
+def _init_as_before(self, engine):  # ZeRO 3: the frozen ones only, by partition
+    _init(self, engine)
+    self._frozen = {n: p for n, p in engine.module.named_parameters()
+                    if not p.requires_grad and getattr(p, "ds_tensor", None) is not None}
+vw.Zero3View.__init__ = _init_as_before
 """
 
 
@@ -423,19 +430,21 @@ def test_random_ltd_scheduler_state_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
 def test_a_checkpoint_of_before_parameters_not_given_to_the_optimizer_were_saved_resumes(
-    tmp_path: Path,
+    tmp_path: Path, stage: int
 ) -> None:
-    """ZeRO 2, the optimizer given only the last layer: a checkpoint written before such
-    parameters were saved (33989e5) holds none of them. The upgrade refused it ('this engine
-    freezes 0.bias, 0.weight (requires_grad=False)', which it did not); it resumes, as the
-    version that wrote it did, keeping this run's values of them, and says so."""
+    """ZeRO 2-3, the optimizer given only the last layer: a checkpoint written before such
+    parameters were saved (33989e5) holds none of them. The upgrade refused it (ZeRO 2: 'this
+    engine freezes 0.bias, 0.weight (requires_grad=False)', which it did not; ZeRO 3: 'frozen
+    ZeRO-3 parameters differ'); it resumes, as the version that wrote it did, keeping this
+    run's values of them, and says so."""
     from test_deepspeed import run_one_rank
 
     ck = tmp_path / "ck"
     outs = []
     for i in range(2):
-        code = NOT_GIVEN.replace("SEED", "0").replace("STAGE", "2")
+        code = NOT_GIVEN.replace("SEED", "0").replace("STAGE", str(stage))
         if i == 0:  # saved by the code of before
             code = code.replace("skip_shm_op()\n", "skip_shm_op()\n" + BEFORE_2026_12_06, 1)
         out = run_one_rank(tmp_path / f"run{i}.py", code.replace("DIRPATH", repr(str(ck))))

@@ -27,7 +27,7 @@ from ..errors import (
     warn_and_log,
 )
 from ..structure import PerRank
-from .zero_part import ZeroPart
+from .zero_part import ZeroPart, warn_untrained_absent
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -261,16 +261,7 @@ class ModuleExtras(dict[str, torch.Tensor]):
         run's, as the version that wrote the checkpoint resumed them)."""
         if not missing or not set(missing) <= self.untrained:
             return False
-        names = ", ".join(k.removeprefix("frozen/") for k in sorted(missing)[:5])
-        warn_and_log(
-            log,
-            f"restore: the checkpoint holds no values of {names}"
-            f"{' ...' if len(missing) > 5 else ''}, which require grad but are in no optimizer "
-            "parameter group (a checkpoint written before resilient_callbacks saved them, "
-            "2026-12-06): they keep this run's values. The optimizer never changes them, so "
-            "with the saving run's initialisation (its seed) they are the saved ones",
-            stacklevel=caller_stacklevel(),
-        )
+        warn_untrained_absent([k.removeprefix("frozen/") for k in sorted(missing)])
         return True
 
 

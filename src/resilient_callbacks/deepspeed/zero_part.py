@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, CheckpointMismatchError, warn_and_log
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    caller_stacklevel,
+    warn_and_log,
+)
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
 from .views import FP32, FROZEN, Fragment, ZeroView, overlap, view_of
 
@@ -216,6 +221,11 @@ class ZeroPart(FilePart):
         """ZeRO 3: each frozen parameter's range, from the saved ranks' ranges of it."""
         here = {f.name: f for f in self.view.frozen_fragments()}
         saved = indexes[saved_ranks[0]].get("frozen", {})
+        lacking = set(here) - set(saved)
+        trainable = {n for n, p in self.engine.module.named_parameters() if p.requires_grad}
+        if lacking and lacking <= trainable:  # not given to the optimizer: a checkpoint of
+            warn_untrained_absent(sorted(lacking))  # before they were saved keeps this run's
+            here = {n: f for n, f in here.items() if n not in lacking}
         if set(here) != set(saved):
             raise CheckpointMismatchError(
                 "the checkpoint's frozen ZeRO-3 parameters differ from the engine's: "
@@ -254,6 +264,21 @@ def _refuse_a_freeze_change(
         "so the saved state does not fit. Freeze the same parameters as the run that saved "
         "it, or start a new run from the saved weights (`resilient-ckpt export DIR OUT` "
         "writes them whole)"
+    )
+
+
+def warn_untrained_absent(names: list[str]) -> None:
+    """Every rank, at restore: the checkpoint holds no values of ``names``, parameters that
+    require grad but are in no optimizer group, saved only since 2026-12-06: they keep this
+    run's values (the version that wrote the checkpoint resumed so)."""
+    warn_and_log(
+        log,
+        f"restore: the checkpoint holds no values of {', '.join(names[:5])}"
+        f"{' ...' if len(names) > 5 else ''}, which require grad but are in no optimizer "
+        "parameter group (a checkpoint written before resilient_callbacks saved them, "
+        "2026-12-06): they keep this run's values. The optimizer never changes them, so with "
+        "the saving run's initialisation (its seed) they are the saved ones",
+        stacklevel=caller_stacklevel(),
     )
 
 
