@@ -217,13 +217,18 @@ class ReadsRecorder(TrainerCallback):
 
 class KillBetweenMicroBatches(TrainerCallback):
     """SIGKILLs this process after the first micro-batch of optimizer step ``step`` (its
-    gradients half accumulated): a crash at a point no checkpoint can be taken at."""
+    gradients half accumulated): a crash at a point no checkpoint can be taken at. The
+    background saves of the steps before are committed first (``flush()``), so the checkpoint
+    a re-run resumes from is the last one taken however loaded the machine (an async save
+    still staging when killed would leave an older one)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, ckpt: ResilientCheckpoint) -> None:
+        self.step, self.ckpt = step, ckpt
 
     def on_substep_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if state.global_step + 1 == self.step:
+            if self.ckpt.checkpointer is not None:
+                self.ckpt.checkpointer.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -378,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.add_callback(ckpt)
     trainer.add_callback(Recorder(ckpt, args.out_jsonl + suffix, rank, args.sleep, args.hold_at))
     if args.kill_between_micro_batches is not None:
-        trainer.add_callback(KillBetweenMicroBatches(args.kill_between_micro_batches))
+        trainer.add_callback(KillBetweenMicroBatches(args.kill_between_micro_batches, ckpt))
     if args.record_reads:
         trainer.add_callback(
             ReadsRecorder(trainer.train_dataset, args.out_jsonl + ".reads" + suffix)
