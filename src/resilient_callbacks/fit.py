@@ -25,7 +25,6 @@ from .filepart import FilePart
 from .optim import hookable, param_shapes
 from .structure import (
     TAG,
-    OptionalKeys,
     PerRank,
     _describe,
     _has_live_objects,
@@ -115,8 +114,11 @@ def _explain(obj: Any, missing: list[Any], unexpected: list[Any], items: dict) -
 
 def _absent_allowed(obj: Any, missing: list[Any]) -> bool:
     """Whether ``obj.missing_allowed(missing)`` says the checkpoint may lack every one of
-    ``missing`` (a dict subclass of an adapter whose newer version saves entries that its older
-    checkpoints lack); those then keep their live values, and the object warns that they do."""
+    ``missing``: the one hook for keys an older checkpoint may lack (a dict subclass of an
+    adapter whose newer version saves entries its older checkpoints lack:
+    :class:`~.structure.OptionalKeys`, DeepSpeed's ``ModuleExtras``). All or nothing: allowed,
+    they keep their live values (the object may warn that they do); refused, every missing key
+    is named in the error."""
     allowed = getattr(obj, "missing_allowed", None)
     return bool(missing) and allowed is not None and bool(allowed(list(missing)))
 
@@ -235,8 +237,7 @@ def check_fits(
                 return
             if not _has_live_objects(obj):
                 return  # plain data (counters, histories): replaced wholesale on restore
-            optional = obj.optional if isinstance(obj, OptionalKeys) else frozenset()
-            missing = [k for k in obj if k not in items and k not in optional]
+            missing = [k for k in obj if k not in items]
             if _absent_allowed(obj, missing):  # kept as they are: the object said so
                 missing = []
             unexpected = [k for k in items if k not in obj]

@@ -64,11 +64,16 @@ class OptionalKeys(dict[str, Any]):
     """A dict of the state some of whose keys (``optional``) a checkpoint may lack: entries
     added to a state after checkpoints of it were written. Such a key missing from the
     checkpoint keeps its live value on restore; any other missing key is refused, as in a
-    plain dict. Saved as a plain dict (the format does not change)."""
+    plain dict. Saved as a plain dict (the format does not change). The check goes through
+    :meth:`missing_allowed`, the hook ``fit.check_fits`` asks of any dict of the state."""
 
     def __init__(self, *args: Any, optional: tuple[str, ...] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.optional = frozenset(optional)
+
+    def missing_allowed(self, missing: list[str]) -> bool:
+        """Whether the checkpoint may lack every one of ``missing``: all are ``optional``."""
+        return set(missing) <= self.optional
 
 
 def gone_ranks(world_size: int, saved_world_size: int) -> str:
