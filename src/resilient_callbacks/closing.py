@@ -344,7 +344,7 @@ def _release(ck: Checkpointer, sinks_deadline: float | None = None) -> None:
     if ck.watcher is not None:
         unanswered = ck.watcher.request if not ck.preempted else None
         users = unanswered_exit.users_exit()
-        exit_code = unanswered_exit.exit_code_for(ck, unanswered)
+        exit_code = unanswered_exit.exit_code_for(ck, unanswered, users)
         if exit_code is not None:
             ck.watcher.exiting(exit_code)  # (before uninstall: a second signal keeps the code)
         ck.watcher.uninstall()

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 _deferred_exit: tuple[int, int] | None = None
 
 
-def exit_code_for(ck: Checkpointer, unanswered: PreemptionRequest | None) -> int | None:
+def exit_code_for(
+    ck: Checkpointer, unanswered: PreemptionRequest | None, users: SystemExit | None
+) -> int | None:
     """The code to exit with for ``unanswered``, a signal that came after the last step()
     that could act on it, when passing it on would end the process by the signal (no handler
     of the user's was there before ours) and ``exit_on_preemption`` is on: the preemption code
@@ -42,7 +44,7 @@ def exit_code_for(ck: Checkpointer, unanswered: PreemptionRequest | None) -> int
         return None
     if w.answered_elsewhere or ck._emergency.failed is not None or ck.failed_with:
         return None
-    if users_exit() is not None:
+    if users is not None:  # (:func:`users_exit`, which the caller read)
         return None
     if threading.current_thread() is not threading.main_thread():
         return None  # (a SystemExit would end this thread only; the signal ends the process)
