@@ -525,6 +525,45 @@ def test_a_save_cut_off_after_one_nodes_commit_is_no_checkpoint(tmp_path, first)
     assert kept(0) == kept(1) and len(kept(0)) == 3, (kept(0), kept(1))
 
 
+def test_every_node_keeps_the_best_checkpoint_by_rank_0s_metrics(tmp_path):
+    """keep_best with a metric each rank computes for itself (an unreduced loss): rank 0's is
+    best at step 2, rank 1's at the newest. Each node's leader wrote its own rank's metrics into
+    its part, so node 1's retention deleted its part of step 2, the run's best by the global
+    manifest (rank 0's, as in shared mode): the nodes kept different checkpoints and a
+    roll-back to the best found no copy of node 1's files. Every node's part now records rank
+    0's metrics, and the nodes keep the same checkpoints."""
+    _run(
+        tmp_path,
+        "first",
+        2,
+        "--steps",
+        "8",
+        "--remote-every",
+        "100",
+        RC_KEEP_BEST=1,
+        RC_KEEP_LAST=1,
+    )
+
+    def kept(node: int) -> list[tuple[int, dict]]:
+        entries = catalog.scan(str(tmp_path / f"node{node}"), catalog.Depth.FULL)
+        return sorted((e.manifest.step, e.manifest.metrics) for e in entries if e.manifest)
+
+    assert kept(0) == kept(1) == [(2, {"loss": 2.0}), (8, {"loss": 8.0})], (kept(0), kept(1))
+    out = _run(
+        tmp_path,
+        "best",
+        2,
+        "--steps",
+        "8",
+        "--remote-every",
+        "100",
+        RC_KEEP_BEST=1,
+        RC_KEEP_LAST=1,
+        RC_RESUME=2,
+    )
+    assert [rank[0]["restored"] for rank in out] == [2, 2], out
+
+
 def test_uploads_a_crash_cut_off_are_committed_by_the_next_run(tmp_path):
     """Node 1 uploads slowly; node 0 uploaded its parts and pruned them (keep_last=3) while
     their remote commits still waited for node 1; both nodes are killed. The re-run uploads
@@ -710,6 +749,8 @@ def worker(base: str, argv: list[str]) -> None:
         kw["resume"] = int(os.environ["RC_RESUME"])
     if os.environ.get("RC_COMPRESSION"):
         kw["compression"] = os.environ["RC_COMPRESSION"]
+    if os.environ.get("RC_KEEP_BEST"):  # each rank's own loss: rank 0's falls, rank 1's rises
+        kw.update(keep_best=1, monitor="loss")
     if os.environ.get("RC_PREFLIGHT_FAILS"):  # the endpoint does not answer at construction
         why = {"refused": ConnectionRefusedError(111, "Connection refused")}
         why["denied"] = PermissionError("The AWS Access Key Id you provided does not exist")
@@ -846,7 +887,8 @@ def worker(base: str, argv: list[str]) -> None:
         with torch.no_grad():
             model.weight.add_(1.0)
         counter["n"] += 1
-        ck.step(step, state)
+        loss = {"loss": float(step if rank == 0 else -step)} if "monitor" in kw else None
+        ck.step(step, state, metrics=loss)
         if os.environ.get("RC_SIGTERM_AT") == str(step):
             os.kill(os.getpid(), signal.SIGTERM)
         if step == a.kill_at:

@@ -49,9 +49,18 @@ class NodeLocalSession:
     for which ranks do what."""
 
     def __init__(
-        self, directory: NodeDirectory, step: int, *, run_id: str, group: Any = None
+        self,
+        directory: NodeDirectory,
+        step: int,
+        *,
+        run_id: str,
+        group: Any = None,
+        metrics: Any = None,
     ) -> None:
         self.d = directory
+        # rank 0's, the same on every node (begin() broadcasts them): each node's retention
+        # ranks its parts by them (keep_best), as the global manifest does
+        self.metrics = metrics
         self.topo = directory.topology
         self.step = step
         self.run_id = run_id
@@ -71,9 +80,11 @@ class NodeLocalSession:
         msg = None
         if self.topo.rank == 0:
             name = d.committer.free_name(self.name) if d.committer else self.name
-            msg = {"seq": d.seq + 1, "name": name, "token": uuid.uuid4().hex[:12]}
+            token = uuid.uuid4().hex[:12]
+            msg = {"seq": d.seq + 1, "name": name, "token": token, "metrics": self.metrics}
         msg = dist.broadcast_json(msg, group=self.group)
         self.seq, self.name, self.token = int(msg["seq"]), str(msg["name"]), str(msg["token"])
+        self.metrics = msg.get("metrics")
         d.tip.planned(self.seq)  # (every rank: each node's manifest records the lineage)
         self.staging = os.path.join(
             d.dirpath, f"{STAGING_PREFIX}{ckpt_name(self.step)}-{msg['token']}"
@@ -116,8 +127,11 @@ class NodeLocalSession:
     ) -> Committed:
         """Collective: gather to the leaders, commit each node locally, gather to the
         coordinator, broadcast the outcome; raise :class:`CheckpointWriteError` on every rank
-        if any rank or node failed (nothing stays committed then)."""
+        if any rank or node failed (nothing stays committed then). ``metrics``: rank 0's
+        given to the constructor win (every node's part records the same, as they were an
+        unreduced loss of each rank: node 1 kept another best than node 0)."""
         d, topo = self.d, self.topo
+        metrics = self.metrics if self.metrics is not None else metrics
         error = error or self._begin_error
         report = RankReport(
             topo.rank,

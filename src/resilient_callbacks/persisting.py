@@ -98,7 +98,7 @@ def persist(
     failure to write is reported through the commit, never raised alone; ``quiet``: this rank
     raised its own error in the training thread already."""
     ck = saver.ck
-    session = _session(saver, step, background)
+    session = _session(saver, step, background, metrics)
     done: Committed | None = None
     try:
         staging_dir = session.begin()
@@ -190,13 +190,16 @@ def _abandon(session: CommitSession | NodeLocalSession) -> None:
         shutil.rmtree(session.staging, ignore_errors=True)
 
 
-def _session(saver: Saver, step: int, background: bool) -> CommitSession | NodeLocalSession:
-    """The commit of this save: a CommitSession, or in node-local mode a NodeLocalSession."""
+def _session(
+    saver: Saver, step: int, background: bool, metrics: dict[str, float | None]
+) -> CommitSession | NodeLocalSession:
+    """The commit of this save: a CommitSession, or in node-local mode a NodeLocalSession
+    (given this rank's ``metrics``: rank 0's are recorded on every node)."""
     ck, d = saver.ck, saver.ck._dir
     assert d.run_id is not None
     group = saver.group if background else None
     if isinstance(d, NodeDirectory):  # several nodes, each with its own disk
-        return NodeLocalSession(d, step, run_id=d.run_id, group=group)
+        return NodeLocalSession(d, step, run_id=d.run_id, group=group, metrics=metrics)
     return CommitSession(
         ck.dirpath,
         step,
