@@ -2,7 +2,8 @@
 
 Which ranks share a disk is detected at construction (:func:`.topology.detect`). This module
 holds the node's directory (:class:`NodeDirectory`); the commit of one checkpoint is
-:class:`.node_session.NodeLocalSession`, the restore :mod:`.node_restore`, the uploads and the
+:class:`.node_session.NodeLocalSession`, the restore :mod:`.node_restore` (the uploads it queues
+again: :mod:`.node_recovery`), the uploads and the
 remote commit :mod:`.remote_commit`, the replicas :mod:`.peers`.
 
 Which ranks call what in node-local mode (the rank contract of :mod:`.session` still holds for
@@ -33,25 +34,20 @@ every call below; *leader* = the lowest rank of a node, *coordinator* = rank 0):
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist
-from .catalog import Depth, Status
 from .commit import open_dir, sweep_staging
 from .compression import SUFFIX
 from .directory import Directory
 from .errors import CheckpointError, CheckpointWriteError, ConfigError, RemoteUnavailableError
 from .lock import COMMAND_WAIT_S
-from .manifest import FileEntry, Manifest
-from .remote_objects import commit_tag
+from .manifest import FileEntry
 from .remote_open import open_listing, preflight
-from .retention import Candidate, plan
 from .retention_pass import apply_retention
 from .sync import SyncStatus
 from .topology import Topology
@@ -413,86 +409,8 @@ class NodeDirectory(Directory):
             self.uploader.release([(str(k[0]), int(k[1])) for k in got])
 
     def recover_uploads(self, remote_keys: set[tuple[str, int]] | None) -> None:
-        """After a restore, leaders: queue this run's local checkpoints newer than its newest
-        remote commit (their upload a crash cut off); coordinator: expect their remote commit.
-        ``remote_keys`` None: the remote could not be listed, so every one is queued again."""
-        if not self.topology.is_leader or self.run_id is None:
-            return
-        why = "which a stop cut off"
-        if remote_keys is None:
-            remote_keys, why = set(), "again: the remote could not be listed to tell if it has it"
-        newest_remote = max((k[1] for k in remote_keys if k[0] == self.run_id), default=0)
-        due = []
-        for e in catalog.scan(self.dirpath, Depth.SIZE):
-            m = e.manifest
-            if m is None or e.status is not Status.VALID or m.run_id != self.run_id:
-                continue
-            key = (m.run_id, m.seq)
-            node = m.extra.get("node") or {}
-            name = node.get("remote_name")
-            if key in remote_keys or m.seq <= newest_remote or not name:
-                continue
-            if self.config.remote_due(m.seq, m.reason):
-                due.append((e.name, m, key, name))
-        due.sort(key=lambda x: x[1].seq)
-        from .node_upload import UploadJob
+        """After a restore, leaders: queue the uploads a crash cut off (see
+        :func:`.node_recovery.recover_uploads`)."""
+        from .node_recovery import recover_uploads
 
-        kept = self._not_superseded(due)
-        for local, m, key, name in due:
-            if any(local == x[0] for x in kept):
-                continue
-            if self.uploader is not None and why == "which a stop cut off":
-                # not committed remotely (the remote was listed): what this node uploaded of it
-                # before the stop goes; no node uploads it now
-                job = UploadJob(local, name, key, self._own_files(m), tag=commit_tag(m))
-                self.uploader.discard(job)
-        for local, m, key, name in kept:
-            if self.committer is not None:
-                try:
-                    with open(os.path.join(self.dirpath, local, REMOTE_MANIFEST), "rb") as fh:
-                        raw = fh.read()
-                    Manifest.from_json(json.loads(raw), REMOTE_MANIFEST)
-                    self.committer.expect(key, name, raw, local, commit_tag(m))
-                except OSError:
-                    pass
-                except Exception as e:  # torn (written in place before 2026-12-06, then a kill)
-                    log.warning(
-                        "%s/%s cannot be read (%s): %s stays local (not committed remotely); "
-                        "the next checkpoints are uploaded as usual",
-                        local,
-                        REMOTE_MANIFEST,
-                        e,
-                        local,
-                    )
-            if self.uploader is not None:
-                log.warning("uploading %s, %s", local, why)
-                self.uploader.enqueue(local, name, key, self._own_files(m), commit_tag(m))
-
-    @staticmethod
-    def _own_files(m: Manifest) -> list[FileEntry]:
-        """What this node uploads of its part ``m``: the replicated files only from node 0."""
-        return [f for f in m.files if not (is_shared(f.path) and f.rank != 0)]
-
-    def _not_superseded(self, due: list[Any]) -> list[Any]:
-        """Of the checkpoints a restart would upload again, those the remote retention keeps
-        (a backlog of uploads is not queued again only to be deleted remotely); the others
-        stay local, under the local retention. Each leader plans from its disk; the
-        coordinator's decision at the first save settles any difference between nodes."""
-        policy = self.config.remote_retention_policy()
-        if policy.keep_last is None or len(due) < 2:
-            return due
-        cands = [
-            Candidate(n, m.step, m.seq, m.run_id, m.metrics, lineage=m.lineage)
-            for n, m, _, _ in due
-        ]
-        keep = plan(cands, policy, self.run_id).keep
-        skipped = [n for n, *_ in due if n not in keep]
-        if skipped:
-            log.info(
-                "not uploading %s again: the remote retention (keep_last=%d) would delete %s "
-                "once the newer checkpoints are committed",
-                ", ".join(skipped),
-                policy.keep_last,
-                "it" if len(skipped) == 1 else "them",
-            )
-        return [x for x in due if x[0] in keep]
+        recover_uploads(self, remote_keys)

@@ -1,0 +1,113 @@
+"""The uploads a crash cut off, queued again after a node-local restore (docs/multinode.md,
+"After a restore"): each leader uploads its parts of this run's local checkpoints newer than
+the run's newest remote commit, only those the remote retention keeps; the coordinator expects
+their remote commit from the global manifest it kept beside its copy.
+
+Which ranks call what: :func:`recover_uploads` on every rank after the restore loaded (the
+leaders act, the other ranks return); no collective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from . import catalog
+from .catalog import Depth, Status
+from .manifest import FileEntry, Manifest
+from .nodelocal import REMOTE_MANIFEST, is_shared
+from .remote_objects import commit_tag
+from .retention import Candidate, plan
+
+if TYPE_CHECKING:
+    from .nodelocal import NodeDirectory
+
+log = logging.getLogger("resilient_callbacks")
+
+
+def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> None:
+    """After a restore, leaders: queue this run's local checkpoints newer than its newest
+    remote commit (their upload a crash cut off); coordinator: expect their remote commit.
+    ``remote_keys`` None: the remote could not be listed, so every one is queued again."""
+    if not d.topology.is_leader or d.run_id is None:
+        return
+    why = "which a stop cut off"
+    if remote_keys is None:
+        remote_keys, why = set(), "again: the remote could not be listed to tell if it has it"
+    newest_remote = max((k[1] for k in remote_keys if k[0] == d.run_id), default=0)
+    due = []
+    for e in catalog.scan(d.dirpath, Depth.SIZE):
+        m = e.manifest
+        if m is None or e.status is not Status.VALID or m.run_id != d.run_id:
+            continue
+        key = (m.run_id, m.seq)
+        node = m.extra.get("node") or {}
+        name = node.get("remote_name")
+        if key in remote_keys or m.seq <= newest_remote or not name:
+            continue
+        if d.config.remote_due(m.seq, m.reason):
+            due.append((e.name, m, key, name))
+    due.sort(key=lambda x: x[1].seq)
+    from .node_upload import UploadJob
+
+    kept = _not_superseded(d, due)
+    for local, m, key, name in due:
+        if any(local == x[0] for x in kept):
+            continue
+        if d.uploader is not None and why == "which a stop cut off":
+            # not committed remotely (the remote was listed): what this node uploaded of it
+            # before the stop goes; no node uploads it now
+            job = UploadJob(local, name, key, own_files(m), tag=commit_tag(m))
+            d.uploader.discard(job)
+    for local, m, key, name in kept:
+        if d.committer is not None:
+            try:
+                with open(os.path.join(d.dirpath, local, REMOTE_MANIFEST), "rb") as fh:
+                    raw = fh.read()
+                Manifest.from_json(json.loads(raw), REMOTE_MANIFEST)
+                d.committer.expect(key, name, raw, local, commit_tag(m))
+            except OSError:
+                pass
+            except Exception as e:  # torn (written in place before 2026-12-06, then a kill)
+                log.warning(
+                    "%s/%s cannot be read (%s): %s stays local (not committed remotely); "
+                    "the next checkpoints are uploaded as usual",
+                    local,
+                    REMOTE_MANIFEST,
+                    e,
+                    local,
+                )
+        if d.uploader is not None:
+            log.warning("uploading %s, %s", local, why)
+            d.uploader.enqueue(local, name, key, own_files(m), commit_tag(m))
+
+
+def own_files(m: Manifest) -> list[FileEntry]:
+    """What this node uploads of its part ``m``: the replicated files only from node 0."""
+    return [f for f in m.files if not (is_shared(f.path) and f.rank != 0)]
+
+
+def _not_superseded(d: NodeDirectory, due: list[Any]) -> list[Any]:
+    """Of the checkpoints a restart would upload again, those the remote retention keeps
+    (a backlog of uploads is not queued again only to be deleted remotely); the others
+    stay local, under the local retention. Each leader plans from its disk; the
+    coordinator's decision at the first save settles any difference between nodes."""
+    policy = d.config.remote_retention_policy()
+    if policy.keep_last is None or len(due) < 2:
+        return due
+    cands = [
+        Candidate(n, m.step, m.seq, m.run_id, m.metrics, lineage=m.lineage) for n, m, _, _ in due
+    ]
+    keep = plan(cands, policy, d.run_id).keep
+    skipped = [n for n, *_ in due if n not in keep]
+    if skipped:
+        log.info(
+            "not uploading %s again: the remote retention (keep_last=%d) would delete %s "
+            "once the newer checkpoints are committed",
+            ", ".join(skipped),
+            policy.keep_last,
+            "it" if len(skipped) == 1 else "them",
+        )
+    return [x for x in due if x[0] in keep]
