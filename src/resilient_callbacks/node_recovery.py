@@ -52,6 +52,9 @@ def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) 
     due.sort(key=lambda x: x[1].seq)
     from .node_upload import UploadJob
 
+    # (another layout's parts are not discarded either: under the same name, this run's save
+    # of that step may be uploading another node's files of those ranks)
+    due = _this_layout(d, due)
     kept = _not_superseded(d, due)
     for local, m, key, name in due:
         if any(local == x[0] for x in kept):
@@ -66,7 +69,9 @@ def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) 
             try:
                 with open(os.path.join(d.dirpath, local, REMOTE_MANIFEST), "rb") as fh:
                     raw = fh.read()
-                Manifest.from_json(json.loads(raw), REMOTE_MANIFEST)
+                saved = Manifest.from_json(json.loads(raw), REMOTE_MANIFEST).extra.get("nodes")
+                if saved is not None and saved != [list(x) for x in d.topology.nodes]:
+                    continue  # another layout's: this run's nodes do not hold every part
                 d.committer.expect(key, name, raw, local, commit_tag(m))
             except OSError:
                 pass
@@ -82,6 +87,30 @@ def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) 
         if d.uploader is not None:
             log.warning("uploading %s, %s", local, why)
             d.uploader.enqueue(local, name, key, own_files(m), commit_tag(m))
+
+
+def _this_layout(d: NodeDirectory, due: list[Any]) -> list[Any]:
+    """Of the checkpoints a restart would upload again, those this node's part of which holds
+    the ranks it runs now, in a world and node count as now: a part saved on another layout
+    of nodes (4 nodes of one rank, now 2 of two) has other ranks' files, and the other parts
+    of its checkpoint are on disks this run may not have, so its remote commit could never
+    complete (it was tried, failed and held the newer commits back; the save of its step
+    went under another name). It stays local, under the local retention."""
+    topo, out, other = d.topology, [], []
+    for x in due:
+        m, node = x[1], x[1].extra.get("node") or {}
+        same = m.world_size == topo.world_size and node.get("nodes") == len(topo.nodes)
+        if same and list(node.get("ranks") or []) == list(topo.node_ranks):
+            out.append(x)
+        else:
+            other.append(x[0])
+    if other:
+        log.warning(
+            "not uploading %s again: saved on another layout of nodes (this node's part holds "
+            "other ranks' files than it runs now); it stays local and is not committed remotely",
+            ", ".join(other),
+        )
+    return out
 
 
 def own_files(m: Manifest) -> list[FileEntry]:
