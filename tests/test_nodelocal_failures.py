@@ -590,6 +590,20 @@ def test_uploads_a_crash_cut_off_are_committed_by_the_next_run(tmp_path):
     assert uncommitted == [], sorted(os.listdir(remote))
 
 
+@pytest.mark.slow  # suite time budget: 12 checkpoint loads
+def test_older_checkpoints_are_tried_after_more_than_four_damaged_ones(tmp_path):
+    """The four newest checkpoints damaged on node 1's disk and in the remote (8 candidates:
+    each from the disks, then from the remote): the restore tried only the 8 newest
+    candidates, then raised NoValidCheckpointError though step 4 was whole everywhere (shared
+    mode tries every checkpoint). It falls back to step 4, loudly."""
+    _run(tmp_path, "first", 2, "--steps", "12", RC_KEEP_LAST=6)
+    for step in (6, 8, 10, 12):
+        _flip_a_byte(tmp_path / "node1" / f"step_{step:09d}")
+        _flip_a_byte_of(tmp_path / "remote" / f"step_{step:09d}" / "rank_00001.safetensors")
+    out = _run(tmp_path, "again", 2, "--steps", "12", RC_KEEP_LAST=6)
+    assert [rank[0].get("restored") for rank in out] == [4, 4], out
+
+
 def test_a_damaged_remote_copy_is_downloaded_once(tmp_path):
     """Node 1's disk lost, its object of the newest remote checkpoint rotten: node 1 falls back
     to the step before; it downloaded the rotten copy twice (once per candidate of that

@@ -48,7 +48,6 @@ from .tensorfile import encode_json, write_bytes
 from .topology import Topology
 
 log = logging.getLogger("resilient_callbacks")
-MAX_CANDIDATES = 8
 
 
 class NodeRestorer(Restorer):
@@ -341,7 +340,7 @@ class NodeRestorer(Restorer):
                 "it off): not a checkpoint; its nodes' parts are removed"
             )
             warn_and_log(log, why, ResumeFallbackWarning, stacklevel=4)
-        return cands[:MAX_CANDIDATES], keys, unusable, [o[:2] for o in orphans]
+        return cands, keys, unusable, [o[:2] for o in orphans]  # (every one: as shared mode)
 
     def _remove_orphans(self, keys: list[tuple[str, int]]) -> None:
         """Leader: delete this node's parts of the commits ``keys`` (orphans, see :meth:`_plan`),
