@@ -163,6 +163,25 @@ def test_a_listing_that_fails_at_construction_goes_on_from_the_disks(tmp_path):
     assert "listing" in log and "holds checkpoints: going on with them" in log, log
 
 
+@pytest.mark.slow  # suite time budget: a close through an outage of the listings
+def test_a_restart_that_cannot_list_the_store_does_not_commit_its_checkpoints_twice(tmp_path):
+    """The store fails every listing of the restart (an outage at the requeue): the disks'
+    checkpoints are uploaded again, not knowing which the store has. Each node took the
+    manifest it found under step_000000002 and step_000000004 for another writer's ("the
+    checkpoint goes under another name"), and the coordinator committed both a second time, as
+    step_000000002-r1 and step_000000004-r1. A node now sees that the manifest there is this
+    checkpoint's (its key, and its part's files as they are) and uploads nothing; the
+    coordinator takes it as committed."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    out = _run(tmp_path, "second", 2, "--steps", "6", RC_SCAN_FAILS_AFTER=0, RC_CAPTURE_LOG=1)
+    assert [rank[0]["restored"] for rank in out] == [4, 4], out
+    assert all(rank[-1]["event"] == "closed" for rank in out), out
+    assert "another name" not in out[0][-1]["log"] + out[1][-1]["log"]
+    store = RemoteStore(f"file://{tmp_path}/remote")
+    committed = sorted(e.name for e in store.scan() if e.manifest is not None)
+    assert committed == ["step_000000002", "step_000000004", "step_000000006"], committed
+
+
 def test_remote_checkpoints_whose_manifest_cannot_be_read_are_no_fresh_start(tmp_path):
     """Every node replaced (empty disks), the run's remote manifests listed but damaged: the
     restore kept only the remote checkpoints it could read, found none, and started from step

@@ -390,7 +390,7 @@ class NodeUploader(UploadThread):
         rpaths = [posixpath.join(st.root, job.remote_name, f.path) for f in job.files]
         if job.mark is None:  # (a retry keeps the mark it put)
             try:
-                job.mark = claim_part(st, job.remote_name, job.key, job.tag, self.node)
+                job.mark = claim_part(st, job.remote_name, job.key, job.tag, self.node, job.files)
             except RemoteNameTaken as e:
                 self._taken(job, e)
                 return
@@ -427,7 +427,17 @@ class NodeUploader(UploadThread):
 
     def _taken(self, job: UploadJob, e: RemoteNameTaken) -> None:
         """Another writer has ``job``'s name: nothing goes there; the coordinator is told, and
-        moves the commit to a free name (:meth:`settle`). Held locally until then."""
+        moves the commit to a free name (:meth:`settle`). Held locally until then. Or it is
+        this checkpoint, committed there already (``e.committed``): the coordinator is told."""
+        if e.committed:  # (taken for another writer's, it was committed again as name-rN)
+            log.info("remote: %s; node %d does not upload its part again", e, self.node)
+            with self._cond:
+                job.taken = True  # (nothing of it is ever deleted by this node)
+                if not job.dropped:
+                    rep = {"key": list(job.key), "name": job.remote_name, "committed": 1}
+                    self._reports.append(rep)
+                    self._uploaded[job.key] = job
+            return
         log.warning(
             "remote %s: node %d does not upload its part of %s there: %s; the checkpoint goes "
             "under another name",

@@ -222,6 +222,12 @@ class RemoteCommitter(UploadThread):
             p = self._pending.get(key)
             if p is None or p.name != rep["name"]:
                 return  # not ours to commit (an earlier run's), or renamed since
+            if rep.get("committed"):  # a node found it committed there (a restart that could
+                if key not in self._ready:  # not list the store uploaded it again)
+                    self._pending.pop(key)
+                    self.index[key] = p.name
+                    self._cond.notify_all()
+                return
             if rep.get("taken"):  # another writer has the name: every node uploads elsewhere
                 self.dropped.add(p.name)  # (never reused: its marks may stay)
                 base = re.sub(r"-r\d+$", "", p.name)

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, FileEntry, Manifest
 
 if TYPE_CHECKING:
     from .remote import RemoteEntry, RemoteStore
@@ -96,15 +96,17 @@ class RemoteNameTaken(FileExistsError):
     uploads under a free name (:func:`free_name`), and keeps ``name`` off its own list of free
     names (:data:`UNREADABLE` is one key for many names)."""
 
-    def __init__(self, name: str, key: tuple[str, int] | None) -> None:
-        if key is None:
+    def __init__(self, name: str, key: tuple[str, int] | None, committed: bool = False) -> None:
+        if committed:  # (a node's part: :func:`claim_part`)
+            whose = "is this checkpoint, committed remotely already"
+        elif key is None:
             whose = "is a remote checkpoint whose manifest cannot be read"
         elif key == UNREADABLE:  # (a mark that names no commit: a deletion's)
             whose = "is being deleted by another process (its .writer- mark is there)"
         else:
             whose = f"is another commit's remote checkpoint (run {key[0]}, commit {key[1]})"
         super().__init__(f"{name} {whose}")
-        self.name, self.key = name, key
+        self.name, self.key, self.committed = name, key, committed
 
 
 def key_of(raw: bytes) -> tuple[str, int] | None:
@@ -244,12 +246,32 @@ def part_mark(store: RemoteStore, name: str, key: tuple[str, int], tag: str, nod
     return store._path(name, f"{CLAIM_PREFIX}{key[0]}-{key[1]}-{tag}{node:08x}")
 
 
-def claim_part(store: RemoteStore, name: str, key: tuple[str, int], tag: str, node: int) -> str:
+def claim_part(
+    store: RemoteStore,
+    name: str,
+    key: tuple[str, int],
+    tag: str,
+    node: int,
+    files: list[FileEntry] | None = None,
+) -> str:
     """:func:`claim` for node ``node``'s part of the node-local commit ``key`` (tagged
     ``tag``; its mark: :func:`part_mark`): the marks of this commit's other parts stay (their
     uploads go on; the coordinator removes every one once it committed: :func:`marks_of`), and
-    any manifest under ``name`` is another's (a node uploads before its commit)."""
-    return _claim(store, name, key, tag, None, None, part_mark(store, name, key, tag, node))
+    any manifest under ``name`` is another's (a node uploads before its commit), unless it is
+    of ``key`` and lists every one of the part's ``files`` as they are: then this checkpoint is
+    committed remotely already (a restart that could not list the store uploads its parts
+    again), and :class:`RemoteNameTaken` says so (``committed``)."""
+
+    def committed(raw: bytes) -> bool:
+        try:
+            m = Manifest.from_json(json.loads(raw), "")
+        except Exception:
+            return False
+        listed = {f.path: f for f in m.files}
+        return (m.run_id, m.seq) == key and all(listed.get(f.path) == f for f in files or [])
+
+    mark = part_mark(store, name, key, tag, node)
+    return _claim(store, name, key, tag, None, None, mark, committed if files else None)
 
 
 def _claim(
@@ -260,6 +282,7 @@ def _claim(
     existing: bytes | None,
     ours: Callable[[bytes], bool] | None,
     mark: str | None = None,
+    done: Callable[[bytes], bool] | None = None,
 ) -> str:
     mark = mark or store._path(name, f"{CLAIM_PREFIX}{key[0]}-{key[1]}-{tag}{uuid.uuid4().hex[:8]}")
     mine = mark.rsplit("/", 1)[-1]
@@ -281,6 +304,10 @@ def _claim(
         run, seq, *_ = [*others[0][len(CLAIM_PREFIX) :].rsplit("-", 2), "", ""]
         taken.append((run, int(seq)) if seq.isdigit() else UNREADABLE)  # (a deletion's)
     elif MANIFEST_NAME in listed and (raw := store._manifest_bytes(name)) not in (None, existing):
+        if done is not None and done(raw):
+            with contextlib.suppress(Exception):
+                store.fs.rm_file(mark)
+            raise RemoteNameTaken(name, key, committed=True)
         taken += [] if ours is not None and ours(raw) else [key_of(raw)]
     if taken:
         with contextlib.suppress(Exception):
