@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .redact import url_text
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -52,7 +53,7 @@ class SinkHealth:
     raised a :class:`~.errors.ConfigError`: a mistake in its setup, which no retry mends)."""
 
     def __init__(self, name: str, policy: RetryPolicy | None = None) -> None:
-        self.name = name
+        self.name = url_text(name)  # a URL's credentials are not shown
         self.policy = policy or DEFAULT_POLICY
         self.off = False
         self.failing_since: float | None = None
@@ -94,7 +95,7 @@ class SinkHealth:
         follows: a failing sink's last values are not sent, and that is said)."""
         now = time.monotonic()
         p = self.policy
-        self.last_error = f"{type(error).__name__}: {error}"
+        self.last_error = url_text(f"{type(error).__name__}: {error}")  # (a URL it quotes)
         self.attempts += 1
         first = self.failing_since is None
         if first:

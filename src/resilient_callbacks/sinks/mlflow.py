@@ -40,6 +40,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..metrics import Metric, Telemetry
+from ..redact import url_text
 from . import missing_extra
 
 try:
@@ -97,7 +98,7 @@ class MLflowSink:
         if run_id is not None:
             run_id = self._join(run_id)
         self.run_id = run_id
-        self.name = f"mlflow {self.tracking_uri}"
+        self.name = f"mlflow {url_text(self.tracking_uri)}"  # no credentials in messages
         self._client: Any = None
         self._pending: list[Mapping[str, Any]] = []  # events not yet named as tags
         self._unsent: list[Any] = []  # their tags, until MLflow took them
@@ -115,7 +116,9 @@ class MLflowSink:
         except MlflowException as e:  # a store it refuses (MLflow 3: a file store): no retry
             if e.error_code != "INVALID_PARAMETER_VALUE":
                 raise
-            raise ConfigError(f"MLflow refuses the tracking store {self.tracking_uri}: {e}") from e
+            raise ConfigError(
+                f"MLflow refuses the tracking store {url_text(self.tracking_uri)}: {e}"
+            ) from e
 
     def emit(
         self,
@@ -350,4 +353,6 @@ def _preflight(uri: str) -> None:
         with socket.create_connection((u.hostname, port), timeout=5.0):
             pass
     except OSError as e:
-        raise ConnectionError(f"MLflow tracking server {uri} is unreachable: {e}") from None
+        raise ConnectionError(
+            f"MLflow tracking server {url_text(uri)} is unreachable: {e}"
+        ) from None

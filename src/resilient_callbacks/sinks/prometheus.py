@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..metrics import Metric, Telemetry
+from ..redact import url_text
 from . import missing_extra
 
 log = logging.getLogger("resilient_callbacks")
@@ -197,7 +198,7 @@ class PrometheusPushgateway(_PrometheusBase):
         self.url = url
         self.job = job
         self.timeout = timeout
-        self.name = f"prometheus pushgateway {url}"
+        self.name = f"prometheus pushgateway {url_text(url)}"  # no credentials in messages
 
     def emit(
         self,
