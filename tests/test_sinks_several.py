@@ -109,3 +109,48 @@ def test_two_textfiles_at_one_path_name_the_conflict(tmp_path: Path, caplog):
     fams = {f.name: f for f in prom_parser.text_string_to_metric_families(path.read_text())}
     saves = sum(s.value for s in fams[PREFIX + "saves"].samples)
     assert saves in (6, 3)  # the model's or the EMA's (whichever started first), not a mix
+
+
+def test_two_pushgateway_sinks_with_one_grouping_key_name_the_conflict(tmp_path: Path, caplog):
+    """Both given ``pushgateway:URL``: each push replaces the group ``job/instance`` holds, so
+    the old src had the model's and the EMA's values take turns in one group (the Pushgateway
+    showed whichever pushed last, as if one run). The second is switched off at once, saying
+    what to do; every push the gateway (an HTTP server on 127.0.0.1 taking PUTs as the
+    Pushgateway's API does) received comes from one of them."""
+    import http.server
+    import threading
+
+    prom_parser = pytest.importorskip("prometheus_client.parser")
+    bodies: list[tuple[str, bytes]] = []
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            bodies.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    sink = f"pushgateway:http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="resilient_callbacks"),
+            Checkpointer(tmp_path / "model", every_n_steps=5, telemetry=sink) as a,
+            Checkpointer(tmp_path / "ema", every_n_steps=10, telemetry=sink) as b,
+        ):
+            _train_both(a, b, 30)
+    finally:
+        server.shutdown()
+    intervals = set()
+    for _, body in bodies:
+        for fam in prom_parser.text_string_to_metric_families(body.decode()):
+            if fam.name == PREFIX + "interval_steps":
+                intervals.update(s.value for s in fam.samples)
+    assert len(intervals) == 1, intervals  # the model's (5) or the EMA's (10), never both
+    said = [r.getMessage() for r in caplog.records if "metrics sink" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "another Checkpointer of this process pushes its metrics to" in said[0]
+    assert "job" in said[0] and "switched off" in said[0]

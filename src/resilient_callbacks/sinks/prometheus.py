@@ -32,6 +32,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra 
 
 _SERVING: set[tuple[str, int]] = set()  # the addresses this process's exporters listen on
 _WRITING: set[str] = set()  # the files this process's textfile sinks write
+_PUSHING: set[tuple[str, str, tuple[tuple[str, str], ...]]] = set()  # (url, job, grouping key)
 
 
 class _Collector:
@@ -199,6 +200,30 @@ class PrometheusPushgateway(_PrometheusBase):
         self.job = job
         self.timeout = timeout
         self.name = f"prometheus pushgateway {url_text(url)}"  # no credentials in messages
+        self._key: dict[str, str] = {}
+        self._own: tuple[str, str, tuple[tuple[str, str], ...]] | None = None  # in _PUSHING
+
+    def start(self, telemetry: Telemetry) -> None:
+        super().start(telemetry)
+        self._key = {"instance": socket.gethostname()}
+        if self.per_rank:
+            self._key["rank"] = str(telemetry.rank)
+        group = (self.url.rstrip("/"), self.job, tuple(sorted(self._key.items())))
+        if self._own is None and group in _PUSHING:  # not retried: it is this process's own
+            # a push replaces the whole group: the two would overwrite each other in turn
+            raise ConfigError(
+                f"another Checkpointer of this process pushes its metrics to {url_text(self.url)} "
+                f"as job {self.job!r} of this host (a model's and its EMA's, each with the same "
+                "telemetry='pushgateway:...'): give this one its own job, e.g. "
+                f"telemetry={{'kind': 'pushgateway', 'url': ..., 'job': '{self.job}_ema'}}"
+            )
+        _PUSHING.add(group)
+        self._own = group
+
+    def close(self) -> None:
+        if self._own is not None:
+            _PUSHING.discard(self._own)
+            self._own = None
 
     def emit(
         self,
@@ -209,12 +234,12 @@ class PrometheusPushgateway(_PrometheusBase):
     ) -> None:
         from prometheus_client import push_to_gateway
 
-        assert self.telemetry is not None
-        key = {"instance": socket.gethostname()}
-        if self.per_rank:
-            key["rank"] = str(self.telemetry.rank)
         push_to_gateway(
-            self.url, job=self.job, registry=self.registry, grouping_key=key, timeout=self.timeout
+            self.url,
+            job=self.job,
+            registry=self.registry,
+            grouping_key=self._key,
+            timeout=self.timeout,
         )
 
 
