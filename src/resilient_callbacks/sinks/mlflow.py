@@ -89,9 +89,9 @@ class MLflowSink:
         self.registry_uri = registry_uri
         self.close_timeout_s = 600.0 if log_checkpoint else 30.0
         self.own_run = False
-        if run_id is None and tracking_uri is None:
+        if run_id is None and _same_store(self.tracking_uri, mlflow.get_tracking_uri()):
             active = mlflow.active_run()  # thread-local: read here, on the caller's thread
-            if active is not None:
+            if active is not None:  # (in the store given: a run elsewhere cannot be logged to)
                 run_id = active.info.run_id
         self._tag_keys: set[str] | None = None  # event tags already on the run
         self.parent_run_id: str | None = None
@@ -340,6 +340,11 @@ def _event_tag(e: Mapping[str, Any], taken: set[str]) -> tuple[str, str]:
     taken.add(key)
     value = {k: v for k, v in e.items() if k not in ("event",)}
     return key, json.dumps(value, default=str)[:5000]
+
+
+def _same_store(a: str, b: str) -> bool:
+    """Whether two tracking URIs name one store (the active run's, given again explicitly)."""
+    return a.rstrip("/") == b.rstrip("/")
 
 
 def _preflight(uri: str) -> None:

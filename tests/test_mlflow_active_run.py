@@ -1,0 +1,61 @@
+"""``telemetry="mlflow:URI"`` inside ``with mlflow.start_run():`` on that same tracking store
+(the Trainer's ``report_to="mlflow"`` with ``MLFLOW_TRACKING_URI``, the URI also written out in
+the sink): the checkpoint metrics go to the active run, not to a second run of their own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from resilient_callbacks import Checkpointer
+from resilient_callbacks.metrics import PREFIX
+from test_monitoring import _state, _train
+
+
+def test_the_same_tracking_uri_given_explicitly_logs_into_the_active_run(
+    tmp_path: Path, monkeypatch
+):
+    mlflow = pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    monkeypatch.chdir(tmp_path)  # a sqlite store puts its artifacts under ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # not set_tracking_uri(): it outlives a test
+    exp = mlflow.tracking.MlflowClient().create_experiment("active")
+    state = _state()
+    with (
+        mlflow.start_run(experiment_id=exp) as active,
+        Checkpointer(tmp_path / "ck", every_n_steps=5, telemetry=f"mlflow:{uri}") as ck,
+    ):
+        ck.restore(state)
+        _train(ck, range(1, 11), state)
+    c = mlflow.tracking.MlflowClient()
+    runs = c.search_runs([exp])
+    assert [r.info.run_id for r in runs] == [active.info.run_id], [r.info.run_name for r in runs]
+    assert c.search_runs(["0"]) == []  # (the old src made a stray run in "Default")
+    history = c.get_metric_history(active.info.run_id, PREFIX + "saves_total")
+    assert max(m.value for m in history) == 2
+
+
+def test_another_tracking_uri_than_the_active_runs_gets_a_run_of_its_own(
+    tmp_path: Path, monkeypatch
+):
+    """The active run lives in another store: the sink cannot log into it, so it makes its
+    own run in the store it was given (as before)."""
+    mlflow = pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'a.db'}")
+    other = f"sqlite:///{tmp_path / 'b.db'}"
+    exp = mlflow.tracking.MlflowClient().create_experiment("active")
+    state = _state()
+    with (
+        mlflow.start_run(experiment_id=exp),
+        Checkpointer(tmp_path / "ck", every_n_steps=5, telemetry=f"mlflow:{other}") as ck,
+    ):
+        ck.restore(state)
+        _train(ck, range(1, 11), state)
+    c = mlflow.tracking.MlflowClient(tracking_uri=other)
+    (run,) = c.search_runs(["0"])
+    history = c.get_metric_history(run.info.run_id, PREFIX + "saves_total")
+    assert max(m.value for m in history) == 2
