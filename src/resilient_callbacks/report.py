@@ -80,8 +80,16 @@ class Life:
 
     @property
     def last_useful_s(self) -> float:
-        vals = [_num(r.get("useful_s")) for r in self.records]
-        return max([self.begin_useful_s, *(v for v in vals if v is not None)])
+        """The useful time this life had at its last record: the largest recorded (a save's
+        record, written at its commit, may come after a later heartbeat), counted from its
+        last roll-back (a ``restore`` record), which took the work past its checkpoint out."""
+        recs, begin = self.records, self.begin_useful_s
+        back = [i for i, r in enumerate(recs) if r["event"] == "restore"]
+        if back:
+            recs = recs[back[-1] :]
+            begin = _num(recs[0].get("useful_s")) or 0.0
+        vals = [_num(r.get("useful_s")) for r in recs]
+        return max([begin, *(v for v in vals if v is not None)])
 
     def saves(self) -> list[dict[str, Any]]:
         return [r for r in self.records if r["event"] == "save"]
