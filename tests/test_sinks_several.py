@@ -154,3 +154,39 @@ def test_two_pushgateway_sinks_with_one_grouping_key_name_the_conflict(tmp_path:
     assert len(said) == 1, said
     assert "another Checkpointer of this process pushes its metrics to" in said[0]
     assert "job" in said[0] and "switched off" in said[0]
+
+
+def test_per_rank_exporters_whose_port_ranges_overlap_name_the_conflict(
+    tmp_path: Path, caplog, monkeypatch
+):
+    """``per_rank`` exporters on a node of 4 ranks: the model's on PORT serve PORT..PORT+3 (one
+    per local rank), so the EMA's given PORT+1 (what the conflict message suggested) took rank
+    1's port for its rank 0: on the node one of the two lost its port and Prometheus' target
+    PORT+1 served either. The second is switched off at once and told a port past the range."""
+    pytest.importorskip("prometheus_client")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with (
+        caplog.at_level(logging.WARNING, logger="resilient_callbacks"),
+        Checkpointer(
+            tmp_path / "model",
+            every_n_steps=5,
+            telemetry={"kind": "prometheus", "addr": "127.0.0.1", "port": 0},
+        ) as probe,
+    ):
+        port = exporter_port(probe)  # a free port (and the three after it, most likely)
+    caplog.clear()
+    sink = {"kind": "prometheus", "addr": "127.0.0.1", "per_rank": True}
+    with (
+        caplog.at_level(logging.WARNING, logger="resilient_callbacks"),
+        Checkpointer(tmp_path / "model", every_n_steps=5, telemetry={**sink, "port": port}) as a,
+    ):
+        assert exporter_port(a) == port
+        with Checkpointer(
+            tmp_path / "ema", every_n_steps=10, telemetry={**sink, "port": port + 1}
+        ) as b:
+            _train_both(a, b, 10)
+    said = [r.getMessage() for r in caplog.records if "metrics sink" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "another Checkpointer of this process serves its metrics on" in said[0]
+    assert f"prometheus:{port + 4}" in said[0] and "switched off" in said[0]

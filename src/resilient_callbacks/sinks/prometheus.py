@@ -30,7 +30,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra 
     raise missing_extra("prometheus", "prometheus_client") from e
 
 
-_SERVING: set[tuple[str, int]] = set()  # the addresses this process's exporters listen on
+# the ports this process's exporters hold: (addr, first port, how many); a per_rank exporter
+# holds its node's range (port + each local rank), each rank serving one of them
+_SERVING: set[tuple[str, int, int]] = set()
 _WRITING: set[str] = set()  # the files this process's textfile sinks write
 _PUSHING: set[tuple[str, str, tuple[tuple[str, str], ...]]] = set()  # (url, job, grouping key)
 
@@ -98,19 +100,26 @@ class PrometheusExporter(_PrometheusBase):
         self.port = port
         self.addr = addr
         self._server: Any = None
+        self._held = (addr, port, 1)  # in _SERVING while it serves
 
     def start(self, telemetry: Telemetry) -> None:
         from prometheus_client import start_http_server
 
         super().start(telemetry)
         port = self.port
+        held = (self.addr, port, 1)
         if self.per_rank and port:
             port += int(os.environ.get("LOCAL_RANK", telemetry.rank))
-        if port and (self.addr, port) in _SERVING:  # not retried: it is this process's own
+            held = (self.addr, self.port, _local_world_size())
+        other = next((h for h in _SERVING if port and _overlap(h, held)), None)
+        if other is not None:  # not retried: it is this process's own
+            span = f"{other[1]}..{other[1] + other[2] - 1}" if other[2] > 1 else str(other[1])
             raise ConfigError(
-                f"another Checkpointer of this process serves its metrics on {self.addr}:{port} "
-                "(a model's and its EMA's, each with telemetry='prometheus'): give this one its "
-                f"own port, e.g. telemetry='prometheus:{port + 1}', or one of them none"
+                f"another Checkpointer of this process serves its metrics on {self.addr}:{span} "
+                "(a model's and its EMA's, each with telemetry='prometheus'"
+                f"{'; per_rank: a port for each rank of this node' if other[2] > 1 else ''}): "
+                "give this one its own port, e.g. "
+                f"telemetry='prometheus:{other[1] + other[2]}', or one of them none"
             )
         try:
             server, _thread = start_http_server(port, addr=self.addr, registry=self.registry)
@@ -121,16 +130,30 @@ class PrometheusExporter(_PrometheusBase):
             ) from None
         self._server = server
         self.port = int(server.server_port)
-        _SERVING.add((self.addr, self.port))
+        self._held = held if held[1] else (self.addr, self.port, 1)
+        _SERVING.add(self._held)
         self.name = f"prometheus exporter {self.addr}:{self.port}"
         log.info("metrics served for Prometheus at http://%s:%d/metrics", self.addr, self.port)
 
     def close(self) -> None:
         server, self._server = self._server, None
         if server is not None:
-            _SERVING.discard((self.addr, self.port))
+            _SERVING.discard(self._held)
             server.shutdown()
             server.server_close()
+
+
+def _local_world_size() -> int:
+    """The ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``; 1 where it is not set)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _overlap(a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
+    """Whether two (addr, first port, count) ranges share a port on one address."""
+    return a[0] == b[0] and a[1] < b[1] + b[2] and b[1] < a[1] + a[2]
 
 
 class PrometheusTextfile(_PrometheusBase):
