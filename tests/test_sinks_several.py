@@ -190,3 +190,50 @@ def test_per_rank_exporters_whose_port_ranges_overlap_name_the_conflict(
     assert len(said) == 1, said
     assert "another Checkpointer of this process serves its metrics on" in said[0]
     assert f"prometheus:{port + 4}" in said[0] and "switched off" in said[0]
+
+
+def test_a_pushgateway_sink_still_finishing_its_last_push_is_no_conflict(tmp_path: Path, caplog):
+    """A Checkpointer closed while its last push hangs (close() does not wait past its
+    timeout), then another one of the same process pushing as the same job (Lightning's second
+    fit): that one pushes; only two open at once are a conflict."""
+    import http.server
+    import threading
+
+    hold, held, paths = threading.Event(), threading.Event(), []
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if hold.is_set() and not held.is_set():
+                held.set()  # the first push after hold: the closing one's, kept waiting
+                release.wait(120)
+            paths.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    release = threading.Event()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    sink = f"pushgateway:http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
+            a = Checkpointer(tmp_path / "first", every_n_steps=5, telemetry=sink)
+            model = torch.nn.Linear(8, 8)
+            a.restore({"m": model})
+            for step in range(1, 6):
+                a.step(step, {"m": model})
+            hold.set()
+            a.close(timeout=0.5)  # its last push hangs: not waited for
+            assert held.wait(60)
+            n = len(paths)
+            with Checkpointer(tmp_path / "second", every_n_steps=5, telemetry=sink) as b:
+                b.restore({})
+            assert len(paths) > n  # the second one's pushes arrived
+    finally:
+        release.set()
+        server.shutdown()
+    said = [r.getMessage() for r in caplog.records if "another Checkpointer" in r.getMessage()]
+    assert said == []

@@ -34,7 +34,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra 
 # holds its node's range (port + each local rank), each rank serving one of them
 _SERVING: set[tuple[str, int, int]] = set()
 _WRITING: set[str] = set()  # the files this process's textfile sinks write
-_PUSHING: set[tuple[str, str, tuple[tuple[str, str], ...]]] = set()  # (url, job, grouping key)
+# (url, job, grouping key) -> the Pushgateway sink of this process pushing that group
+_PUSHING: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
 
 
 class _Collector:
@@ -232,7 +233,9 @@ class PrometheusPushgateway(_PrometheusBase):
         if self.per_rank:
             self._key["rank"] = str(telemetry.rank)
         group = (self.url.rstrip("/"), self.job, tuple(sorted(self._key.items())))
-        if self._own is None and group in _PUSHING:  # not retried: it is this process's own
+        other = _PUSHING.get(group)
+        # (one whose Checkpointer closed, its last push still under way, is no conflict)
+        if other not in (None, self) and other.telemetry is not None and other.telemetry.active:
             # a push replaces the whole group: the two would overwrite each other in turn
             raise ConfigError(
                 f"another Checkpointer of this process pushes its metrics to {url_text(self.url)} "
@@ -240,13 +243,13 @@ class PrometheusPushgateway(_PrometheusBase):
                 "telemetry='pushgateway:...'): give this one its own job, e.g. "
                 f"telemetry={{'kind': 'pushgateway', 'url': ..., 'job': '{self.job}_ema'}}"
             )
-        _PUSHING.add(group)
+        _PUSHING[group] = self
         self._own = group
 
     def close(self) -> None:
-        if self._own is not None:
-            _PUSHING.discard(self._own)
-            self._own = None
+        if self._own is not None and _PUSHING.get(self._own) is self:
+            del _PUSHING[self._own]
+        self._own = None
 
     def emit(
         self,
