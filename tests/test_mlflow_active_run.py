@@ -59,3 +59,24 @@ def test_another_tracking_uri_than_the_active_runs_gets_a_run_of_its_own(
     (run,) = c.search_runs(["0"])
     history = c.get_metric_history(run.info.run_id, PREFIX + "saves_total")
     assert max(m.value for m in history) == 2
+
+
+def test_mlflow_experiment_id_in_the_environment_is_where_its_run_goes(tmp_path: Path, monkeypatch):
+    """``MLFLOW_EXPERIMENT_ID`` (as a job scheduler or ``mlflow run`` sets it; MLflow's own
+    ``start_run`` honours it) and no active run: the sink's run is made in that experiment, as
+    with ``MLFLOW_EXPERIMENT_NAME`` (the old src put it in "Default")."""
+    mlflow = pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    c = mlflow.tracking.MlflowClient()
+    exp = c.create_experiment("from-env")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", exp)
+    state = _state()
+    with Checkpointer(tmp_path / "ck", every_n_steps=5, telemetry="mlflow") as ck:
+        ck.restore(state)
+        _train(ck, range(1, 11), state)
+    assert c.search_runs(["0"]) == []
+    (run,) = c.search_runs([exp])
+    assert max(m.value for m in c.get_metric_history(run.info.run_id, PREFIX + "saves_total")) == 2

@@ -83,6 +83,8 @@ class MLflowSink:
         self.context = context  # the Checkpointer's dirpath, monitor, mode, run_id (live)
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
         self.experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        # else the experiment MLflow's start_run() would take (a scheduler's, mlflow run's)
+        self.experiment_id = None if self.experiment else os.environ.get("MLFLOW_EXPERIMENT_ID")
         self.run_name = run_name
         self.log_checkpoint = log_checkpoint
         self.register_model = register_model
@@ -213,7 +215,7 @@ class MLflowSink:
         if ckpt_run is None:
             return False
         c = self._client
-        exp_id = "0"
+        exp_id = self.experiment_id or "0"
         where = f"tags.`{RUN_TAG}` = '{ckpt_run}'"
         tags = {RUN_TAG: ckpt_run}
         name = self.run_name or f"ckpt-{ckpt_run}"
