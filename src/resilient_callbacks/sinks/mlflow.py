@@ -34,6 +34,7 @@ import posixpath
 import socket
 import time
 import urllib.parse
+import urllib.request
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -351,15 +352,22 @@ def _same_store(a: str, b: str) -> bool:
 
 def _preflight(uri: str) -> None:
     """Fail fast (seconds, not MLflow's minutes of retries) when an HTTP tracking server does
-    not answer."""
+    not answer: its host, or the proxy MLflow's requests go through (``HTTP(S)_PROXY``, not
+    bypassed by ``NO_PROXY``), which may be the only route to it."""
     u = urllib.parse.urlparse(uri)
     if u.scheme not in ("http", "https") or not u.hostname:
         return
-    port = u.port or (443 if u.scheme == "https" else 80)
+    host, port, via = u.hostname, u.port or (443 if u.scheme == "https" else 80), ""
+    proxy = urllib.request.getproxies().get(u.scheme)
+    if proxy and not urllib.request.proxy_bypass(u.hostname):
+        p = urllib.parse.urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        if p.hostname:
+            host, port = p.hostname, p.port or (443 if p.scheme == "https" else 80)
+            via = f" through the proxy {url_text(proxy)}"
     try:
-        with socket.create_connection((u.hostname, port), timeout=5.0):
+        with socket.create_connection((host, port), timeout=5.0):
             pass
     except OSError as e:
         raise ConnectionError(
-            f"MLflow tracking server {url_text(uri)} is unreachable: {e}"
+            f"MLflow tracking server {url_text(uri)} is unreachable{via}: {e}"
         ) from None
