@@ -176,6 +176,7 @@ def downtime(
     until: float | None = None,
     *,
     lines: list[str] | None = None,
+    since: float | None = None,
 ) -> float:
     """Seconds the lineage ``run_id`` was not running: from the last record of each life (of
     any kind: heartbeats come about once a minute) to the ``restart`` record of the next,
@@ -183,11 +184,11 @@ def downtime(
     queue after a preemption or a kill, or a finished run extended weeks later, exposes it to
     no failure: the MTBF learned from the restarts leaves that time out. (Also left out: the
     last minute or so of a killed life, and a restart until its restore finished: the learned
-    MTBF errs short, towards saving more often.) Only the records just before a restart are
-    parsed, as in :func:`records`."""
+    MTBF errs short, towards saving more often.) ``since``: only the time down after that
+    wall time. Only the records just before a restart are parsed, as in :func:`records`."""
     lines = _lines(root) if lines is None else lines
     marks = tuple(json.dumps(k) for k in LIFECYCLE)
-    total = 0.0
+    total, after = 0.0, -math.inf if since is None else since
     begun = False  # the lineage's first life (a restart, where its history began elsewhere)
     for i, line in enumerate(lines):
         if not any(m in line for m in marks):
@@ -205,12 +206,30 @@ def downtime(
             None,
         )
         if before is not None:
-            total += max(0.0, d["time"] - before["time"])
+            total += max(0.0, d["time"] - max(before["time"], after))
     if until is not None and lines:
         last = next((r for r in map(_record, reversed(lines[-1000:])) if r is not None), None)
         if last is not None:
-            total += max(0.0, until - last["time"])
+            total += max(0.0, until - max(last["time"], after))
     return total
+
+
+def running_since_save(root: str, run_id: str | None, name: str) -> float:
+    """Seconds the lineage ``run_id`` ran since its checkpoint ``name`` was committed (its
+    ``save`` record) up to now, the time it was down left out (:func:`downtime`): the work a
+    restart from ``name`` lost, which ``every_seconds`` counts on. 0.0 without that record
+    (a history begun elsewhere: the remote tier on a new machine)."""
+    lines = _lines(root)
+    saved = [
+        r["time"]
+        for r in records(root, ("save",), lines=lines)
+        if r.get("name") == name and r.get("run_id") in (run_id, None)
+    ]
+    if not saved:
+        return 0.0
+    now = time.time()
+    at = min(saved[-1], now)
+    return max(0.0, now - at - downtime(root, run_id, lines=lines, since=at))
 
 
 def _record(line: str) -> dict[str, Any] | None:

@@ -70,8 +70,10 @@ class Clock:
     def __init__(self) -> None:
         self.last = time.monotonic()
 
-    def reset(self) -> None:
-        self.last = time.monotonic()
+    def reset(self, elapsed: float = 0.0) -> None:
+        """The last save is now, or ``elapsed`` seconds of running ago (a restart's: the
+        running time since the checkpoint it resumed from was saved, in the lives before)."""
+        self.last = time.monotonic() - max(0.0, elapsed)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.last

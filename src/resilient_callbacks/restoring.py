@@ -156,6 +156,7 @@ class Restorer:
                 len(restarts),
             )
         ck._recorder.continued_unsaved(start, restarts, down)
+        ck._trigger.clock.reset(restarts[-1] - start - down)  # every_seconds: its time ran
 
     def _listed(self) -> list[Candidate]:
         """Every rank: the coordinator's candidates (its error raised on every rank)."""
@@ -390,14 +391,19 @@ class Restorer:
             manifest, inside, time.perf_counter() - self._t0, self._tier, self._skipped
         )
         note = rollback_notice.on_restart(ck, manifest, fields, inside)  # (the coordinator's)
+        life = inside and not ck._recorder.began  # a restart (not this process's roll-back)
         if ck.is_coordinator and inside:
             # a resume (the run stopped early), or this process's roll-back: not a new life
             d.record("restore" if ck._recorder.began else "restart", manifest.step, **fields)
             ck._recorder.record_deferred()  # the fallbacks on the way to this checkpoint
             d.check_foreign()  # at the caller of Checkpointer.restore
-        # the run's start, restarts (this one included) and time down, the same on every rank
-        lineage = [*history.lineage(ck.dirpath, d.run_id), note] if ck.is_coordinator else None
-        start, restarts, down, note = dist.broadcast_json(lineage)
+        # every rank: the run's start, restarts, time down, time run since this save (a restart)
+        lineage = None
+        if ck.is_coordinator:
+            ran = history.running_since_save(ck.dirpath, d.run_id, d.restored or "") if life else 0
+            lineage = [*history.lineage(ck.dirpath, d.run_id), note, ran]
+        start, restarts, down, note, ran = dist.broadcast_json(lineage)
+        ck._trigger.clock.reset(ran)
         rollback_notice.say(note, ck.is_coordinator)
         ck._recorder.lineage(manifest, inside, start, restarts, down)
         if schedule is not None and start is not None:
