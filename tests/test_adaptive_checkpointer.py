@@ -299,3 +299,30 @@ def test_a_second_restore_in_the_same_process_is_no_restart(tmp_path):
     with Checkpointer(root, adaptive=True) as ck:
         ck.restore(state)
         assert ck.schedule is not None and ck.schedule.failures_observed == 1
+
+
+def test_a_run_started_from_another_directorys_checkpoint_has_no_failures_of_its_own(tmp_path):
+    """A run started in a directory from a checkpoint elsewhere (resume=<path>: fine-tuning
+    from a pre-trained run) is a new run, and the metrics counted no failure for it; but the
+    schedule learned its MTBF from every run's restarts in the directory, the failures of an
+    earlier, unrelated run included, and saved more often for them."""
+    old, other, state = tmp_path / "old", tmp_path / "other", {"w": torch.zeros(4)}
+    with Checkpointer(old, every_n_steps=5, preemption=False) as ck:
+        ck.restore(state)
+        _loop(ck, state, 0, 10, 0.0)
+    for _ in range(3):  # the earlier run failed three times
+        ck = Checkpointer(old, every_n_steps=5, preemption=False)
+        ck.restore(state)
+        ck.abort(RuntimeError("the training loop failed"))
+    with Checkpointer(other, every_n_steps=5, preemption=False) as ck:
+        ck.restore(state)
+        _loop(ck, state, 0, 5, 0.0)
+        ck.flush()
+        assert ck.last_save is not None
+        elsewhere = ck.last_save.path
+    with Checkpointer(old, adaptive=True, preemption=False, resume=elsewhere) as ck:
+        assert ck.restore(state) == 5
+        assert ck.schedule is not None
+        assert ck.metrics()["resilient_ckpt_restarts_total"] == 0
+        assert ck.schedule.failures_observed == 0, ck.schedule.explain()
+        assert ck.schedule.mtbf_source() == "prior"

@@ -300,9 +300,16 @@ class Recorder:
         """Every rank, after a restore, with the same values (the run's start and restarts
         from the history, this restart included): wall time and failures count from them. A
         directory without the run's history (restored from the remote tier on a new machine)
-        has the start the checkpoint recorded."""
+        has the start the checkpoint recorded. The adaptive schedule learns the same failures
+        (another run's checkpoint: none, the restarts of the directory's earlier runs neither)."""
         if not inside:  # another run's checkpoint: this run starts now
             start, restarts = None, []
+        schedule = self._ck.schedule
+        if schedule is not None:
+            if start is None:  # (no history of the run here: it is exposed from now)
+                schedule.set_restart_history([], time.time())
+            else:
+                schedule.set_restart_history(restarts, start, downtime_s=downtime_s)
         # without the run's history here (restored from the remote tier), this restart is one
         self.failures = (len(restarts) if start is not None else 1) if inside else 0
         self.downtime_s = downtime_s if inside and start is not None else 0.0

@@ -405,9 +405,7 @@ class Restorer:
         start, restarts, down, note, ran = dist.broadcast_json(lineage)
         ck._trigger.clock.reset(ran)
         rollback_notice.say(note, ck.is_coordinator)
-        ck._recorder.lineage(manifest, inside, start, restarts, down)
-        if schedule is not None and start is not None:
-            schedule.set_restart_history(restarts, start, downtime_s=down)
+        ck._recorder.lineage(manifest, inside, start, restarts, down)  # (and the schedule's)
         if ck.is_coordinator and inside and d.sync is not None:
             restore_remote.reconcile_uploads(ck)
         if ck.is_coordinator and inside and ck.config.resume == ResumeMode.AUTO:
