@@ -40,7 +40,14 @@ from .interval import (
     optimal_interval,
     young_interval,
 )
-from .numbers_check import check_number, check_time, durations, median, opt_int, opt_number
+from .numbers_check import (
+    check_number,
+    check_schedule_options,
+    check_time,
+    durations,
+    median,
+    opt_int,
+)
 
 HOUR = 3600.0
 DEFAULT_PRIOR_MTBF_HOURS = 24.0
@@ -109,45 +116,7 @@ class AdaptiveSchedule:
     _was_adaptive: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
-        opt_number("mtbf_hours", self.mtbf_hours, unit="hours")
-        if self.prior_mtbf_hours is None:
-            raise ConfigError(
-                "prior_mtbf_hours=None: the prior is needed until failures are observed; pass a "
-                f"number of hours > 0 (default {DEFAULT_PRIOR_MTBF_HOURS:g}), or set mtbf_hours"
-            )
-        opt_number("prior_mtbf_hours", self.prior_mtbf_hours, unit="hours")
-        if self.max_overhead is not None and (
-            isinstance(self.max_overhead, bool)
-            or not isinstance(self.max_overhead, (int, float))
-            or not 0 < self.max_overhead < 1
-        ):
-            raise ConfigError(
-                f"max_overhead={self.max_overhead!r}: must be a fraction of training time in "
-                "(0, 1), e.g. 0.01 for at most 1% of the time blocked in saves, or None for no cap"
-            )
-        opt_number("min_interval_s", self.min_interval_s)
-        opt_number("max_interval_s", self.max_interval_s)
-        if (
-            self.min_interval_s is not None
-            and self.max_interval_s is not None
-            and self.min_interval_s > self.max_interval_s
-        ):
-            raise ConfigError(
-                f"min_interval_s={self.min_interval_s:g} > max_interval_s={self.max_interval_s:g}: "
-                "no interval satisfies both; swap them or drop one"
-            )
-        opt_int("warmup_steps", self.warmup_steps, 1)
-        opt_int("step_window", self.step_window, 1)
-        opt_int("save_window", self.save_window, 1)
-        if (
-            isinstance(self.change_tolerance, bool)
-            or not isinstance(self.change_tolerance, (int, float))
-            or not 0 <= self.change_tolerance < 1
-        ):
-            raise ConfigError(
-                f"change_tolerance={self.change_tolerance!r}: must be a fraction in [0, 1), "
-                "e.g. 0.05 to keep the current interval while the optimum moves by less than 5%"
-            )
+        check_schedule_options(self, DEFAULT_PRIOR_MTBF_HOURS)
         self._steps = deque(maxlen=self.step_window)
         self._costs = deque(maxlen=self.save_window)
         self._persists = deque(maxlen=self.save_window)

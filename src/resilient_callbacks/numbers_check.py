@@ -56,3 +56,46 @@ def check_time(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{name}={value!r}: must be a finite timestamp (time.time())")
     return float(value)
+
+
+def check_schedule_options(s: Any, default_prior_hours: float) -> None:
+    """The options of an :class:`~.adaptive.AdaptiveSchedule` ``s``, checked at construction."""
+    opt_number("mtbf_hours", s.mtbf_hours, unit="hours")
+    if s.prior_mtbf_hours is None:
+        raise ConfigError(
+            "prior_mtbf_hours=None: the prior is needed until failures are observed; pass a "
+            f"number of hours > 0 (default {default_prior_hours:g}), or set mtbf_hours"
+        )
+    opt_number("prior_mtbf_hours", s.prior_mtbf_hours, unit="hours")
+    if s.max_overhead is not None and (
+        isinstance(s.max_overhead, bool)
+        or not isinstance(s.max_overhead, (int, float))
+        or not 0 < s.max_overhead < 1
+    ):
+        raise ConfigError(
+            f"max_overhead={s.max_overhead!r}: must be a fraction of training time in "
+            "(0, 1), e.g. 0.01 for at most 1% of the time blocked in saves, or None for no cap"
+        )
+    opt_number("min_interval_s", s.min_interval_s)
+    opt_number("max_interval_s", s.max_interval_s)
+    if (
+        s.min_interval_s is not None
+        and s.max_interval_s is not None
+        and s.min_interval_s > s.max_interval_s
+    ):
+        raise ConfigError(
+            f"min_interval_s={s.min_interval_s:g} > max_interval_s={s.max_interval_s:g}: "
+            "no interval satisfies both; swap them or drop one"
+        )
+    opt_int("warmup_steps", s.warmup_steps, 1)
+    opt_int("step_window", s.step_window, 1)
+    opt_int("save_window", s.save_window, 1)
+    if (
+        isinstance(s.change_tolerance, bool)
+        or not isinstance(s.change_tolerance, (int, float))
+        or not 0 <= s.change_tolerance < 1
+    ):
+        raise ConfigError(
+            f"change_tolerance={s.change_tolerance!r}: must be a fraction in [0, 1), "
+            "e.g. 0.05 to keep the current interval while the optimum moves by less than 5%"
+        )
