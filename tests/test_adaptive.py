@@ -131,7 +131,7 @@ def test_running_medians_ignore_outliers():
     s = AdaptiveSchedule(mtbf_hours=24, max_overhead=None, warmup_steps=3)
     for t in (30.0, 1.0, 1.0, 1.0, 1.2):  # a slow first (compiling) step
         s.observe_step(t)
-    for c in (10.0, 10.0, 500.0):  # one pathological save
+    for c in (10.0, 10.0, 10.0, 500.0):  # one pathological save (the first is replaced)
         s.observe_save(c)
     e = s.explain()
     assert e["step_time_s"] == 1.0 and e["blocking_cost_s"] == 10.0
@@ -141,6 +141,36 @@ def test_running_medians_ignore_outliers():
     small.observe_save(4.0)
     small.observe_save(2.0)
     assert small.explain()["step_time_s"] == 2.0 and small.explain()["blocking_cost_s"] == 2.0
+
+
+def test_the_first_save_of_a_process_is_not_its_steady_cost():
+    """A process's first background save allocates its host buffers (and, with several ranks,
+    its process group): measured 4-7x the next ones' snapshot on this machine. Its cost was a
+    sample of the median like any other: it alone made the first interval after the warm-up,
+    the median of it and the second made the next (30.5 s below, for saves of 1 s), and every
+    resumed process added one more such sample to the window it restored, a majority of it
+    for a job restarted every save or two. Now it is the cost only until the same process's
+    next save replaces it, and a process that restored measurements does not add it."""
+    s = AdaptiveSchedule(mtbf_hours=24, warmup_steps=1)
+    s.observe_step(1.0)
+    s.observe_save(60.0)  # the warm-up save: the only measurement, it is used
+    assert s.blocking_cost_s() == 60.0 and s.ready
+    s.observe_save(1.0)
+    assert s.blocking_cost_s() == 1.0  # (was 30.5, the median of [60, 1])
+    s.observe_save(1.2)
+    assert s.state_dict()["costs"] == [1.0, 1.2] and s.state_dict()["n_saves"] == 3
+    resumed = AdaptiveSchedule(mtbf_hours=24, warmup_steps=1)
+    resumed.load_state_dict(s.state_dict())
+    for _ in range(4):  # a job restarted after every save: each new process's first one
+        resumed.observe_save(60.0)
+        resumed.amend_last_cost(61.0)  # (a synchronous save's commit: nothing to amend)
+        assert resumed.blocking_cost_s() == pytest.approx(1.1), resumed.state_dict()
+        resumed.load_state_dict(resumed.state_dict())
+    resumed.observe_save(60.0)
+    resumed.observe_save(2.0)  # a process's second save is a sample
+    resumed.amend_last_cost(3.0)
+    assert resumed.state_dict()["costs"] == [1.0, 1.2, 3.0]
+    assert resumed.state_dict()["n_saves"] == 9
 
 
 def test_max_overhead_clamp():

@@ -116,7 +116,10 @@ def test_live_interval_matches_daly_within_10_percent(tmp_path):
         ck.restore(state)
         _loop(ck, state, 0, 120, 0.002)
         assert ck.schedule is not None
-        cost = statistics.median(ck._save_seconds)  # what the training loop really waited
+        # what the training loop really waited; the process's first save (allocating) is
+        # replaced by its next one (test_adaptive.py)
+        saves = list(ck._save_seconds)
+        cost = statistics.median(saves[1:] or saves)
         want = daly_interval(cost, mtbf_hours * 3600)
         got = ck.schedule.interval_seconds()
     assert abs(got - want) <= 0.10 * want, (got, want, ck.schedule.explain())
@@ -219,11 +222,12 @@ def test_an_emergency_save_is_not_a_save_cost_of_a_background_schedule(tmp_path,
         assert ck.last_save is not None and ck.last_save.reason == "emergency"
         saved = read_manifest(ck.last_save.path).extra["schedule"]
         now = ck.schedule.state_dict()
+        emergency_cost = ck._save_seconds[-1]
     if background:
         assert now["costs"] == before and now["n_saves"] == 1, now
         assert saved["costs"] == before and saved["n_saves"] == 1, saved
-    else:
-        assert len(now["costs"]) == 2 and now["n_saves"] == 2, now
+    else:  # (it replaces the process's first save, which allocated: test_adaptive.py)
+        assert now["costs"] == [emergency_cost] and now["n_saves"] == 2, now
         assert saved["n_saves"] == 2, saved
 
 

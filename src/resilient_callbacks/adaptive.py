@@ -114,6 +114,10 @@ class AdaptiveSchedule:
     _version: int = field(init=False, repr=False, compare=False, default=0)
     _seen_version: int = field(init=False, repr=False, compare=False, default=0)
     _was_adaptive: bool = field(init=False, repr=False, compare=False, default=False)
+    # this process's saves (its first allocates buffers: not a steady cost) and how the last
+    # one's cost was taken: "first" (replaced by the next), "sample", or None (not taken)
+    _process_saves: int = field(init=False, repr=False, compare=False, default=0)
+    _last_taken: str | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         check_schedule_options(self, DEFAULT_PRIOR_MTBF_HOURS)
@@ -131,8 +135,18 @@ class AdaptiveSchedule:
     def observe_save(self, blocking_s: float, persist_s: float | None = None) -> None:
         """Record a save: ``blocking_s`` the training thread was blocked (the snapshot, or the whole
         save when synchronous), and, when known, ``persist_s`` the background write/commit/upload
-        took after that."""
-        self._costs.append(check_number("blocking_s", blocking_s))
+        took after that. A process's first save (which allocates its host buffers) is the
+        cost only while nothing else is measured, until this process's next save replaces it;
+        after a restore of measurements it is not taken."""
+        cost = check_number("blocking_s", blocking_s)
+        first, self._process_saves = self._process_saves == 0, self._process_saves + 1
+        if self._last_taken == "first":
+            self._costs[-1], self._last_taken = cost, "sample"
+        elif not first or not self._costs:
+            self._costs.append(cost)
+            self._last_taken = "first" if first else "sample"
+        else:
+            self._last_taken = None
         if persist_s is not None:
             self._persists.append(check_number("persist_s", persist_s))
         self._n_saves += 1
@@ -144,7 +158,7 @@ class AdaptiveSchedule:
 
     def amend_last_cost(self, blocking_s: float) -> None:
         """Replace the last blocking cost observed (a synchronous save's, once its commit is in)."""
-        if self._costs:
+        if self._costs and self._last_taken is not None:
             self._costs[-1] = check_number("blocking_s", blocking_s)
 
     def set_restart_history(
@@ -444,6 +458,7 @@ class AdaptiveSchedule:
         self._costs = deque(costs, maxlen=self.save_window)
         self._persists = deque(persists, maxlen=self.save_window)
         self._n_steps, self._n_saves = n_steps, n_saves
+        self._process_saves, self._last_taken = 0, None  # (a restore: a process's start)
         self._was_adaptive = bool(state.get("adaptive", False))
         if decision is not None:
             opt_int("decision", decision, 1)
