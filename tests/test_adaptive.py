@@ -349,6 +349,20 @@ def test_state_dict_round_trip_needs_no_new_warmup():
         r.load_state_dict({**state, "steps": [1.0, -2.0]})
 
 
+def test_the_log_line_of_a_decision_taken_from_another_rank():
+    """With several ranks every rank proposes its own interval and all adopt the largest. The
+    log line said a decision this rank did not compute was "kept: the 415 steps computed now
+    are within the change tolerance", for one 45% away; it says where it came from now."""
+    s = _sched(cost=1.0, mtbf_hours=24)
+    assert s.interval_steps() == 415
+    s.adopt(600)  # the ranks' agreement: another rank measured a costlier save
+    line = s.describe()
+    assert "change tolerance" not in line, line
+    assert "every 600 steps (the largest of the ranks' proposals; this rank's: 415 steps (" in line
+    s.adopt(420)  # within 5% of what this rank computes
+    assert "every 420 steps (kept: the 415 steps (" in s.describe()
+
+
 def test_explain_and_describe():
     s = _sched(cost=30.0, step=0.5, max_overhead=0.01, persist_s=12.0)
     s.set_restart_history([1000.0], 0.0, now=8 * H)

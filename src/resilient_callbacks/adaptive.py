@@ -12,8 +12,9 @@ does not change the optimum.
 :class:`AdaptiveSchedule` is the per-run state the Checkpointer keeps. Which ranks call what:
 
 - every rank may call the ``observe_*`` methods (cheap; only rank 0's values matter);
-- rank 0 calls :meth:`AdaptiveSchedule.interval_steps` at points every rank knows and broadcasts
-  the result; the other ranks call :meth:`AdaptiveSchedule.adopt` with it. Between those points
+- every rank calls :meth:`AdaptiveSchedule.interval_steps` at points every rank knows and
+  proposes the result; all ranks call :meth:`AdaptiveSchedule.adopt` with the largest proposal
+  (:mod:`.trigger`: one ``all_reduce(MAX)`` at decision steps). Between those points
   every rank uses the same latched decision (:meth:`AdaptiveSchedule.should_save` on "steps since
   the last save"), so no collective is needed per step; :meth:`~AdaptiveSchedule.decision_changed`
   says when to broadcast again.
@@ -355,8 +356,8 @@ class AdaptiveSchedule:
         """Decide: the number of steps between saves, >= 1 (``round(interval_seconds() / median
         step time)``, rounding towards the binding clamp). Latches the decision (see
         :meth:`should_save`), bumping :attr:`version` if it changed; a new value within
-        ``change_tolerance`` of the current one is not taken. On several ranks, rank 0 calls this
-        and broadcasts the result; the others call :meth:`adopt`."""
+        ``change_tolerance`` of the current one is not taken. On several ranks, every rank calls
+        this and proposes the result; all call :meth:`adopt` with the largest."""
         info = self._compute()
         new = int(info["interval_steps"])
         cur = self._decision
@@ -375,7 +376,7 @@ class AdaptiveSchedule:
             self._version += 1
 
     def adopt(self, steps: int) -> None:
-        """Take the decision made on rank 0 (received by broadcast) as this rank's decision."""
+        """Take the ranks' agreed decision (the largest proposal) as this rank's decision."""
         opt_int("steps", steps, 1)
         self._was_adaptive = self.ready
         self._set_decision(steps)
@@ -411,6 +412,7 @@ class AdaptiveSchedule:
         and the latched decision with its version."""
         info = self._compute()
         info["max_overhead"] = self.max_overhead
+        info["change_tolerance"] = self.change_tolerance
         info["decision_steps"] = self._decision
         info["version"] = self._version
         info["notes"] = schedule_text.notes(info, self.warmup_steps, self.prior_mtbf_hours)

@@ -4,7 +4,8 @@
 that jumps); ``every_seconds`` saves when that much wall time has
 passed since the last save (or since the run started); archive steps (``keep_every_n_steps``)
 are always saved so that the archive retention has something to keep. With several ranks the
-time-based decision is taken by rank 0 and broadcast, so all ranks save at the same step.
+time-based decision is agreed (due when any rank's clock says so), so all ranks save at the
+same step.
 """
 
 from __future__ import annotations

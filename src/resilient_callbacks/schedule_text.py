@@ -59,12 +59,16 @@ def one_line(i: Mapping[str, Any], warmup_steps: int) -> str:
     # decision in force was kept against it (it read "every 415 steps (kept: 407 now, ...)
     # (407's seconds)", as if 407 were kept)
     now = f"{i['interval_s']:.4g} s"
-    kept = (
-        f" ({now})"
-        if steps == i["interval_steps"]
-        else f" (kept: the {i['interval_steps']} steps ({now}) computed now are within the "
-        "change tolerance)"
-    )
+    if steps == i["interval_steps"]:
+        kept = f" ({now})"
+    elif abs(steps - i["interval_steps"]) <= i.get("change_tolerance", 0.0) * steps:
+        kept = (
+            f" (kept: the {i['interval_steps']} steps ({now}) computed now are within the "
+            "change tolerance)"
+        )
+    else:  # adopted: another rank proposed a longer interval (its save cost, its steps)
+        mine = f"{i['interval_steps']} steps ({now})"
+        kept = f" (the largest of the ranks' proposals; this rank's: {mine})"
     return (
         f"adaptive checkpointing: every {steps} steps{kept} "
         f"= Daly {i['daly_interval_s']:.4g} s for save cost {i['blocking_cost_s']:.3g} s, "
