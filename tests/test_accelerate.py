@@ -20,7 +20,7 @@ pytest.importorskip("accelerate")
 
 import spawn_ranks
 from resilient_callbacks import Checkpointer
-from resilient_callbacks.errors import UnsupportedStateError
+from resilient_callbacks.errors import CheckpointMismatchError, UnsupportedStateError
 
 LOOP = str(Path(__file__).with_name("accelerate_loop.py"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
@@ -86,7 +86,7 @@ import sys, torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
 from resilient_callbacks import Checkpointer
-from resilient_callbacks.errors import UnsupportedStateError
+from resilient_callbacks.errors import CheckpointMismatchError, UnsupportedStateError
 cfg = DataLoaderConfiguration(use_stateful_dataloader=sys.argv[2] == "stateful")
 acc = Accelerator(cpu=True, dataloader_config=cfg)
 ds = torch.utils.data.TensorDataset(torch.randn(8, 2))
@@ -484,3 +484,80 @@ def test_save_on_exception_refuses_a_prepared_loader_at_the_first_step(tmp_path:
         Checkpointer(tmp_path / "ck", every_n_steps=100, save_on_exception=True) as ckpt,
     ):
         ckpt.step(1, state)
+
+
+class _Counter:
+    """An object a loop registers with ``accelerator.register_for_checkpointing``."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n = sd["n"]
+
+
+class _Before:
+    """What Accumulation saved before it saved the registered objects."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": 0, "num_steps": 2}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise AssertionError("not restored")
+
+
+def _registered(ema: torch.nn.Module | None = None) -> tuple[Any, _Counter, torch.nn.Module]:
+    from accelerate import Accelerator
+
+    from resilient_callbacks.accelerate import Accumulation
+
+    acc = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    counter, ema = _Counter(), ema or torch.nn.Linear(3, 2)
+    acc.register_for_checkpointing(counter, ema)
+    return Accumulation(acc), counter, ema
+
+
+def test_objects_registered_for_checkpointing_are_saved_and_restored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop moving from save_state()/load_state() keeps the objects it registered with
+    ``accelerator.register_for_checkpointing`` (an EMA model, a counter of its own), which
+    save_state() saved: with Accumulation in the state they were neither saved nor restored,
+    and nothing said so (the counter came back 0). Accumulation saves them now, as
+    save_state() does, and restores them in the order they were registered."""
+    accumulation, counter, ema = _registered()
+    accumulation.accelerator.register_for_checkpointing(accumulation)  # for save_state() too
+    counter.n = 7
+    with torch.no_grad():
+        ema.weight.fill_(0.25)
+    with Checkpointer(tmp_path / "ck") as ckpt:
+        assert ckpt.save(3, {"accumulation": accumulation})
+    accumulation, counter, ema = _registered()
+    with Checkpointer(tmp_path / "ck") as ckpt:
+        assert ckpt.restore({"accumulation": accumulation}) == 3
+    assert counter.n == 7
+    assert torch.equal(ema.weight, torch.full((2, 3), 0.25))
+    # registered otherwise than when saved: said, not loaded into the wrong objects
+    from accelerate import Accelerator
+
+    from resilient_callbacks.accelerate import Accumulation
+
+    other = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    other.register_for_checkpointing(_Counter())
+    with Checkpointer(tmp_path / "old") as ckpt:  # Accumulation's state before it saved them
+        assert ckpt.save(1, {"accumulation": _Before()})
+    accumulation, counter, _ = _registered()
+    counter.n = 5
+    logs = caplog.at_level(logging.WARNING, logger="resilient_callbacks")
+    with logs, Checkpointer(tmp_path / "old") as ckpt:
+        assert ckpt.restore({"accumulation": accumulation}) == 1
+    assert counter.n == 5 and "does not hold the 2 object(s) registered" in caplog.text
+    mismatch = r"holds 2 object.*this accelerator has 1"
+    with (
+        Checkpointer(tmp_path / "ck") as ckpt,
+        pytest.raises(CheckpointMismatchError, match=mismatch),
+    ):
+        ckpt.restore({"accumulation": Accumulation(other)})

@@ -39,7 +39,9 @@ class Accumulation:
     emergency save due there is made at the first ``ckpt.step`` after it. Every rank
     holds the same value, so it is shared state. The ``GradScaler`` accelerate made
     (``accelerator.scaler``, fp16 on a GPU) is saved with it: its scale and growth tracker
-    go on, whether or not the state holds the scaler too."""
+    go on, whether or not the state holds the scaler too; so are the objects registered with
+    ``accelerator.register_for_checkpointing``, as ``save_state()`` saves them, restored in
+    the order they were registered."""
 
     def __init__(self, accelerator: Any) -> None:
         if not hasattr(accelerator, "gradient_state") or not hasattr(accelerator, "step"):
@@ -110,6 +112,8 @@ class Accumulation:
         scaler = getattr(acc, "scaler", None)  # fp16 on a GPU: its scale and growth tracker
         if scaler is not None:
             out["scaler"] = scaler.state_dict()
+        # accelerator.register_for_checkpointing's objects, as save_state() saves them, in order
+        out["registered"] = [obj.state_dict() for obj in _registered(acc)]
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -133,6 +137,33 @@ class Accumulation:
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and state.get("scaler"):  # ({} from a disabled scaler)
             scaler.load_state_dict(state["scaler"])
+        live, saved_objs = _registered(self.accelerator), state.get("registered")
+        if saved_objs is None:  # saved before Accumulation saved them
+            if live:
+                log.warning(
+                    "the checkpoint does not hold the %d object(s) registered with "
+                    "accelerator.register_for_checkpointing (it was saved before Accumulation "
+                    "saved them): they keep the values they have now",
+                    len(live),
+                )
+            return
+        if len(live) != len(saved_objs):
+            raise UnsupportedStateError(
+                f"the checkpoint holds {len(saved_objs)} object(s) registered with "
+                f"accelerator.register_for_checkpointing, this accelerator has {len(live)}: "
+                "they are restored in the order they were registered, so register the same "
+                "objects, in the same order, before restore()"
+            )
+        for obj, sd in zip(live, saved_objs, strict=True):
+            obj.load_state_dict(sd)
+
+
+def _registered(accelerator: Any) -> list[Any]:
+    """The objects registered with ``accelerator.register_for_checkpointing``, in order; an
+    ``Accumulation`` registered too (for ``save_state()``) is not one of them (it would hold
+    itself)."""
+    objs = getattr(accelerator, "_custom_objects", None) or []
+    return [o for o in objs if not isinstance(o, Accumulation)]
 
 
 class _EpochEnd:
