@@ -14,10 +14,10 @@ from resilient_callbacks import Checkpointer, history
 MIN = 60.0
 
 
-def _life(root, state, clock: list[float], steps: int) -> tuple[int, list[int]]:
+def _life(root, state, clock: list[float], steps: int, **kw) -> tuple[int, list[int]]:
     """One process: restore, ``steps`` training steps of a minute each, then killed (it
     leaves with an exception: no clean end, the next start is a restart after a failure)."""
-    ck = Checkpointer(root, every_seconds=60 * MIN, async_save=False, preemption=False)
+    ck = Checkpointer(root, every_seconds=60 * MIN, async_save=False, preemption=False, **kw)
     step = ck.restore(state)
     saved = []
     for _ in range(steps):
@@ -59,3 +59,16 @@ def test_the_time_down_is_not_counted(tmp_path, monkeypatch):
     assert _life(root, state, clock, 70) == (70, [60])  # ran 10 minutes after its save
     clock[0] += 3 * 86400.0
     assert _life(root, state, clock, 60) == (120, [110])  # 10 + 50 minutes
+
+
+def test_a_restart_from_an_older_checkpoint_counts_from_the_last_save(tmp_path, monkeypatch):
+    """resume=<an older checkpoint of the run> (or a fallback past a damaged newest one): the
+    time since the run's last save counts, not since the older one's (which would make the
+    first step save at once)."""
+    clock = [1.7e9]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    root, state = tmp_path / "ck", {"w": torch.zeros(4)}
+    assert _life(root, state, clock, 130) == (130, [60, 120])  # killed 10 minutes after a save
+    older = str(root / "step_000000060")
+    assert _life(root, state, clock, 55, resume=older) == (115, [110])  # 10 + 50 minutes

@@ -214,16 +214,16 @@ def downtime(
     return total
 
 
-def running_since_save(root: str, run_id: str | None, name: str) -> float:
-    """Seconds the lineage ``run_id`` ran since its checkpoint ``name`` was committed (its
-    ``save`` record) up to now, the time it was down left out (:func:`downtime`): the work a
-    restart from ``name`` lost, which ``every_seconds`` counts on. 0.0 without that record
-    (a history begun elsewhere: the remote tier on a new machine)."""
+def running_since_save(root: str, run_id: str | None) -> float:
+    """Seconds the lineage ``run_id`` ran since its last committed save (its newest ``save``
+    record) up to now, the time it was down left out (:func:`downtime`): what its processes
+    since then trained and lost, which ``every_seconds`` counts on at a restart. 0.0 without
+    such a record (a history begun elsewhere: the remote tier on a new machine)."""
     lines = _lines(root)
     saved = [
         r["time"]
         for r in records(root, ("save",), lines=lines)
-        if r.get("name") == name and r.get("run_id") in (run_id, None)
+        if r.get("run_id") in (run_id, None)
     ]
     if not saved:
         return 0.0

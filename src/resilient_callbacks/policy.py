@@ -73,7 +73,7 @@ class Clock:
 
     def reset(self, elapsed: float = 0.0) -> None:
         """The last save is now, or ``elapsed`` seconds of running ago (a restart's: the
-        running time since the checkpoint it resumed from was saved, in the lives before)."""
+        time the run's processes before it ran since their last save)."""
         self.last = time.monotonic() - max(0.0, elapsed)
 
     def elapsed(self) -> float:

@@ -400,7 +400,7 @@ class Restorer:
         # every rank: the run's start, restarts, time down, time run since this save (a restart)
         lineage = None
         if ck.is_coordinator:
-            ran = history.running_since_save(ck.dirpath, d.run_id, d.restored or "") if life else 0
+            ran = history.running_since_save(ck.dirpath, d.run_id) if life else 0.0
             lineage = [*history.lineage(ck.dirpath, d.run_id), note, ran]
         start, restarts, down, note, ran = dist.broadcast_json(lineage)
         ck._trigger.clock.reset(ran)
