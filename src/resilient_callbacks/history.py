@@ -219,16 +219,19 @@ def running_since_save(root: str, run_id: str | None) -> float:
     record) up to now, the time it was down left out (:func:`downtime`): what its processes
     since then trained and lost, which ``every_seconds`` counts on at a restart. 0.0 without
     such a record (a history begun elsewhere: the remote tier on a new machine)."""
-    lines = _lines(root)
-    saved = [
-        r["time"]
-        for r in records(root, ("save",), lines=lines)
-        if r.get("run_id") in (run_id, None)
-    ]
-    if not saved:
+    lines, mark = _lines(root), json.dumps("save")
+    last = next(  # (from the end: only the newest save record is parsed)
+        (
+            r
+            for r in map(_record, (line for line in reversed(lines) if mark in line))
+            if r is not None and r["event"] == "save" and r.get("run_id") in (run_id, None)
+        ),
+        None,
+    )
+    if last is None:
         return 0.0
     now = time.time()
-    at = min(saved[-1], now)
+    at = min(last["time"], now)
     return max(0.0, now - at - downtime(root, run_id, lines=lines, since=at))
 
 
