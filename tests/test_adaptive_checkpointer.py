@@ -330,3 +330,37 @@ def test_a_run_started_from_another_directorys_checkpoint_has_no_failures_of_its
         assert ck.metrics()["resilient_ckpt_restarts_total"] == 0
         assert ck.schedule.failures_observed == 0, ck.schedule.explain()
         assert ck.schedule.mtbf_source() == "prior"
+
+
+class _Slow:
+    """A state entry whose restore takes ``seconds`` of the Checkpointer's step clock."""
+
+    def __init__(self, clock: list[float], seconds: float) -> None:
+        self.clock, self.seconds, self.v = clock, seconds, 0
+
+    def state_dict(self) -> dict:
+        return {"v": self.v}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.clock[0] += self.seconds
+        self.v = sd["v"]
+
+
+def test_a_roll_back_restore_is_not_a_training_step(tmp_path):
+    """restore() again in a running process (a roll-back) left the step clock running: the
+    step after it measured the restore, and the training done since the last step() that the
+    roll-back discarded, as one training step (here 100 s for steps of 1 s), in the schedule's
+    step times and the useful compute of the metrics."""
+    clock = [0.0]
+    state = {"w": torch.zeros(4), "slow": _Slow(clock, 100.0)}
+    with Checkpointer(tmp_path / "ck", every_n_steps=2, adaptive=True, async_save=False) as ck:
+        ck._trigger.now = lambda: clock[0]
+        ck.restore(state)
+        for s in range(1, 5):
+            clock[0] += 1.0
+            ck.step(s, state)
+        assert ck.restore(state) == 4  # the roll-back: 100 s on the step clock
+        clock[0] += 1.0
+        ck.step(5, state)
+        assert list(ck._trigger.step_seconds) == [1.0] * 4, list(ck._trigger.step_seconds)
+        assert ck._trigger.compute_s == 4.0

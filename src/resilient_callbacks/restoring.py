@@ -378,6 +378,7 @@ class Restorer:
         ck.last_saved_step = manifest.step if inside else None
         ck.restored_from = path
         ck._trigger.mark(manifest.step)
+        ck._trigger.restored()
         ck._saver.forget_unchanged()  # the live tensors were just written
         if inside and ck._saver.part_blobs is not None:
             ck._saver.part_blobs.restored(manifest)  # its blobs stay until the next commit

@@ -157,6 +157,13 @@ class Trigger:
     def step_ended(self) -> None:
         self._last_step_end = self.now()
 
+    def restored(self) -> None:
+        """A restore() in a running process (a roll-back): what ran since the last step() was
+        discarded with the state, and the restore is no training: the next step counts from
+        here (the first step() of a process still has nothing before it to time)."""
+        if self._last_step_end is not None:
+            self._last_step_end = self.now()
+
     def mark(self, step: int) -> None:
         """A save or restore of ``step``: the schedules count from here."""
         self.steps_origin = self._previous = step
