@@ -144,7 +144,7 @@ def test_running_medians_ignore_outliers():
 
 
 def test_the_first_save_of_a_process_is_not_its_steady_cost():
-    """A process's first background save allocates its host buffers (and, with several ranks,
+    """A process's first background save does one-time set-up (and, with several ranks, makes
     its process group): measured 4-7x the next ones' snapshot on this machine. Its cost was a
     sample of the median like any other: it alone made the first interval after the warm-up,
     the median of it and the second made the next (30.5 s below, for saves of 1 s), and every

@@ -116,7 +116,7 @@ def test_live_interval_matches_daly_within_10_percent(tmp_path):
         ck.restore(state)
         _loop(ck, state, 0, 120, 0.002)
         assert ck.schedule is not None
-        # what the training loop really waited; the process's first save (allocating) is
+        # what the training loop really waited; the process's first save (set-up) is
         # replaced by its next one (test_adaptive.py)
         saves = list(ck._save_seconds)
         cost = statistics.median(saves[1:] or saves)
@@ -226,7 +226,7 @@ def test_an_emergency_save_is_not_a_save_cost_of_a_background_schedule(tmp_path,
     if background:
         assert now["costs"] == before and now["n_saves"] == 1, now
         assert saved["costs"] == before and saved["n_saves"] == 1, saved
-    else:  # (it replaces the process's first save, which allocated: test_adaptive.py)
+    else:  # (it replaces the process's first save, a set-up cost: test_adaptive.py)
         assert now["costs"] == [emergency_cost] and now["n_saves"] == 2, now
         assert saved["n_saves"] == 2, saved
 

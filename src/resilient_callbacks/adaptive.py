@@ -115,7 +115,7 @@ class AdaptiveSchedule:
     _version: int = field(init=False, repr=False, compare=False, default=0)
     _seen_version: int = field(init=False, repr=False, compare=False, default=0)
     _was_adaptive: bool = field(init=False, repr=False, compare=False, default=False)
-    # this process's saves (its first allocates buffers: not a steady cost) and how the last
+    # this process's saves (its first sets things up: not a steady cost) and how the last
     # one's cost was taken: "first" (replaced by the next), "sample", or None (not taken)
     _process_saves: int = field(init=False, repr=False, compare=False, default=0)
     _last_taken: str | None = field(init=False, repr=False, compare=False, default=None)
@@ -136,7 +136,7 @@ class AdaptiveSchedule:
     def observe_save(self, blocking_s: float, persist_s: float | None = None) -> None:
         """Record a save: ``blocking_s`` the training thread was blocked (the snapshot, or the whole
         save when synchronous), and, when known, ``persist_s`` the background write/commit/upload
-        took after that. A process's first save (which allocates its host buffers) is the
+        took after that. A process's first save (one-time set-up: 4-7x the next) is the
         cost only while nothing else is measured, until this process's next save replaces it;
         after a restore of measurements it is not taken."""
         cost = check_number("blocking_s", blocking_s)
