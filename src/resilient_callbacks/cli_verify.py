@@ -56,6 +56,13 @@ def _to_verify(
         raise no_checkpoints(target.root)
     if target.only is not None:
         scope, chosen = "checkpoint", committed
+        if args.step is not None and all(e.step != args.step for e in committed):
+            # DIR is one checkpoint: --step of another must not verify this one instead
+            its = ", ".join(str(e.step) for e in committed) or "unknown"
+            raise CheckpointNotFoundError(
+                f"{args.dir} is one checkpoint, of step {its}, not of step {args.step}: give "
+                f"the run's directory, `resilient-ckpt verify {target.root} --step {args.step}`"
+            )
     elif args.step is not None:
         scope = "step"
         chosen = [e for e in committed if e.step == args.step]
