@@ -26,3 +26,31 @@ def test_verify_of_one_checkpoint_with_another_step_fails_instead_of_checking_th
     r = cli("verify", one, "--step", "20", "--json")  # the step it is: checked as before
     out = json.loads(r.stdout)
     assert r.returncode == 0 and [c["step"] for c in out["checkpoints"]] == [20], out
+
+
+def test_a_url_of_one_remote_checkpoint_names_its_store_and_push_writes_nothing_into_it(tmp_path):
+    """``verify URL/step_000000020`` (the URL ``verify URL`` prints per checkpoint) said "no
+    checkpoints in URL/step_000000020", and ``push DIR URL/step_000000020`` uploaded every
+    checkpoint into that checkpoint's folder, exit 0. Each now names the store to give."""
+    root = str(tmp_path / "ck")
+    make_run(root)
+    url = f"file://{tmp_path}/remote"
+    assert cli("push", root, url).returncode == 0
+    one = f"{url}/step_000000020"
+    before = sorted(os.listdir(tmp_path / "remote" / "step_000000020"))
+    for args in (
+        ("verify", one),
+        ("pull", one, str(tmp_path / "pulled")),
+        ("push", root, one),
+        ("ls", root, "--remote", one),
+        ("gc", root, "--remote", one, "--keep-last", "1"),
+    ):
+        r = cli(*args)
+        assert r.returncode == 1, (args, r.stdout, r.stderr)
+        assert f"is one checkpoint (step 20) of the remote store {url}" in r.stderr, r.stderr
+        assert "no checkpoints" not in r.stderr, r.stderr
+    assert "--step 20" in cli("verify", one).stderr
+    assert sorted(os.listdir(tmp_path / "remote" / "step_000000020")) == before
+    assert not (tmp_path / "pulled").exists()
+    # gc named the URL before it deleted anything locally
+    assert [row["step"] for row in json.loads(cli("ls", root, "--json").stdout)] == [10, 20, 30]

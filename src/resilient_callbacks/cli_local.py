@@ -182,6 +182,10 @@ def gc(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {}
     lock: DirLock | None = None
     root: str | None = None
+    if remote:  # a URL that is one checkpoint, not a store: said before anything is deleted
+        from .cli_remote import store
+
+        store(remote, args.option)
     if not (remote and not os.path.exists(args.dir)):
         root = resolve(args.dir, single_ok=False).root
         found = catalog.scan(root, Depth.NONE)

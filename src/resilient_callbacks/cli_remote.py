@@ -19,6 +19,7 @@ from .cli_format import CORRUPT, INCOMPLETE, SIZES, UNVERIFIED, fmt_size, iso_ti
 from .cli_scan import no_checkpoints, resolve
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock, writer_alive
+from .manifest import MANIFEST_NAME
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
 from .remote_objects import REMOTE_CKPT_RE, UNREADABLE, RemoteNameTaken, free_name
 from .retention import Plan, RetentionPolicy
@@ -40,8 +41,30 @@ def remote_options(pairs: list[str] | None) -> dict[str, Any]:
     return opts
 
 
-def store(url: str, pairs: list[str] | None) -> RemoteStore:
-    return RemoteStore(url, remote_options(pairs))
+def store(url: str, pairs: list[str] | None, *, step_option: bool = False) -> RemoteStore:
+    """The remote store at ``url``; :class:`CheckpointNotFoundError` naming the store to give
+    when ``url`` is one checkpoint in a store (``s3://b/run1/step_000000060``, as ``verify``
+    prints it): listing it as a store found "no checkpoints" there, and ``push`` wrote
+    checkpoints into it."""
+    st = RemoteStore(url, remote_options(pairs))
+    step = one_checkpoint(st)
+    if step is not None:
+        parent = st.url.rsplit("/", 1)[0]
+        raise CheckpointNotFoundError(
+            f"{st.url} is one checkpoint (step {step}) of the remote store {parent}, not a "
+            f"store of checkpoints: give {parent}"
+            + (f" with --step {step} for this checkpoint" if step_option else "")
+        )
+    return st
+
+
+def one_checkpoint(st: RemoteStore) -> int | None:
+    """The step of the checkpoint ``st``'s URL is (a ``step_<n>`` folder holding a manifest),
+    else None. Asks the store only for a URL named as a checkpoint."""
+    named = REMOTE_CKPT_RE.match(st.root.rsplit("/", 1)[-1])
+    if named is None or not st.fs.exists(f"{st.root}/{MANIFEST_NAME}"):
+        return None
+    return int(named.group(1))
 
 
 def _damage(
@@ -199,7 +222,7 @@ def _alive(path: str, what: str, err: OSError) -> bool:
 def pull(args: argparse.Namespace) -> int:
     from . import pulling
 
-    st = store(args.url, args.option)
+    st = store(args.url, args.option, step_option=True)
     usable = pulling.usable(st, args.step)
 
     def skipping(e: RemoteEntry, err: CheckpointError) -> None:

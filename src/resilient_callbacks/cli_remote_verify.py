@@ -18,7 +18,7 @@ def verify(args: argparse.Namespace) -> int:
     """``verify URL``: read the remote copies where they lie and check every checksum."""
     from .remote_verify import check_remote
 
-    st = store(args.dir, args.option)
+    st = store(args.dir, args.option, step_option=True)
     remote = st.scan()
     committed = [e for e in remote if e.manifest is not None]
     if not committed:
