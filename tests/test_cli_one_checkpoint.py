@@ -54,3 +54,25 @@ def test_a_url_of_one_remote_checkpoint_names_its_store_and_push_writes_nothing_
     assert not (tmp_path / "pulled").exists()
     # gc named the URL before it deleted anything locally
     assert [row["step"] for row in json.loads(cli("ls", root, "--json").stdout)] == [10, 20, 30]
+
+
+def test_inspect_and_export_of_one_checkpoint_with_another_step_do_not_deny_the_run_has_it(
+    tmp_path,
+):
+    """``inspect DIR/step_000000020 --step 30`` said "no checkpoint of step 30 in DIR (its
+    steps: 20)", of a DIR holding steps 10, 20 and 30; ``export`` the same. Each now says the
+    path given is one checkpoint of another step, and which directory to give."""
+    root = str(tmp_path / "ck")
+    make_run(root)
+    one = os.path.join(root, "step_000000020")
+    for args in (
+        ("inspect", one, "--step", "30"),
+        ("export", one, str(tmp_path / "out"), "--step", "30"),
+    ):
+        r = cli(*args)
+        assert r.returncode == 1, (args, r.stdout, r.stderr)
+        assert "no checkpoint of step 30" not in r.stderr, r.stderr
+        assert f"{one} is one checkpoint, of step 20, not of step 30" in r.stderr, r.stderr
+        assert f"give the run's directory {root} with --step 30" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+    assert cli("inspect", one, "--step", "20").returncode == 0

@@ -185,7 +185,8 @@ def _choose(args: argparse.Namespace, depth: Depth) -> tuple[Entry, list[Entry]]
         raise no_checkpoints(target.root)
     if target.only is not None or args.step is not None:
         # A named checkpoint is shown as it is, corrupt or not (the exit code says which).
-        return reader.check(reader.find(entries, target.root, args.step), depth), []
+        found = reader.find(entries, target.root, args.step, target.only)
+        return reader.check(found, depth), []
     sel = reader.newest_valid(entries, target.root, depth)
     return sel.entry, list(sel.skipped)
 

@@ -142,12 +142,21 @@ def unordered(entries: Iterable[Entry], not_older_than: int | None) -> list[Entr
 # ----------------------------------------------------------------------------- choosing
 
 
-def find(entries: list[Entry], root: str, step: int | None = None) -> Entry:
+def find(
+    entries: list[Entry], root: str, step: int | None = None, only: str | None = None
+) -> Entry:
     """The newest commit among ``entries`` of ``step`` (any step when None), not verified;
-    :class:`CheckpointNotFoundError` naming the steps there are when none has that step."""
+    :class:`CheckpointNotFoundError` naming the steps there are when none has that step.
+    ``only``: ``entries`` are the one checkpoint of that name in ``root`` the user gave."""
     chosen = [e for e in entries if step is None or e.step == step]
     if not chosen:
         steps = sorted({e.step for e in entries if e.step is not None})
+        if only is not None:  # not "no checkpoint of step N in root": root may well hold one
+            raise CheckpointNotFoundError(
+                f"{os.path.join(root, only)} is one checkpoint, of step "
+                f"{', '.join(map(str, steps)) or 'unknown'}, not of step {step}: give the "
+                f"run's directory {root} with --step {step}"
+            )
         raise CheckpointNotFoundError(
             f"no checkpoint of step {step} in {root} (its steps: {', '.join(map(str, steps))})"
         )
@@ -199,7 +208,7 @@ def select(
         raise CheckpointNotFoundError(f"no checkpoints in {root}")
     if only is None and step is None:
         return newest_valid(entries, root, depth)
-    e = check(find(entries, root, step), depth)
+    e = check(find(entries, root, step, only), depth)
     if e.status is not Status.VALID:
         raise CheckpointCorruptError(f"checkpoint {e.path} (step {e.step}) is corrupt: {e.problem}")
     return Selection(root, e, (), depth)
