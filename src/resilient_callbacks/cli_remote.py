@@ -255,7 +255,28 @@ def pull(args: argparse.Namespace) -> int:
         )
     else:
         print(f"{entry.name} (step {m.step}) is already in {args.dir}, verified")
+    _other_runs_note(args.dir, m.run_id)
     return 0
+
+
+def _other_runs_note(dirpath: str, run_id: str) -> None:
+    """Say on stderr when ``dirpath`` also holds checkpoints of runs other than ``run_id``'s
+    (a pull into another run's directory): which one a resume there takes is then a matter of
+    commit order, not of which run the user meant."""
+    from .reader import by_commit
+
+    entries = catalog.committed(catalog.scan(dirpath, Depth.NONE))
+    others = sorted({e.manifest.run_id for e in entries if e.manifest} - {run_id})
+    if others:
+        newest = by_commit(entries)[0]
+        print(
+            f"resilient-ckpt pull: note: {dirpath} also holds checkpoints of another run "
+            f"({', '.join(others)}); the newest commit there, which a run resumed in it tries "
+            f"first, is {newest.name} (run {newest.manifest.run_id if newest.manifest else '?'}"
+            f"). `resilient-ckpt ls {dirpath}` shows them; pull into an empty directory to keep "
+            "runs apart",
+            file=sys.stderr,
+        )
 
 
 def push(args: argparse.Namespace) -> int:

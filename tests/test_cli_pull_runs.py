@@ -1,0 +1,28 @@
+"""``resilient-ckpt pull URL DIR`` into a directory that holds another run's checkpoints: the
+pull succeeds (it was asked for), and says that DIR now mixes two runs, which one a resume
+there tries first, and how to keep them apart."""
+
+from __future__ import annotations
+
+import json
+
+from test_cli import cli, make_run
+
+
+def test_pull_into_another_runs_directory_says_it_now_holds_two_runs(tmp_path):
+    """The pull printed only "pulled ...", exit 0: the directory now held two runs' checkpoints
+    and a resume there took whichever was committed last, with nothing said until then."""
+    mine, theirs = str(tmp_path / "mine"), str(tmp_path / "theirs")
+    make_run(mine)
+    make_run(theirs, steps=(40, 50, 60, 70))
+    url = f"file://{tmp_path}/remote"
+    assert cli("push", theirs, url).returncode == 0
+    runs = {row["run_id"] for row in json.loads(cli("ls", mine, "--json").stdout)}
+    r = cli("pull", url, mine)
+    assert r.returncode == 0 and "pulled" in r.stdout, r.stdout + r.stderr
+    (other,) = runs
+    assert f"{mine} also holds checkpoints of another run ({other})" in r.stderr, r.stderr
+    assert "step_000000070" in r.stderr and "pull into an empty directory" in r.stderr, r.stderr
+    # into an empty directory, or one of the same run: nothing to say
+    assert cli("pull", url, str(tmp_path / "empty")).stderr == ""
+    assert cli("pull", url, str(tmp_path / "empty"), "--step", "50").stderr == ""
