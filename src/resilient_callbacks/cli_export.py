@@ -166,7 +166,7 @@ def _export_weights(args: argparse.Namespace) -> int | None:
             return 2
         return _write(args, sel)
     except CheckpointError as e:
-        print(f"{PROG} export: {e}", file=sys.stderr)
+        print(f"{PROG} export: {e}{node_part_hint(args)}", file=sys.stderr)
         return 1
 
 
@@ -180,8 +180,36 @@ def _export_entry(args: argparse.Namespace, key: str | None) -> int:
         sel = reader.select(args.dir, args.step)
         return _write(args, sel, *consolidate.entry_tensors(sel.path, key))
     except CheckpointError as e:
-        print(f"{PROG} export: {e}", file=sys.stderr)
+        print(f"{PROG} export: {e}{node_part_hint(args)}", file=sys.stderr)
         return 1
+
+
+def node_part_hint(args: argparse.Namespace) -> str:
+    """What to add to an export's error when the checkpoint it read is one node's part of a
+    node-local checkpoint (docs/multinode.md): a file it needs is another node's, so "the
+    manifest does not list rank_00000.json" is no damage; ``""`` otherwise."""
+    from . import reader
+    from .cli_scan import resolve
+    from .errors import CheckpointError
+
+    try:
+        target = resolve(args.dir)
+        entries = reader.committed(target.root)
+        if target.only is not None:
+            entries = [e for e in entries if e.name == target.only]
+        e = reader.find(entries, target.root, args.step)
+    except (CheckpointError, OSError):
+        return ""
+    node = e.manifest.extra.get("node") if e.manifest is not None else None
+    if not isinstance(node, dict):
+        return ""
+    ranks = ", ".join(map(str, node.get("ranks") or []))
+    return (
+        f". {e.path} is one node's part of a node-local checkpoint (the files of rank(s) "
+        f"{ranks} of {e.manifest.world_size if e.manifest else '?'}), not all of it: "
+        "`resilient-ckpt pull URL NEW_DIR` fetches the whole checkpoint from the run's remote "
+        "store; export NEW_DIR"
+    )
 
 
 def _write(args: argparse.Namespace, sel: Any, key: str | None = None, weights: Any = None) -> int:

@@ -210,7 +210,9 @@ def cli_export(args: argparse.Namespace) -> int:
         for w in caught:
             print(f"resilient-ckpt export: warning: {w.message}", file=sys.stderr)
     except CheckpointError as e:
-        print(f"resilient-ckpt export: {e}", file=sys.stderr)
+        from ..cli_export import node_part_hint
+
+        print(f"resilient-ckpt export: {e}{node_part_hint(args)}", file=sys.stderr)
         return 1
     print(f"exported {path} (step {read_manifest(path).step}) to {out}")
     return 0
