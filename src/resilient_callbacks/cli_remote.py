@@ -413,6 +413,8 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
 
     st = store(args.remote, args.option)
     entries = st.scan()
+    if not entries:  # a mistyped URL reads as an empty store: say so, as ls --remote does
+        print(f"resilient-ckpt gc: the remote {st.url} holds no checkpoint", file=sys.stderr)
     p, policy, run_id = remote_plan(entries, args.keep_last, getattr(args, "drop_archives", False))
     if p is None:
         raise CheckpointError(
