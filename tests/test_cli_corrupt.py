@@ -252,3 +252,25 @@ def test_a_status_that_is_not_verified_never_reads_valid(checked):
     assert not VALID_WORD.search(status_text("unverified", checked))
     assert not VALID_WORD.search(status_text("valid", checked))  # valid needs checksums
     assert status_text("valid", "checksums") == "valid"
+
+
+def test_inspect_and_export_name_a_newer_folder_without_its_manifest_they_pass_over(tmp_path):
+    """The newest ``step_<n>`` folder lost its manifest.json: ``verify`` fails it and a restore
+    warns, but ``inspect`` and ``export`` showed/exported the step before, saying nothing of
+    the newer folder they passed over."""
+    root = tmp_path / "ck"
+    torch.manual_seed(0)
+    state = {"model": torch.nn.Linear(8, 4)}
+    with Checkpointer(str(root)) as ck:
+        for s in (10, 20, 30):
+            ck.save(s, state)
+    os.remove(root / DAMAGED / "manifest.json")
+    r = cli("inspect", str(root))
+    assert r.returncode == 0 and r.stdout.startswith("step_000000020: step 20, valid"), r.stdout
+    assert f"skipped {DAMAGED}: no manifest.json" in r.stderr, r.stderr
+    assert "showing step_000000020 (step 20)" in r.stderr, r.stderr
+    r = cli("export", str(root), str(tmp_path / "out"))
+    assert r.returncode == 0 and "step_000000020" in r.stdout, r.stdout + r.stderr
+    assert f"skipping {DAMAGED}: no manifest.json" in r.stderr, r.stderr
+    # asked for step 20 by name: nothing passed over, nothing said
+    assert cli("inspect", str(root), "--step", "20").stderr == ""

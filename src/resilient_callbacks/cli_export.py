@@ -222,6 +222,10 @@ def _write(args: argparse.Namespace, sel: Any, key: str | None = None, weights: 
     for e in sel.skipped:
         msg = f"skipping checkpoint {e.path}: {e.problem}; falling back to an older one"
         print(f"{PROG} export: warning: {msg}", file=sys.stderr)
+    from .cli_scan import NOT_LOADED, newer_without_manifest
+
+    for name in newer_without_manifest(args.dir, sel.step) if args.step is None else []:
+        print(f"{PROG} export: warning: skipping {name}: {NOT_LOADED}", file=sys.stderr)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # safetensors' non-writable buffer note
         out = consolidate.export_weights(

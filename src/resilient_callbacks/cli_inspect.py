@@ -22,7 +22,16 @@ from .cli_format import (
     print_json,
     status_text,
 )
-from .cli_scan import no_checkpoints, node_part_note, public, resolve, row, scan
+from .cli_scan import (
+    NOT_LOADED,
+    newer_without_manifest,
+    no_checkpoints,
+    node_part_note,
+    public,
+    resolve,
+    row,
+    scan,
+)
 from .consolidate import zero_part_ids, zero_tensors
 from .dtypes import dtype_name
 from .errors import CheckpointError
@@ -198,7 +207,10 @@ def inspect(args: argparse.Namespace) -> int:
         print(
             f"resilient-ckpt inspect: skipped {describe(s)}: corrupt: {s.problem}", file=sys.stderr
         )
-    if skipped:
+    torn = newer_without_manifest(args.dir, e.step) if args.step is None else []
+    for name in torn:
+        print(f"resilient-ckpt inspect: skipped {name}: {NOT_LOADED}", file=sys.stderr)
+    if skipped or torn:
         print(
             f"resilient-ckpt inspect: showing {describe(e)}, the newest "
             f"{'valid' if depth is Depth.FULL else 'size-checked'} checkpoint",

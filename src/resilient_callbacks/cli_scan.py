@@ -89,6 +89,32 @@ def scan(target: Target, depth: Depth) -> list[Entry]:
     return [e for e in catalog.scan(target.root, depth) if e.name == target.only]
 
 
+def newer_without_manifest(path: str, step: int | None) -> list[str]:
+    """The ``step_<n>`` folders without a manifest (no save leaves one: a damaged checkpoint)
+    in the checkpoint directory ``path`` whose step is at least ``step``: what ``inspect`` and
+    ``export`` pass over to show the newest valid checkpoint, as a restore does, saying so (as
+    a restore warns). Another tool's in a directory that is not ours are left out."""
+    if step is None or not os.path.isdir(path) or os.path.exists(os.path.join(path, MANIFEST_NAME)):
+        return []
+    entries = catalog.scan(path, Depth.NONE)
+    foreign = set(catalog.foreign_folders(path, entries))
+    return [
+        e.name
+        for e in entries
+        if e.status is Status.INCOMPLETE
+        and CKPT_RE.match(e.name)
+        and e.name not in foreign
+        and e.step is not None
+        and e.step >= step
+    ]
+
+
+NOT_LOADED = (
+    "no manifest.json: not a committed checkpoint (no save leaves such a folder: damaged), "
+    "never loaded; `resilient-ckpt gc` removes it"
+)
+
+
 def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundError:
     """The error for a directory without checkpoints, naming the subdirectories that hold some
     (``ls demo_output`` where the checkpoints are in ``demo_output/run1/checkpoints``)."""
