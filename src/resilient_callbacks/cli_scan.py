@@ -133,12 +133,47 @@ def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundEr
     note = f"; {note}" if note else ""
     subs = catalog.holders(path)
     if not subs:
-        return CheckpointNotFoundError(f"no {what} in {path}{note}")
+        return CheckpointNotFoundError(f"no {what} in {path}{note or other_tools_note(path)}")
     listed = ", ".join(f"{sub} ({n})" for sub, n in subs)
     first = os.path.join(path, subs[0][0])
     return CheckpointNotFoundError(
         f"no {what} in {path}; these subdirectories hold checkpoints: {listed} "
         f"(give one of them, e.g. {first}){note}"
+    )
+
+
+# what other tools save checkpoints as (torch.save, Lightning, the HF Trainer, safetensors)
+OTHER_TOOLS = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl")
+
+
+def other_tools_note(path: str, most: int = 3) -> str:
+    """What to add to "no checkpoints in DIR" where DIR, or a folder directly in it, holds what
+    other tools save checkpoints as (``model.pt``, ``checkpoint-500/pytorch_model.bin``,
+    ``epoch=0-step=100.ckpt``): they are there, but not ours; ``""`` where there are none."""
+    found: list[str] = []
+    try:
+        with os.scandir(path) as top:
+            items = sorted(top, key=lambda d: d.name)
+        for d in items:
+            if d.name.startswith(".") or d.name == "blobs" or CKPT_RE.match(d.name):
+                continue  # ours: a save under way, the shared blobs, a damaged checkpoint
+            if d.is_dir(follow_symlinks=False):
+                with os.scandir(d.path) as inner:
+                    names = sorted(f.name for f in inner if f.name.endswith(OTHER_TOOLS))
+                found += [os.path.join(d.name, n) for n in names[:1]]
+            elif d.name.endswith(OTHER_TOOLS):
+                found.append(d.name)
+            if len(found) > most:
+                break
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    shown = ", ".join(found[:most]) + (" and more" if len(found) > most else "")
+    return (
+        f"; it holds files another tool saved ({shown}): resilient_callbacks neither lists "
+        "nor loads them, only the checkpoints a Checkpointer or ResilientCheckpoint wrote "
+        "(give the directory passed to it)"
     )
 
 
