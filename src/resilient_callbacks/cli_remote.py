@@ -255,28 +255,10 @@ def pull(args: argparse.Namespace) -> int:
         )
     else:
         print(f"{entry.name} (step {m.step}) is already in {args.dir}, verified")
-    _other_runs_note(args.dir, m.run_id)
+    from .cli_runs import pulled_beside_other_runs
+
+    pulled_beside_other_runs(args.dir, m.run_id)
     return 0
-
-
-def _other_runs_note(dirpath: str, run_id: str) -> None:
-    """Say on stderr when ``dirpath`` also holds checkpoints of runs other than ``run_id``'s
-    (a pull into another run's directory): which one a resume there takes is then a matter of
-    commit order, not of which run the user meant."""
-    from .reader import by_commit
-
-    entries = catalog.committed(catalog.scan(dirpath, Depth.NONE))
-    others = sorted({e.manifest.run_id for e in entries if e.manifest} - {run_id})
-    if others:
-        newest = by_commit(entries)[0]
-        print(
-            f"resilient-ckpt pull: note: {dirpath} also holds checkpoints of another run "
-            f"({', '.join(others)}); the newest commit there, which a run resumed in it tries "
-            f"first, is {newest.name} (run {newest.manifest.run_id if newest.manifest else '?'}"
-            f"). `resilient-ckpt ls {dirpath}` shows them; pull into an empty directory to keep "
-            "runs apart",
-            file=sys.stderr,
-        )
 
 
 def push(args: argparse.Namespace) -> int:
@@ -299,6 +281,9 @@ def push(args: argparse.Namespace) -> int:
         if not local:
             raise CheckpointNotFoundError(f"no checkpoint of step {args.step} in {args.dir}")
         scanned = st.scan()
+        from .cli_runs import pushing_beside_other_runs
+
+        pushing_beside_other_runs(st.url, scanned, local)
         remote = {e.key: e for e in scanned if e.key is not None and e.problem is None}
         damaged, unreadable = _damage(scanned)  # (an unreadable one's name is never free)
         at = {e.key: e.name for e in scanned if e.key is not None}  # (its remote name)
