@@ -28,6 +28,7 @@ from enum import StrEnum
 from functools import partial
 from typing import Any
 
+from . import checking
 from .branches import inherited
 from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX
 from .errors import CheckpointCorruptError
@@ -86,6 +87,7 @@ def verify(
     refers to that is missing or bad. ``ranks`` restricts the check to the files those ranks
     wrote (the shared files and the blobs are written by rank 0)."""
     wanted = None if ranks is None else set(ranks)
+    checking.reading(path, manifest, every_checksum=depth is Depth.FULL)  # (the CLI says so)
     entries = [*manifest.files, *manifest.blobs]
     verify_entries(path, [f for f in entries if wanted is None or f.rank in wanted], depth)
 

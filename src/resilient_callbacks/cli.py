@@ -450,8 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _import_torch()
         from .catalog import blobs_read_once  # (imports torch: after _import_torch)
+        from .cli_scan import reading_said
 
-        with blobs_read_once():  # a blob many checkpoints share: checked once
+        with blobs_read_once(), reading_said(args.cmd):  # a shared blob: checked once
             return int(args.fn(args))
     except CheckpointError as e:
         print(f"{PROG} {args.cmd}: {e}", file=sys.stderr)

@@ -9,12 +9,14 @@ A status is only ``valid`` when every checksum was read; a check of sizes alone 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import catalog
+from . import catalog, checking
 from .catalog import Depth, Entry, Status
 from .cli_format import (
     CHECKSUMS,
@@ -24,6 +26,7 @@ from .cli_format import (
     SIZES,
     UNVERIFIED,
     VALID,
+    fmt_size,
     iso_time,
     print_json,
 )
@@ -87,6 +90,29 @@ def scan(target: Target, depth: Depth) -> list[Entry]:
         one = catalog.check(target.only, os.path.join(target.root, target.only), depth)
         return [] if one is None else [one]
     return [e for e in catalog.scan(target.root, depth) if e.name == target.only]
+
+
+#: a checkpoint at least this large gets a line on stderr before its checksums are read
+LARGE_BYTES = 1 << 30
+
+
+@contextlib.contextmanager
+def reading_said(cmd: str) -> Iterator[None]:
+    """While command ``cmd`` runs: a line on stderr before every checksum of a checkpoint of
+    at least :data:`LARGE_BYTES` is read (at disk speed: minutes for hundreds of GB)."""
+
+    def say(path: str, nbytes: int) -> None:
+        if nbytes >= LARGE_BYTES:
+            fast = " (--fast checks sizes only)" if cmd in ("ls", "inspect") else ""
+            print(
+                f"resilient-ckpt {cmd}: reading every checksum of {path} "
+                f"({fmt_size(nbytes)}){fast}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    with checking.said_by(say):
+        yield
 
 
 def newer_without_manifest(path: str, step: int | None) -> list[str]:
