@@ -76,3 +76,26 @@ def test_inspect_and_export_of_one_checkpoint_with_another_step_do_not_deny_the_
         assert f"give the run's directory {root} with --step 30" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
     assert cli("inspect", one, "--step", "20").returncode == 0
+
+
+def test_pull_into_one_checkpoint_a_file_or_a_url_is_refused_writing_nothing(tmp_path, monkeypatch):
+    """``pull URL DIR/step_000000020`` nested the pulled checkpoint (and a lock file) inside a
+    committed checkpoint's folder, exit 0; ``pull URL s3://...`` made a local folder "s3:" and
+    printed "-> s3://.../step_000000030" as if it had gone there; ``pull URL FILE`` was a bare
+    "FileExistsError". Each is refused now, naming what to give."""
+    root = tmp_path / "ck"
+    make_run(str(root))
+    url = f"file://{tmp_path}/remote"
+    assert cli("push", str(root), url).returncode == 0
+    one = root / "step_000000020"
+    before = sorted(os.listdir(one))
+    r = cli("pull", url, str(one), "--step", "10")
+    assert r.returncode == 1 and "is one checkpoint, not a directory" in r.stderr, r.stderr
+    assert sorted(os.listdir(one)) == before
+    (tmp_path / "afile").write_text("x")
+    r = cli("pull", url, str(tmp_path / "afile"))
+    assert r.returncode == 1 and "not a directory" in r.stderr, r.stderr
+    monkeypatch.chdir(tmp_path)
+    r = cli("pull", url, "s3://bucket/run1")
+    assert r.returncode == 1 and "pull downloads into a local directory" in r.stderr, r.stderr
+    assert not (tmp_path / "s3:").exists()

@@ -16,7 +16,7 @@ from typing import Any
 from . import catalog
 from .catalog import Depth, Entry, Status
 from .cli_format import CORRUPT, INCOMPLETE, SIZES, UNVERIFIED, fmt_size, iso_time, print_json
-from .cli_scan import no_checkpoints, resolve
+from .cli_scan import is_url, no_checkpoints, resolve
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME
@@ -222,6 +222,13 @@ def _alive(path: str, what: str, err: OSError) -> bool:
 def pull(args: argparse.Namespace) -> int:
     from . import pulling
 
+    if is_url(args.dir):  # (a local folder named "s3:" would be made, and said as the URL)
+        raise CheckpointError(
+            f"{args.dir} is a URL: pull downloads into a local directory; give one, e.g. "
+            f"`resilient-ckpt pull {args.url} ckpts/run1`"
+        )
+    if os.path.exists(args.dir):  # a file, or one checkpoint (a pull would nest in it)
+        resolve(args.dir, single_ok=False)
     st = store(args.url, args.option, step_option=True)
     usable = pulling.usable(st, args.step)
 
