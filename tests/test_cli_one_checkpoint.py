@@ -99,3 +99,22 @@ def test_pull_into_one_checkpoint_a_file_or_a_url_is_refused_writing_nothing(tmp
     r = cli("pull", url, "s3://bucket/run1")
     assert r.returncode == 1 and "pull downloads into a local directory" in r.stderr, r.stderr
     assert not (tmp_path / "s3:").exists()
+
+
+def test_export_to_a_url_and_push_into_the_directory_itself_are_refused(tmp_path, monkeypatch):
+    """``export DIR s3://b/model`` wrote a local folder named "s3:" (exit 0); ``push DIR DIR``
+    (or a store inside DIR) said every checkpoint was "already in" it, exit 0: a second copy
+    that is the first."""
+    root = tmp_path / "ck"
+    make_run(str(root))
+    monkeypatch.chdir(tmp_path)
+    r = cli("export", str(root), "s3://bucket/model")
+    assert r.returncode == 1 and "is a URL: an export is written to a local" in r.stderr, r.stderr
+    assert not (tmp_path / "s3:").exists()
+    before = sorted(os.listdir(root))
+    for url in (str(root), f"file://{root}", f"file://{root}/backup"):
+        r = cli("push", str(root), url)
+        assert r.returncode == 1 and "already in" not in r.stdout, r.stdout + r.stderr
+        assert "itself, or lies in it: no second copy" in r.stderr, r.stderr
+    assert sorted(os.listdir(root)) == before
+    assert cli("push", str(root), str(tmp_path / "elsewhere")).returncode == 0

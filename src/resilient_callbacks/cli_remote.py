@@ -275,6 +275,12 @@ def push(args: argparse.Namespace) -> int:
     if not catalog.committed(catalog.scan(target.root, Depth.NONE)):
         raise no_checkpoints(target.root, "checkpoints to push")
     st = store(args.url, args.option)
+    here = os.path.realpath(target.root)
+    if st.is_local and (os.path.realpath(st.root) + os.sep).startswith(here + os.sep):
+        raise CheckpointError(  # "already in URL" there said a second copy was made
+            f"the store {args.url} is the directory {args.dir} itself, or lies in it: no second "
+            "copy; push to another disk or a remote store"
+        )
     lock = _locked(target.root, "push")
     if lock is None:
         return 1

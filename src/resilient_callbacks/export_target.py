@@ -21,10 +21,16 @@ def check_export_target(
 ) -> str:
     """Raise :class:`ConfigError` saying what to do when an export of ``source`` (a checkpoint
     directory, or one checkpoint: then the directory holding it) may not be written to
-    ``out``; return ``out``'s absolute path. Refused: ``out`` is ``source``, holds it or lies
-    in it; ``out`` exists and is not a directory; ``out`` exists without ``overwrite``, or with
-    it but holds something other than an earlier export (its files are named)."""
+    ``out``; return ``out``'s absolute path. Refused: ``out`` is a URL (an export is local),
+    or is ``source``, holds it or lies in it; ``out`` exists and is not a directory; ``out``
+    exists without ``overwrite``, or with it but holds something other than an earlier export
+    (its files are named)."""
     src, dst = os.fspath(source), os.fspath(out)
+    if "://" in dst and not os.path.exists(dst):  # (made a local folder named "s3:")
+        raise ConfigError(
+            f"OUT {dst} is a URL: an export is written to a local directory; give one, and copy "
+            "it to the store after"
+        )
     if os.path.exists(os.path.join(src, MANIFEST_NAME)):  # one checkpoint: its directory
         src = os.path.dirname(os.path.abspath(src))
     real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
