@@ -107,6 +107,8 @@ def _refuse_run_file(root: str, shown: str, path: str) -> None:
     checkpoint directory ``root`` a report may only be a new-named ``.html``/``.png``/``.json``
     file directly in it, never its ``history.jsonl``, ``latest`` or anything in a checkpoint's
     folder (``report DIR --json DIR/history.jsonl`` replaced the history with the report)."""
+    if "://" in path and not os.path.exists(path):  # (made a local folder named "s3:")
+        raise ConfigError(f"{path} is a URL: the report is written to a local file; give one")
     target, run = os.path.realpath(path), os.path.realpath(root)
     if target == run:
         raise ConfigError(f"{path} is the checkpoint directory itself")
