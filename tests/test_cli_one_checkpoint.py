@@ -118,3 +118,22 @@ def test_export_to_a_url_and_push_into_the_directory_itself_are_refused(tmp_path
         assert "itself, or lies in it: no second copy" in r.stderr, r.stderr
     assert sorted(os.listdir(root)) == before
     assert cli("push", str(root), str(tmp_path / "elsewhere")).returncode == 0
+
+
+def test_ls_gc_and_report_refuse_the_directory_itself_as_its_remote_store(tmp_path):
+    """``ls DIR --remote DIR`` called every checkpoint "both" (a second copy there is none);
+    ``gc DIR --remote DIR`` planned the same deletions twice, and in one node's directory of a
+    node-local run would take the node's own parts for copies the remote holds committed."""
+    root = tmp_path / "ck"
+    make_run(str(root), keep_last=None)
+    before = sorted(os.listdir(root))
+    for args in (
+        ("ls", str(root), "--remote", str(root)),
+        ("ls", str(root), "--remote", f"file://{root}/", "--json"),
+        ("gc", str(root), "--remote", str(root), "--keep-last", "1"),
+        ("report", str(root), "--json", "-", "--remote", str(root)),
+    ):
+        r = cli(*args)
+        assert r.returncode == 1 and '"both"' not in r.stdout, (args, r.stdout, r.stderr)
+        assert "itself, or lies in it: no second copy" in r.stderr, r.stderr
+    assert sorted(os.listdir(root)) == before

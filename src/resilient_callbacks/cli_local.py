@@ -98,6 +98,10 @@ def ls(args: argparse.Namespace) -> int:
     entries: list[Entry] = []
     foreign: set[str] = set()
     root = args.dir
+    if args.remote:  # a URL that is one checkpoint, or DIR itself: said first
+        from .cli_remote import store
+
+        store(args.remote, args.option, beside=args.dir)
     if not (args.remote and not os.path.exists(args.dir)):
         target = resolve(args.dir)
         root = target.root
@@ -185,7 +189,7 @@ def gc(args: argparse.Namespace) -> int:
     if remote:  # a URL that is one checkpoint, not a store: said before anything is deleted
         from .cli_remote import store
 
-        store(remote, args.option)
+        store(remote, args.option, beside=args.dir)
     if not (remote and not os.path.exists(args.dir)):
         root = resolve(args.dir, single_ok=False).root
         found = catalog.scan(root, Depth.NONE)

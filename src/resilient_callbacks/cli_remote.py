@@ -41,12 +41,26 @@ def remote_options(pairs: list[str] | None) -> dict[str, Any]:
     return opts
 
 
-def store(url: str, pairs: list[str] | None, *, step_option: bool = False) -> RemoteStore:
+def store(
+    url: str, pairs: list[str] | None, *, step_option: bool = False, beside: str | None = None
+) -> RemoteStore:
     """The remote store at ``url``; :class:`CheckpointNotFoundError` naming the store to give
     when ``url`` is one checkpoint in a store (``s3://b/run1/step_000000060``, as ``verify``
     prints it): listing it as a store found "no checkpoints" there, and ``push`` wrote
-    checkpoints into it."""
+    checkpoints into it. ``beside``: the local directory the command compares it with; a store
+    that is that directory, or lies in it, is refused (no second copy: ``ls`` called every
+    checkpoint "both", ``push`` "already in" it, ``gc`` a node's only copy committed remotely)."""
     st = RemoteStore(url, remote_options(pairs))
+    here = os.path.realpath(beside) if beside is not None else None
+    if (
+        here is not None
+        and st.is_local
+        and (os.path.realpath(st.root) + os.sep).startswith(here + os.sep)
+    ):
+        raise CheckpointError(
+            f"the store {url} is the directory {beside} itself, or lies in it: no second copy; "
+            "give the run's remote store (another disk, an object store)"
+        )
     step = one_checkpoint(st)
     if step is not None:
         parent = st.url.rsplit("/", 1)[0]
@@ -274,13 +288,7 @@ def push(args: argparse.Namespace) -> int:
     target = resolve(args.dir, single_ok=False)
     if not catalog.committed(catalog.scan(target.root, Depth.NONE)):
         raise no_checkpoints(target.root, "checkpoints to push")
-    st = store(args.url, args.option)
-    here = os.path.realpath(target.root)
-    if st.is_local and (os.path.realpath(st.root) + os.sep).startswith(here + os.sep):
-        raise CheckpointError(  # "already in URL" there said a second copy was made
-            f"the store {args.url} is the directory {args.dir} itself, or lies in it: no second "
-            "copy; push to another disk or a remote store"
-        )
+    st = store(args.url, args.option, beside=target.root)
     lock = _locked(target.root, "push")
     if lock is None:
         return 1

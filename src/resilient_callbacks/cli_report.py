@@ -39,7 +39,7 @@ def report(args: argparse.Namespace) -> int:
     if args.remote:
         from .cli_remote import store
 
-        remote = store(args.remote, args.option)
+        remote = store(args.remote, args.option, beside=root)
     rows = rep.checkpoint_rows(root, remote, verify=args.verify)
     if remote is not None and not any(r["tier"] == "remote" for r in rows):
         # a mistyped URL reads as an empty store: say so (as ls --remote does)
