@@ -60,3 +60,19 @@ def test_gc_with_the_remote_deletes_the_parts_it_holds_committed(tmp_path, capsy
     RemoteStore(url).delete("step_000000002")  # as the remote retention does
     assert main(["gc", str(node1), "--keep-last", "1", "--remote", url]) == 0
     assert _steps(node1) == [6], capsys.readouterr().out  # step 2: older than a remote one
+
+
+@pytest.mark.slow  # two ranks
+def test_gc_with_the_nodes_own_directory_as_the_remote_deletes_nothing(tmp_path, capsys):
+    """``gc node0 --remote node0`` (a slip for the run's remote URL) listed node 0's own parts
+    as the remote's committed copies and deleted the parts retention does not keep, which no
+    remote holds: the next run could not resume. Refused now, exit 1."""
+    from resilient_callbacks.cli import main
+
+    _run(tmp_path, "first", 2, "--steps", "8", "--remote-every", "10", expect=None,
+         RC_DIE_IN_COMMIT_AT=8)  # fmt: skip
+    node0 = tmp_path / "node0"
+    before = _steps(node0)
+    assert main(["gc", str(node0), "--keep-last", "1", "--remote", str(node0)]) == 1
+    assert "no second copy" in capsys.readouterr().err
+    assert _steps(node0) == before
