@@ -1,7 +1,11 @@
-"""What the remote commands say on stderr about the store they were given (a URL that holds
-nothing is most often a typo)."""
+"""What the remote commands say about the store they were given (a URL that holds nothing is
+most often a typo), and that a store they cannot reach costs nothing local."""
 
 from __future__ import annotations
+
+import os
+
+import pytest
 
 from test_cli import cli, make_run
 
@@ -19,3 +23,32 @@ def test_gc_remote_of_a_mistyped_url_says_the_store_holds_no_checkpoint(tmp_path
     url = f"file://{tmp_path}/remote"
     assert cli("push", root, url).returncode == 0
     assert "holds no checkpoint" not in cli("gc", root, "--dry-run", "--remote", url).stderr
+
+
+def test_gc_with_a_remote_it_cannot_list_deletes_nothing_locally(tmp_path):
+    """``gc DIR --keep-last 1 --remote URL --json`` with an unreachable store deleted DIR's
+    checkpoints first, then failed on the remote: exit 1, no JSON, and nothing said of what was
+    deleted. The store is listed first now; nothing is deleted when it cannot be."""
+    pytest.importorskip("s3fs")
+    import socket
+
+    from test_cli import _s3_options
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    o = _s3_options(
+        {
+            "endpoint_url": f"http://127.0.0.1:{port}",
+            "key": "k",
+            "secret": "s",
+            "client_kwargs": {"region_name": "us-east-1"},
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+        }
+    )
+    root = tmp_path / "ck"
+    make_run(str(root))
+    before = sorted(os.listdir(root))
+    r = cli("gc", str(root), "--keep-last", "1", "--json", "--remote", "s3://bucket/run", *o)
+    assert r.returncode == 1 and "Could not connect" in r.stderr, r.stderr
+    assert sorted(os.listdir(root)) == before

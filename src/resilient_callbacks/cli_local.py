@@ -186,10 +186,10 @@ def gc(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {}
     lock: DirLock | None = None
     root: str | None = None
-    if remote:  # a URL that is one checkpoint, not a store: said before anything is deleted
-        from .cli_remote import store
+    if remote:  # a URL that is one checkpoint or DIR, or a store that cannot be listed
+        from .cli_remote import store  # (unreachable, a wrong -o): said before anything is
 
-        store(remote, args.option, beside=args.dir)
+        store(remote, args.option, beside=args.dir).scan()  # deleted here
     if not (remote and not os.path.exists(args.dir)):
         root = resolve(args.dir, single_ok=False).root
         found = catalog.scan(root, Depth.NONE)
