@@ -52,3 +52,24 @@ def test_gc_with_a_remote_it_cannot_list_deletes_nothing_locally(tmp_path):
     r = cli("gc", str(root), "--keep-last", "1", "--json", "--remote", "s3://bucket/run", *o)
     assert r.returncode == 1 and "Could not connect" in r.stderr, r.stderr
     assert sorted(os.listdir(root)) == before
+
+
+def test_verify_url_json_with_nothing_to_check_prints_the_object(tmp_path):
+    """``verify DIR --json`` with nothing to check prints ``"ok": false`` and no rows (exit 1);
+    ``verify URL --json`` printed nothing on stdout, so a script's ``json.loads`` failed."""
+    import json
+
+    root = str(tmp_path / "ck")
+    make_run(root)
+    url = f"file://{tmp_path}/remote"
+    assert cli("push", root, url).returncode == 0
+    for args in (
+        (f"file://{tmp_path}/empty",),
+        (url, "--step", "99"),
+        (f"{url}/step_000000020",),
+    ):
+        r = cli("verify", *args, "--json")
+        out = json.loads(r.stdout)
+        assert r.returncode == 1 and out["ok"] is False and out["checkpoints"] == [], out
+        assert r.stderr.startswith("resilient-ckpt verify: "), r.stderr
+    assert json.loads(cli("verify", url, "--json").stdout)["ok"] is True

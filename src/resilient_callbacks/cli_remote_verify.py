@@ -5,17 +5,33 @@ from __future__ import annotations
 
 import argparse
 import posixpath
+import sys
 
 from .catalog import PLAIN_DCP_METADATA
 from .cli_format import iso_time
 from .cli_remote import _damage, store
 from .cli_scan import report_verified
 from .errors import CheckpointNotFoundError
+from .redact import url_text
 from .remote import RemoteEntry, RemoteStore
 
 
 def verify(args: argparse.Namespace) -> int:
-    """``verify URL``: read the remote copies where they lie and check every checksum."""
+    """``verify URL``: read the remote copies where they lie and check every checksum. With
+    nothing to check and ``--json``, the object a script parses still (as ``verify DIR``)."""
+    try:
+        return _verify(args)
+    except CheckpointNotFoundError as nothing:
+        if not args.json:
+            raise
+        scope = "step" if args.step is not None else "all" if args.all else "newest"
+        where = url_text(args.dir.rstrip("/"))  # (as the store shows its URL: no secrets)
+        report_verified(args, where, scope, [], 0, what="remote checkpoint(s)")
+        print(f"resilient-ckpt verify: {nothing}", file=sys.stderr)
+        return 1
+
+
+def _verify(args: argparse.Namespace) -> int:
     from .remote_verify import check_remote
 
     st = store(args.dir, args.option, step_option=True)
