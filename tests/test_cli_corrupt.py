@@ -274,3 +274,19 @@ def test_inspect_and_export_name_a_newer_folder_without_its_manifest_they_pass_o
     assert f"skipping {DAMAGED}: no manifest.json" in r.stderr, r.stderr
     # asked for step 20 by name: nothing passed over, nothing said
     assert cli("inspect", str(root), "--step", "20").stderr == ""
+
+
+def test_verify_says_how_many_verify_all_checks_counting_folders_without_manifest(tmp_path):
+    """The newest ``step_<n>`` folder lost its manifest: ``verify`` said "`verify DIR --all`
+    checks all 2", and ``--all`` then checked (and listed) 3."""
+    root = tmp_path / "ck"
+    torch.manual_seed(0)
+    state = {"model": torch.nn.Linear(8, 4)}
+    with Checkpointer(str(root)) as ck:
+        for s in (10, 20, 30):
+            ck.save(s, state)
+    os.remove(root / DAMAGED / "manifest.json")
+    r = cli("verify", str(root))
+    assert r.returncode == 1 and "--all` checks all 3" in r.stderr, r.stderr
+    out = json.loads(cli("verify", str(root), "--all", "--json").stdout)
+    assert len(out["checkpoints"]) == 3, out

@@ -123,10 +123,10 @@ def _report_verified(
                 file=sys.stderr,
             )
             return status
-        print(
+        every = len(committed) + len(_no_manifest(target, scan(target, Depth.NONE)))
+        print(  # (--all checks the step_<n> folders without a manifest too)
             f"the newest checkpoint is {what}; `resilient-ckpt inspect {args.dir}` shows "
-            f"the newest valid one, `resilient-ckpt verify {args.dir} --all` checks all "
-            f"{len(committed)}",
+            f"the newest valid one, `resilient-ckpt verify {args.dir} --all` checks all {every}",
             file=sys.stderr,
         )
     return status
