@@ -194,7 +194,7 @@ def gc(args: argparse.Namespace) -> int:
         root = resolve(args.dir, single_ok=False).root
         found = catalog.scan(root, Depth.NONE)
         foreign = catalog.foreign_folders(root, found)  # another tool's step_<n>: not ours
-        if len(found) == len(foreign) and not os.path.isdir(os.path.join(root, "blobs")):
+        if len(found) == len(foreign) and not _our_blobs(root):
             if not remote:
                 note = catalog.not_ours_note(root, foreign) if foreign else None
                 _nothing_to_delete(args, root, f"nothing to delete: {note or no_checkpoints(root)}")
@@ -234,6 +234,19 @@ def gc(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
     return 1 if result.get("failed") else 0
+
+
+def _our_blobs(root: str) -> bool:
+    """``root/blobs`` holds blobs of ours (an incremental run's whose checkpoints are gone):
+    a ``blobs`` folder of another tool's (a Hugging Face cache's) is no sign of a directory of
+    ours, and gc takes no lock there."""
+    from .blobs import BLOBS_DIR, NAME_RE, TMP_PREFIX
+
+    try:
+        names = os.listdir(os.path.join(root, BLOBS_DIR))
+    except OSError:
+        return False
+    return any(NAME_RE.match(n) or n.startswith(TMP_PREFIX) for n in names)
 
 
 def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
