@@ -178,6 +178,14 @@ def _export_entry(args: argparse.Namespace, key: str | None) -> int:
 
     try:
         sel = reader.select(args.dir, args.step)
+        if getattr(args, "merged", False):  # (was ignored: the entry exported as it is)
+            print(
+                f"{PROG} export: --merged merges a PEFT model's adapters (a Trainer run's "
+                f"checkpoint, without --key); {sel.path} is exported as a state's module: "
+                "export it without --merged",
+                file=sys.stderr,
+            )
+            return 2
         return _write(args, sel, *consolidate.entry_tensors(sel.path, key))
     except CheckpointError as e:
         print(f"{PROG} export: {e}{node_part_hint(args)}", file=sys.stderr)
