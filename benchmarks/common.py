@@ -37,13 +37,46 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def run_stamp() -> dict[str, Any]:
+    """When, where and with what a result was measured: UTC date and time, machine, CPU count,
+    torch version (and the GPU's name where CUDA is in use) and the library commit."""
+    import platform
+    import sys
+    import time
+
+    stamp: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch": None,
+        "gpu": None,
+        "library": library_version(),
+    }
+    torch = sys.modules.get("torch")  # not imported here by a script that did not need it
+    if torch is not None:
+        stamp["torch"] = torch.__version__
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            stamp["gpu"] = torch.cuda.get_device_name()
+    return stamp
+
+
 def write_results(out: str, name: str, report: Any, md: str) -> None:
-    """``<out>/<name>.json`` (the figures) and ``<out>/<name>.md`` (the tables)."""
+    """``<out>/<name>.json`` (the figures) and ``<out>/<name>.md`` (the tables), both stamped
+    with :func:`run_stamp` (a dict report gains a ``"measured"`` key; the Markdown a last line),
+    so no figure is written without its date, machine, torch version and library commit."""
+    stamp = run_stamp()
+    if isinstance(report, dict):
+        report = {**report, "measured": stamp}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(report, f, indent=1)
+    line = (
+        f"Measured {stamp['date']} on {stamp['machine']}, {stamp['cpus']} CPUs"
+        + (f", {stamp['gpu']}" if stamp["gpu"] else "")
+        + f", torch {stamp['torch'] or 'not imported'}, library {stamp['library']}."
+    )
     with open(os.path.join(out, f"{name}.md"), "w") as f:
-        f.write(md)
+        f.write(md.rstrip("\n") + "\n\n" + line + "\n")
 
 
 def library_version() -> str:
