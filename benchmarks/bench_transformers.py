@@ -219,7 +219,11 @@ def in_run_overhead(run: dict[str, Any], none_tail: float) -> float:
     """Checkpointing time in one run, measured against that run's own step time: the time of
     all steps plus the tail, minus (number of steps x the run's median step) and the tail of
     the run without checkpoints. Robust to the machine's speed drifting between runs (other
-    jobs on a shared machine); steps slowed by background writes count as overhead."""
+    jobs on a shared machine); steps slowed by background writes count as overhead as far as
+    they exceed the median step. It cannot tell a slowdown of most steps from drift: where a
+    background write slows more than half the steps, the median absorbs that slowdown, which
+    favours a background saver over one that blocks a few steps (the Trainer's). The direct
+    measure (train() minus the run without checkpoints) is reported beside it for that reason."""
     steps = run["steps_s"]
     return sum(steps) + run["tail_s"] - len(steps) * med(steps) - none_tail
 
@@ -387,8 +391,10 @@ def markdown(r: dict[str, Any]) -> str:
         "Overhead (in-run) = the run's step times plus its tail (after the last step; for "
         "ResilientCheckpoint that includes waiting until the last checkpoint is durable) minus "
         "steps x the run's own median step time and the tail of the run without checkpoints: "
-        "robust to the machine's speed drifting between runs, and steps slowed by background "
-        "writes count as overhead. Overhead (run - no-ckpt run) = train() time minus the "
+        "robust to the machine's speed drifting between runs; steps slowed by background "
+        "writes count as overhead only as far as they exceed the median step (a slowdown of "
+        "most steps reads as drift, which favours a background saver; compare the direct "
+        "measure). Overhead (run - no-ckpt run) = train() time minus the "
         "no-checkpointing run of the same repetition: the direct measure, but on a shared machine "
         "the runs' speeds drift by tens of percent. The first save of ours also allocates its "
         "reused host buffers (a one-time cost). The Trainer's own save does not fsync (its "
