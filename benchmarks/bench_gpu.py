@@ -225,33 +225,48 @@ def bench_size(root: str, mb: int, reps: int, baselines: bool = True) -> dict[st
 
 
 def restore_rounds(
-    work: str, model: torch.nn.Module, opt: torch.optim.Optimizer, reps: int, add: Any
+    work: str,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    reps: int,
+    add: Any,
+    device: str = "cuda",
 ) -> str:
-    """Warm restore (files in the page cache) into the live CUDA model and optimizer: ours
-    (open the directory, verify every byte, load) against ``torch.load(mmap=True,
-    map_location="cuda")`` + ``load_state_dict`` of a ``torch.save`` of the same state, round-robin;
-    the first round of each is discarded."""
+    """Warm restore (files in the page cache) into the live model and optimizer on ``device``:
+    ours (open the directory, verify every byte, load) against ``torch.load(mmap=True,
+    map_location=device)`` + ``load_state_dict`` of a ``torch.save`` of the same state. The order
+    alternates each round (ours first in even rounds, torch first in odd ones), so neither side
+    always runs after the other's reads; the first round (one of each) is discarded."""
     path = os.path.join(work, "torch.pt")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
     state = {"model": model, "optimizer": opt}
     restored = ""
-    for rep in range(reps + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def ours() -> None:
+        nonlocal restored
         with Checkpointer(os.path.join(work, "default")) as ck:
             ck.restore(state)
             restored = str(ck.last_restore.path)
-        torch.cuda.synchronize()
-        if rep:
-            add("restore.ours", time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        sd = torch.load(path, mmap=True, map_location="cuda", weights_only=True)
+
+    def theirs() -> None:
+        sd = torch.load(path, mmap=True, map_location=device, weights_only=True)
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optimizer"])
         del sd
-        torch.cuda.synchronize()
-        if rep:
-            add("restore.torch_mmap", time.perf_counter() - t0)
+
+    methods = [("restore.ours", ours), ("restore.torch_mmap", theirs)]
+    for rep in range(reps + 1):
+        for name, run in methods if rep % 2 == 0 else methods[::-1]:
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            if rep:
+                add(name, time.perf_counter() - t0)
     os.remove(path)
     return restored
 

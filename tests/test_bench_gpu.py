@@ -147,3 +147,24 @@ def test_the_allocation_stall_report_names_a_variant_whose_process_failed():
     md = s.markdown(report)
     assert "| none | 0 |" in md
     assert "ahead-hostreg (pinned data path 0 MB) failed: ['RuntimeError: bad']" in md
+
+
+def test_the_warm_restore_rounds_alternate_which_side_goes_first(tmp_path):
+    """Neither restore always follows the other's reads: the order alternates each round, the
+    first round of each is discarded, and each side is timed once per counted round."""
+    import bench_gpu
+
+    from resilient_callbacks import Checkpointer
+
+    model, opt = bench_gpu.build(2, device="cpu", width=64)
+    with Checkpointer(tmp_path / "default") as ck:
+        ck.save(1, {"model": model, "optimizer": opt})
+        ck.flush()
+    timed: list[str] = []
+    restored = bench_gpu.restore_rounds(
+        str(tmp_path), model, opt, 4, lambda name, _s: timed.append(name), device="cpu"
+    )
+    assert restored.endswith("step_000000001")
+    ours, torch_ = "restore.ours", "restore.torch_mmap"
+    assert timed == [torch_, ours, ours, torch_, torch_, ours, ours, torch_]
+    assert not (tmp_path / "torch.pt").exists()
