@@ -290,3 +290,18 @@ def test_verify_says_how_many_verify_all_checks_counting_folders_without_manifes
     assert r.returncode == 1 and "--all` checks all 3" in r.stderr, r.stderr
     out = json.loads(cli("verify", str(root), "--all", "--json").stdout)
     assert len(out["checkpoints"]) == 3, out
+
+
+def test_ls_lists_a_checkpoint_with_an_unreadable_manifest_by_its_step(pristine, tmp_path):
+    """A manifest that no longer parses has no commit number: ``ls`` listed that checkpoint
+    first, before older ones, though its rows are oldest first."""
+    root = str(tmp_path / "ck")
+    shutil.copytree(pristine, root)
+    _damage(os.path.join(root, "step_000000020"), "manifest-garbled")
+    os.makedirs(os.path.join(root, "step_000000040"))  # no manifest: still last
+    rows = json.loads(cli("ls", root, "--json", "--fast").stdout)
+    assert [(r["step"], r["seq"]) for r in rows][:2] == [(10, 1), (20, None)], rows
+    assert [r["step"] for r in rows] == [10, 20, 30, 40], rows
+    table = cli("ls", root, "--fast").stdout.splitlines()
+    steps = [line.split()[0] for line in table[1:] if line.split()[:1] != []]
+    assert steps[:4] == ["10", "20", "30", "40"], table

@@ -27,7 +27,7 @@ from .cli_format import (
     table,
 )
 from .cli_nodes import committed_keys, is_part, keep_uncommitted_parts
-from .cli_scan import no_checkpoints, node_part_note, public, resolve, row, scan
+from .cli_scan import no_checkpoints, node_part_note, oldest_first, public, resolve, row, scan
 from .commit import (
     LATEST_TMP_PREFIX,
     STAGING_PREFIX,
@@ -115,6 +115,7 @@ def ls(args: argparse.Namespace) -> int:
         p, _ = _plan(everything)
         keep_uncommitted_parts(everything, p, _committed(everything, args))
         foreign = set(catalog.foreign_folders(target.root, everything))
+        entries = oldest_first(entries)
         rows = [row(e, depth) | _kept(e, p) for e in entries]
         for r in rows:
             if target.only is not None and r["name"] not in {e.name for e in everything}:

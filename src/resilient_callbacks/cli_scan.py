@@ -92,6 +92,25 @@ def scan(target: Target, depth: Depth) -> list[Entry]:
     return [e for e in catalog.scan(target.root, depth) if e.name == target.only]
 
 
+def oldest_first(entries: list[Entry]) -> list[Entry]:
+    """``entries`` (in :func:`catalog.scan`'s order) in the order ``ls`` lists them: by commit
+    number, a checkpoint whose manifest cannot be read (no commit number) by the step in its
+    folder name, before the first one of a larger step; those without a manifest last. The
+    scan's own order (retention's) puts the unreadable ones first."""
+    readable = [e for e in entries if e.manifest is not None]
+    unreadable = sorted(
+        (e for e in entries if e.manifest is None and e.status is not Status.INCOMPLETE),
+        key=lambda e: (e.step is None, e.step or 0, e.name),
+    )
+    listed: list[Entry] = []
+    for e in readable:
+        while unreadable and unreadable[0].step is not None and unreadable[0].step < (e.step or 0):
+            listed.append(unreadable.pop(0))
+        listed.append(e)
+    incomplete = [e for e in entries if e.status is Status.INCOMPLETE]
+    return listed + unreadable + incomplete
+
+
 #: a checkpoint at least this large gets a line on stderr before its checksums are read
 LARGE_BYTES = 1 << 30
 
