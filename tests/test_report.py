@@ -156,6 +156,7 @@ def test_report_of_an_in_process_run(tmp_path: Path, capsys):
     assert png.read_bytes().startswith(PNG_MAGIC)
     imgs = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", html_path.read_text())
     assert len(imgs) == 6
+    assert "unreadable" not in capsys.readouterr().err  # every history line was read
 
 
 def test_a_loop_that_only_calls_save_has_an_unknown_goodput_not_zero(tmp_path: Path, capsys):
@@ -291,6 +292,9 @@ def test_history_survives_a_torn_line_and_skips_malformed_records(tmp_path: Path
     js = tmp_path / "r.json"
     assert cli(["report", root, "--json", str(js)]) == 0
     assert json.loads(js.read_text())["summary"]["failures"] == 1
+    where = os.path.join(root, history.HISTORY_NAME)
+    said = [line for line in capsys.readouterr().err.splitlines() if "unreadable" in line]
+    assert said == [f"resilient-ckpt report: skipped 4 unreadable history lines in {where}"], said
 
 
 def test_a_restore_parses_only_the_lifecycle_records_of_a_long_history(tmp_path: Path, monkeypatch):

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from . import catalog
+from . import catalog, history
 from .cli_format import iso_time, jsonable
 from .cli_scan import no_checkpoints, resolve
 from .errors import CheckpointNotFoundError, ConfigError
@@ -45,6 +45,13 @@ def report(args: argparse.Namespace) -> int:
         # a mistyped URL reads as an empty store: say so (as ls --remote does)
         print(f"resilient-ckpt: the remote {remote.url} holds no checkpoint", file=sys.stderr)
     data = rep.analyse(root, run_id=args.run, checkpoints=rows, now=time.time())
+    if skipped := history.unreadable(root):  # torn by a crash, foreign: said, not shown
+        where = os.path.join(args.dir, history.HISTORY_NAME)
+        lines = "line" if skipped == 1 else "lines"
+        print(
+            f"resilient-ckpt report: skipped {skipped} unreadable history {lines} in {where}",
+            file=sys.stderr,
+        )
     data["remote"] = remote.url if remote is not None else None
     if data.get("missing"):  # a history file without one start of a run: nothing to plot
         raise CheckpointNotFoundError(f"{args.dir}: {data['missing']}")

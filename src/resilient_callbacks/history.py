@@ -111,14 +111,21 @@ def records(
     for line in lines:
         if marks is not None and not any(m in line for m in marks):
             continue
-        d = _record(line)
-        if (
-            d is not None
-            and (d.get("step") is None or type(d.get("step")) is int)
-            and (kinds is None or d["event"] in kinds)
-        ):
+        d = _stepped(_record(line))
+        if d is not None and (kinds is None or d["event"] in kinds):
             out.append(d)
     return out
+
+
+def unreadable(root: str) -> int:
+    """How many lines of the history :func:`records` skips (torn, foreign, malformed); blank
+    lines are not counted."""
+    return sum(1 for line in _lines(root) if line.strip() and _stepped(_record(line)) is None)
+
+
+def _stepped(d: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``d`` if its step is missing or a whole number, else None (malformed)."""
+    return d if d is not None and (d.get("step") is None or type(d["step"]) is int) else None
 
 
 def read(
