@@ -305,3 +305,22 @@ def test_ls_lists_a_checkpoint_with_an_unreadable_manifest_by_its_step(pristine,
     table = cli("ls", root, "--fast").stdout.splitlines()
     steps = [line.split()[0] for line in table[1:] if line.split()[:1] != []]
     assert steps[:4] == ["10", "20", "30", "40"], table
+
+
+def test_ls_and_verify_name_a_step_folder_that_is_a_symbolic_link(pristine, tmp_path):
+    """A ``step_<n>`` folder that is a symbolic link is never one of ours (no save makes one):
+    ``ls`` and ``verify`` left it out without a word; they still do not follow it, and say so."""
+    root = str(tmp_path / "ck")
+    shutil.copytree(pristine, root)
+    shutil.copytree(os.path.join(root, "step_000000030"), str(tmp_path / "elsewhere"))
+    os.symlink(str(tmp_path / "elsewhere"), os.path.join(root, "step_000000040"))
+    link = os.path.join(root, "step_000000040")
+    note = f"{link} is a symbolic link: not listed or checked; checkpoints are never links"
+    r = cli("ls", root, "--json", "--fast")
+    assert [row["step"] for row in json.loads(r.stdout)] == [10, 20, 30], r.stdout
+    assert r.stderr.splitlines() == [f"resilient-ckpt ls: note: {note}"], r.stderr
+    r = cli("verify", root, "--all")
+    assert r.returncode == 0 and "step_000000040" not in r.stdout, r.stdout
+    assert r.stderr.splitlines() == [f"resilient-ckpt verify: note: {note}"], r.stderr
+    os.remove(link)
+    assert cli("ls", root, "--fast").stderr == cli("verify", root).stderr == ""

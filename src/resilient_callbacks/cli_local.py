@@ -12,7 +12,7 @@ import shutil
 import sys
 from typing import Any
 
-from . import catalog
+from . import catalog, cli_scan
 from .blob_damage import damage_note, damaged_blobs, only_blobs, repair_note
 from .blobs import BlobStore
 from .catalog import Depth, Entry, Status
@@ -27,7 +27,7 @@ from .cli_format import (
     table,
 )
 from .cli_nodes import committed_keys, is_part, keep_uncommitted_parts
-from .cli_scan import no_checkpoints, node_part_note, oldest_first, public, resolve, row, scan
+from .cli_scan import no_checkpoints, node_part_note, public, resolve, row, scan
 from .commit import (
     LATEST_TMP_PREFIX,
     STAGING_PREFIX,
@@ -105,6 +105,7 @@ def ls(args: argparse.Namespace) -> int:
     if not (args.remote and not os.path.exists(args.dir)):
         target = resolve(args.dir)
         root = target.root
+        cli_scan.say_links("ls", target)
         # DIR is one checkpoint: the others are only needed for the retention plan (sizes)
         everything = catalog.scan(target.root, depth if target.only is None else Depth.SIZE)
         entries = [e for e in everything if target.only is None or e.name == target.only]
@@ -115,7 +116,7 @@ def ls(args: argparse.Namespace) -> int:
         p, _ = _plan(everything)
         keep_uncommitted_parts(everything, p, _committed(everything, args))
         foreign = set(catalog.foreign_folders(target.root, everything))
-        entries = oldest_first(entries)
+        entries = cli_scan.oldest_first(entries)
         rows = [row(e, depth) | _kept(e, p) for e in entries]
         for r in rows:
             if target.only is not None and r["name"] not in {e.name for e in everything}:

@@ -92,6 +92,25 @@ def scan(target: Target, depth: Depth) -> list[Entry]:
     return [e for e in catalog.scan(target.root, depth) if e.name == target.only]
 
 
+def say_links(cmd: str, target: Target) -> None:
+    """A note on stderr per ``step_<n>`` entry of the checkpoint directory that is a symbolic
+    link: :func:`catalog.scan` never follows one (no save makes one), so it is not listed."""
+    if target.only is not None:
+        return
+    try:
+        names = sorted(os.listdir(target.root))
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(target.root, name)
+        if CKPT_RE.match(name) and os.path.islink(path):
+            print(
+                f"resilient-ckpt {cmd}: note: {path} is a symbolic link: not listed or "
+                "checked; checkpoints are never links",
+                file=sys.stderr,
+            )
+
+
 def oldest_first(entries: list[Entry]) -> list[Entry]:
     """``entries`` (in :func:`catalog.scan`'s order) in the order ``ls`` lists them: by commit
     number, a checkpoint whose manifest cannot be read (no commit number) by the step in its

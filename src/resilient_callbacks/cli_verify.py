@@ -10,7 +10,7 @@ from typing import Any
 
 from . import catalog
 from .catalog import Depth, Entry, Status
-from .cli_scan import no_checkpoints, report_verified, resolve, row, scan
+from .cli_scan import no_checkpoints, report_verified, resolve, row, say_links, scan
 from .commit import CKPT_RE
 from .errors import CheckpointNotFoundError
 from .reader import by_commit, check, unordered
@@ -24,6 +24,7 @@ NO_MANIFEST = (
 
 def verify(args: argparse.Namespace) -> int:
     target = resolve(args.dir)
+    say_links("verify", target)
     for _ in range(5):  # a run writing here may delete a checkpoint while it is verified
         try:
             scope, chosen, committed, broken = _to_verify(target, args)
