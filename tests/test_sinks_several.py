@@ -237,3 +237,46 @@ def test_a_pushgateway_sink_still_finishing_its_last_push_is_no_conflict(tmp_pat
         server.shutdown()
     said = [r.getMessage() for r in caplog.records if "another Checkpointer" in r.getMessage()]
     assert said == []
+
+
+def test_a_textfile_sink_still_finishing_its_last_write_is_no_conflict(
+    tmp_path: Path, caplog, monkeypatch
+):
+    """A Checkpointer closed while its last textfile write hangs (a stalled NFS mount; close()
+    does not wait past its timeout), then another one of the same process writing the same
+    file (Lightning's second fit): that one writes it; only two open at once are a conflict."""
+    pytest.importorskip("prometheus_client")
+    import threading
+
+    from resilient_callbacks.sinks import prometheus
+
+    hold, held, release, writes = threading.Event(), threading.Event(), threading.Event(), []
+    write = prometheus.PrometheusTextfile._write
+
+    def hanging_write(self: prometheus.PrometheusTextfile) -> None:
+        if hold.is_set() and not held.is_set():
+            held.set()  # the first write after hold: the closing one's, kept waiting
+            release.wait(120)
+        write(self)
+        writes.append(self)
+
+    monkeypatch.setattr(prometheus.PrometheusTextfile, "_write", hanging_write)
+    sink = f"textfile:{tmp_path / 'ckpt.prom'}"
+    try:
+        with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
+            a = Checkpointer(tmp_path / "first", every_n_steps=5, telemetry=sink)
+            model = torch.nn.Linear(8, 8)
+            a.restore({"m": model})
+            for step in range(1, 6):
+                a.step(step, {"m": model})
+            hold.set()
+            a.close(timeout=0.5)  # its last write hangs: not waited for
+            assert held.wait(60)
+            n = len(writes)
+            with Checkpointer(tmp_path / "second", every_n_steps=5, telemetry=sink) as b:
+                b.restore({})
+            assert len(writes) > n  # the second one wrote the file
+    finally:
+        release.set()
+    said = [r.getMessage() for r in caplog.records if "another Checkpointer" in r.getMessage()]
+    assert said == []

@@ -33,7 +33,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra 
 # the ports this process's exporters hold: (addr, first port, how many); a per_rank exporter
 # holds its node's range (port + each local rank), each rank serving one of them
 _SERVING: set[tuple[str, int, int]] = set()
-_WRITING: set[str] = set()  # the files this process's textfile sinks write
+_WRITING: dict[str, Any] = {}  # file -> the textfile sink of this process writing it
 # (url, job, grouping key) -> the Pushgateway sink of this process pushing that group
 _PUSHING: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
 
@@ -170,9 +170,10 @@ class PrometheusTextfile(_PrometheusBase):
         self._own = False  # the path is this sink's (in _WRITING)
 
     def close(self) -> None:
-        if self._own:
-            _WRITING.discard(os.path.abspath(self.path))
-            self._own = False
+        key = os.path.abspath(self.path)
+        if self._own and _WRITING.get(key) is self:
+            del _WRITING[key]
+        self._own = False
 
     def start(self, telemetry: Telemetry) -> None:
         super().start(telemetry)
@@ -180,13 +181,15 @@ class PrometheusTextfile(_PrometheusBase):
             self.path = self.path[: -len(".prom")] + f".rank{telemetry.rank}.prom"
         self.name = f"prometheus textfile {self.path}"
         key = os.path.abspath(self.path)
-        if not self._own and key in _WRITING:  # not retried: it is this process's own
+        other = _WRITING.get(key)
+        # (one whose Checkpointer closed, its last write still under way, is no conflict)
+        if other not in (None, self) and other.telemetry is not None and other.telemetry.active:
             raise ConfigError(
                 f"another Checkpointer of this process writes its metrics to {self.path} (a "
                 "model's and its EMA's, each with the same telemetry='textfile:...'): give this "
                 f"one its own file, e.g. {self.path[: -len('.prom')]}.ema.prom"
             )
-        _WRITING.add(key)
+        _WRITING[key] = self
         self._own = True
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._write()
