@@ -31,7 +31,6 @@ from .catalog import Entry
 from .config import CheckpointerConfig
 from .directory import Directory
 from .emergency import GRACE_ENV, Emergency, start_watcher
-from .errors import CheckpointError, ConfigError
 from .metrics import Telemetry
 from .node_restore import NodeRestorer
 from .nodelocal import NodeDirectory, open_directory
@@ -358,10 +357,7 @@ class Checkpointer:
             self._dir.lock.release()
 
     def _check_open(self, writes: bool = False) -> None:
-        if self._closed:
-            raise CheckpointError("this Checkpointer is closed; create a new one to save again")
-        if writes and self.config.read_only:
-            raise ConfigError(f"this Checkpointer of {self.dirpath} is read_only: it never saves")
+        closing.check_open(self, writes)
 
     def _wait_background(self) -> float:
         return self._saver.wait_background()

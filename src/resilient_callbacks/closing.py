@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from . import catalog, unanswered_exit
 from .catalog import Depth
-from .errors import UploadIncompleteError
+from .errors import CheckpointError, ConfigError, UploadIncompleteError
 from .nodelocal import NodeDirectory
 from .preemption import pending
 from .redact import push_command
@@ -186,6 +186,14 @@ def _nodes_error(d: NodeDirectory, pending: list[str], outage_s: float) -> Uploa
         d.dirpath,
         url,
     )
+
+
+def check_open(ck: Checkpointer, writes: bool = False) -> None:
+    """Raise unless ``ck`` may be used (``writes``: to save): not closed, and not read-only."""
+    if ck._closed:
+        raise CheckpointError("this Checkpointer is closed; create a new one to save again")
+    if writes and ck.config.read_only:
+        raise ConfigError(f"this Checkpointer of {ck.dirpath} is read_only: it never saves")
 
 
 def failing(ck: Checkpointer, exc: BaseException) -> None:
