@@ -161,6 +161,7 @@ class Checkpointer:
         self._logger_unchecked = "logger" in self.telemetry_kinds
         self.dirpath: str = self.config.dirpath
         self.retention = self.config.local_retention_policy()
+        dist.require_group(self.dirpath)
         self.rank = dist.rank()
         self.world_size = dist.world_size()
         self.is_coordinator = self.rank == 0

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import catalog, unanswered_exit
+from . import catalog, dist, unanswered_exit
 from .catalog import Depth
 from .errors import CheckpointError, ConfigError, UploadIncompleteError
 from .nodelocal import NodeDirectory
@@ -192,6 +192,7 @@ def check_open(ck: Checkpointer, writes: bool = False) -> None:
     """Raise unless ``ck`` may be used (``writes``: to save): not closed, and not read-only."""
     if ck._closed:
         raise CheckpointError("this Checkpointer is closed; create a new one to save again")
+    dist.check_same_world(ck.world_size, f"Checkpointer({ck.dirpath!r})")
     if writes and ck.config.read_only:
         raise ConfigError(f"this Checkpointer of {ck.dirpath} is read_only: it never saves")
 

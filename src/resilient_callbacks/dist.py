@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ._version import release
-from .errors import AT_CALLER, CheckpointError, CollectiveError, warn_and_log
+from .errors import AT_CALLER, CheckpointError, CollectiveError, ConfigError, warn_and_log
 
 #: what every rank must do, said with every failed exchange
 SAME_POINTS = (
@@ -124,6 +124,60 @@ def rank() -> int:
 
 def world_size() -> int:
     return torch.distributed.get_world_size() if is_initialized() else 1
+
+
+def launched_world_size() -> int:
+    """The number of ranks the launcher started (torchrun's ``WORLD_SIZE``; 1 where unset)."""
+    value = os.environ.get("WORLD_SIZE", "1").strip()
+    return int(value) if value.isdigit() else 1
+
+
+#: how to create a Checkpointer on several ranks, said by the errors below
+_AFTER_GROUP = (
+    "Call torch.distributed.init_process_group(...) first, then create the Checkpointer "
+    "(the Lightning, Transformers, Accelerate and DeepSpeed adapters do so: they create it "
+    "once the framework has set up the group)"
+)
+
+
+def require_group(dirpath: str) -> None:
+    """Every rank, when a Checkpointer is created: refuse a process launched as one of several
+    ranks (``WORLD_SIZE`` > 1, as torchrun sets it) whose process group does not exist yet.
+    Its rank and world size are read here; without a group every rank would take itself for
+    the only one: take the directory's lock (the second rank was refused with a lock error
+    that named no cause), write the history, and save into ``dirpath`` as if alone."""
+    launched = launched_world_size()
+    if launched <= 1 or is_initialized():
+        return
+    raise ConfigError(
+        f"Checkpointer({dirpath!r}) was created before torch.distributed.init_process_group: "
+        f"this process was launched as rank {os.environ.get('RANK', '?')} of "
+        f"WORLD_SIZE={launched} but has no process group yet, so it would act as the only "
+        "rank and every rank would write the same directory as if alone. "
+        f"{_AFTER_GROUP}. If these processes are independent runs (no process group), "
+        "set WORLD_SIZE=1 in their environment and give each its own dirpath."
+    )
+
+
+def check_same_world(created: int, what: str) -> None:
+    """Every rank, at each call of a Checkpointer: raise where the process group is not the one
+    it was created in (``created`` ranks): a group created after it (``mp.spawn`` without
+    ``WORLD_SIZE``, which :func:`require_group` cannot see) or destroyed before its call."""
+    now = world_size()
+    if now == created:
+        return
+    if created == 1:
+        raise ConfigError(
+            f"{what}: this Checkpointer was created without a process group (as the only "
+            f"rank), and the process group now has {now} ranks: every rank would save into "
+            f"the same directory as if alone. {_AFTER_GROUP}."
+        )
+    raise ConfigError(
+        f"{what}: this Checkpointer was created on {created} ranks, and the process group "
+        f"{'was destroyed' if now == 1 else f'now has {now} ranks'} since: call it only "
+        "while its process group exists (close() it before destroy_process_group) and "
+        "create a new Checkpointer for a new group."
+    )
 
 
 def _device(group: Any = None) -> torch.device:

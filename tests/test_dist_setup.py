@@ -1,0 +1,122 @@
+"""A Checkpointer's process group: created before it, and the same at every call.
+
+Under torchrun (``WORLD_SIZE=2`` in the environment) a Checkpointer created before
+``init_process_group`` took each process for rank 0 of a world of one: rank 1 was refused by the
+directory's lock with an error that named no cause, and rank 0 waited in restore() until the
+process group's timeout; created without ``WORLD_SIZE`` (``mp.spawn``) and used after the group
+appeared, both ranks wrote into rank 0's staging directory as coordinators. Both are refused now,
+with a ConfigError that says to call ``init_process_group`` first. This file doubles as the worker
+script: ``python test_dist_setup.py worker ROOT OUT MODE``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import spawn_ranks
+from resilient_callbacks import Checkpointer, ConfigError
+
+WORLD = 2
+DEADLINE = 120.0  # seconds for one group of ranks: a hang fails the test
+
+
+def worker(root: str, out: str, mode: str) -> None:
+    import torch.distributed as td
+
+    res: dict[str, Any] = {}
+    rank = int(os.environ["RANK"])
+    if mode == "late":  # as mp.spawn users do: no WORLD_SIZE, the group's size passed in
+        del os.environ["RANK"]
+        n = int(os.environ.pop("WORLD_SIZE"))
+    ck = None
+    try:
+        ck = Checkpointer(f"{root}/{rank}", preemption=False)
+        res["created"] = True
+    except ConfigError as e:
+        res["created"] = str(e)
+    if mode == "late":
+        td.init_process_group("gloo", rank=rank, world_size=n)
+    else:
+        td.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank = td.get_rank()
+    if ck is not None:
+        state = {"w": torch.arange(4.0) + rank}
+        try:
+            ck.restore(state)
+            ck.save(1, state)
+            res["used"] = True
+        except ConfigError as e:
+            res["used"] = str(e)
+        ck.close()
+    td.barrier()  # both ranks are done with the directory
+    res["listing"] = sorted(str(p.relative_to(root)) for p in Path(root).rglob("step_*"))
+    Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+    spawn_ranks.leave_group()
+
+
+if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "worker":
+    worker(sys.argv[2], sys.argv[3], sys.argv[4])
+    sys.exit(0)
+
+import pytest  # noqa: E402  (after the worker code, which does not need it)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+
+def _ranks(tmp_path: Path, mode: str) -> list[dict[str, Any]]:
+    root, out = tmp_path / mode, tmp_path / f"{mode}.out"
+    argv = [sys.executable, __file__, "worker", str(root), str(out), mode]
+    zygote = spawn_ranks.shared_zygote()
+    spawn_ranks.run(argv, WORLD, tmp_path, mode, deadline=DEADLINE, zygote=zygote)
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(WORLD)]
+
+
+def test_created_before_init_process_group_under_torchrun_is_refused_on_every_rank(tmp_path):
+    """Every rank (each given ROOT/<RANK>, so that the old lock error cannot hide the rest) is
+    refused at construction, saying what to do; nothing is written."""
+    for r, res in enumerate(_ranks(tmp_path, "early")):
+        msg = res["created"]
+        assert msg is not True, (r, res)
+        assert "created before torch.distributed.init_process_group" in msg, msg
+        assert f"rank {r} of WORLD_SIZE=2" in msg, msg
+        assert "init_process_group(...) first, then create the Checkpointer" in msg, msg
+        assert res["listing"] == [], res
+
+
+def test_used_after_a_group_it_did_not_see_is_refused_before_writing(tmp_path):
+    """Created without WORLD_SIZE and without a group (each rank its own dirpath), then used
+    once a group of 2 exists: refused at restore(), on both ranks; no checkpoint written (it
+    wrote step 1 into rank 0's directory from both ranks)."""
+    for res in _ranks(tmp_path, "late"):
+        assert res["created"] is True, res
+        assert "created without a process group" in res["used"], res
+        assert "now has 2 ranks" in res["used"], res
+        assert res["listing"] == [], res
+
+
+@pytest.mark.parametrize("world", [None, "1"])
+def test_one_process_without_a_launched_world_is_untouched(tmp_path, monkeypatch, world):
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    state = {"w": torch.arange(3.0)}
+    with Checkpointer(tmp_path / "ck", preemption=False, async_save=False) as ck:
+        assert ck.restore(state) == 0
+        assert ck.save(1, state)
+    assert [e.step for e in ck.checkpoints()] == [1]
+
+
+def test_one_process_launched_as_one_of_two_without_a_group_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match=r"rank 1 of WORLD_SIZE=2 but has no process group"):
+        Checkpointer(tmp_path / "ck", preemption=False)
+    assert not (tmp_path / "ck").exists()
