@@ -6,7 +6,8 @@ directory's lock with an error that named no cause, and rank 0 waited in restore
 process group's timeout; created without ``WORLD_SIZE`` (``mp.spawn``) and used after the group
 appeared, both ranks wrote into rank 0's staging directory as coordinators. Both are refused now,
 with a ConfigError that says to call ``init_process_group`` first. This file doubles as the worker
-script: ``python test_dist_setup.py worker ROOT OUT MODE``.
+script: ``python test_dist_setup.py worker ROOT OUT MODE``. Ranks given different options (a
+schedule on one rank only) are refused alike at construction too.
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ def worker(root: str, out: str, mode: str) -> None:
 
     res: dict[str, Any] = {}
     rank = int(os.environ["RANK"])
+    if mode == "options":  # each rank its own schedule and retention
+        td.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        opts = {"adaptive": True} if rank == 0 else {"every_n_steps": 2, "keep_last": 2}
+        try:
+            with Checkpointer(root, preemption=False, **opts) as ck:
+                res["created"] = [ck.step(s, {"w": torch.zeros(2)}) for s in (1, 2)]
+        except ConfigError as e:
+            res["created"] = str(e)
+        td.barrier()
+        res["listing"] = sorted(str(p.relative_to(root)) for p in Path(root).rglob("step_*"))
+        Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+        spawn_ranks.leave_group()
     if mode == "late":  # as mp.spawn users do: no WORLD_SIZE, the group's size passed in
         del os.environ["RANK"]
         n = int(os.environ.pop("WORLD_SIZE"))
@@ -120,3 +133,17 @@ def test_one_process_launched_as_one_of_two_without_a_group_is_refused(tmp_path,
     with pytest.raises(ConfigError, match=r"rank 1 of WORLD_SIZE=2 but has no process group"):
         Checkpointer(tmp_path / "ck", preemption=False)
     assert not (tmp_path / "ck").exists()
+
+
+def test_ranks_given_different_options_are_refused_alike_at_construction(tmp_path):
+    """Rank 0 adaptive, rank 1 every 2 steps and keep_last=2: rank 1 waited in the save of
+    step 2 that rank 0 never reached, until the process group's timeout. Now every rank raises
+    the same ConfigError at construction, naming each option and each rank's value."""
+    outs = _ranks(tmp_path, "options")
+    assert outs[0]["created"] == outs[1]["created"], outs
+    msg = outs[0]["created"]
+    assert isinstance(msg, str) and "created their Checkpointer with different options" in msg
+    assert "every_n_steps: rank 0 None, rank 1 2" in msg, msg
+    assert "keep_last: rank 0 None, rank 1 2" in msg and "adaptive: rank 0 True" in msg, msg
+    assert "every rank must pass the same arguments" in msg, msg
+    assert outs[0]["listing"] == [], outs

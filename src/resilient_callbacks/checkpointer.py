@@ -162,6 +162,7 @@ class Checkpointer:
         self.dirpath: str = self.config.dirpath
         self.retention = self.config.local_retention_policy()
         dist.require_group(self.dirpath)
+        dist.check_same_options(self.config.agreed())
         self.rank = dist.rank()
         self.world_size = dist.world_size()
         self.is_coordinator = self.rank == 0

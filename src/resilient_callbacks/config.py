@@ -56,6 +56,40 @@ class ResumeMode(StrEnum):
     NEVER = "never"  # start fresh; checkpoints already in dirpath are kept and not counted
 
 
+#: the options :meth:`CheckpointerConfig.agreed` compares across ranks
+AGREED = (
+    "every_n_steps",
+    "every_seconds",
+    "keep_last",
+    "keep_best",
+    "monitor",
+    "mode",
+    "keep_every_n_steps",
+    "resume",
+    "capture_rng",
+    "async_save",
+    "max_in_flight",
+    "if_busy",
+    "overlap_snapshot",
+    "adaptive",
+    "mtbf_hours",
+    "max_overhead",
+    "min_interval",
+    "max_interval",
+    "loss_jump",
+    "loss_key",
+    "preemption",
+    "exit_on_preemption",
+    "save_on_exception",
+    "remote_every_n_saves",
+    "shared_dirpath",
+    "replicas",
+    "incremental",
+    "compression",
+    "read_only",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointerConfig:
     dirpath: str
@@ -332,6 +366,19 @@ class CheckpointerConfig:
                 "read_only=True with resume='never' would restore nothing: use resume='auto' "
                 "(the newest valid checkpoint), a step number or a checkpoint's path"
             )
+
+    def agreed(self) -> dict[str, Any]:
+        """The options every rank must be given alike, as JSON values: those that decide
+        together when and how the ranks save, restore and keep checkpoints (a rank with another
+        ``every_n_steps`` or ``adaptive`` waited in a save the others never reached). Left out:
+        what may differ per rank or node (``dirpath`` in node-local mode, telemetry, remote
+        credentials, signals, compression level)."""
+        out: dict[str, Any] = {}
+        for name in AGREED:
+            v = getattr(self, name)
+            out[name] = v if v is None or isinstance(v, (bool, int, float)) else str(v)
+        out["remote"] = self.remote is not None
+        return out
 
     def remote_due(self, seq: int, reason: str) -> bool:
         """Is the checkpoint of commit number ``seq`` uploaded? Every ``remote_every_n_saves``-th

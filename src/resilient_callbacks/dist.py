@@ -180,6 +180,27 @@ def check_same_world(created: int, what: str) -> None:
     )
 
 
+def check_same_options(options: dict[str, Any]) -> None:
+    """Every rank, when a Checkpointer is created (one all-gather): raise the same
+    :class:`ConfigError` on every rank where the ranks were given different ``options``
+    (``{name: JSON value}``): they decide together when to save, and a rank with another
+    schedule waited in a save the others never reached, until the process group's timeout."""
+    if not is_initialized() or world_size() == 1:
+        return
+    every = all_gather_json(options)
+    differ = [k for k in options if any(o.get(k) != every[0].get(k) for o in every)]
+    if not differ:
+        return
+    said = "; ".join(
+        f"{k}: " + ", ".join(f"rank {r} {o.get(k)!r}" for r, o in enumerate(every)) for k in differ
+    )
+    raise ConfigError(
+        f"the ranks created their Checkpointer with different options ({said}): every rank "
+        "must pass the same arguments, since the ranks decide together when to save (ranks "
+        "that differ wait for each other in a save until the process group's timeout)"
+    )
+
+
 def _device(group: Any = None) -> torch.device:
     """Where this rank's tensors for a collective on ``group`` live: the CPU, or under NCCL the
     GPU the group is bound to (``init_process_group(device_id=...)``), else the current one
