@@ -45,6 +45,30 @@ def worker(root: str, out: str, mode: str) -> None:
         res["listing"] = sorted(str(p.relative_to(root)) for p in Path(root).rglob("step_*"))
         Path(f"{out}.rank{rank}").write_text(json.dumps(res))
         spawn_ranks.leave_group()
+    if mode == "destroyed":  # the group destroyed between a save's begin and its commit
+        from resilient_callbacks import CheckpointWriteError, layout, rng, structure
+        from resilient_callbacks.session import CommitSession
+
+        td.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        os.makedirs(root, exist_ok=True)
+        session = CommitSession(root, 3, run_id="setup00000000000")
+        staging = session.begin()
+        assert staging is not None
+        shared, local = structure.encode({"w": torch.zeros(2)}, split_per_rank=True)
+        rng_info, rng_tensors = rng.capture()
+        files = layout.write_part(
+            staging, rank, shared if rank == 0 else None, local, rng_info, rng_tensors
+        )
+        session.add(files)
+        td.barrier()
+        td.destroy_process_group()
+        try:
+            session.commit()
+            res["commit"] = "committed"
+        except CheckpointWriteError as e:
+            res["commit"] = str(e)
+        Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+        sys.exit(0)
     if mode == "late":  # as mp.spawn users do: no WORLD_SIZE, the group's size passed in
         del os.environ["RANK"]
         n = int(os.environ.pop("WORLD_SIZE"))
@@ -147,3 +171,18 @@ def test_ranks_given_different_options_are_refused_alike_at_construction(tmp_pat
     assert "keep_last: rank 0 None, rank 1 2" in msg and "adaptive: rank 0 True" in msg, msg
     assert "every rank must pass the same arguments" in msg, msg
     assert outs[0]["listing"] == [], outs
+
+
+def test_a_commit_whose_process_group_was_destroyed_commits_nothing(tmp_path):
+    """destroy_process_group() between a save's begin and its commit (a background save still
+    in flight when the script tears the group down, then close()): the collectives became
+    no-ops, and rank 0 committed a checkpoint of 2 ranks holding its own files only, while
+    rank 1 raised a failure of "rank 0 (commit): None". Now both raise, saying that only one
+    of the 2 ranks reported and why; nothing is committed and no staging directory is left."""
+    outs = _ranks(tmp_path, "destroyed")
+    for res in outs:
+        msg = res["commit"]
+        assert msg != "committed", outs
+        assert "only 1 of its 2 ranks reported" in msg, msg
+        assert "destroy_process_group" in msg, msg
+    assert os.listdir(tmp_path / "destroyed") == [], os.listdir(tmp_path / "destroyed")

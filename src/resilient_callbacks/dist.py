@@ -126,6 +126,11 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if is_initialized() else 1
 
 
+def group_size(group: Any = None) -> int:
+    """The ranks of ``group`` (default: the world); 1 without a process group."""
+    return torch.distributed.get_world_size(group) if is_initialized() else 1
+
+
 def launched_world_size() -> int:
     """The number of ranks the launcher started (torchrun's ``WORLD_SIZE``; 1 where unset)."""
     value = os.environ.get("WORLD_SIZE", "1").strip()

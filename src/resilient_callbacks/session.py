@@ -162,6 +162,7 @@ class CommitSession:
             tip.planned(seq)
         self.rank = dist.rank()
         self.world_size = dist.world_size()
+        self._ranks = dist.group_size(group)  # the reports commit() must gather
         self.is_coordinator = self.rank == 0
         self.staging: str | None = None
         self.files: list[FileEntry] = []
@@ -266,6 +267,13 @@ class CommitSession:
         )
         gathered = dist.all_gather_json(report.to_json(), group=self.group)
         reports = [RankReport.from_json(r) for r in gathered]
+        if len(reports) != self._ranks:  # the group was destroyed: its collectives are no-ops
+            for r in reports:
+                r.error = r.error or (
+                    f"only {len(reports)} of its {self._ranks} ranks reported: the process "
+                    "group was destroyed before the save finished (close() the Checkpointer, "
+                    "which waits for its saves, before destroy_process_group)"
+                )
         agree_steps(reports)
         failed = [r for r in reports if r.error]
         outcome: dict[str, Any] = {"path": None, "seq": None, "error": self._begin_error}
