@@ -69,6 +69,15 @@ def worker(root: str, out: str, mode: str) -> None:
             res["commit"] = str(e)
         Path(f"{out}.rank{rank}").write_text(json.dumps(res))
         sys.exit(0)
+    if mode == "perrank":  # a path per rank, as torch.save users write one file per rank
+        td.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        try:
+            Checkpointer(f"{root}/{rank}", preemption=False).close()
+            res["created"] = True
+        except ConfigError as e:
+            res["created"] = str(e)
+        Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+        spawn_ranks.leave_group()
     if mode == "late":  # as mp.spawn users do: no WORLD_SIZE, the group's size passed in
         del os.environ["RANK"]
         n = int(os.environ.pop("WORLD_SIZE"))
@@ -186,3 +195,15 @@ def test_a_commit_whose_process_group_was_destroyed_commits_nothing(tmp_path):
         assert "only 1 of its 2 ranks reported" in msg, msg
         assert "destroy_process_group" in msg, msg
     assert os.listdir(tmp_path / "destroyed") == [], os.listdir(tmp_path / "destroyed")
+
+
+def test_ranks_given_per_rank_dirpaths_are_told_so(tmp_path):
+    """ckpt/0 on rank 0, ckpt/1 on rank 1 (one host): refused, as before, but the error spoke
+    of '2 nodes each seeing their own directory' and asked for a remote tier; it now says the
+    ranks were given different dirpaths, names them, and asks for one shared dirpath."""
+    root = tmp_path / "perrank"
+    for res in _ranks(tmp_path, "perrank"):
+        msg = res["created"]
+        assert isinstance(msg, str) and "the ranks were given different dirpaths" in msg, res
+        assert f"rank 0 {str(root / '0')!r}, rank 1 {str(root / '1')!r}" in msg, msg
+        assert "every rank must pass the same dirpath" in msg, msg

@@ -124,6 +124,15 @@ def open_directory(
     dirpath = config.dirpath
     d: Directory
     if topology.node_local:
+        paths = topology.extra.get("dirpaths")
+        if config.remote is None and paths:
+            raise ConfigError(
+                "the ranks were given different dirpaths ("
+                + ", ".join(f"rank {r} {p!r}" for r, p in enumerate(paths))
+                + "), so each sees a directory of its own: every rank must pass the same "
+                "dirpath, on a filesystem they share (a per-rank path such as "
+                "f'ckpt/{rank}' would split each checkpoint into parts no rank restores alone)"
+            )
         if config.remote is None:
             raise ConfigError(
                 f"dirpath={dirpath!r} is node-local ({len(topology.nodes)} nodes each see "

@@ -115,12 +115,12 @@ def detect(dirpath: str, shared: bool | None) -> Topology:
             if name.startswith(prefix):
                 with contextlib.suppress(ValueError):
                     seen.add(int(name[len(prefix) :]))
-    view = [min(seen), len(seen), hash(tuple(sorted(seen))) & 0xFFFFFFFF]
+    view = [min(seen), len(seen), hash(tuple(sorted(seen))) & 0xFFFFFFFF, dirpath]
     views = dist.all_gather_json(view)  # (every rank has listed: the probes may go)
     with contextlib.suppress(OSError):
         os.unlink(probe)
     groups: dict[int, list[int]] = {}
-    for rank_, (first, _, _) in enumerate(views):
+    for rank_, (first, *_) in enumerate(views):
         groups.setdefault(first, []).append(rank_)
     for ranks in groups.values():
         if any(views[x][1] != len(ranks) or views[x][2] != views[ranks[0]][2] for x in ranks):
@@ -139,6 +139,8 @@ def detect(dirpath: str, shared: bool | None) -> Topology:
             )
         return Topology(r, n, nodes)
     topo = Topology(r, n, nodes)
+    if len({v[3] for v in views}) > 1:  # (a per-rank path: f"ckpt/{rank}")
+        topo.extra["dirpaths"] = [v[3] for v in views]
     import torch.distributed as tdist
 
     # the world's timeout, not gloo's 30-minute default: a world set to wait 2 hours for slow
