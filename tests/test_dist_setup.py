@@ -78,6 +78,19 @@ def worker(root: str, out: str, mode: str) -> None:
             res["created"] = str(e)
         Path(f"{out}.rank{rank}").write_text(json.dumps(res))
         spawn_ranks.leave_group()
+    if mode == "after_destroy":  # a save called once the group is gone
+        td.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        ck = Checkpointer(root, preemption=False, async_save=False)
+        td.barrier()
+        td.destroy_process_group()
+        try:
+            ck.save(1, {"w": torch.zeros(2)})
+            res["save"] = "saved"
+        except ConfigError as e:
+            res["save"] = str(e)
+        res["listing"] = sorted(str(p.relative_to(root)) for p in Path(root).rglob("step_*"))
+        Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+        sys.exit(0)
     if mode == "late":  # as mp.spawn users do: no WORLD_SIZE, the group's size passed in
         del os.environ["RANK"]
         n = int(os.environ.pop("WORLD_SIZE"))
@@ -207,3 +220,12 @@ def test_ranks_given_per_rank_dirpaths_are_told_so(tmp_path):
         assert isinstance(msg, str) and "the ranks were given different dirpaths" in msg, res
         assert f"rank 0 {str(root / '0')!r}, rank 1 {str(root / '1')!r}" in msg, msg
         assert "every rank must pass the same dirpath" in msg, msg
+
+
+def test_a_save_after_destroy_process_group_is_refused(tmp_path):
+    """save() once the process group is destroyed ran the save as if each rank were alone
+    (collectives without a group are no-ops); it is refused now, saying to close() first."""
+    for res in _ranks(tmp_path, "after_destroy"):
+        assert "created on 2 ranks, and the process group was destroyed" in res["save"], res
+        assert "close() it before destroy_process_group" in res["save"], res
+        assert res["listing"] == [], res

@@ -174,8 +174,8 @@ def check_same_world(created: int, what: str) -> None:
     if created == 1:
         raise ConfigError(
             f"{what}: this Checkpointer was created without a process group (as the only "
-            f"rank), and the process group now has {now} ranks: every rank would save into "
-            f"the same directory as if alone. {_AFTER_GROUP}."
+            f"rank), and the process group now has {now} ranks: each rank would save as if "
+            f"it were alone. {_AFTER_GROUP}."
         )
     raise ConfigError(
         f"{what}: this Checkpointer was created on {created} ranks, and the process group "
