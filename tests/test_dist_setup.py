@@ -91,6 +91,20 @@ def worker(root: str, out: str, mode: str) -> None:
         res["listing"] = sorted(str(p.relative_to(root)) for p in Path(root).rglob("step_*"))
         Path(f"{out}.rank{rank}").write_text(json.dumps(res))
         sys.exit(0)
+    if mode == "rank0_only":  # created under `if rank == 0:`; rank 1 goes its own way
+        from resilient_callbacks import CollectiveError
+
+        td.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        if rank == 0:
+            try:
+                Checkpointer(root, preemption=False)
+                res["created"] = True
+            except CollectiveError as e:
+                res["created"] = str(e)
+            except Exception as e:  # the backend's raw error
+                res["created"] = f"raw {type(e).__name__}: {e}"
+            Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+        os._exit(0)  # rank 1 at once: its peer sees it gone
     if mode == "late":  # as mp.spawn users do: no WORLD_SIZE, the group's size passed in
         del os.environ["RANK"]
         n = int(os.environ.pop("WORLD_SIZE"))
@@ -229,3 +243,18 @@ def test_a_save_after_destroy_process_group_is_refused(tmp_path):
         assert "created on 2 ranks, and the process group was destroyed" in res["save"], res
         assert "close() it before destroy_process_group" in res["save"], res
         assert res["listing"] == [], res
+
+
+def test_a_checkpointer_created_on_rank_0_only_is_a_collective_error(tmp_path):
+    """Created under `if rank == 0:` (rank 1 gone meanwhile, or waiting elsewhere until the
+    group's timeout): the constructor raised gloo's raw RuntimeError; now a CollectiveError
+    that names the call and says every rank creates it at the same point."""
+    root, out = tmp_path / "rank0_only", tmp_path / "rank0_only.out"
+    argv = [sys.executable, __file__, "worker", str(root), str(out), "rank0_only"]
+    zygote = spawn_ranks.shared_zygote()
+    spawn_ranks.run(argv, WORLD, tmp_path, "rank0_only", deadline=DEADLINE, zygote=zygote)
+    msg = json.loads(Path(f"{out}.rank0").read_text())["created"]
+    assert isinstance(msg, str) and msg.startswith(
+        "creating the Checkpointer (every rank creates"
+    ), msg
+    assert "stopped on rank 0" in msg, msg

@@ -192,7 +192,9 @@ def check_same_options(options: dict[str, Any]) -> None:
     schedule waited in a save the others never reached, until the process group's timeout."""
     if not is_initialized() or world_size() == 1:
         return
-    every = all_gather_json(options)
+    # the first exchange of a Checkpointer: where one made on some ranks only stops
+    with peer_errors("creating the Checkpointer (every rank creates it, at the same point)"):
+        every = all_gather_json(options)
     differ = [k for k in options if any(o.get(k) != every[0].get(k) for o in every)]
     if not differ:
         return
