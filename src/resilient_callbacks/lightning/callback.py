@@ -188,6 +188,10 @@ class ResilientCheckpoint(Checkpoint):
         self._reset_fit_state()
         self.restored_step = None
         self.preempted = False
+        if trainer.fast_dev_run:  # Lightning: "Logging and checkpointing is suppressed"
+            self._unpatch_all()
+            rank_zero_info("ResilientCheckpoint: fast_dev_run: neither resumes nor saves")
+            return
         self._patch(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -351,6 +355,8 @@ class ResilientCheckpoint(Checkpoint):
         self._reclaim_signals()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.fast_dev_run:
+            return
         if self.checkpointer is None:
             raise RuntimeError(
                 "ResilientCheckpoint could not hook into Trainer.fit's checkpoint loading "
