@@ -1,4 +1,5 @@
-"""``ResilientCheckpoint`` in the Trainer's other modes: a debugging ``fast_dev_run``.
+"""``ResilientCheckpoint`` in the Trainer's other modes: a debugging ``fast_dev_run``, Lightning's
+tuner (``Tuner.lr_find``, ``LearningRateFinder``).
 
 In-process runs of a tiny model on the CPU; a stop is an exception at the start of a batch
 (no emergency save), the re-run a new module and Trainer in the same directory.
@@ -6,13 +7,14 @@ In-process runs of a tiny model on the CPU; a stop is an exception at the start 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 
-from resilient_callbacks import catalog
+from resilient_callbacks import ConfigError, catalog
 from resilient_callbacks.lightning import ResilientCheckpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -76,3 +78,127 @@ def test_a_fast_dev_run_neither_saves_nor_resumes(tmp_path):
     again, trainer = _fit(tmp_path, [rc], fast_dev_run=2)
     assert rc.restored_step is None and trainer.global_step == 2
     assert again.losses == plain.losses[:2] and _steps(ck) == saved
+
+
+class _Killed(Exception):
+    pass
+
+
+class _KillAfter(L.Callback):
+    """Raises at the start of batch ``n + 1`` of the fit (no emergency save: a kill)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.seen = n, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.seen += 1
+        if self.seen > self.n:
+            raise _Killed
+
+
+class _Recording(L.Callback):
+    """The module records its losses from the fit's ``on_train_start`` on (a finder's trial
+    steps run with the Trainer's callbacks replaced by its own: this one sees none)."""
+
+    def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        pl_module.recording = True
+
+
+class _Tuned(_Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 0.1
+        self.recording = False
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        n = len(self.losses)
+        loss = super().training_step(batch, batch_idx)
+        if not self.recording:
+            del self.losses[n:]
+        return loss
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def _tuned_fit(
+    work: Path, how: str, *callbacks: L.Callback, ours: bool = True
+) -> tuple[_Tuned, ResilientCheckpoint]:
+    """A fit whose learning rate a finder chose: ``Tuner(trainer).lr_find`` before it, or a
+    ``LearningRateFinder`` among its callbacks; a ResilientCheckpoint in ``work / "ck"``
+    (unless not ``ours``)."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+    from lightning.pytorch.tuner import Tuner
+
+    L.seed_everything(0, verbose=False)
+    module = _Tuned()
+    rc = ResilientCheckpoint(work / "ck", every_n_steps=3)
+    finder = [LearningRateFinder(num_training_steps=20)] if how == "callback" else []
+    trainer = L.Trainer(
+        callbacks=[*finder, _Recording(), *callbacks, *([rc] if ours else [])],
+        max_epochs=3,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=work,
+    )
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    if how == "tuner":
+        Tuner(trainer).lr_find(module, loader, num_training=20, update_attr=True)
+    with contextlib.suppress(_Killed):
+        trainer.fit(module, loader)
+    return module, rc
+
+
+@pytest.mark.parametrize("how", ["tuner", "callback"])
+def test_a_learning_rate_found_by_lightnings_tuner_resumes_exactly(tmp_path, how):
+    """``Tuner(trainer).lr_find(model)`` before ``fit()``, or a ``LearningRateFinder``
+    callback: the finder restores its own file through the ``resume_start`` we wrap. Found
+    2026-12-06: that restore was taken for a ``fit(ckpt_path=...)`` and the re-run of a killed
+    run trained again from step 0 (the Tuner's fit resumed ours, which the finder then replaced;
+    its end counted as a finished fit, so the real fit went on from the live state)."""
+    plain, _ = _tuned_fit(tmp_path / "plain", how, ours=False)
+    assert plain.lr != 0.1 and len(plain.losses) == 24
+    killed, _ = _tuned_fit(tmp_path, how, _KillAfter(10))
+    resumed, rc = _tuned_fit(tmp_path, how)
+    assert rc.restored_step == 9
+    assert killed.losses[:9] + resumed.losses == plain.losses
+    for a, b in zip(plain.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_batch_size_finder_in_the_fit_is_refused_at_a_resume(tmp_path):
+    """A ``BatchSizeFinder`` callback searches again at every ``fit()``'s start, and the batch
+    size it chose is kept nowhere: a resume is refused, naming the ``Tuner`` instead (before
+    2026-12-06 its restore replaced ours: the re-run trained again from step 0)."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    class Sized(_Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_size = 2
+
+        def train_dataloader(self):  # type: ignore[no-untyped-def]
+            g = torch.Generator().manual_seed(1)
+            data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g))
+            return torch.utils.data.DataLoader(data, batch_size=self.batch_size, shuffle=True)
+
+    def fit(*callbacks: L.Callback) -> None:
+        trainer = L.Trainer(
+            callbacks=[BatchSizeFinder(max_trials=2, steps_per_trial=1), *callbacks],
+            max_epochs=2,
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(Sized())
+
+    with contextlib.suppress(_Killed):
+        fit(ResilientCheckpoint(tmp_path / "ck", every_n_steps=2), _KillAfter(3))
+    with pytest.raises(ConfigError, match=r"BatchSizeFinder.*Tuner\(trainer\).scale_batch_size"):
+        fit(ResilientCheckpoint(tmp_path / "ck", every_n_steps=2))

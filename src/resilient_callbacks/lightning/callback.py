@@ -60,6 +60,7 @@ from . import (
     sharded,
     stages,
     stops,
+    tuning,
 )
 from . import state as st
 from .loaders import prepare_train_loaders
@@ -135,6 +136,7 @@ class ResilientCheckpoint(Checkpoint):
     def _reset_fit_state(self) -> None:
         self._ctx: st.SaveContext | None = None
         self._state: dict[str, Any] | None = None
+        self._resume_started = False  # this fit()'s resume_start ran
         self._resumed_stopped: bool | str = False  # the restored step is where a run stopped
         self._past_end: str | None = None  # ... is past this fit()'s end (:mod:`.stages`)
         self._val_iterators_made = False  # ... and the run's persistent val iterators existed
@@ -188,9 +190,9 @@ class ResilientCheckpoint(Checkpoint):
         self._reset_fit_state()
         self.restored_step = None
         self.preempted = False
-        if trainer.fast_dev_run:  # Lightning: "Logging and checkpointing is suppressed"
+        if why := tuning.not_the_run(trainer):  # fast_dev_run, the Tuner's fit
             self._unpatch_all()
-            rank_zero_info("ResilientCheckpoint: fast_dev_run: neither resumes nor saves")
+            rank_zero_info(f"ResilientCheckpoint: {why}: neither resumes nor saves")
             return
         self._patch(trainer)
 
@@ -241,9 +243,10 @@ class ResilientCheckpoint(Checkpoint):
     def _resume_start(
         self, trainer: pl.Trainer, original: Any, checkpoint_path: Any, weights_only: Any
     ) -> None:
-        if trainer.state.fn != TrainerFn.FITTING:
-            original(checkpoint_path, weights_only)
+        if trainer.state.fn != TrainerFn.FITTING or self._resume_started:
+            original(checkpoint_path, weights_only)  # (a finder restoring its file: tuning.py)
             return
+        self._resume_started = True
         resume = self._kwargs.get("resume", "auto")
         lightning_ckpt = None
         if checkpoint_path:
@@ -293,6 +296,7 @@ class ResilientCheckpoint(Checkpoint):
         # the random streams as the core restored them: put back right before the first batch
         self._resume = boundary.Resume(checkpoint, rng.capture())
         self._resume.auto = resume == "auto"  # not a step or path chosen by the user
+        self._unpatch += tuning.skip_at_resume(trainer)  # (finders ran at the run's start)
         rng.restore(*live)  # a train_dataloader() drawing its data makes the run's data
         self._resumed_stopped = checkpoint.pop(st.STOPPED_KEY, False)
         self._past_end = self._resume.past_end = stages.past_end(trainer, checkpoint, step)
@@ -355,7 +359,7 @@ class ResilientCheckpoint(Checkpoint):
         self._reclaim_signals()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.fast_dev_run:
+        if tuning.not_the_run(trainer):
             return
         if self.checkpointer is None:
             raise RuntimeError(
