@@ -1192,6 +1192,41 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
         _tiny_fit(tmp_path, _Wider(), ResilientCheckpoint(tmp_path / "ck", every_n_steps=2))
 
 
+class _Renamed(_Tiny):
+    """``_Tiny`` with its layer renamed; its ``on_load_checkpoint`` upgrades older checkpoints."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = self.lin
+        del self.lin
+
+    def training_step(self, batch, batch_idx):
+        return self.body(batch[0]).pow(2).mean()
+
+    def on_load_checkpoint(self, checkpoint):
+        sd = checkpoint["state_dict"]
+        for k in [k for k in sd if k.startswith("lin.")]:
+            sd["body." + k.removeprefix("lin.")] = sd.pop(k)
+
+
+def test_a_modules_on_load_checkpoint_may_rename_the_saved_weights(tmp_path):
+    """Lightning calls the module's ``on_load_checkpoint`` before it loads the weights, so a
+    hook may upgrade a checkpoint of an older layout, as with ``fit(ckpt_path=...)``. Found
+    2026-12-06: our check of the keys ran before the hook and refused the resume
+    (``CheckpointMismatchError``)."""
+    torch.manual_seed(0)
+    plain = _Tiny()
+    _tiny_fit(tmp_path / "plain", plain, max_steps=6)
+    torch.manual_seed(0)
+    _tiny_fit(tmp_path, _Tiny(), ResilientCheckpoint(tmp_path / "ck", every_n_steps=2))
+    torch.manual_seed(0)
+    renamed, rc = _Renamed(), ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)
+    _tiny_fit(tmp_path, renamed, rc, max_steps=6)
+    assert rc.restored_step == 4
+    assert torch.equal(renamed.body.weight, plain.lin.weight)
+    assert torch.equal(renamed.body.bias, plain.lin.bias)
+
+
 class _Handlers(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.during = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)]

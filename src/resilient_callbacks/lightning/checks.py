@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parameter import is_lazy
 
 from .. import module_versions
@@ -108,7 +109,8 @@ def is_final(trainer: pl.Trainer, epoch_end: bool) -> bool:
 
 def check_model_fits(trainer: Any, saved: dict[str, Any], path: str) -> None:
     """A checkpoint of another model fails here, naming every key that does not fit, rather
-    than deep inside ``load_state_dict``. Skipped for ``strict_loading=False`` modules. A
+    than deep inside ``load_state_dict``. Skipped for ``strict_loading=False`` modules, and left
+    to Lightning's strict load for a module with an ``on_load_checkpoint`` hook. A
     tensor saved in another dtype than the one it has once the precision plugin has converted
     the module (after the restore) is cast: said with a warning, as the core says it."""
     module = trainer.lightning_module
@@ -126,7 +128,9 @@ def check_model_fits(trainer: Any, saved: dict[str, Any], path: str) -> None:
     if unexpected:
         problems.append(f"not in the model: {', '.join(unexpected[:20])}")
     problems += [f"{k}: {have[k]} in the checkpoint, {live[k]} in the model" for k in reshaped[:20]]
-    if problems:
+    if problems and not is_overridden("on_load_checkpoint", module):
+        # (a module's on_load_checkpoint, which Lightning calls before it loads the weights,
+        # may make them fit: renamed layers; Lightning's strict load_state_dict then checks)
         raise CheckpointMismatchError(
             f"the checkpoint {path} does not fit this model:\n  - "
             + "\n  - ".join(problems)
