@@ -177,6 +177,7 @@ class Resume:
         checks.optimizers_and_schedulers(trainer, self.counts)
         if not self.epoch_end:
             _start_swa_mid_epoch(trainer)
+            _accumulation_mid_epoch(trainer)
         _trainable_as_saved(trainer, self.trainable, self.tracking)
         if self.metrics:
             trainer.callback_metrics.update(self.metrics)
@@ -287,6 +288,18 @@ def _start_swa_mid_epoch(trainer: pl.Trainer) -> None:
             and cb._scheduler_state is not None
             and cb.swa_start <= trainer.current_epoch <= cb.swa_end
         ):
+            cb.on_train_epoch_start(trainer, trainer.lightning_module)
+
+
+def _accumulation_mid_epoch(trainer: pl.Trainer) -> None:
+    """A resume mid-epoch: a ``GradientAccumulationScheduler`` sets the epoch's
+    ``accumulate_grad_batches`` only in ``on_train_epoch_start``, which Lightning skips for the
+    resumed epoch, so the rest of it stepped after every batch (its ``on_train_start``, which
+    ran just before, requires the Trainer's 1). Its epoch start runs here instead."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(cb, GradientAccumulationScheduler):
             cb.on_train_epoch_start(trainer, trainer.lightning_module)
 
 

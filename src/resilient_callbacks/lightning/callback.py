@@ -301,7 +301,7 @@ class ResilientCheckpoint(Checkpoint):
         self._resumed_stopped = checkpoint.pop(st.STOPPED_KEY, False)
         self._past_end = self._resume.past_end = stages.past_end(trainer, checkpoint, step)
         self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
-        checks.accumulation(trainer, checkpoint.pop(st.ACCUMULATE_KEY, None))
+        checks.accumulation(trainer, checkpoint.pop(st.ACCUMULATE_KEY, None), checkpoint)
         if ckpt.last_restore is not None:
             # said as Lightning says its own (rank_zero_info), with the tier and what was skipped
             where = st.position(checkpoint, self._resume.epoch_end)

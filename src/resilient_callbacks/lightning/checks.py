@@ -150,12 +150,21 @@ def check_model_fits(trainer: Any, saved: dict[str, Any], path: str) -> None:
     warn_cast(cast, os.path.dirname(os.path.dirname(pl.__file__)))  # at the user's fit() line
 
 
-def accumulation(trainer: pl.Trainer, saved: Any) -> None:
+def accumulation(trainer: pl.Trainer, saved: Any, checkpoint: dict[str, Any]) -> None:
     """Warn (at the user's ``fit()`` line) when ``accumulate_grad_batches`` differs from the
     checkpoint's: Lightning goes on silently, each optimizer step then taking another number of
     batches -- another global batch from the restored step on (the Transformers callback
-    refuses that; the batch size, held by the data loader's position, is refused here too)."""
+    refuses that; the batch size, held by the data loader's position, is refused here too).
+    With a ``GradientAccumulationScheduler``, the one it sets for the epoch of the step saved
+    (in Lightning's restored ``checkpoint``)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
     here = trainer.accumulate_grad_batches
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {})
+    epoch = progress.get("current", {}).get("completed")
+    for cb in callbacks(trainer):
+        if isinstance(cb, GradientAccumulationScheduler) and isinstance(epoch, int):
+            here = cb.get_accumulate_grad_batches(epoch)
     if isinstance(saved, int) and saved != here:
         warnings.warn(
             f"accumulate_grad_batches={here} here, {saved} when the checkpoint was saved: each "

@@ -1,5 +1,6 @@
-"""``ResilientCheckpoint`` in the Trainer's other modes: a debugging ``fast_dev_run``, Lightning's
-tuner (``Tuner.lr_find``, ``LearningRateFinder``).
+"""``ResilientCheckpoint`` next to the Trainer's other modes and tools: a debugging
+``fast_dev_run``, Lightning's tuner (``Tuner.lr_find``, ``LearningRateFinder``,
+``BatchSizeFinder``), a ``GradientAccumulationScheduler``.
 
 In-process runs of a tiny model on the CPU; a stop is an exception at the start of a batch
 (no emergency save), the re-run a new module and Trainer in the same directory.
@@ -8,6 +9,7 @@ In-process runs of a tiny model on the CPU; a stop is an exception at the start 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -202,3 +204,33 @@ def test_a_batch_size_finder_in_the_fit_is_refused_at_a_resume(tmp_path):
         fit(ResilientCheckpoint(tmp_path / "ck", every_n_steps=2), _KillAfter(3))
     with pytest.raises(ConfigError, match=r"BatchSizeFinder.*Tuner\(trainer\).scale_batch_size"):
         fit(ResilientCheckpoint(tmp_path / "ck", every_n_steps=2))
+
+
+def test_a_gradient_accumulation_schedule_resumes_mid_epoch_exactly(tmp_path):
+    """``GradientAccumulationScheduler`` sets an epoch's ``accumulate_grad_batches`` in
+    ``on_train_epoch_start``, which Lightning skips for an epoch it resumes in the middle of.
+    Found 2026-12-06: the rest of that epoch stepped after every batch (3 steps more in all),
+    with a warning that the Trainer's ``accumulate_grad_batches=1`` differed from the saved 3
+    (the scheduler refuses any other)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    def schedule() -> GradientAccumulationScheduler:
+        return GradientAccumulationScheduler({0: 1, 1: 3})
+
+    plain, trainer = _fit(tmp_path / "plain", [schedule()], max_epochs=3)
+    assert trainer.global_step == 14  # 8 steps, then 3 an epoch (batches 3, 6 and 8)
+    with contextlib.suppress(_Killed):
+        _fit(
+            tmp_path,
+            [schedule(), ResilientCheckpoint(tmp_path / "ck", every_n_steps=3), _KillAfter(11)],
+            max_epochs=3,
+        )
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*accumulate_grad_batches")
+        resumed, trainer = _fit(tmp_path, [schedule(), rc], max_epochs=3)
+    assert rc.restored_step == 9  # epoch 1's first step (its batch 3)
+    assert trainer.global_step == 14
+    assert plain.losses[:11] + resumed.losses == plain.losses
+    for a, b in zip(plain.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
