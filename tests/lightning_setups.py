@@ -314,6 +314,7 @@ SETUPS = {
     "early_mid": {"max_epochs": 30, "val_check_interval": 0.5},
     "ckpt_last": {},
     "refit_steps": {"max_steps": 20, "max_epochs": -1},
+    "accum_sched": {},  # a GradientAccumulationScheduler: 1, then 3 from epoch 1
 }
 
 
@@ -353,6 +354,8 @@ def main(argv: list[str] | None = None) -> None:
         callbacks.append(
             L.pytorch.callbacks.EarlyStopping(monitor="val_loss", patience=2, min_delta=0.002)
         )
+    if opts.setup == "accum_sched":
+        callbacks.append(L.pytorch.callbacks.GradientAccumulationScheduler({0: 1, 1: 3}))
     if opts.setup == "ckpt_last":
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(

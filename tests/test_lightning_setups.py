@@ -14,7 +14,8 @@ an epoch-interval ``ReduceLROnPlateau`` on ``val_loss``, ``EarlyStopping`` (pati
 ``accumulate_grad_batches=3`` with a validation every 4 batches (after a batch that made no
 step), ``EarlyStopping`` on validations in the middle of epochs, a ``ModelCheckpoint(save_last=
 True)`` with ``fit(ckpt_path="last")`` (ours resume: as new as Lightning's file), and two
-``fit()`` stages set by ``max_steps``, the first ending in the middle of an epoch. An ``IterableDataset`` without state is
+``fit()`` stages set by ``max_steps``, the first ending in the middle of an epoch, and a
+``GradientAccumulationScheduler`` (1, then 3 batches a step from epoch 1). An ``IterableDataset`` without state is
 only compared uninterrupted: a mid-epoch resume restarts its epoch (docs/lightning.md).
 
 On two DDP ranks (``--devices 2``: ``strategy="ddp"``, rank 1 launched by Lightning, gloo):
@@ -134,6 +135,7 @@ def _same(ref: list[dict], got: list[dict], what: str) -> None:
         "early_mid",
         "ckpt_last",
         "refit_steps",
+        "accum_sched",
     ],
 )
 def test_a_setup_is_unchanged_by_the_callback_and_resumes_exactly_after_sigkills(tmp_path, setup):
