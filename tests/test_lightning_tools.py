@@ -234,3 +234,45 @@ def test_a_gradient_accumulation_schedule_resumes_mid_epoch_exactly(tmp_path):
     assert plain.losses[:11] + resumed.losses == plain.losses
     for a, b in zip(plain.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def _spawn_fit(work: Path, *callbacks: L.Callback) -> tuple[_Net, L.Trainer]:
+    L.seed_everything(0, verbose=False)
+    module = _Net()
+    trainer = L.Trainer(
+        callbacks=list(callbacks),
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        strategy="ddp_spawn",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=work,
+    )
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g))
+    try:
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+    except Exception as e:  # (the worker's exception comes back as another)
+        if "_Killed" not in str(e) and "_Killed" not in repr(e.__cause__):
+            raise
+    return module, trainer
+
+
+@pytest.mark.slow
+def test_a_spawned_fit_ends_and_resumes_with_the_weights_of_the_run(tmp_path):
+    """``strategy="ddp_spawn"`` (and ``"ddp_notebook"``) runs the fit in worker processes; at
+    the end Lightning's launcher sets the worker's ``best_model_path`` on the main process's
+    ``trainer.checkpoint_callback``, ours. Found 2026-12-06: that property had no setter, and
+    every such ``fit()`` raised ``AttributeError`` at its end, before the main process got the
+    trained weights."""
+    plain, _ = _spawn_fit(tmp_path / "plain")
+    _spawn_fit(tmp_path, ResilientCheckpoint(tmp_path / "ck", every_n_steps=3), _KillAfter(10))
+    assert _steps(tmp_path / "ck") == [3, 6, 9]
+    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=3)
+    resumed, trainer = _spawn_fit(tmp_path, rc)
+    assert trainer.checkpoint_callback is rc and rc.best_model_path == ""
+    assert _steps(tmp_path / "ck")[-1] == 16
+    for a, b in zip(plain.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -167,7 +167,13 @@ class ResilientCheckpoint(Checkpoint):
         for cb in checks.callbacks(trainer):
             if isinstance(cb, ModelCheckpoint):
                 return cb.best_model_path
-        return ""
+        return getattr(self, "_best_model_path", "")
+
+    @best_model_path.setter
+    def best_model_path(self, path: str) -> None:
+        # Lightning's spawn launchers (ddp_spawn, ddp_notebook) set the worker's value in the
+        # main process, whose callbacks never ran setup: kept for the getter there
+        self._best_model_path = path
 
     # ------------------------------------------------------------------ setup / teardown
 
