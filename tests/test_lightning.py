@@ -45,6 +45,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import spawn_ranks
 from resilient_callbacks import (
     Checkpointer,
     CheckpointMismatchError,
@@ -153,18 +154,22 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _start(argv: list[str], errpath: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    with open(errpath, "w") as err:
-        return subprocess.Popen(
-            [sys.executable, str(SCRIPT), *argv],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            env=env or _env(),
-            start_new_session=True,  # rank 0 and the rank it launches share a process group
-        )
+def _start(
+    argv: list[str], errpath: Path, env: dict[str, str] | None = None
+) -> spawn_ranks.Forked | subprocess.Popen:
+    """Start the script with ``argv``, its stdout and stderr to ``errpath``: a fresh process
+    in a session of its own, forked from the test session's zygote that imported Lightning
+    (and, for ``--deepspeed``, DeepSpeed) once (spawn_ranks.Zygote: about 5 s of CPU a run)."""
+    if "--deepspeed" in argv:  # (DeepSpeed reads DS_ACCELERATOR at import)
+        zygote = spawn_ranks.shared_zygote("lightning_train", "deepspeed", DS_ACCELERATOR="cpu")
+    else:
+        zygote = spawn_ranks.shared_zygote("lightning_train")
+    return zygote.spawn([sys.executable, str(SCRIPT), *argv], env or _env(), errpath)
 
 
-def _wait_for_step(jsonl: Path, offset: int, step: int, proc: subprocess.Popen, err: Path) -> int:
+def _wait_for_step(
+    jsonl: Path, offset: int, step: int, proc: spawn_ranks.Forked | subprocess.Popen, err: Path
+) -> int:
     """Wait until this run logged step >= ``step`` (in training_step); return that step."""
     deadline = time.monotonic() + RUN_TIMEOUT
     while True:
@@ -185,10 +190,10 @@ def _wait_for_step(jsonl: Path, offset: int, step: int, proc: subprocess.Popen, 
         time.sleep(0.005)
 
 
-def _finish(proc: subprocess.Popen, err: Path, expect: int = 0) -> str:
+def _finish(proc: spawn_ranks.Forked | subprocess.Popen, err: Path, expect: int = 0) -> str:
     try:
         proc.wait(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
+    except (subprocess.TimeoutExpired, TimeoutError):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         pytest.fail(f"the run hung:\n{err.read_text()}")
@@ -204,7 +209,7 @@ def _restored(stderr: str, rank: int = 0) -> int:
     raise AssertionError(f"no 'restored step' line for rank {rank}:\n{stderr}")
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: spawn_ranks.Forked | subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGKILL)  # the whole job: rank 0 and the rank it launched
     proc.wait(timeout=60)
 
@@ -1345,7 +1350,7 @@ def test_sigkill_then_sigterm_then_rerun_is_bit_exact(tmp_path, reference):
     offset = jsonl.stat().st_size
     p = _start([*argv, "--hold-at", str(term_at)], tmp_path / "err2.txt")
     _wait_for_step(jsonl, offset, term_at, p, tmp_path / "err2.txt")
-    p.send_signal(signal.SIGTERM)
+    os.kill(p.pid, signal.SIGTERM)
     err2 = _finish(p, tmp_path / "err2.txt", expect=RESUMABLE_EXIT_CODE)
     resumed = _restored(err2)
     assert 0 < resumed <= killed and killed - resumed < 2 * EVERY, (killed, resumed)
@@ -1393,7 +1398,7 @@ def test_stateful_dataloader_sigkill_then_slurm_sigusr1_then_rerun_is_bit_exact(
     offset = jsonl.stat().st_size
     p = _start([*argv, "--hold-at", str(usr1_at)], tmp_path / "err2.txt", env=_env(slurm))
     _wait_for_step(jsonl, offset, usr1_at, p, tmp_path / "err2.txt")
-    p.send_signal(signal.SIGUSR1)
+    os.kill(p.pid, signal.SIGUSR1)
     err2 = _finish(p, tmp_path / "err2.txt", expect=RESUMABLE_EXIT_CODE)
     assert "(SLURMEnvironment)" in err2  # Lightning did see a Slurm job
     resumed = _restored(err2)

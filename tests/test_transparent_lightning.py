@@ -9,8 +9,6 @@ torch RNG), AdamW with a per-step schedule.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -22,9 +20,8 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).parent))
 import lightning_train
 from resilient_callbacks import catalog
-from test_lightning import _argv, _losses
+from test_lightning import _argv, _finish, _losses, _start
 
-SCRIPT = Path(__file__).with_name("lightning_train.py")
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -112,11 +109,10 @@ def test_the_announced_epoch_is_the_trainers_after_a_resume_from_an_epoch_end_ck
 def test_the_resume_is_announced_in_the_default_output(tmp_path):
     work = tmp_path / "run"
     _run(work, "--max-steps", "6")
-    cmd = [sys.executable, str(SCRIPT), *_argv(work, "--max-steps", "7")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert p.returncode == 0, p.stderr[-4000:]
-    text = p.stdout + p.stderr
+    # a process of its own (forked from the zygote that imported Lightning: its logging set
+    # up as a fresh interpreter's), its stdout and stderr to one file
+    log = tmp_path / "out.txt"
+    text = _finish(_start(_argv(work, "--max-steps", "7"), log), log)
     line = next((x for x in text.splitlines() if "ResilientCheckpoint: resumed" in x), None)
     assert line is not None, text[-4000:]
     assert "resumed at step 6 (epoch 0, 6 batch(es) into it)" in line, line
