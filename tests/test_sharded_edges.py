@@ -21,6 +21,13 @@ from torch_needs import needs_dcp
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600), needs_dcp]
 
 
+def _ranks(phase: str, root: Path, tmp_path: Path, name: str) -> None:
+    """This file's :func:`worker` ``phase`` as 2 ranks, each a fresh process forked from the
+    session's zygote that imported torch once (spawn_ranks.Zygote)."""
+    argv = [sys.executable, __file__, phase, str(root)]
+    spawn_ranks.run(argv, 2, tmp_path, name, zygote=spawn_ranks.shared_zygote())
+
+
 @pytest.mark.slow  # suite time budget
 def test_unsharded_buffers_are_exported_and_a_misfit_is_refused_before_loading(tmp_path, capsys):
     from safetensors.torch import load_file
@@ -28,7 +35,7 @@ def test_unsharded_buffers_are_exported_and_a_misfit_is_refused_before_loading(t
     from resilient_callbacks.cli import main
 
     root = tmp_path / "ck"
-    spawn_ranks.run([sys.executable, __file__, "save", str(root)], 2, tmp_path, "save")
+    _ranks("save", root, tmp_path, "save")
     saved = json.loads((tmp_path / "saved.json").read_text())
 
     assert main(["export", str(root), str(tmp_path / "out")]) == 0
@@ -41,7 +48,7 @@ def test_unsharded_buffers_are_exported_and_a_misfit_is_refused_before_loading(t
     keys = {k["key"] for k in json.loads(capsys.readouterr().out)["keys"]}
     assert "train.model/1.running_mean" in keys, sorted(keys)
 
-    spawn_ranks.run([sys.executable, __file__, "extra", str(root)], 2, tmp_path, "extra")
+    _ranks("extra", root, tmp_path, "extra")
     for r in range(2):
         res = json.loads((tmp_path / f"extra.{r}.json").read_text())
         assert "model/3.weight: not in the checkpoint" in res["refused"]
@@ -56,7 +63,7 @@ def test_unsharded_buffers_are_exported_and_a_misfit_is_refused_before_loading(t
     m["extra"]["parts"]["train"]["tensors"]["model/0.weight"]["chunks"][0][1][0] = 100
     m[SELF_CHECKSUM] = self_checksum(m)  # sealed again: the chunk index's own check is tested
     manifest.write_text(json.dumps(m))
-    spawn_ranks.run([sys.executable, __file__, "damaged", str(root)], 2, tmp_path, "damaged")
+    _ranks("damaged", root, tmp_path, "damaged")
     res = [json.loads((tmp_path / f"damaged.{r}.json").read_text()) for r in range(2)]
     assert [x["step"] for x in res] == [1, 1]
     assert any("chunk index of 'model/0.weight' is damaged" in w for w in res[0]["warnings"])
@@ -71,9 +78,9 @@ def test_a_module_whose_version_changed_is_loaded_by_the_saved_version(tmp_path,
     checkpoint written before they were (``v_save_old``) is loaded by the live module's, as
     the core restore and the export do (the same code wrote it), not as the oldest layout."""
     root = tmp_path / "vck"
-    spawn_ranks.run([sys.executable, __file__, save, str(root)], 2, tmp_path, "v_save")
+    _ranks(save, root, tmp_path, "v_save")
     saved = json.loads((tmp_path / "v_saved.json").read_text())["weight"]
-    spawn_ranks.run([sys.executable, __file__, "v_load", str(root)], 2, tmp_path, "v_load")
+    _ranks("v_load", root, tmp_path, "v_load")
     for r in range(2):
         assert json.loads((tmp_path / f"v_load.{r}.json").read_text())["weight"] == saved
 
@@ -94,9 +101,9 @@ def test_a_submodule_compiled_in_one_run_only_is_loaded_by_its_own_version(tmp_p
     its entries for the oldest layout (or the wrapper's version 1) and converted its own
     version-2 weight again (doubled), silently. They are matched by the live model's names."""
     root = tmp_path / "vck"
-    spawn_ranks.run([sys.executable, __file__, save, str(root)], 2, tmp_path, "v_save")
+    _ranks(save, root, tmp_path, "v_save")
     saved = json.loads((tmp_path / "v_saved.json").read_text())["weight"]
-    spawn_ranks.run([sys.executable, __file__, load, str(root)], 2, tmp_path, "v_load")
+    _ranks(load, root, tmp_path, "v_load")
     for r in range(2):
         assert json.loads((tmp_path / f"v_load.{r}.json").read_text())["weight"] == saved
 
