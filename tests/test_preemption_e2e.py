@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import spawn_ranks
 from resilient_callbacks import Checkpointer, catalog
 from resilient_callbacks.checkpointer import RESUMABLE_EXIT_CODE
 from spawn_ranks import free_port
@@ -31,6 +32,39 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra or {})
     return env
+
+
+def _start(
+    cmd: list[str], log: Path, env: dict[str, str] | None = None
+) -> spawn_ranks.Forked | subprocess.Popen:
+    """Start ``cmd`` (``python train_script.py ...``), its stdout and stderr to ``log``: a
+    fresh process in a session of its own, forked from the test session's zygote that
+    imported torch and the library once (spawn_ranks.Zygote: seconds of CPU a run)."""
+    env = dict(env or _env(), PYTHONHASHSEED="0")  # (the zygote's: else a fresh interpreter)
+    return spawn_ranks.shared_zygote().spawn(cmd, env, log)
+
+
+def _outcome(proc: spawn_ranks.Forked | subprocess.Popen, log: Path, timeout: float = 120) -> str:
+    """Wait for ``proc`` to end (``timeout`` only bounds a hang); its output in ``log``."""
+    try:
+        proc.wait(timeout=timeout)
+    except (subprocess.TimeoutExpired, TimeoutError):
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"the run hung:\n{log.read_text()[-3000:]}") from None
+    return log.read_text()
+
+
+def _succeeded(proc: spawn_ranks.Forked | subprocess.Popen, log: Path) -> str:
+    """Wait for ``proc``, which must succeed; its output."""
+    out = _outcome(proc, log)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def _run(cmd: list[str], log: Path) -> str:
+    """Run ``cmd`` (see :func:`_start`) to its end, which must be a success; its output."""
+    return _succeeded(_start(cmd, log), log)
 
 
 def _cmd(ckpt: Path, out: Path, *more: str) -> list[str]:
@@ -83,7 +117,7 @@ def _same_params(a: Path, b: Path) -> bool:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference")
-    subprocess.run(_cmd(out / "ckpt", out), check=True, env=_env(), timeout=120)
+    _run(_cmd(out / "ckpt", out), out / "run.log")
     return out
 
 
@@ -98,12 +132,10 @@ def reference(tmp_path_factory) -> Path:
 def test_signal_saves_at_next_step_exits_75_and_resume_is_exact(tmp_path, reference, sig):
     ckpt, out = tmp_path / "ckpt", tmp_path
     # the run waits at step 13 for the signal: it lands there however loaded the machine
-    proc = subprocess.Popen(
-        _cmd(ckpt, out, "--hold-at", "13"), env=_env(), stderr=subprocess.PIPE, text=True
-    )
+    proc = _start(_cmd(ckpt, out, "--hold-at", "13"), out / "run1.log")
     _wait_for_step(out / "log.jsonl", 13, proc)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    os.kill(proc.pid, sig)
+    err = _outcome(proc, out / "run1.log", timeout=60)
     assert proc.returncode == RESUMABLE_EXIT_CODE, err
     last = max(_losses(out / "log.jsonl"))
     assert last in (13, 14), err  # at the step boundary after the signal, or at 13's own
@@ -114,9 +146,8 @@ def test_signal_saves_at_next_step_exits_75_and_resume_is_exact(tmp_path, refere
     assert last % 10 != 0 or newest.manifest.reason == "emergency"
     assert "preemption" in err and f"exiting with code {RESUMABLE_EXIT_CODE}" in err
 
-    again = subprocess.run(_cmd(ckpt, out), env=_env(), capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0, again.stderr
-    assert f"restored step {last}" in again.stderr
+    again = _run(_cmd(ckpt, out), out / "run2.log")
+    assert f"restored step {last}" in again
     assert _losses(out / "log.jsonl") == _losses(reference / "log.jsonl")
     assert _same_params(out / "params.safetensors", reference / "params.safetensors")
 
@@ -137,17 +168,17 @@ def test_a_signal_to_the_process_group_spares_the_dataloader_workers(tmp_path, s
     its trainer lives: the trainer saves, exits 75, and its loader stops the workers."""
     loader = ("--loader", "resumable")  # its position counts what the loop got, not prefetches
     ref = tmp_path / "reference"
-    subprocess.run(_cmd(ref / "ckpt", ref, *loader), check=True, env=_env(), timeout=120)
+    ref.mkdir()
+    reference = _start(_cmd(ref / "ckpt", ref, *loader), ref / "run.log")  # (beside the run)
     out = tmp_path / "run"
+    out.mkdir()
     ckpt = out / "ckpt"
     cmd = _cmd(ckpt, out, *loader, "--hold-at", "13", "--num-workers", "2")
-    proc = subprocess.Popen(
-        cmd, env=_env(), stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    proc = _start(cmd, out / "run1.log")  # (a session of its own: its group is its workers)
     try:
         _wait_for_step(out / "log.jsonl", 13, proc)
         os.killpg(proc.pid, sig)
-        _, err = proc.communicate(timeout=60)
+        err = _outcome(proc, out / "run1.log", timeout=60)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -155,10 +186,8 @@ def test_a_signal_to_the_process_group_spares_the_dataloader_workers(tmp_path, s
     last = max(_losses(out / "log.jsonl"))
     newest = [e for e in catalog.scan(str(ckpt), catalog.Depth.FULL) if e.manifest][-1]
     assert newest.step == last and newest.manifest.reason == "emergency", err[-3000:]
-    again = subprocess.run(
-        _cmd(ckpt, out, *loader), env=_env(), capture_output=True, text=True, timeout=120
-    )
-    assert again.returncode == 0, again.stderr
+    _run(_cmd(ckpt, out, *loader), out / "run2.log")
+    _succeeded(reference, ref / "run.log")
     assert _losses(out / "log.jsonl") == _losses(ref / "log.jsonl")
     assert _same_params(out / "params.safetensors", ref / "params.safetensors")
 
@@ -229,7 +258,12 @@ def test_cloud_notice_triggers_the_emergency_save(tmp_path):
         server.shutdown()
 
 
-def _launch_ranks(ckpt: Path, out: Path, port: int, *more: str) -> list[subprocess.Popen]:
+def _launch_ranks(
+    ckpt: Path, out: Path, port: int, *more: str, forked: bool = False
+) -> list[tuple[spawn_ranks.Forked | subprocess.Popen, Path]]:
+    """Two ranks of ``train_script.py --distributed``, each with its log. ``forked``: forked
+    from the zygote (:func:`_start`); else fresh interpreters, each with its own random hash
+    seed, as torchrun starts a job's ranks."""
     procs = []
     for rank in range(2):
         env = _env(
@@ -240,14 +274,13 @@ def _launch_ranks(ckpt: Path, out: Path, port: int, *more: str) -> list[subproce
                 "MASTER_PORT": str(port),
             }
         )
-        procs.append(
-            subprocess.Popen(
-                _cmd(ckpt, out, "--distributed", *more),
-                env=env,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        cmd = _cmd(ckpt, out, "--distributed", *more)
+        log = out / f"{ckpt.name}.{time.time_ns()}.rank{rank}.log"
+        if forked:
+            procs.append((_start(cmd, log, env), log))
+        else:
+            with open(log, "w") as f:
+                procs.append((subprocess.Popen(cmd, env=env, stdout=f, stderr=f), log))
     return procs
 
 
@@ -257,7 +290,7 @@ def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
     ref.mkdir()
     run.mkdir()
     # the uninterrupted reference runs beside the signalled run (suite time)
-    ref_procs = _launch_ranks(ref / "ckpt", ref, free_port())
+    ref_procs = _launch_ranks(ref / "ckpt", ref, free_port(), forked=True)
     # rank 1 waits at step 12 for its signal (rank 0 waits for it in step 13's all_reduce).
     # Steps of >= 0.05 s space the decision steps <= 20 apart (max_delay_s=1): the one that
     # acts on the signal comes before step 40 (without the sleep, 100 apart: the run ended
@@ -265,26 +298,23 @@ def test_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
     procs = _launch_ranks(
         run / "ckpt", run, free_port(), "--sleep", "0.05", "--hold-at", "12", "--hold-rank", "1"
     )
-    _wait_for_step(run / "log.jsonl.rank1", 12, procs[1])
-    procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told
+    _wait_for_step(run / "log.jsonl.rank1", 12, procs[1][0])
+    procs[1][0].send_signal(signal.SIGTERM)  # only rank 1 is told
     errs = []
-    for p in procs:
-        _, err = p.communicate(timeout=120)
+    for p, log in procs:
+        err = _outcome(p, log)
         errs.append(err)
         assert p.returncode == RESUMABLE_EXIT_CODE, err
-    for p in ref_procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
+    for p, log in ref_procs:
+        _succeeded(p, log)
     last = [max(_losses(run / f"log.jsonl.rank{r}")) for r in range(2)]
     assert last[0] == last[1], (last, errs)
     newest = [e for e in catalog.scan(str(run / "ckpt"), catalog.Depth.FULL) if e.manifest][-1]
     assert newest.step == last[0] and newest.manifest.reason == "emergency"
 
     procs = _launch_ranks(run / "ckpt", run, free_port())
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
-        assert f"restored step {last[0]}" in err
+    for p, log in procs:
+        assert f"restored step {last[0]}" in _succeeded(p, log)
     for r in range(2):
         assert _losses(run / f"log.jsonl.rank{r}") == _losses(ref / f"log.jsonl.rank{r}")
         assert _same_params(
