@@ -25,6 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import spawn_ranks
 from resilient_callbacks import Checkpointer, catalog
 
 SCRIPT = Path(__file__).with_name("train_script.py")
@@ -67,13 +68,30 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _start(cmd: list[str], log: Path) -> spawn_ranks.Forked | subprocess.Popen:
+    """Start ``cmd`` (``python train_script.py ...``), its stdout and stderr to ``log``: a
+    fresh process forked from the test session's zygote that imported torch and the library
+    once (spawn_ranks.Zygote: the seconds of CPU a run spent on imports)."""
+    return spawn_ranks.shared_zygote().spawn(cmd, _env(), log)
+
+
+def _wait(proc: spawn_ranks.Forked | subprocess.Popen, log: Path, what: str) -> str:
+    """Wait for ``proc``, which must succeed (the timeout only bounds a hang); its output."""
+    try:
+        proc.wait(timeout=RUN_TIMEOUT)
+    except (subprocess.TimeoutExpired, TimeoutError):
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the {what} did not finish in {RUN_TIMEOUT} s:\n{log.read_text()}")
+    out = log.read_text()
+    assert proc.returncode == 0, f"the {what} failed (rc={proc.returncode})\n{out}"
+    return out
+
+
 def _run_to_completion(cmd: list[str]) -> str:
-    """Run the script to the end; return its stderr. A failure shows the child's traceback."""
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=_env())
-    assert p.returncode == 0, (
-        f"training script failed (rc={p.returncode})\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}"
-    )
-    return p.stderr
+    """Run the script to the end; return its output. A failure shows the child's traceback."""
+    log = Path(cmd[cmd.index("--out-jsonl") + 1]).with_name(f"run-{time.monotonic_ns()}.txt")
+    return _wait(_start(cmd, log), log, "training script")
 
 
 def _read_records(path: Path) -> list[dict]:
@@ -117,10 +135,7 @@ def _run_and_kill(cmd: list[str], jsonl: Path, kill_at: int) -> tuple[int, str]:
     from the step's log line on, during its ``ckpt.step`` and any save that started there."""
     offset = jsonl.stat().st_size if jsonl.exists() else 0
     errpath = jsonl.with_name(f"stderr-{time.monotonic_ns()}.txt")
-    with open(errpath, "w") as err:
-        proc = subprocess.Popen(
-            [*cmd, "--hold-at", str(kill_at)], stdout=subprocess.DEVNULL, stderr=err, env=_env()
-        )
+    proc = _start([*cmd, "--hold-at", str(kill_at)], errpath)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
         while True:
@@ -185,32 +200,20 @@ def _assert_final_dir(ckdir: Path) -> None:
     assert len({e.manifest.run_id for e in committed}) == 1
 
 
-LOADERS = ("plain", "resumable")
-
-
 class _Reference:
-    """The uninterrupted run of one loader kind, started in the background (the machine has
-    two cores: it runs while a test drives its interrupted run) and awaited on first use."""
+    """The uninterrupted run of one loader kind: started when made, awaited (and checked) by
+    :meth:`result`."""
 
     def __init__(self, workdir: Path, loader: str) -> None:
         self.workdir = workdir
         self.cmd = _cmd(workdir, loader)
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
-        )
+        self.log = workdir / "run.txt"
+        self.proc = _start(self.cmd, self.log)
         self._result: tuple[dict[int, str], Path] | None = None
 
     def result(self) -> tuple[dict[int, str], Path]:
         if self._result is None:
-            try:
-                out, err = self.proc.communicate(timeout=RUN_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                out, err = self.proc.communicate()
-                pytest.fail(f"the uninterrupted run did not finish in {RUN_TIMEOUT} s:\n{err}")
-            assert self.proc.returncode == 0, (
-                f"uninterrupted run failed (rc={self.proc.returncode})\n{out}\n{err}"
-            )
+            err = _wait(self.proc, self.log, "uninterrupted run")
             assert _restored_step(err) == 0
             records = _read_records(self.workdir / "losses.jsonl")
             assert [r["step"] for r in records] == list(range(1, TOTAL + 1))
@@ -221,15 +224,20 @@ class _Reference:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    refs = {
-        loader: _Reference(tmp_path_factory.mktemp(f"reference-{loader}"), loader)
-        for loader in LOADERS
-    }
-    yield lambda loader: refs[loader].result()
+    """``reference(loader)``: the uninterrupted run's result, run once per loader kind (only
+    the kinds the selected tests ask for)."""
+    refs: dict[str, _Reference] = {}
+
+    def get(loader: str) -> tuple[dict[int, str], Path]:
+        if loader not in refs:
+            refs[loader] = _Reference(tmp_path_factory.mktemp(f"reference-{loader}"), loader)
+        return refs[loader].result()
+
+    yield get
     for r in refs.values():
         if r.proc.poll() is None:
             r.proc.kill()
-            r.proc.communicate()
+            r.proc.wait()
 
 
 def _kill_resume_cycle(
@@ -262,8 +270,8 @@ def _kill_resume_cycle(
     return history
 
 
-# Each run of the script costs ~4 s of CPU (importing torch, and torch._dynamo, which the
-# optimizer pulls in), so each loader kind is exercised by one of the two scenarios.
+# A fresh interpreter running the script cost ~4 s of CPU (importing torch, and torch._dynamo,
+# which the optimizer pulls in), so each loader kind is exercised by one of the two scenarios.
 @pytest.mark.parametrize("loader", ["plain"])
 def test_sigkill_once_then_resume_is_bit_exact(tmp_path, reference, loader):
     ref_losses, ref_params = reference(loader)
