@@ -8,14 +8,17 @@ unreachable for a while). ``s3_remote`` gives each test its own bucket and retur
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -192,3 +195,27 @@ def small_tmpfs(tmp_path):
         r = subprocess.run(["umount", str(mnt)], capture_output=True, text=True)
         if r.returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def _empty_mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty MLflow sqlite store, its schema made once a session: MLflow makes a new store
+    in dozens of migration steps, seconds of CPU each time."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    import mlflow
+
+    folder = tmp_path_factory.mktemp("mlflow-empty")
+    path = folder / "mlflow.db"
+    with contextlib.chdir(folder):  # (its Default experiment's artifacts: ./mlruns, here)
+        mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def mlflow_sqlite(tmp_path: Path, _empty_mlflow_store: Path) -> str:
+    """The tracking URI of a new, empty MLflow sqlite store of this test alone,
+    ``tmp_path/mlflow.db`` (a copy of :func:`_empty_mlflow_store`: its schema already made,
+    as a store that a tracking server or an earlier run created)."""
+    shutil.copyfile(_empty_mlflow_store, tmp_path / "mlflow.db")
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"

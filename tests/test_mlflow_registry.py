@@ -54,10 +54,10 @@ def _sha256(path: Path) -> str:
 
 
 def test_logged_checkpoint_is_registered_and_a_resumed_run_adds_a_version(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, monkeypatch, mlflow_sqlite: str
 ):
     monkeypatch.chdir(tmp_path)  # a sqlite store puts its artifacts under ./mlruns
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_sqlite
     d = tmp_path / "ck"
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
 
@@ -107,11 +107,11 @@ def test_logged_checkpoint_is_registered_and_a_resumed_run_adds_a_version(
 
 
 def test_a_failing_registry_is_warned_about_and_the_artifact_stays(
-    tmp_path: Path, monkeypatch, caplog
+    tmp_path: Path, monkeypatch, caplog, mlflow_sqlite: str
 ):
     caplog.set_level(logging.WARNING, logger="resilient_callbacks")
     monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_sqlite
     (tmp_path / "a_file").write_text("not a directory")
     broken = f"sqlite:///{tmp_path / 'a_file' / 'registry.db'}"  # cannot be created
     d = tmp_path / "ck"
@@ -143,12 +143,12 @@ def test_register_model_is_validated_early(tmp_path: Path, options: dict, says: 
 
 
 def test_the_best_checkpoint_logged_is_this_runs_not_another_runs_beside_it(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, monkeypatch, mlflow_sqlite: str
 ):
     """An older run's checkpoints in the same directory (this run started with resume="never")
     score better: the artifact and the model version are still this run's best."""
     monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_sqlite
     d, state = tmp_path / "ck", {"model": torch.nn.Linear(8, 8)}
     with Checkpointer(d, every_n_steps=5, keep_last=2, keep_best=1, monitor="loss") as ck:
         ck.restore(state)

@@ -510,7 +510,7 @@ def test_sink_options_are_checked_when_the_checkpointer_is_built(tmp_path: Path)
 
 @needs_transformers
 def test_transformers_final_checkpoint_logs_reach_the_trainers_mlflow_run(
-    tmp_path: Path, monkeypatch, one_thread
+    tmp_path: Path, monkeypatch, one_thread, mlflow_sqlite: str
 ):
     """``report_to="mlflow"``: MLflow's callback ends its run in ``on_train_end``; the last
     committed checkpoint's figures are logged before that, into the Trainer's run (logged
@@ -520,11 +520,10 @@ def test_transformers_final_checkpoint_logs_reach_the_trainers_mlflow_run(
     from resilient_callbacks.transformers import ResilientCheckpoint
 
     monkeypatch.chdir(tmp_path)  # a sqlite store puts its artifacts under ./mlruns
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_sqlite  # (the store's schema made before the Trainer's first call)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf")
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
-    client.search_experiments()  # the store's schema made before the Trainer's first call
     rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)
     trainer = hf_train.build_trainer(
         str(tmp_path / "out"), max_steps=4, callbacks=[rc], eval_strategy="no",

@@ -31,9 +31,11 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_mlflow_across_a_sigkill_and_resume_with_a_verified_artifact(tmp_path: Path):
+def test_mlflow_across_a_sigkill_and_resume_with_a_verified_artifact(
+    tmp_path: Path, mlflow_sqlite: str
+):
     mlflow = pytest.importorskip("mlflow")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_sqlite
     d = tmp_path / "ck"
     base = [sys.executable, str(TRAIN), str(d), "--steps", "30", "--every", "5"]
     base += ["--mlflow-uri", uri, "--log-checkpoint", "final", "--sleep", "0.05"]

@@ -225,7 +225,9 @@ def metrics_callable(fn):  # type: ignore[no-untyped-def]
     return CallableSink(fn)
 
 
-def test_mlflow_event_tags_sent_after_a_failed_batch_keep_their_names(tmp_path: Path):
+def test_mlflow_event_tags_sent_after_a_failed_batch_keep_their_names(
+    tmp_path: Path, mlflow_sqlite: str
+):
     """An MLflow ``log_batch`` that fails (the tracking server restarting) is sent again at the
     next try with the same tag names: the old src named each event again on the retry, so the
     save of step 5 became ``resilient_ckpt.save.step_5.2`` (as if it had happened twice) and
@@ -234,7 +236,7 @@ def test_mlflow_event_tags_sent_after_a_failed_batch_keep_their_names(tmp_path: 
     pytest.importorskip("sqlalchemy")
     from resilient_callbacks.sinks.mlflow import MLflowSink
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_sqlite
     context = {"run_id": "run-a", "dirpath": str(tmp_path / "ck")}
     sink = MLflowSink(context=context, tracking_uri=uri, experiment="blip")
     t = Telemetry()

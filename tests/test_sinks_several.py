@@ -26,7 +26,9 @@ def _train_both(a: Checkpointer, b: Checkpointer, last: int) -> None:
         b.step(step, {"m": ema})
 
 
-def test_two_checkpointers_in_one_active_mlflow_run_do_not_mix(tmp_path: Path, monkeypatch):
+def test_two_checkpointers_in_one_active_mlflow_run_do_not_mix(
+    tmp_path: Path, monkeypatch, mlflow_sqlite: str
+):
     """``with mlflow.start_run():`` around a model's Checkpointer (a save every 5 steps) and an
     EMA's (every 10), both ``telemetry={"kind": "mlflow", "log_checkpoint": "final"}``: the old
     src logged both into the active run, so ``saves_total`` went 1, 1, 2, 2, ... from two
@@ -37,7 +39,7 @@ def test_two_checkpointers_in_one_active_mlflow_run_do_not_mix(tmp_path: Path, m
     pytest.importorskip("sqlalchemy")
     monkeypatch.chdir(tmp_path)  # a sqlite store puts its artifacts under ./mlruns
     # the environment, not mlflow.set_tracking_uri(): that one outlives the test
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_sqlite)
     sink = {"kind": "mlflow", "log_checkpoint": "final"}
     exp = mlflow.tracking.MlflowClient().create_experiment("several")
     with (
