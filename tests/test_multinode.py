@@ -35,50 +35,23 @@ from spawn_ranks import free_port
 SCRIPT = Path(__file__).with_name("train_script.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 SRC = Path(__file__).resolve().parents[1] / "src"
-ZYGOTE = Path(__file__).with_name("node_zygote.py")
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 class Zygotes:
-    """One pre-started process per node (tests/node_zygote.py) that forks each run's training
-    process: the imports are paid once per test module instead of twice per run."""
+    """The processes of each run, forked from the test session's zygote
+    (tests/node_zygote.py, spawn_ranks.shared_zygote): the imports are paid once per session
+    instead of twice per run. Each one is a fresh process with its node's environment and
+    directory, as on a node of its own."""
 
     def __init__(self) -> None:
-        env = _node_env()
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, str(ZYGOTE)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env=env,
-                text=True,
-            )
-            for _ in range(2)
-        ]
-        self.ready = False  # they import while the test sets up the rest (the S3 server)
+        self.zygote = spawn_ranks.shared_zygote()
 
     def spawn(self, node: int, env: dict[str, str], argv: list[str], log: Path) -> Forked:
-        if not self.ready:
-            for z in self.procs:
-                assert z.stdout is not None
-                line = z.stdout.readline().strip()
-                assert line == "ready", f"node zygote did not start: {line!r}"
-            self.ready = True
-        p = self.procs[node]
-        assert p.stdin is not None and p.stdout is not None
-        p.stdin.write(
-            json.dumps({"env": env, "argv": argv, "log": str(log), "cwd": os.getcwd()}) + "\n"
-        )
-        p.stdin.flush()
-        return Forked(int(p.stdout.readline()), log)
-
-    def close(self) -> None:
-        for p in self.procs:
-            assert p.stdin is not None
-            p.stdin.close()
-        for p in self.procs:
-            p.wait(timeout=30)
+        forked = self.zygote.spawn([sys.executable, str(SCRIPT), *argv], env, log)
+        assert isinstance(forked, spawn_ranks.Forked), "env lacks the zygote's PYTHONHASHSEED"
+        return Forked(forked.pid, log)
 
 
 class Forked:
@@ -131,11 +104,7 @@ def zygotes():
     if spawn_ranks.FRESH:  # (torchrun launchers instead)
         yield None
         return
-    z = Zygotes()
-    try:
-        yield z
-    finally:
-        z.close()
+    yield Zygotes()
 
 
 class Nodes:
