@@ -396,17 +396,20 @@ def test_a_script_with_persistent_workers_exits(where) -> None:
     assert "Exception ignored" not in p.stderr and "killed by signal" not in p.stderr, p.stderr
 
 
-def test_a_stuck_worker_dies_of_its_loaders_terminate() -> None:
+def test_a_stuck_worker_dies_of_its_loaders_terminate(monkeypatch) -> None:
     """A worker the loader stops (its ``done_event`` set) is not spared: the loader's own
     ``terminate()`` of a worker that did not stop in time kills it, as torch's handler did
     (spared, it outlived the loader by its whole stuck call)."""
     pytest.importorskip("torch")
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, _utils
 
+    # how long the loader's shutdown joins a worker before its terminate(): torch's 5 s were
+    # spent in full (the worker is stuck by design); 0.5 s leads to the same terminate()
+    monkeypatch.setattr(_utils, "MP_STATUS_CHECK_INTERVAL", 0.5)
     with saved_handlers(signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD), PreemptionWatcher():
         it = iter(DataLoader(_Stuck(), batch_size=1, num_workers=1, prefetch_factor=1))
         pid = int(next(it))
-        # joins the worker for a few seconds, then terminate() (one SIGTERM), then gives up
+        # joins the worker for a while, then terminate() (one SIGTERM), then gives up
         _until_dead(pid, it._shutdown_workers, "the worker outlived its loader's terminate()")  # type: ignore[attr-defined]
 
 
