@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 
 import torch
 
+import spawn_ranks
 from resilient_callbacks import Checkpointer, ResumeFallbackWarning
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -34,7 +34,9 @@ def _saved(root) -> None:
 
 
 def _killed_after(root, resume, saves=()) -> None:
-    """A real process: restore with ``resume``, save ``saves``, then die (no close, no end)."""
+    """A real process: restore with ``resume``, save ``saves``, then die (no close, no end).
+    Forked from the test session's zygote that imported torch and the library once
+    (spawn_ranks.Zygote): a fresh process, its imports paid already."""
     code = (
         "import os, sys, torch\n"
         "from resilient_callbacks import Checkpointer\n"
@@ -46,9 +48,15 @@ def _killed_after(root, resume, saves=()) -> None:
         "ck.flush()\n"
         "os._exit(9)\n"
     )
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert r.returncode == 9, r.stderr[-2000:]
+    script, log = root.parent / "killed.py", root.parent / "killed.log"
+    script.write_text(code)
+    env = {
+        **os.environ,
+        "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "PYTHONHASHSEED": "0",  # (the zygote's: else a fresh interpreter)
+    }
+    p = spawn_ranks.shared_zygote().spawn([sys.executable, str(script)], env, log)
+    assert p.wait(timeout=120) == 9, log.read_text()[-2000:]
 
 
 def _auto(root) -> tuple[int, object, list[str]]:
