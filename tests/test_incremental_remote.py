@@ -229,26 +229,36 @@ def test_a_blob_upload_killed_part_way_does_not_block_later_uploads(tmp_path, wh
     non-atomic store would (or an older version did), half the blob under its own name: every
     later upload failed ("another size ... not replacing it") and the remote tier was dead;
     the next run of the run uploads it again, as no remote checkpoint names it."""
-    import os
-    import subprocess
     import sys
 
+    import spawn_ranks
     from resilient_callbacks.cli import main
 
     script = tmp_path / "killed_upload.py"
     script.write_text(KILLED_UPLOAD)
     url, local = f"file://{tmp_path}/durable", str(tmp_path / "local")
-    first = subprocess.run([sys.executable, str(script), local, url, where], capture_output=True)
-    assert first.returncode == -9, first.stderr.decode()[-2000:]
+
+    def run(mode: str) -> tuple[int, str]:
+        """The script as a process of its own, forked from the session's zygote that imported
+        torch and the library once (spawn_ranks.Zygote); its exit status and output."""
+        log = tmp_path / f"{mode}.log"
+        env = dict(os.environ, PYTHONHASHSEED="0")  # (the zygote's: else a fresh interpreter)
+        p = spawn_ranks.shared_zygote().spawn(
+            [sys.executable, str(script), local, url, mode], env, log
+        )
+        return p.wait(timeout=120), log.read_text()
+
+    rc, out = run(where)
+    assert rc == -9, out[-2000:]
     blobs = tmp_path / "durable" / "blobs"
     names = [n for n in os.listdir(blobs) if n.endswith(".safetensors")]
     if where == "tmp":
         assert all(n.startswith(".upload-") for n in names), names  # none under a blob's name
     else:
         assert len(names) == 1 and not names[0].startswith(".")
-    again = subprocess.run([sys.executable, str(script), local, url, "resume"], capture_output=True)
-    assert again.returncode == 0, again.stderr.decode()[-2000:]
-    assert b"CLOSED 1" in again.stdout  # resumed at step 1, committed before its upload
+    rc, out = run("resume")
+    assert rc == 0, out[-2000:]
+    assert "CLOSED 1" in out  # resumed at step 1, committed before its upload
     store = RemoteStore(url)
     assert sorted(e.manifest.step for e in store.scan() if e.manifest) == [2, 3]
     here = os.path.join(local, "blobs")
