@@ -23,6 +23,7 @@ import uuid
 import pytest
 import torch
 
+import spawn_ranks
 from resilient_callbacks import (
     Checkpointer,
     ConfigError,
@@ -1076,25 +1077,20 @@ def test_remote_checkpoints_whose_manifest_cannot_be_read_are_no_fresh_start(
 def test_s3_sigkill_mid_upload_leaves_only_complete_checkpoints(s3_server, s3_remote, tmp_path):
     url, opts = s3_remote
     local = tmp_path / "local"
-    script = tmp_path / "child.py"
+    script, log = tmp_path / "child.py", tmp_path / "child.log"
     script.write_text(CHILD)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(local), url, json.dumps(opts)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    uploads = 0
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("UPLOADING"):
-            uploads += 1
-            if uploads == 3:
-                time.sleep(0.7)  # inside the third upload (16 MB through multipart)
-                break
-    proc.send_signal(signal.SIGKILL)
+    # a process of its own, forked from the session's zygote that imported torch and s3fs
+    # once (spawn_ranks.Zygote); its output goes to ``log``
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": "0"}
+    cmd = [sys.executable, str(script), str(local), url, json.dumps(opts)]
+    proc = spawn_ranks.shared_zygote().spawn(cmd, env, log)
+    deadline = time.monotonic() + 120
+    while not log.exists() or log.read_text().count("UPLOADING") < 3:  # (the child opens it)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no third upload within 120 s"
+        time.sleep(0.01)
+    time.sleep(0.7)  # inside the third upload (16 MB through multipart)
+    os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     committed = _committed(url, opts)  # asserts that every committed one is complete
     local_steps = sorted(
