@@ -443,7 +443,7 @@ def test_fsdp2_with_a_frozen_layer_writes_it_once_and_restores_exactly_on_2_and_
 
     def run(total: int, nprocs: int, name: str) -> list[dict[str, Any]]:
         argv = [sys.executable, __file__, str(root), str(out), str(total)]
-        spawn_ranks.run(argv, nprocs, tmp_path, name)
+        spawn_ranks.run(argv, nprocs, tmp_path, name, zygote=spawn_ranks.shared_zygote())
         return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(nprocs)]
 
     first = run(3, 2, "first")
@@ -503,7 +503,7 @@ def test_fsdp1_one_flat_parameter_whose_first_rank_holds_only_frozen_weights(tmp
 
     def run(total: int, nprocs: int, name: str, where: Path = root) -> list[dict[str, Any]]:
         argv = [sys.executable, __file__, str(where), str(out), str(total)]
-        spawn_ranks.run(argv, nprocs, tmp_path, name, env=env)
+        spawn_ranks.run(argv, nprocs, tmp_path, name, env=env, zygote=spawn_ranks.shared_zygote())
         return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(nprocs)]
 
     run(5, 2, "uninterrupted", tmp_path / "other")
@@ -619,7 +619,7 @@ def test_fsdp2_batchnorm_statistics_are_saved_at_every_incremental_save(tmp_path
 
     root, out = tmp_path / "ck", tmp_path / "out"
     argv = [sys.executable, __file__, "batchnorm", str(root), str(out)]
-    spawn_ranks.run(argv, 1, tmp_path, "bn")
+    spawn_ranks.run(argv, 1, tmp_path, "bn", zygote=spawn_ranks.shared_zygote())
     live, restored = load_file(f"{out}.live"), load_file(f"{out}.restored")
     for k in ("mean", "var"):
         assert torch.equal(restored[f"restored.{k}"], live[f"live.{k}"]), k

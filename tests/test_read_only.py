@@ -202,7 +202,8 @@ def test_a_sharded_model_is_restored_alone_from_a_training_checkpoint(tmp_path):
     from resilient_callbacks.cli import main
 
     root = tmp_path / "ck"
-    spawn_ranks.run([sys.executable, __file__, str(root)], 1, tmp_path, "sharded")
+    argv = [sys.executable, __file__, str(root)]
+    spawn_ranks.run(argv, 1, tmp_path, "sharded", zygote=spawn_ranks.shared_zygote())
     res = json.loads((tmp_path / "sharded.json").read_text())
     ema, writer = res.pop("ema"), res.pop("writer")
     assert res == {"step": 2, "same": True}, res

@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300), needs_dcp]
 
 
 def test_another_optimizer_or_other_groups_are_refused_before_loading(tmp_path):
-    spawn_ranks.run([sys.executable, __file__, str(tmp_path / "ck")], 1, tmp_path, "change")
+    argv = [sys.executable, __file__, str(tmp_path / "ck")]
+    spawn_ranks.run(argv, 1, tmp_path, "change", zygote=spawn_ranks.shared_zygote())
     res = json.loads((tmp_path / "result.json").read_text())
     assert "torch.optim.adamw.AdamW in the checkpoint" in res["sgd"]["refused"], res["sgd"]
     assert "torch.optim.sgd.SGD here" in res["sgd"]["refused"]
