@@ -204,10 +204,13 @@ class Zygote:
 
     def spawn(self, argv: list[str], env: dict[str, str], log: Path) -> Forked | subprocess.Popen:
         assert argv[0] == sys.executable and argv[1].endswith(".py"), argv
-        # (PYTHONHASHSEED is read at start-up: another one than the zygote's, a fresh process)
+        # (PYTHONHASHSEED is read at start-up: another one than the zygote's, a fresh process;
+        # in a session of its own, as a forked one)
         if self.proc is None or env.get("PYTHONHASHSEED") != "0":  # (or FRESH)
             with open(log, "w") as out:
-                return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+                return subprocess.Popen(
+                    argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         assert self.proc.poll() is None, f"the zygote ended (rc={self.proc.returncode})"
         if not self.ready:
