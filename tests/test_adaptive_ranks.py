@@ -26,10 +26,13 @@ def worker(root: str, out: str) -> None:
     state = {"w": torch.zeros(8), "mine": PerRank({"t": torch.full((8,), float(rank))})}
     clock, per_step = [0.0], 1.0 if rank == 0 else 10.0  # rank 1 measures 10x slower steps
     saved = []
-    with Checkpointer(root, adaptive=True, mtbf_hours=0.05, preemption=False) as ck:
+    # (the save cost is measured for real: 0.5 ms to 0.5 s, quiet or loaded machine. With an MTBF
+    # of 1.2 h, Daly's interval sqrt(2 x cost x MTBF) is 2.1 s to 66 s: rank 0's proposal is at
+    # least 2 steps, 10x rank 1's or 2 against its floor of 1, and 400 steps hold 3 saves or more)
+    with Checkpointer(root, adaptive=True, mtbf_hours=1.2, preemption=False) as ck:
         ck._trigger.now = lambda: clock[0]
         ck.restore(state)
-        for s in range(1, 121):
+        for s in range(1, 401):
             clock[0] += per_step
             if ck.step(s, state):
                 saved.append(s)

@@ -1346,22 +1346,31 @@ def test_a_dataloader_worker_killed_by_the_signal_is_named_with_what_to_do(tmp_p
 
 
 _CAUGHT_EXIT = """
-import os, signal, sys, torch
+import os, signal, sys, time, torch
 from resilient_callbacks import Checkpointer
 sig = getattr(signal, sys.argv[2])
 state = {"t": torch.zeros(2)}
 ck = Checkpointer(sys.argv[1], every_n_steps=100, handle_sigint=True)
 ck.restore(state)
+# (a signal sent to the process may reach another thread first, so the main thread acts on it
+# some bytecodes later: each part goes on until it does, 60 s bounding a hang)
+deadline = time.monotonic() + 60
 try:
-    for s in range(1, 20):
+    s = 0
+    while time.monotonic() < deadline:
+        s += 1
         if s == 3:
             os.kill(os.getpid(), sig)
         ck.step(s, state)
+    print("never stopped", flush=True)
 except SystemExit as e:  # a notebook's kernel, a sweep: the process goes on
     print("caught", e.code, flush=True)
+deadline = time.monotonic() + 60
 try:
     os.kill(os.getpid(), sig)  # later: Ctrl-C (a notebook's interrupt), a SIGTERM
-    sum(range(1000))
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("no interrupt", flush=True)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
 print("went on", flush=True)
