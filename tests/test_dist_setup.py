@@ -258,3 +258,19 @@ def test_a_checkpointer_created_on_rank_0_only_is_a_collective_error(tmp_path):
         "creating the Checkpointer (every rank creates"
     ), msg
     assert "stopped on rank 0" in msg, msg
+
+
+def test_a_read_only_reader_launched_as_one_of_two_without_a_group_restores(tmp_path, monkeypatch):
+    """An evaluation script under torchrun, or a Lightning child process of devices=2 (its
+    launcher sets WORLD_SIZE before the script runs from the top), that restores with a
+    read-only Checkpointer before the group exists (docs/lightning.md's inference example):
+    nothing is written, so each process reads alone; it was refused as a writer is."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with Checkpointer(tmp_path / "ck", preemption=False, async_save=False) as ck:
+        ck.save(3, {"w": torch.arange(3.0)})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    state = {"w": torch.zeros(3)}
+    with Checkpointer(tmp_path / "ck", read_only=True) as reader:
+        assert reader.restore(state) == 3
+    assert torch.equal(state["w"], torch.arange(3.0))

@@ -161,7 +161,8 @@ class Checkpointer:
         self._logger_unchecked = "logger" in self.telemetry_kinds
         self.dirpath: str = self.config.dirpath
         self.retention = self.config.local_retention_policy()
-        dist.require_group(self.dirpath)
+        if not self.config.read_only:  # a reader writes nothing: alone, it reads as one
+            dist.require_group(self.dirpath)
         dist.check_same_options(self.config.agreed())
         self.rank = dist.rank()
         self.world_size = dist.world_size()
