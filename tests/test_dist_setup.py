@@ -7,7 +7,9 @@ process group's timeout; created without ``WORLD_SIZE`` (``mp.spawn``) and used 
 appeared, both ranks wrote into rank 0's staging directory as coordinators. Both are refused now,
 with a ConfigError that says to call ``init_process_group`` first. This file doubles as the worker
 script: ``python test_dist_setup.py worker ROOT OUT MODE``. Ranks given different options (a
-schedule on one rank only) are refused alike at construction too.
+schedule on one rank only) are refused alike at construction too. A group destroyed while a
+save is in flight commits nothing, in shared and in node-local mode (each rank its own dirpath,
+a ``file://`` remote).
 """
 
 from __future__ import annotations
@@ -69,6 +71,66 @@ def worker(root: str, out: str, mode: str) -> None:
             res["commit"] = str(e)
         Path(f"{out}.rank{rank}").write_text(json.dumps(res))
         sys.exit(0)
+    if mode == "inflight_nodelocal":  # a background save held in its write while destroyed
+        import threading
+
+        from resilient_callbacks import layout
+
+        td.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        ck = Checkpointer(f"{root}/node{rank}", preemption=False, remote=f"file://{root}/remote")
+        ck.restore({"w": torch.zeros(2)})
+        go, inside = threading.Event(), threading.Event()
+        real = layout.write_part
+
+        def held(*a, **k):
+            inside.set()
+            assert go.wait(60)
+            return real(*a, **k)
+
+        layout.write_part = held
+        ck.save(3, {"w": torch.zeros(2)})
+        assert inside.wait(60)
+        td.barrier()
+        td.destroy_process_group()
+        go.set()
+        try:
+            ck.close()
+            res["close"] = "closed"
+        except Exception as e:
+            res["close"] = f"{type(e).__name__}: {e}"
+        mine = Path(root, f"node{rank}")
+        res["listing"] = sorted(p.name for p in mine.rglob("*") if "step_" in p.name)
+        Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+        os._exit(0)
+    if mode.startswith("destroyed_nodelocal"):  # the same, each rank a node with its own disk
+        from resilient_callbacks import CheckpointWriteError, layout, rng, structure
+        from resilient_callbacks.node_session import NodeLocalSession
+
+        td.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        ck = Checkpointer(f"{root}/node{rank}", preemption=False, remote=f"file://{root}/remote")
+        ck.restore({"w": torch.zeros(2)})  # (a fresh start: names the run)
+        assert ck._dir.run_id is not None
+        session = NodeLocalSession(ck._dir, 3, run_id=ck._dir.run_id)
+        if mode.endswith("_before_begin"):  # (the save's thread had not begun yet)
+            td.barrier()
+            td.destroy_process_group()
+        staging = session.begin()
+        if staging is not None:
+            shared, local = structure.encode({"w": torch.zeros(2)}, split_per_rank=True)
+            rng_info, rng_tensors = rng.capture()
+            session.add(layout.write_part(staging, rank, shared, local, rng_info, rng_tensors))
+        if td.is_initialized():
+            td.barrier()
+            td.destroy_process_group()
+        try:
+            session.commit()
+            res["commit"] = "committed"
+        except CheckpointWriteError as e:
+            res["commit"] = str(e)
+        mine = Path(root, f"node{rank}")  # (its own node's: the other may not be done)
+        res["listing"] = sorted(p.name for p in mine.rglob("*") if "step_" in p.name)
+        Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+        os._exit(0)  # (close() refuses a destroyed group)
     if mode == "perrank":  # a path per rank, as torch.save users write one file per rank
         td.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
         try:
@@ -274,3 +336,30 @@ def test_a_read_only_reader_launched_as_one_of_two_without_a_group_restores(tmp_
     with Checkpointer(tmp_path / "ck", read_only=True) as reader:
         assert reader.restore(state) == 3
     assert torch.equal(state["w"], torch.arange(3.0))
+
+
+@pytest.mark.parametrize("when", ["", "_before_begin"])
+def test_a_node_local_commit_whose_process_group_was_destroyed_commits_nothing(tmp_path, when):
+    """The same in node-local mode (each rank a node with its own dirpath, a remote tier): the
+    gathers returned each rank's own report, so each node committed its part without hearing
+    the other, and rank 1 acted as the coordinator too; both ranks said committed. Now both
+    raise, saying why; no node holds the checkpoint. Destroyed before the save's begin(), rank 1
+    failed on rank 0's broadcast (TypeError: 'NoneType' object is not subscriptable)."""
+    outs = _ranks(tmp_path, f"destroyed_nodelocal{when}")
+    for res in outs:
+        msg = res["commit"]
+        assert msg != "committed", outs
+        assert "only this one of its 2 ranks could report" in msg, msg
+        assert "destroy_process_group" in msg, msg
+        assert res["listing"] == [], outs
+
+
+def test_a_node_local_save_in_flight_when_the_group_is_destroyed_commits_nothing(tmp_path):
+    """As users hit it: a background save in flight, destroy_process_group(), then close().
+    Rank 1 closed as if all was well while rank 0 raised UploadIncompleteError blaming the
+    store ("stopped answering for more than 300 s"), and both nodes kept step 3. Now close()
+    raises on both ranks saying the group was destroyed first; no node keeps step 3."""
+    for res in _ranks(tmp_path, "inflight_nodelocal"):
+        assert res["close"].startswith("CheckpointWriteError: "), res
+        assert "process group was destroyed before the save finished" in res["close"], res
+        assert res["listing"] == [], res

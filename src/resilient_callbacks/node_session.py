@@ -77,6 +77,8 @@ class NodeLocalSession:
         """Collective: rank 0 numbers the commit and names it remotely; every rank makes its
         node's staging directory (the same name on every node) and returns it."""
         d = self.d
+        if self._group_gone():  # (commit() raises why)
+            return None
         msg = None
         if self.topo.rank == 0:
             name = d.committer.free_name(self.name) if d.committer else self.name
@@ -95,6 +97,10 @@ class NodeLocalSession:
             self._begin_error = e
             return None
         return self.staging
+
+    def _group_gone(self) -> bool:
+        """The process group was destroyed: its collectives are no-ops, each rank alone."""
+        return dist.group_size(self.group) != self.topo.world_size
 
     def add(self, files: list[FileEntry]) -> None:
         self.files.extend(files)
@@ -131,6 +137,17 @@ class NodeLocalSession:
         given to the constructor win (every node's part records the same, as they were an
         unreduced loss of each rank: node 1 kept another best than node 0)."""
         d, topo = self.d, self.topo
+        if self._group_gone():
+            if topo.is_leader and self.staging is not None:  # (each rank alone would commit
+                d.commit.abort(self.staging)  # its node's part, rank 1 as the coordinator)
+            raise CheckpointWriteError(
+                f"checkpoint for step {self.step} was not committed; failed on rank(s) "
+                f"{topo.rank}: only this one of its {topo.world_size} ranks could report: the "
+                "process group was destroyed before the save finished (close() the "
+                "Checkpointer, which waits for its saves, before destroy_process_group). "
+                "Nothing was committed and older checkpoints on every node are intact.",
+                (topo.rank,),
+            )
         metrics = self.metrics if self.metrics is not None else metrics
         error = error or self._begin_error
         report = RankReport(
