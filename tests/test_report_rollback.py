@@ -16,11 +16,17 @@ def test_the_work_a_roll_back_dropped_is_not_counted_as_useful(tmp_path: Path, m
     monkeypatch.setenv("RESILIENT_PROGRESS_EVERY_S", "0")  # a heartbeat at every step
     state = _state()
     d = tmp_path / "ck"
+    clock = [1000.0]  # the step clock: a second of compute per step, whatever the load
+
+    def tick(_step: int) -> None:
+        clock[0] += 1.0
+
     with Checkpointer(d, every_n_steps=10, async_save=False) as ck:
+        ck._trigger.now = lambda: clock[0]
         ck.restore(state)
-        _train(ck, range(1, 19), state)  # 8 steps past the checkpoint of step 10
+        _train(ck, range(1, 19), state, tick)  # 8 steps past the checkpoint of step 10
         assert ck.restore(state) == 10  # the roll-back: those 8 steps are gone
-        _train(ck, range(11, 12), state)
+        _train(ck, range(11, 12), state, tick)
     recs = [json.loads(line) for line in (d / "history.jsonl").read_text().splitlines()]
     assert [r["event"] for r in recs].count("restore") == 1
     end = [r for r in recs if r["event"] == "end"][-1]
