@@ -26,11 +26,18 @@ def worker(root: str, out: str) -> None:
     state = {"w": torch.zeros(8), "mine": PerRank({"t": torch.full((8,), float(rank))})}
     clock, per_step = [0.0], 1.0 if rank == 0 else 10.0  # rank 1 measures 10x slower steps
     saved = []
-    # (the save cost is measured for real: 0.5 ms to 0.5 s, quiet or loaded machine. With an MTBF
-    # of 1.2 h, Daly's interval sqrt(2 x cost x MTBF) is 2.1 s to 66 s: rank 0's proposal is at
-    # least 2 steps, 10x rank 1's or 2 against its floor of 1, and 400 steps hold 3 saves or more)
+    # (the save costs are injected, alike on both ranks: 5 ms blocking, 10 ms persisting; with an
+    # MTBF of 1.2 h, Daly's interval sqrt(2 x 0.005 x 4320) is 6.6 s: rank 0 proposes 6 or 7
+    # steps, rank 1 its floor of 1. Measured for real, a quiet machine's costs made both ranks
+    # propose 1 step, and a cost that moved after the last decision moved rank 0's proposal)
     with Checkpointer(root, adaptive=True, mtbf_hours=1.2, preemption=False) as ck:
         ck._trigger.now = lambda: clock[0]
+        sched = ck.schedule
+        assert sched is not None
+        save, amend, persist = sched.observe_save, sched.amend_last_cost, sched.observe_persist
+        sched.observe_save = lambda _b, p=None: save(0.005, None if p is None else 0.01)
+        sched.amend_last_cost = lambda _b: amend(0.005)
+        sched.observe_persist = lambda _p: persist(0.01)
         ck.restore(state)
         for s in range(1, 401):
             clock[0] += per_step
