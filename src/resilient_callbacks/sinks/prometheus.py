@@ -73,9 +73,29 @@ class _PrometheusBase:
         self.telemetry: Telemetry | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
+        self._claimed: tuple[dict[Any, Any], Any] | None = None  # (_WRITING/_PUSHING, key)
 
     def start(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
+
+    def _claim(self, table: dict[Any, Any], key: Any, conflict: str) -> None:
+        """Hold ``key`` (a file, a Pushgateway group) in this process's ``table`` for this
+        sink; raise ``ConfigError(conflict)`` where a sink of another open Checkpointer holds
+        it (one whose Checkpointer closed, its last write or push still under way, is none).
+        Not retried: the conflict is this process's own."""
+        other = table.get(key)
+        if other not in (None, self) and other.telemetry is not None and other.telemetry.active:
+            raise ConfigError(conflict)
+        table[key] = self
+        self._claimed = (table, key)
+
+    def _release(self) -> None:
+        """Give up what :meth:`_claim` held, unless another sink holds it since."""
+        if self._claimed is not None:
+            table, key = self._claimed
+            if table.get(key) is self:
+                del table[key]
+            self._claimed = None
 
     def emit(
         self,
@@ -167,30 +187,22 @@ class PrometheusTextfile(_PrometheusBase):
     def __init__(self, path: str | os.PathLike[str], per_rank: bool = False) -> None:
         super().__init__(per_rank)
         self.path = os.fspath(path)
-        self._own = False  # the path is this sink's (in _WRITING)
 
     def close(self) -> None:
-        key = os.path.abspath(self.path)
-        if self._own and _WRITING.get(key) is self:
-            del _WRITING[key]
-        self._own = False
+        self._release()
 
     def start(self, telemetry: Telemetry) -> None:
         super().start(telemetry)
-        if self.per_rank and not self._own:  # once: start() is retried after a failure
+        if self.per_rank and self._claimed is None:  # once: start() is retried after a failure
             self.path = self.path[: -len(".prom")] + f".rank{telemetry.rank}.prom"
         self.name = f"prometheus textfile {self.path}"
-        key = os.path.abspath(self.path)
-        other = _WRITING.get(key)
-        # (one whose Checkpointer closed, its last write still under way, is no conflict)
-        if other not in (None, self) and other.telemetry is not None and other.telemetry.active:
-            raise ConfigError(
-                f"another Checkpointer of this process writes its metrics to {self.path} (a "
-                "model's and its EMA's, each with the same telemetry='textfile:...'): give this "
-                f"one its own file, e.g. {self.path[: -len('.prom')]}.ema.prom"
-            )
-        _WRITING[key] = self
-        self._own = True
+        self._claim(
+            _WRITING,
+            os.path.abspath(self.path),
+            f"another Checkpointer of this process writes its metrics to {self.path} (a "
+            "model's and its EMA's, each with the same telemetry='textfile:...'): give this "
+            f"one its own file, e.g. {self.path[: -len('.prom')]}.ema.prom",
+        )
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._write()
 
@@ -228,31 +240,24 @@ class PrometheusPushgateway(_PrometheusBase):
         self.timeout = timeout
         self.name = f"prometheus pushgateway {url_text(url)}"  # no credentials in messages
         self._key: dict[str, str] = {}
-        self._own: tuple[str, str, tuple[tuple[str, str], ...]] | None = None  # in _PUSHING
 
     def start(self, telemetry: Telemetry) -> None:
         super().start(telemetry)
         self._key = {"instance": socket.gethostname()}
         if self.per_rank:
             self._key["rank"] = str(telemetry.rank)
-        group = (self.url.rstrip("/"), self.job, tuple(sorted(self._key.items())))
-        other = _PUSHING.get(group)
-        # (one whose Checkpointer closed, its last push still under way, is no conflict)
-        if other not in (None, self) and other.telemetry is not None and other.telemetry.active:
-            # a push replaces the whole group: the two would overwrite each other in turn
-            raise ConfigError(
-                f"another Checkpointer of this process pushes its metrics to {url_text(self.url)} "
-                f"as job {self.job!r} of this host (a model's and its EMA's, each with the same "
-                "telemetry='pushgateway:...'): give this one its own job, e.g. "
-                f"telemetry={{'kind': 'pushgateway', 'url': ..., 'job': '{self.job}_ema'}}"
-            )
-        _PUSHING[group] = self
-        self._own = group
+        # a push replaces the whole group: two pushing one would overwrite each other in turn
+        self._claim(
+            _PUSHING,
+            (self.url.rstrip("/"), self.job, tuple(sorted(self._key.items()))),
+            f"another Checkpointer of this process pushes its metrics to {url_text(self.url)} "
+            f"as job {self.job!r} of this host (a model's and its EMA's, each with the same "
+            "telemetry='pushgateway:...'): give this one its own job, e.g. "
+            f"telemetry={{'kind': 'pushgateway', 'url': ..., 'job': '{self.job}_ema'}}",
+        )
 
     def close(self) -> None:
-        if self._own is not None and _PUSHING.get(self._own) is self:
-            del _PUSHING[self._own]
-        self._own = None
+        self._release()
 
     def emit(
         self,
