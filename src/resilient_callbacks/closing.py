@@ -192,7 +192,7 @@ def check_open(ck: Checkpointer, writes: bool = False) -> None:
     """Raise unless ``ck`` may be used (``writes``: to save): not closed, and not read-only."""
     if ck._closed:
         raise CheckpointError("this Checkpointer is closed; create a new one to save again")
-    dist.check_same_world(ck.world_size, f"Checkpointer({ck.dirpath!r})")
+    dist.check_same_world(ck.world_size, ck.dirpath)
     if writes and ck.config.read_only:
         raise ConfigError(f"this Checkpointer of {ck.dirpath} is read_only: it never saves")
 

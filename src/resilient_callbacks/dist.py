@@ -164,13 +164,15 @@ def require_group(dirpath: str) -> None:
     )
 
 
-def check_same_world(created: int, what: str) -> None:
-    """Every rank, at each call of a Checkpointer: raise where the process group is not the one
-    it was created in (``created`` ranks): a group created after it (``mp.spawn`` without
+def check_same_world(created: int, dirpath: str) -> None:
+    """Every rank, at each call of the Checkpointer of ``dirpath`` (each training step: the
+    message is built only to raise): raise where the process group is not the one it was
+    created in (``created`` ranks): a group created after it (``mp.spawn`` without
     ``WORLD_SIZE``, which :func:`require_group` cannot see) or destroyed before its call."""
     now = world_size()
     if now == created:
         return
+    what = f"Checkpointer({dirpath!r})"
     if created == 1:
         raise ConfigError(
             f"{what}: this Checkpointer was created without a process group (as the only "
