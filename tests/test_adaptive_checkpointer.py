@@ -364,3 +364,37 @@ def test_a_roll_back_restore_is_not_a_training_step(tmp_path):
         ck.step(5, state)
         assert list(ck._trigger.step_seconds) == [1.0] * 4, list(ck._trigger.step_seconds)
         assert ck._trigger.compute_s == 4.0
+
+
+def _calls_between_saves(root, stride: int) -> list[int]:
+    """Which step() calls (1-based) saved, for a caller whose step number advances by
+    ``stride`` per call and whose calls are 1 s of compute apart; save costs injected."""
+    clock, calls = [0.0], []
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(root, adaptive=True, mtbf_hours=1.2, async_save=False) as ck:
+        ck._trigger.now = lambda: clock[0]
+        sched = ck.schedule
+        assert sched is not None
+        save, amend, persist = sched.observe_save, sched.amend_last_cost, sched.observe_persist
+        sched.observe_save = lambda _b, p=None: save(0.005, None if p is None else 0.01)
+        sched.amend_last_cost = lambda _b: amend(0.005)
+        sched.observe_persist = lambda _p: persist(0.01)
+        for call in range(1, 121):
+            clock[0] += 1.0
+            if ck.step(call * stride, state):
+                calls.append(call)
+        assert list(ck._trigger.step_seconds)[-1] == 1.0 / stride
+    return calls
+
+
+def test_the_adaptive_interval_is_in_time_whatever_the_step_numbers_advance_by(tmp_path):
+    """Step times were measured per step() call but the interval is counted in step numbers:
+    a caller whose step advances by 2 per call (Lightning's ``global_step`` with two manual
+    optimizers) saved twice as often as the policy chose (by 4096 for a token count)."""
+    by_one = _calls_between_saves(tmp_path / "one", 1)
+    by_two = _calls_between_saves(tmp_path / "two", 2)
+    # the warm-up is in step numbers (20: 20 calls, or 10); after it, Daly's sqrt(2 x 0.005 x
+    # 4320) = 6.6 s of compute between saves: 7 calls either way (13 numbers of 0.5 s, or 7 of 1 s)
+    assert by_one[0] == 20 and by_two[0] == 10, (by_one, by_two)
+    assert {b - a for a, b in itertools.pairwise(by_one[1:])} == {7}, by_one
+    assert {b - a for a, b in itertools.pairwise(by_two[1:])} == {7}, by_two

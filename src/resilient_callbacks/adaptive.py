@@ -128,10 +128,11 @@ class AdaptiveSchedule:
 
     # ------------------------------------------------------------------ measurements
 
-    def observe_step(self, seconds: float) -> None:
-        """Record one training step's duration (compute only: leave out time blocked in a save)."""
+    def observe_step(self, seconds: float, steps: int = 1) -> None:
+        """Record one training step's duration (compute only: leave out time blocked in a
+        save); ``steps`` step numbers of ``seconds`` each went by (the warm-up counts them)."""
         self._steps.append(check_number("seconds", seconds))
-        self._n_steps += 1
+        self._n_steps += steps
 
     def observe_save(self, blocking_s: float, persist_s: float | None = None) -> None:
         """Record a save: ``blocking_s`` the training thread was blocked (the snapshot, or the whole

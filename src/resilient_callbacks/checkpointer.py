@@ -396,7 +396,7 @@ class Checkpointer:
         self._check_open(writes=True)
         self._check_logger_sink()
         check_metrics(metrics)
-        self._trigger.step_started()
+        self._trigger.step_started(step)
         self._recorder.tick(step)
         try:
             try:  # (no context manager: this is every step's path)

@@ -157,7 +157,12 @@ METRICS: tuple[Metric, ...] = (
     ),
     # the schedule
     _m("step", "gauge", "step", "the training step last passed to step() or save()"),
-    _m("step_seconds", "gauge", "seconds", "median compute time of a training step (recent)"),
+    _m(
+        "step_seconds",
+        "gauge",
+        "seconds",
+        "median compute time of a training step (recent; per step number)",
+    ),
     _m(
         "interval_steps",
         "gauge",

@@ -122,6 +122,7 @@ class Trigger:
         self._warned_back = False
         self.caller_schedule: str | None = None  # the caller saves on its own schedule
         self._last_step_end: float | None = None
+        self._last_step: int | None = None  # the step number of the last step() call
         self._step_seconds: deque[float] = deque(maxlen=50)
         self.now = time.perf_counter  # the clock of the step times (a test's fake one)
         self.compute_s = 0.0  # training compute seen by this process (between step() calls)
@@ -134,14 +135,22 @@ class Trigger:
             self.policy.has_trigger or self.schedule is not None or self._loss_trigger is not None
         )
 
-    def step_started(self) -> None:
-        """At the start of step(): the time since the last step() is the training step's."""
+    def step_started(self, step: int | None = None) -> None:
+        """At the start of step(``step``): the time since the last step() is the training's
+        between the two step numbers. Step times are per step *number*: a caller whose count
+        advances by 2 per call (Lightning's ``global_step`` with two manual optimizers) or by
+        the batch size trains half (1/batch) as long per number, and the adaptive interval,
+        counted in step numbers, must be converted with that time, not the call's."""
         if self._last_step_end is not None:
             compute = self.now() - self._last_step_end
-            self._step_seconds.append(compute)
+            span = 1
+            if step is not None and self._last_step is not None and step > self._last_step:
+                span = step - self._last_step
+            self._step_seconds.append(compute / span)
             self.compute_s += compute
             if self.schedule is not None:
-                self.schedule.observe_step(compute)
+                self.schedule.observe_step(compute / span, span)
+        self._last_step = step
 
     def exclude(self, seconds: float) -> None:
         """Time spent in a save outside step() (``save()``, ``emergency_save()``): not
@@ -166,7 +175,7 @@ class Trigger:
 
     def mark(self, step: int) -> None:
         """A save or restore of ``step``: the schedules count from here."""
-        self.steps_origin = self._previous = step
+        self.steps_origin = self._previous = self._last_step = step
         self.clock.reset()
 
     def _went_back(self, previous: int, step: int) -> None:
