@@ -99,3 +99,18 @@ def test_a_roll_back_that_saved_is_not_named_even_without_its_save_record(tmp_pa
     kept = [ln for ln in hist.read_text().splitlines() if json.loads(ln)["event"] != "save"]
     hist.write_text("\n".join(kept) + "\n")
     assert _auto(root) == (50, 1050, [])
+
+
+def test_a_restart_before_any_checkpoint_is_no_roll_back(tmp_path):
+    """A run whose first process died before its first save: the next process starts it
+    again from step 0 (a ``restart`` record of step 0, nothing restored), saves step 1 and is
+    killed before its save record is written. The next auto-resume restored step 1 with
+    "rolled back to step 0 (a fallback) ...: pass resume=0", though nothing was rolled back
+    (seen as a crash-safety trial's failure)."""
+    root = tmp_path / "ck"
+    _killed_after(root, "auto")  # the run's start, no checkpoint
+    _killed_after(root, "auto", saves=(1,))  # its restart from nothing, then step 1
+    hist = root / "history.jsonl"
+    kept = [ln for ln in hist.read_text().splitlines() if json.loads(ln)["event"] != "save"]
+    hist.write_text("\n".join(kept) + "\n")
+    assert _auto(root) == (1, 1001, [])

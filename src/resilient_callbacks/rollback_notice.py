@@ -50,7 +50,9 @@ def notice(root: str, run_id: str | None, step: int, seq: int) -> str | None:
     if any(r["event"] == "save" for r in recs[lives[-1] + 1 :]):
         return None
     top = last.get("top")  # the newest commit number when it restarted
-    if type(top) is int and seq > top:
+    if type(top) is not int:
+        return None  # a restart that restored nothing (a run started again from step 0)
+    if seq > top:
         return None  # committed after the roll-back (its save record lost): its branch
     resume = last.get("resume")
     how = f"resume={resume!r}" if resume not in (None, "auto") else "a fallback"
