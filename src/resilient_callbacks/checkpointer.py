@@ -30,12 +30,11 @@ from .adapter import keywords_checked
 from .catalog import Entry
 from .config import CheckpointerConfig
 from .directory import Directory
-from .emergency import GRACE_ENV, Emergency, start_watcher
+from .emergency import GRACE_ENV, Emergency, start_watcher, watching
 from .metrics import Telemetry
 from .node_restore import NodeRestorer
 from .nodelocal import NodeDirectory, open_directory
 from .persisting import SaveStats
-from .preemption import MetadataPoller, PreemptionWatcher
 from .recorder import Recorder
 from .restoring import Restorer, RestoreReport
 from .saving import Saver, check_metrics, new_run_id
@@ -152,6 +151,12 @@ class Checkpointer:
         options["signals"] = (signals,) if isinstance(signals, (str, int)) else tuple(signals)
         options["remote_options"] = dict(remote_options) if remote_options is not None else None
         self.config = CheckpointerConfig(**options)
+        # first: a signal while the rest opens the directory is noticed (emergency.watching)
+        self.watcher, self._poller = start_watcher(self.config)
+        with watching(self.watcher, self._poller):
+            self._open()
+
+    def _open(self) -> None:  # the rest of __init__, its watcher installed
         self._sink_specs = self.config.sinks()
         #: the kinds of sink ``telemetry`` names ("logger": the adapters log to the framework)
         self.telemetry_kinds = frozenset(s.kind for s in self._sink_specs)
@@ -180,8 +185,6 @@ class Checkpointer:
         self.schedule = self.config.adaptive_schedule()
         self._trigger = Trigger(self.config, self.schedule)  # when to save
         self.policy = self._trigger.policy
-        self.watcher: PreemptionWatcher | None = None
-        self._poller: MetadataPoller | None = None
         # the sinks are built (their extras imported) first, started last
         sink_objects = sinks.build(
             [s for s in self._sink_specs if self.is_coordinator or s.options.get("per_rank")],
@@ -198,8 +201,6 @@ class Checkpointer:
         self._restorer: Restorer = (
             NodeRestorer(self) if self.topology.node_local else Restorer(self)
         )
-        if self.config.preemption and not self.config.read_only:
-            self.watcher, self._poller = start_watcher(self.config)
         self._saver = Saver(self)
         self.telemetry = Telemetry(sink_objects, rank=self.rank)
         self._recorder = Recorder(self, self.telemetry)

@@ -10,12 +10,13 @@ others could not join its collectives; the newest checkpoint is then the last pe
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -131,8 +132,13 @@ def grace_from_env(value: str) -> float | dict[str, float] | None:
         return None
 
 
-def start_watcher(config: CheckpointerConfig) -> tuple[PreemptionWatcher, MetadataPoller | None]:
-    """Install the signal handlers (and start the cloud notice poller) of ``config``."""
+def start_watcher(
+    config: CheckpointerConfig,
+) -> tuple[PreemptionWatcher | None, MetadataPoller | None]:
+    """Install the signal handlers (and start the cloud notice poller) of ``config``; none
+    without ``preemption`` or with ``read_only``."""
+    if not config.preemption or config.read_only:
+        return None, None
     grace: float | Mapping[str, float] | None = config.grace_period
     if grace is None and os.environ.get(GRACE_ENV):
         grace = grace_from_env(os.environ[GRACE_ENV])
@@ -146,6 +152,30 @@ def start_watcher(config: CheckpointerConfig) -> tuple[PreemptionWatcher, Metada
         opts = {"kind": opts} if isinstance(opts, str) else dict(opts)
         poller = MetadataPoller(watcher, **opts).start()
     return watcher, poller
+
+
+@contextlib.contextmanager
+def watching(watcher: PreemptionWatcher | None, poller: MetadataPoller | None) -> Iterator[None]:
+    """The rest of a Checkpointer's construction, its watcher installed first: a signal while
+    it opens its directory (the lock, sweeps, a remote, the ranks' collectives) killed the
+    process (-15, a crash to the scheduler); now the first ``step()`` acts on it, after
+    ``restore()``. Where the construction fails, the poller stops, the previous handlers
+    are back, and the exception ends the process (a pending signal is said, not passed on:
+    it would kill the process before the exception is shown)."""
+    try:
+        yield
+    except BaseException as e:
+        if poller is not None:
+            poller.stop()
+        if watcher is not None:
+            if watcher.request is not None:
+                log.warning(
+                    "%s arrived while Checkpointer() failed with %s (nothing was saved for it)",
+                    watcher.request.source,
+                    type(e).__name__,
+                )
+            watcher.uninstall()
+        raise
 
 
 class Emergency:

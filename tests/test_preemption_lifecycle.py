@@ -1,0 +1,77 @@
+"""Signals at the edges of a Checkpointer's life: while it is constructed or restores, and a
+close() that fails while a signal is pending (docs/guide.md, "Preemption"). Each test runs a
+child process that signals itself at a chosen point (a profile hook on a function's call: a
+real signal at a known point, no timing)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+# SIGTERM at the call of the function named by argv[2], once: inside Checkpointer() (while it
+# opens its directory) or inside restore()
+_SIGNAL_AT = """
+import os, signal, sys, torch
+from resilient_callbacks import Checkpointer
+
+def signal_at(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == sys.argv[2]:
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+state = {"t": torch.zeros(2)}
+sys.setprofile(signal_at)
+ck = Checkpointer(sys.argv[1], every_n_steps=100)
+start = ck.restore(state)
+sys.setprofile(None)
+print("restored", start, flush=True)
+try:
+    for s in range(start + 1, start + 50):
+        state["t"].fill_(s)
+        ck.step(s, state)
+finally:
+    ck.close()
+print("finished", flush=True)
+"""
+
+
+def _run(tmp_path: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "child.py"
+    script.write_text(code)
+    env = dict(os.environ, PYTHONPATH=SRC)
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=180, env=env
+    )
+
+
+@pytest.mark.parametrize("where", ["open_directory", "restore"])
+def test_a_signal_while_the_checkpointer_is_built_or_restores_is_acted_on(tmp_path, where):
+    """SIGTERM while Checkpointer() opened its directory (its lock, sweeps, a remote: seconds
+    on a large or remote directory) killed the process by the signal (-15: a crash to the
+    scheduler, no requeue): the handlers were installed after. Now it is recorded like one
+    during restore(), and the first step() makes the emergency save and exits 75."""
+    r = _run(tmp_path, _SIGNAL_AT, str(tmp_path / "ck"), where)
+    assert r.returncode == 75, (r.returncode, r.stderr[-2000:])
+    assert "restored 0" in r.stdout and "finished" not in r.stdout
+    assert "preemption (SIGTERM): saving step 1" in r.stderr, r.stderr[-2000:]
+    assert (tmp_path / "ck" / "step_000000001" / "manifest.json").exists()
+
+
+def test_a_checkpointer_that_fails_to_open_gives_the_handlers_back(tmp_path):
+    """A Checkpointer() that raises (its dirpath is a file) leaves no handler of its own
+    installed: SIGTERM has its previous action again."""
+    from resilient_callbacks import Checkpointer
+
+    before = signal.getsignal(signal.SIGTERM)
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(Exception):  # noqa: B017 (whatever error says the dirpath is wrong)
+        Checkpointer(tmp_path / "file" / "ck")
+    assert signal.getsignal(signal.SIGTERM) is before
+
