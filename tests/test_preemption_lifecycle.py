@@ -75,3 +75,62 @@ def test_a_checkpointer_that_fails_to_open_gives_the_handlers_back(tmp_path):
         Checkpointer(tmp_path / "file" / "ck")
     assert signal.getsignal(signal.SIGTERM) is before
 
+
+# step 4's background save fails (a full disk), then SIGTERM after the last step(); the
+# Checkpointer is closed in a finally, at a with block's end, or at the interpreter's exit
+_FAILED_SAVE_THEN_SIGNAL = """
+import errno, os, signal, sys, torch
+from resilient_callbacks import Checkpointer, layout
+
+def full(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+def train(ck):
+    for s in range(1, 5):
+        state["t"].fill_(s)
+        if s == 4:
+            ck.flush()  # step 2 committed before the disk "fills"
+            layout.write_part = full
+        ck.step(s, state)
+    signal.raise_signal(signal.SIGTERM)
+
+state = {"t": torch.zeros(2)}
+end = sys.argv[2]
+if end == "with":
+    with Checkpointer(sys.argv[1], every_n_steps=2) as ck:
+        train(ck)
+else:
+    ck = Checkpointer(sys.argv[1], every_n_steps=2)
+    if end == "finally":
+        try:
+            train(ck)
+        finally:
+            ck.close()
+    else:
+        train(ck)
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("end", ["finally", "with", "at exit"])
+def test_a_failed_background_save_is_not_hidden_by_a_signal_after_the_last_step(tmp_path, end):
+    """A background save failed, then SIGTERM came after the last step(): close() in a
+    ``finally`` (or a with block's end) raised SystemExit(75) from its release in place of the
+    save's error, so the job was requeued as if all were well and no caller could see the
+    error. The error now ends the process (exit 1, traceback shown) and a warning names the
+    signal. At the interpreter's exit, where nothing can raise it, the error is logged and the
+    process exits 75 (the newest committed checkpoint is intact)."""
+    r = _run(tmp_path, _FAILED_SAVE_THEN_SIGNAL, str(tmp_path / "ck"), end)
+    assert ("survived" in r.stdout) == (end == "at exit")  # (the script ran to its end)
+    said = r.stderr
+    if end == "at exit":
+        assert r.returncode == 75, (r.returncode, said[-3000:])
+        assert "at exit failed" in said and "No space left" in said, said[-3000:]
+    else:
+        assert r.returncode == 1, (r.returncode, said[-3000:])
+        assert "CheckpointWriteError: checkpoint for step 4 was not committed" in said, said[-3000:]
+        assert "SIGTERM arrived after the last step()" in said, said[-3000:]
+        assert "close() raises CheckpointWriteError" in said and "exiting with code" not in said
+    assert sorted(n for n in os.listdir(tmp_path / "ck") if n.startswith("step_")) == [
+        "step_000000002"
+    ]

@@ -59,6 +59,7 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     persister = ck._saver.persister
     grace_left = ck.watcher.remaining_grace_s if ck.watcher is not None else None
+    error: Exception | None = None  # close's own (a background save that failed)
     try:
         if persister is not None:
             pending = persister.pending
@@ -109,8 +110,11 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
         if persister is not None:
             ck.save_waits.log_summary()
             persister.raise_error()
+    except Exception as e:
+        error = e
+        raise
     finally:
-        _release(ck, _sinks_deadline(ck, deadline))
+        _release(ck, _sinks_deadline(ck, deadline), error)
     if not_uploaded and strict:
         raise not_uploaded_error(ck._dir, not_uploaded, outage_s)
 
@@ -335,8 +339,13 @@ def _sinks_deadline(ck: Checkpointer, deadline: float | None) -> float | None:
     return deadline
 
 
-def _release(ck: Checkpointer, sinks_deadline: float | None = None) -> None:
-    """Stop every thread and hook the Checkpointer started, and release the lock."""
+def _release(
+    ck: Checkpointer, sinks_deadline: float | None = None, raising: Exception | None = None
+) -> None:
+    """Stop every thread and hook the Checkpointer started, and release the lock. ``raising``:
+    what the close raises (a background save's failure): it ends the process, not the exit
+    code of a signal no step() acted on (at the interpreter's exit, where nothing can raise
+    it, it is logged and the code stays)."""
     if ck._at_exit is not None:
         atexit.unregister(ck._at_exit)
     ck._recorder.closed(sinks_deadline)
@@ -354,6 +363,18 @@ def _release(ck: Checkpointer, sinks_deadline: float | None = None) -> None:
         unanswered = ck.watcher.request if not ck.preempted else None
         users = unanswered_exit.users_exit()
         exit_code = unanswered_exit.exit_code_for(ck, unanswered, users)
+        # close() raises: the error ends the process (said below), not 75 nor the signal
+        raised = bool(
+            raising is not None
+            and not _at_exit_closing
+            and unanswered is not None
+            and unanswered.signum is not None
+            and (exit_code is not None or ck.watcher.passing_on_ends_the_process(unanswered.signum))
+        )
+        if raised:
+            exit_code = None
+        elif exit_code is not None and raising is not None:  # at exit: os._exit below
+            log.error("closing %s at exit failed: %s", ck.dirpath, raising)
         if exit_code is not None:
             ck.watcher.exiting(exit_code)  # (before uninstall: a second signal keeps the code)
         ck.watcher.uninstall()
@@ -389,6 +410,16 @@ def _release(ck: Checkpointer, sinks_deadline: float | None = None) -> None:
                 ck.failed_with,
                 _newest(ck),
                 _worker_killed_hint(ck),
+            )
+        elif raised and unanswered is not None:
+            # close() raises (a background save failed): the error ends the process, its
+            # traceback shown; 75, or the signal passed on to the default action, hid it
+            log.warning(
+                "%s arrived after the last step() that could act on it (no emergency save for "
+                "it; the newest checkpoint is %s); close() raises %s, which ends the process",
+                unanswered.source,
+                _newest(ck),
+                type(raising).__name__,
             )
         elif unanswered is not None and unanswered.signum is not None and users is not None:
             # the program is ending by a sys.exit of its own with a failure code (the close at
