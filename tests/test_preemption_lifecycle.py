@@ -134,3 +134,45 @@ def test_a_failed_background_save_is_not_hidden_by_a_signal_after_the_last_step(
     assert sorted(n for n in os.listdir(tmp_path / "ck") if n.startswith("step_")) == [
         "step_000000002"
     ]
+
+
+# a second SIGTERM at the lock's release, the last thing close() does before the process
+# raises its SystemExit(75): after the emergency save (step 3), or at a close() for a signal
+# no step() acted on
+_SECOND_SIGNAL_AT_THE_LAST_MOMENT = """
+import os, signal, sys, torch
+from resilient_callbacks import Checkpointer
+
+def at_release(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "release" and "lock" in frame.f_code.co_filename:
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+state = {"t": torch.zeros(2)}
+ck = Checkpointer(sys.argv[1], every_n_steps=100, async_save=False)
+ck.restore(state)
+for s in range(1, 4):
+    state["t"].fill_(s)
+    if s == 3 and sys.argv[2] == "emergency save":
+        os.kill(os.getpid(), signal.SIGTERM)
+        sys.setprofile(at_release)
+    ck.step(s, state, final=s == 3)
+os.kill(os.getpid(), signal.SIGTERM)  # after the last step(): close() exits 75 for it
+sys.setprofile(at_release)
+ck.close()
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("after", ["emergency save", "unanswered signal"])
+def test_a_second_signal_as_close_ends_keeps_the_exit_code(tmp_path, after):
+    """Once the process saved (or closed) for a preemption and exits with 75, a second signal
+    keeps that code (torchrun passing on a group's signal, ranks signalled apart). Between the
+    watcher's uninstall and the SystemExit (the lock's release: an unlink, slow on a network
+    filesystem) one killed the process by the signal (-15, a crash to the scheduler): no
+    SystemExit was being handled yet, so the handler took the process for one that caught
+    it and went on."""
+    r = _run(tmp_path, _SECOND_SIGNAL_AT_THE_LAST_MOMENT, str(tmp_path / "ck"), after)
+    assert r.returncode == 75, (r.returncode, r.stderr[-2000:])
+    assert "survived" not in r.stdout
+    assert (tmp_path / "ck" / "step_000000003" / "manifest.json").exists()

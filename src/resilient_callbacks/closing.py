@@ -26,7 +26,7 @@ from . import catalog, dist, unanswered_exit
 from .catalog import Depth
 from .errors import CheckpointError, ConfigError, UploadIncompleteError
 from .nodelocal import NodeDirectory
-from .preemption import pending
+from .preemption import exiting, pending
 from .redact import push_command
 from .upload_thread import EXIT_MARGIN_S, by_grace
 
@@ -462,7 +462,7 @@ def _release(
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(exit_code)
-        raise SystemExit(exit_code)
+        exiting.exit_with(exit_code)
 
 
 def at_exit(ck: Checkpointer) -> Callable[[], None] | None:

@@ -26,7 +26,7 @@ from .closing import EXIT_MARGIN_S
 from .errors import CheckpointError, UnsupportedStateError
 from .filepart import FilePart
 from .optim import hookable, untraced
-from .preemption import MetadataPoller, PreemptionWatcher
+from .preemption import MetadataPoller, PreemptionWatcher, exiting
 from .preemption.signals import WatcherConfig
 from .preemption.signals import _signal_name as signal_name
 from .refusals import refuse_stateful
@@ -341,5 +341,5 @@ class Emergency:
                 watcher.answered()  # for the other Checkpointers of this process too
                 watcher.exiting(ck.config.preemption_exit_code)  # a second signal keeps it
             ck.close(timeout=None if left is None else max(0.0, left - EXIT_MARGIN_S))
-            raise SystemExit(ck.config.preemption_exit_code)
+            exiting.exit_with(ck.config.preemption_exit_code)
         return saved

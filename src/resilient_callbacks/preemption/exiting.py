@@ -35,24 +35,38 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 _exiting: tuple[int, int] | None = None  # (pid, exit code)
+_raising = False  # marked, its SystemExit not raised yet (the close between them: exit_with)
 # signal -> (the watcher's handler that stays while exiting, the handler it replaced)
 _kept: dict[int, tuple[Any, Any]] = {}
 
 
 def mark(code: int) -> None:
     """This process saved for a preemption and now exits with ``code``."""
-    global _exiting
+    global _exiting, _raising
     _exiting = (os.getpid(), int(code))
+    _raising = True
     _kept.clear()
+
+
+def exit_with(code: int) -> NoReturn:
+    """Raise the ``SystemExit(code)`` that :func:`mark` announced. Until it is raised (the
+    close between them: the uploads, the lock's release) the process is on its way out too
+    (:func:`under_way`): a second signal there died of it (143)."""
+    global _raising
+    try:
+        raise SystemExit(code)
+    finally:
+        _raising = False  # (from here on the SystemExit being handled says so)
 
 
 def clear() -> None:
     """A watcher is installed again: the process trains on (it caught the ``SystemExit``); the
     handlers kept for the exit give way to those they replaced."""
-    global _exiting
+    global _exiting, _raising
+    _raising = False
     if code() is not None:
         for signum, (ours, prev) in _kept.items():
             if signal.getsignal(signum) is ours:
@@ -70,11 +84,11 @@ def code() -> int | None:
 
 def under_way() -> bool:
     """In a signal handler (main thread), while :func:`code` is set: whether the process is
-    still on its way out, not trained on after a caller caught the ``SystemExit``: one is
-    being handled (a ``finally``, an ``except``, a ``__exit__`` it passes through, chained to
+    still on its way out, not trained on after a caller caught the ``SystemExit``: it is
+    not raised yet (:func:`exit_with`), or one is being handled (a ``finally``, an ``except``, a ``__exit__`` it passes through, chained to
     an exception raised there), or the interpreter is shutting down (``threading``'s shutdown,
     ``atexit``, finalization)."""
-    if getattr(threading, "_SHUTTING_DOWN", False) or sys.is_finalizing():
+    if getattr(threading, "_SHUTTING_DOWN", False) or sys.is_finalizing() or _raising:
         return True
     if not threading.main_thread().is_alive():
         return True
