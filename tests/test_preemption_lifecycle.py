@@ -1,7 +1,8 @@
 """Signals at the edges of a Checkpointer's life: while it is constructed or restores, and a
-close() that fails while a signal is pending (docs/guide.md, "Preemption"). Each test runs a
-child process that signals itself at a chosen point (a profile hook on a function's call: a
-real signal at a known point, no timing)."""
+close() that fails while a signal is pending, a second signal as the process exits, and
+requests whose deadlines differ (docs/policy.md, "Preemption"). Most run a child process that
+signals itself at a chosen point (a profile hook on a function's call: a real signal at a
+known point, no timing)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,3 +178,28 @@ def test_a_second_signal_as_close_ends_keeps_the_exit_code(tmp_path, after):
     assert r.returncode == 75, (r.returncode, r.stderr[-2000:])
     assert "survived" not in r.stdout
     assert (tmp_path / "ck" / "step_000000003" / "manifest.json").exists()
+
+
+def test_a_later_request_with_a_sooner_kill_bounds_the_grace_period():
+    """A spot notice (120 s to the kill) then a node drain's SIGTERM (30 s here): the process
+    has 30 s left, not the first request's 120 s. The grace period close() keeps to (its
+    waits for a background save, the uploads, the sinks), the emergency save's warning and
+    the DCP writer's close were all taken from the first request: they outlasted the kill
+    (exit 137, not 75)."""
+    from resilient_callbacks.preemption import PreemptionWatcher, pending
+
+    w = PreemptionWatcher(grace_period_s={"SIGTERM": 30})
+    with w:
+        w.trigger("metadata:aws")  # the default grace period of an AWS notice: 120 s
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while w.count < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the handler runs in this thread, at its next bytecode)
+        assert w.count == 2 and w.request is not None
+        assert w.request.source == "metadata:aws"  # the first request stays the request
+        left = w.remaining_grace_s()
+        assert left is not None and left <= 30.0, left
+        shared = pending.remaining_grace_s(w)
+        assert shared is not None and shared <= 30.0, shared
+        said = w.check_grace(60.0)
+        assert said is not None and "preemption (SIGTERM)" in said, said

@@ -244,7 +244,7 @@ class Trigger:
             "(the first step() outside it)"
         )
         left = statetree.mid_step_left(state)
-        grace = req.remaining_s() if req is not None else None
+        grace = watcher.remaining_grace_s() if watcher is not None else None
         if left is None or grace is None or not self._step_seconds:
             log.warning(held)
             return

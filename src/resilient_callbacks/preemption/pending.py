@@ -26,7 +26,11 @@ def requests(watcher: PreemptionWatcher | None = None) -> list[PreemptionRequest
 
 
 def remaining_grace_s(watcher: PreemptionWatcher | None = None) -> float | None:
-    """Seconds left before the hard kill of the soonest pending request of :func:`requests`
-    (>= 0); None when none is pending or none says when its kill comes."""
-    left = [s for s in (r.remaining_s() for r in requests(watcher)) if s is not None]
+    """Seconds left before the hard kill of the soonest request pending on ``watcher`` and on
+    every watcher installed in this process (>= 0); None when none is pending or none says
+    when its kill comes."""
+    pid = os.getpid()
+    watchers = {w for w in list(_installed) if w._active and w._pid == pid}
+    watchers |= {watcher} if watcher is not None else set()
+    left = [s for s in (w.remaining_grace_s() for w in watchers) if s is not None]
     return min(left) if left else None

@@ -426,16 +426,21 @@ class PreemptionWatcher:
         return True
 
     def remaining_grace_s(self) -> float | None:
-        """Seconds left before the hard kill for the pending request (>= 0); None when nothing
-        is pending or its deadline is unknown."""
-        req = self.request
+        """Seconds left before the hard kill (>= 0): the soonest deadline of the pending
+        requests (a later one may bring a sooner one: a node drain's SIGTERM after a spot
+        notice); None when nothing is pending or no deadline is known."""
+        req = self._soonest()
         return None if req is None else req.remaining_s()
+
+    def _soonest(self) -> PreemptionRequest | None:
+        timed = [r for r in list(self._events) if r.grace_s is not None]
+        return min(timed, key=lambda r: r.monotonic + (r.grace_s or 0.0), default=None)
 
     def check_grace(self, estimated_save_s: float) -> str | None:
         """A warning message when a save estimated to take ``estimated_save_s`` would not finish
         within the remaining grace period; None when it fits or nothing is known."""
         est = _check_seconds("estimated_save_s", estimated_save_s, allow_zero=True)
-        req = self.request
+        req = self._soonest()
         left = None if req is None else req.remaining_s()
         if req is None or left is None or est <= left:
             return None
