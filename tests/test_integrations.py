@@ -735,6 +735,39 @@ def test_restart_loop_forwards_sigterm_and_stops(tmp_path: Path) -> None:
     assert err.count("attempt 0:") == 1 and "attempt 1" not in err, err
 
 
+@pytest.mark.parametrize(
+    ("child", "code"),
+    [
+        ('echo up > "$0.up"; exec sleep 30', RESUMABLE_EXIT_CODE),  # dies of it: no handler yet
+        ('trap "exit 1" TERM; echo up > "$0.up"; sleep 30 & wait', 1),  # fails after it
+    ],
+    ids=["dies of it", "fails after it"],
+)
+def test_restart_loop_stopped_before_the_command_could_save(
+    tmp_path: Path, child: str, code: int
+) -> None:
+    """SIGTERM to the loop while the command has no handler yet (importing torch, building the
+    model: no Checkpointer yet) kills the command by the signal: the loop exited 143, which a
+    Kubernetes Job counts as a crash against backoffLimit, though nothing was lost and a
+    re-run resumes. It exits 75 now; a command that fails after the signal (its emergency save
+    failed: exit 1) keeps its status."""
+    marker, errpath = tmp_path / "m", tmp_path / "loop.err"
+    with open(errpath, "w") as errf:
+        p = subprocess.Popen(
+            ["bash", str(LOOP), "--delay", "0", "--", "bash", "-c", child, str(marker)],
+            stderr=errf,
+        )
+    deadline = time.monotonic() + 30
+    while not Path(f"{marker}.up").exists():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.01)
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=30)
+    err = errpath.read_text()
+    assert p.returncode == code, err
+    assert "attempt 1" not in err, err
+
+
 def _library_handles_preemption() -> bool:
     """Whether the installed package makes an emergency save and exits 75 on SIGTERM."""
     import resilient_callbacks

@@ -15,7 +15,8 @@
 #
 # Signals sent to the loop (SIGTERM, SIGINT, SIGHUP, SIGUSR1) mean "the machine is going away":
 # the loop passes SIGTERM (SIGUSR1 as is) to the running command, waits for it to finish its
-# emergency save, does NOT re-launch, and exits with the command's status (75 after a save), so
+# emergency save, does NOT re-launch, and exits with the command's status (75 after a save; 75
+# too when the command died of the signal passed on: it had no handler yet, still starting), so
 # an outer scheduler (Slurm, a Kubernetes Job) sees the resumable exit code. That also makes it
 # usable as a container entrypoint: crashes restart inside the pod, preemptions go to the Job.
 # Started with `restart_loop.sh ... &` from a script (or under nohup), bash itself ignores
@@ -63,6 +64,7 @@ log() { printf '[restart_loop %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 child=""
 stopping=""    # set once we were told to stop: no more re-launches
+forwarded=""   # the signals passed on to the command
 interrupted=0  # a trap ran while we were in `wait`
 
 on_signal() {
@@ -74,7 +76,7 @@ on_signal() {
     [[ $sig == USR1 ]] && to_child="USR1"
     if [[ -n $child ]]; then
         log "got SIG$sig: sending SIG$to_child to pid $child and waiting for it (no re-launch)"
-        kill -s "$to_child" "$child" 2>/dev/null || true
+        kill -s "$to_child" "$child" 2>/dev/null && forwarded+=" $to_child"
     fi
 }
 for sig in TERM INT HUP USR1; do
@@ -103,6 +105,14 @@ while :; do
         exit 0
     fi
     if [[ -n $stopping ]]; then
+        for sig in $forwarded; do
+            [[ $rc -eq $((128 + $(kill -l "$sig"))) ]] || continue
+            # it died of the signal (no handler yet: importing, building the model): nothing
+            # was written that a re-run does not resume from; 143 read as a crash outside
+            log "attempt $attempt died of SIG$sig before it could save; exiting" \
+                "$RESUMABLE_EXIT_CODE (re-run to resume from the newest checkpoint)"
+            exit "$RESUMABLE_EXIT_CODE"
+        done
         log "attempt $attempt exited $rc after SIG$stopping; stopping (re-run to resume)"
         exit "$rc"
     fi
