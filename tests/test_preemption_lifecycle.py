@@ -203,3 +203,17 @@ def test_a_later_request_with_a_sooner_kill_bounds_the_grace_period():
         assert shared is not None and shared <= 30.0, shared
         said = w.check_grace(60.0)
         assert said is not None and "preemption (SIGTERM)" in said, said
+
+
+@pytest.mark.parametrize("notices", [{"kind": "aws", "interval_s": -1}, {"kind": "nope"}])
+def test_a_checkpointer_with_a_bad_notice_option_gives_the_handlers_back(tmp_path, notices):
+    """metadata_notices with a bad value raised ConfigError after the signal handlers were
+    installed, and left them: SIGTERM was then recorded by a watcher no step() reads, and the
+    process no longer stopped on it at all. Its previous action is back now."""
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.errors import ConfigError
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ConfigError):
+        Checkpointer(tmp_path / "ck", metadata_notices=notices)
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -150,7 +150,8 @@ def start_watcher(
     if config.metadata_notices is not None:
         opts = config.metadata_notices
         opts = {"kind": opts} if isinstance(opts, str) else dict(opts)
-        poller = MetadataPoller(watcher, **opts).start()
+        with watching(watcher, None):  # (a bad option: the handlers go back, not left behind)
+            poller = MetadataPoller(watcher, **opts).start()
     return watcher, poller
 
 
