@@ -370,6 +370,9 @@ class OwnCheckpoints:
         self.held = held
         self._known: set[tuple[str, tuple[str, int]]] | None = None  # (name, key): the history
         self._wrote: set[tuple[str, tuple[str, int]]] = set()  # (name, key): this process's
+        # (name, key) -> the files and blobs of an upload this process began there: a failed
+        # attempt may have committed (the store wrote the manifest, its answer was lost)
+        self._tried: dict[tuple[str, tuple[str, int]], tuple[Any, Any]] = {}
         self._warned: set[str] = set()
 
     def protected(self, entries: Sequence[RemoteEntry], protect: str) -> list[str]:
@@ -396,6 +399,12 @@ class OwnCheckpoints:
             self.held.uploaded(key)
         self._wrote.add((name, key))
 
+    def trying(self, name: str, m: Manifest) -> None:
+        """This process begins an upload of ``m`` as ``name``: a commit of it found there
+        later is this process's, also when the attempt failed (its answer was lost: it was
+        taken for another live process's, never counted nor deleted)."""
+        self._tried[(name, (m.run_id, m.seq))] = (m.files, m.blobs)
+
     def mine(self, entries: Sequence[RemoteEntry], run_id: str) -> list[RemoteEntry]:
         """``entries`` without the checkpoints of ``run_id`` that another process committed
         since this one opened (warned about once a name); all of them before a listing."""
@@ -407,6 +416,7 @@ class OwnCheckpoints:
             for e in entries
             if e.key and e.key[0] == run_id and (e.name, e.key) not in known
             if (e.name, e.key) not in wrote
+            if (m := e.manifest) and self._tried.get((e.name, e.key)) != (m.files, m.blobs)
         ]
         new = [e.name for e in theirs if e.name not in self._warned]
         if new:

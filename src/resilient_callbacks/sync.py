@@ -327,6 +327,7 @@ class RemoteSync(UploadThread):
         upload takes the next free name."""
         while True:
             remote_name = self._free_name(name, manifest)
+            self.own.trying(remote_name, manifest)
             try:
                 self.store.upload(path, manifest, remote_name, progress)
                 return remote_name

@@ -1,0 +1,114 @@
+"""A tiny HTTP proxy in front of an S3 API server (moto's, on 127.0.0.1) that fails requests on
+demand: a store answering errors for a while (503 SlowDown, 500), or one that did the work and
+lost the answer (forwarded, then 500).
+
+``rule(method, path, query) -> str | None`` decides per request: ``None`` forwards it;
+``"slowdown"`` answers 503 SlowDown without forwarding; ``"error"`` answers 500 without
+forwarding; ``"lost"`` forwards it and then answers 500 (the store did it; the client cannot
+know); ``"denied"`` answers 403 InvalidAccessKeyId (credentials that became invalid).
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+Rule = Callable[[str, str, str], "str | None"]
+
+_ERRORS = {
+    "slowdown": (503, "SlowDown", "Please reduce your request rate."),
+    "error": (500, "InternalError", "We encountered an internal error. Please try again."),
+    "lost": (500, "InternalError", "We encountered an internal error. Please try again."),
+    "denied": (403, "InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist."),
+}
+
+
+class FlakyProxy:
+    def __init__(self, upstream: str, rule: Rule | None = None) -> None:
+        u = urlsplit(upstream)
+        self.upstream = (u.hostname, u.port)
+        self.rule: Rule = rule or (lambda m, p, q: None)
+        self.seen: list[tuple[str, str, str | None]] = []  # (method, path, what was done)
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = b""
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                        if size == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            return out
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _answer(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+                self.send_response(status)
+                for k, v in headers:
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def _error(self, what: str) -> None:
+                status, code, msg = _ERRORS[what]
+                body = (
+                    f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                    f"<Message>{msg}</Message></Error>"
+                ).encode()
+                self._answer(status, [("Content-Type", "application/xml")], body)
+
+            def _handle(self) -> None:
+                body = self._body()
+                path, _, query = self.path.partition("?")
+                with proxy.lock:
+                    what = proxy.rule(self.command, path, query)
+                    proxy.seen.append((self.command, path, what))
+                if what in ("slowdown", "error", "denied"):
+                    self._error(what)
+                    return
+                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                    headers.pop("Transfer-Encoding", None)
+                    headers["Content-Length"] = str(len(body))
+                    headers["Host"] = f"{proxy.upstream[0]}:{proxy.upstream[1]}"
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    r = conn.getresponse()
+                    data = r.read()
+                    if what == "lost":
+                        self._error("lost")
+                        return
+                    self._answer(r.status, r.getheaders(), data)
+                finally:
+                    conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,61 @@
+"""The remote tier behind a store that answers errors (a flaky proxy in front of moto's S3
+server, :mod:`flaky_proxy`): what a lost answer, an error burst or revoked credentials leave."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from flaky_proxy import FlakyProxy
+from resilient_callbacks import Checkpointer
+from resilient_callbacks.remote import RemoteStore
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((256,), float(v))}
+
+
+def test_a_remote_commit_whose_answer_was_lost_is_still_this_processs(
+    s3_server, s3_remote, tmp_path, caplog
+):
+    """The store wrote the manifest of step 10 but its answer was lost (a 500 after the work,
+    a reset connection): the attempt failed, and by its retry step 20 had superseded it. Step
+    10 was committed remotely by this process all the same: the remote retention deletes it
+    (keep_last=1), and it is no checkpoint of 'another live process' (it was kept for ever and
+    named as one)."""
+    url, opts = s3_remote
+    answered = threading.Event()  # the lost answer is held until step 20 is queued
+    lost: list[str] = []
+
+    def rule(method: str, path: str, query: str) -> str | None:
+        if method == "PUT" and path.endswith("step_000000010/manifest.json"):
+            lost.append(path)  # (every try of the client's: its retries are lost too)
+            assert answered.wait(60)
+            return "lost"
+        return None
+
+    proxy = FlakyProxy(s3_server.endpoint, rule)
+    try:
+        caplog.set_level(logging.INFO, "resilient_callbacks")
+        ck = Checkpointer(
+            tmp_path / "local",
+            remote=url,
+            remote_options={**opts, "endpoint_url": proxy.endpoint},
+            keep_last=1,
+            async_save=False,
+        )
+        ck._sync.retry_base_s = ck._sync.retry_max_s = 0.01
+        ck.save(10, _state(10))
+        ck.save(20, _state(20))  # committed locally and queued behind step 10's upload
+        answered.set()
+        ck.close(timeout=60)
+    finally:
+        answered.set()
+        proxy.close()
+    assert lost, "the manifest PUT of step 10 was not seen"
+    committed = {e.name: e.manifest.step for e in RemoteStore(url, opts).scan() if e.manifest}
+    assert committed == {"step_000000020": 20}, committed
+    assert not [r for r in caplog.records if "another live process" in r.getMessage()]
+
