@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 
 import torch
 
 from flaky_proxy import FlakyProxy
-from resilient_callbacks import Checkpointer
+from resilient_callbacks import Checkpointer, ResumeFallbackWarning
 from resilient_callbacks.remote import RemoteStore
 
 
@@ -59,3 +60,53 @@ def test_a_remote_commit_whose_answer_was_lost_is_still_this_processs(
     assert committed == {"step_000000020": 20}, committed
     assert not [r for r in caplog.records if "another live process" in r.getMessage()]
 
+
+def test_a_download_that_fails_at_restore_is_tried_again_not_rolled_back(
+    s3_server, s3_remote, tmp_path
+):
+    """The store answers 500 to every read of the newest remote checkpoint for a while (longer
+    than its client's own retries) as a wiped node restores: the download is tried again, and
+    the run resumes from it. It fell back to the older one at once (a ResumeFallbackWarning,
+    the run sent back a whole save interval) over an error burst the next try rides out."""
+    url, opts = s3_remote
+    with Checkpointer(tmp_path / "first", remote=url, remote_options=opts, keep_last=2) as ck:
+        ck.save(10, _state(10))
+        ck.save(20, _state(20))
+    burst = threading.Event()  # the store fails the reads until the retry is announced
+    burst.set()
+    failed: list[str] = []
+
+    def rule(method: str, path: str, query: str) -> str | None:
+        data = method == "GET" and "/step_000000020/" in path and not path.endswith(".json")
+        if data and burst.is_set():
+            failed.append(path)
+            return "error"
+        return None
+
+    class Announced(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "trying again" in record.getMessage():
+                burst.clear()
+
+    proxy = FlakyProxy(s3_server.endpoint, rule)
+    handler = Announced()
+    logging.getLogger("resilient_callbacks").addHandler(handler)
+    try:
+        state = {"w": torch.zeros(256)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResumeFallbackWarning)
+            ck = Checkpointer(
+                tmp_path / "wiped",
+                remote=url,
+                remote_options={**opts, "endpoint_url": proxy.endpoint},
+                keep_last=2,
+            )
+            try:
+                assert ck.restore(state) == 20
+            finally:
+                ck.close()
+    finally:
+        logging.getLogger("resilient_callbacks").removeHandler(handler)
+        proxy.close()
+    assert failed, "no read of step 20 was failed"
+    assert torch.equal(state["w"], torch.full((256,), 20.0))

@@ -19,6 +19,7 @@ remote store (the coordinator; in node-local mode each node's leader); nothing c
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -26,7 +27,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .errors import RemoteUnavailableError
+from .errors import CheckpointCorruptError, RemoteUnavailableError
+from .redact import url_text
+from .upload_thread import backoff_s
 
 if TYPE_CHECKING:
     from .remote import RemoteEntry, RemoteStore
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("resilient_callbacks")
 T = TypeVar("T")
 LOG_EVERY_S = 30.0  # a long download says how far it got this often
+DOWNLOAD_TRIES = 3  # a download that fails for an error that may pass is tried this often
 
 
 def limit_s() -> float:
@@ -132,6 +136,41 @@ def on_disk(folder: str, prefix: str, sizes: dict[str, int]) -> tuple[int, str]:
 
 def download(
     st: RemoteStore, entry: RemoteEntry, dirpath: str, url: str, who: str = "the restore"
+) -> tuple[str, str]:
+    """:func:`_download_once`, tried again (up to :data:`DOWNLOAD_TRIES` in all, after 1 s,
+    then 2 s, and none begun once :func:`limit_s` has passed) when it fails for an error of
+    the store that may pass (a 5xx, a reset, a timeout: an ``OSError`` other than a missing
+    object, a refusal, a checksum mismatch or a stall): an error burst longer than the client's
+    own retries made the restore skip the newest checkpoint for an older one."""
+    t0 = time.monotonic()
+    for attempt in range(1, DOWNLOAD_TRIES + 1):
+        try:
+            return _download_once(st, entry, dirpath, url, who)
+        except OSError as e:
+            final = FileNotFoundError | PermissionError | CheckpointCorruptError
+            if (
+                isinstance(e, final | RemoteUnavailableError)  # (a stall: given up already)
+                or e.errno in (errno.ENOSPC, errno.EDQUOT)
+                or attempt == DOWNLOAD_TRIES
+                or time.monotonic() - t0 > limit_s()
+            ):
+                raise
+            wait = backoff_s(attempt, 1.0, jitter=False)
+            log.warning(
+                "downloading %s failed (try %d of %d): %s: %s; trying again in %g s",
+                url,
+                attempt,
+                DOWNLOAD_TRIES,
+                type(e).__name__,
+                url_text(str(e)),
+                wait,
+            )
+            time.sleep(wait)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _download_once(
+    st: RemoteStore, entry: RemoteEntry, dirpath: str, url: str, who: str
 ) -> tuple[str, str]:
     """:meth:`RemoteStore.download` of ``entry`` (at ``url``) into ``dirpath``, given up once no
     byte has arrived for :func:`limit_s` (its staging folder's files and the store's blobs'
