@@ -4,6 +4,7 @@ server, :mod:`flaky_proxy`): what a lost answer, an error burst or revoked crede
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 
@@ -110,3 +111,54 @@ def test_a_download_that_fails_at_restore_is_tried_again_not_rolled_back(
         proxy.close()
     assert failed, "no read of step 20 was failed"
     assert torch.equal(state["w"], torch.full((256,), 20.0))
+
+
+def test_a_full_durable_disk_at_the_manifest_leaves_no_torn_commit(small_tmpfs, tmp_path):
+    """A ``file://`` remote whose disk fills up just as the manifest is written (every data
+    file fitted): the upload fails and is retried, and nothing is left that reads as a
+    committed checkpoint. The write left an empty manifest.json: a checkpoint committed and
+    damaged, which every restore skipped with a warning, whose name the retry could not take
+    (it went to ``-r1``), and which stopped the collection of blobs until
+    ``gc --remove-corrupt``."""
+    url = f"file://{small_tmpfs}/run"
+    ck = Checkpointer(tmp_path / "local", remote=url, keep_last=1, async_save=False)
+    ck._sync.retry_base_s = ck._sync.retry_max_s = 0.01
+    ck.save(10, _state(10))
+    assert ck._sync.wait(60)
+    first, freed = threading.Event(), threading.Event()
+    upload = ck.remote.upload
+
+    def held(*a, **k):  # the retry waits until the test looked and freed the disk
+        if first.is_set():
+            assert freed.wait(60)
+        try:
+            return upload(*a, **k)
+        finally:
+            first.set()
+
+    ck.remote.upload = held
+    sizes = {p.name: p.stat().st_size for p in (tmp_path / "local" / "step_000000010").iterdir()}
+    need = sum(-(-n // 4096) * 4096 for f, n in sizes.items() if f != "manifest.json")
+    st = os.statvfs(small_tmpfs)
+    filler = small_tmpfs / "filler"
+    filler.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - need))  # room for the files only
+    try:
+        ck.save(20, _state(20))  # as big as step 10
+        assert first.wait(60)
+        step20 = small_tmpfs / "run" / "step_000000020"
+        local20 = tmp_path / "local" / "step_000000020"
+        want = {p.name: p.stat().st_size for p in local20.iterdir() if p.name != "manifest.json"}
+        got = {p.name: p.stat().st_size for p in step20.iterdir() if p.name in want}
+        assert got == want  # (the scenario: every file fitted, the manifest did not)
+        assert ck.remote_status().failures >= 1
+        assert not [
+            e
+            for e in RemoteStore(url).scan()
+            if e.name == "step_000000020" and e.problem != "no manifest (incomplete)"
+        ]
+    finally:
+        filler.unlink()
+        freed.set()
+    ck.close(timeout=60)
+    entries = RemoteStore(url).scan()
+    assert [(e.name, e.problem) for e in entries] == [("step_000000020", None)], entries

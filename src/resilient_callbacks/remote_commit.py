@@ -42,6 +42,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .node_upload import Key, NodeUploader, UploadCounters, UploadJob
 from .redact import url_text
 from .remote import NO_MANIFEST, RemoteStore, retention_candidates
+from .remote_manifest import put_manifest
 from .remote_objects import OwnCheckpoints, RestoredCopy, marks_of, seq_floor
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s, by_grace, retention_failed
@@ -381,9 +382,7 @@ class RemoteCommitter(UploadThread):
                     f"{st.url}/{p.name}/{f.path}: {sizes.get(f.path)} bytes remotely, the "
                     f"manifest says {f.size}; not committing"
                 )
-        st.fs.pipe_file(posixpath.join(base, MANIFEST_NAME), p.manifest)
-        if st.is_local:
-            st._fsync_local([posixpath.join(base, MANIFEST_NAME)])
+        put_manifest(st, posixpath.join(base, MANIFEST_NAME), p.manifest)
         marks = marks_of(sizes, (m.run_id, m.seq), p.tag)  # (the nodes': committed now)
         if marks:  # (one a failed delete leaves is a few bytes; gc removes it with the folder)
             with contextlib.suppress(Exception):

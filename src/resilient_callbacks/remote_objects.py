@@ -17,6 +17,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
+from .remote_manifest import put_manifest
 
 if TYPE_CHECKING:
     from .remote import RemoteEntry, RemoteStore
@@ -471,9 +472,7 @@ class ManifestLastCommit:
         st._check_uploaded(self.local_dir, m, staging)
         if st.is_local:
             st._fsync_local([st._path(staging, f.path) for f in m.files])
-        st.fs.pipe_file(st._path(staging, MANIFEST_NAME), manifest)
-        if st.is_local:
-            st._fsync_local([st._path(staging, MANIFEST_NAME)])
+        put_manifest(st, st._path(staging, MANIFEST_NAME), manifest)
         return f"{st.url}/{staging}"
 
     def abort(self, staging: str) -> None:
