@@ -162,3 +162,53 @@ def test_a_full_durable_disk_at_the_manifest_leaves_no_torn_commit(small_tmpfs, 
     ck.close(timeout=60)
     entries = RemoteStore(url).scan()
     assert [(e.name, e.problem) for e in entries] == [("step_000000020", None)], entries
+
+
+def test_a_manifest_read_that_fails_at_restore_is_tried_again_not_rolled_back(
+    s3_server, s3_remote, tmp_path
+):
+    """As above for the newest remote checkpoint's manifest: the store answers 500 to its
+    reads (longer than its client's retries) while a wiped node lists it. Unread, it was
+    skipped loudly for the older checkpoint (and its name left for good to a checkpoint that
+    was never damaged); it is read again, and the run resumes from it."""
+    url, opts = s3_remote
+    with Checkpointer(tmp_path / "first", remote=url, remote_options=opts, keep_last=2) as ck:
+        ck.save(10, _state(10))
+        ck.save(20, _state(20))
+    burst = threading.Event()  # the store fails the reads until the retry is announced
+    burst.set()
+    failed: list[str] = []
+
+    def rule(method: str, path: str, query: str) -> str | None:
+        if method == "GET" and path.endswith("/step_000000020/manifest.json") and burst.is_set():
+            failed.append(path)
+            return "error"
+        return None
+
+    class Announced(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "trying again" in record.getMessage():
+                burst.clear()
+
+    proxy = FlakyProxy(s3_server.endpoint, rule)
+    handler = Announced()
+    logging.getLogger("resilient_callbacks").addHandler(handler)
+    try:
+        state = {"w": torch.zeros(256)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResumeFallbackWarning)
+            ck = Checkpointer(
+                tmp_path / "wiped",
+                remote=url,
+                remote_options={**opts, "endpoint_url": proxy.endpoint},
+                keep_last=2,
+            )
+            try:
+                assert ck.restore(state) == 20
+            finally:
+                ck.close()
+    finally:
+        logging.getLogger("resilient_callbacks").removeHandler(handler)
+        proxy.close()
+    assert failed, "no read of step 20's manifest was failed"
+    assert torch.equal(state["w"], torch.full((256,), 20.0))

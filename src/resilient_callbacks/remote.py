@@ -30,7 +30,7 @@ from typing import Any
 
 import fsspec
 
-from . import remote_blobs, remote_objects, rng
+from . import remote_blobs, remote_objects, remote_reads, rng
 from .blobs import BLOBS_DIR
 from .catalog import PLAIN_DCP_METADATA, Depth, verify, verify_entries
 from .commit import STAGING_PREFIX, fsync_dir, fsync_tree
@@ -319,7 +319,7 @@ class RemoteStore:
         paths = {
             self.fs._strip_protocol(self._path(n, MANIFEST_NAME)): n for n in names if n not in out
         }
-        got = self.fs.cat(list(paths), on_error="return") if paths else {}
+        got = remote_reads.cat_manifests(self.fs, list(paths), self.url) if paths else {}
         for path, name in paths.items():
             raw = got.get(path, FileNotFoundError(path))
             if isinstance(raw, Exception):

@@ -19,7 +19,6 @@ remote store (the coordinator; in node-local mode each node's leader); nothing c
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -27,8 +26,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .errors import CheckpointCorruptError, RemoteUnavailableError
+from .errors import RemoteUnavailableError
 from .redact import url_text
+from .remote_reads import may_pass
 from .upload_thread import backoff_s
 
 if TYPE_CHECKING:
@@ -147,13 +147,7 @@ def download(
         try:
             return _download_once(st, entry, dirpath, url, who)
         except OSError as e:
-            final = FileNotFoundError | PermissionError | CheckpointCorruptError
-            if (
-                isinstance(e, final | RemoteUnavailableError)  # (a stall: given up already)
-                or e.errno in (errno.ENOSPC, errno.EDQUOT)
-                or attempt == DOWNLOAD_TRIES
-                or time.monotonic() - t0 > limit_s()
-            ):
+            if not may_pass(e) or attempt == DOWNLOAD_TRIES or time.monotonic() - t0 > limit_s():
                 raise
             wait = backoff_s(attempt, 1.0, jitter=False)
             log.warning(
