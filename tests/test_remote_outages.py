@@ -14,6 +14,8 @@ from flaky_proxy import FlakyProxy
 from resilient_callbacks import Checkpointer, ResumeFallbackWarning
 from resilient_callbacks.remote import RemoteStore
 
+RETRIES = {"max_attempts": 2, "mode": "standard"}
+
 
 def _state(v: float) -> dict:
     return {"w": torch.full((256,), float(v))}
@@ -44,7 +46,11 @@ def test_a_remote_commit_whose_answer_was_lost_is_still_this_processs(
         ck = Checkpointer(
             tmp_path / "local",
             remote=url,
-            remote_options={**opts, "endpoint_url": proxy.endpoint},
+            remote_options={
+                **opts,
+                "endpoint_url": proxy.endpoint,
+                "config_kwargs": {"retries": RETRIES},
+            },
             keep_last=1,
             async_save=False,
         )
@@ -90,6 +96,8 @@ def test_a_download_that_fails_at_restore_is_tried_again_not_rolled_back(
                 burst.clear()
 
     proxy = FlakyProxy(s3_server.endpoint, rule)
+    # (the client's own retries and their waits, seconds each, cut short: the burst outlasts them)
+    proxied = {**opts, "endpoint_url": proxy.endpoint, "config_kwargs": {"retries": RETRIES}}
     handler = Announced()
     logging.getLogger("resilient_callbacks").addHandler(handler)
     try:
@@ -99,7 +107,7 @@ def test_a_download_that_fails_at_restore_is_tried_again_not_rolled_back(
             ck = Checkpointer(
                 tmp_path / "wiped",
                 remote=url,
-                remote_options={**opts, "endpoint_url": proxy.endpoint},
+                remote_options=proxied,
                 keep_last=2,
             )
             try:
@@ -191,6 +199,8 @@ def test_a_manifest_read_that_fails_at_restore_is_tried_again_not_rolled_back(
                 burst.clear()
 
     proxy = FlakyProxy(s3_server.endpoint, rule)
+    # (the client's own retries and their waits, seconds each, cut short: the burst outlasts them)
+    proxied = {**opts, "endpoint_url": proxy.endpoint, "config_kwargs": {"retries": RETRIES}}
     handler = Announced()
     logging.getLogger("resilient_callbacks").addHandler(handler)
     try:
@@ -200,7 +210,7 @@ def test_a_manifest_read_that_fails_at_restore_is_tried_again_not_rolled_back(
             ck = Checkpointer(
                 tmp_path / "wiped",
                 remote=url,
-                remote_options={**opts, "endpoint_url": proxy.endpoint},
+                remote_options=proxied,
                 keep_last=2,
             )
             try:
