@@ -5,7 +5,7 @@ lost the answer (forwarded, then 500).
 ``rule(method, path, query) -> str | None`` decides per request: ``None`` forwards it;
 ``"slowdown"`` answers 503 SlowDown without forwarding; ``"error"`` answers 500 without
 forwarding; ``"lost"`` forwards it and then answers 500 (the store did it; the client cannot
-know); ``"denied"`` answers 403 InvalidAccessKeyId (credentials that became invalid).
+know); ``"drop"`` forwards it and closes the connection unanswered; ``"denied"`` answers 403 InvalidAccessKeyId (credentials that became invalid).
 """
 
 from __future__ import annotations
@@ -92,6 +92,10 @@ class FlakyProxy:
                     data = r.read()
                     if what == "lost":
                         self._error("lost")
+                        return
+                    if what == "drop":  # the store did it; the connection dies unanswered
+                        self.close_connection = True
+                        self.connection.shutdown(2)
                         return
                     self._answer(r.status, r.getheaders(), data)
                 finally:
