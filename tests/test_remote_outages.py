@@ -3,6 +3,7 @@ server, :mod:`flaky_proxy`): what a lost answer, an error burst or revoked crede
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -12,7 +13,7 @@ import torch
 
 from flaky_proxy import FlakyProxy
 from resilient_callbacks import Checkpointer, ResumeFallbackWarning
-from resilient_callbacks.remote import RemoteStore
+from resilient_callbacks.remote import NO_MANIFEST, RemoteStore
 
 RETRIES = {"max_attempts": 2, "mode": "standard"}
 
@@ -133,39 +134,37 @@ def test_a_full_durable_disk_at_the_manifest_leaves_no_torn_commit(small_tmpfs, 
     ck._sync.retry_base_s = ck._sync.retry_max_s = 0.01
     ck.save(10, _state(10))
     assert ck._sync.wait(60)
-    first, freed = threading.Event(), threading.Event()
+    filled, first, freed = threading.Event(), threading.Event(), threading.Event()
     upload = ck.remote.upload
 
-    def held(*a, **k):  # the retry waits until the test looked and freed the disk
-        if first.is_set():
-            assert freed.wait(60)
+    def held(*a, **k):  # waits until the disk is filled, its retry until the test freed it
+        assert (freed if first.is_set() else filled).wait(60)
         try:
             return upload(*a, **k)
         finally:
             first.set()
 
     ck.remote.upload = held
-    sizes = {p.name: p.stat().st_size for p in (tmp_path / "local" / "step_000000010").iterdir()}
-    need = sum(-(-n // 4096) * 4096 for f, n in sizes.items() if f != "manifest.json")
-    st = os.statvfs(small_tmpfs)
     filler = small_tmpfs / "filler"
-    filler.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - need))  # room for the files only
     try:
-        ck.save(20, _state(20))  # as big as step 10
-        assert first.wait(60)
-        step20 = small_tmpfs / "run" / "step_000000020"
+        ck.save(20, _state(20))  # committed locally; its upload waits
         local20 = tmp_path / "local" / "step_000000020"
         want = {p.name: p.stat().st_size for p in local20.iterdir() if p.name != "manifest.json"}
-        got = {p.name: p.stat().st_size for p in step20.iterdir() if p.name in want}
-        assert got == want  # (the scenario: every file fitted, the manifest did not)
-        assert ck.remote_status().failures >= 1
-        assert not [
-            e
-            for e in RemoteStore(url).scan()
-            if e.name == "step_000000020" and e.problem != "no manifest (incomplete)"
+        st = os.statvfs(small_tmpfs)
+        room = sum(-(-n // st.f_frsize) * st.f_frsize for n in want.values())
+        filler.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - room))  # room for the files only
+        filled.set()
+        assert first.wait(60)
+        got = {p.name: p.stat().st_size for p in (small_tmpfs / "run" / "step_000000020").iterdir()}
+        assert {n: got.get(n) for n in want} == want  # (every file fitted, the manifest did not)
+        torn = [
+            e for e in RemoteStore(url).scan() if e.manifest is None and e.problem != NO_MANIFEST
         ]
+        assert not torn, torn
     finally:
-        filler.unlink()
+        filled.set()
+        with contextlib.suppress(FileNotFoundError):
+            filler.unlink()
         freed.set()
     ck.close(timeout=60)
     entries = RemoteStore(url).scan()
