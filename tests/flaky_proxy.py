@@ -56,10 +56,13 @@ class FlakyProxy:
 
             def _answer(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
                 self.send_response(status)
+                length = str(len(body))
                 for k, v in headers:
-                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                    if k.lower() == "content-length" and self.command == "HEAD":
+                        length = v  # (a HEAD's: the object's size, with no body)
+                    elif k.lower() not in ("transfer-encoding", "content-length", "connection"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", length)
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(body)

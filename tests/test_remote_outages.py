@@ -13,7 +13,11 @@ import torch
 
 from flaky_proxy import FlakyProxy
 from resilient_callbacks import Checkpointer, ResumeFallbackWarning
+from resilient_callbacks.manifest import FileEntry, Manifest
 from resilient_callbacks.remote import NO_MANIFEST, RemoteStore
+from resilient_callbacks.remote_commit import NodeUploader, RemoteCommitter
+from resilient_callbacks.retention import RetentionPolicy
+from resilient_callbacks.tensorfile import encode_json, write_bytes
 
 RETRIES = {"max_attempts": 2, "mode": "standard"}
 
@@ -221,3 +225,55 @@ def test_a_manifest_read_that_fails_at_restore_is_tried_again_not_rolled_back(
         proxy.close()
     assert failed, "no read of step 20's manifest was failed"
     assert torch.equal(state["w"], torch.full((256,), 20.0))
+
+
+def test_a_node_local_remote_commit_whose_answer_was_lost_is_still_this_processs(
+    s3_server, s3_remote, tmp_path, caplog
+):
+    """Node-local mode's remote commit (the coordinator's manifest over every node's part):
+    the store wrote step 2's manifest and every answer was lost, so the commit was given up.
+    It was committed all the same, by this process: the retention after step 3's commit
+    deletes it (keep_last=1), and it is no checkpoint of 'another live process'."""
+    url, opts = s3_remote
+    proxy = FlakyProxy(
+        s3_server.endpoint,
+        lambda m, p, q: (
+            "lost" if m == "PUT" and p.endswith("step_000000002/manifest.json") else None
+        ),
+    )
+    store = RemoteStore(
+        url, {**opts, "endpoint_url": proxy.endpoint, "config_kwargs": {"retries": RETRIES}}
+    )
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    committer = RemoteCommitter(store, 2, RetentionPolicy(keep_last=1), max_attempts=1)
+    up = [NodeUploader(store, str(tmp_path / f"node{r}"), r) for r in (0, 1)]
+    try:
+        committer.refresh_max_seq()  # (the listing at open: an empty store)
+        for seq, step in ((1, 2), (2, 3)):
+            name = f"step_{step:09d}"
+            files = []
+            for r in (0, 1):
+                (tmp_path / f"node{r}" / name).mkdir(parents=True)
+                d = write_bytes(
+                    str(tmp_path / f"node{r}" / name / f"rank_{r:05d}.bin"), bytes([r]) * 100
+                )
+                files.append(FileEntry(f"rank_{r:05d}.bin", d.size, d.xxh3_64, r, "tensors"))
+            m = Manifest(step=step, run_id="run1", seq=seq, world_size=2, files=files)
+            committer.expect(("run1", seq), name, encode_json(m.to_json()))
+            for r, u in enumerate(up):
+                u.enqueue(name, name, ("run1", seq), [files[r]])
+                assert u.wait(30)
+                for rep in u.take_reports():
+                    committer.report(r, rep)
+            committer.wait(30)
+        committer.stop()
+        committer._thread.join(60)  # (its retention after the commit is done)
+    finally:
+        committer.stop()
+        for u in up:
+            u.stop()
+        proxy.close()
+    assert committer.abandoned == ["step_000000002"]  # (as far as it could tell)
+    committed = {e.name for e in RemoteStore(url, opts).scan() if e.manifest}
+    assert committed == {"step_000000003"}, committed
+    assert not [r for r in caplog.records if "another live process" in r.getMessage()]

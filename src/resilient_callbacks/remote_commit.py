@@ -382,6 +382,7 @@ class RemoteCommitter(UploadThread):
                     f"{st.url}/{p.name}/{f.path}: {sizes.get(f.path)} bytes remotely, the "
                     f"manifest says {f.size}; not committing"
                 )
+        self.own.trying(p.name, m)  # (committed also if the answer is lost: its own)
         put_manifest(st, posixpath.join(base, MANIFEST_NAME), p.manifest)
         marks = marks_of(sizes, (m.run_id, m.seq), p.tag)  # (the nodes': committed now)
         if marks:  # (one a failed delete leaves is a few bytes; gc removes it with the folder)
