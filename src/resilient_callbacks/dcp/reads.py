@@ -17,6 +17,7 @@ import torch
 
 from ..dtypes import DTYPE_TO_ST
 from ..errors import CheckpointMismatchError
+from ..fit import MATERIALIZE
 from . import shards
 from .assemble import full_box, whole_entry
 from .chunks import Box
@@ -76,6 +77,26 @@ def plan_reads(
     )
     out.problems += [f"{n}: in the checkpoint, not in this model/optimizer" for n in unexpected]
     return out
+
+
+def on_meta(model: torch.nn.Module) -> list[str]:
+    """The problem, if any, of a model whose parameters or persistent buffers are on the meta
+    device (built under ``torch.device("meta")`` and not yet allocated): a restore would copy
+    into tensors that hold no values and report success, leaving the model as it was (a run
+    that allocates and initialises it afterwards trains on from fresh weights, at the restored
+    step)."""
+    names = [n for n, p in model.named_parameters() if p.is_meta]
+    for prefix, module in model.named_modules():
+        for n, b in module.named_buffers(recurse=False):
+            if b.is_meta and n not in module._non_persistent_buffers_set:
+                names.append(f"{prefix}.{n}" if prefix else n)
+    if not names:
+        return []
+    more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
+    return [
+        f"{', '.join(names[:5])}{more}: on the meta device, which holds no values: loading "
+        f"into them does nothing. {MATERIALIZE}"
+    ]
 
 
 def refuse(part_id: str, problems: list[str]) -> None:

@@ -61,7 +61,7 @@ from . import flat_restore, optim_fit, shards
 from .assemble import assemble, json_file, tensor_file
 from .chunks import Box, check_index, index_of_ranks, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
-from .reads import plan_reads, refuse
+from .reads import on_meta, plan_reads, refuse
 from .stateless import (
     hyperparameters,
     optimizers_of,
@@ -376,6 +376,7 @@ class Sharded(FilePart):
                 f"part {info.part_id!r} holds optimizer state, but this Sharded has none (to "
                 "load the model alone, open the Checkpointer with read_only=True)"
             )
+        refuse(info.part_id, on_meta(self.model))  # (a restore into it would load nothing)
         partial = info.partial and not self.optimizers  # a read-only restore of the model
         optims = () if partial else optimizers_of(saved, self.optimizers)
         with_optim = bool(optims)
@@ -388,8 +389,7 @@ class Sharded(FilePart):
             direct = self._load = flat_restore.plan(
                 layout, self._fqn, self.model, index, home, with_optim
             )
-            strict = self.options.strict
-            optim_fit.check(info.part_id, saved, self._kinds, self.optimizers, strict)
+            optim_fit.check(info.part_id, saved, self._kinds, self.optimizers, self.options.strict)
             return [json_file(home)] + [tensor_file(r) for r in sorted(direct.ranks)]
         target = self._state_dict(optims)
         _, tensors = split(target)
