@@ -129,3 +129,20 @@ def test_a_damaged_newest_remote_checkpoint_is_a_fallback_warning_and_listed_as_
         dcp.load(sd, storage_reader=reader)
     assert reader.loaded_step == 1 and torch.equal(sd["w"], torch.ones(64))
     assert len(reader.skipped) == 1 and "step_000000002 (remote)" in reader.skipped[0]
+
+
+def test_objects_load_with_a_load_planner_that_does_not_flatten(tmp_path):
+    """``DefaultLoadPlanner(flatten_state_dict=False)``: the planner's ``state_dict`` is a copy
+    of yours (it still flattens ShardedTensors), and DCP's own ``load_bytes`` sets the objects
+    into the copy: ``epoch`` came back as the value passed in (0), with no error. They are set
+    into the state dict you passed."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root) as writer:
+        dcp.save({"w": torch.arange(4.0), "epoch": 3, "tag": "b"}, storage_writer=writer)
+    back = {"w": torch.zeros(4), "epoch": 0, "tag": None}
+    planner = DefaultLoadPlanner(flatten_state_dict=False)
+    dcp.load(back, storage_reader=ResilientStorageReader(root), planner=planner)
+    assert back["epoch"] == 3 and back["tag"] == "b"
+    assert torch.equal(back["w"], torch.arange(4.0))

@@ -402,8 +402,10 @@ def _set_object(planner: LoadPlanner, item: ReadItem, obj: Any) -> None:
         from torch.distributed.checkpoint._traverse import set_element
 
         set_element(planner.original_state_dict, planner.mappings[item.dest_index.fqn], obj)
-    else:
+    else:  # DCP's sets it into planner.state_dict, a copy of yours here (it flattens
+        # ShardedTensors): the value you passed stayed, in silence
         planner.state_dict[item.dest_index.fqn] = obj
+        planner.original_state_dict[item.dest_index.fqn] = obj
 
 
 def plain_dcp_reader(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> StorageReader:
