@@ -50,7 +50,9 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     ``RC_EXTRA_LAYER=1`` appends a layer: a model the checkpoints do not fit;
     ``RC_FREEZE_FIRST=1`` freezes the first Linear (the optimizer gets the others);
     ``RC_UNUSED_PARAM=1`` gives the second Linear a parameter its forward does not use;
-    ``RC_FSDP1_BF16=1`` gives FSDP1 bf16 mixed precision; ``RC_OPTIM=sgd`` plain SGD (no
+    ``RC_FSDP1_BF16=1`` gives FSDP1 bf16 mixed precision; ``RC_FSDP2_POLICY``, a comma-separated
+    list of ``mp`` (bf16 ``MixedPrecisionPolicy``), ``offload`` (``CPUOffloadPolicy``) and
+    ``noreshard`` (``reshard_after_forward=False``), FSDP2's policies; ``RC_OPTIM=sgd`` plain SGD (no
     momentum: an optimizer without state) in place of AdamW. ``RC_DEVICE=cuda``
     puts it on the rank's GPU (the process group must then be NCCL: :func:`backend`)."""
     import os
@@ -78,10 +80,11 @@ def build(seed: int = 0) -> tuple[Any, Any]:
         if how == "hsdp":  # replicated across pairs of ranks, sharded within each pair
             n = dist.get_world_size()
             hsdp = init_device_mesh(device.type, (n // 2, 2), mesh_dim_names=("rep", "shard"))
+        kw = _fsdp2_policies()
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=hsdp)
-        fully_shard(model, mesh=hsdp)
+                fully_shard(layer, mesh=hsdp, **kw)
+        fully_shard(model, mesh=hsdp, **kw)
     elif how == "fsdp1-hybrid":  # FSDP1's HYBRID_SHARD: the same replication and sharding
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -144,6 +147,26 @@ def build(seed: int = 0) -> tuple[Any, Any]:
         return model, torch.optim.SGD(trainable, lr=0.1)
     opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.01)
     return model, opt
+
+
+def _fsdp2_policies() -> dict[str, Any]:
+    """``fully_shard``'s keyword arguments for ``RC_FSDP2_POLICY`` (see :func:`build`)."""
+    import os
+
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    chosen = set(filter(None, os.environ.get("RC_FSDP2_POLICY", "").split(",")))
+    kw: dict[str, Any] = {}
+    if "mp" in chosen:  # compute in bf16 from the fp32 shards, reduce in fp32
+        kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if "offload" in chosen:  # the shards and the optimizer step on the CPU (no pinning on CPU)
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if "noreshard" in chosen:  # the parameters stay unsharded between forward and backward
+        kw["reshard_after_forward"] = False
+    return kw
 
 
 def _device() -> Any:

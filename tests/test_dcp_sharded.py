@@ -313,6 +313,27 @@ def test_two_to_one_to_two_ranks_keeps_every_full_tensor(tmp_path):
     _then_one_then_two_ranks(tmp_path, root)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("policy", ["mp,noreshard", "offload"])
+def test_fsdp2_policies_resume_bit_identically_and_on_one_rank(tmp_path, policy):
+    """FSDP2 with bf16 mixed precision and parameters left unsharded after forward, or with CPU
+    offloading: killed after step 5 and run again, the same losses and final tensors as a run
+    that was not killed; its last checkpoint restored on one rank holds every full tensor."""
+    env = {"RC_FSDP2_POLICY": policy}
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    _run(tmp_path, 2, clean, "u", 6, **env)
+    assert -9 in _run(tmp_path, 2, crashed, "k", 6, "5", **env)
+    _run(tmp_path, 2, crashed, "k", 6, **env)
+    _assert_resumed_as_uninterrupted(tmp_path, 2)
+    _run(tmp_path, 1, clean, "b", 8, **env)
+    assert (tmp_path / "b.start").read_text() == "6"
+    _assert_same(
+        _tensors(tmp_path / "u.final.safetensors"), _tensors(tmp_path / "b.restored.safetensors")
+    )
+
+
 def _then_one_then_two_ranks(tmp_path: Path, root: Path, **env: str) -> None:
     """After run "a" (2 ranks, to step 4): run "b" on 1 rank to step 6, then "c" on 2 to step
     8, restores checked against what the run before saved."""
