@@ -169,7 +169,7 @@ class Sharded(FilePart):
         (:mod:`.stateless`). Agreed, because a rank can lack state that another has (under
         FSDP1 a rank whose range of a flat parameter holds only frozen parameters gives its
         optimizer nothing to step); per optimizer, because a second optimizer may start
-        stepping later. An optimizer does not lose its state: the set only grows."""
+        stepping later. The set grows, but at a restore of a save without their state."""
         if len(self._stepped) < len(self.optimizers):
             flags = dist.any_each([bool(o.state) for o in self.optimizers])
             self._stepped = tuple(i for i, f in enumerate(flags) if f)
@@ -496,5 +496,5 @@ class Sharded(FilePart):
         """The hyperparameters of optimizers saved without state (:mod:`.stateless`)."""
         stepped = saved_indices(reader.info.saved, len(self.optimizers))
         if len(stepped) < len(self.optimizers) and "groups" in meta:
-            groups, where = meta["groups"], json_file(home)
-            restore_hyperparameters(self.optimizers, groups, where, skip=set(stepped))
+            restore_hyperparameters(self.optimizers, meta["groups"], json_file(home), set(stepped))
+            self._stepped = tuple(i for i in self._stepped if i in stepped)  # (they have none)

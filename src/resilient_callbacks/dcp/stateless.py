@@ -60,7 +60,9 @@ def restore_hyperparameters(
 ) -> None:
     """Set each group's values from ``saved`` (:func:`hyperparameters`' answer), but those
     of the optimizers in ``skip`` (their state, groups included, came back with DCP's); a
-    tensor value is written in place. Raises :class:`CheckpointMismatchError` when the number
+    tensor value is written in place. The others were saved without state and are left with
+    none, as ``Optimizer.load_state_dict`` leaves them (restored again in the same process, one
+    kept the state of the steps taken since). Raises :class:`CheckpointMismatchError` when the number
     of optimizers or of their groups differs from what was saved."""
     if not isinstance(saved, list) or not all(isinstance(s, list) for s in saved):
         raise CheckpointCorruptError(f"{where}: the optimizers' groups are not a list of lists")
@@ -86,6 +88,7 @@ def restore_hyperparameters(
                     current.copy_(torch.as_tensor(v, dtype=current.dtype))
                 else:
                     group[k] = v
+        opt.state.clear()
 
 
 def _no_tensor(name: str) -> Any:
