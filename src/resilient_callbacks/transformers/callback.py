@@ -46,6 +46,7 @@ from ..config import CheckpointerConfig
 from . import (
     auto_batch,
     checks,
+    collator_rng,
     hooks,
     phases,
     progress,
@@ -254,6 +255,10 @@ class ResilientCheckpoint(TrainerCallback):
         self._batches.record_rng = getattr(loader, "num_workers", 0) == 0
         self._base = getattr(loader, "base_dataloader", loader)
         self._own_generator = self._base.generator
+        # a collator drawing from a generator of its own (MLM masking with seed=): saved too
+        self._batches.collator = (
+            collator_rng.holder(self._base.collate_fn) if self._batches.record_rng else None
+        )
         self._saved.signature = {
             "steps_in_epoch": len(loader),
             "gradient_accumulation_steps": int(args.gradient_accumulation_steps),

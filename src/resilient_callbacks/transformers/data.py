@@ -35,42 +35,54 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 
+from . import collator_rng
+
 # Python's, NumPy's global and torch's CPU random states (what collating in the main process
-# can draw from; CUDA streams are not: a collator runs on the CPU)
-CpuRng = tuple[Any, Any, torch.Tensor]
+# can draw from; CUDA streams are not: a collator runs on the CPU), and with a collator that
+# has a generator of its own (collator_rng.py), its state as a fourth
+CpuRng = tuple[Any, ...]
 
 
-def cpu_rng() -> CpuRng:
-    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+def cpu_rng(collator: Any = None) -> CpuRng:
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    return states if collator is None else (*states, collator_rng.get(collator))
 
 
-def set_cpu_rng(states: CpuRng) -> None:
+def set_cpu_rng(states: CpuRng, collator: Any = None) -> None:
     random.setstate(states[0])
     np.random.set_state(states[1])
     torch.set_rng_state(states[2])
+    if collator is not None and len(states) > 3:
+        collator_rng.put(collator, states[3])
 
 
 def encode_cpu_rng(states: CpuRng) -> dict[str, Any]:
     """``states`` as plain JSON values (no pickle), for the checkpoint."""
     version, internal, gauss = states[0]
     kind, keys, pos, has_gauss, cached = states[1]
-    return {
+    out: dict[str, Any] = {
         "python": [version, list(internal), gauss],
         "numpy": [kind, _b64(torch.from_numpy(np.asarray(keys, dtype=np.uint32).view(np.uint8))),
                   int(pos), int(has_gauss), float(cached)],
         "torch": _b64(states[2]),
     }  # fmt: skip
+    if len(states) > 3:
+        out["collator"] = collator_rng.encode(states[3])
+    return out
 
 
 def decode_cpu_rng(saved: dict[str, Any]) -> CpuRng:
     version, internal, gauss = saved["python"]
     kind, keys, pos, has_gauss, cached = saved["numpy"]
     np_keys = _state(keys).numpy().view(np.uint32).copy()
-    return (
+    states = (
         (version, tuple(internal), gauss),
         (kind, np_keys, pos, has_gauss, cached),
         _state(saved["torch"]),
     )
+    if isinstance(saved.get("collator"), dict):
+        return (*states, collator_rng.decode(saved["collator"]))
+    return states
 
 
 class _ListBatches:
@@ -121,6 +133,7 @@ class ResumableBatches:
     record_rng: bool  # record the CPU random states before each batch (main-process loading)
     handed: int  # index in its epoch of the batch handed out last (with record_rng)
     before_batch: CpuRng | None  # the CPU random states right before it was handed out
+    collator: Any  # the data collator with a generator of its own (collator_rng.py), or None
     fast_forwards: int  # how many resumed iterations used direct slicing (not materializing)
 
     def resume_at(
@@ -162,18 +175,18 @@ class ResumableBatches:
         index = self._rc_skip
         for batch in self._epoch_batches():
             if self.record_rng:
-                self.handed, self.before_batch = index, cpu_rng()
+                self.handed, self.before_batch = index, cpu_rng(self.collator)
             index += 1
             if first is None:
                 yield batch
                 continue
-            now = cpu_rng()
+            now = cpu_rng(self.collator)
             if self.record_rng:
                 self.before_batch = first
-            set_cpu_rng(first)
+            set_cpu_rng(first, self.collator)
             first = None
             yield batch  # collated here, as the uninterrupted run collated it
-            set_cpu_rng(now)  # (not on close: that may come at any later time)
+            set_cpu_rng(now, self.collator)  # (not on close: that may come at any later time)
 
     def _epoch_batches(self) -> Iterator[Any]:
         skip, replay = self._rc_skip, self._rc_replay_rng
@@ -335,6 +348,7 @@ def make_resumable(batch_sampler: Any) -> Any:
     batch_sampler.fast_forwards = 0
     batch_sampler._rc_first = batch_sampler.before_batch = None
     batch_sampler.record_rng, batch_sampler.handed = False, -1
+    batch_sampler.collator = None
     return batch_sampler
 
 

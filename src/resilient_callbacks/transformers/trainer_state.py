@@ -19,7 +19,7 @@ from ..checkpointer import Checkpointer
 from ..errors import CheckpointMismatchError
 from ..optim import hookable
 from ..structure import OptionalKeys, PerRank
-from . import data_settings, under_deepspeed, under_fsdp
+from . import collator_rng, data_settings, under_deepspeed, under_fsdp
 
 log = logging.getLogger("resilient_callbacks")
 FORMAT = "resilient_callbacks.transformers/2"
@@ -73,8 +73,10 @@ class SavedState:
                 # collated from (data.encode_cpu_rng), or None; checkpoints written before
                 # 2026-12-06 lack it
                 "next_batch_rng": None,
+                # the data collator's own generator now (collator_rng.py), or None
+                "collator_rng": None,
             },
-            optional=("next_batch_rng",),
+            optional=("next_batch_rng", "collator_rng"),
         )
         tree: dict[str, Any] = {
             "model": trainer.model,
@@ -137,6 +139,9 @@ class SavedState:
         self.rank_values["tr_loss"] = trainer._tr_loss
         self.rank_values["current_flos"] = float(trainer.current_flos)
         self.rank_values["next_batch_rng"] = next_batch_rng
+        collator = getattr(self.batches, "collator", None)
+        if collator is not None:
+            self.rank_values["collator_rng"] = collator_rng.encode(collator_rng.get(collator))
         if epoch_rng is not None:
             self.epoch_rng.copy_(epoch_rng)
         if self.epoch_start_live is not None:
@@ -165,6 +170,9 @@ class SavedState:
         loop = v["loop"]
         if self.batches is not None:
             self.batches.resume_generator(v.get("sampler_generator"))
+            saved_collator = self.rank_values.get("collator_rng")
+            if self.batches.collator is not None and isinstance(saved_collator, dict):
+                collator_rng.put(self.batches.collator, collator_rng.decode(saved_collator))
         trainer._globalstep_last_logged = int(loop["globalstep_last_logged"])
         # The running loss total (what train_loss averages) and, per rank, the loss not yet
         # logged: the final train_loss is the uninterrupted run's, also for a finished run.
