@@ -81,6 +81,23 @@ def test_two_resilient_checkpoints_on_one_trainer_are_refused_before_anything(tm
     assert not (tmp_path / "a").exists()
 
 
+def test_one_resilient_checkpoint_added_twice_is_refused_before_anything(tmp_path, one_thread):
+    """``Trainer(callbacks=[cb])`` and then ``trainer.add_callback(cb)`` (the two ways the docs
+    show, both used): the Trainer only warns, and every event reached the callback twice. Found
+    2026-12-06: it counted each optimizer step twice, so the logged epochs differed from the
+    run without it and checkpoints recorded other data positions (a resume trained other
+    batches), with every_n_steps=1 steps 3, 4, 8 and 9 of 10 were not saved."""
+    from resilient_callbacks import ConfigError
+
+    cb = ResilientCheckpoint(tmp_path / "a", every_n_steps=1)
+    trainer = hf_train.build_trainer(str(tmp_path / "out"), 4, callbacks=[cb])
+    trainer.add_callback(cb)
+    with pytest.raises(ConfigError, match="added 2 times"):
+        trainer.train()
+    assert cb.checkpointer is None and "_run_epoch" not in trainer.__dict__
+    assert not (tmp_path / "a").exists()
+
+
 def test_a_failed_last_save_still_lets_every_callback_end_its_run(
     tmp_path, one_thread, monkeypatch
 ):
