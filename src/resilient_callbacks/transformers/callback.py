@@ -111,9 +111,9 @@ class ResilientCheckpoint(TrainerCallback):
         *,
         every_n_steps: int | None = None,
         keep_last: int | None = None,
-        keep_best: int = 0,
+        keep_best: int | None = None,
         monitor: str | None = None,
-        mode: str = "min",
+        mode: str | None = None,
         save_on_evaluate: bool | None = None,
         save_on_train_end: bool = True,
         trainer_checkpoints: bool = False,
@@ -134,12 +134,11 @@ class ResilientCheckpoint(TrainerCallback):
         # Validate values now (a bad option fails at construction, not after the model loads).
         CheckpointerConfig(
             dirpath=self.dirpath or os.getcwd(),
-            **{k: v for k, v in self.options.items() if k in fields},
+            **{k: v for k, v in self.options.items() if k in fields and v is not None},
         )
-        self.monitor = monitor
-        self.save_on_evaluate = (
-            monitor is not None if save_on_evaluate is None else save_on_evaluate
-        )
+        self.monitor = monitor  # (at train(): with a DeepSpeed section's, see _begin)
+        self._save_on_evaluate = save_on_evaluate
+        self.save_on_evaluate = checks.save_on_evaluate(save_on_evaluate, self.options)
         self.save_on_train_end = save_on_train_end
         self.trainer_checkpoints = trainer_checkpoints
         self.log_save_metrics = log_save_metrics
@@ -244,6 +243,8 @@ class ResilientCheckpoint(TrainerCallback):
         section = under_deepspeed.take_section(trainer, args)
         own_dir, own = under_deepspeed.with_section(self.dirpath, self.options, section)
         options, self._save_every_epoch = checks.resolved_options(own, args, state)
+        self.monitor = options.get("monitor")
+        self.save_on_evaluate = checks.save_on_evaluate(self._save_on_evaluate, options)
         checks.warn_about_trainer_saves(args, self.trainer_checkpoints)
         checks.warn_about_monitor(options, args)
         self._home = checks.checkpoint_dir(own_dir, args)  # the first training's; phases.py

@@ -110,6 +110,7 @@ def resolved_options(options: dict[str, Any], args: Any, state: Any) -> tuple[di
     """The Checkpointer options, with the Trainer's save schedule when no trigger was given;
     and whether to save at every epoch end."""
     options = dict(options)
+    _best_direction(options, args)
     if any(options.get(k) for k in TRIGGERS):
         return options, False
     strategy = value(args.save_strategy)
@@ -131,6 +132,38 @@ def resolved_options(options: dict[str, Any], args: Any, state: Any) -> tuple[di
         strategy,
     )
     return options, False
+
+
+def _best_direction(options: dict[str, Any], args: Any) -> None:
+    """``keep_best`` 0 and ``mode`` "min" where neither the callback nor a DeepSpeed section
+    gave them; but for ``monitor`` the Trainer's ``metric_for_best_model``, ``mode`` follows its
+    ``greater_is_better`` (an explicit ``mode`` against it is warned about)."""
+    if options.get("keep_best") is None:
+        options["keep_best"] = 0
+    monitor, mode = options.get("monitor"), options.get("mode")
+    metric, greater = getattr(args, "metric_for_best_model", None), args.greater_is_better
+    trainer_mode = None
+    name = metric if not metric or metric.startswith("eval_") else f"eval_{metric}"
+    if monitor and monitor == name and greater is not None:
+        trainer_mode = "max" if greater else "min"
+    if mode is None:
+        options["mode"] = trainer_mode or "min"
+    elif trainer_mode is not None and mode != trainer_mode:
+        log.warning(
+            "ResilientCheckpoint: monitor=%r with mode=%r, but the Trainer ranks that metric "
+            "(metric_for_best_model=%r) with greater_is_better=%s: keep_best keeps the "
+            "checkpoints the Trainer ranks worst. Leave mode out to follow the Trainer",
+            monitor,
+            mode,
+            metric,
+            greater,
+        )
+
+
+def save_on_evaluate(given: bool | None, options: dict[str, Any]) -> bool:
+    """Whether to save after every evaluation that reports ``monitor``: as ``given``, or (None)
+    when a ``monitor`` is set (the callback's or a DeepSpeed section's)."""
+    return options.get("monitor") is not None if given is None else bool(given)
 
 
 def warn_about_trainer_saves(args: Any, trainer_checkpoints: bool) -> None:
