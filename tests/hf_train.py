@@ -137,6 +137,23 @@ def training_args(outdir: str, max_steps: int, ddp: bool = False, **overrides) -
     return TrainingArguments(**options)
 
 
+class SeededMasking:
+    """A data collator that masks 15% of the input tokens (token 0), drawn from a generator of
+    its own created at its first call from ``seed``, as ``DataCollatorForLanguageModeling(...,
+    seed=...)`` does (``--collator-seed``)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.generator = seed, None
+
+    def __call__(self, features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.seed)
+        batch = torch.utils.data.default_collate(features)
+        mask = torch.rand(batch["input_ids"].shape, generator=self.generator) < 0.15
+        batch["input_ids"] = batch["input_ids"].masked_fill(mask, 0)
+        return batch
+
+
 def build_trainer(
     outdir: str,
     max_steps: int = 14,
@@ -145,10 +162,12 @@ def build_trainer(
     callbacks: list | None = None,
     train_dataset: torch.utils.data.Dataset | None = None,
     frozen_base: bool = False,
+    collator_seed: int | None = None,
     **overrides,
 ) -> NoisyTrainer:
     """The Trainer of this script (a fresh model, same seeds), for in-process tests too."""
     return NoisyTrainer(
+        data_collator=SeededMasking(collator_seed) if collator_seed is not None else None,
         model=build_model(frozen_base),
         args=training_args(outdir, max_steps, ddp, **overrides),
         train_dataset=train_dataset if train_dataset is not None else TokenDataset(NUM_SAMPLES, 1),
@@ -341,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="STEP",
         help="SIGKILL this process after the first micro-batch of optimizer step STEP",
     )
+    p.add_argument(
+        "--collator-seed",
+        type=int,
+        default=None,
+        help="collate with SeededMasking(SEED) (a collator with a generator of its own)",
+    )
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-final", required=True)
     args = p.parse_args(argv)
@@ -367,7 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.persistent_workers:
         overrides.update(dataloader_num_workers=2, dataloader_persistent_workers=True)
     trainer = build_trainer(
-        args.outdir, args.max_steps, ddp=args.ddp, frozen_base=args.frozen_base, **overrides
+        args.outdir,
+        args.max_steps,
+        ddp=args.ddp,
+        frozen_base=args.frozen_base,
+        collator_seed=args.collator_seed,
+        **overrides,
     )
     model = trainer.model
     if args.deepspeed is not None:

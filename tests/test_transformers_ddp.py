@@ -139,6 +139,13 @@ def test_ddp_sigkill_mid_epoch_then_rerun_is_bit_exact(tmp_path):
     )
 
 
+def test_ddp_a_collator_with_its_own_generator_sigkill_then_rerun_is_bit_exact(tmp_path):
+    """Each rank's collator masks its batches from a generator of its own (as
+    ``DataCollatorForLanguageModeling(seed=...)``), which the evaluations draw from too: each
+    rank's checkpoint keeps its state (before 2026-12-06 the re-run started it from the seed)."""
+    kill_and_rerun(tmp_path, extra=("--collator-seed", "5"))
+
+
 def _read_order(path: Path) -> list[int]:
     """The training samples a process read, in the order it read them."""
     return [i for r in _records_from(path) for i in r["reads"]]
