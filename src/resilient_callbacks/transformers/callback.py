@@ -88,6 +88,10 @@ class ResilientCheckpoint(TrainerCallback):
     passed through unchanged. Without a save trigger, the Trainer's ``save_steps`` (or, with
     ``save_strategy="epoch"``, every epoch end) is used.
 
+    ``keep_best=None`` is 0 and ``mode=None`` is ``"min"``, but for a ``monitor`` that is the
+    Trainer's ``metric_for_best_model``, ``mode`` follows its ``greater_is_better``; under
+    DeepSpeed, options left out are taken from the config's section.
+
     Adapter options:
 
     - ``save_on_evaluate`` (default: ``monitor is not None``): also save after every evaluation
