@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import dist, layout, structure
+from . import dist, layout, space, structure
 from .blobs import BlobSession
 from .errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts
@@ -228,7 +228,7 @@ def _write(
     ck = saver.ck
     if prepared.snapshot is not None:
         prepared.snapshot.wait_host()
-    _make_room(saver, staging_dir)
+    _make_room(saver, staging_dir, session.step)
     compress = None
     if saver.codec.enabled and saver.codec.compress_now(prepared.shared.tensors):
         compress = (saver.codec.level, saver.codec.with_shuffle)
@@ -277,30 +277,40 @@ def _write(
     return written
 
 
-def _make_room(saver: Saver, staging_dir: str) -> None:
+def _make_room(saver: Saver, staging_dir: str, step: int) -> None:
     """Coordinator: when retention's deletions are still running (:mod:`.trash`) and the disk
     has less free space than the last checkpoint took, wait for them before writing. Saves in
     quick succession on a disk sized for ``keep_last + 1`` checkpoints failed with ENOSPC while
-    the space they needed was still being freed."""
+    the space they needed was still being freed. Then warn if the space is still not there
+    (:func:`.space.before_write`)."""
     ck = saver.ck
     trash = ck._dir.trash
-    if not trash.pending or ck.last_save is None:
-        return
-    try:
-        free = shutil.disk_usage(staging_dir).free
-    except OSError:
+    if ck.last_save is None:
         return
     need = ck.last_save.bytes
-    if free >= need:
-        return
-    t0 = time.perf_counter()
-    trash.wait(600.0)
-    log.info(
-        "waited %.1f s for retention to delete older checkpoints before writing (%.0f MB were "
-        "free, the last checkpoint took %.0f MB)",
-        time.perf_counter() - t0,
-        free / 1e6,
-        need / 1e6,
+    free = space.free_bytes(staging_dir) if trash.pending or _preflight(saver) else None
+    if free is not None and free < need and trash.pending:
+        t0 = time.perf_counter()
+        trash.wait(600.0)
+        log.info(
+            "waited %.1f s for retention to delete older checkpoints before writing (%.0f MB "
+            "were free, the last checkpoint took %.0f MB)",
+            time.perf_counter() - t0,
+            free / 1e6,
+            need / 1e6,
+        )
+        free = space.free_bytes(staging_dir)
+    if free is not None and free < need and _preflight(saver):
+        space.before_write(ck.dirpath, step, need)
+
+
+def _preflight(saver: Saver) -> bool:
+    """Whether this rank checks the free space before and after a save: the coordinator of a
+    shared directory, when the last checkpoint's size says what the next one needs (not with
+    ``incremental``, whose saves write only what changed)."""
+    ck = saver.ck
+    return (
+        ck.is_coordinator and not isinstance(ck._dir, NodeDirectory) and not ck.config.incremental
     )
 
 
@@ -336,6 +346,8 @@ def _record(
         if ck.schedule is not None:  # the persist floor, before the next save carries it in
             ck.schedule.observe_persist(elapsed)
     ck.last_save = SaveStats(step, done.path, done.bytes, elapsed, reason, written)
+    if _preflight(saver):  # the next save will not fit: said a save interval ahead
+        space.after_commit(ck.dirpath, step, done.bytes, ck._dir.trash)
     saver.committed_saves += 1
     ck._recorder.committed(
         step,

@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
+from collections.abc import Callable
 
 from .background import BackgroundPersister
 
@@ -35,16 +37,37 @@ class TrashBin:
     def __init__(self) -> None:
         self._worker: BackgroundPersister | None = None
         self._abandoned = False
+        self._lock = threading.Lock()
+        self._deleting = 0  # directories put and not yet deleted (not the checks of then())
 
     def put(self, trash: str) -> None:
         """Delete the directory ``trash`` (already renamed out of sight) in the background."""
         if self._worker is None:
             self._worker = BackgroundPersister(max_in_flight=1 << 30, name="rc-trash")
-        self._worker.submit(lambda: _delete(trash))
+        with self._lock:
+            self._deleting += 1
+        self._worker.submit(lambda: self._delete(trash))
+
+    def _delete(self, trash: str) -> None:
+        try:
+            _delete(trash)
+        finally:
+            with self._lock:
+                self._deleting -= 1
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the directories put so far are deleted: in the worker, or at once
+        when nothing is pending. An error of ``fn`` is logged, never raised."""
+        if self._worker is None or not self._worker.pending or self._abandoned:
+            _quietly(fn)
+        else:
+            self._worker.submit(lambda: _quietly(fn))
 
     @property
     def pending(self) -> int:
-        return self._worker.pending if self._worker is not None else 0
+        """The trashed directories not yet deleted."""
+        with self._lock:
+            return self._deleting
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every trashed directory is deleted; False if ``timeout`` passed first,
@@ -52,7 +75,7 @@ class TrashBin:
         if self._worker is None:
             return True
         if self._abandoned:
-            return not self._worker.pending
+            return not self.pending
         return self._worker.wait_all(timeout)
 
     @property
@@ -69,6 +92,13 @@ class TrashBin:
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop(join_s=0.0 if self._abandoned else 5.0)
+
+
+def _quietly(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as e:  # (a check after the deletions: never the save's failure)
+        log.warning("%s failed: %s", getattr(fn, "__qualname__", fn), e)
 
 
 def _delete(trash: str) -> None:

@@ -1,0 +1,80 @@
+"""Disk-space preflight: warn before a save that will not fit is attempted.
+
+A save writes the new checkpoint before retention deletes the oldest, so the next save needs
+about as much free space as the last checkpoint took. A disk that filled up (other jobs' files,
+logs, a ``keep_last`` too large for it) was found only when a save failed with ENOSPC, often
+at the end of an epoch. Two checks, both comparing the free space of ``dirpath`` with the last
+checkpoint's size:
+
+- :func:`after_commit`: once a commit's retention has freed what it deletes, a warning that
+  the *next* save will not fit, a whole save interval ahead;
+- :func:`before_write`: before a save writes its first byte, a warning that this save will
+  likely fail (what filled the disk since).
+
+Warnings only: the save is still attempted (its failure is a ``CheckpointWriteError`` with
+``errno == ENOSPC``; estimates can be wrong, and a failed save loses nothing).
+
+Which ranks call what: the coordinator (rank 0), which alone applies retention.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+from .trash import TrashBin
+
+log = logging.getLogger("resilient_callbacks")
+
+
+def free_bytes(path: str) -> int | None:
+    """The free space of the filesystem of ``path`` available to this user; None if unknown."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def before_write(dirpath: str, step: int, need: int) -> None:
+    """Coordinator, before the save of ``step`` writes: warn when ``dirpath`` has less free
+    space than ``need`` (the last checkpoint's size)."""
+    free = free_bytes(dirpath)
+    if free is not None and free < need:
+        log.warning(
+            "the save of step %d will likely fail: %s has %.1f MB free and the last checkpoint "
+            "took %.1f MB. %s",
+            step,
+            dirpath,
+            free / 1e6,
+            need / 1e6,
+            _HOW,
+        )
+
+
+def after_commit(dirpath: str, step: int, need: int, trash: TrashBin) -> None:
+    """Coordinator, once step ``step`` (``need`` bytes) is committed: once retention's
+    deletions have run (in the trash bin's thread), warn when ``dirpath`` has less free space
+    than another checkpoint of that size needs."""
+
+    def check() -> None:
+        free = free_bytes(dirpath)
+        if free is not None and free < need:
+            log.warning(
+                "the next save will not fit: %s has %.1f MB free after committing step %d, "
+                "which took %.1f MB (a save writes the new checkpoint before retention deletes "
+                "the oldest). %s",
+                dirpath,
+                free / 1e6,
+                step,
+                need / 1e6,
+                _HOW,
+            )
+
+    trash.then(check)
+
+
+_HOW = (
+    "Free space on that disk, lower keep_last, or point dirpath at a larger disk; "
+    "otherwise the save fails with CheckpointWriteError (ENOSPC), and the checkpoints "
+    "committed before it are kept."
+)

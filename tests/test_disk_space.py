@@ -1,0 +1,87 @@
+"""Disk-space preflight on a real, small filesystem (a tmpfs): a save that will not fit is
+warned about before it is attempted, and a commit that leaves too little room for the next one
+says so a save interval ahead."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer, CheckpointWriteError
+
+MB = 300_000  # float32 elements: 1.2 MB a checkpoint
+
+
+def _state(v: float = 1.0) -> dict:
+    return {"w": torch.full((MB,), float(v))}
+
+
+def _warnings(caplog, text: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and text in r.getMessage()
+    ]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_commit_that_leaves_no_room_for_the_next_save_warns_ahead(
+    small_tmpfs, caplog, async_save
+):
+    """keep_last=3 on a 4 MiB disk: three 1.2 MB checkpoints fit, the fourth save cannot (it
+    writes before retention deletes). The third commit says so; the fourth save fails with
+    ENOSPC, keeping the three."""
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    root = small_tmpfs / "ck"
+    with Checkpointer(root, keep_last=3, async_save=async_save) as ck:
+        for step in (1, 2):
+            ck.save(step, _state(step))
+            ck.flush()
+        assert not _warnings(caplog, "will not fit")
+        ck.save(3, _state(3))
+        ck.flush()
+        ck._dir.trash.wait(60.0)  # (the check runs once retention's deletions are done)
+        ahead = _warnings(caplog, "the next save will not fit")
+        assert len(ahead) == 1, ahead
+        assert str(root) in ahead[0] and "step 3" in ahead[0] and "lower keep_last" in ahead[0]
+        caplog.clear()
+        if async_save:
+            ck.save(4, _state(4))
+            with pytest.raises(CheckpointWriteError) as ei:
+                ck.flush()
+        else:
+            with pytest.raises(CheckpointWriteError) as ei:
+                ck.save(4, _state(4))
+        assert ei.value.errno == errno.ENOSPC
+        before = _warnings(caplog, "the save of step 4 will likely fail")
+        assert len(before) == 1, [r.getMessage() for r in caplog.records]
+        assert [e.step for e in ck.checkpoints()] == [1, 2, 3]
+        assert not [n for n in os.listdir(root) if n.startswith(".staging")]
+
+
+def test_a_disk_filled_by_something_else_is_warned_about_before_the_save(small_tmpfs, caplog):
+    """Room for keep_last + 1 checkpoints at first; another file then takes the space: the
+    next save is warned about before it writes, fails with ENOSPC, and once the space is back
+    the save after it commits (and retention deletes the older one only then)."""
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    root = small_tmpfs / "ck"
+    junk = small_tmpfs / "other-job.log"
+    with Checkpointer(root, keep_last=1, async_save=False) as ck:
+        ck.save(1, _state(1))
+        assert not _warnings(caplog, "will not fit")
+        junk.write_bytes(b"x" * 2_000_000)
+        with pytest.raises(CheckpointWriteError) as ei:
+            ck.save(2, _state(2))
+        assert ei.value.errno == errno.ENOSPC
+        said = _warnings(caplog, "the save of step 2 will likely fail")
+        assert len(said) == 1 and "MB free" in said[0], [r.getMessage() for r in caplog.records]
+        assert [e.step for e in ck.checkpoints()] == [1]
+        junk.unlink()
+        caplog.clear()
+        ck.save(3, _state(3))
+        assert [e.step for e in ck.checkpoints()] == [3]
+    assert not _warnings(caplog, "will not fit") and not _warnings(caplog, "will likely fail")
