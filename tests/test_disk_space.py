@@ -85,3 +85,37 @@ def test_a_disk_filled_by_something_else_is_warned_about_before_the_save(small_t
         ck.save(3, _state(3))
         assert [e.step for e in ck.checkpoints()] == [3]
     assert not _warnings(caplog, "will not fit") and not _warnings(caplog, "will likely fail")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_file_size_limit_is_named_with_what_to_do(tmp_path, async_save):
+    """A real EFBIG: this process's file-size limit (RLIMIT_FSIZE, `ulimit -f`) lowered to 8 MB
+    for the test (Python ignores SIGXFSZ, so the write fails instead of killing the process).
+    The save fails, nothing is committed, its staging is removed, the message names the limit
+    and what to do, and the next save that fits commits."""
+    import resource
+    import signal
+
+    assert signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN
+    root = tmp_path / "ck"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    with Checkpointer(root, keep_last=1, async_save=async_save) as ck:
+        ck.save(1, {"w": torch.zeros(1000)})
+        ck.flush()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8_000_000, hard))
+        try:
+            with pytest.raises(CheckpointWriteError) as ei:
+                ck.save(2, {"w": torch.zeros(4_000_000)})  # a 16 MB file
+                ck.flush()
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert ei.value.errno == errno.EFBIG, str(ei.value)
+        said = str(ei.value)
+        assert "ulimit -f" in said and "Nothing was committed" in said, said
+        assert sorted(n for n in os.listdir(root) if n != ".lock") == [
+            "history.jsonl",
+            "latest",
+            "step_000000001",
+        ]
+        ck.save(3, {"w": torch.zeros(1000)})
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000003"]

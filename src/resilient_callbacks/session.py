@@ -311,7 +311,16 @@ class CommitSession:
         return done
 
     def _with_space_hint(self, err: CheckpointWriteError) -> CheckpointWriteError:
-        """``err``, saying what a full disk must hold when that is why the save failed."""
+        """``err``, saying what a full disk must hold when that is why the save failed (or
+        which limit a file of the checkpoint ran into)."""
+        if err.errno == errno.EFBIG:
+            err.args = (
+                str(err) + " A file of the checkpoint is larger than this process may write "
+                "(the file-size limit, `ulimit -f`: RLIMIT_FSIZE, set by some batch schedulers) "
+                "or than the filesystem allows (4 GiB on FAT32): raise the limit, or point "
+                "dirpath at another filesystem.",
+            )
+            return err
         if err.errno != errno.ENOSPC:
             return err
         keep = self.retention.keep_last if self.retention is not None else None
