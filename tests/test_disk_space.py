@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
 
 import pytest
 import torch
@@ -119,3 +120,53 @@ def test_a_file_size_limit_is_named_with_what_to_do(tmp_path, async_save):
         ]
         ck.save(3, {"w": torch.zeros(1000)})
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000003"]
+
+
+@pytest.fixture
+def read_only_view(tmp_path):
+    """A function that makes a directory read-only for this process, really: a read-only bind
+    mount over it as root (root ignores permission bits; writes through the mount fail with
+    EROFS), chmod 0555 otherwise (EACCES). It returns the function that makes it writable."""
+
+    def make(path):
+        if os.geteuid() != 0:
+            os.chmod(path, 0o555)
+            return lambda: os.chmod(path, 0o755)
+        r = subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip(f"root cannot bind-mount here to make a directory read-only: {r.stderr}")
+        r = subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], capture_output=True)
+        if r.returncode != 0:
+            subprocess.run(["umount", str(path)], capture_output=True)
+            pytest.skip(f"cannot remount read-only: {r.stderr}")
+        return lambda: subprocess.run(["umount", str(path)], check=True)
+
+    return make
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_directory_made_read_only_mid_run_says_so_and_saving_resumes(
+    tmp_path, read_only_view, async_save
+):
+    """dirpath turns read-only between two saves (a filesystem remounted read-only after disk
+    errors, an operator's chmod): the save fails with the errno kept, the message says the
+    directory is not writable and what to do, nothing is committed or deleted, and the next
+    save once it is writable again commits (retention goes on)."""
+    root = tmp_path / "ck"
+    with Checkpointer(root, keep_last=1, async_save=async_save) as ck:
+        ck.save(1, {"w": torch.zeros(10)})
+        ck.flush()
+        writable = read_only_view(root)
+        try:
+            with pytest.raises(CheckpointWriteError) as ei:
+                ck.save(2, {"w": torch.ones(10)})
+                ck.flush()
+        finally:
+            writable()
+        assert ei.value.errno in (errno.EROFS, errno.EACCES), str(ei.value)
+        said = str(ei.value)
+        assert "is not writable by this process now" in said and "make it writable" in said
+        assert [e.step for e in ck.checkpoints()] == [1]
+        ck.save(3, {"w": torch.full((10,), 3.0)})
+        ck.flush()
+        assert [e.step for e in ck.checkpoints()] == [3]

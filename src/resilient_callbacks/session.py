@@ -312,13 +312,21 @@ class CommitSession:
 
     def _with_space_hint(self, err: CheckpointWriteError) -> CheckpointWriteError:
         """``err``, saying what a full disk must hold when that is why the save failed (or
-        which limit a file of the checkpoint ran into)."""
+        which limit a file of the checkpoint ran into, or that the directory is not writable)."""
         if err.errno == errno.EFBIG:
             err.args = (
                 str(err) + " A file of the checkpoint is larger than this process may write "
                 "(the file-size limit, `ulimit -f`: RLIMIT_FSIZE, set by some batch schedulers) "
                 "or than the filesystem allows (4 GiB on FAT32): raise the limit, or point "
                 "dirpath at another filesystem.",
+            )
+            return err
+        if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            err.args = (
+                str(err) + f" {self.dirpath} is not writable by this process now (its "
+                "permissions or owner changed, or its filesystem was remounted read-only, as "
+                "after disk errors): make it writable again and the next save goes on; the "
+                "run's checkpoints are not touched meanwhile.",
             )
             return err
         if err.errno != errno.ENOSPC:
