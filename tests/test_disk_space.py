@@ -170,3 +170,23 @@ def test_a_directory_made_read_only_mid_run_says_so_and_saving_resumes(
         ck.save(3, {"w": torch.full((10,), 3.0)})
         ck.flush()
         assert [e.step for e in ck.checkpoints()] == [3]
+
+
+def test_the_first_save_of_a_restarted_process_on_a_full_disk_is_warned_about(small_tmpfs, caplog):
+    """A job requeued onto a disk that filled up meanwhile: the restore works, and the first
+    save (no save of this process to compare with) is warned about before it writes, by the
+    size of the checkpoint it restored from; it fails with ENOSPC, keeping that checkpoint."""
+    root = small_tmpfs / "ck"
+    with Checkpointer(root, keep_last=1, async_save=False) as ck:
+        ck.save(1, _state(1))
+    (small_tmpfs / "other-job.log").write_bytes(b"x" * 2_500_000)
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    with Checkpointer(root, keep_last=1, async_save=False) as ck:
+        st = _state(0)
+        assert ck.restore(st) == 1 and float(st["w"][0]) == 1.0
+        with pytest.raises(CheckpointWriteError) as ei:
+            ck.save(2, _state(2))
+        assert ei.value.errno == errno.ENOSPC
+        said = _warnings(caplog, "the save of step 2 will likely fail")
+        assert len(said) == 1, [r.getMessage() for r in caplog.records]
+        assert [e.step for e in ck.checkpoints()] == [1]

@@ -282,12 +282,16 @@ def _make_room(saver: Saver, staging_dir: str, step: int) -> None:
     has less free space than the last checkpoint took, wait for them before writing. Saves in
     quick succession on a disk sized for ``keep_last + 1`` checkpoints failed with ENOSPC while
     the space they needed was still being freed. Then warn if the space is still not there
-    (:func:`.space.before_write`)."""
+    (:func:`.space.before_write`; before a process's first save, the checkpoint it restored
+    from says what a save takes)."""
     ck = saver.ck
     trash = ck._dir.trash
-    if ck.last_save is None:
+    if ck.last_save is not None:
+        need = ck.last_save.bytes
+    elif ck.restored_from is not None and _preflight(saver):  # a restarted process's first
+        need = space.checkpoint_size(ck.restored_from) or 0
+    else:
         return
-    need = ck.last_save.bytes
     free = space.free_bytes(staging_dir) if trash.pending or _preflight(saver) else None
     if free is not None and free < need and trash.pending:
         t0 = time.perf_counter()

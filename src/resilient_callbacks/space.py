@@ -9,7 +9,8 @@ checkpoint's size:
 - :func:`after_commit`: once a commit's retention has freed what it deletes, a warning that
   the *next* save will not fit, a whole save interval ahead;
 - :func:`before_write`: before a save writes its first byte, a warning that this save will
-  likely fail (what filled the disk since).
+  likely fail (what filled the disk since; the first save of a restarted process compares with
+  the checkpoint it restored from).
 
 Warnings only: the save is still attempted (its failure is a ``CheckpointWriteError`` with
 ``errno == ENOSPC``; estimates can be wrong, and a failed save loses nothing).
@@ -32,6 +33,17 @@ def free_bytes(path: str) -> int | None:
     try:
         return shutil.disk_usage(path).free
     except OSError:
+        return None
+
+
+def checkpoint_size(path: str) -> int | None:
+    """The bytes of the files the manifest of the checkpoint ``path`` lists; None if it cannot
+    be read (the size of the checkpoint a process restored from: what its first save needs)."""
+    from .manifest import read_manifest
+
+    try:
+        return sum(f.size for f in read_manifest(path).files)
+    except Exception:  # (deleted by hand meanwhile; a restore that read it verified it)
         return None
 
 
