@@ -222,6 +222,32 @@ class DirLock:
         self._fd = fd
         _held.add(self)
 
+    def verify(self) -> None:
+        """Holder, before each save: make sure ``.lock`` is still the file this lock holds. One
+        deleted or replaced while the run was live (a cleanup script, ``rm -rf dir/.*``) let a
+        second writer open the directory beside this one. Takes the new file (recreated if
+        gone), with a warning; raises :class:`CheckpointLockedError` when another writer holds
+        it now (and again at every later call until it is free)."""
+        old = self._fd
+        if old is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.fstat(old), os.stat(self.path, follow_symlinks=False)):
+                return
+        try:
+            self.acquire(wait_s=0.0)
+        except CheckpointLockedError as e:
+            self._fd = old  # (kept: the next save tries again, and close() releases it)
+            raise CheckpointLockedError(
+                f"{self.path} was deleted or replaced while this writer held it, and {e}"
+            ) from None
+        os.close(old)  # (its flock was on the deleted file)
+        log.warning(
+            "%s was deleted or replaced while this writer held it (a cleanup script?): locked "
+            "it again; no other writer had opened the directory meanwhile",
+            self.path,
+        )
+
     def release(self) -> None:
         if self._fd is not None:
             _held.discard(self)
