@@ -190,3 +190,22 @@ def test_the_first_save_of_a_restarted_process_on_a_full_disk_is_warned_about(sm
         said = _warnings(caplog, "the save of step 2 will likely fail")
         assert len(said) == 1, [r.getMessage() for r in caplog.records]
         assert [e.step for e in ck.checkpoints()] == [1]
+
+
+def test_a_full_disk_counts_the_best_and_archive_checkpoints_it_must_hold(small_tmpfs):
+    """keep_last=1 with keep_best and archives: the disk must hold more than keep_last + 1
+    checkpoints, and the ENOSPC message says which (it said 'keep_last + 1 (2 here)' only,
+    though the best and the archive steps stayed on the disk)."""
+    root = small_tmpfs / "ck"
+    opts = dict(keep_last=1, keep_best=1, monitor="val", keep_every_n_steps=10)
+    with Checkpointer(root, async_save=False, **opts) as ck:
+        ck.save(10, _state(1), metrics={"val": 0.9})  # an archive step
+        ck.save(11, _state(2), metrics={"val": 0.1})  # the best
+        with pytest.raises(CheckpointWriteError) as ei:
+            for step in range(12, 16):  # the fourth 1.2 MB checkpoint does not fit
+                ck.save(step, _state(step), metrics={"val": 0.9})
+        said = str(ei.value)
+        assert ei.value.errno == errno.ENOSPC and "(2 here)" in said, said
+        assert "plus up to 1 kept as best by val" in said, said
+        assert "plus every archive step (keep_every_n_steps=10)" in said, said
+        assert [e.step for e in ck.checkpoints()][:2] == [10, 11]

@@ -337,6 +337,11 @@ class CommitSession:
             if keep is not None
             else "room for every checkpoint (keep_last=None keeps them all)"
         )
+        pol = self.retention
+        if keep is not None and pol is not None and pol.keep_best:
+            room += f", plus up to {pol.keep_best} kept as best by {pol.monitor}"
+        if keep is not None and pol is not None and pol.keep_every_n_steps:
+            room += f", plus every archive step (keep_every_n_steps={pol.keep_every_n_steps})"
         hint = (
             f" The disk is full: a save writes the new checkpoint before retention deletes the "
             f"oldest, so {self.dirpath} needs {room}; free space, lower keep_last, or point "
