@@ -209,3 +209,37 @@ def test_a_full_disk_counts_the_best_and_archive_checkpoints_it_must_hold(small_
         assert "plus up to 1 kept as best by val" in said, said
         assert "plus every archive step (keep_every_n_steps=10)" in said, said
         assert [e.step for e in ck.checkpoints()][:2] == [10, 11]
+
+
+@pytest.fixture
+def few_inodes_tmpfs(tmp_path):
+    """A tmpfs with 16 inodes (needs root and mount permission)."""
+    mnt = tmp_path / "few-inodes"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=16", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill its inodes: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_dirpath_on_a_full_filesystem_is_said_to_be_full(few_inodes_tmpfs):
+    """Opening a new dirpath on a filesystem with no inode left (mkdir fails with ENOSPC) said
+    'check that the path is right and writable by this user', which it was."""
+    root = few_inodes_tmpfs
+    with pytest.raises(OSError) as full:
+        for n in range(100):  # every inode taken
+            (root / f"f{n}").touch()
+    assert full.value.errno == errno.ENOSPC
+    with pytest.raises(CheckpointWriteError) as ei:
+        Checkpointer(root / "ck")
+    said = str(ei.value)
+    assert ei.value.errno == errno.ENOSPC and "filesystem is full" in said, said
+    assert "writable by this user" not in said

@@ -55,10 +55,16 @@ log = logging.getLogger("resilient_callbacks")
 
 def unusable(dirpath: str, e: OSError) -> CheckpointWriteError:
     """The error for a ``dirpath`` that cannot be opened (``e``: what creating or locking it
-    raised): a file, no permission, a read-only filesystem, said as such."""
+    raised): a file, no permission, a read-only or full filesystem, said as such."""
     file = os.path.exists(dirpath) and not os.path.isdir(dirpath)
     fix = "Check that the path is right and writable by this user."
-    if not file and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and _holds(dirpath):
+    if not file and e.errno == errno.ENOSPC:  # (no block or no inode left to create it)
+        fix = "Its filesystem is full: free space (or inodes) there, or use another disk."
+    if (
+        not file
+        and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC)
+        and _holds(dirpath)
+    ):
         fix += (
             " To restore from it only (an evaluation job): Checkpointer(dirpath, read_only=True)."
         )
