@@ -561,3 +561,33 @@ def test_objects_registered_for_checkpointing_are_saved_and_restored(
         pytest.raises(CheckpointMismatchError, match=mismatch),
     ):
         ckpt.restore({"accumulation": Accumulation(other)})
+
+
+@pytest.mark.parametrize("how", ["prepare", "skip_first_batches"])
+def test_our_loader_iterated_through_accelerate_is_refused(tmp_path: Path, how: str) -> None:
+    """A ResumableDataLoader in the state but iterated as accelerator.prepare(loader) (the
+    accelerate idiom) or accelerator.skip_first_batches(loader) (accelerate's resume recipe,
+    kept after restore()) trains on its sampler through another loader: its saved position
+    stayed at 0 batches (a resume replayed the epoch) or skipped the restored batches twice,
+    silently. Now the save is refused, nothing written."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from resilient_callbacks import ResumableDataLoader
+
+    try:
+        acc = Accelerator(cpu=True)
+        ds = torch.utils.data.TensorDataset(torch.arange(10.0))
+        loader = ResumableDataLoader(ds, batch_size=2)
+        other = acc.prepare(loader) if how == "prepare" else acc.skip_first_batches(loader, 1)
+        it = iter(other)
+        next(it)
+        with (
+            pytest.raises(UnsupportedStateError, match=r"another loader iterated its sampler"),
+            Checkpointer(tmp_path / "ck", async_save=False) as ckpt,
+        ):
+            ckpt.save(1, {"data": loader})
+        assert not any((tmp_path / "ck").glob("step*"))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

@@ -39,6 +39,7 @@ import torch
 import xxhash
 from torch.utils.data import DataLoader, IterableDataset
 
+from .errors import UnsupportedStateError
 from .sampler import ResumableSampler
 
 __all__ = ["ResumableDataLoader", "ResumableSampler"]
@@ -314,6 +315,16 @@ class ResumableDataLoader(DataLoader):
     def state_dict(self) -> dict[str, Any]:
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
+        if sampler.iterated_elsewhere:
+            raise UnsupportedStateError(
+                "ResumableDataLoader: another loader iterated its sampler (what "
+                "accelerator.prepare(loader) or accelerator.skip_first_batches(loader) makes of "
+                "it), so the position in this state did not advance with the batches trained "
+                "(a resumed run would replay them, or skip some twice after skip_first_batches). "
+                "Iterate the ResumableDataLoader itself, not passed to prepare() (through "
+                "Accumulation.epoch(loader) under accelerate); after restore() it continues at "
+                "the saved position by itself, with nothing to skip (docs/accelerate.md)"
+            )
         position = min(self.batches_consumed * self.batch_size, len(sampler))
         state: dict[str, Any] = {
             "epoch": self.epoch,

@@ -101,6 +101,11 @@ class ResumableSampler(Sampler[int]):
         self._epoch_state: torch.Tensor | None = None  # generator: its state before the draw
         self._tail: int | None = None  # generator: the epoch whose trailing draw was made
         self._on_set_epoch: Callable[[int], None] | None = None  # the owning loader's set_epoch
+        # inside a ResumableDataLoader: the loader sets the position before each iteration it
+        # makes; an iteration not so announced is another loader's (accelerator.prepare(loader),
+        # skip_first_batches(loader)), whose batches the loader's position does not count
+        self._announced = False
+        self.iterated_elsewhere = False
         # an epoch resumed on another number of ranks or batch size: its rest, re-sharded
         # (see load_resharded); [num_replicas, samples consumed] per re-sharding
         self._reshards: list[list[int]] = []
@@ -150,6 +155,9 @@ class ResumableSampler(Sampler[int]):
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
+        if self._on_set_epoch is not None and not self._announced:
+            self.iterated_elsewhere = True
+        self._announced = False
         order = self._indices()
         epoch = self.epoch
         while self.position < len(order):
@@ -177,6 +185,7 @@ class ResumableSampler(Sampler[int]):
         """Record that ``consumed`` samples of ``epoch`` were really used (for prefetching
         loaders). ``fresh``: the epoch starts anew, so its order is drawn again."""
         self.epoch, self.position = int(epoch), int(consumed)
+        self._announced = True
         if fresh:
             if self._drawn == self.epoch:
                 self._drawn = None
