@@ -99,7 +99,8 @@ def fix_for(obj: Any) -> str:
     if isinstance(obj, torch.utils.data.DataLoader):
         return (
             "To resume mid-epoch in the same order, build it as resilient_callbacks."
-            "ResumableDataLoader (the DataLoader's arguments) or torchdata's StatefulDataLoader."
+            "ResumableDataLoader (the DataLoader's arguments); under Lightning torchdata's "
+            "StatefulDataLoader resumes exactly too (not in a plain loop: docs/data.md)."
         )
     if isinstance(obj, torch.ScriptObject):
         return (
