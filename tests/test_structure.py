@@ -527,6 +527,11 @@ def test_unsupported_object_names_path_and_type_and_commits_nothing(tmp_path, va
         assert ck.save(5, {"extra": {"epoch": 1}}) is True
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
 @dataclasses.dataclass
 class _Hparams:
     lr: float = 0.1
@@ -536,10 +541,12 @@ class _Hparams:
     "value, fix",
     [
         (torch.utils.data.DataLoader([1, 2]), "ResumableDataLoader"),
+        # ResumableDataLoader refuses an IterableDataset: the fix is the dataset's own state
+        (torch.utils.data.DataLoader(_Stream()), "IterableDataset _Stream has no position"),
         (argparse.Namespace(lr=0.1), "vars(...)"),
         (_Hparams(), "dataclasses.asdict(...)"),
     ],
-    ids=["dataloader", "namespace", "dataclass"],
+    ids=["dataloader", "iterable-dataset", "namespace", "dataclass"],
 )
 def test_common_unsaveable_objects_get_their_own_fix(tmp_path, value, fix):
     with Checkpointer(tmp_path / "ck") as ck, pytest.raises(UnsupportedStateError) as ei:

@@ -97,6 +97,15 @@ def refuse_tensor(t: torch.Tensor, where: str) -> None:
 def fix_for(obj: Any) -> str:
     """What to do with ``obj``, an object of a type no checkpoint holds."""
     if isinstance(obj, torch.utils.data.DataLoader):
+        if isinstance(obj.dataset, torch.utils.data.IterableDataset):
+            return (
+                f"Its IterableDataset {type(obj.dataset).__name__} has no position a loader "
+                "could resume from (ResumableDataLoader takes map-style datasets only): give "
+                "the dataset state_dict()/load_state_dict() that save where its stream is, put "
+                "the dataset in the state, and use the loader with num_workers=0 and "
+                "generator=torch.Generator() (so a resumed run's iterator does not draw from "
+                "the global RNG)."
+            )
         return (
             "To resume mid-epoch in the same order, build it as resilient_callbacks."
             "ResumableDataLoader (the DataLoader's arguments); under Lightning torchdata's "
