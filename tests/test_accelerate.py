@@ -35,10 +35,10 @@ def _losses(path: Path) -> dict[int, str]:
 
 
 def _one(
-    tmp: Path, ck: str, out: str, kill_at: int, expect: int, **env: str
+    tmp: Path, ck: str, out: str, kill_at: int, expect: int, *more: str, **env: str
 ) -> subprocess.CompletedProcess[str]:
     p = subprocess.run(
-        [sys.executable, LOOP, str(tmp / ck), str(tmp / out), str(kill_at)],
+        [sys.executable, LOOP, str(tmp / ck), str(tmp / out), str(kill_at), *more],
         env={**ENV, **env},
         capture_output=True,
         text=True,
@@ -65,6 +65,14 @@ def test_killed_mid_window_resumes_exactly_one_process(tmp_path: Path) -> None:
     _one(tmp_path, "ck", "run", 9, -9)  # mid epoch 0 (11 batches), in a window (after step 4)
     _one(tmp_path, "ck", "run", 0, 0)
     assert len(_losses(tmp_path / "full.rank0.losses")) == 33
+    _same(tmp_path, "full", "run", 1)
+
+
+@pytest.mark.slow  # docs/accelerate.md says bf16 (CPU autocast) was probed: now it is tested
+def test_killed_mid_window_resumes_exactly_in_bf16(tmp_path: Path) -> None:
+    _one(tmp_path, "ck_full", "full", 0, 0, "bf16")
+    _one(tmp_path, "ck", "run", 15, -9, "bf16")  # mid epoch 1, in a window
+    _one(tmp_path, "ck", "run", 0, 0, "bf16")
     _same(tmp_path, "full", "run", 1)
 
 
