@@ -30,7 +30,7 @@ from .commit import ensure_dir, fsync_dir, fsync_tree
 from .dtypes import DTYPE_TO_ST
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .export_target import EXPORT_MARKER, check_export_target
-from .filepart import part_dir, parts_of_format, read_part_tensors
+from .filepart import PARTS_EXTRA, part_dir, parts_of_format, read_part_tensors
 from .layout import LoadedPart, is_dcp_dropin
 from .manifest import Manifest, read_manifest
 from .tensorfile import read_verified
@@ -191,6 +191,10 @@ def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.T
     if parts:
         weights = consolidate_zero(path, manifest, parts[0])
         weights.update(_module_extras(part or reader.open_checkpoint(path).part))
+        tied = manifest.extra.get(PARTS_EXTRA, {}).get(parts[0], {}).get("tied") or {}
+        for name, owner in tied.items():  # a tied weight under each of its names
+            if owner in weights and name not in weights:
+                weights[name] = weights[owner].clone()
         return weights
     sharded = sharded_part_ids(manifest)
     if len(sharded) > 1:

@@ -39,6 +39,17 @@ if TYPE_CHECKING:
 FORMAT = "zero-fragments/1"
 
 
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """``{name: first name}`` of each parameter ``module`` holds under several names (tied
+    weights), for the names after the first."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out.update({name: first[id(p)]} if id(p) in first else {})
+        first.setdefault(id(p), name)
+    return out
+
+
 def _files(rank: int) -> tuple[str, str]:
     return f"rank_{rank:05d}.safetensors", f"rank_{rank:05d}.json"
 
@@ -55,6 +66,9 @@ class ZeroPart(FilePart):
             torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         )
         self._layout = self.view.layout()  # (the groups do not change while the engine lives)
+        # a tied weight (GPT-2's lm_head and wte) is one parameter, saved under its first name:
+        # export writes it under each name, as engine.module.state_dict() and zero_to_fp32 do
+        self._tied = tied_names(engine.module)
 
     # ------------------------------------------------------------------ save
 
@@ -127,6 +141,7 @@ class ZeroPart(FilePart):
             "dp_world_size": self.world_size,
             "dtype": str(next(self.engine.module.parameters()).dtype).replace("torch.", ""),
             **({"layout": self._layout} if self._layout else {}),
+            **({"tied": self._tied} if self._tied else {}),
         }
 
     # ------------------------------------------------------------------ restore
