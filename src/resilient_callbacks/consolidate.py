@@ -34,6 +34,7 @@ from .filepart import PARTS_EXTRA, part_dir, parts_of_format, read_part_tensors
 from .layout import LoadedPart, is_dcp_dropin
 from .manifest import Manifest, read_manifest
 from .tensorfile import read_verified
+from .wrapped import plain_name
 
 ZERO_FORMAT = "zero-fragments/1"
 SHARDED_FORMAT = "resilient_callbacks.dcp.sharded/1"  # dcp.Sharded's parts
@@ -385,6 +386,15 @@ def publish_export(staging: str, out: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def uncompiled(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` by the names of the model uncompiled: without the ``_orig_mod.`` segments of
+    a submodule compiled on its own (``enc = torch.compile(enc)``: ``enc._orig_mod.0.weight``),
+    which the model a user loads the export into does not have; as they are if two names would
+    become one."""
+    renamed = {plain_name(k): v for k, v in weights.items()}
+    return renamed if len(renamed) == len(weights) else weights
+
+
 def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
@@ -404,6 +414,8 @@ def export_weights(
     write (default: :func:`consolidated`), the state's entry ``key`` (recorded)."""
     out = check_export_target(path, out, overwrite=overwrite)
     weights = consolidated(path) if weights is None else weights
+    if not is_dcp_dropin(read_manifest(path)):  # (dcp.save's own keys are kept as they are)
+        weights = uncompiled(weights)
     staging = export_staging(out)
     try:
         save_file(
