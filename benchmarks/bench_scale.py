@@ -43,6 +43,7 @@ from resilient_callbacks.remote_commit import (
     UploadCounters,
     UploadJob,
 )
+from resilient_callbacks.remote_objects import OwnCheckpoints
 from resilient_callbacks.retention import RetentionPolicy
 from resilient_callbacks.session import RankReport
 from resilient_callbacks.tensorfile import encode_json, write_bytes
@@ -140,6 +141,7 @@ def simulate(n_ranks: int, per_node: int, file_bytes: int, root: str) -> dict[st
     committer.store, committer.nodes = store, len(nodes)
     committer.policy = RetentionPolicy(keep_last=None)
     committer._pending, committer._ready, committer.index = {}, [], {}
+    committer.own = OwnCheckpoints(store.url)  # what its remote retention may count and delete
     import threading
 
     committer._cond = threading.Condition()
