@@ -317,3 +317,24 @@ def test_policy_md_names_every_option_of_the_metadata_poller():
     params = inspect.signature(MetadataPoller.__init__).parameters
     missing = [n for n in params if n not in ("self", "watcher", "kind") and f"`{n}`" not in text]
     assert not missing, f"MetadataPoller options policy.md does not name: {missing}"
+
+
+def test_the_benchmark_commands_of_the_docs_name_scripts_and_options_that_exist():
+    """`benchmarks/x.py --opt ...` that the docs give as the source of a figure names a script
+    that exists and options its parser takes (its own, or `common.py`'s that it imports), so
+    a renamed script or option does not leave a figure whose command fails at once."""
+    common = (ROOT / "benchmarks" / "common.py").read_text()
+    bad = []
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for script, rest in re.findall(r"(benchmarks/\w+\.py)([^`\n#]*)", path.read_text()):
+            source = ROOT / script
+            if not source.is_file():
+                bad.append(f"{path.name}: {script} (no such file)")
+                continue
+            text = source.read_text()
+            if "from common import" in text:
+                text += common
+            for opt in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest):
+                if f'"{opt}"' not in text:
+                    bad.append(f"{path.name}: {script} {opt}")
+    assert not bad, bad
