@@ -338,3 +338,14 @@ def test_the_benchmark_commands_of_the_docs_name_scripts_and_options_that_exist(
                 if f'"{opt}"' not in text:
                     bad.append(f"{path.name}: {script} {opt}")
     assert not bad, bad
+
+
+def test_the_modules_architecture_md_names_exist():
+    """Every `name.py` (or `dir/name.py`) that architecture.md describes is a module of the
+    package, so a module renamed, merged or split does not leave the map naming nothing."""
+    src = ROOT / "src" / "resilient_callbacks"
+    modules = {p.relative_to(src).as_posix() for p in src.rglob("*.py")}
+    named = set(re.findall(r"`([\w/]+\.py)`", (DOCS / "architecture.md").read_text()))
+    named = {n for n in named if not n.startswith("tests/")}  # (the test above checks those)
+    bad = sorted(n for n in named if not any(m == n or m.endswith("/" + n) for m in modules))
+    assert not bad, bad
