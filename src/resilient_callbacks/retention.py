@@ -5,8 +5,10 @@ best by a monitored metric, and archive points (``step % keep_every_n_steps == 0
 policy now or the one recorded in the checkpoint when it was written: archives are kept
 forever, also after the options change). On top of
 the pools, never deleted: the newest valid checkpoint, anything protected by the caller (being
-written or uploaded), corrupt checkpoints (left for inspection; ``resilient-ckpt gc
---remove-corrupt`` removes them) and every checkpoint of another run (reported, never counted).
+written or uploaded), corrupt checkpoints the caller knows of (a missing or unreadable
+manifest, files of the wrong size: left for inspection; ``resilient-ckpt gc --remove-corrupt``
+removes them; damage only a checksum shows is not seen by a retention pass, which checks
+sizes) and every checkpoint of another run (reported, never counted).
 
 "Most recently committed" and "newest" follow the run's current lineage: checkpoints of a
 branch a roll-back abandoned (resumed from an older step while newer ones existed; see
