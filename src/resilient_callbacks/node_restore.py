@@ -19,17 +19,15 @@ Which ranks call what (every rank calls :meth:`NodeRestorer.restore`):
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-import uuid
 from typing import Any
 
-from . import branches, catalog, dist, peers, stall
+from . import branches, catalog, dist, node_download, peers, stall
 from .candidates import unreadable_remote, warn_abandoned
 from .catalog import Depth, Status
-from .commit import STAGING_PREFIX, remove_checkpoint
+from .commit import remove_checkpoint
 from .config import ResumeMode
 from .errors import (
     CheckpointCorruptError,
@@ -41,10 +39,9 @@ from .errors import (
     warn_and_log,
 )
 from .manifest import Manifest, read_manifest
-from .nodelocal import REMOTE_MANIFEST, NodeDirectory, is_shared, needed
+from .nodelocal import REMOTE_MANIFEST, NodeDirectory, needed
 from .remote import NO_MANIFEST
 from .restoring import Candidate, Restorer, RestoreReport
-from .tensorfile import encode_json, write_bytes
 from .topology import Topology
 
 log = logging.getLogger("resilient_callbacks")
@@ -377,7 +374,9 @@ class NodeRestorer(Restorer):
             result.update(self._fetched[key])  # downloaded for this commit's first try
         elif topo.is_leader and mine_src[0] == "remote":
             try:
-                result["path"], result["files"], result["bytes"] = self._download(mine_src[1], c)
+                result["path"], result["files"], result["bytes"] = node_download.download(
+                    d, mine_src[1], c
+                )
                 self._fetched[key] = {k: result[k] for k in ("path", "files", "bytes", "tier")}
             except Exception as e:
                 result["problem"] = f"remote copy {mine_src[1]}: {type(e).__name__}: {e}"
@@ -450,50 +449,3 @@ class NodeRestorer(Restorer):
             log.info("this node's copy %s is not usable (%s): fetching it again", path, problem)
             return False
         return True
-
-    def _download(self, name: str, c: dict[str, Any]) -> tuple[str, int, int]:
-        """Leader: fetch this node's ranks' files (and the replicated ones) of the remote
-        checkpoint ``name``, verify every checksum, and commit them as a local checkpoint."""
-        d, topo = self._d, self._d.topology
-        assert d.remote is not None
-        st = d.remote
-        m = stall.run(lambda: st.read_manifest(name), f"reading {st.url}/{name}")
-        if [m.run_id, m.seq, m.step] != [*c["key"], c["step"]]:
-            raise CheckpointCorruptError(f"{st.url}/{name} is another checkpoint now")
-        ranks = needed(topo.node_ranks, m.world_size)
-        need = [f for f in m.files if f.rank in ranks or is_shared(f.path)]
-        staging = os.path.join(d.dirpath, f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:12]}")
-        os.makedirs(staging)
-        try:
-            for f in need:
-                os.makedirs(os.path.dirname(os.path.join(staging, f.path)), exist_ok=True)
-            log.warning(
-                "restoring this node's %d file(s) of step %d from the remote copy %s/%s",
-                len(need),
-                m.step,
-                st.url,
-                name,
-            )
-            srcs, dsts = [f"{st.root}/{name}/{f.path}" for f in need], [f.path for f in need]
-            stall.run(  # given up once no byte arrived for the outage limit, progress logged
-                lambda: st.fs.get(srcs, [os.path.join(staging, f) for f in dsts]),
-                f"downloading this node's part of {st.url}/{name}",
-                lambda: stall.on_disk(
-                    d.dirpath, os.path.basename(staging), {f.path: f.size for f in need}
-                ),
-            )
-            node_m = Manifest.from_json(json.loads(encode_json(m.to_json())))
-            node_m.files = need
-            node_m.extra = dict(m.extra)
-            node_m.extra["node"] = {
-                "ranks": sorted(ranks),
-                "nodes": len(topo.nodes),
-                "remote_name": name,
-            }
-            catalog.verify(staging, node_m, Depth.FULL)
-            write_bytes(os.path.join(staging, REMOTE_MANIFEST), encode_json(m.to_json()))
-            final = d.commit.commit(staging, m.step, encode_json(node_m.to_json()))
-        except BaseException:
-            d.commit.abort(staging)
-            raise
-        return final, len(need), sum(f.size for f in need)
