@@ -6,9 +6,10 @@ server. A node is a torchrun launcher (``--nnodes=2 --node_rank=0/1``, a rendezv
 
 Checked: a SIGKILL of both nodes resumes bit-exactly from the local copies without any download;
 a wiped node fetches only its own ranks' files (and the replicated ``shared.*``) while the other
-downloads nothing; with ``replicas=1`` a wiped node restores from its peer with its remote objects
-deleted; random kills in every phase never leave a remote manifest naming a missing or wrong
-object. (Option errors: tests/test_remote_commit.py.)"""
+downloads nothing, and tries its download again through a burst of 500s; with ``replicas=1`` a
+wiped node restores from its peer with its remote objects deleted; random kills in every phase
+never leave a remote manifest naming a missing or wrong object. (Option errors:
+tests/test_remote_commit.py.)"""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 
 import spawn_ranks
+from flaky_proxy import FlakyProxy
 from resilient_callbacks.commit import STAGING_PREFIX
 from resilient_callbacks.remote import RemoteStore
 from spawn_ranks import free_port
@@ -378,6 +380,41 @@ def test_two_nodes_kill_resume_locally_then_a_wiped_node_fetches_only_its_files(
     ]
     _assert_same(nodes, ref)
     assert len(remote_is_sound(nodes.url, nodes.opts)) == 2
+
+
+def test_a_wiped_nodes_download_that_fails_is_tried_again_not_rolled_back(
+    zygotes, tmp_path, s3_remote, s3_server
+):
+    """Node 1's disk is wiped and the store answers 500 to every read of its files of the
+    newest checkpoint (step 4) for a while, longer than the client's own retries: its download
+    is tried again, as in shared mode, and both nodes resume from step 4. Every node fell back
+    to step 2 at once (a whole save interval lost over an error burst the next try rides out)."""
+    opts = s3_remote[1]
+    nodes = Nodes(tmp_path, s3_remote, zygotes=zygotes)
+    nodes.run(4)  # steps 2 and 4, committed remotely
+    shutil.rmtree(nodes.dirs[1])
+    failed: list[str] = []
+
+    def rule(method: str, path: str, query: str) -> str | None:
+        # node 1's files of step 4 fail until node 1's log says their download is tried again
+        if method == "GET" and "/step_000000004/rank_00001." in path:
+            log = nodes.log_path(1)
+            if "trying again" not in (log.read_text() if log.exists() else ""):
+                failed.append(path)
+                return "error"
+        return None
+
+    proxy = FlakyProxy(s3_server.endpoint, rule)
+    try:
+        retries = {"retries": {"max_attempts": 2, "mode": "standard"}}  # (the burst outlasts them)
+        nodes.opts = {**opts, "endpoint_url": proxy.endpoint, "config_kwargs": retries}
+        restores = nodes.run(6)
+    finally:
+        proxy.close()
+    assert failed, "no read of node 1's files of step 4 was failed"
+    assert [r["step"] for r in restores] == [4, 4], (restores, nodes.logs()[1][-3000:])
+    assert (restores[1]["tier"], restores[1]["downloaded_files"]) == ("remote", 4), restores
+    assert "ResumeFallbackWarning" not in "".join(nodes.logs())
 
 
 @pytest.mark.slow

@@ -50,12 +50,16 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
             name,
         )
         srcs, dsts = [f"{st.root}/{name}/{f.path}" for f in need], [f.path for f in need]
-        stall.run(  # given up once no byte arrived for the outage limit, progress logged
-            lambda: st.fs.get(srcs, [os.path.join(staging, f) for f in dsts]),
-            f"downloading this node's part of {st.url}/{name}",
-            lambda: stall.on_disk(
-                d.dirpath, os.path.basename(staging), {f.path: f.size for f in need}
+        what = f"downloading this node's part of {st.url}/{name}"
+        stall.tried_again(  # an error that may pass: each try given up once no byte arrived
+            lambda: stall.run(  # for the outage limit, its progress logged
+                lambda: st.fs.get(srcs, [os.path.join(staging, f) for f in dsts]),
+                what,
+                lambda: stall.on_disk(
+                    d.dirpath, os.path.basename(staging), {f.path: f.size for f in need}
+                ),
             ),
+            what,
         )
         node_m = Manifest.from_json(json.loads(encode_json(m.to_json())))
         node_m.files = need

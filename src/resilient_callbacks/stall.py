@@ -134,25 +134,24 @@ def on_disk(folder: str, prefix: str, sizes: dict[str, int]) -> tuple[int, str]:
     return total, "; ".join(doing)
 
 
-def download(
-    st: RemoteStore, entry: RemoteEntry, dirpath: str, url: str, who: str = "the restore"
-) -> tuple[str, str]:
-    """:func:`_download_once`, tried again (up to :data:`DOWNLOAD_TRIES` in all, after 1 s,
-    then 2 s, and none begun once :func:`limit_s` has passed) when it fails for an error of
-    the store that may pass (a 5xx, a reset, a timeout: an ``OSError`` other than a missing
-    object, a refusal, a checksum mismatch or a stall): an error burst longer than the client's
-    own retries made the restore skip the newest checkpoint for an older one."""
+def tried_again(fn: Callable[[], T], what: str) -> T:
+    """``fn()`` (a read from the store, bounded by :func:`run`), tried again (up to
+    :data:`DOWNLOAD_TRIES` in all, after 1 s, then 2 s, and none begun once :func:`limit_s` has
+    passed) when it fails for an error of the store that may pass (:func:`may_pass`: a 5xx, a
+    reset, a timeout; not a missing object, a refusal, a checksum mismatch or a stall), a
+    warning naming ``what`` each time: an error burst longer than the client's own retries made
+    the restore skip the newest checkpoint for an older one."""
     t0 = time.monotonic()
     for attempt in range(1, DOWNLOAD_TRIES + 1):
         try:
-            return _download_once(st, entry, dirpath, url, who)
+            return fn()
         except OSError as e:
             if not may_pass(e) or attempt == DOWNLOAD_TRIES or time.monotonic() - t0 > limit_s():
                 raise
             wait = backoff_s(attempt, 1.0, jitter=False)
             log.warning(
-                "downloading %s failed (try %d of %d): %s: %s; trying again in %g s",
-                url,
+                "%s failed (try %d of %d): %s: %s; trying again in %g s",
+                what,
                 attempt,
                 DOWNLOAD_TRIES,
                 type(e).__name__,
@@ -161,6 +160,13 @@ def download(
             )
             time.sleep(wait)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def download(
+    st: RemoteStore, entry: RemoteEntry, dirpath: str, url: str, who: str = "the restore"
+) -> tuple[str, str]:
+    """:func:`_download_once`, :func:`tried_again` when it fails for an error that may pass."""
+    return tried_again(lambda: _download_once(st, entry, dirpath, url, who), f"downloading {url}")
 
 
 def _download_once(
