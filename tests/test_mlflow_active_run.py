@@ -1,9 +1,11 @@
 """``telemetry="mlflow:URI"`` inside ``with mlflow.start_run():`` on that same tracking store
 (the Trainer's ``report_to="mlflow"`` with ``MLFLOW_TRACKING_URI``, the URI also written out in
-the sink): the checkpoint metrics go to the active run, not to a second run of their own."""
+the sink): the checkpoint metrics go to the active run, not to a second run of their own.
+Each store is a copy of conftest's empty one (``mlflow_sqlite``): its schema made once."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,12 +16,11 @@ from test_monitoring import _state, _train
 
 
 def test_the_same_tracking_uri_given_explicitly_logs_into_the_active_run(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, monkeypatch, mlflow_sqlite: str
 ):
     mlflow = pytest.importorskip("mlflow")
-    pytest.importorskip("sqlalchemy")
     monkeypatch.chdir(tmp_path)  # a sqlite store puts its artifacts under ./mlruns
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_sqlite
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # not set_tracking_uri(): it outlives a test
     exp = mlflow.tracking.MlflowClient().create_experiment("active")
     state = _state()
@@ -38,14 +39,14 @@ def test_the_same_tracking_uri_given_explicitly_logs_into_the_active_run(
 
 
 def test_another_tracking_uri_than_the_active_runs_gets_a_run_of_its_own(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, monkeypatch, mlflow_sqlite: str, _empty_mlflow_store: Path
 ):
     """The active run lives in another store: the sink cannot log into it, so it makes its
     own run in the store it was given (as before)."""
     mlflow = pytest.importorskip("mlflow")
-    pytest.importorskip("sqlalchemy")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'a.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_sqlite)
+    shutil.copyfile(_empty_mlflow_store, tmp_path / "b.db")  # (another empty store)
     other = f"sqlite:///{tmp_path / 'b.db'}"
     exp = mlflow.tracking.MlflowClient().create_experiment("active")
     state = _state()
@@ -61,14 +62,15 @@ def test_another_tracking_uri_than_the_active_runs_gets_a_run_of_its_own(
     assert max(m.value for m in history) == 2
 
 
-def test_mlflow_experiment_id_in_the_environment_is_where_its_run_goes(tmp_path: Path, monkeypatch):
+def test_mlflow_experiment_id_in_the_environment_is_where_its_run_goes(
+    tmp_path: Path, monkeypatch, mlflow_sqlite: str
+):
     """``MLFLOW_EXPERIMENT_ID`` (as a job scheduler or ``mlflow run`` sets it; MLflow's own
     ``start_run`` honours it) and no active run: the sink's run is made in that experiment, as
     with ``MLFLOW_EXPERIMENT_NAME`` (the old src put it in "Default")."""
     mlflow = pytest.importorskip("mlflow")
-    pytest.importorskip("sqlalchemy")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_sqlite)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     c = mlflow.tracking.MlflowClient()
     exp = c.create_experiment("from-env")
