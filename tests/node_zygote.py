@@ -4,7 +4,8 @@ Starting Python and importing torch and s3fs takes seconds of CPU per process; t
 tests start two processes per run, many runs per test. This process pays the imports once and
 then, for every JSON line ``{"env": {...}, "argv": [...], "log": path, "cwd": dir}`` read from
 stdin, forks a fresh process that runs ``train_script.main(argv)`` with exactly that environment
-and working directory, its stdout and stderr going to ``log``, in a session of its own. With
+and working directory, its stdout and stderr going to ``log`` (stderr to ``"err"``, a path, where
+the line has one), in a session of its own. With
 ``"script": path`` the child runs that script as ``__main__`` instead, ``argv`` its arguments
 (``spawn_ranks.Zygote``); the modules named on this process's command line are imported ahead
 too. It answers each line with the child's pid. The child's exit status is written to
@@ -61,6 +62,10 @@ def _child(req: dict) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+        if req.get("err"):  # stderr to a file of its own
+            fd = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 2)
+            os.close(fd)
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req.get("cwd", os.getcwd()))  # the caller's, as a subprocess it starts

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,14 +203,22 @@ class Zygote:
             text=True,
         )
 
-    def spawn(self, argv: list[str], env: dict[str, str], log: Path) -> Forked | subprocess.Popen:
+    def spawn(
+        self, argv: list[str], env: dict[str, str], log: Path, err: Path | None = None
+    ) -> Forked | subprocess.Popen:
+        """Start ``argv`` (``python script.py ...``), its stdout and stderr to ``log`` (stderr
+        to ``err``, if given)."""
         assert argv[0] == sys.executable and argv[1].endswith(".py"), argv
         # (PYTHONHASHSEED is read at start-up: another one than the zygote's, a fresh process;
         # in a session of its own, as a forked one)
         if self.proc is None or env.get("PYTHONHASHSEED") != "0":  # (or FRESH)
-            with open(log, "w") as out:
+            with open(log, "w") as out, open(err or os.devnull, "w") as errs:
                 return subprocess.Popen(
-                    argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                    argv,
+                    stdout=out,
+                    stderr=errs if err else subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
                 )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         assert self.proc.poll() is None, f"the zygote ended (rc={self.proc.returncode})"
@@ -219,6 +228,8 @@ class Zygote:
             self.ready = True
         Path(f"{log}.rc").unlink(missing_ok=True)  # an earlier run's of the same name
         req = {"env": env, "script": argv[1], "argv": argv[2:], "log": str(log), "cwd": os.getcwd()}
+        if err is not None:
+            req["err"] = str(err)
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         return Forked(int(self.proc.stdout.readline()), log, self.proc)
@@ -314,3 +325,33 @@ def leave_group() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_python(
+    argv: list[str], env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)`` for
+    ``argv`` = ``[sys.executable, "-c", code, *args]`` or ``[sys.executable, script, *args]``,
+    forked from :func:`shared_zygote` (torch and the library imported once a session, not
+    seconds of CPU per run): a fresh process that ends as the interpreter would, its stdout
+    and stderr captured apart. ``code`` runs as a script file (``sys.argv[0]`` its path,
+    tracebacks naming it, not ``<string>``). Not for a claim about what a fresh interpreter
+    imports or does at start-up or in its finalization (the zygote child ends with
+    ``os._exit`` after the ``atexit`` functions): start one with ``subprocess`` there."""
+    env = dict(os.environ if env is None else env, PYTHONHASHSEED="0")
+    with tempfile.TemporaryDirectory(prefix="run_python") as tmp:
+        if argv[1] == "-c":
+            script = Path(tmp, "code.py")
+            script.write_text(argv[2])
+            argv = [argv[0], str(script), *argv[3:]]
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        proc = shared_zygote().spawn(argv, env, out, err)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except (TimeoutError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+            raise subprocess.TimeoutExpired(
+                argv, timeout, out.read_text(), err.read_text()
+            ) from None
+        return subprocess.CompletedProcess(argv, rc, out.read_text(), err.read_text())

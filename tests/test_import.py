@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+import spawn_ranks
+
 FRAMEWORKS = [
     "lightning",
     "pytorch_lightning",
@@ -116,13 +118,15 @@ def test_the_dcp_subpackage_says_which_torch_it_needs(version, imports):
 
     if imports and DCP_MISSING:  # the version is only a label: the running torch lacks the APIs
         pytest.skip(DCP_MISSING)
+    # forked from the session's zygote (torch imported once): the subpackage not imported yet
     code = (
-        "import torch\n"
+        "import sys, torch\n"
+        "assert 'resilient_callbacks.dcp' not in sys.modules\n"
         f"torch.__version__ = {version!r}\n"
         "import resilient_callbacks.dcp\n"
         "print('imported')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = spawn_ranks.run_python([sys.executable, "-c", code], timeout=120)
     if imports:
         assert r.returncode == 0 and "imported" in r.stdout, r.stderr
     else:
