@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+import spawn_ranks
 from resilient_callbacks.errors import ConfigError
 from resilient_callbacks.preemption import (
     DEFAULT_GRACE_S,
@@ -986,15 +987,19 @@ for s in range(1, 20):
 """
 
 
-def _run_code(script: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _run_code(
+    script: Path, code: str, *args: str, fresh: bool = False
+) -> subprocess.CompletedProcess[str]:
     """Run ``code`` as the script ``script`` with ``args``, the library's src importable; its
-    output captured."""
+    output captured. Forked from the session's zygote (spawn_ranks.run_python: torch imported
+    once), or with ``fresh`` a fresh interpreter (a claim about the interpreter's finalization)."""
     script.write_text(code)
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=180, env=env
-    )
+    argv = [sys.executable, str(script), *args]
+    if not fresh:
+        return spawn_ranks.run_python(argv, env, timeout=180)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=180, env=env)
 
 
 @pytest.mark.parametrize("how", ["default", "first-stays"])
@@ -1031,12 +1036,11 @@ def test_a_signal_after_the_last_step_exits_75_at_close_and_said_so(tmp_path: Pa
         "signal.raise_signal(signal.SIGTERM)\n"
         + ("ck.close()\nprint('survived')\n" if end == "close" else "print('ends')\n")
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "ck")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    argv = [sys.executable, "-c", script, str(tmp_path / "ck")]
+    if end == "close":  # forked from the session's zygote (torch imported once)
+        out = spawn_ranks.run_python(argv)
+    else:  # the interpreter's own exit: a fresh one
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert out.returncode == 75, out
     assert "survived" not in out.stdout
     assert "SIGTERM arrived" in out.stderr and "after the last step()" in out.stderr, out.stderr
@@ -1059,12 +1063,7 @@ def test_a_signal_after_the_last_step_keeps_the_users_own_exit_code(tmp_path: Pa
         + body
         + "finally:\n    ck.close()\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "ck")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = spawn_ranks.run_python([sys.executable, "-c", script, str(tmp_path / "ck")])
     assert out.returncode == 3, out
     assert "SIGTERM arrived" in out.stderr and "sys.exit(3)" in out.stderr, out.stderr
     assert (tmp_path / "ck" / "step_000000001" / "manifest.json").exists()
@@ -1092,9 +1091,7 @@ def test_a_signal_after_the_last_step_exits_75_with_a_second_checkpointer_not_ex
         + "        signal.raise_signal(signal.SIGTERM)\n"
         + "print('survived')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120
-    )
+    out = spawn_ranks.run_python([sys.executable, "-c", script, str(tmp_path)])
     assert out.returncode == 75, out
     assert "survived" not in out.stdout
     assert "exiting with code 75" in out.stderr, out.stderr
@@ -1113,12 +1110,7 @@ def test_a_signal_after_the_last_step_goes_to_a_handler_of_the_users(tmp_path: P
         "ck.close()\n"
         "print('survived')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "ck")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = spawn_ranks.run_python([sys.executable, "-c", script, str(tmp_path / "ck")])
     assert out.returncode == 0, out
     assert out.stdout.split() == ["mine", "survived"], out
     assert "passing it on to the handler before ours" in out.stderr, out.stderr
@@ -1141,12 +1133,7 @@ def test_a_signal_after_the_last_step_closed_from_another_thread_is_passed_on(
         "t.join()\n"  # (the signal, raised in the thread, is handled in the main one)
         "print('survived')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "ck")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = spawn_ranks.run_python([sys.executable, "-c", script, str(tmp_path / "ck")])
     assert out.returncode == -signal.SIGTERM, out
     assert "passing it on to the handler before ours" in out.stderr, out.stderr
 
@@ -1172,9 +1159,7 @@ def test_a_signal_to_a_re_run_of_a_finished_job_names_the_checkpoint_it_restored
         "signal.raise_signal(signal.SIGTERM)\n"
         "ck.close()\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(ckdir)], capture_output=True, text=True, timeout=120
-    )
+    out = spawn_ranks.run_python([sys.executable, "-c", script, str(ckdir)])
     assert out.returncode == 75, out
     said = next(line for line in out.stderr.splitlines() if "SIGTERM arrived" in line)
     assert "newest checkpoint is None" not in said, said
@@ -1234,13 +1219,7 @@ def test_an_exception_while_a_signal_is_pending_is_not_swallowed(tmp_path: Path)
         "    raise ValueError('loss is NaN at step 2')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    p = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "ck")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    p = spawn_ranks.run_python([sys.executable, "-c", script, str(tmp_path / "ck")], env)
     assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
     assert "ValueError: loss is NaN at step 2" in p.stderr, p.stderr[-2000:]
     assert "arrived while training failed with ValueError" in p.stderr, p.stderr[-2000:]
@@ -1290,7 +1269,14 @@ def test_a_second_signal_while_exiting_after_the_emergency_save_keeps_the_exit_c
     while Python code runs, and ignores the signal during the finalization (where Python
     handlers no longer run). A handler of the user's installed before the Checkpointer is back
     after close() and runs, as before."""
-    r = _run_code(tmp_path / "second.py", _SECOND_SIGNAL_AT_EXIT, str(tmp_path / "ck"), mode)
+    # (the interpreter's own finalization: a fresh one)
+    r = _run_code(
+        tmp_path / "second.py",
+        _SECOND_SIGNAL_AT_EXIT,
+        str(tmp_path / "ck"),
+        mode,
+        fresh=mode == "finalizing",
+    )
     assert r.returncode == 75, (r.returncode, r.stderr[-2000:])
     assert sorted(n for n in os.listdir(tmp_path / "ck") if n.startswith("step_")) == [
         "step_000000003"
