@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+import spawn_ranks
 from resilient_callbacks import Checkpointer, CheckpointWriteError, catalog
 
 
@@ -319,18 +320,11 @@ def test_an_optimizer_step_under_torch_compile_runs_the_hooks_untraced(tmp_path)
     trace the builtin `_thread.get_ident`"), and the hook's reads became guards of the compiled
     step. The hooks run untraced (``torch.compiler.disable``); the checkpoint holds the state
     at the save."""
-    import subprocess
     import sys
-    from pathlib import Path
 
-    src = Path(__file__).resolve().parents[1] / "src"
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    p = subprocess.run(
-        [sys.executable, "-c", _COMPILED_STEP, str(tmp_path / "ck")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    # a process of its own (Dynamo's caches), forked from the session's zygote (torch imported)
+    p = spawn_ranks.run_python(
+        [sys.executable, "-c", _COMPILED_STEP, str(tmp_path / "ck")], timeout=300
     )
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
     assert "does not know how to trace" not in p.stderr, p.stderr[-3000:]

@@ -35,6 +35,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+import spawn_ranks
 from resilient_callbacks import catalog
 from resilient_callbacks.dcp import ResilientStorageReader, ResilientStorageWriter, plain_dcp_reader
 from resilient_callbacks.errors import (
@@ -1031,13 +1032,9 @@ def test_the_writer_gives_up_on_uploads_during_an_outage_and_says_so(tmp_path, h
     naming the checkpoint and the push command (exit 1); an exception of the user's leaving
     the with block is the one that propagates. (The old code hangs: a timeout here.)"""
     url = f"file://{tmp_path / 'remote'}"
-    p = subprocess.run(
-        [sys.executable, "-c", _WRITER_OUTAGE, str(tmp_path / "ck"), url, how],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    # forked from the session's zygote (torch imported once)
+    argv = [sys.executable, "-c", _WRITER_OUTAGE, str(tmp_path / "ck"), url, how]
+    p = spawn_ranks.run_python(argv, timeout=90)
     assert p.returncode == 1, (p.returncode, p.stdout, p.stderr[-3000:])
     tail = p.stderr.strip().splitlines()[-1]
     assert "step_000000001" in p.stderr and f"resilient-ckpt push {tmp_path / 'ck'}" in p.stderr
@@ -1090,13 +1087,9 @@ def test_a_preempted_writer_closes_within_the_grace_period_during_an_outage(tmp_
     or given to it (``watcher=``), warns what stays local and how to push it, and raises no
     UploadIncompleteError: the process exits 75 and the checkpoint is committed locally."""
     url = f"file://{tmp_path / 'remote'}"
-    p = subprocess.run(
-        [sys.executable, "-c", _WRITER_PREEMPTED, str(tmp_path / "ck"), url, how],
-        capture_output=True,
-        text=True,
-        timeout=120,  # (the old close waits 300 s)
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    # forked from the session's zygote (torch imported once)
+    argv = [sys.executable, "-c", _WRITER_PREEMPTED, str(tmp_path / "ck"), url, how]
+    p = spawn_ranks.run_python(argv, timeout=120)  # (the old close waits 300 s)
     assert p.returncode == 75, (p.returncode, p.stdout, p.stderr[-3000:])
     assert "saved 3" in p.stdout or "saved 4" in p.stdout, p.stdout
     waited = float(p.stdout.split("closed after")[1])

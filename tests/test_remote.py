@@ -1421,13 +1421,9 @@ def test_a_job_whose_uploads_were_given_up_does_not_exit_0(tmp_path, how):
     is the one that propagates (the close error is logged beside it). A ``sys.exit(0)`` in
     the block is no failure: it exited 0 past the logged error; the error is raised now."""
     url = f"file://{tmp_path / 'remote'}"
-    p = subprocess.run(
-        [sys.executable, "-c", _GIVE_UP_SCRIPT, str(tmp_path / "l"), url, how],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    # forked from the session's zygote (torch imported once)
+    argv = [sys.executable, "-c", _GIVE_UP_SCRIPT, str(tmp_path / "l"), url, how]
+    p = spawn_ranks.run_python(argv, timeout=120)
     assert p.returncode == 1, (p.returncode, p.stdout, p.stderr)
     assert "loop ended" not in p.stdout
     tail = p.stderr.strip().splitlines()[-1]

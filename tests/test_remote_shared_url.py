@@ -4,15 +4,14 @@ checkpoint of another run that happens to have the same name (two processes)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
 
+import spawn_ranks
 from resilient_callbacks import Checkpointer
 from resilient_callbacks.errors import CheckpointLockedError
 from resilient_callbacks.remote import RemoteStore
@@ -68,13 +67,10 @@ def test_an_upload_never_replaces_another_runs_remote_checkpoint_of_the_same_nam
     mine = {"w": torch.zeros(4)}
     with Checkpointer(tmp_path / "mine", remote=url, every_n_steps=1, async_save=False) as ck:
         ck.restore(mine)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-        subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(_OTHER), str(tmp_path / "other"), url],
-            check=True,
-            env=env,
-            timeout=120,
-        )
+        # another process, forked from the session's zygote (torch imported once)
+        argv = [sys.executable, "-c", textwrap.dedent(_OTHER), str(tmp_path / "other"), url]
+        p = spawn_ranks.run_python(argv, timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
         other = _committed(url)
         assert sorted(other) == ["step_000000001", "step_000000002"]
         for s in (1, 2):
