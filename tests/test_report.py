@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import spawn_ranks
 from resilient_callbacks import history
 from resilient_callbacks.adaptive import DEFAULT_PRIOR_MTBF_HOURS, HOUR
 from resilient_callbacks.cli import main as cli
@@ -26,6 +27,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run_killed_twice(tmp: Path, steps: int = 30, kills: tuple[int, ...] = (13, 24)) -> Path:
+    """Three runs of monitor_train.py in ``tmp/ck``, each a process of its own forked from the
+    session's zygote (spawn_ranks.run_python: torch imported once), SIGKILLed at ``kills``."""
     d = tmp / "ck"
     env = {
         **os.environ,
@@ -35,7 +38,7 @@ def run_killed_twice(tmp: Path, steps: int = 30, kills: tuple[int, ...] = (13, 2
     for kill in (*kills, None):
         args = [sys.executable, str(TRAIN), str(d), "--steps", str(steps), "--every", "5"]
         args += ["--sleep", "0.02"] + (["--kill-at", str(kill)] if kill else [])
-        p = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+        p = spawn_ranks.run_python(args, env, timeout=300)
         want = -9 if kill else 0
         assert p.returncode == want, p.stdout + p.stderr
     return d
@@ -418,8 +421,8 @@ def test_processes_killed_before_the_first_checkpoint_are_failures_of_the_run(tm
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    for _ in range(2):
-        p = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, timeout=120)
+    for _ in range(2):  # (forked from the session's zygote: torch imported once)
+        p = spawn_ranks.run_python([sys.executable, "-c", script, str(tmp_path)], env)
         assert p.returncode == -signal.SIGKILL
     state = {"w": torch.zeros(8)}
     with Checkpointer(tmp_path, every_n_steps=100, adaptive=True) as ck:
