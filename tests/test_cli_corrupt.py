@@ -238,6 +238,14 @@ def test_gc_never_deletes_the_newest_valid_checkpoint(damaged):
     assert cli("verify", root, "--step", "20").returncode == 0
 
 
+@pytest.mark.parametrize(
+    "damaged",
+    # the entry point is one whatever the damage: each damage's verify is proven in-process
+    # by test_verify_fails_on_the_damaged_newest (the same assertions and more); the others
+    # as a fresh interpreter each (seconds of suite time) run with -m slow
+    [pytest.param(d, marks=[] if d == "flipped" else pytest.mark.slow) for d in DAMAGES],
+    indirect=True,
+)
 def test_the_real_executable(damaged):
     """The same, as a user runs it: a fresh interpreter, the module entry point."""
     root, _ = damaged
