@@ -328,7 +328,10 @@ def leave_group() -> None:
 
 
 def run_python(
-    argv: list[str], env: dict[str, str] | None = None, timeout: float = 120
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    zygote: Zygote | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)`` for
     ``argv`` = ``[sys.executable, "-c", code, *args]`` or ``[sys.executable, script, *args]``,
@@ -337,7 +340,8 @@ def run_python(
     and stderr captured apart. ``code`` runs as a script file (``sys.argv[0]`` its path,
     tracebacks naming it, not ``<string>``). Not for a claim about what a fresh interpreter
     imports or does at start-up or in its finalization (the zygote child ends with
-    ``os._exit`` after the ``atexit`` functions): start one with ``subprocess`` there."""
+    ``os._exit`` after the ``atexit`` functions): start one with ``subprocess`` there.
+    ``zygote``: another than ``shared_zygote()`` (one that imported DeepSpeed, say)."""
     env = dict(os.environ if env is None else env, PYTHONHASHSEED="0")
     with tempfile.TemporaryDirectory(prefix="run_python") as tmp:
         if argv[1] == "-c":
@@ -345,7 +349,7 @@ def run_python(
             script.write_text(argv[2])
             argv = [argv[0], str(script), *argv[3:]]
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        proc = shared_zygote().spawn(argv, env, out, err)
+        proc = (zygote or shared_zygote()).spawn(argv, env, out, err)
         try:
             rc = proc.wait(timeout=timeout)
         except (TimeoutError, subprocess.TimeoutExpired):

@@ -954,16 +954,17 @@ def test_unmanaged_gradient_accumulation_and_config_params_checkpoint_and_resume
 
 
 def run_one_rank(script: Path, code: str) -> subprocess.CompletedProcess:
-    """``code`` written to ``script`` and run as one DeepSpeed rank on the CPU (gloo)."""
+    """``code`` written to ``script`` and run as one DeepSpeed rank on the CPU (gloo): a
+    process of its own, forked from the session's zygote that imported torch and DeepSpeed
+    once (spawn_ranks.run_python; a fresh interpreter spent seconds of CPU importing them)."""
     script.write_text(code)
     env = dict(
         os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(spawn_ranks.free_port()), DS_ACCELERATOR="cpu",
         PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
     )  # fmt: skip
-    return subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=DEADLINE
-    )
+    zygote = spawn_ranks.shared_zygote("deepspeed", DS_ACCELERATOR="cpu")
+    return spawn_ranks.run_python([sys.executable, str(script)], env, DEADLINE, zygote)
 
 
 TWICE_SCRIPT = """
