@@ -204,10 +204,15 @@ class Zygote:
         )
 
     def spawn(
-        self, argv: list[str], env: dict[str, str], log: Path, err: Path | None = None
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        log: Path,
+        err: Path | None = None,
+        cwd: Path | None = None,
     ) -> Forked | subprocess.Popen:
-        """Start ``argv`` (``python script.py ...``), its stdout and stderr to ``log`` (stderr
-        to ``err``, if given)."""
+        """Start ``argv`` (``python script.py ...``) in ``cwd`` (else this process's), its
+        stdout and stderr to ``log`` (stderr to ``err``, if given)."""
         assert argv[0] == sys.executable and argv[1].endswith(".py"), argv
         # (PYTHONHASHSEED is read at start-up: another one than the zygote's, a fresh process;
         # in a session of its own, as a forked one)
@@ -218,6 +223,7 @@ class Zygote:
                     stdout=out,
                     stderr=errs if err else subprocess.STDOUT,
                     env=env,
+                    cwd=cwd,
                     start_new_session=True,
                 )
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -227,7 +233,13 @@ class Zygote:
             assert line == "ready", f"the zygote did not start: {line!r}"
             self.ready = True
         Path(f"{log}.rc").unlink(missing_ok=True)  # an earlier run's of the same name
-        req = {"env": env, "script": argv[1], "argv": argv[2:], "log": str(log), "cwd": os.getcwd()}
+        req = {
+            "env": env,
+            "script": argv[1],
+            "argv": argv[2:],
+            "log": str(log),
+            "cwd": str(cwd or os.getcwd()),
+        }
         if err is not None:
             req["err"] = str(err)
         self.proc.stdin.write(json.dumps(req) + "\n")
@@ -332,6 +344,7 @@ def run_python(
     env: dict[str, str] | None = None,
     timeout: float = 120,
     zygote: Zygote | None = None,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)`` for
     ``argv`` = ``[sys.executable, "-c", code, *args]`` or ``[sys.executable, script, *args]``,
@@ -341,7 +354,8 @@ def run_python(
     tracebacks naming it, not ``<string>``). Not for a claim about what a fresh interpreter
     imports or does at start-up or in its finalization (the zygote child ends with
     ``os._exit`` after the ``atexit`` functions): start one with ``subprocess`` there.
-    ``zygote``: another than ``shared_zygote()`` (one that imported DeepSpeed, say)."""
+    ``zygote``: another than ``shared_zygote()`` (one that imported DeepSpeed, say); ``cwd``:
+    the working directory (else this process's)."""
     env = dict(os.environ if env is None else env, PYTHONHASHSEED="0")
     with tempfile.TemporaryDirectory(prefix="run_python") as tmp:
         if argv[1] == "-c":
@@ -349,7 +363,7 @@ def run_python(
             script.write_text(argv[2])
             argv = [argv[0], str(script), *argv[3:]]
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        proc = (zygote or shared_zygote()).spawn(argv, env, out, err)
+        proc = (zygote or shared_zygote()).spawn(argv, env, out, err, cwd)
         try:
             rc = proc.wait(timeout=timeout)
         except (TimeoutError, subprocess.TimeoutExpired):

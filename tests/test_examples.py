@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+import spawn_ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -134,9 +136,8 @@ def test_an_example_says_what_it_needs_before_deleting_anything(tmp_path, script
         f"import sys; sys.modules[{module!r}] = None; sys.argv = ['x']; import runpy; "
         f"runpy.run_path({str(EXAMPLES / script)!r}, run_name='__main__')"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    # forked from the session's zygote (torch imported once); the module blocked as before
+    r = spawn_ranks.run_python([sys.executable, "-c", code], cwd=tmp_path)
     assert r.returncode == 1, r.stderr[-2000:]
     assert f"this example needs {module}: set up with `bash scripts/setup.sh test`" in r.stderr
     assert (out / "keep").is_dir()
@@ -145,15 +146,12 @@ def test_an_example_says_what_it_needs_before_deleting_anything(tmp_path, script
 def test_the_demo_refuses_arguments_that_would_break_it_or_delete_files(tmp_path):
     """--kill-at past --steps printed "killed" and crashed on a JSONDecodeError; --out named a
     folder of one's own files (``--out .``) and emptied it."""
-    demo = [sys.executable, str(EXAMPLES / "demo_resume.py")]
-    r = subprocess.run(
-        [*demo, "--out", str(tmp_path / "o"), "--steps", "20", "--kill-at", "30"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    demo = [sys.executable, str(EXAMPLES / "demo_resume.py")]  # (forked: run_python)
+    r = spawn_ranks.run_python(
+        [*demo, "--out", str(tmp_path / "o"), "--steps", "20", "--kill-at", "30"]
     )
     assert r.returncode == 2 and "--kill-at must be between 1 and --steps - 1" in r.stderr
     (tmp_path / "mine.txt").write_text("x")
-    r = subprocess.run([*demo, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    r = spawn_ranks.run_python([*demo, "--out", str(tmp_path)])
     assert r.returncode == 2 and "holds other files (mine.txt)" in r.stderr, r.stderr
     assert (tmp_path / "mine.txt").exists()
