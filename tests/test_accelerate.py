@@ -37,13 +37,9 @@ def _losses(path: Path) -> dict[int, str]:
 def _one(
     tmp: Path, ck: str, out: str, kill_at: int, expect: int, *more: str, **env: str
 ) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run(
-        [sys.executable, LOOP, str(tmp / ck), str(tmp / out), str(kill_at), *more],
-        env={**ENV, **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # a process of its own, forked from the session's zygote (torch imported once)
+    argv = [sys.executable, LOOP, str(tmp / ck), str(tmp / out), str(kill_at), *more]
+    p = spawn_ranks.run_python(argv, {**ENV, **env}, timeout=300)
     assert p.returncode == expect, p.stdout + p.stderr
     return p
 
@@ -114,13 +110,8 @@ def test_prepared_loader_refused(tmp_path: Path, kind: str) -> None:
     attribute 'dl_state_dict'); stateful was saved and resumed with other batches, silently."""
     if kind == "stateful":
         pytest.importorskip("torchdata")
-    p = subprocess.run(
-        [sys.executable, "-c", REFUSAL, str(tmp_path / "ck"), kind],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # forked from the session's zygote (torch imported once)
+    p = spawn_ranks.run_python([sys.executable, "-c", REFUSAL, str(tmp_path / "ck"), kind], ENV)
     assert "REFUSED state['data'] is accelerate's DataLoaderShard" in p.stdout, p.stderr
     assert "ResumableDataLoader" in p.stdout and "docs/accelerate.md" in p.stdout
     assert not any((tmp_path / "ck").glob("step*"))
