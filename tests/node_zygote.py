@@ -5,7 +5,7 @@ tests start two processes per run, many runs per test. This process pays the imp
 then, for every JSON line ``{"env": {...}, "argv": [...], "log": path, "cwd": dir}`` read from
 stdin, forks a fresh process that runs ``train_script.main(argv)`` with exactly that environment
 and working directory, its stdout and stderr going to ``log`` (stderr to ``"err"``, a path, where
-the line has one), in a session of its own. With
+the line has one; stdin from ``"stdin"``, a FIFO, where it has one), in a session of its own. With
 ``"script": path`` the child runs that script as ``__main__`` instead, ``argv`` its arguments
 (``spawn_ranks.Zygote``); the modules named on this process's command line are imported ahead
 too. It answers each line with the child's pid. The child's exit status is written to
@@ -66,6 +66,11 @@ def _child(req: dict) -> None:
             fd = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(fd, 2)
             os.close(fd)
+        if req.get("stdin"):  # a FIFO the client writes (not the zygote's own stdin)
+            fd = os.open(req["stdin"], os.O_RDONLY)
+            os.dup2(fd, 0)
+            os.close(fd)
+            sys.stdin = open(0, closefd=False)  # noqa: SIM115  (not the zygote's buffer)
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req.get("cwd", os.getcwd()))  # the caller's, as a subprocess it starts

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,9 +211,11 @@ class Zygote:
         log: Path,
         err: Path | None = None,
         cwd: Path | None = None,
+        stdin: Path | None = None,
     ) -> Forked | subprocess.Popen:
         """Start ``argv`` (``python script.py ...``) in ``cwd`` (else this process's), its
-        stdout and stderr to ``log`` (stderr to ``err``, if given)."""
+        stdout and stderr to ``log`` (stderr to ``err``, if given), its stdin from the FIFO
+        ``stdin`` if given (forked only: :class:`Piped`)."""
         assert argv[0] == sys.executable and argv[1].endswith(".py"), argv
         # (PYTHONHASHSEED is read at start-up: another one than the zygote's, a fresh process;
         # in a session of its own, as a forked one)
@@ -242,6 +245,8 @@ class Zygote:
         }
         if err is not None:
             req["err"] = str(err)
+        if stdin is not None:
+            req["stdin"] = str(stdin)
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         return Forked(int(self.proc.stdout.readline()), log, self.proc)
@@ -373,3 +378,80 @@ def run_python(
                 argv, timeout, out.read_text(), err.read_text()
             ) from None
         return subprocess.CompletedProcess(argv, rc, out.read_text(), err.read_text())
+
+
+class Piped:
+    """``subprocess.Popen(argv, stdin=PIPE, stdout=PIPE, stderr=<err or none>, text=True,
+    env=env)`` for ``argv`` = ``[sys.executable, "-c", code, *args]`` or ``[sys.executable,
+    script, *args]`` (as much of it as the tests use: ``stdin``, ``stdout``, ``communicate``,
+    ``wait``, ``kill``), forked from :func:`shared_zygote` through two FIFOs (torch and the
+    library imported once a session). The same claims as :func:`run_python` only."""
+
+    def __init__(
+        self, argv: list[str], env: dict[str, str] | None = None, err: Path | None = None
+    ) -> None:
+        env = dict(os.environ if env is None else env, PYTHONHASHSEED="0")
+        self._tmp = tempfile.TemporaryDirectory(prefix="piped")
+        tmp = Path(self._tmp.name)
+        if argv[1] == "-c":
+            Path(tmp, "code.py").write_text(argv[2])
+            argv = [argv[0], str(tmp / "code.py"), *argv[3:]]
+        zygote = shared_zygote()
+        if zygote.proc is None:  # (FRESH: a fresh interpreter, plain pipes)
+            with open(err or os.devnull, "w") as errs:
+                self.proc: Forked | subprocess.Popen = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=errs,
+                    text=True,
+                    env=env,
+                )
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+            return
+        inp, out = tmp / "stdin", tmp / "stdout"
+        os.mkfifo(inp)
+        os.mkfifo(out)
+        rfd = os.open(out, os.O_RDONLY | os.O_NONBLOCK)  # (the child's open does not wait)
+        self.proc = zygote.spawn(argv, env, out, err or tmp / "stderr", stdin=inp)
+        deadline = time.monotonic() + 120  # (only bounds a hang: the child opens it at once)
+        while True:
+            try:  # ENXIO until the child opened its end for reading
+                wfd = os.open(inp, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                assert self.proc.poll() is None, f"the child ended: {self.proc.returncode}"
+                assert time.monotonic() < deadline, "the child did not open its stdin"
+                time.sleep(0.01)
+        for fd in (rfd, wfd):
+            os.set_blocking(fd, True)
+        self.stdin, self.stdout = os.fdopen(wfd, "w"), os.fdopen(rfd, "r")
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def communicate(self, input: str | None = None, timeout: float = 120) -> tuple[str, None]:
+        """Write ``input``, close stdin, read stdout to its end, wait: (stdout, None)."""
+        if input:
+            self.stdin.write(input)
+        self.stdin.close()
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.append(self.stdout.read()), daemon=True)
+        reader.start()  # (a thread: the wrapper may hold what a readline() read ahead)
+        reader.join(timeout)
+        if reader.is_alive():  # as Popen's timeout (the kill ends the read)
+            self.kill()
+            reader.join()
+            raise subprocess.TimeoutExpired("piped child", timeout)
+        self.stdout.close()
+        self.proc.wait(timeout=timeout)
+        self._tmp.cleanup()
+        return got[0], None
+
+    def wait(self, timeout: float = 60.0) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import spawn_ranks
 from resilient_callbacks import Checkpointer
 from resilient_callbacks.manifest import MANIFEST_NAME as MANIFEST
 from resilient_callbacks.manifest import read_manifest
@@ -56,18 +56,11 @@ _UPLOAD = textwrap.dedent(
 )
 
 
-def _child(script: str, *args: str, log: Path | None = None) -> subprocess.Popen[str]:
-    """``script`` in a fresh interpreter, its stdin and stdout ours; stderr to ``log``."""
+def _child(script: str, *args: str, log: Path | None = None) -> spawn_ranks.Piped:
+    """``script`` in a process of its own, forked from the session's zygote (torch imported
+    once: spawn_ranks.Piped), its stdin and stdout ours; stderr to ``log``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    with open(log or os.devnull, "w") as err:
-        return subprocess.Popen(
-            [sys.executable, "-c", script, *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=None if log is None else err,
-            text=True,
-            env=env,
-        )
+    return spawn_ranks.Piped([sys.executable, "-c", script, *args], env, log)
 
 
 def _two_copies_of_one_commit(tmp_path, url: str) -> list[str]:
@@ -204,7 +197,7 @@ _RUN = textwrap.dedent(
 )
 
 
-def _say(p: subprocess.Popen[str], line: str) -> str:
+def _say(p: spawn_ranks.Piped, line: str) -> str:
     assert p.stdin is not None and p.stdout is not None
     p.stdin.write(line + "\n")
     p.stdin.flush()
