@@ -399,11 +399,9 @@ def test_a_manifest_damaged_in_a_way_that_still_parses_is_refused_by_its_own_che
         f.write(text.replace('"step": 30,', '"step": 31,'))
     with Checkpointer(root) as ck, pytest.warns(ResumeFallbackWarning, match="own checksum"):
         assert ck.restore(_fresh()) == 20
-    out = subprocess.run(
-        [sys.executable, "-m", "resilient_callbacks", "verify", str(root)],
-        capture_output=True,
-        text=True,
-    )
+    from test_cli import cli  # the CLI in-process (the real executable: test_cli.py)
+
+    out = cli("verify", str(root))
     assert out.returncode == 1 and "own checksum" in out.stdout + out.stderr, out
 
     older = _manifest(_step_dir(root, 20))
