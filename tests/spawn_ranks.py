@@ -384,7 +384,7 @@ class Piped:
     """``subprocess.Popen(argv, stdin=PIPE, stdout=PIPE, stderr=<err or none>, text=True,
     env=env)`` for ``argv`` = ``[sys.executable, "-c", code, *args]`` or ``[sys.executable,
     script, *args]`` (as much of it as the tests use: ``stdin``, ``stdout``, ``communicate``,
-    ``wait``, ``kill``), forked from :func:`shared_zygote` through two FIFOs (torch and the
+    ``wait``, ``poll``, ``kill``, ``send_signal``, ``pid``; stderr to the file ``err``), forked from :func:`shared_zygote` through two FIFOs (torch and the
     library imported once a session). The same claims as :func:`run_python` only."""
 
     def __init__(
@@ -431,6 +431,17 @@ class Piped:
     @property
     def returncode(self) -> int | None:
         return self.proc.poll()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def send_signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, sig)
 
     def communicate(self, input: str | None = None, timeout: float = 120) -> tuple[str, None]:
         """Write ``input``, close stdin, read stdout to its end, wait: (stdout, None)."""

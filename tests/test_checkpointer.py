@@ -18,6 +18,7 @@ import torch
 import xxhash
 
 import resilient_callbacks
+import spawn_ranks
 from resilient_callbacks import (
     CheckpointCorruptError,
     Checkpointer,
@@ -537,15 +538,12 @@ def test_lock_same_process_conflicts_then_released_by_close(tmp_path):
 
 def test_lock_other_process_then_killed(tmp_path):
     root = tmp_path / "ck"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(root)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # a process of its own, forked from the session's zygote (torch imported once)
+    errs = tmp_path / "holder.err"
+    proc = spawn_ranks.Piped([sys.executable, "-c", _HOLDER, str(root)], err=errs)
     try:
         line = proc.stdout.readline()
-        assert line.strip() == "READY", proc.stderr.read()
+        assert line.strip() == "READY", errs.read_text()
         with pytest.raises(CheckpointLockedError) as ei:
             Checkpointer(root)
         assert f"pid {proc.pid}" in str(ei.value)  # names the holder
@@ -555,7 +553,6 @@ def test_lock_other_process_then_killed(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         proc.stdout.close()
-        proc.stderr.close()
     with Checkpointer(root) as ck:  # a killed holder never leaves the directory locked
         assert ck.save(1, _state(1))
 

@@ -8,13 +8,13 @@ import io
 import json
 import logging
 import os
-import subprocess
 import sys
 import threading
 
 import pytest
 import torch
 
+import spawn_ranks
 from resilient_callbacks import Checkpointer
 
 # runs `resilient-ckpt gc DIR` for real, held (lock taken) until a line comes on stdin
@@ -46,15 +46,10 @@ def test_a_run_started_while_gc_holds_the_directory_waits_for_it(tmp_path):
     push), says so in the log, and opens when it is done."""
     root = str(tmp_path / "ck")
     _save(root, (10, 20))
-    gc = subprocess.Popen(
-        [sys.executable, "-c", _GC_HELD, root],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert gc.stdout is not None and gc.stdin is not None
-    assert gc.stdout.readline().strip() == "held", gc.stderr and gc.stderr.read()
+    # a process of its own, forked from the session's zygote (torch imported once)
+    errs = tmp_path / "gc.err"
+    gc = spawn_ranks.Piped([sys.executable, "-c", _GC_HELD, root], err=errs)
+    assert gc.stdout.readline().strip() == "held", errs.read_text()
     said: list[str] = []
     waiting = threading.Event()
 
@@ -88,7 +83,7 @@ def test_a_run_started_while_gc_holds_the_directory_waits_for_it(tmp_path):
         if gc.poll() is None:
             gc.kill()
     assert "error" not in result, result["error"]
-    assert gc.returncode == 0, gc.stderr and gc.stderr.read()
+    assert gc.returncode == 0, errs.read_text()
     assert any("waiting for it to finish" in m for m in said), said
     assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == [
         f"step_{s:09d}" for s in (10, 20, 30)
