@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+import spawn_ranks
 from resilient_callbacks import Checkpointer, catalog, session
 from test_part_blobs import FrozenAndTrained, _train
 
@@ -116,7 +117,6 @@ def test_the_blobs_of_an_upload_a_kill_cut_off_are_collected_keeping_every_check
     import json
     import os
     import shutil
-    import subprocess
     import sys
     import time
     from pathlib import Path
@@ -129,10 +129,10 @@ def test_the_blobs_of_an_upload_a_kill_cut_off_are_collected_keeping_every_check
     url = f"file://{remote}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     tests = str(Path(__file__).parent)
-    run = subprocess.run(
-        [sys.executable, str(script), str(root), url, tests], capture_output=True, env=env
-    )
-    assert run.returncode == -9, run.stderr.decode()[-2000:]
+    # a process of its own, forked from the session's zygote (torch imported once)
+    argv = [sys.executable, str(script), str(root), url, tests]
+    run = spawn_ranks.run_python(argv, env, timeout=300)  # (only bounds a hang)
+    assert run.returncode == -9, run.stderr[-2000:]
     cut = remote / "step_000000002"
     assert cut.is_dir() and not (cut / "manifest.json").exists()
     shutil.rmtree(root)  # the local copy of step 2 is lost with its machine
