@@ -398,3 +398,15 @@ def test_the_adaptive_interval_is_in_time_whatever_the_step_numbers_advance_by(t
     assert by_one[0] == 20 and by_two[0] == 10, (by_one, by_two)
     assert {b - a for a, b in itertools.pairwise(by_one[1:])} == {7}, by_one
     assert {b - a for a, b in itertools.pairwise(by_two[1:])} == {7}, by_two
+
+
+def test_a_step_that_is_no_int_is_refused_by_name_under_the_adaptive_policy(tmp_path):
+    """The step-number spans of the step times took a step passed as a tensor into the
+    schedule: step() failed with a ConfigError about ``seconds=tensor(...)`` instead of
+    saying what was wrong (the step)."""
+    with (
+        Checkpointer(tmp_path, adaptive=True) as ck,
+        pytest.raises(TypeError, match="step must be an int"),
+    ):
+        for s in range(1, 40):
+            ck.step(torch.tensor(s), {"w": torch.zeros(2)})

@@ -144,8 +144,9 @@ class Trigger:
         if self._last_step_end is not None:
             compute = self.now() - self._last_step_end
             span = 1
-            if step is not None and self._last_step is not None and step > self._last_step:
-                span = step - self._last_step
+            last = self._last_step
+            if type(step) is int and type(last) is int and step > last:  # (a bad step: save)
+                span = step - last
             self._step_seconds.append(compute / span)
             self.compute_s += compute
             if self.schedule is not None:
