@@ -329,3 +329,54 @@ def test_a_distributed_writer_waits_less_than_its_ranks_collective_timeout(tmp_p
             Checkpointer(str(root))
     finally:
         gc.release()
+
+
+# a writer that gets SIGTERM while it waits for the held gc (sent once it says it waits)
+_WRITER_SIGNALLED = """
+import logging, os, signal, sys
+import torch
+from resilient_callbacks import Checkpointer
+
+class Kill(logging.Handler):
+    def emit(self, record):
+        if "waiting for it to finish" in record.getMessage():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+logging.basicConfig()
+logging.getLogger("resilient_callbacks").addHandler(Kill())
+with Checkpointer(sys.argv[1], keep_last=None) as ck:
+    ck.save(30, {"model": torch.nn.Linear(3, 2)})
+"""
+
+
+def test_a_writer_preempted_while_it_waits_for_a_command_stops_waiting(tmp_path):
+    """Since the signal handlers are installed first in Checkpointer(), a SIGTERM while the
+    writer waited (up to 10 min) for an operator's `resilient-ckpt gc` to release the directory
+    was recorded and the wait went on, past the grace period to the SIGKILL (before, the signal
+    ended the process at once). The wait now ends on a preemption request."""
+    root = str(tmp_path / "ck")
+    _save(root, (10, 20))
+    gc = subprocess.Popen(
+        [sys.executable, "-c", _GC_HELD, root],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert gc.stdout is not None and gc.stdin is not None
+    try:
+        assert gc.stdout.readline().strip() == "held", gc.stderr and gc.stderr.read()
+        writer = subprocess.run(
+            [sys.executable, "-c", _WRITER_SIGNALLED, root],
+            capture_output=True,
+            text=True,
+            timeout=120,  # (it waits 600 s for the gc if the request does not end the wait)
+        )
+    finally:
+        gc.kill()
+        gc.wait()
+    assert writer.returncode != 0, writer.stderr
+    assert "CheckpointLockedError" in writer.stderr, writer.stderr
+    assert "a preemption request" in writer.stderr, writer.stderr
+    assert "SIGTERM arrived while Checkpointer() failed" in writer.stderr, writer.stderr
+    assert not (tmp_path / "ck" / "step_000000030").exists()

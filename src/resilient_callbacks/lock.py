@@ -124,6 +124,7 @@ class DirLock:
         self.path = os.path.join(root, LOCK_NAME)
         self.command = command
         self._fd: int | None = None
+        self._preempted = False  # a writer's wait for a command ended by a preemption
 
     def _holder(self) -> dict[str, object]:
         try:
@@ -134,12 +135,19 @@ class DirLock:
         return info if isinstance(info, dict) else {}
 
     def _wait_for_command(self, fd: int, wait_s: float) -> bool:
-        """A command holds the lock and this is a writer: wait for it to go (True: taken)."""
+        """A command holds the lock and this is a writer: wait for it to go (True: taken).
+        A preemption request pending in this process (the Checkpointer's handlers are
+        installed before it opens its directory) ends the wait: the grace period is shorter."""
+        from .preemption import pending  # (lazily: the lock is below the preemption layer)
+
         deadline = time.monotonic() + wait_s
         said = False
         if not self._holder():  # (its holder may be writing its name into it this moment)
             time.sleep(0.05)
         while (cmd := self._holder().get("command")) and time.monotonic() < deadline:
+            if pending.requests():
+                self._preempted = True
+                break
             if not said:
                 info = self._holder()
                 log.warning(
@@ -183,7 +191,9 @@ class DirLock:
                 what = (
                     f"`resilient-ckpt {info['command']}`{holder} holds {os.path.dirname(self.path)}"
                 )
-                if self.command is None:
+                if self._preempted:
+                    what += " (a preemption request came while this run waited for it)"
+                elif self.command is None:
                     what += f" (still, after {wait_s:.0f} s of waiting for it)"
                 raise CheckpointLockedError(
                     f"{what}: let it finish, or stop it (Ctrl-C leaves nothing half-done), "
