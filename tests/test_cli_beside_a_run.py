@@ -356,25 +356,18 @@ def test_a_writer_preempted_while_it_waits_for_a_command_stops_waiting(tmp_path)
     ended the process at once). The wait now ends on a preemption request."""
     root = str(tmp_path / "ck")
     _save(root, (10, 20))
-    gc = subprocess.Popen(
-        [sys.executable, "-c", _GC_HELD, root],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert gc.stdout is not None and gc.stdin is not None
+    # processes of their own, forked from the session's zygote (torch imported once)
+    errs = tmp_path / "gc.err"
+    gc = spawn_ranks.Piped([sys.executable, "-c", _GC_HELD, root], err=errs)
     try:
-        assert gc.stdout.readline().strip() == "held", gc.stderr and gc.stderr.read()
-        writer = subprocess.run(
+        assert gc.stdout.readline().strip() == "held", errs.read_text()
+        writer = spawn_ranks.run_python(
             [sys.executable, "-c", _WRITER_SIGNALLED, root],
-            capture_output=True,
-            text=True,
             timeout=120,  # (it waits 600 s for the gc if the request does not end the wait)
         )
     finally:
         gc.kill()
-        gc.wait()
+        gc.wait(timeout=120)
     assert writer.returncode != 0, writer.stderr
     assert "CheckpointLockedError" in writer.stderr, writer.stderr
     assert "a preemption request" in writer.stderr, writer.stderr
