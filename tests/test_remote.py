@@ -30,6 +30,7 @@ from resilient_callbacks import (
     ForeignCheckpointsWarning,
     ResumeFallbackWarning,
     catalog,
+    remote_reads,
 )
 from resilient_callbacks.errors import (
     NoValidCheckpointError,
@@ -1349,6 +1350,8 @@ def test_gc_remove_corrupt_never_deletes_a_remote_checkpoint_whose_manifest_read
         }
 
     monkeypatch.setattr(fs, "cat", cat)
+    # (a read that fails so is tried again after 1 s, then 2 s, at each listing: not waited here)
+    monkeypatch.setattr(remote_reads, "backoff_s", lambda *a, **k: 0.0)
     args = ("gc", str(local), "--remote", url, "--remove-corrupt", "--keep-last", "5", "--json")
     got = _cli(*args)
     assert got.returncode == 0, got.stderr
