@@ -1051,6 +1051,7 @@ def test_remote_checkpoints_whose_manifest_cannot_be_read_are_no_fresh_start(
                 return {p: ConnectionError("the store stopped answering") for p in paths}
 
             monkeypatch.setattr(ck.remote.fs, "cat", cat)
+            monkeypatch.setattr(remote_reads, "backoff_s", lambda *a, **k: 0.0)  # (its retries)
             ck.remote._manifests.clear()  # (those read at construction are not read again)
         else:
             for m in manifests:
