@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import threading
 
 import pytest
 import torch
 
+import spawn_ranks
 from resilient_callbacks import Checkpointer, stall
 from resilient_callbacks import checkpointer as ckmod
 from resilient_callbacks.errors import (
@@ -224,3 +226,52 @@ def test_a_download_reading_local_blobs_back_is_not_given_up_as_stalled(tmp_path
     with Checkpointer(local, incremental=True, remote=url, async_save=False) as ck:
         assert ck.restore({"model": live}) == 10
     assert torch.equal(live[0].weight, m[0].weight)
+
+
+_PREEMPTED_WHILE_LISTING = """
+import os, signal, sys, threading
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from resilient_callbacks import Checkpointer, checkpointer
+
+checkpointer.CLOSE_OUTAGE_S = 60.0  # the outage limit (5 min by default), the test's bound 240 s
+local, url, when = sys.argv[1:]
+
+def hang(*a, **k):  # the store stops answering its listing; the scheduler's SIGTERM comes
+    os.kill(os.getpid(), signal.SIGTERM)
+    threading.Event().wait(240)
+    raise ConnectionError("the store never answered")
+
+if when == "construction":
+    LocalFileSystem.find = hang
+ck = Checkpointer(local, remote=url, keep_last=5)
+LocalFileSystem.find = hang
+ck.restore({"model": torch.nn.Linear(3, 2)})
+print("restored", ck.restored_from, flush=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["construction", "restore"])
+def test_a_sigterm_while_a_listing_stalls_ends_the_wait(tmp_path, when):
+    """Since the signal handlers are installed first in Checkpointer(), a SIGTERM while the
+    construction's (or the restore's) listing of a store that stopped answering waited (up to
+    the outage limit, 5 min) was recorded and the wait went on, past the grace period to the
+    SIGKILL; at the restore it then fell back to the local checkpoints, an older step. The
+    request now ends the wait: RemoteWaitPreemptedError, nothing restored or saved."""
+    local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
+    with Checkpointer(local, remote=url, keep_last=5) as ck:
+        for s in (10, 20):
+            ck.save(s, {"model": torch.nn.Linear(3, 2)})
+    if when == "construction":
+        shutil.rmtree(local)  # (a new node: else the listing's failure is only a warning)
+    before = sorted(os.listdir(f"{tmp_path}/durable/run"))
+    # a process of its own, forked from the session's zygote (its own signal handlers)
+    out = spawn_ranks.run_python(
+        [sys.executable, "-c", _PREEMPTED_WHILE_LISTING, str(local), url, when],
+        timeout=240,  # (the old code waited the 60 s limit, then went on)
+    )
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "RemoteWaitPreemptedError" in out.stderr, out.stderr
+    assert f"listing {url}: SIGTERM arrived while the {when}" in out.stderr, out.stderr
+    assert "restored" not in out.stdout
+    assert sorted(os.listdir(f"{tmp_path}/durable/run")) == before

@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from . import branches, errors, stall
 from .commit import CKPT_RE
-from .errors import AT_CALLER, RemoteUnavailableError, ResumeFallbackWarning, warn_and_log
+from .errors import (
+    AT_CALLER,
+    RemoteUnavailableError,
+    RemoteWaitPreemptedError,
+    ResumeFallbackWarning,
+    warn_and_log,
+)
 from .redact import url_text
 
 if TYPE_CHECKING:
@@ -78,7 +84,9 @@ def number_after_remote(d: Directory) -> None:
     if d.sync is None or d.remote is None:
         return
     try:
-        entries = stall.run(d.sync.refresh, f"listing {d.remote.url}")
+        entries = stall.run(d.sync.refresh, f"listing {d.remote.url}", preemptible=True)
+    except RemoteWaitPreemptedError:  # (the limit is longer than a grace period)
+        raise
     except Exception as e:
         log.warning(
             "could not list the remote checkpoints in %s (%s: %s): this run's checkpoints "
@@ -109,7 +117,9 @@ def merge_tiers(d: Directory, local: list[Entry]) -> list[Candidate]:
         by_key[key]["lineage"] = e.manifest.lineage
     if d.sync is not None and d.remote is not None:
         try:  # (bounded: a store that stalls every read hung the restart forever)
-            remote_entries = stall.run(d.sync.refresh, f"listing {d.remote.url}")
+            remote_entries = stall.run(d.sync.refresh, f"listing {d.remote.url}", preemptible=True)
+        except RemoteWaitPreemptedError:  # not resumed from an older one: it ends the run
+            raise
         except Exception as e:
             why = (
                 f"could not list the remote checkpoints in {d.remote.url} ({type(e).__name__}: {e})"

@@ -81,6 +81,13 @@ class RemoteUnavailableError(CheckpointError, ConnectionError):
     credentials are wrong."""
 
 
+class RemoteWaitPreemptedError(RemoteUnavailableError):
+    """A preemption request (SIGTERM or another watched signal, a cloud notice) came while the
+    construction or the restore waited for a remote store's listing that did not answer (up to
+    the outage limit, longer than a grace period): the wait ended at once, nothing was saved;
+    the next run resumes as this one would have."""
+
+
 class UploadIncompleteError(RemoteUnavailableError):
     """``close()`` gave up on uploads: the remote store failed (or stopped answering) for
     longer than the outage limit, so the newest checkpoints are only on the local disk.
@@ -108,6 +115,7 @@ __all__ = [
     "ConfigError",
     "NoValidCheckpointError",
     "RemoteUnavailableError",
+    "RemoteWaitPreemptedError",
     "UnsafeManifestError",
     "UnsupportedStateError",
     "UploadIncompleteError",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from . import catalog
 from .catalog import Depth
-from .errors import RemoteUnavailableError
+from .errors import RemoteUnavailableError, RemoteWaitPreemptedError
 from .redact import url_text
 
 if TYPE_CHECKING:
@@ -50,11 +50,14 @@ def open_listing(max_seq: Callable[[], int], url: str, dirpath: str) -> int:
     """The construction's listing after a preflight that answered: ``max_seq()``, bounded as a
     restore's (:mod:`.stall`). Its failure is the store's :class:`RemoteUnavailableError` (not
     ``dirpath`` unusable); no answer while ``dirpath`` holds committed checkpoints is
-    :func:`preflight`'s warning and 0 (the restore lists again)."""
+    :func:`preflight`'s warning and 0 (the restore lists again); a preemption request while
+    it waits ends it, :class:`RemoteWaitPreemptedError`."""
     from . import stall
 
     try:
-        return stall.run(max_seq, f"listing {url}", who="the construction")
+        return stall.run(max_seq, f"listing {url}", who="the construction", preemptible=True)
+    except RemoteWaitPreemptedError:
+        raise
     except RemoteUnavailableError as e:
         err = e
     except Exception as e:

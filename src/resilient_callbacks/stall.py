@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .errors import RemoteUnavailableError
+from .errors import RemoteUnavailableError, RemoteWaitPreemptedError
 from .redact import url_text
 from .remote_reads import may_pass
 from .upload_thread import backoff_s
@@ -53,6 +53,7 @@ def run(
     what: str,
     moved: Callable[[], tuple[int | None, str]] | None = None,
     who: str = "the restore",
+    preemptible: bool = False,
 ) -> T:
     """``fn()`` in a daemon thread: its result, or its exception. ``moved()``: the bytes
     transferred so far and a few words on what is still under way, or None for the bytes
@@ -60,7 +61,13 @@ def run(
     work, not bounded, never a stall); without it ``fn`` gets
     :func:`limit_s` in all, with it until the count has not changed for that long (its
     progress logged every :data:`LOG_EVERY_S`, a warning once it stalls). Then
-    :class:`RemoteUnavailableError`, naming ``what`` and what was under way."""
+    :class:`RemoteUnavailableError`, naming ``what`` and what was under way.
+    ``preemptible``: a preemption request pending in this process (a Checkpointer installs
+    its handlers before it opens its directory) ends the wait at once,
+    :class:`RemoteWaitPreemptedError` (for a listing whose caller raises that rather than
+    fall back: the limit is longer than a grace period, and the signal was only recorded)."""
+    from .preemption import pending  # (lazily: stall is below the preemption layer)
+
     limit = limit_s()
     out: dict[str, Any] = {}
 
@@ -78,6 +85,13 @@ def run(
         worker.join(min(1.0, limit / 4))
         if not worker.is_alive():
             break
+        if preemptible and (req := pending.requests()):
+            raise RemoteWaitPreemptedError(
+                f"{what}: {req[0].source} arrived while {who} waited for the store's answer "
+                f"({time.monotonic() - t0:.0f} s so far, up to {limit:g} s): the wait ended, "
+                "nothing was saved. The next run resumes as this one would have; if the store "
+                "stalls, check its endpoint and health"
+            )
         now, (done, doing) = time.monotonic(), moved() if moved is not None else (0, "")
         if moved is not None and (done is None or done != seen):
             seen, last_move = (seen if done is None else done), now
