@@ -244,19 +244,21 @@ def hang(*a, **k):  # the store stops answering its listing; the scheduler's SIG
 
 if when == "construction":
     LocalFileSystem.find = hang
-ck = Checkpointer(local, remote=url, keep_last=5)
+resume = "never" if when == "never" else "auto"  # (never: the listing numbers new commits)
+ck = Checkpointer(local, remote=url, keep_last=5, resume=resume)
 LocalFileSystem.find = hang
 ck.restore({"model": torch.nn.Linear(3, 2)})
 print("restored", ck.restored_from, flush=True)
 """
 
 
-@pytest.mark.parametrize("when", ["construction", "restore"])
+@pytest.mark.parametrize("when", ["construction", "restore", "never"])
 def test_a_sigterm_while_a_listing_stalls_ends_the_wait(tmp_path, when):
     """Since the signal handlers are installed first in Checkpointer(), a SIGTERM while the
     construction's (or the restore's) listing of a store that stopped answering waited (up to
     the outage limit, 5 min) was recorded and the wait went on, past the grace period to the
-    SIGKILL; at the restore it then fell back to the local checkpoints, an older step. The
+    SIGKILL; at the restore it then fell back to the local checkpoints, perhaps older (with
+    resume="never", started afresh numbered after the local ones only). The
     request now ends the wait: RemoteWaitPreemptedError, nothing restored or saved."""
     local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
     with Checkpointer(local, remote=url, keep_last=5) as ck:
@@ -272,6 +274,7 @@ def test_a_sigterm_while_a_listing_stalls_ends_the_wait(tmp_path, when):
     )
     assert out.returncode != 0, out.stdout + out.stderr
     assert "RemoteWaitPreemptedError" in out.stderr, out.stderr
-    assert f"listing {url}: SIGTERM arrived while the {when}" in out.stderr, out.stderr
+    who = "construction" if when == "construction" else "restore"
+    assert f"listing {url}: SIGTERM arrived while the {who}" in out.stderr, out.stderr
     assert "restored" not in out.stdout
     assert sorted(os.listdir(f"{tmp_path}/durable/run")) == before
