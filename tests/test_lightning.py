@@ -159,11 +159,11 @@ def _start(
 ) -> spawn_ranks.Forked | subprocess.Popen:
     """Start the script with ``argv``, its stdout and stderr to ``errpath``: a fresh process
     in a session of its own, forked from the test session's zygote that imported Lightning
-    (and, for ``--deepspeed``, DeepSpeed) once (spawn_ranks.Zygote: about 5 s of CPU a run)."""
-    if "--deepspeed" in argv:  # (DeepSpeed reads DS_ACCELERATOR at import)
-        zygote = spawn_ranks.shared_zygote("lightning_train", "deepspeed", DS_ACCELERATOR="cpu")
-    else:
-        zygote = spawn_ranks.shared_zygote("lightning_train")
+    once (spawn_ranks.Zygote: about 5 s of CPU a run). A ``--deepspeed`` run imports DeepSpeed
+    itself, as a fresh interpreter does (lightning_train.cpu_deepspeed_strategy sets
+    ``DS_ACCELERATOR=cpu`` first): about 1.2 s a run, less than a zygote of its own for the
+    default suite's one DeepSpeed test (about 6 s to start)."""
+    zygote = spawn_ranks.shared_zygote("lightning_train")
     return zygote.spawn([sys.executable, str(SCRIPT), *argv], env or _env(), errpath)
 
 
