@@ -73,24 +73,16 @@ def test_a_remote_commit_whose_answer_was_lost_is_still_this_processs(
     assert not [r for r in caplog.records if "another live process" in r.getMessage()]
 
 
-def test_a_download_that_fails_at_restore_is_tried_again_not_rolled_back(
-    s3_server, s3_remote, tmp_path
-):
-    """The store answers 500 to every read of the newest remote checkpoint for a while (longer
-    than its client's own retries) as a wiped node restores: the download is tried again, and
-    the run resumes from it. It fell back to the older one at once (a ResumeFallbackWarning,
-    the run sent back a whole save interval) over an error burst the next try rides out."""
-    url, opts = s3_remote
-    with Checkpointer(tmp_path / "first", remote=url, remote_options=opts, keep_last=2) as ck:
-        ck.save(10, _state(10))
-        ck.save(20, _state(20))
+def _restored_through_a_burst(tmp_path, s3_server, url, opts, hit) -> tuple[list[str], dict]:
+    """A restore into an empty directory through a proxy that fails every request ``hit``
+    (method, path) names until the retry is announced ("trying again" logged); the requests
+    it failed, and the restored state. A ResumeFallbackWarning fails it."""
     burst = threading.Event()  # the store fails the reads until the retry is announced
     burst.set()
     failed: list[str] = []
 
     def rule(method: str, path: str, query: str) -> str | None:
-        data = method == "GET" and "/step_000000020/" in path and not path.endswith(".json")
-        if data and burst.is_set():
+        if hit(method, path) and burst.is_set():
             failed.append(path)
             return "error"
         return None
@@ -122,6 +114,27 @@ def test_a_download_that_fails_at_restore_is_tried_again_not_rolled_back(
     finally:
         logging.getLogger("resilient_callbacks").removeHandler(handler)
         proxy.close()
+    return failed, state
+
+
+def test_a_download_that_fails_at_restore_is_tried_again_not_rolled_back(
+    s3_server, s3_remote, tmp_path
+):
+    """The store answers 500 to every read of the newest remote checkpoint for a while (longer
+    than its client's own retries) as a wiped node restores: the download is tried again, and
+    the run resumes from it. It fell back to the older one at once (a ResumeFallbackWarning,
+    the run sent back a whole save interval) over an error burst the next try rides out."""
+    url, opts = s3_remote
+    with Checkpointer(tmp_path / "first", remote=url, remote_options=opts, keep_last=2) as ck:
+        ck.save(10, _state(10))
+        ck.save(20, _state(20))
+    failed, state = _restored_through_a_burst(
+        tmp_path,
+        s3_server,
+        url,
+        opts,
+        lambda m, p: m == "GET" and "/step_000000020/" in p and not p.endswith(".json"),
+    )
     assert failed, "no read of step 20 was failed"
     assert torch.equal(state["w"], torch.full((256,), 20.0))
 
@@ -186,43 +199,13 @@ def test_a_manifest_read_that_fails_at_restore_is_tried_again_not_rolled_back(
     with Checkpointer(tmp_path / "first", remote=url, remote_options=opts, keep_last=2) as ck:
         ck.save(10, _state(10))
         ck.save(20, _state(20))
-    burst = threading.Event()  # the store fails the reads until the retry is announced
-    burst.set()
-    failed: list[str] = []
-
-    def rule(method: str, path: str, query: str) -> str | None:
-        if method == "GET" and path.endswith("/step_000000020/manifest.json") and burst.is_set():
-            failed.append(path)
-            return "error"
-        return None
-
-    class Announced(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "trying again" in record.getMessage():
-                burst.clear()
-
-    proxy = FlakyProxy(s3_server.endpoint, rule)
-    # (the client's own retries and their waits, seconds each, cut short: the burst outlasts them)
-    proxied = {**opts, "endpoint_url": proxy.endpoint, "config_kwargs": {"retries": RETRIES}}
-    handler = Announced()
-    logging.getLogger("resilient_callbacks").addHandler(handler)
-    try:
-        state = {"w": torch.zeros(256)}
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", ResumeFallbackWarning)
-            ck = Checkpointer(
-                tmp_path / "wiped",
-                remote=url,
-                remote_options=proxied,
-                keep_last=2,
-            )
-            try:
-                assert ck.restore(state) == 20
-            finally:
-                ck.close()
-    finally:
-        logging.getLogger("resilient_callbacks").removeHandler(handler)
-        proxy.close()
+    failed, state = _restored_through_a_burst(
+        tmp_path,
+        s3_server,
+        url,
+        opts,
+        lambda m, p: m == "GET" and p.endswith("/step_000000020/manifest.json"),
+    )
     assert failed, "no read of step 20's manifest was failed"
     assert torch.equal(state["w"], torch.full((256,), 20.0))
 
