@@ -19,6 +19,7 @@ from .. import module_versions
 from ..config import CheckpointerConfig
 from ..errors import CheckpointMismatchError, ConfigError, caller_stacklevel
 from ..fit import its_own_shape, key_differences, warn_cast
+from . import stages
 
 if TYPE_CHECKING:
     from ..checkpointer import Checkpointer
@@ -160,8 +161,7 @@ def accumulation(trainer: pl.Trainer, saved: Any, checkpoint: dict[str, Any]) ->
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     here = trainer.accumulate_grad_batches
-    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {})
-    epoch = progress.get("current", {}).get("completed")
+    epoch = stages.epoch_counters(checkpoint).get("completed")
     for cb in callbacks(trainer):
         if isinstance(cb, GradientAccumulationScheduler) and isinstance(epoch, int):
             here = cb.get_accumulate_grad_batches(epoch)

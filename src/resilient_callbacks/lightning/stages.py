@@ -52,8 +52,7 @@ def _past(trainer: pl.Trainer, checkpoint: dict[str, Any], step: int) -> str | N
     max_epochs = trainer.max_epochs
     if max_epochs in (-1, None):
         return None
-    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
-    current = fit_loop.get("epoch_progress", {}).get("current", {})
+    current = epoch_counters(checkpoint)
     processed = current.get("processed")
     # (a checkpoint of an epoch's last batch records that epoch as not processed yet: the one
     # that ends stage 1 is not past its end)
@@ -63,3 +62,10 @@ def _past(trainer: pl.Trainer, checkpoint: dict[str, Any], step: int) -> str | N
         if isinstance(current.get(key), int) and current[key] > max_epochs:
             current[key] = max_epochs
     return f"max_epochs={max_epochs}"
+
+
+def epoch_counters(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The fit loop's epoch counters (``epoch_progress.current``) in Lightning's restored
+    ``checkpoint``, the dictionary itself; ``{}`` where it has none."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    return fit_loop.get("epoch_progress", {}).get("current", {})
