@@ -45,8 +45,10 @@ def tied_names(module: torch.nn.Module) -> dict[str, str]:
     first: dict[int, str] = {}
     out: dict[str, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
-        out.update({name: first[id(p)]} if id(p) in first else {})
-        first.setdefault(id(p), name)
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
     return out
 
 
