@@ -37,12 +37,13 @@ class _Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def _fit(work: Path, callbacks: list, **trainer_kwargs) -> tuple[_Net, L.Trainer]:  # type: ignore[no-untyped-def]
-    L.seed_everything(0, verbose=False)
-    module = _Net()
-    data = torch.utils.data.TensorDataset(
+def _data() -> torch.utils.data.TensorDataset:
+    return torch.utils.data.TensorDataset(
         torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
     )
+
+
+def _trainer(work: Path, callbacks: list, **trainer_kwargs) -> L.Trainer:  # type: ignore[no-untyped-def]
     kwargs = dict(
         max_epochs=2,
         accelerator="cpu",
@@ -51,7 +52,14 @@ def _fit(work: Path, callbacks: list, **trainer_kwargs) -> tuple[_Net, L.Trainer
         enable_model_summary=False,
         default_root_dir=work,
     )
-    trainer = L.Trainer(callbacks=callbacks, **{**kwargs, **trainer_kwargs})
+    return L.Trainer(callbacks=callbacks, **{**kwargs, **trainer_kwargs})
+
+
+def _fit(work: Path, callbacks: list, **trainer_kwargs) -> tuple[_Net, L.Trainer]:  # type: ignore[no-untyped-def]
+    L.seed_everything(0, verbose=False)
+    module = _Net()
+    data = _data()
+    trainer = _trainer(work, callbacks, **trainer_kwargs)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
     return module, trainer
 
@@ -136,17 +144,10 @@ def _tuned_fit(
     module = _Tuned()
     rc = ResilientCheckpoint(work / "ck", every_n_steps=3)
     finder = [LearningRateFinder(num_training_steps=20)] if how == "callback" else []
-    trainer = L.Trainer(
-        callbacks=[*finder, _Recording(), *callbacks, *([rc] if ours else [])],
-        max_epochs=3,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=work,
+    trainer = _trainer(
+        work, [*finder, _Recording(), *callbacks, *([rc] if ours else [])], max_epochs=3
     )
-    g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g))
+    data = _data()
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
     if how == "tuner":
         Tuner(trainer).lr_find(module, loader, num_training=20, update_attr=True)
@@ -184,20 +185,10 @@ def test_a_batch_size_finder_in_the_fit_is_refused_at_a_resume(tmp_path):
             self.batch_size = 2
 
         def train_dataloader(self):  # type: ignore[no-untyped-def]
-            g = torch.Generator().manual_seed(1)
-            data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g))
-            return torch.utils.data.DataLoader(data, batch_size=self.batch_size, shuffle=True)
+            return torch.utils.data.DataLoader(_data(), batch_size=self.batch_size, shuffle=True)
 
     def fit(*callbacks: L.Callback) -> None:
-        trainer = L.Trainer(
-            callbacks=[BatchSizeFinder(max_trials=2, steps_per_trial=1), *callbacks],
-            max_epochs=2,
-            accelerator="cpu",
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        )
+        trainer = _trainer(tmp_path, [BatchSizeFinder(max_trials=2, steps_per_trial=1), *callbacks])
         trainer.fit(Sized())
 
     with contextlib.suppress(_Killed):
@@ -239,19 +230,8 @@ def test_a_gradient_accumulation_schedule_resumes_mid_epoch_exactly(tmp_path):
 def _spawn_fit(work: Path, *callbacks: L.Callback) -> tuple[_Net, L.Trainer]:
     L.seed_everything(0, verbose=False)
     module = _Net()
-    trainer = L.Trainer(
-        callbacks=list(callbacks),
-        max_epochs=2,
-        accelerator="cpu",
-        devices=1,
-        strategy="ddp_spawn",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=work,
-    )
-    g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g))
+    trainer = _trainer(work, list(callbacks), devices=1, strategy="ddp_spawn")
+    data = _data()
     try:
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
     except Exception as e:  # (the worker's exception comes back as another)
