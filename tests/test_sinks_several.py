@@ -8,6 +8,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -223,26 +224,34 @@ def test_a_pushgateway_sink_still_finishing_its_last_push_is_no_conflict(tmp_pat
     sink = f"pushgateway:http://127.0.0.1:{server.server_address[1]}"
     try:
         with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
-            a = Checkpointer(tmp_path / "first", every_n_steps=5, telemetry=sink)
-            model = torch.nn.Linear(8, 8)
-            a.restore({"m": model})
-            for step in range(1, 6):
-                a.step(step, {"m": model})
-            hold.set()
-            a.close(timeout=0.5)  # its last push hangs: not waited for
-            assert held.wait(60)
-            n = len(paths)
-            with Checkpointer(tmp_path / "second", every_n_steps=5, telemetry=sink) as b:
-                b.restore({})
-            assert _within(
-                60, lambda: len(paths) > n
-            )  # the second one's pushes arrived (by its close, or
-            # soon after where a loaded machine made its close give up waiting)
+            _close_held_then_open_another(tmp_path, sink, hold, held, paths)
     finally:
         release.set()
         server.shutdown()
     said = [r.getMessage() for r in caplog.records if "another Checkpointer" in r.getMessage()]
     assert said == []
+
+
+def _close_held_then_open_another(
+    tmp_path: Path, sink: str, hold: Any, held: Any, done: list[Any]
+) -> None:
+    """A Checkpointer closed (with a short timeout) while its sink's last output hangs
+    (``hold`` set, ``held`` set by the hanging output), then a second one on the same sink,
+    whose output arrives (``done`` grows)."""
+    a = Checkpointer(tmp_path / "first", every_n_steps=5, telemetry=sink)
+    model = torch.nn.Linear(8, 8)
+    a.restore({"m": model})
+    for step in range(1, 6):
+        a.step(step, {"m": model})
+    hold.set()
+    a.close(timeout=0.5)  # its last output hangs: not waited for
+    assert held.wait(60)
+    n = len(done)
+    with Checkpointer(tmp_path / "second", every_n_steps=5, telemetry=sink) as b:
+        b.restore({})
+    # the second one's output arrived (by its close, or soon after where a loaded machine
+    # made its close give up waiting)
+    assert _within(60, lambda: len(done) > n)
 
 
 def test_a_textfile_sink_still_finishing_its_last_write_is_no_conflict(
@@ -270,21 +279,7 @@ def test_a_textfile_sink_still_finishing_its_last_write_is_no_conflict(
     sink = f"textfile:{tmp_path / 'ckpt.prom'}"
     try:
         with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
-            a = Checkpointer(tmp_path / "first", every_n_steps=5, telemetry=sink)
-            model = torch.nn.Linear(8, 8)
-            a.restore({"m": model})
-            for step in range(1, 6):
-                a.step(step, {"m": model})
-            hold.set()
-            a.close(timeout=0.5)  # its last write hangs: not waited for
-            assert held.wait(60)
-            n = len(writes)
-            with Checkpointer(tmp_path / "second", every_n_steps=5, telemetry=sink) as b:
-                b.restore({})
-            assert _within(
-                60, lambda: len(writes) > n
-            )  # the second one wrote the file (by its close, or
-            # soon after where a loaded machine made its close give up waiting)
+            _close_held_then_open_another(tmp_path, sink, hold, held, writes)
     finally:
         release.set()
     said = [r.getMessage() for r in caplog.records if "another Checkpointer" in r.getMessage()]
