@@ -835,6 +835,24 @@ def _s3_options(options: dict) -> list[str]:
     return [a for k, v in options.items() for a in ("-o", f"{k}={json.dumps(v)}")]
 
 
+def _unreachable_s3_options() -> list[str]:
+    """``-o`` options for an S3 endpoint on a port nothing listens on, tried once."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return _s3_options(
+        {
+            "endpoint_url": f"http://127.0.0.1:{port}",
+            "key": "k",
+            "secret": "s",
+            "client_kwargs": {"region_name": "us-east-1"},
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+        }
+    )
+
+
 def test_verify_reads_a_remote_store_and_push_verify_repairs_a_same_size_rot(tmp_path, s3_remote):
     """On the S3 API server: `verify URL` reads the remote copies where they lie and finds a
     file whose bytes changed at the same size (listing sizes, as ls --remote and push do, cannot);
@@ -1070,20 +1088,7 @@ def test_every_remote_command_says_an_unreachable_store_in_one_line(tmp_path):
     `ls --remote`, `pull`, `push` printed one line and exited 1, but `verify URL` let botocore's
     EndpointConnectionError (not an OSError) out as a traceback."""
     pytest.importorskip("s3fs")
-    import socket
-
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    o = _s3_options(
-        {
-            "endpoint_url": f"http://127.0.0.1:{port}",
-            "key": "k",
-            "secret": "s",
-            "client_kwargs": {"region_name": "us-east-1"},
-            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
-        }
-    )
+    o = _unreachable_s3_options()
     root = str(tmp_path / "ck")
     make_run(root, steps=(10,))
     url = "s3://bucket/run"

@@ -30,22 +30,9 @@ def test_gc_with_a_remote_it_cannot_list_deletes_nothing_locally(tmp_path):
     checkpoints first, then failed on the remote: exit 1, no JSON, and nothing said of what was
     deleted. The store is listed first now; nothing is deleted when it cannot be."""
     pytest.importorskip("s3fs")
-    import socket
+    from test_cli import _unreachable_s3_options
 
-    from test_cli import _s3_options
-
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    o = _s3_options(
-        {
-            "endpoint_url": f"http://127.0.0.1:{port}",
-            "key": "k",
-            "secret": "s",
-            "client_kwargs": {"region_name": "us-east-1"},
-            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
-        }
-    )
+    o = _unreachable_s3_options()
     root = tmp_path / "ck"
     make_run(str(root))
     before = sorted(os.listdir(root))
