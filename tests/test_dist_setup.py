@@ -30,6 +30,29 @@ WORLD = 2
 DEADLINE = 120.0  # seconds for one group of ranks: a hang fails the test
 
 
+def _write_part(staging: Any, rank: int, shared: bool) -> Any:
+    """This rank's part of a state ``{"w": zeros(2)}`` written into ``staging`` (with the
+    shared values where ``shared``), as a save writes it."""
+    from resilient_callbacks import layout, rng, structure
+
+    values, local = structure.encode({"w": torch.zeros(2)}, split_per_rank=True)
+    rng_info, rng_tensors = rng.capture()
+    return layout.write_part(
+        staging, rank, values if shared else None, local, rng_info, rng_tensors
+    )
+
+
+def _commit(session: Any) -> str:
+    """``session.commit()``: "committed", or the CheckpointWriteError's message."""
+    from resilient_callbacks import CheckpointWriteError
+
+    try:
+        session.commit()
+        return "committed"
+    except CheckpointWriteError as e:
+        return str(e)
+
+
 def worker(root: str, out: str, mode: str) -> None:
     import torch.distributed as td
 
@@ -48,7 +71,6 @@ def worker(root: str, out: str, mode: str) -> None:
         Path(f"{out}.rank{rank}").write_text(json.dumps(res))
         spawn_ranks.leave_group()
     if mode == "destroyed":  # the group destroyed between a save's begin and its commit
-        from resilient_callbacks import CheckpointWriteError, layout, rng, structure
         from resilient_callbacks.session import CommitSession
 
         td.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
@@ -56,19 +78,10 @@ def worker(root: str, out: str, mode: str) -> None:
         session = CommitSession(root, 3, run_id="setup00000000000")
         staging = session.begin()
         assert staging is not None
-        shared, local = structure.encode({"w": torch.zeros(2)}, split_per_rank=True)
-        rng_info, rng_tensors = rng.capture()
-        files = layout.write_part(
-            staging, rank, shared if rank == 0 else None, local, rng_info, rng_tensors
-        )
-        session.add(files)
+        session.add(_write_part(staging, rank, shared=rank == 0))
         td.barrier()
         td.destroy_process_group()
-        try:
-            session.commit()
-            res["commit"] = "committed"
-        except CheckpointWriteError as e:
-            res["commit"] = str(e)
+        res["commit"] = _commit(session)
         Path(f"{out}.rank{rank}").write_text(json.dumps(res))
         sys.exit(0)
     if mode == "inflight_nodelocal":  # a background save held in its write while destroyed
@@ -103,7 +116,6 @@ def worker(root: str, out: str, mode: str) -> None:
         Path(f"{out}.rank{rank}").write_text(json.dumps(res))
         os._exit(0)
     if mode.startswith("destroyed_nodelocal"):  # the same, each rank a node with its own disk
-        from resilient_callbacks import CheckpointWriteError, layout, rng, structure
         from resilient_callbacks.node_session import NodeLocalSession
 
         td.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
@@ -116,17 +128,11 @@ def worker(root: str, out: str, mode: str) -> None:
             td.destroy_process_group()
         staging = session.begin()
         if staging is not None:
-            shared, local = structure.encode({"w": torch.zeros(2)}, split_per_rank=True)
-            rng_info, rng_tensors = rng.capture()
-            session.add(layout.write_part(staging, rank, shared, local, rng_info, rng_tensors))
+            session.add(_write_part(staging, rank, shared=True))
         if td.is_initialized():
             td.barrier()
             td.destroy_process_group()
-        try:
-            session.commit()
-            res["commit"] = "committed"
-        except CheckpointWriteError as e:
-            res["commit"] = str(e)
+        res["commit"] = _commit(session)
         mine = Path(root, f"node{rank}")  # (its own node's: the other may not be done)
         res["listing"] = sorted(p.name for p in mine.rglob("*") if "step_" in p.name)
         Path(f"{out}.rank{rank}").write_text(json.dumps(res))
