@@ -60,7 +60,7 @@ def put(collator: Any, state: Any) -> None:
 def encode(state: Any) -> dict[str, Any]:
     """:func:`get`'s value as plain JSON values (no pickle)."""
     if isinstance(state, torch.Tensor):
-        return {"torch": base64.b64encode(state.numpy().tobytes()).decode("ascii")}
+        return {"torch": b64(state)}
     if isinstance(state, dict):  # a NumPy bit generator's (its integers exceed 64 bits)
         return {"numpy": json.dumps(state)}
     return {}
@@ -68,7 +68,17 @@ def encode(state: Any) -> dict[str, Any]:
 
 def decode(saved: dict[str, Any]) -> Any:
     if saved.get("torch"):
-        return torch.frombuffer(bytearray(base64.b64decode(saved["torch"])), dtype=torch.uint8)
+        return from_b64(saved["torch"])
     if saved.get("numpy"):
         return json.loads(saved["numpy"])
     return None
+
+
+def b64(t: torch.Tensor) -> str:
+    """A CPU byte tensor (a generator's state) as base64 text, for a JSON value."""
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def from_b64(text: str) -> torch.Tensor:
+    """:func:`b64`'s tensor back."""
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)

@@ -25,7 +25,6 @@ the same object; without a pending start position it iterates exactly as before.
 
 from __future__ import annotations
 
-import base64
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,6 +35,7 @@ from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 
 from . import collator_rng
+from .collator_rng import b64, from_b64
 
 # Python's, NumPy's global and torch's CPU random states (what collating in the main process
 # can draw from; CUDA streams are not: a collator runs on the CPU), and with a collator that
@@ -62,9 +62,9 @@ def encode_cpu_rng(states: CpuRng) -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = states[1]
     out: dict[str, Any] = {
         "python": [version, list(internal), gauss],
-        "numpy": [kind, _b64(torch.from_numpy(np.asarray(keys, dtype=np.uint32).view(np.uint8))),
+        "numpy": [kind, b64(torch.from_numpy(np.asarray(keys, dtype=np.uint32).view(np.uint8))),
                   int(pos), int(has_gauss), float(cached)],
-        "torch": _b64(states[2]),
+        "torch": b64(states[2]),
     }  # fmt: skip
     if len(states) > 3:
         out["collator"] = collator_rng.encode(states[3])
@@ -74,11 +74,11 @@ def encode_cpu_rng(states: CpuRng) -> dict[str, Any]:
 def decode_cpu_rng(saved: dict[str, Any]) -> CpuRng:
     version, internal, gauss = saved["python"]
     kind, keys, pos, has_gauss, cached = saved["numpy"]
-    np_keys = _state(keys).numpy().view(np.uint32).copy()
+    np_keys = from_b64(keys).numpy().view(np.uint32).copy()
     states = (
         (version, tuple(internal), gauss),
         (kind, np_keys, pos, has_gauss, cached),
-        _state(saved["torch"]),
+        from_b64(saved["torch"]),
     )
     if isinstance(saved.get("collator"), dict):
         return (*states, collator_rng.decode(saved["collator"]))
@@ -153,7 +153,7 @@ class ResumableBatches:
         g = sampler_generator(self)
         if g is None or self.epoch_gen is None:
             return None
-        return {"epoch": _b64(self.epoch_gen), "now": _b64(g.get_state())}
+        return {"epoch": b64(self.epoch_gen), "now": b64(g.get_state())}
 
     def resume_generator(self, states: dict[str, str] | None) -> None:
         """After a restore: the sampler's generator takes its state at the save; a resume
@@ -161,8 +161,8 @@ class ResumableBatches:
         g = sampler_generator(self)
         if g is None or not states:
             return
-        self._rc_gen_now = _state(states["now"])
-        self._rc_replay_gen = _state(states["epoch"])
+        self._rc_gen_now = from_b64(states["now"])
+        self._rc_replay_gen = from_b64(states["epoch"])
         g.set_state(self._rc_gen_now)
 
     def __iter__(self) -> Iterator[Any]:
@@ -366,11 +366,3 @@ def generator_at(state: torch.Tensor) -> torch.Generator:
     g = torch.Generator()
     g.set_state(state.clone())
     return g
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
-
-
-def _state(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
