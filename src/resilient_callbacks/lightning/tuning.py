@@ -29,13 +29,12 @@ from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..errors import ConfigError
+from .checks import callbacks
 
 
 def _finders(trainer: Any) -> list[Any]:
     return [
-        cb
-        for cb in getattr(trainer, "callbacks", [])
-        if isinstance(cb, (LearningRateFinder, BatchSizeFinder))
+        cb for cb in callbacks(trainer) if isinstance(cb, (LearningRateFinder, BatchSizeFinder))
     ]
 
 
