@@ -68,15 +68,15 @@ def check_setup(trainer: Any, state: Any, loader: Any) -> None:
 
     cbs = trainer.callback_handler.callbacks
     mine = {id(c): c for c in cbs if isinstance(c, ResilientCheckpoint)}
-    twice = [c for c in mine.values() if sum(x is c for x in cbs) > 1]
-    if twice:
-        raise ConfigError(
-            f"ResilientCheckpoint({twice[0].dirpath!r}) was added "
-            f"{sum(x is twice[0] for x in cbs)} times to this Trainer (Trainer(callbacks=[...]) "
-            "and trainer.add_callback(...), which only warns): every event would reach it "
-            "that often, so it would count each step more than once and save other data "
-            "positions than the run's. Add it once. Nothing was trained or saved."
-        )
+    for c in mine.values():
+        if (times := sum(x is c for x in cbs)) > 1:
+            raise ConfigError(
+                f"ResilientCheckpoint({c.dirpath!r}) was added {times} times to this Trainer "
+                "(Trainer(callbacks=[...]) and trainer.add_callback(...), which only warns): "
+                "every event would reach it that often, so it would count each step more than "
+                "once and save other data positions than the run's. Add it once. Nothing was "
+                "trained or saved."
+            )
     if len(mine) > 1:
         raise ConfigError(
             f"the Trainer has {len(mine)} ResilientCheckpoint callbacks "
