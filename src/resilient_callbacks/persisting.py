@@ -289,13 +289,14 @@ def _make_room(saver: Saver, staging_dir: str, step: int) -> None:
     from says what a save takes)."""
     ck = saver.ck
     trash = ck._dir.trash
+    preflight = _preflight(saver)
     if ck.last_save is not None:
         need = ck.last_save.bytes
-    elif ck.restored_from is not None and _preflight(saver):  # a restarted process's first
+    elif ck.restored_from is not None and preflight:  # a restarted process's first
         need = space.checkpoint_size(ck.restored_from) or 0
     else:
         return
-    free = space.free_bytes(staging_dir) if trash.pending or _preflight(saver) else None
+    free = space.free_bytes(staging_dir) if trash.pending or preflight else None
     if free is not None and free < need and trash.pending:
         t0 = time.perf_counter()
         trash.wait(600.0)
@@ -307,8 +308,8 @@ def _make_room(saver: Saver, staging_dir: str, step: int) -> None:
             need / 1e6,
         )
         free = space.free_bytes(staging_dir)
-    if free is not None and free < need and _preflight(saver):
-        space.before_write(ck.dirpath, step, need)
+    if free is not None and free < need and preflight:
+        space.before_write(ck.dirpath, step, free, need)
 
 
 def _preflight(saver: Saver) -> bool:

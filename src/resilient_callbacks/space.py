@@ -47,20 +47,18 @@ def checkpoint_size(path: str) -> int | None:
         return None
 
 
-def before_write(dirpath: str, step: int, need: int) -> None:
-    """Coordinator, before the save of ``step`` writes: warn when ``dirpath`` has less free
-    space than ``need`` (the last checkpoint's size)."""
-    free = free_bytes(dirpath)
-    if free is not None and free < need:
-        log.warning(
-            "the save of step %d will likely fail: %s has %.1f MB free and the last checkpoint "
-            "took %.1f MB. %s",
-            step,
-            dirpath,
-            free / 1e6,
-            need / 1e6,
-            _HOW,
-        )
+def before_write(dirpath: str, step: int, free: int, need: int) -> None:
+    """Coordinator, before the save of ``step`` writes: warn that ``dirpath`` has ``free``
+    bytes, less than ``need`` (the last checkpoint's size)."""
+    log.warning(
+        "the save of step %d will likely fail: %s has %.1f MB free and the last checkpoint "
+        "took %.1f MB. %s",
+        step,
+        dirpath,
+        free / 1e6,
+        need / 1e6,
+        _HOW,
+    )
 
 
 def after_commit(dirpath: str, step: int, need: int, trash: TrashBin) -> None:
