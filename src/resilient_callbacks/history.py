@@ -87,7 +87,7 @@ def _finite(v: Any) -> Any:
     return v
 
 
-def _lines(root: str) -> list[str]:
+def read_lines(root: str) -> list[str]:
     """The history's lines ([] without one). Bytes that are not UTF-8 (bit rot, a foreign
     tool's append) spoil only their own line, which no reader parses then."""
     try:
@@ -105,7 +105,7 @@ def records(
     restore reads the few lifecycle records of a history of many thousand saves. ``lines``:
     the file's, read already. Bytes that are not UTF-8 (bit rot, a foreign tool's append)
     spoil only their own line."""
-    lines = _lines(root) if lines is None else lines
+    lines = read_lines(root) if lines is None else lines
     marks = None if kinds is None else tuple(json.dumps(k) for k in kinds)
     out = []
     for line in lines:
@@ -120,7 +120,7 @@ def records(
 def unreadable(root: str) -> int:
     """How many lines of the history :func:`records` skips (torn, foreign, malformed); blank
     lines are not counted."""
-    return sum(1 for line in _lines(root) if line.strip() and _stepped(_record(line)) is None)
+    return sum(1 for line in read_lines(root) if line.strip() and _stepped(_record(line)) is None)
 
 
 def _stepped(d: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -169,10 +169,12 @@ def unsaved_run(root: str) -> tuple[str, float, list[float], float] | None:
     return run, start, [*restarts, now], downtime(root, run, until=now)
 
 
-def lineage(root: str, run_id: str | None) -> tuple[float | None, list[float], float]:
+def lineage(
+    root: str, run_id: str | None, *, lines: list[str] | None = None
+) -> tuple[float | None, list[float], float]:
     """``(start, restarts, downtime)`` of the lineage ``run_id``, as a restore learns them:
     :func:`failures` of its lifecycle and :func:`downtime`."""
-    lines = _lines(root)  # read once (a history of many thousand saves)
+    lines = read_lines(root) if lines is None else lines  # read once (many thousand saves)
     start, restarts = failures(read(root, (*LIFECYCLE, "end"), lines=lines), run_id)
     return start, restarts, downtime(root, run_id, lines=lines)
 
@@ -193,7 +195,7 @@ def downtime(
     last minute or so of a killed life, and a restart until its restore finished: the learned
     MTBF errs short, towards saving more often.) ``since``: only the time down after that
     wall time. Only the records just before a restart are parsed, as in :func:`records`."""
-    lines = _lines(root) if lines is None else lines
+    lines = read_lines(root) if lines is None else lines
     marks = tuple(json.dumps(k) for k in LIFECYCLE)
     total, after = 0.0, -math.inf if since is None else since
     begun = False  # the lineage's first life (a restart, where its history began elsewhere)
@@ -221,12 +223,13 @@ def downtime(
     return total
 
 
-def running_since_save(root: str, run_id: str | None) -> float:
+def running_since_save(root: str, run_id: str | None, *, lines: list[str] | None = None) -> float:
     """Seconds the lineage ``run_id`` ran since its last committed save (its newest ``save``
     record) up to now, the time it was down left out (:func:`downtime`): what its processes
     since then trained and lost, which ``every_seconds`` counts on at a restart. 0.0 without
     such a record (a history begun elsewhere: the remote tier on a new machine)."""
-    lines, mark = _lines(root), json.dumps("save")
+    lines = read_lines(root) if lines is None else lines
+    mark = json.dumps("save")
     last = next(  # (from the end: only the newest save record is parsed)
         (
             r

@@ -401,8 +401,9 @@ class Restorer:
         # every rank: the run's start, restarts, time down, time run since this save (a restart)
         lineage = None
         if ck.is_coordinator:
-            ran = history.running_since_save(ck.dirpath, d.run_id) if life else 0.0
-            lineage = [*history.lineage(ck.dirpath, d.run_id), note, ran]
+            lines = history.read_lines(ck.dirpath)  # (once: both read the whole history)
+            ran = history.running_since_save(ck.dirpath, d.run_id, lines=lines) if life else 0.0
+            lineage = [*history.lineage(ck.dirpath, d.run_id, lines=lines), note, ran]
         start, restarts, down, note, ran = dist.broadcast_json(lineage)
         ck._trigger.clock.reset(ran)
         rollback_notice.say(note, ck.is_coordinator)
