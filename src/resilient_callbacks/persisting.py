@@ -228,9 +228,8 @@ def _write(
     ck = saver.ck
     if prepared.snapshot is not None:
         prepared.snapshot.wait_host()
-    lock = getattr(ck._dir, "lock", None) if ck.is_coordinator else None
-    if lock is not None:  # .lock deleted while the run is live: another writer may have opened
-        lock.verify()
+    if ck.is_coordinator:  # .lock deleted while the run is live: another writer may have opened
+        ck._dir.lock.verify()
     _make_room(saver, staging_dir, session.step)
     compress = None
     if saver.codec.enabled and saver.codec.compress_now(prepared.shared.tensors):
