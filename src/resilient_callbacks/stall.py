@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import RemoteUnavailableError, RemoteWaitPreemptedError
 from .redact import url_text
-from .remote_reads import may_pass
+from .remote_reads import READ_TRIES, may_pass
 from .upload_thread import backoff_s
 
 if TYPE_CHECKING:
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("resilient_callbacks")
 T = TypeVar("T")
 LOG_EVERY_S = 30.0  # a long download says how far it got this often
-DOWNLOAD_TRIES = 3  # a download that fails for an error that may pass is tried this often
 
 
 def limit_s() -> float:
@@ -150,24 +149,24 @@ def on_disk(folder: str, prefix: str, sizes: dict[str, int]) -> tuple[int, str]:
 
 def tried_again(fn: Callable[[], T], what: str) -> T:
     """``fn()`` (a read from the store, bounded by :func:`run`), tried again (up to
-    :data:`DOWNLOAD_TRIES` in all, after 1 s, then 2 s, and none begun once :func:`limit_s` has
-    passed) when it fails for an error of the store that may pass (:func:`may_pass`: a 5xx, a
+    :data:`.remote_reads.READ_TRIES` in all, after 1 s, then 2 s, and none begun once
+    :func:`limit_s` has passed) when it fails for an error of the store that may pass (:func:`may_pass`: a 5xx, a
     reset, a timeout; not a missing object, a refusal, a checksum mismatch or a stall), a
     warning naming ``what`` each time: an error burst longer than the client's own retries made
     the restore skip the newest checkpoint for an older one."""
     t0 = time.monotonic()
-    for attempt in range(1, DOWNLOAD_TRIES + 1):
+    for attempt in range(1, READ_TRIES + 1):
         try:
             return fn()
         except OSError as e:
-            if not may_pass(e) or attempt == DOWNLOAD_TRIES or time.monotonic() - t0 > limit_s():
+            if not may_pass(e) or attempt == READ_TRIES or time.monotonic() - t0 > limit_s():
                 raise
             wait = backoff_s(attempt, 1.0, jitter=False)
             log.warning(
                 "%s failed (try %d of %d): %s: %s; trying again in %g s",
                 what,
                 attempt,
-                DOWNLOAD_TRIES,
+                READ_TRIES,
                 type(e).__name__,
                 url_text(str(e)),
                 wait,
