@@ -135,7 +135,7 @@ class Trigger:
             self.policy.has_trigger or self.schedule is not None or self._loss_trigger is not None
         )
 
-    def step_started(self, step: int | None = None) -> None:
+    def step_started(self, step: int) -> None:
         """At the start of step(``step``): the time since the last step() is the training's
         between the two step numbers. Step times are per step *number*: a caller whose count
         advances by 2 per call (Lightning's ``global_step`` with two manual optimizers) or by
