@@ -61,7 +61,8 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
             ),
             what,
         )
-        node_m = Manifest.from_json(json.loads(encode_json(m.to_json())))
+        raw = encode_json(m.to_json())  # (the remote manifest, kept beside the node's own)
+        node_m = Manifest.from_json(json.loads(raw))  # (a copy)
         node_m.files = need
         node_m.extra = dict(m.extra)
         node_m.extra["node"] = {
@@ -70,7 +71,7 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
             "remote_name": name,
         }
         catalog.verify(staging, node_m, Depth.FULL)
-        write_bytes(os.path.join(staging, REMOTE_MANIFEST), encode_json(m.to_json()))
+        write_bytes(os.path.join(staging, REMOTE_MANIFEST), raw)
         final = d.commit.commit(staging, m.step, encode_json(node_m.to_json()))
     except BaseException:
         d.commit.abort(staging)
