@@ -13,7 +13,7 @@ from .catalog import Depth, Entry, Status
 from .cli_scan import no_checkpoints, report_verified, resolve, row, say_links, scan
 from .commit import CKPT_RE
 from .errors import CheckpointNotFoundError
-from .reader import by_commit, check, unordered
+from .reader import by_commit, check, find, unordered
 
 NO_MANIFEST = (
     "no manifest.json, though named as a checkpoint: not a committed one (no save leaves such a "
@@ -57,13 +57,8 @@ def _to_verify(
         raise no_checkpoints(target.root)
     if target.only is not None:
         scope, chosen = "checkpoint", committed
-        if args.step is not None and all(e.step != args.step for e in committed):
-            # DIR is one checkpoint: --step of another must not verify this one instead
-            its = ", ".join(str(e.step) for e in committed) or "unknown"
-            raise CheckpointNotFoundError(
-                f"{args.dir} is one checkpoint, of step {its}, not of step {args.step}: give "
-                f"the run's directory, `resilient-ckpt verify {target.root} --step {args.step}`"
-            )
+        if args.step is not None:  # --step of another: raises, as inspect and export do
+            find(committed, target.root, args.step, target.only)
     elif args.step is not None:
         scope = "step"
         chosen = [e for e in committed if e.step == args.step]
