@@ -115,9 +115,9 @@ class AdaptiveSchedule:
     _version: int = field(init=False, repr=False, compare=False, default=0)
     _seen_version: int = field(init=False, repr=False, compare=False, default=0)
     _was_adaptive: bool = field(init=False, repr=False, compare=False, default=False)
-    # this process's saves (its first sets things up: not a steady cost) and how the last
-    # one's cost was taken: "first" (replaced by the next), "sample", or None (not taken)
-    _process_saves: int = field(init=False, repr=False, compare=False, default=0)
+    # whether this process saved yet (its first save sets things up: not a steady cost) and
+    # how the last one's cost was taken: "first" (replaced by the next), "sample", or None
+    _saved_here: bool = field(init=False, repr=False, compare=False, default=False)
     _last_taken: str | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
@@ -141,7 +141,7 @@ class AdaptiveSchedule:
         cost only while nothing else is measured, until this process's next save replaces it;
         after a restore of measurements it is not taken."""
         cost = check_number("blocking_s", blocking_s)
-        first, self._process_saves = self._process_saves == 0, self._process_saves + 1
+        first, self._saved_here = not self._saved_here, True
         if self._last_taken == "first":
             self._costs[-1], self._last_taken = cost, "sample"
         elif not first or not self._costs:
@@ -461,7 +461,7 @@ class AdaptiveSchedule:
         self._costs = deque(costs, maxlen=self.save_window)
         self._persists = deque(persists, maxlen=self.save_window)
         self._n_steps, self._n_saves = n_steps, n_saves
-        self._process_saves, self._last_taken = 0, None  # (a restore: a process's start)
+        self._saved_here, self._last_taken = False, None  # (a restore: a process's start)
         self._was_adaptive = bool(state.get("adaptive", False))
         if decision is not None:
             opt_int("decision", decision, 1)
