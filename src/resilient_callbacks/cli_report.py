@@ -44,8 +44,9 @@ def report(args: argparse.Namespace) -> int:
     if remote is not None and not any(r["tier"] == "remote" for r in rows):
         # a mistyped URL reads as an empty store: say so (as ls --remote does)
         print(f"resilient-ckpt: the remote {remote.url} holds no checkpoint", file=sys.stderr)
-    data = rep.analyse(root, run_id=args.run, checkpoints=rows, now=time.time())
-    if skipped := history.unreadable(root):  # torn by a crash, foreign: said, not shown
+    read = history.read_lines(root)  # (read once: a history of many thousand records)
+    data = rep.analyse(root, run_id=args.run, checkpoints=rows, now=time.time(), lines=read)
+    if skipped := history.unreadable(root, lines=read):  # torn by a crash, foreign: said, not shown
         where = os.path.join(args.dir, history.HISTORY_NAME)
         lines = "line" if skipped == 1 else "lines"
         print(

@@ -117,10 +117,11 @@ def records(
     return out
 
 
-def unreadable(root: str) -> int:
+def unreadable(root: str, *, lines: list[str] | None = None) -> int:
     """How many lines of the history :func:`records` skips (torn, foreign, malformed); blank
-    lines are not counted."""
-    return sum(1 for line in read_lines(root) if line.strip() and _stepped(_record(line)) is None)
+    lines are not counted. ``lines``: the file's, read already."""
+    lines = read_lines(root) if lines is None else lines
+    return sum(1 for line in lines if line.strip() and _stepped(_record(line)) is None)
 
 
 def _stepped(d: dict[str, Any] | None) -> dict[str, Any] | None:

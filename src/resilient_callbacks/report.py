@@ -164,10 +164,12 @@ def analyse(
     run_id: str | None = None,
     checkpoints: list[dict[str, Any]] | None = None,
     now: float | None = None,
+    lines: list[str] | None = None,
 ) -> dict[str, Any]:
     """Everything the report shows, as JSON-able data. ``checkpoints``: rows of the
-    checkpoints-by-tier table (see :func:`checkpoint_rows`)."""
-    recs = history.records(root)
+    checkpoints-by-tier table (see :func:`checkpoint_rows`); ``lines``: the history's, read
+    already."""
+    recs = history.records(root, lines=lines)
     run = choose_run(recs, run_id)
     mine = [r for r in recs if r.get("run_id") == run]
     ls = lives(mine)
