@@ -98,10 +98,11 @@ def ls(args: argparse.Namespace) -> int:
     entries: list[Entry] = []
     foreign: set[str] = set()
     root = args.dir
+    st = None
     if args.remote:  # a URL that is one checkpoint, or DIR itself: said first
         from .cli_remote import store
 
-        store(args.remote, args.option, beside=args.dir)
+        st = store(args.remote, args.option, beside=args.dir)
     if not (args.remote and not os.path.exists(args.dir)):
         target = resolve(args.dir)
         root = target.root
@@ -121,10 +122,10 @@ def ls(args: argparse.Namespace) -> int:
         for r in rows:
             if target.only is not None and r["name"] not in {e.name for e in everything}:
                 r["copy"] = True  # the user's copy (step_N.bak): no checkpoint of the directory
-    if args.remote:
+    if st is not None:
         from .cli_remote import add_tiers
 
-        add_tiers(entries, rows, args.remote, args.option)
+        add_tiers(entries, rows, st)
     if args.json:
         print_json([public(r) for r in rows])
         if not rows:
@@ -188,10 +189,12 @@ def gc(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {}
     lock: DirLock | None = None
     root: str | None = None
+    st = None
     if remote:  # a URL that is one checkpoint or DIR, or a store that cannot be listed
         from .cli_remote import store  # (unreachable, a wrong -o): said before anything is
 
-        store(remote, args.option, beside=args.dir).scan()  # deleted here
+        st = store(remote, args.option, beside=args.dir)
+        st.scan()  # deleted here
     if not (remote and not os.path.exists(args.dir)):
         root = resolve(args.dir, single_ok=False).root
         found = catalog.scan(root, Depth.NONE)
@@ -224,10 +227,10 @@ def gc(args: argparse.Namespace) -> int:
     try:
         if root is not None:
             result = _gc(args, root)
-        if remote:
+        if st is not None:
             from .cli_remote import gc_remote, print_gc_remote
 
-            result["remote"] = gc_remote(args)
+            result["remote"] = gc_remote(args, st)
             if not args.json:
                 print_gc_remote(result["remote"], args.dry_run)
     finally:

@@ -95,12 +95,11 @@ def _damage(
     return by_key, by_name
 
 
-def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], url: str, pairs: Any) -> None:
+def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], st: RemoteStore) -> None:
     """Add a ``tier`` to each local row (``local-only``, ``uploading``, ``remote-corrupt``,
     ``both``) and a row for
     each checkpoint that is only in the remote store (``remote``; its sizes checked against
     its manifest, its checksums not read)."""
-    st = store(url, pairs)
     remote = st.scan()
     if not remote:  # a mistyped URL reads as an empty store: say so, not only "local-only"
         print(f"resilient-ckpt: the remote {st.url} holds no checkpoint", file=sys.stderr)
@@ -407,7 +406,7 @@ def remote_plan(
     return plan(retention_candidates(committed), policy, run_id), policy, run_id
 
 
-def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
+def gc_remote(args: argparse.Namespace, st: RemoteStore) -> dict[str, Any]:
     """``gc DIR --remote URL``: delete what the remote retention recorded in the newest remote
     manifest does not keep (``--keep-last`` overriding it), with ``--other-runs`` and
     ``--remove-corrupt`` as for the local directory, uploads a crash left without a manifest
@@ -417,7 +416,6 @@ def gc_remote(args: argparse.Namespace) -> dict[str, Any]:
     from . import remote_blobs
     from .blob_damage import remote_keep_note
 
-    st = store(args.remote, args.option)
     entries = st.scan()
     if not entries:  # a mistyped URL reads as an empty store: say so, as ls --remote does
         print(f"resilient-ckpt gc: the remote {st.url} holds no checkpoint", file=sys.stderr)
