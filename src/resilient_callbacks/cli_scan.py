@@ -160,16 +160,18 @@ def newer_without_manifest(path: str, step: int | None) -> list[str]:
     a restore warns). Another tool's in a directory that is not ours are left out."""
     if step is None or not os.path.isdir(path) or os.path.exists(os.path.join(path, MANIFEST_NAME)):
         return []
-    entries = catalog.scan(path, Depth.NONE)
-    foreign = set(catalog.foreign_folders(path, entries))
+    torn = without_manifest(path, catalog.scan(path, Depth.NONE))
+    return [e.name for e in torn if e.step is not None and e.step >= step]
+
+
+def without_manifest(root: str, entries: list[Entry]) -> list[Entry]:
+    """The ``step_<n>`` folders without a manifest among ``entries`` (scanned in ``root``),
+    but for another tool's in a directory that is not ours (:func:`.catalog.foreign_folders`)."""
+    foreign = set(catalog.foreign_folders(root, entries))
     return [
-        e.name
+        e
         for e in entries
-        if e.status is Status.INCOMPLETE
-        and CKPT_RE.match(e.name)
-        and e.name not in foreign
-        and e.step is not None
-        and e.step >= step
+        if e.status is Status.INCOMPLETE and CKPT_RE.match(e.name) and e.name not in foreign
     ]
 
 

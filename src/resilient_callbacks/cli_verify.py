@@ -10,8 +10,15 @@ from typing import Any
 
 from . import catalog
 from .catalog import Depth, Entry, Status
-from .cli_scan import no_checkpoints, report_verified, resolve, row, say_links, scan
-from .commit import CKPT_RE
+from .cli_scan import (
+    no_checkpoints,
+    report_verified,
+    resolve,
+    row,
+    say_links,
+    scan,
+    without_manifest,
+)
 from .errors import CheckpointNotFoundError
 from .reader import by_commit, check, find, unordered
 
@@ -85,12 +92,7 @@ def _no_manifest(target: Any, entries: list[Entry]) -> list[Entry]:
     directory that is not ours (:func:`.catalog.foreign_folders`)."""
     if target.only is not None:
         return []
-    foreign = set(catalog.foreign_folders(target.root, entries))
-    out = [
-        e
-        for e in entries
-        if e.status is Status.INCOMPLETE and CKPT_RE.match(e.name) and e.name not in foreign
-    ]
+    out = without_manifest(target.root, entries)
     for e in out:
         e.problem = NO_MANIFEST
     return out
