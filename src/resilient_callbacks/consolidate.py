@@ -414,7 +414,8 @@ def export_weights(
     write (default: :func:`consolidated`), the state's entry ``key`` (recorded)."""
     out = check_export_target(path, out, overwrite=overwrite)
     weights = consolidated(path) if weights is None else weights
-    if not is_dcp_dropin(read_manifest(path)):  # (dcp.save's own keys are kept as they are)
+    manifest = read_manifest(path)
+    if not is_dcp_dropin(manifest):  # (dcp.save's own keys are kept as they are)
         weights = uncompiled(weights)
     staging = export_staging(out)
     try:
@@ -424,7 +425,7 @@ def export_weights(
         )
         info: dict[str, Any] = {
             "source": path,
-            "step": read_manifest(path).step,
+            "step": manifest.step,
             **({"key": key} if key is not None else {}),
             "parameters": len(weights),
             "dtypes": sorted({str(v.dtype).removeprefix("torch.") for v in weights.values()}),
