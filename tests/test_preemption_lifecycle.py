@@ -217,3 +217,66 @@ def test_a_checkpointer_with_a_bad_notice_option_gives_the_handlers_back(tmp_pat
     with pytest.raises(ConfigError):
         Checkpointer(tmp_path / "ck", metadata_notices=notices)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+# SIGTERM at step 2: the emergency save commits, then close() raises (the lock's release fails:
+# a stale handle on a network filesystem); the caller catches the error and goes on (a notebook)
+# and a later signal comes (argv[2]), or a new Checkpointer trains on and is signalled
+_CLOSE_FAILS_AFTER_THE_EMERGENCY_SAVE = """
+import errno, os, signal, sys, torch
+from resilient_callbacks import Checkpointer
+
+def stale():
+    raise OSError(errno.ESTALE, "Stale file handle")
+
+state = {"t": torch.zeros(2)}
+ck = Checkpointer(sys.argv[1], every_n_steps=100, async_save=False, handle_sigint=True)
+release, ck._dir.lock.release = ck._dir.lock.release, stale
+try:
+    for s in range(1, 4):
+        state["t"].fill_(s)
+        if s == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        ck.step(s, state)
+except OSError as e:
+    print("caught:", e, flush=True)
+release()
+if sys.argv[2] == "SIGINT":
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        print("not interrupted", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+elif sys.argv[2] == "SIGTERM":
+    os.kill(os.getpid(), signal.SIGTERM)
+else:
+    ck = Checkpointer(sys.argv[1] + "2", every_n_steps=100, async_save=False)
+    for s in range(1, 4):
+        state["t"].fill_(s)
+        if s == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        ck.step(s, state)
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("then", ["SIGINT", "SIGTERM", "new Checkpointer"])
+def test_a_close_that_raises_after_the_emergency_save_leaves_the_process_fresh(tmp_path, then):
+    """The emergency save committed, then close() raised (the lock's release failed): the
+    process never raised its SystemExit(75), yet stayed marked as on its way out. A caller that
+    caught the error and went on (a notebook) then had a later SIGINT end the process with 75
+    (the kernel gone, not a KeyboardInterrupt) and a SIGTERM exit 75 (not its default action).
+    Now such a process behaves as one that never saved for a preemption."""
+    r = _run(tmp_path, _CLOSE_FAILS_AFTER_THE_EMERGENCY_SAVE, str(tmp_path / "ck"), then)
+    said = r.stderr[-3000:]
+    assert "caught: [Errno 116] Stale file handle" in r.stdout, (r.returncode, r.stdout, said)
+    assert (tmp_path / "ck" / "step_000000002" / "manifest.json").exists()
+    if then == "SIGINT":
+        assert r.returncode == 0, (r.returncode, said)
+        assert "interrupted" in r.stdout and "survived" in r.stdout, r.stdout
+    elif then == "SIGTERM":
+        assert r.returncode == -signal.SIGTERM, (r.returncode, said)
+    else:  # the new Checkpointer's emergency save, and exit 75
+        assert r.returncode == 75, (r.returncode, said)
+        assert (tmp_path / "ck2" / "step_000000002" / "manifest.json").exists(), said
+        assert "survived" not in r.stdout

@@ -5,8 +5,7 @@ hook that closes a Checkpointer the script forgot.
 Which ranks call what: every rank calls :func:`close` (through ``Checkpointer.close``) at the
 same point. Every rank waits for its own background saves and raises a background failure;
 rank 0 (the coordinator, the only one with a remote tier) waits for the uploads; in node-local
-mode each node's leader finishes its node's uploads and reports; rank 0 releases the lock.
-"""
+mode each node's leader finishes its node's uploads and reports; rank 0 releases the lock."""
 
 from __future__ import annotations
 
@@ -43,6 +42,7 @@ _at_exit_closing = False  # flush_at_exit is closing a Checkpointer (at interpre
 _WORKER_KILLED = re.compile(r"DataLoader worker \(pid.*\) is killed by signal")
 
 
+@exiting.cleared_if_raised  # (a close that raises ends no exit with 75)
 def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
     """Wait for background saves to commit, then release the directory (see
     ``Checkpointer.close``). ``outage_s``: without a timeout, how long uploads may keep

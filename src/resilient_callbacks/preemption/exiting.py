@@ -21,7 +21,9 @@ that catches the ``SystemExit`` and goes on is no longer exiting: it installs a 
 (:func:`clear`), or a signal comes while no ``SystemExit`` is being handled and the
 interpreter is not shutting down (:func:`under_way`), which then gets the action it would have
 had without the watcher (a ``KeyboardInterrupt`` in a notebook whose kernel lives on, not an
-``os._exit`` of the kernel).
+``os._exit`` of the kernel). A close between :func:`mark` and :func:`exit_with` that raises
+(:func:`cleared_if_raised`) means no exit either: its error propagates, and the process is
+as one that never saved for a preemption.
 
 Thread contract: :func:`mark` runs in the training thread; the rest in the main thread (signal
 handlers, ``uninstall``, ``atexit``).
@@ -31,11 +33,16 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import signal
 import sys
 import threading
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 _exiting: tuple[int, int] | None = None  # (pid, exit code)
 _raising = False  # marked, its SystemExit not raised yet (the close between them: exit_with)
@@ -74,6 +81,25 @@ def clear() -> None:
                     signal.signal(signum, signal.SIG_DFL if prev is None else prev)
     _exiting = None
     _kept.clear()
+
+
+def cleared_if_raised(close: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``close`` (the Checkpointer's, run between :func:`mark` and :func:`exit_with`) raising an
+    ``Exception`` means the process does not exit with the code: its error ends the process or
+    a caller catches it and goes on (a notebook). It :func:`clear`s, so a later signal gets the
+    action it had before the watcher, not ``os._exit`` with the code. (A ``SystemExit`` passes:
+    that is the exit.)"""
+
+    @functools.wraps(close)
+    def closing(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return close(*args, **kwargs)
+        except Exception:
+            if _raising:  # (not another Checkpointer's exit, its SystemExit raised already)
+                clear()
+            raise
+
+    return closing
 
 
 def code() -> int | None:
