@@ -109,6 +109,35 @@ def test_a_wiped_node_whose_download_stalls_gives_up_naming_it(tmp_path):
     assert "no byte arrived" in said and "Retry when the store answers" in said, said
 
 
+def test_a_sigterm_while_a_nodes_download_stalls_ends_the_restore_on_every_rank(tmp_path):
+    """Node 1's disk is wiped, the store sends no byte of its part, and SIGTERM comes: node
+    1's download waited out the outage limit (5 min), past the grace period to the SIGKILL.
+    The request now ends the wait, and every rank raises RemoteWaitPreemptedError (no
+    fallback to an older checkpoint: the ranks end alike), then exits 75 at its close."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    shutil.rmtree(tmp_path / "node1")
+    env = {"RC_GETS_HANG": 1, "RC_HANG_SIGNALS": 1, "RC_OUTAGE_S": 30}
+    out = _run(tmp_path, "second", 2, "--steps", "6", expect=75, **env)  # (requeued)
+    for rank in out:
+        assert rank[-1]["error"] == "RemoteWaitPreemptedError", rank
+    said = out[1][-1]["msg"]
+    assert "downloading this node's part of file://" in said and "step_000000004" in said, said
+    assert "SIGTERM arrived while the restore waited" in said, said
+
+
+def test_a_sigterm_while_the_nodes_listing_stalls_ends_the_restore_on_every_rank(tmp_path):
+    """The store stops answering after the construction's listing, and SIGTERM comes as the
+    restore lists it: the listing waited out the outage limit (5 min) past the grace period,
+    then went on from the disks. The request now ends the wait on every rank alike."""
+    _run(tmp_path, "first", 2, "--steps", "4")
+    env = {"RC_SCAN_HANGS_AFTER": 1, "RC_OUTAGE_S": 30}
+    out = _run(tmp_path, "second", 2, "--steps", "6", expect=75, **env)  # (requeued)
+    for rank in out:
+        assert rank[-1]["error"] == "RemoteWaitPreemptedError", rank
+        assert "listing file://" in rank[-1]["msg"], rank
+        assert "SIGTERM arrived while the restore waited" in rank[-1]["msg"], rank
+
+
 def test_remote_unlistable_and_empty_disks_is_an_error_not_a_fresh_start(tmp_path):
     _committed_then_both_disks_wiped(tmp_path)
     out = _run(tmp_path, "second", 2, "--steps", "6", expect=4, RC_SCAN_FAILS_AFTER=1)
@@ -748,6 +777,12 @@ def worker(base: str, argv: list[str]) -> None:
 
         os.fsync, os.replace = fsync, replace
     status_taken = threading.Event()  # RC_HOLD_LAST_UPLOAD: the last step's upload waits for it
+    pids: list[int] = []  # every rank's, for a SIGTERM to the job (the scheduler's)
+
+    def sigterm_every_rank() -> None:
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+
     if os.environ.get("RC_SCAN_FAILS_AFTER"):  # the store stops answering after the preflight
         real, calls = remote.RemoteStore.scan, [0]
 
@@ -758,6 +793,18 @@ def worker(base: str, argv: list[str]) -> None:
             return real(self)
 
         remote.RemoteStore.scan = scan  # type: ignore[method-assign]
+    if os.environ.get("RC_SCAN_HANGS_AFTER"):  # the store stops answering; SIGTERM comes
+        real_scan, scans = remote.RemoteStore.scan, [0]
+
+        def hanging_scan(self):
+            scans[0] += 1
+            if scans[0] <= int(os.environ["RC_SCAN_HANGS_AFTER"]):
+                return real_scan(self)
+            sigterm_every_rank()
+            threading.Event().wait(60)  # (the old code waited the outage limit, then went on)
+            raise ConnectionError("the store never answered")
+
+        remote.RemoteStore.scan = hanging_scan  # type: ignore[method-assign]
     if os.environ.get("RC_MANIFEST_READS_FAIL"):  # listed, but the store fails their reads
 
         def reads_fail(self, names, signs, hints=None):
@@ -768,6 +815,8 @@ def worker(base: str, argv: list[str]) -> None:
         checkpointer.CLOSE_OUTAGE_S = float(os.environ["RC_OUTAGE_S"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
+    pids[:] = [None] * dist.get_world_size()  # (the scheduler's SIGTERM reaches every rank)
+    dist.all_gather_object(pids, os.getpid())
     node = rank // int(os.environ["RC_PER_NODE"])
 
     def out(**kw) -> None:
@@ -820,6 +869,8 @@ def worker(base: str, argv: list[str]) -> None:
     if os.environ.get("RC_GETS_HANG") == str(node):  # lists, then never sends a byte
 
         def hang(*a, **k):
+            if os.environ.get("RC_HANG_SIGNALS"):  # and the scheduler's SIGTERM comes
+                sigterm_every_rank()
             threading.Event().wait(20)  # (the old code waited this long, then failed)
             raise ConnectionError("the store never answered")
 

@@ -278,3 +278,50 @@ def test_a_sigterm_while_a_listing_stalls_ends_the_wait(tmp_path, when):
     assert f"listing {url}: SIGTERM arrived while the {who}" in out.stderr, out.stderr
     assert "restored" not in out.stdout
     assert sorted(os.listdir(f"{tmp_path}/durable/run")) == before
+
+
+_PREEMPTED_WHILE_DOWNLOADING = """
+import os, signal, sys, threading
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from resilient_callbacks import Checkpointer, checkpointer
+
+checkpointer.CLOSE_OUTAGE_S = 60.0  # the outage limit (5 min by default), the test's bound 240 s
+local, url = sys.argv[1:]
+
+def hang(*a, **k):  # the store lists, then never sends a byte; the scheduler's SIGTERM comes
+    os.kill(os.getpid(), signal.SIGTERM)
+    threading.Event().wait(240)
+    raise ConnectionError("the store never answered")
+
+ck = Checkpointer(local, remote=url, keep_last=5)
+LocalFileSystem.get = hang
+ck.restore({"model": torch.nn.Linear(3, 2)})
+print("restored", ck.restored_from, flush=True)
+"""
+
+
+def test_a_sigterm_while_a_download_stalls_ends_the_wait(tmp_path):
+    """A new node (empty dirpath) restores from a store that lists its checkpoints and then
+    sends no byte; SIGTERM comes. The download waited out the outage limit (5 min) for each
+    checkpoint in turn, past the grace period to the SIGKILL, as a listing did. The request
+    now ends the wait: RemoteWaitPreemptedError naming the download, nothing restored, no
+    fallback to an older checkpoint."""
+    local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
+    with Checkpointer(local, remote=url, keep_last=5) as ck:
+        for s in (10, 20):
+            ck.save(s, {"model": torch.nn.Linear(3, 2)})
+    shutil.rmtree(local)
+    before = sorted(os.listdir(f"{tmp_path}/durable/run"))
+    out = spawn_ranks.run_python(
+        [sys.executable, "-c", _PREEMPTED_WHILE_DOWNLOADING, str(local), url],
+        timeout=240,  # (the old code waited the 60 s limit for each checkpoint, then failed)
+    )
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "RemoteWaitPreemptedError" in out.stderr, out.stderr[-3000:]
+    said = f"downloading {url}/step_000000020: SIGTERM arrived while the restore"
+    assert said in out.stderr, out.stderr[-3000:]
+    assert "step_000000010" not in out.stderr, out.stderr[-3000:]  # (not tried next)
+    assert "restored" not in out.stdout
+    assert sorted(os.listdir(f"{tmp_path}/durable/run")) == before
+    assert not [n for n in os.listdir(local) if n.startswith("step_")]

@@ -83,9 +83,9 @@ class RemoteUnavailableError(CheckpointError, ConnectionError):
 
 class RemoteWaitPreemptedError(RemoteUnavailableError):
     """A preemption request (SIGTERM or another watched signal, a cloud notice) came while the
-    construction or the restore waited for a remote store's listing that did not answer (up to
-    the outage limit, longer than a grace period): the wait ended at once, nothing was saved;
-    the next run resumes as this one would have."""
+    construction or the restore waited for a remote store's listing or download that did not
+    answer (up to the outage limit, longer than a grace period): the wait ended at once on
+    every rank, nothing was saved; the next run resumes as this one would have."""
 
 
 class UploadIncompleteError(RemoteUnavailableError):

@@ -32,7 +32,7 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
     topo = d.topology
     assert d.remote is not None
     st = d.remote
-    m = stall.run(lambda: st.read_manifest(name), f"reading {st.url}/{name}")
+    m = stall.run(lambda: st.read_manifest(name), f"reading {st.url}/{name}", preemptible=True)
     if [m.run_id, m.seq, m.step] != [*c["key"], c["step"]]:
         raise CheckpointCorruptError(f"{st.url}/{name} is another checkpoint now")
     ranks = needed(topo.node_ranks, m.world_size)
@@ -58,6 +58,7 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
                 lambda: stall.on_disk(
                     d.dirpath, os.path.basename(staging), {f.path: f.size for f in need}
                 ),
+                preemptible=True,  # (a request ends it: node_restore raises it on every rank)
             ),
             what,
         )

@@ -34,6 +34,7 @@ from .errors import (
     CheckpointNotFoundError,
     NoValidCheckpointError,
     RemoteUnavailableError,
+    RemoteWaitPreemptedError,
     ResumeFallbackWarning,
     error_type,
     warn_and_log,
@@ -213,7 +214,9 @@ class NodeRestorer(Restorer):
         unread: list[Candidate] = []  # remote manifests that cannot be read: maybe the newest
         if d.remote is not None:
             try:
-                listed = stall.run(d.remote.scan, f"listing {d.remote.url}")  # bounded
+                # bounded; a preemption request ends it (the limit outlasts a grace period),
+                # raised on every rank as restore() relays this one's error
+                listed = stall.run(d.remote.scan, f"listing {d.remote.url}", preemptible=True)
                 unread = unreadable_remote(d.remote.url, listed)  # named, never skipped silently
                 for e in listed:
                     if e.manifest is None:
@@ -229,6 +232,8 @@ class NodeRestorer(Restorer):
                 if d.committer is not None:
                     d.committer.index = dict(remote)
                     d.committer.listed = {e.name for e in listed if e.problem != NO_MANIFEST}
+            except RemoteWaitPreemptedError:  # not restored from the disks only: it ends the run
+                raise
             except Exception as e:
                 unlisted = f"{type(e).__name__}: {e}"
         local: list[dict[tuple[str, int], tuple[str, set[int]]]] = []
@@ -365,6 +370,7 @@ class NodeRestorer(Restorer):
         mine_src = src[str(topo.node)]
         key = (str(c["key"][0]), int(c["key"][1]))
         result: dict[str, Any] = {"path": None, "problem": None, "tier": mine_src[0]}
+        raised: RemoteWaitPreemptedError | None = None
         if topo.is_leader and mine_src[0] == "local":
             result["path"] = os.path.join(d.dirpath, mine_src[1])
             result["problem"] = self._not_the_planned(result["path"], c)
@@ -378,6 +384,8 @@ class NodeRestorer(Restorer):
                     d, mine_src[1], c
                 )
                 self._fetched[key] = {k: result[k] for k in ("path", "files", "bytes", "tier")}
+            except RemoteWaitPreemptedError as e:  # (the limit is longer than a grace period)
+                raised, result["preempted"] = e, str(e)
             except Exception as e:
                 result["problem"] = f"remote copy {mine_src[1]}: {type(e).__name__}: {e}"
                 self._fetched[key] = {"problem": result["problem"]}  # not fetched again
@@ -407,6 +415,9 @@ class NodeRestorer(Restorer):
                 if topo.node == receiver:
                     result["problem"] = f"replica on node {holder}: {type(e).__name__}: {e}"
         everyone = dist.all_gather_json(result if topo.is_leader else None, group=topo.cpu_group)
+        preempted = [x["preempted"] for x in everyone if x is not None and x.get("preempted")]
+        if preempted:  # a leader's download ended by a preemption request: every rank ends
+            raise raised or RemoteWaitPreemptedError(preempted[0])
         problems = [
             f"node {topo.node_of(r)} (rank {r}): {x['problem']}"
             for r, x in enumerate(everyone)

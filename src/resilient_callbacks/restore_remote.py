@@ -17,7 +17,7 @@ from .blobs import key_of
 from .candidates import Candidate
 from .catalog import Status
 from .commit import fsync_dir, remove_checkpoint
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, RemoteWaitPreemptedError
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .redact import url_text
 from .retention import plan
@@ -41,9 +41,12 @@ def url_of(ck: Checkpointer, c: Candidate) -> str:
 
 def fetch(ck: Checkpointer, c: Candidate) -> Candidate:
     """Every rank: the coordinator downloads and verifies a remote checkpoint into dirpath;
-    all ranks get its local path, or the problem."""
+    all ranks get its local path, or the problem. A preemption request that ends the
+    coordinator's wait for the store (:func:`.stall.run`) is raised on every rank,
+    :class:`RemoteWaitPreemptedError`: no fallback to an older checkpoint."""
     d = ck._dir
-    result: dict[str, Any] = {"path": None, "problem": None}
+    result: dict[str, Any] = {"path": None, "problem": None, "preempted": None}
+    raised: RemoteWaitPreemptedError | None = None
     if ck.is_coordinator:
         assert d.sync is not None and d.remote is not None
         url = f"{d.remote.url}/{c.remote}"
@@ -57,17 +60,22 @@ def fetch(ck: Checkpointer, c: Candidate) -> Candidate:
             with d.blobs.pinned(keys):  # no collection between download and install
                 staging, name = _download(ck, entry, url)
                 result["path"] = _install(ck, staging, name, entry.manifest)
+        except RemoteWaitPreemptedError as e:  # (the limit is longer than a grace period)
+            raised, result["preempted"] = e, str(e)
         except Exception as e:
             result["problem"] = f"remote copy {url}: {type(e).__name__}: {e}"
     msg = dist.broadcast_json(result)
+    if msg["preempted"] is not None:  # every rank ends the restore alike
+        raise raised or RemoteWaitPreemptedError(msg["preempted"])
     return replace(c, path=msg["path"] or c.remote, problem=msg["problem"])
 
 
 def _download(ck: Checkpointer, entry: RemoteEntry, url: str) -> tuple[str, str]:
     """:meth:`RemoteStore.download`, given up once no byte has arrived for
-    :func:`.stall.limit_s` (a store that stalls every read hung the restart forever)."""
+    :func:`.stall.limit_s` (a store that stalls every read hung the restart forever), or at
+    once on a preemption request (it waited out that limit past the grace period)."""
     assert ck._dir.remote is not None
-    return stall.download(ck._dir.remote, entry, ck.dirpath, url)
+    return stall.download(ck._dir.remote, entry, ck.dirpath, url, preemptible=True)
 
 
 def _install(ck: Checkpointer, staging: str, name: str, manifest: Manifest) -> str:

@@ -63,8 +63,9 @@ def run(
     :class:`RemoteUnavailableError`, naming ``what`` and what was under way.
     ``preemptible``: a preemption request pending in this process (a Checkpointer installs
     its handlers before it opens its directory) ends the wait at once,
-    :class:`RemoteWaitPreemptedError` (for a listing whose caller raises that rather than
-    fall back: the limit is longer than a grace period, and the signal was only recorded)."""
+    :class:`RemoteWaitPreemptedError` (for a listing or a download whose caller raises that,
+    on every rank, rather than fall back: the limit is longer than a grace period, and the
+    signal was only recorded)."""
     from .preemption import pending  # (lazily: stall is below the preemption layer)
 
     limit = limit_s()
@@ -87,7 +88,8 @@ def run(
         if preemptible and (req := pending.requests()):
             raise RemoteWaitPreemptedError(
                 f"{what}: {req[0].source} arrived while {who} waited for the store's answer "
-                f"({time.monotonic() - t0:.0f} s so far, up to {limit:g} s): the wait ended, "
+                f"({time.monotonic() - t0:.0f} s so far, up to {limit:g} s"
+                f"{' without a byte' if moved is not None else ''}): the wait ended, "
                 "nothing was saved. The next run resumes as this one would have; if the store "
                 "stalls, check its endpoint and health"
             )
@@ -176,18 +178,28 @@ def tried_again(fn: Callable[[], T], what: str) -> T:
 
 
 def download(
-    st: RemoteStore, entry: RemoteEntry, dirpath: str, url: str, who: str = "the restore"
+    st: RemoteStore,
+    entry: RemoteEntry,
+    dirpath: str,
+    url: str,
+    who: str = "the restore",
+    preemptible: bool = False,
 ) -> tuple[str, str]:
-    """:func:`_download_once`, :func:`tried_again` when it fails for an error that may pass."""
-    return tried_again(lambda: _download_once(st, entry, dirpath, url, who), f"downloading {url}")
+    """:func:`_download_once`, :func:`tried_again` when it fails for an error that may pass
+    (``preemptible``: as :func:`run`'s; a :class:`RemoteWaitPreemptedError` is not tried
+    again)."""
+    return tried_again(
+        lambda: _download_once(st, entry, dirpath, url, who, preemptible), f"downloading {url}"
+    )
 
 
 def _download_once(
-    st: RemoteStore, entry: RemoteEntry, dirpath: str, url: str, who: str
+    st: RemoteStore, entry: RemoteEntry, dirpath: str, url: str, who: str, preemptible: bool
 ) -> tuple[str, str]:
     """:meth:`RemoteStore.download` of ``entry`` (at ``url``) into ``dirpath``, given up once no
     byte has arrived for :func:`limit_s` (its staging folder's files and the store's blobs'
-    temporary files not growing): :class:`RemoteUnavailableError` naming the files under way."""
+    temporary files not growing): :class:`RemoteUnavailableError` naming the files under way;
+    ``preemptible``: a pending preemption request ends it at once (:func:`run`)."""
     from .blobs import TMP_PREFIX, store_dir
     from .commit import STAGING_PREFIX
     from .remote_blobs import DIGESTING
@@ -209,7 +221,13 @@ def _download_once(
         blobs, _ = on_disk(store_dir(dirpath), TMP_PREFIX, {})
         return files + blobs, doing
 
-    return run(lambda: st.download(entry, dirpath, progress=None), f"downloading {url}", moved, who)
+    return run(
+        lambda: st.download(entry, dirpath, progress=None),
+        f"downloading {url}",
+        moved,
+        who,
+        preemptible,
+    )
 
 
 def _staging_folders(dirpath: str, prefix: str) -> list[str]:
