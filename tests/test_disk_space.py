@@ -5,6 +5,7 @@ says so a save interval ahead."""
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
 import subprocess
@@ -243,3 +244,46 @@ def test_a_dirpath_on_a_full_filesystem_is_said_to_be_full(few_inodes_tmpfs):
     said = str(ei.value)
     assert ei.value.errno == errno.ENOSPC and "filesystem is full" in said, said
     assert "writable by this user" not in said
+
+
+class _OverQuota(io.FileIO):
+    """A real file, created, whose writes fail as on a filesystem whose quota for this user is
+    exhausted (a shared cluster filesystem: the disk has room, the user's share has not)."""
+
+    def write(self, b) -> int:  # type: ignore[no-untyped-def]
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_an_exceeded_disk_quota_is_named_with_how_to_check_it(tmp_path, monkeypatch, async_save):
+    """A save failing with EDQUOT got the bare "Disk quota exceeded", with no word on what the
+    quota must hold or how to see it (ENOSPC, EFBIG and EROFS each say). Now the message says
+    the quota is exceeded, counts the checkpoints it must hold as the full-disk message does,
+    and names `quota -s`; nothing is committed, and the next save that fits commits."""
+    from resilient_callbacks import tensorfile
+
+    def over_quota(path, mode="r", *a, **k):  # the checkpoint's files, in its staging folder
+        if "w" in mode and ".staging-" in str(path):
+            return _OverQuota(path, "w")
+        return open(path, mode, *a, **k)
+
+    root = tmp_path / "ck"
+    opts = dict(keep_last=2, keep_best=1, monitor="val", async_save=async_save)
+    with Checkpointer(root, **opts) as ck:
+        ck.save(1, {"w": torch.zeros(1000)}, metrics={"val": 1.0})
+        ck.flush()
+        monkeypatch.setattr(tensorfile, "open", over_quota, raising=False)
+        with pytest.raises(CheckpointWriteError) as ei:
+            ck.save(2, {"w": torch.ones(1000)}, metrics={"val": 0.5})
+            ck.flush()
+        monkeypatch.undo()
+        said = str(ei.value)
+        assert ei.value.errno == errno.EDQUOT, said
+        assert "disk quota (of this user, its group or project)" in said, said
+        assert "`quota -s`" in said and "The disk is full" not in said, said
+        assert "keep_last + 1 checkpoints (3 here), plus up to 1 kept as best by val" in said
+        assert [e.step for e in ck.checkpoints()] == [1]
+        assert not [n for n in os.listdir(root) if n.startswith(".staging")]
+        ck.save(3, {"w": torch.full((1000,), 3.0)}, metrics={"val": 0.1})
+        ck.flush()
+        assert [e.step for e in ck.checkpoints()] == [1, 3]

@@ -311,8 +311,9 @@ class CommitSession:
         return done
 
     def _with_space_hint(self, err: CheckpointWriteError) -> CheckpointWriteError:
-        """``err``, saying what a full disk must hold when that is why the save failed (or
-        which limit a file of the checkpoint ran into, or that the directory is not writable)."""
+        """``err``, saying what a full disk (or an exceeded quota) must hold when that is why the
+        save failed (or which limit a file of the checkpoint ran into, or that the directory is
+        not writable)."""
         if err.errno == errno.EFBIG:
             err.args = (
                 str(err) + " A file of the checkpoint is larger than this process may write "
@@ -329,7 +330,7 @@ class CommitSession:
                 "run's checkpoints are not touched meanwhile.",
             )
             return err
-        if err.errno != errno.ENOSPC:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             return err
         keep = self.retention.keep_last if self.retention is not None else None
         room = (
@@ -347,6 +348,15 @@ class CommitSession:
             f"oldest, so {self.dirpath} needs {room}; free space, lower keep_last, or point "
             "dirpath at a larger disk."
         )
+        if err.errno == errno.EDQUOT:  # the disk may have room; this user's share has not
+            hint = (
+                " The disk quota (of this user, its group or project) on the filesystem of "
+                f"{self.dirpath} is exceeded: a save writes the new checkpoint before retention "
+                f"deletes the oldest, so the quota needs {room}. Check it with `quota -s` (or "
+                "the filesystem's own tool: `lfs quota -h -u $USER <mount>` on Lustre, "
+                "`mmlsquota` on GPFS); free space within it, lower keep_last, or point dirpath "
+                "at a filesystem with more quota."
+            )
         held = sorted(self.sync.pending()) if self.sync is not None else []
         if held:  # the uploader's backlog: kept past keep_last until uploaded (an outage?)
             status = self.sync.status()
