@@ -287,3 +287,44 @@ def test_an_exceeded_disk_quota_is_named_with_how_to_check_it(tmp_path, monkeypa
         ck.save(3, {"w": torch.full((1000,), 3.0)}, metrics={"val": 0.1})
         ck.flush()
         assert [e.step for e in ck.checkpoints()] == [1, 3]
+
+
+@pytest.mark.parametrize("end", ["final save", "committed during close"])
+def test_the_runs_last_save_gives_no_warning_about_a_next_save(small_tmpfs, caplog, end):
+    """keep_last=3 on a 4 MiB disk: the third commit leaves no room for a fourth checkpoint.
+    When that third save is the run's last (``final=True``, or a background save that
+    commits while ``close()`` waits for it) there is no next save, yet "the next save will
+    not fit" was warned at the end of every such run. Now it is not."""
+    import threading
+
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    root = small_tmpfs / "ck"
+    ck = Checkpointer(root, keep_last=3, async_save=end != "final save")
+    try:
+        for step in (1, 2):
+            ck.save(step, _state(step))
+            ck.flush()
+        if end == "final save":
+            ck.save(3, _state(3), final=True)
+        else:
+            closing, real_commit = threading.Event(), ck._dir.commit.commit
+
+            def after_close_began(staging, step, manifest, **kw):  # type: ignore[no-untyped-def]
+                assert closing.wait(60)  # (then close() is under way: it set closed first)
+                return real_commit(staging, step, manifest, **kw)
+
+            ck._dir.commit.commit = after_close_began
+            ck.save(3, _state(3))
+            real_persist_wait = ck._saver.persister.wait_all
+
+            def wait_all(*a, **k):  # type: ignore[no-untyped-def]
+                closing.set()  # close() waits for the save: let it commit
+                return real_persist_wait(*a, **k)
+
+            ck._saver.persister.wait_all = wait_all
+    finally:
+        ck.close()
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == [
+        f"step_{s:09d}" for s in (1, 2, 3)
+    ]
+    assert not _warnings(caplog, "the next save will not fit"), caplog.text

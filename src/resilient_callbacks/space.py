@@ -7,7 +7,8 @@ at the end of an epoch. Two checks, both comparing the free space of ``dirpath``
 checkpoint's size:
 
 - :func:`after_commit`: once a commit's retention has freed what it deletes, a warning that
-  the *next* save will not fit, a whole save interval ahead;
+  the *next* save will not fit, a whole save interval ahead (not after the run's last save:
+  a final one, or one committed once ``close()`` began);
 - :func:`before_write`: before a save writes its first byte, a warning that this save will
   likely fail (what filled the disk since; the first save of a restarted process compares with
   the checkpoint it restored from).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable
 
 from .trash import TrashBin
 
@@ -61,12 +63,17 @@ def before_write(dirpath: str, step: int, free: int, need: int) -> None:
     )
 
 
-def after_commit(dirpath: str, step: int, need: int, trash: TrashBin) -> None:
+def after_commit(
+    dirpath: str, step: int, need: int, trash: TrashBin, closed: Callable[[], bool]
+) -> None:
     """Coordinator, once step ``step`` (``need`` bytes) is committed: once retention's
     deletions have run (in the trash bin's thread), warn when ``dirpath`` has less free space
-    than another checkpoint of that size needs."""
+    than another checkpoint of that size needs, unless the Checkpointer is ``closed()`` by
+    then (its close began: that save was the run's last, no next save follows)."""
 
     def check() -> None:
+        if closed():
+            return
         free = free_bytes(dirpath)
         if free is not None and free < need:
             log.warning(
