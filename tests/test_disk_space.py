@@ -246,6 +246,26 @@ def test_a_dirpath_on_a_full_filesystem_is_said_to_be_full(few_inodes_tmpfs):
     assert "writable by this user" not in said
 
 
+def test_a_dirpath_past_the_disk_quota_is_said_to_be(tmp_path, monkeypatch):
+    """Creating a new dirpath failed with EDQUOT (this user's inodes or blocks used up on a
+    shared filesystem) and was said as 'check that the path is right and writable by this
+    user', which it was. Now the quota is named, with how to check it."""
+    real_makedirs, where = os.makedirs, str(tmp_path / "ck")
+
+    def over_quota(path, *a, **k):  # (mkdir as on a filesystem whose quota is used up)
+        if str(path) == where:
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(path))
+        return real_makedirs(path, *a, **k)
+
+    monkeypatch.setattr(os, "makedirs", over_quota)
+    with pytest.raises(CheckpointWriteError) as ei:
+        Checkpointer(where)
+    monkeypatch.undo()
+    said = str(ei.value)
+    assert ei.value.errno == errno.EDQUOT and "disk quota" in said and "`quota -s`" in said, said
+    assert "writable by this user" not in said
+
+
 class _OverQuota(io.FileIO):
     """A real file, created, whose writes fail as on a filesystem whose quota for this user is
     exhausted (a shared cluster filesystem: the disk has room, the user's share has not)."""

@@ -55,14 +55,21 @@ log = logging.getLogger("resilient_callbacks")
 
 def unusable(dirpath: str, e: OSError) -> CheckpointWriteError:
     """The error for a ``dirpath`` that cannot be opened (``e``: what creating or locking it
-    raised): a file, no permission, a read-only or full filesystem, said as such."""
+    raised): a file, no permission, a read-only or full filesystem, an exceeded quota, said
+    as such."""
     file = os.path.exists(dirpath) and not os.path.isdir(dirpath)
     fix = "Check that the path is right and writable by this user."
     if not file and e.errno == errno.ENOSPC:  # (no block or no inode left to create it)
         fix = "Its filesystem is full: free space (or inodes) there, or use another disk."
+    if not file and e.errno == errno.EDQUOT:  # (this user's share of blocks or inodes)
+        fix = (
+            "The disk quota (of this user, its group or project) on its filesystem is exceeded: "
+            "check it with `quota -s` (or the filesystem's own tool: `lfs quota` on Lustre, "
+            "`mmlsquota` on GPFS), free space or inodes within it, or use another filesystem."
+        )
     if (
         not file
-        and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC)
+        and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
         and _holds(dirpath)
     ):
         fix += (
