@@ -15,7 +15,8 @@ import os
 import uuid
 from typing import Any
 
-from . import catalog, stall
+from . import catalog, remote_blobs, stall
+from .blobs import TMP_PREFIX, key_of, store_dir
 from .catalog import Depth
 from .commit import STAGING_PREFIX
 from .errors import CheckpointCorruptError
@@ -28,7 +29,10 @@ log = logging.getLogger("resilient_callbacks")
 
 def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, int]:
     """Leader: fetch this node's ranks' files (and the replicated ones) of the remote
-    checkpoint ``name``, verify every checksum, and commit them as a local checkpoint."""
+    checkpoint ``name``, verify every checksum, and commit them as a local checkpoint. An
+    incremental checkpoint (one a run with a shared ``dirpath`` uploaded) brings the blobs it
+    names into the node's ``dirpath/blobs``, each verified: every blob, as a blob holds no
+    rank's name (the node's retention deletes them once no checkpoint there names them)."""
     topo = d.topology
     assert d.remote is not None
     st = d.remote
@@ -39,6 +43,8 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
     need = [f for f in m.files if f.rank in ranks or is_shared(f.path)]
     staging = os.path.join(d.dirpath, f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:12]}")
     os.makedirs(staging)
+    pins = [key_of(b.path) for b in m.blobs]
+    d.blobs.pin(pins)  # (no collection between their download and the commit)
     try:
         for f in need:
             os.makedirs(os.path.dirname(os.path.join(staging, f.path)), exist_ok=True)
@@ -62,6 +68,8 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
             ),
             what,
         )
+        if m.blobs:
+            _blobs(d, m, staging, f"downloading the blobs of {st.url}/{name}")
         raw = encode_json(m.to_json())  # (the remote manifest, kept beside the node's own)
         node_m = Manifest.from_json(json.loads(raw))  # (a copy)
         node_m.files = need
@@ -77,4 +85,24 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
     except BaseException:
         d.commit.abort(staging)
         raise
+    finally:
+        d.blobs.unpin(pins)
     return final, len(need), sum(f.size for f in need)
+
+
+def _blobs(d: NodeDirectory, m: Manifest, staging: str, what: str) -> None:
+    """The blobs ``m`` names, into the node's store (:func:`.remote_blobs.download`: each
+    verified before it is renamed into place), given up once no byte has arrived for
+    :func:`.stall.limit_s`, tried again after an error that may pass."""
+    assert d.remote is not None
+    st = d.remote
+
+    def moved() -> tuple[int | None, str]:
+        if staging in remote_blobs.DIGESTING:
+            return None, "reading a blob back to verify it"  # local work, not the store
+        return stall.on_disk(store_dir(d.dirpath), TMP_PREFIX, {})
+
+    stall.tried_again(
+        lambda: stall.run(lambda: remote_blobs.download(st, m, d.dirpath, staging), what, moved),
+        what,
+    )

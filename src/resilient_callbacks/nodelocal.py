@@ -263,6 +263,7 @@ class NodeDirectory(Directory):
                 policy or self.retention,
                 self.run_id,
                 protected,
+                blobs=self.blobs,  # (those a restore of an incremental checkpoint fetched)
                 discard=self.trash.put,
                 corrupt=self.found_corrupt,
             )

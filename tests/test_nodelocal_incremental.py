@@ -1,0 +1,111 @@
+"""Node-local mode resuming incremental checkpoints (docs/multinode.md): a run with a shared
+``dirpath`` and ``incremental=True`` uploads checkpoints whose tensors are in the remote blob
+store; the run then grows to two "nodes", each with a directory of its own (``<base>/node<N>``,
+the remote a ``file://`` directory), where ``incremental`` is refused. Each node fetches the
+blobs with its files, restores exactly, and its retention deletes them once no checkpoint on
+its disk names them. (Before, every remote copy was skipped as "listed in the manifest but
+missing" and the restart failed with NoValidCheckpointError though the remote was whole.)"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import pytest
+
+import spawn_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+
+def _outs(ranks) -> list[dict]:
+    return [
+        json.loads(line[4:])
+        for out in ranks.outputs
+        for line in out.splitlines()
+        if line.startswith("OUT ")
+    ]
+
+
+def test_node_local_nodes_restore_a_shared_runs_incremental_checkpoint_and_collect_its_blobs(
+    tmp_path,
+):
+    zygote = spawn_ranks.shared_zygote()
+    first = spawn_ranks.run(
+        [sys.executable, __file__, str(tmp_path), "shared"], 1, tmp_path, "shared", zygote=zygote
+    )
+    (saved,) = _outs(first)
+    remote = tmp_path / "remote"
+    assert os.listdir(remote / "blobs"), "the shared run stored no blob: nothing is tested"
+    second = spawn_ranks.run(
+        [sys.executable, __file__, str(tmp_path), "nodes"], 2, tmp_path, "nodes", zygote=zygote
+    )
+    outs = _outs(second)
+    assert [o["restored"] for o in outs] == [3, 3], outs
+    assert [o["digest"] for o in outs] == [saved["digest"]] * 2  # exactly the state of step 3
+    for node in ("node0", "node1"):
+        names = sorted(os.listdir(tmp_path / node))
+        assert [n for n in names if n.startswith("step_")] == ["step_000000005"], names
+        left = [n for n in os.listdir(tmp_path / node / "blobs") if not n.startswith(".")]
+        assert left == [], f"{node}: blobs no checkpoint names were kept: {left}"
+
+
+def _digest(model) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.numpy().tobytes())
+    return h.hexdigest()
+
+
+def worker(base: str, phase: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from resilient_callbacks import Checkpointer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 4))  # a 32 KiB weight: a blob
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    state = {"model": model, "opt": opt}
+
+    def step(n: int) -> None:
+        torch.manual_seed(n)
+        model(torch.randn(2, 128)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    remote = f"file://{base}/remote"
+    if phase == "shared":  # one process, a dirpath of its own: not node-local
+        with Checkpointer(
+            f"{base}/shared", incremental=True, remote=remote, keep_last=1, async_save=False
+        ) as ck:
+            for n in (1, 2, 3):
+                step(n)
+                ck.save(n, state)
+        print("OUT " + json.dumps({"digest": _digest(model)}), flush=True)
+    else:
+        rank = dist.get_rank()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        with Checkpointer(
+            f"{base}/node{rank}", remote=remote, keep_last=1, remote_timeout=5, async_save=False
+        ) as ck:
+            got = ck.restore(state)
+            print("OUT " + json.dumps({"restored": got, "digest": _digest(model)}), flush=True)
+            for n in (4, 5):
+                step(n)
+                ck.save(n, state)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2])
