@@ -50,6 +50,10 @@ def test_node_local_nodes_restore_a_shared_runs_incremental_checkpoint_and_colle
         assert [n for n in names if n.startswith("step_")] == ["step_000000005"], names
         left = [n for n in os.listdir(tmp_path / node / "blobs") if not n.startswith(".")]
         assert left == [], f"{node}: blobs no checkpoint names were kept: {left}"
+    committed = sorted(n for n in os.listdir(remote) if n.startswith("step_"))
+    assert committed == ["step_000000005"], committed  # (remote_keep_last: as keep_last, 1)
+    left = [n for n in os.listdir(remote / "blobs") if not n.startswith(".")]
+    assert left == [], f"remote blobs no remote checkpoint names were kept: {left}"
 
 
 def _digest(model) -> str:

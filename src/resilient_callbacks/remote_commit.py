@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import remote_blobs
 from .manifest import MANIFEST_NAME, Manifest
 from .node_upload import Key, NodeUploader, UploadCounters, UploadJob
 from .redact import url_text
@@ -409,5 +410,10 @@ class RemoteCommitter(UploadThread):
                 with self._cond:
                     self.index = {k: v for k, v in self.index.items() if v != name}
                 log.info("remote retention: deleted %s/%s", self.store.url, name)
+            # the blobs of the incremental checkpoints deleted (a shared-dirpath run's, this
+            # run resumed from) that no remaining one names: else kept for ever
+            gone = set(p.delete) - names_pending
+            if any(e.manifest is not None and e.manifest.blobs for e in mine if e.name in gone):
+                remote_blobs.collect(self.store)
         except Exception as e:
             retention_failed(self, self.store.url, e)
