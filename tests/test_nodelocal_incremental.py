@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 
 import pytest
 
@@ -56,6 +57,29 @@ def test_node_local_nodes_restore_a_shared_runs_incremental_checkpoint_and_colle
     assert left == [], f"remote blobs no remote checkpoint names were kept: {left}"
 
 
+def test_a_blob_download_that_stalls_is_given_up_naming_it(tmp_path):
+    """The store lists the checkpoint and sends its files, never a blob's bytes: the node's
+    restore gives up once no byte arrived for the (lowered) outage limit, naming the blobs'
+    download, and the job fails rather than waiting or starting from scratch."""
+    zygote = spawn_ranks.shared_zygote()
+    spawn_ranks.run(
+        [sys.executable, __file__, str(tmp_path), "shared"], 1, tmp_path, "shared", zygote=zygote
+    )
+    second = spawn_ranks.run(
+        [sys.executable, __file__, str(tmp_path), "nodes"],
+        2,
+        tmp_path,
+        "nodes",
+        expect=4,
+        env={"RC_BLOB_GETS_HANG": "1"},
+        zygote=zygote,
+    )
+    for out in _outs(second):
+        assert out["error"] == "NoValidCheckpointError", out
+        assert "downloading the blobs of file://" in out["msg"], out["msg"]
+        assert "no byte arrived" in out["msg"], out["msg"]
+
+
 def _digest(model) -> str:
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
@@ -71,7 +95,8 @@ def worker(base: str, phase: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from resilient_callbacks import Checkpointer
+    from resilient_callbacks import Checkpointer, checkpointer
+    from resilient_callbacks.errors import NoValidCheckpointError
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 4))  # a 32 KiB weight: a blob
@@ -103,6 +128,24 @@ def worker(base: str, phase: str) -> None:
         with Checkpointer(
             f"{base}/node{rank}", remote=remote, keep_last=1, remote_timeout=5, async_save=False
         ) as ck:
+            if os.environ.get("RC_BLOB_GETS_HANG"):  # files come, a blob's bytes never do
+                checkpointer.CLOSE_OUTAGE_S = 1.0
+                fs = ck._dir.remote.fs
+                real_get = fs.get
+
+                def get(src, *a, **k):
+                    if "/blobs/" in str(src):
+                        threading.Event().wait(20)
+                        raise ConnectionError("the store never answered")
+                    return real_get(src, *a, **k)
+
+                fs.get = get
+                try:
+                    ck.restore(state)
+                except NoValidCheckpointError as e:
+                    print("OUT " + json.dumps({"error": type(e).__name__, "msg": str(e)}))
+                    sys.stdout.flush()
+                    os._exit(4)
             got = ck.restore(state)
             print("OUT " + json.dumps({"restored": got, "digest": _digest(model)}), flush=True)
             for n in (4, 5):

@@ -100,7 +100,9 @@ def _blobs(d: NodeDirectory, m: Manifest, staging: str, what: str) -> None:
     def moved() -> tuple[int | None, str]:
         if staging in remote_blobs.DIGESTING:
             return None, "reading a blob back to verify it"  # local work, not the store
-        return stall.on_disk(store_dir(d.dirpath), TMP_PREFIX, {})
+        stored, doing = stall.on_disk(store_dir(d.dirpath), TMP_PREFIX, {})
+        own, _ = stall.on_disk(d.dirpath, os.path.basename(staging), {})  # (its own copies)
+        return stored + own, doing
 
     stall.tried_again(
         lambda: stall.run(lambda: remote_blobs.download(st, m, d.dirpath, staging), what, moved),
