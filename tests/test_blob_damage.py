@@ -190,11 +190,11 @@ def test_restore_from_remote_copies_corrupt_through_a_blob_points_at_verify_of_t
 def test_the_repair_hint_names_each_tier_tried_and_the_remote_options():
     """Both tiers tried: both `verify` forms; a remote with options: the CLI needs them as
     ``-o``; a URL's credentials are not shown."""
-    from resilient_callbacks.restoring import _repair_hint
+    from resilient_callbacks.candidates import repair_hint
 
-    said = _repair_hint("/ck", "s3://u:pw@b/run/", {"endpoint_url": "x"}, {"/ck/a", "remote:a"})
+    said = repair_hint("/ck", "s3://u:pw@b/run/", {"endpoint_url": "x"}, {"/ck/a", "remote:a"})
     assert said.startswith("`resilient-ckpt verify /ck --all` names a blob they share in the"), said
     assert "`resilient-ckpt verify s3://***@b/run --all`" in said and "pw" not in said, said
     assert said.endswith("--remove-corrupt` (each with `-o KEY=VALUE` for the remote_options)")
-    only_local = _repair_hint("/ck", "s3://b/run", None, {"/ck/a"})
+    only_local = repair_hint("/ck", "s3://b/run", None, {"/ck/a"})
     assert "s3://" not in only_local and "`gc --remove-corrupt`" in only_local, only_local

@@ -325,3 +325,48 @@ def test_pull_falls_back_loudly_past_a_newest_checkpoint_whose_blob_rotted(tmp_p
     assert main(["pull", url, str(tmp_path / "copy2"), "--step", "2"]) == 1
     err = capsys.readouterr().err
     assert bad in err and "--step" in err and "verify" in err, err
+
+
+def _flip_largest(folder) -> None:
+    victim = max((p for p in folder.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+
+def test_resume_of_a_step_whose_local_blob_rotted_loads_its_remote_copy(tmp_path):
+    """``resume=2`` with step 2's frozen blob damaged on the local disk and whole in the remote
+    tier: the restore names the local copy and loads the remote one, exactly (remote.md: a
+    damaged local copy is followed by its remote copy; ``resume=<step>`` finds that step in
+    either tier). It raised CheckpointCorruptError on the local copy and never tried the
+    remote. With both copies damaged the explicit choice still fails, never an older step."""
+    from resilient_callbacks.errors import CheckpointCorruptError, ResumeFallbackWarning
+
+    url = f"file://{tmp_path}/durable"
+    state, want = _state(), {}
+    with Checkpointer(
+        tmp_path / "local", incremental=True, remote=url, keep_last=3, async_save=False
+    ) as ck:
+        for step in (1, 2, 3):
+            _train(state, step)
+            ck.save(step, state)
+            want[step] = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    _flip_largest(tmp_path / "local" / "blobs")  # the frozen weight, named by every step
+    fresh = _state()
+    with (
+        pytest.warns(ResumeFallbackWarning, match="trying its copy in the remote tier"),
+        Checkpointer(tmp_path / "local", remote=url, resume=2, async_save=False) as ck,
+    ):
+        assert ck.restore(fresh) == 2
+        assert ck.last_restore is not None and ck.last_restore.tier == "remote"
+    for k, v in fresh["model"].state_dict().items():
+        assert torch.equal(v, want[2][k]), k
+
+    _flip_largest(tmp_path / "local" / "blobs")
+    _flip_largest(tmp_path / "durable" / "blobs")
+    with (
+        pytest.warns(ResumeFallbackWarning),
+        Checkpointer(tmp_path / "local", remote=url, resume=2, async_save=False) as ck,
+        pytest.raises(CheckpointCorruptError, match="step_000000002"),
+    ):
+        ck.restore(_state())

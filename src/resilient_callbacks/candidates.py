@@ -198,3 +198,21 @@ def warn_abandoned(c: Candidate, skipped: list[str], coordinator: bool) -> None:
 def tried_as(c: Candidate) -> str:
     """What a candidate skipped for damage is known by when the directory is listed again."""
     return f"remote:{c.remote}" if c.remote is not None else str(c.path)
+
+
+def repair_hint(dirpath: str, remote: Any, options: Any, tried: set[str]) -> str:
+    """The commands that check and remove the checkpoints a restore ``tried`` (local paths,
+    ``remote:<name>``, :func:`.candidates.tried_as`): of the directory, of the remote tier
+    (its URL: ``verify DIR --all`` reads no remote copy, and finds nothing at all in the
+    empty directory of a new machine), or of both."""
+    here = f"`resilient-ckpt verify {dirpath} --all` names a blob they share"
+    if remote is None or not any(t.startswith("remote:") for t in tried):
+        return f"{here}; `gc --remove-corrupt`"
+    url = url_text(str(remote).rstrip("/"))
+    there = f"`resilient-ckpt verify {url} --all` names a blob they share in the remote tier"
+    local = any(not t.startswith("remote:") for t in tried)
+    return (
+        (f"{here} in the directory, and " if local else "")
+        + f"{there}; `resilient-ckpt gc {dirpath} --remote {url} --remove-corrupt`"
+        + (" (each with `-o KEY=VALUE` for the remote_options)" if options else "")
+    )

@@ -31,7 +31,14 @@ from . import (
     statetree,
     structure,
 )
-from .candidates import Candidate, merge_tiers, number_after_remote, tried_as, warn_abandoned
+from .candidates import (
+    Candidate,
+    merge_tiers,
+    number_after_remote,
+    repair_hint,
+    tried_as,
+    warn_abandoned,
+)
 from .catalog import Depth, Status, lineage_of
 from .commit import CKPT_RE
 from .config import ResumeMode, missing_resume_hint
@@ -50,7 +57,6 @@ from .errors import (
 from .filepart import PartReader, part_info, read_part_files
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .reader import current
-from .redact import url_text
 from .restore_report import RestoreReport
 from .retention import RetentionPolicy
 
@@ -122,7 +128,7 @@ class Restorer:
                 "and its retention keeps few checkpoints; try again, or raise its keep_last."
                 if gone
                 else "\nRefusing to start from scratch silently. Repair or remove them "
-                f"({_repair_hint(ck.dirpath, ck.config.remote, ck.config.remote_options, tried)}"
+                f"({repair_hint(ck.dirpath, ck.config.remote, ck.config.remote_options, tried)}"
                 "), pass resume=<path or step> of a good one, or resume='never'."
             )
         )
@@ -185,23 +191,26 @@ class Restorer:
         tried: set[str],
     ) -> int | None:
         """Every rank: the step of the first of ``cands`` loaded into ``state``, or None; what
-        was skipped is appended to ``skipped`` (damaged local paths to ``tried``)."""
+        was skipped is appended to ``skipped`` (damaged local paths to ``tried``). An
+        ``explicit`` choice (resume=<step>) fails at its last copy only: a damaged local copy
+        of that step is followed, loudly, by its remote copy (remote.md)."""
         ck = self._ck
-        for c in cands:
+        for i, c in enumerate(cands):
+            strict = explicit and i == len(cands) - 1
             remote_url, as_tried = None, tried_as(c)
             if c.remote and not c.problem:
                 remote_url = restore_remote.url_of(ck, c)
                 c = restore_remote.fetch(ck, c)
             if c.problem:
                 skipped.append(f"{c.where} (step {c.step}): {c.problem}")
-                if explicit:
+                if strict:
                     raise c.refused()
                 self._warn_fallback(c, c.problem)
                 tried.add(as_tried)
                 continue
             self._tier = "remote" if remote_url else "local"
             self._skipped = len(skipped)
-            step = self._try_load(c, state, explicit, skipped)
+            step = self._try_load(c, state, strict, skipped)
             if step is not None:
                 assert c.path is not None
                 notices.warn_if_still_mapped(c.path, self._mapped_since)
@@ -472,24 +481,6 @@ class Restorer:
             key = next((c.key for c in chosen if c.key is not None), None)
             cands = [c for c in chosen if key is not None and c.key == key] or chosen[:1]
         return cands
-
-
-def _repair_hint(dirpath: str, remote: Any, options: Any, tried: set[str]) -> str:
-    """The commands that check and remove the checkpoints a restore ``tried`` (local paths,
-    ``remote:<name>``, :func:`.candidates.tried_as`): of the directory, of the remote tier
-    (its URL: ``verify DIR --all`` reads no remote copy, and finds nothing at all in the
-    empty directory of a new machine), or of both."""
-    here = f"`resilient-ckpt verify {dirpath} --all` names a blob they share"
-    if remote is None or not any(t.startswith("remote:") for t in tried):
-        return f"{here}; `gc --remove-corrupt`"
-    url = url_text(str(remote).rstrip("/"))
-    there = f"`resilient-ckpt verify {url} --all` names a blob they share in the remote tier"
-    local = any(not t.startswith("remote:") for t in tried)
-    return (
-        (f"{here} in the directory, and " if local else "")
-        + f"{there}; `resilient-ckpt gc {dirpath} --remote {url} --remove-corrupt`"
-        + (" (each with `-o KEY=VALUE` for the remote_options)" if options else "")
-    )
 
 
 def _recorded(manifest: Manifest) -> RetentionPolicy | None:
