@@ -455,6 +455,18 @@ def test_a_damaged_local_copy_is_fetched_again_by_its_node_only(tmp_path):
     assert not [x for x in names[0] if x.startswith("step_000000004-")], names
 
 
+def test_resume_of_a_step_whose_local_copy_is_damaged_fetches_it_again(tmp_path):
+    """``resume=4`` with node 1's copy of step 4 damaged: node 1 fetches step 4 from the remote
+    tier, as ``resume="auto"`` does, loudly (it raised CheckpointCorruptError on the local
+    copy without trying the remote one, which was whole)."""
+    _run(tmp_path, "first", 2, "--steps", "4")
+    _flip_a_byte(tmp_path / "node1" / "step_000000004")
+    out = _run(tmp_path, "again", 2, "--steps", "4", RC_RESUME=4, RC_CAPTURE_LOG=1)
+    assert [rank[0].get("restored") for rank in out] == [4, 4], out
+    log = out[0][-1]["log"]
+    assert "skipping step 4 (commit 2) on 2 nodes" in log and "checksum mismatch" in log, log
+
+
 def _newest_commit(folder: Path) -> Path:
     """The checkpoint folder under ``folder`` whose manifest has the highest commit number."""
     found = [

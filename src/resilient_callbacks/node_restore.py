@@ -110,14 +110,17 @@ class NodeRestorer(Restorer):
         for why in unusable:  # newer than every candidate: skipped, loudly
             skipped.append(why)
             self._warn_unusable(why)
-        for c in msg["cands"]:
+        for i, c in enumerate(msg["cands"]):
+            # resume=<step> fails at the last copy of that commit only: a damaged local copy
+            # is followed, loudly, by the remote one (_plan), never by another commit
+            strict = explicit and all(x["key"] != c["key"] for x in msg["cands"][i + 1 :])
             mine, problems, tiers = self._obtain(c)
             key = (str(c["key"][0]), int(c["key"][1]))
             where = f"step {c['step']} (commit {key[1]})"
             if problems:
                 why = "; ".join(problems)
                 skipped.append(f"{where}: {why}")
-                if explicit:
+                if strict:
                     raise CheckpointCorruptError(f"cannot resume from {where}: {why}")
                 self._warn_fallback(Candidate(mine.get("path"), c["step"], why, key), why)
                 continue
@@ -126,7 +129,7 @@ class NodeRestorer(Restorer):
             # fetched from there, else from a peer if any did
             self._tier = next((t for t in ("remote", "peer") if t in tiers), "local")
             self._skipped = len(skipped)
-            step = self._try_load(cand, state, explicit, skipped)
+            step = self._try_load(cand, state, strict, skipped)
             if step is not None and c.get("abandoned") and not explicit:
                 warn_abandoned(cand, skipped, ck.is_coordinator)  # loudly: the timeline changes
             if step is not None:
