@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 import threading
 
 import pytest
 
 import spawn_ranks
+from resilient_callbacks.remote import RemoteStore
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -55,6 +57,25 @@ def test_node_local_nodes_restore_a_shared_runs_incremental_checkpoint_and_colle
     assert committed == ["step_000000005"], committed  # (remote_keep_last: as keep_last, 1)
     left = [n for n in os.listdir(remote / "blobs") if not n.startswith(".")]
     assert left == [], f"remote blobs no remote checkpoint names were kept: {left}"
+
+
+def test_a_downloaded_incremental_checkpoint_is_never_committed_again_without_its_blobs(
+    tmp_path,
+):
+    """The nodes restore step 3 (the shared run's, on as many ranks) and stop before their
+    first save; the remote loses the run. The restart took step 3 for an upload a stop cut
+    off and committed it again, its manifest naming a blob the store lacked (a remote
+    checkpoint corrupt from its commit). It stays local now; the new saves go up whole."""
+    zygote = spawn_ranks.shared_zygote()
+    argv = [sys.executable, __file__, str(tmp_path)]
+    spawn_ranks.run([*argv, "shared"], 2, tmp_path, "shared", zygote=zygote)
+    spawn_ranks.run([*argv, "nodes-stop"], 2, tmp_path, "stop", zygote=zygote)
+    shutil.rmtree(tmp_path / "remote")
+    outs = _outs(spawn_ranks.run([*argv, "nodes"], 2, tmp_path, "nodes", zygote=zygote))
+    assert [o["restored"] for o in outs] == [3, 3], outs
+    store = RemoteStore(f"file://{tmp_path}/remote")
+    committed = {e.name: e.problem for e in store.scan() if e.manifest is not None}
+    assert committed == {"step_000000005": None}, committed
 
 
 def test_a_blob_download_that_stalls_is_given_up_naming_it(tmp_path):
@@ -148,6 +169,9 @@ def worker(base: str, phase: str) -> None:
                     os._exit(4)
             got = ck.restore(state)
             print("OUT " + json.dumps({"restored": got, "digest": _digest(model)}), flush=True)
+            if phase == "nodes-stop":  # killed before its first save
+                sys.stdout.flush()
+                os._exit(0)
             for n in (4, 5):
                 step(n)
                 ck.save(n, state)
