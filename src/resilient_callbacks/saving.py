@@ -412,7 +412,8 @@ class Saver:
         if self.persister is None:
             return
         try:
-            shared, local = structure.encode(state, split_per_rank=self.ck.world_size > 1)
+            with statetree.probing():  # (read, not saved: no hook meant for saves runs)
+                shared, local = structure.encode(state, split_per_rank=self.ck.world_size > 1)
         except Exception as e:  # the save itself reports what is wrong with the state
             log.debug("not allocating host buffers ahead: %s", e)
             return

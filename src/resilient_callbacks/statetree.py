@@ -5,8 +5,10 @@ modules or optimizers of a state (hooks, fingerprint, snapshot ordering); it nev
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -15,6 +17,26 @@ import xxhash
 from .filepart import FilePart
 from .structure import PerRank, part_id
 from .wrapped import plain_module
+
+_PROBING: ContextVar[bool] = ContextVar("probing", default=False)
+
+
+@contextlib.contextmanager
+def probing() -> Iterator[None]:
+    """While the ``state_dict()`` of a state's objects is read for what it holds, not saved (the
+    host buffers allocated ahead of the first save, an adapter's preflight): an object whose
+    ``state_dict()`` runs user code meant for saves (Lightning's ``on_save_checkpoint`` hooks)
+    may leave that code out (:func:`is_probe`). On this thread only."""
+    token = _PROBING.set(True)
+    try:
+        yield
+    finally:
+        _PROBING.reset(token)
+
+
+def is_probe() -> bool:
+    """Whether this thread reads a state inside :func:`probing` (nothing is saved)."""
+    return _PROBING.get()
 
 
 def leaves(state: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:

@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
-from .. import rng
+from .. import rng, statetree
 from ..adapter import check_options, with_section
 from ..checkpointer import Checkpointer, SaveStats
 from ..errors import ConfigError
@@ -379,8 +379,10 @@ class ResilientCheckpoint(Checkpoint):
         self._ctx, self._state = sharded.save_context_and_state(
             trainer, pl_module, lossy, self._converter
         )
-        # Preflight: a value that cannot be saved fails now, not at the first save.
-        self._ctx.rest()
+        # Preflight: a value that cannot be saved fails now, not at the first save (read
+        # without the on_save_checkpoint hooks, which run for saves only: :mod:`.quiet`)
+        with statetree.probing():
+            self._ctx.rest()
         self._ctx.reset()
         if self.save_on_exception:
             self._step_hooks = self._on_exception.hook_optimizers(trainer.optimizers)

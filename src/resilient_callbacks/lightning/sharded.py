@@ -28,6 +28,7 @@ import torch
 
 from ..structure import PerRank
 from . import deepspeed as ds
+from . import quiet
 from . import state as st
 
 PART_KEYS = ("sharded", "engine")  # the FSDP/tensor-parallel Sharded part; DeepSpeed's engine
@@ -129,8 +130,9 @@ def save_context_and_state(
     sharded form under FSDP, tensor parallelism and DeepSpeed, Lightning's dumped dictionaries
     otherwise."""
     if is_sharded(trainer):
-        ctx = st.SaveContext(dump_fn(trainer), lossy, converter)
+        ctx = st.SaveContext(quiet.dump_fn(dump_fn(trainer)), lossy, converter)
         return ctx, saved_state(ctx, trainer, converter)
     conn = trainer._checkpoint_connector
-    ctx = st.SaveContext(lambda: conn.dump_checkpoint(weights_only=False), lossy, converter)
+    dump = quiet.dump_fn(lambda: conn.dump_checkpoint(weights_only=False))
+    ctx = st.SaveContext(dump, lossy, converter)
     return ctx, st.saved_state(ctx, pl_module, trainer.optimizers, converter)
