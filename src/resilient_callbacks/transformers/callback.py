@@ -47,6 +47,7 @@ from . import (
     auto_batch,
     checks,
     collator_rng,
+    first,
     hooks,
     phases,
     progress,
@@ -148,6 +149,7 @@ class ResilientCheckpoint(TrainerCallback):
         self.log_save_metrics = log_save_metrics
         # a DeepSpeed config's section is read at on_train_begin, after deepspeed.initialize
         resilient_callbacks_ds_guard.claim("transformers.ResilientCheckpoint")
+        first.install(ResilientCheckpoint)  # restores before the callbacks' on_train_begin
 
         self.checkpointer: Checkpointer | None = None
         self.restored_step: int | None = None  # step the latest train() resumed from; None: fresh
@@ -190,8 +192,12 @@ class ResilientCheckpoint(TrainerCallback):
             auto_batch.install(trainer)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not first.begun(self):  # (it begins before every callback's on_train_begin)
+            self._start(args, state, kwargs.get("train_dataloader"))
+
+    def _start(self, args: Any, state: Any, loader: Any) -> None:
         trainer = self._attached if self._attached is not None else hooks.find_trainer(self)
-        self._begin(trainer, args, state, kwargs.get("train_dataloader"))
+        self._begin(trainer, args, state, loader)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._trainer is None:
