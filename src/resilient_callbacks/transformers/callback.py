@@ -227,7 +227,8 @@ class ResilientCheckpoint(TrainerCallback):
         ckpt, trainer = self.checkpointer, self._trainer
         if ckpt is not None and trainer is not None:
             self._log_final()  # if the wrapper of the handler's on_train_end did not
-            phases.finished(self._home, trainer)
+            if not ckpt.preempted:  # (a preempted training goes on at the next train())
+                phases.finished(self._home, trainer)
         if not self._ending:  # (the wrapper below closes after every callback's)
             self._finish()
 
@@ -432,6 +433,8 @@ class ResilientCheckpoint(TrainerCallback):
         # the last step as a final save: taken whatever the schedule, and by the remote tier
         # whatever remote_every_n_saves says
         saved = ckpt.step(step, self._saved.tree, metrics, final=final and self.save_on_train_end)
+        if ckpt.preempted:  # exit_on_preemption=False: train() returns (saved as not stopped)
+            control.should_training_stop = True
         force = (
             self.save_on_evaluate and self.monitor is not None and self.monitor in metrics
         ) or (epoch_end and self._save_every_epoch)
