@@ -53,6 +53,7 @@ from . import (
     checks,
     deepspeed,
     ending,
+    evaluate,
     last,
     patches,
     refit,
@@ -167,7 +168,7 @@ class ResilientCheckpoint(Checkpoint):
         for cb in checks.callbacks(trainer):
             if isinstance(cb, ModelCheckpoint):
                 return cb.best_model_path
-        return getattr(self, "_best_model_path", "")
+        return evaluate.best_path(self, trainer) or getattr(self, "_best_model_path", "")
 
     @best_model_path.setter
     def best_model_path(self, path: str) -> None:
@@ -178,7 +179,8 @@ class ResilientCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ setup / teardown
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != TrainerFn.FITTING.value:
+        if stage != TrainerFn.FITTING.value:  # (validate/test/predict: evaluate.py)
+            evaluate.at_setup(self, trainer)
             return
         checks.check_strategy(trainer)
         if deepspeed.is_deepspeed(trainer):

@@ -31,7 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import closing
 from ..errors import CheckpointError
-from . import refit
+from . import evaluate, refit
 
 if TYPE_CHECKING:
     from .callback import ResilientCheckpoint
@@ -42,6 +42,7 @@ log = logging.getLogger("resilient_callbacks.lightning")
 def teardown(cb: ResilientCheckpoint, trainer: pl.Trainer, stage: str) -> None:
     """The callback's ``teardown``: close (errors raised), remember the finished fit."""
     if stage != TrainerFn.FITTING.value:
+        cb._unpatch_all()  # (a validate/test/predict's wrapper: evaluate.py)
         return
     ckpt = cb.checkpointer
     try:
@@ -51,6 +52,8 @@ def teardown(cb: ResilientCheckpoint, trainer: pl.Trainer, stage: str) -> None:
     else:
         if ckpt is not None and not cb._past_end:  # (only after a fit() without an error)
             refit.finished(trainer, ckpt.dirpath)
+        if ckpt is not None:
+            evaluate.fit_ended(cb, ckpt.dirpath, ckpt.latest_path)
     finally:
         cb._unpatch_all()
 

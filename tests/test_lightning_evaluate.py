@@ -1,0 +1,94 @@
+"""``trainer.validate()``/``test()`` after a ``fit()`` with ``ResilientCheckpoint`` and no
+``ModelCheckpoint``: Lightning's ``"best"`` (its default when no model is given) is this
+callback's checkpoint -- the newest, or the best by ``monitor`` -- loaded verified, as the
+default ``ModelCheckpoint``'s file would be; a checkpoint directory of ours given as
+``ckpt_path`` loads too. In-process runs of a tiny model on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from resilient_callbacks import catalog
+from resilient_callbacks.lightning import ResilientCheckpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class _Net(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.loaded_steps: list[int] = []
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        return self.lin(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.log("val_loss", self.lin(batch[0]).pow(2).mean())
+
+    def test_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.log("test_loss", self.lin(batch[0]).pow(2).mean())
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.3)
+
+    def on_load_checkpoint(self, checkpoint):  # type: ignore[no-untyped-def]
+        self.loaded_steps.append(checkpoint["global_step"])
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(3)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g)), batch_size=4
+    )
+
+
+def _trainer(work: Path, *callbacks: L.Callback, **kw) -> L.Trainer:  # type: ignore[no-untyped-def]
+    return L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=work,
+        callbacks=list(callbacks),
+        **kw,
+    )
+
+
+def test_test_and_validate_after_fit_load_the_newest_checkpoint(tmp_path):
+    """It raised "ModelCheckpoint is not configured to save the best model"."""
+    module = _Net()
+    trainer = _trainer(tmp_path, ResilientCheckpoint(tmp_path / "ck", every_n_steps=2), max_steps=6)
+    trainer.fit(module, _loader())
+    expected = trainer.test(module, _loader(), verbose=False)  # the weights in memory: step 6
+    with torch.no_grad():
+        module.lin.weight.zero_()  # so only a load gives the trained weights back
+    with pytest.warns(UserWarning, match="best model of the previous `fit` call"):
+        got = trainer.test(dataloaders=_loader(), verbose=False)
+    assert got == expected and module.loaded_steps == [6]
+    assert trainer.validate(dataloaders=_loader(), verbose=False)
+    assert module.loaded_steps == [6, 6]
+
+
+def test_best_is_the_best_checkpoint_by_monitor_and_a_path_of_ours_loads(tmp_path):
+    module = _Net()
+    rc = ResilientCheckpoint(
+        tmp_path / "ck", every_n_steps=1, keep_last=1, keep_best=1, monitor="val_loss"
+    )
+    trainer = _trainer(tmp_path, rc, max_steps=6, val_check_interval=1, limit_val_batches=1)
+    trainer.fit(module, _loader(), _loader())
+    kept = catalog.committed(catalog.scan(str(tmp_path / "ck"), catalog.Depth.NONE))
+    best = min(kept, key=lambda e: e.manifest.metrics["val_loss"])
+    assert best.step != 6 and len(kept) == 2  # the best is not the newest
+    trainer.test(ckpt_path="best", dataloaders=_loader(), verbose=False)
+    assert module.loaded_steps == [best.step]
+    other = _Net()  # a new Trainer with the callback (its own directory), ours given
+    evaluating = _trainer(tmp_path / "b", ResilientCheckpoint(tmp_path / "b" / "ck"))
+    evaluating.test(other, _loader(), ckpt_path=best.path, verbose=False)
+    assert not (tmp_path / "b" / "ck").exists()  # nothing opened or written there
+    assert other.loaded_steps == [best.step]
+    assert torch.equal(other.lin.weight, module.lin.weight)
