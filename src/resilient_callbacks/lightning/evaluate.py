@@ -84,7 +84,7 @@ def wrap_resume_start(trainer: pl.Trainer) -> Any:
         conn._loaded_checkpoint = checks.migrate(checkpoint, path)
         return None
 
-    conn.resume_start = resume_start
+    conn.resume_start = resume_start  # type: ignore[method-assign]
 
     def unwrap() -> None:
         if vars(conn).get("resume_start") is resume_start:

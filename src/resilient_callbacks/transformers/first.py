@@ -29,7 +29,7 @@ _WRAPPED = "_resilient_callbacks_begins_first"
 _BEGUN: weakref.WeakSet[Any] = weakref.WeakSet()  # began in the handler's on_train_begin
 
 
-def install(callback_class: type) -> None:
+def install(callback_class: type[Any]) -> None:
     """Wrap ``CallbackHandler.on_train_begin`` (once): a ``callback_class`` instance among the
     handler's callbacks begins, through its ``_start(args, state, train_dataloader)``, before
     the handler calls any callback's ``on_train_begin``."""
