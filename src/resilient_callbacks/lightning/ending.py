@@ -50,7 +50,8 @@ def teardown(cb: ResilientCheckpoint, trainer: pl.Trainer, stage: str) -> None:
     except Exception as e:
         _raise_after_teardown(cb, trainer, e)
     else:
-        if ckpt is not None and not cb._past_end:  # (only after a fit() without an error)
+        # (only after a fit() without an error; a preempted one goes on at the next fit())
+        if ckpt is not None and not cb._past_end and not ckpt.preempted:
             refit.finished(trainer, ckpt.dirpath)
         if ckpt is not None:
             evaluate.fit_ended(cb, ckpt.dirpath, ckpt.latest_path)
