@@ -17,7 +17,9 @@ usual script, ``trainer.fit(model, dm)`` then ``trainer.test(datamodule=dm)``, a
 Under a sharded strategy (FSDP, tensor parallel, DeepSpeed) none of this applies: Lightning's
 own handling stays (load such a run's weights with ``Checkpointer(read_only=True)``).
 
-Every rank loads the same checkpoint itself (a read-only restore runs no collective).
+Which ranks call what: Lightning resolves the path and calls ``resume_start`` on every rank,
+at the same point, so every rank opens the read-only ``Checkpointer`` (whose construction
+checks the options across ranks) and restores the same checkpoint together.
 """
 
 from __future__ import annotations
