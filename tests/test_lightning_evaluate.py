@@ -28,7 +28,8 @@ class _Net(L.LightningModule):
         return self.lin(batch[0]).pow(2).mean()
 
     def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        self.log("val_loss", self.lin(batch[0]).pow(2).mean())
+        # best mid-run by construction (the training loss's minimum depends on the init)
+        self.log("val_loss", float((self.global_step - 3) ** 2))
 
     def test_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         self.log("test_loss", self.lin(batch[0]).pow(2).mean())
