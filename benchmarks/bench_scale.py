@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "src
 
 from common import library_version, write_results
 
+from resilient_callbacks.filewrite import encode_json, write_bytes
 from resilient_callbacks.manifest import FileEntry, Manifest
 from resilient_callbacks.nodelocal import global_files
 from resilient_callbacks.remote import RemoteStore
@@ -46,7 +47,6 @@ from resilient_callbacks.remote_commit import (
 from resilient_callbacks.remote_objects import OwnCheckpoints
 from resilient_callbacks.retention import RetentionPolicy
 from resilient_callbacks.session import RankReport
-from resilient_callbacks.tensorfile import encode_json, write_bytes
 
 
 class Counting:

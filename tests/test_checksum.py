@@ -21,10 +21,10 @@ from resilient_callbacks.checksum import (
     in_page_cache,
 )
 from resilient_callbacks.errors import CheckpointCorruptError
+from resilient_callbacks.filewrite import digest_file
 from resilient_callbacks.manifest import Manifest, read_manifest
 from resilient_callbacks.tensorfile import (
     FileDigest,
-    digest_file,
     map_tensors_verified,
     read_tensors_verified,
     read_verified,

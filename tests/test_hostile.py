@@ -68,7 +68,7 @@ def test_one_malformed_manifest_is_a_corrupt_checkpoint_not_a_broken_directory(
 def _rewrite_checked(ckpt, name, edit) -> None:
     """Edit the JSON file ``name`` of checkpoint ``ckpt`` and recompute its size and checksum
     in the manifest, as a tool that rewrites checkpoints would (the damage is in the content)."""
-    from resilient_callbacks.tensorfile import digest_file
+    from resilient_callbacks.filewrite import digest_file
 
     path = os.path.join(ckpt, name)
     with open(path) as f:
@@ -184,7 +184,7 @@ def test_the_dcp_reader_reads_only_files_the_manifest_lists(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from resilient_callbacks.dcp import ResilientStorageReader, ResilientStorageWriter
-    from resilient_callbacks.tensorfile import digest_file
+    from resilient_callbacks.filewrite import digest_file
 
     root = tmp_path / "ck"
     with ResilientStorageWriter(root) as w:

@@ -25,7 +25,7 @@ import safetensors.torch
 import torch
 import xxhash
 
-from resilient_callbacks import Checkpointer, catalog, tensorfile
+from resilient_callbacks import Checkpointer, catalog, filewrite, tensorfile
 from resilient_callbacks.checksum import FileHasher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,17 +112,17 @@ def test_large_json_is_encoded_in_c_and_small_json_is_unchanged(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     small = {"step": 3, "files": [{"path": "a", "size": 1}], "x": 0.5}
-    assert tensorfile.encode_json(small) == json.dumps(small, indent=1).encode()
+    assert filewrite.encode_json(small) == json.dumps(small, indent=1).encode()
     big = {f"model/p{i}": {"__rc__": "tensor", "key": f"model/p{i}"} for i in range(5000)}
 
     def python_encoder(*a: Any, **kw: Any) -> Any:
         raise AssertionError("the pure-Python JSON encoder ran")
 
     monkeypatch.setattr(json.encoder, "_make_iterencode", python_encoder)
-    data = tensorfile.encode_json(big)
+    data = filewrite.encode_json(big)
     assert json.loads(data) == big
     with pytest.raises(ValueError):  # NaN is refused either way (the writers never emit it)
-        tensorfile.encode_json({**big, "nan": float("nan")})
+        filewrite.encode_json({**big, "nan": float("nan")})
 
 
 def test_keep_all_retention_reads_no_manifest(

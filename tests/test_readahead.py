@@ -12,8 +12,8 @@ import torch
 
 from resilient_callbacks import CheckpointCorruptError
 from resilient_callbacks import readahead as ra
+from resilient_callbacks.filewrite import digest_file
 from resilient_callbacks.tensorfile import (
-    digest_file,
     map_tensors_verified,
     read_tensors_verified,
     write_tensors,

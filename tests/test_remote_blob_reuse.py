@@ -74,8 +74,8 @@ def test_a_remote_blob_another_run_recorded_with_other_bytes_is_not_replaced(tmp
     import json
     import shutil
 
+    from resilient_callbacks.filewrite import digest_file
     from resilient_callbacks.manifest import SELF_CHECKSUM, read_manifest, self_checksum
-    from resilient_callbacks.tensorfile import digest_file
 
     url, remote = f"file://{tmp_path}/durable", tmp_path / "durable"
     state = _state()

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from resilient_callbacks import Checkpointer, ConfigError
+from resilient_callbacks.filewrite import encode_json, write_bytes
 from resilient_callbacks.manifest import FileEntry, Manifest
 from resilient_callbacks.remote import RemoteStore
 from resilient_callbacks.remote_commit import NodeUploader, RemoteCommitter, UploadJob
 from resilient_callbacks.retention import RetentionPolicy
-from resilient_callbacks.tensorfile import encode_json, write_bytes
 
 
 def _node_dir(root, name: str, rank: int, data: bytes) -> FileEntry:

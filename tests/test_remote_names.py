@@ -233,8 +233,8 @@ def test_a_commit_of_this_runs_key_written_by_another_process_is_not_taken_for_o
     took its own step 2 for uploaded (the key was listed), never uploaded it, and its local
     retention was free to delete the only copy. Now a key counts as uploaded only with the
     same files; the upload goes beside the other's, which it leaves alone, with a warning."""
+    from resilient_callbacks.filewrite import encode_json
     from resilient_callbacks.manifest import read_manifest
-    from resilient_callbacks.tensorfile import encode_json
 
     url = f"file://{tmp_path}/durable/run"
     with Checkpointer(tmp_path / "a", remote=url, keep_last=5, async_save=False) as ck:

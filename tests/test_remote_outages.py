@@ -13,11 +13,11 @@ import torch
 
 from flaky_proxy import FlakyProxy
 from resilient_callbacks import Checkpointer, ResumeFallbackWarning
+from resilient_callbacks.filewrite import encode_json, write_bytes
 from resilient_callbacks.manifest import FileEntry, Manifest
 from resilient_callbacks.remote import NO_MANIFEST, RemoteStore
 from resilient_callbacks.remote_commit import NodeUploader, RemoteCommitter
 from resilient_callbacks.retention import RetentionPolicy
-from resilient_callbacks.tensorfile import encode_json, write_bytes
 
 RETRIES = {"max_attempts": 2, "mode": "standard"}
 

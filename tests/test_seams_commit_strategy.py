@@ -17,9 +17,9 @@ import xxhash
 from resilient_callbacks import catalog
 from resilient_callbacks.commit import CommitStrategy, RenameCommit
 from resilient_callbacks.errors import CheckpointWriteError
+from resilient_callbacks.filewrite import encode_json
 from resilient_callbacks.manifest import FileEntry, Manifest
 from resilient_callbacks.remote import ManifestLastCommit, RemoteStore
-from resilient_callbacks.tensorfile import encode_json
 
 PAYLOAD = {"a.bin": b"a" * 1000, "sub/b.bin": os.urandom(3000)}
 

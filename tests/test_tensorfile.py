@@ -12,9 +12,9 @@ import torch
 import xxhash
 
 from resilient_callbacks import CheckpointCorruptError, UnsupportedStateError
+from resilient_callbacks.filewrite import digest_file
 from resilient_callbacks.tensorfile import (
     FileDigest,
-    digest_file,
     read_tensors_verified,
     read_verified,
     tensor_meta,

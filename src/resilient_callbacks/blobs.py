@@ -46,8 +46,9 @@ import xxhash
 
 from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX, ensure_dir, fsync_dir
 from .errors import CheckpointCorruptError, UnsafeManifestError
+from .filewrite import digest_file
 from .manifest import BLOB_KIND, BLOB_NAME_RE, MANIFEST_NAME, FileEntry, Manifest, read_manifest
-from .tensorfile import DirectBuffer, _as_bytes, digest_file, write_tensors
+from .tensorfile import DirectBuffer, _as_bytes, write_tensors
 
 log = logging.getLogger("resilient_callbacks")
 

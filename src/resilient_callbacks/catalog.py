@@ -32,10 +32,10 @@ from . import checking
 from .branches import inherited
 from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX
 from .errors import CheckpointCorruptError
+from .filewrite import digest_file
 from .history import HISTORY_NAME
 from .manifest import BLOB_KIND, MANIFEST_NAME, FileEntry, Manifest, read_manifest
 from .retention import Candidate
-from .tensorfile import digest_file
 
 log = logging.getLogger(__name__)
 

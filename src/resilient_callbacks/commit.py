@@ -33,8 +33,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .errors import CheckpointWriteError
+from .filewrite import write_bytes
 from .manifest import MANIFEST_NAME
-from .tensorfile import write_bytes
 
 log = logging.getLogger("resilient_callbacks")
 

@@ -226,7 +226,8 @@ def read_tensors_compressed(
 
 def _check_stored(path: str, expect: FileDigest | None) -> None:
     """Size and checksum of the stored (compressed) file against ``expect``, streamed."""
-    from .tensorfile import _check_digest, _checked_size, digest_file
+    from .filewrite import digest_file
+    from .tensorfile import _check_digest, _checked_size
 
     _checked_size(path, expect)
     if expect is not None:

@@ -56,8 +56,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import CheckpointCorruptError, UnsupportedStateError
+from .filewrite import write_json
 from .manifest import FileEntry, Manifest
-from .tensorfile import DirectBuffer, map_tensors_verified, read_verified, write_json, write_tensors
+from .tensorfile import DirectBuffer, map_tensors_verified, read_verified, write_tensors
 
 if TYPE_CHECKING:
     from .part_blobs import PartBlobSession

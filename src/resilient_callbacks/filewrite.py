@@ -10,12 +10,14 @@ fed in any cut (it streams).
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from .checksum import FileHasher
+from .checksum import FileHasher, digest_path
+from .errors import CheckpointCorruptError
 
 CHUNK = 16 << 20  # bytes per write/hash call
 
@@ -24,6 +26,16 @@ CHUNK = 16 << 20  # bytes per write/hash call
 class FileDigest:
     size: int
     xxh3_64: str
+
+
+def digest_file(path: str, like: str | None = None) -> FileDigest:
+    """Size and checksum of the file at ``path``, in the scheme of the checksum ``like`` (a
+    manifest's, to compare with it), else in the scheme files are written in."""
+    try:
+        size, digest = digest_path(path, like)
+    except ValueError as e:  # a scheme this version does not know
+        raise CheckpointCorruptError(f"{path}: {e} in the manifest") from None
+    return FileDigest(size, digest)
 
 
 SMALL = 64 << 10  # tensors of fewer bytes are gathered into one write (and one hasher call)
@@ -128,3 +140,34 @@ def write_all(f: Any, data: memoryview) -> None:
         if n is None or n <= 0:  # pragma: no cover - raw files return the count or raise
             raise OSError("short write")
         data = data[n:]
+
+
+#: documents that encode to more bytes than this are written on one line, without indentation
+INDENT_MAX = 64 << 10
+
+
+def encode_json(obj: Any) -> bytes:
+    """The bytes :func:`write_json` writes for ``obj``: indented (one space) when that is small
+    enough to read, else on one line. Only ``json.dumps`` without ``indent`` runs in C: the
+    structure of 20,000 tensors (``shared.json``, an entry per tensor) took 0.056 s in
+    Python's encoder against 0.015 s. Readers parse either; checksums are of the bytes
+    written."""
+    data = json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    if len(data) > INDENT_MAX:
+        return data.encode("utf-8")
+    return json.dumps(obj, indent=1, sort_keys=False, allow_nan=False).encode("utf-8")
+
+
+def write_json(path: str, obj: Any, *, fsync: bool = True) -> FileDigest:
+    return write_bytes(path, encode_json(obj), fsync=fsync)
+
+
+def write_bytes(path: str, data: bytes, *, fsync: bool = True) -> FileDigest:
+    """Write ``data`` as the whole file ``path`` (fsynced unless ``fsync=False``)."""
+    with open(path, "wb", buffering=0) as f:
+        write_all(f, memoryview(data))
+        if fsync:
+            os.fsync(f.fileno())
+    h = FileHasher()  # the hasher of files being written
+    h.update(data)
+    return FileDigest(len(data), h.hexdigest())

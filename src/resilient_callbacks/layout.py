@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import CheckpointCorruptError, CheckpointMismatchError
+from .filewrite import write_json
 from .manifest import FileEntry, Manifest
 from .structure import Encoded
 from .tensorfile import (
@@ -35,7 +36,6 @@ from .tensorfile import (
     map_tensors_verified,
     read_verified,
     tensor_meta,
-    write_json,
     write_tensors,
 )
 

@@ -27,7 +27,7 @@ import xxhash
 from . import branches
 from .checksum import is_segmented
 from .errors import CheckpointCorruptError, UnsafeManifestError
-from .tensorfile import FileDigest
+from .filewrite import FileDigest
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "resilient_callbacks.checkpoint"

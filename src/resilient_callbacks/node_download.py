@@ -20,9 +20,9 @@ from .blobs import TMP_PREFIX, key_of, store_dir
 from .catalog import Depth
 from .commit import STAGING_PREFIX
 from .errors import CheckpointCorruptError
+from .filewrite import encode_json, write_bytes
 from .manifest import Manifest
 from .nodelocal import REMOTE_MANIFEST, NodeDirectory, is_shared, needed
-from .tensorfile import encode_json, write_bytes
 
 log = logging.getLogger("resilient_callbacks")
 

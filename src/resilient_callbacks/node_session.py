@@ -18,10 +18,10 @@ from typing import Any
 from . import dist
 from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint, replace_file
 from .errors import CheckpointWriteError
+from .filewrite import encode_json
 from .manifest import FileEntry, Manifest, versions
 from .nodelocal import REMOTE_MANIFEST, NodeDirectory, global_files, is_shared
 from .session import Committed, RankReport, agree_steps
-from .tensorfile import encode_json
 from .topology import Topology
 
 log = logging.getLogger("resilient_callbacks")

@@ -53,8 +53,9 @@ from .blobs import (
 )
 from .commit import ensure_dir, fsync_dir
 from .errors import CheckpointCorruptError, CheckpointWriteError
+from .filewrite import digest_file
 from .manifest import FileEntry, Manifest
-from .tensorfile import DirectBuffer, digest_file
+from .tensorfile import DirectBuffer
 from .unchanged import Sig, buffer_sig
 
 REFS_KEY = "blobs"  # a part file's safetensors metadata: {tensor name: blob name}, as JSON

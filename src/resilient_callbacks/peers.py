@@ -26,9 +26,9 @@ import torch
 from . import catalog
 from .catalog import Depth
 from .commit import STAGING_PREFIX, fsync_dir, fsync_tree
+from .filewrite import write_bytes
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .nodelocal import REMOTE_MANIFEST
-from .tensorfile import write_bytes
 
 log = logging.getLogger("resilient_callbacks")
 

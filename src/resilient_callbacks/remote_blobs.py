@@ -44,9 +44,9 @@ from .blobs import BLOBS_DIR, NAME_RE, TMP_PREFIX, blob_path, key_of, store_dir
 from .catalog import verify_entries
 from .commit import ensure_dir, fsync_dir
 from .errors import CheckpointCorruptError
+from .filewrite import digest_file
 from .manifest import FileEntry, Manifest
 from .remote_objects import modified_time
-from .tensorfile import digest_file
 
 if TYPE_CHECKING:
     from .remote import RemoteEntry, RemoteStore

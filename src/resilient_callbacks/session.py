@@ -14,7 +14,7 @@ order, for the same step; each one marked *collective* runs collectives on ``gro
 - ``begin``: the coordinator (rank 0) creates a hidden staging directory and every rank gets its
   path (``None`` when rank 0 could not create it: ``commit`` then raises on every rank).
 - Between ``begin`` and ``commit`` each rank writes only its own files, through the core's hashing
-  writers (:func:`.tensorfile.write_tensors`, :func:`.tensorfile.write_json` or
+  writers (:func:`.tensorfile.write_tensors`, :func:`.filewrite.write_json` or
   :func:`.layout.write_part`), and hands their :class:`~.manifest.FileEntry` list to :meth:`add`;
   a rank that failed passes its exception to ``commit(error=...)`` instead of raising, so that no
   rank is left waiting in the gather.
@@ -47,11 +47,11 @@ from .blobs import BlobStore, key_of
 from .branches import Tip
 from .commit import CommitStrategy, RenameCommit, point_latest
 from .errors import CheckpointWriteError, ConfigError
+from .filewrite import encode_json
 from .manifest import FileEntry, Manifest, versions
 from .part_blobs import promote_staged
 from .retention import RetentionPolicy
 from .retention_pass import apply_retention
-from .tensorfile import encode_json
 
 log = logging.getLogger("resilient_callbacks")
 

@@ -24,7 +24,6 @@ from . import mapped
 from .checksum import (
     WRITTEN,
     FileHasher,
-    digest_path,
     digest_view,
     hasher_for,
     in_page_cache,
@@ -143,37 +142,6 @@ def write_tensors(
         if fsync:
             os.fsync(f.fileno())
     return FileDigest(len(head) + size, hasher.hexdigest())
-
-
-#: documents that encode to more bytes than this are written on one line, without indentation
-INDENT_MAX = 64 << 10
-
-
-def encode_json(obj: Any) -> bytes:
-    """The bytes :func:`write_json` writes for ``obj``: indented (one space) when that is small
-    enough to read, else on one line. Only ``json.dumps`` without ``indent`` runs in C: the
-    structure of 20,000 tensors (``shared.json``, an entry per tensor) took 0.056 s in
-    Python's encoder against 0.015 s. Readers parse either; checksums are of the bytes
-    written."""
-    data = json.dumps(obj, separators=(",", ":"), allow_nan=False)
-    if len(data) > INDENT_MAX:
-        return data.encode("utf-8")
-    return json.dumps(obj, indent=1, sort_keys=False, allow_nan=False).encode("utf-8")
-
-
-def write_json(path: str, obj: Any, *, fsync: bool = True) -> FileDigest:
-    return write_bytes(path, encode_json(obj), fsync=fsync)
-
-
-def write_bytes(path: str, data: bytes, *, fsync: bool = True) -> FileDigest:
-    """Write ``data`` as the whole file ``path`` (fsynced unless ``fsync=False``)."""
-    with open(path, "wb", buffering=0) as f:
-        write_all(f, memoryview(data))
-        if fsync:
-            os.fsync(f.fileno())
-    h = new_hasher()
-    h.update(data)
-    return FileDigest(len(data), h.hexdigest())
 
 
 def _checked_size(path: str, expect: FileDigest | None) -> int:
@@ -381,16 +349,6 @@ def _fill_metadata(header: dict[str, Any], out: dict[str, str] | None, path: str
     if not isinstance(meta, dict):
         raise CheckpointCorruptError(f"{path}: malformed safetensors metadata")
     out.update({str(k): str(v) for k, v in meta.items()})
-
-
-def digest_file(path: str, like: str | None = None) -> FileDigest:
-    """Size and checksum of the file at ``path``, in the scheme of the checksum ``like`` (a
-    manifest's, to compare with it), else in the scheme files are written in."""
-    try:
-        size, digest = digest_path(path, like)
-    except ValueError as e:  # a scheme this version does not know
-        raise CheckpointCorruptError(f"{path}: {e} in the manifest") from None
-    return FileDigest(size, digest)
 
 
 def parse_header(

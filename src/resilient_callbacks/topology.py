@@ -23,7 +23,7 @@ from typing import Any
 
 from . import dist
 from .errors import CheckpointWriteError, ConfigError
-from .tensorfile import write_bytes
+from .filewrite import write_bytes
 
 log = logging.getLogger("resilient_callbacks")
 

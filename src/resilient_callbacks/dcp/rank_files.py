@@ -16,8 +16,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import UnsupportedStateError
+from ..filewrite import write_json
 from ..manifest import FileEntry
-from ..tensorfile import write_json, write_tensors
+from ..tensorfile import write_tensors
 from .chunks import split
 from .metadata_json import index_key
 

@@ -51,13 +51,13 @@ from .. import checkpointer, closing, dist
 from ..config import CheckpointerConfig, local_dirpath
 from ..directory import Directory
 from ..errors import CheckpointWriteError, UnsupportedStateError
+from ..filewrite import write_json
 from ..lock import release_dropped
 from ..manifest import FileEntry
 from ..preemption import PreemptionWatcher
 from ..reader import by_commit, committed
 from ..session import CommitSession, RankReport
 from ..snapshot import Snapshot
-from ..tensorfile import write_json
 from . import lineage, shards
 from .chunks import held
 from .metadata_json import METADATA_NAME, to_json
