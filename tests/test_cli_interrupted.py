@@ -87,39 +87,53 @@ def test_ls_json_interrupted_while_printing_prints_whole_json_and_exits_130(tmp_
     assert "interrupted" in err and "Traceback" not in err, err
 
 
-def test_ctrl_c_while_torch_imports_stops_gc_before_it_deletes(tmp_path):
+_SWALLOWS_CTRL_C = """
+import importlib.abc, os, signal, sys, time
+
+class SwallowsCtrlC(importlib.abc.MetaPathFinder):  # as torch's import of numpy
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # (the handler runs at once)
+            except BaseException:
+                pass
+        return None
+
+sys.meta_path.insert(0, SwallowsCtrlC())
+from resilient_callbacks import cli
+rc = cli.main(sys.argv[1:])
+print("torch imported" if "torch" in sys.modules else "no torch", file=sys.stderr)
+sys.exit(rc)
+"""
+
+
+def test_ctrl_c_while_torch_imports_stops_export_before_it_writes(tmp_path):
     """A Ctrl-C in the second the CLI imports torch was lost: torch's import loads numpy from
-    C and clears whatever error that raised, a KeyboardInterrupt too, so `gc` went on and
-    deleted, exit 0. Here the import of torch swallows a real SIGINT as torch does; gc must
-    stop before deleting anything, exit 130."""
-    root = tmp_path / "ck"
+    C and clears whatever error that raised, a KeyboardInterrupt too, so the command went on
+    (a gc deleted, an export wrote), exit 0. Only the commands that handle tensors import torch
+    now, when they reach that point; here the import of torch swallows a real SIGINT as torch
+    does; export must stop before it writes anything, exit 130."""
+    root, out = tmp_path / "ck", tmp_path / "out"
     make_run(str(root), steps=(10, 20, 30), keep_last=None)
-    script = textwrap.dedent(
-        """
-        import importlib.abc, os, signal, sys, time
-
-        class SwallowsCtrlC(importlib.abc.MetaPathFinder):  # as torch's import of numpy
-            def find_spec(self, name, path=None, target=None):
-                if name == "torch":
-                    sys.meta_path.remove(self)
-                    try:
-                        os.kill(os.getpid(), signal.SIGINT)
-                        time.sleep(1)  # (the handler runs at once)
-                    except BaseException:
-                        pass
-                return None
-
-        sys.meta_path.insert(0, SwallowsCtrlC())
-        from resilient_callbacks import cli
-        sys.exit(cli.main(["gc", sys.argv[1], "--keep-last", "1"]))
-        """
-    )
     r = subprocess.run(
-        [sys.executable, "-c", script, str(root)], env=ENV, capture_output=True, text=True,
-        timeout=120, preexec_fn=_sigint_default,
+        [sys.executable, "-c", _SWALLOWS_CTRL_C, "export", str(root), str(out)], env=ENV,
+        capture_output=True, text=True, timeout=120, preexec_fn=_sigint_default,
     )  # fmt: skip
     assert r.returncode == 130, (r.stdout, r.stderr)
-    assert "interrupted" in r.stderr and "deleted" not in r.stdout, r.stdout
-    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == [
-        "step_000000010", "step_000000020", "step_000000030",
-    ]  # fmt: skip
+    assert "interrupted" in r.stderr and not out.exists(), r.stderr
+
+
+def test_gc_imports_no_torch_so_no_ctrl_c_is_swallowed(tmp_path):
+    """gc, which deleted after a swallowed Ctrl-C, needs no torch at all now: the finder that
+    would swallow one is never asked for torch, and gc does its work, exit 0."""
+    root = tmp_path / "ck"
+    make_run(str(root), steps=(10, 20, 30), keep_last=None)
+    r = subprocess.run(
+        [sys.executable, "-c", _SWALLOWS_CTRL_C, "gc", str(root), "--keep-last", "1"], env=ENV,
+        capture_output=True, text=True, timeout=120, preexec_fn=_sigint_default,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "no torch" in r.stderr, r.stderr
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000030"]

@@ -40,15 +40,19 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
 from .commit import CKPT_RE, STAGING_PREFIX, TRASH_PREFIX, ensure_dir, fsync_dir
 from .errors import CheckpointCorruptError, UnsafeManifestError
 from .filewrite import digest_file
 from .manifest import BLOB_KIND, BLOB_NAME_RE, MANIFEST_NAME, FileEntry, Manifest, read_manifest
-from .tensorfile import DirectBuffer, _as_bytes, write_tensors
+
+if TYPE_CHECKING:  # tensorfile imports torch: only saves need it (the CLI's ls and gc not)
+    import torch
+
+    from .tensorfile import DirectBuffer
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -60,6 +64,8 @@ NAME_RE = BLOB_NAME_RE
 
 def content_key(t: torch.Tensor) -> str:
     """xxh3-128 of a tensor's dtype, shape and bytes: the name of its blob."""
+    from .tensorfile import _as_bytes
+
     h = xxhash.xxh3_128()
     h.update(f"{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
     h.update(_as_bytes(t))
@@ -149,6 +155,8 @@ def write_blob(
     """Write blob ``key`` (``t``'s bytes) into ``folder`` atomically: a temporary name, fsync,
     rename (over an unreferenced leftover at most). The caller fsyncs ``folder`` before a
     manifest names the blob."""
+    from .tensorfile import write_tensors
+
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f"{TMP_PREFIX}{key}-{uuid.uuid4().hex[:8]}")
     meta = {"format": "resilient_callbacks", "part": "blob"}

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import closing, dist, sinks, topology
+from . import closing, dist, sinks, stall, topology
 from .adapter import keywords_checked
 from .catalog import Entry
 from .config import CheckpointerConfig
@@ -52,7 +52,7 @@ __all__ = ["CLOSE_OUTAGE_S", "GRACE_ENV", "RESUMABLE_EXIT_CODE", "Checkpointer",
 log = logging.getLogger("resilient_callbacks")
 
 # seconds of failing uploads before close() gives up (UploadIncompleteError); of a stalled restore
-CLOSE_OUTAGE_S = 300.0
+CLOSE_OUTAGE_S = stall.CLOSE_OUTAGE_S  # (300 s)
 
 RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, retry": checkpoint saved, restart me
 

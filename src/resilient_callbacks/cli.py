@@ -3,7 +3,9 @@ and clean up a checkpoint directory, and copy checkpoints to and from a remote s
 
 This module builds the parser and dispatches; each command lives in a module imported only
 when it runs (``cli_local``: ls, gc; ``cli_verify``; ``cli_inspect``; ``cli_remote``: pull,
-push; ``cli_remote_verify``: verify URL), so ``--help``, ``--version`` and usage errors do not import torch. See docs/cli.md.
+push; ``cli_remote_verify``: verify URL). Only the commands that handle tensors (inspect,
+export) import torch (:mod:`.cli_torch_import`): ``--help``, ``ls``, ``verify``, ``gc``, ``push``
+and ``pull`` start in a fraction of its ~2 s import. See docs/cli.md.
 """
 
 from __future__ import annotations
@@ -360,32 +362,6 @@ def _report_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("the following arguments are required: DIR")
 
 
-def _import_torch() -> None:
-    """Import torch (every command needs it) so that a Ctrl-C meanwhile still stops the
-    command. torch's import loads numpy from C and clears whatever error that raised, a
-    KeyboardInterrupt too: a Ctrl-C in that second was lost, and the command ran to its end
-    (a gc deleted) with exit status 0. The interrupt is remembered and raised after it."""
-    import signal
-
-    if "torch" in sys.modules or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        import torch  # (an embedding program's handler is left alone)
-
-        return
-    hits: list[int] = []
-
-    def remember(signum: int, frame: Any) -> None:
-        hits.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, remember)
-    try:
-        import torch  # noqa: F401
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if hits:
-        raise KeyboardInterrupt
-
-
 class _PipeSafe:
     """stdout for a command piped into ``head``: once the reader has gone, the rest of the
     output goes to /dev/null and the command runs to its end, so its exit status is its own
@@ -448,11 +424,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{args.cmd}: {e}")
     stdout, sys.stdout = sys.stdout, _PipeSafe(sys.stdout)
     try:
-        _import_torch()
-        from .catalog import blobs_read_once  # (imports torch: after _import_torch)
+        from .catalog import blobs_read_once
         from .cli_scan import reading_said
+        from .cli_torch_import import torch_import_guarded
 
-        with blobs_read_once(), reading_said(args.cmd):  # a shared blob: checked once
+        # a shared blob checked once; torch, imported only by a command that needs tensors
+        # (inspect, export), cannot swallow a Ctrl-C
+        with torch_import_guarded(), blobs_read_once(), reading_said(args.cmd):
             return int(args.fn(args))
     except CheckpointError as e:
         print(f"{PROG} {args.cmd}: {e}", file=sys.stderr)

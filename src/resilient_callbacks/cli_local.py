@@ -1,6 +1,5 @@
 """``resilient-ckpt ls`` and ``gc``: the commands that judge a local checkpoint directory
-(``verify``: :mod:`.cli_verify`). Imported only when one of them runs (it imports torch
-through the catalog)."""
+(``verify``: :mod:`.cli_verify`). Imported only when one of them runs; they need no torch."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``resilient-ckpt verify DIR``: every checksum of a local directory's newest checkpoint (or of
 step N, or all), and the ``step_<n>`` folders without a manifest, which no save of ours leaves.
-Imported only when it runs (it imports torch through the catalog)."""
+Imported only when it runs; it needs no torch."""
 
 from __future__ import annotations
 

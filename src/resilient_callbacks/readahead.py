@@ -27,8 +27,6 @@ import os
 import threading
 from typing import Any
 
-import torch
-
 AHEAD = 1 << 30  # bytes requested beyond the reader's position
 STEP = 64 << 20  # the window slides in steps of this many bytes
 
@@ -101,6 +99,8 @@ class MappedPrefetch:
         self._bytes: Any = None
         if size < 2 * STEP:
             return  # small: the reader's own faults are enough
+        import torch  # (here: checksums alone, Readahead, need no torch)
+
         self._bytes = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
         for i in range(workers):
             t = threading.Thread(target=self._run, name=f"rc-prefetch-{i}", daemon=True)

@@ -29,11 +29,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from . import branches, catalog, layout
+from . import branches, catalog
 from .catalog import Depth, Entry, Status
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, NoValidCheckpointError
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
+
+if TYPE_CHECKING:  # layout imports torch: only open_checkpoint needs it (the CLI's verify not)
+    from . import layout
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,8 @@ def select(
 def open_checkpoint(path: str | os.PathLike[str], rank: int = 0) -> Opened:
     """Read one committed checkpoint's manifest and ``rank``'s part, verified while read
     (:class:`CheckpointCorruptError` on a bad file)."""
+    from . import layout
+
     p = os.path.abspath(os.fspath(path))
     manifest = read_manifest(p)
     return Opened(p, manifest, layout.read_part(p, manifest, rank))

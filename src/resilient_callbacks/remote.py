@@ -30,11 +30,12 @@ from typing import Any
 
 import fsspec
 
-from . import remote_blobs, remote_objects, remote_reads, rng
+from . import remote_blobs, remote_objects, remote_reads
 from .blobs import BLOBS_DIR
 from .catalog import PLAIN_DCP_METADATA, Depth, verify, verify_entries
 from .commit import STAGING_PREFIX, fsync_dir, fsync_tree
 from .errors import CheckpointCorruptError, RemoteUnavailableError
+from .global_rngs import preserved
 from .manifest import MANIFEST_NAME, NEWER_FORMAT, Manifest
 from .progress import Progress
 from .redact import options_text, url_text
@@ -110,8 +111,8 @@ class RemoteStore:
         self.url = url_text(url.rstrip("/"))
         self.options = dict(options or {})
         try:
-            # importing the backend may draw from the global RNGs (see rng.preserved)
-            with rng.preserved():
+            # importing the backend may draw from the global RNGs (see global_rngs)
+            with preserved():
                 self.fs, root = fsspec.core.url_to_fs(url.rstrip("/"), **self.options)
         except ImportError as e:
             raise RemoteUnavailableError(

@@ -10,14 +10,15 @@ A ``torch.Generator`` the state holds (a ``DataLoader``'s, say) is saved as a st
 
 from __future__ import annotations
 
-import contextlib
 import random
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
+
+from .global_rngs import preserved
 
 
 def capture() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -112,26 +113,6 @@ def check(info: Any, tensors: dict[str, torch.Tensor]) -> None:
         t = tensors[f"@rng/cuda_{i}"]
         if t.dtype != torch.uint8 or t.dim() != 1:
             raise ValueError(f"CUDA RNG state {i}: {t.dtype} of shape {list(t.shape)}")
-
-
-@contextlib.contextmanager
-def preserved() -> Iterator[None]:
-    """Leave the global generators of Python, NumPy and torch (CPU) as they were on entry.
-
-    For work the library does on the training thread that may draw from them as a side effect
-    (importing an fsspec backend: aiobotocore imports httpx, which imports rich, which calls
-    ``random.getrandbits`` at import). Adding the library must not change the user's random
-    streams.
-    """
-    py = random.getstate()
-    npy = np.random.get_state(legacy=True)
-    cpu = torch.get_rng_state()
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(npy)
-        torch.set_rng_state(cpu)
 
 
 class GeneratorState:

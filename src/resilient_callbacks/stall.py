@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,15 +37,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("resilient_callbacks")
 T = TypeVar("T")
+# seconds of failing uploads before close() gives up (UploadIncompleteError); of a stalled restore
+CLOSE_OUTAGE_S = 300.0  # (checkpointer.CLOSE_OUTAGE_S: set it there)
 LOG_EVERY_S = 30.0  # a long download says how far it got this often
 
 
 def limit_s() -> float:
     """Seconds without progress after which a restore's remote read is given up: the outage
-    limit of ``close()`` (``checkpointer.CLOSE_OUTAGE_S``, 5 minutes)."""
-    from . import checkpointer
-
-    return float(checkpointer.CLOSE_OUTAGE_S)
+    limit of ``close()`` (``checkpointer.CLOSE_OUTAGE_S``, 5 minutes, as it is set there once that
+    module is imported: the CLI's pull imports no checkpointer, nor torch)."""
+    checkpointer = sys.modules.get(f"{__package__}.checkpointer")
+    return float(getattr(checkpointer, "CLOSE_OUTAGE_S", CLOSE_OUTAGE_S))
 
 
 def run(
