@@ -194,7 +194,8 @@ def test_the_repair_hint_names_each_tier_tried_and_the_remote_options():
 
     said = repair_hint("/ck", "s3://u:pw@b/run/", {"endpoint_url": "x"}, {"/ck/a", "remote:a"})
     assert said.startswith("`resilient-ckpt verify /ck --all` names a blob they share in the"), said
-    assert "`resilient-ckpt verify s3://***@b/run --all`" in said and "pw" not in said, said
+    # (shell-quoted: unquoted, a shell would expand the stars of the hidden credentials)
+    assert "`resilient-ckpt verify 's3://***@b/run' --all`" in said and "pw" not in said, said
     assert said.endswith("--remove-corrupt` (each with `-o KEY=VALUE` for the remote_options)")
     only_local = repair_hint("/ck", "s3://b/run", None, {"/ck/a"})
     assert "s3://" not in only_local and "`gc --remove-corrupt`" in only_local, only_local

@@ -19,6 +19,7 @@ from typing import Any
 
 from .blobs import blob_path
 from .catalog import Depth, Entry, Status, _problem
+from .redact import command
 
 REMOTE_BLOB_PROBLEM = "the blob "  # how remote.py's scan says a blob is missing or torn
 
@@ -84,10 +85,11 @@ def repair_note(damaged: dict[str, DamagedBlob], where: str, total: int) -> str:
             f"naming it{every} are corrupt through it: {', '.join(d.checkpoints)}"
         )
     lines.append(
-        "repair the blob and they are valid again: with a remote tier, `resilient-ckpt pull "
-        f"URL {where}` puts a verified copy back into {where}/blobs; or a run resumed from a "
-        "whole checkpoint writes a missing or damaged blob of a tensor that did not change "
-        f"again at its next save. `resilient-ckpt verify {where} --all` shows what is whole"
+        "repair the blob and they are valid again: with a remote tier, "
+        f"{command('pull', 'URL', where)} puts a verified copy back into {where}/blobs; or a "
+        "run resumed from a whole checkpoint writes a missing or damaged blob of a tensor that "
+        f"did not change again at its next save. {command('verify', where, '--all')} shows "
+        "what is whole"
     )
     return "\n".join(lines)
 
@@ -110,6 +112,6 @@ def remote_keep_note(problem: str | None, args: Any) -> str | None:
     if getattr(args, "remove_blob_corrupt", False):
         return None
     return (
-        f"corrupt only through a shared blob: {problem}; `resilient-ckpt push {args.dir} "
-        f"{args.remote}` uploads a whole local copy again (--remove-blob-corrupt deletes it)"
+        f"corrupt only through a shared blob: {problem}; {command('push', args.dir, args.remote)}"
+        " uploads a whole local copy again (--remove-blob-corrupt deletes it)"
     )

@@ -17,7 +17,7 @@ from .errors import (
     ResumeFallbackWarning,
     warn_and_log,
 )
-from .redact import url_text
+from .redact import command, url_text
 
 if TYPE_CHECKING:
     from .catalog import Entry
@@ -205,14 +205,14 @@ def repair_hint(dirpath: str, remote: Any, options: Any, tried: set[str]) -> str
     ``remote:<name>``, :func:`.candidates.tried_as`): of the directory, of the remote tier
     (its URL: ``verify DIR --all`` reads no remote copy, and finds nothing at all in the
     empty directory of a new machine), or of both."""
-    here = f"`resilient-ckpt verify {dirpath} --all` names a blob they share"
+    here = f"{command('verify', dirpath, '--all')} names a blob they share"
     if remote is None or not any(t.startswith("remote:") for t in tried):
         return f"{here}; `gc --remove-corrupt`"
     url = url_text(str(remote).rstrip("/"))
-    there = f"`resilient-ckpt verify {url} --all` names a blob they share in the remote tier"
+    there = f"{command('verify', url, '--all')} names a blob they share in the remote tier"
     local = any(not t.startswith("remote:") for t in tried)
     return (
         (f"{here} in the directory, and " if local else "")
-        + f"{there}; `resilient-ckpt gc {dirpath} --remote {url} --remove-corrupt`"
+        + f"{there}; {command('gc', dirpath, '--remote', url, '--remove-corrupt')}"
         + (" (each with `-o KEY=VALUE` for the remote_options)" if options else "")
     )

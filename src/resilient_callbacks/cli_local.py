@@ -38,6 +38,7 @@ from .errors import CheckpointError
 from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME, NEWER_FORMAT
 from .reader import by_commit, check
+from .redact import command
 from .retention import Plan, RetentionPolicy, plan
 
 
@@ -158,7 +159,7 @@ def ls(args: argparse.Namespace) -> int:
     if any(r.get("tier") != "remote" for r in unverified):
         print(
             "\nnot verified: sizes were checked, checksums not read (--fast); "
-            f"`resilient-ckpt verify {args.dir} --all` reads them"
+            f"{command('verify', args.dir, '--all')} reads them"
         )
     if any(r.get("tier") == "remote" for r in unverified):
         print(
@@ -168,7 +169,7 @@ def ls(args: argparse.Namespace) -> int:
     for r in rows:
         if r.get("tier") == "remote-corrupt":
             print(f"\n{r['name']}: its remote copy is damaged ({r['remote_problem']}); "
-                  f"`resilient-ckpt push {args.dir} {args.remote}` uploads it again")  # fmt: skip
+                  f"{command('push', args.dir, args.remote)} uploads it again")  # fmt: skip
     return 0
 
 

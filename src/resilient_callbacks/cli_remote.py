@@ -20,6 +20,7 @@ from .cli_scan import is_url, no_checkpoints, resolve
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME
+from .redact import command
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
 from .remote_objects import REMOTE_CKPT_RE, UNREADABLE, RemoteNameTaken, free_name
 from .retention import Plan, RetentionPolicy
@@ -238,7 +239,7 @@ def pull(args: argparse.Namespace) -> int:
     if is_url(args.dir):  # (a local folder named "s3:" would be made, and said as the URL)
         raise CheckpointError(
             f"{args.dir} is a URL: pull downloads into a local directory; give one, e.g. "
-            f"`resilient-ckpt pull {args.url} ckpts/run1`"
+            f"{command('pull', args.url, 'ckpts/run1')}"
         )
     if os.path.exists(args.dir):  # a file, or one checkpoint (a pull would nest in it)
         resolve(args.dir, single_ok=False)

@@ -12,7 +12,7 @@ from .cli_format import iso_time
 from .cli_remote import _damage, store
 from .cli_scan import report_verified
 from .errors import CheckpointNotFoundError
-from .redact import url_text
+from .redact import command, url_text
 from .remote import RemoteEntry, RemoteStore
 
 
@@ -80,7 +80,7 @@ def _verify(args: argparse.Namespace) -> int:
         len(committed),
         what="remote checkpoint(s)",
         shown="url",
-        failed_hint=f"; `resilient-ckpt push DIR {st.url} --verify` uploads a damaged copy "
+        failed_hint=f"; {command('push', 'DIR', st.url, '--verify')} uploads a damaged copy "
         "again from a valid local one",
         matched="every checksum matches, read from the store",
     )

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 from . import catalog
 from .catalog import Depth, Entry
+from .redact import command
 from .remote import RemoteEntry
 
 
@@ -26,7 +27,7 @@ def pulled_beside_other_runs(dirpath: str, run_id: str) -> None:
             f"resilient-ckpt pull: note: {dirpath} also holds checkpoints of another run "
             f"({', '.join(others)}); the newest commit there, which a run resumed in it tries "
             f"first, is {newest.name} (run {newest.manifest.run_id if newest.manifest else '?'}"
-            f"). `resilient-ckpt ls {dirpath}` shows them; pull into an empty directory to keep "
+            f"). {command('ls', dirpath)} shows them; pull into an empty directory to keep "
             "runs apart",
             file=sys.stderr,
         )
@@ -42,6 +43,6 @@ def pushing_beside_other_runs(url: str, remote: Iterable[RemoteEntry], local: li
             f"resilient-ckpt push: note: {url} holds checkpoints of another run "
             f"({', '.join(others)}) than those pushed ({', '.join(sorted(mine))}); a run "
             f"resuming from {url} tries the newest commit of any of them first. "
-            f"`resilient-ckpt ls DIR --remote {url}` shows them; give each run its own URL",
+            f"{command('ls', 'DIR', '--remote', url)} shows them; give each run its own URL",
             file=sys.stderr,
         )

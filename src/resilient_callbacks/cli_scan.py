@@ -33,6 +33,7 @@ from .cli_format import (
 from .commit import CKPT_RE
 from .errors import CheckpointNotFoundError
 from .manifest import MANIFEST_NAME
+from .redact import command
 
 CHECKED = {Depth.FULL: CHECKSUMS, Depth.SIZE: SIZES, Depth.NONE: MANIFEST}
 
@@ -54,9 +55,9 @@ def resolve(path: str, *, single_ok: bool = True) -> Target:
     if is_url(path):
         raise CheckpointNotFoundError(
             f"{path} is a remote store's URL; this command reads a local checkpoint directory. "
-            f"For the remote store: `resilient-ckpt ls DIR --remote {path}` lists its copies "
-            f"beside the local ones, `resilient-ckpt verify {path}` checks their checksums, and "
-            f"`resilient-ckpt pull {path} DIR` downloads one, verified"
+            f"For the remote store: {command('ls', 'DIR', '--remote', path)} lists its copies "
+            f"beside the local ones, {command('verify', path)} checks their checksums, and "
+            f"{command('pull', path, 'DIR')} downloads one, verified"
         )
     if not os.path.exists(path):
         raise CheckpointNotFoundError(
@@ -193,7 +194,7 @@ def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundEr
         return CheckpointNotFoundError(
             f"{path} has no {MANIFEST_NAME}: it is named as a checkpoint but is not a committed "
             "one (no save leaves such a folder: damaged, or copied without its manifest), and is "
-            f"never loaded; `resilient-ckpt verify {parent}` checks the directory's checkpoints"
+            f"never loaded; {command('verify', parent)} checks the directory's checkpoints"
         )
     note = catalog.plain_dcp_note(path)
     note = f"; {note}" if note else ""

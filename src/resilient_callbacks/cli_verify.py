@@ -21,6 +21,7 @@ from .cli_scan import (
 )
 from .errors import CheckpointNotFoundError
 from .reader import by_commit, check, find, unordered
+from .redact import command
 
 NO_MANIFEST = (
     "no manifest.json, though named as a checkpoint: not a committed one (no save leaves such a "
@@ -115,16 +116,16 @@ def _report_verified(
         if blob is not None:  # incremental: other checkpoints may name it too
             print(
                 f"the newest checkpoint is corrupt: its blob {blob} is missing or damaged, and "
-                "every checkpoint that names it is corrupt too. `resilient-ckpt verify "
-                f"{args.dir} --all` shows which are whole; with a remote tier, `resilient-ckpt "
-                f"pull URL {args.dir}` fetches a whole copy",
+                "every checkpoint that names it is corrupt too. "
+                f"{command('verify', args.dir, '--all')} shows which are whole; with a remote "
+                f"tier, {command('pull', 'URL', args.dir)} fetches a whole copy",
                 file=sys.stderr,
             )
             return status
         every = len(committed) + len(_no_manifest(target, scan(target, Depth.NONE)))
         print(  # (--all checks the step_<n> folders without a manifest too)
-            f"the newest checkpoint is {what}; `resilient-ckpt inspect {args.dir}` shows "
-            f"the newest valid one, `resilient-ckpt verify {args.dir} --all` checks all {every}",
+            f"the newest checkpoint is {what}; {command('inspect', args.dir)} shows the newest "
+            f"valid one, {command('verify', args.dir, '--all')} checks all {every}",
             file=sys.stderr,
         )
     return status

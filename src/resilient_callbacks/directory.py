@@ -37,7 +37,7 @@ from .errors import (
 from .lock import COMMAND_WAIT_S, DirLock, claim_remote
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .reader import by_commit
-from .redact import push_command
+from .redact import command, push_command
 from .remote_objects import RestoredCopy
 from .retention import RetentionPolicy
 from .retention_pass import apply_retention, collect_blobs
@@ -368,8 +368,9 @@ class Directory:
                 f"remote {self.remote.url} holds {len(foreign)} checkpoint(s) of {len(runs)} "
                 f"other run(s) ({', '.join(runs)}). The remote retention does not count or "
                 "delete them, and a resume from the remote takes the newest of any run: use a "
-                "remote URL per run, or remove them with `resilient-ckpt gc "
-                f"{self.dirpath} --remote {self.remote.url} --other-runs` (--dry-run first)."
+                "remote URL per run, or remove them with "
+                f"{command('gc', self.dirpath, '--remote', self.remote.url, '--other-runs')} "
+                "(--dry-run first)."
             )
             warn_and_log(log, msg, ForeignCheckpointsWarning, stacklevel=AT_CALLER)
 
@@ -397,7 +398,7 @@ class Directory:
             f"{self.dirpath} holds {len(foreign)} checkpoint(s) of {len(runs)} other run(s) "
             f"({', '.join(runs)}; steps {min(steps)}..{max(steps)}). Retention does not count "
             "or delete them; use a separate dirpath per run, or remove them with "
-            f"`resilient-ckpt gc {self.dirpath} --other-runs` (after this run has saved; "
+            f"{command('gc', self.dirpath, '--other-runs')} (after this run has saved; "
             "`--dry-run` first shows what it would delete)."
         )
         warn_and_log(log, msg, ForeignCheckpointsWarning, stacklevel=AT_CALLER)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from . import catalog, mapped
 from .errors import AT_CALLER, warn_and_log
 from .manifest import MANIFEST_NAME, Manifest
+from .redact import command
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def say_what_is_not_a_checkpoint(
             f"{dirpath}: {shown} {'has' if n == 1 else 'have'} no {MANIFEST_NAME}, so "
             f"{'it is' if n == 1 else 'they are'} not a checkpoint (a save of this library "
             f"never leaves one: damaged, or a copy still in progress); {then}. "
-            f"`resilient-ckpt ls {dirpath}` lists them",
+            f"{command('ls', dirpath)} lists them",
             stacklevel=AT_CALLER,
         )
     if not fresh:

@@ -16,7 +16,7 @@ import os
 import shutil
 from collections.abc import Callable
 
-from . import branches, catalog, stall
+from . import branches, catalog, redact, stall
 from .catalog import Depth
 from .commit import fsync_dir, remove_checkpoint, sweep_staging
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -68,7 +68,7 @@ def pull_newest_whole(
         except CheckpointCorruptError as e:
             if not left:
                 raise CheckpointCorruptError(
-                    f"{st.url}/{entry.name}: {e}. `resilient-ckpt verify {st.url} --all` says "
+                    f"{st.url}/{entry.name}: {e}. {redact.command('verify', st.url, '--all')} says "
                     "which remote checkpoints are whole; pull one of them with --step N"
                 ) from e
             if skipping is not None:
@@ -95,8 +95,8 @@ def pull(
         if os.path.lexists(final) and not os.path.exists(os.path.join(final, MANIFEST_NAME)):
             raise CheckpointError(
                 f"{final} exists and is not a committed checkpoint (no {MANIFEST_NAME}: no save "
-                "of this library leaves one); refusing to replace it. Remove it (`resilient-ckpt "
-                f"gc {dirpath}` does) or pull into an empty directory"
+                "of this library leaves one); refusing to replace it. Remove it "
+                f"({redact.command('gc', dirpath)} does) or pull into an empty directory"
             )
         if os.path.exists(os.path.join(final, MANIFEST_NAME)):
             here = read_manifest(final)

@@ -63,6 +63,13 @@ def push_command(dirpath: str, url: str, options: Mapping[str, Any]) -> str:
     shell-quoted: with each key of ``options`` as ``-o KEY=...`` (without them, an
     ``endpoint_url`` say, the command went to another store or none), the values left out
     (they may be secrets) for the user to fill in."""
-    opts = "".join(f" -o {k}=..." for k in options)
+    opts = [w for k in options for w in ("-o", f"{k}=...")]
     said = " (each `...` the value of that key of your remote_options, as JSON)" if opts else ""
-    return f"`resilient-ckpt push {shlex.quote(dirpath)} {shlex.quote(url)}{opts}`{said}"
+    return command("push", dirpath, url, *opts) + said
+
+
+def command(*words: object) -> str:
+    """``resilient-ckpt WORDS`` for a message, in backquotes, each word shell-quoted: pasted
+    into a shell, a path with a space or a quote stays one argument (placeholders such as
+    ``DIR`` and options such as ``--all`` read as they are)."""
+    return "`resilient-ckpt " + " ".join(shlex.quote(str(w)) for w in words) + "`"
