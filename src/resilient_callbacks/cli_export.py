@@ -32,6 +32,12 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
         "any other folder is refused",
     )
     p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        help="write the floating-point weights in this dtype (default: as saved: fp32 for the "
+        "masters of ZeRO 1-3); integer tensors stay as they are",
+    )
+    p.add_argument(
         "--key",
         metavar="KEY",
         help="a plain Checkpointer state: the entry to write (a module, or a dict of tensors; "
@@ -237,7 +243,12 @@ def _write(args: argparse.Namespace, sel: Any, key: str | None = None, weights: 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # safetensors' non-writable buffer note
         out = consolidate.export_weights(
-            sel.path, args.out, overwrite=bool(args.force), weights=weights, key=key
+            sel.path,
+            args.out,
+            overwrite=bool(args.force),
+            weights=weights,
+            key=key,
+            dtype=getattr(args, "dtype", None),
         )
     what = f"{key!r} of " if key is not None else ""
     print(f"exported {what}{sel.path} (step {sel.step}) to {out}/model.safetensors")

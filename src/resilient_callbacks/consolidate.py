@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from . import reader, structure
 from .commit import ensure_dir, fsync_dir, fsync_tree
 from .dtypes import DTYPE_TO_ST
-from .errors import CheckpointCorruptError, CheckpointMismatchError
+from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from .export_target import EXPORT_MARKER, check_export_target
 from .filepart import PARTS_EXTRA, part_dir, parts_of_format, read_part_tensors
 from .layout import LoadedPart, is_dcp_dropin
@@ -386,6 +386,37 @@ def publish_export(staging: str, out: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# ``export --dtype``: what floating-point weights are written as (default: as saved)
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_fits(name: str, t: torch.Tensor, dtype: str) -> None:
+    """Refuse (:class:`ConfigError`) to cast ``t`` to ``dtype`` where a finite value would
+    become inf (fp16's range ends at 65504)."""
+    to = EXPORT_DTYPES[dtype]
+    if not t.is_floating_point() or torch.finfo(to).max >= torch.finfo(t.dtype).max:
+        return
+    finite = t[torch.isfinite(t)]
+    big = float(finite.abs().max()) if finite.numel() else 0.0
+    if big > torch.finfo(to).max:
+        raise ConfigError(
+            f"{name} holds {big:.6g}, beyond {dtype}'s largest value "
+            f"({torch.finfo(to).max:.6g}): it would be written as inf; export as bf16 or fp32"
+        )
+
+
+def cast_floats(weights: dict[str, torch.Tensor], dtype: str | None) -> dict[str, torch.Tensor]:
+    """``weights`` with every floating-point tensor in ``dtype`` (``fp32``, ``bf16``, ``fp16``;
+    None: as they are), as ``tensor.to`` rounds (to nearest even); integer and bool tensors as
+    they are. :func:`check_fits` first."""
+    if dtype is None:
+        return weights
+    to = EXPORT_DTYPES[dtype]
+    for k, v in weights.items():
+        check_fits(k, v, dtype)
+    return {k: v.to(to) if v.is_floating_point() else v for k, v in weights.items()}
+
+
 def uncompiled(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``weights`` by the names of the model uncompiled: without the ``_orig_mod.`` segments of
     a submodule compiled on its own (``enc = torch.compile(enc)``: ``enc._orig_mod.0.weight``),
@@ -408,12 +439,14 @@ def export_weights(
     overwrite: bool = False,
     weights: dict[str, torch.Tensor] | None = None,
     key: str | None = None,
+    dtype: str | None = None,
 ) -> str:
     """Write ``model.safetensors`` and ``export.json`` of the checkpoint at ``path`` into the
     directory ``out`` (written under a temporary name, renamed into place). ``weights``: what to
-    write (default: :func:`consolidated`), the state's entry ``key`` (recorded)."""
+    write (default: :func:`consolidated`), the state's entry ``key`` (recorded); ``dtype``:
+    the floating-point weights cast to it (:func:`cast_floats`; None: as saved)."""
     out = check_export_target(path, out, overwrite=overwrite)
-    weights = consolidated(path) if weights is None else weights
+    weights = cast_floats(consolidated(path) if weights is None else weights, dtype)
     manifest = read_manifest(path)
     if not is_dcp_dropin(manifest):  # (dcp.save's own keys are kept as they are)
         weights = uncompiled(weights)

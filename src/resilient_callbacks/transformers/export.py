@@ -22,7 +22,14 @@ from typing import Any
 import transformers
 
 from .. import layout, module_versions, reader, structure
-from ..consolidate import consolidated, export_staging, publish_export, trainer_model_info
+from ..consolidate import (
+    EXPORT_DTYPES,
+    check_fits,
+    consolidated,
+    export_staging,
+    publish_export,
+    trainer_model_info,
+)
 from ..errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -63,6 +70,7 @@ def _export(
     overwrite: bool,
     model_class: type | None,
     merged: bool = False,
+    dtype: str | None = None,
 ) -> tuple[str, str]:
     src = os.fspath(source)
     out = check_export_target(src, output_dir, overwrite=overwrite)
@@ -118,6 +126,10 @@ def _export(
             json.loads(info["generation_config"])
         )
 
+    if dtype is not None:  # (export --dtype) floating-point weights and buffers
+        for name, t in model.state_dict().items():
+            check_fits(name, t, dtype)
+        model = model.to(EXPORT_DTYPES[dtype])
     staging = export_staging(out)
     try:
         model.save_pretrained(staging, safe_serialization=True)
@@ -206,6 +218,7 @@ def cli_export(args: argparse.Namespace) -> int:
                 bool(getattr(args, "force", False)),
                 None,
                 bool(getattr(args, "merged", False)),
+                getattr(args, "dtype", None),
             )
         for w in caught:
             print(f"resilient-ckpt export: warning: {w.message}", file=sys.stderr)
