@@ -14,7 +14,7 @@ import torch
 from ..dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from ..layout import rank_structure, rank_tensors
-from .chunks import Box, copy_overlap
+from .chunks import Box, copy_overlap, first_overlap
 from .views import dtype_code
 
 # a Sharded part's files are named as the core's own files of each rank
@@ -41,15 +41,27 @@ def assemble(
                 return src
             with torch.no_grad():
                 return out.copy_(src)
+    # the saved chunks that share elements with ``need``: an honest index has no two that
+    # overlap, so their shares add up to the elements covered (else some count twice and a
+    # gap passes as covered); checked before anything is copied into ``out``
+    used = [
+        (int(r), Box.of(offsets, sizes), key[0] if key else name)
+        for r, offsets, sizes, *key in entry["chunks"]
+        if need.numel and need.intersect(Box.of(offsets, sizes)) is not None
+    ]
+    both = first_overlap([box for _, box, _ in used])
+    if both is not None:
+        a, b = both
+        raise CheckpointCorruptError(
+            f"{name}: the saved chunks {list(a.offsets)}+{list(a.sizes)} and "
+            f"{list(b.offsets)}+{list(b.sizes)} overlap: the chunk index is damaged"
+        )
     local = torch.empty(need.sizes, dtype=dtype) if out is None else out
     filled = 0
-    for r, offsets, sizes, *key in entry["chunks"]:
-        box = Box.of(offsets, sizes)
-        if need.numel == 0 or need.intersect(box) is None:
-            continue
-        src = files[int(r)].get(key[0] if key else name)
+    for r, box, key in used:
+        src = files[r].get(key)
         if src is None:  # (load() refuses tensors the checkpoint lacks before asking)
-            raise CheckpointCorruptError(f"{tensor_file(int(r))} does not hold {name}")
+            raise CheckpointCorruptError(f"{tensor_file(r)} does not hold {name}")
         if entry.get("whole") and (src.dtype != local.dtype or tuple(src.shape) != box.sizes):
             raise CheckpointMismatchError(
                 f"{name}: saved {DTYPE_TO_ST.get(src.dtype, src.dtype)} {list(src.shape)}, "

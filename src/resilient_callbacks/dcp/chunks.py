@@ -193,11 +193,32 @@ def copy_overlap(dst: torch.Tensor, dst_box: Box, src: torch.Tensor, src_box: Bo
     return common.numel
 
 
+def first_overlap(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
+    """Two of ``boxes`` that share an element, or ``None`` when no two do. The chunks of an
+    honest index never overlap (a replica is written once), so a sum of their sizes counts
+    each element once only when this finds nothing. A sweep along the first dimension: only
+    boxes whose first-dimension ranges overlap are compared (for shards of rows, neighbours)."""
+    live = [b for b in boxes if b.numel]
+    if live and not live[0].sizes:  # 0-d: any two are the one element
+        return (live[0], live[1]) if len(live) > 1 else None
+    live.sort(key=lambda b: b.offsets[0])
+    active: list[Box] = []
+    for b in live:
+        active = [a for a in active if a.offsets[0] + a.sizes[0] > b.offsets[0]]
+        for a in active:
+            if a.intersect(b) is not None:
+                return a, b
+        active.append(b)
+    return None
+
+
 def check_index(index: Any, world_size: int) -> None:
     """Raise :class:`CheckpointCorruptError` where the saved chunk index (from a manifest,
     which has no checksum of its own) cannot describe what the ranks saved: an entry not
     shaped as written, a chunk outside its tensor or of a rank that did not save, chunks too
-    small to cover their tensor. Checked before anything loads, so the restore falls back."""
+    small to cover their tensor, two chunks that overlap (then a sum of their sizes counts some
+    elements twice and can hide a gap). Checked before anything loads, so the restore falls
+    back."""
 
     def bad(name: Any, why: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"the chunk index of {name!r} is damaged: {why}")
@@ -210,7 +231,7 @@ def check_index(index: Any, world_size: int) -> None:
         shape, chunks = entry.get("shape"), entry.get("chunks")
         if not (isinstance(shape, list) and _ints(shape) and isinstance(chunks, list)):
             raise bad(name, "no shape or chunk list")
-        covered = 0
+        covered, boxes = 0, []
         for c in chunks:
             if not (isinstance(c, list) and len(c) in (3, 4) and _ints(c[1]) and _ints(c[2])):
                 raise bad(name, f"chunk {c!r}")
@@ -222,6 +243,15 @@ def check_index(index: Any, world_size: int) -> None:
             if any(o < 0 or o + z > d for o, z, d in zip(offsets, sizes, shape, strict=True)):
                 raise bad(name, f"chunk {offsets}+{sizes} outside the tensor's shape {shape}")
             covered += math.prod(sizes)
+            boxes.append(Box.of(offsets, sizes))
+        both = first_overlap(boxes)
+        if both is not None:
+            a, b = both
+            raise bad(
+                name,
+                f"chunks {list(a.offsets)}+{list(a.sizes)} and {list(b.offsets)}+{list(b.sizes)} "
+                "overlap",
+            )
         if covered < math.prod(shape):
             raise bad(name, f"chunks of {covered} elements cannot cover {math.prod(shape)}")
 
