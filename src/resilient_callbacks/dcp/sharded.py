@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -48,7 +47,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from .. import dist, module_versions
 from ..consolidate import SHARDED_FORMAT as FORMAT  # (export finds the parts without this package)
@@ -59,7 +57,7 @@ from ..snapshot import step_storages
 from ..unchanged import frozen_storages
 from . import flat_restore, optim_fit, shards
 from .assemble import assemble, json_file, tensor_file
-from .chunks import Box, check_index, index_of_ranks, join, split
+from .chunks import check_index, index_of_ranks, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
 from .reads import on_meta, plan_reads, refuse
 from .stateless import (
@@ -126,7 +124,7 @@ class Sharded(FilePart):
         self.model = model
         self.optimizers = optims
         self._pending: _Pending | None = None
-        self._boxes: dict[tuple[Any, ...], Box] = {}  # DTensor layout -> this rank's box
+        self._box = shards.BoxCache()  # this rank's box of a sharded tensor
         # the last gathered chunk index: (fingerprint of this rank's chunks, index, owned)
         self._index: tuple[int, dict[str, Any], set[str]] | None = None
         self._flat_on = True  # read FSDP1's layout directly where it can (see describe())
@@ -142,26 +140,6 @@ class Sharded(FilePart):
         return f"Sharded({type(self.model).__name__}, {len(self.optimizers)} optimizer(s))"
 
     # ------------------------------------------------------------------ the state dict
-
-    def _box(self, name: str, t: DTensor | ShardedTensor) -> Box:
-        """This rank's box of ``t``; a DTensor's cached by layout (computing it costs more than
-        the rest of describe() together: DTensor's __create_chunk_list__ recomputes the shard
-        sizes; a ShardedTensor carries its box)."""
-        if not isinstance(t, DTensor):
-            return shards.box_of(name, t)
-        mesh = t.device_mesh
-        coordinate = mesh.get_coordinate()
-        key: tuple[Any, ...] = (
-            tuple(t.shape),
-            tuple(t.placements),
-            id(mesh),
-            tuple(mesh.shape),
-            tuple(coordinate) if coordinate is not None else None,
-        )
-        box = self._boxes.get(key)
-        if box is None:
-            box = self._boxes[key] = shards.box_of(name, t)
-        return box
 
     def _saved_optims(self) -> tuple[torch.optim.Optimizer, ...]:
         """Every rank (collective until every optimizer has state): the optimizers whose state

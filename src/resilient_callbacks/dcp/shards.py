@@ -148,3 +148,29 @@ def _placed(meta: Any, device: torch.device) -> Any:
     if meta.placement is not None:
         meta.placement._device = device
     return meta
+
+
+class BoxCache:
+    """This rank's box of a sharded tensor, a DTensor's cached by layout (computing it costs
+    more than the rest of ``Sharded.describe()`` together: DTensor's ``__create_chunk_list__``
+    recomputes the shard sizes; a ShardedTensor carries its box)."""
+
+    def __init__(self) -> None:
+        self._boxes: dict[tuple[Any, ...], Box] = {}  # DTensor layout -> this rank's box
+
+    def __call__(self, name: str, t: DTensor | ShardedTensor) -> Box:
+        if not isinstance(t, DTensor):
+            return box_of(name, t)
+        mesh = t.device_mesh
+        coordinate = mesh.get_coordinate()
+        key: tuple[Any, ...] = (
+            tuple(t.shape),
+            tuple(t.placements),
+            id(mesh),
+            tuple(mesh.shape),
+            tuple(coordinate) if coordinate is not None else None,
+        )
+        box = self._boxes.get(key)
+        if box is None:
+            box = self._boxes[key] = box_of(name, t)
+        return box
