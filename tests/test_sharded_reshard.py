@@ -3,19 +3,28 @@ refuses.
 
 (a) One process: a chunk index whose chunks overlap (hand-edited or damaged) is refused; the
     sum of the overlaps counted an element twice and let a gap pass as covered.
+(b) 2 gloo ranks save, 1 restores (FSDP2 on CPU; the ranks run this file's :func:`worker`):
+    a model saved with ``StateDictOptions(ignore_frozen_params=True)`` restores with the same
+    options (it failed in DCP's strict load, after loading the rest); restored without them it
+    is refused before loading, saying what to pass.
 """
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+import spawn_ranks
 from resilient_callbacks.dcp.assemble import assemble
 from resilient_callbacks.dcp.chunks import Box, check_index, first_overlap
 from resilient_callbacks.errors import CheckpointCorruptError
 from torch_needs import needs_dcp
 
-pytestmark = [needs_dcp]
+pytestmark = [pytest.mark.timeout(600), needs_dcp]
 
 # ----------------------------------------------------------------------------- (a) one process
 
@@ -61,3 +70,94 @@ def test_chunks_that_tile_a_tensor_do_not_overlap():
         }
     }
     check_index(index, world_size=2)
+
+
+# ----------------------------------------------------------------------------- (b) 2 ranks -> 1
+
+
+def _ranks(phase: str, n: int, tmp_path: Path) -> list[dict]:
+    """This file's :func:`worker` ``phase`` as ``n`` ranks; each rank's result."""
+    argv = [sys.executable, __file__, phase, str(tmp_path / "ck")]
+    spawn_ranks.run(argv, n, tmp_path, phase, zygote=spawn_ranks.shared_zygote())
+    return [json.loads((tmp_path / f"{phase}.{r}.json").read_text()) for r in range(n)]
+
+
+@pytest.mark.distributed
+def test_a_save_without_frozen_parameters_restores_with_the_same_options(tmp_path):
+    (saved, _) = _ranks("frozen_save", 2, tmp_path)
+    (res,) = _ranks("frozen_load", 1, tmp_path)
+    assert res["same_options"]["step"] == 1, res
+    # everything but the frozen layer (BatchNorm's buffers: rank 0's, which this rank loads)
+    assert res["same_options"]["model"] == {
+        n: v for n, v in saved["model"].items() if not n.startswith("0.")
+    }
+    assert res["same_options"]["frozen_kept"] is True  # as the model was built: not loaded
+    assert res["same_options"]["optim_steps"] == [1.0] * 4  # BatchNorm's and layer 2's
+    refused = res["default_options"]["refused"]
+    assert "ignore_frozen_params=True" in refused and "model/0.weight: not in" in refused
+    assert res["default_options"]["changed"] == []  # refused before anything was loaded
+
+
+def _model(rank: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    m[0].requires_grad_(False)  # a frozen base, as PEFT/LoRA leaves one
+    for layer in (m[0], m[2]):
+        fully_shard(layer)
+    fully_shard(m)
+    return m, torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _full(m: torch.nn.Module) -> dict[str, list]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+    return {k: v.tolist() for k, v in sd.items()}
+
+
+def worker(phase: str, root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.dcp import Sharded
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    frozen = StateDictOptions(ignore_frozen_params=True)
+    res: dict = {}
+    if phase == "frozen_save":
+        m, opt = _model(rank, 0)
+        with Checkpointer(root, every_n_steps=1) as ck:
+            torch.manual_seed(10 + rank)
+            m(torch.randn(8, 6)).pow(2).mean().backward()
+            opt.step()
+            ck.step(1, {"train": Sharded(m, opt, options=frozen)})
+        res["model"] = _full(m)
+    elif phase == "frozen_load":
+        m, opt = _model(rank, 123)  # other values than were saved
+        built = _full(m)
+        with Checkpointer(root) as ck:
+            try:
+                ck.restore({"train": Sharded(m, opt)})
+            except Exception as e:
+                res["default_options"] = {"refused": str(e)}
+        res["default_options"]["changed"] = [k for k, v in _full(m).items() if v != built[k]]
+        with Checkpointer(root) as ck:
+            step = ck.restore({"train": Sharded(m, opt, options=frozen)})
+        now = _full(m)
+        res["same_options"] = {
+            "step": step,
+            "model": {k: v for k, v in now.items() if not k.startswith("0.")},
+            "frozen_kept": all(now[k] == built[k] for k in ("0.bias", "0.weight")),
+            "optim_steps": sorted(float(s["step"]) for s in opt.state.values()),
+        }
+    (Path(root).parent / f"{phase}.{rank}.json").write_text(json.dumps(res))
+    spawn_ranks.leave_group()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2])

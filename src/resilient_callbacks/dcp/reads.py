@@ -79,6 +79,26 @@ def plan_reads(
     return out
 
 
+def frozen_hint(problems: list[str], saved_left_out: bool, left_out: bool) -> list[str]:
+    """``problems`` of the model's fit, led by what to pass when the checkpoint and this
+    ``Sharded`` disagree on ``StateDictOptions(ignore_frozen_params=...)`` (``saved_left_out``:
+    the save left the frozen parameters out; ``left_out``: this restore does)."""
+    if not problems or saved_left_out == left_out:
+        return problems
+    if saved_left_out:
+        hint = (
+            "the checkpoint was saved without the frozen parameters (StateDictOptions("
+            "ignore_frozen_params=True)): restore with Sharded(..., options=StateDictOptions("
+            "ignore_frozen_params=True)), which keeps the frozen parameters the model holds"
+        )
+    else:
+        hint = (
+            "the checkpoint holds the frozen parameters, which this Sharded leaves out "
+            "(ignore_frozen_params=True): restore without it to load them"
+        )
+    return [hint, *problems]
+
+
 def on_meta(model: torch.nn.Module) -> list[str]:
     """The problem, if any, of a model whose parameters or persistent buffers are on the meta
     device (built under ``torch.device("meta")`` and not yet allocated): a restore would copy

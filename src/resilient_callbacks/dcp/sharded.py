@@ -59,7 +59,7 @@ from . import flat_restore, optim_fit, shards
 from .assemble import assemble, json_file, tensor_file
 from .chunks import check_index, index_of_ranks, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
-from .reads import on_meta, plan_reads, refuse
+from .reads import frozen_hint, on_meta, plan_reads, refuse
 from .stateless import (
     hyperparameters,
     optimizers_of,
@@ -249,6 +249,7 @@ class Sharded(FilePart):
             "optim": bool(optims),
             "optimizers": list(self._stepped) if optims else [],  # which ones hold state
             "optimizer_kinds": self._kinds(self.optimizers),
+            "frozen_left_out": self.options.ignore_frozen_params,  # (not in "tensors")
             "tensors": index,
             # tensors not sharded (buffers, a TP plan's replicated layers, DDP): in every
             # rank's file; named here for inspect and export
@@ -374,7 +375,10 @@ class Sharded(FilePart):
         plain, strict = saved.get("plain"), self.options.strict
         reads = plan_reads(tensors, index, plain, home, strict, self._box, with_optim)
         # the model's misfits first, then another optimizer's, then its state's
-        refuse(info.part_id, [p for p in reads.problems if p.startswith(MODEL)])
+        left_out = (bool(saved.get("frozen_left_out")), self.options.ignore_frozen_params)
+        refuse(
+            info.part_id, frozen_hint([p for p in reads.problems if p.startswith(MODEL)], *left_out)
+        )
         optim_fit.check(info.part_id, saved, self._kinds, self.optimizers, strict)
         refuse(info.part_id, reads.problems)
         self._load = {
@@ -462,7 +466,12 @@ class Sharded(FilePart):
                 + more
             )
         model_sd = module_versions.attach(sd["model"], meta, self._versions)  # (else the live)
-        set_model_state_dict(self.model, model_sd, options=self.options)
+        # frozen parameters left out (ignore_frozen_params) keep their values: DCP's strict load
+        # would call them missing, after loading the rest (files_to_read checked the rest)
+        lenient = replace(self.options, strict=False)
+        set_model_state_dict(
+            self.model, model_sd, options=lenient if lenient.ignore_frozen_params else self.options
+        )
         if plan["with_optim"]:
             # parameters that had no optimizer state when saved get none (DCP's strict
             # loading refuses them; the optimizer's load_state_dict leaves them without)
