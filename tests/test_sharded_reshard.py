@@ -6,12 +6,14 @@ refuses.
 (b) 2 gloo ranks save, 1 restores (FSDP2 on CPU; the ranks run this file's :func:`worker`):
     a model saved with ``StateDictOptions(ignore_frozen_params=True)`` restores with the same
     options (it failed in DCP's strict load, after loading the rest); restored without them it
-    is refused before loading, saying what to pass.
+    is refused before loading, saying what to pass. What the restore cannot load -- rank 1's RNG
+    states, its copies of buffers that diverged between the ranks -- is said, naming them.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -82,10 +84,22 @@ def _ranks(phase: str, n: int, tmp_path: Path) -> list[dict]:
     return [json.loads((tmp_path / f"{phase}.{r}.json").read_text()) for r in range(n)]
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, dict]:
+    """A checkpoint of 2 ranks (one step, each rank its own batch) and rank 0's model then."""
+    tmp_path = tmp_path_factory.mktemp("two_ranks")
+    return tmp_path, _ranks("frozen_save", 2, tmp_path)[0]
+
+
+def _restore(phase: str, saved: tuple[Path, dict], tmp_path: Path) -> dict:
+    """``phase`` on 1 rank, from a copy of the saved checkpoint."""
+    shutil.copytree(saved[0] / "ck", tmp_path / "ck")
+    return _ranks(phase, 1, tmp_path)[0]
+
+
 @pytest.mark.distributed
-def test_a_save_without_frozen_parameters_restores_with_the_same_options(tmp_path):
-    (saved, _) = _ranks("frozen_save", 2, tmp_path)
-    (res,) = _ranks("frozen_load", 1, tmp_path)
+def test_a_save_without_frozen_parameters_restores_with_the_same_options(saved, tmp_path):
+    res, saved = _restore("frozen_load", saved, tmp_path), saved[1]
     assert res["same_options"]["step"] == 1, res
     # everything but the frozen layer (BatchNorm's buffers: rank 0's, which this rank loads)
     assert res["same_options"]["model"] == {
@@ -96,6 +110,21 @@ def test_a_save_without_frozen_parameters_restores_with_the_same_options(tmp_pat
     refused = res["default_options"]["refused"]
     assert "ignore_frozen_params=True" in refused and "model/0.weight: not in" in refused
     assert res["default_options"]["changed"] == []  # refused before anything was loaded
+
+
+@pytest.mark.distributed
+def test_what_a_restore_on_fewer_ranks_does_not_load_is_said(saved, tmp_path):
+    """Rank 1's RNG states and its copy of BatchNorm's running statistics (FSDP does not
+    synchronise buffers: each rank's saw its own batch) have no process to go to on 1 rank:
+    they were dropped in silence. Rank 0 now says so, naming them; tensors whose copies were
+    equal (the batch count, the optimizer's step counters) are not named."""
+    said = _restore("gone_load", saved, tmp_path)["warnings"]
+    rngs = [w for w in said if "RNG states of rank 1 are not loaded" in w]
+    assert len(rngs) == 1 and "written by 2 ranks, this run has 1" in rngs[0], said
+    (buffers,) = [w for w in said if "not sharded" in w]
+    assert "model/1.running_mean (rank 1), model/1.running_var (rank 1) are not" in buffers
+    assert "rank 0's values are" in buffers
+    assert "num_batches_tracked" not in buffers and "step" not in buffers
 
 
 def _model(rank: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -155,6 +184,14 @@ def worker(phase: str, root: str) -> None:
             "frozen_kept": all(now[k] == built[k] for k in ("0.bias", "0.weight")),
             "optim_steps": sorted(float(s["step"]) for s in opt.state.values()),
         }
+    elif phase == "gone_load":
+        import warnings
+
+        m, opt = _model(rank, 123)
+        with warnings.catch_warnings(record=True) as caught, Checkpointer(root) as ck:
+            warnings.simplefilter("always")
+            res["step"] = ck.restore({"train": Sharded(m, opt, options=frozen)})
+        res["warnings"] = [str(w.message) for w in caught]
     (Path(root).parent / f"{phase}.{rank}.json").write_text(json.dumps(res))
     spawn_ranks.leave_group()
 

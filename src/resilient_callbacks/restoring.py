@@ -354,12 +354,10 @@ class Restorer:
                         f"rank {ck.rank} has no RNG state in this checkpoint (written by "
                         f"{manifest.world_size} rank(s)); its random streams start fresh"
                     ]
-            if ck.rank == 0 and part.per_rank and manifest.world_size > ck.world_size:
-                warns.append(  # (it was dropped in silence)
-                    f"the checkpoint was written by {manifest.world_size} ranks, this run has "
-                    f"{ck.world_size}: the PerRank state of "
-                    f"{structure.gone_ranks(ck.world_size, manifest.world_size)} is not loaded"
-                )
+            if ck.rank == 0:  # the ranks gone's (it was dropped in silence)
+                rngs = ck.config.capture_rng and part.rng is not None
+                per_rank = bool(part.per_rank)
+                warns += structure.gone_state(ck.world_size, manifest.world_size, per_rank, rngs)
         except Exception as e:
             local_exc = e
         errors = dist.all_gather_json(

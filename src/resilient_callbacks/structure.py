@@ -82,6 +82,21 @@ def gone_ranks(world_size: int, saved_world_size: int) -> str:
     return f"rank {first}" if first == last else f"ranks {first} to {last}"
 
 
+def gone_state(world_size: int, saved_world_size: int, per_rank: bool, rng: bool) -> list[str]:
+    """What rank 0 of a restore on fewer ranks than the save says is not loaded: the ranks
+    gone's ``PerRank`` state (``per_rank``: the checkpoint holds some) and RNG states (``rng``:
+    it holds them and they are restored)."""
+    if saved_world_size <= world_size:
+        return []
+    gone = gone_ranks(world_size, saved_world_size)
+    said = f"the checkpoint was written by {saved_world_size} ranks, this run has {world_size}: "
+    return [said + f"the PerRank state of {gone} is not loaded"] * per_rank + [
+        said + f"the RNG states of {gone} are not loaded: their random streams (Python, NumPy, "
+        "torch, CUDA) cannot be continued, so the run does not go on exactly as it would have "
+        f"on {saved_world_size} ranks (rank 0's streams go on)"
+    ] * rng
+
+
 def is_stateful(obj: Any) -> bool:
     """Whether ``obj`` is saved as its state dict (``plain_module(obj).state_dict()``)."""
     return isinstance(obj, torch.Generator) or (

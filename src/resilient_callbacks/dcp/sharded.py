@@ -55,7 +55,7 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError, Unsupporte
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
 from ..snapshot import step_storages
 from ..unchanged import frozen_storages
-from . import flat_restore, optim_fit, shards
+from . import flat_restore, optim_fit, replicas, shards
 from .assemble import assemble, json_file, tensor_file
 from .chunks import check_index, index_of_ranks, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
@@ -312,7 +312,7 @@ class Sharded(FilePart):
         said[module_versions.FIELD] = self._versions  # of the modules (None: not recorded)
         if len(pending.said["optimizers"]) < len(self.optimizers):  # no state: a learning rate
             said["groups"] = hyperparameters(self.optimizers)
-        return {"tensors": copies, "json": said}
+        return {"tensors": copies, "json": said, "plain": sorted(pending.said["plain"])}
 
     def stepped_by(self) -> tuple[torch.optim.Optimizer, ...]:
         return self.optimizers
@@ -336,7 +336,8 @@ class Sharded(FilePart):
 
     def write(self, captured: dict[str, Any], writer: PartWriter) -> None:
         writer.tensors(tensor_file(writer.rank), captured["tensors"])
-        writer.json(json_file(writer.rank), captured["json"])
+        sums = replicas.checksums(captured["tensors"], captured.get("plain", ()))  # (host copies)
+        writer.json(json_file(writer.rank), {**captured["json"], replicas.FIELD: sums})
 
     # ------------------------------------------------------------------ restore
 
@@ -369,7 +370,9 @@ class Sharded(FilePart):
                 layout, self._fqn, self.model, index, home, with_optim
             )
             optim_fit.check(info.part_id, saved, self._kinds, self.optimizers, self.options.strict)
-            return [json_file(home)] + [tensor_file(r) for r in sorted(direct.ranks)]
+            return [json_file(home), *replicas.files(info)] + [
+                tensor_file(r) for r in sorted(direct.ranks)
+            ]
         target = self._state_dict(optims)
         _, tensors = split(target)
         plain, strict = saved.get("plain"), self.options.strict
@@ -390,7 +393,9 @@ class Sharded(FilePart):
             "with_optim": with_optim,
             "optims": optims,
         }
-        return [json_file(home)] + [tensor_file(r) for r in sorted(reads.ranks)]
+        return [json_file(home), *replicas.files(info)] + [
+            tensor_file(r) for r in sorted(reads.ranks)
+        ]
 
     def _flat_model(self) -> bool:
         """Whether saves read FSDP1's layout directly and restores write its pieces in place
@@ -418,7 +423,7 @@ class Sharded(FilePart):
             optimizer = self.optimizers[0] if self.optimizers else None
             flat_restore.load(plan, files, meta["skeleton"], optimizer)
             self._restore_groups(meta, reader, home)
-            return
+            return replicas.say_dropped(reader, home, meta)  # (the ranks gone: rank 0)
         files = {r: reader.tensors(tensor_file(r)) for r in plan["ranks"]}
         targets: dict[str, torch.Tensor] = plan["tensors"]
 
@@ -478,6 +483,7 @@ class Sharded(FilePart):
             options = replace(self.options, strict=False) if unsaved else self.options
             set_optimizer_state_dict(self.model, plan["optims"], sd["optim"], options=options)
         self._restore_groups(meta, reader, home)
+        replicas.say_dropped(reader, home, meta)
 
     def _restore_groups(self, meta: dict[str, Any], reader: PartReader, home: int) -> None:
         """The hyperparameters of optimizers saved without state (:mod:`.stateless`)."""
