@@ -127,6 +127,78 @@ def test_what_a_restore_on_fewer_ranks_does_not_load_is_said(saved, tmp_path):
     assert "num_batches_tracked" not in buffers and "step" not in buffers
 
 
+@pytest.mark.distributed
+def test_fp32_optimizer_state_of_bf16_parameters_stays_fp32(tmp_path):
+    """bf16 parameters, an optimizer that keeps its moments in fp32 (:class:`_Fp32Momentum`):
+    saved on 2 ranks, restored on 1. ``Optimizer.load_state_dict`` casts floating state to
+    the parameter's dtype: the moments came back rounded to bf16, in silence."""
+    (saved, _) = _ranks("bf16_save", 2, tmp_path)
+    (res,) = _ranks("bf16_load", 1, tmp_path)
+    assert res["step"] == 2
+    assert res["model"] == saved["model"]
+    assert {k: d for k, (d, _) in res["optim"].items()} == {
+        k: "torch.float32" for k in saved["optim"]
+    }
+    assert res["optim"] == saved["optim"]
+
+
+class _Fp32Momentum(torch.optim.Optimizer):
+    """Momentum kept in fp32 whatever the parameters' dtype (as low-precision optimizers do)."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["m"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["step"] = torch.tensor(0.0)
+                state["m"].mul_(0.9).add_(p.grad.float())
+                state["step"] += 1
+                p.add_(state["m"].to(p.dtype), alpha=-group["lr"])
+
+
+def _bf16(phase: str, root: str, rank: int) -> dict:
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.dcp import Sharded
+
+    torch.manual_seed(0 if phase == "bf16_save" else 5)
+    m = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 1)).to(torch.bfloat16)
+    for layer in (m[0], m[2]):
+        fully_shard(layer)
+    fully_shard(m)
+    opt = _Fp32Momentum(m.parameters())
+    with Checkpointer(root, every_n_steps=1) as ck:
+        if phase == "bf16_save":
+            for step in (1, 2):
+                torch.manual_seed(step)
+                m(torch.randn(8, 6, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                ck.step(step, {"train": Sharded(m, opt)})
+            res: dict = {}
+        else:
+            res = {"step": ck.restore({"train": Sharded(m, opt)})}
+    msd, osd = get_state_dict(m, opt, options=StateDictOptions(full_state_dict=True))
+    res["model"] = {k: v.float().tolist() for k, v in msd.items()}
+    res["optim"] = {
+        f"{k}/{s}": [str(v.dtype), v.float().tolist()]
+        for k, st in osd["state"].items()
+        for s, v in st.items()
+        if s != "step"
+    }
+    return res
+
+
 def _model(rank: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from torch import nn
     from torch.distributed.fsdp import fully_shard
@@ -158,7 +230,9 @@ def worker(phase: str, root: str) -> None:
     rank = dist.get_rank()
     frozen = StateDictOptions(ignore_frozen_params=True)
     res: dict = {}
-    if phase == "frozen_save":
+    if phase.startswith("bf16_"):
+        res = _bf16(phase, root, rank)
+    elif phase == "frozen_save":
         m, opt = _model(rank, 0)
         with Checkpointer(root, every_n_steps=1) as ck:
             torch.manual_seed(10 + rank)

@@ -55,7 +55,7 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError, Unsupporte
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
 from ..snapshot import step_storages
 from ..unchanged import frozen_storages
-from . import flat_restore, optim_fit, replicas, shards
+from . import flat_restore, optim_fit, replicas, shards, state_dtypes
 from .assemble import assemble, json_file, tensor_file
 from .chunks import check_index, index_of_ranks, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
@@ -428,6 +428,7 @@ class Sharded(FilePart):
         targets: dict[str, torch.Tensor] = plan["tensors"]
 
         asked: set[str] = set()
+        filled: dict[str, torch.Tensor] = {}  # live tensors read into in place
 
         def value(name: str) -> Any:
             asked.add(name)
@@ -440,6 +441,7 @@ class Sharded(FilePart):
                     # into the live tensor (its local piece), as dcp.load reads into it: one
                     # copy, and pages the training run already owns
                     assemble(name, need, entry, files, out=dest)
+                    filled[name] = target
                     return target
                 piece = assemble(name, need, entry, files)
                 if shards.is_sharded(target):
@@ -481,7 +483,9 @@ class Sharded(FilePart):
             # parameters that had no optimizer state when saved get none (DCP's strict
             # loading refuses them; the optimizer's load_state_dict leaves them without)
             options = replace(self.options, strict=False) if unsaved else self.options
+            states = state_dtypes.kept(plan["optims"], filled)  # (the load casts them)
             set_optimizer_state_dict(self.model, plan["optims"], sd["optim"], options=options)
+            state_dtypes.put_back(states)
         self._restore_groups(meta, reader, home)
         replicas.say_dropped(reader, home, meta)
 

@@ -1,0 +1,44 @@
+"""Optimizer state kept in its own dtype through ``set_optimizer_state_dict``.
+
+``torch.optim.Optimizer.load_state_dict`` casts every floating-point state tensor but ``step``
+to its parameter's dtype. An optimizer that keeps its state in another dtype than its
+parameters -- fp32 moments of bf16 parameters, as optimizers written for low-precision
+training do -- was restored by :class:`~.sharded.Sharded` with its state rounded to bf16, in
+silence, and the resumed run went on differently from one that was not stopped. The restore
+reads the saved values into the live state tensors first (of the saved dtype: a tensor of
+another dtype is refused before loading); :func:`kept` records them, and :func:`put_back`
+returns each one whose dtype the optimizer's load changed to its place.
+
+Which ranks call what: every rank, for itself, in ``Sharded.load``; nothing here is collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+Kept = list[tuple[torch.optim.Optimizer, Any, str, torch.Tensor]]
+
+
+def kept(optims: Iterable[torch.optim.Optimizer], loaded: Mapping[str, Any]) -> Kept:
+    """``(optimizer, parameter, key, tensor)`` of every state tensor of ``optims`` that is one
+    of ``loaded`` (the values the restore read, by name): those read into the live tensor."""
+    ids = {id(v) for v in loaded.values() if isinstance(v, torch.Tensor)}
+    return [
+        (o, p, k, v)
+        for o in optims
+        for p, state in o.state.items()
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and id(v) in ids
+    ]
+
+
+def put_back(states: Kept) -> None:
+    """After the optimizers' ``load_state_dict``: each state of ``states`` that it cast to
+    another dtype is the tensor read (the loaded values, in the dtype the optimizer keeps)."""
+    for o, p, k, v in states:
+        now = o.state.get(p, {}).get(k)
+        if isinstance(now, torch.Tensor) and now.dtype != v.dtype and now.shape == v.shape:
+            o.state[p][k] = v
