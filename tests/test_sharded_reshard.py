@@ -128,12 +128,15 @@ def test_what_a_restore_on_fewer_ranks_does_not_load_is_said(saved, tmp_path):
 
 
 @pytest.mark.distributed
-def test_fp32_optimizer_state_of_bf16_parameters_stays_fp32(tmp_path):
+@pytest.mark.parametrize(("sharding", "ranks"), [("fsdp2", 1), ("fsdp1", 2)])
+def test_fp32_optimizer_state_of_bf16_parameters_stays_fp32(tmp_path, sharding, ranks):
     """bf16 parameters, an optimizer that keeps its moments in fp32 (:class:`_Fp32Momentum`):
-    saved on 2 ranks, restored on 1. ``Optimizer.load_state_dict`` casts floating state to
-    the parameter's dtype: the moments came back rounded to bf16, in silence."""
-    (saved, _) = _ranks("bf16_save", 2, tmp_path)
-    (res,) = _ranks("bf16_load", 1, tmp_path)
+    saved on 2 ranks, restored on 1 (FSDP2: through ``set_optimizer_state_dict``) or on 2
+    (FSDP1 read directly: through the optimizer's own ``load_state_dict``). Both end in
+    ``Optimizer.load_state_dict``, which casts floating state to the parameter's dtype: the
+    moments came back rounded to bf16, in silence."""
+    saved = _ranks(f"bf16_save_{sharding}", 2, tmp_path)[0]
+    res = _ranks(f"bf16_load_{sharding}", ranks, tmp_path)[0]
     assert res["step"] == 2
     assert res["model"] == saved["model"]
     assert {k: d for k, (d, _) in res["optim"].items()} == {
@@ -171,14 +174,24 @@ def _bf16(phase: str, root: str, rank: int) -> dict:
     from resilient_callbacks import Checkpointer
     from resilient_callbacks.dcp import Sharded
 
-    torch.manual_seed(0 if phase == "bf16_save" else 5)
+    torch.manual_seed(0 if phase.startswith("bf16_save") else 5)
     m = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 1)).to(torch.bfloat16)
-    for layer in (m[0], m[2]):
-        fully_shard(layer)
-    fully_shard(m)
+    if phase.endswith("fsdp1"):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        policy = ModuleWrapPolicy({nn.Linear})
+        cpu = torch.device("cpu")
+        m = FullyShardedDataParallel(
+            m, auto_wrap_policy=policy, use_orig_params=True, device_id=cpu
+        )
+    else:
+        for layer in (m[0], m[2]):
+            fully_shard(layer)
+        fully_shard(m)
     opt = _Fp32Momentum(m.parameters())
     with Checkpointer(root, every_n_steps=1) as ck:
-        if phase == "bf16_save":
+        if phase.startswith("bf16_save"):
             for step in (1, 2):
                 torch.manual_seed(step)
                 m(torch.randn(8, 6, dtype=torch.bfloat16)).float().pow(2).mean().backward()

@@ -22,6 +22,7 @@ import torch
 from .. import mapped
 from ..dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from . import state_dtypes
 from .assemble import assemble
 from .chunks import Box, escape, join
 from .flat import FlatLayout, Names, Piece, buffers
@@ -141,8 +142,10 @@ def load(
             buf.copy_(home[name])
     if p.with_optim and optimizer is not None:
         osd = _optimizer_state(p, files, skeleton, optimizer)
+        states = state_dtypes.given(optimizer, osd)  # (fresh tensors: they hold no file)
         # the state it keeps must not hold the files (mapped.py)
         mapped.load_state(optimizer, osd, optimizer.load_state_dict)
+        state_dtypes.put_back(states)  # (load_state_dict casts them to the parameters' dtype)
 
 
 def _whole_problem(

@@ -7,7 +7,9 @@ training do -- was restored by :class:`~.sharded.Sharded` with its state rounded
 silence, and the resumed run went on differently from one that was not stopped. The restore
 reads the saved values into the live state tensors first (of the saved dtype: a tensor of
 another dtype is refused before loading); :func:`kept` records them, and :func:`put_back`
-returns each one whose dtype the optimizer's load changed to its place.
+returns each one whose dtype the optimizer's load changed to its place. Under FSDP1 read
+directly (:mod:`.flat_restore`) the restore builds the optimizer's own state dict of fresh
+tensors in the saved dtypes: :func:`given` records those.
 
 Which ranks call what: every rank, for itself, in ``Sharded.load``; nothing here is collective.
 """
@@ -32,6 +34,18 @@ def kept(optims: Iterable[torch.optim.Optimizer], loaded: Mapping[str, Any]) -> 
         for p, state in o.state.items()
         for k, v in state.items()
         if isinstance(v, torch.Tensor) and id(v) in ids
+    ]
+
+
+def given(optimizer: torch.optim.Optimizer, osd: Mapping[str, Any]) -> Kept:
+    """:func:`kept` of the state tensors of ``osd``, ``optimizer``'s own state dict (its
+    parameters by position), before ``optimizer.load_state_dict(osd)``."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return [
+        (optimizer, params[int(i)], k, v)
+        for i, state in osd["state"].items()
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and 0 <= int(i) < len(params)
     ]
 
 
