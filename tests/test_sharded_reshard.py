@@ -145,6 +145,25 @@ def test_fp32_optimizer_state_of_bf16_parameters_stays_fp32(tmp_path, sharding, 
     assert res["optim"] == saved["optim"]
 
 
+@pytest.mark.distributed
+def test_an_optimizer_the_state_dict_cannot_init_is_refused_not_taken_for_damage(tmp_path):
+    """An optimizer whose ``step()`` takes no ``closure`` saves (it has state then), but DCP's
+    ``get_state_dict`` steps a fresh one as ``step(closure=None)`` at the restore. That
+    TypeError was taken for a damaged checkpoint: the newest valid one was skipped with a
+    ResumeFallbackWarning ("unreadable checkpoint"), and the next failed another way. Now
+    the restore is refused on the first, naming the error, with nothing skipped."""
+    (res,) = _ranks("closure", 1, tmp_path)
+    assert "CheckpointMismatchError" in res["error"], res
+    assert "step_000000002" in res["error"] and "closure" in res["error"], res
+    assert "get_state_dict raised TypeError" in res["error"], res
+    assert res["fallbacks"] == [], res
+
+
+class _NoClosure(torch.optim.SGD):
+    def step(self) -> None:  # type: ignore[override]  # (as hand-written optimizers often are)
+        super().step()
+
+
 class _Fp32Momentum(torch.optim.Optimizer):
     """Momentum kept in fp32 whatever the parameters' dtype (as low-precision optimizers do)."""
 
@@ -243,7 +262,28 @@ def worker(phase: str, root: str) -> None:
     rank = dist.get_rank()
     frozen = StateDictOptions(ignore_frozen_params=True)
     res: dict = {}
-    if phase.startswith("bf16_"):
+    if phase == "closure":
+        import warnings
+
+        from resilient_callbacks.errors import ResumeFallbackWarning
+
+        m, _ = _model(rank, 0)
+        opt = _NoClosure(m.parameters(), lr=0.1, momentum=0.9)
+        with Checkpointer(root, every_n_steps=1) as ck:
+            for step in (1, 2):
+                m(torch.randn(8, 6)).pow(2).mean().backward()
+                opt.step()
+                ck.step(step, {"train": Sharded(m, opt)})
+        m, _ = _model(rank, 1)
+        opt = _NoClosure(m.parameters(), lr=0.1, momentum=0.9)
+        with warnings.catch_warnings(record=True) as caught, Checkpointer(root) as ck:
+            warnings.simplefilter("always")
+            try:
+                ck.restore({"train": Sharded(m, opt)})
+            except Exception as e:
+                res["error"] = f"{type(e).__name__}: {e}"
+        res["fallbacks"] = [str(w.message) for w in caught if w.category is ResumeFallbackWarning]
+    elif phase.startswith("bf16_"):
         res = _bf16(phase, root, rank)
     elif phase == "frozen_save":
         m, opt = _model(rank, 0)

@@ -79,6 +79,23 @@ def plan_reads(
     return out
 
 
+def live_state(part_id: str, take: Callable[[], Any]) -> Any:
+    """``take()`` -- the live model's and optimizers' state dict, before anything is read --
+    with its failure as a refusal of the restore (``CheckpointMismatchError``): it comes from
+    the live objects, not the checkpoint (DCP's ``get_state_dict`` steps an optimizer without
+    state once, with zero gradients, calling ``step(closure=None)``). As any other error it
+    was taken for a damaged checkpoint, and the restore fell back past valid ones."""
+    try:
+        return take()
+    except Exception as e:
+        raise CheckpointMismatchError(
+            f"part {part_id!r}: the live model's and optimizers' state dict cannot be taken "
+            f"(torch.distributed.checkpoint's get_state_dict raised {type(e).__name__}: {e}); "
+            "nothing was loaded. An optimizer that has no state yet is stepped once with zero "
+            "gradients by it, as step(closure=None)"
+        ) from e
+
+
 def frozen_hint(problems: list[str], saved_left_out: bool, left_out: bool) -> list[str]:
     """``problems`` of the model's fit, led by what to pass when the checkpoint and this
     ``Sharded`` disagree on ``StateDictOptions(ignore_frozen_params=...)`` (``saved_left_out``:

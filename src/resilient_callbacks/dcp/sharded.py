@@ -59,7 +59,7 @@ from . import flat_restore, optim_fit, replicas, shards, state_dtypes
 from .assemble import assemble, json_file, tensor_file
 from .chunks import check_index, index_of_ranks, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
-from .reads import frozen_hint, on_meta, plan_reads, refuse
+from .reads import frozen_hint, live_state, on_meta, plan_reads, refuse
 from .stateless import (
     hyperparameters,
     optimizers_of,
@@ -373,7 +373,7 @@ class Sharded(FilePart):
             return [json_file(home), *replicas.files(info)] + [
                 tensor_file(r) for r in sorted(direct.ranks)
             ]
-        target = self._state_dict(optims)
+        target = live_state(info.part_id, lambda: self._state_dict(optims))
         _, tensors = split(target)
         plain, strict = saved.get("plain"), self.options.strict
         reads = plan_reads(tensors, index, plain, home, strict, self._box, with_optim)
