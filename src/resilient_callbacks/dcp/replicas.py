@@ -28,6 +28,7 @@ import xxhash
 from ..errors import AT_CALLER, warn_and_log
 from ..filepart import PartInfo, PartReader
 from .assemble import json_file
+from .views import MODEL
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -51,8 +52,10 @@ def gone(rank: int, world_size: int, saved_world_size: int) -> list[int]:
 
 
 def files(info: PartInfo) -> list[str]:
-    """The JSON files of the ranks gone (:func:`gone`) that this rank reads to compare."""
-    if not info.saved.get("plain"):
+    """The JSON files of the ranks gone (:func:`gone`) that this rank reads to compare: where
+    the model has tensors that are not sharded (its buffers; the optimizers' step counters
+    alone are the same on every rank, and reading a JSON per rank gone is not free)."""
+    if not any(str(n).startswith(MODEL) for n in info.saved.get("plain") or ()):
         return []
     return [json_file(r) for r in gone(info.rank, info.world_size, info.saved_world_size)]
 
