@@ -53,6 +53,34 @@ def test_overlapping_chunks_are_not_counted_as_covering_a_gap():
         check_index(index, world_size=2)
 
 
+def test_dcp_metadata_whose_chunks_overlap_is_damaged():
+    """The drop-in reader's ``dcp_metadata.json`` (``dcp.save`` through our writer): DCP's
+    load plans its reads from the chunks without checking them, so overlapping ones (which
+    DCP's save never writes) are refused when the file is read; tiling ones load."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from resilient_callbacks.dcp.metadata_json import from_json, to_json
+
+    def meta(*chunks: tuple[int, int]) -> dict:
+        tensor = TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32),
+            torch.Size([6]),
+            [ChunkStorageMetadata(torch.Size([o]), torch.Size([n])) for o, n in chunks],
+        )
+        return to_json(Metadata({"model.w": tensor}), {})
+
+    assert list(from_json(meta((0, 3), (3, 3)))[0].state_dict_metadata) == ["model.w"]
+    with pytest.raises(CheckpointCorruptError, match=r"model\.w: chunks \[0\]\+\[3\] and"):
+        from_json(meta((0, 3), (1, 3)))
+    with pytest.raises(CheckpointCorruptError, match="outside the tensor"):
+        from_json(meta((0, 3), (4, 3)))
+
+
 def test_chunks_that_tile_a_tensor_do_not_overlap():
     rows = [Box.of([0, 0], [4, 4]), Box.of([4, 0], [3, 4])]
     assert first_overlap(rows) is None

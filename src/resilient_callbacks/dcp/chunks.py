@@ -244,16 +244,20 @@ def check_index(index: Any, world_size: int) -> None:
                 raise bad(name, f"chunk {offsets}+{sizes} outside the tensor's shape {shape}")
             covered += math.prod(sizes)
             boxes.append(Box.of(offsets, sizes))
-        both = first_overlap(boxes)
-        if both is not None:
-            a, b = both
-            raise bad(
-                name,
-                f"chunks {list(a.offsets)}+{list(a.sizes)} and {list(b.offsets)}+{list(b.sizes)} "
-                "overlap",
-            )
         if covered < math.prod(shape):
             raise bad(name, f"chunks of {covered} elements cannot cover {math.prod(shape)}")
+        overlap = overlap_problem(boxes)
+        if overlap is not None:
+            raise bad(name, overlap)
+
+
+def overlap_problem(boxes: Sequence[Box]) -> str | None:
+    """Which two of ``boxes`` (saved chunks of one tensor) overlap, said, or ``None``."""
+    both = first_overlap(boxes)
+    if both is None:
+        return None
+    a, b = both
+    return f"chunks {list(a.offsets)}+{list(a.sizes)} and {list(b.offsets)}+{list(b.sizes)} overlap"
 
 
 def _ints(v: Any) -> bool:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..dtypes import DTYPE_TO_ST, ST_TO_DTYPE, unsupported
 from ..errors import CheckpointCorruptError, UnsupportedStateError
 from ..layout import DCP_METADATA
-from .chunks import join, split
+from .chunks import Box, join, overlap_problem, split
 
 FORMAT = "resilient_callbacks.dcp.metadata/1"
 METADATA_NAME = DCP_METADATA
@@ -94,6 +94,7 @@ def from_json(d: Any) -> tuple[Metadata, dict[MetadataIndex, dict[str, Any]]]:
         entries: dict[str, Any] = {}
         for fqn, e in d["state_dict"].items():
             if e["kind"] == "tensor":
+                _check_chunks(fqn, e["size"], e["chunks"])
                 entries[fqn] = TensorStorageMetadata(
                     TensorProperties(dtype=ST_TO_DTYPE[e["dtype"]]),
                     torch.Size(e["size"]),
@@ -121,3 +122,23 @@ def from_json(d: Any) -> tuple[Metadata, dict[MetadataIndex, dict[str, Any]]]:
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointCorruptError(f"{METADATA_NAME}: malformed ({type(e).__name__}: {e})") from e
     return meta, storage
+
+
+def _check_chunks(fqn: str, size: list[int], chunks: list[Any]) -> None:
+    """Raise where saved chunks of a tensor lie outside it or overlap, as DCP's save validates
+    its plan (a hand-edited file, sealed again, may not): DCP's load plans its reads from them
+    without checking, and an overlap can stand for a gap whose values it leaves as they were.
+    (Coverage is not required: DCP checks it only for saves of several ranks.)"""
+    if not size:  # a 0-d tensor: DCP does not check these either
+        return
+    boxes = [Box.of(o, s) for o, s in chunks]
+    outside = [
+        b
+        for b in boxes
+        if len(b.sizes) != len(size)
+        or any(o < 0 or o + z > d for o, z, d in zip(b.offsets, b.sizes, size, strict=True))
+    ]
+    problem = f"chunk {outside[0]} outside the tensor's size {size}" if outside else None
+    problem = problem or overlap_problem(boxes)
+    if problem is not None:
+        raise CheckpointCorruptError(f"{METADATA_NAME}: {fqn}: {problem}")
