@@ -155,6 +155,21 @@ def test_what_a_restore_on_fewer_ranks_does_not_load_is_said(saved, tmp_path):
     assert "num_batches_tracked" not in buffers and "step" not in buffers
 
 
+def test_an_export_says_which_unsharded_tensors_differed_between_ranks(saved):
+    """``resilient-ckpt export`` writes rank 0's copy of a tensor that is not sharded; where
+    rank 1's differed (BatchNorm's statistics under FSDP) it took rank 0's in silence."""
+    from resilient_callbacks.dcp.whole import model_tensors
+    from resilient_callbacks.manifest import read_manifest
+
+    step = str(saved[0] / "ck" / "step_000000001")
+    with pytest.warns(UserWarning, match="differ between the ranks' files") as got:
+        out = model_tensors(step, read_manifest(step), "train")
+    (said,) = [str(w.message) for w in got if "differ between" in str(w.message)]
+    assert "model/1.running_mean (rank 1), model/1.running_var (rank 1)" in said
+    assert "num_batches_tracked" not in said and "the export holds rank 0's" in said
+    assert out["1.running_mean"].tolist() == saved[1]["model"]["1.running_mean"]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(("sharding", "ranks"), [("fsdp2", 1), ("fsdp1", 2)])
 def test_fp32_optimizer_state_of_bf16_parameters_stays_fp32(tmp_path, sharding, ranks):

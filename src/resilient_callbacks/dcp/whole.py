@@ -8,14 +8,18 @@ Which ranks call what: one process, any number of ranks saved it; nothing here i
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, warn_and_log
 from ..filepart import PARTS_EXTRA, part_dir, read_part_tensors
 from ..manifest import Manifest
 from .assemble import assemble, tensor_file
 from .chunks import Box, unescape
 from .views import MODEL
+
+log = logging.getLogger("resilient_callbacks")
 
 
 def model_tensors(path: str, manifest: Manifest, part_id: str) -> dict[str, torch.Tensor]:
@@ -50,6 +54,7 @@ def model_tensors(path: str, manifest: Manifest, part_id: str) -> dict[str, torc
     out: dict[str, torch.Tensor] = {}
     for name in plain:  # the same on every rank (or rank 0's, as a DDP export takes it)
         out[unescape(name[len(MODEL) :])] = files[0][name].clone()
+    _say_differing(plain, files)
     for name in names:
         entry = index[name]
         whole = Box.of([0] * len(entry["shape"]), [int(d) for d in entry["shape"]])
@@ -58,3 +63,28 @@ def model_tensors(path: str, manifest: Manifest, part_id: str) -> dict[str, torc
         t = assemble(name, whole, entry, files)
         out[unescape(name[len(MODEL) :])] = t.clone() if id(t) in mapped else t
     return out
+
+
+def _say_differing(plain: list[str], files: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Warn naming the unsharded tensors whose copies in the rank files read differ from rank
+    0's, which the export takes (BatchNorm's statistics, which FSDP does not synchronise)."""
+    differ = sorted(
+        f"{n} (rank {r})"
+        for r, f in files.items()
+        for n in plain
+        if r and n in f and not _same_bits(f[n], files[0][n])
+    )
+    if differ:
+        more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
+        warn_and_log(
+            log,
+            f"tensors that are not sharded differ between the ranks' files: {', '.join(differ[:5])}"
+            f"{more}; the export holds rank 0's",
+        )
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (a NaN equals itself)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
