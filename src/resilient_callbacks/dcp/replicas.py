@@ -36,9 +36,11 @@ FIELD = "plain_checksums"  # in each rank's JSON: {name: checksum} of its plain 
 
 
 def checksums(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[str, str]:
-    """A checksum of each of ``names`` (host tensors of ``tensors``): dtype, shape and bytes."""
+    """A checksum of each of ``names`` (host tensors of ``tensors``) of the model: dtype,
+    shape and bytes. (Not the optimizers': the state of a model that is not sharded at all
+    would be hashed twice more at every save, and step counters are the same everywhere.)"""
     out: dict[str, str] = {}
-    for name in names:
+    for name in (n for n in names if n.startswith(MODEL)):
         t = tensors[name].detach().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy()
         out[name] = f"{t.dtype} {list(t.shape)} {xxhash.xxh3_64_hexdigest(raw.data)}"
