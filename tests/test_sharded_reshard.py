@@ -1,13 +1,16 @@
 """``dcp.Sharded`` resharded: what a restore on another number of ranks keeps, drops and
 refuses.
 
-(a) One process: a chunk index whose chunks overlap (hand-edited or damaged) is refused; the
-    sum of the overlaps counted an element twice and let a gap pass as covered.
+(a) One process: a chunk index (or a drop-in ``dcp_metadata.json``) whose chunks overlap is
+    refused; the sum of the overlaps counted an element twice and let a gap pass as covered.
 (b) 2 gloo ranks save, 1 restores (FSDP2 on CPU; the ranks run this file's :func:`worker`):
     a model saved with ``StateDictOptions(ignore_frozen_params=True)`` restores with the same
     options (it failed in DCP's strict load, after loading the rest); restored without them it
     is refused before loading, saying what to pass. What the restore cannot load -- rank 1's RNG
-    states, its copies of buffers that diverged between the ranks -- is said, naming them.
+    states, its copies of buffers that diverged between the ranks -- is said, naming them, and
+    so is the export's choice of rank 0's copies.
+(c) fp32 optimizer state of bf16 parameters keeps its dtype (FSDP2 2 -> 1, FSDP1 2 -> 2); an
+    error taking the live state dict is a refusal, not a damaged checkpoint (1 rank).
 """
 
 from __future__ import annotations
