@@ -280,3 +280,48 @@ def test_a_close_that_raises_after_the_emergency_save_leaves_the_process_fresh(t
         assert r.returncode == 75, (r.returncode, said)
         assert (tmp_path / "ck2" / "step_000000002" / "manifest.json").exists(), said
         assert "survived" not in r.stdout
+
+
+# two Checkpointers (a model's and its EMA's); SIGTERM at step 2: a's emergency save commits,
+# then a's close() raises (its lock's release fails); the caller catches it and closes b
+_ONE_OF_TWO_CLOSES_FAIL = """
+import errno, os, signal, sys, torch
+from resilient_callbacks import Checkpointer
+
+def stale():
+    raise OSError(errno.ESTALE, "Stale file handle")
+
+sa, sb = {"t": torch.zeros(2)}, {"u": torch.zeros(2)}
+a = Checkpointer(os.path.join(sys.argv[1], "a"), every_n_steps=100, async_save=False)
+b = Checkpointer(os.path.join(sys.argv[1], "b"), every_n_steps=100, async_save=False)
+a._dir.lock.release = stale
+try:
+    for s in range(1, 4):
+        sa["t"].fill_(s); sb["u"].fill_(s)
+        if s == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        a.step(s, sa)
+        b.step(s, sb)
+except OSError as e:
+    print("caught:", e, flush=True)
+b.close()
+print("survived", flush=True)
+"""
+
+
+def test_a_failed_close_after_the_emergency_save_leaves_the_other_checkpointers_unanswered(
+    tmp_path,
+):
+    """The emergency save of a committed, then a's close() raised: the process does not exit
+    with 75 (a's error goes to the caller), yet the other Checkpointer b stayed marked as
+    answered by a's save. b's close then said 'another Checkpointer of this process saved and
+    is exiting', passed the SIGTERM on to no one and returned: the process trained on or ended
+    with 0, the preemption lost. Now b is as if a never answered: its close exits 75."""
+    r = _run(tmp_path, _ONE_OF_TWO_CLOSES_FAIL, str(tmp_path))
+    said = r.stderr[-3000:]
+    assert "caught: [Errno 116] Stale file handle" in r.stdout, (r.returncode, r.stdout, said)
+    assert (tmp_path / "a" / "step_000000002" / "manifest.json").exists()
+    assert "another Checkpointer of this process saved" not in said, said
+    assert r.returncode == 75, (r.returncode, r.stdout, said)
+    assert "survived" not in r.stdout
+    assert "after the last step() that could act on it" in said, said

@@ -338,9 +338,18 @@ class Emergency:
             # freeing older checkpoints' space may not (the next writer sweeps what is left)
             ck._dir.trash.abandon()
             ck._recorder.stopping()
+            marked = []
             if watcher is not None:
-                watcher.answered()  # for the other Checkpointers of this process too
+                marked = watcher.answered()  # for the other Checkpointers of this process too
                 watcher.exiting(ck.config.preemption_exit_code)  # a second signal keeps it
-            ck.close(timeout=None if left is None else max(0.0, left - EXIT_MARGIN_S))
+            try:
+                ck.close(timeout=None if left is None else max(0.0, left - EXIT_MARGIN_S))
+            except Exception:
+                # no exit with the code (its error propagates): the other Checkpointers are
+                # as if this one never answered (each saves at its next step, or its close
+                # acts on the signal), not held to the grace period nor told it was answered
+                for w in marked:
+                    w.answered_elsewhere = False
+                raise
             exiting.exit_with(ck.config.preemption_exit_code)
         return saved

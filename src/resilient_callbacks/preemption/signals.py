@@ -394,12 +394,14 @@ class PreemptionWatcher:
         prev = _unwrap(signum, self._previous.get(signum))
         return signal.getsignal(signum) is self._handler and exiting.ends_the_process(prev)
 
-    def answered(self) -> None:
-        """This watcher's Checkpointer saved for the pending request and the process exits:
-        the other watchers of this process holding a request have it answered too."""
-        for w in list(_installed):
-            if w is not self and w._events:
-                w.answered_elsewhere = True
+    def answered(self) -> list[PreemptionWatcher]:
+        """This watcher's Checkpointer saved for the pending request and the process exits: the
+        other watchers holding a request have it answered too; returns those it marked."""
+        others = [w for w in list(_installed) if w is not self and w._events]
+        marked = [w for w in others if not w.answered_elsewhere]
+        for w in marked:
+            w.answered_elsewhere = True
+        return marked
 
     @property
     def request(self) -> PreemptionRequest | None:
