@@ -228,6 +228,32 @@ def test_a_download_reading_local_blobs_back_is_not_given_up_as_stalled(tmp_path
     assert torch.equal(live[0].weight, m[0].weight)
 
 
+def test_a_request_ending_a_restore_wait_is_raised_without_exit_on_preemption(dying, monkeypatch):
+    """exit_on_preemption=False (the caller decides what a preemption ends): a request that
+    ends the restore's wait on a stalled store is the caller's RemoteWaitPreemptedError, not
+    the process's exit with the preemption code."""
+    from resilient_callbacks.errors import RemoteWaitPreemptedError
+
+    local, url, _ = dying
+    shutil.rmtree(local)
+    ck = Checkpointer(local, remote=url, keep_last=5, exit_on_preemption=False)
+    release = threading.Event()
+
+    def hang(*a, **k):  # the store lists, then sends no byte; a cloud notice comes
+        ck.watcher.trigger("notice")
+        release.wait(60)
+        raise ConnectionError("the store never answered")
+
+    monkeypatch.setattr(ck.remote.fs, "get", hang)  # (fsspec caches the instance)
+    try:
+        with pytest.raises(RemoteWaitPreemptedError, match="notice arrived while the restore"):
+            ck.restore(_state(0))
+    finally:
+        release.set()
+        ck.close(timeout=5)
+    assert not ck.preempted
+
+
 _PREEMPTED_WHILE_LISTING = """
 import os, signal, sys, threading
 import torch
@@ -259,7 +285,10 @@ def test_a_sigterm_while_a_listing_stalls_ends_the_wait(tmp_path, when):
     the outage limit, 5 min) was recorded and the wait went on, past the grace period to the
     SIGKILL; at the restore it then fell back to the local checkpoints, perhaps older (with
     resume="never", started afresh numbered after the local ones only). The
-    request now ends the wait: RemoteWaitPreemptedError, nothing restored or saved."""
+    request now ends the wait: RemoteWaitPreemptedError, nothing restored or saved, and the
+    plain script (no try, no close) exits 75 saying so in one line: no traceback (it ended
+    with the error's traceback and 1, or 75 after a line saying the signal came 'after the
+    last step()')."""
     local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
     with Checkpointer(local, remote=url, keep_last=5) as ck:
         for s in (10, 20):
@@ -272,10 +301,13 @@ def test_a_sigterm_while_a_listing_stalls_ends_the_wait(tmp_path, when):
         [sys.executable, "-c", _PREEMPTED_WHILE_LISTING, str(local), url, when],
         timeout=240,  # (the old code waited the 60 s limit, then went on)
     )
-    assert out.returncode != 0, out.stdout + out.stderr
-    assert "RemoteWaitPreemptedError" in out.stderr, out.stderr
+    assert out.returncode == 75, out.stdout + out.stderr
     who = "construction" if when == "construction" else "restore"
-    assert f"listing {url}: SIGTERM arrived while the {who}" in out.stderr, out.stderr
+    said = [ln for ln in out.stderr.splitlines() if "RemoteWaitPreemptedError" in ln]
+    assert len(said) == 1, out.stderr
+    assert f"RemoteWaitPreemptedError: listing {url}: SIGTERM arrived while the {who}" in said[0]
+    assert said[0].endswith("exiting with code 75 so the scheduler restarts the job"), said
+    assert "Traceback" not in out.stderr and "after the last step()" not in out.stderr, out.stderr
     assert "restored" not in out.stdout
     assert sorted(os.listdir(f"{tmp_path}/durable/run")) == before
 
@@ -306,7 +338,7 @@ def test_a_sigterm_while_a_download_stalls_ends_the_wait(tmp_path):
     sends no byte; SIGTERM comes. The download waited out the outage limit (5 min) for each
     checkpoint in turn, past the grace period to the SIGKILL, as a listing did. The request
     now ends the wait: RemoteWaitPreemptedError naming the download, nothing restored, no
-    fallback to an older checkpoint."""
+    fallback to an older checkpoint; the script exits 75, said in one line (no traceback)."""
     local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
     with Checkpointer(local, remote=url, keep_last=5) as ck:
         for s in (10, 20):
@@ -317,10 +349,11 @@ def test_a_sigterm_while_a_download_stalls_ends_the_wait(tmp_path):
         [sys.executable, "-c", _PREEMPTED_WHILE_DOWNLOADING, str(local), url],
         timeout=240,  # (the old code waited the 60 s limit for each checkpoint, then failed)
     )
-    assert out.returncode != 0, out.stdout + out.stderr
-    assert "RemoteWaitPreemptedError" in out.stderr, out.stderr[-3000:]
-    said = f"downloading {url}/step_000000020: SIGTERM arrived while the restore"
+    assert out.returncode == 75, out.stdout + out.stderr[-3000:]
+    said = f"RemoteWaitPreemptedError: downloading {url}/step_000000020: SIGTERM arrived while"
     assert said in out.stderr, out.stderr[-3000:]
+    assert "exiting with code 75 so the scheduler restarts the job" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "step_000000010" not in out.stderr, out.stderr[-3000:]  # (not tried next)
     assert "restored" not in out.stdout
     assert sorted(os.listdir(f"{tmp_path}/durable/run")) == before

@@ -153,7 +153,7 @@ class Checkpointer:
         self.config = CheckpointerConfig(**options)
         # first: a signal while the rest opens the directory is noticed (emergency.watching)
         self.watcher, self._poller = start_watcher(self.config)
-        with watching(self.watcher, self._poller):
+        with watching(self.watcher, self._poller, self.config):
             self._open()
 
     def _open(self) -> None:  # the rest of __init__, its watcher installed
@@ -470,7 +470,7 @@ class Checkpointer:
         or 0 when there is nothing to resume from. Every rank calls it."""
         self._check_open()
         self._wait_background()
-        with dist.peer_errors("restore()"):
+        with dist.peer_errors("restore()"), self._emergency.exit_if_preempted():
             return self._restorer.restore(state)
 
     def continued_from(self, step: int, source: str, *, same_run: bool = False) -> None:

@@ -17,13 +17,13 @@ import math
 import os
 import time
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from . import rng, statetree, structure
 from .closing import EXIT_MARGIN_S
-from .errors import CheckpointError, UnsupportedStateError
+from .errors import CheckpointError, RemoteWaitPreemptedError, UnsupportedStateError
 from .filepart import FilePart
 from .optim import hookable, untraced
 from .preemption import MetadataPoller, PreemptionWatcher, exiting
@@ -156,18 +156,32 @@ def start_watcher(
 
 
 @contextlib.contextmanager
-def watching(watcher: PreemptionWatcher | None, poller: MetadataPoller | None) -> Iterator[None]:
+def watching(
+    watcher: PreemptionWatcher | None,
+    poller: MetadataPoller | None,
+    config: CheckpointerConfig | None = None,
+) -> Iterator[None]:
     """The rest of a Checkpointer's construction, its watcher installed first: a signal while
     it opens its directory (the lock, sweeps, a remote, the ranks' collectives) killed the
     process (-15, a crash to the scheduler); now the first ``step()`` acts on it, after
     ``restore()``. Where the construction fails, the poller stops, the previous handlers
     are back, and the exception ends the process (a pending signal is said, not passed on:
-    it would kill the process before the exception is shown)."""
+    it would kill the process before the exception is shown). Where the request itself ended
+    a wait on a stalled store (:class:`RemoteWaitPreemptedError`), ``config``'s
+    ``exit_on_preemption`` has the process exit with the preemption code, said in one line
+    (as at restore: :meth:`Emergency.exit_if_preempted`)."""
     try:
         yield
     except BaseException as e:
         if poller is not None:
             poller.stop()
+        exits = config is not None and config.exit_on_preemption and watcher is not None
+        if isinstance(e, RemoteWaitPreemptedError) and exits:
+            assert config is not None and watcher is not None
+            log.error(_exit_line(e, config.preemption_exit_code))
+            watcher.exiting(config.preemption_exit_code)  # (before uninstall: a 2nd signal
+            watcher.uninstall()  # keeps the code)
+            exiting.exit_with(config.preemption_exit_code)
         if watcher is not None:
             if watcher.request is not None:
                 log.warning(
@@ -177,6 +191,10 @@ def watching(watcher: PreemptionWatcher | None, poller: MetadataPoller | None) -
                 )
             watcher.uninstall()
         raise
+
+
+def _exit_line(e: RemoteWaitPreemptedError, code: int) -> str:
+    return f"{type(e).__name__}: {e}; exiting with code {code} so the scheduler restarts the job"
 
 
 class Emergency:
@@ -333,23 +351,48 @@ class Emergency:
                 step,
                 ck.config.preemption_exit_code,
             )
-            left = watcher.remaining_grace_s() if watcher is not None else None
-            # uploads may use what is left of the grace period, keeping a margin to exit;
-            # freeing older checkpoints' space may not (the next writer sweeps what is left)
-            ck._dir.trash.abandon()
             ck._recorder.stopping()
-            marked = []
-            if watcher is not None:
-                marked = watcher.answered()  # for the other Checkpointers of this process too
-                watcher.exiting(ck.config.preemption_exit_code)  # a second signal keeps it
-            try:
-                ck.close(timeout=None if left is None else max(0.0, left - EXIT_MARGIN_S))
-            except Exception:
-                # no exit with the code (its error propagates): the other Checkpointers are
-                # as if this one never answered (each saves at its next step, or its close
-                # acts on the signal), not held to the grace period nor told it was answered
-                for w in marked:
-                    w.answered_elsewhere = False
-                raise
-            exiting.exit_with(ck.config.preemption_exit_code)
+            self._exit()
         return saved
+
+    @contextlib.contextmanager
+    def exit_if_preempted(self) -> Iterator[None]:
+        """``restore()``: a preemption request ended its wait on a stalled remote store
+        (:class:`RemoteWaitPreemptedError`, on every rank alike). With ``exit_on_preemption``
+        the process closes and exits with the preemption code, as a step() acting on the
+        request would (nothing was saved: the next run resumes as this one would have), said in
+        one line. (The error's traceback ended the script, then the close at exit said the
+        signal came "after the last step()", and the exit code was 1 or 75 by the script's
+        shape.) Without it, the error is raised to the caller."""
+        try:
+            yield
+        except RemoteWaitPreemptedError as e:
+            ck = self._ck
+            if not ck.config.exit_on_preemption or ck.watcher is None:
+                raise
+            log.error(_exit_line(e, ck.config.preemption_exit_code))
+            ck.preempted = True  # (stopped by the request: no "unanswered" signal at close)
+            self._exit()
+
+    def _exit(self) -> NoReturn:
+        """Close, within what is left of the grace period, and exit with the preemption code."""
+        ck, watcher = self._ck, self._ck.watcher
+        code = ck.config.preemption_exit_code
+        left = watcher.remaining_grace_s() if watcher is not None else None
+        # uploads may use what is left of the grace period, keeping a margin to exit;
+        # freeing older checkpoints' space may not (the next writer sweeps what is left)
+        ck._dir.trash.abandon()
+        marked = []
+        if watcher is not None:
+            marked = watcher.answered()  # for the other Checkpointers of this process too
+            watcher.exiting(code)  # a second signal keeps it
+        try:
+            ck.close(timeout=None if left is None else max(0.0, left - EXIT_MARGIN_S))
+        except Exception:
+            # no exit with the code (its error propagates): the other Checkpointers are as if
+            # this one never answered (each saves at its next step, or its close acts on the
+            # signal), not held to the grace period nor told it was answered
+            for w in marked:
+                w.answered_elsewhere = False
+            raise
+        exiting.exit_with(code)

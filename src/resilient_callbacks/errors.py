@@ -85,7 +85,9 @@ class RemoteWaitPreemptedError(RemoteUnavailableError):
     """A preemption request (SIGTERM or another watched signal, a cloud notice) came while the
     construction or the restore waited for a remote store's listing or download that did not
     answer (up to the outage limit, longer than a grace period): the wait ended at once on
-    every rank, nothing was saved; the next run resumes as this one would have."""
+    every rank, nothing was saved; the next run resumes as this one would have. Raised to the
+    caller only with ``exit_on_preemption=False``; otherwise the process exits with
+    ``preemption_exit_code`` (75), saying so in one line, so that the scheduler requeues it."""
 
 
 class UploadIncompleteError(RemoteUnavailableError):
