@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import os
+import posixpath
 import shutil
 import signal
 import sys
@@ -92,6 +93,41 @@ def test_a_wiped_node_resumes_a_compressed_checkpoint_from_the_remote(tmp_path):
         "shared.json",
         "shared.safetensors.zst",
     ]
+
+
+def test_a_wiped_nodes_download_cut_part_way_fetches_only_what_did_not_arrive(tmp_path):
+    """Node 1's disk is wiped and its download is cut by a reset connection after half of its
+    files arrived whole: the next try fetched every file again (after an outage, each node of a
+    large job downloaded its part twice). It now fetches only the files that did not arrive;
+    every checksum is still verified, and both ranks resume from step 4."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    shutil.rmtree(tmp_path / "node1")
+    out = _run(tmp_path, "second", 2, "--steps", "6", RC_GETS_FAIL_PARTWAY=1, RC_CAPTURE_LOG=1)
+    assert [rank[0]["restored"] for rank in out] == [4, 4], out
+    first, again = out[1][0]["gets"]  # node 1: the try cut part-way, then the next one
+    assert sorted(first) == [
+        "rank_00001.json",
+        "rank_00001.safetensors",
+        "shared.json",
+        "shared.safetensors",
+    ], first
+    arrived = first[: len(first) // 2]
+    assert sorted(again) == sorted(set(first) - set(arrived)), (first, again)
+    assert "2 of 4 file(s)" in out[1][-1]["log"] and "fetching the other 2" in out[1][-1]["log"]
+    assert out[0][0]["gets"] == []  # node 0 restores from its disk
+    assert "skipping" not in out[0][-1]["log"] + out[1][-1]["log"]  # no fallback
+
+
+def test_a_file_kept_from_a_cut_try_is_still_verified(tmp_path):
+    """As above, but a file that arrived in the cut try has its size and a wrong byte: it is
+    not fetched again, and the checksum verification after the download still catches it:
+    step 4 is skipped on every rank, loudly, for step 2 (never loaded with the wrong byte)."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    shutil.rmtree(tmp_path / "node1")
+    env = {"RC_GETS_FAIL_PARTWAY": 1, "RC_GETS_ROT": 1, "RC_CAPTURE_LOG": 1}
+    out = _run(tmp_path, "second", 2, "--steps", "6", **env)
+    assert [rank[0]["restored"] for rank in out] == [2, 2], out
+    assert "step 4" in out[0][-1]["log"] and "checksum" in out[0][-1]["log"], out[0][-1]["log"]
 
 
 def test_a_wiped_node_whose_download_stalls_gives_up_naming_it(tmp_path):
@@ -901,6 +937,23 @@ def worker(base: str, argv: list[str]) -> None:
             raise ConnectionError("the store never answered")
 
         ck._dir.remote.fs.get = hang  # type: ignore[union-attr]
+    gets: list[list[str]] = []  # RC_GETS_FAIL_PARTWAY: each get's files, the first one cut
+    if os.environ.get("RC_GETS_FAIL_PARTWAY") == str(node):
+        real_get = ck._dir.remote.fs.get  # type: ignore[union-attr]
+
+        def get_fails_partway(rpath, lpath, *args, **k):
+            if not isinstance(rpath, list):
+                return real_get(rpath, lpath, *args, **k)
+            gets.append([posixpath.basename(r) for r in rpath])
+            if len(gets) > 1:
+                return real_get(rpath, lpath, *args, **k)
+            half = len(rpath) // 2  # whole files arrive, then the connection is reset
+            real_get(rpath[:half], lpath[:half], *args, **k)
+            if os.environ.get("RC_GETS_ROT"):  # a file of the right size with a wrong byte
+                _flip_a_byte_of(Path(lpath[0]))
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+        ck._dir.remote.fs.get = get_fails_partway  # type: ignore[union-attr]
     if os.environ.get("RC_SLOW_UPLOADS") and os.environ.get("RC_SLOW_NODE", str(node)) == str(
         node
     ):  # uploads lag behind the saves (on every node, or on RC_SLOW_NODE's)
@@ -987,7 +1040,7 @@ def worker(base: str, argv: list[str]) -> None:
         out(error=type(e).__name__, msg=str(e))
         dist.destroy_process_group()
         sys.exit(4)
-    out(restored=start, counter_rank=counter["rank"])
+    out(restored=start, counter_rank=counter["rank"], gets=gets)
     if os.environ.get("RC_KILL_ONCE_RESTORE_UPLOADED"):  # killed before the first save
         uploader = ck._dir.uploader  # type: ignore[attr-defined]
         assert uploader.wait(60)  # the uploads the restore queued, and the retention after each

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import catalog, remote_blobs, stall
 from .blobs import TMP_PREFIX, key_of, store_dir
@@ -21,8 +21,11 @@ from .catalog import Depth
 from .commit import STAGING_PREFIX
 from .errors import CheckpointCorruptError
 from .filewrite import encode_json, write_bytes
-from .manifest import Manifest
+from .manifest import FileEntry, Manifest
 from .nodelocal import REMOTE_MANIFEST, NodeDirectory, is_shared, needed
+
+if TYPE_CHECKING:
+    from .remote import RemoteStore
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -55,11 +58,10 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
             st.url,
             name,
         )
-        srcs, dsts = [f"{st.root}/{name}/{f.path}" for f in need], [f.path for f in need]
         what = f"downloading this node's part of {st.url}/{name}"
         stall.tried_again(  # an error that may pass: each try given up once no byte arrived
             lambda: stall.run(  # for the outage limit, its progress logged
-                lambda: st.fs.get(srcs, [os.path.join(staging, f) for f in dsts]),
+                lambda: _get(st, name, staging, need),
                 what,
                 lambda: stall.on_disk(
                     d.dirpath, os.path.basename(staging), {f.path: f.size for f in need}
@@ -88,6 +90,35 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
     finally:
         d.blobs.unpin(pins)
     return final, len(need), sum(f.size for f in need)
+
+
+def _get(st: RemoteStore, name: str, staging: str, need: list[FileEntry]) -> None:
+    """Fetch the files of ``need`` that ``staging`` does not hold whole yet: a try after one
+    that failed part-way (a 5xx burst, a reset) fetches only what did not arrive. A file of
+    the manifest's size counts as arrived; every checksum is verified after the download."""
+    left = [f for f in need if not _whole(os.path.join(staging, f.path), f.size)]
+    if len(left) < len(need):
+        log.warning(
+            "%d of %d file(s) of %s/%s arrived whole before the last try failed; fetching the "
+            "other %d",
+            len(need) - len(left),
+            len(need),
+            st.url,
+            name,
+            len(left),
+        )
+    if left:
+        st.fs.get(
+            [f"{st.root}/{name}/{f.path}" for f in left],
+            [os.path.join(staging, f.path) for f in left],
+        )
+
+
+def _whole(path: str, size: int) -> bool:
+    try:
+        return os.path.getsize(path) == size
+    except OSError:
+        return False
 
 
 def _blobs(d: NodeDirectory, m: Manifest, staging: str, what: str) -> None:
