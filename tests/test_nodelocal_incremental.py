@@ -101,6 +101,61 @@ def test_a_blob_download_that_stalls_is_given_up_naming_it(tmp_path):
         assert "no byte arrived" in out["msg"], out["msg"]
 
 
+def test_each_node_fetches_only_the_blobs_its_ranks_read(tmp_path):
+    """A shared run on 2 ranks whose FilePart stores a 64 KiB frozen tensor (a blob) on rank
+    0 only; resumed on 2 nodes: node 1 fetched every blob the checkpoint names, though its
+    rank reads none of them (after an outage each node downloaded the whole job's part
+    blobs). Now each node fetches the blobs its own files name (shared.json's, its part
+    files'), restores exactly, and a restart with the remote lost does not upload node 1's
+    downloaded copy as one a stop cut off (its manifest now names no blob)."""
+    zygote = spawn_ranks.shared_zygote()
+    argv = [sys.executable, __file__, str(tmp_path)]
+    first = _outs(spawn_ranks.run([*argv, "parts-shared"], 2, tmp_path, "shared", zygote=zygote))
+    remote = tmp_path / "remote"
+    stored = [n for n in os.listdir(remote / "blobs") if not n.startswith(".")]
+    assert len(stored) == 1, stored  # rank 0's frozen tensor
+    second = _outs(spawn_ranks.run([*argv, "parts-stop"], 2, tmp_path, "stop", zygote=zygote))
+    assert [o["restored"] for o in second] == [3, 3], second
+    assert [o["digest"] for o in second] == [o["digest"] for o in first]  # each rank's part
+    assert [n for n in os.listdir(tmp_path / "node0" / "blobs") if n[0] != "."] == stored
+    node1 = tmp_path / "node1" / "blobs"
+    assert not node1.exists() or not [n for n in os.listdir(node1) if n[0] != "."]
+    shutil.rmtree(remote)
+    third = _outs(spawn_ranks.run([*argv, "parts-nodes"], 2, tmp_path, "nodes", zygote=zygote))
+    assert [o["restored"] for o in third] == [3, 3], third
+    assert sorted(n for n in os.listdir(remote) if n.startswith("step_")) == ["step_000000005"]
+
+
+def _make_part(rank: int):
+    """A FilePart: a 64 KiB frozen tensor on rank 0 only (a blob), a small one on every rank."""
+    import torch
+
+    from resilient_callbacks.filepart import FilePart
+
+    class Part(FilePart):
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(rank)
+            self.t = {"small": torch.randn(16, generator=g)}
+            if rank == 0:
+                self.t["frozen"] = torch.randn(16 * 1024, generator=g)
+
+        def capture(self, buffers):
+            return buffers.copy(self.t)
+
+        def write(self, captured, writer) -> None:
+            writer.tensors(f"rank_{writer.rank:05d}.safetensors", captured)
+
+        def files_to_read(self, info):
+            return [f"rank_{info.rank:05d}.safetensors"]
+
+        def load(self, reader) -> None:
+            got = reader.tensors(f"rank_{reader.info.rank:05d}.safetensors")
+            for name, live in self.t.items():
+                live.copy_(got[name])
+
+    return Part()
+
+
 def _digest(model) -> str:
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
@@ -133,6 +188,33 @@ def worker(base: str, phase: str) -> None:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     remote = f"file://{base}/remote"
+    if phase.startswith("parts-"):
+        rank = dist.get_rank()
+        part = _make_part(rank)
+        state = {"model": nn.Linear(4, 4), "engine": part}  # (no replicated blob)
+        shared = phase == "parts-shared"
+        if not shared:
+            for v in part.t.values():
+                v.zero_()
+        with Checkpointer(
+            f"{base}/shared" if shared else f"{base}/node{rank}",
+            incremental=shared,
+            compression="zstd" if shared else "none",  # (node 1 reads a compressed header)
+            remote=remote,
+            keep_last=1,
+            remote_timeout=5,
+            async_save=False,
+        ) as ck:
+            got = 0 if shared else ck.restore(state)
+            digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in part.t.values()))
+            print("OUT " + json.dumps({"restored": got, "digest": digest.hexdigest()}))
+            sys.stdout.flush()
+            if phase == "parts-stop":
+                os._exit(0)
+            for n in (1, 2, 3) if shared else (4, 5):
+                ck.save(n, state)
+        dist.destroy_process_group()
+        return
     if phase == "shared":  # one process, a dirpath of its own: not node-local
         with Checkpointer(
             f"{base}/shared", incremental=True, remote=remote, keep_last=1, async_save=False

@@ -9,6 +9,8 @@ collective.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -19,10 +21,14 @@ from . import catalog, remote_blobs, stall
 from .blobs import TMP_PREFIX, key_of, store_dir
 from .catalog import Depth
 from .commit import STAGING_PREFIX
+from .compression import zstd
 from .errors import CheckpointCorruptError
 from .filewrite import encode_json, write_bytes
+from .layout import SHARED_STRUCTURE
 from .manifest import FileEntry, Manifest
 from .nodelocal import REMOTE_MANIFEST, NodeDirectory, is_shared, needed
+from .part_blobs import parse_refs
+from .tensorfile import header_bytes, parse_header
 
 if TYPE_CHECKING:
     from .remote import RemoteStore
@@ -33,9 +39,9 @@ log = logging.getLogger("resilient_callbacks")
 def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, int]:
     """Leader: fetch this node's ranks' files (and the replicated ones) of the remote
     checkpoint ``name``, verify every checksum, and commit them as a local checkpoint. An
-    incremental checkpoint (one a run with a shared ``dirpath`` uploaded) brings the blobs it
-    names into the node's ``dirpath/blobs``, each verified: every blob, as a blob holds no
-    rank's name (the node's retention deletes them once no checkpoint there names them)."""
+    incremental checkpoint (one a run with a shared ``dirpath`` uploaded) brings the blobs
+    this node's files name (:func:`_read_by`) into the node's ``dirpath/blobs``, each
+    verified (the node's retention deletes them once no checkpoint there names them)."""
     topo = d.topology
     assert d.remote is not None
     st = d.remote
@@ -70,17 +76,21 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
             ),
             what,
         )
-        if m.blobs:
-            _blobs(d, m, staging, f"downloading the blobs of {st.url}/{name}")
+        blobs = _read_by(staging, need, m)
+        if blobs:
+            mine = dataclasses.replace(m, blobs=blobs)
+            _blobs(d, mine, staging, f"downloading the blobs of {st.url}/{name}")
         raw = encode_json(m.to_json())  # (the remote manifest, kept beside the node's own)
         node_m = Manifest.from_json(json.loads(raw))  # (a copy)
-        node_m.files = need
+        node_m.files, node_m.blobs = need, blobs
         node_m.extra = dict(m.extra)
         node_m.extra["node"] = {
             "ranks": sorted(ranks),
             "nodes": len(topo.nodes),
             "remote_name": name,
         }
+        if m.blobs:  # (node_recovery: never uploaded again, its blobs are on no node)
+            node_m.extra["node"]["remote_blobs"] = len(m.blobs)
         catalog.verify(staging, node_m, Depth.FULL)
         write_bytes(os.path.join(staging, REMOTE_MANIFEST), raw)
         final = d.commit.commit(staging, m.step, encode_json(node_m.to_json()))
@@ -112,6 +122,40 @@ def _get(st: RemoteStore, name: str, staging: str, need: list[FileEntry]) -> Non
             [f"{st.root}/{name}/{f.path}" for f in left],
             [os.path.join(staging, f.path) for f in left],
         )
+
+
+def _read_by(staging: str, need: list[FileEntry], m: Manifest) -> list[FileEntry]:
+    """The blobs of ``m`` that this node's files ``need`` (downloaded into ``staging``) refer
+    to: the replicated tensors' (``shared.json``'s ``"blobs"``) and the part files' (their
+    safetensors metadata), the only places a checkpoint names a blob. A blob's manifest entry
+    names one rank that wrote it, not every rank that reads it (ranks with the same bytes
+    share one). Every blob of ``m`` where a file cannot be read for its references (a damaged
+    download: the checksum verification after names it)."""
+    if not m.blobs:
+        return []
+    names: set[str] = set()
+    try:
+        for f in need:
+            full = os.path.join(staging, *f.path.split("/"))
+            if f.path == SHARED_STRUCTURE:
+                with open(full, "rb") as fh:
+                    refs = json.loads(fh.read()).get("blobs") or {}
+                names.update(str(v) for v in refs.values())
+            elif f.kind == "tensors":
+                meta: dict[str, str] = {}
+                with contextlib.ExitStack() as stack:
+                    fh = stack.enter_context(open(full, "rb"))
+                    if f.codec:
+                        fh = stack.enter_context(zstd().ZstdDecompressor().stream_reader(fh))
+                    header, _ = parse_header(header_bytes(fh, full), full)
+                meta.update(header.get("__metadata__") or {})
+                names.update(parse_refs(meta, full).values())
+    except Exception as e:  # (every blob: nothing this node's ranks read is missed)
+        log.info("fetching every blob of the checkpoint: %s: %s", type(e).__name__, e)
+        return list(m.blobs)
+    mine = [b for b in m.blobs if b.path in names]
+    log.info("fetching %d of the %d blob(s) the checkpoint names", len(mine), len(m.blobs))
+    return mine
 
 
 def _whole(path: str, size: int) -> bool:

@@ -47,9 +47,12 @@ def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) 
         name = node.get("remote_name")
         if key in remote_keys or m.seq <= newest_remote or not name:
             continue
-        if m.blobs:  # downloaded (a node-local save writes none): its blobs are no node's to
+        # downloaded (a node-local save writes no blob; "remote_blobs": the remote copy had
+        # blobs, maybe none of them read by this node's ranks): its blobs are no node's to
+        # upload, and a commit of its manifest would name blobs the store lacks
+        if m.blobs or node.get("remote_blobs"):
             log.info("not uploading %s again: downloaded, its blobs are not on this node", e.name)
-            continue  # upload, and a commit of its manifest would name blobs the store lacks
+            continue
         if d.config.remote_due(m.seq, m.reason):
             due.append((e.name, m, key, name))
     due.sort(key=lambda x: x[1].seq)
