@@ -30,9 +30,10 @@ from .commit import ensure_dir, fsync_dir, fsync_tree
 from .dtypes import DTYPE_TO_ST
 from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from .export_target import EXPORT_MARKER, check_export_target
-from .filepart import PARTS_EXTRA, part_dir, parts_of_format, read_part_tensors
+from .filepart import PARTS_EXTRA, part_dir, parts_of_format
 from .layout import LoadedPart, is_dcp_dropin
 from .manifest import Manifest, read_manifest
+from .part_reads import read_part_tensors
 from .tensorfile import read_verified
 from .wrapped import plain_name
 

@@ -55,10 +55,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CheckpointCorruptError, UnsupportedStateError
+from .errors import UnsupportedStateError
 from .filewrite import write_json
 from .manifest import FileEntry, Manifest
-from .tensorfile import DirectBuffer, map_tensors_verified, read_verified, write_tensors
+from .tensorfile import DirectBuffer, write_tensors
 
 if TYPE_CHECKING:
     from .part_blobs import PartBlobSession
@@ -178,62 +178,6 @@ class PartReader:
             return self._json[name]
         except KeyError:
             raise KeyError(f"{name!r} was not asked for by files_to_read()") from None
-
-
-def read_part_files(path: str, manifest: Manifest, part: FilePart, info: PartInfo) -> PartReader:
-    """Read and verify the files ``part`` says this rank needs. Raises
-    :class:`CheckpointCorruptError` naming a file that is not listed, missing or damaged."""
-    folder = part_dir(info.part_id)
-    entries = {f.path: f for f in manifest.files}
-    reader = PartReader(info)
-    for name in part.files_to_read(info):
-        rel = f"{folder}/{_check_name(name)}"
-        entry = entries.get(rel)
-        if entry is None:
-            raise CheckpointCorruptError(f"{path}: the manifest does not list {rel}")
-        full = os.path.join(path, *rel.split("/"))
-        if entry.kind == "structure":
-            buf = read_verified(full, entry.digest)
-            try:
-                reader._json[name] = json.loads(bytes(buf))
-            except ValueError as e:
-                raise CheckpointCorruptError(f"{full}: unreadable JSON ({e})") from None
-        else:
-            reader._tensors[name] = read_part_tensors(path, manifest, entry)
-    return reader
-
-
-def read_part_tensors(path: str, manifest: Manifest, entry: FileEntry) -> dict[str, torch.Tensor]:
-    """The tensors of the part file ``entry`` of the checkpoint at ``path``, verified, with
-    those it stores as blobs (``incremental=True``) read from them, each verified too."""
-    from .layout import load_blobs
-    from .part_blobs import parse_refs
-
-    full = os.path.join(path, *entry.path.split("/"))
-    meta: dict[str, str] = {}
-    tensors = map_tensors_verified(full, entry.digest, meta)
-    refs = parse_refs(meta, full)
-    if refs:
-        tensors.update(load_blobs(path, manifest, refs, entry.path))
-    return tensors
-
-
-def part_info(
-    part_id: str, manifest: Manifest, rank: int, world_size: int, partial: bool = False
-) -> PartInfo:
-    prefix = part_dir(part_id) + "/"
-    listed = {f.path[len(prefix) :]: f.rank for f in manifest.files if f.path.startswith(prefix)}
-    described = manifest.extra.get(PARTS_EXTRA)
-    saved = described.get(part_id) if isinstance(described, dict) else None
-    return PartInfo(
-        part_id,
-        rank,
-        world_size,
-        manifest.world_size,
-        listed,
-        dict(saved) if isinstance(saved, dict) else {},
-        partial,
-    )
 
 
 class FilePart(ABC):

@@ -23,7 +23,8 @@ its content key comes with it (``hints``), so it is not hashed either.
 
 A part's tensor file holds its small tensors; its safetensors metadata maps each tensor stored
 as a blob to the blob's name (``"blobs"``, JSON), covered by the file's checksum.
-:func:`read_part_tensors` resolves them through the manifest's list of blobs, each verified.
+:func:`~.part_reads.read_part_tensors` resolves them through the manifest's list of blobs,
+each verified.
 
 Which ranks call what: every rank has its own :class:`PartBlobs` (in its Saver) and, for each
 save, a :class:`PartBlobSession` used by the thread that writes that rank's files; every rank

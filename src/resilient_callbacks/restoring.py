@@ -54,8 +54,9 @@ from .errors import (
     error_type,
     warn_and_log,
 )
-from .filepart import PartReader, part_info, read_part_files
+from .filepart import PartReader
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .part_reads import part_info, read_part_files
 from .reader import current
 from .restore_report import RestoreReport
 from .retention import RetentionPolicy
