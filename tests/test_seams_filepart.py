@@ -67,6 +67,21 @@ class ToyShards(FilePart):
         self.loaded = sorted(n for n, r in reader.info.listed.items() if r == rank)
 
 
+class LiveFails(ToyShards):
+    """ToyShards whose ``files_to_read`` asks a live object for its layout, which fails on the
+    ranks in ``failing`` (as an engine whose partitions are not built, or an optimizer that
+    cannot give its state dict): nothing of the checkpoint is read when it raises."""
+
+    def __init__(self, failing: tuple[int, ...]) -> None:
+        super().__init__()
+        self.failing = failing
+
+    def files_to_read(self, info: PartInfo) -> list[str]:
+        if info.rank in self.failing:
+            raise RuntimeError(f"rank {info.rank}: the live engine has no partitions yet")
+        return super().files_to_read(info)
+
+
 def _state(part: ToyShards) -> dict[str, Any]:
     torch.manual_seed(0)
     return {"model": nn.Linear(4, 2), "engine": {"shards": part}, "step": 0}
@@ -101,10 +116,13 @@ def worker(phase: str, root: str, out: str) -> None:
     else:
         import warnings
 
-        fresh = ToyShards()
+        fresh = LiveFails((1,)) if phase == "live_fails" else ToyShards()
         with warnings.catch_warnings(record=True) as caught, Checkpointer(root) as ck:
             warnings.simplefilter("always")
-            res["restored"] = ck.restore(_state(fresh))
+            try:
+                res["restored"] = ck.restore(_state(fresh))
+            except Exception as e:
+                res["error"] = f"{type(e).__name__}: {e}"
         res["weight"] = fresh.weight[0].item()
         res["note"] = fresh.note
         res["fallback_warnings"] = [
@@ -192,6 +210,43 @@ def test_a_part_refuses_a_checkpoint_it_cannot_load_early_without_falling_back(t
     assert smaller.loaded is None and smaller.note == "fresh"
 
 
+def test_a_live_objects_error_in_files_to_read_is_a_refusal_not_a_damaged_checkpoint(tmp_path):
+    """files_to_read() asks the live objects the part holds (an engine, a model, an optimizer)
+    before any file of the checkpoint is read. Their error was taken for damage: step 10 was
+    skipped with a ResumeFallbackWarning ("unreadable checkpoint"), then step 5, and the
+    restore ended in NoValidCheckpointError over two valid checkpoints (or loaded an older one
+    where that one got through). Now it is refused on the newest, naming the error, nothing
+    skipped or loaded."""
+    root = str(tmp_path / "ck")
+    _save_two(root)
+    part = LiveFails((0,))
+    state = _state(part)
+    torch.manual_seed(1)
+    state["model"] = nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    with (
+        Checkpointer(root, preemption=False) as ck,
+        warnings.catch_warnings(record=True) as caught,
+        pytest.raises(CheckpointMismatchError) as raised,
+    ):
+        warnings.simplefilter("always")
+        ck.restore(state)
+    msg = str(raised.value)
+    assert "step_000000010" in msg and "engine/shards" in msg, msg
+    assert "RuntimeError: rank 0: the live engine has no partitions yet" in msg, msg
+    assert not [w for w in caught if issubclass(w.category, ResumeFallbackWarning)]
+    assert ck.restored_from is None
+    for k, v in state["model"].state_dict().items():  # nothing of the state was loaded
+        assert torch.equal(v, before[k]), k
+    assert part.loaded is None and part.note == "fresh"
+    # both checkpoints are still valid ones (none was marked, moved or counted as damaged)
+    entries = catalog.scan(root, catalog.Depth.FULL)
+    assert [(e.name, str(e.status)) for e in entries] == [
+        ("step_000000005", "valid"),
+        ("step_000000010", "valid"),
+    ]
+
+
 def test_a_part_that_describes_itself_with_non_json_values_fails_the_save_clearly(tmp_path):
     class Odd(ToyShards):
         def describe(self) -> dict[str, Any]:
@@ -248,6 +303,18 @@ def test_two_ranks_each_write_and_verify_their_own_files_and_fall_back_together(
         assert res[r]["restored"] == 5
         assert res[r]["weight"] == 500 + r and res[r]["note"] == f"rank {r} step 5"
     assert any("rank 1" in w and "shard_00001" in w for w in res[0]["fallback_warnings"])
+
+    # Rank 1's live object fails in files_to_read(): both ranks refuse the newest checkpoint
+    # together, naming it; nothing is skipped (it was taken for damage: both fell back)
+    res = run("live_fails")
+    for r in range(2):
+        assert "restored" not in res[r], res[r]
+        error = res[r]["error"]
+        assert error.startswith("CheckpointMismatchError: "), error
+        assert "step_000000010" in error and "rank 1: part 'engine/shards'" in error, error
+        assert "RuntimeError: rank 1: the live engine has no partitions yet" in error, error
+        assert res[r]["fallback_warnings"] == [], res[r]
+        assert res[r]["weight"] == 0 and res[r]["note"] == "fresh", res[r]
 
     # The same checkpoints on one rank: the part refuses them (saved by 2 ranks), agreed and
     # early, and restore raises instead of falling back through every older checkpoint.

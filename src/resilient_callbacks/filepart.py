@@ -36,8 +36,12 @@ Which ranks call what (every rank holds the part at the same place in its state)
   this rank needs, given what the checkpoint lists, who wrote it and ``info.saved``; raise
   :class:`~.errors.CheckpointMismatchError` to refuse a checkpoint early (e.g. another world
   size, another ZeRO stage): the refusal is agreed across ranks and restore raises it on every
-  rank, before anything is loaded (an older checkpoint of the same run would not fit either). The core verifies each file (size and checksum) before anything is loaded: a missing
-  or corrupt file makes restore fall back, loudly, to the previous checkpoint.
+  rank, before anything is loaded (an older checkpoint of the same run would not fit either).
+  Any other error it raises but an ``OSError`` (:class:`~.errors.CheckpointCorruptError` for
+  damage) is taken as such a refusal, naming it: it comes from the live objects the part
+  holds, not from the checkpoint. The core verifies each file (size and checksum) before
+  anything is loaded: a missing or corrupt file makes restore fall back, loudly, to the
+  previous checkpoint.
 - :meth:`FilePart.load` -- every rank, once every rank has read and verified its files: restore
   from the verified contents in ``reader``.
 """

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .filepart import PARTS_EXTRA, FilePart, PartInfo, PartReader, _check_name, part_dir
 from .manifest import FileEntry, Manifest
 from .tensorfile import map_tensors_verified, read_verified
@@ -23,7 +23,7 @@ def read_part_files(path: str, manifest: Manifest, part: FilePart, info: PartInf
     folder = part_dir(info.part_id)
     entries = {f.path: f for f in manifest.files}
     reader = PartReader(info)
-    for name in part.files_to_read(info):
+    for name in names_to_read(part, info):
         rel = f"{folder}/{_check_name(name)}"
         entry = entries.get(rel)
         if entry is None:
@@ -38,6 +38,27 @@ def read_part_files(path: str, manifest: Manifest, part: FilePart, info: PartInf
         else:
             reader._tensors[name] = read_part_tensors(path, manifest, entry)
     return reader
+
+
+def names_to_read(part: FilePart, info: PartInfo) -> list[str]:
+    """``part.files_to_read(info)``, where an error other than a refusal
+    (:class:`CheckpointMismatchError`) or damage (an ``OSError``, as
+    :class:`CheckpointCorruptError`) is a refusal naming it: it comes from the live objects the
+    part holds (an engine, a model, an optimizer asked for its state) or the part's code, not
+    from the checkpoint's files, which are read and verified after it. Taken for damage, it
+    made the restore skip valid checkpoints one after another, each failing the same way."""
+    try:
+        return part.files_to_read(info)
+    except (CheckpointMismatchError, OSError):
+        raise
+    except Exception as e:
+        raise CheckpointMismatchError(
+            f"part {info.part_id!r} ({type(part).__name__}) cannot prepare its restore: "
+            f"files_to_read() raised {type(e).__name__}: {e}. The error comes from this run's "
+            "live objects or the part's code, before any of the checkpoint's files is read: "
+            "nothing was loaded, and no older checkpoint is tried (it would meet the same "
+            "error). Fix its cause and run again"
+        ) from e
 
 
 def read_part_tensors(path: str, manifest: Manifest, entry: FileEntry) -> dict[str, torch.Tensor]:
