@@ -10,11 +10,12 @@ How it plugs into ``Trainer.fit`` (Lightning 2.x):
   ``fit`` (:mod:`.patches`): ``_checkpoint_connector.resume_start`` (where Lightning loads
   ``ckpt_path``) and ``fit_loop._load_combined_loader_states`` (where it restores the train
   dataloaders, after it built them and before it iterates them). ``teardown`` unwraps them.
-- ``resume_start``: constructs the ``Checkpointer``. Without ``ckpt_path`` it restores the newest
-  valid checkpoint (falling back loudly) and hands Lightning's checkpoint dictionary to the
-  connector, which restores model, datamodule, callbacks, loops, optimizers, schedulers and
-  precision plugin exactly as for ``fit(ckpt_path=...)``. An explicit ``ckpt_path`` wins, but
-  for a file Lightning's ``"last"`` picks when ours is as new (:mod:`.last`).
+- ``resume_start`` (:mod:`.resuming`): constructs the ``Checkpointer``. Without ``ckpt_path``
+  it restores the newest valid checkpoint (falling back loudly) and hands Lightning's checkpoint
+  dictionary to the connector, which restores model, datamodule, callbacks, loops, optimizers,
+  schedulers and precision plugin exactly as for ``fit(ckpt_path=...)``. An explicit
+  ``ckpt_path`` wins, but for a file Lightning's ``"last"`` picks when ours is as new
+  (:mod:`.last`).
 - train dataloaders: plain shuffled ``DataLoader``\\ s become ``ResumableDataLoader``\\ s
   (``loaders.py``), so their position is part of the checkpoint.
 - ``on_train_start``: takes SIGTERM / SIGUSR1 back from Lightning's signal connector. The
@@ -43,23 +44,20 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
-from .. import rng, statetree
-from ..adapter import check_options, with_section
+from .. import statetree
+from ..adapter import check_options
 from ..checkpointer import Checkpointer, SaveStats
 from ..errors import ConfigError
-from ..manifest import MANIFEST_NAME
 from . import (
     boundary,
     checks,
     deepspeed,
     ending,
     evaluate,
-    last,
     patches,
-    refit,
+    resuming,
     save_logs,
     sharded,
-    stages,
     stops,
     tuning,
 )
@@ -227,7 +225,7 @@ class ResilientCheckpoint(Checkpoint):
         self._unpatch = patches.wrap_fit(
             trainer,
             patches.FitHooks(
-                resume_start=functools.partial(self._resume_start, trainer),
+                resume_start=functools.partial(resuming.resume_start, self, trainer),
                 before_loader_states=functools.partial(self._prepare_loaders, trainer),
                 after_setup_data=resumed("after_setup_data"),
                 before_val_setup=functools.partial(self._validation_starts, trainer),
@@ -245,94 +243,6 @@ class ResilientCheckpoint(Checkpoint):
     def _unpatch_all(self) -> None:
         while self._unpatch:
             self._unpatch.pop()()
-
-    # ------------------------------------------------------------------ resume
-
-    def _resume_start(
-        self, trainer: pl.Trainer, original: Any, checkpoint_path: Any, weights_only: Any
-    ) -> None:
-        if trainer.state.fn != TrainerFn.FITTING or self._resume_started:
-            original(checkpoint_path, weights_only)  # (a finder restoring its file: tuning.py)
-            return
-        self._resume_started = True
-        resume = self._kwargs.get("resume", "auto")
-        lightning_ckpt = None
-        if checkpoint_path:
-            path = os.fspath(checkpoint_path)
-            if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST_NAME)):
-                resume = path  # one of ours, given explicitly
-            elif resume != "auto" or not last.prefers_ours(trainer, path, self._dirpath(trainer)):
-                lightning_ckpt, resume = checkpoint_path, "never"
-        self._open(trainer, resume)
-        ckpt = self.checkpointer
-        assert ckpt is not None
-        if refit.goes_on_live(trainer, ckpt.dirpath, resume, bool(checkpoint_path)):  # fit() again
-            original(None, weights_only)  # Lightning's: the live state, fresh optimizers
-            ckpt.continued_from(trainer.global_step, "this Trainer's fit() before", same_run=True)
-            return
-        if lightning_ckpt is not None:
-            log.info(
-                "fit(ckpt_path=%s) given: resuming from it, not from %s; new checkpoints go to %s",
-                lightning_ckpt,
-                ckpt.dirpath,
-                ckpt.dirpath,
-            )
-            original(checkpoint_path, weights_only)
-            loaded = trainer._checkpoint_connector._loaded_checkpoint or {}
-            step = loaded.get("global_step")
-            if isinstance(step, int):
-                ckpt.continued_from(step, f"fit(ckpt_path={os.fspath(lightning_ckpt)!r})")
-            return
-        is_sharded = sharded.is_sharded(trainer)
-        holder = sharded.receivers(trainer) if is_sharded else st.receivers()
-        live = rng.capture()  # setup draws from these till the first batch (as the run did)
-        step = ckpt.restore(holder)
-        if ckpt.restored_from is None:
-            log.info("no checkpoint in %s: starting fresh", ckpt.dirpath)
-            original(None, weights_only)
-            return
-        if is_sharded:  # weights and optimizer states are loaded: the part checked they fit
-            checkpoint = sharded.assemble(holder)
-        else:
-            checkpoint = st.assemble(holder, trainer.lightning_module)
-            checks.check_model_fits(trainer, checkpoint["state_dict"], ckpt.restored_from)
-        checkpoint = checks.migrate(checkpoint, ckpt.restored_from)
-        conn = trainer._checkpoint_connector
-        conn._ckpt_path = ckpt.restored_from
-        conn._loaded_checkpoint = checkpoint
-        self.restored_step = step
-        # the random streams as the core restored them: put back right before the first batch
-        self._resume = boundary.Resume(checkpoint, rng.capture())
-        self._resume.auto = resume == "auto"  # not a step or path chosen by the user
-        self._unpatch += tuning.skip_at_resume(trainer)  # (finders ran at the run's start)
-        rng.restore(*live)  # a train_dataloader() drawing its data makes the run's data
-        self._resumed_stopped = checkpoint.pop(st.STOPPED_KEY, False)
-        self._past_end = self._resume.past_end = stages.past_end(trainer, checkpoint, step)
-        self._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
-        checks.accumulation(trainer, checkpoint.pop(st.ACCUMULATE_KEY, None), checkpoint)
-        if ckpt.last_restore is not None:
-            # said as Lightning says its own (rank_zero_info), with the tier and what was skipped
-            where = st.position(checkpoint, self._resume.epoch_end)
-            rank_zero_info(f"ResilientCheckpoint: {ckpt.last_restore.describe(where)}")
-
-    def _open(self, trainer: pl.Trainer, resume: Any) -> None:
-        self._close(raise_errors=False)
-        _, kwargs = with_section(self.dirpath, dict(self._kwargs), self._section)
-        kwargs["resume"] = resume
-        if "signals" not in kwargs:
-            kwargs["signals"] = checks.signals(trainer)
-        self.checkpointer = Checkpointer(self._dirpath(trainer), **kwargs)
-        self.checkpointer.logs_through_framework = True
-        checks.say_when_it_saves(self.checkpointer)
-        watcher = self.checkpointer.watcher
-        if watcher is not None and threading.current_thread() is threading.main_thread():
-            for name in watcher.installed_signals:
-                signum = getattr(signal, name)
-                self._our_handlers[signum] = signal.getsignal(signum)
-
-    def _dirpath(self, trainer: pl.Trainer) -> str:
-        own_dir, _ = with_section(self.dirpath, dict(self._kwargs), self._section)
-        return own_dir or os.path.join(trainer.default_root_dir, "resilient_checkpoints")
 
     # ------------------------------------------------------------------ dataloaders
 
