@@ -33,7 +33,7 @@ if release(lightning.__version__) < (2, 5):
     )
 
 from .callback import ResilientCheckpoint
+from .conversion import HparamsConversionWarning
 from .loaders import make_resumable
-from .state import HparamsConversionWarning
 
 __all__ = ["HparamsConversionWarning", "ResilientCheckpoint", "make_resumable"]

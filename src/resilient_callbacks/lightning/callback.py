@@ -62,6 +62,7 @@ from . import (
     tuning,
 )
 from . import state as st
+from .conversion import lossy_keys
 from .loaders import prepare_train_loaders
 from .model_checkpoints import remove_rolled_back
 from .on_exception import ExceptionSave
@@ -287,7 +288,7 @@ class ResilientCheckpoint(Checkpoint):
                 "supported; please report it."
             )
         self._reclaim_signals()
-        lossy = st.lossy_keys(pl_module, getattr(trainer, "datamodule", None))
+        lossy = lossy_keys(pl_module, getattr(trainer, "datamodule", None))
         self._ctx, self._state = sharded.save_context_and_state(
             trainer, pl_module, lossy, self._converter
         )
