@@ -47,6 +47,7 @@ from . import (
     auto_batch,
     checks,
     collator_rng,
+    epoch_loop,
     first,
     hooks,
     phases,
@@ -55,13 +56,7 @@ from . import (
     trainer_state,
     under_deepspeed,
 )
-from .data import (
-    ResumableBatches,
-    decode_cpu_rng,
-    encode_cpu_rng,
-    generator_at,
-    make_resumable,
-)
+from .data import ResumableBatches, encode_cpu_rng, make_resumable
 from .trainer_state import FORMAT, METRIC_PREFIX, STATE_FIELDS  # noqa: F401 (their old home)
 
 log = logging.getLogger("resilient_callbacks")
@@ -319,75 +314,7 @@ class ResilientCheckpoint(TrainerCallback):
     # ------------------------------------------------------------------ the Trainer's loop
 
     def _run_epoch(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        trainer = self._trainer
-        bound = hooks.bind_arguments(original, args, kwargs)
-        a = bound.arguments
-        targs = trainer.args
-        gas = int(targs.gradient_accumulation_steps)
-        epoch = int(a["epoch"])
-        steps_in_epoch = int(a["steps_in_epoch"])
-        updates_per_epoch = int(a["num_update_steps_per_epoch"])
-        first = self._epoch_calls == 0
-        self._epoch_calls += 1
-        start = 0
-        base = self._base
-        base.generator = self._own_generator  # a resumed epoch's one-off generator goes
-        epoch_start: torch.Tensor | None = None
-        if self._resume is not None:
-            r_epoch, r_updates, r_rng, r_start, r_stopped = self._resume
-            if first:
-                self._epoch_offset = r_epoch - epoch
-            epoch += self._epoch_offset
-            state = trainer.state
-            # The Trainer's count of epochs ends the run too (a max_steps run's as well, where
-            # an epoch ended early: should_epoch_stop), unless a max_steps run's epochs have
-            # another length than at the save (new data: that count starts from step 0)
-            done = state.global_step >= state.max_steps or (
-                (targs.max_steps <= 0 or self._same_epochs) and epoch >= state.num_train_epochs
-            )
-            if done or (first and r_stopped):
-                trainer.control.should_training_stop = True
-                return None
-            a["epoch"] = a["epochs_trained"] = epoch
-            a["resume_from_checkpoint"] = None
-            a["steps_trained_in_current_epoch"] = 0
-            if first and r_updates > 0 and not targs.ignore_data_skip:
-                start = r_updates
-                # The rest of the epoch: the Trainer's batch counter, accumulation boundaries
-                # and the short last accumulation group line up with the uninterrupted run.
-                a["steps_in_epoch"] = steps_in_epoch - start * gas
-                a["num_update_steps_per_epoch"] = updates_per_epoch - start
-                assert self._batches is not None
-                # the first batch is collated from the random states it was collated from
-                # before the save (None: not fetched ahead, or a checkpoint without them)
-                collated = self._saved.rank_values.get("next_batch_rng")
-                main = self._base.num_workers == 0
-                self._batches.resume_at(
-                    start * gas, r_rng, decode_cpu_rng(collated) if collated and main else None
-                )
-                # The iterator this epoch creates draws its base seed as the interrupted run's
-                # did at the epoch start, from that RNG state, not from the global RNG now.
-                epoch_start = r_start
-                base.generator = generator_at(r_start)
-            elif first and hooks.persistent_workers(targs):
-                # Persistent workers: the uninterrupted run made its one iterator in its first
-                # epoch, and later epochs reset it without a draw; the iterator this run makes
-                # must not draw from the global RNG either (its base seed from a throwaway one).
-                base.generator = generator_at(r_start)
-        elif a["resume_from_checkpoint"] is not None and epoch == a["epochs_trained"]:
-            start = int(a["steps_trained_in_current_epoch"]) // gas  # the Trainer's own resume
-        self._epoch, self._updates = epoch, start
-        self._steps_in_epoch, self._updates_per_epoch = steps_in_epoch, updates_per_epoch
-        self._epoch_ended = False
-        if epoch_start is None:  # what the iterator created in this epoch will draw from
-            own = self._own_generator
-            epoch_start = (own.get_state() if own is not None else torch.get_rng_state()).clone()
-        self._saved.epoch_start_live = epoch_start
-        try:
-            return original(*bound.args, **bound.kwargs)
-        except BaseException as e:
-            self._abort(e)
-            raise
+        return epoch_loop.run_epoch(self, original, *args, **kwargs)
 
     def _next_epoch(self) -> float | None:  # state.epoch of the step ending now (progress.py)
         if self._trainer is None:
