@@ -636,13 +636,13 @@ def test_a_checkpoint_deleted_while_it_is_read_is_not_reported_corrupt(tmp_path,
     sight, then deletes it). One that goes while ls/verify reads it is gone, not corrupt: they
     reported "CORRUPT ... listed in the manifest but missing", or crashed on the vanished
     manifest. Here the newest goes while its files are hashed: verify checks the next."""
-    from resilient_callbacks import catalog
+    from resilient_callbacks import verification
 
     root = tmp_path / "ck"
     with Checkpointer(root, async_save=False) as ck:
         for step in (1, 2, 3):
             ck.save(step, {"w": torch.full((4,), float(step))})
-    real = catalog.digest_file
+    real = verification.digest_file
     newest = str(root / "step_000000003")
 
     def deleting(path, like=None):  # retention of the writing run, at the worst moment
@@ -650,7 +650,7 @@ def test_a_checkpoint_deleted_while_it_is_read_is_not_reported_corrupt(tmp_path,
             os.rename(newest, str(root / ".trash-step_000000003"))
         return real(path, like=like)
 
-    monkeypatch.setattr(catalog, "digest_file", deleting)
+    monkeypatch.setattr(verification, "digest_file", deleting)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["verify", str(root)]) == 0

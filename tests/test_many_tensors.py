@@ -25,7 +25,7 @@ import safetensors.torch
 import torch
 import xxhash
 
-from resilient_callbacks import Checkpointer, catalog, filewrite, tensorfile
+from resilient_callbacks import Checkpointer, catalog, filewrite, tensorfile, verification
 from resilient_callbacks.checksum import FileHasher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,7 +183,7 @@ def test_retention_checks_a_blob_many_checkpoints_name_once(
     """incremental=True: every archive names the same unchanged blobs; a save's retention
     checks each blob's size once, not once per checkpoint naming it."""
     checked: list[str] = []
-    real_problem = catalog._problem
+    real_problem = verification._problem
 
     def problem(full: str, f: Any, depth: Any) -> Any:
         if f.kind == "blob":
@@ -195,7 +195,7 @@ def test_retention_checks_a_blob_many_checkpoints_name_once(
     with Checkpointer(tmp_path, async_save=False, preemption=False, **opts) as ck:
         for step in range(1, 7):
             ck.save(step, state)
-        monkeypatch.setattr(catalog, "_problem", problem)
+        monkeypatch.setattr(verification, "_problem", problem)
         ck.save(7, state)
     assert sorted(checked) == sorted(set(checked)) and len(checked) == 3, checked
 

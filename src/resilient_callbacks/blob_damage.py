@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .blobs import blob_path
-from .catalog import Depth, Entry, Status, _problem
+from .catalog import Entry, Status
 from .redact import command
+from .verification import Depth, _problem
 
 REMOTE_BLOB_PROBLEM = "the blob "  # how remote.py's scan says a blob is missing or torn
 

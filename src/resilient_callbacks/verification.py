@@ -1,0 +1,111 @@
+"""Checking a checkpoint's files against its manifest: :func:`verify` (every file and blob it
+lists present with its size and, at :attr:`Depth.FULL`, its checksum; the first bad one raises
+:class:`CheckpointCorruptError` naming it), :func:`verify_entries` for some of them (an uploader
+checks the bytes it is about to upload), and :func:`blobs_read_once`, within which a blob that
+several checkpoints name is found intact once. :mod:`.catalog` judges each checkpoint it scans
+with these (and re-exports them, their old home). Which ranks call what: each caller checks the
+files it reads or uploads; ``verify(ranks=...)`` restricts a check to the files those ranks
+wrote (the shared files and the blobs are rank 0's), nothing here is collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
+from enum import StrEnum
+from functools import partial
+
+from . import checking
+from .errors import CheckpointCorruptError
+from .filewrite import digest_file
+from .manifest import BLOB_KIND, FileEntry, Manifest
+
+
+class Depth(StrEnum):
+    NONE = "none"  # manifest only
+    SIZE = "size"  # + every file present with its size
+    FULL = "full"  # + every checksum
+
+
+def verify(
+    path: str, manifest: Manifest, depth: Depth = Depth.FULL, ranks: Iterable[int] | None = None
+) -> None:
+    """Raise :class:`CheckpointCorruptError` naming the first bad file, or the first blob it
+    refers to that is missing or bad. ``ranks`` restricts the check to the files those ranks
+    wrote (the shared files and the blobs are written by rank 0)."""
+    wanted = None if ranks is None else set(ranks)
+    checking.reading(path, manifest, every_checksum=depth is Depth.FULL)  # (the CLI says so)
+    entries = [*manifest.files, *manifest.blobs]
+    verify_entries(path, [f for f in entries if wanted is None or f.rank in wanted], depth)
+
+
+#: the blobs found intact, while :func:`blobs_read_once` is in effect
+_BLOBS_READ: ContextVar[dict[tuple[str, int, str, str], None] | None] = ContextVar(
+    "blobs_read", default=None
+)
+
+
+@contextlib.contextmanager
+def blobs_read_once() -> Iterator[None]:
+    """Within this block (in this thread), a blob that several checkpoints name is read once:
+    the checks of :func:`verify` and :func:`~.remote_verify.check_remote` take a blob found
+    intact as intact (one found bad is read again, so a repair meanwhile is seen). For one command that checks many checkpoints (``ls``, ``verify
+    --all``, ``gc``): a frozen base model that every checkpoint names is read once, not once
+    per checkpoint. Never for a long-lived process, which must see a blob that rots later."""
+    token = _BLOBS_READ.set({})
+    try:
+        yield
+    finally:
+        _BLOBS_READ.reset(token)
+
+
+def read_blob_once(
+    where: str, f: FileEntry, read: Callable[[], str | None], how: str = "full"
+) -> str | None:
+    """``read()`` (the problem of blob ``f`` at ``where``, or None), or None without reading if
+    it found the blob intact before within :func:`blobs_read_once` (``how``: how deep
+    ``read`` checks; a size check is never taken for a checksum)."""
+    memo = _BLOBS_READ.get()
+    if memo is None or f.kind != BLOB_KIND:
+        return read()
+    key = (where, f.size, f.xxh3_64, how)
+    if key in memo:
+        return None
+    problem = read()
+    if problem is None:  # only what was intact: a repair (push) is seen by the next check
+        memo[key] = None
+    return problem
+
+
+def verify_entries(path: str, entries: Iterable[FileEntry], depth: Depth = Depth.FULL) -> None:
+    """:func:`verify` for some of a checkpoint's files and blobs (an uploader checks the bytes
+    it is about to upload: a file that rotted on the local disk after its commit must never be
+    committed remotely as durable)."""
+    from .blobs import blob_path
+
+    for f in entries:
+        full = blob_path(path, f.path) if f.kind == BLOB_KIND else os.path.join(path, f.path)
+        problem = read_blob_once(full, f, partial(_problem, full, f, depth), str(depth))
+        if problem is not None:
+            raise CheckpointCorruptError(problem)
+
+
+def _problem(full: str, f: FileEntry, depth: Depth) -> str | None:
+    """What is wrong with the file ``full`` that the manifest lists as ``f``, or None."""
+    try:
+        size = os.path.getsize(full)
+    except FileNotFoundError:
+        return f"{full}: listed in the manifest but missing"
+    if size != f.size:
+        return f"{full}: size {size} bytes, manifest says {f.size} (truncated or overwritten)"
+    if depth is not Depth.FULL:
+        return None
+    try:
+        d = digest_file(full, like=f.xxh3_64)
+    except FileNotFoundError:
+        return f"{full}: listed in the manifest but missing"
+    if d.xxh3_64 != f.xxh3_64:
+        return f"{full}: checksum mismatch (xxh3_64 {d.xxh3_64}, manifest says {f.xxh3_64})"
+    return None
