@@ -36,7 +36,8 @@ from .cloud import (  # noqa: F401
     PollerConfig,
 )
 from .request import DEFAULT_GRACE_S, DEFAULT_SIGNALS, MetadataKind, PreemptionRequest
-from .signals import PreemptionWatcher, WatcherConfig
+from .signals import PreemptionWatcher
+from .watcher_config import WatcherConfig
 
 __all__ = [
     "DEFAULT_GRACE_S",
