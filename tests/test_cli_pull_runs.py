@@ -6,6 +6,9 @@ apart."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import subprocess
 
 from test_cli import cli, make_run
 
@@ -43,3 +46,36 @@ def test_push_into_a_store_holding_another_run_says_so(tmp_path):
     assert f"{url} holds checkpoints of another run ({other})" in r.stderr, r.stderr
     assert "give each run its own URL" in r.stderr, r.stderr
     assert cli("push", theirs, f"file://{tmp_path}/remote2").stderr == ""
+
+
+def _run_the_hint(stderr: str) -> None:
+    """Run the one command in backquotes that ``stderr`` gives to clear the way."""
+    (hint,) = re.findall(r"`([^`]+)`(?: does)?\)?,? or pull into an empty directory", stderr)
+    words = shlex.split(hint)
+    if words[0] == "resilient-ckpt":
+        r = cli(*words[1:])
+        assert r.returncode == 0, r.stdout + r.stderr
+    else:
+        subprocess.run(words, check=True, timeout=120)
+
+
+def test_the_pull_refusing_a_folder_without_manifest_names_a_command_that_removes_it(tmp_path):
+    """``pull URL DIR`` where ``DIR/step_<n>`` has no manifest said "Remove it (`resilient-ckpt
+    gc DIR` does)"; where nothing else in DIR shows it is ours, gc leaves the folder alone (exit
+    0) and the pull was refused again. The command the refusal names now removes it, in both
+    cases: gc in a directory of ours, by hand in one that is not."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20))
+    url = f"file://{tmp_path}/remote"
+    assert cli("push", root, url).returncode == 0
+    for ours in (False, True):
+        dst = tmp_path / f"dst-{ours}"
+        if ours:  # a committed checkpoint there: a directory of ours
+            assert cli("pull", url, str(dst), "--step", "10").returncode == 0
+        (dst / "step_000000020").mkdir(parents=True)
+        (dst / "step_000000020" / "model.safetensors").write_text("a torn copy")
+        r = cli("pull", url, str(dst))
+        assert r.returncode == 1 and "is not a committed checkpoint" in r.stderr, r.stderr
+        _run_the_hint(r.stderr)
+        r = cli("pull", url, str(dst))
+        assert r.returncode == 0 and "pulled" in r.stdout, r.stdout + r.stderr

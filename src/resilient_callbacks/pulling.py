@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 from collections.abc import Callable
 
@@ -95,8 +96,7 @@ def pull(
         if os.path.lexists(final) and not os.path.exists(os.path.join(final, MANIFEST_NAME)):
             raise CheckpointError(
                 f"{final} exists and is not a committed checkpoint (no {MANIFEST_NAME}: no save "
-                "of this library leaves one); refusing to replace it. Remove it "
-                f"({redact.command('gc', dirpath)} does) or pull into an empty directory"
+                f"of this library leaves one); refusing to replace it. {_remove_hint(dirpath, final)}"
             )
         if os.path.exists(os.path.join(final, MANIFEST_NAME)):
             here = read_manifest(final)
@@ -135,6 +135,22 @@ def pull(
         return final, True
     finally:
         lock.release()
+
+
+def _remove_hint(dirpath: str, final: str) -> str:
+    """How to get ``final`` (a folder without a manifest in ``dirpath``) out of the way: ``gc``
+    removes it where ``dirpath`` is a checkpoint directory of ours; where nothing else there
+    says so, ``gc`` leaves it alone (it may be another tool's: :func:`.catalog.foreign_folders`),
+    so it is removed by hand, if it is a leftover."""
+    scanned = catalog.scan(dirpath, Depth.NONE)
+    if os.path.basename(final) not in catalog.foreign_folders(dirpath, scanned):
+        return f"Remove it ({redact.command('gc', dirpath)} does) or pull into an empty directory"
+    return (
+        f"Nothing else in {dirpath} shows it is a checkpoint directory of resilient_callbacks, "
+        "so `resilient-ckpt gc` leaves it alone (it may be another tool's): if it is a "
+        f"leftover, remove it yourself (`rm -r {shlex.quote(final)}`), or pull into an empty "
+        "directory"
+    )
 
 
 def _drop_unnamed_blobs(dirpath: str) -> None:
