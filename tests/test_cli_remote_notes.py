@@ -43,7 +43,9 @@ def test_gc_with_a_remote_it_cannot_list_deletes_nothing_locally(tmp_path):
 
 def test_verify_url_json_with_nothing_to_check_prints_the_object(tmp_path):
     """``verify DIR --json`` with nothing to check prints ``"ok": false`` and no rows (exit 1);
-    ``verify URL --json`` printed nothing on stdout, so a script's ``json.loads`` failed."""
+    ``verify URL --json`` printed nothing on stdout, so a script's ``json.loads`` failed.
+    Where stdout is no JSON object, the failure shows the exit status and stderr (it failed
+    once, in a loaded run, with only json.loads's "Expecting value": the cause unknown)."""
     import json
 
     root = str(tmp_path / "ck")
@@ -56,7 +58,10 @@ def test_verify_url_json_with_nothing_to_check_prints_the_object(tmp_path):
         (f"{url}/step_000000020",),
     ):
         r = cli("verify", *args, "--json")
+        assert r.stdout.lstrip().startswith("{"), (args, r.returncode, r.stdout, r.stderr)
         out = json.loads(r.stdout)
         assert r.returncode == 1 and out["ok"] is False and out["checkpoints"] == [], out
         assert r.stderr.startswith("resilient-ckpt verify: "), r.stderr
-    assert json.loads(cli("verify", url, "--json").stdout)["ok"] is True
+    r = cli("verify", url, "--json")
+    assert r.stdout.lstrip().startswith("{"), (r.returncode, r.stdout, r.stderr)
+    assert json.loads(r.stdout)["ok"] is True
