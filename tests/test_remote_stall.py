@@ -174,7 +174,7 @@ def test_a_download_whose_bytes_all_arrived_is_not_given_up_while_it_is_verified
     store meanwhile, and the restore gave that up as a stalled store ("no byte arrived"),
     falling back to an older checkpoint or failing, with the store healthy. Now the wait for
     bytes ends once they all arrived (the manifest too): the local work is not bounded."""
-    from resilient_callbacks import remote as remote_mod
+    from resilient_callbacks import remote_download as remote_mod
 
     local, url, _ = dying
     shutil.rmtree(local)

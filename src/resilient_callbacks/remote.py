@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import posixpath
-import shutil
 import threading
 import uuid
 from collections.abc import Collection, Mapping
@@ -28,9 +27,9 @@ from typing import Any
 
 import fsspec
 
-from . import remote_blobs, remote_listing, remote_objects
-from .catalog import Depth, verify, verify_entries
-from .commit import STAGING_PREFIX, fsync_dir, fsync_tree
+from . import remote_blobs, remote_download, remote_listing, remote_objects
+from .catalog import verify_entries
+from .commit import fsync_dir
 from .errors import RemoteUnavailableError
 from .global_rngs import preserved
 from .manifest import MANIFEST_NAME, Manifest
@@ -284,37 +283,8 @@ class RemoteStore:
         self, entry: RemoteEntry, local_root: str, progress: bool | None = None
     ) -> tuple[str, str]:
         """Download a committed remote checkpoint into a staging directory under
-        ``local_root`` and verify every checksum. Returns ``(staging_dir, name)``; the caller
-        moves it into place. Raises :class:`CheckpointCorruptError` or ``OSError``."""
-        assert entry.manifest is not None
-        m = entry.manifest
-        staging = os.path.join(local_root, f"{STAGING_PREFIX}{entry.name}-{uuid.uuid4().hex[:12]}")
-        os.makedirs(staging)
-        try:
-            for f in m.files:
-                if "/" in f.path:
-                    os.makedirs(os.path.dirname(os.path.join(staging, f.path)), exist_ok=True)
-            remote_blobs.download(self, m, local_root, staging)  # verified, before the manifest
-            bar = Progress(m.total_bytes, f"downloading {entry.name} from {self.url}", bar=progress)
-            try:
-                self.fs.get(
-                    [self._path(entry.name, f.path) for f in m.files],
-                    [os.path.join(staging, f.path) for f in m.files],
-                    callback=bar.multi_callback(),
-                )
-            finally:
-                bar.close()
-            with open(os.path.join(staging, MANIFEST_NAME), "wb") as fh:
-                fh.write(self.fs.cat_file(self._path(entry.name, MANIFEST_NAME)))
-            for rel in [f.path for f in m.files] + [MANIFEST_NAME]:  # the manifest too
-                with open(os.path.join(staging, rel), "rb+") as fh:
-                    os.fsync(fh.fileno())
-            verify(staging, m, Depth.FULL)
-            fsync_tree(staging)  # (every folder: parts/<id>/ hold files too)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        return staging, entry.name
+        ``local_root`` and verify every checksum (:func:`.remote_download.download`)."""
+        return remote_download.download(self, entry, local_root, progress)
 
     # ------------------------------------------------------------------ delete
 
