@@ -280,11 +280,16 @@ class RemoteStore:
     # ------------------------------------------------------------------ download
 
     def download(
-        self, entry: RemoteEntry, local_root: str, progress: bool | None = None
+        self,
+        entry: RemoteEntry,
+        local_root: str,
+        progress: bool | None = None,
+        staging: str | None = None,
     ) -> tuple[str, str]:
         """Download a committed remote checkpoint into a staging directory under
-        ``local_root`` and verify every checksum (:func:`.remote_download.download`)."""
-        return remote_download.download(self, entry, local_root, progress)
+        ``local_root`` (``staging``: that one, kept when this raises, a retry fetching only
+        what did not arrive whole) and verify every checksum (:func:`.remote_download.download`)."""
+        return remote_download.download(self, entry, local_root, progress, staging)
 
     # ------------------------------------------------------------------ delete
 

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -190,54 +192,51 @@ def download(
 ) -> tuple[str, str]:
     """:func:`_download_once`, :func:`tried_again` when it fails for an error that may pass
     (``preemptible``: as :func:`run`'s; a :class:`RemoteWaitPreemptedError` is not tried
-    again)."""
-    return tried_again(
-        lambda: _download_once(st, entry, dirpath, url, who, preemptible), f"downloading {url}"
-    )
+    again). Every try downloads into one staging folder: a try after one cut part-way (a
+    reset, a 5xx burst) fetches only the files that did not arrive whole
+    (:func:`.remote_download.download`); the folder is removed once this raises."""
+    from .commit import STAGING_PREFIX
+
+    staging = os.path.join(dirpath, f"{STAGING_PREFIX}{entry.name}-{uuid.uuid4().hex[:12]}")
+    try:
+        return tried_again(
+            lambda: _download_once(st, entry, staging, url, who, preemptible), f"downloading {url}"
+        )
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _download_once(
-    st: RemoteStore, entry: RemoteEntry, dirpath: str, url: str, who: str, preemptible: bool
+    st: RemoteStore, entry: RemoteEntry, staging: str, url: str, who: str, preemptible: bool
 ) -> tuple[str, str]:
-    """:meth:`RemoteStore.download` of ``entry`` (at ``url``) into ``dirpath``, given up once no
+    """:meth:`RemoteStore.download` of ``entry`` (at ``url``) into ``staging``, given up once no
     byte has arrived for :func:`limit_s` (its staging folder's files and the store's blobs'
     temporary files not growing): :class:`RemoteUnavailableError` naming the files under way;
     ``preemptible``: a pending preemption request ends it at once (:func:`run`)."""
     from .blobs import TMP_PREFIX, store_dir
-    from .commit import STAGING_PREFIX
     from .remote_blobs import DIGESTING
 
     assert entry.manifest is not None
     sizes = {f.path: f.size for f in entry.manifest.files}
-    prefix = f"{STAGING_PREFIX}{entry.name}-"
-    before = set(_staging_folders(dirpath, prefix))  # (this download's is the new one)
+    dirpath, name = os.path.split(staging)
 
     def moved() -> tuple[int | None, str]:
-        new = [
-            os.path.join(dirpath, n) for n in _staging_folders(dirpath, prefix) if n not in before
-        ]
-        if any(s in DIGESTING for s in new):
+        if staging in DIGESTING:
             return None, "reading a blob back to verify it"  # local work, as below
-        if any(_arrived(s, sizes) for s in new):
+        if _arrived(staging, sizes):
             return None, "every byte arrived; verifying the checksums"  # local work
-        files, doing = on_disk(dirpath, prefix, sizes)
+        files, doing = on_disk(dirpath, name, sizes)
         blobs, _ = on_disk(store_dir(dirpath), TMP_PREFIX, {})
         return files + blobs, doing
 
     return run(
-        lambda: st.download(entry, dirpath, progress=None),
+        lambda: st.download(entry, dirpath, progress=None, staging=staging),
         f"downloading {url}",
         moved,
         who,
         preemptible,
     )
-
-
-def _staging_folders(dirpath: str, prefix: str) -> list[str]:
-    try:
-        return [n for n in os.listdir(dirpath) if n.startswith(prefix)]
-    except OSError:
-        return []
 
 
 def _arrived(staging: str, sizes: dict[str, int]) -> bool:
