@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import weakref
 
@@ -37,7 +38,9 @@ _remotes: dict[str, weakref.ref[DirLock]] = {}
 def _drop_in_child() -> None:
     # A forked child shares the open file description, and with it the flock: drop our copy so
     # the lock is released when the parent dies, not when its last worker notices.
+    # (the only thread here: a parent's thread may have held a lock's mutex, so it is new)
     for lk in list(_held):
+        lk._mutex = threading.RLock()
         if lk._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(lk._fd)
@@ -54,6 +57,13 @@ def _flock(fd: int) -> bool:
     except BlockingIOError:
         return False
     return True
+
+
+def _unlock_close(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _collect_dropped(path: str) -> bool:
@@ -124,6 +134,9 @@ class DirLock:
         self.path = os.path.join(root, LOCK_NAME)
         self.command = command
         self._fd: int | None = None
+        # guards ``_fd``: release() may run on the background save thread (after an abandoned
+        # save) and at once on the main thread (``__del__``, close()); each fd is closed once
+        self._mutex = threading.RLock()
         self._preempted = False  # a writer's wait for a command ended by a preemption
 
     def _holder(self) -> dict[str, object]:
@@ -169,6 +182,13 @@ class DirLock:
         """Take the lock, or raise :class:`CheckpointLockedError` naming its holder. A writer
         waits at most ``wait_s`` for a command holding it (a distributed caller passes less
         than the collective timeout its other ranks wait in meanwhile)."""
+        fd = self._take(wait_s)
+        with self._mutex:
+            self._fd = fd
+        _held.add(self)
+
+    def _take(self, wait_s: float) -> int:
+        """Open and flock the lock file, write this holder's name into it: its fd."""
         try:  # never through a symlink: the lock file is truncated and written
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
@@ -229,8 +249,7 @@ class DirLock:
             info["command"] = self.command
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
-        self._fd = fd
-        _held.add(self)
+        return fd
 
     def verify(self) -> None:
         """Holder, before each save: make sure ``.lock`` is still the file this lock holds. One
@@ -238,20 +257,25 @@ class DirLock:
         second writer open the directory beside this one. Takes the new file (recreated if
         gone), with a warning; raises :class:`CheckpointLockedError` when another writer holds
         it now (and again at every later call until it is free)."""
-        old = self._fd
-        if old is None:
-            return
-        with contextlib.suppress(OSError):
-            if os.path.samestat(os.fstat(old), os.stat(self.path, follow_symlinks=False)):
+        with self._mutex:  # (release() on another thread closes nothing under the check)
+            old = self._fd
+            if old is None:
                 return
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.fstat(old), os.stat(self.path, follow_symlinks=False)):
+                    return
         try:
-            self.acquire(wait_s=0.0)
-        except CheckpointLockedError as e:
-            self._fd = old  # (kept: the next save tries again, and close() releases it)
+            fd = self._take(0.0)
+        except CheckpointLockedError as e:  # (``old`` kept: the next save tries again)
             raise CheckpointLockedError(
                 f"{self.path} was deleted or replaced while this writer held it, and {e}"
             ) from None
-        os.close(old)  # (its flock was on the deleted file)
+        with self._mutex:
+            if self._fd != old:  # released meanwhile (closing): the new lock goes too
+                _unlock_close(fd)
+                return
+            self._fd = fd
+            os.close(old)  # (its flock was on the deleted file)
         log.warning(
             "%s was deleted or replaced while this writer held it (a cleanup script?): locked "
             "it again; no other writer had opened the directory meanwhile",
@@ -259,13 +283,12 @@ class DirLock:
         )
 
     def release(self) -> None:
-        if self._fd is not None:
+        """Unlock (idempotent, and safe from two threads at once: the fd is closed once)."""
+        with self._mutex:
+            fd, self._fd = self._fd, None
+        if fd is not None:
             _held.discard(self)
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-            finally:
-                os.close(self._fd)
-                self._fd = None
+            _unlock_close(fd)
 
     def __del__(self) -> None:  # a writer dropped without close(): its lock goes with it
         with contextlib.suppress(Exception):
