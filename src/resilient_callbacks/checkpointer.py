@@ -10,8 +10,9 @@ file list, writes the manifest, commits and applies retention. Every rank writes
 The parts, each in its own module: :mod:`.directory` (the directory as its one writer sees it),
 :mod:`.saving` (one save; its background half in :mod:`.persisting`), :mod:`.session` (the
 commit, usable without a Checkpointer), :mod:`.restoring` (candidates across tiers, loud
-fallback), :mod:`.emergency` (preemption and exception saves) and :mod:`.closing` (waiting for
-saves and uploads, releasing). This class decides *when* to save (:meth:`step`) and holds them
+fallback), :mod:`.emergency` (preemption and exception saves), :mod:`.closing` (waiting for
+saves and uploads, releasing) and :mod:`.checkpointer_queries` (the properties and queries
+readers use, a base class). This class decides *when* to save (:meth:`step`) and holds them
 together.
 """
 
@@ -21,31 +22,23 @@ import contextlib
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import closing, dist, sinks, stall, topology
 from .adapter import keywords_checked
-from .catalog import Entry
+from .checkpointer_queries import CheckpointerQueries
 from .config import CheckpointerConfig
 from .directory import Directory
 from .emergency import GRACE_ENV, Emergency, start_watcher, watching
 from .metrics import Telemetry
 from .node_restore import NodeRestorer
-from .nodelocal import NodeDirectory, open_directory
+from .nodelocal import open_directory
 from .persisting import SaveStats
 from .recorder import Recorder
 from .restoring import Restorer, RestoreReport
 from .saving import Saver, check_metrics, new_run_id
 from .trigger import Trigger
-
-if TYPE_CHECKING:
-    from .background import BackgroundPersister
-    from .remote import RemoteStore
-    from .snapshot import HostBuffers
-    from .sync import RemoteSync, SyncStatus
-    from .waits import SaveWaits
 
 __all__ = ["CLOSE_OUTAGE_S", "GRACE_ENV", "RESUMABLE_EXIT_CODE", "Checkpointer", "SaveStats"]
 
@@ -57,7 +50,7 @@ CLOSE_OUTAGE_S = stall.CLOSE_OUTAGE_S  # (300 s)
 RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, retry": checkpoint saved, restart me
 
 
-class Checkpointer:
+class Checkpointer(CheckpointerQueries):
     """Atomic, verified, pickle-free checkpoints of a training state, with retention and exact
     auto-resume. See the module docstring for which ranks call what.
 
@@ -206,53 +199,7 @@ class Checkpointer:
         self._recorder = Recorder(self, self.telemetry)
         self._at_exit = closing.at_exit(self)  # unregistered by close()
 
-    # ------------------------------------------------------------------ the parts' state
-
-    @property
-    def run_id(self) -> str | None:
-        """The run the checkpoints this Checkpointer writes belong to (set at the first save,
-        or by a restore from this directory)."""
-        return self._dir.run_id
-
-    @run_id.setter
-    def run_id(self, value: str | None) -> None:
-        self._dir.run_id = value
-
-    @property
-    def run_start(self) -> float | None:
-        """When the run (all its lives) began, as ``time.time()``: once a save or restore set it."""
-        return self._recorder.run_start
-
-    @property
-    def remote(self) -> RemoteStore | None:
-        """The remote tier (coordinator; None without ``remote`` or on other ranks)."""
-        return self._dir.remote
-
-    @property
-    def _sync(self) -> RemoteSync | None:
-        return self._dir.sync
-
-    @property
-    def _persister(self) -> BackgroundPersister | None:
-        return self._saver.persister
-
-    @property
-    def _buffers(self) -> HostBuffers:
-        return self._saver.buffers
-
-    @property
-    def _save_seconds(self) -> deque[float]:
-        return self._saver.save_seconds
-
-    @property
-    def save_waits(self) -> SaveWaits:
-        """How long background saves waited for the previous one (this rank)."""
-        return self._saver.save_waits
-
-    @property
-    def blocking_seconds(self) -> deque[float]:
-        """What each recent background save blocked the training loop, in seconds."""
-        return self._saver.blocking_seconds
+    # the parts' state and the queries: checkpointer_queries.CheckpointerQueries
 
     def _check_logger_sink(self) -> None:  # once: telemetry="logger" with no framework warns
         if not self._logger_unchecked:
@@ -260,32 +207,6 @@ class Checkpointer:
         self._logger_unchecked = False
         if not self.logs_through_framework:
             sinks.warn_logger_without_framework()
-
-    @property
-    def has_schedule(self) -> bool:
-        """Whether :meth:`step` saves on a schedule (``every_n_steps``, ``every_seconds``,
-        ``adaptive``, ``loss_jump``), not only final steps and preemptions."""
-        return self._trigger.has_schedule
-
-    def saves_on_caller_schedule(self, description: str) -> None:
-        """Say that the caller saves with :meth:`save` on a schedule of its own (an adapter at
-        every epoch end): :meth:`step` then no longer warns that no save schedule is configured."""
-        self._trigger.caller_schedule = description
-
-    @property
-    def skipped_saves(self) -> int:
-        """Periodic saves skipped with ``if_busy='skip'``."""
-        return self._saver.skipped_saves
-
-    @property
-    def committed_saves(self) -> int:
-        """Saves this Checkpointer committed."""
-        return self._saver.committed_saves
-
-    @property
-    def waits_for_previous(self) -> int:
-        """How many background saves of this rank waited for the previous one to be written."""
-        return self._saver.save_waits.waits
 
     def _start_run(self, step: int, at: float | None = None, **fields: Any) -> None:
         """Every rank: give this run an id (rank 0 chooses it and records the start, with
@@ -332,15 +253,6 @@ class Checkpointer:
     def closed(self) -> bool:
         """True once :meth:`close` (or :meth:`abort`) has run: nothing more is saved."""
         return self._closed
-
-    def remote_status(self) -> SyncStatus | None:
-        """The upload backlog and counters (coordinator; in node-local mode each node leader,
-        of its node's uploads; None without ``remote`` or on other ranks)."""
-        if self._dir.sync is not None:
-            return self._dir.sync.status()
-        if isinstance(self._dir, NodeDirectory):
-            return self._dir.upload_status()
-        return None
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -482,19 +394,3 @@ class Checkpointer:
         self._check_open(writes=True)
         with dist.peer_errors("continued_from()"):
             self._restorer.continued_from(step, source, same_run)
-
-    # ------------------------------------------------------------------ queries
-
-    def metrics(self) -> dict[str, float]:
-        """The checkpoint metrics now (docs/monitoring.md has the names and units), as
-        ``{name: value}``; a labelled metric also as ``name/label value``."""
-        self._recorder.refresh()
-        return self.telemetry.values()
-
-    def checkpoints(self) -> list[Entry]:
-        """Committed checkpoints in dirpath, oldest first (sizes checked, not checksums)."""
-        return self._dir.checkpoints()
-
-    @property
-    def latest_path(self) -> str | None:
-        return self._dir.latest_valid()
