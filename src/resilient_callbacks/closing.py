@@ -23,16 +23,15 @@ from typing import TYPE_CHECKING
 
 from . import catalog, dist, unanswered_exit
 from .catalog import Depth
-from .errors import CheckpointError, ConfigError, UploadIncompleteError
+from .close_uploads import close_directory as close_directory  # (the DCP writer's)
+from .close_uploads import not_uploaded_error
+from .errors import CheckpointError, ConfigError
 from .nodelocal import NodeDirectory
-from .preemption import exiting, pending
-from .redact import push_command
+from .preemption import exiting
 from .upload_thread import EXIT_MARGIN_S, by_grace
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
-    from .directory import Directory
-    from .preemption import PreemptionWatcher
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -117,79 +116,6 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
         _release(ck, _sinks_deadline(ck, deadline), error)
     if not_uploaded and strict:
         raise not_uploaded_error(ck._dir, not_uploaded, outage_s)
-
-
-def close_directory(d: Directory, outage_s: float, watcher: PreemptionWatcher | None) -> None:
-    """Close a directory opened without a Checkpointer (the DCP writer's): wait for its
-    uploads and for retention's deletions, then release it. As ``Checkpointer.close``: the
-    uploads are given up after ``outage_s`` of an outage, and :class:`UploadIncompleteError`
-    names them, unless the process is being preempted (a request pending on ``watcher`` or on
-    any watcher installed in this process, also one arriving meanwhile): then both waits end
-    :data:`EXIT_MARGIN_S` before its grace period does, and what is left stays local, said
-    in a warning. Coordinator only (the rank that opened ``d``)."""
-    left: list[str] = []
-    try:
-        if d.sync is not None:
-            left = d.finish_uploads(None, outage_s, lambda: pending.remaining_grace_s(watcher))
-        grace = pending.remaining_grace_s(watcher)
-        d.trash.wait(None if grace is None else max(0.0, grace - EXIT_MARGIN_S))
-    finally:
-        d.release()
-    if left and not pending.requests(watcher):
-        raise not_uploaded_error(d, left, outage_s)
-
-
-def not_uploaded_error(d: Directory, pending: list[str], outage_s: float) -> UploadIncompleteError:
-    """The error of a close that gave up on ``pending``'s uploads during an outage of the store
-    (``Checkpointer.close``, the DCP writer's; node-local mode: :func:`_nodes_error`)."""
-    if isinstance(d, NodeDirectory):
-        return _nodes_error(d, pending, outage_s)
-    assert d.sync is not None and d.remote is not None
-    url = d.remote.url
-    error = d.sync.status().last_error or f"no byte moved for {outage_s:g} s"
-    return UploadIncompleteError(
-        f"close(): {len(pending)} checkpoint(s) never reached {url}: {', '.join(pending)}. The "
-        f"store failed or stopped answering for more than {outage_s:g} s (last error: "
-        f"{error}), so close() gave up on them. They are committed and kept in {d.dirpath}; "
-        f"upload them with {push_command(d.dirpath, url, d.remote.options)} once the store "
-        "answers (a run resumed with the same dirpath and remote uploads them too). Raised so "
-        "that the job does not end as a success with its newest checkpoints on this machine's "
-        "disk only",
-        tuple(pending),
-        d.dirpath,
-        url,
-    )
-
-
-def _nodes_error(d: NodeDirectory, pending: list[str], outage_s: float) -> UploadIncompleteError:
-    """Node-local mode's: raised by the coordinator for every checkpoint not committed remotely,
-    by another node's leader for those whose part of its node did not upload
-    (:meth:`NodeDirectory.finish_nodes`). No ``push`` can help: the parts lie on several nodes'
-    disks, and only a run started again with the same directories uploads and commits them."""
-    assert d.remote is not None
-    url = d.remote.url
-    c, u = d.committer, d.uploader
-    error = (c.last_error if c is not None else None) or (u.counters.last_error if u else None)
-    what = f"{len(pending)} checkpoint(s) never committed remotely at"
-    if c is None:
-        what = f"node {d.topology.node}'s part of {len(pending)} checkpoint(s) never reached"
-    why = f"The store failed or stopped answering for more than {outage_s:g} s"
-    given = [n for n in c.given_up() if n in pending] if c is not None else []
-    if c is not None and given:  # (attempts that fail in seconds: no outage was waited out)
-        gave = f"the remote commit of {', '.join(given)} failed {c.max_attempts} times, given up"
-        why = "T" + gave[1:] if len(given) == len(pending) else f"{why}; {gave}"
-    return UploadIncompleteError(
-        f"close(): {what} {url}: "
-        f"{', '.join(pending)}. {why} "
-        f"(last error: {error or f'no byte moved for {outage_s:g} s'}), so close() "
-        f"gave up on them. Each node's part is committed and kept on its disk ({d.dirpath} "
-        "here); run the job again with the same directories and remote once the store answers: "
-        "its leaders upload the parts and its coordinator commits them. Raised so that the job "
-        "does not end as a success with its newest checkpoints on the nodes' disks only",
-        tuple(pending),
-        d.dirpath,
-        url,
-    )
 
 
 def check_open(ck: Checkpointer, writes: bool = False) -> None:
