@@ -2,8 +2,8 @@
 and clean up a checkpoint directory, and copy checkpoints to and from a remote store.
 
 This module builds the parser and dispatches; each command lives in a module imported only
-when it runs (``cli_local``: ls, gc; ``cli_verify``; ``cli_inspect``; ``cli_remote``: pull,
-push; ``cli_remote_verify``: verify URL). Only the commands that handle tensors (inspect,
+when it runs (``cli_ls``: ls; ``cli_local``: gc; ``cli_verify``; ``cli_inspect``;
+``cli_remote``: pull, push; ``cli_remote_verify``: verify URL). Only the commands that handle tensors (inspect,
 export) import torch (:mod:`.cli_torch_import`): ``--help``, ``ls``, ``verify``, ``gc``, ``push``
 and ``pull`` start in a fraction of its ~2 s import. See docs/cli.md.
 """
@@ -83,7 +83,7 @@ class _Version(argparse.Action):
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .cli_local import ls
+    from .cli_ls import ls
 
     return ls(args)
 
