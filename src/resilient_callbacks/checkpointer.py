@@ -37,7 +37,8 @@ from .nodelocal import open_directory
 from .persisting import SaveStats
 from .recorder import Recorder
 from .restoring import Restorer, RestoreReport
-from .saving import Saver, check_metrics, new_run_id
+from .save_inputs import check_metrics
+from .saving import Saver, new_run_id
 from .trigger import Trigger
 
 __all__ = ["CLOSE_OUTAGE_S", "GRACE_ENV", "RESUMABLE_EXIT_CODE", "Checkpointer", "SaveStats"]

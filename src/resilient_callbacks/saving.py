@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import statistics
 import time
 import uuid
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -31,11 +29,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import dist, rng, statetree, structure
 from .background import BackgroundPersister
 from .compression import Chooser
-from .errors import CheckpointWriteError, UnsupportedStateError, caller_stacklevel
+from .errors import CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts, PartBuffers
-from .optim import hookable, unsaved_params, untraced
+from .optim import hookable, untraced
 from .part_blobs import PartBlobs
 from .persisting import Prepared, persist
+from .save_inputs import clean_metrics, warn_unsaved_params
 from .snapshot import HostBuffers, Snapshot, optimizer_step_storages
 from .tensorfile import DirectBuffer
 from .unchanged import UnchangedTracker, begin_incremental
@@ -45,40 +44,6 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer
 
 log = logging.getLogger("resilient_callbacks")
-
-
-def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
-    """Metrics as JSON numbers (tensors read, non-finite values as None)."""
-    out: dict[str, float | None] = {}
-    for k, v in (metrics or {}).items():
-        if isinstance(v, torch.Tensor):
-            v = v.detach().float().item()
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            raise TypeError(f"metric {k!r}={v!r} is not a number") from None
-        out[str(k)] = f if math.isfinite(f) else None
-    return out
-
-
-def check_metrics(metrics: Mapping[str, Any] | None) -> None:
-    """Every step(): refuse at once what :func:`clean_metrics` could not turn into a number at
-    the next save, hours later perhaps, without reading a tensor (no device synchronization)."""
-    for k, v in (metrics or {}).items():
-        if isinstance(v, torch.Tensor):
-            if v.numel() == 1:
-                continue
-            what = f"a tensor of shape {tuple(v.shape)}"
-        else:
-            try:
-                float(v)
-                continue
-            except (TypeError, ValueError):
-                what = f"{v!r:.80}"
-        raise TypeError(
-            f"metric {k!r} is {what}: metrics are numbers, a Python number or a one-element "
-            "tensor (e.g. loss.detach() or loss.mean())"
-        )
 
 
 def _prepare_error(exc: BaseException, step: int, rank: int, dirpath: str) -> BaseException:
@@ -351,7 +316,7 @@ class Saver:
         if not self.checked_params:
             self.checked_params = True
             if not fileparts:  # a part holds its own model (and says what it saves)
-                _warn_unsaved_params(state, [*shared.tensors.values(), *local.tensors.values()])
+                warn_unsaved_params(state, [*shared.tensors.values(), *local.tensors.values()])
         overlapped = copy and ck.config.overlap_snapshot
         self.wait_for_snapshot()  # the last save's deferred copies, before the buffers are reused
         parts = self.part_buffers.capture(fileparts, overlap=overlapped) if fileparts else None
@@ -471,23 +436,6 @@ class Saver:
             dist.destroy_cpu_group(group)
         except Exception as e:  # best effort: the checkpoints are committed either way
             log.debug("could not destroy the background checkpoint group: %s", e)
-
-
-def _warn_unsaved_params(state: Any, saved: list[torch.Tensor]) -> None:
-    """Warn, once per Checkpointer, when an optimizer of ``state`` steps tensors that the
-    state does not hold (:func:`.optim.unsaved_params`)."""
-    missing = unsaved_params(statetree.optimizers(state), saved)
-    if missing:
-        e = missing[0]
-        warnings.warn(
-            f"the state's optimizer(s) step {len(missing)} tensor(s) that the state does not "
-            f"hold (e.g. {str(e.dtype).removeprefix('torch.')} {list(e.shape)}): a resume "
-            "restores the optimizer's moments for them but not their values. Put what the "
-            "optimizer updates -- fp32 master weights kept apart from the model, say -- into "
-            "the state",
-            UserWarning,
-            stacklevel=caller_stacklevel(),
-        )
 
 
 def new_run_id() -> str:
