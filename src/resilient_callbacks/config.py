@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -10,7 +9,8 @@ from enum import StrEnum
 from typing import Any
 
 from .adaptive import AdaptiveSchedule
-from .errors import AT_CALLER, ConfigError, warn_and_log
+from .config_remote import _apply, _them, check_remote
+from .errors import ConfigError
 from .policy import SavePolicy
 from .retention import Mode, RetentionPolicy
 from .sinks import SinkSpec
@@ -227,7 +227,7 @@ class CheckpointerConfig:
             )
         if self.preemption:
             _check_watcher_options(self)
-        self._check_remote()
+        check_remote(self)
         self._check_nodes()
         self._check_read_only()
         self.sinks()
@@ -245,63 +245,6 @@ class CheckpointerConfig:
         self.adaptive_schedule()
         if self.remote is not None:
             self.remote_retention_policy()
-
-    def _check_remote(self) -> None:
-        r = self.remote
-        if r is None:
-            given = [
-                k
-                for k in ("remote_options", "remote_keep_last", "remote_keep_best")
-                if getattr(self, k) is not None
-            ]
-            if given:
-                raise ConfigError(
-                    f"{', '.join(given)} {_apply(given)} only with remote=<URL>: pass remote (or drop "
-                    f"{_them(given)})"
-                )
-            return
-        if isinstance(r, os.PathLike):
-            r = os.fspath(r)
-        if not isinstance(r, str) or not r:
-            raise ConfigError(
-                f"remote={self.remote!r}: an fsspec URL such as 's3://bucket/prefix', "
-                "'gs://bucket/prefix' or 'file:///mnt/durable/run1'"
-            )
-        if "://" not in r:
-            _warn_if_bucket_like(r)
-            r = "file://" + os.path.abspath(os.path.expanduser(r))
-        object.__setattr__(self, "remote", r.rstrip("/"))
-        if r.startswith("file://"):
-            target = os.path.abspath(r[len("file://") :])
-            if target == self.dirpath or target.startswith(self.dirpath + os.sep):
-                raise ConfigError(
-                    f"remote={r!r} is inside dirpath={self.dirpath!r}: the durable copy must be "
-                    "somewhere else (another disk, a mounted share, an object store)"
-                )
-        if self.remote_options is not None and not isinstance(self.remote_options, dict):
-            raise ConfigError(
-                f"remote_options={self.remote_options!r}: a dict of fsspec options, e.g. "
-                "{'endpoint_url': ..., 'key': ..., 'secret': ...}"
-            )
-        k = self.remote_keep_last
-        if (
-            k is not None
-            and k != "all"
-            and (isinstance(k, bool) or not isinstance(k, int) or k < 1)
-        ):
-            raise ConfigError(
-                f"remote_keep_last={k!r}: an int >= 1, 'all' to keep every remote checkpoint, "
-                "or None (default) for the same limit as keep_last"
-            )
-        b = self.remote_keep_best
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
-            raise ConfigError(f"remote_keep_best={b!r}: an int >= 0, or None (as keep_best)")
-        if b and not self.monitor:
-            raise ConfigError(
-                f"remote_keep_best={b} needs monitor='<metric>' to rank checkpoints by"
-            )
-        if not (isinstance(self.remote_timeout, (int, float)) and self.remote_timeout > 0):
-            raise ConfigError(f"remote_timeout={self.remote_timeout!r}: seconds > 0")
 
     def _check_nodes(self) -> None:
         if self.shared_dirpath not in (None, True, False):
@@ -468,27 +411,3 @@ def _check_watcher_options(config: CheckpointerConfig) -> None:
                 f"metadata_notices: unknown option(s) {', '.join(map(repr, unknown))}; the "
                 f"options are {', '.join(sorted(known))}"
             )
-
-
-def _apply(given: list[str]) -> str:
-    return "applies" if len(given) == 1 else "apply"
-
-
-def _them(given: list[str]) -> str:
-    return "it" if len(given) == 1 else "them"
-
-
-def _warn_if_bucket_like(remote: str) -> None:
-    """``remote`` has no scheme: a local folder. Written as a relative path that does not say
-    so (``"my-bucket/run1"``), it is more likely a bucket without its ``s3://``: the durable
-    copy would silently land on this machine's disk, next to the run, and vanish with it."""
-    if remote.startswith((".", "~")) or os.path.isabs(remote):
-        return
-    warn_and_log(
-        logging.getLogger("resilient_callbacks"),
-        f"remote={remote!r} has no scheme: it is the local folder "
-        f"{os.path.abspath(remote)}, not an object store. For a bucket write "
-        f"'s3://{remote}' (or gs://, az://, ...); for a local folder write './{remote}' or an "
-        "absolute path, and this warning goes away",
-        stacklevel=AT_CALLER,
-    )
