@@ -44,7 +44,6 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
-from .. import statetree
 from ..adapter import check_options
 from ..checkpointer import Checkpointer, SaveStats
 from ..errors import ConfigError
@@ -55,6 +54,7 @@ from . import (
     ending,
     evaluate,
     patches,
+    quiet,
     resuming,
     save_logs,
     sharded,
@@ -294,7 +294,7 @@ class ResilientCheckpoint(Checkpoint):
         )
         # Preflight: a value that cannot be saved fails now, not at the first save (read
         # without the on_save_checkpoint hooks, which run for saves only: :mod:`.quiet`)
-        with statetree.probing():
+        with quiet.preflight():
             self._ctx.rest()
         self._ctx.reset()
         if self.save_on_exception:

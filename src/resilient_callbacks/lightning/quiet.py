@@ -9,6 +9,13 @@ step) and the core's allocation of host buffers ahead of the first save, both in
 per save, as under Lightning's ``ModelCheckpoint``: a hook that counts saves, logs or writes a
 file sees real saves only. What a hook adds to the dictionary is checked at the first save.
 
+What a hook takes out or replaces (a LoRA module dropping its frozen base weights, Lightning's
+``ModelPruning`` making pruning permanent) a read without it cannot know: host buffers
+allocated from it would hold tensors the saves never copy (the whole base model, pinned on a
+GPU, where torch's host allocator keeps them). So where such a hook exists (:func:`save_hooks`)
+the allocation ahead is not made from a quiet read (:class:`HooksDecideTheSave`): the first save
+allocates what it copies. The preflight (:func:`preflight`) still reads without the hooks.
+
 Such a quiet dump is cached by the :class:`~.state.SaveContext` like any other; every save
 resets the context first (:meth:`~.state.SaveContext.reset`), so it never reaches a checkpoint.
 
@@ -19,9 +26,47 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
-from ..statetree import is_probe
+from ..statetree import is_probe, probing
+
+_PREFLIGHT: ContextVar[bool] = ContextVar("rc_lightning_preflight", default=False)
+
+
+class HooksDecideTheSave(Exception):
+    """Raised by a quiet dump outside :func:`preflight` where ``on_save_checkpoint`` hooks may
+    change what a save holds: the core's allocation ahead of the first save reads nothing then
+    (it logs this at DEBUG and leaves the allocation to the first save)."""
+
+
+@contextlib.contextmanager
+def preflight() -> Iterator[None]:
+    """:func:`~resilient_callbacks.statetree.probing` for the preflight: the dump is read
+    without the hooks even where they change what a save holds."""
+    with probing():
+        token = _PREFLIGHT.set(True)
+        try:
+            yield
+        finally:
+            _PREFLIGHT.reset(token)
+
+
+def save_hooks(trainer: Any) -> list[str]:
+    """The ``on_save_checkpoint`` hooks a dump of ``trainer`` runs: the LightningModule's, the
+    callbacks' (Lightning's own included), where overridden."""
+    from lightning.pytorch import Callback, LightningModule
+
+    found = []
+    module = getattr(trainer, "lightning_module", None)
+    if module is not None and type(module).on_save_checkpoint is not (
+        LightningModule.on_save_checkpoint
+    ):
+        found.append(type(module).__name__)
+    for cb in getattr(trainer, "callbacks", None) or ():
+        if type(cb).on_save_checkpoint is not Callback.on_save_checkpoint:
+            found.append(type(cb).__name__)
+    return found
 
 
 @contextlib.contextmanager
@@ -50,12 +95,19 @@ def _hooks_left_out() -> Iterator[None]:
         call._call_callbacks_on_save_checkpoint = callbacks_hook
 
 
-def dump_fn(dump: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-    """``dump``, with the ``on_save_checkpoint`` hooks left out inside ``probing()``."""
+def dump_fn(dump: Callable[[], dict[str, Any]], trainer: Any) -> Callable[[], dict[str, Any]]:
+    """``dump`` of ``trainer``, with the ``on_save_checkpoint`` hooks left out inside
+    ``probing()``; raising :class:`HooksDecideTheSave` there, outside :func:`preflight`, where
+    such a hook exists."""
 
     def dump_unless_probe() -> dict[str, Any]:
         if not is_probe():
             return dump()
+        if not _PREFLIGHT.get() and (hooks := save_hooks(trainer)):
+            raise HooksDecideTheSave(
+                f"on_save_checkpoint hooks ({', '.join(hooks)}) decide what a save holds: its "
+                "host buffers are allocated at the first save"
+            )
         with _hooks_left_out():
             return dump()
 

@@ -130,9 +130,9 @@ def save_context_and_state(
     sharded form under FSDP, tensor parallelism and DeepSpeed, Lightning's dumped dictionaries
     otherwise."""
     if is_sharded(trainer):
-        ctx = st.SaveContext(quiet.dump_fn(dump_fn(trainer)), lossy, converter)
+        ctx = st.SaveContext(quiet.dump_fn(dump_fn(trainer), trainer), lossy, converter)
         return ctx, saved_state(ctx, trainer, converter)
     conn = trainer._checkpoint_connector
-    dump = quiet.dump_fn(lambda: conn.dump_checkpoint(weights_only=False))
+    dump = quiet.dump_fn(lambda: conn.dump_checkpoint(weights_only=False), trainer)
     ctx = st.SaveContext(dump, lossy, converter)
     return ctx, st.saved_state(ctx, pl_module, trainer.optimizers, converter)
