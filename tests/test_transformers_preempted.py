@@ -71,3 +71,39 @@ def test_a_preemption_without_exit_stops_train_and_the_rerun_trains_to_the_end(t
     assert _steps(ck) == [3, 5, 10]
     ref, got = _weights(plain), _weights(again)
     assert all(torch.equal(got[k], v) for k, v in ref.items())
+
+
+class _Events(_SigtermAt):
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.events: list[tuple[str, int]] = []
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.events.append(("evaluate", state.global_step))
+
+    def on_save(self, args, state, control, **kwargs):
+        self.events.append(("save", state.global_step))
+
+
+def test_a_preemption_without_exit_mid_epoch_runs_no_end_of_epoch_evaluation_or_save(tmp_path):
+    """train() stopped at step 3 of a 13-step epoch by the preemption: the Trainer ended the
+    epoch there, so eval_strategy/save_strategy="epoch" ran a whole evaluation and wrote a
+    Trainer checkpoint of the partial epoch, inside the grace period."""
+    events = _Events(3)
+    trainer = hf_train.build_trainer(
+        str(tmp_path / "out"),
+        40,
+        callbacks=[events],
+        eval_strategy="epoch",
+        save_strategy="epoch",
+    )
+    assert len(trainer.get_train_dataloader()) > 3  # (the preemption is mid-epoch)
+    ours = ResilientCheckpoint(
+        tmp_path / "ck", every_n_steps=5, exit_on_preemption=False, trainer_checkpoints=True
+    )
+    trainer.add_callback(ours)
+    out = trainer.train()
+    assert ours.checkpointer is not None and ours.checkpointer.preempted
+    assert out.global_step == 3 and _steps(tmp_path / "ck") == [3]
+    assert events.events == []
+    assert not list((tmp_path / "out").glob("checkpoint-*"))

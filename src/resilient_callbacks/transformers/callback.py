@@ -208,6 +208,9 @@ class ResilientCheckpoint(TrainerCallback):
             return
         if not self.trainer_checkpoints:
             control.should_save = False
+        if self.checkpointer is not None and self.checkpointer.preempted:
+            # stopped mid-epoch by the preemption: no end-of-epoch evaluation or save
+            control.should_evaluate = control.should_save = False
         self._epoch_ended = True
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
