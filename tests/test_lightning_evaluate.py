@@ -93,3 +93,29 @@ def test_best_is_the_best_checkpoint_by_monitor_and_a_path_of_ours_loads(tmp_pat
     assert not (tmp_path / "b" / "ck").exists()  # nothing opened or written there
     assert other.loaded_steps == [best.step]
     assert torch.equal(other.lin.weight, module.lin.weight)
+
+
+class _OtherRun(_Net):
+    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.log("val_loss", -100.0)  # better than any of the run under test
+
+
+def test_best_by_monitor_is_of_the_fits_own_run_not_another_run_beside_it(tmp_path):
+    """The best was chosen among every checkpoint in the directory: a new run
+    (``resume="never"``) beside an earlier run's checkpoints evaluated the other run's model."""
+    kw = {"every_n_steps": 1, "keep_best": 1, "monitor": "val_loss"}
+    earlier = _trainer(
+        tmp_path / "a",
+        ResilientCheckpoint(tmp_path / "ck", **kw),
+        max_steps=2,
+        val_check_interval=1,
+        limit_val_batches=1,
+    )
+    earlier.fit(_OtherRun(), _loader(), _loader())
+    module = _Net()
+    rc = ResilientCheckpoint(tmp_path / "ck", resume="never", **kw)
+    trainer = _trainer(tmp_path / "b", rc, max_steps=6, val_check_interval=1, limit_val_batches=1)
+    with pytest.warns(UserWarning, match="other run"):
+        trainer.fit(module, _loader(), _loader())
+    trainer.test(ckpt_path="best", dataloaders=_loader(), verbose=False)
+    assert module.loaded_steps == [3]  # val_loss (3 - 3) ** 2 == 0, of this run

@@ -54,7 +54,7 @@ def teardown(cb: ResilientCheckpoint, trainer: pl.Trainer, stage: str) -> None:
         if ckpt is not None and not cb._past_end and not ckpt.preempted:
             refit.finished(trainer, ckpt.dirpath)
         if ckpt is not None:
-            evaluate.fit_ended(cb, ckpt.dirpath, ckpt.latest_path)
+            evaluate.fit_ended(cb, ckpt.dirpath, ckpt.latest_path, ckpt.run_id)
     finally:
         cb._unpatch_all()
 

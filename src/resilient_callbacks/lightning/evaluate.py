@@ -46,15 +46,24 @@ def is_ours(path: Any) -> bool:
     return bool(path) and os.path.isfile(os.path.join(os.fspath(path), MANIFEST_NAME))
 
 
-def evaluated(dirpath: str, monitor: str | None, mode: str | None, latest: str | None) -> str:
+def evaluated(
+    dirpath: str,
+    monitor: str | None,
+    mode: str | None,
+    latest: str | None,
+    run_id: str | None = None,
+) -> str:
     """The checkpoint an evaluation after the fit that saved into ``dirpath`` loads: the best
-    valid one by ``monitor`` (``mode`` "max" or "min") where it is set, else ``latest`` (the
-    newest valid one when the fit ended); "" when there is none."""
+    valid one of its run (``run_id``; not another run's beside it) by ``monitor`` (``mode``
+    "max" or "min") where it is set, else ``latest`` (the newest valid one when the fit
+    ended); "" when there is none."""
     if not monitor:
         return latest or ""
     sign = -1.0 if mode == "max" else 1.0
     scored = []
     for e in catalog.committed(catalog.scan(dirpath, Depth.SIZE)):
+        if e.manifest is not None and run_id is not None and e.manifest.run_id != run_id:
+            continue  # another run's (ForeignCheckpointsWarning), not this fit's
         value = e.manifest.metrics.get(monitor) if e.manifest is not None else None
         if e.status is Status.VALID and isinstance(value, (int, float)) and math.isfinite(value):
             scored.append((sign * float(value), -e.seq, e.path))
@@ -102,10 +111,10 @@ def at_setup(cb: Any, trainer: pl.Trainer) -> None:
     cb._unpatch.append(wrap_resume_start(trainer))
 
 
-def fit_ended(cb: Any, dirpath: str, latest: str | None) -> None:
-    """A fit of ``cb`` that saved into ``dirpath`` ended without an error, its newest valid
-    checkpoint ``latest``: what a later evaluation's ``"best"`` is chosen from."""
-    cb._evaluate_from = (dirpath, latest)
+def fit_ended(cb: Any, dirpath: str, latest: str | None, run_id: str | None) -> None:
+    """A fit of ``cb`` (run ``run_id``) that saved into ``dirpath`` ended without an error, its
+    newest valid checkpoint ``latest``: what a later evaluation's ``"best"`` is chosen from."""
+    cb._evaluate_from = (dirpath, latest, run_id)
 
 
 def best_path(cb: Any, trainer: Any) -> str:
@@ -117,4 +126,5 @@ def best_path(cb: Any, trainer: Any) -> str:
     if sharded.is_sharded(trainer):
         return ""
     kwargs = cb._kwargs
-    return evaluated(after_fit[0], kwargs.get("monitor"), kwargs.get("mode"), after_fit[1])
+    dirpath, latest, run_id = after_fit
+    return evaluated(dirpath, kwargs.get("monitor"), kwargs.get("mode"), latest, run_id)
