@@ -362,3 +362,35 @@ def test_a_parts_host_buffers_are_made_ahead_and_the_unused_freed(tmp_path):
     with Checkpointer(tmp_path / "ck2", every_n_steps=2, preemption=False) as ck:
         ck.step(1, _state(plain))
         assert "engine/shards" not in ck._saver.part_buffers._by_id
+
+
+class _QuietRefuses:
+    """A state object whose read for the allocation ahead refuses (as Lightning's dictionary
+    does where ``on_save_checkpoint`` hooks decide what a save holds)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        from resilient_callbacks import statetree
+
+        if statetree.is_probe():
+            raise RuntimeError("hooks decide what a save holds")
+        return {"n": 1}
+
+    def load_state_dict(self, sd: Any) -> None:
+        pass
+
+
+def test_a_parts_host_buffers_are_made_ahead_where_the_rest_of_the_state_cannot_be_read(
+    tmp_path,
+):
+    """The rest of the state unreadable ahead of the first save (a Lightning module with an
+    on_save_checkpoint hook under FSDP) cost the part's buffers too: the first save allocated
+    the sharded model's and optimizer's host copies on the training thread."""
+    part = ToyAhead()
+    state = {**_state(part), "lightning": _QuietRefuses()}
+    with Checkpointer(tmp_path / "ck", every_n_steps=2, preemption=False) as ck:
+        assert ck.step(1, state) is False
+        assert not ck._saver.buffers.nbytes  # (nothing of the rest read, nothing made)
+        ahead = ck._saver.part_buffers._by_id["engine/shards"]
+        ahead.wait_allocated()
+        assert sorted(ahead._bufs) == ["unused", "weight"]
+        assert ck.step(2, state) is True

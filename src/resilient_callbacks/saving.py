@@ -380,9 +380,9 @@ class Saver:
             with statetree.probing():  # (read, not saved: no hook meant for saves runs)
                 shared, local = structure.encode(state, split_per_rank=self.ck.world_size > 1)
         except Exception as e:  # the save itself reports what is wrong with the state
-            log.debug("not allocating host buffers ahead: %s", e)
-            return
-        self.buffers.allocate_in_background(self._tensors_to_copy(shared, local))
+            log.debug("not allocating host buffers ahead (but the FileParts'): %s", e)
+        else:
+            self.buffers.allocate_in_background(self._tensors_to_copy(shared, local))
         fileparts = statetree.fileparts(state)
         if fileparts:
             self.part_buffers.allocate_ahead(fileparts)
