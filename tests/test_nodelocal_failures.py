@@ -118,16 +118,22 @@ def test_a_wiped_nodes_download_cut_part_way_fetches_only_what_did_not_arrive(tm
     assert "skipping" not in out[0][-1]["log"] + out[1][-1]["log"]  # no fallback
 
 
-def test_a_file_kept_from_a_cut_try_is_still_verified(tmp_path):
-    """As above, but a file that arrived in the cut try has its size and a wrong byte: it is
-    not fetched again, and the checksum verification after the download still catches it:
-    step 4 is skipped on every rank, loudly, for step 2 (never loaded with the wrong byte)."""
+def test_a_file_kept_from_a_cut_try_that_fails_its_checksum_is_fetched_again(tmp_path):
+    """As above, but a file that arrived in the cut try has its size and a wrong byte (a
+    transfer of that try still writing it, a torn write): the checksum verification after the
+    download catches it and that file is fetched again, loudly: both ranks resume from step 4
+    (step 4 was skipped on every rank for step 2, where a fresh fetch got it whole), never
+    loaded with the wrong byte."""
     _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
     shutil.rmtree(tmp_path / "node1")
     env = {"RC_GETS_FAIL_PARTWAY": 1, "RC_GETS_ROT": 1, "RC_CAPTURE_LOG": 1}
     out = _run(tmp_path, "second", 2, "--steps", "6", **env)
-    assert [rank[0]["restored"] for rank in out] == [2, 2], out
-    assert "step 4" in out[0][-1]["log"] and "checksum" in out[0][-1]["log"], out[0][-1]["log"]
+    assert [rank[0]["restored"] for rank in out] == [4, 4], out
+    first, _again, rotten = out[1][0]["gets"]  # node 1: cut, its next try, the rotten file
+    assert rotten == first[:1], out[1][0]["gets"]
+    said = out[1][-1]["log"]
+    assert "fail their checksum: fetching them again" in said, said
+    assert "skipping" not in out[0][-1]["log"] + said  # no fallback
 
 
 def test_a_wiped_node_whose_download_stalls_gives_up_naming_it(tmp_path):

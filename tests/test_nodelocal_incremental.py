@@ -126,6 +126,46 @@ def test_each_node_fetches_only_the_blobs_its_ranks_read(tmp_path):
     assert sorted(n for n in os.listdir(remote) if n.startswith("step_")) == ["step_000000005"]
 
 
+def test_a_rotten_shared_json_kept_from_a_cut_try_is_fetched_again_before_it_names_blobs(
+    tmp_path,
+):
+    """A node's download is cut after shared.json arrived with its size but one character of
+    its blob's name changed (a transfer of the cut try still writing it, a torn write): the
+    next try kept it, the node read it for the blobs to fetch (none that the checkpoint names)
+    and, once that file was fetched again after the checksum check, committed a copy whose
+    blob it never fetched. Kept files are now checked before they are read for blob names:
+    both nodes fetch the blob and restore step 3 exactly."""
+    zygote = spawn_ranks.shared_zygote()
+    argv = [sys.executable, __file__, str(tmp_path)]
+    (saved,) = _outs(spawn_ranks.run([*argv, "shared"], 1, tmp_path, "shared", zygote=zygote))
+    env = {"RC_SHARED_JSON_ROT": "1"}
+    outs = _outs(spawn_ranks.run([*argv, "nodes"], 2, tmp_path, "nodes", env=env, zygote=zygote))
+    assert [o["restored"] for o in outs] == [3, 3], outs
+    assert [o["digest"] for o in outs] == [saved["digest"]] * 2
+
+
+def _cut_with_a_rotten_shared_json(fs) -> None:
+    """``fs.get``'s first call of several files brings shared.json alone, its size kept and
+    one character of its first blob's name changed, then the connection is reset."""
+    real_get, calls = fs.get, []
+
+    def get(rpath, lpath, *args, **kw):
+        if not isinstance(rpath, list) or calls:
+            return real_get(rpath, lpath, *args, **kw)
+        calls.append(rpath)
+        i = next(i for i, r in enumerate(rpath) if r.endswith("/shared.json"))
+        real_get(rpath[i], lpath[i])
+        with open(lpath[i]) as f:
+            doc = f.read()
+        blob = next(iter(json.loads(doc)["blobs"].values()))
+        other = ("0" if blob[0] != "0" else "1") + blob[1:]
+        with open(lpath[i], "w") as f:
+            f.write(doc.replace(blob, other))
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    fs.get = get
+
+
 def _make_part(rank: int):
     """A FilePart: a 64 KiB frozen tensor on rank 0 only (a blob), a small one on every rank."""
     import torch
@@ -249,6 +289,8 @@ def worker(base: str, phase: str) -> None:
                     print("OUT " + json.dumps({"error": type(e).__name__, "msg": str(e)}))
                     sys.stdout.flush()
                     os._exit(4)
+            if os.environ.get("RC_SHARED_JSON_ROT"):  # see the test
+                _cut_with_a_rotten_shared_json(ck._dir.remote.fs)
             got = ck.restore(state)
             print("OUT " + json.dumps({"restored": got, "digest": _digest(model)}), flush=True)
             if phase == "nodes-stop":  # killed before its first save

@@ -83,21 +83,45 @@ def test_a_download_cut_part_way_fetches_only_what_did_not_arrive(tmp_path, monk
     assert f"{len(arrived)} of {n} file(s)" in said and f"the other {n - len(arrived)}" in said
 
 
-def test_a_file_kept_from_a_cut_try_is_still_verified(tmp_path, monkeypatch):
-    """As above, but a file that arrived in the cut try has its size and a wrong byte: it is
-    not fetched again, and the checksum verification after the download still catches it:
-    step 20 is skipped, loudly, for step 10 (never loaded with the wrong byte), and the
-    staging folder is removed."""
+def test_a_file_kept_from_a_cut_try_that_fails_its_checksum_is_fetched_again(
+    tmp_path, monkeypatch, caplog
+):
+    """As above, but a file that arrived in the cut try has its size and a wrong byte (a
+    transfer of that try still writing it, a torn write): it is not fetched again at once, the
+    checksum verification after the download catches it, and it is then fetched again, loudly:
+    the run resumes from step 20 (it skipped step 20 for step 10, where a try with a staging
+    folder of its own fetched it whole), never loaded with the wrong byte, and the staging
+    folder is removed."""
     local, url = _wiped_after_two_saves(tmp_path)
     state = _state(0)
     with Checkpointer(local, remote=url, keep_last=2) as ck:
         gets = _cut(monkeypatch, ck, cuts=1, rot=True)
+        with caplog.at_level(logging.WARNING, "resilient_callbacks"):
+            assert ck.restore(state) == 20
+        assert _stagings(local) == []
+    assert torch.equal(state["w"], torch.full((256,), 20.0))
+    first, _again, rotten = gets  # step 20 cut, its second try, the rotten file again
+    assert rotten == first[:1], gets
+    assert "fail their checksum: fetching them again" in caplog.text, caplog.text
+
+
+def test_a_rotten_remote_file_kept_from_a_cut_try_still_falls_back(tmp_path, monkeypatch):
+    """The remote's own copy of a file is damaged: fetched again after the checksum check, it
+    fails again, and step 20 is skipped, loudly, for step 10 (never loaded)."""
+    local, url = _wiped_after_two_saves(tmp_path)
+    remote20 = tmp_path / "remote" / "step_000000020"
+    victim = sorted(p for p in remote20.rglob("*.safetensors*"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    state = _state(0)
+    with Checkpointer(local, remote=url, keep_last=2) as ck:
+        _cut(monkeypatch, ck, cuts=1)
         with pytest.warns(ResumeFallbackWarning, match="step_000000020") as w:
             assert ck.restore(state) == 10
         assert _stagings(local) == []
     assert any("checksum" in str(x.message) for x in w), [str(x.message) for x in w]
     assert torch.equal(state["w"], torch.full((256,), 10.0))
-    assert len(gets) == 3, gets  # step 20 cut, then its second try; then step 10 whole
 
 
 def test_a_download_cut_on_every_try_leaves_no_staging_folder(tmp_path, monkeypatch):

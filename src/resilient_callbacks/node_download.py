@@ -65,17 +65,32 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
             name,
         )
         what = f"downloading this node's part of {st.url}/{name}"
-        stall.tried_again(  # an error that may pass: each try given up once no byte arrived
-            lambda: stall.run(  # for the outage limit, its progress logged
-                lambda: _get(st, name, staging, need),
-                what,
-                lambda: stall.on_disk(
-                    d.dirpath, os.path.basename(staging), {f.path: f.size for f in need}
+
+        def fetch(files: list[FileEntry]) -> list[FileEntry]:  # (the files kept)
+            return stall.tried_again(  # an error that may pass: each try given up once no
+                lambda: stall.run(  # byte arrived for the outage limit, its progress logged
+                    lambda: _get(st, name, staging, files),
+                    what,
+                    lambda: stall.on_disk(
+                        d.dirpath, os.path.basename(staging), {f.path: f.size for f in files}
+                    ),
+                    preemptible=True,  # (a request ends it: node_restore raises it on every rank)
                 ),
-                preemptible=True,  # (a request ends it: node_restore raises it on every rank)
-            ),
-            what,
-        )
+                what,
+            )
+
+        kept = fetch(need)
+        if bad := _damaged(staging, kept):  # (before _read_by reads them for blob names)
+            log.warning(
+                "%d file(s) of %s/%s kept from an earlier try fail their checksum: fetching "
+                "them again",
+                len(bad),
+                st.url,
+                name,
+            )
+            for f in bad:
+                os.unlink(os.path.join(staging, f.path))
+            fetch(bad)
         blobs = _read_by(staging, need, m)
         if blobs:
             mine = dataclasses.replace(m, blobs=blobs)
@@ -102,10 +117,11 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
     return final, len(need), sum(f.size for f in need)
 
 
-def _get(st: RemoteStore, name: str, staging: str, need: list[FileEntry]) -> None:
+def _get(st: RemoteStore, name: str, staging: str, need: list[FileEntry]) -> list[FileEntry]:
     """Fetch the files of ``need`` that ``staging`` does not hold whole yet: a try after one
     that failed part-way (a 5xx burst, a reset) fetches only what did not arrive. A file of
-    the manifest's size counts as arrived; every checksum is verified after the download."""
+    the manifest's size counts as arrived; every checksum is verified after the download. Returns
+    the files it kept (checked, and those that fail fetched again: :func:`_damaged`)."""
     left = [f for f in need if not _whole(os.path.join(staging, f.path), f.size)]
     if len(left) < len(need):
         log.warning(
@@ -122,6 +138,22 @@ def _get(st: RemoteStore, name: str, staging: str, need: list[FileEntry]) -> Non
             [f"{st.root}/{name}/{f.path}" for f in left],
             [os.path.join(staging, f.path) for f in left],
         )
+    return [f for f in need if f not in left]
+
+
+def _damaged(staging: str, kept: list[FileEntry]) -> list[FileEntry]:
+    """The files of ``kept`` (taken from an earlier try for their size) that fail their
+    checksum: a transfer of that try still writing one after the try failed, a torn write.
+    They made the node skip the checkpoint, where a fresh fetch gets it whole. Checked before
+    :func:`_read_by` reads the files for the blobs they name (a damaged ``shared.json`` could
+    name too few; the verification after the download checks only those)."""
+    bad = []
+    for f in kept:
+        try:
+            catalog.verify_entries(staging, [f])
+        except CheckpointCorruptError:
+            bad.append(f)
+    return bad
 
 
 def _read_by(staging: str, need: list[FileEntry], m: Manifest) -> list[FileEntry]:

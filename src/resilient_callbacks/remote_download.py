@@ -11,15 +11,17 @@ import logging
 import os
 import shutil
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import remote_blobs
-from .catalog import Depth, verify
+from .catalog import Depth, verify, verify_entries
 from .commit import STAGING_PREFIX, fsync_tree
+from .errors import CheckpointCorruptError
 from .manifest import MANIFEST_NAME
 from .progress import Progress
 
 if TYPE_CHECKING:
+    from .manifest import FileEntry
     from .remote import RemoteStore
     from .remote_listing import RemoteEntry
 
@@ -40,8 +42,9 @@ def download(
     ``staging``: the folder to download into, made if missing and kept when this raises (the
     caller removes it once it gives up): a try after one that failed part-way (a 5xx burst, a
     reset) fetches only the files that did not arrive whole; a file of the manifest's size
-    counts as arrived, and its checksum is verified with the others. Without it, a new
-    folder, removed when this raises."""
+    counts as arrived, and its checksum is verified with the others: one that fails it is
+    fetched again, once (:func:`_fetch_kept_again`), before the checkpoint is called damaged.
+    Without it, a new folder, removed when this raises."""
     assert entry.manifest is not None
     m = entry.manifest
     own = staging is None
@@ -66,29 +69,80 @@ def download(
                 entry.name,
                 len(left),
             )
-        total = sum(f.size for f in left)
-        bar = Progress(total, f"downloading {entry.name} from {store.url}", bar=progress)
-        try:
-            if left:
-                store.fs.get(
-                    [store._path(entry.name, f.path) for f in left],
-                    [os.path.join(staging, f.path) for f in left],
-                    callback=bar.multi_callback(),
-                )
-        finally:
-            bar.close()
+        kept = [f for f in m.files if f not in left]  # (an earlier try's)
+        _get(store, entry, staging, left, progress)
         with open(os.path.join(staging, MANIFEST_NAME), "wb") as fh:
             fh.write(store.fs.cat_file(store._path(entry.name, MANIFEST_NAME)))
         for rel in [f.path for f in m.files] + [MANIFEST_NAME]:  # the manifest too
             with open(os.path.join(staging, rel), "rb+") as fh:
                 os.fsync(fh.fileno())
-        verify(staging, m, Depth.FULL)
+        try:
+            verify(staging, m, Depth.FULL)
+        except CheckpointCorruptError as e:
+            if not _fetch_kept_again(store, entry, staging, kept, e):
+                raise
+            verify(staging, m, Depth.FULL)
         fsync_tree(staging)  # (every folder: parts/<id>/ hold files too)
     except BaseException:
         if own:
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return staging, entry.name
+
+
+def _get(
+    store: RemoteStore, entry: RemoteEntry, staging: str, files: list[FileEntry], progress: Any
+) -> None:
+    """Fetch ``files`` of ``entry`` into ``staging``, each overwritten, with a progress bar."""
+    bar = Progress(
+        sum(f.size for f in files), f"downloading {entry.name} from {store.url}", bar=progress
+    )
+    try:
+        if files:
+            store.fs.get(
+                [store._path(entry.name, f.path) for f in files],
+                [os.path.join(staging, f.path) for f in files],
+                callback=bar.multi_callback(),
+            )
+    finally:
+        bar.close()
+
+
+def _fetch_kept_again(
+    store: RemoteStore,
+    entry: RemoteEntry,
+    staging: str,
+    kept: list[FileEntry],
+    error: CheckpointCorruptError,
+) -> bool:
+    """The checksum verification failed (``error``): fetch again the files of ``kept`` (taken
+    from an earlier try for their size) that fail it, and say so; False when none does (the
+    damage is in what this try fetched, or in a blob: the checkpoint is damaged). A file an
+    earlier try left with its size and other bytes (a transfer of that try still writing it
+    after the try failed, a torn write) made the restore skip the checkpoint for an older one,
+    where a try with a folder of its own fetched it whole."""
+    bad = []
+    for f in kept:
+        try:
+            verify_entries(staging, [f])
+        except CheckpointCorruptError:
+            bad.append(f)
+    if not bad:
+        return False
+    log.warning(
+        "%s/%s: %s; %d file(s) kept from an earlier try fail their checksum: fetching them again",
+        store.url,
+        entry.name,
+        error,
+        len(bad),
+    )
+    for f in bad:
+        os.unlink(os.path.join(staging, f.path))
+    _get(store, entry, staging, bad, None)
+    for f in bad:
+        with open(os.path.join(staging, f.path), "rb+") as fh:
+            os.fsync(fh.fileno())
+    return True
 
 
 def _whole(path: str, size: int) -> bool:
