@@ -358,3 +358,54 @@ def test_a_sigterm_while_a_download_stalls_ends_the_wait(tmp_path):
     assert "restored" not in out.stdout
     assert sorted(os.listdir(f"{tmp_path}/durable/run")) == before
     assert not [n for n in os.listdir(local) if n.startswith("step_")]
+
+
+_TWO_CHECKPOINTERS_PREEMPTED_AT_RESTORE = """
+import os, signal, sys, threading
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from resilient_callbacks import Checkpointer, checkpointer
+
+checkpointer.CLOSE_OUTAGE_S = 60.0  # the outage limit (5 min by default), the test's bound 240 s
+ema_dir, local, url = sys.argv[1:]
+
+def hang(*a, **k):  # the store lists, then never sends a byte; the scheduler's SIGTERM comes
+    os.kill(os.getpid(), signal.SIGTERM)
+    threading.Event().wait(240)
+    raise ConnectionError("the store never answered")
+
+ema = Checkpointer(ema_dir, keep_last=5)  # a second Checkpointer of the process (an EMA's)
+ck = Checkpointer(local, remote=url, keep_last=5)
+LocalFileSystem.get = hang
+ck.restore({"model": torch.nn.Linear(3, 2)})
+print("restored", ck.restored_from, flush=True)
+"""
+
+
+def test_a_request_ending_a_restore_wait_tells_another_checkpointer_nothing_was_saved(tmp_path):
+    """A model's Checkpointer's restore waits on a stalled store; SIGTERM ends the wait and the
+    process exits 75 without saving. The process's other Checkpointer (an EMA's), closed at
+    exit, said "another Checkpointer of this process saved and is exiting": nothing was saved.
+    It now says the process is exiting for the request, with nothing saved."""
+    local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
+    with Checkpointer(local, remote=url, keep_last=5) as ck:
+        ck.save(10, {"model": torch.nn.Linear(3, 2)})
+    shutil.rmtree(local)
+    out = spawn_ranks.run_python(
+        [
+            sys.executable,
+            "-c",
+            _TWO_CHECKPOINTERS_PREEMPTED_AT_RESTORE,
+            str(tmp_path / "ema"),
+            str(local),
+            url,
+        ],
+        timeout=240,
+    )
+    assert out.returncode == 75, out.stdout + out.stderr[-3000:]
+    assert "restored" not in out.stdout
+    assert "saved and is exiting" not in out.stderr, out.stderr[-3000:]
+    said = [ln for ln in out.stderr.splitlines() if "another Checkpointer" in ln]
+    assert len(said) == 1, out.stderr[-3000:]
+    assert "is exiting for it before anything was saved" in said[0], said
+    assert str(tmp_path / "ema") in said[0], said

@@ -304,7 +304,22 @@ def _release(
         if exit_code is not None:
             ck.watcher.exiting(exit_code)  # (before uninstall: a second signal keeps the code)
         ck.watcher.uninstall()
-        if unanswered is not None and ck.watcher.answered_elsewhere:
+        if (
+            unanswered is not None
+            and ck.watcher.answered_elsewhere
+            and not ck.watcher.saved_elsewhere
+        ):
+            # another Checkpointer's restore: the request ended its wait on a stalled store, and
+            # the process exits with the preemption code before anything was saved
+            log.warning(
+                "preemption (%s): another Checkpointer of this process is exiting for it before "
+                "anything was saved (the request ended its restore's wait on a stalled store); "
+                "%s was not saved at this preemption either: the next run resumes from its "
+                "newest checkpoint",
+                unanswered.source,
+                ck.dirpath,
+            )
+        elif unanswered is not None and ck.watcher.answered_elsewhere:
             # another Checkpointer of this process answered it: its emergency save, and the
             # process exiting with the preemption code. This one was not stepped again.
             log.warning(

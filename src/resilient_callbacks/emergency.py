@@ -352,7 +352,7 @@ class Emergency:
                 ck.config.preemption_exit_code,
             )
             ck._recorder.stopping()
-            self._exit()
+            self._exit(saved=True)
         return saved
 
     @contextlib.contextmanager
@@ -372,10 +372,11 @@ class Emergency:
                 raise
             log.error(_exit_line(e, ck.config.preemption_exit_code))
             ck.preempted = True  # (stopped by the request: no "unanswered" signal at close)
-            self._exit()
+            self._exit(saved=False)
 
-    def _exit(self) -> NoReturn:
-        """Close, within what is left of the grace period, and exit with the preemption code."""
+    def _exit(self, saved: bool) -> NoReturn:
+        """Close, within what is left of the grace period, and exit with the preemption code
+        (``saved``: an emergency save committed; False: a restore's wait ended unsaved)."""
         ck, watcher = self._ck, self._ck.watcher
         code = ck.config.preemption_exit_code
         left = watcher.remaining_grace_s() if watcher is not None else None
@@ -384,7 +385,7 @@ class Emergency:
         ck._dir.trash.abandon()
         marked = []
         if watcher is not None:
-            marked = watcher.answered()  # for the other Checkpointers of this process too
+            marked = watcher.answered(saved)  # for the other Checkpointers of this process too
             watcher.exiting(code)  # a second signal keeps it
         try:
             ck.close(timeout=None if left is None else max(0.0, left - EXIT_MARGIN_S))

@@ -127,6 +127,9 @@ class PreemptionWatcher:
         self._replaced: set[str] = set()  # signals whose handler another one replaced (warned)
         # the pending request was answered by another watcher's Checkpointer (saved, exiting)
         self.answered_elsewhere = False
+        # ... and that one saved a checkpoint for it (False: it exits for it unsaved, a wait
+        # of its restore on a stalled store ended by the request)
+        self.saved_elsewhere = False
 
     # -------------------------------------------------------------- install / uninstall
 
@@ -314,13 +317,16 @@ class PreemptionWatcher:
         prev = _unwrap(signum, self._previous.get(signum))
         return signal.getsignal(signum) is self._handler and exiting.ends_the_process(prev)
 
-    def answered(self) -> list[PreemptionWatcher]:
-        """This watcher's Checkpointer saved for the pending request and the process exits: the
-        other watchers holding a request have it answered too; returns those it marked."""
+    def answered(self, saved: bool = True) -> list[PreemptionWatcher]:
+        """This watcher's Checkpointer answered the pending request and the process exits
+        (``saved``: it saved a checkpoint for it; False: it exits without one, its restore's
+        wait ended by the request): the other watchers holding a request have it answered too;
+        returns those it marked."""
         others = [w for w in list(_installed) if w is not self and w._events]
         marked = [w for w in others if not w.answered_elsewhere]
         for w in marked:
             w.answered_elsewhere = True
+            w.saved_elsewhere = saved
         return marked
 
     @property
