@@ -31,9 +31,10 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 
-from .. import catalog, rng
+from .. import catalog, dist, rng
 from ..catalog import Depth, Status
 from ..checkpointer import Checkpointer
+from ..errors import CheckpointNotFoundError
 from ..manifest import MANIFEST_NAME
 from . import checks, sharded
 from . import state as st
@@ -44,6 +45,24 @@ EVALUATING = (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING)
 def is_ours(path: Any) -> bool:
     """Whether ``path`` is a checkpoint directory of ours (it has a manifest)."""
     return bool(path) and os.path.isfile(os.path.join(os.fspath(path), MANIFEST_NAME))
+
+
+def ours_on_every_rank(path: Any) -> bool:
+    """Every rank, together: whether ``path`` is a checkpoint directory of ours (:func:`is_ours`)
+    on every rank -- then every rank opens the read-only ``Checkpointer``, a collective -- or on
+    none. Where the ranks disagree (a node-local directory present on some nodes only), each
+    rank raises :class:`CheckpointNotFoundError` naming the ranks that lack it (only the ranks
+    that saw it entered the collective, and the job hung)."""
+    answers = [bool(a) for a in dist.all_gather_json(is_ours(path))]
+    if all(answers) or not any(answers):
+        return answers[0]
+    lacking = [r for r, ours in enumerate(answers) if not ours]
+    raise CheckpointNotFoundError(
+        f"ckpt_path {os.fspath(path)!r} is a checkpoint directory with a manifest on rank(s) "
+        f"{[r for r, ours in enumerate(answers) if ours]} but not on rank(s) {lacking}: every "
+        "rank loads the same checkpoint, so it must be where every rank reads it (a shared "
+        "filesystem, or a copy at the same path on each node)"
+    )
 
 
 def evaluated(
@@ -79,7 +98,7 @@ def wrap_resume_start(trainer: pl.Trainer) -> Any:
     def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
         if trainer.state.fn not in EVALUATING or sharded.is_sharded(trainer):
             return original(checkpoint_path, weights_only)
-        if not is_ours(checkpoint_path):
+        if not ours_on_every_rank(checkpoint_path):
             return original(checkpoint_path, weights_only)
         path = os.path.abspath(os.fspath(checkpoint_path))
         holder = st.receivers()
