@@ -309,12 +309,14 @@ def test_an_exceeded_disk_quota_is_named_with_how_to_check_it(tmp_path, monkeypa
         assert [e.step for e in ck.checkpoints()] == [1, 3]
 
 
-@pytest.mark.parametrize("end", ["final save", "committed during close"])
+@pytest.mark.parametrize("end", ["final save", "committed during close", "emergency save"])
 def test_the_runs_last_save_gives_no_warning_about_a_next_save(small_tmpfs, caplog, end):
     """keep_last=3 on a 4 MiB disk: the third commit leaves no room for a fourth checkpoint.
     When that third save is the run's last (``final=True``, or a background save that
     commits while ``close()`` waits for it) there is no next save, yet "the next save will
-    not fit" was warned at the end of every such run. Now it is not."""
+    not fit" was warned at the end of every such run. Now it is not. An emergency save (a
+    preemption's, before the process exits) is the last too: the check, on the trash bin's
+    thread, could run before close() began, and warned."""
     import threading
 
     caplog.set_level(logging.INFO, logger="resilient_callbacks")
@@ -326,6 +328,9 @@ def test_the_runs_last_save_gives_no_warning_about_a_next_save(small_tmpfs, capl
             ck.flush()
         if end == "final save":
             ck.save(3, _state(3), final=True)
+        elif end == "emergency save":
+            ck.emergency_save(3, _state(3))
+            ck._dir.trash.wait(60.0)  # (the check, were there one, runs before close() begins)
         else:
             closing, real_commit = threading.Event(), ck._dir.commit.commit
 

@@ -353,8 +353,10 @@ def _record(
         if ck.schedule is not None:  # the persist floor, before the next save carries it in
             ck.schedule.observe_persist(elapsed)
     ck.last_save = SaveStats(step, done.path, done.bytes, elapsed, reason, written)
-    if _preflight(saver) and reason != "final":  # the next save will not fit: said a save
-        # interval ahead; not after the run's last save (final, or committed once close began)
+    if _preflight(saver) and reason not in ("final", "emergency"):  # the next save will not
+        # fit: said a save interval ahead; not after the run's last save (final; an emergency
+        # save, before the process stops -- known here, where the trash thread's check could
+        # run before close() began; or a save committed once close began)
         space.after_commit(ck.dirpath, step, done.bytes, ck._dir.trash, lambda: ck._closed)
     saver.committed_saves += 1
     ck._recorder.committed(
