@@ -581,8 +581,7 @@ def test_one_command_reads_a_blob_that_checkpoints_share_once(tmp_path, capsys, 
     command, not once per checkpoint (a LoRA run with keep_last=5 on a 28 GB base read 140 GB
     for one ``ls``). A shared blob found damaged still makes every checkpoint naming it
     corrupt."""
-    from resilient_callbacks import catalog as catalog_mod
-    from resilient_callbacks import remote_verify
+    from resilient_callbacks import remote_verify, verification
 
     url = f"file://{tmp_path}/durable"
     state = _state(_model())
@@ -596,9 +595,9 @@ def test_one_command_reads_a_blob_that_checkpoints_share_once(tmp_path, capsys, 
     )
     assert len(shared) == 2  # the trunk's two weights
     reads: list[str] = []
-    real_digest, real_check = catalog_mod.digest_file, remote_verify._check
+    real_digest, real_check = verification.digest_file, remote_verify._check
     monkeypatch.setattr(
-        catalog_mod, "digest_file", lambda p, **kw: reads.append(p) or real_digest(p, **kw)
+        verification, "digest_file", lambda p, **kw: reads.append(p) or real_digest(p, **kw)
     )
     monkeypatch.setattr(
         remote_verify, "_check", lambda st, p, *a: reads.append(p) or real_check(st, p, *a)
