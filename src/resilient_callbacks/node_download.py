@@ -28,6 +28,7 @@ from .layout import SHARED_STRUCTURE
 from .manifest import FileEntry, Manifest
 from .nodelocal import REMOTE_MANIFEST, NodeDirectory, is_shared, needed
 from .part_blobs import parse_refs
+from .remote_download import arrived, failing
 from .tensorfile import header_bytes, parse_header
 
 if TYPE_CHECKING:
@@ -80,7 +81,9 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
             )
 
         kept = fetch(need)
-        if bad := _damaged(staging, kept):  # (before _read_by reads them for blob names)
+        # kept files checked before _read_by reads them for the blobs they name (a damaged
+        # shared.json could name too few; the verification after checks only those)
+        if bad := failing(staging, kept):
             log.warning(
                 "%d file(s) of %s/%s kept from an earlier try fail their checksum: fetching "
                 "them again",
@@ -121,39 +124,14 @@ def _get(st: RemoteStore, name: str, staging: str, need: list[FileEntry]) -> lis
     """Fetch the files of ``need`` that ``staging`` does not hold whole yet: a try after one
     that failed part-way (a 5xx burst, a reset) fetches only what did not arrive. A file of
     the manifest's size counts as arrived; every checksum is verified after the download. Returns
-    the files it kept (checked, and those that fail fetched again: :func:`_damaged`)."""
-    left = [f for f in need if not _whole(os.path.join(staging, f.path), f.size)]
-    if len(left) < len(need):
-        log.warning(
-            "%d of %d file(s) of %s/%s arrived whole before the last try failed; fetching the "
-            "other %d",
-            len(need) - len(left),
-            len(need),
-            st.url,
-            name,
-            len(left),
-        )
+    the files it kept (checked, and those that fail fetched again: :func:`.remote_download.failing`)."""
+    left, kept = arrived(staging, need, f"{st.url}/{name}")
     if left:
         st.fs.get(
             [f"{st.root}/{name}/{f.path}" for f in left],
             [os.path.join(staging, f.path) for f in left],
         )
-    return [f for f in need if f not in left]
-
-
-def _damaged(staging: str, kept: list[FileEntry]) -> list[FileEntry]:
-    """The files of ``kept`` (taken from an earlier try for their size) that fail their
-    checksum: a transfer of that try still writing one after the try failed, a torn write.
-    They made the node skip the checkpoint, where a fresh fetch gets it whole. Checked before
-    :func:`_read_by` reads the files for the blobs they name (a damaged ``shared.json`` could
-    name too few; the verification after the download checks only those)."""
-    bad = []
-    for f in kept:
-        try:
-            catalog.verify_entries(staging, [f])
-        except CheckpointCorruptError:
-            bad.append(f)
-    return bad
+    return kept
 
 
 def _read_by(staging: str, need: list[FileEntry], m: Manifest) -> list[FileEntry]:
@@ -188,13 +166,6 @@ def _read_by(staging: str, need: list[FileEntry], m: Manifest) -> list[FileEntry
     mine = [b for b in m.blobs if b.path in names]
     log.info("fetching %d of the %d blob(s) the checkpoint names", len(mine), len(m.blobs))
     return mine
-
-
-def _whole(path: str, size: int) -> bool:
-    try:
-        return os.path.getsize(path) == size
-    except OSError:
-        return False
 
 
 def _blobs(d: NodeDirectory, m: Manifest, staging: str, what: str) -> None:

@@ -58,18 +58,7 @@ def download(
             if "/" in f.path:
                 os.makedirs(os.path.dirname(os.path.join(staging, f.path)), exist_ok=True)
         remote_blobs.download(store, m, local_root, staging)  # verified, before the manifest
-        left = [f for f in m.files if not _whole(os.path.join(staging, f.path), f.size)]
-        if len(left) < len(m.files):
-            log.warning(
-                "%d of %d file(s) of %s/%s arrived whole before the last try failed; fetching "
-                "the other %d",
-                len(m.files) - len(left),
-                len(m.files),
-                store.url,
-                entry.name,
-                len(left),
-            )
-        kept = [f for f in m.files if f not in left]  # (an earlier try's)
+        left, kept = arrived(staging, m.files, f"{store.url}/{entry.name}")
         _get(store, entry, staging, left, progress)
         with open(os.path.join(staging, MANIFEST_NAME), "wb") as fh:
             fh.write(store.fs.cat_file(store._path(entry.name, MANIFEST_NAME)))
@@ -121,12 +110,7 @@ def _fetch_kept_again(
     earlier try left with its size and other bytes (a transfer of that try still writing it
     after the try failed, a torn write) made the restore skip the checkpoint for an older one,
     where a try with a folder of its own fetched it whole."""
-    bad = []
-    for f in kept:
-        try:
-            verify_entries(staging, [f])
-        except CheckpointCorruptError:
-            bad.append(f)
+    bad = failing(staging, kept)
     if not bad:
         return False
     log.warning(
@@ -143,6 +127,37 @@ def _fetch_kept_again(
         with open(os.path.join(staging, f.path), "rb+") as fh:
             os.fsync(fh.fileno())
     return True
+
+
+def arrived(
+    staging: str, files: list[FileEntry], where: str
+) -> tuple[list[FileEntry], list[FileEntry]]:
+    """``(left, kept)``: the files of ``files`` that ``staging`` does not hold whole yet, to
+    fetch, and those an earlier try left there with the manifest's size (said, when any), whose
+    checksums are still verified (:func:`failing`). Shared and node-local mode's retries."""
+    left = [f for f in files if not _whole(os.path.join(staging, f.path), f.size)]
+    if len(left) < len(files):
+        log.warning(
+            "%d of %d file(s) of %s arrived whole before the last try failed; fetching the "
+            "other %d",
+            len(files) - len(left),
+            len(files),
+            where,
+            len(left),
+        )
+    return left, [f for f in files if f not in left]
+
+
+def failing(staging: str, kept: list[FileEntry]) -> list[FileEntry]:
+    """The files of ``kept`` (taken from an earlier try for their size) that fail their
+    checksum: a transfer of that try still writing one after the try failed, a torn write."""
+    bad = []
+    for f in kept:
+        try:
+            verify_entries(staging, [f])
+        except CheckpointCorruptError:
+            bad.append(f)
+    return bad
 
 
 def _whole(path: str, size: int) -> bool:
