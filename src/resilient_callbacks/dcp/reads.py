@@ -42,27 +42,36 @@ def plan_reads(
     with_optim: bool = True,
 ) -> Reads:
     """``tensors``: this rank's state dict (flattened); ``index``: the saved chunk index;
-    ``plain``: the saved names of the tensors that were not sharded (None: a checkpoint from
-    before they were recorded); ``home``: the rank whose files hold the plain tensors;
+    ``plain``: the saved tensors that were not sharded, ``{name: [dtype, shape]}`` (None: a
+    checkpoint from before they were recorded; a model's is refused when its dtype or shape
+    changed, or, with ``strict``, when the model lacks it); ``home``: the rank whose files hold the plain tensors;
     ``strict``: a model tensor missing from the checkpoint, or one the model lacks, is a
     problem; ``box``: this rank's box of a sharded tensor; ``with_optim``: False when the saved
     optimizer state is not loaded (a read-only restore of the model alone)."""
     out = Reads(ranks={home})
+    retyped: set[bool] = set()  # (_misfit)
     for name, t in tensors.items():
         entry = index.get(name)
         if entry is None:
+            said = plain.get(name) if isinstance(plain, dict) else None
             if isinstance(plain, dict) and name not in plain and name.startswith(MODEL):
                 if strict:  # neither sharded nor whole: refused before anything loads
                     out.problems.append(f"{name}: not in the checkpoint")
-            elif shards.is_sharded(t):  # saved whole (FSDP1 on one rank is NO_SHARD)
+                continue
+            if name.startswith(MODEL) and isinstance(said, list) and len(said) == 2:
+                # saved whole (a buffer): DCP's load casts another dtype in silence and
+                # refuses another shape only after loading the rest
+                problem = _misfit(name, t, said[0], said[1], retyped)
+                if problem is not None:
+                    out.problems.append(problem)
+                    continue
+            if shards.is_sharded(t):  # saved whole (FSDP1 on one rank is NO_SHARD)
                 out.needs[name] = box(name, t)
                 out.entries[name] = whole_entry(name, t, home)
             continue  # a plain tensor: the home file's
-        if list(t.shape) != list(entry["shape"]) or dtype_code(name, t) != entry["dtype"]:
-            out.problems.append(
-                f"{name}: saved {entry['dtype']} {entry['shape']}, "
-                f"this model has {DTYPE_TO_ST.get(t.dtype, t.dtype)} {list(t.shape)}"
-            )
+        problem = _misfit(name, t, entry["dtype"], entry["shape"], retyped)
+        if problem is not None:
+            out.problems.append(problem)
             continue
         # a plain tensor here that was saved sharded (resumed on one FSDP1 rank) is whole
         need = out.needs[name] = box(name, t) if shards.is_sharded(t) else full_box(t)
@@ -70,13 +79,47 @@ def plan_reads(
         for r, offsets, sizes, *_ in entry["chunks"]:
             if need.intersect(Box.of(offsets, sizes)) is not None and need.numel:
                 out.ranks.add(int(r))
+    whole = [n for n in plain if n.startswith(MODEL)] if isinstance(plain, dict) else []
+    saved = set(index) | set(whole)
     unexpected = sorted(
         n
-        for n in set(index) - set(tensors)
+        for n in saved - set(tensors)
         if (strict or not n.startswith(MODEL)) and (with_optim or n.startswith(MODEL))
     )
     out.problems += [f"{n}: in the checkpoint, not in this model/optimizer" for n in unexpected]
     return out
+
+
+RETYPED = (
+    "the dtype changed since the save: resume with the model in the dtype it was saved in "
+    "(build it so, or .to() that dtype before sharding it); to go on in the new dtype, load "
+    "the saved model alone -- Sharded(model), the model in the saved dtype, through a "
+    "Checkpointer opened with read_only=True -- cast it, and save into a new dirpath (the "
+    "optimizer's state starts afresh)"
+)
+RETYPED_STATE = (
+    "the optimizer keeps this state in another dtype than the save did: resume with the "
+    "optimizer configured as it was; to go on with the new one, load the saved model alone "
+    "-- Sharded(model) through a Checkpointer opened with read_only=True -- and save into a "
+    "new dirpath (the optimizer's state starts afresh)"
+)
+
+
+def _misfit(name: str, t: torch.Tensor, dtype: Any, shape: Any, hinted: set[bool]) -> str | None:
+    """Why the live tensor ``t`` does not take the saved ``dtype`` ``shape`` (a safetensors
+    dtype code, a list), or ``None``. Where only the dtype changed, the first model tensor and
+    the first optimizer state (``hinted``: which of them were) say what to do."""
+    if list(t.shape) == list(shape) and dtype_code(name, t) == dtype:
+        return None
+    said = (
+        f"{name}: saved {dtype} {list(shape)}, "
+        f"this model has {DTYPE_TO_ST.get(t.dtype, t.dtype)} {list(t.shape)}"
+    )
+    model = name.startswith(MODEL)
+    if list(t.shape) != list(shape) or model in hinted:
+        return said
+    hinted.add(model)
+    return f"{said} ({RETYPED if model else RETYPED_STATE})"
 
 
 def live_state(part_id: str, take: Callable[[], Any]) -> Any:

@@ -1,0 +1,210 @@
+"""``dcp.Sharded`` resumed after the model or its optimizer changed between runs (FSDP2 on 2
+gloo ranks; the ranks run this file's :func:`worker`). Each change is an exact resume or a
+refusal before anything is loaded, naming the saved and the current value and what to do.
+
+Found 2026-12-07, as a user would meet them:
+
+- a buffer whose shape changed: every parameter was loaded, then ``load_state_dict`` raised
+  torch's ``RuntimeError: size mismatch for scale`` (a half-restored model, a deep traceback);
+- a buffer the model no longer has: the same, ``Unexpected key(s) in state_dict``;
+- a buffer whose dtype changed: loaded, cast in silence (parameters of another dtype were
+  refused, without saying what to do).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import spawn_ranks
+from torch_needs import needs_dcp
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600), needs_dcp]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    tmp_path = tmp_path_factory.mktemp("changes")
+    argv = [sys.executable, __file__, str(tmp_path)]
+    spawn_ranks.run(argv, 2, tmp_path, "changes", zygote=spawn_ranks.shared_zygote())
+    ranks = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(2)]
+    assert ranks[0].keys() == ranks[1].keys()
+    return ranks[0]
+
+
+def _refused(res: dict, case: str) -> str:
+    got = res[case]
+    assert got["error"] is not None, (case, got)
+    assert got["error"].startswith("CheckpointMismatchError: "), (case, got["error"])
+    assert got["changed"] == [], (case, got)  # refused before anything was loaded
+    return got["error"]
+
+
+def test_the_same_model_resumes_exactly(results):
+    got = results["same"]
+    assert got["error"] is None and got["step"] == 2, got
+    assert got["values"] == results["saved_fp32"]
+    assert got["stepped"] is True
+
+
+@pytest.mark.parametrize(
+    ("case", "saved", "now"), [("to_bf16", "F32", "BF16"), ("to_fp32", "BF16", "F32")]
+)
+def test_parameters_of_another_dtype_are_refused_saying_what_to_do(results, case, saved, now):
+    said = _refused(results, case)
+    assert f"model/0.weight: saved {saved} [7, 6], this model has {now} [7, 6]" in said
+    assert "the dtype changed since the save" in said and "read_only=True" in said
+
+
+def test_a_buffer_of_another_shape_or_dtype_is_refused_before_loading(results):
+    said = _refused(results, "buffer_shape")
+    assert "model/scale: saved F32 [3], this model has F32 [4]" in said
+    said = _refused(results, "buffer_dtype")
+    assert "model/scale: saved F32 [3], this model has F64 [3]" in said
+    assert "the dtype changed since the save" in said
+
+
+def test_a_buffer_the_model_lost_is_refused_unless_strict_is_false(results):
+    said = _refused(results, "buffer_removed")
+    assert "model/scale: in the checkpoint, not in this model/optimizer" in said
+    got = results["buffer_removed_lenient"]
+    assert got["error"] is None and got["step"] == 2 and got["stepped"] is True, got
+    assert got["values"] == {k: v for k, v in results["saved_fp32"].items() if k != "model/scale"}
+
+
+# ----------------------------------------------------------------------------- the ranks
+
+
+def _model(dtype: torch.dtype = torch.float32, change: str = "") -> torch.nn.Module:
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5))
+    m.register_buffer("scale", torch.full((3,), 2.0))
+    if change == "buffer_shape":
+        m.scale = torch.full((4,), 2.0)
+    elif change == "buffer_removed":
+        del m.scale
+    elif change == "new_param":
+        m[2].register_parameter("spare", nn.Parameter(torch.ones(3)))
+    m = m.to(dtype)
+    if change == "buffer_dtype":
+        m.scale = torch.full((3,), 2.0, dtype=torch.float64)
+    for layer in (m[0], m[2], m):
+        fully_shard(layer)
+    return m
+
+
+def _values(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(m, opt, options=StateDictOptions(full_state_dict=True))
+    out = {f"model/{k}": v.float().tolist() for k, v in msd.items() if "spare" not in k}
+    for fqn, st in osd["state"].items():
+        if "spare" not in fqn:
+            out.update({f"optim/{fqn}/{k}": v.float().tolist() for k, v in st.items()})
+    return out
+
+
+def _train(m: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    torch.manual_seed(seed)
+    dtype = next(m.parameters()).dtype
+    m(torch.randn(8, 6, dtype=dtype)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _save(root: Path, dtype: torch.dtype) -> dict:
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.dcp import Sharded
+
+    m = _model(dtype)
+    m.scale.fill_(5.0)  # (a restore that loads it is seen: the models are built with 2.0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    with Checkpointer(root, every_n_steps=1, preemption=False) as ck:
+        for step in (1, 2):
+            _train(m, opt, step)
+            ck.step(step, {"train": Sharded(m, opt)})
+    return _values(m, opt)
+
+
+def _load(root: Path, case: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.dcp import Sharded
+
+    dtype = {"to_bf16": torch.bfloat16}.get(case, torch.float32)
+    change = case.removesuffix("_lenient")
+    m = _model(dtype, "new_param" if "new" in change or "added" in change else change)
+    params = dict(m.named_parameters())
+    old = [p for n, p in params.items() if "spare" not in n]
+    if case == "groups_split_lenient":
+        opt = torch.optim.AdamW([{"params": old[:2]}, {"params": old[2:], "lr": 1e-3}])
+    elif case in ("new_group_lenient", "added_group_lenient"):
+        opt = torch.optim.AdamW([{"params": old}], lr=1e-2)
+        if case == "new_group_lenient":
+            opt.add_param_group({"params": [params["2.spare"]], "lr": 1e-3})
+    else:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    options = StateDictOptions(strict=not case.endswith("_lenient"))
+    res: dict = {"error": None, "step": None, "stepped": False}
+    try:
+        with Checkpointer(root, preemption=False) as ck:
+            res["step"] = ck.restore({"train": Sharded(m, opt, options=options)})
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    res["changed"] = sorted(n for n, p in params.items() if bool(p.full_tensor().ne(0).any()))
+    if getattr(m, "scale", None) is not None and bool(m.scale.ne(2).any()):
+        res["changed"].append("scale")
+    if res["error"] is None:
+        if case == "added_group_lenient":  # the new parameters' own group, after the restore
+            opt.add_param_group({"params": [params["2.spare"]], "lr": 1e-3})
+        res["values"] = _values(m, opt)
+        try:
+            _train(m, opt, 3)
+            res["stepped"] = True
+        except Exception as e:  # (KeyError: 'betas', from a group left without it)
+            res["stepped"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+def worker(tmp: str) -> None:
+    """Save two checkpoints (fp32 and bf16 parameters), then restore them into changed models."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    out = Path(tmp)
+    res = {
+        "saved_fp32": _save(out / "fp32", torch.float32),
+        "saved_bf16": _save(out / "bf16", torch.bfloat16),
+    }
+    cases = [
+        "same",
+        "to_bf16",
+        "buffer_shape",
+        "buffer_dtype",
+        "buffer_removed",
+        "buffer_removed_lenient",
+        "groups_split_lenient",
+        "new_group_lenient",
+        "new_param_lenient",
+        "added_group_lenient",
+    ]
+    for case in cases:
+        res[case] = _load(out / "fp32", case)
+    res["to_fp32"] = _load(out / "bf16", "to_fp32")
+    (out / f"result.{dist.get_rank()}.json").write_text(json.dumps(res))
+    spawn_ranks.leave_group()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
