@@ -8,7 +8,11 @@ Found 2026-12-07, as a user would meet them:
   torch's ``RuntimeError: size mismatch for scale`` (a half-restored model, a deep traceback);
 - a buffer the model no longer has: the same, ``Unexpected key(s) in state_dict``;
 - a buffer whose dtype changed: loaded, cast in silence (parameters of another dtype were
-  refused, without saying what to do).
+  refused, without saying what to do);
+- ``StateDictOptions(strict=False)`` with the parameters split into other groups: restored,
+  and the next ``step()`` raised ``KeyError: 'betas'`` (DCP's load gives each saved group's
+  hyper-parameters to one group holding its parameters; the other was left without); a group
+  of new parameters only was left the same way.
 """
 
 from __future__ import annotations
@@ -74,6 +78,19 @@ def test_a_buffer_the_model_lost_is_refused_unless_strict_is_false(results):
     got = results["buffer_removed_lenient"]
     assert got["error"] is None and got["step"] == 2 and got["stepped"] is True, got
     assert got["values"] == {k: v for k, v in results["saved_fp32"].items() if k != "model/scale"}
+
+
+def test_lenient_restores_compare_the_optimizer_groups_on_the_saved_parameters(results):
+    said = _refused(results, "groups_split_lenient")
+    assert "parameter groups of [4] in the checkpoint, of [2, 2] here" in said
+    said = _refused(results, "new_group_lenient")
+    assert "parameter groups of [4] in the checkpoint, of [4, 0] here" in said
+    assert "add_param_group" in said
+    # new parameters in the saved group, or in a group added after the restore: loaded
+    for case in ("new_param_lenient", "added_group_lenient"):
+        got = results[case]
+        assert got["error"] is None and got["step"] == 2 and got["stepped"] is True, (case, got)
+        assert got["values"] == results["saved_fp32"], case
 
 
 # ----------------------------------------------------------------------------- the ranks

@@ -6,7 +6,11 @@ DCP's ``set_optimizer_state_dict`` checks neither. An AdamW checkpoint restored 
 whose parameters were split into two groups loaded, and left the first group without its
 ``lr`` and ``betas`` (the next ``step()`` raised ``KeyError``); into an ``Adam``, whose state
 has the same keys, it loaded AdamW's hyper-parameters silently. The plain path refuses both
-(:func:`resilient_callbacks.fit.check_fit`); so does this one.
+(:func:`resilient_callbacks.fit.check_fit`); so does this one. With
+``StateDictOptions(strict=False)`` the groups are compared on the parameters the checkpoint
+holds: the same groups restored after it was split in two, or with a group of new parameters
+only, loaded, and that group had no ``lr``/``betas`` (DCP gives each saved group's
+hyper-parameters to one group holding its parameters).
 
 A group is recorded as the number of parameters it holds and a digest of their names, as
 ``get_state_dict`` names them (FSDP1's flat parameter by the names of the parameters it
@@ -41,34 +45,41 @@ class Fingerprints:
         self._by_id: dict[int, str] = {}
         self._kept: dict[int, tuple[tuple[tuple[int, ...], ...], dict[str, Any]]] = {}
 
-    def __call__(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+    def __call__(
+        self, optimizers: Sequence[torch.optim.Optimizer], within: set[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Each optimizer's record; ``within``: of its groups, only the parameters of these
+        names are counted (not kept)."""
+        if within is not None:
+            return [self._one(o, within) for o in optimizers]
         return [self._one(o) for o in optimizers]
 
     def parameters(self) -> set[str]:
         """The names of the model's parameters, as ``get_state_dict`` gives them."""
         return {f for p in self.model.parameters() for f in self._fqns(id(p)) or ()}
 
-    def _one(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    def _one(self, opt: torch.optim.Optimizer, within: set[str] | None = None) -> dict[str, Any]:
         ids = tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups)
         kept = self._kept.get(id(opt))
-        if kept is not None and kept[0] == ids:
+        if kept is not None and kept[0] == ids and within is None:
             return kept[1]
         said: dict[str, Any] = {"type": qualname(opt)}
-        groups = [self._group(g) for g in ids]
+        groups = [self._group(g, within) for g in ids]
         if all(g is not None for g in groups):
             said["groups"] = groups
-        self._kept[id(opt)] = (ids, said)
+        if within is None:
+            self._kept[id(opt)] = (ids, said)
         return said
 
-    def _group(self, ids: tuple[int, ...]) -> list[Any] | None:
-        """``[number of parameters, digest of their names]``, or ``None`` where a parameter is
-        not the model's."""
+    def _group(self, ids: tuple[int, ...], within: set[str] | None = None) -> list[Any] | None:
+        """``[number of parameters, digest of their names]`` (of those ``within``, if given),
+        or ``None`` where a parameter is not the model's."""
         names: list[str] = []
         for i in ids:
             fqns = self._fqns(i)
             if fqns is None:
                 return None
-            names.extend(fqns)
+            names.extend(f for f in fqns if within is None or f in within)
         return [len(names), xxhash.xxh3_64_hexdigest("\n".join(sorted(names)).encode())]
 
     def _fqns(self, param_id: int) -> tuple[str, ...] | None:
@@ -120,18 +131,33 @@ def check(
 ) -> None:
     """Raise :class:`CheckpointMismatchError` when ``optimizers`` (none: a restore of the model
     alone) do not take the state a ``Sharded`` part saved (its manifest record ``saved``).
-    Their groups are compared only where the model's parameters are all in the checkpoint (a
-    model that changed is refused by name, parameter by parameter) and with ``strict`` (a
-    lenient restore loads what fits)."""
+    Their groups are compared where the model's parameters are all in the checkpoint (a
+    model that changed is refused by name, parameter by parameter) or, without ``strict``,
+    on the parameters the checkpoint holds (a lenient restore loads what fits)."""
     if not optimizers:
         return
     keys = [*(saved.get("tensors") or {}), *(saved.get("plain") or {})]
-    same_model = kinds.parameters() <= {k.removeprefix(MODEL) for k in keys}
-    changed = problems(saved.get("optimizer_kinds"), kinds(optimizers), strict and same_model)
+    held = {k.removeprefix(MODEL) for k in keys}
+    if kinds.parameters() <= held or not strict:
+        # strict=False: a model that gained parameters (in a group it had, or in a group
+        # added after the restore: optimizer.add_param_group) loads the state of those the
+        # checkpoint holds; compared on those. DCP's load gives each saved group's
+        # hyper-parameters to a group holding one of its parameters: groups split or merged
+        # left a group without them (the next step() raised KeyError) or with another's lr.
+        changed = problems(saved.get("optimizer_kinds"), kinds(optimizers, held), True)
+    else:  # (a model that changed is refused by name, parameter by parameter)
+        changed = problems(saved.get("optimizer_kinds"), kinds(optimizers), False)
     if changed:
+        counted = (
+            ""
+            if strict
+            else " (strict=False: the parameters of each group that the checkpoint holds are "
+            "counted; new parameters go into a group that holds saved ones, or into a group "
+            "added after the restore, with optimizer.add_param_group)"
+        )
         raise CheckpointMismatchError(
             f"part {part_id!r}: the optimizers are not those the checkpoint holds the state "
-            f"of: {'; '.join(changed)} (to go on with new optimizers from the saved model, "
-            "load Sharded(model) alone through a Checkpointer opened with read_only=True, "
-            "and save into a new dirpath)"
+            f"of: {'; '.join(changed)}{counted} (to go on with new optimizers from the saved "
+            "model, load Sharded(model) alone through a Checkpointer opened with "
+            "read_only=True, and save into a new dirpath)"
         )
