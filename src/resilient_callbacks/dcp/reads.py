@@ -9,7 +9,7 @@ collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,4 +185,18 @@ def refuse(part_id: str, problems: list[str]) -> None:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
         raise CheckpointMismatchError(
             f"part {part_id!r} does not fit this model: " + "; ".join(problems[:10]) + more
+        )
+
+
+def refuse_missing(missing: Iterable[str], strict: bool) -> None:
+    """Raise :class:`CheckpointMismatchError` naming the tensors of ``missing`` (asked for by
+    the live state dict, neither in the chunk index nor among the tensors saved whole) that
+    must be loaded: the optimizers' always, the model's with ``strict``."""
+    names = sorted(n for n in missing if strict or not n.startswith(MODEL))
+    if names:
+        more = f" (and {len(names) - 10} more)" if len(names) > 10 else ""
+        raise CheckpointMismatchError(
+            "the checkpoint does not fit this model: "
+            + "; ".join(f"{n}: not in the checkpoint" for n in names[:10])
+            + more
         )

@@ -59,7 +59,7 @@ from . import flat_restore, optim_fit, replicas, shards, state_dtypes
 from .assemble import assemble, json_file, tensor_file
 from .chunks import check_index, index_of_ranks, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
-from .reads import frozen_hint, live_state, on_meta, plan_reads, refuse
+from .reads import frozen_hint, live_state, on_meta, plan_reads, refuse, refuse_missing
 from .stateless import (
     hyperparameters,
     optimizers_of,
@@ -460,18 +460,7 @@ class Sharded(FilePart):
         skeleton = meta["skeleton"] if plan["with_optim"] else {"model": meta["skeleton"]["model"]}
         sd = join(skeleton, value)  # (without its optimizer's: a restore of the model alone)
         unsaved = without_saved_state(set(targets) - asked, sd) if plan["with_optim"] else set()
-        missing = sorted(
-            n
-            for n in set(targets) - asked - unsaved
-            if self.options.strict or not n.startswith(MODEL)
-        )
-        if missing:  # neither in the chunk index nor among the tensors saved whole
-            more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
-            raise CheckpointMismatchError(
-                "the checkpoint does not fit this model: "
-                + "; ".join(f"{n}: not in the checkpoint" for n in missing[:10])
-                + more
-            )
+        refuse_missing(set(targets) - asked - unsaved, self.options.strict)
         model_sd = module_versions.attach(sd["model"], meta, self._versions)  # (else the live)
         # frozen parameters left out (ignore_frozen_params) keep their values: DCP's strict load
         # would call them missing, after loading the rest (files_to_read checked the rest)
