@@ -424,6 +424,15 @@ def any_each(flags: list[bool]) -> list[bool]:
     return [bool(v) for v in t.tolist()]
 
 
+def max_each(values: list[int]) -> list[int]:
+    """For each int64 value, its maximum over the ranks (one all-reduce)."""
+    if not is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64, device=_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
+
+
 def barrier() -> None:
     if is_initialized():
         torch.distributed.barrier()

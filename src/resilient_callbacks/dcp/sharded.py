@@ -25,7 +25,8 @@ holds a ``Sharded`` of the same model at the same place of its state. :meth:`des
 the default group and the training thread at each save, one all-reduce (under FSDP1 it also
 agrees on reading the layout directly; until some rank's optimizer has state, one more agrees
 on saving it), one all-gather (JSON in uint8 tensors) when the layout changed, and under FSDP1
-at such a change FSDP1's state dict and one more all-reduce (the comparison). Reading FSDP1's
+at such a change FSDP1's state dict and one more all-reduce (the comparison); where some chunk
+of the model is replicated, one more compares the copies (:mod:`.replicated`). Reading FSDP1's
 layout is not collective, so every rank reaches the all-reduce that agrees on it, whatever
 happened on another. A read-only restore (``PartInfo.partial``) may leave the optimizers out.
 """
@@ -55,7 +56,7 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError, Unsupporte
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
 from ..snapshot import step_storages
 from ..unchanged import frozen_storages
-from . import flat_restore, optim_fit, replicas, shards, state_dtypes
+from . import flat_restore, optim_fit, replicas, replicated, shards, state_dtypes
 from .assemble import assemble, json_file, tensor_file
 from .chunks import check_index, index_of_ranks, join, split
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
@@ -135,6 +136,7 @@ class Sharded(FilePart):
         self._optim_names: list[tuple[str, str, str]] | None = None  # of the last index
         self._load: Any = None  # files_to_read()'s plan for load()
         self._versions: dict[str, int | None] | None = None  # the modules' (module_versions)
+        self._replicas = replicated.Replicas()  # of the last index: compared at each save
 
     def __repr__(self) -> str:
         return f"Sharded({type(self.model).__name__}, {len(self.optimizers)} optimizer(s))"
@@ -258,6 +260,7 @@ class Sharded(FilePart):
                 for k in sorted(view.plain)
             },
         }
+        self._replicas.check(view.local)  # (collective where the layout has replicas)
         local = {k: t for k, t in view.local.items() if k in owned or k in view.plain}
         self._pending = _Pending(view.skeleton, local, said)
         return said
@@ -285,7 +288,9 @@ class Sharded(FilePart):
         if not changed:
             assert self._index is not None
             return self._index[1], self._index[2], False
-        index, owned = index_of_ranks(dist.all_gather_json(mine), dist.rank())
+        gathered = dist.all_gather_json(mine)
+        index, owned = index_of_ranks(gathered, dist.rank())
+        self._replicas = replicated.Replicas.of(gathered, dist.rank())
         self._index = (fingerprint, index, owned)
         return index, owned, True
 
