@@ -93,7 +93,41 @@ def test_lenient_restores_compare_the_optimizer_groups_on_the_saved_parameters(r
         assert got["values"] == results["saved_fp32"], case
 
 
+def test_optimizer_state_of_another_dtype_is_refused_saying_what_to_do(results):
+    """The same optimizer class keeping its moments in bf16 where the save kept fp32 (the
+    parameters fp32 both times): refused, not cast; the saved dtype is kept when it matches
+    (:mod:`resilient_callbacks.dcp.state_dtypes`)."""
+    said = _refused(results, "state_bf16")
+    assert "optim/state/0.weight/m: saved F32 [7, 6], this model has BF16 [7, 6]" in said
+    assert "the optimizer keeps this state in another dtype" in said
+    got = results["state_fp32"]
+    assert got["error"] is None and got["step"] == 2 and got["stepped"] is True, got
+    assert got["values"] == results["saved_moments"]
+
+
 # ----------------------------------------------------------------------------- the ranks
+
+
+class _Moments(torch.optim.Optimizer):
+    """Momentum kept in ``state_dtype`` (an option of the optimizer, as low-precision ones have)."""
+
+    def __init__(self, params, state_dtype: torch.dtype) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.state_dtype = state_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["m"] = torch.zeros_like(p, dtype=self.state_dtype)
+                    state["step"] = torch.tensor(0.0)
+                state["m"].mul_(0.9).add_(p.grad.to(self.state_dtype))
+                state["step"] += 1
+                p.add_(state["m"].to(p.dtype), alpha=-group["lr"])
 
 
 def _model(dtype: torch.dtype = torch.float32, change: str = "") -> torch.nn.Module:
@@ -136,13 +170,15 @@ def _train(m: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     opt.zero_grad()
 
 
-def _save(root: Path, dtype: torch.dtype) -> dict:
+def _save(root: Path, dtype: torch.dtype, moments: bool = False) -> dict:
     from resilient_callbacks import Checkpointer
     from resilient_callbacks.dcp import Sharded
 
     m = _model(dtype)
     m.scale.fill_(5.0)  # (a restore that loads it is seen: the models are built with 2.0)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    opt: torch.optim.Optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    if moments:
+        opt = _Moments(m.parameters(), torch.float32)
     with Checkpointer(root, every_n_steps=1, preemption=False) as ck:
         for step in (1, 2):
             _train(m, opt, step)
@@ -167,6 +203,8 @@ def _load(root: Path, case: str) -> dict:
         opt = torch.optim.AdamW([{"params": old}], lr=1e-2)
         if case == "new_group_lenient":
             opt.add_param_group({"params": [params["2.spare"]], "lr": 1e-3})
+    elif case.startswith("state_"):
+        opt = _Moments(m.parameters(), {"state_bf16": torch.bfloat16}.get(case, torch.float32))
     else:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     with torch.no_grad():
@@ -203,6 +241,7 @@ def worker(tmp: str) -> None:
     res = {
         "saved_fp32": _save(out / "fp32", torch.float32),
         "saved_bf16": _save(out / "bf16", torch.bfloat16),
+        "saved_moments": _save(out / "moments", torch.float32, moments=True),
     }
     cases = [
         "same",
@@ -219,6 +258,8 @@ def worker(tmp: str) -> None:
     for case in cases:
         res[case] = _load(out / "fp32", case)
     res["to_fp32"] = _load(out / "bf16", "to_fp32")
+    for case in ("state_bf16", "state_fp32"):
+        res[case] = _load(out / "moments", case)
     (out / f"result.{dist.get_rank()}.json").write_text(json.dumps(res))
     spawn_ranks.leave_group()
 
