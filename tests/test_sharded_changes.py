@@ -30,14 +30,17 @@ from torch_needs import needs_dcp
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600), needs_dcp]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    tmp_path = tmp_path_factory.mktemp("changes")
-    argv = [sys.executable, __file__, str(tmp_path)]
+def _results(tmp_path: Path, sharding: str) -> dict:
+    argv = [sys.executable, __file__, str(tmp_path), sharding]
     spawn_ranks.run(argv, 2, tmp_path, "changes", zygote=spawn_ranks.shared_zygote())
     ranks = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(2)]
     assert ranks[0].keys() == ranks[1].keys()
     return ranks[0]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    return _results(tmp_path_factory.mktemp("changes"), "fsdp2")
 
 
 def _refused(res: dict, case: str) -> str:
@@ -105,7 +108,28 @@ def test_optimizer_state_of_another_dtype_is_refused_saying_what_to_do(results):
     assert got["values"] == results["saved_moments"]
 
 
+def test_fsdp1_read_directly_refuses_the_same_changes_before_loading(tmp_path):
+    """FSDP1 (``use_orig_params=True``), restored without its ``set_state_dict``
+    (:mod:`resilient_callbacks.dcp.flat_restore`): a buffer the model no longer has was
+    dropped in silence; one of another dtype or shape was refused only after the rest of the
+    state had been applied, and parameters of another dtype without saying what to do."""
+    res = _results(tmp_path, "fsdp1")
+    got = res["same"]
+    assert got["error"] is None and got["step"] == 2 and got["stepped"] is True, got
+    assert got["values"] == res["saved_fp32"]
+    said = _refused(res, "to_bf16")
+    assert "model/0.weight: saved F32 [7, 6], this model has BF16 [7, 6] (the dtype" in said
+    said = _refused(res, "buffer_dtype")
+    assert "model/scale: saved F32 [3], this model has F64 [3] (the dtype changed" in said
+    said = _refused(res, "buffer_shape")
+    assert "model/scale: saved F32 [3], this model has F32 [4]" in said
+    said = _refused(res, "buffer_removed")
+    assert "model/scale: in the checkpoint, not in this model/optimizer" in said
+
+
 # ----------------------------------------------------------------------------- the ranks
+
+_SHARDING = ["fsdp2"]  # (the worker's: fsdp2, or fsdp1 with use_orig_params=True)
 
 
 class _Moments(torch.optim.Optimizer):
@@ -146,9 +170,20 @@ def _model(dtype: torch.dtype = torch.float32, change: str = "") -> torch.nn.Mod
     m = m.to(dtype)
     if change == "buffer_dtype":
         m.scale = torch.full((3,), 2.0, dtype=torch.float64)
+    if _SHARDING[0] == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        wrap = ModuleWrapPolicy({nn.Linear})
+        return FSDP(m, auto_wrap_policy=wrap, device_id=torch.device("cpu"), use_orig_params=True)
     for layer in (m[0], m[2], m):
         fully_shard(layer)
     return m
+
+
+def _nonzero(p: torch.Tensor) -> bool:
+    """Whether the parameter (its whole, or under FSDP1 this rank's piece) is not all zero."""
+    return bool((p.full_tensor() if hasattr(p, "full_tensor") else p).ne(0).any())
 
 
 def _values(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
@@ -217,7 +252,7 @@ def _load(root: Path, case: str) -> dict:
             res["step"] = ck.restore({"train": Sharded(m, opt, options=options)})
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
-    res["changed"] = sorted(n for n, p in params.items() if bool(p.full_tensor().ne(0).any()))
+    res["changed"] = sorted(n for n, p in params.items() if _nonzero(p))
     if getattr(m, "scale", None) is not None and bool(m.scale.ne(2).any()):
         res["changed"].append("scale")
     if res["error"] is None:
@@ -232,12 +267,19 @@ def _load(root: Path, case: str) -> dict:
     return res
 
 
-def worker(tmp: str) -> None:
+def worker(tmp: str, sharding: str) -> None:
     """Save two checkpoints (fp32 and bf16 parameters), then restore them into changed models."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     out = Path(tmp)
+    _SHARDING[0] = sharding
+    if sharding == "fsdp1":
+        res = {"saved_fp32": _save(out / "fp32", torch.float32)}
+        for case in ("same", "to_bf16", "buffer_dtype", "buffer_shape", "buffer_removed"):
+            res[case] = _load(out / "fp32", case)
+        (out / f"result.{dist.get_rank()}.json").write_text(json.dumps(res))
+        spawn_ranks.leave_group()
     res = {
         "saved_fp32": _save(out / "fp32", torch.float32),
         "saved_bf16": _save(out / "bf16", torch.bfloat16),
@@ -265,4 +307,4 @@ def worker(tmp: str) -> None:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    worker(sys.argv[1], sys.argv[2])

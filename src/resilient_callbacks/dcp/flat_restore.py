@@ -26,6 +26,7 @@ from . import state_dtypes
 from .assemble import assemble
 from .chunks import Box, escape, join
 from .flat import FlatLayout, Names, Piece, buffers
+from .reads import misfit
 from .views import state_of
 
 
@@ -51,13 +52,18 @@ def plan(
     index: dict[str, Any],
     home: int,
     with_optim: bool,
+    plain: Any = None,
 ) -> DirectPlan:
     """The boxes this rank needs and the saved files holding them; a checkpoint that does not
     fit the model (a tensor missing or extra, another shape or dtype) is refused with the
-    names (:class:`CheckpointMismatchError`)."""
+    names (:class:`CheckpointMismatchError`). ``plain``: the manifest's ``{name: [dtype,
+    shape]}`` of the tensors saved whole (buffers), checked here too (None: not recorded;
+    :func:`load` checks them against the home file)."""
     out = DirectPlan(home, index, with_optim, [], {}, {}, ranks={home})
     problems: list[str] = []
     known: set[str] = set()
+    hinted: set[bool] = set()  # (reads.misfit)
+    whole = plain if isinstance(plain, dict) else {}
     for param, piece in layout.pieces.values():
         name = f"model/{escape(piece.fqn)}"
         known.add(name)
@@ -67,23 +73,35 @@ def plan(
         out.fqn_of[id(param)] = piece.fqn
         code = DTYPE_TO_ST.get(param.dtype, str(param.dtype))
         entry = index.get(name)
+        said = whole.get(name) if entry is None else (entry["dtype"], entry["shape"])
+        if isinstance(said, (list, tuple)) and len(said) == 2:
+            problem = misfit(name, (code, list(piece.shape)), (said[0], said[1]), hinted)
+            if problem is not None:
+                problems.append(problem)
+                continue
         if entry is None:  # saved whole, as by one process (FSDP1 on one rank is NO_SHARD)
             entry = {"dtype": code, "shape": list(piece.shape), "whole": True}
             entry["chunks"] = [[home, [0] * len(piece.shape), list(piece.shape)]]
-        elif entry["shape"] != list(piece.shape) or entry["dtype"] != code:
-            problems.append(
-                f"{name}: saved {entry['dtype']} {entry['shape']}, "
-                f"this model has {code} {list(piece.shape)}"
-            )
-            continue
         out.entries[name] = entry
         _need(out, entry, boxes=[b for b, _ in piece.chunks(local)])
     for path, fqn, buf in buffers(model, names):
         if fqn is None:
             problems.append(f"{path}: a buffer without one state dict name")
             continue
-        out.buffers[f"model/{escape(fqn)}"] = buf
-        known.add(f"model/{escape(fqn)}")
+        name = f"model/{escape(fqn)}"
+        said = whole.get(name)
+        if isinstance(said, list) and len(said) == 2:
+            code = DTYPE_TO_ST.get(buf.dtype, str(buf.dtype))
+            problem = misfit(name, (code, list(buf.shape)), (said[0], said[1]), hinted)
+            if problem is not None:  # (FSDP1 buffers: copied in with copy_, which casts)
+                problems.append(problem)
+        elif plain is not None and name not in whole:
+            problems.append(f"{name}: not in the checkpoint")
+        out.buffers[name] = buf
+        known.add(name)
+    for name in whole:
+        if name.startswith("model/") and name not in known:
+            problems.append(f"{name}: in the checkpoint, not in this model/optimizer")
     for name, entry in index.items():
         if name in known:
             continue

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from ..dtypes import DTYPE_TO_ST
 from ..errors import CheckpointMismatchError
 from ..fit import MATERIALIZE
 from . import shards
@@ -106,17 +105,22 @@ RETYPED_STATE = (
 
 
 def _misfit(name: str, t: torch.Tensor, dtype: Any, shape: Any, hinted: set[bool]) -> str | None:
-    """Why the live tensor ``t`` does not take the saved ``dtype`` ``shape`` (a safetensors
-    dtype code, a list), or ``None``. Where only the dtype changed, the first model tensor and
-    the first optimizer state (``hinted``: which of them were) say what to do."""
-    if list(t.shape) == list(shape) and dtype_code(name, t) == dtype:
+    """:func:`misfit` of the live tensor ``t``."""
+    return misfit(name, (dtype_code(name, t), list(t.shape)), (dtype, shape), hinted)
+
+
+def misfit(
+    name: str, have: tuple[str, list[int]], saved: tuple[Any, Any], hinted: set[bool]
+) -> str | None:
+    """Why a live tensor of dtype and shape ``have`` (a safetensors dtype code, a list) does not
+    take the ``saved`` ones, or ``None``. Where only the dtype changed, the first model tensor
+    and the first optimizer state (``hinted``: which of them were) say what to do."""
+    (code, shape), (dtype, saved_shape) = have, saved
+    if shape == list(saved_shape) and code == dtype:
         return None
-    said = (
-        f"{name}: saved {dtype} {list(shape)}, "
-        f"this model has {DTYPE_TO_ST.get(t.dtype, t.dtype)} {list(t.shape)}"
-    )
+    said = f"{name}: saved {dtype} {list(saved_shape)}, this model has {code} {shape}"
     model = name.startswith(MODEL)
-    if list(t.shape) != list(shape) or model in hinted:
+    if shape != list(saved_shape) or model in hinted:
         return said
     hinted.add(model)
     return f"{said} ({RETYPED if model else RETYPED_STATE})"

@@ -372,7 +372,7 @@ class Sharded(FilePart):
         layout = FlatLayout.of(self.model, self._fqn) if self._flat_model() else None
         if layout is not None:
             direct = self._load = flat_restore.plan(
-                layout, self._fqn, self.model, index, home, with_optim
+                layout, self._fqn, self.model, index, home, with_optim, saved.get("plain")
             )
             optim_fit.check(info.part_id, saved, self._kinds, self.optimizers, self.options.strict)
             return [json_file(home), *replicas.files(info)] + [
