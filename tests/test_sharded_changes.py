@@ -97,14 +97,16 @@ def test_lenient_restores_compare_the_optimizer_groups_on_the_saved_parameters(r
 
 
 def test_optimizer_state_of_another_dtype_is_refused_saying_what_to_do(results):
-    """The same optimizer class keeping its moments in bf16 where the save kept fp32 (the
-    parameters fp32 both times): refused, not cast; the saved dtype is kept when it matches
-    (:mod:`resilient_callbacks.dcp.state_dtypes`)."""
+    """bf16 parameters, the same optimizer class keeping its state in bf16 where the save kept
+    fp32: refused, not cast; kept in fp32 as saved, it resumes exactly
+    (:mod:`resilient_callbacks.dcp.state_dtypes`). Its 0-d ``scale`` (a tensor not sharded)
+    came back rounded to bf16 by the optimizer's ``load_state_dict``: 1.0 for 1.0002."""
     said = _refused(results, "state_bf16")
     assert "optim/state/0.weight/m: saved F32 [7, 6], this model has BF16 [7, 6]" in said
     assert "the optimizer keeps this state in another dtype" in said
     got = results["state_fp32"]
     assert got["error"] is None and got["step"] == 2 and got["stepped"] is True, got
+    assert got["values"]["optim/0.weight/scale"] == pytest.approx(1.0002, abs=1e-6)
     assert got["values"] == results["saved_moments"]
 
 
@@ -148,10 +150,12 @@ class _Moments(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["m"] = torch.zeros_like(p, dtype=self.state_dtype)
+                    state["scale"] = torch.tensor(1.0, dtype=self.state_dtype)  # (0-d: plain)
                     state["step"] = torch.tensor(0.0)
                 state["m"].mul_(0.9).add_(p.grad.to(self.state_dtype))
+                state["scale"].mul_(1.0001)
                 state["step"] += 1
-                p.add_(state["m"].to(p.dtype), alpha=-group["lr"])
+                p.add_(state["m"].to(p.dtype), alpha=-group["lr"] * float(state["scale"]))
 
 
 def _model(dtype: torch.dtype = torch.float32, change: str = "") -> torch.nn.Module:
@@ -227,7 +231,8 @@ def _load(root: Path, case: str) -> dict:
     from resilient_callbacks import Checkpointer
     from resilient_callbacks.dcp import Sharded
 
-    dtype = {"to_bf16": torch.bfloat16}.get(case, torch.float32)
+    bf16 = case == "to_bf16" or case.startswith("state_")
+    dtype = torch.bfloat16 if bf16 else torch.float32
     change = case.removesuffix("_lenient")
     m = _model(dtype, "new_param" if "new" in change or "added" in change else change)
     params = dict(m.named_parameters())
@@ -283,7 +288,7 @@ def worker(tmp: str, sharding: str) -> None:
     res = {
         "saved_fp32": _save(out / "fp32", torch.float32),
         "saved_bf16": _save(out / "bf16", torch.bfloat16),
-        "saved_moments": _save(out / "moments", torch.float32, moments=True),
+        "saved_moments": _save(out / "moments", torch.bfloat16, moments=True),
     }
     cases = [
         "same",

@@ -459,6 +459,9 @@ class Sharded(FilePart):
                 raise CheckpointCorruptError(
                     f"{tensor_file(home)} does not hold {name}, which its JSON refers to"
                 )
+            if state_dtypes.same(target, saved) and not name.startswith(MODEL):
+                filled[name] = target.copy_(saved)  # (an optimizer's: its dtype is put back)
+                return target
             device = target.device if isinstance(target, torch.Tensor) else "cpu"
             return saved.to(device, copy=True)
 

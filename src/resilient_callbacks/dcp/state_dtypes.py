@@ -5,9 +5,10 @@ to its parameter's dtype. An optimizer that keeps its state in another dtype tha
 parameters -- fp32 moments of bf16 parameters, as optimizers written for low-precision
 training do -- was restored by :class:`~.sharded.Sharded` with its state rounded to bf16, in
 silence, and the resumed run went on differently from one that was not stopped. The restore
-reads the saved values into the live state tensors first (of the saved dtype: a tensor of
-another dtype is refused before loading); :func:`kept` records them, and :func:`put_back`
-returns each one whose dtype the optimizer's load changed to its place. Under FSDP1 read
+reads the saved values into the live state tensors first (of the saved dtype: a sharded
+tensor of another dtype is refused before loading; a plain one, such as a 0-d state, is read
+into the live one where it has the saved dtype, :func:`same`); :func:`kept` records them, and
+:func:`put_back` returns each one whose dtype the optimizer's load changed to its place. Under FSDP1 read
 directly (:mod:`.flat_restore`) the restore builds the optimizer's own state dict of fresh
 tensors in the saved dtypes: :func:`given` records those.
 
@@ -17,7 +18,7 @@ Which ranks call what: every rank, for itself, in ``Sharded.load``; nothing here
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -47,6 +48,20 @@ def given(optimizer: torch.optim.Optimizer, osd: Mapping[str, Any]) -> Kept:
         for k, v in state.items()
         if isinstance(v, torch.Tensor) and 0 <= int(i) < len(params)
     ]
+
+
+def same(live: Any, saved: torch.Tensor) -> TypeGuard[torch.Tensor]:
+    """Whether the saved tensor of a state that was not sharded (an optimizer's 0-d state: its
+    ``step``, a per-parameter scale) can be read into the ``live`` one, which :func:`kept` then
+    finds: a plain tensor of its dtype and shape. (Read into a new tensor, a floating one of
+    another dtype than its parameter's was rounded by the optimizer's load: an fp32 scale of
+    bf16 parameters came back as bf16.)"""
+    return (
+        type(live) is torch.Tensor
+        and live.dtype == saved.dtype
+        and live.shape == saved.shape
+        and not live.requires_grad
+    )
 
 
 def put_back(states: Kept) -> None:
