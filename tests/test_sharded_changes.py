@@ -104,6 +104,8 @@ def test_optimizer_state_of_another_dtype_is_refused_saying_what_to_do(results):
     said = _refused(results, "state_bf16")
     assert "optim/state/0.weight/m: saved F32 [7, 6], this model has BF16 [7, 6]" in said
     assert "the optimizer keeps this state in another dtype" in said
+    said = _refused(results, "state_scale_bf16")  # (a 0-d state: it was loaded, cast)
+    assert "optim/state/0.weight/scale: saved F32 [], this model has BF16 [] (the opt" in said
     got = results["state_fp32"]
     assert got["error"] is None and got["step"] == 2 and got["stepped"] is True, got
     assert got["values"]["optim/0.weight/scale"] == pytest.approx(1.0002, abs=1e-6)
@@ -137,9 +139,10 @@ _SHARDING = ["fsdp2"]  # (the worker's: fsdp2, or fsdp1 with use_orig_params=Tru
 class _Moments(torch.optim.Optimizer):
     """Momentum kept in ``state_dtype`` (an option of the optimizer, as low-precision ones have)."""
 
-    def __init__(self, params, state_dtype: torch.dtype) -> None:
+    def __init__(self, params, state_dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
         super().__init__(params, {"lr": 0.1})
         self.state_dtype = state_dtype
+        self.scale_dtype = scale_dtype
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -150,7 +153,7 @@ class _Moments(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["m"] = torch.zeros_like(p, dtype=self.state_dtype)
-                    state["scale"] = torch.tensor(1.0, dtype=self.state_dtype)  # (0-d: plain)
+                    state["scale"] = torch.tensor(1.0, dtype=self.scale_dtype)  # (0-d: plain)
                     state["step"] = torch.tensor(0.0)
                 state["m"].mul_(0.9).add_(p.grad.to(self.state_dtype))
                 state["scale"].mul_(1.0001)
@@ -217,7 +220,7 @@ def _save(root: Path, dtype: torch.dtype, moments: bool = False) -> dict:
     m.scale.fill_(5.0)  # (a restore that loads it is seen: the models are built with 2.0)
     opt: torch.optim.Optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
     if moments:
-        opt = _Moments(m.parameters(), torch.float32)
+        opt = _Moments(m.parameters(), torch.float32, torch.float32)
     with Checkpointer(root, every_n_steps=1, preemption=False) as ck:
         for step in (1, 2):
             _train(m, opt, step)
@@ -244,7 +247,12 @@ def _load(root: Path, case: str) -> dict:
         if case == "new_group_lenient":
             opt.add_param_group({"params": [params["2.spare"]], "lr": 1e-3})
     elif case.startswith("state_"):
-        opt = _Moments(m.parameters(), {"state_bf16": torch.bfloat16}.get(case, torch.float32))
+        fp32, bf16 = torch.float32, torch.bfloat16
+        opt = _Moments(
+            m.parameters(),
+            bf16 if case == "state_bf16" else fp32,
+            bf16 if case == "state_scale_bf16" else fp32,
+        )
     else:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     with torch.no_grad():
@@ -305,7 +313,7 @@ def worker(tmp: str, sharding: str) -> None:
     for case in cases:
         res[case] = _load(out / "fp32", case)
     res["to_fp32"] = _load(out / "bf16", "to_fp32")
-    for case in ("state_bf16", "state_fp32"):
+    for case in ("state_bf16", "state_scale_bf16", "state_fp32"):
         res[case] = _load(out / "moments", case)
     (out / f"result.{dist.get_rank()}.json").write_text(json.dumps(res))
     spawn_ranks.leave_group()

@@ -57,9 +57,10 @@ def plan_reads(
                 if strict:  # neither sharded nor whole: refused before anything loads
                     out.problems.append(f"{name}: not in the checkpoint")
                 continue
-            if name.startswith(MODEL) and isinstance(said, list) and len(said) == 2:
-                # saved whole (a buffer): DCP's load casts another dtype in silence and
-                # refuses another shape only after loading the rest
+            checked = name.startswith(MODEL) or not name.endswith("/step")  # (not cast)
+            if checked and isinstance(said, list) and len(said) == 2:
+                # saved whole (a buffer, an optimizer's 0-d state): the loads cast another
+                # dtype in silence, DCP's refuses another shape only after loading the rest
                 problem = _misfit(name, t, said[0], said[1], retyped)
                 if problem is not None:
                     out.problems.append(problem)
