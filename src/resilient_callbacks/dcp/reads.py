@@ -42,9 +42,9 @@ def plan_reads(
 ) -> Reads:
     """``tensors``: this rank's state dict (flattened); ``index``: the saved chunk index;
     ``plain``: the saved tensors that were not sharded, ``{name: [dtype, shape]}`` (None: a
-    checkpoint from before they were recorded; a model's is refused when its dtype or shape
-    changed, or, with ``strict``, when the model lacks it); ``home``: the rank whose files hold the plain tensors;
-    ``strict``: a model tensor missing from the checkpoint, or one the model lacks, is a
+    checkpoint from before they were recorded; one is refused when its dtype or shape changed,
+    a model's also, with ``strict``, when the model lacks it); ``home``: the rank whose files
+    hold the plain tensors; ``strict``: a model tensor missing from the checkpoint, or one the model lacks, is a
     problem; ``box``: this rank's box of a sharded tensor; ``with_optim``: False when the saved
     optimizer state is not loaded (a read-only restore of the model alone)."""
     out = Reads(ranks={home})
