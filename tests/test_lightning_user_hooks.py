@@ -8,6 +8,7 @@ In-process runs of a tiny model on the CPU.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import lightning as L
@@ -183,3 +184,94 @@ def test_no_host_buffers_ahead_for_what_an_on_save_checkpoint_hook_takes_out(tmp
     )
     trainer.fit(_NoHook(), torch.utils.data.DataLoader(ds, batch_size=4))
     assert peek.seen[1] > 256 * 256 * 4
+
+
+def _saved_by_another_thread_during_a_quiet_read(tmp_path: Path, trainer: L.Trainer) -> dict:  # type: ignore[type-arg]
+    """``trainer.save_checkpoint`` on this thread while another thread is inside a quiet read
+    (the preflight of another fit in the process); what the save wrote."""
+    from resilient_callbacks.lightning import quiet
+
+    entered, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def held_open() -> dict:  # type: ignore[type-arg]
+        entered.set()
+        assert release.wait(60)
+        return {}
+
+    def other() -> None:
+        try:
+            with quiet.preflight():
+                quiet.dump_fn(held_open, trainer)()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+            entered.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert entered.wait(60)
+        trainer.save_checkpoint(tmp_path / "real.ckpt")
+    finally:
+        release.set()
+        t.join(60)
+    assert not t.is_alive() and not errors, errors
+    return torch.load(tmp_path / "real.ckpt", weights_only=False)
+
+
+def test_a_quiet_read_on_another_thread_leaves_a_real_save_its_hooks(tmp_path):
+    """The quiet read swapped Lightning's module-level hook helpers for the whole process: a
+    real save on another thread meanwhile (another Trainer of the process) ran none of its
+    on_save_checkpoint hooks, and saved without what they add."""
+    module, cb = _Counting(), _CountingCallback()
+    trainer = _fit(tmp_path, module, cb, max_steps=1)
+    before = len(module.saved_at)  # (Lightning's default ModelCheckpoint saved at the end)
+    saved = _saved_by_another_thread_during_a_quiet_read(tmp_path, trainer)
+    assert len(module.saved_at) == len(cb.saved_at) == before + 1
+    assert saved["saves_so_far"] == before + 1
+
+
+def test_quiet_reads_that_end_out_of_order_leave_the_hooks_running(tmp_path):
+    """Two threads' quiet reads, overlapping, the first ending first: the second put back the
+    first's hook-less helpers, and no on_save_checkpoint hook ran again in the process."""
+    from resilient_callbacks.lightning import quiet
+
+    module, cb = _Counting(), _CountingCallback()
+    trainer = _fit(tmp_path, module, cb, max_steps=1)
+    before = len(module.saved_at)  # (Lightning's default ModelCheckpoint saved at the end)
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def read(entered: threading.Event, wait_for: threading.Event) -> dict:  # type: ignore[type-arg]
+        entered.set()
+        assert wait_for.wait(60)
+        return {}
+
+    def first() -> None:
+        try:
+            with quiet.preflight():
+                quiet.dump_fn(lambda: read(first_in, second_in), trainer)()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+        finally:
+            first_out.set()
+
+    def second() -> None:
+        try:
+            assert first_in.wait(60)
+            with quiet.preflight():
+                quiet.dump_fn(lambda: read(second_in, first_out), trainer)()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+            second_in.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert len(module.saved_at) == len(cb.saved_at) == before + 1
+    saved = torch.load(tmp_path / "after.ckpt", weights_only=False)
+    assert saved["saves_so_far"] == before + 1

@@ -19,12 +19,15 @@ allocates what it copies. The preflight (:func:`preflight`) still reads without 
 Such a quiet dump is cached by the :class:`~.state.SaveContext` like any other; every save
 resets the context first (:meth:`~.state.SaveContext.reset`), so it never reaches a checkpoint.
 
-Which ranks call what: each rank dumps its own dictionary; nothing here is collective.
+Which ranks call what: each rank dumps its own dictionary; nothing here is collective. The
+hooks are left out on the dumping thread only (another Trainer's save on another thread runs
+them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -69,30 +72,55 @@ def save_hooks(trainer: Any) -> list[str]:
     return found
 
 
+_LEFT_OUT: ContextVar[bool] = ContextVar("rc_lightning_save_hooks_left_out", default=False)
+_INSTALL = threading.Lock()
+
+
+def _install_gates(call: Any) -> bool:
+    """Wrap Lightning's ``trainer.call`` helpers that run the ``on_save_checkpoint`` hooks, once
+    per process, in gates that leave the hooks out where :data:`_LEFT_OUT` is set: on the
+    thread (context) of a quiet dump only. Whether that could be done."""
+    with _INSTALL:
+        module_hook = getattr(call, "_call_lightning_module_hook", None)
+        callbacks_hook = getattr(call, "_call_callbacks_on_save_checkpoint", None)
+        if module_hook is None or callbacks_hook is None:  # pragma: no cover - another Lightning
+            return False
+        if not getattr(module_hook, "_rc_gate", False):
+
+            def module_hook_gated(trainer: Any, hook_name: str, *args: Any, **kwargs: Any) -> Any:
+                if hook_name == "on_save_checkpoint" and _LEFT_OUT.get():
+                    return None
+                return module_hook(trainer, hook_name, *args, **kwargs)
+
+            module_hook_gated._rc_gate = True  # type: ignore[attr-defined]
+            call._call_lightning_module_hook = module_hook_gated
+        if not getattr(callbacks_hook, "_rc_gate", False):
+
+            def callbacks_hook_gated(trainer: Any, checkpoint: dict[str, Any]) -> None:
+                if not _LEFT_OUT.get():
+                    callbacks_hook(trainer, checkpoint)
+
+            callbacks_hook_gated._rc_gate = True  # type: ignore[attr-defined]
+            call._call_callbacks_on_save_checkpoint = callbacks_hook_gated
+        return True
+
+
 @contextlib.contextmanager
 def _hooks_left_out() -> Iterator[None]:
-    """``dump_checkpoint`` without the callbacks' and the module's ``on_save_checkpoint``
-    (Lightning's ``trainer.call`` helpers that run them, swapped for the dump)."""
+    """``dump_checkpoint`` without the callbacks' and the module's ``on_save_checkpoint``, on
+    this thread only. (Swapping Lightning's module-level helpers for the dump and back left
+    them out of a real save on another thread meanwhile, and two overlapping dumps could put
+    the hook-less ones back for good: the gates stay, and a context variable opens them.)"""
     from lightning.pytorch.trainer import call
 
-    module_hook = getattr(call, "_call_lightning_module_hook", None)
-    callbacks_hook = getattr(call, "_call_callbacks_on_save_checkpoint", None)
-    if module_hook is None or callbacks_hook is None:  # pragma: no cover - another Lightning
+    if not _install_gates(call):  # pragma: no cover - another Lightning
         yield
         return
-
-    def module_hook_but_saves(trainer: Any, hook_name: str, *args: Any, **kwargs: Any) -> Any:
-        if hook_name == "on_save_checkpoint":
-            return None
-        return module_hook(trainer, hook_name, *args, **kwargs)
-
-    call._call_lightning_module_hook = module_hook_but_saves
-    call._call_callbacks_on_save_checkpoint = lambda trainer, checkpoint: None
+    token = _LEFT_OUT.set(True)
     try:
         yield
     finally:
-        call._call_lightning_module_hook = module_hook
-        call._call_callbacks_on_save_checkpoint = callbacks_hook
+        _LEFT_OUT.reset(token)
 
 
 def dump_fn(dump: Callable[[], dict[str, Any]], trainer: Any) -> Callable[[], dict[str, Any]]:
