@@ -256,3 +256,33 @@ def test_a_spawned_fit_ends_and_resumes_with_the_weights_of_the_run(tmp_path):
     assert _steps(tmp_path / "ck")[-1] == 16
     for a, b in zip(plain.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_another_limit_train_batches_at_a_resume_is_said_or_refused(tmp_path):
+    """Found 2026-12-07: a re-run with another ``limit_train_batches`` went on silently, and
+    one with fewer batches than the resumed epoch had trained counted that epoch from batch 0
+    again and trained 2 more batches in it (5 in an epoch of 2; Lightning's own ``ckpt_path``
+    resume does the same). More batches than trained: the epoch ends at the new length, from
+    the saved position, with a warning; fewer: refused, saying the way out; at an epoch's end:
+    a warning."""
+    plain, _ = _fit(tmp_path / "plain", [], max_epochs=3, limit_train_batches=6)
+    ck = tmp_path / "ck"
+    with contextlib.suppress(_Killed):
+        _fit(tmp_path, [ResilientCheckpoint(ck, every_n_steps=3), _KillAfter(10)],
+             max_epochs=3, limit_train_batches=6)  # fmt: skip
+    saved = _steps(ck)
+    assert saved[-1] == 9  # epoch 1, 3 batches into it
+    rc = ResilientCheckpoint(ck, every_n_steps=100)
+    with pytest.raises(ConfigError, match=r"limit_train_batches=3 here, 6 when.*3 batch\(es\) "
+                       r"into epoch 1.*limit_train_batches=6"):  # fmt: skip
+        _fit(tmp_path, [rc], max_epochs=3, limit_train_batches=3)
+    assert rc.restored_step == 9 and _steps(ck) == saved
+    rc = ResilientCheckpoint(ck, every_n_steps=100)
+    with pytest.warns(UserWarning, match=r"limit_train_batches=4 here, 6 when.*epoch 1, 3 "):
+        resumed, trainer = _fit(tmp_path, [rc], max_epochs=3, limit_train_batches=4)
+    assert rc.restored_step == 9 and trainer.global_step == 9 + 1 + 4
+    assert resumed.losses[0] == plain.losses[9]  # the saved position in the epoch's order
+    rc = ResilientCheckpoint(ck, every_n_steps=100, resume=6)  # the end of epoch 0
+    with pytest.warns(UserWarning, match=r"limit_train_batches=1.0 here, 6 when.*epochs from 1"):
+        _, trainer = _fit(tmp_path / "again", [rc], max_epochs=3)
+    assert rc.restored_step == 6 and trainer.global_step == 6 + 2 * 8

@@ -63,6 +63,10 @@ EPOCH_END_KEY = "resilient_callbacks_epoch_end"
 METRICS_KEY = "resilient_callbacks_callback_metrics"
 """``trainer.callback_metrics`` at the save (scalars), put back at the resume."""
 
+LIMIT_KEY = "resilient_callbacks_limit_train_batches"
+"""``trainer.limit_train_batches`` at the save: a resume with another is warned about, or refused
+where the resumed epoch is already past the new end (:func:`.checks.epoch_length`)."""
+
 TRAINABLE_KEY = "resilient_callbacks_trainable"
 """With a ``BaseFinetuning`` callback: the names of the parameters trainable at the save
 (``requires_grad``), which the resume makes trainable again (:func:`_trainable_as_saved`)."""
@@ -95,7 +99,11 @@ def ends_epoch(trainer: pl.Trainer) -> bool:
 def marks(trainer: pl.Trainer, epoch_end: bool, to_cpu: bool = True) -> dict[str, Any]:
     """What a save records for :class:`Resume`: whether it ends an epoch, the metrics and,
     with a ``BaseFinetuning`` callback, the parameters then trainable."""
-    out = {EPOCH_END_KEY: epoch_end, METRICS_KEY: saved_metrics(trainer, to_cpu)}
+    out = {
+        EPOCH_END_KEY: epoch_end,
+        METRICS_KEY: saved_metrics(trainer, to_cpu),
+        LIMIT_KEY: trainer.limit_train_batches,
+    }
     if _finetuning(trainer):
         module = trainer.lightning_module
         named = module.named_parameters()
@@ -131,6 +139,8 @@ class Resume:
         metrics = checkpoint.pop(METRICS_KEY, None)
         self.metrics: dict[str, Any] | None = metrics if isinstance(metrics, dict) else None
         self.epoch_end = bool(checkpoint.pop(EPOCH_END_KEY, False))
+        self.limit = checkpoint.pop(LIMIT_KEY, None)  # (None: saved by an older version)
+        self.batches_done = checks.batches_into_epoch(checkpoint)
         trainable = checkpoint.pop(TRAINABLE_KEY, None)  # (None: older, or no finetuning)
         self.trainable = set(trainable) if isinstance(trainable, list) else None
         tracking = checkpoint.pop(TRACKING_KEY, None)
@@ -169,6 +179,7 @@ class Resume:
         if not self.data_set_up:
             self.data_set_up = True
             self.resharded_epoch = reshard.after_setup(trainer)
+            checks.epoch_length(trainer, self.limit, self.batches_done, self.epoch_end)
 
     def train_start(self, trainer: pl.Trainer) -> None:
         """``on_train_start`` (Lightning emptied the metrics after the sanity check; the

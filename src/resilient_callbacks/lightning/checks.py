@@ -176,6 +176,50 @@ def accumulation(trainer: pl.Trainer, saved: Any, checkpoint: dict[str, Any]) ->
         )
 
 
+def batches_into_epoch(checkpoint: dict[str, Any]) -> int | None:
+    """How many batches of its epoch a restored Lightning checkpoint had trained."""
+    loops = checkpoint.get("loops", {}).get("fit_loop", {})
+    done = loops.get("epoch_loop.batch_progress", {}).get("current", {}).get("processed")
+    return done if isinstance(done, int) else None
+
+
+def epoch_length(trainer: pl.Trainer, saved: Any, done: int | None, epoch_end: bool) -> None:
+    """After the train loaders are set up at a resume: ``limit_train_batches`` other than the
+    checkpoint's (``saved``) is taken as Lightning takes it, with a warning: the resumed epoch
+    ends at the new length, counting the ``done`` batches it had trained, and so do the later
+    ones. Refused (:class:`ConfigError`) where the resumed epoch had trained that many batches
+    already: Lightning would count it from 0 again and train up to that many more in it
+    (its own ``ckpt_path`` resume does), where a user expects it over."""
+    here = trainer.limit_train_batches
+    if saved is None or (saved == here and type(saved) is type(here)):
+        return
+    n = trainer.fit_loop.max_batches
+    epoch = trainer.current_epoch
+    length = "of unknown length" if n == float("inf") else f"of {int(n)} batch(es)"
+    change = f"limit_train_batches={here!r} here, {saved!r} when the checkpoint was saved"
+    if not epoch_end and done and n != float("inf") and n <= done:
+        raise ConfigError(
+            f"{change}: the checkpoint is {done} batch(es) into epoch {epoch}, already at or "
+            f"past the end of an epoch {length}, and Lightning would train that epoch again "
+            f"from its batch 0. Resume with limit_train_batches={saved!r} (or more than "
+            f"{done} batches) until epoch {epoch} ends, then change it; or resume from a "
+            "checkpoint at an epoch's end (resume=<its step>)"
+        )
+    if epoch_end:
+        what = f"epochs from {epoch + 1} on are epochs {length}"
+    else:
+        what = (
+            f"the resumed epoch {epoch}, {done} batch(es) into it, ends as an epoch {length} "
+            "(as with Lightning's own ckpt_path resume), and so do the later ones"
+        )
+    warnings.warn(
+        f"{change}: {what}; the run is not the one interrupted. Resume with the checkpoint's "
+        "value to continue that run",
+        UserWarning,
+        stacklevel=caller_stacklevel(os.path.dirname(os.path.dirname(pl.__file__))),
+    )
+
+
 def saved_counts(checkpoint: dict[str, Any]) -> dict[str, int]:
     """How many optimizers and schedulers a restored Lightning checkpoint holds states of (the
     optimizers only where it has their states: under FSDP, tensor parallelism and DeepSpeed a
