@@ -107,6 +107,38 @@ def test_a_finished_run_rerun_trains_nothing_and_returns_its_results(tmp_path):
     assert [e.step for e in catalog.committed(catalog.scan(str(ck)))][-1] == 6  # nothing new
 
 
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ({"max_steps": 6}, {"max_steps": 10}),
+        ({"max_steps": -1, "num_train_epochs": 1}, {"max_steps": -1, "num_train_epochs": 2}),
+    ],
+    ids=["max_steps", "num_train_epochs"],
+)
+def test_a_finished_run_given_more_steps_goes_on_as_the_trainers_own_resume(
+    tmp_path, before, after
+):
+    """A finished run re-run with ``max_steps`` (or ``num_train_epochs``) raised trains the steps
+    added, as ``train(resume_from_checkpoint=...)`` from the Trainer's own checkpoint of the
+    finished run does: the same logs (the new schedule from the saved step) and weights."""
+    ms, more = before.pop("max_steps"), after.pop("max_steps")
+    own = hf_train.build_trainer(str(tmp_path / "own"), ms, **before)
+    own.train()
+    own._save_checkpoint(own.model, trial=None)
+    (saved,) = (tmp_path / "own").glob("checkpoint-*")
+    theirs = hf_train.build_trainer(str(tmp_path / "own"), more, **after)
+    theirs.train(resume_from_checkpoint=str(saved))
+    ck = tmp_path / "ck"
+    _train(tmp_path / "ours", ResilientCheckpoint(ck, every_n_steps=2), ms, **before)
+    cb = ResilientCheckpoint(ck, every_n_steps=2)
+    ours = _train(tmp_path / "ours", cb, more, **after)
+    assert cb.restored_step == own.state.global_step > 0
+    assert ours[0].state.global_step == theirs.state.global_step > cb.restored_step
+    assert hf_train.clean_history(_steps(ours[0])) == hf_train.clean_history(_steps(theirs))
+    weights = theirs.model.state_dict()
+    assert [k for k in weights if not torch.equal(weights[k], ours[2][k])] == []
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1")
     env.pop("TRANSFORMERS_VERBOSITY", None)
