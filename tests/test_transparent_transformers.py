@@ -139,6 +139,31 @@ def test_a_finished_run_given_more_steps_goes_on_as_the_trainers_own_resume(
     assert [k for k in weights if not torch.equal(weights[k], ours[2][k])] == []
 
 
+def test_another_way_of_drawing_the_data_order_is_refused_inside_an_epoch(tmp_path):
+    """Found 2026-12-07: resumed inside an epoch with use_seedable_sampler=False (or another
+    data_seed), the rest of the epoch was drawn in another order than its first steps were,
+    silently (some samples trained twice, others never), as the Trainer's own resume does.
+    Refused inside an epoch, naming what changed; at an epoch's end (step 5 here) the next
+    epochs are drawn the new way, with a warning."""
+    from resilient_callbacks import CheckpointMismatchError
+
+    ck = tmp_path / "ck"
+    _train(tmp_path / "a", ResilientCheckpoint(ck, every_n_steps=1), 6)
+    unseeded = {"accelerator_config": {"use_seedable_sampler": False}}
+    for change, said in [
+        (unseeded, r"sampler: SeedableRandomSampler in the checkpoint, RandomSampler here"),
+        ({"data_seed": 3}, r"seed: 7 in the checkpoint, 3 here"),
+    ]:
+        cb = ResilientCheckpoint(ck, every_n_steps=100, resume=2)
+        with pytest.raises(CheckpointMismatchError, match=said + r".*2 optimizer step\(s\) into"):
+            _train(tmp_path / "b", cb, 6, **change)
+    cb = ResilientCheckpoint(ck, every_n_steps=100, resume=5, save_on_train_end=False)
+    with pytest.warns(UserWarning, match=r"RandomSampler here.*next epoch and the later ones"):
+        got = _train(tmp_path / "b", cb, 6, **unseeded)
+    assert cb.restored_step == 5 and got[0].state.global_step == 6
+    assert [e.step for e in catalog.committed(catalog.scan(str(ck)))][-1] == 6  # the first run's
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1")
     env.pop("TRANSFORMERS_VERBOSITY", None)

@@ -12,6 +12,11 @@ an epoch, samples), and what it is told. Every rank calls :func:`check` alike, a
   the next epoch goes over the new data, with a warning saying what the rest of the run trains,
   as the plain loop and the Lightning adapter take it. Inside an epoch the saved position means
   nothing in the new data: refused, naming the checkpoints at an epoch's end to resume from.
+- Another way of drawing an epoch's order (the sampler's class: ``use_seedable_sampler``
+  changed; or the seed of accelerate's ``SeedableRandomSampler``: ``seed``/``data_seed``
+  changed), :func:`check_order`: inside an epoch the rest of it would be drawn in another order
+  (samples repeated, others skipped): refused; at an epoch's end the next epochs are drawn the
+  new way, with a warning.
 - Another number of batches an epoch alone (``dataloader_drop_last`` changed): resumed, with a
   warning; the position names the same samples of the order, only the short last batch of an
   epoch is kept or dropped from here on.
@@ -78,6 +83,49 @@ def check(
             f"the saved step; from here an epoch has {updates_per_epoch(now)} optimizer steps "
             f"({updates_per_epoch(saved)} before), its short last batch kept or dropped."
         )
+
+
+def order(batch_sampler: Any) -> dict[str, Any]:
+    """What decides an epoch's order of samples on this rank: the sampler's class and, for one
+    drawing from a seed and the epoch alone (accelerate's ``SeedableRandomSampler``: the
+    Trainer's ``data_seed`` or ``seed``), that seed."""
+    inner = getattr(batch_sampler, "batch_sampler", batch_sampler)  # (accelerate's shard)
+    sampler = getattr(inner, "sampler", None)
+    out: dict[str, Any] = {"sampler": type(sampler if sampler is not None else inner).__name__}
+    seed = getattr(sampler, "initial_seed", None)
+    if isinstance(seed, int):
+        out["seed"] = seed
+    return out
+
+
+def check_order(saved: Any, now: Mapping[str, Any], loop: Mapping[str, Any], step: int) -> None:
+    """Refuse, or warn about, another way of drawing the epochs' order than the checkpoint's
+    (``saved``: :func:`order` at the save; None in checkpoints written before 2026-12-07).
+    Found 2026-12-07: resumed inside an epoch with ``use_seedable_sampler=False`` (or another
+    ``seed``), the rest of the epoch was drawn in another order, silently, as the Trainer's own
+    resume does."""
+    if not isinstance(saved, Mapping) or dict(saved) == dict(now):
+        return
+    keys = sorted({*saved, *now})
+    diff = "; ".join(f"{k}: {saved.get(k)} in the checkpoint, {now.get(k)} here" for k in keys
+                     if saved.get(k) != now.get(k))  # fmt: skip
+    epoch, updates = int(loop["epoch"]), int(loop["updates"])
+    what = (
+        "the training data's order is drawn otherwise here than in the checkpoint of step "
+        f"{step} ({diff}: accelerator_config.use_seedable_sampler, seed or data_seed changed?)"
+    )
+    if updates:
+        raise CheckpointMismatchError(
+            f"{what}, and step {step} is {updates} optimizer step(s) into epoch {epoch}: the "
+            "rest of that epoch would be drawn in another order, training some of its samples "
+            "twice and others not at all. Resume with the checkpoint's settings until the "
+            "epoch ends, then change them; or resume from a checkpoint at an epoch's end "
+            "(ResilientCheckpoint(..., resume=<its step>))."
+        )
+    _say(
+        f"ResilientCheckpoint: {what}, saved at an epoch's end ({epoch} epoch(s) done): the "
+        "next epoch and the later ones are drawn in the new order."
+    )
 
 
 def _refusal(

@@ -56,12 +56,14 @@ class SavedState:
         self.model_info: dict[str, Any] = {}
         self.signature: dict[str, int] = {}  # the data settings a position in an epoch needs
         self.batches: Any = None  # the training data's resumable batch sampler (build())
+        self.order: dict[str, Any] = {}  # what draws an epoch's order (data_settings.order)
 
     def build(self, trainer: Any, batches: Any) -> dict[str, Any]:
         """Every rank, at ``train()``'s start (the objects exist): the tree, pointing at the
         Trainer's live objects. ``batches``: the resumable batch sampler of its training data
         (:mod:`.data`), or None."""
         self.batches = batches
+        self.order = data_settings.order(batches) if batches is not None else {}
         opt = hookable(trainer.optimizer)  # the torch optimizer itself (its step hooks fire)
         self.rank_values = OptionalKeys(
             {
@@ -129,6 +131,7 @@ class SavedState:
                     and st.global_step < st.max_steps,
                 },
                 "data": dict(self.signature),
+                "order": dict(self.order),
                 # a sampler's own generator, at the epoch's start and now (data.py)
                 "sampler_generator": (
                     self.batches.generator_states() if self.batches is not None else None
@@ -164,6 +167,8 @@ class SavedState:
             )
         by_steps = trainer.args.max_steps > 0
         data_settings.check(v["data"], self.signature, v["loop"], step, state, by_steps)
+        if self.batches is not None:
+            data_settings.check_order(v.get("order"), self.order, v["loop"], step)
         for name, value in v["state"].items():
             setattr(state, name, value)
         restore_callback_states(trainer, v["callbacks"], exclude=self.exclude)
