@@ -286,3 +286,32 @@ def test_another_limit_train_batches_at_a_resume_is_said_or_refused(tmp_path):
     with pytest.warns(UserWarning, match=r"limit_train_batches=1.0 here, 6 when.*epochs from 1"):
         _, trainer = _fit(tmp_path / "again", [rc], max_epochs=3)
     assert rc.restored_step == 6 and trainer.global_step == 6 + 2 * 8
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ({"max_epochs": 2}, {"max_epochs": 3}),
+        ({"max_epochs": -1, "max_steps": 10}, {"max_epochs": -1, "max_steps": 15}),
+        (
+            {"max_epochs": -1, "max_steps": 10, "accumulate_grad_batches": 2},
+            {"max_epochs": -1, "max_steps": 15, "accumulate_grad_batches": 2},
+        ),
+    ],
+    ids=["max_epochs", "max_steps", "max_steps-accumulated"],
+)
+def test_a_finished_run_given_more_epochs_or_steps_trains_them_as_the_longer_run(
+    tmp_path, before, after
+):
+    """A finished fit re-run with ``max_epochs`` or ``max_steps`` raised goes on from its last
+    step and ends as a run given the larger value from the start: the same losses and weights
+    (checked 2026-12-07; it did already)."""
+    plain, _ = _fit(tmp_path / "plain", [], **after)
+    ck = tmp_path / "ck"
+    first, done = _fit(tmp_path, [ResilientCheckpoint(ck, every_n_steps=5)], **before)
+    rc = ResilientCheckpoint(ck, every_n_steps=5)
+    more, trainer = _fit(tmp_path, [rc], **after)
+    assert rc.restored_step == done.global_step < trainer.global_step
+    assert first.losses + more.losses == plain.losses
+    for a, b in zip(plain.parameters(), more.parameters(), strict=True):
+        assert torch.equal(a, b)
