@@ -315,3 +315,28 @@ def test_a_finished_run_given_more_epochs_or_steps_trains_them_as_the_longer_run
     assert first.losses + more.losses == plain.losses
     for a, b in zip(plain.parameters(), more.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_another_accumulation_at_a_mid_epoch_resume_says_where_the_first_step_falls(tmp_path):
+    """Lightning steps where the epoch's batch count is a multiple of accumulate_grad_batches:
+    resumed 4 batches into an epoch with 3 instead of 2, the first step took 2 batches, not
+    the 3 the warning said every step takes (found 2026-12-07)."""
+
+    class _Steps(L.Callback):
+        def __init__(self) -> None:
+            self.at: list[tuple[int, int]] = []
+
+        def on_train_batch_end(self, trainer, *args):  # type: ignore[no-untyped-def]
+            self.at.append((trainer.current_epoch, trainer.global_step))
+
+    ck = tmp_path / "ck"
+    with contextlib.suppress(_Killed):
+        _fit(tmp_path, [ResilientCheckpoint(ck, every_n_steps=1), _KillAfter(5)],
+             accumulate_grad_batches=2)  # fmt: skip
+    rc, steps = ResilientCheckpoint(ck, every_n_steps=100), _Steps()
+    with pytest.warns(UserWarning, match=r"accumulate_grad_batches=3 here, 2 when") as said:
+        _fit(tmp_path, [rc, steps], accumulate_grad_batches=3)
+    assert rc.restored_step == 2  # 4 batches into epoch 0
+    assert steps.at[:2] == [(0, 2), (0, 3)]  # the batches 5 and 6 of the epoch: one step
+    (text,) = [str(w.message) for w in said if "accumulate_grad_batches" in str(w.message)]
+    assert "the first after the resume takes 2" in text

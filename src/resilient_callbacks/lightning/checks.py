@@ -151,13 +151,17 @@ def check_model_fits(trainer: Any, saved: dict[str, Any], path: str) -> None:
     warn_cast(cast, os.path.dirname(os.path.dirname(pl.__file__)))  # at the user's fit() line
 
 
-def accumulation(trainer: pl.Trainer, saved: Any, checkpoint: dict[str, Any]) -> None:
+def accumulation(
+    trainer: pl.Trainer, saved: Any, checkpoint: dict[str, Any], epoch_end: bool = False
+) -> None:
     """Warn (at the user's ``fit()`` line) when ``accumulate_grad_batches`` differs from the
     checkpoint's: Lightning goes on silently, each optimizer step then taking another number of
     batches -- another global batch from the restored step on (the Transformers callback
     refuses that; the batch size, held by the data loader's position, is refused here too).
     With a ``GradientAccumulationScheduler``, the one it sets for the epoch of the step saved
-    (in Lightning's restored ``checkpoint``)."""
+    (in Lightning's restored ``checkpoint``). Resumed inside an epoch (not ``epoch_end``)
+    whose trained batches are no multiple of the new value, the warning says that the first
+    step takes fewer: Lightning steps where the epoch's batch count is a multiple of it."""
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     here = trainer.accumulate_grad_batches
@@ -166,11 +170,19 @@ def accumulation(trainer: pl.Trainer, saved: Any, checkpoint: dict[str, Any]) ->
         if isinstance(cb, GradientAccumulationScheduler) and isinstance(epoch, int):
             here = cb.get_accumulate_grad_batches(epoch)
     if isinstance(saved, int) and saved != here:
+        done = batches_into_epoch(checkpoint)
+        first = ""
+        if not epoch_end and done and here > 1 and done % here:
+            first = (
+                f" (the first after the resume takes {here - done % here}: Lightning steps "
+                f"where the epoch's batch count is a multiple of {here}, {done} batches were "
+                "trained of the resumed epoch)"
+            )
         warnings.warn(
             f"accumulate_grad_batches={here} here, {saved} when the checkpoint was saved: each "
-            f"optimizer step now takes {here} batch(es) instead of {saved}, so the global batch "
-            "changes from the restored step on and the run is not the one interrupted. Resume "
-            "with the checkpoint's value to continue that run",
+            f"optimizer step now takes {here} batch(es) instead of {saved}{first}, so the global "
+            "batch changes from the restored step on and the run is not the one interrupted. "
+            "Resume with the checkpoint's value to continue that run",
             UserWarning,
             stacklevel=caller_stacklevel(os.path.dirname(os.path.dirname(pl.__file__))),
         )

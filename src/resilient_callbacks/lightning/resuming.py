@@ -101,7 +101,8 @@ def resume_start(
     cb._resumed_stopped = checkpoint.pop(st.STOPPED_KEY, False)
     cb._past_end = cb._resume.past_end = stages.past_end(trainer, checkpoint, step)
     cb._val_iterators_made = bool(checkpoint.pop(st.VAL_ITERATORS_KEY, False))
-    checks.accumulation(trainer, checkpoint.pop(st.ACCUMULATE_KEY, None), checkpoint)
+    accumulate = checkpoint.pop(st.ACCUMULATE_KEY, None)
+    checks.accumulation(trainer, accumulate, checkpoint, cb._resume.epoch_end)
     if ckpt.last_restore is not None:
         # said as Lightning says its own (rank_zero_info), with the tier and what was skipped
         where = st.position(checkpoint, cb._resume.epoch_end)
