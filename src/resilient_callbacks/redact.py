@@ -20,20 +20,43 @@ _SECRET = (
 )  # fmt: skip
 # a URL's user and password: up to the authority's last "@" (a password may hold one)
 _USERINFO = re.compile(r"(?<=://)[^/?#\s]*@")
+# what may close a quoted or bracketed URL or value in free text (``'s3://b/k?sig=...'``,
+# ``(...&token=...)``, ``sig=...,``): kept after the ``***`` where it ends the value, i.e. where
+# only such characters stand between the value and the next delimiter (or the end); inside the
+# value (``a)b``) it is hidden with the rest. (Possessive runs: linear in the text's length.)
+_CLOSE = r"""[)\]}>'"`.,:!]"""
+
+
+def _value(stop: str) -> str:
+    """A value up to a character of ``stop`` (or the end), without the closing characters
+    (:data:`_CLOSE`) that end it."""
+    plain = f"[^{stop}{_CLOSE[1:-1]}]"
+    return f"(?:{plain}|{_CLOSE}++(?={plain}))*+"
+
+
 # a query parameter or a connection-string field whose name says it is a secret (a SAS
-# signature, X-Amz-Signature / -Credential / -Security-Token, AccountKey=...;)
+# signature, X-Amz-Signature / -Credential / -Security-Token, AccountKey=...;), in a URL or in
+# free text (after an opening quote or bracket, "=" or ":" too); a quote opening the value is
+# kept
 _PARAM = re.compile(
-    r"(?i)(?:(?<=[?&;\s])|^)([\w.-]*(?:" + "|".join(_SECRET) + r")[\w.-]*=)[^&;#\s]*"
+    r"""(?i)(?:(?<=[?&;\s'"`(\[{<,=:])|^)([\w.-]*(?:"""
+    + "|".join(_SECRET)
+    + r""")[\w.-]*=)(['"`]?)"""
+    + _value(r"&;#\s")
 )
 # a credential in free text (an error that quotes a request's Authorization header)
-_SCHEME = re.compile(r"(?i)\b(Bearer|Basic)\s+[^\s,;]+")
+_SCHEME = re.compile(r"(?i)\b(Bearer|Basic)\s+(?=[^\s,;])" + _value(r"\s,;"))
 
 
 def url_text(url: str) -> str:
     """``url`` for a message: its user and password, and the values of query parameters that
     name a secret (``sig``, ``X-Amz-Signature``, ``token``, ``AccountKey``, ...) and of
-    ``Bearer``/``Basic`` credentials, shown as ``***``. For error texts too."""
-    return _SCHEME.sub(r"\1 ***", _PARAM.sub(r"\1***", _USERINFO.sub("***@", url)))
+    ``Bearer``/``Basic`` credentials, shown as ``***``. For error texts too: the quotes,
+    brackets and punctuation around a secret stay (``'s3://b/k?token=***'``), and a text shown
+    so is shown the same again (``url_text(url_text(x)) == url_text(x)``)."""
+    # (a credential first: ``auth=Bearer SECRET`` hides both words)
+    text = _SCHEME.sub(r"\1 ***", url)
+    return _PARAM.sub(r"\1\2***", _USERINFO.sub("***@", text))
 
 
 def options_text(options: Mapping[str, Any]) -> str:
