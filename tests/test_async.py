@@ -365,7 +365,7 @@ def _gated_background_writes(monkeypatch, fail: bool) -> threading.Event:
 
     def gated(saver, session, staging_dir, prepared, background):
         if background:
-            gate.wait(30)
+            gate.wait(120)
             if fail:
                 raise OSError("disk went away")
         return write(saver, session, staging_dir, prepared, background)

@@ -391,7 +391,7 @@ def test_a_discarded_loader_with_persistent_workers_stops_them_at_once():
         workers = list(loader._iterator._workers)
         assert len(workers) == 2 and all(w.is_alive() for w in workers)
         del loader
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(w.is_alive() for w in workers)

@@ -561,7 +561,7 @@ def test_sbatch_waits_for_the_step_after_sigterm(tmp_path: Path) -> None:
         ["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while not any(c.startswith("python ") for c in _calls(tmp_path)):
             assert time.monotonic() < deadline and p.poll() is None, p.communicate()[0]
             time.sleep(0.01)
@@ -570,7 +570,7 @@ def test_sbatch_waits_for_the_step_after_sigterm(tmp_path: Path) -> None:
         assert p.poll() is None, "the batch shell exited at SIGTERM while the step ran"
     finally:
         step_done.touch()  # the step ends (and its stand-in exits in any case)
-    out, _ = p.communicate(timeout=30)
+    out, _ = p.communicate(timeout=120)
     assert p.returncode == 0, out
     assert Path(f"{tmp_path / 'calls.log'}.done").exists(), "exited before the step finished"
     assert [c for c in _calls(tmp_path) if c.startswith("requeue")] == ["requeue 4242"], out
@@ -724,12 +724,12 @@ def test_restart_loop_forwards_sigterm_and_stops(tmp_path: Path) -> None:
             ["bash", str(LOOP), "--delay", "0", "--", "bash", "-c", child, str(marker)],
             stderr=errf,
         )
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while not Path(f"{marker}.up").exists():
         assert time.monotonic() < deadline and p.poll() is None
         time.sleep(0.01)
     p.send_signal(signal.SIGTERM)
-    p.wait(timeout=30)
+    p.wait(timeout=120)
     err = errpath.read_text()
     assert p.returncode == RESUMABLE_EXIT_CODE, err
     assert err.count("attempt 0:") == 1 and "attempt 1" not in err, err
@@ -757,12 +757,12 @@ def test_restart_loop_stopped_before_the_command_could_save(
             ["bash", str(LOOP), "--delay", "0", "--", "bash", "-c", child, str(marker)],
             stderr=errf,
         )
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while not Path(f"{marker}.up").exists():
         assert time.monotonic() < deadline and p.poll() is None
         time.sleep(0.01)
     p.send_signal(signal.SIGTERM)
-    p.wait(timeout=30)
+    p.wait(timeout=120)
     err = errpath.read_text()
     assert p.returncode == code, err
     assert "attempt 1" not in err, err

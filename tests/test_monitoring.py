@@ -47,7 +47,7 @@ def exporter_port(ck: Checkpointer, timeout: float = 60.0) -> int:
 
 def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     """``{family name: {labels: value}}`` of one real HTTP scrape."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
     out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for fam in prom_parser.text_string_to_metric_families(body):
         for s in fam.samples:
@@ -64,12 +64,12 @@ def scrape_openmetrics(port: int) -> list:
         f"http://127.0.0.1:{port}/metrics",
         headers={"Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"},
     )
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(req, timeout=60) as r:
         assert "openmetrics" in r.headers["Content-Type"]
         return list(parser.text_string_to_metric_families(r.read().decode()))
 
 
-def wait_scrape(port: int, timeout: float = 30.0) -> dict:
+def wait_scrape(port: int, timeout: float = 120.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         try:

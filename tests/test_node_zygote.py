@@ -73,14 +73,14 @@ def test_no_rank_outlives_an_interrupted_or_ended_test_process(tmp_path: Path) -
         pids.append(rank.pid)
         os.kill(zygote.proc.pid, signal.SIGINT)  # as a Ctrl-C in the terminal
         rank.kill()
-        assert rank.wait(timeout=20) == -signal.SIGKILL
+        assert rank.wait(timeout=60) == -signal.SIGKILL
 
         rank = zygote.spawn(argv, env, tmp_path / "b.log")
         pids.append(rank.pid)
         assert zygote.proc.stdin is not None
         zygote.proc.stdin.close()  # as the end of a test process that was killed
-        assert zygote.proc.wait(timeout=20) == 0
-        assert rank.wait(timeout=20) == -signal.SIGKILL
+        assert zygote.proc.wait(timeout=60) == 0
+        assert rank.wait(timeout=60) == -signal.SIGKILL
     finally:
         for pid in pids:  # (the old zygote's ranks)
             if spawn_ranks._running(pid):

@@ -74,7 +74,7 @@ def test_prefetch_stays_a_bounded_distance_ahead_of_the_reader(big):
         time.sleep(0.5)  # the reader has not moved: helpers must wait
         assert pf._next <= ahead + ra.STEP
         pf.advance(size)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while pf._next < size and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pf._next >= size  # once the reader moves, the helpers cover the whole file

@@ -245,10 +245,10 @@ def test_a_node_local_remote_commit_whose_answer_was_lost_is_still_this_processs
             committer.expect(("run1", seq), name, encode_json(m.to_json()))
             for r, u in enumerate(up):
                 u.enqueue(name, name, ("run1", seq), [files[r]])
-                assert u.wait(30)
+                assert u.wait(120)
                 for rep in u.take_reports():
                     committer.report(r, rep)
-            committer.wait(30)
+            committer.wait(120)
         committer.stop()
         committer._thread.join(60)  # (its retention after the commit is done)
     finally:

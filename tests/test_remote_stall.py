@@ -53,7 +53,7 @@ class _Clock:
             return
         with self.cond:
             self.idle, seen = True, self.reads
-            self.cond.wait_for(lambda: self.reads >= seen + 3, timeout=10)
+            self.cond.wait_for(lambda: self.reads >= seen + 3, timeout=60)
             self.idle = False
 
 
@@ -61,7 +61,7 @@ class _Clock:
 def dying(tmp_path, monkeypatch):
     """(local dir, url, block): a run with steps 10 and 20 uploaded to a file:// store;
     ``block(ck, "get")`` makes that method of the store's filesystem hang until the test ends
-    (or 20 s: the old code, which waited for it, then fails the test rather than hang)."""
+    (or 120 s: the old code, which waited for it, then fails the test rather than hang)."""
     monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)
     local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
     with Checkpointer(local, remote=url, keep_last=5) as ck:
@@ -71,7 +71,7 @@ def dying(tmp_path, monkeypatch):
 
     def block(ck: Checkpointer, method: str) -> None:
         def hang(*a, **k):
-            release.wait(20)
+            release.wait(120)
             raise ConnectionError("the store never answered")
 
         monkeypatch.setattr(ck.remote.fs, method, hang)
@@ -142,7 +142,7 @@ def test_a_pull_from_a_store_that_stalls_gives_up_naming_the_checkpoint(
     release = threading.Event()
 
     def hang(*a, **k):
-        release.wait(20)  # the old code waited this long, then failed otherwise
+        release.wait(120)  # the old code waited this long, then failed otherwise
         raise ConnectionError("the store never answered")
 
     real_store = cli_remote.store
