@@ -83,3 +83,23 @@ def test_every_secret_stays_hidden_and_showing_twice_is_showing_once():
         shown = url_text(text)
         assert "SECRET" not in shown, (text, shown)
         assert url_text(shown) == shown, (text, shown)
+
+
+def test_a_message_holding_the_options_already_shown_loses_nothing_more():
+    """An error text that quotes ``options_text``'s JSON (its secrets already ``***``) is shown
+    through ``url_text`` again on some paths: the JSON's closing ``"}`` went with the value
+    before it, and the message no longer parsed."""
+    import json
+
+    from resilient_callbacks.redact import options_text
+
+    shown = options_text(
+        {
+            "client_kwargs": {"endpoint_url": "https://h/c?sv=1&sig=SECRET1"},
+            "headers": {"x-url": "https://h/p?token=SECRET2"},
+        }
+    )
+    assert "SECRET" not in shown
+    again = url_text(f"listing failed (remote_options: {shown})")
+    assert again == f"listing failed (remote_options: {shown})"
+    assert json.loads(again[len("listing failed (remote_options: ") : -1]) == json.loads(shown)
