@@ -353,3 +353,53 @@ def test_the_runs_last_save_gives_no_warning_about_a_next_save(small_tmpfs, capl
         f"step_{s:09d}" for s in (1, 2, 3)
     ]
     assert not _warnings(caplog, "the next save will not fit"), caplog.text
+
+
+@pytest.mark.parametrize("then", ["trains on", "closes"])
+@pytest.mark.parametrize("save", ["emergency_save()", "save()"])
+def test_a_save_outside_the_schedule_warns_of_the_next_only_when_training_goes_on(
+    tmp_path, caplog, monkeypatch, save, then
+):
+    """A plain loop that calls ``emergency_save()`` (it detected a failure itself) or
+    ``save()`` and then trains on has a next save: a disk too small for it is said then, a save
+    interval ahead, as after a periodic save. ``emergency_save()`` gave no warning at all (taken
+    for the run's last save, as a preemption's is). One followed by ``close()`` is the run's
+    last: no warning. The free-space probe reports 1 kB free (less than a checkpoint)."""
+    from resilient_callbacks import space
+
+    monkeypatch.setattr(space, "free_bytes", lambda path: 1_000)
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    ck = Checkpointer(tmp_path / "ck", every_n_steps=1000, async_save=False, preemption=False)
+    try:
+        for step in (1, 2):
+            assert not ck.step(step, _state(step))  # (not due: no save)
+        if save == "save()":
+            assert ck.save(2, _state(2))
+        else:
+            assert ck.emergency_save(2, _state(2))
+        if then == "trains on":
+            assert not ck.step(3, _state(3))
+            ck._dir.trash.wait(60.0)  # (the check runs once retention's deletions are done)
+            ahead = _warnings(caplog, "the next save will not fit")
+            assert len(ahead) == 1, caplog.text
+            assert "step 2" in ahead[0]
+    finally:
+        ck.close()
+    if then == "closes" and save == "emergency_save()":
+        assert not _warnings(caplog, "the next save will not fit"), caplog.text
+
+
+def test_a_save_after_an_emergency_save_checks_once(tmp_path, caplog, monkeypatch):
+    """``emergency_save()``, then ``save()``, then training: the second save's commit checks
+    the next save fits; the step after it does not say so a second time."""
+    from resilient_callbacks import space
+
+    monkeypatch.setattr(space, "free_bytes", lambda path: 1_000)
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    with Checkpointer(tmp_path / "ck", every_n_steps=1000, async_save=False) as ck:
+        assert ck.emergency_save(1, _state(1))
+        assert ck.save(2, _state(2))
+        assert not ck.step(3, _state(3))
+        ck._dir.trash.wait(60.0)
+        ahead = _warnings(caplog, "the next save will not fit")
+        assert len(ahead) == 1 and "step 2" in ahead[0], caplog.text

@@ -34,7 +34,7 @@ from .emergency import GRACE_ENV, Emergency, start_watcher, watching
 from .metrics import Telemetry
 from .node_restore import NodeRestorer
 from .nodelocal import open_directory
-from .persisting import SaveStats
+from .persisting import SaveStats, check_next_save_fits
 from .recorder import Recorder
 from .restoring import Restorer, RestoreReport
 from .save_inputs import check_metrics
@@ -322,6 +322,10 @@ class Checkpointer(CheckpointerQueries):
                 raise err from e
             if not saved and not self._saver.allocated_ahead:
                 self._saver.allocate_ahead(state)
+            if self._saver.space_check_due:  # training goes on after an emergency_save()
+                self._saver.space_check_due = False
+                if not saved:  # (a save of this step checked before it wrote)
+                    check_next_save_fits(self._saver)
             return saved
         finally:
             if self.config.save_on_exception and not self._closed:
@@ -349,7 +353,9 @@ class Checkpointer(CheckpointerQueries):
         ``step`` is durable: False when it was saved already (its background save, waited for,
         or the one restored)."""
         self._check_open(writes=True)
-        return self._save_outside_step(step, state, metrics, "emergency", "emergency_save()")
+        saved = self._save_outside_step(step, state, metrics, "emergency", "emergency_save()")
+        self._saver.space_check_due = saved  # (the next step() checks the next save fits)
+        return saved
 
     def save(
         self,

@@ -311,6 +311,15 @@ def _make_room(saver: Saver, staging_dir: str, step: int) -> None:
         space.before_write(ck.dirpath, step, free, need)
 
 
+def check_next_save_fits(saver: Saver) -> None:
+    """Coordinator, once the last save is committed (and the next step() of a loop that goes on
+    after an ``emergency_save()``): warn, once retention's deletions are done, when the disk
+    has no room for another checkpoint of its size (not once ``close()`` began)."""
+    ck, last = saver.ck, saver.ck.last_save
+    if _preflight(saver) and last is not None:
+        space.after_commit(ck.dirpath, last.step, last.bytes, ck._dir.trash, lambda: ck._closed)
+
+
 def _preflight(saver: Saver) -> bool:
     """Whether this rank checks the free space before and after a save: the coordinator of a
     shared directory, when the last checkpoint's size says what the next one needs (not with
@@ -353,11 +362,13 @@ def _record(
         if ck.schedule is not None:  # the persist floor, before the next save carries it in
             ck.schedule.observe_persist(elapsed)
     ck.last_save = SaveStats(step, done.path, done.bytes, elapsed, reason, written)
-    if _preflight(saver) and reason not in ("final", "emergency"):  # the next save will not
-        # fit: said a save interval ahead; not after the run's last save (final; an emergency
-        # save, before the process stops -- known here, where the trash thread's check could
-        # run before close() began; or a save committed once close began)
-        space.after_commit(ck.dirpath, step, done.bytes, ck._dir.trash, lambda: ck._closed)
+    saver.space_check_due = False  # (an earlier emergency_save()'s: this save checks)
+    if reason not in ("final", "emergency"):  # the next save will not fit: said a save
+        # interval ahead; not after the run's last save (final; an emergency save, before the
+        # process stops -- known here, where the trash thread's check could run before close()
+        # began -- whose next step() checks if training goes on; or one committed once close
+        # began)
+        check_next_save_fits(saver)
     saver.committed_saves += 1
     ck._recorder.committed(
         step,

@@ -95,6 +95,9 @@ class Saver:
         self._every_step: Any = None  # the global optimizer pre-step hook (overlapped saves)
         self.skipped_saves = 0
         self.committed_saves = 0
+        # an emergency_save() committed: the next step() (training went on) checks that the
+        # save after it fits, which the save did not (it may be the run's last)
+        self.space_check_due = False
         self.metric_names: set[str] = set()  # reported (finite) with this run's saves
         self.save_waits = SaveWaits(speak=ck.is_coordinator)
         cfg = ck.config

@@ -8,8 +8,9 @@ checkpoint's size:
 
 - :func:`after_commit`: once a commit's retention has freed what it deletes, a warning that
   the *next* save will not fit, a whole save interval ahead (not after the run's last save:
-  a final one, an emergency one (a preemption's, an exception's, ``emergency_save()``: the
-  process stops after it), or one committed once ``close()`` began);
+  a final one, an emergency one (a preemption's, an exception's: the process stops after it),
+  or one committed once ``close()`` began; after an ``emergency_save()`` the next ``step()``
+  checks, when training goes on);
 - :func:`before_write`: before a save writes its first byte, a warning that this save will
   likely fail (what filled the disk since; the first save of a restarted process compares with
   the checkpoint it restored from).
