@@ -296,3 +296,82 @@ def _within(seconds: float, cond: Callable[[], bool]) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_two_exporters_starting_at_once_on_one_port_serve_one_and_name_the_conflict(monkeypatch):
+    """Each sink starts in its own thread, so the model's and the EMA's exporters, given one
+    port, can start at the same time. The old src checked that no exporter of this process
+    held the port and then bound it, unlocked: the second one checked while the first was
+    binding, found the port free, and either bound it first (the model's exporter then failed
+    with "address in use") or failed with "address in use" itself (retried, as a port of
+    another process is). Now the check and the bind are one step: the first serves, the second
+    is told at once that another Checkpointer of this process serves that port. Made
+    deterministic: the first exporter's bind waits until the second has reached the check
+    (or the lock before it)."""
+    import socket
+    import threading
+    import urllib.request
+
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from resilient_callbacks.errors import ConfigError
+    from resilient_callbacks.metrics import Telemetry
+    from resilient_callbacks.sinks import prometheus
+
+    with socket.socket() as s:  # a port free now (bound by the test's exporters from here on)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first, second = (prometheus.PrometheusExporter(port, addr="127.0.0.1") for _ in range(2))
+    binding, second_moved = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+    real_start = prometheus_client.start_http_server
+    real_lock = getattr(prometheus, "_SERVING_LOCK", threading.Lock())
+
+    def start_http_server(*a: Any, **k: Any) -> Any:
+        if threading.current_thread().name == "first":
+            binding.set()
+            assert second_moved.wait(60), "the second exporter did not start"
+        return real_start(*a, **k)
+
+    class Arrival:  # the lock, saying when the second exporter arrives at it
+        def __enter__(self) -> None:
+            if threading.current_thread().name == "second":
+                second_moved.set()
+            real_lock.acquire()
+
+        def __exit__(self, *exc: Any) -> None:
+            real_lock.release()
+
+    monkeypatch.setattr(prometheus_client, "start_http_server", start_http_server)
+    monkeypatch.setattr(prometheus, "_SERVING_LOCK", Arrival(), raising=False)
+
+    def start(name: str, sink: Any) -> None:
+        try:
+            sink.start(Telemetry())
+            outcome[name] = "serving"
+        except Exception as e:
+            outcome[name] = e
+        finally:
+            if name == "second":
+                second_moved.set()
+
+    threads = {
+        n: threading.Thread(target=start, args=(n, s), name=n)
+        for n, s in (("first", first), ("second", second))
+    }
+    try:
+        threads["first"].start()
+        assert binding.wait(60), "the first exporter did not start"
+        threads["second"].start()
+        for t in threads.values():
+            t.join(60)
+            assert not t.is_alive()
+        assert outcome["first"] == "serving", outcome
+        assert isinstance(outcome["second"], ConfigError), outcome
+        assert "another Checkpointer of this process" in str(outcome["second"])
+        assert f"prometheus:{port + 1}" in str(outcome["second"])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+            assert PREFIX + "uploads_total" in r.read().decode()  # (the first one serves)
+    finally:
+        first.close()
+        second.close()
+    assert not [h for h in prometheus._SERVING if h[1] == port]

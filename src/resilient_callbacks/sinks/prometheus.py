@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra 
 # the ports this process's exporters hold: (addr, first port, how many); a per_rank exporter
 # holds its node's range (port + each local rank), each rank serving one of them
 _SERVING: set[tuple[str, int, int]] = set()
+# held from an exporter's check of _SERVING until its server listens (or failed to) and is in
+# it, and while a closed one leaves it: each sink starts in its own thread, so two
+# Checkpointers' exporters given one port both found it free, and the second to bind failed
+# with "address in use" (retried, as a busy port of another process is) or bound first
+_SERVING_LOCK = threading.Lock()
 _WRITING: dict[str, Any] = {}  # file -> the textfile sink of this process writing it
 # (url, job, grouping key) -> the Pushgateway sink of this process pushing that group
 _PUSHING: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
@@ -132,36 +138,44 @@ class PrometheusExporter(_PrometheusBase):
         if self.per_rank and port:
             port += int(os.environ.get("LOCAL_RANK", telemetry.rank))
             held = (self.addr, self.port, _local_world_size())
-        other = next((h for h in _SERVING if port and _overlap(h, held)), None)
-        if other is not None:  # not retried: it is this process's own
-            span = f"{other[1]}..{other[1] + other[2] - 1}" if other[2] > 1 else str(other[1])
-            raise ConfigError(
-                f"another Checkpointer of this process serves its metrics on {self.addr}:{span} "
-                "(a model's and its EMA's, each with telemetry='prometheus'"
-                f"{'; per_rank: a port for each rank of this node' if other[2] > 1 else ''}): "
-                "give this one its own port, e.g. "
-                f"telemetry='prometheus:{other[1] + other[2]}', or one of them none"
-            )
-        try:
-            server, _thread = start_http_server(port, addr=self.addr, registry=self.registry)
-        except OSError as e:
-            raise OSError(
-                f"cannot listen on {self.addr}:{port} ({e.strerror or e}); is another exporter "
-                "using that port? Pick another with telemetry='prometheus:PORT'"
-            ) from None
-        self._server = server
-        self.port = int(server.server_port)
-        self._held = held if held[1] else (self.addr, self.port, 1)
-        _SERVING.add(self._held)
+        with _SERVING_LOCK:
+            other = next((h for h in _SERVING if port and _overlap(h, held)), None)
+            if other is not None:  # not retried: it is this process's own
+                raise _taken(self.addr, other)
+            try:
+                server, _thread = start_http_server(port, addr=self.addr, registry=self.registry)
+            except OSError as e:
+                raise OSError(
+                    f"cannot listen on {self.addr}:{port} ({e.strerror or e}); is another "
+                    "exporter using that port? Pick another with telemetry='prometheus:PORT'"
+                ) from None
+            self._server = server
+            self.port = int(server.server_port)
+            self._held = held if held[1] else (self.addr, self.port, 1)
+            _SERVING.add(self._held)
         self.name = f"prometheus exporter {self.addr}:{self.port}"
         log.info("metrics served for Prometheus at http://%s:%d/metrics", self.addr, self.port)
 
     def close(self) -> None:
         server, self._server = self._server, None
         if server is not None:
-            _SERVING.discard(self._held)
             server.shutdown()
             server.server_close()
+            with _SERVING_LOCK:  # (once the port is free: the next one given it can bind it)
+                _SERVING.discard(self._held)
+
+
+def _taken(addr: str, other: tuple[str, int, int]) -> ConfigError:
+    """The error of an exporter given a port that ``other`` (another open Checkpointer's
+    exporter of this process) serves."""
+    span = f"{other[1]}..{other[1] + other[2] - 1}" if other[2] > 1 else str(other[1])
+    return ConfigError(
+        f"another Checkpointer of this process serves its metrics on {addr}:{span} "
+        "(a model's and its EMA's, each with telemetry='prometheus'"
+        f"{'; per_rank: a port for each rank of this node' if other[2] > 1 else ''}): "
+        "give this one its own port, e.g. "
+        f"telemetry='prometheus:{other[1] + other[2]}', or one of them none"
+    )
 
 
 def _local_world_size() -> int:
