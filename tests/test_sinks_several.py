@@ -375,3 +375,71 @@ def test_two_exporters_starting_at_once_on_one_port_serve_one_and_name_the_confl
         first.close()
         second.close()
     assert not [h for h in prometheus._SERVING if h[1] == port]
+
+
+def test_two_textfiles_starting_at_once_at_one_path_name_the_conflict(tmp_path: Path, monkeypatch):
+    """As for exporters: two textfile sinks given one path and starting at the same moment
+    (each in its own thread) both found the path unclaimed in the old src and both rewrote the
+    file with their own values. Now one writes it, the other is told at once. Made
+    deterministic: each claim waits, between its look and its entry, until the other one has
+    looked too or arrived at the lock."""
+    import threading
+
+    pytest.importorskip("prometheus_client")
+    from resilient_callbacks.errors import ConfigError
+    from resilient_callbacks.metrics import Telemetry
+    from resilient_callbacks.sinks import CallableSink, prometheus
+
+    path = tmp_path / "ckpt.prom"
+    moved = {n: threading.Event() for n in ("first", "second")}  # looked, or at the lock
+    real_lock = getattr(prometheus, "_CLAIMING", threading.Lock())
+
+    def other() -> str:
+        return "second" if threading.current_thread().name == "first" else "first"
+
+    class Looks(dict):  # _WRITING, holding each claim between its look and its entry
+        def get(self, *a: Any) -> Any:
+            found = super().get(*a)
+            if threading.current_thread().name in moved:  # (not close() in the test's thread)
+                moved[threading.current_thread().name].set()
+                assert moved[other()].wait(60), "the other sink did not start"
+            return found
+
+    class Arrival:  # the lock, saying when a sink arrives at it
+        def __enter__(self) -> None:
+            if threading.current_thread().name in moved:
+                moved[threading.current_thread().name].set()
+            real_lock.acquire()
+
+        def __exit__(self, *exc: Any) -> None:
+            real_lock.release()
+
+    monkeypatch.setattr(prometheus, "_WRITING", Looks())
+    monkeypatch.setattr(prometheus, "_CLAIMING", Arrival(), raising=False)
+    outcome: dict[str, Any] = {}
+    sinks = {n: prometheus.PrometheusTextfile(path) for n in ("first", "second")}
+    # telemetry with a sink attached (an active one: a closed Checkpointer's claim is none)
+    telemetry = {n: Telemetry([CallableSink(lambda d: None)]) for n in sinks}
+
+    def start(name: str) -> None:
+        try:
+            sinks[name].start(telemetry[name])
+            outcome[name] = "writing"
+        except Exception as e:
+            outcome[name] = e
+
+    threads = [threading.Thread(target=start, args=(n,), name=n) for n in sinks]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive()
+        assert sorted(map(str, outcome.values())).count("writing") == 1, outcome
+        (refused,) = [e for e in outcome.values() if e != "writing"]
+        assert isinstance(refused, ConfigError), outcome
+        assert "another Checkpointer of this process writes its metrics to" in str(refused)
+    finally:
+        for name in sinks:
+            sinks[name].close()
+            telemetry[name].close()

@@ -42,6 +42,7 @@ _SERVING_LOCK = threading.Lock()
 _WRITING: dict[str, Any] = {}  # file -> the textfile sink of this process writing it
 # (url, job, grouping key) -> the Pushgateway sink of this process pushing that group
 _PUSHING: dict[tuple[str, str, tuple[tuple[str, str], ...]], Any] = {}
+_CLAIMING = threading.Lock()  # a claim's check and its entry in _WRITING/_PUSHING: one step
 
 
 class _Collector:
@@ -89,18 +90,20 @@ class _PrometheusBase:
         sink; raise ``ConfigError(conflict)`` where a sink of another open Checkpointer holds
         it (one whose Checkpointer closed, its last write or push still under way, is none).
         Not retried: the conflict is this process's own."""
-        other = table.get(key)
-        if other not in (None, self) and other.telemetry is not None and other.telemetry.active:
-            raise ConfigError(conflict)
-        table[key] = self
-        self._claimed = (table, key)
+        with _CLAIMING:  # (each sink starts in its own thread: two could both find it free)
+            other = table.get(key)
+            if other not in (None, self) and other.telemetry is not None and other.telemetry.active:
+                raise ConfigError(conflict)
+            table[key] = self
+            self._claimed = (table, key)
 
     def _release(self) -> None:
         """Give up what :meth:`_claim` held, unless another sink holds it since."""
         if self._claimed is not None:
             table, key = self._claimed
-            if table.get(key) is self:
-                del table[key]
+            with _CLAIMING:
+                if table.get(key) is self:
+                    del table[key]
             self._claimed = None
 
     def emit(
