@@ -32,13 +32,13 @@ from .cli_scan import (
     row,
     scan,
 )
-from .consolidate import zero_part_ids, zero_tensors
 from .dtypes import dtype_name
 from .errors import CheckpointError
 from .filepart import PARTS_EXTRA
 from .layout import SHARED_STRUCTURE, is_dcp_dropin, shared_meta
 from .reader import describe
 from .structure import TAG
+from .zero_index import zero_part_ids, zero_tensors
 
 _SCALARS = (bool, int, float, str, type(None))
 

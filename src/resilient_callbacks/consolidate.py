@@ -27,23 +27,16 @@ from safetensors.torch import save_file
 
 from . import reader, structure
 from .commit import ensure_dir, fsync_dir, fsync_tree
-from .dtypes import DTYPE_TO_ST
 from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from .export_target import EXPORT_MARKER, check_export_target
-from .filepart import PARTS_EXTRA, part_dir, parts_of_format
+from .filepart import PARTS_EXTRA, parts_of_format
 from .layout import LoadedPart, is_dcp_dropin
 from .manifest import Manifest, read_manifest
 from .part_reads import read_part_tensors
-from .tensorfile import read_verified
 from .wrapped import plain_name
+from .zero_index import zero_indexes, zero_part_ids
 
-ZERO_FORMAT = "zero-fragments/1"
 SHARDED_FORMAT = "resilient_callbacks.dcp.sharded/1"  # dcp.Sharded's parts
-
-
-def zero_part_ids(manifest: Manifest) -> list[str]:
-    """The parts of a checkpoint written by the DeepSpeed adapter's ZeroPart."""
-    return parts_of_format(manifest, ZERO_FORMAT)
 
 
 def sharded_part_ids(manifest: Manifest) -> list[str]:
@@ -104,45 +97,6 @@ def _is_lightning(full: Any) -> bool:
     return isinstance(full, dict) and "lightning" in full and "state_dict" in full
 
 
-def _zero_indexes(path: str, manifest: Manifest, part_id: str) -> Iterator[tuple[str, Any]]:
-    """``(file, index)`` of each rank's JSON index of ZeroPart ``part_id``, verified."""
-    folder = part_dir(part_id)
-    entries = {f.path: f for f in manifest.files}
-    index_names = sorted(
-        p for p in entries if p.startswith(folder + "/rank_") and p.endswith(".json")
-    )
-    if not index_names:
-        raise CheckpointCorruptError(f"{path}: part {part_id!r} lists no rank files")
-    for rel in index_names:
-        yield rel, json.loads(bytes(read_verified(os.path.join(path, rel), entries[rel].digest)))
-
-
-def zero_tensors(
-    path: str, manifest: Manifest, part_id: str, described: Mapping[str, Any]
-) -> dict[str, dict[str, Any]]:
-    """What ZeroPart ``part_id`` stores, for ``resilient-ckpt inspect``, as a ``dcp.Sharded``
-    part describes its tensors: ``{name: {"dtype", "shape", "chunks"}}``, the whole tensor's
-    shape and one chunk per rank holding a range of it. Each trained parameter's fp32 master
-    (``fp32/NAME``) and optimizer moments (``exp_avg/NAME``, ...: fp32, as ZeRO keeps them
-    beside the masters), and at ZeRO 3 each frozen parameter (``frozen/NAME``, the module's
-    dtype, ``described["dtype"]``)."""
-    module_dtype = getattr(torch, str(described.get("dtype")), None)
-    frozen_code = DTYPE_TO_ST.get(module_dtype) if isinstance(module_dtype, torch.dtype) else None
-    out: dict[str, dict[str, Any]] = {}
-    for _, index in _zero_indexes(path, manifest, part_id):
-        rank = index.get("rank")
-        sections = (("params", index.get("keys") or [], "F32"), ("frozen", ["frozen"], frozen_code))
-        for section, keys, code in sections:
-            for name, rng in (index.get(section) or {}).items():
-                for key in keys:
-                    entry = out.setdefault(
-                        f"{key}/{name}", {"dtype": code, "shape": rng["shape"], "chunks": []}
-                    )
-                    if rng["numel"]:
-                        entry["chunks"].append([rank, int(rng["start"]), int(rng["numel"])])
-    return out
-
-
 def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, torch.Tensor]:
     """Full parameters from every rank's ranges of ZeroPart ``part_id``, verified: the trained
     ones' fp32 masters and, at ZeRO 3, the frozen ones as saved."""
@@ -150,7 +104,7 @@ def consolidate_zero(path: str, manifest: Manifest, part_id: str) -> dict[str, t
     out: dict[str, torch.Tensor] = {}  # name -> the flattened parameter being filled
     shapes: dict[str, list[int]] = {}
     filled: dict[str, int] = {}
-    for rel, index in _zero_indexes(path, manifest, part_id):
+    for rel, index in zero_indexes(path, manifest, part_id):
         st_rel = rel[: -len(".json")] + ".safetensors"
         if st_rel not in entries:
             raise CheckpointCorruptError(f"{path}: the manifest does not list {st_rel}")
