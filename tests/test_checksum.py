@@ -23,11 +23,11 @@ from resilient_callbacks.checksum import (
 from resilient_callbacks.errors import CheckpointCorruptError
 from resilient_callbacks.filewrite import digest_file
 from resilient_callbacks.manifest import Manifest, read_manifest
+from resilient_callbacks.tensor_headers import read_verified
 from resilient_callbacks.tensorfile import (
     FileDigest,
     map_tensors_verified,
     read_tensors_verified,
-    read_verified,
     write_tensors,
 )
 

@@ -1,4 +1,4 @@
-"""The CLI is fast at first contact: only the commands that handle tensors import torch (~2 s).
+"""The CLI is fast at first contact: only ``export``, which writes tensors, imports torch (~2 s).
 
 Each command runs as a user runs it, the real ``resilient-ckpt`` executable in a subprocess, with
 Python's import profiling on (``PYTHONPROFILEIMPORTTIME``): what it imported is read from that
@@ -69,6 +69,26 @@ def test_push_pull_and_verify_of_a_remote_import_no_torch(run_dir, tmp_path):
     assert os.path.isdir(tmp_path / "pulled" / "step_000000030")
 
 
-def test_inspect_imports_torch_as_it_reads_tensors(run_dir):
-    """The check above sees an import of torch where there is one."""
-    assert "torch" in imported("inspect", run_dir)
+def test_inspect_imports_no_torch(run_dir, tmp_path):
+    """``inspect`` names each tensor's dtype and shape from the safetensors headers, which
+    need no torch (it imported torch, about 2 s, for a listing): a plain checkpoint, a
+    compressed one (headers decompressed) and an incremental one (tensors in blobs)."""
+    compressed, incremental = str(tmp_path / "zst"), str(tmp_path / "inc")
+    pytest.importorskip("zstandard")
+    make_run(compressed, steps=(10,), compression="zstd")
+    make_run(incremental, steps=(10, 20), incremental=True)
+    for args in (
+        ["inspect", run_dir],
+        ["inspect", run_dir, "--json"],
+        ["inspect", run_dir, "--fast", "--step", "20"],
+        ["inspect", os.path.join(run_dir, "step_000000030")],
+        ["inspect", compressed],
+        ["inspect", incremental, "--json"],
+    ):
+        heavy = imported(*args) & HEAVY
+        assert not heavy, f"resilient-ckpt {' '.join(args)} imported {sorted(heavy)}"
+
+
+def test_export_imports_torch_as_it_writes_tensors(run_dir, tmp_path):
+    """The checks above see an import of torch where there is one."""
+    assert "torch" in imported("export", run_dir, str(tmp_path / "out"))

@@ -3,9 +3,9 @@ and clean up a checkpoint directory, and copy checkpoints to and from a remote s
 
 This module builds the parser and dispatches; each command lives in a module imported only
 when it runs (``cli_ls``: ls; ``cli_local``: gc; ``cli_verify``; ``cli_inspect``;
-``cli_remote``: pull, push; ``cli_remote_verify``: verify URL). Only the commands that handle tensors (inspect,
-export) import torch (:mod:`.cli_torch_import`): ``--help``, ``ls``, ``verify``, ``gc``, ``push``
-and ``pull`` start in a fraction of its ~2 s import. See docs/cli.md.
+``cli_remote``: pull, push; ``cli_remote_verify``: verify URL). Only ``export`` (and ``inspect``
+of a ``dcp.save`` checkpoint) imports torch (:mod:`.cli_torch_import`): the others start in a
+fraction of its ~2 s import. See docs/cli.md.
 """
 
 from __future__ import annotations
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         from .cli_torch_import import torch_import_guarded
 
         # a shared blob checked once; torch, imported only by a command that needs tensors
-        # (inspect, export), cannot swallow a Ctrl-C
+        # (export; inspect of a dcp.save checkpoint), cannot swallow a Ctrl-C
         with torch_import_guarded(), blobs_read_once(), reading_said(args.cmd):
             return int(args.fn(args))
     except CheckpointError as e:

@@ -32,12 +32,11 @@ from .cli_scan import (
     row,
     scan,
 )
-from .dtypes import dtype_name
+from .dtype_codes import dtype_name
 from .errors import CheckpointError
-from .filepart import PARTS_EXTRA
-from .layout import SHARED_STRUCTURE, is_dcp_dropin, shared_meta
+from .layout_meta import SHARED_STRUCTURE, TAG, is_dcp_dropin, shared_meta
+from .part_names import PARTS_EXTRA
 from .reader import describe
-from .structure import TAG
 from .zero_index import zero_part_ids, zero_tensors
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -147,7 +146,7 @@ def _part(part_id: str, described: Any, path: str, out: list[dict]) -> None:
 
 def _dtype_name(code: Any) -> Any:
     """A tensor's dtype as torch names it (``float32``), as for the checkpoint's own tensors
-    (:func:`.tensorfile.tensor_meta`): parts record safetensors codes (``F32``)."""
+    (:func:`.tensor_headers.tensor_meta`): parts record safetensors codes (``F32``)."""
     return dtype_name(code) if isinstance(code, str) else code
 
 

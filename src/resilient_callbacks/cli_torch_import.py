@@ -1,8 +1,8 @@
 """torch imported by a CLI command without losing a Ctrl-C.
 
-Only the commands that handle tensors (``inspect``, ``export``) import torch, and only when they
-reach that point; ``--help``, ``ls``, ``verify``, ``gc``, ``push`` and ``pull`` of an ordinary
-checkpoint need none (its import costs ~2 s). torch's import loads numpy from C and clears
+Only ``export`` (which writes tensors) and ``inspect`` of a checkpoint written by ``dcp.save``
+import torch, and only when they reach that point; the other commands, and ``inspect`` of an
+ordinary checkpoint (dtypes and shapes from the safetensors headers), need none (its import costs ~2 s). torch's import loads numpy from C and clears
 whatever error that raised, a KeyboardInterrupt too: a Ctrl-C in that second was lost, and the
 command ran to its end (a gc deleted) with exit status 0. :func:`torch_import_guarded` makes
 every import of torch while a command runs, wherever it happens, remember a Ctrl-C and raise it

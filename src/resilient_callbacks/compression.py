@@ -31,15 +31,14 @@ import numpy as np
 import torch
 
 from .errors import CheckpointCorruptError, ConfigError
+from .tensor_headers import header_bytes, parse_header, zstd
 from .tensorfile import (
     CHUNK,
     FileDigest,
     _as_bytes,
     _layout,
-    header_bytes,
     lay_out,
     new_hasher,
-    parse_header,
 )
 
 SUFFIX = ".zst"
@@ -47,18 +46,6 @@ SHUFFLE_BLOCK = 16 << 20  # a multiple of every element size (and the write chun
 CODECS = ("zstd", "zstd+shuffle")
 MODES = ("none", "zstd", "auto")
 SAMPLE_BYTES = 32 << 20  # what "auto" compresses to measure throughput and ratio
-
-
-def zstd() -> Any:
-    """The ``zstandard`` module, or a :class:`ConfigError` naming the extra to install."""
-    try:
-        import zstandard
-    except ImportError:
-        raise ConfigError(
-            "compression='zstd'/'auto' needs the zstandard package, which is not installed: "
-            "pip install 'resilient-callbacks[zstd]' (or compression='none')"
-        ) from None
-    return zstandard
 
 
 def check_options(mode: Any, level: Any, shuffle: Any) -> None:
@@ -169,14 +156,6 @@ def codec_name(with_shuffle: bool) -> str:
     return "zstd+shuffle" if with_shuffle else "zstd"
 
 
-def compressed_meta(path: str) -> dict[str, tuple[str, list[int]]]:
-    """``{name: (dtype, shape)}`` of a compressed tensor file, decompressing only its header."""
-    from .tensorfile import header_bytes, tensor_meta
-
-    with open(path, "rb") as f, zstd().ZstdDecompressor().stream_reader(f) as r:
-        return tensor_meta(header_bytes(r, path))
-
-
 def read_tensors_compressed(
     path: str, expect: FileDigest | None, codec: str
 ) -> dict[str, torch.Tensor]:
@@ -227,7 +206,7 @@ def read_tensors_compressed(
 def _check_stored(path: str, expect: FileDigest | None) -> None:
     """Size and checksum of the stored (compressed) file against ``expect``, streamed."""
     from .filewrite import digest_file
-    from .tensorfile import _check_digest, _checked_size
+    from .tensor_headers import _check_digest, _checked_size
 
     _checked_size(path, expect)
     if expect is not None:

@@ -29,9 +29,10 @@ from . import reader, structure
 from .commit import ensure_dir, fsync_dir, fsync_tree
 from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from .export_target import EXPORT_MARKER, check_export_target
-from .filepart import PARTS_EXTRA, parts_of_format
-from .layout import LoadedPart, is_dcp_dropin
+from .layout import LoadedPart
+from .layout_meta import is_dcp_dropin
 from .manifest import Manifest, read_manifest
+from .part_names import PARTS_EXTRA, parts_of_format
 from .part_reads import read_part_tensors
 from .wrapped import plain_name
 from .zero_index import zero_indexes, zero_part_ids

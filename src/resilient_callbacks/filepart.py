@@ -61,7 +61,8 @@ import torch
 
 from .errors import UnsupportedStateError
 from .filewrite import write_json
-from .manifest import FileEntry, Manifest
+from .manifest import FileEntry
+from .part_names import PARTS_EXTRA, part_dir
 from .tensorfile import DirectBuffer, write_tensors
 
 if TYPE_CHECKING:
@@ -70,22 +71,6 @@ if TYPE_CHECKING:
     from .unchanged import PartTracker, Sig
 
 log = logging.getLogger("resilient_callbacks")
-
-PARTS_DIR = "parts"
-PARTS_EXTRA = "parts"  # the manifest's ``extra`` key for what each part's describe() said
-
-
-def part_dir(part_id: str) -> str:
-    """The folder (relative to the checkpoint) of the part at ``part_id``."""
-    return f"{PARTS_DIR}/{part_id}"
-
-
-def parts_of_format(manifest: Manifest, fmt: str) -> list[str]:
-    """The ids of the parts whose describe() recorded ``"format": fmt`` in ``manifest``."""
-    described = manifest.extra.get(PARTS_EXTRA)
-    if not isinstance(described, dict):
-        return []
-    return [pid for pid, d in described.items() if isinstance(d, dict) and d.get("format") == fmt]
 
 
 def _check_name(name: str) -> str:

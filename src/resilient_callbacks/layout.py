@@ -19,7 +19,7 @@ in ``shared.safetensors`` but in the run's blob store; ``shared.json`` maps each
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,38 +28,26 @@ import torch
 
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .filewrite import write_json
+from .layout_meta import SHARED_STRUCTURE, SHARED_TENSORS, is_dcp_dropin, manifest_entry
 from .manifest import FileEntry, Manifest
 from .structure import Encoded
+from .tensor_headers import read_verified
 from .tensorfile import (
     DirectBuffer,
     FileDigest,
     map_tensors_verified,
-    read_verified,
-    tensor_meta,
     write_tensors,
 )
 
 if TYPE_CHECKING:
     from .blobs import BlobSession
 
-SHARED_STRUCTURE = "shared.json"
-SHARED_TENSORS = "shared.safetensors"
 LAYOUT_VERSION = 1  # 2: shared.json maps tensors to blobs ("blobs")
 PARALLEL_MIN = 64 << 20  # both tensor files at least this big: read them in parallel
 
 
 def rank_structure(rank: int) -> str:
     return f"rank_{rank:05d}.json"
-
-
-# a checkpoint written by ``dcp.save`` through ``dcp.ResilientStorageWriter`` has this file (its
-# keys, as JSON) and no SHARED_STRUCTURE
-DCP_METADATA = "dcp_metadata.json"
-
-
-def is_dcp_dropin(manifest: Manifest) -> bool:
-    """Whether the checkpoint was written by ``dcp.save`` through ``ResilientStorageWriter``."""
-    return any(f.path == DCP_METADATA for f in manifest.files)
 
 
 def rank_tensors(rank: int) -> str:
@@ -140,39 +128,6 @@ class LoadedPart:
     tensors: dict[str, torch.Tensor]
 
 
-def _entry(manifest: Manifest, name: str, where: str) -> FileEntry:
-    """The manifest's entry of ``name``, or of its compressed form ``name.zst``."""
-    for f in manifest.files:
-        if f.path == name or (f.codec and f.path == name + ".zst"):
-            return f
-    raise CheckpointCorruptError(f"{where}: the manifest does not list {name}")
-
-
-def file_meta(path: str, entry: FileEntry) -> dict[str, tuple[str, list[int]]]:
-    """``{name: (dtype, shape)}`` of one tensor file (or blob), reading only its header."""
-    if entry.codec:
-        from .compression import compressed_meta
-
-        return compressed_meta(path)
-    return tensor_meta(path)
-
-
-def shared_meta(path: str, manifest: Manifest, refs: Mapping[str, str]) -> dict[str, Any]:
-    """``{name: (dtype, shape)}`` of a checkpoint's replicated tensors, compressed or not, those
-    stored as blobs (``refs``: tensor name -> blob name) included; headers only."""
-    from .blobs import blob_path
-
-    entry = _entry(manifest, SHARED_TENSORS, path)
-    meta: dict[str, Any] = file_meta(os.path.join(path, entry.path), entry)
-    by_name = {b.path: b for b in manifest.blobs}
-    for tname, bname in refs.items():
-        b = by_name.get(bname)
-        got = file_meta(blob_path(path, bname), b) if b is not None else {}
-        if len(got) == 1:
-            meta[tname] = next(iter(got.values()))
-    return meta
-
-
 def load_tensor_file(path: str, entry: FileEntry) -> dict[str, torch.Tensor]:
     """Read one tensor file (or blob) of a checkpoint, verified against its entry."""
     if entry.codec:
@@ -213,7 +168,7 @@ def read_json(path: str, manifest: Manifest, name: str) -> Any:
     """The JSON file ``name`` of the checkpoint at ``path``, verified against its manifest."""
     import json
 
-    buf = read_verified(os.path.join(path, name), _entry(manifest, name, path).digest)
+    buf = read_verified(os.path.join(path, name), manifest_entry(manifest, name, path).digest)
     try:
         return json.loads(bytes(buf))
     except ValueError as e:
@@ -235,14 +190,14 @@ def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] 
         )
 
     def load_tensors(name: str) -> dict[str, torch.Tensor]:
-        entry = _entry(manifest, name, path)
+        entry = manifest_entry(manifest, name, path)
         return load_tensor_file(os.path.join(path, entry.path), entry)
 
     shared = read_json(path, manifest, SHARED_STRUCTURE)
     if rank < manifest.world_size:
         local = read_json(path, manifest, rank_structure(rank))
         names = [SHARED_TENSORS, rank_tensors(rank)]
-        sizes = [_entry(manifest, n, path).size for n in names]
+        sizes = [manifest_entry(manifest, n, path).size for n in names]
         if min(sizes) >= PARALLEL_MIN:
             # two big files: read (and hash) them at once; each read releases the GIL
             with ThreadPoolExecutor(2, thread_name_prefix="rc-read") as pool:

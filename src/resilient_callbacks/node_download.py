@@ -21,7 +21,6 @@ from . import catalog, remote_blobs, stall
 from .blobs import TMP_PREFIX, key_of, store_dir
 from .catalog import Depth
 from .commit import STAGING_PREFIX
-from .compression import zstd
 from .errors import CheckpointCorruptError
 from .filewrite import encode_json, write_bytes
 from .layout import SHARED_STRUCTURE
@@ -29,7 +28,7 @@ from .manifest import FileEntry, Manifest
 from .nodelocal import REMOTE_MANIFEST, NodeDirectory, is_shared, needed
 from .part_blobs import parse_refs
 from .remote_download import arrived, failing
-from .tensorfile import header_bytes, parse_header
+from .tensor_headers import header_bytes, parse_header, zstd
 
 if TYPE_CHECKING:
     from .remote import RemoteStore

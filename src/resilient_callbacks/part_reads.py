@@ -12,9 +12,11 @@ import os
 import torch
 
 from .errors import CheckpointCorruptError, CheckpointMismatchError
-from .filepart import PARTS_EXTRA, FilePart, PartInfo, PartReader, _check_name, part_dir
+from .filepart import FilePart, PartInfo, PartReader, _check_name
 from .manifest import FileEntry, Manifest
-from .tensorfile import map_tensors_verified, read_verified
+from .part_names import PARTS_EXTRA, part_dir
+from .tensor_headers import read_verified
+from .tensorfile import map_tensors_verified
 
 
 def read_part_files(path: str, manifest: Manifest, part: FilePart, info: PartInfo) -> PartReader:

@@ -31,11 +31,10 @@ import xxhash
 from . import mapped, module_versions
 from .errors import CheckpointMismatchError, UnsupportedStateError
 from .filepart import FilePart
+from .layout_meta import TAG
 from .optim import hookable, param_shapes
 from .refusals import fix_for, refuse_int, refuse_numpy, refuse_stateful, refuse_tensor
 from .wrapped import plain_module
-
-TAG = "__rc__"
 
 _JSON_SCALARS = (bool, int, str, type(None))
 

@@ -9,13 +9,11 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import torch
-
-from .dtypes import DTYPE_TO_ST
+from .dtype_codes import ST_CODES
 from .errors import CheckpointCorruptError
-from .filepart import part_dir, parts_of_format
 from .manifest import Manifest
-from .tensorfile import read_verified
+from .part_names import part_dir, parts_of_format
+from .tensor_headers import read_verified
 
 ZERO_FORMAT = "zero-fragments/1"
 
@@ -47,8 +45,7 @@ def zero_tensors(
     (``fp32/NAME``) and optimizer moments (``exp_avg/NAME``, ...: fp32, as ZeRO keeps them
     beside the masters), and at ZeRO 3 each frozen parameter (``frozen/NAME``, the module's
     dtype, ``described["dtype"]``)."""
-    module_dtype = getattr(torch, str(described.get("dtype")), None)
-    frozen_code = DTYPE_TO_ST.get(module_dtype) if isinstance(module_dtype, torch.dtype) else None
+    frozen_code = ST_CODES.get(str(described.get("dtype")))
     out: dict[str, dict[str, Any]] = {}
     for _, index in zero_indexes(path, manifest, part_id):
         rank = index.get("rank")

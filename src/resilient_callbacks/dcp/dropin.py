@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..dtypes import DTYPE_TO_ST
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from ..manifest import Manifest, read_manifest
-from ..tensorfile import read_verified
+from ..tensor_headers import read_verified
 from .metadata_json import METADATA_NAME, from_json
 from .storage_reader import ResilientStorageReader
 

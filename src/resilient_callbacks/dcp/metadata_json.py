@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..dtypes import DTYPE_TO_ST, ST_TO_DTYPE, unsupported
 from ..errors import CheckpointCorruptError, UnsupportedStateError
-from ..layout import DCP_METADATA
+from ..layout_meta import DCP_METADATA
 from .chunks import Box, join, overlap_problem, split
 
 FORMAT = "resilient_callbacks.dcp.metadata/1"

@@ -52,7 +52,7 @@ from ..errors import (
 from ..export_target import within
 from ..manifest import MANIFEST_NAME, check_relative, read_manifest
 from ..reader import abandoned, by_commit, committed, find, unordered
-from ..tensorfile import read_verified
+from ..tensor_headers import read_verified
 from . import lineage
 from .chunks import join
 from .metadata_json import METADATA_NAME, from_json

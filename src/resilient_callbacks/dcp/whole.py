@@ -13,8 +13,8 @@ import logging
 import torch
 
 from ..errors import CheckpointCorruptError, warn_and_log
-from ..filepart import PARTS_EXTRA, part_dir
 from ..manifest import Manifest
+from ..part_names import PARTS_EXTRA, part_dir
 from ..part_reads import read_part_tensors
 from .assemble import assemble, tensor_file
 from .chunks import Box, unescape
