@@ -8,7 +8,9 @@ a manifest naming anything outside its own directory is rejected.
 The manifest carries a checksum of itself (``manifest_xxh3_64``: xxh3-64 of the rest of it in a
 canonical JSON form), so a damaged manifest that still parses -- a flipped digit of its step or
 commit number, of a metric or of a file's size -- is refused rather than believed. A manifest
-without one (written before it existed) is read as before.
+without one (written before it existed) is read as before, but its step must be the one its
+directory is named after (``step_<step>``): a damaged digit of it made a restore resume from
+another step's state, silently.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ NEWER_FORMAT = "is newer than this library understands"  # in the refusal: never
 BLOB_KIND = "blob"
 # <xxh3-128>.safetensors, or compressed <xxh3-128>.z[s]<level>.safetensors.zst (s: shuffled):
 # one name per stored byte sequence, so a blob is never replaced by other bytes of its name
+# a checkpoint's directory name (step_<step>, -<n> for another commit of one step; -r<n> on a
+# remote store: beside an unreadable one)
+_STEP_NAME_RE = re.compile(r"^step_(\d+)(?:-\d+)?(?:-r\d+)?$")
 BLOB_NAME_RE = re.compile(r"^[0-9a-f]{32}(\.zs?-?[0-9]{1,2}\.safetensors\.zst|\.safetensors)$")
 
 
@@ -130,7 +135,11 @@ class Manifest:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any], where: str = "manifest") -> Manifest:
+    def from_json(
+        cls, d: dict[str, Any], where: str = "manifest", dir_name: str | None = None
+    ) -> Manifest:
+        """The manifest ``d`` (parsed JSON) of the checkpoint named ``dir_name`` (where known),
+        or :class:`CheckpointCorruptError` saying what is wrong with it."""
         if d.get("format") != FORMAT_NAME:
             raise CheckpointCorruptError(f"{where}: not a resilient_callbacks manifest")
         try:
@@ -176,6 +185,8 @@ class Manifest:
                 f"{where}: malformed manifest ({type(e).__name__}: {e})"
             ) from None
         _check_self(d, where)
+        if SELF_CHECKSUM not in d and dir_name is not None:
+            _check_named_step(m.step, dir_name, where)
         return m
 
 
@@ -195,6 +206,19 @@ def _check_self(d: dict[str, Any], where: str) -> None:
         raise CheckpointCorruptError(
             f"{where}: the manifest's own checksum does not match ({SELF_CHECKSUM} {claimed!r}, "
             f"its content hashes to {got!r}): it was changed or damaged after it was written"
+        )
+
+
+def _check_named_step(step: int, dir_name: str, where: str) -> None:
+    """A manifest without its own checksum (an older writer's): its step must be the one its
+    checkpoint's directory ``dir_name`` is named after (no check for a name of another form,
+    a copy named by hand). Its other values cannot be checked."""
+    named = _STEP_NAME_RE.match(dir_name)
+    if named is not None and int(named.group(1)) != step:
+        raise CheckpointCorruptError(
+            f"{where}: the manifest says step {step}, but its checkpoint is named {dir_name}: "
+            "it was damaged after it was written (it was written by an older version, without "
+            "the checksum of itself that would tell more); a checkpoint of another step is used"
         )
 
 
@@ -256,7 +280,7 @@ def read_manifest(ckpt_dir: str) -> Manifest:
         raise CheckpointCorruptError(f"{path}: unreadable manifest ({type(e).__name__})") from None
     if not isinstance(data, dict):
         raise CheckpointCorruptError(f"{path}: manifest is not a JSON object")
-    return Manifest.from_json(data, path)
+    return Manifest.from_json(data, path, os.path.basename(os.path.normpath(ckpt_dir)))
 
 
 def versions() -> dict[str, str]:

@@ -168,7 +168,7 @@ def parse_manifest(st: RemoteStore, name: str, raw: bytes) -> Manifest:
         raise CheckpointCorruptError(f"{where}: unreadable manifest ({e})") from None
     if not isinstance(data, dict):
         raise CheckpointCorruptError(f"{where}: manifest is not a JSON object")
-    return Manifest.from_json(data, where)
+    return Manifest.from_json(data, where, name)
 
 
 def read_manifests(
