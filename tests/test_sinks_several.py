@@ -443,3 +443,25 @@ def test_two_textfiles_starting_at_once_at_one_path_name_the_conflict(tmp_path: 
         for name in sinks:
             sinks[name].close()
             telemetry[name].close()
+
+
+def test_an_exporter_on_all_addresses_and_one_on_localhost_at_one_port_name_the_conflict(
+    tmp_path: Path, caplog
+):
+    """The model's exporter on ``127.0.0.1:PORT``, the EMA's given ``0.0.0.0:PORT`` (every
+    address: localhost too): the old src compared the address strings, found no conflict, and
+    the EMA's failed with "address in use ... is another exporter using that port?" and was
+    retried for minutes. It is told at once that another Checkpointer of this process serves
+    that port."""
+    pytest.importorskip("prometheus_client")
+    with (
+        caplog.at_level(logging.WARNING, logger="resilient_callbacks"),
+        Checkpointer(tmp_path / "model", every_n_steps=5, telemetry="prometheus:127.0.0.1:0") as a,
+    ):
+        port = exporter_port(a)
+        with Checkpointer(tmp_path / "ema", every_n_steps=10, telemetry=f"prometheus:{port}") as b:
+            _train_both(a, b, 10)
+    said = [r.getMessage() for r in caplog.records if "metrics sink" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"another Checkpointer of this process serves its metrics on 127.0.0.1:{port}" in said[0]
+    assert "switched off" in said[0]

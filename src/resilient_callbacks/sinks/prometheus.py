@@ -144,7 +144,7 @@ class PrometheusExporter(_PrometheusBase):
         with _SERVING_LOCK:
             other = next((h for h in _SERVING if port and _overlap(h, held)), None)
             if other is not None:  # not retried: it is this process's own
-                raise _taken(self.addr, other)
+                raise _taken(other)
             try:
                 server, _thread = start_http_server(port, addr=self.addr, registry=self.registry)
             except OSError as e:
@@ -168,9 +168,10 @@ class PrometheusExporter(_PrometheusBase):
                 _SERVING.discard(self._held)
 
 
-def _taken(addr: str, other: tuple[str, int, int]) -> ConfigError:
+def _taken(other: tuple[str, int, int]) -> ConfigError:
     """The error of an exporter given a port that ``other`` (another open Checkpointer's
     exporter of this process) serves."""
+    addr = other[0]
     span = f"{other[1]}..{other[1] + other[2] - 1}" if other[2] > 1 else str(other[1])
     return ConfigError(
         f"another Checkpointer of this process serves its metrics on {addr}:{span} "
@@ -190,8 +191,16 @@ def _local_world_size() -> int:
 
 
 def _overlap(a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
-    """Whether two (addr, first port, count) ranges share a port on one address."""
-    return a[0] == b[0] and a[1] < b[1] + b[2] and b[1] < a[1] + a[2]
+    """Whether two (addr, first port, count) ranges share a port on one address (every
+    address, ``0.0.0.0`` or ``::``, includes each of its family: compared as strings, an
+    exporter on ``0.0.0.0`` beside one on ``127.0.0.1`` failed with "address in use")."""
+    return _same_address(a[0], b[0]) and a[1] < b[1] + b[2] and b[1] < a[1] + a[2]
+
+
+def _same_address(x: str, y: str) -> bool:
+    if x == y or "::" in (x, y) or "" in (x, y):  # ("::" takes IPv4 too, on Linux's default)
+        return True
+    return "0.0.0.0" in (x, y) and ":" not in x + y
 
 
 class PrometheusTextfile(_PrometheusBase):
