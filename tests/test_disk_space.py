@@ -35,17 +35,18 @@ def test_a_commit_that_leaves_no_room_for_the_next_save_warns_ahead(
     small_tmpfs, caplog, async_save
 ):
     """keep_last=3 on a 4 MiB disk: three 1.2 MB checkpoints fit, the fourth save cannot (it
-    writes before retention deletes). The third commit says so; the fourth save fails with
-    ENOSPC, keeping the three."""
+    writes before retention deletes). The step after the third commit says so (training goes
+    on: there is a next save); the fourth save fails with ENOSPC, keeping the three."""
     caplog.set_level(logging.INFO, logger="resilient_callbacks")
     root = small_tmpfs / "ck"
-    with Checkpointer(root, keep_last=3, async_save=async_save) as ck:
+    with Checkpointer(root, keep_last=3, async_save=async_save, every_n_steps=1000) as ck:
         for step in (1, 2):
             ck.save(step, _state(step))
             ck.flush()
         assert not _warnings(caplog, "will not fit")
         ck.save(3, _state(3))
         ck.flush()
+        assert not ck.step(3, _state(3))  # (not due)
         ck._dir.trash.wait(60.0)  # (the check runs once retention's deletions are done)
         ahead = _warnings(caplog, "the next save will not fit")
         assert len(ahead) == 1, ahead
@@ -355,38 +356,46 @@ def test_the_runs_last_save_gives_no_warning_about_a_next_save(small_tmpfs, capl
     assert not _warnings(caplog, "the next save will not fit"), caplog.text
 
 
-@pytest.mark.parametrize("then", ["trains on", "closes"])
-@pytest.mark.parametrize("save", ["emergency_save()", "save()"])
-def test_a_save_outside_the_schedule_warns_of_the_next_only_when_training_goes_on(
+@pytest.mark.parametrize("then", ["trains on", "closes", "saves again"])
+@pytest.mark.parametrize("save", ["emergency_save()", "save()", "step()"])
+def test_a_save_warns_of_the_next_only_when_training_goes_on(
     tmp_path, caplog, monkeypatch, save, then
 ):
-    """A plain loop that calls ``emergency_save()`` (it detected a failure itself) or
-    ``save()`` and then trains on has a next save: a disk too small for it is said then, a save
-    interval ahead, as after a periodic save. ``emergency_save()`` gave no warning at all (taken
-    for the run's last save, as a preemption's is). One followed by ``close()`` is the run's
-    last: no warning. The free-space probe reports 1 kB free (less than a checkpoint)."""
+    """A plain loop that calls ``emergency_save()`` (it detected a failure itself), ``save()``
+    or a ``step()`` that saves, and then trains on has a next save: a disk too small for it is
+    said at the next step, a save interval ahead. ``emergency_save()`` gave no warning at all
+    (taken for the run's last save, as a preemption's is). One followed by ``close()`` is the
+    run's last: no warning (a ``save()`` or a periodic save warned "the next save will not
+    fit" at the end of such runs: the check, on the trash bin's thread, ran before close()).
+    A loop that only calls ``save()`` is warned before its next save writes. The free-space
+    probe reports 1 kB free (less than a checkpoint)."""
     from resilient_callbacks import space
 
     monkeypatch.setattr(space, "free_bytes", lambda path: 1_000)
     caplog.set_level(logging.INFO, logger="resilient_callbacks")
-    ck = Checkpointer(tmp_path / "ck", every_n_steps=1000, async_save=False, preemption=False)
+    every = 2 if save == "step()" else 1000  # (step 2 due, step 3 not)
+    ck = Checkpointer(tmp_path / "ck", every_n_steps=every, async_save=False, preemption=False)
     try:
-        for step in (1, 2):
-            assert not ck.step(step, _state(step))  # (not due: no save)
+        assert not ck.step(1, _state(1))  # (not due: no save)
         if save == "save()":
             assert ck.save(2, _state(2))
-        else:
+        elif save == "emergency_save()":
             assert ck.emergency_save(2, _state(2))
+        else:
+            assert ck.step(2, _state(2))
         if then == "trains on":
             assert not ck.step(3, _state(3))
-            ck._dir.trash.wait(60.0)  # (the check runs once retention's deletions are done)
-            ahead = _warnings(caplog, "the next save will not fit")
-            assert len(ahead) == 1, caplog.text
-            assert "step 2" in ahead[0]
+        elif then == "saves again":
+            assert ck.save(3, _state(3))
+        ck._dir.trash.wait(60.0)  # (the check, were there one, runs before close() begins)
+        ahead = _warnings(caplog, "the next save will not fit")
+        assert len(ahead) == (then == "trains on"), caplog.text
+        assert all("step 2" in a for a in ahead)
+        before = _warnings(caplog, "the save of step 3 will likely fail")
+        assert len(before) == (then == "saves again"), caplog.text
     finally:
         ck.close()
-    if then == "closes" and save == "emergency_save()":
-        assert not _warnings(caplog, "the next save will not fit"), caplog.text
+    assert len(_warnings(caplog, "the next save will not fit")) == (then == "trains on")
 
 
 def test_a_save_after_an_emergency_save_checks_once(tmp_path, caplog, monkeypatch):

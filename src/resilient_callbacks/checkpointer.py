@@ -322,10 +322,9 @@ class Checkpointer(CheckpointerQueries):
                 raise err from e
             if not saved and not self._saver.allocated_ahead:
                 self._saver.allocate_ahead(state)
-            if self._saver.space_check_due:  # training goes on after an emergency_save()
-                self._saver.space_check_due = False
-                if not saved:  # (a save of this step checked before it wrote)
-                    check_next_save_fits(self._saver)
+            if not saved and self._saver.space_check_due:  # training goes on after a commit
+                self._saver.space_check_due = False  # (a save clears it: it checks before writing)
+                check_next_save_fits(self._saver)
             return saved
         finally:
             if self.config.save_on_exception and not self._closed:
@@ -354,7 +353,8 @@ class Checkpointer(CheckpointerQueries):
         or the one restored)."""
         self._check_open(writes=True)
         saved = self._save_outside_step(step, state, metrics, "emergency", "emergency_save()")
-        self._saver.space_check_due = saved  # (the next step() checks the next save fits)
+        if saved:  # (the next step() checks the next save fits)
+            self._saver.space_check_due = True
         return saved
 
     def save(

@@ -312,9 +312,9 @@ def _make_room(saver: Saver, staging_dir: str, step: int) -> None:
 
 
 def check_next_save_fits(saver: Saver) -> None:
-    """Coordinator, once the last save is committed (and the next step() of a loop that goes on
-    after an ``emergency_save()``): warn, once retention's deletions are done, when the disk
-    has no room for another checkpoint of its size (not once ``close()`` began)."""
+    """Coordinator, at the first ``step()`` after a commit that saves nothing (training goes
+    on): warn, once retention's deletions are done, when the disk has no room for another
+    checkpoint of the last one's size (not once ``close()`` began)."""
     ck, last = saver.ck, saver.ck.last_save
     if _preflight(saver) and last is not None:
         space.after_commit(ck.dirpath, last.step, last.bytes, ck._dir.trash, lambda: ck._closed)
@@ -362,13 +362,11 @@ def _record(
         if ck.schedule is not None:  # the persist floor, before the next save carries it in
             ck.schedule.observe_persist(elapsed)
     ck.last_save = SaveStats(step, done.path, done.bytes, elapsed, reason, written)
-    saver.space_check_due = False  # (an earlier emergency_save()'s: this save checks)
-    if reason not in ("final", "emergency"):  # the next save will not fit: said a save
-        # interval ahead; not after the run's last save (final; an emergency save, before the
-        # process stops -- known here, where the trash thread's check could run before close()
-        # began -- whose next step() checks if training goes on; or one committed once close
-        # began)
-        check_next_save_fits(saver)
+    # the next save will not fit: said a save interval ahead, by the next step() (training
+    # goes on; the next save() warns before it writes), never here: the trash thread's check
+    # ran before a close() that followed directly. Not after a final or emergency save (an
+    # emergency_save() sets it itself), nor one committed once close() began.
+    saver.space_check_due = reason not in ("final", "emergency")
     saver.committed_saves += 1
     ck._recorder.committed(
         step,

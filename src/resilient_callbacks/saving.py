@@ -95,8 +95,9 @@ class Saver:
         self._every_step: Any = None  # the global optimizer pre-step hook (overlapped saves)
         self.skipped_saves = 0
         self.committed_saves = 0
-        # an emergency_save() committed: the next step() (training went on) checks that the
-        # save after it fits, which the save did not (it may be the run's last)
+        # a save committed (not a final one): the next step() that saves nothing (training
+        # went on) checks that the save after it fits; the save itself did not (it may be the
+        # run's last, closed at once); a save before that step checks before it writes
         self.space_check_due = False
         self.metric_names: set[str] = set()  # reported (finite) with this run's saves
         self.save_waits = SaveWaits(speak=ck.is_coordinator)
@@ -180,6 +181,7 @@ class Saver:
                     made = time.perf_counter()
                     self.group, self._group_made = dist.new_cpu_group(), True
                     waited += time.perf_counter() - made  # the loop waited for it too
+        self.space_check_due = False  # (this save checks the free space before it writes)
         self.raise_background_error()  # a failed earlier save surfaces here, never lost
         t0 = time.perf_counter()
         metrics_json = clean_metrics(metrics)

@@ -6,11 +6,11 @@ logs, a ``keep_last`` too large for it) was found only when a save failed with E
 at the end of an epoch. Two checks, both comparing the free space of ``dirpath`` with the last
 checkpoint's size:
 
-- :func:`after_commit`: once a commit's retention has freed what it deletes, a warning that
-  the *next* save will not fit, a whole save interval ahead (not after the run's last save:
-  a final one, an emergency one (a preemption's, an exception's: the process stops after it),
-  or one committed once ``close()`` began; after an ``emergency_save()`` the next ``step()``
-  checks, when training goes on);
+- :func:`after_commit`: called by the first ``step()`` after a commit that saves nothing
+  (training goes on), once the commit's retention has freed what it deletes: a warning that
+  the *next* save will not fit, a save interval ahead (not after the run's last save: a final
+  one, an emergency one (a preemption's, an exception's: the process stops after it), one
+  committed once ``close()`` began, or one followed directly by ``close()``);
 - :func:`before_write`: before a save writes its first byte, a warning that this save will
   likely fail (what filled the disk since; the first save of a restarted process compares with
   the checkpoint it restored from).
@@ -68,10 +68,10 @@ def before_write(dirpath: str, step: int, free: int, need: int) -> None:
 def after_commit(
     dirpath: str, step: int, need: int, trash: TrashBin, closed: Callable[[], bool]
 ) -> None:
-    """Coordinator, once step ``step`` (``need`` bytes) is committed: once retention's
-    deletions have run (in the trash bin's thread), warn when ``dirpath`` has less free space
-    than another checkpoint of that size needs, unless the Checkpointer is ``closed()`` by
-    then (its close began: that save was the run's last, no next save follows)."""
+    """Coordinator, once step ``step`` (``need`` bytes) is committed and training went on:
+    once retention's deletions have run (in the trash bin's thread), warn when ``dirpath`` has
+    less free space than another checkpoint of that size needs, unless the Checkpointer is
+    ``closed()`` by then (its close began: no next save follows)."""
 
     def check() -> None:
         if closed():
