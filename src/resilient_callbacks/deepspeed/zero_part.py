@@ -335,9 +335,11 @@ def _assemble(
 ) -> torch.Tensor:
     """The range ``[start, start + numel)`` of parameter ``name``'s ``key`` tensor, laid
     together from the overlapping ranges the saved ranks recorded under ``section`` of their
-    indexes (in the saved dtype); every value must be covered."""
+    indexes (in the saved dtype); every value must be covered, and by one saved rank only (two
+    saved ranges that overlap leave as many values uncovered as they share: counting the
+    copied values did not see that, and those values were left as ``torch.empty`` made them)."""
     out: torch.Tensor | None = None
-    covered = 0
+    pieces: list[tuple[int, int, int]] = []  # (start, numel, saved rank) of each copied range
     for r in saved_ranks:
         rng = indexes[r][section][name]
         lo, n = overlap(start, numel, rng["start"], rng["numel"])
@@ -347,10 +349,21 @@ def _assemble(
         if out is None:
             out = torch.empty(numel, dtype=src.dtype)
         out.narrow(0, lo - start, n).copy_(src.narrow(0, lo - rng["start"], n))
-        covered += n
-    if out is None or covered != numel:
+        pieces.append((lo, n, r))
+    at, covered = start, sum(n for _, n, _ in pieces)
+    for lo, n, r in sorted(pieces):
+        if lo < at:
+            raise CheckpointCorruptError(
+                f"parameter {name!r} ({key}): saved rank {r}'s range of it overlaps another "
+                f"saved rank's (values {lo} to {at - 1}): the checkpoint's partitions do not fit "
+                "together"
+            )
+        if lo > at:
+            break  # a gap: values [at, lo) are in no saved rank's range
+        at = lo + n
+    if out is None or at != start + numel:
         raise CheckpointCorruptError(
             f"parameter {name!r} ({key}): the checkpoint's ranks cover {covered} of the {numel} "
-            "values this rank needs"
+            f"values this rank needs (value {at} of the parameter is in none of them)"
         )
     return out
