@@ -211,6 +211,7 @@ class ZeroPart(FilePart):
                 out = _assemble(name, key, "params", start, numel, saved_ranks, indexes, tensors)
                 self.view.set_fragment(name, key, out)
         self._load_frozen(saved_ranks, indexes, tensors)
+        warn_changed_hyperparameters(first.get("param_groups", []), self.engine)
         self.view.load_scalars(first, self._same_dtype(reader.info.saved.get("dtype")))
         self.view.finish_load()
 
@@ -297,6 +298,54 @@ def warn_untrained_absent(names: list[str]) -> None:
         "the saving run's initialisation (its seed) they are the saved ones",
         stacklevel=caller_stacklevel(),
     )
+
+
+# set by an LR scheduler at every step (OneCycle cycles the momentum or betas too): a fresh
+# engine's values of them are the schedule's start, not the config's, and the restored
+# schedule sets them again from its restored position
+_SCHEDULED = frozenset({"lr", "initial_lr", "betas", "momentum"})
+
+
+def warn_changed_hyperparameters(saved_groups: list[Any], engine: Any) -> None:
+    """Rank 0, at restore, before the saved hyper-parameters replace the engine's: say which of
+    them the config (or the optimizer given to ``initialize``) changed since the checkpoint was
+    written, as the resume trains on with the saved ones (those of the run that stopped, as
+    DeepSpeed's ``load_checkpoint`` and torch's ``load_state_dict`` restore them)."""
+    live = engine.optimizer.optimizer.param_groups
+    skip = _SCHEDULED if getattr(engine, "lr_scheduler", None) is not None else frozenset()
+    changed = []
+    for i, (now, then) in enumerate(zip(live, saved_groups, strict=False)):
+        for k, v in then.items():
+            if k == "params" or k in skip or k not in now:
+                continue
+            was, cur = _comparable(v), _comparable(now[k])
+            if was != cur:
+                where = f" (group {i})" if len(live) > 1 else ""
+                changed.append((k, f"{k}{where}: {was!r} saved, {cur!r} now"))
+    if not changed or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        return
+    k, _ = changed[0]
+    warn_and_log(
+        log,
+        "restore: the optimizer's hyper-parameters differ from the checkpoint's: "
+        + "; ".join(text for _, text in changed[:6])
+        + f"{' ...' if len(changed) > 6 else ''}. The saved values are restored: the run goes "
+        "on as the one that stopped (as DeepSpeed's load_checkpoint does). To train on with "
+        "the new values, set them after the restore (`for g in optimizer.param_groups: "
+        f"g[{k!r}] = ...`; a configured LR scheduler sets lr itself), or start a new run from "
+        "the saved weights (`resilient-ckpt export DIR OUT` writes them whole)",
+        UserWarning,
+        stacklevel=caller_stacklevel(),
+    )
+
+
+def _comparable(value: Any) -> Any:
+    """A hyper-parameter as JSON holds it: a one-value tensor as its number, tuples as lists."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_comparable(v) for v in value]
+    return value
 
 
 _SCALAR = "index-scalar/"  # the buffer names of the index's one-value tensors

@@ -1,0 +1,56 @@
+"""A DeepSpeed run resumed with its config changed (real DeepSpeed on the CPU, one rank;
+``ds_changes.py`` is the run, ``test_deepspeed_changes.run`` runs it):
+
+- optimizer hyper-parameters changed (the lr in the config): the saved ones are restored, as
+  DeepSpeed's ``load_checkpoint`` restores them, and a warning names each change (the new lr
+  was dropped without a word);
+- the ZeRO stage changed (2 -> 3, 3 -> 2): the run goes on exactly as a run at the new stage
+  from the start would have.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from test_deepspeed_changes import run
+
+CHANGED = "the optimizer's hyper-parameters differ from the checkpoint's"
+
+
+@pytest.mark.slow  # three DeepSpeed runs
+def test_a_changed_lr_is_named_and_the_saved_one_trains_on(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    run(d, "--steps", "4", "--every", "4", "--lr", "0.01")
+    changed = run(d, "--steps", "6", "--every", "4", "--lr", "0.1")
+    assert isinstance(changed, dict)
+    assert CHANGED in changed["output"]
+    assert "lr: 0.01 saved, 0.1 now" in changed["output"]
+    assert changed["restored"] == 4 and changed["lr"] == 0.01
+    ref = run(tmp_path / "ref", "--steps", "6", "--every", "4", "--lr", "0.01")
+    assert isinstance(ref, dict)
+    assert changed["digest"] == ref["digest"]  # the resume is exact
+    assert CHANGED not in ref["output"]
+
+
+@pytest.mark.slow  # four DeepSpeed runs
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 2)])
+def test_a_zero_stage_change_goes_on_as_the_new_stage_would_have(
+    tmp_path: Path, before: int, after: int
+) -> None:
+    """The fp32 masters and moments are restored by parameter range whatever the stage: the
+    resumed run is bit-identical to one at the new stage throughout (on one rank the stages
+    train alike until the checkpoint's step), and no hyper-parameter counts as changed."""
+    d = tmp_path / "ck"
+    run(d, "--stage", str(before), "--steps", "4", "--every", "4", "--scheduler")
+    resumed = run(d, "--stage", str(after), "--steps", "8", "--every", "4", "--scheduler")
+    ref = run(
+        tmp_path / "ref", "--stage", str(after), "--steps", "8", "--every", "4", "--scheduler"
+    )
+    assert isinstance(resumed, dict) and isinstance(ref, dict)
+    assert resumed["restored"] == 4
+    assert (resumed["digest"], resumed["lr"]) == (ref["digest"], ref["lr"])
+    assert CHANGED not in resumed["output"]
