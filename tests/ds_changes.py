@@ -2,12 +2,13 @@
 what a resume must do when they are unusual or changed between runs.
 
     python ds_changes.py --dir D --steps N [--every K] [--opt NAdam] [--dtype fp16] [--stage 2]
-                         [--scale-power P]
+                         [--scale-power P] [--micro B] [--data] [--scheduler [WarmupDecayLR]]
 
 Trains ``Linear(8, 8)`` to optimizer step N (a save every K), from the newest checkpoint in D
 if there is one, then prints one line ``RESULT {json}``: the step restored from, the fp32
 parameters' digest, the loss scaler's state, the first group's lr and the optimizer state's
-keys, and whether DeepSpeed's ``safe_get_full_optimizer_state`` finds the first moment.
+keys, whether DeepSpeed's ``safe_get_full_optimizer_state`` finds the first moment, and
+(``--data``) the indices of the samples this run trained on.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--stage", type=int, default=2)
     ap.add_argument("--scale-power", type=int, default=8)
+    ap.add_argument("--micro", type=int, default=4)  # train_micro_batch_size_per_gpu
     ap.add_argument("--data", action="store_true")  # training_data=; trains from the engine's
     ap.add_argument("--deepscale", action="store_true")  # the config as args.deepscale_config
     ap.add_argument("--freeze-bias", action="store_true")  # requires_grad=False
     ap.add_argument("--sub-group-size", type=int)  # ZeRO 3: partitions of sub-groups
     ap.add_argument("--two-groups", action="store_true")  # the bias in a group of its own
-    ap.add_argument("--scheduler", action="store_true")  # DeepSpeed's WarmupLR in the config
+    # DeepSpeed's WarmupLR in the config (or the scheduler named, warming up for 5 steps)
+    ap.add_argument("--scheduler", nargs="?", const="WarmupLR")
     args = ap.parse_args()
     world_of_one()
     skip_shm_op()
@@ -57,20 +60,26 @@ def main() -> None:
         trained = [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}]
     opt = getattr(torch.optim, args.opt)(trained, lr=args.lr, **kw)
     cfg: dict = {
-        "train_micro_batch_size_per_gpu": 4,
+        "train_micro_batch_size_per_gpu": args.micro,
         "zero_optimization": {"stage": args.stage},
         "zero_allow_untested_optimizer": True,
         "resilient_checkpoint": {"dirpath": args.dir, "every_n_steps": args.every},
     }
     if args.scheduler:
-        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}
+        params = {"warmup_num_steps": 5}
+        if args.scheduler == "WarmupDecayLR":
+            params["total_num_steps"] = 20
+        cfg["scheduler"] = {"type": args.scheduler, "params": params}
     if args.sub_group_size:
         cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
     if args.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if args.dtype == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": args.scale_power, "hysteresis": 1}
-    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=torch.Generator()))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 8, generator=torch.Generator()),
+        torch.arange(64),  # (and each one's index)
+    )
     how: dict = {"config": cfg}
     if args.deepscale:  # DeepSpeed's deprecated flag, which it still reads
         path = os.path.join(os.path.dirname(os.path.abspath(args.dir)), "ds.json")
@@ -87,8 +96,13 @@ def main() -> None:
     for _ in range(engine.global_steps):  # the batches already trained on
         torch.randn(4, 8, generator=g)
     batches = iter(engine.training_dataloader) if args.data else None
+    samples: list[int] = []  # the indices of the samples this run trained on (--data)
     while engine.global_steps < args.steps:
-        x = next(batches)[0] if batches is not None else torch.randn(4, 8, generator=g)
+        if batches is not None:
+            x, index = next(batches)
+            samples.extend(index.tolist())
+        else:
+            x = torch.randn(4, 8, generator=g)
         loss = engine(x.to(dtype)).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
@@ -120,6 +134,7 @@ def main() -> None:
         "restored_values": values,
         "values": single_values(engine),
         "exp_avg": found,
+        "samples": samples,
         "engines_loader_is_the_returned_one": args.data and engine.training_dataloader is loader,
     }
     print("RESULT " + json.dumps(result), flush=True)

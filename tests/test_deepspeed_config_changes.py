@@ -54,3 +54,33 @@ def test_a_zero_stage_change_goes_on_as_the_new_stage_would_have(
     assert resumed["restored"] == 4
     assert (resumed["digest"], resumed["lr"]) == (ref["digest"], ref["lr"])
     assert CHANGED not in resumed["output"]
+
+
+@pytest.mark.slow  # three DeepSpeed runs
+def test_a_changed_micro_batch_size_goes_on_at_the_next_sample(tmp_path: Path) -> None:
+    """train_micro_batch_size_per_gpu 4, then 8: the loader of ``training_data`` goes on at the
+    sample after the last one trained (its position counts samples of the epoch's order), so
+    nothing is trained twice or skipped: the samples are those an uninterrupted run at 4 takes."""
+    d = tmp_path / "ck"
+    first = run(d, "--data", "--steps", "4", "--every", "4")
+    then = run(d, "--data", "--micro", "8", "--steps", "8", "--every", "4")
+    ref = run(tmp_path / "ref", "--data", "--steps", "12", "--every", "12")
+    assert isinstance(first, dict) and isinstance(then, dict) and isinstance(ref, dict)
+    assert then["restored"] == 4 and len(then["samples"]) == 4 * 8
+    assert first["samples"] + then["samples"] == ref["samples"]
+
+
+@pytest.mark.slow  # three DeepSpeed runs
+def test_a_changed_scheduler_type_schedules_on_from_the_restored_iteration(
+    tmp_path: Path,
+) -> None:
+    """WarmupLR, then WarmupDecayLR in the config: DeepSpeed's schedulers save only their
+    iteration, so the new schedule goes on from it (its rate at step 8 is that of a run with
+    WarmupDecayLR throughout), with the trained weights of the first."""
+    d = tmp_path / "ck"
+    run(d, "--steps", "4", "--every", "4", "--scheduler", "WarmupLR")
+    then = run(d, "--steps", "8", "--every", "4", "--scheduler", "WarmupDecayLR")
+    ref = run(tmp_path / "ref", "--steps", "8", "--every", "4", "--scheduler", "WarmupDecayLR")
+    assert isinstance(then, dict) and isinstance(ref, dict)
+    assert then["restored"] == 4 and then["lr"] == ref["lr"]
+    assert CHANGED not in then["output"]
