@@ -3,6 +3,7 @@ what a resume must do when they are unusual or changed between runs.
 
     python ds_changes.py --dir D --steps N [--every K] [--opt NAdam] [--dtype fp16] [--stage 2]
                          [--scale-power P] [--micro B] [--data] [--scheduler [WarmupDecayLR]]
+                         [--lr-by-hand]
 
 Trains ``Linear(8, 8)`` to optimizer step N (a save every K), from the newest checkpoint in D
 if there is one, then prints one line ``RESULT {json}``: the step restored from, the fp32
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--stage", type=int, default=2)
     ap.add_argument("--scale-power", type=int, default=8)
     ap.add_argument("--micro", type=int, default=4)  # train_micro_batch_size_per_gpu
+    ap.add_argument("--lr-by-hand", action="store_true")  # lr halved each step by the loop
     ap.add_argument("--data", action="store_true")  # training_data=; trains from the engine's
     ap.add_argument("--deepscale", action="store_true")  # the config as args.deepscale_config
     ap.add_argument("--freeze-bias", action="store_true")  # requires_grad=False
@@ -105,6 +107,9 @@ def main() -> None:
             x = torch.randn(4, 8, generator=g)
         loss = engine(x.to(dtype)).float().pow(2).mean()
         engine.backward(loss)
+        if args.lr_by_hand:  # (a schedule of the script's own, as nanoGPT's get_lr)
+            for group in engine.optimizer.optimizer.param_groups:
+                group["lr"] = args.lr * 0.5**engine.global_steps
         engine.step()
     engine.resilient_checkpoint.close()
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state

@@ -3,9 +3,12 @@
 
 - optimizer hyper-parameters changed (the lr in the config): the saved ones are restored, as
   DeepSpeed's ``load_checkpoint`` restores them, and a warning names each change (the new lr
-  was dropped without a word);
+  was dropped without a word); an lr the script sets while training is no change;
 - the ZeRO stage changed (2 -> 3, 3 -> 2): the run goes on exactly as a run at the new stage
-  from the start would have.
+  from the start would have;
+- the micro-batch size changed: the data goes on at the next sample;
+- the type of DeepSpeed's scheduler changed: the new one schedules on from the restored
+  iteration.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ pytest.importorskip("deepspeed")
 
 from test_deepspeed_changes import run
 
-CHANGED = "the optimizer's hyper-parameters differ from the checkpoint's"
+CHANGED = "the optimizer's hyper-parameters were configured otherwise"
 
 
 @pytest.mark.slow  # three DeepSpeed runs
@@ -34,6 +37,17 @@ def test_a_changed_lr_is_named_and_the_saved_one_trains_on(tmp_path: Path) -> No
     assert isinstance(ref, dict)
     assert changed["digest"] == ref["digest"]  # the resume is exact
     assert CHANGED not in ref["output"]
+
+
+@pytest.mark.slow  # two DeepSpeed runs
+def test_an_lr_the_script_sets_while_training_is_no_change(tmp_path: Path) -> None:
+    """The loop sets the lr by hand at every step (nanoGPT's get_lr): the saved lr is not the
+    configured one, yet the config did not change, and no change is named."""
+    d = tmp_path / "ck"
+    run(d, "--steps", "4", "--every", "4", "--lr-by-hand")
+    resumed = run(d, "--steps", "6", "--every", "4", "--lr-by-hand")
+    assert isinstance(resumed, dict) and resumed["restored"] == 4
+    assert CHANGED not in resumed["output"]
 
 
 @pytest.mark.slow  # four DeepSpeed runs

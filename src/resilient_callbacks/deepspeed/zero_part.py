@@ -17,6 +17,7 @@ collective (it refreshes the low-precision parameters with an all-gather), as ev
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,10 @@ class ZeroPart(FilePart):
         # a tied weight (GPT-2's lm_head and wte) is one parameter, saved under its first name:
         # export writes it under each name, as engine.module.state_dict() and zero_to_fp32 do
         self._tied = tied_names(engine.module)
+        # the optimizer's hyper-parameters as this run configured them, before a restore or a
+        # step changed them: saved, so that a resume can tell a change of the config from a
+        # change the schedule made (warn_changed_hyperparameters)
+        self._configured = configured_hyperparameters(engine)
 
     # ------------------------------------------------------------------ save
 
@@ -103,6 +108,7 @@ class ZeroPart(FilePart):
             "keys": [FP32, *self.view.moment_keys()],
             "params": _ranges(trained),
             **({"frozen": _ranges(frozen)} if frozen else {}),
+            "configured_param_groups": self._configured,
             **_map_tensors(scalars, lambda _: next(copied)),
         }
         return tensors, index
@@ -211,7 +217,9 @@ class ZeroPart(FilePart):
                 out = _assemble(name, key, "params", start, numel, saved_ranks, indexes, tensors)
                 self.view.set_fragment(name, key, out)
         self._load_frozen(saved_ranks, indexes, tensors)
-        warn_changed_hyperparameters(first.get("param_groups", []), self.engine)
+        warn_changed_hyperparameters(
+            first.get("configured_param_groups"), self._configured, self.engine
+        )
         self.view.load_scalars(first, self._same_dtype(reader.info.saved.get("dtype")))
         self.view.finish_load()
 
@@ -300,52 +308,64 @@ def warn_untrained_absent(names: list[str]) -> None:
     )
 
 
-# set by an LR scheduler at every step (OneCycle cycles the momentum or betas too): a fresh
-# engine's values of them are the schedule's start, not the config's, and the restored
-# schedule sets them again from its restored position
+# set by an LR scheduler at every step (OneCycle cycles the momentum or betas too), from its
+# own settings: a change of them in the optimizer's config does not reach the training
 _SCHEDULED = frozenset({"lr", "initial_lr", "betas", "momentum"})
 
 
-def warn_changed_hyperparameters(saved_groups: list[Any], engine: Any) -> None:
-    """Rank 0, at restore, before the saved hyper-parameters replace the engine's: say which of
-    them the config (or the optimizer given to ``initialize``) changed since the checkpoint was
-    written, as the resume trains on with the saved ones (those of the run that stopped, as
-    DeepSpeed's ``load_checkpoint`` and torch's ``load_state_dict`` restore them)."""
-    live = engine.optimizer.optimizer.param_groups
-    skip = _SCHEDULED if getattr(engine, "lr_scheduler", None) is not None else frozenset()
-    changed = []
-    for i, (now, then) in enumerate(zip(live, saved_groups, strict=False)):
-        for k, v in then.items():
-            if k == "params" or k in skip or k not in now:
-                continue
-            was, cur = _comparable(v), _comparable(now[k])
-            if was != cur:
-                where = f" (group {i})" if len(live) > 1 else ""
-                changed.append((k, f"{k}{where}: {was!r} saved, {cur!r} now"))
-    if not changed or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+def configured_hyperparameters(engine: Any) -> list[dict[str, Any]]:
+    """The hyper-parameters of each of the engine's optimizer parameter groups, as JSON values."""
+    groups = engine.optimizer.optimizer.param_groups
+    return [{k: _comparable(v) for k, v in g.items() if k != "params"} for g in groups]
+
+
+def warn_changed_hyperparameters(
+    saved: list[dict[str, Any]] | None, now: list[dict[str, Any]], engine: Any
+) -> None:
+    """Rank 0, at restore: say which hyper-parameters the config (or the optimizer given to
+    ``initialize``) changed since the checkpoint was written, each as the two runs configured
+    it, as the resume trains on with the saved ones (those of the run that stopped, as
+    DeepSpeed's ``load_checkpoint`` and torch's ``load_state_dict`` restore them). Compared
+    are the values the two engines were built with, not the saved ones: an lr that a schedule
+    (or the script, by hand) changed while training is no change. A checkpoint of before they
+    were recorded (``saved`` None) is not compared."""
+    if not saved or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
         return
-    k, _ = changed[0]
+    skip = _SCHEDULED if getattr(engine, "lr_scheduler", None) is not None else frozenset()
+    changed = [
+        (k, f"{k}{f' (group {i})' if len(now) > 1 else ''}: {v!r} saved, {live[k]!r} now")
+        for i, (live, then) in enumerate(zip(now, saved, strict=False))
+        for k, v in then.items()
+        if k not in skip and k in live and v != live[k]
+    ]
+    if not changed:
+        return
     warn_and_log(
         log,
-        "restore: the optimizer's hyper-parameters differ from the checkpoint's: "
+        "restore: the optimizer's hyper-parameters were configured otherwise when the "
+        "checkpoint was written: "
         + "; ".join(text for _, text in changed[:6])
         + f"{' ...' if len(changed) > 6 else ''}. The saved values are restored: the run goes "
         "on as the one that stopped (as DeepSpeed's load_checkpoint does). To train on with "
         "the new values, set them after the restore (`for g in optimizer.param_groups: "
-        f"g[{k!r}] = ...`; a configured LR scheduler sets lr itself), or start a new run from "
-        "the saved weights (`resilient-ckpt export DIR OUT` writes them whole)",
+        f"g[{changed[0][0]!r}] = ...`; a configured LR scheduler sets lr itself), or start a "
+        "new run from the saved weights (`resilient-ckpt export DIR OUT` writes them whole)",
         UserWarning,
-        stacklevel=caller_stacklevel(),
+        # (past torch.no_grad's wrapper of ZeroPart.load, to the call into the library)
+        stacklevel=caller_stacklevel(os.path.dirname(torch.utils.__file__)),
     )
 
 
 def _comparable(value: Any) -> Any:
-    """A hyper-parameter as JSON holds it: a one-value tensor as its number, tuples as lists."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
+    """A hyper-parameter as a JSON value: a tensor as its numbers, tuples as lists, what JSON
+    cannot hold as its ``repr``."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
     if isinstance(value, (list, tuple)):
         return [_comparable(v) for v in value]
-    return value
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
 
 
 _SCALAR = "index-scalar/"  # the buffer names of the index's one-value tensors
