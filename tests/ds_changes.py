@@ -116,7 +116,7 @@ def main() -> None:
 
     digest = hashlib.sha1(
         b"".join(
-            safe_get_full_fp32_param(p).numpy().tobytes()
+            (safe_get_full_fp32_param(p) if args.stage else p.detach().float()).numpy().tobytes()
             for p in model.parameters()
             if p.requires_grad
         )
@@ -127,7 +127,7 @@ def main() -> None:
     except (ValueError, TypeError) as e:  # "exp_avg not found ..."; no state at all yet
         found = f"{type(e).__name__}: {e}"
     scaler = getattr(engine.optimizer, "loss_scaler", None)
-    inner = engine.optimizer.optimizer
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # (ZeRO 0: torch's)
     keys = sorted({k for st in inner.state.values() for k in st})
     result = {
         "restored": restored,
@@ -149,6 +149,8 @@ def main() -> None:
 def single_values(engine) -> list[dict[str, float]]:
     """Each flat partition's optimizer state values that are one number (NAdam's
     ``mu_product``), in the order of the partitions."""
+    if engine.zero_optimization_stage() == 0:
+        return []  # (not partitioned)
     inner, zero = engine.optimizer.optimizer, engine.optimizer
     flats = getattr(zero, "single_partition_of_fp32_groups", None)
     if flats is None:

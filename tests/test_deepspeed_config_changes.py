@@ -98,3 +98,23 @@ def test_a_changed_scheduler_type_schedules_on_from_the_restored_iteration(
     assert isinstance(then, dict) and isinstance(ref, dict)
     assert then["restored"] == 4 and then["lr"] == ref["lr"]
     assert CHANGED not in then["output"]
+
+
+@pytest.mark.slow  # two DeepSpeed runs
+@pytest.mark.parametrize(("saved", "now"), [("fp32", "bf16"), ("fp16", "bf16")])
+def test_a_dtype_change_at_zero0_is_refused_before_anything_loads(
+    tmp_path: Path, saved: str, now: str
+) -> None:
+    """ZeRO 0 saves the optimizer whole, as DeepSpeed builds it for one dtype: fp32 -> bf16
+    failed inside DeepSpeed's fp16 wrapper (``KeyError: 'dynamic_loss_scale'``) after the module
+    was loaded, and fp16 -> bf16 (the same wrapper class) loaded the fp16 run's dynamic loss
+    scaler into the bf16 engine without a word. Both are refused, naming the two dtypes and the
+    ways on."""
+    names = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+    d = tmp_path / "ck"
+    run(d, "--stage", "0", "--steps", "4", "--every", "4", "--dtype", saved)
+    out = run(d, "--stage", "0", "--steps", "8", "--every", "4", "--dtype", now, fails=True)
+    assert isinstance(out, str)
+    assert f"trained in {names[saved]} and this engine trains in {names[now]}" in out
+    assert "CheckpointMismatchError" in out and "resilient-ckpt export" in out
+    assert "rejected the checkpoint" not in out

@@ -44,14 +44,40 @@ class EngineCounters:
         self.engine = engine
         self.caller_sets_boundaries = caller_sets_boundaries
 
-    def state_dict(self) -> dict[str, int]:
-        return {k: int(getattr(self.engine, k)) for k in COUNTERS if hasattr(self.engine, k)}
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            k: int(getattr(self.engine, k)) for k in COUNTERS if hasattr(self.engine, k)
+        }
+        out["dtype"] = _dtype(self.engine)  # (read by a ZeRO 0 restore: _refuse_a_dtype_change)
+        return out
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._refuse_a_dtype_change(state.get("dtype"))  # first: before anything is loaded
         for k, v in state.items():
             if k in COUNTERS:
                 setattr(self.engine, k, int(v))
         self._align_micro_steps()
+
+    def _refuse_a_dtype_change(self, saved: str | None) -> None:
+        """ZeRO 0: refuse a checkpoint trained in another dtype. The optimizer is saved whole,
+        as DeepSpeed made it for that dtype (fp16 and bf16: a wrapper holding fp32 master
+        weights and a loss scaler; fp32: the torch optimizer), so its state does not fit:
+        loaded, a bf16 engine took an fp16 run's dynamic loss scaler, and an fp32 checkpoint
+        failed inside the wrapper's load_state_dict (KeyError: 'dynamic_loss_scale') with the
+        module already loaded. The counters load first, so nothing is loaded yet. (ZeRO 1-3
+        resume across dtypes; a checkpoint of before the dtype was recorded is not checked.)"""
+        now = _dtype(self.engine)
+        if saved is None or saved == now or int(self.engine.zero_optimization_stage()) != 0:
+            return
+        raise CheckpointMismatchError(
+            f"the checkpoint was trained in {saved} and this engine trains in {now}, at ZeRO "
+            "stage 0, where the optimizer is saved whole as DeepSpeed builds it for one dtype "
+            "(for fp16 and bf16 a wrapper with fp32 master weights and a loss scaler): its state "
+            f'does not fit. Resume in {saved} (the config\'s "fp16"/"bf16" sections as the '
+            "run that saved it had them), or start a new run from the saved weights "
+            "(`resilient-ckpt export DIR OUT` writes them whole; train in a new dirpath). ZeRO "
+            "stages 1-3 resume across dtypes"
+        )
 
     def _align_micro_steps(self) -> None:
         """A checkpoint is saved at a gradient-accumulation boundary, so its micro-step count is
@@ -81,6 +107,12 @@ class EngineCounters:
             log.info(msg)
         else:
             warn_and_log(log, msg, UserWarning, stacklevel=caller_stacklevel())
+
+
+def _dtype(engine: Any) -> str | None:
+    """The dtype the engine trains its module in (``"bfloat16"``), as the manifest names it."""
+    p = next(engine.module.parameters(), None)
+    return None if p is None else str(p.dtype).replace("torch.", "")
 
 
 def _unsupported(engine: Any) -> str | None:
