@@ -27,7 +27,12 @@ from ..errors import (
     warn_and_log,
 )
 from ..structure import PerRank
-from .zero_part import ZeroPart, warn_untrained_absent
+from .zero_part import (
+    ZeroPart,
+    configured_hyperparameters,
+    warn_changed_hyperparameters,
+    warn_untrained_absent,
+)
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -43,16 +48,26 @@ class EngineCounters:
     def __init__(self, engine: Any, caller_sets_boundaries: bool = False) -> None:
         self.engine = engine
         self.caller_sets_boundaries = caller_sets_boundaries
+        # ZeRO 0 (the ZeroPart records them at 1-3): the optimizer's hyper-parameters as this
+        # run configured them, for warn_changed_hyperparameters at a resume
+        zero0 = int(engine.zero_optimization_stage()) == 0
+        self._configured = configured_hyperparameters(engine) if zero0 else None
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             k: int(getattr(self.engine, k)) for k in COUNTERS if hasattr(self.engine, k)
         }
         out["dtype"] = _dtype(self.engine)  # (read by a ZeRO 0 restore: _refuse_a_dtype_change)
+        if self._configured is not None:
+            out["configured_param_groups"] = self._configured
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._refuse_a_dtype_change(state.get("dtype"))  # first: before anything is loaded
+        if self._configured is not None:  # (before the optimizer's own load restores them)
+            warn_changed_hyperparameters(
+                state.get("configured_param_groups"), self._configured, self.engine
+            )
         for k, v in state.items():
             if k in COUNTERS:
                 setattr(self.engine, k, int(v))

@@ -314,8 +314,9 @@ _SCHEDULED = frozenset({"lr", "initial_lr", "betas", "momentum"})
 
 
 def configured_hyperparameters(engine: Any) -> list[dict[str, Any]]:
-    """The hyper-parameters of each of the engine's optimizer parameter groups, as JSON values."""
-    groups = engine.optimizer.optimizer.param_groups
+    """The hyper-parameters of each of the engine's optimizer parameter groups, as JSON values
+    (of the torch optimizer: the one a ZeRO optimizer or ZeRO 0's fp16/bf16 wrapper steps)."""
+    groups = getattr(engine.optimizer, "optimizer", engine.optimizer).param_groups
     return [{k: _comparable(v) for k, v in g.items() if k != "params"} for g in groups]
 
 
