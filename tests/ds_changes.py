@@ -2,7 +2,7 @@
 what a resume must do when they are unusual or changed between runs.
 
     python ds_changes.py --dir D --steps N [--every K] [--opt NAdam] [--dtype fp16] [--stage 2]
-                         [--scale-power P] [--micro B] [--data] [--scheduler [WarmupDecayLR]]
+                         [--scale-power P] [--micro B] [--data] [--scheduler [WarmupDecayLR|LambdaLR]]
                          [--lr-by-hand]
 
 Trains ``Linear(8, 8)`` to optimizer step N (a save every K), from the newest checkpoint in D
@@ -45,7 +45,8 @@ def main() -> None:
     ap.add_argument("--freeze-bias", action="store_true")  # requires_grad=False
     ap.add_argument("--sub-group-size", type=int)  # ZeRO 3: partitions of sub-groups
     ap.add_argument("--two-groups", action="store_true")  # the bias in a group of its own
-    # DeepSpeed's WarmupLR in the config (or the scheduler named, warming up for 5 steps)
+    # DeepSpeed's WarmupLR in the config (or the scheduler named, warming up for 5 steps;
+    # LambdaLR: torch's, given to initialize)
     ap.add_argument("--scheduler", nargs="?", const="WarmupLR")
     args = ap.parse_args()
     world_of_one()
@@ -67,7 +68,7 @@ def main() -> None:
         "zero_allow_untested_optimizer": True,
         "resilient_checkpoint": {"dirpath": args.dir, "every_n_steps": args.every},
     }
-    if args.scheduler:
+    if args.scheduler and args.scheduler != "LambdaLR":
         params = {"warmup_num_steps": 5}
         if args.scheduler == "WarmupDecayLR":
             params["total_num_steps"] = 20
@@ -89,7 +90,16 @@ def main() -> None:
             json.dump(cfg, f)
         how = {"args": argparse.Namespace(deepscale_config=path, deepspeed_config=None)}
     engine, _, loader, _ = rcds.initialize(
-        model=model, optimizer=opt, training_data=data if args.data else None, **how
+        model=model,
+        optimizer=opt,
+        training_data=data if args.data else None,
+        # torch's LambdaLR, given to initialize (not in the config)
+        lr_scheduler=(
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+            if args.scheduler == "LambdaLR"
+            else None
+        ),
+        **how,
     )
     restored = engine.global_steps
     values = single_values(engine)  # as restored, before any step

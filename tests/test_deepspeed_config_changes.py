@@ -122,3 +122,21 @@ def test_a_dtype_change_at_zero0_is_refused_before_anything_loads(
     assert f"trained in {names[saved]} and this engine trains in {names[now]}" in out
     assert "CheckpointMismatchError" in out and "resilient-ckpt export" in out
     assert "rejected the checkpoint" not in out
+
+
+@pytest.mark.slow  # two DeepSpeed runs
+@pytest.mark.parametrize(("saved", "now"), [("WarmupLR", "LambdaLR"), ("LambdaLR", "WarmupLR")])
+def test_a_scheduler_of_another_kind_is_refused_before_anything_loads(
+    tmp_path: Path, saved: str, now: str
+) -> None:
+    """DeepSpeed's WarmupLR in the config, then torch's LambdaLR given to initialize (or the
+    other way): the saved state of one does not fit the other. It failed in the scheduler's
+    load_state_dict (KeyError 'lr_lambdas' or 'last_batch_iteration'), after the model and
+    optimizer were loaded; refused first, naming both."""
+    d = tmp_path / "ck"
+    run(d, "--steps", "4", "--every", "4", "--scheduler", saved)
+    out = run(d, "--steps", "8", "--every", "4", "--scheduler", now, fails=True)
+    assert isinstance(out, str)
+    assert "CheckpointMismatchError: the checkpoint's LR scheduler is" in out
+    assert saved in out.split("LR scheduler is")[1].split(",")[0]
+    assert "rejected the checkpoint" not in out and "resilient-ckpt export" in out

@@ -1,7 +1,7 @@
 """The engine's counters in a checkpoint (``global_steps``, ``global_samples``,
 ``micro_steps``, ``skipped_steps``), with what a resume checks first, before anything else of
-the engine is loaded: the dtype at ZeRO 0, and the hyper-parameters the run was configured
-with. Part of :func:`.engine_state.engine_state`."""
+the engine is loaded: the dtype at ZeRO 0, the LR scheduler's kind, and the hyper-parameters
+the run was configured with. Part of :func:`.engine_state.engine_state`."""
 
 from __future__ import annotations
 
@@ -37,12 +37,14 @@ class EngineCounters:
             k: int(getattr(self.engine, k)) for k in COUNTERS if hasattr(self.engine, k)
         }
         out["dtype"] = _dtype(self.engine)  # (read by a ZeRO 0 restore: _refuse_a_dtype_change)
+        out["lr_scheduler"] = _scheduler_class(self.engine)  # (_refuse_a_scheduler_change)
         if self._configured is not None:
             out["configured_param_groups"] = self._configured
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._refuse_a_dtype_change(state.get("dtype"))  # first: before anything is loaded
+        self._refuse_a_scheduler_change(state.get("lr_scheduler"))
         if self._configured is not None:  # (before the optimizer's own load restores them)
             warn_changed_hyperparameters(
                 state.get("configured_param_groups"), self._configured, self.engine
@@ -73,6 +75,28 @@ class EngineCounters:
             "stages 1-3 resume across dtypes"
         )
 
+    def _refuse_a_scheduler_change(self, saved: str | None) -> None:
+        """Refuse an LR scheduler of another kind than the checkpoint's, whose saved state does
+        not fit it: torch's keep their rates and epoch, DeepSpeed's only their iteration (a
+        change between those failed in the scheduler's load_state_dict, KeyError
+        'last_batch_iteration' or 'lr_lambdas', with the rest already loaded; between two
+        torch schedulers, one took the other's attributes). Between DeepSpeed's schedulers
+        (WarmupLR, WarmupDecayLR, OneCycle, ...) the restored iteration enters the new schedule.
+        A scheduler in one run only is a key mismatch, refused before this (explain_key_mismatch)."""
+        now = _scheduler_class(self.engine)
+        if saved is None or now is None or saved == now:
+            return
+        if all(c.startswith("deepspeed.runtime.lr_schedules.") for c in (saved, now)):
+            return
+        raise CheckpointMismatchError(
+            f"the checkpoint's LR scheduler is {saved}, this engine's {now}: the saved state of "
+            "one does not fit the other. Configure the scheduler the run that saved it had (the "
+            'config\'s "scheduler", or lr_scheduler= to initialize), or start a new run from the '
+            "saved weights (`resilient-ckpt export DIR OUT` writes them whole; train in a new "
+            "dirpath). DeepSpeed's own schedulers may replace each other: the restored iteration "
+            "goes on in the new schedule"
+        )
+
     def _align_micro_steps(self) -> None:
         """A checkpoint is saved at a gradient-accumulation boundary, so its micro-step count is
         a multiple of the run's ``gradient_accumulation_steps``. If it is not one of this run's
@@ -101,6 +125,12 @@ class EngineCounters:
             log.info(msg)
         else:
             warn_and_log(log, msg, UserWarning, stacklevel=caller_stacklevel())
+
+
+def _scheduler_class(engine: Any) -> str | None:
+    """The class of the engine's LR scheduler, by module and name, or None without one."""
+    s = getattr(engine, "lr_scheduler", None)
+    return None if s is None else f"{type(s).__module__}.{type(s).__qualname__}"
 
 
 def _dtype(engine: Any) -> str | None:
