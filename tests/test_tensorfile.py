@@ -13,11 +13,10 @@ import xxhash
 
 from resilient_callbacks import CheckpointCorruptError, UnsupportedStateError
 from resilient_callbacks.filewrite import digest_file
+from resilient_callbacks.tensor_headers import read_verified, tensor_meta
 from resilient_callbacks.tensorfile import (
     FileDigest,
     read_tensors_verified,
-    read_verified,
-    tensor_meta,
     write_tensors,
 )
 
