@@ -443,3 +443,26 @@ def test_an_optional_key_a_checkpoint_lacks_keeps_its_value_and_others_are_refus
     state = {"rank": OptionalKeys({"w": torch.zeros(4), "new": None}, optional=("other",))}
     with Checkpointer(tmp_path / "ck") as ck, pytest.raises(CheckpointMismatchError, match="new"):
         ck.restore(state)
+
+
+def test_an_optional_key_of_a_dict_of_plain_values_keeps_its_value_without_a_warning(tmp_path):
+    """Found 2026-12-07: an OptionalKeys holding plain values only (no tensor, no object) was
+    merged as plain data, which deleted the key the checkpoint lacks and warned that it was
+    "removed" (the Transformers adapter's 'order', new that day, on every resume of an older
+    checkpoint); it keeps its live value, silently, as in an OptionalKeys holding tensors. A
+    key not declared optional is still removed, with the warning."""
+    from resilient_callbacks.structure import OptionalKeys
+
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, {"w": torch.zeros(2), "plain": {"a": 1, "b": [2]}})
+    plain = OptionalKeys({"a": 0, "b": [], "new": {"x": 1}}, optional=("new",))
+    state = {"w": torch.ones(2), "plain": plain}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Checkpointer(tmp_path / "ck") as ck:
+            assert ck.restore(state) == 1
+    assert state["plain"] is plain and dict(plain) == {"a": 1, "b": [2], "new": {"x": 1}}
+    state = {"w": torch.ones(2), "plain": OptionalKeys({"a": 0, "new": 1}, optional=("other",))}
+    with Checkpointer(tmp_path / "ck") as ck, pytest.warns(UserWarning, match="new.*removed"):
+        ck.restore(state)
+    assert state["plain"] == {"a": 1, "b": [2]}

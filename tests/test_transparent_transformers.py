@@ -164,6 +164,33 @@ def test_another_way_of_drawing_the_data_order_is_refused_inside_an_epoch(tmp_pa
     assert [e.step for e in catalog.committed(catalog.scan(str(ck)))][-1] == 6  # the first run's
 
 
+def test_a_checkpoint_written_before_the_order_was_recorded_resumes_without_a_word(
+    tmp_path, monkeypatch
+):
+    """Found 2026-12-07: a checkpoint of a version that did not record the data order yet
+    (before 3f7512b) resumed with a warning that ``state['trainer']['order']`` was not in it
+    and "removed", telling the user to fix code they never wrote. It resumes as before,
+    unchecked and silent."""
+    from resilient_callbacks.transformers import trainer_state
+
+    refresh = trainer_state.SavedState.refresh
+
+    def older_writer(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        refresh(self, *args, **kwargs)
+        self.values.pop("order", None)
+
+    ck = tmp_path / "ck"
+    with monkeypatch.context() as m:
+        m.setattr(trainer_state.SavedState, "refresh", older_writer)
+        _train(tmp_path / "a", ResilientCheckpoint(ck, every_n_steps=1), 6)
+    cb = ResilientCheckpoint(ck, every_n_steps=100, resume=2, save_on_train_end=False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got = _train(tmp_path / "b", cb, 6)
+    assert [str(w.message) for w in said if "order" in str(w.message)] == []
+    assert cb.restored_step == 2 and got[0].state.global_step == 6
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1")
     env.pop("TRANSFORMERS_VERBOSITY", None)

@@ -153,12 +153,16 @@ def merge_plain(
     in ``value``'s order too), recursing into the dicts and lists both hold at the same key or
     index, so nested containers keep their identity too. Returns False where ``obj`` is not a
     container of ``value``'s kind (the caller puts ``value`` in its place). The paths of dict
-    keys removed are added to ``removed``."""
+    keys removed are added to ``removed``; those a mapping's ``missing_allowed`` allows it to
+    lack (:class:`~.structure.OptionalKeys`) keep their live values, unsaid."""
     if isinstance(obj, MutableMapping) and isinstance(value, Mapping):
-        for k in [k for k in obj if k not in value]:
-            del obj[k]
-            if removed is not None:
-                removed.append(path_str((*path, k)))
+        missing = [k for k in obj if k not in value]
+        allowed = getattr(obj, "missing_allowed", None)  # (OptionalKeys: they keep live values)
+        if not (missing and allowed is not None and allowed(list(missing))):
+            for k in missing:
+                del obj[k]
+                if removed is not None:
+                    removed.append(path_str((*path, k)))
         for k, v in value.items():
             if not (k in obj and merge_plain(obj[k], v, (*path, k), removed)):
                 obj[k] = v

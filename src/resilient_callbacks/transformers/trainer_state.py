@@ -47,7 +47,8 @@ class SavedState:
 
     def __init__(self, exclude: Any) -> None:
         self.exclude = exclude
-        self.values: dict[str, Any] = {}
+        # "order": checkpoints written before 2026-12-07 lack it (kept live: not checked)
+        self.values: dict[str, Any] = OptionalKeys(optional=("order",))
         self.rank_values: dict[str, Any] = {}
         self.tree: dict[str, Any] = {}
         self.epoch_rng = torch.zeros(_RNG_BYTES, dtype=torch.uint8)  # when the order was drawn
