@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import DTYPE_TO_ST
 from .chunks import Box, escape
 
 
@@ -231,6 +232,34 @@ def buffers(model: torch.nn.Module, names: Names) -> Iterator[tuple[str, str | N
             seen.add(id(buf))
             path = f"{where}.{name}" if where else name
             yield path, names(path), buf
+
+
+def buffer_casts(model: torch.nn.Module, names: Names) -> dict[str, frozenset[str]]:
+    """The buffers FSDP1's mixed precision casts (``MixedPrecision(buffer_dtype=...)``), by
+    tensor name (``model/...``): the dtype codes each may be saved and restored in. FSDP1
+    casts them from the dtype they were built in to ``buffer_dtype`` at its first forward, and
+    its sharded state dict (DCP's, and what :func:`flat_state` reads) holds whichever the
+    buffer has at the save: a checkpoint and the live model may differ here and still be the
+    same model (a copy casts; from the built dtype as FSDP1's own cast does). FSDP1 leaves
+    buffers of other dtypes (integer counters) as they are."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    of = {id(buf): fqn for _, fqn, buf in buffers(model, names) if fqn is not None}
+    out: dict[str, frozenset[str]] = {}
+    for unit in model.modules():
+        policy = getattr(unit, "mixed_precision", None) if isinstance(unit, FSDP) else None
+        cast = getattr(policy, "buffer_dtype", None)
+        built = getattr(unit, "_buffer_name_to_orig_dtype", None)
+        if cast is None or not isinstance(built, dict):
+            continue
+        for path, buf in unit.named_buffers():
+            fqn, orig = of.get(id(buf)), built.get(clean_tensor_name(path))
+            if fqn is not None and orig is not None and orig.is_floating_point:
+                name = f"model/{escape(fqn)}"
+                codes = {DTYPE_TO_ST.get(d, str(d)) for d in (cast, orig)}
+                out[name] = out.get(name, frozenset()) | codes
+    return out
 
 
 @dataclass

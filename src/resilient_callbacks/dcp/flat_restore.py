@@ -25,7 +25,7 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from . import state_dtypes
 from .assemble import assemble
 from .chunks import Box, escape, join
-from .flat import FlatLayout, Names, Piece, buffers
+from .flat import FlatLayout, Names, Piece, buffer_casts, buffers
 from .reads import misfit
 from .views import state_of
 
@@ -43,6 +43,7 @@ class DirectPlan:
     by_fqn: dict[str, tuple[Piece, torch.Tensor]] = field(default_factory=dict)
     fqn_of: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name
     ranks: set[int] = field(default_factory=set)
+    casts: dict[str, frozenset[str]] = field(default_factory=dict)  # (flat.buffer_casts)
 
 
 def plan(
@@ -64,6 +65,7 @@ def plan(
     known: set[str] = set()
     hinted: set[bool] = set()  # (reads.misfit)
     whole = plain if isinstance(plain, dict) else {}
+    out.casts = buffer_casts(model, names)
     for param, piece in layout.pieces.values():
         name = f"model/{escape(piece.fqn)}"
         known.add(name)
@@ -92,6 +94,8 @@ def plan(
         said = whole.get(name)
         if isinstance(said, list) and len(said) == 2:
             code = DTYPE_TO_ST.get(buf.dtype, str(buf.dtype))
+            if {code, said[0]} <= out.casts.get(name, frozenset()):
+                code = said[0]  # (cast by FSDP1's mixed precision: either dtype fits)
             problem = misfit(name, (code, list(buf.shape)), (said[0], said[1]), hinted)
             if problem is not None:  # (FSDP1 buffers: copied in with copy_, which casts)
                 problems.append(problem)
@@ -146,7 +150,10 @@ def load(
         if p.entries[name].get("whole"):
             problems += _whole_problem(name, home.get(name), list(piece.shape), local.dtype)
     for name, buf in p.buffers.items():
-        problems += _whole_problem(name, home.get(name), list(buf.shape), buf.dtype)
+        saved, fits = home.get(name), p.casts.get(name, frozenset())
+        cast = saved is not None and {DTYPE_TO_ST.get(saved.dtype), DTYPE_TO_ST[buf.dtype]} <= fits
+        dtype = saved.dtype if saved is not None and cast else buf.dtype
+        problems += _whole_problem(name, saved, list(buf.shape), dtype)
     if problems:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
         raise CheckpointMismatchError(
