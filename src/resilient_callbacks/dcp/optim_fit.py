@@ -58,6 +58,11 @@ class Fingerprints:
         """The names of the model's parameters, as ``get_state_dict`` gives them."""
         return {f for p in self.model.parameters() for f in self._fqns(id(p)) or ()}
 
+    def frozen(self) -> set[str]:
+        """The names of the model's frozen parameters (``requires_grad`` False)."""
+        frozen = (p for p in self.model.parameters() if not p.requires_grad)
+        return {f for p in frozen for f in self._fqns(id(p)) or ()}
+
     def _one(self, opt: torch.optim.Optimizer, within: set[str] | None = None) -> dict[str, Any]:
         ids = tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups)
         kept = self._kept.get(id(opt))
@@ -138,6 +143,8 @@ def check(
         return
     keys = [*(saved.get("tensors") or {}), *(saved.get("plain") or {})]
     held = {k.removeprefix(MODEL) for k in keys}
+    if saved.get("frozen_left_out"):  # (ignore_frozen_params: the groups saved count them)
+        held |= kinds.frozen()
     if kinds.parameters() <= held or not strict:
         # strict=False: a model that gained parameters (in a group it had, or in a group
         # added after the restore: optimizer.add_param_group) loads the state of those the
