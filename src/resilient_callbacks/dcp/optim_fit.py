@@ -30,6 +30,7 @@ import torch
 import xxhash
 
 from ..errors import CheckpointMismatchError
+from .chunks import unescape
 from .flat import Names
 from .views import MODEL
 
@@ -142,7 +143,7 @@ def check(
     if not optimizers:
         return
     keys = [*(saved.get("tensors") or {}), *(saved.get("plain") or {})]
-    held = {k.removeprefix(MODEL) for k in keys}
+    held = {unescape(k.removeprefix(MODEL)) for k in keys}  # (the parameters' names)
     if saved.get("frozen_left_out"):  # (ignore_frozen_params: the groups saved count them)
         held |= kinds.frozen()
     if kinds.parameters() <= held or not strict:
