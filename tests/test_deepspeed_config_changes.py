@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +143,32 @@ def test_a_scheduler_of_another_kind_is_refused_before_anything_loads(
     assert "CheckpointMismatchError: the checkpoint's LR scheduler is" in out
     assert saved in out.split("LR scheduler is")[1].split(",")[0]
     assert "rejected the checkpoint" not in out and "resilient-ckpt export" in out
+
+
+@pytest.mark.slow  # three Lightning DeepSpeed runs
+@pytest.mark.parametrize("stage", [2, 0])
+def test_a_lightning_lr_set_by_hand_is_no_change_at_any_resume(tmp_path: Path, stage: int) -> None:
+    """Lightning builds the engine's state again after its restore (and before the saves): the
+    values recorded as configured were the restored ones, the warm-up's lr of the saved step,
+    and the second resume warned of an lr change the config never made."""
+    script = Path(__file__).with_name("pl_ds_hand_lr.py")
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(script.parents[1] / "src"), str(script.parent)]),
+    }
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    for steps in (4, 6, 8):
+        p = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "ck"), str(steps), str(stage)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        out = p.stdout + p.stderr
+        assert p.returncode == 0, out[-3000:]
+        assert f"RESULT {steps}" in out
+        assert CHANGED not in out, out[-3000:]

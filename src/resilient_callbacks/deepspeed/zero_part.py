@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -313,11 +314,22 @@ def warn_untrained_absent(names: list[str]) -> None:
 _SCHEDULED = frozenset({"lr", "initial_lr", "betas", "momentum"})
 
 
+# each engine's hyper-parameters as first read, before a restore or a step changed them
+_CONFIGURED: weakref.WeakKeyDictionary[Any, list[dict[str, Any]]] = weakref.WeakKeyDictionary()
+
+
 def configured_hyperparameters(engine: Any) -> list[dict[str, Any]]:
     """The hyper-parameters of each of the engine's optimizer parameter groups, as JSON values
-    (of the torch optimizer: the one a ZeRO optimizer or ZeRO 0's fp16/bf16 wrapper steps)."""
-    groups = getattr(engine.optimizer, "optimizer", engine.optimizer).param_groups
-    return [{k: _comparable(v) for k, v in g.items() if k != "params"} for g in groups]
+    (of the torch optimizer: the one a ZeRO optimizer or ZeRO 0's fp16/bf16 wrapper steps),
+    as they were when first read for this engine: an adapter that builds the engine's state
+    again after the restore or for a save (Lightning's) records the values the engine was built
+    with, not the restored or scheduled ones (which warned at every later resume)."""
+    if engine not in _CONFIGURED:
+        groups = getattr(engine.optimizer, "optimizer", engine.optimizer).param_groups
+        _CONFIGURED[engine] = [
+            {k: _comparable(v) for k, v in g.items() if k != "params"} for g in groups
+        ]
+    return _CONFIGURED[engine]
 
 
 def warn_changed_hyperparameters(
