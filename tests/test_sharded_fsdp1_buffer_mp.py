@@ -8,6 +8,12 @@ not cast yet, was refused when read directly -- "model/scale: saved BF16 [3], th
 F32 [3] (the dtype changed since the save ...)" -- although the model was the one saved. Both
 dtypes of such a buffer now fit (the copy casts, as FSDP1 would); through FSDP1's state dict
 (``use_orig_params=False``) it already resumed.
+
+Moved to FSDP2 (docs/fsdp.md: a checkpoint moves between FSDP1 and FSDP2), whose buffers stay
+as built (F32), the same checkpoint was refused too, since a233d4c checked the dtypes of the
+tensors saved whole: "model/scale: saved BF16 [3], this model has F32 [3]". A buffer saved BF16
+or F16 now loads into a live F32 or F64 one of the same shape by a cast (logged); a narrowing
+change (BF16 saved, F16 now) is still refused.
 """
 
 from __future__ import annotations
@@ -37,12 +43,21 @@ def test_fsdp1_buffers_cast_by_mixed_precision_resume(tmp_path, orig_params):
             assert res[case]["error"] is None, res[case]
             step, scale = (1, [2.0] * 3) if case.startswith("early") else (3, res["scale"])
             assert res[case]["step"] == step and res[case]["scale"] == scale, res[case]
+        # FSDP1 -> FSDP2: the BF16 buffer into FSDP2's F32 one (cast), or a F16 one (refused)
+        assert res["fsdp2"] == {"error": None, "step": 3, "scale": res["scale"]}, res["fsdp2"]
+        assert res["fsdp2_dtype"] == "torch.float32"
+        said = res["fsdp2_f16"]["error"]
+        assert said.startswith("CheckpointMismatchError: "), said
+        assert "model/scale: saved BF16 [3], this model has F16 [3] (the dtype changed" in said
+        assert res["fsdp2_f16"]["scale"] == [2.0] * 3  # (nothing loaded)
 
 
 _ORIG_PARAMS = [True]
 
 
-def _model() -> torch.nn.Module:
+def _model(fsdp2: torch.dtype | None = None) -> torch.nn.Module:
+    """FSDP1 with buffer mixed precision; ``fsdp2``: the same model under FSDP2, its buffer
+    built in that dtype."""
     from torch import nn
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision
@@ -56,7 +71,13 @@ def _model() -> torch.nn.Module:
 
     torch.manual_seed(0)
     m = Scaled(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5))
-    m.register_buffer("scale", torch.full((3,), 2.0))
+    m.register_buffer("scale", torch.full((3,), 2.0, dtype=fsdp2 or torch.float32))
+    if fsdp2 is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(m[0])
+        fully_shard(m[2])
+        return fully_shard(m)
     mixed = MixedPrecision(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16
     )
@@ -122,6 +143,11 @@ def worker(tmp: str, orig_params: str) -> None:
     res["early_again"] = _restore(root, m, opt, at=1)  # saved fp32, the model now bf16
     fresh = _model()
     res["early_fresh"] = _restore(root, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2), 1)
+    fresh = _model(fsdp2=torch.float32)
+    res["fsdp2"] = _restore(root, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    res["fsdp2_dtype"] = str(fresh.scale.dtype)
+    fresh = _model(fsdp2=torch.float16)
+    res["fsdp2_f16"] = _restore(root, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
     (Path(tmp) / f"result.{dist.get_rank()}.json").write_text(json.dumps(res))
     spawn_ranks.leave_group()
 

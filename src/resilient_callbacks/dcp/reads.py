@@ -9,6 +9,7 @@ collective.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ from . import shards
 from .assemble import full_box, whole_entry
 from .chunks import Box
 from .views import MODEL, dtype_code
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,7 +64,8 @@ def plan_reads(
             if checked and isinstance(said, list) and len(said) == 2:
                 # saved whole (a buffer, an optimizer's 0-d state): the loads cast another
                 # dtype in silence, DCP's refuses another shape only after loading the rest
-                problem = _misfit(name, t, said[0], said[1], retyped)
+                fits = upcast(name, t, said[0], said[1])  # (FSDP1's buffer_dtype -> FSDP2)
+                problem = None if fits else _misfit(name, t, said[0], said[1], retyped)
                 if problem is not None:
                     out.problems.append(problem)
                     continue
@@ -103,6 +107,33 @@ RETYPED_STATE = (
     "-- Sharded(model) through a Checkpointer opened with read_only=True -- and save into a "
     "new dirpath (the optimizer's state starts afresh)"
 )
+
+
+_LOW = ("BF16", "F16")  # the dtypes FSDP1's MixedPrecision(buffer_dtype=...) casts buffers to
+
+
+def upcast(name: str, t: torch.Tensor, dtype: Any, shape: Any) -> bool:
+    """Whether the model's buffer ``name``, saved whole in ``dtype`` (a safetensors code) and
+    ``shape``, is loaded into the live ``t`` by a cast that loses nothing: saved BF16 or F16,
+    held now as F32 or F64, the same shape (logged at INFO). FSDP1 casts the buffers in place
+    to ``MixedPrecision(buffer_dtype=...)`` and saves them so; FSDP2 keeps them as built, and
+    nothing records which wrote a checkpoint: moved from FSDP1 to FSDP2, such a resume was
+    refused (the copy casts, as FSDP1's own cast did from the built dtype). Parameters are
+    sharded and checked apart (another model dtype is still refused there), and every other
+    change of a buffer's dtype -- F32 to F64, a narrowing one, to or from an integer -- still is."""
+    if not name.startswith(MODEL) or dtype not in _LOW or list(t.shape) != list(shape):
+        return False
+    if t.dtype not in (torch.float32, torch.float64):
+        return False
+    log.info(
+        "%s: saved %s, this model holds it as %s; loaded by a cast (a buffer FSDP1's "
+        "MixedPrecision(buffer_dtype=...) kept in %s)",
+        name,
+        dtype,
+        dtype_code(name, t),
+        dtype,
+    )
+    return True
 
 
 def _misfit(name: str, t: torch.Tensor, dtype: Any, shape: Any, hinted: set[bool]) -> str | None:
