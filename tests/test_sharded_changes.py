@@ -89,6 +89,19 @@ def test_lenient_restores_compare_the_optimizer_groups_on_the_saved_parameters(r
     said = _refused(results, "new_group_lenient")
     assert "parameter groups of [4] in the checkpoint, of [4, 0] here" in said
     assert "add_param_group" in said
+    assert "new parameters go into a group" in said and "no longer has" not in said
+
+
+def test_a_lenient_restore_of_a_model_that_lost_parameters_says_so(results):
+    """The model lost a parameter (``2.bias``): the saved group counts it, the refusal said
+    "new parameters go into a group that holds saved ones" (found 2026-12-07)."""
+    said = _refused(results, "param_lost_lenient")
+    assert "parameter groups of [4] in the checkpoint, of [3] here" in said
+    assert "count 1 parameter(s) this model no longer has (2.bias)" in said, said
+    assert "new parameters" not in said, said
+
+
+def test_lenient_restores_load_new_parameters_in_a_saved_or_added_group(results):
     # new parameters in the saved group, or in a group added after the restore: loaded
     for case in ("new_param_lenient", "added_group_lenient"):
         got = results[case]
@@ -172,6 +185,8 @@ def _model(dtype: torch.dtype = torch.float32, change: str = "") -> torch.nn.Mod
         m.scale = torch.full((4,), 2.0)
     elif change == "buffer_removed":
         del m.scale
+    elif change == "param_lost":  # (its optimizer state and its group's count are saved)
+        m[2].register_parameter("bias", None)
     elif change == "new_param":
         m[2].register_parameter("spare", nn.Parameter(torch.ones(3)))
     m = m.to(dtype)
@@ -309,6 +324,7 @@ def worker(tmp: str, sharding: str) -> None:
         "new_group_lenient",
         "new_param_lenient",
         "added_group_lenient",
+        "param_lost_lenient",
     ]
     for case in cases:
         res[case] = _load(out / "fp32", case)

@@ -59,6 +59,10 @@ class Fingerprints:
         """The names of the model's parameters, as ``get_state_dict`` gives them."""
         return {f for p in self.model.parameters() for f in self._fqns(id(p)) or ()}
 
+    def buffers(self) -> set[str]:
+        """The names of the model's buffers, as ``get_state_dict`` gives them."""
+        return {f for n, _ in self.model.named_buffers() for f in self.names.every(n)}
+
     def frozen(self) -> set[str]:
         """The names of the model's frozen parameters (``requires_grad`` False)."""
         frozen = (p for p in self.model.parameters() if not p.requires_grad)
@@ -156,16 +160,38 @@ def check(
     else:  # (a model that changed is refused by name, parameter by parameter)
         changed = problems(saved.get("optimizer_kinds"), kinds(optimizers), False)
     if changed:
-        counted = (
-            ""
-            if strict
-            else " (strict=False: the parameters of each group that the checkpoint holds are "
-            "counted; new parameters go into a group that holds saved ones, or into a group "
-            "added after the restore, with optimizer.add_param_group)"
-        )
+        counted = "" if strict else lenient_note(held, kinds, saved)
         raise CheckpointMismatchError(
             f"part {part_id!r}: the optimizers are not those the checkpoint holds the state "
             f"of: {'; '.join(changed)}{counted} (to go on with new optimizers from the saved "
             "model, load Sharded(model) alone through a Checkpointer opened with "
             "read_only=True, and save into a new dirpath)"
         )
+
+
+def lenient_note(held: set[str], kinds: Fingerprints, saved: Mapping[str, Any]) -> str:
+    """What a ``strict=False`` refusal of the groups adds: how they were counted and, by what
+    the model gained or lost since the save (``held``: the names the checkpoint holds), where
+    its parameters may go."""
+    now = kinds.parameters()
+    models = [*(saved.get("tensors") or {}), *(saved.get("plain") or {})]
+    saved_names = {unescape(k.removeprefix(MODEL)) for k in models if k.startswith(MODEL)}
+    lost = sorted(saved_names - now - kinds.buffers())
+    notes = []
+    if now - held or not lost:
+        notes.append(
+            "new parameters go into a group that holds saved ones, or into a group added "
+            "after the restore, with optimizer.add_param_group"
+        )
+    if lost:
+        more = f" (and {len(lost) - 5} more)" if len(lost) > 5 else ""
+        notes.append(
+            f"the saved groups also count {len(lost)} parameter(s) this model no longer has "
+            f"({', '.join(lost[:5])}{more}), which no group here holds: their optimizer state "
+            "does not fit these groups"
+        )
+    return (
+        " (strict=False: the parameters of each group that the checkpoint holds are counted; "
+        + "; ".join(notes)
+        + ")"
+    )
