@@ -43,8 +43,8 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     ``use_orig_params=True`` as Lightning and accelerate set it; ShardedTensor state, a rank may
     hold no piece of a small tensor), ``fsdp1-mesh`` (the same given a device mesh: DTensor
     state) or ``tp`` (tensor parallelism: the first Linear column-wise, the second row-wise --
-    shards along dimension 0 and 1 -- the last one plain and replicated; each rank computes on
-    its own batch, which makes no sense as training and is as deterministic), ``hsdp`` (FSDP2
+    shards along dimension 0 and 1 -- the last one plain and replicated; every rank trains on
+    rank 0's batch, as a real TP group is fed one batch: :func:`train_step`), ``hsdp`` (FSDP2
     on a 2-D mesh: replicated across pairs of ranks, sharded within each; 4 ranks) or
     ``fsdp1-hybrid`` (FSDP1's ``HYBRID_SHARD``, the same layout).
     ``RC_EXTRA_LAYER=1`` appends a layer: a model the checkpoints do not fit;
@@ -195,12 +195,22 @@ def backend() -> str:
 
 def train_step(model: Any, opt: Any) -> float:
     """One step on a batch drawn from the global (CPU) torch RNG, restored per rank on resume,
-    on the model's device."""
+    on the model's device. Under tensor parallelism (``RC_SHARDING=tp``) every rank trains on
+    rank 0's batch (each rank still draws its own, so the RNGs advance alike): the ranks of a
+    TP group compute one batch together, and on batches of their own the replicated tensors
+    diverged between ranks (the save warned of it; ``test_sharded_replicas`` tests that)."""
+    import os
+
     import torch
 
     device = _device()
     x = torch.randn(8, 6).to(device)
     y = torch.randn(8, 1).to(device)
+    if os.environ.get("RC_SHARDING") == "tp":
+        import torch.distributed as dist
+
+        dist.broadcast(x, 0)
+        dist.broadcast(y, 0)
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad(set_to_none=True)
     loss.backward()

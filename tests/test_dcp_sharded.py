@@ -557,6 +557,10 @@ def test_tensor_parallel_shards_and_replicas_go_from_two_ranks_to_one(tmp_path):
     assert tensors["model/2.weight"]["chunks"] == [[0, [0, 0], [5, 4]], [1, [0, 4], [5, 4]]]
     assert tensors["model/2.bias"]["chunks"] == [[0, [0], [5]]]  # a replica: written once
     assert "model/4.weight" not in tensors  # a plain tensor: in each rank's own file
+    # the TP ranks train on one batch: the replicas stay equal (each rank its own batch made
+    # them diverge, and the save warned: test_sharded_replicas tests that)
+    logs = [p.read_text() for p in tmp_path.glob("a*.rank0.log")]
+    assert logs and not any("replicated tensors differ" in t for t in logs)
     _run(tmp_path, 1, root, "b", 6, RC_SHARDING="tp", RC_FORBID_PICKLE="1")
     _assert_same(
         _tensors(tmp_path / "a.final.safetensors"), _tensors(tmp_path / "b.restored.safetensors")
