@@ -108,15 +108,26 @@ def test_a_changed_scheduler_type_schedules_on_from_the_restored_iteration(
 
 
 @pytest.mark.slow  # two DeepSpeed runs
-@pytest.mark.parametrize(("saved", "now"), [("fp32", "bf16"), ("fp16", "bf16")])
+@pytest.mark.parametrize(
+    ("saved", "now"),
+    [
+        ("fp32", "bf16"),
+        ("fp16", "bf16"),
+        ("fp16", "fp32"),
+        ("bf16", "fp32"),
+        ("fp32", "fp16"),
+        ("bf16", "fp16"),
+    ],
+)
 def test_a_dtype_change_at_zero0_is_refused_before_anything_loads(
     tmp_path: Path, saved: str, now: str
 ) -> None:
     """ZeRO 0 saves the optimizer whole, as DeepSpeed builds it for one dtype: fp32 -> bf16
     failed inside DeepSpeed's fp16 wrapper (``KeyError: 'dynamic_loss_scale'``) after the module
     was loaded, and fp16 -> bf16 (the same wrapper class) loaded the fp16 run's dynamic loss
-    scaler into the bf16 engine without a word. Both are refused, naming the two dtypes and the
-    ways on."""
+    scaler into the bf16 engine without a word; fp16 or bf16 -> fp32 was refused as another
+    optimizer class (DeepSpeed's wrapper, then the torch optimizer) with no word of the dtype.
+    All are refused, naming the two dtypes and the ways on."""
     names = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
     d = tmp_path / "ck"
     run(d, "--stage", "0", "--steps", "4", "--every", "4", "--dtype", saved)
@@ -125,6 +136,7 @@ def test_a_dtype_change_at_zero0_is_refused_before_anything_loads(
     assert f"trained in {names[saved]} and this engine trains in {names[now]}" in out
     assert "CheckpointMismatchError" in out and "resilient-ckpt export" in out
     assert "rejected the checkpoint" not in out
+    assert "does not fit the objects it is loaded into" not in out  # (the optimizer's class)
 
 
 @pytest.mark.slow  # two DeepSpeed runs

@@ -280,3 +280,39 @@ def test_a_state_may_allow_entries_its_older_checkpoints_lack(tmp_path):
     other = _MayLack(old=torch.zeros(2), other=torch.zeros(2))
     with pytest.raises(CheckpointMismatchError, match="missing keys in checkpoint: 'other'"):
         _restore(tmp_path / "ck", {"m": other})
+
+
+class _Kind:
+    """A stateful object that records a kind and refuses a checkpoint of another one
+    (``refuse_saved``, as DeepSpeed's engine counters refuse a dtype change at ZeRO 0)."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def state_dict(self):
+        return {"kind": self.kind}
+
+    def load_state_dict(self, state):
+        self.kind = state["kind"]
+
+    def refuse_saved(self, saved):
+        if saved.get("kind") != self.kind:
+            raise CheckpointMismatchError(f"saved as {saved.get('kind')}, {self.kind} here")
+
+
+def test_a_stateful_object_may_refuse_a_checkpoint_before_other_problems_are_listed(tmp_path):
+    """``refuse_saved(saved)``: its error is the restore's, before the other objects' problems
+    are listed (an optimizer of another class, here after it in the state) and before anything
+    loads; a checkpoint it accepts restores as before."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters())
+    _save(tmp_path / "ck", {"model": model, "opt": opt, "kind": _Kind("a")})
+    fresh = torch.nn.Linear(2, 2)
+    before = fresh.weight.detach().clone()
+    live = {"model": fresh, "opt": torch.optim.Adam(fresh.parameters()), "kind": _Kind("b")}
+    with pytest.raises(CheckpointMismatchError, match="saved as a, b here") as e:
+        _restore(tmp_path / "ck", live)
+    assert "does not fit" not in str(e.value) and live["kind"].kind == "b"
+    assert torch.equal(fresh.weight, before)  # nothing loaded
+    same = {"model": fresh, "opt": torch.optim.SGD(fresh.parameters()), "kind": _Kind("a")}
+    assert _restore(tmp_path / "ck", same) == 1 and torch.equal(fresh.weight, model.weight)

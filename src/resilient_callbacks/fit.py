@@ -6,7 +6,10 @@ A mapping in the state may explain a key mismatch in words the user knows: a met
 ``explain_key_mismatch(missing, unexpected) -> str | None`` (the keys the checkpoint lacks and
 the keys only it has) adds its answer to the list (the DeepSpeed engine's state names the ZeRO
 stages, say); one with a ``saved_keys`` keyword also gets, for each unexpected key, the keys the
-checkpoint holds under it."""
+checkpoint holds under it. A stateful object may refuse a checkpoint before any other problem
+is listed: a method ``refuse_saved(saved)`` (the entries of its saved state) that raises
+:class:`CheckpointMismatchError` (the DeepSpeed engine's counters refuse a dtype change at ZeRO
+0, which the optimizer's class would otherwise report)."""
 
 from __future__ import annotations
 
@@ -110,6 +113,16 @@ def _explain(obj: Any, missing: list[Any], unexpected: list[Any], items: dict) -
         return explain(missing, unexpected)
     saved = {k: sorted(map(str, _node_items(items[k]) or {})) for k in unexpected}
     return explain(missing, unexpected, saved_keys=saved)
+
+
+def _refuse_first(obj: Any, n: dict[str, Any]) -> None:
+    """``obj.refuse_saved(saved)``, where a stateful object has it: given the entries of its
+    saved state (JSON values as saved, others as encoded nodes), it raises
+    :class:`CheckpointMismatchError` in its own words, before any other problem is listed."""
+    refuse = getattr(obj, "refuse_saved", None)
+    saved = _node_items(n.get("state"))
+    if callable(refuse) and saved is not None:
+        refuse(saved)
 
 
 def _absent_allowed(obj: Any, missing: list[Any]) -> bool:
@@ -226,7 +239,9 @@ def check_fits(
                     f"{path_str(path)}: checkpoint holds {_describe(n)}, not the state of a "
                     f"{_qualname(obj)}"
                 )
-            elif isinstance(obj, torch.optim.Optimizer):
+                return
+            _refuse_first(obj, n)
+            if isinstance(obj, torch.optim.Optimizer):
                 problems.extend(_optimizer_problems(obj, n, path))
                 cast.extend(_optimizer_casts(obj, n, tensors_meta, path))
             return

@@ -42,8 +42,15 @@ class EngineCounters:
             out["configured_param_groups"] = self._configured
         return out
 
+    def refuse_saved(self, saved: dict[str, Any]) -> None:
+        """Every rank, at restore, before anything loads or any other problem is listed
+        (``fit.check_fits``): a dtype change at ZeRO 0, which the optimizer's class (DeepSpeed's
+        wrapper for fp16 and bf16, the torch optimizer for fp32) would report otherwise."""
+        dtype = saved.get("dtype")
+        self._refuse_a_dtype_change(dtype if isinstance(dtype, str) else None)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._refuse_a_dtype_change(state.get("dtype"))  # first: before anything is loaded
+        self._refuse_a_dtype_change(state.get("dtype"))  # (refuse_saved did, at a restore)
         self._refuse_a_scheduler_change(state.get("lr_scheduler"))
         if self._configured is not None:  # (before the optimizer's own load restores them)
             warn_changed_hyperparameters(
@@ -60,8 +67,10 @@ class EngineCounters:
         weights and a loss scaler; fp32: the torch optimizer), so its state does not fit:
         loaded, a bf16 engine took an fp16 run's dynamic loss scaler, and an fp32 checkpoint
         failed inside the wrapper's load_state_dict (KeyError: 'dynamic_loss_scale') with the
-        module already loaded. The counters load first, so nothing is loaded yet. (ZeRO 1-3
-        resume across dtypes; a checkpoint of before the dtype was recorded is not checked.)"""
+        module already loaded; fp16 or bf16 -> fp32 was refused as another optimizer class,
+        with no word of the dtype. Checked by :meth:`refuse_saved` before anything is loaded.
+        (ZeRO 1-3 resume across dtypes; a checkpoint of before the dtype was recorded is not
+        checked.)"""
         now = _dtype(self.engine)
         if saved is None or saved == now or int(self.engine.zero_optimization_stage()) != 0:
             return
