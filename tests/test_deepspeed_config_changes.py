@@ -8,11 +8,13 @@
   from the start would have;
 - the micro-batch size changed: the data goes on at the next sample;
 - the type of DeepSpeed's scheduler changed: the new one schedules on from the restored
-  iteration.
+  iteration; a scheduler of another kind (DeepSpeed's <-> torch's) is refused before anything
+  loads, whatever key of the state comes first.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -155,6 +157,42 @@ def test_a_scheduler_of_another_kind_is_refused_before_anything_loads(
     assert "CheckpointMismatchError: the checkpoint's LR scheduler is" in out
     assert saved in out.split("LR scheduler is")[1].split(",")[0]
     assert "rejected the checkpoint" not in out and "resilient-ckpt export" in out
+
+
+def test_a_scheduler_of_another_kind_is_refused_before_a_key_ahead_of_the_counters_loads(
+    tmp_path: Path,
+) -> None:
+    """The refusal ran only in the counters' load_state_dict, so it came before the rest loaded
+    only while "counters" was the state's first key: a state with the engine's module ahead of
+    them (``ds_counters_first.py``) had the module loaded when it came. The counters refuse in
+    ``refuse_saved``, which the restore asks before anything loads. (One process, ~5 s.)"""
+    import spawn_ranks
+
+    script = Path(__file__).with_name("ds_counters_first.py")
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",  # (the zygote's)
+        "PYTHONPATH": os.pathsep.join([str(script.parents[1] / "src"), str(script.parent)]),
+    }
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    log = tmp_path / "ds_counters_first.log"
+    zygote = spawn_ranks.shared_zygote("deepspeed", DS_ACCELERATOR="cpu")
+    p = zygote.spawn([sys.executable, str(script), str(tmp_path / "ck")], env, log)
+    try:
+        returncode = p.wait(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = log.read_text()
+    assert returncode == 0, out[-3000:]
+    (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT ") :])
+    assert result["error"].startswith("CheckpointMismatchError: the checkpoint's LR scheduler")
+    assert "WarmupLR, this engine's torch.optim.lr_scheduler.LambdaLR" in result["error"]
+    assert result["module_untouched"], "the module was loaded before the refusal"
 
 
 @pytest.mark.slow  # three Lightning DeepSpeed runs

@@ -9,7 +9,8 @@ stages, say); one with a ``saved_keys`` keyword also gets, for each unexpected k
 checkpoint holds under it. A stateful object may refuse a checkpoint before any other problem
 is listed: a method ``refuse_saved(saved)`` (the entries of its saved state) that raises
 :class:`CheckpointMismatchError` (the DeepSpeed engine's counters refuse a dtype change at ZeRO
-0, which the optimizer's class would otherwise report)."""
+0, which the optimizer's class would otherwise report, and an LR scheduler of another kind,
+whatever key of the state comes first)."""
 
 from __future__ import annotations
 

@@ -45,12 +45,15 @@ class EngineCounters:
     def refuse_saved(self, saved: dict[str, Any]) -> None:
         """Every rank, at restore, before anything loads or any other problem is listed
         (``fit.check_fits``): a dtype change at ZeRO 0, which the optimizer's class (DeepSpeed's
-        wrapper for fp16 and bf16, the torch optimizer for fp32) would report otherwise."""
-        dtype = saved.get("dtype")
+        wrapper for fp16 and bf16, the torch optimizer for fp32) would report otherwise, and an
+        LR scheduler of another kind, whatever key of the state comes first."""
+        dtype, scheduler = saved.get("dtype"), saved.get("lr_scheduler")
         self._refuse_a_dtype_change(dtype if isinstance(dtype, str) else None)
+        self._refuse_a_scheduler_change(scheduler if isinstance(scheduler, str) else None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._refuse_a_dtype_change(state.get("dtype"))  # (refuse_saved did, at a restore)
+        # (refuse_saved did both, at a Checkpointer's restore; again for other callers)
+        self._refuse_a_dtype_change(state.get("dtype"))
         self._refuse_a_scheduler_change(state.get("lr_scheduler"))
         if self._configured is not None:  # (before the optimizer's own load restores them)
             warn_changed_hyperparameters(
@@ -91,7 +94,9 @@ class EngineCounters:
         'last_batch_iteration' or 'lr_lambdas', with the rest already loaded; between two
         torch schedulers, one took the other's attributes). Between DeepSpeed's schedulers
         (WarmupLR, WarmupDecayLR, OneCycle, ...) the restored iteration enters the new schedule.
-        A scheduler in one run only is a key mismatch, refused before this (explain_key_mismatch)."""
+        A scheduler in one run only is a key mismatch, refused before this (explain_key_mismatch).
+        Checked by :meth:`refuse_saved` before anything is loaded: it ran only in
+        load_state_dict, before the rest only while "counters" was the state's first key."""
         now = _scheduler_class(self.engine)
         if saved is None or now is None or saved == now:
             return
