@@ -465,3 +465,30 @@ def test_an_exporter_on_all_addresses_and_one_on_localhost_at_one_port_name_the_
     assert len(said) == 1, said
     assert f"another Checkpointer of this process serves its metrics on 127.0.0.1:{port}" in said[0]
     assert "switched off" in said[0]
+
+
+@pytest.mark.parametrize("bindv6only", ["0", "1", None])
+def test_an_exporter_on_ipv6_all_addresses_overlaps_ipv4_as_the_host_binds_it(
+    tmp_path: Path, monkeypatch, bindv6only: str | None
+):
+    """``::`` takes IPv4 too only where ``net.ipv6.bindv6only`` is 0 (Linux's default): with 1,
+    one exporter on ``::`` and one on ``0.0.0.0`` or ``127.0.0.1`` at one port both bind, and the
+    old src refused the second. Unknown (no such file: not Linux): overlapping, the safe side."""
+    pytest.importorskip("prometheus_client")
+    from resilient_callbacks.sinks import prometheus
+
+    setting = tmp_path / "bindv6only"
+    if bindv6only is not None:
+        setting.write_text(bindv6only + "\n")
+    monkeypatch.setattr(prometheus, "BINDV6ONLY", str(setting))
+    prometheus._v6_takes_v4.cache_clear()
+    try:
+        takes_v4 = bindv6only != "1"
+        for v4 in ("0.0.0.0", "127.0.0.1"):
+            assert prometheus._overlap(("::", 9464, 1), (v4, 9464, 1)) is takes_v4, v4
+            assert prometheus._overlap((v4, 9460, 8), ("::", 9467, 1)) is takes_v4, v4
+        assert prometheus._overlap(("::", 9464, 1), ("::1", 9464, 1))  # IPv6: always
+        assert not prometheus._overlap(("::", 9464, 1), ("127.0.0.1", 9465, 1))
+        assert not prometheus._overlap(("0.0.0.0", 9464, 1), ("::1", 9464, 1))
+    finally:
+        prometheus._v6_takes_v4.cache_clear()  # (the host's, read again by the next one)

@@ -10,6 +10,7 @@ listens on ``port + local rank`` (``LOCAL_RANK``, else the rank), the textfile o
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -198,9 +199,26 @@ def _overlap(a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
 
 
 def _same_address(x: str, y: str) -> bool:
-    if x == y or "::" in (x, y) or "" in (x, y):  # ("::" takes IPv4 too, on Linux's default)
+    if x == y or "" in (x, y):
         return True
+    if "::" in (x, y):  # every IPv6 address; IPv4 too where the host lets "::" take IPv4
+        return _v6_takes_v4() or ":" in (y if x == "::" else x)
     return "0.0.0.0" in (x, y) and ":" not in x + y
+
+
+BINDV6ONLY = "/proc/sys/net/ipv6/bindv6only"  # Linux's setting; absent elsewhere
+
+
+@functools.cache
+def _v6_takes_v4() -> bool:
+    """Whether a socket bound to ``::`` takes IPv4 connections too (Linux's default
+    ``net.ipv6.bindv6only=0``), read once; ``True`` where it cannot be read (the safe side:
+    a conflict said at once, rather than an exporter that fails to bind and is retried)."""
+    try:
+        with open(BINDV6ONLY) as f:
+            return f.read().strip() != "1"
+    except (OSError, ValueError):
+        return True
 
 
 class PrometheusTextfile(_PrometheusBase):
