@@ -99,6 +99,21 @@ def test_a_lenient_restore_of_a_model_that_lost_parameters_says_so(results):
     assert "parameter groups of [4] in the checkpoint, of [3] here" in said
     assert "count 1 parameter(s) this model no longer has (2.bias)" in said, said
     assert "new parameters" not in said, said
+    assert "scale" not in said, said
+
+
+def test_a_lenient_restore_of_a_model_that_lost_a_parameter_and_a_buffer_tells_them_apart(
+    results,
+):
+    """The model lost ``2.bias`` and the buffer ``scale``: the refusal counted ``scale`` among
+    the "2 parameter(s) this model no longer has (2.bias, scale)" (found 2026-12-07). The
+    checkpoint does not say which saved names were buffers; those with optimizer state were
+    parameters, the others are named as saved tensors."""
+    said = _refused(results, "param_buffer_lost_lenient")
+    assert "parameter groups of [4] in the checkpoint, of [3] here" in said
+    assert "count 1 parameter(s) this model no longer has (2.bias)" in said, said
+    assert "1 saved tensor(s) this model no longer has (scale) without optimizer state" in said
+    assert "new parameters" not in said, said
 
 
 def test_lenient_restores_load_new_parameters_in_a_saved_or_added_group(results):
@@ -185,8 +200,10 @@ def _model(dtype: torch.dtype = torch.float32, change: str = "") -> torch.nn.Mod
         m.scale = torch.full((4,), 2.0)
     elif change == "buffer_removed":
         del m.scale
-    elif change == "param_lost":  # (its optimizer state and its group's count are saved)
+    elif change in ("param_lost", "param_buffer_lost"):  # (its state and group count: saved)
         m[2].register_parameter("bias", None)
+        if change == "param_buffer_lost":
+            del m.scale
     elif change == "new_param":
         m[2].register_parameter("spare", nn.Parameter(torch.ones(3)))
     m = m.to(dtype)
@@ -325,6 +342,7 @@ def worker(tmp: str, sharding: str) -> None:
         "new_param_lenient",
         "added_group_lenient",
         "param_lost_lenient",
+        "param_buffer_lost_lenient",
     ]
     for case in cases:
         res[case] = _load(out / "fp32", case)

@@ -32,7 +32,7 @@ import xxhash
 from ..errors import CheckpointMismatchError
 from .chunks import unescape
 from .flat import Names
-from .views import MODEL
+from .views import MODEL, state_of
 
 
 class Fingerprints:
@@ -172,26 +172,40 @@ def check(
 def lenient_note(held: set[str], kinds: Fingerprints, saved: Mapping[str, Any]) -> str:
     """What a ``strict=False`` refusal of the groups adds: how they were counted and, by what
     the model gained or lost since the save (``held``: the names the checkpoint holds), where
-    its parameters may go."""
+    its parameters may go. The checkpoint does not record which saved names were parameters:
+    those with optimizer state were; the others (buffers, parameters without state) are said
+    as saved tensors."""
     now = kinds.parameters()
     models = [*(saved.get("tensors") or {}), *(saved.get("plain") or {})]
     saved_names = {unescape(k.removeprefix(MODEL)) for k in models if k.startswith(MODEL)}
-    lost = sorted(saved_names - now - kinds.buffers())
+    lost = saved_names - now - kinds.buffers()
+    stated = {of[0] for k in models if (of := state_of(k)) is not None}
     notes = []
-    if now - held or not lost:
+    if now - held or not lost & stated:
         notes.append(
             "new parameters go into a group that holds saved ones, or into a group added "
             "after the restore, with optimizer.add_param_group"
         )
-    if lost:
-        more = f" (and {len(lost) - 5} more)" if len(lost) > 5 else ""
+    if lost & stated:
         notes.append(
-            f"the saved groups also count {len(lost)} parameter(s) this model no longer has "
-            f"({', '.join(lost[:5])}{more}), which no group here holds: their optimizer state "
-            "does not fit these groups"
+            f"the saved groups also count {_names(lost & stated, 'parameter(s)')}, which no "
+            "group here holds: their optimizer state does not fit these groups"
+        )
+    if lost - stated:
+        notes.append(
+            f"the checkpoint also holds {_names(lost - stated, 'saved tensor(s)')} without "
+            "optimizer state: buffers, or parameters the saved groups count where an "
+            "optimizer held them"
         )
     return (
         " (strict=False: the parameters of each group that the checkpoint holds are counted; "
         + "; ".join(notes)
         + ")"
     )
+
+
+def _names(names: set[str], what: str) -> str:
+    """``N what this model no longer has (a, b, ...)``: the first five of ``names``, sorted."""
+    first = sorted(names)
+    more = f" (and {len(first) - 5} more)" if len(first) > 5 else ""
+    return f"{len(first)} {what} this model no longer has ({', '.join(first[:5])}{more})"
