@@ -116,6 +116,17 @@ def test_a_lenient_restore_of_a_model_that_lost_a_parameter_and_a_buffer_tells_t
     assert "new parameters" not in said, said
 
 
+def test_a_lenient_restore_of_a_model_that_lost_a_buffer_and_regrouped_advises_on_groups(
+    results,
+):
+    """The buffer ``scale`` lost and the groups split: the refusal named ``scale`` as a lost
+    parameter and left out where parameters may go (found 2026-12-07)."""
+    said = _refused(results, "buffer_removed_split_lenient")
+    assert "parameter groups of [4] in the checkpoint, of [2, 2] here" in said
+    assert "new parameters go into a group" in said and "parameter(s) this" not in said, said
+    assert "1 saved tensor(s) this model no longer has (scale) without optimizer state" in said
+
+
 def test_lenient_restores_load_new_parameters_in_a_saved_or_added_group(results):
     # new parameters in the saved group, or in a group added after the restore: loaded
     for case in ("new_param_lenient", "added_group_lenient"):
@@ -198,7 +209,7 @@ def _model(dtype: torch.dtype = torch.float32, change: str = "") -> torch.nn.Mod
     m.register_buffer("scale", torch.full((3,), 2.0))
     if change == "buffer_shape":
         m.scale = torch.full((4,), 2.0)
-    elif change == "buffer_removed":
+    elif change in ("buffer_removed", "buffer_removed_split"):
         del m.scale
     elif change in ("param_lost", "param_buffer_lost"):  # (its state and group count: saved)
         m[2].register_parameter("bias", None)
@@ -272,7 +283,7 @@ def _load(root: Path, case: str) -> dict:
     m = _model(dtype, "new_param" if "new" in change or "added" in change else change)
     params = dict(m.named_parameters())
     old = [p for n, p in params.items() if "spare" not in n]
-    if case == "groups_split_lenient":
+    if case in ("groups_split_lenient", "buffer_removed_split_lenient"):
         opt = torch.optim.AdamW([{"params": old[:2]}, {"params": old[2:], "lr": 1e-3}])
     elif case in ("new_group_lenient", "added_group_lenient"):
         opt = torch.optim.AdamW([{"params": old}], lr=1e-2)
@@ -343,6 +354,7 @@ def worker(tmp: str, sharding: str) -> None:
         "added_group_lenient",
         "param_lost_lenient",
         "param_buffer_lost_lenient",
+        "buffer_removed_split_lenient",
     ]
     for case in cases:
         res[case] = _load(out / "fp32", case)
