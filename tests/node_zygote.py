@@ -30,11 +30,13 @@ import json
 import os
 import random
 import runpy
+import select
 import signal
 import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Iterator
 
 import s3fs  # noqa: F401
 import torch
@@ -175,6 +177,32 @@ def _reap(signum: int, frame: object) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
 
 
+def _requests() -> Iterator[str]:
+    """The lines read from stdin until it closes, reaping ended children while none comes.
+
+    Not ``for line in sys.stdin``: a child that ends while :func:`_reap` runs (SIGCHLD blocked)
+    has its signal delivered as the handler unblocks it, after CPython's dispatch has passed
+    SIGCHLD; the flag stays set, but the blocking read that follows is not interrupted again,
+    so the handler ran only at the next child's end and the status was written minutes late (a
+    test's 60 s wait for it failed; 1 run in the full suite, 2026-12-07). Waiting in ``select``
+    with a timeout and reaping on each timeout bounds that delay to a second."""
+    fd, buf = sys.stdin.fileno(), b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if not ready:
+            _reap(signal.SIGCHLD, None)
+            continue
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            if buf:
+                yield buf.decode()
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line.decode()
+
+
 def main() -> None:
     for name in sys.argv[1:]:
         importlib.import_module(name)
@@ -187,7 +215,7 @@ def main() -> None:
     # status of the ranks the test then kills (it ends when its stdin closes)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     print("ready", flush=True)
-    for line in sys.stdin:
+    for line in _requests():
         if not line.strip():
             continue
         req = json.loads(line)
