@@ -142,16 +142,14 @@ class _HostBytes(L.Callback):
         self.seen.append(self.rc.checkpointer._saver.buffers.nbytes)
 
 
-def test_no_host_buffers_ahead_for_what_an_on_save_checkpoint_hook_takes_out(tmp_path):
-    """The read ahead of the first save leaves the hooks out, so it saw the frozen base the
-    module's hook drops from every save, and allocated host buffers for all of it (on a GPU:
-    pinned, kept by torch's host allocator) -- for a LoRA of a 7B model, 14 GB never copied
-    into. Where a hook may change what a save holds, the first save allocates what it copies."""
-    ds = torch.utils.data.TensorDataset(torch.randn(32, 256))
-    rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=3)
+def _host_bytes_each_batch(
+    tmp_path: Path, name: str, module: L.LightningModule, max_steps: int
+) -> list[int]:
+    """The host buffers' bytes after each batch of a fit of ``module`` saving every 3 steps."""
+    rc = ResilientCheckpoint(tmp_path / name, every_n_steps=3)
     peek = _HostBytes(rc)
     trainer = L.Trainer(
-        max_steps=4,
+        max_steps=max_steps,
         accelerator="cpu",
         callbacks=[rc, peek],
         logger=False,
@@ -159,10 +157,20 @@ def test_no_host_buffers_ahead_for_what_an_on_save_checkpoint_hook_takes_out(tmp
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(_Lora(), torch.utils.data.DataLoader(ds, batch_size=4))
-    saved = peek.seen[-1]  # after the save at step 3: the adapter, its optimizer, RNG states
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 256))
+    trainer.fit(module, torch.utils.data.DataLoader(ds, batch_size=4))
+    return peek.seen
+
+
+def test_no_host_buffers_ahead_for_what_an_on_save_checkpoint_hook_takes_out(tmp_path):
+    """The read ahead of the first save leaves the hooks out, so it saw the frozen base the
+    module's hook drops from every save, and allocated host buffers for all of it (on a GPU:
+    pinned, kept by torch's host allocator) -- for a LoRA of a 7B model, 14 GB never copied
+    into. Where a hook may change what a save holds, the first save allocates what it copies."""
+    seen = _host_bytes_each_batch(tmp_path, "ck", _Lora(), max_steps=4)
+    saved = seen[-1]  # after the save at step 3: the adapter, its optimizer, RNG states
     assert 0 < saved < 256 * 256 * 4
-    assert max(peek.seen) == saved, peek.seen
+    assert max(seen) == saved, seen
     for entry in catalog.scan(str(tmp_path / "ck"), catalog.Depth.FULL):
         assert entry.manifest is not None
         assert not [f.path for f in entry.manifest.files if "base." in f.path]
@@ -171,19 +179,7 @@ def test_no_host_buffers_ahead_for_what_an_on_save_checkpoint_hook_takes_out(tmp
         on_save_checkpoint = L.LightningModule.on_save_checkpoint
 
     # without such a hook the buffers are made ahead (at step 1), the frozen base's included
-    rc = ResilientCheckpoint(tmp_path / "ck2", every_n_steps=3)
-    peek = _HostBytes(rc)
-    trainer = L.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        callbacks=[rc, peek],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(_NoHook(), torch.utils.data.DataLoader(ds, batch_size=4))
-    assert peek.seen[1] > 256 * 256 * 4
+    assert _host_bytes_each_batch(tmp_path, "ck2", _NoHook(), max_steps=2)[1] > 256 * 256 * 4
 
 
 def _saved_by_another_thread_during_a_quiet_read(tmp_path: Path, trainer: L.Trainer) -> dict:  # type: ignore[type-arg]
