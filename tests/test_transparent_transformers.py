@@ -164,6 +164,25 @@ def test_another_way_of_drawing_the_data_order_is_refused_inside_an_epoch(tmp_pa
     assert [e.step for e in catalog.committed(catalog.scan(str(ck)))][-1] == 6  # the first run's
 
 
+def test_an_unseeded_checkpoint_resumed_seeded_gets_only_the_order_warning(tmp_path):
+    """Found 2026-12-07: a checkpoint of a run with use_seedable_sampler=False (its recorded
+    order has no seed) resumed with the default seedable sampler also warned that
+    ``state['trainer']['order']['seed']`` was not in the checkpoint and "removed", telling the
+    user to fix code they never wrote. Only the warning about the order is given."""
+    ck = tmp_path / "ck"
+    unseeded = {"accelerator_config": {"use_seedable_sampler": False}}
+    _train(tmp_path / "a", ResilientCheckpoint(ck, every_n_steps=1), 6, **unseeded)
+    cb = ResilientCheckpoint(ck, every_n_steps=100, resume=5, save_on_train_end=False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got = _train(tmp_path / "b", cb, 6)
+    ours = [str(w.message) for w in said if "order" in str(w.message)]
+    assert len(ours) == 1, ours
+    assert "RandomSampler in the checkpoint, SeedableRandomSampler here" in ours[0]
+    assert "next epoch and the later ones" in ours[0]
+    assert cb.restored_step == 5 and got[0].state.global_step == 6
+
+
 def test_a_checkpoint_written_before_the_order_was_recorded_resumes_without_a_word(
     tmp_path, monkeypatch
 ):

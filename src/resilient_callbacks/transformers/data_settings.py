@@ -100,11 +100,12 @@ def order(batch_sampler: Any) -> dict[str, Any]:
 
 def check_order(saved: Any, now: Mapping[str, Any], loop: Mapping[str, Any], step: int) -> None:
     """Refuse, or warn about, another way of drawing the epochs' order than the checkpoint's
-    (``saved``: :func:`order` at the save; None in checkpoints written before 2026-12-07).
+    (``saved``: :func:`order` at the save; None or empty in checkpoints written before
+    2026-12-07, which do not record it: not checked).
     Found 2026-12-07: resumed inside an epoch with ``use_seedable_sampler=False`` (or another
     ``seed``), the rest of the epoch was drawn in another order, silently, as the Trainer's own
     resume does."""
-    if not isinstance(saved, Mapping) or dict(saved) == dict(now):
+    if not isinstance(saved, Mapping) or not saved or dict(saved) == dict(now):
         return
     keys = sorted({*saved, *now})
     diff = "; ".join(f"{k}: {saved.get(k)} in the checkpoint, {now.get(k)} here" for k in keys

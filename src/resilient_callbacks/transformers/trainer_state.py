@@ -47,7 +47,7 @@ class SavedState:
 
     def __init__(self, exclude: Any) -> None:
         self.exclude = exclude
-        # "order": checkpoints written before 2026-12-07 lack it (kept live: not checked)
+        # "order": checkpoints written before 2026-12-07 lack it (kept live, {}: not checked)
         self.values: dict[str, Any] = OptionalKeys(optional=("order",))
         self.rank_values: dict[str, Any] = {}
         self.tree: dict[str, Any] = {}
@@ -100,6 +100,10 @@ class SavedState:
             tree["scaler"] = scaler
         self.values.clear()
         self.refresh(trainer, (0, 0), batches.epoch_rng if batches is not None else None)
+        # empty until a restore fills it with the checkpoint's order (restored into this run's,
+        # a key the checkpoint lacks, "seed" of an unseeded sampler, was warned about as
+        # removed); refresh() sets it before every save
+        self.values["order"] = {}
         self.tree = tree
         return tree
 
