@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import mapped, module_versions
+from . import mapped, module_versions, scheduler_settings
 from .errors import CheckpointMismatchError, caller_stacklevel
 from .filepart import FilePart
 from .structure import (
@@ -44,6 +44,7 @@ def apply(
     did not are removed (the saved run had dropped them, or new code adds them): a warning
     names them."""
     removed: list[str] = []
+    settings: list[str] = []  # LR scheduler settings the checkpoint's replace (scheduler_settings)
     # values put in the state's containers are the state's: not views of the mapped checkpoint
     # files (its disk space would stay in use after retention), one copy per aliased tensor
     memo: dict[int, Any] = {}
@@ -75,6 +76,10 @@ def apply(
             target = plain_module(obj)  # a wrapper (compile, DDP): into the module it wraps
             value = module_versions.attach(resolve(n), n)
             load = target.load_state_dict
+            if scheduler_settings.is_scheduler(target) and isinstance(value, Mapping):
+                diff = scheduler_settings.changed(target.state_dict(), value)
+                kind = type(target).__name__
+                settings.extend([f"{path_str(path)} ({kind}): {', '.join(diff)}"] if diff else [])
             if isinstance(target, torch.nn.Module) and isinstance(value, Mapping):
                 live_sd = target.state_dict()
                 value = unwrapped_keys(value, live_sd.keys())
@@ -136,6 +141,15 @@ def apply(
             "the checkpoint: removed, so the state is the saved one. A key your new code adds "
             "to a dict of plain values is not in checkpoints of the old code: set it after "
             "restore() (e.g. state['extra'].setdefault(key, default))",
+            UserWarning,
+            stacklevel=caller_stacklevel(),
+        )
+    if settings:
+        warnings.warn(
+            "restore: the checkpoint's LR scheduler settings replace those your code passed: "
+            f"{'; '.join(settings)}. A scheduler's load_state_dict takes its settings from the "
+            "checkpoint, as torch's, Lightning's and the Trainer's own resume do; to resume with "
+            "the new ones, set them on the scheduler after restore() (see the guide)",
             UserWarning,
             stacklevel=caller_stacklevel(),
         )

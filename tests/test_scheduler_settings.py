@@ -1,0 +1,89 @@
+"""torch LR scheduler settings changed between runs: the restore loads what torch's own
+``load_state_dict`` loads (the checkpoint's settings where the state dict holds them, the new
+code's functions where it does not) and refuses nothing torch accepts; settings the state
+dict holds that differ from those the new code passed are named in a warning."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.optim import lr_scheduler
+
+from resilient_callbacks import Checkpointer
+
+
+def _built(kind: str, value: float):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    if kind == "cosine":
+        sched = lr_scheduler.CosineAnnealingLR(opt, T_max=int(value))
+    elif kind == "onecycle":
+        sched = lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=int(value))
+    elif kind == "lambda":
+        sched = lr_scheduler.LambdaLR(opt, lambda e, v=value: v**e)
+    elif kind == "multiplicative":
+        sched = lr_scheduler.MultiplicativeLR(opt, lambda e, v=value: v)
+    else:  # sequential: the second scheduler's milestones, nested in the state dict
+        steps = lr_scheduler.MultiStepLR(opt, milestones=[int(value)])
+        warm = lr_scheduler.LinearLR(opt, 0.5, total_iters=2)
+        sched = lr_scheduler.SequentialLR(opt, [warm, steps], milestones=[2])
+    return {"model": model, "opt": opt, "sched": sched}
+
+
+def _lrs(state, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        state["opt"].step()
+        state["sched"].step()
+        out.append(state["opt"].param_groups[0]["lr"])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "before", "after", "said"),
+    [
+        ("cosine", 10, 100, "T_max=10 from the checkpoint (100 here)"),
+        ("onecycle", 20, 200, "total_steps=20 from the checkpoint (200 here)"),
+        ("sequential", 4, 6, "_schedulers[1].milestones={4: 1} from the checkpoint ({6: 1} here)"),
+        ("lambda", 0.5, 0.9, None),  # its function is code, not state: the new one applies
+        ("multiplicative", 0.5, 0.9, None),
+    ],
+)
+def test_changed_scheduler_settings_resume_as_torch_loads_them_and_are_named(
+    tmp_path, kind, before, after, said
+):
+    first = _built(kind, before)
+    _lrs(first, 3)
+    saved = {k: copy.deepcopy(first[k].state_dict()) for k in ("opt", "sched")}
+    with Checkpointer(tmp_path) as ck:
+        ck.save(3, first)
+    plain = _built(kind, after)  # torch's own resume of the same state dicts
+    plain["opt"].load_state_dict(saved["opt"])
+    plain["sched"].load_state_dict(saved["sched"])
+    ours = _built(kind, after)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Checkpointer(tmp_path) as ck:
+            assert ck.restore(ours) == 3
+    assert _lrs(ours, 4) == _lrs(plain, 4)
+    named = [str(w.message) for w in caught if "scheduler" in str(w.message)]
+    if said is None:
+        assert named == []
+    else:
+        assert len(named) == 1, named
+        assert f"state['sched'] ({type(ours['sched']).__name__}): {said}" in named[0], named
+        assert "set them on the scheduler after restore()" in named[0], named
+
+
+def test_unchanged_scheduler_settings_resume_without_a_word(tmp_path):
+    first = _built("onecycle", 20)
+    _lrs(first, 3)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(3, first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Checkpointer(tmp_path) as ck:
+            assert ck.restore(_built("onecycle", 20)) == 3
