@@ -7,6 +7,7 @@ import argparse
 import posixpath
 import sys
 
+from . import remote_paths
 from .catalog import PLAIN_DCP_METADATA
 from .cli_format import iso_time
 from .cli_remote import _damage, store
@@ -95,7 +96,7 @@ def plain_dcp_note(st: RemoteStore, remote: list[RemoteEntry]) -> str:
     files = {e.name: e.sizes for e in remote if e.manifest is None}
     try:  # (a hint: a listing that fails does not replace the error it adds to)
         top = [posixpath.basename(p.rstrip("/")) for p in st.fs.ls(st.root, detail=False)]
-        marks = st.fs.glob(posixpath.join(st.root, "*", PLAIN_DCP_METADATA))
+        marks = st.fs.glob(posixpath.join(remote_paths.escape(st.root), "*", PLAIN_DCP_METADATA))
     except OSError:
         top, marks = [], []
     files[""] = {name: 0 for name in top}

@@ -27,7 +27,7 @@ from typing import Any
 
 import fsspec
 
-from . import remote_blobs, remote_download, remote_listing, remote_objects
+from . import remote_blobs, remote_download, remote_listing, remote_objects, remote_paths
 from .catalog import verify_entries
 from .commit import fsync_dir
 from .errors import RemoteUnavailableError
@@ -303,4 +303,4 @@ class RemoteStore:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(name, MANIFEST_NAME))
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self._path(name), recursive=True)
+            remote_paths.rm_tree(self.fs, self._path(name))

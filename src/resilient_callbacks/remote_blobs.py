@@ -446,7 +446,7 @@ def download(store: RemoteStore, manifest: Manifest, local_root: str, staging: s
         ensure_dir(target)  # (created: its name durable, as the blobs in it)
         tmp = os.path.join(target, f"{TMP_PREFIX}{key_of(b.path)}-{uuid.uuid4().hex[:8]}")
         try:
-            store.fs.get(posixpath.join(_dir(store), b.path), tmp)
+            store.fs.get([posixpath.join(_dir(store), b.path)], [tmp])  # (lists: no glob)
             d = _digest(staging, tmp, b.xxh3_64)
             if (d.size, d.xxh3_64) != (b.size, b.xxh3_64):
                 raise CheckpointCorruptError(

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import remote_blobs
+from . import remote_blobs, remote_paths
 from .manifest import MANIFEST_NAME, Manifest
 from .node_upload import Key, NodeUploader, UploadCounters, UploadJob
 from .redact import url_text
@@ -388,7 +388,7 @@ class RemoteCommitter(UploadThread):
         marks = marks_of(sizes, (m.run_id, m.seq), p.tag)  # (the nodes': committed now)
         if marks:  # (one a failed delete leaves is a few bytes; gc removes it with the folder)
             with contextlib.suppress(Exception):
-                st.fs.rm([posixpath.join(base, x) for x in marks])
+                remote_paths.rm(st.fs, [posixpath.join(base, x) for x in marks])
         log.info("committed %s/%s remotely (%d nodes' parts)", st.url, p.name, self.nodes)
 
     def _retention(self, protect: str, run: str) -> None:

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+from . import remote_paths
 from .errors import CheckpointCorruptError, RemoteUnavailableError
 from .redact import url_text
 from .upload_thread import backoff_s
@@ -36,10 +37,10 @@ def may_pass(e: BaseException) -> bool:
 
 
 def cat_manifests(fs: Any, paths: list[str], url: str) -> dict[str, Any]:
-    """``fs.cat(paths, on_error="return")`` (path -> bytes, or the exception reading it
+    """``fs.cat(paths, on_error="return")``, each path taken literally (path -> bytes, or the exception reading it
     raised), with the paths whose read failed for an error that :func:`may_pass` read again,
     up to :data:`READ_TRIES` times in all (after 1 s, then 2 s; a warning says so)."""
-    got: dict[str, Any] = dict(fs.cat(paths, on_error="return"))
+    got = remote_paths.cat(fs, paths)
     for attempt in range(1, READ_TRIES):
         again = [p for p, v in got.items() if isinstance(v, BaseException) and may_pass(v)]
         if not again:
@@ -55,5 +56,5 @@ def cat_manifests(fs: Any, paths: list[str], url: str) -> dict[str, Any]:
             wait,
         )
         time.sleep(wait)
-        got.update(fs.cat(again, on_error="return"))
+        got.update(remote_paths.cat(fs, again))
     return got
