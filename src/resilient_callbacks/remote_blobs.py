@@ -40,6 +40,7 @@ import uuid
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+from . import remote_paths
 from .blobs import BLOBS_DIR, NAME_RE, blob_path
 from .catalog import verify_entries
 from .commit import fsync_dir
@@ -58,6 +59,7 @@ COLLECT_PREFIX = ".collect-"  # a collection running (see collect)
 COLLECT_MAX_S = 60.0  # a collection deletes nothing later than this after announcing itself
 COLLECT_MARGIN_S = 30.0  # for a delete sent before then that lands later
 COLLECT_POLL_S = 0.5
+DELETE_BATCH = 500  # unused blobs deleted per request on an object store (S3 takes 1000)
 UPLOAD_PREFIX = ".upload-"  # a blob being copied to a file:// remote, renamed when complete
 
 
@@ -317,7 +319,10 @@ def _collect(
         doomed += [n for n in names if n.startswith(UPLOAD_PREFIX) and _stale(store, n)]
     if deadline is None:
         return doomed
-    for i, name in enumerate(doomed):
+    # an object store deletes up to 1000 keys per request (S3's DeleteObjects): thousands of
+    # unused blobs go in seconds, not one request each; a filesystem removes them one by one
+    batch = 1 if store.is_local else DELETE_BATCH
+    for i in range(0, len(doomed), batch):
         if time.monotonic() > deadline:  # an upload may rely on what was unused then
             log.info(
                 "remote %s: blob collection stopped after %.0f s; %d unused blob(s) are left "
@@ -328,8 +333,25 @@ def _collect(
             )
             doomed = doomed[:i]
             break
-        with contextlib.suppress(FileNotFoundError):
-            store.fs.rm_file(posixpath.join(_dir(store), name))
+        paths = [posixpath.join(_dir(store), n) for n in doomed[i : i + batch]]
+        try:
+            remote_paths.rm(store.fs, paths)
+        except FileNotFoundError:  # (one went meanwhile: the others one by one)
+            for p in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    store.fs.rm_file(p)
+    if doomed and not store.is_local:  # (a batch reports no key the store refused to delete)
+        left = set(listing(store)).intersection(doomed)
+        if left:
+            log.warning(
+                "remote %s: the store did not delete %d of %d unused blob(s) in %s (a policy "
+                "that denies deletes?); they are left for the next collection",
+                store.url,
+                len(left),
+                len(doomed),
+                BLOBS_DIR,
+            )
+            doomed = [n for n in doomed if n not in left]
     if doomed:
         log.info("remote: deleted %d unused blob(s) in %s/%s", len(doomed), store.url, BLOBS_DIR)
     return doomed
