@@ -166,6 +166,33 @@ def test_resume_path_spelled_through_a_link_continues_the_run(tmp_path):
     assert _manifest(_step_dir(root, 40))["run_id"] == run_id
 
 
+@pytest.mark.parametrize("spelling", ["link", "link/", "under_link", "file_url", "tilde"])
+def test_a_dirpath_spelled_as_users_write_it_saves_and_retains_in_its_target(
+    tmp_path, monkeypatch, spelling
+):
+    """A symlink (or a folder under one), a trailing slash, a file:// URL, ~: the checkpoints
+    land in the real folder, retention deletes there, and every link stays a link."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.setenv("HOME", str(tmp_path / "link"))
+    dirpath, where = {
+        "link": (str(tmp_path / "link"), real),
+        "link/": (f"{tmp_path / 'link'}/", real),
+        "under_link": (str(tmp_path / "link" / "run"), real / "run"),
+        "file_url": (f"file://{tmp_path / 'link'}/run", real / "run"),
+        "tilde": ("~/run", real / "run"),
+    }[spelling]
+    for first in (1, 4):  # the second run resumes the first
+        with Checkpointer(dirpath, keep_last=2, async_save=False) as ck:
+            assert ck.restore(_fresh()) == (0 if first == 1 else 3)
+            for step in range(first, first + 3):
+                ck.save(step, _state(step))
+    assert _steps_present(where) == ["step_000000005", "step_000000006"]
+    assert (tmp_path / "link").is_symlink()
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+
+
 # --------------------------------------------------------------------------- integrity
 
 

@@ -198,3 +198,53 @@ def test_a_plain_dcp_checkpoint_beside_ours_is_neither_verified_nor_collected(tm
     assert main(["verify", str(root)]) == 0
     assert main(["gc", str(root)]) == 0
     assert os.path.isfile(root / "step_100" / ".metadata")
+
+
+def test_a_relative_dirpath_is_resolved_once_and_a_fresh_start_names_where_it_looked(
+    tmp_path, monkeypatch, caplog
+):
+    """A script that changes its working directory after making the Checkpointer keeps
+    saving where it began; a restart from another working directory finds nothing there,
+    and the log line says the absolute directory it looked in, and against what it was
+    resolved (it said nothing at all)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    with Checkpointer("ckpts/run1", async_save=False) as ck:
+        ck.save(1, _state(1.0))
+        os.chdir(tmp_path / "b")
+        ck.save(2, _state(2.0))
+    steps = [e.manifest.step for e in catalog.scan(str(tmp_path / "a" / "ckpts" / "run1"))]
+    assert sorted(steps) == [1, 2]
+    assert not os.listdir(tmp_path / "b")
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    with Checkpointer("ckpts/run1", async_save=False) as ck:
+        assert ck.restore(_state()) == 0
+    said = [r.getMessage() for r in caplog.records]
+    where = f"no checkpoint in {tmp_path / 'b' / 'ckpts' / 'run1'} (dirpath='ckpts/run1', "
+    assert any(m.startswith(where) and f"directory {tmp_path / 'b'} when" in m for m in said)
+
+
+def test_a_relative_dirpath_in_a_hydra_job_folder_warns_and_names_the_earlier_run(
+    tmp_path, monkeypatch
+):
+    """Hydra runs each job in a new working directory (outputs/<date>/<time>, holding
+    .hydra/): a relative dirpath never finds the previous run's checkpoints. Each run says
+    so at its fresh start, a restart naming the folder that holds them."""
+    earlier = tmp_path / "outputs" / "2026-12-06" / "23-59-01"
+    later = tmp_path / "outputs" / "2026-12-07" / "00-10-42"
+    for job in (earlier, later):
+        (job / ".hydra").mkdir(parents=True)
+    monkeypatch.chdir(earlier)
+    said = pytest.warns(UserWarning, match="a folder Hydra made")
+    with said as got, Checkpointer("ckpts", async_save=False) as ck:
+        assert ck.restore(_state()) == 0  # the first run already: before any work is lost
+        ck.save(5, _state(5.0))
+    assert "holds an earlier run's" not in str(got[0].message)
+    monkeypatch.chdir(later)
+    said = pytest.warns(UserWarning, match="a folder Hydra made")
+    with said as got, Checkpointer("ckpts", async_save=False) as ck:
+        assert ck.restore(_state()) == 0
+    said = " ".join(str(got[0].message).split())
+    assert f"{earlier / 'ckpts'} holds an earlier run's" in said, said
+    assert "hydra.utils.get_original_cwd()" in said and "hydra.job.chdir=False" in said

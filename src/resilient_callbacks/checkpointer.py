@@ -51,6 +51,14 @@ CLOSE_OUTAGE_S = stall.CLOSE_OUTAGE_S  # (300 s)
 RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, retry": checkpoint saved, restart me
 
 
+def _cwd() -> str:
+    """The working directory (``""`` where it was deleted)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return ""
+
+
 class Checkpointer(CheckpointerQueries):
     """Atomic, verified, pickle-free checkpoints of a training state, with retention and exact
     auto-resume. See the module docstring for which ranks call what.
@@ -145,6 +153,9 @@ class Checkpointer(CheckpointerQueries):
         options["signals"] = (signals,) if isinstance(signals, (str, int)) else tuple(signals)
         options["remote_options"] = dict(remote_options) if remote_options is not None else None
         self.config = CheckpointerConfig(**options)
+        #: dirpath as given, and the working directory a relative one was resolved against
+        given = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
+        self.dirpath_given: tuple[object, str] = (given, _cwd())
         # first: a signal while the rest opens the directory is noticed (emergency.watching)
         self.watcher, self._poller = start_watcher(self.config)
         with watching(self.watcher, self._poller, self.config):

@@ -7,11 +7,13 @@ start stays a fresh start)."""
 from __future__ import annotations
 
 import gc
+import glob
 import logging
 import os
 from collections.abc import Iterable
 
 from . import catalog, mapped
+from .commit import CKPT_RE
 from .errors import AT_CALLER, warn_and_log
 from .manifest import MANIFEST_NAME, Manifest
 from .redact import command
@@ -65,6 +67,52 @@ def say_what_is_not_a_checkpoint(
         warn_and_log(
             log, f"no checkpoint in {dirpath}{where}; starting fresh", stacklevel=AT_CALLER
         )
+
+
+def say_where_it_looked(dirpath: str, given: object, cwd: str) -> None:
+    """A fresh start of ``resume="auto"``: the directory it looked in, absolute (INFO). A
+    ``dirpath`` given relative was resolved against ``cwd``, the working directory when the
+    Checkpointer was made; where that is a job folder Hydra made (it holds ``.hydra/``), each
+    run of the job looks in a folder of its own, so a restart never finds the checkpoints
+    of the run before: a warning says so, naming the newest such folder that holds some."""
+    relative = (
+        isinstance(given, str)
+        and "://" not in given
+        and not os.path.isabs(os.path.expanduser(given))
+    )
+    if not relative:
+        log.info("no checkpoint in %s; starting from step 0", dirpath)
+        return
+    log.info(
+        "no checkpoint in %s (dirpath=%r, relative to the working directory %s when the "
+        "Checkpointer was made); starting from step 0",
+        dirpath,
+        given,
+        cwd,
+    )
+    if not cwd or not os.path.isdir(os.path.join(cwd, ".hydra")):
+        return
+    # Hydra's run folders are <outputs>/<date>/<time>: an earlier run's is a cousin of cwd
+    runs = os.path.dirname(os.path.dirname(cwd))
+    pattern = os.path.join(glob.escape(runs), "*", "*", glob.escape(str(given)))
+    held = [p for p in glob.glob(pattern) if os.path.abspath(p) != dirpath and _holds(p)]
+    found = f"; {max(held, key=os.path.getmtime)} holds an earlier run's" if held else ""
+    warn_and_log(
+        log,
+        f"dirpath={given!r} is relative to the working directory {cwd}, a folder Hydra made "
+        "for this job (it holds .hydra/): each run of the job looks for checkpoints in a new "
+        f"folder, and a restart never finds those of the run before{found}. Pass an absolute "
+        f"dirpath, e.g. os.path.join(hydra.utils.get_original_cwd(), {given!r}), or run with "
+        "hydra.job.chdir=False",
+        stacklevel=AT_CALLER,
+    )
+
+
+def _holds(path: str) -> bool:
+    try:
+        return any(CKPT_RE.match(n) for n in os.listdir(path))
+    except OSError:
+        return False
 
 
 def mappings_made() -> int:

@@ -103,6 +103,8 @@ class Restorer:
         if ck.is_coordinator and ck.config.resume == ResumeMode.AUTO:
             odd, self._no_manifest = self._no_manifest, []
             notices.say_what_is_not_a_checkpoint(ck.dirpath, odd, not cands, ck.config.read_only)
+            if not cands and not ck.config.read_only:
+                notices.say_where_it_looked(ck.dirpath, *ck.dirpath_given)
         if not cands:
             self.fresh_start()
             return 0
