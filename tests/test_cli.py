@@ -1116,3 +1116,26 @@ def test_report_and_export_say_what_to_give_as_the_other_commands_do(tmp_path):
     for args in (("report", str(tmp_path / "nope")), ("export", str(tmp_path / "nope"), "out")):
         r = cli(*args)
         assert r.returncode == 1 and "the one passed to Checkpointer(...)" in r.stderr, r.stderr
+
+
+def test_a_quoted_tilde_in_a_path_is_the_home_folder(tmp_path, monkeypatch):
+    """``DIR="~/ckpts"`` in a script, ``--output=~/r.html``: no shell expands the ``~``, and
+    every command said "no such directory"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # (a literal ~ folder would be made here)
+    with Checkpointer(tmp_path / "run", keep_last=3, async_save=False) as ck:
+        for s in (1, 2, 3):
+            ck.save(s, {"model": torch.nn.Linear(2, 2)})
+    for args in (
+        ("ls", "~/run"),
+        ("verify", "~/run"),
+        ("inspect", "~/run"),
+        ("push", "~/run", "~/durable"),
+        ("pull", "~/durable", "~/pulled"),
+        ("gc", "~/run", "--keep-last", "1"),
+        ("export", "~/run", "~/exported"),
+    ):
+        r = cli(*args)
+        assert r.returncode == 0, (args, r.stderr)
+    assert not (tmp_path / "~").exists() and os.listdir(tmp_path / "exported")
+    assert os.listdir(tmp_path / "pulled") and os.listdir(tmp_path / "durable")

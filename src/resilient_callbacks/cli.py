@@ -353,6 +353,16 @@ def _command_parser(parser: argparse.ArgumentParser, cmd: str | None) -> argpars
     return parser
 
 
+def _expand_home(args: argparse.Namespace) -> None:
+    """``~`` and ``~user`` in the local paths given, as a shell expands them where they are
+    not quoted (``DIR="~/ckpts"`` in a script, ``--output=~/r.html``): ``ls '~/run'`` said
+    "no such directory". A URL's own paths are the store's (fsspec expands a local one)."""
+    for name in ("dir", "out", "output", "png", "json"):
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, os.path.expanduser(value))
+
+
 def _report_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``report --json DIR``: argparse gives DIR to --json's optional FILE; a directory there
     is the DIR meant, with the JSON to stdout (a file is never written over a directory)."""
@@ -409,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    _expand_home(args)
     if args.cmd == "report" and args.dir is None:
         _report_dir(_command_parser(parser, "report"), args)
     if getattr(args, "option", None) and hasattr(args, "remote") and not args.remote:
