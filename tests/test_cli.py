@@ -1139,3 +1139,36 @@ def test_a_quoted_tilde_in_a_path_is_the_home_folder(tmp_path, monkeypatch):
         assert r.returncode == 0, (args, r.stderr)
     assert not (tmp_path / "~").exists() and os.listdir(tmp_path / "exported")
     assert os.listdir(tmp_path / "pulled") and os.listdir(tmp_path / "durable")
+
+
+def test_inspect_of_keys_as_users_name_them_prints_them_whole_and_keeps_the_listing_narrow(
+    tmp_path, capsys
+):
+    """Keys with dots, slashes, spaces, %, #, ?, = and unicode, and keys of more than 255
+    bytes (no key becomes a file name): they round-trip, inspect names each whole, and one
+    600-character key no longer pads every other row of the listing to its width."""
+    long_a, long_b = "k" * 300, "ü" * 150  # (300 bytes in UTF-8)
+    state = {
+        "a.b": {"c/d": torch.ones(4)},
+        "sp ace %20 #x ?y=z+1": torch.full((2,), 2.0),
+        long_a: {long_b: torch.full((3,), 3.0)},
+        "meta": {"é/ü.名": 1},
+    }
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, state)
+    assert all(len(n.encode()) < 100 for _, ds, fs in os.walk(tmp_path / "ck") for n in ds + fs)
+    back = {"a.b": {"c/d": None}, "sp ace %20 #x ?y=z+1": None, long_a: {long_b: None}}
+    back["meta"] = {"é/ü.名": None}
+    with Checkpointer(tmp_path / "ck", read_only=True) as ck:
+        assert ck.restore(back) == 1
+    assert (
+        torch.equal(back[long_a][long_b], torch.full((3,), 3.0)) and back["meta"] == state["meta"]
+    )
+    assert main(["inspect", str(tmp_path / "ck"), "--json"]) == 0
+    keys = {k["key"] for k in json.loads(capsys.readouterr().out)["keys"]}
+    assert {"a.b.c/d", "sp ace %20 #x ?y=z+1", f"{long_a}.{long_b}", "meta.é/ü.名"} <= keys
+    assert main(["inspect", str(tmp_path / "ck")]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert any(r.strip().startswith(f"{long_a}.{long_b}  float32") for r in rows), rows
+    short = [r for r in rows if r.lstrip().startswith(("a.b.c/d", "sp ace", "meta."))]
+    assert len(short) == 3 and max(len(r) for r in short) < 100, short

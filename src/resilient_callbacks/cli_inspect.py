@@ -40,6 +40,7 @@ from .reader import describe
 from .zero_index import zero_part_ids, zero_tensors
 
 _SCALARS = (bool, int, float, str, type(None))
+WIDE = 60  # the widest key the key column is padded to
 
 
 def _value(path: str, v: Any, type_: str | None = None) -> dict[str, Any]:
@@ -257,7 +258,9 @@ def inspect(args: argparse.Namespace) -> int:
         print(f"  keys:      {keys_problem}")
         return code
     print(f"  keys:      {len(keys)}")
-    width = max([len(k["key"]) for k in keys] + [20])
+    # a key longer than WIDE is printed whole, its row's columns pushed right: not every row
+    # padded to it (one 600-character key made each line of the listing 800 wide)
+    width = max([len(k["key"]) for k in keys if len(k["key"]) <= WIDE] + [20])
     dwidth = max([len(str(k.get("dtype") or "?")) for k in keys if k["kind"] == "tensor"] + [9])
     for k in keys:
         if k["kind"] == "tensor":
