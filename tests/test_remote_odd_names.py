@@ -33,7 +33,7 @@ def base(request, tmp_path):
         yield f"s3://{server.create_bucket()}", server.options
 
 
-@pytest.mark.parametrize("prefix", ["my run+1 %20 #x ü", "exp?1", "exp[1]", "exp*1"])
+@pytest.mark.parametrize("prefix", ["my run+1 %20 #x=y ü", "exp?1", "exp[1]", "exp*1"])
 def test_an_incremental_run_under_an_odd_prefix_round_trips(base, prefix, tmp_path):
     root, opts = base
     url = f"{root}/{prefix}/"
