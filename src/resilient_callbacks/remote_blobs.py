@@ -335,7 +335,10 @@ def _collect(
             break
         paths = [posixpath.join(_dir(store), n) for n in doomed[i : i + batch]]
         try:
-            remote_paths.rm(store.fs, paths)
+            if len(paths) == 1:  # (each on a filesystem: rm_file, as ever)
+                store.fs.rm_file(paths[0])
+            else:
+                remote_paths.rm(store.fs, paths)
         except FileNotFoundError:  # (one went meanwhile: the others one by one)
             for p in paths:
                 with contextlib.suppress(FileNotFoundError):
