@@ -394,3 +394,44 @@ def test_a_parts_host_buffers_are_made_ahead_where_the_rest_of_the_state_cannot_
         ahead.wait_allocated()
         assert sorted(ahead._bufs) == ["unused", "weight"]
         assert ck.step(2, state) is True
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["k" * 300, "ü" * 150, "..", ".", "", "a\nb", "..hidden", "x/y.z", "sp ace %20 #?=+"],
+    ids=[
+        "300-bytes",
+        "300-bytes-unicode",
+        "dotdot",
+        "dot",
+        "empty",
+        "newline",
+        "dotdot-start",
+        "slash",
+        "odd",
+    ],
+)
+def test_a_filepart_under_any_key_keeps_its_files_in_the_checkpoint(tmp_path, key):
+    """A FilePart's folder is its keys' path under parts/: a key of 300 bytes failed the save
+    (File name too long), ``..`` put the part's files beside the manifest (``"../.."``
+    outside the checkpoint), an empty key or ``.`` in parts/ itself. Such an id gets a
+    folder named by its hash; a plain one stays as it was (``x/y.z``: two folders)."""
+    root = tmp_path / "ck"
+    part = ToyShards()
+    part.weight.fill_(7)
+    with Checkpointer(root, preemption=False, async_save=False) as ck:
+        assert ck.save(1, {"outer": {key: part}})
+    newest = root / "step_000000001"
+    with open(newest / "manifest.json") as f:
+        paths = [x["path"] for x in json.load(f)["files"]]
+    shards = [p for p in paths if p.endswith("shard_00000.safetensors")]
+    assert len(shards) == 1 and shards[0].startswith("parts/")
+    folder = (newest / shards[0]).parent.resolve()
+    assert folder.is_relative_to((newest / "parts").resolve()) and folder != newest / "parts"
+    assert all(len(n.encode()) <= 255 for p in paths for n in p.split("/"))
+    if key in ("x/y.z", "sp ace %20 #?=+"):
+        assert shards[0] == f"parts/outer/{key}/shard_00000.safetensors"
+    fresh = ToyShards()
+    with Checkpointer(root, preemption=False) as ck:
+        assert ck.restore({"outer": {key: fresh}}) == 1
+    assert torch.equal(fresh.weight, torch.full((64,), 7.0))

@@ -35,7 +35,7 @@ from .cli_scan import (
 from .dtype_codes import dtype_name
 from .errors import CheckpointError
 from .layout_meta import SHARED_STRUCTURE, TAG, is_dcp_dropin, shared_meta
-from .part_names import PARTS_EXTRA
+from .part_names import PARTS_EXTRA, part_dir
 from .reader import describe
 from .zero_index import zero_part_ids, zero_tensors
 
@@ -127,7 +127,7 @@ def _part(part_id: str, described: Any, path: str, out: list[dict]) -> None:
                 "kind": "tensor",
                 "dtype": _dtype_name(t.get("dtype")),
                 "shape": t.get("shape"),
-                "stored_as": f"parts/{part_id}",
+                "stored_as": part_dir(part_id),
                 "chunks": len(chunks) if isinstance(chunks, list) else None,
             }
         )
@@ -139,7 +139,7 @@ def _part(part_id: str, described: Any, path: str, out: list[dict]) -> None:
                 "kind": "tensor",
                 "dtype": _dtype_name(dtype),
                 "shape": shape,
-                "stored_as": f"parts/{part_id} (every rank)",
+                "stored_as": f"{part_dir(part_id)} (every rank)",
                 "chunks": None,
             }
         )

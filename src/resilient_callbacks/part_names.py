@@ -4,15 +4,40 @@ torch."""
 
 from __future__ import annotations
 
+import hashlib
+
 from .manifest import Manifest
 
 PARTS_DIR = "parts"
 PARTS_EXTRA = "parts"  # the manifest's ``extra`` key for what each part's describe() said
 
 
+HASHED = ".."  # the start of a hashed folder's name, which no plain one has
+_NAME_MAX = 200  # bytes of one folder name kept as the key spells it (filesystems take 255)
+_ID_MAX = 1000  # bytes of a whole id kept (an S3 key takes 1024, with the URL's prefix)
+
+
 def part_dir(part_id: str) -> str:
-    """The folder (relative to the checkpoint) of the part at ``part_id``."""
-    return f"{PARTS_DIR}/{part_id}"
+    """The folder (relative to the checkpoint) of the part at ``part_id``: ``parts/<id>``,
+    one folder per key of its path, where each key can be a folder name. An id with a key
+    that cannot (longer than 200 bytes: ``File name too long``; empty, ``.``, ``..``: a
+    folder outside ``parts/`` or no folder at all; one with a NUL, a backslash or a control
+    character; one starting with ``..``) gets ``parts/..<hash of the id>`` instead, the same
+    on every rank and at every save."""
+    keys = part_id.split("/")
+    if len(part_id.encode()) <= _ID_MAX and all(_plain(k) for k in keys):
+        return f"{PARTS_DIR}/{part_id}"
+    return f"{PARTS_DIR}/{HASHED}{hashlib.sha256(part_id.encode()).hexdigest()[:32]}"
+
+
+def _plain(key: str) -> bool:
+    return (
+        0 < len(key.encode()) <= _NAME_MAX
+        and not key.startswith(HASHED)
+        and key != "."
+        and key.isprintable()
+        and "\\" not in key
+    )
 
 
 def parts_of_format(manifest: Manifest, fmt: str) -> list[str]:
