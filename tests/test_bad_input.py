@@ -111,6 +111,17 @@ def test_file_url_and_pathlike_dirpath_are_accepted(tmp_path):
 # --------------------------------------------------------------------------- unusable dirs
 
 
+def test_a_dirpath_that_is_a_dangling_symlink_names_its_missing_target(tmp_path):
+    """A link to a scratch folder not made yet: it said only "File exists" (what mkdir says
+    of a link to nowhere). Nothing is created at the link's target."""
+    (tmp_path / "link").symlink_to(tmp_path / "scratch" / "run1")
+    with pytest.raises(CheckpointWriteError) as ei:
+        Checkpointer(tmp_path / "link")
+    said = str(ei.value)
+    assert f"symbolic link to {tmp_path / 'scratch' / 'run1'}, which does not exist" in said
+    assert (tmp_path / "link").is_symlink() and not (tmp_path / "scratch").exists()
+
+
 def test_dirpath_under_a_regular_file(tmp_path):
     f = tmp_path / "not_a_dir"
     f.write_text("x")

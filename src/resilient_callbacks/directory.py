@@ -67,6 +67,11 @@ def unusable(dirpath: str, e: OSError) -> CheckpointWriteError:
             "check it with `quota -s` (or the filesystem's own tool: `lfs quota` on Lustre, "
             "`mmlsquota` on GPFS), free space or inodes within it, or use another filesystem."
         )
+    if os.path.islink(dirpath) and not os.path.exists(dirpath):  # (mkdir says "File exists")
+        fix = (
+            f"It is a symbolic link to {os.path.realpath(dirpath)}, which does not exist: "
+            "create that folder, or point the link at an existing one."
+        )
     if (
         not file
         and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
