@@ -10,7 +10,6 @@ sees the restored history and keeps feeding the next checkpoint.
 from __future__ import annotations
 
 import collections
-import math
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
 from typing import Any
@@ -30,6 +29,7 @@ from .structure import (
     is_stateful,
     path_str,
 )
+from .values import same_value
 from .wrapped import plain_module, unwrapped_keys
 
 
@@ -196,34 +196,6 @@ def merge_plain(
                 obj[i] = v
         return True
     return False
-
-
-def same_value(a: Any, b: Any) -> bool:
-    """Whether a restored value equals the live one it would replace: NaN equals NaN, arrays
-    compare element-wise (``==`` on them is no truth value), containers item by item."""
-    if a is b:
-        return True
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return (
-            isinstance(a, np.ndarray)
-            and isinstance(b, np.ndarray)
-            and a.dtype == b.dtype
-            and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
-        )
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return (
-            type(a) is type(b)
-            and len(a) == len(b)
-            and all(same_value(x, y) for x, y in zip(a, b, strict=True))
-        )
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError, RuntimeError):  # no truth value (a tensor, say)
-        return False
 
 
 def _check_load_result(result: Any, path: tuple[Any, ...]) -> None:

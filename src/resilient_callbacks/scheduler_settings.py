@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import inplace  # (same_value; inplace imports this module)
+from .values import same_value
 
 #: state-dict keys of torch's schedulers that say where the schedule is, not how it goes
 #: (``base_lrs`` comes from the optimizer's groups, restored with it)
@@ -65,7 +65,7 @@ def changed(live: Mapping[str, Any], saved: Mapping[str, Any], path: str = "") -
         ):  # the state dicts of the schedulers it holds
             for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
                 out += changed(a, b, f"{name}[{i}]")
-        elif not inplace.same_value(_plain(mine), _plain(theirs)):
+        elif not same_value(_plain(mine), _plain(theirs)):
             out.append(f"{name}={_short(theirs)} from the checkpoint ({_short(mine)} here)")
     return out
 
