@@ -146,10 +146,10 @@ def apply(
         )
     if settings:
         warnings.warn(
-            "restore: the checkpoint's LR scheduler settings replace those your code passed: "
-            f"{'; '.join(settings)}. A scheduler's load_state_dict takes its settings from the "
-            "checkpoint, as torch's, Lightning's and the Trainer's own resume do; to resume with "
-            "the new ones, set them on the scheduler after restore() (see the guide)",
+            "restore: "
+            + scheduler_settings.message(
+                settings, "set them on the scheduler after restore() (see the guide)"
+            ),
             UserWarning,
             stacklevel=caller_stacklevel(),
         )

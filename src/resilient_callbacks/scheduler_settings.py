@@ -36,6 +36,10 @@ PROGRESS = frozenset(
 )
 
 
+#: the resumes a restore loads schedulers as (:func:`message`)
+LIKE = "torch's, Lightning's and the Trainer's own resume do"
+
+
 def is_scheduler(obj: Any) -> bool:
     """Whether ``obj`` is one of torch's LR schedulers (``ReduceLROnPlateau`` too)."""
     s = torch.optim.lr_scheduler
@@ -68,6 +72,27 @@ def changed(live: Mapping[str, Any], saved: Mapping[str, Any], path: str = "") -
         elif not same_value(_plain(mine), _plain(theirs)):
             out.append(f"{name}={_short(theirs)} from the checkpoint ({_short(mine)} here)")
     return out
+
+
+def described(where: str, scheduler: Any, saved: Any) -> list[str]:
+    """``["<where> (<class>): <each setting changed>"]`` when loading ``saved`` into
+    ``scheduler`` (one of torch's) replaces settings it has; ``[]`` when it replaces none or
+    ``scheduler`` is not one of torch's (DeepSpeed's keep only their iteration)."""
+    if not is_scheduler(scheduler) or not isinstance(saved, Mapping):
+        return []
+    diff = changed(scheduler.state_dict(), saved)
+    return [f"{where} ({type(scheduler).__name__}): {', '.join(diff)}"] if diff else []
+
+
+def message(settings: list[str], how: str, like: str = LIKE) -> str:
+    """The one warning about ``settings`` (``"<where> (<class>): <what changed>"`` each, from
+    :func:`changed`) that every restore gives, ``like`` the framework's own resume, ``how``
+    to resume with the new ones there."""
+    return (
+        "the checkpoint's LR scheduler settings replace those your code passed: "
+        f"{'; '.join(settings)}. A scheduler's load_state_dict takes its settings from the "
+        f"checkpoint, as {like}; to resume with the new ones, {how}"
+    )
 
 
 def _plain(v: Any) -> Any:

@@ -163,6 +163,11 @@ class Resume:
         if self.before_stop_validation is not None:
             self.rng_state = self.before_stop_validation
 
+    def before_lr_schedulers(self, trainer: pl.Trainer) -> None:
+        """Before Lightning loads the schedulers' states: their settings changed since the
+        checkpoint (``T_max``, ...) are named, as the core's restore names them."""
+        checks.scheduler_settings_changed(trainer)
+
     def before_loader_states(self, trainer: pl.Trainer) -> None:
         """Before Lightning loads the train dataloaders' states (the first time)."""
         if not self.loaders_epoch:

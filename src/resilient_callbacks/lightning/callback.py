@@ -227,6 +227,7 @@ class ResilientCheckpoint(Checkpoint):
             trainer,
             patches.FitHooks(
                 resume_start=functools.partial(resuming.resume_start, self, trainer),
+                before_lr_schedulers=resumed("before_lr_schedulers"),
                 before_loader_states=functools.partial(self._prepare_loaders, trainer),
                 after_setup_data=resumed("after_setup_data"),
                 before_val_setup=functools.partial(self._validation_starts, trainer),

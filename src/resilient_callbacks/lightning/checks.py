@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parameter import is_lazy
 
-from .. import module_versions
+from .. import module_versions, scheduler_settings
 from ..config import CheckpointerConfig
 from ..errors import CheckpointMismatchError, ConfigError, caller_stacklevel
 from ..fit import its_own_shape, key_differences, warn_cast
@@ -268,6 +268,34 @@ def optimizers_and_schedulers(trainer: pl.Trainer, saved: dict[str, int]) -> Non
                 UserWarning,
                 stacklevel=caller_stacklevel(os.path.dirname(os.path.dirname(pl.__file__))),
             )
+
+
+def scheduler_settings_changed(trainer: pl.Trainer) -> None:
+    """Warn (at the user's ``fit()`` line) before Lightning loads the restored LR schedulers'
+    states into those ``configure_optimizers`` built, where that replaces settings the new code
+    passed (``CosineAnnealingLR``'s ``T_max``, ...): Lightning's ``load_state_dict`` takes the
+    checkpoint's without a word. Nothing is refused (:mod:`..scheduler_settings`)."""
+    loaded = trainer._checkpoint_connector._loaded_checkpoint or {}
+    saved = loaded.get("lr_schedulers")
+    if not isinstance(saved, list):
+        return
+    pairs = zip(trainer.lr_scheduler_configs, saved, strict=False)  # (another count: above)
+    found = [
+        said
+        for i, (config, state) in enumerate(pairs)
+        for said in scheduler_settings.described(f"lr_schedulers[{i}]", config.scheduler, state)
+    ]
+    if found:
+        how = (
+            "set them on the scheduler in your LightningModule's on_train_start, which runs "
+            "after Lightning's restore (`self.lr_schedulers().T_max = 100`; see docs/lightning.md)"
+        )
+        warnings.warn(
+            "ResilientCheckpoint: "
+            + scheduler_settings.message(found, how, "Lightning's own ckpt_path resume does"),
+            UserWarning,
+            stacklevel=caller_stacklevel(os.path.dirname(os.path.dirname(pl.__file__))),
+        )
 
 
 def _converted_to(trainer: Any) -> torch.dtype | None:

@@ -3,6 +3,8 @@ trainer instance, and their unwrapping at ``teardown``:
 
 - ``_checkpoint_connector.resume_start`` (where Lightning loads ``ckpt_path``): the callback
   constructs its ``Checkpointer`` and restores there;
+- ``_checkpoint_connector.restore_lr_schedulers`` (where Lightning loads the schedulers'
+  states): the callback compares their settings with the checkpoint's first;
 - ``fit_loop._load_combined_loader_states`` (where Lightning restores the train dataloaders,
   after it built them and before it iterates them): the callback makes them resumable first;
   and ``fit_loop.setup_data`` (which does that): after it, a resumed epoch's length is set;
@@ -43,6 +45,8 @@ class FitHooks:
     resume_start: Callable[[Any, Any, Any], None]
     """``(original, checkpoint_path, weights_only)``, instead of ``resume_start``
     (``original`` is Lightning's, to call for what the callback does not handle)."""
+    before_lr_schedulers: Callable[[], None]
+    """Before Lightning loads the restored LR schedulers' states."""
     before_loader_states: Callable[[], None]
     """Before Lightning restores the train dataloaders' states."""
     after_setup_data: Callable[[], None]
@@ -87,6 +91,7 @@ def wrap_fit(trainer: pl.Trainer, hooks: FitHooks) -> list[Callable[[], None]]:
     conn.resume_start = resume_start  # type: ignore[method-assign]
     unwrap.append(lambda: _unwrap(conn, "resume_start", resume_start))
 
+    unwrap.append(_around(conn, "restore_lr_schedulers", before=hooks.before_lr_schedulers))
     fit_loop = trainer.fit_loop
     unwrap.append(
         _around(fit_loop, "_load_combined_loader_states", before=hooks.before_loader_states)
