@@ -2,8 +2,8 @@
 what a resume must do when they are unusual or changed between runs.
 
     python ds_changes.py --dir D --steps N [--every K] [--opt NAdam] [--dtype fp16] [--stage 2]
-                         [--scale-power P] [--micro B] [--data] [--scheduler [WarmupDecayLR|LambdaLR]]
-                         [--lr-by-hand]
+                         [--scale-power P] [--micro B] [--data] [--scheduler [WarmupDecayLR|LambdaLR|Cosine]]
+                         [--lr-by-hand] [--total N] [--t-max N]
 
 Trains ``Linear(8, 8)`` to optimizer step N (a save every K), from the newest checkpoint in D
 if there is one, then prints one line ``RESULT {json}``: the step restored from, the fp32
@@ -46,8 +46,10 @@ def main() -> None:
     ap.add_argument("--sub-group-size", type=int)  # ZeRO 3: partitions of sub-groups
     ap.add_argument("--two-groups", action="store_true")  # the bias in a group of its own
     # DeepSpeed's WarmupLR in the config (or the scheduler named, warming up for 5 steps;
-    # LambdaLR: torch's, given to initialize)
+    # LambdaLR, Cosine: torch's LambdaLR, CosineAnnealingLR, given to initialize)
     ap.add_argument("--scheduler", nargs="?", const="WarmupLR")
+    ap.add_argument("--total", type=int, default=20)  # WarmupDecayLR's total_num_steps
+    ap.add_argument("--t-max", type=int, default=10)  # Cosine's T_max
     args = ap.parse_args()
     world_of_one()
     skip_shm_op()
@@ -68,10 +70,10 @@ def main() -> None:
         "zero_allow_untested_optimizer": True,
         "resilient_checkpoint": {"dirpath": args.dir, "every_n_steps": args.every},
     }
-    if args.scheduler and args.scheduler != "LambdaLR":
+    if args.scheduler and args.scheduler not in ("LambdaLR", "Cosine"):
         params = {"warmup_num_steps": 5}
         if args.scheduler == "WarmupDecayLR":
-            params["total_num_steps"] = 20
+            params["total_num_steps"] = args.total
         cfg["scheduler"] = {"type": args.scheduler, "params": params}
     if args.sub_group_size:
         cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
@@ -97,6 +99,8 @@ def main() -> None:
         lr_scheduler=(
             torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
             if args.scheduler == "LambdaLR"
+            else torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.t_max)
+            if args.scheduler == "Cosine"
             else None
         ),
         **how,
@@ -145,6 +149,7 @@ def main() -> None:
         "scale": getattr(scaler, "cur_scale", None),
         "dynamic": getattr(scaler, "dynamic", None),
         "lr": inner.param_groups[0]["lr"],
+        "t_max": getattr(engine.lr_scheduler, "T_max", None),  # (--scheduler Cosine)
         "keys": keys,
         "restored_values": values,
         "values": single_values(engine),

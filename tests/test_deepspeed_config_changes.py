@@ -7,8 +7,9 @@
 - the ZeRO stage changed (1 -> 2, 2 -> 3, 3 -> 2): the run goes on exactly as a run at the new
   stage from the start would have;
 - the micro-batch size changed: the data goes on at the next sample;
-- the type of DeepSpeed's scheduler changed: the new one schedules on from the restored
-  iteration; a scheduler of another kind (DeepSpeed's <-> torch's) is refused before anything
+- the type or params of DeepSpeed's scheduler changed: the new one schedules on from the
+  restored iteration; a torch scheduler's settings changed (``T_max``): the checkpoint's are
+  loaded, as DeepSpeed's ``load_checkpoint`` loads them, and a warning names each; a scheduler of another kind (DeepSpeed's <-> torch's) is refused before anything
   loads, whatever key of the state comes first.
 """
 
@@ -107,6 +108,49 @@ def test_a_changed_scheduler_type_schedules_on_from_the_restored_iteration(
     assert isinstance(then, dict) and isinstance(ref, dict)
     assert then["restored"] == 4 and then["lr"] == ref["lr"]
     assert CHANGED not in then["output"]
+
+
+SETTINGS = "the checkpoint's LR scheduler settings replace those your code passed"
+
+
+@pytest.mark.slow  # three DeepSpeed runs
+def test_a_changed_torch_scheduler_setting_is_named_and_the_saved_one_schedules_on(
+    tmp_path: Path,
+) -> None:
+    """torch's CosineAnnealingLR given to initialize, T_max 10 then 100: its load_state_dict
+    takes the checkpoint's T_max (as DeepSpeed's load_checkpoint, which calls it), so the run
+    goes on as one with T_max 10 throughout; the new T_max was dropped without a word. A
+    warning names it, and the way on."""
+    d = tmp_path / "ck"
+    run(d, "--scheduler", "Cosine", "--t-max", "10", "--steps", "4", "--every", "4")
+    then = run(d, "--scheduler", "Cosine", "--t-max", "100", "--steps", "8", "--every", "4")
+    ref = run(tmp_path / "ref", "--scheduler", "Cosine", "--t-max", "10", "--steps", "8")
+    assert isinstance(then, dict) and isinstance(ref, dict)
+    assert then["restored"] == 4 and then["t_max"] == 10
+    assert (then["digest"], then["lr"]) == (ref["digest"], ref["lr"])
+    said = then["output"]
+    assert SETTINGS in said and SETTINGS not in ref["output"]
+    assert (
+        "engine.lr_scheduler (CosineAnnealingLR): T_max=10 from the checkpoint (100 here)" in said
+    )
+    assert "as DeepSpeed's own load_checkpoint does" in said
+    assert "set them on engine.lr_scheduler after the restore" in said
+
+
+@pytest.mark.slow  # three DeepSpeed runs
+def test_changed_params_of_deepspeeds_scheduler_take_effect_without_a_word(tmp_path: Path) -> None:
+    """WarmupDecayLR's total_num_steps 20, then 40 in the config: DeepSpeed's schedulers save
+    only their iteration, so the new settings schedule on from it (the rate at step 8 is that
+    of a run with 40 throughout), as with DeepSpeed's load_checkpoint; nothing to name."""
+    d = tmp_path / "ck"
+    sched = ("--scheduler", "WarmupDecayLR")
+    run(d, *sched, "--total", "20", "--steps", "4", "--every", "4")
+    then = run(d, *sched, "--total", "40", "--steps", "8", "--every", "4")
+    ref = run(tmp_path / "ref", *sched, "--total", "40", "--steps", "8", "--every", "4")
+    old = run(tmp_path / "old", *sched, "--total", "20", "--steps", "8", "--every", "4")
+    assert isinstance(then, dict) and isinstance(ref, dict) and isinstance(old, dict)
+    assert then["restored"] == 4 and then["lr"] == ref["lr"] != old["lr"]
+    assert SETTINGS not in then["output"]
 
 
 @pytest.mark.slow  # two DeepSpeed runs

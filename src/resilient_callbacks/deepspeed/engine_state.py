@@ -16,13 +16,16 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
 
+from .. import scheduler_settings
 from ..errors import (
     CheckpointMismatchError,
     UnsupportedStateError,
+    caller_stacklevel,
 )
 from ..structure import PerRank
 from .counters import EngineCounters
@@ -354,13 +357,26 @@ def _random_ltd_enabled(engine: Any) -> bool:
     )
 
 
+_LIKE = "DeepSpeed's own load_checkpoint does"
+# (Lightning's DeepSpeedStrategy takes the scheduler out of the engine and restores it itself:
+# the Lightning callback names its changes, :func:`..lightning.checks.scheduler_settings_changed`)
+_HOW = (
+    "set them on engine.lr_scheduler after the restore, once rcds.initialize (or "
+    "deepspeed.initialize under the launcher) has returned (see docs/deepspeed.md)"
+)
+
+
 class SchedulerState:
     """The engine's LR scheduler, saved by its own ``state_dict``. DeepSpeed's schedulers
     (``WarmupLR``, ``WarmupDecayLR``, ``OneCycle``, ...) keep only ``last_batch_iteration``
     there: loaded, their ``get_last_lr()`` went on answering the value set when they were
     built (0.0 for a warm-up) until the next optimizer step, while the optimizer trained with
     the restored rate. After the load it answers the rate of the restored iteration, as after
-    a step. Other schedulers (torch's save their last rates) are loaded as they are."""
+    a step. Other schedulers (torch's save their last rates) are loaded as they are; a torch
+    scheduler's settings (``T_max``, ...) come from the checkpoint, as with DeepSpeed's
+    ``load_checkpoint``, and those that differ from the new code's are named in a warning
+    (:mod:`..scheduler_settings`; DeepSpeed's keep only their iteration: the new config's
+    settings apply)."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -370,7 +386,14 @@ class SchedulerState:
 
     def load_state_dict(self, state: Any) -> None:
         s = self.scheduler
+        found = scheduler_settings.described("engine.lr_scheduler", s, state)
         s.load_state_dict(state)
+        if found:
+            warnings.warn(
+                "restore: " + scheduler_settings.message(found, _HOW, _LIKE),
+                UserWarning,
+                stacklevel=caller_stacklevel(),
+            )
         ours = type(s).__module__.startswith("deepspeed.") and hasattr(s, "_last_lr")
         if ours and getattr(s, "last_batch_iteration", -1) >= 0 and hasattr(s, "get_lr"):
             s._last_lr = list(s.get_lr())
