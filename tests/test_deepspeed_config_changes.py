@@ -266,3 +266,37 @@ def test_a_lightning_lr_set_by_hand_is_no_change_at_any_resume(tmp_path: Path, s
         assert p.returncode == 0, out[-3000:]
         assert f"RESULT {steps}" in out
         assert CHANGED not in out, out[-3000:]
+
+
+@pytest.mark.slow  # two Lightning DeepSpeed runs
+def test_a_lightning_deepspeed_scheduler_setting_changed_is_named_once(tmp_path: Path) -> None:
+    """Under Lightning's DeepSpeedStrategy, Lightning keeps the scheduler out of the engine and
+    restores it itself: T_max 10, then 100 in configure_optimizers, is named once (by the
+    Lightning callback), and the saved T_max schedules on, as Lightning's own resume."""
+    script = Path(__file__).with_name("pl_ds_scheduler.py")
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(script.parents[1] / "src"), str(script.parent)]),
+    }
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    outs = []
+    for steps, t_max in ((4, 10), (6, 100)):
+        p = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "ck"), str(steps), "2", str(t_max)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        outs.append(p.stdout + p.stderr)
+        assert p.returncode == 0, outs[-1][-3000:]
+    assert "RESULT 4 10" in outs[0] and "WARNING" not in outs[0]
+    assert "RESULT 6 10" in outs[1], outs[1][-3000:]
+    said = [x for x in outs[1].splitlines() if x.startswith("WARNING ")]
+    assert len(said) == 1, said
+    assert (
+        "lr_schedulers[0] (CosineAnnealingLR): T_max=10 from the checkpoint (100 here)" in said[0]
+    )
