@@ -24,6 +24,7 @@ nothing collective runs between its ``teardown`` hook and that raise.
 from __future__ import annotations
 
 import logging
+import signal
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -74,10 +75,29 @@ def on_exception(cb: ResilientCheckpoint, trainer: pl.Trainer, exception: BaseEx
     except Exception as e:  # never mask the original exception
         log.error("save_on_exception: the emergency save failed: %s", e)
     finally:
+        watcher = cb.checkpointer.watcher if cb.checkpointer is not None else None
         if cb.checkpointer is not None and not isinstance(exception, SystemExit):
             closing.failing(cb.checkpointer, exception)  # a failure, not an end
         close(cb, raise_errors=False)
+        if watcher is not None:
+            _handlers_back(cb, trainer, watcher)
         cb._unpatch_all()
+
+
+def _handlers_back(cb: ResilientCheckpoint, trainer: pl.Trainer, watcher: Any) -> None:
+    """After the close at ``on_exception``: Lightning's signal connector registered its handlers
+    after the Checkpointer installed ours, so it restores ours at its teardown, which follows
+    the ``on_exception`` hooks (at a fit that ended, it comes before our close). It restores
+    what was there before ours instead: the closed watcher's handler stayed in place, for a
+    later Trainer's connector to compose into its own. (Where the close kept ours, a
+    preemption's exit under way, the connector restores it as it would.)"""
+    connector = getattr(trainer, "_signal_connector", None)
+    originals = getattr(connector, "_original_handlers", None)
+    if not isinstance(originals, dict):
+        return
+    for signum, ours in cb._our_handlers.items():
+        if originals.get(signum) is ours and signal.getsignal(signum) is not ours:
+            originals[signum] = watcher.handler_before(signum)
 
 
 def close(cb: ResilientCheckpoint, raise_errors: bool) -> None:

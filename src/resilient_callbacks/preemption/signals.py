@@ -193,6 +193,12 @@ class PreemptionWatcher:
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
 
+    def handler_before(self, signum: int) -> _Handler:
+        """The handler ``signum`` had before this watcher (and watchers uninstalled since)
+        took it: what :meth:`uninstall` restores."""
+        prev = _unwrap(signum, self._previous.get(signum))
+        return signal.SIG_DFL if prev is None else prev
+
     @property
     def installed_signals(self) -> tuple[str, ...]:
         """Names of the signals this watcher handles now (empty when not installed)."""
