@@ -409,6 +409,7 @@ class RemoteCommitter(UploadThread):
                 self.store.delete(name)
                 with self._cond:
                     self.index = {k: v for k, v in self.index.items() if v != name}
+                self.own.deleted(name)
                 log.info("remote retention: deleted %s/%s", self.store.url, name)
             # the blobs of the incremental checkpoints deleted (a shared-dirpath run's, this
             # run resumed from) that no remaining one names: else kept for ever

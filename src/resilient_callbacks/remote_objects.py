@@ -6,6 +6,7 @@ check when the store fails the preflight."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import hashlib
@@ -375,6 +376,11 @@ class OwnCheckpoints:
         # attempt may have committed (the store wrote the manifest, its answer was lost)
         self._tried: dict[tuple[str, tuple[str, int]], tuple[Any, Any]] = {}
         self._warned: set[str] = set()
+        # (name, key) of this process's that its retention deleted lately: a listing taken
+        # before the delete still shows them (the uploader's, read as a commit went on)
+        self._deleted: collections.deque[tuple[str, tuple[str, int]]] = collections.deque(
+            maxlen=256
+        )
 
     def protected(self, entries: Sequence[RemoteEntry], protect: str) -> list[str]:
         """What the remote retention deletes of none of ``entries``: ``protect`` (the one just
@@ -399,6 +405,14 @@ class OwnCheckpoints:
         if self.held is not None:
             self.held.uploaded(key)
         self._wrote.add((name, key))
+        self._tried.pop((name, key), None)  # (its files and blobs: kept only while in doubt)
+
+    def deleted(self, name: str) -> None:
+        """The retention deleted ``name``: forget it (one entry per upload otherwise stayed
+        for the life of the process, each holding a manifest's files and blobs)."""
+        self._deleted.extend(w for w in self._wrote | set(self._tried) if w[0] == name)
+        self._wrote = {w for w in self._wrote if w[0] != name}
+        self._tried = {t: v for t, v in self._tried.items() if t[0] != name}
 
     def trying(self, name: str, m: Manifest) -> None:
         """This process begins an upload of ``m`` as ``name``: a commit of it found there
@@ -416,7 +430,7 @@ class OwnCheckpoints:
             e
             for e in entries
             if e.key and e.key[0] == run_id and (e.name, e.key) not in known
-            if (e.name, e.key) not in wrote
+            if (e.name, e.key) not in wrote and (e.name, e.key) not in self._deleted
             if (m := e.manifest) and self._tried.get((e.name, e.key)) != (m.files, m.blobs)
         ]
         new = [e.name for e in theirs if e.name not in self._warned]

@@ -427,6 +427,8 @@ class RemoteSync(UploadThread):
                 self.store.delete(name)
                 with self._cond:
                     self.index = {k: v for k, v in self.index.items() if v != name}
+                    self._remote_entries = [e for e in self._remote_entries if e.name != name]
+                self.own.deleted(name)
                 log.info("remote retention: deleted %s/%s", self.store.url, name)
             now, swept = time.time(), False
             for e in entries:  # uploads a crash cut off: each run's kill left one behind
