@@ -92,3 +92,22 @@ def test_a_fit_that_failed_gives_the_signal_handlers_back(tmp_path, handlers):
     rc = _fit(tmp_path, _Net(), tmp_path / "ck", max_steps=6)
     assert rc.restored_step == 2
     assert [signal.getsignal(s) for s in SIGNALS] == [_users_handler] * 2
+
+
+def test_fits_that_end_or_are_preempted_leave_nothing_behind(tmp_path, handlers):
+    """A fit that ended and one preempted with ``exit_on_preemption=False``, each followed by
+    a fit on its dirpath: the handlers, threads and file descriptors of before, the lock free
+    (the next fit resumes), the process not taken for one exiting."""
+    from resilient_callbacks.preemption import exiting
+
+    _fit(tmp_path, _Net(), tmp_path / "warm-up")
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+    for name, net, resumed in (("ended", _Net(), 4), ("preempted", _Net(signal_at=1), 2)):
+        rc = _fit(tmp_path, net, tmp_path / name, exit_on_preemption=False)
+        assert rc.preempted == (name == "preempted")
+        assert exiting.code() is None
+        rc = _fit(tmp_path, _Net(), tmp_path / name, max_steps=6)
+        assert rc.restored_step == resumed
+        assert [signal.getsignal(s) for s in SIGNALS] == [_users_handler] * 2
+        assert threading.active_count() == threads
+        assert len(os.listdir("/proc/self/fd")) == fds

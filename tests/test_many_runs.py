@@ -3,6 +3,7 @@ stays bounded by what it keeps, not by how many saves it made."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -59,3 +60,64 @@ def test_a_long_run_keeps_nothing_of_the_uploads_its_retention_deleted(
     assert held_long <= held_short + 10, (held_short, held_long)
     del short, long
     assert "another live process" not in caplog.text
+
+
+def _process_state() -> dict:
+    """What a run could leave behind in the process, as a count or an identity."""
+    import logging
+    import os
+    import signal
+    import sys
+    import threading
+
+    gc.collect()
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    return {
+        "signals": {
+            s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+        },
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "hooks": (sys.excepthook, threading.excepthook, sys.unraisablehook),
+        "log handlers": sum(len(lg.handlers) + len(lg.filters) for lg in loggers),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+    }
+
+
+def test_a_sweep_of_runs_in_one_process_leaves_nothing_behind(tmp_path):
+    """Runs one after another in one process (a hyper-parameter sweep, a notebook): one that
+    ended, one that raised in its ``with`` block, one preempted with
+    ``exit_on_preemption=False``, each again on the same dirpath. After each: the handlers,
+    threads, file descriptors, hooks and logging handlers of before, the lock free (the next
+    run on the dirpath resumes), and the process not taken for one exiting."""
+    import os
+    import signal
+
+    from resilient_callbacks.preemption import exiting
+
+    def trial(name: str, how: str) -> int:
+        state = {"w": torch.zeros(16), "extra": {"n": 0}}
+        with Checkpointer(tmp_path / name, every_n_steps=2, exit_on_preemption=False) as ck:
+            start = ck.restore(state)
+            for step in range(start + 1, start + 6):
+                state["w"].add_(1.0)
+                if how == "raise" and step == start + 4:
+                    raise ValueError("the trial's training failed")
+                if how == "preempt" and step == start + 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                ck.step(step, state)
+                if ck.preempted:
+                    break
+        return start
+
+    trial("warm-up", "end")
+    before = _process_state()
+    for how in ("end", "raise", "preempt"):
+        with contextlib.suppress(ValueError):
+            trial(how, how)
+        assert _process_state() == before, how
+        assert exiting.code() is None, how
+        assert trial(how, "end") > 0, how  # resumed: the lock was free
+        assert _process_state() == before, how
