@@ -111,3 +111,18 @@ def test_fits_that_end_or_are_preempted_leave_nothing_behind(tmp_path, handlers)
         assert [signal.getsignal(s) for s in SIGNALS] == [_users_handler] * 2
         assert threading.active_count() == threads
         assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_sweep_of_trainers_keeps_no_entry_per_fit(tmp_path):
+    """What the callback remembers of a finished fit (so that the same Trainer's next fit goes
+    on from the live state) stayed, one entry per dirpath, after its Trainer and module were
+    gone: one per trial of a sweep, for the life of the process."""
+    import gc
+
+    from resilient_callbacks.lightning import refit
+
+    for trial in range(3):
+        _fit(tmp_path, _Net(), tmp_path / f"t{trial}")
+        gc.collect()
+    mine = [k for k in refit._FINISHED if k.startswith(os.path.realpath(tmp_path))]
+    assert len(mine) <= 1, mine

@@ -121,3 +121,26 @@ def test_a_sweep_of_runs_in_one_process_leaves_nothing_behind(tmp_path):
         assert exiting.code() is None, how
         assert trial(how, "end") > 0, how  # resumed: the lock was free
         assert _process_state() == before, how
+
+
+def test_a_sweep_with_a_remote_per_trial_keeps_no_entry_per_trial(tmp_path):
+    """The claim of each remote URL (one writer per store in a process) stayed in a module
+    table after its writer was gone: one entry per trial of a sweep that gives each trial its
+    own remote, for the life of the process."""
+    from resilient_callbacks import lock
+
+    for trial in range(4):
+        state = {"w": torch.zeros(8)}
+        ck = Checkpointer(
+            tmp_path / f"t{trial}",
+            every_n_steps=1,
+            remote=f"file://{tmp_path}/durable/t{trial}",
+            preemption=False,
+        )
+        ck.restore(state)
+        ck.step(1, state)
+        ck.close()
+        del ck
+        gc.collect()
+    mine = [k for k in lock._remotes if k.startswith(f"file://{tmp_path}/")]
+    assert len(mine) <= 1, mine

@@ -320,4 +320,6 @@ def claim_remote(key: str, url: str, lock: DirLock) -> None:
             "checkpoints of the same names over each other's. Give each Checkpointer a remote "
             "URL of its own (e.g. .../run1/model and .../run1/ema), or close() the other first"
         )
+    for gone in [k for k, ref in _remotes.items() if ref() is None]:
+        del _remotes[gone]  # (writers gone: one a run of a sweep otherwise stayed)
     _remotes[key] = weakref.ref(lock)

@@ -32,6 +32,9 @@ _FINISHED: dict[str, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
 def finished(trainer: Any, dirpath: str) -> None:
     """A ``fit()`` of ``trainer`` that saved into ``dirpath`` ended without an error."""
     refs = (weakref.ref(trainer), weakref.ref(trainer.lightning_module))
+    # (the entries of Trainers and modules gone: one a fit of a sweep otherwise stayed)
+    for gone in [k for k, (t, m) in _FINISHED.items() if t() is None and m() is None]:
+        del _FINISHED[gone]
     _FINISHED[os.path.realpath(dirpath)] = refs
 
 

@@ -69,4 +69,7 @@ def finished(dirpath: str, trainer: Any) -> None:
     """A training of ``trainer``'s model placed by :func:`place` from ``dirpath`` ended without
     error."""
     done = _done(dirpath, trainer) + 1
+    # (the entries of models gone: one a training of a sweep otherwise stayed)
+    for gone in [k for k, (_, ref) in _FINISHED.items() if ref() is None]:
+        del _FINISHED[gone]
     _FINISHED[os.path.realpath(dirpath)] = (done, weakref.ref(_trained(trainer)))
