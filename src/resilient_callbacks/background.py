@@ -55,6 +55,7 @@ class BackgroundPersister:
                     if self._error is None:
                         self._error = e
             finally:
+                del item, job  # (not kept while waiting: a job holds its Checkpointer)
                 with self._cond:
                     self._pending -= 1
                     self._cond.notify_all()

@@ -18,7 +18,6 @@ together.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -280,9 +279,8 @@ class Checkpointer(CheckpointerQueries):
         """Block until every background save has committed; raise if one failed."""
         self._wait_background()
 
-    def __del__(self) -> None:  # pragma: no cover - best effort
-        with contextlib.suppress(Exception):
-            self._dir.lock.release()
+    def __del__(self) -> None:  # (dropped unclosed: see closing.dropped)
+        closing.dropped(self)
 
     def _check_open(self, writes: bool = False) -> None:
         closing.check_open(self, writes)

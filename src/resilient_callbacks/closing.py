@@ -10,6 +10,7 @@ mode each node's leader finishes its node's uploads and reports; rank 0 releases
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -439,3 +440,22 @@ def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
             log.error("closing %s at exit failed: %s", ck.dirpath, e)
         finally:
             _at_exit_closing = False
+
+
+def dropped(ck: Checkpointer) -> None:
+    """``__del__``, best effort: a Checkpointer dropped unclosed (a sweep's trial that raised
+    outside a ``with`` block, its close never called) gives back its directory lock, ends its
+    background-save thread and its signal handlers: restored from the main thread; from
+    another (its last save ended there), left to forward to the ones before them, as after an
+    ``uninstall`` out of order (one of each otherwise stayed per such trial, its watcher
+    taking every SIGTERM for a save no one would make). Its saves ran before: a queued save
+    holds its Checkpointer."""
+    with contextlib.suppress(Exception):
+        ck._dir.lock.release()
+    with contextlib.suppress(Exception):
+        persister = ck._saver.persister
+        if persister is not None:
+            persister.stop(join_s=0.0)
+    with contextlib.suppress(Exception):
+        if ck.watcher is not None:
+            ck.watcher.uninstall(quiet=True)

@@ -162,9 +162,10 @@ class PreemptionWatcher:
         _installed.add(self)
         return True
 
-    def uninstall(self) -> None:
+    def uninstall(self, *, quiet: bool = False) -> None:
         """Restore the previous handlers (idempotent). From another thread, or where a handler
-        installed after ours is current, ours is left in place but forwards to the previous one."""
+        installed after ours is current, ours is left in place but forwards to the previous one
+        (from another thread, with a warning unless ``quiet``)."""
         if not self._active:
             return
         self._active = False
@@ -172,6 +173,8 @@ class PreemptionWatcher:
         if self._pid != os.getpid():
             return
         if threading.current_thread() is not threading.main_thread():
+            if quiet:
+                return
             warnings.warn(
                 "PreemptionWatcher.uninstall() outside the main thread cannot restore the "
                 "previous signal handlers; the watcher's handlers now forward to them instead.",
