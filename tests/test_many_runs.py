@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 
 import pytest
 import torch
@@ -156,7 +157,7 @@ def test_a_trial_that_raised_unclosed_leaves_nothing_once_dropped(tmp_path):
 
     def trial(raises: bool) -> int:
         state = {"w": torch.zeros(16)}
-        ck = Checkpointer(tmp_path / "trial", every_n_steps=1)
+        ck = Checkpointer(tmp_path / "trial", every_n_steps=1, keep_last=1)
         start = ck.restore(state)
         for step in range(start + 1, start + 3):
             state["w"].add_(1.0)
@@ -171,5 +172,9 @@ def test_a_trial_that_raised_unclosed_leaves_nothing_once_dropped(tmp_path):
     before = _process_state()
     with contextlib.suppress(ValueError):
         trial(raises=True)
+    gc.collect()
+    for t in threading.enumerate():  # (told to end as it was collected: let them)
+        if t.name.startswith("rc-") and t.name not in before["threads"]:
+            t.join(timeout=60)
     assert _process_state() == before
     assert trial(raises=False) == 4

@@ -87,11 +87,12 @@ class TrashBin:
         for disk space to come back; deleting goes on until it exits)."""
         self._abandoned = True
 
-    def stop(self) -> None:
-        """End the worker once what was put is deleted (call after :meth:`wait`)."""
+    def stop(self, join: bool = True) -> None:
+        """End the worker once what was put is deleted (call after :meth:`wait`); ``join``
+        False: without waiting for it."""
         worker, self._worker = self._worker, None
         if worker is not None:
-            worker.stop(join_s=0.0 if self._abandoned else 5.0)
+            worker.stop(join_s=0.0 if self._abandoned or not join else 5.0)
 
 
 def _quietly(fn: Callable[[], None]) -> None:
