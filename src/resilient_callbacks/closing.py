@@ -445,11 +445,12 @@ def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
 def dropped(ck: Checkpointer) -> None:
     """``__del__``, best effort: a Checkpointer dropped unclosed (a sweep's trial that raised
     outside a ``with`` block, its close never called) gives back its directory lock, ends its
-    background-save and deletion threads and its signal handlers: restored from the main thread; from
-    another (its last save ended there), left to forward to the ones before them, as after an
-    ``uninstall`` out of order (one of each otherwise stayed per such trial, its watcher
-    taking every SIGTERM for a save no one would make). Its saves ran before: a queued save
-    holds its Checkpointer. (Its uploads to a remote go on: they stop at ``close()`` only.)"""
+    background-save and deletion threads and its signal handlers: restored from the main
+    thread; from another (its last save ended there), left to forward to the ones before
+    them, as after an ``uninstall`` out of order (one of each otherwise stayed per such trial,
+    its watcher taking every SIGTERM for a save no one would make). Its saves ran before: a
+    queued save holds its Checkpointer. (Its uploads to a remote go on: they stop at
+    ``close()`` only.)"""
     with contextlib.suppress(Exception):
         ck._dir.lock.release()
     with contextlib.suppress(Exception):

@@ -426,11 +426,12 @@ class OwnCheckpoints:
         if self._known is None:  # (no listing yet: nothing tells another process's apart)
             return list(entries)
         known, wrote = self._known, self._wrote  # (membership only: wrote() may add meanwhile)
+        deleted = set(self._deleted)
         theirs = [
             e
             for e in entries
             if e.key and e.key[0] == run_id and (e.name, e.key) not in known
-            if (e.name, e.key) not in wrote and (e.name, e.key) not in self._deleted
+            if (e.name, e.key) not in wrote and (e.name, e.key) not in deleted
             if (m := e.manifest) and self._tried.get((e.name, e.key)) != (m.files, m.blobs)
         ]
         new = [e.name for e in theirs if e.name not in self._warned]
