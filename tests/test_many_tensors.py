@@ -8,7 +8,9 @@ counted in calls here, never timed (benchmarks/bench_many_tensors.py times it).
 - ``keep_last=None`` (the default) keeps every checkpoint, so retention reads no manifest
   (each save read every manifest and checked every listed file's size: a cost growing with the
   run's number of checkpoints); with a retention policy, each kept manifest is parsed once,
-  not again at every save.
+  not again at every save;
+- a tensor's key path is formatted only when a refusal names it (it was formatted for every
+  tensor of every save, on the training thread: as costly as the checks themselves).
 """
 
 from __future__ import annotations
@@ -25,8 +27,16 @@ import safetensors.torch
 import torch
 import xxhash
 
-from resilient_callbacks import Checkpointer, catalog, filewrite, tensorfile, verification
+from resilient_callbacks import (
+    Checkpointer,
+    catalog,
+    filewrite,
+    structure,
+    tensorfile,
+    verification,
+)
 from resilient_callbacks.checksum import FileHasher
+from resilient_callbacks.errors import UnsupportedStateError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -241,6 +251,25 @@ def test_a_state_of_many_tensors_round_trips(tmp_path: Path, async_save: bool) -
     assert state["n"] == 2500
     got = model.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_saved_tensor_key_path_is_formatted_only_to_refuse_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    formatted: list[tuple[Any, ...]] = []
+    path_str = structure.path_str
+
+    def counting(path: tuple[Any, ...]) -> str:
+        formatted.append(path)
+        return path_str(path)
+
+    monkeypatch.setattr(structure, "path_str", counting)
+    shared, _ = structure.encode({"model": _many(200), "opt": {"state": {0: torch.ones(2)}}})
+    assert len(shared.tensors) == 203
+    assert formatted == []
+    with pytest.raises(UnsupportedStateError, match=r"state\['opt'\]\[3\]\['m'\] is on the meta"):
+        structure.encode({"opt": [1, 2, 3, {"m": torch.empty(2, device="meta")}]})
+    assert formatted == [("opt", 3, "m")]
 
 
 @pytest.mark.benchmark

@@ -1,6 +1,8 @@
 """What a checkpoint cannot hold: each refusal raises :class:`~.errors.UnsupportedStateError`
 at save, before anything is written, naming the value's key path (``where``) and saying what
-to do, so that nothing fails inside the write or, worse, at a resume weeks later."""
+to do, so that nothing fails inside the write or, worse, at a resume weeks later. ``where`` is
+the key path as a str, or an object whose ``str()`` is it (:class:`~.structure.KeyPath`:
+formatted only for an error, not for every value of every save)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ _INT_BITS = int((INT_DIGITS - 1) * 3.3219)  # bits of the largest int surely wit
 _INT_TOO_LONG = 10**INT_DIGITS  # the smallest int of more digits
 
 
-def refuse_int(value: int, where: str) -> None:
+def refuse_int(value: int, where: object) -> None:
     """Refuse an int of more digits than a JSON reader accepts by default (one of exactly
     ``INT_DIGITS`` digits is read back, and saved)."""
     if value.bit_length() > _INT_BITS and abs(value) >= _INT_TOO_LONG:
@@ -32,7 +34,7 @@ def refuse_int(value: int, where: str) -> None:
         )
 
 
-def refuse_numpy(obj: np.ndarray | np.generic, where: str) -> None:
+def refuse_numpy(obj: np.ndarray | np.generic, where: object) -> None:
     """Refuse a NumPy array or scalar whose dtype a checkpoint does not store (only bool, int
     and float to 64 bits, what safetensors takes), or an array in the other byte order."""
     kind = "array" if isinstance(obj, np.ndarray) else "scalar"
@@ -48,7 +50,7 @@ def refuse_numpy(obj: np.ndarray | np.generic, where: str) -> None:
         )
 
 
-def refuse_tensor(t: torch.Tensor, where: str) -> None:
+def refuse_tensor(t: torch.Tensor, where: object) -> None:
     """Refuse a tensor that a checkpoint cannot store exactly: a nested, sparse, quantized or
     meta tensor, a sharded DTensor, a subclass without memory of its own, or a dtype
     safetensors does not name."""
@@ -146,7 +148,7 @@ _ACCELERATE_LOADERS = (
 )
 
 
-def refuse_stateful(obj: Any, where: str) -> None:
+def refuse_stateful(obj: Any, where: object) -> None:
     """Refuse a stateful object whose state does not resume exactly: a data loader that
     Hugging Face Accelerate prepared (or ``skip_first_batches`` made: a ``SkipDataLoader``,
     for an iterable dataset). Without ``use_stateful_dataloader`` its ``state_dict()``

@@ -110,6 +110,20 @@ def path_str(path: tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{p!r}]" for p in path)
 
 
+class KeyPath:
+    """A key path whose ``str()`` is :func:`path_str`'s, formatted only when asked: the
+    refusals of a save name it in their errors, and formatting it for every tensor of every
+    save cost as much as the checks themselves."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: tuple[Any, ...]) -> None:
+        self.path = path
+
+    def __str__(self) -> str:
+        return path_str(self.path)
+
+
 @dataclass
 class Encoded:
     """The result of encoding: a JSON-able structure plus the tensors it references."""
@@ -144,7 +158,7 @@ class _Encoder:
         return pid
 
     def tensor_ref(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
-        refuse_tensor(t, path_str(path))
+        refuse_tensor(t, KeyPath(path))  # the key path formatted only if it is refused
         t = t.detach()
         table, alias = (
             (self.rank_tensors, self._rank_alias) if self._in_rank else (self.tensors, self._alias)
@@ -165,7 +179,7 @@ class _Encoder:
                 return {TAG: "tensor", "key": name}
         else:
             ident = None
-        base = "/".join(str(p) for p in path) or "tensor"
+        base = "/".join(map(str, path)) or "tensor"
         # valid UTF-8 (a lone surrogate in a key made a header other safetensors readers refuse)
         base = base.encode("utf-8", "backslashreplace").decode("utf-8")
         if self._in_rank:
@@ -211,12 +225,12 @@ class _Encoder:
         if isinstance(obj, torch.Tensor):
             return self.tensor_ref(obj, path)
         if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
-            refuse_numpy(obj, path_str(path))
+            refuse_numpy(obj, KeyPath(path))
             return {TAG: "np", "dtype": obj.dtype.str, "value": self.encode(obj.item(), path)}
         if isinstance(obj, bool) or obj is None or isinstance(obj, str):
             return obj
         if isinstance(obj, int):
-            refuse_int(obj, path_str(path))
+            refuse_int(obj, KeyPath(path))
             return int(obj)
         if isinstance(obj, float):
             if math.isfinite(obj):
@@ -253,13 +267,13 @@ class _Encoder:
         if isinstance(obj, (bytes, bytearray)):
             return {TAG: "bytes", "b64": base64.b64encode(bytes(obj)).decode("ascii")}
         if isinstance(obj, np.ndarray):  # bool, int, float up to float64 (what safetensors takes)
-            refuse_numpy(obj, path_str(path))
+            refuse_numpy(obj, KeyPath(path))
             arr = obj if obj.flags.c_contiguous and obj.flags.writeable else obj.copy(order="C")
             ref = self.tensor_ref(torch.from_numpy(arr), path)  # 0-dim arrays stay 0-dim
             ref["numpy"] = True
             return ref
         if is_stateful(obj):
-            refuse_stateful(obj, path_str(path))
+            refuse_stateful(obj, KeyPath(path))
             live, obj = obj, plain_module(obj)
             sd = obj.state_dict()
             # an optimizer wrapper (accelerate's) is recorded as the optimizer it steps
