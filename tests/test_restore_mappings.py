@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -170,3 +171,43 @@ def test_a_checkpoint_the_caller_opened_before_the_restore_is_not_blamed_on_the_
         assert ck.restore({"keeper": _state(1)["keeper"]}) == 1
     assert "still view shared.safetensors" in caplog.text
     del opened
+
+
+class _CountingLock:
+    def __init__(self) -> None:
+        self.lock, self.taken = threading.Lock(), 0
+
+    def __enter__(self) -> None:
+        self.taken += 1
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def test_the_private_copies_of_many_small_tensors_look_up_the_mappings_once(tmp_path, monkeypatch):
+    """A CPU optimizer's state of many small tensors: each gets its private copy (not mapped,
+    the saved values), and the registry of mappings is read once per object loaded, not two or
+    three times per tensor (a restore of 20,000 tensors spent about 0.1 s of its training-thread
+    time there)."""
+    torch.manual_seed(0)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(16)) for _ in range(300)])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sum(p.sum() for p in model).backward()
+    opt.step()
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, {"model": model, "opt": opt})
+    live_model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(16)) for _ in range(300)])
+    live_opt = torch.optim.AdamW(live_model.parameters(), lr=0.01)
+    counting = _CountingLock()
+    monkeypatch.setattr(mapped, "_lock", counting)
+    with Checkpointer(tmp_path / "ck") as ck:
+        taken = counting.taken
+        assert ck.restore({"model": live_model, "opt": live_opt}) == 1
+        taken = counting.taken - taken
+        assert mapped.still_mapped(ck.last_restore.path) == []
+    assert len(live_opt.state) == 300
+    for p, q in zip(live_opt.state.values(), opt.state.values(), strict=True):
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(p[k], q[k]) and not mapped.is_mapped(p[k])
+    assert taken < 60, taken  # (it was over 1,800: is_mapped and release per tensor)

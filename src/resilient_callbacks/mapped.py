@@ -89,6 +89,8 @@ def release(t: torch.Tensor) -> None:
         return
     storage = t.untyped_storage()
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    if nbytes < mmap.PAGESIZE:  # holds no whole page: nothing to drop (most tensors of a state)
+        return
     with _lock:
         found = [(ref(), start) for ref, start, end, _ in _live.values() if start <= ptr < end]
     mm, start = found[0] if found else (None, 0)
@@ -102,39 +104,54 @@ def release(t: torch.Tensor) -> None:
             mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
-def is_mapped(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory lies in a mapped checkpoint file."""
+def is_mapped(t: torch.Tensor, ranges: list[tuple[int, int]] | None = None) -> bool:
+    """Whether ``t``'s memory lies in a mapped checkpoint file; ``ranges``: the mappings'
+    address ranges as :func:`_ranges` gave them (a walk over many tensors takes them once)."""
     if t.device.type != "cpu" or not t.numel():
         return False
     ptr = t.untyped_storage().data_ptr()
+    if ranges is None:
+        with _lock:
+            return any(start <= ptr < end for _, start, end, _ in _live.values())
+    return any(start <= ptr < end for start, end in ranges)
+
+
+def _ranges() -> list[tuple[int, int]]:
+    """The address ranges of the live mappings, now. A tensor that views one keeps it alive,
+    so a range taken before a walk over such tensors stays right for the whole walk."""
     with _lock:
-        return any(start <= ptr < end for _, start, end, _ in _live.values())
+        return [(start, end) for _, start, end, _ in _live.values()]
 
 
-def private(value: Any, memo: dict[int, tuple[Any, torch.Tensor]] | None = None) -> Any:
+def private(
+    value: Any,
+    memo: dict[int, tuple[Any, torch.Tensor]] | None = None,
+    ranges: list[tuple[int, int]] | None = None,
+) -> Any:
     """``value`` with every tensor that views a mapped file replaced by a copy of its own, at
     any depth of dicts, lists and tuples (those holding one are rebuilt; nothing else is looked
     into). A tensor met twice (tied, aliased) gets one copy, also across the calls sharing
     ``memo``."""
     memo = {} if memo is None else memo
+    ranges = _ranges() if ranges is None else ranges  # once per call, not per tensor
     if isinstance(value, torch.Tensor):
-        if not is_mapped(value):
+        if not is_mapped(value, ranges):
             return value
         if id(value) not in memo:
             memo[id(value)] = (value, value.clone())  # (the original held: its id stays its)
             release(value)  # read once, copied: its pages leave the resident set
         return memo[id(value)][1]
     if isinstance(value, dict):
-        new: Any = {k: private(v, memo) for k, v in value.items()}
+        new: Any = {k: private(v, memo, ranges) for k, v in value.items()}
         same = all(new[k] is v for k, v in value.items())
         if not same and (meta := getattr(value, "_metadata", None)) is not None:
             new = collections.OrderedDict(new)  # a module's state dict keeps its versions
             new._metadata = meta
     elif isinstance(value, list):
-        new = [private(v, memo) for v in value]
+        new = [private(v, memo, ranges) for v in value]
         same = all(a is b for a, b in zip(new, value, strict=True))
     elif isinstance(value, tuple) and not hasattr(value, "_fields"):
-        new = tuple(private(v, memo) for v in value)
+        new = tuple(private(v, memo, ranges) for v in value)
         same = all(a is b for a, b in zip(new, value, strict=True))
     else:
         return value
@@ -173,16 +190,17 @@ def copy_kept(optimizer: Any) -> None:
     values (a tensor ``lr``) are not moved. Each of those that views a mapped file is replaced by
     a copy of its own (a few scalars); the state on the accelerator is left as it is."""
     state = getattr(optimizer, "state", None)
+    ranges = _ranges()
     if isinstance(state, Mapping):
         for per_param in state.values():
             if isinstance(per_param, MutableMapping):
                 for k, v in list(per_param.items()):
-                    if isinstance(v, torch.Tensor) and is_mapped(v):
+                    if isinstance(v, torch.Tensor) and is_mapped(v, ranges):
                         per_param[k] = v.clone()
     for group in getattr(optimizer, "param_groups", None) or ():
         if isinstance(group, MutableMapping):
             for k, v in list(group.items()):
-                if k != "params" and isinstance(v, torch.Tensor) and is_mapped(v):
+                if k != "params" and isinstance(v, torch.Tensor) and is_mapped(v, ranges):
                     group[k] = v.clone()
 
 
@@ -196,7 +214,9 @@ def load_state(obj: Any, value: Any, load: Callable[[Any], Any]) -> Any:
     if not keeps and not isinstance(obj, torch.nn.Module):
         copy_kept(obj)
     # (a module's state dict may hold other values: a dtype, a quantized Linear's tuple)
-    if isinstance(obj, torch.nn.Module) and not any(map(is_mapped, _tensors(obj.state_dict()))):
+    ranges = _ranges()
+    kept = _tensors(obj.state_dict()) if isinstance(obj, torch.nn.Module) else None
+    if kept is not None and not any(is_mapped(t, ranges) for t in kept):
         for t in _tensors(value):  # copied into the module: not read from the mapping again
             release(t)
     return result
