@@ -85,3 +85,27 @@ def test_close_waits_for_the_buffers_being_allocated_ahead(tmp_path, monkeypatch
     with Checkpointer(tmp_path / "ck", every_n_steps=10) as ck:
         assert ck.step(1, state) is False
     assert not [t.name for t in threading.enumerate() if t.name == "rc-host-buffers"]
+
+
+def test_a_snapshot_checks_each_buffer_once_and_copies_without_a_graph(monkeypatch):
+    """Snapshot takes its buffers from ensure(), which checks every name's shape and dtype once,
+    instead of asking get() again per tensor (two checks, two calls a tensor: a fixed cost of
+    every background save of a many-tensor state). The copies hold the values, made again for a
+    new shape, and record no autograd graph from a tensor that requires grad."""
+    from resilient_callbacks.snapshot import Snapshot
+
+    calls = []
+    get = HostBuffers.get
+    monkeypatch.setattr(HostBuffers, "get", lambda self, *a: calls.append(a) or get(self, *a))
+    leaf = torch.randn(3, requires_grad=True)
+    tensors = {f"t{i}": torch.full((2,), float(i)) for i in range(50)} | {"leaf": leaf}
+    hb = HostBuffers()
+    first = Snapshot(tensors, hb).copies
+    again = Snapshot(tensors, hb).copies
+    assert calls == []
+    assert all(again[k] is first[k] for k in tensors)  # the same buffers, reused
+    assert all(torch.equal(again[k], t.detach()) for k, t in tensors.items())
+    assert not again["leaf"].requires_grad and again["leaf"].grad_fn is None
+    tensors["t0"] = torch.ones(4, dtype=torch.float64)
+    resized = Snapshot(tensors, hb).copies
+    assert resized["t0"].dtype == torch.float64 and torch.equal(resized["t0"], tensors["t0"])

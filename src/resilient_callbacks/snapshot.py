@@ -101,10 +101,11 @@ class HostBuffers:
             self._filler_error = e
         self._bufs = made
 
-    def ensure(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def ensure(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Allocate, together, the buffers ``tensors`` lack (new names, or another shape or
         dtype): pinned ones packed into few allocations (:mod:`.pinned`; such an allocation is
-        freed once none of its buffers is kept)."""
+        freed once none of its buffers is kept). Returns the buffer of each of ``tensors``
+        (checked here once: a snapshot of many tensors need not :meth:`get` each again)."""
         self.wait_allocated()
         specs = [
             (name, t.shape, t.dtype, t.device.type == "cuda")
@@ -113,6 +114,7 @@ class HostBuffers:
         ]
         if specs:
             self._bufs.update(_make(specs))
+        return {name: self._bufs[name] for name in tensors}
 
     def wait_allocated(self) -> None:
         """Wait for a background allocation to finish (a failed one is dropped, not raised)."""
@@ -232,7 +234,6 @@ class Snapshot:
         *,
         overlap_storages: set[int] | None = None,
     ) -> None:
-        self.copies: dict[str, torch.Tensor] = {}
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         # (device, event): the host waits for these before reading copies
@@ -240,22 +241,23 @@ class Snapshot:
         self._device_waits: list[tuple[torch.device, Any]] = []  # deferred GPU copies
         cpu_later: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         gpu: dict[torch.device, tuple[list[Any], list[Any]]] = {}  # device -> (now, later)
-        buffers.ensure(tensors)  # what is missing, allocated together
-        for name, t in tensors.items():
-            buf = buffers.get(name, t)
-            self.copies[name] = buf
-            deferred = (
-                overlap_storages is not None
-                and t.numel() > 0
-                and t.untyped_storage().data_ptr() in overlap_storages
-            )
-            if t.device.type == "cuda":
-                now, later = gpu.setdefault(t.device, ([], []))
-                (later if deferred else now).append((t, buf))
-            elif deferred:
-                cpu_later.append((name, t, buf))
-            else:
-                buf.copy_(t.detach())
+        # what is missing, allocated together
+        self.copies: dict[str, torch.Tensor] = buffers.ensure(tensors)
+        with torch.no_grad():  # (copy_ of a tensor that requires grad records no graph)
+            for name, t in tensors.items():
+                buf = self.copies[name]
+                deferred = (
+                    overlap_storages is not None
+                    and t.numel() > 0
+                    and t.untyped_storage().data_ptr() in overlap_storages
+                )
+                if t.device.type == "cuda":
+                    now, later = gpu.setdefault(t.device, ([], []))
+                    (later if deferred else now).append((t, buf))
+                elif deferred:
+                    cpu_later.append((name, t, buf))
+                else:
+                    buf.copy_(t)
         for device, (now, later) in gpu.items():
             self._copy_on_side_stream(device, now, later)
         if cpu_later:
