@@ -87,3 +87,34 @@ def test_unchanged_scheduler_settings_resume_without_a_word(tmp_path):
         warnings.simplefilter("error")
         with Checkpointer(tmp_path) as ck:
             assert ck.restore(_built("onecycle", 20)) == 3
+
+
+@pytest.mark.parametrize("restarts", [1, 2])
+def test_warm_restarts_progress_is_no_setting(tmp_path, restarts):
+    """Found 2026-12-07: CosineAnnealingWarmRestarts keeps where it is in the current cycle
+    (T_cur) and that cycle's length (T_i, grown by T_mult at each restart) beside its settings:
+    an unchanged resume was warned about as 'T_cur=3 from the checkpoint (0 here)'. Those are
+    progress; a changed T_0 is still named."""
+
+    def built(t_0: int):
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        warm = lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=t_0, T_mult=restarts)
+        sched = lr_scheduler.SequentialLR(opt, [lr_scheduler.ConstantLR(opt), warm], [1])
+        return {"model": model, "opt": opt, "sched": sched}
+
+    first = built(2)
+    _lrs(first, 6)  # past the first restart: T_i is 4 with T_mult=2
+    with Checkpointer(tmp_path) as ck:
+        ck.save(6, first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Checkpointer(tmp_path) as ck:
+            assert ck.restore(built(2)) == 6
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Checkpointer(tmp_path) as ck:
+            assert ck.restore(built(3)) == 6
+    (said,) = [str(w.message) for w in caught if "scheduler" in str(w.message)]
+    assert "_schedulers[1].T_0=2 from the checkpoint (3 here)" in said
+    assert "T_cur" not in said and "T_i=" not in said

@@ -20,7 +20,8 @@ import torch
 from .values import same_value
 
 #: state-dict keys of torch's schedulers that say where the schedule is, not how it goes
-#: (``base_lrs`` comes from the optimizer's groups, restored with it)
+#: (``base_lrs`` comes from the optimizer's groups, restored with it; ``T_cur`` and ``T_i``:
+#: ``CosineAnnealingWarmRestarts``' place in its cycle and that cycle's length)
 PROGRESS = frozenset(
     {
         "last_epoch",
@@ -32,6 +33,8 @@ PROGRESS = frozenset(
         "best",
         "num_bad_epochs",
         "cooldown_counter",
+        "T_cur",
+        "T_i",
     }
 )
 
