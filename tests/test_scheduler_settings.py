@@ -118,3 +118,41 @@ def test_warm_restarts_progress_is_no_setting(tmp_path, restarts):
     (said,) = [str(w.message) for w in caught if "scheduler" in str(w.message)]
     assert "_schedulers[1].T_0=2 from the checkpoint (3 here)" in said
     assert "T_cur" not in said and "T_i=" not in said
+
+
+class _Decay:
+    """A LambdaLR factor that is an object: its attributes are the state dict's (a tensor)."""
+
+    def __init__(self, rates: list[float]) -> None:
+        self.rates = torch.tensor(rates)
+
+    def __call__(self, epoch: int) -> float:
+        return float(self.rates[min(epoch, len(self.rates) - 1)])
+
+
+def test_a_tensor_a_callable_factor_holds_is_compared_by_its_values(tmp_path):
+    """Found 2026-12-07: a tensor of more than one element in a scheduler's state dict (an
+    attribute of a LambdaLR's callable object) has no truth value for ==, so it compared
+    unequal to itself and every unchanged resume warned 'lr_lambdas[0].rates=tensor([...])
+    from the checkpoint (tensor([...]) here)'. Equal values say nothing; other values are
+    named."""
+
+    def built(rates: list[float]):
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        return {"model": model, "opt": opt, "sched": lr_scheduler.LambdaLR(opt, _Decay(rates))}
+
+    first = built([1.0, 0.5, float("nan")])
+    _lrs(first, 1)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Checkpointer(tmp_path) as ck:
+            assert ck.restore(built([1.0, 0.5, float("nan")])) == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Checkpointer(tmp_path) as ck:
+            assert ck.restore(built([1.0, 0.25, float("nan")])) == 1
+    (said,) = [str(w.message) for w in caught if "scheduler" in str(w.message)]
+    assert "lr_lambdas[0].rates=tensor([1.0000, 0.5000,    nan]) from the checkpoint" in said

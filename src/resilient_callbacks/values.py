@@ -1,5 +1,5 @@
 """Whether a restored value equals the live one it would replace (NaN equals NaN, arrays
-element-wise), for the checks that name what a restore changes (:mod:`.inplace`,
+and tensors element-wise), for the checks that name what a restore changes (:mod:`.inplace`,
 :mod:`.scheduler_settings`).
 
 Which ranks call what: any rank; nothing collective.
@@ -12,13 +12,21 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
 
 def same_value(a: Any, b: Any) -> bool:
     """Whether a restored value equals the live one it would replace: NaN equals NaN, arrays
-    compare element-wise (``==`` on them is no truth value), containers item by item."""
+    and tensors compare element-wise (``==`` on them is no truth value), containers item by
+    item."""
     if a is b:
         return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        a, b = a.detach().cpu(), b.detach().cpu()
+        nan = a.dtype.is_floating_point or a.dtype.is_complex
+        return bool(((a == b) | (a.isnan() & b.isnan()) if nan else a == b).all())
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (
             isinstance(a, np.ndarray)
