@@ -435,3 +435,39 @@ def test_a_filepart_under_any_key_keeps_its_files_in_the_checkpoint(tmp_path, ke
     with Checkpointer(root, preemption=False) as ck:
         assert ck.restore({"outer": {key: fresh}}) == 1
     assert torch.equal(fresh.weight, torch.full((64,), 7.0))
+
+
+@pytest.mark.parametrize(
+    "key", ["k" * 220, "..hidden", "nb\xa0sp"], ids=["220-bytes", "dotdot-start", "nbsp"]
+)
+def test_a_part_saved_in_its_plain_folder_before_hashed_folders_is_restored(
+    tmp_path, monkeypatch, key
+):
+    """Before d5fd484 every part's folder was ``parts/<id>``: a key of 201 to 255 bytes, one
+    starting with ``..`` or with a character that is not printable saved and
+    restored there. Such an id now gets a hashed folder for new saves; the readers looked
+    for the old checkpoint's files there and refused it as naming no files of the part."""
+    from resilient_callbacks import filepart
+
+    root = tmp_path / "ck"
+    part = ToyShards()
+    part.weight.fill_(3)
+    with monkeypatch.context() as m:  # the writer as it was: parts/<id> for any id
+        m.setattr(filepart, "part_dir", lambda part_id: f"parts/{part_id}")
+        with Checkpointer(root, preemption=False, async_save=False) as ck:
+            assert ck.save(1, {"outer": {key: part}})
+    with open(root / "step_000000001" / "manifest.json") as f:
+        paths = [x["path"] for x in json.load(f)["files"]]
+    assert f"parts/outer/{key}/shard_00000.safetensors" in paths
+    fresh = ToyShards()
+    with Checkpointer(root, preemption=False, async_save=False) as ck:
+        assert ck.restore({"outer": {key: fresh}}) == 1
+        assert torch.equal(fresh.weight, torch.full((64,), 3.0))
+        part.weight.fill_(4)
+        assert ck.save(2, {"outer": {key: part}})  # a new save: the hashed folder
+    with open(root / "step_000000002" / "manifest.json") as f:
+        paths = [x["path"] for x in json.load(f)["files"]]
+    assert any(p.startswith("parts/..") for p in paths), paths
+    with Checkpointer(root, preemption=False, read_only=True) as ck:
+        assert ck.restore({"outer": {key: fresh}}) == 2
+    assert torch.equal(fresh.weight, torch.full((64,), 4.0))

@@ -30,6 +30,22 @@ def part_dir(part_id: str) -> str:
     return f"{PARTS_DIR}/{HASHED}{hashlib.sha256(part_id.encode()).hexdigest()[:32]}"
 
 
+def stored_dir(manifest: Manifest, part_id: str) -> str:
+    """The folder the manifest lists the part at ``part_id`` in: :func:`part_dir`, or, for a
+    checkpoint written before such ids got a hashed folder, ``parts/<id>`` as it was then (a
+    key of 201 to 255 bytes, one starting with ``..`` or with a character that is not
+    printable saved and restored there)."""
+    new = part_dir(part_id)
+    old = f"{PARTS_DIR}/{part_id}"
+    if new == old or not all(k not in ("", ".", "..") for k in part_id.split("/")):
+        return new  # (an empty key, . or .. never made a checkpoint one could restore)
+    if any(f.path.startswith(old + "/") for f in manifest.files) and not any(
+        f.path.startswith(new + "/") for f in manifest.files
+    ):
+        return old
+    return new
+
+
 def _plain(key: str) -> bool:
     return (
         0 < len(key.encode()) <= _NAME_MAX

@@ -14,7 +14,7 @@ import torch
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .filepart import FilePart, PartInfo, PartReader, _check_name
 from .manifest import FileEntry, Manifest
-from .part_names import PARTS_EXTRA, part_dir
+from .part_names import PARTS_EXTRA, stored_dir
 from .tensor_headers import read_verified
 from .tensorfile import map_tensors_verified
 
@@ -22,7 +22,7 @@ from .tensorfile import map_tensors_verified
 def read_part_files(path: str, manifest: Manifest, part: FilePart, info: PartInfo) -> PartReader:
     """Read and verify the files ``part`` says this rank needs. Raises
     :class:`CheckpointCorruptError` naming a file that is not listed, missing or damaged."""
-    folder = part_dir(info.part_id)
+    folder = stored_dir(manifest, info.part_id)
     entries = {f.path: f for f in manifest.files}
     reader = PartReader(info)
     for name in names_to_read(part, info):
@@ -81,7 +81,7 @@ def read_part_tensors(path: str, manifest: Manifest, entry: FileEntry) -> dict[s
 def part_info(
     part_id: str, manifest: Manifest, rank: int, world_size: int, partial: bool = False
 ) -> PartInfo:
-    prefix = part_dir(part_id) + "/"
+    prefix = stored_dir(manifest, part_id) + "/"
     listed = {f.path[len(prefix) :]: f.rank for f in manifest.files if f.path.startswith(prefix)}
     described = manifest.extra.get(PARTS_EXTRA)
     saved = described.get(part_id) if isinstance(described, dict) else None

@@ -12,7 +12,7 @@ from typing import Any
 from .dtype_codes import ST_CODES
 from .errors import CheckpointCorruptError
 from .manifest import Manifest
-from .part_names import part_dir, parts_of_format
+from .part_names import parts_of_format, stored_dir
 from .tensor_headers import read_verified
 
 ZERO_FORMAT = "zero-fragments/1"
@@ -25,7 +25,7 @@ def zero_part_ids(manifest: Manifest) -> list[str]:
 
 def zero_indexes(path: str, manifest: Manifest, part_id: str) -> Iterator[tuple[str, Any]]:
     """``(file, index)`` of each rank's JSON index of ZeroPart ``part_id``, verified."""
-    folder = part_dir(part_id)
+    folder = stored_dir(manifest, part_id)
     entries = {f.path: f for f in manifest.files}
     index_names = sorted(
         p for p in entries if p.startswith(folder + "/rank_") and p.endswith(".json")

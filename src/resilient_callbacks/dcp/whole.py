@@ -14,7 +14,7 @@ import torch
 
 from ..errors import CheckpointCorruptError, warn_and_log
 from ..manifest import Manifest
-from ..part_names import PARTS_EXTRA, part_dir
+from ..part_names import PARTS_EXTRA, stored_dir
 from ..part_reads import read_part_tensors
 from .assemble import assemble, tensor_file
 from .chunks import Box, unescape
@@ -38,7 +38,7 @@ def model_tensors(path: str, manifest: Manifest, part_id: str) -> dict[str, torc
 
     def read(r: int) -> dict[str, torch.Tensor]:
         if r not in files:
-            rel = f"{part_dir(part_id)}/{tensor_file(r)}"
+            rel = f"{stored_dir(manifest, part_id)}/{tensor_file(r)}"
             if rel not in entries:
                 raise CheckpointCorruptError(f"{path}: the manifest does not list {rel}")
             files[r] = read_part_tensors(path, manifest, entries[rel])
