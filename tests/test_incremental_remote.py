@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -473,3 +474,72 @@ def test_unused_blobs_a_store_silently_keeps_are_not_reported_deleted(s3_remote,
     assert any("the store did not delete 1 of 3 unused blob(s)" in m for m in said), said
     assert any("deleted 2 unused blob(s)" in m for m in said), said
     assert remote_blobs.collect(store) == unused[:1]  # the next collection tries again
+
+
+def _refusing(store, monkeypatch, error: Exception) -> list[int]:
+    """``store.fs.rm`` of several paths raises ``error`` (the size of each batch noted)."""
+    real_rm, batches = store.fs.rm, []
+
+    def rm(paths, *a, **kw):
+        if isinstance(paths, list) and len(paths) > 1:
+            batches.append(len(paths))
+            raise error
+        return real_rm(paths, *a, **kw)
+
+    monkeypatch.setattr(store.fs, "rm", rm)
+    return batches
+
+
+def test_unused_blobs_of_a_store_that_refuses_batched_deletes_go_one_by_one(
+    s3_remote, monkeypatch, caplog
+):
+    """An S3-compatible store without DeleteObjects answers a batch with an error: every
+    collection failed there (it deleted one blob per request before batches); it now deletes
+    them one by one after the first refused batch."""
+    import logging
+
+    from resilient_callbacks import remote_blobs
+
+    url, opts = s3_remote
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    unused = [f"{i:032x}.safetensors" for i in range(5)]
+    _put_straight(bucket, {f"{prefix}/blobs/{n}": b"x" for n in unused})
+    store = RemoteStore(url, opts)
+    monkeypatch.setattr(remote_blobs, "DELETE_BATCH", 2)
+    batches = _refusing(store, monkeypatch, OSError("NotImplemented: DeleteObjects"))
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    assert remote_blobs.collect(store) == unused
+    assert batches == [2] and listing(store) == {}
+    said = [r.getMessage() for r in caplog.records]
+    assert any("a batched delete failed" in m and "one by one" in m for m in said), said
+
+
+def test_blobs_deleted_one_by_one_after_a_batch_stop_at_the_deadline(s3_remote, monkeypatch):
+    """A batch that failed (a blob gone meanwhile) is deleted again blob by blob: those
+    deletes went on past the collection's deadline, after which an upload may rely on a blob
+    that was unused."""
+    import types
+
+    from resilient_callbacks import remote_blobs
+
+    url, opts = s3_remote
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    unused = [f"{i:032x}.safetensors" for i in range(5)]
+    _put_straight(bucket, {f"{prefix}/blobs/{n}": b"x" for n in unused})
+    store = RemoteStore(url, opts)
+    monkeypatch.setattr(remote_blobs, "DELETE_BATCH", 3)
+    _refusing(store, monkeypatch, FileNotFoundError("one went meanwhile"))
+    clock = [0.0]  # the collection's own clock: the deadline passes after the first delete
+    monkeypatch.setattr(
+        remote_blobs, "time", types.SimpleNamespace(time=time.time, monotonic=lambda: clock[0])
+    )
+    real_rm_file = store.fs.rm_file
+
+    def rm_file(p, *a, **kw):
+        if p.endswith(".safetensors"):
+            clock[0] += 2 * remote_blobs.COLLECT_MAX_S
+        return real_rm_file(p, *a, **kw)
+
+    monkeypatch.setattr(store.fs, "rm_file", rm_file)
+    assert remote_blobs.collect(store) == unused[:1]
+    assert sorted(listing(store)) == unused[1:]

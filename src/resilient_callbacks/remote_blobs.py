@@ -319,30 +319,7 @@ def _collect(
         doomed += [n for n in names if n.startswith(UPLOAD_PREFIX) and _stale(store, n)]
     if deadline is None:
         return doomed
-    # an object store deletes up to 1000 keys per request (S3's DeleteObjects): thousands of
-    # unused blobs go in seconds, not one request each; a filesystem removes them one by one
-    batch = 1 if store.is_local else DELETE_BATCH
-    for i in range(0, len(doomed), batch):
-        if time.monotonic() > deadline:  # an upload may rely on what was unused then
-            log.info(
-                "remote %s: blob collection stopped after %.0f s; %d unused blob(s) are left "
-                "for the next one",
-                store.url,
-                COLLECT_MAX_S,
-                len(doomed) - i,
-            )
-            doomed = doomed[:i]
-            break
-        paths = [posixpath.join(_dir(store), n) for n in doomed[i : i + batch]]
-        try:
-            if len(paths) == 1:  # (each on a filesystem: rm_file, as ever)
-                store.fs.rm_file(paths[0])
-            else:
-                remote_paths.rm(store.fs, paths)
-        except FileNotFoundError:  # (one went meanwhile: the others one by one)
-            for p in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    store.fs.rm_file(p)
+    doomed = doomed[: _delete(store, doomed, deadline)]
     if doomed and not store.is_local:  # (a batch reports no key the store refused to delete)
         left = set(listing(store)).intersection(doomed)
         if left:
@@ -436,3 +413,42 @@ def _stale(store: RemoteStore, name: str) -> bool:
     except OSError:
         return False
     return age > INFLIGHT_TTL_S
+
+
+def _delete(store: RemoteStore, doomed: list[str], deadline: float) -> int:
+    """Delete the blobs ``doomed`` in order, none after ``deadline``; how many were sent.
+
+    An object store deletes up to 1000 keys per request (S3's DeleteObjects): thousands of
+    unused blobs go in seconds, not one request each; a filesystem removes them one by one,
+    and so does a store that refuses a batch (an S3-compatible one without DeleteObjects),
+    each object's error raised as before batches."""
+    batch, single = 1 if store.is_local else DELETE_BATCH, False
+    for i in range(0, len(doomed), batch):
+        paths = [posixpath.join(_dir(store), n) for n in doomed[i : i + batch]]
+        if len(paths) > 1 and not single and time.monotonic() <= deadline:
+            try:
+                remote_paths.rm(store.fs, paths)
+                continue
+            except FileNotFoundError:  # (one went meanwhile: the others one by one)
+                pass
+            except Exception as e:
+                log.info(
+                    "remote %s: a batched delete failed (%s: %s); deleting unused blobs one by one",
+                    store.url,
+                    type(e).__name__,
+                    e,
+                )
+                single = True
+        for k, p in enumerate(paths):
+            if time.monotonic() > deadline:  # an upload may rely on what was unused then
+                log.info(
+                    "remote %s: blob collection stopped after %.0f s; %d unused blob(s) are "
+                    "left for the next one",
+                    store.url,
+                    COLLECT_MAX_S,
+                    len(doomed) - i - k,
+                )
+                return i + k
+            with contextlib.suppress(FileNotFoundError):
+                store.fs.rm_file(p)
+    return len(doomed)
