@@ -225,6 +225,17 @@ def test_a_relative_dirpath_is_resolved_once_and_a_fresh_start_names_where_it_lo
     assert any(m.startswith(where) and f"directory {tmp_path / 'b'} when" in m for m in said)
 
 
+def _hydra_job(job, started_in) -> None:
+    """The .hydra/ folder Hydra 1.3 writes in a job's output folder (hydra.yaml, trimmed)."""
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "hydra.yaml").write_text(
+        f"hydra:\n  run:\n    dir: outputs/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}}\n  job:\n"
+        f"    chdir: true\n  runtime:\n    version: 1.3.2\n    version_base: '1.3'\n"
+        f"    cwd: {started_in}\n    output_dir: {job}\n"
+    )
+    (job / ".hydra" / "config.yaml").write_text("lr: 0.1\n")
+
+
 def test_a_relative_dirpath_in_a_hydra_job_folder_warns_and_names_the_earlier_run(
     tmp_path, monkeypatch
 ):
@@ -234,7 +245,7 @@ def test_a_relative_dirpath_in_a_hydra_job_folder_warns_and_names_the_earlier_ru
     earlier = tmp_path / "outputs" / "2026-12-06" / "23-59-01"
     later = tmp_path / "outputs" / "2026-12-07" / "00-10-42"
     for job in (earlier, later):
-        (job / ".hydra").mkdir(parents=True)
+        _hydra_job(job, started_in=tmp_path)
     monkeypatch.chdir(earlier)
     said = pytest.warns(UserWarning, match="a folder Hydra made")
     with said as got, Checkpointer("ckpts", async_save=False) as ck:
@@ -248,3 +259,26 @@ def test_a_relative_dirpath_in_a_hydra_job_folder_warns_and_names_the_earlier_ru
     said = " ".join(str(got[0].message).split())
     assert f"{earlier / 'ckpts'} holds an earlier run's" in said, said
     assert "hydra.utils.get_original_cwd()" in said and "hydra.job.chdir=False" in said
+
+
+@pytest.mark.parametrize("how", ["run-in-place", "no-record"])
+def test_a_hydra_folder_of_a_job_that_stays_in_its_folder_warns_nothing(
+    tmp_path, monkeypatch, caplog, how
+):
+    """``hydra.run.dir=.`` runs every job in the project folder, which then holds .hydra/:
+    a relative dirpath is the same folder at each run, and the warning that it is a new one
+    (with the advice to make it absolute) was false at every fresh start. A .hydra/ without
+    Hydra's record (a user's own folder of that name) is no job folder either."""
+    proj = tmp_path / "proj"
+    if how == "run-in-place":
+        _hydra_job(proj, started_in=proj)
+    else:
+        (proj / ".hydra").mkdir(parents=True)
+    monkeypatch.chdir(proj)
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Checkpointer("ckpts", async_save=False) as ck:
+            assert ck.restore(_state()) == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"no checkpoint in {proj / 'ckpts'} ") for m in said), said

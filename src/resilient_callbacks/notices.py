@@ -10,6 +10,7 @@ import gc
 import glob
 import logging
 import os
+import re
 from collections.abc import Iterable
 
 from . import catalog, mapped
@@ -72,7 +73,7 @@ def say_what_is_not_a_checkpoint(
 def say_where_it_looked(dirpath: str, given: object, cwd: str) -> None:
     """A fresh start of ``resume="auto"``: the directory it looked in, absolute (INFO). A
     ``dirpath`` given relative was resolved against ``cwd``, the working directory when the
-    Checkpointer was made; where that is a job folder Hydra made (it holds ``.hydra/``), each
+    Checkpointer was made; where that is a job folder Hydra made and changed into, each
     run of the job looks in a folder of its own, so a restart never finds the checkpoints
     of the run before: a warning says so, naming the newest such folder that holds some."""
     relative = (
@@ -90,7 +91,7 @@ def say_where_it_looked(dirpath: str, given: object, cwd: str) -> None:
         given,
         cwd,
     )
-    if not cwd or not os.path.isdir(os.path.join(cwd, ".hydra")):
+    if not cwd or not _hydra_moved(cwd):
         return
     # Hydra's run folders are <outputs>/<date>/<time>: an earlier run's is a cousin of cwd
     runs = os.path.dirname(os.path.dirname(cwd))
@@ -106,6 +107,23 @@ def say_where_it_looked(dirpath: str, given: object, cwd: str) -> None:
         "hydra.job.chdir=False",
         stacklevel=AT_CALLER,
     )
+
+
+def _hydra_moved(cwd: str) -> bool:
+    """Whether ``cwd`` is a job folder Hydra made and changed into: its ``.hydra/hydra.yaml``
+    records another working directory the job was started from (``hydra.runtime.cwd``). A
+    ``.hydra/`` of a job run in place (``hydra.run.dir=.``: the same folder each run) or one
+    without Hydra's record is no such folder."""
+    try:
+        with open(os.path.join(cwd, ".hydra", "hydra.yaml"), encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except (OSError, ValueError):
+        return False
+    found = re.search(r"^ +cwd: *(.+?) *$", text, re.MULTILINE)
+    if found is None:
+        return False
+    started = found.group(1).strip("'\"")
+    return os.path.realpath(started) != os.path.realpath(cwd)
 
 
 def _holds(path: str) -> bool:
