@@ -514,21 +514,26 @@ def test_unused_blobs_of_a_store_that_refuses_batched_deletes_go_one_by_one(
     assert any("a batched delete failed" in m and "one by one" in m for m in said), said
 
 
-def test_blobs_deleted_one_by_one_after_a_batch_stop_at_the_deadline(s3_remote, monkeypatch):
-    """A batch that failed (a blob gone meanwhile) is deleted again blob by blob: those
-    deletes went on past the collection's deadline, after which an upload may rely on a blob
-    that was unused."""
+@pytest.mark.parametrize("how", ["batch-failed", "glob-like-prefix"])
+def test_blobs_deleted_one_by_one_stop_at_the_deadline(s3_remote, monkeypatch, how):
+    """A batch that failed (a blob gone meanwhile) is deleted again blob by blob, and under a
+    prefix holding ``?`` every blob goes by its own request (remote_paths.rm): those deletes
+    went on past the collection's deadline, after which an upload may rely on a blob that
+    was unused."""
     import types
 
     from resilient_callbacks import remote_blobs
 
     url, opts = s3_remote
+    if how == "glob-like-prefix":
+        url += "/exp?1"
     bucket, prefix = url[len("s3://") :].split("/", 1)
     unused = [f"{i:032x}.safetensors" for i in range(5)]
     _put_straight(bucket, {f"{prefix}/blobs/{n}": b"x" for n in unused})
     store = RemoteStore(url, opts)
     monkeypatch.setattr(remote_blobs, "DELETE_BATCH", 3)
-    _refusing(store, monkeypatch, FileNotFoundError("one went meanwhile"))
+    if how == "batch-failed":
+        _refusing(store, monkeypatch, FileNotFoundError("one went meanwhile"))
     clock = [0.0]  # the collection's own clock: the deadline passes after the first delete
     monkeypatch.setattr(
         remote_blobs, "time", types.SimpleNamespace(time=time.time, monotonic=lambda: clock[0])

@@ -422,7 +422,8 @@ def _delete(store: RemoteStore, doomed: list[str], deadline: float) -> int:
     unused blobs go in seconds, not one request each; a filesystem removes them one by one,
     and so does a store that refuses a batch (an S3-compatible one without DeleteObjects),
     each object's error raised as before batches."""
-    batch, single = 1 if store.is_local else DELETE_BATCH, False
+    batch = 1 if store.is_local else DELETE_BATCH
+    single = remote_paths.has_magic(_dir(store))  # (remote_paths.rm: an object each)
     for i in range(0, len(doomed), batch):
         paths = [posixpath.join(_dir(store), n) for n in doomed[i : i + batch]]
         if len(paths) > 1 and not single and time.monotonic() <= deadline:
