@@ -225,11 +225,11 @@ def test_a_relative_dirpath_is_resolved_once_and_a_fresh_start_names_where_it_lo
     assert any(m.startswith(where) and f"directory {tmp_path / 'b'} when" in m for m in said)
 
 
-def _hydra_job(job, started_in) -> None:
+def _hydra_job(job, started_in, mode: str = "RUN") -> None:
     """The .hydra/ folder Hydra 1.3 writes in a job's output folder (hydra.yaml, trimmed)."""
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "hydra.yaml").write_text(
-        f"hydra:\n  run:\n    dir: outputs/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}}\n  job:\n"
+        f"hydra:\n  mode: {mode}\n  run:\n    dir: outputs/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}}\n  job:\n"
         f"    chdir: true\n  runtime:\n    version: 1.3.2\n    version_base: '1.3'\n"
         f"    cwd: {started_in}\n    output_dir: {job}\n"
     )
@@ -282,3 +282,19 @@ def test_a_hydra_folder_of_a_job_that_stays_in_its_folder_warns_nothing(
             assert ck.restore(_state()) == 0
     said = [r.getMessage() for r in caplog.records]
     assert any(m.startswith(f"no checkpoint in {proj / 'ckpts'} ") for m in said), said
+
+
+def test_a_job_of_a_hydra_sweep_is_not_told_to_share_one_folder(tmp_path, monkeypatch):
+    """A multirun's jobs run in multirun/<date>/<time>/<n>, each with its own config: the
+    warning named a sibling job's checkpoints as "an earlier run's" and advised one absolute
+    folder (or hydra.job.chdir=False) for all, which would mix the jobs' checkpoints."""
+    sweep = tmp_path / "multirun" / "2026-12-07" / "00-10-42"
+    for n in ("0", "1"):
+        _hydra_job(sweep / n, started_in=tmp_path, mode="MULTIRUN")
+    _run(sweep / "0" / "ckpts", [5])
+    monkeypatch.chdir(sweep / "1")
+    with pytest.warns(UserWarning, match="sweep") as got, Checkpointer("ckpts") as ck:
+        assert ck.restore(_state()) == 0
+    said = " ".join(str(got[0].message).split())
+    assert "holds an earlier run's" not in said and str(sweep / "0") not in said, said
+    assert "override_dirname" in said and "hydra.job.chdir=False" not in said, said

@@ -91,13 +91,27 @@ def say_where_it_looked(dirpath: str, given: object, cwd: str) -> None:
         given,
         cwd,
     )
-    if not cwd or not _hydra_moved(cwd):
+    mode = _hydra_mode(cwd) if cwd else None
+    if mode is None:
+        return
+    if mode == "MULTIRUN":  # a sweep's jobs, each its own config: one folder each, not one
+        warn_and_log(  # (its sibling jobs are no earlier run: none is named)
+            log,
+            f"dirpath={given!r} is relative to the working directory {cwd}, a folder Hydra "
+            "made for this job of a sweep (multirun): a sweep run again looks for "
+            "checkpoints in new folders, and a restart never finds those of the run before. "
+            "Pass an absolute dirpath that names the job, e.g. "
+            f"os.path.join(hydra.utils.get_original_cwd(), {given!r}, "
+            "HydraConfig.get().job.override_dirname); one folder for every job of the sweep "
+            "would mix their checkpoints",
+            stacklevel=AT_CALLER,
+        )
         return
     # Hydra's run folders are <outputs>/<date>/<time>: an earlier run's is a cousin of cwd
     runs = os.path.dirname(os.path.dirname(cwd))
     pattern = os.path.join(glob.escape(runs), "*", "*", glob.escape(str(given)))
     held = [p for p in glob.glob(pattern) if os.path.abspath(p) != dirpath and _holds(p)]
-    found = f"; {max(held, key=os.path.getmtime)} holds an earlier run's" if held else ""
+    found = f"; {max(held, key=_mtime)} holds an earlier run's" if held else ""
     warn_and_log(
         log,
         f"dirpath={given!r} is relative to the working directory {cwd}, a folder Hydra made "
@@ -109,21 +123,30 @@ def say_where_it_looked(dirpath: str, given: object, cwd: str) -> None:
     )
 
 
-def _hydra_moved(cwd: str) -> bool:
-    """Whether ``cwd`` is a job folder Hydra made and changed into: its ``.hydra/hydra.yaml``
-    records another working directory the job was started from (``hydra.runtime.cwd``). A
-    ``.hydra/`` of a job run in place (``hydra.run.dir=.``: the same folder each run) or one
-    without Hydra's record is no such folder."""
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:  # (gone meanwhile)
+        return 0.0
+
+
+def _hydra_mode(cwd: str) -> str | None:
+    """``"RUN"`` or ``"MULTIRUN"`` where ``cwd`` is a job folder Hydra made and changed into:
+    its ``.hydra/hydra.yaml`` records another working directory the job was started from
+    (``hydra.runtime.cwd``); else None: a ``.hydra/`` of a job run in place
+    (``hydra.run.dir=.``: the same folder each run) or one without Hydra's record."""
     try:
         with open(os.path.join(cwd, ".hydra", "hydra.yaml"), encoding="utf-8") as f:
             text = f.read(1 << 20)
     except (OSError, ValueError):
-        return False
+        return None
     found = re.search(r"^ +cwd: *(.+?) *$", text, re.MULTILINE)
     if found is None:
-        return False
+        return None
     started = found.group(1).strip("'\"")
-    return os.path.realpath(started) != os.path.realpath(cwd)
+    if os.path.realpath(started) == os.path.realpath(cwd):
+        return None
+    return "MULTIRUN" if re.search(r"^  mode: *MULTIRUN *$", text, re.MULTILINE) else "RUN"
 
 
 def _holds(path: str) -> bool:
