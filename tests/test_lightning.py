@@ -1659,3 +1659,15 @@ def test_a_validation_after_a_save_and_before_the_next_step_sees_the_copy_done(
     tensors = load_file(Path(saved.path) / "shared.safetensors")
     # WeightAveraging saves the averaged weights as "state_dict", the trained ones beside them
     assert torch.equal(tensors["lightning/current_model_state/lin.weight"], trained[2])
+
+
+def test_a_fresh_start_says_once_where_it_looked(tmp_path, caplog):
+    """The core logs the folder a fresh start looked in (and what a relative dirpath was
+    resolved against); the callback then said "no checkpoint in ...: starting fresh" again
+    on every fresh fit."""
+    import logging
+
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    _fit_warned(tmp_path, _Tiny(), 2, "-")
+    said = [r.getMessage() for r in caplog.records if "no checkpoint in" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path / "ck") in said[0], said

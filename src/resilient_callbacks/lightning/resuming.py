@@ -80,7 +80,8 @@ def resume_start(
     live = rng.capture()  # setup draws from these till the first batch (as the run did)
     step = ckpt.restore(holder)
     if ckpt.restored_from is None:
-        log.info("no checkpoint in %s: starting fresh", ckpt.dirpath)
+        if resume != "auto" or ckpt.config.read_only:  # (else the core said where it looked)
+            log.info("no checkpoint in %s: starting fresh", ckpt.dirpath)
         original(None, weights_only)
         return
     if is_sharded:  # weights and optimizer states are loaded: the part checked they fit
