@@ -156,3 +156,130 @@ def test_a_tensor_a_callable_factor_holds_is_compared_by_its_values(tmp_path):
             assert ck.restore(built([1.0, 0.25, float("nan")])) == 1
     (said,) = [str(w.message) for w in caught if "scheduler" in str(w.message)]
     assert "lr_lambdas[0].rates=tensor([1.0000, 0.5000,    nan]) from the checkpoint" in said
+
+
+def _saved_then_restored(tmp_path, first, again):
+    """Save ``first`` after 3 steps; restore into ``again``; the scheduler warnings said."""
+    _lrs(first, 3)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(3, first)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Checkpointer(tmp_path) as ck:
+            assert ck.restore(again) == 3
+    return [str(w.message) for w in caught if "scheduler" in str(w.message)]
+
+
+def _with(sched_of):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    return {"model": model, "opt": opt, "sched": sched_of(opt)}
+
+
+@pytest.mark.parametrize(
+    ("make", "before", "after", "said"),
+    [
+        (lambda o, v: lr_scheduler.StepLR(o, step_size=v), 2, 5, "step_size=2 "),
+        (lambda o, v: lr_scheduler.StepLR(o, 3, gamma=v), 0.5, 0.25, "gamma=0.5 "),
+        (lambda o, v: lr_scheduler.MultiStepLR(o, [v]), 2, 4, "milestones={2: 1} "),
+        (lambda o, v: lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=v), 2, 3, "T_0=2 "),
+        (lambda o, v: lr_scheduler.ReduceLROnPlateau(o, min_lr=v), 0.1, 0.2, "min_lrs=[0.1] "),
+    ],
+)
+def test_settings_named_are_those_the_scheduler_is_built_with(tmp_path, make, before, after, said):
+    first = _with(lambda o: make(o, before))
+    if isinstance(first["sched"], lr_scheduler.ReduceLROnPlateau):
+        first["sched"].step(1.0)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(3, first)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Checkpointer(tmp_path) as ck:
+            assert ck.restore(_with(lambda o: make(o, after))) == 3
+    (named,) = [str(w.message) for w in caught if "scheduler" in str(w.message)]
+    assert said in named, named
+
+
+class _Warmup(lr_scheduler.LRScheduler):
+    """A user's scheduler: its progress (``seen``, ``_ramp``) kept in its ``__dict__``."""
+
+    def __init__(self, optimizer, warmup: int) -> None:
+        self.warmup = warmup
+        self.seen = 0
+        self._ramp = [0.0]
+        super().__init__(optimizer)
+
+    def get_lr(self):
+        self.seen += 1
+        self._ramp.append(min(1.0, self.last_epoch / self.warmup))
+        return [b * self._ramp[-1] for b in self.base_lrs]
+
+
+def test_a_users_scheduler_progress_is_no_setting(tmp_path):
+    """Found 2026-12-07: every key of a state dict that torch's own schedulers do not know as
+    progress was a setting, so a user's LRScheduler subclass keeping a counter warned on
+    every unchanged resume ('seen=4 from the checkpoint (1 here)'). Settings are the keys
+    that name a parameter of its __init__: a changed ``warmup`` is still named."""
+    said = _saved_then_restored(
+        tmp_path, _with(lambda o: _Warmup(o, 4)), _with(lambda o: _Warmup(o, 4))
+    )
+    assert said == []
+    said = _saved_then_restored(
+        tmp_path / "b", _with(lambda o: _Warmup(o, 4)), _with(lambda o: _Warmup(o, 8))
+    )
+    assert len(said) == 1 and "(_Warmup): warmup=4 from the checkpoint (8 here)" in said[0], said
+
+
+def test_a_key_an_older_torch_did_not_save_is_no_setting(tmp_path):
+    """Found 2026-12-07: OneCycleLR's ``_anneal_func_type`` (added by a newer torch) is not in
+    an older torch's checkpoint; torch keeps the live value, yet the restore warned
+    '_anneal_func_type not in the checkpoint, yours kept'. Nothing is replaced: no word."""
+    first = _built("onecycle", 20)
+    _lrs(first, 3)
+    del first["sched"].__dict__["_anneal_func_type"]  # the state dict an older torch saved
+    with Checkpointer(tmp_path) as ck:
+        ck.save(3, first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Checkpointer(tmp_path) as ck:
+            assert ck.restore(_built("onecycle", 20)) == 3
+
+
+@pytest.mark.parametrize("old_is_object", [True, False])
+def test_a_factor_switched_between_function_and_object_is_no_setting(tmp_path, old_is_object):
+    """Found 2026-12-07: a LambdaLR factor changed from a function to a callable object (or
+    back) warned 'lr_lambdas=[None] from the checkpoint ([{...}] here)', though torch's load
+    leaves the new factor in place; the learning rates are those of torch's own resume."""
+
+    def built(obj: bool):
+        factor = _Decay([1.0, 0.5, 0.25]) if obj else (lambda e: 0.9**e)
+        return _with(lambda o: lr_scheduler.LambdaLR(o, factor))
+
+    first = built(old_is_object)
+    saved = _lrs(first, 3) and copy.deepcopy(first["sched"].state_dict())
+    plain = built(not old_is_object)
+    plain["sched"].load_state_dict(saved)
+    ours = built(not old_is_object)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(3, first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Checkpointer(tmp_path) as ck:
+            assert ck.restore(ours) == 3
+    ours["opt"].load_state_dict(first["opt"].state_dict())
+    plain["opt"].load_state_dict(first["opt"].state_dict())
+    assert _lrs(ours, 3) == _lrs(plain, 3)
+
+
+def test_long_values_that_differ_at_their_end_read_apart(tmp_path):
+    """Found 2026-12-07: values were cut at 60 characters, so two milestone lists differing
+    only at their end were named as 'milestones={10: 1, ...} from the checkpoint ({10: 1,
+    ...} here)', the same twice. Each is shown around where they differ."""
+    miles = list(range(10, 300, 10))
+    said = _saved_then_restored(
+        tmp_path,
+        _with(lambda o: lr_scheduler.MultiStepLR(o, miles)),
+        _with(lambda o: lr_scheduler.MultiStepLR(o, [*miles[:-1], 295])),
+    )
+    (named,) = said
+    assert "290: 1} from the checkpoint" in named and "295: 1} here)" in named, named

@@ -77,7 +77,7 @@ def apply(
             value = module_versions.attach(resolve(n), n)
             load = target.load_state_dict
             if scheduler_settings.is_scheduler(target) and isinstance(value, Mapping):
-                diff = scheduler_settings.changed(target.state_dict(), value)
+                diff = scheduler_settings.changed(target, value)
                 kind = type(target).__name__
                 settings.extend([f"{path_str(path)} ({kind}): {', '.join(diff)}"] if diff else [])
             if isinstance(target, torch.nn.Module) and isinstance(value, Mapping):

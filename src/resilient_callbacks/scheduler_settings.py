@@ -5,13 +5,16 @@ torch's LR schedulers keep their settings in their state dict (``CosineAnnealing
 milestones and its schedulers' own), and their ``load_state_dict`` puts the checkpoint's in
 place of the live ones without a word. A restore loads exactly what torch loads (nothing that
 torch accepts is refused); :func:`changed` names the settings that differ, so a change made to
-the script for the resumed run is not dropped silently. ``LambdaLR``'s and
+the script for the resumed run is not dropped silently. A setting is a key that names a
+parameter of the scheduler's ``__init__``: what else it keeps (a user's subclass's counters,
+what torch derives from the settings, a key an older torch did not save) says nothing. ``LambdaLR``'s and
 ``MultiplicativeLR``'s functions are not in the state dict (code, not state): the new code's
 apply from the saved step, and a change of them cannot be seen here.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +22,8 @@ import torch
 
 from .values import same_value
 
-#: state-dict keys of torch's schedulers that say where the schedule is, not how it goes
+#: state-dict keys of torch's schedulers that say where the schedule is, not how it goes, even
+#: where they name a parameter (``last_epoch``)
 #: (``base_lrs`` comes from the optimizer's groups, restored with it; ``T_cur`` and ``T_i``:
 #: ``CosineAnnealingWarmRestarts``' place in its cycle and that cycle's length)
 PROGRESS = frozenset(
@@ -49,32 +53,83 @@ def is_scheduler(obj: Any) -> bool:
     return isinstance(obj, (s.LRScheduler, s.ReduceLROnPlateau))
 
 
-def changed(live: Mapping[str, Any], saved: Mapping[str, Any], path: str = "") -> list[str]:
-    """The settings of a scheduler's state dict ``live`` (the new code's) that the
-    checkpoint's ``saved`` replaces with other values: ``"T_max=10 from the checkpoint (100
-    here)"``; those of the schedulers a ``SequentialLR`` or ``ChainedScheduler`` holds by
-    their path (``_schedulers[1].milestones=...``)."""
+def changed(scheduler: Any, saved: Mapping[str, Any], path: str = "") -> list[str]:
+    """The settings of ``scheduler`` (one of torch's, or a subclass) that loading the
+    checkpoint's state dict ``saved`` replaces with other values: ``"T_max=10 from the
+    checkpoint (100 here)"``; those of the schedulers a ``SequentialLR`` or
+    ``ChainedScheduler`` holds by their path (``_schedulers[1].milestones=...``).
+
+    A setting is a state-dict key that names a parameter of the class's ``__init__`` (of any
+    class in its MRO; a leading underscore and a plural ``s`` aside: ``_milestones``,
+    ``min_lrs``), less :data:`PROGRESS`: what else a scheduler keeps (a subclass's own
+    counters, what torch derives from the settings) is where it is or how torch computes it.
+    A key the checkpoint lacks (an older torch's) keeps the live value: nothing replaced.
+    ``lr_lambdas``: torch loads a saved callable object's attributes into the live one (a
+    function's entry, ``None``, loads nothing), so only attributes both hold are compared."""
+    live = scheduler.state_dict()
+    params = _init_params(type(scheduler))
     out: list[str] = []
     for k, mine in live.items():
-        if k in PROGRESS:
+        if k in PROGRESS or k not in saved:
             continue
         name = f"{path}.{k}" if path else str(k)
-        if k not in saved:  # (torch keeps the live value)
-            out.append(f"{name} not in the checkpoint, yours kept (another scheduler's state?)")
-            continue
         theirs = saved[k]
+        if k == "lr_lambdas" and isinstance(mine, list) and isinstance(theirs, list):
+            out += _factors(mine, theirs, name)
+            continue
+        bare = str(k).lstrip("_")
+        if bare not in params and bare.removesuffix("s") not in params:
+            continue
+        held = getattr(scheduler, str(k), None)
         if (
-            isinstance(mine, list)
+            isinstance(held, list)
+            and isinstance(mine, list)
             and isinstance(theirs, list)
-            and len(mine) == len(theirs)
-            and all(isinstance(v, Mapping) for v in (*mine, *theirs))
-            and mine
-        ):  # the state dicts of the schedulers it holds
-            for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
-                out += changed(a, b, f"{name}[{i}]")
+            and len(held) == len(mine) == len(theirs)
+            and all(is_scheduler(h) for h in held)
+            and all(isinstance(v, Mapping) for v in theirs)
+        ):  # the schedulers it holds, with their state dicts
+            for i, (h, b) in enumerate(zip(held, theirs, strict=True)):
+                out += changed(h, b, f"{name}[{i}]")
         elif not same_value(_plain(mine), _plain(theirs)):
-            out.append(f"{name}={_short(theirs)} from the checkpoint ({_short(mine)} here)")
+            a, b = _shown(theirs, mine)
+            out.append(f"{name}={a} from the checkpoint ({b} here)")
     return out
+
+
+def _factors(mine: list[Any], theirs: list[Any], name: str) -> list[str]:
+    """The attributes of ``LambdaLR``/``MultiplicativeLR`` callable objects that torch's load
+    replaces (it updates a live factor's ``__dict__`` with the saved entry's keys)."""
+    out: list[str] = []
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
+        if not (isinstance(a, Mapping) and isinstance(b, Mapping)):
+            continue  # a function on either side: the new code's stays in place
+        for k, v in b.items():
+            if k in a and not same_value(_plain(a[k]), _plain(v)):
+                x, y = _shown(v, a[k])
+                out.append(f"{name}[{i}].{k}={x} from the checkpoint ({y} here)")
+    return out
+
+
+def _init_params(cls: type) -> frozenset[str]:
+    """The parameter names of every ``__init__`` a scheduler class and its bases define."""
+    names: set[str] = set()
+    for c in cls.__mro__:
+        init = c.__dict__.get("__init__")
+        if init is None or c is object:
+            continue
+        try:
+            sig = inspect.signature(init)
+        except (TypeError, ValueError):
+            continue
+        names.update(
+            p.name
+            for p in sig.parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)
+        )
+    names.discard("self")
+    names.discard("optimizer")
+    return frozenset(names)
 
 
 def described(where: str, scheduler: Any, saved: Any) -> list[str]:
@@ -83,7 +138,7 @@ def described(where: str, scheduler: Any, saved: Any) -> list[str]:
     ``scheduler`` is not one of torch's (DeepSpeed's keep only their iteration)."""
     if not is_scheduler(scheduler) or not isinstance(saved, Mapping):
         return []
-    diff = changed(scheduler.state_dict(), saved)
+    diff = changed(scheduler, saved)
     return [f"{where} ({type(scheduler).__name__}): {', '.join(diff)}"] if diff else []
 
 
@@ -102,6 +157,19 @@ def _plain(v: Any) -> Any:
     return dict(v) if isinstance(v, Mapping) else v  # (a Counter, MultiStepLR's milestones)
 
 
-def _short(v: Any) -> str:
-    s = repr(_plain(v))
-    return s if len(s) <= 60 else s[:57] + "..."
+def _shown(theirs: Any, mine: Any, width: int = 60) -> tuple[str, str]:
+    """The reprs of two values that differ, each cut to about ``width`` characters around
+    where they first differ (two long values differing at their end still read apart)."""
+    a, b = repr(_plain(theirs)), repr(_plain(mine))
+    if len(a) <= width and len(b) <= width:
+        return a, b
+    pairs = enumerate(zip(a, b, strict=False))
+    first = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+    start = max(0, first - width // 3)
+    return _cut(a, start, width), _cut(b, start, width)
+
+
+def _cut(s: str, start: int, width: int) -> str:
+    head = "..." if start else ""
+    body = s[start : start + width]
+    return head + body + ("..." if start + width < len(s) else "")
