@@ -30,6 +30,7 @@ from .checkpointer_queries import CheckpointerQueries
 from .config import CheckpointerConfig
 from .directory import Directory
 from .emergency import GRACE_ENV, Emergency, start_watcher, watching
+from .inplace import Advice
 from .metrics import Telemetry
 from .node_restore import NodeRestorer
 from .nodelocal import open_directory
@@ -167,6 +168,9 @@ class Checkpointer(CheckpointerQueries):
         # telemetry="logger" goes through a framework's loggers: the callbacks set this; a
         # Checkpointer without one says so at its first save (once)
         self.logs_through_framework = False
+        # what the restore's warnings advise, and where they point: an adapter whose framework
+        # calls restore() (Transformers) sets its framework's words and directories
+        self.restore_advice = Advice()
         self._logger_unchecked = "logger" in self.telemetry_kinds
         self.dirpath: str = self.config.dirpath
         self.retention = self.config.local_retention_policy()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,16 +34,35 @@ from .values import same_value
 from .wrapped import plain_module, unwrapped_keys
 
 
+@dataclass(frozen=True)
+class Advice:
+    """What a restore's warnings tell the user to do, in the words of the framework that calls
+    :meth:`.Checkpointer.restore`, and where they point. The defaults speak to a user who calls
+    ``restore()`` themselves; an adapter whose framework calls it (Transformers) sets its own
+    on its ``Checkpointer`` (``restore_advice``)."""
+
+    #: how to keep a key new code adds to a dict of plain values (the removed-keys warning)
+    new_key: str = "set it after restore() (e.g. state['extra'].setdefault(key, default))"
+    #: how to resume with new LR scheduler settings (:func:`.scheduler_settings.message`)
+    new_settings: str = "set them on the scheduler after restore() (see the guide)"
+    #: the resumes that load schedulers as this one does (:func:`.scheduler_settings.message`)
+    like: str = scheduler_settings.LIKE
+    #: the framework's directories between the user's line and the library, passed over
+    through: tuple[str, ...] = ()
+
+
 def apply(
     state: Any,
     structure: Any,
     resolve: Callable[[Any], Any],
+    advice: Advice = Advice(),
 ) -> None:
     """Load a checkpoint into the live objects of ``state`` in place. ``resolve(node)`` decodes
     a structure node (tensors already loaded). Containers are updated, not replaced, so
     references the training loop holds stay valid. Keys a plain dict had and the checkpoint's
     did not are removed (the saved run had dropped them, or new code adds them): a warning
-    names them."""
+    names them, and one names the LR scheduler settings the checkpoint's replace, both at the
+    user's line and in the words of ``advice``."""
     removed: list[str] = []
     settings: list[str] = []  # LR scheduler settings the checkpoint's replace (scheduler_settings)
     # values put in the state's containers are the state's: not views of the mapped checkpoint
@@ -139,19 +159,15 @@ def apply(
         warnings.warn(
             f"restore: {', '.join(removed[:10])}{' ...' if len(removed) > 10 else ''} not in "
             "the checkpoint: removed, so the state is the saved one. A key your new code adds "
-            "to a dict of plain values is not in checkpoints of the old code: set it after "
-            "restore() (e.g. state['extra'].setdefault(key, default))",
+            f"to a dict of plain values is not in checkpoints of the old code: {advice.new_key}",
             UserWarning,
-            stacklevel=caller_stacklevel(),
+            stacklevel=caller_stacklevel(*advice.through),
         )
     if settings:
         warnings.warn(
-            "restore: "
-            + scheduler_settings.message(
-                settings, "set them on the scheduler after restore() (see the guide)"
-            ),
+            "restore: " + scheduler_settings.message(settings, advice.new_settings, advice.like),
             UserWarning,
-            stacklevel=caller_stacklevel(),
+            stacklevel=caller_stacklevel(*advice.through),
         )
     if not same_value(new_root, state):
         raise CheckpointMismatchError(

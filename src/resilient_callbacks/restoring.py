@@ -339,7 +339,9 @@ class Restorer:
             }
             fit.check_fits(state, full, meta, partial=ck.config.read_only)
             # objects that keep what they load get private copies (mapped.py)
-            inplace.apply(state, full, lambda n: structure.decode(n, part.tensors))
+            inplace.apply(
+                state, full, lambda n: structure.decode(n, part.tensors), ck.restore_advice
+            )
             for pid, fp in fileparts.items():
                 if pid not in readers:
                     raise CheckpointMismatchError(f"the checkpoint holds no files of part {pid!r}")

@@ -9,14 +9,34 @@ the Trainer's callback handler); only the main process logs the resume.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from typing import Any
 
+import transformers
 from transformers.utils import logging as hf_logging
 
 from .. import rng
+from ..inplace import Advice
 from . import checks, data_settings, hooks
 
 trainer_log = hf_logging.get_logger("transformers.trainer")  # where the resume is announced
+
+
+def advice() -> Advice:
+    """The restore's warnings in a Trainer user's words (who never calls ``restore()``: the
+    callback does, inside ``train()``), at their ``trainer.train(...)`` line."""
+    dirs = [os.path.dirname(transformers.__file__)]
+    accelerate = getattr(sys.modules.get("accelerate"), "__file__", None)
+    if accelerate:  # (auto_find_batch_size calls through it)
+        dirs.append(os.path.dirname(accelerate))
+    where = "in a TrainerCallback's on_train_begin (it runs after the restore)"
+    return Advice(
+        new_key=f"set it {where}",
+        new_settings=f"set them on its lr_scheduler {where}",
+        like="the Trainer's own resume_from_checkpoint does",
+        through=tuple(dirs),
+    )
 
 
 def apply(cb: Any, trainer: Any, state: Any, step: int) -> None:

@@ -1,0 +1,79 @@
+"""Under the Trainer, the restore's warnings (LR scheduler settings the checkpoint replaces, keys
+of plain dicts it removes) point at the user's ``trainer.train(...)`` line and tell a Trainer's
+user where to set new values: a ``TrainerCallback``'s ``on_train_begin``, not ``restore()``,
+which a Trainer's user never calls."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+import hf_train
+from resilient_callbacks.transformers import ResilientCheckpoint
+
+
+def _trainer(outdir, t_max: int, max_steps: int) -> Trainer:
+    model = hf_train.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=t_max)
+    args = hf_train.training_args(str(outdir), max_steps, eval_strategy="no")
+    data = hf_train.TokenDataset(hf_train.NUM_SAMPLES, 1)
+    return Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched))
+
+
+def test_changed_scheduler_settings_are_said_at_the_train_line_in_the_trainers_words(tmp_path):
+    """Found 2026-12-07: the warning pointed into transformers/trainer.py and advised 'set them
+    on the scheduler after restore()'."""
+    ck = tmp_path / "ck"
+    first = _trainer(tmp_path / "a", 10, 2)
+    first.add_callback(ResilientCheckpoint(str(ck), every_n_steps=1))
+    first.train()
+    again = _trainer(tmp_path / "b", 100, 3)
+    again.add_callback(ResilientCheckpoint(str(ck), every_n_steps=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = _line() + 1
+        again.train()
+    (said,) = [w for w in caught if "LR scheduler settings" in str(w.message)]
+    text = str(said.message)
+    assert "T_max=10 from the checkpoint (100 here)" in text, text
+    assert (said.filename, said.lineno) == (__file__, line), (said.filename, said.lineno)
+    assert "restore()" not in text and "on_train_begin" in text, text
+    assert "Trainer's own resume_from_checkpoint" in text, text
+
+
+def _line() -> int:
+    return sys._getframe(1).f_lineno
+
+
+class _Counts(TrainerCallback, ExportableState):
+    """A callback with an exportable state, added in the resumed run only."""
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"n": 0}}
+
+
+def test_the_removed_keys_warning_is_said_at_the_train_line_in_the_trainers_words(tmp_path):
+    """Found 2026-12-07: it pointed into transformers/trainer.py and advised 'set it after
+    restore() (e.g. state['extra']...)'. (Here: an exportable callback new to the resumed
+    run, whose saved state the checkpoint has none of.)"""
+    ck = tmp_path / "ck"
+    first = _trainer(tmp_path / "a", 10, 2)
+    first.add_callback(ResilientCheckpoint(str(ck), every_n_steps=1))
+    first.train()
+    again = _trainer(tmp_path / "b", 10, 3)
+    again.add_callback(_Counts())
+    again.add_callback(ResilientCheckpoint(str(ck), every_n_steps=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = _line() + 1
+        again.train()
+    (said,) = [w for w in caught if "not in the checkpoint: removed" in str(w.message)]
+    text = str(said.message)
+    assert "['callbacks']['_Counts']" in text, text
+    assert (said.filename, said.lineno) == (__file__, line), (said.filename, said.lineno)
+    assert "restore()" not in text and "on_train_begin" in text, text
