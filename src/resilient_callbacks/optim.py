@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,6 +28,41 @@ def untraced(hook: _F) -> _F:
     if "torch._dynamo" not in sys.modules:
         return hook
     return torch.compiler.disable(hook)
+
+
+_PreHook = Callable[
+    [Any, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]] | None
+]
+
+
+def update_began(mark: Callable[[], None]) -> _PreHook:
+    """An optimizer step pre-hook that calls ``mark`` once the step may change the state: at
+    once for a ``step()`` without a closure; for a ``step(closure)`` (Lightning's automatic
+    optimization, LBFGS) once the closure returned, as every torch optimizer evaluates it
+    before it updates anything. An exception in the closure's forward or backward (an
+    out-of-memory error, a NaN check) leaves the weights those of the last step; a post-hook
+    missed a step that raised part-way through the update, whose weights match no step."""
+
+    def pre_step(
+        _opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        positional = bool(args) and callable(args[0])
+        closure = args[0] if positional else kwargs.get("closure")
+        if not callable(closure):
+            mark()
+            return None
+        inner = closure
+
+        def evaluated(*a: Any, **k: Any) -> Any:
+            out = inner(*a, **k)
+            mark()  # (the update comes next)
+            return out
+
+        if positional:
+            return (evaluated, *args[1:]), kwargs
+        return args, {**kwargs, "closure": evaluated}
+
+    return pre_step
 
 
 def hookable(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:

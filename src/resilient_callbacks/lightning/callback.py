@@ -87,8 +87,8 @@ class ResilientCheckpoint(Checkpoint):
             RNG (a different order than the original loader's). DDP's ``DistributedSampler``
             keeps its own seed.
         save_on_exception: when training raises, save the last completed step before the
-            exception propagates (single process; nothing is saved if an optimizer step ran
-            since that step, nor during a validation with a ``WeightAveraging`` callback,
+            exception propagates (single process; nothing is saved if an optimizer began
+            updating the weights since that step, nor during a validation with a ``WeightAveraging`` callback,
             whose averaged weights the model then holds).
         log_stats: log save timings and sizes through the trainer's loggers.
         **checkpointer_kwargs: passed to :class:`~resilient_callbacks.Checkpointer`:

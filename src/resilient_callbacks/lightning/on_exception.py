@@ -6,8 +6,10 @@ before the step's bookkeeping ran, the live state matches no step. So at the end
 completed step (one rank only; with several ranks the others could not join the save) the
 callback remembers what changes *within* a step and cannot be recovered from the live objects:
 the fit loop's progress, the random streams and the module's buffers. At the exception it saves
-the live weights and optimizer with those, unless an optimizer step ran since (then the weights
-are already those of a step that did not finish, and nothing is saved: say so), or the exception
+the live weights and optimizer with those, unless an optimizer step began its update since
+(then the weights are those of a step that did not finish, perhaps half-updated by an update that
+raised part-way, and nothing is saved: say so; an exception in the forward or backward pass,
+inside the closure Lightning hands the optimizer, changed no weight and is saved), or the exception
 came during a validation with Lightning's ``WeightAveraging``, whose averaged weights the model
 holds then, or after a new epoch's start hooks changed the optimizers' parameter groups since an
 epoch's last step (nothing saved either).
@@ -26,6 +28,7 @@ import torch
 from .. import rng
 from ..checkpointer import Checkpointer
 from ..inplace import same_value
+from ..optim import update_began
 from . import state as st
 from .boundary import EPOCH_END_KEY
 
@@ -53,12 +56,13 @@ class ExceptionSave:
         self.stepped = False  # an optimizer step ran after the boundary
 
     def hook_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
-        """Notice optimizer steps after the boundary; returns the hook handles to remove."""
+        """Notice optimizer steps after the boundary, from the moment the update may begin (a
+        step that raised part-way counts); returns the hook handles to remove."""
 
-        def stepped(*_: Any) -> None:
+        def stepped() -> None:
             self.stepped = True
 
-        return [o.register_step_post_hook(stepped) for o in optimizers]
+        return [o.register_step_pre_hook(update_began(stepped)) for o in optimizers]
 
     def remember(
         self, trainer: pl.Trainer, step: int, fit_loop: dict[str, Any], marks: dict[str, Any]
@@ -101,8 +105,8 @@ class ExceptionSave:
             return
         if self.stepped:
             log.warning(
-                "save_on_exception: %s came after an optimizer step of a step that did not "
-                "finish; the state matches no step, so nothing is saved",
+                "save_on_exception: %s came after the optimizer began updating the weights in a "
+                "step that did not finish; the state matches no step, so nothing is saved",
                 type(exception).__name__,
             )
             return
