@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from resilient_callbacks import catalog
 from resilient_callbacks.catalog import Depth
 from resilient_callbacks.lightning import ResilientCheckpoint
+from resilient_callbacks.optim import update_began
 
 
 def _committed(root) -> list[tuple[int, str]]:
@@ -22,6 +23,47 @@ def _committed(root) -> list[tuple[int, str]]:
         for e in catalog.scan(str(root), Depth.FULL)
         if e.manifest is not None and str(e.status) == "valid"
     ]
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional", "none"])
+def test_the_update_counts_as_begun_once_the_closure_returned(how):
+    """``step(closure)`` evaluates the closure (forward, backward) before it updates anything:
+    an exception in it leaves the weights as they were. ``args`` of a step pre-hook are
+    ``step()``'s own, the optimizer first."""
+    lin = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    began: list[bool] = []
+    handle = opt.register_step_pre_hook(update_began(lambda: began.append(True)))
+
+    def closure(fail: bool):
+        def run():
+            assert not began  # (nothing marked before the closure ran)
+            if fail:
+                raise RuntimeError("out of memory in the forward pass")
+            opt.zero_grad()
+            loss = lin(torch.ones(1, 2)).sum()
+            loss.backward()
+            return loss
+
+        return run
+
+    def step(fail: bool) -> None:
+        if how == "keyword":
+            opt.step(closure=closure(fail))
+        elif how == "positional":
+            opt.step(closure(fail))
+        else:
+            if fail:
+                raise RuntimeError("out of memory in the forward pass")
+            closure(False)()
+            opt.step()
+
+    with pytest.raises(RuntimeError):
+        step(fail=True)
+    assert began == []
+    step(fail=False)
+    assert began == [True]
+    handle.remove()
 
 
 class _TornSGD(torch.optim.SGD):

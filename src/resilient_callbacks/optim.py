@@ -46,8 +46,9 @@ def update_began(mark: Callable[[], None]) -> _PreHook:
     def pre_step(
         _opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        positional = bool(args) and callable(args[0])
-        closure = args[0] if positional else kwargs.get("closure")
+        # ``args`` are step()'s own, the optimizer first: step(closure) has it second
+        positional = len(args) > 1 and callable(args[1])
+        closure = args[1] if positional else kwargs.get("closure")
         if not callable(closure):
             mark()
             return None
@@ -59,7 +60,7 @@ def update_began(mark: Callable[[], None]) -> _PreHook:
             return out
 
         if positional:
-            return (evaluated, *args[1:]), kwargs
+            return (args[0], evaluated, *args[2:]), kwargs
         return args, {**kwargs, "closure": evaluated}
 
     return pre_step
