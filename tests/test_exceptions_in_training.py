@@ -6,12 +6,15 @@ no timing)."""
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from resilient_callbacks import catalog
+from resilient_callbacks import Checkpointer, catalog
 from resilient_callbacks.catalog import Depth
 from resilient_callbacks.lightning import ResilientCheckpoint
 from resilient_callbacks.optim import update_began
@@ -147,3 +150,75 @@ def test_lightning_saves_the_last_step_after_an_error_in_the_forward_pass(tmp_pa
     with pytest.raises(RuntimeError, match="NaN check"):
         _fit(tmp_path / "ck", _Module(fail_forward_at=6))
     assert _committed(tmp_path / "ck")[-1] == (5, "emergency")
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+
+class _CtrlC:
+    """A KeyboardInterrupt raised at one chosen point of our code, as Ctrl-C delivers it to the
+    main thread: on entering function ``func`` of ``module``, or at its line (any function's,
+    with ``func=None``) that contains ``line`` (deterministic: chosen points, not timing). Fires once."""
+
+    def __init__(self, module: str, func: str | None, line: str | None = None) -> None:
+        import importlib
+
+        self.file = importlib.import_module(f"resilient_callbacks.{module}").__file__
+        self.func, self.line, self.fired = func, line, False
+
+    def _global(self, frame, event, arg):
+        code = frame.f_code
+        if self.fired or code.co_filename != self.file or self.func not in (None, code.co_name):
+            return None
+        if self.line is None:
+            self.fired = True
+            raise KeyboardInterrupt
+        return self._local
+
+    def _local(self, frame, event, arg):
+        import linecache
+
+        line = linecache.getline(self.file, frame.f_lineno) if event == "line" else ""
+        if not self.fired and self.line in line:
+            self.fired = True
+            raise KeyboardInterrupt
+        return self._local
+
+    def __enter__(self) -> _CtrlC:
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(None)
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        ("lock", None, "os.ftruncate(fd, 0)"),  # flocked, its fd a local of the frame
+        ("commit", "sweep_staging", None),  # locked; the Directory not yet the Checkpointer's
+        ("metrics", "__init__", None),  # the Checkpointer's parts half made, its thread started
+        ("closing", "at_exit", None),  # everything made but the exit hook
+    ],
+    ids=lambda w: f"{w[0]}.{w[1] or w[2]}",
+)
+def test_ctrl_c_while_a_checkpointer_opens_leaves_nothing_locked_or_running(tmp_path, where):
+    """A Ctrl-C in a notebook while ``Checkpointer(...)`` opened its directory: the half-built
+    Checkpointer, which no one can close, lived on in the traceback the notebook keeps, with the
+    directory locked: re-running the cell failed with "this process already has a writer open"
+    until the kernel restarted (from the lock itself: an fd never closed, for good)."""
+    root = tmp_path / "ck"
+    Checkpointer(root, preemption=False).close()  # the directory exists: its sweep runs
+    before = set(threading.enumerate())
+    with pytest.raises(KeyboardInterrupt) as caught, _CtrlC(*where) as ctrl_c:
+        Checkpointer(root, every_n_steps=1)
+    assert ctrl_c.fired
+    kept = caught.value.__traceback__  # (a notebook's sys.last_traceback)
+    for t in set(threading.enumerate()) - before:
+        t.join(timeout=60)
+        assert not t.is_alive(), t.name
+    with Checkpointer(root, preemption=False) as ck:  # the cell run again
+        assert ck.restore({"w": torch.zeros(2)}) == 0
+        ck.save(1, {"w": torch.ones(2)})
+    assert [s for s, _ in _committed(root)] == [1]
+    del kept

@@ -159,7 +159,11 @@ class Checkpointer(CheckpointerQueries):
         # first: a signal while the rest opens the directory is noticed (emergency.watching)
         self.watcher, self._poller = start_watcher(self.config)
         with watching(self.watcher, self._poller, self.config):
-            self._open()
+            try:
+                self._open()
+            except BaseException:  # (Ctrl-C included) nothing stays locked nor running
+                closing.release_unopened(self)
+                raise
 
     def _open(self) -> None:  # the rest of __init__, its watcher installed
         self._sink_specs = self.config.sinks()

@@ -119,6 +119,34 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
         raise not_uploaded_error(ck._dir, not_uploaded, outage_s)
 
 
+def release_unopened(ck: Checkpointer) -> None:
+    """A construction that failed part-way (a KeyboardInterrupt, an error after the directory
+    was opened): stop what it started and release the lock. The half-built Checkpointer, which
+    no one can close, stayed alive in the exception's traceback (a notebook keeps the last
+    one) with the directory locked ("this process already has a writer open") and its
+    background thread running. Never raises: the construction's error propagates."""
+    ck._closed = True
+    parts = vars(ck)
+    steps: list[Callable[[], object]] = []
+    if parts.get("_at_exit") is not None:
+        steps.append(functools.partial(atexit.unregister, parts["_at_exit"]))
+    if "telemetry" in parts:
+        steps.append(functools.partial(parts["telemetry"].close, timeout=0.0))
+    if "_saver" in parts:
+        steps.append(parts["_saver"].release)
+        if parts["_saver"].persister is not None:
+            steps.append(functools.partial(parts["_saver"].persister.stop, join_s=0.0))
+    if "_dir" in parts:
+        d = parts["_dir"]
+        steps.append(d.trash.stop)
+        steps.append(d.release if isinstance(d, NodeDirectory) else d.release_opened)
+    for step in steps:
+        try:
+            step()
+        except Exception as e:  # (best effort: the rest is still released)
+            log.debug("releasing a Checkpointer whose construction failed: %s", e)
+
+
 def check_open(ck: Checkpointer, writes: bool = False) -> None:
     """Raise unless ``ck`` may be used (``writes``: to save): not closed, and not read-only."""
     if ck._closed:

@@ -148,12 +148,13 @@ class Directory:
             except OSError as e:
                 pending = unusable(self.dirpath, e)
                 error = {"type": "OSError", "msg": str(pending), "errno": e.errno}
+            except BaseException:  # a KeyboardInterrupt, an unexpected error: nothing held
+                self.release_opened()
+                raise
         error = dist.broadcast_json(error)
         if error is not None:
             if self.is_coordinator:
-                if self.sync is not None:
-                    self.sync.stop()
-                self.lock.release()
+                self.release_opened()
                 assert pending is not None
                 raise pending
             if error["type"] == "OSError":
@@ -163,6 +164,12 @@ class Directory:
                 err.errno = error.get("errno")
                 raise err
             raise error_type(error["type"])(f"on rank 0: {error['msg']}")
+
+    def release_opened(self) -> None:
+        """What an open that failed part-way holds: the remote's threads, the lock."""
+        if self.sync is not None:
+            self.sync.stop()
+        self.lock.release()
 
     def open_here(self, config: CheckpointerConfig, load_hint: str | None = None) -> None:
         """Coordinator only, no collective: what :meth:`open` does on rank 0 (create the

@@ -183,8 +183,13 @@ class DirLock:
         waits at most ``wait_s`` for a command holding it (a distributed caller passes less
         than the collective timeout its other ranks wait in meanwhile)."""
         fd = self._take(wait_s)
-        with self._mutex:
-            self._fd = fd
+        try:
+            with self._mutex:
+                self._fd = fd
+        except BaseException:  # (a KeyboardInterrupt before it was stored: no one else can)
+            if self._fd != fd:
+                _unlock_close(fd)
+            raise
         _held.add(self)
 
     def _take(self, wait_s: float) -> int:
@@ -197,6 +202,18 @@ class DirLock:
                     f"{self.path} is a symbolic link; refusing to write through it (remove it)"
                 ) from None
             raise e
+        try:
+            return self._locked(fd, wait_s)
+        except BaseException:
+            # a KeyboardInterrupt (Ctrl-C) after the flock: the fd, a local, was left open and
+            # the directory locked for as long as the process lived (a notebook's kernel)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+
+    def _locked(self, fd: int, wait_s: float) -> int:
+        """``fd`` (the lock file, open) flocked, with this holder's name written into it; a
+        lock taken by another raises :class:`CheckpointLockedError` (``fd`` closed)."""
         if (
             not _flock(fd)
             and not (_collect_dropped(self.path) and _flock(fd))
