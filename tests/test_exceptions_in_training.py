@@ -222,3 +222,59 @@ def test_ctrl_c_while_a_checkpointer_opens_leaves_nothing_locked_or_running(tmp_
         ck.save(1, {"w": torch.ones(2)})
     assert [s for s, _ in _committed(root)] == [1]
     del kept
+
+
+_COLLECTED_INSIDE = r"""
+import gc, mmap, os, sys, tempfile
+from resilient_callbacks import mapped
+import torch
+
+path = os.path.join(tempfile.mkdtemp(), "f")
+with open(path, "wb") as f:
+    f.write(b"x" * 8192)
+with open(path, "rb") as f:
+    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+mapped.register(mm, path)
+cycle = [mm]
+cycle.append(cycle)  # freed by the cyclic collector only, as frames an exception's traceback held
+del cycle, mm
+gc.disable()
+
+def collect_inside(frame, event, arg):  # the collector runs at an allocation in the lock
+    if frame.f_code.co_filename == mapped.__file__ and frame.f_code.co_name == "is_mapped":
+        def local(frame, event, arg):
+            if event == "line" and "return any" in open(mapped.__file__).readlines()[frame.f_lineno - 1]:
+                gc.collect()
+            return local
+        return local
+    return None
+
+sys.settrace(collect_inside)
+mapped.is_mapped(torch.zeros(3))
+sys.settrace(None)
+print("returned", mapped.still_mapped(os.path.dirname(path)))
+"""
+
+
+def test_a_mapping_freed_by_the_collector_inside_the_registry_lock_does_not_deadlock(tmp_path):
+    """The callback that drops a freed mapping from the registry took its lock, which the same
+    thread may hold already: the cyclic collector, freeing a mapping that a Ctrl-C'd restore's
+    traceback held, runs at any allocation, one inside a locked section too. The thread hung
+    there for good (found with a KeyboardInterrupt injected into a restore, then restoring
+    again)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _COLLECTED_INSIDE],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("is_mapped() deadlocked when the collector freed a mapping inside its lock")
+    assert out.returncode == 0, out.stderr
+    assert "returned []" in out.stdout

@@ -47,6 +47,19 @@ _lock = threading.Lock()
 _live: dict[int, tuple[weakref.ref[mmap.mmap], int, int, str]] = {}
 _made: dict[int, int] = {}  # id of the mapping -> its number, in the order they were made
 _count = 0  # mappings registered so far (see made_so_far)
+# ids of mappings freed since, dropped from the registry at its next use under the lock: the
+# callback that says one was freed takes no lock, as it may run inside a locked section of this
+# very thread (the cyclic collector, which frees a mapping an exception's traceback held, runs at
+# any allocation): taking the lock there deadlocked the thread, and every later restore with it
+_freed: collections.deque[int] = collections.deque()
+
+
+def _forget_freed() -> None:
+    """Under ``_lock``: drop the entries of the mappings freed since."""
+    while _freed:
+        key = _freed.popleft()
+        _live.pop(key, None)
+        _made.pop(key, None)
 
 
 def register(mm: mmap.mmap, path: str) -> None:
@@ -60,12 +73,11 @@ def register(mm: mmap.mmap, path: str) -> None:
     key = id(mm)
 
     def gone(_: Any, key: int = key) -> None:
-        with _lock:
-            _live.pop(key, None)
-            _made.pop(key, None)
+        _freed.append(key)  # (no lock: see _freed)
 
     global _count
     with _lock:
+        _forget_freed()  # (first: a mapping freed at this address had this id)
         _live[key] = (weakref.ref(mm, gone), start, start + size, os.path.abspath(path))
         _made[key] = _count
         _count += 1
@@ -76,6 +88,7 @@ def made_so_far() -> int:
     ``since`` to leave out the mappings made before (a ``reader.open_checkpoint`` of the user's
     that a restore did not make)."""
     with _lock:
+        _forget_freed()
         return _count
 
 
@@ -92,6 +105,7 @@ def release(t: torch.Tensor) -> None:
     if nbytes < mmap.PAGESIZE:  # holds no whole page: nothing to drop (most tensors of a state)
         return
     with _lock:
+        _forget_freed()
         found = [(ref(), start) for ref, start, end, _ in _live.values() if start <= ptr < end]
     mm, start = found[0] if found else (None, 0)
     if mm is None:
@@ -112,6 +126,7 @@ def is_mapped(t: torch.Tensor, ranges: list[tuple[int, int]] | None = None) -> b
     ptr = t.untyped_storage().data_ptr()
     if ranges is None:
         with _lock:
+            _forget_freed()
             return any(start <= ptr < end for _, start, end, _ in _live.values())
     return any(start <= ptr < end for start, end in ranges)
 
@@ -120,6 +135,7 @@ def _ranges() -> list[tuple[int, int]]:
     """The address ranges of the live mappings, now. A tensor that views one keeps it alive,
     so a range taken before a walk over such tensors stays right for the whole walk."""
     with _lock:
+        _forget_freed()
         return [(start, end) for _, start, end, _ in _live.values()]
 
 
@@ -238,5 +254,6 @@ def still_mapped(directory: str, since: int = 0) -> list[str]:
     (or a reader), the ones registered from ``since`` on (:func:`made_so_far`)."""
     prefix = os.path.abspath(directory) + os.sep
     with _lock:
+        _forget_freed()
         entries = [v for k, v in _live.items() if _made.get(k, 0) >= since]
     return sorted({path for ref, _, _, path in entries if path.startswith(prefix) and ref()})
