@@ -157,8 +157,12 @@ def open_directory(
                 "for this run, or give each node a dirpath on its own disk (docs/multinode.md)"
             )
         d = Directory(dirpath, retention, world_size, read_only=config.read_only)
-    d.open(config)
-    return d
+    try:
+        d.open(config)
+        return d
+    except BaseException:  # (a Ctrl-C as it returns: no one else holds it to release it)
+        (d.release if isinstance(d, NodeDirectory) else d.release_opened)()
+        raise
 
 
 class NodeDirectory(Directory):
