@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from resilient_callbacks import Checkpointer, catalog
+from resilient_callbacks import Checkpointer, CheckpointLockedError, catalog
 from resilient_callbacks.catalog import Depth
 from resilient_callbacks.lightning import ResilientCheckpoint
 from resilient_callbacks.optim import update_began
@@ -279,3 +279,46 @@ def test_a_mapping_freed_by_the_collector_inside_the_registry_lock_does_not_dead
         pytest.fail("is_mapped() deadlocked when the collector freed a mapping inside its lock")
     assert out.returncode == 0, out.stderr
     assert "returned []" in out.stdout
+
+
+def test_ctrl_c_while_close_waits_abandons_the_save_and_keeps_the_directory_locked(
+    tmp_path, monkeypatch
+):
+    """A Ctrl-C while ``close()`` waited for a background save ("waiting for 1 checkpoint(s)
+    still being written"): the lock was released at once while the save went on writing, so
+    the writer the notebook opened next swept its staging directory from under it. Now it is
+    as a ``close(timeout)`` that ran out: the save is abandoned (never committed) and the
+    directory stays locked until it stopped."""
+    from resilient_callbacks import persisting
+    from resilient_callbacks.lock import DirLock
+
+    orig = persisting.layout.write_part
+    gate, writing = threading.Event(), threading.Event()
+
+    def gated(*a, **k):
+        if threading.current_thread() is not threading.main_thread():
+            writing.set()
+            assert gate.wait(60)
+        return orig(*a, **k)
+
+    root = tmp_path / "ck"
+    ck = Checkpointer(root, preemption=False)
+    ck.save(1, {"w": torch.ones(2)})
+    ck.flush()
+    monkeypatch.setattr(persisting.layout, "write_part", gated)
+    ck.save(2, {"w": torch.full((2,), 2.0)})  # being written in the background, held
+    try:
+        assert writing.wait(60)  # (a save abandoned before it began writing holds nothing)
+        with pytest.raises(KeyboardInterrupt), _CtrlC("background", "wait_all", "self._cond.wait"):
+            ck.close()
+        with pytest.raises(CheckpointLockedError):
+            DirLock(str(root)).acquire()  # the abandoned save still runs: still locked
+    finally:
+        gate.set()
+    persister = ck._saver.persister
+    assert persister is not None and persister.wait_all(60)
+    got = {"w": torch.zeros(2)}
+    with Checkpointer(root, preemption=False) as again:  # released once it stopped
+        assert again.restore(got) == 1  # abandoned: never committed
+    assert torch.equal(got["w"], torch.ones(2))
+    assert _committed(root) == [(1, "forced")]

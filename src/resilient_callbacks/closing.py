@@ -113,6 +113,17 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
     except Exception as e:
         error = e
         raise
+    except BaseException as e:  # a Ctrl-C while close() waited: as a timeout that ran out
+        if persister is not None and persister.pending:
+            persister.abandon()  # (the directory stays locked until the running save stopped)
+            log.warning(
+                "close() was interrupted (%s) while %d checkpoint(s) were still being written: "
+                "abandoned, not committed; the newest committed checkpoint is %s",
+                type(e).__name__,
+                persister.pending,
+                _newest(ck),
+            )
+        raise
     finally:
         _release(ck, _sinks_deadline(ck, deadline), error)
     if not_uploaded and strict:
