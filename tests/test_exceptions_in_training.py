@@ -322,3 +322,32 @@ def test_ctrl_c_while_close_waits_abandons_the_save_and_keeps_the_directory_lock
         assert again.restore(got) == 1  # abandoned: never committed
     assert torch.equal(got["w"], torch.ones(2))
     assert _committed(root) == [(1, "forced")]
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize(
+    "where",
+    [("recorder", "closed", None), ("trash", "stop", None), ("closing", None, "users_exit()")],
+    ids=lambda w: f"{w[0]}.{w[1] or w[2]}",
+)
+def test_ctrl_c_inside_close_still_releases_the_lock_and_threads(tmp_path, where, async_save):
+    """A Ctrl-C in the middle of ``close()``'s release (the history's last record, a thread's
+    stop, the signal handlers' check) skipped the rest of it: the Checkpointer was closed
+    (a second close() does nothing) but the directory stayed locked and its threads ran on."""
+    root = tmp_path / "ck"
+    before = set(threading.enumerate())
+    ck = Checkpointer(root, async_save=async_save, keep_last=1)
+    ck.save(1, {"w": torch.ones(2)})
+    ck.save(2, {"w": torch.full((2,), 2.0)})
+    with pytest.raises(KeyboardInterrupt), _CtrlC(*where) as ctrl_c:
+        ck.close()
+    assert ctrl_c.fired and ck.closed
+    ck.close()  # (nothing more to do)
+    for t in set(threading.enumerate()) - before:
+        t.join(timeout=60)
+        assert not t.is_alive(), t.name
+    got = {"w": torch.zeros(2)}
+    with Checkpointer(root, preemption=False) as again:  # the notebook's next writer
+        assert again.restore(got) == 2
+    assert torch.equal(got["w"], torch.full((2,), 2.0))
+    assert _committed(root) == [(2, "forced")]

@@ -255,6 +255,40 @@ def _release(
     what the close raises (a background save's failure): it ends the process, not the exit
     code of a signal no step() acted on (at the interpreter's exit, where nothing can raise
     it, it is logged and the code stays)."""
+    try:
+        _release_all(ck, sinks_deadline, raising)
+    finally:
+        _release_left(ck)
+
+
+def _release_left(ck: Checkpointer) -> None:
+    """What a release interrupted part-way (a Ctrl-C in it, an error) left: the threads and
+    hooks stopped and the lock released, unless an abandoned save still being written releases
+    it once it stopped. A Ctrl-C there left the directory locked by a Checkpointer already
+    closed, which no close() releases (a notebook's next writer: "this process already has a
+    writer open"). After a whole release every step finds nothing left to do."""
+    persister = ck._saver.persister
+    steps: list[Callable[[], object]] = [ck._dir.trash.stop, ck._emergency.release]
+    if ck._at_exit is not None:
+        steps.append(functools.partial(atexit.unregister, ck._at_exit))
+    if ck._dir.sync is not None:
+        steps.append(ck._dir.sync.stop)
+    if ck._poller is not None:
+        steps.append(ck._poller.stop)
+    if ck.watcher is not None:
+        steps.append(ck.watcher.uninstall)
+    if isinstance(ck._dir, NodeDirectory):
+        steps.append(ck._dir.release)
+    elif not (persister is not None and persister.abandoned and persister.pending):
+        steps.append(ck._dir.lock.release)
+    for step in steps:
+        try:
+            step()
+        except Exception as e:  # (the error that ended the release is the one raised)
+            log.debug("closing %s: %s", ck.dirpath, e)
+
+
+def _release_all(ck: Checkpointer, sinks_deadline: float | None, raising: Exception | None) -> None:
     if ck._at_exit is not None:
         atexit.unregister(ck._at_exit)
     ck._recorder.closed(sinks_deadline)
