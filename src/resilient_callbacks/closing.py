@@ -54,13 +54,14 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
     not_uploaded: list[str] = []
     # gave up only for the outage: no timeout of the caller's, no preemption bounding it
     strict = timeout is None and not ck.preempted
-    if timeout is None:
-        timeout = _answered_elsewhere_s(ck)
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline: float | None = None
     persister = ck._saver.persister
-    grace_left = ck.watcher.remaining_grace_s if ck.watcher is not None else None
     error: Exception | None = None  # close's own (a background save that failed)
-    try:
+    try:  # (from here on a Ctrl-C still releases everything: see _release)
+        if timeout is None:
+            timeout = _answered_elsewhere_s(ck)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        grace_left = ck.watcher.remaining_grace_s if ck.watcher is not None else None
         if persister is not None:
             pending = persister.pending
             if pending:
@@ -125,7 +126,7 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
             )
         raise
     finally:
-        _release(ck, _sinks_deadline(ck, deadline), error)
+        _release(ck, deadline, error)
     if not_uploaded and strict:
         raise not_uploaded_error(ck._dir, not_uploaded, outage_s)
 
@@ -249,14 +250,15 @@ def _sinks_deadline(ck: Checkpointer, deadline: float | None) -> float | None:
 
 
 def _release(
-    ck: Checkpointer, sinks_deadline: float | None = None, raising: Exception | None = None
+    ck: Checkpointer, deadline: float | None = None, raising: Exception | None = None
 ) -> None:
-    """Stop every thread and hook the Checkpointer started, and release the lock. ``raising``:
+    """Stop every thread and hook the Checkpointer started, and release the lock (the metrics
+    sinks may send until :func:`_sinks_deadline` of close's ``deadline``). ``raising``:
     what the close raises (a background save's failure): it ends the process, not the exit
     code of a signal no step() acted on (at the interpreter's exit, where nothing can raise
     it, it is logged and the code stays)."""
     try:
-        _release_all(ck, sinks_deadline, raising)
+        _release_all(ck, _sinks_deadline(ck, deadline), raising)
     finally:
         _release_left(ck)
 
@@ -277,6 +279,8 @@ def _release_left(ck: Checkpointer) -> None:
         steps.append(ck._poller.stop)
     if ck.watcher is not None:
         steps.append(ck.watcher.uninstall)
+    if persister is not None:  # (after the jobs queued: an abandoned save, its lock's release)
+        steps.append(functools.partial(persister.stop, join_s=0.0))
     if isinstance(ck._dir, NodeDirectory):
         steps.append(ck._dir.release)
     elif not (persister is not None and persister.abandoned and persister.pending):
