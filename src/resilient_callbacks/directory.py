@@ -2,10 +2,9 @@
 run history, checkpoints of other runs, and the remote tier attached to it.
 
 Which ranks call what: every rank constructs a :class:`Directory` and calls :meth:`~Directory.open`
-(a collective: rank 0's failure is raised on every rank). Everything else is for the coordinator
-(rank 0) only: it holds the lock, numbers the commits, deletes, records history and owns the
-uploader. Other ranks never touch the directory except to write their files into a staging
-directory the coordinator made (see :mod:`.session`).
+(a collective: rank 0's failure is raised on every rank). All else is for the coordinator (rank
+0): it holds the lock, numbers the commits, deletes, records history and owns the uploader.
+Other ranks only write their files into a staging directory it made (see :mod:`.session`).
 """
 
 from __future__ import annotations
