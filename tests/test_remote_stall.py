@@ -201,7 +201,7 @@ def test_a_download_reading_local_blobs_back_is_not_given_up_as_stalled(tmp_path
     as a stalled store and fell back until NoValidCheckpointError, the store healthy."""
     from torch import nn
 
-    from resilient_callbacks import remote_blobs
+    from resilient_callbacks import remote_blob_fetch
 
     monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)
     local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
@@ -213,7 +213,7 @@ def test_a_download_reading_local_blobs_back_is_not_given_up_as_stalled(tmp_path
         if n.startswith("step_"):
             shutil.rmtree(local / n)
     assert os.listdir(local / "blobs")  # (the blob the download reads back)
-    real = remote_blobs.digest_file
+    real = remote_blob_fetch.digest_file
 
     clock = _Clock(monkeypatch)
 
@@ -221,7 +221,7 @@ def test_a_download_reading_local_blobs_back_is_not_given_up_as_stalled(tmp_path
         clock.idle_past_limit()
         return real(*a, **k)
 
-    monkeypatch.setattr(remote_blobs, "digest_file", slow)
+    monkeypatch.setattr(remote_blob_fetch, "digest_file", slow)
     live = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1))
     with Checkpointer(local, incremental=True, remote=url, async_save=False) as ck:
         assert ck.restore({"model": live}) == 10
