@@ -304,6 +304,34 @@ def cpu_deepspeed_strategy(stage: int, ckpt_dir: str) -> Any:
     return CPUDeepSpeedStrategy(config=config, process_group_backend="gloo")
 
 
+def fit_deepspeed_one_rank(
+    make: Any, ckpt_dir: str, max_steps: int, stage: int
+) -> tuple[Any, list[warnings.WarningMessage]]:
+    """One rank of :func:`cpu_deepspeed_strategy` at ``stage``: fits ``make()`` (called after
+    the seed and the data) on 256 random samples of 8 features (seed 0, batches of 8) to
+    ``max_steps``, with ResilientCheckpoint saving every 2 steps; returns the trainer and every
+    warning the fit gave."""
+    from spawn_ranks import world_of_one
+
+    world_of_one()
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(256, 8)), batch_size=8)
+    trainer = L.Trainer(
+        strategy=cpu_deepspeed_strategy(stage, ckpt_dir),
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        callbacks=[ResilientCheckpoint(every_n_steps=2)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(make(), data)
+    return trainer, caught
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("ckpt_dir")

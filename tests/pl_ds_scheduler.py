@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -18,8 +17,6 @@ import lightning.pytorch as pl
 import torch
 
 import lightning_train
-from resilient_callbacks.lightning import ResilientCheckpoint
-from spawn_ranks import world_of_one
 
 
 class Cosine(pl.LightningModule):
@@ -38,24 +35,9 @@ class Cosine(pl.LightningModule):
 
 
 def main(ckpt_dir: str, max_steps: int, stage: int, t_max: int) -> None:
-    world_of_one()
-    torch.manual_seed(0)
-    data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(256, 8)), batch_size=8
+    trainer, caught = lightning_train.fit_deepspeed_one_rank(
+        lambda: Cosine(t_max), ckpt_dir, max_steps, stage
     )
-    trainer = pl.Trainer(
-        strategy=lightning_train.cpu_deepspeed_strategy(stage, ckpt_dir),
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        callbacks=[ResilientCheckpoint(every_n_steps=2)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(Cosine(t_max), data)
     for w in caught:
         if "LR scheduler settings" in str(w.message):
             print("WARNING " + str(w.message), flush=True)

@@ -245,25 +245,8 @@ def test_a_lightning_lr_set_by_hand_is_no_change_at_any_resume(tmp_path: Path, s
     """Lightning builds the engine's state again after its restore (and before the saves): the
     values recorded as configured were the restored ones, the warm-up's lr of the saved step,
     and the second resume warned of an lr change the config never made."""
-    script = Path(__file__).with_name("pl_ds_hand_lr.py")
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(script.parents[1] / "src"), str(script.parent)]),
-    }
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
     for steps in (4, 6, 8):
-        p = subprocess.run(
-            [sys.executable, str(script), str(tmp_path / "ck"), str(steps), str(stage)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        out = p.stdout + p.stderr
-        assert p.returncode == 0, out[-3000:]
+        out = _lightning_run("pl_ds_hand_lr.py", tmp_path / "ck", steps, stage)
         assert f"RESULT {steps}" in out
         assert CHANGED not in out, out[-3000:]
 
@@ -273,7 +256,23 @@ def test_a_lightning_deepspeed_scheduler_setting_changed_is_named_once(tmp_path:
     """Under Lightning's DeepSpeedStrategy, Lightning keeps the scheduler out of the engine and
     restores it itself: T_max 10, then 100 in configure_optimizers, is named once (by the
     Lightning callback), and the saved T_max schedules on, as Lightning's own resume."""
-    script = Path(__file__).with_name("pl_ds_scheduler.py")
+    outs = [
+        _lightning_run("pl_ds_scheduler.py", tmp_path / "ck", steps, 2, t_max)
+        for steps, t_max in ((4, 10), (6, 100))
+    ]
+    assert "RESULT 4 10" in outs[0] and "WARNING" not in outs[0]
+    assert "RESULT 6 10" in outs[1], outs[1][-3000:]
+    said = [x for x in outs[1].splitlines() if x.startswith("WARNING ")]
+    assert len(said) == 1, said
+    assert (
+        "lr_schedulers[0] (CosineAnnealingLR): T_max=10 from the checkpoint (100 here)" in said[0]
+    )
+
+
+def _lightning_run(name: str, *args: object) -> str:
+    """The output of the Lightning DeepSpeed script ``tests/<name>`` run with ``args`` in a
+    fresh single-process world (no torchrun variables), after it exited 0."""
+    script = Path(__file__).with_name(name)
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
@@ -282,21 +281,13 @@ def test_a_lightning_deepspeed_scheduler_setting_changed_is_named_once(tmp_path:
     }
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    outs = []
-    for steps, t_max in ((4, 10), (6, 100)):
-        p = subprocess.run(
-            [sys.executable, str(script), str(tmp_path / "ck"), str(steps), "2", str(t_max)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        outs.append(p.stdout + p.stderr)
-        assert p.returncode == 0, outs[-1][-3000:]
-    assert "RESULT 4 10" in outs[0] and "WARNING" not in outs[0]
-    assert "RESULT 6 10" in outs[1], outs[1][-3000:]
-    said = [x for x in outs[1].splitlines() if x.startswith("WARNING ")]
-    assert len(said) == 1, said
-    assert (
-        "lr_schedulers[0] (CosineAnnealingLR): T_max=10 from the checkpoint (100 here)" in said[0]
+    p = subprocess.run(
+        [sys.executable, str(script), *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    return out
