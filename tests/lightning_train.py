@@ -304,6 +304,26 @@ def cpu_deepspeed_strategy(stage: int, ckpt_dir: str) -> Any:
     return CPUDeepSpeedStrategy(config=config, process_group_backend="gloo")
 
 
+def fit_warned(tmp_path, model, max_steps: int, about: str, accumulate: int = 1) -> list[str]:
+    """Fit ``model`` with the callback in ``tmp_path/ck`` (a save every 2 steps); the warnings
+    whose text holds ``about``."""
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 4))
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        accelerator="cpu",
+        callbacks=[ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, torch.utils.data.DataLoader(ds, batch_size=4))
+    return [str(w.message) for w in caught if about in str(w.message)]
+
+
 def fit_deepspeed_one_rank(
     make: Any, ckpt_dir: str, max_steps: int, stage: int
 ) -> tuple[Any, list[warnings.WarningMessage]]:

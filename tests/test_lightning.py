@@ -439,32 +439,14 @@ def test_a_max_time_chunk_trained_on_ends_as_the_run_never_stopped(tmp_path, mon
     assert torch.equal(again.lin.weight, plain.lin.weight)
 
 
-def _fit_warned(tmp_path, model, max_steps: int, about: str, accumulate: int = 1) -> list[str]:
-    """Fit ``model`` with the callback in ``tmp_path/ck`` (a save every 2 steps); the warnings
-    whose text holds ``about``."""
-    ds = torch.utils.data.TensorDataset(torch.randn(64, 4))
-    trainer = L.Trainer(
-        max_steps=max_steps,
-        accumulate_grad_batches=accumulate,
-        accelerator="cpu",
-        callbacks=[ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(model, torch.utils.data.DataLoader(ds, batch_size=4))
-    return [str(w.message) for w in caught if about in str(w.message)]
-
-
 def test_another_accumulate_grad_batches_on_resume_is_warned_about(tmp_path):
     """Lightning takes another accumulate_grad_batches on resume silently (the global batch
     changes mid-run; the Transformers callback refuses it): the callback warns, naming both."""
 
     def fit(accumulate: int, max_steps: int) -> list[str]:
-        return _fit_warned(tmp_path, _Tiny(), max_steps, "accumulate_grad_batches", accumulate)
+        return lightning_train.fit_warned(
+            tmp_path, _Tiny(), max_steps, "accumulate_grad_batches", accumulate
+        )
 
     assert fit(1, 4) == []
     assert fit(1, 6) == []  # the same value: nothing said
@@ -478,7 +460,9 @@ def test_a_scheduler_added_or_removed_on_resume_is_warned_about(tmp_path):
     removed lost its state, unsaid. The callback warns, naming both counts."""
 
     def fit(schedulers: int, max_steps: int) -> list[str]:
-        return _fit_warned(tmp_path, _Scheduled(schedulers), max_steps, "LR scheduler")
+        return lightning_train.fit_warned(
+            tmp_path, _Scheduled(schedulers), max_steps, "LR scheduler"
+        )
 
     assert fit(0, 2) == []
     assert fit(0, 4) == []  # the same: nothing said
@@ -1668,6 +1652,6 @@ def test_a_fresh_start_says_once_where_it_looked(tmp_path, caplog):
     import logging
 
     caplog.set_level(logging.INFO, "resilient_callbacks")
-    _fit_warned(tmp_path, _Tiny(), 2, "-")
+    lightning_train.fit_warned(tmp_path, _Tiny(), 2, "-")
     said = [r.getMessage() for r in caplog.records if "no checkpoint in" in r.getMessage()]
     assert len(said) == 1 and str(tmp_path / "ck") in said[0], said

@@ -6,14 +6,14 @@ setting, as the core's restore does for a plain ``Checkpointer`` state."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 L = pytest.importorskip("lightning.pytorch")
 
-from resilient_callbacks.lightning import ResilientCheckpoint  # noqa: E402
+import lightning_train  # noqa: E402
+
+_ABOUT = "LR scheduler settings"  # (the warnings fit_warned returns)
 
 
 class _Cosine(L.LightningModule):
@@ -38,25 +38,6 @@ class _Cosine(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def _fit(tmp_path, model: _Cosine, max_steps: int) -> list[str]:
-    """Fit ``model`` with the callback in ``tmp_path/ck`` (a save every 2 steps); the warnings
-    about LR scheduler settings."""
-    ds = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=torch.Generator()))
-    trainer = L.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        callbacks=[ResilientCheckpoint(tmp_path / "ck", every_n_steps=2)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(model, torch.utils.data.DataLoader(ds, batch_size=4))
-    return [str(w.message) for w in caught if "LR scheduler settings" in str(w.message)]
-
-
 def _cosine_lrs(t_max: int, steps: range, new_t_max: int | None = None) -> list[float]:
     """The lrs of steps ``steps`` of a plain torch run with ``T_max=t_max``, set to
     ``new_t_max`` (if given) at the first of them."""
@@ -76,11 +57,11 @@ def _cosine_lrs(t_max: int, steps: range, new_t_max: int | None = None) -> list[
 def test_a_changed_t_max_is_named_and_the_saved_one_schedules_on(tmp_path):
     """T_max 10, then 100: Lightning's restore loads T_max=10 over the new code's 100 (as its
     own ckpt_path resume does); it went unsaid. Now a warning names it, and the way on."""
-    assert _fit(tmp_path, _Cosine(10), 4) == []
-    same = _Cosine(10)
-    assert _fit(tmp_path, same, 6) == []  # the same settings: nothing said
+    assert lightning_train.fit_warned(tmp_path, _Cosine(10), 4, _ABOUT) == []
+    same = _Cosine(10)  # the same settings: nothing said
+    assert lightning_train.fit_warned(tmp_path, same, 6, _ABOUT) == []
     changed = _Cosine(100)
-    (said,) = _fit(tmp_path, changed, 8)
+    (said,) = lightning_train.fit_warned(tmp_path, changed, 8, _ABOUT)
     assert "lr_schedulers[0] (CosineAnnealingLR): T_max=10 from the checkpoint (100 here)" in said
     assert "set them on the scheduler in your LightningModule's on_train_start" in said
     assert changed.lr_schedulers().T_max == 10  # loaded as Lightning loads it: nothing refused
@@ -89,9 +70,9 @@ def test_a_changed_t_max_is_named_and_the_saved_one_schedules_on(tmp_path):
 
 def test_a_t_max_set_in_on_train_start_schedules_on_with_the_new_value(tmp_path):
     """The way the warning gives: on_train_start runs after Lightning's restore."""
-    _fit(tmp_path, _Cosine(10), 4)
+    lightning_train.fit_warned(tmp_path, _Cosine(10), 4, _ABOUT)
     changed = _Cosine(100, set_in_train_start=True)
-    (said,) = _fit(tmp_path, changed, 6)
+    (said,) = lightning_train.fit_warned(tmp_path, changed, 6, _ABOUT)
     assert "T_max=10 from the checkpoint (100 here)" in said
     assert changed.lr_schedulers().T_max == 100
     assert changed.lrs == _cosine_lrs(10, range(4, 6), new_t_max=100)
