@@ -178,3 +178,36 @@ def test_a_trial_that_raised_unclosed_leaves_nothing_once_dropped(tmp_path):
             t.join(timeout=60)
     assert _process_state() == before
     assert trial(raises=False) == 4
+
+
+def test_a_trial_with_a_remote_that_raised_unclosed_leaves_no_uploader_once_dropped(tmp_path):
+    """As above, with ``remote=``: the dropped Checkpointer released its lock but left its
+    upload thread (rc-upload) running for the life of the process, one per such trial, still
+    uploading from the directory the next trial had opened, to the store it had claimed (found
+    2026-12-07). Now the thread is told to stop, and the next trial uploads what was left."""
+    remote = f"file://{tmp_path}/remote"
+
+    def trial(raises: bool) -> int:
+        state = {"w": torch.zeros(16)}
+        ck = Checkpointer(tmp_path / "trial", every_n_steps=1, keep_last=1, remote=remote)
+        start = ck.restore(state)
+        for step in range(start + 1, start + 3):
+            state["w"].add_(1.0)
+            ck.step(step, state)
+        if raises:
+            ck.flush()  # (its saves done: nothing but the thread holds it)
+            raise ValueError("the trial's training failed")
+        ck.close()
+        return start
+
+    trial(raises=False)  # (warm-up: what the first run imports and starts once)
+    before = _process_state()
+    with contextlib.suppress(ValueError):
+        trial(raises=True)
+    gc.collect()
+    for t in threading.enumerate():  # (told to end as it was collected: let them)
+        if t.name.startswith("rc-") and t.name not in before["threads"]:
+            t.join(timeout=60)
+    assert _process_state() == before
+    assert trial(raises=False) == 4
+    assert _process_state() == before

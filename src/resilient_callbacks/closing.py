@@ -469,8 +469,15 @@ def dropped(ck: Checkpointer) -> None:
     thread; from another (its last save ended there), left to forward to the ones before
     them, as after an ``uninstall`` out of order (one of each otherwise stayed per such trial,
     its watcher taking every SIGTERM for a save no one would make). Its saves ran before: a
-    queued save holds its Checkpointer. (Its uploads to a remote go on: they stop at
-    ``close()`` only.)"""
+    queued save holds its Checkpointer. Its upload threads are told to stop after their
+    current attempt, before the lock goes (they ran on for the life of the process, uploading
+    from the directory the next writer opened, and retention there restarted its deletion
+    thread): what was not uploaded, the next writer on the directory uploads."""
+    for name in ("sync", "uploader", "committer"):  # (a NodeDirectory: the last two)
+        with contextlib.suppress(Exception):
+            thread = getattr(ck._dir, name, None)
+            if thread is not None:
+                thread.stop(join_s=0.0)
     with contextlib.suppress(Exception):
         ck._dir.lock.release()
     with contextlib.suppress(Exception):

@@ -68,12 +68,14 @@ class UploadThread:
     def _run(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 
-    def stop(self) -> None:
-        """Stop after the current attempt; what is still queued is not uploaded."""
+    def stop(self, join_s: float = 1.0) -> None:
+        """Stop after the current attempt; what is still queued is not uploaded. ``join_s``:
+        how long to wait for the current attempt (0: not at all, a dropped Checkpointer)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join(timeout=1.0)
+        if join_s > 0:
+            self._thread.join(timeout=join_s)
 
     def _wait_for_work(self, has_work: Callable[[], object]) -> bool:
         """The thread, holding the lock: block until ``has_work()`` or :meth:`stop`; False once
