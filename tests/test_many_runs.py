@@ -211,3 +211,32 @@ def test_a_trial_with_a_remote_that_raised_unclosed_leaves_no_uploader_once_drop
     assert _process_state() == before
     assert trial(raises=False) == 4
     assert _process_state() == before
+
+
+def test_a_trial_with_metadata_notices_that_raised_unclosed_leaves_no_poller_once_dropped(
+    tmp_path,
+):
+    """As above, with ``metadata_notices=``: the dropped Checkpointer left its cloud notice
+    poller's thread polling for the life of the process, one per such trial, for a watcher
+    already uninstalled (found 2026-12-07). Now it is told to stop."""
+    notices = {"kind": "aws", "url": "http://127.0.0.1:9/", "timeout_s": 0.1}
+
+    def trial(raises: bool) -> None:
+        state = {"w": torch.zeros(16)}
+        ck = Checkpointer(tmp_path / "trial", every_n_steps=1, metadata_notices=notices)
+        ck.restore(state)
+        ck.step(1, state)
+        if raises:
+            ck.flush()  # (its saves done: nothing but the thread holds it)
+            raise ValueError("the trial's training failed")
+        ck.close()
+
+    trial(raises=False)  # (warm-up: what the first run imports and starts once)
+    before = _process_state()
+    with contextlib.suppress(ValueError):
+        trial(raises=True)
+    gc.collect()
+    for t in threading.enumerate():  # (told to end as it was collected: let them)
+        if t.name not in before["threads"]:
+            t.join(timeout=60)
+    assert _process_state() == before

@@ -465,11 +465,11 @@ def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
 def dropped(ck: Checkpointer) -> None:
     """``__del__``, best effort: a Checkpointer dropped unclosed (a sweep's trial that raised
     outside a ``with`` block, its close never called) gives back its directory lock, ends its
-    background-save and deletion threads and its signal handlers: restored from the main
-    thread; from another (its last save ended there), left to forward to the ones before
-    them, as after an ``uninstall`` out of order (one of each otherwise stayed per such trial,
-    its watcher taking every SIGTERM for a save no one would make). Its saves ran before: a
-    queued save holds its Checkpointer. Its upload threads are told to stop after their
+    background-save, deletion and notice-polling threads and its signal handlers: restored
+    from the main thread; from another (its last save ended there), left to forward to the
+    ones before them, as after an ``uninstall`` out of order (one of each otherwise stayed per
+    such trial, its watcher taking every SIGTERM for a save no one would make). Its saves ran
+    before: a queued save holds its Checkpointer. Its upload threads are told to stop after their
     current attempt, before the lock goes (they ran on for the life of the process, uploading
     from the directory the next writer opened, and retention there restarted its deletion
     thread): what was not uploaded, the next writer on the directory uploads."""
@@ -486,6 +486,9 @@ def dropped(ck: Checkpointer) -> None:
             persister.stop(join_s=0.0)
     with contextlib.suppress(Exception):
         ck._dir.trash.stop(join=False)  # (once what it was given is deleted)
+    with contextlib.suppress(Exception):
+        if ck._poller is not None:  # (its cloud notice poller polled on, for no one)
+            ck._poller.stop(join=False)
     with contextlib.suppress(Exception):
         if ck.watcher is not None:
             ck.watcher.uninstall(quiet=True)

@@ -178,11 +178,12 @@ class MetadataPoller:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop polling and join the thread (waits at most for one in-flight request)."""
+    def stop(self, join: bool = True) -> None:
+        """Stop polling and join the thread (waits at most for one in-flight request; not
+        with ``join=False``: a dropped Checkpointer's)."""
         self._stop.set()
         t, self._thread = self._thread, None
-        if t is not None and t is not threading.current_thread():
+        if join and t is not None and t is not threading.current_thread():
             t.join(timeout=2 * self.config.timeout_s + 1.0)
 
     def __enter__(self) -> MetadataPoller:
