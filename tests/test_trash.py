@@ -109,3 +109,23 @@ def test_close_says_what_deletions_it_did_not_wait_for(tmp_path, monkeypatch, ca
     with Checkpointer(str(root), keep_last=1, preemption=False):
         pass
     assert _trashed(root) == []
+
+
+def test_a_directory_put_after_the_bin_stopped_is_deleted_without_a_new_thread(tmp_path):
+    """An upload thread's retention that outlived its Checkpointer's close (an upload attempt
+    longer than close's 1 s join, a dropped Checkpointer's, not joined) put a directory into a
+    bin already stopped: a new rc-trash thread started, which nothing stopped (one per such
+    run, found 2026-12-07). Now it is deleted in the caller's thread."""
+    bin_ = trash.TrashBin()
+    first = tmp_path / "first"
+    first.mkdir()
+    bin_.put(str(first))
+    assert bin_.wait(timeout=60)
+    bin_.stop()
+    before = {t for t in threading.enumerate() if t.name == "rc-trash"}
+    late = tmp_path / "late"
+    (late / "sub").mkdir(parents=True)
+    bin_.put(str(late))
+    assert {t for t in threading.enumerate() if t.name == "rc-trash" and t.is_alive()} <= before
+    assert not late.exists()
+    assert bin_.pending == 0

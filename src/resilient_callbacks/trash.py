@@ -39,14 +39,21 @@ class TrashBin:
         self._abandoned = False
         self._lock = threading.Lock()
         self._deleting = 0  # directories put and not yet deleted (not the checks of then())
+        self._stopped = False
 
     def put(self, trash: str) -> None:
-        """Delete the directory ``trash`` (already renamed out of sight) in the background."""
-        if self._worker is None:
-            self._worker = BackgroundPersister(max_in_flight=1 << 30, name="rc-trash")
+        """Delete the directory ``trash`` (already renamed out of sight) in the background;
+        after :meth:`stop` in the caller's thread (an upload thread's retention that outlived
+        the close: a worker started then was never stopped)."""
         with self._lock:
             self._deleting += 1
-        self._worker.submit(lambda: self._delete(trash))
+            worker = self._worker
+            if worker is None and not self._stopped:
+                worker = self._worker = BackgroundPersister(max_in_flight=1 << 30, name="rc-trash")
+        if worker is None:
+            self._delete(trash)
+        else:
+            worker.submit(lambda: self._delete(trash))
 
     def _delete(self, trash: str) -> None:
         try:
@@ -90,7 +97,9 @@ class TrashBin:
     def stop(self, join: bool = True) -> None:
         """End the worker once what was put is deleted (call after :meth:`wait`); ``join``
         False: without waiting for it."""
-        worker, self._worker = self._worker, None
+        with self._lock:
+            self._stopped = True
+            worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop(join_s=0.0 if self._abandoned or not join else 5.0)
 
