@@ -230,8 +230,8 @@ def load_state(obj: Any, value: Any, load: Callable[[Any], Any]) -> Any:
     if not keeps and not isinstance(obj, torch.nn.Module):
         copy_kept(obj)
     # (a module's state dict may hold other values: a dtype, a quantized Linear's tuple)
-    ranges = _ranges()
     kept = _tensors(obj.state_dict()) if isinstance(obj, torch.nn.Module) else None
+    ranges = _ranges()  # (after state_dict(): a tensor it makes cannot sit in a freed range)
     if kept is not None and not any(is_mapped(t, ranges) for t in kept):
         for t in _tensors(value):  # copied into the module: not read from the mapping again
             release(t)
