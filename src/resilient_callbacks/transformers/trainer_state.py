@@ -201,12 +201,14 @@ class SavedState:
 
 def callback_states(trainer: Any, exclude: Any) -> dict[str, list[Any]]:
     """The exportable states of the Trainer's callbacks (as the Trainer's own checkpoints keep
-    them), by class name."""
+    them), by class name. A checkpoint may lack any of them (:class:`~..structure.OptionalKeys`):
+    a callback added for the resumed run (an ``EarlyStoppingCallback``) starts from its own
+    state, as under the Trainer's own resume, without a "removed" warning."""
     out: dict[str, list[Any]] = {}
     for cb in trainer.callback_handler.callbacks:
         if cb is not exclude and isinstance(cb, ExportableState):
             out.setdefault(type(cb).__name__, []).append(cb.state())
-    return out
+    return OptionalKeys(out, optional=tuple(out))
 
 
 def restore_callback_states(trainer: Any, saved: Mapping[str, list[Any]], exclude: Any) -> None:
