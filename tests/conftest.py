@@ -37,6 +37,7 @@ TRANSFORMERS_FILES = [
     "test_transformers_many_trainings.py",
     "test_transformers_new_data.py",
     "test_transformers_phases.py",
+    "test_transformers_scheduler_settings.py",
     "test_transformers_setups.py",
     "test_transparent_transformers.py",
     "test_upstream_transformers.py",
