@@ -147,49 +147,23 @@ def test_a_sweep_with_a_remote_per_trial_keeps_no_entry_per_trial(tmp_path):
     assert len(mine) <= 1, mine
 
 
-def test_a_trial_that_raised_unclosed_leaves_nothing_once_dropped(tmp_path):
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+def test_a_trial_that_raised_unclosed_leaves_nothing_once_dropped(tmp_path, remote):
     """A sweep's trial whose training raised outside a ``with`` block (its ``close()`` never
     called), the Checkpointer then dropped: its background-save thread kept the last save's
     job, and with it the Checkpointer, for ever; its lock, thread and signal handlers stayed,
     one of each per such trial (found 2026-12-07: the same dirpath was refused as "already
     has a writer open", and the trials' watchers took every SIGTERM). Now it goes with its
-    lock, thread and handlers, and the next trial on its dirpath resumes."""
+    lock, thread and handlers, and the next trial on its dirpath resumes. With ``remote=``,
+    the dropped Checkpointer released its lock but left its upload thread (rc-upload) running
+    for the life of the process, still uploading from the directory the next trial had opened,
+    to the store it had claimed (found the same day); now the thread is told to stop, and the
+    next trial uploads what was left."""
+    options = {"remote": f"file://{tmp_path}/remote"} if remote else {}
 
     def trial(raises: bool) -> int:
         state = {"w": torch.zeros(16)}
-        ck = Checkpointer(tmp_path / "trial", every_n_steps=1, keep_last=1)
-        start = ck.restore(state)
-        for step in range(start + 1, start + 3):
-            state["w"].add_(1.0)
-            ck.step(step, state)
-        if raises:
-            ck.flush()  # (its saves done: nothing but the thread holds it)
-            raise ValueError("the trial's training failed")
-        ck.close()
-        return start
-
-    trial(raises=False)  # (warm-up: what the first run imports and starts once)
-    before = _process_state()
-    with contextlib.suppress(ValueError):
-        trial(raises=True)
-    gc.collect()
-    for t in threading.enumerate():  # (told to end as it was collected: let them)
-        if t.name.startswith("rc-") and t.name not in before["threads"]:
-            t.join(timeout=60)
-    assert _process_state() == before
-    assert trial(raises=False) == 4
-
-
-def test_a_trial_with_a_remote_that_raised_unclosed_leaves_no_uploader_once_dropped(tmp_path):
-    """As above, with ``remote=``: the dropped Checkpointer released its lock but left its
-    upload thread (rc-upload) running for the life of the process, one per such trial, still
-    uploading from the directory the next trial had opened, to the store it had claimed (found
-    2026-12-07). Now the thread is told to stop, and the next trial uploads what was left."""
-    remote = f"file://{tmp_path}/remote"
-
-    def trial(raises: bool) -> int:
-        state = {"w": torch.zeros(16)}
-        ck = Checkpointer(tmp_path / "trial", every_n_steps=1, keep_last=1, remote=remote)
+        ck = Checkpointer(tmp_path / "trial", every_n_steps=1, keep_last=1, **options)
         start = ck.restore(state)
         for step in range(start + 1, start + 3):
             state["w"].add_(1.0)
