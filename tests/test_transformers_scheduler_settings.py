@@ -1,7 +1,8 @@
 """Under the Trainer, the restore's warning of LR scheduler settings the checkpoint replaces
 points at the user's ``trainer.train(...)`` line and tells a Trainer's user where to set new
 values: a ``TrainerCallback``'s ``on_train_begin``, not ``restore()``, which a Trainer's user
-never calls. A callback added for the resumed run is no "removed" key."""
+never calls; so does the warning of tensors cast to another dtype. A callback added for the
+resumed run is no "removed" key."""
 
 from __future__ import annotations
 
@@ -80,3 +81,21 @@ def test_an_exportable_callback_new_to_the_resumed_run_keeps_its_state_unsaid(tm
     said = [str(w.message) for w in caught if "not in the checkpoint" in str(w.message)]
     assert said == [], said
     assert counts.n == 7
+
+
+def test_a_cast_on_resume_is_said_at_the_train_line(tmp_path):
+    """Found 2026-12-07: a checkpoint's tensors cast to the dtype they have here (a run resumed
+    in bf16) were said at a line inside transformers/trainer.py."""
+    ck = tmp_path / "ck"
+    first = _trainer(tmp_path / "a", 10, 2)
+    first.add_callback(ResilientCheckpoint(str(ck), every_n_steps=1))
+    first.train()
+    again = _trainer(tmp_path / "b", 10, 3)
+    again.model.to(torch.bfloat16)
+    again.add_callback(ResilientCheckpoint(str(ck), every_n_steps=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = _line() + 1
+        again.train()
+    (said,) = [w for w in caught if "cast to the dtype they have here" in str(w.message)]
+    assert (said.filename, said.lineno) == (__file__, line), (said.filename, said.lineno)

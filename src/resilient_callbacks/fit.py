@@ -147,6 +147,7 @@ def check_fits(
     structure: Any,
     tensors_meta: Mapping[str, tuple[str, list[int]]],
     partial: bool = False,
+    through: tuple[str, ...] = (),
 ) -> list[str]:
     """Raise :class:`CheckpointMismatchError` listing every key that is missing, unexpected or of
     another shape, before anything is loaded. Modules and tensors are compared exactly;
@@ -154,7 +155,9 @@ def check_fits(
     A tensor of another dtype is cast on load, as ``load_state_dict`` does (a run resumed in
     another precision), with a warning that names it: a resume that is not exact says so.
     ``partial``: the state may hold a part of the checkpoint's entries (a read-only restore of
-    the model alone); the entries of a dict left out are returned, not refused."""
+    the model alone); the entries of a dict left out are returned, not refused. ``through``: a
+    framework's directories between the user's line and the library (where the cast warning
+    points)."""
     problems: list[str] = []
     left_out: list[str] = []
     cast: list[str] = []
@@ -298,7 +301,7 @@ def check_fits(
             + "\nIf this directory belongs to another model or run, use a new dirpath "
             "(or resume='never' to start fresh and leave those checkpoints alone)."
         )
-    warn_cast(cast)
+    warn_cast(cast, *through)
     if left_out:
         log.info("restore: not loaded, as the state does not hold them: %s", ", ".join(left_out))
     return left_out

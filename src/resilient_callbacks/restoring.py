@@ -337,7 +337,7 @@ class Restorer:
                 k: (str(t.dtype).removeprefix("torch."), list(t.shape))
                 for k, t in part.tensors.items()
             }
-            fit.check_fits(state, full, meta, partial=ck.config.read_only)
+            fit.check_fits(state, full, meta, ck.config.read_only, ck.restore_advice.through)
             # objects that keep what they load get private copies (mapped.py)
             inplace.apply(
                 state, full, lambda n: structure.decode(n, part.tensors), ck.restore_advice
