@@ -147,6 +147,18 @@ def test_a_sweep_with_a_remote_per_trial_keeps_no_entry_per_trial(tmp_path):
     assert len(mine) <= 1, mine
 
 
+def _fail_and_drop(trial, before: dict) -> None:
+    """Run ``trial(raises=True)``, whose Checkpointer is dropped unclosed as its error
+    propagates; collect it, and let the threads told to end as it was collected (those not
+    in ``before``) end."""
+    with contextlib.suppress(ValueError):
+        trial(raises=True)
+    gc.collect()
+    for t in threading.enumerate():
+        if t.name not in before["threads"]:
+            t.join(timeout=60)
+
+
 @pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
 def test_a_trial_that_raised_unclosed_leaves_nothing_once_dropped(tmp_path, remote):
     """A sweep's trial whose training raised outside a ``with`` block (its ``close()`` never
@@ -176,12 +188,7 @@ def test_a_trial_that_raised_unclosed_leaves_nothing_once_dropped(tmp_path, remo
 
     trial(raises=False)  # (warm-up: what the first run imports and starts once)
     before = _process_state()
-    with contextlib.suppress(ValueError):
-        trial(raises=True)
-    gc.collect()
-    for t in threading.enumerate():  # (told to end as it was collected: let them)
-        if t.name.startswith("rc-") and t.name not in before["threads"]:
-            t.join(timeout=60)
+    _fail_and_drop(trial, before)
     assert _process_state() == before
     assert trial(raises=False) == 4
     assert _process_state() == before
@@ -207,10 +214,5 @@ def test_a_trial_with_metadata_notices_that_raised_unclosed_leaves_no_poller_onc
 
     trial(raises=False)  # (warm-up: what the first run imports and starts once)
     before = _process_state()
-    with contextlib.suppress(ValueError):
-        trial(raises=True)
-    gc.collect()
-    for t in threading.enumerate():  # (told to end as it was collected: let them)
-        if t.name not in before["threads"]:
-            t.join(timeout=60)
+    _fail_and_drop(trial, before)
     assert _process_state() == before

@@ -103,19 +103,8 @@ def test_warm_restarts_progress_is_no_setting(tmp_path, restarts):
         sched = lr_scheduler.SequentialLR(opt, [lr_scheduler.ConstantLR(opt), warm], [1])
         return {"model": model, "opt": opt, "sched": sched}
 
-    first = built(2)
-    _lrs(first, 6)  # past the first restart: T_i is 4 with T_mult=2
-    with Checkpointer(tmp_path) as ck:
-        ck.save(6, first)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with Checkpointer(tmp_path) as ck:
-            assert ck.restore(built(2)) == 6
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with Checkpointer(tmp_path) as ck:
-            assert ck.restore(built(3)) == 6
-    (said,) = [str(w.message) for w in caught if "scheduler" in str(w.message)]
+    # 6 steps: past the first restart (T_i is 4 with T_mult=2)
+    (said,) = _saved_then_restored(tmp_path, built(2), built(3), steps=6, same=built(2))
     assert "_schedulers[1].T_0=2 from the checkpoint (3 here)" in said
     assert "T_cur" not in said and "T_i=" not in said
 
@@ -142,31 +131,26 @@ def test_a_tensor_a_callable_factor_holds_is_compared_by_its_values(tmp_path):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         return {"model": model, "opt": opt, "sched": lr_scheduler.LambdaLR(opt, _Decay(rates))}
 
-    first = built([1.0, 0.5, float("nan")])
-    _lrs(first, 1)
-    with Checkpointer(tmp_path) as ck:
-        ck.save(1, first)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with Checkpointer(tmp_path) as ck:
-            assert ck.restore(built([1.0, 0.5, float("nan")])) == 1
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with Checkpointer(tmp_path) as ck:
-            assert ck.restore(built([1.0, 0.25, float("nan")])) == 1
-    (said,) = [str(w.message) for w in caught if "scheduler" in str(w.message)]
+    first, same = built([1.0, 0.5, float("nan")]), built([1.0, 0.5, float("nan")])
+    (said,) = _saved_then_restored(tmp_path, first, built([1.0, 0.25, float("nan")]), 1, same)
     assert "lr_lambdas[0].rates=tensor([1.0000, 0.5000,    nan]) from the checkpoint" in said
 
 
-def _saved_then_restored(tmp_path, first, again):
-    """Save ``first`` after 3 steps; restore into ``again``; the scheduler warnings said."""
-    _lrs(first, 3)
+def _saved_then_restored(tmp_path, first, again, steps: int = 3, same=None):
+    """Save ``first`` after ``steps`` steps; restore into ``same`` (if given: nothing may be
+    said), then into ``again``; the scheduler warnings the latter said."""
+    _lrs(first, steps)
     with Checkpointer(tmp_path) as ck:
-        ck.save(3, first)
+        ck.save(steps, first)
+    if same is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with Checkpointer(tmp_path) as ck:
+                assert ck.restore(same) == steps
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with Checkpointer(tmp_path) as ck:
-            assert ck.restore(again) == 3
+            assert ck.restore(again) == steps
     return [str(w.message) for w in caught if "scheduler" in str(w.message)]
 
 
