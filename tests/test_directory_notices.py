@@ -225,6 +225,27 @@ def test_a_relative_dirpath_is_resolved_once_and_a_fresh_start_names_where_it_lo
     assert any(m.startswith(where) and f"directory {tmp_path / 'b'} when" in m for m in said)
 
 
+def test_a_relative_resume_path_is_resolved_when_the_checkpointer_is_made_as_dirpath(
+    tmp_path, monkeypatch
+):
+    """``resume=<relative path>`` and a relative ``dirpath``, then a change of the working
+    directory before restore() (Hydra's job folder, a script's os.chdir): both are resolved
+    against the directory the Checkpointer was made in. The path was resolved at restore():
+    'no checkpoint at <the new directory>/ckpts/run1/step_1'."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    with Checkpointer("ckpts/run1", async_save=False) as ck:
+        ck.save(1, _state(1.0))
+        ck.save(2, _state(2.0))
+    with Checkpointer("ckpts/run1", resume="ckpts/run1/step_000000001", async_save=False) as ck:
+        os.chdir(tmp_path / "b")
+        state = _state()
+        assert ck.restore(state) == 1 and float(state["w"][0]) == 1.0
+        assert ck.dirpath == str(tmp_path / "a" / "ckpts" / "run1")
+    assert ck.restored_from == str(tmp_path / "a" / "ckpts" / "run1" / "step_000000001")
+
+
 def _hydra_job(job, started_in, mode: str = "RUN") -> None:
     """The .hydra/ folder Hydra 1.3 writes in a job's output folder (hydra.yaml, trimmed)."""
     (job / ".hydra").mkdir(parents=True)

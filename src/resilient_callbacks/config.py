@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -132,6 +132,9 @@ class CheckpointerConfig:
     shared_dirpath: bool | None = None  # None: detect; False: node-local disks (docs/multinode.md)
     replicas: int = 0  # node-local mode: copies of each node's files kept on other nodes (0 or 1)
     telemetry: Any = None  # metrics sinks (sinks.parse): a spec, a dict, a callable, a list
+    #: ``resume`` given as a path: absolute, resolved when the config is made, as ``dirpath`` is
+    #: (a relative one and an ``os.chdir`` before restore(), Hydra's job folder, find the same)
+    resume_path: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def sinks(self) -> tuple[SinkSpec, ...]:
         """The metrics sinks ``telemetry`` names, validated (no extra imported)."""
@@ -161,6 +164,9 @@ class CheckpointerConfig:
                 f"resume={r!r}: use 'auto' (default), 'never', a step number or the path of a "
                 "checkpoint directory"
             )
+        if isinstance(self.resume, str) and not isinstance(self.resume, ResumeMode):
+            path = os.path.abspath(os.path.expanduser(self.resume))
+            object.__setattr__(self, "resume_path", path)
         for flag in (
             "capture_rng",
             "async_save",

@@ -446,7 +446,8 @@ class Restorer:
             return []
         if isinstance(r, str) and r != ResumeMode.AUTO:
             number_after_remote(self._ck._dir)
-            path = os.path.abspath(os.path.expanduser(r))
+            path = ck.config.resume_path  # (resolved with dirpath, when the config was made)
+            assert path is not None
             if not os.path.exists(path):
                 hint = missing_resume_hint(r, ck.dirpath)
                 raise CheckpointNotFoundError(f"resume={r!r}: no checkpoint at {path}{hint}")
