@@ -56,13 +56,16 @@ def apply(
     structure: Any,
     resolve: Callable[[Any], Any],
     advice: Advice = Advice(),
+    *,
+    coordinator: bool = True,
 ) -> None:
     """Load a checkpoint into the live objects of ``state`` in place. ``resolve(node)`` decodes
     a structure node (tensors already loaded). Containers are updated, not replaced, so
     references the training loop holds stay valid. Keys a plain dict had and the checkpoint's
     did not are removed (the saved run had dropped them, or new code adds them): a warning
     names them, and one names the LR scheduler settings the checkpoint's replace, both at the
-    user's line and in the words of ``advice``."""
+    user's line and in the words of ``advice``; the latter on the ``coordinator`` only (rank 0:
+    said once, :func:`.scheduler_settings.say`)."""
     removed: list[str] = []
     settings: list[str] = []  # LR scheduler settings the checkpoint's replace (scheduler_settings)
     # values put in the state's containers are the state's: not views of the mapped checkpoint
@@ -96,10 +99,12 @@ def apply(
             target = plain_module(obj)  # a wrapper (compile, DDP): into the module it wraps
             value = module_versions.attach(resolve(n), n)
             load = target.load_state_dict
-            if scheduler_settings.is_scheduler(target) and isinstance(value, Mapping):
-                diff = scheduler_settings.changed(target, value)
-                kind = type(target).__name__
-                settings.extend([f"{path_str(path)} ({kind}): {', '.join(diff)}"] if diff else [])
+            sched = scheduler_settings.held(target)
+            if sched is not None and isinstance(value, Mapping):
+                diff = scheduler_settings.changed(sched, value)
+                where = getattr(target, "settings_name", None) or path_str(path)
+                said = [f"{where} ({type(sched).__name__}): {', '.join(diff)}"] if diff else []
+                settings.extend(said)
             if isinstance(target, torch.nn.Module) and isinstance(value, Mapping):
                 live_sd = target.state_dict()
                 value = unwrapped_keys(value, live_sd.keys())
@@ -164,11 +169,8 @@ def apply(
             stacklevel=caller_stacklevel(*advice.through),
         )
     if settings:
-        warnings.warn(
-            "restore: " + scheduler_settings.message(settings, advice.new_settings, advice.like),
-            UserWarning,
-            stacklevel=caller_stacklevel(*advice.through),
-        )
+        msg = scheduler_settings.message(settings, advice.new_settings, advice.like)
+        scheduler_settings.say("restore: " + msg, coordinator, advice.through)
     if not same_value(new_root, state):
         raise CheckpointMismatchError(
             "the state passed to restore() must be a container (dict/list) or an object with "

@@ -340,7 +340,11 @@ class Restorer:
             fit.check_fits(state, full, meta, ck.config.read_only, ck.restore_advice.through)
             # objects that keep what they load get private copies (mapped.py)
             inplace.apply(
-                state, full, lambda n: structure.decode(n, part.tensors), ck.restore_advice
+                state,
+                full,
+                lambda n: structure.decode(n, part.tensors),
+                ck.restore_advice,
+                coordinator=ck.is_coordinator,
             )
             for pid, fp in fileparts.items():
                 if pid not in readers:

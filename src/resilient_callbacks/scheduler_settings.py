@@ -15,12 +15,17 @@ apply from the saved step, and a change of them cannot be seen here.
 from __future__ import annotations
 
 import inspect
+import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from .errors import caller_stacklevel
 from .values import same_value
+
+log = logging.getLogger("resilient_callbacks")
 
 #: state-dict keys of torch's schedulers that say where the schedule is, not how it goes, even
 #: where they name a parameter (``last_epoch``)
@@ -66,16 +71,28 @@ def changed(scheduler: Any, saved: Mapping[str, Any], path: str = "") -> list[st
     A key the checkpoint lacks (an older torch's) keeps the live value: nothing replaced.
     ``lr_lambdas``: torch loads a saved callable object's attributes into the live one (a
     function's entry, ``None``, loads nothing), so only attributes both hold are compared."""
+    out = []
+    for name, _, theirs, mine in _diffs(scheduler, saved, path):
+        a, b = _shown(theirs, mine)
+        out.append(f"{name}={a} from the checkpoint ({b} here)")
+    return out
+
+
+def _diffs(
+    scheduler: Any, saved: Mapping[str, Any], path: str = ""
+) -> list[tuple[str, tuple[Any, ...], Any, Any]]:
+    """Each setting of :func:`changed`: its name, its keys in the state dict, the checkpoint's
+    value and the live one."""
     live = scheduler.state_dict()
     params = _init_params(type(scheduler))
-    out: list[str] = []
+    out: list[tuple[str, tuple[Any, ...], Any, Any]] = []
     for k, mine in live.items():
         if k in PROGRESS or k not in saved:
             continue
         name = f"{path}.{k}" if path else str(k)
         theirs = saved[k]
         if k == "lr_lambdas" and isinstance(mine, list) and isinstance(theirs, list):
-            out += _factors(mine, theirs, name)
+            out += [(n, (k, *keys), a, b) for n, keys, a, b in _factors(mine, theirs, name)]
             continue
         bare = str(k).lstrip("_")
         if bare not in params and bare.removesuffix("s") not in params:
@@ -90,24 +107,24 @@ def changed(scheduler: Any, saved: Mapping[str, Any], path: str = "") -> list[st
             and all(isinstance(v, Mapping) for v in theirs)
         ):  # the schedulers it holds, with their state dicts
             for i, (h, b) in enumerate(zip(held, theirs, strict=True)):
-                out += changed(h, b, f"{name}[{i}]")
+                out += [(n, (k, i, *ks), x, y) for n, ks, x, y in _diffs(h, b, f"{name}[{i}]")]
         elif not same_value(_plain(mine), _plain(theirs)):
-            a, b = _shown(theirs, mine)
-            out.append(f"{name}={a} from the checkpoint ({b} here)")
+            out.append((name, (k,), theirs, mine))
     return out
 
 
-def _factors(mine: list[Any], theirs: list[Any], name: str) -> list[str]:
+def _factors(
+    mine: list[Any], theirs: list[Any], name: str
+) -> list[tuple[str, tuple[Any, ...], Any, Any]]:
     """The attributes of ``LambdaLR``/``MultiplicativeLR`` callable objects that torch's load
     replaces (it updates a live factor's ``__dict__`` with the saved entry's keys)."""
-    out: list[str] = []
+    out: list[tuple[str, tuple[Any, ...], Any, Any]] = []
     for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
         if not (isinstance(a, Mapping) and isinstance(b, Mapping)):
             continue  # a function on either side: the new code's stays in place
         for k, v in b.items():
             if k in a and not same_value(_plain(a[k]), _plain(v)):
-                x, y = _shown(v, a[k])
-                out.append(f"{name}[{i}].{k}={x} from the checkpoint ({y} here)")
+                out.append((f"{name}[{i}].{k}", (i, k), v, a[k]))
     return out
 
 
@@ -130,6 +147,29 @@ def _init_params(cls: type) -> frozenset[str]:
     names.discard("self")
     names.discard("optimizer")
     return frozenset(names)
+
+
+def held(obj: Any) -> Any:
+    """The torch scheduler that ``obj``'s ``load_state_dict`` loads: ``obj`` itself, or the
+    one a wrapper that loads the whole state dict into it holds as ``scheduler`` (it says so
+    with ``HOLDS_SCHEDULER``: DeepSpeed's ``SchedulerState``); None if neither."""
+    if is_scheduler(obj):
+        return obj
+    inner = getattr(obj, "scheduler", None) if getattr(obj, "HOLDS_SCHEDULER", False) else None
+    return inner if is_scheduler(inner) else None
+
+
+def say(msg: str, coordinator: bool, through: tuple[str, ...] = ()) -> None:
+    """Say ``msg`` once: a warning on the coordinator (rank 0), at the user's line (outside
+    this package and the directories ``through``), logged there too where logging is set up;
+    the other ranks log it at INFO (every rank loads the same settings: each printing it
+    said it once per rank)."""
+    if coordinator:
+        warnings.warn(msg, UserWarning, stacklevel=caller_stacklevel(*through))
+        if log.hasHandlers():
+            log.warning(msg)
+    else:
+        log.info(msg)
 
 
 def described(where: str, scheduler: Any, saved: Any) -> list[str]:

@@ -30,7 +30,7 @@ from ..data import ResumableDataLoader
 from ..errors import AT_CALLER, ConfigError, UnsupportedStateError, warn_and_log
 from ..structure import PerRank
 from . import section
-from .engine_state import check_config, engine_state
+from .engine_state import advice, check_config, engine_state
 from .evaluation import EvaluationWatch
 from .launch import launched
 from .own_calls import OwnCalls
@@ -60,6 +60,7 @@ class DeepSpeedCheckpoint:
         if state is not None:
             self.state["user"] = state
         self.checkpointer: Checkpointer = Checkpointer(**options)
+        self.checkpointer.restore_advice = advice()  # (its restore runs inside our calls)
         self.restored_step: int | None = None
         self._entered = False  # inside `with handle:` (which sees an exception)
         self._told_unguarded = False

@@ -16,17 +16,15 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 import torch
 
-from .. import scheduler_settings
 from ..errors import (
     CheckpointMismatchError,
     UnsupportedStateError,
-    caller_stacklevel,
 )
+from ..inplace import Advice
 from ..structure import PerRank
 from .counters import EngineCounters
 from .zero_part import ZeroPart, warn_untrained_absent
@@ -357,13 +355,22 @@ def _random_ltd_enabled(engine: Any) -> bool:
     )
 
 
-_LIKE = "DeepSpeed's own load_checkpoint does"
-# (Lightning's DeepSpeedStrategy takes the scheduler out of the engine and restores it itself:
-# the Lightning callback names its changes, :func:`..lightning.checks.scheduler_settings_changed`)
-_HOW = (
-    "set them on engine.lr_scheduler after the restore, once rcds.initialize (or "
-    "deepspeed.initialize under the launcher) has returned (see docs/deepspeed.md)"
-)
+def advice() -> Advice:
+    """The restore's warnings in a DeepSpeed user's words: they never call ``restore()``; the
+    checkpoint is loaded inside ``rcds.initialize`` (``deepspeed.initialize`` under our
+    launcher) or ``rcds.attach``, so what to change is changed once that call returned."""
+    after = (
+        "once rcds.initialize (deepspeed.initialize under the resilient_callbacks.deepspeed.run "
+        "launcher, or rcds.attach) has returned: it loaded the checkpoint"
+    )
+    return Advice(
+        new_key=f"set it in the state you passed to rcds.attach {after}",
+        new_settings=(
+            f"set them on engine.lr_scheduler {after}, before the first engine.step() "
+            "(`engine.lr_scheduler.T_max = 100`; see docs/deepspeed.md)"
+        ),
+        like="DeepSpeed's own load_checkpoint does",
+    )
 
 
 class SchedulerState:
@@ -374,9 +381,13 @@ class SchedulerState:
     the restored rate. After the load it answers the rate of the restored iteration, as after
     a step. Other schedulers (torch's save their last rates) are loaded as they are; a torch
     scheduler's settings (``T_max``, ...) come from the checkpoint, as with DeepSpeed's
-    ``load_checkpoint``, and those that differ from the new code's are named in a warning
-    (:mod:`..scheduler_settings`; DeepSpeed's keep only their iteration: the new config's
-    settings apply)."""
+    ``load_checkpoint``, and the restore names those that differ from the new code's
+    (``HOLDS_SCHEDULER``: :func:`..inplace.apply` compares them, in the words of the
+    Checkpointer's ``restore_advice``, :func:`advice`; DeepSpeed's keep only their iteration:
+    the new config's settings apply)."""
+
+    HOLDS_SCHEDULER = True  # its load_state_dict loads the whole state dict into .scheduler
+    settings_name = "engine.lr_scheduler"  # what the restore's warning calls it
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -386,14 +397,7 @@ class SchedulerState:
 
     def load_state_dict(self, state: Any) -> None:
         s = self.scheduler
-        found = scheduler_settings.described("engine.lr_scheduler", s, state)
         s.load_state_dict(state)
-        if found:
-            warnings.warn(
-                "restore: " + scheduler_settings.message(found, _HOW, _LIKE),
-                UserWarning,
-                stacklevel=caller_stacklevel(),
-            )
         ours = type(s).__module__.startswith("deepspeed.") and hasattr(s, "_last_lr")
         if ours and getattr(s, "last_batch_iteration", -1) >= 0 and hasattr(s, "get_lr"):
             s._last_lr = list(s.get_lr())

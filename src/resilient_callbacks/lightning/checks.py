@@ -290,11 +290,11 @@ def scheduler_settings_changed(trainer: pl.Trainer) -> None:
             "set them on the scheduler in your LightningModule's on_train_start, which runs "
             "after Lightning's restore (`self.lr_schedulers().T_max = 100`; see docs/lightning.md)"
         )
-        warnings.warn(
+        scheduler_settings.say(  # once: on rank 0, as Lightning's rank_zero_warn
             "ResilientCheckpoint: "
             + scheduler_settings.message(found, how, "Lightning's own ckpt_path resume does"),
-            UserWarning,
-            stacklevel=caller_stacklevel(os.path.dirname(os.path.dirname(pl.__file__))),
+            trainer.is_global_zero,
+            (os.path.dirname(os.path.dirname(pl.__file__)),),
         )
 
 
