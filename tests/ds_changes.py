@@ -3,13 +3,17 @@ what a resume must do when they are unusual or changed between runs.
 
     python ds_changes.py --dir D --steps N [--every K] [--opt NAdam] [--dtype fp16] [--stage 2]
                          [--scale-power P] [--micro B] [--data] [--scheduler [WarmupDecayLR|LambdaLR|Cosine]]
-                         [--lr-by-hand] [--total N] [--t-max N]
+                         [--lr-by-hand] [--total N] [--t-max N] [--set-t-max N]
+                         [--roll-back-at S]
 
 Trains ``Linear(8, 8)`` to optimizer step N (a save every K), from the newest checkpoint in D
 if there is one, then prints one line ``RESULT {json}``: the step restored from, the fp32
 parameters' digest, the loss scaler's state, the first group's lr and the optimizer state's
 keys, whether DeepSpeed's ``safe_get_full_optimizer_state`` finds the first moment, and
-(``--data``) the indices of the samples this run trained on.
+(``--data``) the indices of the samples this run trained on. ``--set-t-max``: the Cosine
+scheduler's ``T_max`` set once ``rcds.initialize`` returned (the restore's advice);
+``--roll-back-at S``: at step S, ``engine.resilient_checkpoint.restore()`` again (once), as a
+loop that saw a NaN loss.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ def main() -> None:
     ap.add_argument("--scheduler", nargs="?", const="WarmupLR")
     ap.add_argument("--total", type=int, default=20)  # WarmupDecayLR's total_num_steps
     ap.add_argument("--t-max", type=int, default=10)  # Cosine's T_max
+    ap.add_argument("--set-t-max", type=int)  # engine.lr_scheduler.T_max, after initialize
+    ap.add_argument("--roll-back-at", type=int)  # restore() again at that step
     args = ap.parse_args()
     world_of_one()
     skip_shm_op()
@@ -107,6 +113,8 @@ def main() -> None:
     )
     restored = engine.global_steps
     values = single_values(engine)  # as restored, before any step
+    if args.set_t_max is not None:
+        engine.lr_scheduler.T_max = args.set_t_max
     dtype = next(engine.module.parameters()).dtype
     g = torch.Generator().manual_seed(1)
     for _ in range(engine.global_steps):  # the batches already trained on
@@ -114,6 +122,9 @@ def main() -> None:
     batches = iter(engine.training_dataloader) if args.data else None
     samples: list[int] = []  # the indices of the samples this run trained on (--data)
     while engine.global_steps < args.steps:
+        if engine.global_steps == args.roll_back_at:
+            args.roll_back_at = None
+            engine.resilient_checkpoint.restore()  # (the newest checkpoint)
         if batches is not None:
             x, index = next(batches)
             samples.extend(index.tolist())

@@ -139,6 +139,24 @@ def test_a_changed_torch_scheduler_setting_is_named_and_the_saved_one_schedules_
 
 
 @pytest.mark.slow  # three DeepSpeed runs
+def test_a_roll_back_keeps_the_t_max_set_after_the_resume(tmp_path: Path) -> None:
+    """T_max 10, then 100 set on engine.lr_scheduler once rcds.initialize returned, as the
+    warning says; at step 6 the loop rolls back (engine.resilient_checkpoint.restore(), to
+    step 4). The roll-back loaded T_max 10 again and warned again; now the run keeps its 100 and
+    schedules on as the run that did not roll back."""
+    d = tmp_path / "ck"
+    run(d, "--scheduler", "Cosine", "--t-max", "10", "--steps", "4", "--every", "4")
+    new = ("--scheduler", "Cosine", "--t-max", "100", "--set-t-max", "100", "--every", "100")
+    back = run(d, *new, "--steps", "8", "--roll-back-at", "6")
+    ref = run(d, *new, "--steps", "8")  # (the roll-back saved nothing: from step 4 again)
+    assert isinstance(back, dict) and isinstance(ref, dict)
+    assert back["restored"] == ref["restored"] == 4
+    assert back["t_max"] == ref["t_max"] == 100
+    assert back["lr"] == ref["lr"]
+    assert back["output"].count(SETTINGS) == 1, back["output"]
+
+
+@pytest.mark.slow  # three DeepSpeed runs
 def test_changed_params_of_deepspeeds_scheduler_take_effect_without_a_word(tmp_path: Path) -> None:
     """WarmupDecayLR's total_num_steps 20, then 40 in the config: DeepSpeed's schedulers save
     only their iteration, so the new settings schedule on from it (the rate at step 8 is that

@@ -267,3 +267,53 @@ def test_long_values_that_differ_at_their_end_read_apart(tmp_path):
     )
     (named,) = said
     assert "290: 1} from the checkpoint" in named and "295: 1} here)" in named, named
+
+
+def _set_cosine(state, value):
+    state["sched"].T_max = int(value)
+
+
+def _set_onecycle(state, value):
+    # (the guide's way for OneCycleLR: a new one with the new settings, at the restored step)
+    new = lr_scheduler.OneCycleLR(state["opt"], max_lr=1.0, total_steps=int(value))
+    new.last_epoch = state["sched"].last_epoch
+    state["sched"] = new
+
+
+@pytest.mark.parametrize(
+    ("kind", "before", "after", "set_new"),
+    [("cosine", 10, 100, _set_cosine), ("onecycle", 20, 200, _set_onecycle)],
+)
+def test_a_roll_back_keeps_the_settings_set_after_the_resume(
+    tmp_path, caplog, kind, before, after, set_new
+):
+    """A run resumed with new settings, set after restore() as the warning says; a NaN later
+    the loop rolls back (restore() again, to the same checkpoint). The roll-back loaded the
+    checkpoint's settings over the run's again (T_max 10, the old OneCycleLR phases) and said
+    the resume's warning a second time: the run went on with settings its user had replaced.
+    They stay the run's now (where it is comes from the checkpoint), and a log line says so."""
+    first = _built(kind, before)
+    _lrs(first, 3)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(3, first)
+    ref = _built(kind, after)  # the resumed run as its user meant it, never rolled back
+    with (
+        pytest.warns(UserWarning, match="scheduler settings"),
+        Checkpointer(tmp_path, read_only=True) as ck,
+    ):
+        assert ck.restore(ref) == 3
+    set_new(ref, after)
+    expected = _lrs(ref, 4)
+    state = _built(kind, after)
+    with Checkpointer(tmp_path) as ck:
+        with pytest.warns(UserWarning, match="scheduler settings"):
+            assert ck.restore(state) == 3
+        set_new(state, after)
+        _lrs(state, 2)  # ... and the loss is NaN: back to the checkpoint
+        caplog.set_level("INFO", "resilient_callbacks")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert ck.restore(state) == 3
+        assert _lrs(state, 4) == expected
+    said = [r.getMessage() for r in caplog.records if "roll-back" in r.getMessage()]
+    assert len(said) == 1 and f"from the checkpoint ({after} here)" in said[0], said

@@ -58,6 +58,7 @@ def apply(
     advice: Advice = Advice(),
     *,
     coordinator: bool = True,
+    rollback: bool = False,
 ) -> None:
     """Load a checkpoint into the live objects of ``state`` in place. ``resolve(node)`` decodes
     a structure node (tensors already loaded). Containers are updated, not replaced, so
@@ -65,9 +66,13 @@ def apply(
     did not are removed (the saved run had dropped them, or new code adds them): a warning
     names them, and one names the LR scheduler settings the checkpoint's replace, both at the
     user's line and in the words of ``advice``; the latter on the ``coordinator`` only (rank 0:
-    said once, :func:`.scheduler_settings.say`)."""
+    said once, :func:`.scheduler_settings.say`). A ``rollback`` (a restore again in the running
+    process) keeps the settings the run's schedulers have (those its user may have set after
+    the first restore's warning) and loads where they are from the checkpoint
+    (:func:`.scheduler_settings.kept`); a log line names them."""
     removed: list[str] = []
     settings: list[str] = []  # LR scheduler settings the checkpoint's replace (scheduler_settings)
+    kept: list[str] = []  # those a roll-back keeps
     # values put in the state's containers are the state's: not views of the mapped checkpoint
     # files (its disk space would stay in use after retention), one copy per aliased tensor
     memo: dict[int, Any] = {}
@@ -104,7 +109,9 @@ def apply(
                 diff = scheduler_settings.changed(sched, value)
                 where = getattr(target, "settings_name", None) or path_str(path)
                 said = [f"{where} ({type(sched).__name__}): {', '.join(diff)}"] if diff else []
-                settings.extend(said)
+                (kept if rollback else settings).extend(said)
+                if diff and rollback:
+                    value = scheduler_settings.kept(sched, value)
             if isinstance(target, torch.nn.Module) and isinstance(value, Mapping):
                 live_sd = target.state_dict()
                 value = unwrapped_keys(value, live_sd.keys())
@@ -171,6 +178,12 @@ def apply(
     if settings:
         msg = scheduler_settings.message(settings, advice.new_settings, advice.like)
         scheduler_settings.say("restore: " + msg, coordinator, advice.through)
+    if kept and coordinator:
+        scheduler_settings.log.info(
+            "roll-back: the LR schedulers keep the settings this run uses, the checkpoint's "
+            "differ: %s",
+            "; ".join(kept),
+        )
     if not same_value(new_root, state):
         raise CheckpointMismatchError(
             "the state passed to restore() must be a container (dict/list) or an object with "

@@ -345,6 +345,7 @@ class Restorer:
                 lambda n: structure.decode(n, part.tensors),
                 ck.restore_advice,
                 coordinator=ck.is_coordinator,
+                rollback=ck._recorder.began and not ck.config.read_only,  # restore() again
             )
             for pid, fp in fileparts.items():
                 if pid not in readers:

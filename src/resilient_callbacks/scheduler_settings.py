@@ -14,6 +14,7 @@ apply from the saved step, and a change of them cannot be seen here.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import warnings
@@ -76,6 +77,46 @@ def changed(scheduler: Any, saved: Mapping[str, Any], path: str = "") -> list[st
         a, b = _shown(theirs, mine)
         out.append(f"{name}={a} from the checkpoint ({b} here)")
     return out
+
+
+def kept(scheduler: Any, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """``saved`` with the settings :func:`changed` names set back to those ``scheduler`` has,
+    for a roll-back (a ``restore()`` again in the running process): where the run is comes
+    from the checkpoint, how it schedules stays the run's. In torch's own classes (not a
+    subclass) what torch derives from the settings (``OneCycleLR``'s ``_schedule_phases``,
+    ``CyclicLR``'s ``total_size``) stays the run's too: it goes with them."""
+    out = copy.deepcopy(dict(saved))
+    live = scheduler.state_dict()
+    for _, keys, _, mine in _diffs(scheduler, saved):
+        _put(out, keys, mine)
+    _keep_derived(scheduler, live, out, saved)
+    return out
+
+
+def _keep_derived(scheduler: Any, live: Mapping[str, Any], out: Any, saved: Any) -> None:
+    """What a torch class derives from its settings, the live values, where any setting of it
+    differs (``out``: the copy of ``saved`` that :func:`kept` returns)."""
+    if not _diffs(scheduler, saved) or not type(scheduler).__module__.startswith("torch."):
+        return
+    params = _init_params(type(scheduler))
+    for k, mine in live.items():
+        bare = str(k).lstrip("_")
+        if k in PROGRESS or k not in saved or bare in params or bare.removesuffix("s") in params:
+            continue
+        if k == "_schedulers" and isinstance(out[k], list):  # (a SequentialLR's): each its own
+            held = getattr(scheduler, "_schedulers", [])
+            for h, m, o, b in zip(held, mine, out[k], saved[k], strict=False):
+                if is_scheduler(h) and isinstance(o, dict) and isinstance(b, Mapping):
+                    _keep_derived(h, m, o, b)
+            continue
+        if k != "lr_lambdas":  # (factors: compared one by one)
+            out[k] = copy.deepcopy(mine)
+
+
+def _put(out: Any, keys: tuple[Any, ...], value: Any) -> None:
+    for k in keys[:-1]:
+        out = out[k]
+    out[keys[-1]] = copy.deepcopy(value)
 
 
 def _diffs(
