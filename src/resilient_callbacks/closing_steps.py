@@ -1,17 +1,24 @@
-"""Two steps of closing a Checkpointer (:mod:`.closing`): waiting for the files retention
-removed to be deleted, and the warning of a ``keep_best`` whose metric no save reported.
+"""Steps of closing a Checkpointer (:mod:`.closing`, which re-exports the public ones): waiting
+for the files retention removed to be deleted, the warning of a ``keep_best`` whose metric no
+save reported, the release of a construction that failed part-way, the check that a
+Checkpointer is open, marking training as failed, and a ``with`` block's close.
 
 Which ranks call what: every rank calls :func:`empty_trash` (each has its own trash bin, empty
 but the coordinator's); :func:`warn_unmonitored` acts on the coordinator only."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import catalog
+from . import catalog, dist
 from .catalog import Depth
+from .errors import CheckpointError, ConfigError
+from .nodelocal import NodeDirectory
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -74,3 +81,71 @@ def warn_unmonitored(ck: Checkpointer) -> None:
         ", ".join(sorted(saver.metric_names)) or "none",
         monitor,
     )
+
+
+def release_unopened(ck: Checkpointer) -> None:
+    """A construction that failed part-way (a KeyboardInterrupt, an error after the directory
+    was opened): stop what it started and release the lock. The half-built Checkpointer, which
+    no one can close, stayed alive in the exception's traceback (a notebook keeps the last
+    one) with the directory locked ("this process already has a writer open") and its
+    background thread running. Never raises: the construction's error propagates."""
+    ck._closed = True
+    parts = vars(ck)
+    steps: list[Callable[[], object]] = []
+    if parts.get("_at_exit") is not None:
+        steps.append(functools.partial(atexit.unregister, parts["_at_exit"]))
+    if "telemetry" in parts:
+        steps.append(functools.partial(parts["telemetry"].close, timeout=0.0))
+    if "_saver" in parts:
+        steps.append(parts["_saver"].release)
+        if parts["_saver"].persister is not None:
+            steps.append(functools.partial(parts["_saver"].persister.stop, join_s=0.0))
+    if "_dir" in parts:
+        d = parts["_dir"]
+        steps.append(d.trash.stop)
+        steps.append(d.release if isinstance(d, NodeDirectory) else d.release_opened)
+    for step in steps:
+        try:
+            step()
+        except Exception as e:  # (best effort: the rest is still released)
+            log.debug("releasing a Checkpointer whose construction failed: %s", e)
+
+
+def check_open(ck: Checkpointer, writes: bool = False) -> None:
+    """Raise unless ``ck`` may be used (``writes``: to save): not closed, and not read-only."""
+    if ck._closed:
+        raise CheckpointError("this Checkpointer is closed; create a new one to save again")
+    dist.check_same_world(ck.world_size, ck.dirpath)
+    if writes and ck.config.read_only:
+        raise ConfigError(f"this Checkpointer of {ck.dirpath} is read_only: it never saves")
+
+
+def failing(ck: Checkpointer, exc: BaseException) -> None:
+    """Training failed with ``exc`` (``abort``, an adapter's exception hook, an exception no
+    one caught at exit): the history records a failure with its name, not an end; a signal
+    that came meanwhile is said so at close, with what the message tells. Never raises: an
+    exception whose ``str()`` fails must still get its emergency save, and the close."""
+    ck.failed_with = type(exc).__name__
+    try:
+        ck.failed_detail = str(exc)
+    except Exception:  # a broken __str__ (an attribute it reads was never set)
+        ck.failed_detail = ""
+
+
+def clean_exit(exc: BaseException) -> bool:
+    """Whether ``exc`` ends the process with status 0 (``sys.exit()``, ``sys.exit(0)``): no
+    failure, so close()'s error (uploads given up, a failed background save) is raised, not
+    logged beside it and lost to a success status."""
+    return isinstance(exc, SystemExit) and exc.code in (0, None)
+
+
+def close_on_exit(close: Callable[[], None], exc: object) -> None:
+    """A ``with`` block's end: ``close()``; while the exception ``exc`` propagates, a failure of
+    the close is logged, never raised in its place (the user's error is the one to see), unless
+    ``exc`` is a :func:`clean_exit` (the close's error is raised: no success status)."""
+    try:
+        close()
+    except Exception as e:
+        if exc is None or (isinstance(exc, BaseException) and clean_exit(exc)):
+            raise
+        log.error("closing after %s failed: %s", type(exc).__name__, e)
