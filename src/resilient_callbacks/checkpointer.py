@@ -194,6 +194,8 @@ class Checkpointer(CheckpointerQueries):
         self.failed_with: str | None = None  # abort(): the exception training failed with
         self.failed_detail = ""  # and its message (closing.failing)
         self._closed = False
+        self._release_began = False  # close() reached its release (closing._release)
+        self._released = False  # and finished it: nothing more for close() or __del__ to do
         self.schedule = self.config.adaptive_schedule()
         self._trigger = Trigger(self.config, self.schedule)  # when to save
         self.policy = self._trigger.policy
@@ -245,8 +247,9 @@ class Checkpointer(CheckpointerQueries):
         a background save that failed (after releasing). ``timeout``: seconds to wait for
         pending saves; what is still pending then is reported and abandoned: none of it is
         committed, and the directory stays locked until the save being written has stopped;
-        the metrics sinks get what is left of it. See :mod:`.closing`."""
-        if self._closed:
+        the metrics sinks get what is left of it. A second call finishes one that a Ctrl-C
+        interrupted. See :mod:`.closing`."""
+        if self._closed and self._released:
             return
         self._closed = True
         with dist.peer_errors("close()"):

@@ -53,7 +53,12 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
     is answering a preemption, :class:`UploadIncompleteError` names it once all is released
     (a job must not end as a success with its newest checkpoints on one machine's disk).
     Node-local mode: raised on rank 0 and on each node leader whose part did not upload; the
-    other ranks return (:meth:`NodeDirectory.finish_nodes`)."""
+    other ranks return (:meth:`NodeDirectory.finish_nodes`). Called again after a Ctrl-C
+    interrupted it (``ck._released`` False): before its release began, it closes as if
+    called the first time; in its release, it finishes the release."""
+    if ck._release_began:
+        _release_left(ck)
+        return
     not_uploaded: list[str] = []
     # gave up only for the outage: no timeout of the caller's, no preemption bounding it
     strict = timeout is None and not ck.preempted
@@ -118,6 +123,7 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
         error = e
         raise
     except BaseException as e:  # a Ctrl-C while close() waited: as a timeout that ran out
+        _interrupted(ck, e)  # (the history's record: a failure, not a clean end)
         if persister is not None and persister.pending:
             persister.abandon()  # (the directory stays locked until the running save stopped)
             log.warning(
@@ -192,10 +198,22 @@ def _release(
     what the close raises (a background save's failure): it ends the process, not the exit
     code of a signal no step() acted on (at the interpreter's exit, where nothing can raise
     it, it is logged and the code stays)."""
+    ck._release_began = True
     try:
         _release_all(ck, _sinks_deadline(ck, deadline), raising)
+    except BaseException as e:
+        _interrupted(ck, e)
+        raise
     finally:
         _release_left(ck)
+
+
+def _interrupted(ck: Checkpointer, e: BaseException) -> None:
+    """A Ctrl-C (any ``BaseException`` but the exit) interrupted close(): the history records a
+    failure with its name, as for one during training: not a clean ``end`` (an abandoned save,
+    uploads not waited for), nor no record at all (a life the report took for killed)."""
+    if not isinstance(e, (Exception, SystemExit)) and not ck.failed_with:
+        failing(ck, e)
 
 
 def _release_left(ck: Checkpointer) -> None:
@@ -203,9 +221,12 @@ def _release_left(ck: Checkpointer) -> None:
     hooks stopped and the lock released, unless an abandoned save still being written releases
     it once it stopped. A Ctrl-C there left the directory locked by a Checkpointer already
     closed, which no close() releases (a notebook's next writer: "this process already has a
-    writer open"). After a whole release every step finds nothing left to do."""
+    writer open"). The history gets its record if the release did not reach it, and the
+    metrics sinks stop. After a whole release every step finds nothing left to do."""
     persister = ck._saver.persister
-    steps: list[Callable[[], object]] = [ck._dir.trash.stop, ck._emergency.release]
+    steps: list[Callable[[], object]] = [ck._recorder.record_end]
+    steps += [functools.partial(ck.telemetry.close, timeout=0.0)]
+    steps += [ck._dir.trash.stop, ck._emergency.release]
     if ck._at_exit is not None:
         steps.append(functools.partial(atexit.unregister, ck._at_exit))
     if ck._dir.sync is not None:
@@ -225,6 +246,7 @@ def _release_left(ck: Checkpointer) -> None:
             step()
         except Exception as e:  # (the error that ended the release is the one raised)
             log.debug("closing %s: %s", ck.dirpath, e)
+    ck._released = True
 
 
 def _release_all(ck: Checkpointer, sinks_deadline: float | None, raising: Exception | None) -> None:
@@ -407,7 +429,10 @@ def dropped(ck: Checkpointer) -> None:
     before: a queued save holds its Checkpointer. Its upload threads are told to stop after their
     current attempt, before the lock goes (they ran on for the life of the process, uploading
     from the directory the next writer opened, and retention there restarted its deletion
-    thread): what was not uploaded, the next writer on the directory uploads."""
+    thread): what was not uploaded, the next writer on the directory uploads. Nothing (no I/O,
+    no thread or handler touched) for one whose close() finished its release."""
+    if getattr(ck, "_released", False):
+        return
     for name in ("sync", "uploader", "committer"):  # (a NodeDirectory: the last two)
         with contextlib.suppress(Exception):
             thread = getattr(ck._dir, name, None)

@@ -109,6 +109,7 @@ def release_unopened(ck: Checkpointer) -> None:
             step()
         except Exception as e:  # (best effort: the rest is still released)
             log.debug("releasing a Checkpointer whose construction failed: %s", e)
+    ck._released = True  # (__del__: nothing more to do)
 
 
 def check_open(ck: Checkpointer, writes: bool = False) -> None:

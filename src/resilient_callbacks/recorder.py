@@ -357,14 +357,21 @@ class Recorder:
             self.refresh()
         except Exception as e:  # metrics never stop a close
             log.debug("metrics refresh at close failed: %s", e)
-        if self._ck._dir.run_id is not None and not self.ended:
-            failed = self._ck.failed_with
-            event = "failed" if failed else "end"
-            fields: dict[str, Any] = {"useful_s": round(self.useful_s(), 3)}
-            if failed:
-                fields["error"] = failed
-            self._record(event, self.t.step, fields=fields)
+        self.record_end()
         self.t.close(deadline=deadline)
+
+    def record_end(self) -> None:
+        """The ``end`` record (``failed`` when training failed), once: by :meth:`closed`, or
+        by a release that a Ctrl-C interrupted before it (:mod:`.closing`)."""
+        if self._ck._dir.run_id is None or self.ended:
+            return
+        failed = self._ck.failed_with
+        event = "failed" if failed else "end"
+        fields: dict[str, Any] = {"useful_s": round(self.useful_s(), 3)}
+        if failed:
+            fields["error"] = failed
+        self._record(event, self.t.step, fields=fields)
+        self.ended = True
 
     def _record(
         self,

@@ -1,0 +1,170 @@
+"""A ``close()`` that a Ctrl-C interrupts, and a Checkpointer dropped after its close: whatever
+the point of the interruption, a second ``close()`` (or dropping the object) frees the lock and
+the threads, the history says how the run ended (never a clean ``end`` for a close that did not
+finish, never no record at all), and a Checkpointer closed normally does nothing more when it
+is dropped. Interruptions are injected at chosen points (``sys.settrace``), never by timing."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer, CheckpointLockedError, history
+from resilient_callbacks.lock import DirLock
+from resilient_callbacks.report import analyse
+from test_exceptions_in_training import _committed, _CtrlC
+
+# points of close() before it reaches its try/finally (Checkpointer.close, after _closed is set)
+_BEFORE_TRY = [
+    ("dist", "peer_errors", None),  # the with statement around closing.close
+    ("preemption.exiting", "closing", None),  # closing.close's decorator
+    ("closing", "close", "persister = ck._saver.persister"),  # its first lines
+]
+
+
+def _ended(root) -> list[tuple[str, str | None]]:
+    return [(lf["ended"], lf["error"]) for lf in analyse(str(root))["lives"]]
+
+
+def _threads_end(before: set[threading.Thread]) -> None:
+    for t in set(threading.enumerate()) - before:
+        t.join(timeout=60)
+        assert not t.is_alive(), t.name
+
+
+@pytest.mark.parametrize("then", ["close_again", "drop"])
+@pytest.mark.parametrize("where", _BEFORE_TRY, ids=lambda w: f"{w[0]}.{w[1] or w[2]}")
+def test_ctrl_c_before_close_reaches_its_try_is_finished_by_a_second_close_or_the_drop(
+    tmp_path, where, then
+):
+    """A Ctrl-C in close()'s first lines, after it marked the Checkpointer closed but before
+    its try/finally: nothing was released, and a second close() returned at once (closed), so
+    the directory stayed locked and the threads ran on for the life of the process (a
+    notebook's next writer: "this process already has a writer open"). Now a second close()
+    does the whole close (the pending save commits, the history gets its end), and dropping
+    the object releases what it holds."""
+    root = tmp_path / "ck"
+    before = set(threading.enumerate())
+    ck = Checkpointer(root, keep_last=1, preemption=False)
+    ck.save(1, {"w": torch.ones(2)})
+    ck.save(2, {"w": torch.full((2,), 2.0)})
+    with pytest.raises(KeyboardInterrupt) as caught, _CtrlC(*where) as ctrl_c:
+        ck.close()
+    assert ctrl_c.fired and ck.closed
+    del caught  # (its traceback holds the Checkpointer)
+    if then == "close_again":
+        ck.close()
+        assert not ck._dir.lock.held
+        assert _ended(root) == [("clean", None)]  # it did close, the second time
+    else:
+        assert ck._saver.persister is not None and ck._saver.persister.wait_all(60)
+        del ck
+        gc.collect()
+    _threads_end(before)
+    lock = DirLock(str(root))
+    lock.acquire(wait_s=0.0)  # free
+    lock.release()
+    got = {"w": torch.zeros(2)}
+    with Checkpointer(root, preemption=False) as again:
+        assert again.restore(got) == 2
+    assert torch.equal(got["w"], torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        ("closing", "_answered_elsewhere_s", None),  # close()'s first steps, in its try
+        ("closing", "_sinks_deadline", None),  # the release's argument
+        ("recorder", "closed", None),  # the release's first step
+    ],
+    ids=lambda w: f"{w[0]}.{w[1] or w[2]}",
+)
+def test_a_close_interrupted_before_its_end_record_records_the_interruption(tmp_path, where):
+    """A Ctrl-C in close() before the history's end record: the life had no record of how it
+    ended (the report said "killed", or "running" while the lock stayed held), or, interrupted
+    while it waited, a clean ``end`` though it never finished. Now it is a failure, with the
+    exception's name, as a Ctrl-C during training is."""
+    root = tmp_path / "ck"
+    ck = Checkpointer(root, every_n_steps=1, preemption=False)
+    ck.restore({"w": torch.zeros(2)})
+    ck.step(1, {"w": torch.ones(2)})
+    ck.flush()
+    with pytest.raises(KeyboardInterrupt), _CtrlC(*where) as ctrl_c:
+        ck.close()
+    assert ctrl_c.fired and not ck._dir.lock.held
+    assert _ended(root) == [("failed", "KeyboardInterrupt")]
+    ck.close()  # (nothing more to do: no second record)
+    events = [r["event"] for r in history.records(str(root)) if r["event"] in ("end", "failed")]
+    assert events == ["failed"]
+
+
+def test_ctrl_c_while_close_waits_for_a_save_is_recorded_as_a_failure_not_an_end(
+    tmp_path, monkeypatch
+):
+    """A Ctrl-C while close() waited for a background save abandons it (never committed):
+    the history said ``end``, a clean stop whose restart is no failure, though the save was
+    lost."""
+    from resilient_callbacks import persisting
+
+    orig = persisting.layout.write_part
+    gate, writing = threading.Event(), threading.Event()
+
+    def gated(*a, **k):
+        if threading.current_thread() is not threading.main_thread():
+            writing.set()
+            assert gate.wait(60)
+        return orig(*a, **k)
+
+    root = tmp_path / "ck"
+    ck = Checkpointer(root, every_n_steps=1, preemption=False)
+    ck.restore({"w": torch.zeros(2)})
+    ck.step(1, {"w": torch.ones(2)})
+    ck.flush()
+    monkeypatch.setattr(persisting.layout, "write_part", gated)
+    ck.step(2, {"w": torch.full((2,), 2.0)})
+    try:
+        assert writing.wait(60)
+        with pytest.raises(KeyboardInterrupt), _CtrlC("background", "wait_all", "self._cond.wait"):
+            ck.close()
+    finally:
+        gate.set()
+    persister = ck._saver.persister
+    assert persister is not None and persister.wait_all(60)
+    assert _committed(root) == [(1, "periodic")]
+    assert _ended(root) == [("failed", "KeyboardInterrupt")]
+
+
+def test_dropping_a_checkpointer_closed_normally_does_nothing(tmp_path):
+    """``__del__`` ran the whole drop (threads told to stop, the lock released, the signal
+    handlers restored) on a Checkpointer already closed, the next writer of its directory
+    already open: no I/O, no thread or lock of the next writer's touched."""
+    root = tmp_path / "ck"
+    ck = Checkpointer(root, every_n_steps=1, remote=f"file://{tmp_path}/remote")
+    ck.step(1, {"w": torch.ones(2)})
+    ck.close()
+    nxt = Checkpointer(root, every_n_steps=1, remote=f"file://{tmp_path}/remote")
+    seen: list[str] = []
+    watching = threading.Event()
+
+    def audit(event: str, args: object) -> None:
+        if watching.is_set() and threading.current_thread() is threading.main_thread():
+            seen.append(event)
+
+    sys.addaudithook(audit)  # (cannot be removed: gated by the event)
+    calls: list[str] = []
+    release = ck._dir.lock.release
+    ck._dir.lock.release = lambda: (calls.append("lock.release"), release())  # type: ignore
+    try:
+        watching.set()
+        ck.__del__()
+    finally:
+        watching.clear()
+    assert seen == [] and calls == []
+    assert nxt._dir.lock.held
+    with pytest.raises(CheckpointLockedError):
+        DirLock(str(root)).acquire(wait_s=0.0)
+    nxt.close()
