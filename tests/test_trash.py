@@ -129,3 +129,46 @@ def test_a_directory_put_after_the_bin_stopped_is_deleted_without_a_new_thread(t
     assert {t for t in threading.enumerate() if t.name == "rc-trash" and t.is_alive()} <= before
     assert not late.exists()
     assert bin_.pending == 0
+
+
+def test_a_directory_put_while_the_bin_stops_is_deleted(tmp_path, monkeypatch):
+    """``put`` took the worker under the bin's lock and submitted to it after releasing the lock:
+    a ``stop()`` in between (close's, as an upload thread's retention put a directory) queued
+    the worker's end first, so the directory was never deleted (a hidden copy the size of a
+    checkpoint left until the next writer's sweep) and ``pending`` never came back to 0. Now a
+    directory put while the bin stops is deleted, by the worker or in the caller's thread."""
+    submitting, stopped = threading.Event(), threading.Event()
+
+    made: list[trash.BackgroundPersister] = []
+
+    class Gated(trash.BackgroundPersister):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+        def submit(self, job, always=False):
+            submitting.set()
+            stopped.wait(timeout=1.0)  # (a stop() that waits for put's lock: not before then)
+            super().submit(job, always)
+
+        def stop(self, join_s=5.0):
+            stopped.set()
+            super().stop(join_s)
+
+    monkeypatch.setattr(trash, "BackgroundPersister", Gated)
+    bin_ = trash.TrashBin()
+    late = tmp_path / "late"
+    (late / "sub").mkdir(parents=True)
+    putter = threading.Thread(target=bin_.put, args=(str(late),))
+    putter.start()
+    assert submitting.wait(60)
+    stopper = threading.Thread(target=bin_.stop)
+    stopper.start()
+    putter.join(timeout=60)
+    stopper.join(timeout=60)
+    assert not putter.is_alive() and not stopper.is_alive()
+    for w in made:  # (the worker ends once what it was given is deleted)
+        w._thread.join(timeout=60)
+        assert not w._thread.is_alive()
+    assert not late.exists()
+    assert bin_.pending == 0

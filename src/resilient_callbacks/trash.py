@@ -44,16 +44,18 @@ class TrashBin:
     def put(self, trash: str) -> None:
         """Delete the directory ``trash`` (already renamed out of sight) in the background;
         after :meth:`stop` in the caller's thread (an upload thread's retention that outlived
-        the close: a worker started then was never stopped)."""
+        the close: a worker started then was never stopped). Submitted under the lock: a
+        :meth:`stop` at the same time ends the worker after it, never before (the directory
+        was never deleted)."""
         with self._lock:
             self._deleting += 1
             worker = self._worker
             if worker is None and not self._stopped:
                 worker = self._worker = BackgroundPersister(max_in_flight=1 << 30, name="rc-trash")
+            if worker is not None:
+                worker.submit(lambda: self._delete(trash))
         if worker is None:
             self._delete(trash)
-        else:
-            worker.submit(lambda: self._delete(trash))
 
     def _delete(self, trash: str) -> None:
         try:
@@ -65,10 +67,12 @@ class TrashBin:
     def then(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once the directories put so far are deleted: in the worker, or at once
         when nothing is pending. An error of ``fn`` is logged, never raised."""
-        if self._worker is None or not self._worker.pending or self._abandoned:
-            _quietly(fn)
-        else:
-            self._worker.submit(lambda: _quietly(fn))
+        with self._lock:  # (as put: never submitted after a stop() ended the worker)
+            worker = self._worker
+            if worker is not None and worker.pending and not self._abandoned:
+                worker.submit(lambda: _quietly(fn))
+                return
+        _quietly(fn)
 
     @property
     def pending(self) -> int:
