@@ -14,6 +14,7 @@ Which ranks call what: only the coordinator has a RemoteSync.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,6 +104,8 @@ class RemoteSync(UploadThread):
         self._progress: Progress | None = None  # of the upload under way
         self._upload_seconds = 0.0
         self._last_sweep: float | None = None  # when cut-off uploads were last looked for
+        where = os.path.realpath(store.root) if store.is_local else store.root
+        self._after_previous(f"{store.protocol}://{where}")  # (as lock.claim_remote's key)
         self._start()
 
     # ------------------------------------------------------------------ queries
@@ -176,6 +179,8 @@ class RemoteSync(UploadThread):
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        if not self._wait_previous(self.store.url):
+            return
         while True:
             with self._cond:
                 if not self._wait_for_work(lambda: self._queue):

@@ -15,6 +15,7 @@ import math
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from .redact import url_text
@@ -22,6 +23,9 @@ from .redact import url_text
 _JITTER = random.Random()
 RETENTION_WARN_EVERY_S = 3600.0
 EXIT_MARGIN_S = 5.0  # of a grace period, left to exit after the uploads (interpreter teardown)
+# store key -> the last upload thread of this process started for it (_after_previous)
+_last_on: dict[str, weakref.ref[UploadThread]] = {}
+_last_lock = threading.Lock()
 
 
 def backoff_s(failures: int, base_s: float, max_s: float = math.inf, jitter: bool = True) -> float:
@@ -60,10 +64,43 @@ class UploadThread:
         self._cond = threading.Condition()
         self._retention_warned: float | None = None  # when a retention failure last warned
         self._stop = False
+        self._previous: UploadThread | None = None  # (see _after_previous)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _start(self) -> None:
         self._thread.start()
+
+    def _after_previous(self, key: str) -> None:
+        """Before :meth:`_start`: this thread uploads to the store ``key`` (protocol and root);
+        one of this process that uploaded there before and still runs (its attempt outlived its
+        Checkpointer's close, which gave up on it) is waited for by :meth:`_wait_previous`."""
+        with _last_lock:
+            ref = _last_on.get(key)
+            prev = ref() if ref is not None else None
+            _last_on[key] = weakref.ref(self)
+            for gone in [k for k, r in _last_on.items() if r() is None]:
+                del _last_on[gone]
+        self._previous = prev if prev is not None and prev._thread.is_alive() else None
+
+    def _wait_previous(self, url: str) -> bool:
+        """The thread, before its first attempt: wait for :meth:`_after_previous`'s thread to
+        end (it only finishes its attempt: stopped, it commits no other upload and deletes
+        nothing). Both uploaded the same checkpoint at once, and the old one committed it
+        again after the new one's retention had deleted its files: a damaged checkpoint in
+        the store. False once stopped meanwhile."""
+        prev, self._previous = self._previous, None
+        if prev is None or not prev._thread.is_alive():
+            return True
+        logging.getLogger("resilient_callbacks").info(
+            "remote %s: this writer waits for the upload of the previous writer of this store "
+            "in this process (its close() gave up on it) to end before it uploads",
+            url_text(url),
+        )
+        while prev._thread.is_alive():
+            prev._thread.join(timeout=1.0)  # (and looks at stop() each second)
+            if self._stop:
+                return False
+        return True
 
     def _run(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError

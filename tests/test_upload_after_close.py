@@ -1,0 +1,88 @@
+"""An upload attempt that outlives its Checkpointer's ``close()`` (close gave up on it: a
+timeout, a stalled store) and the next writer of the same directory and remote, opened right
+after in the same process (a notebook, a sweep): the two upload threads must not write the same
+remote checkpoint out of order. The store is moto's real S3 server; the old attempt is held
+inside its file upload by an event (no sleeps, no timing asserts)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((64,), float(v))}
+
+
+@pytest.mark.parametrize("held_in", ["files", "manifest"])
+def test_an_upload_close_gave_up_on_never_overlaps_the_next_writers_uploads(
+    tmp_path, s3_remote, monkeypatch, caplog, held_in
+):
+    """The old thread, held in its upload of step 1 (its files, or its manifest: the commit
+    point) while close(timeout) returned and the next writer uploaded step 1 itself, then step
+    2, and its retention (keep_last=1) deleted step 1 from the store: released just before its
+    manifest, the old thread committed step 1 again, its files deleted (a damaged checkpoint in
+    the store). Now the next writer's uploads wait for the old attempt to end."""
+    url, options = s3_remote
+    local = tmp_path / "local"
+    old = Checkpointer(local, remote=url, remote_options=options, keep_last=1, preemption=False)
+    assert old._dir.sync is not None
+    old_thread = old._dir.sync._thread
+    fs = old.remote.fs
+    method = "put" if held_in == "files" else "pipe_file"  # (the manifest: the commit point)
+    orig = getattr(fs, method)
+    inside, go = threading.Event(), threading.Event()
+
+    def held(*a, **k):
+        path = str(a[0] if a else "")
+        if threading.current_thread() is old_thread and (
+            held_in == "files" or path.endswith("/manifest.json")
+        ):
+            inside.set()
+            go.wait(120)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(fs, method, held)
+    waiting = threading.Event()
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waits for the upload" in record.getMessage():
+                waiting.set()
+
+    said = Said()
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")  # (the wait is said at INFO)
+    logging.getLogger("resilient_callbacks").addHandler(said)
+    try:
+        old.save(1, _state(1))
+        assert inside.wait(60)
+        old.close(timeout=0.0)  # gives up on the upload under way
+        with Checkpointer(
+            local, remote=url, remote_options=options, keep_last=1, preemption=False
+        ) as new:
+            assert new.restore(_state(0)) == 1
+            new.save(2, _state(2))
+            new.flush()
+            assert new._dir.sync is not None and new._dir.sync._thread is not old_thread
+            # the new writer uploads step 1 and step 2 and deletes step 1 remotely, unless it
+            # waits for the old attempt to end (it says so): either way, the old one goes on
+            for _ in range(600):
+                if waiting.is_set() or new._dir.sync.wait(timeout=0.2):
+                    break
+            go.set()
+    finally:
+        go.set()
+        logging.getLogger("resilient_callbacks").removeHandler(said)
+    old_thread.join(timeout=120)
+    assert not old_thread.is_alive()
+    committed = {e.manifest.step: e for e in old.remote.scan() if e.manifest is not None}
+    assert max(committed) == 2
+    for e in committed.values():  # every committed checkpoint in the store is whole
+        assert e.manifest is not None
+        missing = [f.path for f in e.manifest.files if e.sizes.get(f.path) != f.size]
+        assert not missing, f"{e.name} is committed with {missing} missing"
