@@ -168,3 +168,43 @@ def test_dropping_a_checkpointer_closed_normally_does_nothing(tmp_path):
     with pytest.raises(CheckpointLockedError):
         DirLock(str(root)).acquire(wait_s=0.0)
     nxt.close()
+
+
+_INTERRUPTED_THEN_EXIT = """
+import sys, torch
+from resilient_callbacks import Checkpointer, dist
+ck = Checkpointer(sys.argv[1], every_n_steps=1, preemption=False)
+ck.restore({"w": torch.zeros(2)})
+ck.step(1, {"w": torch.ones(2)})
+orig = dist.peer_errors
+def ctrl_c(*a, **k):  # close()'s first lines: before its try/finally
+    dist.peer_errors = orig
+    raise KeyboardInterrupt
+dist.peer_errors = ctrl_c
+try:
+    ck.close()
+except KeyboardInterrupt:
+    print("interrupted", ck.closed, flush=True)
+"""
+
+
+def test_a_close_interrupted_before_its_try_is_finished_at_exit(tmp_path):
+    """The program caught the Ctrl-C of a close() interrupted in its first lines and ended, the
+    Checkpointer still referenced: the exit hook skipped it (closed), so its pending save was
+    never waited for and the history had no record of how the run ended (the report: killed).
+    Now the exit finishes the close."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    root = tmp_path / "ck"
+    p = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_THEN_EXIT, str(root)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert p.returncode == 0 and "interrupted True" in p.stdout, p.stderr
+    assert _committed(root) == [(1, "periodic")]
+    assert _ended(root) == [("clean", None)]

@@ -400,10 +400,11 @@ def at_exit(ck: Checkpointer) -> Callable[[], None] | None:
 def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
     """``atexit`` hook: close a Checkpointer still open at exit, so pending saves commit. An
     exception no one caught ended the program (the interpreter sets ``sys.last_value`` as it
-    prints it): the history records a failure with its name, not a clean end."""
+    prints it): the history records a failure with its name, not a clean end. A close() that
+    a Ctrl-C interrupted (the program went on to its end) is finished too."""
     global _at_exit_closing
     ck = ref()
-    if ck is not None and not ck._closed:
+    if ck is not None and not ck._released:
         uncaught = getattr(sys, "last_value", None)
         if isinstance(uncaught, SystemExit) or not isinstance(uncaught, BaseException):
             uncaught = None
