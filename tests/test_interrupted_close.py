@@ -208,3 +208,51 @@ def test_a_close_interrupted_before_its_try_is_finished_at_exit(tmp_path):
     assert p.returncode == 0 and "interrupted True" in p.stdout, p.stderr
     assert _committed(root) == [(1, "periodic")]
     assert _ended(root) == [("clean", None)]
+
+
+def test_a_close_from_a_second_thread_during_a_close_waits_for_it_and_adds_nothing(
+    tmp_path, monkeypatch
+):
+    """A close() from a second thread while the first one waited for a background save (the
+    exit hook, a framework's teardown): it found the Checkpointer closed but not yet released,
+    as after an interrupted close, and must not run a second close beside the first one (a
+    second end record, a second release); it returns once the first one has ended."""
+    from resilient_callbacks import persisting
+
+    orig = persisting.layout.write_part
+    gate, writing = threading.Event(), threading.Event()
+
+    def gated(*a, **k):
+        if threading.current_thread() is not threading.main_thread():
+            writing.set()
+            assert gate.wait(60)
+        return orig(*a, **k)
+
+    root = tmp_path / "ck"
+    ck = Checkpointer(root, every_n_steps=1, preemption=False)
+    ck.restore({"w": torch.zeros(2)})
+    monkeypatch.setattr(persisting.layout, "write_part", gated)
+    ck.step(1, {"w": torch.ones(2)})
+    assert writing.wait(60)
+    first_done, second_done = threading.Event(), threading.Event()
+
+    def close_and(done: threading.Event) -> None:
+        ck.close()
+        done.set()
+
+    first = threading.Thread(target=close_and, args=(first_done,))
+    first.start()
+    for _ in range(600):  # (the first close() has begun: it marked the Checkpointer closed)
+        if ck.closed:
+            break
+        first.join(timeout=0.1)
+    assert ck.closed
+    second = threading.Thread(target=close_and, args=(second_done,))
+    second.start()
+    gate.set()
+    first.join(timeout=60)
+    second.join(timeout=60)
+    assert first_done.is_set() and second_done.is_set()
+    events = [r["event"] for r in history.records(str(root)) if r["event"] in ("end", "failed")]
+    assert events == ["end"]
+    assert _committed(root) == [(1, "periodic")]

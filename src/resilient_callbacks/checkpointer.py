@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -153,6 +154,7 @@ class Checkpointer(CheckpointerQueries):
         options["signals"] = (signals,) if isinstance(signals, (str, int)) else tuple(signals)
         options["remote_options"] = dict(remote_options) if remote_options is not None else None
         self.config = CheckpointerConfig(**options)
+        self._close_lock = threading.RLock()  # (a second thread's close() waits for the first)
         #: dirpath as given, and the working directory a relative one was resolved against
         given = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
         self.dirpath_given: tuple[object, str] = (given, _cwd())
@@ -249,11 +251,12 @@ class Checkpointer(CheckpointerQueries):
         committed, and the directory stays locked until the save being written has stopped;
         the metrics sinks get what is left of it. A second call finishes one that a Ctrl-C
         interrupted. See :mod:`.closing`."""
-        if self._closed and self._released:
-            return
-        self._closed = True
-        with dist.peer_errors("close()"):
-            closing.close(self, timeout, CLOSE_OUTAGE_S)
+        with self._close_lock:
+            if self._closed and self._released:
+                return
+            self._closed = True
+            with dist.peer_errors("close()"):
+                closing.close(self, timeout, CLOSE_OUTAGE_S)
 
     def abort(self, exc: BaseException) -> None:
         """Training failed with ``exc``: with ``save_on_exception``, save the last step that
