@@ -154,3 +154,125 @@ def test_an_exception_whose_str_fails_still_gets_its_save_and_close(tmp_path):
         raise UnprintableError()
     assert ck.closed
     assert ck.last_saved_step == 1
+
+
+def _lbfgs_run(ck_dir, total, fail_at=None):
+    """LBFGS, whose step(closure) runs the forward and backward inside the step; the closure
+    raises at step ``fail_at`` (a NaN check), before the step changed anything."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    opt = torch.optim.LBFGS(model.parameters(), history_size=3, max_iter=3)
+    state = {"model": model, "optimizer": opt}
+    with Checkpointer(ck_dir, every_n_steps=100, save_on_exception=True) as ck:
+        step = ck.restore(state)
+        while step < total:
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 3, generator=g)
+
+            def closure(x=x, y=y, failing=step == fail_at):
+                opt.zero_grad()
+                loss = ((model(x) - y) ** 2).mean()
+                if failing:
+                    raise Boom("loss check failed in the closure")
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            step += 1
+            ck.step(step, state)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_an_exception_in_a_step_closure_saves_the_last_step(tmp_path, caplog):
+    """The closure of a ``step(closure)`` raised before the optimizer updated anything: the
+    state is the last step's and is saved. The step's pre-hook had counted the step as begun
+    before the closure ran, so nothing was saved ("came after an optimizer step that step()
+    never saw") and the run started over."""
+    reference = _lbfgs_run(tmp_path / "ref", 8)
+    ck_dir = tmp_path / "ck"
+    with pytest.raises(Boom):
+        _lbfgs_run(ck_dir, 8, fail_at=5)
+    assert sorted(p.name for p in ck_dir.iterdir() if p.name.startswith("step_")) == [
+        "step_000000005"
+    ]
+    assert not any("matches no step" in r.getMessage() for r in caplog.records)
+    again = _lbfgs_run(ck_dir, 8)
+    assert all(torch.equal(a, b) for a, b in zip(again, reference, strict=True))
+
+
+class SAM(torch.optim.Optimizer):
+    """A sharpness-aware two-pass wrapper as users copy it: ``first_step()`` moves the weights
+    to a nearby point in place, ``second_step()`` puts them back and steps the optimizer it
+    holds (``.base_optimizer``), whose state (momentum) its own state_dict does not hold."""
+
+    def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.detach().clone()
+                    p.add_(p.grad, alpha=group["rho"])
+
+    @torch.no_grad()
+    def second_step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.copy_(self.state[p]["old_p"])
+        self.base_optimizer.step()
+
+
+def _sam_run(ck_dir, total, fail_at=None, fail_where=None, with_base=True):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = SAM(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+    state = {"model": model, "sam": opt}
+    if with_base:
+        state["base"] = opt.base_optimizer
+    with Checkpointer(ck_dir, every_n_steps=100, save_on_exception=True) as ck:
+        step = ck.restore(state)
+        while step < total:
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            failing = step == fail_at
+            if failing and fail_where == "before":
+                raise Boom("before the first pass")
+            model(x).pow(2).mean().backward()
+            opt.first_step()
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            if failing and fail_where == "between":
+                raise Boom("out of memory in the second pass")
+            opt.second_step()
+            opt.zero_grad()
+            if failing and fail_where == "after":
+                raise Boom("after the step")
+            step += 1
+            ck.step(step, state)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fail_where", ["before", "between", "after"])
+def test_a_two_pass_optimizers_step_is_seen_by_save_on_exception(tmp_path, caplog, fail_where):
+    """SAM's first_step() writes the weights in place, with no step hook of an optimizer in
+    the state running: the perturbed weights (an exception between the passes) were saved as
+    the last step's; so were the next step's after a second_step() whose base optimizer the
+    state does not hold ("after"). Now the parameters' version counters show the change and
+    nothing is saved; an exception before the first pass saves the last step, and the resume
+    (base optimizer in the state) is exact."""
+    reference = _sam_run(tmp_path / "ref", 6)
+    ck_dir = tmp_path / "ck"
+    with pytest.raises(Boom):
+        _sam_run(ck_dir, 6, fail_at=3, fail_where=fail_where, with_base=fail_where != "after")
+    saved = sorted(p.name for p in ck_dir.iterdir() if p.name.startswith("step_"))
+    if fail_where == "before":
+        assert saved == ["step_000000003"]
+        again = _sam_run(ck_dir, 6)
+        assert all(torch.equal(a, b) for a, b in zip(again, reference, strict=True))
+    else:
+        assert saved == []
+        assert any("matches no step" in r.getMessage() for r in caplog.records)

@@ -25,7 +25,7 @@ from . import rng, statetree, structure
 from .closing import EXIT_MARGIN_S
 from .errors import CheckpointError, RemoteWaitPreemptedError, UnsupportedStateError
 from .filepart import FilePart
-from .optim import hookable, untraced
+from .optim import hookable, untraced, update_began
 from .preemption import MetadataPoller, PreemptionWatcher, exiting
 from .preemption.signals import WatcherConfig
 from .preemption.signals import _signal_name as signal_name
@@ -89,6 +89,36 @@ def module_buffers(state: Any) -> list[tuple[torch.nn.Module, str, torch.Tensor]
                     if b is not None and name not in skip:
                         out.append((mod, name, b.detach().clone()))
     return out
+
+
+def param_versions(state: Any) -> list[tuple[str, torch.Tensor, int, int]]:
+    """The parameters of the state's modules and optimizers, each with its version counter and
+    address now: an in-place write since (``p.add_``, any optimizer's step, also one the state
+    does not hold, such as a SAM wrapper's base optimizer) bumps the counter, ``p.data = t``
+    changes the address. (A write through ``p.data`` is not seen.)"""
+    out: list[tuple[str, torch.Tensor, int, int]] = []
+    seen: set[int] = set()
+    for path, obj in statetree.leaves(state):
+        named: list[tuple[str, torch.Tensor]] = []
+        if isinstance(obj, torch.nn.Module):
+            named = list(obj.named_parameters())
+        elif isinstance(obj, torch.optim.Optimizer):
+            groups = getattr(hookable(obj), "param_groups", None) or []
+            named = [(f"parameter {i}", p) for g in groups for i, p in enumerate(g["params"])]
+        where = structure.path_str(path)
+        for name, p in named:
+            if id(p) not in seen and isinstance(p, torch.Tensor):
+                seen.add(id(p))
+                out.append((f"{where}.{name}" if where else name, p, p._version, p.data_ptr()))
+    return out
+
+
+def changed_params(versions: list[tuple[str, torch.Tensor, int, int]]) -> str | None:
+    """The first parameter of :func:`param_versions` changed since, by name, or None."""
+    for name, p, version, ptr in versions:
+        if p._version != version or p.data_ptr() != ptr:
+            return name
+    return None
 
 
 def _put_back(buffers: list[tuple[torch.nn.Module, str, torch.Tensor]]) -> bool:
@@ -227,21 +257,25 @@ class Emergency:
         stepped = [False]
         self._watch_optimizers(state, stepped)
         rng_state = rng.capture() if self._ck.config.capture_rng else (None, {})
-        self._consistent_point = (step, frozen, rng_state, stepped, module_buffers(frozen))
+        buffers = module_buffers(frozen)
+        self._consistent_point = (step, frozen, rng_state, stepped, buffers, param_versions(state))
 
     def _watch_optimizers(self, state: Any, stepped: list[bool]) -> None:
         """Flag ``stepped[0]`` when any optimizer in the state starts a step (save_on_exception):
         before it, not after, so a step that raised part-way (an out-of-memory error after some
-        parameters were updated) counts as having changed the state."""
+        parameters were updated) counts as having changed the state. A ``step(closure)``
+        (LBFGS) starts once its closure returned (:func:`.optim.update_began`): an exception in
+        the closure's forward or backward leaves the step's state, which is saved."""
         for opt in statetree.optimizers(state):
             old = self._step_watch.pop(id(opt), None)
             if old is not None:
                 old.remove()
 
-            @untraced  # (in a compiled step(): set before it, not replayed after)
-            def pre_step(*_: Any, _flag: list[bool] = stepped) -> None:
+            def mark(_flag: list[bool] = stepped) -> None:
                 _flag[0] = True
 
+            # (in a compiled step(): set before it, not replayed after)
+            pre_step = untraced(update_began(mark))
             self._step_watch[id(opt)] = hookable(opt).register_step_pre_hook(pre_step)
 
     def release(self) -> None:
@@ -266,12 +300,24 @@ class Emergency:
                 type(exc).__name__,
             )
             return
-        step, frozen, rng_state, stepped, buffers = point
+        step, frozen, rng_state, stepped, buffers, versions = point
         if stepped[0]:
             log.warning(
                 "save_on_exception: %s came after an optimizer step that step() never saw; the "
                 "state matches no step, so nothing is saved",
                 type(exc).__name__,
+            )
+            return
+        changed = changed_params(versions)
+        if changed:
+            log.warning(
+                "save_on_exception: %s came after %s was changed since step %d other than by "
+                "an optimizer's step() in the state (a two-pass optimizer's first_step(), the "
+                "step of an optimizer it holds, an in-place write); the state matches no step, "
+                "so nothing is saved",
+                type(exc).__name__,
+                changed,
+                step,
             )
             return
         # a forward pass since may have changed buffers (BatchNorm's running statistics): they

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-_F = TypeVar("_F", bound=Callable[..., None])
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def untraced(hook: _F) -> _F:
