@@ -3,6 +3,8 @@ loop last reported), then propagates unchanged; resuming from it is exact."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -276,3 +278,24 @@ def test_a_two_pass_optimizers_step_is_seen_by_save_on_exception(tmp_path, caplo
     else:
         assert saved == []
         assert any("matches no step" in r.getMessage() for r in caplog.records)
+
+
+def test_a_wrapped_base_optimizer_left_out_of_the_state_is_warned_about_at_the_first_save(
+    tmp_path,
+):
+    """SAM's state_dict() holds its own state (the weights before the first pass), not its
+    base optimizer's momentum: with only the wrapper in the state, the resume started the
+    momentum from zero, silently. The first save says to put the base optimizer in too; with
+    it there, nothing is said."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = SAM(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.first_step()
+    opt.second_step()
+    warned = pytest.warns(UserWarning, match=r"state\['sam'\]\.base_optimizer is an optimizer")
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck, warned:
+        ck.save(1, {"model": model, "sam": opt})
+    with Checkpointer(tmp_path / "ck2", async_save=False) as ck, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ck.save(1, {"model": model, "sam": opt, "base": opt.base_optimizer})

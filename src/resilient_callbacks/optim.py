@@ -114,3 +114,29 @@ def unsaved_params(
                 if p.requires_grad and p.numel() and p.untyped_storage().data_ptr() not in held:
                     out.append(p)
     return out
+
+
+def unsaved_inner_optimizers(
+    optimizers: list[tuple[str, torch.optim.Optimizer]], saved: list[torch.Tensor]
+) -> list[str]:
+    """``"state['sam'].base_optimizer"`` for each torch optimizer held in an attribute of one of
+    ``optimizers`` (by key path) whose state holds tensors that no tensor of ``saved`` holds: a
+    SAM-style wrapper steps the optimizer it holds (``.base_optimizer``), whose momentum its own
+    ``state_dict()`` leaves out, so the resume silently started the momentum from zero."""
+    held = {t.untyped_storage().data_ptr() for t in saved if t.numel()}
+    listed = {id(o) for _, o in optimizers} | {id(hookable(o)) for _, o in optimizers}
+    out = []
+    for where, opt in optimizers:
+        for name, inner in vars(opt).items():
+            if not isinstance(inner, torch.optim.Optimizer) or id(inner) in listed:
+                continue
+            tensors = [
+                v
+                for per_param in inner.state.values()
+                if isinstance(per_param, dict)
+                for v in per_param.values()
+                if isinstance(v, torch.Tensor) and v.numel()
+            ]
+            if any(t.untyped_storage().data_ptr() not in held for t in tensors):
+                out.append(f"{where}.{name}")
+    return out

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from . import statetree
+from . import statetree, structure
 from .errors import caller_stacklevel
-from .optim import unsaved_params
+from .optim import unsaved_inner_optimizers, unsaved_params
 
 __all__ = ["check_metrics", "clean_metrics", "warn_unsaved_params"]
 
@@ -60,7 +60,25 @@ def check_metrics(metrics: Mapping[str, Any] | None) -> None:
 
 def warn_unsaved_params(state: Any, saved: list[torch.Tensor]) -> None:
     """Warn, once per Checkpointer, when an optimizer of ``state`` steps tensors that the
-    state does not hold (:func:`.optim.unsaved_params`)."""
+    state does not hold (:func:`.optim.unsaved_params`), or holds an optimizer whose state the
+    state does not hold (:func:`.optim.unsaved_inner_optimizers`)."""
+    inner = unsaved_inner_optimizers(
+        [
+            (structure.path_str(path), opt)
+            for path, opt in statetree.leaves(state)
+            if isinstance(opt, torch.optim.Optimizer)
+        ],
+        saved,
+    )
+    if inner:
+        warnings.warn(
+            f"{inner[0]} is an optimizer that {inner[0].rsplit('.', 1)[0]} holds and steps; its "
+            "state (momentum, moments) is in no state_dict() the state saves, so a resume "
+            "would start it afresh. Put it into the state too (e.g. {'opt': sam, "
+            "'base_opt': sam.base_optimizer})",
+            UserWarning,
+            stacklevel=caller_stacklevel(),
+        )
     missing = unsaved_params(statetree.optimizers(state), saved)
     if missing:
         e = missing[0]
