@@ -169,6 +169,66 @@ def test_overlapped_snapshot_copies_a_module_no_optimizer_steps_at_once(
         assert torch.equal(v, expected[k]), k
 
 
+def test_overlapped_snapshot_copies_a_two_pass_optimizers_weights_at_once(tmp_path, monkeypatch):
+    """A SAM-style optimizer's first_step() writes the weights in place outside any step(),
+    right after the save; only its base optimizer's step (after second_step() put them back)
+    waited for the deferred copies, which could read the moved weights (a GPU's copy runs
+    beside first_step's kernels): the checkpoint held weights of no step. The deferred copies
+    run here while the weights are moved. Its parameters are copied before save() returns
+    now; the base optimizer's momentum, written only by its step(), is still deferred."""
+    from resilient_callbacks import snapshot
+    from test_save_on_exception import SAM
+
+    moved, copied = threading.Event(), threading.Event()
+    copy_later = snapshot.Snapshot._copy_later
+
+    def between_the_passes(self, items, stream):
+        moved.wait(timeout=60)
+        copy_later(self, items, stream)
+        copied.set()
+
+    monkeypatch.setattr(snapshot.Snapshot, "_copy_later", between_the_passes)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        sam = SAM(model.parameters(), torch.optim.SGD, lr=0.01, momentum=0.9)
+        return {"model": model, "sam": sam, "base": sam.base_optimizer}
+
+    def two_pass_step(state, between=lambda: None):
+        model, sam = state["model"], state["sam"]
+        x = torch.randn(16, 64)
+        model(x).square().mean().backward()
+        sam.first_step()
+        between()
+        sam.zero_grad()
+        model(x).square().mean().backward()
+        sam.second_step()
+        sam.zero_grad()
+
+    def copy_now():
+        moved.set()
+        copied.wait(timeout=60)  # (no deferred copy at all would do too)
+
+    state = build(0)
+    moved.set()
+    two_pass_step(state)
+    moved.clear()
+    expected = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    momentum = [s["momentum_buffer"].clone() for s in state["base"].state.values()]
+    with Checkpointer(tmp_path / "ck", overlap_snapshot=True, preemption=False) as ck:
+        ck.save(1, state)
+        two_pass_step(state, between=copy_now)
+        ck.flush()
+    fresh = build(1)
+    with Checkpointer(tmp_path / "ck", preemption=False) as ck:
+        assert ck.restore(fresh) == 1
+    for k, v in fresh["model"].state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    got = [s["momentum_buffer"] for s in fresh["base"].state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(got, momentum, strict=True))
+
+
 @pytest.mark.parametrize("how", ["step", "save"])
 def test_a_final_overlapped_save_copies_before_it_returns(tmp_path, slow_deferred_copies, how):
     """No optimizer step follows the final save to wait for its deferred copies, and the end

@@ -82,6 +82,25 @@ def hookable(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return opt
 
 
+def two_pass_base(obj: Any) -> torch.optim.Optimizer | None:
+    """The optimizer that ``obj`` steps if ``obj`` is a two-pass wrapper (SAM and its kin:
+    ``first_step()`` moves the weights in place, ``second_step()`` puts them back and steps the
+    optimizer held in ``.base_optimizer``), else None. Such a wrapper writes its parameters
+    outside any optimizer's ``step()``, where no step hook runs. A torch optimizer that ran
+    ``Optimizer.__init__`` and holds another in an attribute is taken for one; accelerate's
+    ``AcceleratedOptimizer`` (see :func:`hookable`), which writes only through ``step()``, and
+    an LR scheduler (its ``.optimizer``) are not."""
+    base = getattr(obj, "base_optimizer", None)
+    if isinstance(base, torch.optim.Optimizer) and base is not obj:
+        return base
+    if not isinstance(obj, torch.optim.Optimizer) or hookable(obj) is not obj:
+        return None
+    for value in vars(obj).values():
+        if isinstance(value, torch.optim.Optimizer) and value is not obj:
+            return value
+    return None
+
+
 def param_shapes(opt: torch.optim.Optimizer) -> list[list[list[int]]] | None:
     """The shape of every parameter ``opt`` steps, group by group, in the order its
     ``state_dict()`` numbers them: recorded with its state, so that a restore into an optimizer

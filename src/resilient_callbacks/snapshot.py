@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from . import statetree
+from .optim import two_pass_base
 from .pinned import pinned_group
 
 
@@ -154,6 +155,7 @@ def step_storages(
     modules: Iterable[torch.nn.Module],
     optimizers: Iterable[torch.optim.Optimizer],
     local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    others: Iterable[Any] = (),
 ) -> set[int]:
     """Storage addresses of tensors that only an optimizer step changes: the parameters of
     ``modules`` that one of ``optimizers`` steps (in a param group, requiring grad), and the
@@ -161,10 +163,24 @@ def step_storages(
     model, frozen or in no group: its owner may write it in place
     before the next step, which alone waits for deferred copies), nor buffers, which forward
     passes change, nor 0-d values such as ``step``, copied at once. ``local`` maps a tensor to
-    the one whose storage is copied (a DTensor to its local shard)."""
+    the one whose storage is copied (a DTensor to its local shard). Nor the parameters and
+    state of a two-pass wrapper (:func:`.optim.two_pass_base`, among ``optimizers`` and
+    ``others``, the state's other objects): its ``first_step()`` writes them in place outside
+    any ``step()``, right after the save."""
+    optimizers = list(optimizers)
     stepped: set[int] = set()
     out: set[int] = set()
+    written_outside: set[int] = set()
+    for w in [*optimizers, *others]:
+        base = two_pass_base(w)
+        if base is not None:
+            for group in base.param_groups:
+                written_outside.update(
+                    local(p).untyped_storage().data_ptr() for p in group["params"]
+                )
     for o in optimizers:
+        if two_pass_base(o) is not None:
+            continue  # (its own state too: first_step() may write it in place)
         for group in o.param_groups:
             for p in group["params"]:
                 if p.requires_grad:  # a frozen one (an EMA in AdamW(self.parameters())) is not
@@ -173,6 +189,7 @@ def step_storages(
             for v in s.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     out.add(local(v).untyped_storage().data_ptr())
+    stepped -= written_outside
     for m in modules:
         for p in m.parameters():
             ptr = local(p).untyped_storage().data_ptr()
@@ -187,6 +204,7 @@ def optimizer_step_storages(state: Any) -> set[int]:
     return step_storages(
         (o for o in objs if isinstance(o, torch.nn.Module)),
         (o for o in objs if isinstance(o, torch.optim.Optimizer)),
+        others=(o for o in objs if not isinstance(o, torch.optim.Optimizer)),
     )
 
 
