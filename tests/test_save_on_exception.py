@@ -299,3 +299,33 @@ def test_a_wrapped_base_optimizer_left_out_of_the_state_is_warned_about_at_the_f
     with Checkpointer(tmp_path / "ck2", async_save=False) as ck, warnings.catch_warnings():
         warnings.simplefilter("error")
         ck.save(1, {"model": model, "sam": opt, "base": opt.base_optimizer})
+
+
+class PlainSAM:
+    """A two-pass wrapper that is no torch optimizer: its state_dict() is its own (rho)."""
+
+    def __init__(self, base, rho=0.05):
+        self.base_optimizer, self.rho = base, rho
+
+    def state_dict(self):
+        return {"rho": self.rho}
+
+    def load_state_dict(self, sd):
+        self.rho = sd["rho"]
+
+
+def test_a_base_optimizer_of_a_wrapper_of_any_class_left_out_is_warned_about(tmp_path):
+    """The warning looked only into torch optimizers of the state: a wrapper of its own class
+    holding the base optimizer (in ``.base_optimizer``) resumed its momentum from zero,
+    unsaid."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    sam = PlainSAM(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    sam.base_optimizer.step()
+    warned = pytest.warns(UserWarning, match=r"state\['sam'\]\.base_optimizer is an optimizer")
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck, warned:
+        ck.save(1, {"model": model, "sam": sam})
+    with Checkpointer(tmp_path / "ck2", async_save=False) as ck, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ck.save(1, {"model": model, "sam": sam, "base": sam.base_optimizer})

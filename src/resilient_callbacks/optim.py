@@ -136,10 +136,11 @@ def unsaved_params(
 
 
 def unsaved_inner_optimizers(
-    optimizers: list[tuple[str, torch.optim.Optimizer]], saved: list[torch.Tensor]
+    optimizers: list[tuple[str, Any]], saved: list[torch.Tensor]
 ) -> list[str]:
     """``"state['sam'].base_optimizer"`` for each torch optimizer held in an attribute of one of
-    ``optimizers`` (by key path) whose state holds tensors that no tensor of ``saved`` holds: a
+    ``optimizers`` (by key path: torch optimizers, and wrappers of any class that
+    :func:`two_pass_base` finds) whose state holds tensors that no tensor of ``saved`` holds: a
     SAM-style wrapper steps the optimizer it holds (``.base_optimizer``), whose momentum its own
     ``state_dict()`` leaves out, so the resume silently started the momentum from zero."""
     held = {t.untyped_storage().data_ptr() for t in saved if t.numel()}

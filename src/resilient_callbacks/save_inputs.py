@@ -19,7 +19,7 @@ import torch
 
 from . import statetree, structure
 from .errors import caller_stacklevel
-from .optim import unsaved_inner_optimizers, unsaved_params
+from .optim import two_pass_base, unsaved_inner_optimizers, unsaved_params
 
 __all__ = ["check_metrics", "clean_metrics", "warn_unsaved_params"]
 
@@ -66,7 +66,7 @@ def warn_unsaved_params(state: Any, saved: list[torch.Tensor]) -> None:
         [
             (structure.path_str(path), opt)
             for path, opt in statetree.leaves(state)
-            if isinstance(opt, torch.optim.Optimizer)
+            if isinstance(opt, torch.optim.Optimizer) or two_pass_base(opt) is not None
         ],
         saved,
     )
