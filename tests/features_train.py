@@ -59,6 +59,10 @@ class SAM(torch.optim.Optimizer):
                     p.copy_(self.state[p]["old_p"])
         self.base_optimizer.step()
 
+    def load_state_dict(self, state_dict: Any) -> None:
+        super().load_state_dict(state_dict)
+        self.base_optimizer.param_groups = self.param_groups  # (its groups are new)
+
 
 def digest(value: Any) -> Any:
     """``value`` as JSON that is equal exactly when the values are equal bit for bit."""
@@ -85,10 +89,11 @@ def build(setup: str) -> tuple[dict[str, Any], Any]:
         opt: Any = torch.optim.LBFGS(model.parameters(), lr=0.5, history_size=3, max_iter=3)
     elif setup == "sam":
         opt = SAM(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
-        state["base"] = opt.base_optimizer
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state["opt"] = opt
+    if setup == "sam":  # (after the wrapper, as docs/guide.md has it)
+        state["base"] = opt.base_optimizer
     if setup == "plateau":
         sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=1)
     elif setup == "sequential":
@@ -104,7 +109,7 @@ def build(setup: str) -> tuple[dict[str, Any], Any]:
         )
     elif setup == "onecycle":
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=40)
-    elif setup == "accumulate":
+    elif setup in ("accumulate", "sam"):  # (SAM's: on the wrapper, as its README has it)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
     if sched is not None:
         state["sched"] = sched
@@ -150,6 +155,7 @@ def train_step(setup: str, state: dict[str, Any], opt: Any, step: int, micro: An
         loss_of(model, batch).backward()
         opt.second_step()
         opt.zero_grad()
+        state["sched"].step()
         return float(loss.item())
     if setup == "amp":
         scaler = state["scaler"]

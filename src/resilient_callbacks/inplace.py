@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import mapped, module_versions, scheduler_settings
+from . import mapped, module_versions, scheduler_settings, statetree
 from .errors import CheckpointMismatchError, caller_stacklevel
 from .filepart import FilePart
+from .optim import relink_param_groups, shared_param_groups
 from .structure import (
     PerRank,
     _has_live_objects,
@@ -73,6 +74,9 @@ def apply(
     removed: list[str] = []
     settings: list[str] = []  # LR scheduler settings the checkpoint's replace (scheduler_settings)
     kept: list[str] = []  # those a roll-back keeps
+    # optimizers sharing their parameter groups (a SAM wrapper and its base): shared again after
+    links = shared_param_groups([obj for _, obj in statetree.leaves(state)])
+    loaded: list[Any] = []  # the objects given load_state_dict, in order
     # values put in the state's containers are the state's: not views of the mapped checkpoint
     # files (its disk space would stay in use after retention), one copy per aliased tensor
     memo: dict[int, Any] = {}
@@ -118,6 +122,7 @@ def apply(
                 load = with_versions(target, live_sd)
             try:  # what it keeps must not hold the file (mapped.py)
                 result = mapped.load_state(target, value, load)
+                loaded.append(target)
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # the object's own validation: report with its key path
@@ -163,6 +168,7 @@ def apply(
 
     try:
         new_root = load_into(state, structure, ())
+        relink_param_groups(links, loaded)
     finally:
         # (a closure that refers to itself: the cycle kept ``resolve``'s tensors alive)
         load_into = fresh = None  # type: ignore[assignment]

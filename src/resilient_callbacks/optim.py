@@ -160,3 +160,50 @@ def unsaved_inner_optimizers(
             if any(t.untyped_storage().data_ptr() not in held for t in tensors):
                 out.append(f"{where}.{name}")
     return out
+
+
+#: two objects of a state that share their ``param_groups`` (the same list, or the same
+#: group dicts in lists of their own): :func:`shared_param_groups`
+GroupLink = tuple[Any, Any, bool]
+
+
+def shared_param_groups(objs: list[Any]) -> list[GroupLink]:
+    """The pairs of ``objs`` (and of the optimizers their two-pass wrappers step,
+    :func:`two_pass_base`) that share their parameter groups: ``(a, b, True)`` for the same
+    list (SAM: ``self.param_groups = self.base_optimizer.param_groups``), ``(a, b, False)`` for
+    the same group dicts. ``load_state_dict`` gives an optimizer new groups, so after a restore
+    the wrapper's learning rate (what an LR scheduler made for the wrapper changes) no longer
+    reached the base optimizer that steps: :func:`relink_param_groups` shares them again."""
+    found: list[Any] = []
+    for obj in objs:
+        for o in (obj, two_pass_base(obj)):
+            if isinstance(getattr(o, "param_groups", None), list) and all(
+                o is not f for f in found
+            ):
+                found.append(o)
+    links: list[GroupLink] = []
+    for i, a in enumerate(found):
+        for b in found[i + 1 :]:
+            ga, gb = a.param_groups, b.param_groups
+            if ga is gb:
+                links.append((a, b, True))
+            elif ga and len(ga) == len(gb) and all(x is y for x, y in zip(ga, gb, strict=True)):
+                links.append((a, b, False))
+    return links
+
+
+def relink_param_groups(links: list[GroupLink], loaded: list[Any]) -> None:
+    """After a restore, share the groups of each pair of :func:`shared_param_groups` again:
+    those of the one loaded last (``loaded``: the objects given ``load_state_dict``, in
+    order), which hold the checkpoint's values; a pair neither of which was loaded is left."""
+    order = {id(o): i for i, o in enumerate(loaded)}
+    for a, b, same_list in links:
+        if id(a) not in order and id(b) not in order:
+            continue
+        src, dst = (a, b) if order.get(id(a), -1) > order.get(id(b), -1) else (b, a)
+        if src.param_groups is dst.param_groups:
+            continue
+        if same_list:
+            dst.param_groups = src.param_groups
+        else:
+            dst.param_groups[:] = src.param_groups
