@@ -26,7 +26,8 @@ cross-stream use; collectives launched after the save (DDP's buffer broadcast, F
 
 Overlapped mode: the parameters an optimizer in the state steps, and its state, change only at
 that step, so their copy may run in the background while the next forward/backward runs (a
-parameter no optimizer there steps, such as an EMA copy, is not deferred); the training loop waits
+parameter no optimizer there steps, such as an EMA copy, is not deferred, nor one a SAM-style
+two-pass optimizer writes in its ``first_step()``); the training loop waits
 only right before the next optimizer step (``Checkpointer.wait_for_snapshot()``, which the
 optimizers in the state call from a step pre-hook). On a GPU that wait is again a GPU-side wait:
 the optimizer's kernels are ordered after the copy and the CPU does not block. Everything else
