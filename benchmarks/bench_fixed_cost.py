@@ -24,9 +24,14 @@ Medians per round, then the median over rounds:
 - ``... cpu``: the CPU time of the training thread alone in the same span
   (``time.thread_time``): on a loaded machine it varies far less than the wall clock, and it
   is what the Python work costs (the background writer's and the hashing threads' time is not
-  in it).
+  in it);
+- the baselines, in the same process, each beside one of ours with the order alternating:
+  ``torch.save``: ``torch.save`` of the model's and the optimizer's state dicts + fsync, beside
+  each synchronous save; ``torch.load``: ``torch.load(weights_only=True)`` of that file +
+  both ``load_state_dict``, beside each restore.
 
-The ratios are against the first SRC. Writes ``bench_fixed_cost.{json,md}`` into ``--out``.
+The first table's ratios are against the first SRC; the second gives each tree's sync and
+restore against its baselines (per round, then the median over rounds). Writes ``bench_fixed_cost.{json,md}`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEYS = (
@@ -50,6 +56,17 @@ KEYS = (
     "sync cpu",
     "restore",
     "restore cpu",
+    "torch.save",
+    "torch.save cpu",
+    "torch.load",
+    "torch.load cpu",
+)
+# (ours, its baseline measured beside it in the same worker)
+RATIOS = (
+    ("sync", "torch.save"),
+    ("sync cpu", "torch.save cpu"),
+    ("restore", "torch.load"),
+    ("restore cpu", "torch.load cpu"),
 )
 
 
@@ -75,6 +92,29 @@ def worker(count: int, numel: int, saves: int, where: str | None) -> dict[str, f
     state = {"model": model, "optimizer": opt}
     out: dict[str, float] = {}
     work = tempfile.mkdtemp(prefix="rc-fixed-", dir=where)
+    pt = os.path.join(work, "torch.pt")
+    baseline: dict[str, list[float]] = {k: [] for k in KEYS if k.startswith("torch.")}
+
+    def timed(fn: Any, key: str) -> None:
+        gc.collect()
+        c0, t0 = time.thread_time(), time.perf_counter()
+        fn()
+        baseline[key].append(time.perf_counter() - t0)
+        baseline[key + " cpu"].append(time.thread_time() - c0)
+
+    def torch_save() -> None:  # the baseline of a synchronous save: torch.save + fsync
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, pt)
+        fd = os.open(pt, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def torch_load() -> None:  # the baseline of a restore: torch.load + load_state_dict
+        sd = torch.load(pt, weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+
     try:
         for mode in ("async", "sync"):
             blocking, durable, cpu = [], [], []
@@ -82,6 +122,8 @@ def worker(count: int, numel: int, saves: int, where: str | None) -> dict[str, f
                 os.path.join(work, mode), keep_last=1, preemption=False, async_save=mode == "async"
             )
             for step in range(1, saves + 1):
+                if mode == "sync" and step % 2 == 0:  # torch.save beside it, order alternating
+                    timed(torch_save, "torch.save")
                 gc.collect()
                 c0, t0 = time.thread_time(), time.perf_counter()
                 ck.save(step, state)
@@ -92,6 +134,8 @@ def worker(count: int, numel: int, saves: int, where: str | None) -> dict[str, f
                     blocking.append(t1 - t0)
                     durable.append(t2 - t0)
                     cpu.append(c1 - c0)
+                if mode == "sync" and step % 2 == 1:
+                    timed(torch_save, "torch.save")
             ck.close()
             if mode == "async":
                 out["async blocking"] = statistics.median(blocking)
@@ -105,7 +149,9 @@ def worker(count: int, numel: int, saves: int, where: str | None) -> dict[str, f
             {"read_only": True} if "read_only" in inspect.signature(Checkpointer).parameters else {}
         )
         wall, cpu = [], []
-        for _ in range(3):
+        for i in range(3):
+            if i % 2:  # torch.load beside it, order alternating
+                timed(torch_load, "torch.load")
             gc.collect()
             c0, t0 = time.thread_time(), time.perf_counter()
             r = Checkpointer(os.path.join(work, "sync"), preemption=False, **ro)
@@ -113,8 +159,11 @@ def worker(count: int, numel: int, saves: int, where: str | None) -> dict[str, f
             wall.append(time.perf_counter() - t0)
             cpu.append(time.thread_time() - c0)
             r.close()
+            if i % 2 == 0:
+                timed(torch_load, "torch.load")
         out["restore"] = statistics.median(wall)
         out["restore cpu"] = statistics.median(cpu)
+        out.update({k: statistics.median(v) for k, v in baseline.items()})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
@@ -165,12 +214,27 @@ def main() -> int:
         m = medians[s]
         cells = [f"{m[k]:.3f} ({m[k] / base[k]:.2f}x)" if base[k] else f"{m[k]:.3f}" for k in KEYS]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    # each round's ratio to the baseline measured in the same process, then their median
+    ratios = {
+        s: {f"{a} / {b}": statistics.median(r[a] / r[b] for r in runs[s]) for a, b in RATIOS}
+        for s in srcs
+    }
+    lines += [
+        "",
+        "Against `torch.save` + fsync and `torch.load` + `load_state_dict` of the same state in "
+        "the same process (median of the rounds' ratios):",
+        "",
+        "| tree | " + " | ".join(f"{a} / {b}" for a, b in RATIOS) + " |",
+        "|---|" + "---:|" * len(RATIOS),
+    ]
+    for s in srcs:
+        lines.append(f"| {s} | " + " | ".join(f"{v:.2f}x" for v in ratios[s].values()) + " |")
     md = "\n".join(lines) + "\n"
     sys.path.insert(0, HERE)
     import torch  # noqa: F401  (imported: the results name its version)
     from common import write_results
 
-    report = {"args": vars(args), "srcs": srcs, "medians": medians, "runs": runs}
+    report = {"args": vars(args), "srcs": srcs, "medians": medians, "ratios": ratios, "runs": runs}
     write_results(args.out, "bench_fixed_cost", report, md)
     print()
     print(md)

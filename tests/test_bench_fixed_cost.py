@@ -1,5 +1,6 @@
 """Smoke test of benchmarks/bench_fixed_cost.py at a tiny size: two trees (the same src twice)
-run round by round and every figure has its ratio. Deselected by default (``-m benchmark``)."""
+run round by round, every figure has its ratio, and the torch.save / torch.load baselines
+measured beside ours give theirs. Deselected by default (``-m benchmark``)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ def test_bench_fixed_cost_tiny(tmp_path: Path) -> None:
     assert all(v > 0 for v in report["medians"][src].values())
     md = (tmp_path / "out" / "bench_fixed_cost.md").read_text()
     assert "restore cpu s" in md and "(1.00x)" in md
+    # the torch.save / torch.load baselines, measured in the same worker, and the ratios to them
+    assert all(report["medians"][src][k] > 0 for k in ("torch.save", "torch.load cpu"))
+    assert set(report["ratios"][src]) == {
+        "sync / torch.save",
+        "sync cpu / torch.save cpu",
+        "restore / torch.load",
+        "restore cpu / torch.load cpu",
+    }
+    assert all(v > 0 for v in report["ratios"][src].values())
+    assert "restore / torch.load" in md
