@@ -20,6 +20,7 @@ from . import (
     catalog,
     dist,
     fit,
+    gcpause,
     history,
     inplace,
     layout,
@@ -213,7 +214,8 @@ class Restorer:
                 continue
             self._tier = "remote" if remote_url else "local"
             self._skipped = len(skipped)
-            step = self._try_load(c, state, strict, skipped)
+            with gcpause.paused():  # (its collections walked the whole process: gcpause.py)
+                step = self._try_load(c, state, strict, skipped)
             if step is not None:
                 assert c.path is not None
                 notices.warn_if_still_mapped(c.path, self._mapped_since)
