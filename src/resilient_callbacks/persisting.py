@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import dist, layout, space, structure
+from . import dist, layout, space, structure, structure_layout
 from .blobs import BlobSession
 from .errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
 from .filepart import CapturedParts
@@ -114,7 +114,7 @@ def persist(
         if local_exc is None and background and saver.persister and saver.persister.abandoned:
             local_exc = CheckpointWriteError(f"step {step}: abandoned by close(timeout)")
         if prepared is not None:
-            session.layout = structure.layout_hash(prepared.shared.structure)
+            session.layout = structure_layout.layout_hash(prepared.shared.structure)
         try:
             done = session.commit(
                 local_exc,

@@ -64,7 +64,7 @@ class RankReport:
     files: list[FileEntry] = field(default_factory=list)
     error: str | None = None
     step: int | None = None  # the step this rank saves (None: not said)
-    layout: str | None = None  # hash of the replicated state's keys (structure.layout_hash)
+    layout: str | None = None  # hash of the replicated state's keys (structure_layout.layout_hash)
 
     def to_json(self) -> dict[str, Any]:
         files = [f.__dict__ for f in self.files]

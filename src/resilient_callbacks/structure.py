@@ -17,7 +17,6 @@ stay plain JSON objects so the files remain readable.
 from __future__ import annotations
 
 import base64
-import json
 import math
 import sys
 from collections.abc import Mapping
@@ -26,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from . import mapped, module_versions
 from .errors import CheckpointMismatchError, UnsupportedStateError
@@ -395,37 +393,6 @@ def decode(
         # rec refers to itself through its closure: a cycle that kept ``tensors`` (views of the
         # mapped checkpoint files, see mapped.py) alive until the cyclic GC ran
         rec = None  # type: ignore[assignment]
-
-
-def layout_hash(structure: Any) -> str:
-    """A hash of what a restore requires of every rank's replicated state: the keys (and list
-    lengths) of the containers that hold live objects (tensors, modules, optimizers, stateful
-    objects, parts), and those objects' kinds. Plain data is not looked into:
-    its values and keys may differ between ranks (rank 0's are saved; a restore merges it)."""
-
-    def skeleton(n: Any) -> tuple[bool, Any]:  # (holds a live object, its skeleton)
-        if isinstance(n, list):
-            items = [skeleton(v) for v in n]
-            live = any(x for x, _ in items)
-            return live, [s for _, s in items] if live else "plain"
-        if not isinstance(n, dict):
-            return False, "plain"
-        tag = n.get(TAG)
-        if tag is None:
-            kids = {k: skeleton(v) for k, v in n.items()}
-            live = any(x for x, _ in kids.values())
-            return live, {k: s for k, (_, s) in kids.items()} if live else "plain"
-        if tag == "stateful":  # its own load_state_dict judges its state
-            return True, ["stateful", n.get("type")]
-        if tag in ("tensor", "per_rank", "filepart"):
-            return True, tag
-        return False, "plain"
-
-    try:
-        text = json.dumps(skeleton(structure)[1], sort_keys=True)
-    finally:
-        skeleton = None  # type: ignore[assignment]  # (a self-referring closure: no cycle)
-    return xxhash.xxh3_64_hexdigest(text.encode())
 
 
 def _hashable(v: Any) -> Any:
