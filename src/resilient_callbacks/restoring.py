@@ -212,7 +212,7 @@ class Restorer:
                 self._warn_fallback(c, c.problem)
                 tried.add(as_tried)
                 continue
-            self._tier = "remote" if remote_url else "local"
+            tier = self._tier = "remote" if remote_url else "local"
             self._skipped = len(skipped)
             with gcpause.paused():  # (its collections walked the whole process: gcpause.py)
                 step = self._try_load(c, state, strict, skipped)
@@ -222,9 +222,7 @@ class Restorer:
                 if c.abandoned and not explicit:  # loudly: the run's timeline changes
                     lineage = [f"{x.where} (step {x.step})" for x in cands if not x.abandoned]
                     warn_abandoned(c, lineage, ck.is_coordinator)
-                ck.last_restore = RestoreReport(
-                    c.path, step, "remote" if remote_url else "local", remote_url, tuple(skipped)
-                )
+                ck.last_restore = RestoreReport(c.path, step, tier, remote_url, tuple(skipped))
                 return step
             if not (skipped and GONE in skipped[-1]):
                 tried.add(as_tried)
@@ -291,7 +289,7 @@ class Restorer:
         ck = self._ck
         path = c.path
         assert path is not None
-        part, full, problem, refusal = None, None, None, None
+        part, full, problem, refusal, decoded = None, None, None, None, {}  # type: ignore[var-annotated]
         fileparts = statetree.fileparts(state)
         readers: dict[str, PartReader] = {}
         try:
@@ -301,7 +299,7 @@ class Restorer:
             # that does not (written by something else, or tampered with) is corrupt, and the
             # restore falls back with nothing overwritten.
             full = structure.inline_per_rank(part.structure, part.per_rank)
-            structure.decode(full, part.tensors)
+            structure.decode(full, part.tensors, memo=decoded)  # (loaded from, not decoded again)
             if ck.config.capture_rng and part.rng is not None:
                 rng.check(part.rng, part.tensors)
             for pid, fp in fileparts.items():  # each part's files, verified before any load
@@ -344,7 +342,7 @@ class Restorer:
             inplace.apply(
                 state,
                 full,
-                lambda n: structure.decode(n, part.tensors),
+                lambda n: structure.decode(n, part.tensors, memo=decoded),
                 ck.restore_advice,
                 coordinator=ck.is_coordinator,
                 rollback=ck._recorder.began and not ck.config.read_only,  # restore() again

@@ -333,15 +333,24 @@ def decode(
     tensors: Mapping[str, torch.Tensor],
     per_rank: Mapping[str, Any] | None = None,
     keep_stateful: bool = False,
+    memo: dict[int, Any] | None = None,
 ) -> Any:
     """Rebuild Python values from a structure. With ``keep_stateful`` a stateful node becomes a
-    :class:`StatefulNode`; otherwise it becomes its plain state dict."""
+    :class:`StatefulNode`; otherwise it becomes its plain state dict. ``memo``: each dict and
+    list node's value by its ``id``, filled and used again (a restore's check, then its load;
+    with the same arguments, the structure alive and unchanged)."""
+    if memo is not None and id(node) in memo:
+        return memo[id(node)]
 
     def rec(n: Any) -> Any:
-        if isinstance(n, list):
-            return [rec(v) for v in n]
-        if not isinstance(n, dict):
+        if not isinstance(n, (dict, list)):
             return n
+        out = [rec(v) for v in n] if isinstance(n, list) else one(n)
+        if memo is not None:
+            memo[id(n)] = out
+        return out
+
+    def one(n: dict[str, Any]) -> Any:
         tag = n.get(TAG)
         if tag is None:
             return {k: rec(v) for k, v in n.items()}
@@ -390,9 +399,9 @@ def decode(
     try:
         return rec(node)
     finally:
-        # rec refers to itself through its closure: a cycle that kept ``tensors`` (views of the
-        # mapped checkpoint files, see mapped.py) alive until the cyclic GC ran
-        rec = None  # type: ignore[assignment]
+        # rec and one refer to each other through their closures: a cycle that kept ``tensors``
+        # (views of the mapped checkpoint files, see mapped.py) alive until the cyclic GC ran
+        rec = one = None  # type: ignore[assignment]
 
 
 def _hashable(v: Any) -> Any:
@@ -439,8 +448,9 @@ def _has_live_objects(obj: Any) -> bool:
 def _node_items(n: Any) -> dict[Any, Any] | None:
     if isinstance(n, dict) and n.get(TAG) is None:
         return dict(n)
-    if isinstance(n, dict) and n.get(TAG) == "dict":
-        return {_hashable(decode(k, {})): v for k, v in n["items"]}
+    if isinstance(n, dict) and n.get(TAG) == "dict":  # (a plain key, an int, is itself)
+        items = n["items"]
+        return {_hashable(decode(k, {})) if isinstance(k, (dict, list)) else k: v for k, v in items}
     return None
 
 
