@@ -319,3 +319,35 @@ def test_a_job_of_a_hydra_sweep_is_not_told_to_share_one_folder(tmp_path, monkey
     said = " ".join(str(got[0].message).split())
     assert "holds an earlier run's" not in said and str(sweep / "0") not in said, said
     assert "override_dirname" in said and "hydra.job.chdir=False" not in said, said
+
+
+def test_an_outputs_folder_of_many_runs_is_searched_newest_first_and_bounded(tmp_path, monkeypatch):
+    """The search for an earlier run's checkpoints read every run folder under outputs/ (an
+    outputs folder that holds thousands of runs, read at each fresh start): it looks in the
+    newest run folders first, at most ``EARLIER_RUNS_LOOKED`` of them, names the newest that
+    holds checkpoints, and where none of those does, says how far it looked."""
+    from resilient_callbacks import notices
+
+    monkeypatch.setattr(notices, "EARLIER_RUNS_LOOKED", 20)
+    outputs = tmp_path / "outputs"
+    runs = [outputs / f"2026-12-0{d}" / f"{h:02d}-00-00" for d in range(1, 6) for h in range(12)]
+    for job in runs:  # 60 earlier runs, each with an empty checkpoint folder
+        (job / "ckpts").mkdir(parents=True)
+    _run(runs[0] / "ckpts", [3])  # the oldest holds checkpoints: past the bound
+    now = outputs / "2026-12-09" / "10-00-00"
+    _hydra_job(now, started_in=tmp_path)
+    looked: list[str] = []
+    real = notices._holds
+    monkeypatch.setattr(notices, "_holds", lambda p: (looked.append(p), real(p))[1])
+    monkeypatch.chdir(now)
+    with pytest.warns(UserWarning, match="a folder Hydra made") as got, Checkpointer("ckpts") as ck:
+        assert ck.restore(_state()) == 0
+    said = " ".join(str(got[0].message).split())
+    assert len(looked) == 20 and looked[0] == str(runs[-1] / "ckpts"), looked
+    assert f"none of the newest 20 earlier run folders in {outputs}" in said, said
+    _run(runs[-5] / "ckpts", [4])  # the fifth newest: found, and the search stops there
+    looked.clear()
+    with pytest.warns(UserWarning, match="a folder Hydra made") as got, Checkpointer("ckpts") as ck:
+        assert ck.restore(_state()) == 0
+    said = " ".join(str(got[0].message).split())
+    assert f"{runs[-5] / 'ckpts'} holds an earlier run's" in said and len(looked) == 5, said

@@ -7,7 +7,6 @@ start stays a fresh start)."""
 from __future__ import annotations
 
 import gc
-import glob
 import logging
 import os
 import re
@@ -20,6 +19,8 @@ from .manifest import MANIFEST_NAME, Manifest
 from .redact import command
 
 log = logging.getLogger(__name__)
+
+EARLIER_RUNS_LOOKED = 100  # run folders a fresh start in a Hydra job folder looks in at most
 
 
 def say_what_is_not_a_checkpoint(
@@ -109,9 +110,16 @@ def say_where_it_looked(dirpath: str, given: object, cwd: str) -> None:
         return
     # Hydra's run folders are <outputs>/<date>/<time>: an earlier run's is a cousin of cwd
     runs = os.path.dirname(os.path.dirname(cwd))
-    pattern = os.path.join(glob.escape(runs), "*", "*", glob.escape(str(given)))
-    held = [p for p in glob.glob(pattern) if os.path.abspath(p) != dirpath and _holds(p)]
-    found = f"; {max(held, key=_mtime)} holds an earlier run's" if held else ""
+    held, looked, bounded = _earlier_run(runs, str(given), dirpath)
+    if held is not None:
+        found = f"; {held} holds an earlier run's"
+    elif bounded:
+        found = (
+            f"; none of the newest {looked} earlier run folders in {runs} holds checkpoints "
+            "in it (older ones were not looked in)"
+        )
+    else:
+        found = ""
     warn_and_log(
         log,
         f"dirpath={given!r} is relative to the working directory {cwd}, a folder Hydra made "
@@ -123,11 +131,33 @@ def say_where_it_looked(dirpath: str, given: object, cwd: str) -> None:
     )
 
 
-def _mtime(path: str) -> float:
+def _earlier_run(runs: str, given: str, dirpath: str) -> tuple[str | None, int, bool]:
+    """The newest earlier run's ``<runs>/<date>/<time>/<given>`` that holds checkpoints (Hydra's
+    date and time folders sort by name as by time), looking in at most
+    :data:`EARLIER_RUNS_LOOKED` run folders: an outputs folder of thousands of runs was read
+    whole at each fresh start. Returns (that folder or None, how many were looked in, whether
+    the bound stopped the search)."""
+    looked = 0
+    for date in _names(runs)[:EARLIER_RUNS_LOOKED]:  # (each date folder is read too)
+        for time in _names(os.path.join(runs, date)):
+            path = os.path.join(runs, date, time, given)
+            if os.path.abspath(path) == dirpath:
+                continue
+            if looked >= EARLIER_RUNS_LOOKED:
+                return None, looked, True
+            looked += 1
+            if _holds(path):
+                return path, looked, False
+    return None, looked, False
+
+
+def _names(path: str) -> list[str]:
+    """The entries of the folder ``path`` newest name first, hidden ones left out ([] where it
+    cannot be read: a file, gone meanwhile)."""
     try:
-        return os.path.getmtime(path)
-    except OSError:  # (gone meanwhile)
-        return 0.0
+        return sorted((n for n in os.listdir(path) if not n.startswith(".")), reverse=True)
+    except OSError:
+        return []
 
 
 def _hydra_mode(cwd: str) -> str | None:
