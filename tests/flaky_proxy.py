@@ -5,16 +5,26 @@ lost the answer (forwarded, then 500).
 ``rule(method, path, query) -> str | None`` decides per request: ``None`` forwards it;
 ``"slowdown"`` answers 503 SlowDown without forwarding; ``"error"`` answers 500 without
 forwarding; ``"lost"`` forwards it and then answers 500 (the store did it; the client cannot
-know); ``"drop"`` forwards it and closes the connection unanswered; ``"denied"`` answers 403 InvalidAccessKeyId (credentials that became invalid).
+know); ``"drop"`` forwards it and closes the connection unanswered; ``"denied"`` answers 403 InvalidAccessKeyId (credentials that became invalid); ``"forbidden"``
+answers 403 AccessDenied (a policy that denies the request).
+
+``refuse_key(key) -> bool`` (settable at any time) makes the store refuse to delete some keys
+of a batched delete (``POST ?delete``, S3's DeleteObjects), as a policy denying those deletes
+does: the others are forwarded and deleted, and the answer names each refused key with
+``AccessDenied`` (``refused`` lists them).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import http.client
+import re
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
+from xml.sax.saxutils import escape, unescape
 
 Rule = Callable[[str, str, str], "str | None"]
 
@@ -23,6 +33,7 @@ _ERRORS = {
     "error": (500, "InternalError", "We encountered an internal error. Please try again."),
     "lost": (500, "InternalError", "We encountered an internal error. Please try again."),
     "denied": (403, "InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist."),
+    "forbidden": (403, "AccessDenied", "Access Denied"),
 }
 
 
@@ -32,6 +43,8 @@ class FlakyProxy:
         self.upstream = (u.hostname, u.port)
         self.rule: Rule = rule or (lambda m, p, q: None)
         self.seen: list[tuple[str, str, str | None]] = []  # (method, path, what was done)
+        self.refuse_key: Callable[[str], bool] | None = None
+        self.refused: list[str] = []  # keys a batched delete was refused (refuse_key)
         self.lock = threading.Lock()
         proxy = self
 
@@ -81,14 +94,32 @@ class FlakyProxy:
                 with proxy.lock:
                     what = proxy.rule(self.command, path, query)
                     proxy.seen.append((self.command, path, what))
-                if what in ("slowdown", "error", "denied"):
+                if what in ("slowdown", "error", "denied", "forbidden"):
                     self._error(what)
                     return
+                refuse, refused = proxy.refuse_key, []
+                if refuse is not None and self.command == "POST" and "delete" in query:
+                    body, refused = _without_refused(body, refuse)
+                    with proxy.lock:
+                        proxy.refused.extend(refused)
+                    if b"<Object>" not in body:  # every key refused: nothing to forward
+                        self._answer(200, [("Content-Type", "application/xml")], _result(refused))
+                        return
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                 try:
                     headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
                     headers.pop("Transfer-Encoding", None)
                     headers["Content-Length"] = str(len(body))
+                    if refused:  # the body changed: its checksums with it
+                        headers = {
+                            k: v
+                            for k, v in headers.items()
+                            if not k.lower().startswith(("x-amz-checksum", "x-amz-sdk-checksum"))
+                            and k.lower() != "content-md5"
+                        }
+                        headers["Content-MD5"] = base64.b64encode(
+                            hashlib.md5(body).digest()
+                        ).decode()
                     headers["Host"] = f"{proxy.upstream[0]}:{proxy.upstream[1]}"
                     conn.request(self.command, self.path, body=body, headers=headers)
                     r = conn.getresponse()
@@ -100,6 +131,10 @@ class FlakyProxy:
                         self.close_connection = True
                         self.connection.shutdown(2)
                         return
+                    if refused and r.status == 200:
+                        data = re.sub(
+                            rb"<DeleteResult([^>]*)/>", rb"<DeleteResult\1></DeleteResult>", data
+                        ).replace(b"</DeleteResult>", _errors(refused) + b"</DeleteResult>")
                     self._answer(r.status, r.getheaders(), data)
                 finally:
                     conn.close()
@@ -119,3 +154,35 @@ class FlakyProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+_OBJECT = re.compile(rb"<Object>\s*<Key>(.*?)</Key>.*?</Object>", re.DOTALL)
+
+
+def _without_refused(body: bytes, refuse: Callable[[str], bool]) -> tuple[bytes, list[str]]:
+    """A DeleteObjects request body without the objects whose key ``refuse`` refuses."""
+    refused: list[str] = []
+
+    def keep(m: re.Match) -> bytes:
+        key = unescape(m.group(1).decode())
+        if refuse(key):
+            refused.append(key)
+            return b""
+        return m.group(0)
+
+    return _OBJECT.sub(keep, body), refused
+
+
+def _errors(refused: list[str]) -> bytes:
+    return "".join(
+        f"<Error><Key>{escape(k)}</Key><Code>AccessDenied</Code><Message>Access Denied"
+        "</Message></Error>"
+        for k in refused
+    ).encode()
+
+
+def _result(refused: list[str]) -> bytes:
+    return (
+        b'<?xml version="1.0" encoding="UTF-8"?><DeleteResult '
+        b'xmlns="http://s3.amazonaws.com/doc/2006-03-01/">' + _errors(refused) + b"</DeleteResult>"
+    )

@@ -450,43 +450,18 @@ def test_a_remote_store_of_more_objects_than_one_listing_page_is_seen_whole(s3_r
         assert torch.equal(a, b)
 
 
-def test_unused_blobs_a_store_silently_keeps_are_not_reported_deleted(s3_remote, caplog):
-    """S3's DeleteObjects answers a key that a policy refuses to delete without an error (s3fs
-    asks quietly): the collection lists the blobs again and reports only those gone."""
-    import logging
-
-    from resilient_callbacks import remote_blobs
-
-    url, opts = s3_remote
-    bucket, prefix = url[len("s3://") :].split("/", 1)
-    unused = [f"{i:032x}.safetensors" for i in range(3)]
-    _put_straight(bucket, {f"{prefix}/blobs/{n}": b"x" for n in unused})
-    store = RemoteStore(url, opts)
-    real_rm = store.fs.rm
-    caplog.set_level(logging.INFO, "resilient_callbacks")
-    try:
-        store.fs.rm = lambda paths, *a, **kw: real_rm(paths[1:], *a, **kw)  # keeps the first
-        assert remote_blobs.collect(store) == unused[1:]
-    finally:
-        store.fs.rm = real_rm
-    assert sorted(listing(store)) == unused[:1]
-    said = [r.getMessage() for r in caplog.records]
-    assert any("the store did not delete 1 of 3 unused blob(s)" in m for m in said), said
-    assert any("deleted 2 unused blob(s)" in m for m in said), said
-    assert remote_blobs.collect(store) == unused[:1]  # the next collection tries again
-
-
 def _refusing(store, monkeypatch, error: Exception) -> list[int]:
-    """``store.fs.rm`` of several paths raises ``error`` (the size of each batch noted)."""
-    real_rm, batches = store.fs.rm, []
+    """A batched delete (S3's DeleteObjects) of several keys raises ``error`` (the size of
+    each batch noted)."""
+    real, batches = store.fs.call_s3, []
 
-    def rm(paths, *a, **kw):
-        if isinstance(paths, list) and len(paths) > 1:
-            batches.append(len(paths))
+    def call_s3(method, *a, **kw):
+        if method == "delete_objects" and len(kw["Delete"]["Objects"]) > 1:
+            batches.append(len(kw["Delete"]["Objects"]))
             raise error
-        return real_rm(paths, *a, **kw)
+        return real(method, *a, **kw)
 
-    monkeypatch.setattr(store.fs, "rm", rm)
+    monkeypatch.setattr(store.fs, "call_s3", call_s3)
     return batches
 
 
@@ -514,26 +489,22 @@ def test_unused_blobs_of_a_store_that_refuses_batched_deletes_go_one_by_one(
     assert any("a batched delete failed" in m and "one by one" in m for m in said), said
 
 
-@pytest.mark.parametrize("how", ["batch-failed", "glob-like-prefix"])
-def test_blobs_deleted_one_by_one_stop_at_the_deadline(s3_remote, monkeypatch, how):
-    """A batch that failed (a blob gone meanwhile) is deleted again blob by blob, and under a
-    prefix holding ``?`` every blob goes by its own request (remote_paths.rm): those deletes
-    went on past the collection's deadline, after which an upload may rely on a blob that
-    was unused."""
+def test_blobs_deleted_one_by_one_stop_at_the_deadline(s3_remote, monkeypatch):
+    """A batch that failed (a blob gone meanwhile) is deleted again blob by blob: those
+    deletes went on past the collection's deadline, after which an upload may rely on a blob
+    that was unused. (Under a prefix holding ``?`` every blob went by its own request too;
+    on S3 they now go in batches: test_remote_requests.py.)"""
     import types
 
     from resilient_callbacks import remote_blobs
 
     url, opts = s3_remote
-    if how == "glob-like-prefix":
-        url += "/exp?1"
     bucket, prefix = url[len("s3://") :].split("/", 1)
     unused = [f"{i:032x}.safetensors" for i in range(5)]
     _put_straight(bucket, {f"{prefix}/blobs/{n}": b"x" for n in unused})
     store = RemoteStore(url, opts)
     monkeypatch.setattr(remote_blobs, "DELETE_BATCH", 3)
-    if how == "batch-failed":
-        _refusing(store, monkeypatch, FileNotFoundError("one went meanwhile"))
+    _refusing(store, monkeypatch, FileNotFoundError("one went meanwhile"))
     clock = [0.0]  # the collection's own clock: the deadline passes after the first delete
     monkeypatch.setattr(
         remote_blobs, "time", types.SimpleNamespace(time=time.time, monotonic=lambda: clock[0])

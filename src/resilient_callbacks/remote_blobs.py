@@ -319,19 +319,26 @@ def _collect(
         doomed += [n for n in names if n.startswith(UPLOAD_PREFIX) and _stale(store, n)]
     if deadline is None:
         return doomed
-    doomed = doomed[: _delete(store, doomed, deadline)]
-    if doomed and not store.is_local:  # (a batch reports no key the store refused to delete)
+    sent, refused, unsure = _delete(store, doomed, deadline)
+    doomed = doomed[:sent]
+    if unsure and doomed:  # (fsspec's rm reports no key the store refused to delete)
         left = set(listing(store)).intersection(doomed)
-        if left:
-            log.warning(
-                "remote %s: the store did not delete %d of %d unused blob(s) in %s (a policy "
-                "that denies deletes?); they are left for the next collection",
-                store.url,
-                len(left),
-                len(doomed),
-                BLOBS_DIR,
-            )
-            doomed = [n for n in doomed if n not in left]
+        refused.update((n, OSError("still listed after its delete")) for n in left)
+    if refused:
+        first = sorted(refused)[0]
+        log.warning(
+            "remote %s: the store did not delete %d of %d unused blob(s) in %s (%s: %s, %s; "
+            "a policy that denies deletes?); the others are deleted, and these are left for "
+            "the next collection",
+            store.url,
+            len(refused),
+            len(doomed),
+            BLOBS_DIR,
+            first,
+            type(refused[first]).__name__,
+            refused[first],
+        )
+        doomed = [n for n in doomed if n not in refused]
     if doomed:
         log.info("remote: deleted %d unused blob(s) in %s/%s", len(doomed), store.url, BLOBS_DIR)
     return doomed
@@ -415,20 +422,30 @@ def _stale(store: RemoteStore, name: str) -> bool:
     return age > INFLIGHT_TTL_S
 
 
-def _delete(store: RemoteStore, doomed: list[str], deadline: float) -> int:
-    """Delete the blobs ``doomed`` in order, none after ``deadline``; how many were sent.
+def _delete(
+    store: RemoteStore, doomed: list[str], deadline: float
+) -> tuple[int, dict[str, Exception], bool]:
+    """Delete the blobs ``doomed`` in order, none after ``deadline``. Returns how many were
+    sent, those the store refused (name -> its error: the collection goes on past them, and
+    the next one tries again) and whether a batch may have kept some unsaid (fsspec's ``rm``
+    on a store other than S3: listed again to know).
 
-    An object store deletes up to 1000 keys per request (S3's DeleteObjects): thousands of
-    unused blobs go in seconds, not one request each; a filesystem removes them one by one,
-    and so does a store that refuses a batch (an S3-compatible one without DeleteObjects),
-    each object's error raised as before batches."""
+    An object store deletes up to 1000 keys per request (S3's DeleteObjects, whose answer names
+    each key refused: :func:`.remote_paths.delete`): thousands of unused blobs go in seconds,
+    not one request each, also under a prefix holding ``[``, ``*`` or ``?``; a filesystem
+    removes them one by one, and so does a store that refuses a batch as a whole (an
+    S3-compatible one without DeleteObjects)."""
     batch = 1 if store.is_local else DELETE_BATCH
-    single = remote_paths.has_magic(_dir(store))  # (remote_paths.rm: an object each)
+    single = not remote_paths.batches_literally(store.fs, _dir(store))
+    refused: dict[str, Exception] = {}
+    unsure = False
     for i in range(0, len(doomed), batch):
         paths = [posixpath.join(_dir(store), n) for n in doomed[i : i + batch]]
         if len(paths) > 1 and not single and time.monotonic() <= deadline:
             try:
-                remote_paths.rm(store.fs, paths)
+                got = remote_paths.delete(store.fs, paths)
+                refused.update({posixpath.basename(p): e for p, e in got.items()})
+                unsure = unsure or not remote_paths.reports_refusals(store.fs)
                 continue
             except FileNotFoundError:  # (one went meanwhile: the others one by one)
                 pass
@@ -449,7 +466,11 @@ def _delete(store: RemoteStore, doomed: list[str], deadline: float) -> int:
                     COLLECT_MAX_S,
                     len(doomed) - i - k,
                 )
-                return i + k
-            with contextlib.suppress(FileNotFoundError):
+                return i + k, refused, unsure
+            try:
                 store.fs.rm_file(p)
-    return len(doomed)
+            except FileNotFoundError:
+                pass
+            except Exception as e:  # refused: the others still go
+                refused[posixpath.basename(p)] = e
+    return len(doomed), refused, unsure

@@ -9,6 +9,9 @@ builds is literal, so these helpers never let fsspec expand one: a path without 
 characters takes fsspec's batched call as before, one with them a call per object that does
 not expand (``cat_file``, ``rm_file``, ``find``). ``get`` and ``put`` are always given two
 lists (fsspec expands neither then), and :func:`escape` makes a pattern of a literal prefix.
+On S3 (s3fs) :func:`delete` and :func:`rm_tree` send the keys themselves in batched deletes
+(``DeleteObjects``, which expands nothing): a prefix with those characters no longer costs a
+request per object, and the keys the store refuses in a batch are returned, not dropped.
 
 Which ranks call what: whoever reads or writes the remote store; nothing collective.
 """
@@ -18,9 +21,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["cat", "escape", "has_magic", "rm", "rm_tree"]
+__all__ = ["cat", "delete", "escape", "has_magic", "rm", "rm_tree"]
 
 _MAGIC = re.compile(r"[*?[]")
+S3_BATCH = 1000  # keys per DeleteObjects request (S3's limit)
 
 
 def has_magic(path: str) -> bool:
@@ -60,7 +64,8 @@ def rm(fs: Any, paths: list[str]) -> None:
 
 def rm_tree(fs: Any, path: str) -> None:
     """``fs.rm(path, recursive=True)`` with ``path`` taken literally: every object under the
-    folder ``path``, and the folder (``FileNotFoundError`` where there is nothing)."""
+    folder ``path``, and the folder (``FileNotFoundError`` where there is nothing; the first
+    object the store refused to delete raises its error, after the others went)."""
     proto = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if not has_magic(path) or proto in ("file", "local"):  # (a local rm expands nothing)
         fs.rm(path, recursive=True)
@@ -68,5 +73,75 @@ def rm_tree(fs: Any, path: str) -> None:
     found = fs.find(path)
     if not found:
         raise FileNotFoundError(path)
-    for p in found:
-        fs.rm_file(p)
+    refused = delete(fs, found)
+    if refused:
+        raise next(iter(refused.values()))
+
+
+def batches_literally(fs: Any, path: str) -> bool:
+    """Whether :func:`delete` removes objects under ``path`` in batches (else one request
+    each): always on S3, elsewhere where ``path`` holds nothing fsspec reads as a pattern."""
+    return _s3(fs) or not has_magic(path)
+
+
+def reports_refusals(fs: Any) -> bool:
+    """Whether :func:`delete` names every object the store refused (S3); elsewhere a batch
+    the store partly kept raises nothing (list again to know)."""
+    return _s3(fs)
+
+
+def delete(fs: Any, paths: list[str]) -> dict[str, Exception]:
+    """Delete the objects ``paths`` (files, each taken literally), in batches where the store
+    can; returns those the store refused, each with its error (an object already gone is
+    deleted). On S3 a batch is one ``DeleteObjects`` of the keys themselves, whose answer names
+    each key refused (s3fs's ``rm`` drops that answer); elsewhere the paths without pattern
+    characters go in one ``fs.rm`` (which raises for the batch; what it silently kept is not
+    known here) and the others one by one. A request that fails as a whole raises."""
+    if _s3(fs):
+        return _s3_delete(fs, paths)
+    refused: dict[str, Exception] = {}
+    plain = [p for p in paths if not has_magic(p)]
+    if plain:
+        fs.rm(plain)
+    for p in paths:
+        if has_magic(p):
+            try:
+                fs.rm_file(p)
+            except FileNotFoundError:
+                pass
+            except Exception as e:
+                refused[p] = e
+    return refused
+
+
+def _s3(fs: Any) -> bool:
+    proto = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return proto in ("s3", "s3a") and callable(getattr(fs, "call_s3", None))
+
+
+def _s3_delete(fs: Any, paths: list[str]) -> dict[str, Exception]:
+    refused: dict[str, Exception] = {}
+    by_bucket: dict[str, dict[str, str]] = {}  # bucket -> key -> the path given
+    for p in paths:
+        bucket, key, _ = fs.split_path(p)
+        by_bucket.setdefault(bucket, {})[key] = p
+    for bucket, keys in by_bucket.items():
+        names = list(keys)
+        for i in range(0, len(names), S3_BATCH):
+            chunk = names[i : i + S3_BATCH]
+            objects = [{"Key": k} for k in chunk]
+            try:
+                out = fs.call_s3(
+                    "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
+                )
+            finally:
+                for k in chunk:
+                    fs.invalidate_cache(keys[k])
+            for err in out.get("Errors") or []:
+                key, code = str(err.get("Key")), str(err.get("Code") or "Error")
+                if key in keys and code != "NoSuchKey":
+                    why = f"{code}: {err.get('Message') or 'refused'} ({keys[key]})"
+                    refused[keys[key]] = (
+                        PermissionError(why) if code == "AccessDenied" else OSError(why)
+                    )
+    return refused

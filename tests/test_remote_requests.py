@@ -1,0 +1,150 @@
+"""The requests the remote tier sends, counted at a proxy in front of a real S3 API server
+(moto on 127.0.0.1, tests/flaky_proxy.py): deletions under a prefix that holds glob-like
+characters go in batches, a batched delete that the store partly refuses deletes the rest and
+leaves the refused keys for the next collection, and the blob collection lists the blob tree
+no more often than it needs. Counts, never times: they do not depend on the machine's load."""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterator
+from urllib.parse import unquote
+
+import pytest
+import torch
+
+from flaky_proxy import FlakyProxy
+from resilient_callbacks import Checkpointer, remote_blobs
+from resilient_callbacks.remote import RemoteStore
+from resilient_callbacks.remote_blobs import listing
+
+pytest.importorskip("moto")
+pytest.importorskip("s3fs")
+
+
+class Counted:
+    """A proxy in front of the session's S3 server that counts every request by kind."""
+
+    def __init__(self, server) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        self.forbid: tuple[str, ...] = ()  # key endings a DELETE of one object is refused
+        self.proxy = FlakyProxy(server.endpoint, self._rule)
+        self.options = {**server.options, "endpoint_url": self.proxy.endpoint}
+
+    def _rule(self, method: str, path: str, query: str) -> str | None:
+        path = unquote(path)
+        if method == "GET" and "list-type" in query:
+            prefix = unquote(dict(q.partition("=")[::2] for q in query.split("&"))["prefix"])
+            self.counts["LIST " + ("blobs/" if "/blobs/" in prefix + "/" else "other")] += 1
+        elif method == "POST" and "delete" in query:
+            self.counts["DELETE batch"] += 1
+        elif method == "DELETE":
+            self.counts["DELETE " + ("blob" if "/blobs/" in path else "other")] += 1
+            if self.forbid and path.endswith(self.forbid):
+                return "forbidden"
+        else:
+            self.counts[method] += 1
+        return None
+
+    def take(self) -> dict[str, int]:
+        out, self.counts = dict(self.counts), collections.Counter()
+        return out
+
+
+@pytest.fixture
+def counted(s3_server) -> Iterator[Counted]:
+    s3_server.start()
+    c = Counted(s3_server)
+    c.bucket = s3_server.create_bucket()
+    try:
+        yield c
+    finally:
+        c.proxy.close()
+
+
+def _put_straight(bucket: str, objects: dict[str, bytes]) -> None:
+    """Objects written into the moto server's store itself (test_incremental_remote.py)."""
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+    for key, data in objects.items():
+        backend.put_object(bucket, key, data)
+
+
+def _incremental_run(url: str, opts: dict, tmp_path, steps: int = 2) -> set[str]:
+    """A run's remote checkpoints with blobs (every tensor changed at each save); the blobs
+    they name."""
+    with Checkpointer(
+        tmp_path / "local",
+        incremental=True,
+        remote=url,
+        remote_options=opts,
+        keep_last=1,
+        remote_keep_last="all",
+        async_save=False,
+    ) as ck:
+        for s in range(1, steps + 1):
+            ck.save(s, {f"t{i}": torch.full((4096,), float(10 * s + i)) for i in range(3)})
+    entries = RemoteStore(url, opts).scan()
+    used = {b.path for e in entries if e.manifest is not None for b in e.manifest.blobs}
+    assert len(used) == 3 * steps
+    return used
+
+
+@pytest.mark.parametrize("prefix", ["run", "exp?1"])
+def test_a_delete_the_store_refuses_for_some_blobs_leaves_them_and_deletes_the_rest(
+    counted, tmp_path, caplog, prefix
+):
+    """A policy that denies deleting some keys: the blob collection deletes every other unused
+    blob, says which it could not delete, never touches a used one, and the next collection
+    deletes the rest once the store lets it. Under a prefix holding ``?`` each blob went by
+    its own request, and the first refused one aborted the whole collection (PermissionError
+    out of ``collect``): every later unused blob stayed."""
+    url, opts = f"s3://{counted.bucket}/{prefix}", counted.options
+    used = _incremental_run(url, opts, tmp_path)
+    unused = [f"{i:032x}.safetensors" for i in range(6)]
+    _put_straight(counted.bucket, {f"{prefix}/blobs/{n}": b"x" * 8 for n in unused})
+    refused = tuple(unused[1:3])
+    counted.forbid = refused  # one object's DELETE
+    counted.proxy.refuse_key = lambda key: key.endswith(refused)  # in a batched delete
+    store = RemoteStore(url, opts)
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    counted.take()
+    assert remote_blobs.collect(store) == [n for n in unused if n not in refused]
+    got = counted.take()  # one batched delete; no blob deleted one by one; no listing after
+    assert got["DELETE batch"] == 1 and got.get("DELETE blob") == 1, got  # (its own marker)
+    assert sorted(counted.proxy.refused) == sorted(f"{prefix}/blobs/{n}" for n in refused)
+    assert {n for n in listing(store) if not n.startswith(".")} == used | set(refused)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("did not delete 2 of 6 unused blob(s)" in m and refused[0] in m for m in said)
+    counted.forbid, counted.proxy.refuse_key = (), None
+    assert remote_blobs.collect(store) == list(refused)  # the next one tries them again
+    assert {n for n in listing(store) if not n.startswith(".")} == used
+
+
+@pytest.mark.parametrize("prefix", ["run[1]", "exp*1", "exp?1"])
+def test_deletes_under_a_glob_like_prefix_go_in_batches(counted, prefix):
+    """Under a prefix holding ``[``, ``*`` or ``?`` (taken literally: remote_paths), the blob
+    collection and the deletion of a checkpoint's folder sent one DELETE per object (40
+    unused blobs: 40 requests); they now send the keys in batched deletes, one per 500 blobs
+    (1000 keys for a folder)."""
+    url, opts = f"s3://{counted.bucket}/{prefix}", counted.options
+    blobs = [f"{i:032x}.safetensors" for i in range(40)]
+    files = [f"part{i}.bin" for i in range(25)]
+    _put_straight(counted.bucket, {f"{prefix}/blobs/{n}": b"x" for n in blobs})
+    _put_straight(counted.bucket, {f"{prefix}/step_000000001/{n}": b"y" for n in files})
+    _put_straight(counted.bucket, {f"{prefix}run/step_000000001/{n}": b"z" for n in files})
+    store = RemoteStore(url, opts)
+    counted.take()
+    assert remote_blobs.collect(store) == blobs
+    got = counted.take()
+    assert got.get("DELETE blob", 0) == 1, got  # (the collection's own marker)
+    assert got["DELETE batch"] == 1, got
+    store.delete("step_000000001")
+    got = counted.take()
+    assert got.get("DELETE other", 0) == 1 and got["DELETE batch"] == 1, got  # (the manifest)
+    assert not store.fs.find(store._path("step_000000001"))
+    other = RemoteStore(f"s3://{counted.bucket}/{prefix}run", opts)  # what a pattern would name
+    assert len(other.fs.find(other._path("step_000000001"))) == len(files)
