@@ -148,3 +148,23 @@ def test_deletes_under_a_glob_like_prefix_go_in_batches(counted, prefix):
     assert not store.fs.find(store._path("step_000000001"))
     other = RemoteStore(f"s3://{counted.bucket}/{prefix}run", opts)  # what a pattern would name
     assert len(other.fs.find(other._path("step_000000001"))) == len(files)
+
+
+def test_a_blob_collection_lists_the_store_once(counted, tmp_path):
+    """A collection among 1,100 blobs (two listing pages) listed the blob tree three times
+    besides its scan of the whole store (the in-flight markers, the blobs after the scan, the
+    blobs again after deleting, each every page) and fetched nothing more for it: it now lists
+    the markers alone (one request, by their prefix), takes the blobs from its scan's listing,
+    and knows what the store refused from the batches' answers."""
+    url, opts = f"s3://{counted.bucket}/run", counted.options
+    used = _incremental_run(url, opts, tmp_path)
+    unused = [f"{i:032x}.safetensors" for i in range(1100)]
+    _put_straight(counted.bucket, {f"run/blobs/{n}": b"x" for n in unused})
+    store = RemoteStore(url, opts)
+    counted.take()
+    assert remote_blobs.collect(store) == unused
+    got = counted.take()
+    assert got.get("LIST blobs/") == 1, got  # (the markers)
+    assert got.get("LIST other") == 2, got  # the scan: 1,100 blobs and the checkpoints' files
+    assert got["DELETE batch"] == 3, got  # 500 per request
+    assert {n for n in listing(store) if not n.startswith(".")} == used

@@ -157,6 +157,10 @@ class RemoteStore:
         """Every checkpoint-like directory under the URL (:func:`.remote_listing.scan`)."""
         return remote_listing.scan(self)
 
+    def scan_with_blobs(self) -> tuple[list[RemoteEntry], dict[str, int]]:
+        """:meth:`scan` and the blobs its listing saw (:func:`.remote_listing.scan_with_blobs`)."""
+        return remote_listing.scan_with_blobs(self)
+
     def read_manifest(self, name: str) -> Manifest:
         raw = self.fs.cat_file(self._path(name, MANIFEST_NAME))
         return remote_listing.parse_manifest(self, name, raw)

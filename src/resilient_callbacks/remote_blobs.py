@@ -72,18 +72,22 @@ def listing(store: RemoteStore) -> dict[str, int]:
     return {name: int(info.get("size") or 0) for name, info in _infos(store).items()}
 
 
-def _infos(store: RemoteStore) -> dict[str, dict[str, Any]]:
-    """Blob name -> the store's listing of it, for every blob (and marker) under ``<url>/blobs``."""
+def _infos(store: RemoteStore, prefix: str = "") -> dict[str, dict[str, Any]]:
+    """Blob name -> the store's listing of it, for every blob (and marker) under ``<url>/blobs``
+    whose name starts with ``prefix`` (on S3 listed by that prefix: the in-flight markers
+    alone were read with every page of thousands of blobs)."""
     store.fs.invalidate_cache()
+    by_prefix = {"prefix": prefix} if prefix and remote_paths.lists_by_prefix(store.fs) else {}
     try:
-        found = store.fs.find(_dir(store), detail=True)
+        found = store.fs.find(_dir(store), detail=True, **by_prefix)
     except FileNotFoundError:
         return {}
-    return {
+    out = {
         posixpath.basename(path.rstrip("/")): info
         for path, info in found.items()
         if info.get("type") != "directory"
     }
+    return {n: info for n, info in out.items() if n.startswith(prefix)}
 
 
 def upload(
@@ -243,9 +247,7 @@ def _put(store: RemoteStore, local: list[str], names: list[str]) -> None:
 def _markers(store: RemoteStore) -> dict[str, tuple[bool, list[str], str | None]]:
     """Every in-flight marker: name -> (fresh, the blobs it names, its run or None)."""
     now, out = time.time(), {}
-    for name in listing(store):
-        if not name.startswith(INFLIGHT_PREFIX):
-            continue
+    for name in _infos(store, INFLIGHT_PREFIX):
         try:
             body: Any = json.loads(store.fs.cat_file(posixpath.join(_dir(store), name)))
             fresh = now - float(body["created"]) < INFLIGHT_TTL_S
@@ -296,8 +298,12 @@ def _collect(
     from .remote import NO_MANIFEST  # (remote imports this module)
 
     markers = _markers(store)  # before the manifests: see collect
+    if entries is None:  # (the blobs as the scan listed them, before it read a manifest)
+        entries, names = store.scan_with_blobs()
+    else:
+        names = listing(store)
     live: set[str] = set()
-    for e in store.scan() if entries is None else entries:
+    for e in entries:
         if e.manifest is not None:
             live.update(b.path for b in e.manifest.blobs)
         elif e.problem and e.problem != NO_MANIFEST:  # damaged, unread, or of a newer format
@@ -307,7 +313,6 @@ def _collect(
                 e.name,
             )
             return []
-    names = listing(store)
     for name, (fresh, blobs, _) in markers.items():
         if fresh:
             live.update(blobs)

@@ -72,6 +72,13 @@ def retention_candidates(entries: list[RemoteEntry], prefix: str = "") -> list[C
 def scan(st: RemoteStore) -> list[RemoteEntry]:
     """Every checkpoint-like directory under the URL: committed ones (manifest present)
     ordered by commit sequence, oldest first, then those without a manifest."""
+    return scan_with_blobs(st)[0]
+
+
+def scan_with_blobs(st: RemoteStore) -> tuple[list[RemoteEntry], dict[str, int]]:
+    """:func:`scan`, and the name and size of every object under ``<url>/blobs`` that its
+    listing saw (blobs and markers, listed before any manifest was read): the blob
+    collection needs both, and listed the blobs a second time."""
     # Other processes write here too: list afresh (s3fs caches listings per directory, and
     # invalidating a path does not invalidate the paths below it).
     st.fs.invalidate_cache()
@@ -80,7 +87,7 @@ def scan(st: RemoteStore) -> list[RemoteEntry]:
         listing = st.fs.find(st.root, detail=True)
     except FileNotFoundError as e:
         check_bucket(st, e)
-        return []
+        return [], {}
     groups: dict[str, dict[str, int]] = {}
     modified: dict[str, float] = {}
     signs: dict[str, tuple[Any, ...] | None] = {}  # name -> its manifest's size, time, etag
@@ -139,7 +146,7 @@ def scan(st: RemoteStore) -> list[RemoteEntry]:
                 break
         entries.append(RemoteEntry(name, m, sizes, problem, modified.get(name)))
     entries.sort(key=lambda e: (e.manifest is None, e.manifest.seq if e.manifest else 0))
-    return entries
+    return entries, {n: size for n, size in blob_sizes.items() if "/" not in n}
 
 
 def check_bucket(st: RemoteStore, e: FileNotFoundError) -> None:

@@ -84,6 +84,12 @@ def batches_literally(fs: Any, path: str) -> bool:
     return _s3(fs) or not has_magic(path)
 
 
+def lists_by_prefix(fs: Any) -> bool:
+    """Whether ``fs.find(path, prefix=...)`` lists only the names under ``path`` that start
+    with it (S3: one request for a few markers among thousands of blobs)."""
+    return _s3(fs)
+
+
 def reports_refusals(fs: Any) -> bool:
     """Whether :func:`delete` names every object the store refused (S3); elsewhere a batch
     the store partly kept raises nothing (list again to know)."""
