@@ -168,3 +168,29 @@ def test_a_blob_collection_lists_the_store_once(counted, tmp_path):
     assert got.get("LIST other") == 2, got  # the scan: 1,100 blobs and the checkpoints' files
     assert got["DELETE batch"] == 3, got  # 500 per request
     assert {n for n in listing(store) if not n.startswith(".")} == used
+
+
+def test_an_upload_beside_no_collection_lists_the_blobs_twice(counted, tmp_path):
+    """An upload listed every blob three times (what is there; its own blobs' sizes after
+    the put; and before the commit, for a collection that may have deleted one it relied on).
+    Where its first listing, made after its in-flight marker, shows no collection running,
+    none can have missed its marker, and the third is not made; beside one it still is
+    (test_remote_blob_reuse.py)."""
+    url, opts = f"s3://{counted.bucket}/run", counted.options
+    with Checkpointer(
+        tmp_path / "local",
+        incremental=True,
+        remote=url,
+        remote_options=opts,
+        remote_keep_last="all",  # (nothing deleted: the save is its upload alone)
+        async_save=False,
+    ) as ck:
+        ck.save(1, {f"t{i}": torch.full((4096,), float(i)) for i in range(3)})
+        assert ck._dir.sync.wait(60)
+        counted.take()
+        ck.save(2, {f"t{i}": torch.full((4096,), float(10 + i)) for i in range(3)})
+        assert ck._dir.sync.wait(60)
+        got = counted.take()
+    assert got.get("LIST blobs/") == 2, got
+    entries = RemoteStore(url, opts).scan()
+    assert [e.manifest.step for e in entries if e.problem is None] == [1, 2]

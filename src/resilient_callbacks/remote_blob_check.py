@@ -114,6 +114,9 @@ class Verified:
         self._ok: dict[str, tuple[int, str, str]] = {}
         self.read_back = 0  # blobs read back from the store (a count, for tests and logs)
         self.dead: set[str] = set()  # collection markers left by a killed collection
+        # in-flight markers of uploads whose first listing showed a collection running (only
+        # those settle before their commit: see remote_blobs.settle)
+        self.beside_collection: set[str] = set()
 
     def remember(self, entry: FileEntry, info: Mapping[str, Any]) -> None:
         self._ok[entry.path] = (entry.size, entry.xxh3_64, fingerprint(info))

@@ -109,6 +109,8 @@ def upload(
     store.fs.pipe_file(marker, json.dumps(body).encode())
     try:
         infos = _infos(store)
+        if any(n.startswith(COLLECT_PREFIX) for n in infos):  # (see settle)
+            store.blobs_verified.beside_collection.add(marker)
         have = {n: int(i.get("size") or 0) for n, i in infos.items()}
         clash = [b.path for b in manifest.blobs if b.path in have and have[b.path] != b.size]
         if clash:
@@ -260,6 +262,7 @@ def _markers(store: RemoteStore) -> dict[str, tuple[bool, list[str], str | None]
 
 def end_upload(store: RemoteStore, marker: str | None) -> None:
     if marker is not None:
+        store.blobs_verified.beside_collection.discard(marker)
         with contextlib.suppress(Exception):
             store.fs.rm_file(marker)
 
@@ -361,9 +364,17 @@ def settle(store: RemoteStore, local_dir: str, manifest: Manifest, marker: str |
     from its first sight, then removed (a kill left it). One the store lists as written longer
     than that before this upload's own marker (the store's clock, both), or written by a
     process of this host that has exited (its host and pid are in it), is removed at once: a
-    run killed mid-collection does not hold up its next run's first upload."""
+    run killed mid-collection does not hold up its next run's first upload.
+
+    Where the upload's first listing of the blobs (after its marker was written) showed no
+    collection marker, nothing is listed again (one listing of every blob per upload less):
+    a collection that read the markers before this upload's was announced before that too,
+    so it had either ended, its deletions in that listing, or was listed running."""
     if marker is None:
         return
+    if marker not in store.blobs_verified.beside_collection:
+        return
+    store.blobs_verified.beside_collection.discard(marker)
     first_seen: dict[str, float] = {}
     bound = COLLECT_MAX_S + COLLECT_MARGIN_S
     while True:
