@@ -473,6 +473,9 @@ def test_unused_blobs_of_a_store_that_refuses_batched_deletes_go_one_by_one(
     them one by one after the first refused batch."""
     import logging
 
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
     from resilient_callbacks import remote_blobs
 
     url, opts = s3_remote
@@ -481,10 +484,15 @@ def test_unused_blobs_of_a_store_that_refuses_batched_deletes_go_one_by_one(
     _put_straight(bucket, {f"{prefix}/blobs/{n}": b"x" for n in unused})
     store = RemoteStore(url, opts)
     monkeypatch.setattr(remote_blobs, "DELETE_BATCH", 2)
-    batches = _refusing(store, monkeypatch, OSError("NotImplemented: DeleteObjects"))
+    answer = {  # as the store's client raises it: its answer, 501 (s3fs translates it)
+        "Error": {"Code": "NotImplemented", "Message": "DeleteObjects is not implemented"},
+        "ResponseMetadata": {"HTTPStatusCode": 501},
+    }
+    refusal = translate_boto_error(ClientError(answer, "DeleteObjects"))
+    batches = _refusing(store, monkeypatch, refusal)
     caplog.set_level(logging.INFO, "resilient_callbacks")
     assert remote_blobs.collect(store) == unused
-    assert batches == [2] and listing(store) == {}
+    assert batches == [2] and listing(store) == {}  # (an answered batch leaves no marker)
     said = [r.getMessage() for r in caplog.records]
     assert any("a batched delete failed" in m and "one by one" in m for m in said), said
 

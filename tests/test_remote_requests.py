@@ -7,6 +7,7 @@ no more often than it needs. Counts, never times: they do not depend on the mach
 from __future__ import annotations
 
 import collections
+import json
 import logging
 from collections.abc import Iterator
 from urllib.parse import unquote
@@ -16,8 +17,9 @@ import torch
 
 from flaky_proxy import FlakyProxy
 from resilient_callbacks import Checkpointer, remote_blobs
+from resilient_callbacks.manifest import read_manifest
 from resilient_callbacks.remote import RemoteStore
-from resilient_callbacks.remote_blobs import listing
+from resilient_callbacks.remote_blobs import COLLECT_PREFIX, listing
 
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
@@ -29,6 +31,9 @@ class Counted:
     def __init__(self, server) -> None:
         self.counts: collections.Counter = collections.Counter()
         self.forbid: tuple[str, ...] = ()  # key endings a DELETE of one object is refused
+        self.batch: str | None = None  # how a batched delete is answered (flaky_proxy's rules)
+        self.single: str | None = None  # how a DELETE of one blob is answered
+        self.deleted: list[str] = []  # the keys of every DELETE of one object
         self.proxy = FlakyProxy(server.endpoint, self._rule)
         self.options = {**server.options, "endpoint_url": self.proxy.endpoint}
 
@@ -39,10 +44,14 @@ class Counted:
             self.counts["LIST " + ("blobs/" if "/blobs/" in prefix + "/" else "other")] += 1
         elif method == "POST" and "delete" in query:
             self.counts["DELETE batch"] += 1
+            return self.batch
         elif method == "DELETE":
             self.counts["DELETE " + ("blob" if "/blobs/" in path else "other")] += 1
+            self.deleted.append(path.rsplit("/", 1)[-1])
             if self.forbid and path.endswith(self.forbid):
                 return "forbidden"
+            if path.endswith(".safetensors"):
+                return self.single
         else:
             self.counts[method] += 1
         return None
@@ -194,6 +203,116 @@ def test_an_upload_beside_no_collection_lists_the_blobs_twice(counted, tmp_path)
     assert got.get("LIST blobs/") == 2, got
     entries = RemoteStore(url, opts).scan()
     assert [e.manifest.step for e in entries if e.problem is None] == [1, 2]
+
+
+def _collection_markers(store: RemoteStore) -> list[str]:
+    return [n for n in listing(store) if n.startswith(COLLECT_PREFIX)]
+
+
+def _backdate(bucket: str, keys: list[str]) -> None:
+    """Objects of moto's store listed as written 10 minutes earlier (longer than a blob
+    collection's time bound before anything written now)."""
+    import datetime
+
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+    for key in keys:
+        backend.get_object(bucket, key).last_modified -= datetime.timedelta(minutes=10)
+
+
+def _upload_beside(counted: Counted, url: str, tmp_path) -> dict[str, int]:
+    """Another checkpoint (new blobs, so the upload puts them) uploaded to ``url`` and
+    committed; the requests its upload sent."""
+    with Checkpointer(tmp_path / "other", incremental=True, async_save=False) as ck:
+        ck.save(7, {f"t{i}": torch.full((4096,), float(100 + i)) for i in range(3)})
+    ckpt = str(tmp_path / "other" / "step_000000007")
+    counted.take()
+    RemoteStore(url, counted.options).upload(ckpt, read_manifest(ckpt), "step_000000007")
+    got = counted.take()
+    entries = RemoteStore(url, counted.options).scan()
+    assert "step_000000007" in [e.name for e in entries if e.problem is None]
+    return got
+
+
+@pytest.mark.parametrize("answer", ["lost", "drop"])
+def test_a_collection_whose_deletes_got_no_answer_leaves_its_marker_and_uploads_settle(
+    counted, tmp_path, caplog, answer
+):
+    """A batched delete answered by a 500 or a reset connection (after the store got it), and
+    then each blob's own DELETE by a 500: any of them may still land at the store later. The
+    collection removed its marker all the same, so an upload listing the blobs next found
+    none, skipped its check before the commit, relied on a blob such a delete removes, and
+    committed a manifest naming it. The marker now stays (said at INFO); the next upload
+    beside it lists the blobs a third time (settles) and removes it, since the store lists it
+    as written longer than a collection's time bound before the upload's own."""
+    url, opts = f"s3://{counted.bucket}/run", counted.options
+    _incremental_run(url, opts, tmp_path)
+    unused = [f"{i:032x}.safetensors" for i in range(3)]
+    _put_straight(counted.bucket, {f"run/blobs/{n}": b"x" for n in unused})
+    counted.batch, counted.single = answer, "error"
+    once = {**opts, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    counted.take()
+    counted.deleted.clear()
+    remote_blobs.collect(RemoteStore(url, once))
+    assert counted.take()["DELETE batch"] >= 1
+    assert set(counted.deleted) == set(unused)  # one by one after the batch; not its marker
+    store = RemoteStore(url, opts)
+    left = _collection_markers(store)
+    assert len(left) == 1, listing(store)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any("leaving the collection marker" in m and left[0] in m for m in said), said
+    body = json.loads(store.fs.cat_file(f"{counted.bucket}/run/blobs/{left[0]}"))
+    assert "pid" not in body  # (a restart on this host after this process exits still waits)
+    counted.batch = counted.single = None
+    assert remote_blobs.collect(store) == []  # the next collection: its own marker goes
+    assert _collection_markers(store) == left
+    _backdate(counted.bucket, [f"run/blobs/{left[0]}"])
+    got = _upload_beside(counted, url, tmp_path)
+    assert got.get("LIST blobs/") == 3, got  # settled: what it relied on checked again
+    assert _collection_markers(store) == []
+
+
+@pytest.mark.parametrize("count", [3, 1])
+def test_a_collection_the_store_refused_to_delete_for_removes_its_marker(counted, tmp_path, count):
+    """Refusals the store answered (each key of a batched delete named AccessDenied in its
+    answer; a single blob's DELETE answered 403): nothing was deleted and nothing will be, so
+    the collection removes its marker, and the next upload beside does not settle (a store
+    whose policy denies deletes does not slow every upload)."""
+    url, opts = f"s3://{counted.bucket}/run", counted.options
+    _incremental_run(url, opts, tmp_path)
+    unused = tuple(f"{i:032x}.safetensors" for i in range(count))
+    _put_straight(counted.bucket, {f"run/blobs/{n}": b"x" for n in unused})
+    counted.forbid = unused
+    counted.proxy.refuse_key = lambda key: key.endswith(unused)
+    store = RemoteStore(url, opts)
+    counted.take()
+    assert remote_blobs.collect(store) == []
+    got = counted.take()
+    assert got.get("DELETE blob") == 1 + (count == 1), got  # (a lone blob's, and the marker)
+    assert _collection_markers(store) == []
+    counted.forbid, counted.proxy.refuse_key = (), None
+    got = _upload_beside(counted, url, tmp_path)
+    assert got.get("LIST blobs/") == 2, got
+
+
+def test_a_failed_batched_delete_on_memory_removes_the_collection_marker(monkeypatch):
+    """A store in this process (``memory://``, like a local filesystem) answers every delete:
+    one that raised did nothing and does nothing later, so no marker is left."""
+    import uuid
+
+    store = RemoteStore(f"memory://rc-{uuid.uuid4().hex[:12]}/run")
+    unused = [f"{i:032x}.safetensors" for i in range(3)]
+    store.fs.pipe({store._path("blobs", n): b"x" for n in unused})
+
+    def rm(paths, *a, **kw):
+        raise OSError("the batch failed")
+
+    monkeypatch.setattr(store.fs, "rm", rm)
+    assert remote_blobs.collect(store) == unused  # one by one after the batch
+    assert listing(store) == {}
 
 
 def test_unused_blobs_a_store_other_than_s3_silently_keeps_are_not_reported_deleted(

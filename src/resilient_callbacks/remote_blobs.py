@@ -196,7 +196,8 @@ def collect(
 
     Against another process writing to the same URL (another run), a collection announces
     itself first (a marker ``blobs/.collect-<id>.json`` naming its host and pid, removed when
-    it ends), then reads the
+    it ends; left in place where a delete request got no answer and may still land:
+    :func:`_leave`), then reads the
     in-flight markers, then the manifests (an upload that committed meanwhile is seen), and
     stops deleting :data:`COLLECT_MAX_S` after its announcement (the rest is left for the next
     collection). An upload that relied on a blob re-checks it before its commit once no
@@ -206,16 +207,43 @@ def collect(
     if store.is_local:
         store.fs.makedirs(_dir(store), exist_ok=True)
     token = posixpath.join(_dir(store), f"{COLLECT_PREFIX}{uuid.uuid4().hex[:12]}.json")
-    body = {"created": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
-    store.fs.pipe_file(token, json.dumps(body).encode())
+    body: dict[str, Any] = {"created": time.time(), "host": socket.gethostname()}
+    store.fs.pipe_file(token, json.dumps({**body, "pid": os.getpid()}).encode())
+    unanswered: list[str] = []  # delete requests that may still land (see _delete)
     try:
-        return _collect(store, None, time.monotonic() + COLLECT_MAX_S)
+        return _collect(store, None, time.monotonic() + COLLECT_MAX_S, unanswered)
     finally:
-        end_upload(store, token)
+        if unanswered:
+            _leave(store, token, body, unanswered)
+        else:
+            end_upload(store, token)
+
+
+def _leave(store: RemoteStore, token: str, body: dict[str, Any], unanswered: list[str]) -> None:
+    """Leave the collection marker ``token`` in place: a delete request got no answer and
+    may still land, deleting a blob an upload relies on; an upload that lists the marker
+    settles (waits out its time bound from then, or from the marker's time as the store lists
+    it, and removes it). Written again without the pid, which would tell an upload of this
+    host, once this process exited, not to wait for it."""
+    log.info(
+        "remote %s: leaving the collection marker %s/%s in place: %s got no answer from the "
+        "store and may still delete blobs; the next upload waits until it can no longer "
+        "land (at most %.0f s) before relying on a blob, then removes it",
+        store.url,
+        BLOBS_DIR,
+        posixpath.basename(token),
+        unanswered[0] if len(unanswered) == 1 else f"{len(unanswered)} delete requests",
+        COLLECT_MAX_S + COLLECT_MARGIN_S,
+    )
+    with contextlib.suppress(Exception):
+        store.fs.pipe_file(token, json.dumps({**body, "unanswered": unanswered}).encode())
 
 
 def _collect(
-    store: RemoteStore, entries: list[RemoteEntry] | None, deadline: float | None
+    store: RemoteStore,
+    entries: list[RemoteEntry] | None,
+    deadline: float | None,
+    unanswered: list[str] | None = None,
 ) -> list[str]:
     from .remote import NO_MANIFEST  # (remote imports this module)
 
@@ -246,7 +274,9 @@ def _collect(
         doomed += [n for n in names if n.startswith(UPLOAD_PREFIX) and _stale(store, n)]
     if deadline is None:
         return doomed
-    sent, refused, unsure = _delete(store, doomed, deadline)
+    sent, refused, unsure = _delete(
+        store, doomed, deadline, [] if unanswered is None else unanswered
+    )
     doomed = doomed[:sent]
     if unsure and doomed:  # (fsspec's rm reports no key the store refused to delete)
         left = set(listing(store)).intersection(doomed)
@@ -288,7 +318,9 @@ def settle(store: RemoteStore, local_dir: str, manifest: Manifest, marker: str |
     Where the upload's first listing of the blobs (after its marker was written) showed no
     collection marker, nothing is listed again (one listing of every blob per upload less):
     a collection that read the markers before this upload's was announced before that too,
-    so it had either ended, its deletions in that listing, or was listed running."""
+    so it had either ended, its deletions in that listing, or was listed running (one that
+    sent a delete without getting an answer, which may land later, leaves its marker:
+    :func:`collect`)."""
     if marker is None:
         return
     if marker not in store.blobs_verified.beside_collection:
@@ -338,7 +370,7 @@ def _exited(store: RemoteStore, name: str) -> bool:
     exited (a run killed mid-collection, restarted at once on the same node)."""
     try:
         body: Any = json.loads(store.fs.cat_file(posixpath.join(_dir(store), name)))
-        pid = int(body["pid"])
+        pid = int(body["pid"])  # (none in one left for a delete that may land: _leave)
         if body.get("host") != socket.gethostname() or pid == os.getpid():
             return False
         os.kill(pid, 0)
@@ -358,12 +390,14 @@ def _stale(store: RemoteStore, name: str) -> bool:
 
 
 def _delete(
-    store: RemoteStore, doomed: list[str], deadline: float
+    store: RemoteStore, doomed: list[str], deadline: float, unanswered: list[str]
 ) -> tuple[int, dict[str, Exception], bool]:
     """Delete the blobs ``doomed`` in order, none after ``deadline``. Returns how many were
     sent, those the store refused (name -> its error: the collection goes on past them, and
     the next one tries again) and whether a batch may have kept some unsaid (fsspec's ``rm``
-    on a store other than S3: listed again to know).
+    on a store other than S3: listed again to know). Each request the store did not answer
+    (a timeout, a reset, a 500: :func:`.remote_paths.answered`), which it may still carry out
+    later, is added to ``unanswered``; so is one a ``BaseException`` interrupted.
 
     An object store deletes up to 1000 keys per request (S3's DeleteObjects, whose answer names
     each key refused: :func:`.remote_paths.delete`): thousands of unused blobs go in seconds,
@@ -377,14 +411,20 @@ def _delete(
     for i in range(0, len(doomed), batch):
         paths = [posixpath.join(_dir(store), n) for n in doomed[i : i + batch]]
         if len(paths) > 1 and not single and time.monotonic() <= deadline:
+            unanswered.append(f"a batched delete of {len(paths)} blobs")  # (until answered)
             try:
                 got = remote_paths.delete(store.fs, paths)
+                unanswered.pop()
                 refused.update({posixpath.basename(p): e for p, e in got.items()})
                 unsure = unsure or not remote_paths.reports_refusals(store.fs)
                 continue
             except FileNotFoundError:  # (one went meanwhile: the others one by one)
-                pass
+                unanswered.pop()
             except Exception as e:
+                if remote_paths.answered(store.fs, e):
+                    unanswered.pop()
+                else:
+                    unanswered[-1] += f" ({type(e).__name__}: {e})"
                 log.info(
                     "remote %s: a batched delete failed (%s: %s); deleting unused blobs one by one",
                     store.url,
@@ -402,10 +442,16 @@ def _delete(
                     len(doomed) - i - k,
                 )
                 return i + k, refused, unsure
+            unanswered.append(f"the delete of {BLOBS_DIR}/{posixpath.basename(p)}")
             try:
                 store.fs.rm_file(p)
+                unanswered.pop()
             except FileNotFoundError:
-                pass
-            except Exception as e:  # refused: the others still go
+                unanswered.pop()
+            except Exception as e:  # refused, or no answer: the others still go
                 refused[posixpath.basename(p)] = e
+                if remote_paths.answered(store.fs, e):
+                    unanswered.pop()
+                else:
+                    unanswered[-1] += f" ({type(e).__name__}: {e})"
     return len(doomed), refused, unsure

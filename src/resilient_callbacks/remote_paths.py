@@ -96,6 +96,24 @@ def reports_refusals(fs: Any) -> bool:
     return _s3(fs)
 
 
+def answered(fs: Any, e: BaseException) -> bool:
+    """Whether a delete request that raised ``e`` was answered by the store, so that it did
+    nothing and does nothing later: on a local filesystem or ``memory://`` always (done in
+    this process); elsewhere an object missing, access denied, or an error answer of 4xx or
+    501 (a request the store does not take). A timeout, a connection reset, a 500 or 503: no
+    answer, the store may carry the delete out later."""
+    proto = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if proto in ("file", "local", "memory") or isinstance(e, (FileNotFoundError, PermissionError)):
+        return True
+    for x in (e, e.__cause__):  # (s3fs: the botocore error it translated)
+        response = getattr(x, "response", None)
+        meta = response.get("ResponseMetadata") if isinstance(response, dict) else None
+        status = meta.get("HTTPStatusCode") if isinstance(meta, dict) else None
+        if isinstance(status, int):
+            return 400 <= status < 500 or status == 501
+    return False
+
+
 def delete(fs: Any, paths: list[str]) -> dict[str, Exception]:
     """Delete the objects ``paths`` (files, each taken literally), in batches where the store
     can; returns those the store refused, each with its error (an object already gone is
