@@ -86,3 +86,59 @@ def test_an_upload_close_gave_up_on_never_overlaps_the_next_writers_uploads(
         assert e.manifest is not None
         missing = [f.path for f in e.manifest.files if e.sizes.get(f.path) != f.size]
         assert not missing, f"{e.name} is committed with {missing} missing"
+
+
+def test_the_next_writers_close_gives_up_on_a_previous_attempt_that_never_returns(
+    tmp_path, s3_remote, monkeypatch
+):
+    """The old thread's attempt never returns (a store that stopped answering, held here by an
+    event): the next writer's thread waits for it, and its close() (no timeout) waited with it
+    for ever, where its own stalled upload is given up after the outage limit. Now the wait
+    counts as a stall: close() gives up after the limit and raises UploadIncompleteError
+    naming what is only local."""
+    from resilient_callbacks import checkpointer
+    from resilient_callbacks.errors import UploadIncompleteError
+
+    url, options = s3_remote
+    local = tmp_path / "local"
+    old = Checkpointer(local, remote=url, remote_options=options, keep_last=1, preemption=False)
+    assert old._dir.sync is not None
+    old_thread = old._dir.sync._thread
+    fs = old.remote.fs
+    orig = fs.put
+    inside, go = threading.Event(), threading.Event()
+
+    def held(*a, **k):
+        if threading.current_thread() is old_thread:
+            inside.set()
+            go.wait(300)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(fs, "put", held)
+    monkeypatch.setattr(checkpointer, "CLOSE_OUTAGE_S", 1.0)
+    outcome: list[BaseException | None] = []
+    try:
+        old.save(1, _state(1))
+        assert inside.wait(60)
+        old.close(timeout=0.0)  # gives up on the upload under way
+        new = Checkpointer(local, remote=url, remote_options=options, preemption=False)
+        new.restore(_state(0))
+        new.save(2, _state(2))
+        new.flush()
+
+        def close() -> None:
+            try:
+                new.close()
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        closer = threading.Thread(target=close, daemon=True)
+        closer.start()
+        closer.join(timeout=120)  # (the outage limit is 1 s)
+        assert not closer.is_alive(), "close() still waits for the previous writer's attempt"
+    finally:
+        go.set()
+    old_thread.join(timeout=120)
+    assert len(outcome) == 1 and isinstance(outcome[0], UploadIncompleteError), outcome
+    assert "step_000000002" in str(outcome[0])

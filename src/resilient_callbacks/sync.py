@@ -153,7 +153,7 @@ class RemoteSync(UploadThread):
                 uploaded=self._uploaded,
                 uploaded_bytes=self._uploaded_bytes,
                 upload_seconds=self._upload_seconds,
-                stalled_s=0.0
+                stalled_s=self._waited_stall_s()  # (waiting for the previous writer's)
                 if (p := self._progress) is None
                 else time.monotonic() - p.last_update,
             )

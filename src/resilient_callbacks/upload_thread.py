@@ -65,6 +65,7 @@ class UploadThread:
         self._retention_warned: float | None = None  # when a retention failure last warned
         self._stop = False
         self._previous: UploadThread | None = None  # (see _after_previous)
+        self._waiting_since: float | None = None  # (_wait_previous: when it began waiting)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _start(self) -> None:
@@ -87,20 +88,36 @@ class UploadThread:
         end (it only finishes its attempt: stopped, it commits no other upload and deletes
         nothing). Both uploaded the same checkpoint at once, and the old one committed it
         again after the new one's retention had deleted its files: a damaged checkpoint in
-        the store. False once stopped meanwhile."""
-        prev, self._previous = self._previous, None
-        if prev is None or not prev._thread.is_alive():
+        the store. False once stopped meanwhile. While it waits, :meth:`_waited_stall_s`."""
+        prev = self._previous
+        try:
+            if prev is None or not prev._thread.is_alive():
+                return True
+            logging.getLogger("resilient_callbacks").info(
+                "remote %s: this writer waits for the upload of the previous writer of this "
+                "store in this process (its close() gave up on it) to end before it uploads",
+                url_text(url),
+            )
+            self._waiting_since = time.monotonic()
+            while prev._thread.is_alive():
+                prev._thread.join(timeout=1.0)  # (and looks at stop() each second)
+                if self._stop:
+                    return False
             return True
-        logging.getLogger("resilient_callbacks").info(
-            "remote %s: this writer waits for the upload of the previous writer of this store "
-            "in this process (its close() gave up on it) to end before it uploads",
-            url_text(url),
-        )
-        while prev._thread.is_alive():
-            prev._thread.join(timeout=1.0)  # (and looks at stop() each second)
-            if self._stop:
-                return False
-        return True
+        finally:
+            self._waiting_since, self._previous = None, None
+
+    def _waited_stall_s(self) -> float:
+        """While :meth:`_wait_previous` waits: how long no byte has moved for this writer
+        (since the previous thread's upload last moved one, or since the wait began), else 0.
+        close() gives up on a stalled wait as on a stalled upload of its own: an attempt of
+        the previous writer that never returned held the next writer's close() for ever."""
+        since, prev = self._waiting_since, self._previous
+        if since is None:
+            return 0.0
+        progress = getattr(prev, "_progress", None)  # (RemoteSync's upload under way)
+        last = since if progress is None else max(since, progress.last_update)
+        return max(0.0, time.monotonic() - last)
 
     def _run(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
