@@ -142,3 +142,49 @@ def test_the_next_writers_close_gives_up_on_a_previous_attempt_that_never_return
     old_thread.join(timeout=120)
     assert len(outcome) == 1 and isinstance(outcome[0], UploadIncompleteError), outcome
     assert "step_000000002" in str(outcome[0])
+
+
+def test_a_checkpoint_the_previous_writer_committed_late_counts_for_keep_last(
+    tmp_path, s3_remote, monkeypatch, caplog
+):
+    """The old thread, held in its upload of step 3, commits it after the next writer opened
+    (which waits for it, then skips step 3, step 4 being queued): that commit is this
+    process's, not another live process's. It was left out of the new writer's remote
+    retention (and warned about as another process's): the store kept more than
+    ``keep_last`` checkpoints for good. Now it counts and goes."""
+    url, options = s3_remote
+    local = tmp_path / "local"
+    old = Checkpointer(local, remote=url, remote_options=options, keep_last=1, preemption=False)
+    assert old._dir.sync is not None
+    old.save(1, _state(1))
+    old.flush()
+    assert old._dir.sync.wait(timeout=120)
+    old_thread = old._dir.sync._thread
+    fs = old.remote.fs
+    orig = fs.pipe_file
+    inside, go = threading.Event(), threading.Event()
+
+    def held(*a, **k):
+        if threading.current_thread() is old_thread and str(a[0]).endswith("/manifest.json"):
+            inside.set()
+            go.wait(120)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(fs, "pipe_file", held)
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    try:
+        old.save(3, _state(3))
+        assert inside.wait(60)
+        old.close(timeout=0.0)  # gives up on the upload of step 3, held before its manifest
+        new = Checkpointer(local, remote=url, remote_options=options, keep_last=1, preemption=False)
+        assert new.restore(_state(0)) == 3
+        new.save(4, _state(4))
+        new.flush()  # (queued behind step 3: the new writer uploads only step 4)
+        go.set()  # the old attempt commits step 3 remotely while the new writer waits for it
+        new.close()
+    finally:
+        go.set()
+    old_thread.join(timeout=120)
+    committed = sorted(e.manifest.step for e in old.remote.scan() if e.manifest is not None)
+    assert committed == [4]
+    assert "another live process" not in caplog.text

@@ -407,6 +407,10 @@ class OwnCheckpoints:
         self._wrote.add((name, key))
         self._tried.pop((name, key), None)  # (its files and blobs: kept only while in doubt)
 
+    def took_over(self, prev: OwnCheckpoints) -> None:
+        """``prev``'s commits (this process's previous writer of the store, ended): its own."""
+        self._wrote, self._tried = self._wrote | prev._wrote, {**prev._tried, **self._tried}
+
     def deleted(self, name: str) -> None:
         """The retention deleted ``name``: forget it (one entry per upload otherwise stayed
         for the life of the process, each holding a manifest's files and blobs)."""

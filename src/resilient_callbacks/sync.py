@@ -179,8 +179,11 @@ class RemoteSync(UploadThread):
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        prev = self._previous  # what it committed after this writer's listing: counted too
         if not self._wait_previous(self.store.url):
             return
+        if isinstance(prev, RemoteSync):  # (not another live process's: keep_last holds)
+            self.own.took_over(prev.own)
         while True:
             with self._cond:
                 if not self._wait_for_work(lambda: self._queue):
