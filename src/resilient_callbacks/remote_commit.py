@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import posixpath
 import re
 import time
@@ -110,6 +111,8 @@ class RemoteCommitter(UploadThread):
         self.failing_since: float | None = None
         self.attempt_since: float | None = None
         self.last_error: str | None = None
+        where = os.path.realpath(store.root) if store.is_local else store.root
+        self._after_previous(f"{store.protocol}://{where}")  # (as RemoteSync's)
         self._start()
 
     # ------------------------------------------------------------------ the table
@@ -282,7 +285,8 @@ class RemoteCommitter(UploadThread):
         """Seconds the commits have failed in a row, or the attempt under way has not
         returned, whichever is longer (0: the store answers)."""
         now = time.monotonic()
-        return max(now - (self.failing_since or now), now - (self.attempt_since or now))
+        stuck = max(now - (self.failing_since or now), now - (self.attempt_since or now))
+        return max(stuck, self._waited_stall_s())  # (waiting for the previous writer's)
 
     def wait(
         self,
@@ -309,6 +313,12 @@ class RemoteCommitter(UploadThread):
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        prev = self._previous  # (as RemoteSync's: what it committed late counts as its own)
+        if not self._wait_previous(self.store.url):
+            return
+        own = getattr(prev, "own", None)  # (a RemoteSync's too)
+        if prev is not None and prev._stop and isinstance(own, OwnCheckpoints):  # (ended)
+            self.own.took_over(own)
         while True:
             with self._cond:
                 if not self._wait_for_work(lambda: self._ready):
@@ -359,8 +369,8 @@ class RemoteCommitter(UploadThread):
                     self._kept += [p.local] if p.local else []
                 self._busy = False
                 self._cond.notify_all()
-            if ok:
-                self._retention(p.name, key[0])
+            if ok and not self._stop:  # (stopped: close() gave up on this commit and
+                self._retention(p.name, key[0])  # released the store: it deletes nothing)
 
     def commit_one(self, p: PendingCommit) -> None:
         """List the objects under the name; every file of the manifest must be there with its

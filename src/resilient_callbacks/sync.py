@@ -182,7 +182,7 @@ class RemoteSync(UploadThread):
         prev = self._previous  # what it committed after this writer's listing: counted too
         if not self._wait_previous(self.store.url):
             return
-        if isinstance(prev, RemoteSync):  # (not another live process's: keep_last holds)
+        if isinstance(prev, RemoteSync) and prev._stop:  # (ended: keep_last holds)
             self.own.took_over(prev.own)
         while True:
             with self._cond:

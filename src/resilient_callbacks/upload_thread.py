@@ -73,8 +73,9 @@ class UploadThread:
 
     def _after_previous(self, key: str) -> None:
         """Before :meth:`_start`: this thread uploads to the store ``key`` (protocol and root);
-        one of this process that uploaded there before and still runs (its attempt outlived its
-        Checkpointer's close, which gave up on it) is waited for by :meth:`_wait_previous`."""
+        one of this process that uploaded there before, stopped, and still runs (its attempt
+        outlived its Checkpointer's close, which gave up on it) is waited for by
+        :meth:`_wait_previous`."""
         with _last_lock:
             ref = _last_on.get(key)
             prev = ref() if ref is not None else None
@@ -90,8 +91,8 @@ class UploadThread:
         again after the new one's retention had deleted its files: a damaged checkpoint in
         the store. False once stopped meanwhile. While it waits, :meth:`_waited_stall_s`."""
         prev = self._previous
-        try:
-            if prev is None or not prev._thread.is_alive():
+        try:  # (one not stopped is another writer's, open: not waited for)
+            if prev is None or not prev._stop or not prev._thread.is_alive():
                 return True
             logging.getLogger("resilient_callbacks").info(
                 "remote %s: this writer waits for the upload of the previous writer of this "
