@@ -256,3 +256,48 @@ def test_a_close_from_a_second_thread_during_a_close_waits_for_it_and_adds_nothi
     events = [r["event"] for r in history.records(str(root)) if r["event"] in ("end", "failed")]
     assert events == ["end"]
     assert _committed(root) == [(1, "periodic")]
+
+
+def test_a_second_threads_close_with_a_timeout_waits_no_longer_for_the_first(
+    tmp_path, monkeypatch, caplog
+):
+    """close(timeout) from a second thread while the first close waited for a held background
+    save (a preemption's exit, bounded by its grace period, beside a close in another thread):
+    it waited for the first close to end, however long, past its own timeout. It now returns
+    after its timeout (said in a warning); the first close still finishes the work."""
+    from resilient_callbacks import persisting
+
+    orig = persisting.layout.write_part
+    gate, writing = threading.Event(), threading.Event()
+
+    def gated(*a, **k):
+        if threading.current_thread() is not threading.main_thread():
+            writing.set()
+            assert gate.wait(120)
+        return orig(*a, **k)
+
+    root = tmp_path / "ck"
+    ck = Checkpointer(root, every_n_steps=1, preemption=False)
+    ck.restore({"w": torch.zeros(2)})
+    monkeypatch.setattr(persisting.layout, "write_part", gated)
+    ck.step(1, {"w": torch.ones(2)})
+    assert writing.wait(60)
+    first = threading.Thread(target=ck.close)
+    second_done = threading.Event()
+    try:
+        first.start()
+        for _ in range(600):  # (the first close() has begun: it marked the Checkpointer closed)
+            if ck.closed:
+                break
+            first.join(timeout=0.1)
+        assert ck.closed
+        second = threading.Thread(target=lambda: (ck.close(timeout=0.2), second_done.set()))
+        second.start()
+        second.join(timeout=60)  # (its timeout is 0.2 s; the save stays held meanwhile)
+        assert second_done.is_set(), "close(timeout=0.2) waited for the other thread's close"
+        assert "another thread's close()" in caplog.text
+    finally:
+        gate.set()
+        first.join(timeout=120)
+    assert not first.is_alive()
+    assert _committed(root) == [(1, "periodic")]

@@ -250,13 +250,24 @@ class Checkpointer(CheckpointerQueries):
         pending saves; what is still pending then is reported and abandoned: none of it is
         committed, and the directory stays locked until the save being written has stopped;
         the metrics sinks get what is left of it. A second call finishes one that a Ctrl-C
-        interrupted. See :mod:`.closing`."""
-        with self._close_lock:
+        interrupted; one from another thread during a close waits for it (``timeout``: at
+        most that long, then returns, said in a warning). See :mod:`.closing`."""
+        if not self._close_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            log.warning(  # (a preemption's exit within its grace period: not held past it)
+                "close(): another thread's close() of %s is still under way after %g s; "
+                "returning without waiting for it to end",
+                self.dirpath,
+                timeout,
+            )
+            return
+        try:
             if self._closed and self._released:
                 return
             self._closed = True
             with dist.peer_errors("close()"):
                 closing.close(self, timeout, CLOSE_OUTAGE_S)
+        finally:
+            self._close_lock.release()
 
     def abort(self, exc: BaseException) -> None:
         """Training failed with ``exc``: with ``save_on_exception``, save the last step that
