@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import unanswered_exit
+from . import notices, unanswered_exit
 from .close_uploads import close_directory as close_directory  # (the DCP writer's)
 from .close_uploads import not_uploaded_error
 from .closing_steps import check_open as check_open
@@ -323,8 +323,10 @@ def _release_all(ck: Checkpointer, sinks_deadline: float | None, raising: Except
             # traceback printed); the signal passed on now would kill the process first,
             # silently, with the exception never shown
             log.warning(
-                "%s arrived while training failed with %s (no emergency save for it; the "
-                "newest checkpoint is %s); the exception ends the process%s",
+                notices.on_this_rank(  # (the signal this rank got: said by this rank)
+                    "%s arrived while training failed with %s (no emergency save for it; the "
+                    "newest checkpoint is %s); the exception ends the process%s"
+                ),
                 unanswered.source,
                 ck.failed_with,
                 _newest(ck),
@@ -334,8 +336,10 @@ def _release_all(ck: Checkpointer, sinks_deadline: float | None, raising: Except
             # close() raises (a background save failed): the error ends the process, its
             # traceback shown; 75, or the signal passed on to the default action, hid it
             log.warning(
-                "%s arrived after the last step() that could act on it (no emergency save for "
-                "it; the newest checkpoint is %s); close() raises %s, which ends the process",
+                notices.on_this_rank(  # (the signal this rank got: said by this rank)
+                    "%s arrived after the last step() that could act on it (no emergency save for "
+                    "it; the newest checkpoint is %s); close() raises %s, which ends the process"
+                ),
                 unanswered.source,
                 _newest(ck),
                 type(raising).__name__,
@@ -344,8 +348,10 @@ def _release_all(ck: Checkpointer, sinks_deadline: float | None, raising: Except
             # the program is ending by a sys.exit of its own with a failure code (the close at
             # a with block's end, in a finally): that code is the program's answer, not 75
             log.warning(
-                "%s arrived after the last step() that could act on it (no emergency save for "
-                "it; the newest checkpoint is %s); the program's own sys.exit(%r) ends the process",
+                notices.on_this_rank(  # (the signal this rank got: said by this rank)
+                    "%s arrived after the last step() that could act on it (no emergency save for "
+                    "it; the newest checkpoint is %s); the program's own sys.exit(%r) ends the process"
+                ),
                 unanswered.source,
                 _newest(ck),
                 users.code,
@@ -357,8 +363,10 @@ def _release_all(ck: Checkpointer, sinks_deadline: float | None, raising: Except
             # action (death by the signal, which a scheduler takes for a crash), the process
             # exits with the preemption code instead, what was committed kept
             log.warning(
-                "%s arrived %.1f s ago, after the last step() that could act on it (no "
-                "emergency save for it; the newest checkpoint is %s); %s",
+                notices.on_this_rank(  # (the signal this rank got: said by this rank)
+                    "%s arrived %.1f s ago, after the last step() that could act on it (no "
+                    "emergency save for it; the newest checkpoint is %s); %s"
+                ),
                 unanswered.source,
                 max(0.0, time.monotonic() - unanswered.monotonic),
                 _newest(ck),

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from . import rng, statetree, structure
+from . import notices, rng, statetree, structure
 from .closing import EXIT_MARGIN_S
 from .errors import CheckpointError, RemoteWaitPreemptedError, UnsupportedStateError
 from .filepart import FilePart
@@ -368,19 +368,21 @@ class Emergency:
                     f" (The estimate counts the {pending} checkpoint(s) still being written in "
                     "the background, which the emergency save waits for first.)"
                 )
-            if warning:
-                log.warning(warning)
+            if warning:  # (this rank's estimate, its signal's time: said by the rank)
+                log.warning(notices.on_this_rank(warning))
         late = time.monotonic() - req.monotonic if req is not None else 0.0
         if late > LATE_S:  # the grace period may be short: say why the save came this late
             log.warning(
-                "preemption (%s): acted on %.1f s after it arrived: the ranks compare requests "
-                "at decision steps, spaced by the step times measured before, and the steps "
-                "since were slower",
+                notices.on_this_rank(
+                    "preemption (%s): acted on %.1f s after it arrived: the ranks compare "
+                    "requests at decision steps, spaced by the step times measured before, and "
+                    "the steps since were slower"
+                ),
                 source,
                 late,
             )
-        log.warning(
-            "preemption (%s): saving step %d to %s before stopping", source, step, ck.dirpath
+        notices.log_once(  # (every rank saves it: said once, on rank 0)
+            log, "preemption (%s): saving step %d to %s before stopping", source, step, ck.dirpath
         )
         ck._recorder.preemption(step, source)
         try:
@@ -391,7 +393,8 @@ class Emergency:
         self.failed = None
         ck.preempted = True
         if ck.config.exit_on_preemption:
-            log.warning(
+            notices.log_once(
+                log,
                 "checkpoint of step %d committed; exiting with code %d so the scheduler "
                 "restarts the job, which resumes from it",
                 step,

@@ -169,14 +169,18 @@ def warn_and_log(
 ) -> None:
     """Say ``msg`` once where the user sees it, and to the logs of those who collect them.
 
-    ``warn`` (e.g. only on the coordinator rank) issues a :mod:`warnings` warning; the message
-    is logged as well when the logger has a handler somewhere in its hierarchy, or when no
-    warning was issued. A program that configures no logging would otherwise print it twice,
-    once more through logging's last-resort handler. ``stacklevel`` counts from the caller;
-    :data:`AT_CALLER`: the first frame outside the library (:func:`caller_stacklevel`).
+    ``warn`` issues a :mod:`warnings` warning; the message is logged at WARNING as well when
+    the logger has a handler somewhere in its hierarchy. A program that configures no logging
+    would otherwise print it twice, once more through logging's last-resort handler.
+    ``warn=False`` (given ``rank == 0``: a notice said once, on rank 0, see :mod:`.notices`):
+    logged at INFO only, which the default setup does not print: a WARNING there went through
+    the last-resort handler to stderr on every other rank. ``stacklevel`` counts from the
+    caller; :data:`AT_CALLER`: the first frame outside the library (:func:`caller_stacklevel`).
     """
-    if warn:
-        level = caller_stacklevel() if stacklevel == AT_CALLER else stacklevel + 1
-        warnings.warn(msg, category, stacklevel=level)
-    if not warn or log.hasHandlers():
+    if not warn:
+        log.info(msg)
+        return
+    level = caller_stacklevel() if stacklevel == AT_CALLER else stacklevel + 1
+    warnings.warn(msg, category, stacklevel=level)
+    if log.hasHandlers():
         log.warning(msg)

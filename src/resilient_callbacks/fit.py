@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
-from . import mapped, module_versions
+from . import mapped, module_versions, notices
 from .errors import CheckpointMismatchError, caller_stacklevel
 from .filepart import FilePart
 from .optim import hookable, param_shapes
@@ -160,15 +160,21 @@ def check_fits(
     points)."""
     problems: list[str] = []
     left_out: list[str] = []
-    cast: list[str] = []
+    cast: list[str] = []  # of the replicated state: the same on every rank, said once
+    cast_here: list[str] = []  # of this rank's PerRank state: said by this rank
+    into = [cast]
 
     def dtypes(where: str, saved: str, here: str) -> None:
         if saved != here:
-            cast.append(f"{where}: {saved} in checkpoint, {here} here")
+            into[-1].append(f"{where}: {saved} in checkpoint, {here} here")
 
     def rec(obj: Any, n: Any, path: tuple[Any, ...]) -> None:
         if isinstance(obj, PerRank):
-            rec(obj.obj, n, path)
+            into.append(cast_here)
+            try:
+                rec(obj.obj, n, path)
+            finally:
+                into.pop()
             return
         if isinstance(obj, FilePart):
             if not (isinstance(n, dict) and n.get(TAG) == "filepart"):
@@ -302,23 +308,31 @@ def check_fits(
             "(or resume='never' to start fresh and leave those checkpoints alone)."
         )
     warn_cast(cast, *through)
+    warn_cast(cast_here, *through, this_rank=True)
     if left_out:
         log.info("restore: not loaded, as the state does not hold them: %s", ", ".join(left_out))
     return left_out
 
 
-def warn_cast(cast: Sequence[str], *through: str) -> None:
+def warn_cast(cast: Sequence[str], *through: str, this_rank: bool = False) -> None:
     """Say, at the user's line, that the tensors ``cast`` (``"where: saved in checkpoint, here
     here"``) load in another dtype: a resume in another precision is not exact. ``through``:
-    a framework's directories between the user's line and the library."""
-    if cast:
-        warnings.warn(
-            f"{len(cast)} tensor(s) of the checkpoint are cast to the dtype they have here, so "
-            "the resume is not exact: "
-            + "; ".join(cast[:5])
-            + (f" (and {len(cast) - 5} more)" if len(cast) > 5 else ""),
-            stacklevel=caller_stacklevel(*through),
-        )
+    a framework's directories between the user's line and the library. Tensors of the state
+    every rank holds alike: said once, on rank 0; ``this_rank`` (its ``PerRank`` state): said
+    by this rank, naming it (:mod:`.notices`)."""
+    if not cast:
+        return
+    msg = (
+        f"{len(cast)} tensor(s) of the checkpoint are cast to the dtype they have here, so "
+        "the resume is not exact: "
+        + "; ".join(cast[:5])
+        + (f" (and {len(cast) - 5} more)" if len(cast) > 5 else "")
+    )
+    level = caller_stacklevel(*through)
+    if this_rank:
+        warnings.warn(notices.on_this_rank(msg), stacklevel=level)
+    else:
+        notices.say_once(log, msg, stacklevel=level)
 
 
 def _optimizer_casts(

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import mapped, module_versions, scheduler_settings, statetree
-from .errors import CheckpointMismatchError, caller_stacklevel
+from . import mapped, module_versions, notices, scheduler_settings, statetree
+from .errors import CheckpointMismatchError, caller_stacklevel, warn_and_log
 from .filepart import FilePart
 from .optim import relink_param_groups, shared_param_groups
 from .structure import (
@@ -71,7 +71,9 @@ def apply(
     process) keeps the settings the run's schedulers have (those its user may have set after
     the first restore's warning) and loads where they are from the checkpoint
     (:func:`.scheduler_settings.kept`); a log line names them."""
-    removed: list[str] = []
+    removed: list[str] = []  # of the replicated state: the same on every rank, said once
+    removed_here: list[str] = []  # of this rank's PerRank state: said by this rank
+    into = [removed]  # where merge_plain adds: removed_here while inside a PerRank
     settings: list[str] = []  # LR scheduler settings the checkpoint's replace (scheduler_settings)
     kept: list[str] = []  # those a roll-back keeps
     # optimizers sharing their parameter groups (a SAM wrapper and its base): shared again after
@@ -88,7 +90,11 @@ def apply(
         """Returns the value that should replace ``obj`` in its container (``obj`` itself if it
         was updated in place)."""
         if isinstance(obj, PerRank):
-            obj.obj = load_into(obj.obj, n, path)
+            into.append(removed_here)
+            try:
+                obj.obj = load_into(obj.obj, n, path)
+            finally:
+                into.pop()
             return obj
         if isinstance(obj, FilePart):
             return obj  # loaded from its own verified files (see restoring.py)
@@ -135,7 +141,7 @@ def apply(
             return obj
         if not _has_live_objects(obj):  # plain data: merged in place, at every depth
             value = fresh(n)
-            return obj if merge_plain(obj, value, path, removed) else value
+            return obj if merge_plain(obj, value, path, into[-1]) else value
         if isinstance(obj, MutableMapping):
             items = _node_items(n)
             assert items is not None  # check_fits ran first
@@ -173,14 +179,19 @@ def apply(
         # (a closure that refers to itself: the cycle kept ``resolve``'s tensors alive)
         load_into = fresh = None  # type: ignore[assignment]
         memo.clear()
-    if removed:
-        warnings.warn(
-            f"restore: {', '.join(removed[:10])}{' ...' if len(removed) > 10 else ''} not in "
+    for keys, said in ((removed, coordinator), (removed_here, None)):
+        if not keys:
+            continue
+        msg = (
+            f"restore: {', '.join(keys[:10])}{' ...' if len(keys) > 10 else ''} not in "
             "the checkpoint: removed, so the state is the saved one. A key your new code adds "
-            f"to a dict of plain values is not in checkpoints of the old code: {advice.new_key}",
-            UserWarning,
-            stacklevel=caller_stacklevel(*advice.through),
+            f"to a dict of plain values is not in checkpoints of the old code: {advice.new_key}"
         )
+        level = caller_stacklevel(*advice.through)
+        if said is None:  # this rank's own state: said here, naming the rank
+            warnings.warn(notices.on_this_rank(msg), UserWarning, stacklevel=level)
+        else:  # the replicated state: the same on every rank, said once (notices.py)
+            warn_and_log(notices.log, msg, UserWarning, stacklevel=level, warn=said)
     if settings:
         msg = scheduler_settings.message(settings, advice.new_settings, advice.like)
         scheduler_settings.say("restore: " + msg, coordinator, advice.through)

@@ -1,8 +1,25 @@
-"""What a restore says beside what it loads: folders named like checkpoints that are not
-checkpoints, a ``dirpath`` with nothing to resume from where a subdirectory holds checkpoints
-or where plain ``dcp.save`` wrote some, and tensors of the state left viewing the restored
-files. Nothing here raises: each is a warning or a log line, and the restore goes on (a fresh
-start stays a fresh start)."""
+"""What the library says beside what it does, and on which ranks it says it.
+
+**Said once, or by the rank it is about.** A job of 8 or 64 ranks merges every rank's stderr
+into one log: a line printed on every rank is read 8-64 times. So:
+
+- a notice about something that is the same on every rank (the replicated state, the
+  checkpoint chosen, the config, a decision the ranks took together: a fallback, a preemption's
+  save, a schedule) is said once, on rank 0: a warning there, and a WARNING log line where
+  logging is configured. The other ranks log it at INFO (:func:`say_once`, :func:`log_once`,
+  :func:`.errors.warn_and_log` with ``warn=`` rank 0), which no default setup prints, and a
+  rank's own log file still holds it;
+- a notice about something that differs per rank (that rank's ``PerRank`` state, its shard, its
+  files, its failure, a signal it received) is said by that rank, and names it: ``rank N: ...``
+  in a run of several ranks (:func:`on_this_rank`).
+
+``tests/test_rank_notices.py`` runs two ranks and counts each notice's lines across them.
+
+Also here, what a restore says beside what it loads: folders named like checkpoints that are
+not checkpoints, a ``dirpath`` with nothing to resume from where a subdirectory holds
+checkpoints or where plain ``dcp.save`` wrote some, and tensors of the state left viewing the
+restored files. Nothing here raises: each is a warning or a log line, and the restore goes on
+(a fresh start stays a fresh start)."""
 
 from __future__ import annotations
 
@@ -11,8 +28,9 @@ import logging
 import os
 import re
 from collections.abc import Iterable
+from typing import Any
 
-from . import catalog, mapped
+from . import catalog, dist, mapped
 from .commit import CKPT_RE
 from .errors import AT_CALLER, warn_and_log
 from .manifest import MANIFEST_NAME, Manifest
@@ -21,6 +39,32 @@ from .redact import command
 log = logging.getLogger(__name__)
 
 EARLIER_RUNS_LOOKED = 100  # run folders a fresh start in a Hydra job folder looks in at most
+
+
+def say_once(
+    logger: logging.Logger,
+    msg: str,
+    category: type[Warning] = UserWarning,
+    *,
+    stacklevel: int = AT_CALLER,
+) -> None:
+    """A notice about what is the same on every rank: a warning on rank 0 (and a WARNING log
+    line there where logging is configured); an INFO log line on the other ranks, which the
+    default setup does not print. ``stacklevel`` as :func:`.errors.warn_and_log`'s, counted
+    from the caller of this function."""
+    level = stacklevel if stacklevel == AT_CALLER else stacklevel + 1
+    warn_and_log(logger, msg, category, stacklevel=level, warn=dist.rank() == 0)
+
+
+def log_once(logger: logging.Logger, msg: str, *args: Any) -> None:
+    """A log line about what is the same on every rank: WARNING on rank 0, INFO elsewhere."""
+    logger.log(logging.WARNING if dist.rank() == 0 else logging.INFO, msg, *args)
+
+
+def on_this_rank(msg: str) -> str:
+    """``msg`` about this rank's own state or event, naming the rank in a run of several
+    (``"rank 3: ..."``); unchanged in a single process."""
+    return f"rank {dist.rank()}: {msg}" if dist.world_size() > 1 else msg
 
 
 def say_what_is_not_a_checkpoint(

@@ -354,15 +354,15 @@ class Restorer:
             if ck.config.capture_rng:
                 if part.rng is not None:
                     warns = rng.restore(part.rng, part.tensors, (ck, ck.dirpath, manifest.step))
-                elif ck.rank < manifest.world_size:
-                    warns = [
-                        "the checkpoint was saved without RNG states (capture_rng=False); "
-                        "random streams are not restored"
-                    ]
-                else:
+                elif ck.rank >= manifest.world_size:
                     warns = [
                         f"rank {ck.rank} has no RNG state in this checkpoint (written by "
                         f"{manifest.world_size} rank(s)); its random streams start fresh"
+                    ]
+                elif ck.rank == 0:  # (the same on every rank: said once, notices.py)
+                    warns = [
+                        "the checkpoint was saved without RNG states (capture_rng=False); "
+                        "random streams are not restored"
                     ]
             if ck.rank == 0:  # the ranks gone's (it was dropped in silence)
                 rngs = ck.config.capture_rng and part.rng is not None

@@ -1,0 +1,117 @@
+"""What a run of two ranks prints: each notice once across the ranks, or once per rank where it
+is about that rank's own state and names it (the rule in ``resilient_callbacks.notices``).
+
+A job's stderr merges every rank's: a notice printed by every rank is read 8 or 64 times. The
+worker (this file: ``python test_rank_notices.py plain-worker DIR``) is a plain ``Checkpointer``
+on two gloo ranks, run as a user runs it (no logging configured, Python's default warning
+filters): it starts fresh, saves with retention, restores with a corrupt newest checkpoint
+(the fallback), a removed key, tensors cast to another dtype, in the replicated state and in
+each rank's ``PerRank`` state, then acts on a preemption request (SIGUSR1 on both ranks) and
+closes; a checkpoint saved without RNG states is restored. The test counts the lines of each rank's output that hold each notice.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+import spawn_ranks
+from resilient_callbacks import Checkpointer, PerRank
+
+
+def _state(rank: int, dtype: torch.dtype, new: bool) -> dict:
+    torch.manual_seed(0)
+    extra = {"history": [1]}
+    mine = {"info": {"rank": rank}, "t": torch.zeros(3, dtype=dtype)}
+    if new:  # keys the new code adds, which the checkpoints of the old code lack
+        extra["new_shared_key"] = 1
+        mine["info"]["new_rank_key"] = rank
+    return {
+        "model": nn.Linear(4, 4).to(dtype),
+        "extra": extra,
+        "mine": PerRank(mine),
+    }
+
+
+def plain_worker(root: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    state = _state(rank, torch.float32, new=False)
+    ck = Checkpointer(root, every_n_steps=2, keep_last=2, async_save=False)
+    start = ck.restore(state)
+    for s in range(start + 1, 7):  # saves 2, 4, 6; retention deletes 2
+        ck.step(s, state)
+    ck.close()
+    dist.barrier()
+    if rank == 0:  # the newest checkpoint damaged: the restore falls back to step 4
+        path = os.path.join(root, "step_000000006", "shared.safetensors")
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+    dist.barrier()
+
+    state = _state(rank, torch.float64, new=True)
+    ck = Checkpointer(root, every_n_steps=2, keep_last=2, exit_on_preemption=False)
+    step = ck.restore(state)
+    assert step == 4, step
+    deadline = time.monotonic() + 120  # the ranks act at their next decision step (~1 s)
+    while not ck.preempted and time.monotonic() < deadline:
+        step += 1
+        if step == 6:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        ck.step(step, state)
+    assert ck.preempted
+    ck.close()
+
+    other = os.path.join(root, "no_rng")  # a checkpoint saved without the random streams
+    with Checkpointer(other, capture_rng=False, async_save=False) as ck:
+        ck.save(1, {"model": nn.Linear(2, 2)})
+    with Checkpointer(other) as ck:
+        assert ck.restore({"model": nn.Linear(2, 2)}) == 1
+    spawn_ranks.leave_group()
+
+
+if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "plain-worker":
+    plain_worker(sys.argv[2])
+
+
+import pytest  # noqa: E402  (after the worker code, which does not need it)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+
+def _count(outputs: list[str], text: str) -> list[int]:
+    """Per rank: how many lines of its output hold ``text``."""
+    return [sum(text in line for line in out.splitlines()) for out in outputs]
+
+
+def test_a_plain_checkpointer_on_two_ranks_says_each_notice_once(tmp_path):
+    argv = [sys.executable, __file__, "plain-worker", str(tmp_path / "ckpt")]
+    outputs = spawn_ranks.run(argv, 2, tmp_path, "plain", deadline=240).outputs
+    shown = "\n".join(f"--- rank {r}:\n{out}" for r, out in enumerate(outputs))
+    once = [  # the same on every rank: rank 0 says it
+        "skipping checkpoint",  # the fallback from the damaged step 6
+        "state['extra']['new_shared_key'] not in the checkpoint",
+        "state['model']['weight']: float32 in checkpoint, float64 here",
+        "preemption (SIGUSR1): saving step",
+        "the checkpoint was saved without RNG states",
+    ]
+    for text in once:
+        assert _count(outputs, text) == [1, 0], f"{text!r}:\n{shown}"
+    for r in (0, 1):  # this rank's own PerRank state: each rank says it, naming itself
+        mine = [
+            f"rank {r}: restore: state['mine']['info']['new_rank_key'] not in the checkpoint",
+            f"rank {r}: 1 tensor(s) of the checkpoint are cast",
+        ]
+        for text in mine:
+            assert _count(outputs, text) == [int(r == 0), int(r == 1)], f"{text!r}:\n{shown}"
