@@ -7,7 +7,8 @@ on two gloo ranks, run as a user runs it (no logging configured, Python's defaul
 filters): it starts fresh, saves with retention, restores with a corrupt newest checkpoint
 (the fallback), a removed key, tensors cast to another dtype, in the replicated state and in
 each rank's ``PerRank`` state, then acts on a preemption request (SIGUSR1 on both ranks) and
-closes; a checkpoint saved without RNG states is restored. The test counts the lines of each rank's output that hold each notice.
+closes; a checkpoint saved without RNG states is restored. Lightning DDP
+(tests/lightning_train.py as two ranks) says a setting that changed since the checkpoint once. The test counts the lines of each rank's output that hold each notice.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -115,3 +117,33 @@ def test_a_plain_checkpointer_on_two_ranks_says_each_notice_once(tmp_path):
         ]
         for text in mine:
             assert _count(outputs, text) == [int(r == 0), int(r == 1)], f"{text!r}:\n{shown}"
+
+
+HERE = Path(__file__).parent
+
+
+def _framework_run(script: str, tmp_path: Path, name: str, *args: str) -> list[str]:
+    argv = [sys.executable, str(HERE / script), *args]
+    return spawn_ranks.run(argv, 2, tmp_path, name, deadline=280).outputs
+
+
+@pytest.mark.timeout(600)
+def test_lightning_ddp_says_a_setting_changed_since_the_checkpoint_once(tmp_path):
+    pytest.importorskip("lightning")
+    common = ["--devices", "2", "--every-n-steps", "4", "--root", str(tmp_path)]
+    common += ["--out-jsonl", str(tmp_path / "o.jsonl"), "--out-params", str(tmp_path / "p.st")]
+    ck = str(tmp_path / "ckpt")
+    _framework_run("lightning_train.py", tmp_path, "first", ck, "--max-steps", "8", *common)
+    outputs = _framework_run(
+        "lightning_train.py",
+        tmp_path,
+        "resumed",
+        ck,
+        "--max-steps",
+        "10",
+        "--accumulate",
+        "2",
+        *common,
+    )
+    text = "accumulate_grad_batches=2 here, 1 when the checkpoint was saved"
+    assert _count(outputs, text) == [1, 0], "\n".join(outputs)

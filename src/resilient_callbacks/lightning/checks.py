@@ -3,6 +3,7 @@ is final or followed by validation, whether a checkpoint fits the model."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import warnings
@@ -15,11 +16,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parameter import is_lazy
 
-from .. import module_versions, scheduler_settings
+from .. import module_versions, notices, scheduler_settings
 from ..config import CheckpointerConfig
 from ..errors import CheckpointMismatchError, ConfigError, caller_stacklevel
 from ..fit import its_own_shape, key_differences, warn_cast
 from . import stages
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ..checkpointer import Checkpointer
@@ -178,7 +181,8 @@ def accumulation(
                 f"where the epoch's batch count is a multiple of {here}, {done} batches were "
                 "trained of the resumed epoch)"
             )
-        warnings.warn(
+        notices.say_once(  # (the same on every rank: said once)
+            log,
             f"accumulate_grad_batches={here} here, {saved} when the checkpoint was saved: each "
             f"optimizer step now takes {here} batch(es) instead of {saved}{first}, so the global "
             "batch changes from the restored step on and the run is not the one interrupted. "
@@ -224,7 +228,8 @@ def epoch_length(trainer: pl.Trainer, saved: Any, done: int | None, epoch_end: b
             f"the resumed epoch {epoch}, {done} batch(es) into it, ends as an epoch {length} "
             "(as with Lightning's own ckpt_path resume), and so do the later ones"
         )
-    warnings.warn(
+    notices.say_once(  # (the same on every rank: said once)
+        log,
         f"{change}: {what}; the run is not the one interrupted. Resume with the checkpoint's "
         "value to continue that run",
         UserWarning,
@@ -255,7 +260,8 @@ def optimizers_and_schedulers(trainer: pl.Trainer, saved: dict[str, int]) -> Non
     what = {"optimizer_states": "optimizer(s)", "lr_schedulers": "LR scheduler(s)"}
     for key, n in saved.items():
         if here[key] != n:
-            warnings.warn(
+            notices.say_once(  # (the same on every rank: said once, on rank 0)
+                log,
                 f"{here[key]} {what[key]} here, {n} when the checkpoint was saved: Lightning "
                 f"restores the first {min(n, here[key])} in order; "
                 + (

@@ -25,7 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from .. import rng
+from .. import notices, rng
 from ..checkpointer import Checkpointer
 from ..inplace import same_value
 from ..optim import update_began
@@ -95,9 +95,11 @@ class ExceptionSave:
         if ckpt is None or ctx is None or state is None or ckpt.closed:
             return
         if ckpt.world_size > 1:
-            log.warning(
-                "save_on_exception: not saving after %s with several ranks (the other ranks "
-                "cannot join the save); the newest checkpoint is the last periodic one",
+            log.warning(  # (the exception this rank got: said by this rank, naming it)
+                notices.on_this_rank(
+                    "save_on_exception: not saving after %s with several ranks (the other "
+                    "ranks cannot join the save); the newest checkpoint is the last periodic one"
+                ),
                 type(exception).__name__,
             )
             return

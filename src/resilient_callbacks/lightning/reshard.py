@@ -25,6 +25,7 @@ import logging
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.data import sized_len
 
+from .. import notices
 from ..data import ResumableDataLoader
 
 log = logging.getLogger("resilient_callbacks")
@@ -46,7 +47,8 @@ def after_setup(trainer: pl.Trainer) -> int | None:
     if not resharded:
         return None
     if len(loaders) > 1:
-        log.warning(
+        notices.log_once(  # (the same on every rank: said once, on rank 0)
+            log,
             "the train dataloaders resume an epoch on another number of ranks; with %d loaders "
             "Lightning's epoch length may not match the rest of the epoch they hand out",
             len(loaders),
