@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("outdir")
     p.add_argument("--max-steps", type=int, default=14)
-    p.add_argument("--every-n-steps", type=int, default=2)
+    p.add_argument("--every-n-steps", type=int, default=2, help="0: no save trigger")
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument(
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ckpt = ResilientCheckpoint(
             os.path.join(args.outdir, "ckpt"),
-            every_n_steps=args.every_n_steps,
+            every_n_steps=args.every_n_steps or None,  # 0: no save trigger
             keep_last=args.keep_last,
             overlap_snapshot=args.overlap,
             incremental=args.frozen_base,

@@ -8,7 +8,9 @@ filters): it starts fresh, saves with retention, restores with a corrupt newest 
 (the fallback), a removed key, tensors cast to another dtype, in the replicated state and in
 each rank's ``PerRank`` state, then acts on a preemption request (SIGUSR1 on both ranks) and
 closes; a checkpoint saved without RNG states is restored. Lightning DDP
-(tests/lightning_train.py as two ranks) says a setting that changed since the checkpoint once. The test counts the lines of each rank's output that hold each notice.
+(tests/lightning_train.py as two ranks) says a setting that changed since the checkpoint once,
+the Transformers Trainer (tests/hf_train.py as two ranks) that it has no save trigger once.
+The tests count the lines of each rank's output that hold each notice.
 """
 
 from __future__ import annotations
@@ -147,3 +149,13 @@ def test_lightning_ddp_says_a_setting_changed_since_the_checkpoint_once(tmp_path
     )
     text = "accumulate_grad_batches=2 here, 1 when the checkpoint was saved"
     assert _count(outputs, text) == [1, 0], "\n".join(outputs)
+
+
+def test_the_transformers_trainer_on_two_ranks_says_it_has_no_save_trigger_once(tmp_path):
+    pytest.importorskip("transformers")
+    args = [str(tmp_path), "--ddp", "--default-logging", "--every-n-steps", "0"]
+    args += ["--max-steps", "2", "--out-jsonl", str(tmp_path / "o.jsonl")]
+    outputs = _framework_run(
+        "hf_train.py", tmp_path, "hf", *args, "--out-final", str(tmp_path / "f.st")
+    )
+    assert _count(outputs, "ResilientCheckpoint: no save trigger") == [1, 0], "\n".join(outputs)

@@ -29,7 +29,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from .. import dist, layout, reader
+from .. import dist, layout, notices, reader
 from ..catalog import Depth
 from ..errors import CheckpointMismatchError
 from . import hooks
@@ -68,7 +68,8 @@ class _LoopAtSavedSize:
             try:
                 return original(*bound.args, **bound.kwargs)
             except Restart as restart:
-                log.warning(
+                notices.log_once(  # (the same on every rank: said once, on rank 0)
+                    log,
                     "ResilientCheckpoint: the checkpoint of step %d was written at per-device "
                     "batch size %d (auto_find_batch_size had lowered it from %s); the training "
                     "loop starts again at %d to resume it exactly",

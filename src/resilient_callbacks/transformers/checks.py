@@ -20,6 +20,7 @@ import transformers
 from accelerate.data_loader import DataLoaderDispatcher
 from torch.utils.data import BatchSampler
 
+from .. import notices
 from ..errors import ConfigError, warn_and_log
 from .peft_export import peft_info
 from .under_fsdp import plain_class
@@ -125,7 +126,8 @@ def resolved_options(options: dict[str, Any], args: Any, state: Any) -> tuple[di
     if strategy == "epoch":
         log.info("ResilientCheckpoint: no save trigger given; saving at every epoch end")
         return options, True
-    log.warning(
+    notices.log_once(  # (the same on every rank: said once, on rank 0)
+        log,
         "ResilientCheckpoint: no save trigger (every_n_steps, every_seconds, "
         "adaptive=True, ...) and save_strategy=%r; only the final step and "
         "emergency (preemption) saves are written",
@@ -149,7 +151,8 @@ def _best_direction(options: dict[str, Any], args: Any) -> None:
     if mode is None:
         options["mode"] = trainer_mode or "min"
     elif trainer_mode is not None and mode != trainer_mode:
-        log.warning(
+        notices.log_once(  # (the same on every rank: said once, on rank 0)
+            log,
             "ResilientCheckpoint: monitor=%r with mode=%r, but the Trainer ranks that metric "
             "(metric_for_best_model=%r) with greater_is_better=%s: keep_best keeps the "
             "checkpoints the Trainer ranks worst. Leave mode out to follow the Trainer",
@@ -175,10 +178,11 @@ def warn_about_trainer_saves(args: Any, trainer_checkpoints: bool) -> None:
         return
     if strategy == "best":
         # Those checkpoint-N directories are what load_best_model_at_end loads: it works.
-        log.warning(
+        notices.log_once(  # (the same on every rank: said once, on rank 0)
+            log,
             "ResilientCheckpoint: save_strategy='best': the Trainer still writes its own "
             "checkpoint-N directories when the metric improves (that decision is made after "
-            "every callback event); set save_strategy='no' and use keep_best/monitor instead"
+            "every callback event); set save_strategy='no' and use keep_best/monitor instead",
         )
         return
     log.info(
@@ -222,7 +226,8 @@ def checkpoint_dir(dirpath: str | None, args: Any) -> str:
         dirpath = os.path.join(args.output_dir, DEFAULT_DIRNAME)
         legacy = os.path.join(args.output_dir, LEGACY_DIRNAME)
         if not os.path.isdir(dirpath) and os.path.isdir(legacy) and os.listdir(legacy):
-            log.warning(
+            notices.log_once(  # (the same on every rank: said once, on rank 0)
+                log,
                 "ResilientCheckpoint: using the checkpoints in %s (the default directory of "
                 "earlier versions); push_to_hub uploads that directory. Move it to %s, or pass "
                 "dirpath=, to keep checkpoints out of the Hub upload.",

@@ -27,6 +27,8 @@ import os
 import weakref
 from typing import Any
 
+from .. import notices
+
 log = logging.getLogger("resilient_callbacks")
 
 # realpath of a dirpath -> (trainings of the model that finished there, the model)
@@ -51,7 +53,8 @@ def place(dirpath: str, trainer: Any, options: dict[str, Any]) -> tuple[str, dic
     if done == 0:
         return dirpath, options
     name = f"train-{done + 1}"
-    log.warning(
+    notices.log_once(  # (the same on every rank: said once, on rank 0)
+        log,
         "ResilientCheckpoint: %d training(s) of this model finished in %s in this process; "
         "this train() is another training, with its checkpoints in %s/ (it resumes from there "
         "if they exist, else starts at step 0 with a fresh optimizer, as without the callback)",
