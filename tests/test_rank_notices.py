@@ -7,9 +7,10 @@ on two gloo ranks, run as a user runs it (no logging configured, Python's defaul
 filters): it starts fresh, saves with retention, restores with a corrupt newest checkpoint
 (the fallback), a removed key, tensors cast to another dtype, in the replicated state and in
 each rank's ``PerRank`` state, then acts on a preemption request (SIGUSR1 on both ranks) and
-closes; a checkpoint saved without RNG states is restored. Lightning DDP
-(tests/lightning_train.py as two ranks) says a setting that changed since the checkpoint once,
-the Transformers Trainer (tests/hf_train.py as two ranks) that it has no save trigger once.
+closes; one without a save schedule steps, and its checkpoint, saved without RNG states, is
+restored. Lightning DDP (tests/lightning_train.py as two ranks) says a setting that changed
+since the checkpoint once, the Transformers Trainer (tests/hf_train.py as two ranks) that it has
+no save trigger once.
 The tests count the lines of each rank's output that hold each notice.
 """
 
@@ -78,7 +79,8 @@ def plain_worker(root: str) -> None:
     ck.close()
 
     other = os.path.join(root, "no_rng")  # a checkpoint saved without the random streams
-    with Checkpointer(other, capture_rng=False, async_save=False) as ck:
+    with Checkpointer(other, capture_rng=False, async_save=False) as ck:  # (no schedule)
+        ck.step(1, {"model": nn.Linear(2, 2)})
         ck.save(1, {"model": nn.Linear(2, 2)})
     with Checkpointer(other) as ck:
         assert ck.restore({"model": nn.Linear(2, 2)}) == 1
@@ -109,6 +111,7 @@ def test_a_plain_checkpointer_on_two_ranks_says_each_notice_once(tmp_path):
         "state['model']['weight']: float32 in checkpoint, float64 here",
         "preemption (SIGUSR1): saving step",
         "the checkpoint was saved without RNG states",
+        "no save schedule is configured",
     ]
     for text in once:
         assert _count(outputs, text) == [1, 0], f"{text!r}:\n{shown}"

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import dist, statetree
+from . import dist, notices, statetree
 from .adaptive import AdaptiveSchedule
 from .config import CheckpointerConfig
 from .decision import Decider, spacing_step_time
@@ -324,10 +324,11 @@ class Trigger:
                 and not self._warned_no_trigger
             ):
                 self._warned_no_trigger = True
-                log.warning(
+                notices.log_once(  # (the same on every rank: said once, on rank 0)
+                    log,
                     "no save schedule is configured (every_n_steps / every_seconds / "
                     "keep_every_n_steps / adaptive / loss_jump): checkpoints are written only "
-                    "for a step marked final, an explicit save() and a preemption"
+                    "for a step marked final, an explicit save() and a preemption",
                 )
             return None
         archive = self.policy.archive_every_n_steps
