@@ -87,8 +87,28 @@ def plain_worker(root: str) -> None:
     spawn_ranks.leave_group()
 
 
+def exit_worker(root: str) -> None:
+    """A preemption request with ``exit_on_preemption`` (the default): both ranks save and exit
+    with code 75."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    state = _state(dist.get_rank(), torch.float32, new=False)
+    ck = Checkpointer(root, every_n_steps=1000)
+    step = ck.restore(state)
+    deadline = time.monotonic() + 120  # the ranks act at their next decision step (~1 s)
+    while time.monotonic() < deadline:  # step() exits the process once the ranks act on it
+        step += 1
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        ck.step(step, state)
+    raise AssertionError("the preemption request was not acted on")
+
+
 if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "plain-worker":
     plain_worker(sys.argv[2])
+if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "exit-worker":
+    exit_worker(sys.argv[2])
 
 
 import pytest  # noqa: E402  (after the worker code, which does not need it)
@@ -122,6 +142,13 @@ def test_a_plain_checkpointer_on_two_ranks_says_each_notice_once(tmp_path):
         ]
         for text in mine:
             assert _count(outputs, text) == [int(r == 0), int(r == 1)], f"{text!r}:\n{shown}"
+
+
+def test_a_preemption_that_exits_says_its_save_and_its_exit_once(tmp_path):
+    argv = [sys.executable, __file__, "exit-worker", str(tmp_path / "ckpt")]
+    outputs = spawn_ranks.run(argv, 2, tmp_path, "exit", expect=75, deadline=240).outputs
+    for text in ("preemption (SIGUSR1): saving step", "committed; exiting with code 75"):
+        assert _count(outputs, text) == [1, 0], f"{text!r}:\n" + "\n".join(outputs)
 
 
 HERE = Path(__file__).parent
