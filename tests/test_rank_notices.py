@@ -8,9 +8,9 @@ filters): it starts fresh, saves with retention, restores with a corrupt newest 
 (the fallback), a removed key, tensors cast to another dtype, in the replicated state and in
 each rank's ``PerRank`` state, then acts on a preemption request (SIGUSR1 on both ranks) and
 closes; one without a save schedule steps, and its checkpoint, saved without RNG states, is
-restored. Lightning DDP (tests/lightning_train.py as two ranks) says a setting that changed
-since the checkpoint once, the Transformers Trainer (tests/hf_train.py as two ranks) that it has
-no save trigger once.
+restored. ``dcp.load`` through the drop-in reader says its fallback once. Lightning DDP
+(tests/lightning_train.py as two ranks) says a setting that changed since the checkpoint once,
+the Transformers Trainer (tests/hf_train.py as two ranks) that it has no save trigger once.
 The tests count the lines of each rank's output that hold each notice.
 """
 
@@ -105,6 +105,38 @@ def exit_worker(root: str) -> None:
     raise AssertionError("the preemption request was not acted on")
 
 
+def dcp_worker(root: str) -> None:
+    """``dcp.save`` twice through the drop-in writer; the newest checkpoint damaged, ``dcp.load``
+    through the reader falls back to the older one."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from resilient_callbacks.dcp import ResilientStorageReader, ResilientStorageWriter
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    with ResilientStorageWriter(root, keep_last=2) as writer:
+        for step in (1, 2):
+            writer.step = step
+            dcp.save({"model": model.state_dict()}, storage_writer=writer)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shard = os.path.join(root, "step_000000002", "dcp", "rank_00000.safetensors")
+        with open(shard, "r+b") as f:
+            f.seek(-2, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-2, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x01]))
+    dist.barrier()
+    reader = ResilientStorageReader(root)
+    dcp.load({"model": nn.Linear(4, 4).state_dict()}, storage_reader=reader)
+    assert reader.loaded_step == 1, reader.loaded_step
+    spawn_ranks.leave_group()
+
+
+if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "dcp-worker":
+    dcp_worker(sys.argv[2])
 if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "plain-worker":
     plain_worker(sys.argv[2])
 if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "exit-worker":
@@ -148,6 +180,13 @@ def test_a_preemption_that_exits_says_its_save_and_its_exit_once(tmp_path):
     argv = [sys.executable, __file__, "exit-worker", str(tmp_path / "ckpt")]
     outputs = spawn_ranks.run(argv, 2, tmp_path, "exit", expect=75, deadline=240).outputs
     for text in ("preemption (SIGUSR1): saving step", "committed; exiting with code 75"):
+        assert _count(outputs, text) == [1, 0], f"{text!r}:\n" + "\n".join(outputs)
+
+
+def test_the_dcp_reader_on_two_ranks_says_its_fallback_once(tmp_path):
+    argv = [sys.executable, __file__, "dcp-worker", str(tmp_path / "ckpt")]
+    outputs = spawn_ranks.run(argv, 2, tmp_path, "dcp", deadline=240).outputs
+    for text in ("skipping checkpoint", "dcp.load: restored"):
         assert _count(outputs, text) == [1, 0], f"{text!r}:\n" + "\n".join(outputs)
 
 

@@ -267,8 +267,9 @@ class ResilientStorageReader(StorageReader):
                 self.path, self.loaded_step = path, manifest.step
                 if self.resumes:  # (an export's read is no resume)
                     lineage.loaded(os.path.dirname(path), manifest.step, listing["seq"], manifest)
-                if self.skipped:
-                    log.warning("dcp.load: restored %s after skipping %s", path, self.skipped)
+                if self.skipped:  # the ranks agreed on it: said once, on rank 0
+                    level = logging.WARNING if rank == 0 else logging.INFO  # (group rank)
+                    log.log(level, "dcp.load: restored %s after skipping %s", path, self.skipped)
                 if path in listing["abandoned"]:  # loudly: the run's timeline changes
                     msg = _ABANDONED.format(path=path, skipped=self.skipped)
                     level = caller_stacklevel(_DCP_DIR)
