@@ -5,6 +5,8 @@ as the restore found it."""
 from __future__ import annotations
 
 import gc
+import os
+import select
 import sys
 import threading
 from collections.abc import Iterator
@@ -118,4 +120,37 @@ def test_pauses_of_several_threads_nest() -> None:
     finally:
         release.set()
         t.join(60)
+        (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX only")
+def test_a_process_forked_during_a_pause_has_the_collector_as_before_it() -> None:
+    """A child forked while a pause lasts (another thread starting DataLoader workers) runs
+    none of the pauses: it kept the collector disabled for its whole life."""
+    was = gc.isenabled()
+    gc.enable()
+    r, w = os.pipe()
+    try:
+        with gcpause.paused():
+            pid = os.fork()
+            if pid == 0:  # the child: report, then leave at once
+                try:
+                    first = gc.isenabled()
+                    with gcpause.paused():  # its own pauses still work (a lock it can take)
+                        inner = gc.isenabled()
+                    os.write(w, f"{int(first)}{int(inner)}{int(gc.isenabled())}".encode())
+                finally:
+                    os._exit(0)
+            assert not gc.isenabled()  # the parent's pause goes on
+        assert gc.isenabled()
+        os.close(w)
+        w = -1
+        ready, _, _ = select.select([r], [], [], 60)
+        assert ready, "the forked child did not answer in 60 s"
+        assert os.read(r, 16) == b"101"  # enabled; paused inside its own pause; enabled after
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        os.close(r)
+        if w != -1:
+            os.close(w)
         (gc.enable if was else gc.disable)()
