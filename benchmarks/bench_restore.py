@@ -26,7 +26,7 @@ parameters of MB each, no optimizer), where a restore's work is bytes, not objec
 round-robin as above, page cache warm; every restore is checked bitwise (an xxh3 of each
 parameter against the saved values'). Per method it gives wall and CPU seconds and the bytes
 copied per restored byte: bytes written by ``copy_``/``clone``/``_to_copy`` (counted in one more
-restore under a ``TorchDispatchMode``) plus bytes ``read()`` from files (``/proc/self/io``
+restore under a ``TorchDispatchMode``, which sees the calling thread's ops only) plus bytes ``read()`` from files (``/proc/self/io``
 ``rchar``); one copy into the live tensors is 1.0, a read buffer copied again 2.0.
 ``--threads N``: ``torch.set_num_threads(N)`` in the workers (on a loaded 2-core machine the
 two intra-op threads of ``copy_`` wait on each other). Writes ``bench_restore_big.{json,md}``.
