@@ -336,31 +336,36 @@ def test_a_base_optimizer_of_a_wrapper_of_any_class_left_out_is_warned_about(tmp
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # (SAM's)
-@pytest.mark.parametrize("wrapper_first", [True, False], ids=["wrapper-first", "base-first"])
-def test_a_wrapper_and_its_base_share_their_groups_again_after_a_restore(tmp_path, wrapper_first):
+@pytest.mark.parametrize("layout", ["wrapper-first", "base-first", "base-only"])
+def test_a_wrapper_and_its_base_share_their_groups_again_after_a_restore(tmp_path, layout):
     """SAM shares its parameter groups with its base optimizer, and an LR scheduler made for
     SAM changes the learning rate there; load_state_dict gives each optimizer new groups, so
     with the base restored after SAM the base kept stepping at the saved rate, whatever the
     scheduler did (the resumed run diverged at the scheduler's next step). The restore shares
-    the groups again, whichever order the state has."""
+    the groups again, whichever order the state has. "base-only": the state holds the base
+    optimizer and the scheduler made for SAM, not SAM itself (its own state is only the
+    weights between the passes); the scheduler's optimizer is relinked too (it was not: the
+    scheduler changed SAM's old groups, which the loaded base no longer stepped with)."""
 
     def build():
         model = torch.nn.Linear(4, 1)
         sam = SAM(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(sam, step_size=1, gamma=0.5)
-        if wrapper_first:
-            return {"model": model, "sam": sam, "base": sam.base_optimizer, "sched": sched}
-        return {"model": model, "base": sam.base_optimizer, "sam": sam, "sched": sched}
+        if layout == "wrapper-first":
+            return sam, {"model": model, "sam": sam, "base": sam.base_optimizer, "sched": sched}
+        if layout == "base-first":
+            return sam, {"model": model, "base": sam.base_optimizer, "sam": sam, "sched": sched}
+        return sam, {"model": model, "base": sam.base_optimizer, "sched": sched}
 
-    state = build()
+    _, state = build()
     state["base"].step()
     state["sched"].step()
     with Checkpointer(tmp_path / "ck", async_save=False) as ck:
         ck.save(1, state)
-    fresh = build()
+    sam, fresh = build()
     with Checkpointer(tmp_path / "ck", async_save=False) as ck:
         assert ck.restore(fresh) == 1
-    assert fresh["sam"].param_groups is fresh["base"].param_groups
+    assert sam.param_groups is fresh["base"].param_groups
     fresh["base"].step()
     fresh["sched"].step()
     assert fresh["base"].param_groups[0]["lr"] == 0.05 / 4

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.optim import lr_scheduler as _sched
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -173,10 +174,15 @@ def shared_param_groups(objs: list[Any]) -> list[GroupLink]:
     list (SAM: ``self.param_groups = self.base_optimizer.param_groups``), ``(a, b, False)`` for
     the same group dicts. ``load_state_dict`` gives an optimizer new groups, so after a restore
     the wrapper's learning rate (what an LR scheduler made for the wrapper changes) no longer
-    reached the base optimizer that steps: :func:`relink_param_groups` shares them again."""
+    reached the base optimizer that steps: :func:`relink_param_groups` shares them again. The
+    optimizer an LR scheduler of ``objs`` changes (``.optimizer``) counts too: a state holding
+    the base optimizer alone, with a scheduler made for the wrapper, is relinked as well."""
     found: list[Any] = []
     for obj in objs:
-        for o in (obj, two_pass_base(obj)):
+        held = None  # the optimizer an LR scheduler of torch's changes
+        if isinstance(obj, (_sched.LRScheduler, _sched.ReduceLROnPlateau)):
+            held = obj.optimizer
+        for o in (obj, two_pass_base(obj), held, two_pass_base(held)):
             if isinstance(getattr(o, "param_groups", None), list) and all(
                 o is not f for f in found
             ):
