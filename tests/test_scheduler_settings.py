@@ -24,6 +24,8 @@ def _built(kind: str, value: float):
         sched = lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=int(value))
     elif kind == "lambda":
         sched = lr_scheduler.LambdaLR(opt, lambda e, v=value: v**e)
+    elif kind == "cyclic":  # (base_lr: its base_lrs, a setting here, not the groups')
+        sched = lr_scheduler.CyclicLR(opt, base_lr=value, max_lr=1.0, step_size_up=3)
     elif kind == "multiplicative":
         sched = lr_scheduler.MultiplicativeLR(opt, lambda e, v=value: v)
     else:  # sequential: the second scheduler's milestones, nested in the state dict
@@ -48,6 +50,7 @@ def _lrs(state, n: int) -> list[float]:
         ("cosine", 10, 100, "T_max=10 from the checkpoint (100 here)"),
         ("onecycle", 20, 200, "total_steps=20 from the checkpoint (200 here)"),
         ("sequential", 4, 6, "_schedulers[1].milestones={4: 1} from the checkpoint ({6: 1} here)"),
+        ("cyclic", 0.1, 0.3, "base_lrs=[0.1] from the checkpoint ([0.3] here)"),
         ("lambda", 0.5, 0.9, None),  # its function is code, not state: the new one applies
         ("multiplicative", 0.5, 0.9, None),
     ],
@@ -280,9 +283,17 @@ def _set_onecycle(state, value):
     state["sched"] = new
 
 
+def _set_cyclic(state, value):
+    state["sched"].base_lrs = [value]
+
+
 @pytest.mark.parametrize(
     ("kind", "before", "after", "set_new"),
-    [("cosine", 10, 100, _set_cosine), ("onecycle", 20, 200, _set_onecycle)],
+    [
+        ("cosine", 10, 100, _set_cosine),
+        ("onecycle", 20, 200, _set_onecycle),
+        ("cyclic", 0.1, 0.3, _set_cyclic),
+    ],
 )
 def test_a_roll_back_keeps_the_settings_set_after_the_resume(
     tmp_path, caplog, kind, before, after, set_new
@@ -316,4 +327,5 @@ def test_a_roll_back_keeps_the_settings_set_after_the_resume(
             assert ck.restore(state) == 3
         assert _lrs(state, 4) == expected
     said = [r.getMessage() for r in caplog.records if "roll-back" in r.getMessage()]
-    assert len(said) == 1 and f"from the checkpoint ({after} here)" in said[0], said
+    here = f"[{after}]" if kind == "cyclic" else after
+    assert len(said) == 1 and f"from the checkpoint ({here} here)" in said[0], said

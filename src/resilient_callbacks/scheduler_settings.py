@@ -30,7 +30,8 @@ log = logging.getLogger("resilient_callbacks")
 
 #: state-dict keys of torch's schedulers that say where the schedule is, not how it goes, even
 #: where they name a parameter (``last_epoch``)
-#: (``base_lrs`` comes from the optimizer's groups, restored with it; ``T_cur`` and ``T_i``:
+#: (``base_lrs`` comes from the optimizer's groups, restored with it, except in a class that
+#: takes ``base_lr`` (``CyclicLR``): a setting there, :func:`_progress`; ``T_cur`` and ``T_i``:
 #: ``CosineAnnealingWarmRestarts``' place in its cycle and that cycle's length)
 PROGRESS = frozenset(
     {
@@ -47,6 +48,12 @@ PROGRESS = frozenset(
         "T_i",
     }
 )
+
+
+def _progress(key: Any, params: frozenset[str]) -> bool:
+    """Whether state-dict ``key`` is :data:`PROGRESS` for a class whose ``__init__`` takes
+    ``params``: ``CyclicLR``'s ``base_lrs`` is its ``base_lr``, a setting."""
+    return key in PROGRESS and not (key == "base_lrs" and "base_lr" in params)
 
 
 #: the resumes a restore loads schedulers as (:func:`message`)
@@ -128,7 +135,7 @@ def _diffs(
     params = _init_params(type(scheduler))
     out: list[tuple[str, tuple[Any, ...], Any, Any]] = []
     for k, mine in live.items():
-        if k in PROGRESS or k not in saved:
+        if _progress(k, params) or k not in saved:
             continue
         name = f"{path}.{k}" if path else str(k)
         theirs = saved[k]
