@@ -372,3 +372,62 @@ def test_a_wrapper_and_its_base_share_their_groups_again_after_a_restore(tmp_pat
     fresh["base"].step()
     fresh["sched"].step()
     assert fresh["base"].param_groups[0]["lr"] == 0.05 / 4
+
+
+class SAMStep(torch.optim.Optimizer):
+    """A two-pass optimizer whose step(closure) moves the weights (through ``p.data``: no
+    version counter shows it) before it calls the closure for the second pass."""
+
+    def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["old_p"] = p.detach().clone()
+                p.data.add_(p.grad, alpha=group["rho"])
+        with torch.enable_grad():
+            closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.copy_(self.state[p]["old_p"])
+        self.base_optimizer.step()
+
+
+def test_an_exception_in_the_closure_of_a_step_that_moved_the_weights_first_saves_nothing(
+    tmp_path, caplog
+):
+    """Only torch's own optimizers evaluate a closure before they update anything: a SAM-style
+    step(closure) moved the weights first (through p.data), its closure raised (the second
+    pass), and the moved weights were saved as the last step's (the step counted as begun only
+    once the closure returned). Another class's step(closure) counts as begun as it is
+    called: nothing is saved."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = SAMStep(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    state = {"model": model, "sam": opt, "base": opt.base_optimizer}
+    ck_dir = tmp_path / "ck"
+    with (
+        pytest.raises(Boom),
+        Checkpointer(ck_dir, every_n_steps=100, save_on_exception=True) as ck,
+    ):
+        for step in range(1, 5):
+            x = torch.randn(8, 4)
+            model(x).pow(2).mean().backward()
+
+            def closure(x=x, failing=step == 4):
+                opt.zero_grad()
+                loss = model(x).pow(2).mean()
+                if failing:
+                    raise Boom("NaN in the second pass")
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            opt.zero_grad()
+            ck.step(step, state)
+    assert not any(p.name.startswith("step_") for p in ck_dir.iterdir())
+    assert any("step() never saw" in r.getMessage() for r in caplog.records)

@@ -289,9 +289,13 @@ class Emergency:
     def _watch_optimizers(self, state: Any, stepped: list[bool]) -> None:
         """Flag ``stepped[0]`` when any optimizer in the state starts a step (save_on_exception):
         before it, not after, so a step that raised part-way (an out-of-memory error after some
-        parameters were updated) counts as having changed the state. A ``step(closure)``
-        (LBFGS) starts once its closure returned (:func:`.optim.update_began`): an exception in
-        the closure's forward or backward leaves the step's state, which is saved."""
+        parameters were updated) counts as having changed the state. A ``step(closure)`` of
+        torch's own optimizers (LBFGS) starts once its closure returned
+        (:func:`.optim.update_began`): an exception in the closure's forward or backward leaves
+        the step's state, which is saved. Another class's ``step(closure)`` starts as it is
+        called: it may write the weights before it calls the closure (a SAM-style ``step()``:
+        ``first_step()``, ``closure()``, ``second_step()``), where a write through ``p.data``
+        shows in no version counter (:func:`param_versions`)."""
         for opt in statetree.optimizers(state):
             old = self._step_watch.pop(id(opt), None)
             if old is not None:
@@ -300,9 +304,16 @@ class Emergency:
             def mark(_flag: list[bool] = stepped) -> None:
                 _flag[0] = True
 
+            target = hookable(opt)
+            if type(target).__module__.startswith("torch.optim."):
+                hook: Any = update_began(mark)
+            else:
+
+                def hook(*_: Any, _mark: Any = mark) -> None:
+                    _mark()
+
             # (in a compiled step(): set before it, not replayed after)
-            pre_step = untraced(update_began(mark))
-            self._step_watch[id(opt)] = hookable(opt).register_step_pre_hook(pre_step)
+            self._step_watch[id(opt)] = target.register_step_pre_hook(untraced(hook))
 
     def release(self) -> None:
         """Remove the optimizer hooks and forget the consistent point (close)."""
