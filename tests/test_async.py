@@ -229,6 +229,27 @@ def test_overlapped_snapshot_copies_a_two_pass_optimizers_weights_at_once(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(got, momentum, strict=True))
 
 
+def test_overlapped_snapshot_defers_a_fabric_optimizers_parameters_as_a_plain_ones():
+    """Lightning Fabric's optimizer is a torch optimizer by its class that holds the one it
+    steps and passes the hooks' attributes on from it: it was taken for a SAM-style two-pass
+    wrapper, so an overlapped save copied its parameters and state before save() returned
+    (nothing deferred). They are deferred as the plain optimizer's are."""
+    from lightning.fabric import Fabric
+
+    from resilient_callbacks.snapshot import optimizer_step_storages
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    fabric.launch()
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    fmodel, fopt = fabric.setup(model, opt)
+    fabric.backward(fmodel(torch.randn(3, 4)).sum())
+    fopt.step()
+    plain = optimizer_step_storages({"model": model, "optimizer": opt})
+    assert len(plain) == 6  # (the weight and the bias, and two moments of each)
+    assert optimizer_step_storages({"model": fmodel, "optimizer": fopt}) == plain
+
+
 @pytest.mark.parametrize("how", ["step", "save"])
 def test_a_final_overlapped_save_copies_before_it_returns(tmp_path, slow_deferred_copies, how):
     """No optimizer step follows the final save to wait for its deferred copies, and the end

@@ -70,12 +70,14 @@ def update_began(mark: Callable[[], None]) -> _PreHook:
 def hookable(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer whose step hooks fire when ``opt`` steps: ``opt`` itself, or the one a
     wrapper that never ran ``Optimizer.__init__`` steps (accelerate's ``AcceleratedOptimizer``,
-    ``.optimizer``)."""
+    Lightning's ``LightningOptimizer`` and Fabric's optimizer, ``.optimizer``; the latter two
+    pass the hooks' attributes on from the optimizer they hold: its own ``__dict__`` tells)."""
     for _ in range(4):
         inner = getattr(opt, "optimizer", None)
         if (
             not isinstance(opt, torch.optim.Optimizer)  # not a torch optimizer's wrapper
-            or hasattr(opt, "_optimizer_step_pre_hooks")  # it ran Optimizer.__init__ itself
+            # it ran Optimizer.__init__ itself
+            or "_optimizer_step_pre_hooks" in getattr(opt, "__dict__", {})
             or not isinstance(inner, torch.optim.Optimizer)
         ):
             break
