@@ -91,19 +91,20 @@ def module_buffers(state: Any) -> list[tuple[torch.nn.Module, str, torch.Tensor]
     return out
 
 
-#: a parameter of :func:`param_versions`: the object of the state that holds it (with its key
-#: path), the parameter, its version counter and its address
-ParamVersion = tuple[tuple[Any, ...], Any, torch.Tensor, int, int]
+#: the parameters of one object of the state (:func:`param_versions`): its key path, the object,
+#: its parameters not already listed for an earlier object, their version counters and addresses
+ParamVersion = tuple[tuple[Any, ...], Any, list[torch.Tensor], list[int], list[int]]
 
 
 def param_versions(state: Any) -> list[ParamVersion]:
-    """The parameters of the state's modules and optimizers, each with its version counter and
-    address now: an in-place write since (``p.add_``, any optimizer's step, also one the state
+    """The parameters of the state's modules and optimizers, with their version counters and
+    addresses now: an in-place write since (``p.add_``, any optimizer's step, also one the state
     does not hold, such as a SAM wrapper's base optimizer) bumps the counter, ``p.data = t``
-    changes the address. (A write through ``p.data`` is not seen.) Taken at every ``step()``:
-    the modules are walked through their ``_modules`` and ``_parameters``, without the names
-    ``named_parameters()`` builds (with 2000 parameters about twice as fast: 4 ms a step, not
-    8, on a loaded 2-core machine); only a changed parameter is named (:func:`changed_params`)."""
+    changes the address. (A write through ``p.data`` is not seen.) Taken at every ``step()``,
+    so kept to list comprehensions per object (2000 parameters: about 1 ms, one core, of the
+    2.8 ms a step() takes with save_on_exception, ``benchmarks/bench_step_cost.py``): the modules are walked through their ``_modules``
+    and ``_parameters``, without the names ``named_parameters()`` builds; only a changed
+    parameter is named (:func:`changed_params`)."""
     out: list[ParamVersion] = []
     seen: set[int] = set()
     for path, obj in statetree.leaves(state):
@@ -119,18 +120,22 @@ def param_versions(state: Any) -> list[ParamVersion]:
         elif isinstance(obj, torch.optim.Optimizer):
             groups = getattr(hookable(obj), "param_groups", None) or []
             params = [p for g in groups for p in g["params"]]
-        for p in params:
-            if isinstance(p, torch.Tensor) and id(p) not in seen:
-                seen.add(id(p))
-                out.append((path, obj, p, p._version, p.data_ptr()))
+        # (a tied parameter twice in one module is compared twice: harmless, and cheaper than
+        # a check per parameter; _parameters holds None for an unset bias)
+        new = [p for p in params if p is not None and id(p) not in seen]
+        seen.update(map(id, new))
+        if new:
+            out.append((path, obj, new, [p._version for p in new], [p.data_ptr() for p in new]))
     return out
 
 
 def changed_params(versions: list[ParamVersion]) -> str | None:
     """The first parameter of :func:`param_versions` changed since, by name, or None."""
-    for path, obj, p, version, ptr in versions:
-        if p._version != version or p.data_ptr() != ptr:
-            return _param_name(path, obj, p)
+    for path, obj, params, vs, ptrs in versions:
+        now_vs, now_ptrs = [p._version for p in params], [p.data_ptr() for p in params]
+        if now_vs != vs or now_ptrs != ptrs:
+            i = next(i for i in range(len(params)) if now_vs[i] != vs[i] or now_ptrs[i] != ptrs[i])
+            return _param_name(path, obj, params[i])
     return None
 
 
