@@ -20,6 +20,7 @@ from .nodelocal import NodeDirectory
 from .preemption import pending
 from .redact import push_command
 from .upload_thread import EXIT_MARGIN_S
+from .upload_wait import finish_uploads
 
 if TYPE_CHECKING:
     from .directory import Directory
@@ -39,7 +40,7 @@ def close_directory(d: Directory, outage_s: float, watcher: PreemptionWatcher | 
     left: list[str] = []
     try:
         if d.sync is not None:
-            left = d.finish_uploads(None, outage_s, lambda: pending.remaining_grace_s(watcher))
+            left = finish_uploads(d, None, outage_s, lambda: pending.remaining_grace_s(watcher))
         grace = pending.remaining_grace_s(watcher)
         d.trash.wait(None if grace is None else max(0.0, grace - EXIT_MARGIN_S))
     finally:

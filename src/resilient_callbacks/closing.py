@@ -33,6 +33,7 @@ from .closing_steps import release_unopened as release_unopened
 from .nodelocal import NodeDirectory
 from .preemption import exiting
 from .upload_thread import EXIT_MARGIN_S, by_grace
+from .upload_wait import finish_uploads
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -102,8 +103,8 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
         if ck._dir.sync is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             watcher = ck.watcher  # a SIGTERM arriving now bounds the wait by its grace period
-            not_uploaded = ck._dir.finish_uploads(
-                left, outage_s, watcher.remaining_grace_s if watcher else lambda: None
+            not_uploaded = finish_uploads(
+                ck._dir, left, outage_s, watcher.remaining_grace_s if watcher else lambda: None
             )
             strict = strict and (watcher is None or watcher.request is None)
         if isinstance(ck._dir, NodeDirectory):

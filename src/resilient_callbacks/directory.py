@@ -36,12 +36,11 @@ from .errors import (
 from .lock import COMMAND_WAIT_S, DirLock, claim_remote
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .reader import by_commit
-from .redact import command, push_command
+from .redact import command
 from .remote_objects import RestoredCopy
 from .retention import RetentionPolicy
 from .retention_pass import apply_retention, collect_blobs
 from .trash import TrashBin
-from .upload_thread import EXIT_MARGIN_S
 
 if TYPE_CHECKING:
     from .config import CheckpointerConfig
@@ -423,69 +422,6 @@ class Directory:
         the branch it abandoned while one of the lineage is valid: :mod:`.branches`)."""
         ordered = by_commit(self.checkpoints())  # (a damaged head still says the lineage)
         return next((e.path for e in ordered if e.status is Status.VALID), None)
-
-    # ------------------------------------------------------------------ uploads at close
-
-    def finish_uploads(
-        self, timeout: float | None, outage_s: float, grace_left: Callable[[], float | None]
-    ) -> list[str]:
-        """close(): wait for the uploads (a bar on a terminal); say and return what is only local
-        (``[]``: none). ``grace_left``: seconds to a preemption's hard kill (None: none)."""
-        assert self.sync is not None and self.remote is not None
-        status = self.sync.status()
-        if status.pending:
-            log.warning(
-                "waiting for %d checkpoint(s) to upload to %s: %s%s",
-                len(status.pending),
-                self.remote.url,
-                ", ".join(status.pending),
-                "" if timeout is None else f" (at most {timeout:.0f} s)",
-            )
-            self.sync.show_progress = True
-        if self._wait_uploads(timeout, outage_s, grace_left):
-            if status.pending:
-                log.warning("all checkpoints are uploaded to %s", self.remote.url)
-            return []
-        status = self.sync.status()
-        log.warning(
-            "close(): %d checkpoint(s) are still only local in %s, not in %s: %s (last error: "
-            "%s). They are kept locally; the next run with the same dirpath and remote uploads "
-            "them, or run %s.",
-            len(status.pending),
-            self.dirpath,
-            self.remote.url,
-            ", ".join(status.pending),
-            status.last_error or "none: still uploading, it may yet finish before the exit",
-            push_command(self.dirpath, self.remote.url, self.remote.options),
-        )
-        return list(status.pending)
-
-    def _wait_uploads(
-        self, timeout: float | None, outage_s: float, grace_left: Callable[[], float | None]
-    ) -> bool:
-        """Wait for the upload queue to drain: up to ``timeout``; without one, as long as the
-        store answers, giving up after ``outage_s`` of failing attempts (an attempt under way
-        that moves bytes is let finish) or of one that moves no byte (close() then raises).
-        A preemption request meanwhile bounds the wait to its grace period, less 5 s."""
-        assert self.sync is not None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        outage_since: float | None = None
-        while True:
-            grace = grace_left()
-            if grace is not None:
-                by = time.monotonic() + max(0.0, grace - EXIT_MARGIN_S)
-                deadline = by if deadline is None else min(deadline, by)
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return self.sync.wait(0)
-            if self.sync.wait(1.0 if left is None else min(left, 1.0)):
-                return True
-            st = self.sync.status()
-            outage_since = (outage_since or time.monotonic()) if st.failures else None
-            moving = st.uploading is not None and st.stalled_s <= outage_s  # (let it finish)
-            failing = 0.0 if outage_since is None or moving else time.monotonic() - outage_since
-            if deadline is None and max(failing, st.stalled_s) > outage_s:
-                return False
 
 
 def _is_checkpoint(dirpath: str) -> bool:
