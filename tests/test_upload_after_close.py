@@ -188,3 +188,74 @@ def test_a_checkpoint_the_previous_writer_committed_late_counts_for_keep_last(
     committed = sorted(e.manifest.step for e in old.remote.scan() if e.manifest is not None)
     assert committed == [4]
     assert "another live process" not in caplog.text
+
+
+def test_a_close_nested_in_a_signal_handler_that_gave_up_on_uploads_ends_the_outer_close(
+    tmp_path, s3_remote, monkeypatch
+):
+    """close() (no timeout) waits for uploads; a user's signal handler calls close(timeout=0)
+    in the same thread (the close lock is reentrant): that nested close gives up on the
+    uploads and stops the upload thread, which then ends its attempt under way and leaves the
+    rest queued. The outer close waited on for ever: the stopped thread shows no failure and
+    no stall. Now it ends, nothing being left to wait for, and adds no second end record."""
+    import os
+    import signal
+
+    from resilient_callbacks import history
+
+    url, options = s3_remote
+    local = tmp_path / "local"
+    ck = Checkpointer(local, remote=url, remote_options=options, preemption=False)
+    assert ck._dir.sync is not None
+    thread = ck._dir.sync._thread
+    fs = ck.remote.fs
+    orig = fs.put
+    inside, go, waiting, nested, done = (threading.Event() for _ in range(5))
+
+    def held(*a, **k):
+        if threading.current_thread() is thread:
+            inside.set()
+            go.wait(120)
+        return orig(*a, **k)
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "to upload to" in record.getMessage():
+                waiting.set()
+
+    def handler(signum, frame):
+        if nested.is_set():  # (the watchdog's: the outer close still waits)
+            raise AssertionError("the outer close() still waits after the nested one ended")
+        nested.set()
+        ck.close(timeout=0.0)  # gives up on the uploads
+        go.set()  # the attempt under way ends; the stopped thread leaves step 2 queued
+
+    def watchdog() -> None:
+        if waiting.wait(120):
+            os.kill(os.getpid(), signal.SIGUSR2)
+            if not done.wait(120):
+                os.kill(os.getpid(), signal.SIGUSR2)
+
+    monkeypatch.setattr(fs, "put", held)
+    said = Said()
+    logging.getLogger("resilient_callbacks").addHandler(said)
+    previous = signal.signal(signal.SIGUSR2, handler)
+    dog = threading.Thread(target=watchdog, daemon=True)
+    try:
+        ck.save(1, _state(1))
+        assert inside.wait(60)
+        ck.save(2, _state(2))
+        ck.flush()
+        dog.start()
+        ck.close()  # (no error raised: the nested close had a timeout)
+        done.set()
+    finally:
+        done.set()
+        go.set()
+        signal.signal(signal.SIGUSR2, previous)
+        logging.getLogger("resilient_callbacks").removeHandler(said)
+    dog.join(timeout=120)
+    thread.join(timeout=120)
+    assert nested.is_set() and ck._released and not ck._dir.lock.held
+    events = [r["event"] for r in history.records(str(local)) if r["event"] in ("end", "failed")]
+    assert events == ["end"], events

@@ -136,8 +136,12 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
             )
         raise
     finally:
-        _release(ck, deadline, error)
-    if not_uploaded and strict:
+        # a close nested in this one (a user's signal handler's: the close lock is reentrant)
+        # finished the whole close meanwhile: its release, and its choice to raise or not
+        nested = ck._released
+        if not nested:
+            _release(ck, deadline, error)
+    if not_uploaded and strict and not nested:
         raise not_uploaded_error(ck._dir, not_uploaded, outage_s)
 
 

@@ -132,6 +132,13 @@ class UploadThread:
         if join_s > 0:
             self._thread.join(timeout=join_s)
 
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called: past its attempt under way it uploads nothing more
+        (a close nested in another, from a signal handler, gave up on it), so a wait for its
+        queue to drain has nothing left to wait for."""
+        return self._stop
+
     def _wait_for_work(self, has_work: Callable[[], object]) -> bool:
         """The thread, holding the lock: block until ``has_work()`` or :meth:`stop`; False once
         stopped."""

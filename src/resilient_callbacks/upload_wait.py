@@ -63,11 +63,15 @@ def _wait_uploads(
     """Wait for the upload queue to drain: up to ``timeout``; without one, as long as the
     store answers, giving up after ``outage_s`` of failing attempts (an attempt under way
     that moves bytes is let finish) or of one that moves no byte (close() then raises).
-    A preemption request meanwhile bounds the wait to its grace period, less 5 s."""
+    A preemption request meanwhile bounds the wait to its grace period, less 5 s. Ends at
+    once when the upload thread was stopped (a close nested in this one, from a signal
+    handler, gave up on the uploads): no upload is left to come."""
     assert d.sync is not None
     deadline = None if timeout is None else time.monotonic() + timeout
     outage_since: float | None = None
     while True:
+        if d.sync.stopped:  # (a close nested in this one, a signal handler's, gave up on them)
+            return d.sync.wait(0)
         grace = grace_left()
         if grace is not None:
             by = time.monotonic() + max(0.0, grace - EXIT_MARGIN_S)
