@@ -89,13 +89,14 @@ def test_an_upload_close_gave_up_on_never_overlaps_the_next_writers_uploads(
 
 
 def test_the_next_writers_close_gives_up_on_a_previous_attempt_that_never_returns(
-    tmp_path, s3_remote, monkeypatch
+    tmp_path, s3_remote, monkeypatch, caplog
 ):
     """The old thread's attempt never returns (a store that stopped answering, held here by an
     event): the next writer's thread waits for it, and its close() (no timeout) waited with it
     for ever, where its own stalled upload is given up after the outage limit. Now the wait
     counts as a stall: close() gives up after the limit and raises UploadIncompleteError
-    naming what is only local."""
+    naming what is only local. Its warning says it waited for the previous writer's upload
+    (it said "last error: none: still uploading")."""
     from resilient_callbacks import checkpointer
     from resilient_callbacks.errors import UploadIncompleteError
 
@@ -133,6 +134,7 @@ def test_the_next_writers_close_gives_up_on_a_previous_attempt_that_never_return
             except BaseException as e:
                 outcome.append(e)
 
+        caplog.clear()  # (the old writer's close rightly said "still uploading")
         closer = threading.Thread(target=close, daemon=True)
         closer.start()
         closer.join(timeout=120)  # (the outage limit is 1 s)
@@ -142,6 +144,8 @@ def test_the_next_writers_close_gives_up_on_a_previous_attempt_that_never_return
     old_thread.join(timeout=120)
     assert len(outcome) == 1 and isinstance(outcome[0], UploadIncompleteError), outcome
     assert "step_000000002" in str(outcome[0])
+    assert "waited for the upload of the previous writer of this store" in caplog.text
+    assert "still uploading" not in caplog.text
 
 
 def test_a_checkpoint_the_previous_writer_committed_late_counts_for_keep_last(

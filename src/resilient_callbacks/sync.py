@@ -60,6 +60,8 @@ class SyncStatus:
     uploaded_bytes: int
     upload_seconds: float
     stalled_s: float = 0.0  # seconds the upload under way has moved no byte (0: none under way)
+    # waiting for the upload of the previous writer of the store in this process to end
+    waits_previous: bool = False
 
 
 class RemoteSync(UploadThread):
@@ -156,6 +158,7 @@ class RemoteSync(UploadThread):
                 stalled_s=self._waited_stall_s()  # (waiting for the previous writer's)
                 if (p := self._progress) is None
                 else time.monotonic() - p.last_update,
+                waits_previous=self._waiting_since is not None,
             )
 
     # ------------------------------------------------------------------ control

@@ -16,6 +16,7 @@ from .upload_thread import EXIT_MARGIN_S
 
 if TYPE_CHECKING:
     from .directory import Directory
+    from .sync import SyncStatus
 
 __all__ = ["finish_uploads"]
 
@@ -51,7 +52,7 @@ def finish_uploads(
         d.dirpath,
         d.remote.url,
         ", ".join(status.pending),
-        status.last_error or "none: still uploading, it may yet finish before the exit",
+        status.last_error or _still(status),
         push_command(d.dirpath, d.remote.url, d.remote.options),
     )
     return list(status.pending)
@@ -87,3 +88,13 @@ def _wait_uploads(
         failing = 0.0 if outage_since is None or moving else time.monotonic() - outage_since
         if deadline is None and max(failing, st.stalled_s) > outage_s:
             return False
+
+
+def _still(status: SyncStatus) -> str:
+    """What the uploads were doing when close() gave up on them without an error."""
+    if status.waits_previous:
+        return (
+            "none: this writer waited for the upload of the previous writer of this store in "
+            "this process to end (that writer's close() gave up on it) and it never did"
+        )
+    return "none: still uploading, it may yet finish before the exit"
