@@ -928,6 +928,15 @@ def worker(base: str, argv: list[str]) -> None:
         out(error=type(e).__name__, is_connection_error=isinstance(e, ConnectionError))
         dist.destroy_process_group()
         sys.exit(4)
+    if os.environ.get("RC_SECOND_WRITER"):  # another Checkpointer of this process, one remote
+        try:
+            Checkpointer(os.path.join(base, f"ema{node}"), remote=f"file://{base}/remote").close()
+            out(second="opened")
+        except Exception as e:
+            out(second=type(e).__name__, said=str(e))
+        ck.close()
+        dist.destroy_process_group()
+        return
     if os.environ.get("RC_UPLOADS_FAIL"):
 
         def put(*a, **k):

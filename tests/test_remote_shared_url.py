@@ -48,6 +48,22 @@ def test_a_second_open_checkpointer_with_the_same_remote_url_is_refused(tmp_path
     assert [step for _, step in _committed(url).values()] == [1]
 
 
+@pytest.mark.distributed
+def test_a_second_node_local_writer_with_the_same_remote_url_is_refused(tmp_path):
+    """Node-local mode (two ranks, each "node" its own directory): a second Checkpointer of the
+    process with the first one's remote (a model's and an EMA's) was opened, and the two
+    uploaded checkpoints of the same names to one prefix, each one's retention deleting the
+    other's. Refused now on every rank as in shared mode, CheckpointLockedError naming the
+    first writer's directory; the first one closes normally."""
+    from test_nodelocal_failures import _run
+
+    out = _run(tmp_path, "two", 2, RC_SECOND_WRITER=1)
+    for node, rank in enumerate(out):
+        assert rank[0]["second"] == "CheckpointLockedError", rank
+        assert "remote URL of its own" in rank[0]["said"], rank
+        assert str(tmp_path / f"node{node}") in rank[0]["said"], rank
+
+
 _OTHER = """
 import sys, torch
 from resilient_callbacks import Checkpointer

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -44,8 +45,14 @@ from . import catalog, dist
 from .commit import open_dir, sweep_staging
 from .compression import SUFFIX
 from .directory import Directory
-from .errors import CheckpointError, CheckpointWriteError, ConfigError, RemoteUnavailableError
-from .lock import COMMAND_WAIT_S
+from .errors import (
+    CheckpointError,
+    CheckpointLockedError,
+    CheckpointWriteError,
+    ConfigError,
+    RemoteUnavailableError,
+)
+from .lock import COMMAND_WAIT_S, claim_remote
 from .manifest import FileEntry
 from .remote_open import open_listing, preflight
 from .retention_pass import apply_retention
@@ -59,6 +66,11 @@ if TYPE_CHECKING:
     from .retention import RetentionPolicy
 
 log = logging.getLogger("resilient_callbacks")
+# a leader's errors at open that every rank raises as that class, not as CheckpointWriteError
+_OPEN_ERRORS: dict[type[CheckpointError], str] = {
+    RemoteUnavailableError: "unreachable",
+    CheckpointLockedError: "locked",
+}
 
 REMOTE_MANIFEST = "remote_manifest.json"  # the coordinator's copy of the global manifest
 SHARED_PATHS = ("shared.json", "shared.safetensors")
@@ -187,22 +199,24 @@ class NodeDirectory(Directory):
     def open(self, config: CheckpointerConfig) -> None:
         """Every rank: each leader opens its node's directory and connects to the remote tier;
         every rank learns the first failure, and the commit number every tier is past."""
-        error, seq, unreachable = None, 0, False
+        error, seq, why = None, 0, ""
         if self.topology.is_leader:
             try:
                 self._open_leader(config)
                 seq = self.seq
             except (CheckpointError, OSError) as e:
                 error = f"{type(e).__name__} on rank {self.topology.rank}: {e}"
-                unreachable = isinstance(e, RemoteUnavailableError)
+                why = next((w for k, w in _OPEN_ERRORS.items() if isinstance(e, k)), "")
                 self.release()
-        results = dist.all_gather_json([error, seq, unreachable])
+        results = dist.all_gather_json([error, seq, why])
         errors = [e for e, _, _ in results if e]
         if errors:
             self.release()
-            # the remote's preflight failing is RemoteUnavailableError on every rank, as in
-            # shared mode (a ConnectionError a launcher may retry on)
-            kind = RemoteUnavailableError if any(u for *_, u in results) else CheckpointWriteError
+            # as in shared mode, on every rank: the remote's preflight failing is
+            # RemoteUnavailableError (a ConnectionError a launcher may retry on); another
+            # writer of this process holding the directory or the remote, CheckpointLockedError
+            whys = {w for *_, w in results}
+            kind = next((k for k, w in _OPEN_ERRORS.items() if w in whys), CheckpointWriteError)
             raise kind(
                 f"node-local checkpoint directory {self.dirpath} could not be opened: "
                 + "; ".join(errors)
@@ -220,10 +234,14 @@ class NodeDirectory(Directory):
         self.seq = catalog.next_seq(self.dirpath) - 1
         assert config.remote is not None
         self.remote = RemoteStore(config.remote, config.remote_options)
+        # one writer per store in this process, as in shared mode (two writers of one prefix
+        # upload over each other's checkpoints, and each one's retention deletes the other's)
+        st = self.remote
+        where = os.path.realpath(st.root) if st.is_local else st.root
+        claim_remote(f"{st.protocol}://{where}", st.url, self.lock)
         # as in shared mode: a store that cannot be reached while this node's disk holds
         # checkpoints is a warning (the restore falls back to the disks, loudly); otherwise
         # raised, and open() makes every rank raise it (a node with an empty disk cannot go on)
-        st = self.remote
         reachable = preflight(st, config.remote_timeout, self.dirpath)
         self.uploader = NodeUploader(
             self.remote,
