@@ -1186,6 +1186,39 @@ with Checkpointer(sys.argv[1], every_n_steps=2, async_save=sys.argv[2] == "async
 """
 
 
+_FAILED_THEN_REMOVED = """
+import errno, os, shutil, signal, sys, torch
+from resilient_callbacks import Checkpointer, layout
+state = {"t": torch.zeros(2)}
+ck = Checkpointer(sys.argv[1], every_n_steps=2, async_save=False)
+ck.restore(state)
+ck.step(2, state)
+
+def full(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+layout.write_part = full
+os.kill(os.getpid(), signal.SIGTERM)
+try:
+    ck.step(3, state)
+except Exception as e:
+    print("failed", type(e).__name__, flush=True)
+shutil.rmtree(sys.argv[1])  # (a cleanup of the program's own) before the exit hook's close
+"""
+
+
+def test_a_failed_emergency_save_closed_at_exit_after_the_directory_was_removed(tmp_path):
+    """The emergency save failed, then the program removed its directory and ended; the exit
+    hook's close said "older checkpoints in <dir> are intact" of a directory that is gone. It
+    says the directory no longer exists now."""
+    root = tmp_path / "ck"
+    r = _run_code(tmp_path / "gone.py", _FAILED_THEN_REMOVED, str(root))
+    assert "failed CheckpointWriteError" in r.stdout, r.stderr[-2000:]
+    said = next(line for line in r.stderr.splitlines() if "the emergency save of step 3" in line)
+    assert said.endswith(f"{root} no longer exists (removed meanwhile), nor its checkpoints")
+    assert not root.exists()
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_an_emergency_save_that_fails_is_said_so_not_passed_on_as_unanswered(tmp_path, mode):
     """SIGTERM with a full disk: the emergency save's error reaches the loop and ends the run

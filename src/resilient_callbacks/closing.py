@@ -168,6 +168,16 @@ def _newest(ck: Checkpointer) -> str:
     return f"none in {ck.dirpath} yet"
 
 
+def _older_kept(ck: Checkpointer) -> str:
+    """What is left of the checkpoints committed before a save that failed, for a message: the
+    directory may have been removed since (the exit hook closes the Checkpointer last)."""
+    if os.path.isdir(ck.dirpath):
+        return f"older checkpoints in {ck.dirpath} are intact"
+    remote = ck._dir.remote
+    kept = f"; what was uploaded to {remote.url} is kept there" if remote is not None else ""
+    return f"{ck.dirpath} no longer exists (removed meanwhile), nor its checkpoints{kept}"
+
+
 def _answered_elsewhere_s(ck: Checkpointer) -> float | None:
     """The limit of a ``close()`` given none, while another Checkpointer of this process
     answered a preemption (saved, and the process is exiting: a model's and its EMA's, closed
@@ -317,11 +327,11 @@ def _release_all(ck: Checkpointer, sinks_deadline: float | None, raising: Except
             # acted on: its emergency save failed, and that error reached the loop
             step, error = ck._emergency.failed
             log.error(
-                "%s: the emergency save of step %d failed (%s); older checkpoints in %s are intact",
+                "%s: the emergency save of step %d failed (%s); %s",
                 unanswered.source,
                 step,
                 error,
-                ck.dirpath,
+                _older_kept(ck),
             )
         elif unanswered is not None and unanswered.signum is not None and ck.failed_with:
             # training is failing with an exception: it propagates and ends the process (its
