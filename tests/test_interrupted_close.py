@@ -210,13 +210,9 @@ def test_a_close_interrupted_before_its_try_is_finished_at_exit(tmp_path):
     assert _ended(root) == [("clean", None)]
 
 
-def test_a_close_from_a_second_thread_during_a_close_waits_for_it_and_adds_nothing(
-    tmp_path, monkeypatch
-):
-    """A close() from a second thread while the first one waited for a background save (the
-    exit hook, a framework's teardown): it found the Checkpointer closed but not yet released,
-    as after an interrupted close, and must not run a second close beside the first one (a
-    second end record, a second release); it returns once the first one has ended."""
+def _save_held(root, monkeypatch, hold_s: float) -> tuple[Checkpointer, threading.Event]:
+    """A Checkpointer at ``root`` whose background save of step 1 is held in its write (up to
+    ``hold_s``) until the returned event is set."""
     from resilient_callbacks import persisting
 
     orig = persisting.layout.write_part
@@ -225,34 +221,51 @@ def test_a_close_from_a_second_thread_during_a_close_waits_for_it_and_adds_nothi
     def gated(*a, **k):
         if threading.current_thread() is not threading.main_thread():
             writing.set()
-            assert gate.wait(60)
+            assert gate.wait(hold_s)
         return orig(*a, **k)
 
-    root = tmp_path / "ck"
     ck = Checkpointer(root, every_n_steps=1, preemption=False)
     ck.restore({"w": torch.zeros(2)})
     monkeypatch.setattr(persisting.layout, "write_part", gated)
     ck.step(1, {"w": torch.ones(2)})
     assert writing.wait(60)
+    return ck, gate
+
+
+def _closing_in_a_thread(ck: Checkpointer, close) -> threading.Thread:
+    """``close()`` started in a thread, returned once it has begun (it marked ``ck`` closed)."""
+    first = threading.Thread(target=close)
+    first.start()
+    for _ in range(600):
+        if ck.closed:
+            break
+        first.join(timeout=0.1)
+    assert ck.closed
+    return first
+
+
+def test_a_close_from_a_second_thread_during_a_close_waits_for_it_and_adds_nothing(
+    tmp_path, monkeypatch
+):
+    """A close() from a second thread while the first one waited for a background save (the
+    exit hook, a framework's teardown): it found the Checkpointer closed but not yet released,
+    as after an interrupted close, and must not run a second close beside the first one (a
+    second end record, a second release); it returns once the first one has ended."""
+    root = tmp_path / "ck"
+    ck, gate = _save_held(root, monkeypatch, 60)
     first_done, second_done = threading.Event(), threading.Event()
 
     def close_and(done: threading.Event) -> None:
         ck.close()
         done.set()
 
-    first = threading.Thread(target=close_and, args=(first_done,))
-    first.start()
-    for _ in range(600):  # (the first close() has begun: it marked the Checkpointer closed)
-        if ck.closed:
-            break
-        first.join(timeout=0.1)
-    assert ck.closed
+    _closing_in_a_thread(ck, lambda: close_and(first_done))
     second = threading.Thread(target=close_and, args=(second_done,))
     second.start()
     gate.set()
-    first.join(timeout=60)
+    assert first_done.wait(60)
     second.join(timeout=60)
-    assert first_done.is_set() and second_done.is_set()
+    assert second_done.is_set()
     events = [r["event"] for r in history.records(str(root)) if r["event"] in ("end", "failed")]
     assert events == ["end"]
     assert _committed(root) == [(1, "periodic")]
@@ -265,32 +278,11 @@ def test_a_second_threads_close_with_a_timeout_waits_no_longer_for_the_first(
     save (a preemption's exit, bounded by its grace period, beside a close in another thread):
     it waited for the first close to end, however long, past its own timeout. It now returns
     after its timeout (said in a warning); the first close still finishes the work."""
-    from resilient_callbacks import persisting
-
-    orig = persisting.layout.write_part
-    gate, writing = threading.Event(), threading.Event()
-
-    def gated(*a, **k):
-        if threading.current_thread() is not threading.main_thread():
-            writing.set()
-            assert gate.wait(120)
-        return orig(*a, **k)
-
     root = tmp_path / "ck"
-    ck = Checkpointer(root, every_n_steps=1, preemption=False)
-    ck.restore({"w": torch.zeros(2)})
-    monkeypatch.setattr(persisting.layout, "write_part", gated)
-    ck.step(1, {"w": torch.ones(2)})
-    assert writing.wait(60)
-    first = threading.Thread(target=ck.close)
+    ck, gate = _save_held(root, monkeypatch, 120)
     second_done = threading.Event()
     try:
-        first.start()
-        for _ in range(600):  # (the first close() has begun: it marked the Checkpointer closed)
-            if ck.closed:
-                break
-            first.join(timeout=0.1)
-        assert ck.closed
+        first = _closing_in_a_thread(ck, ck.close)
         second = threading.Thread(target=lambda: (ck.close(timeout=0.2), second_done.set()))
         second.start()
         second.join(timeout=60)  # (its timeout is 0.2 s; the save stays held meanwhile)
@@ -298,6 +290,6 @@ def test_a_second_threads_close_with_a_timeout_waits_no_longer_for_the_first(
         assert "another thread's close()" in caplog.text
     finally:
         gate.set()
-        first.join(timeout=120)
+    first.join(timeout=120)
     assert not first.is_alive()
     assert _committed(root) == [(1, "periodic")]
