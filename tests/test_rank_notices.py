@@ -105,6 +105,50 @@ def exit_worker(root: str) -> None:
     raise AssertionError("the preemption request was not acted on")
 
 
+class _Window:
+    """A gradient accumulation window of micro-steps ``1..end-1`` (``mid_step`` inside it, as
+    ``accelerate.Accumulation`` says), then one optimizer step per micro-step."""
+
+    def __init__(self, end: int) -> None:
+        self.end, self.micro = end, 0
+
+    @property
+    def mid_step(self) -> bool:
+        return self.micro < self.end
+
+    @property
+    def steps_left(self) -> int:
+        return max(0, self.end - self.micro)
+
+    def state_dict(self) -> dict:
+        return {"micro": self.micro}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.micro = sd["micro"]
+
+
+def held_worker(root: str) -> None:
+    """SIGUSR1 on rank 1 only, inside an accumulation window that ends at micro-step 400 (the
+    ranks act on a request within 100 steps): the ranks hold the preemption together and save
+    at the window's end; rank 0 says so once, naming rank 1's signal."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    window = _Window(400)
+    state = {"model": nn.Linear(2, 2), "window": window}
+    ck = Checkpointer(root, every_n_steps=10**6, exit_on_preemption=False, async_save=False)
+    step = ck.restore(state)
+    while not ck.preempted and step < 1000:
+        step += 1
+        window.micro = step
+        if step == 5 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        ck.step(step, state)
+    assert ck.preempted and step == 400, step
+    ck.close()
+    spawn_ranks.leave_group()
+
+
 def dcp_worker(root: str) -> None:
     """``dcp.save`` twice through the drop-in writer; the newest checkpoint damaged, ``dcp.load``
     through the reader falls back to the older one."""
@@ -141,6 +185,8 @@ if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "plain-worke
     plain_worker(sys.argv[2])
 if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "exit-worker":
     exit_worker(sys.argv[2])
+if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "held-worker":
+    held_worker(sys.argv[2])
 
 
 import pytest  # noqa: E402  (after the worker code, which does not need it)
@@ -181,6 +227,17 @@ def test_a_preemption_that_exits_says_its_save_and_its_exit_once(tmp_path):
     outputs = spawn_ranks.run(argv, 2, tmp_path, "exit", expect=75, deadline=240).outputs
     for text in ("preemption (SIGUSR1): saving step", "committed; exiting with code 75"):
         assert _count(outputs, text) == [1, 0], f"{text!r}:\n" + "\n".join(outputs)
+
+
+def test_a_preemption_only_rank_1_got_is_held_and_saved_said_once_naming_rank_1(tmp_path):
+    argv = [sys.executable, __file__, "held-worker", str(tmp_path / "ckpt")]
+    outputs = spawn_ranks.run(argv, 2, tmp_path, "held", deadline=240).outputs
+    shown = "\n".join(outputs)
+    held = "is inside a gradient accumulation window"
+    assert _count(outputs, held) == [1, 0], shown
+    assert _count(outputs, "preemption (SIGUSR1 on rank 1) at step") == [1, 0], shown
+    assert _count(outputs, "preemption (SIGUSR1 on rank 1): saving step 400") == [1, 0], shown
+    assert _count(outputs, "saving step") == [1, 0], shown
 
 
 def test_the_dcp_reader_on_two_ranks_says_its_fallback_once(tmp_path):

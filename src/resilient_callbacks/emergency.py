@@ -397,7 +397,9 @@ class Emergency:
         ck = self._ck
         watcher = ck.watcher
         req = watcher.request if watcher is not None else None
-        source = req.source if req is not None else "request"
+        source = req.source if req is not None else "request"  # (this rank's)
+        # which ranks got which request: the ranks agreed on a flag alone (notices.py)
+        who = notices.requests_of_ranks(watcher)[0] or "request"
         if watcher is not None:
             # a synchronous save: what a save blocked, plus its background write if it had one;
             # it first waits for the background saves still being written
@@ -425,11 +427,11 @@ class Emergency:
                 late,
             )
         notices.log_once(  # (every rank saves it: said once, on rank 0)
-            log, "preemption (%s): saving step %d to %s before stopping", source, step, ck.dirpath
+            log, "preemption (%s): saving step %d to %s before stopping", who, step, ck.dirpath
         )
-        ck._recorder.preemption(step, source)
+        ck._recorder.preemption(step, who)
         try:
-            saved = ck._saver.save(step, state, metrics, "emergency", why=f"preemption ({source})")
+            saved = ck._saver.save(step, state, metrics, "emergency", why=f"preemption ({who})")
         except BaseException as e:  # raised to the loop; the next step() tries again
             self.failed = (step, f"{type(e).__name__}: {e}")
             raise

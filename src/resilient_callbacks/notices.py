@@ -67,6 +67,40 @@ def on_this_rank(msg: str) -> str:
     return f"rank {dist.rank()}: {msg}" if dist.world_size() > 1 else msg
 
 
+def requests_of_ranks(watcher: Any) -> tuple[str | None, float | None]:
+    """Every rank, at a preemption the ranks agreed on (a collective: every rank calls it at
+    the same step): which ranks got which request, as rank 0 says it once -- ``"SIGTERM"``
+    where every rank got the same, ``"SIGUSR1 on rank 1"``, ``"SIGTERM on ranks 0, 1; SIGUSR1
+    on rank 3"``; None where no rank's watcher holds one -- and the least grace period left
+    among the ranks' requests (None where none says when its kill comes). The ranks agree on
+    a preemption by a flag alone (:mod:`.decision`): rank 0 may not have got the signal."""
+    req = watcher.request if watcher is not None else None
+    grace = watcher.remaining_grace_s() if watcher is not None else None
+    every = dist.all_gather_json([req.source if req is not None else None, grace])
+    graces = [g for _, g in every if g is not None]
+    return _who_got([s for s, _ in every]), (min(graces) if graces else None)
+
+
+def _who_got(sources: list[str | None]) -> str | None:
+    got = [s for s in sources if s is not None]
+    if not got:
+        return None
+    if len(got) == len(sources) and len(set(got)) == 1:
+        return got[0]
+    by: dict[str, list[int]] = {}
+    for r, s in enumerate(sources):
+        if s is not None:
+            by.setdefault(s, []).append(r)
+    return "; ".join(f"{s} on {_ranks(rs)}" for s, rs in by.items())
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
+    return f"ranks {', '.join(map(str, ranks[:8]))}{more}"
+
+
 def say_what_is_not_a_checkpoint(
     dirpath: str, no_manifest: list[str], fresh: bool, read_only: bool
 ) -> None:

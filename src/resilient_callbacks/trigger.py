@@ -238,16 +238,17 @@ class Trigger:
         measured recently, would outlast the grace period left, say it loudly with the
         figures and what to do (the save is still made at the window's end, never inside it:
         the window's gradients so far are in ``.grad``, which no checkpoint holds)."""
-        req = watcher.request if watcher is not None else None
+        # the ranks held it together: said once, on rank 0, naming the ranks that got the
+        # request and with the least grace period left among them (notices.py)
+        who, grace = notices.requests_of_ranks(watcher)
         held = (
-            f"preemption{f' ({req.source})' if req else ''} at step {step}: {inside} is inside "
+            f"preemption{f' ({who})' if who else ''} at step {step}: {inside} is inside "
             "a gradient accumulation window; the emergency save is made at the window's end "
             "(the first step() outside it)"
         )
         left = statetree.mid_step_left(state)
-        grace = watcher.remaining_grace_s() if watcher is not None else None
         if left is None or grace is None or not self._step_seconds:
-            log.warning(held)
+            notices.log_once(log, "%s", held)
             return
         per = spacing_step_time(self._step_seconds)
         need = left * per
@@ -256,9 +257,9 @@ class Trigger:
             f"{need:.1f} s, with {grace:.1f} s of the grace period left"
         )
         if need <= grace:
-            log.warning("%s, in %s", held, figures)
+            notices.log_once(log, "%s, in %s", held, figures)
             return
-        warn_and_log(
+        notices.say_once(
             log,
             f"{held}, in {figures}: the process will probably be killed before that save, and "
             "the run resume from the last checkpoint committed. No save is made inside the "
