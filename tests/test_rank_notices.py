@@ -130,8 +130,12 @@ class _Window:
 def held_worker(root: str) -> None:
     """SIGUSR1 on rank 1 only, inside an accumulation window that ends at micro-step 400 (the
     ranks act on a request within 100 steps): the ranks hold the preemption together and save
-    at the window's end; rank 0 says so once, naming rank 1's signal."""
+    at the window's end; rank 0 says so once, naming rank 1's signal. Then the CUDA random
+    streams of a checkpoint of more devices than this rank sees: each rank says so, naming
+    itself."""
     import torch.distributed as dist
+
+    from resilient_callbacks import rng
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     window = _Window(400)
@@ -146,6 +150,12 @@ def held_worker(root: str) -> None:
         ck.step(step, state)
     assert ck.preempted and step == 400, step
     ck.close()
+    info, tensors = rng.capture()
+    n = (torch.cuda.device_count() if torch.cuda.is_available() else 0) + 1
+    info["cuda_devices"] = n
+    tensors.update({f"@rng/cuda_{i}": torch.zeros(16, dtype=torch.uint8) for i in range(n)})
+    for said in rng.restore(info, tensors):
+        print(said, file=sys.stderr)
     spawn_ranks.leave_group()
 
 
@@ -238,6 +248,13 @@ def test_a_preemption_only_rank_1_got_is_held_and_saved_said_once_naming_rank_1(
     assert _count(outputs, "preemption (SIGUSR1 on rank 1) at step") == [1, 0], shown
     assert _count(outputs, "preemption (SIGUSR1 on rank 1): saving step 400") == [1, 0], shown
     assert _count(outputs, "saving step") == [1, 0], shown
+    cuda = "CUDA device(s) but"
+    assert _count(outputs, cuda) == [1, 1], shown
+    for r in (0, 1):
+        assert _count(outputs, f"rank {r}: the checkpoint holds RNG states of") == [
+            int(r == 0),
+            int(r == 1),
+        ], shown
 
 
 def test_the_dcp_reader_on_two_ranks_says_its_fallback_once(tmp_path):

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import notices
 from .global_rngs import preserved
 
 
@@ -69,9 +70,11 @@ def restore(
             torch.cuda.set_rng_state_all([tensors[f"@rng/cuda_{i}"].clone() for i in range(n)])
         else:
             have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            warnings.append(
-                f"the checkpoint holds RNG states of {n} CUDA device(s) but {have} are visible; "
-                "CUDA random streams are not restored"
+            warnings.append(  # (the devices this rank sees: said by the rank, naming it)
+                notices.on_this_rank(
+                    f"the checkpoint holds RNG states of {n} CUDA device(s) but {have} are "
+                    "visible; CUDA random streams are not restored"
+                )
             )
     return warnings
 
