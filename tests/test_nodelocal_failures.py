@@ -147,7 +147,7 @@ def test_a_wiped_node_whose_download_stalls_gives_up_naming_it(tmp_path):
     for rank in out:
         assert rank[-1]["error"] == "NoValidCheckpointError", rank
     said = out[0][-1]["msg"]
-    assert "downloading this node's part of file://" in said and "step_000000004" in said, said
+    assert "downloading node 1's part of file://" in said and "step_000000004" in said, said
     assert "no byte arrived" in said and "Retry when the store answers" in said, said
 
 
@@ -180,7 +180,7 @@ def test_a_sigterm_while_a_nodes_download_stalls_ends_the_restore_on_every_rank(
     shutil.rmtree(tmp_path / "node1")
     env = {"RC_GETS_HANG": 1, "RC_HANG_SIGNALS": 1, "RC_OUTAGE_S": 30}
     said = _preempted_lines(tmp_path, "second", **env)[1]
-    assert "downloading this node's part of file://" in said and "step_000000004" in said, said
+    assert "downloading node 1's part of file://" in said and "step_000000004" in said, said
 
 
 def test_a_sigterm_while_the_nodes_listing_stalls_ends_the_restore_on_every_rank(tmp_path):

@@ -257,6 +257,30 @@ def test_a_preemption_only_rank_1_got_is_held_and_saved_said_once_naming_rank_1(
         ], shown
 
 
+def test_a_node_local_restore_from_the_remote_is_said_by_its_node_naming_it(tmp_path):
+    """Node-local mode, two nodes of one rank (tests/test_nodelocal_failures.py's worker),
+    the remote a file:// directory; node 1's disk wiped after a first run: its leader says
+    that it restores its files from the remote, naming node 1 ('this node's' on a merged
+    log of 8 nodes named none); node 0 restores from its disk and says nothing of it."""
+    import shutil
+
+    import test_nodelocal_failures as worker
+
+    def run(name: str, steps: int) -> list[str]:
+        argv = [sys.executable, worker.__file__, str(tmp_path), "--steps", str(steps)]
+        zygote = spawn_ranks.shared_zygote()
+        env = {"RC_PER_NODE": "1"}
+        return spawn_ranks.run(argv, 2, tmp_path, name, env=env, zygote=zygote).outputs
+
+    run("first", 4)  # closed: committed remotely
+    shutil.rmtree(tmp_path / "node1")
+    outputs = run("second", 6)
+    shown = "\n".join(outputs)
+    assert _count(outputs, "restoring node 1's 4 file(s) of step 4 from the remote") == [0, 1]
+    assert _count(outputs, "from the remote copy") == [0, 1], shown
+    assert _count(outputs, "this node's") == [0, 0], shown
+
+
 def test_the_dcp_reader_on_two_ranks_says_its_fallback_once(tmp_path):
     argv = [sys.executable, __file__, "dcp-worker", str(tmp_path / "ckpt")]
     outputs = spawn_ranks.run(argv, 2, tmp_path, "dcp", deadline=240).outputs

@@ -57,14 +57,15 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
     try:
         for f in need:
             os.makedirs(os.path.dirname(os.path.join(staging, f.path)), exist_ok=True)
-        log.warning(
-            "restoring this node's %d file(s) of step %d from the remote copy %s/%s",
+        log.warning(  # (each node's leader says its own: naming the node)
+            "restoring node %d's %d file(s) of step %d from the remote copy %s/%s",
+            topo.node,
             len(need),
             m.step,
             st.url,
             name,
         )
-        what = f"downloading this node's part of {st.url}/{name}"
+        what = f"downloading node {topo.node}'s part of {st.url}/{name}"
 
         def fetch(files: list[FileEntry]) -> list[FileEntry]:  # (the files kept)
             return stall.tried_again(  # an error that may pass: each try given up once no

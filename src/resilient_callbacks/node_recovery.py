@@ -91,7 +91,7 @@ def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) 
                     local,
                 )
         if d.uploader is not None:
-            log.warning("uploading %s, %s", local, why)
+            log.warning("node %d: uploading its part of %s, %s", d.topology.node, local, why)
             d.uploader.enqueue(local, name, key, own_files(m), commit_tag(m))
 
 
@@ -112,9 +112,10 @@ def _this_layout(d: NodeDirectory, due: list[Any]) -> list[Any]:
             other.append(x[0])
     if other:
         log.warning(
-            "not uploading %s again: saved on another layout of nodes (this node's part holds "
+            "not uploading %s again: saved on another layout of nodes (node %d's part holds "
             "other ranks' files than it runs now); it stays local and is not committed remotely",
             ", ".join(other),
+            topo.node,
         )
     return out
 

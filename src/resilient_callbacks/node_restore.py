@@ -410,7 +410,8 @@ class NodeRestorer(Restorer):
                     result["files"] = len(m.files)
                     result["bytes"] = m.total_bytes
                     log.warning(
-                        "restored this node's files of step %s from the replica on node %d",
+                        "restored node %d's files of step %s from the replica on node %d",
+                        topo.node,
                         c["step"],
                         holder,
                     )

@@ -278,9 +278,10 @@ class NodeUploader(UploadThread):
                 self.counters.last_error = f"{type(e).__name__}: {url_text(str(e))}"
                 if failures == 1 or failures % 10 == 0:
                     log.warning(
-                        "remote %s: uploading this node's part of %s failed (%d attempt(s)): "
+                        "remote %s: uploading node %d's part of %s failed (%d attempt(s)): "
                         "%s; kept locally, retrying with backoff",
                         self.store.url,
+                        self.node,
                         job.local_name,
                         failures,
                         self.counters.last_error,

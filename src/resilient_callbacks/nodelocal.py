@@ -343,8 +343,9 @@ class NodeDirectory(Directory):
         t0, local_only = time.monotonic(), set[str]()
         u = self.uploader
         if u is not None and u.pending():
-            log.warning(
-                "close(): waiting for this node's part of %s to upload to %s%s",
+            log.warning(  # (each node's leader says its own: naming the node)
+                "close(): waiting for node %d's part of %s to upload to %s%s",
+                self.topology.node,
                 ", ".join(u.pending()),
                 u.store.url,
                 "" if timeout is None else f" (at most {timeout:.0f} s)",
@@ -352,8 +353,9 @@ class NodeDirectory(Directory):
         if u is not None and not u.wait(timeout, outage_s, grace_left):
             local_only.update(u.pending())
             log.warning(
-                "close(): this node's part of %s is not uploaded yet (last error: %s); it stays "
+                "close(): node %d's part of %s is not uploaded yet (last error: %s); it stays "
                 "local in %s, and the next run with the same directories uploads it",
+                self.topology.node,
                 ", ".join(sorted(u.pending())),
                 u.counters.last_error or "none: still uploading",
                 self.dirpath,
