@@ -266,10 +266,10 @@ def test_a_node_local_restore_from_the_remote_is_said_by_its_node_naming_it(tmp_
 
     import test_nodelocal_failures as worker
 
-    def run(name: str, steps: int) -> list[str]:
+    def run(name: str, steps: int, **env: str) -> list[str]:
         argv = [sys.executable, worker.__file__, str(tmp_path), "--steps", str(steps)]
         zygote = spawn_ranks.shared_zygote()
-        env = {"RC_PER_NODE": "1"}
+        env = {"RC_PER_NODE": "1", "RC_OUTAGE_S": "2", **env}
         return spawn_ranks.run(argv, 2, tmp_path, name, env=env, zygote=zygote).outputs
 
     run("first", 4)  # closed: committed remotely
@@ -279,6 +279,17 @@ def test_a_node_local_restore_from_the_remote_is_said_by_its_node_naming_it(tmp_
     assert _count(outputs, "restoring node 1's 4 file(s) of step 4 from the remote") == [0, 1]
     assert _count(outputs, "from the remote copy") == [0, 1], shown
     assert _count(outputs, "this node's") == [0, 0], shown
+    # the store refuses connections at a restart: each node goes on from its own disk, and
+    # says so naming itself (whether a node reaches the store is its own)
+    outputs = run("down", 8, RC_PREFLIGHT_FAILS="refused", RC_SCAN_FAILS_AFTER="0")
+    shown = "\n".join(outputs)
+    going_on = "holds checkpoints: going on with them; uploads are retried"
+    assert _count(outputs, going_on) == [1, 1], shown
+    for r in (0, 1):
+        assert [
+            sum(going_on in line and line.startswith(f"node {r}: ") for line in out.splitlines())
+            for out in outputs
+        ] == [int(r == 0), int(r == 1)], shown
 
 
 def test_the_dcp_reader_on_two_ranks_says_its_fallback_once(tmp_path):

@@ -242,7 +242,7 @@ class NodeDirectory(Directory):
         # as in shared mode: a store that cannot be reached while this node's disk holds
         # checkpoints is a warning (the restore falls back to the disks, loudly); otherwise
         # raised, and open() makes every rank raise it (a node with an empty disk cannot go on)
-        reachable = preflight(st, config.remote_timeout, self.dirpath)
+        reachable = preflight(st, config.remote_timeout, self.dirpath, self.topology.node)
         self.uploader = NodeUploader(
             self.remote,
             self.dirpath,

@@ -23,14 +23,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("resilient_callbacks")
 
 
-def preflight(store: RemoteStore, timeout: float, dirpath: str) -> bool:
+def preflight(store: RemoteStore, timeout: float, dirpath: str, node: int | None = None) -> bool:
     """The construction's :meth:`RemoteStore.preflight`: True when the store answered. A
     store that cannot be reached (no answer, a connection refused or timed out) while
     ``dirpath`` holds committed checkpoints is a warning and False: a job requeued during an
     outage resumes from them (its restore warns that the remote may hold newer) and uploads
     once the store answers. Raised otherwise: with nothing local, a new node must not start
     from scratch beside the run's remote checkpoints; an answer that says the configuration
-    is wrong (a missing bucket, credentials refused) is an error at once."""
+    is wrong (a missing bucket, credentials refused) is an error at once. ``node``: in
+    node-local mode, the node whose leader asks (each says its own warning, naming its node:
+    whether it reaches the store and what its disk holds are its own)."""
     try:
         store.preflight(timeout=timeout)
         return True
@@ -38,8 +40,9 @@ def preflight(store: RemoteStore, timeout: float, dirpath: str) -> bool:
         if not _unreachable(e) or not catalog.committed(catalog.scan(dirpath, Depth.NONE)):
             raise
         log.warning(
-            "%s. %s holds checkpoints: going on with them; uploads are retried with backoff "
+            "%s%s. %s holds checkpoints: going on with them; uploads are retried with backoff "
             "until the store answers",
+            "" if node is None else f"node {node}: ",
             str(e).rstrip("."),
             dirpath,
         )
