@@ -127,10 +127,25 @@ class _Window:
         self.micro = sd["micro"]
 
 
+def _two_checkpointers(root: str) -> None:
+    """A model's and an EMA's Checkpointer in one process, the EMA's killed before its save of
+    step 2: the second restore replaces the random streams of step 2 with those of step 1,
+    the same on every rank (said once)."""
+    for name, steps in (("model", [1, 2]), ("ema", [1])):
+        with Checkpointer(os.path.join(root, name), async_save=False) as ck:
+            for s in steps:
+                ck.save(s, {"w": torch.full((2,), float(s))})
+    with Checkpointer(os.path.join(root, "model")) as a:
+        assert a.restore({"w": torch.zeros(2)}) == 2
+        with Checkpointer(os.path.join(root, "ema")) as b:
+            assert b.restore({"w": torch.zeros(2)}) == 1
+
+
 def held_worker(root: str) -> None:
     """SIGUSR1 on rank 1 only, inside an accumulation window that ends at micro-step 400 (the
     ranks act on a request within 100 steps): the ranks hold the preemption together and save
-    at the window's end; rank 0 says so once, naming rank 1's signal. Then the CUDA random
+    at the window's end; rank 0 says so once, naming rank 1's signal. Then two Checkpointers
+    restoring the process's random streams from two steps (said once), and the CUDA random
     streams of a checkpoint of more devices than this rank sees: each rank says so, naming
     itself."""
     import torch.distributed as dist
@@ -150,6 +165,7 @@ def held_worker(root: str) -> None:
         ck.step(step, state)
     assert ck.preempted and step == 400, step
     ck.close()
+    _two_checkpointers(root)
     info, tensors = rng.capture()
     n = (torch.cuda.device_count() if torch.cuda.is_available() else 0) + 1
     info["cuda_devices"] = n
@@ -248,6 +264,7 @@ def test_a_preemption_only_rank_1_got_is_held_and_saved_said_once_naming_rank_1(
     assert _count(outputs, "preemption (SIGUSR1 on rank 1) at step") == [1, 0], shown
     assert _count(outputs, "preemption (SIGUSR1 on rank 1): saving step 400") == [1, 0], shown
     assert _count(outputs, "saving step") == [1, 0], shown
+    assert _count(outputs, "replace those restored from step 2") == [1, 0], shown
     cuda = "CUDA device(s) but"
     assert _count(outputs, cuda) == [1, 1], shown
     for r in (0, 1):

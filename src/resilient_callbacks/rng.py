@@ -10,6 +10,7 @@ A ``torch.Generator`` the state holds (a ``DataLoader``'s, say) is saved as a st
 
 from __future__ import annotations
 
+import logging
 import random
 import weakref
 from collections.abc import Mapping
@@ -20,6 +21,8 @@ import torch
 
 from . import notices
 from .global_rngs import preserved
+
+log = logging.getLogger(__name__)
 
 
 def capture() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -54,10 +57,13 @@ def restore(
     tensors: dict[str, torch.Tensor],
     by: tuple[Any, str, int] | None = None,
 ) -> list[str]:
-    """Restore the generators; returns warnings for states that could not be applied, and
-    (``by``: the Checkpointer restoring, its directory and the step) for states that replace
-    those another open Checkpointer of this process restored from another step."""
-    warnings: list[str] = [] if by is None else _replacing(*by)
+    """Restore the generators; returns warnings for states that could not be applied (this
+    rank's: each names it). ``by`` (the Checkpointer restoring, its directory and the step):
+    where these states replace those another open Checkpointer of this process restored from
+    another step, a warning says so, once, on rank 0 (the same on every rank: notices.py)."""
+    warnings: list[str] = []
+    for msg in _replacing(*by) if by is not None else []:
+        notices.say_once(log, msg)
     py = info["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     npi = info["numpy"]
