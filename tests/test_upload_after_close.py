@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,14 @@ from resilient_callbacks import Checkpointer
 
 def _state(v: float) -> dict:
     return {"w": torch.full((64,), float(v))}
+
+
+def _old_writer(local, s3_remote) -> tuple[Checkpointer, threading.Thread, Any]:
+    """The first writer of the store (keep_last=1), its upload thread and its filesystem."""
+    url, options = s3_remote
+    old = Checkpointer(local, remote=url, remote_options=options, keep_last=1, preemption=False)
+    assert old._dir.sync is not None
+    return old, old._dir.sync._thread, old.remote.fs
 
 
 @pytest.mark.parametrize("held_in", ["files", "manifest"])
@@ -30,10 +39,7 @@ def test_an_upload_close_gave_up_on_never_overlaps_the_next_writers_uploads(
     the store). Now the next writer's uploads wait for the old attempt to end."""
     url, options = s3_remote
     local = tmp_path / "local"
-    old = Checkpointer(local, remote=url, remote_options=options, keep_last=1, preemption=False)
-    assert old._dir.sync is not None
-    old_thread = old._dir.sync._thread
-    fs = old.remote.fs
+    old, old_thread, fs = _old_writer(local, s3_remote)
     method = "put" if held_in == "files" else "pipe_file"  # (the manifest: the commit point)
     orig = getattr(fs, method)
     inside, go = threading.Event(), threading.Event()
@@ -102,10 +108,7 @@ def test_the_next_writers_close_gives_up_on_a_previous_attempt_that_never_return
 
     url, options = s3_remote
     local = tmp_path / "local"
-    old = Checkpointer(local, remote=url, remote_options=options, keep_last=1, preemption=False)
-    assert old._dir.sync is not None
-    old_thread = old._dir.sync._thread
-    fs = old.remote.fs
+    old, old_thread, fs = _old_writer(local, s3_remote)
     orig = fs.put
     inside, go = threading.Event(), threading.Event()
 
@@ -158,13 +161,10 @@ def test_a_checkpoint_the_previous_writer_committed_late_counts_for_keep_last(
     ``keep_last`` checkpoints for good. Now it counts and goes."""
     url, options = s3_remote
     local = tmp_path / "local"
-    old = Checkpointer(local, remote=url, remote_options=options, keep_last=1, preemption=False)
-    assert old._dir.sync is not None
+    old, old_thread, fs = _old_writer(local, s3_remote)
     old.save(1, _state(1))
     old.flush()
     assert old._dir.sync.wait(timeout=120)
-    old_thread = old._dir.sync._thread
-    fs = old.remote.fs
     orig = fs.pipe_file
     inside, go = threading.Event(), threading.Event()
 
