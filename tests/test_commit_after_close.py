@@ -36,6 +36,14 @@ def _commit(committer, uploader, root, seq: int) -> None:
         committer.report(0, rep)
 
 
+def _old_committer(s3_remote, node) -> tuple[RemoteStore, RemoteCommitter, NodeUploader]:
+    """The store, its first committer (keep_last=1) and the uploader of ``node``'s part."""
+    store = RemoteStore(*s3_remote)
+    store.preflight()
+    old = RemoteCommitter(store, 1, RetentionPolicy(keep_last=1), max_attempts=1)
+    return store, old, NodeUploader(store, str(node), 0)
+
+
 def test_a_commit_close_gave_up_on_never_overlaps_the_next_writers_commits(
     tmp_path, s3_remote, monkeypatch, caplog
 ):
@@ -46,12 +54,8 @@ def test_a_commit_close_gave_up_on_never_overlaps_the_next_writers_commits(
     its own after the close. Now the next writer's committer waits for the old one to end
     (as RemoteSync's uploads do), counts what it committed, and the stopped one deletes
     nothing."""
-    url, options = s3_remote
-    store = RemoteStore(url, options)
-    store.preflight()
     node = tmp_path / "node0"
-    old = RemoteCommitter(store, 1, RetentionPolicy(keep_last=1), max_attempts=1)
-    old_up = NodeUploader(store, str(node), 0)
+    store, old, old_up = _old_committer(s3_remote, node)
     inside, go = threading.Event(), threading.Event()
     orig = remote_commit.put_manifest
 
@@ -118,12 +122,8 @@ def test_a_commit_ending_after_close_gave_up_on_it_deletes_nothing(
     """close() gave up on the commit of step 2 and released the store (another writer may own
     it by then); when the commit ended, the stopped committer still ran its remote retention
     and deleted step 1. It deletes nothing now, as an upload of RemoteSync's given up on."""
-    url, options = s3_remote
-    store = RemoteStore(url, options)
-    store.preflight()
     node = tmp_path / "node0"
-    old = RemoteCommitter(store, 1, RetentionPolicy(keep_last=1), max_attempts=1)
-    up = NodeUploader(store, str(node), 0)
+    store, old, up = _old_committer(s3_remote, node)
     inside, go = threading.Event(), threading.Event()
     orig = remote_commit.put_manifest
 
