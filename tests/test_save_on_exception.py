@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from features_train import SAM
 from resilient_callbacks import Checkpointer, ResumableDataLoader
 
 
@@ -202,35 +203,9 @@ def test_an_exception_in_a_step_closure_saves_the_last_step(tmp_path, caplog):
     assert all(torch.equal(a, b) for a, b in zip(again, reference, strict=True))
 
 
-class SAM(torch.optim.Optimizer):
-    """A sharpness-aware two-pass wrapper as users copy it: ``first_step()`` moves the weights
-    to a nearby point in place, ``second_step()`` puts them back and steps the optimizer it
-    holds (``.base_optimizer``), whose state (momentum) its own state_dict does not hold."""
-
-    def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
-        super().__init__(params, dict(rho=rho, **kwargs))
-        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
-        self.param_groups = self.base_optimizer.param_groups
-
-    @torch.no_grad()
-    def first_step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.state[p]["old_p"] = p.detach().clone()
-                    p.add_(p.grad, alpha=group["rho"])
-
-    @torch.no_grad()
-    def second_step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.copy_(self.state[p]["old_p"])
-        self.base_optimizer.step()
-
-    def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
-        self.base_optimizer.param_groups = self.param_groups  # (its groups are new)
+# SAM: a sharpness-aware two-pass wrapper as users copy it: first_step() moves the weights to a
+# nearby point in place, second_step() puts them back and steps the optimizer it holds
+# (.base_optimizer), whose state (momentum) its own state_dict does not hold
 
 
 def _sam_run(ck_dir, total, fail_at=None, fail_where=None, with_base=True):
