@@ -153,7 +153,8 @@ def test_deletes_under_a_glob_like_prefix_go_in_batches(counted, prefix):
     assert got["DELETE batch"] == 1, got
     store.delete("step_000000001")
     got = counted.take()
-    assert got.get("DELETE other", 0) == 1 and got["DELETE batch"] == 1, got  # (the manifest)
+    # (the manifest first, the files in one batch, the deletion mark last)
+    assert got.get("DELETE other", 0) == 2 and got["DELETE batch"] == 1, got
     assert not store.fs.find(store._path("step_000000001"))
     other = RemoteStore(f"s3://{counted.bucket}/{prefix}run", opts)  # what a pattern would name
     assert len(other.fs.find(other._path("step_000000001"))) == len(files)
@@ -337,3 +338,62 @@ def test_unused_blobs_a_store_other_than_s3_silently_keeps_are_not_reported_dele
     assert any("did not delete 1 of 3 unused blob(s)" in m for m in said), said
     assert any("deleted 2 unused blob(s)" in m for m in said), said
     assert remote_blobs.collect(store) == unused[:1]  # the next collection tries again
+
+
+def _three_saves(url: str, opts: dict, tmp_path) -> None:
+    """A run that saves steps 1 to 3, keeping one remote checkpoint: the retention after the
+    second upload deletes step 1, the one after the third step 2 (and step 1 where it stayed
+    committed)."""
+    with Checkpointer(
+        tmp_path / "local", remote=url, remote_options=opts, remote_keep_last=1, async_save=False
+    ) as ck:
+        for s in range(1, 4):
+            ck.save(s, {"w": torch.full((64,), float(s))})
+            assert ck._dir.sync.wait(60)
+
+
+def test_a_retention_delete_the_store_refuses_for_some_files_is_said_and_goes_on(
+    counted, tmp_path, caplog
+):
+    """The retention deleted a checkpoint's folder through s3fs's recursive ``rm``, whose
+    batched delete drops the keys the store refused: the files stayed in the store while the
+    retention said "deleted". It now deletes the manifest first (uncommitted: no reader sees
+    it committed with files missing), then the files in batches that name each refusal, and
+    the deletion mark last: the mark and the refused files stay, a warning names them, and
+    the retention goes on (step 2 deleted after the third upload)."""
+    url, opts = f"s3://{counted.bucket}/run", counted.options
+    ckpt = "run/step_000000001/"
+    counted.proxy.refuse_key = lambda key: key.startswith(ckpt) and ".writer-" not in key
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    _three_saves(url, opts, tmp_path)
+    store = RemoteStore(url, opts)
+    left = sorted(p.rsplit("/", 1)[-1] for p in store.fs.find(store._path("step_000000001")))
+    assert "manifest.json" not in left and ".writer-deleting" in left, left
+    assert sorted(counted.proxy.refused) == sorted(
+        ckpt + n for n in left if n != ".writer-deleting"
+    )
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("refused to delete" in m and "step_000000001" in m for m in said), said
+    entries = store.scan()
+    assert [e.name for e in entries if e.problem is None] == ["step_000000003"]
+    assert [e.name for e in entries if e.problem is not None] == ["step_000000001"]
+    counted.proxy.refuse_key = None
+    store.delete("step_000000001")  # a later deletion takes the rest, the mark last
+    assert store.fs.find(store._path("step_000000001")) == []
+
+
+def test_a_retention_delete_whose_manifest_the_store_refuses_keeps_it_whole(
+    counted, tmp_path, caplog
+):
+    """The store refusing to delete a checkpoint's manifest (403): the retention stopped
+    there (PermissionError), deleting no other checkpoint. That checkpoint now stays committed
+    and whole (nothing of it deleted), a warning says so, and the retention goes on."""
+    url, opts = f"s3://{counted.bucket}/run", counted.options
+    counted.forbid = ("step_000000001/manifest.json",)
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    _three_saves(url, opts, tmp_path)
+    entries = RemoteStore(url, opts).scan()
+    assert [e.name for e in entries if e.problem is None] == ["step_000000001", "step_000000003"]
+    assert [e.name for e in entries if e.problem is not None] == []
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("still committed and whole" in m and "step_000000001" in m for m in said), said

@@ -106,6 +106,26 @@ class UploadIncompleteError(RemoteUnavailableError):
         return (type(self), (str(self), self.pending, self.dirpath, self.url), vars(self))
 
 
+class RemoteDeleteRefusedError(CheckpointError, OSError):
+    """The remote store refused to delete some objects of a checkpoint (a policy that denies
+    deletes, an object lock). ``refused``: path -> the store's answer; ``committed``: the
+    manifest was refused, so nothing was deleted and the checkpoint is still committed and
+    whole; else it was uncommitted first and only the files named are left (a folder without
+    a manifest, which every reader ignores; a later deletion tries them again)."""
+
+    def __init__(
+        self, message: str, refused: dict[str, str] | None = None, committed: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.refused, self.committed = dict(refused or {}), committed
+
+    def __str__(self) -> str:  # OSError's __str__ would reformat a single-arg message
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[type, tuple[str, dict[str, str], bool], dict]:
+        return (type(self), (str(self), self.refused, self.committed), vars(self))
+
+
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
@@ -116,6 +136,7 @@ __all__ = [
     "CollectiveError",
     "ConfigError",
     "NoValidCheckpointError",
+    "RemoteDeleteRefusedError",
     "RemoteUnavailableError",
     "RemoteWaitPreemptedError",
     "UnsafeManifestError",

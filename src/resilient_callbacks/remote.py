@@ -30,7 +30,7 @@ import fsspec
 from . import remote_blobs, remote_download, remote_listing, remote_objects, remote_paths
 from .catalog import verify_entries
 from .commit import fsync_dir
-from .errors import RemoteUnavailableError
+from .errors import RemoteDeleteRefusedError, RemoteUnavailableError
 from .global_rngs import preserved
 from .manifest import MANIFEST_NAME, Manifest
 from .progress import Progress
@@ -300,11 +300,56 @@ class RemoteStore:
     def delete(self, name: str) -> None:
         """Mark the name as being deleted (an upload that finds it without its manifest then
         takes another name: the removal of the folder would take its files with it), uncommit
-        (manifest first), then remove the files and the mark."""
+        (manifest first: the checkpoint is never seen committed with files missing), then
+        remove the files in batches that name each key refused (:func:`.remote_paths.delete`;
+        s3fs's recursive ``rm`` dropped them silently), and the mark last. Raises
+        :class:`.RemoteDeleteRefusedError` where the store refused some: the manifest (nothing
+        else deleted, the checkpoint stays committed and whole) or files (the folder stays
+        uncommitted, with its mark, for a later deletion)."""
+        folder, mark = self._path(name), self._path(name, f"{CLAIM_PREFIX}deleting")
         # one name for every attempt: a store that refuses deletes keeps one, not one a retry
         with contextlib.suppress(Exception):  # (a folder already gone; a store that refuses)
-            self.fs.pipe_file(self._path(name, f"{CLAIM_PREFIX}deleting"), b"")
+            self.fs.pipe_file(mark, b"")
+        manifest = self._path(name, MANIFEST_NAME)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(manifest)
+        except Exception as e:
+            if not remote_paths.answered(self.fs, e):
+                raise  # (no answer: the store may still carry it out; as before)
+            with contextlib.suppress(Exception):  # (the folder is whole: no mark left in it)
+                self.fs.rm_file(mark)
+            raise _refused(self.url, name, {manifest: e}, committed=True) from e
+        try:
+            found = self.fs.find(folder)
+        except FileNotFoundError:
+            found = []
+        own = self.fs._strip_protocol(mark)
+        refused = remote_paths.delete(self.fs, [p for p in found if p != own])
+        if refused:  # the mark stays: an upload under this name would lose files to a retry
+            raise _refused(self.url, name, refused, committed=False)
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._path(name, MANIFEST_NAME))
-        with contextlib.suppress(FileNotFoundError):
-            remote_paths.rm_tree(self.fs, self._path(name))
+            self.fs.rm_file(mark)
+        if not remote_paths.reports_refusals(self.fs):  # (a folder of its own on a filesystem)
+            with contextlib.suppress(FileNotFoundError):
+                remote_paths.rm_tree(self.fs, folder)
+
+
+def _refused(
+    url: str, name: str, refused: Mapping[str, BaseException], committed: bool
+) -> RemoteDeleteRefusedError:
+    shown = ", ".join(f"{p} ({e})" for p, e in list(refused.items())[:3])
+    more = f" and {len(refused) - 3} more" if len(refused) > 3 else ""
+    state = (
+        "nothing was deleted: the checkpoint is still committed and whole"
+        if committed
+        else "it is no longer committed (every reader ignores it); those objects are left"
+    )
+    return RemoteDeleteRefusedError(
+        f"remote {url_text(url)}: the store refused to delete {len(refused)} object(s) of "
+        f"{name}: {url_text(shown)}{more}; {state}. Allow deletes under this prefix (the "
+        "credentials' policy, object locks); the next deletion of it (retention, "
+        "`resilient-ckpt gc --remote`) tries again",
+        {p: f"{type(e).__name__}: {e}" for p, e in refused.items()},
+        committed,
+    )

@@ -47,7 +47,13 @@ from .remote import NO_MANIFEST, RemoteStore, retention_candidates
 from .remote_manifest import put_manifest
 from .remote_objects import OwnCheckpoints, RestoredCopy, marks_of, seq_floor
 from .retention import Candidate, RetentionPolicy, plan
-from .upload_thread import UploadThread, backoff_s, by_grace, retention_failed
+from .upload_thread import (
+    UploadThread,
+    backoff_s,
+    by_grace,
+    delete_checkpoint,
+    retention_failed,
+)
 
 __all__ = ["Key", "NodeUploader", "PendingCommit", "RemoteCommitter", "UploadCounters", "UploadJob"]
 
@@ -416,11 +422,11 @@ class RemoteCommitter(UploadThread):
             for name in p.delete:
                 if name in names_pending:
                     continue
-                self.store.delete(name)
+                if not delete_checkpoint(self, self.store, name, "remote retention: deleted"):
+                    continue  # (its manifest refused: still committed and whole)
                 with self._cond:
                     self.index = {k: v for k, v in self.index.items() if v != name}
                 self.own.deleted(name)
-                log.info("remote retention: deleted %s/%s", self.store.url, name)
             # the blobs of the incremental checkpoints deleted (a shared-dirpath run's, this
             # run resumed from) that no remaining one names: else kept for ever
             gone = set(p.delete) - names_pending

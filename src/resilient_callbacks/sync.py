@@ -43,7 +43,7 @@ from .remote_objects import (
     seq_floor,
 )
 from .retention import Candidate, RetentionPolicy, plan
-from .upload_thread import UploadThread, backoff_s, retention_failed
+from .upload_thread import UploadThread, backoff_s, delete_checkpoint, retention_failed
 
 SWEEP_EVERY_S = 3600.0  # keeping every checkpoint, cut-off uploads are looked for this often
 
@@ -435,12 +435,12 @@ class RemoteSync(UploadThread):
             keep = self.own.protected(mine, protect)
             p = plan(retention_candidates(mine), self.policy, manifest.run_id, protected=keep)
             for name in p.delete:  # none when keeping all
-                self.store.delete(name)
+                if not delete_checkpoint(self, self.store, name, "remote retention: deleted"):
+                    continue  # (its manifest refused: still committed and whole)
                 with self._cond:
                     self.index = {k: v for k, v in self.index.items() if v != name}
                     self._remote_entries = [e for e in self._remote_entries if e.name != name]
                 self.own.deleted(name)
-                log.info("remote retention: deleted %s/%s", self.store.url, name)
             now, swept = time.time(), False
             for e in entries:  # uploads a crash cut off: each run's kill left one behind
                 if (
@@ -449,9 +449,8 @@ class RemoteSync(UploadThread):
                     and e.modified is not None
                     and now - e.modified > STALE_UPLOAD_S
                 ):
-                    self.store.delete(e.name)
-                    swept = True
-                    log.info("remote: deleted %s/%s, an upload cut off", self.store.url, e.name)
+                    what = "remote: deleted an upload cut off"
+                    swept = delete_checkpoint(self, self.store, e.name, what) or swept
             # then the blobs no remaining remote checkpoint refers to; also those of an upload
             # cut off (keeping every checkpoint, nothing else ever collected them)
             if p.delete or swept:

@@ -17,7 +17,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
+from .errors import RemoteDeleteRefusedError
 from .redact import url_text
 
 _JITTER = random.Random()
@@ -53,6 +55,22 @@ def retention_failed(thread: UploadThread, url: str, e: Exception) -> None:
         type(e).__name__,
         url_text(str(e)),
     )
+
+
+def delete_checkpoint(thread: UploadThread, store: Any, name: str, what: str) -> bool:
+    """Delete the remote checkpoint ``name`` (``store.delete``) for a retention, which goes
+    on with the other checkpoints whatever the store refuses; log ``what`` once deleted.
+    Returns whether ``name`` is no longer committed: True where it is gone or the store
+    refused only some of its files (the folder stays uncommitted), False where it refused
+    the manifest (nothing deleted: still committed and whole). A refusal is said as a failed
+    retention is (:func:`retention_failed`: a store that denies every delete warns once)."""
+    try:
+        store.delete(name)
+    except RemoteDeleteRefusedError as e:
+        retention_failed(thread, store.url, e)
+        return not e.committed
+    logging.getLogger("resilient_callbacks").info("%s: %s/%s", what, store.url, name)
+    return True
 
 
 class UploadThread:
