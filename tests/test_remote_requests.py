@@ -397,3 +397,28 @@ def test_a_retention_delete_whose_manifest_the_store_refuses_keeps_it_whole(
     assert [e.name for e in entries if e.problem is not None] == []
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("still committed and whole" in m and "step_000000001" in m for m in said), said
+
+
+def test_an_upload_checks_the_blobs_it_put_by_a_request_each_where_that_is_fewer(counted, tmp_path):
+    """After putting its blobs an upload listed every blob to check their sizes: among
+    2,100 blobs, three listing pages to check two blobs. It now asks for those alone, by
+    a HEAD each, where that sends fewer requests than a listing (an upload of many blobs
+    into a small store still lists once: the test above); what a HEAD answers fingerprints
+    the blob as a listing does, so the next upload reusing it reads nothing back."""
+    url, opts = f"s3://{counted.bucket}/run", counted.options
+    unused = [f"{i:032x}.safetensors" for i in range(2100)]
+    _put_straight(counted.bucket, {f"run/blobs/{n}": b"x" for n in unused})
+    with Checkpointer(tmp_path / "local", incremental=True, async_save=False) as ck:
+        ck.save(7, {f"t{i}": torch.full((4096,), float(100 + i)) for i in range(2)})
+    ckpt = str(tmp_path / "local" / "step_000000007")
+    store = RemoteStore(url, opts)
+    counted.take()
+    store.upload(ckpt, read_manifest(ckpt), "step_000000007")
+    got = counted.take()
+    # what is there (3 pages), then a HEAD per blob put (the other HEAD: the manifest's
+    # check); before, 3 more pages
+    assert got.get("LIST blobs/") == 3 and got.get("HEAD") == 1 + 2, got
+    store.upload(ckpt, read_manifest(ckpt), "step_000000008")  # reuses the two blobs
+    assert store.blobs_verified.read_back == 0
+    entries = RemoteStore(url, opts).scan()
+    assert [e.name for e in entries if e.problem is None] == ["step_000000007", "step_000000008"]

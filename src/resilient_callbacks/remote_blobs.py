@@ -60,6 +60,7 @@ COLLECT_PREFIX = ".collect-"  # a collection running (see collect)
 COLLECT_MAX_S = 60.0  # a collection deletes nothing later than this after announcing itself
 COLLECT_MARGIN_S = 30.0  # for a delete sent before then that lands later
 COLLECT_POLL_S = 0.5
+LIST_PAGE = 1000  # keys per listing request (S3's page)
 DELETE_BATCH = 500  # unused blobs deleted per request on an object store (S3 takes 1000)
 UPLOAD_PREFIX = ".upload-"  # a blob being copied to a file:// remote, renamed when complete
 
@@ -124,17 +125,28 @@ def upload(
         todo = [b for b in manifest.blobs if b.path not in reused or b.path in other]
         if todo:
             verify_entries(local_dir, todo)  # a rotten local blob is never uploaded
-            _put_checked(store, local_dir, todo)
+            _put_checked(store, local_dir, todo, len(infos))
     except BaseException:
         end_upload(store, marker)
         raise
     return marker
 
 
-def _put_checked(store: RemoteStore, local_dir: str, todo: list[FileEntry]) -> None:
-    """Upload the blobs ``todo`` and check their sizes there; remembered as verified."""
+def _put_checked(store: RemoteStore, local_dir: str, todo: list[FileEntry], listed: int) -> None:
+    """Upload the blobs ``todo`` and check their sizes there; remembered as verified. Only
+    those blobs are asked for: by a request each (HEAD), or by one listing of ``blobs/``
+    (``listed``: the names the upload's listing held; a listing request answers 1000) where
+    that sends fewer requests (every blob was listed after each upload, a few put or not)."""
     _put(store, [blob_path(local_dir, b.path) for b in todo], [b.path for b in todo])
-    infos = _infos(store)
+    if len(todo) <= -(-(listed + len(todo)) // LIST_PAGE):
+        infos = {}
+        for b in todo:
+            path = posixpath.join(_dir(store), b.path)
+            store.fs.invalidate_cache(path)
+            with contextlib.suppress(FileNotFoundError):
+                infos[b.path] = store.fs.info(path)
+    else:
+        infos = _infos(store)
     for b in todo:
         size = int(infos[b.path].get("size") or 0) if b.path in infos else None
         if size != b.size:
@@ -362,7 +374,7 @@ def settle(store: RemoteStore, local_dir: str, manifest: Manifest, marker: str |
         "it" if len(gone) == 1 else "them",
     )
     verify_entries(local_dir, gone)
-    _put_checked(store, local_dir, gone)
+    _put_checked(store, local_dir, gone, len(infos))
 
 
 def _exited(store: RemoteStore, name: str) -> bool:
