@@ -34,6 +34,7 @@ class Counted:
         self.batch: str | None = None  # how a batched delete is answered (flaky_proxy's rules)
         self.single: str | None = None  # how a DELETE of one blob is answered
         self.deleted: list[str] = []  # the keys of every DELETE of one object
+        self.listed: list[str] = []  # the prefix of every listing request
         self.proxy = FlakyProxy(server.endpoint, self._rule)
         self.options = {**server.options, "endpoint_url": self.proxy.endpoint}
 
@@ -42,6 +43,7 @@ class Counted:
         if method == "GET" and "list-type" in query:
             prefix = unquote(dict(q.partition("=")[::2] for q in query.split("&"))["prefix"])
             self.counts["LIST " + ("blobs/" if "/blobs/" in prefix + "/" else "other")] += 1
+            self.listed.append(prefix)
         elif method == "POST" and "delete" in query:
             self.counts["DELETE batch"] += 1
             return self.batch
@@ -422,3 +424,38 @@ def test_an_upload_checks_the_blobs_it_put_by_a_request_each_where_that_is_fewer
     assert store.blobs_verified.read_back == 0
     entries = RemoteStore(url, opts).scan()
     assert [e.name for e in entries if e.problem is None] == ["step_000000007", "step_000000008"]
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_gc_remote_scans_the_store_no_more_than_it_needs(counted, tmp_path, incremental):
+    """``gc DIR --remote URL`` scanned the store three times: an early check, before DIR's
+    lock, that it can be listed; its plan; its blob collection's own scan after announcing
+    itself. Where DIR has nothing to delete, the check is made under DIR's lock and is the
+    plan's (nothing runs between them: no staler view); the collection still scans after its
+    announcement, and is not made where the store holds no blob at all."""
+    from test_cli import cli
+
+    url, opts = f"s3://{counted.bucket}/run", counted.options
+    with Checkpointer(
+        tmp_path / "run", incremental=incremental, remote=url, remote_options=opts,
+        keep_last=1, remote_keep_last="all", async_save=False,
+    ) as ck:  # fmt: skip
+        for s in (1, 2, 3):
+            ck.save(s, {f"t{i}": torch.full((4096,), float(10 * s + i)) for i in range(2)})
+            assert ck._dir.sync.wait(60)
+    o = [f"-o{k}={v}" for k, v in opts.items() if k != "client_kwargs"]
+    o += ["-o", 'client_kwargs={"region_name": "us-east-1"}', "-o", "skip_instance_cache=true"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    counted.take()
+    counted.listed.clear()
+    r = cli("gc", str(empty), "--remote", url, "--keep-last", "1", *o)
+    assert r.returncode == 0, r.stderr
+    scans = [p for p in counted.listed if p.rstrip("/") == "run"]  # (the whole store)
+    assert len(scans) == (2 if incremental else 1), counted.listed  # (3 before)
+    entries = RemoteStore(url, opts).scan()
+    assert [e.name for e in entries] == ["step_000000003"]
+    if incremental:
+        assert {n for n in listing(RemoteStore(url, opts)) if not n.startswith(".")} == {
+            b.path for b in entries[0].manifest.blobs
+        }

@@ -79,7 +79,9 @@ def _kept(e: Entry, p: Plan) -> dict[str, Any]:
 
 def gc(args: argparse.Namespace) -> int:
     """``gc DIR``, and with ``--remote URL`` the remote store too (only it if DIR does not
-    exist); DIR's lock is held throughout, so neither runs beside a live writer of DIR."""
+    exist); DIR's lock is held throughout, so neither runs beside a live writer of DIR. The
+    remote's first listing (before DIR is touched) is its plan's where DIR had nothing to
+    delete; else the plan lists again, after DIR's deletions."""
     remote = getattr(args, "remote", None)
     result: dict[str, Any] = {}
     lock: DirLock | None = None
@@ -89,7 +91,6 @@ def gc(args: argparse.Namespace) -> int:
         from .cli_remote import store  # (unreachable, a wrong -o): said before anything is
 
         st = store(remote, args.option, beside=args.dir)
-        st.scan()  # deleted here
     if not (remote and not os.path.exists(args.dir)):
         root = resolve(args.dir, single_ok=False).root
         found = catalog.scan(root, Depth.NONE)
@@ -120,12 +121,16 @@ def gc(args: argparse.Namespace) -> int:
                 )
                 return 1
     try:
+        # the remote listed before anything is deleted here (unreachable, a wrong -o: said
+        # first), under DIR's lock; its plan takes this listing where nothing ran since
+        listed = st.scan_with_blobs() if st is not None else None
         if root is not None:
             result = _gc(args, root)
+            listed = None  # (time passed deleting here: the remote plan lists afresh)
         if st is not None:
             from .cli_remote import gc_remote, print_gc_remote
 
-            result["remote"] = gc_remote(args, st)
+            result["remote"] = gc_remote(args, st, listed)
             if not args.json:
                 print_gc_remote(result["remote"], args.dry_run)
     finally:

@@ -407,17 +407,20 @@ def remote_plan(
     return plan(retention_candidates(committed), policy, run_id), policy, run_id
 
 
-def gc_remote(args: argparse.Namespace, st: RemoteStore) -> dict[str, Any]:
+Listed = tuple[list[RemoteEntry], dict[str, int]]  # RemoteStore.scan_with_blobs()
+
+
+def gc_remote(args: argparse.Namespace, st: RemoteStore, listed: Listed | None = None) -> dict:
     """``gc DIR --remote URL``: delete what the remote retention recorded in the newest remote
     manifest does not keep (``--keep-last`` overriding it), with ``--other-runs`` and
     ``--remove-corrupt`` as for the local directory, uploads a crash left without a manifest
     once nothing was written to them for a day, then the blobs nothing refers to any more.
     Checks sizes, not checksums (nothing is downloaded). Returns what was (or would be)
-    deleted and kept."""
+    deleted and kept; ``listed``: the store's listing if just taken (no blobs: no collection)."""
     from . import remote_blobs
     from .blob_damage import remote_keep_note
 
-    entries = st.scan()
+    entries, names = st.scan_with_blobs() if listed is None else listed
     if not entries:  # a mistyped URL reads as an empty store: say so, as ls --remote does
         print(f"resilient-ckpt gc: the remote {st.url} holds no checkpoint", file=sys.stderr)
     p, policy, run_id = remote_plan(entries, args.keep_last, getattr(args, "drop_archives", False))
@@ -460,7 +463,7 @@ def gc_remote(args: argparse.Namespace, st: RemoteStore) -> dict[str, Any]:
     for e, _ in [] if args.dry_run else doomed:
         st.delete(e.name)
     after = [e for e in entries if e.name not in gone] if args.dry_run else None
-    blobs = remote_blobs.collect(st, after, dry_run=args.dry_run)  # leftovers of crashes too
+    blobs = remote_blobs.collect(st, after, args.dry_run, names) if names else []  # (crashes')
 
     def facts(e: Any, why: str) -> dict[str, Any]:
         m = e.manifest

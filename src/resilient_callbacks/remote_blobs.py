@@ -199,12 +199,15 @@ def end_upload(store: RemoteStore, marker: str | None) -> None:
 
 
 def collect(
-    store: RemoteStore, entries: list[RemoteEntry] | None = None, dry_run: bool = False
+    store: RemoteStore,
+    entries: list[RemoteEntry] | None = None,
+    dry_run: bool = False,
+    names: dict[str, int] | None = None,
 ) -> list[str]:
     """Delete the remote blobs no committed remote checkpoint and no fresh in-flight marker
     names. Returns the names deleted (with ``dry_run``, those it would delete, deleting
-    nothing; ``entries``: the scan to plan with, after the deletions it plans; a real
-    collection scans itself).
+    nothing; ``entries``: the scan to plan with, after the deletions it plans, and ``names``
+    the blobs that scan's listing saw, else listed; a real collection scans itself).
 
     Against another process writing to the same URL (another run), a collection announces
     itself first (a marker ``blobs/.collect-<id>.json`` naming its host and pid, removed when
@@ -215,7 +218,9 @@ def collect(
     collection). An upload that relied on a blob re-checks it before its commit once no
     collection announced before is running (:func:`settle`)."""
     if dry_run:
-        return _collect(store, store.scan() if entries is None else entries, None)
+        if entries is None:
+            entries, names = store.scan_with_blobs()
+        return _collect(store, entries, None, names=names)
     if store.is_local:
         store.fs.makedirs(_dir(store), exist_ok=True)
     token = posixpath.join(_dir(store), f"{COLLECT_PREFIX}{uuid.uuid4().hex[:12]}.json")
@@ -256,13 +261,14 @@ def _collect(
     entries: list[RemoteEntry] | None,
     deadline: float | None,
     unanswered: list[str] | None = None,
+    names: dict[str, int] | None = None,
 ) -> list[str]:
     from .remote import NO_MANIFEST  # (remote imports this module)
 
     markers = _markers(store)  # before the manifests: see collect
     if entries is None:  # (the blobs as the scan listed them, before it read a manifest)
         entries, names = store.scan_with_blobs()
-    else:
+    elif names is None:
         names = listing(store)
     live: set[str] = set()
     for e in entries:
