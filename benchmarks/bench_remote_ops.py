@@ -16,7 +16,8 @@ point of view (a new store object, nothing cached):
 - ``resume``: ``Checkpointer(empty dir, remote=url).restore(state)``, the auto-resume's search
   and download of the newest checkpoint;
 - ``save``: one more save of the run (the uploader's object, as in a long run): its upload,
-  the remote retention deleting the oldest checkpoint and the blob collection.
+  the remote retention deleting the oldest checkpoint and the blob collection; then a save
+  that changes only 2 tensors (2 new blobs).
 - ``gc --remote``: ``resilient-ckpt gc DIR --remote URL --keep-last N-1``.
 """
 
@@ -130,6 +131,11 @@ def main() -> None:
             ck.save(n + 1, state(a.tensors, n + 1))
             assert ck._dir.sync.wait(600)
             ops["save (upload, retention, blob collection)"] = count.take()
+            few = {**state(a.tensors, n + 1), "t0": torch.full((4096,), -1.0)}
+            few["t1"] = torch.full((4096,), -2.0)
+            ck.save(n + 2, few)  # 2 of the tensors changed: 2 new blobs among thousands
+            assert ck._dir.sync.wait(600)
+            ops["save changing 2 tensors (upload, retention, blob collection)"] = count.take()
         count.take()
         st = RemoteStore(url, opts)
         entries = st.scan()
@@ -141,7 +147,7 @@ def main() -> None:
             assert cli(["ls", empty, "--remote", url, *_o(opts)]) == 0
         ops["ls DIR --remote URL"] = count.take()
         with Checkpointer(os.path.join(work, "fresh"), remote=url, remote_options=opts) as ck2:
-            assert ck2.restore(state(a.tensors, 0)) == n + 1
+            assert ck2.restore(state(a.tensors, 0)) == n + 2
         ops["resume from the remote (search and download)"] = count.take()
         with contextlib.redirect_stdout(io.StringIO()):
             rc = cli(["gc", empty, "--remote", url, "--keep-last", str(n - 1), *_o(opts)])
