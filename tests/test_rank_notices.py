@@ -8,7 +8,8 @@ filters): it starts fresh, saves with retention, restores with a corrupt newest 
 (the fallback), a removed key, tensors cast to another dtype, in the replicated state and in
 each rank's ``PerRank`` state, then acts on a preemption request (SIGUSR1 on both ranks) and
 closes; one without a save schedule steps, and its checkpoint, saved without RNG states, is
-restored. ``dcp.load`` through the drop-in reader says its fallback once. Lightning DDP
+restored. ``dcp.load`` through the drop-in reader says its fallback once. A script that
+configured logging at INFO finds in rank 1's log what rank 0 said once. Lightning DDP
 (tests/lightning_train.py as two ranks) says a setting that changed since the checkpoint once,
 the Transformers Trainer (tests/hf_train.py as two ranks) that it has no save trigger once.
 The tests count the lines of each rank's output that hold each notice.
@@ -205,6 +206,30 @@ def dcp_worker(root: str) -> None:
     spawn_ranks.leave_group()
 
 
+def info_worker(root: str) -> None:
+    """A script that configured logging at INFO (each rank's log kept whole): a checkpoint
+    saved without RNG states, restored; a preemption request on rank 1 only."""
+    import logging
+
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    with Checkpointer(root, capture_rng=False, async_save=False) as ck:
+        ck.save(1, {"model": nn.Linear(2, 2)})
+    with Checkpointer(root, exit_on_preemption=False) as ck:
+        step = ck.restore({"model": nn.Linear(2, 2)})
+        while not ck.preempted and step < 1000:
+            step += 1
+            if step == 3 and dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            ck.step(step, {"model": nn.Linear(2, 2)})
+        assert ck.preempted
+    spawn_ranks.leave_group()
+
+
+if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "info-worker":
+    info_worker(sys.argv[2])
 if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "dcp-worker":
     dcp_worker(sys.argv[2])
 if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "plain-worker":
@@ -272,6 +297,21 @@ def test_a_preemption_only_rank_1_got_is_held_and_saved_said_once_naming_rank_1(
             int(r == 0),
             int(r == 1),
         ], shown
+
+
+def test_the_other_ranks_log_at_info_what_rank_0_says_once(tmp_path):
+    """What rank 0 says once, the other ranks log at INFO: a script that configured logging at
+    INFO finds it in every rank's log (docs/distributed.md)."""
+    argv = [sys.executable, __file__, "info-worker", str(tmp_path / "ckpt")]
+    outputs = spawn_ranks.run(argv, 2, tmp_path, "info", deadline=240).outputs
+    shown = "\n".join(outputs)
+    for text, on_0 in (  # rank 0: a warning and its WARNING line, or a WARNING line alone
+        ("the checkpoint was saved without RNG states", 2),
+        ("preemption (SIGUSR1 on rank 1): saving step", 1),
+    ):
+        lines = [[x for x in out.splitlines() if text in x] for out in outputs]
+        assert [len(x) for x in lines] == [on_0, 1], f"{text!r}:\n{shown}"
+        assert lines[1][0].startswith("INFO resilient_callbacks"), f"{text!r}:\n{shown}"
 
 
 def test_a_node_local_restore_from_the_remote_is_said_by_its_node_naming_it(tmp_path):

@@ -332,6 +332,7 @@ class Restorer:
         assert part is not None and full is not None
         local_exc: BaseException | None = None
         warns: list[str] = []
+        once = ""  # a notice the same on every rank: said once, on rank 0 (notices.py)
         try:
             meta = {
                 k: (str(t.dtype).removeprefix("torch."), list(t.shape))
@@ -359,14 +360,11 @@ class Restorer:
                         f"rank {ck.rank} has no RNG state in this checkpoint (written by "
                         f"{manifest.world_size} rank(s)); its random streams start fresh"
                     ]
-                elif ck.rank == 0:  # (the same on every rank: said once, notices.py)
-                    warns = [
-                        "the checkpoint was saved without RNG states (capture_rng=False); "
-                        "random streams are not restored"
-                    ]
+                else:
+                    once = "the checkpoint was saved without RNG states (capture_rng=False); "
+                    once += "random streams are not restored"
             if ck.rank == 0:  # the ranks gone's (it was dropped in silence)
-                rngs = ck.config.capture_rng and part.rng is not None
-                per_rank = bool(part.per_rank)
+                per_rank, rngs = bool(part.per_rank), ck.config.capture_rng and part.rng is not None
                 warns += structure.gone_state(ck.world_size, manifest.world_size, per_rank, rngs)
         except Exception as e:
             local_exc = e
@@ -380,6 +378,8 @@ class Restorer:
             raise CheckpointMismatchError(f"restore failed on rank {first}: {errors[first]}")
         for w in warns:
             warn_and_log(log, w, UserWarning, stacklevel=AT_CALLER)
+        if once:  # (INFO on the other ranks)
+            warn_and_log(log, once, UserWarning, stacklevel=AT_CALLER, warn=ck.is_coordinator)
         self._restored(path, manifest)
         return manifest.step
 
