@@ -459,3 +459,40 @@ def test_gc_remote_scans_the_store_no_more_than_it_needs(counted, tmp_path, incr
         assert {n for n in listing(RemoteStore(url, opts)) if not n.startswith(".")} == {
             b.path for b in entries[0].manifest.blobs
         }
+
+
+def test_a_retention_delete_whose_deletion_mark_the_store_refuses_goes_on_to_the_blobs(
+    counted, tmp_path, caplog
+):
+    """The store refusing the DELETE of a checkpoint's deletion mark alone, the last request
+    of its deletion (its manifest and files gone): a bare PermissionError ended the retention
+    pass, so the blob collection that follows it never ran (the blobs of step 1 stayed, and a
+    folder left with its mark, swept again at every pass once stale, ended each one there).
+    It is a refusal as any other (RemoteDeleteRefusedError: the folder uncommitted, the mark
+    left), said, and the pass goes on to collect the blobs no checkpoint names."""
+    from resilient_callbacks import RemoteDeleteRefusedError
+
+    url, opts = f"s3://{counted.bucket}/run", counted.options
+    counted.forbid = ("step_000000001/.writer-deleting",)
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    with Checkpointer(
+        tmp_path / "local", incremental=True, remote=url, remote_options=opts,
+        remote_keep_last=1, async_save=False,
+    ) as ck:  # fmt: skip
+        for s in (1, 2):
+            ck.save(s, {f"t{i}": torch.full((4096,), float(10 * s + i)) for i in range(2)})
+            assert ck._dir.sync.wait(60)
+    store = RemoteStore(url, opts)
+    left = [p.rsplit("/", 1)[-1] for p in store.fs.find(store._path("step_000000001"))]
+    assert left == [".writer-deleting"], left
+    entries = store.scan()
+    assert [e.name for e in entries if e.problem is None] == ["step_000000002"]
+    named = {b.path for e in entries if e.manifest is not None for b in e.manifest.blobs}
+    assert {n for n in listing(store) if not n.startswith(".")} == named  # (4 before: 2 more)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("refused to delete" in m and ".writer-deleting" in m for m in said), said
+    with pytest.raises(RemoteDeleteRefusedError) as got:  # (a later deletion: the same)
+        store.delete("step_000000001")
+    assert not got.value.committed and list(got.value.refused) == [
+        store.fs._strip_protocol(store._path("step_000000001", ".writer-deleting"))
+    ]

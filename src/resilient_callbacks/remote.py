@@ -304,8 +304,8 @@ class RemoteStore:
         remove the files in batches that name each key refused (:func:`.remote_paths.delete`;
         s3fs's recursive ``rm`` dropped them silently), and the mark last. Raises
         :class:`.RemoteDeleteRefusedError` where the store refused some: the manifest (nothing
-        else deleted, the checkpoint stays committed and whole) or files (the folder stays
-        uncommitted, with its mark, for a later deletion)."""
+        else deleted, the checkpoint stays committed and whole), files or the mark itself
+        (the folder stays uncommitted, with its mark, for a later deletion)."""
         folder, mark = self._path(name), self._path(name, f"{CLAIM_PREFIX}deleting")
         # one name for every attempt: a store that refuses deletes keeps one, not one a retry
         with contextlib.suppress(Exception):  # (a folder already gone; a store that refuses)
@@ -328,8 +328,13 @@ class RemoteStore:
         refused = remote_paths.delete(self.fs, [p for p in found if p != own])
         if refused:  # the mark stays: an upload under this name would lose files to a retry
             raise _refused(self.url, name, refused, committed=False)
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(mark)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(mark)
+        except Exception as e:  # (refused alone: a refusal as the files', not a bare error)
+            if not remote_paths.answered(self.fs, e):
+                raise
+            raise _refused(self.url, name, {own: e}, committed=False) from e
         if not remote_paths.reports_refusals(self.fs):  # (a folder of its own on a filesystem)
             with contextlib.suppress(FileNotFoundError):
                 remote_paths.rm_tree(self.fs, folder)
