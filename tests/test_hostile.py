@@ -157,7 +157,7 @@ def test_links_planted_in_the_run_directory_are_not_followed(tmp_path, caplog):
 
 
 def test_gc_remote_deletes_only_its_own_leftovers(tmp_path, monkeypatch):
-    from resilient_callbacks import cli_remote
+    from resilient_callbacks import cli_remote_gc
 
     remote = tmp_path / "remote"
     _run(tmp_path / "ck", steps=(10,), remote=f"file://{remote}")
@@ -171,7 +171,7 @@ def test_gc_remote_deletes_only_its_own_leftovers(tmp_path, monkeypatch):
         remote / "step_000000099" / "shared.safetensors",
     ):
         os.utime(p, (old, old))
-    monkeypatch.setattr(cli_remote, "STALE_UPLOAD_S", 3600.0)
+    monkeypatch.setattr(cli_remote_gc, "STALE_UPLOAD_S", 3600.0)
     assert main(["gc", str(tmp_path / "nowhere"), "--remote", f"file://{remote}"]) == 0
     assert (remote / "final_model" / "model.safetensors").exists()
     assert not (remote / "step_000000099").exists()

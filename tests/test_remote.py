@@ -1179,7 +1179,7 @@ def test_cli_gc_remote_applies_the_recorded_remote_retention(shared_remote, tmp_
     (remote_keep_last="all": nothing deleted), --keep-last overriding it, then the blobs no
     remaining remote checkpoint names; an upload without a manifest is kept while it may be
     live and deleted once old; the local directory is cleaned as before."""
-    from resilient_callbacks import cli_remote
+    from resilient_callbacks import cli_remote_gc
 
     url, opts = shared_remote
     local = tmp_path / "local"
@@ -1224,7 +1224,7 @@ def test_cli_gc_remote_applies_the_recorded_remote_retention(shared_remote, tmp_
         assert ck.restore(state) == 40
     assert torch.equal(state["w"], _state(40, n=8192)["w"])
 
-    monkeypatch.setattr(cli_remote, "STALE_UPLOAD_S", -1.0)  # as if a day had passed
+    monkeypatch.setattr(cli_remote_gc, "STALE_UPLOAD_S", -1.0)  # as if a day had passed
     out = _cli("gc", str(tmp_path / "nowhere"), "--remote", url, *o, "--keep-last", "2")
     assert out.returncode == 0, out.stderr
     assert "upload without a manifest" in out.stdout

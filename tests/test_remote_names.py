@@ -313,7 +313,7 @@ def test_a_cut_off_upload_under_an_rn_name_is_swept_a_day_later(tmp_path, monkey
     name): its folder, files and mark, was never deleted, neither by the uploader's sweep of
     cut-off uploads nor by `gc --remote` ("not a checkpoint's name: left alone"), so the
     store's space and the name were held for good. Both delete it once untouched for a day."""
-    from resilient_callbacks import cli_remote, sync
+    from resilient_callbacks import cli_remote_gc, sync
     from resilient_callbacks.cli import main
 
     url = f"file://{tmp_path}/durable/run"
@@ -321,7 +321,7 @@ def test_a_cut_off_upload_under_an_rn_name_is_swept_a_day_later(tmp_path, monkey
     st = RemoteStore(url)
     st.fs.pipe_file(f"{st.root}/step_000000010-r1/shared.safetensors", b"cut off")
     # as if a day had passed
-    monkeypatch.setattr(sync if by == "uploader" else cli_remote, "STALE_UPLOAD_S", -1.0)
+    monkeypatch.setattr(sync if by == "uploader" else cli_remote_gc, "STALE_UPLOAD_S", -1.0)
     with Checkpointer(tmp_path / "a", remote=url, keep_last=2, async_save=False) as ck:
         ck.save(1, _state(1.0))
         assert ck._dir.sync.wait(60)
@@ -340,7 +340,7 @@ def test_a_plain_dcp_checkpoint_at_the_url_is_never_swept(tmp_path, monkeypatch,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    from resilient_callbacks import cli_remote, sync
+    from resilient_callbacks import cli_remote_gc, sync
     from resilient_callbacks.cli import main
 
     url = f"file://{tmp_path}/durable/run"
@@ -348,7 +348,7 @@ def test_a_plain_dcp_checkpoint_at_the_url_is_never_swept(tmp_path, monkeypatch,
         warnings.simplefilter("ignore", UserWarning)  # (DCP: "assuming ... a single process")
         dcp.save({"w": torch.ones(3)}, storage_writer=FsspecWriter(f"{url}/step_100"))
     # as if a day had passed
-    monkeypatch.setattr(sync if by == "uploader" else cli_remote, "STALE_UPLOAD_S", -1.0)
+    monkeypatch.setattr(sync if by == "uploader" else cli_remote_gc, "STALE_UPLOAD_S", -1.0)
     with Checkpointer(tmp_path / "a", remote=url, keep_last=2, async_save=False) as ck:
         ck.save(1, _state(1.0))
         assert ck._dir.sync.wait(60)

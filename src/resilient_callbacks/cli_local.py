@@ -128,7 +128,7 @@ def gc(args: argparse.Namespace) -> int:
             result = _gc(args, root)
             listed = None  # (time passed deleting here: the remote plan lists afresh)
         if st is not None:
-            from .cli_remote import gc_remote, print_gc_remote
+            from .cli_remote_gc import gc_remote, print_gc_remote
 
             result["remote"] = gc_remote(args, st, listed)
             if not args.json:

@@ -1,0 +1,106 @@
+"""``resilient-ckpt gc DIR --remote URL``: the remote store's part of ``gc`` (moved from
+``cli_remote``). Imported only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from .cli_remote import remote_plan
+from .errors import CheckpointError
+from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
+from .remote_objects import REMOTE_CKPT_RE
+
+Listed = tuple[list[RemoteEntry], dict[str, int]]  # RemoteStore.scan_with_blobs()
+
+
+def gc_remote(args: argparse.Namespace, st: RemoteStore, listed: Listed | None = None) -> dict:
+    """``gc DIR --remote URL``: delete what the remote retention recorded in the newest remote
+    manifest does not keep (``--keep-last`` overriding it), with ``--other-runs`` and
+    ``--remove-corrupt`` as for the local directory, uploads a crash left without a manifest
+    once nothing was written to them for a day, then the blobs nothing refers to any more.
+    Checks sizes, not checksums (nothing is downloaded). Returns what was (or would be)
+    deleted and kept; ``listed``: the store's listing if just taken (no blobs: no collection)."""
+    from . import remote_blobs
+    from .blob_damage import remote_keep_note
+
+    entries, names = st.scan_with_blobs() if listed is None else listed
+    if not entries:  # a mistyped URL reads as an empty store: say so, as ls --remote does
+        print(f"resilient-ckpt gc: the remote {st.url} holds no checkpoint", file=sys.stderr)
+    p, policy, run_id = remote_plan(entries, args.keep_last, getattr(args, "drop_archives", False))
+    if p is None:
+        raise CheckpointError(
+            f"{st.url}: its newest checkpoint records no remote retention (written by an "
+            "older version, or pushed with `resilient-ckpt push`); pass --keep-last N"
+        )
+    now = time.time()
+    doomed: list[tuple[Any, str]] = []
+    kept: list[tuple[Any, str]] = []
+    for e in entries:
+        m = e.manifest
+        if m is None:
+            age = -1.0 if e.modified is None else now - e.modified  # -1: time unknown
+            torn = e.problem == NO_MANIFEST
+            if not REMOTE_CKPT_RE.match(e.name):  # another folder under the URL: not ours to delete
+                kept.append((e, "not a checkpoint's name: left alone"))
+            elif torn and age >= 0 and age > STALE_UPLOAD_S:
+                doomed.append((e, f"upload without a manifest, untouched for {age / 3600:.0f} h"))
+            elif torn or e.unread:  # (unread: the store did not answer; not known damaged)
+                kept.append((e, f"{e.problem}{'; may be an upload in progress' * torn}"))
+            elif args.remove_corrupt:  # a manifest that cannot be read
+                doomed.append((e, f"corrupt: {e.problem}"))
+            else:
+                kept.append((e, f"corrupt: {e.problem} (--remove-corrupt deletes it)"))
+        elif e.name in p.delete:
+            doomed.append((e, "not kept by the remote retention"))
+        elif args.other_runs and run_id is not None and m.run_id != run_id:
+            doomed.append((e, f"checkpoint of another run ({m.run_id})"))
+        elif why := remote_keep_note(e.problem, args):  # a torn blob: push repairs it
+            kept.append((e, why))
+        elif e.name in p.held:  # corrupt, but it records a roll-back
+            kept.append((e, p.held[e.name]))
+        elif e.problem and (args.remove_corrupt or getattr(args, "remove_blob_corrupt", 0)):
+            doomed.append((e, f"corrupt: {e.problem}"))
+        else:
+            kept.append((e, "; ".join(p.keep.get(e.name, []))))
+    gone = {e.name for e, _ in doomed}
+    for e, _ in [] if args.dry_run else doomed:
+        st.delete(e.name)
+    after = [e for e in entries if e.name not in gone] if args.dry_run else None
+    blobs = remote_blobs.collect(st, after, args.dry_run, names) if names else []  # (crashes')
+
+    def facts(e: Any, why: str) -> dict[str, Any]:
+        m = e.manifest
+        return {
+            "name": e.name,
+            "step": m.step if m else None,
+            "run_id": m.run_id if m else None,
+            "path": f"{st.url}/{e.name}",
+            "problem": e.problem,
+            "why": why,
+        }
+
+    return {
+        "url": st.url,
+        "run_id": run_id,
+        "retention": policy.to_json(),
+        "delete": [facts(e, why) for e, why in doomed],
+        "keep": [facts(e, why) for e, why in kept],
+        "blobs_deleted": blobs,
+    }
+
+
+def print_gc_remote(result: dict[str, Any], dry_run: bool) -> None:
+    verb = "would delete" if dry_run else "deleted"
+    for d in result["delete"]:
+        print(
+            f"{verb} {d['path']} (step {d['step'] if d['step'] is not None else '?'}): {d['why']}"
+        )
+    for k in result["keep"]:
+        print(f"keep {k['path']} (step {k['step'] if k['step'] is not None else '?'}): {k['why']}")
+    if result["blobs_deleted"]:
+        print(f"{verb} {len(result['blobs_deleted'])} remote blob(s) no checkpoint refers to")
+    n, kept = len(result["delete"]), len(result["keep"])
+    print(f"{result['url']}: {n} {'would be deleted' if dry_run else 'deleted'}, {kept} kept")
