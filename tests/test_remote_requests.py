@@ -496,3 +496,34 @@ def test_a_retention_delete_whose_deletion_mark_the_store_refuses_goes_on_to_the
     assert not got.value.committed and list(got.value.refused) == [
         store.fs._strip_protocol(store._path("step_000000001", ".writer-deleting"))
     ]
+
+
+def test_gc_remote_goes_on_past_a_checkpoint_the_store_refuses_to_delete(counted, tmp_path):
+    """``gc --remote`` deleting a checkpoint whose manifest the store refuses (403): the
+    RemoteDeleteRefusedError ended the command there, so no later checkpoint was deleted, no
+    blob collected, and nothing said what had been deleted before. It now says the refusal
+    (stderr, ``failed`` in --json), goes on with the others, and exits 1."""
+    from test_cli import cli
+
+    url, opts = f"s3://{counted.bucket}/run", counted.options
+    with Checkpointer(
+        tmp_path / "run", remote=url, remote_options=opts, keep_last=1,
+        remote_keep_last="all", async_save=False,
+    ) as ck:  # fmt: skip
+        for s in (1, 2, 3):
+            ck.save(s, {"w": torch.full((64,), float(s))})
+            assert ck._dir.sync.wait(60)
+    counted.forbid = ("step_000000001/manifest.json",)
+    o = [f"-o{k}={v}" for k, v in opts.items() if k != "client_kwargs"]
+    o += ["-o", 'client_kwargs={"region_name": "us-east-1"}', "-o", "skip_instance_cache=true"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = cli("gc", str(empty), "--remote", url, "--keep-last", "1", "--json", *o)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "refused to delete" in r.stderr and "step_000000001" in r.stderr, r.stderr
+    got = json.loads(r.stdout)["remote"]
+    assert [d["name"] for d in got["delete"]] == ["step_000000002"], got
+    assert [d["name"] for d in got["failed"]] == ["step_000000001"], got
+    assert "still committed and whole" in got["failed"][0]["error"]
+    entries = RemoteStore(url, opts).scan()
+    assert [e.name for e in entries if e.problem is None] == ["step_000000001", "step_000000003"]

@@ -138,7 +138,8 @@ def gc(args: argparse.Namespace) -> int:
             lock.release()
     if args.json:
         print_json(result)
-    return 1 if result.get("failed") else 0
+    # (a folder here, or a checkpoint the remote store refused to delete: said, exit 1)
+    return 1 if result.get("failed") or result.get("remote", {}).get("failed") else 0
 
 
 def _our_blobs(root: str) -> bool:

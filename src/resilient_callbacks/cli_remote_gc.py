@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from .cli_remote import remote_plan
-from .errors import CheckpointError
+from .errors import CheckpointError, RemoteDeleteRefusedError
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
 from .remote_objects import REMOTE_CKPT_RE
 
@@ -66,8 +66,13 @@ def gc_remote(args: argparse.Namespace, st: RemoteStore, listed: Listed | None =
         else:
             kept.append((e, "; ".join(p.keep.get(e.name, []))))
     gone = {e.name for e, _ in doomed}
+    failed: dict[str, str] = {}  # name -> the store's refusal (one stops nothing else)
     for e, _ in [] if args.dry_run else doomed:
-        st.delete(e.name)
+        try:
+            st.delete(e.name)
+        except RemoteDeleteRefusedError as err:
+            failed[e.name] = str(err)
+            print(f"resilient-ckpt gc: could not delete {st.url}/{e.name}: {err}", file=sys.stderr)
     after = [e for e in entries if e.name not in gone] if args.dry_run else None
     blobs = remote_blobs.collect(st, after, args.dry_run, names) if names else []  # (crashes')
 
@@ -86,7 +91,10 @@ def gc_remote(args: argparse.Namespace, st: RemoteStore, listed: Listed | None =
         "url": st.url,
         "run_id": run_id,
         "retention": policy.to_json(),
-        "delete": [facts(e, why) for e, why in doomed],
+        "delete": [facts(e, why) for e, why in doomed if e.name not in failed],
+        "failed": [
+            facts(e, why) | {"error": failed[e.name]} for e, why in doomed if e.name in failed
+        ],
         "keep": [facts(e, why) for e, why in kept],
         "blobs_deleted": blobs,
     }
@@ -102,5 +110,8 @@ def print_gc_remote(result: dict[str, Any], dry_run: bool) -> None:
         print(f"keep {k['path']} (step {k['step'] if k['step'] is not None else '?'}): {k['why']}")
     if result["blobs_deleted"]:
         print(f"{verb} {len(result['blobs_deleted'])} remote blob(s) no checkpoint refers to")
-    n, kept = len(result["delete"]), len(result["keep"])
-    print(f"{result['url']}: {n} {'would be deleted' if dry_run else 'deleted'}, {kept} kept")
+    n, kept, failed = len(result["delete"]), len(result["keep"]), len(result["failed"])
+    print(
+        f"{result['url']}: {n} {'would be deleted' if dry_run else 'deleted'}, {kept} kept"
+        + (f", {failed} could not be deleted (the store refused)" if failed else "")
+    )
