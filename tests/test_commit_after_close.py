@@ -168,3 +168,49 @@ def test_a_committer_of_another_open_writer_of_the_store_is_not_waited_for(tmp_p
     finally:
         for t in (first, second, up):
             t.stop()
+
+
+def test_a_wait_on_a_stopped_node_uploader_ends_with_what_it_left(tmp_path):
+    """Node-local mode's side of a close nested in another (a user's signal handler's, the
+    close lock being reentrant): the nested close gives up on the uploads and stops this
+    node's upload thread, leaving work queued. The outer close's wait for the uploads saw no
+    failure and no stall on the stopped thread and waited for ever (shared mode's wait ends
+    on a stopped upload thread). It now ends at once, False: something was left."""
+    from resilient_callbacks.node_upload import UploadJob
+
+    store = RemoteStore(f"file://{tmp_path}/remote")
+    up = NodeUploader(store, str(tmp_path / "node0"), 0)
+    up.stop()  # (the nested close's release)
+    up.discard(UploadJob("step_000000001", "step_000000001", ("run", 1), []))
+    ended, got = threading.Event(), []
+
+    def outer() -> None:
+        got.append(up.wait(None, 60.0))
+        ended.set()
+
+    threading.Thread(target=outer, daemon=True).start()
+    assert ended.wait(120), "the wait on a stopped uploader did not end"
+    assert got == [False]
+
+
+def test_a_wait_on_a_stopped_remote_committer_ends_with_what_it_left(tmp_path):
+    """The coordinator's side of it: the nested close stopped the committer with a checkpoint
+    whose parts all arrived still to commit; the outer close's wait for the commits saw no
+    failure and no attempt under way and waited for ever. It now ends at once, False."""
+    store = RemoteStore(f"file://{tmp_path}/remote")
+    committer = RemoteCommitter(store, 1, RetentionPolicy(keep_last=1), max_attempts=1)
+    up = NodeUploader(store, str(tmp_path / "node0"), 0)
+    try:
+        committer.stop()  # (the nested close's release)
+        _commit(committer, up, tmp_path / "node0", 1)  # (its part uploaded and reported)
+        ended, got = threading.Event(), []
+
+        def outer() -> None:
+            got.append(committer.wait(None, 60.0))
+            ended.set()
+
+        threading.Thread(target=outer, daemon=True).start()
+        assert ended.wait(120), "the wait on a stopped committer did not end"
+        assert got == [False]
+    finally:
+        up.stop()

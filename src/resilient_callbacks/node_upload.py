@@ -230,10 +230,12 @@ class NodeUploader(UploadThread):
         byte, for ``outage_s`` seconds
         (close gives up on an outage, and on a store that accepted the connection and stopped
         answering), or past ``grace_left()`` (a preemption's time to the hard kill, less a
-        margin to exit)."""
+        margin to exit); at once once the thread was stopped (nothing more is uploaded)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._queue or self._deletes:
+                if self._stop:  # (a close nested in close(), a signal handler's, gave up on it)
+                    return False
                 deadline = by_grace(deadline, grace_left)
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:

@@ -303,10 +303,13 @@ class RemoteCommitter(UploadThread):
         """Until every checkpoint whose parts all arrived is committed; True if nothing is left
         waiting (for a node's part, either). False once ``timeout`` passed, once the commits
         have failed or hung for ``outage_s`` (:meth:`stuck_s`), or past ``grace_left()`` (a
-        preemption's time to the hard kill, less a margin to exit)."""
+        preemption's time to the hard kill, less a margin to exit); at once once the thread
+        was stopped (nothing more is committed)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._ready or self._busy:
+                if self._stop:  # (a close nested in close(), a signal handler's, gave up on it)
+                    return False
                 deadline = by_grace(deadline, grace_left)
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
