@@ -80,8 +80,9 @@ def _kept(e: Entry, p: Plan) -> dict[str, Any]:
 def gc(args: argparse.Namespace) -> int:
     """``gc DIR``, and with ``--remote URL`` the remote store too (only it if DIR does not
     exist); DIR's lock is held throughout, so neither runs beside a live writer of DIR. The
-    remote's first listing (before DIR is touched) is its plan's where DIR had nothing to
-    delete; else the plan lists again, after DIR's deletions."""
+    remote's first listing (under DIR's lock, before DIR is touched) is its plan's where DIR
+    holds none of our checkpoints (nothing runs between); else the plan lists again, after
+    DIR's gc."""
     remote = getattr(args, "remote", None)
     result: dict[str, Any] = {}
     lock: DirLock | None = None
