@@ -364,6 +364,7 @@ def _framework_run(script: str, tmp_path: Path, name: str, *args: str) -> list[s
     return spawn_ranks.run(argv, 2, tmp_path, name, deadline=280).outputs
 
 
+@pytest.mark.slow  # two Lightning DDP runs of 2 ranks: about 10 s alone, more in the suite
 @pytest.mark.timeout(600)
 def test_lightning_ddp_says_a_setting_changed_since_the_checkpoint_once(tmp_path):
     pytest.importorskip("lightning")
@@ -386,6 +387,7 @@ def test_lightning_ddp_says_a_setting_changed_since_the_checkpoint_once(tmp_path
     assert _count(outputs, text) == [1, 0], "\n".join(outputs)
 
 
+@pytest.mark.slow  # a Trainer of 2 ranks: about 7 s alone (the rule is tested on the core's)
 def test_the_transformers_trainer_on_two_ranks_says_it_has_no_save_trigger_once(tmp_path):
     pytest.importorskip("transformers")
     args = [str(tmp_path), "--ddp", "--default-logging", "--every-n-steps", "0"]

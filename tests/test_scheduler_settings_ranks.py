@@ -23,7 +23,10 @@ def _ranks(tmp_path: Path, name: str, t_max: int, *more: str) -> list[str]:
     return spawn_ranks.run(argv, 2, tmp_path, name, zygote=zygote).outputs
 
 
-@pytest.mark.parametrize("how", ["checkpointer", "lightning"])
+@pytest.mark.parametrize(
+    "how",
+    ["checkpointer", pytest.param("lightning", marks=pytest.mark.slow)],  # (Lightning: ~4 s)
+)
 def test_a_changed_setting_is_said_once_on_rank_0(tmp_path: Path, how: str) -> None:
     more = ("--lightning",) if how == "lightning" else ()
     if more:
