@@ -220,8 +220,7 @@ class Directory:
         assert config.remote is not None
         self.remote = RemoteStore(config.remote, config.remote_options)
         st = self.remote  # one writer per store in this process, however its URL is spelled
-        where = os.path.realpath(st.root) if st.is_local else st.root
-        claim_remote(f"{st.protocol}://{where}", st.url, self.lock)
+        claim_remote(st.key, st.url, self.lock)
         reachable = preflight(self.remote, config.remote_timeout, self.dirpath)
         self.remote_due = config.remote_due
         self.sync = RemoteSync(

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -237,8 +236,7 @@ class NodeDirectory(Directory):
         # one writer per store in this process, as in shared mode (two writers of one prefix
         # upload over each other's checkpoints, and each one's retention deletes the other's)
         st = self.remote
-        where = os.path.realpath(st.root) if st.is_local else st.root
-        claim_remote(f"{st.protocol}://{where}", st.url, self.lock)
+        claim_remote(st.key, st.url, self.lock)
         # as in shared mode: a store that cannot be reached while this node's disk holds
         # checkpoints is a warning (the restore falls back to the disks, loudly); otherwise
         # raised, and open() makes every rank raise it (a node with an empty disk cannot go on)

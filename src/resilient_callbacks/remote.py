@@ -85,6 +85,11 @@ class RemoteStore:
         proto = self.fs.protocol
         self.protocol = proto if isinstance(proto, str) else proto[0]
         self.is_local = self.protocol in ("file", "local")
+        #: the store as one writer of this process owns it (``lock.claim_remote``) and as the
+        #: upload threads hand it over (``UploadThread._after_previous``): protocol and root,
+        #: a local root through its links
+        where = os.path.realpath(self.root) if self.is_local else self.root
+        self.key = f"{self.protocol}://{where}"
         # name -> (its manifest's listed size, time, etag; the manifest): see _read_manifests
         self._manifests: dict[str, tuple[tuple[Any, ...], Manifest]] = {}
         self.blobs_verified = Verified()  # remote blobs whose bytes this process checked

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import posixpath
 import re
 import time
@@ -117,8 +116,7 @@ class RemoteCommitter(UploadThread):
         self.failing_since: float | None = None
         self.attempt_since: float | None = None
         self.last_error: str | None = None
-        where = os.path.realpath(store.root) if store.is_local else store.root
-        self._after_previous(f"{store.protocol}://{where}")  # (as RemoteSync's)
+        self._after_previous(store.key)
         self._start()
 
     # ------------------------------------------------------------------ the table

@@ -14,7 +14,6 @@ Which ranks call what: only the coordinator has a RemoteSync.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,8 +105,7 @@ class RemoteSync(UploadThread):
         self._progress: Progress | None = None  # of the upload under way
         self._upload_seconds = 0.0
         self._last_sweep: float | None = None  # when cut-off uploads were last looked for
-        where = os.path.realpath(store.root) if store.is_local else store.root
-        self._after_previous(f"{store.protocol}://{where}")  # (as lock.claim_remote's key)
+        self._after_previous(store.key)
         self._start()
 
     # ------------------------------------------------------------------ queries
