@@ -108,26 +108,9 @@ def test_ctrl_c_while_close_waits_for_a_save_is_recorded_as_a_failure_not_an_end
     """A Ctrl-C while close() waited for a background save abandons it (never committed):
     the history said ``end``, a clean stop whose restart is no failure, though the save was
     lost."""
-    from resilient_callbacks import persisting
-
-    orig = persisting.layout.write_part
-    gate, writing = threading.Event(), threading.Event()
-
-    def gated(*a, **k):
-        if threading.current_thread() is not threading.main_thread():
-            writing.set()
-            assert gate.wait(60)
-        return orig(*a, **k)
-
     root = tmp_path / "ck"
-    ck = Checkpointer(root, every_n_steps=1, preemption=False)
-    ck.restore({"w": torch.zeros(2)})
-    ck.step(1, {"w": torch.ones(2)})
-    ck.flush()
-    monkeypatch.setattr(persisting.layout, "write_part", gated)
-    ck.step(2, {"w": torch.full((2,), 2.0)})
+    ck, gate = _save_held(root, monkeypatch, 60, step=2)
     try:
-        assert writing.wait(60)
         with pytest.raises(KeyboardInterrupt), _CtrlC("background", "wait_all", "self._cond.wait"):
             ck.close()
     finally:
@@ -210,9 +193,11 @@ def test_a_close_interrupted_before_its_try_is_finished_at_exit(tmp_path):
     assert _ended(root) == [("clean", None)]
 
 
-def _save_held(root, monkeypatch, hold_s: float) -> tuple[Checkpointer, threading.Event]:
-    """A Checkpointer at ``root`` whose background save of step 1 is held in its write (up to
-    ``hold_s``) until the returned event is set."""
+def _save_held(
+    root, monkeypatch, hold_s: float, step: int = 1
+) -> tuple[Checkpointer, threading.Event]:
+    """A Checkpointer at ``root`` whose background save of ``step`` is held in its write (up
+    to ``hold_s``) until the returned event is set; the steps before it are committed."""
     from resilient_callbacks import persisting
 
     orig = persisting.layout.write_part
@@ -226,8 +211,11 @@ def _save_held(root, monkeypatch, hold_s: float) -> tuple[Checkpointer, threadin
 
     ck = Checkpointer(root, every_n_steps=1, preemption=False)
     ck.restore({"w": torch.zeros(2)})
+    for before in range(1, step):
+        ck.step(before, {"w": torch.full((2,), float(before))})
+        ck.flush()
     monkeypatch.setattr(persisting.layout, "write_part", gated)
-    ck.step(1, {"w": torch.ones(2)})
+    ck.step(step, {"w": torch.full((2,), float(step))})
     assert writing.wait(60)
     return ck, gate
 
