@@ -17,13 +17,12 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .errors import caller_stacklevel
+from .errors import caller_stacklevel, warn_and_log
 from .values import same_value
 
 log = logging.getLogger("resilient_callbacks")
@@ -212,12 +211,7 @@ def say(msg: str, coordinator: bool, through: tuple[str, ...] = ()) -> None:
     this package and the directories ``through``), logged there too where logging is set up;
     the other ranks log it at INFO (every rank loads the same settings: each printing it
     said it once per rank)."""
-    if coordinator:
-        warnings.warn(msg, UserWarning, stacklevel=caller_stacklevel(*through))
-        if log.hasHandlers():
-            log.warning(msg)
-    else:
-        log.info(msg)
+    warn_and_log(log, msg, stacklevel=caller_stacklevel(*through), warn=coordinator)
 
 
 def described(where: str, scheduler: Any, saved: Any) -> list[str]:
