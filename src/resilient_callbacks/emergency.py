@@ -26,7 +26,7 @@ from .closing import EXIT_MARGIN_S
 from .errors import CheckpointError, RemoteWaitPreemptedError, UnsupportedStateError
 from .filepart import FilePart
 from .optim import hookable, untraced, update_began
-from .param_watch import changed_params, module_buffers, param_versions, put_back
+from .param_watch import ParamWatch, changed_params, put_back
 from .preemption import MetadataPoller, PreemptionWatcher, exiting
 from .preemption.signals import WatcherConfig
 from .preemption.signals import _signal_name as signal_name
@@ -177,6 +177,7 @@ class Emergency:
         self._ck = ck
         self._consistent_point: Any = None
         self._step_watch: dict[int, Any] = {}
+        self._watch = ParamWatch()
         # (step, error) of a preemption's emergency save that failed, while no later one saved
         self.failed: tuple[int, str] | None = None
 
@@ -200,8 +201,9 @@ class Emergency:
         stepped = [False]
         self._watch_optimizers(state, stepped)
         rng_state = rng.capture() if self._ck.config.capture_rng else (None, {})
-        buffers = module_buffers(frozen)
-        self._consistent_point = (step, frozen, rng_state, stepped, buffers, param_versions(state))
+        versions = self._watch.versions(state)
+        buffers = self._watch.buffers(frozen)
+        self._consistent_point = (step, frozen, rng_state, stepped, buffers, versions)
 
     def _watch_optimizers(self, state: Any, stepped: list[bool]) -> None:
         """Flag ``stepped[0]`` when any optimizer in the state starts a step (save_on_exception):
@@ -212,7 +214,7 @@ class Emergency:
         the step's state, which is saved. Another class's ``step(closure)`` starts as it is
         called: it may write the weights before it calls the closure (a SAM-style ``step()``:
         ``first_step()``, ``closure()``, ``second_step()``), where a write through ``p.data``
-        shows in no version counter (:func:`param_versions`)."""
+        shows in no version counter (:class:`.param_watch.ParamWatch`)."""
         for opt in statetree.optimizers(state):
             old = self._step_watch.pop(id(opt), None)
             if old is not None:
@@ -237,6 +239,7 @@ class Emergency:
         for handle in self._step_watch.values():
             handle.remove()
         self._step_watch.clear()
+        self._watch.clear()
         self._consistent_point = None
 
     def save_on_exception(self, exc: BaseException) -> None:
