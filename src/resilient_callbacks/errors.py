@@ -197,11 +197,38 @@ def warn_and_log(
     logged at INFO only, which the default setup does not print: a WARNING there went through
     the last-resort handler to stderr on every other rank. ``stacklevel`` counts from the
     caller; :data:`AT_CALLER`: the first frame outside the library (:func:`caller_stacklevel`).
+    Where the warning filters make it an error (``python -W error``), ``warn=False`` raises it
+    too, after its INFO line: rank 0's warning raises there, and the other ranks must stop
+    with it, not wait for rank 0 in their next collective.
     """
+    level = caller_stacklevel() if stacklevel == AT_CALLER else stacklevel + 1
     if not warn:
         log.info(msg)
+        if raises(msg, category, level):
+            raise category(msg)
         return
-    level = caller_stacklevel() if stacklevel == AT_CALLER else stacklevel + 1
     warnings.warn(msg, category, stacklevel=level)
     if log.hasHandlers():
         log.warning(msg)
+
+
+def raises(msg: str, category: type[Warning] = UserWarning, stacklevel: int = 1) -> bool:
+    """Whether ``warnings.warn(msg, category, stacklevel=stacklevel)``, called where this is
+    called, raises: the first of :data:`warnings.filters` that matches says ``"error"``
+    (``python -W error``, ``filterwarnings("error")``). Reads the filters only (nothing
+    changes, on any thread): a rank that says a notice only as a log line learns whether the
+    rank that warns raises, and stops with it (:func:`warn_and_log`)."""
+    try:
+        frame = sys._getframe(stacklevel)  # (this function's frame is 0: warn's caller is 1)
+        module, lineno = frame.f_globals.get("__name__", "<string>"), frame.f_lineno
+    except ValueError:  # (a stack shallower than stacklevel: warnings says "sys", 1)
+        module, lineno = "sys", 1
+    for action, text, cat, mod, line in warnings.filters:
+        if (
+            (text is None or text.match(msg))
+            and issubclass(category, cat)
+            and (mod is None or mod.match(module))
+            and (line == 0 or lineno == line)
+        ):
+            return action == "error"
+    return getattr(warnings, "defaultaction", "default") == "error"

@@ -9,6 +9,11 @@ into one log: a line printed on every rank is read 8-64 times. So:
   logging is configured. The other ranks log it at INFO (:func:`say_once`, :func:`log_once`,
   :func:`.errors.warn_and_log` with ``warn=`` rank 0), which no default setup prints, and a
   rank's own log file still holds it;
+- with the warnings made errors (``python -W error``), a notice that stops one rank stops
+  every rank: rank 0's warning raises there, and the other ranks raise the same text where
+  they log it (:func:`.errors.warn_and_log`); a rank's own notice is passed on as its
+  failure before the ranks compare their outcomes (:func:`first_raising`), so that no rank
+  waits for a stopped one in its next collective;
 - a notice about something that differs per rank (that rank's ``PerRank`` state, its shard, its
   files, its failure, a signal it received) is said by that rank, and names it: ``rank N: ...``
   in a run of several ranks (:func:`on_this_rank`).
@@ -32,7 +37,7 @@ from typing import Any
 
 from . import catalog, dist, mapped
 from .commit import CKPT_RE
-from .errors import AT_CALLER, warn_and_log
+from .errors import AT_CALLER, caller_stacklevel, raises, warn_and_log
 from .manifest import MANIFEST_NAME, Manifest
 from .redact import command
 
@@ -65,6 +70,17 @@ def on_this_rank(msg: str) -> str:
     """``msg`` about this rank's own state or event, naming the rank in a run of several
     (``"rank 3: ..."``); unchanged in a single process."""
     return f"rank {dist.rank()}: {msg}" if dist.world_size() > 1 else msg
+
+
+def first_raising(msgs: list[str]) -> UserWarning | None:
+    """Every rank, before the collective that tells whether each one's step succeeded: the
+    first of this rank's own notices ``msgs`` (said after it, as ``UserWarning``s at the
+    user's call) that the warning filters make an error (``python -W error``), as the
+    exception ``warnings.warn`` would raise; None where none is. A rank passes it on as its
+    failure, so that every rank stops with it: raised after the collective on this rank
+    alone, it left the others waiting in their next one (:func:`.errors.raises`)."""
+    level = caller_stacklevel()
+    return next((UserWarning(m) for m in msgs if raises(m, UserWarning, level)), None)
 
 
 def requests_of_ranks(watcher: Any) -> tuple[str | None, float | None]:

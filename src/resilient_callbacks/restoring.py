@@ -332,7 +332,8 @@ class Restorer:
         assert part is not None and full is not None
         local_exc: BaseException | None = None
         warns: list[str] = []
-        once = ""  # a notice the same on every rank: said once, on rank 0 (notices.py)
+        once: list[str] = []  # notices the same on every rank: said once, on rank 0 (notices.py)
+        mine = ck.config.capture_rng and part.rng is not None  # (this rank's are restored)
         try:
             meta = {
                 k: (str(t.dtype).removeprefix("torch."), list(t.shape))
@@ -353,24 +354,16 @@ class Restorer:
                     raise CheckpointMismatchError(f"the checkpoint holds no files of part {pid!r}")
                 fp.load(readers[pid])
             if ck.config.capture_rng:
-                if part.rng is not None:
-                    warns = rng.restore(part.rng, part.tensors, (ck, ck.dirpath, manifest.step))
-                elif ck.rank >= manifest.world_size:
-                    warns = [
-                        f"rank {ck.rank} has no RNG state in this checkpoint (written by "
-                        f"{manifest.world_size} rank(s)); its random streams start fresh"
-                    ]
-                else:
-                    once = "the checkpoint was saved without RNG states (capture_rng=False); "
-                    once += "random streams are not restored"
-            if ck.rank == 0:  # the ranks gone's (it was dropped in silence)
-                per_rank, rngs = bool(part.per_rank), ck.config.capture_rng and part.rng is not None
-                warns += structure.gone_state(ck.world_size, manifest.world_size, per_rank, rngs)
+                warns, once = rng.restore_saved(
+                    part.rng, part.tensors, ck.rank, manifest.world_size
+                )
         except Exception as e:
             local_exc = e
-        errors = dist.all_gather_json(
-            None if local_exc is None else f"{type(local_exc).__name__}: {local_exc}"
-        )
+        local_exc = local_exc or notices.first_raising(warns)  # (-W error: every rank stops)
+        failure = None if local_exc is None else f"{type(local_exc).__name__}: {local_exc}"
+        # (and whether the ranks gone's state is dropped: any rank's part tells)
+        gathered = dist.all_gather_json([failure, mine, bool(part.per_rank)])
+        errors = [e for e, *_ in gathered]
         if any(errors):
             if local_exc is not None:
                 raise local_exc
@@ -378,8 +371,11 @@ class Restorer:
             raise CheckpointMismatchError(f"restore failed on rank {first}: {errors[first]}")
         for w in warns:
             warn_and_log(log, w, UserWarning, stacklevel=AT_CALLER)
-        if once:  # (INFO on the other ranks)
-            warn_and_log(log, once, UserWarning, stacklevel=AT_CALLER, warn=ck.is_coordinator)
+        per_rank, rngs = any(g[2] for g in gathered), any(g[1] for g in gathered)
+        once += structure.gone_state(ck.world_size, manifest.world_size, per_rank, rngs)
+        once += rng.replacing(ck, ck.dirpath, manifest.step) if mine else []
+        for said in once:  # (INFO on the other ranks; said once every rank restored)
+            warn_and_log(log, said, UserWarning, stacklevel=AT_CALLER, warn=ck.is_coordinator)
         self._restored(path, manifest)
         return manifest.step
 

@@ -52,18 +52,11 @@ def capture() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return info, tensors
 
 
-def restore(
-    info: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
-    by: tuple[Any, str, int] | None = None,
-) -> list[str]:
+def restore(info: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[str]:
     """Restore the generators; returns warnings for states that could not be applied (this
-    rank's: each names it). ``by`` (the Checkpointer restoring, its directory and the step):
-    where these states replace those another open Checkpointer of this process restored from
-    another step, a warning says so, once, on rank 0 (the same on every rank: notices.py)."""
+    rank's: each names it). A Checkpointer's restore says what :func:`replacing` finds once
+    every rank's restore succeeded."""
     warnings: list[str] = []
-    for msg in _replacing(*by) if by is not None else []:
-        notices.say_once(log, msg)
     py = info["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     npi = info["numpy"]
@@ -85,15 +78,36 @@ def restore(
     return warnings
 
 
+def restore_saved(
+    info: dict[str, Any] | None, tensors: dict[str, torch.Tensor], rank: int, saved_world_size: int
+) -> tuple[list[str], list[str]]:
+    """A Checkpointer's restore (``capture_rng``): this rank's generators from the states of
+    its part of the checkpoint (``info``; None: it holds none). Returns this rank's warnings
+    (each naming it) and the notices the same on every rank, for rank 0 to say once."""
+    if info is not None:
+        return restore(info, tensors), []
+    if rank >= saved_world_size:
+        return [
+            f"rank {rank} has no RNG state in this checkpoint (written by {saved_world_size} "
+            "rank(s)); its random streams start fresh"
+        ], []
+    return [], [
+        "the checkpoint was saved without RNG states (capture_rng=False); random streams are "
+        "not restored"
+    ]
+
+
 # the RNG states this process's restores set: the Checkpointer (weakly) -> its dirpath, step
 _restored_by: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
 
 
-def _replacing(owner: Any, where: str, step: int) -> list[str]:
-    """Record that ``owner`` sets the process's RNG states from its checkpoint of ``step``; a
-    warning when another open Checkpointer set them from another step before (two of one
-    loop, a model's and an EMA's, killed between their saves of one step): the random streams
-    then continue from this step, and the run does not continue exactly."""
+def replacing(owner: Any, where: str, step: int) -> list[str]:
+    """Every rank, once the ranks agreed that ``owner``'s restore succeeded (its RNG states
+    are set from its checkpoint of ``step``): record that; a warning, to say once on rank 0
+    (the same on every rank), when another open Checkpointer set them from another step
+    before (two of one loop, a model's and an EMA's, killed between their saves of one step):
+    the random streams then continue from this step, and the run does not continue exactly.
+    (Said after the ranks compared their restores: one that failed on a rank replaced nothing.)"""
     others = [
         (w, s)
         for o, (w, s) in list(_restored_by.items())
