@@ -113,7 +113,8 @@ def test_a_wiped_nodes_download_cut_part_way_fetches_only_what_did_not_arrive(tm
     ], first
     arrived = first[: len(first) // 2]
     assert sorted(again) == sorted(set(first) - set(arrived)), (first, again)
-    assert "2 of 4 file(s)" in out[1][-1]["log"] and "fetching the other 2" in out[1][-1]["log"]
+    said = out[1][-1]["log"]  # (node 1's leader says it, naming node 1: a merged log of 8)
+    assert "2 of 4 file(s) of node 1's part of file://" in said and "fetching the other 2" in said
     assert out[0][0]["gets"] == []  # node 0 restores from its disk
     assert "skipping" not in out[0][-1]["log"] + out[1][-1]["log"]  # no fallback
 
@@ -132,7 +133,8 @@ def test_a_file_kept_from_a_cut_try_that_fails_its_checksum_is_fetched_again(tmp
     first, _again, rotten = out[1][0]["gets"]  # node 1: cut, its next try, the rotten file
     assert rotten == first[:1], out[1][0]["gets"]
     said = out[1][-1]["log"]
-    assert "fail their checksum: fetching them again" in said, said
+    lines = [x for x in said.splitlines() if "fail their checksum: fetching them again" in x]
+    assert lines and "1 file(s) of node 1's part of file://" in lines[0], said  # (names it)
     assert "skipping" not in out[0][-1]["log"] + said  # no fallback
 
 

@@ -65,12 +65,13 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
             st.url,
             name,
         )
-        what = f"downloading node {topo.node}'s part of {st.url}/{name}"
+        part = f"node {topo.node}'s part of {st.url}/{name}"  # (each leader says its own)
+        what = f"downloading {part}"
 
         def fetch(files: list[FileEntry]) -> list[FileEntry]:  # (the files kept)
             return stall.tried_again(  # an error that may pass: each try given up once no
                 lambda: stall.run(  # byte arrived for the outage limit, its progress logged
-                    lambda: _get(st, name, staging, files),
+                    lambda: _get(st, name, staging, files, part),
                     what,
                     lambda: stall.on_disk(
                         d.dirpath, os.path.basename(staging), {f.path: f.size for f in files}
@@ -85,11 +86,10 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
         # shared.json could name too few; the verification after checks only those)
         if bad := failing(staging, kept):
             log.warning(
-                "%d file(s) of %s/%s kept from an earlier try fail their checksum: fetching "
-                "them again",
+                "%d file(s) of %s kept from an earlier try fail their checksum: fetching them "
+                "again",
                 len(bad),
-                st.url,
-                name,
+                part,
             )
             for f in bad:
                 os.unlink(os.path.join(staging, f.path))
@@ -120,12 +120,14 @@ def download(d: NodeDirectory, name: str, c: dict[str, Any]) -> tuple[str, int, 
     return final, len(need), sum(f.size for f in need)
 
 
-def _get(st: RemoteStore, name: str, staging: str, need: list[FileEntry]) -> list[FileEntry]:
-    """Fetch the files of ``need`` that ``staging`` does not hold whole yet: a try after one
-    that failed part-way (a 5xx burst, a reset) fetches only what did not arrive. A file of
-    the manifest's size counts as arrived; every checksum is verified after the download. Returns
-    the files it kept (checked, and those that fail fetched again: :func:`.remote_download.failing`)."""
-    left, kept = arrived(staging, need, f"{st.url}/{name}")
+def _get(
+    st: RemoteStore, name: str, staging: str, need: list[FileEntry], part: str
+) -> list[FileEntry]:
+    """Fetch the files of ``need`` (``part``: this node's, named so) that ``staging`` does not
+    hold whole yet: a try after one that failed part-way (a 5xx burst, a reset) fetches only
+    what did not arrive. A file of the manifest's size counts as arrived; every checksum is
+    verified after the download. Returns the files it kept (checked, and those that fail fetched again: :func:`.remote_download.failing`)."""
+    left, kept = arrived(staging, need, part)
     if left:
         st.fs.get(
             [f"{st.root}/{name}/{f.path}" for f in left],
