@@ -107,10 +107,12 @@ def _who_got(sources: list[str | None]) -> str | None:
     for r, s in enumerate(sources):
         if s is not None:
             by.setdefault(s, []).append(r)
-    return "; ".join(f"{s} on {_ranks(rs)}" for s, rs in by.items())
+    return "; ".join(f"{s} on {ranks_named(rs)}" for s, rs in by.items())
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_named(ranks: list[int]) -> str:
+    """``"rank 3"``, ``"ranks 0, 1"``, ``"ranks 0, ..., 7 and 56 more"``: for a notice said
+    once that names the ranks something is true on."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parameter import is_lazy
 
-from .. import module_versions, notices, scheduler_settings
+from .. import dist, module_versions, notices, scheduler_settings
 from ..config import CheckpointerConfig
 from ..errors import CheckpointMismatchError, ConfigError, caller_stacklevel
 from ..fit import its_own_shape, key_differences, warn_cast
@@ -200,24 +200,31 @@ def batches_into_epoch(checkpoint: dict[str, Any]) -> int | None:
 
 
 def epoch_length(trainer: pl.Trainer, saved: Any, done: int | None, epoch_end: bool) -> None:
-    """After the train loaders are set up at a resume: ``limit_train_batches`` other than the
-    checkpoint's (``saved``) is taken as Lightning takes it, with a warning: the resumed epoch
-    ends at the new length, counting the ``done`` batches it had trained, and so do the later
-    ones. Refused (:class:`ConfigError`) where the resumed epoch had trained that many batches
-    already: Lightning would count it from 0 again and train up to that many more in it
-    (its own ``ckpt_path`` resume does), where a user expects it over."""
+    """Every rank, after the train loaders are set up at a resume: ``limit_train_batches``
+    other than the checkpoint's (``saved``) is taken as Lightning takes it, with a warning: the
+    resumed epoch ends at the new length, counting the ``done`` batches it had trained, and so
+    do the later ones. Refused (:class:`ConfigError`, on every rank) where the resumed epoch
+    had trained that many batches already on any rank: Lightning would count it from 0 again
+    and train up to that many more in it (its own ``ckpt_path`` resume does), where a user
+    expects it over. Each rank's loaders give its own length (a fraction of a loader of its
+    own): the ranks compare theirs, and a length that differs between them is said per rank."""
     here = trainer.limit_train_batches
     if saved is None or (saved == here and type(saved) is type(here)):
         return
     n = trainer.fit_loop.max_batches
+    ns = dist.all_gather_json(None if n == float("inf") else int(n))  # (a collective)
     epoch = trainer.current_epoch
-    length = "of unknown length" if n == float("inf") else f"of {int(n)} batch(es)"
+    length = _lengths(ns)
     change = f"limit_train_batches={here!r} here, {saved!r} when the checkpoint was saved"
-    if not epoch_end and done and n != float("inf") and n <= done:
+    past = [r for r, k in enumerate(ns) if k is not None and done and k <= done]
+    if not epoch_end and past:
+        at = f"an epoch {length}"
+        if len(past) < len(ns):
+            at = f"the epoch on {notices.ranks_named(past)} (an epoch {length})"
         raise ConfigError(
             f"{change}: the checkpoint is {done} batch(es) into epoch {epoch}, already at or "
-            f"past the end of an epoch {length}, and Lightning would train that epoch again "
-            f"from its batch 0. Resume with limit_train_batches={saved!r} (or more than "
+            f"past the end of {at}, and Lightning would train that epoch again from its "
+            f"batch 0. Resume with limit_train_batches={saved!r} (or more than "
             f"{done} batches) until epoch {epoch} ends, then change it; or resume from a "
             "checkpoint at an epoch's end (resume=<its step>)"
         )
@@ -228,13 +235,29 @@ def epoch_length(trainer: pl.Trainer, saved: Any, done: int | None, epoch_end: b
             f"the resumed epoch {epoch}, {done} batch(es) into it, ends as an epoch {length} "
             "(as with Lightning's own ckpt_path resume), and so do the later ones"
         )
-    notices.say_once(  # (the same on every rank: said once)
+    notices.say_once(  # (the same on every rank once compared: said once, naming the ranks)
         log,
         f"{change}: {what}; the run is not the one interrupted. Resume with the checkpoint's "
         "value to continue that run",
         UserWarning,
         stacklevel=caller_stacklevel(os.path.dirname(os.path.dirname(pl.__file__))),
     )
+
+
+def _lengths(ns: list[int | None]) -> str:
+    """``"of 5 batch(es)"`` where every rank's epoch is as long (``ns``: each rank's, None:
+    unknown), else each length naming its ranks: ``"of 5 batch(es) on rank 0, 10 batch(es) on
+    rank 1"``."""
+    by: dict[int | None, list[int]] = {}
+    for r, k in enumerate(ns):
+        by.setdefault(k, []).append(r)
+
+    def one(k: int | None) -> str:
+        return "unknown length" if k is None else f"{k} batch(es)"
+
+    if len(by) == 1:
+        return f"of {one(ns[0])}"
+    return "of " + ", ".join(f"{one(k)} on {notices.ranks_named(rs)}" for k, rs in by.items())
 
 
 def saved_counts(checkpoint: dict[str, Any]) -> dict[str, int]:
