@@ -108,8 +108,24 @@ def werror_worker(root: str, which: str) -> None:
     spawn_ranks.leave_group()
 
 
+def plain_dcp_worker(root: str) -> None:
+    """Plain ``dcp.save`` on two ranks, read back through ``plain_dcp_reader`` on both: that
+    it unpickles is the same on every rank, said once."""
+    import torch.distributed.checkpoint as dcp
+
+    from resilient_callbacks.dcp import plain_dcp_reader
+
+    _init()
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=root)
+    back = {"w": torch.zeros(4)}
+    dcp.load(back, storage_reader=plain_dcp_reader(root, allow_pickle=True))
+    assert torch.equal(back["w"], torch.ones(4))
+    spawn_ranks.leave_group()
+
+
 if __name__ == "__main__" and len(sys.argv) >= 3:
     {
+        "plain-dcp-worker": lambda: plain_dcp_worker(sys.argv[2]),
         "replaced-worker": lambda: replaced_worker(sys.argv[2]),
         "gone-worker": lambda: gone_worker(sys.argv[2], sys.argv[3]),
         "werror-worker": lambda: werror_worker(sys.argv[2], sys.argv[3]),
@@ -180,3 +196,10 @@ def test_warnings_as_errors_stop_every_rank_where_rank_0_says_what_the_ranks_gon
     outputs = _werror(tmp_path, notice, "gone-worker", root, "2")
     for out in outputs:  # each rank's traceback ends with the warning raised
         assert f"UserWarning: {notice}" in out, "\n".join(outputs)
+
+
+def test_reading_a_plain_dcp_checkpoint_on_two_ranks_says_it_unpickles_once(tmp_path):
+    argv = [sys.executable, __file__, "plain-dcp-worker", str(tmp_path / "plain")]
+    outputs = spawn_ranks.run(argv, 2, tmp_path, "plain", deadline=240).outputs
+    said = "unpickles its metadata and objects"
+    assert _count(outputs, said) == [1, 0], "\n".join(outputs)

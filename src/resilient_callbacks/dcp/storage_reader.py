@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import sys
-import warnings
 from typing import Any
 
 import torch.distributed.checkpoint
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import catalog, dist
+from .. import catalog, dist, notices
 from ..catalog import Depth
 from ..config import local_dirpath
 from ..errors import (
@@ -426,7 +425,8 @@ def plain_dcp_reader(path: str | os.PathLike[str], *, allow_pickle: bool = False
         )
     from torch.distributed.checkpoint import FileSystemReader
 
-    warnings.warn(
+    notices.say_once(  # (every rank reads it: said once, on rank 0)
+        log,
         f"reading the plain DCP checkpoint {os.fspath(path)} unpickles its metadata and objects",
         UserWarning,
         stacklevel=2,
