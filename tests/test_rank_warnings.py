@@ -123,8 +123,18 @@ def plain_dcp_worker(root: str) -> None:
     spawn_ranks.leave_group()
 
 
+def logger_sink_worker(root: str) -> None:
+    """``telemetry="logger"`` on a plain Checkpointer of two ranks: no framework sends its
+    metrics, the same on every rank: said once."""
+    _init()
+    with Checkpointer(root, every_n_steps=1, telemetry="logger", async_save=False) as ck:
+        ck.step(1, {"w": torch.zeros(2)})
+    spawn_ranks.leave_group()
+
+
 if __name__ == "__main__" and len(sys.argv) >= 3:
     {
+        "logger-sink-worker": lambda: logger_sink_worker(sys.argv[2]),
         "plain-dcp-worker": lambda: plain_dcp_worker(sys.argv[2]),
         "replaced-worker": lambda: replaced_worker(sys.argv[2]),
         "gone-worker": lambda: gone_worker(sys.argv[2], sys.argv[3]),
@@ -202,4 +212,11 @@ def test_reading_a_plain_dcp_checkpoint_on_two_ranks_says_it_unpickles_once(tmp_
     argv = [sys.executable, __file__, "plain-dcp-worker", str(tmp_path / "plain")]
     outputs = spawn_ranks.run(argv, 2, tmp_path, "plain", deadline=240).outputs
     said = "unpickles its metadata and objects"
+    assert _count(outputs, said) == [1, 0], "\n".join(outputs)
+
+
+def test_a_logger_sink_without_a_framework_on_two_ranks_is_said_once(tmp_path):
+    argv = [sys.executable, __file__, "logger-sink-worker", str(tmp_path / "ckpt")]
+    outputs = spawn_ranks.run(argv, 2, tmp_path, "sink", deadline=240).outputs
+    said = "this Checkpointer has none, so that sink does nothing"
     assert _count(outputs, said) == [1, 0], "\n".join(outputs)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -216,8 +215,12 @@ class CheckpointerContext(Mapping[str, Any]):
 
 
 def warn_logger_without_framework() -> None:
-    """``telemetry="logger"`` on a Checkpointer no framework's callback drives."""
-    warnings.warn(
+    """``telemetry="logger"`` on a Checkpointer no framework's callback drives (the same on
+    every rank: said once, on rank 0)."""
+    from .. import notices
+
+    notices.say_once(
+        log,
         "telemetry='logger' sends the metrics through a framework's loggers (the Lightning and "
         "Transformers callbacks); this Checkpointer has none, so that sink does nothing. Pass "
         "a callable (telemetry=fn) to get the metrics here.",
