@@ -9,16 +9,17 @@ into one log: a line printed on every rank is read 8-64 times. So:
   logging is configured. The other ranks log it at INFO (:func:`say_once`, :func:`log_once`,
   :func:`.errors.warn_and_log` with ``warn=`` rank 0), which no default setup prints, and a
   rank's own log file still holds it;
-- with the warnings made errors (``python -W error``), a notice that stops one rank stops
-  every rank: rank 0's warning raises there, and the other ranks raise the same text where
-  they log it (:func:`.errors.warn_and_log`); a rank's own notice is passed on as its
-  failure before the ranks compare their outcomes (:func:`first_raising`), so that no rank
-  waits for a stopped one in its next collective;
 - a notice about something that differs per rank (that rank's ``PerRank`` state, its shard, its
   files, its failure, a signal it received) is said by that rank, and names it: ``rank N: ...``
-  in a run of several ranks (:func:`on_this_rank`).
+  in a run of several ranks (:func:`on_this_rank`);
+- with the warnings made errors (``python -W error``), a notice that stops one rank stops
+  every rank: rank 0's warning raises there, and the other ranks raise the same text where
+  they log it (:func:`.errors.warn_and_log`); a restore's notice about one rank's own state is
+  passed on as that rank's failure before the ranks compare their outcomes
+  (:func:`first_raising`), so that no rank waits for a stopped one in its next collective.
 
-``tests/test_rank_notices.py`` runs two ranks and counts each notice's lines across them.
+``tests/test_rank_notices.py`` and ``tests/test_rank_warnings.py`` run two ranks and count each
+notice's lines across them.
 
 Also here, what a restore says beside what it loads: folders named like checkpoints that are
 not checkpoints, a ``dirpath`` with nothing to resume from where a subdirectory holds
