@@ -161,6 +161,7 @@ def test_a_restore_that_fails_on_another_rank_says_no_rng_states_were_replaced(t
     assert _count(outputs, "replace those restored from step 2") == [0, 0], shown
 
 
+@pytest.mark.slow
 def test_the_per_rank_state_of_the_ranks_gone_is_said_where_only_other_ranks_hold_some(tmp_path):
     root = str(tmp_path / "ckpt")
     spawn_ranks.run([sys.executable, __file__, "gone-worker", root, "3"], 3, tmp_path, "save")
@@ -199,6 +200,7 @@ def test_warnings_as_errors_stop_every_rank_where_one_rank_says_its_own_notice(t
     assert f"restore failed on rank 1: UserWarning: {notice}" in outputs[0], shown
 
 
+@pytest.mark.slow
 def test_warnings_as_errors_stop_every_rank_where_rank_0_says_what_the_ranks_gone_lose(tmp_path):
     root = str(tmp_path / "ckpt")
     spawn_ranks.run([sys.executable, __file__, "gone-worker", root, "3"], 3, tmp_path, "save")
@@ -208,6 +210,7 @@ def test_warnings_as_errors_stop_every_rank_where_rank_0_says_what_the_ranks_gon
         assert f"UserWarning: {notice}" in out, "\n".join(outputs)
 
 
+@pytest.mark.slow
 def test_reading_a_plain_dcp_checkpoint_on_two_ranks_says_it_unpickles_once(tmp_path):
     argv = [sys.executable, __file__, "plain-dcp-worker", str(tmp_path / "plain")]
     outputs = spawn_ranks.run(argv, 2, tmp_path, "plain", deadline=240).outputs
@@ -215,6 +218,7 @@ def test_reading_a_plain_dcp_checkpoint_on_two_ranks_says_it_unpickles_once(tmp_
     assert _count(outputs, said) == [1, 0], "\n".join(outputs)
 
 
+@pytest.mark.slow
 def test_a_logger_sink_without_a_framework_on_two_ranks_is_said_once(tmp_path):
     argv = [sys.executable, __file__, "logger-sink-worker", str(tmp_path / "ckpt")]
     outputs = spawn_ranks.run(argv, 2, tmp_path, "sink", deadline=240).outputs
