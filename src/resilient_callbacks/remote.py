@@ -122,11 +122,12 @@ class RemoteStore:
                 except Exception as e:
                     log.warning(
                         "remote %s: deleting an object there failed (%s: %s): uploads work, but "
-                        "the remote retention cannot delete old checkpoints. Grant delete "
-                        "rights (s3:DeleteObject), or pass remote_keep_last='all'",
+                        "the remote retention cannot delete old checkpoints. Grant %s, or "
+                        "pass remote_keep_last='all'",
                         self.url,
                         type(e).__name__,
                         url_text(str(e)),
+                        remote_paths.delete_right(self.protocol),
                     )
 
         outcome: list[Exception | None] = []
@@ -324,7 +325,7 @@ class RemoteStore:
                 raise  # (no answer: the store may still carry it out; as before)
             with contextlib.suppress(Exception):  # (the folder is whole: no mark left in it)
                 self.fs.rm_file(mark)
-            raise _refused(self.url, name, {manifest: e}, committed=True) from e
+            raise _refused(self.url, name, {manifest: e}, True, self.protocol) from e
         try:
             found = self.fs.find(folder)
         except FileNotFoundError:
@@ -332,21 +333,21 @@ class RemoteStore:
         own = self.fs._strip_protocol(mark)
         refused = remote_paths.delete(self.fs, [p for p in found if p != own])
         if refused:  # the mark stays: an upload under this name would lose files to a retry
-            raise _refused(self.url, name, refused, committed=False)
+            raise _refused(self.url, name, refused, False, self.protocol)
         try:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(mark)
         except Exception as e:  # (refused alone: a refusal as the files', not a bare error)
             if not remote_paths.answered(self.fs, e):
                 raise
-            raise _refused(self.url, name, {own: e}, committed=False) from e
+            raise _refused(self.url, name, {own: e}, False, self.protocol) from e
         if not remote_paths.reports_refusals(self.fs):  # (a folder of its own on a filesystem)
             with contextlib.suppress(FileNotFoundError):
                 remote_paths.rm_tree(self.fs, folder)
 
 
 def _refused(
-    url: str, name: str, refused: Mapping[str, BaseException], committed: bool
+    url: str, name: str, refused: Mapping[str, BaseException], committed: bool, protocol: str
 ) -> RemoteDeleteRefusedError:
     shown = ", ".join(f"{p} ({e})" for p, e in list(refused.items())[:3])
     more = f" and {len(refused) - 3} more" if len(refused) > 3 else ""
@@ -357,9 +358,9 @@ def _refused(
     )
     return RemoteDeleteRefusedError(
         f"remote {url_text(url)}: the store refused to delete {len(refused)} object(s) of "
-        f"{name}: {url_text(shown)}{more}; {state}. Allow deletes under this prefix (the "
-        "credentials' policy, object locks); the next deletion of it (retention, "
-        "`resilient-ckpt gc --remote`) tries again",
+        f"{name}: {url_text(shown)}{more}; {state}. Allow deletes under this prefix (grant "
+        f"{remote_paths.delete_right(protocol)}; lift object locks); the next deletion of "
+        "it (retention, `resilient-ckpt gc --remote`) tries again",
         {p: f"{type(e).__name__}: {e}" for p, e in refused.items()},
         committed,
     )

@@ -18,6 +18,7 @@ Which ranks call what: whoever reads or writes the remote store; nothing collect
 
 from __future__ import annotations
 
+import errno
 import re
 from typing import Any
 
@@ -99,19 +100,108 @@ def reports_refusals(fs: Any) -> bool:
 def answered(fs: Any, e: BaseException) -> bool:
     """Whether a delete request that raised ``e`` was answered by the store, so that it did
     nothing and does nothing later: on a local filesystem or ``memory://`` always (done in
-    this process); elsewhere an object missing, access denied, or an error answer of 4xx or
-    501 (a request the store does not take). A timeout, a connection reset, a 500 or 503: no
-    answer, the store may carry the delete out later."""
+    this process); elsewhere an object missing, access denied (:func:`denied`), or an error
+    answer of 4xx or 501 (a request the store does not take), whichever backend says it
+    (:func:`status_of`). A timeout, a connection reset, a 500 or 503: no answer, the store
+    may carry the delete out later."""
     proto = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    if proto in ("file", "local", "memory") or isinstance(e, (FileNotFoundError, PermissionError)):
+    if proto in ("file", "local", "memory"):
         return True
-    for x in (e, e.__cause__):  # (s3fs: the botocore error it translated)
-        response = getattr(x, "response", None)
-        meta = response.get("ResponseMetadata") if isinstance(response, dict) else None
-        status = meta.get("HTTPStatusCode") if isinstance(meta, dict) else None
-        if isinstance(status, int):
+    for x in _chain(e):
+        if isinstance(x, FileNotFoundError) or denied(x):
+            return True
+        status = status_of(x)
+        if status is not None:
             return 400 <= status < 500 or status == 501
     return False
+
+
+_DENIED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+# gcsfs's batched delete raises the JSON of the first object's error answer as an OSError's text
+_CODE_IN_TEXT = re.compile(r'"code"\s*:\s*"?(\d{3})\b')
+
+
+def denied(e: BaseException) -> bool:
+    """Whether ``e`` (or an error it carries) is a store's refusal for lack of rights, however
+    the backend says it: ``PermissionError`` (s3fs's AccessDenied, a local filesystem), an
+    ``OSError`` of errno EACCES, EPERM or EROFS, or an HTTP status 401 or 403
+    (:func:`status_of`: gcsfs, adlfs, aiohttp, botocore)."""
+    for x in _chain(e):
+        if isinstance(x, PermissionError) or getattr(x, "errno", None) in _DENIED_ERRNOS:
+            return True
+        if status_of(x) in (401, 403):
+            return True
+    return False
+
+
+def status_of(e: BaseException) -> int | None:
+    """The HTTP status of the error answer ``e`` stands for, where it says one: botocore's
+    ``.response`` (s3fs's cause), ``.status_code`` (azure-core, adlfs; a requests
+    ``.response``), ``.status`` (aiohttp), ``.code`` (gcsfs's ``HttpError``); gcsfs's 403 is
+    an ``OSError`` whose text starts ``Forbidden:``, its batched delete's error the JSON of the
+    answer (``"code": 403``)."""
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        meta = response.get("ResponseMetadata")
+        status = _status(meta.get("HTTPStatusCode")) if isinstance(meta, dict) else None
+        if status is not None:
+            return status
+    elif response is not None:
+        status = _status(getattr(response, "status_code", None))
+        if status is not None:
+            return status
+    for attr in ("status_code", "status", "code"):
+        status = _status(getattr(e, attr, None))
+        if status is not None:
+            return status
+    if type(e) is OSError and e.errno is None:  # (gcsfs's: only its text says)
+        text = str(e)
+        if text.startswith("Forbidden:"):
+            return 403
+        if text.lstrip().startswith("{") and (m := _CODE_IN_TEXT.search(text)):
+            return int(m.group(1))
+    return None
+
+
+def _status(value: Any) -> int | None:
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
+        return value
+    return None
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the errors it carries: its cause, the error it was raised in the handling of,
+    and one given among its arguments (adlfs: ``RuntimeError("Failed to remove %s for %s",
+    path, e)``); a few levels deep."""
+    out: list[BaseException] = []
+    todo = [e]
+    while todo and len(out) < 8:
+        x = todo.pop(0)
+        if any(x is y for y in out):
+            continue
+        out.append(x)
+        inner = [a for a in x.args if isinstance(a, BaseException)]
+        context = None if x.__suppress_context__ else x.__context__
+        todo += [c for c in (x.__cause__, context, *inner) if c is not None]
+    return out
+
+
+def delete_right(protocol: str) -> str:
+    """What to grant for deletes on a store of ``protocol``, for a message."""
+    if protocol in ("s3", "s3a"):
+        return "s3:DeleteObject in the credentials' policy"
+    if protocol in ("gs", "gcs"):
+        return "storage.objects.delete (a role such as Storage Object Admin)"
+    if protocol in ("az", "abfs", "abfss", "adl"):
+        return (
+            "delete rights on the container (a role such as Storage Blob Data Contributor, "
+            "or a SAS token with the d permission)"
+        )
+    if protocol in ("file", "local"):
+        return "write permission on the folder (not a read-only mount)"
+    return "delete rights to the credentials in remote_options"
 
 
 def delete(fs: Any, paths: list[str]) -> dict[str, Exception]:
@@ -120,21 +210,31 @@ def delete(fs: Any, paths: list[str]) -> dict[str, Exception]:
     deleted). On S3 a batch is one ``DeleteObjects`` of the keys themselves, whose answer names
     each key refused (s3fs's ``rm`` drops that answer); elsewhere the paths without pattern
     characters go in one ``fs.rm`` (which raises for the batch; what it silently kept is not
-    known here) and the others one by one. A request that fails as a whole raises."""
+    known here) and the others one by one; a batch the store answered with an error (a
+    refusal, :func:`answered`) is sent again one object at a time, each refusal returned. A
+    request that fails as a whole without an answer raises."""
     if _s3(fs):
         return _s3_delete(fs, paths)
     refused: dict[str, Exception] = {}
     plain = [p for p in paths if not has_magic(p)]
+    single = [p for p in paths if has_magic(p)]
     if plain:
-        fs.rm(plain)
-    for p in paths:
-        if has_magic(p):
-            try:
-                fs.rm_file(p)
-            except FileNotFoundError:
-                pass
-            except Exception as e:
-                refused[p] = e
+        try:
+            fs.rm(plain)
+        except Exception as e:
+            if not answered(fs, e):
+                raise  # (no answer: the store may still carry it out; the caller says so)
+            # the store answered the batch with an error (a refusal: gcsfs's OSError, adlfs's
+            # RuntimeError; an object gone meanwhile), which does not say which objects it
+            # kept: each one again by itself, so that each refusal is named
+            single = paths
+    for p in single:
+        try:
+            fs.rm_file(p)
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            refused[p] = e
     return refused
 
 

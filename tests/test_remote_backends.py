@@ -1,0 +1,175 @@
+"""The remote tier on fsspec stores other than S3: a store in this process (fsspec's memory
+filesystem, under protocols of its own) that refuses deletes the way gcsfs and adlfs say it
+(their exception types and texts, as their sources raise them), so that a refusal is told
+apart from an outage whatever the backend, and a store's identity (``RemoteStore.key``) holds
+what makes two URLs two stores. No request leaves the process; no code of ours is patched."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, ClassVar
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+
+from resilient_callbacks import Checkpointer
+from resilient_callbacks.errors import RemoteDeleteRefusedError
+from resilient_callbacks.remote import RemoteStore
+
+
+class HttpError(Exception):
+    """As gcsfs.retry.HttpError: the message and ``.code`` of a cloud error answer."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        self.code, self.message = error.get("code"), f"{error.get('message', '')}, {error['code']}"
+        super().__init__(self.message)
+
+
+class HttpResponseError(Exception):
+    """As azure.core.exceptions.HttpResponseError: ``.status_code``, ``.reason``."""
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code, self.reason = status_code, "Forbidden"
+        self.error_code = "AuthorizationPermissionMismatch"
+
+
+def _refusal(style: str, path: str, batch: bool) -> Exception:
+    """The error a backend raises when the credentials may not delete ``path``."""
+    if style == "gcs":  # gcsfs: validate_response's 403; _rm raises a batch's first error
+        if batch:
+            return OSError(f'{{"code": 403, "message": "rc@p.iam does not have storage.objects'
+                           f'.delete access to {path}."}}')  # fmt: skip
+        return OSError(f"Forbidden: {path}\nrc@p.iam does not have storage.objects.delete access")
+    if style == "gcs-401":  # gcsfs: not retried, raised as HttpError
+        return HttpError({"code": 401, "message": "Anonymous caller does not have access"})
+    if style == "azure":  # adlfs: the SDK's error; its batched _rm wraps it in a RuntimeError
+        e = HttpResponseError("This request is not authorized to perform this operation", 403)
+        if not batch:
+            return e
+        try:
+            raise e
+        except HttpResponseError as inner:
+            try:
+                raise RuntimeError("Failed to remove %s for %s", [path], inner)
+            except RuntimeError as outer:
+                return outer
+    raise AssertionError(style)
+
+
+class DenyingFS(MemoryFileSystem):
+    """An object store in this process whose deletes ``refuse(path)`` refuses, as ``style``'s
+    backend does; every delete request is recorded in ``asked``."""
+
+    protocol: ClassVar = ("rcdeny",)
+    store: ClassVar[dict] = {}
+    pseudo_dirs: ClassVar[list] = [""]
+    style = "gcs"
+    refuse: ClassVar = staticmethod(lambda path: False)
+    asked: ClassVar[list[str]] = []
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(path.removeprefix("rcdeny://"))
+
+    def rm_file(self, path):
+        path = self._strip_protocol(path)
+        self.asked.append(path)
+        if self.refuse(path):
+            raise _refusal(self.style, path, batch=False)
+        super().rm_file(path)
+
+    def rm(self, path, recursive=False, maxdepth=None):
+        paths = [path] if isinstance(path, str) else list(path)
+        self.asked.extend(self._strip_protocol(p) for p in paths)
+        found = [x for p in paths for x in self.expand_path(p, recursive=recursive)]
+        bad = [p for p in found if self.refuse(self._strip_protocol(p))]
+        for p in found:  # (the others go, as in a batch the store answered in part)
+            if p not in bad and self.isfile(p):
+                MemoryFileSystem.rm_file(self, p)
+        if bad:
+            raise _refusal(self.style, bad[0], batch=True)
+
+
+fsspec.register_implementation("rcdeny", DenyingFS, clobber=True)
+
+
+@pytest.fixture
+def deny():
+    DenyingFS.store.clear()
+    DenyingFS.pseudo_dirs[:] = [""]
+    DenyingFS.asked.clear()
+    DenyingFS.refuse = staticmethod(lambda path: False)
+    fsspec.filesystem("rcdeny").invalidate_cache()
+    yield DenyingFS
+    DenyingFS.refuse = staticmethod(lambda path: False)
+
+
+def _url() -> str:
+    return f"rcdeny://rc-{uuid.uuid4().hex[:10]}/run"
+
+
+def _saves(url: str, tmp_path, steps: int, keep: int = 1) -> None:
+    with Checkpointer(
+        tmp_path / "local", remote=url, remote_keep_last=keep, keep_last=1, async_save=False
+    ) as ck:
+        for s in range(1, steps + 1):
+            ck.save(s, {"w": torch.full((8,), float(s))})
+
+
+def _committed(url: str) -> list[str]:
+    return sorted(e.name for e in RemoteStore(url).scan() if e.problem is None)
+
+
+@pytest.mark.parametrize("style", ["gcs", "gcs-401", "azure"])
+def test_a_refused_manifest_delete_is_a_refusal_on_any_backend(deny, tmp_path, style):
+    """gcsfs says a 403 as a plain OSError ("Forbidden: ...") and a 401 as its HttpError
+    (``.code``), adlfs as the SDK's error (``.status_code``): only botocore's answer and a
+    PermissionError were known refusals, so the deletion raised the library's error, which
+    stopped the retention pass and ``gc --remote``. Each is now the clear refusal (what was
+    refused, that the checkpoint is whole, what to grant)."""
+    url = _url()
+    _saves(url, tmp_path, 1)
+    deny.style, deny.refuse = style, staticmethod(lambda path: True)
+    store = RemoteStore(url)
+    with pytest.raises(RemoteDeleteRefusedError, match="still committed and whole") as e:
+        store.delete("step_000000001")
+    assert e.value.committed and "step_000000001" in str(e.value)
+    assert "Allow deletes under this prefix (grant delete rights" in str(e.value)
+    assert _committed(url) == ["step_000000001"]
+
+
+@pytest.mark.parametrize("style", ["gcs", "azure"])
+def test_a_refused_batched_delete_names_each_refused_file(deny, tmp_path, style):
+    """The manifest goes, the files' batched ``fs.rm`` is refused: gcsfs raised the first
+    error's JSON as an OSError, adlfs a RuntimeError holding the SDK's error, and that came out
+    of the deletion as is. Each file is now tried by itself and each refusal named in the
+    clear error (the folder uncommitted: no reader sees it)."""
+    url = _url()
+    _saves(url, tmp_path, 1)
+    deny.style = style
+    deny.refuse = staticmethod(lambda p: p.endswith(".safetensors"))
+    store = RemoteStore(url)
+    with pytest.raises(RemoteDeleteRefusedError, match="no longer committed") as e:
+        store.delete("step_000000001")
+    assert not e.value.committed
+    assert e.value.refused and all(p.endswith(".safetensors") for p in e.value.refused)
+    assert _committed(url) == []
+    deny.refuse = staticmethod(lambda path: False)
+    store.delete("step_000000001")  # a later deletion takes the rest
+    assert store.fs.find(store._path("step_000000001")) == []
+
+
+def test_a_retention_refused_for_one_checkpoint_goes_on_with_the_others(deny, tmp_path, caplog):
+    """On gcsfs the refusal of step 1's manifest stopped the retention pass: step 2 stayed
+    too. Now the refusal is said and the retention goes on as on S3."""
+    url = _url()
+    deny.refuse = staticmethod(lambda p: "step_000000001/" in p and "/.writer-" not in p)
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    _saves(url, tmp_path, 3)
+    assert _committed(url) == ["step_000000001", "step_000000003"]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("refused to delete" in m and "step_000000001" in m for m in said), said
