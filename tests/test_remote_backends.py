@@ -173,3 +173,50 @@ def test_a_retention_refused_for_one_checkpoint_goes_on_with_the_others(deny, tm
     assert _committed(url) == ["step_000000001", "step_000000003"]
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("refused to delete" in m and "step_000000001" in m for m in said), said
+
+
+class HostFS(MemoryFileSystem):
+    """A store whose URL names its host, which fsspec moves into the storage options (as for
+    ``sftp://``, ``ftp://``, ``hdfs://``, ``smb://``): the root no longer says which host."""
+
+    protocol: ClassVar = ("rchost",)
+    store: ClassVar[dict] = {}
+    pseudo_dirs: ClassVar[list] = [""]
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if path.startswith("rchost://"):  # (the host is an option)
+            path = "/" + path.removeprefix("rchost://").partition("/")[2]
+        return super()._strip_protocol(path)
+
+    @staticmethod
+    def _get_kwargs_from_urls(path):
+        return {"host": path.removeprefix("rchost://").partition("/")[0]}
+
+
+fsspec.register_implementation("rchost", HostFS, clobber=True)
+
+
+def test_one_bucket_name_on_two_endpoints_is_two_stores():
+    """The store key (one writer per store in a process; the upload threads' hand-over) was
+    the protocol and root alone: the same bucket on two S3 endpoints (a cloud's and an on-site
+    MinIO's), or one path on two hosts, shared it, so the second writer was refused as the
+    first's double. The options that say which service holds the store are in it now; the
+    same store, its endpoint spelled otherwise or written with other credentials, keeps one."""
+    pytest.importorskip("s3fs")
+    a = {"endpoint_url": "http://127.0.0.1:9000", "key": "k1", "secret": "s1"}
+    keys = {
+        RemoteStore("s3://bucket/run", a).key,
+        RemoteStore("s3://bucket/run", {**a, "endpoint_url": "http://127.0.0.1:9001"}).key,
+        RemoteStore("s3://bucket/run", {"client_kwargs": {"endpoint_url": "http://10.0.0.7"}}).key,
+        RemoteStore("s3://bucket/run").key,
+        RemoteStore("rchost://host-a/data/run").key,
+        RemoteStore("rchost://host-b/data/run").key,
+    }
+    assert len(keys) == 6, keys
+    same = RemoteStore("s3://bucket/run/", {"endpoint_url": "HTTP://127.0.0.1:9000/", "anon": True})
+    assert same.key == RemoteStore("s3://bucket/run", a).key
+    assert (
+        RemoteStore("rchost://HOST-A/data/run").key == RemoteStore("rchost://host-a/data/run").key
+    )
+    assert all("k1" not in k and "s1" not in k for k in keys)  # (no credentials in it)

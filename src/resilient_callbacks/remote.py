@@ -17,6 +17,7 @@ Which ranks call what: only the coordinator talks to the remote store.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import posixpath
@@ -24,6 +25,7 @@ import threading
 import uuid
 from collections.abc import Collection, Mapping
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 
@@ -87,9 +89,12 @@ class RemoteStore:
         self.is_local = self.protocol in ("file", "local")
         #: the store as one writer of this process owns it (``lock.claim_remote``) and as the
         #: upload threads hand it over (``UploadThread._after_previous``): protocol and root,
-        #: a local root through its links
+        #: a local root through its links, and the options that say which service holds it
+        #: (:func:`store_identity`: one bucket name on two endpoints is two stores)
         where = os.path.realpath(self.root) if self.is_local else self.root
         self.key = f"{self.protocol}://{where}"
+        if ident := store_identity(getattr(self.fs, "storage_options", None) or self.options):
+            self.key += " " + json.dumps(ident, sort_keys=True)
         # name -> (its manifest's listed size, time, etag; the manifest): see _read_manifests
         self._manifests: dict[str, tuple[tuple[Any, ...], Manifest]] = {}
         self.blobs_verified = Verified()  # remote blobs whose bytes this process checked
@@ -344,6 +349,58 @@ class RemoteStore:
         if not remote_paths.reports_refusals(self.fs):  # (a folder of its own on a filesystem)
             with contextlib.suppress(FileNotFoundError):
                 remote_paths.rm_tree(self.fs, folder)
+
+
+#: storage options (any depth, names compared in lower case) that say which service or
+#: account holds a store, so that one root on two of them is two stores: s3fs's and gcsfs's
+#: ``endpoint_url`` (also under ``client_kwargs``), adlfs's account, the host and port that
+#: fsspec takes from an ``sftp://``, ``ftp://``, ``hdfs://``, ``smb://`` URL. Credentials and
+#: tuning are not among them: the same store written with other ones is the same store.
+IDENTITY_OPTIONS = (
+    "endpoint_url",
+    "endpoint",
+    "host",
+    "port",
+    "account_name",
+    "account_url",
+    "account_host",
+    "instance",
+)
+# in an Azure connection string, the parts that name the account (never its key)
+_CONNECTION_PARTS = ("accountname", "blobendpoint", "endpointsuffix")
+
+
+def store_identity(options: Mapping[str, Any]) -> dict[str, str]:
+    """The options of :data:`IDENTITY_OPTIONS` among ``options`` (also nested, as
+    ``client_kwargs.endpoint_url``), and the account an Azure ``connection_string`` names,
+    normalised: a URL's scheme and host in lower case, without a trailing slash."""
+    out: dict[str, str] = {}
+
+    def walk(opts: Mapping[str, Any], prefix: str) -> None:
+        for k, v in opts.items():
+            name = str(k).lower()
+            if isinstance(v, Mapping):
+                walk(v, f"{prefix}{name}.")
+            elif name in IDENTITY_OPTIONS and v not in (None, ""):
+                out[prefix + name] = _normal(str(v))
+            elif name == "connection_string" and isinstance(v, str):
+                for part in v.split(";"):
+                    key, _, value = part.partition("=")
+                    if key.strip().lower() in _CONNECTION_PARTS and value:
+                        out[f"{prefix}{name}.{key.strip().lower()}"] = _normal(value.strip())
+
+    walk(options, "")
+    return out
+
+
+def _normal(value: str) -> str:
+    value = value.rstrip("/")
+    if "://" not in value:  # (a host, an account, a port)
+        return value.lower()
+    parts = urlsplit(value)
+    return urlunsplit(
+        (parts.scheme.lower(), parts.netloc.lower(), parts.path, parts.query, "")
+    ).rstrip("/")
 
 
 def _refused(
