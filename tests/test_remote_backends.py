@@ -220,3 +220,44 @@ def test_one_bucket_name_on_two_endpoints_is_two_stores():
         RemoteStore("rchost://HOST-A/data/run").key == RemoteStore("rchost://host-a/data/run").key
     )
     assert all("k1" not in k and "s1" not in k for k in keys)  # (no credentials in it)
+
+
+def test_a_store_that_refuses_every_delete_is_asked_once_per_checkpoint_and_told_once(
+    deny, tmp_path, caplog
+):
+    """Every retention pass asked again for every checkpoint the store had refused to delete
+    (the refused ones stay committed, so each pass planned them all again: a request more at
+    each upload) and warned again each hour. Each refusal is now remembered and tried again
+    only after a growing wait; the warning, naming what to grant, comes once."""
+    url = _url()
+    deny.refuse = staticmethod(lambda p: "/step_" in p and "/.writer-" not in p)
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    _saves(url, tmp_path, 5)
+    assert _committed(url) == [f"step_00000000{s}" for s in range(1, 6)]
+    asked = [p for p in deny.asked if p.endswith("/manifest.json")]
+    assert sorted(asked) == sorted(set(asked)), asked  # (before: step 1 four times, ...)
+    assert len(asked) == 4, asked
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "refused to delete" in r.getMessage()
+    ]
+    assert len(said) == 1, said
+    assert "still committed and whole" in said[0] and "Allow deletes" in said[0]
+
+
+def test_a_refused_checkpoint_is_tried_again_after_a_growing_bounded_wait():
+    from resilient_callbacks.upload_thread import REFUSED_RETRY_MAX_S, REFUSED_RETRY_S, Refusals
+
+    r = Refusals()
+    assert r.due("a", now=0.0)
+    waits, now = [], 0.0
+    for _ in range(8):
+        waits.append(r.refused("a", now=now))
+        assert not r.due("a", now=now + waits[-1] - 1) and r.due("a", now=now + waits[-1])
+        now += waits[-1]
+    assert waits[0] == REFUSED_RETRY_S and waits[1] == 2 * REFUSED_RETRY_S
+    assert waits == sorted(waits) and waits[-1] == REFUSED_RETRY_MAX_S
+    assert r.due("b", now=now)  # (each checkpoint its own)
+    r.deleted("a")
+    assert r.due("a", now=now)

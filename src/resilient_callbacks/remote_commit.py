@@ -420,17 +420,18 @@ class RemoteCommitter(UploadThread):
             mine = self.own.mine(entries, run)  # (not another live process's)
             keep = self.own.protected(mine, protect)
             p = plan(retention_candidates(mine), self.policy, run, protected=keep)
+            gone: set[str] = set()  # (not one refused, or waiting out its refusal)
             for name in p.delete:
                 if name in names_pending:
                     continue
                 if not delete_checkpoint(self, self.store, name, "remote retention: deleted"):
                     continue  # (its manifest refused: still committed and whole)
+                gone.add(name)
                 with self._cond:
                     self.index = {k: v for k, v in self.index.items() if v != name}
                 self.own.deleted(name)
             # the blobs of the incremental checkpoints deleted (a shared-dirpath run's, this
             # run resumed from) that no remaining one names: else kept for ever
-            gone = set(p.delete) - names_pending
             if any(e.manifest is not None and e.manifest.blobs for e in mine if e.name in gone):
                 remote_blobs.collect(self.store)
         except Exception as e:

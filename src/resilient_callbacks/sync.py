@@ -432,9 +432,11 @@ class RemoteSync(UploadThread):
             mine = self.own.mine(entries, manifest.run_id)  # (not another live process's)
             keep = self.own.protected(mine, protect)
             p = plan(retention_candidates(mine), self.policy, manifest.run_id, protected=keep)
+            gone = False  # (a refused one, or one waiting out its refusal: no collection)
             for name in p.delete:  # none when keeping all
                 if not delete_checkpoint(self, self.store, name, "remote retention: deleted"):
                     continue  # (its manifest refused: still committed and whole)
+                gone = True
                 with self._cond:
                     self.index = {k: v for k, v in self.index.items() if v != name}
                     self._remote_entries = [e for e in self._remote_entries if e.name != name]
@@ -451,7 +453,7 @@ class RemoteSync(UploadThread):
                     swept = delete_checkpoint(self, self.store, e.name, what) or swept
             # then the blobs no remaining remote checkpoint refers to; also those of an upload
             # cut off (keeping every checkpoint, nothing else ever collected them)
-            if p.delete or swept:
+            if gone or swept:
                 remote_blobs.collect(self.store)
         except Exception as e:
             retention_failed(self, self.store.url, e)

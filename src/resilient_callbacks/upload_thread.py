@@ -57,19 +57,66 @@ def retention_failed(thread: UploadThread, url: str, e: Exception) -> None:
     )
 
 
+REFUSED_RETRY_S = 600.0  # a checkpoint the store refused to delete: tried again after this,
+REFUSED_RETRY_MAX_S = 6 * 3600.0  # the wait doubling with each refusal, to at most this
+
+
+class Refusals:
+    """The checkpoints a store refused to delete (a policy that denies deletes, an object
+    lock), each tried again after a wait that doubles with each refusal (``REFUSED_RETRY_S``
+    up to ``REFUSED_RETRY_MAX_S``), not at every retention pass: a store that refuses every
+    delete got a request for each checkpoint it kept at every upload, more at each. Said once
+    (a warning naming what was refused and what to grant), then in INFO lines."""
+
+    def __init__(self) -> None:
+        self._names: dict[str, tuple[int, float]] = {}  # name -> (refusals, monotonic next try)
+        self.warned = False
+
+    def due(self, name: str, now: float | None = None) -> bool:
+        """Whether ``name`` may be asked for again (never refused, or its wait is over)."""
+        got = self._names.get(name)
+        return got is None or (time.monotonic() if now is None else now) >= got[1]
+
+    def refused(self, name: str, now: float | None = None) -> float:
+        """``name`` was refused (again): the seconds until it is tried again."""
+        n = self._names.get(name, (0, 0.0))[0] + 1
+        wait = backoff_s(n, REFUSED_RETRY_S, REFUSED_RETRY_MAX_S, jitter=False)
+        self._names[name] = (n, (time.monotonic() if now is None else now) + wait)
+        return wait
+
+    def deleted(self, name: str) -> None:
+        self._names.pop(name, None)
+
+
 def delete_checkpoint(thread: UploadThread, store: Any, name: str, what: str) -> bool:
     """Delete the remote checkpoint ``name`` (``store.delete``) for a retention, which goes
     on with the other checkpoints whatever the store refuses; log ``what`` once deleted.
     Returns whether ``name`` is no longer committed: True where it is gone or the store
     refused only some of its files (the folder stays uncommitted), False where it refused
-    the manifest (nothing deleted: still committed and whole). A refusal is said as a failed
-    retention is (:func:`retention_failed`: a store that denies every delete warns once)."""
+    the manifest (nothing deleted: still committed and whole) or refused it before and its
+    wait is not over (:class:`Refusals`: nothing asked)."""
+    refusals = thread._refusals
+    if not refusals.due(name):
+        return False
+    log = logging.getLogger("resilient_callbacks")
     try:
         store.delete(name)
     except RemoteDeleteRefusedError as e:
-        retention_failed(thread, store.url, e)
+        wait = refusals.refused(name)
+        log.log(
+            logging.INFO if refusals.warned else logging.WARNING,
+            "remote retention on %s: %s. Tried again in %.0f min, then less and less often "
+            "(at most every %.0f h)%s",
+            url_text(store.url),
+            e,
+            wait / 60,
+            REFUSED_RETRY_MAX_S / 3600,
+            "" if refusals.warned else "; said once in this run (INFO lines after)",
+        )
+        refusals.warned = True
         return not e.committed
-    logging.getLogger("resilient_callbacks").info("%s: %s/%s", what, store.url, name)
+    refusals.deleted(name)
+    log.info("%s: %s/%s", what, store.url, name)
     return True
 
 
@@ -81,6 +128,7 @@ class UploadThread:
     def __init__(self, name: str) -> None:
         self._cond = threading.Condition()
         self._retention_warned: float | None = None  # when a retention failure last warned
+        self._refusals = Refusals()  # the checkpoints the store refused to delete
         self._stop = False
         self._previous: UploadThread | None = None  # (see _after_previous)
         self._waiting_since: float | None = None  # (_wait_previous: when it began waiting)
