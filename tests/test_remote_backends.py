@@ -7,6 +7,7 @@ what makes two URLs two stores. No request leaves the process; no code of ours i
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from typing import Any, ClassVar
 
@@ -261,3 +262,153 @@ def test_a_refused_checkpoint_is_tried_again_after_a_growing_bounded_wait():
     assert r.due("b", now=now)  # (each checkpoint its own)
     r.deleted("a")
     assert r.due("a", now=now)
+
+
+class GatedFS(MemoryFileSystem):
+    """A store in this process whose requests on a path holding ``held`` wait (``inside``
+    set) until ``go`` is set: a store that stopped answering, for as long as a test says.
+    Every put is recorded in ``puts``, with the thread that sent it."""
+
+    protocol: ClassVar = ("rcgate",)
+    store: ClassVar[dict] = {}
+    pseudo_dirs: ClassVar[list] = [""]
+    held: ClassVar[str | None] = None
+    inside: ClassVar = threading.Event()
+    go: ClassVar = threading.Event()
+    puts: ClassVar[list[tuple[str, str]]] = []
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(path.removeprefix("rcgate://"))
+
+    def _gate(self, path: str) -> None:
+        if self.held is not None and self.held in path:
+            self.inside.set()
+            assert self.go.wait(120), "the test never let the request go"
+
+    def rm_file(self, path):
+        self._gate(path)
+        super().rm_file(path)
+
+    def put_file(self, lpath, rpath, *args, **kwargs):
+        self.puts.append((threading.current_thread().name, self._strip_protocol(rpath)))
+        self._gate(rpath)
+        return super().put_file(lpath, rpath, *args, **kwargs)
+
+
+fsspec.register_implementation("rcgate", GatedFS, clobber=True)
+
+
+@pytest.fixture
+def gated():
+    GatedFS.store.clear()
+    GatedFS.pseudo_dirs[:] = [""]
+    GatedFS.puts.clear()
+    GatedFS.held = None
+    GatedFS.inside, GatedFS.go = threading.Event(), threading.Event()
+    yield GatedFS
+    GatedFS.go.set()
+    GatedFS.held = None
+
+
+def _part(root, seq: int):
+    from resilient_callbacks.filewrite import write_bytes
+    from resilient_callbacks.manifest import FileEntry
+
+    name = f"step_{seq:09d}"
+    (root / name).mkdir(parents=True, exist_ok=True)
+    d = write_bytes(str(root / name / "rank_00000.bin"), bytes([seq]) * (100 + seq))
+    return name, ("run1", seq), [FileEntry("rank_00000.bin", d.size, d.xxh3_64, 0, "tensors")]
+
+
+def test_a_stopped_node_uploader_begins_no_upload_after_its_deletes(gated, tmp_path):
+    """A node's uploader, deleting its part of a checkpoint the coordinator dropped while the
+    store hung, was stopped (close() gave up and released the store, which the next writer
+    may own by then); when the delete returned it went on to upload the next queued part,
+    putting it under a name the next writer's retention may just have deleted. It stops
+    there now: nothing more goes up."""
+    from resilient_callbacks.node_upload import NodeUploader
+
+    store = RemoteStore(f"rcgate://rc-{uuid.uuid4().hex[:10]}/run")
+    up = NodeUploader(store, str(tmp_path), 0)
+    try:
+        name1, key1, files1 = _part(tmp_path, 1)
+        up.enqueue(name1, name1, key1, files1)
+        assert up.wait(60)
+        name2, key2, files2 = _part(tmp_path, 2)
+        gated.held = f"/{name2}/"  # (step 2's upload hangs: step 3 queues behind it)
+        up.enqueue(name2, name2, key2, files2)
+        assert gated.inside.wait(60)
+        name3, key3, files3 = _part(tmp_path, 3)
+        up.enqueue(name3, name3, key3, files3)
+        up.settle(upload=[key2, key3], dropped=[key1])  # (step 1 is never committed)
+        step2 = gated.go
+        gated.inside, gated.go = threading.Event(), threading.Event()
+        gated.held = f"/{name1}/"  # its delete hangs in turn
+        step2.set()
+        assert gated.inside.wait(60)  # deleting step 1's part, step 3 taken for the next attempt
+        up.stop(join_s=0)  # close() gives up
+        gated.go.set()
+        up._thread.join(60)
+        assert not up._thread.is_alive()
+    finally:
+        gated.go.set()
+        up.stop()
+    assert not [p for _, p in gated.puts if f"/{name3}/" in p], gated.puts
+    assert store.fs.find(store._path(name3)) == []
+
+
+def test_the_next_writer_waits_for_a_stopped_node_uploaders_attempt(gated, tmp_path, caplog):
+    """The next writer of the store in this process (a notebook's next cell) waited for the
+    previous writer's stopped remote commit, never for its node uploads: its own upload, and
+    its retention's deletions, ran while the old attempt still put a part. Its node uploader
+    and its committer now wait for it, as for a stopped commit, and say so."""
+    from resilient_callbacks.node_upload import NodeUploader
+    from resilient_callbacks.remote_commit import RemoteCommitter
+    from resilient_callbacks.retention import RetentionPolicy
+
+    url = f"rcgate://rc-{uuid.uuid4().hex[:10]}/run"
+    store = RemoteStore(url)
+    old = NodeUploader(store, str(tmp_path / "old"), 0)
+    new = committer = None
+    said, waiting = threading.Event(), set()
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waits for the upload of the previous writer" in record.getMessage():
+                waiting.add(record.threadName)
+                if len(waiting) == 2:  # (the new node uploader and the new committer)
+                    said.set()
+
+    handler = Said()
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    logging.getLogger("resilient_callbacks").addHandler(handler)
+    try:
+        name1, key1, files1 = _part(tmp_path / "old", 1)
+        gated.held = f"/{name1}/"
+        old.enqueue(name1, name1, key1, files1)
+        assert gated.inside.wait(60)
+        assert not old.wait(0.0)
+        old.stop(join_s=0)  # close() gives up on the attempt under way
+        store2 = RemoteStore(url)
+        new = NodeUploader(store2, str(tmp_path / "new"), 0)
+        committer = RemoteCommitter(store2, 1, RetentionPolicy(keep_last=1))
+        name2, key2, files2 = _part(tmp_path / "new", 2)
+        new.enqueue(name2, name2, key2, files2)
+        assert said.wait(60)  # (before: it uploaded at once, beside the old attempt)
+        assert not [p for t, p in gated.puts if f"/{name2}/" in p]
+        gated.go.set()
+        old._thread.join(60)
+        assert new.wait(60)
+    finally:
+        gated.go.set()
+        logging.getLogger("resilient_callbacks").removeHandler(handler)
+        for t in (old, new, committer):
+            if t is not None:
+                t.stop()
+    waits = [r for r in caplog.records if "waits for the upload of the previous" in r.getMessage()]
+    assert {r.threadName for r in waits} == {"rc-node-upload", "rc-remote-commit"}, waits
+    puts = [p for _, p in gated.puts]
+    assert max(i for i, p in enumerate(puts) if f"/{name1}/" in p) < min(
+        i for i, p in enumerate(puts) if f"/{name2}/" in p
+    )

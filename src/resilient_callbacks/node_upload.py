@@ -99,6 +99,7 @@ class NodeUploader(UploadThread):
         self.failing_since: float | None = None  # monotonic time of the first failure in a row
         self.failures_in_a_row = 0
         self._progress: Progress | None = None  # of the transfer under way
+        self._after_previous(store.key)  # (a stopped writer's attempt ends before this one's)
         self._start()
 
     def enqueue(
@@ -209,9 +210,10 @@ class NodeUploader(UploadThread):
             return [j.local_name for j in jobs]
 
     def stalled_s(self) -> float:
-        """Seconds the transfer under way has moved no byte (0: none under way)."""
+        """Seconds the transfer under way has moved no byte (0: none under way), or the
+        previous writer's attempt this thread waits for (:meth:`_wait_previous`)."""
         p = self._progress
-        return 0.0 if p is None else time.monotonic() - p.last_update
+        return self._waited_stall_s() if p is None else time.monotonic() - p.last_update
 
     def take_reports(self) -> list[dict[str, Any]]:
         """The uploads finished since the last call (for the coordinator)."""
@@ -249,6 +251,8 @@ class NodeUploader(UploadThread):
             return True
 
     def _run(self) -> None:
+        if not self._wait_previous(self.store.url):
+            return
         failures = 0
         while True:
             with self._cond:
@@ -256,14 +260,18 @@ class NodeUploader(UploadThread):
                     return
                 deletes = list(self._deletes)  # (held locally until deleted: held())
                 job = self._current = self._queue[0] if self._queue else None
+            done = []
             for gone in deletes:
+                if self._stop:  # (close() gave up: another writer may own the store now)
+                    break
                 self._delete(gone)
-            if deletes:
+                done.append(gone)
+            if done:
                 with self._cond:
-                    self._deletes = [j for j in self._deletes if all(j is not d for d in deletes)]
+                    self._deletes = [j for j in self._deletes if all(j is not d for d in done)]
                     self._cond.notify_all()  # wait() may be waiting for the deletes
-            if job is None:
-                continue
+            if job is None or self._stop:  # stopped during the deletes: no new attempt (it
+                continue  # put the part under a name the next writer's retention deleted)
             if job.cancelled:  # while this thread waited out a failed attempt's backoff
                 self._finished(job, delete=job.dropped)
                 continue

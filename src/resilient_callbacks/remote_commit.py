@@ -320,12 +320,13 @@ class RemoteCommitter(UploadThread):
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
-        prev = self._previous  # (as RemoteSync's: what it committed late counts as its own)
+        prevs = self._previous  # (as RemoteSync's: what they committed late counts as its own)
         if not self._wait_previous(self.store.url):
             return
-        own = getattr(prev, "own", None)  # (a RemoteSync's too)
-        if prev is not None and prev._stop and isinstance(own, OwnCheckpoints):  # (ended)
-            self.own.took_over(own)
+        for prev in prevs:
+            own = getattr(prev, "own", None)  # (a RemoteSync's too; a NodeUploader has none)
+            if prev._stop and isinstance(own, OwnCheckpoints):  # (ended)
+                self.own.took_over(own)
         while True:
             with self._cond:
                 if not self._wait_for_work(lambda: self._ready):

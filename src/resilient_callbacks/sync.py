@@ -180,11 +180,12 @@ class RemoteSync(UploadThread):
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
-        prev = self._previous  # what it committed after this writer's listing: counted too
+        prevs = self._previous  # what they committed after this writer's listing: counted too
         if not self._wait_previous(self.store.url):
             return
-        if isinstance(prev, RemoteSync) and prev._stop:  # (ended: keep_last holds)
-            self.own.took_over(prev.own)
+        for prev in prevs:
+            if isinstance(prev, RemoteSync) and prev._stop:  # (ended: keep_last holds)
+                self.own.took_over(prev.own)
         while True:
             with self._cond:
                 if not self._wait_for_work(lambda: self._queue):

@@ -25,8 +25,9 @@ from .redact import url_text
 _JITTER = random.Random()
 RETENTION_WARN_EVERY_S = 3600.0
 EXIT_MARGIN_S = 5.0  # of a grace period, left to exit after the uploads (interpreter teardown)
-# store key -> the last upload thread of this process started for it (_after_previous)
-_last_on: dict[str, weakref.ref[UploadThread]] = {}
+# store key -> the upload threads of this process started for it, still running or not yet
+# started (_after_previous)
+_last_on: dict[str, list[weakref.ref[UploadThread]]] = {}
 _last_lock = threading.Lock()
 
 
@@ -130,35 +131,43 @@ class UploadThread:
         self._retention_warned: float | None = None  # when a retention failure last warned
         self._refusals = Refusals()  # the checkpoints the store refused to delete
         self._stop = False
-        self._previous: UploadThread | None = None  # (see _after_previous)
+        self._previous: list[UploadThread] = []  # (see _after_previous)
         self._waiting_since: float | None = None  # (_wait_previous: when it began waiting)
+        self._waiting_on: UploadThread | None = None  # (_wait_previous: the one waited for)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _start(self) -> None:
         self._thread.start()
 
     def _after_previous(self, key: str) -> None:
-        """Before :meth:`_start`: this thread uploads to the store ``key`` (protocol and root);
-        one of this process that uploaded there before, stopped, and still runs (its attempt
-        outlived its Checkpointer's close, which gave up on it) is waited for by
-        :meth:`_wait_previous`."""
+        """Before :meth:`_start`: this thread uploads to the store ``key``
+        (:attr:`.RemoteStore.key`); those of this process that uploaded there before, were
+        stopped, and still run (an attempt that outlived its Checkpointer's close, which gave
+        up on it: a shared mode's upload, a node's upload of its part, a remote commit) are
+        waited for by :meth:`_wait_previous`."""
         with _last_lock:
-            ref = _last_on.get(key)
-            prev = ref() if ref is not None else None
-            _last_on[key] = weakref.ref(self)
-            for gone in [k for k, r in _last_on.items() if r() is None]:
-                del _last_on[gone]
-        self._previous = prev if prev is not None and prev._thread.is_alive() else None
+            for k in list(_last_on):
+                _last_on[k] = [r for r in _last_on[k] if _running_or_new(r())]
+                if not _last_on[k]:
+                    del _last_on[k]
+            refs = _last_on.setdefault(key, [])
+            prev = [t for r in refs if (t := r()) is not None and t._thread.is_alive()]
+            refs.append(weakref.ref(self))
+        self._previous = prev
 
     def _wait_previous(self, url: str) -> bool:
-        """The thread, before its first attempt: wait for :meth:`_after_previous`'s thread to
-        end (it only finishes its attempt: stopped, it commits no other upload and deletes
-        nothing). Both uploaded the same checkpoint at once, and the old one committed it
-        again after the new one's retention had deleted its files: a damaged checkpoint in
-        the store. False once stopped meanwhile. While it waits, :meth:`_waited_stall_s`."""
-        prev = self._previous
-        try:  # (one not stopped is another writer's, open: not waited for)
-            if prev is None or not prev._stop or not prev._thread.is_alive():
+        """The thread, before its first attempt: wait for :meth:`_after_previous`'s threads
+        that were stopped to end (each only finishes its attempt: stopped, it commits or
+        uploads nothing else and deletes nothing). Both uploaded the same checkpoint at once,
+        and the old one committed it again, or put a node's part of it again, after the new
+        one's retention had deleted its files: a damaged checkpoint, or a name the retention
+        had just deleted back in the store. False once stopped meanwhile. While it waits,
+        :meth:`_waited_stall_s`."""
+        # (one not stopped is another writer's, open, or this writer's other thread: not
+        # waited for)
+        prevs = [p for p in self._previous if p._stop and p._thread.is_alive()]
+        try:
+            if not prevs:
                 return True
             logging.getLogger("resilient_callbacks").info(
                 "remote %s: this writer waits for the upload of the previous writer of this "
@@ -166,23 +175,25 @@ class UploadThread:
                 url_text(url),
             )
             self._waiting_since = time.monotonic()
-            while prev._thread.is_alive():
-                prev._thread.join(timeout=1.0)  # (and looks at stop() each second)
-                if self._stop:
-                    return False
+            for prev in prevs:
+                self._waiting_on = prev
+                while prev._thread.is_alive():
+                    prev._thread.join(timeout=1.0)  # (and looks at stop() each second)
+                    if self._stop:
+                        return False
             return True
         finally:
-            self._waiting_since, self._previous = None, None
+            self._waiting_since, self._waiting_on, self._previous = None, None, []
 
     def _waited_stall_s(self) -> float:
         """While :meth:`_wait_previous` waits: how long no byte has moved for this writer
         (since the previous thread's upload last moved one, or since the wait began), else 0.
         close() gives up on a stalled wait as on a stalled upload of its own: an attempt of
         the previous writer that never returned held the next writer's close() for ever."""
-        since, prev = self._waiting_since, self._previous
+        since, prev = self._waiting_since, self._waiting_on
         if since is None:
             return 0.0
-        progress = getattr(prev, "_progress", None)  # (RemoteSync's upload under way)
+        progress = getattr(prev, "_progress", None)  # (an upload under way)
         last = since if progress is None else max(since, progress.last_update)
         return max(0.0, time.monotonic() - last)
 
@@ -215,6 +226,12 @@ class UploadThread:
         """The thread, holding the lock, after a failed attempt: wait ``seconds``, or less if
         :meth:`stop` is called; True once stopped."""
         return self._cond.wait_for(lambda: self._stop, timeout=seconds)
+
+
+def _running_or_new(t: UploadThread | None) -> bool:
+    """Whether ``t`` still counts for :meth:`UploadThread._after_previous`: running, or not
+    started yet (its constructor's :meth:`~UploadThread._start` to come)."""
+    return t is not None and (t._thread.ident is None or t._thread.is_alive())
 
 
 def by_grace(deadline: float | None, grace_left: Callable[[], float | None] | None) -> float | None:
