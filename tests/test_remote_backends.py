@@ -412,3 +412,25 @@ def test_the_next_writer_waits_for_a_stopped_node_uploaders_attempt(gated, tmp_p
     assert max(i for i, p in enumerate(puts) if f"/{name1}/" in p) < min(
         i for i, p in enumerate(puts) if f"/{name2}/" in p
     )
+
+
+def test_gc_remote_on_gcs_goes_on_past_a_refused_checkpoint(deny, tmp_path, capsys):
+    """``gc --remote`` on a store other than S3 whose 403 is gcsfs's OSError: the command
+    ended with that traceback at the first refused checkpoint. It says the refusal, deletes
+    the others and exits 1, as on S3."""
+    import json
+
+    from resilient_callbacks.cli import main
+
+    url = _url()
+    _saves(url, tmp_path, 3, keep="all")
+    deny.refuse = staticmethod(lambda p: "step_000000001/" in p and "/.writer-" not in p)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["gc", str(empty), "--remote", url, "--keep-last", "1", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert "refused to delete" in err and "step_000000001" in err, err
+    got = json.loads(out)["remote"]
+    assert [d["name"] for d in got["delete"]] == ["step_000000002"], got
+    assert [d["name"] for d in got["failed"]] == ["step_000000001"], got
+    assert _committed(url) == ["step_000000001", "step_000000003"]
