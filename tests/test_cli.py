@@ -796,8 +796,11 @@ def test_gc_remove_corrupt_keeps_a_checkpoint_of_a_newer_format(tmp_path):
     flip_byte(str(root / "step_000000020" / "rank_00000.safetensors"))
     got = cli("gc", str(root), "--remove-corrupt", "--json")
     assert got.returncode == 0, got.stderr
-    assert [d["name"] for d in json.loads(got.stdout)["delete"]] == ["step_000000020"]
+    got = json.loads(got.stdout)
+    assert [d["name"] for d in got["delete"]] == ["step_000000020"]
     assert newer.exists()
+    (kept,) = [k for k in got["keep"] if k["name"] == "step_000000030"]
+    assert kept["kept"] is True and "kept, also by --remove-corrupt" in kept["kept_by"][0]
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch):

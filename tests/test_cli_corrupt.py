@@ -219,8 +219,12 @@ def test_gc_dry_run(damaged):
     assert r.returncode == 0, r.stderr
     for line in _lines_about(r.stdout, DAMAGED):
         assert not VALID_WORD.search(line) and "CORRUPT" in line
+        # why it is kept, and how to delete it: a garbled manifest too (it said neither)
+        assert "not counted; remove with `resilient-ckpt gc DIR --remove-corrupt`" in line
     j = json.loads(cli("gc", root, "--dry-run", "--json").stdout)
-    assert [k["status"] for k in j["keep"] if k["name"] == DAMAGED] == ["corrupt"]
+    (row,) = [k for k in j["keep"] if k["name"] == DAMAGED]
+    assert row["status"] == "corrupt" and row["kept"] is True, row
+    assert row["kept_by"] and "--remove-corrupt" in row["kept_by"][0], row
 
 
 def test_gc_never_deletes_the_newest_valid_checkpoint(damaged):

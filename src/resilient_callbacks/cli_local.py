@@ -34,7 +34,7 @@ from .errors import CheckpointError
 from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME, NEWER_FORMAT
 from .reader import by_commit, check
-from .retention import Plan, RetentionPolicy, plan
+from .retention import CORRUPT_KEPT, Plan, RetentionPolicy, plan
 
 
 def _policy(entries: list[Entry], keep_last: int | None) -> RetentionPolicy:
@@ -70,6 +70,10 @@ def _committed(entries: list[Entry], args: argparse.Namespace) -> set[tuple[str,
 
 def _kept(e: Entry, p: Plan) -> dict[str, Any]:
     why = p.keep.get(e.name, []) if e.status is not Status.INCOMPLETE else []
+    if not why and e.status is Status.CORRUPT and e.manifest is None:
+        # an unreadable manifest: no candidate of retention's, kept all the same (it said no
+        # reason and "kept": false, and never named --remove-corrupt)
+        why = [NEWER_KEPT if _newer_format(e) else CORRUPT_KEPT]
     # abandoned: on a branch a roll-back abandoned
     return {"kept": bool(why), "kept_by": list(why), "abandoned": e.name in p.abandoned}
 
@@ -372,6 +376,9 @@ def _through(e: Entry, damaged: dict[str, Any]) -> dict[str, Any]:
 def _label(r: dict[str, Any]) -> str:
     step = r["step"] if r["step"] is not None else "?"
     return f"{r['name']} (step {step}, {status_text(r['status'], r['checked'])})"
+
+
+NEWER_KEPT = "a newer version's checkpoint: kept, also by --remove-corrupt"
 
 
 def _newer_format(e: Entry) -> bool:

@@ -117,6 +117,10 @@ class Candidate:
     lineage: Mapping[str, Any] | None = None
 
 
+#: why gc keeps a corrupt checkpoint (one never counts towards keep_last or as the newest)
+CORRUPT_KEPT = "corrupt: not counted; remove with `resilient-ckpt gc DIR --remove-corrupt`"
+
+
 @dataclass
 class Plan:
     keep: dict[str, list[str]]  # name -> reasons
@@ -150,7 +154,7 @@ def plan(
         if run_id is not None and c.run_id != run_id:
             mark(c, f"other run {c.run_id}")
         elif not c.valid:
-            mark(c, "corrupt: not counted; remove with `resilient-ckpt gc DIR --remove-corrupt`")
+            mark(c, CORRUPT_KEPT)
         else:
             mine.append(c)
         if c.name in protected:
