@@ -59,6 +59,22 @@ PROBE_PREFIX = ".resilient-probe-"
 STALE_UPLOAD_S = 24 * 3600.0  # untouched this long, a folder without a manifest is dead
 
 
+def _scheme_hint(url: str) -> str:
+    """How to fix a URL whose scheme (of any link of a chained ``a::b://`` URL) no installed
+    filesystem takes: fsspec's own words ("Protocol not known: s4") said no more."""
+    known = fsspec.available_protocols()
+    for link in url.split("::"):
+        proto = fsspec.core.split_protocol(link)[0]
+        if proto and proto not in known:
+            return (
+                f". '{proto}://' is no scheme fsspec knows: check its spelling (s3://, "
+                "gs://, az://, file://, ...; `python -c 'import fsspec; "
+                "print(fsspec.available_protocols())'` lists them), or install the package "
+                f"that provides {proto}://"
+            )
+    return ""
+
+
 class RemoteStore:
     """Checkpoint directories under one fsspec URL."""
 
@@ -81,7 +97,7 @@ class RemoteStore:
         except (TypeError, ValueError) as e:
             raise RemoteUnavailableError(
                 f"remote={self.url!r} with remote_options {options_text(self.options)}: "
-                f"{url_text(str(e))}"
+                f"{url_text(str(e))}{_scheme_hint(url)}"
             ) from e
         self.root = root.rstrip("/")
         proto = self.fs.protocol
