@@ -3,7 +3,10 @@ needs credentials none were given for. Each is one error line that says what to 
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -30,3 +33,28 @@ def test_an_unknown_url_scheme_says_how_to_fix_it(tmp_path):
         RemoteUnavailableError, match=re.escape("Protocol not known: s4. 's4://' is no")
     ):
         RemoteStore("s4://bucket/run1")
+
+
+def test_a_store_without_credentials_says_where_to_give_them(tmp_path):
+    """``s3://`` with no credentials anywhere: botocore's "Unable to locate credentials" was
+    the whole line. A real run of the executable, the environment holding none (the endpoint
+    is a closed local port: the client fails before it connects)."""
+    pytest.importorskip("s3fs")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    nowhere = str(tmp_path / "none")
+    env |= {
+        "AWS_SHARED_CREDENTIALS_FILE": nowhere,
+        "AWS_CONFIG_FILE": nowhere,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    endpoint = "endpoint_url=http://127.0.0.1:9"
+    r = subprocess.run(
+        [sys.executable, "-m", "resilient_callbacks", "verify", "s3://bucket/run1", "-o", endpoint],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stderr
+    assert "NoCredentialsError" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "AWS_ACCESS_KEY_ID" in r.stderr and "-o anon=true" in r.stderr, r.stderr
