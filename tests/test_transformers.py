@@ -854,7 +854,7 @@ def test_export_newest_checkpoint_loads_with_from_pretrained(tmp_path):
     assert not torch.equal(older.transformer.wte.weight, live["transformer.wte.weight"])
 
 
-def test_resilient_ckpt_export_subcommand(tmp_path, capsys):
+def test_resilient_ckpt_export_subcommand(tmp_path):
     from resilient_callbacks import cli
 
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -862,8 +862,19 @@ def test_resilient_ckpt_export_subcommand(tmp_path, capsys):
         pytest.skip("cli.py does not register the export subcommand yet")
     ck = tmp_path / "ck"
     _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 2)
-    assert cli.main(["export", str(ck), str(tmp_path / "hf")]) == 0
-    assert "step 2" in capsys.readouterr().out
+    # as a user runs it: a fresh interpreter, where importing transformers takes seconds,
+    # which passed without a word (up to 15 s on a loaded machine); it is said first now
+    r = subprocess.run(
+        [sys.executable, "-m", "resilient_callbacks", "export", str(ck), str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "step 2" in r.stdout
+    assert r.stderr.startswith("resilient-ckpt export: a Trainer run's checkpoint: loading "), (
+        r.stderr
+    )
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
 
 

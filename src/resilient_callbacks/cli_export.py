@@ -5,6 +5,7 @@ as consolidated safetensors)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from typing import Any
 
@@ -119,6 +120,14 @@ def _export(args: argparse.Namespace) -> int:
     path = _not_exportable(args)
     if path is not None:  # a plain Checkpointer state: its one module
         return _export_entry(args, None)
+    if "transformers" not in sys.modules and importlib.util.find_spec("transformers"):
+        # its import alone takes seconds (15 on a loaded machine), which passed in silence
+        print(
+            f"{PROG} export: a Trainer run's checkpoint: loading transformers to write a "
+            "from_pretrained directory ...",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         from .transformers.export import cli_export
     except ImportError as e:
