@@ -58,3 +58,14 @@ def test_a_store_without_credentials_says_where_to_give_them(tmp_path):
     assert r.returncode == 1, r.stderr
     assert "NoCredentialsError" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "AWS_ACCESS_KEY_ID" in r.stderr and "-o anon=true" in r.stderr, r.stderr
+
+
+def test_report_usage_names_dir_as_required():
+    """``report --help`` showed ``[DIR]`` (optional to argparse only, for ``report --json
+    DIR``) while a report without DIR is a usage error."""
+    shown = cli("report", "--help")
+    assert shown.returncode == 0
+    usage = shown.stdout.split("\n\n")[0]
+    assert usage.rstrip().endswith(" DIR") and "[DIR]" not in usage, usage
+    missing = cli("report")
+    assert missing.returncode == 2 and "required: DIR" in missing.stderr, missing.stderr

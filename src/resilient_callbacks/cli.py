@@ -342,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-o", "--option", metavar="KEY=VALUE", action="append", help=OPTION_HELP)
     p.set_defaults(fn=cmd_report)
+    # DIR is required (optional to argparse only so that `report --json DIR` parses): said so
+    p.usage = p.format_usage().removeprefix("usage: ").replace(" [DIR]", " DIR").rstrip()
     return ap
 
 
