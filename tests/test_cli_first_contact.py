@@ -69,3 +69,17 @@ def test_report_usage_names_dir_as_required():
     assert usage.rstrip().endswith(" DIR") and "[DIR]" not in usage, usage
     missing = cli("report")
     assert missing.returncode == 2 and "required: DIR" in missing.stderr, missing.stderr
+
+
+def test_push_says_how_a_copy_already_there_was_checked(tmp_path):
+    """A checkpoint the store holds printed the same line with and without --verify: whether
+    its checksums were read was not said (only --json's "checked" told)."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10,))
+    url = (tmp_path / "remote").as_uri()
+    assert cli("push", root, url).returncode == 0
+    again = cli("push", root, url)
+    assert again.returncode == 0 and again.stdout.strip().endswith("(sizes match)"), again.stdout
+    read = cli("push", root, url, "--verify")
+    assert read.returncode == 0, read.stderr
+    assert read.stdout.strip().endswith("(checksums read, they match)"), read.stdout

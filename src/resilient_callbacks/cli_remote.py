@@ -336,7 +336,8 @@ def push(args: argparse.Namespace) -> int:
                 item["checked"] = "checksums" if args.verify else "sizes"
                 done["present"].append(item)
                 if not args.json:
-                    print(f"{e.name} (step {e.step}) is already in {st.url}")
+                    how = "checksums read, they match" if args.verify else "sizes match"
+                    print(f"{e.name} (step {e.step}) is already in {st.url} ({how})")
                 continue
             was = damaged.get(key)  # repaired where it lies; else a name no other commit has
             name = at[key] if was is not None else free_name(e.name, key, taken)
