@@ -897,6 +897,7 @@ def test_verify_reads_a_remote_store_and_push_verify_repairs_a_same_size_rot(tmp
     assert r.returncode == 1 and "DIR is local here" in r.stderr
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save, one process
 def test_verify_of_a_url_holding_plain_dcp_checkpoints_names_them(tmp_path, s3_remote):
     """On the S3 API server: `verify URL` of checkpoints plain ``dcp.save`` wrote there
     (FsspecWriter), one of them torn (its ``.metadata``, written last, missing), said only "no
