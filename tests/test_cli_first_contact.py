@@ -4,9 +4,13 @@ needs credentials none were given for. Each is one error line that says what to 
 from __future__ import annotations
 
 import os
+import queue
 import re
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -83,3 +87,56 @@ def test_push_says_how_a_copy_already_there_was_checked(tmp_path):
     read = cli("push", root, url, "--verify")
     assert read.returncode == 0, read.stderr
     assert read.stdout.strip().endswith("(checksums read, they match)"), read.stdout
+
+
+@pytest.mark.parametrize("command", ["verify", "pull"])  # (pull lists in a reader thread)
+def test_a_store_that_does_not_answer_is_said_while_it_is_waited_for(tmp_path, command):
+    """An endpoint that takes connections and never answers (or one that is down: the
+    client retries for about 10 s): ``verify URL`` printed nothing until the client gave up.
+    A line now says what it waits for once the listing has had no answer for a few seconds.
+    The executable, as a user runs it; stopped once it has said so."""
+    pytest.importorskip("s3fs")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # never accepted: the kernel takes the connection, nobody answers
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env |= {
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+    }
+    endpoint = f"endpoint_url=http://127.0.0.1:{silent.getsockname()[1]}"
+    cmd = [sys.executable, "-m", "resilient_callbacks", command, "s3://bucket/run1"]
+    cmd += [str(tmp_path / "pulled")] if command == "pull" else []
+    p = subprocess.Popen([*cmd, "-o", endpoint], stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert p.stderr is not None
+        for line in p.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    said: list[str] = []
+    try:
+        deadline = time.monotonic() + 120  # (said after 2 s; generous for a loaded machine)
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            said.append(line)
+            if "no answer after" in line:
+                break
+    finally:
+        p.kill()
+        p.wait(timeout=60)
+        silent.close()
+    assert any(
+        line.startswith(f"resilient-ckpt {command}: listing s3://bucket/run1: no answer after 2 s;")
+        and "waiting for the store" in line
+        for line in said
+    ), said

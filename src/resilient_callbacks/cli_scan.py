@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import catalog, checking
+from . import catalog, checking, store_wait
 from .catalog import Depth, Entry, Status
 from .cli_format import (
     CHECKSUMS,
@@ -138,7 +138,8 @@ LARGE_BYTES = 1 << 30
 @contextlib.contextmanager
 def reading_said(cmd: str) -> Iterator[None]:
     """While command ``cmd`` runs: a line on stderr before every checksum of a checkpoint of
-    at least :data:`LARGE_BYTES` is read (at disk speed: minutes for hundreds of GB)."""
+    at least :data:`LARGE_BYTES` is read (at disk speed: minutes for hundreds of GB), and one
+    when a remote store has not answered a listing for a few seconds (:mod:`.store_wait`)."""
 
     def say(path: str, nbytes: int) -> None:
         if nbytes >= LARGE_BYTES:
@@ -150,7 +151,16 @@ def reading_said(cmd: str) -> Iterator[None]:
                 flush=True,
             )
 
-    with checking.said_by(say):
+    def waited(what: str, seconds: float) -> None:
+        print(
+            f"resilient-ckpt {cmd}: {what}: no answer after {seconds:g} s; waiting for the "
+            "store (its client retries a connection that fails: a wrong endpoint or a store "
+            "that is down ends in an error)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    with checking.said_by(say), store_wait.said_by(waited):
         yield
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import remote_reads
+from . import remote_reads, store_wait
 from .blobs import BLOBS_DIR
 from .catalog import PLAIN_DCP_METADATA
 from .errors import CheckpointCorruptError, RemoteUnavailableError
@@ -84,7 +84,9 @@ def scan_with_blobs(st: RemoteStore) -> tuple[list[RemoteEntry], dict[str, int]]
     st.fs.invalidate_cache()
     try:
         # every depth: a FilePart's files (parts/<id>/...) and dcp/ live in sub-folders
-        listing = st.fs.find(st.root, detail=True)
+        # (a local folder answers or raises; only a store a client talks to is waited for)
+        with store_wait.waiting(f"listing {st.url}", quiet=st.is_local):
+            listing = st.fs.find(st.root, detail=True)
     except FileNotFoundError as e:
         check_bucket(st, e)
         return [], {}

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .errors import RemoteUnavailableError, RemoteWaitPreemptedError
 from .redact import url_text
 from .remote_reads import READ_TRIES, may_pass
+from .store_wait import carried
 from .upload_thread import backoff_s
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ def run(
         except BaseException as e:  # handed to the caller
             out["error"] = e
 
-    worker = threading.Thread(target=target, name="rc-restore-read", daemon=True)
+    # (with the store_wait hook the CLI set, if any: the listing's wait is said there too)
+    worker = threading.Thread(target=carried(target), name="rc-restore-read", daemon=True)
     worker.start()
     t0 = last_move = last_log = time.monotonic()
     seen = -1
