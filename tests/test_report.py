@@ -398,7 +398,9 @@ def test_a_synchronous_plain_loop_without_close_records_how_it_ended(tmp_path: P
     assert history.records(str(tmp_path))[-1]["event"] == ending
 
 
-def test_processes_killed_before_the_first_checkpoint_are_failures_of_the_run(tmp_path: Path):
+def test_processes_killed_before_the_first_checkpoint_are_failures_of_the_run(
+    tmp_path: Path, capsys
+):
     """Two processes SIGKILLed before their first save, then one that trains to the end: each
     re-run started a new run, and the report said 0 failures with the goodput of the last
     process alone (a job that keeps dying before its first save looked healthy). The re-runs
@@ -436,10 +438,15 @@ def test_processes_killed_before_the_first_checkpoint_are_failures_of_the_run(tm
     assert [r["event"] for r in lives] == ["start", "restart", "restart"]
     assert len({r["run_id"] for r in lives}) == 1
     js = tmp_path / "r.json"
+    capsys.readouterr()
     assert cli(["report", str(tmp_path), "--json", str(js)]) == 0
     report = json.loads(js.read_text())
     s = report["summary"]
     assert s["lives"] == 3 and s["failures"] == 2 and s["saves"] == 1, s
+    # the summary line: a lower bound of 0.0 s alone read as nothing lost; the time no record
+    # covers (killed before any heartbeat) is said beside it
+    said = capsys.readouterr().err
+    assert f", {s['unaccounted_s']:.1f} s more from the failures' last records to the " in said
     assert s["wall_s"] >= lives[-1]["time"] - lives[0]["time"]
     assert report["other_runs"] == []
 

@@ -85,10 +85,15 @@ def report(args: argparse.Namespace) -> int:
             else "goodput unknown (no step() call was timed: useful time is measured between "
             "step() calls)"
         )
+        lost = f">= {s['work_lost_s_at_least']:.1f} s of work lost"
+        if s["failures"]:  # the lower bound alone read as "nothing lost" (no heartbeat yet)
+            lost += (
+                f", {s['unaccounted_s']:.1f} s more from the failures' last records to the "
+                "restarts (lost work, time down or restarting: not told apart)"
+            )
         print(
             f"run {data['run_id']}: {goodput}, {s['failures']} failure(s), "
-            f"{s['saves']} save(s), {s['saving_blocked_s']:.2f} s blocked saving, "
-            f">= {s['work_lost_s_at_least']:.1f} s of work lost",
+            f"{s['saves']} save(s), {s['saving_blocked_s']:.2f} s blocked saving, {lost}",
             file=sys.stderr,
         )
     if wrote:
