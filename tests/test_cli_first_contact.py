@@ -1,5 +1,7 @@
-"""What a new user meets first with resilient-ckpt: a typo in a URL's scheme, a store that
-needs credentials none were given for. Each is one error line that says what to do."""
+"""What a new user meets first with resilient-ckpt (found by a first-contact walk, 2026-12-07):
+a typo in a URL's scheme, a store that needs credentials none were given for, a store that does
+not answer, report's usage line, push's line about a copy already there. Each says what it did
+or what to do, in one line."""
 
 from __future__ import annotations
 
