@@ -9,7 +9,11 @@ the fit loop's progress, the random streams and the module's buffers. At the exc
 the live weights and optimizer with those, unless an optimizer step began its update since
 (then the weights are those of a step that did not finish, perhaps half-updated by an update that
 raised part-way, and nothing is saved: say so; an exception in the forward or backward pass,
-inside the closure Lightning hands the optimizer, changed no weight and is saved), or the exception
+inside the closure Lightning hands the optimizer, changed no weight and is saved), or a parameter
+was written in place or replaced since (its version counter or address changed: a SAM-style
+``first_step()`` or the user's own write in a manual-optimization ``training_step``, which no
+``optimizer.step()`` hook sees; a write through ``p.data`` shows in neither and is not seen), or
+the exception
 came during a validation with Lightning's ``WeightAveraging``, whose averaged weights the model
 holds then, or after a new epoch's start hooks changed the optimizers' parameter groups since an
 epoch's last step (nothing saved either).
@@ -27,6 +31,7 @@ import torch
 
 from .. import notices, rng
 from ..checkpointer import Checkpointer
+from ..emergency import ParamVersion, changed_params, param_versions
 from ..inplace import same_value
 from ..optim import update_began
 from . import state as st
@@ -46,6 +51,7 @@ class _Boundary:
     buffers: dict[str, torch.Tensor]
     epochs_ready: int  # the fit loop's epochs begun (their on_train_epoch_start hooks run)
     groups: Any  # at an epoch's end: the optimizers' parameter groups (:func:`_groups`)
+    versions: list[ParamVersion]  # the parameters' version counters and addresses
 
 
 class ExceptionSave:
@@ -79,6 +85,7 @@ class ExceptionSave:
             buffers={name: b.detach().clone() for name, b in module.named_buffers()},
             epochs_ready=trainer.fit_loop.epoch_progress.total.ready,
             groups=_groups(trainer) if marks.get(EPOCH_END_KEY) else None,
+            versions=param_versions({"model": module, "optimizers": trainer.optimizers}),
         )
         self.stepped = False
 
@@ -110,6 +117,18 @@ class ExceptionSave:
                 "save_on_exception: %s came after the optimizer began updating the weights in a "
                 "step that did not finish; the state matches no step, so nothing is saved",
                 type(exception).__name__,
+            )
+            return
+        changed = changed_params(b.versions)
+        if changed:
+            log.warning(
+                "save_on_exception: %s came after %s was written in place since step %d, not by "
+                "an optimizer.step() (a two-pass optimizer's first_step(), your own write in a "
+                "manual-optimization training_step); the state matches no step, so nothing is "
+                "saved; the newest checkpoint is the last periodic one",
+                type(exception).__name__,
+                changed,
+                b.step,
             )
             return
         began = trainer.fit_loop.epoch_progress.total.ready > b.epochs_ready
