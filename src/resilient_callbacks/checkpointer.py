@@ -346,9 +346,10 @@ class Checkpointer(CheckpointerQueries):
         check_metrics(metrics)
         self._trigger.step_started(step)
         self._recorder.tick(step)
+        window = self._emergency.windows.inside(state, self.world_size)
         try:
             try:  # (no context manager: this is every step's path)
-                saved = self._step(step, state, metrics, final)
+                saved = self._step(step, state, metrics, final, window)
             except Exception as e:
                 err = dist.peer_error(e, f"step({step})")
                 if err is None:
@@ -361,14 +362,22 @@ class Checkpointer(CheckpointerQueries):
                 check_next_save_fits(self._saver)
             return saved
         finally:
-            if self.config.save_on_exception and not self._closed:
+            # (inside an accumulation window the point before it stays the consistent one)
+            if self.config.save_on_exception and not self._closed and window is None:
                 self._emergency.mark_consistent(step, state)
             self._trigger.step_ended()
 
-    def _step(self, step: int, state: Any, metrics: Mapping[str, Any] | None, final: bool) -> bool:
+    def _step(
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, Any] | None,
+        final: bool,
+        window: str | None = None,
+    ) -> bool:
         # answered once: with exit_on_preemption=False the steps after it do not save again
         preempt = self.watcher is not None and self.watcher.poll(3) and not self.preempted
-        decision = self._trigger.decide(step, metrics, final, preempt, state, self.watcher)
+        decision = self._trigger.decide(step, metrics, final, preempt, state, self.watcher, window)
         if decision is None:
             return False
         kind, why = decision

@@ -31,6 +31,7 @@ from .preemption import MetadataPoller, PreemptionWatcher, exiting
 from .preemption.signals import WatcherConfig
 from .preemption.signals import _signal_name as signal_name
 from .refusals import refuse_stateful
+from .windows import StepWatch
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -178,6 +179,7 @@ class Emergency:
         self._consistent_point: Any = None
         self._step_watch: dict[int, Any] = {}
         self._watch = ParamWatch()
+        self.windows = StepWatch()  # a step() inside an accumulation window (windows.py)
         # (step, error) of a preemption's emergency save that failed, while no later one saved
         self.failed: tuple[int, str] | None = None
 
@@ -241,6 +243,7 @@ class Emergency:
         self._step_watch.clear()
         self._watch.clear()
         self._consistent_point = None
+        self.windows.release()
 
     def save_on_exception(self, exc: BaseException) -> None:
         """Save the last consistent step before ``exc`` propagates, if configured and safe."""

@@ -205,6 +205,7 @@ class Trigger:
         preempt: bool,
         state: Any = None,
         watcher: PreemptionWatcher | None = None,
+        window: str | None = None,
     ) -> tuple[str, str] | None:
         """Every rank: ``(kind, why)`` if this step is saved, else None. ``kind`` is
         ``"preemption"``, ``"final"``, ``"required"`` (an archive step or a loss jump: a
@@ -213,18 +214,19 @@ class Trigger:
         (:func:`.statetree.mid_step`: a gradient accumulation window, the same on every rank),
         a preemption's included, is held -- the ranks agreed on it already -- and made at the
         first step outside it (a ``final`` one is not: the save refuses it). ``watcher``: the
-        preemption's, whose grace period a held preemption is compared with."""
+        preemption's, whose grace period a held preemption is compared with. ``window``: a plain
+        loop's ``step()`` inside an accumulation window (:mod:`.windows`), held alike."""
         decision = self._decide(step, metrics, final, preempt)
         held = self._held
         if decision is not None and decision[0] != "final":
-            inside = statetree.mid_step(state)
+            inside = statetree.mid_step(state) or window
             if inside is not None:
                 if held is None or _RANK[decision[0]] > _RANK[held[0]]:
                     self._held = decision
                     if decision[0] == "preemption":
                         self._say_held(step, inside, state, watcher)
                 return None
-        if held is not None and statetree.mid_step(state) is None:
+        if held is not None and (statetree.mid_step(state) or window) is None:
             self._held = None
             if decision is None or _RANK[held[0]] > _RANK[decision[0]]:
                 return held

@@ -1,0 +1,107 @@
+"""A plain loop's ``step()`` called per micro-batch of a gradient accumulation window: the
+state's optimizers did not step since the previous ``step()`` (:class:`StepWatch`), and their
+parameters hold gradients (the window's so far, in ``.grad``, which no checkpoint holds). A save there would
+resume without them, and a resumed run would train on differently from one never stopped; so a
+save due there (periodic, a preemption's) is made at the first ``step()`` after the window's
+optimizer step, and ``save_on_exception`` keeps the last step before the window as its
+consistent point. Which ranks call what: every rank at every ``step()``; with several ranks a
+save is not held (the ranks could differ, and a save one rank held would leave the others
+waiting in its collectives): a warning says so, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+
+from . import notices, statetree
+from .optim import hookable, two_pass_base, untraced
+
+log = logging.getLogger("resilient_callbacks")
+
+
+class StepWatch:
+    """Notices whether the state's optimizers stepped between two ``step()`` calls: one step
+    pre-hook per optimizer, registered at the first ``step()`` that sees it; a ``GradScaler``'s
+    ``update()`` (its scale tensor written; a step it skipped for an inf gradient calls no
+    optimizer's ``step()``); and, where no hook fired, the parameters' version counters (an
+    optimizer outside the state wrote them: an adapter's stand-in that never steps, a SAM
+    wrapper whose ``step()`` is never called). (An optimizer the state holds but the loop does
+    not step, its parameters unchanged, looks like a window that never ends: its saves wait
+    for the final step.)"""
+
+    def __init__(self) -> None:
+        # id of the hooked optimizer -> (hook handle, stepped flag, weak reference to it)
+        self._hooks: dict[int, tuple[Any, list[bool], weakref.ref[Any]]] = {}
+        self._scales: list[tuple[int, int]] = []  # the GradScalers' scale tensors, versions
+        self._versions: list[int] | None = None  # the parameters' at the last step() (no hook)
+        self._fired = False  # a hook fired at some step(): they tell this loop's steps
+        self._warned = False
+
+    def inside(self, state: Any, world_size: int) -> str | None:
+        """At ``step()``: what says this call is inside an accumulation window (the module's
+        docstring), or None. Cheap where an optimizer stepped: no parameter is looked at."""
+        leaves = [v for _, v in statetree.leaves(state)]
+        found = [v for v in leaves if isinstance(v, torch.optim.Optimizer)]
+        # (and the optimizer a SAM-style wrapper steps: its own step() may never be called)
+        opts = [hookable(o) for o in found] + [b for o in found if (b := two_pass_base(o))]
+        scales = [
+            (id(t), t._version)
+            for v in leaves
+            if isinstance(v, torch.amp.GradScaler) and isinstance(t := v._scale, torch.Tensor)
+        ]
+        stepped, self._scales = scales != self._scales, scales
+        new = False
+        for opt in opts:
+            entry = self._hooks.get(id(opt))
+            if entry is None or entry[2]() is not opt:
+                flag = [False]
+
+                def began(*_: Any, _flag: list[bool] = flag) -> None:
+                    _flag[0] = True
+
+                handle = opt.register_step_pre_hook(untraced(began))
+                self._hooks[id(opt)] = (handle, flag, weakref.ref(opt))
+                new = True
+            elif entry[1][0]:
+                stepped = self._fired = True
+                entry[1][0] = False
+        if not opts or stepped or new:
+            self._versions = None
+            return None
+        params = [p for o in opts for g in o.param_groups for p in g["params"]]
+        if not any(p.grad is not None for p in params):
+            self._versions = None
+            return None
+        before, self._versions = self._versions, [p._version for p in params]
+        if not (self._versions == before if before is not None else self._fired):
+            return None
+        if world_size > 1:
+            if not self._warned:
+                self._warned = True
+                notices.log_once(
+                    log,
+                    "step() was called with no optimizer step since the previous step() while "
+                    "the parameters hold gradients (a step() per micro-batch of a gradient "
+                    "accumulation window?): a save there resumes without the window's "
+                    "gradients. Call step() once per optimizer step, after it, with the number "
+                    "of optimizer steps",
+                )
+            return None
+        if not self._warned:
+            self._warned = True
+            log.info(
+                "step() is called inside gradient accumulation windows (no optimizer step since "
+                "the previous step(), gradients in .grad): a save due there is made at the "
+                "first step() after the window's optimizer step"
+            )
+        return "this step() (no optimizer step since the previous step(), gradients in .grad)"
+
+    def release(self) -> None:
+        """Remove the hooks (close)."""
+        for handle, _, _ in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()

@@ -1,0 +1,56 @@
+"""A plain loop that calls ``ckpt.step()`` once per micro-batch of a gradient accumulation
+window: a save due inside a window (periodic, or ``save_on_exception``'s) is made at the first
+``step()`` after the window's optimizer step, so a run stopped there and resumed trains on
+exactly as one never stopped."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer
+
+WINDOW = 3  # micro-batches per optimizer step
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def train(ck_dir, total, every=100, fail_at=None, save_on_exception=False):
+    """Micro-steps 1..total, an optimizer step after every WINDOW-th; ``step(i)`` after each."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {"model": model, "optimizer": opt}
+    with Checkpointer(
+        ck_dir, every_n_steps=every, save_on_exception=save_on_exception, async_save=False
+    ) as ck:
+        first = ck.restore(state)
+        for i in range(first + 1, total + 1):
+            if i == fail_at:
+                raise Boom("in the forward pass")
+            (model(x[i % 16 : i % 16 + 1]).pow(2).mean() / WINDOW).backward()
+            if i % WINDOW == 0:
+                opt.step()
+                opt.zero_grad()
+            ck.step(i, state)
+    return first, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("how", ["periodic", "exception"])
+def test_a_step_per_micro_batch_saves_at_the_windows_end_and_resumes_exactly(tmp_path, how, caplog):
+    """A save at micro-step 4 (periodic, or at an exception in micro-step 8) held the weights of
+    step 3 with no gradient of micro-step 4; the resumed run's next optimizer step lacked it."""
+    _, ref = train(tmp_path / "ref", 12)
+    ck = tmp_path / "ck"
+    kwargs = {"every": 4} if how == "periodic" else {"save_on_exception": True}
+    with caplog.at_level(logging.INFO, logger="resilient_callbacks"), pytest.raises(Boom):
+        train(ck, 12, fail_at=8, **kwargs)
+    first, params = train(ck, 12)
+    assert all(torch.equal(params[k], ref[k]) for k in ref)
+    assert first == 6  # the end of the window the save was due in
+    assert "inside gradient accumulation windows" in caplog.text
