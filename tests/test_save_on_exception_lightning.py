@@ -34,8 +34,8 @@ class _StepSAM(SAM):
 class _TwoPass(L.LightningModule):
     """Manual optimization, two passes per step; raises ``Boom`` at step ``fail_at`` (1-based)
     at ``where``: ``"backward"`` (after manual_backward, nothing written), ``"write"`` (after
-    manual_backward and an in-place write of a weight), ``"first_step"`` (between the two
-    passes)."""
+    manual_backward and an in-place write of a weight; ``"replace"``: ``p.data = t``),
+    ``"first_step"`` (between the two passes)."""
 
     def __init__(self, fail_at: int = 0, where: str = "") -> None:
         super().__init__()
@@ -51,11 +51,14 @@ class _TwoPass(L.LightningModule):
         opt = self.optimizers()
         self.manual_backward(self.lin(batch[0]).pow(2).mean())
         self._fail("backward")
-        if self.global_step + 1 == self.fail_at and self.where == "write":
+        if self.global_step + 1 == self.fail_at and self.where in ("write", "replace"):
             w = self.lin.weight
-            with torch.no_grad():
-                w.clamp_(-0.01, 0.01)
-            self._fail("write")
+            if self.where == "replace":
+                w.data = w.data.clamp(-0.01, 0.01)  # (a new tensor: its address tells)
+            else:
+                with torch.no_grad():
+                    w.clamp_(-0.01, 0.01)
+            self._fail(self.where)
         opt.first_step()
         opt.zero_grad()
         self._fail("first_step")
@@ -70,7 +73,9 @@ class _TwoPass(L.LightningModule):
 def _fit(root, every: int = 2, **failing) -> None:
     L.seed_everything(0, verbose=False)  # (before the module's weights are drawn)
     module = _TwoPass(**failing)
-    rc = ResilientCheckpoint(root, every_n_steps=every, save_on_exception=True, preemption=False)
+    rc = ResilientCheckpoint(  # (synchronous: no due save skipped while one is being written)
+        root, every_n_steps=every, save_on_exception=True, preemption=False, async_save=False
+    )
     trainer = L.Trainer(
         max_steps=8,
         accelerator="cpu",
@@ -92,7 +97,7 @@ def _tensors(root, step: int) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("where", ["first_step", "write"])
+@pytest.mark.parametrize("where", ["first_step", "write", "replace"])
 def test_an_in_place_write_in_a_step_that_did_not_finish_saves_nothing(tmp_path, where, caplog):
     """The callback watched only ``optimizer.step()``: a write before it (SAM's first pass, the
     user's own) left moved weights, saved as step 5's in an emergency checkpoint."""
@@ -100,6 +105,7 @@ def test_an_in_place_write_in_a_step_that_did_not_finish_saves_nothing(tmp_path,
         _fit(tmp_path / "ck", fail_at=6, where=where)
     assert _committed(tmp_path / "ck") == [(2, "periodic"), (4, "periodic")]
     assert "lin.weight was written in place since step 5" in caplog.text
+    assert "Boom during training: saving" not in caplog.text
 
 
 def test_an_exception_after_the_backward_pass_saves_the_last_step_as_a_save_of_it(tmp_path):
