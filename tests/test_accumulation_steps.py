@@ -6,6 +6,8 @@ exactly as one never stopped."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 
 import pytest
 import torch
@@ -19,15 +21,20 @@ class Boom(RuntimeError):
     pass
 
 
-def train(ck_dir, total, every=100, fail_at=None, save_on_exception=False):
-    """Micro-steps 1..total, an optimizer step after every WINDOW-th; ``step(i)`` after each."""
+def train(ck_dir, total, every=100, fail_at=None, save_on_exception=False, preempt_at=None):
+    """Micro-steps 1..total, an optimizer step after every WINDOW-th; ``step(i)`` after each.
+    ``preempt_at``: a real SIGTERM before that ``step()``; the loop stops once it saved."""
     torch.manual_seed(0)
     x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = {"model": model, "optimizer": opt}
     with Checkpointer(
-        ck_dir, every_n_steps=every, save_on_exception=save_on_exception, async_save=False
+        ck_dir,
+        every_n_steps=every,
+        save_on_exception=save_on_exception,
+        async_save=False,
+        exit_on_preemption=False,
     ) as ck:
         first = ck.restore(state)
         for i in range(first + 1, total + 1):
@@ -37,7 +44,11 @@ def train(ck_dir, total, every=100, fail_at=None, save_on_exception=False):
             if i % WINDOW == 0:
                 opt.step()
                 opt.zero_grad()
+            if i == preempt_at:
+                os.kill(os.getpid(), signal.SIGTERM)
             ck.step(i, state)
+            if ck.preempted:
+                break
     return first, {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -54,3 +65,13 @@ def test_a_step_per_micro_batch_saves_at_the_windows_end_and_resumes_exactly(tmp
     assert all(torch.equal(params[k], ref[k]) for k in ref)
     assert first == 6  # the end of the window the save was due in
     assert "inside gradient accumulation windows" in caplog.text
+
+
+def test_a_preemption_inside_a_window_saves_at_its_end(tmp_path):
+    """The preemption's emergency save at micro-step 4 held the weights of step 3 without
+    micro-step 4's gradient."""
+    _, ref = train(tmp_path / "ref", 12)
+    train(tmp_path / "ck", 12, preempt_at=4)
+    first, params = train(tmp_path / "ck", 12)
+    assert first == 6
+    assert all(torch.equal(params[k], ref[k]) for k in ref)
