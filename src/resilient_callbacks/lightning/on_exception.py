@@ -31,9 +31,9 @@ import torch
 
 from .. import notices, rng
 from ..checkpointer import Checkpointer
-from ..emergency import ParamVersion, changed_params, param_versions
 from ..inplace import same_value
 from ..optim import update_began
+from ..param_watch import ParamVersion, ParamWatch, changed_params
 from . import state as st
 from .boundary import EPOCH_END_KEY
 
@@ -59,6 +59,7 @@ class ExceptionSave:
 
     def __init__(self) -> None:
         self._boundary: _Boundary | None = None
+        self._watch = ParamWatch()  # the parameters' list, kept between steps
         self.stepped = False  # an optimizer step ran after the boundary
 
     def hook_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
@@ -85,7 +86,7 @@ class ExceptionSave:
             buffers={name: b.detach().clone() for name, b in module.named_buffers()},
             epochs_ready=trainer.fit_loop.epoch_progress.total.ready,
             groups=_groups(trainer) if marks.get(EPOCH_END_KEY) else None,
-            versions=param_versions({"model": module, "optimizers": trainer.optimizers}),
+            versions=self._watch.versions({"model": module, "optimizers": trainer.optimizers}),
         )
         self.stepped = False
 
