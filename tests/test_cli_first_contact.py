@@ -1,10 +1,12 @@
 """What a new user meets first with resilient-ckpt (found by a first-contact walk, 2026-12-07):
 a typo in a URL's scheme, a store that needs credentials none were given for, a store that does
-not answer, report's usage line, push's line about a copy already there. Each says what it did
-or what to do, in one line."""
+not answer (and one that answers a long listing: not said to give no answer), report's usage
+line, push's line about a copy already there. Each says what it did or what to do, in one line."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import queue
 import re
@@ -95,7 +97,7 @@ def test_push_says_how_a_copy_already_there_was_checked(tmp_path):
 def test_a_store_that_does_not_answer_is_said_while_it_is_waited_for(tmp_path, command):
     """An endpoint that takes connections and never answers (or one that is down: the
     client retries for about 10 s): ``verify URL`` printed nothing until the client gave up.
-    A line now says what it waits for once the listing has had no answer for a few seconds.
+    A line now says what it waits for once the listing is not done after a few seconds.
     The executable, as a user runs it; stopped once it has said so."""
     pytest.importorskip("s3fs")
     silent = socket.socket()
@@ -131,14 +133,57 @@ def test_a_store_that_does_not_answer_is_said_while_it_is_waited_for(tmp_path, c
             if line is None:
                 break
             said.append(line)
-            if "no answer after" in line:
+            if "not done after" in line:
                 break
     finally:
         p.kill()
         p.wait(timeout=60)
         silent.close()
     assert any(
-        line.startswith(f"resilient-ckpt {command}: listing s3://bucket/run1: no answer after 2 s;")
+        line.startswith(f"resilient-ckpt {command}: listing s3://bucket/run1: not done after 2 s;")
         and "waiting for the store" in line
         for line in said
     ), said
+
+
+class _SaysWhenWaited(io.StringIO):
+    """The CLI's stderr, in process: ``waited`` is set once the store's wait is said."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = threading.Event()
+
+    def write(self, s: str) -> int:
+        n = super().write(s)
+        if "after 0.01 s" in s:
+            self.waited.set()
+        return n
+
+
+def test_a_store_that_answers_a_long_listing_is_not_said_to_give_no_answer(monkeypatch):
+    """A store of many objects lists page by page, for seconds, answering all along: the line
+    said "no answer" and blamed the endpoint. Here a store that is not a local folder answers
+    its listing once the wait has been said (``find`` holds until then)."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from resilient_callbacks import store_wait
+    from resilient_callbacks.cli import main
+
+    err = _SaysWhenWaited()
+
+    class _Long(MemoryFileSystem):
+        protocol = "rclonglisting"
+
+        def find(self, *args, **kwargs):
+            err.waited.wait(120)  # (bounded: the assertion below then says what was missing)
+            return super().find(*args, **kwargs)
+
+    fsspec.register_implementation("rclonglisting", _Long, clobber=True)
+    monkeypatch.setattr(store_wait, "AFTER_S", 0.01)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        main(["verify", "rclonglisting://bucket/run1"])
+    said = [line for line in err.getvalue().splitlines() if "after 0.01 s" in line]
+    assert len(said) == 1, err.getvalue()
+    assert "listing rclonglisting://bucket/run1: not done after 0.01 s;" in said[0], said
+    assert "no answer" not in said[0] and "a store of many objects" in said[0], said

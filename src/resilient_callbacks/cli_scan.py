@@ -139,7 +139,7 @@ LARGE_BYTES = 1 << 30
 def reading_said(cmd: str) -> Iterator[None]:
     """While command ``cmd`` runs: a line on stderr before every checksum of a checkpoint of
     at least :data:`LARGE_BYTES` is read (at disk speed: minutes for hundreds of GB), and one
-    when a remote store has not answered a listing for a few seconds (:mod:`.store_wait`)."""
+    when a remote store's listing is not done after a few seconds (:mod:`.store_wait`)."""
 
     def say(path: str, nbytes: int) -> None:
         if nbytes >= LARGE_BYTES:
@@ -153,9 +153,9 @@ def reading_said(cmd: str) -> Iterator[None]:
 
     def waited(what: str, seconds: float) -> None:
         print(
-            f"resilient-ckpt {cmd}: {what}: no answer after {seconds:g} s; waiting for the "
-            "store (its client retries a connection that fails: a wrong endpoint or a store "
-            "that is down ends in an error)",
+            f"resilient-ckpt {cmd}: {what}: not done after {seconds:g} s; still waiting for "
+            "the store (a store of many objects takes a while to list; a client that cannot "
+            "connect retries, and a wrong endpoint or a store that is down ends in an error)",
             file=sys.stderr,
             flush=True,
         )

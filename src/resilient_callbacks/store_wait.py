@@ -1,7 +1,8 @@
-"""A line on stderr when a remote store has not answered a listing for a few seconds: a hook
-the CLI sets. A store that is down (a wrong endpoint, a closed port) makes its client retry for
+"""A line on stderr when a remote store's listing is not done after a few seconds: a hook the
+CLI sets. A store that is down (a wrong endpoint, a closed port) makes its client retry for
 seconds (botocore: about 10) before the error, and ``resilient-ckpt ls --remote``, ``verify
-URL``, ``push`` and ``pull`` printed nothing meanwhile. A no-op unless a caller set a hook; per
+URL``, ``push`` and ``pull`` printed nothing meanwhile. The line does not tell that case from a
+store that answers, page by page, a listing of many objects: it says both. A no-op unless a caller set a hook; per
 context (a thread started with :func:`carried` has its starter's), so a training process,
 which sets none, never calls one."""
 
