@@ -238,6 +238,17 @@ def test_example_keep_last_and_best_min():
     assert p.delete == ["c1", "c3"]
 
 
+def test_example_keep_best_keeps_the_earliest_of_tied_scores():
+    """A later checkpoint is better only if strictly so (the Trainer's best_global_step,
+    Lightning's save_top_k): the newest of the ties was kept, and the first deleted."""
+    cands = [_c(1, loss=3.0), _c(2, loss=1.0), _c(3, loss=2.0), _c(4, loss=1.0), _c(5, loss=1.0)]
+    for mode, sign in (("min", 1.0), ("max", -1.0)):
+        scaled = [_c(c.seq, loss=sign * c.metrics[MONITOR]) for c in cands]
+        p = plan(scaled, RetentionPolicy(keep_last=1, keep_best=1, monitor=MONITOR, mode=mode), "r")
+        assert sorted(p.keep) == ["c2", "c5"], mode
+        assert p.delete == ["c1", "c3", "c4"], mode
+
+
 def test_example_keep_best_max_ignores_nan_and_none():
     cands = [
         _c(1, loss=float("nan")),

@@ -173,9 +173,11 @@ def plan(
         scored = [c for c in mine if _finite(c.metrics.get(key))]
         sign = 1.0 if policy.mode is Mode.MIN else -1.0
         # the current lineage's best first: an abandoned branch's score, from a timeline the
-        # run threw away, never takes the place of the lineage's best (it only fills a slot)
+        # run threw away, never takes the place of the lineage's best (it only fills a slot).
+        # A tie ranks the earlier first: a later checkpoint is better only if strictly so, as
+        # the Trainer's best_global_step and Lightning's save_top_k count it
         scored.sort(
-            key=lambda c: ((c.run_id, c.seq) in off, sign * float(c.metrics[key] or 0.0), -c.seq)
+            key=lambda c: ((c.run_id, c.seq) in off, sign * float(c.metrics[key] or 0.0), c.seq)
         )
         for c in scored[: policy.keep_best]:
             mark(c, f"best {key}={c.metrics[key]:.6g}")
