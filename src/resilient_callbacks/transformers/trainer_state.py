@@ -8,15 +8,16 @@ them alike."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers.trainer_callback import ExportableState
 
-from .. import dist, sinks
+from .. import dist, notices, sinks
 from ..checkpointer import Checkpointer
-from ..errors import CheckpointMismatchError
+from ..errors import AT_CALLER, CheckpointMismatchError, warn_and_log
 from ..optim import hookable
 from ..structure import OptionalKeys, PerRank
 from . import collator_rng, data_settings, under_deepspeed, under_fsdp
@@ -176,6 +177,7 @@ class SavedState:
             data_settings.check_order(v.get("order"), self.order, v["loop"], step)
         for name, value in v["state"].items():
             setattr(state, name, value)
+        forget_a_best_checkpoint_that_is_gone(state)
         restore_callback_states(trainer, v["callbacks"], exclude=self.exclude)
         loop = v["loop"]
         if self.batches is not None:
@@ -197,6 +199,26 @@ class SavedState:
             self.epoch_start.clone(),
             bool(loop.get("stopped", False)),
         )
+
+
+def forget_a_best_checkpoint_that_is_gone(state: Any) -> None:
+    """The Trainer's best ``checkpoint-N`` (``trainer_checkpoints=True``), as restored, is not
+    on this machine (a resume from the remote copy on a new node, an ``output_dir`` cleaned):
+    forget it, as the Trainer's own resume does, so that ``load_best_model_at_end`` does not
+    try to load it at the end (a later, better evaluation sets a new one)."""
+    best = state.best_model_checkpoint
+    if best is None or os.path.isdir(best):
+        return
+    state.best_model_checkpoint = None
+    msg = (
+        f"ResilientCheckpoint: the Trainer's best checkpoint {best} (step "
+        f"{state.best_global_step}, {state.best_metric}) recorded in the checkpoint restored "
+        "does not exist on this machine: load_best_model_at_end=True will load it only if a "
+        "later evaluation is better. Keep the best with ResilientCheckpoint(keep_best=1, "
+        "monitor=...) to have it in our checkpoints (and their remote copy), and export it "
+        "with resilient_callbacks.transformers.export_pretrained."
+    )
+    warn_and_log(log, notices.on_this_rank(msg), UserWarning, stacklevel=AT_CALLER)
 
 
 def callback_states(trainer: Any, exclude: Any) -> dict[str, list[Any]]:
