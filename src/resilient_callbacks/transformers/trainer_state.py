@@ -213,10 +213,13 @@ def forget_a_best_checkpoint_that_is_gone(state: Any) -> None:
     msg = (
         f"ResilientCheckpoint: the Trainer's best checkpoint {best} (step "
         f"{state.best_global_step}, {state.best_metric}) recorded in the checkpoint restored "
-        "does not exist on this machine: load_best_model_at_end=True will load it only if a "
-        "later evaluation is better. Keep the best with ResilientCheckpoint(keep_best=1, "
-        "monitor=...) to have it in our checkpoints (and their remote copy), and export it "
-        "with resilient_callbacks.transformers.export_pretrained."
+        "does not exist on this machine (another machine's output_dir, a directory cleaned, "
+        "or save_total_limit deleted it after a better evaluation of the stopped run, which "
+        "this run repeats): forgotten, as the Trainer's own resume does; "
+        "load_best_model_at_end=True loads a best found from here on, if any. To keep the "
+        "best with the run's checkpoints (and their remote copy), pass "
+        "ResilientCheckpoint(keep_best=1, monitor=...) and export it with "
+        "resilient_callbacks.transformers.export_pretrained."
     )
     warn_and_log(log, notices.on_this_rank(msg), UserWarning, stacklevel=AT_CALLER)
 
