@@ -366,6 +366,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="collate with SeededMasking(SEED) (a collator with a generator of its own)",
     )
+    p.add_argument(
+        "--args-json", default="{}", help="more TrainingArguments overrides, as a JSON object"
+    )
+    p.add_argument("--trainer-checkpoints", action="store_true", help="trainer_checkpoints=True")
+    p.add_argument(
+        "--early-stopping", type=int, default=None, metavar="PATIENCE",
+        help="add EarlyStoppingCallback(PATIENCE) before the callback",
+    )  # fmt: skip
+    p.add_argument("--out-state", default=None, help="hf_final_state.write() at the end")
     p.add_argument("--out-jsonl", required=True)
     p.add_argument("--out-final", required=True)
     args = p.parse_args(argv)
@@ -376,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0")) if args.ddp else 0
     suffix = f".rank{rank}" if args.ddp else ""
 
-    overrides = {}
+    overrides = json.loads(args.args_json)
     if args.accumulation != 3:
         overrides["gradient_accumulation_steps"] = args.accumulation
     if args.deepspeed is not None:
@@ -397,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         ddp=args.ddp,
         frozen_base=args.frozen_base,
         collator_seed=args.collator_seed,
+        callbacks=(
+            [transformers.EarlyStoppingCallback(args.early_stopping)]
+            if args.early_stopping is not None
+            else None
+        ),
         **overrides,
     )
     model = trainer.model
@@ -409,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             keep_last=args.keep_last,
             overlap_snapshot=args.overlap,
             incremental=args.frozen_base,
+            trainer_checkpoints=args.trainer_checkpoints,
         )
     trainer.add_callback(ckpt)
     trainer.add_callback(Recorder(ckpt, args.out_jsonl + suffix, rank, args.sleep, args.hold_at))
@@ -444,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
             },
             f,
         )
+    if args.out_state is not None:
+        import hf_final_state
+
+        hf_final_state.write(trainer, args.out_state + suffix)
     if args.ddp:
         import torch.distributed as dist
 
