@@ -119,3 +119,25 @@ def test_best_by_monitor_is_of_the_fits_own_run_not_another_run_beside_it(tmp_pa
         trainer.fit(module, _loader(), _loader())
     trainer.test(ckpt_path="best", dataloaders=_loader(), verbose=False)
     assert module.loaded_steps == [3]  # val_loss (3 - 3) ** 2 == 0, of this run
+
+
+class _Tied(_Net):
+    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.log("val_loss", 1.0)  # every validation ties
+
+
+def test_best_of_tied_scores_is_the_earliest_the_one_retention_keeps(tmp_path):
+    """Every validation reports the same val_loss: keep_best=1 keeps the first (a later score
+    must be strictly better, as for Lightning's ModelCheckpoint(save_top_k=1)). The "best"
+    evaluated after the fit was the newest of the ties (step 6), another checkpoint than the
+    one retention keeps as the best."""
+    module = _Tied()
+    rc = ResilientCheckpoint(
+        tmp_path / "ck", every_n_steps=1, keep_last=1, keep_best=1, monitor="val_loss"
+    )
+    trainer = _trainer(tmp_path, rc, max_steps=6, val_check_interval=1, limit_val_batches=1)
+    trainer.fit(module, _loader(), _loader())
+    kept = catalog.committed(catalog.scan(str(tmp_path / "ck"), catalog.Depth.NONE))
+    assert [e.step for e in kept] == [1, 6]
+    trainer.test(ckpt_path="best", dataloaders=_loader(), verbose=False)
+    assert module.loaded_steps == [1]

@@ -74,8 +74,8 @@ def evaluated(
 ) -> str:
     """The checkpoint an evaluation after the fit that saved into ``dirpath`` loads: the best
     valid one of its run (``run_id``; not another run's beside it) by ``monitor`` (``mode``
-    "max" or "min") where it is set, else ``latest`` (the newest valid one when the fit
-    ended); "" when there is none."""
+    "max" or "min"; of tied scores the earliest, as retention ranks them) where it is set,
+    else ``latest`` (the newest valid one when the fit ended); "" when there is none."""
     if not monitor:
         return latest or ""
     sign = -1.0 if mode == "max" else 1.0
@@ -85,7 +85,7 @@ def evaluated(
             continue  # another run's (ForeignCheckpointsWarning), not this fit's
         value = e.manifest.metrics.get(monitor) if e.manifest is not None else None
         if e.status is Status.VALID and isinstance(value, (int, float)) and math.isfinite(value):
-            scored.append((sign * float(value), -e.seq, e.path))
+            scored.append((sign * float(value), e.seq, e.path))  # a tie: the earliest
     return min(scored)[2] if scored else latest or ""
 
 
