@@ -169,3 +169,24 @@ def test_the_best_checkpoint_logged_is_this_runs_not_another_runs_beside_it(
     assert logged.step == 5 and logged.metrics["loss"] == pytest.approx(0.5)
     v1 = client.get_model_version("tiny-linear", "1")
     assert v1.tags["resilient_ckpt.checkpoint"] == name
+
+
+def test_the_best_checkpoint_logged_of_tied_scores_is_the_kept_best(
+    tmp_path: Path, monkeypatch, mlflow_sqlite: str
+):
+    """Every save reports the same loss: retention keeps the earliest as the best (a later
+    score must be strictly better); the sink logged the newest of the ties, the checkpoint
+    kept as the newest, not the best."""
+    monkeypatch.chdir(tmp_path)
+    uri = mlflow_sqlite
+    d, state = tmp_path / "ck", {"model": torch.nn.Linear(8, 8)}
+    opts = {"every_n_steps": 5, "keep_last": 1, "keep_best": 1, "monitor": "loss"}
+    with Checkpointer(d, telemetry=_sink(uri, log_checkpoint="best"), **opts) as ck:
+        ck.restore(state)
+        for step in range(1, 16):
+            ck.step(step, state, {"loss": 1.0})
+    assert sorted(e.step for e in scan(str(d), Depth.NONE) if e.status is Status.VALID) == [5, 15]
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("registry-test").experiment_id])
+    name = json.loads(run.data.tags["resilient_ckpt.checkpoint_artifact"])["name"]
+    assert read_manifest(str(d / name)).step == 5

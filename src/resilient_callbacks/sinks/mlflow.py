@@ -263,7 +263,8 @@ class MLflowSink:
                 v = e.manifest.metrics.get(monitor)
                 return math.inf if v is None else sign * float(v)
 
-            valid.sort(key=score, reverse=True)  # the best last
+            # the best last; of tied scores the earliest, the one retention keeps as the best
+            valid.sort(key=lambda e: (score(e), e.seq), reverse=True)
         for e in reversed(valid):  # the chosen one; the next if it fails its verification
             assert e.manifest is not None
             try:
