@@ -434,3 +434,59 @@ def test_gc_remote_on_gcs_goes_on_past_a_refused_checkpoint(deny, tmp_path, caps
     assert [d["name"] for d in got["delete"]] == ["step_000000002"], got
     assert [d["name"] for d in got["failed"]] == ["step_000000001"], got
     assert _committed(url) == ["step_000000001", "step_000000003"]
+
+
+def test_one_store_spelled_two_ways_is_one_store(monkeypatch):
+    """Two keys for one store let two writers of this process write it at once (the one-writer
+    claim and the upload threads' hand-over go by the key). The key held the option's path
+    (``client_kwargs.endpoint_url`` against ``endpoint_url``), the service's own endpoint
+    spelled against none, the port a URL's scheme implies, and missed the endpoint that
+    botocore takes from ``AWS_ENDPOINT_URL``: each spelling below was a store of its own."""
+    pytest.importorskip("s3fs")
+    minio = "http://127.0.0.1:9000"
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", raising=False)
+    on_minio = {
+        RemoteStore("s3://bucket/run", {"endpoint_url": minio}).key,
+        RemoteStore("s3://bucket/run", {"client_kwargs": {"endpoint_url": minio + "/"}}).key,
+        RemoteStore("s3://bucket/run", {"endpoint_url": "HTTP://127.0.0.1:9000"}).key,
+    }
+    on_aws = {
+        RemoteStore("s3://bucket/run").key,
+        RemoteStore("s3://bucket/run", {"endpoint_url": "https://s3.amazonaws.com"}).key,
+        RemoteStore("s3://bucket/run", {"endpoint_url": "https://s3.eu-west-1.amazonaws.com"}).key,
+    }
+    secure = {
+        RemoteStore("s3://bucket/run", {"endpoint_url": "https://minio.lab"}).key,
+        RemoteStore("s3://bucket/run", {"endpoint_url": "https://minio.lab:443/"}).key,
+    }
+    assert len(on_minio) == 1 and len(on_aws) == 1 and len(secure) == 1, (on_minio, on_aws, secure)
+    assert len(on_minio | on_aws | secure) == 3  # (still three stores)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", minio)  # (botocore's endpoint for every client)
+    assert RemoteStore("s3://bucket/run").key in on_minio
+    assert RemoteStore("s3://bucket/run", {"endpoint_url": "https://minio.lab"}).key in secure
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "https://minio.lab")  # (S3's own before it)
+    assert RemoteStore("s3://bucket/run").key in secure
+
+
+def test_an_azure_account_or_a_default_port_spelled_two_ways_is_one_identity():
+    """(adlfs and an sftp server are not needed to read the options.) An Azure account given
+    by name, account URL or connection string, and a port its protocol's default, were each
+    an identity of its own."""
+    from resilient_callbacks.store_key import store_identity
+
+    conn = "DefaultEndpointsProtocol=https;AccountName=Acct1;AccountKey=c2VjcmV0;EndpointSuffix=core.windows.net"
+    azure = [
+        store_identity({"account_name": "acct1"}, "abfs"),
+        store_identity({"account_url": "https://acct1.blob.core.windows.net/"}, "abfs"),
+        store_identity({"connection_string": conn}, "abfs"),
+    ]
+    assert azure == [{"account_name": "acct1"}] * 3, azure
+    assert store_identity({"account_name": "acct2"}, "abfs") != azure[0]
+    assert store_identity({"host": "h", "port": 22}, "sftp") == store_identity(
+        {"host": "H"}, "sftp"
+    )
+    assert store_identity({"host": "h", "port": 2222}, "sftp") != store_identity(
+        {"host": "h"}, "sftp"
+    )

@@ -109,7 +109,9 @@ class RemoteStore:
         #: (:func:`store_identity`: one bucket name on two endpoints is two stores)
         where = os.path.realpath(self.root) if self.is_local else self.root
         self.key = f"{self.protocol}://{where}"
-        if ident := store_identity(getattr(self.fs, "storage_options", None) or self.options):
+        if ident := store_identity(
+            getattr(self.fs, "storage_options", None) or self.options, self.protocol
+        ):
             self.key += " " + json.dumps(ident, sort_keys=True)
         # name -> (its manifest's listed size, time, etag; the manifest): see _read_manifests
         self._manifests: dict[str, tuple[tuple[Any, ...], Manifest]] = {}

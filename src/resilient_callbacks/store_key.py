@@ -6,6 +6,8 @@ collective.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -28,38 +30,105 @@ IDENTITY_OPTIONS = (
     "account_host",
     "instance",
 )
-# in an Azure connection string, the parts that name the account (never its key)
-_CONNECTION_PARTS = ("accountname", "blobendpoint", "endpointsuffix")
 
 
-def store_identity(options: Mapping[str, Any]) -> dict[str, str]:
+def store_identity(options: Mapping[str, Any], protocol: str = "") -> dict[str, str]:
     """The options of :data:`IDENTITY_OPTIONS` among ``options`` (also nested, as
     ``client_kwargs.endpoint_url``), and the account an Azure ``connection_string`` names,
-    normalised: a URL's scheme and host in lower case, without a trailing slash."""
-    out: dict[str, str] = {}
+    normalised so that one store spelled two ways gives one identity (two keys for one store
+    would let two writers of this process write it at once): an option by its name whatever
+    its depth (``endpoint`` as ``endpoint_url``; s3fs's top-level one before its
+    ``client_kwargs``' one), a URL's scheme and host in lower case, without a trailing slash or
+    its scheme's default port; for ``protocol``, the endpoint its client takes from the
+    environment where no option gives one (S3: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``;
+    GCS: ``STORAGE_EMULATOR_HOST``), the service's own public endpoint (any ``amazonaws.com``
+    host on S3, ``storage.googleapis.com`` on GCS) as no endpoint, a port its default (22 on
+    sftp) as none, and an Azure account however it is given (name, account URL or host,
+    connection string) as its name."""
+    found: dict[str, list[str]] = {}  # name -> values, the shallowest first
 
-    def walk(opts: Mapping[str, Any], prefix: str) -> None:
+    def walk(opts: Mapping[str, Any]) -> None:
+        nested = []
         for k, v in opts.items():
             name = str(k).lower()
+            name = _ALIASES.get(name, name)
             if isinstance(v, Mapping):
-                walk(v, f"{prefix}{name}.")
+                nested.append(v)
             elif name in IDENTITY_OPTIONS and v not in (None, ""):
-                out[prefix + name] = _normal(str(v))
+                found.setdefault(name, []).append(str(v))
             elif name == "connection_string" and isinstance(v, str):
                 for part in v.split(";"):
                     key, _, value = part.partition("=")
-                    if key.strip().lower() in _CONNECTION_PARTS and value:
-                        out[f"{prefix}{name}.{key.strip().lower()}"] = _normal(value.strip())
+                    key = key.strip().lower()
+                    if key in _CONNECTION_PARTS and value.strip():
+                        found.setdefault(_CONNECTION_PARTS[key], []).append(value.strip())
+        for v in nested:
+            walk(v)
 
-    walk(options, "")
+    walk(options)
+    out = {name: _normal(values[0]) for name, values in found.items()}
+    if "endpoint_url" not in out:
+        for var in _ENV_ENDPOINTS.get(protocol, ()):
+            if (value := os.environ.get(var, "").strip()) and not _env_endpoints_ignored():
+                out["endpoint_url"] = _normal(value if "://" in value else f"http://{value}")
+                break
+    host = urlsplit(out.get("endpoint_url", "")).hostname or ""
+    if host and _public(protocol, host):
+        del out["endpoint_url"]
+    if protocol in _AZURE:
+        for name in ("account_url", "account_host", "endpoint_url"):
+            value = out.get(name, "")
+            h = (urlsplit(value).hostname if "://" in value else value) or ""
+            m = _AZURE_HOST.match(h)
+            if m and out.get("account_name", m.group(1)) == m.group(1):
+                out["account_name"] = m.group(1)
+                del out[name]
+        if out.get("endpointsuffix") == "core.windows.net":
+            del out["endpointsuffix"]
+    if out.get("port") == str(_DEFAULT_PORTS.get(protocol)):
+        del out["port"]
     return out
 
 
+_ALIASES = {"endpoint": "endpoint_url"}
+# in an Azure connection string, the parts that name the account (never its key), as options
+_CONNECTION_PARTS = {
+    "accountname": "account_name",
+    "blobendpoint": "account_url",
+    "endpointsuffix": "endpointsuffix",
+}
+# the environment variables a backend's client takes its endpoint from, in its order
+_ENV_ENDPOINTS = {
+    "s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+    "s3a": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+    "gs": ("STORAGE_EMULATOR_HOST",),
+    "gcs": ("STORAGE_EMULATOR_HOST",),
+}
+_AZURE = ("az", "abfs", "abfss", "adl")
+_AZURE_HOST = re.compile(r"^([a-z0-9]+)\.(?:blob|dfs)\.core\.windows\.net$")
+_DEFAULT_PORTS = {"http": 80, "https": 443, "sftp": 22, "ssh": 22, "ftp": 21, "smb": 445}
+
+
+def _env_endpoints_ignored() -> bool:
+    return os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true"
+
+
+def _public(protocol: str, host: str) -> bool:
+    """Whether ``host`` is the service's own endpoint, the one its client takes without one."""
+    if protocol in ("s3", "s3a"):  # (every region's, dual-stack, VPC: bucket names are global)
+        return host == "amazonaws.com" or host.endswith(".amazonaws.com")
+    if protocol in ("gs", "gcs"):
+        return host in ("storage.googleapis.com", "www.googleapis.com")
+    return False
+
+
 def _normal(value: str) -> str:
-    value = value.rstrip("/")
+    value = value.strip().rstrip("/")
     if "://" not in value:  # (a host, an account, a port)
         return value.lower()
     parts = urlsplit(value)
-    return urlunsplit(
-        (parts.scheme.lower(), parts.netloc.lower(), parts.path, parts.query, "")
-    ).rstrip("/")
+    scheme, netloc = parts.scheme.lower(), parts.netloc.lower()
+    port = _DEFAULT_PORTS.get(scheme)
+    if port is not None and netloc.endswith(f":{port}"):
+        netloc = netloc[: -len(f":{port}")]
+    return urlunsplit((scheme, netloc, parts.path, parts.query, "")).rstrip("/")
