@@ -212,7 +212,7 @@ def delete(fs: Any, paths: list[str]) -> dict[str, Exception]:
     characters go in one ``fs.rm`` (which raises for the batch; what it silently kept is not
     known here) and the others one by one; a batch the store answered with an error (a
     refusal, :func:`answered`) is sent again one object at a time, each refusal returned. A
-    request that fails as a whole without an answer raises."""
+    request that fails without an answer (a batch, or one object's) raises."""
     if _s3(fs):
         return _s3_delete(fs, paths)
     refused: dict[str, Exception] = {}
@@ -234,6 +234,8 @@ def delete(fs: Any, paths: list[str]) -> dict[str, Exception]:
         except FileNotFoundError:
             pass
         except Exception as e:
+            if not answered(fs, e):
+                raise  # (a timeout, a 5xx: an outage, not a refusal; as for the batch)
             refused[p] = e
     return refused
 
