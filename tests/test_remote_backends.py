@@ -511,3 +511,47 @@ def test_an_azure_account_or_a_default_port_spelled_two_ways_is_one_identity():
     assert store_identity({"host": "h", "port": 2222}, "sftp") != store_identity(
         {"host": "h"}, "sftp"
     )
+
+
+def _raised_in_handling(outer: Exception, inner: Exception) -> Exception:
+    try:
+        raise inner
+    except Exception:
+        try:
+            raise outer
+        except Exception as e:
+            return e
+
+
+def test_an_error_without_the_stores_answer_is_no_refusal(deny):
+    """A refusal was recognised anywhere in an error's chain, before the error's own status:
+    a 503 (or a timeout) raised while handling an earlier 403 (a client's retry after
+    refreshing its credentials), and aiohttp's ClientConnectorError, which carries the
+    socket's errno (EPERM where a local firewall drops the connection) and the socket's
+    PermissionError, were refusals: the delete said done by the store, the checkpoint held
+    back 10 min to 6 h, the user told to grant rights while the store had answered nothing."""
+    import errno
+
+    from resilient_callbacks import remote_paths
+
+    fs = RemoteStore(_url()).fs
+    forbidden = HttpError({"code": 403, "message": "no storage.objects.delete"})
+    no_answer = [
+        _raised_in_handling(HttpError({"code": 503, "message": "backendError"}), forbidden),
+        _raised_in_handling(TimeoutError("no answer within 60 s"), forbidden),
+    ]
+    aiohttp = pytest.importorskip("aiohttp")
+    blocked = PermissionError(errno.EPERM, "Operation not permitted")
+    no_answer.append(aiohttp.ClientConnectorError(None, blocked))
+    no_answer.append(aiohttp.ClientConnectorError(None, PermissionError(errno.EACCES, "denied")))
+    for e in no_answer:
+        assert not remote_paths.denied(e), repr(e)
+        assert not remote_paths.answered(fs, e), repr(e)
+    # (the store's own refusals still are, also raised while handling an outage)
+    for e in (
+        forbidden,
+        _raised_in_handling(HttpError({"code": 403, "message": "denied"}), TimeoutError()),
+        _refusal("azure", "/x", batch=True),
+        _refusal("gcs", "/x", batch=False),
+    ):
+        assert remote_paths.denied(e) and remote_paths.answered(fs, e), repr(e)

@@ -107,12 +107,16 @@ def answered(fs: Any, e: BaseException) -> bool:
     proto = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if proto in ("file", "local", "memory"):
         return True
-    for x in _chain(e):
-        if isinstance(x, FileNotFoundError) or denied(x):
+    for x in _chain(e):  # (the outermost error that says what happened decides)
+        if _no_answer(x):
+            return False
+        if isinstance(x, FileNotFoundError):
             return True
         status = status_of(x)
         if status is not None:
             return 400 <= status < 500 or status == 501
+        if _denied_here(x):
+            return True
     return False
 
 
@@ -125,13 +129,48 @@ def denied(e: BaseException) -> bool:
     """Whether ``e`` (or an error it carries) is a store's refusal for lack of rights, however
     the backend says it: ``PermissionError`` (s3fs's AccessDenied, a local filesystem), an
     ``OSError`` of errno EACCES, EPERM or EROFS, or an HTTP status 401 or 403
-    (:func:`status_of`: gcsfs, adlfs, aiohttp, botocore)."""
+    (:func:`status_of`: gcsfs, adlfs, aiohttp, botocore). The outermost error that says what
+    happened decides: a 5xx or a timeout raised while handling a 403 is no refusal, nor is a
+    connection that failed before any answer (:func:`_no_answer`: aiohttp's
+    ``ClientConnectorError`` carries the socket's errno, EPERM where a local firewall drops
+    it, EACCES where SELinux does)."""
     for x in _chain(e):
-        if isinstance(x, PermissionError) or getattr(x, "errno", None) in _DENIED_ERRNOS:
-            return True
-        if status_of(x) in (401, 403):
+        if _no_answer(x):
+            return False
+        status = status_of(x)
+        if status is not None:
+            return status in (401, 403)
+        if _denied_here(x):
             return True
     return False
+
+
+def _denied_here(x: BaseException) -> bool:
+    return isinstance(x, PermissionError) or getattr(x, "errno", None) in _DENIED_ERRNOS
+
+
+# the errors of a request that got no answer, by class name (no client imported): the store
+# said nothing, whatever errno the local socket gave (aiohttp, botocore, azure-core)
+_NO_ANSWER_CLASSES = frozenset(
+    (
+        "ClientConnectionError",  # aiohttp: ClientConnectorError, ServerDisconnectedError, ...
+        "ServerTimeoutError",
+        "EndpointConnectionError",  # botocore
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "ServiceRequestError",  # azure-core: the request never reached the service
+        "ServiceResponseError",
+    )
+)
+
+
+def _no_answer(x: BaseException) -> bool:
+    """Whether ``x`` says that a request got no answer (a connection that failed or was cut,
+    a timeout): what it carries (the socket's error) says nothing of the store."""
+    return isinstance(x, (ConnectionError, TimeoutError)) or any(
+        c.__name__ in _NO_ANSWER_CLASSES for c in type(x).__mro__
+    )
 
 
 def status_of(e: BaseException) -> int | None:
@@ -182,6 +221,8 @@ def _chain(e: BaseException) -> list[BaseException]:
         if any(x is y for y in out):
             continue
         out.append(x)
+        if _no_answer(x):  # (what it carries is the local socket's: not looked into)
+            continue
         inner = [a for a in x.args if isinstance(a, BaseException)]
         context = None if x.__suppress_context__ else x.__context__
         todo += [c for c in (x.__cause__, context, *inner) if c is not None]
