@@ -98,7 +98,6 @@ class NodeUploader(UploadThread):
         self._deletes: list[UploadJob] = []  # objects of dropped checkpoints, to delete
         self.failing_since: float | None = None  # monotonic time of the first failure in a row
         self.failures_in_a_row = 0
-        self._progress: Progress | None = None  # of the transfer under way
         self._after_previous(store.key)  # (a stopped writer's attempt ends before this one's)
         self._start()
 
@@ -414,14 +413,10 @@ class NodeUploader(UploadThread):
             bar=False,
             log_every_s=30.0,
         )
-        self._progress = progress  # its last byte's time: wait() tells a stalled store
-        try:
+        with self._transfer(progress):  # its last byte's time: wait() tells a stalled store
             lpaths = [os.path.join(local, f.path) for f in job.files]
             st.fs.put(lpaths, rpaths, callback=progress.multi_callback())
             self._check(local, job, rpaths)
-        finally:
-            self._progress = None
-            progress.close()
         if st.is_local:
             st._fsync_local(rpaths)
         with self._cond:

@@ -102,7 +102,6 @@ class RemoteSync(UploadThread):
         self._last_warn = 0.0
         self._uploaded = 0
         self._uploaded_bytes = 0
-        self._progress: Progress | None = None  # of the upload under way
         self._upload_seconds = 0.0
         self._last_sweep: float | None = None  # when cut-off uploads were last looked for
         self._after_previous(store.key)
@@ -266,18 +265,15 @@ class RemoteSync(UploadThread):
             bar=None if self.show_progress else False,
             log_every_s=30.0,
         )
-        self._progress = progress
         try:
-            remote_name = self._upload(path, manifest, name, progress)
+            with self._transfer(progress):
+                remote_name = self._upload(path, manifest, name, progress)
         except CheckpointCorruptError as e:  # its bytes rotted since its commit: never uploaded
             log.error("remote: not uploading %s, its local copy is damaged: %s", name, e)
             return True
         except Exception as e:
             self._failed(name, e)
             return False
-        finally:
-            self._progress = None
-            progress.close()
         elapsed = time.perf_counter() - t0
         with self._cond:
             recovered = self._failures

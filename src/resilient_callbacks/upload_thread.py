@@ -10,16 +10,18 @@ owns the thread (the coordinator, or a node's leader); nothing here is collectiv
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import RemoteDeleteRefusedError
+from .progress import Progress
 from .redact import url_text
 
 _JITTER = random.Random()
@@ -134,6 +136,8 @@ class UploadThread:
         self._previous: list[UploadThread] = []  # (see _after_previous)
         self._waiting_since: float | None = None  # (_wait_previous: when it began waiting)
         self._waiting_on: UploadThread | None = None  # (_wait_previous: the one waited for)
+        self._progress: Progress | None = None  # of the transfer under way (:meth:`_transfer`)
+        self._moved_at: float | None = None  # when its last transfer that ended last moved
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _start(self) -> None:
@@ -194,8 +198,21 @@ class UploadThread:
         if since is None:
             return 0.0
         progress = getattr(prev, "_progress", None)  # (an upload under way)
-        last = since if progress is None else max(since, progress.last_update)
+        moved = getattr(prev, "_moved_at", None)  # (one that ended: its deletes, commit since)
+        last = max(since, moved or since, since if progress is None else progress.last_update)
         return max(0.0, time.monotonic() - last)
+
+    @contextlib.contextmanager
+    def _transfer(self, progress: Progress) -> Iterator[Progress]:
+        """The thread: a transfer under way, whose bytes ``progress`` counts (its last byte's
+        time tells a stalled store: ``stalled_s``, and :meth:`_waited_stall_s` of the next
+        writer waiting for this thread, also once it ended)."""
+        self._progress = progress
+        try:
+            yield progress
+        finally:
+            self._moved_at, self._progress = progress.last_update, None
+            progress.close()
 
     def _run(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
