@@ -190,3 +190,24 @@ def test_the_best_checkpoint_logged_of_tied_scores_is_the_kept_best(
     (run,) = client.search_runs([client.get_experiment_by_name("registry-test").experiment_id])
     name = json.loads(run.data.tags["resilient_ckpt.checkpoint_artifact"])["name"]
     assert read_manifest(str(d / name)).step == 5
+
+
+def test_the_best_checkpoint_logged_without_any_score_is_the_newest(
+    tmp_path: Path, monkeypatch, mlflow_sqlite: str
+):
+    """log_checkpoint="best" but no save reported the monitored metric (the evaluation never
+    ran): the checkpoints unscored are tried newest first, as before the earliest-of-ties rule
+    (528e433 ranked them earliest first too, and logged the run's first checkpoint)."""
+    monkeypatch.chdir(tmp_path)
+    uri = mlflow_sqlite
+    d, state = tmp_path / "ck", {"model": torch.nn.Linear(8, 8)}
+    opts = {"every_n_steps": 5, "keep_last": 2, "keep_best": 1, "monitor": "loss"}
+    with Checkpointer(d, telemetry=_sink(uri, log_checkpoint="best"), **opts) as ck:
+        ck.restore(state)
+        for step in range(1, 11):
+            ck.step(step, state)  # no metrics
+    assert sorted(e.step for e in scan(str(d), Depth.NONE) if e.status is Status.VALID) == [5, 10]
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("registry-test").experiment_id])
+    name = json.loads(run.data.tags["resilient_ckpt.checkpoint_artifact"])["name"]
+    assert read_manifest(str(d / name)).step == 10

@@ -259,12 +259,14 @@ class MLflowSink:
         if self.log_checkpoint == "best" and monitor:
             sign = -1.0 if self.context.get("mode") == "max" else 1.0
 
-            def score(e: Any) -> float:
+            def rank(e: Any) -> tuple[float, int]:
                 v = e.manifest.metrics.get(monitor)
-                return math.inf if v is None else sign * float(v)
+                if v is None:  # no score (none reported, or not finite): the newest first
+                    return math.inf, -e.seq
+                # of tied scores the earliest, the one retention keeps as the best
+                return sign * float(v), e.seq
 
-            # the best last; of tied scores the earliest, the one retention keeps as the best
-            valid.sort(key=lambda e: (score(e), e.seq), reverse=True)
+            valid.sort(key=rank, reverse=True)  # the best last
         for e in reversed(valid):  # the chosen one; the next if it fails its verification
             assert e.manifest is not None
             try:
