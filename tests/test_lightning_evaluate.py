@@ -141,3 +141,28 @@ def test_best_of_tied_scores_is_the_earliest_the_one_retention_keeps(tmp_path):
     assert [e.step for e in kept] == [1, 6]
     trainer.test(ckpt_path="best", dataloaders=_loader(), verbose=False)
     assert module.loaded_steps == [1]
+
+
+def test_best_is_of_the_current_lineage_not_a_branch_a_roll_back_abandoned(tmp_path):
+    """A run that rolled back (resume=5 while 10 existed) abandoned 10, which scored best; with
+    keep_last=None it is still there. Retention ranks the current lineage's best first
+    (10-1); the "best" evaluated after the fit was the abandoned 10, a timeline the run threw
+    away."""
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.lightning.evaluate import evaluated
+
+    d, state = tmp_path / "ck", {"model": torch.nn.Linear(4, 4)}
+    opts = {"every_n_steps": 5, "keep_last": None, "keep_best": 1, "monitor": "loss"}
+    with Checkpointer(d, **opts) as ck:
+        ck.restore(state)
+        for step in range(1, 11):
+            ck.step(step, state, {"loss": 0.1 if step == 10 else 1.0})
+    with Checkpointer(d, resume=5, **opts) as ck:
+        assert ck.restore(state) == 5
+        for step in range(6, 16):
+            ck.step(step, state, {"loss": 0.5 if step == 10 else 0.9})
+        run = ck._dir.run_id
+    names = [e.name for e in catalog.committed(catalog.scan(str(d), catalog.Depth.NONE))]
+    assert "step_000000010" in names  # the abandoned one, kept (keep_last=None)
+    best = evaluated(str(d), "loss", "min", None, run)
+    assert Path(best).name == "step_000000010-1"

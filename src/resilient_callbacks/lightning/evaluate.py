@@ -31,7 +31,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 
-from .. import catalog, dist, rng
+from .. import branches, catalog, dist, rng
 from ..catalog import Depth, Status
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointNotFoundError
@@ -74,19 +74,26 @@ def evaluated(
 ) -> str:
     """The checkpoint an evaluation after the fit that saved into ``dirpath`` loads: the best
     valid one of its run (``run_id``; not another run's beside it) by ``monitor`` (``mode``
-    "max" or "min"; of tied scores the earliest, as retention ranks them) where it is set,
-    else ``latest`` (the newest valid one when the fit ended); "" when there is none."""
+    "max" or "min"; as retention ranks them: of tied scores the earliest, and one of a branch
+    a roll-back abandoned only after the current lineage's) where it is set, else ``latest`` (the newest valid one when the fit ended); "" when there is none."""
     if not monitor:
         return latest or ""
     sign = -1.0 if mode == "max" else 1.0
+    mine = [
+        (e, e.manifest)
+        for e in catalog.committed(catalog.scan(dirpath, Depth.SIZE))
+        if e.manifest is not None  # another run's (ForeignCheckpointsWarning), not this fit's:
+        and (run_id is None or e.manifest.run_id == run_id)
+    ]
+    # as retention ranks them: the current lineage's first (a checkpoint of a branch a
+    # roll-back abandoned is from a timeline the run threw away); of tied scores the earliest
+    off = branches.off_lineage((m.run_id, e.seq, m.lineage) for e, m in mine)
     scored = []
-    for e in catalog.committed(catalog.scan(dirpath, Depth.SIZE)):
-        if e.manifest is not None and run_id is not None and e.manifest.run_id != run_id:
-            continue  # another run's (ForeignCheckpointsWarning), not this fit's
-        value = e.manifest.metrics.get(monitor) if e.manifest is not None else None
+    for e, m in mine:
+        value = m.metrics.get(monitor)
         if e.status is Status.VALID and isinstance(value, (int, float)) and math.isfinite(value):
-            scored.append((sign * float(value), e.seq, e.path))  # a tie: the earliest
-    return min(scored)[2] if scored else latest or ""
+            scored.append(((m.run_id, e.seq) in off, sign * float(value), e.seq, e.path))
+    return min(scored)[3] if scored else latest or ""
 
 
 def wrap_resume_start(trainer: pl.Trainer) -> Any:
