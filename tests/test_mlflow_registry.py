@@ -211,3 +211,28 @@ def test_the_best_checkpoint_logged_without_any_score_is_the_newest(
     (run,) = client.search_runs([client.get_experiment_by_name("registry-test").experiment_id])
     name = json.loads(run.data.tags["resilient_ckpt.checkpoint_artifact"])["name"]
     assert read_manifest(str(d / name)).step == 10
+
+
+def test_the_best_checkpoint_logged_is_of_the_current_lineage(
+    tmp_path: Path, monkeypatch, mlflow_sqlite: str
+):
+    """The run rolled back (resume=5 while 10 existed): the abandoned 10 scored best and is
+    still there (keep_last=None). Retention ranks the current lineage's best first (10-1);
+    the sink logged the abandoned 10, a timeline the run threw away."""
+    monkeypatch.chdir(tmp_path)
+    uri = mlflow_sqlite
+    d, state = tmp_path / "ck", {"model": torch.nn.Linear(8, 8)}
+    opts = {"every_n_steps": 5, "keep_last": None, "keep_best": 1, "monitor": "loss"}
+    with Checkpointer(d, **opts) as ck:
+        ck.restore(state)
+        for step in range(1, 11):
+            ck.step(step, state, {"loss": 0.1 if step == 10 else 1.0})
+    with Checkpointer(d, resume=5, telemetry=_sink(uri, log_checkpoint="best"), **opts) as ck:
+        assert ck.restore(state) == 5
+        for step in range(6, 16):
+            ck.step(step, state, {"loss": 0.5 if step == 10 else 0.9})
+    assert (d / "step_000000010").is_dir()  # the abandoned one, kept
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("registry-test").experiment_id])
+    name = json.loads(run.data.tags["resilient_ckpt.checkpoint_artifact"])["name"]
+    assert name == "step_000000010-1"

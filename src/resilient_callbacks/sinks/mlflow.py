@@ -243,6 +243,7 @@ class MLflowSink:
 
     def _log_checkpoint(self) -> Any:
         """Log the chosen checkpoint, verified; return its catalog entry (None: none logged)."""
+        from .. import branches
         from ..blobs import BLOBS_DIR, blob_path
         from ..catalog import Depth, Status, scan, verify
 
@@ -250,23 +251,26 @@ class MLflowSink:
         if not dirpath:
             return None
         run = self.context.get("run_id")  # this run's checkpoints only: not another run's
-        valid = [  # in the same directory (resume="never" beside it)
-            e
-            for e in scan(dirpath, Depth.SIZE)
-            if e.status is Status.VALID and e.manifest and e.manifest.run_id == run
+        mine = [  # in the same directory (resume="never" beside it)
+            e for e in scan(dirpath, Depth.SIZE) if e.manifest and e.manifest.run_id == run
         ]
+        valid = [e for e in mine if e.status is Status.VALID]
         monitor = self.context.get("monitor")
         if self.log_checkpoint == "best" and monitor:
             sign = -1.0 if self.context.get("mode") == "max" else 1.0
+            # as retention ranks them: a branch a roll-back abandoned after the current lineage
+            off = branches.off_lineage(
+                (str(run), e.seq, e.manifest.lineage) for e in mine if e.manifest is not None
+            )
 
-            def rank(e: Any) -> tuple[float, int]:
+            def rank(e: Any) -> tuple[int, float, int]:  # the higher, the better
                 v = e.manifest.metrics.get(monitor)
                 if v is None:  # no score (none reported, or not finite): the newest first
-                    return math.inf, -e.seq
+                    return 0, 0.0, e.seq
                 # of tied scores the earliest, the one retention keeps as the best
-                return sign * float(v), e.seq
+                return (1 if (str(run), e.seq) in off else 2), -sign * float(v), -e.seq
 
-            valid.sort(key=rank, reverse=True)  # the best last
+            valid.sort(key=rank)  # the best last
         for e in reversed(valid):  # the chosen one; the next if it fails its verification
             assert e.manifest is not None
             try:
