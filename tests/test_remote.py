@@ -1577,3 +1577,25 @@ def test_an_upload_finishing_after_close_gave_up_deletes_nothing(tmp_path, monke
         held.set()
         second.close()
     assert sorted(_committed(url, None).values()) == [10, 20, 30]
+
+
+def test_archive_points_of_an_earlier_policy_are_kept_remotely_as_locally(tmp_path):
+    """A run saved archive points (keep_every_n_steps=10) to a remote; its resume runs without
+    keep_every_n_steps. Archive points are kept forever, also after the options change (the
+    local tier counts the policy each manifest records); the remote retention's candidates
+    did not carry the remote policy recorded, so the remote deleted 10 and 20, and with a
+    remote the local tier keeps none (kept remotely): the archives were lost in both tiers."""
+    local, url = tmp_path / "local", f"file://{tmp_path}/durable/run"
+    opts = {"remote": url, "every_n_steps": 5, "keep_last": 1}
+    with Checkpointer(local, keep_every_n_steps=10, **opts) as ck:
+        for s in range(1, 21):
+            ck.step(s, _state(s))
+    with Checkpointer(local, **opts) as ck:
+        assert ck.restore(_fresh()) == 20
+        for s in range(21, 36):
+            ck.step(s, _state(s))
+    assert set(_committed(url, None).values()) == {10, 20, 35}
+    # gc --drop-archives still counts them as any other
+    out = _cli("gc", str(local), "--remote", url, "--drop-archives", "--dry-run", "--json")
+    assert out.returncode == 0, out.stderr
+    assert sorted(d["step"] for d in json.loads(out.stdout)["remote"]["delete"]) == [10, 20]

@@ -244,7 +244,7 @@ def retention_candidates(entries: Iterable[Entry]) -> list[Candidate]:
             e.manifest.run_id,
             e.manifest.metrics,
             e.status is Status.VALID,
-            archived=_archived(e.manifest.step, e.manifest.retention),
+            archived=archived_point(e.manifest.step, e.manifest.retention),
             lineage=e.manifest.lineage,
         )
         for e in entries
@@ -252,7 +252,7 @@ def retention_candidates(entries: Iterable[Entry]) -> list[Candidate]:
     ]
 
 
-def _archived(step: int, recorded: Mapping[str, Any]) -> bool:
+def archived_point(step: int, recorded: Mapping[str, Any]) -> bool:
     """Whether the retention policy recorded in a checkpoint made it an archive point."""
     n = recorded.get("keep_every_n_steps")
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and step % n == 0

@@ -402,6 +402,8 @@ def remote_plan(
         return None, policy, run_id
     if keep_last is not None:
         policy = dataclasses.replace(policy, keep_last=keep_last)
-    if drop_archives:
+    cands = retention_candidates(committed)
+    if drop_archives:  # also those archive points under the policy they were written with
+        cands = [dataclasses.replace(c, archived=False) for c in cands]
         policy = dataclasses.replace(policy, keep_every_n_steps=None)
-    return plan(retention_candidates(committed), policy, run_id), policy, run_id
+    return plan(cands, policy, run_id), policy, run_id
