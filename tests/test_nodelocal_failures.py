@@ -883,7 +883,8 @@ def worker(base: str, argv: list[str]) -> None:
         remote.RemoteStore._read_manifests = reads_fail  # type: ignore[method-assign]
     if os.environ.get("RC_OUTAGE_S"):
         checkpointer.CLOSE_OUTAGE_S = float(os.environ["RC_OUTAGE_S"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    pg_timeout = float(os.environ.get("RC_PG_TIMEOUT_S", 60))  # (far beyond the deadline: a
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=pg_timeout))  # hang fails)
     rank = dist.get_rank()
     pids[:] = [None] * dist.get_world_size()  # (the scheduler's SIGTERM reaches every rank)
     dist.all_gather_object(pids, os.getpid())
@@ -899,6 +900,8 @@ def worker(base: str, argv: list[str]) -> None:
     kw = {"remote_every_n_saves": a.remote_every} if a.remote_every else {}
     if os.environ.get("RC_RESUME"):  # a roll-back to an older step
         kw["resume"] = int(os.environ["RC_RESUME"])
+    if os.environ.get("RC_REPLICAS"):
+        kw["replicas"] = int(os.environ["RC_REPLICAS"])
     if os.environ.get("RC_COMPRESSION"):
         kw["compression"] = os.environ["RC_COMPRESSION"]
     if os.environ.get("RC_KEEP_BEST"):  # each rank's own loss: rank 0's falls, rank 1's rises
@@ -1014,6 +1017,17 @@ def worker(base: str, argv: list[str]) -> None:
             return real_commit(staging, step, manifest, **kw)
 
         ck._dir.commit.commit = commit_or_die
+    if os.environ.get("RC_LOSE_FILE_AT"):  # "<node>:<step>:<file>": gone once committed
+        lose_node, lose_step, lose_file = os.environ["RC_LOSE_FILE_AT"].split(":")
+        real_local_commit = ck._dir.commit.commit
+
+        def commit_then_lose(staging, step, manifest, **kw):
+            path = real_local_commit(staging, step, manifest, **kw)
+            if node == int(lose_node) and step == int(lose_step):
+                os.remove(os.path.join(path, lose_file))
+            return path
+
+        ck._dir.commit.commit = commit_then_lose
     committer = getattr(ck._dir, "committer", None)
     if os.environ.get("RC_COMMIT_FAILS") and committer is not None:
         real_commit_one = committer.commit_one
@@ -1058,6 +1072,11 @@ def worker(base: str, argv: list[str]) -> None:
         dist.destroy_process_group()
         sys.exit(4)
     out(restored=start, counter_rank=counter["rank"], gets=gets)
+    if os.environ.get("RC_BLOCK_REPLICAS_OF") and node == 0:  # node 0 cannot store that node's
+        of = int(os.environ["RC_BLOCK_REPLICAS_OF"])  # copies: a file where their folder goes
+        blocked = Path(base, "node0", ".replicas", f"ranks_{of:05d}-{of:05d}")
+        blocked.parent.mkdir(parents=True, exist_ok=True)
+        blocked.write_text("not a folder")
     if os.environ.get("RC_KILL_ONCE_RESTORE_UPLOADED"):  # killed before the first save
         uploader = ck._dir.uploader  # type: ignore[attr-defined]
         assert uploader.wait(60)  # the uploads the restore queued, and the retention after each

@@ -321,4 +321,12 @@ class NodeLocalSession:
             )
             peers.prune(root, keep=max(2, self.d.config.keep_last or 2))
         except Exception as e:  # the local and remote tiers still hold the checkpoint
-            log.warning("replicating %s to the next node failed: %s", local_path, e)
+            # (both ends raise: the leader of the node whose end failed says it, naming its
+            # node; the other end logs it at INFO)
+            mine = topo.rank in getattr(e, "failed_ranks", (topo.rank,))
+            (log.warning if mine else log.info)(
+                "node %d: replicating %s to or from its peer nodes failed: %s",
+                topo.node,
+                os.path.basename(local_path),
+                e,
+            )

@@ -26,6 +26,7 @@ import torch
 from . import catalog
 from .catalog import Depth
 from .commit import STAGING_PREFIX, fsync_dir, fsync_tree
+from .errors import CheckpointWriteError
 from .filewrite import write_bytes
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .nodelocal import REMOTE_MANIFEST
@@ -39,8 +40,10 @@ def replica_root(dirpath: str, label: str) -> str:
     return os.path.join(dirpath, REPLICAS_DIR, label)
 
 
-def _send_blob(data: bytes, dst: int, group: Any) -> list[Any]:
-    size = torch.tensor([len(data)], dtype=torch.int64)
+def _send_blob(data: bytes | None, dst: int, group: Any) -> list[Any]:
+    """Send ``data`` to ``dst``; ``None``: this end could not read what it was to send here (a
+    size of -1, nothing after it), so the other end still receives as many messages."""
+    size = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64)
     works = [torch.distributed.isend(size, dst, group=group)]
     if data:
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -48,10 +51,12 @@ def _send_blob(data: bytes, dst: int, group: Any) -> list[Any]:
     return works + [size] + ([t] if data else [])  # keep the buffers alive until waited
 
 
-def _recv_blob(src: int, group: Any) -> bytes:
+def _recv_blob(src: int, group: Any) -> bytes | None:
     size = torch.zeros(1, dtype=torch.int64)
     torch.distributed.recv(size, src, group=group)
     n = int(size.item())
+    if n < 0:  # the sender failed to read it
+        return None
     if not n:
         return b""
     buf = torch.empty(n, dtype=torch.uint8)
@@ -65,6 +70,10 @@ def _wait(handles: list[Any]) -> None:
             h.wait()
 
 
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
 def exchange(
     send_dir: str | None,
     dst: int | None,
@@ -74,58 +83,127 @@ def exchange(
 ) -> str | None:
     """Send the checkpoint folder ``send_dir`` (its manifest, every file it lists, and the
     coordinator's record of the global manifest where it has one) to rank ``dst`` and/or
-    receive one from rank ``src`` into a staging folder under ``receive_into``; the received copy is verified and renamed to its own name there. Returns its path (or
-    ``None`` when nothing was received). Both ends call it at the same point."""
+    receive one from rank ``src`` into a staging folder under ``receive_into``; the received
+    copy is verified and renamed to its own name there. Returns its path (or ``None`` when
+    nothing was received). Both ends call it at the same point.
+
+    Both ends also finish it together whatever fails on either one: an end that cannot read
+    what it sends (a part file gone) sends a marker in its place, an end that cannot store what
+    arrives (a full or read-only disk) receives the rest all the same, and each end's outcome
+    reaches the other before either returns. Then both raise :class:`CheckpointWriteError`
+    naming the rank whose end failed (``failed_ranks``): a failure on one end never leaves the
+    other waiting in a receive until the process group's timeout."""
+    me = torch.distributed.get_rank()
+    send_error: str | None = None
     header: list[Any] = []
+    sent_name = os.path.basename((send_dir or "").rstrip("/"))
     if send_dir is not None:
-        m = read_manifest(send_dir)
-        extra = [REMOTE_MANIFEST] if os.path.exists(os.path.join(send_dir, REMOTE_MANIFEST)) else []
-        header = [os.path.basename(send_dir.rstrip("/")), [*(f.path for f in m.files), *extra]]
+        try:
+            m = read_manifest(send_dir)
+            extra = (
+                [REMOTE_MANIFEST] if os.path.exists(os.path.join(send_dir, REMOTE_MANIFEST)) else []
+            )
+            header = [sent_name, [*(f.path for f in m.files), *extra]]
+        except Exception as e:
+            send_error = _why(e)
     pending: list[Any] = []
     if dst is not None:
-        pending += _send_blob(json.dumps(header).encode(), dst, group)
-    peer_header = json.loads(_recv_blob(src, group)) if src is not None else None
+        said = header if send_error is None else {"error": send_error}
+        pending += _send_blob(json.dumps(said).encode(), dst, group)
+    peer_header: list[Any] | None = None
+    peer_failed = False  # the sender's own status (below) says why
+    if src is not None:
+        got = json.loads(_recv_blob(src, group) or b"[]")
+        peer_failed = isinstance(got, dict)
+        peer_header = got if got and not peer_failed else None
     _wait(pending)
-    files_out = [MANIFEST_NAME, *header[1]] if header else []
+    files_out = [MANIFEST_NAME, *header[1]] if header and send_error is None else []
     files_in = [MANIFEST_NAME, *peer_header[1]] if peer_header else []
-    staging = None
+    received_name = peer_header[0] if peer_header else "its checkpoint"
+    recv_error: str | None = None
+    staging = final = None
     if peer_header is not None:
-        assert receive_into is not None
-        os.makedirs(receive_into, exist_ok=True)
-        staging = os.path.join(
-            receive_into, f"{STAGING_PREFIX}{peer_header[0]}-{uuid.uuid4().hex[:8]}"
-        )
-        os.makedirs(staging)
+        try:
+            assert receive_into is not None
+            os.makedirs(receive_into, exist_ok=True)
+            staging = os.path.join(
+                receive_into, f"{STAGING_PREFIX}{peer_header[0]}-{uuid.uuid4().hex[:8]}"
+            )
+            os.makedirs(staging)
+        except Exception as e:
+            recv_error, staging = _why(e), None
     try:
         for i in range(max(len(files_out), len(files_in))):
             pending = []
             if dst is not None and i < len(files_out):
                 assert send_dir is not None
-                with open(os.path.join(send_dir, files_out[i]), "rb") as fh:
-                    pending = _send_blob(fh.read(), dst, group)
-            if staging is not None and i < len(files_in):
-                data = _recv_blob(src, group)  # type: ignore[arg-type]
-                target = os.path.join(staging, files_in[i])
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                write_bytes(target, data)
+                data: bytes | None = None
+                if send_error is None:
+                    try:
+                        with open(os.path.join(send_dir, files_out[i]), "rb") as fh:
+                            data = fh.read()
+                    except Exception as e:
+                        send_error = _why(e)
+                pending = _send_blob(data, dst, group)
+            if peer_header is not None and i < len(files_in):
+                got_data = _recv_blob(src, group)  # type: ignore[arg-type]
+                if got_data is None:
+                    peer_failed = True
+                elif staging is not None and recv_error is None and not peer_failed:
+                    try:
+                        target = os.path.join(staging, files_in[i])
+                        os.makedirs(os.path.dirname(target), exist_ok=True)
+                        write_bytes(target, got_data)
+                    except Exception as e:
+                        recv_error = _why(e)
             _wait(pending)
-        if staging is None:
-            return None
-        m = read_manifest(staging)
-        catalog.verify(staging, m, Depth.FULL)
-        fsync_tree(staging)  # (every folder: parts/<id>/ hold files too)
-        base = os.path.join(receive_into or "", peer_header[0] if peer_header else "")
-        final, n = base, 0
-        while os.path.lexists(final):  # never replace a folder of that name
-            n += 1
-            final = f"{base}-{n}"
-        os.rename(staging, final)
-        fsync_dir(os.path.dirname(final))
-        return final
+        if staging is not None and recv_error is None and not peer_failed:
+            try:
+                catalog.verify(staging, read_manifest(staging), Depth.FULL)
+                fsync_tree(staging)  # (every folder: parts/<id>/ hold files too)
+                base = os.path.join(receive_into or "", received_name)
+                final, n = base, 0
+                while os.path.lexists(final):  # never replace a folder of that name
+                    n += 1
+                    final = f"{base}-{n}"
+                os.rename(staging, final)
+                fsync_dir(os.path.dirname(final))
+            except Exception as e:
+                recv_error, final = _why(e), None
+        # each end's outcome to the other: the sender's, then the receiver's
+        pending = []
+        if dst is not None:
+            pending += _send_blob(json.dumps(send_error).encode(), dst, group)
+        peer_send = json.loads(_recv_blob(src, group) or b"null") if src is not None else None
+        if src is not None:
+            pending += _send_blob(json.dumps(recv_error).encode(), src, group)
+        peer_recv = json.loads(_recv_blob(dst, group) or b"null") if dst is not None else None
+        _wait(pending)
     except BaseException:
-        if staging is not None:
+        if staging is not None and final is None:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    if staging is not None and final is None:
+        shutil.rmtree(staging, ignore_errors=True)
+    problems: list[tuple[int, str]] = []
+    if dst is not None and send_error is not None:
+        problems.append((me, f"rank {me} could not send {sent_name}: {send_error}"))
+    elif dst is not None and peer_recv is not None:
+        problems.append((dst, f"rank {dst} could not store {sent_name}: {peer_recv}"))
+    if src is not None and peer_send is not None:
+        problems.append((src, f"rank {src} could not send its checkpoint: {peer_send}"))
+    elif src is not None and recv_error is not None:
+        problems.append((me, f"rank {me} could not store {received_name}: {recv_error}"))
+    if problems:
+        raise CheckpointWriteError(
+            "copying a checkpoint to a peer node's replicas failed: "
+            + "; ".join(p for _, p in problems)
+            + ". The checkpoint itself stays committed on each node's disk (and, once "
+            "uploaded, in the remote); free space or fix the named rank's disk for the next "
+            "one to be replicated.",
+            tuple(sorted({r for r, _ in problems})),
+        )
+    return final
 
 
 def list_replicas(dirpath: str) -> dict[str, list[tuple[str, Manifest]]]:

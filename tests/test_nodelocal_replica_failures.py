@@ -1,0 +1,55 @@
+"""Replication to a peer node (``replicas=1``, docs/multinode.md) when one end fails before or
+while the files travel: a part file gone from the sending node's disk, a receiving node that
+cannot store the copy. Both leaders finish the exchange together and go on training (the
+checkpoint stays committed on each disk); the node whose end failed says so, naming itself.
+Before, the other leader waited in a receive until the process group's timeout (30 min by
+default). Each run's process group timeout (900 s) is far beyond the ranks' deadline
+(spawn_ranks, 150 s): a hang fails the test. The worker is tests/test_nodelocal_failures.py's."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_nodelocal_failures import _run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+LONG_PG = {"RC_PG_TIMEOUT_S": 900, "RC_REPLICAS": 1, "RC_CAPTURE_LOG": 1}
+
+
+def _replicas(tmp, node: int, of: int) -> list[str]:
+    root = tmp / f"node{node}" / ".replicas" / f"ranks_{of:05d}-{of:05d}"
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+
+
+@pytest.mark.parametrize("lost", ["manifest.json", "rank_00001.safetensors"])
+def test_a_part_file_gone_before_replication_does_not_hang_the_peer(tmp_path, lost):
+    """Node 1's part of step 4 loses a file once committed: node 1 cannot send it (its
+    manifest: before anything travels; a tensor file: part-way). Both ranks go on to step 6."""
+    out = _run(
+        tmp_path, "run", 2, "--steps", "6", "--remote-every", "10",
+        RC_LOSE_FILE_AT=f"1:4:{lost}", **LONG_PG,
+    )  # fmt: skip
+    assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
+    said = out[1][-1]["log"]
+    assert "node 1: replicating step_000000004" in said, said
+    assert "rank 1 could not send step_000000004: FileNotFoundError" in said, said
+    assert "replicating" not in out[0][-1]["log"]  # (node 0 logs it at INFO)
+    assert "step_000000004" not in _replicas(tmp_path, 0, of=1)
+    assert "step_000000006" in _replicas(tmp_path, 0, of=1)  # the next save replicated
+    assert "step_000000004" in _replicas(tmp_path, 1, of=0)  # the other direction did
+
+
+def test_a_node_that_cannot_store_a_replica_does_not_hang_the_sender(tmp_path):
+    """Node 0's replica folder for node 1 is a file (made after the restore): node 0 cannot store node 1's copy. Both
+    ranks go on, node 0 names itself, node 1's copies of node 0's part arrive."""
+    out = _run(
+        tmp_path, "run", 2, "--steps", "4", "--remote-every", "10", RC_BLOCK_REPLICAS_OF=1,
+        **LONG_PG,
+    )  # fmt: skip
+    assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
+    said = out[0][-1]["log"]
+    assert "node 0: replicating step_000000002" in said, said
+    assert "rank 0 could not store step_000000002: FileExistsError" in said, said
+    assert "replicating" not in out[1][-1]["log"]
+    assert _replicas(tmp_path, 1, of=0) == ["step_000000002", "step_000000004"]
