@@ -1063,6 +1063,17 @@ def worker(base: str, argv: list[str]) -> None:
                 retained.set()  # (killed at --kill-at once a remote commit's retention ran)
 
             committer.commit_one, committer._retention = commit_one, retention
+    if os.environ.get("RC_REPLICA_FILE_GONE") and node == 0:  # as node 0 sends a replica
+        from resilient_callbacks import peers
+
+        real_exchange = peers.exchange
+
+        def exchange_after_loss(send_dir, *args):
+            if send_dir is not None and ".replicas" in send_dir:
+                os.remove(os.path.join(send_dir, os.environ["RC_REPLICA_FILE_GONE"]))
+            return real_exchange(send_dir, *args)
+
+        peers.exchange = exchange_after_loss  # type: ignore[assignment]
     try:
         start = ck.restore(state)
         if retained is not None:  # its parts uploaded: reported in the first save's gather

@@ -8,6 +8,8 @@ default). Each run's process group timeout (900 s) is far beyond the ranks' dead
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from test_nodelocal_failures import _run
@@ -53,3 +55,18 @@ def test_a_node_that_cannot_store_a_replica_does_not_hang_the_sender(tmp_path):
     assert "rank 0 could not store step_000000002: FileExistsError" in said, said
     assert "replicating" not in out[1][-1]["log"]
     assert _replicas(tmp_path, 1, of=0) == ["step_000000002", "step_000000004"]
+
+
+def test_a_replica_that_cannot_be_sent_at_restore_does_not_hang_the_replaced_node(tmp_path):
+    """Node 1 is replaced (its disk wiped); node 0's replica of its part loses a file as node 0
+    sends it. Node 1 no longer waits for it: the restore goes on on both ranks, from the
+    remote copy."""
+    _run(tmp_path, "first", 2, "--steps", "4", **LONG_PG)  # closed: committed remotely
+    shutil.rmtree(tmp_path / "node1")
+    out = _run(
+        tmp_path, "second", 2, "--steps", "6", RC_REPLICA_FILE_GONE="rank_00001.safetensors",
+        **LONG_PG,
+    )  # fmt: skip
+    assert [rank[0].get("restored") for rank in out] == [4, 4], out
+    assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
+    assert "node 1's 4 file(s) of step 4 from the remote copy" in out[1][-1]["log"]
