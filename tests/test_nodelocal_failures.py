@@ -1018,12 +1018,15 @@ def worker(base: str, argv: list[str]) -> None:
 
         ck._dir.commit.commit = commit_or_die
     if os.environ.get("RC_LOSE_FILE_AT"):  # "<node>:<step>:<file>": gone once committed
+        # ("<file>/": a folder of that name, holding a file, takes its place)
         lose_node, lose_step, lose_file = os.environ["RC_LOSE_FILE_AT"].split(":")
         real_local_commit = ck._dir.commit.commit
 
         def commit_then_lose(staging, step, manifest, **kw):
             path = real_local_commit(staging, step, manifest, **kw)
-            if node == int(lose_node) and step == int(lose_step):
+            if node == int(lose_node) and step == int(lose_step) and lose_file.endswith("/"):
+                os.makedirs(os.path.join(path, lose_file, "x"))  # a folder where a file goes
+            elif node == int(lose_node) and step == int(lose_step):
                 os.remove(os.path.join(path, lose_file))
             return path
 

@@ -70,3 +70,15 @@ def test_a_replica_that_cannot_be_sent_at_restore_does_not_hang_the_replaced_nod
     assert [rank[0].get("restored") for rank in out] == [4, 4], out
     assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
     assert "node 1's 4 file(s) of step 4 from the remote copy" in out[1][-1]["log"]
+
+
+def test_the_global_manifest_node_0_cannot_keep_is_said_naming_node_0(tmp_path):
+    """docs/distributed.md "What a multi-rank run prints": a condition of one node's disk is
+    said by that node's leader, naming the node (it named none)."""
+    out = _run(
+        tmp_path, "run", 2, "--steps", "2", RC_LOSE_FILE_AT="0:2:remote_manifest.json/",
+        RC_CAPTURE_LOG=1,
+    )  # fmt: skip
+    said = out[0][-1]["log"]
+    assert "node 0: could not keep the global manifest next to its part " in said, said
+    assert "global manifest" not in out[1][-1]["log"]

@@ -256,7 +256,12 @@ class NodeLocalSession:
                 # atomic and durable: a restart's remote commit of this checkpoint reads it
                 replace_file(os.path.join(local_path, REMOTE_MANIFEST), data)
             except OSError as e:
-                log.warning("could not keep the global manifest next to %s: %s", local_path, e)
+                log.warning(  # (the coordinator's node: its leader says it, naming it)
+                    "node %d: could not keep the global manifest next to its part %s: %s",
+                    self.topo.node,
+                    local_path,
+                    e,
+                )
         if d.committer is not None:
             committer, key, name = d.committer, (self.run_id, self.seq), self.name
             here = os.path.basename(local_path) if local_path is not None else None
