@@ -82,3 +82,13 @@ def test_the_global_manifest_node_0_cannot_keep_is_said_naming_node_0(tmp_path):
     said = out[0][-1]["log"]
     assert "node 0: could not keep the global manifest next to its part " in said, said
     assert "global manifest" not in out[1][-1]["log"]
+
+
+def test_a_node_gone_at_close_is_said_by_the_others_naming_their_node(tmp_path):
+    """Node 1 leaves the process group before close()'s last exchange: node 0 cannot learn which checkpoints
+    are committed remotely and says it keeps its parts, naming itself (it named no node)."""
+    out = _run(
+        tmp_path, "run", 2, "--steps", "2", expect=None, RC_GONE_IN_CLOSE=1, RC_CAPTURE_LOG=1
+    )
+    said = out[0][-1]["log"]
+    assert "close(): node 0 could not learn which checkpoints are committed remotely" in said

@@ -431,10 +431,11 @@ class NodeDirectory(Directory):
         except Exception as e:
             if not dist.from_collective(e):
                 raise
-            log.warning(
-                "close(): the nodes could not learn which checkpoints are committed remotely "
-                "(%s); each keeps its parts of this run's checkpoints that it uploaded, and "
+            log.warning(  # (each leader whose exchange failed says it, naming its node)
+                "close(): node %d could not learn which checkpoints are committed remotely "
+                "(%s); it keeps its parts of this run's checkpoints that it uploaded, and "
                 "the next run with the same directories decides",
+                self.topology.node,
                 dist.failed_exchange(e),
             )
         if self.uploader is not None and got is not None:
