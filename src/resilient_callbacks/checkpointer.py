@@ -174,6 +174,10 @@ class Checkpointer(CheckpointerQueries):
         # telemetry="logger" goes through a framework's loggers: the callbacks set this; a
         # Checkpointer without one says so at its first save (once)
         self.logs_through_framework = False
+        # an adapter that calls step() once per optimizer step of its framework (Lightning: when
+        # global_step moved) sets this: none of its step() calls is inside an accumulation
+        # window (windows.py), also not one after an update a GradScaler skipped for an inf
+        self.steps_are_updates = False
         # what the restore's warnings advise, and where they point: an adapter whose framework
         # calls restore() (Transformers) sets its framework's words and directories
         self.restore_advice = Advice()
@@ -346,7 +350,11 @@ class Checkpointer(CheckpointerQueries):
         check_metrics(metrics)
         self._trigger.step_started(step)
         self._recorder.tick(step)
-        window = self._emergency.windows.inside(state, self.world_size)
+        window = (
+            None
+            if self.steps_are_updates
+            else self._emergency.windows.inside(state, self.world_size)
+        )
         try:
             try:  # (no context manager: this is every step's path)
                 saved = self._step(step, state, metrics, final, window)

@@ -118,6 +118,9 @@ def open_checkpointer(cb: ResilientCheckpoint, trainer: pl.Trainer, resume: Any)
         kwargs["signals"] = checks.signals(trainer)
     cb.checkpointer = Checkpointer(dirpath(cb, trainer), **kwargs)
     cb.checkpointer.logs_through_framework = True
+    # (the callback calls step() when global_step moved: after an optimizer step, or one its
+    # GradScaler skipped, whose gradients the next step's zero_grad drops: no window)
+    cb.checkpointer.steps_are_updates = True
     checks.say_when_it_saves(cb.checkpointer)
     watcher = cb.checkpointer.watcher
     if watcher is not None and threading.current_thread() is threading.main_thread():
