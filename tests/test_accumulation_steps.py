@@ -75,3 +75,33 @@ def test_a_preemption_inside_a_window_saves_at_its_end(tmp_path):
     first, params = train(tmp_path / "ck", 12)
     assert first == 6
     assert all(torch.equal(params[k], ref[k]) for k in ref)
+
+
+def test_a_preemption_in_steps_without_backward_passes_is_saved(tmp_path):
+    """``step()`` per iteration of a phase with no update and no backward pass (an evaluation,
+    a rollout), the last update's gradients left in ``.grad`` (``zero_grad(set_to_none=False)``
+    before it): every such step() looked like a micro-batch of a window that never ended, and a
+    preemption's save was held until the process was killed -- never made."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": opt}
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    with Checkpointer(
+        tmp_path / "ck", every_n_steps=1000, async_save=False, exit_on_preemption=False
+    ) as ck:
+        ck.restore(state)
+        for i in range(1, 7):
+            opt.zero_grad(set_to_none=False)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            ck.step(i, state)
+        for i in range(7, 20):  # no update, no backward pass
+            with torch.no_grad():
+                model(x)
+            if i == 10:
+                os.kill(os.getpid(), signal.SIGTERM)
+            ck.step(i, state)
+            if ck.preempted:
+                break
+        assert ck.preempted
+    assert os.path.isdir(tmp_path / "ck" / "step_000000010")

@@ -12,6 +12,7 @@ waiting in its collectives): a warning says so, once.
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 from typing import Any
 
@@ -22,6 +23,14 @@ from .optim import hookable, two_pass_base, untraced
 
 log = logging.getLogger("resilient_callbacks")
 
+_GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
+
+
+def _versions(tensors: list[Any]) -> list[int]:
+    """Each tensor's version counter (-1 for a None)."""
+    return [-1 if t is None else t._version for t in tensors]
+
 
 class StepWatch:
     """Notices whether the state's optimizers stepped between two ``step()`` calls: one step
@@ -29,15 +38,20 @@ class StepWatch:
     ``update()`` (its scale tensor written; a step it skipped for an inf gradient calls no
     optimizer's ``step()``); and, where no hook fired, the parameters' version counters (an
     optimizer outside the state wrote them: an adapter's stand-in that never steps, a SAM
-    wrapper whose ``step()`` is never called). (An optimizer the state holds but the loop does
-    not step, its parameters unchanged, looks like a window that never ends: its saves wait
-    for the final step.)"""
+    wrapper whose ``step()`` is never called). Past a window's first ``step()``, a backward
+    pass must also have written the gradients since the previous ``step()`` (their version
+    counters or tensors changed): a loop that calls ``step()`` without updates and without
+    backward passes (an evaluation, a rollout, an optimizer the loop does not step), its
+    gradients left from the last update, has a save due there held one ``step()`` at most,
+    not until the next update (a preemption's save, held so, was never made). (A micro-batch
+    without a backward pass inside a window is not told from that: a save due there is made.)"""
 
     def __init__(self) -> None:
         # id of the hooked optimizer -> (hook handle, stepped flag, weak reference to it)
         self._hooks: dict[int, tuple[Any, list[bool], weakref.ref[Any]]] = {}
         self._scales: list[tuple[int, int]] = []  # the GradScalers' scale tensors, versions
         self._versions: list[int] | None = None  # the parameters' at the last step() (no hook)
+        self._grads: list[Any] | None = None  # their gradients' (id, version) then
         self._fired = False  # a hook fired at some step(): they tell this loop's steps
         self._warned = False
 
@@ -70,15 +84,21 @@ class StepWatch:
                 stepped = self._fired = True
                 entry[1][0] = False
         if not opts or stepped or new:
-            self._versions = None
+            self._versions = self._grads = None
             return None
         params = [p for o in opts for g in o.param_groups for p in g["params"]]
-        if not any(p.grad is not None for p in params):
-            self._versions = None
+        grads = list(map(_GRAD, params))
+        if all(g is None for g in grads):
+            self._versions = self._grads = None
             return None
-        before, self._versions = self._versions, [p._version for p in params]
+        before, self._versions = self._versions, list(map(_VERSION, params))
+        # (ids, not the tensors: a zero_grad(set_to_none=True) frees them)
+        grads_before, self._grads = self._grads, [*map(id, grads), *_versions(grads)]
+        del grads
         if not (self._versions == before if before is not None else self._fired):
             return None
+        if grads_before is not None and grads_before == self._grads:
+            return None  # no backward pass since the previous step(): no micro-batch either
         if world_size > 1:
             if not self._warned:
                 self._warned = True
