@@ -105,6 +105,8 @@ def test_an_in_place_write_in_a_step_that_did_not_finish_saves_nothing(tmp_path,
         _fit(tmp_path / "ck", fail_at=6, where=where)
     assert _committed(tmp_path / "ck") == [(2, "periodic"), (4, "periodic")]
     assert "lin.weight was written in place since step 5" in caplog.text
+    # (what to do: a write of the user's own is saved with its step after the optimizer's)
+    assert "after the optimizer's step: in on_train_batch_end" in caplog.text
     assert "Boom during training: saving" not in caplog.text
 
 

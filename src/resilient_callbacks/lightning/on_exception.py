@@ -124,9 +124,13 @@ class ExceptionSave:
         if changed:
             log.warning(
                 "save_on_exception: %s came after %s was written in place since step %d, not by "
-                "an optimizer.step() (a two-pass optimizer's first_step(), your own write in a "
-                "manual-optimization training_step); the state matches no step, so nothing is "
-                "saved; the newest checkpoint is the last periodic one",
+                "an optimizer.step() (a two-pass optimizer's first_step(), a write of your own "
+                "in on_train_batch_start or in training_step before the optimizer's step); the "
+                "state matches no step, so nothing is saved; the newest checkpoint is the last "
+                "periodic one. A write of your own (weight normalisation, clamping) belongs to "
+                "the step a save holds when it comes after the optimizer's step: in "
+                "on_train_batch_end (with manual optimization also after opt.step() in "
+                "training_step)",
                 type(exception).__name__,
                 changed,
                 b.step,
