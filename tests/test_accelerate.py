@@ -590,3 +590,29 @@ def test_our_loader_iterated_through_accelerate_is_refused(tmp_path: Path, how: 
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+def test_step_per_micro_batch_with_accumulation_on_several_ranks_warns_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The loop of docs/accelerate.md calling step() at every micro-batch (supported: the
+    Accumulation in the state holds the saves on every rank): with several ranks the plain
+    loop's window check warned on rank 0 to call step() once per optimizer step."""
+    from resilient_callbacks.accelerate import Accumulation
+    from resilient_callbacks.windows import StepWatch
+
+    live = _FakeAccelerator(0, True)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": opt, "acc": Accumulation(live)}
+    watch = StepWatch()
+    with caplog.at_level(logging.INFO, logger="resilient_callbacks"):
+        for micro in range(1, 13):
+            live.step, live.sync_gradients = micro, micro % 4 == 0
+            model(torch.ones(1, 3)).sum().backward()
+            if live.sync_gradients:
+                opt.step()
+                opt.zero_grad()
+            assert watch.inside(state, world_size=2) is None
+    watch.release()
+    assert "once per optimizer step" not in caplog.text

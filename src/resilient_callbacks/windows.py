@@ -59,6 +59,14 @@ class StepWatch:
         """At ``step()``: what says this call is inside an accumulation window (the module's
         docstring), or None. Cheap where an optimizer stepped: no parameter is looked at."""
         leaves = [v for _, v in statetree.leaves(state)]
+        # an Accumulation's window, which the trigger holds saves for on every rank: this
+        # step() is as its loop calls it (the hooks' flags are read at the next call). (Not
+        # asked of a module: its __getattr__ raises for a missing name, at every step.)
+        if any(
+            not isinstance(v, torch.nn.Module) and getattr(v, "mid_step", False) is True
+            for v in leaves
+        ):
+            return None
         found = [v for v in leaves if isinstance(v, torch.optim.Optimizer)]
         # (and the optimizer a SAM-style wrapper steps: its own step() may never be called)
         opts = [hookable(o) for o in found] + [b for o in found if (b := two_pass_base(o))]
