@@ -81,6 +81,37 @@ def test_export_pretrained_overwrite_has_the_same_guard(tmp_path):
     assert _tree(proj) == before
 
 
+def test_a_refused_overwrite_names_the_callers_own_switch(tmp_path, capsys):
+    """The CLI said "pass --force (overwrite=True)": the Python argument in a CLI message. The
+    CLIs name ``--force``, the Python API ``overwrite=True``, each only its own."""
+    pytest.importorskip("transformers")
+    from resilient_callbacks.errors import ConfigError
+    from resilient_callbacks.transformers import export_pretrained
+    from resilient_callbacks.transformers.__main__ import main as hf_main
+
+    ck = tmp_path / "ck"
+    _run(str(ck))
+    taken, models = tmp_path / "taken", tmp_path / "models"
+    taken.mkdir()
+    models.mkdir()
+    (models / "other.bin").write_text("w")
+    for cli in (main, hf_main):
+        capsys.readouterr()
+        assert cli(["export", str(ck), str(taken)]) == 1
+        err = capsys.readouterr().err
+        assert "pass --force to replace" in err and "overwrite=True" not in err, err
+        assert cli(["export", str(ck), str(models), "--force"]) == 1
+        err = capsys.readouterr().err
+        assert "--force would delete" in err and "overwrite=True" not in err, err
+    with pytest.raises(ConfigError, match="pass overwrite=True to replace") as info:
+        export_pretrained(ck, taken)
+    assert "--force" not in str(info.value)
+    with pytest.raises(ConfigError, match="overwrite=True would delete") as info:
+        export_pretrained(ck, models, overwrite=True)
+    assert "--force" not in str(info.value)
+    assert _tree(models) == ["other.bin"]
+
+
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_gc_json_with_nothing_to_delete_prints_json(tmp_path, capsys, dry_run):
     """``gc --json`` of a directory without checkpoints: the usual object, empty lists, the note

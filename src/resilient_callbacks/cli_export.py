@@ -106,7 +106,8 @@ def _export(args: argparse.Namespace) -> int:
     resolve(args.dir)  # a URL, a missing path, a file: said as ls and inspect say it
     # before anything is read: OUT must not be, hold or lie in DIR, and --force replaces only
     # an empty folder or an earlier export
-    check_export_target(args.dir, args.out, overwrite=bool(getattr(args, "force", False)))
+    force = bool(getattr(args, "force", False))
+    check_export_target(args.dir, args.out, overwrite=force, force_name="--force")
     if os.path.isdir(args.dir) and not os.path.exists(os.path.join(args.dir, "manifest.json")):
         from . import catalog
 

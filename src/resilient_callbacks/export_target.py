@@ -17,14 +17,19 @@ EXPORT_MARKER = "export.json"  # written into every export: where it came from
 
 
 def check_export_target(
-    source: str | os.PathLike[str], out: str | os.PathLike[str], *, overwrite: bool
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool,
+    force_name: str = "overwrite=True",
 ) -> str:
     """Raise :class:`ConfigError` saying what to do when an export of ``source`` (a checkpoint
     directory, or one checkpoint: then the directory holding it) may not be written to
     ``out``; return ``out``'s absolute path. Refused: ``out`` is a URL (an export is local),
     or is ``source``, holds it or lies in it; ``out`` exists and is not a directory; ``out``
     exists without ``overwrite``, or with it but holds something other than an earlier export
-    (its files are named)."""
+    (its files are named). ``force_name``: how the caller's user asks to replace ``out`` (the
+    CLI's ``--force``, the Python API's ``overwrite=True``), named in the errors."""
     src, dst = os.fspath(source), os.fspath(out)
     if "://" in dst and not os.path.exists(dst):  # (made a local folder named "s3:")
         raise ConfigError(
@@ -59,7 +64,7 @@ def check_export_target(
         )
     if not overwrite:
         raise ConfigError(
-            f"{os.path.abspath(dst)} already exists; pass --force (overwrite=True) to replace "
+            f"{os.path.abspath(dst)} already exists; pass {force_name} to replace "
             "it, which is done only for an empty folder or an earlier export (its export.json)"
         )
     try:
@@ -70,7 +75,7 @@ def check_export_target(
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise ConfigError(
             f"OUT {dst} is not empty and is not an earlier export (it has no {EXPORT_MARKER} of "
-            f"ours): --force would delete what it holds ({shown}); give a new or empty folder, "
+            f"ours): {force_name} would delete what it holds ({shown}); give a new or empty folder, "
             "or move those files away yourself"
         )
     return os.path.abspath(dst)

@@ -209,6 +209,9 @@ def cli_export(args: argparse.Namespace) -> int:
     """The ``export`` command (``python -m resilient_callbacks.transformers export DIR OUT
     [--step N] [--force]``): prints what it wrote; returns the exit code."""
     try:
+        # first, so that its refusals name the CLI's --force (not the Python API's overwrite)
+        force = bool(getattr(args, "force", False))
+        check_export_target(args.dir, args.out, overwrite=force, force_name="--force")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ResumeFallbackWarning)
             out, path = _export(
