@@ -187,3 +187,17 @@ def test_a_store_that_answers_a_long_listing_is_not_said_to_give_no_answer(monke
     assert len(said) == 1, err.getvalue()
     assert "listing rclonglisting://bucket/run1: not done after 0.01 s;" in said[0], said
     assert "no answer" not in said[0] and "a store of many objects" in said[0], said
+
+
+def test_the_transformers_cli_without_a_command_names_its_commands():
+    """``python -m resilient_callbacks.transformers`` with no command said argparse's
+    "the following arguments are required: cmd" (the attribute's name, no command)."""
+    pytest.importorskip("transformers")
+    r = subprocess.run(
+        [sys.executable, "-m", "resilient_callbacks.transformers"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "a command is required: export" in r.stderr and "cmd" not in r.stderr, r.stderr

@@ -12,10 +12,13 @@ from .export import cli_export
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m resilient_callbacks.transformers")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
     p = sub.add_parser("export", help="write a checkpoint as a from_pretrained directory")
     add_export_arguments(p)
-    return cli_export(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    if args.cmd is None:  # argparse's own words were "required: cmd"
+        ap.error(f"a command is required: {', '.join(sub.choices)} (`{ap.prog} COMMAND --help`)")
+    return cli_export(args)
 
 
 if __name__ == "__main__":  # pragma: no cover
