@@ -409,18 +409,6 @@ class _PipeSafe:
         return getattr(self._stream, name)
 
 
-def _credentials_hint(e: Exception) -> str:
-    """The store's client found no credentials (botocore's NoCredentialsError, google-auth's
-    DefaultCredentialsError, ...): where to give them. It said only the client's words."""
-    if not any("credential" in t.__name__.lower() for t in type(e).__mro__):
-        return ""
-    return (
-        " (give the store's credentials as its client reads them: for s3://, AWS_ACCESS_KEY_ID "
-        "and AWS_SECRET_ACCESS_KEY, or -o profile=NAME, or -o key=... -o secret=...; "
-        "-o anon=true for a public bucket; docs/remote.md)"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -476,8 +464,10 @@ def main(argv: list[str] | None = None) -> int:
             remote = is_url(args.dir)
         if not remote or os.environ.get(DEBUG_ENV):
             raise  # a bug of ours (or asked for): its traceback
+        from .cli_hints import credentials_hint
+
         # the store's own errors (botocore's, an option its client rejects): one line
-        hint = " (check the -o options)" if isinstance(e, TypeError) else _credentials_hint(e)
+        hint = " (check the -o options)" if isinstance(e, TypeError) else credentials_hint(e)
         print(
             f"{PROG} {args.cmd}: the remote store failed: {type(e).__name__}: {e}{hint} "
             f"({DEBUG_ENV}=1 shows the traceback)",
