@@ -201,3 +201,33 @@ def test_the_transformers_cli_without_a_command_names_its_commands():
     )
     assert r.returncode == 2, r.stderr
     assert "a command is required: export" in r.stderr and "cmd" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "url, says, not_said",
+    [
+        ("s3://bucket/run1", ["AWS_ACCESS_KEY_ID", "-o anon=true"], ["token=", "account_"]),
+        ("simplecache::s3://bucket/run1", ["AWS_ACCESS_KEY_ID"], ["token="]),
+        ("gs://bucket/run1", ["GOOGLE_APPLICATION_CREDENTIALS", "-o token=anon"], ["AWS_"]),
+        ("gcs://bucket/run1", ["-o token=KEY.json"], ["AWS_", "-o key="]),
+        ("az://box/run1", ["-o account_name=NAME", "-o sas_token="], ["AWS_", "anon=true"]),
+        ("abfs://box/run1", ["-o account_key=", "-o connection_string="], ["AWS_"]),
+        ("hdfs://host/run1", ["-o KEY=VALUE"], ["AWS_", "token=", "account_", "anon"]),
+    ],
+)
+def test_the_credentials_hint_follows_the_urls_protocol(url, says, not_said):
+    """The hint after a client found no credentials was S3's (``-o anon=true``, ``-o key=``)
+    for every store: gcsfs takes ``token``, adlfs ``account_name`` with ``account_key``,
+    ``sas_token`` or ``connection_string``; another client, its own names. (gcsfs and adlfs
+    are not installed here: google-auth's own error stands for what gcsfs raises, and the
+    real CLI's line for s3:// is checked above.)"""
+    auth = pytest.importorskip("google.auth.exceptions")
+    from resilient_callbacks.cli_hints import credentials_hint
+
+    hint = credentials_hint(auth.DefaultCredentialsError("default credentials not found"), url)
+    assert hint.startswith(" (give the store's credentials") and "docs/remote.md" in hint, hint
+    for word in says:
+        assert word in hint, (url, hint)
+    for word in not_said:
+        assert word not in hint, (url, hint)
+    assert credentials_hint(ConnectionError("refused"), url) == ""  # not a credentials error

@@ -457,17 +457,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except Exception as e:
-        remote = getattr(args, "remote", None) or args.cmd in ("pull", "push")
+        url = getattr(args, "remote", None) or getattr(args, "url", None) or ""
+        remote = bool(url)
         if args.cmd == "verify":  # `verify URL` reads a remote store
             from .cli_scan import is_url
 
-            remote = is_url(args.dir)
+            remote, url = is_url(args.dir), args.dir
         if not remote or os.environ.get(DEBUG_ENV):
             raise  # a bug of ours (or asked for): its traceback
         from .cli_hints import credentials_hint
 
         # the store's own errors (botocore's, an option its client rejects): one line
-        hint = " (check the -o options)" if isinstance(e, TypeError) else credentials_hint(e)
+        hint = " (check the -o options)" if isinstance(e, TypeError) else credentials_hint(e, url)
         print(
             f"{PROG} {args.cmd}: the remote store failed: {type(e).__name__}: {e}{hint} "
             f"({DEBUG_ENV}=1 shows the traceback)",
