@@ -336,3 +336,44 @@ def test_ls_and_verify_name_a_step_folder_that_is_a_symbolic_link(pristine, tmp_
     assert r.stderr.splitlines() == [f"resilient-ckpt verify: note: {note}"], r.stderr
     os.remove(link)
     assert cli("ls", root, "--fast").stderr == cli("verify", root).stderr == ""
+
+
+def _reseal_structure(ckpt: str, content: bytes) -> None:
+    """``shared.json`` replaced by ``content`` and its manifest entry (size, checksum) and the
+    manifest's own checksum made to match: a checkpoint every checksum passes whose structure
+    file is no structure (a writer's bug, or a tool's edit)."""
+    import xxhash
+
+    with open(os.path.join(ckpt, "shared.json"), "wb") as f:
+        f.write(content)
+    path = os.path.join(ckpt, "manifest.json")
+    with open(path) as f:
+        m = json.load(f)
+    entry = next(e for e in m["files"] if e["path"] == "shared.json")
+    entry.update(size=len(content), xxh3_64=xxhash.xxh3_64_hexdigest(content))
+    m[SELF_CHECKSUM] = self_checksum(m)
+    with open(path, "w") as f:
+        json.dump(m, f)
+
+
+@pytest.mark.parametrize(
+    "content, said",
+    [
+        (b"[1, 2]", "shared.json: not a structure file (a JSON list, not an object)"),
+        (b'"text"', "shared.json: not a structure file (a JSON str, not an object)"),
+        (b"{}", "shared.json names no structure"),
+    ],
+)
+def test_a_structure_file_that_is_no_object_is_said_corrupt_not_a_traceback(
+    pristine, tmp_path, content, said
+):
+    """A sealed ``shared.json`` holding a JSON list: ``export`` ended in a traceback of
+    ``AttributeError: 'list' object has no attribute 'get'`` (a restore said it as "unreadable
+    checkpoint (AttributeError ...)"); ``{}``, in ``KeyError``."""
+    root = str(tmp_path / "ck")
+    shutil.copytree(pristine, root)
+    _reseal_structure(os.path.join(root, DAMAGED), content)
+    r = cli("export", os.path.join(root, DAMAGED), str(tmp_path / "out"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert said in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not os.path.exists(tmp_path / "out")

@@ -164,15 +164,22 @@ def load_blobs(
     return out
 
 
-def read_json(path: str, manifest: Manifest, name: str) -> Any:
-    """The JSON file ``name`` of the checkpoint at ``path``, verified against its manifest."""
+def read_json(path: str, manifest: Manifest, name: str) -> dict[str, Any]:
+    """The JSON file ``name`` of the checkpoint at ``path`` (a structure file: a JSON object),
+    verified against its manifest."""
     import json
 
     buf = read_verified(os.path.join(path, name), manifest_entry(manifest, name, path).digest)
     try:
-        return json.loads(bytes(buf))
+        doc = json.loads(bytes(buf))
     except ValueError as e:
         raise CheckpointCorruptError(f"{os.path.join(path, name)}: unreadable JSON ({e})") from None
+    if not isinstance(doc, dict):  # (its .get() was a traceback: 'list' object has no ...)
+        raise CheckpointCorruptError(
+            f"{os.path.join(path, name)}: not a structure file (a JSON {type(doc).__name__}, "
+            "not an object)"
+        )
+    return doc
 
 
 def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] = ()) -> LoadedPart:
@@ -219,4 +226,6 @@ def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] 
         if not isinstance(refs, dict):
             raise CheckpointCorruptError(f"{path}: malformed blob references")
         tensors.update(load_blobs(path, manifest, refs))
+    if "structure" not in shared:
+        raise CheckpointCorruptError(f"{path}: {SHARED_STRUCTURE} names no structure")
     return LoadedPart(shared["structure"], per_rank, rng, tensors)
