@@ -64,8 +64,14 @@ def test_a_run_started_while_gc_holds_the_directory_waits_for_it(tmp_path):
     result: dict[str, object] = {}
 
     def run() -> None:
+        # the requeued run as a training script is: restore() first (without it, the earlier
+        # checkpoints are another run's, and a ForeignCheckpointsWarning says so); in a thread,
+        # where no signal handler can be installed: preemption=False (else a RuntimeWarning)
         try:
-            _save(root, (30,))
+            model = torch.nn.Linear(3, 2)
+            with Checkpointer(root, keep_last=None, preemption=False) as ck:
+                assert ck.restore({"model": model}) == 20
+                ck.save(30, {"model": model})
         except Exception as e:  # (the old behaviour: CheckpointLockedError at once)
             result["error"] = e
 

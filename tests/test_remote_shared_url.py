@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import spawn_ranks
-from resilient_callbacks import Checkpointer
+from resilient_callbacks import Checkpointer, ForeignCheckpointsWarning
 from resilient_callbacks.errors import CheckpointLockedError
 from resilient_callbacks.remote import RemoteStore
 
@@ -124,13 +124,17 @@ def test_a_run_that_saves_without_restore_numbers_its_commits_after_the_remotes(
     with Checkpointer(tmp_path / "t0", remote=url, resume="never", async_save=False) as ck:
         for s in (1, 2, 3):
             ck.save(s, {"w": torch.full((4,), 1.0)})
+    # (one URL for the sweep: each trial is told of the others' checkpoints there, as it is)
+    other_runs = pytest.warns(ForeignCheckpointsWarning, match="checkpoint.s. of 1 other run")
     with Checkpointer(tmp_path / "t1", remote=url, resume="never", async_save=False) as ck:
-        ck.save(1, {"w": torch.full((4,), 2.0)})
+        with other_runs:
+            ck.save(1, {"w": torch.full((4,), 2.0)})
         trial1 = ck.run_id
     shutil.rmtree(tmp_path / "t1")  # its node is gone: the trial resumes from the remote
     state = {"w": torch.zeros(4)}
     with Checkpointer(tmp_path / "t1", remote=url) as ck:
-        assert ck.restore(state) == 1
+        with pytest.warns(ForeignCheckpointsWarning, match="3 checkpoint.s. of 1 other run"):
+            assert ck.restore(state) == 1
         assert ck.run_id == trial1
     assert torch.equal(state["w"], torch.full((4,), 2.0))
 
@@ -138,8 +142,6 @@ def test_a_run_that_saves_without_restore_numbers_its_commits_after_the_remotes(
 def test_a_new_run_beside_another_runs_remote_checkpoints_is_told(tmp_path):
     """As for a local directory holding another run's checkpoints: a new run whose remote URL
     holds another run's is warned once, naming the URL and how to clean it."""
-    from resilient_callbacks import ForeignCheckpointsWarning
-
     url = f"file://{tmp_path}/durable/sweep"
     with Checkpointer(tmp_path / "t0", remote=url, resume="never", async_save=False) as ck:
         ck.save(1, {"w": torch.ones(2)})
