@@ -993,7 +993,12 @@ def test_the_reader_falls_back_past_a_damaged_newest_remote_checkpoint(tmp_path,
 
     sd = {"w": torch.zeros(4096), "epoch": 0}
     reader = ResilientStorageReader(root, remote=url)
-    with caplog.at_level("WARNING", logger="resilient_callbacks"):
+    with (
+        caplog.at_level("WARNING", logger="resilient_callbacks"),
+        pytest.warns(
+            ResumeFallbackWarning, match="skipping the remote checkpoint .*step_000000002"
+        ),
+    ):
         dcp.load(sd, storage_reader=reader)
     assert reader.loaded_step == 1 and sd["epoch"] == 1
     assert torch.equal(sd["w"], torch.full((4096,), 1.0))
