@@ -41,7 +41,12 @@ from resilient_callbacks.remote import RemoteStore
 
 
 def _state(v: float, n: int = 256) -> dict:
-    return {"w": torch.full((n,), float(v)), "b": torch.arange(n) * v, "meta": {"v": v}}
+    # (float, as _fresh: an int step gave an int64 "b", cast on restore with a UserWarning)
+    return {
+        "w": torch.full((n,), float(v)),
+        "b": torch.arange(n, dtype=torch.float32) * v,
+        "meta": {"v": v},
+    }
 
 
 def _fresh(n: int = 256) -> dict:
