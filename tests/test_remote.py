@@ -995,13 +995,19 @@ def test_a_new_run_started_with_resume_never_numbers_its_commits_after_the_remot
         for s in (10, 20, 30):
             ck.save(s, _state(s))
     shutil.rmtree(local)
+    # (the remote holds the older run's checkpoints: each later run is told so, as it is)
+    other_run = "checkpoint.s. of 1 other run"
     with Checkpointer(local, remote=url, keep_last=5, resume="never") as ck:
         assert ck.restore(_fresh()) == 0
-        for s in (1, 2):
-            ck.save(s, _state(s))
+        with pytest.warns(ForeignCheckpointsWarning, match=other_run):
+            for s in (1, 2):
+                ck.save(s, _state(s))
     shutil.rmtree(local)
     state = _fresh()
-    with Checkpointer(local, remote=url, keep_last=5) as ck:
+    with (
+        Checkpointer(local, remote=url, keep_last=5) as ck,
+        pytest.warns(ForeignCheckpointsWarning, match=other_run),
+    ):
         assert ck.restore(state) == 2  # the run that committed last
     assert state["meta"] == {"v": 2}
 
@@ -1066,7 +1072,10 @@ def test_remote_checkpoints_whose_manifest_cannot_be_read_are_no_fresh_start(
         else:
             for m in manifests:
                 m.write_text("{torn")
-        with pytest.raises(NoValidCheckpointError) as info:
+        with (
+            pytest.warns(ResumeFallbackWarning, match="skipping checkpoint step_0000000[12]0"),
+            pytest.raises(NoValidCheckpointError) as info,
+        ):
             ck.restore(_fresh())
         said = str(info.value)
         assert said.index("step_000000020") < said.index("step_000000010"), said  # newest first
