@@ -20,6 +20,8 @@ from resilient_callbacks import Checkpointer
 from resilient_callbacks.errors import RemoteDeleteRefusedError
 from resilient_callbacks.remote import RemoteStore
 
+TIMEOUT_S = 120.0
+
 
 class HttpError(Exception):
     """As gcsfs.retry.HttpError: the message and ``.code`` of a cloud error answer."""
@@ -283,6 +285,66 @@ def test_a_refused_checkpoint_is_tried_again_after_a_growing_bounded_wait():
     assert r.due("b", now=now)  # (each checkpoint its own)
     r.deleted("a")
     assert r.due("a", now=now)
+
+
+def _save_and_upload(ck, step: int) -> None:
+    ck.save(step, {"w": torch.full((8,), float(step))})
+    assert ck._dir.sync.wait(TIMEOUT_S), "the upload never ended"
+
+
+def test_refused_checkpoints_are_asked_again_at_the_next_pass_once_a_delete_succeeds(
+    deny, tmp_path
+):
+    """The permissions fixed, the checkpoints refused before waited out their doubling wait
+    (up to 6 h) although every delete was now carried out. A delete that succeeds after
+    refusals now makes the others due at the next pass, once each."""
+    url = _url()
+    deny.refuse = staticmethod(lambda p: "/step_" in p and "/.writer-" not in p)
+    with Checkpointer(
+        tmp_path / "local", remote=url, remote_keep_last=1, keep_last=1, async_save=False
+    ) as ck:
+        for s in range(1, 5):
+            _save_and_upload(ck, s)
+        assert _committed(url) == [f"step_00000000{s}" for s in range(1, 5)]
+        deny.refuse = staticmethod(lambda path: False)  # (the rights granted)
+        _save_and_upload(ck, 5)  # step 4 (never refused) deleted: the others due
+        _save_and_upload(ck, 6)
+        assert _committed(url) == ["step_000000006"]  # (before: steps 1 to 3 kept for 10+ min)
+        assert not ck._dir.sync._refusals._names
+
+
+def test_a_refused_checkpoint_that_someone_else_deleted_is_forgotten(deny, tmp_path):
+    """The backoff of a refused checkpoint was kept for the rest of the process, also once
+    the checkpoint was gone from the store (deleted by an admin, by ``gc`` elsewhere): now a
+    retention pass's listing forgets every name it no longer holds."""
+    url = _url()
+    deny.refuse = staticmethod(lambda p: "/step_000000001/" in p and "/.writer-" not in p)
+    with Checkpointer(
+        tmp_path / "local", remote=url, remote_keep_last=1, keep_last=1, async_save=False
+    ) as ck:
+        _save_and_upload(ck, 1)
+        _save_and_upload(ck, 2)  # step 1 refused
+        assert set(ck._dir.sync._refusals._names) == {"step_000000001"}
+        deny.refuse = staticmethod(lambda path: False)
+        fsspec.filesystem("rcdeny").rm(url.removeprefix("rcdeny://") + "/step_000000001", True)
+        _save_and_upload(ck, 3)
+        assert not ck._dir.sync._refusals._names
+        assert _committed(url) == ["step_000000003"]
+
+
+def test_a_delete_that_succeeds_shortens_each_other_refusals_wait_once():
+    from resilient_callbacks.upload_thread import REFUSED_RETRY_S, Refusals
+
+    r = Refusals()
+    r.refused("a", now=0.0)
+    r.refused("b", now=0.0)
+    r.deleted("c", now=10.0)  # (another checkpoint deleted: the rights may be fixed)
+    assert r.due("a", now=10.0) and r.due("b", now=10.0)
+    assert r.refused("a", now=10.0) == 2 * REFUSED_RETRY_S  # (refused again: its backoff goes on)
+    r.deleted("d", now=20.0)
+    assert not r.due("a", now=20.0), "shortened once only: a lock that holds is not asked again"
+    r.prune(["a"])
+    assert r.due("b", now=0.0) and not r.due("a", now=20.0)
 
 
 class GatedFS(MemoryFileSystem):

@@ -414,6 +414,7 @@ class RemoteCommitter(UploadThread):
         try:
             entries = self.store.scan()
             self.own.opened(entries)  # (the first listing, when the store was down at open)
+            self._refusals.prune({e.name for e in entries})  # (gone: deleted by another)
             with self._cond:
                 self.index = {e.key: e.name for e in entries if e.key is not None}
                 self.listed = {e.name for e in entries if e.problem != NO_MANIFEST}

@@ -426,6 +426,7 @@ class RemoteSync(UploadThread):
         self._last_sweep = now
         try:
             entries = self.refresh()
+            self._refusals.prune({e.name for e in entries})  # (gone: deleted by another)
             mine = self.own.mine(entries, manifest.run_id)  # (not another live process's)
             keep = self.own.protected(mine, protect)
             p = plan(retention_candidates(mine), self.policy, manifest.run_id, protected=keep)

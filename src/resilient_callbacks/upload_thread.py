@@ -17,7 +17,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from .errors import RemoteDeleteRefusedError
@@ -69,10 +69,18 @@ class Refusals:
     lock), each tried again after a wait that doubles with each refusal (``REFUSED_RETRY_S``
     up to ``REFUSED_RETRY_MAX_S``), not at every retention pass: a store that refuses every
     delete got a request for each checkpoint it kept at every upload, more at each. Said once
-    (a warning naming what was refused and what to grant), then in INFO lines."""
+    (a warning naming what was refused and what to grant), then in INFO lines.
+
+    A delete the store carries out after refusals (its rights fixed, a lock expired) makes
+    each other refused checkpoint due at the next pass, once per checkpoint (:meth:`deleted`):
+    it waited up to ``REFUSED_RETRY_MAX_S`` after the fix, and a store that keeps refusing
+    some (an object lock) still gets at most one request per checkpoint per pass, and no
+    early one again. A checkpoint no longer listed (deleted by someone else) is forgotten
+    (:meth:`prune`)."""
 
     def __init__(self) -> None:
-        self._names: dict[str, tuple[int, float]] = {}  # name -> (refusals, monotonic next try)
+        # name -> (refusals, monotonic next try, whether a delete of another shortened it)
+        self._names: dict[str, tuple[int, float, bool]] = {}
         self.warned = False
 
     def due(self, name: str, now: float | None = None) -> bool:
@@ -82,13 +90,24 @@ class Refusals:
 
     def refused(self, name: str, now: float | None = None) -> float:
         """``name`` was refused (again): the seconds until it is tried again."""
-        n = self._names.get(name, (0, 0.0))[0] + 1
-        wait = backoff_s(n, REFUSED_RETRY_S, REFUSED_RETRY_MAX_S, jitter=False)
-        self._names[name] = (n, (time.monotonic() if now is None else now) + wait)
+        n, _, early = self._names.get(name, (0, 0.0, False))
+        wait = backoff_s(n + 1, REFUSED_RETRY_S, REFUSED_RETRY_MAX_S, jitter=False)
+        self._names[name] = (n + 1, (time.monotonic() if now is None else now) + wait, early)
         return wait
 
-    def deleted(self, name: str) -> None:
+    def deleted(self, name: str, now: float | None = None) -> None:
+        """``name`` was deleted: forgotten, and each other refused checkpoint not shortened
+        before is due from ``now`` (the store's rights may have been fixed)."""
         self._names.pop(name, None)
+        at = time.monotonic() if now is None else now
+        for other, (n, next_try, early) in list(self._names.items()):
+            if not early:
+                self._names[other] = (n, min(next_try, at), True)
+
+    def prune(self, listed: Collection[str]) -> None:
+        """Forget the checkpoints not in ``listed`` (a listing of the store): gone."""
+        for name in [x for x in self._names if x not in listed]:
+            del self._names[name]
 
 
 def delete_checkpoint(thread: UploadThread, store: Any, name: str, what: str) -> bool:
