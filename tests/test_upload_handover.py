@@ -1,15 +1,21 @@
 """The hand-over of a store between two writers of one process (upload_thread.UploadThread:
 the next writer's thread waits for the stopped thread of the previous one), as close() sees
-that wait: how long no byte has moved (``_waited_stall_s``). Real threads, no store needed."""
+that wait: how long no byte has moved (``_waited_stall_s``), and its bound without a close()
+(the outage limit). Real threads; a store in this process that hangs (GatedFS) for the last."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
 
+import pytest
+import torch
+
 from resilient_callbacks.progress import Progress
 from resilient_callbacks.upload_thread import UploadThread
+from test_remote_backends import GatedFS, gated  # noqa: F401 (the fixture: a store that hangs)
 
 TIMEOUT_S = 60.0
 
@@ -68,3 +74,44 @@ def test_the_next_writers_wait_is_no_stall_while_the_previous_one_moved_bytes():
         prev._thread.join(TIMEOUT_S)
     nxt._thread.join(TIMEOUT_S)
     assert not prev._thread.is_alive() and not nxt._thread.is_alive()
+
+
+@pytest.mark.usefixtures("gated")
+def test_the_next_writer_gives_up_on_a_previous_attempt_that_hangs_and_uploads_its_own(
+    tmp_path, caplog, monkeypatch
+):
+    """Without a close() of its own, the next writer of a store waited for ever for a stopped
+    previous writer's attempt that hung (a store that stopped answering it), saying so in an
+    INFO line: none of its checkpoints went up for the rest of the process. It now gives up
+    after the outage limit (set low here: the attempt really hangs until the test lets it go),
+    says so in a warning, uploads what was queued meanwhile, and the previous attempt, once
+    its request returns, commits nothing (the store is the next writer's)."""
+    from resilient_callbacks import Checkpointer, upload_thread
+    from resilient_callbacks.remote import RemoteStore
+
+    monkeypatch.setattr(upload_thread, "HANDOVER_OUTAGE_S", 0.5)
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    url = f"rcgate://rc-{uuid.uuid4().hex[:10]}/run"
+    opts = {"remote": url, "remote_keep_last": 2, "keep_last": 2, "async_save": False}
+    old = Checkpointer(tmp_path / "old", **opts)
+    GatedFS.held = "/step_000000001/"  # (its upload hangs)
+    old.save(1, {"w": torch.ones(8)})
+    assert GatedFS.inside.wait(TIMEOUT_S)
+    old_thread = old._dir.sync._thread
+    old.close(timeout=0.2)  # (gives up on it, said: the attempt goes on in its thread)
+    new = Checkpointer(tmp_path / "new", **opts)
+    try:
+        new.save(2, {"w": torch.full((8,), 2.0)})
+        assert new._dir.sync.wait(TIMEOUT_S), "the next writer never uploaded"
+        assert old_thread.is_alive()  # (still hung: given up on, not ended)
+        said = [r for r in caplog.records if "stops waiting for it" in r.getMessage()]
+        assert said and said[0].levelno == logging.WARNING, said
+        assert old_thread.name in said[0].getMessage()
+        GatedFS.go.set()  # the old attempt's request returns: it must not commit step 1
+        old_thread.join(TIMEOUT_S)
+        assert not old_thread.is_alive()
+        committed = sorted(e.name for e in RemoteStore(url).scan() if e.problem is None)
+        assert committed == ["step_000000002"], committed
+    finally:
+        GatedFS.go.set()
+        new.close()

@@ -48,6 +48,7 @@ from .manifest import FileEntry, Manifest
 from .remote_blob_clash import check_other_bytes, check_torn
 from .remote_blob_fetch import DIGESTING, download  # noqa: F401 (re-exported: their old home)
 from .remote_objects import modified_time
+from .upload_thread import not_superseded
 
 if TYPE_CHECKING:
     from .remote import RemoteEntry, RemoteStore
@@ -221,6 +222,7 @@ def collect(
         if entries is None:
             entries, names = store.scan_with_blobs()
         return _collect(store, entries, None, names=names)
+    not_superseded(store.url)  # (an upload thread the next writer took the store over from)
     if store.is_local:
         store.fs.makedirs(_dir(store), exist_ok=True)
     token = posixpath.join(_dir(store), f"{COLLECT_PREFIX}{uuid.uuid4().hex[:12]}.json")

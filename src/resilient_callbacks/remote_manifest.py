@@ -13,6 +13,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from .manifest import MANIFEST_NAME
+from .upload_thread import not_superseded
 
 if TYPE_CHECKING:
     from .remote import RemoteStore
@@ -22,7 +23,9 @@ def put_manifest(st: RemoteStore, path: str, data: bytes) -> None:
     """The commit point: ``data`` as the manifest at ``path``. On a local filesystem
     (``file://``) written beside it, fsynced and renamed into place: a write cut off (a full
     disk, a kill) left a torn ``manifest.json``, a checkpoint committed and damaged; an object
-    store's PUT is atomic."""
+    store's PUT is atomic. Raises where the next writer took the store over from this upload
+    thread (:func:`.upload_thread.not_superseded`)."""
+    not_superseded(st.url)
     if not st.is_local:
         st.fs.pipe_file(path, data)
         return

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
-from .errors import RemoteDeleteRefusedError
+from .errors import RemoteDeleteRefusedError, RemoteUnavailableError
 from .progress import Progress
 from .redact import url_text
 
@@ -31,6 +31,24 @@ EXIT_MARGIN_S = 5.0  # of a grace period, left to exit after the uploads (interp
 # started (_after_previous)
 _last_on: dict[str, list[weakref.ref[UploadThread]]] = {}
 _last_lock = threading.Lock()
+# the previous writer's threads the next writer gave up waiting for (_wait_previous): each
+# begins no commit, retention delete or blob collection again (:func:`not_superseded`)
+_superseded: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+HANDOVER_OUTAGE_S = 300.0  # how long no byte of the previous writer's attempt may move (as
+# close()'s outage limit, stall.CLOSE_OUTAGE_S) before the next writer gives up waiting for it
+
+
+def not_superseded(url: str) -> None:
+    """Before a commit point, a retention's delete or a blob collection of an upload thread:
+    raise where the next writer of its store gave up waiting for this thread
+    (:meth:`UploadThread._wait_previous`), which then owns the store."""
+    if threading.current_thread() in _superseded:
+        raise RemoteUnavailableError(
+            f"remote {url_text(url)}: this upload thread's attempt hung past the outage limit "
+            "after its close() gave up on it, and the next writer of this store took it over: "
+            "it commits and deletes nothing more. Nothing to do: that writer uploads the "
+            "checkpoints still only local"
+        )
 
 
 def backoff_s(failures: int, base_s: float, max_s: float = math.inf, jitter: bool = True) -> float:
@@ -120,6 +138,7 @@ def delete_checkpoint(thread: UploadThread, store: Any, name: str, what: str) ->
     refusals = thread._refusals
     if not refusals.due(name):
         return False
+    not_superseded(store.url)
     log = logging.getLogger("resilient_callbacks")
     try:
         store.delete(name)
@@ -185,14 +204,18 @@ class UploadThread:
         and the old one committed it again, or put a node's part of it again, after the new
         one's retention had deleted its files: a damaged checkpoint, or a name the retention
         had just deleted back in the store. False once stopped meanwhile. While it waits,
-        :meth:`_waited_stall_s`."""
+        :meth:`_waited_stall_s`; once that passes ``HANDOVER_OUTAGE_S`` (an attempt hung in
+        a store that stopped answering it) it gives up, said in a warning, and the one given
+        up on begins no commit, retention delete or blob collection again
+        (:func:`not_superseded`): only the request it has under way may still end."""
         # (one not stopped is another writer's, open, or this writer's other thread: not
         # waited for)
         prevs = [p for p in self._previous if p._stop and p._thread.is_alive()]
+        log = logging.getLogger("resilient_callbacks")
         try:
             if not prevs:
                 return True
-            logging.getLogger("resilient_callbacks").info(
+            log.info(
                 "remote %s: this writer waits for the upload of the previous writer of this "
                 "store in this process (its close() gave up on it) to end before it uploads",
                 url_text(url),
@@ -204,6 +227,22 @@ class UploadThread:
                     prev._thread.join(timeout=1.0)  # (and looks at stop() each second)
                     if self._stop:
                         return False
+                    if prev._thread.is_alive() and self._waited_stall_s() > HANDOVER_OUTAGE_S:
+                        _superseded.add(prev._thread)  # (before this writer's first request)
+                        log.warning(
+                            "remote %s: the upload thread %s of the previous writer of this "
+                            "store in this process (its close() gave up on it) moved no byte "
+                            "for %.0f s; this writer stops waiting for it and uploads its "
+                            "checkpoints now. That thread commits and deletes nothing more "
+                            "(a request it has under way may still end). If its store hangs "
+                            "like this again, check the store's endpoint and the network; "
+                            "restarting the process ends that thread",
+                            url_text(url),
+                            prev._thread.name,
+                            HANDOVER_OUTAGE_S,
+                        )
+                        break
+                self._waiting_since = time.monotonic()  # (the next one's stall counts anew)
             return True
         finally:
             self._waiting_since, self._waiting_on, self._previous = None, None, []
