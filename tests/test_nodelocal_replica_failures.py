@@ -92,3 +92,17 @@ def test_a_node_gone_at_close_is_said_by_the_others_naming_their_node(tmp_path):
     )
     said = out[0][-1]["log"]
     assert "close(): node 0 could not learn which checkpoints are committed remotely" in said
+
+
+def test_a_manifest_gone_before_the_upload_is_queued_does_not_hang_the_peer(tmp_path):
+    """Node 1's manifest of step 4 is gone once committed, and step 4 is due for upload: the
+    leader read it back to queue the upload, raised before replicating (and only it, at its
+    next save), and node 0 waited in the replica exchange until the process group's timeout.
+    The upload now takes its list from the commit itself: both ranks replicate, go on to step
+    6 and close, node 1 naming its replication failure."""
+    out = _run(tmp_path, "run", 2, "--steps", "6", RC_LOSE_FILE_AT="1:4:manifest.json", **LONG_PG)
+    assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
+    said = out[1][-1]["log"]
+    assert "rank 1 could not send step_000000004: FileNotFoundError" in said, said
+    assert "step_000000006" in _replicas(tmp_path, 0, of=1)
+    assert "step_000000004" in _replicas(tmp_path, 1, of=0)

@@ -72,6 +72,7 @@ class NodeLocalSession:
         self.token = ""  # the commit's, in every node's marks (remote_objects.commit_tag)
         self._begin_error: BaseException | None = None
         self.layout: str | None = None  # set by the caller: what agree_steps compares
+        self._upload_files: list[FileEntry] = []  # (leaders) this node's part to upload
 
     def begin(self) -> str | None:
         """Collective: rank 0 numbers the commit and names it remotely; every rank makes its
@@ -176,6 +177,13 @@ class NodeLocalSession:
                         "token": self.token,
                     }
                     m = self._manifest(files, metrics, reason, fingerprint, node_extra)
+                    # this node's uploads (never other ranks' copies of the shared files): from
+                    # what the manifest lists, now (a failure here is the node's, reported
+                    # below; read back from the disk after the outcome, a manifest gone raised
+                    # on this leader only and its peer waited in the replica exchange)
+                    self._upload_files = [
+                        f for f in m.files if not (is_shared(f.path) and f.rank != 0)
+                    ]
                     assert self.staging is not None
                     data = encode_json(m.to_json())
                     local_path = d.commit.commit(self.staging, self.step, data, latest=True)
@@ -290,13 +298,9 @@ class NodeLocalSession:
         name = os.path.basename(local_path)
         if d.uploader is not None:
             uploader, key, remote_name = d.uploader, (self.run_id, self.seq), self.name
-            tag = self.token
+            tag, mine = self.token, self._upload_files
 
             def upload() -> None:
-                from .manifest import read_manifest
-
-                m = read_manifest(local_path)
-                mine = [f for f in m.files if not (is_shared(f.path) and f.rank != 0)]
                 uploader.enqueue(name, remote_name, key, mine, tag)
 
             if d.config.remote_due(self.seq, reason):
