@@ -106,3 +106,20 @@ def test_a_manifest_gone_before_the_upload_is_queued_does_not_hang_the_peer(tmp_
     assert "rank 1 could not send step_000000004: FileNotFoundError" in said, said
     assert "step_000000006" in _replicas(tmp_path, 0, of=1)
     assert "step_000000004" in _replicas(tmp_path, 1, of=0)
+
+
+@pytest.mark.parametrize("stray", [".replicas/notes.txt", ".replicas"])
+def test_a_stray_file_among_the_replicas_does_not_hang_the_restore(tmp_path, stray):
+    """A file of the user's under node 1's ``.replicas/`` (or in its place): listing the
+    replicas at the restore raised NotADirectoryError on node 1 only, and node 0 waited for
+    it in the next collective until node 1 exited. It is skipped, named, and both ranks resume
+    from their disks."""
+    _run(tmp_path, "first", 2, "--steps", "4", **LONG_PG)
+    if stray == ".replicas":
+        shutil.rmtree(tmp_path / "node1" / ".replicas")
+    (tmp_path / "node1" / stray).write_text("a note of the user's")
+    out = _run(tmp_path, "second", 2, "--steps", "6", **LONG_PG)
+    assert [rank[0].get("restored") for rank in out] == [4, 4], out
+    assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
+    said = out[1][-1]["log"]
+    assert f"node 1: {tmp_path / 'node1' / stray} is not a folder" in said, said

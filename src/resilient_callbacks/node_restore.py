@@ -194,7 +194,7 @@ class NodeRestorer(Restorer):
                 )
         replicas = [
             [label, m.run_id, m.seq, m.step, path]
-            for label, items in peers.list_replicas(d.dirpath).items()
+            for label, items in peers.list_replicas(d.dirpath, d.topology.node).items()
             for path, m in items
         ]
         return {"local": local, "replicas": replicas, "damaged": damaged}

@@ -206,17 +206,27 @@ def exchange(
     return final
 
 
-def list_replicas(dirpath: str) -> dict[str, list[tuple[str, Manifest]]]:
-    """The replicas this node holds: node label -> [(checkpoint folder, manifest)], valid ones
-    (sizes checked) only."""
+def list_replicas(dirpath: str, node: int | None = None) -> dict[str, list[tuple[str, Manifest]]]:
+    """The replicas this node (``node``, named in what it says) holds: node label ->
+    [(checkpoint folder, manifest)], valid ones (sizes checked) only. What is not a folder
+    there (a stray file) is skipped with a warning naming it: it raised NotADirectoryError on
+    this node only, and the other nodes waited for it in the restore's next collective."""
     root = os.path.join(dirpath, REPLICAS_DIR)
     out: dict[str, list[tuple[str, Manifest]]] = {}
-    try:
-        labels = os.listdir(root)
-    except FileNotFoundError:
+    who = "" if node is None else f"node {node}: "
+    if not os.path.lexists(root):
         return out
-    for label in labels:
-        for e in catalog.scan(os.path.join(root, label), Depth.SIZE):
+    if not os.path.isdir(root):
+        log.warning("%s%s is not a folder: no replicas read from it (remove it)", who, root)
+        return out
+    for label in sorted(os.listdir(root)):
+        path = os.path.join(root, label)
+        if not os.path.isdir(path):
+            log.warning(
+                "%s%s is not a folder of a peer node's replicas: skipped (remove it)", who, path
+            )
+            continue
+        for e in catalog.scan(path, Depth.SIZE):
             if e.manifest is not None and e.status is catalog.Status.VALID:
                 out.setdefault(label, []).append((e.path, e.manifest))
     return out
