@@ -95,6 +95,35 @@ def test_a_restart_uploads_again_only_what_the_remote_retention_keeps(tmp_path):
         assert _kept(tmp_path, node) == ["step_000000036", "step_000000038", "step_000000040"]
 
 
+def test_a_restart_with_other_options_uploads_the_archive_points_it_held(tmp_path):
+    """A first run with keep_every_n_steps=4 is killed at step 16 while node 1 had uploaded
+    nothing; the re-run has no keep_every_n_steps. Steps 4 and 8 were archive points when
+    they were written (kept forever, remotely: the nodes' disks keep no archives with a
+    remote), but the re-run planned their upload under its own options, did not upload
+    them again and then deleted them locally: lost in both tiers. Now they are committed."""
+    _run(
+        tmp_path,
+        "first",
+        2,
+        "--steps",
+        "16",
+        "--kill-at",
+        "16",
+        expect=-9,
+        RC_KEEP_EVERY=4,
+        RC_SLOW_UPLOADS=0.5,
+        RC_SLOW_NODE=1,
+        RC_HOLD_FIRST_UPLOAD_UNTIL=16,
+    )
+    assert {"step_000000004", "step_000000008"} <= set(_kept(tmp_path, 1)), _kept(tmp_path, 1)
+    out = _run(tmp_path, "second", 2, "--steps", "16", RC_CAPTURE_LOG=1)
+    assert [rank[0]["restored"] for rank in out] == [16, 16]
+    committed = sorted(p.parent.name for p in (tmp_path / "remote").glob("step_*/manifest.json"))
+    want = ["step_000000004", "step_000000008", "step_000000012", "step_000000014"]
+    assert committed == [*want, "step_000000016"], (committed, out[0][-1]["log"])
+    _assert_remote_sound_committed(tmp_path / "remote")
+
+
 def _assert_remote_sound_committed(remote: Path) -> None:
     for manifest in remote.glob("step_*/manifest.json"):
         for f in json.loads(manifest.read_text())["files"]:

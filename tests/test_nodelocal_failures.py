@@ -904,6 +904,8 @@ def worker(base: str, argv: list[str]) -> None:
         kw["replicas"] = int(os.environ["RC_REPLICAS"])
     if os.environ.get("RC_COMPRESSION"):
         kw["compression"] = os.environ["RC_COMPRESSION"]
+    if os.environ.get("RC_KEEP_EVERY"):  # archive points
+        kw["keep_every_n_steps"] = int(os.environ["RC_KEEP_EVERY"])
     if os.environ.get("RC_KEEP_BEST"):  # each rank's own loss: rank 0's falls, rank 1's rises
         kw.update(keep_best=1, monitor="loss")
     if os.environ.get("RC_PREFLIGHT_FAILS"):  # the endpoint does not answer at construction

@@ -252,6 +252,12 @@ def retention_candidates(entries: Iterable[Entry]) -> list[Candidate]:
     ]
 
 
+def archived(m: Manifest) -> bool:
+    """Whether checkpoint ``m`` was an archive point of the remote tier when it was written
+    (its remote retention policy, else its local one): kept remotely whatever the options now."""
+    return archived_point(m.step, m.remote_retention or m.retention)
+
+
 def archived_point(step: int, recorded: Mapping[str, Any]) -> bool:
     """Whether the retention policy recorded in a checkpoint made it an archive point."""
     n = recorded.get("keep_every_n_steps")

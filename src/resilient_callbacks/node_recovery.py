@@ -15,7 +15,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from . import catalog
-from .catalog import Depth, Status
+from .catalog import Depth, Status, archived
 from .manifest import FileEntry, Manifest
 from .nodelocal import REMOTE_MANIFEST, is_shared
 from .remote_objects import commit_tag
@@ -133,8 +133,11 @@ def _not_superseded(d: NodeDirectory, due: list[Any]) -> list[Any]:
     policy = d.config.remote_retention_policy()
     if policy.keep_last is None or len(due) < 2:
         return due
+    # an archive point under the remote policy it was written with is kept remotely forever,
+    # also when this run has other options (remote_listing.retention_candidates)
     cands = [
-        Candidate(n, m.step, m.seq, m.run_id, m.metrics, lineage=m.lineage) for n, m, _, _ in due
+        Candidate(n, m.step, m.seq, m.run_id, m.metrics, archived=archived(m), lineage=m.lineage)
+        for n, m, _, _ in due
     ]
     keep = plan(cands, policy, d.run_id).keep
     skipped = [n for n, *_ in due if n not in keep]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import remote_reads, store_wait
 from .blobs import BLOBS_DIR
-from .catalog import PLAIN_DCP_METADATA, archived_point
+from .catalog import PLAIN_DCP_METADATA, archived
 from .errors import CheckpointCorruptError, RemoteUnavailableError
 from .manifest import MANIFEST_NAME, NEWER_FORMAT, Manifest
 from .redact import options_text, url_text
@@ -65,9 +65,7 @@ def retention_candidates(entries: list[RemoteEntry], prefix: str = "") -> list[C
             # an archive point under the remote policy it was written with (kept forever, as
             # the local tier counts its own: catalog.retention_candidates), also after a run
             # with other options; a manifest without one: the local policy recorded
-            archived=archived_point(
-                e.manifest.step, e.manifest.remote_retention or e.manifest.retention
-            ),
+            archived=archived(e.manifest),
             lineage=e.manifest.lineage,
         )
         for e in entries
