@@ -23,6 +23,12 @@ def _accuracy_to_one_decimal(p) -> dict[str, float]:  # type: ignore[no-untyped-
     return {"accuracy": round(float(hits.mean()), 1)}
 
 
+def _the_step(trainer):  # type: ignore[no-untyped-def]
+    """A metric that is the step evaluated: with greater_is_better, each evaluation is the
+    best so far; without, the first stays the best."""
+    return lambda p: {"step": float(trainer.state.global_step)}
+
+
 def test_the_kept_best_is_the_trainers_best_when_evaluations_tie(tmp_path):
     """Evaluations at steps 2, 4 and 6 all report the same accuracy: the Trainer's best stays
     the first (a later one must be strictly better, as for Lightning's top-k); keep_best=1
@@ -43,13 +49,16 @@ def test_the_kept_best_is_the_trainers_best_when_evaluations_tie(tmp_path):
     assert sorted(tt._committed_steps(ck)) == [2, 6]
 
 
-def test_a_resume_forgets_a_best_checkpoint_directory_that_is_gone(tmp_path):
+@pytest.mark.parametrize("later_is_better", [False, True], ids=["best_before", "best_after"])
+def test_a_resume_forgets_a_best_checkpoint_directory_that_is_gone(tmp_path, later_is_better):
     """trainer_checkpoints=True and load_best_model_at_end: the checkpoint restored names the
     Trainer's best checkpoint-N, which is gone on the machine that resumes (a new node resuming
     from the remote copy, an output_dir cleaned). It was set on the Trainer's state as saved:
     the Trainer's end tried to load it ("Could not locate the best model ... activate
     --save_on_each_node") and ended with the last step's weights. As the Trainer's own resume
-    does: forgotten, with a warning naming it, until an evaluation is better."""
+    does: forgotten, with a warning naming it, until an evaluation is better. The metric is
+    the step evaluated, so which case runs is chosen: the best at step 2, before the step
+    restored (none is loaded at the end), or each evaluation better (step 8's is)."""
     import shutil
 
     def run(out: Path, kill_at: int | None = None) -> tuple:
@@ -57,13 +66,15 @@ def test_a_resume_forgets_a_best_checkpoint_directory_that_is_gone(tmp_path):
         callbacks = [tt._SeesEpoch(kill_at=kill_at), cb]
         trainer = hf_train.build_trainer(
             str(out / "out"), 8, callbacks=callbacks, eval_steps=2, save_strategy="steps",
-            save_steps=2, load_best_model_at_end=True,
+            save_steps=2, load_best_model_at_end=True, metric_for_best_model="step",
+            greater_is_better=later_is_better,
         )  # fmt: skip
+        trainer.compute_metrics = _the_step(trainer)
         trainer.train()
         return cb, trainer
 
     _, ref = run(tmp_path / "ref")
-    best_step = ref.state.best_global_step
+    assert ref.state.best_global_step == (8 if later_is_better else 2)
     with pytest.raises(tt._Killed):
         run(tmp_path / "got", kill_at=7)
     shutil.rmtree(tmp_path / "got" / "out")  # the Trainer's checkpoint-N directories
@@ -71,9 +82,51 @@ def test_a_resume_forgets_a_best_checkpoint_directory_that_is_gone(tmp_path):
         cb, got = run(tmp_path / "got")
     assert cb.restored_step == 6
     assert got.state.best_metric == ref.state.best_metric
-    if best_step <= 6:  # not trained again: nothing to load
+    if later_is_better:  # step 8 evaluated better: its checkpoint is the best
+        assert got.state.best_model_checkpoint == str(tmp_path / "got" / "out" / "checkpoint-8")
+    else:  # the best, at step 2, is not trained again: nothing to load
         assert got.state.best_model_checkpoint is None
-    else:
-        assert got.state.best_model_checkpoint == str(
-            tmp_path / "got" / "out" / f"checkpoint-{best_step}"
-        )
+
+
+def test_a_resume_says_at_info_a_best_the_trainers_rotation_removed_and_the_run_repeats(
+    tmp_path, caplog
+):
+    """trainer_checkpoints=True, save_total_limit=1, load_best_model_at_end: the Trainer saves
+    every 2 steps, ours every 4; killed in step 7, the run resumes from step 4, whose state
+    names checkpoint-4 as best. The stopped run's evaluation at step 6 was better, and its
+    rotation removed checkpoint-4: a warning said the best was lost, but the resumed run
+    repeats that evaluation and ends as the uninterrupted one. Now said at INFO, naming why."""
+    import logging
+    import warnings
+
+    def run(out: Path, kill_at: int | None = None) -> tuple:
+        cb = ResilientCheckpoint(out / "ck", every_n_steps=4, trainer_checkpoints=True)
+        callbacks = [tt._SeesEpoch(kill_at=kill_at), cb]
+        trainer = hf_train.build_trainer(
+            str(out / "out"), 8, callbacks=callbacks, eval_steps=2, save_strategy="steps",
+            save_steps=2, save_total_limit=1, load_best_model_at_end=True,
+            metric_for_best_model="step", greater_is_better=True,
+        )  # fmt: skip
+        trainer.compute_metrics = _the_step(trainer)  # each evaluation better than the last
+        trainer.train()
+        return cb, trainer
+
+    _, ref = run(tmp_path / "ref")
+    assert ref.state.best_global_step == 8
+    with pytest.raises(tt._Killed):
+        run(tmp_path / "got", kill_at=7)
+    assert not (tmp_path / "got" / "out" / "checkpoint-4").exists()  # the rotation's doing
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cb, got = run(tmp_path / "got")
+    assert cb.restored_step == 4
+    assert [str(w.message) for w in seen if "best checkpoint" in str(w.message)] == []
+    said = [r for r in caplog.records if "checkpoint-4" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO], said
+    assert "better evaluation of step 6" in said[0].getMessage()
+    assert got.state.best_global_step == ref.state.best_global_step
+    assert got.state.best_metric == ref.state.best_metric
+    assert got.state.best_model_checkpoint == str(
+        tmp_path / "got" / "out" / f"checkpoint-{ref.state.best_global_step}"
+    )

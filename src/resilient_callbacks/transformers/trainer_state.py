@@ -7,6 +7,7 @@ them alike."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import dist, notices, sinks
 from ..checkpointer import Checkpointer
@@ -23,6 +25,8 @@ from ..structure import OptionalKeys, PerRank
 from . import collator_rng, data_settings, under_deepspeed, under_fsdp
 
 log = logging.getLogger("resilient_callbacks")
+
+TRAINER_STATE_NAME = "trainer_state.json"  # (transformers.trainer's name for it)
 FORMAT = "resilient_callbacks.transformers/2"
 METRIC_PREFIX = "resilient/"
 # TrainerState fields that describe progress (restored); the others follow the current arguments.
@@ -177,7 +181,7 @@ class SavedState:
             data_settings.check_order(v.get("order"), self.order, v["loop"], step)
         for name, value in v["state"].items():
             setattr(state, name, value)
-        forget_a_best_checkpoint_that_is_gone(state)
+        forget_a_best_checkpoint_that_is_gone(state, trainer.args)
         restore_callback_states(trainer, v["callbacks"], exclude=self.exclude)
         loop = v["loop"]
         if self.batches is not None:
@@ -201,27 +205,64 @@ class SavedState:
         )
 
 
-def forget_a_best_checkpoint_that_is_gone(state: Any) -> None:
+def forget_a_best_checkpoint_that_is_gone(state: Any, args: Any) -> None:
     """The Trainer's best ``checkpoint-N`` (``trainer_checkpoints=True``), as restored, is not
-    on this machine (a resume from the remote copy on a new node, an ``output_dir`` cleaned):
-    forget it, as the Trainer's own resume does, so that ``load_best_model_at_end`` does not
-    try to load it at the end (a later, better evaluation sets a new one)."""
+    on this machine (a resume from the remote copy on a new node, an ``output_dir`` cleaned,
+    ``save_total_limit``): forget it, as the Trainer's own resume does (the same cwd-relative
+    check), so that ``load_best_model_at_end`` does not try to load it at the end (a later,
+    better evaluation sets a new one). Said at INFO where nothing is lost: the stopped run's
+    rotation removed it after a better evaluation this run repeats, or the end loads no best;
+    else a warning: ``load_best_model_at_end`` would not load that best."""
     best = state.best_model_checkpoint
     if best is None or os.path.isdir(best):
         return
     state.best_model_checkpoint = None
-    msg = (
+    what = (
         f"ResilientCheckpoint: the Trainer's best checkpoint {best} (step "
         f"{state.best_global_step}, {state.best_metric}) recorded in the checkpoint restored "
-        "does not exist on this machine (another machine's output_dir, a directory cleaned, "
-        "or save_total_limit deleted it after a better evaluation of the stopped run, which "
-        "this run repeats): forgotten, as the Trainer's own resume does; "
-        "load_best_model_at_end=True loads a best found from here on, if any. To keep the "
-        "best with the run's checkpoints (and their remote copy), pass "
-        "ResilientCheckpoint(keep_best=1, monitor=...) and export it with "
+        "does not exist on this machine"
+    )
+    later = _best_moved_after(args.output_dir, state.global_step)
+    if args.save_total_limit and later is not None:
+        log.info(
+            "%s: save_total_limit removed it after the better evaluation of step %d, which this "
+            "run repeats from step %d; forgotten until then, as the Trainer's own resume does",
+            what,
+            later,
+            state.global_step,
+        )
+        return
+    if not args.load_best_model_at_end:
+        log.info("%s: forgotten, as the Trainer's own resume does", what)
+        return
+    msg = (
+        f"{what} (another machine's output_dir, a directory cleaned): forgotten, as the "
+        "Trainer's own resume does; load_best_model_at_end=True loads a best found from here "
+        "on, if any, not that one. To keep the best with the run's checkpoints (and their "
+        "remote copy), pass ResilientCheckpoint(keep_best=1, monitor=...) and export it with "
         "resilient_callbacks.transformers.export_pretrained."
     )
     warn_and_log(log, notices.on_this_rank(msg), UserWarning, stacklevel=AT_CALLER)
+
+
+def _best_moved_after(output_dir: str, step: int) -> int | None:
+    """The step of the best that a ``checkpoint-N`` newer than ``step`` in ``output_dir`` (the
+    Trainer's run directory, as it resolves it) records, if later than ``step``: the stopped
+    run found a better evaluation after the step restored. None: no such record."""
+    newer = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        digits = name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+        if digits != name and digits.isdigit() and int(digits) > step:
+            newer.append(int(digits))
+    for n in sorted(newer, reverse=True):
+        path = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{n}", TRAINER_STATE_NAME)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                best = json.load(fh).get("best_global_step")
+        except (OSError, ValueError):
+            continue
+        return best if isinstance(best, int) and best > step else None
+    return None
 
 
 def callback_states(trainer: Any, exclude: Any) -> dict[str, list[Any]]:
