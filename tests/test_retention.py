@@ -249,6 +249,19 @@ def test_example_keep_best_keeps_the_earliest_of_tied_scores():
         assert p.delete == ["c1", "c3", "c4"], mode
 
 
+def test_example_keep_best_two_keeps_the_earliest_of_ties_at_every_rank():
+    """keep_best >= 2: the K first by value, then by commit order (docs/guide.md), whatever
+    order the candidates come in. Lightning's save_top_k=2 would keep c2 and c3 here (a better
+    value evicts the earliest of the tied worst); keep_best=2 keeps c1 and c3, as a tie with
+    the worst kept is never let in (c4)."""
+    cands = [_c(1, loss=1.0), _c(2, loss=1.0), _c(3, loss=0.5), _c(4, loss=1.0), _c(5, loss=9.0)]
+    policy = RetentionPolicy(keep_last=1, keep_best=2, monitor=MONITOR, mode="min")
+    for order in (cands, cands[::-1], cands[2:] + cands[:2]):
+        p = plan(order, policy, "r")
+        assert sorted(p.keep) == ["c1", "c3", "c5"]
+        assert p.keep["c1"] == [f"best {MONITOR}=1"] and p.delete == ["c2", "c4"]
+
+
 def test_example_keep_best_max_ignores_nan_and_none():
     cands = [
         _c(1, loss=float("nan")),

@@ -175,7 +175,9 @@ def plan(
         # the current lineage's best first: an abandoned branch's score, from a timeline the
         # run threw away, never takes the place of the lineage's best (it only fills a slot).
         # A tie ranks the earlier first: a later checkpoint is better only if strictly so, as
-        # the Trainer's best_global_step and Lightning's save_top_k count it
+        # the Trainer's best_global_step and Lightning's save_top_k=1 count it; at every rank
+        # (keep_best >= 2 too: docs/guide.md says where Lightning's save_top_k differs), as
+        # lightning/evaluate.py's and the MLflow sink's "best" rank them
         scored.sort(
             key=lambda c: ((c.run_id, c.seq) in off, sign * float(c.metrics[key] or 0.0), c.seq)
         )
