@@ -124,6 +124,21 @@ def test_a_restart_with_other_options_uploads_the_archive_points_it_held(tmp_pat
     _assert_remote_sound_committed(tmp_path / "remote")
 
 
+def test_a_restart_with_other_options_and_slow_uploads_commits_the_archive_points(tmp_path):
+    """As above, and the re-run goes on to step 24 while node 1's uploads stay slow: the
+    coordinator dropped the earlier run's archive points it was waiting for as "uploads are
+    behind" under the re-run's options."""
+    slow = {"RC_SLOW_UPLOADS": 0.5, "RC_SLOW_NODE": 1}
+    _run(tmp_path, "first", 2, "--steps", "16", "--kill-at", "16", expect=-9, RC_KEEP_EVERY=4,
+         RC_HOLD_FIRST_UPLOAD_UNTIL=16, **slow)  # fmt: skip
+    assert {"step_000000004", "step_000000008"} <= set(_kept(tmp_path, 1)), _kept(tmp_path, 1)
+    out = _run(tmp_path, "second", 2, "--steps", "24", RC_CAPTURE_LOG=1, RC_LOG_INFO=1, **slow)
+    committed = sorted(p.parent.name for p in (tmp_path / "remote").glob("step_*/manifest.json"))
+    assert {"step_000000004", "step_000000008"} <= set(committed), (committed, out[0][-1]["log"])
+    assert committed[-1] == "step_000000024", committed
+    _assert_remote_sound_committed(tmp_path / "remote")
+
+
 def _assert_remote_sound_committed(remote: Path) -> None:
     for manifest in remote.glob("step_*/manifest.json"):
         for f in json.loads(manifest.read_text())["files"]:

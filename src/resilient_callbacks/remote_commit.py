@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import remote_blobs, remote_paths
+from .catalog import archived
 from .manifest import MANIFEST_NAME, Manifest
 from .node_upload import Key, NodeUploader, UploadCounters, UploadJob
 from .redact import url_text
@@ -72,9 +73,12 @@ class PendingCommit:
         """The checkpoint as a retention candidate (its manifest parsed once)."""
         if self._candidate is None:
             m = Manifest.from_json(json.loads(self.manifest), self.name)
+            # an archive point when it was written is kept, whatever the options of the run
+            # that commits it now (remote_listing.retention_candidates)
             self._candidate = Candidate(
-                self.name, m.step, m.seq, m.run_id, m.metrics, lineage=m.lineage
-            )
+                self.name, m.step, m.seq, m.run_id, m.metrics, archived=archived(m),
+                lineage=m.lineage,
+            )  # fmt: skip
         return self._candidate
 
 
