@@ -249,6 +249,25 @@ def test_remote_only_checkpoint_without_manifest_is_invisible_and_reuploaded(rem
     assert sorted(_committed(url, opts).values()) == [10, 20]  # re-uploaded on restart
 
 
+def test_a_restart_with_other_options_uploads_the_archive_points_a_stop_cut_off(tmp_path):
+    """keep_every_n_steps=20, then a run without it: steps 20, 30 and 40 were not committed
+    remotely when the first run stopped. Step 20 was an archive point when it was written
+    (kept remotely forever; the local tier keeps no archives with a remote), but the restart
+    planned what to upload again under its own options: step 20 was not uploaded, and then
+    deleted locally, lost in both tiers. Now it is uploaded and kept remotely."""
+    url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
+    with Checkpointer(tmp_path / "l", remote=url, keep_last=5, keep_every_n_steps=20) as ck:
+        for s in (10, 20, 30, 40):
+            ck.save(s, _state(s))
+    store = RemoteStore(url)
+    for s in (20, 30, 40):  # as if their uploads were cut off before their manifests
+        store.fs.rm_file(f"{store.root}/step_{s:09d}/manifest.json")
+    assert sorted(_committed(url, None).values()) == [10]
+    with Checkpointer(tmp_path / "l", remote=url, keep_last=2) as ck:
+        assert ck.restore(_fresh()) == 40
+    assert sorted(_committed(url, None).values()) == [20, 30, 40]
+
+
 def test_slow_uploads_skip_checkpoints_retention_would_delete(tmp_path, caplog):
     """Uploads slower than saves: the uploader works toward the newest state instead of
     uploading every queued checkpoint only to delete it right after.

@@ -119,9 +119,15 @@ def reconcile_uploads(ck: Checkpointer) -> None:
         return
     from .remote import retention_candidates
 
-    cands = catalog.retention_candidates(local) + retention_candidates(
-        remote_entries, prefix="\0remote/"
-    )
+    # planned under the remote policy: an archive point under the remote policy it was
+    # written with is kept, whatever this run's options (the local manifest's own retention,
+    # what catalog.retention_candidates reads, records none with a remote)
+    by_name = {e.name: e.manifest for e in local if e.manifest is not None}
+    mine = [
+        replace(c, archived=catalog.archived(by_name[c.name]))
+        for c in catalog.retention_candidates(local)
+    ]
+    cands = mine + retention_candidates(remote_entries, prefix="\0remote/")
     keep = plan(cands, d.sync.policy, d.run_id).keep
     missing = [e.name for e in local if e.name in keep]
     if missing:

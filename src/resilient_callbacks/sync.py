@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import remote_blobs
-from .catalog import Depth, verify
+from .catalog import Depth, archived, verify
 from .errors import CheckpointCorruptError
 from .manifest import Manifest, read_manifest
 from .progress import Progress
@@ -222,8 +222,19 @@ class RemoteSync(UploadThread):
             except Exception:
                 return  # let _attempt report the problem
         newest = local[queued[-1]]
+        # an archive point under the remote policy it was written with: kept, whatever the
+        # options now (a restart queued the uploads a stop cut off: restore_remote)
         cands = retention_candidates(self.own.mine(remote, newest.run_id)) + [
-            Candidate(f"\0local/{n}", m.step, m.seq, m.run_id, m.metrics, True, lineage=m.lineage)
+            Candidate(
+                f"\0local/{n}",
+                m.step,
+                m.seq,
+                m.run_id,
+                m.metrics,
+                True,
+                archived=archived(m),
+                lineage=m.lineage,
+            )
             for n, m in local.items()
         ]
         keep = plan(cands, self.policy, newest.run_id).keep
