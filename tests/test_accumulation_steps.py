@@ -5,14 +5,18 @@ exactly as one never stopped."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from resilient_callbacks import Checkpointer
+from resilient_callbacks.errors import UnsupportedStateError
 
 WINDOW = 3  # micro-batches per optimizer step
 
@@ -105,3 +109,93 @@ def test_a_preemption_in_steps_without_backward_passes_is_saved(tmp_path):
                 break
         assert ck.preempted
     assert os.path.isdir(tmp_path / "ck" / "step_000000010")
+
+
+def train_then_probe(ck_dir, preempt_at, total=60, grace_period=None, first=None):
+    """Windows of WINDOW micro-steps up to micro-step 6, then backward passes with no update
+    (gradient-norm probing): a window that never ends. A real SIGTERM before ``step(preempt_at)``;
+    returns the Checkpointer's ``preempted``, the step() it stopped at, the weights."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {"model": model, "optimizer": opt}
+    with Checkpointer(
+        ck_dir,
+        every_n_steps=1000,
+        async_save=False,
+        exit_on_preemption=False,
+        grace_period=grace_period,
+    ) as ck:
+        start = ck.restore(state)
+        i = start
+        for i in range(start + 1, total + 1):
+            (model(x[i % 16 : i % 16 + 1]).pow(2).mean() / WINDOW).backward()
+            if i <= 6 and i % WINDOW == 0:
+                opt.step()
+                opt.zero_grad()
+            if i == preempt_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            ck.step(i, state)
+            if ck.preempted:
+                break
+        return ck.preempted, i, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def probe_in_a_child(ck_dir, grace_period):
+    """:func:`train_then_probe` preempted at micro-step 8, in a child process (the signal held
+    there until the process ends is re-raised at close: it would end the test run): (its exit
+    code, its stdout, its log)."""
+    code = (
+        "import json, logging, sys; import test_accumulation_steps as t; "
+        "logging.basicConfig(level=logging.WARNING, stream=sys.stderr); "
+        f"p, i, _ = t.train_then_probe({str(ck_dir)!r}, 8, grace_period={grace_period!r}); "
+        "print(json.dumps([p, i]))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    return r.returncode, r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("grace_period", [None, 1e-6])
+def test_a_preemption_in_a_window_that_never_ends_saves_the_step_before_it(tmp_path, grace_period):
+    """Backward passes with no update after micro-step 6: the preemption at micro-step 8 was
+    held until the process was killed, nothing saved. It is held at most about twice the
+    longest window seen (3 calls) and half the grace period, then the step before the window
+    (6, whose weights the window never changed) is saved, with a warning."""
+    _, _, ref = train_then_probe(tmp_path / "ref", preempt_at=None, total=6)
+    rc, out, log = probe_in_a_child(tmp_path / "ck", grace_period)
+    assert rc == 0, log
+    # stopped in the window (7..) at 2 * 3 calls, or at the call after half the grace period
+    assert json.loads(out) == [True, 9 if grace_period else 12]
+    assert "saving step 6, the last step before the window" in log
+    assert [n for n in os.listdir(tmp_path / "ck") if n.startswith("step_")] == ["step_000000006"]
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert ck.restore({"model": model, "optimizer": opt}) == 6
+    ck.close()
+    assert all(torch.equal(model.state_dict()[k], ref[k]) for k in ref)
+
+
+def test_a_final_step_inside_a_window_is_refused_before_anything_is_written(tmp_path):
+    """step(final=True) at micro-step 4 saved the weights of step 3 without micro-step 4's
+    gradient: a resume from the 'final' checkpoint was not exact."""
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": opt}
+    with Checkpointer(tmp_path / "ck", every_n_steps=1000, async_save=False) as ck:
+        ck.restore(state)
+        for i in range(1, 4):
+            model(x).pow(2).mean().backward()
+            if i % WINDOW == 0:
+                opt.step()
+                opt.zero_grad()
+            ck.step(i, state)
+        model(x).pow(2).mean().backward()
+        with pytest.raises(UnsupportedStateError, match="inside a gradient accumulation window"):
+            ck.step(4, state, final=True)
+    assert not any(n.startswith("step_") for n in os.listdir(tmp_path / "ck"))

@@ -370,9 +370,14 @@ class Checkpointer(CheckpointerQueries):
                 check_next_save_fits(self._saver)
             return saved
         finally:
-            # (inside an accumulation window the point before it stays the consistent one)
-            if self.config.save_on_exception and not self._closed and window is None:
-                self._emergency.mark_consistent(step, state)
+            # (inside an accumulation window the point before it stays the consistent one;
+            # in a loop with windows, a preemption held in one too long saves that point)
+            em = self._emergency
+            if window is None and not self._closed:
+                if self.config.save_on_exception:
+                    em.mark_consistent(step, state)
+                elif em.windows.longest > 1 and self.watcher is not None:
+                    em.mark_before_window(step, state)
             self._trigger.step_ended()
 
     def _step(
@@ -385,12 +390,17 @@ class Checkpointer(CheckpointerQueries):
     ) -> bool:
         # answered once: with exit_on_preemption=False the steps after it do not save again
         preempt = self.watcher is not None and self.watcher.poll(3) and not self.preempted
-        decision = self._trigger.decide(step, metrics, final, preempt, state, self.watcher, window)
+        em = self._emergency
+        decision = self._trigger.decide(
+            step, metrics, final, preempt, state, self.watcher, window, em.windows
+        )
         if decision is None:
             return False
         kind, why = decision
         if kind == "preemption":
-            return self._emergency.preemption(step, state, metrics)
+            return em.preemption(step, state, metrics)
+        if kind == "preemption_before_window":  # a window that did not end: the step before it
+            return em.preemption(step, state, metrics, before_window=why)
         if kind == "required":  # an archive step or a loss jump: never skipped when busy
             return self._saver.save(step, state, metrics, "periodic", why=why, skippable=False)
         return self._saver.save(step, state, metrics, kind, why=why)

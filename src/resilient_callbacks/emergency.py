@@ -207,6 +207,53 @@ class Emergency:
         buffers = self._watch.buffers(frozen)
         self._consistent_point = (step, frozen, rng_state, stepped, buffers, versions)
 
+    def mark_before_window(self, step: int, state: Any) -> None:
+        """:meth:`mark_consistent` in a loop with accumulation windows, without
+        save_on_exception: the point a preemption held too long in a window saves; a state no
+        save could take is said by the save, not here."""
+        try:
+            self.mark_consistent(step, state)
+        except CheckpointError as e:
+            self._consistent_point = None
+            log.debug("step %d is not a consistent point: %s", step, e)
+
+    def _usable(self, point: Any, what: str) -> bool:
+        """Whether the state is still that of ``point``'s step (no optimizer step, no
+        parameter written since; the modules' buffers are set back to it); if not, a warning
+        says why, beginning with ``what``."""
+        step, _, _, stepped, buffers, versions = point
+        if stepped[0]:
+            log.warning(
+                "%s came after an optimizer step that step() never saw; the state matches no "
+                "step, so nothing is saved",
+                what,
+            )
+            return False
+        changed = changed_params(versions)
+        if changed:
+            log.warning(
+                "%s came after %s was written in place since step %d, not by the step() of an "
+                "optimizer in the state (a two-pass optimizer's first_step(), the step of an "
+                "optimizer only a wrapper in the state holds, your own write); the state "
+                "matches no step, so nothing is saved. Where such a write belongs to the step "
+                "(an EMA update, a weight clamp), make it before ckpt.step()",
+                what,
+                changed,
+                step,
+            )
+            return False
+        # a forward pass since may have changed buffers (BatchNorm's running statistics): they
+        # are set back to the step's values, as consistent with the step's weights
+        if not put_back(buffers):
+            log.warning(
+                "%s came after a module's buffer was replaced since step %d; the state "
+                "matches no step, so nothing is saved",
+                what,
+                step,
+            )
+            return False
+        return True
+
     def _watch_optimizers(self, state: Any, stepped: list[bool]) -> None:
         """Flag ``stepped[0]`` when any optimizer in the state starts a step (save_on_exception):
         before it, not after, so a step that raised part-way (an out-of-memory error after some
@@ -260,36 +307,8 @@ class Emergency:
                 type(exc).__name__,
             )
             return
-        step, frozen, rng_state, stepped, buffers, versions = point
-        if stepped[0]:
-            log.warning(
-                "save_on_exception: %s came after an optimizer step that step() never saw; the "
-                "state matches no step, so nothing is saved",
-                type(exc).__name__,
-            )
-            return
-        changed = changed_params(versions)
-        if changed:
-            log.warning(
-                "save_on_exception: %s came after %s was written in place since step %d, not by "
-                "the step() of an optimizer in the state (a two-pass optimizer's first_step(), "
-                "the step of an optimizer only a wrapper in the state holds, your own write); "
-                "the state matches no step, so nothing is saved. Where such a write belongs to "
-                "the step (an EMA update, a weight clamp), make it before ckpt.step()",
-                type(exc).__name__,
-                changed,
-                step,
-            )
-            return
-        # a forward pass since may have changed buffers (BatchNorm's running statistics): they
-        # are set back to the step's values, as consistent with the step's weights
-        if not put_back(buffers):
-            log.warning(
-                "save_on_exception: %s came after a module's buffer was replaced since step "
-                "%d; the state matches no step, so nothing is saved",
-                type(exc).__name__,
-                step,
-            )
+        step, frozen, rng_state = point[:3]
+        if not self._usable(point, f"save_on_exception: {type(exc).__name__}"):
             return
         log.warning(
             "%s during training: saving the state of step %d (unchanged since) before it "
@@ -309,10 +328,24 @@ class Emergency:
         except Exception as e:
             log.error("save_on_exception: the emergency save failed: %s", e)
 
-    def preemption(self, step: int, state: Any, metrics: Mapping[str, Any] | None) -> bool:
+    def preemption(
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, Any] | None,
+        before_window: str | None = None,
+    ) -> bool:
         """Every rank: flush background saves, save this step synchronously, then stop (exit
-        with ``preemption_exit_code`` if ``exit_on_preemption``)."""
+        with ``preemption_exit_code`` if ``exit_on_preemption``). ``before_window``: why the
+        save was held in an accumulation window and is made inside it anyway: of the step
+        before the window (:meth:`mark_consistent`), or, where there is none, of this step
+        without the window's gradients; a warning says which."""
         ck = self._ck
+        rng_state = None
+        if before_window is not None:
+            step, state, metrics, rng_state = self._before_window(
+                step, state, metrics, before_window
+            )
         watcher = ck.watcher
         req = watcher.request if watcher is not None else None
         source = req.source if req is not None else "request"  # (this rank's)
@@ -349,7 +382,9 @@ class Emergency:
         )
         ck._recorder.preemption(step, who)
         try:
-            saved = ck._saver.save(step, state, metrics, "emergency", why=f"preemption ({who})")
+            saved = ck._saver.save(
+                step, state, metrics, "emergency", why=f"preemption ({who})", rng_state=rng_state
+            )
         except BaseException as e:  # raised to the loop; the next step() tries again
             self.failed = (step, f"{type(e).__name__}: {e}")
             raise
@@ -366,6 +401,28 @@ class Emergency:
             ck._recorder.stopping()
             self._exit(saved=True)
         return saved
+
+    def _before_window(
+        self, step: int, state: Any, metrics: Mapping[str, Any] | None, why: str
+    ) -> tuple[int, Any, Mapping[str, Any] | None, Any]:
+        """What a preemption held too long in a window saves: (step, state, metrics, rng)."""
+        point = self._consistent_point
+        if point is not None and self._usable(point, f"preemption inside a window ({why})"):
+            log.warning(
+                "%s: saving step %d, the last step before the window, rather than lose the "
+                "save; the resumed run trains the window's micro-batches again",
+                why,
+                point[0],
+            )
+            return point[0], point[1], None, point[2]
+        log.warning(
+            "%s, and no step before the window can be saved: saving step %d as it is, WITHOUT "
+            "the window's gradients so far (.grad, which no checkpoint holds); the resumed run "
+            "does not train on exactly as this one would have",
+            why,
+            step,
+        )
+        return step, state, metrics, None
 
     @contextlib.contextmanager
     def exit_if_preempted(self) -> Iterator[None]:

@@ -23,15 +23,19 @@ from . import dist, notices, statetree
 from .adaptive import AdaptiveSchedule
 from .config import CheckpointerConfig
 from .decision import Decider, spacing_step_time
-from .errors import AT_CALLER, ConfigError, warn_and_log
+from .errors import AT_CALLER, ConfigError, UnsupportedStateError, warn_and_log
 from .numbers_check import opt_int
 from .policy import Clock
 
 if TYPE_CHECKING:
     from .preemption import PreemptionWatcher
+    from .windows import StepWatch
 
 log = logging.getLogger("resilient_callbacks")
 _RANK = {"periodic": 0, "required": 1, "final": 2, "preemption": 3}  # which of two saves wins
+#: a preemption held in a plain loop's window is saved anyway (the step before the window) once
+#: this fraction of the grace period left when it was held has passed
+HOLD_GRACE_FRACTION = 0.5
 
 
 @dataclass(kw_only=True)
@@ -118,6 +122,9 @@ class Trigger:
         )
         self._pending_jump = False
         self._held: tuple[str, str] | None = None  # a save due inside a step (mid_step)
+        # a preemption held in a plain loop's window: the window's step() count and the
+        # monotonic time at which it is saved anyway (windows.StepWatch.hold_limit)
+        self._hold_bound: tuple[int, float] | None = None
         self._warned_no_trigger = False
         self._warned_back = False
         self.caller_schedule: str | None = None  # the caller saves on its own schedule
@@ -206,6 +213,7 @@ class Trigger:
         state: Any = None,
         watcher: PreemptionWatcher | None = None,
         window: str | None = None,
+        watch: StepWatch | None = None,
     ) -> tuple[str, str] | None:
         """Every rank: ``(kind, why)`` if this step is saved, else None. ``kind`` is
         ``"preemption"``, ``"final"``, ``"required"`` (an archive step or a loss jump: a
@@ -215,9 +223,41 @@ class Trigger:
         a preemption's included, is held -- the ranks agreed on it already -- and made at the
         first step outside it (a ``final`` one is not: the save refuses it). ``watcher``: the
         preemption's, whose grace period a held preemption is compared with. ``window``: a plain
-        loop's ``step()`` inside an accumulation window (:mod:`.windows`), held alike."""
+        loop's ``step()`` inside an accumulation window (:mod:`.windows`), held alike, but a
+        ``final`` save there raises :class:`.UnsupportedStateError` (as an ``Accumulation``'s
+        window does), and a preemption's is held within bounds (``watch``'s
+        :meth:`~.windows.StepWatch.hold_limit` calls, :data:`HOLD_GRACE_FRACTION` of the grace
+        period): past them the kind returned is ``"preemption_before_window"`` (save the
+        step before the window)."""
         decision = self._decide(step, metrics, final, preempt)
         held = self._held
+        if decision is not None and decision[0] == "final" and window is not None:
+            raise UnsupportedStateError(
+                f"final save of step {step} inside a gradient accumulation window: {window}. "
+                "The window's gradients so far are in .grad and no checkpoint holds them, so "
+                "a run resumed from it would drop them. Mark final the step() after the "
+                "window's optimizer step (end the training on a whole window, or step the "
+                "optimizer on the last partial one before the final step())."
+            )
+        bound = self._hold_bound
+        if held is not None and bound is not None and window is not None and watch is not None:
+            calls, deadline = bound
+            if watch.run >= calls or time.monotonic() >= deadline:
+                self._held = self._hold_bound = None
+                why = (
+                    f"{watch.run} step() calls"
+                    if watch.run >= calls
+                    else f"{HOLD_GRACE_FRACTION:.0%} of its grace period"
+                )
+                before = (
+                    f"the longest before it took {watch.longest} step() calls"
+                    if watch.longest
+                    else "no window ended before it"
+                )
+                return "preemption_before_window", (
+                    f"the preemption was held for {why} in a gradient accumulation window that "
+                    f"did not end ({before})"
+                )
         if decision is not None and decision[0] != "final":
             inside = statetree.mid_step(state) or window
             if inside is not None:
@@ -225,12 +265,21 @@ class Trigger:
                     self._held = decision
                     if decision[0] == "preemption":
                         self._say_held(step, inside, state, watcher)
+                        self._hold_bound = None
+                        if window is not None and watch is not None:
+                            self._bound_hold(watch, watcher)
                 return None
         if held is not None and (statetree.mid_step(state) or window) is None:
-            self._held = None
+            self._held = self._hold_bound = None
             if decision is None or _RANK[held[0]] > _RANK[decision[0]]:
                 return held
         return decision
+
+    def _bound_hold(self, watch: StepWatch, watcher: PreemptionWatcher | None) -> None:
+        """A preemption is first held in a plain loop's window: how long it may be."""
+        grace = watcher.remaining_grace_s() if watcher is not None else None
+        deadline = math.inf if grace is None else time.monotonic() + HOLD_GRACE_FRACTION * grace
+        self._hold_bound = (watch.hold_limit(), deadline)
 
     def _say_held(
         self, step: int, inside: str, state: Any, watcher: PreemptionWatcher | None
@@ -246,7 +295,8 @@ class Trigger:
         held = (
             f"preemption{f' ({who})' if who else ''} at step {step}: {inside} is inside "
             "a gradient accumulation window; the emergency save is made at the window's end "
-            "(the first step() outside it)"
+            "(the first step() outside it; in a plain loop's window that does not end, the step "
+            "before it, at twice the longest window seen or half the grace period)"
         )
         left = statetree.mid_step_left(state)
         if left is None or grace is None or not self._step_seconds:

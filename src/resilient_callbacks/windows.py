@@ -4,7 +4,9 @@ parameters hold gradients (the window's so far, in ``.grad``, which no checkpoin
 resume without them, and a resumed run would train on differently from one never stopped; so a
 save due there (periodic, a preemption's) is made at the first ``step()`` after the window's
 optimizer step, and ``save_on_exception`` keeps the last step before the window as its
-consistent point. Which ranks call what: every rank at every ``step()``; with several ranks a
+consistent point. A preemption's save is held within bounds (:meth:`StepWatch.hold_limit`,
+half the grace period), then the step before the window is saved; a ``final`` save inside a
+window is refused (:meth:`.Trigger.decide`). Which ranks call what: every rank at every ``step()``; with several ranks a
 save is not held (the ranks could differ, and a save one rank held would leave the others
 waiting in its collectives): a warning says so, once.
 """
@@ -54,10 +56,35 @@ class StepWatch:
         self._grads: list[Any] | None = None  # their gradients' (id, version) then
         self._fired = False  # a hook fired at some step(): they tell this loop's steps
         self._warned = False
+        #: step() calls since the last one after an update (the current window's so far)
+        self.run = 0
+        #: the longest span between two updates in this run, in step() calls (a window's)
+        self.longest = 0
+        self._end = ""  # what _inside() saw: "update", "reset" (no window there), "" (unknown)
 
     def inside(self, state: Any, world_size: int) -> str | None:
         """At ``step()``: what says this call is inside an accumulation window (the module's
-        docstring), or None. Cheap where an optimizer stepped: no parameter is looked at."""
+        docstring), or None; counts the calls of the windows (:attr:`run`, :attr:`longest`)."""
+        self._end = ""
+        found = self._inside(state, world_size)
+        self.run += 1
+        if self._end == "update":
+            self.longest = max(self.longest, self.run)
+        if self._end:
+            self.run = 0
+        return found
+
+    def hold_limit(self) -> int:
+        """Asked as a preemption's save is first held in the current window: at how many of
+        its step() calls the hold ends anyway (:meth:`.Trigger.decide`), about twice the
+        longest window seen in this run, or the current one so far where it is longer (the
+        first window, never ended), at least 2: a window that lasts forever (backward passes
+        with no update: gradient-norm probing, an optimizer not in the state) held the save
+        until the process was killed."""
+        return 2 * max(self.longest, self.run, 1)
+
+    def _inside(self, state: Any, world_size: int) -> str | None:
+        """:meth:`inside`'s test. Cheap where an optimizer stepped: no parameter is looked at."""
         leaves = [v for _, v in statetree.leaves(state)]
         # an Accumulation's window, which the trigger holds saves for on every rank: this
         # step() is as its loop calls it (the hooks' flags are read at the next call). (Not
@@ -92,11 +119,14 @@ class StepWatch:
                 stepped = self._fired = True
                 entry[1][0] = False
         if not opts or stepped or new:
+            # (hooks registered now: the updates before them were not seen)
+            self._end = "update" if stepped else "reset" if new else ""
             self._versions = self._grads = None
             return None
         params = [p for o in opts for g in o.param_groups for p in g["params"]]
         grads = list(map(_GRAD, params))
         if all(g is None for g in grads):
+            self._end = "reset"
             self._versions = self._grads = None
             return None
         before, self._versions = self._versions, list(map(_VERSION, params))
@@ -104,8 +134,10 @@ class StepWatch:
         grads_before, self._grads = self._grads, [*map(id, grads), *_versions(grads)]
         del grads
         if not (self._versions == before if before is not None else self._fired):
+            self._end = "update" if before is not None else ""
             return None
         if grads_before is not None and grads_before == self._grads:
+            self._end = "reset"
             return None  # no backward pass since the previous step(): no micro-batch either
         if world_size > 1:
             if not self._warned:
