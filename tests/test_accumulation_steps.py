@@ -199,3 +199,39 @@ def test_a_final_step_inside_a_window_is_refused_before_anything_is_written(tmp_
         with pytest.raises(UnsupportedStateError, match="inside a gradient accumulation window"):
             ck.step(4, state, final=True)
     assert not any(n.startswith("step_") for n in os.listdir(tmp_path / "ck"))
+
+
+class CountingState(dict):
+    """A state dict that counts the walks over it (``items()``)."""
+
+    walks = 0
+
+    def items(self):  # type: ignore[override]
+        self.walks += 1
+        return super().items()
+
+
+def test_a_step_after_an_update_reads_the_hooks_not_the_state():
+    """Every step() walked the state (its leaves, GradScalers, optimizers) to read hook flags
+    already registered: the cost per step of the default mode rose by half (0.12 -> 0.17 ms at
+    2000 tensors). After the first call, a step() that follows an optimizer step reads only
+    the hooks' flags; one without an update still walks it (a micro-batch is told so)."""
+    from resilient_callbacks.windows import StepWatch
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = CountingState(model=model, optimizer=opt)
+    watch = StepWatch()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    try:
+        for i in range(1, 6):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            assert watch.inside(state, 1) is None
+            assert state.walks == 1, f"step {i} walked the state"
+        model(x).pow(2).mean().backward()  # a micro-batch, no update: the state is looked at
+        watch.inside(state, 1)
+        assert state.walks == 2
+    finally:
+        watch.release()

@@ -61,6 +61,10 @@ class StepWatch:
         #: the longest span between two updates in this run, in step() calls (a window's)
         self.longest = 0
         self._end = ""  # what _inside() saw: "update", "reset" (no window there), "" (unknown)
+        # from the last state walk: its GradScalers (weak references), and whether a leaf has a
+        # mid_step attribute (an Accumulation: its window's hook flags are read after it)
+        self._scalers: list[weakref.ref[Any]] = []
+        self._mid_step_leaf = True
 
     def inside(self, state: Any, world_size: int) -> str | None:
         """At ``step()``: what says this call is inside an accumulation window (the module's
@@ -83,9 +87,42 @@ class StepWatch:
         until the process was killed."""
         return 2 * max(self.longest, self.run, 1)
 
+    def _updated(self) -> bool:
+        """Whether an optimizer hooked at an earlier call began a step since the previous
+        ``step()``, read from the hooks' flags alone (no walk of the state: the cost of every
+        ``step()`` of a loop that updates at each); the GradScalers' scales are read again from
+        the last walk's. False: walk the state (:meth:`_inside`)."""
+        if self._mid_step_leaf or not self._hooks:
+            return False
+        fired = False
+        for _, flag, _ in self._hooks.values():
+            if flag[0]:
+                flag[0] = fired = True
+        if not fired:
+            return False
+        for _, flag, _ in self._hooks.values():
+            flag[0] = False
+        self._scales = [
+            (id(t), t._version)
+            for ref in self._scalers
+            if (sc := ref()) is not None and isinstance(t := sc._scale, torch.Tensor)
+        ]
+        self._fired = True
+        self._end = "update"
+        self._versions = self._grads = None
+        return True
+
     def _inside(self, state: Any, world_size: int) -> str | None:
-        """:meth:`inside`'s test. Cheap where an optimizer stepped: no parameter is looked at."""
+        """:meth:`inside`'s test. Cheap where an optimizer stepped: no parameter is looked at,
+        nor the state where a hooked one did (:meth:`_updated`)."""
+        if self._updated():
+            return None
         leaves = [v for _, v in statetree.leaves(state)]
+        self._mid_step_leaf = any(
+            not isinstance(v, torch.nn.Module) and hasattr(v, "mid_step") for v in leaves
+        )
+        scalers = [v for v in leaves if isinstance(v, torch.amp.GradScaler)]
+        self._scalers = [weakref.ref(v) for v in scalers]
         # an Accumulation's window, which the trigger holds saves for on every rank: this
         # step() is as its loop calls it (the hooks' flags are read at the next call). (Not
         # asked of a module: its __getattr__ raises for a missing name, at every step.)
@@ -97,11 +134,7 @@ class StepWatch:
         found = [v for v in leaves if isinstance(v, torch.optim.Optimizer)]
         # (and the optimizer a SAM-style wrapper steps: its own step() may never be called)
         opts = [hookable(o) for o in found] + [b for o in found if (b := two_pass_base(o))]
-        scales = [
-            (id(t), t._version)
-            for v in leaves
-            if isinstance(v, torch.amp.GradScaler) and isinstance(t := v._scale, torch.Tensor)
-        ]
+        scales = [(id(t), t._version) for v in scalers if isinstance(t := v._scale, torch.Tensor)]
         stepped, self._scales = scales != self._scales, scales
         new = False
         for opt in opts:
