@@ -130,3 +130,63 @@ def test_a_resume_says_at_info_a_best_the_trainers_rotation_removed_and_the_run_
     assert got.state.best_model_checkpoint == str(
         tmp_path / "got" / "out" / f"checkpoint-{ref.state.best_global_step}"
     )
+
+
+def _trainer_state(step: int, best: int, out: Path, history: list) -> object:
+    from transformers import TrainerState
+
+    state = TrainerState(global_step=step, log_history=list(history))
+    state.best_global_step, state.best_metric = best, float(best)
+    state.best_model_checkpoint = str(out / f"checkpoint-{best}")
+    return state
+
+
+def _leave_checkpoint(out: Path, step: int, best: int, history: list) -> None:
+    """A Trainer's ``checkpoint-{step}`` in ``out``, as its own save writes the state."""
+    (out / f"checkpoint-{step}").mkdir(parents=True)
+    _trainer_state(step, best, out, history).save_to_json(
+        str(out / f"checkpoint-{step}" / "trainer_state.json")
+    )
+
+
+def test_a_gone_best_is_warned_when_only_another_runs_checkpoint_records_a_later_best(
+    tmp_path, caplog
+):
+    """The INFO "the rotation removed it after a better evaluation" read the newest
+    checkpoint-N above the step restored in output_dir, whoever wrote it: another run's
+    checkpoint-20 left in the same output_dir (best at step 18) made a best this run had lost
+    (checkpoint-2 gone with a cleaned directory) an INFO naming step 18, and
+    load_best_model_at_end lost it without a warning. Only a checkpoint-N whose log_history
+    begins with the one restored (the run's own) counts now; the run's own still does."""
+    import logging
+
+    from transformers import TrainingArguments
+
+    from resilient_callbacks.transformers.trainer_state import (
+        forget_a_best_checkpoint_that_is_gone,
+    )
+
+    out = tmp_path / "out"
+    args = TrainingArguments(
+        str(out), save_total_limit=1, load_best_model_at_end=True, eval_strategy="steps",
+        save_strategy="steps", metric_for_best_model="step", report_to=[],
+    )  # fmt: skip
+    nan = float("nan")  # (a NaN loss logged: the same entry in both, though nan != nan)
+    mine = [{"loss": nan, "step": 2}, {"eval_step": 2.0, "step": 2}, {"loss": 1.25, "step": 4}]
+    other = [{"loss": 3.5, "step": 2}, {"eval_step": 18.0, "step": 18}]
+    _leave_checkpoint(out, 20, 18, other)  # another run's, left in the same output_dir
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    state = _trainer_state(6, 2, out, mine)
+    with pytest.warns(UserWarning, match=r"best checkpoint .*checkpoint-2 .* does not exist"):
+        forget_a_best_checkpoint_that_is_gone(state, args)
+    assert state.best_model_checkpoint is None
+    assert not [r for r in caplog.records if r.levelno == logging.INFO and "step 18" in r.message]
+
+    # the run's own checkpoint-8 (its history goes on from the one restored) records a best
+    # after the step restored: said at INFO, naming it, not the other run's
+    _leave_checkpoint(out, 8, 8, [*mine, {"eval_step": 8.0, "step": 8}])
+    caplog.clear()
+    state = _trainer_state(6, 2, out, mine)
+    forget_a_best_checkpoint_that_is_gone(state, args)
+    said = [r.getMessage() for r in caplog.records if "checkpoint-2" in r.getMessage()]
+    assert len(said) == 1 and "better evaluation of step 8" in said[0], said

@@ -222,7 +222,7 @@ def forget_a_best_checkpoint_that_is_gone(state: Any, args: Any) -> None:
         f"{state.best_global_step}, {state.best_metric}) recorded in the checkpoint restored "
         "does not exist on this machine"
     )
-    later = _best_moved_after(args.output_dir, state.global_step)
+    later = _best_moved_after(args.output_dir, state.global_step, state.log_history or [])
     if args.save_total_limit and later is not None:
         log.info(
             "%s: save_total_limit removed it after the better evaluation of step %d, which this "
@@ -245,10 +245,13 @@ def forget_a_best_checkpoint_that_is_gone(state: Any, args: Any) -> None:
     warn_and_log(log, notices.on_this_rank(msg), UserWarning, stacklevel=AT_CALLER)
 
 
-def _best_moved_after(output_dir: str, step: int) -> int | None:
+def _best_moved_after(output_dir: str, step: int, history: list[Any]) -> int | None:
     """The step of the best that a ``checkpoint-N`` newer than ``step`` in ``output_dir`` (the
     Trainer's run directory, as it resolves it) records, if later than ``step``: the stopped
-    run found a better evaluation after the step restored. None: no such record."""
+    run found a better evaluation after the step restored. Only a ``checkpoint-N`` of the run
+    restored counts: its ``log_history`` begins with ``history``, the one restored (another
+    run's left in the same ``output_dir`` says nothing of this one's best). None: no such
+    record."""
     newer = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
         digits = name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
@@ -258,11 +261,23 @@ def _best_moved_after(output_dir: str, step: int) -> int | None:
         path = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{n}", TRAINER_STATE_NAME)
         try:
             with open(path, encoding="utf-8") as fh:
-                best = json.load(fh).get("best_global_step")
-        except (OSError, ValueError):
+                doc = json.load(fh)
+            best, logged = doc.get("best_global_step"), doc.get("log_history")
+        except (OSError, ValueError, AttributeError):
             continue
+        if not isinstance(logged, list) or not _same_logs(logged[: len(history)], history):
+            continue  # another run's (or a branch this run abandoned)
         return best if isinstance(best, int) and best > step else None
     return None
+
+
+def _same_logs(a: list[Any], b: list[Any]) -> bool:
+    """Whether two log histories hold the same entries, compared as JSON (a NaN loss, which
+    is no float equal to itself, is the same entry in both)."""
+    try:
+        return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    except (TypeError, ValueError):
+        return False
 
 
 def callback_states(trainer: Any, exclude: Any) -> dict[str, list[Any]]:
