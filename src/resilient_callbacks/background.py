@@ -106,9 +106,14 @@ class BackgroundPersister:
                 self._cond.wait(left)
         return True
 
-    def raise_error(self) -> None:
+    def take_error(self) -> BaseException | None:
+        """The stored error, if any, no longer stored (the caller raises it)."""
         with self._cond:
             err, self._error = self._error, None
+        return err
+
+    def raise_error(self) -> None:
+        err = self.take_error()
         if err is not None:
             raise err
 

@@ -8,8 +8,8 @@ checkpoint's own gloo group), on the training thread for a synchronous one. Ever
 its own part (the coordinator, or each node's leader, also the replicated ``shared.*`` files)
 and its FileParts' files; the session gathers every rank's report, commits on rank 0 and raises
 :class:`~.errors.CheckpointWriteError` on every rank if any failed. A rank whose prepare step
-failed takes part all the same (``local_exc``), so every rank learns of it and nothing is
-committed.
+failed takes part all the same in a synchronous save (``local_exc``), so every rank learns of
+it and nothing is committed (a background save's ranks learn it before: :mod:`.held_failures`).
 """
 
 from __future__ import annotations
@@ -89,14 +89,12 @@ def persist(
     why: str,
     t0: float,
     background: bool,
-    quiet: bool = False,
     progress: dict[str, Any] | None = None,
     blocking: float | None = None,
 ) -> None:
     """Every rank: write this rank's files, then commit through a CommitSession. Runs in the
     background thread for background saves (collectives on the checkpoint's own group). A
-    failure to write is reported through the commit, never raised alone; ``quiet``: this rank
-    raised its own error in the training thread already."""
+    failure to write is reported through the commit, never raised alone."""
     ck = saver.ck
     session = _session(saver, step, background, metrics)
     done: Committed | None = None
@@ -124,8 +122,6 @@ def persist(
                 extra=manifest_extra(prepared, ck.schedule, progress),
             )
         except CheckpointWriteError as e:
-            if quiet:
-                return  # this rank already raised its own error in the training thread
             ck._recorder.save_failed(step, e)
             if background:
                 ck.last_saved_step = None
@@ -144,8 +140,6 @@ def persist(
         if not isinstance(e, Exception) or done is not None:
             raise
         err = _stopped(e, step, ck.rank, ck.world_size, isinstance(session, NodeLocalSession))
-        if quiet:
-            return
         ck._recorder.save_failed(step, err)
         if background:
             ck.last_saved_step = None

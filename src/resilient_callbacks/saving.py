@@ -8,7 +8,7 @@ also copies the replicated ones). The rest runs in :func:`.persisting.persist`, 
 background thread for a background save: every rank writes its own part into the staging
 directory and the :class:`~.session.CommitSession` gathers, commits on rank 0 and raises on
 every rank if any failed. A background failure is raised on the next save or on close, never
-lost.
+lost; with several ranks, on every rank at the same save (:mod:`.held_failures`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import dist, rng, statetree, structure
+from . import dist, held_failures, rng, statetree, structure
 from .background import BackgroundPersister
 from .compression import Chooser
-from .errors import CheckpointWriteError, UnsupportedStateError
+from .errors import CheckpointWriteError
 from .filepart import CapturedParts, PartBuffers
 from .optim import hookable, untraced
 from .part_blobs import PartBlobs
@@ -44,19 +44,6 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer
 
 log = logging.getLogger("resilient_callbacks")
-
-
-def _prepare_error(exc: BaseException, step: int, rank: int, dirpath: str) -> BaseException:
-    if isinstance(exc, UnsupportedStateError):
-        return exc
-    err = CheckpointWriteError(
-        f"checkpoint for step {step} was not committed; failed on rank(s) {rank}: rank {rank}: "
-        f"{type(exc).__name__}: {exc}. Nothing was committed and older checkpoints in {dirpath} "
-        "are intact.",
-        (rank,),
-    )
-    err.__cause__ = exc
-    return err
 
 
 def _peer_errors_as_write_errors(save: Callable[..., bool]) -> Callable[..., bool]:
@@ -182,7 +169,13 @@ class Saver:
                     self.group, self._group_made = dist.new_cpu_group(), True
                     waited += time.perf_counter() - made  # the loop waited for it too
         self.space_check_due = False  # (this save checks the free space before it writes)
-        self.raise_background_error()  # a failed earlier save surfaces here, never lost
+        # a failed earlier save surfaces here, never lost; with several ranks, on every rank at
+        # once (held_failures.agree, below): raised here on the ranks that held it alone, the
+        # others went on into this save's collectives and waited there
+        agreed = background and ck.world_size > 1
+        held = self.persister.take_error() if agreed and self.persister is not None else None
+        if not agreed:
+            self.raise_background_error()
         t0 = time.perf_counter()
         metrics_json = clean_metrics(metrics)
         self.metric_names.update(k for k, v in metrics_json.items() if v is not None)
@@ -194,9 +187,19 @@ class Saver:
         prepared: Prepared | None = None
         local_exc: BaseException | None = None
         try:
-            prepared = self.prepare(state, copy=background, rng_state=rng_state)
-        except Exception as e:  # reported to every rank by the persist step
+            if held is None:
+                prepared = self.prepare(state, copy=background, rng_state=rng_state)
+        except Exception as e:  # reported to every rank (the exchange, or the persist step)
             local_exc = e
+        if agreed:
+            try:
+                held_failures.agree(step, ck.rank, held, local_exc, ck.dirpath)
+            except BaseException as e:  # every rank: this save is not made
+                if prepared is not None and prepared.blobs is not None:
+                    prepared.blobs.end()  # (unpin what it pinned)
+                if held is None:
+                    ck._recorder.save_failed(step, e)
+                raise
         progress = ck._recorder.progress_extra()  # useful time at this step, for the manifest
         # what the training loop waited, in all (measured before the job can finish)
         blocking = time.perf_counter() - t0 + waited
@@ -216,13 +219,9 @@ class Saver:
         )
         if background:
             assert self.persister is not None
-            if local_exc is not None:
-                # This rank failed before anything was written: it raises now; the other ranks
-                # learn it from the persist step's gather (and raise on their next save/close).
-                if ck.world_size > 1:
-                    self.persister.submit(functools.partial(job, quiet=True))
+            if local_exc is not None:  # (one rank: several agreed above)
                 ck._recorder.save_failed(step, local_exc)
-                raise _prepare_error(local_exc, step, ck.rank, ck.dirpath)
+                raise held_failures.own_prepare_error(local_exc, step, ck.rank, ck.dirpath)
             self.observe_save(blocking, reason)  # before the job writes the manifest (counted)
             self.persister.submit(job)
             ck.last_saved_step = step
