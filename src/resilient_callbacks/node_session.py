@@ -199,6 +199,12 @@ class NodeLocalSession:
             gathered = dist.gather_json(node_msg, dst=0, group=topo.leaders_group)
         outcome = None
         if gathered is not None:  # the coordinator
+            # (no try: an exception here would leave every other rank waiting in the broadcast,
+            # but none reaches it from outside this process. Its one IO, the global manifest
+            # beside node 0's part, catches OSError; the rest is the committer's in-memory
+            # bookkeeping and this manifest, whose metrics and extra this rank encoded already
+            # in its node's manifest above: were they not JSON, that commit failed and
+            # _decide returns the failure before encoding them again.)
             outcome = self._decide(gathered, metrics, reason, fingerprint, extra, local_path)
         out = _Outcome(**dist.broadcast_json(outcome, group=self.group))
         out.ranks = tuple(out.ranks)
