@@ -23,7 +23,7 @@ from . import dist, notices, statetree
 from .adaptive import AdaptiveSchedule
 from .config import CheckpointerConfig
 from .decision import Decider, spacing_step_time
-from .errors import AT_CALLER, ConfigError, UnsupportedStateError, warn_and_log
+from .errors import AT_CALLER, ConfigError, warn_and_log
 from .numbers_check import opt_int
 from .policy import Clock
 
@@ -224,20 +224,24 @@ class Trigger:
         first step outside it (a ``final`` one is not: the save refuses it). ``watcher``: the
         preemption's, whose grace period a held preemption is compared with. ``window``: a plain
         loop's ``step()`` inside an accumulation window (:mod:`.windows`), held alike, but a
-        ``final`` save there raises :class:`.UnsupportedStateError` (as an ``Accumulation``'s
-        window does), and a preemption's is held within bounds (``watch``'s
+        ``final`` save there is made as it is, with a warning (the window's gradients, never
+        applied, are not in it), and a preemption's is held within bounds (``watch``'s
         :meth:`~.windows.StepWatch.hold_limit` calls, :data:`HOLD_GRACE_FRACTION` of the grace
         period): past them the kind returned is ``"preemption_before_window"`` (save the
         step before the window)."""
         decision = self._decide(step, metrics, final, preempt)
         held = self._held
         if decision is not None and decision[0] == "final" and window is not None:
-            raise UnsupportedStateError(
+            # (the loop ends here: the window's gradients are never applied, by this run or
+            # by one resumed from the save; refusing lost the run's last save at its very end)
+            warn_and_log(
+                log,
                 f"final save of step {step} inside a gradient accumulation window: {window}. "
-                "The window's gradients so far are in .grad and no checkpoint holds them, so "
-                "a run resumed from it would drop them. Mark final the step() after the "
-                "window's optimizer step (end the training on a whole window, or step the "
-                "optimizer on the last partial one before the final step())."
+                "It is saved as it is: the window's gradients so far (.grad, never applied by "
+                "an optimizer step) are not in it, as they are not in the trained weights. To "
+                "train on them, step the optimizer on the last partial window before the final "
+                "step().",
+                stacklevel=AT_CALLER,
             )
         bound = self._hold_bound
         if held is not None and bound is not None and window is not None and watch is not None:

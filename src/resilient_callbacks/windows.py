@@ -6,7 +6,7 @@ save due there (periodic, a preemption's) is made at the first ``step()`` after 
 optimizer step, and ``save_on_exception`` keeps the last step before the window as its
 consistent point. A preemption's save is held within bounds (:meth:`StepWatch.hold_limit`,
 half the grace period), then the step before the window is saved; a ``final`` save inside a
-window is refused (:meth:`.Trigger.decide`). Which ranks call what: every rank at every ``step()``; with several ranks a
+window is made as it is, with a warning (:meth:`.Trigger.decide`). Which ranks call what: every rank at every ``step()``; with several ranks a
 save is not held (the ranks could differ, and a save one rank held would leave the others
 waiting in its collectives): a warning says so, once.
 """
