@@ -245,3 +245,27 @@ def test_a_step_after_an_update_reads_the_hooks_not_the_state():
         assert state.walks == 2
     finally:
         watch.release()
+
+
+def test_several_ranks_count_no_windows():
+    """With several ranks a save is not held in a window, but the windows were counted: past
+    the first, the loop "had windows", and every step() of every micro-batch recorded the step
+    before a window (a walk of the parameters, a copy of every buffer, the RNGs) for a hold
+    that never comes, and recorded it mid-window."""
+    from resilient_callbacks.windows import StepWatch
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": opt}
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    watch = StepWatch()
+    try:
+        for i in range(1, 10):
+            model(x).pow(2).mean().backward()
+            if i % WINDOW == 0:
+                opt.step()
+                opt.zero_grad()
+            assert watch.inside(state, world_size=2) is None
+        assert watch.longest <= 1
+    finally:
+        watch.release()

@@ -71,6 +71,8 @@ class StepWatch:
         docstring), or None; counts the calls of the windows (:attr:`run`, :attr:`longest`)."""
         self._end = ""
         found = self._inside(state, world_size)
+        if world_size > 1:  # no save is held there: no window counted (nor, at each call, the
+            return found  # step before one recorded: Checkpointer.step)
         self.run += 1
         if self._end == "update":
             self.longest = max(self.longest, self.run)
