@@ -269,3 +269,34 @@ def test_several_ranks_count_no_windows():
         assert watch.longest <= 1
     finally:
         watch.release()
+
+
+def test_the_step_before_a_window_keeps_the_states_tensors_by_reference(tmp_path):
+    """In a loop with windows and a preemption watcher, the step before each window is
+    recorded (for a preemption held too long in one): a tensor of the state (an EMA's
+    weights, kept as tensors) was cloned at every window's end, a second copy of it in memory
+    and its copy's time at each, by default. It is kept by reference with its version
+    counter; written in place since, the point is not used."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {"model": model, "optimizer": opt, "ema": ema}
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    with Checkpointer(tmp_path / "ck", every_n_steps=1000, async_save=False) as ck:
+        ck.restore(state)
+        for i in range(1, 8):
+            model(x).pow(2).mean().backward()
+            if i % WINDOW == 0:
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    for k, v in model.state_dict().items():
+                        ema[k].mul_(0.9).add_(v, alpha=0.1)
+            ck.step(i, state)
+        em = ck._emergency
+        point = em._consistent_point
+        assert point is not None and point[0] == 6
+        assert point[1]["ema"]["weight"] is ema["weight"]
+        assert em._usable(point, "test")
+        ema["weight"].add_(1.0)  # written since: the point is not the state of step 6
+        assert not em._usable(point, "test")

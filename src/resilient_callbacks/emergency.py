@@ -56,10 +56,18 @@ class _Frozen:
         raise TypeError("a frozen state cannot be loaded into")
 
 
-def freeze(state: Any) -> Any:
+def freeze(state: Any, tensors_by_reference: bool = False) -> Any:
     """The state as of now: modules and optimizers by reference (only an optimizer step changes
-    them, which is watched), other objects' state_dicts and tensors copied, containers rebuilt."""
-    return statetree.rebuild(state, _freeze_leaf, _frozen_whole)
+    them, which is watched), other objects' state_dicts and tensors copied (tensors kept by
+    reference with ``tensors_by_reference``: their version counters are watched), containers
+    rebuilt."""
+    leaf = _tensor_or_frozen if tensors_by_reference else _freeze_leaf
+    return statetree.rebuild(state, leaf, _frozen_whole)
+
+
+def _tensor_or_frozen(obj: Any) -> Any:
+    # (an inference tensor has no version counter: copied)
+    return obj if isinstance(obj, torch.Tensor) and not obj.is_inference() else _freeze_leaf(obj)
 
 
 def _frozen_whole(obj: Any) -> bool:
@@ -183,15 +191,16 @@ class Emergency:
         # (step, error) of a preemption's emergency save that failed, while no later one saved
         self.failed: tuple[int, str] | None = None
 
-    def mark_consistent(self, step: int, state: Any) -> None:
+    def mark_consistent(self, step: int, state: Any, tensors_by_reference: bool = False) -> None:
         """Remember what step ``step``'s state is, cheaply: modules and optimizers by reference
         (an optimizer-step hook notices a step), the modules' buffers and everything else
-        copied."""
+        copied (tensors by reference with ``tensors_by_reference``, their version counters
+        kept: a write since makes the point unusable)."""
         for path, obj in statetree.leaves(state):
             if structure.is_stateful(obj):  # as a save would, before its state_dict()
                 refuse_stateful(obj, structure.path_str(path))
         try:
-            frozen = freeze(state)
+            frozen = freeze(state, tensors_by_reference)
         except UnsupportedStateError as e:
             if statetree.mid_step(state) is None:  # a state no save could take: say so now
                 raise
@@ -205,14 +214,23 @@ class Emergency:
         rng_state = rng.capture() if self._ck.config.capture_rng else (None, {})
         versions = self._watch.versions(state)
         buffers = self._watch.buffers(frozen)
-        self._consistent_point = (step, frozen, rng_state, stepped, buffers, versions)
+        tensors = (
+            [
+                (t, t._version)
+                for _, t in statetree.leaves(frozen)
+                if isinstance(t, torch.Tensor) and not t.is_inference()
+            ]
+            if tensors_by_reference
+            else []
+        )
+        self._consistent_point = (step, frozen, rng_state, stepped, buffers, versions, tensors)
 
     def mark_before_window(self, step: int, state: Any) -> None:
         """:meth:`mark_consistent` in a loop with accumulation windows, without
         save_on_exception: the point a preemption held too long in a window saves; a state no
         save could take is said by the save, not here."""
         try:
-            self.mark_consistent(step, state)
+            self.mark_consistent(step, state, tensors_by_reference=True)
         except CheckpointError as e:
             self._consistent_point = None
             log.debug("step %d is not a consistent point: %s", step, e)
@@ -221,7 +239,7 @@ class Emergency:
         """Whether the state is still that of ``point``'s step (no optimizer step, no
         parameter written since; the modules' buffers are set back to it); if not, a warning
         says why, beginning with ``what``."""
-        step, _, _, stepped, buffers, versions = point
+        step, _, _, stepped, buffers, versions, tensors = point
         if stepped[0]:
             log.warning(
                 "%s came after an optimizer step that step() never saw; the state matches no "
@@ -229,7 +247,9 @@ class Emergency:
                 what,
             )
             return False
-        changed = changed_params(versions)
+        changed = changed_params(versions) or next(
+            ("a tensor of the state" for t, v in tensors if t._version != v), None
+        )
         if changed:
             log.warning(
                 "%s came after %s was written in place since step %d, not by the step() of an "
