@@ -231,3 +231,72 @@ def test_the_credentials_hint_follows_the_urls_protocol(url, says, not_said):
     for word in not_said:
         assert word not in hint, (url, hint)
     assert credentials_hint(ConnectionError("refused"), url) == ""  # not a credentials error
+
+
+_AUTH_RUN = (
+    "import sys, auth_stores; from resilient_callbacks.cli import main; "
+    "sys.exit(main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.parametrize(
+    "style, args, hint",
+    [
+        ("gcs-401", ["verify", "gs://bucket/run1"], "GOOGLE_APPLICATION_CREDENTIALS"),
+        ("gcs-403-anon", ["pull", "gcs://bucket/run1", "PULLED"], "-o token=KEY.json"),
+        ("azure-auth", ["ls", "LOCAL", "--remote", "az://box/run1"], "-o account_name=NAME"),
+        ("gcs-403-rights", ["verify", "gs://bucket/run1"], None),
+        ("azure-rights", ["verify", "abfs://box/run1"], None),
+    ],
+)
+def test_a_store_that_takes_no_credentials_says_where_to_give_them(tmp_path, style, args, hint):
+    """The hint was given only for an error whose type is named for credentials (botocore's):
+    gcsfs, fallen back to anonymous access, answers 401 (its ``HttpError``) or 403 (an
+    ``OSError`` naming the anonymous caller, said without any hint, on two lines), and adlfs
+    raises azure-core's ``ClientAuthenticationError``: neither said where credentials go. A
+    403 to credentials the store took (rights missing) is no such case. A real run of the
+    CLI in a subprocess, whose stores (tests/auth_stores.py) answer as those clients do."""
+    make_run(str(tmp_path / "local"), steps=(10,))
+    argv = [
+        {"PULLED": str(tmp_path / "pulled"), "LOCAL": str(tmp_path / "local")}.get(a, a)
+        for a in args
+    ]
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = os.environ | {
+        "RC_AUTH_STYLE": style,
+        "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("RESILIENT_CKPT_TRACEBACK", None)
+    r = subprocess.run(
+        [sys.executable, "-c", _AUTH_RUN, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    if hint is None:
+        assert "give the store's credentials" not in r.stderr, r.stderr
+    else:
+        assert "give the store's credentials as its client reads them" in r.stderr, r.stderr
+        assert hint in r.stderr and "docs/remote.md" in r.stderr, r.stderr
+
+
+def test_no_credentials_hint_for_a_request_that_got_no_answer():
+    """A timeout raised while handling a 401 (a retry that got no answer) says nothing of the
+    credentials; a 401 carried by another error (adlfs wraps the SDK's) does."""
+    from resilient_callbacks.cli_hints import credentials_hint
+
+    class HttpError(Exception):  # as gcsfs.retry.HttpError
+        code = 401
+
+    try:
+        try:
+            raise HttpError("Anonymous caller does not have storage.objects.get access, 401")
+        except HttpError as e:
+            raise TimeoutError("no answer within 60 s") from e
+    except TimeoutError as e:
+        assert credentials_hint(e, "gs://bucket/run1") == ""
+    wrapped = RuntimeError("Failed to list %s for %s", "box/run1", HttpError("denied, 401"))
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in credentials_hint(wrapped, "gs://bucket/run1")

@@ -365,6 +365,15 @@ def _expand_home(args: argparse.Namespace) -> None:
             setattr(args, name, os.path.expanduser(value))
 
 
+def _remote_url(args: argparse.Namespace) -> str:
+    """The URL of the remote store the command reads or writes; "" where it has none."""
+    if args.cmd == "verify":  # `verify URL` reads a remote store
+        from .cli_scan import is_url
+
+        return str(args.dir) if is_url(args.dir) else ""
+    return getattr(args, "remote", None) or getattr(args, "url", None) or ""
+
+
 def _report_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``report --json DIR``: argparse gives DIR to --json's optional FILE; a directory there
     is the DIR meant, with the JSON to stdout (a file is never written over a directory)."""
@@ -454,23 +463,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{PROG} {args.cmd}: interrupted", file=sys.stderr)
         return 130
     except OSError as e:  # the remote store failed (unreachable, missing bucket, ...)
-        print(f"{PROG} {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        from .cli_hints import credentials_hint
+
+        url = _remote_url(args)
+        hint = credentials_hint(e, url) if url else ""
+        said = " ".join(str(e).splitlines()) if url else e  # (gcsfs's 403: two lines)
+        print(f"{PROG} {args.cmd}: {type(e).__name__}: {said}{hint}", file=sys.stderr)
         return 1
     except Exception as e:
-        url = getattr(args, "remote", None) or getattr(args, "url", None) or ""
-        remote = bool(url)
-        if args.cmd == "verify":  # `verify URL` reads a remote store
-            from .cli_scan import is_url
-
-            remote, url = is_url(args.dir), args.dir
-        if not remote or os.environ.get(DEBUG_ENV):
+        url = _remote_url(args)
+        if not url or os.environ.get(DEBUG_ENV):
             raise  # a bug of ours (or asked for): its traceback
         from .cli_hints import credentials_hint
 
         # the store's own errors (botocore's, an option its client rejects): one line
         hint = " (check the -o options)" if isinstance(e, TypeError) else credentials_hint(e, url)
         print(
-            f"{PROG} {args.cmd}: the remote store failed: {type(e).__name__}: {e}{hint} "
+            f"{PROG} {args.cmd}: the remote store failed: {type(e).__name__}: "
+            f"{' '.join(str(e).splitlines())}{hint} "  # (azure-storage's: lines of fields)
             f"({DEBUG_ENV}=1 shows the traceback)",
             file=sys.stderr,
         )

@@ -3,6 +3,8 @@ Imported only when such an error is said."""
 
 from __future__ import annotations
 
+from .remote_paths import _chain, _no_answer, status_of
+
 # what each client reads, in its own option names (s3fs, gcsfs, adlfs); -o KEY=VALUE passes
 # them through as they are
 _S3 = (
@@ -36,11 +38,38 @@ def protocol(url: str) -> str:
     return last.split("://", 1)[0].lower() if "://" in last else ""
 
 
-def credentials_hint(e: Exception, url: str) -> str:
-    """The store's client found no credentials (botocore's NoCredentialsError, google-auth's
-    DefaultCredentialsError, ...): where the client of ``url``'s protocol takes them. It said
+def credentials_hint(e: BaseException, url: str) -> str:
+    """The store's client found no credentials, or the store did not take those it was given
+    (:func:`lacks_credentials`): where the client of ``url``'s protocol takes them. It said
     only the client's words."""
-    if not any("credential" in t.__name__.lower() for t in type(e).__mro__):
+    if not lacks_credentials(e):
         return ""
     where = _BY_PROTOCOL.get(protocol(url), _GENERIC)
     return f" (give the store's credentials as its client reads them: {where}; docs/remote.md)"
+
+
+# azure-core's error for a 401 and for Azure Storage's AuthenticationFailed and
+# InvalidAuthenticationInfo (a 403 for want of rights is its HttpResponseError: not this)
+_AUTHENTICATION_CLASSES = frozenset(("ClientAuthenticationError",))
+
+
+def lacks_credentials(e: BaseException) -> bool:
+    """Whether ``e`` (or an error it carries) says the store's client had no credentials or
+    the store did not take them: an error type named for credentials (botocore's
+    NoCredentialsError, google-auth's DefaultCredentialsError, azure-identity's
+    CredentialUnavailableError), azure-core's ClientAuthenticationError (adlfs), an HTTP 401
+    (gcsfs's HttpError, which gcsfs raises once it fell back to anonymous access), or a 403
+    that names an anonymous caller (gcsfs's ``OSError("Forbidden: ...")``). A 403 to
+    credentials the store took is a refusal of rights, not this (``remote_paths.denied``:
+    a refused delete is said on its own); an error of a request that got no answer is not
+    this either, whatever it was raised in the handling of."""
+    for x in _chain(e):  # (the outermost error that says what happened decides)
+        if _no_answer(x):
+            return False
+        names = [t.__name__ for t in type(x).__mro__]
+        if any("credential" in n.lower() for n in names) or _AUTHENTICATION_CLASSES & set(names):
+            return True
+        status = status_of(x)
+        if status is not None:
+            return status == 401 or (status == 403 and "anonymous caller" in str(x).lower())
+    return False
