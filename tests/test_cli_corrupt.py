@@ -377,3 +377,35 @@ def test_a_structure_file_that_is_no_object_is_said_corrupt_not_a_traceback(
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert said in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "content, said",
+    [
+        (b"{}", "shared.json names no structure"),
+        (b'{"structure": {}, "blobs": [1]}', "malformed blob references"),
+    ],
+)
+def test_a_structure_file_naming_no_structure_is_said_before_the_tensors_are_read(
+    pristine, tmp_path, content, said
+):
+    """That ``shared.json`` names a structure (and blob references a JSON object) was checked
+    only after every tensor file and blob had been read and hashed: a restore read a large
+    corrupt checkpoint in full before this cheap error. Here the tensor file also has a byte
+    flipped, which only reading it finds: the structure's error is the one said (the tensor
+    file unread), and the restore falls back to step 20 as before."""
+    from resilient_callbacks import ResumeFallbackWarning
+
+    root = str(tmp_path / "ck")
+    shutil.copytree(pristine, root)
+    ckpt = os.path.join(root, DAMAGED)
+    _reseal_structure(ckpt, content)
+    _flip_in_data_region(os.path.join(ckpt, "shared.safetensors"))
+    state = {"model": torch.nn.Linear(8, 4), "extra": {"epoch": 0, "name": ""}}
+    with (
+        pytest.warns(ResumeFallbackWarning) as said_then,
+        Checkpointer(root, keep_last=None, read_only=True) as ck,
+    ):
+        assert ck.restore(state) == 20
+    text = " ".join(str(w.message) for w in said_then)
+    assert said in text and "checksum mismatch" not in text, text

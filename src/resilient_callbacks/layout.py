@@ -200,7 +200,14 @@ def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] 
         entry = manifest_entry(manifest, name, path)
         return load_tensor_file(os.path.join(path, entry.path), entry)
 
+    # the structure files are checked first (small): a corrupt one is said before any tensor
+    # file or blob is read and hashed
     shared = read_json(path, manifest, SHARED_STRUCTURE)
+    if "structure" not in shared:
+        raise CheckpointCorruptError(f"{path}: {SHARED_STRUCTURE} names no structure")
+    refs = shared.get("blobs") or {}
+    if not isinstance(refs, dict):
+        raise CheckpointCorruptError(f"{path}: malformed blob references")
     if rank < manifest.world_size:
         local = read_json(path, manifest, rank_structure(rank))
         names = [SHARED_TENSORS, rank_tensors(rank)]
@@ -215,17 +222,13 @@ def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] 
         tensors.update(parts[1])
         per_rank, rng = local.get("per_rank") or {}, local.get("rng")
     else:
-        tensors = load_tensors(SHARED_TENSORS)
         per_rank, rng = {}, None
         if borrow:  # a rank the checkpoint has no files of: rank 0's, of these states
             first = read_json(path, manifest, rank_structure(0)).get("per_rank") or {}
             per_rank = {k: v for k, v in first.items() if k in borrow}
+        tensors = load_tensors(SHARED_TENSORS)
+        if borrow:
             tensors.update(load_tensors(rank_tensors(0)))  # "@rank/" names: no clash
-    refs = shared.get("blobs") or {}
     if refs:
-        if not isinstance(refs, dict):
-            raise CheckpointCorruptError(f"{path}: malformed blob references")
         tensors.update(load_blobs(path, manifest, refs))
-    if "structure" not in shared:
-        raise CheckpointCorruptError(f"{path}: {SHARED_STRUCTURE} names no structure")
     return LoadedPart(shared["structure"], per_rank, rng, tensors)
