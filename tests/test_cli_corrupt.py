@@ -409,3 +409,30 @@ def test_a_structure_file_naming_no_structure_is_said_before_the_tensors_are_rea
         assert ck.restore(state) == 20
     text = " ".join(str(w.message) for w in said_then)
     assert said in text and "checksum mismatch" not in text, text
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_inspect_calls_a_structure_file_that_is_no_structure_corrupt(pristine, tmp_path, fast):
+    """A sealed ``shared.json`` holding a JSON list (every checksum matching): ``inspect``
+    said "valid", exit code 0, with "cannot read the keys (TypeError ...)" underneath, while
+    a restore refuses it. Now it is corrupt, as a checkpoint with a bad checksum is (exit 1;
+    in a directory, skipped for the newest valid one). The real executable, as a user runs it."""
+    root = str(tmp_path / "ck")
+    shutil.copytree(pristine, root)
+    _reseal_structure(os.path.join(root, DAMAGED), b"[1, 2]")
+    said = "shared.json: not a structure file (a JSON list, not an object)"
+    flags = ["--fast"] if fast else []
+    run = [sys.executable, "-m", "resilient_callbacks", "inspect"]
+    r = subprocess.run(
+        [*run, os.path.join(root, DAMAGED), *flags], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    first = r.stdout.splitlines()[0]
+    assert first.startswith(f"{DAMAGED}: step 30, CORRUPT: ") and said in first, r.stdout
+    assert not VALID_WORD.search(r.stdout) and "TypeError" not in r.stdout, r.stdout
+    assert "keys:      cannot read the keys: shared.json is corrupt" in r.stdout, r.stdout
+    shown = json.loads(cli("inspect", os.path.join(root, DAMAGED), "--json", *flags).stdout)
+    assert shown["status"] == "corrupt" and shown["keys"] is None, shown
+    r = subprocess.run([*run, root, *flags], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("step_000000020: step 20, "), r.stdout
+    assert f"skipped {DAMAGED} (step 30): corrupt: " in r.stderr and said in r.stderr, r.stderr

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import reader
-from .catalog import Depth, Entry
+from .catalog import Depth, Entry, Status
 from .cli_format import (
     CORRUPT,
     fmt_metrics,
@@ -34,7 +34,14 @@ from .cli_scan import (
 )
 from .dtype_codes import dtype_name
 from .errors import CheckpointError
-from .layout_meta import SHARED_STRUCTURE, TAG, is_dcp_dropin, shared_meta
+from .layout_meta import (
+    SHARED_STRUCTURE,
+    TAG,
+    is_dcp_dropin,
+    json_object,
+    shared_meta,
+    shared_refs,
+)
 from .part_names import PARTS_EXTRA, part_dir
 from .reader import describe
 from .zero_index import zero_part_ids, zero_tensors
@@ -160,13 +167,20 @@ def _keys(e: Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
             return dropin.keys(e.path, e.manifest), None
         except (OSError, CheckpointError) as err:
             return None, f"cannot read the keys ({type(err).__name__}: {err})"
+    where = os.path.join(e.path, SHARED_STRUCTURE)
     try:
-        with open(os.path.join(e.path, SHARED_STRUCTURE), "rb") as f:
-            doc = json.loads(f.read())
+        with open(where, "rb") as f:
+            doc = json_object(f.read(), where)
+        refs = shared_refs(doc, e.path)
+    except CheckpointError:  # (an OSError too) what the status line says (_no_structure)
+        return None, f"cannot read the keys: {SHARED_STRUCTURE} is corrupt"
+    except OSError as err:
+        return None, f"cannot read the keys ({type(err).__name__}: {err})"
+    try:
         struct = doc["structure"]
         if e.manifest is None:
             return None, "cannot read the keys (no manifest)"
-        meta = shared_meta(e.path, e.manifest, dict(doc.get("blobs") or {}))
+        meta = shared_meta(e.path, e.manifest, refs)
     except (OSError, ValueError, KeyError, TypeError, CheckpointError) as err:
         return None, f"cannot read the keys ({type(err).__name__}: {err})"
     keys: list[dict[str, Any]] = []
@@ -183,6 +197,23 @@ def _keys(e: Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
     return keys, None
 
 
+def _no_structure(e: Entry) -> bool:
+    """Whether a checkpoint found valid holds a structure file that is no structure (not JSON,
+    no object, naming none: no reader loads it, whatever its checksums), marked corrupt."""
+    if e.status is not Status.VALID or e.manifest is None or is_dcp_dropin(e.manifest):
+        return False
+    where = os.path.join(e.path, SHARED_STRUCTURE)
+    try:
+        with open(where, "rb") as f:
+            shared_refs(json_object(f.read(), where), e.path)
+    except CheckpointError as err:  # (an OSError too: first)
+        e.status, e.problem = Status.CORRUPT, str(err)
+        return True
+    except OSError:  # unreadable: said where its keys are ("cannot read the keys")
+        return False
+    return False
+
+
 def _choose(args: argparse.Namespace, depth: Depth) -> tuple[Entry, list[Entry]]:
     """The checkpoint to show, and the newer ones skipped because they are corrupt."""
     target = resolve(args.dir)
@@ -194,10 +225,13 @@ def _choose(args: argparse.Namespace, depth: Depth) -> tuple[Entry, list[Entry]]
         raise no_checkpoints(target.root)
     if target.only is not None or args.step is not None:
         # A named checkpoint is shown as it is, corrupt or not (the exit code says which).
-        found = reader.find(entries, target.root, args.step, target.only)
-        return reader.check(found, depth), []
-    sel = reader.newest_valid(entries, target.root, depth)
-    return sel.entry, list(sel.skipped)
+        found = reader.check(reader.find(entries, target.root, args.step, target.only), depth)
+        _no_structure(found)
+        return found, []
+    while True:  # (one found to hold no structure is skipped as a corrupt one is)
+        sel = reader.newest_valid(entries, target.root, depth)
+        if not _no_structure(sel.entry):
+            return sel.entry, list(sel.skipped)
 
 
 def inspect(args: argparse.Namespace) -> int:

@@ -28,7 +28,14 @@ import torch
 
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .filewrite import write_json
-from .layout_meta import SHARED_STRUCTURE, SHARED_TENSORS, is_dcp_dropin, manifest_entry
+from .layout_meta import (
+    SHARED_STRUCTURE,
+    SHARED_TENSORS,
+    is_dcp_dropin,
+    json_object,
+    manifest_entry,
+    shared_refs,
+)
 from .manifest import FileEntry, Manifest
 from .structure import Encoded
 from .tensor_headers import read_verified
@@ -167,19 +174,8 @@ def load_blobs(
 def read_json(path: str, manifest: Manifest, name: str) -> dict[str, Any]:
     """The JSON file ``name`` of the checkpoint at ``path`` (a structure file: a JSON object),
     verified against its manifest."""
-    import json
-
     buf = read_verified(os.path.join(path, name), manifest_entry(manifest, name, path).digest)
-    try:
-        doc = json.loads(bytes(buf))
-    except ValueError as e:
-        raise CheckpointCorruptError(f"{os.path.join(path, name)}: unreadable JSON ({e})") from None
-    if not isinstance(doc, dict):  # (its .get() was a traceback: 'list' object has no ...)
-        raise CheckpointCorruptError(
-            f"{os.path.join(path, name)}: not a structure file (a JSON {type(doc).__name__}, "
-            "not an object)"
-        )
-    return doc
+    return json_object(bytes(buf), os.path.join(path, name))
 
 
 def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] = ()) -> LoadedPart:
@@ -203,11 +199,7 @@ def read_part(path: str, manifest: Manifest, rank: int, borrow: Collection[str] 
     # the structure files are checked first (small): a corrupt one is said before any tensor
     # file or blob is read and hashed
     shared = read_json(path, manifest, SHARED_STRUCTURE)
-    if "structure" not in shared:
-        raise CheckpointCorruptError(f"{path}: {SHARED_STRUCTURE} names no structure")
-    refs = shared.get("blobs") or {}
-    if not isinstance(refs, dict):
-        raise CheckpointCorruptError(f"{path}: malformed blob references")
+    refs = shared_refs(shared, path)
     if rank < manifest.world_size:
         local = read_json(path, manifest, rank_structure(rank))
         names = [SHARED_TENSORS, rank_tensors(rank)]

@@ -28,6 +28,34 @@ def is_dcp_dropin(manifest: Manifest) -> bool:
     return any(f.path == DCP_METADATA for f in manifest.files)
 
 
+def json_object(raw: bytes | bytearray, where: str) -> dict[str, Any]:
+    """The JSON object the structure file ``where`` holds (``raw``: its bytes);
+    :class:`CheckpointCorruptError` where it is no JSON, or JSON but no object."""
+    import json
+
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{where}: unreadable JSON ({e})") from None
+    if not isinstance(doc, dict):  # (its .get() was a traceback: 'list' object has no ...)
+        raise CheckpointCorruptError(
+            f"{where}: not a structure file (a JSON {type(doc).__name__}, not an object)"
+        )
+    return doc
+
+
+def shared_refs(shared: Mapping[str, Any], path: str) -> dict[str, str]:
+    """The blob references of the checkpoint at ``path`` whose shared structure file holds
+    ``shared``; :class:`CheckpointCorruptError` where it names no structure or its blob
+    references are no JSON object (a checkpoint no reader can load, whatever its checksums)."""
+    if "structure" not in shared:
+        raise CheckpointCorruptError(f"{path}: {SHARED_STRUCTURE} names no structure")
+    refs = shared.get("blobs") or {}
+    if not isinstance(refs, dict):
+        raise CheckpointCorruptError(f"{path}: malformed blob references")
+    return refs
+
+
 def manifest_entry(manifest: Manifest, name: str, where: str) -> FileEntry:
     """The manifest's entry of ``name``, or of its compressed form ``name.zst``."""
     for f in manifest.files:
