@@ -124,8 +124,8 @@ def _saves(url: str, tmp_path, steps: int, keep: int = 1) -> None:
     with Checkpointer(
         tmp_path / "local", remote=url, remote_keep_last=keep, keep_last=1, async_save=False
     ) as ck:
-        for s in range(1, steps + 1):
-            ck.save(s, {"w": torch.full((8,), float(s))})
+        for s in range(1, steps + 1):  # each uploaded before the next save: one behind was
+            _save_and_upload(ck, s)  # skipped (uploads behind the saves), racy under load
 
 
 def _committed(url: str) -> list[str]:
