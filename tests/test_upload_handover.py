@@ -115,3 +115,24 @@ def test_the_next_writer_gives_up_on_a_previous_attempt_that_hangs_and_uploads_i
     finally:
         GatedFS.go.set()
         new.close()
+
+
+def test_an_upload_counts_the_bytes_of_the_blobs_it_puts(tmp_path):
+    """An incremental checkpoint's tensors go up as blobs, put with no progress: an upload of
+    mostly blobs counted only its small files, so one of more than the outage limit read as
+    a stalled store (to close() and to the next writer's hand-over wait). The blobs' bytes
+    now count, the total grown by them."""
+    from resilient_callbacks import Checkpointer
+    from resilient_callbacks.manifest import read_manifest
+    from resilient_callbacks.remote import RemoteStore
+
+    with Checkpointer(tmp_path / "local", incremental=True, async_save=False) as ck:
+        ck.save(1, {"w": torch.ones(65536)})  # (256 KiB, a blob)
+    local = str(tmp_path / "local" / "step_000000001")
+    m = read_manifest(local)
+    assert m.blob_bytes > m.total_bytes  # (mostly blobs)
+    progress = Progress(m.total_bytes, "test upload", bar=False)
+    store = RemoteStore(f"memory://b-{uuid.uuid4().hex}")  # (a store that counts put bytes)
+    store.upload(local, m, "step_000000001", progress)
+    assert progress.done >= m.total_bytes + m.blob_bytes, (progress.done, m.blob_bytes)
+    assert progress.total >= m.total_bytes + m.blob_bytes

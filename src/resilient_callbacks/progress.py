@@ -67,6 +67,14 @@ class Progress:
                     rate / 1e6,
                 )
 
+    def expect(self, n: int) -> None:
+        """``n`` more bytes to move than the total said (the blobs an upload puts)."""
+        with self._lock:
+            self.total += n
+            if self._bar is not None:
+                self._bar.total = self.total
+                self._bar.refresh()
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

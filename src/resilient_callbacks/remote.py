@@ -265,7 +265,8 @@ class RemoteStore:
                     self.fs.makedirs(parent, exist_ok=True)
         cb = progress.multi_callback() if progress is not None else None
         kwargs: dict[str, Any] = {"callback": cb} if cb is not None else {}
-        marker = remote_blobs.upload(self, local_dir, manifest, blobs_again)  # those not there
+        # the blobs not there yet (their bytes counted in progress)
+        marker = remote_blobs.upload(self, local_dir, manifest, blobs_again, progress)
         try:
             self.fs.put(lpaths, rpaths, **kwargs)
             # before the commit, a blob another run's collection deleted meanwhile is uploaded

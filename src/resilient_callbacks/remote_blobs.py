@@ -51,6 +51,7 @@ from .remote_objects import modified_time
 from .upload_thread import not_superseded
 
 if TYPE_CHECKING:
+    from .progress import Progress
     from .remote import RemoteEntry, RemoteStore
 
 log = logging.getLogger("resilient_callbacks")
@@ -94,11 +95,16 @@ def _infos(store: RemoteStore, prefix: str = "") -> dict[str, dict[str, Any]]:
 
 
 def upload(
-    store: RemoteStore, local_dir: str, manifest: Manifest, again: Collection[str] = ()
+    store: RemoteStore,
+    local_dir: str,
+    manifest: Manifest,
+    again: Collection[str] = (),
+    progress: Progress | None = None,
 ) -> str | None:
     """Put the blobs ``manifest`` refers to that the remote store lacks (and those named in
-    ``again``, found rotten there); return the in-flight marker to remove once the checkpoint
-    is committed (None: the checkpoint has no blobs)."""
+    ``again``, found rotten there), their bytes counted in ``progress`` (its total grown by
+    them: before, none counted, and an upload of mostly blobs read as a stalled store); return
+    the in-flight marker to remove once the checkpoint is committed (None: no blobs)."""
     if not manifest.blobs:
         return None
     marker = posixpath.join(_dir(store), f"{INFLIGHT_PREFIX}{uuid.uuid4().hex[:12]}.json")
@@ -126,19 +132,27 @@ def upload(
         todo = [b for b in manifest.blobs if b.path not in reused or b.path in other]
         if todo:
             verify_entries(local_dir, todo)  # a rotten local blob is never uploaded
-            _put_checked(store, local_dir, todo, len(infos))
+            if progress is not None:
+                progress.expect(sum(b.size for b in todo))
+            _put_checked(store, local_dir, todo, len(infos), progress)
     except BaseException:
         end_upload(store, marker)
         raise
     return marker
 
 
-def _put_checked(store: RemoteStore, local_dir: str, todo: list[FileEntry], listed: int) -> None:
+def _put_checked(
+    store: RemoteStore,
+    local_dir: str,
+    todo: list[FileEntry],
+    listed: int,
+    progress: Progress | None = None,
+) -> None:
     """Upload the blobs ``todo`` and check their sizes there; remembered as verified. Only
     those blobs are asked for: by a request each (HEAD), or by one listing of ``blobs/``
     (``listed``: the names the upload's listing held; a listing request answers 1000) where
     that sends fewer requests (every blob was listed after each upload, a few put or not)."""
-    _put(store, [blob_path(local_dir, b.path) for b in todo], [b.path for b in todo])
+    _put(store, [blob_path(local_dir, b.path) for b in todo], [b.path for b in todo], progress)
     if len(todo) <= -(-(listed + len(todo)) // LIST_PAGE):
         infos = {}
         for b in todo:
@@ -157,17 +171,20 @@ def _put_checked(store: RemoteStore, local_dir: str, todo: list[FileEntry], list
         store.blobs_verified.remember(b, infos[b.path])
 
 
-def _put(store: RemoteStore, local: list[str], names: list[str]) -> None:
-    """Upload blobs; on a ``file://`` remote through temporary names renamed into place (and
-    fsynced), so that a kill part-way never leaves a torn blob under a blob's name."""
+def _put(
+    store: RemoteStore, local: list[str], names: list[str], progress: Progress | None = None
+) -> None:
+    """Upload blobs (their bytes counted in ``progress``); on a ``file://`` remote through
+    temporary names renamed into place (and fsynced), so that a kill part-way never leaves a
+    torn blob under a blob's name."""
     final = [posixpath.join(_dir(store), n) for n in names]
     if not store.is_local:
-        store.fs.put(local, final)  # one object each: complete or absent
+        store.fs.put(local, final, **_counted(progress))  # one object each: whole or absent
         return
     tag = uuid.uuid4().hex[:8]
     tmp = [posixpath.join(_dir(store), f"{UPLOAD_PREFIX}{tag}-{n}") for n in names]
     try:
-        store.fs.put(local, tmp)
+        store.fs.put(local, tmp, **_counted(progress))  # (fsspec's local put counts none)
         store._fsync_local(tmp)
         for t, f in zip(tmp, final, strict=True):
             os.replace(t, f)
@@ -176,6 +193,11 @@ def _put(store: RemoteStore, local: list[str], names: list[str]) -> None:
         for t in tmp:
             with contextlib.suppress(OSError):
                 os.unlink(t)
+
+
+def _counted(progress: Progress | None) -> dict[str, Any]:
+    """fsspec's ``put`` arguments that count its bytes in ``progress``."""
+    return {} if progress is None else {"callback": progress.multi_callback()}
 
 
 def _markers(store: RemoteStore) -> dict[str, tuple[bool, list[str], str | None]]:
