@@ -27,12 +27,14 @@ class Writer(UploadThread):
     def __init__(self, key: str) -> None:
         super().__init__(f"rc-test-{key[-6:]}")
         self.go, self.moved, self.end = threading.Event(), threading.Event(), threading.Event()
+        self.past_wait = threading.Event()
         self._after_previous(key)
         self._start()
 
     def _run(self) -> None:
         if not self._wait_previous("memory://handover"):
             return
+        self.past_wait.set()
         if not self.go.wait(TIMEOUT_S):
             return
         with self._transfer(Progress(10, "test upload", bar=False)) as p:
@@ -136,3 +138,39 @@ def test_an_upload_counts_the_bytes_of_the_blobs_it_puts(tmp_path):
     store.upload(local, m, "step_000000001", progress)
     assert progress.done >= m.total_bytes + m.blob_bytes, (progress.done, m.blob_bytes)
     assert progress.total >= m.total_bytes + m.blob_bytes
+
+
+def test_a_previous_attempt_given_up_on_is_not_waited_for_again_by_a_later_writer(monkeypatch):
+    """Once a writer gave up on a hung attempt of the previous one (fenced: it commits and
+    deletes nothing more), each later writer of the store in that process waited for that
+    same attempt again, the outage limit each time (5 minutes of no upload), and warned
+    again. A later writer now goes on at once."""
+    from resilient_callbacks import upload_thread
+
+    key = f"memory://handover-{uuid.uuid4().hex}"
+    monkeypatch.setattr(upload_thread, "HANDOVER_OUTAGE_S", 0.0)  # (given up at once)
+    hung = Writer(key)  # (never goes on: an attempt hung in its store)
+    hung.stop(join_s=0)
+    writers = [hung]
+    try:
+        nxt = Writer(key)
+        writers.append(nxt)
+        assert nxt.past_wait.wait(TIMEOUT_S), "the next writer never gave up waiting"
+        assert hung._thread in upload_thread._superseded
+        nxt.go.set()
+        nxt.end.set()
+        nxt._thread.join(TIMEOUT_S)
+        assert not nxt._thread.is_alive()
+        monkeypatch.setattr(upload_thread, "HANDOVER_OUTAGE_S", 3600.0)
+        later = Writer(key)  # (before: waited for the hung attempt for an hour)
+        writers.append(later)
+        # (the hung one ends at TIMEOUT_S: this wait ends first)
+        assert later.past_wait.wait(TIMEOUT_S / 2), "a later writer waited for a fenced attempt"
+    finally:
+        for w in writers:
+            w.stop(join_s=0)
+            w.go.set()
+            w.end.set()
+        for w in writers:
+            w._thread.join(TIMEOUT_S)
+    assert not any(w._thread.is_alive() for w in writers)

@@ -209,8 +209,13 @@ class UploadThread:
         up on begins no commit, retention delete or blob collection again
         (:func:`not_superseded`): only the request it has under way may still end."""
         # (one not stopped is another writer's, open, or this writer's other thread: not
-        # waited for)
-        prevs = [p for p in self._previous if p._stop and p._thread.is_alive()]
+        # waited for; nor one an earlier writer gave up on, fenced: each next writer of the
+        # process waited out the outage limit for it again, and warned again)
+        prevs = [
+            p
+            for p in self._previous
+            if p._stop and p._thread.is_alive() and p._thread not in _superseded
+        ]
         log = logging.getLogger("resilient_callbacks")
         try:
             if not prevs:
