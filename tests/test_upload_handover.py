@@ -114,6 +114,10 @@ def test_the_next_writer_gives_up_on_a_previous_attempt_that_hangs_and_uploads_i
         assert not old_thread.is_alive()
         committed = sorted(e.name for e in RemoteStore(url).scan() if e.problem is None)
         assert committed == ["step_000000002"], committed
+        # its refused commit is no failure "retrying with backoff" (it never retries): INFO
+        ended = [r for r in caplog.records if "uploading step_000000001 failed" in r.getMessage()]
+        assert not ended, [r.getMessage() for r in ended]
+        assert any("close() gave up on ended" in r.getMessage() for r in caplog.records)
     finally:
         GatedFS.go.set()
         new.close()

@@ -283,6 +283,16 @@ class RemoteSync(UploadThread):
             log.error("remote: not uploading %s, its local copy is damaged: %s", name, e)
             return True
         except Exception as e:
+            if self._stop:  # close() gave up on this attempt: never retried (it said so)
+                log.info(
+                    "remote %s: the upload of %s that close() gave up on ended without a "
+                    "commit: %s: %s",
+                    url_text(self.store.url),
+                    name,
+                    type(e).__name__,
+                    url_text(str(e)),
+                )
+                return False
             self._failed(name, e)
             return False
         elapsed = time.perf_counter() - t0
