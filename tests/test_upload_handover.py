@@ -24,15 +24,16 @@ class Writer(UploadThread):
     """An upload thread: waits for the previous writer's, then (once ``go`` is set) uploads
     10 bytes and goes on with work that moves none (a delete, a commit) until ``end``."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, url: str = "memory://handover") -> None:
         super().__init__(f"rc-test-{key[-6:]}")
+        self.url = url
         self.go, self.moved, self.end = threading.Event(), threading.Event(), threading.Event()
         self.past_wait = threading.Event()
         self._after_previous(key)
         self._start()
 
     def _run(self) -> None:
-        if not self._wait_previous("memory://handover"):
+        if not self._wait_previous(self.url):
             return
         self.past_wait.set()
         if not self.go.wait(TIMEOUT_S):
@@ -178,3 +179,42 @@ def test_a_previous_attempt_given_up_on_is_not_waited_for_again_by_a_later_write
         for w in writers:
             w._thread.join(TIMEOUT_S)
     assert not any(w._thread.is_alive() for w in writers)
+
+
+def test_a_previous_copy_into_a_local_store_is_waited_for_past_the_outage_limit(
+    tmp_path, monkeypatch, caplog
+):
+    """A local store's copies count their bytes only when each file ends (fsspec's local
+    put_file calls no progress callback): a long copy of the previous writer read as hung
+    after the outage limit, and the next writer gave up on it and copied into the same
+    folder while it went on (two writers of one folder: a file torn). For a local store the
+    next writer now keeps waiting, said once in a warning."""
+    from resilient_callbacks import upload_thread
+
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    url = f"file://{tmp_path}/store"
+    key = f"{url}-{uuid.uuid4().hex}"
+    monkeypatch.setattr(upload_thread, "HANDOVER_OUTAGE_S", 0.0)  # (past it at once)
+    slow = Writer(key, url)  # (a copy that moves no counted byte until the test lets it go)
+    slow.stop(join_s=0)
+    nxt = Writer(key, url)
+    try:
+        _until(
+            lambda: any("keeps waiting for it" in r.getMessage() for r in caplog.records),
+            "the next writer never said it keeps waiting",
+        )
+        assert not nxt.past_wait.is_set(), "the next writer stopped waiting for a local copy"
+        assert slow._thread not in upload_thread._superseded
+        slow.go.set()
+        slow.end.set()
+        assert nxt.past_wait.wait(TIMEOUT_S), "the next writer never went on"
+        said = [r for r in caplog.records if "keeps waiting for it" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING
+    finally:
+        for w in (slow, nxt):
+            w.stop(join_s=0)
+            w.go.set()
+            w.end.set()
+        for w in (slow, nxt):
+            w._thread.join(TIMEOUT_S)
+    assert not slow._thread.is_alive() and not nxt._thread.is_alive()

@@ -51,6 +51,13 @@ def not_superseded(url: str) -> None:
         )
 
 
+def _counts_no_bytes(url: str) -> bool:
+    """Whether uploads to ``url`` count no byte until each file ends: a local store (fsspec's
+    ``LocalFileSystem.put_file`` calls no progress callback), where a copy longer than the
+    outage limit reads as stalled (:meth:`UploadThread._wait_previous` does not give up)."""
+    return "://" not in url or url.split("://", 1)[0].lower() in ("file", "local")
+
+
 def backoff_s(failures: int, base_s: float, max_s: float = math.inf, jitter: bool = True) -> float:
     """Seconds to wait after the ``failures``-th consecutive failure (1, 2, ...): ``base_s``
     doubling with each failure, at most ``max_s``; with ``jitter``, a random 50 to 100 % of
@@ -226,6 +233,7 @@ class UploadThread:
                 url_text(url),
             )
             self._waiting_since = time.monotonic()
+            warned_local = False
             for prev in prevs:
                 self._waiting_on = prev
                 while prev._thread.is_alive():
@@ -233,6 +241,23 @@ class UploadThread:
                     if self._stop:
                         return False
                     if prev._thread.is_alive() and self._waited_stall_s() > HANDOVER_OUTAGE_S:
+                        if _counts_no_bytes(url):
+                            if not warned_local:
+                                warned_local = True
+                                log.warning(
+                                    "remote %s: the upload thread %s of the previous writer "
+                                    "of this store in this process (its close() gave up on "
+                                    "it) has moved no byte counted for %.0f s; a local "
+                                    "store's copies count their bytes only when each file "
+                                    "ends, so a long copy cannot be told from a hung one: "
+                                    "this writer keeps waiting for it (two writers copying "
+                                    "into one folder could tear a file). If the store's "
+                                    "file system hangs, restarting the process ends it",
+                                    url_text(url),
+                                    prev._thread.name,
+                                    HANDOVER_OUTAGE_S,
+                                )
+                            continue
                         _superseded.add(prev._thread)  # (before this writer's first request)
                         log.warning(
                             "remote %s: the upload thread %s of the previous writer of this "
