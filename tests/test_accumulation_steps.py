@@ -300,3 +300,58 @@ def test_the_step_before_a_window_keeps_the_states_tensors_by_reference(tmp_path
         assert em._usable(point, "test")
         ema["weight"].add_(1.0)  # written since: the point is not the state of step 6
         assert not em._usable(point, "test")
+
+
+def train_bn_then_probe(ck_dir, preempt_at, total=16, out=None):
+    """:func:`train_then_probe` with a BatchNorm model (running statistics change at every
+    forward pass) and ``exit_on_preemption=False``: the loop goes on to ``total`` after the
+    save. ``out``: a file the final state_dict is written to; it is returned too."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {"model": model, "optimizer": opt}
+    with Checkpointer(ck_dir, every_n_steps=1000, async_save=False, exit_on_preemption=False) as ck:
+        for i in range(ck.restore(state) + 1, total + 1):
+            (model(x[i % 8 : i % 8 + 4]).pow(2).mean() / WINDOW).backward()
+            if i <= 6 and i % WINDOW == 0:
+                opt.step()
+                opt.zero_grad()
+            if i == preempt_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            ck.step(i, state)
+        preempted = ck.preempted
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    if out is not None:
+        torch.save({"preempted": preempted, "state": sd}, out)
+    return sd
+
+
+def test_a_save_of_the_step_before_a_window_leaves_the_live_buffers_alone(tmp_path):
+    """The save of step 6 for a preemption held in a window that never ends set the modules'
+    buffers (BatchNorm's running statistics) back to step 6's for the save and left them so:
+    with exit_on_preemption=False the run went on from the old statistics, not as a run with
+    no preemption would have. The save holds step 6's; the live run's are put back after it."""
+    ref = train_bn_then_probe(tmp_path / "ref", preempt_at=None)
+    at6 = train_bn_then_probe(tmp_path / "ref6", preempt_at=None, total=6)
+    out = tmp_path / "out.pt"
+    code = (
+        "import logging, sys; import test_accumulation_steps as t; "
+        "logging.basicConfig(level=logging.WARNING, stream=sys.stderr); "
+        f"t.train_bn_then_probe({str(tmp_path / 'ck')!r}, 8, out={str(out)!r})"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    assert "saving step 6, the last step before the window" in r.stderr
+    got = torch.load(out)
+    assert got["preempted"]
+    assert all(torch.equal(got["state"][k], ref[k]) for k in ref)
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert ck.restore({"model": model, "optimizer": opt}) == 6
+    ck.close()
+    assert all(torch.equal(model.state_dict()[k], at6[k]) for k in at6)

@@ -26,7 +26,7 @@ from .closing import EXIT_MARGIN_S
 from .errors import CheckpointError, RemoteWaitPreemptedError, UnsupportedStateError
 from .filepart import FilePart
 from .optim import hookable, untraced, update_began
-from .param_watch import ParamWatch, changed_params, put_back
+from .param_watch import Buffers, ParamWatch, changed_params, put_back
 from .preemption import MetadataPoller, PreemptionWatcher, exiting
 from .preemption.signals import WatcherConfig
 from .preemption.signals import _signal_name as signal_name
@@ -188,6 +188,7 @@ class Emergency:
         self._step_watch: dict[int, Any] = {}
         self._watch = ParamWatch()
         self.windows = StepWatch()  # a step() inside an accumulation window (windows.py)
+        self._live: Buffers = []  # the buffers' live values while _usable() set them back
         # (step, error) of a preemption's emergency save that failed, while no later one saved
         self.failed: tuple[int, str] | None = None
 
@@ -237,8 +238,8 @@ class Emergency:
 
     def _usable(self, point: Any, what: str) -> bool:
         """Whether the state is still that of ``point``'s step (no optimizer step, no
-        parameter written since; the modules' buffers are set back to it); if not, a warning
-        says why, beginning with ``what``."""
+        parameter written since; the modules' buffers are set back to it until the save's
+        :meth:`_live_back`); if not, a warning says why, beginning with ``what``."""
         step, _, _, stepped, buffers, versions, tensors = point
         if stepped[0]:
             log.warning(
@@ -263,8 +264,9 @@ class Emergency:
             )
             return False
         # a forward pass since may have changed buffers (BatchNorm's running statistics): they
-        # are set back to the step's values, as consistent with the step's weights
-        if not put_back(buffers):
+        # are set back to the step's values, as consistent with the step's weights, for the save
+        live = put_back(buffers)
+        if live is None:
             log.warning(
                 "%s came after a module's buffer was replaced since step %d; the state "
                 "matches no step, so nothing is saved",
@@ -272,7 +274,13 @@ class Emergency:
                 step,
             )
             return False
+        self._live = live
         return True
+
+    def _live_back(self) -> None:
+        """After a save: the buffers' live values back, for a run that goes on after it."""
+        live, self._live = self._live, []
+        put_back(live)
 
     def _watch_optimizers(self, state: Any, stepped: list[bool]) -> None:
         """Flag ``stepped[0]`` when any optimizer in the state starts a step (save_on_exception):
@@ -330,6 +338,7 @@ class Emergency:
         step, frozen, rng_state = point[:3]
         if not self._usable(point, f"save_on_exception: {type(exc).__name__}"):
             return
+        self._live = []  # (the live model stays the saved step's: docs/policy.md)
         log.warning(
             "%s during training: saving the state of step %d (unchanged since) before it "
             "propagates",
@@ -408,6 +417,8 @@ class Emergency:
         except BaseException as e:  # raised to the loop; the next step() tries again
             self.failed = (step, f"{type(e).__name__}: {e}")
             raise
+        finally:
+            self._live_back()
         self.failed = None
         ck.preempted = True
         if ck.config.exit_on_preemption:

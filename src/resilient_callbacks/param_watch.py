@@ -175,14 +175,17 @@ def _param_name(path: tuple[Any, ...], obj: Any, p: torch.Tensor) -> str:
     return f"{where}.{name}" if where else name
 
 
-def put_back(buffers: Buffers) -> bool:
-    """Set the buffers back to their copies; False (nothing changed) if one was replaced by
-    another tensor or changed its shape since."""
+def put_back(buffers: Buffers) -> Buffers | None:
+    """Set the buffers back to their copies and return copies of their values before (to put
+    back after a save of the copies' step: the live run goes on with its own); None (nothing
+    changed) if one was replaced by another tensor or changed its shape since."""
     live = [mod._buffers.get(name) for mod, name, _ in buffers]
     if any(b is None or b.shape != c.shape for b, (_, _, c) in zip(live, buffers, strict=True)):
-        return False
+        return None
+    before: Buffers = []
     with torch.no_grad():
-        for b, (_, _, c) in zip(live, buffers, strict=True):
+        for b, (mod, name, c) in zip(live, buffers, strict=True):
             assert b is not None
+            before.append((mod, name, b.detach().clone()))
             b.copy_(c)
-    return True
+    return before
