@@ -436,3 +436,44 @@ def test_inspect_calls_a_structure_file_that_is_no_structure_corrupt(pristine, t
     r = subprocess.run([*run, root, *flags], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("step_000000020: step 20, "), r.stdout
     assert f"skipped {DAMAGED} (step 30): corrupt: " in r.stderr and said in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "content, said",
+    [
+        (b"[1, 2]", "shared.json: not a structure file (a JSON list, not an object)"),
+        (b"{}", "shared.json names no structure"),
+    ],
+)
+def test_verify_and_ls_call_a_structure_file_that_is_no_structure_corrupt(
+    pristine, tmp_path, content, said
+):
+    """A sealed ``shared.json`` that is no structure (every checksum matching): ``verify``
+    printed "ok" (exit 0) and ``ls`` "valid" for a checkpoint that a restore refuses. Now both
+    say corrupt, with ``--fast`` too (the structure file is read, no tensor), and a restore
+    falls back to step 20 saying why. The real executable, as a user runs it."""
+    from resilient_callbacks import ResumeFallbackWarning
+
+    root = str(tmp_path / "ck")
+    shutil.copytree(pristine, root)
+    _reseal_structure(os.path.join(root, DAMAGED), content)
+    run = [sys.executable, "-m", "resilient_callbacks"]
+    r = subprocess.run([*run, "verify", root], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    line = _lines_about(r.stdout, DAMAGED)
+    assert all(x.startswith("CORRUPT") and said in x for x in line), r.stdout
+    for flags in ([], ["--fast"]):
+        r = subprocess.run([*run, "ls", root, *flags], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        row = _row(r.stdout, DAMAGED_STEP)
+        assert "CORRUPT" in row and not VALID_WORD.search(row), r.stdout
+        rows = {x["name"]: x for x in json.loads(cli("ls", root, "--json", *flags).stdout)}
+        assert rows[DAMAGED]["status"] == "corrupt" and said in rows[DAMAGED]["problem"]
+    state = {"model": torch.nn.Linear(8, 4), "extra": {"epoch": 0, "name": ""}}
+    with (
+        pytest.warns(ResumeFallbackWarning) as said_then,
+        Checkpointer(root, keep_last=None, read_only=True) as ck,
+    ):
+        assert ck.restore(state) == 20
+    text = " ".join(str(w.message) for w in said_then)
+    assert DAMAGED in text and said in text, text

@@ -20,6 +20,7 @@ from functools import partial
 from . import checking
 from .errors import CheckpointCorruptError
 from .filewrite import digest_file
+from .layout_meta import SHARED_STRUCTURE, json_object, shared_refs
 from .manifest import BLOB_KIND, FileEntry, Manifest
 
 
@@ -39,6 +40,32 @@ def verify(
     checking.reading(path, manifest, every_checksum=depth is Depth.FULL)  # (the CLI says so)
     entries = [*manifest.files, *manifest.blobs]
     verify_entries(path, [f for f in entries if wanted is None or f.rank in wanted], depth)
+    if depth is not Depth.NONE and (wanted is None or 0 in wanted):
+        verify_structure(path, manifest)
+
+
+def verify_structure(path: str, manifest: Manifest) -> None:
+    """Raise :class:`CheckpointCorruptError` when the checkpoint's shared structure file (if
+    its manifest lists one) is no JSON object, names no structure or holds malformed blob
+    references: every checksum may match, yet no restore can load it. Reads that one small
+    file, no tensor."""
+    entry = next((f for f in manifest.files if f.path == SHARED_STRUCTURE), None)
+    if entry is None:
+        return  # (a checkpoint of dcp.save, a node's part without the shared files)
+    where = os.path.join(path, SHARED_STRUCTURE)
+    try:
+        with open(where, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{where}: listed in the manifest but missing") from None
+    try:
+        shared_refs(json_object(raw, where), path)
+    except CheckpointCorruptError:
+        # after a check of sizes alone, a changed byte is said as what it is: a bad checksum
+        problem = _problem(where, entry, Depth.FULL)
+        if problem is None:
+            raise
+        raise CheckpointCorruptError(problem) from None
 
 
 #: the blobs found intact, while :func:`blobs_read_once` is in effect
