@@ -403,3 +403,45 @@ def test_the_environment_can_give_each_signal_its_own_grace_period(tmp_path, mon
     with Checkpointer(tmp_path) as ck:
         assert ck.watcher is not None and ck.watcher.config.grace_for("SIGUSR1") == 120
     assert "ignoring RESILIENT_GRACE_PERIOD_S='SIGUSR1=300,SIGBOGUS=4'" in caplog.text
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failure_after_the_commit_says_the_checkpoint_is_committed(
+    tmp_path, monkeypatch, async_save
+):
+    """Rank 0's retention pass after the commit of step 2 fails (an I/O error reading the
+    directory). The checkpoint had been renamed into place: it is valid and a restore takes it.
+    The save was reported as stopped with its "uncommitted files removed", and recorded as a
+    failed save. Now the error says it is committed, what failed after it and what that leaves
+    undone, and the save is recorded as committed."""
+    from resilient_callbacks import CheckpointWriteError, history
+    from resilient_callbacks.directory import Directory
+
+    orig = Directory.apply_retention
+
+    def failing(self, protect, policy=None):
+        if protect == "step_000000002":
+            raise OSError(5, "Input/output error")
+        return orig(self, protect, policy)
+
+    monkeypatch.setattr(Directory, "apply_retention", failing)
+    state = _state()
+    root = tmp_path / "ck"
+    with Checkpointer(str(root), keep_last=1, async_save=async_save) as ck:
+        ck.save(1, state)
+        ck.flush()
+        with pytest.raises(CheckpointWriteError) as err:
+            ck.save(2, state)
+            ck.flush()
+        said = str(err.value)
+        assert "step 2 was committed" in said and "a restore takes it" in said, said
+        assert "OSError: [Errno 5] Input/output error" in said, said
+        assert "kept until the next save's retention pass" in said, said
+        assert "uncommitted files" not in said and "not committed" not in said, said
+        assert ck.last_save is not None and ck.last_save.step == 2
+        assert ck.committed_saves == 2
+        ck.save(3, state)  # the next save goes on, and its retention deletes what was kept
+        ck.flush()
+    assert _steps(root) == [(3, "forced")]
+    failed = history.records(str(root), ("save_failed",))
+    assert failed == [], failed

@@ -55,7 +55,9 @@ class CheckpointLockedError(CheckpointError, BlockingIOError):
 
 
 class CheckpointWriteError(CheckpointError, OSError):
-    """A save failed (on one or more ranks); nothing was committed."""
+    """A save failed (on one or more ranks); nothing was committed, unless the message says
+    the checkpoint was committed and what rank 0's work after the commit (retention, the
+    upload queue) then failed."""
 
     def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)

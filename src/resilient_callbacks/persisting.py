@@ -122,6 +122,13 @@ def persist(
                 extra=manifest_extra(prepared, ck.schedule, progress),
             )
         except CheckpointWriteError as e:
+            done = getattr(session, "done", None)
+            if done is not None:  # rank 0: committed, then its after-commit work failed
+                _record(saver, step, prepared, done, reason, why, t0, background, written,
+                        progress, blocking)  # fmt: skip
+                if background:  # said now: the loop hears of it at its next save only
+                    log.error("background save of step %d: %s", step, e)
+                raise
             ck._recorder.save_failed(step, e)
             if background:
                 ck.last_saved_step = None

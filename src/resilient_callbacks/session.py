@@ -165,6 +165,7 @@ class CommitSession:
         self._ranks = dist.group_size(group)  # the reports commit() must gather
         self.is_coordinator = self.rank == 0
         self.staging: str | None = None
+        self.done: Committed | None = None  # rank 0, once committed (after_commit may fail)
         self.files: list[FileEntry] = []
         self._begin_error: str | None = None
         self.layout: str | None = None  # set by the caller: what agree_steps compares
@@ -238,7 +239,7 @@ class CommitSession:
         done = Committed(
             path, self.step, seq, sum(f.size for r in reports for f in r.files), reason
         )
-        self.after_commit(done)
+        self._after(done)
         return done
 
     def add(self, files: Iterable[FileEntry]) -> None:
@@ -307,8 +308,30 @@ class CommitSession:
         size = sum(f.size for r in reports for f in r.files)
         done = Committed(outcome["path"], self.step, outcome["seq"], size, reason)
         if self.is_coordinator:
-            self.after_commit(done)
+            self._after(done)
         return done
+
+    def _after(self, done: Committed) -> None:
+        """Coordinator: ``after_commit``, once ``done`` is committed (kept as :attr:`done`).
+        Its failure raises :class:`CheckpointWriteError` saying that the checkpoint is
+        committed all the same, what failed after it, and what that leaves undone."""
+        self.done = done
+        try:
+            self.after_commit(done)
+        except Exception as e:
+            upload = (
+                f"; its upload to {self.sync.store.url} may not be queued (`resilient-ckpt "
+                f"push {self.dirpath} {self.sync.store.url}` uploads it)"
+                if self.sync is not None
+                else ""
+            )
+            raise CheckpointWriteError(
+                f"checkpoint for step {self.step} was committed ({done.path}): it is valid and "
+                f"a restore takes it; then rank 0's work after the commit failed: "
+                f"{type(e).__name__}: {e}. Older checkpoints that retention would delete are "
+                f"kept until the next save's retention pass{upload}.",
+                (0,),
+            ) from e
 
     def _with_space_hint(self, err: CheckpointWriteError) -> CheckpointWriteError:
         """``err``, saying what a full disk (or an exceeded quota) must hold when that is why the
