@@ -25,14 +25,19 @@ class Boom(RuntimeError):
     pass
 
 
+def _setup(make_model):
+    """The seeded data, model (``make_model()``), SGD with momentum and the state of a run."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return x, model, opt, {"model": model, "optimizer": opt}
+
+
 def train(ck_dir, total, every=100, fail_at=None, save_on_exception=False, preempt_at=None):
     """Micro-steps 1..total, an optimizer step after every WINDOW-th; ``step(i)`` after each.
     ``preempt_at``: a real SIGTERM before that ``step()``; the loop stops once it saved."""
-    torch.manual_seed(0)
-    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    state = {"model": model, "optimizer": opt}
+    x, model, opt, state = _setup(lambda: torch.nn.Linear(4, 1))
     with Checkpointer(
         ck_dir,
         every_n_steps=every,
@@ -115,11 +120,7 @@ def train_then_probe(ck_dir, preempt_at, total=60, grace_period=None, first=None
     """Windows of WINDOW micro-steps up to micro-step 6, then backward passes with no update
     (gradient-norm probing): a window that never ends. A real SIGTERM before ``step(preempt_at)``;
     returns the Checkpointer's ``preempted``, the step() it stopped at, the weights."""
-    torch.manual_seed(0)
-    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    state = {"model": model, "optimizer": opt}
+    x, model, opt, state = _setup(lambda: torch.nn.Linear(4, 1))
     with Checkpointer(
         ck_dir,
         every_n_steps=1000,
@@ -306,11 +307,9 @@ def train_bn_then_probe(ck_dir, preempt_at, total=16, out=None):
     """:func:`train_then_probe` with a BatchNorm model (running statistics change at every
     forward pass) and ``exit_on_preemption=False``: the loop goes on to ``total`` after the
     save. ``out``: a file the final state_dict is written to; it is returned too."""
-    torch.manual_seed(0)
-    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    state = {"model": model, "optimizer": opt}
+    x, model, opt, state = _setup(
+        lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    )
     with Checkpointer(ck_dir, every_n_steps=1000, async_save=False, exit_on_preemption=False) as ck:
         for i in range(ck.restore(state) + 1, total + 1):
             (model(x[i % 8 : i % 8 + 4]).pow(2).mean() / WINDOW).backward()
