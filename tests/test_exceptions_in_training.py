@@ -106,6 +106,12 @@ class _Module(L.LightningModule):
 def _fit(root, module: _Module) -> ResilientCheckpoint:
     L.seed_everything(0, verbose=False)
     rc = ResilientCheckpoint(root, every_n_steps=2, save_on_exception=True, preemption=False)
+    fit_8_steps(module, rc)
+    return rc
+
+
+def fit_8_steps(module: L.LightningModule, rc: ResilientCheckpoint) -> None:
+    """8 steps of ``module`` on CPU with ``rc``, a fixed batch of 64 in 4s, nothing else."""
     trainer = L.Trainer(
         max_steps=8,
         accelerator="cpu",
@@ -116,7 +122,6 @@ def _fit(root, module: _Module) -> ResilientCheckpoint:
     )
     data = TensorDataset(torch.randn(64, 4, generator=torch.Generator().manual_seed(0)))
     trainer.fit(module, DataLoader(data, batch_size=4))
-    return rc
 
 
 @pytest.fixture

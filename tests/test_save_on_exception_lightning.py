@@ -11,11 +11,10 @@ import lightning as L
 import pytest
 import safetensors.torch
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from features_train import SAM
 from resilient_callbacks.lightning import ResilientCheckpoint
-from test_exceptions_in_training import _committed
+from test_exceptions_in_training import _committed, fit_8_steps
 
 
 class Boom(RuntimeError):
@@ -76,16 +75,7 @@ def _fit(root, every: int = 2, **failing) -> None:
     rc = ResilientCheckpoint(  # (synchronous: no due save skipped while one is being written)
         root, every_n_steps=every, save_on_exception=True, preemption=False, async_save=False
     )
-    trainer = L.Trainer(
-        max_steps=8,
-        accelerator="cpu",
-        callbacks=[rc],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    data = TensorDataset(torch.randn(64, 4, generator=torch.Generator().manual_seed(0)))
-    trainer.fit(module, DataLoader(data, batch_size=4))
+    fit_8_steps(module, rc)
 
 
 def _tensors(root, step: int) -> dict[str, torch.Tensor]:
