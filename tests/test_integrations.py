@@ -963,7 +963,7 @@ def test_torchrun_sigterm_exits_75_and_rerun_resumes(
 def test_sbatch_grace_periods_match_its_signals(name: str) -> None:
     """The sbatch recipes tell the library each signal's grace period: SIGUSR1 the lead of
     --signal=USR1@N, SIGTERM Slurm's KillWait default (30 s), not N as one value for both."""
-    from resilient_callbacks.emergency import grace_from_env
+    from resilient_callbacks.watcher_setup import grace_from_env
 
     text = (INTEG / "slurm" / name).read_text()
     lead = re.search(r"^#SBATCH --signal=(?:B:)?USR1@(\d+)", text, re.M)

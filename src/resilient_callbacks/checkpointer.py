@@ -30,7 +30,7 @@ from .adapter import keywords_checked
 from .checkpointer_queries import CheckpointerQueries
 from .config import CheckpointerConfig
 from .directory import Directory
-from .emergency import GRACE_ENV, Emergency, start_watcher, watching
+from .emergency import Emergency
 from .inplace import Advice
 from .metrics import Telemetry
 from .node_restore import NodeRestorer
@@ -41,6 +41,7 @@ from .restoring import Restorer, RestoreReport
 from .save_inputs import check_metrics
 from .saving import Saver, new_run_id
 from .trigger import Trigger
+from .watcher_setup import GRACE_ENV, start_watcher, watching
 
 __all__ = ["CLOSE_OUTAGE_S", "GRACE_ENV", "RESUMABLE_EXIT_CODE", "Checkpointer", "SaveStats"]
 
@@ -158,7 +159,7 @@ class Checkpointer(CheckpointerQueries):
         #: dirpath as given, and the working directory a relative one was resolved against
         given = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
         self.dirpath_given: tuple[object, str] = (given, _cwd())
-        # first: a signal while the rest opens the directory is noticed (emergency.watching)
+        # first: a signal while the rest opens the directory is noticed (watcher_setup.watching)
         self.watcher, self._poller = start_watcher(self.config)
         with watching(self.watcher, self._poller, self.config):
             try:
