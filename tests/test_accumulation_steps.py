@@ -354,3 +354,72 @@ def test_a_save_of_the_step_before_a_window_leaves_the_live_buffers_alone(tmp_pa
     assert ck.restore({"model": model, "optimizer": opt}) == 6
     ck.close()
     assert all(torch.equal(model.state_dict()[k], at6[k]) for k in at6)
+
+
+class _Refusing(logging.Handler):
+    """A log handler that raises on a record containing ``text`` (as a handler that makes a
+    warning fail a run would): an exception between the save's buffers set back and the save."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.text = text
+
+    def emit(self, record):
+        if self.text in record.getMessage():
+            raise Boom(f"the handler refused: {self.text}")
+
+
+def train_bn_until_the_preemption_raises(ck_dir, text, out):
+    """:func:`train_bn_then_probe` preempted at micro-step 8, a ``_Refusing(text)`` handler
+    on the library's logger: the modules' state_dict just before the step() that raised and
+    just after it, written to ``out`` (before close(), which re-raises the held signal)."""
+    x, model, opt, state = _setup(
+        lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    )
+    logging.getLogger("resilient_callbacks").addHandler(_Refusing(text))
+    with Checkpointer(ck_dir, every_n_steps=1000, async_save=False, exit_on_preemption=False) as ck:
+        for i in range(1, 17):
+            (model(x[i % 8 : i % 8 + 4]).pow(2).mean() / WINDOW).backward()
+            if i <= 6 and i % WINDOW == 0:
+                opt.step()
+                opt.zero_grad()
+            if i == 8:
+                os.kill(os.getpid(), signal.SIGTERM)
+            live = {k: v.clone() for k, v in model.state_dict().items()}
+            try:
+                ck.step(i, state)
+            except Boom as e:
+                after = {k: v.clone() for k, v in model.state_dict().items()}
+                torch.save({"step": i, "error": str(e), "live": live, "after": after}, out)
+                break
+
+
+@pytest.mark.parametrize(
+    "text", ["the last step before the window", "before stopping"], ids=["window", "notice"]
+)
+def test_an_error_before_the_save_of_the_step_before_a_window_puts_the_live_buffers_back(
+    tmp_path, text
+):
+    """The preemption held in a window saves step 6: the modules' buffers are set back to step
+    6's for the save, and were put back only around the save itself: an exception raised
+    before it (here a log handler's, on the save's warning or on its notice; with several
+    ranks, the collective that says which ranks got which signal) left the live modules with
+    step 6's running statistics. Now they are the run's own after any of them."""
+    out = tmp_path / "out.pt"
+    code = (
+        "import test_accumulation_steps as t; "
+        f"t.train_bn_until_the_preemption_raises({str(tmp_path / 'ck')!r}, {text!r}, "
+        f"{str(out)!r})"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.exists(), r.stderr
+    got = torch.load(out)
+    assert got["step"] >= 8 and text in got["error"]
+    stats = [k for k in got["live"] if k.startswith("1.running_")]
+    assert stats  # the BatchNorm's running statistics
+    at6 = train_bn_then_probe(tmp_path / "ref6", preempt_at=None, total=6)
+    assert not all(torch.equal(got["live"][k], at6[k]) for k in stats)  # they changed since
+    assert all(torch.equal(got["after"][k], got["live"][k]) for k in got["live"])

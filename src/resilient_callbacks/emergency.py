@@ -272,10 +272,45 @@ class Emergency:
         without the window's gradients; a warning says which."""
         ck = self._ck
         rng_state = None
-        if before_window is not None:
-            step, state, metrics, rng_state = self._before_window(
-                step, state, metrics, before_window
+        try:  # (from _usable() on, the live buffers are put back whatever raises)
+            if before_window is not None:
+                step, state, metrics, rng_state = self._before_window(
+                    step, state, metrics, before_window
+                )
+            who = self._announce(step)
+            ck._recorder.preemption(step, who)
+            try:
+                saved = ck._saver.save(
+                    step,
+                    state,
+                    metrics,
+                    "emergency",
+                    why=f"preemption ({who})",
+                    rng_state=rng_state,
+                )
+            except BaseException as e:  # raised to the loop; the next step() tries again
+                self.failed = (step, f"{type(e).__name__}: {e}")
+                raise
+        finally:
+            self._live_back()
+        self.failed = None
+        ck.preempted = True
+        if ck.config.exit_on_preemption:
+            notices.log_once(
+                log,
+                "checkpoint of step %d committed; exiting with code %d so the scheduler "
+                "restarts the job, which resumes from it",
+                step,
+                ck.config.preemption_exit_code,
             )
+            ck._recorder.stopping()
+            self._exit(saved=True)
+        return saved
+
+    def _announce(self, step: int) -> str:
+        """Every rank, before a preemption's save of ``step``: which ranks got which request
+        (returned), and the warnings of a save that may not fit the grace period or comes late."""
+        ck = self._ck
         watcher = ck.watcher
         req = watcher.request if watcher is not None else None
         source = req.source if req is not None else "request"  # (this rank's)
@@ -310,29 +345,7 @@ class Emergency:
         notices.log_once(  # (every rank saves it: said once, on rank 0)
             log, "preemption (%s): saving step %d to %s before stopping", who, step, ck.dirpath
         )
-        ck._recorder.preemption(step, who)
-        try:
-            saved = ck._saver.save(
-                step, state, metrics, "emergency", why=f"preemption ({who})", rng_state=rng_state
-            )
-        except BaseException as e:  # raised to the loop; the next step() tries again
-            self.failed = (step, f"{type(e).__name__}: {e}")
-            raise
-        finally:
-            self._live_back()
-        self.failed = None
-        ck.preempted = True
-        if ck.config.exit_on_preemption:
-            notices.log_once(
-                log,
-                "checkpoint of step %d committed; exiting with code %d so the scheduler "
-                "restarts the job, which resumes from it",
-                step,
-                ck.config.preemption_exit_code,
-            )
-            ck._recorder.stopping()
-            self._exit(saved=True)
-        return saved
+        return who
 
     def _before_window(
         self, step: int, state: Any, metrics: Mapping[str, Any] | None, why: str
