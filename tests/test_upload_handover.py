@@ -110,6 +110,9 @@ def test_the_next_writer_gives_up_on_a_previous_attempt_that_hangs_and_uploads_i
         said = [r for r in caplog.records if "stops waiting for it" in r.getMessage()]
         assert said and said[0].levelno == logging.WARNING, said
         assert old_thread.name in said[0].getMessage()
+        # which writer's thread it was: every shared-mode upload thread was named "rc-upload"
+        assert old_thread.name != new._dir.sync._thread.name
+        assert f"({tmp_path / 'old'}; its close() gave up" in said[0].getMessage()
         GatedFS.go.set()  # the old attempt's request returns: it must not commit step 1
         old_thread.join(TIMEOUT_S)
         assert not old_thread.is_alive()

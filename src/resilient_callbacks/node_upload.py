@@ -84,7 +84,7 @@ class NodeUploader(UploadThread):
         retry_max_s: float = 60.0,
         on_uploaded: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__("rc-node-upload")
+        super().__init__("rc-node-upload", local_root)
         self.store, self.local_root, self.node = store, local_root, node
         # after each upload (this thread): the local retention, which keeps what is not uploaded
         self.on_uploaded = on_uploaded

@@ -253,6 +253,7 @@ class NodeDirectory(Directory):
                 len(self.topology.nodes),
                 config.remote_retention_policy(),
                 held=self.restored_copy,
+                writer=self.dirpath,
             )
             if reachable:  # (else the restore lists the remote, if it answers by then)
                 listed = open_listing(self.committer.refresh_max_seq, st.url, self.dirpath)

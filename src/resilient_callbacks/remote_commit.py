@@ -95,8 +95,9 @@ class RemoteCommitter(UploadThread):
         max_attempts: int = 5,
         retry_base_s: float = 1.0,
         held: RestoredCopy | None = None,
+        writer: str = "",
     ) -> None:
-        super().__init__("rc-remote-commit")
+        super().__init__("rc-remote-commit", writer)
         self.store, self.nodes, self.policy = store, nodes, policy
         self.max_attempts, self.retry_base_s = max_attempts, retry_base_s
         self.index: dict[tuple[str, int], str] = {}  # committed remotely: key -> name

@@ -77,7 +77,7 @@ class RemoteSync(UploadThread):
         retry_max_s: float = 60.0,
         warn_every_s: float = 60.0,
     ) -> None:
-        super().__init__("rc-upload")
+        super().__init__("rc-upload", local_root)
         self.store = store
         self.local_root = local_root
         self.policy = policy

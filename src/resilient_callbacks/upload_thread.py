@@ -11,6 +11,7 @@ owns the thread (the coordinator, or a node's leader); nothing here is collectiv
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import random
@@ -34,6 +35,7 @@ _last_lock = threading.Lock()
 # the previous writer's threads the next writer gave up waiting for (_wait_previous): each
 # begins no commit, retention delete or blob collection again (:func:`not_superseded`)
 _superseded: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_numbers = itertools.count(1)  # the upload threads of this process, told apart in their names
 HANDOVER_OUTAGE_S = 300.0  # how long no byte of the previous writer's attempt may move (as
 # close()'s outage limit, stall.CLOSE_OUTAGE_S) before the next writer gives up waiting for it
 
@@ -49,6 +51,12 @@ def not_superseded(url: str) -> None:
             "it commits and deletes nothing more. Nothing to do: that writer uploads the "
             "checkpoints still only local"
         )
+
+
+def _of(thread: UploadThread) -> str:
+    """``"<dirpath>; "``: which Checkpointer an upload thread is of, for a warning about it;
+    empty where it was not said."""
+    return f"{thread.writer}; " if thread.writer else ""
 
 
 def _counts_no_bytes(url: str) -> bool:
@@ -170,10 +178,14 @@ def delete_checkpoint(thread: UploadThread, store: Any, name: str, what: str) ->
 
 class UploadThread:
     """A daemon thread (:meth:`_run`, given by the subclass) and the condition variable that
-    guards the subclass's queue. The subclass calls ``super().__init__(name)`` first and
-    :meth:`_start` once its own attributes exist."""
+    guards the subclass's queue. The subclass calls ``super().__init__(name, writer)`` first
+    and :meth:`_start` once its own attributes exist. The thread is named ``name`` and a
+    number of this process (``rc-upload-3``): every writer's would be ``name`` alone, and a
+    warning about one (:meth:`_wait_previous`) names it and its ``writer`` (its
+    Checkpointer's dirpath)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, writer: str = "") -> None:
+        self.writer = writer
         self._cond = threading.Condition()
         self._retention_warned: float | None = None  # when a retention failure last warned
         self._refusals = Refusals()  # the checkpoints the store refused to delete
@@ -183,7 +195,9 @@ class UploadThread:
         self._waiting_on: UploadThread | None = None  # (_wait_previous: the one waited for)
         self._progress: Progress | None = None  # of the transfer under way (:meth:`_transfer`)
         self._moved_at: float | None = None  # when its last transfer that ended last moved
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{name}-{next(_numbers)}", daemon=True
+        )
 
     def _start(self) -> None:
         self._thread.start()
@@ -246,7 +260,7 @@ class UploadThread:
                                 warned_local = True
                                 log.warning(
                                     "remote %s: the upload thread %s of the previous writer "
-                                    "of this store in this process (its close() gave up on "
+                                    "of this store in this process (%sits close() gave up on "
                                     "it) has moved no byte counted for %.0f s; a local "
                                     "store's copies count their bytes only when each file "
                                     "ends, so a long copy cannot be told from a hung one: "
@@ -255,13 +269,14 @@ class UploadThread:
                                     "file system hangs, restarting the process ends it",
                                     url_text(url),
                                     prev._thread.name,
+                                    _of(prev),
                                     HANDOVER_OUTAGE_S,
                                 )
                             continue
                         _superseded.add(prev._thread)  # (before this writer's first request)
                         log.warning(
                             "remote %s: the upload thread %s of the previous writer of this "
-                            "store in this process (its close() gave up on it) moved no byte "
+                            "store in this process (%sits close() gave up on it) moved no byte "
                             "for %.0f s; this writer stops waiting for it and uploads its "
                             "checkpoints now. That thread commits and deletes nothing more "
                             "(a request it has under way may still end). If its store hangs "
@@ -269,6 +284,7 @@ class UploadThread:
                             "restarting the process ends that thread",
                             url_text(url),
                             prev._thread.name,
+                            _of(prev),
                             HANDOVER_OUTAGE_S,
                         )
                         break
