@@ -228,7 +228,10 @@ class UploadThread:
         :meth:`_waited_stall_s`; once that passes ``HANDOVER_OUTAGE_S`` (an attempt hung in
         a store that stopped answering it) it gives up, said in a warning, and the one given
         up on begins no commit, retention delete or blob collection again
-        (:func:`not_superseded`): only the request it has under way may still end."""
+        (:func:`not_superseded`). The store call it is inside still goes on: the rest of a
+        checkpoint's files (one ``fs.put``), or a manifest write that may land after this
+        writer's retention deleted that checkpoint (committed-looking and damaged: a restore
+        falls back from it with a warning; docs/remote.md)."""
         # (one not stopped is another writer's, open, or this writer's other thread: not
         # waited for; nor one an earlier writer gave up on, fenced: each next writer of the
         # process waited out the outage limit for it again, and warned again)
@@ -278,8 +281,10 @@ class UploadThread:
                             "remote %s: the upload thread %s of the previous writer of this "
                             "store in this process (%sits close() gave up on it) moved no byte "
                             "for %.0f s; this writer stops waiting for it and uploads its "
-                            "checkpoints now. That thread commits and deletes nothing more "
-                            "(a request it has under way may still end). If its store hangs "
+                            "checkpoints now. That thread begins no commit or delete again, but "
+                            "the store call it is in may still end (the rest of a checkpoint's "
+                            "files; a manifest write landing late leaves a damaged checkpoint, "
+                            "which a restore skips with a warning). If its store hangs "
                             "like this again, check the store's endpoint and the network; "
                             "restarting the process ends that thread",
                             url_text(url),
