@@ -902,6 +902,8 @@ def worker(base: str, argv: list[str]) -> None:
         kw["resume"] = int(os.environ["RC_RESUME"])
     if os.environ.get("RC_REPLICAS"):
         kw["replicas"] = int(os.environ["RC_REPLICAS"])
+    if "RC_ASYNC_SAVE" in os.environ:  # "": synchronous saves
+        kw["async_save"] = bool(os.environ["RC_ASYNC_SAVE"])
     if os.environ.get("RC_COMPRESSION"):
         kw["compression"] = os.environ["RC_COMPRESSION"]
     if os.environ.get("RC_KEEP_EVERY"):  # archive points
@@ -1033,6 +1035,16 @@ def worker(base: str, argv: list[str]) -> None:
             return path
 
         ck._dir.commit.commit = commit_then_lose
+    if os.environ.get("RC_RETENTION_FAILS_AT"):  # "<node>:<step>": its pass after that commit
+        fail_node, fail_step = map(int, os.environ["RC_RETENTION_FAILS_AT"].split(":"))
+        real_retention_pass = ck._dir.apply_retention
+
+        def retention_fails(protect, policy=None):
+            if node == fail_node and protect == f"step_{fail_step:09d}":
+                raise OSError(5, "Input/output error")
+            return real_retention_pass(protect, policy)
+
+        ck._dir.apply_retention = retention_fails
     committer = getattr(ck._dir, "committer", None)
     if os.environ.get("RC_COMMIT_FAILS") and committer is not None:
         real_commit_one = committer.commit_one
@@ -1135,6 +1147,8 @@ def worker(base: str, argv: list[str]) -> None:
         out(event="close raised", error=type(e).__name__, pending=pending, msg=str(e), **logs)
         dist.destroy_process_group()
         sys.exit(5)
+    if os.environ.get("RC_RETENTION_FAILS_AT"):
+        out(committed_saves=ck.committed_saves)
     if os.environ.get("RC_CAPTURE_LOG"):
         out(event="closed", log=logged.getvalue())
     else:

@@ -123,3 +123,33 @@ def test_a_stray_file_among_the_replicas_does_not_hang_the_restore(tmp_path, str
     assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
     said = out[1][-1]["log"]
     assert f"node 1: {tmp_path / 'node1' / stray} is not a folder" in said, said
+
+
+@pytest.mark.parametrize("async_save", ["1", ""])
+def test_a_failure_after_a_nodes_commit_says_the_checkpoint_is_committed(tmp_path, async_save):
+    """Node 1's retention pass after its commit of step 4 fails (an I/O error reading its
+    disk). The checkpoint was committed on every node and a restore takes it, but node 1's
+    leader raised alone: "the save of step 4 stopped on rank 1 ... Its uncommitted files are
+    removed", recorded it as a failed save, and every rank raised at the next save (a
+    synchronous save: rank 1 alone, and rank 0 waited in the next save until the deadline).
+    Now node 1 says the checkpoint is committed, what failed
+    after the commit and what that leaves undone; every rank records it as committed and
+    goes on; the next save's retention deletes what was kept."""
+    from resilient_callbacks import history
+
+    out = _run(
+        tmp_path, "run", 2, "--steps", "8", "--remote-every", "10", RC_KEEP_LAST=1,
+        RC_RETENTION_FAILS_AT="1:4", RC_ASYNC_SAVE=async_save, **LONG_PG,
+    )  # fmt: skip
+    assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
+    assert [rank[-2]["committed_saves"] for rank in out] == [4, 4], out
+    said = out[1][-1]["log"]
+    assert "node 1: checkpoint for step 4 was committed on every node" in said, said
+    assert "a restore takes it" in said, said
+    assert "OSError: [Errno 5] Input/output error" in said, said
+    assert "kept on this node until the next save's retention pass" in said, said
+    assert "uncommitted" not in said and "not committed" not in said, said
+    assert "after the commit" not in out[0][-1]["log"]  # (node 0 did its part)
+    for node in (0, 1):
+        assert history.records(str(tmp_path / f"node{node}"), ("save_failed",)) == []
+    assert sorted(p.name for p in (tmp_path / "node1").glob("step_*")) == ["step_000000008"]

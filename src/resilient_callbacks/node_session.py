@@ -299,7 +299,12 @@ class NodeLocalSession:
         return {"ok": True, "seq": self.seq, "name": self.name, "renamed": renamed}
 
     def _after_local_commit(self, local_path: str, reason: str) -> None:
-        """Leader: queue this node's part for upload (if due), replicate, apply retention."""
+        """Leader: queue this node's part for upload (if due), replicate, apply retention. The
+        checkpoint is committed on every node by now, and every other rank returns it as
+        committed: a failed retention pass is said by this leader (naming its node, what failed
+        and what that leaves undone), never raised (raised on this rank alone, the save was
+        told as uncommitted and recorded as failed, and its peers waited in a later
+        collective)."""
         d = self.d
         name = os.path.basename(local_path)
         if d.uploader is not None:
@@ -315,8 +320,21 @@ class NodeLocalSession:
             else:
                 d.hold_upload(self.step, upload)
         if d.config.replicas:
-            self._replicate(local_path)
-        d.apply_retention(protect=name)
+            self._replicate(local_path)  # (says its own failures; the peer's end waits on it)
+        try:
+            d.apply_retention(protect=name)
+        except Exception as e:
+            log.error(
+                "node %d: checkpoint for step %d was committed on every node (%s): it is valid "
+                "and a restore takes it; then this node's work after the commit failed: its "
+                "retention pass: %s: %s. Older checkpoints that retention would delete are kept "
+                "on this node until the next save's retention pass; training goes on.",
+                self.topo.node,
+                self.step,
+                name,
+                type(e).__name__,
+                e,
+            )
 
     def _replicate(self, local_path: str) -> None:
         """Leader: send this node's files to the next node, keep the previous node's."""
