@@ -10,12 +10,17 @@ another save's.
 
 Which ranks call what: every rank calls :func:`agree` at each background save of a run of
 several ranks, in the training thread, once none of its own saves is in flight (one is at
-most: ``max_in_flight=1``), after preparing the save: one exchange on the default group. If
+most: ``max_in_flight=1``), after preparing the save: one exchange on the saves' gloo group
+(``group``, idle then: the save before it ended), so that under NCCL it moves no GPU tensor
+and waits for no GPU work (the default group's exchange read its result back with a device
+sync, behind the snapshot's copies the training stream waits for). If
 any rank holds a failure or failed to prepare, every rank raises: a rank its own error, the
 others a :class:`~.errors.CheckpointWriteError` naming the rank(s) that failed and why.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from . import dist
 from .errors import CheckpointWriteError, UnsupportedStateError
@@ -43,13 +48,19 @@ def _text(exc: BaseException | None) -> str | None:
 
 
 def agree(
-    step: int, rank: int, held: BaseException | None, failed: BaseException | None, dirpath: str
+    step: int,
+    rank: int,
+    held: BaseException | None,
+    failed: BaseException | None,
+    dirpath: str,
+    group: Any = None,
 ) -> None:
     """Every rank (see the module docstring): ``held``, this rank's stored failure of an
-    earlier background save; ``failed``, its failure to prepare this one. Returns on every rank
-    if no rank has either; raises on every rank otherwise (an earlier failure first)."""
+    earlier background save; ``failed``, its failure to prepare this one; ``group``, the
+    saves' gloo group. Returns on every rank if no rank has either; raises on every rank
+    otherwise (an earlier failure first)."""
     try:
-        reports = dist.all_gather_json({"held": _text(held), "failed": _text(failed)})
+        reports = dist.all_gather_json({"held": _text(held), "failed": _text(failed)}, group)
     except Exception:
         if held is None:
             raise

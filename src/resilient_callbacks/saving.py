@@ -193,7 +193,7 @@ class Saver:
             local_exc = e
         if agreed:
             try:
-                held_failures.agree(step, ck.rank, held, local_exc, ck.dirpath)
+                held_failures.agree(step, ck.rank, held, local_exc, ck.dirpath, self.group)
             except BaseException as e:  # every rank: this save is not made
                 if prepared is not None and prepared.blobs is not None:
                     prepared.blobs.end()  # (unpin what it pinned)
