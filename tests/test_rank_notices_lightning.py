@@ -9,6 +9,7 @@ The worker is this file: ``python test_rank_notices_lightning.py DIR MAX_STEPS L
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -50,12 +51,16 @@ def worker(root: str, max_steps: int, limit: float) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+    # (each rank exits at once, its status its own: left to interpreter teardown with the
+    # process group alive, a rank aborted there now and then under load, SIGABRT, as
+    # spawn_ranks.leave_group says)
     try:
         trainer.fit(Model())
     except Exception as e:
-        print(f"FIT FAILED: {type(e).__name__}: {e}", file=sys.stderr)
-        sys.exit(3)
-    print(f"FIT DONE at step {trainer.global_step}", file=sys.stderr)
+        print(f"FIT FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        os._exit(3)
+    print(f"FIT DONE at step {trainer.global_step}", file=sys.stderr, flush=True)
+    os._exit(0)
 
 
 if __name__ == "__main__" and len(sys.argv) == 4:

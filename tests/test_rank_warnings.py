@@ -132,14 +132,33 @@ def logger_sink_worker(root: str) -> None:
     spawn_ranks.leave_group()
 
 
+def _exit_at_once(worker) -> None:
+    """Run ``worker``; one that raises (the ``-W error`` cases: a warning made an error) prints
+    its traceback and exits with status 1 at once. Left to interpreter teardown with its
+    Checkpointer and process group alive, a rank aborted there now and then under load
+    (SIGABRT, "terminate called without an active exception": torch's, as
+    ``spawn_ranks.leave_group`` says) instead of exiting with 1."""
+    try:
+        worker()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 if __name__ == "__main__" and len(sys.argv) >= 3:
-    {
-        "logger-sink-worker": lambda: logger_sink_worker(sys.argv[2]),
-        "plain-dcp-worker": lambda: plain_dcp_worker(sys.argv[2]),
-        "replaced-worker": lambda: replaced_worker(sys.argv[2]),
-        "gone-worker": lambda: gone_worker(sys.argv[2], sys.argv[3]),
-        "werror-worker": lambda: werror_worker(sys.argv[2], sys.argv[3]),
-    }[sys.argv[1]]()
+    _exit_at_once(
+        {
+            "logger-sink-worker": lambda: logger_sink_worker(sys.argv[2]),
+            "plain-dcp-worker": lambda: plain_dcp_worker(sys.argv[2]),
+            "replaced-worker": lambda: replaced_worker(sys.argv[2]),
+            "gone-worker": lambda: gone_worker(sys.argv[2], sys.argv[3]),
+            "werror-worker": lambda: werror_worker(sys.argv[2], sys.argv[3]),
+        }[sys.argv[1]]
+    )
 
 
 import pytest  # noqa: E402  (after the worker code, which does not need it)
