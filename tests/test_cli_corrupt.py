@@ -394,20 +394,13 @@ def test_a_structure_file_naming_no_structure_is_said_before_the_tensors_are_rea
     corrupt checkpoint in full before this cheap error. Here the tensor file also has a byte
     flipped, which only reading it finds: the structure's error is the one said (the tensor
     file unread), and the restore falls back to step 20 as before."""
-    from resilient_callbacks import ResumeFallbackWarning
 
     root = str(tmp_path / "ck")
     shutil.copytree(pristine, root)
     ckpt = os.path.join(root, DAMAGED)
     _reseal_structure(ckpt, content)
     _flip_in_data_region(os.path.join(ckpt, "shared.safetensors"))
-    state = {"model": torch.nn.Linear(8, 4), "extra": {"epoch": 0, "name": ""}}
-    with (
-        pytest.warns(ResumeFallbackWarning) as said_then,
-        Checkpointer(root, keep_last=None, read_only=True) as ck,
-    ):
-        assert ck.restore(state) == 20
-    text = " ".join(str(w.message) for w in said_then)
+    text = _restored_past_the_damaged(root)
     assert said in text and "checksum mismatch" not in text, text
 
 
@@ -452,7 +445,6 @@ def test_verify_and_ls_call_a_structure_file_that_is_no_structure_corrupt(
     printed "ok" (exit 0) and ``ls`` "valid" for a checkpoint that a restore refuses. Now both
     say corrupt, with ``--fast`` too (the structure file is read, no tensor), and a restore
     falls back to step 20 saying why. The real executable, as a user runs it."""
-    from resilient_callbacks import ResumeFallbackWarning
 
     root = str(tmp_path / "ck")
     shutil.copytree(pristine, root)
@@ -469,11 +461,18 @@ def test_verify_and_ls_call_a_structure_file_that_is_no_structure_corrupt(
         assert "CORRUPT" in row and not VALID_WORD.search(row), r.stdout
         rows = {x["name"]: x for x in json.loads(cli("ls", root, "--json", *flags).stdout)}
         assert rows[DAMAGED]["status"] == "corrupt" and said in rows[DAMAGED]["problem"]
+    text = _restored_past_the_damaged(root)
+    assert DAMAGED in text and said in text, text
+
+
+def _restored_past_the_damaged(root: str) -> str:
+    """Restore ``root`` read-only: it falls back to step 20; the fallback warnings' text."""
+    from resilient_callbacks import ResumeFallbackWarning
+
     state = {"model": torch.nn.Linear(8, 4), "extra": {"epoch": 0, "name": ""}}
     with (
         pytest.warns(ResumeFallbackWarning) as said_then,
         Checkpointer(root, keep_last=None, read_only=True) as ck,
     ):
         assert ck.restore(state) == 20
-    text = " ".join(str(w.message) for w in said_then)
-    assert DAMAGED in text and said in text, text
+    return " ".join(str(w.message) for w in said_then)
