@@ -34,6 +34,8 @@ from .layout_meta import (
     is_dcp_dropin,
     json_object,
     manifest_entry,
+    rank_structure,
+    rank_tensors,
     shared_refs,
 )
 from .manifest import FileEntry, Manifest
@@ -51,14 +53,6 @@ if TYPE_CHECKING:
 
 LAYOUT_VERSION = 1  # 2: shared.json maps tensors to blobs ("blobs")
 PARALLEL_MIN = 64 << 20  # both tensor files at least this big: read them in parallel
-
-
-def rank_structure(rank: int) -> str:
-    return f"rank_{rank:05d}.json"
-
-
-def rank_tensors(rank: int) -> str:
-    return f"rank_{rank:05d}.safetensors"
 
 
 def write_part(

@@ -23,6 +23,14 @@ SHARED_TENSORS = "shared.safetensors"
 DCP_METADATA = "dcp_metadata.json"
 
 
+def rank_structure(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+def rank_tensors(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
 def is_dcp_dropin(manifest: Manifest) -> bool:
     """Whether the checkpoint was written by ``dcp.save`` through ``ResilientStorageWriter``."""
     return any(f.path == DCP_METADATA for f in manifest.files)
