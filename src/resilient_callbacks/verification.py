@@ -20,7 +20,7 @@ from functools import partial
 from . import checking
 from .errors import CheckpointCorruptError
 from .filewrite import digest_file
-from .layout_meta import SHARED_STRUCTURE, json_object, shared_refs
+from .layout_meta import SHARED_STRUCTURE, json_object, rank_structure, shared_refs
 from .manifest import BLOB_KIND, FileEntry, Manifest
 
 
@@ -42,6 +42,8 @@ def verify(
     verify_entries(path, [f for f in entries if wanted is None or f.rank in wanted], depth)
     if depth is not Depth.NONE and (wanted is None or 0 in wanted):
         verify_structure(path, manifest)
+    if depth is Depth.FULL:  # (at SIZE, as in every save's retention pass: sizes only)
+        verify_rank_structures(path, manifest, wanted)
 
 
 def verify_structure(path: str, manifest: Manifest) -> None:
@@ -61,10 +63,48 @@ def verify_structure(path: str, manifest: Manifest) -> None:
     try:
         shared_refs(json_object(raw, where), path)
     except CheckpointCorruptError:
-        # after a check of sizes alone, a changed byte is said as what it is: a bad checksum
-        problem = _problem(where, entry, Depth.FULL)
-        if problem is None:
+        _as_checksum(where, entry)
+        raise
+
+
+def verify_rank_structures(path: str, manifest: Manifest, ranks: set[int] | None = None) -> None:
+    """Raise :class:`CheckpointCorruptError` when a per-rank structure file the manifest lists
+    (``rank_<r>.json``, of ``ranks`` or of all) is missing, no JSON object, or not rank ``r``'s
+    (its ``rank``, ``per_rank`` and ``rng`` malformed): the restore of that rank would fail on
+    it, whatever its checksum. Reads those small files, no tensor: one per rank, so only
+    :func:`verify` at :attr:`Depth.FULL` calls it (a check of sizes alone, ``ls --fast``, every
+    save's retention pass, reads the one shared structure file, not a file per rank)."""
+    for entry in manifest.files:
+        if entry.path != rank_structure(entry.rank) or (
+            ranks is not None and entry.rank not in ranks
+        ):
+            continue
+        where = os.path.join(path, entry.path)
+        try:
+            with open(where, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where}: listed in the manifest but missing") from None
+        try:
+            doc = json_object(raw, where)
+            if doc.get("rank", entry.rank) != entry.rank:
+                raise CheckpointCorruptError(
+                    f"{where}: the structure of rank {doc.get('rank')!r}, not of rank {entry.rank}"
+                )
+            if not isinstance(doc.get("per_rank") or {}, dict) or not isinstance(
+                doc.get("rng") or {}, dict
+            ):
+                raise CheckpointCorruptError(f"{where}: malformed per-rank state or RNG states")
+        except CheckpointCorruptError:
+            _as_checksum(where, entry)
             raise
+
+
+def _as_checksum(where: str, entry: FileEntry) -> None:
+    """After a check of sizes alone, a structure file that cannot be read is said as what its
+    bytes are, where its checksum does not match: a bad checksum (raised); else nothing."""
+    problem = _problem(where, entry, Depth.FULL)
+    if problem is not None:
         raise CheckpointCorruptError(problem) from None
 
 
