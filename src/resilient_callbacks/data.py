@@ -29,7 +29,6 @@ every RNG by default); put the loader in the same state.
 from __future__ import annotations
 
 import logging
-import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,7 +38,8 @@ import torch
 import xxhash
 from torch.utils.data import DataLoader, IterableDataset
 
-from .errors import UnsupportedStateError
+from .errors import AT_CALLER, UnsupportedStateError
+from .notices import say_once
 from .sampler import ResumableSampler
 
 __all__ = ["ResumableDataLoader", "ResumableSampler"]
@@ -227,12 +227,12 @@ class ResumableDataLoader(DataLoader):
                 "the data changed, so the saved position means nothing. To go on with the new "
                 "data, resume from a checkpoint at an epoch's end"
             )
-        warnings.warn(
+        say_once(  # (the dataset's size: the same on every rank)
+            log,
             f"ResumableDataLoader: the dataset has {sampler.num_samples} samples here but {n} "
             f"in the checkpoint, saved at the {'end' if over else 'start'} of epoch {epoch}: "
             f"epoch {epoch + 1 if over else epoch} and the later ones go over the new data",
-            UserWarning,
-            stacklevel=2,
+            stacklevel=AT_CALLER,  # (the user call that loads the state)
         )
         return {**saved, "num_samples": sampler.num_samples}, over
 

@@ -10,18 +10,21 @@ collectives). Moved from ``saving.py``, which imports them from here.
 
 from __future__ import annotations
 
+import logging
 import math
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from . import statetree, structure
-from .errors import caller_stacklevel
+from .errors import AT_CALLER
+from .notices import say_once
 from .optim import two_pass_base, unsaved_inner_optimizers, unsaved_params
 
 __all__ = ["check_metrics", "clean_metrics", "warn_unsaved_params"]
+
+log = logging.getLogger(__name__)
 
 
 def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
@@ -71,23 +74,23 @@ def warn_unsaved_params(state: Any, saved: list[torch.Tensor]) -> None:
         saved,
     )
     if inner:
-        warnings.warn(
+        say_once(  # (the state's structure: the same on every rank)
+            log,
             f"{inner[0]} is an optimizer that {inner[0].rsplit('.', 1)[0]} holds and steps; its "
             "state (momentum, moments) is in no state_dict() the state saves, so a resume "
             "would start it afresh. Put it into the state too (e.g. {'opt': sam, "
             "'base_opt': sam.base_optimizer})",
-            UserWarning,
-            stacklevel=caller_stacklevel(),
+            stacklevel=AT_CALLER,
         )
     missing = unsaved_params(statetree.optimizers(state), saved)
     if missing:
         e = missing[0]
-        warnings.warn(
+        say_once(
+            log,
             f"the state's optimizer(s) step {len(missing)} tensor(s) that the state does not "
             f"hold (e.g. {str(e.dtype).removeprefix('torch.')} {list(e.shape)}): a resume "
             "restores the optimizer's moments for them but not their values. Put what the "
             "optimizer updates -- fp32 master weights kept apart from the model, say -- into "
             "the state",
-            UserWarning,
-            stacklevel=caller_stacklevel(),
+            stacklevel=AT_CALLER,
         )

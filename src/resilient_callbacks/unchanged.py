@@ -41,6 +41,7 @@ import torch
 from . import statetree
 from .blobs import BLOB_MIN, BlobSession, BlobStore
 from .errors import caller_stacklevel
+from .notices import on_this_rank
 
 #: elements of a tensor compared at every save (one in every ``numel // SAMPLE``, and the last)
 SAMPLE = 256
@@ -95,19 +96,20 @@ def _written_unseen(seen: tuple[tuple[Any, ...], int], now: tuple[tuple[Any, ...
     return version == now_version and was[:-1] == where[:-1] and was[-1] != where[-1]
 
 
-def _warn_written_unseen(names: list[str]) -> None:
+def _warn_written_unseen(names: list[str], own: bool = False) -> None:
+    """``own``: the tensors are this rank's own (a FilePart's shard, each rank's tracker):
+    said by this rank, naming it; else the replicated state's (the coordinator's tracker)."""
     shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
-    warnings.warn(
+    msg = (
         f"incremental=True: frozen tensor(s) {shown} changed since the last save without "
         "their version counter moving (written through `.data`, NumPy, DLPack or a custom "
         "kernel), which is how incremental=True knows a tensor unchanged. The change was "
         f"found by comparing {SAMPLE} sampled elements of each tensor and this save stores "
         "it; a write to only a few elements can escape that sample. From now on this "
         "Checkpointer hashes every tensor at every save: pass incremental='hash' to do so "
-        "from the start",
-        UserWarning,
-        stacklevel=caller_stacklevel(),
+        "from the start"
     )
+    warnings.warn(on_this_rank(msg) if own else msg, UserWarning, stacklevel=caller_stacklevel())
 
 
 def frozen_storages(state: Any) -> set[int]:
@@ -294,7 +296,7 @@ class PartTracker:
             return None
         _, where, version = watched
         if _written_unseen((seen.where, seen.version), (where, version)):
-            _warn_written_unseen([name])
+            _warn_written_unseen([name], own=True)
             self.distrusts, self._seen = True, {}
             return None
         if buffer is None or buffer is not seen.buffer:

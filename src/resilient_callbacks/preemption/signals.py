@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -27,6 +29,8 @@ from .watcher_config import WatcherConfig, _signal_name  # noqa: F401 (re-export
 from .workers import SpareWorker
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+log = logging.getLogger(__name__)
 
 _installed: weakref.WeakSet[PreemptionWatcher] = weakref.WeakSet()
 _install_order = itertools.count()
@@ -138,11 +142,10 @@ class PreemptionWatcher:
         if self._active and self._pid == os.getpid():
             return True
         if threading.current_thread() is not threading.main_thread():
-            warnings.warn(
+            _say_once(
                 "PreemptionWatcher.install() was called outside the main thread, where Python "
                 "cannot install signal handlers: SIGTERM/SIGUSR1 will not be noticed (trigger() "
                 "and MetadataPoller still work). Create the watcher in the main thread.",
-                RuntimeWarning,
                 stacklevel=2,
             )
             return False
@@ -175,10 +178,9 @@ class PreemptionWatcher:
         if threading.current_thread() is not threading.main_thread():
             if quiet:
                 return
-            warnings.warn(
+            _say_once(
                 "PreemptionWatcher.uninstall() outside the main thread cannot restore the "
                 "previous signal handlers; the watcher's handlers now forward to them instead.",
-                RuntimeWarning,
                 stacklevel=2,
             )
             return
@@ -297,14 +299,13 @@ class PreemptionWatcher:
                 if name in self._replaced or self._reached(signum):
                     continue
                 self._replaced.add(name)
-                warnings.warn(
+                _say_once(
                     f"the {name} handler was replaced after the checkpointer installed its "
                     f"own ({signal.getsignal(signum)!r}): {name} no longer triggers the "
                     "emergency save. Install your handler before creating the Checkpointer "
                     "(it runs again after close()), or install it as "
                     f"signal.signal(signal.{name}, checkpointer.watcher.chained(handler)) to "
                     "keep both.",
-                    RuntimeWarning,
                     stacklevel=stacklevel + 1,
                 )
         return bool(self._events)
@@ -406,6 +407,19 @@ class _Chained:
 
     def __repr__(self) -> str:
         return f"<{self.handler!r}, chained to the checkpointer's handler>"
+
+
+def _say_once(msg: str, stacklevel: int) -> None:
+    """A ``RuntimeWarning`` about how the watcher was set up (the same code on every rank):
+    said once, on rank 0, in a job of several ranks (:func:`..notices.say_once`); a plain
+    warning where ``torch.distributed`` was never imported (the watcher needs no torch).
+    ``stacklevel`` as ``warnings.warn``'s, called where this is called."""
+    if "torch.distributed" not in sys.modules:
+        warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)
+        return
+    from ..notices import say_once
+
+    say_once(log, msg, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def _unwrap(signum: int, prev: _Handler) -> _Handler:
