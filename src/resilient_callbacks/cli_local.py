@@ -46,16 +46,28 @@ def _policy(entries: list[Entry], keep_last: int | None) -> RetentionPolicy:
     return base if keep_last is None else dataclasses.replace(base, keep_last=keep_last)
 
 
+def dropped_archives(args: argparse.Namespace) -> str | None:
+    """Which archive points ``gc``'s options let retention delete: ``"stale"`` (``--drop-archives``:
+    those kept only by the ``keep_every_n_steps`` each was written with, which the policy now
+    does not make), ``"all"`` (``--drop-all-archives``: the policy's own too), or None."""
+    if getattr(args, "drop_all_archives", False):
+        return "all"
+    return "stale" if getattr(args, "drop_archives", False) else None
+
+
 def _plan(
-    entries: list[Entry], keep_last: int | None = None, drop_archives: bool = False
+    entries: list[Entry], keep_last: int | None = None, drop_archives: str | None = None
 ) -> tuple[Plan, str | None]:
-    """``drop_archives``: archive points (kept forever by retention) count as any other."""
+    """``drop_archives`` (:func:`dropped_archives`): ``"stale"``: an archive point of the
+    policy a checkpoint was written with counts as any other, one of the policy now (the
+    newest manifest's ``keep_every_n_steps``) stays; ``"all"``: every one counts as any other."""
     newest = next((e for e in by_commit(entries) if e.status is Status.VALID), None)
     run_id = newest.manifest.run_id if newest is not None and newest.manifest else None
     cands = catalog.retention_candidates(entries)
     policy = _policy(entries, keep_last)
     if drop_archives:
         cands = [dataclasses.replace(c, archived=False) for c in cands]
+    if drop_archives == "all":
         policy = dataclasses.replace(policy, keep_every_n_steps=None)
     return plan(cands, policy, run_id), run_id
 
@@ -187,7 +199,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     # and the good one before it could be deleted.
     while True:  # (beside a writer: without what its retention deleted while this read it)
         entries = [e for e in entries if not catalog.gone(e.path)]
-        p, run_id = _plan(entries, args.keep_last, args.drop_archives)
+        p, run_id = _plan(entries, args.keep_last, dropped_archives(args))
         keep_uncommitted_parts(entries, p, committed)
         todo = [
             e

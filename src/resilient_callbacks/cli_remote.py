@@ -384,7 +384,7 @@ def push(args: argparse.Namespace) -> int:
 
 
 def remote_plan(
-    entries: list[RemoteEntry], keep_last: int | None = None, drop_archives: bool = False
+    entries: list[RemoteEntry], keep_last: int | None = None, drop_archives: str | None = None
 ) -> tuple[Plan | None, RetentionPolicy, str | None]:
     """The remote retention's plan for the store's ``entries``: by the remote retention
     recorded in its newest manifest (``keep_last`` overriding it; ``drop_archives``: archive
@@ -403,7 +403,8 @@ def remote_plan(
     if keep_last is not None:
         policy = dataclasses.replace(policy, keep_last=keep_last)
     cands = retention_candidates(committed)
-    if drop_archives:  # also those archive points under the policy they were written with
+    if drop_archives:  # those archive points under the policy they were written with
         cands = [dataclasses.replace(c, archived=False) for c in cands]
+    if drop_archives == "all":  # and the policy's own
         policy = dataclasses.replace(policy, keep_every_n_steps=None)
     return plan(cands, policy, run_id), policy, run_id

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+from .cli_local import dropped_archives
 from .cli_remote import remote_plan
 from .errors import CheckpointError, RemoteDeleteRefusedError
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
@@ -29,7 +30,7 @@ def gc_remote(args: argparse.Namespace, st: RemoteStore, listed: Listed | None =
     entries, names = st.scan_with_blobs() if listed is None else listed
     if not entries:  # a mistyped URL reads as an empty store: say so, as ls --remote does
         print(f"resilient-ckpt gc: the remote {st.url} holds no checkpoint", file=sys.stderr)
-    p, policy, run_id = remote_plan(entries, args.keep_last, getattr(args, "drop_archives", False))
+    p, policy, run_id = remote_plan(entries, args.keep_last, dropped_archives(args))
     if p is None:
         raise CheckpointError(
             f"{st.url}: its newest checkpoint records no remote retention (written by an "

@@ -1,0 +1,72 @@
+"""``resilient-ckpt gc --drop-archives`` and ``--drop-all-archives`` on a run whose archive
+points come from two policies: the first run kept every 4th step, the run that resumed it
+every 10th.
+
+``--drop-archives`` deleted every archive point, those of the policy the run keeps now too: a
+user clearing the archives of an option they dropped lost the ones the run still makes. Now it
+deletes only those the newest checkpoint's policy no longer makes (kept forever by the policy
+each was written with); ``--drop-all-archives`` deletes every one. The same for the remote tier
+(``--remote URL``, its own recorded policy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from resilient_callbacks import Checkpointer
+from test_cli import cli
+
+
+def _run(root: str, **kw) -> None:
+    """Steps 2, 4, ..., 12 kept every 4th, then resumed keeping every 10th: 14, ..., 22."""
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(root, every_n_steps=2, keep_last=1, keep_every_n_steps=4, **kw) as ck:
+        for step in range(1, 13):
+            state["w"] += 1
+            ck.step(step, state)
+    with Checkpointer(root, every_n_steps=2, keep_last=1, keep_every_n_steps=10, **kw) as ck:
+        start = ck.restore(state)
+        assert start == 12
+        for step in range(start + 1, 23):
+            state["w"] += 1
+            ck.step(step, state)
+
+
+def _steps(root: str) -> list[int]:
+    return sorted(int(n.split("_")[1]) for n in os.listdir(root) if n.startswith("step_"))
+
+
+def _deleted(*args: str) -> list[int]:
+    r = cli("gc", *args, "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    return sorted(d["step"] for d in json.loads(r.stdout)["delete"])
+
+
+def test_drop_archives_deletes_only_those_the_policy_no_longer_makes(tmp_path):
+    root = str(tmp_path / "ck")
+    _run(root)
+    assert _steps(root) == [4, 8, 12, 20, 22]  # every archive point kept, both policies'
+    assert _deleted(root) == []
+    assert _deleted(root, "--drop-archives") == [4, 8, 12]
+    assert _deleted(root, "--drop-all-archives") == [4, 8, 12, 20]
+    assert cli("gc", root, "--drop-archives").returncode == 0
+    assert _steps(root) == [20, 22]  # the archive point of the policy now stays
+    assert cli("gc", root, "--drop-all-archives").returncode == 0
+    assert _steps(root) == [22]
+
+
+def test_drop_archives_on_the_remote_deletes_only_those_its_policy_no_longer_makes(tmp_path):
+    local, url = str(tmp_path / "local"), f"file://{tmp_path}/durable/run"
+    _run(local, remote=url)
+
+    def remote_deleted(*flags: str) -> list[int]:
+        r = cli("gc", local, "--remote", url, *flags, "--dry-run", "--json")
+        assert r.returncode == 0, r.stderr
+        return sorted(d["step"] for d in json.loads(r.stdout)["remote"]["delete"])
+
+    assert remote_deleted() == []
+    assert remote_deleted("--drop-archives") == [4, 8, 12]
+    assert remote_deleted("--drop-all-archives") == [4, 8, 12, 20]
