@@ -1091,6 +1091,23 @@ def worker(base: str, argv: list[str]) -> None:
             return real_exchange(send_dir, *args)
 
         peers.exchange = exchange_after_loss  # type: ignore[assignment]
+    pieces: list[int] = []  # RC_REPLICA_CHUNK: the length of each piece of a file this node sent
+    if os.environ.get("RC_REPLICA_CHUNK"):  # (RC_REPLICA_ROT: one byte flips in flight)
+        from resilient_callbacks import peers
+
+        peers.CHUNK_BYTES = int(os.environ["RC_REPLICA_CHUNK"])
+        real_read_piece, rot = peers._read_piece, os.environ.get("RC_REPLICA_ROT")
+        flipped: list[str] = []
+
+        def read_piece(fh, into):
+            piece = real_read_piece(fh, into)
+            pieces.append(len(piece))
+            if rot and rot in fh.name and fh.tell() > 2 * len(piece) and not flipped:
+                piece[0] ^= 0xFF  # its third piece or later (the file on the disk is intact)
+                flipped.append(fh.name)
+            return piece
+
+        peers._read_piece = read_piece  # type: ignore[assignment]
     try:
         start = ck.restore(state)
         if retained is not None:  # its parts uploaded: reported in the first save's gather
@@ -1129,6 +1146,8 @@ def worker(base: str, argv: list[str]) -> None:
                 while uploader is not None and uploader.pending():
                     time.sleep(0.02)
             os.kill(os.getpid(), signal.SIGKILL)
+    if pieces:
+        out(pieces=pieces)
     if synced:
         out(synced=synced)
     if os.environ.get("RC_FINAL_SAVE"):  # as the DeepSpeed launcher ends: step saved already

@@ -2,7 +2,9 @@
 its predecessor's committed files, so a replaced node restores from its peer without the remote.
 
 Files travel between the two leaders as uint8 tensors over a gloo group (point-to-point
-``isend``/``recv``: one file in memory at a time on each side), are written into a hidden staging
+``isend``/``recv``), in pieces of at most :data:`CHUNK_BYTES`: each end holds one piece it sends
+and one it receives, whatever the size of the files (a multi-GB shard held whole, twice over,
+ran the host out of memory). They are written into a hidden staging
 folder, verified against the node manifest (size + xxh3 checksum of every file) and renamed into
 place: ``<dirpath>/.replicas/<ranks_AAAAA-BBBBB>/<checkpoint name>/``. A crash leaves at most a
 ``.staging-*`` folder there, removed by the next replication.
@@ -14,6 +16,7 @@ predecessor; at restore: the holder sends, the replaced node receives).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,13 +30,16 @@ from . import catalog
 from .catalog import Depth
 from .commit import STAGING_PREFIX, fsync_dir, fsync_tree
 from .errors import CheckpointWriteError
-from .filewrite import write_bytes
+from .filewrite import write_all
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .nodelocal import REMOTE_MANIFEST
 
 log = logging.getLogger("resilient_callbacks")
 
 REPLICAS_DIR = ".replicas"
+# the most bytes of a file in memory at once on each end of a transfer (one piece sent, one
+# received): a larger piece moves no faster over gloo (docs/performance.md)
+CHUNK_BYTES = 64 << 20
 
 
 def replica_root(dirpath: str, label: str) -> str:
@@ -62,6 +68,55 @@ def _recv_blob(src: int, group: Any) -> bytes | None:
     buf = torch.empty(n, dtype=torch.uint8)
     torch.distributed.recv(buf, src, group=group)
     return bytes(buf.numpy().tobytes())
+
+
+def _pieces(size: int) -> int:
+    """How many pieces a file of ``size`` bytes travels in (-1: none, it was not sent)."""
+    return max(0, -(-size // CHUNK_BYTES))
+
+
+def _send_size(size: int, dst: int, group: Any) -> list[Any]:
+    t = torch.tensor([size], dtype=torch.int64)
+    return [torch.distributed.isend(t, dst, group=group), t]
+
+
+def _recv_size(src: int, group: Any) -> int:
+    t = torch.zeros(1, dtype=torch.int64)
+    torch.distributed.recv(t, src, group=group)
+    return int(t.item())
+
+
+def _read_piece(fh: Any, into: memoryview) -> memoryview:
+    """Fill ``into`` from ``fh``; a file that ends before (it shrank since its size was sent)
+    raises."""
+    got = 0
+    while got < len(into):
+        n = fh.readinto(into[got:])
+        if not n:
+            raise OSError(f"{fh.name} ended after {fh.tell()} bytes while being sent (changed?)")
+        got += n
+    return into
+
+
+def _send_piece(piece: memoryview | None, dst: int, group: Any) -> list[Any]:
+    """One piece of a file (``None``: a marker, this end could not read it): its length, then
+    its bytes, sent from ``piece``'s own memory (kept alive until waited)."""
+    works = _send_size(-1 if piece is None else len(piece), dst, group)
+    if piece is not None:
+        t = torch.frombuffer(piece, dtype=torch.uint8)
+        works += [torch.distributed.isend(t, dst, group=group), t]
+    return works
+
+
+def _recv_piece(buf: torch.Tensor, src: int, group: Any) -> torch.Tensor | None:
+    """One piece into the front of ``buf`` (a view of it; valid until the next piece), or
+    ``None`` for the sender's marker."""
+    n = _recv_size(src, group)
+    if n < 0:
+        return None
+    view = buf[:n]
+    torch.distributed.recv(view, src, group=group)
+    return view
 
 
 def _wait(handles: list[Any]) -> None:
@@ -132,31 +187,71 @@ def exchange(
             os.makedirs(staging)
         except Exception as e:
             recv_error, staging = _why(e), None
+    out_buf = bytearray(0)  # each end's one piece in memory (sent, received), made once
+    in_buf = torch.empty(0, dtype=torch.uint8)
     try:
         for i in range(max(len(files_out), len(files_in))):
+            # each file: its size, then its pieces (as many as the size says, on both ends: one
+            # that cannot read what it announced sends a marker in place of each piece left)
+            fh_out = fh_in = None
+            size_out = size_in = -1
             pending = []
             if dst is not None and i < len(files_out):
                 assert send_dir is not None
-                data: bytes | None = None
                 if send_error is None:
                     try:
-                        with open(os.path.join(send_dir, files_out[i]), "rb") as fh:
-                            data = fh.read()
+                        fh_out = open(os.path.join(send_dir, files_out[i]), "rb")  # noqa: SIM115
+                        size_out = os.fstat(fh_out.fileno()).st_size
                     except Exception as e:
                         send_error = _why(e)
-                pending = _send_blob(data, dst, group)
+                pending = _send_size(size_out, dst, group)
             if peer_header is not None and i < len(files_in):
-                got_data = _recv_blob(src, group)  # type: ignore[arg-type]
-                if got_data is None:
-                    peer_failed = True
-                elif staging is not None and recv_error is None and not peer_failed:
+                size_in = _recv_size(src, group)  # type: ignore[arg-type]
+                peer_failed = peer_failed or size_in < 0
+                if staging is not None and recv_error is None and not peer_failed:
                     try:
                         target = os.path.join(staging, files_in[i])
                         os.makedirs(os.path.dirname(target), exist_ok=True)
-                        write_bytes(target, got_data)
+                        fh_in = open(target, "wb", buffering=0)  # noqa: SIM115
                     except Exception as e:
                         recv_error = _why(e)
             _wait(pending)
+            if len(out_buf) < min(CHUNK_BYTES, size_out):
+                out_buf = bytearray(min(CHUNK_BYTES, size_out))
+            if in_buf.numel() < min(CHUNK_BYTES, size_in):
+                in_buf = torch.empty(min(CHUNK_BYTES, size_in), dtype=torch.uint8)
+            try:
+                for k in range(max(_pieces(size_out), _pieces(size_in))):
+                    pending = []
+                    if k < _pieces(size_out):
+                        n = min(CHUNK_BYTES, size_out - k * CHUNK_BYTES)
+                        piece: memoryview | None = None
+                        if send_error is None:
+                            try:
+                                piece = _read_piece(fh_out, memoryview(out_buf)[:n])
+                            except Exception as e:
+                                send_error = _why(e)
+                        pending = _send_piece(piece, dst, group)  # type: ignore[arg-type]
+                    if k < _pieces(size_in):
+                        got = _recv_piece(in_buf, src, group)  # type: ignore[arg-type]
+                        if got is None:
+                            peer_failed = True
+                        elif fh_in is not None and recv_error is None and not peer_failed:
+                            try:
+                                write_all(fh_in, got.numpy().data)
+                            except Exception as e:
+                                recv_error = _why(e)
+                    _wait(pending)
+                if fh_in is not None and recv_error is None and not peer_failed:
+                    try:
+                        os.fsync(fh_in.fileno())
+                    except Exception as e:
+                        recv_error = _why(e)
+            finally:
+                for fh in (fh_out, fh_in):
+                    if fh is not None:
+                        with contextlib.suppress(OSError):
+                            fh.close()
         if staging is not None and recv_error is None and not peer_failed:
             try:
                 catalog.verify(staging, read_manifest(staging), Depth.FULL)
