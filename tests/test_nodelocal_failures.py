@@ -946,7 +946,7 @@ def worker(base: str, argv: list[str]) -> None:
         ck.close()
         dist.destroy_process_group()
         return
-    if os.environ.get("RC_UPLOADS_FAIL"):
+    if os.environ.get("RC_UPLOADS_FAIL") or os.environ.get("RC_UPLOADS_FAIL_ON") == str(node):
 
         def put(*a, **k):
             raise ConnectionError("endpoint unreachable")

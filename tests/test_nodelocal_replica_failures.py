@@ -181,3 +181,25 @@ def test_a_replica_travels_in_pieces_bit_exact_and_a_piece_that_flips_is_caught(
         assert names and names == sorted(p.name for p in copy.iterdir()), (names, copy)
         for name in names:
             assert (mine / name).read_bytes() == (copy / name).read_bytes(), name
+
+
+def test_close_names_the_node_whose_part_never_arrived_not_the_store(tmp_path):
+    """Node 1's uploads fail (its part of step 2 rotted on its disk first: never uploaded);
+    node 0's go up, and the store answers rank 0 throughout. Rank 0's close raised "The store
+    failed or stopped answering for more than 2 s (last error: no byte moved for 2 s)". It
+    now names node 1's part of each checkpoint and why it never arrived, as node 1 said."""
+    out = _run(
+        tmp_path, "run", 2, "--steps", "4", expect=5, RC_UPLOADS_FAIL_ON=1, RC_OUTAGE_S=2,
+        RC_ROT_BEFORE_UPLOAD=1, RC_CAPTURE_LOG=1,
+    )  # fmt: skip
+    assert [rank[-1]["error"] for rank in out] == ["UploadIncompleteError"] * 2, out
+    msg = out[0][-1]["msg"]
+    assert sorted(out[0][-1]["pending"]) == ["step_000000002", "step_000000004"], msg
+    assert "The store failed" not in msg and "no byte moved" not in msg, msg
+    assert "node 1's part of step_000000002 never arrived: its local copy is damaged" in msg
+    assert (
+        "node 1's part of step_000000004 never arrived: its upload did not finish (last "
+        "error: ConnectionError: endpoint unreachable)" in msg
+    ), msg
+    assert "not committed remotely: node 1's part of step_000000002" in out[0][-1]["log"]
+    assert "node 1's part of" in out[1][-1]["msg"]  # (node 1 names its own, as before)

@@ -83,15 +83,29 @@ def _nodes_error(d: NodeDirectory, pending: list[str], outage_s: float) -> Uploa
     what = f"{len(pending)} checkpoint(s) never committed remotely at"
     if c is None:
         what = f"node {d.topology.node}'s part of {len(pending)} checkpoint(s) never reached"
-    why = f"The store failed or stopped answering for more than {outage_s:g} s"
     given = [n for n in c.given_up() if n in pending] if c is not None else []
+    # (the store may have answered every request: say whose part did not come)
+    missing = [n for n in c.missing() if n in pending] if c is not None else []
+    rest = [n for n in pending if n not in given and n not in missing]
+    clauses = []
+    if rest:
+        of = f" ({', '.join(rest)})" if given or missing else ""
+        clauses.append(
+            f"the store failed or stopped answering for more than {outage_s:g} s{of} (last "
+            f"error: {error or f'no byte moved for {outage_s:g} s'})"
+        )
     if c is not None and given:  # (attempts that fail in seconds: no outage was waited out)
-        gave = f"the remote commit of {', '.join(given)} failed {c.max_attempts} times, given up"
-        why = "T" + gave[1:] if len(given) == len(pending) else f"{why}; {gave}"
+        clauses.append(
+            f"the remote commit of {', '.join(given)} failed {c.max_attempts} times, given up "
+            f"(last error: {error})"
+        )
+    if missing:
+        clauses.append(f"their nodes' parts did not all arrive: {missing_parts(d, missing)}")
+    why = "; ".join(clauses)
+    why = why[:1].upper() + why[1:]
     return UploadIncompleteError(
         f"close(): {what} {url}: "
-        f"{', '.join(pending)}. {why} "
-        f"(last error: {error or f'no byte moved for {outage_s:g} s'}), so close() "
+        f"{', '.join(pending)}. {why}, so close() "
         f"gave up on them. Each node's part is committed and kept on its disk ({d.dirpath} "
         "here); run the job again with the same directories and remote once the store answers: "
         "its leaders upload the parts and its coordinator commits them. Raised so that the job "
@@ -100,3 +114,20 @@ def _nodes_error(d: NodeDirectory, pending: list[str], outage_s: float) -> Uploa
         d.dirpath,
         url,
     )
+
+
+def missing_parts(d: NodeDirectory, names: list[str]) -> str:
+    """The coordinator, at close: which node's part of each of ``names`` (checkpoints waiting
+    for their parts) never arrived, and why, as that node's leader said in its last report
+    (:meth:`~.node_upload.NodeUploader.left`)."""
+    assert d.committer is not None
+    missing, said = d.committer.missing(), []
+    for name in names:
+        for node in missing.get(name, []):
+            why = d.nodes_left.get(node, {}).get(name) or (
+                "that node's leader never reported it uploaded (see its log)"
+                if node in d.nodes_left
+                else "that node's leader sent no last report"
+            )
+            said.append(f"node {node}'s part of {name} never arrived: {why}")
+    return "; ".join(said) or "a node's part is missing: " + ", ".join(names)

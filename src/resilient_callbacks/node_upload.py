@@ -96,6 +96,8 @@ class NodeUploader(UploadThread):
         # uploaded, its remote commit not known yet: deleted if the coordinator drops it
         self._uploaded: dict[Key, UploadJob] = {}
         self._deletes: list[UploadJob] = []  # objects of dropped checkpoints, to delete
+        # remote name -> why this node did not upload its part (for the coordinator's close)
+        self.skipped: dict[str, str] = {}
         self.failing_since: float | None = None  # monotonic time of the first failure in a row
         self.failures_in_a_row = 0
         self._after_previous(store.key)  # (a stopped writer's attempt ends before this one's)
@@ -213,6 +215,15 @@ class NodeUploader(UploadThread):
         previous writer's attempt this thread waits for (:meth:`_wait_previous`)."""
         p = self._progress
         return self._waited_stall_s() if p is None else time.monotonic() - p.last_update
+
+    def left(self) -> dict[str, str]:
+        """Remote name -> why this node's part of it is not uploaded: still queued (close gave
+        up on it), or skipped (its local copy damaged or gone)."""
+        why = f"last error: {self.counters.last_error or 'none, still uploading'}"
+        with self._cond:
+            out = dict(self.skipped)
+            out.update({j.remote_name: f"its upload did not finish ({why})" for j in self._queue})
+        return out
 
     def take_reports(self) -> list[dict[str, Any]]:
         """The uploads finished since the last call (for the coordinator)."""
@@ -376,10 +387,14 @@ class NodeUploader(UploadThread):
         local = os.path.join(self.local_root, job.local_name)
         if not os.path.isdir(local):
             log.warning("remote: %s was removed locally before it was uploaded", job.local_name)
+            with self._cond:
+                self.skipped[job.remote_name] = "its local copy was removed before its upload"
             return
         try:  # the committed bytes, or nothing goes up: never a rotten file made durable
             verify_entries(local, job.files)
         except CheckpointCorruptError as e:
+            with self._cond:
+                self.skipped[job.remote_name] = f"its local copy is damaged ({e})"
             log.error(
                 "remote: not uploading node %d's part of %s, its local copy is damaged: %s; "
                 "it is not committed remotely",

@@ -194,6 +194,7 @@ class NodeDirectory(Directory):
         self.is_coordinator = topology.is_leader  # of this node's directory
         self.uploader: NodeUploader | None = None
         self.committer: RemoteCommitter | None = None
+        self.nodes_left: dict[int, dict[str, str]] = {}  # coordinator: NodeUploader.left()
 
     def open(self, config: CheckpointerConfig) -> None:
         """Every rank: each leader opens its node's directory and connects to the remote tier;
@@ -294,12 +295,14 @@ class NodeDirectory(Directory):
         the coordinator, which commits the checkpoints every node has uploaded."""
         if not self.topology.is_leader:
             return
-        mine = self.uploader.take_reports() if self.uploader is not None else []
+        u = self.uploader
+        mine = [u.take_reports(), u.left()] if u is not None else [[], {}]
         got = dist.gather_json(mine, dst=0, group=self.topology.leaders_group)
         if got is not None and self.committer is not None:
-            for node, reports in enumerate(got):
+            for node, (reports, left) in enumerate(got):
                 for rep in reports:
                     self.committer.report(node, rep)
+                self.nodes_left[node] = left  # (why a part of it is not uploaded, at close)
 
     def upload_status(self) -> SyncStatus | None:
         """This node's uploads (its leader; None on the other ranks), as ``remote_status()``
@@ -390,10 +393,9 @@ class NodeDirectory(Directory):
                     ", ".join(stuck),
                 )
             if missing:
-                log.warning(
-                    "close(): not committed remotely (a node's part is missing): %s",
-                    ", ".join(missing),
-                )
+                from .close_uploads import missing_parts
+
+                log.warning("close(): not committed remotely: %s", missing_parts(self, missing))
         self.apply_retention(None)  # the copies kept for their remote commit may go now
         if c.abandoned:
             log.warning(

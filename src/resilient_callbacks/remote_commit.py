@@ -266,6 +266,16 @@ class RemoteCommitter(UploadThread):
         with self._cond:
             return [p.name for p in self._pending.values()]
 
+    def missing(self) -> dict[str, list[int]]:
+        """The waiting checkpoints whose parts did not all arrive: name -> the nodes whose
+        part is missing."""
+        with self._cond:
+            return {
+                p.name: [n for n in range(self.nodes) if n not in p.done]
+                for k, p in self._pending.items()
+                if k not in self._ready
+            }
+
     def superseded(self) -> list[str]:
         """The waiting checkpoints older than one of their run committed remotely (a part
         never to arrive, its local copy damaged): missing them leaves the newest durable."""
