@@ -921,7 +921,10 @@ def worker(base: str, argv: list[str]) -> None:
         remote.RemoteStore.preflight = preflight  # type: ignore[method-assign]
     if os.environ.get("RC_CAPTURE_LOG"):  # (from construction on)
         logged = io.StringIO()
-        logging.getLogger("resilient_callbacks").addHandler(logging.StreamHandler(logged))
+        handler = logging.StreamHandler(logged)
+        if os.environ.get("RC_LOG_LEVELS"):  # each line: its level, then the message
+            handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        logging.getLogger("resilient_callbacks").addHandler(handler)
         if os.environ.get("RC_LOG_INFO"):
             logging.getLogger("resilient_callbacks").setLevel(logging.INFO)
     try:
@@ -1045,6 +1048,32 @@ def worker(base: str, argv: list[str]) -> None:
             return real_retention_pass(protect, policy)
 
         ck._dir.apply_retention = retention_fails
+    if os.environ.get("RC_RETENTION_DENIED") == str(node):  # every pass after an upload, close's
+        real_pass = ck._dir.apply_retention
+
+        def retention_denied(protect, policy=None):
+            if protect is None:  # (the directory cannot be listed: 'chmod a-r' on it)
+                raise PermissionError(13, "Permission denied", ck.dirpath)
+            return real_pass(protect, policy)
+
+        ck._dir.apply_retention = retention_denied
+    if os.environ.get("RC_TRASH_DENIED", ":").split(":")[0] == str(node):  # "<node>:<name>"
+        denied, real_rename = os.environ["RC_TRASH_DENIED"].split(":")[1], os.rename
+
+        def rename(src, dst, *args, **kw):  # (a folder of that name its owner made read-only)
+            if os.path.basename(str(src)) == denied and ".trash-" in str(dst):
+                raise PermissionError(13, "Permission denied", str(src))
+            return real_rename(src, dst, *args, **kw)
+
+        os.rename = rename
+        real_rmtree = shutil.rmtree  # RC_TRASH_STAYS: the trash of that one is not deleted
+
+        def rmtree(path, *args, **kw):
+            if f".trash-{os.environ.get('RC_TRASH_STAYS')}-" in str(path):
+                return None  # (ignore_errors: a file in it that could not be removed)
+            return real_rmtree(path, *args, **kw)
+
+        shutil.rmtree = rmtree
     committer = getattr(ck._dir, "committer", None)
     if os.environ.get("RC_COMMIT_FAILS") and committer is not None:
         real_commit_one = committer.commit_one
@@ -1166,7 +1195,7 @@ def worker(base: str, argv: list[str]) -> None:
         out(event="close raised", error=type(e).__name__, pending=pending, msg=str(e), **logs)
         dist.destroy_process_group()
         sys.exit(5)
-    if os.environ.get("RC_RETENTION_FAILS_AT"):
+    if os.environ.get("RC_RETENTION_FAILS_AT") or os.environ.get("RC_RETENTION_DENIED"):
         out(committed_saves=ck.committed_saves)
     if os.environ.get("RC_CAPTURE_LOG"):
         out(event="closed", log=logged.getvalue())

@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+from resilient_callbacks.remote import RemoteStore
 from test_nodelocal_failures import _run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -203,3 +204,36 @@ def test_close_names_the_node_whose_part_never_arrived_not_the_store(tmp_path):
     ), msg
     assert "not committed remotely: node 1's part of step_000000002" in out[0][-1]["log"]
     assert "node 1's part of" in out[1][-1]["msg"]  # (node 1 names its own, as before)
+
+
+def test_a_retention_that_fails_after_an_upload_or_at_close_is_an_error_close_completes(
+    tmp_path,
+):
+    """keep_last=1. Node 0's retention passes after each upload and at close fail (its
+    directory cannot be listed); node 1 cannot delete step 2 (its rename to the trash is
+    denied), nor the files of step 4 once in the trash. close() raised the PermissionError on
+    rank 0 (a job with every checkpoint committed and uploaded failed), and node 1 said only
+    warnings. Now every checkpoint is counted committed and uploaded, both ranks close, and
+    each node logs an ERROR naming what it did not delete and how to delete it."""
+    out = _run(
+        tmp_path, "run", 2, "--steps", "6", RC_KEEP_LAST=1, RC_RETENTION_DENIED=0,
+        RC_TRASH_DENIED="1:step_000000002", RC_TRASH_STAYS="step_000000004", RC_LOG_LEVELS=1,
+        **LONG_PG,
+    )  # fmt: skip
+    assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
+    assert [rank[-2]["committed_saves"] for rank in out] == [3, 3], out
+    store = RemoteStore(f"file://{tmp_path}/remote")
+    assert {e.manifest.step for e in store.scan() if e.manifest is not None} >= {6}  # (closed:
+    # no UploadIncompleteError, every part uploaded and committed)
+    zero = out[0][-1]["log"]
+    assert f"ERROR node 0: the retention pass of {tmp_path / 'node0'} " in zero, zero
+    assert "PermissionError: [Errno 13] Permission denied" in zero, zero
+    assert "keep_last=1" in zero and "delete them by hand" in zero, zero
+    one = out[1][-1]["log"]
+    gone = tmp_path / "node1" / "step_000000002"
+    assert f"ERROR retention: could not delete {gone}: [Errno 13] Permission denied" in one, one
+    assert f"rm -r {gone}" in one, one
+    assert gone.is_dir() and not (tmp_path / "node1" / "step_000000004").exists()
+    trash = next((tmp_path / "node1").glob(".trash-step_000000004-*"))
+    assert f"ERROR retention: could not delete {trash} completely" in one, one
+    assert f"rm -r {trash}" in one, one

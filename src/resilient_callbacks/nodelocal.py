@@ -53,6 +53,7 @@ from .errors import (
 )
 from .lock import COMMAND_WAIT_S, claim_remote
 from .manifest import FileEntry
+from .redact import command
 from .remote_open import open_listing, preflight
 from .retention_pass import apply_retention
 from .sync import SyncStatus
@@ -246,7 +247,7 @@ class NodeDirectory(Directory):
             self.remote,
             self.dirpath,
             self.topology.node,
-            on_uploaded=lambda: self.apply_retention(None),
+            on_uploaded=lambda: self.retention_or_say("after an upload"),
         )
         if self.topology.rank == 0:
             self.committer = RemoteCommitter(
@@ -288,6 +289,30 @@ class NodeDirectory(Directory):
                 blobs=self.blobs,  # (those a restore of an incremental checkpoint fetched)
                 discard=self.trash.put,
                 corrupt=self.found_corrupt,
+            )
+
+    def retention_or_say(self, when: str) -> None:
+        """Leader: :meth:`apply_retention` after an upload or at close, whose failure (a
+        directory it cannot list) must fail neither the upload nor close(): every checkpoint
+        is committed and, once uploaded, counted so; an ERROR names what it did not delete
+        and how to delete it. (A checkpoint it cannot delete is named by the pass itself.)"""
+        try:
+            self.apply_retention(None)
+        except Exception as e:
+            log.error(
+                "node %d: the retention pass of %s %s failed: %s: %s. Every checkpoint stays "
+                "committed (and uploaded, once its upload ends); the older ones that "
+                "keep_last=%s would delete stay in %s. Fix the cause, then delete them by "
+                "hand once the job ended: %s deletes what the retention does not keep (or "
+                "the next save's, or the next run's, retention pass does)",
+                self.topology.node,
+                self.dirpath,
+                when,
+                type(e).__name__,
+                e,
+                self.retention.keep_last,
+                self.dirpath,
+                command("gc", self.dirpath),
             )
 
     def exchange_reports(self, group_fallback: Any = None) -> None:
@@ -376,7 +401,7 @@ class NodeDirectory(Directory):
             c.wait(None if math.isinf(first) else first, outage_s, grace_left)
         self._release_settled()
         if c is None:
-            self.apply_retention(None)  # the parts kept for their remote commit may go now
+            self.retention_or_say("at close")  # the parts kept for their remote commit may go
             return sorted(local_only)
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
         if not c.wait(left, outage_s, grace_left):
@@ -396,7 +421,7 @@ class NodeDirectory(Directory):
                 from .close_uploads import missing_parts
 
                 log.warning("close(): not committed remotely: %s", missing_parts(self, missing))
-        self.apply_retention(None)  # the copies kept for their remote commit may go now
+        self.retention_or_say("at close")  # the copies kept for their remote commit may go
         if c.abandoned:
             log.warning(
                 "close(): not committed remotely (the remote commit failed; the nodes' "

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shlex
 from collections.abc import Callable, Iterable
 
 from . import catalog
 from .blobs import BlobStore
 from .catalog import Depth
 from .commit import remove_checkpoints
+from .redact import command
 from .retention import RetentionPolicy, plan
 
 log = logging.getLogger("resilient_callbacks")
@@ -51,7 +53,16 @@ def apply_retention(
     p = plan(cands, policy, run_id, protected=list(protected))
 
     def failed(name: str, e: OSError) -> None:
-        log.warning("retention: could not delete %s: %s", os.path.join(root, name), e)
+        path = os.path.join(root, name)
+        log.error(
+            "retention: could not delete %s: %s. It stays on the disk (the next retention pass "
+            "tries again); fix the cause (permissions, a read-only mount), or delete it by hand "
+            "once the job ended: rm -r %s (or %s)",
+            path,
+            e,
+            shlex.quote(path),
+            command("gc", root),
+        )
 
     # renamed to the trash and the directory fsynced before a file goes; blobs only then
     for name in (gone := remove_checkpoints(root, list(p.delete), discard, failed)):

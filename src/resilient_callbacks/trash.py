@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import threading
 from collections.abc import Callable
@@ -118,6 +119,11 @@ def _quietly(fn: Callable[[], None]) -> None:
 def _delete(trash: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
     if os.path.exists(trash):
-        log.warning(
-            "retention: could not delete %s completely; the next writer's sweep removes it", trash
+        log.error(
+            "retention: could not delete %s completely (a file in it that this process may not "
+            "remove: its permissions, a read-only mount). It is no checkpoint any more (renamed "
+            "out of sight); the next writer's sweep of the directory removes it, or delete it by "
+            "hand: rm -r %s",
+            trash,
+            shlex.quote(trash),
         )
