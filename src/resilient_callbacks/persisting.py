@@ -123,10 +123,11 @@ def persist(
             )
         except CheckpointWriteError as e:
             done = getattr(session, "done", None)
-            if done is not None:  # rank 0: committed, then its after-commit work failed
+            if done is not None:  # committed, then rank 0's after-commit work failed: every
+                # rank raises it (the session's outcome said so), the save counted as committed
                 _record(saver, step, prepared, done, reason, why, t0, background, written,
                         progress, blocking)  # fmt: skip
-                if background:  # said now: the loop hears of it at its next save only
+                if background and ck.is_coordinator:  # the loop hears at its next save only
                     log.error("background save of step %d: %s", step, e)
                 raise
             ck._recorder.save_failed(step, e)

@@ -8,8 +8,9 @@ order, for the same step; each one marked *collective* runs collectives on ``gro
     if staging is not None:
         session.add(layout.write_part(staging, rank, ...))   # each rank writes its own files
     path = session.commit()          # collective: gather reports; rank 0 writes the manifest
-                                     # last, renames, points `latest`; then (rank 0 only)
-                                     # the after-commit step: queue the upload, retention
+                                     # last, renames, points `latest`, then (rank 0 only)
+                                     # the after-commit step: queue the upload, retention;
+                                     # then every rank learns the outcome
 
 - ``begin``: the coordinator (rank 0) creates a hidden staging directory and every rank gets its
   path (``None`` when rank 0 could not create it: ``commit`` then raises on every rank).
@@ -26,7 +27,12 @@ order, for the same step; each one marked *collective* runs collectives on ``gro
   commit point), fsyncs and renames the staging
   directory into place and updates the advisory ``latest`` pointer; every rank gets the final
   path. Only then does rank 0 run ``after_commit`` (upload queue, retention): deletion happens
-  after the newer checkpoint is durable, by one process.
+  after the newer checkpoint is durable, by one process. It runs before the ranks learn the
+  outcome, so its failure reaches every rank: every rank raises one
+  :class:`~.errors.CheckpointWriteError` saying that the checkpoint is committed all the same
+  (:attr:`CommitSession.done` holds it), what failed after the commit and what that leaves
+  undone. Raised on rank 0 alone, the other ranks went on into their next collective and
+  waited there for it until the process group's timeout.
 
 A process killed before the manifest is written leaves only a ``.staging-*`` directory: no
 reader counts it, and the next writer to open the directory sweeps it.
@@ -165,7 +171,8 @@ class CommitSession:
         self._ranks = dist.group_size(group)  # the reports commit() must gather
         self.is_coordinator = self.rank == 0
         self.staging: str | None = None
-        self.done: Committed | None = None  # rank 0, once committed (after_commit may fail)
+        # once committed (every rank after commit(); rank 0's after_commit may fail then)
+        self.done: Committed | None = None
         self.files: list[FileEntry] = []
         self._begin_error: str | None = None
         self.layout: str | None = None  # set by the caller: what agree_steps compares
@@ -258,7 +265,8 @@ class CommitSession:
         """Collective. Gather every rank's report (``error``: this rank's failure), commit on
         rank 0 if every rank succeeded, and return the committed checkpoint on every rank; raise
         :class:`CheckpointWriteError` naming the failed rank(s) on every rank otherwise (nothing
-        is committed then, older checkpoints are intact)."""
+        is committed then, older checkpoints are intact). Where rank 0's ``after_commit``
+        failed, every rank raises its error, the checkpoint committed (:attr:`done`)."""
         report = RankReport(
             self.rank,
             self.files if error is None else [],
@@ -277,7 +285,9 @@ class CommitSession:
                 )
         agree_steps(reports)
         failed = [r for r in reports if r.error]
+        size = sum(f.size for r in reports for f in r.files)
         outcome: dict[str, Any] = {"path": None, "seq": None, "error": self._begin_error}
+        after: CheckpointWriteError | None = None  # rank 0's work after the commit failed
         if self.is_coordinator and self.staging is not None:
             if failed:
                 self.strategy.abort(self.staging)
@@ -289,6 +299,11 @@ class CommitSession:
                     self.strategy.abort(self.staging)
                     error = error or e
                     outcome["error"] = f"{type(e).__name__}: {e}"
+            if outcome["path"] is not None:  # before the outcome: every rank learns it there
+                try:
+                    self._after(Committed(outcome["path"], self.step, outcome["seq"], size, reason))
+                except CheckpointWriteError as e:
+                    after, outcome["after"] = e, str(e)
         outcome = dist.broadcast_json(outcome, group=self.group)
         if outcome["path"] is None:
             if failed:
@@ -305,10 +320,11 @@ class CommitSession:
             if isinstance(error, OSError) and error.errno:
                 err.errno = error.errno
             raise self._with_space_hint(err) from error
-        size = sum(f.size for r in reports for f in r.files)
-        done = Committed(outcome["path"], self.step, outcome["seq"], size, reason)
-        if self.is_coordinator:
-            self._after(done)
+        self.done = done = Committed(outcome["path"], self.step, outcome["seq"], size, reason)
+        if after is not None:
+            raise after
+        if outcome.get("after"):  # every rank raises it, none goes on alone into a collective
+            raise CheckpointWriteError(outcome["after"], (0,))
         return done
 
     def _after(self, done: Committed) -> None:

@@ -1,0 +1,194 @@
+"""What one rank finds, every rank raises (or none does): no rank raises alone while the others
+wait for it in their next collective until the process group's timeout.
+
+Two gloo ranks, one spawn running the cases in turn (this file is the worker: ``python
+test_rank_agreement.py worker DIR OUT CASE...``), each case in its own directory, each outcome
+(an error's type and message, or what the call returned) written per rank; a barrier after each
+case. The process group's timeout (900 s) is far above the spawn deadline: a rank left waiting
+in a collective fails the test by the deadline.
+
+- ``retention-sync``, ``retention-background``: rank 0's retention pass after the commit of
+  step 2 fails (an I/O error). It raised on rank 0 alone (a synchronous save; ``flush()`` after
+  a background one); every rank raises it now, the checkpoint counted as committed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import spawn_ranks
+from resilient_callbacks import Checkpointer, catalog
+
+WORLD = 2
+RNG_NOTICE = "the checkpoint was saved without RNG states"
+STEP_NOTICE = "step\\(\\) went back from step 5 to 3"
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        return {"returned": call()}
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e)}
+
+
+def _retention_fails_on_rank_0(ck: Checkpointer, rank: int, step: int) -> None:
+    real = ck._dir.apply_retention
+
+    def failing(protect: str | None, policy: Any = None) -> None:
+        if rank == 0 and protect == f"step_{step:09d}":
+            raise OSError(5, "Input/output error")
+        real(protect, policy)
+
+    ck._dir.apply_retention = failing  # type: ignore[method-assign]
+
+
+def _retention(root: Path, rank: int, background: bool) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    state = {"model": nn.Linear(4, 4)}
+    with Checkpointer(root, async_save=background, keep_last=1) as ck:
+        _retention_fails_on_rank_0(ck, rank, 2)
+        ck.save(1, state)
+        res["save2"] = _outcome(lambda: ck.save(2, state))
+        res["flush"] = _outcome(ck.flush)
+        res["save3"] = _outcome(lambda: ck.save(3, state))
+        res["flush3"] = _outcome(ck.flush)
+        res["committed_saves"] = ck._saver.committed_saves
+    res["steps"] = [e.step for e in catalog.committed(catalog.scan(str(root), catalog.Depth.FULL))]
+    return res
+
+
+def _restore_held(root: Path, rank: int) -> dict[str, Any]:
+    state = {"model": nn.Linear(4, 4)}
+    with Checkpointer(root, async_save=True) as ck:
+        real = ck._recorder.committed
+
+        def committed(step: int, *args: Any) -> None:  # rank 1's account of step 2 fails
+            if rank == 1 and step == 2:
+                raise OSError(5, "Input/output error")
+            real(step, *args)
+
+        ck._recorder.committed = committed  # type: ignore[method-assign]
+        ck.save(1, state)
+        ck.save(2, state)
+        out = {"restore": _outcome(lambda: ck.restore(state))}
+        out["again"] = _outcome(lambda: ck.restore(state))  # (raised once: the next one loads)
+    return out
+
+
+def _werror(root: Path, rank: int, on: int) -> dict[str, Any]:
+    with Checkpointer(root, capture_rng=False, async_save=False) as ck:
+        ck.save(1, {"model": nn.Linear(2, 2)})
+    with warnings.catch_warnings():
+        if rank == on:
+            warnings.filterwarnings("error", message=RNG_NOTICE)
+        with Checkpointer(root) as ck:
+            return {"restore": _outcome(lambda: ck.restore({"model": nn.Linear(2, 2)}))}
+
+
+def _werror_step(root: Path, rank: int, on: int) -> dict[str, Any]:
+    state = {"w": torch.zeros(2)}
+    with warnings.catch_warnings(), Checkpointer(root, every_n_steps=100) as ck:
+        if rank == on:
+            warnings.filterwarnings("error", message=STEP_NOTICE)
+        ck.step(5, state)
+        return {"step": _outcome(lambda: ck.step(3, state))}
+
+
+def worker(root: str, out: str, cases: list[str]) -> None:
+    import torch.distributed as dist
+
+    # far above the spawn deadline: a rank left waiting in a collective fails the test
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    res: dict[str, Any] = {}
+    for case in cases:
+        where = Path(root) / case
+        if case.startswith("retention-"):
+            res[case] = _retention(where, rank, case.endswith("background"))
+        elif case == "restore-held":
+            res[case] = _restore_held(where, rank)
+        elif case == "mixed-once":
+            with Checkpointer(where) as ck:
+                res[case] = _outcome(lambda: ck.restore({"model": nn.Linear(2, 2)}))
+        elif case.startswith("werror-step-"):
+            res[case] = _werror_step(where, rank, int(case[-1]))
+        elif case.startswith("werror-"):
+            res[case] = _werror(where, rank, int(case[-1]))
+        dist.barrier()  # a rank that went on alone waits here (or in the next case)
+        print(f"CASE {case}: done", file=sys.stderr, flush=True)
+    Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+    spawn_ranks.leave_group()
+
+
+if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "worker":
+    try:
+        worker(sys.argv[2], sys.argv[3], sys.argv[4:])
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+import pytest  # noqa: E402  (after the worker code, which does not need it)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+CASES = [
+    "retention-sync",
+    "retention-background",
+]
+
+
+def _run(tmp_path: Path, cases: list[str]) -> list[dict[str, Any]]:
+    if "mixed-once" in cases:  # a checkpoint of one rank, without RNG states
+        with Checkpointer(tmp_path / "ckpt" / "mixed-once", capture_rng=False) as ck:
+            ck.save(1, {"model": nn.Linear(2, 2)})
+    out = tmp_path / "result"
+    argv = [sys.executable, __file__, "worker", str(tmp_path / "ckpt"), str(out), *cases]
+    spawn_ranks.run(
+        argv, WORLD, tmp_path, "agree", deadline=90.0, zygote=spawn_ranks.shared_zygote()
+    )
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(WORLD)]
+
+
+def _committed_then_failed(outcome: dict[str, Any], step: int) -> bool:
+    return outcome.get("error") == "CheckpointWriteError" and outcome["message"].startswith(
+        f"checkpoint for step {step} was committed ("
+    )
+
+
+def _check_retention(res: dict[str, Any], background: bool) -> None:
+    first, second = ("flush", "save2") if background else ("save2", "flush")
+    assert _committed_then_failed(res[first], 2), res
+    assert "then rank 0's work after the commit failed: OSError" in res[first]["message"], res
+    assert res[second] == {"returned": True if second == "save2" else None}, res
+    assert res["save3"] == {"returned": True} and res["flush3"] == {"returned": None}, res
+    assert res["committed_saves"] == 3, res
+    assert res["steps"] == [3], res  # (the next save's retention deleted what was kept)
+
+
+def _check_restore_held(r0: dict[str, Any], r1: dict[str, Any]) -> None:
+    assert r1["restore"]["error"] == "OSError", r1
+    assert "Input/output error" in r1["restore"]["message"], r1
+    assert r0["restore"]["error"] == "CheckpointWriteError", r0
+    assert "an earlier background save failed on rank(s) 1" in r0["restore"]["message"], r0
+    assert "restore() was not attempted on any rank" in r0["restore"]["message"], r0
+    assert r0["again"] == r1["again"] == {"returned": 2}, (r0, r1)
+
+
+def test_what_one_rank_finds_is_raised_on_every_rank(tmp_path):
+    r0, r1 = _run(tmp_path, CASES)
+    for res in (r0, r1):
+        _check_retention(res["retention-sync"], background=False)
+        _check_retention(res["retention-background"], background=True)
