@@ -10,6 +10,9 @@ in a collective fails the test by the deadline.
 - ``retention-sync``, ``retention-background``: rank 0's retention pass after the commit of
   step 2 fails (an I/O error). It raised on rank 0 alone (a synchronous save; ``flush()`` after
   a background one); every rank raises it now, the checkpoint counted as committed.
+- ``restore-held``: a background save's failure that rank 1 alone holds (its account of the
+  committed save failed) was raised by rank 1's ``restore()`` before restore's collectives,
+  while rank 0 went on into them. Now every rank raises, rank 0 naming rank 1.
 """
 
 from __future__ import annotations
@@ -147,6 +150,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 CASES = [
     "retention-sync",
     "retention-background",
+    "restore-held",
 ]
 
 
@@ -192,3 +196,4 @@ def test_what_one_rank_finds_is_raised_on_every_rank(tmp_path):
     for res in (r0, r1):
         _check_retention(res["retention-sync"], background=False)
         _check_retention(res["retention-background"], background=True)
+    _check_restore_held(r0["restore-held"], r1["restore-held"])

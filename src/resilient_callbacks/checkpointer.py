@@ -450,7 +450,8 @@ class Checkpointer(CheckpointerQueries):
         """Load the checkpoint chosen by ``resume`` into ``state`` in place; return its step,
         or 0 when there is nothing to resume from. Every rank calls it."""
         self._check_open()
-        self._wait_background()
+        with dist.peer_errors("restore()"):  # an earlier save's failure: raised on every rank
+            self._saver.wait_background_agreed("restore()")
         with dist.peer_errors("restore()"), self._emergency.exit_if_preempted():
             return self._restorer.restore(state)
 

@@ -16,6 +16,9 @@ and waits for no GPU work (the default group's exchange read its result back wit
 sync, behind the snapshot's copies the training stream waits for). If
 any rank holds a failure or failed to prepare, every rank raises: a rank its own error, the
 others a :class:`~.errors.CheckpointWriteError` naming the rank(s) that failed and why.
+Every rank calls :func:`agree_before` at the start of ``restore()`` (with background saves, in
+a run of several ranks): a failure some ranks hold is raised on every rank before restore's
+collectives.
 """
 
 from __future__ import annotations
@@ -70,14 +73,8 @@ def agree(
     held_by = [(r, x["held"]) for r, x in enumerate(reports) if x["held"]]
     failed_on = [(r, x["failed"]) for r, x in enumerate(reports) if x["failed"]]
     if held_by:
-        ranks = ", ".join(str(r) for r, _ in held_by)
-        raise CheckpointWriteError(
-            f"the save of step {step} was not made on any rank: an earlier background save "
-            f"failed on rank(s) {ranks}, which raise it now: "
-            + "; ".join(f"rank {r}: {e}" for r, e in held_by)
-            + f". The checkpoints committed in {dirpath} are intact; the next save is made "
-            "as usual.",
-            tuple(r for r, _ in held_by),
+        raise _held_elsewhere(
+            f"the save of step {step} was not made", held_by, dirpath, "the next save is made"
         )
     if not failed_on:
         return
@@ -91,3 +88,37 @@ def agree(
     if failed is not None:
         raise err from failed
     raise err
+
+
+def _held_elsewhere(
+    not_done: str, held_by: list[tuple[int, str]], dirpath: str, then: str
+) -> CheckpointWriteError:
+    ranks = ", ".join(str(r) for r, _ in held_by)
+    return CheckpointWriteError(
+        f"{not_done} on any rank: an earlier background save failed on rank(s) {ranks}, "
+        "which raise it now: "
+        + "; ".join(f"rank {r}: {e}" for r, e in held_by)
+        + f". The checkpoints committed in {dirpath} are intact; {then} as usual.",
+        tuple(r for r, _ in held_by),
+    )
+
+
+def agree_before(what: str, held: BaseException | None, dirpath: str) -> None:
+    """Every rank, at the start of a call every rank makes (``restore()``), its background
+    saves ended: ``held``, this rank's stored failure of one of them. One exchange on the
+    default group (the call's own collectives follow on it). Returns on every rank if no rank
+    holds one; raises on every rank otherwise: a rank its own error, the others a
+    :class:`~.errors.CheckpointWriteError` naming the rank(s) and what they hold. Raised
+    where it was held alone, that rank stopped before the call's collectives, while its peers
+    went on into them and waited there until the process group's timeout."""
+    try:
+        reports = dist.all_gather_json(_text(held))
+    except Exception:
+        if held is None:
+            raise
+        reports = []  # (a peer gone: what this rank held is the news, raised below, not lost)
+    if held is not None:
+        raise held
+    held_by = [(r, e) for r, e in enumerate(reports) if e]
+    if held_by:
+        raise _held_elsewhere(f"{what} was not attempted", held_by, dirpath, f"call {what} again")

@@ -281,6 +281,16 @@ class Saver:
         self.raise_background_error()
         return time.perf_counter() - t0
 
+    def wait_background_agreed(self, what: str) -> None:
+        """Every rank, at the start of ``what`` (a call every rank makes: ``restore()``):
+        :meth:`wait_background`, a failure that some ranks hold raised on every rank
+        (:func:`.held_failures.agree_before`), none going on alone into the call's collectives."""
+        if self.persister is None or self.ck.world_size <= 1:
+            self.wait_background()
+            return
+        self.persister.wait_all()
+        held_failures.agree_before(what, self.persister.take_error(), self.ck.dirpath)
+
     def settle_background(self) -> float:
         """Block until every background save is done; a failure among them is logged, not
         raised (before an emergency save, which is of a newer state)."""
