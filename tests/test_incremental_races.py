@@ -86,7 +86,7 @@ def test_an_upload_after_a_roll_back_restore_never_deletes_the_checkpoint_restor
 KILLED_BEFORE_COMMIT = r"""
 import os, signal, sys
 import torch
-from resilient_callbacks import Checkpointer, remote_blobs
+from resilient_callbacks import Checkpointer, remote_blob_put
 sys.path.insert(0, sys.argv[3])
 from test_part_blobs import FrozenAndTrained, _train
 
@@ -100,7 +100,7 @@ ck = Checkpointer(root, incremental=True, remote=url, remote_keep_last="all",
                   async_save=False, preemption=False)
 ck.restore({"engine": part})
 # the upload of step 2 is killed once its blobs and files are up, before its manifest
-remote_blobs.settle = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+remote_blob_put.settle = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 _train(part, 2)
 ck.save(2, {"engine": part})
 ck.close()

@@ -133,7 +133,7 @@ def test_two_writers_uploading_one_name_at_once_never_both_commit(tmp_path, requ
     yields to another's mark: one commits, the other is told to take another name."""
     import threading
 
-    from resilient_callbacks import remote_blobs
+    from resilient_callbacks import remote_blob_put
     from resilient_callbacks.cli import main
     from resilient_callbacks.remote_objects import RemoteNameTaken
 
@@ -142,7 +142,7 @@ def test_two_writers_uploading_one_name_at_once_never_both_commit(tmp_path, requ
     else:
         url, opts = f"file://{tmp_path}/durable/run", None
     first, second = _checkpoint(tmp_path / "a", 1.0), _checkpoint(tmp_path / "b", 2.0)
-    real_put = remote_blobs.upload  # (what an upload puts first)
+    real_put = remote_blob_put.upload  # (what an upload puts first)
     first_putting, second_done = threading.Event(), threading.Event()
     outcome: dict[str, object] = {}
 
@@ -163,7 +163,7 @@ def test_two_writers_uploading_one_name_at_once_never_both_commit(tmp_path, requ
                 second_done.set()
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(remote_blobs, "upload", put)
+    mp.setattr(remote_blob_put, "upload", put)
     try:
         a = threading.Thread(target=upload, args=("first", first), name="first")
         a.start()

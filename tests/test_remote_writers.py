@@ -32,13 +32,13 @@ NAME = "step_000000020"
 _UPLOAD = textwrap.dedent(
     """
     import sys
-    from resilient_callbacks import remote_blobs
+    from resilient_callbacks import remote_blob_put
     from resilient_callbacks.manifest import read_manifest
     from resilient_callbacks.remote import RemoteStore
     from resilient_callbacks.remote_objects import RemoteNameTaken
 
     path, url, name, hold = sys.argv[1:5]
-    real = remote_blobs.upload
+    real = remote_blob_put.upload
 
     def put(*a, **kw):  # the first thing an upload puts, after its mark
         if hold == "hold":
@@ -46,7 +46,7 @@ _UPLOAD = textwrap.dedent(
             sys.stdin.readline()
         return real(*a, **kw)
 
-    remote_blobs.upload = put
+    remote_blob_put.upload = put
     try:
         RemoteStore(url).upload(path, read_manifest(path), name)
         print("committed", flush=True)

@@ -28,7 +28,14 @@ from typing import Any
 
 import fsspec
 
-from . import remote_blobs, remote_download, remote_listing, remote_objects, remote_paths
+from . import (
+    remote_blob_put,
+    remote_blobs,
+    remote_download,
+    remote_listing,
+    remote_objects,
+    remote_paths,
+)
 from .catalog import verify_entries
 from .commit import fsync_dir
 from .errors import RemoteDeleteRefusedError, RemoteUnavailableError
@@ -266,12 +273,12 @@ class RemoteStore:
         cb = progress.multi_callback() if progress is not None else None
         kwargs: dict[str, Any] = {"callback": cb} if cb is not None else {}
         # the blobs not there yet (their bytes counted in progress)
-        marker = remote_blobs.upload(self, local_dir, manifest, blobs_again, progress)
+        marker = remote_blob_put.upload(self, local_dir, manifest, blobs_again, progress)
         try:
             self.fs.put(lpaths, rpaths, **kwargs)
             # before the commit, a blob another run's collection deleted meanwhile is uploaded
             # again: a committed manifest never names a deleted blob, even if a kill follows
-            remote_blobs.settle(self, local_dir, manifest, marker)
+            remote_blob_put.settle(self, local_dir, manifest, marker)
             commit.commit(name, manifest.step, manifest_bytes)
         finally:
             remote_blobs.end_upload(self, marker)
