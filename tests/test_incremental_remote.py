@@ -198,20 +198,20 @@ state = {"model": m}
 ck = Checkpointer(root, incremental=True, remote=url, async_save=False, keep_last=2)
 start = ck.restore(state)
 if mode != "resume":
-    fs = ck._dir.remote.fs
-    real_put = fs.put
+    from resilient_callbacks import remote_put
+    real_copy = remote_put._copy
 
-    def put(lpaths, rpaths, **kw):  # the blob copy is killed half-way
-        if "/blobs/" not in rpaths[0]:
-            return real_put(lpaths, rpaths, **kw)
-        name = os.path.basename(rpaths[0])  # .upload-<tag>-<blob>: a copy under a blob's name
-        target = rpaths[0] if mode == "tmp" else rpaths[0][: -len(name)] + name.split("-", 2)[2]
-        data = open(lpaths[0], "rb").read()
+    def copy(src, dst, buf, progress):  # the blob copy is killed half-way
+        if "/blobs/" not in dst:
+            return real_copy(src, dst, buf, progress)
+        name = os.path.basename(dst)  # .upload-<tag>-<blob>: a copy under a blob's name
+        target = dst if mode == "tmp" else dst[: -len(name)] + name.split("-", 2)[2]
+        data = open(src, "rb").read()
         with open(target, "wb") as f:
             f.write(data[: len(data) // 2])
         os.kill(os.getpid(), signal.SIGKILL)
 
-    fs.put = put
+    remote_put._copy = copy
 for step in range(start + 1, start + 3):
     with torch.no_grad():
         m[1].weight.add_(1.0)

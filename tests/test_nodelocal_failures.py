@@ -826,7 +826,7 @@ def worker(base: str, argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from resilient_callbacks import Checkpointer, PerRank, checkpointer, remote
+    from resilient_callbacks import Checkpointer, PerRank, checkpointer, remote, remote_put
 
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int)
@@ -954,7 +954,7 @@ def worker(base: str, argv: list[str]) -> None:
         def put(*a, **k):
             raise ConnectionError("endpoint unreachable")
 
-        ck._dir.remote.fs.put = put  # type: ignore[union-attr]
+        remote_put.put = put  # (the store's put of a list of files)
     if os.environ.get("RC_GETS_HANG") == str(node):  # lists, then never sends a byte
 
         def hang(*a, **k):
@@ -984,7 +984,7 @@ def worker(base: str, argv: list[str]) -> None:
     if os.environ.get("RC_SLOW_UPLOADS") and os.environ.get("RC_SLOW_NODE", str(node)) == str(
         node
     ):  # uploads lag behind the saves (on every node, or on RC_SLOW_NODE's)
-        real_put, held = ck._dir.remote.fs.put, []  # type: ignore[union-attr]
+        real_put, held = remote_put.put, []
         last = f"step_{a.steps:09d}"
 
         def slow_put(*args, **k):
@@ -999,7 +999,7 @@ def worker(base: str, argv: list[str]) -> None:
             time.sleep(float(os.environ["RC_SLOW_UPLOADS"]))
             return real_put(*args, **k)
 
-        ck._dir.remote.fs.put = slow_put  # type: ignore[union-attr]
+        remote_put.put = slow_put  # (the store's put of a list of files)
     if os.environ.get("RC_ROT_BEFORE_UPLOAD") == str(node):  # a byte rots after the commit
         uploader, rotted = ck._dir.uploader, []  # type: ignore[union-attr]
         real_upload = uploader._upload

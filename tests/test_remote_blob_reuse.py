@@ -144,7 +144,7 @@ def test_a_blob_another_runs_collection_deletes_while_an_upload_relies_on_it(
     import threading
 
     from resilient_callbacks import remote as remote_mod
-    from resilient_callbacks import remote_blobs
+    from resilient_callbacks import remote_blobs, remote_put
     from resilient_callbacks.blobs import NAME_RE
     from resilient_callbacks.cli import main
     from resilient_callbacks.manifest import read_manifest
@@ -167,15 +167,15 @@ def test_a_blob_another_runs_collection_deletes_while_an_upload_relies_on_it(
     monkeypatch.setattr(remote_mod.ManifestLastCommit, "commit", commit)
     collector = RemoteStore(url)
     fs_class = type(collector.fs)  # (fsspec gives each thread its own instance)
-    real_rm, real_put = fs_class.rm_file, fs_class.put
+    real_rm, real_put = fs_class.rm_file, remote_put.put
     relied, deleted = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
-    def put(fs, lpaths, rpaths, *a, **kw):  # the checkpoint's files: its blobs relied on
+    def put(store, lpaths, rpaths, *a, **kw):  # the checkpoint's files: its blobs relied on
         if any("step_000000001/" in str(r) for r in rpaths) and not relied.is_set():
             relied.set()
             assert deleted.wait(60)
-        return real_put(fs, lpaths, rpaths, *a, **kw)
+        return real_put(store, lpaths, rpaths, *a, **kw)
 
     def upload() -> None:
         try:
@@ -197,7 +197,7 @@ def test_a_blob_another_runs_collection_deletes_while_an_upload_relies_on_it(
         return real_rm(fs, path, *a, **kw)
 
     monkeypatch.setattr(fs_class, "rm_file", rm_file)
-    monkeypatch.setattr(fs_class, "put", put)
+    monkeypatch.setattr(remote_put, "put", put)  # (the store's put of a list of files)
     with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
         assert remote_blobs.collect(collector)  # it deleted the blobs it found unused
     uploader.join(60)

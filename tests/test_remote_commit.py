@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from resilient_callbacks import Checkpointer, ConfigError
+from resilient_callbacks import Checkpointer, ConfigError, remote_put
 from resilient_callbacks.filewrite import encode_json, write_bytes
 from resilient_callbacks.manifest import FileEntry, Manifest
 from resilient_callbacks.remote import RemoteStore
@@ -98,7 +98,7 @@ def test_close_waits_are_bounded_by_a_preemptions_grace_period(tmp_path, monkeyp
     close ignored a SIGTERM that arrived during it, as shared mode does not)."""
     import threading
 
-    store, files, key, m, committer, up = _setup(tmp_path)
+    _store, files, key, m, committer, up = _setup(tmp_path)
     never = threading.Event()
     try:
         monkeypatch.setattr(committer, "commit_one", lambda p: never.wait())
@@ -108,8 +108,8 @@ def test_close_waits_are_bounded_by_a_preemptions_grace_period(tmp_path, monkeyp
             assert up[r].wait(120)
             for rep in up[r].take_reports():
                 committer.report(r, rep)
-        # (fsspec shares the filesystem object: undone after the test)
-        monkeypatch.setattr(store.fs, "put", lambda *a, **k: never.wait())
+        # (the store's put of a list of files: hangs)
+        monkeypatch.setattr(remote_put, "put", lambda *a, **k: never.wait())
         up[0].enqueue("step_000000004", "step_000000004", ("run1", 2), [files[0]])
         assert up[0].wait(None, None, grace_left=lambda: 1.0) is False
         assert committer.ready() == ["step_000000002"]
@@ -130,11 +130,11 @@ def test_close_gives_up_on_a_node_upload_that_moves_no_byte(tmp_path, monkeypatc
     against such an endpoint took s3fs minutes per attempt, or forever."""
     import threading
 
-    store, files, key, _m, committer, up = _setup(tmp_path)
+    _store, files, key, _m, committer, up = _setup(tmp_path)
     never = threading.Event()
     try:
-        # (fsspec shares the filesystem object: undone after the test)
-        monkeypatch.setattr(store.fs, "put", lambda *a, **k: never.wait())
+        # (the store's put of a list of files: hangs)
+        monkeypatch.setattr(remote_put, "put", lambda *a, **k: never.wait())
         up[0].enqueue("step_000000002", "step_000000002", key, [files[0]])
         returned: list[bool] = []
         waiter = threading.Thread(target=lambda: returned.append(up[0].wait(None, 0.5)))
@@ -157,8 +157,8 @@ def test_a_node_upload_retry_that_moves_bytes_is_let_finish(tmp_path, monkeypatc
     (The upload moves a byte each time the wait looks: no race with the clock.)"""
     import time
 
-    store, files, key, _m, committer, up = _setup(tmp_path)
-    u, real_put = up[0], store.fs.put
+    _store, files, key, _m, committer, up = _setup(tmp_path)
+    u, real_put = up[0], remote_put.put
     real_stalled, looks, calls = u.stalled_s, [0], []
 
     def stalled_s():
@@ -177,7 +177,7 @@ def test_a_node_upload_retry_that_moves_bytes_is_let_finish(tmp_path, monkeypatc
         return real_put(*a, **k)
 
     try:
-        monkeypatch.setattr(store.fs, "put", put)  # (fsspec shares it: undone after the test)
+        monkeypatch.setattr(remote_put, "put", put)  # (the store's put of a list of files)
         u.stalled_s = stalled_s
         u.enqueue("step_000000002", "step_000000002", key, [files[0]])
         assert u.wait(None, 2.5) is True
@@ -200,7 +200,7 @@ def test_a_node_upload_ending_after_close_gave_up_runs_no_retention(tmp_path, mo
     for u in up:
         u.stop()
     released, started, retained = threading.Event(), threading.Event(), []
-    real_put = store.fs.put
+    real_put = remote_put.put
 
     def stalls(*a, **k):
         started.set()
@@ -209,7 +209,7 @@ def test_a_node_upload_ending_after_close_gave_up_runs_no_retention(tmp_path, mo
 
     u = NodeUploader(store, str(tmp_path / "node0"), 0, on_uploaded=lambda: retained.append(1))
     try:
-        monkeypatch.setattr(store.fs, "put", stalls)  # (fsspec shares it: undone after the test)
+        monkeypatch.setattr(remote_put, "put", stalls)  # (the store's put of a list of files)
         u.enqueue("step_000000002", "step_000000002", key, [files[0]])
         assert started.wait(120)
         assert u.wait(None, 0.5) is False  # close() gives up on it (no byte moved)
@@ -448,18 +448,18 @@ def test_a_part_dropped_under_way_stays_dropped_through_the_next_saves_outcome(
     day-old sweep (tests/test_nodelocal_backlog.py failed so now and then)."""
     import threading
 
-    store, files, key, _, committer, up = _setup(tmp_path)
+    _store, files, key, _, committer, up = _setup(tmp_path)
     committer.stop()
     up[0].stop()
     putting, go = threading.Event(), threading.Event()
-    real_put = store.fs.put
+    real_put = remote_put.put
 
     def put(*a, **kw):
         putting.set()
         assert go.wait(60)
         return real_put(*a, **kw)
 
-    monkeypatch.setattr(store.fs, "put", put)  # (fsspec shares it: undone after the test)
+    monkeypatch.setattr(remote_put, "put", put)  # (the store's put of a list of files)
     try:
         up[1].enqueue("step_000000002", "step_000000002", key, [files[1]])
         assert putting.wait(60)

@@ -187,9 +187,9 @@ def test_a_previous_attempt_given_up_on_is_not_waited_for_again_by_a_later_write
 def test_a_previous_copy_into_a_local_store_is_waited_for_past_the_outage_limit(
     tmp_path, monkeypatch, caplog
 ):
-    """A local store's copies count their bytes only when each file ends (fsspec's local
-    put_file calls no progress callback): a long copy of the previous writer read as hung
-    after the outage limit, and the next writer gave up on it and copied into the same
+    """A copy of the previous writer into a local store that moves no byte (hung in the file
+    system; before, also a long copy: fsspec's local put counted no byte until it ended) read
+    as hung after the outage limit, and the next writer gave up on it and copied into the same
     folder while it went on (two writers of one folder: a file torn). For a local store the
     next writer now keeps waiting, said once in a warning."""
     from resilient_callbacks import upload_thread

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import remote_put
 from .catalog import verify_entries
 from .errors import CheckpointCorruptError
 from .manifest import FileEntry
@@ -430,7 +431,7 @@ class NodeUploader(UploadThread):
         )
         with self._transfer(progress):  # its last byte's time: wait() tells a stalled store
             lpaths = [os.path.join(local, f.path) for f in job.files]
-            st.fs.put(lpaths, rpaths, callback=progress.multi_callback())
+            remote_put.put(st, lpaths, rpaths, progress)  # (counted, fenced)
             self._check(local, job, rpaths)
         if st.is_local:
             st._fsync_local(rpaths)

@@ -35,6 +35,7 @@ from . import (
     remote_listing,
     remote_objects,
     remote_paths,
+    remote_put,
 )
 from .catalog import verify_entries
 from .commit import fsync_dir
@@ -270,12 +271,10 @@ class RemoteStore:
                 if "/" in entry.path:
                     parent = posixpath.dirname(self._path(name, entry.path))
                     self.fs.makedirs(parent, exist_ok=True)
-        cb = progress.multi_callback() if progress is not None else None
-        kwargs: dict[str, Any] = {"callback": cb} if cb is not None else {}
         # the blobs not there yet (their bytes counted in progress)
         marker = remote_blob_put.upload(self, local_dir, manifest, blobs_again, progress)
         try:
-            self.fs.put(lpaths, rpaths, **kwargs)
+            remote_put.put(self, lpaths, rpaths, progress)  # (counted, fenced)
             # before the commit, a blob another run's collection deleted meanwhile is uploaded
             # again: a committed manifest never names a deleted blob, even if a kill follows
             remote_blob_put.settle(self, local_dir, manifest, marker)

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from . import remote_blobs
+from . import remote_blobs, remote_put
 from .blobs import BLOBS_DIR, blob_path
 from .catalog import verify_entries
 from .commit import fsync_dir
@@ -124,17 +124,17 @@ def _put_checked(
 def _put(
     store: RemoteStore, local: list[str], names: list[str], progress: Progress | None = None
 ) -> None:
-    """Upload blobs (their bytes counted in ``progress``); on a ``file://`` remote through
-    temporary names renamed into place (and fsynced), so that a kill part-way never leaves a
-    torn blob under a blob's name."""
+    """Upload blobs (their bytes counted in ``progress``; the writer's fence checked before
+    each: :mod:`.remote_put`); on a ``file://`` remote through temporary names renamed into
+    place (and fsynced), so that a kill part-way never leaves a torn blob under a blob's name."""
     final = [posixpath.join(_dir(store), n) for n in names]
     if not store.is_local:
-        store.fs.put(local, final, **_counted(progress))  # one object each: whole or absent
+        remote_put.put(store, local, final, progress)  # one object each: whole or absent
         return
     tag = uuid.uuid4().hex[:8]
     tmp = [posixpath.join(_dir(store), f"{UPLOAD_PREFIX}{tag}-{n}") for n in names]
     try:
-        store.fs.put(local, tmp, **_counted(progress))  # (fsspec's local put counts none)
+        remote_put.put(store, local, tmp, progress)  # (counted as it is copied)
         store._fsync_local(tmp)
         for t, f in zip(tmp, final, strict=True):
             os.replace(t, f)
@@ -143,11 +143,6 @@ def _put(
         for t in tmp:
             with contextlib.suppress(OSError):
                 os.unlink(t)
-
-
-def _counted(progress: Progress | None) -> dict[str, Any]:
-    """fsspec's ``put`` arguments that count its bytes in ``progress``."""
-    return {} if progress is None else {"callback": progress.multi_callback()}
 
 
 def settle(store: RemoteStore, local_dir: str, manifest: Manifest, marker: str | None) -> None:

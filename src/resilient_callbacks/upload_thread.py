@@ -40,11 +40,12 @@ HANDOVER_OUTAGE_S = 300.0  # how long no byte of the previous writer's attempt m
 # close()'s outage limit, stall.CLOSE_OUTAGE_S) before the next writer gives up waiting for it
 
 
-def not_superseded(url: str) -> None:
-    """Before a commit point, a retention's delete or a blob collection of an upload thread:
-    raise where the next writer of its store gave up waiting for this thread
-    (:meth:`UploadThread._wait_previous`), which then owns the store."""
-    if threading.current_thread() in _superseded:
+def not_superseded(url: str, thread: threading.Thread | None = None) -> None:
+    """Before a commit point, a retention's delete, a blob collection or each file an upload
+    puts (:mod:`.remote_put`) of an upload thread: raise where the next writer of its store gave
+    up waiting for this thread (:meth:`UploadThread._wait_previous`), which then owns the
+    store. ``thread``: the upload thread, where this runs in another (fsspec's event loop)."""
+    if (thread or threading.current_thread()) in _superseded:
         raise RemoteUnavailableError(
             f"remote {url_text(url)}: this upload thread's attempt hung past the outage limit "
             "after its close() gave up on it, and the next writer of this store took it over: "
@@ -59,10 +60,12 @@ def _of(thread: UploadThread) -> str:
     return f"{thread.writer}; " if thread.writer else ""
 
 
-def _counts_no_bytes(url: str) -> bool:
-    """Whether uploads to ``url`` count no byte until each file ends: a local store (fsspec's
-    ``LocalFileSystem.put_file`` calls no progress callback), where a copy longer than the
-    outage limit reads as stalled (:meth:`UploadThread._wait_previous` does not give up)."""
+def _is_local(url: str) -> bool:
+    """Whether ``url`` is a local store, where :meth:`UploadThread._wait_previous` does not
+    give up on a copy that moves no byte: hung in the file system (a hung mount), it goes on
+    writing the file it is in once that returns, into the folder this writer copies into (its
+    copies count their bytes as they go, :mod:`.remote_put`: a long copy is not taken for a
+    hung one; until then fsspec's local copy counted none until each file ended)."""
     return "://" not in url or url.split("://", 1)[0].lower() in ("file", "local")
 
 
@@ -258,18 +261,18 @@ class UploadThread:
                     if self._stop:
                         return False
                     if prev._thread.is_alive() and self._waited_stall_s() > HANDOVER_OUTAGE_S:
-                        if _counts_no_bytes(url):
+                        if _is_local(url):
                             if not warned_local:
                                 warned_local = True
                                 log.warning(
                                     "remote %s: the upload thread %s of the previous writer "
                                     "of this store in this process (%sits close() gave up on "
-                                    "it) has moved no byte counted for %.0f s; a local "
-                                    "store's copies count their bytes only when each file "
-                                    "ends, so a long copy cannot be told from a hung one: "
-                                    "this writer keeps waiting for it (two writers copying "
-                                    "into one folder could tear a file). If the store's "
-                                    "file system hangs, restarting the process ends it",
+                                    "it) has moved no byte for %.0f s; a copy into a "
+                                    "local store that hangs is inside its file system and "
+                                    "goes on writing once that returns: this writer keeps "
+                                    "waiting for it (two writers copying into one folder "
+                                    "could tear a file). If the store's file system hangs, "
+                                    "restarting the process ends it",
                                     url_text(url),
                                     prev._thread.name,
                                     _of(prev),

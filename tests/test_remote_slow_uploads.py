@@ -1,0 +1,226 @@
+"""A healthy slow upload is never given up on (close()'s stall judgement sees its bytes move),
+and an upload thread the next writer took over stops between the files it puts.
+
+The clock of the stall judgement (``progress``, ``sync``, ``upload_wait``) is moved only by the
+test, and the copies move when the test lets them: no sleeps, no timing asserts. The outage
+limit is lowered to one second of that clock; close() runs in the main thread, whose reads of
+the clock tell the test that close() has looked again."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from resilient_callbacks import Checkpointer, progress, sync, upload_thread, upload_wait
+from resilient_callbacks import checkpointer as ckmod
+from resilient_callbacks.blobs import NAME_RE
+from resilient_callbacks.errors import RemoteUnavailableError, UploadIncompleteError
+from resilient_callbacks.manifest import read_manifest
+from resilient_callbacks.progress import Progress
+from resilient_callbacks.remote import RemoteStore
+from resilient_callbacks.remote_blobs import listing
+
+TIMEOUT_S = 60.0
+
+
+class Clock:
+    """``time`` of the modules that judge a stall: ``monotonic()`` is moved only by
+    :meth:`advance`; everything else is the real ``time``."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now, self.main_reads = 1000.0, 0
+        self.cond = threading.Condition()
+        for mod in (progress, sync, upload_wait):
+            monkeypatch.setattr(mod, "time", self)
+
+    def monotonic(self) -> float:
+        with self.cond:
+            if threading.current_thread() is threading.main_thread():
+                self.main_reads += 1
+                self.cond.notify_all()
+            return self.now
+
+    def advance(self, s: float) -> None:
+        with self.cond:
+            self.now += s
+
+    def main_looked(self, times: int = 3) -> bool:
+        """Wait until the main thread (close()'s wait) has read the clock ``times`` more times:
+        False once it stopped (close() gave up: a few reads after it decided, then none)."""
+        with self.cond:
+            seen = self.main_reads
+            return self.cond.wait_for(lambda: self.main_reads >= seen + times, TIMEOUT_S)
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+class Gate:
+    """The source files of a copy into a local store (``remote_put._source``), read one chunk
+    per :meth:`step`; each chunk that moves bytes takes 0.6 s of the clock (less than the
+    outage limit, 1 s), so the copy as a whole takes far longer than the limit."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock, self.reads, self.open = clock, 0, False
+        self.cond = threading.Condition()
+        self.allowed = 0
+
+    def source(self, path: str):
+        gate, f = self, open(path, "rb", buffering=0)  # noqa: SIM115 (closed by the copy)
+
+        class Gated:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc) -> None:
+                f.close()
+
+            def readinto(self, b) -> int:
+                with gate.cond:
+                    assert gate.cond.wait_for(lambda: gate.open or gate.allowed > 0, TIMEOUT_S)
+                    gate.allowed -= 0 if gate.open else 1
+                    n = f.readinto(b)
+                    if n and not gate.open:
+                        gate.clock.advance(0.6)
+                    gate.reads += 1
+                    gate.cond.notify_all()
+                    return n
+
+        return Gated()
+
+    def step(self) -> None:
+        with self.cond:
+            seen = self.reads
+            self.allowed += 1
+            self.cond.notify_all()
+            assert self.cond.wait_for(lambda: self.reads > seen, TIMEOUT_S), "no chunk read"
+
+    def release(self) -> None:
+        with self.cond:
+            self.open = True
+            self.cond.notify_all()
+
+
+def _closed_after(ck: Checkpointer, drive) -> dict:
+    """close() ``ck`` in this (the main) thread while ``drive(out)`` runs in another; close()
+    must raise UploadIncompleteError (given up). ``out``: what ``drive`` recorded."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            drive(out)
+        except BaseException as e:  # (said by the test)
+            out["error"] = e
+
+    driver = threading.Thread(target=run, name="test-driver", daemon=True)
+    driver.start()
+    try:
+        with pytest.raises(UploadIncompleteError):
+            ck.close()
+    finally:
+        out["closed"] = True
+    driver.join(TIMEOUT_S)
+    assert "error" not in out, out["error"]
+    return out
+
+
+def test_a_slow_copy_into_a_local_store_is_waited_for_while_its_bytes_move(tmp_path, monkeypatch):
+    """fsspec's local put counts no byte until it ends: close() gave up on a healthy copy into
+    a ``file://`` store that took longer than the outage limit (5 minutes). The copy now counts
+    each chunk: close() waits while chunks move (here 6 of them, 3.6 s of the clock against a
+    1 s limit) and gives up only once none has moved for the limit."""
+    from resilient_callbacks import remote_put
+
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)
+    monkeypatch.setattr(remote_put, "CHUNK", 4096)
+    clock = Clock(monkeypatch)
+    gate = Gate(clock)
+    monkeypatch.setattr(remote_put, "_source", gate.source)
+    ck = Checkpointer(
+        tmp_path / "local", remote=f"file://{tmp_path}/durable", async_save=False, preemption=False
+    )
+    thread = ck._dir.sync._thread
+    ck.save(1, {"w": torch.ones(16384)})  # (64 KiB: 16 chunks)
+
+    def drive(out: dict) -> None:
+        for _ in range(6):
+            gate.step()
+            out["waits"] = clock.main_looked(2)
+            if not out["waits"]:
+                return  # (close() gave up: it no longer looks)
+        out["waits"] = clock.main_looked(10)  # (no chunk, but for less than the limit)
+        clock.advance(5.0)  # then no chunk for 5 s: stalled
+
+    try:
+        out = _closed_after(ck, drive)
+    finally:
+        gate.release()
+        thread.join(TIMEOUT_S)
+    assert out["waits"], "close() gave up on a copy that moved bytes"
+    assert not thread.is_alive()
+
+
+def _blobbed(tmp_path):
+    """A local incremental checkpoint of 4 blobs: (its folder, its manifest)."""
+    state = {k: torch.full((65536,), float(i)) for i, k in enumerate("abcd")}  # (256 KiB each)
+    with Checkpointer(tmp_path / "local", incremental=True, async_save=False) as ck:
+        ck.save(1, state)
+    local = str(tmp_path / "local" / "step_000000001")
+    m = read_manifest(local)
+    assert len(m.blobs) == 4
+    return local, m
+
+
+def _taken_over_at_first_byte(store: RemoteStore, local: str, m) -> BaseException | None:
+    """Upload ``m`` in a thread that the next writer takes over (as ``_wait_previous`` does)
+    once its first bytes are counted; what the upload raised."""
+    out: dict = {}
+    uploader: list[threading.Thread] = []
+
+    class TakenOver(Progress):
+        def update(self, n: int) -> None:
+            super().update(n)
+            upload_thread._superseded.add(uploader[0])  # (counted in fsspec's loop on S3)
+
+    def run() -> None:
+        try:
+            store.upload(local, m, "step_000000001", TakenOver(m.total_bytes, "test", bar=False))
+        except BaseException as e:
+            out["error"] = e
+
+    uploader.append(threading.Thread(target=run, name="test-uploader"))
+    uploader[0].start()
+    uploader[0].join(TIMEOUT_S)
+    assert not uploader[0].is_alive()
+    return out.get("error")
+
+
+@pytest.mark.parametrize("backend", ["file", "s3"])
+def test_a_writer_taken_over_puts_no_more_blobs_nor_files(backend, tmp_path, request):
+    """The fence (a next writer of the store gave up waiting for this upload thread) was
+    checked only before the commit, a retention delete or a collection: a writer taken over
+    while it put blobs went on putting every blob and every file of the checkpoint for as long
+    as they took. Each file's put now checks it (and each count of its bytes): the upload stops
+    with the superseded error, none of the checkpoint's files put, on a local store no blob
+    either (taken over during the first)."""
+    local, m = _blobbed(tmp_path)
+    if backend == "s3":
+        url, opts = request.getfixturevalue("s3_remote")
+        store = RemoteStore(url, opts)
+    else:
+        store = RemoteStore(f"file://{tmp_path}/durable")
+    error = _taken_over_at_first_byte(store, local, m)
+    assert isinstance(error, RemoteUnavailableError), error
+    assert "the next writer of this store took it over" in str(error)
+    store.fs.invalidate_cache()
+    try:
+        put = store.fs.find(store._path("step_000000001"))
+    except FileNotFoundError:
+        put = []
+    assert put == [], put  # (none of its files: it stopped in its blobs)
+    if backend == "file":  # (on S3, those put at once with the first are there: a batch)
+        assert not [n for n in listing(store) if NAME_RE.match(n) or n.startswith(".upload-")]
+    assert not [n for n in listing(store) if n.startswith(".inflight-")]
