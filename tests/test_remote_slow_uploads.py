@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from flaky_proxy import FlakyProxy
 from resilient_callbacks import Checkpointer, progress, sync, upload_thread, upload_wait
 from resilient_callbacks import checkpointer as ckmod
 from resilient_callbacks.blobs import NAME_RE
@@ -160,6 +161,52 @@ def test_a_slow_copy_into_a_local_store_is_waited_for_while_its_bytes_move(tmp_p
         gate.release()
         thread.join(TIMEOUT_S)
     assert out["waits"], "close() gave up on a copy that moved bytes"
+    assert not thread.is_alive()
+
+
+def test_an_upload_counted_per_part_is_not_a_stall_while_its_part_may_still_move(
+    s3_server, s3_remote, tmp_path, monkeypatch
+):
+    """s3fs counts a file's bytes when its put (or a 50 MiB part) ends: on a link under about
+    170 KB/s a healthy upload moved no counted byte for the outage limit, and close() gave up
+    on it. The stall is now judged after the time the bytes in flight take on the slowest link
+    tolerated (lowered here so that they take 10^3 s: the put is held 5 s of the clock past a 1 s
+    limit, close() waits), and close() still gives up once that has passed."""
+    url, opts = s3_remote
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)
+    monkeypatch.setattr(progress, "SLOWEST_LINK_BPS", 64)  # (64 KiB in flight: 1024 s)
+    clock = Clock(monkeypatch)
+    held, release = threading.Event(), threading.Event()
+
+    def rule(method: str, path: str, query: str) -> str | None:
+        name = path.rsplit("/", 1)[-1]
+        data = not name.startswith(".writer-") and name != "manifest.json"
+        if method == "PUT" and "/step_000000001/" in path and data and not held.is_set():
+            held.set()  # the data file's put is under way: its answer held
+            assert release.wait(120)
+        return None
+
+    proxy = FlakyProxy(s3_server.endpoint, rule)
+    ck = None
+    try:
+        options = {**opts, "endpoint_url": proxy.endpoint, "config_kwargs": {"read_timeout": 120}}
+        ck = Checkpointer(tmp_path / "local", remote=url, remote_options=options, async_save=False)
+        thread = ck._dir.sync._thread
+        ck.save(1, {"w": torch.ones(16384)})
+
+        def drive(out: dict) -> None:
+            assert held.wait(TIMEOUT_S), "the data file's PUT was not seen"
+            clock.advance(5.0)  # no byte counted for 5 times the limit: its part in flight
+            out["waits"] = clock.main_looked(10)  # (one that gave up looks no more)
+            clock.advance(1e6)  # past the time its bytes in flight may take: stalled
+
+        out = _closed_after(ck, drive)
+        assert out["waits"], "close() gave up while the part may still be moving"
+    finally:
+        release.set()
+        if ck is not None:
+            ck._dir.sync._thread.join(TIMEOUT_S)
+        proxy.close()
     assert not thread.is_alive()
 
 

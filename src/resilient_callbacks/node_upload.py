@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import posixpath
 import time
@@ -254,9 +255,11 @@ class NodeUploader(UploadThread):
                 if deadline is not None and now >= deadline:
                     return False
                 stalled = self.stalled_s()  # (an attempt moving bytes is let finish: no outage)
-                moving = self._progress is not None and outage_s is not None and stalled <= outage_s
+                outage = math.inf if outage_s is None else outage_s
+                limit = max(outage, self._allowance_s())  # (a store counting per part)
+                moving = self._progress is not None and stalled <= outage  # (as upload_wait)
                 failing = 0.0 if moving else now - (self.failing_since or now)
-                if outage_s is not None and max(failing, stalled) > outage_s:
+                if failing > outage or stalled > limit:
                     return False
                 self._cond.wait(1.0 if deadline is None else min(1.0, deadline - now))
             return True

@@ -345,6 +345,7 @@ class NodeDirectory(Directory):
             uploaded_bytes=c.bytes,
             upload_seconds=c.seconds,
             stalled_s=u.stalled_s(),
+            stall_allowance_s=u._allowance_s(),
         )
 
     def finish_nodes(

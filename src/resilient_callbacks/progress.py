@@ -13,6 +13,12 @@ from fsspec.callbacks import Callback
 
 log = logging.getLogger("resilient_callbacks")
 
+#: the slowest link a transfer is still taken as moving on: a store that counts bytes only per
+#: part (s3fs: a file under 100 MiB when it ends, a larger one per 50 MiB part, 10 parts at
+#: once) moves no counted byte for as long as the bytes in flight take at this rate, and is
+#: not stalled meanwhile (:meth:`Progress.allowance_s`); 32 KiB/s, a 256 kbit/s link
+SLOWEST_LINK_BPS = 32 * 1024
+
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
@@ -32,6 +38,8 @@ class Progress:
         self._t0 = time.monotonic()
         self._last_log = self._t0
         self.last_update = self._t0  # when the last byte moved (a stalled transfer: long ago)
+        self.unit = 0  # the most bytes one count has carried (a store counting per part)
+        self.in_flight = 0  # the most bytes the put under way may move before it counts one
         self._log_every = log_every_s
         self._bar: Any = None
         if bar is None:
@@ -51,6 +59,7 @@ class Progress:
             return
         with self._lock:
             self.done += n
+            self.unit = max(self.unit, n)
             self.last_update = time.monotonic()
             if self._bar is not None:
                 self._bar.update(n)
@@ -74,6 +83,13 @@ class Progress:
             if self._bar is not None:
                 self._bar.total = self.total
                 self._bar.refresh()
+
+    def allowance_s(self) -> float:
+        """Seconds this transfer may move no counted byte and still be moving: the bytes one
+        count may carry (the put under way's :attr:`in_flight`, or the most one count has
+        carried) at :data:`SLOWEST_LINK_BPS`. A stall is judged after the longer of this and
+        the outage limit."""
+        return max(self.unit, self.in_flight) / SLOWEST_LINK_BPS
 
     def close(self) -> None:
         if self._bar is not None:

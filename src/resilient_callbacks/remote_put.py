@@ -5,7 +5,12 @@ every byte counted as it moves, and the writer's fence checked between files.
   copy counted no byte until the whole put ended, and ``close()`` gave up on a healthy copy
   longer than the outage limit (5 minutes: a large checkpoint onto a slow network mount). The
   files are copied here, in chunks of :data:`CHUNK`, each counted once written.
-- An object store: fsspec's ``put``, its bytes counted as the store's client reports them.
+- An object store: fsspec's ``put``, its bytes counted as the store's client reports them. s3fs
+  reports a file under twice its part size (50 MiB) only when it ends and a larger one per
+  part, many at once (:func:`in_flight`): on a slow link a healthy upload moves no counted byte
+  for longer than the outage limit. The progress is told how many bytes may move before a count
+  (:attr:`.Progress.in_flight`): the stall is judged after the time they take at
+  :data:`.progress.SLOWEST_LINK_BPS`, if that is longer than the outage limit.
 - The fence (:func:`.upload_thread.not_superseded`): as each file's put begins, and at each
   count of its bytes on an object store, the upload thread checks that the next writer of the
   store has not taken it over (it gave up waiting for this thread). One taken over stops with
@@ -19,6 +24,8 @@ Which ranks call what: the thread that uploads (the coordinator's; a node leader
 from __future__ import annotations
 
 import io
+import math
+import os
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,9 +38,12 @@ if TYPE_CHECKING:
     from .progress import Progress
     from .remote import RemoteStore
 
-__all__ = ["CHUNK", "put"]
+__all__ = ["CHUNK", "in_flight", "put"]
 
 CHUNK = 8 << 20  # a copy into a local store counts its bytes this often
+S3_PART = 50 << 20  # s3fs's part size (its default), where s3fs does not say it
+S3_MAX_PARTS = 10_000
+BATCH = 128  # files fsspec puts at once, where fsspec does not say it
 
 
 def put(
@@ -49,6 +59,8 @@ def put(
             not_superseded(store.url)
             _copy(src, dst, memoryview(buf), progress)
         return
+    if progress is not None:
+        progress.in_flight = in_flight(store.fs, [os.path.getsize(p) for p in local])
     fenced = _Fenced(store.url, threading.current_thread(), progress)
     store.fs.put(list(local), list(remote), callback=fenced)
 
@@ -65,6 +77,42 @@ def _copy(src: str, dst: str, buf: memoryview, progress: Progress | None) -> Non
             out.write(buf[:n])
             if progress is not None:
                 progress.update(n)
+
+
+def in_flight(fs: Any, sizes: Sequence[int]) -> int:
+    """The most bytes a ``put`` of files of ``sizes`` into ``fs`` may move before its client
+    counts one. s3fs: a file under twice its part size (50 MiB) is counted when it ends, a
+    larger one per part, ``max_concurrency`` parts at once (10), and ``batch_size`` files go at
+    once (fsspec's default: an eighth of the open-file limit); so on a slow link the first
+    count comes after the largest of them have all moved. Other stores: 0 (the most bytes one
+    of their counts carried tells: :attr:`.Progress.unit`)."""
+    if not type(fs).__module__.startswith("s3fs"):
+        return 0
+    at_once = max(1, int(getattr(fs, "max_concurrency", 1) or 1))
+    units = []
+    for size in sizes:
+        part = _part_size(size)
+        units.append(size if size < min(5 << 30, 2 * part) else min(size, part * at_once))
+    files = getattr(fs, "batch_size", None) or _batch_size()
+    return sum(sorted(units, reverse=True)[: max(1, int(files))])
+
+
+def _part_size(size: int) -> int:
+    try:
+        from s3fs.core import calculate_chunksize
+
+        return int(calculate_chunksize(size))
+    except (ImportError, TypeError):  # (another s3fs version)
+        return max(S3_PART, math.ceil(size / S3_MAX_PARTS))
+
+
+def _batch_size() -> int:
+    try:
+        from fsspec.asyn import _get_batch_size
+
+        return int(_get_batch_size())
+    except (ImportError, TypeError):  # (another fsspec version)
+        return BATCH
 
 
 class _Fenced(Callback):

@@ -59,6 +59,8 @@ class SyncStatus:
     uploaded_bytes: int
     upload_seconds: float
     stalled_s: float = 0.0  # seconds the upload under way has moved no byte (0: none under way)
+    # seconds it may move no counted byte and still be moving (its store counts per part)
+    stall_allowance_s: float = 0.0
     # waiting for the upload of the previous writer of the store in this process to end
     waits_previous: bool = False
 
@@ -156,6 +158,7 @@ class RemoteSync(UploadThread):
                 if (p := self._progress) is None
                 else time.monotonic() - p.last_update,
                 waits_previous=self._waiting_since is not None,
+                stall_allowance_s=self._allowance_s(),
             )
 
     # ------------------------------------------------------------------ control

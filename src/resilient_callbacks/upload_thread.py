@@ -260,7 +260,8 @@ class UploadThread:
                     prev._thread.join(timeout=1.0)  # (and looks at stop() each second)
                     if self._stop:
                         return False
-                    if prev._thread.is_alive() and self._waited_stall_s() > HANDOVER_OUTAGE_S:
+                    limit = max(HANDOVER_OUTAGE_S, self._allowance_s())  # (a part in flight)
+                    if prev._thread.is_alive() and self._waited_stall_s() > limit:
                         if _is_local(url):
                             if not warned_local:
                                 warned_local = True
@@ -313,6 +314,16 @@ class UploadThread:
         moved = getattr(prev, "_moved_at", None)  # (one that ended: its deletes, commit since)
         last = max(since, moved or since, since if progress is None else progress.last_update)
         return max(0.0, time.monotonic() - last)
+
+    def _allowance_s(self) -> float:
+        """How long the transfer under way (or, while :meth:`_wait_previous` waits, the
+        previous writer's) may move no counted byte and still be moving: its store counts
+        bytes per part (:meth:`.Progress.allowance_s`); 0 for none under way. A stall is
+        judged after the longer of this and the outage limit."""
+        p = self._progress
+        if p is None and self._waiting_since is not None:
+            p = getattr(self._waiting_on, "_progress", None)
+        return 0.0 if p is None else p.allowance_s()
 
     @contextlib.contextmanager
     def _transfer(self, progress: Progress) -> Iterator[Progress]:

@@ -63,7 +63,8 @@ def _wait_uploads(
 ) -> bool:
     """Wait for the upload queue to drain: up to ``timeout``; without one, as long as the
     store answers, giving up after ``outage_s`` of failing attempts (an attempt under way
-    that moves bytes is let finish) or of one that moves no byte (close() then raises).
+    that moves bytes is let finish) or of one that moves no byte (close() then raises; longer
+    where its store counts bytes per part: ``stall_allowance_s``).
     A preemption request meanwhile bounds the wait to its grace period, less 5 s. Ends at
     once when the upload thread was stopped (a close nested in this one, from a signal
     handler, gave up on the uploads): no upload is left to come."""
@@ -84,9 +85,12 @@ def _wait_uploads(
             return True
         st = d.sync.status()
         outage_since = (outage_since or time.monotonic()) if st.failures else None
-        moving = st.uploading is not None and st.stalled_s <= outage_s  # (let it finish)
+        stall_limit = max(outage_s, st.stall_allowance_s)  # (a store counting per part)
+        # (let it finish; after a failure, judged by the outage limit alone: a store that
+        # failed and then counts no byte is down, not slow)
+        moving = st.uploading is not None and st.stalled_s <= outage_s
         failing = 0.0 if outage_since is None or moving else time.monotonic() - outage_since
-        if deadline is None and max(failing, st.stalled_s) > outage_s:
+        if deadline is None and (failing > outage_s or st.stalled_s > stall_limit):
             return False
 
 
