@@ -23,7 +23,8 @@ from . import notices, rng, statetree, structure
 from .closing import EXIT_MARGIN_S
 from .errors import CheckpointError, RemoteWaitPreemptedError, UnsupportedStateError
 from .filepart import FilePart
-from .optim import hookable, untraced, update_began
+from .optim import hookable
+from .optimizer_steps import Entry, Follower
 from .param_watch import Buffers, ParamWatch, changed_params, put_back
 from .preemption import exiting
 from .refusals import refuse_stateful
@@ -86,7 +87,7 @@ class Emergency:
     def __init__(self, ck: Checkpointer) -> None:
         self._ck = ck
         self._consistent_point: Any = None
-        self._step_watch: dict[int, Any] = {}
+        self._steps = Follower()  # the state's optimizers' step counts (optimizer_steps.py)
         self._watch = ParamWatch()
         self.windows = StepWatch()  # a step() inside an accumulation window (windows.py)
         self._live: Buffers = []  # the buffers' live values while _usable() set them back
@@ -111,8 +112,7 @@ class Emergency:
             # and the training goes on
             log.debug("save_on_exception: step %d is not a consistent point: %s", step, e)
             return
-        stepped = [False]
-        self._watch_optimizers(state, stepped)
+        stepped = self._watch_optimizers(state)
         rng_state = rng.capture() if self._ck.config.capture_rng else (None, {})
         versions = self._watch.versions(state)
         buffers = self._watch.buffers(frozen)
@@ -142,7 +142,7 @@ class Emergency:
         parameter written since; the modules' buffers are set back to it until the save's
         :meth:`_live_back`); if not, a warning says why, beginning with ``what``."""
         step, _, _, stepped, buffers, versions, tensors = point
-        if stepped[0]:
+        if any(entry.began(torch_semantics) != n for entry, torch_semantics, n in stepped):
             log.warning(
                 "%s came after an optimizer step that step() never saw; the state matches no "
                 "step, so nothing is saved",
@@ -183,40 +183,28 @@ class Emergency:
         live, self._live = self._live, []
         put_back(live)
 
-    def _watch_optimizers(self, state: Any, stepped: list[bool]) -> None:
-        """Flag ``stepped[0]`` when any optimizer in the state starts a step (save_on_exception):
-        before it, not after, so a step that raised part-way (an out-of-memory error after some
-        parameters were updated) counts as having changed the state. A ``step(closure)`` of
+    def _watch_optimizers(self, state: Any) -> list[tuple[Entry, bool, int]]:
+        """Each optimizer of the state's step count now, to tell later whether one started a
+        step since (save_on_exception): ``(entry, torch_semantics, count)``
+        (:meth:`.optimizer_steps.Entry.began`). A step counts before it, not after, so a step
+        that raised part-way (an out-of-memory error after some parameters were updated) counts as having changed the state. A ``step(closure)`` of
         torch's own optimizers (LBFGS) starts once its closure returned
         (:func:`.optim.update_began`): an exception in the closure's forward or backward leaves
         the step's state, which is saved. Another class's ``step(closure)`` starts as it is
         called: it may write the weights before it calls the closure (a SAM-style ``step()``:
         ``first_step()``, ``closure()``, ``second_step()``), where a write through ``p.data``
         shows in no version counter (:class:`.param_watch.ParamWatch`)."""
+        out = []
         for opt in statetree.optimizers(state):
-            old = self._step_watch.pop(id(opt), None)
-            if old is not None:
-                old.remove()
-
-            def mark(_flag: list[bool] = stepped) -> None:
-                _flag[0] = True
-
             target = hookable(opt)
-            if type(target).__module__.startswith("torch.optim."):
-                hook: Any = update_began(mark)
-            else:
-
-                def hook(*_: Any, _mark: Any = mark) -> None:
-                    _mark()
-
-            # (in a compiled step(): set before it, not replayed after)
-            self._step_watch[id(opt)] = target.register_step_pre_hook(untraced(hook))
+            entry, _ = self._steps.follow(target)
+            torch_semantics = type(target).__module__.startswith("torch.optim.")
+            out.append((entry, torch_semantics, entry.began(torch_semantics)))
+        return out
 
     def release(self) -> None:
         """Remove the optimizer hooks and forget the consistent point (close)."""
-        for handle in self._step_watch.values():
-            handle.remove()
-        self._step_watch.clear()
+        self._steps.release()
         self._watch.clear()
         self._consistent_point = None
         self.windows.release()

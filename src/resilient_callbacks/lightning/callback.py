@@ -147,7 +147,6 @@ class ResilientCheckpoint(Checkpoint):
         self._resume: boundary.Resume | None = None
         self._our_handlers: dict[int, Any] = {}
         self._on_exception = ExceptionSave()
-        self._step_hooks: list[Any] = []
         self._logged_save: SaveStats | None = None
         self._unresumable: list[str] = []
         self._close_error: tuple[Exception, Any, Any] | None = None  # (:mod:`.ending`)
@@ -299,7 +298,7 @@ class ResilientCheckpoint(Checkpoint):
             self._ctx.rest()
         self._ctx.reset()
         if self.save_on_exception:
-            self._step_hooks = self._on_exception.hook_optimizers(trainer.optimizers)
+            self._on_exception.hook_optimizers(trainer.optimizers)
         self._last_step = trainer.global_step
         if self._resume is not None:
             self._resume.train_start(trainer)

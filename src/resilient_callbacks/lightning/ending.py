@@ -102,9 +102,7 @@ def _handlers_back(cb: ResilientCheckpoint, trainer: pl.Trainer, watcher: Any) -
 
 def close(cb: ResilientCheckpoint, raise_errors: bool) -> None:
     """Close the callback's ``Checkpointer`` (if open); its error raised or logged."""
-    for h in cb._step_hooks:
-        h.remove()
-    cb._step_hooks = []
+    cb._on_exception.release()
     ckpt, cb.checkpointer = cb.checkpointer, None
     cb._state = cb._ctx = None
     if ckpt is None:

@@ -32,7 +32,7 @@ import torch
 from .. import notices, rng
 from ..checkpointer import Checkpointer
 from ..inplace import same_value
-from ..optim import update_began
+from ..optimizer_steps import Entry, Follower
 from ..param_watch import ParamVersion, ParamWatch, changed_params
 from . import state as st
 from .boundary import EPOCH_END_KEY
@@ -60,16 +60,24 @@ class ExceptionSave:
     def __init__(self) -> None:
         self._boundary: _Boundary | None = None
         self._watch = ParamWatch()  # the parameters' list, kept between steps
-        self.stepped = False  # an optimizer step ran after the boundary
+        self._steps = Follower()  # the optimizers' step counts (optimizer_steps.py)
+        self._marks: list[tuple[Entry, int]] = []  # their updates begun at the boundary
 
-    def hook_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
+    @property
+    def stepped(self) -> bool:
+        """Whether an optimizer step began its update after the boundary (or the hooks)."""
+        return any(entry.updates != n for entry, n in self._marks)
+
+    def hook_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Notice optimizer steps after the boundary, from the moment the update may begin (a
-        step that raised part-way counts); returns the hook handles to remove."""
+        step that raised part-way counts: :func:`.optim.update_began`); :meth:`release` lets
+        go of them."""
+        self._marks = [(e, e.updates) for e in (self._steps.follow(o)[0] for o in optimizers)]
 
-        def stepped() -> None:
-            self.stepped = True
-
-        return [o.register_step_pre_hook(update_began(stepped)) for o in optimizers]
+    def release(self) -> None:
+        """Let go of the optimizers (their hooks removed where nothing else follows them)."""
+        self._steps.release()
+        self._marks = []
 
     def remember(
         self, trainer: pl.Trainer, step: int, fit_loop: dict[str, Any], marks: dict[str, Any]
@@ -88,7 +96,7 @@ class ExceptionSave:
             groups=_groups(trainer) if marks.get(EPOCH_END_KEY) else None,
             versions=self._watch.versions({"model": module, "optimizers": trainer.optimizers}),
         )
-        self.stepped = False
+        self._marks = [(e, e.updates) for e, _ in self._marks]
 
     def save(
         self,

@@ -1,0 +1,88 @@
+"""The process's registry of optimizer steps (optimizer_steps.py): one hook per optimizer,
+shared by its followers, counts that only grow, weak references, lost hooks registered again."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from resilient_callbacks import optimizer_steps
+from resilient_callbacks.optimizer_steps import Follower
+
+
+def _opt() -> torch.optim.Optimizer:
+    return torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+
+
+def _step(opt: torch.optim.Optimizer) -> None:
+    for g in opt.param_groups:
+        for p in g["params"]:
+            p.grad = torch.ones_like(p)
+    opt.step()
+
+
+def test_two_followers_share_one_hook_removed_when_the_last_lets_go():
+    opt = _opt()
+    a, b = Follower(), Follower()
+    ea, fresh_a = a.follow(opt)
+    eb, fresh_b = b.follow(opt)
+    assert ea is eb and fresh_a and fresh_b
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    assert a.follow(opt) == (ea, False)
+    _step(opt)
+    _step(opt)
+    assert (ea.calls, ea.updates) == (2, 2)
+    a.release()
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    b.release()
+    assert len(opt._optimizer_step_pre_hooks) == 0
+
+
+def test_a_step_closure_counts_its_update_once_the_closure_returned():
+    opt = _opt()
+    f = Follower()
+    entry, _ = f.follow(opt)
+
+    def failing():
+        assert (entry.calls, entry.updates) == (1, 0)  # the step began, its update not
+        raise RuntimeError("in the backward pass")
+
+    with pytest.raises(RuntimeError):
+        opt.step(failing)
+    assert (entry.calls, entry.updates) == (1, 0)
+    opt.step(lambda: torch.tensor(0.0))
+    assert (entry.calls, entry.updates) == (2, 1)
+    f.release()
+
+
+def test_the_registry_does_not_keep_an_optimizer_alive():
+    f = Follower()
+    opt = _opt()
+    before = optimizer_steps.entries()
+    f.follow(opt)
+    assert optimizer_steps.entries() == before + 1
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+    assert optimizer_steps.entries() == before
+    f.release()
+
+
+def test_a_hook_removed_behind_the_registrys_back_is_registered_again():
+    opt = _opt()
+    f = Follower()
+    entry, _ = f.follow(opt)
+    opt._optimizer_step_pre_hooks.clear()  # (torch's hooks dict, emptied by the user)
+    _step(opt)
+    assert entry.calls == 0  # not seen
+    again, fresh = f.follow(opt)
+    assert again is entry and fresh  # its steps before were not counted: said
+    _step(opt)
+    assert entry.calls == 1
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    f.release()
+    assert len(opt._optimizer_step_pre_hooks) == 0
