@@ -423,3 +423,26 @@ def test_an_error_before_the_save_of_the_step_before_a_window_puts_the_live_buff
     at6 = train_bn_then_probe(tmp_path / "ref6", preempt_at=None, total=6)
     assert not all(torch.equal(got["live"][k], at6[k]) for k in stats)  # they changed since
     assert all(torch.equal(got["after"][k], got["live"][k]) for k in got["live"])
+
+
+def test_an_update_after_the_optimizers_hooks_were_removed_is_not_taken_for_a_micro_batch(
+    tmp_path,
+):
+    """The step hook on the optimizer was removed (its hooks cleared) after an update it saw;
+    the next ``step()``, after another update (a window of one micro-batch, gradients kept as
+    zeros), was taken for a micro-batch: the save due there waited one call. The hook lost is
+    noticed and registered again, and the call is not counted inside a window."""
+    x, model, opt, state = _setup(lambda: torch.nn.Linear(4, 1))
+    saved = {}
+    with Checkpointer(tmp_path / "ck", every_n_steps=7, async_save=False) as ck:
+        ck.restore(state)
+        for i in range(1, 9):
+            (model(x[i : i + 1]).pow(2).mean() / WINDOW).backward()
+            if i % WINDOW == 0 or i == 7:
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+            saved[i] = ck.step(i, state)
+            if i == 6:
+                opt._optimizer_step_pre_hooks.clear()
+    assert [i for i, s in saved.items() if s] == [7]
+    assert len(opt._optimizer_step_pre_hooks) == 0  # (ours removed at close, once more)

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from . import notices, statetree
-from .optim import hookable, two_pass_base, untraced
+from .optim import hookable, two_pass_base
+from .optimizer_steps import Entry, Follower
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -35,8 +36,11 @@ def _versions(tensors: list[Any]) -> list[int]:
 
 
 class StepWatch:
-    """Notices whether the state's optimizers stepped between two ``step()`` calls: one step
-    pre-hook per optimizer, registered at the first ``step()`` that sees it; a ``GradScaler``'s
+    """Notices whether the state's optimizers stepped between two ``step()`` calls: their
+    step counts in the process's registry (:mod:`.optimizer_steps`: one step pre-hook per
+    optimizer), followed from the first ``step()`` that sees each, and again where its hook
+    was removed since (then, as for a new optimizer, the call is outside a window: the
+    updates before were not seen); a ``GradScaler``'s
     ``update()`` (its scale tensor written; a step it skipped for an inf gradient calls no
     optimizer's ``step()``); and, where no hook fired, the parameters' version counters (an
     optimizer outside the state wrote them: an adapter's stand-in that never steps, a SAM
@@ -49,8 +53,8 @@ class StepWatch:
     without a backward pass inside a window is not told from that: a save due there is made.)"""
 
     def __init__(self) -> None:
-        # id of the hooked optimizer -> (hook handle, stepped flag, weak reference to it)
-        self._hooks: dict[int, tuple[Any, list[bool], weakref.ref[Any]]] = {}
+        self._steps = Follower()  # the optimizers' step counts (optimizer_steps.py)
+        self._seen: dict[Entry, int] = {}  # each one's step() calls at the last look
         self._scales: list[tuple[int, int]] = []  # the GradScalers' scale tensors, versions
         self._versions: list[int] | None = None  # the parameters' at the last step() (no hook)
         self._grads: list[Any] | None = None  # their gradients' (id, version) then
@@ -94,16 +98,13 @@ class StepWatch:
         ``step()``, read from the hooks' flags alone (no walk of the state: the cost of every
         ``step()`` of a loop that updates at each); the GradScalers' scales are read again from
         the last walk's. False: walk the state (:meth:`_inside`)."""
-        if self._mid_step_leaf or not self._hooks:
+        seen = self._seen
+        if self._mid_step_leaf or not seen:
             return False
-        fired = False
-        for _, flag, _ in self._hooks.values():
-            if flag[0]:
-                flag[0] = fired = True
-        if not fired:
+        if all(e.calls == n for e, n in seen.items()):
             return False
-        for _, flag, _ in self._hooks.values():
-            flag[0] = False
+        for e in seen:
+            seen[e] = e.calls
         self._scales = [
             (id(t), t._version)
             for ref in self._scalers
@@ -140,19 +141,13 @@ class StepWatch:
         stepped, self._scales = scales != self._scales, scales
         new = False
         for opt in opts:
-            entry = self._hooks.get(id(opt))
-            if entry is None or entry[2]() is not opt:
-                flag = [False]
-
-                def began(*_: Any, _flag: list[bool] = flag) -> None:
-                    _flag[0] = True
-
-                handle = opt.register_step_pre_hook(untraced(began))
-                self._hooks[id(opt)] = (handle, flag, weakref.ref(opt))
+            entry, fresh = self._steps.follow(opt)
+            if fresh:  # (new, or its hook lost: the optimizers collected since are let go)
                 new = True
-            elif entry[1][0]:
+                self._seen = {e: n for e, n in self._seen.items() if e.target() is not None}
+            elif entry.calls != self._seen.get(entry):
                 stepped = self._fired = True
-                entry[1][0] = False
+            self._seen[entry] = entry.calls
         if not opts or stepped or new:
             # (hooks registered now: the updates before them were not seen)
             self._end = "update" if stepped else "reset" if new else ""
@@ -196,7 +191,6 @@ class StepWatch:
         return "this step() (no optimizer step since the previous step(), gradients in .grad)"
 
     def release(self) -> None:
-        """Remove the hooks (close)."""
-        for handle, _, _ in self._hooks.values():
-            handle.remove()
-        self._hooks.clear()
+        """Let go of the optimizers (close): their hooks are removed."""
+        self._steps.release()
+        self._seen.clear()
