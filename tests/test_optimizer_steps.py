@@ -86,3 +86,37 @@ def test_a_hook_removed_behind_the_registrys_back_is_registered_again():
     assert len(opt._optimizer_step_pre_hooks) == 1
     f.release()
     assert len(opt._optimizer_step_pre_hooks) == 0
+
+
+class Forwarding(torch.optim.Optimizer):
+    """An optimizer-like object that steps others and hands its step hooks to them (as the
+    Lightning callback's ``OptimizerStates`` hands its post-hooks): its own hooks' dict never
+    holds ours."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        self._optimizer_step_pre_hooks: dict = {}
+
+    @property
+    def param_groups(self):  # type: ignore[override]
+        return self.inner.param_groups
+
+    def register_step_pre_hook(self, hook):
+        return self.inner.register_step_pre_hook(hook)
+
+
+def test_a_hook_handed_on_elsewhere_is_registered_once():
+    """A hook registered through an object that forwards it (or drops it) cannot be found in
+    the object's own hooks: it was taken as lost and registered again at every look, one
+    more hook on the inner optimizer at every step()."""
+    inner = _opt()
+    outer = Forwarding(inner)
+    f = Follower()
+    entry, _ = f.follow(outer)
+    for _ in range(3):
+        assert f.follow(outer) == (entry, False)
+    assert len(inner._optimizer_step_pre_hooks) == 1
+    _step(inner)
+    assert entry.calls == 1
+    f.release()
+    assert len(inner._optimizer_step_pre_hooks) == 0

@@ -26,7 +26,16 @@ from .optim import untraced, update_began
 class Entry:
     """The counts of one optimizer (see the module's docstring); hashed by identity."""
 
-    __slots__ = ("__weakref__", "calls", "handle", "hook", "target", "updates", "users")
+    __slots__ = (
+        "__weakref__",
+        "calls",
+        "checkable",
+        "handle",
+        "hook",
+        "target",
+        "updates",
+        "users",
+    )
 
     def __init__(self, opt: Any) -> None:
         self.calls = 0
@@ -35,6 +44,7 @@ class Entry:
         self.target: weakref.ref[Any] = weakref.ref(opt, _forget(id(opt), self))
         self.handle: Any = None
         self.hook: Any = None
+        self.checkable = False  # the hook was found in the optimizer's hooks once registered
 
     def began(self, torch_semantics: bool) -> int:
         """``updates`` where ``torch_semantics`` (a torch optimizer evaluates a closure before it
@@ -43,13 +53,13 @@ class Entry:
         return self.updates if torch_semantics else self.calls
 
     def hooked(self, opt: Any) -> bool:
-        """Whether our hook is still registered on ``opt``."""
-        hooks = getattr(opt, "_optimizer_step_pre_hooks", None)
-        return (
-            self.handle is not None
-            and hasattr(hooks, "get")
-            and hooks.get(self.handle.id) is self.hook  # type: ignore[union-attr]
-        )
+        """Whether our hook is still registered on ``opt``; where that cannot be seen (an
+        optimizer-like object whose ``register_step_pre_hook`` forwards the hook, or drops
+        it, rather than keeping it in its own ``_optimizer_step_pre_hooks``), whether it was
+        registered: such a hook was registered again, and again, at every look."""
+        if self.handle is None:
+            return False
+        return not self.checkable or _registered(opt, self.handle, self.hook)
 
     def register(self, opt: Any) -> None:
         """Register the step pre-hook on ``opt`` (again, where it was lost)."""
@@ -71,11 +81,17 @@ class Entry:
         # (in a compiled step(): counted before it, not replayed after)
         self.hook = untraced(pre_step)
         self.handle = opt.register_step_pre_hook(self.hook)
+        self.checkable = _registered(opt, self.handle, self.hook)
 
     def remove(self) -> None:
         if self.handle is not None:
             self.handle.remove()
         self.handle = self.hook = None
+
+
+def _registered(opt: Any, handle: Any, hook: Any) -> bool:
+    hooks = getattr(opt, "_optimizer_step_pre_hooks", None)
+    return isinstance(hooks, dict) and hooks.get(getattr(handle, "id", None)) is hook
 
 
 _LOCK = threading.Lock()
