@@ -4,6 +4,7 @@ shared by its followers, counts that only grow, weak references, lost hooks regi
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -120,3 +121,25 @@ def test_a_hook_handed_on_elsewhere_is_registered_once():
     assert entry.calls == 1
     f.release()
     assert len(inner._optimizer_step_pre_hooks) == 0
+
+
+def test_an_optimizer_collected_while_the_registry_is_locked_does_not_deadlock():
+    """An optimizer can be collected at any allocation, one inside the registry's own locked
+    section included: its weak reference's callback takes the registry's lock again, on the
+    same thread (a plain lock hung there for ever)."""
+    f = Follower()
+    opt = _opt()
+    f.follow(opt)
+    done = threading.Event()
+
+    def collect_inside(box):
+        with optimizer_steps._LOCK:
+            box.clear()  # (the last reference: collected here, the callback runs now)
+        done.set()
+
+    box = [opt]
+    del opt
+    worker = threading.Thread(target=collect_inside, args=(box,), daemon=True)
+    worker.start()
+    assert done.wait(timeout=30), "the registry's lock was taken twice by one thread"
+    f.release()

@@ -94,7 +94,7 @@ def _registered(opt: Any, handle: Any, hook: Any) -> bool:
     return isinstance(hooks, dict) and hooks.get(getattr(handle, "id", None)) is hook
 
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # (re-entered by a collection while held: _forget)
 _ENTRIES: dict[int, Entry] = {}  # id(optimizer) -> its entry, while it lives
 
 
