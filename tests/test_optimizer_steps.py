@@ -143,3 +143,16 @@ def test_an_optimizer_collected_while_the_registry_is_locked_does_not_deadlock()
     worker.start()
     assert done.wait(timeout=30), "the registry's lock was taken twice by one thread"
     f.release()
+
+
+def test_a_follower_lets_go_of_the_optimizers_collected():
+    """An optimizer re-created every epoch: the follower kept an entry (its hook, its handle)
+    for every one collected, until close."""
+    f = Follower()
+    for _ in range(5):
+        opt = _opt()
+        f.follow(opt)
+        del opt
+        gc.collect()
+    assert len(f._entries) == 1  # the last one's, let go at the next new one
+    f.release()

@@ -134,6 +134,9 @@ class Follower:
                 self._let_go(entry)
                 entry = None
             if entry is None:
+                # (the optimizers collected since are let go: one re-created every epoch)
+                for key in [k for k, e in self._entries.items() if e.target() is None]:
+                    self._let_go(self._entries.pop(key))
                 entry = _ENTRIES.get(id(opt))
                 if entry is None or entry.target() is not opt:
                     entry = _ENTRIES[id(opt)] = Entry(opt)
