@@ -115,7 +115,7 @@ class Verified:
         self.read_back = 0  # blobs read back from the store (a count, for tests and logs)
         self.dead: set[str] = set()  # collection markers left by a killed collection
         # in-flight markers of uploads whose first listing showed a collection running (only
-        # those settle before their commit: see remote_blobs.settle)
+        # those settle before their commit: see remote_blob_put.settle)
         self.beside_collection: set[str] = set()
 
     def remember(self, entry: FileEntry, info: Mapping[str, Any]) -> None:

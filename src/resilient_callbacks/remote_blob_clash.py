@@ -1,5 +1,5 @@
 """What an upload does where the remote blob store already holds a blob of one of its names
-with other contents (:func:`.remote_blobs.upload`): another size (:func:`check_torn`), or the
+with other contents (:func:`.remote_blob_put.upload`): another size (:func:`check_torn`), or the
 size but other bytes (:func:`check_other_bytes`). Either raises where a committed remote
 checkpoint or another run's upload in progress holds those bytes, else says so loudly (the
 caller uploads the local blob again).
