@@ -72,6 +72,7 @@ def test_a_commit_close_gave_up_on_never_overlaps_the_next_writers_commits(
         def emit(self, record: logging.LogRecord) -> None:
             if "waits for the upload" in record.getMessage():
                 waiting.set()
+                go.set()  # (the next writer waits for the held one: let it end)
             if "remote retention: deleted" in record.getMessage():
                 deleted.set()
 
