@@ -1057,6 +1057,22 @@ def worker(base: str, argv: list[str]) -> None:
             return real_pass(protect, policy)
 
         ck._dir.apply_retention = retention_denied
+    if os.environ.get("RC_RECOVERY_DENIED") == str(node):  # its disk unreadable just then
+        from resilient_callbacks import catalog as scanned
+
+        real_scan, real_recover = scanned.scan, ck._dir.recover_uploads
+
+        def denied_scan(root, *args, **kw):  # ('chmod a-r' on the folder; as root, too)
+            raise PermissionError(13, "Permission denied", root)
+
+        def recover_denied(remote_keys):
+            scanned.scan = denied_scan  # type: ignore[assignment]
+            try:
+                return real_recover(remote_keys)
+            finally:
+                scanned.scan = real_scan  # type: ignore[assignment]
+
+        ck._dir.recover_uploads = recover_denied
     if os.environ.get("RC_TRASH_DENIED", ":").split(":")[0] == str(node):  # "<node>:<name>"
         denied, real_rename = os.environ["RC_TRASH_DENIED"].split(":")[1], os.rename
 

@@ -4,7 +4,9 @@ the run's newest remote commit, only those the remote retention keeps; the coord
 their remote commit from the global manifest it kept beside its copy.
 
 Which ranks call what: :func:`recover_uploads` on every rank after the restore loaded (the
-leaders act, the other ranks return); no collective.
+leaders act); one collective on every rank (``cpu_group``): whether every leader could read
+its disk, so that one node's failure skips the recovery on every node, never leaving the
+others waiting in the first save's collectives.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from . import catalog
+from . import catalog, dist
 from .catalog import Depth, Status, archived
 from .manifest import FileEntry, Manifest
 from .nodelocal import REMOTE_MANIFEST, is_shared
@@ -30,9 +32,47 @@ log = logging.getLogger("resilient_callbacks")
 def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> None:
     """After a restore, leaders: queue this run's local checkpoints newer than its newest
     remote commit (their upload a crash cut off); coordinator: expect their remote commit.
-    ``remote_keys`` None: the remote could not be listed, so every one is queued again."""
-    if not d.topology.is_leader or d.run_id is None:
+    ``remote_keys`` None: the remote could not be listed, so every one is queued again.
+    A leader that cannot read its disk (permission denied, the folder gone) skips the
+    recovery on every node, with an ERROR: the run resumes, its new checkpoints are uploaded
+    as usual (a node's part alone would hold every newer remote commit back)."""
+    topo, planned, problem = d.topology, None, None
+    if topo.is_leader and d.run_id is not None:
+        try:
+            planned = _plan(d, remote_keys)
+        except Exception as e:
+            problem = f"node {topo.node}: {type(e).__name__}: {e}"
+    problems = [problem] if problem else []
+    if topo.cpu_group is not None:  # (every rank: one node's failure is every node's)
+        problems = [p for p in dist.all_gather_json(problem, group=topo.cpu_group) if p]
+    if problems:
+        if topo.is_leader and d.run_id is not None:
+            _say_skipped(d, problems, remote_keys)
         return
+    if planned is not None:
+        _queue(d, *planned)
+
+
+def _say_skipped(
+    d: NodeDirectory, problems: list[str], remote_keys: set[tuple[str, int]] | None
+) -> None:
+    newest = max((k[1] for k in remote_keys or () if k[0] == d.run_id), default=None)
+    since = "any" if newest is None else f"those newer than commit {newest}, the store's newest"
+    log.error(
+        "node %d: the uploads a stop cut off are not queued again on any node: a node could "
+        "not read its checkpoint directory (%s). This run's local checkpoints that the store "
+        "lacks (%s of this run) stay on the nodes' disks only, not committed remotely. "
+        "Training goes on and its new checkpoints are uploaded as usual; to upload the "
+        "older ones, make the directory readable by the job's user (or restore it) and "
+        "restart the job before its next remote commit: each restore queues them again",
+        d.topology.node,
+        "; ".join(problems),
+        since,
+    )
+
+
+def _plan(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> tuple[Any, ...]:
+    """Leader: what :func:`_queue` discards, uploads and expects; reads the disk only."""
     why = "which a stop cut off"
     if remote_keys is None:
         remote_keys, why = set(), "again: the remote could not be listed to tell if it has it"
@@ -56,12 +96,17 @@ def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) 
         if d.config.remote_due(m.seq, m.reason):
             due.append((e.name, m, key, name))
     due.sort(key=lambda x: x[1].seq)
-    from .node_upload import UploadJob
-
     # (another layout's parts are not discarded either: under the same name, this run's save
     # of that step may be uploading another node's files of those ranks)
     due = _this_layout(d, due)
-    kept = _not_superseded(d, due)
+    return due, _not_superseded(d, due), why
+
+
+def _queue(d: NodeDirectory, due: list[Any], kept: list[Any], why: str) -> None:
+    """Leader: discard what a stop cut off and the remote retention would delete; upload the
+    others again; coordinator: expect their remote commit."""
+    from .node_upload import UploadJob
+
     for local, m, key, name in due:
         if any(local == x[0] for x in kept):
             continue

@@ -1,0 +1,38 @@
+"""Node-local mode: the recovery of the uploads a stop cut off (docs/multinode.md, "After a
+restore") when a node cannot read its disk. Two gloo ranks, one node each, through the worker
+and harness of tests/test_nodelocal_failures.py (a hang fails at the spawn deadline)."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_nodelocal_failures import _run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+
+def test_a_node_that_cannot_read_its_disk_to_recover_uploads_resumes_with_an_error(tmp_path):
+    """Node 1's directory cannot be listed as the restore queues the uploads a stop cut off
+    again: only that rank raised, and node 0 went on into the first save's collectives,
+    alone (a hang until the process group's timeout, or a peer's closed connection). Every
+    rank now skips the recovery together, resumes, and each node's leader logs an ERROR
+    naming node 1 and what failed; the new checkpoints are committed remotely as usual."""
+    _run(tmp_path, "first", 2, "--steps", "4")  # closed: committed remotely
+    out = _run(
+        tmp_path,
+        "second",
+        2,
+        "--steps",
+        "6",
+        RC_RECOVERY_DENIED=1,
+        RC_CAPTURE_LOG=1,
+        RC_LOG_LEVELS=1,
+    )
+    assert [rank[0]["restored"] for rank in out] == [4, 4], out
+    for rank in out:
+        said = rank[-1]["log"]
+        lines = [x for x in said.splitlines() if "not queued again on any node" in x]
+        assert len(lines) == 1 and lines[0].startswith("ERROR "), said
+        assert "node 1: PermissionError" in lines[0] and "Permission denied" in lines[0]
+        assert "those newer than commit" in lines[0], lines[0]
+    assert (tmp_path / "remote" / "step_000000006" / "manifest.json").exists()
