@@ -214,7 +214,8 @@ def test_a_retention_that_fails_after_an_upload_or_at_close_is_an_error_close_co
     denied), nor the files of step 4 once in the trash. close() raised the PermissionError on
     rank 0 (a job with every checkpoint committed and uploaded failed), and node 1 said only
     warnings. Now every checkpoint is counted committed and uploaded, both ranks close, and
-    each node logs an ERROR naming what it did not delete and how to delete it."""
+    each node logs an ERROR naming what it did not delete and how to delete it, once (not
+    after every upload)."""
     out = _run(
         tmp_path, "run", 2, "--steps", "6", RC_KEEP_LAST=1, RC_RETENTION_DENIED=0,
         RC_TRASH_DENIED="1:step_000000002", RC_TRASH_STAYS="step_000000004", RC_LOG_LEVELS=1,
@@ -229,6 +230,7 @@ def test_a_retention_that_fails_after_an_upload_or_at_close_is_an_error_close_co
     assert f"ERROR node 0: the retention pass of {tmp_path / 'node0'} " in zero, zero
     assert "PermissionError: [Errno 13] Permission denied" in zero, zero
     assert "keep_last=1" in zero and "delete them by hand" in zero, zero
+    assert zero.count("the retention pass of") == 1, zero  # each upload's, close's: said once
     one = out[1][-1]["log"]
     gone = tmp_path / "node1" / "step_000000002"
     assert f"ERROR retention: could not delete {gone}: [Errno 13] Permission denied" in one, one

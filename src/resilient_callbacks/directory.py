@@ -38,6 +38,7 @@ from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .reader import by_commit
 from .redact import command
 from .remote_objects import RestoredCopy
+from .repeats import Repeats
 from .retention import RetentionPolicy
 from .retention_pass import apply_retention, collect_blobs
 from .trash import TrashBin
@@ -118,6 +119,7 @@ class Directory:
         self._retention_lock = threading.Lock()
         self.trash = TrashBin()  # deletes what retention removed, off the persist path
         self.manifests = catalog.ManifestCache()  # retention's, parsed once each
+        self.said = Repeats()  # retention's failures, each said once (not after every save)
         self._reported_foreign = False
         self.checked_foreign = False
         self.found_corrupt: set[str] = set()  # by a restore (checksums): kept for inspection
@@ -323,6 +325,7 @@ class Directory:
                 self.trash.put,
                 self.found_corrupt,
                 self.manifests,
+                self.said,
             )
 
     # ------------------------------------------------------------------ history, other runs

@@ -55,6 +55,7 @@ from .lock import COMMAND_WAIT_S, claim_remote
 from .manifest import FileEntry
 from .redact import command
 from .remote_open import open_listing, preflight
+from .repeats import again, reason
 from .retention_pass import apply_retention
 from .sync import SyncStatus
 from .topology import Topology
@@ -289,6 +290,7 @@ class NodeDirectory(Directory):
                 blobs=self.blobs,  # (those a restore of an incremental checkpoint fetched)
                 discard=self.trash.put,
                 corrupt=self.found_corrupt,
+                said=self.said,
             )
 
     def retention_or_say(self, when: str) -> None:
@@ -296,15 +298,19 @@ class NodeDirectory(Directory):
         directory it cannot list) must fail neither the upload nor close(): every checkpoint
         is committed and, once uploaded, counted so; an ERROR names what it did not delete
         and how to delete it. (A checkpoint it cannot delete is named by the pass itself.)"""
+        key = f"retention pass {self.dirpath}"
         try:
             self.apply_retention(None)
         except Exception as e:
+            n = self.said.due(key, reason(e))  # (after every upload: said once, not each time)
+            if n is None:
+                return
             log.error(
                 "node %d: the retention pass of %s %s failed: %s: %s. Every checkpoint stays "
                 "committed (and uploaded, once its upload ends); the older ones that "
                 "keep_last=%s would delete stay in %s. Fix the cause, then delete them by "
                 "hand once the job ended: %s deletes what the retention does not keep (or "
-                "the next save's, or the next run's, retention pass does)",
+                "the next save's, or the next run's, retention pass does)%s",
                 self.topology.node,
                 self.dirpath,
                 when,
@@ -313,7 +319,10 @@ class NodeDirectory(Directory):
                 self.retention.keep_last,
                 self.dirpath,
                 command("gc", self.dirpath),
+                again(n),
             )
+        else:
+            self.said.cleared(key)
 
     def exchange_reports(self, group_fallback: Any = None) -> None:
         """Leaders (a collective on the leaders group): the uploads each node finished reach

@@ -18,6 +18,7 @@ from .blobs import BlobStore
 from .catalog import Depth
 from .commit import remove_checkpoints
 from .redact import command
+from .repeats import Repeats, again, reason
 from .retention import RetentionPolicy, plan
 
 log = logging.getLogger("resilient_callbacks")
@@ -32,6 +33,7 @@ def apply_retention(
     discard: Callable[[str], None] | None = None,
     corrupt: Iterable[str] = (),
     manifests: catalog.ManifestCache | None = None,
+    said: Repeats | None = None,
 ) -> None:
     """Coordinator: delete what ``policy`` does not keep among the committed checkpoints of
     ``root``. Never deletes a ``protected`` name, the newest valid checkpoint, or another run's.
@@ -40,7 +42,9 @@ def apply_retention(
     deletes the files of a checkpoint once it is renamed out of sight (a
     :class:`~.trash.TrashBin`, in the background); here, without one. ``corrupt``: names known
     corrupt though their sizes are right (a restore read them): kept, as corrupt. ``manifests``:
-    those read before. ``keep_last=None`` deletes nothing (:func:`~.retention.plan`): no scan."""
+    those read before. ``said``: the failures to delete said before (a checkpoint that cannot be
+    deleted is said once, not after every save: :mod:`.repeats`). ``keep_last=None`` deletes
+    nothing (:func:`~.retention.plan`): no scan."""
     if policy.keep_last is None:  # (each save read every manifest and listed file's size)
         return
     found = set(corrupt)
@@ -54,19 +58,26 @@ def apply_retention(
 
     def failed(name: str, e: OSError) -> None:
         path = os.path.join(root, name)
+        n = said.due(path, reason(e)) if said is not None else 1
+        if n is None:  # said before, for this reason: each pass tries again, quietly
+            log.debug("retention: could not delete %s (again): %s", path, e)
+            return
         log.error(
             "retention: could not delete %s: %s. It stays on the disk (the next retention pass "
             "tries again); fix the cause (permissions, a read-only mount), or delete it by hand "
-            "once the job ended: rm -r %s (or %s)",
+            "once the job ended: rm -r %s (or %s)%s",
             path,
             e,
             shlex.quote(path),
             command("gc", root),
+            again(n),
         )
 
     # renamed to the trash and the directory fsynced before a file goes; blobs only then
     for name in (gone := remove_checkpoints(root, list(p.delete), discard, failed)):
         log.info("retention: deleted %s", name)
+        if said is not None:
+            said.cleared(os.path.join(root, name))
     if gone and blobs is not None:  # (none if the sync failed: the renames may be undone)
         collect_blobs(blobs)
 
