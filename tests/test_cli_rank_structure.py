@@ -68,6 +68,17 @@ def _reseal(ckpt: str, content: bytes) -> None:
     Path(path).write_text(json.dumps(m))
 
 
+def _unlisted(ckpt: str) -> None:
+    """The manifest lists no ``rank_00001.json`` (its entry dropped, the file gone, resealed):
+    a world of 2 whose rank 1 no restore can load; every listed file passes every check."""
+    os.remove(os.path.join(ckpt, RANK_FILE))
+    path = os.path.join(ckpt, "manifest.json")
+    m = json.loads(Path(path).read_text())
+    m["files"] = [e for e in m["files"] if e["path"] != RANK_FILE]
+    m[SELF_CHECKSUM] = self_checksum(m)
+    Path(path).write_text(json.dumps(m))
+
+
 def _rank0_as_rank1(ckpt: str) -> bytes:
     return Path(ckpt, "rank_00000.json").read_bytes()
 
@@ -86,6 +97,7 @@ DAMAGES = {
         "the structure of rank 0, not of rank 1",
     ),
     "per-rank": (lambda c: _reseal(c, b'{"rank": 1, "per_rank": [1]}'), "malformed per-rank"),
+    "unlisted": (_unlisted, "lists no rank_00001.json although rank 1 of the 2"),
     # not resealed: found by the checks of every file the manifest lists
     "same-size": (_same_size_garbage, "checksum mismatch"),
     "missing": (lambda c: os.remove(os.path.join(c, RANK_FILE)), "listed in the manifest but"),

@@ -73,7 +73,18 @@ def verify_rank_structures(path: str, manifest: Manifest, ranks: set[int] | None
     (its ``rank``, ``per_rank`` and ``rng`` malformed): the restore of that rank would fail on
     it, whatever its checksum. Reads those small files, no tensor: one per rank, so only
     :func:`verify` at :attr:`Depth.FULL` calls it (a check of sizes alone, ``ls --fast``, every
-    save's retention pass, reads the one shared structure file, not a file per rank)."""
+    save's retention pass, reads the one shared structure file, not a file per rank). A
+    manifest of this layout that lists none for a rank that saved is corrupt too (see
+    :func:`_unlisted_rank`)."""
+    missing = _unlisted_rank(manifest, ranks)
+    if missing is not None:
+        raise CheckpointCorruptError(
+            f"{os.path.join(path, 'manifest.json')}: lists no {rank_structure(missing)} although "
+            f"rank {missing} of the {manifest.world_size} that saved it wrote one: the restore "
+            f"of rank {missing} cannot load it (a manifest edited or written by another tool?). "
+            "Resume from another checkpoint, or delete this one (resilient-ckpt gc "
+            "--remove-corrupt)"
+        )
     for entry in manifest.files:
         if entry.path != rank_structure(entry.rank) or (
             ranks is not None and entry.rank not in ranks
@@ -98,6 +109,28 @@ def verify_rank_structures(path: str, manifest: Manifest, ranks: set[int] | None
         except CheckpointCorruptError:
             _as_checksum(where, entry)
             raise
+
+
+def _unlisted_rank(manifest: Manifest, ranks: set[int] | None) -> int | None:
+    """The first rank (of ``ranks``, or of all) whose ``rank_<r>.json`` a manifest of the
+    Checkpointer's layout (it lists ``shared.json`` and a ``rank_<r>.json``) should list and
+    does not: every rank of its ``world_size`` writes one (layout.py), or, for one node's part
+    in node-local mode, every rank its ``extra["node"]["ranks"]`` names below ``world_size``
+    (a node lists only its own ranks, and rank 0's when it downloaded them for a rank the save
+    did not have). Other writers (``dcp.save`` through ``ResilientStorageWriter``, a user's
+    ``CommitSession``) list no ``shared.json``: nothing is expected of them."""
+    listed = {f.rank for f in manifest.files if f.path == rank_structure(f.rank)}
+    if not listed or not any(f.path == SHARED_STRUCTURE for f in manifest.files):
+        return None
+    node = manifest.extra.get("node")
+    if isinstance(node, dict):
+        expected = {r for r in node.get("ranks") or () if isinstance(r, int)}
+    else:
+        expected = set(range(manifest.world_size))
+    expected = {r for r in expected if 0 <= r < manifest.world_size}
+    if ranks is not None:
+        expected &= ranks
+    return min(expected - listed, default=None)
 
 
 def _as_checksum(where: str, entry: FileEntry) -> None:
