@@ -405,7 +405,7 @@ def test_close_names_the_checkpoints_whose_remote_commit_was_given_up(tmp_path):
     assert out[0][-1]["event"] == "close raised" and "step_000000004" in out[0][-1]["pending"]
     assert out[1][-1]["event"] == "closed"  # its part is uploaded: the coordinator raises
     msg = out[0][-1]["msg"]  # (it said the store failed for more than 300 s: a second here)
-    assert "failed 2 times, given up" in msg and "for more than" not in msg, msg
+    assert "failed 2 time(s), given up" in msg and "for more than" not in msg, msg
     log = out[0][-1]["log"]
     assert "not committed remotely (the remote commit failed" in log, log
     assert "step_000000004" in log.split("the remote commit failed")[-1]

@@ -95,12 +95,14 @@ def _nodes_error(d: NodeDirectory, pending: list[str], outage_s: float) -> Uploa
             f"error: {error or f'no byte moved for {outage_s:g} s'})"
         )
     if c is not None and given:  # (attempts that fail in seconds: no outage was waited out)
+        # (each one's own error: a commit that succeeded since cleared the committer's last)
+        last = c.abandoned_why.get(given[-1]) or error
         clauses.append(
-            f"the remote commit of {', '.join(given)} failed {c.max_attempts} times, given up "
-            f"(last error: {error})"
+            f"the remote commit of {', '.join(given)} failed {c.max_attempts} time(s), given "
+            f"up (last error: {last})"
         )
-    if missing:
-        clauses.append(f"their nodes' parts did not all arrive: {missing_parts(d, missing)}")
+    if missing:  # (named one by one: beside the others' reasons, "their" named none)
+        clauses.append(f"not every node's part arrived: {missing_parts(d, missing)}")
     why = "; ".join(clauses)
     why = why[:1].upper() + why[1:]
     return UploadIncompleteError(

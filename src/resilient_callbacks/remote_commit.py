@@ -106,6 +106,8 @@ class RemoteCommitter(UploadThread):
         self.listed: set[str] = set()
         self.committed = 0
         self.abandoned: list[str] = []  # gave up after max_attempts: local only, named at close
+        self.abandoned_why: dict[str, str] = {}  # (their last error: a later success clears
+        # last_error, and close() names why each was given up)
         self._kept: list[str] = []  # the coordinator's copies of those: a later run commits them
         self._abandoned_keys: list[Key] = []  # (their keys: every node keeps its part)
         self._pending: dict[tuple[str, int], PendingCommit] = {}
@@ -388,6 +390,7 @@ class RemoteCommitter(UploadThread):
                     self.committed += 1
                 else:
                     self.abandoned.append(p.name)
+                    self.abandoned_why[p.name] = self.last_error or "none recorded"
                     self._abandoned_keys.append(key)
                     self._kept += [p.local] if p.local else []
                 self._busy = False
