@@ -156,3 +156,54 @@ def test_a_follower_lets_go_of_the_optimizers_collected():
         gc.collect()
     assert len(f._entries) == 1  # the last one's, let go at the next new one
     f.release()
+
+
+def test_a_hook_registered_again_by_one_follower_is_said_to_the_others():
+    """Two followers of one optimizer (two Checkpointers' step watches), its hook removed
+    behind their backs and an update unseen: the first to look registers it again and is
+    told its steps before were not counted; the second was told nothing (the hook was there
+    again when it looked) and took the update for none."""
+    opt = _opt()
+    a, b = Follower(), Follower()
+    entry, _ = a.follow(opt)
+    b.follow(opt)
+    opt._optimizer_step_pre_hooks.clear()
+    _step(opt)  # (not counted)
+    assert a.follow(opt) == (entry, True)
+    assert b.follow(opt) == (entry, True)  # its steps before were not counted either
+    assert b.follow(opt) == (entry, False)
+    assert a.follow(opt) == (entry, False)
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    a.release()
+    b.release()
+    assert len(opt._optimizer_step_pre_hooks) == 0
+
+
+def test_two_step_watches_both_see_an_update_after_the_hook_was_lost():
+    """Two Checkpointers' step watches over one loop (windows of 3 micro-batches, gradients
+    kept as zeros): the optimizer's hooks cleared after an update, then an update after a
+    single micro-batch. The first watch registers the hook again and takes the call for no
+    micro-batch; the second, told nothing, took it for one (a save due there waited)."""
+    from resilient_callbacks.windows import StepWatch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {"model": model, "optimizer": opt}
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    watches = [StepWatch(), StepWatch()]
+    found: dict[int, list[bool]] = {}
+    try:
+        for i in range(1, 9):
+            model(x[i : i + 1]).pow(2).mean().backward()
+            if i % 3 == 0 or i == 7:
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+            found[i] = [w.inside(state, 1) is not None for w in watches]
+            if i == 6:
+                opt._optimizer_step_pre_hooks.clear()
+    finally:
+        for w in watches:
+            w.release()
+    assert found[7] == [False, False]
+    assert found[4] == found[5] == [True, True] and found[6] == [False, False]

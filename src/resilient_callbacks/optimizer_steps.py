@@ -10,8 +10,8 @@ compares; nothing is reset. The registry holds an optimizer only by weak referen
 is removed when the last :class:`Follower` that follows it lets go. A hook that was removed
 behind our back (``opt._optimizer_step_pre_hooks.clear()``, the hooks' dict replaced) is
 noticed when the optimizer is followed again, and registered again (its steps in between were
-not counted: :meth:`Follower.follow` says so). Training thread only; a lock guards the
-registry itself (several Checkpointers may follow from several threads).
+not counted: :meth:`Follower.follow` says so, to each follower). Training thread only; a lock
+guards the registry itself (several Checkpointers may follow from several threads).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class Entry:
         "checkable",
         "handle",
         "hook",
+        "registered",
         "target",
         "updates",
         "users",
@@ -45,6 +46,7 @@ class Entry:
         self.handle: Any = None
         self.hook: Any = None
         self.checkable = False  # the hook was found in the optimizer's hooks once registered
+        self.registered = 0  # times the hook was registered (again, where it was lost)
 
     def began(self, torch_semantics: bool) -> int:
         """``updates`` where ``torch_semantics`` (a torch optimizer evaluates a closure before it
@@ -82,6 +84,7 @@ class Entry:
         self.hook = untraced(pre_step)
         self.handle = opt.register_step_pre_hook(self.hook)
         self.checkable = _registered(opt, self.handle, self.hook)
+        self.registered += 1
 
     def remove(self) -> None:
         if self.handle is not None:
@@ -122,12 +125,20 @@ class Follower:
 
     def __init__(self) -> None:
         self._entries: dict[int, Entry] = {}  # id(optimizer) -> its entry
+        # id(optimizer) -> its entry's registrations as this follower last looked
+        self._registered: dict[int, int] = {}
 
     def follow(self, opt: Any) -> tuple[Entry, bool]:
-        """``opt``'s entry, and whether it was hooked just now for this follower (new to it, or
-        its hook had been removed): its steps before were not counted."""
+        """``opt``'s entry, and whether it was hooked since this follower last looked (new to
+        it, or its hook had been removed and was registered again, by this follower or
+        another): its steps before were not counted."""
         entry = self._entries.get(id(opt))
-        if entry is not None and entry.target() is opt and entry.hooked(opt):
+        if (
+            entry is not None
+            and entry.target() is opt
+            and entry.hooked(opt)
+            and self._registered.get(id(opt)) == entry.registered
+        ):
             return entry, False
         with _LOCK:
             if entry is not None and entry.target() is not opt:  # (another object, same id)
@@ -137,6 +148,7 @@ class Follower:
                 # (the optimizers collected since are let go: one re-created every epoch)
                 for key in [k for k, e in self._entries.items() if e.target() is None]:
                     self._let_go(self._entries.pop(key))
+                    self._registered.pop(key, None)
                 entry = _ENTRIES.get(id(opt))
                 if entry is None or entry.target() is not opt:
                     entry = _ENTRIES[id(opt)] = Entry(opt)
@@ -145,6 +157,7 @@ class Follower:
             if not entry.hooked(opt):
                 entry.remove()
                 entry.register(opt)
+            self._registered[id(opt)] = entry.registered
         return entry, True
 
     def _let_go(self, entry: Entry) -> None:
@@ -162,3 +175,4 @@ class Follower:
             for entry in self._entries.values():
                 self._let_go(entry)
             self._entries.clear()
+            self._registered.clear()
