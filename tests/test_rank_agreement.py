@@ -13,6 +13,10 @@ in a collective fails the test by the deadline.
 - ``restore-held``: a background save's failure that rank 1 alone holds (its account of the
   committed save failed) was raised by rank 1's ``restore()`` before restore's collectives,
   while rank 0 went on into them. Now every rank raises, rank 0 naming rank 1.
+- ``listing-no-manifest``, ``listing-subdir``: with ``filterwarnings("error")`` on every rank, a
+  restore's notice about what rank 0 listed (a ``step_*`` folder without a manifest; nothing to
+  resume from where a subdirectory holds checkpoints) raised on rank 0 alone, before restore's
+  collectives, while rank 1 waited in them. Now every rank raises it.
 """
 
 from __future__ import annotations
@@ -107,6 +111,12 @@ def _werror_step(root: Path, rank: int, on: int) -> dict[str, Any]:
         return {"step": _outcome(lambda: ck.step(3, state))}
 
 
+def _werror_listing(root: Path) -> dict[str, Any]:
+    with warnings.catch_warnings(), Checkpointer(root) as ck:
+        warnings.filterwarnings("error")  # (the same on every rank)
+        return {"restore": _outcome(lambda: ck.restore({"model": nn.Linear(2, 2)}))}
+
+
 def worker(root: str, out: str, cases: list[str]) -> None:
     import torch.distributed as dist
 
@@ -124,6 +134,8 @@ def worker(root: str, out: str, cases: list[str]) -> None:
         elif case == "mixed-once":
             with Checkpointer(where) as ck:
                 res[case] = _outcome(lambda: ck.restore({"model": nn.Linear(2, 2)}))
+        elif case.startswith("listing-"):
+            res[case] = _werror_listing(where)
         elif case.startswith("werror-step-"):
             res[case] = _werror_step(where, rank, int(case[-1]))
         elif case.startswith("werror-"):
@@ -151,12 +163,19 @@ CASES = [
     "retention-sync",
     "retention-background",
     "restore-held",
+    "listing-no-manifest",
+    "listing-subdir",
 ]
 
 
 def _run(tmp_path: Path, cases: list[str]) -> list[dict[str, Any]]:
     if "mixed-once" in cases:  # a checkpoint of one rank, without RNG states
         with Checkpointer(tmp_path / "ckpt" / "mixed-once", capture_rng=False) as ck:
+            ck.save(1, {"model": nn.Linear(2, 2)})
+    if "listing-no-manifest" in cases:  # a step_* folder without a manifest
+        (tmp_path / "ckpt" / "listing-no-manifest" / "step_000000005").mkdir(parents=True)
+    if "listing-subdir" in cases:  # nothing to resume from; a subdirectory holds checkpoints
+        with Checkpointer(tmp_path / "ckpt" / "listing-subdir" / "run1") as ck:
             ck.save(1, {"model": nn.Linear(2, 2)})
     out = tmp_path / "result"
     argv = [sys.executable, __file__, "worker", str(tmp_path / "ckpt"), str(out), *cases]
@@ -197,3 +216,10 @@ def test_what_one_rank_finds_is_raised_on_every_rank(tmp_path):
         _check_retention(res["retention-sync"], background=False)
         _check_retention(res["retention-background"], background=True)
     _check_restore_held(r0["restore-held"], r1["restore-held"])
+    for case, said in (
+        ("listing-no-manifest", "step_000000005 has no manifest.json, so it is not a checkpoint"),
+        ("listing-subdir", "these subdirectories hold checkpoints: run1 (1)"),
+    ):
+        assert r0[case] == r1[case], (r0[case], r1[case])  # (the same text, on every rank)
+        assert r0[case]["restore"]["error"] == "UserWarning", r0[case]
+        assert said in r0[case]["restore"]["message"], r0[case]

@@ -120,30 +120,46 @@ def ranks_named(ranks: list[int]) -> str:
     return f"ranks {', '.join(map(str, ranks[:8]))}{more}"
 
 
-def say_what_is_not_a_checkpoint(
+def listing_notes(
+    dirpath: str,
+    no_manifest: list[str],
+    fresh: bool,
+    read_only: bool,
+    given: tuple[object, str],
+) -> list[str]:
+    """The coordinator, having listed ``dirpath`` for ``resume="auto"``: what the restore says
+    about the listing (:func:`what_is_not_a_checkpoint`, :func:`where_it_looked` where it
+    starts fresh; ``given``: ``Checkpointer.dirpath_given``). The ranks get these in the
+    listing's broadcast and say each once (:func:`say_once`): with ``-W error``, every rank
+    raises it there. Said on rank 0 alone, it raised there while the others went on into
+    restore's collectives and waited for it until the process group's timeout."""
+    said = what_is_not_a_checkpoint(dirpath, no_manifest, fresh, read_only)
+    looked = where_it_looked(dirpath, *given) if fresh and not read_only else None
+    return said + ([looked] if looked else [])
+
+
+def what_is_not_a_checkpoint(
     dirpath: str, no_manifest: list[str], fresh: bool, read_only: bool
-) -> None:
-    """After ``resume="auto"`` chose what to load. ``no_manifest``: the ``step_*`` folders of
-    ``dirpath`` without a manifest (no save of this library leaves one: damage, or a copy still
-    in progress), named in a warning (a ``UserWarning``: no checkpoint was skipped, so not a
-    :class:`ResumeFallbackWarning`). ``fresh``: nothing to resume
-    from; then the subdirectories that hold checkpoints are named (a ``dirpath`` one level too
+) -> list[str]:
+    """After ``resume="auto"`` chose what to load, the warnings to say (``UserWarning``s: no
+    checkpoint was skipped, so not :class:`ResumeFallbackWarning`s). ``no_manifest``: the
+    ``step_*`` folders of ``dirpath`` without a manifest (no save of this library leaves one:
+    damage, or a copy still in progress), named. ``fresh``: nothing to resume from; then the subdirectories that hold checkpoints are named (a ``dirpath`` one level too
     high), and so are checkpoints of plain ``dcp.save`` there (a run moved to this library,
     pointed at its old directory), and a read-only restore says that it restored nothing."""
+    said = []
     if no_manifest:
         n = len(no_manifest)
         shown = ", ".join(no_manifest[:5]) + (f" and {n - 5} more" if n > 5 else "")
         then = "starting without a checkpoint" if fresh else "not loaded"
-        warn_and_log(
-            log,
+        said.append(
             f"{dirpath}: {shown} {'has' if n == 1 else 'have'} no {MANIFEST_NAME}, so "
             f"{'it is' if n == 1 else 'they are'} not a checkpoint (a save of this library "
             f"never leaves one: damaged, or a copy still in progress); {then}. "
-            f"{command('ls', dirpath)} lists them",
-            stacklevel=AT_CALLER,
+            f"{command('ls', dirpath)} lists them"
         )
     if not fresh:
-        return
+        return said
     subs = catalog.holders(dirpath)
     plain = catalog.plain_dcp(dirpath)
     where = ""
@@ -156,20 +172,18 @@ def say_what_is_not_a_checkpoint(
     if plain:
         where += f"; {catalog.plain_dcp_note(dirpath, plain)}"
     if read_only:
-        warn_and_log(
-            log,
+        said.append(
             f"read_only restore: no checkpoint in {dirpath}{where}; nothing was restored "
-            "(restore() returned 0 and the state is as it was)",
-            stacklevel=AT_CALLER,
+            "(restore() returned 0 and the state is as it was)"
         )
     elif subs or plain:
-        warn_and_log(
-            log, f"no checkpoint in {dirpath}{where}; starting fresh", stacklevel=AT_CALLER
-        )
+        said.append(f"no checkpoint in {dirpath}{where}; starting fresh")
+    return said
 
 
-def say_where_it_looked(dirpath: str, given: object, cwd: str) -> None:
-    """A fresh start of ``resume="auto"``: the directory it looked in, absolute (INFO). A
+def where_it_looked(dirpath: str, given: object, cwd: str) -> str | None:
+    """A fresh start of ``resume="auto"``: the directory it looked in, absolute (INFO); the
+    warning to say where that may be the wrong one (else None). A
     ``dirpath`` given relative was resolved against ``cwd``, the working directory when the
     Checkpointer was made; where that is a job folder Hydra made and changed into, each
     run of the job looks in a folder of its own, so a restart never finds the checkpoints
@@ -181,7 +195,7 @@ def say_where_it_looked(dirpath: str, given: object, cwd: str) -> None:
     )
     if not relative:
         log.info("no checkpoint in %s; starting from step 0", dirpath)
-        return
+        return None
     log.info(
         "no checkpoint in %s (dirpath=%r, relative to the working directory %s when the "
         "Checkpointer was made); starting from step 0",
@@ -191,20 +205,17 @@ def say_where_it_looked(dirpath: str, given: object, cwd: str) -> None:
     )
     mode = _hydra_mode(cwd) if cwd else None
     if mode is None:
-        return
+        return None
     if mode == "MULTIRUN":  # a sweep's jobs, each its own config: one folder each, not one
-        warn_and_log(  # (its sibling jobs are no earlier run: none is named)
-            log,
+        return (  # (its sibling jobs are no earlier run: none is named)
             f"dirpath={given!r} is relative to the working directory {cwd}, a folder Hydra "
             "made for this job of a sweep (multirun): a sweep run again looks for "
             "checkpoints in new folders, and a restart never finds those of the run before. "
             "Pass an absolute dirpath that names the job, e.g. "
             f"os.path.join(hydra.utils.get_original_cwd(), {given!r}, "
             "HydraConfig.get().job.override_dirname); one folder for every job of the sweep "
-            "would mix their checkpoints",
-            stacklevel=AT_CALLER,
+            "would mix their checkpoints"
         )
-        return
     # Hydra's run folders are <outputs>/<date>/<time>: an earlier run's is a cousin of cwd
     runs = os.path.dirname(os.path.dirname(cwd))
     held, looked, bounded = _earlier_run(runs, str(given), dirpath)
@@ -217,14 +228,12 @@ def say_where_it_looked(dirpath: str, given: object, cwd: str) -> None:
         )
     else:
         found = ""
-    warn_and_log(
-        log,
+    return (
         f"dirpath={given!r} is relative to the working directory {cwd}, a folder Hydra made "
         "for this job (it holds .hydra/): each run of the job looks for checkpoints in a new "
         f"folder, and a restart never finds those of the run before{found}. Pass an absolute "
         f"dirpath, e.g. os.path.join(hydra.utils.get_original_cwd(), {given!r}), or run with "
-        "hydra.job.chdir=False",
-        stacklevel=AT_CALLER,
+        "hydra.job.chdir=False"
     )
 
 

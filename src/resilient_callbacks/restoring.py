@@ -91,21 +91,18 @@ class Restorer:
         self._t0 = time.perf_counter()
         self._tier = "local"
         self._skipped, self._mapped_since = 0, notices.mappings_made()  # before: not ours
-        cands = self._listed()
+        cands = self._listed(notes=True)
         relist = RELIST if ck.config.read_only and ck.config.resume == ResumeMode.AUTO else 0
         for _ in range(relist):
             if cands:
                 break
             # beside a writer, one listing can miss every checkpoint (the newest not yet renamed
             # in, the one before deleted): an evaluator would score an untrained model
-            cands = self._listed()
+            cands = self._listed(notes=True)
         self._remote_copies = {c.key for c in cands if c.remote is not None}
         explicit = ck.config.resume not in (ResumeMode.AUTO, ResumeMode.NEVER)
-        if ck.is_coordinator and ck.config.resume == ResumeMode.AUTO:
-            odd, self._no_manifest = self._no_manifest, []
-            notices.say_what_is_not_a_checkpoint(ck.dirpath, odd, not cands, ck.config.read_only)
-            if not cands and not ck.config.read_only:
-                notices.say_where_it_looked(ck.dirpath, *ck.dirpath_given)
+        for said in self._notes:  # rank 0's, the same on every rank: -W error stops every rank
+            notices.say_once(notices.log, said)
         if not cands:
             self.fresh_start()
             return 0
@@ -168,18 +165,22 @@ class Restorer:
         ck._recorder.continued_unsaved(start, restarts, down)
         ck._trigger.clock.reset(restarts[-1] - start - down)  # every_seconds: its time ran
 
-    def _listed(self) -> list[Candidate]:
-        """Every rank: the coordinator's candidates (its error raised on every rank)."""
-        cands: list[Candidate] = []
-        error = None
-        pending: BaseException | None = None
-        if self._ck.is_coordinator:
+    def _listed(self, notes: bool = False) -> list[Candidate]:
+        """Every rank: the coordinator's candidates (its error raised on every rank); with
+        ``notes``, in ``self._notes`` what to say about the listing (:func:`.listing_notes`)."""
+        ck, cands, said, error, pending = self._ck, [], [], None, None
+        if ck.is_coordinator:
             try:
                 cands = self.candidates()
+                if notes and ck.config.resume == ResumeMode.AUTO:  # (said on every rank)
+                    nm, self._no_manifest, ro = self._no_manifest, [], ck.config.read_only
+                    said = notices.listing_notes(ck.dirpath, nm, not cands, ro, ck.dirpath_given)
             except Exception as e:  # reported to every rank, so none is left waiting
-                error = {"type": type(e).__name__, "msg": str(e)}
-                pending = e
-        msg = dist.broadcast_json({"cands": [c.to_json() for c in cands], "error": error})
+                error, pending = {"type": type(e).__name__, "msg": str(e)}, e
+        msg = dist.broadcast_json(
+            {"cands": [c.to_json() for c in cands], "error": error, "notes": said}
+        )
+        self._notes: list[str] = msg["notes"]
         if msg["error"] is not None:
             if pending is not None:
                 raise pending
