@@ -17,6 +17,11 @@ in a collective fails the test by the deadline.
   restore's notice about what rank 0 listed (a ``step_*`` folder without a manifest; nothing to
   resume from where a subdirectory holds checkpoints) raised on rank 0 alone, before restore's
   collectives, while rank 1 waited in them. Now every rank raises it.
+- ``load-notice``: an adapter's notice about what rank 1 alone loaded (``load_notices``: the
+  Transformers Trainer's best checkpoint gone from that node's disk), with
+  ``filterwarnings("error")`` on every rank: said after the restore, it raised on rank 1 alone
+  while rank 0 went on. Now it is rank 1's failure in restore's outcome exchange: rank 1
+  raises it, rank 0 a ``CheckpointMismatchError`` naming rank 1.
 """
 
 from __future__ import annotations
@@ -117,6 +122,16 @@ def _werror_listing(root: Path) -> dict[str, Any]:
         return {"restore": _outcome(lambda: ck.restore({"model": nn.Linear(2, 2)}))}
 
 
+def _load_notice(root: Path, rank: int) -> dict[str, Any]:
+    state = {"model": nn.Linear(2, 2)}
+    with Checkpointer(root, async_save=False) as ck:
+        ck.save(1, state)
+    with warnings.catch_warnings(), Checkpointer(root) as ck:
+        ck.load_notices = lambda: ["rank 1: its own notice"] if rank == 1 else []
+        warnings.filterwarnings("error")  # (the same on every rank)
+        return {"restore": _outcome(lambda: ck.restore(state))}
+
+
 def worker(root: str, out: str, cases: list[str]) -> None:
     import torch.distributed as dist
 
@@ -134,6 +149,8 @@ def worker(root: str, out: str, cases: list[str]) -> None:
         elif case == "mixed-once":
             with Checkpointer(where) as ck:
                 res[case] = _outcome(lambda: ck.restore({"model": nn.Linear(2, 2)}))
+        elif case == "load-notice":
+            res[case] = _load_notice(where, rank)
         elif case.startswith("listing-"):
             res[case] = _werror_listing(where)
         elif case.startswith("werror-step-"):
@@ -165,6 +182,7 @@ CASES = [
     "restore-held",
     "listing-no-manifest",
     "listing-subdir",
+    "load-notice",
 ]
 
 
@@ -223,3 +241,11 @@ def test_what_one_rank_finds_is_raised_on_every_rank(tmp_path):
         assert r0[case] == r1[case], (r0[case], r1[case])  # (the same text, on every rank)
         assert r0[case]["restore"]["error"] == "UserWarning", r0[case]
         assert said in r0[case]["restore"]["message"], r0[case]
+    assert r1["load-notice"]["restore"] == {
+        "error": "UserWarning",
+        "message": "rank 1: its own notice",
+    }
+    assert r0["load-notice"]["restore"] == {
+        "error": "CheckpointMismatchError",
+        "message": "restore failed on rank 1: UserWarning: rank 1: its own notice",
+    }

@@ -4,6 +4,9 @@ its own checkpoints): also when evaluations tie."""
 
 from __future__ import annotations
 
+import re
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -78,6 +81,12 @@ def test_a_resume_forgets_a_best_checkpoint_directory_that_is_gone(tmp_path, lat
     with pytest.raises(tt._Killed):
         run(tmp_path / "got", kill_at=7)
     shutil.rmtree(tmp_path / "got" / "out")  # the Trainer's checkpoint-N directories
+    if not later_is_better:  # -W error: raised in the restore, once the ranks compared outcomes
+        with warnings.catch_warnings(), pytest.raises(UserWarning, match="best checkpoint") as e:
+            warnings.filterwarnings("error", message=".*best checkpoint")
+            run(tmp_path / "got")
+        frames = [f.name for f in traceback.extract_tb(e.tb)]  # (after it, it raised on the
+        assert "_try_load" in frames, frames  # rank that lacks the folder alone: 2-rank test)
     with pytest.warns(UserWarning, match=r"best checkpoint .*checkpoint-\d+ .* does not exist"):
         cb, got = run(tmp_path / "got")
     assert cb.restored_step == 6
@@ -177,8 +186,8 @@ def test_a_gone_best_is_warned_when_only_another_runs_checkpoint_records_a_later
     _leave_checkpoint(out, 20, 18, other)  # another run's, left in the same output_dir
     caplog.set_level(logging.INFO, "resilient_callbacks")
     state = _trainer_state(6, 2, out, mine)
-    with pytest.warns(UserWarning, match=r"best checkpoint .*checkpoint-2 .* does not exist"):
-        forget_a_best_checkpoint_that_is_gone(state, args)
+    said = forget_a_best_checkpoint_that_is_gone(state, args)  # (the restore says it)
+    assert re.search(r"best checkpoint .*checkpoint-2 .* does not exist", said or ""), said
     assert state.best_model_checkpoint is None
     assert not [r for r in caplog.records if r.levelno == logging.INFO and "step 18" in r.message]
 

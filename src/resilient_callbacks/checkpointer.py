@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import closing, dist, sinks, stall, topology
@@ -182,6 +182,10 @@ class Checkpointer(CheckpointerQueries):
         # what the restore's warnings advise, and where they point: an adapter whose framework
         # calls restore() (Transformers) sets its framework's words and directories
         self.restore_advice = Advice()
+        # every rank, once a restore loaded the state, before the ranks compare outcomes: this
+        # rank's own notices about what it loaded, said after they agree; under -W error every
+        # rank stops with one (notices.first_raising). An adapter sets it (Transformers)
+        self.load_notices: Callable[[], list[str]] = list
         self._logger_unchecked = "logger" in self.telemetry_kinds
         self.dirpath: str = self.config.dirpath
         self.retention = self.config.local_retention_policy()

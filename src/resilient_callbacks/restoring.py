@@ -358,6 +358,7 @@ class Restorer:
                 warns, once = rng.restore_saved(
                     part.rng, part.tensors, ck.rank, manifest.world_size
                 )
+            warns = warns + ck.load_notices()  # (an adapter's, about this rank: as the RNG's)
         except Exception as e:
             local_exc = e
         local_exc = local_exc or notices.first_raising(warns)  # (-W error: every rank stops)

@@ -286,6 +286,7 @@ class ResilientCheckpoint(TrainerCallback):
         ckpt = Checkpointer(dirpath, **options)
         ckpt.logs_through_framework = True
         ckpt.restore_advice = resumed.advice()
+        ckpt.load_notices = lambda: self._saved.load_notices(trainer.args)  # (said by restore)
         if self._save_every_epoch:
             ckpt.saves_on_caller_schedule("every epoch end (save_strategy='epoch')")
         self.checkpointer = ckpt

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import dist, notices, sinks
 from ..checkpointer import Checkpointer
-from ..errors import AT_CALLER, CheckpointMismatchError, warn_and_log
+from ..errors import CheckpointMismatchError
 from ..optim import hookable
 from ..structure import OptionalKeys, PerRank
 from . import collator_rng, data_settings, under_deepspeed, under_fsdp
@@ -60,6 +61,7 @@ class SavedState:
         self.epoch_start = torch.zeros(_RNG_BYTES, dtype=torch.uint8)  # when the epoch began
         self.epoch_start_live: torch.Tensor | None = None  # this epoch's, set by the loop
         self.model_info: dict[str, Any] = {}
+        self.best_gone = False  # the restore found the best checkpoint gone (load_notices)
         self.signature: dict[str, int] = {}  # the data settings a position in an epoch needs
         self.batches: Any = None  # the training data's resumable batch sampler (build())
         self.order: dict[str, Any] = {}  # what draws an epoch's order (data_settings.order)
@@ -160,6 +162,22 @@ class SavedState:
         if self.epoch_start_live is not None:
             self.epoch_start.copy_(self.epoch_start_live)
 
+    def load_notices(self, args: Any) -> list[str]:
+        """Every rank, as the Checkpointer's ``load_notices`` once the restore loaded
+        :attr:`tree`, before the ranks compare their outcomes: whether the Trainer's best
+        checkpoint it names is gone from this machine (:attr:`best_gone`, forgotten by
+        :meth:`apply`); the warning that says so, said after the ranks agree. Under ``-W
+        error`` it stops every rank: said later, in :meth:`apply`, it raised on this rank alone
+        (a node whose disk lacks it) while the others went on into their next collective."""
+        values = self.values.get("state")
+        self.best_gone = False
+        if self.values.get("format") != FORMAT or not isinstance(values, dict):
+            return []  # (refused by apply)
+        st = SimpleNamespace(**values)
+        said = forget_a_best_checkpoint_that_is_gone(st, args)
+        self.best_gone = st.best_model_checkpoint != values.get("best_model_checkpoint")
+        return [said] if said else []
+
     def apply(
         self, trainer: Any, state: Any, step: int
     ) -> tuple[int, int, torch.Tensor, torch.Tensor, bool]:
@@ -181,7 +199,8 @@ class SavedState:
             data_settings.check_order(v.get("order"), self.order, v["loop"], step)
         for name, value in v["state"].items():
             setattr(state, name, value)
-        forget_a_best_checkpoint_that_is_gone(state, trainer.args)
+        if self.best_gone:  # (found by the restore: :meth:`load_notices`)
+            state.best_model_checkpoint = None
         restore_callback_states(trainer, v["callbacks"], exclude=self.exclude)
         loop = v["loop"]
         if self.batches is not None:
@@ -205,17 +224,18 @@ class SavedState:
         )
 
 
-def forget_a_best_checkpoint_that_is_gone(state: Any, args: Any) -> None:
+def forget_a_best_checkpoint_that_is_gone(state: Any, args: Any) -> str | None:
     """The Trainer's best ``checkpoint-N`` (``trainer_checkpoints=True``), as restored, is not
     on this machine (a resume from the remote copy on a new node, an ``output_dir`` cleaned,
     ``save_total_limit``): forget it, as the Trainer's own resume does (the same cwd-relative
     check), so that ``load_best_model_at_end`` does not try to load it at the end (a later,
     better evaluation sets a new one). Said at INFO where nothing is lost: the stopped run's
     rotation removed it after a better evaluation this run repeats, or the end loads no best;
-    else a warning: ``load_best_model_at_end`` would not load that best."""
+    else a warning, returned (this rank's: said by the restore, :meth:`SavedState.load_notices`):
+    ``load_best_model_at_end`` would not load that best."""
     best = state.best_model_checkpoint
     if best is None or os.path.isdir(best):
-        return
+        return None
     state.best_model_checkpoint = None
     what = (
         f"ResilientCheckpoint: the Trainer's best checkpoint {best} (step "
@@ -231,10 +251,10 @@ def forget_a_best_checkpoint_that_is_gone(state: Any, args: Any) -> None:
             later,
             state.global_step,
         )
-        return
+        return None
     if not args.load_best_model_at_end:
         log.info("%s: forgotten, as the Trainer's own resume does", what)
-        return
+        return None
     msg = (
         f"{what} (another machine's output_dir, a directory cleaned): forgotten, as the "
         "Trainer's own resume does; load_best_model_at_end=True loads a best found from here "
@@ -242,7 +262,7 @@ def forget_a_best_checkpoint_that_is_gone(state: Any, args: Any) -> None:
         "remote copy), pass ResilientCheckpoint(keep_best=1, monitor=...) and export it with "
         "resilient_callbacks.transformers.export_pretrained."
     )
-    warn_and_log(log, notices.on_this_rank(msg), UserWarning, stacklevel=AT_CALLER)
+    return notices.on_this_rank(msg)
 
 
 def _best_moved_after(output_dir: str, step: int, history: list[Any]) -> int | None:
