@@ -22,6 +22,11 @@ in a collective fails the test by the deadline.
   ``filterwarnings("error")`` on every rank: said after the restore, it raised on rank 1 alone
   while rank 0 went on. Now it is rank 1's failure in restore's outcome exchange: rank 1
   raises it, rank 0 a ``CheckpointMismatchError`` naming rank 1.
+- ``foreign-restore``, ``foreign-save``: with ``filterwarnings("error")`` on every rank, rank 0's
+  ``ForeignCheckpointsWarning`` (another run's checkpoints in the directory) at a restore (before
+  its last broadcast) and at a new run's first save (before the save's collectives) raised on
+  rank 0 alone while rank 1 waited. Now the restore's is said by every rank, and the save's is
+  rank 0's failure of that save, which every rank raises.
 """
 
 from __future__ import annotations
@@ -132,6 +137,15 @@ def _load_notice(root: Path, rank: int) -> dict[str, Any]:
         return {"restore": _outcome(lambda: ck.restore(state))}
 
 
+def _werror_foreign(root: Path, restore: bool) -> dict[str, Any]:
+    state = {"model": nn.Linear(2, 2)}
+    resume = "auto" if restore else "never"  # (no RNG states: the checkpoints are of one rank)
+    with warnings.catch_warnings(), Checkpointer(root, resume=resume, capture_rng=False) as ck:
+        warnings.filterwarnings("error")  # (the same on every rank)
+        call = (lambda: ck.restore(state)) if restore else (lambda: ck.save(3, state))
+        return {"call": _outcome(call)}
+
+
 def worker(root: str, out: str, cases: list[str]) -> None:
     import torch.distributed as dist
 
@@ -149,6 +163,8 @@ def worker(root: str, out: str, cases: list[str]) -> None:
         elif case == "mixed-once":
             with Checkpointer(where) as ck:
                 res[case] = _outcome(lambda: ck.restore({"model": nn.Linear(2, 2)}))
+        elif case.startswith("foreign-"):
+            res[case] = _werror_foreign(where, case == "foreign-restore")
         elif case == "load-notice":
             res[case] = _load_notice(where, rank)
         elif case.startswith("listing-"):
@@ -183,6 +199,8 @@ CASES = [
     "listing-no-manifest",
     "listing-subdir",
     "load-notice",
+    "foreign-restore",
+    "foreign-save",
 ]
 
 
@@ -195,6 +213,13 @@ def _run(tmp_path: Path, cases: list[str]) -> list[dict[str, Any]]:
     if "listing-subdir" in cases:  # nothing to resume from; a subdirectory holds checkpoints
         with Checkpointer(tmp_path / "ckpt" / "listing-subdir" / "run1") as ck:
             ck.save(1, {"model": nn.Linear(2, 2)})
+    for case in ("foreign-restore", "foreign-save"):  # two runs' checkpoints (step 1, step 2)
+        if case in cases:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the second run's save says the first's)
+                for step in (1, 2):
+                    with Checkpointer(tmp_path / "ckpt" / case, resume="never") as ck:
+                        ck.save(step, {"model": nn.Linear(2, 2)})
     out = tmp_path / "result"
     argv = [sys.executable, __file__, "worker", str(tmp_path / "ckpt"), str(out), *cases]
     spawn_ranks.run(
@@ -241,6 +266,13 @@ def test_what_one_rank_finds_is_raised_on_every_rank(tmp_path):
         assert r0[case] == r1[case], (r0[case], r1[case])  # (the same text, on every rank)
         assert r0[case]["restore"]["error"] == "UserWarning", r0[case]
         assert said in r0[case]["restore"]["message"], r0[case]
+    for r in (r0, r1):
+        assert r["foreign-restore"]["call"]["error"] == "ForeignCheckpointsWarning", r
+        assert "holds 1 checkpoint(s) of 1 other run(s)" in r["foreign-restore"]["call"]["message"]
+        assert r["foreign-save"]["call"]["error"] == "CheckpointWriteError", r
+        said = r["foreign-save"]["call"]["message"]
+        assert "failed on rank(s) 0: rank 0: ForeignCheckpointsWarning:" in said, said
+    assert r0["foreign-restore"] == r1["foreign-restore"]
     assert r1["load-notice"]["restore"] == {
         "error": "UserWarning",
         "message": "rank 1: its own notice",

@@ -24,14 +24,11 @@ from .branches import Tip
 from .catalog import Depth, Entry, Status
 from .commit import CKPT_RE, RenameCommit, open_dir, sweep_staging
 from .errors import (
-    AT_CALLER,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     ConfigError,
-    ForeignCheckpointsWarning,
     error_type,
-    warn_and_log,
 )
 from .lock import COMMAND_WAIT_S, DirLock, claim_remote
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -351,25 +348,27 @@ class Directory:
         except Exception as e:
             log.warning("could not record the %s in %s: %s", event, self.dirpath, e)
 
-    def check_foreign(self, unrestored: bool = False) -> None:
-        """Coordinator, once per run: warn about checkpoints of other runs in the directory
-        (``unrestored``: this run saves without a restore() that resume='auto' asked for)."""
+    def check_foreign(self, unrestored: bool = False) -> list[str]:
+        """Coordinator, once per run: the warnings (``ForeignCheckpointsWarning``) to say about
+        checkpoints of other runs in the directory (``unrestored``: this run saves without a
+        restore() that resume='auto' asked for). The caller says them where a warning the
+        filters make an error stops every rank (``-W error``): in restore's last broadcast, or
+        as the first save's failure, which every rank learns in the save's exchange."""
         self.checked_foreign = True
         if self.read_only:  # a reader deletes nothing: the warning is for the run's writer
-            return
+            return []
         try:
             entries = catalog.scan(self.dirpath, Depth.NONE)
         except OSError as e:  # the save that follows reports what is wrong with the directory
             log.info("could not list %s for checkpoints of other runs: %s", self.dirpath, e)
-            return
-        self.report_foreign(entries, unrestored)
-        self._report_remote_foreign()
+            return []
+        return self.report_foreign(entries, unrestored) + self._report_remote_foreign()
 
-    def _report_remote_foreign(self) -> None:
+    def _report_remote_foreign(self) -> list[str]:
         """The same for the remote tier's listing (made when the directory was opened): a new
         run beside another run's remote checkpoints, e.g. a sweep's trials given one URL."""
         if self.sync is None or self.remote is None or self.run_id is None:
-            return
+            return []
         mine = self.run_id
         foreign = [
             e.manifest for e in self.sync.entries() if e.manifest and e.manifest.run_id != mine
@@ -384,14 +383,15 @@ class Directory:
                 f"{command('gc', self.dirpath, '--remote', self.remote.url, '--other-runs')} "
                 "(--dry-run first)."
             )
-            warn_and_log(log, msg, ForeignCheckpointsWarning, stacklevel=AT_CALLER)
+            return [msg]
+        return []
 
-    def report_foreign(self, entries: list[Entry], unrestored: bool = False) -> None:
+    def report_foreign(self, entries: list[Entry], unrestored: bool = False) -> list[str]:
         if self._reported_foreign or self.run_id is None:
-            return
+            return []
         foreign = [e for e in entries if e.manifest and e.manifest.run_id != self.run_id]
         if not foreign:
-            return
+            return []
         self._reported_foreign = True
         runs = sorted({e.manifest.run_id for e in foreign if e.manifest})
         steps = [e.manifest.step for e in foreign if e.manifest]
@@ -413,7 +413,7 @@ class Directory:
             f"{command('gc', self.dirpath, '--other-runs')} (after this run has saved; "
             "`--dry-run` first shows what it would delete)."
         )
-        warn_and_log(log, msg, ForeignCheckpointsWarning, stacklevel=AT_CALLER)
+        return [msg]
 
     def checkpoints(self) -> list[Entry]:
         """Committed checkpoints in the directory, oldest first (sizes checked, not checksums)."""

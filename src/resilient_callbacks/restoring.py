@@ -50,6 +50,7 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     ConfigError,
+    ForeignCheckpointsWarning,
     NoValidCheckpointError,
     ResumeFallbackWarning,
     error_type,
@@ -407,19 +408,20 @@ class Restorer:
             manifest, inside, time.perf_counter() - self._t0, self._tier, self._skipped
         )
         note = rollback_notice.on_restart(ck, manifest, fields, inside)  # (the coordinator's)
-        life = inside and not ck._recorder.began  # a restart (not this process's roll-back)
+        life, foreign = inside and not ck._recorder.began, []  # a restart (not a roll-back)
         if ck.is_coordinator and inside:
             # a resume (the run stopped early), or this process's roll-back: not a new life
             d.record("restore" if ck._recorder.began else "restart", manifest.step, **fields)
             ck._recorder.record_deferred()  # the fallbacks on the way to this checkpoint
-            d.check_foreign()  # at the caller of Checkpointer.restore
-        # every rank: the run's start, restarts, time down, time run since this save (a restart)
-        lineage = None
+            foreign = d.check_foreign()  # (said by every rank, below)
+        lineage = None  # every rank: the run's start, restarts, time down, run since the save
         if ck.is_coordinator:
             lines = history.read_lines(ck.dirpath)  # (once: both read the whole history)
             ran = history.running_since_save(ck.dirpath, d.run_id, lines=lines) if life else 0.0
-            lineage = [*history.lineage(ck.dirpath, d.run_id, lines=lines), note, ran]
-        start, restarts, down, note, ran = dist.broadcast_json(lineage)
+            lineage = [*history.lineage(ck.dirpath, d.run_id, lines=lines), note, ran, foreign]
+        start, restarts, down, note, ran, foreign = dist.broadcast_json(lineage)
+        for said in foreign:  # (rank 0's listing: -W error stops every rank)
+            notices.say_once(notices.log, said, ForeignCheckpointsWarning)
         ck._trigger.clock.reset(ran)
         rollback_notice.say(note, ck.is_coordinator)
         ck._recorder.lineage(manifest, inside, start, restarts, down)  # (and the schedule's)

@@ -29,7 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import dist, held_failures, rng, statetree, structure
 from .background import BackgroundPersister
 from .compression import Chooser
-from .errors import CheckpointWriteError
+from .errors import AT_CALLER, CheckpointWriteError, ForeignCheckpointsWarning, warn_and_log
 from .filepart import CapturedParts, PartBuffers
 from .optim import hookable, untraced
 from .part_blobs import PartBlobs
@@ -181,12 +181,14 @@ class Saver:
         self.metric_names.update(k for k, v in metrics_json.items() if v is not None)
         unrestored = ck._dir.run_id is None and ck.config.resume == "auto"  # no restore() ran
         ck._start_run(step, at=ck._recorder.created)  # no restore(): it started at construction
-        d = ck._dir
-        if ck.is_coordinator and not d.checked_foreign:
-            d.check_foreign(unrestored)  # in the training thread: the warning reaches the caller
+        foreign = ck.is_coordinator and not ck._dir.checked_foreign  # (said at the caller)
+        if foreign and ck.world_size == 1:
+            self._say_foreign(unrestored)  # (-W error: raised as it is)
         prepared: Prepared | None = None
         local_exc: BaseException | None = None
         try:
+            if foreign and ck.world_size > 1:  # -W error: rank 0's failure, which every rank
+                self._say_foreign(unrestored)  # learns in this save's exchange
             if held is None:
                 prepared = self.prepare(state, copy=background, rng_state=rng_state)
         except Exception as e:  # reported to every rank (the exchange, or the persist step)
@@ -271,6 +273,11 @@ class Saver:
             self.save_seconds[-1] = blocking
         if self.ck.schedule is not None and self._schedules(reason):
             self.ck.schedule.amend_last_cost(blocking)
+
+    def _say_foreign(self, unrestored: bool) -> None:
+        """Coordinator, at the first save: other runs' checkpoints in the directory."""
+        for said in self.ck._dir.check_foreign(unrestored):
+            warn_and_log(log, said, ForeignCheckpointsWarning, stacklevel=AT_CALLER)
 
     def wait_background(self) -> float:
         """Block until every background save has committed; raise if one failed."""
