@@ -189,6 +189,7 @@ def test_a_store_that_answers_a_long_listing_is_not_said_to_give_no_answer(monke
     assert "no answer" not in said[0] and "a store of many objects" in said[0], said
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_the_transformers_cli_without_a_command_names_its_commands():
     """``python -m resilient_callbacks.transformers`` with no command said argparse's
     "the following arguments are required: cmd" (the attribute's name, no command)."""

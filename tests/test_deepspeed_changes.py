@@ -215,6 +215,7 @@ def test_a_freeze_change_at_zero3_names_the_parameter_as_frozen_or_trained(
     assert f"{change}: ['bias']" in said and "Freeze the same parameters" in said, said[-2000:]
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_another_number_of_parameter_groups_is_refused_saying_how_on(tmp_path: Path) -> None:
     """One parameter group when saved, two now (a no-weight-decay group for the biases): each
     group's hyper-parameters are restored by position, so the checkpoint is refused as a
@@ -358,6 +359,7 @@ def test_parameters_not_given_to_the_optimizer_are_saved_and_exported(
     ]  # fmt: skip
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_an_lr_scheduler_added_between_runs_is_refused_saying_so(tmp_path: Path) -> None:
     """A scheduler in the second run's config only: the refusal named an internal key
     ("missing keys in checkpoint: 'lr_scheduler'") and suggested another model or run; it

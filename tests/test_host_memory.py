@@ -60,6 +60,7 @@ def run(tmp_path, body: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_a_compressed_restore_holds_neither_the_stored_file_nor_a_buffer_the_state_keeps(tmp_path):
     # A 64 MiB model and SGD momentum (64 MiB the optimizer keeps): 2x the model restored.
     # Reading the whole stored file and decompressing it into one buffer the tensors viewed

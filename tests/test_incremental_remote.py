@@ -385,6 +385,7 @@ def _put_straight(bucket: str, objects: dict[str, bytes]) -> None:
         backend.put_object(bucket, key, data)
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_a_remote_store_of_more_objects_than_one_listing_page_is_seen_whole(s3_remote, tmp_path):
     """S3 lists at most 1000 keys per request. A blob store past that (1100 unused blobs, a
     killed run's, beside the run's own; every step_* key sorts after blobs/, so the

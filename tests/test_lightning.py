@@ -1261,6 +1261,7 @@ def test_an_unsupported_strategy_is_refused_before_training(tmp_path):
         rc.setup(fake, None, "fit")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "stage", [3, pytest.param(2, marks=pytest.mark.slow), pytest.param(0, marks=pytest.mark.slow)]

@@ -49,6 +49,7 @@ else:
 """
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_a_checkpoint_of_ours_on_one_rank_only_is_refused_on_every_rank(tmp_path):
     """Rank 0's node has the checkpoint directory (with its manifest), rank 1's has nothing at
     that path. Rank 0 took it as ours and opened the collective read-only Checkpointer, rank 1

@@ -382,6 +382,7 @@ def test_two_nodes_kill_resume_locally_then_a_wiped_node_fetches_only_its_files(
     assert len(remote_is_sound(nodes.url, nodes.opts)) == 2
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_a_wiped_nodes_download_that_fails_is_tried_again_not_rolled_back(
     zygotes, tmp_path, s3_remote, s3_server
 ):

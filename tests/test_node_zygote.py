@@ -111,6 +111,7 @@ def test_forked_ranks_draw_their_own_torch_seed_in_the_callers_folder(
     assert cwds == tmps == (str(tmp_path), str(tmp_path))
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_a_rank_whose_log_folder_was_removed_does_not_end_the_zygote(tmp_path: Path) -> None:
     """The zygote writes each rank's exit status beside its log from its SIGCHLD handler: a
     rank whose folder a test had removed meanwhile raised FileNotFoundError there, the zygote

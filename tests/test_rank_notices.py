@@ -273,6 +273,7 @@ def test_a_plain_checkpointer_on_two_ranks_says_each_notice_once(tmp_path):
             assert _count(outputs, text) == [int(r == 0), int(r == 1)], f"{text!r}:\n{shown}"
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_a_preemption_that_exits_says_its_save_and_its_exit_once(tmp_path):
     argv = [sys.executable, __file__, "exit-worker", str(tmp_path / "ckpt")]
     outputs = spawn_ranks.run(argv, 2, tmp_path, "exit", expect=75, deadline=240).outputs
@@ -280,6 +281,7 @@ def test_a_preemption_that_exits_says_its_save_and_its_exit_once(tmp_path):
         assert _count(outputs, text) == [1, 0], f"{text!r}:\n" + "\n".join(outputs)
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_a_preemption_only_rank_1_got_is_held_and_saved_said_once_naming_rank_1(tmp_path):
     argv = [sys.executable, __file__, "held-worker", str(tmp_path / "ckpt")]
     outputs = spawn_ranks.run(argv, 2, tmp_path, "held", deadline=240).outputs
@@ -349,6 +351,7 @@ def test_a_node_local_restore_from_the_remote_is_said_by_its_node_naming_it(tmp_
         ] == [int(r == 0), int(r == 1)], shown
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_the_dcp_reader_on_two_ranks_says_its_fallback_once(tmp_path):
     argv = [sys.executable, __file__, "dcp-worker", str(tmp_path / "ckpt")]
     outputs = spawn_ranks.run(argv, 2, tmp_path, "dcp", deadline=240).outputs

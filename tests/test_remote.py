@@ -785,7 +785,7 @@ def test_a_job_restarted_during_an_outage_resumes_from_its_local_checkpoints(tmp
     assert (local / "step_000000020" / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("how", ["denied", "down", "stalls"])
+@pytest.mark.parametrize("how", ["denied", "down", pytest.param("stalls", marks=pytest.mark.slow)])
 def test_a_listing_that_fails_at_open_names_the_store_not_the_local_directory(
     tmp_path, monkeypatch, caplog, how
 ):

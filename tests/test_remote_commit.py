@@ -149,6 +149,7 @@ def test_close_gives_up_on_a_node_upload_that_moves_no_byte(tmp_path, monkeypatc
             u.stop()
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_a_node_upload_retry_that_moves_bytes_is_let_finish(tmp_path, monkeypatch):
     """One attempt of a node's upload failed (a blip), and the retry moves bytes for longer
     than the outage limit: the wait counted the outage from that failure until an attempt

@@ -239,7 +239,7 @@ def _upload_beside(counted: Counted, url: str, tmp_path) -> dict[str, int]:
     return got
 
 
-@pytest.mark.parametrize("answer", ["lost", "drop"])
+@pytest.mark.parametrize("answer", ["lost", pytest.param("drop", marks=pytest.mark.slow)])
 def test_a_collection_whose_deletes_got_no_answer_leaves_its_marker_and_uploads_settle(
     counted, tmp_path, caplog, answer
 ):

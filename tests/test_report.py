@@ -374,7 +374,7 @@ def test_an_uncaught_exception_without_a_with_block_is_recorded_as_a_failure(tmp
     assert [(lf["ended"], lf["error"]) for lf in report["lives"]] == [("failed", "RuntimeError")]
 
 
-@pytest.mark.parametrize("ending", ["end", "failed"])
+@pytest.mark.parametrize("ending", ["end", pytest.param("failed", marks=pytest.mark.slow)])
 def test_a_synchronous_plain_loop_without_close_records_how_it_ended(tmp_path: Path, ending):
     """async_save=False, no ``with``, no close(): the exit hook that closes a Checkpointer
     was registered only for background saves (or telemetry), so a run that finished (exit 0,

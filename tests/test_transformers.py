@@ -854,6 +854,7 @@ def test_export_newest_checkpoint_loads_with_from_pretrained(tmp_path):
     assert not torch.equal(older.transformer.wte.weight, live["transformer.wte.weight"])
 
 
+@pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_resilient_ckpt_export_subcommand(tmp_path):
     from resilient_callbacks import cli
 

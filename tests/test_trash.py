@@ -74,7 +74,7 @@ def test_close_leaves_no_trash_behind(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("how", ["preempted", "timeout"])
+@pytest.mark.parametrize("how", ["preempted", pytest.param("timeout", marks=pytest.mark.slow)])
 def test_close_says_what_deletions_it_did_not_wait_for(tmp_path, monkeypatch, caplog, how):
     """A preempted process does not wait for the deletions (its restart sweeps the rest): said
     at INFO, not warned 'after 0.0 s' at every preemption. A close(timeout) that cuts them short
