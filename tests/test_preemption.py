@@ -1368,6 +1368,11 @@ _CAUGHT_EXIT = """
 import os, signal, sys, time, torch
 from resilient_callbacks import Checkpointer
 sig = getattr(signal, sys.argv[2])
+# the actions a notebook's kernel or an interactive Python has: not what this process inherited
+# (a test run started in the background by a non-interactive shell ignores SIGINT, and the
+# signal after the caught exit got that, as without us: ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 state = {"t": torch.zeros(2)}
 ck = Checkpointer(sys.argv[1], every_n_steps=100, handle_sigint=True)
 ck.restore(state)
