@@ -23,6 +23,7 @@ from resilient_callbacks.manifest import read_manifest
 from resilient_callbacks.progress import Progress
 from resilient_callbacks.remote import RemoteStore
 from resilient_callbacks.remote_blobs import listing
+from resilient_callbacks.remote_put import in_flight
 
 TIMEOUT_S = 60.0
 
@@ -107,8 +108,9 @@ class Gate:
 
 def _closed_after(ck: Checkpointer, drive) -> dict:
     """close() ``ck`` in this (the main) thread while ``drive(out)`` runs in another; close()
-    must raise UploadIncompleteError (given up). ``out``: what ``drive`` recorded."""
-    out: dict = {}
+    must raise UploadIncompleteError (given up). ``out``: what ``drive`` recorded; its
+    ``done`` is set once close() has returned or raised."""
+    out: dict = {"done": threading.Event()}
 
     def run() -> None:
         try:
@@ -123,6 +125,7 @@ def _closed_after(ck: Checkpointer, drive) -> dict:
             ck.close()
     finally:
         out["closed"] = True
+        out["done"].set()
     driver.join(TIMEOUT_S)
     assert "error" not in out, out["error"]
     return out
@@ -208,6 +211,104 @@ def test_an_upload_counted_per_part_is_not_a_stall_while_its_part_may_still_move
             ck._dir.sync._thread.join(TIMEOUT_S)
         proxy.close()
     assert not thread.is_alive()
+
+
+def _held_s3_upload(s3_server, s3_remote, tmp_path, held_name: str | None, drive) -> dict:
+    """Save step 1 to an S3 store through a proxy that holds the answer to the PUT of
+    ``held_name`` (None: the data file) under ``step_000000001/``, then close() (it must give
+    up) while ``drive(ck, held, out)`` moves the clock; the PUT is answered after. ``out``."""
+    url, opts = s3_remote
+    held, release = threading.Event(), threading.Event()
+
+    def rule(method: str, path: str, query: str) -> str | None:
+        name = path.rsplit("/", 1)[-1]
+        data = not name.startswith(".writer-") and name != "manifest.json"
+        target = data if held_name is None else name == held_name
+        if method == "PUT" and "/step_000000001/" in path and target and not held.is_set():
+            held.set()  # its answer held
+            assert release.wait(120)
+        return None
+
+    proxy = FlakyProxy(s3_server.endpoint, rule)
+    ck = None
+    try:
+        options = {**opts, "endpoint_url": proxy.endpoint, "config_kwargs": {"read_timeout": 120}}
+        ck = Checkpointer(tmp_path / "local", remote=url, remote_options=options, async_save=False)
+        thread = ck._dir.sync._thread
+        ck.save(1, {"w": torch.ones(16384)})
+        out = _closed_after(ck, lambda out: drive(ck, held, out))
+    finally:
+        release.set()
+        if ck is not None:
+            ck._dir.sync._thread.join(TIMEOUT_S)
+        proxy.close()
+    assert not thread.is_alive()
+    return out
+
+
+def test_a_store_that_hangs_is_given_up_on_after_the_longest_allowance(
+    s3_server, s3_remote, tmp_path, monkeypatch
+):
+    """The stall allowance had no cap: the bytes in flight at 32 KiB/s (the largest files
+    fsspec puts at once, up to an eighth of the open-file limit: about 35 days for 100 GB), so
+    a store that hangs without failing held close() that long. It is at most
+    progress.MAX_ALLOWANCE_S (1 h): here the bytes in flight take 18 h at the slowest link
+    (lowered), and close() gives up once none has counted for an hour; remote_status() says
+    the capped allowance."""
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)
+    monkeypatch.setattr(progress, "SLOWEST_LINK_BPS", 1)  # (64 KiB in flight: 18 h)
+    clock = Clock(monkeypatch)
+
+    def drive(ck: Checkpointer, held: threading.Event, out: dict) -> None:
+        assert held.wait(TIMEOUT_S), "the data file's PUT was not seen"
+        out["allowance"] = ck.remote_status().stall_allowance_s
+        clock.advance(progress.MAX_ALLOWANCE_S - 10)  # (under the cap: still moving)
+        out["waits"] = clock.main_looked(10)
+        clock.advance(20.0)  # no count for longer than the cap: stalled
+        out["gave_up"] = out["done"].wait(TIMEOUT_S)
+        clock.advance(1e9)  # (if it did not: past the uncapped allowance too)
+
+    out = _held_s3_upload(s3_server, s3_remote, tmp_path, None, drive)
+    assert out["allowance"] == progress.MAX_ALLOWANCE_S, out
+    assert out["waits"], "close() gave up while the bytes in flight may still move"
+    assert out["gave_up"], "close() waited past the longest allowance for a hung store"
+
+
+def test_the_allowance_of_a_put_ends_with_it(s3_server, s3_remote, tmp_path, monkeypatch):
+    """The allowance of the files' put stayed set after it, so the settle and the commit that
+    follow (no bytes in flight: a manifest) inherited it: a store hanging on the commit held
+    close() for the data's allowance. It ends with the put: close() gives up on a held commit
+    after the outage limit, and remote_status() says no allowance meanwhile."""
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)
+    monkeypatch.setattr(progress, "SLOWEST_LINK_BPS", 64)  # (64 KiB in flight: 1024 s)
+    clock = Clock(monkeypatch)
+
+    def drive(ck: Checkpointer, held: threading.Event, out: dict) -> None:
+        assert held.wait(TIMEOUT_S), "the manifest's PUT was not seen"
+        out["allowance"] = ck.remote_status().stall_allowance_s
+        clock.advance(5.0)  # no count for 5 times the outage limit: stalled
+        out["gave_up"] = out["done"].wait(TIMEOUT_S)
+        clock.advance(1e6)  # (if it did not: past the data's allowance too)
+
+    out = _held_s3_upload(s3_server, s3_remote, tmp_path, "manifest.json", drive)
+    assert out["allowance"] == 0.0, out
+    assert out["gave_up"], "close() waited for the allowance of a put that had ended"
+
+
+def test_the_bytes_in_flight_of_an_s3_put_are_those_of_its_open_requests(s3_remote):
+    """The bytes in flight of an s3fs put summed the largest files fsspec puts at once (128 to
+    over 100,000): 64 GB for 128 files of 1 GiB. They are those of the requests botocore's
+    connection pool (max_pool_connections, 10) has open at once: a part (50 MiB) each of a
+    large file (up to 10 parts of one file), a whole small file each."""
+    url, opts = s3_remote
+    mib = 1 << 20
+    fs = RemoteStore(url, opts).fs
+    assert in_flight(fs, [1 << 30] * 300) == 10 * 50 * mib
+    assert in_flight(fs, [80 * mib] * 300) == 10 * 80 * mib
+    assert in_flight(fs, [120 * mib, 1]) == 120 * mib + 1  # (parts of 50, 50, 20 MiB)
+    assert in_flight(fs, [1 << 30, 80 * mib]) == 80 * mib + 9 * 50 * mib
+    two = RemoteStore(url, {**opts, "config_kwargs": {"max_pool_connections": 2}}).fs
+    assert in_flight(two, [1 << 30] * 300) == 2 * 50 * mib
 
 
 def _blobbed(tmp_path):

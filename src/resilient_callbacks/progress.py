@@ -3,10 +3,12 @@ line every few seconds otherwise (batch jobs' logs stay readable)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from fsspec.callbacks import Callback
@@ -18,6 +20,14 @@ log = logging.getLogger("resilient_callbacks")
 #: once) moves no counted byte for as long as the bytes in flight take at this rate, and is
 #: not stalled meanwhile (:meth:`Progress.allowance_s`); 32 KiB/s, a 256 kbit/s link
 SLOWEST_LINK_BPS = 32 * 1024
+
+#: the longest a put may move no counted byte and still be taken as moving, whatever its bytes
+#: in flight: a store that hangs without failing a request holds ``close()``, a node's upload
+#: wait and the next writer's hand-over wait at most this long (or the outage limit, if
+#: longer). 1 h: s3fs's default 10 requests of 50 MiB parts (500 MiB) take it at 146 KB/s, of
+#: files just under 100 MiB (1000 MiB) at 291 KB/s; a slower link uploads no real checkpoint
+#: in hours, and an upload given up on stays local for the next run
+MAX_ALLOWANCE_S = 3600.0
 
 
 def _mb(n: float) -> str:
@@ -40,6 +50,7 @@ class Progress:
         self.last_update = self._t0  # when the last byte moved (a stalled transfer: long ago)
         self.unit = 0  # the most bytes one count has carried (a store counting per part)
         self.in_flight = 0  # the most bytes the put under way may move before it counts one
+        self._putting = False  # a put under way (:meth:`putting`): the allowance holds
         self._log_every = log_every_s
         self._bar: Any = None
         if bar is None:
@@ -85,11 +96,28 @@ class Progress:
                 self._bar.refresh()
 
     def allowance_s(self) -> float:
-        """Seconds this transfer may move no counted byte and still be moving: the bytes one
-        count may carry (the put under way's :attr:`in_flight`, or the most one count has
-        carried) at :data:`SLOWEST_LINK_BPS`. A stall is judged after the longer of this and
-        the outage limit."""
-        return max(self.unit, self.in_flight) / SLOWEST_LINK_BPS
+        """Seconds this transfer may move no counted byte and still be moving: while a put is
+        under way (:meth:`putting`), the bytes one count may carry (its :attr:`in_flight`, or
+        the most one count has carried) at :data:`SLOWEST_LINK_BPS`, at most
+        :data:`MAX_ALLOWANCE_S`; 0 otherwise (the steps after a put, its settle and commit,
+        have no bytes in flight). A stall is judged after the longer of this and the outage
+        limit."""
+        with self._lock:
+            if not self._putting:
+                return 0.0
+            return min(MAX_ALLOWANCE_S, max(self.unit, self.in_flight) / SLOWEST_LINK_BPS)
+
+    @contextlib.contextmanager
+    def putting(self, in_flight: int = 0) -> Iterator[None]:
+        """A put under way, which may move ``in_flight`` bytes before its client counts one
+        (:func:`.remote_put.in_flight`); the allowance ends with it, however it ends."""
+        with self._lock:
+            self.in_flight, self._putting = in_flight, True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_flight, self._putting = 0, False
 
     def close(self) -> None:
         if self._bar is not None:

@@ -8,9 +8,10 @@ every byte counted as it moves, and the writer's fence checked between files.
 - An object store: fsspec's ``put``, its bytes counted as the store's client reports them. s3fs
   reports a file under twice its part size (50 MiB) only when it ends and a larger one per
   part, many at once (:func:`in_flight`): on a slow link a healthy upload moves no counted byte
-  for longer than the outage limit. The progress is told how many bytes may move before a count
-  (:attr:`.Progress.in_flight`): the stall is judged after the time they take at
-  :data:`.progress.SLOWEST_LINK_BPS`, if that is longer than the outage limit.
+  for longer than the outage limit. The progress is told, for the put alone
+  (:meth:`.Progress.putting`), how many bytes may move before a count: the stall is judged
+  after the time they take at :data:`.progress.SLOWEST_LINK_BPS`, at most
+  :data:`.progress.MAX_ALLOWANCE_S`, if that is longer than the outage limit.
 - The fence (:func:`.upload_thread.not_superseded`): as each file's put begins, and at each
   count of its bytes on an object store, the upload thread checks that the next writer of the
   store has not taken it over (it gave up waiting for this thread). One taken over stops with
@@ -23,6 +24,7 @@ Which ranks call what: the thread that uploads (the coordinator's; a node leader
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -44,6 +46,7 @@ CHUNK = 8 << 20  # a copy into a local store counts its bytes this often
 S3_PART = 50 << 20  # s3fs's part size (its default), where s3fs does not say it
 S3_MAX_PARTS = 10_000
 BATCH = 128  # files fsspec puts at once, where fsspec does not say it
+POOL = 10  # botocore's connection pool (its default max_pool_connections): requests at once
 
 
 def put(
@@ -53,16 +56,20 @@ def put(
     ``progress``; :class:`~.errors.RemoteUnavailableError` once the next writer of the store
     took this upload thread over (checked before each file, and at each count on an object
     store). A local store's parent folders must exist."""
-    if store.is_local:
-        buf = bytearray(CHUNK)
-        for src, dst in zip(local, remote, strict=True):
-            not_superseded(store.url)
-            _copy(src, dst, memoryview(buf), progress)
-        return
-    if progress is not None:
-        progress.in_flight = in_flight(store.fs, [os.path.getsize(p) for p in local])
-    fenced = _Fenced(store.url, threading.current_thread(), progress)
-    store.fs.put(list(local), list(remote), callback=fenced)
+    with contextlib.ExitStack() as stack:
+        if store.is_local:
+            if progress is not None:
+                stack.enter_context(progress.putting())  # (counted every CHUNK)
+            buf = bytearray(CHUNK)
+            for src, dst in zip(local, remote, strict=True):
+                not_superseded(store.url)
+                _copy(src, dst, memoryview(buf), progress)
+            return
+        if progress is not None:  # (its allowance ends with the put: not its settle, commit)
+            sizes = [os.path.getsize(p) for p in local]
+            stack.enter_context(progress.putting(in_flight(store.fs, sizes)))
+        fenced = _Fenced(store.url, threading.current_thread(), progress)
+        store.fs.put(list(local), list(remote), callback=fenced)
 
 
 def _source(path: str) -> io.RawIOBase:
@@ -81,20 +88,38 @@ def _copy(src: str, dst: str, buf: memoryview, progress: Progress | None) -> Non
 
 def in_flight(fs: Any, sizes: Sequence[int]) -> int:
     """The most bytes a ``put`` of files of ``sizes`` into ``fs`` may move before its client
-    counts one. s3fs: a file under twice its part size (50 MiB) is counted when it ends, a
-    larger one per part, ``max_concurrency`` parts at once (10), and ``batch_size`` files go at
-    once (fsspec's default: an eighth of the open-file limit); so on a slow link the first
-    count comes after the largest of them have all moved. Other stores: 0 (the most bytes one
-    of their counts carried tells: :attr:`.Progress.unit`)."""
+    counts one. s3fs: a file under twice its part size (50 MiB) is one request, counted when
+    it ends; a larger one goes in requests of one part each, up to ``max_concurrency`` (10)
+    of that file at once, each counted when it ends; up to ``batch_size`` files go at once
+    (fsspec's default: an eighth of the open-file limit), but their requests share botocore's
+    connection pool (``config_kwargs["max_pool_connections"]``, 10): the bytes of the largest
+    requests that can be open at once. On a slow link shared by them, a count comes at the
+    latest once all of those have moved. Other stores: 0 (the most bytes one of their counts
+    carried tells: :attr:`.Progress.unit`)."""
     if not type(fs).__module__.startswith("s3fs"):
         return 0
     at_once = max(1, int(getattr(fs, "max_concurrency", 1) or 1))
-    units = []
+    per_file = []
     for size in sizes:
         part = _part_size(size)
-        units.append(size if size < min(5 << 30, 2 * part) else min(size, part * at_once))
-    files = getattr(fs, "batch_size", None) or _batch_size()
-    return sum(sorted(units, reverse=True)[: max(1, int(files))])
+        if size < min(5 << 30, 2 * part):
+            per_file.append([size])
+            continue
+        parts = math.ceil(size / part)  # (sent in order, at_once at a time)
+        per_file.append(([part] * (parts - 1) + [size - part * (parts - 1)])[:at_once])
+    files = int(getattr(fs, "batch_size", None) or _batch_size())
+    if files < 1:  # (-1: all at once)
+        files = len(per_file)
+    per_file.sort(key=sum, reverse=True)
+    requests = sorted((r for f in per_file[:files] for r in f), reverse=True)
+    return sum(requests[: _connections(fs)])
+
+
+def _connections(fs: Any) -> int:
+    """The requests an s3fs ``fs`` has open at once: its botocore connection pool's size."""
+    kwargs = getattr(fs, "config_kwargs", None)
+    n = kwargs.get("max_pool_connections") if isinstance(kwargs, dict) else None
+    return max(1, int(n or POOL))
 
 
 def _part_size(size: int) -> int:

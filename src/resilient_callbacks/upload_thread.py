@@ -318,7 +318,8 @@ class UploadThread:
     def _allowance_s(self) -> float:
         """How long the transfer under way (or, while :meth:`_wait_previous` waits, the
         previous writer's) may move no counted byte and still be moving: its store counts
-        bytes per part (:meth:`.Progress.allowance_s`); 0 for none under way. A stall is
+        bytes per part (:meth:`.Progress.allowance_s`: at most an hour); 0 for no put under
+        way (its settle and commit have none in flight). A stall is
         judged after the longer of this and the outage limit."""
         p = self._progress
         if p is None and self._waiting_since is not None:
