@@ -22,6 +22,8 @@ __all__ = ["finish_uploads"]
 
 log = logging.getLogger("resilient_callbacks")
 
+LOOK_S = 1.0  # how often close()'s wait looks at the uploads' progress (tests lower it)
+
 
 def finish_uploads(
     d: Directory, timeout: float | None, outage_s: float, grace_left: Callable[[], float | None]
@@ -81,7 +83,7 @@ def _wait_uploads(
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             return d.sync.wait(0)
-        if d.sync.wait(1.0 if left is None else min(left, 1.0)):
+        if d.sync.wait(LOOK_S if left is None else min(left, LOOK_S)):
             return True
         st = d.sync.status()
         outage_since = (outage_since or time.monotonic()) if st.failures else None
