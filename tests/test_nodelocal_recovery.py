@@ -36,3 +36,29 @@ def test_a_node_that_cannot_read_its_disk_to_recover_uploads_resumes_with_an_err
         assert "node 1: PermissionError" in lines[0] and "Permission denied" in lines[0]
         assert "those newer than commit" in lines[0], lines[0]
     assert (tmp_path / "remote" / "step_000000006" / "manifest.json").exists()
+
+
+def test_a_global_manifest_the_restore_cannot_read_is_said_not_committed(tmp_path):
+    """The uploads of steps 2 and 4 failed, then a kill; at the restart node 0 could not read
+    the global manifest kept beside its copies (an I/O error; here a folder in the file's
+    place). The error was swallowed: every node uploaded its part again, no remote commit was
+    expected, and the parts lay uncommitted in the store without a word. Node 0 now logs an
+    ERROR naming the file, the error and the checkpoint that stays uncommitted."""
+    _run(tmp_path, "first", 2, "--steps", "4", "--kill-at", "4", expect=-9, RC_UPLOADS_FAIL=1)
+    kept = sorted((tmp_path / "node0").glob("step_*/remote_manifest.json"))
+    assert kept
+    for p in kept:
+        p.unlink()
+        p.mkdir()
+    out = _run(tmp_path, "second", 2, "--steps", "6", RC_CAPTURE_LOG=1, RC_LOG_LEVELS=1)
+    assert [rank[0]["restored"] for rank in out] == [4, 4], out
+    said = out[0][-1]["log"]
+    lines = [x for x in said.splitlines() if "remote_manifest.json cannot be read" in x]
+    assert len(lines) == len(kept), said
+    for p, line in zip(kept, lines, strict=True):
+        assert line.startswith("ERROR node 0: "), line
+        assert str(p) in line and "IsADirectoryError" in line, line
+        assert f"{p.parent.name} is not committed remotely" in line, line
+        assert "restart the job before its next remote commit" in line, line
+    assert "remote_manifest.json cannot be read" not in out[1][-1]["log"]
+    assert (tmp_path / "remote" / "step_000000006" / "manifest.json").exists()

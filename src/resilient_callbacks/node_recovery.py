@@ -124,8 +124,8 @@ def _queue(d: NodeDirectory, due: list[Any], kept: list[Any], why: str) -> None:
                 if saved is not None and saved != [list(x) for x in d.topology.nodes]:
                     continue  # another layout's: this run's nodes do not hold every part
                 d.committer.expect(key, name, raw, local, commit_tag(m))
-            except OSError:
-                pass
+            except OSError as e:  # (permission denied, an I/O error: never silently)
+                _say_not_expected(d, local, e)
             except Exception as e:  # torn (written in place before 2026-12-06, then a kill)
                 log.warning(
                     "%s/%s cannot be read (%s): %s stays local (not committed remotely); "
@@ -138,6 +138,24 @@ def _queue(d: NodeDirectory, due: list[Any], kept: list[Any], why: str) -> None:
         if d.uploader is not None:
             log.warning("node %d: uploading its part of %s, %s", d.topology.node, local, why)
             d.uploader.enqueue(local, name, key, own_files(m), commit_tag(m))
+
+
+def _say_not_expected(d: NodeDirectory, local: str, e: OSError) -> None:
+    """Coordinator: the global manifest kept beside ``local`` cannot be read, so its remote
+    commit is not expected; each node still uploads its part (only this rank knows)."""
+    log.error(
+        "node %d: %s cannot be read (%s: %s): %s is not committed remotely; each node uploads "
+        "its part of it again, which stays in the store uncommitted (`resilient-ckpt gc DIR "
+        "--remote URL` deletes such leftovers once 24 h old); its local copies stay on the "
+        "nodes' disks under keep_last. Training goes on and its new checkpoints are "
+        "committed as usual; to commit this one, make that file readable again (or restore "
+        "it) and restart the job before its next remote commit: each restore expects it again",
+        d.topology.node,
+        os.path.join(d.dirpath, local, REMOTE_MANIFEST),
+        type(e).__name__,
+        e,
+        local,
+    )
 
 
 def _this_layout(d: NodeDirectory, due: list[Any]) -> list[Any]:
