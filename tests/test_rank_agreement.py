@@ -13,6 +13,10 @@ in a collective fails the test by the deadline.
 - ``restore-held``: a background save's failure that rank 1 alone holds (its account of the
   committed save failed) was raised by rank 1's ``restore()`` before restore's collectives,
   while rank 0 went on into them. Now every rank raises, rank 0 naming rank 1.
+- ``final-held``: the same failure, held by rank 1 alone at a final save of the step saved last
+  (``save(2, final=True)``, as the DeepSpeed launcher's end): rank 1 raised it while rank 0
+  returned and went on into what follows (an adapter's collectives, close's). Now every rank
+  raises, rank 0 naming rank 1.
 - ``listing-no-manifest``, ``listing-subdir``: with ``filterwarnings("error")`` on every rank, a
   restore's notice about what rank 0 listed (a ``step_*`` folder without a manifest; nothing to
   resume from where a subdirectory holds checkpoints) raised on rank 0 alone, before restore's
@@ -56,6 +60,24 @@ def _outcome(call: Any) -> Any:
         return {"returned": call()}
     except Exception as e:
         return {"error": type(e).__name__, "message": str(e)}
+
+
+def _final_held(root: Path, rank: int) -> dict[str, Any]:
+    state = {"model": nn.Linear(4, 4)}
+    with Checkpointer(root, async_save=True) as ck:
+        real = ck._recorder.committed
+
+        def committed(step: int, *args: Any) -> None:  # rank 1's account of step 2 fails
+            if rank == 1 and step == 2:
+                raise OSError(5, "Input/output error")
+            real(step, *args)
+
+        ck._recorder.committed = committed  # type: ignore[method-assign]
+        ck.save(1, state)
+        ck.save(2, state)
+        out = {"final": _outcome(lambda: ck.save(2, state, final=True))}
+        out["again"] = _outcome(lambda: ck.save(2, state, final=True))  # (raised once)
+    return out
 
 
 def _retention_fails_on_rank_0(ck: Checkpointer, rank: int, step: int) -> None:
@@ -160,6 +182,8 @@ def worker(root: str, out: str, cases: list[str]) -> None:
             res[case] = _retention(where, rank, case.endswith("background"))
         elif case == "restore-held":
             res[case] = _restore_held(where, rank)
+        elif case == "final-held":
+            res[case] = _final_held(where, rank)
         elif case == "mixed-once":
             with Checkpointer(where) as ck:
                 res[case] = _outcome(lambda: ck.restore({"model": nn.Linear(2, 2)}))
@@ -196,6 +220,7 @@ CASES = [
     "retention-sync",
     "retention-background",
     "restore-held",
+    "final-held",
     "listing-no-manifest",
     "listing-subdir",
     "load-notice",
@@ -253,12 +278,23 @@ def _check_restore_held(r0: dict[str, Any], r1: dict[str, Any]) -> None:
     assert r0["again"] == r1["again"] == {"returned": 2}, (r0, r1)
 
 
+def _check_final_held(r0: dict[str, Any], r1: dict[str, Any]) -> None:
+    assert r1["final"]["error"] == "OSError", r1
+    assert "Input/output error" in r1["final"]["message"], r1
+    assert r0["final"].get("error") == "CheckpointWriteError", r0
+    said = r0["final"]["message"]
+    assert "the final save of step 2 was not attempted on any rank" in said, said
+    assert "an earlier background save failed on rank(s) 1" in said, said
+    assert r0["again"] == r1["again"] == {"returned": False}, (r0, r1)
+
+
 def test_what_one_rank_finds_is_raised_on_every_rank(tmp_path):
     r0, r1 = _run(tmp_path, CASES)
     for res in (r0, r1):
         _check_retention(res["retention-sync"], background=False)
         _check_retention(res["retention-background"], background=True)
     _check_restore_held(r0["restore-held"], r1["restore-held"])
+    _check_final_held(r0["final-held"], r1["final-held"])
     for case, said in (
         ("listing-no-manifest", "step_000000005 has no manifest.json, so it is not a checkpoint"),
         ("listing-subdir", "these subdirectories hold checkpoints: run1 (1)"),

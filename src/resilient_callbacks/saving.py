@@ -135,9 +135,9 @@ class Saver:
         if ck.last_saved_step == step:
             log.debug("step %d is already saved by this run; not saving it twice", step)
             if reason == "final":  # the remote tier takes it even if its upload was skipped
-                if self.persister is not None:
-                    self.persister.wait_all()
-                    self.raise_background_error()
+                # (every rank: a failure some ranks hold is raised on every rank, none going
+                # on alone into what follows: an adapter's collectives, close's)
+                self.wait_background_agreed(f"the final save of step {step}")
                 ck._dir.upload_held(step)
             return False
         background = self.persister is not None and reason != "emergency"
@@ -289,7 +289,8 @@ class Saver:
         return time.perf_counter() - t0
 
     def wait_background_agreed(self, what: str) -> None:
-        """Every rank, at the start of ``what`` (a call every rank makes: ``restore()``):
+        """Every rank, at the start of ``what`` (a call every rank makes: ``restore()``, a
+        final save of the step saved last):
         :meth:`wait_background`, a failure that some ranks hold raised on every rank
         (:func:`.held_failures.agree_before`), none going on alone into the call's collectives."""
         if self.persister is None or self.ck.world_size <= 1:
