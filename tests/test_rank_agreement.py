@@ -308,6 +308,8 @@ def test_what_one_rank_finds_is_raised_on_every_rank(tmp_path):
         assert r["foreign-save"]["call"]["error"] == "CheckpointWriteError", r
         said = r["foreign-save"]["call"]["message"]
         assert "failed on rank(s) 0: rank 0: ForeignCheckpointsWarning:" in said, said
+        # (the warning's own full stop ends the sentence: it read "...delete).. Nothing")
+        assert "would delete). Nothing was committed and older checkpoints" in said, said
     assert r0["foreign-restore"] == r1["foreign-restore"]
     assert r1["load-notice"]["restore"] == {
         "error": "UserWarning",

@@ -155,3 +155,20 @@ def test_a_failure_one_rank_holds_is_raised_on_every_rank_at_the_same_save(tmp_p
         "rank(s) 0, which raise it now: rank 0: CheckpointWriteError: the save of step 10 "
         "stopped on rank 0: OSError: EIO."
     ), r1
+
+
+@pytest.mark.parametrize("said", ["its own text.", "its own text", "its own text.  "])
+def test_the_failures_text_ends_each_sentence_with_one_full_stop(said):
+    """A failure whose text ends with a full stop (a warning raised as an error: "...what it
+    would delete).") read "...delete).. Nothing was committed"; one without still gets one."""
+    err = held_failures.own_prepare_error(ValueError(said), 4, 1, "/ck")
+    assert str(err) == (
+        "checkpoint for step 4 was not committed; failed on rank(s) 1: rank 1: ValueError: "
+        "its own text. Nothing was committed and older checkpoints in /ck are intact."
+    )
+    err = held_failures._held_elsewhere("restore() was not attempted", [(1, said)], "/ck", "x")
+    assert str(err) == (
+        "restore() was not attempted on any rank: an earlier background save failed on rank(s) "
+        "1, which raise it now: rank 1: its own text. The checkpoints committed in /ck are "
+        "intact; x as usual."
+    )
