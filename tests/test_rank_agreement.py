@@ -30,7 +30,8 @@ in a collective fails the test by the deadline.
   ``ForeignCheckpointsWarning`` (another run's checkpoints in the directory) at a restore (before
   its last broadcast) and at a new run's first save (before the save's collectives) raised on
   rank 0 alone while rank 1 waited. Now the restore's is said by every rank, and the save's is
-  rank 0's failure of that save, which every rank raises.
+  rank 0's failure of that save, which every rank raises. ``foreign-sync``: the same save,
+  synchronous (its commit's message read "...what it would delete).. Nothing was committed").
 """
 
 from __future__ import annotations
@@ -159,10 +160,11 @@ def _load_notice(root: Path, rank: int) -> dict[str, Any]:
         return {"restore": _outcome(lambda: ck.restore(state))}
 
 
-def _werror_foreign(root: Path, restore: bool) -> dict[str, Any]:
+def _werror_foreign(root: Path, restore: bool, background: bool = True) -> dict[str, Any]:
     state = {"model": nn.Linear(2, 2)}
     resume = "auto" if restore else "never"  # (no RNG states: the checkpoints are of one rank)
-    with warnings.catch_warnings(), Checkpointer(root, resume=resume, capture_rng=False) as ck:
+    kw = {"resume": resume, "capture_rng": False, "async_save": background}
+    with warnings.catch_warnings(), Checkpointer(root, **kw) as ck:
         warnings.filterwarnings("error")  # (the same on every rank)
         call = (lambda: ck.restore(state)) if restore else (lambda: ck.save(3, state))
         return {"call": _outcome(call)}
@@ -188,7 +190,7 @@ def worker(root: str, out: str, cases: list[str]) -> None:
             with Checkpointer(where) as ck:
                 res[case] = _outcome(lambda: ck.restore({"model": nn.Linear(2, 2)}))
         elif case.startswith("foreign-"):
-            res[case] = _werror_foreign(where, case == "foreign-restore")
+            res[case] = _werror_foreign(where, case == "foreign-restore", case != "foreign-sync")
         elif case == "load-notice":
             res[case] = _load_notice(where, rank)
         elif case.startswith("listing-"):
@@ -226,6 +228,7 @@ CASES = [
     "load-notice",
     "foreign-restore",
     "foreign-save",
+    "foreign-sync",
 ]
 
 
@@ -238,7 +241,7 @@ def _run(tmp_path: Path, cases: list[str]) -> list[dict[str, Any]]:
     if "listing-subdir" in cases:  # nothing to resume from; a subdirectory holds checkpoints
         with Checkpointer(tmp_path / "ckpt" / "listing-subdir" / "run1") as ck:
             ck.save(1, {"model": nn.Linear(2, 2)})
-    for case in ("foreign-restore", "foreign-save"):  # two runs' checkpoints (step 1, step 2)
+    for case in ("foreign-restore", "foreign-save", "foreign-sync"):  # two runs' checkpoints
         if case in cases:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # (the second run's save says the first's)
@@ -305,11 +308,12 @@ def test_what_one_rank_finds_is_raised_on_every_rank(tmp_path):
     for r in (r0, r1):
         assert r["foreign-restore"]["call"]["error"] == "ForeignCheckpointsWarning", r
         assert "holds 1 checkpoint(s) of 1 other run(s)" in r["foreign-restore"]["call"]["message"]
-        assert r["foreign-save"]["call"]["error"] == "CheckpointWriteError", r
-        said = r["foreign-save"]["call"]["message"]
-        assert "failed on rank(s) 0: rank 0: ForeignCheckpointsWarning:" in said, said
-        # (the warning's own full stop ends the sentence: it read "...delete).. Nothing")
-        assert "would delete). Nothing was committed and older checkpoints" in said, said
+        for case in ("foreign-save", "foreign-sync"):  # (a background save, a synchronous)
+            assert r[case]["call"]["error"] == "CheckpointWriteError", r
+            said = r[case]["call"]["message"]
+            assert "failed on rank(s) 0: rank 0: ForeignCheckpointsWarning:" in said, said
+            # (the warning's own full stop ends the sentence: it read "...delete).. Nothing")
+            assert "would delete). Nothing was committed and older checkpoints" in said, said
     assert r0["foreign-restore"] == r1["foreign-restore"]
     assert r1["load-notice"]["restore"] == {
         "error": "UserWarning",

@@ -162,6 +162,13 @@ __all__ += ["ForeignCheckpointsWarning", "ResumeFallbackWarning"]
 AT_CALLER = 0
 
 
+def sentence(text: str) -> str:
+    """``text`` ended by one full stop: a message that goes on after an error's own text,
+    which may end with one already (a warning raised as an error, "...it would delete).")."""
+    text = text.rstrip()
+    return text if text.endswith((".", "!", "?")) else f"{text}."
+
+
 def error_type(name: str) -> type[CheckpointError]:
     """The :class:`CheckpointError` subclass called ``name`` (an error rank 0 relayed by name)."""
     t = globals().get(name, CheckpointError)

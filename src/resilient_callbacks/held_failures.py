@@ -26,19 +26,12 @@ from __future__ import annotations
 from typing import Any
 
 from . import dist
-from .errors import CheckpointWriteError, UnsupportedStateError
-
-
-def _sentence(text: str) -> str:
-    """``text`` ended by one full stop (an error's own text may end with one already:
-    a warning raised as an error, "...what it would delete).")."""
-    text = text.rstrip()
-    return text if text.endswith((".", "!", "?")) else f"{text}."
+from .errors import CheckpointWriteError, UnsupportedStateError, sentence
 
 
 def _not_committed(step: int, ranks: str, detail: str, dirpath: str) -> str:
     return (
-        _sentence(
+        sentence(
             f"checkpoint for step {step} was not committed; failed on rank(s) {ranks}: {detail}"
         )
         + f" Nothing was committed and older checkpoints in {dirpath} are intact."
@@ -104,7 +97,7 @@ def _held_elsewhere(
 ) -> CheckpointWriteError:
     ranks = ", ".join(str(r) for r, _ in held_by)
     return CheckpointWriteError(
-        _sentence(
+        sentence(
             f"{not_done} on any rank: an earlier background save failed on rank(s) {ranks}, "
             "which raise it now: " + "; ".join(f"rank {r}: {e}" for r, e in held_by)
         )

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import dist
 from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint, replace_file
-from .errors import CheckpointWriteError
+from .errors import CheckpointWriteError, sentence
 from .filewrite import encode_json
 from .manifest import FileEntry, Manifest, versions
 from .nodelocal import REMOTE_MANIFEST, NodeDirectory, global_files, is_shared
@@ -213,9 +213,11 @@ class NodeLocalSession:
                 with contextlib.suppress(OSError):
                     remove_checkpoint(local_path)
             raise CheckpointWriteError(
-                f"checkpoint for step {self.step} was not committed; failed on rank(s) "
-                f"{', '.join(map(str, out.ranks))}: {out.error}. Nothing was committed and older "
-                f"checkpoints on every node are intact.",
+                sentence(
+                    f"checkpoint for step {self.step} was not committed; failed on rank(s) "
+                    f"{', '.join(map(str, out.ranks))}: {out.error}"
+                )
+                + " Nothing was committed and older checkpoints on every node are intact.",
                 out.ranks,
             )
         d.committed(out.seq)  # (the local copy of the one restored from: no longer protected)

@@ -52,7 +52,7 @@ from . import catalog, dist
 from .blobs import BlobStore, key_of
 from .branches import Tip
 from .commit import CommitStrategy, RenameCommit, point_latest
-from .errors import CheckpointWriteError, ConfigError
+from .errors import CheckpointWriteError, ConfigError, sentence
 from .filewrite import encode_json
 from .manifest import FileEntry, Manifest, versions
 from .part_blobs import promote_staged
@@ -224,10 +224,12 @@ class CommitSession:
         try:
             if failed:
                 raise CheckpointWriteError(
-                    f"checkpoint for step {self.step} was not committed; failed on rank(s) "
-                    f"{', '.join(str(r.rank) for r in failed)}: "
-                    + "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
-                    + f". Nothing was committed and older checkpoints in {self.dirpath} are "
+                    sentence(
+                        f"checkpoint for step {self.step} was not committed; failed on rank(s) "
+                        f"{', '.join(str(r.rank) for r in failed)}: "
+                        + "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
+                    )
+                    + f" Nothing was committed and older checkpoints in {self.dirpath} are "
                     "intact.",
                     tuple(r.rank for r in failed),
                 )
@@ -238,9 +240,11 @@ class CommitSession:
         except Exception as e:
             self.strategy.abort(self.staging)
             raise CheckpointWriteError(
-                f"checkpoint for step {self.step} was not committed; failed on rank(s) 0: rank 0 "
-                f"(commit): {type(e).__name__}: {e}. Nothing was committed and older "
-                f"checkpoints in {self.dirpath} are intact.",
+                sentence(
+                    f"checkpoint for step {self.step} was not committed; failed on rank(s) 0: "
+                    f"rank 0 (commit): {type(e).__name__}: {e}"
+                )
+                + f" Nothing was committed and older checkpoints in {self.dirpath} are intact.",
                 (0,),
             ) from e
         done = Committed(
@@ -312,9 +316,11 @@ class CommitSession:
             else:
                 ranks, detail = (0,), f"rank 0 (commit): {outcome['error']}"
             err = CheckpointWriteError(
-                f"checkpoint for step {self.step} was not committed; failed on rank(s) "
-                f"{', '.join(map(str, ranks))}: {detail}. Nothing was committed and older "
-                f"checkpoints in {self.dirpath} are intact.",
+                sentence(
+                    f"checkpoint for step {self.step} was not committed; failed on rank(s) "
+                    f"{', '.join(map(str, ranks))}: {detail}"
+                )
+                + f" Nothing was committed and older checkpoints in {self.dirpath} are intact.",
                 ranks,
             )
             if isinstance(error, OSError) and error.errno:
