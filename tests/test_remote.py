@@ -430,8 +430,10 @@ def test_during_an_outage_each_commit_frees_what_the_uploader_would_skip(tmp_pat
     to the disk (a probe's 700 KB disk failed every other save); each commit skips them now,
     and local retention deletes them at once."""
     from resilient_callbacks import checkpointer as ckmod
+    from resilient_callbacks import upload_wait
 
-    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.5)
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.5)  # (close()'s, the store down all along)
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (close() looks 20 times a second)
     url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
     ck = Checkpointer(tmp_path / "l", remote=url, keep_last=2, async_save=False)
     ck._sync.retry_base_s = ck._sync.retry_max_s = 3600.0
@@ -458,7 +460,7 @@ def test_during_an_outage_each_commit_frees_what_the_uploader_would_skip(tmp_pat
         error = ck.remote_status().last_error
         assert "the store is down" in error and "SECRET" not in error, error
     finally:
-        with pytest.raises(UploadIncompleteError):  # gives up on the outage (1.5 s here)
+        with pytest.raises(UploadIncompleteError):  # gives up on the outage (0.5 s here)
             ck.close()
 
 
@@ -526,8 +528,10 @@ def test_close_gives_up_on_a_long_outage_and_names_what_is_only_local(
     tmp_path, caplog, monkeypatch
 ):
     from resilient_callbacks import checkpointer as ckmod
+    from resilient_callbacks import upload_wait
 
-    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.5)
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.5)  # (the store is down all along)
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (close() looks 20 times a second)
     url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
     ck = Checkpointer(tmp_path / "l", remote=url, keep_last=1)
     ck._sync.retry_base_s = ck._sync.retry_max_s = 0.2
@@ -541,7 +545,7 @@ def test_close_gives_up_on_a_long_outage_and_names_what_is_only_local(
     t0 = time.monotonic()
     with pytest.raises(UploadIncompleteError) as info:
         ck.close()
-    # gives up after its 1.5 s outage limit, not the default minutes (loose: a loaded machine)
+    # gives up after its 0.5 s outage limit, not the default minutes (loose: a loaded machine)
     assert time.monotonic() - t0 < 120
     assert info.value.pending == ("step_000000010",)
     msg = str(info.value)
@@ -561,8 +565,11 @@ def test_close_gives_up_on_a_store_that_stopped_answering(tmp_path, caplog, monk
     An attempt that moves no byte counts as an outage; a SIGTERM during close() bounds the wait
     to its grace period less 5 s, and then reaches the handler it would have reached."""
     from resilient_callbacks import checkpointer as ckmod
+    from resilient_callbacks import upload_thread, upload_wait
 
-    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.5 if not signalled else 600)
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.5 if not signalled else 600)  # (hung: an event)
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (close() looks 20 times a second)
+    monkeypatch.setattr(upload_thread, "STOP_JOIN_S", 0.1)  # (for the hung attempt, given up)
     url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
     got: list[int] = []
     old = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
@@ -1533,8 +1540,10 @@ def test_close_lets_a_retry_that_moves_bytes_finish_past_the_outage_limit(tmp_pa
     (UploadIncompleteError, exit 1). An attempt that moves bytes is let finish now. (The
     upload moves a byte each time close() looks at the status: no race with the clock.)"""
     from resilient_callbacks import checkpointer as ckmod
+    from resilient_callbacks import upload_wait
 
-    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 2.5)
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.25)
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (close() looks 20 times a second)
     url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
     ck = Checkpointer(tmp_path / "l", remote=url, keep_last=1, async_save=False)
     ck._sync.retry_base_s = ck._sync.retry_max_s = 0.05
@@ -1552,7 +1561,7 @@ def test_close_lets_a_retry_that_moves_bytes_finish_past_the_outage_limit(tmp_pa
         attempts.append(name)
         if len(attempts) == 1:
             raise ConnectionError("a blip")
-        while looks[0] < 6:  # (close looks once a second: past the 2.5 s limit)
+        while looks[0] < 20:  # (20 looks, 0.05 s apart at least: well past the 0.25 s limit)
             time.sleep(0.01)
         return real_upload(local_dir, manifest, name, progress)
 
@@ -1570,8 +1579,10 @@ def test_an_upload_finishing_after_close_gave_up_deletes_nothing(tmp_path, monke
     upload (keep_last=1 locally, every checkpoint wanted remotely), which never reached the
     store. A stopped uploader's attempt may still commit remotely, but it deletes nothing."""
     from resilient_callbacks import checkpointer as ckmod
+    from resilient_callbacks import upload_thread, upload_wait
 
-    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.5)  # (the upload hangs on an event)
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (close() looks 20 times a second)
     url, local = f"memory://rc-{uuid.uuid4().hex[:10]}/run", tmp_path / "l"
     first = Checkpointer(local, remote=url, keep_last=1, async_save=False)
     released, started = threading.Event(), threading.Event()
@@ -1585,7 +1596,8 @@ def test_an_upload_finishing_after_close_gave_up_deletes_nothing(tmp_path, monke
     first.remote.upload = stalls
     first.save(10, _state(10))
     assert started.wait(120)
-    with pytest.raises(UploadIncompleteError):
+    with monkeypatch.context() as m, pytest.raises(UploadIncompleteError):
+        m.setattr(upload_thread, "STOP_JOIN_S", 0.1)  # (for the hung attempt, given up)
         first.close()
     kw = {"keep_last": 1, "remote_keep_last": "all", "async_save": False}
     second = Checkpointer(local, remote=url, **kw)

@@ -38,6 +38,8 @@ _superseded: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 _numbers = itertools.count(1)  # the upload threads of this process, told apart in their names
 HANDOVER_OUTAGE_S = 300.0  # how long no byte of the previous writer's attempt may move (as
 # close()'s outage limit, stall.CLOSE_OUTAGE_S) before the next writer gives up waiting for it
+HANDOVER_LOOK_S = 1.0  # how often the next writer looks at it and at stop() (tests lower it)
+STOP_JOIN_S = 1.0  # how long stop() waits for the attempt under way, by default (tests lower it)
 
 
 def not_superseded(url: str, thread: threading.Thread | None = None) -> None:
@@ -257,7 +259,7 @@ class UploadThread:
             for prev in prevs:
                 self._waiting_on = prev
                 while prev._thread.is_alive():
-                    prev._thread.join(timeout=1.0)  # (and looks at stop() each second)
+                    prev._thread.join(timeout=HANDOVER_LOOK_S)  # (and looks at stop())
                     if self._stop:
                         return False
                     limit = max(HANDOVER_OUTAGE_S, self._allowance_s())  # (a part in flight)
@@ -341,9 +343,12 @@ class UploadThread:
     def _run(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 
-    def stop(self, join_s: float = 1.0) -> None:
+    def stop(self, join_s: float | None = None) -> None:
         """Stop after the current attempt; what is still queued is not uploaded. ``join_s``:
-        how long to wait for the current attempt (0: not at all, a dropped Checkpointer)."""
+        how long to wait for the current attempt (0: not at all, a dropped Checkpointer; None:
+        :data:`STOP_JOIN_S`, 1 s)."""
+        if join_s is None:
+            join_s = STOP_JOIN_S
         with self._cond:
             self._stop = True
             self._cond.notify_all()
