@@ -13,7 +13,17 @@ from typing import Any
 import pytest
 import torch
 
-from resilient_callbacks import Checkpointer
+from resilient_callbacks import Checkpointer, upload_thread, upload_wait
+
+
+@pytest.fixture(autouse=True)
+def _looks_often(monkeypatch):
+    """The waits here end by events: each look at them is made often (close()'s at the uploads,
+    the next writer's at the previous attempt, 1 s each by default) and stop()'s join of an
+    attempt held by the test is short (1 s by default), so no test waits real seconds."""
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)
+    monkeypatch.setattr(upload_thread, "HANDOVER_LOOK_S", 0.05)
+    monkeypatch.setattr(upload_thread, "STOP_JOIN_S", 0.1)
 
 
 def _state(v: float) -> dict:
@@ -119,7 +129,7 @@ def test_the_next_writers_close_gives_up_on_a_previous_attempt_that_never_return
         return orig(*a, **k)
 
     monkeypatch.setattr(fs, "put", held)
-    monkeypatch.setattr(checkpointer, "CLOSE_OUTAGE_S", 1.0)
+    monkeypatch.setattr(checkpointer, "CLOSE_OUTAGE_S", 0.5)  # (the attempt hangs on an event)
     outcome: list[BaseException | None] = []
     try:
         old.save(1, _state(1))
@@ -140,7 +150,7 @@ def test_the_next_writers_close_gives_up_on_a_previous_attempt_that_never_return
         caplog.clear()  # (the old writer's close rightly said "still uploading")
         closer = threading.Thread(target=close, daemon=True)
         closer.start()
-        closer.join(timeout=120)  # (the outage limit is 1 s)
+        closer.join(timeout=120)  # (the outage limit is 0.5 s)
         assert not closer.is_alive(), "close() still waits for the previous writer's attempt"
     finally:
         go.set()
