@@ -20,6 +20,18 @@ from test_remote_backends import GatedFS, gated  # noqa: F401 (the fixture: a st
 TIMEOUT_S = 60.0
 
 
+@pytest.fixture(autouse=True)
+def _looks_often(monkeypatch):
+    """The next writer looks at the previous attempt (1 s apart by default) 20 times a second,
+    close() at its uploads too, and stop()'s join of an attempt held by the test is short:
+    what ends the waits here is an event or an outage limit set to 0 or 0.5 s."""
+    from resilient_callbacks import upload_thread, upload_wait
+
+    monkeypatch.setattr(upload_thread, "HANDOVER_LOOK_S", 0.05)
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)
+    monkeypatch.setattr(upload_thread, "STOP_JOIN_S", 0.1)
+
+
 class Writer(UploadThread):
     """An upload thread: waits for the previous writer's, then (once ``go`` is set) uploads
     10 bytes and goes on with work that moves none (a delete, a commit) until ``end``."""
