@@ -73,10 +73,17 @@ def test_a_remote_commit_whose_answer_was_lost_is_still_this_processs(
     assert not [r for r in caplog.records if "another live process" in r.getMessage()]
 
 
-def _restored_through_a_burst(tmp_path, s3_server, url, opts, hit) -> tuple[list[str], dict]:
+def _restored_through_a_burst(
+    tmp_path, s3_server, url, opts, hit, monkeypatch
+) -> tuple[list[str], dict]:
     """A restore into an empty directory through a proxy that fails every request ``hit``
     (method, path) names until the retry is announced ("trying again" logged); the requests
-    it failed, and the restored state. A ResumeFallbackWarning fails it."""
+    it failed, and the restored state. A ResumeFallbackWarning fails it. The retry goes at
+    once (its 1 s backoff waits for nothing: the burst ends when it is announced)."""
+    from resilient_callbacks import remote_reads, stall
+
+    monkeypatch.setattr(stall, "backoff_s", lambda *a, **k: 0.0)  # (a download's retry)
+    monkeypatch.setattr(remote_reads, "backoff_s", lambda *a, **k: 0.0)  # (a manifest read's)
     burst = threading.Event()  # the store fails the reads until the retry is announced
     burst.set()
     failed: list[str] = []
@@ -118,7 +125,7 @@ def _restored_through_a_burst(tmp_path, s3_server, url, opts, hit) -> tuple[list
 
 
 def test_a_download_that_fails_at_restore_is_tried_again_not_rolled_back(
-    s3_server, s3_remote, tmp_path
+    s3_server, s3_remote, tmp_path, monkeypatch
 ):
     """The store answers 500 to every read of the newest remote checkpoint for a while (longer
     than its client's own retries) as a wiped node restores: the download is tried again, and
@@ -134,6 +141,7 @@ def test_a_download_that_fails_at_restore_is_tried_again_not_rolled_back(
         url,
         opts,
         lambda m, p: m == "GET" and "/step_000000020/" in p and not p.endswith(".json"),
+        monkeypatch,
     )
     assert failed, "no read of step 20 was failed"
     assert torch.equal(state["w"], torch.full((256,), 20.0))
@@ -189,7 +197,7 @@ def test_a_full_durable_disk_at_the_manifest_leaves_no_torn_commit(small_tmpfs, 
 
 
 def test_a_manifest_read_that_fails_at_restore_is_tried_again_not_rolled_back(
-    s3_server, s3_remote, tmp_path
+    s3_server, s3_remote, tmp_path, monkeypatch
 ):
     """As above for the newest remote checkpoint's manifest: the store answers 500 to its
     reads (longer than its client's retries) while a wiped node lists it. Unread, it was
@@ -205,6 +213,7 @@ def test_a_manifest_read_that_fails_at_restore_is_tried_again_not_rolled_back(
         url,
         opts,
         lambda m, p: m == "GET" and p.endswith("/step_000000020/manifest.json"),
+        monkeypatch,
     )
     assert failed, "no read of step 20's manifest was failed"
     assert torch.equal(state["w"], torch.full((256,), 20.0))
