@@ -196,6 +196,9 @@ def test_a_node_upload_ending_after_close_gave_up_runs_no_retention(tmp_path, mo
     nothing now (the part it uploaded stays uploaded)."""
     import threading
 
+    from resilient_callbacks import upload_thread
+
+    monkeypatch.setattr(upload_thread, "STOP_JOIN_S", 0.1)  # (stop()'s join of the held attempt)
     store, files, key, _m, committer, up = _setup(tmp_path)
     committer.stop()
     for u in up:
