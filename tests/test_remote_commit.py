@@ -98,6 +98,9 @@ def test_close_waits_are_bounded_by_a_preemptions_grace_period(tmp_path, monkeyp
     close ignored a SIGTERM that arrived during it, as shared mode does not)."""
     import threading
 
+    from resilient_callbacks import upload_wait
+
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (the waits look 20 times a second)
     _store, files, key, m, committer, up = _setup(tmp_path)
     never = threading.Event()
     try:
@@ -130,6 +133,9 @@ def test_close_gives_up_on_a_node_upload_that_moves_no_byte(tmp_path, monkeypatc
     against such an endpoint took s3fs minutes per attempt, or forever."""
     import threading
 
+    from resilient_callbacks import upload_wait
+
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (the wait looks 20 times a second)
     _store, files, key, _m, committer, up = _setup(tmp_path)
     never = threading.Event()
     try:
@@ -196,9 +202,10 @@ def test_a_node_upload_ending_after_close_gave_up_runs_no_retention(tmp_path, mo
     nothing now (the part it uploaded stays uploaded)."""
     import threading
 
-    from resilient_callbacks import upload_thread
+    from resilient_callbacks import upload_thread, upload_wait
 
     monkeypatch.setattr(upload_thread, "STOP_JOIN_S", 0.1)  # (stop()'s join of the held attempt)
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (close()'s wait looks 20 times a second)
     store, files, key, _m, committer, up = _setup(tmp_path)
     committer.stop()
     for u in up:

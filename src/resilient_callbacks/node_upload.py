@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import remote_put
+from . import remote_put, upload_wait
 from .catalog import verify_entries
 from .errors import CheckpointCorruptError
 from .manifest import FileEntry
@@ -261,7 +261,8 @@ class NodeUploader(UploadThread):
                 failing = 0.0 if moving else now - (self.failing_since or now)
                 if failing > outage or stalled > limit:
                     return False
-                self._cond.wait(1.0 if deadline is None else min(1.0, deadline - now))
+                look = upload_wait.LOOK_S  # (as close()'s wait in shared mode)
+                self._cond.wait(look if deadline is None else min(look, deadline - now))
             return True
 
     def _run(self) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import remote_blobs, remote_paths
+from . import remote_blobs, remote_paths, upload_wait
 from .catalog import archived
 from .manifest import MANIFEST_NAME, Manifest
 from .node_upload import Key, NodeUploader, UploadCounters, UploadJob
@@ -331,7 +331,8 @@ class RemoteCommitter(UploadThread):
                     return False
                 if outage_s is not None and self.stuck_s() > outage_s:
                     return False
-                self._cond.wait(1.0 if deadline is None else min(1.0, deadline - now))
+                look = upload_wait.LOOK_S  # (as close()'s wait in shared mode)
+                self._cond.wait(look if deadline is None else min(look, deadline - now))
             return not self._pending
 
     # ------------------------------------------------------------------ the thread

@@ -22,7 +22,8 @@ __all__ = ["finish_uploads"]
 
 log = logging.getLogger("resilient_callbacks")
 
-LOOK_S = 1.0  # how often close()'s wait looks at the uploads' progress (tests lower it)
+LOOK_S = 1.0  # how often close()'s waits look at the uploads' progress (node-local mode's
+# NodeUploader.wait and RemoteCommitter.wait too; tests lower it)
 
 
 def finish_uploads(
