@@ -966,6 +966,9 @@ def worker(base: str, argv: list[str]) -> None:
         ck._dir.remote.fs.get = hang  # type: ignore[union-attr]
     gets: list[list[str]] = []  # RC_GETS_FAIL_PARTWAY: each get's files, the first one cut
     if os.environ.get("RC_GETS_FAIL_PARTWAY") == str(node):
+        from resilient_callbacks import stall
+
+        stall.backoff_s = lambda *a, **k: 0.0  # (the next try at once: one is cut, by count)
         real_get = ck._dir.remote.fs.get  # type: ignore[union-attr]
 
         def get_fails_partway(rpath, lpath, *args, **k):
