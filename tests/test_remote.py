@@ -1542,7 +1542,7 @@ def test_close_lets_a_retry_that_moves_bytes_finish_past_the_outage_limit(tmp_pa
     from resilient_callbacks import checkpointer as ckmod
     from resilient_callbacks import upload_wait
 
-    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.25)
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)  # (the retry's start: 1 s to come)
     monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (close() looks 20 times a second)
     url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
     ck = Checkpointer(tmp_path / "l", remote=url, keep_last=1, async_save=False)
@@ -1561,7 +1561,7 @@ def test_close_lets_a_retry_that_moves_bytes_finish_past_the_outage_limit(tmp_pa
         attempts.append(name)
         if len(attempts) == 1:
             raise ConnectionError("a blip")
-        while looks[0] < 20:  # (20 looks, 0.05 s apart at least: well past the 0.25 s limit)
+        while looks[0] < 30:  # (30 looks, 0.05 s apart at least: past the 1 s limit)
             time.sleep(0.01)
         return real_upload(local_dir, manifest, name, progress)
 
@@ -1581,7 +1581,7 @@ def test_an_upload_finishing_after_close_gave_up_deletes_nothing(tmp_path, monke
     from resilient_callbacks import checkpointer as ckmod
     from resilient_callbacks import upload_thread, upload_wait
 
-    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.5)  # (the upload hangs on an event)
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)  # (the second's uploads are real ones)
     monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (close() looks 20 times a second)
     url, local = f"memory://rc-{uuid.uuid4().hex[:10]}/run", tmp_path / "l"
     first = Checkpointer(local, remote=url, keep_last=1, async_save=False)
