@@ -1436,10 +1436,11 @@ def test_blobs_of_a_remote_checkpoint_of_a_newer_format_are_not_collected(tmp_pa
 
 _GIVE_UP_SCRIPT = """
 import sys, torch
-from resilient_callbacks import Checkpointer, checkpointer
+from resilient_callbacks import Checkpointer, checkpointer, upload_wait
 from resilient_callbacks.remote import RemoteStore
 
 checkpointer.CLOSE_OUTAGE_S = 0.5  # (300 s by default)
+upload_wait.LOOK_S = 0.05  # (close() looks at the uploads 20 times a second, not once)
 
 def down(self, *a, **k):
     raise ConnectionError("the store is down")
@@ -1508,8 +1509,10 @@ def test_the_push_command_close_names_carries_the_remote_options(tmp_path, monke
     command went to another store or none. It names each key as `-o KEY=...` now (the values
     may be secrets); filled in, the command uploads what close() gave up on."""
     from resilient_callbacks import checkpointer as ckmod
+    from resilient_callbacks import upload_wait
 
     monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.5)
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (close() looks 20 times a second)
     url = f"file://{tmp_path}/durable/run"
     local = tmp_path / "my run"  # (a space: the path is quoted in the command)
     ck = Checkpointer(local, remote=url, remote_options={"auto_mkdir": True})
