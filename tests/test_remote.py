@@ -1545,7 +1545,8 @@ def test_close_lets_a_retry_that_moves_bytes_finish_past_the_outage_limit(tmp_pa
     from resilient_callbacks import checkpointer as ckmod
     from resilient_callbacks import upload_wait
 
-    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 1.0)  # (the retry's start: 1 s to come)
+    # (the retry must start before this limit: generous, it costs nothing when it does)
+    monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 2.5)
     monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (close() looks 20 times a second)
     url = f"memory://rc-{uuid.uuid4().hex[:10]}/run"
     ck = Checkpointer(tmp_path / "l", remote=url, keep_last=1, async_save=False)
@@ -1564,7 +1565,7 @@ def test_close_lets_a_retry_that_moves_bytes_finish_past_the_outage_limit(tmp_pa
         attempts.append(name)
         if len(attempts) == 1:
             raise ConnectionError("a blip")
-        while looks[0] < 30:  # (30 looks, 0.05 s apart at least: past the 1 s limit)
+        while looks[0] < 60:  # (60 looks, 0.05 s apart at least: past the 2.5 s limit)
             time.sleep(0.01)
         return real_upload(local_dir, manifest, name, progress)
 
