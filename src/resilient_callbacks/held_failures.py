@@ -52,6 +52,20 @@ def _text(exc: BaseException | None) -> str | None:
     return None if exc is None else f"{type(exc).__name__}: {exc}"
 
 
+def _exchange(report: Any, held: BaseException | None, group: Any = None) -> list[Any]:
+    """Every rank's ``report`` (one all-gather on ``group``); raises ``held``, this rank's
+    own stored failure, once it is exchanged."""
+    try:
+        reports = dist.all_gather_json(report, group)
+    except Exception:
+        if held is None:
+            raise
+        reports = []  # (a peer gone: what this rank held is the news, raised below, not lost)
+    if held is not None:
+        raise held
+    return reports
+
+
 def agree(
     step: int,
     rank: int,
@@ -64,14 +78,7 @@ def agree(
     earlier background save; ``failed``, its failure to prepare this one; ``group``, the
     saves' gloo group. Returns on every rank if no rank has either; raises on every rank
     otherwise (an earlier failure first)."""
-    try:
-        reports = dist.all_gather_json({"held": _text(held), "failed": _text(failed)}, group)
-    except Exception:
-        if held is None:
-            raise
-        reports = []  # (a peer gone: what this rank held is the news, raised below, not lost)
-    if held is not None:
-        raise held
+    reports = _exchange({"held": _text(held), "failed": _text(failed)}, held, group)
     held_by = [(r, x["held"]) for r, x in enumerate(reports) if x["held"]]
     failed_on = [(r, x["failed"]) for r, x in enumerate(reports) if x["failed"]]
     if held_by:
@@ -114,14 +121,7 @@ def agree_before(what: str, held: BaseException | None, dirpath: str) -> None:
     :class:`~.errors.CheckpointWriteError` naming the rank(s) and what they hold. Raised
     where it was held alone, that rank stopped before the call's collectives, while its peers
     went on into them and waited there until the process group's timeout."""
-    try:
-        reports = dist.all_gather_json(_text(held))
-    except Exception:
-        if held is None:
-            raise
-        reports = []  # (a peer gone: what this rank held is the news, raised below, not lost)
-    if held is not None:
-        raise held
+    reports = _exchange(_text(held), held)
     held_by = [(r, e) for r, e in enumerate(reports) if e]
     if held_by:
         raise _held_elsewhere(f"{what} was not attempted", held_by, dirpath, f"call {what} again")
