@@ -8,7 +8,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsspec.callbacks import Callback
@@ -131,27 +131,47 @@ class Progress:
     def multi_callback(self) -> Callback:
         """An fsspec callback for a multi-file ``put``/``get``: the bytes of each file's
         transfer are counted (the per-file completions the parent sees are not bytes)."""
-        return _Forward(self, count=False)
+        return files_callback(self)
+
+
+def files_callback(progress: Progress | None, check: Callable[[], None] | None = None) -> Callback:
+    """An fsspec callback for a multi-file ``put``/``get``: each file's bytes counted in
+    ``progress`` (if any); ``check()`` called as each file's transfer begins and at each count
+    of its bytes (it may run in fsspec's event loop; it stops the transfer by raising)."""
+    return _Forward(progress, count=False, check=check)
 
 
 class _Forward(Callback):
-    def __init__(self, progress: Progress, count: bool = True) -> None:
+    """The parent (``count=False``: its counts are files done, not bytes) or a file's own
+    callback (:meth:`branched`), which counts bytes and calls ``check``."""
+
+    def __init__(
+        self,
+        progress: Progress | None,
+        count: bool = True,
+        check: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__()
         self._progress = progress
         self._count = count
+        self._check = check
         self._seen = 0
 
     def relative_update(self, inc: int = 1) -> None:
         if self._count:
-            self._progress.update(inc)
+            if self._progress is not None:
+                self._progress.update(inc)
+            if self._check is not None:
+                self._check()
 
     def absolute_update(self, value: int) -> None:
         inc, self._seen = value - self._seen, value
-        if self._count:
-            self._progress.update(inc)
+        self.relative_update(inc)
 
     def set_size(self, size: int) -> None:
         pass
 
     def branched(self, path_1: Any, path_2: Any, **kwargs: Any) -> Callback:
-        return _Forward(self._progress)
+        if self._check is not None:
+            self._check()
+        return _Forward(self._progress, check=self._check)

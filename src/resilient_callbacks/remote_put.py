@@ -32,8 +32,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from fsspec.callbacks import Callback
-
+from .progress import files_callback
 from .upload_thread import not_superseded
 
 if TYPE_CHECKING:
@@ -68,7 +67,8 @@ def put(
         if progress is not None:  # (its allowance ends with the put: not its settle, commit)
             sizes = [os.path.getsize(p) for p in local]
             stack.enter_context(progress.putting(in_flight(store.fs, sizes)))
-        fenced = _Fenced(store.url, threading.current_thread(), progress)
+        thread = threading.current_thread()  # (the fence is the upload thread's)
+        fenced = files_callback(progress, check=lambda: not_superseded(store.url, thread))
         store.fs.put(list(local), list(remote), callback=fenced)
 
 
@@ -138,34 +138,3 @@ def _batch_size() -> int:
         return int(_get_batch_size())
     except (ImportError, TypeError):  # (another fsspec version)
         return BATCH
-
-
-class _Fenced(Callback):
-    """fsspec's callback of a multi-file ``put`` (the parent) and of each file's (a child,
-    :meth:`branched`): each file's put checks the fence of ``thread`` (the upload thread; these
-    may run in fsspec's event loop) as it begins, and a child at each count of its bytes, which
-    it adds to ``progress``. The parent's counts are files done, not bytes."""
-
-    def __init__(
-        self, url: str, thread: threading.Thread, progress: Progress | None, child: bool = False
-    ) -> None:
-        super().__init__()
-        self._url, self._thread, self._progress, self._child = url, thread, progress, child
-        self._seen = 0
-
-    def relative_update(self, inc: int = 1) -> None:
-        if self._child:
-            if self._progress is not None:
-                self._progress.update(inc)
-            not_superseded(self._url, self._thread)
-
-    def absolute_update(self, value: int) -> None:
-        inc, self._seen = value - self._seen, value
-        self.relative_update(inc)
-
-    def set_size(self, size: int) -> None:
-        pass
-
-    def branched(self, path_1: Any, path_2: Any, **kwargs: Any) -> Callback:
-        not_superseded(self._url, self._thread)
-        return _Fenced(self._url, self._thread, self._progress, child=True)
