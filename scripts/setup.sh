@@ -29,19 +29,35 @@ say() { echo "[setup $(( SECONDS - t0 ))s] $*" >&2; }
 
 # pip's own lines that show progress (what it collects and downloads, what it installed);
 # the rest (already satisfied, index warnings) is dropped. pip's exit status is kept.
+# pip's whole output also goes to $VENV/.resilient-pip.log, read when pip fails.
 pip_install() {
-    local status
+    local status log="$VENV/.resilient-pip.log"
     set +e
     "$VENV/bin/python" -m pip install --progress-bar off "$@" 2>&1 \
+        | tee "$log" \
         | grep --line-buffered -E '^(Collecting|Downloading|Installing|Successfully|ERROR|error|  error)' \
         | sed -u 's/^/    /' >&2
     status=("${PIPESTATUS[@]}")
     set -e
     if [ "${status[0]}" -ne 0 ]; then
-        say "pip failed (exit ${status[0]}); run it without the filter to see everything:"
-        say "  $VENV/bin/python -m pip install $*"
+        if grep -q 'No space left on device' "$log" 2>/dev/null; then
+            say "pip ran out of disk space: $(free_mb) MB are free now on the disk of $VENV_PARENT."
+            if [ "$created" = 1 ]; then
+                # a half-installed environment helps no one and holds the space the next try needs
+                rm -rf "$VENV"
+                say "removed the half-built $VENV; free some space (or set RESILIENT_VENV to a disk with room) and run this again"
+            fi
+        else
+            say "pip failed (exit ${status[0]}); its whole output is in $log, or run it again:"
+            say "  $VENV/bin/python -m pip install $*"
+        fi
         return "${status[0]}"
     fi
+}
+
+# free space in MB on the disk that holds (or will hold) $VENV
+free_mb() {
+    df -Pk "$VENV_PARENT" | awk 'NR == 2 { print int($4 / 1024) }'
 }
 
 key="$(cat pyproject.toml setup.py scripts/setup.sh scripts/constraints.txt | sha1sum | cut -c1-12)"
@@ -59,7 +75,27 @@ for mark in $satisfied; do
     if [ -f "$mark" ]; then exit 0; fi
 done
 
+VENV_PARENT="$(dirname "$VENV")"
+# what each profile takes on disk, measured on Linux x86_64 with the CPU build of torch 2.13
+# (torch alone is about 750 MB), with 200 MB to spare for pip's temporary files
+case "$profile" in
+    core) need_mb=1200 ;;
+    test) need_mb=1900 ;;
+    dev) need_mb=2000 ;;
+esac
+have_mb=0
+if [ -d "$VENV" ]; then have_mb="$(du -sm "$VENV" | cut -f1)"; fi
+more_mb=$(( need_mb - have_mb ))
+if [ "$more_mb" -gt 0 ] && [ "$(free_mb)" -lt "$more_mb" ]; then
+    say "not enough disk space: the $profile set-up needs about $need_mb MB in $VENV" \
+        "(about $more_mb MB more than it holds now), and $(free_mb) MB are free on the disk of $VENV_PARENT."
+    say "free some space, or set RESILIENT_VENV to a folder on a disk with room."
+    exit 1
+fi
+
+created=0
 if [ ! -x "$VENV/bin/python" ]; then
+    created=1
     say "creating $VENV with $PY ($("$PY" --version 2>&1))"
     "$PY" -m venv "$VENV"
 fi

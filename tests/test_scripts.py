@@ -85,3 +85,57 @@ def test_a_venv_that_cannot_import_the_package_runs_this_checkout(tmp_path):
         timeout=60,
     )
     assert r.returncode == 0 and r.stdout.strip() == "the clone", r.stdout + r.stderr
+
+
+def _fake_df(tmp_path: Path, free_kb: int) -> dict[str, str]:
+    """An environment whose `df` reports `free_kb` free (a full disk, as a CI machine had on
+    2026-12-06), the rest of PATH unchanged."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    df = bin_dir / "df"
+    df.write_text(
+        "#!/bin/sh\n"
+        'echo "Filesystem 1024-blocks Used Available Capacity Mounted on"\n'
+        f'echo "/dev/fake 1000000 900000 {free_kb} 90% /"\n'
+    )
+    df.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def test_setup_refuses_a_disk_without_room_before_installing_anything(tmp_path):
+    """CI's set-up ran out of disk space halfway through installing torch (pip's OSError, errno
+    28) and left a half-built .venv. setup.sh now checks the free space first: too little, it
+    says how much it needs and how much is free, and creates nothing."""
+    env = _fake_df(tmp_path, free_kb=300 * 1024)
+    env["RESILIENT_VENV"] = str(tmp_path / "venv")
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup.sh"), "test"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1, r.stderr
+    assert "not enough disk space: the test set-up needs about 1900 MB" in r.stderr
+    assert "300 MB are free" in r.stderr and "RESILIENT_VENV" in r.stderr
+    assert not (tmp_path / "venv").exists()
+
+
+def test_setup_with_room_goes_past_the_disk_check(tmp_path):
+    """The check's other side: an environment already set up for this key needs no room at all
+    (setup.sh returns before it), and with room the check says nothing."""
+    venv = Path(sys.prefix)
+    if not (venv / f".resilient-setup-test-{_setup_key(ROOT)}").exists():
+        pytest.skip("this environment was not made by scripts/setup.sh (test or dev)")
+    env = _fake_df(tmp_path, free_kb=0)
+    env["RESILIENT_VENV"] = str(venv)
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup.sh"), "test"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "disk space" not in r.stderr, r.stderr
