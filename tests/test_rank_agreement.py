@@ -32,6 +32,12 @@ in a collective fails the test by the deadline.
   rank 0 alone while rank 1 waited. Now the restore's is said by every rank, and the save's is
   rank 0's failure of that save, which every rank raises. ``foreign-sync``: the same save,
   synchronous (its commit's message read "...what it would delete).. Nothing was committed").
+- ``continued-new``, ``continued-same-run``, ``continued-restored``: with
+  ``filterwarnings("error")`` on every rank, ``continued_from(2, ...)`` where dirpath holds a
+  newer checkpoint (step 5): its warning raised on rank 0 alone, while rank 1 went on into the
+  new run's broadcast (``continued-new``; ``continued-same-run``: ``same_run=True``) or, after a
+  ``restore()`` that returned 0 (``continued-restored``), returned and went on into its first
+  save's collectives. Now every rank raises it.
 """
 
 from __future__ import annotations
@@ -170,6 +176,16 @@ def _werror_foreign(root: Path, restore: bool, background: bool = True) -> dict[
         return {"call": _outcome(call)}
 
 
+def _werror_continued(root: Path, case: str) -> dict[str, Any]:
+    resume = "never" if case == "continued-restored" else "auto"
+    with warnings.catch_warnings(), Checkpointer(root, resume=resume, capture_rng=False) as ck:
+        if case == "continued-restored":
+            ck.restore({"model": nn.Linear(2, 2)})  # (returns 0: resume="never")
+        warnings.filterwarnings("error")  # (the same on every rank)
+        same_run = case == "continued-same-run"
+        return {"call": _outcome(lambda: ck.continued_from(2, "elsewhere", same_run=same_run))}
+
+
 def worker(root: str, out: str, cases: list[str]) -> None:
     import torch.distributed as dist
 
@@ -195,6 +211,8 @@ def worker(root: str, out: str, cases: list[str]) -> None:
             res[case] = _load_notice(where, rank)
         elif case.startswith("listing-"):
             res[case] = _werror_listing(where)
+        elif case.startswith("continued-"):
+            res[case] = _werror_continued(where, case)
         elif case.startswith("werror-step-"):
             res[case] = _werror_step(where, rank, int(case[-1]))
         elif case.startswith("werror-"):
@@ -229,7 +247,11 @@ CASES = [
     "foreign-restore",
     "foreign-save",
     "foreign-sync",
+    "continued-new",
+    "continued-same-run",
+    "continued-restored",
 ]
+CONTINUED = [c for c in CASES if c.startswith("continued-")]
 
 
 def _run(tmp_path: Path, cases: list[str]) -> list[dict[str, Any]]:
@@ -248,6 +270,10 @@ def _run(tmp_path: Path, cases: list[str]) -> list[dict[str, Any]]:
                 for step in (1, 2):
                     with Checkpointer(tmp_path / "ckpt" / case, resume="never") as ck:
                         ck.save(step, {"model": nn.Linear(2, 2)})
+    for case in CONTINUED:  # a newer checkpoint than the step the run continues from
+        if case in cases:
+            with Checkpointer(tmp_path / "ckpt" / case, capture_rng=False) as ck:
+                ck.save(5, {"model": nn.Linear(2, 2)})
     out = tmp_path / "result"
     argv = [sys.executable, __file__, "worker", str(tmp_path / "ckpt"), str(out), *cases]
     spawn_ranks.run(
@@ -323,3 +349,9 @@ def test_what_one_rank_finds_is_raised_on_every_rank(tmp_path):
         "error": "CheckpointMismatchError",
         "message": "restore failed on rank 1: UserWarning: rank 1: its own notice",
     }
+    for case in CONTINUED:
+        assert r0[case] == r1[case], (case, r0[case], r1[case])  # (every rank raises)
+        assert r0[case]["call"]["error"] == "UserWarning", (case, r0[case])
+        said = r0[case]["call"]["message"]
+        assert "elsewhere continues this run from step 2, but" in said, said
+        assert "holds a newer checkpoint" in said and "(step 5)" in said, said

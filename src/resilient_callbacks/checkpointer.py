@@ -240,11 +240,14 @@ class Checkpointer(CheckpointerQueries):
         if not self.logs_through_framework:
             sinks.warn_logger_without_framework()
 
-    def _start_run(self, step: int, at: float | None = None, **fields: Any) -> None:
+    def _start_run(
+        self, step: int, at: float | None = None, run_id: str | None = None, **fields: Any
+    ) -> None:
         """Every rank: give this run an id (rank 0 chooses it and records the start, with
-        ``fields``). ``at``: the wall time it started, when earlier than now."""
+        ``fields``). ``at``: the wall time it started, when earlier than now. ``run_id``: the
+        id rank 0 chose, already sent to every rank (else this broadcasts it)."""
         if self._dir.run_id is None:
-            self._dir.run_id = new_run_id()
+            self._dir.run_id = run_id if run_id is not None else new_run_id()
             self._recorder.started(step, at)
             if self.is_coordinator:
                 when: dict[str, Any] = {} if at is None else {"time": at}
@@ -463,8 +466,9 @@ class Checkpointer(CheckpointerQueries):
         """Every rank, instead of :meth:`restore`: this run goes on from step ``step`` of a
         checkpoint this Checkpointer did not load (``source``: e.g. the framework's own
         checkpoint, passed explicitly). Records the run's start at ``step``, from ``source``
-        (``same_run``: as the run of dirpath's newest checkpoint, which goes on); the
-        coordinator warns when dirpath holds a newer checkpoint, trained again."""
+        (``same_run``: as the run of dirpath's newest checkpoint, which goes on). Warns (on
+        rank 0; the others log it at INFO, and raise it too where the warning filters make it
+        an error) when dirpath holds a newer checkpoint, trained again."""
         self._check_open(writes=True)
         with dist.peer_errors("continued_from()"):
             self._restorer.continued_from(step, source, same_run)

@@ -334,3 +334,23 @@ def remote_tier_hint(manifests: Iterable[Manifest], step: int) -> str:
 def steps_are(first: int, last: int | None) -> str:
     """``"step 9 is"`` or ``"steps 9-12 are"``, for a message about steps ``first..last``."""
     return f"step {first} is" if first == last else f"steps {first}-{last} are"
+
+
+def newer_skipped(dirpath: str, entries: list[catalog.Entry], step: int, source: str) -> str | None:
+    """Rank 0, at ``continued_from(step, source)``: the warning to say where ``entries`` (the
+    checkpoints of ``dirpath``) hold a valid one newer than ``step``, which the run skips
+    (every rank says it, :func:`say_once`); None where none is."""
+    newer = [
+        e
+        for e in entries
+        if e.status is catalog.Status.VALID and e.step is not None and e.step > step
+    ]
+    if not newer:
+        return None
+    last = newer[-1]
+    return (
+        f"{source} continues this run from step {step}, but {dirpath} holds a newer "
+        f"checkpoint, {last.path} (step {last.step}): the explicit choice wins and "
+        f"{steps_are(step + 1, last.step)} trained again. Leave it out to resume from the "
+        "newest checkpoint."
+    )

@@ -62,6 +62,7 @@ from .part_reads import part_info, read_part_files
 from .reader import current
 from .restore_report import RestoreReport
 from .retention import RetentionPolicy
+from .saving import choose_run_id
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -232,16 +233,24 @@ class Restorer:
 
     def continued_from(self, step: int, source: str, same_run: bool = False) -> None:
         """Every rank (see ``Checkpointer.continued_from``): start this run at ``step`` of a
-        checkpoint loaded elsewhere; the coordinator names a newer valid one it skips. With
-        ``same_run``, the run goes on as the one of the newest valid checkpoint in dirpath."""
+        checkpoint loaded elsewhere. With ``same_run``, the run goes on as the one of the
+        newest valid checkpoint in dirpath. Every rank makes one broadcast here (rank 0's:
+        that run, a new run's id, a newer valid checkpoint it skips), and says that newer
+        one: with ``-W error`` every rank raises it. Said by rank 0 alone, it stopped rank 0
+        while the others waited for it in their next collective."""
         ck = self._ck
-        if same_run and ck._dir.run_id is None:
-            m = read_manifest(p) if ck.is_coordinator and (p := ck._dir.latest_valid()) else None
-            run, seq, line = dist.broadcast_json([m.run_id, m.seq, m.lineage] if m else [None] * 3)
-            ck._dir.run_id = run
-            ck._dir.tip.rebase(seq, line)  # its saves descend from it, as does its lineage
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
+        told, new = None, ck._dir.run_id is None
+        if ck.is_coordinator:
+            m = read_manifest(p) if same_run and new and (p := ck._dir.latest_valid()) else None
+            newer = current(ck._dir.checkpoints(), same_run)  # (not an abandoned branch)
+            said = notices.newer_skipped(ck.dirpath, newer, step, source)
+            told = [choose_run_id(), [m.run_id, m.seq, m.lineage] if m else [None] * 3, said]
+        run_id, (run, seq, line), said = dist.broadcast_json(told)
+        if same_run and new:
+            ck._dir.run_id = run
+            ck._dir.tip.rebase(seq, line)  # its saves descend from it, as does its lineage
         # after a restore() that found nothing, before any save: the run goes on from ``step``
         fresh = ck.restored_from is None and ck.last_saved_step is None
         if ck._dir.run_id is not None and not (fresh and ck._saver.committed_saves == 0):
@@ -250,24 +259,11 @@ class Restorer:
                 "saved a checkpoint: call it instead of restore(), or right after a restore() "
                 "that returned 0, before the first save"
             )
-        if ck.is_coordinator:
-            newer = [
-                e
-                for e in current(ck._dir.checkpoints(), same_run)  # (not an abandoned branch)
-                if e.status is Status.VALID and e.step is not None and e.step > step
-            ]
-            if newer:
-                last = newer[-1]
-                msg = (
-                    f"{source} continues this run from step {step}, but {ck.dirpath} holds a "
-                    f"newer checkpoint, {last.path} (step {last.step}): the explicit choice "
-                    f"wins and {notices.steps_are(step + 1, last.step)} trained again. Leave it out to "
-                    "resume from the newest checkpoint."
-                )
-                warn_and_log(log, msg, UserWarning, stacklevel=AT_CALLER)
+        if said is not None:
+            notices.say_once(log, said)
         ck._trigger.clock.reset()
         if ck._dir.run_id is None:
-            ck._start_run(step, source=source)
+            ck._start_run(step, run_id=run_id, source=source)
             return
         ck._recorder.started(step)  # the run's clock and schedule start again here
         if ck.is_coordinator:  # the report moves this life's start to ``step``

@@ -462,4 +462,9 @@ class Saver:
 
 def new_run_id() -> str:
     """Every rank: one run id, chosen by rank 0."""
-    return str(dist.broadcast_json(uuid.uuid4().hex[:16] if dist.rank() == 0 else None))
+    return str(dist.broadcast_json(choose_run_id() if dist.rank() == 0 else None))
+
+
+def choose_run_id() -> str:
+    """A new run's id (rank 0 chooses it: :func:`new_run_id` sends it to every rank)."""
+    return uuid.uuid4().hex[:16]
