@@ -38,6 +38,10 @@ in a collective fails the test by the deadline.
   new run's broadcast (``continued-new``; ``continued-same-run``: ``same_run=True``) or, after a
   ``restore()`` that returned 0 (``continued-restored``), returned and went on into its first
   save's collectives. Now every rank raises it.
+- ``shared-store``: with ``filterwarnings("error")`` on every rank, under torchrun's variables
+  of a restarting job over a shared rendezvous store, the Checkpointer's warning about it
+  raised in rank 0's constructor alone, while rank 1 went on into ``restore()``'s broadcast.
+  Now every rank raises it.
 """
 
 from __future__ import annotations
@@ -186,6 +190,23 @@ def _werror_continued(root: Path, case: str) -> dict[str, Any]:
         return {"call": _outcome(lambda: ck.continued_from(2, "elsewhere", same_run=same_run))}
 
 
+def _werror_shared_store(root: Path) -> dict[str, Any]:
+    store = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "2"}
+    os.environ.update(store)  # (as torchrun sets them on every worker)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error")  # (the same on every rank)
+
+            def made_and_restored() -> int:
+                with Checkpointer(root) as ck:
+                    return ck.restore({"model": nn.Linear(2, 2)})
+
+            return {"call": _outcome(made_and_restored)}
+    finally:
+        for k in store:
+            del os.environ[k]
+
+
 def worker(root: str, out: str, cases: list[str]) -> None:
     import torch.distributed as dist
 
@@ -211,6 +232,8 @@ def worker(root: str, out: str, cases: list[str]) -> None:
             res[case] = _load_notice(where, rank)
         elif case.startswith("listing-"):
             res[case] = _werror_listing(where)
+        elif case == "shared-store":
+            res[case] = _werror_shared_store(where)
         elif case.startswith("continued-"):
             res[case] = _werror_continued(where, case)
         elif case.startswith("werror-step-"):
@@ -250,6 +273,7 @@ CASES = [
     "continued-new",
     "continued-same-run",
     "continued-restored",
+    "shared-store",
 ]
 CONTINUED = [c for c in CASES if c.startswith("continued-")]
 
@@ -355,3 +379,6 @@ def test_what_one_rank_finds_is_raised_on_every_rank(tmp_path):
         said = r0[case]["call"]["message"]
         assert "elsewhere continues this run from step 2, but" in said, said
         assert "holds a newer checkpoint" in said and "(step 5)" in said, said
+    assert r0["shared-store"] == r1["shared-store"], (r0["shared-store"], r1["shared-store"])
+    assert r0["shared-store"]["call"]["error"] == "UserWarning", r0["shared-store"]
+    assert "rendezvous store, which outlives a restart" in r0["shared-store"]["call"]["message"]

@@ -69,10 +69,14 @@ _store_warned = False
 
 
 def warn_if_restarts_share_a_store() -> None:
-    """Rank 0, once a process: warn where torchrun restarts its workers (``--max-restarts``)
+    """Every rank, once a process: warn where torchrun restarts its workers (``--max-restarts``)
     and they share its rendezvous store, which outlives a restart (torch >= 2.5): a restarted
     worker may dial the previous attempt's addresses and fail or hang (pytorch/pytorch#135712)
-    in ``init_process_group`` or in a group made later (the library's, at the first save)."""
+    in ``init_process_group`` or in a group made later (the library's, at the first save).
+    torchrun gives every worker the same variables: rank 0 warns, the others log it at INFO
+    and, where the warning filters make it an error, raise it too. Warned on rank 0 alone, it
+    stopped rank 0's Checkpointer under ``-W error`` while the others went on into restore()'s
+    collectives and waited there for it."""
     global _store_warned
     restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     if (
@@ -81,7 +85,6 @@ def warn_if_restarts_share_a_store() -> None:
         or not restarts.isdigit()
         or int(restarts) == 0
         or world_size() == 1
-        or rank() != 0
     ):
         return
     _store_warned = True
@@ -93,6 +96,7 @@ def warn_if_restarts_share_a_store() -> None:
         "first save) fails with gloo's 'connectFullMesh ... Connection refused' or waits until "
         f"its timeout (pytorch/pytorch#135712). {unshared_store_fix()}",
         stacklevel=AT_CALLER,
+        warn=rank() == 0,  # (said once: notices.py)
     )
 
 
