@@ -446,3 +446,42 @@ def test_an_update_after_the_optimizers_hooks_were_removed_is_not_taken_for_a_mi
                 opt._optimizer_step_pre_hooks.clear()
     assert [i for i, s in saved.items() if s] == [7]
     assert len(opt._optimizer_step_pre_hooks) == 0  # (ours removed at close, once more)
+
+
+@pytest.mark.parametrize("other", ["another-checkpointer", "removed-from-the-state"])
+def test_the_step_of_an_optimizer_not_in_the_state_ends_no_window(tmp_path, other):
+    """Two models in one process (a GAN's generator and discriminator): the Checkpointer's
+    state holds the generator and its optimizer, which accumulates over WINDOW micro-batches,
+    while the discriminator's optimizer steps at every micro-batch. ``another-checkpointer``:
+    that optimizer is in a second Checkpointer's state (followed by that one's StepWatch alone:
+    held at the generator's step before too). ``removed-from-the-state``: it was in the state
+    at the first two step() calls, then taken out: each of its steps still ended the state's
+    window, and the save due at micro-step 4 was made there, without micro-step 4's gradient
+    (the one due at 8 likewise). Both are held to the generator's step (6, 9)."""
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    g, d = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    g_opt = torch.optim.SGD(g.parameters(), lr=0.1)
+    d_opt = torch.optim.SGD(d.parameters(), lr=0.1)
+    state: dict = {"model": g, "optimizer": g_opt}
+    if other == "removed-from-the-state":
+        state["d_optimizer"] = d_opt
+    saved = {}
+    with contextlib.ExitStack() as stack:
+        ck = stack.enter_context(Checkpointer(tmp_path / "g", every_n_steps=4, async_save=False))
+        d_ck = None
+        if other == "another-checkpointer":
+            d_ck = stack.enter_context(Checkpointer(tmp_path / "d", async_save=False))
+        for i in range(1, 10):
+            (g(x[i : i + 1]).pow(2).mean() / WINDOW).backward()
+            if i % WINDOW == 0:
+                g_opt.step()
+                g_opt.zero_grad()
+            d(x[i : i + 1]).pow(2).mean().backward()
+            d_opt.step()
+            d_opt.zero_grad()
+            saved[i] = ck.step(i, state)
+            if d_ck is not None:
+                d_ck.step(i, {"model": d, "optimizer": d_opt})
+            if i == 2:
+                state.pop("d_optimizer", None)
+    assert [i for i, s in saved.items() if s] == [6, 9]

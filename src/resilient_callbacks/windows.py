@@ -39,8 +39,14 @@ class StepWatch:
     """Notices whether the state's optimizers stepped between two ``step()`` calls: their
     step counts in the process's registry (:mod:`.optimizer_steps`: one step pre-hook per
     optimizer), followed from the first ``step()`` that sees each, and again where its hook
-    was removed since (then, as for a new optimizer, the call is outside a window: the
-    updates before were not seen); a ``GradScaler``'s
+    was removed since or it is back in the state (then, as for a new optimizer, the call is
+    outside a window: the updates before were not seen). Only the optimizers in the state
+    given to ``step()`` count: another one's step (a second model's optimizer, in another
+    Checkpointer's state or taken out of this one) ends no window. A ``step()`` after which
+    every optimizer of the last walk of the state stepped reads their counts alone; one after
+    which some did and some did not walks the state again, as one of them may have left it
+    (a loop whose optimizers step at different ``step()`` calls pays a walk there); a
+    ``GradScaler``'s
     ``update()`` (its scale tensor written; a step it skipped for an inf gradient calls no
     optimizer's ``step()``); and, where no hook fired, the parameters' version counters (an
     optimizer outside the state wrote them: an adapter's stand-in that never steps, a SAM
@@ -113,8 +119,8 @@ class StepWatch:
         seen = self._seen
         if self._mid_step_leaf or not seen:
             return False
-        if all(e.calls == n for e, n in seen.items()):
-            return False
+        if any(e.calls == n for e, n in seen.items()):  # (some stepped: one may have left the
+            return False  # state since the walk, and its step ends no window of the state's)
         for e in seen:
             seen[e] = e.calls
         self._scales = [
@@ -152,14 +158,15 @@ class StepWatch:
         scales = [(id(t), t._version) for v in scalers if isinstance(t := v._scale, torch.Tensor)]
         stepped, self._scales = scales != self._scales, scales
         new = False
+        seen: dict[Entry, int] = {}  # the state's optimizers alone (the class's docstring)
         for opt in opts:
             entry, fresh = self._steps.follow(opt)
-            if fresh:  # (new, or its hook lost: the optimizers collected since are let go)
+            if fresh or entry not in self._seen:  # (new, its hook lost, or back in the state)
                 new = True
-                self._seen = {e: n for e, n in self._seen.items() if e.target() is not None}
-            elif entry.calls != self._seen.get(entry):
+            elif entry.calls != self._seen[entry]:
                 stepped = self._fired = True
-            self._seen[entry] = entry.calls
+            seen[entry] = entry.calls
+        self._seen = seen
         if not opts or stepped or new:
             # (hooks registered now: the updates before them were not seen)
             self._end = "update" if stepped else "reset" if new else ""
