@@ -470,7 +470,8 @@ def test_the_step_of_an_optimizer_not_in_the_state_ends_no_window(tmp_path, othe
         ck = stack.enter_context(Checkpointer(tmp_path / "g", every_n_steps=4, async_save=False))
         d_ck = None
         if other == "another-checkpointer":
-            d_ck = stack.enter_context(Checkpointer(tmp_path / "d", async_save=False))
+            d_kw = {"every_n_steps": 1000, "async_save": False}
+            d_ck = stack.enter_context(Checkpointer(tmp_path / "d", **d_kw))
         for i in range(1, 10):
             (g(x[i : i + 1]).pow(2).mean() / WINDOW).backward()
             if i % WINDOW == 0:
