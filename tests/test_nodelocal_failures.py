@@ -1041,12 +1041,13 @@ def worker(base: str, argv: list[str]) -> None:
             return path
 
         ck._dir.commit.commit = commit_then_lose
-    if os.environ.get("RC_RETENTION_FAILS_AT"):  # "<node>:<step>": its pass after that commit
-        fail_node, fail_step = map(int, os.environ["RC_RETENTION_FAILS_AT"].split(":"))
+    if os.environ.get("RC_RETENTION_FAILS_AT"):  # "<node>:<step>[,<step>...]": its passes
+        node_text, steps_text = os.environ["RC_RETENTION_FAILS_AT"].split(":")
+        fail_node, fail_steps = int(node_text), {int(s) for s in steps_text.split(",")}
         real_retention_pass = ck._dir.apply_retention
 
         def retention_fails(protect, policy=None):
-            if node == fail_node and protect == f"step_{fail_step:09d}":
+            if node == fail_node and protect in {f"step_{s:09d}" for s in fail_steps}:
                 raise OSError(5, "Input/output error")
             return real_retention_pass(protect, policy)
 

@@ -128,27 +128,29 @@ def test_a_stray_file_among_the_replicas_does_not_hang_the_restore(tmp_path, str
 
 @pytest.mark.parametrize("async_save", ["1", ""])
 def test_a_failure_after_a_nodes_commit_says_the_checkpoint_is_committed(tmp_path, async_save):
-    """Node 1's retention pass after its commit of step 4 fails (an I/O error reading its
-    disk). The checkpoint was committed on every node and a restore takes it, but node 1's
+    """Node 1's retention pass after its commits of steps 4 to 6 fails (an I/O error reading
+    its disk): said once, not after each (said again at each save before). The checkpoint was committed on every node and a restore takes it, but node 1's
     leader raised alone: "the save of step 4 stopped on rank 1 ... Its uncommitted files are
     removed", recorded it as a failed save, and every rank raised at the next save (a
     synchronous save: rank 1 alone, and rank 0 waited in the next save until the deadline).
     Now node 1 says the checkpoint is committed, what failed
-    after the commit and what that leaves undone; every rank records it as committed and
-    goes on; the next save's retention deletes what was kept."""
+    after the commit and what that leaves undone (said as in every mode:
+    after_commit_work.py); every rank records it as committed and goes on; the next save's
+    retention deletes what was kept."""
     from resilient_callbacks import history
 
     out = _run(
         tmp_path, "run", 2, "--steps", "8", "--remote-every", "10", RC_KEEP_LAST=1,
-        RC_RETENTION_FAILS_AT="1:4", RC_ASYNC_SAVE=async_save, **LONG_PG,
+        RC_RETENTION_FAILS_AT="1:4,5,6", RC_ASYNC_SAVE=async_save, **LONG_PG,
     )  # fmt: skip
     assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
     assert [rank[-2]["committed_saves"] for rank in out] == [4, 4], out
     said = out[1][-1]["log"]
-    assert "node 1: checkpoint for step 4 was committed on every node" in said, said
-    assert "a restore takes it" in said, said
-    assert "OSError: [Errno 5] Input/output error" in said, said
-    assert "kept on this node until the next save's retention pass" in said, said
+    assert "checkpoint for step 4 was committed (" in said, said
+    assert "step_000000004, on every node): it is valid and a restore takes it" in said, said
+    assert "node 1's work after the commit failed: OSError: [Errno 5] Input/output" in said
+    assert "are kept until the next retention pass" in said, said
+    assert said.count("work after the commit failed") == 1, said
     assert "uncommitted" not in said and "not committed" not in said, said
     assert "after the commit" not in out[0][-1]["log"]  # (node 0 did its part)
     for node in (0, 1):

@@ -124,6 +124,16 @@ class CheckpointerQueries:
             return self._dir.upload_status()
         return None
 
+    @property
+    def after_commit_error(self) -> str | None:
+        """Where the newest committed checkpoint's work after its commit (the retention pass,
+        queueing its upload) failed, what was said then (the checkpoint is valid; what is kept
+        or not done); None when it succeeded. Every rank of a shared directory (rank 0's);
+        in node-local mode each node leader, of its node. Counted in the metric
+        ``after_commit_failures_total``."""
+        failed = self._recorder.after_commit_error
+        return failed[1] if failed is not None else None
+
     def metrics(self) -> dict[str, float]:
         """The checkpoint metrics now (docs/monitoring.md has the names and units), as
         ``{name: value}``; a labelled metric also as ``name/label value``."""

@@ -28,7 +28,7 @@ from .close_uploads import not_uploaded_error
 from .closing_steps import check_open as check_open
 from .closing_steps import clean_exit as clean_exit
 from .closing_steps import close_on_exit as close_on_exit
-from .closing_steps import empty_trash, failing, warn_unmonitored
+from .closing_steps import empty_trash, failing, say_after_commit, warn_unmonitored
 from .closing_steps import release_unopened as release_unopened
 from .nodelocal import NodeDirectory
 from .preemption import exiting
@@ -114,6 +114,7 @@ def close(ck: Checkpointer, timeout: float | None, outage_s: float) -> None:
                 left, outage_s, watcher.remaining_grace_s if watcher else None
             )
             strict = strict and (watcher is None or watcher.request is None)
+        say_after_commit(ck)  # (a background save's is known now: its persist ended)
         until = by_grace(deadline, grace_left)  # (a signal that arrived meanwhile too)
         empty_trash(ck, None if until is None else max(0.0, until - time.monotonic()))
         warn_unmonitored(ck)

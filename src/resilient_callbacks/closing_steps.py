@@ -4,7 +4,9 @@ save reported, the release of a construction that failed part-way, the check tha
 Checkpointer is open, marking training as failed, and a ``with`` block's close.
 
 Which ranks call what: every rank calls :func:`empty_trash` (each has its own trash bin, empty
-but the coordinator's); :func:`warn_unmonitored` acts on the coordinator only."""
+but the coordinator's); :func:`warn_unmonitored` acts on the coordinator only;
+:func:`say_after_commit` on the process that did the work after the commits (rank 0; in
+node-local mode each node's leader). No collective."""
 
 from __future__ import annotations
 
@@ -80,6 +82,24 @@ def warn_unmonitored(ck: Checkpointer) -> None:
         monitor,
         ", ".join(sorted(saver.metric_names)) or "none",
         monitor,
+    )
+
+
+def say_after_commit(ck: Checkpointer) -> None:
+    """The work after the commit of the run's newest checkpoint (its retention pass, queueing
+    its upload) failed, said then by the process that did it: said again at close, as an
+    ERROR (an upload not queued leaves the run's last state on this disk only, and a job's log
+    must show it at its end); close does not raise for it (:mod:`.after_commit_work`)."""
+    failed = ck._recorder.after_commit_error
+    d = ck._dir
+    if failed is None or not (
+        d.topology.is_leader if isinstance(d, NodeDirectory) else ck.is_coordinator
+    ):
+        return
+    log.error(
+        "close(): the work after the commit of the newest checkpoint (step %d) failed, and no "
+        "commit after it tried again. What was said then: %s",
+        *failed,
     )
 
 

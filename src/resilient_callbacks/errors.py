@@ -55,9 +55,8 @@ class CheckpointLockedError(CheckpointError, BlockingIOError):
 
 
 class CheckpointWriteError(CheckpointError, OSError):
-    """A save failed (on one or more ranks); nothing was committed, unless the message says
-    the checkpoint was committed and what rank 0's work after the commit (retention, the
-    upload queue) then failed."""
+    """A save failed (on one or more ranks); nothing was committed. (A checkpoint committed
+    whose work after the commit then failed is not one: :mod:`.after_commit_work`.)"""
 
     def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)

@@ -2,8 +2,8 @@
 
 A background save's failure is stored and raised by the next save; a rank whose state cannot
 be encoded fails before anything is written. Either may be known on some ranks only: the
-encoding failure on the rank it happened on; a failure after a commit's outcome (rank 0's
-retention after the commit, a node's own upload queue) on that rank alone. Raised where each
+encoding failure on the rank it happened on; a failure after a commit's outcome (a rank's own
+account of the committed save) on that rank alone. Raised where each
 rank found it, a rank raised at the start of a save, before its collectives, while its peers
 went on into them and waited there until the process group's timeout, or paired them with
 another save's.

@@ -101,6 +101,13 @@ METRICS: tuple[Metric, ...] = (
         "time saves waited for the previous background save",
     ),
     _m("save_failures_total", "counter", "saves", "saves that failed (nothing was committed)"),
+    _m(
+        "after_commit_failures_total",
+        "counter",
+        "checkpoints",
+        "committed checkpoints (valid) whose work after the commit then failed: the retention "
+        "pass or queueing the upload",
+    ),
     _m("last_saved_step", "gauge", "step", "training step of the newest committed checkpoint"),
     _m(
         "last_save_timestamp_seconds",

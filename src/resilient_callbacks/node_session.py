@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import dist
+from . import after_commit_work, dist
 from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint, replace_file
 from .errors import CheckpointWriteError, sentence
 from .filewrite import encode_json
@@ -73,6 +73,7 @@ class NodeLocalSession:
         self._begin_error: BaseException | None = None
         self.layout: str | None = None  # set by the caller: what agree_steps compares
         self._upload_files: list[FileEntry] = []  # (leaders) this node's part to upload
+        self.after_error: str | None = None  # (leaders) this node's work after the commit
 
     def begin(self) -> str | None:
         """Collective: rank 0 numbers the commit and names it remotely; every rank makes its
@@ -303,40 +304,40 @@ class NodeLocalSession:
     def _after_local_commit(self, local_path: str, reason: str) -> None:
         """Leader: queue this node's part for upload (if due), replicate, apply retention. The
         checkpoint is committed on every node by now, and every other rank returns it as
-        committed: a failed retention pass is said by this leader (naming its node, what failed
-        and what that leaves undone), never raised (raised on this rank alone, the save was
+        committed: a failure of the upload queue or the retention pass is said by this leader
+        (naming its node, what failed and what that leaves undone: :mod:`.after_commit_work`)
+        and kept as :attr:`after_error`, never raised (raised on this rank alone, the save was
         told as uncommitted and recorded as failed, and its peers waited in a later
         collective)."""
         d = self.d
         name = os.path.basename(local_path)
-        if d.uploader is not None:
-            uploader, key, remote_name = d.uploader, (self.run_id, self.seq), self.name
-            tag, mine = self.token, self._upload_files
+        key, error = f"{d.dirpath} node {self.topo.node}", None
+        try:
+            if d.uploader is not None:
+                uploader, ukey, remote_name = d.uploader, (self.run_id, self.seq), self.name
+                tag, mine = self.token, self._upload_files
 
-            def upload() -> None:
-                uploader.enqueue(name, remote_name, key, mine, tag)
+                def upload() -> None:
+                    uploader.enqueue(name, remote_name, ukey, mine, tag)
 
-            if d.config.remote_due(self.seq, reason):
-                d.hold_upload(self.step, None)
-                upload()
-            else:
-                d.hold_upload(self.step, upload)
-        if d.config.replicas:
-            self._replicate(local_path)  # (says its own failures; the peer's end waits on it)
+                if d.config.remote_due(self.seq, reason):
+                    d.hold_upload(self.step, None)
+                    upload()
+                else:
+                    d.hold_upload(self.step, upload)
+        except Exception as e:
+            error = e
+        if d.config.replicas:  # (every leader, whatever failed: its peers' ends wait for it)
+            self._replicate(local_path)  # (says its own failures)
         try:
             d.apply_retention(protect=name)
         except Exception as e:
-            log.error(
-                "node %d: checkpoint for step %d was committed on every node (%s): it is valid "
-                "and a restore takes it; then this node's work after the commit failed: its "
-                "retention pass: %s: %s. Older checkpoints that retention would delete are kept "
-                "on this node until the next save's retention pass; training goes on.",
-                self.topo.node,
-                self.step,
-                name,
-                type(e).__name__,
-                e,
-            )
+            error = error or e
+        if error is None:
+            after_commit_work.succeeded(key)
+        else:
+            where, who = f"{local_path}, on every node", f"node {self.topo.node}"
+            self.after_error = after_commit_work.failed(key, error, self.step, where, who)
 
     def _replicate(self, local_path: str) -> None:
         """Leader: send this node's files to the next node, keep the previous node's."""

@@ -122,14 +122,6 @@ def persist(
                 extra=manifest_extra(prepared, ck.schedule, progress),
             )
         except CheckpointWriteError as e:
-            done = getattr(session, "done", None)
-            if done is not None:  # committed, then rank 0's after-commit work failed: every
-                # rank raises it (the session's outcome said so), the save counted as committed
-                _record(saver, step, prepared, done, reason, why, t0, background, written,
-                        progress, blocking)  # fmt: skip
-                if background and ck.is_coordinator:  # the loop hears at its next save only
-                    log.error("background save of step %d: %s", step, e)
-                raise
             ck._recorder.save_failed(step, e)
             if background:
                 ck.last_saved_step = None
@@ -141,6 +133,9 @@ def persist(
         _record(
             saver, step, prepared, done, reason, why, t0, background, written, progress, blocking
         )
+        # committed; then the work after the commit failed (said where it ran): not raised,
+        # counted and kept (after_commit_work.py); None clears the last one
+        ck._recorder.after_commit(step, session.after_error)
     except CheckpointError:
         raise
     except BaseException as e:

@@ -60,6 +60,8 @@ class Recorder:
         self._compute_at_base = 0.0
         self._next_refresh = 0.0
         self._committed: dict[str, tuple[int, float]] = {}  # name -> (bytes, commit time)
+        # (step, message): the newest commit's work after it failed (after_commit_work.py)
+        self.after_commit_error: tuple[int, str] | None = None
         # fallbacks come before the restore that tells the run's id: recorded after its record
         self._deferred: list[tuple[str, int, dict[str, Any]]] = []
         try:
@@ -242,6 +244,14 @@ class Recorder:
         msg = f"{type(error).__name__}: {error}"[:500]
         self.t.event("save_failed", step=step, error=msg)
         self._record("save_failed", step, error=msg)
+
+    def after_commit(self, step: int, error: str | None) -> None:
+        """Any thread, once ``step`` is committed: its work after the commit failed with
+        ``error`` (said where it ran), or succeeded (None): kept until the next commit."""
+        self.after_commit_error = None if error is None else (step, error)
+        if error is not None:
+            self.t.inc(PREFIX + "after_commit_failures_total")
+            self.t.event("after_commit_failed", step=step, error=error[:500])
 
     def fallback(self, step: int | None, where: str | None, problem: str) -> None:
         reason = fallback_reason(problem)

@@ -27,12 +27,12 @@ order, for the same step; each one marked *collective* runs collectives on ``gro
   commit point), fsyncs and renames the staging
   directory into place and updates the advisory ``latest`` pointer; every rank gets the final
   path. Only then does rank 0 run ``after_commit`` (upload queue, retention): deletion happens
-  after the newer checkpoint is durable, by one process. It runs before the ranks learn the
-  outcome, so its failure reaches every rank: every rank raises one
-  :class:`~.errors.CheckpointWriteError` saying that the checkpoint is committed all the same
-  (:attr:`CommitSession.done` holds it), what failed after the commit and what that leaves
-  undone. Raised on rank 0 alone, the other ranks went on into their next collective and
-  waited there for it until the process group's timeout.
+  after the newer checkpoint is durable, by one process. Its failure is not raised: the
+  checkpoint is committed and valid, rank 0 says what failed and what that leaves undone
+  (:mod:`.after_commit_work`: one behaviour in every mode), and every rank returns the
+  committed checkpoint with the failure's message as :attr:`CommitSession.after_error`: it
+  travels in the outcome broadcast every rank waits in anyway (no collective of its own; a
+  rank that raised alone once left the others waiting in their next collective).
 
 A process killed before the manifest is written leaves only a ``.staging-*`` directory: no
 reader counts it, and the next writer to open the directory sweeps it.
@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import catalog, dist
+from . import after_commit_work, catalog, dist
 from .blobs import BlobStore, key_of
 from .branches import Tip
 from .commit import CommitStrategy, RenameCommit, point_latest
@@ -173,6 +173,7 @@ class CommitSession:
         self.staging: str | None = None
         # once committed (every rank after commit(); rank 0's after_commit may fail then)
         self.done: Committed | None = None
+        self.after_error: str | None = None  # rank 0's after_commit failed: what it said
         self.files: list[FileEntry] = []
         self._begin_error: str | None = None
         self.layout: str | None = None  # set by the caller: what agree_steps compares
@@ -216,7 +217,8 @@ class CommitSession:
         """Coordinator only, no collective: commit the staging directory from every rank's
         report, gathered by the caller (DCP calls ``StorageWriter.finish()`` on the coordinator
         only, after gathering the ranks' write results itself): manifest last, rename,
-        ``latest``, then ``after_commit``. If a report names an error or the commit fails, the
+        ``latest``, then ``after_commit`` (its failure is said, and kept as
+        :attr:`after_error`, not raised). If a report names an error or the commit fails, the
         staging directory is removed and :class:`CheckpointWriteError` names the rank(s)."""
         assert self.staging is not None, "commit_here() without begin_here()"
         reports = list(reports)
@@ -250,7 +252,7 @@ class CommitSession:
         done = Committed(
             path, self.step, seq, sum(f.size for r in reports for f in r.files), reason
         )
-        self._after(done)
+        self.after_error = self._after(done)
         return done
 
     def add(self, files: Iterable[FileEntry]) -> None:
@@ -270,7 +272,8 @@ class CommitSession:
         rank 0 if every rank succeeded, and return the committed checkpoint on every rank; raise
         :class:`CheckpointWriteError` naming the failed rank(s) on every rank otherwise (nothing
         is committed then, older checkpoints are intact). Where rank 0's ``after_commit``
-        failed, every rank raises its error, the checkpoint committed (:attr:`done`)."""
+        failed, every rank returns the committed checkpoint all the same, with rank 0's message
+        as :attr:`after_error` (rank 0 said it; :mod:`.after_commit_work`)."""
         report = RankReport(
             self.rank,
             self.files if error is None else [],
@@ -291,7 +294,6 @@ class CommitSession:
         failed = [r for r in reports if r.error]
         size = sum(f.size for r in reports for f in r.files)
         outcome: dict[str, Any] = {"path": None, "seq": None, "error": self._begin_error}
-        after: CheckpointWriteError | None = None  # rank 0's work after the commit failed
         if self.is_coordinator and self.staging is not None:
             if failed:
                 self.strategy.abort(self.staging)
@@ -304,10 +306,8 @@ class CommitSession:
                     error = error or e
                     outcome["error"] = f"{type(e).__name__}: {e}"
             if outcome["path"] is not None:  # before the outcome: every rank learns it there
-                try:
-                    self._after(Committed(outcome["path"], self.step, outcome["seq"], size, reason))
-                except CheckpointWriteError as e:
-                    after, outcome["after"] = e, str(e)
+                done = Committed(outcome["path"], self.step, outcome["seq"], size, reason)
+                outcome["after"] = self._after(done)
         outcome = dist.broadcast_json(outcome, group=self.group)
         if outcome["path"] is None:
             if failed:
@@ -327,33 +327,25 @@ class CommitSession:
                 err.errno = error.errno
             raise self._with_space_hint(err) from error
         self.done = done = Committed(outcome["path"], self.step, outcome["seq"], size, reason)
-        if after is not None:
-            raise after
-        if outcome.get("after"):  # every rank raises it, none goes on alone into a collective
-            raise CheckpointWriteError(outcome["after"], (0,))
+        self.after_error = outcome.get("after")  # (every rank the same: none raises alone)
+        if self.after_error and not self.is_coordinator:  # (rank 0 said it)
+            log.debug("rank 0's work after the commit of step %d failed", self.step)
         return done
 
-    def _after(self, done: Committed) -> None:
+    def _after(self, done: Committed) -> str | None:
         """Coordinator: ``after_commit``, once ``done`` is committed (kept as :attr:`done`).
-        Its failure raises :class:`CheckpointWriteError` saying that the checkpoint is
-        committed all the same, what failed after it, and what that leaves undone."""
+        Its failure is said (:func:`.after_commit_work.failed`: the checkpoint is committed all
+        the same, what failed after it, and what that leaves undone) and its message returned,
+        never raised; None when it succeeded."""
         self.done = done
         try:
             self.after_commit(done)
         except Exception as e:
-            upload = (
-                f"; its upload to {self.sync.store.url} may not be queued (`resilient-ckpt "
-                f"push {self.dirpath} {self.sync.store.url}` uploads it)"
-                if self.sync is not None
-                else ""
+            return after_commit_work.failed(
+                self.dirpath, e, self.step, done.path, "rank 0", self.sync, self.dirpath
             )
-            raise CheckpointWriteError(
-                f"checkpoint for step {self.step} was committed ({done.path}): it is valid and "
-                f"a restore takes it; then rank 0's work after the commit failed: "
-                f"{type(e).__name__}: {e}. Older checkpoints that retention would delete are "
-                f"kept until the next save's retention pass{upload}.",
-                (0,),
-            ) from e
+        after_commit_work.succeeded(self.dirpath)
+        return None
 
     def _with_space_hint(self, err: CheckpointWriteError) -> CheckpointWriteError:
         """``err``, saying what a full disk (or an exceeded quota) must hold when that is why the
@@ -463,4 +455,7 @@ class CommitSession:
             self.sync.enqueue(name)
         if self.retention is not None:
             protected = {name, *(self.sync.pending() if self.sync is not None else ())}
-            apply_retention(self.dirpath, self.retention, self.run_id, protected)
+            # (a folder it cannot delete is said once, not at every session's pass)
+            apply_retention(
+                self.dirpath, self.retention, self.run_id, protected, said=after_commit_work.SAID
+            )

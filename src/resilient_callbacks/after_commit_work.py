@@ -1,0 +1,73 @@
+"""One behaviour when the work after a commit fails, in every mode.
+
+Once a checkpoint is committed (its manifest written, renamed into place, ``latest`` pointed at
+it), its writer does the work after the commit: the retention pass (old checkpoints and blobs
+no checkpoint uses deleted) and queueing the upload to the remote tier. When that work fails,
+the checkpoint is committed and valid all the same: a run training for weeks must not stop over
+an old checkpoint it could not delete. In every mode (a synchronous or a background save of one
+rank or several, node-local mode, a :class:`~.session.CommitSession` used without a
+Checkpointer: the DCP storage writer) the failure
+
+- is not raised: the save returns as committed (it raised on every rank of a synchronous
+  save, and at the next save or ``flush()`` after a background one, and stopped the run);
+- is said as one ERROR by the process that did the work (rank 0; in node-local mode the node's
+  leader): the checkpoint is committed and valid, what failed, what is kept or not done (the
+  old checkpoints stay until the next retention pass; an upload not queued, with the
+  ``resilient-ckpt push`` that uploads it). A failure that persists (the same reason at each
+  save) is said once, again when its reason changes, and every
+  :data:`~.repeats.REMIND_EVERY`-th time in a row (:mod:`.repeats`);
+- is counted (the metric ``after_commit_failures_total``, every rank that learns of it) and
+  kept as ``Checkpointer.after_commit_error`` until a later commit's work succeeds; ``close()``
+  says it again as an ERROR when it is the run's last checkpoint's (the upload of the last
+  checkpoint not queued is a loss of durability a job's log must show at its end).
+
+Which ranks call what: only the process that did the work calls :func:`failed` or
+:func:`succeeded` (no collective). The other ranks of a CommitSession learn rank 0's failure
+from the commit's outcome broadcast, which every rank waits in anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .redact import push_command, url_text
+from .repeats import Repeats, again, reason
+
+log = logging.getLogger("resilient_callbacks")
+
+#: the failures said so far, by directory: every save of this process (a CommitSession is made
+#: for each save, so its own would forget), and the default work's failures to delete a folder
+SAID = Repeats()
+
+
+def failed(
+    key: str, e: BaseException, step: int, path: str, who: str, sync: Any = None, dirpath: str = ""
+) -> str:
+    """The work after the commit of ``step`` (at ``path``) by ``who`` ("rank 0", "node 1")
+    raised ``e``: say it (an ERROR, once while it persists for the same reason: ``key``, the
+    directory) and return its message. ``sync``: the uploader (``store.url``,
+    ``store.options``) whose queue may not hold the checkpoint, if any, of ``dirpath``."""
+    upload = (
+        f"; its upload to {url_text(sync.store.url)} may not be queued "
+        f"({push_command(dirpath, sync.store.url, sync.store.options)} uploads it)"
+        if sync is not None
+        else ""
+    )
+    message = (
+        f"checkpoint for step {step} was committed ({path}): it is valid and a restore takes "
+        f"it; then {who}'s work after the commit failed: {type(e).__name__}: {e}. Older "
+        f"checkpoints that retention would delete are kept until the next retention "
+        f"pass{upload}. Training goes on."
+    )
+    n = SAID.due(key, reason(e))
+    if n is None:  # said before, for this reason: each save tries again, quietly
+        log.debug("%s (again)", message)
+    else:
+        log.error("%s%s", message, again(n))
+    return message
+
+
+def succeeded(key: str) -> None:
+    """The work after a commit in ``key`` (the directory) succeeded: a later failure is new."""
+    SAID.cleared(key)

@@ -1,0 +1,163 @@
+"""A checkpoint committed whose work after the commit (its retention pass, queueing its upload)
+then fails does not stop training, in any mode: one ERROR says it once while it persists, the
+failure stays visible (``after_commit_error``, the metric ``after_commit_failures_total``), and
+``close()`` says it again (after_commit_work.py). The failure is real: the checkpoint directory
+made unlistable (``chmod 0o300``; as root too, its permission-bypassing capabilities dropped:
+tests/permissions.py). Two ranks: tests/test_rank_agreement.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import permissions
+from resilient_callbacks import Checkpointer, catalog
+from resilient_callbacks.metrics import PREFIX
+from resilient_callbacks.retention import RetentionPolicy
+from resilient_callbacks.session import CommitSession
+
+AFTER = "work after the commit failed"
+
+
+def _errors(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.ERROR and text in r.getMessage()
+    ]
+
+
+@pytest.fixture
+def honoured():
+    with permissions.honoured() as ok:
+        if not ok:
+            pytest.skip("this process cannot drop the capabilities that ignore permission bits")
+        yield
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_retention_pass_after_a_commit_does_not_stop_training(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, honoured: None, async_save: bool
+):
+    """keep_last=1; after step 1 the directory cannot be listed, so the retention pass after
+    each commit of steps 2-4 fails. A synchronous save raised CheckpointWriteError (a
+    background one at the next save or flush()), and the run stopped over an old checkpoint it
+    could not delete. Now every save returns as committed, one ERROR says it (not one per
+    save), the failure is kept and counted; once the directory is listable again the next
+    save's pass deletes what was kept and clears it; close() says the failure of the newest
+    checkpoint's work again."""
+    root = tmp_path / "ck"
+    state = {"w": torch.zeros(10)}
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    with Checkpointer(root, keep_last=1, async_save=async_save, preemption=False) as ck:
+        ck.save(1, state)
+        ck.flush()
+        if not permissions.unlistable(root):
+            pytest.skip("this process lists a directory it has no read permission on")
+        try:
+            for step in (2, 3, 4):
+                assert ck.save(step, state) is True
+                ck.flush()
+        finally:
+            os.chmod(root, 0o755)
+        assert ck.committed_saves == 4
+        said = _errors(caplog, AFTER)
+        assert len(said) == 1, said  # (the same reason at each save: said once)
+        assert said[0].startswith("checkpoint for step 2 was committed ("), said
+        assert "it is valid and a restore takes it" in said[0], said
+        assert "rank 0's work after the commit failed: PermissionError" in said[0], said
+        assert "are kept until the next retention pass" in said[0], said
+        assert "Training goes on." in said[0], said
+        error = ck.after_commit_error
+        assert error is not None and error.startswith("checkpoint for step 4 was committed ("), (
+            error
+        )
+        assert ck.metrics()[PREFIX + "after_commit_failures_total"] == 3
+        ck.save(5, state)  # listable again: its pass deletes steps 1 to 4 and clears it
+        ck.flush()
+        assert ck.after_commit_error is None
+        steps = [e.step for e in catalog.committed(catalog.scan(str(root)))]
+        assert steps == [5], steps
+        assert not _errors(caplog, "close():")
+        if not permissions.unlistable(root):  # (it was a moment ago)
+            pytest.fail("the directory became listable")
+        try:
+            ck.save(6, state)  # the run's last checkpoint: its work after the commit fails
+            ck.flush()
+        finally:
+            os.chmod(root, 0o755)
+    at_close = _errors(caplog, "close():")
+    assert len(at_close) == 1, at_close
+    assert "the newest checkpoint (step 6)" in at_close[0], at_close
+    assert "checkpoint for step 6 was committed (" in at_close[0], at_close
+
+
+def test_a_commit_session_of_its_own_says_a_persisting_failure_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, honoured: None
+):
+    """A CommitSession used without a Checkpointer (a session per save, as a DeepSpeed engine
+    or a script of the user's makes them) whose directory cannot be listed: its retention pass
+    after each commit failed, and each raised CheckpointWriteError. Now each commit returns,
+    with the failure as ``after_error``, said once for the five commits."""
+    root = tmp_path / "ck"
+    root.mkdir()
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    policy = RetentionPolicy(keep_last=1)
+    if not permissions.unlistable(root):
+        pytest.skip("this process lists a directory it has no read permission on")
+    try:
+        for step in range(1, 6):
+            session = CommitSession(root, step, run_id="r", seq=step, retention=policy)
+            staging = session.begin()
+            assert staging is not None
+            done = session.commit()
+            assert done.step == step and session.after_error is not None
+            assert f"checkpoint for step {step} was committed" in session.after_error
+    finally:
+        os.chmod(root, 0o755)
+    said = _errors(caplog, AFTER)
+    assert len(said) == 1, said
+    assert "PermissionError" in said[0], said
+    session = CommitSession(root, 6, run_id="r", seq=6, retention=policy)
+    session.begin()
+    session.commit()
+    assert session.after_error is None  # listable again: its pass deleted the others
+    steps = [e.step for e in catalog.committed(catalog.scan(str(root)))]
+    assert steps == [6], steps
+
+
+def test_a_commit_session_of_its_own_says_a_folder_it_cannot_delete_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """The same session's default retention with one old folder that cannot be deleted (a
+    mount point: tests/test_retention_repeats.py): each session's pass logged the same ERROR
+    again (a Checkpointer's directory remembers what it said; a session per save did not).
+    Now it is said once; the others go as usual."""
+    from test_retention_repeats import _undeletable
+
+    root = tmp_path / "ck"
+    root.mkdir()
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    policy = RetentionPolicy(keep_last=1)
+
+    def commit(step: int) -> CommitSession:
+        session = CommitSession(root, step, run_id="r", seq=step, retention=policy)
+        session.begin()
+        session.commit()
+        return session
+
+    commit(1)
+    undo = _undeletable(root / "step_000000001")
+    try:
+        for step in range(2, 7):
+            assert commit(step).after_error is None  # (a folder kept is no failed pass)
+    finally:
+        undo()
+    said = _errors(caplog, "could not delete")
+    assert len(said) == 1, said
+    kept = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    assert kept == ["step_000000001", "step_000000006"], kept
