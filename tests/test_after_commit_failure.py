@@ -161,3 +161,47 @@ def test_a_commit_session_of_its_own_says_a_folder_it_cannot_delete_once(
     assert len(said) == 1, said
     kept = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
     assert kept == ["step_000000001", "step_000000006"], kept
+
+
+def test_a_dcp_save_whose_retention_pass_fails_is_committed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, honoured: None
+):
+    """The DCP storage writer commits on the coordinator alone (``commit_here``): the
+    retention pass after it that failed raised out of ``finish()``, and ``dcp.save`` failed
+    over a checkpoint it had committed. Now it returns; the ERROR is said once. (The directory
+    is made unlistable right after each commit of steps 2 and 3, as by an operator's chmod
+    then: the save's plan lists it before.)"""
+    import torch.distributed.checkpoint as dcp
+
+    from resilient_callbacks.dcp import ResilientStorageWriter
+
+    root = tmp_path / "ck"
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    with ResilientStorageWriter(root, keep_last=1) as writer:
+        for step in (1, 2, 3, 4):
+            writer.step = step
+            try:
+                dcp.save({"w": torch.full((3,), float(step))}, storage_writer=writer)
+            finally:
+                os.chmod(root, 0o755)
+            assert writer.last_committed == str(root / f"step_{step:09d}")
+            d = writer._dir
+            assert d is not None
+            if step == 1:
+                if not permissions.unlistable(root):
+                    pytest.skip("this process lists a directory it has no read permission on")
+                os.chmod(root, 0o755)
+                real = d.after_commit
+
+                def denied_then(committed, real=real):  # type: ignore[no-untyped-def]
+                    os.chmod(root, 0o300)
+                    real(committed)
+
+                d.after_commit = denied_then  # type: ignore[method-assign]
+            if step == 3:
+                d.after_commit = real  # type: ignore[method-assign]
+    said = _errors(caplog, AFTER)
+    assert len(said) == 1 and "PermissionError" in said[0], said
+    assert said[0].startswith("checkpoint for step 2 was committed ("), said
+    steps = [e.step for e in catalog.committed(catalog.scan(str(root)))]
+    assert steps == [4], steps
