@@ -205,3 +205,39 @@ def test_a_dcp_save_whose_retention_pass_fails_is_committed(
     assert said[0].startswith("checkpoint for step 2 was committed ("), said
     steps = [e.step for e in catalog.committed(catalog.scan(str(root)))]
     assert steps == [4], steps
+
+
+class _RefusingQueue:
+    """An uploader whose queue refuses the checkpoint (as one that stopped may): the remote
+    store is real, the refusal the only thing made up."""
+
+    def __init__(self, url: str) -> None:
+        from resilient_callbacks.remote import RemoteStore
+
+        self.store = RemoteStore(url)
+
+    def enqueue(self, name: str) -> None:
+        raise RuntimeError(f"the upload queue refused {name}")
+
+    def pending(self) -> set[str]:
+        return set()
+
+
+def test_an_upload_not_queued_says_the_push_that_uploads_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """Queueing the upload after a commit fails: the commit returns (it raised), and the
+    ERROR says that the checkpoint is valid, that its upload may not be queued, and the
+    ``resilient-ckpt push`` that uploads it."""
+    root, remote = tmp_path / "ck", tmp_path / "remote"
+    root.mkdir()
+    remote.mkdir()
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    session = CommitSession(root, 1, run_id="r", seq=1, sync=_RefusingQueue(f"file://{remote}"))
+    session.begin()
+    assert session.commit().step == 1
+    said = _errors(caplog, AFTER)
+    assert len(said) == 1 and said[0] == session.after_error, said
+    assert "RuntimeError: the upload queue refused step_000000001" in said[0], said
+    assert f"its upload to file://{remote} may not be queued" in said[0], said
+    assert f"`resilient-ckpt push {root} file://{remote}` uploads it" in said[0], said

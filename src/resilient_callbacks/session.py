@@ -341,8 +341,11 @@ class CommitSession:
         try:
             self.after_commit(done)
         except Exception as e:
+            sync = self.sync  # (named only where the upload may not be queued: not pending)
+            if sync is not None and os.path.basename(done.path) in sync.pending():
+                sync = None
             return after_commit_work.failed(
-                self.dirpath, e, self.step, done.path, "rank 0", self.sync, self.dirpath
+                self.dirpath, e, self.step, done.path, "rank 0", sync, self.dirpath
             )
         after_commit_work.succeeded(self.dirpath)
         return None
