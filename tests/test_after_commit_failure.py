@@ -185,6 +185,7 @@ def test_a_dcp_save_whose_retention_pass_fails_is_committed(
             finally:
                 os.chmod(root, 0o755)
             assert writer.last_committed == str(root / f"step_{step:09d}")
+            assert (writer.after_commit_error is not None) == (step in (2, 3)), step
             d = writer._dir
             assert d is not None
             if step == 1:

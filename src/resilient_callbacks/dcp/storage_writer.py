@@ -127,6 +127,8 @@ class ResilientStorageWriter(StorageWriter):
         self.rank = 0
         self.is_coordinator = True
         self.last_committed: str | None = None
+        # the work after that commit (retention, upload queue) failed: what was said (not raised)
+        self.after_commit_error: str | None = None
         self._dir: Directory | None = None
         self._based: object = None  # the load its saves descend from (lineage.rebase)
         # the saves begun and not finished: staging path -> (session, the thread saving it)
@@ -311,7 +313,7 @@ class ResilientStorageWriter(StorageWriter):
             raise CheckpointWriteError(f"could not write {METADATA_NAME}: {e}") from e
         reports[0].files.append(FileEntry(METADATA_NAME, d.size, d.xxh3_64, 0, "structure"))
         committed = session.commit_here(reports, reason="dcp")
-        self.last_committed = committed.path
+        self.last_committed, self.after_commit_error = committed.path, session.after_error
         log.info("committed %s", committed.path)
 
     # ------------------------------------------------------------------ async_save staging
