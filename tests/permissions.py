@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,7 +51,7 @@ def honoured() -> Iterator[bool]:
         yield True
         return
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # (this process's libc: no library search)
         before = _caps(libc)
         _caps(libc, before & ~_DAC)
     except (OSError, AttributeError):
