@@ -44,7 +44,7 @@ from resilient_callbacks.remote_commit import (
     UploadCounters,
     UploadJob,
 )
-from resilient_callbacks.remote_objects import OwnCheckpoints
+from resilient_callbacks.remote_owned import OwnCheckpoints
 from resilient_callbacks.retention import RetentionPolicy
 from resilient_callbacks.session import RankReport
 

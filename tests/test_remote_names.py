@@ -86,7 +86,7 @@ def test_an_upload_cut_off_by_a_kill_is_uploaded_again_under_its_own_name(tmp_pa
     manifest): the restart uploads the same commit again. Its own earlier mark does not make it
     yield (that left the partial folder to the 24 h sweep and put the checkpoint under
     ``-r1``): it goes under its name, whole, and no mark is left."""
-    from resilient_callbacks.remote_objects import CLAIM_PREFIX
+    from resilient_callbacks.remote_claims import CLAIM_PREFIX
 
     url, opts = s3_remote
     path, m = _checkpoint(tmp_path / "a", 1.0)
@@ -106,7 +106,7 @@ def test_a_live_mark_of_a_run_whose_id_extends_ours_with_a_dash_is_not_taken_ove
     (``.writer-<run>-<seq>-<random>``) is taken over; a live upload of run ``exp-<seq>`` marks
     ``.writer-exp-<seq>-<its seq>-<random>``, which starts the same as run ``exp``'s own: it
     was removed and both wrote the name. Now the upload yields to it and the mark stays."""
-    from resilient_callbacks.remote_objects import CLAIM_PREFIX, RemoteNameTaken, claim
+    from resilient_callbacks.remote_claims import CLAIM_PREFIX, RemoteNameTaken, claim
 
     _, m = _checkpoint(tmp_path / "a", 1.0)
     m = dataclasses.replace(m, run_id="exp")
@@ -135,7 +135,7 @@ def test_two_writers_uploading_one_name_at_once_never_both_commit(tmp_path, requ
 
     from resilient_callbacks import remote_blob_put
     from resilient_callbacks.cli import main
-    from resilient_callbacks.remote_objects import RemoteNameTaken
+    from resilient_callbacks.remote_claims import RemoteNameTaken
 
     if where == "s3":
         url, opts = request.getfixturevalue("s3_remote")
@@ -191,7 +191,7 @@ def test_an_upload_never_takes_a_name_another_process_is_deleting(tmp_path):
     the upload found no manifest there, took the name and committed, and the deletion's
     removal of the folder then took the new checkpoint with it. Now a deletion marks the
     name first, and the upload takes another name."""
-    from resilient_callbacks.remote_objects import RemoteNameTaken
+    from resilient_callbacks.remote_claims import RemoteNameTaken
 
     url = f"file://{tmp_path}/durable/run"
     first, second = _checkpoint(tmp_path / "a", 1.0), _checkpoint(tmp_path / "b", 2.0)
@@ -257,7 +257,7 @@ def test_a_commit_of_this_runs_key_written_by_another_process_is_not_taken_for_o
 
 def _deleting(url: str, *names: str) -> None:
     """What a deletion cut off by a kill leaves under each of ``names``: its mark, alone."""
-    from resilient_callbacks.remote_objects import CLAIM_PREFIX
+    from resilient_callbacks.remote_claims import CLAIM_PREFIX
 
     st = RemoteStore(url)
     for name in names:
@@ -270,7 +270,7 @@ def test_an_upload_blocked_by_two_deletion_marks_takes_a_third_name(tmp_path, mo
     run's uploader recorded each refusal under one key for both (a deletion's mark names no
     commit), the second replacing the first: it tried the two names in turn forever, three
     requests and a warning each time, and never uploaded. Now each refused name stays taken."""
-    from resilient_callbacks import remote, remote_objects
+    from resilient_callbacks import remote, remote_claims
 
     url = f"file://{tmp_path}/durable/run"
     _deleting(url, "step_000000010", "step_000000010-r1")
@@ -280,7 +280,7 @@ def test_an_upload_blocked_by_two_deletion_marks_takes_a_third_name(tmp_path, mo
         tried.append(name)
         if len(tried) == 10:  # going round the names: the marks go, to end the test
             shutil.rmtree(tmp_path / "durable" / "run")
-        return remote_objects.claim(store, name, *a)
+        return remote_claims.claim(store, name, *a)
 
     monkeypatch.setattr(remote, "claim", claim)
     with Checkpointer(tmp_path / "a", remote=url, async_save=False) as ck:
@@ -366,7 +366,7 @@ def test_a_name_held_by_this_runs_own_other_commit_is_not_blamed_on_another_run(
     resumed from the remote, saves step 10 again as another commit. The upload goes beside it
     as before, but the warning told the user that another run wrote to the URL and to give
     each run a URL of its own: it names this run's commit now."""
-    from resilient_callbacks.remote_objects import CLAIM_PREFIX
+    from resilient_callbacks.remote_claims import CLAIM_PREFIX
 
     url = f"file://{tmp_path}/durable/run"
     with Checkpointer(tmp_path / "a", remote=url, async_save=False) as ck:
@@ -392,7 +392,7 @@ def test_a_store_that_refuses_deletes_keeps_one_deletion_mark_per_name(tmp_path,
     under the name, each attempt under a name of its own. One more empty object per save,
     for the life of the run, every later listing of the name longer. Every attempt puts the
     same one now."""
-    from resilient_callbacks.remote_objects import CLAIM_PREFIX
+    from resilient_callbacks.remote_claims import CLAIM_PREFIX
 
     url = f"file://{tmp_path}/durable/run"
 

@@ -23,7 +23,7 @@ from resilient_callbacks import Checkpointer
 from resilient_callbacks.manifest import MANIFEST_NAME as MANIFEST
 from resilient_callbacks.manifest import read_manifest
 from resilient_callbacks.remote import RemoteStore
-from resilient_callbacks.remote_objects import CLAIM_PREFIX
+from resilient_callbacks.remote_claims import CLAIM_PREFIX
 
 NAME = "step_000000020"
 
@@ -35,7 +35,7 @@ _UPLOAD = textwrap.dedent(
     from resilient_callbacks import remote_blob_put
     from resilient_callbacks.manifest import read_manifest
     from resilient_callbacks.remote import RemoteStore
-    from resilient_callbacks.remote_objects import RemoteNameTaken
+    from resilient_callbacks.remote_claims import RemoteNameTaken
 
     path, url, name, hold = sys.argv[1:5]
     real = remote_blob_put.upload

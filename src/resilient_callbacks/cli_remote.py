@@ -21,7 +21,7 @@ from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME
 from .redact import command
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
-from .remote_objects import REMOTE_CKPT_RE, UNREADABLE, RemoteNameTaken, free_name
+from .remote_claims import REMOTE_CKPT_RE, UNREADABLE, RemoteNameTaken, free_name
 from .retention import Plan, RetentionPolicy
 
 

@@ -12,7 +12,7 @@ from .cli_local import dropped_archives
 from .cli_remote import remote_plan
 from .errors import CheckpointError, RemoteDeleteRefusedError
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
-from .remote_objects import REMOTE_CKPT_RE
+from .remote_claims import REMOTE_CKPT_RE
 
 Listed = tuple[list[RemoteEntry], dict[str, int]]  # RemoteStore.scan_with_blobs()
 

@@ -34,7 +34,7 @@ from .lock import COMMAND_WAIT_S, DirLock, claim_remote
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .reader import by_commit
 from .redact import command
-from .remote_objects import RestoredCopy
+from .remote_owned import RestoredCopy
 from .repeats import Repeats
 from .retention import RetentionPolicy
 from .retention_pass import apply_retention, collect_blobs
@@ -262,7 +262,7 @@ class Directory:
         retention after it): the next commits number after it, and the local copy of the
         checkpoint this process restored from is no longer protected (the commit records the
         lineage: retention knows what to keep); its remote copy is, until the first commit of
-        this branch there (:class:`~.remote_objects.RestoredCopy`)."""
+        this branch there (:class:`~.remote_owned.RestoredCopy`)."""
         self.seq = max(self.seq, seq)
         self.restored = None
         self.restored_copy.committed(seq)

@@ -20,7 +20,7 @@ from . import catalog, dist
 from .catalog import Depth, Status, archived
 from .manifest import FileEntry, Manifest
 from .nodelocal import REMOTE_MANIFEST, is_shared
-from .remote_objects import commit_tag
+from .remote_claims import commit_tag
 from .retention import Candidate, plan
 
 if TYPE_CHECKING:

@@ -69,7 +69,7 @@ class NodeLocalSession:
         self.staging: str | None = None
         self.seq = 0
         self.name = ckpt_name(step)
-        self.token = ""  # the commit's, in every node's marks (remote_objects.commit_tag)
+        self.token = ""  # the commit's, in every node's marks (remote_claims.commit_tag)
         self._begin_error: BaseException | None = None
         self.layout: str | None = None  # set by the caller: what agree_steps compares
         self._upload_files: list[FileEntry] = []  # (leaders) this node's part to upload

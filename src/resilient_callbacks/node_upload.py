@@ -8,7 +8,7 @@ which queued checkpoints no node uploads any more (:meth:`NodeUploader.settle`, 
 outcome that save broadcasts): each node takes them out of its queue, and removes the objects
 it already uploaded of the ones the coordinator dropped (never committed remotely).
 
-Before it puts anything under a name, a node marks it (:func:`~.remote_objects.claim_part`, the
+Before it puts anything under a name, a node marks it (:func:`~.remote_claims.claim_part`, the
 mark every upload to a remote URL puts): another writer of that name (another run given the
 same URL, a ``push``, a second process of this run) yields to the marks of this commit's parts,
 which stay until the coordinator committed. A node that finds another writer's mark or
@@ -40,7 +40,8 @@ from .manifest import FileEntry
 from .progress import Progress
 from .redact import url_text
 from .remote import RemoteStore
-from .remote_objects import RemoteNameTaken, check_uploaded, claim_part, part_mark
+from .remote_claims import RemoteNameTaken, claim_part, part_mark
+from .remote_objects import check_uploaded
 from .upload_thread import UploadThread, backoff_s, by_grace
 
 log = logging.getLogger("resilient_callbacks")
@@ -57,7 +58,7 @@ class UploadJob:
     # the coordinator dropped it while it was being uploaded: finish, then delete the objects
     dropped: bool = False
     cancelled: bool = False  # no longer to upload (dropped, or committed already)
-    tag: str = ""  # which commit of its key (remote_objects.commit_tag): in its marks
+    tag: str = ""  # which commit of its key (remote_claims.commit_tag): in its marks
     mark: str | None = None  # this node's mark under the name, once put
     taken: bool = False  # another writer has the name: nothing of this node's is there
 

@@ -45,20 +45,13 @@ from .manifest import MANIFEST_NAME, Manifest
 from .progress import Progress
 from .redact import options_text, url_text
 from .remote_blob_check import Verified
+from .remote_claims import CLAIM_PREFIX, RemoteNameTaken, claim, key_of, same_commit
 from .remote_listing import (  # noqa: F401 (re-exported: their old home)
     NO_MANIFEST,
     RemoteEntry,
     retention_candidates,
 )
-from .remote_objects import (
-    CLAIM_PREFIX,
-    ManifestLastCommit,
-    RemoteNameTaken,
-    check_uploaded,
-    claim,
-    key_of,
-    same_commit,
-)
+from .remote_objects import ManifestLastCommit, check_uploaded
 from .store_key import IDENTITY_OPTIONS, store_identity  # noqa: F401 (re-exported: their old home)
 
 log = logging.getLogger("resilient_callbacks")
@@ -260,7 +253,7 @@ class RemoteStore:
         blobs_again: Collection[str],
         uncommit: bool,
     ) -> None:
-        """:meth:`upload` under the mark of :func:`~.remote_objects.claim`; ``uncommit``: the
+        """:meth:`upload` under the mark of :func:`~.remote_claims.claim`; ``uncommit``: the
         name has a manifest (this commit's, damaged) to remove first."""
         commit = ManifestLastCommit(self, name, local_dir)
         commit.begin(manifest.step, uncommit=uncommit)

@@ -44,8 +44,10 @@ from .manifest import MANIFEST_NAME, Manifest
 from .node_upload import Key, NodeUploader, UploadCounters, UploadJob
 from .redact import url_text
 from .remote import NO_MANIFEST, RemoteStore, retention_candidates
+from .remote_claims import marks_of
 from .remote_manifest import put_manifest
-from .remote_objects import OwnCheckpoints, RestoredCopy, marks_of, seq_floor
+from .remote_objects import seq_floor
+from .remote_owned import OwnCheckpoints, RestoredCopy
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import (
     UploadThread,
@@ -66,7 +68,7 @@ class PendingCommit:
     manifest: bytes
     local: str | None = None  # the coordinator's copy, which holds the global manifest
     done: set[int] = field(default_factory=set)
-    tag: str = ""  # which commit of its key its nodes' marks name (remote_objects.commit_tag)
+    tag: str = ""  # which commit of its key its nodes' marks name (remote_claims.commit_tag)
     _candidate: Candidate | None = field(default=None, repr=False, compare=False)
 
     def candidate(self) -> Candidate:

@@ -32,15 +32,9 @@ from .remote import (
     RemoteStore,
     retention_candidates,
 )
-from .remote_objects import (
-    REMOTE_CKPT_RE,
-    UNREADABLE,
-    OwnCheckpoints,
-    RemoteNameTaken,
-    RestoredCopy,
-    free_name,
-    seq_floor,
-)
+from .remote_claims import REMOTE_CKPT_RE, UNREADABLE, RemoteNameTaken, free_name
+from .remote_objects import seq_floor
+from .remote_owned import OwnCheckpoints, RestoredCopy
 from .retention import Candidate, RetentionPolicy, plan
 from .upload_thread import UploadThread, backoff_s, delete_checkpoint, retention_failed
 
