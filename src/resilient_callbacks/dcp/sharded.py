@@ -18,7 +18,8 @@ The chunk index (for every tensor: dtype, global shape, and which rank saved whi
 under which key) is gathered from every rank with the core's JSON collectives (again only when
 some rank's layout changed since the last save) and recorded in the manifest through
 :meth:`describe`; at restore it tells each rank which files hold the boxes its local shards
-need, so a rank reads only those (verified), and nothing is unpickled.
+need, so a rank reads only those (verified), and nothing is unpickled (the restore:
+:mod:`.sharded_restore`).
 
 Which ranks call what: as every FilePart (see :mod:`resilient_callbacks.filepart`); every rank
 holds a ``Sharded`` of the same model at the same place of its state. :meth:`describe` runs, on
@@ -36,7 +37,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,37 +46,21 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 
 from .. import dist, module_versions
 from ..consolidate import SHARDED_FORMAT as FORMAT  # (export finds the parts without this package)
-from ..dtypes import DTYPE_TO_ST, ST_TO_DTYPE
-from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsupportedStateError
+from ..dtypes import DTYPE_TO_ST
+from ..errors import UnsupportedStateError
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
 from ..snapshot import step_storages
 from ..unchanged import frozen_storages
-from . import flat_restore, optim_fit, replicas, replicated, shards, state_dtypes
-from .assemble import assemble, json_file, tensor_file
-from .chunks import check_index, index_of_ranks, join, split
+from . import optim_fit, replicas, replicated, sharded_restore, shards
+from .assemble import json_file, tensor_file
+from .chunks import index_of_ranks
 from .flat import FlatLayout, Names, flat_state, is_fsdp1
-from .reads import frozen_hint, live_state, on_meta, plan_reads, refuse, refuse_missing
-from .stateless import (
-    hyperparameters,
-    optimizers_of,
-    restore_hyperparameters,
-    saved_indices,
-    without_saved_state,
-)
-from .views import (
-    MODEL,
-    View,
-    complete_skeleton,
-    differences,
-    optim_state_names,
-    view_of,
-)
+from .stateless import hyperparameters
+from .views import View, complete_skeleton, differences, optim_state_names, view_of
 
 if TYPE_CHECKING:
     from ..filepart import CaptureBuffers
@@ -350,57 +335,7 @@ class Sharded(FilePart):
     def files_to_read(self, info: PartInfo) -> list[str]:
         """The home JSON (this rank's, or rank 0's for a rank the save did not have) and the
         tensor files holding a box that overlaps a local shard this rank needs."""
-        saved = info.saved
-        if saved.get("format") != FORMAT or not isinstance(saved.get("tensors"), dict):
-            raise CheckpointMismatchError(
-                f"part {info.part_id!r} was not written by resilient_callbacks.dcp.Sharded "
-                f"(its manifest records {sorted(saved) or 'nothing'})"
-            )
-        if saved.get("optim") and not self.optimizers and not info.partial:
-            raise CheckpointMismatchError(
-                f"part {info.part_id!r} holds optimizer state, but this Sharded has none (to "
-                "load the model alone, open the Checkpointer with read_only=True)"
-            )
-        refuse(info.part_id, on_meta(self.model))  # (a restore into it would load nothing)
-        partial = info.partial and not self.optimizers  # a read-only restore of the model
-        optims = () if partial else optimizers_of(saved, self.optimizers)
-        with_optim = bool(optims)
-        index: dict[str, Any] = saved["tensors"]
-        check_index(index, info.saved_world_size)
-        home = info.rank if info.rank < info.saved_world_size else 0
-        # FSDP1 whose parameters are sharded now (between steps: on every rank alike)
-        layout = FlatLayout.of(self.model, self._fqn) if self._flat_model() else None
-        if layout is not None:
-            direct = self._load = flat_restore.plan(
-                layout, self._fqn, self.model, index, home, with_optim, saved.get("plain")
-            )
-            optim_fit.check(info.part_id, saved, self._kinds, self.optimizers, self.options.strict)
-            return [json_file(home), *replicas.files(info)] + [
-                tensor_file(r) for r in sorted(direct.ranks)
-            ]
-        target = live_state(info.part_id, lambda: self._state_dict(optims))
-        _, tensors = split(target)
-        plain, strict = saved.get("plain"), self.options.strict
-        reads = plan_reads(tensors, index, plain, home, strict, self._box, with_optim)
-        # the model's misfits first, then another optimizer's, then its state's
-        left_out = (bool(saved.get("frozen_left_out")), self.options.ignore_frozen_params)
-        refuse(
-            info.part_id, frozen_hint([p for p in reads.problems if p.startswith(MODEL)], *left_out)
-        )
-        optim_fit.check(info.part_id, saved, self._kinds, self.optimizers, strict)
-        refuse(info.part_id, reads.problems)
-        self._load = {
-            "home": home,
-            "ranks": sorted(reads.ranks),
-            "tensors": tensors,
-            "needs": reads.needs,
-            "entries": reads.entries,
-            "with_optim": with_optim,
-            "optims": optims,
-        }
-        return [json_file(home), *replicas.files(info)] + [
-            tensor_file(r) for r in sorted(reads.ranks)
-        ]
+        return sharded_restore.files_to_read(self, info)
 
     def _flat_model(self) -> bool:
         """Whether saves read FSDP1's layout directly and restores write its pieces in place
@@ -416,79 +351,4 @@ class Sharded(FilePart):
 
     @shards.quiet
     def load(self, reader: PartReader) -> None:
-        plan, self._load = self._load, None
-        if plan is None:
-            raise RuntimeError("Sharded.load() without files_to_read() first")
-        home = plan.home if isinstance(plan, flat_restore.DirectPlan) else plan["home"]
-        meta = reader.json(json_file(home))
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise CheckpointCorruptError(f"{json_file(home)}: not a Sharded part's JSON")
-        if isinstance(plan, flat_restore.DirectPlan):
-            files = {r: reader.tensors(tensor_file(r)) for r in sorted(plan.ranks)}
-            optimizer = self.optimizers[0] if self.optimizers else None
-            flat_restore.load(plan, files, meta["skeleton"], optimizer)
-            self._restore_groups(meta, reader, home)
-            return replicas.say_dropped(reader, home, meta)  # (the ranks gone: rank 0)
-        files = {r: reader.tensors(tensor_file(r)) for r in plan["ranks"]}
-        targets: dict[str, torch.Tensor] = plan["tensors"]
-
-        asked: set[str] = set()
-        filled: dict[str, torch.Tensor] = {}  # live tensors read into in place
-
-        def value(name: str) -> Any:
-            asked.add(name)
-            target = targets.get(name)
-            need = plan["needs"].get(name)
-            if need is not None and target is not None:
-                entry = plan["entries"][name]
-                dest = shards.local(target) if shards.is_sharded(target) else target
-                if tuple(dest.shape) == need.sizes and dest.dtype == ST_TO_DTYPE[entry["dtype"]]:
-                    # into the live tensor (its local piece), as dcp.load reads into it: one
-                    # copy, and pages the training run already owns
-                    assemble(name, need, entry, files, out=dest)
-                    filled[name] = target
-                    return target
-                piece = assemble(name, need, entry, files)
-                if shards.is_sharded(target):
-                    return shards.rebuild(target, piece.to(shards.local(target).device))
-                return piece.to(target.device)
-            saved = files[home].get(name)
-            if saved is None and target is None and not self.options.strict:
-                return None  # strict=False: a saved tensor this model does not have
-            if saved is None:
-                raise CheckpointCorruptError(
-                    f"{tensor_file(home)} does not hold {name}, which its JSON refers to"
-                )
-            if state_dtypes.same(target, saved) and not name.startswith(MODEL):
-                filled[name] = target.copy_(saved)  # (an optimizer's: its dtype is put back)
-                return target
-            device = target.device if isinstance(target, torch.Tensor) else "cpu"
-            return saved.to(device, copy=True)
-
-        skeleton = meta["skeleton"] if plan["with_optim"] else {"model": meta["skeleton"]["model"]}
-        sd = join(skeleton, value)  # (without its optimizer's: a restore of the model alone)
-        unsaved = without_saved_state(set(targets) - asked, sd) if plan["with_optim"] else set()
-        refuse_missing(set(targets) - asked - unsaved, self.options.strict)
-        model_sd = module_versions.attach(sd["model"], meta, self._versions)  # (else the live)
-        # frozen parameters left out (ignore_frozen_params) keep their values: DCP's strict load
-        # would call them missing, after loading the rest (files_to_read checked the rest)
-        lenient = replace(self.options, strict=False)
-        set_model_state_dict(
-            self.model, model_sd, options=lenient if lenient.ignore_frozen_params else self.options
-        )
-        if plan["with_optim"]:
-            # parameters that had no optimizer state when saved get none (DCP's strict
-            # loading refuses them; the optimizer's load_state_dict leaves them without)
-            options = replace(self.options, strict=False) if unsaved else self.options
-            states = state_dtypes.kept(plan["optims"], filled)  # (the load casts them)
-            set_optimizer_state_dict(self.model, plan["optims"], sd["optim"], options=options)
-            state_dtypes.put_back(states)
-        self._restore_groups(meta, reader, home)
-        replicas.say_dropped(reader, home, meta)
-
-    def _restore_groups(self, meta: dict[str, Any], reader: PartReader, home: int) -> None:
-        """The hyperparameters of optimizers saved without state (:mod:`.stateless`)."""
-        stepped = saved_indices(reader.info.saved, len(self.optimizers))
-        if len(stepped) < len(self.optimizers) and "groups" in meta:
-            restore_hyperparameters(self.optimizers, meta["groups"], json_file(home), set(stepped))
-            self._stepped = tuple(i for i in self._stepped if i in stepped)  # (they have none)
+        sharded_restore.load(self, reader)
