@@ -401,7 +401,7 @@ def _as_before(engine):  # what this module saved before 33989e5: the frozen par
     return {f"frozen/{n}": p.data for n, p in engine.module.named_parameters()
             if not p.requires_grad}
 es.module_extras = _as_before
-import resilient_callbacks.deepspeed.views as vw
+import resilient_callbacks.deepspeed.stage_views as vw
 _init = vw.Zero3View.__init__
 def _init_as_before(self, engine):  # ZeRO 3: the frozen ones only, by partition
     _init(self, engine)

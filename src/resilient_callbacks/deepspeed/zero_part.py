@@ -31,7 +31,8 @@ from ..errors import (
     warn_and_log,
 )
 from ..filepart import FilePart, PartInfo, PartReader, PartWriter
-from .views import FP32, FROZEN, Fragment, ZeroView, overlap, view_of
+from .stage_views import view_of
+from .views import FP32, FROZEN, Fragment, ZeroView, overlap
 
 log = logging.getLogger("resilient_callbacks")
 
