@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from resilient_callbacks import Checkpointer, ConfigError, remote_put
+from resilient_callbacks import Checkpointer, ConfigError, node_transfer, remote_put
 from resilient_callbacks.filewrite import encode_json, write_bytes
 from resilient_callbacks.manifest import FileEntry, Manifest
 from resilient_callbacks.remote import RemoteStore
@@ -254,7 +254,8 @@ def test_upload_check_asks_s3_not_a_listing_taken_mid_upload(tmp_path, s3_remote
     up = NodeUploader(store, str(tmp_path / "node0"), 0)
     try:
         job = UploadJob(name, name, ("run1", 1), [f])
-        up._check(str(tmp_path / "node0" / name), job, [f"{base}/{f.path}"])  # no raise
+        local = str(tmp_path / "node0" / name)
+        node_transfer.check_part(up, local, job, [f"{base}/{f.path}"])  # no raise
     finally:
         up.stop()
 

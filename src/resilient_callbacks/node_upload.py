@@ -17,31 +17,27 @@ free name (:meth:`~.remote_commit.RemoteCommitter.take_moved`), and each node up
 there again (:meth:`NodeUploader.settle`), so a committed remote checkpoint holds one run's
 files only.
 
+What the thread does with one part against the store (its upload under the node's mark, the
+check of every object, the deletion of a dropped part) is :mod:`.node_transfer`'s.
+
 Which ranks call what: a :class:`NodeUploader` on every node leader; nothing here is
 collective.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
-import posixpath
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import remote_put, upload_wait
-from .catalog import verify_entries
-from .errors import CheckpointCorruptError
+from . import upload_wait
 from .manifest import FileEntry
-from .progress import Progress
+from .node_transfer import delete_part, upload_part
 from .redact import url_text
 from .remote import RemoteStore
-from .remote_claims import RemoteNameTaken, claim_part, part_mark
-from .remote_objects import check_uploaded
 from .upload_thread import UploadThread, backoff_s, by_grace
 
 log = logging.getLogger("resilient_callbacks")
@@ -340,144 +336,12 @@ class NodeUploader(UploadThread):
             self._cond.notify_all()
 
     def _delete(self, job: UploadJob) -> None:
-        """This thread: delete this node's objects of ``job``'s checkpoint, which the
-        coordinator dropped or moved (never committed: no manifest names them), and its mark.
-        Once; what is left (an outage) lies without a manifest, invisible, until ``gc
-        --remote``. A part that found its name taken put nothing there: nothing is deleted."""
-        st = self.store
-        if job.taken:
-            return
-        try:
-            base = posixpath.join(st.root, job.remote_name)
-            for f in job.files:
-                with contextlib.suppress(FileNotFoundError):
-                    st.fs.rm_file(posixpath.join(base, f.path))
-            # last: no other writer takes the name before (also a killed attempt's mark)
-            with contextlib.suppress(FileNotFoundError):
-                st.fs.rm_file(part_mark(st, job.remote_name, job.key, job.tag, self.node))
-            if st.is_local:  # the folders it made, once empty (another node's files stay)
-                dirs = {base}
-                for f in job.files:
-                    parts = f.path.split("/")[:-1]
-                    dirs |= {posixpath.join(base, *parts[:i]) for i in range(1, len(parts) + 1)}
-                for d in sorted(dirs, key=len, reverse=True):
-                    with contextlib.suppress(OSError):
-                        os.rmdir(d)
-            log.info(
-                "removed node %d's part of dropped %s from %s", self.node, job.remote_name, st.url
-            )
-        except Exception as e:
-            log.warning(
-                "remote %s: could not remove node %d's part of %s, which is not committed "
-                "(gc --remote removes it): %s",
-                st.url,
-                self.node,
-                job.remote_name,
-                url_text(str(e)),
-            )
-
-    def _check(self, local: str, job: UploadJob, rpaths: list[str]) -> None:
-        """Each uploaded object of this node: its size, and its MD5 ETag where the store gives
-        one (single-part objects up to 8 MiB). One HEAD per object: O(own files) requests per
-        node, never a listing of the whole checkpoint (which would be O(N) per node)."""
-        st = self.store
-        for f, rpath in zip(job.files, rpaths, strict=True):
-            # refresh: s3fs would answer from a cached listing of the parent, which the
-            # coordinator's committer thread (the same filesystem object) may have taken
-            # while this node's files were still being uploaded: a spurious "not found"
-            info = st.fs.info(rpath, refresh=True)
-            where = f"{st.url}/{job.remote_name}/{f.path}"
-            check_uploaded(info, where, f.size, os.path.join(local, f.path))
+        """This thread: :func:`~.node_transfer.delete_part`."""
+        delete_part(self, job)
 
     def _upload(self, job: UploadJob) -> None:
-        local = os.path.join(self.local_root, job.local_name)
-        if not os.path.isdir(local):
-            log.warning("remote: %s was removed locally before it was uploaded", job.local_name)
-            with self._cond:
-                self.skipped[job.remote_name] = "its local copy was removed before its upload"
-            return
-        try:  # the committed bytes, or nothing goes up: never a rotten file made durable
-            verify_entries(local, job.files)
-        except CheckpointCorruptError as e:
-            with self._cond:
-                self.skipped[job.remote_name] = f"its local copy is damaged ({e})"
-            log.error(
-                "remote: not uploading node %d's part of %s, its local copy is damaged: %s; "
-                "it is not committed remotely",
-                self.node,
-                job.local_name,
-                e,
-            )
-            return
-        st = self.store
-        t0 = time.perf_counter()
-        log.info(
-            "uploading node %d's part of %s (%d files) to %s",
-            self.node,
-            job.local_name,
-            len(job.files),
-            st.url,
-        )
-        rpaths = [posixpath.join(st.root, job.remote_name, f.path) for f in job.files]
-        if job.mark is None:  # (a retry keeps the mark it put)
-            try:
-                job.mark = claim_part(st, job.remote_name, job.key, job.tag, self.node, job.files)
-            except RemoteNameTaken as e:
-                self._taken(job, e)
-                return
-        if st.is_local:
-            for p in {posixpath.dirname(x) for x in rpaths}:
-                st.fs.makedirs(p, exist_ok=True)
-        progress = Progress(
-            sum(f.size for f in job.files),
-            f"uploading node {self.node}'s part of {job.local_name} to {st.url}",
-            bar=False,
-            log_every_s=30.0,
-        )
-        with self._transfer(progress):  # its last byte's time: wait() tells a stalled store
-            lpaths = [os.path.join(local, f.path) for f in job.files]
-            remote_put.put(st, lpaths, rpaths, progress)  # (counted, fenced)
-            self._check(local, job, rpaths)
-        if st.is_local:
-            st._fsync_local(rpaths)
-        with self._cond:
-            if job.dropped:  # the coordinator dropped it meanwhile: never committed
-                self._deletes.append(job)
-            else:
-                self._reports.append({"key": list(job.key), "name": job.remote_name})
-                self._uploaded[job.key] = job
-            self.counters.files += len(job.files)
-            self.counters.bytes += sum(f.size for f in job.files)
-            self.counters.checkpoints += 1
-            self.counters.seconds += time.perf_counter() - t0
-        log.info("uploaded node %d's part of %s to %s", self.node, job.local_name, st.url)
-
-    def _taken(self, job: UploadJob, e: RemoteNameTaken) -> None:
-        """Another writer has ``job``'s name: nothing goes there; the coordinator is told, and
-        moves the commit to a free name (:meth:`settle`). Held locally until then. Or it is
-        this checkpoint, committed there already (``e.committed``): the coordinator is told."""
-        if e.committed:  # (taken for another writer's, it was committed again as name-rN)
-            log.info("remote: %s; node %d does not upload its part again", e, self.node)
-            with self._cond:
-                job.taken = True  # (nothing of it is ever deleted by this node)
-                if not job.dropped:
-                    rep = {"key": list(job.key), "name": job.remote_name, "committed": 1}
-                    self._reports.append(rep)
-                    self._uploaded[job.key] = job
-            return
-        log.warning(
-            "remote %s: node %d does not upload its part of %s there: %s; the checkpoint goes "
-            "under another name",
-            self.store.url,
-            self.node,
-            job.remote_name,
-            url_text(str(e)),
-        )
-        with self._cond:
-            job.taken = True
-            if not job.dropped:
-                self._reports.append({"key": list(job.key), "name": job.remote_name, "taken": 1})
-                self._uploaded[job.key] = job
+        """This thread: :func:`~.node_transfer.upload_part` (one attempt)."""
+        upload_part(self, job)
 
 
 def _key(report: dict[str, Any]) -> Key:
