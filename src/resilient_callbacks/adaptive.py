@@ -19,7 +19,8 @@ does not change the optimum.
   the last save"), so no collective is needed per step; :meth:`~AdaptiveSchedule.decision_changed`
   says when to broadcast again.
 
-The schedule's explanations in words (log lines, notes) are in :mod:`.schedule_text`.
+The decision from the measurements (the optimum, clamped, in steps) is :mod:`.schedule_decision`'s;
+the schedule's explanations in words (log lines, notes) are in :mod:`.schedule_text`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import schedule_text
+from . import schedule_decision, schedule_text
 from .errors import ConfigError
 from .interval import (
-    _daly,
-    _waste,
     daly_interval,
     expected_waste_fraction,
     optimal_interval,
@@ -54,10 +53,6 @@ HOUR = 3600.0
 DEFAULT_PRIOR_MTBF_HOURS = 24.0
 DEFAULT_MAX_OVERHEAD: float | None = None  # opt-in: the cap can cost more than it saves
 _STATE_FORMAT = 1
-
-# Clamps that raise the interval (converted to steps rounding up) and the one that lowers it.
-_FLOORS = ("max_overhead", "min_interval_s", "persist")
-_CEILING = "max_interval_s"
 
 
 # --------------------------------------------------------------------------- the schedule
@@ -258,100 +253,12 @@ class AdaptiveSchedule:
 
     # ------------------------------------------------------------------ the decision
 
-    def _compute(self) -> dict[str, Any]:
-        step = median(self._steps)
-        cost = median(self._costs)
-        persist = median(self._persists) if self._persists else self._latest_persist
-        mtbf = self.mtbf_estimate()
-        info: dict[str, Any] = {
-            "phase": "adaptive" if self.ready else "warmup",
-            "step_time_s": step,
-            "steps_observed": self._n_steps,
-            "blocking_cost_s": cost,
-            "saves_observed": self._n_saves,
-            "persist_s": persist,
-            "mtbf_s": mtbf,
-            "mtbf_source": self.mtbf_source(),
-            "mtbf_user_s": None if self.mtbf_hours is None else float(self.mtbf_hours) * HOUR,
-            "mtbf_learned_s": self.learned_mtbf_s(),
-            "prior_mtbf_s": self.prior_mtbf_hours * HOUR,
-            "failures_observed": self._failures,
-            "exposure_s": self.exposure_s,
-            "young_interval_s": None,
-            "daly_interval_s": None,
-            "bounds_s": {},
-            "clamps_applied": [],
-            "clamp": None,
-            "interval_s": math.nan,
-            "interval_steps": self.warmup_steps,
-            "expected_overhead": None,
-            "expected_waste_fraction": None,
-        }
-        if not self.ready or cost is None or step is None:
-            if step is not None:
-                info["interval_s"] = self.warmup_steps * step
-            return info
-
-        raw = _daly(cost, mtbf)
-        bounds: dict[str, float] = {}
-        if self.max_overhead is not None:
-            bounds["max_overhead"] = cost / self.max_overhead
-        if self.min_interval_s is not None:
-            bounds["min_interval_s"] = float(self.min_interval_s)
-        if self.max_interval_s is not None:
-            bounds["max_interval_s"] = float(self.max_interval_s)
-        if persist is not None:
-            bounds["persist"] = persist
-
-        interval, clamp, applied = raw, None, []
-        # Floors first, then the user's ceiling, then the persist floor, which nothing overrides.
-        for name in ("max_overhead", "min_interval_s", "max_interval_s", "persist"):
-            if name not in bounds:
-                continue
-            b = bounds[name]
-            if (name == _CEILING and interval > b) or (name != _CEILING and interval < b):
-                interval, clamp = b, name
-                applied.append(name)
-
-        per_step = max(step, 1e-9)
-        x = interval / per_step
-        if clamp in _FLOORS:
-            steps = math.ceil(x * (1 - 1e-12))
-        elif clamp == _CEILING:
-            steps = math.floor(x * (1 + 1e-12))
-        else:
-            steps = round(x)
-        steps = max(1, int(steps))
-
-        info.update(
-            young_interval_s=math.sqrt(2.0 * cost * mtbf),
-            daly_interval_s=raw,
-            bounds_s=bounds,
-            clamps_applied=applied,
-            clamp=clamp,
-            interval_s=interval,
-            interval_steps=steps,
-            expected_overhead=cost / interval if interval > 0 else math.inf,
-            expected_waste_fraction=_waste(interval, cost, mtbf) if interval > 0 else 1.0,
-        )
-        return info
-
     def interval_seconds(self) -> float:
         """The interval (seconds of compute between saves) the current measurements call for: the
         Daly optimum for (median blocking cost, MTBF), then clamped by ``max_overhead``,
         ``min_interval_s``, ``max_interval_s`` and the persist time, in that order. During warm-up,
         ``warmup_steps`` times the median step time (NaN before any step is observed)."""
-        return float(self._compute()["interval_s"])
-
-    def _hard_step_bounds(self, info: Mapping[str, Any]) -> tuple[int, int | None]:
-        per_step = max(info["step_time_s"] or 0.0, 1e-9)
-        b = info["bounds_s"]
-        lo_s = max(b.get("persist", 0.0), b.get("min_interval_s", 0.0))
-        lo = max(1, math.ceil(lo_s / per_step * (1 - 1e-12)))
-        hi = None
-        if "max_interval_s" in b:
-            hi = max(1, math.floor(b["max_interval_s"] / per_step * (1 + 1e-12)))
-        return lo, hi
+        return float(schedule_decision.decide(self)["interval_s"])
 
     def interval_steps(self) -> int:
         """Decide: the number of steps between saves, >= 1 (``round(interval_seconds() / median
@@ -359,11 +266,11 @@ class AdaptiveSchedule:
         :meth:`should_save`), bumping :attr:`version` if it changed; a new value within
         ``change_tolerance`` of the current one is not taken. On several ranks, every rank calls
         this and proposes the result; all call :meth:`adopt` with the largest."""
-        info = self._compute()
+        info = schedule_decision.decide(self)
         new = int(info["interval_steps"])
         cur = self._decision
         if cur is not None and new != cur and info["phase"] == "adaptive" and self._was_adaptive:
-            lo, hi = self._hard_step_bounds(info)
+            lo, hi = schedule_decision.hard_step_bounds(info)
             within = abs(new - cur) <= self.change_tolerance * cur
             if within and cur >= lo and (hi is None or cur <= hi):
                 return cur
@@ -411,7 +318,7 @@ class AdaptiveSchedule:
         step time, blocking cost, persist time), MTBF and its source, the Young and raw Daly
         intervals, each clamp's bound and which applied, the final interval in seconds and steps,
         and the latched decision with its version."""
-        info = self._compute()
+        info = schedule_decision.decide(self)
         info["max_overhead"] = self.max_overhead
         info["change_tolerance"] = self.change_tolerance
         info["decision_steps"] = self._decision
