@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -129,6 +130,96 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+@dataclass
+class _Ends:
+    """One :func:`exchange` on this rank as its files go: why this end could not send or store
+    so far (None: it could), whether the peer's end said it failed, and each end's one piece in
+    memory (sent, received), made once and grown to the largest piece."""
+
+    send_error: str | None
+    recv_error: str | None
+    peer_failed: bool
+    out_buf: bytearray = field(default_factory=bytearray)
+    in_buf: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+
+
+def _exchange_file(
+    ends: _Ends,
+    send_dir: str | None,
+    send_name: str | None,
+    staging: str | None,
+    recv_name: str | None,
+    dst: int | None,
+    src: int | None,
+    group: Any,
+) -> None:
+    """Both ends of an :func:`exchange`, for the files at one place of their lists: send
+    ``send_name`` (in ``send_dir``) to ``dst`` and/or receive ``recv_name`` from ``src`` into
+    ``staging`` (None: no file at that place on that side). Each file: its size, then its
+    pieces (as many as the size says, on both ends: one that cannot read what it announced
+    sends a marker in place of each piece left). What fails on either end is recorded in
+    ``ends``, not raised, so both ends go on together."""
+    fh_out = fh_in = None
+    size_out = size_in = -1
+    pending: list[Any] = []
+    if send_name is not None:
+        assert send_dir is not None
+        if ends.send_error is None:
+            try:
+                fh_out = open(os.path.join(send_dir, send_name), "rb")  # noqa: SIM115
+                size_out = os.fstat(fh_out.fileno()).st_size
+            except Exception as e:
+                ends.send_error = _why(e)
+        pending = _send_size(size_out, dst, group)  # type: ignore[arg-type]
+    if recv_name is not None:
+        size_in = _recv_size(src, group)  # type: ignore[arg-type]
+        ends.peer_failed = ends.peer_failed or size_in < 0
+        if staging is not None and ends.recv_error is None and not ends.peer_failed:
+            try:
+                target = os.path.join(staging, recv_name)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                fh_in = open(target, "wb", buffering=0)  # noqa: SIM115
+            except Exception as e:
+                ends.recv_error = _why(e)
+    _wait(pending)
+    if len(ends.out_buf) < min(CHUNK_BYTES, size_out):
+        ends.out_buf = bytearray(min(CHUNK_BYTES, size_out))
+    if ends.in_buf.numel() < min(CHUNK_BYTES, size_in):
+        ends.in_buf = torch.empty(min(CHUNK_BYTES, size_in), dtype=torch.uint8)
+    try:
+        for k in range(max(_pieces(size_out), _pieces(size_in))):
+            pending = []
+            if k < _pieces(size_out):
+                n = min(CHUNK_BYTES, size_out - k * CHUNK_BYTES)
+                piece: memoryview | None = None
+                if ends.send_error is None:
+                    try:
+                        piece = _read_piece(fh_out, memoryview(ends.out_buf)[:n])
+                    except Exception as e:
+                        ends.send_error = _why(e)
+                pending = _send_piece(piece, dst, group)  # type: ignore[arg-type]
+            if k < _pieces(size_in):
+                got = _recv_piece(ends.in_buf, src, group)  # type: ignore[arg-type]
+                if got is None:
+                    ends.peer_failed = True
+                elif fh_in is not None and ends.recv_error is None and not ends.peer_failed:
+                    try:
+                        write_all(fh_in, got.numpy().data)
+                    except Exception as e:
+                        ends.recv_error = _why(e)
+            _wait(pending)
+        if fh_in is not None and ends.recv_error is None and not ends.peer_failed:
+            try:
+                os.fsync(fh_in.fileno())
+            except Exception as e:
+                ends.recv_error = _why(e)
+    finally:
+        for fh in (fh_out, fh_in):
+            if fh is not None:
+                with contextlib.suppress(OSError):
+                    fh.close()
+
+
 def exchange(
     send_dir: str | None,
     dst: int | None,
@@ -187,71 +278,13 @@ def exchange(
             os.makedirs(staging)
         except Exception as e:
             recv_error, staging = _why(e), None
-    out_buf = bytearray(0)  # each end's one piece in memory (sent, received), made once
-    in_buf = torch.empty(0, dtype=torch.uint8)
+    ends = _Ends(send_error, recv_error, peer_failed)
     try:
         for i in range(max(len(files_out), len(files_in))):
-            # each file: its size, then its pieces (as many as the size says, on both ends: one
-            # that cannot read what it announced sends a marker in place of each piece left)
-            fh_out = fh_in = None
-            size_out = size_in = -1
-            pending = []
-            if dst is not None and i < len(files_out):
-                assert send_dir is not None
-                if send_error is None:
-                    try:
-                        fh_out = open(os.path.join(send_dir, files_out[i]), "rb")  # noqa: SIM115
-                        size_out = os.fstat(fh_out.fileno()).st_size
-                    except Exception as e:
-                        send_error = _why(e)
-                pending = _send_size(size_out, dst, group)
-            if peer_header is not None and i < len(files_in):
-                size_in = _recv_size(src, group)  # type: ignore[arg-type]
-                peer_failed = peer_failed or size_in < 0
-                if staging is not None and recv_error is None and not peer_failed:
-                    try:
-                        target = os.path.join(staging, files_in[i])
-                        os.makedirs(os.path.dirname(target), exist_ok=True)
-                        fh_in = open(target, "wb", buffering=0)  # noqa: SIM115
-                    except Exception as e:
-                        recv_error = _why(e)
-            _wait(pending)
-            if len(out_buf) < min(CHUNK_BYTES, size_out):
-                out_buf = bytearray(min(CHUNK_BYTES, size_out))
-            if in_buf.numel() < min(CHUNK_BYTES, size_in):
-                in_buf = torch.empty(min(CHUNK_BYTES, size_in), dtype=torch.uint8)
-            try:
-                for k in range(max(_pieces(size_out), _pieces(size_in))):
-                    pending = []
-                    if k < _pieces(size_out):
-                        n = min(CHUNK_BYTES, size_out - k * CHUNK_BYTES)
-                        piece: memoryview | None = None
-                        if send_error is None:
-                            try:
-                                piece = _read_piece(fh_out, memoryview(out_buf)[:n])
-                            except Exception as e:
-                                send_error = _why(e)
-                        pending = _send_piece(piece, dst, group)  # type: ignore[arg-type]
-                    if k < _pieces(size_in):
-                        got = _recv_piece(in_buf, src, group)  # type: ignore[arg-type]
-                        if got is None:
-                            peer_failed = True
-                        elif fh_in is not None and recv_error is None and not peer_failed:
-                            try:
-                                write_all(fh_in, got.numpy().data)
-                            except Exception as e:
-                                recv_error = _why(e)
-                    _wait(pending)
-                if fh_in is not None and recv_error is None and not peer_failed:
-                    try:
-                        os.fsync(fh_in.fileno())
-                    except Exception as e:
-                        recv_error = _why(e)
-            finally:
-                for fh in (fh_out, fh_in):
-                    if fh is not None:
-                        with contextlib.suppress(OSError):
-                            fh.close()
+            send_name = files_out[i] if dst is not None and i < len(files_out) else None
+            recv_name = files_in[i] if peer_header is not None and i < len(files_in) else None
+            _exchange_file(ends, send_dir, send_name, staging, recv_name, dst, src, group)
+        send_error, recv_error, peer_failed = ends.send_error, ends.recv_error, ends.peer_failed
         if staging is not None and recv_error is None and not peer_failed:
             try:
                 catalog.verify(staging, read_manifest(staging), Depth.FULL)
