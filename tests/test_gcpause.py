@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from resilient_callbacks import Checkpointer, gcpause, restoring
+from resilient_callbacks import Checkpointer, gcpause, restore_load
 
 
 def _in_load() -> bool:
-    """Whether this thread is inside a restore's load (restoring.Restorer._try_load)."""
+    """Whether this thread is inside a restore's load (restore_load.CandidateLoader._try_load)."""
     f = sys._getframe(1)
     while f is not None:
-        if f.f_code.co_name == "_try_load" and f.f_code.co_filename.endswith("restoring.py"):
+        if f.f_code.co_name == "_try_load" and f.f_code.co_filename.endswith("restore_load.py"):
             return True
         f = f.f_back
     return False
@@ -71,7 +71,9 @@ def _flat(state: dict[str, Any]) -> list[torch.Tensor]:
 def test_a_restore_runs_no_collection_and_leaves_the_collector_as_it_was(
     tmp_path: Path, eager_collector: list[tuple[int, bool]], enabled: bool
 ) -> None:
-    assert restoring.Restorer._try_load.__code__.co_name == "_try_load"  # what _in_load finds
+    assert (
+        restore_load.CandidateLoader._try_load.__code__.co_name == "_try_load"
+    )  # what _in_load finds
     saved = _state(0)
     with Checkpointer(tmp_path, preemption=False, async_save=False) as ck:
         ck.save(1, saved)

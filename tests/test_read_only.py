@@ -292,10 +292,10 @@ def test_a_checkpoint_deleted_while_it_is_read_is_skipped_loudly(tmp_path, monke
     """Beside a running writer, retention may delete the checkpoint a reader has chosen: as
     the reader opens it (here: deleted right before its part is read), it is skipped with the
     warning and the next older one is loaded (guide.md says so)."""
-    from resilient_callbacks import restoring
+    from resilient_callbacks import restore_load
 
     train(tmp_path / "run")
-    read_part = restoring.layout.read_part
+    read_part = restore_load.layout.read_part
     deleted: list[str] = []
 
     def deleted_first(path, *args, **kwargs):
@@ -304,7 +304,7 @@ def test_a_checkpoint_deleted_while_it_is_read_is_skipped_loudly(tmp_path, monke
             shutil.rmtree(path)  # what the writer's retention does
         return read_part(path, *args, **kwargs)
 
-    monkeypatch.setattr(restoring.layout, "read_part", deleted_first)
+    monkeypatch.setattr(restore_load.layout, "read_part", deleted_first)
     with (
         pytest.warns(ResumeFallbackWarning, match="step_000000003"),
         Checkpointer(tmp_path / "run", read_only=True) as ck,
@@ -322,13 +322,13 @@ def test_an_evaluator_beside_a_keep_last_1_writer_reads_the_newer_checkpoint(
     There was no older one to fall back to, and the reader raised NoValidCheckpointError
     telling the user to repair "bad" checkpoints; it lists the directory again and loads the
     newer one."""
-    from resilient_callbacks import restoring
+    from resilient_callbacks import restore_load
 
     root = tmp_path / "run"
     model = nn.Linear(8, 4)
     with Checkpointer(root, keep_last=1, async_save=False, incremental=incremental) as writer:
         writer.save(1, {"model": model})
-        read_part = restoring.layout.read_part
+        read_part = restore_load.layout.read_part
         chosen: list[str] = []
 
         def newer_committed_first(path, *args, **kwargs):
@@ -340,7 +340,7 @@ def test_an_evaluator_beside_a_keep_last_1_writer_reads_the_newer_checkpoint(
                 writer.flush()
             return read_part(path, *args, **kwargs)
 
-        monkeypatch.setattr(restoring.layout, "read_part", newer_committed_first)
+        monkeypatch.setattr(restore_load.layout, "read_part", newer_committed_first)
         evaluated = nn.Linear(8, 4)
         with (
             pytest.warns(ResumeFallbackWarning, match="deleted while being read"),
@@ -390,14 +390,14 @@ def test_an_evaluator_that_never_catches_up_says_why(tmp_path, monkeypatch):
     """Every checkpoint the reader chooses is deleted as it reads it (a writer saving faster
     than the reader verifies): after 3 listings more, an error that names each checkpoint
     tried, says they were deleted while read, and does not ask to repair anything."""
-    from resilient_callbacks import restoring
+    from resilient_callbacks import restore_load
     from resilient_callbacks.errors import NoValidCheckpointError
 
     root = tmp_path / "run"
     model = nn.Linear(8, 4)
     with Checkpointer(root, keep_last=1, async_save=False) as writer:
         writer.save(1, {"model": model})
-        read_part = restoring.layout.read_part
+        read_part = restore_load.layout.read_part
         saved = [1]
 
         def always_a_newer_one(path, *args, **kwargs):
@@ -406,7 +406,7 @@ def test_an_evaluator_that_never_catches_up_says_why(tmp_path, monkeypatch):
             writer.flush()
             return read_part(path, *args, **kwargs)
 
-        monkeypatch.setattr(restoring.layout, "read_part", always_a_newer_one)
+        monkeypatch.setattr(restore_load.layout, "read_part", always_a_newer_one)
         with (
             pytest.warns(ResumeFallbackWarning),
             pytest.raises(NoValidCheckpointError) as info,

@@ -97,7 +97,7 @@ def apply(
                 into.pop()
             return obj
         if isinstance(obj, FilePart):
-            return obj  # loaded from its own verified files (see restoring.py)
+            return obj  # loaded from its own verified files (see restore_load.py)
         if isinstance(obj, torch.Tensor):
             value = resolve(n)
             if isinstance(value, np.ndarray):
