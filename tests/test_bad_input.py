@@ -442,7 +442,7 @@ def test_a_remote_without_a_scheme_that_looks_like_a_bucket_is_warned_about(tmp_
 def test_an_optional_key_a_checkpoint_lacks_keeps_its_value_and_others_are_refused(tmp_path):
     """OptionalKeys: an entry added to a state after a checkpoint of it was written restores
     (keeping its live value); a key not declared optional is still refused as missing."""
-    from resilient_callbacks.structure import OptionalKeys
+    from resilient_callbacks.state_marks import OptionalKeys
 
     with Checkpointer(tmp_path / "ck", async_save=False) as ck:
         ck.save(1, {"rank": {"w": torch.arange(4.0)}})
@@ -462,7 +462,7 @@ def test_an_optional_key_of_a_dict_of_plain_values_keeps_its_value_without_a_war
     "removed" (the Transformers adapter's 'order', new that day, on every resume of an older
     checkpoint); it keeps its live value, silently, as in an OptionalKeys holding tensors. A
     key not declared optional is still removed, with the warning."""
-    from resilient_callbacks.structure import OptionalKeys
+    from resilient_callbacks.state_marks import OptionalKeys
 
     with Checkpointer(tmp_path / "ck", async_save=False) as ck:
         ck.save(1, {"w": torch.zeros(2), "plain": {"a": 1, "b": [2]}})

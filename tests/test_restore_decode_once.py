@@ -1,6 +1,6 @@
 """A restore decodes the checkpoint's structure once: the check that every value decodes,
-before anything is loaded, leaves the values it decoded for the load (structure.decode's memo),
-which decoded the whole structure a second time before."""
+before anything is loaded, leaves the values it decoded for the load (structure_decode.decode's
+memo), which decoded the whole structure a second time before."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from resilient_callbacks import Checkpointer, layout, structure
+from resilient_callbacks import Checkpointer, layout, structure, structure_decode
 
 
 class _CountingTensors(dict):  # type: ignore[type-arg]
@@ -70,9 +70,9 @@ def test_decode_memo_gives_the_values_of_the_first_decode() -> None:
     enc, _ = structure.encode({"a": {"x": t, "y": [1, 2]}, "b": (t, 3)})
     tensors = dict(enc.tensors)
     memo: dict[int, Any] = {}
-    whole = structure.decode(enc.structure, tensors, memo=memo)
+    whole = structure_decode.decode(enc.structure, tensors, memo=memo)
     node = enc.structure["a"]
-    assert structure.decode(node, tensors, memo=memo) is whole["a"]
-    assert structure.decode(node, tensors) is not whole["a"]  # (no memo: decoded afresh)
-    again = structure.decode(node, tensors)
+    assert structure_decode.decode(node, tensors, memo=memo) is whole["a"]
+    assert structure_decode.decode(node, tensors) is not whole["a"]  # (no memo: decoded afresh)
+    again = structure_decode.decode(node, tensors)
     assert torch.equal(again["x"], t) and again["y"] == [1, 2]

@@ -30,6 +30,7 @@ from resilient_callbacks import fit as rc_fit
 from resilient_callbacks import inplace as rc_inplace
 from resilient_callbacks import rng as rc_rng
 from resilient_callbacks import structure as rc_structure
+from resilient_callbacks import structure_decode as rc_structure_decode
 from resilient_callbacks import tensorfile as rc_tensorfile
 
 # --------------------------------------------------------------------------- helpers
@@ -848,13 +849,13 @@ def test_property_encode_write_read_decode_round_trip(tmp_path_factory, value):
     digest = rc_tensorfile.write_tensors(path, shared.tensors, fsync=False)
     tensors = rc_tensorfile.read_tensors_verified(path, digest)
     assert set(tensors) == set(shared.tensors)
-    decoded = rc_structure.decode(structure, tensors)
+    decoded = rc_structure_decode.decode(structure, tensors)
     _same({"v": value}, decoded)
     # and loading into a state skeleton (what restore() does) gives the same values
     target = {"v": _placeholder(value)}
     meta = {k: (str(t.dtype).removeprefix("torch."), list(t.shape)) for k, t in tensors.items()}
     rc_fit.check_fits(target, structure, meta)
-    rc_inplace.apply(target, structure, lambda n: rc_structure.decode(n, tensors))
+    rc_inplace.apply(target, structure, lambda n: rc_structure_decode.decode(n, tensors))
     _same({"v": value}, target)
 
 
@@ -918,7 +919,7 @@ def test_per_rank_state_missing_for_a_new_rank_says_what_to_do():
     world size?" without saying what makes the resume work. It now names both ways out."""
     shared = {"data": {rc_structure.TAG: "per_rank", "id": "data"}}
     with pytest.raises(CheckpointMismatchError) as e:
-        rc_structure.inline_per_rank(shared, {})
+        rc_structure_decode.inline_per_rank(shared, {})
     said = str(e.value)
     assert "'data' is missing for this rank" in said
     assert "PerRank(obj, new_ranks='rank0')" in said and "resume on the ranks" in said

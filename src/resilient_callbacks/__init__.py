@@ -56,7 +56,7 @@ _LAZY = {
     "MetadataPoller": "preemption",
     "PreemptionRequest": "preemption",
     "PreemptionWatcher": "preemption",
-    "PerRank": "structure",
+    "PerRank": "state_marks",
 }
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from .checkpointer import RESUMABLE_EXIT_CODE, Checkpointer, SaveStats
     from .data import ResumableDataLoader, ResumableSampler
     from .preemption import MetadataPoller, PreemptionRequest, PreemptionWatcher
-    from .structure import PerRank
+    from .state_marks import PerRank
 
 
 def __getattr__(name: str) -> Any:

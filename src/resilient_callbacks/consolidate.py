@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from . import reader, structure
+from . import reader, structure, structure_decode
 from .commit import ensure_dir, fsync_dir, fsync_tree
 from .errors import CheckpointCorruptError, CheckpointMismatchError, ConfigError
 from .export_target import EXPORT_MARKER, check_export_target
@@ -72,7 +72,7 @@ def exports_weights(manifest: Manifest, path: str) -> bool:
     if isinstance(full, dict) and "trainer" in full:
         # a Trainer run (under DeepSpeed or FSDP too): a from_pretrained directory, unless its
         # model records no configuration (a plain torch module): then its weights
-        full = structure.inline_per_rank(full, part.per_rank)
+        full = structure_decode.inline_per_rank(full, part.per_rank)
         info = trainer_model_info(full, part.tensors)
         return not (info and info.get("config"))
     return (
@@ -87,7 +87,7 @@ def trainer_model_info(full: Any, tensors: Mapping[str, torch.Tensor]) -> dict[s
     """What a Transformers Trainer run's checkpoint (its inlined structure ``full``) records of
     its model: class, ``config`` (as ``from_pretrained`` needs; a plain ``torch.nn.Module``
     trained by the Trainer has none), PEFT adapters; None if nothing."""
-    values = structure.decode(full["trainer"], tensors)
+    values = structure_decode.decode(full["trainer"], tensors)
     info = values.get("model") if isinstance(values, dict) else None
     return info if isinstance(info, dict) else None
 
@@ -164,21 +164,21 @@ def consolidated(path: str, part: LoadedPart | None = None) -> dict[str, torch.T
 
         return model_tensors(path, manifest, sharded[0])
     part = part or reader.open_checkpoint(path).part
-    full = structure.inline_per_rank(part.structure, part.per_rank)
+    full = structure_decode.inline_per_rank(part.structure, part.per_rank)
     model = None
     if _is_lightning(full):  # the LightningModule's state dict, as saved
         model = full["state_dict"]
     elif isinstance(full, dict) and "trainer" in full and "model" in full:
         model = full["model"]  # a Trainer run's model (no DeepSpeed, no FSDP), as saved
     if model is not None:
-        module = structure.decode(model, part.tensors)
+        module = structure_decode.decode(model, part.tensors)
         return {k: v.clone() for k, v in module.items() if isinstance(v, torch.Tensor)}
     engine = _find_engine(full)
     if engine is None or "module" not in engine:
         raise CheckpointMismatchError(
             f"{path} was not written by resilient_callbacks.deepspeed (no engine state)"
         )
-    module = structure.decode(engine["module"], part.tensors)
+    module = structure_decode.decode(engine["module"], part.tensors)
     return {k: v.clone() for k, v in module.items() if isinstance(v, torch.Tensor)}
 
 
@@ -188,7 +188,7 @@ def entry_tensors(path: str, key: str | None) -> tuple[str, dict[str, torch.Tens
     tensors, by dotted names, or a ``dcp.Sharded`` part's model, whole. ``key=None``: the one
     module in the state, or an error naming the entries to choose from. Returns (key, tensors)."""
     part = reader.open_checkpoint(path).part
-    full = structure.inline_per_rank(part.structure, part.per_rank)
+    full = structure_decode.inline_per_rank(part.structure, part.per_rank)
     if not isinstance(full, dict):
         raise CheckpointMismatchError(f"{path}: the saved state is not a dict of entries")
     if key is None:
@@ -202,7 +202,7 @@ def entry_tensors(path: str, key: str | None) -> tuple[str, dict[str, torch.Tens
         key = found[0]
     node: Any = full
     for i, name in enumerate(key.split(".")):
-        items = structure._node_items(_state(node))
+        items = structure_decode._node_items(_state(node))
         if items is None or name not in items:
             where = ".".join(key.split(".")[:i]) or "the state"
             have = ", ".join(map(str, items)) if items else "no entries"
@@ -216,7 +216,7 @@ def entry_tensors(path: str, key: str | None) -> tuple[str, dict[str, torch.Tens
 
         return key, model_tensors(path, manifest, str(node["id"]))  # its model, whole
     if isinstance(node, dict) and node.get(structure.TAG) == "stateful":
-        items = structure._node_items(node["state"]) or {}
+        items = structure_decode._node_items(node["state"]) or {}
         if not any(_is_tensor(v) for v in items.values()):  # an optimizer's, a scheduler's
             modules = ", ".join(_modules(full, ""))
             raise CheckpointMismatchError(
@@ -225,7 +225,7 @@ def entry_tensors(path: str, key: str | None) -> tuple[str, dict[str, torch.Tens
                 + (f" ({modules})" if modules else "")
             )
     out: dict[str, torch.Tensor] = {}
-    _flatten(structure.decode(_state(node), part.tensors), "", out)
+    _flatten(structure_decode.decode(_state(node), part.tensors), "", out)
     if not out:
         raise CheckpointMismatchError(f"{path}: the entry {key!r} holds no tensors")
     return key, out
@@ -233,7 +233,7 @@ def entry_tensors(path: str, key: str | None) -> tuple[str, dict[str, torch.Tens
 
 def _what(state: Any) -> str:
     """A few words on a saved state that is not a flat dict of tensors: its entries' names."""
-    items = structure._node_items(state)
+    items = structure_decode._node_items(state)
     if not items:
         return "no entries"
     names = list(map(str, items))
@@ -247,12 +247,12 @@ def _state(node: Any) -> Any:
 
 def _modules(node: Any, prefix: str) -> Iterator[str]:
     """The dotted keys of the modules' state dicts in a state's plain dicts, at any depth."""
-    items = structure._node_items(node)
+    items = structure_decode._node_items(node)
     for k, n in (items or {}).items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if _is_state_dict(n):
             yield key
-        elif structure._node_items(n) is not None:
+        elif structure_decode._node_items(n) is not None:
             yield from _modules(n, key)
 
 
@@ -260,7 +260,7 @@ def _is_state_dict(node: Any) -> bool:
     """A stateful entry whose state is a flat dict of tensors: a module's, not an optimizer's."""
     if not (isinstance(node, dict) and node.get(structure.TAG) == "stateful"):
         return False
-    items = structure._node_items(node["state"]) or {}
+    items = structure_decode._node_items(node["state"]) or {}
     return bool(items) and all(_is_tensor(v) for v in items.values())
 
 
@@ -280,18 +280,18 @@ def _module_extras(part: LoadedPart) -> dict[str, torch.Tensor]:
     """The ZeRO 1-3 engine's module tensors besides its partitions in a checkpoint's rank-0
     ``part``, by their state-dict names: its frozen parameters (at ZeRO 1-2,
     ``engine_state.module_extras``) and rank 0's persistent buffers (``RankBuffers``)."""
-    full = structure.inline_per_rank(part.structure, part.per_rank)
+    full = structure_decode.inline_per_rank(part.structure, part.per_rank)
     engine = _find_engine(full)
     if engine is None:
         return {}
     out: dict[str, torch.Tensor] = {}
     if "module_extras" in engine:  # (older checkpoints hold the buffers here too: "buffer/")
-        extras = structure.decode(engine["module_extras"], part.tensors)
+        extras = structure_decode.decode(engine["module_extras"], part.tensors)
         for k, v in extras.items():
             if isinstance(v, torch.Tensor) and k.startswith(("frozen/", "buffer/")):
                 out[k.split("/", 1)[1]] = v.clone()
     if "buffers" in engine:  # each rank's own persistent buffers: rank 0's
-        buffers = structure.decode(engine["buffers"], part.tensors)
+        buffers = structure_decode.decode(engine["buffers"], part.tensors)
         out.update({k: v.clone() for k, v in buffers.items() if isinstance(v, torch.Tensor)})
     return out
 

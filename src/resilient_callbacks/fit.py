@@ -27,18 +27,9 @@ from . import mapped, module_versions, notices
 from .errors import CheckpointMismatchError, caller_stacklevel
 from .filepart import FilePart
 from .optim import hookable, param_shapes
-from .structure import (
-    TAG,
-    PerRank,
-    _describe,
-    _has_live_objects,
-    _node_items,
-    _node_seq,
-    _qualname,
-    _short,
-    is_stateful,
-    path_str,
-)
+from .state_marks import PerRank
+from .structure import TAG, _has_live_objects, _qualname, is_stateful, path_str
+from .structure_decode import _describe, _node_items, _node_seq
 from .wrapped import plain_module, unwrapped_keys
 
 log = logging.getLogger("resilient_callbacks")
@@ -130,7 +121,7 @@ def _absent_allowed(obj: Any, missing: list[Any]) -> bool:
     """Whether ``obj.missing_allowed(missing)`` says the checkpoint may lack every one of
     ``missing``: the one hook for keys an older checkpoint may lack (a dict subclass of an
     adapter whose newer version saves entries its older checkpoints lack:
-    :class:`~.structure.OptionalKeys`, DeepSpeed's ``ModuleExtras``). All or nothing: allowed,
+    :class:`~.state_marks.OptionalKeys`, DeepSpeed's ``ModuleExtras``). All or nothing: allowed,
     they keep their live values (the object may warn that they do); refused, every missing key
     is named in the error."""
     allowed = getattr(obj, "missing_allowed", None)
@@ -415,3 +406,8 @@ def _key_problems(path: tuple[Any, ...], missing: list[Any], unexpected: list[An
     if unexpected:
         out.append(f"{path_str(path)}: unexpected keys in checkpoint: {_short(unexpected)}")
     return out
+
+
+def _short(keys: list[Any], limit: int = 20) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")

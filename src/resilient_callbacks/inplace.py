@@ -22,15 +22,9 @@ from . import mapped, module_versions, notices, scheduler_settings, statetree
 from .errors import CheckpointMismatchError, caller_stacklevel, warn_and_log
 from .filepart import FilePart
 from .optim import relink_param_groups, shared_param_groups
-from .structure import (
-    PerRank,
-    _has_live_objects,
-    _node_items,
-    _node_seq,
-    _qualname,
-    is_stateful,
-    path_str,
-)
+from .state_marks import PerRank
+from .structure import _has_live_objects, _qualname, is_stateful, path_str
+from .structure_decode import _node_items, _node_seq
 from .values import same_value
 from .wrapped import plain_module, unwrapped_keys
 
@@ -216,7 +210,7 @@ def merge_plain(
     index, so nested containers keep their identity too. Returns False where ``obj`` is not a
     container of ``value``'s kind (the caller puts ``value`` in its place). The paths of dict
     keys removed are added to ``removed``; those a mapping's ``missing_allowed`` allows it to
-    lack (:class:`~.structure.OptionalKeys`) keep their live values, unsaid."""
+    lack (:class:`~.state_marks.OptionalKeys`) keep their live values, unsaid."""
     if isinstance(obj, MutableMapping) and isinstance(value, Mapping):
         missing = [k for k in obj if k not in value]
         allowed = getattr(obj, "missing_allowed", None)  # (OptionalKeys: they keep live values)

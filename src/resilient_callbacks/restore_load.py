@@ -33,8 +33,9 @@ from . import (
     restore_remote,
     rng,
     rollback_notice,
+    state_marks,
     statetree,
-    structure,
+    structure_decode,
 )
 from .candidates import Candidate
 from .catalog import lineage_of
@@ -98,8 +99,9 @@ class CandidateLoader:
             # Every value decodes and the RNG states apply, before anything is loaded: content
             # that does not (written by something else, or tampered with) is corrupt, and the
             # restore falls back with nothing overwritten.
-            full = structure.inline_per_rank(part.structure, part.per_rank)
-            structure.decode(full, part.tensors, memo=decoded)  # (loaded from, not decoded again)
+            full = structure_decode.inline_per_rank(part.structure, part.per_rank)
+            # (the values decoded here are the ones loaded, not decoded again)
+            structure_decode.decode(full, part.tensors, memo=decoded)
             if ck.config.capture_rng and part.rng is not None:
                 rng.check(part.rng, part.tensors)
             for pid, fp in fileparts.items():  # each part's files, verified before any load
@@ -144,7 +146,7 @@ class CandidateLoader:
             inplace.apply(
                 state,
                 full,
-                lambda n: structure.decode(n, part.tensors, memo=decoded),
+                lambda n: structure_decode.decode(n, part.tensors, memo=decoded),
                 ck.restore_advice,
                 coordinator=ck.is_coordinator,
                 rollback=ck._recorder.began and not ck.config.read_only,  # restore() again
@@ -173,7 +175,7 @@ class CandidateLoader:
         for w in warns:
             warn_and_log(log, w, UserWarning, stacklevel=AT_CALLER)
         per_rank, rngs = any(g[2] for g in gathered), any(g[1] for g in gathered)
-        once += structure.gone_state(ck.world_size, manifest.world_size, per_rank, rngs)
+        once += state_marks.gone_state(ck.world_size, manifest.world_size, per_rank, rngs)
         once += rng.replacing(ck, ck.dirpath, manifest.step) if mine else []
         for said in once:  # (INFO on the other ranks; said once every rank restored)
             warn_and_log(log, said, UserWarning, stacklevel=AT_CALLER, warn=ck.is_coordinator)

@@ -15,7 +15,8 @@ import torch
 import xxhash
 
 from .filepart import FilePart
-from .structure import PerRank, part_id
+from .state_marks import PerRank
+from .structure import part_id
 from .wrapped import plain_module
 
 _PROBING: ContextVar[bool] = ContextVar("probing", default=False)

@@ -5,9 +5,10 @@ JSON-able values) and returns a JSON-able *structure* in which every tensor is r
 reference to an entry of a flat ``{name: tensor}`` table. Tensors that are the same view of the
 same storage (tied weights, aliases) are stored once and restored as one object.
 
-``decode`` rebuilds Python values from a structure and a table of loaded tensors;
-:func:`.inplace.apply` loads them *in place* into the live objects of a state, after
-:func:`.fit.check_fits` has listed every key or shape that does not fit.
+:func:`.structure_decode.decode` rebuilds Python values from a structure and a table of loaded
+tensors; :func:`.inplace.apply` loads them *in place* into the live objects of a state, after
+:func:`.fit.check_fits` has listed every key or shape that does not fit. The marks a state may
+hold (``PerRank``, ``OptionalKeys``) are :mod:`.state_marks`'s.
 
 Tags: a JSON object with the key ``"__rc__"`` is a typed node (tuple, tensor, non-string dict
 keys, non-finite float, ...). Plain dicts whose keys are all strings (and none is ``"__rc__"``)
@@ -26,72 +27,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import mapped, module_versions
-from .errors import CheckpointMismatchError, UnsupportedStateError
+from . import module_versions
+from .errors import UnsupportedStateError
 from .filepart import FilePart
 from .layout_meta import TAG
 from .optim import hookable, param_shapes
 from .refusals import fix_for, refuse_int, refuse_numpy, refuse_stateful, refuse_tensor
+from .state_marks import PerRank
 from .wrapped import plain_module
 
 _JSON_SCALARS = (bool, int, str, type(None))
-
-
-class PerRank:
-    """Marks a part of the state that differs between ranks (a data loader's position, a
-    rank-local generator). It is written by every rank into its own file and restored on the
-    same rank. Everything not marked is treated as replicated and written once, by rank 0.
-
-    ``new_ranks``: what a rank the checkpoint has no files of (a resume on more ranks) loads:
-    ``"refuse"`` (default: the resume is refused, nothing loaded) or ``"rank0"`` (rank 0's
-    state, for an object that works out its own share from it, such as a sharded
-    :class:`~resilient_callbacks.ResumableDataLoader`; a one-rank checkpoint acts so always)."""
-
-    def __init__(self, obj: Any, *, new_ranks: str = "refuse") -> None:
-        if new_ranks not in ("refuse", "rank0"):
-            raise ValueError(f"PerRank(new_ranks={new_ranks!r}): 'refuse' or 'rank0'")
-        self.obj = obj
-        self.new_ranks = new_ranks
-
-    def __repr__(self) -> str:
-        return f"PerRank({self.obj!r})"
-
-
-class OptionalKeys(dict[str, Any]):
-    """A dict of the state some of whose keys (``optional``) a checkpoint may lack: entries
-    added to a state after checkpoints of it were written. Such a key missing from the
-    checkpoint keeps its live value on restore; any other missing key is refused, as in a
-    plain dict. Saved as a plain dict (the format does not change). The check goes through
-    :meth:`missing_allowed`, the hook ``fit.check_fits`` asks of any dict of the state."""
-
-    def __init__(self, *args: Any, optional: tuple[str, ...] = (), **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.optional = frozenset(optional)
-
-    def missing_allowed(self, missing: list[str]) -> bool:
-        """Whether the checkpoint may lack every one of ``missing``: all are ``optional``."""
-        return set(missing) <= self.optional
-
-
-def gone_ranks(world_size: int, saved_world_size: int) -> str:
-    """The ranks of a checkpoint that a run on ``world_size`` ranks has no process for."""
-    first, last = world_size, saved_world_size - 1
-    return f"rank {first}" if first == last else f"ranks {first} to {last}"
-
-
-def gone_state(world_size: int, saved_world_size: int, per_rank: bool, rng: bool) -> list[str]:
-    """What rank 0 of a restore on fewer ranks than the save says is not loaded: the ranks
-    gone's ``PerRank`` state (``per_rank``: the checkpoint holds some) and RNG states (``rng``:
-    it holds them and they are restored)."""
-    if saved_world_size <= world_size:
-        return []
-    gone = gone_ranks(world_size, saved_world_size)
-    said = f"the checkpoint was written by {saved_world_size} ranks, this run has {world_size}: "
-    return [said + f"the PerRank state of {gone} is not loaded"] * per_rank + [
-        said + f"the RNG states of {gone} are not loaded: their random streams (Python, NumPy, "
-        "torch, CUDA) cannot be continued, so the run does not go on exactly as it would have "
-        f"on {saved_world_size} ranks (rank 0's streams go on)"
-    ] * rng
 
 
 def is_stateful(obj: Any) -> bool:
@@ -317,124 +262,6 @@ def encode(state: Any, *, split_per_rank: bool = True) -> tuple[Encoded, Encoded
     return shared, local
 
 
-# --------------------------------------------------------------------------- decoding
-
-
-@dataclass
-class StatefulNode:
-    """A decoded ``state_dict()`` result, to be passed to the live object's ``load_state_dict``."""
-
-    type: str
-    state: Any
-
-
-def decode(
-    node: Any,
-    tensors: Mapping[str, torch.Tensor],
-    per_rank: Mapping[str, Any] | None = None,
-    keep_stateful: bool = False,
-    memo: dict[int, Any] | None = None,
-) -> Any:
-    """Rebuild Python values from a structure. With ``keep_stateful`` a stateful node becomes a
-    :class:`StatefulNode`; otherwise it becomes its plain state dict. ``memo``: each dict and
-    list node's value by its ``id``, filled and used again (a restore's check, then its load;
-    with the same arguments, the structure alive and unchanged)."""
-    if memo is not None and id(node) in memo:
-        return memo[id(node)]
-
-    def rec(n: Any) -> Any:
-        if not isinstance(n, (dict, list)):
-            return n
-        out = [rec(v) for v in n] if isinstance(n, list) else one(n)
-        if memo is not None:
-            memo[id(n)] = out
-        return out
-
-    def one(n: dict[str, Any]) -> Any:
-        tag = n.get(TAG)
-        if tag is None:
-            return {k: rec(v) for k, v in n.items()}
-        if tag == "tensor":
-            t = tensors[n["key"]]
-            if not n.get("numpy"):
-                return t
-            # an array is plain data, kept where it is put: never a view of a mapped file
-            return t.numpy().copy() if mapped.is_mapped(t) else t.numpy()
-        if tag == "dict":
-            return {_hashable(rec(k)): rec(v) for k, v in n["items"]}
-        if tag == "tuple":
-            return tuple(rec(v) for v in n["items"])
-        if tag == "size":
-            return torch.Size(n["items"])
-        if tag == "float":
-            return float(n["value"])
-        if tag == "set":
-            return {_hashable(rec(v)) for v in n["items"]}
-        if tag == "frozenset":
-            return frozenset(_hashable(rec(v)) for v in n["items"])
-        if tag == "dtype":
-            dt = getattr(torch, n["name"], None)
-            if not isinstance(dt, torch.dtype):
-                raise CheckpointMismatchError(f"unknown torch dtype {n['name']!r} in checkpoint")
-            return dt
-        if tag == "device":
-            return torch.device(n["name"])
-        if tag == "bytes":
-            return base64.b64decode(n["b64"])
-        if tag == "np":
-            return np.dtype(n["dtype"]).type(rec(n["value"]))
-        if tag == "stateful":
-            inner = rec(n["state"])
-            return StatefulNode(n["type"], inner) if keep_stateful else inner
-        if tag == "per_rank":
-            if per_rank is None or n["id"] not in per_rank:
-                raise CheckpointMismatchError(
-                    f"per-rank state {n['id']!r} is missing for this rank in the checkpoint"
-                )
-            return rec(per_rank[n["id"]])
-        if tag == "filepart":  # its files are read by the part itself
-            return dict(n)
-        raise CheckpointMismatchError(f"unknown node type {tag!r} in checkpoint structure")
-
-    try:
-        return rec(node)
-    finally:
-        # rec and one refer to each other through their closures: a cycle that kept ``tensors``
-        # (views of the mapped checkpoint files, see mapped.py) alive until the cyclic GC ran
-        rec = one = None  # type: ignore[assignment]
-
-
-def _hashable(v: Any) -> Any:
-    if isinstance(v, list):
-        return tuple(_hashable(x) for x in v)
-    return v
-
-
-def inline_per_rank(structure: Any, per_rank: Mapping[str, Any] | None) -> Any:
-    """Replace the ``per_rank`` placeholders of a shared structure with this rank's nodes, so the
-    result describes the whole state as seen by this rank."""
-
-    def rec(n: Any) -> Any:
-        if isinstance(n, list):
-            return [rec(v) for v in n]
-        if not isinstance(n, dict):
-            return n
-        if n.get(TAG) == "per_rank":
-            if per_rank is None or n["id"] not in per_rank:
-                raise CheckpointMismatchError(
-                    f"per-rank state {n['id']!r} is missing for this rank in the checkpoint (was "
-                    "it written by fewer ranks?): resume on the ranks that wrote it, or wrap an "
-                    "object that works out its share from rank 0's state (a sharded "
-                    "ResumableDataLoader) as PerRank(obj, new_ranks='rank0')"
-                )
-            return per_rank[n["id"]]
-        if n.get(TAG) == "tensor":
-            return n
-        return {k: rec(v) for k, v in n.items()}
-
-    return rec(structure)
-
-
 def _has_live_objects(obj: Any) -> bool:
     if isinstance(obj, (torch.Tensor, PerRank, FilePart)) or is_stateful(obj):
         return True
@@ -443,31 +270,3 @@ def _has_live_objects(obj: Any) -> bool:
     if isinstance(obj, (list, tuple)):
         return any(_has_live_objects(v) for v in obj)
     return False
-
-
-def _node_items(n: Any) -> dict[Any, Any] | None:
-    if isinstance(n, dict) and n.get(TAG) is None:
-        return dict(n)
-    if isinstance(n, dict) and n.get(TAG) == "dict":  # (a plain key, an int, is itself)
-        items = n["items"]
-        return {_hashable(decode(k, {})) if isinstance(k, (dict, list)) else k: v for k, v in items}
-    return None
-
-
-def _node_seq(n: Any) -> list[Any] | None:
-    if isinstance(n, list):
-        return n
-    if isinstance(n, dict) and n.get(TAG) == "tuple":
-        return list(n["items"])
-    return None
-
-
-def _describe(n: Any) -> str:
-    if isinstance(n, dict):
-        return f"a {n.get(TAG, 'dict')}"
-    return f"a {type(n).__name__}"
-
-
-def _short(keys: list[Any], limit: int = 20) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")

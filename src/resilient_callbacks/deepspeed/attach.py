@@ -28,7 +28,7 @@ from .. import closing
 from ..checkpointer import Checkpointer
 from ..data import ResumableDataLoader
 from ..errors import AT_CALLER, ConfigError, UnsupportedStateError, warn_and_log
-from ..structure import PerRank
+from ..state_marks import PerRank
 from . import section
 from .engine_state import advice, check_config, engine_state
 from .evaluation import EvaluationWatch

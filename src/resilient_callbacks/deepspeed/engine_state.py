@@ -25,7 +25,7 @@ from ..errors import (
     UnsupportedStateError,
 )
 from ..inplace import Advice
-from ..structure import PerRank
+from ..state_marks import PerRank
 from .counters import EngineCounters
 from .zero_part import ZeroPart, warn_untrained_absent
 

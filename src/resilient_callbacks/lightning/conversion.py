@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import UnsupportedStateError, warn_and_log
-from ..structure import PerRank
+from ..state_marks import PerRank
 
 log = logging.getLogger("resilient_callbacks.lightning")
 

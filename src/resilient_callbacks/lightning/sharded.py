@@ -26,7 +26,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from ..structure import PerRank
+from ..state_marks import PerRank
 from . import deepspeed as ds
 from . import quiet
 from . import state as st

@@ -33,7 +33,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..inplace import as_live_keys
-from ..structure import PerRank
+from ..state_marks import PerRank
 from ..wrapped import with_metadata
 from .conversion import Converter, HparamsConversionWarning  # noqa: F401 (re-exported)
 from .rank_callbacks import STOP_RNG_KEY, put_back, saved

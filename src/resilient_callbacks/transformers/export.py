@@ -21,7 +21,7 @@ from typing import Any
 
 import transformers
 
-from .. import layout, module_versions, reader, structure
+from .. import layout, module_versions, reader, structure_decode
 from ..consolidate import (
     EXPORT_DTYPES,
     check_fits,
@@ -75,7 +75,7 @@ def _export(
     src = os.fspath(source)
     out = check_export_target(src, output_dir, overwrite=overwrite)
     path, part = _read_checkpoint(src, step)
-    full = structure.inline_per_rank(part.structure, part.per_rank)
+    full = structure_decode.inline_per_rank(part.structure, part.per_rank)
     if (
         not isinstance(full, dict)
         or "trainer" not in full
@@ -107,7 +107,7 @@ def _export(
             )
     if "model" in full:
         node = full["model"]  # its submodules' versions too: they say how to read it
-        state_dict = module_versions.attach(structure.decode(node, part.tensors), node)
+        state_dict = module_versions.attach(structure_decode.decode(node, part.tensors), node)
     elif "sharded" in full:  # under the Trainer's FSDP: every rank's shards, laid together
         from ..dcp.whole import model_tensors
 

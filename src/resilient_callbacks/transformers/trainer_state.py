@@ -22,7 +22,7 @@ from .. import dist, notices, sinks
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointMismatchError
 from ..optim import hookable
-from ..structure import OptionalKeys, PerRank
+from ..state_marks import OptionalKeys, PerRank
 from . import collator_rng, data_settings, under_deepspeed, under_fsdp
 
 log = logging.getLogger("resilient_callbacks")
@@ -302,7 +302,7 @@ def _same_logs(a: list[Any], b: list[Any]) -> bool:
 
 def callback_states(trainer: Any, exclude: Any) -> dict[str, list[Any]]:
     """The exportable states of the Trainer's callbacks (as the Trainer's own checkpoints keep
-    them), by class name. A checkpoint may lack any of them (:class:`~..structure.OptionalKeys`):
+    them), by class name. A checkpoint may lack any of them (:class:`~..state_marks.OptionalKeys`):
     a callback added for the resumed run (an ``EarlyStoppingCallback``) starts from its own
     state, as under the Trainer's own resume, without a "removed" warning."""
     out: dict[str, list[Any]] = {}
