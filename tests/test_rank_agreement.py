@@ -43,6 +43,11 @@ in a collective fails the test by the deadline.
   new run's broadcast (``continued-new``; ``continued-same-run``: ``same_run=True``) or, after a
   ``restore()`` that returned 0 (``continued-restored``), returned and went on into its first
   save's collectives. Now every rank raises it.
+- ``unlistable-continued``: rank 0 cannot list dirpath (``chmod 0o300``, tests/permissions.py)
+  when ``continued_from(2, ...)`` is called: its listing for a newer checkpoint raised on rank 0
+  alone, before the broadcast that tells every rank the new run's id, and rank 1 waited there
+  (then paired it with rank 0's next collective). Now every rank raises, rank 1 naming rank 0's
+  error.
 - ``shared-store``: with ``filterwarnings("error")`` on every rank, under torchrun's variables
   of a restarting job over a shared rendezvous store, the Checkpointer's warning about it
   raised in rank 0's constructor alone, while rank 1 went on into ``restore()``'s broadcast.
@@ -212,6 +217,21 @@ def _werror_continued(root: Path, case: str) -> dict[str, Any]:
         return {"call": _outcome(lambda: ck.continued_from(2, "elsewhere", same_run=same_run))}
 
 
+def _unlistable_continued(root: Path, rank: int) -> dict[str, Any]:
+    """Rank 0's dirpath cannot be listed at ``continued_from``. ``denied``: whether it could
+    be made so (rank 0)."""
+    res: dict[str, Any] = {"denied": False}
+    with permissions.honoured() as ok, Checkpointer(root, capture_rng=False) as ck:
+        if rank == 0:
+            res["denied"] = ok and permissions.unlistable(root)
+        try:
+            res["call"] = _outcome(lambda: ck.continued_from(2, "elsewhere"))
+        finally:
+            if rank == 0:
+                os.chmod(root, 0o755)
+    return res
+
+
 def _werror_shared_store(root: Path) -> dict[str, Any]:
     store = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "2"}
     os.environ.update(store)  # (as torchrun sets them on every worker)
@@ -256,6 +276,8 @@ def worker(root: str, out: str, cases: list[str]) -> None:
             res[case] = _werror_listing(where)
         elif case == "shared-store":
             res[case] = _werror_shared_store(where)
+        elif case == "unlistable-continued":
+            res[case] = _unlistable_continued(where, rank)
         elif case.startswith("continued-"):
             res[case] = _werror_continued(where, case)
         elif case.startswith("werror-step-"):
@@ -296,6 +318,7 @@ CASES = [
     "continued-same-run",
     "continued-restored",
     "shared-store",
+    "unlistable-continued",
 ]
 CONTINUED = [c for c in CASES if c.startswith("continued-")]
 
@@ -403,5 +426,12 @@ def test_what_one_rank_finds_is_raised_on_every_rank(tmp_path):
     assert r0["shared-store"] == r1["shared-store"], (r0["shared-store"], r1["shared-store"])
     assert r0["shared-store"]["call"]["error"] == "UserWarning", r0["shared-store"]
     assert "rendezvous store, which outlives a restart" in r0["shared-store"]["call"]["message"]
+    if r0["unlistable-continued"]["denied"]:
+        call0, call1 = r0["unlistable-continued"]["call"], r1["unlistable-continued"]["call"]
+        assert call0["error"] == "PermissionError", call0
+        assert call1["error"] == "CheckpointError", call1
+        said = call1["message"]
+        assert said.startswith("continued_from() stopped on every rank: rank 0 could not"), said
+        assert "(PermissionError: [Errno 13] Permission denied" in said, said
     if not denied:  # (every other case checked)
         pytest.skip("rank 0 could not make its directory unlistable (permission bits ignored)")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import dist, history, notices
 from .config import ResumeMode
-from .errors import CheckpointError
+from .errors import CheckpointError, error_type
 from .manifest import read_manifest
 from .reader import current
 from .saving import choose_run_id
@@ -69,19 +69,33 @@ class RunStart:
         """Every rank (see ``Checkpointer.continued_from``): start this run at ``step`` of a
         checkpoint loaded elsewhere. With ``same_run``, the run goes on as the one of the
         newest valid checkpoint in dirpath. Every rank makes one broadcast here (rank 0's:
-        that run, a new run's id, a newer valid checkpoint it skips), and says that newer
-        one: with ``-W error`` every rank raises it. Said by rank 0 alone, it stopped rank 0
-        while the others waited for it in their next collective."""
+        that run, a new run's id, a newer valid checkpoint it skips, or its error reading
+        dirpath, which every rank raises), and says that newer one: with ``-W error`` every
+        rank raises it. Said or raised by rank 0 alone, it stopped rank 0 while the others
+        waited for it in their next collective."""
         ck = self._ck
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
-        told, new = None, ck._dir.run_id is None
+        told, new, pending = None, ck._dir.run_id is None, None
         if ck.is_coordinator:
-            m = read_manifest(p) if same_run and new and (p := ck._dir.latest_valid()) else None
-            newer = current(ck._dir.checkpoints(), same_run)  # (not an abandoned branch)
-            said = notices.newer_skipped(ck.dirpath, newer, step, source)
-            told = [choose_run_id(), [m.run_id, m.seq, m.lineage] if m else [None] * 3, said]
-        run_id, (run, seq, line), said = dist.broadcast_json(told)
+            try:
+                p = ck._dir.latest_valid() if same_run and new else None
+                m = read_manifest(p) if p else None
+                newer = current(ck._dir.checkpoints(), same_run)  # (not an abandoned branch)
+                said = notices.newer_skipped(ck.dirpath, newer, step, source)
+                run = [m.run_id, m.seq, m.lineage] if m else [None] * 3
+                told = [choose_run_id(), run, said, None]
+            except Exception as e:  # reported to every rank, so none is left waiting
+                pending, told = e, [None, [None] * 3, None, [type(e).__name__, str(e)]]
+        run_id, (run, seq, line), said, error = dist.broadcast_json(told)
+        if pending is not None:
+            raise pending
+        if error is not None:
+            raise error_type(error[0])(
+                f"continued_from() stopped on every rank: rank 0 could not read {ck.dirpath} "
+                f"({error[0]}: {error[1]}); nothing was recorded. Make it readable to this job "
+                "and start it again."
+            )
         if same_run and new:
             ck._dir.run_id = run
             ck._dir.tip.rebase(seq, line)  # its saves descend from it, as does its lineage
