@@ -76,7 +76,8 @@ class RunStart:
         ck = self._ck
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be an int >= 0, got {step!r}")
-        told, new, pending = None, ck._dir.run_id is None, None
+        told: list[Any] | None = None
+        new, pending = ck._dir.run_id is None, None
         if ck.is_coordinator:
             try:
                 p = ck._dir.latest_valid() if same_run and new else None
