@@ -242,3 +242,30 @@ def test_an_upload_not_queued_says_the_push_that_uploads_it(
     assert "RuntimeError: the upload queue refused step_000000001" in said[0], said
     assert f"its upload to file://{remote} may not be queued" in said[0], said
     assert f"`resilient-ckpt push {root} file://{remote}` uploads it" in said[0], said
+
+
+def test_a_checkpointer_says_its_own_first_failure_after_another_said_the_same(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, honoured: None
+):
+    """One process, two Checkpointers on one directory, one after the other (a second
+    ``fit()``, a notebook's cell run again), whose retention passes after their first failing
+    commit fail for the same reason: what was said was remembered by the process, by
+    directory, so the second's failure went unsaid (DEBUG) for as long as it persisted, until
+    its close(). Now each Checkpointer says its own first failure when it happens."""
+    root = tmp_path / "ck"
+    state = {"w": torch.zeros(10)}
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    for n, step in ((1, 2), (2, 3)):
+        with Checkpointer(root, keep_last=1, async_save=False, preemption=False) as ck:
+            if n == 1:
+                ck.save(1, state)
+            if not permissions.unlistable(root):
+                pytest.skip("this process lists a directory it has no read permission on")
+            try:
+                ck.save(step, state)  # (the second's first save)
+            finally:
+                os.chmod(root, 0o755)
+            assert ck.after_commit_error is not None
+            said = [m for m in _errors(caplog, AFTER) if m.startswith("checkpoint for step")]
+            assert len(said) == n, said  # (before close() says it again)
+            assert said[-1].startswith(f"checkpoint for step {step} was committed ("), said

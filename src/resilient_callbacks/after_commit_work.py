@@ -36,18 +36,29 @@ from .repeats import Repeats, again, reason
 
 log = logging.getLogger("resilient_callbacks")
 
-#: the failures said so far, by directory: every save of this process (a CommitSession is made
-#: for each save, so its own would forget), and the default work's failures to delete a folder
+#: the failures said so far, by directory, of the CommitSessions used without a Checkpointer
+#: (one made for each save, so its own would forget), and the default work's failures to delete
+#: a folder. A Checkpointer's (and the DCP writer's) sessions use their directory's own
+#: (``Directory.said``): one that opens a directory after another closed it says its own first
+#: failure, which the other had said.
 SAID = Repeats()
 
 
 def failed(
-    key: str, e: BaseException, step: int, path: str, who: str, sync: Any = None, dirpath: str = ""
+    key: str,
+    e: BaseException,
+    step: int,
+    path: str,
+    who: str,
+    sync: Any = None,
+    dirpath: str = "",
+    said: Repeats | None = None,
 ) -> str:
     """The work after the commit of ``step`` (at ``path``) by ``who`` ("rank 0", "node 1")
     raised ``e``: say it (an ERROR, once while it persists for the same reason: ``key``, the
-    directory) and return its message. ``sync``: the uploader (``store.url``,
-    ``store.options``) whose queue may not hold the checkpoint, if any, of ``dirpath``."""
+    directory, in ``said``, else :data:`SAID`) and return its message. ``sync``: the uploader
+    (``store.url``, ``store.options``) whose queue may not hold the checkpoint, if any, of
+    ``dirpath``."""
     upload = (
         f"; its upload to {url_text(sync.store.url)} may not be queued "
         f"({push_command(dirpath, sync.store.url, sync.store.options)} uploads it)"
@@ -60,7 +71,7 @@ def failed(
         f"checkpoints that retention would delete are kept until the next retention "
         f"pass{upload}. Training goes on."
     )
-    n = SAID.due(key, reason(e))
+    n = (SAID if said is None else said).due(key, reason(e))
     if n is None:  # said before, for this reason: each save tries again, quietly
         log.debug("%s (again)", message)
     else:
@@ -68,6 +79,7 @@ def failed(
     return message
 
 
-def succeeded(key: str) -> None:
-    """The work after a commit in ``key`` (the directory) succeeded: a later failure is new."""
-    SAID.cleared(key)
+def succeeded(key: str, said: Repeats | None = None) -> None:
+    """The work after a commit in ``key`` (the directory) succeeded: a later failure is new
+    (``said``: as :func:`failed`'s)."""
+    (SAID if said is None else said).cleared(key)

@@ -334,10 +334,12 @@ class NodeLocalSession:
         except Exception as e:
             error = error or e
         if error is None:
-            after_commit_work.succeeded(key)
+            after_commit_work.succeeded(key, d.said)
         else:
             where, who = f"{local_path}, on every node", f"node {self.topo.node}"
-            self.after_error = after_commit_work.failed(key, error, self.step, where, who)
+            self.after_error = after_commit_work.failed(
+                key, error, self.step, where, who, said=d.said
+            )
 
     def _replicate(self, local_path: str) -> None:
         """Leader: send this node's files to the next node, keep the previous node's."""

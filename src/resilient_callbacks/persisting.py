@@ -210,6 +210,7 @@ def _session(
         after_commit=d.after_commit,
         tip=d.tip,
         blobs=d.blobs,  # (rank 0's: pins what the ranks staged while the commit moves it)
+        said=d.said,  # (this Checkpointer's: its own first failure is said)
     )
 
 

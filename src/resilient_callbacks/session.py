@@ -56,6 +56,7 @@ from .errors import CheckpointWriteError, ConfigError, sentence
 from .filewrite import encode_json
 from .manifest import FileEntry, Manifest, versions
 from .part_blobs import promote_staged
+from .repeats import Repeats
 from .retention import RetentionPolicy
 from .retention_pass import apply_retention
 
@@ -131,7 +132,9 @@ class CommitSession:
     ``blobs`` (rank 0's): the store of the directory's writer, whose collection (the
     uploader's retention, in another thread) must not take the blobs the ranks staged between
     their move into the store and the commit of the manifest that names them: they are pinned
-    meanwhile.
+    meanwhile. ``said`` (rank 0's): the failures said so far, each once while it persists
+    (:mod:`.repeats`): the directory's of a Checkpointer or DCP writer, which outlives each
+    save's session; by default the process's (:data:`.after_commit_work.SAID`).
     """
 
     def __init__(
@@ -149,6 +152,7 @@ class CommitSession:
         after_commit: Callable[[Committed], None] | None = None,
         tip: Tip | None = None,
         blobs: BlobStore | None = None,
+        said: Repeats | None = None,
     ) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"the step of a checkpoint must be an int >= 0, got {step!r}")
@@ -164,6 +168,7 @@ class CommitSession:
         self.after_commit = after_commit or self._default_after_commit
         self.tip = tip  # where this save descends from (its manifest's lineage); None: unsaid
         self.blobs = blobs
+        self.said = after_commit_work.SAID if said is None else said
         if tip is not None and seq is not None:
             tip.planned(seq)
         self.rank = dist.rank()
@@ -345,9 +350,9 @@ class CommitSession:
             if sync is not None and os.path.basename(done.path) in sync.pending():
                 sync = None
             return after_commit_work.failed(
-                self.dirpath, e, self.step, done.path, "rank 0", sync, self.dirpath
+                self.dirpath, e, self.step, done.path, "rank 0", sync, self.dirpath, self.said
             )
-        after_commit_work.succeeded(self.dirpath)
+        after_commit_work.succeeded(self.dirpath, self.said)
         return None
 
     def _with_space_hint(self, err: CheckpointWriteError) -> CheckpointWriteError:
@@ -459,6 +464,4 @@ class CommitSession:
         if self.retention is not None:
             protected = {name, *(self.sync.pending() if self.sync is not None else ())}
             # (a folder it cannot delete is said once, not at every session's pass)
-            apply_retention(
-                self.dirpath, self.retention, self.run_id, protected, said=after_commit_work.SAID
-            )
+            apply_retention(self.dirpath, self.retention, self.run_id, protected, said=self.said)

@@ -237,6 +237,7 @@ class ResilientStorageWriter(StorageWriter):
             retention=d.retention,
             remote_retention=self.config.remote_retention_if_any(),
             tip=d.tip,
+            said=d.said,  # (this writer's: its own first failure is said)
         )
         staging = session.begin_here()
         self._sessions[staging] = (session, threading.current_thread())
