@@ -123,9 +123,9 @@ def test_setup_refuses_a_disk_without_room_before_installing_anything(tmp_path):
     assert not (tmp_path / "venv").exists()
 
 
-def test_setup_with_room_goes_past_the_disk_check(tmp_path):
-    """The check's other side: an environment already set up for this key needs no room at all
-    (setup.sh returns before it), and with room the check says nothing."""
+def test_setup_of_a_ready_environment_needs_no_room(tmp_path):
+    """An environment already set up for this key needs no room at all: setup.sh returns
+    before the disk check (the check's side with room: the test after this one)."""
     venv = Path(sys.prefix)
     if not (venv / f".resilient-setup-test-{_setup_key(ROOT)}").exists():
         pytest.skip("this environment was not made by scripts/setup.sh (test or dev)")
@@ -139,3 +139,27 @@ def test_setup_with_room_goes_past_the_disk_check(tmp_path):
         timeout=60,
     )
     assert r.returncode == 0 and "disk space" not in r.stderr, r.stderr
+
+
+def test_setup_with_room_goes_past_the_disk_check(tmp_path):
+    """The check's other side: with room (a disk with 100 GB free) it says nothing and setup.sh
+    goes on to create the environment, here with an interpreter that stops it there (nothing
+    is installed)."""
+    env = _fake_df(tmp_path, free_kb=100 * 1024 * 1024)
+    env["RESILIENT_VENV"] = str(tmp_path / "venv")
+    python = tmp_path / "fake-bin" / "python-stops-here"
+    python.write_text(
+        '#!/bin/sh\nif [ "$1" = "--version" ]; then echo "Python 3.11.0"; exit 0; fi\nexit 3\n'
+    )
+    python.chmod(0o755)
+    env["PYTHON"] = str(python)
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup.sh"), "test"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 3, r.stderr  # (the stand-in interpreter's "-m venv")
+    assert "disk space" not in r.stderr, r.stderr
+    assert f"creating {tmp_path / 'venv'} with {python} (Python 3.11.0)" in r.stderr, r.stderr
