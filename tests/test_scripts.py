@@ -104,19 +104,19 @@ def _fake_df(tmp_path: Path, free_kb: int) -> dict[str, str]:
     return env
 
 
+def _setup_test(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``bash scripts/setup.sh test`` in ``env``."""
+    argv = ["bash", str(ROOT / "scripts" / "setup.sh"), "test"]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+
 def test_setup_refuses_a_disk_without_room_before_installing_anything(tmp_path):
     """CI's set-up ran out of disk space halfway through installing torch (pip's OSError, errno
     28) and left a half-built .venv. setup.sh now checks the free space first: too little, it
     says how much it needs and how much is free, and creates nothing."""
     env = _fake_df(tmp_path, free_kb=300 * 1024)
     env["RESILIENT_VENV"] = str(tmp_path / "venv")
-    r = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "setup.sh"), "test"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = _setup_test(env)
     assert r.returncode == 1, r.stderr
     assert "not enough disk space: the test set-up needs about 1900 MB" in r.stderr
     assert "300 MB are free" in r.stderr and "RESILIENT_VENV" in r.stderr
@@ -131,13 +131,7 @@ def test_setup_of_a_ready_environment_needs_no_room(tmp_path):
         pytest.skip("this environment was not made by scripts/setup.sh (test or dev)")
     env = _fake_df(tmp_path, free_kb=0)
     env["RESILIENT_VENV"] = str(venv)
-    r = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "setup.sh"), "test"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = _setup_test(env)
     assert r.returncode == 0 and "disk space" not in r.stderr, r.stderr
 
 
@@ -153,13 +147,7 @@ def test_setup_with_room_goes_past_the_disk_check(tmp_path):
     )
     python.chmod(0o755)
     env["PYTHON"] = str(python)
-    r = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "setup.sh"), "test"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = _setup_test(env)
     assert r.returncode == 3, r.stderr  # (the stand-in interpreter's "-m venv")
     assert "disk space" not in r.stderr, r.stderr
     assert f"creating {tmp_path / 'venv'} with {python} (Python 3.11.0)" in r.stderr, r.stderr
