@@ -55,9 +55,12 @@ pip_install() {
     fi
 }
 
-# free space in MB on the disk that holds (or will hold) $VENV
+# free space in MB on the disk that holds (or will hold) $VENV: that of the nearest folder
+# above it that exists (df fails on one not made yet, and the check then read no number)
 free_mb() {
-    df -Pk "$VENV_PARENT" | awk 'NR == 2 { print int($4 / 1024) }'
+    local d="$VENV_PARENT"
+    while [ ! -d "$d" ]; do d="$(dirname "$d")"; done
+    df -Pk "$d" | awk 'NR == 2 { print int($4 / 1024) }'
 }
 
 key="$(cat pyproject.toml setup.py scripts/setup.sh scripts/constraints.txt | sha1sum | cut -c1-12)"

@@ -95,6 +95,8 @@ def _fake_df(tmp_path: Path, free_kb: int) -> dict[str, str]:
     df = bin_dir / "df"
     df.write_text(
         "#!/bin/sh\n"
+        "for last; do :; done\n"  # (as df: a path that does not exist is an error)
+        'if [ ! -e "$last" ]; then echo "df: $last: No such file or directory" >&2; exit 1; fi\n'
         'echo "Filesystem 1024-blocks Used Available Capacity Mounted on"\n'
         f'echo "/dev/fake 1000000 900000 {free_kb} 90% /"\n'
     )
@@ -102,6 +104,18 @@ def _fake_df(tmp_path: Path, free_kb: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     return env
+
+
+def _python_stops_here(tmp_path: Path, env: dict[str, str]) -> Path:
+    """A stand-in interpreter for setup.sh (``PYTHON`` in ``env``): it says it is 3.11 and
+    fails to create the environment (exit 3), so nothing is installed."""
+    python = tmp_path / "fake-bin" / "python-stops-here"
+    python.write_text(
+        '#!/bin/sh\nif [ "$1" = "--version" ]; then echo "Python 3.11.0"; exit 0; fi\nexit 3\n'
+    )
+    python.chmod(0o755)
+    env["PYTHON"] = str(python)
+    return python
 
 
 def _setup_test(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -141,13 +155,22 @@ def test_setup_with_room_goes_past_the_disk_check(tmp_path):
     is installed)."""
     env = _fake_df(tmp_path, free_kb=100 * 1024 * 1024)
     env["RESILIENT_VENV"] = str(tmp_path / "venv")
-    python = tmp_path / "fake-bin" / "python-stops-here"
-    python.write_text(
-        '#!/bin/sh\nif [ "$1" = "--version" ]; then echo "Python 3.11.0"; exit 0; fi\nexit 3\n'
-    )
-    python.chmod(0o755)
-    env["PYTHON"] = str(python)
+    python = _python_stops_here(tmp_path, env)
     r = _setup_test(env)
     assert r.returncode == 3, r.stderr  # (the stand-in interpreter's "-m venv")
     assert "disk space" not in r.stderr, r.stderr
     assert f"creating {tmp_path / 'venv'} with {python} (Python 3.11.0)" in r.stderr, r.stderr
+
+
+def test_setup_checks_the_disk_of_a_venv_folder_not_made_yet(tmp_path):
+    """RESILIENT_VENV in folders that do not exist yet (setup.sh makes them): `df` of that
+    parent failed, the check read no number ("integer expression expected") and went on, on a
+    disk without room. Now it asks about the nearest folder that exists."""
+    env = _fake_df(tmp_path, free_kb=300 * 1024)
+    env["RESILIENT_VENV"] = str(tmp_path / "not" / "made" / "venv")
+    _python_stops_here(tmp_path, env)
+    r = _setup_test(env)
+    assert r.returncode == 1, r.stderr
+    assert "not enough disk space: the test set-up needs about 1900 MB" in r.stderr, r.stderr
+    assert "integer expression" not in r.stderr, r.stderr
+    assert not (tmp_path / "not").exists()
