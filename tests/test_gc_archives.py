@@ -12,6 +12,7 @@ each was written with); ``--drop-all-archives`` deletes every one. The same for 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
@@ -70,3 +71,36 @@ def test_drop_archives_on_the_remote_deletes_only_those_its_policy_no_longer_mak
     assert remote_deleted() == []
     assert remote_deleted("--drop-archives") == [4, 8, 12]
     assert remote_deleted("--drop-all-archives") == [4, 8, 12, 20]
+
+
+def test_gc_remote_without_the_runs_dir_drops_archives_a_restart_does_not_upload_again(
+    tmp_path, caplog
+):
+    """``gc URL-only --drop-all-archives`` of a run with ``remote_every_n_saves`` > 1, whose
+    local tier keeps its archive points too: the restart of the run uploaded them again,
+    saying they "were not uploaded ... before the last run stopped" (they were, and gc deleted
+    them). The remote held a later commit of the run, so they had been uploaded (one writer
+    uploads in commit order and never skips an archive point): now they stay deleted, the
+    restart says why, and gc says that the local copies stay and what deletes them."""
+    local, remote = str(tmp_path / "local"), tmp_path / "durable" / "run"
+    url = f"file://{remote}"
+    kw = {"every_n_steps": 1, "keep_last": 1, "keep_every_n_steps": 4, "remote": url}
+    kw |= {"remote_every_n_saves": 2, "remote_keep_last": 1, "async_save": False}
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(local, **kw) as ck:
+        for step in range(1, 13):
+            state["w"] += 1
+            ck.step(step, state)
+    assert _steps(str(remote)) == [4, 8, 12]
+    r = cli("gc", str(tmp_path / "not_here"), "--remote", url, "--drop-all-archives")
+    assert r.returncode == 0, r.stderr
+    assert _steps(str(remote)) == [12] and _steps(local) == [4, 8, 12]
+    assert "local directory keeps its own copies of step 4, 8" in r.stderr, r.stderr
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    with Checkpointer(local, **kw) as ck:
+        assert ck.restore(state) == 12
+    said = caplog.text
+    assert "were not uploaded" not in said and "uploading them now" not in said, said
+    assert "deleted from it since" in said, said
+    assert _steps(str(remote)) == [12]  # not uploaded again
+    assert _steps(local) == [4, 8, 12]  # nor deleted here

@@ -147,7 +147,7 @@ def gc(args: argparse.Namespace) -> int:
         if st is not None:
             from .cli_remote_gc import gc_remote, print_gc_remote
 
-            result["remote"] = gc_remote(args, st, listed)
+            result["remote"] = gc_remote(args, st, listed, alone=root is None)
             if not args.json:
                 print_gc_remote(result["remote"], args.dry_run)
     finally:

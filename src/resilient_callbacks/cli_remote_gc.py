@@ -8,22 +8,27 @@ import sys
 import time
 from typing import Any
 
+from .catalog import archived, archived_point
 from .cli_local import dropped_archives
 from .cli_remote import remote_plan
 from .errors import CheckpointError, RemoteDeleteRefusedError
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
 from .remote_claims import REMOTE_CKPT_RE
 
+DROPPED = "an archive point, deleted by --drop-archives/--drop-all-archives"
 Listed = tuple[list[RemoteEntry], dict[str, int]]  # RemoteStore.scan_with_blobs()
 
 
-def gc_remote(args: argparse.Namespace, st: RemoteStore, listed: Listed | None = None) -> dict:
+def gc_remote(
+    args: argparse.Namespace, st: RemoteStore, listed: Listed | None = None, alone: bool = False
+) -> dict:
     """``gc DIR --remote URL``: delete what the remote retention recorded in the newest remote
     manifest does not keep (``--keep-last`` overriding it), with ``--other-runs`` and
     ``--remove-corrupt`` as for the local directory, uploads a crash left without a manifest
     once nothing was written to them for a day, then the blobs nothing refers to any more.
     Checks sizes, not checksums (nothing is downloaded). Returns what was (or would be)
-    deleted and kept; ``listed``: the store's listing if just taken (no blobs: no collection)."""
+    deleted and kept; ``listed``: the store's listing if just taken (no blobs: no collection);
+    ``alone``: DIR holds none of the run's checkpoints (not the run's own directory)."""
     from . import remote_blobs
     from .blob_damage import remote_keep_note
 
@@ -55,7 +60,8 @@ def gc_remote(args: argparse.Namespace, st: RemoteStore, listed: Listed | None =
             else:
                 kept.append((e, f"corrupt: {e.problem} (--remove-corrupt deletes it)"))
         elif e.name in p.delete:
-            doomed.append((e, "not kept by the remote retention"))
+            dropped = dropped_archives(args) is not None and archived(m)
+            doomed.append((e, DROPPED if dropped else "not kept by the remote retention"))
         elif args.other_runs and run_id is not None and m.run_id != run_id:
             doomed.append((e, f"checkpoint of another run ({m.run_id})"))
         elif why := remote_keep_note(e.problem, args):  # a torn blob: push repairs it
@@ -67,6 +73,8 @@ def gc_remote(args: argparse.Namespace, st: RemoteStore, listed: Listed | None =
         else:
             kept.append((e, "; ".join(p.keep.get(e.name, []))))
     gone = {e.name for e, _ in doomed}
+    if alone:
+        _local_copies_note(args, [e.manifest for e, _ in doomed if e.manifest is not None])
     failed: dict[str, str] = {}  # name -> the store's refusal (one stops nothing else)
     for e, _ in [] if args.dry_run else doomed:
         try:
@@ -99,6 +107,25 @@ def gc_remote(args: argparse.Namespace, st: RemoteStore, listed: Listed | None =
         "keep": [facts(e, why) for e, why in kept],
         "blobs_deleted": blobs,
     }
+
+
+def _local_copies_note(args: argparse.Namespace, doomed: list[Any]) -> None:
+    """``gc --remote URL`` away from the run's directory: the archive points it deletes that
+    the run's local tier keeps too (its retention, recorded in the manifest, has the same
+    ``keep_every_n_steps``: a run with ``remote_every_n_saves`` > 1) stay there; said on
+    stderr, with what deletes them (a restart does not upload them again: restore_remote)."""
+    steps = [m.step for m in doomed if archived_point(m.step, m.retention)]
+    if not steps:
+        return
+    print(
+        f"resilient-ckpt gc: the run's local directory keeps its own copies of step "
+        f"{', '.join(map(str, sorted(steps)))} (archive points: the run uploads only some of its "
+        f"saves, remote_every_n_saves, so its local retention keeps them too); gc "
+        f"{'would delete' if args.dry_run else 'deleted'} the remote copies only, and a restart "
+        "of the run does not upload them again; to delete the local ones, run `resilient-ckpt "
+        "gc DIR --drop-archives` (or --drop-all-archives) with the run's own directory as DIR",
+        file=sys.stderr,
+    )
 
 
 def print_gc_remote(result: dict[str, Any], dry_run: bool) -> None:

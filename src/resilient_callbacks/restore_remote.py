@@ -130,6 +130,25 @@ def reconcile_uploads(ck: Checkpointer) -> None:
     cands = mine + retention_candidates(remote_entries, prefix="\0remote/")
     keep = plan(cands, d.sync.policy, d.run_id).keep
     missing = [e.name for e in local if e.name in keep]
+    # One writer uploads in commit order and never skips an archive point (sync._coalesce):
+    # a kept one older than a commit of this run the remote holds was uploaded, then deleted
+    # there on purpose (`gc --remote URL --drop-archives` without this directory): not again
+    later = max(
+        (m.seq for e in remote_entries if (m := e.manifest) and m.run_id == d.run_id), default=0
+    )
+    dropped = [n for n in missing if (m := by_name[n]) is not None and m.seq < later]
+    if dropped:
+        log.info(
+            "%d checkpoint(s) of this run were uploaded to %s and deleted from it since "
+            "(resilient-ckpt gc --remote, or by hand): not uploaded again; their local copies "
+            "stay while the local retention keeps them (`resilient-ckpt gc %s "
+            "--drop-archives`, or --drop-all-archives, deletes archive points here): %s",
+            len(dropped),
+            d.remote.url,
+            ck.dirpath,
+            ", ".join(dropped),
+        )
+        missing = [n for n in missing if n not in dropped]
     if missing:
         why = "were not uploaded to %s before the last run stopped"
         if not d.sync.own.listed:  # (one already there is not sent again: RemoteStore.upload)
