@@ -301,3 +301,43 @@ def test_no_credentials_hint_for_a_request_that_got_no_answer():
         assert credentials_hint(e, "gs://bucket/run1") == ""
     wrapped = RuntimeError("Failed to list %s for %s", "box/run1", HttpError("denied, 401"))
     assert "GOOGLE_APPLICATION_CREDENTIALS" in credentials_hint(wrapped, "gs://bucket/run1")
+
+
+def test_gc_with_a_remote_it_cannot_plan_for_deletes_nothing_locally_first(tmp_path):
+    """``gc DIR --remote URL`` of a store filled by ``push`` (its manifests record no remote
+    retention): gc deleted DIR's leftovers and checkpoints first, then failed on the remote
+    asking for --keep-last N, an option that changes what DIR keeps too. Now it fails before
+    anything is deleted, and says that --keep-last applies to DIR as well."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20, 30), keep_last=1)
+    url = (tmp_path / "remote").as_uri()
+    assert cli("push", root, url).returncode == 0
+    leftover = os.path.join(root, ".staging-step_000000040-0123456789ab")
+    os.mkdir(leftover)  # a crashed save's folder: gc deletes it
+    r = cli("gc", root, "--remote", url)
+    assert r.returncode == 1, r.stdout
+    assert os.path.isdir(leftover), r.stdout
+    assert "nothing was deleted" in r.stderr and "--keep-last N" in r.stderr, r.stderr
+    assert f"applies to {root} as well" in r.stderr, r.stderr
+    assert r.stdout == "" and r.stderr.count("\n") == 1, (r.stdout, r.stderr)
+    ok = cli("gc", root, "--remote", url, "--keep-last", "1")
+    assert ok.returncode == 0 and not os.path.exists(leftover), ok.stderr
+
+
+@pytest.mark.parametrize("command", ["ls", "gc"])
+def test_a_missing_dir_beside_a_remote_is_said(tmp_path, command):
+    """``ls DIR --remote URL`` and ``gc DIR --remote URL`` with a DIR that does not exist (a
+    typo, or a run on another machine) went on with the remote store alone without a word:
+    gc's user believed DIR cleaned too, ls's saw only remote rows. Now said on stderr."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10,))
+    url = (tmp_path / "remote").as_uri()
+    assert cli("push", root, url).returncode == 0
+    typo = str(tmp_path / "ckk")
+    args = ["--keep-last", "1"] if command == "gc" else []
+    r = cli(command, typo, "--remote", url, *args)
+    assert r.returncode == 0, r.stderr
+    assert f"resilient-ckpt {command}: {typo} does not exist:" in r.stderr, r.stderr
+    assert "the remote store alone" in r.stderr, r.stderr
+    there = cli(command, root, "--remote", url, *args)
+    assert there.returncode == 0 and "does not exist" not in there.stderr, there.stderr

@@ -34,6 +34,7 @@ from .errors import CheckpointError
 from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME, NEWER_FORMAT
 from .reader import by_commit, check
+from .redact import url_text
 from .retention import CORRUPT_KEPT, Plan, RetentionPolicy, plan
 
 
@@ -108,7 +109,9 @@ def gc(args: argparse.Namespace) -> int:
         from .cli_remote import store  # (unreachable, a wrong -o): said before anything is
 
         st = store(remote, args.option, beside=args.dir)
-    if not (remote and not os.path.exists(args.dir)):
+    if remote and not os.path.exists(args.dir):
+        missing_dir_note(args, remote)
+    else:
         root = resolve(args.dir, single_ok=False).root
         found = catalog.scan(root, Depth.NONE)
         foreign = catalog.foreign_folders(root, found)  # another tool's step_<n>: not ours
@@ -141,6 +144,10 @@ def gc(args: argparse.Namespace) -> int:
         # the remote listed before anything is deleted here (unreachable, a wrong -o: said
         # first), under DIR's lock; its plan takes this listing where nothing ran since
         listed = st.scan_with_blobs() if st is not None else None
+        if st is not None and listed is not None:  # (its plan's failure: before DIR's gc)
+            from .cli_remote_gc import check_plannable
+
+            check_plannable(args, st, listed, local=root is not None)
         if root is not None:
             result = _gc(args, root)
             listed = None  # (time passed deleting here: the remote plan lists afresh)
@@ -157,6 +164,17 @@ def gc(args: argparse.Namespace) -> int:
         print_json(result)
     # (a folder here, or a checkpoint the remote store refused to delete: said, exit 1)
     return 1 if result.get("failed") or result.get("remote", {}).get("failed") else 0
+
+
+def missing_dir_note(args: argparse.Namespace, remote: str) -> None:
+    """``ls``/``gc DIR --remote URL`` where DIR does not exist (a typo, or the run's directory
+    is on another machine): the command goes on with the remote store alone, said on stderr."""
+    what = "cleaning" if args.cmd == "gc" else "listing"
+    print(
+        f"resilient-ckpt {args.cmd}: {args.dir} does not exist: {what} the remote store alone "
+        f"({url_text(remote)}); give the run's own directory as DIR for its local checkpoints",
+        file=sys.stderr,
+    )
 
 
 def _our_blobs(root: str) -> bool:

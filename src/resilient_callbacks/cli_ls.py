@@ -19,7 +19,7 @@ from . import catalog, cli_scan
 from .blob_damage import damage_note
 from .catalog import Depth, Entry
 from .cli_format import UNVERIFIED, fmt_size, local_time, print_json, row_note, status_text, table
-from .cli_local import _committed, _kept, _plan
+from .cli_local import _committed, _kept, _plan, missing_dir_note
 from .cli_nodes import keep_uncommitted_parts
 from .cli_scan import no_checkpoints, node_part_note, public, resolve, row, scan
 from .reader import check
@@ -49,7 +49,9 @@ def ls(args: argparse.Namespace) -> int:
         from .cli_remote import store
 
         st = store(args.remote, args.option, beside=args.dir)
-    if not (args.remote and not os.path.exists(args.dir)):
+    if args.remote and not os.path.exists(args.dir):
+        missing_dir_note(args, args.remote)
+    else:
         target = resolve(args.dir)
         root = target.root
         cli_scan.say_links("ls", target)

@@ -19,6 +19,24 @@ DROPPED = "an archive point, deleted by --drop-archives/--drop-all-archives"
 Listed = tuple[list[RemoteEntry], dict[str, int]]  # RemoteStore.scan_with_blobs()
 
 
+def no_policy(args: argparse.Namespace, url: str, local: bool) -> CheckpointError:
+    """The error of ``gc --remote URL`` whose store records no remote retention, said before
+    anything is deleted (``local``: DIR is cleaned too, so --keep-last applies to it)."""
+    too = f" (it applies to {args.dir} as well)" if local else ""
+    return CheckpointError(
+        f"{url}: its newest checkpoint records no remote retention (written by an older "
+        f"version, or pushed with `resilient-ckpt push`), so gc cannot tell what it keeps: "
+        f"nothing was deleted; pass --keep-last N{too}"
+    )
+
+
+def check_plannable(args: argparse.Namespace, st: RemoteStore, listed: Listed, local: bool) -> None:
+    """Raise :func:`no_policy`'s error where the store's listing gives ``gc`` no plan: before
+    DIR's own gc deletes anything."""
+    if remote_plan(listed[0], args.keep_last, dropped_archives(args))[0] is None:
+        raise no_policy(args, st.url, local)
+
+
 def gc_remote(
     args: argparse.Namespace, st: RemoteStore, listed: Listed | None = None, alone: bool = False
 ) -> dict:
@@ -37,10 +55,7 @@ def gc_remote(
         print(f"resilient-ckpt gc: the remote {st.url} holds no checkpoint", file=sys.stderr)
     p, policy, run_id = remote_plan(entries, args.keep_last, dropped_archives(args))
     if p is None:
-        raise CheckpointError(
-            f"{st.url}: its newest checkpoint records no remote retention (written by an "
-            "older version, or pushed with `resilient-ckpt push`); pass --keep-last N"
-        )
+        raise no_policy(args, st.url, local=False)
     now = time.time()
     doomed: list[tuple[Any, str]] = []
     kept: list[tuple[Any, str]] = []
