@@ -341,3 +341,29 @@ def test_a_missing_dir_beside_a_remote_is_said(tmp_path, command):
     assert "the remote store alone" in r.stderr, r.stderr
     there = cli(command, root, "--remote", url, *args)
     assert there.returncode == 0 and "does not exist" not in there.stderr, there.stderr
+
+
+def test_a_store_that_refuses_connections_says_what_to_check(tmp_path, monkeypatch):
+    """An endpoint nobody listens on: the line was botocore's "Could not connect to the
+    endpoint URL" and nothing on what to do. It now says that the store did not answer and
+    what to check: that it is up and reachable, and the endpoint (s3://: AWS_ENDPOINT_URL or
+    -o endpoint_url). One try, so the client gives up at once."""
+    pytest.importorskip("s3fs")
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nobody listens there: connection refused
+    once = 'config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 5}'
+    r = cli("verify", "s3://bucket/run1", "-o", f"endpoint_url=http://127.0.0.1:{port}", "-o", once)
+    assert r.returncode == 1, r.stdout
+    line = r.stderr.strip().splitlines()[-1]
+    assert "EndpointConnectionError" in line and "Traceback" not in r.stderr, r.stderr
+    assert "the store did not answer: check that it is up and reachable from here" in line, line
+    assert "AWS_ENDPOINT_URL or -o endpoint_url=URL" in line, line
+    local = cli("verify", str(tmp_path / "nothing"))  # (a local directory: no such hint)
+    assert local.returncode == 1 and "did not answer" not in local.stderr, local.stderr

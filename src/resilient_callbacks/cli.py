@@ -466,10 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{PROG} {args.cmd}: interrupted", file=sys.stderr)
         return 130
     except OSError as e:  # the remote store failed (unreachable, missing bucket, ...)
-        from .cli_hints import credentials_hint
+        from .cli_hints import hint as store_hint
 
         url = _remote_url(args)
-        hint = credentials_hint(e, url) if url else ""
+        hint = store_hint(e, url) if url else ""
         said = " ".join(str(e).splitlines()) if url else e  # (gcsfs's 403: two lines)
         print(f"{PROG} {args.cmd}: {type(e).__name__}: {said}{hint}", file=sys.stderr)
         return 1
@@ -477,10 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         url = _remote_url(args)
         if not url or os.environ.get(DEBUG_ENV):
             raise  # a bug of ours (or asked for): its traceback
-        from .cli_hints import credentials_hint
+        from .cli_hints import hint as store_hint
 
         # the store's own errors (botocore's, an option its client rejects): one line
-        hint = " (check the -o options)" if isinstance(e, TypeError) else credentials_hint(e, url)
+        hint = " (check the -o options)" if isinstance(e, TypeError) else store_hint(e, url)
         print(
             f"{PROG} {args.cmd}: the remote store failed: {type(e).__name__}: "
             f"{' '.join(str(e).splitlines())}{hint} "  # (azure-storage's: lines of fields)

@@ -38,6 +38,36 @@ def protocol(url: str) -> str:
     return last.split("://", 1)[0].lower() if "://" in last else ""
 
 
+_ENDPOINTS = {
+    "s3": "AWS_ENDPOINT_URL or -o endpoint_url=URL",
+    "s3a": "AWS_ENDPOINT_URL or -o endpoint_url=URL",
+    "gs": "STORAGE_EMULATOR_HOST or -o endpoint_url=URL",
+    "gcs": "STORAGE_EMULATOR_HOST or -o endpoint_url=URL",
+    "az": "-o account_name=NAME or -o connection_string=...",
+    "abfs": "-o account_name=NAME or -o connection_string=...",
+    "abfss": "-o account_name=NAME or -o connection_string=...",
+}
+
+
+def hint(e: BaseException, url: str) -> str:
+    """What the CLI adds to the store's error ``e``: where credentials go
+    (:func:`credentials_hint`), or what to check when the store did not answer."""
+    return credentials_hint(e, url) or no_answer_hint(e, url)
+
+
+def no_answer_hint(e: BaseException, url: str) -> str:
+    """The store's client got no answer (a refused connection, a timeout; ``e`` or an error
+    it carries): that the store is up and reachable, and its endpoint, as ``url``'s client
+    takes it. It said only the client's words ("Could not connect to the endpoint URL")."""
+    if not any(_no_answer(x) for x in _chain(e)):
+        return ""
+    where = _ENDPOINTS.get(protocol(url))
+    endpoint = f"the endpoint it was given ({where})" if where else "the URL's host"
+    return (
+        f" (the store did not answer: check that it is up and reachable from here, and {endpoint})"
+    )
+
+
 def credentials_hint(e: BaseException, url: str) -> str:
     """The store's client found no credentials, or the store did not take those it was given
     (:func:`lacks_credentials`): where the client of ``url``'s protocol takes them. It said
