@@ -367,3 +367,23 @@ def test_a_store_that_refuses_connections_says_what_to_check(tmp_path, monkeypat
     assert "AWS_ENDPOINT_URL or -o endpoint_url=URL" in line, line
     local = cli("verify", str(tmp_path / "nothing"))  # (a local directory: no such hint)
     assert local.returncode == 1 and "did not answer" not in local.stderr, local.stderr
+
+
+def test_pull_and_push_with_their_arguments_swapped_say_the_order(tmp_path):
+    """``pull DIR URL`` (the order of push) said "URL is a URL: ... give one, e.g.
+    `resilient-ckpt pull DIR ckpts/run1`": a command that takes the local directory for the
+    store. ``push URL DIR`` listed ls, verify and pull. Both now show the command in the
+    order it takes, with the user's own arguments, and change nothing."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10,))
+    url = (tmp_path / "remote").as_uri()
+    r = cli("pull", root, url)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"`resilient-ckpt pull {url} {root}`" in r.stderr, r.stderr
+    assert "the store's URL first, then the local directory" in r.stderr, r.stderr
+    r = cli("push", url, root)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"`resilient-ckpt push {root} {url}`" in r.stderr, r.stderr
+    assert "the local directory first, then the store's URL" in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "remote")
+    assert [n for n in os.listdir(root) if n.startswith("step_")] == ["step_000000010"]

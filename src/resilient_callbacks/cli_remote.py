@@ -235,6 +235,11 @@ def _alive(path: str, what: str, err: OSError) -> bool:
 def pull(args: argparse.Namespace) -> int:
     from . import pulling
 
+    if is_url(args.dir) and not is_url(args.url):  # (push's order: DIR URL)
+        raise CheckpointError(
+            f"{args.dir} is a URL: pull takes the store's URL first, then the local directory "
+            f"to download into: {command('pull', args.dir, args.url)}"
+        )
     if is_url(args.dir):  # (a local folder named "s3:" would be made, and said as the URL)
         raise CheckpointError(
             f"{args.dir} is a URL: pull downloads into a local directory; give one, e.g. "
@@ -284,6 +289,11 @@ def pull(args: argparse.Namespace) -> int:
 def push(args: argparse.Namespace) -> int:
     from .progress import Progress
 
+    if is_url(args.dir) and not is_url(args.url):  # (pull's order: URL DIR)
+        raise CheckpointError(
+            f"{args.dir} is a URL: push takes the local directory first, then the store's URL: "
+            f"{command('push', args.url, args.dir)}"
+        )
     target = resolve(args.dir, single_ok=False)
     if not catalog.committed(catalog.scan(target.root, Depth.NONE)):
         raise no_checkpoints(target.root, "checkpoints to push")
