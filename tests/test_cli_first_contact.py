@@ -387,3 +387,22 @@ def test_pull_and_push_with_their_arguments_swapped_say_the_order(tmp_path):
     assert "the local directory first, then the store's URL" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "remote")
     assert [n for n in os.listdir(root) if n.startswith("step_")] == ["step_000000010"]
+
+
+def test_the_help_says_which_exit_codes_judge_the_checkpoints(tmp_path):
+    """``--help`` said "1 a checkpoint is bad", while ``ls`` (and ``report``, ``gc``) of a
+    directory with a corrupt checkpoint exit 0, as docs/cli.md says: a script that took ``ls``
+    for a check passed a damaged run. The help now names ``verify`` as the check; and
+    ``gc --help`` says that a DIR that does not exist leaves the remote store alone cleaned."""
+    from test_cli import flip_byte
+
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20))
+    flip_byte(os.path.join(root, "step_000000020", "shared.safetensors"))
+    assert cli("ls", root).returncode == 0
+    assert cli("verify", root).returncode == 1
+    top = " ".join(cli("--help").stdout.split())
+    assert "ls, gc and report exit 0 whatever the checkpoints' states" in top, top
+    assert "verify's exit code says whether they are good" in top, top
+    gc_help = " ".join(cli("gc", "--help").stdout.split())
+    assert "alone where DIR does not exist" in gc_help, gc_help

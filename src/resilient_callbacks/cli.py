@@ -45,7 +45,9 @@ examples:
   resilient-ckpt report ckpts/run1 --output report.html   goodput, failures, saves (--png, --json)
 
 ls, verify, inspect, gc, pull, push and report take --json (typed values, ISO-8601 times).
-Exit codes: 0 success; 1 a checkpoint is bad, or the command failed; 2 bad usage; 130 Ctrl-C.
+Exit codes: 0 success; 1 a checkpoint checked is bad, there is none, or the command failed;
+2 bad usage; 130 Ctrl-C. ls, gc and report exit 0 whatever the checkpoints' states (they list
+them): verify's exit code says whether they are good.
 Run `resilient-ckpt COMMAND --help` for a command's options; docs/cli.md has more."""
 
 DIR_HELP = "the checkpoint directory (the one given to Checkpointer or ResilientCheckpoint)"
@@ -256,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--remote",
         metavar="URL",
-        help="also clean this remote store (fsspec URL) by its recorded remote retention",
+        help="also clean this remote store (fsspec URL) by its recorded remote retention; "
+        "it alone where DIR does not exist (said on stderr)",
     )
     p.add_argument("-o", "--option", metavar="KEY=VALUE", action="append", help=OPTION_HELP)
     p.add_argument(
