@@ -406,3 +406,18 @@ def test_the_help_says_which_exit_codes_judge_the_checkpoints(tmp_path):
     assert "verify's exit code says whether they are good" in top, top
     gc_help = " ".join(cli("gc", "--help").stdout.split())
     assert "alone where DIR does not exist" in gc_help, gc_help
+
+
+def test_pull_and_push_of_a_step_not_there_name_the_steps_that_are(tmp_path):
+    """``pull URL DIR --step 45`` and ``push DIR URL --step 45`` said only "no checkpoint of
+    step 45", where ``verify`` and ``inspect`` name the steps there are."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20))
+    url = (tmp_path / "remote").as_uri()
+    assert cli("push", root, url).returncode == 0
+    r = cli("pull", url, str(tmp_path / "pulled"), "--step", "45")
+    assert r.returncode == 1, r.stdout
+    assert f"no checkpoint of step 45 in {url} (its steps: 10, 20)" in r.stderr, r.stderr
+    r = cli("push", root, url, "--step", "45")
+    assert r.returncode == 1, r.stdout
+    assert f"no checkpoint of step 45 in {root} (its steps: 10, 20)" in r.stderr, r.stderr

@@ -303,13 +303,13 @@ def push(args: argparse.Namespace) -> int:
         return 1
     done: dict[str, list[dict[str, Any]]] = {"pushed": [], "present": [], "skipped": []}
     try:
-        local = [
-            e
-            for e in catalog.committed(catalog.scan(target.root, Depth.FULL))
-            if args.step is None or e.step == args.step
-        ]
+        every = catalog.committed(catalog.scan(target.root, Depth.FULL))
+        local = [e for e in every if args.step is None or e.step == args.step]
         if not local:
-            raise CheckpointNotFoundError(f"no checkpoint of step {args.step} in {args.dir}")
+            steps = ", ".join(map(str, sorted({e.step for e in every if e.step is not None})))
+            raise CheckpointNotFoundError(
+                f"no checkpoint of step {args.step} in {args.dir} (its steps: {steps})"
+            )
         scanned = st.scan()
         from .cli_runs import pushing_beside_other_runs
 

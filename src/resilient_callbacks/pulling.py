@@ -33,6 +33,7 @@ def usable(st: RemoteStore, step: int | None = None) -> list[RemoteEntry]:
     only, if given), oldest commit first; :class:`CheckpointNotFoundError` if there is none."""
     listed = stall.run(st.scan, f"listing {st.url}", who="the pull")
     remote = [e for e in listed if e.manifest is not None]
+    steps = sorted({e.manifest.step for e in remote if e.manifest is not None})
     if step is not None:
         remote = [e for e in remote if e.manifest is not None and e.manifest.step == step]
     off = branches.off_lineage((m.run_id, m.seq, m.lineage) for m in _manifests(remote))
@@ -41,6 +42,8 @@ def usable(st: RemoteStore, step: int | None = None) -> list[RemoteEntry]:
     if not good:
         what = f"no checkpoint of step {step}" if step is not None else "no checkpoints"
         bad = "" if not remote else f" ({len(remote)} with files missing or of the wrong size)"
+        if not remote and step is not None and steps:  # (as verify and inspect say it)
+            bad = f" (its steps: {', '.join(map(str, steps))})"
         raise CheckpointNotFoundError(f"{what} in {st.url}{bad}")
     return good
 
