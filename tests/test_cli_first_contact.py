@@ -421,3 +421,34 @@ def test_pull_and_push_of_a_step_not_there_name_the_steps_that_are(tmp_path):
     r = cli("push", root, url, "--step", "45")
     assert r.returncode == 1, r.stdout
     assert f"no checkpoint of step 45 in {root} (its steps: 10, 20)" in r.stderr, r.stderr
+
+
+def test_pull_says_which_newer_remote_checkpoints_it_passed_over(tmp_path):
+    """``pull URL DIR`` of a store whose newest checkpoint is torn (a file of the wrong size)
+    and whose newer upload has no manifest yet pulled an older one and said "pulled step 10"
+    alone: the user asked for the newest and was not told there are newer ones, nor why they
+    were not taken. It now names each on stderr with its problem."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20, 30))
+    remote = tmp_path / "remote"
+    url = remote.as_uri()
+    assert cli("push", root, url).returncode == 0
+    with open(remote / "step_000000020" / "shared.safetensors", "r+b") as f:
+        f.truncate(10)  # torn: its size no longer the manifest's
+    os.unlink(remote / "step_000000030" / "manifest.json")  # an upload without its manifest
+    r = cli("pull", url, str(tmp_path / "pulled"))
+    assert r.returncode == 0, r.stderr
+    assert "pulled" in r.stdout and "(step 10," in r.stdout, r.stdout
+    said = r.stderr.splitlines()
+    assert any(
+        line.startswith(f"resilient-ckpt pull: passed over {url}/step_000000020 (step 20):")
+        and "manifest says" in line
+        for line in said
+    ), said
+    assert any(
+        line.startswith(f"resilient-ckpt pull: passed over {url}/step_000000030:")
+        and "no manifest" in line
+        for line in said
+    ), said
+    again = cli("pull", url, str(tmp_path / "pulled2"), "--step", "10")  # (asked for: no note)
+    assert again.returncode == 0 and "passed over" not in again.stderr, again.stderr

@@ -232,6 +232,9 @@ def _alive(path: str, what: str, err: OSError) -> bool:
     return False
 
 
+UPLOADING_OR_CUT = "an upload in progress, or one a crash cut off"
+
+
 def pull(args: argparse.Namespace) -> int:
     from . import pulling
 
@@ -248,7 +251,12 @@ def pull(args: argparse.Namespace) -> int:
     if os.path.exists(args.dir):  # a file, or one checkpoint (a pull would nest in it)
         resolve(args.dir, single_ok=False)
     st = store(args.url, args.option, step_option=True)
-    usable = pulling.usable(st, args.step)
+    passed: list[RemoteEntry] = []  # newer ones, not pulled: said
+    usable = pulling.usable(st, args.step, passed)
+    for e in passed:
+        m = e.manifest
+        why = f" (step {m.step}): {e.problem}" if m else f": {e.problem}: {UPLOADING_OR_CUT}"
+        print(f"resilient-ckpt pull: passed over {st.url}/{e.name}{why}", file=sys.stderr)
 
     def skipping(e: RemoteEntry, err: CheckpointError) -> None:
         print(f"resilient-ckpt pull: skipping {st.url}/{e.name}: {err}", file=sys.stderr)

@@ -24,13 +24,18 @@ from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundE
 from .lock import DirLock
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .remote import RemoteEntry, RemoteStore
+from .remote_objects import REMOTE_CKPT_RE
 
 log = logging.getLogger("resilient_callbacks")
 
 
-def usable(st: RemoteStore, step: int | None = None) -> list[RemoteEntry]:
+def usable(
+    st: RemoteStore, step: int | None = None, passed: list[RemoteEntry] | None = None
+) -> list[RemoteEntry]:
     """The committed remote checkpoints whose listed sizes match their manifests (of ``step``
-    only, if given), oldest commit first; :class:`CheckpointNotFoundError` if there is none."""
+    only, if given), oldest commit first; :class:`CheckpointNotFoundError` if there is none.
+    ``passed`` (without ``step``): filled with the checkpoints listed after the newest of them
+    that are not (torn, or without a manifest yet), for the caller to say."""
     listed = stall.run(st.scan, f"listing {st.url}", who="the pull")
     remote = [e for e in listed if e.manifest is not None]
     steps = sorted({e.manifest.step for e in remote if e.manifest is not None})
@@ -45,6 +50,9 @@ def usable(st: RemoteStore, step: int | None = None) -> list[RemoteEntry]:
         if not remote and step is not None and steps:  # (as verify and inspect say it)
             bad = f" (its steps: {', '.join(map(str, steps))})"
         raise CheckpointNotFoundError(f"{what} in {st.url}{bad}")
+    if passed is not None and step is None:  # (committed by commit order, then the rest)
+        after = listed[next(i for i, e in enumerate(listed) if e is good[-1]) + 1 :]
+        passed += [e for e in after if e.problem is not None and REMOTE_CKPT_RE.match(e.name)]
     return good
 
 
