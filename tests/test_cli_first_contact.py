@@ -452,3 +452,26 @@ def test_pull_says_which_newer_remote_checkpoints_it_passed_over(tmp_path):
     ), said
     again = cli("pull", url, str(tmp_path / "pulled2"), "--step", "10")  # (asked for: no note)
     assert again.returncode == 0 and "passed over" not in again.stderr, again.stderr
+
+
+def test_report_of_a_run_whose_last_process_was_killed_says_so(tmp_path):
+    """A run SIGKILLed (no restart yet): its history ends without an ``end`` record. The
+    report's line said "0 failure(s)" and nothing of the kill (a failure counts once a restart
+    follows), so a user checking on a run read it as fine. It now says how the last process
+    ended. Here the history as a kill leaves it: a finished run's without its end record."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20))
+    hist = os.path.join(root, "history.jsonl")
+    with open(hist) as f:
+        lines = [line for line in f if '"event": "end"' not in line]
+    with open(hist, "w") as f:
+        f.writelines(lines)
+    r = cli("report", root, "--output", str(tmp_path / "r.html"))
+    assert r.returncode == 0, r.stderr
+    line = r.stderr.splitlines()[0]
+    assert "0 failure(s)" in line, line
+    assert "its last process did not close (killed, or its machine lost) after step 20" in line
+    clean = str(tmp_path / "clean")
+    make_run(clean, steps=(10,))
+    r = cli("report", clean, "--output", str(tmp_path / "c.html"))
+    assert r.returncode == 0 and "did not close" not in r.stderr, r.stderr

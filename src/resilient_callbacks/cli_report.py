@@ -93,12 +93,27 @@ def report(args: argparse.Namespace) -> int:
             )
         print(
             f"run {data['run_id']}: {goodput}, {s['failures']} failure(s), "
-            f"{s['saves']} save(s), {s['saving_blocked_s']:.2f} s blocked saving, {lost}",
+            f"{s['saves']} save(s), {s['saving_blocked_s']:.2f} s blocked saving, {lost}"
+            + _last_life(data.get("lives") or []),
             file=sys.stderr,
         )
     if wrote:
         print("wrote " + ", ".join(wrote), file=sys.stderr)
     return 0
+
+
+def _last_life(lives: list[dict[str, Any]]) -> str:
+    """How the run's last process ended, where it did not close: a kill is counted as a failure
+    only once a restart follows it, so "0 failure(s)" alone read as a run that is fine."""
+    last = lives[-1] if lives else {}
+    if last.get("ended") == "killed":
+        return (
+            f"; its last process did not close (killed, or its machine lost) after step "
+            f"{last['last_step']}: a restart resumes it (and counts it as a failure)"
+        )
+    if last.get("ended") == "failed":
+        return f"; its last process failed ({last['error']}) after step {last['last_step']}"
+    return "; its last process is still running" if last.get("ended") == "running" else ""
 
 
 def _json(data: dict[str, Any]) -> str:
