@@ -220,7 +220,7 @@ def test_gc_dry_run(damaged):
     for line in _lines_about(r.stdout, DAMAGED):
         assert not VALID_WORD.search(line) and "CORRUPT" in line
         # why it is kept, and how to delete it: a garbled manifest too (it said neither)
-        assert "not counted; remove with `resilient-ckpt gc DIR --remove-corrupt`" in line
+        assert f"not counted; remove with `resilient-ckpt gc {root} --remove-corrupt`" in line
     j = json.loads(cli("gc", root, "--dry-run", "--json").stdout)
     (row,) = [k for k in j["keep"] if k["name"] == DAMAGED]
     assert row["status"] == "corrupt" and row["kept"] is True, row

@@ -475,3 +475,27 @@ def test_report_of_a_run_whose_last_process_was_killed_says_so(tmp_path):
     make_run(clean, steps=(10,))
     r = cli("report", clean, "--output", str(tmp_path / "c.html"))
     assert r.returncode == 0 and "did not close" not in r.stderr, r.stderr
+
+
+def test_gc_names_the_command_that_removes_a_corrupt_checkpoint_as_it_is_run(tmp_path):
+    """gc's line for a corrupt checkpoint it keeps said "remove with `resilient-ckpt gc DIR
+    --remove-corrupt`", a placeholder where every other hint names the user's directory; for
+    a corrupt remote checkpoint that command (without --remote) does not touch the store at
+    all. Both now name the command as it is run."""
+    from test_cli import flip_byte
+
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20), keep_last=2)
+    remote = tmp_path / "remote"
+    url = remote.as_uri()
+    assert cli("push", root, url).returncode == 0
+    flip_byte(os.path.join(root, "step_000000010", "shared.safetensors"))
+    with open(remote / "step_000000010" / "shared.safetensors", "r+b") as f:
+        f.truncate(10)  # torn: a corrupt remote checkpoint
+    r = cli("gc", root, "--remote", url, "--keep-last", "2", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "gc DIR" not in r.stdout, r.stdout
+    assert f"`resilient-ckpt gc {root} --remove-corrupt`" in r.stdout, r.stdout
+    remote_line = [line for line in r.stdout.splitlines() if "step_000000010" in line][-1]
+    assert remote_line.startswith(f"keep {url}/step_000000010"), r.stdout
+    assert f"`resilient-ckpt gc {root} --remote {url} --remove-corrupt`" in remote_line, remote_line

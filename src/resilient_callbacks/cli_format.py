@@ -206,3 +206,16 @@ def row_note(r: dict[str, Any], foreign: set[str]) -> str:
     if r["kept"]:
         return "; ".join(r["kept_by"]) + remote
     return f"not kept{f' ({ABANDONED})' * bool(r.get('abandoned'))}: gc would delete it{remote}"
+
+
+def as_run(why: str, *words: object) -> str:
+    """``why`` (a retention reason) with the placeholder command of
+    :data:`~.retention.CORRUPT_KEPT` named as it is run: ``gc`` WORDS ``--remove-corrupt``
+    (DIR, and ``--remote URL`` for a remote checkpoint, which gc DIR alone leaves)."""
+    from .redact import command
+    from .retention import CORRUPT_KEPT
+
+    said = command("gc", *words, "--remove-corrupt")
+    return why.replace(
+        CORRUPT_KEPT, CORRUPT_KEPT.replace("`resilient-ckpt gc DIR --remove-corrupt`", said)
+    )

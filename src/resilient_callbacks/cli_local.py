@@ -18,6 +18,7 @@ from .blobs import BlobStore
 from .catalog import Depth, Entry, Status
 from .cli_format import (
     CORRUPT,
+    as_run,
     print_json,
     status_text,
 )
@@ -156,7 +157,7 @@ def gc(args: argparse.Namespace) -> int:
 
             result["remote"] = gc_remote(args, st, listed, alone=root is None)
             if not args.json:
-                print_gc_remote(result["remote"], args.dry_run)
+                print_gc_remote(result["remote"], args)
     finally:
         if lock is not None:
             lock.release()
@@ -309,7 +310,7 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
     for d in failed:
         print(f"could not delete {_label(d)} ({d['why']}): {d['error']}", file=sys.stderr)
     for k in keep:
-        why = "; ".join(k["kept_by"])
+        why = as_run("; ".join(k["kept_by"]), args.dir)
         if k.get("damaged_blobs"):
             why = f"corrupt only through its damaged blob(s) {', '.join(k['damaged_blobs'])}: "
             why += "repair it (above), or delete it with --remove-blob-corrupt"

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from .catalog import archived, archived_point
+from .cli_format import as_run
 from .cli_local import dropped_archives
 from .cli_remote import remote_plan
 from .errors import CheckpointError, RemoteDeleteRefusedError
@@ -143,18 +144,19 @@ def _local_copies_note(args: argparse.Namespace, doomed: list[Any]) -> None:
     )
 
 
-def print_gc_remote(result: dict[str, Any], dry_run: bool) -> None:
-    verb = "would delete" if dry_run else "deleted"
+def print_gc_remote(result: dict[str, Any], args: argparse.Namespace) -> None:
+    verb = "would delete" if args.dry_run else "deleted"
     for d in result["delete"]:
         print(
             f"{verb} {d['path']} (step {d['step'] if d['step'] is not None else '?'}): {d['why']}"
         )
     for k in result["keep"]:
-        print(f"keep {k['path']} (step {k['step'] if k['step'] is not None else '?'}): {k['why']}")
+        why = as_run(k["why"], args.dir, "--remote", args.remote)
+        print(f"keep {k['path']} (step {k['step'] if k['step'] is not None else '?'}): {why}")
     if result["blobs_deleted"]:
         print(f"{verb} {len(result['blobs_deleted'])} remote blob(s) no checkpoint refers to")
     n, kept, failed = len(result["delete"]), len(result["keep"]), len(result["failed"])
     print(
-        f"{result['url']}: {n} {'would be deleted' if dry_run else 'deleted'}, {kept} kept"
+        f"{result['url']}: {n} {'would be deleted' if args.dry_run else 'deleted'}, {kept} kept"
         + (f", {failed} could not be deleted (the store refused)" if failed else "")
     )
